@@ -1,0 +1,40 @@
+# The README's two commands: `make demo` and `make test`.
+# Each creates the virtual environment when it is missing and installs what it needs.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+
+.PHONY: demo test lint typecheck unit clean
+
+$(BIN)/python:
+	$(PYTHON) -c 'import sys; sys.exit("trainperf needs Python >= 3.10, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# Stamps record which extras are installed; they are redone when pyproject.toml changes.
+$(VENV)/.demo-installed: pyproject.toml | $(BIN)/python
+	$(PIP) install --quiet -e '.[vision]'
+	touch $@
+
+$(VENV)/.test-installed: pyproject.toml | $(BIN)/python
+	$(PIP) install --quiet -e '.[vision,dali,safetensors,dev]'
+	touch $@ $(VENV)/.demo-installed
+
+demo: $(VENV)/.demo-installed
+	$(BIN)/python examples/quickstart.py
+
+lint: $(VENV)/.test-installed
+	$(BIN)/ruff check src tests examples benchmarks
+	$(BIN)/ruff format --check src tests examples benchmarks
+
+typecheck: $(VENV)/.test-installed
+	$(BIN)/mypy
+
+unit: $(VENV)/.test-installed
+	$(BIN)/python -m pytest
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

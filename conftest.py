@@ -1,0 +1,67 @@
+"""Fixtures that apply to every test and doctest in the repository.
+
+- the environment is restored after each test (tests and doctests set CUDA_VISIBLE_DEVICES,
+  RANK, MASTER_PORT, ...);
+- a leaked default process group is destroyed;
+- a test that leaves child processes alive fails (and the children are killed).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import psutil
+import pytest
+import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Tests run on 2 cores: one torch thread pool per test process is plenty and avoids
+    # oversubscription when tests spawn workers.
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "requires_cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment() -> Iterator[None]:
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _destroy_leaked_process_group() -> Iterator[None]:
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left a torch.distributed process group initialised")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_children() -> Iterator[None]:
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    # Children get a moment to finish exiting after the test's own cleanup.
+    leaked = [p for p in me.children(recursive=True) if p.pid not in before]
+    _, alive = psutil.wait_procs(leaked, timeout=5)
+    alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    if alive:
+        for p in alive:
+            p.kill()
+        psutil.wait_procs(alive, timeout=5)
+        pytest.fail(f"the test left child processes alive: {[p.pid for p in alive]}")

@@ -1,0 +1,68 @@
+"""trainperf: make plain PyTorch training scripts fast, and say why a run is slow.
+
+Import only what you need; nothing here initialises CUDA or imports NVML, torchvision,
+DALI or matplotlib (those load inside the functions that use them).
+
+Example:
+    >>> import trainperf
+    >>> trainperf.to_device({"x": [1, 2]}, "cpu")
+    {'x': [1, 2]}
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from trainperf.checkpoint import (
+    load_checkpoint,
+    load_state_dict,
+    save_checkpoint,
+    strip_prefix,
+    unwrap_model,
+)
+from trainperf.device import (
+    GpuInfo,
+    best_device,
+    check_same_device,
+    gpus,
+    seed_everything,
+    select_gpus,
+    to_device,
+    worker_init_fn,
+)
+from trainperf.errors import (
+    CheckpointError,
+    DeviceError,
+    LaunchError,
+    TrainperfError,
+)
+from trainperf.limits import HostLimits, host_limits, usable_cpus
+
+try:
+    __version__ = version("trainperf")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "CheckpointError",
+    "DeviceError",
+    "GpuInfo",
+    "HostLimits",
+    "LaunchError",
+    "TrainperfError",
+    "__version__",
+    "best_device",
+    "check_same_device",
+    "gpus",
+    "host_limits",
+    "load_checkpoint",
+    "load_state_dict",
+    "save_checkpoint",
+    "seed_everything",
+    "select_gpus",
+    "strip_prefix",
+    "to_device",
+    "unwrap_model",
+    "usable_cpus",
+    "worker_init_fn",
+]

@@ -1,0 +1,226 @@
+"""What this process may really use: CPUs, memory and shared memory, container-aware.
+
+``os.cpu_count()`` and ``psutil.virtual_memory().total`` describe the host, not the
+container: a job given 4 CPUs on a 64-core host by a cgroup quota sees 64 there. The
+DataLoader autotuner, ``ddp.launch`` (threads per rank) and ``doctor`` all size their work
+from :func:`host_limits`, which reads the CPU affinity mask, the cgroup CPU quota
+(v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us``), the cgroup memory limit
+(v2 ``memory.max`` or v1 ``memory.limit_in_bytes``) and ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+__all__ = ["HostLimits", "cgroup_cpu_quota", "cgroup_memory_limit", "host_limits", "usable_cpus"]
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+SHM_PATH = Path("/dev/shm")
+
+# cgroup v1 reports "no limit" as a huge page-aligned number rather than "max".
+_V1_UNLIMITED = 1 << 60
+
+
+@dataclass(frozen=True)
+class HostLimits:
+    """The CPU, memory and shared-memory limits that bound this process.
+
+    Attributes:
+        cpus_host: logical CPUs of the host (``os.cpu_count()``).
+        cpus_affinity: CPUs this process may be scheduled on (``sched_getaffinity``).
+        cpu_quota: CPUs' worth of time allowed by the cgroup quota, or None when unlimited.
+        cpus: usable CPUs: the affinity count capped by the quota (rounded down, at least 1).
+        memory_total: bytes of host memory.
+        memory_limit: the cgroup memory limit in bytes, or None when unlimited.
+        memory_available: bytes that can still be allocated before hitting the host's or
+            the cgroup's limit, whichever is nearer.
+        shm_total: size of ``/dev/shm`` in bytes (None where there is none).
+        shm_free: free bytes in ``/dev/shm`` (None where there is none).
+    """
+
+    cpus_host: int
+    cpus_affinity: int
+    cpu_quota: float | None
+    cpus: int
+    memory_total: int
+    memory_limit: int | None
+    memory_available: int
+    shm_total: int | None
+    shm_free: int | None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _cgroup_dirs(controller: str, root: Path, proc_cgroup: Path) -> list[Path]:
+    """Candidate directories for a controller, most specific first.
+
+    Inside a container the cgroup namespace usually makes the mount point itself the
+    process's own cgroup, while on a host the process's path must be appended; trying both
+    covers either.
+    """
+    text = _read(proc_cgroup) or ""
+    candidates: list[Path] = []
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        rel = rel.lstrip("/")
+        if controllers == "":  # cgroup v2 unified hierarchy
+            candidates.append(root / rel)
+        elif controller in controllers.split(","):
+            for name in (controllers, controller):
+                candidates.append(root / name / rel)
+                candidates.append(root / name)
+    candidates.append(root)
+    seen: list[Path] = []
+    for c in candidates:
+        if c not in seen:
+            seen.append(c)
+    return seen
+
+
+def cgroup_cpu_quota(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> float | None:
+    """CPUs' worth of time the cgroup quota allows, or None when there is no quota.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (d / "cpu.max").write_text("250000 100000\\n")
+        >>> cgroup_cpu_quota(d, d / "missing")
+        2.5
+    """
+    for d in _cgroup_dirs("cpu", root, proc_cgroup):
+        v2 = _read(d / "cpu.max")
+        if v2 is not None:
+            quota, _, period = v2.partition(" ")
+            if quota == "max":
+                return None
+            try:
+                return int(quota) / int(period or "100000")
+            except ValueError:
+                return None
+        quota_us, period_us = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+        if quota_us is not None and period_us is not None:
+            try:
+                q, p = int(quota_us), int(period_us)
+            except ValueError:
+                return None
+            return None if q <= 0 or p <= 0 else q / p
+    return None
+
+
+def cgroup_memory_limit(
+    root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP
+) -> tuple[int | None, int | None]:
+    """The cgroup memory limit and current usage in bytes (None where not set or unknown).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (d / "memory.max").write_text("4294967296\\n")
+        >>> _ = (d / "memory.current").write_text("1073741824\\n")
+        >>> cgroup_memory_limit(d, d / "missing")
+        (4294967296, 1073741824)
+    """
+    for d in _cgroup_dirs("memory", root, proc_cgroup):
+        for limit_name, usage_name in (
+            ("memory.max", "memory.current"),
+            ("memory.limit_in_bytes", "memory.usage_in_bytes"),
+        ):
+            raw = _read(d / limit_name)
+            if raw is None:
+                continue
+            usage_raw = _read(d / usage_name)
+            usage = int(usage_raw) if usage_raw and usage_raw.isdigit() else None
+            if raw == "max" or not raw.isdigit() or int(raw) >= _V1_UNLIMITED:
+                return None, usage
+            return int(raw), usage
+    return None, None
+
+
+def host_limits(
+    *,
+    cgroup_root: Path = CGROUP_ROOT,
+    proc_cgroup: Path = PROC_SELF_CGROUP,
+    shm_path: Path = SHM_PATH,
+) -> HostLimits:
+    """Read the limits that bound this process now.
+
+    The keyword arguments exist so tests (and unusual hosts) can point at other files.
+
+    Example:
+        >>> limits = host_limits()
+        >>> 1 <= limits.cpus <= limits.cpus_affinity
+        True
+        >>> limits.memory_available > 0
+        True
+    """
+    cpus_host = os.cpu_count() or 1
+    try:
+        cpus_affinity = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows have no affinity call
+        cpus_affinity = cpus_host
+    quota = cgroup_cpu_quota(cgroup_root, proc_cgroup)
+    cpus = cpus_affinity if quota is None else max(1, min(cpus_affinity, math.floor(quota)))
+
+    vm = psutil.virtual_memory()
+    mem_limit, mem_usage = cgroup_memory_limit(cgroup_root, proc_cgroup)
+    available = int(vm.available)
+    if mem_limit is not None:
+        # Page cache counts in cgroup usage but is reclaimable; the host's "available" already
+        # accounts for it, so the cgroup headroom is only a cap, never a reason to go higher.
+        headroom = mem_limit - (mem_usage or 0)
+        available = max(0, min(available, headroom))
+
+    try:
+        shm = shutil.disk_usage(shm_path)
+        shm_total: int | None = shm.total
+        shm_free: int | None = shm.free
+    except OSError:
+        shm_total = shm_free = None
+
+    return HostLimits(
+        cpus_host=cpus_host,
+        cpus_affinity=cpus_affinity,
+        cpu_quota=quota,
+        cpus=cpus,
+        memory_total=int(vm.total),
+        memory_limit=mem_limit,
+        memory_available=available,
+        shm_total=shm_total,
+        shm_free=shm_free,
+    )
+
+
+def usable_cpus(local_ranks: int = 1, *, limits: HostLimits | None = None) -> int:
+    """CPUs one of ``local_ranks`` processes on this host may use (at least 1).
+
+    Args:
+        local_ranks: training processes sharing this host (one per GPU under DDP).
+        limits: limits to use instead of reading them now.
+
+    Raises:
+        ValueError: ``local_ranks`` is below 1.
+
+    Example:
+        >>> limits = HostLimits(64, 64, 8.0, 8, 2**34, None, 2**33, None, None)
+        >>> usable_cpus(2, limits=limits)
+        4
+    """
+    if local_ranks < 1:
+        raise ValueError(f"local_ranks must be >= 1, got {local_ranks!r}")
+    limits = limits or host_limits()
+    return max(1, limits.cpus // local_ranks)

@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainperf import limits
+from trainperf.limits import HostLimits, cgroup_cpu_quota, cgroup_memory_limit, host_limits
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_cgroup_v2_quota_and_unlimited(tmp_path: Path) -> None:
+    write(tmp_path / "cpu.max", "400000 100000\n")
+    assert cgroup_cpu_quota(tmp_path, tmp_path / "none") == 4.0
+    write(tmp_path / "cpu.max", "max 100000\n")
+    assert cgroup_cpu_quota(tmp_path, tmp_path / "none") is None
+
+
+def test_cgroup_v2_nested_path_from_proc_self_cgroup(tmp_path: Path) -> None:
+    write(tmp_path / "proc_cgroup", "0::/job/step0\n")
+    write(tmp_path / "root" / "job" / "step0" / "cpu.max", "150000 100000\n")
+    assert cgroup_cpu_quota(tmp_path / "root", tmp_path / "proc_cgroup") == 1.5
+
+
+def test_cgroup_v1_quota(tmp_path: Path) -> None:
+    write(tmp_path / "proc_cgroup", "3:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n")
+    write(tmp_path / "root" / "cpu,cpuacct" / "cpu.cfs_quota_us", "300000\n")
+    write(tmp_path / "root" / "cpu,cpuacct" / "cpu.cfs_period_us", "100000\n")
+    assert cgroup_cpu_quota(tmp_path / "root", tmp_path / "proc_cgroup") == 3.0
+    write(tmp_path / "root" / "cpu,cpuacct" / "cpu.cfs_quota_us", "-1\n")
+    assert cgroup_cpu_quota(tmp_path / "root", tmp_path / "proc_cgroup") is None
+
+
+def test_cgroup_memory_v1_and_v2(tmp_path: Path) -> None:
+    v1 = tmp_path / "v1"
+    write(v1 / "memory" / "memory.limit_in_bytes", "9223372036854771712\n")
+    write(v1 / "memory" / "memory.usage_in_bytes", "1000\n")
+    write(tmp_path / "pc1", "4:memory:/x\n")
+    assert cgroup_memory_limit(v1, tmp_path / "pc1") == (None, 1000)
+    write(v1 / "memory" / "memory.limit_in_bytes", "2147483648\n")
+    assert cgroup_memory_limit(v1, tmp_path / "pc1") == (2147483648, 1000)
+    v2 = tmp_path / "v2"
+    write(v2 / "memory.max", "max\n")
+    assert cgroup_memory_limit(v2, tmp_path / "none") == (None, None)
+
+
+def test_host_limits_caps_cpus_and_memory_by_cgroup(tmp_path: Path) -> None:
+    write(tmp_path / "cpu.max", "100000 100000\n")
+    write(tmp_path / "memory.max", str(512 * 2**20))
+    write(tmp_path / "memory.current", str(500 * 2**20))
+    got = host_limits(cgroup_root=tmp_path, proc_cgroup=tmp_path / "none", shm_path=tmp_path)
+    assert got.cpu_quota == 1.0
+    assert got.cpus == 1
+    assert got.memory_limit == 512 * 2**20
+    assert got.memory_available == 12 * 2**20
+    assert got.shm_total is not None and got.shm_total > 0
+
+
+def test_host_limits_missing_shm_is_none(tmp_path: Path) -> None:
+    got = host_limits(cgroup_root=tmp_path, proc_cgroup=tmp_path / "x", shm_path=tmp_path / "no")
+    assert got.shm_total is None and got.shm_free is None
+    assert got.cpu_quota is None
+    assert got.cpus == got.cpus_affinity
+
+
+def test_fractional_quota_rounds_down_but_never_to_zero(tmp_path: Path) -> None:
+    write(tmp_path / "cpu.max", "50000 100000\n")
+    got = host_limits(cgroup_root=tmp_path, proc_cgroup=tmp_path / "none")
+    assert got.cpus == 1
+
+
+def test_usable_cpus_divides_among_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = HostLimits(32, 16, None, 16, 2**35, None, 2**34, None, None)
+    monkeypatch.setattr(limits, "host_limits", lambda: fake)
+    assert limits.usable_cpus() == 16
+    assert limits.usable_cpus(4) == 4
+    assert limits.usable_cpus(64) == 1
+    with pytest.raises(ValueError, match="local_ranks must be >= 1, got 0"):
+        limits.usable_cpus(0)
