@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from trainperf.amp import MixedPrecision, choose_precision
 from trainperf.checkpoint import (
+    LoadResult,
     load_checkpoint,
     load_state_dict,
     save_checkpoint,
@@ -31,10 +33,16 @@ from trainperf.device import (
     worker_init_fn,
 )
 from trainperf.errors import (
+    CheckpointCorruptError,
     CheckpointError,
+    CheckpointNotFoundError,
     DeviceError,
+    DeviceMismatchError,
     LaunchError,
+    NotACheckpointError,
+    StateDictMismatchError,
     TrainperfError,
+    UnsafeCheckpointError,
 )
 from trainperf.limits import HostLimits, host_limits, usable_cpus
 
@@ -44,15 +52,24 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointNotFoundError",
     "DeviceError",
+    "DeviceMismatchError",
     "GpuInfo",
     "HostLimits",
     "LaunchError",
+    "LoadResult",
+    "MixedPrecision",
+    "NotACheckpointError",
+    "StateDictMismatchError",
     "TrainperfError",
+    "UnsafeCheckpointError",
     "__version__",
     "best_device",
     "check_same_device",
+    "choose_precision",
     "gpus",
     "host_limits",
     "load_checkpoint",

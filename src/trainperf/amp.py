@@ -1,0 +1,647 @@
+"""Mixed precision that picks the fast path for the GPU it runs on.
+
+One H200 training ResNet-50 (batch 128): fp32 882 images/s, TF32 2,133, autocast bf16 2,344
+(what Accelerate's ``mixed_precision="bf16"`` and Fabric's ``"bf16-mixed"`` give), autocast
+bf16 with channels_last 4,383. Older GPUs follow other rules: on Pascal fp16 is slower than
+fp32, on Volta/Turing fp16 with loss scaling is the fast path, and from Ampere on bf16 needs
+no scaler. :class:`MixedPrecision` makes those choices (precision, loss scaling,
+channels_last, TF32) from the device, and says which it made and why.
+
+The "auto" policy (:func:`choose_precision`):
+
+=====================================  ============  ==============
+device                                 precision     loss scaler
+=====================================  ============  ==============
+CUDA, compute capability >= 8.0        bf16          no
+CUDA, compute capability 7.x           fp16          yes
+CUDA, compute capability < 7.0         fp32          no
+CPU with bf16 kernels (oneDNN)         bf16          no
+CPU without                            fp32          no
+MPS                                    fp16          yes
+anything else                          fp32          no
+=====================================  ============  ==============
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+import weakref
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import Any, Literal, TypeVar, get_args
+
+import torch
+from torch import nn
+
+from trainperf.device import best_device, to_device
+from trainperf.errors import DeviceError
+
+__all__ = ["CONV_SHARE_FOR_CHANNELS_LAST", "MixedPrecision", "Precision", "choose_precision"]
+
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+_PRECISIONS: tuple[str, ...] = get_args(Precision)
+_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+
+# channels_last="auto" converts a model only when at least this share of its parameters sits
+# in 2-D convolutions and their batch norms: ResNets are ~95 %, a ViT-B/16 (whose only
+# convolution is the patch embedding) ~0.7 %, and channels_last does not help a ViT.
+CONV_SHARE_FOR_CHANNELS_LAST = 0.5
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------- what the device has
+# These small functions are the seams the tests replace to fake a P40, V100, T4, A100 or H200.
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of a CUDA device (initialises CUDA)."""
+    if not torch.cuda.is_available():
+        raise DeviceError(
+            f"device {str(device)!r} was asked for, but CUDA is not available here "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); "
+            "use device='cpu', or device=None to pick the best available device"
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    return int(major), int(minor)
+
+
+def _cpu_has_bf16_kernels() -> bool:
+    """Whether oneDNN has bf16 kernels for this CPU; without them bf16 is slower than fp32."""
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # an op missing from this torch build
+        return False
+
+
+def _autocast_supports(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.autocast(device_type, dtype=dtype)`` would really autocast.
+
+    torch disables autocast with a warning (rather than failing) for a dtype a device does
+    not support, e.g. fp16 on the CPU in older releases; this asks without autocasting.
+    """
+    if not torch.amp.is_autocast_available(device_type):
+        return False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            ctx = torch.autocast(device_type, dtype=dtype)
+        except RuntimeError:
+            return False
+    return bool(getattr(ctx, "_enabled", False)) and not caught
+
+
+# --------------------------------------------------------------------------- choosing a precision
+
+
+def _auto_precision(device: torch.device) -> tuple[torch.dtype, str]:
+    """The "auto" choice for ``device`` and the reason for it."""
+    if device.type == "cuda":
+        major, minor = _cuda_capability(device)
+        cc = f"compute capability {major}.{minor}"
+        if major >= 8:
+            return torch.bfloat16, f"auto: {device} has {cc} (>= 8.0) -> bf16, no loss scaling"
+        if major == 7:
+            return torch.float16, (
+                f"auto: {device} has {cc} (Volta/Turing: fp16 tensor cores, no native bf16) "
+                "-> fp16 with loss scaling"
+            )
+        return torch.float32, (
+            f"auto: {device} has {cc} (< 7.0: no tensor cores, fp16 is slower than fp32) -> fp32"
+        )
+    if device.type == "cpu":
+        if _cpu_has_bf16_kernels() and _autocast_supports("cpu", torch.bfloat16):
+            return torch.bfloat16, "auto: the CPU has bf16 kernels and bf16 autocast -> bf16"
+        return torch.float32, "auto: the CPU has no bf16 kernels (bf16 would be slower) -> fp32"
+    if device.type == "mps":
+        return torch.float16, "auto: mps -> fp16 with loss scaling"
+    return torch.float32, f"auto: no policy for device type {device.type!r} -> fp32"
+
+
+def _as_torch_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return best_device()
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a str, torch.device or None, got {device!r}")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(
+            f"invalid device {device!r}: expected e.g. 'cpu', 'cuda', 'cuda:1' or 'mps' ({e})"
+        ) from e
+
+
+def choose_precision(device: str | torch.device | None = None) -> torch.dtype:
+    """The precision the "auto" policy picks for ``device`` (see the table in the module doc).
+
+    CUDA compute capability >= 8.0 -> bf16; 7.x -> fp16 (with a loss scaler); < 7.0 -> fp32;
+    a CPU with bf16 kernels -> bf16, else fp32; MPS -> fp16. Override it with
+    ``MixedPrecision(precision=...)``.
+
+    Args:
+        device: the device to decide for; None means :func:`trainperf.best_device`.
+
+    Returns:
+        ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
+
+    Raises:
+        DeviceError: a CUDA device was asked for but CUDA is not available.
+        ValueError: ``device`` is not a valid device string.
+
+    Example:
+        >>> choose_precision("cpu") in (torch.bfloat16, torch.float32)
+        True
+    """
+    return _auto_precision(_as_torch_device(device))[0]
+
+
+def _resolve(device: torch.device, precision: str) -> tuple[torch.dtype, str]:
+    """The dtype for an explicit or "auto" ``precision`` on ``device``, and why."""
+    if precision == "auto":
+        return _auto_precision(device)
+    dtype = _DTYPES[precision]
+    if dtype == torch.float32:
+        return dtype, "requested fp32"
+    if device.type == "cuda":
+        major, minor = _cuda_capability(device)
+        if dtype == torch.bfloat16 and major < 8:
+            raise ValueError(
+                f"precision='bf16' needs compute capability >= 8.0 (Ampere or newer) for native "
+                f"bf16, but {device} has {major}.{minor}; use precision='fp16' (with loss "
+                "scaling) or precision='auto'"
+            )
+        if dtype == torch.float16 and major < 7:
+            warnings.warn(
+                f"precision='fp16' on {device} (compute capability {major}.{minor}, no tensor "
+                "cores) is usually slower than fp32; precision='auto' picks fp32 there",
+                UserWarning,
+                stacklevel=3,
+            )
+        scaled = " with loss scaling" if dtype == torch.float16 else ""
+        return dtype, f"requested {precision}{scaled} on {device} ({major}.{minor})"
+    if not _autocast_supports(device.type, dtype):
+        raise ValueError(
+            f"precision={precision!r} needs {precision} autocast on {device.type!r}, which "
+            f"torch {torch.__version__} does not support there; use precision='auto', 'fp32' "
+            "or the other half precision"
+        )
+    scaled = " with loss scaling" if dtype == torch.float16 else ""
+    return dtype, f"requested {precision}{scaled} on {device}"
+
+
+# --------------------------------------------------------------------------- channels_last, TF32
+
+
+def _conv_share(model: nn.Module) -> float:
+    """The share of ``model``'s parameters held by 2-D convolutions and 2-D batch norms."""
+    seen: set[int] = set()
+    total = conv = 0
+    for module in model.modules():
+        is_conv = isinstance(module, (nn.Conv2d, nn.ConvTranspose2d, nn.BatchNorm2d))
+        for p in module.parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            total += p.numel()
+            if is_conv:
+                conv += p.numel()
+    return conv / total if total else 0.0
+
+
+def _channels_last_decision(
+    model: nn.Module,
+    setting: bool | Literal["auto"],
+    *,
+    device: torch.device,
+    tensor_cores: bool,
+) -> tuple[bool, str]:
+    """Whether to convert ``model`` to channels_last, and why (pure: touches no device)."""
+    if setting is True:
+        return True, "channels_last: requested"
+    if setting is False:
+        return False, "channels_last: off (requested)"
+    if device.type != "cuda":
+        return False, f"channels_last: not on {device.type} ('auto' converts on CUDA only)"
+    share = _conv_share(model)
+    if share < CONV_SHARE_FOR_CHANNELS_LAST:
+        return False, (
+            f"channels_last: no, {share:.0%} of parameters in Conv2d/BatchNorm2d "
+            f"(< {CONV_SHARE_FOR_CHANNELS_LAST:.0%}: not a convolutional model)"
+        )
+    if not tensor_cores:
+        return False, "channels_last: no, no tensor cores in use (fp32 without TF32, or < 7.0)"
+    return True, f"channels_last: yes, {share:.0%} of parameters in Conv2d/BatchNorm2d"
+
+
+def _enable_tf32() -> None:
+    """Allow TF32 for fp32 matmuls and cuDNN convolutions, process-wide.
+
+    torch >= 2.9 has a new per-backend API (``fp32_precision``) and raises when a legacy flag
+    (``allow_tf32``) is read after the new API has changed it. Matmuls go through
+    ``set_float32_matmul_precision``, which both APIs read back consistently; convolutions
+    through whichever API the current state was set with.
+    """
+    torch.set_float32_matmul_precision("high")
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    current = getattr(conv, "fp32_precision", None)
+    if current is None or current == "none":
+        # No new API, or the state came from the legacy flag (which leaves "none" behind).
+        torch.backends.cudnn.allow_tf32 = True
+    elif current != "tf32":
+        conv.fp32_precision = "tf32"  # type: ignore[union-attr]
+
+
+def _to_channels_last(obj: T) -> T:
+    """4-D floating tensors inside dicts, lists, tuples and namedtuples -> channels_last."""
+    out: Any
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() == 4 and obj.is_floating_point():
+            out = obj.contiguous(memory_format=torch.channels_last)
+            return out  # type: ignore[no-any-return]
+        return obj
+    if isinstance(obj, tuple):
+        items = [_to_channels_last(v) for v in obj]
+        out = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        return out  # type: ignore[no-any-return]
+    if isinstance(obj, list):
+        return [_to_channels_last(v) for v in obj]  # type: ignore[return-value]
+    if isinstance(obj, MutableMapping):
+        new = copy.copy(obj)  # keeps the subclass and its state (defaultdict's factory)
+        for key, value in obj.items():
+            new[key] = _to_channels_last(value)
+        return new
+    if isinstance(obj, Mapping):
+        return {k: _to_channels_last(v) for k, v in obj.items()}  # type: ignore[return-value]
+    return obj
+
+
+# --------------------------------------------------------------------------- the class
+
+
+class MixedPrecision:
+    """Autocast, loss scaling, channels_last and TF32, chosen for the device.
+
+    ``precision="auto"`` follows :func:`choose_precision`; "bf16", "fp16" and "fp32" force
+    one. A loss scaler (``torch.amp.GradScaler``) exists only for fp16; bf16 has fp32's range
+    and needs none. Nothing here initialises CUDA unless ``device`` is a CUDA device.
+
+    A training step::
+
+        mp = MixedPrecision()                      # device=None: best_device()
+        model = mp.prepare(model)                  # device, channels_last, TF32
+        for batch in loader:
+            x, y = mp.prepare_batch(batch)         # to_device + channels_last
+            with mp.autocast():
+                loss = loss_fn(model(x), y)
+            mp.backward(loss)
+            if mp.step(optimizer, max_grad_norm=1.0):
+                scheduler.step()                   # not on a skipped fp16 step
+            mp.zero_grad(optimizer)
+
+    Args:
+        device: where to train; None means :func:`trainperf.best_device`.
+        precision: "auto", "bf16", "fp16" or "fp32".
+        channels_last: "auto" converts models whose parameters are mostly in 2-D
+            convolutions (and their batch norms), on CUDA, when tensor cores are in use;
+            True/False force it on/off.
+        tf32: allow TF32 for fp32 matmuls and convolutions on compute capability >= 8.0 when
+            :meth:`prepare` runs. This is process-wide torch state. False leaves it as is.
+
+    Raises:
+        ValueError: an unknown ``precision`` or ``channels_last``; bf16 asked for on a GPU
+            without native bf16 (compute capability < 8.0); bf16 or fp16 asked for on a
+            device whose autocast does not support it.
+        TypeError: ``tf32`` is not a bool, or ``device`` has the wrong type.
+        DeviceError: a CUDA device was asked for but CUDA is not available.
+
+    Example:
+        >>> mp = MixedPrecision("cpu", precision="bf16")
+        >>> model = mp.prepare(torch.nn.Linear(4, 2))
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> x, y = mp.prepare_batch((torch.randn(8, 4), torch.randn(8, 2)))
+        >>> with mp.autocast():
+        ...     loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        >>> mp.backward(loss)
+        >>> mp.step(optimizer, max_grad_norm=1.0)
+        True
+        >>> mp.dtype, mp.uses_scaler
+        (torch.bfloat16, False)
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        precision: Precision = "auto",
+        *,
+        channels_last: bool | Literal["auto"] = "auto",
+        tf32: bool = True,
+    ) -> None:
+        if precision not in _PRECISIONS:
+            raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+        if channels_last not in (True, False, "auto") or not isinstance(channels_last, (bool, str)):
+            raise ValueError(f"channels_last must be 'auto', True or False, got {channels_last!r}")
+        if not isinstance(tf32, bool):
+            raise TypeError(f"tf32 must be True or False, got {tf32!r}")
+        self.device: torch.device = _as_torch_device(device)
+        self.precision: Precision = precision
+        self.channels_last: bool | Literal["auto"] = channels_last
+        self.tf32 = tf32
+        self.dtype: torch.dtype
+        self.dtype, self._precision_reason = _resolve(self.device, precision)
+        self._capability = _cuda_capability(self.device) if self.device.type == "cuda" else None
+        self._scaler: torch.amp.GradScaler | None = None
+        self._backward_pending = False
+        self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.uses_channels_last = False
+        self.tf32_enabled = False
+        self._prepare_reasons: list[str] = []
+
+    # ----------------------------------------------------------------- what was chosen
+
+    @property
+    def uses_scaler(self) -> bool:
+        """True for fp16, the only precision whose small range needs loss scaling."""
+        return self.dtype == torch.float16
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The fp16 loss scaler (created on first use), or None: bf16 and fp32 never have one."""
+        if self.uses_scaler and self._scaler is None:
+            self._scaler = torch.amp.GradScaler(self.device.type)
+        return self._scaler
+
+    @property
+    def reason(self) -> str:
+        """Why the precision (and, after :meth:`prepare`, channels_last and TF32) were chosen."""
+        return "; ".join([self._precision_reason, *self._prepare_reasons])
+
+    def __repr__(self) -> str:
+        return (
+            f"MixedPrecision(device='{self.device}', dtype={_NAMES[self.dtype]}, "
+            f"uses_scaler={self.uses_scaler}, channels_last={self.channels_last!r}, "
+            f"tf32={self.tf32}; why: {self.reason})"
+        )
+
+    # ----------------------------------------------------------------- model and batches
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Move ``model`` to the device, to channels_last where it helps, and enable TF32.
+
+        Weights stay fp32 (autocast casts per op). TF32 is switched on process-wide (torch
+        keeps it as global state) when ``tf32=True`` and the GPU has compute capability >= 8.0.
+
+        Args:
+            model: the module to train.
+
+        Returns:
+            The same module, moved in place.
+
+        Raises:
+            TypeError: ``model`` is not an ``nn.Module``.
+
+        Example:
+            >>> mp = MixedPrecision("cpu", precision="fp32", channels_last=True)
+            >>> model = mp.prepare(torch.nn.Conv2d(3, 8, 3))
+            >>> model.weight.is_contiguous(memory_format=torch.channels_last)
+            True
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"prepare() takes an nn.Module, got {type(model).__name__}")
+        cc = self._capability or (0, 0)
+        tf32_on = self.tf32 and cc >= (8, 0)
+        tensor_cores = cc >= (7, 0) and (self.dtype != torch.float32 or tf32_on)
+        use_cl, why_cl = _channels_last_decision(
+            model, self.channels_last, device=self.device, tensor_cores=tensor_cores
+        )
+        model.to(self.device)
+        if use_cl:
+            model.to(memory_format=torch.channels_last)
+            self.uses_channels_last = True
+        if tf32_on:
+            _enable_tf32()
+            self.tf32_enabled = True
+        why_tf32 = (
+            "TF32: enabled process-wide"
+            if tf32_on
+            else "TF32: off (tf32=False)"
+            if not self.tf32
+            else "TF32: not applicable (needs CUDA compute capability >= 8.0)"
+        )
+        self._prepare_reasons = [why_cl, why_tf32]
+        self._models.add(model)
+        return model
+
+    def prepare_batch(self, batch: T) -> T:
+        """Move ``batch`` to the device; 4-D float tensors go channels_last if a model did.
+
+        Containers are walked as :func:`trainperf.to_device` does; the memory-format
+        conversion reaches tensors inside dicts, lists, tuples and namedtuples.
+
+        Args:
+            batch: a tensor or a nesting of containers holding tensors.
+
+        Returns:
+            The batch on the device.
+
+        Example:
+            >>> mp = MixedPrecision("cpu", precision="fp32", channels_last=True)
+            >>> _ = mp.prepare(torch.nn.Conv2d(3, 8, 3))
+            >>> x, y = mp.prepare_batch((torch.randn(2, 3, 8, 8), torch.tensor([0, 1])))
+            >>> x.is_contiguous(memory_format=torch.channels_last), y.tolist()
+            (True, [0, 1])
+        """
+        moved = to_device(batch, self.device, non_blocking=True)
+        return _to_channels_last(moved) if self.uses_channels_last else moved
+
+    # ----------------------------------------------------------------- the training step
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The context for the forward pass: autocast to bf16/fp16, or nothing for fp32.
+
+        Example:
+            >>> with MixedPrecision("cpu", precision="bf16").autocast():
+            ...     torch.nn.Linear(4, 2)(torch.randn(3, 4)).dtype
+            torch.bfloat16
+        """
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, through the loss scaler for fp16.
+
+        Args:
+            loss: the scalar loss of the forward pass.
+
+        Raises:
+            TypeError: ``loss`` is not a tensor.
+
+        Example:
+            >>> mp = MixedPrecision("cpu", precision="fp32")
+            >>> w = torch.ones(2, requires_grad=True)
+            >>> mp.backward((w * 3).sum())
+            >>> w.grad.tolist()
+            [3.0, 3.0]
+        """
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"backward() takes the loss tensor, got {type(loss).__name__}")
+        scaler = self.scaler
+        if scaler is not None:
+            scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+        else:
+            loss.backward()  # type: ignore[no-untyped-call]
+        self._backward_pending = True
+
+    def step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None) -> bool:
+        """Clip (after unscaling), then step; for fp16, skip the step on inf/NaN gradients.
+
+        The fp16 loss scale is lowered after a skipped step and raised after a run of good
+        ones. Only advance an LR scheduler when this returns True. For fp16 this reads the
+        scale back from the device (one synchronisation per step); bf16 and fp32 never skip
+        and never synchronise here.
+
+        Args:
+            optimizer: the optimizer whose parameters got gradients from :meth:`backward`.
+            max_grad_norm: clip the total gradient norm (over the optimizer's parameters)
+                to this value; None does not clip.
+
+        Returns:
+            True if the optimizer stepped, False if the fp16 step was skipped.
+
+        Raises:
+            RuntimeError: no :meth:`backward` since the last step or :meth:`zero_grad`.
+            ValueError: ``max_grad_norm`` is not a positive number.
+
+        Example:
+            >>> mp = MixedPrecision("cpu", precision="fp32")
+            >>> w = torch.nn.Parameter(torch.ones(2))
+            >>> opt = torch.optim.SGD([w], lr=1.0)
+            >>> mp.backward((w * 10).sum())
+            >>> mp.step(opt, max_grad_norm=1.0), [round(v, 4) for v in w.tolist()]
+            (True, [0.2929, 0.2929])
+        """
+        if not self._backward_pending:
+            raise RuntimeError(
+                "MixedPrecision.step() found no gradients from mp.backward(loss) since the last "
+                "step or zero_grad; call mp.backward(loss) instead of loss.backward(), so that "
+                "fp16 loss scaling and skipped steps work"
+            )
+        if max_grad_norm is not None and not (
+            isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0
+        ):
+            raise ValueError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
+        self._backward_pending = False
+        scaler = self.scaler
+        if scaler is None:
+            if max_grad_norm is not None:
+                nn.utils.clip_grad_norm_(_parameters(optimizer), max_grad_norm)
+            optimizer.step()
+            return True
+        if max_grad_norm is not None:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            nn.utils.clip_grad_norm_(_parameters(optimizer), max_grad_norm)
+        scale_before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        # update() multiplies the scale by backoff_factor (< 1) exactly when it found inf/NaN.
+        return scaler.get_scale() >= scale_before
+
+    def zero_grad(
+        self, optimizer: torch.optim.Optimizer | None = None, *, set_to_none: bool = True
+    ) -> None:
+        """Clear gradients: the optimizer's, or every model :meth:`prepare` has seen.
+
+        Args:
+            optimizer: whose parameters to clear; None clears the prepared models'.
+            set_to_none: set ``.grad`` to None (cheaper) instead of zero-filling it.
+
+        Raises:
+            RuntimeError: no optimizer was given and no model was prepared.
+
+        Example:
+            >>> mp = MixedPrecision("cpu", precision="fp32")
+            >>> model = mp.prepare(torch.nn.Linear(2, 1))
+            >>> mp.backward(model(torch.ones(1, 2)).sum())
+            >>> mp.zero_grad()
+            >>> model.weight.grad is None
+            True
+        """
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            models = list(self._models)
+            if not models:
+                raise RuntimeError(
+                    "zero_grad() without an optimizer clears the models passed to "
+                    "mp.prepare(), but there are none; call mp.zero_grad(optimizer)"
+                )
+            for model in models:
+                model.zero_grad(set_to_none=set_to_none)
+        self._backward_pending = False
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The precision and the loss-scaler state (None without a scaler), for checkpoints.
+
+        Plain Python values only, so ``load_checkpoint(..., weights_only=True)`` reads it.
+
+        Example:
+            >>> MixedPrecision("cpu", precision="fp32").state_dict()
+            {'precision': 'fp32', 'scaler': None}
+        """
+        scaler = self.scaler
+        return {
+            "precision": _NAMES[self.dtype],
+            "scaler": dict(scaler.state_dict()) if scaler is not None else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Restore the loss scale of a resumed fp16 run.
+
+        Args:
+            state: what :meth:`state_dict` returned.
+            strict: raise when ``state`` holds a loss scale this instance has no scaler for
+                (an fp16 run resumed as bf16 or fp32); False drops it.
+
+        Raises:
+            ValueError: ``state`` is not a MixedPrecision state dict, or (``strict``) it
+                carries a loss scale that this precision cannot use.
+
+        Example:
+            >>> mp = MixedPrecision("cpu", precision="fp32")
+            >>> mp.load_state_dict({"precision": "fp32", "scaler": None})
+        """
+        if not isinstance(state, Mapping) or set(state) != {"precision", "scaler"}:
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(
+                "not a MixedPrecision state dict: expected the keys ['precision', 'scaler'] "
+                f"from mp.state_dict(), got {got!r}"
+            )
+        saved = state["scaler"]
+        if saved is None:
+            return  # nothing to restore; an fp16 run resumed from bf16 starts a fresh scale
+        scaler = self.scaler
+        if scaler is None:
+            if strict:
+                raise ValueError(
+                    f"the state holds a loss scale from a {state['precision']} run, but this "
+                    f"MixedPrecision uses {_NAMES[self.dtype]}, which has no scaler; pass "
+                    "strict=False to drop it, or precision='fp16' to keep using it"
+                )
+            return
+        scaler.load_state_dict(dict(saved))
+
+
+def _parameters(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]

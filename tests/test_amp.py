@@ -1,0 +1,596 @@
+"""trainperf.amp: the precision policy, the training step, loss scaling, checkpoints, misuse."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import subprocess
+import sys
+from collections import OrderedDict, namedtuple
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from trainperf import amp
+from trainperf.amp import MixedPrecision, choose_precision
+from trainperf.checkpoint import load_checkpoint, save_checkpoint
+from trainperf.errors import DeviceError
+
+CPU_FP16 = amp._autocast_supports("cpu", torch.float16)
+needs_cpu_fp16 = pytest.mark.skipif(
+    not CPU_FP16, reason="this torch has no fp16 autocast on the CPU (GradScaler tests need it)"
+)
+
+
+def fake_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:
+    monkeypatch.setattr(amp, "_cuda_capability", lambda device: capability)
+
+
+def small_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+
+
+def small_mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
+
+
+class TinyViT(nn.Module):
+    """ViT-shaped: a patch-embedding Conv2d, then transformer blocks (Linear layers)."""
+
+    def __init__(self, dim: int = 64, depth: int = 2) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, kernel_size=8, stride=8)
+        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth)
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.patch(x).flatten(2).transpose(1, 2)
+        return self.head(self.encoder(tokens).mean(1))
+
+
+def train(
+    mp: MixedPrecision, model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int
+) -> list[float]:
+    model = mp.prepare(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    xb, yb = mp.prepare_batch((x, y))
+    losses = []
+    for _ in range(steps):
+        with mp.autocast():
+            out = model(xb)
+        loss = nn.functional.cross_entropy(out.float(), yb)
+        mp.backward(loss)
+        assert mp.step(opt, max_grad_norm=5.0)
+        mp.zero_grad(opt)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture
+def restore_tf32() -> Iterator[None]:
+    """TF32 flags are process-wide; put them back through the legacy setters, which leave
+    both the legacy and the new (torch >= 2.9) APIs readable."""
+    matmul = torch.get_float32_matmul_precision()
+    cudnn = torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cudnn.allow_tf32 = cudnn
+    torch.set_float32_matmul_precision(matmul)
+
+
+# --------------------------------------------------------------------------- the "auto" policy
+
+
+@pytest.mark.parametrize(
+    ("gpu", "capability", "dtype", "scaler"),
+    [
+        ("P40", (6, 1), torch.float32, False),
+        ("V100", (7, 0), torch.float16, True),
+        ("T4", (7, 5), torch.float16, True),
+        ("A100", (8, 0), torch.bfloat16, False),
+        ("H200", (9, 0), torch.bfloat16, False),
+    ],
+)
+def test_auto_policy_follows_the_compute_capability(
+    monkeypatch: pytest.MonkeyPatch,
+    gpu: str,
+    capability: tuple[int, int],
+    dtype: torch.dtype,
+    scaler: bool,
+) -> None:
+    fake_gpu(monkeypatch, capability)
+    assert choose_precision("cuda:0") == dtype
+    mp = MixedPrecision("cuda:0")
+    assert (mp.dtype, mp.uses_scaler) == (dtype, scaler)
+    assert f"compute capability {capability[0]}.{capability[1]}" in repr(mp)
+    assert f"dtype={amp._NAMES[dtype]}" in repr(mp)
+
+
+@pytest.mark.parametrize(("kernels", "dtype"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_policy_on_cpu_depends_on_bf16_kernels(
+    monkeypatch: pytest.MonkeyPatch, kernels: bool, dtype: torch.dtype
+) -> None:
+    monkeypatch.setattr(amp, "_cpu_has_bf16_kernels", lambda: kernels)
+    assert choose_precision("cpu") == dtype
+    assert MixedPrecision("cpu").dtype == dtype
+
+
+def test_auto_policy_for_mps_and_unknown_devices() -> None:
+    assert amp._auto_precision(torch.device("mps"))[0] == torch.float16
+    assert choose_precision("meta") == torch.float32
+
+
+def test_device_none_uses_best_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(amp, "best_device", lambda: torch.device("cpu"))
+    assert MixedPrecision(precision="fp32").device == torch.device("cpu")
+    monkeypatch.setattr(amp, "best_device", lambda: torch.device("cuda", 0))
+    fake_gpu(monkeypatch, (8, 0))
+    assert choose_precision() == torch.bfloat16
+
+
+def test_explicit_precision_overrides_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_gpu(monkeypatch, (9, 0))
+    mp = MixedPrecision("cuda", precision="fp16")
+    assert (mp.dtype, mp.uses_scaler) == (torch.float16, True)
+    assert "requested fp16 with loss scaling" in mp.reason
+    assert MixedPrecision("cuda", precision="fp32").dtype == torch.float32
+
+
+def test_construction_on_cpu_does_not_initialise_cuda() -> None:
+    code = (
+        "import torch\n"
+        "from trainperf.amp import MixedPrecision\n"
+        "mp = MixedPrecision('cpu')\n"
+        "m = mp.prepare(torch.nn.Conv2d(3, 4, 3))\n"
+        "x = mp.prepare_batch(torch.randn(2, 3, 8, 8))\n"
+        "with mp.autocast():\n"
+        "    loss = m(x).float().sum()\n"
+        "mp.backward(loss)\n"
+        "mp.step(torch.optim.SGD(m.parameters(), lr=0.1))\n"
+        "print(torch.cuda.is_initialized())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+# --------------------------------------------------------------------------- misuse
+
+
+def test_bf16_on_a_gpu_without_native_bf16_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_gpu(monkeypatch, (7, 5))
+    with pytest.raises(
+        ValueError, match=r"precision='bf16' needs compute capability >= 8\.0.*7\.5"
+    ):
+        MixedPrecision("cuda", precision="bf16")
+
+
+def test_fp16_on_pascal_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_gpu(monkeypatch, (6, 1))
+    with pytest.warns(UserWarning, match="usually slower than fp32"):
+        mp = MixedPrecision("cuda", precision="fp16")
+    assert mp.uses_scaler
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_half_precision_without_autocast_support_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, precision: str
+) -> None:
+    monkeypatch.setattr(amp, "_autocast_supports", lambda device_type, dtype: False)
+    with pytest.raises(ValueError, match=rf"precision='{precision}' needs {precision} autocast"):
+        MixedPrecision("cpu", precision=precision)  # type: ignore[arg-type]
+
+
+def test_cuda_without_cuda_is_a_device_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        MixedPrecision("cuda")
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        choose_precision("cuda:1")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"precision": "fp8"}, ValueError, "precision must be one of"),
+        ({"precision": "bfloat16"}, ValueError, "precision must be one of"),
+        ({"channels_last": "yes"}, ValueError, "channels_last must be 'auto', True or False"),
+        ({"channels_last": 1}, ValueError, "channels_last must be 'auto', True or False"),
+        ({"tf32": "yes"}, TypeError, "tf32 must be True or False"),
+        ({"device": 3.5}, TypeError, "device must be a str, torch.device or None"),
+        ({"device": "gpu7"}, ValueError, "invalid device 'gpu7'"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, object], exc: type[Exception], match: str) -> None:
+    kwargs.setdefault("device", "cpu")
+    with pytest.raises(exc, match=match):
+        MixedPrecision(**kwargs)  # type: ignore[arg-type]
+
+
+def test_step_without_backward_through_mp_is_an_error() -> None:
+    mp = MixedPrecision("cpu", precision="bf16")
+    model = mp.prepare(small_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with mp.autocast():
+        loss = model(torch.randn(4, 16)).float().sum()
+    loss.backward()  # the mistake: not through mp
+    with pytest.raises(RuntimeError, match=r"call mp\.backward\(loss\) instead of loss\.backward"):
+        mp.step(opt)
+
+
+def test_a_step_consumes_the_backward_and_zero_grad_discards_it() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    model = mp.prepare(small_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp.backward(model(torch.randn(4, 16)).sum())
+    mp.backward(model(torch.randn(4, 16)).sum())  # accumulation: two backwards, one step
+    assert mp.step(opt)
+    with pytest.raises(RuntimeError, match="found no gradients"):
+        mp.step(opt)
+    mp.backward(model(torch.randn(4, 16)).sum())
+    mp.zero_grad(opt)
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(RuntimeError, match="found no gradients"):
+        mp.step(opt)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, "1.0"])
+def test_max_grad_norm_must_be_positive(bad: object) -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    w = nn.Parameter(torch.ones(2))
+    mp.backward(w.sum())
+    with pytest.raises(ValueError, match="max_grad_norm must be a number > 0"):
+        mp.step(torch.optim.SGD([w], lr=0.1), max_grad_norm=bad)  # type: ignore[arg-type]
+
+
+def test_backward_and_prepare_check_their_argument() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    with pytest.raises(TypeError, match=r"backward\(\) takes the loss tensor, got float"):
+        mp.backward(1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"prepare\(\) takes an nn\.Module, got dict"):
+        mp.prepare({})  # type: ignore[arg-type]
+
+
+def test_zero_grad_without_optimizer_clears_prepared_models() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    with pytest.raises(RuntimeError, match=r"call mp\.zero_grad\(optimizer\)"):
+        mp.zero_grad()
+    a, b = mp.prepare(small_mlp()), mp.prepare(small_mlp())
+    mp.backward((a(torch.randn(2, 16)) + b(torch.randn(2, 16))).sum())
+    mp.zero_grad(set_to_none=False)
+    for p in [*a.parameters(), *b.parameters()]:
+        assert p.grad is not None and not p.grad.any()
+
+
+def test_bf16_and_fp32_never_create_a_scaler() -> None:
+    for precision in ("bf16", "fp32"):
+        mp = MixedPrecision("cpu", precision=precision)  # type: ignore[arg-type]
+        model = mp.prepare(small_mlp())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with mp.autocast():
+            loss = model(torch.randn(4, 16)).float().sum()
+        mp.backward(loss)
+        mp.step(opt)
+        assert mp.scaler is None and not mp.uses_scaler and mp._scaler is None
+        assert mp.state_dict() == {"precision": precision, "scaler": None}
+
+
+# --------------------------------------------------------------------------- training on the CPU
+
+
+def test_bf16_trains_a_small_cnn_in_channels_last() -> None:
+    torch.manual_seed(0)
+    # Classes differ in their per-channel means, which the pooled CNN can learn quickly.
+    y = torch.arange(16) % 4
+    x = 1.5 * torch.randn(4, 3, 1, 1)[y] + torch.randn(16, 3, 16, 16)
+    mp = MixedPrecision("cpu", precision="bf16", channels_last=True)
+    model = small_cnn()
+    losses = train(mp, model, x, y, steps=30)
+    assert losses[-1] < 0.5 * losses[0]
+    assert mp.uses_channels_last
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
+    with mp.autocast():
+        assert model(mp.prepare_batch(x)).dtype == torch.bfloat16
+
+
+def test_bf16_trains_a_small_mlp() -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    losses = train(MixedPrecision("cpu", precision="bf16"), small_mlp(), x, y, steps=40)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_fp32_autocast_is_a_no_op() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    with mp.autocast():
+        assert not torch.is_autocast_enabled("cpu")
+        assert nn.Linear(4, 2)(torch.randn(3, 4)).dtype == torch.float32
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_fp16_skips_the_step_on_non_finite_gradients_and_lowers_the_scale(bad: float) -> None:
+    torch.manual_seed(0)
+    mp = MixedPrecision("cpu", precision="fp16")
+    assert mp.uses_scaler and mp.dtype == torch.float16
+    model = mp.prepare(small_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    assert mp.scaler is not None
+    scale = mp.scaler.get_scale()
+
+    with mp.autocast():
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+    mp.backward(loss)
+    model[0].weight.grad[0, 0] = bad  # type: ignore[index]
+    before = [p.detach().clone() for p in model.parameters()]
+    stepped = mp.step(opt, max_grad_norm=1.0)
+    if stepped:
+        sched.step()
+    assert stepped is False
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert mp.scaler.get_scale() == scale * 0.5
+    assert opt.param_groups[0]["lr"] == 0.1  # the scheduler did not advance
+    mp.zero_grad(opt)
+
+    with mp.autocast():
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+    mp.backward(loss)
+    assert mp.step(opt, max_grad_norm=1.0) is True
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert mp.scaler.get_scale() == scale * 0.5
+
+
+@needs_cpu_fp16
+def test_fp16_step_that_grows_the_scale_counts_as_stepped() -> None:
+    mp = MixedPrecision("cpu", precision="fp16")
+    assert mp.scaler is not None
+    mp.scaler.load_state_dict(
+        {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 1,
+         "_growth_tracker": 0}
+    )  # fmt: skip
+    w = nn.Parameter(torch.ones(3))
+    mp.backward((w * 2).sum())
+    assert mp.step(torch.optim.SGD([w], lr=0.1)) is True
+    assert mp.scaler.get_scale() == 16.0
+    assert torch.allclose(w.detach(), torch.full((3,), 0.8))
+
+
+def reference_fp32(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, clip: float
+) -> nn.Module:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        loss = 100 * nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize(
+    ("precision", "tol"),
+    [
+        ("fp32", 1e-6),
+        ("bf16", 2e-2),
+        pytest.param("fp16", 5e-3, marks=needs_cpu_fp16),
+    ],
+)
+def test_clipping_through_step_matches_the_fp32_reference(precision: str, tol: float) -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 16), torch.randint(0, 4, (16,))
+    start = small_mlp()
+    ref = reference_fp32(copy.deepcopy(start), x, y, steps=3, clip=0.5)
+
+    mp = MixedPrecision("cpu", precision=precision)  # type: ignore[arg-type]
+    model = mp.prepare(copy.deepcopy(start))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = tries = 0
+    while steps < 3 and tries < 30:
+        tries += 1
+        with mp.autocast():
+            out = model(x)
+        # x100 makes the raw gradient norm far above 0.5, so clipping decides the update; with
+        # fp16, clipping the still-scaled gradients would make the step ~65536x too small.
+        # fp16 skips the first steps (the scaled gradients overflow) until the scale is low
+        # enough; a skipped step leaves plain SGD's parameters as they were.
+        mp.backward(100 * nn.functional.cross_entropy(out.float(), y))
+        steps += mp.step(opt, max_grad_norm=0.5)
+        mp.zero_grad(opt)
+    assert steps == 3
+    moved = [
+        (p - q).abs().max().item()
+        for p, q in zip(model.parameters(), start.parameters(), strict=True)
+    ]
+    assert min(moved) > 1e-3  # the comparison below is not trivially true
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=tol, rtol=tol)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+@needs_cpu_fp16
+def test_scaler_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
+    mp = MixedPrecision("cpu", precision="fp16")
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    mp.backward(w.sum())
+    w.grad[0] = math.inf  # type: ignore[index]
+    assert not mp.step(opt)
+    mp.zero_grad(opt)
+    mp.backward(w.sum())
+    assert mp.step(opt)
+    state = mp.state_dict()
+    assert state["precision"] == "fp16"
+    assert state["scaler"]["scale"] == 32768.0 and state["scaler"]["_growth_tracker"] == 1
+
+    path = save_checkpoint({"amp": state, "w": w.detach()}, tmp_path / "ckpt.pt")
+    loaded = load_checkpoint(path)  # weights_only=True: plain values only
+    resumed = MixedPrecision("cpu", precision="fp16")
+    resumed.load_state_dict(loaded["amp"])
+    assert resumed.scaler is not None
+    assert resumed.scaler.get_scale() == 32768.0
+    assert resumed.state_dict() == state
+    json.dumps(state)  # plain Python values
+
+
+@needs_cpu_fp16
+def test_loading_a_loss_scale_into_bf16() -> None:
+    state = MixedPrecision("cpu", precision="fp16").state_dict()
+    bf16 = MixedPrecision("cpu", precision="bf16")
+    with pytest.raises(ValueError, match=r"loss scale from a fp16 run.*strict=False"):
+        bf16.load_state_dict(state)
+    bf16.load_state_dict(state, strict=False)
+    assert bf16.scaler is None
+
+
+def test_loading_a_state_without_scale_keeps_a_fresh_scaler() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    mp.load_state_dict({"precision": "bf16", "scaler": None})
+    assert mp.scaler is None
+
+
+@pytest.mark.parametrize("bad", [{"scale": 1.0}, {"precision": "fp16"}, [1, 2], None])
+def test_load_state_dict_rejects_other_dicts(bad: object) -> None:
+    with pytest.raises(ValueError, match="not a MixedPrecision state dict"):
+        MixedPrecision("cpu", precision="fp32").load_state_dict(bad)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- channels_last
+
+
+def test_channels_last_rule_on_resnet18_and_vit_b_16() -> None:
+    torchvision = pytest.importorskip("torchvision")
+    cuda = torch.device("cuda", 0)
+    resnet = torchvision.models.resnet18(weights=None)
+    vit = torchvision.models.vit_b_16(weights=None)
+    assert amp._conv_share(resnet) > 0.9
+    assert amp._conv_share(vit) < 0.01  # only the patch embedding is a Conv2d
+    assert amp._channels_last_decision(resnet, "auto", device=cuda, tensor_cores=True)[0]
+    use, why = amp._channels_last_decision(vit, "auto", device=cuda, tensor_cores=True)
+    assert not use and "not a convolutional model" in why
+
+
+def test_channels_last_rule_details() -> None:
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    cnn, vit = small_cnn(), TinyViT()
+    assert amp._conv_share(nn.ReLU()) == 0.0
+    assert amp._conv_share(vit) < amp.CONV_SHARE_FOR_CHANNELS_LAST < amp._conv_share(cnn)
+    decide = amp._channels_last_decision
+    assert decide(cnn, "auto", device=cuda, tensor_cores=True) == (
+        True,
+        f"channels_last: yes, {amp._conv_share(cnn):.0%} of parameters in Conv2d/BatchNorm2d",
+    )
+    assert not decide(vit, "auto", device=cuda, tensor_cores=True)[0]
+    assert not decide(cnn, "auto", device=cuda, tensor_cores=False)[0]  # fp32 on a V100
+    assert not decide(cnn, "auto", device=cpu, tensor_cores=True)[0]
+    assert decide(vit, True, device=cpu, tensor_cores=False)[0]
+    assert not decide(cnn, False, device=cuda, tensor_cores=True)[0]
+    shared = nn.Sequential(nn.Conv2d(3, 3, 1), nn.Linear(3, 3))
+    shared.append(shared[0])  # a shared module is counted once
+    assert amp._conv_share(shared) == pytest.approx(12 / 24)
+
+
+def test_prepare_on_cpu_leaves_auto_channels_last_off_and_tf32_alone() -> None:
+    mp = MixedPrecision("cpu", precision="bf16")
+    model = mp.prepare(small_cnn())
+    assert not mp.uses_channels_last and not mp.tf32_enabled
+    assert model[0].weight.is_contiguous()
+    x = mp.prepare_batch(torch.randn(2, 3, 8, 8))
+    assert x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last)
+    assert "channels_last: not on cpu" in repr(mp) and "TF32: not applicable" in repr(mp)
+
+
+def test_prepare_batch_converts_only_4d_float_tensors_in_containers() -> None:
+    mp = MixedPrecision("cpu", precision="fp32", channels_last=True)
+    mp.prepare(small_cnn())
+    Pair = namedtuple("Pair", ["image", "label"])
+    batch = {
+        "pair": Pair(torch.randn(2, 3, 4, 4), torch.tensor([1, 2])),
+        "list": [torch.randn(2, 3, 4, 4), torch.randint(0, 9, (2, 3, 4, 4))],
+        "od": OrderedDict(v=torch.randn(2, 3, 4)),
+        "name": "x",
+    }
+    out = mp.prepare_batch(batch)
+    cl = torch.channels_last
+    assert isinstance(out["pair"], Pair) and out["pair"].image.is_contiguous(memory_format=cl)
+    assert out["list"][0].is_contiguous(memory_format=cl)
+    int_images = out["list"][1]
+    assert int_images.is_contiguous() and not int_images.is_contiguous(memory_format=cl)
+    assert isinstance(out["od"], OrderedDict) and out["od"]["v"].is_contiguous()
+    assert out["name"] == "x"
+    assert torch.equal(out["pair"].image, batch["pair"].image)
+
+
+def test_prepare_batch_moves_to_the_device() -> None:
+    mp = MixedPrecision("meta", precision="fp32")
+    x, y = mp.prepare_batch([torch.randn(2, 3), torch.tensor([1])])
+    assert x.device.type == "meta" and y.device.type == "meta"
+
+
+# --------------------------------------------------------------------------- TF32
+
+
+def test_enable_tf32_leaves_both_apis_readable(restore_tf32: None) -> None:
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False  # the state a legacy-API user leaves behind
+    amp._enable_tf32()
+    # Reading the legacy flags raises on torch >= 2.9 if the two APIs were mixed.
+    assert torch.get_float32_matmul_precision() == "high"
+    assert torch.backends.cuda.matmul.allow_tf32 is True
+    assert torch.backends.cudnn.allow_tf32 is True
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+
+
+@pytest.mark.skipif(
+    not hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision"),
+    reason="this torch has no per-backend fp32_precision API",
+)
+def test_enable_tf32_after_the_new_api_turned_it_off(restore_tf32: None) -> None:
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    amp._enable_tf32()
+    assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.requires_cuda
+def test_prepare_on_cuda_picks_channels_last_and_tf32(restore_tf32: None) -> None:
+    torchvision = pytest.importorskip("torchvision")
+    mp = MixedPrecision("cuda")
+    model = mp.prepare(torchvision.models.resnet18(weights=None))
+    major, _ = torch.cuda.get_device_capability()
+    assert next(model.parameters()).device.type == "cuda"
+    assert mp.uses_channels_last == (major >= 7)
+    assert mp.tf32_enabled == (major >= 8)
+    x, y = mp.prepare_batch((torch.randn(4, 3, 64, 64), torch.randint(0, 1000, (4,))))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with mp.autocast():
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+    mp.backward(loss)
+    assert mp.step(opt, max_grad_norm=1.0)
+    assert torch.isfinite(loss)
