@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-import trainperf.device as device_mod
+import trainperf.device._inventory as inventory_mod
+import trainperf.device._seed as seed_mod
 from trainperf.device import (
     GpuInfo,
     best_device,
@@ -156,7 +157,7 @@ def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 @pytest.fixture
 def fresh_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(device_mod, "_nvml_warned", False)
+    monkeypatch.setattr(inventory_mod, "_nvml_warned", False)
 
 
 _KEEP = "keep the current value"
@@ -821,7 +822,7 @@ def test_worker_init_fn_gives_distinct_reproducible_worker_seeds() -> None:
     assert by_worker[0][1] != by_worker[1][1]  # distinct NumPy streams
     for wid, (seed, draw) in by_worker.items():
         # The worker's first NumPy draw is the one worker_init_fn's seeding gives.
-        expected = np.random.RandomState(device_mod._worker_seed_state(seed)).randint(2**31)
+        expected = np.random.RandomState(seed_mod._worker_seed_state(seed)).randint(2**31)
         assert draw == expected, wid
         assert next(r for w, _, _, r in first if w == wid) == random.Random(seed).random()
 

@@ -1,0 +1,35 @@
+"""Save and load checkpoints safely: atomic writes, cross-device loads, wrapper prefixes.
+
+``save_checkpoint`` never leaves a half-written file under the final name (temp file, fsync,
+``os.replace``); ``load_checkpoint`` maps GPU-saved tensors to any device, refuses pickled code
+unless told to trust the file, and names the cause when a file is missing, damaged or not a
+checkpoint; ``load_state_dict`` fits state dicts with or without the ``module.`` (DataParallel,
+DDP) and ``_orig_mod.`` (``torch.compile``) prefixes into wrapped or plain models.
+
+- :mod:`._prefix`: :func:`unwrap_model`, :func:`strip_prefix`, :func:`load_state_dict` and
+  :class:`LoadResult` (wrapper layers and key prefixes);
+- :mod:`._files`: :func:`save_checkpoint` and :func:`load_checkpoint`;
+- :mod:`._atomic`: the temp-file, fsync and ``os.replace`` write behind ``save_checkpoint``;
+- :mod:`._formats`: recognising a file from its first bytes and naming why it does not load.
+"""
+
+from __future__ import annotations
+
+from trainperf.checkpoint._files import load_checkpoint, save_checkpoint
+from trainperf.checkpoint._prefix import (
+    DEFAULT_PREFIXES,
+    LoadResult,
+    load_state_dict,
+    strip_prefix,
+    unwrap_model,
+)
+
+__all__ = [
+    "DEFAULT_PREFIXES",
+    "LoadResult",
+    "load_checkpoint",
+    "load_state_dict",
+    "save_checkpoint",
+    "strip_prefix",
+    "unwrap_model",
+]

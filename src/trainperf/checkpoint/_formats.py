@@ -1,0 +1,127 @@
+"""Checkpoint file formats: recognising a file from its first bytes and explaining failed loads.
+
+Turns torch's terse errors ("miniz error", "Weights only load failed") into ones that say
+whether a file is truncated, damaged, of another kind, or refused as unsafe.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import struct
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainperf.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+)
+
+# torch.save's legacy (non-zip) format starts with this pickled long (torch/serialization.py).
+_LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def _describe(head: bytes) -> str:
+    text = head.lstrip()
+    kinds = [
+        (b"\x89PNG", "a PNG image"),
+        (b"\xff\xd8\xff", "a JPEG image"),
+        (b"\x93NUMPY", "a NumPy .npy array (use numpy.load)"),
+        (b"\x89HDF", "an HDF5 file (Keras/h5py)"),
+        (b"\x1f\x8b", "gzip-compressed data (decompress it first)"),
+        (b"version https://git-lfs", "a Git LFS pointer: fetch the real file with git lfs pull"),
+        (b"<", "an HTML/XML page: the download probably returned an error or login page"),
+        (b"{", "JSON text"),
+        (b"[", "JSON text"),
+    ]
+    for magic, what in kinds:
+        if (text if magic[:1] in b"<{[v" else head).startswith(magic):
+            return what
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError:
+        return "unrecognised binary data"
+    return "a text file"
+
+
+def _is_safetensors(head: bytes) -> bool:
+    if len(head) < 9:
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    return 0 < n < 100_000_000 and head[8:9] == b"{"
+
+
+def _open_zip(path: Path, verify: bool) -> None:
+    """Check the zip structure (and CRC-32s) in Python first: torch only says 'miniz error'."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+            if not any(n.endswith("/data.pkl") and n.count("/") == 1 for n in names):
+                raise NotACheckpointError(
+                    f"{path} is a zip archive but not one torch.save writes (no data.pkl); "
+                    "unpack it or point to the .pt file inside",
+                    path,
+                )
+            for info in zf.infolist() if verify else []:
+                if info.CRC == 0:  # saved with compute_crc32=False: nothing to compare
+                    continue
+                with zf.open(info) as member:
+                    while member.read(1 << 24):
+                        pass
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - (1 << 16) - 22))
+            has_end = b"PK\x05\x06" in f.read()
+        cause = (
+            "truncated: the end-of-archive record is missing, so the file was cut short "
+            "(an interrupted save, copy or download)"
+            if not has_end
+            else f"damaged ({e}): bytes were changed after saving (bad disk or transfer)"
+        )
+        raise CheckpointCorruptError(
+            f"checkpoint {path} is {cause}; re-copy it or use an earlier checkpoint", path
+        ) from e
+
+
+def _refusal_reason(msg: str) -> str:
+    """The specific reason inside torch's long weights_only message (its layout varies)."""
+    msg = re.sub(r"\x1b\[[0-9;]*m", "", msg)
+    m = re.search(r"WeightsUnpickler error:\s*(.*?)(?:\n\n|$)", msg, re.S)
+    if m:
+        return m.group(1).strip()
+    skip = ("Weights only load failed", "Check the documentation")
+    middle = [p.strip() for p in msg.split("\n\n") if p.strip() and not p.strip().startswith(skip)]
+    return " ".join(middle) or "see the chained error"
+
+
+def _torch_load(path: Path, dev: torch.device, weights_only: bool) -> Any:
+    try:
+        return torch.load(path, map_location=dev, weights_only=weights_only)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:
+        msg = str(e)
+        if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in msg:
+            reason = _refusal_reason(msg)
+            raise UnsafeCheckpointError(
+                f"{path} contains objects that weights_only=True refuses to unpickle "
+                f"({reason}). Unpickling can run arbitrary code. If you trust the file, "
+                "allow its classes with torch.serialization.add_safe_globals([...]), or "
+                "load it with weights_only=False (only for files you trust)",
+                path,
+            ) from e
+        if isinstance(e, (RuntimeError, EOFError, pickle.UnpicklingError, KeyError, ValueError)):
+            raise CheckpointCorruptError(
+                f"checkpoint {path} is damaged or truncated ({type(e).__name__}: "
+                f"{msg.splitlines()[0] if msg else 'no detail'}); re-copy it or use an "
+                "earlier checkpoint",
+                path,
+            ) from e
+        raise CheckpointError(
+            f"could not load checkpoint {path}: {type(e).__name__}: {e}", path
+        ) from e

@@ -1,0 +1,34 @@
+"""Devices: which GPUs exist and are free, moving batches to a device, same-device checks, seeds.
+
+GPU discovery goes through NVML (``pynvml``), never through CUDA, so listing or choosing
+GPUs does not create a CUDA context and ``CUDA_VISIBLE_DEVICES`` can still be set
+afterwards. :func:`gpus` maps NVML's view onto CUDA's numbering the way the CUDA runtime
+does, from ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``.
+
+``CUDA_DEVICE_ORDER=FASTEST_FIRST`` (CUDA's default) orders cards by a speed estimate NVML
+cannot see; it is approximated as *descending compute capability, then PCI bus id*, which is
+exact when all cards are of one model. Once ``torch.cuda`` is initialised, the UUIDs torch
+reports are used instead, which is exact.
+
+- :mod:`._inventory`: :class:`GpuInfo`, :func:`gpus`, :func:`select_gpus`, :func:`best_device`
+  (NVML discovery and the ``CUDA_VISIBLE_DEVICES`` / ``CUDA_DEVICE_ORDER`` rules);
+- :mod:`._move`: :func:`to_device` and :func:`check_same_device` (walking nested batches);
+- :mod:`._seed`: :func:`seed_everything` and :func:`worker_init_fn`.
+"""
+
+from __future__ import annotations
+
+from trainperf.device._inventory import GpuInfo, best_device, gpus, select_gpus
+from trainperf.device._move import check_same_device, to_device
+from trainperf.device._seed import seed_everything, worker_init_fn
+
+__all__ = [
+    "GpuInfo",
+    "best_device",
+    "check_same_device",
+    "gpus",
+    "seed_everything",
+    "select_gpus",
+    "to_device",
+    "worker_init_fn",
+]

@@ -1,0 +1,337 @@
+"""GPU inventory: :class:`GpuInfo`, :func:`gpus`, :func:`select_gpus`, :func:`best_device`.
+
+GPU discovery goes through NVML (``pynvml``), never through CUDA, so listing or choosing
+GPUs does not create a CUDA context and ``CUDA_VISIBLE_DEVICES`` can still be set
+afterwards. :func:`gpus` maps NVML's view onto CUDA's numbering the way the CUDA runtime
+does, from ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``.
+
+``CUDA_DEVICE_ORDER=FASTEST_FIRST`` (CUDA's default) orders cards by a speed estimate NVML
+cannot see; it is approximated as *descending compute capability, then PCI bus id*, which is
+exact when all cards are of one model. Once ``torch.cuda`` is initialised, the UUIDs torch
+reports are used instead, which is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from trainperf.errors import DeviceError
+
+T = TypeVar("T")
+_GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU (or MIG instance) visible to this process, as NVML reports it.
+
+    Attributes:
+        index: the CUDA index this process sees it under (``cuda:<index>``).
+        nvml_index: NVML's (``nvidia-smi``'s) index of the physical card.
+        uuid: ``GPU-…`` (or ``MIG-…`` for a MIG instance); stable across reboots.
+        name: the product name, e.g. ``"NVIDIA A100-SXM4-80GB"``.
+        memory_total: bytes of device memory (None where NVML cannot report it, e.g. on
+            unified-memory systems).
+        memory_used: bytes in use, by every process on the card.
+        memory_free: bytes free.
+        utilization: percent of the last sample period a kernel ran (None where not
+            supported, e.g. on MIG instances).
+        compute_capability: ``(major, minor)``, e.g. ``(8, 0)``; None where not reported.
+        pci_bus_id: e.g. ``"00000000:3B:00.0"``.
+    """
+
+    index: int
+    nvml_index: int
+    uuid: str
+    name: str
+    memory_total: int | None
+    memory_used: int | None
+    memory_free: int | None
+    utilization: int | None
+    compute_capability: tuple[int, int] | None
+    pci_bus_id: str
+
+
+# --------------------------------------------------------------------------- NVML discovery
+
+_nvml_warned = False
+
+
+def _warn_no_nvml(reason: str) -> None:
+    global _nvml_warned
+    if _nvml_warned:
+        return
+    _nvml_warned = True
+    warnings.warn(
+        f"trainperf.gpus() found no NVIDIA driver/NVML ({reason}); reporting no GPUs. "
+        "This warning is shown once per process.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _query(nvml: Any, fn: Callable[..., T], *args: Any) -> T | None:
+    # A query the device does not support (utilisation on MIG, memory on unified-memory
+    # systems) is an absent value, not a failure of the whole listing.
+    try:
+        return fn(*args)
+    except nvml.NVMLError_NotSupported:
+        return None
+
+
+def _describe(nvml: Any, handle: Any, nvml_index: int, pci_bus_id: str | None = None) -> GpuInfo:
+    mem = _query(nvml, nvml.nvmlDeviceGetMemoryInfo, handle)
+    util = _query(nvml, nvml.nvmlDeviceGetUtilizationRates, handle)
+    cc = _query(nvml, nvml.nvmlDeviceGetCudaComputeCapability, handle)
+    if pci_bus_id is None:
+        pci_bus_id = _text(nvml.nvmlDeviceGetPciInfo(handle).busId)
+    return GpuInfo(
+        index=-1,
+        nvml_index=nvml_index,
+        uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+        name=_text(nvml.nvmlDeviceGetName(handle)),
+        memory_total=None if mem is None else int(mem.total),
+        memory_used=None if mem is None else int(mem.used),
+        memory_free=None if mem is None else int(mem.free),
+        utilization=None if util is None else int(util.gpu),
+        compute_capability=None if cc is None else (int(cc[0]), int(cc[1])),
+        pci_bus_id=pci_bus_id,
+    )
+
+
+def _mig_instances(nvml: Any, handles: list[Any], cards: list[GpuInfo]) -> list[GpuInfo]:
+    found: list[GpuInfo] = []
+    for handle, card in zip(handles, cards, strict=True):
+        mode = _query(nvml, nvml.nvmlDeviceGetMigMode, handle)
+        if mode is None or mode[0] != 1:  # current mode; 1 is NVML_DEVICE_MIG_ENABLE
+            continue
+        for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+            except nvml.NVMLError_NotFound:  # an empty slot
+                continue
+            info = _describe(nvml, mig, card.nvml_index, card.pci_bus_id)
+            if info.compute_capability is None:
+                info = dataclasses.replace(info, compute_capability=card.compute_capability)
+            found.append(info)
+    return found
+
+
+_ORDINAL = re.compile(r"\+?(\d+)")
+
+
+def _visible(cards: list[GpuInfo], migs: Callable[[], list[GpuInfo]]) -> list[GpuInfo]:
+    """Apply CUDA_DEVICE_ORDER and CUDA_VISIBLE_DEVICES the way the CUDA runtime does."""
+    if os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID":
+        ordered = sorted(cards, key=lambda c: (c.pci_bus_id.lower(), c.nvml_index))
+    else:  # FASTEST_FIRST, CUDA's default; any other value is ignored by CUDA too
+        ordered = sorted(
+            cards,
+            key=lambda c: (tuple(-v for v in c.compute_capability or (0, 0)), c.pci_bus_id),
+        )
+    spec = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if spec is None:
+        return ordered
+    # The first entry sets the notation (ordinals, GPU- or MIG- UUIDs); an entry in another
+    # notation ends the list, as it does for CUDA (seen on an H200: "0,GPU-<uuid of 0>" shows
+    # one card, while naming a card twice in one notation, even as prefix + full UUID, or
+    # "0,0", shows none).
+    entries = [raw.strip() for raw in spec.split(",")]
+    prefix = entries[0][:4] if entries[0].startswith(("GPU-", "MIG-")) else ""
+    pool = migs() if prefix == "MIG-" else cards
+    chosen: list[GpuInfo] = []
+    for entry in entries:
+        candidates: list[GpuInfo] = []
+        if prefix and entry.startswith(prefix) and len(entry) > len(prefix):
+            # CUDA accepts the hex digits in either case (seen on an H200).
+            candidates = [c for c in pool if c.uuid.lower().startswith(entry.lower())]
+        elif not prefix and (match := _ORDINAL.match(entry)):
+            # Read like C's strtoul, as CUDA does: "1gpu" is 1.
+            candidates = ordered[int(match.group(1)) :][:1]
+        if len(candidates) != 1:  # unknown, out of range or an ambiguous prefix: stop here
+            break
+        if candidates[0] in chosen:
+            return []
+        chosen.append(candidates[0])
+    return chosen
+
+
+def _cuda_initialized() -> bool:
+    return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
+
+
+def _torch_order(found: Callable[[], list[GpuInfo]]) -> list[GpuInfo] | None:
+    # Only when CUDA is already initialised: asking torch otherwise would initialise it.
+    cuda = torch.cuda
+    if not _cuda_initialized():
+        return None
+    by_uuid = {c.uuid.split("-", 1)[1]: c for c in found()}
+    try:
+        uuids = [str(cuda.get_device_properties(i).uuid) for i in range(cuda.device_count())]
+    except (RuntimeError, AttributeError, AssertionError):
+        return None
+    mapped = [by_uuid.get(u) for u in uuids]
+    return None if None in mapped else [c for c in mapped if c is not None]
+
+
+def gpus() -> list[GpuInfo]:
+    """List the GPUs this process can see, numbered as CUDA numbers them, without touching CUDA.
+
+    Honours ``CUDA_VISIBLE_DEVICES`` as CUDA does: ordinals, ``GPU-`` UUIDs or unique UUID
+    prefixes, or ``MIG-`` ids; the list ends at the first entry that is unknown or in
+    another notation than the first; a card named twice, or an empty string, hides every
+    GPU; unset shows all. Ordinals count in ``CUDA_DEVICE_ORDER`` (see the module docstring
+    for how ``FASTEST_FIRST`` is approximated).
+
+    Returns:
+        One :class:`GpuInfo` per visible device, ordered by CUDA index; ``[]`` without an
+        NVIDIA driver or NVML library (with one ``RuntimeWarning`` per process).
+
+    Raises:
+        DeviceError: NVML is there but refuses access (permissions) or fails otherwise.
+
+    Example:
+        >>> all(g.index == i for i, g in enumerate(gpus()))
+        True
+    """
+    try:
+        import pynvml as nvml
+    except ImportError as e:
+        _warn_no_nvml(f"cannot import pynvml: {e}")
+        return []
+    try:
+        nvml.nvmlInit()
+    except (nvml.NVMLError_LibraryNotFound, nvml.NVMLError_DriverNotLoaded) as e:
+        _warn_no_nvml(str(e))
+        return []
+    except nvml.NVMLError as e:
+        raise _nvml_error(nvml, e) from e
+    try:
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        cards = [_describe(nvml, h, i) for i, h in enumerate(handles)]
+        mig_cache: list[list[GpuInfo]] = []
+
+        def migs() -> list[GpuInfo]:
+            if not mig_cache:
+                mig_cache.append(_mig_instances(nvml, handles, cards))
+            return mig_cache[0]
+
+        visible = _torch_order(lambda: cards + migs()) or _visible(cards, migs)
+    except nvml.NVMLError as e:
+        raise _nvml_error(nvml, e) from e
+    finally:
+        nvml.nvmlShutdown()
+    return [dataclasses.replace(c, index=i) for i, c in enumerate(visible)]
+
+
+def _nvml_error(nvml: Any, e: Exception) -> DeviceError:
+    if isinstance(e, nvml.NVMLError_NoPermission):
+        return DeviceError(
+            f"NVML refused access to the GPUs ({e}). Fix: give this user read/write access to "
+            "/dev/nvidiactl and /dev/nvidia* (add it to the group that owns them, often "
+            "'video'), or start the container with the NVIDIA runtime (docker run --gpus all)."
+        )
+    return DeviceError(f"NVML failed while listing GPUs: {e!r}. Check `nvidia-smi` works.")
+
+
+def _free(card: GpuInfo) -> int:
+    return -1 if card.memory_free is None else card.memory_free
+
+
+def _fmt_free(card: GpuInfo) -> str:
+    if card.memory_free is None:
+        return "free memory unknown"
+    return f"{card.memory_free / _GiB:.1f} GiB free"
+
+
+def select_gpus(n: int = 1, *, min_free_memory: int | None = None) -> list[int]:
+    """Pick the ``n`` visible GPUs with the most free memory and make them ``cuda:0..n-1``.
+
+    Sets ``CUDA_VISIBLE_DEVICES`` to the chosen cards' UUIDs, emptiest first. UUIDs mean
+    the same card whatever ``CUDA_DEVICE_ORDER`` says (plain integers would not). Call it
+    before anything initialises CUDA: the variable is read once, at CUDA's start.
+
+    Args:
+        n: how many GPUs to take (>= 1).
+        min_free_memory: bytes a card must have free to qualify; None takes any card.
+
+    Returns:
+        The chosen cards' NVML (``nvidia-smi``) indices, in their new CUDA order.
+
+    Raises:
+        ValueError: ``n`` < 1 or ``min_free_memory`` < 0.
+        DeviceError: CUDA is already initialised, or fewer than ``n`` cards qualify.
+
+    Example:
+        >>> try:
+        ...     chosen = select_gpus(1)  # the emptiest visible GPU becomes cuda:0
+        ... except DeviceError:  # no GPU here, or CUDA already initialised
+        ...     chosen = []
+        >>> len(chosen) <= 1
+        True
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    if min_free_memory is not None and min_free_memory < 0:
+        raise ValueError(f"min_free_memory must be >= 0 bytes or None, got {min_free_memory!r}")
+    if _cuda_initialized():
+        raise DeviceError(
+            "select_gpus() must run before CUDA is initialised in this process: "
+            "CUDA_VISIBLE_DEVICES is read only once, when CUDA starts, so setting it now "
+            "has no effect. Call select_gpus() first thing in your script, before any "
+            "tensor or model is moved to 'cuda'."
+        )
+    cards = gpus()
+    qualified = [c for c in cards if min_free_memory is None or _free(c) >= min_free_memory]
+    ranked = sorted(qualified, key=lambda c: (-_free(c), c.index))
+    if len(ranked) < n:
+        found = (
+            ", ".join(
+                f"cuda:{c.index} {c.name} (nvidia-smi {c.nvml_index}) {_fmt_free(c)}" for c in cards
+            )
+            or "no GPUs (no NVIDIA driver, or CUDA_VISIBLE_DEVICES hides them all)"
+        )
+        need = "" if min_free_memory is None else f" with >= {min_free_memory / _GiB:.1f} GiB free"
+        raise DeviceError(f"select_gpus(n={n}) needs {n} GPU(s){need}; found: {found}")
+    chosen = ranked[:n]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(c.uuid for c in chosen)
+    return [c.nvml_index for c in chosen]
+
+
+def best_device() -> torch.device:
+    """The device to train on: the visible GPU with most free memory, else MPS, else CPU.
+
+    Does not initialise CUDA (``torch.cuda.is_available()`` creates no context, and the
+    free memory comes from NVML).
+
+    Returns:
+        ``cuda:<i>``; ``cuda:0`` when CUDA works but NVML is absent; ``mps``; or ``cpu``.
+
+    Example:
+        >>> best_device().type in {"cuda", "mps", "cpu"}
+        True
+    """
+    if torch.cuda.is_available():
+        cards = gpus()
+        count = torch.cuda.device_count()
+        if cards:
+            best = max(cards, key=lambda c: (_free(c), -c.index))
+            if best.index < count:
+                return torch.device("cuda", best.index)
+        return torch.device("cuda", 0)
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
