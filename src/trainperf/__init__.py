@@ -32,6 +32,7 @@ from trainperf.device import (
     to_device,
     worker_init_fn,
 )
+from trainperf.doctor import DoctorReport, diagnose
 from trainperf.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -45,6 +46,7 @@ from trainperf.errors import (
     UnsafeCheckpointError,
 )
 from trainperf.limits import HostLimits, host_limits, usable_cpus
+from trainperf.watch import Watch, WatchReport, watch
 
 try:
     __version__ = version("trainperf")
@@ -57,6 +59,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "DeviceError",
     "DeviceMismatchError",
+    "DoctorReport",
     "GpuInfo",
     "HostLimits",
     "LaunchError",
@@ -66,10 +69,13 @@ __all__ = [
     "StateDictMismatchError",
     "TrainperfError",
     "UnsafeCheckpointError",
+    "Watch",
+    "WatchReport",
     "__version__",
     "best_device",
     "check_same_device",
     "choose_precision",
+    "diagnose",
     "gpus",
     "host_limits",
     "load_checkpoint",
@@ -81,5 +87,6 @@ __all__ = [
     "to_device",
     "unwrap_model",
     "usable_cpus",
+    "watch",
     "worker_init_fn",
 ]

@@ -1,0 +1,55 @@
+"""Benchmarks that say whether a GPU runs at its expected speed.
+
+- :func:`bench_model`: the seed guide's ResNet-50 / ViT-B/16 throughput benchmark,
+  compared with its table of reference GPUs;
+- :func:`bench_matmul`: matrix-product TFLOP/s per dtype, against the datasheet;
+- :func:`bench_h2d`: host-to-device bandwidth, pageable vs pinned.
+
+``trainperf bench model|matmul|h2d`` runs them from the command line.
+"""
+
+from __future__ import annotations
+
+from trainperf.bench._common import Skipped
+from trainperf.bench.h2d import H2DResult, bench_h2d
+from trainperf.bench.matmul import MATMUL_DTYPES, MatmulDtype, MatmulResult, bench_matmul
+from trainperf.bench.model import (
+    BenchResult,
+    ModelName,
+    Precision,
+    bench_model,
+    format_iteration,
+)
+from trainperf.bench.reference import (
+    GpuSpec,
+    ReferenceComparison,
+    compare_to_reference,
+    find_gpu_spec,
+    find_reference_gpu,
+    gpu_specs,
+    normalize_gpu_name,
+    reference_throughput,
+)
+
+__all__ = [
+    "MATMUL_DTYPES",
+    "BenchResult",
+    "GpuSpec",
+    "H2DResult",
+    "MatmulDtype",
+    "MatmulResult",
+    "ModelName",
+    "Precision",
+    "ReferenceComparison",
+    "Skipped",
+    "bench_h2d",
+    "bench_matmul",
+    "bench_model",
+    "compare_to_reference",
+    "find_gpu_spec",
+    "find_reference_gpu",
+    "format_iteration",
+    "gpu_specs",
+    "normalize_gpu_name",
+    "reference_throughput",
+]

@@ -1,0 +1,302 @@
+"""The ``trainperf`` command: ``bench model|matmul|h2d``, ``doctor`` and ``gpus``.
+
+A thin layer: :func:`build_parser` defines the arguments, each handler calls the library
+(:mod:`trainperf.bench`, :mod:`trainperf.doctor`, :func:`trainperf.device.gpus`) and prints
+either a human-readable report on stdout or, with ``--json``, one JSON document on stdout.
+Progress (warm-up, per-iteration lines in JSON mode) goes to stderr, so ``--json`` output
+can be piped as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO, cast
+
+__all__ = ["build_parser", "main"]
+
+_MiB = 2**20
+
+
+def _positive(text: str) -> int:
+    # argparse's type=int accepts 0 and negatives; a count below 1 is an argument error.
+    try:
+        value = int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from e
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``trainperf`` argument parser.
+
+    Example:
+        >>> args = build_parser().parse_args(["bench", "matmul", "--size", "64", "--json"])
+        >>> args.command, args.bench, args.size, args.json
+        ('bench', 'matmul', 64, True)
+    """
+    parser = argparse.ArgumentParser(
+        prog="trainperf",
+        description="Say why PyTorch training is slow: benchmark the GPU, check the "
+        "environment, list GPUs.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add_json(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--json", action="store_true", help="print one JSON document on stdout instead"
+        )
+
+    bench = commands.add_parser("bench", help="benchmark the GPU (model, matmul, h2d)")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+
+    model = benches.add_parser(
+        "model",
+        help="ResNet-50 / ViT-B/16 throughput on synthetic data, vs the reference GPUs",
+        description="The seed guide's benchmark: a torchvision model with random weights, "
+        "synthetic input on the device, weights cast to the precision. Defaults: batch 128 at "
+        "224 px and 15 batches per iteration on a GPU; batch 2 at 64 px on the CPU.",
+    )
+    model.add_argument("--model", choices=["resnet50", "vit_b_16"], default="resnet50")
+    model.add_argument(
+        "--precision", choices=["fp32", "fp16", "bf16", "all"], default="fp32", help="or all"
+    )
+    model.add_argument("--batch-size", type=_positive)
+    model.add_argument("--image-size", type=_positive)
+    model.add_argument("--iterations", type=_positive, help="timed iterations (GPU 5, CPU 2)")
+    model.add_argument("--batches-per-iteration", type=_positive)
+    model.add_argument("--warmup-batches", type=_positive, help="untimed batches first")
+    model.add_argument("--train", action="store_true", help="time forward+backward+SGD step")
+    model.add_argument("--channels-last", action="store_true")
+    model.add_argument(
+        "--tf32",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="allow TF32 for fp32 (default: PyTorch's current setting)",
+    )
+    model.add_argument("--device", help="cpu, cuda or cuda:<i> (default: the best available)")
+    add_json(model)
+
+    matmul = benches.add_parser(
+        "matmul",
+        help="matrix-product TFLOP/s per dtype, vs the datasheet",
+        description="Square matrix products on random data: fp32 (TF32 off), tf32, bf16, fp16.",
+    )
+    matmul.add_argument("--size", type=_positive, help="matrix side (8192 on a GPU, 256 on CPU)")
+    matmul.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=["fp32", "tf32", "bf16", "fp16", "all"],
+        default=["all"],
+    )
+    matmul.add_argument("--iterations", type=_positive)
+    matmul.add_argument("--device", help="cpu, cuda or cuda:<i> (default: the best available)")
+    add_json(matmul)
+
+    h2d = benches.add_parser(
+        "h2d", help="host-to-device GB/s, pageable vs pinned memory (needs CUDA)"
+    )
+    h2d.add_argument("--size-mb", type=_positive, default=512, help="MiB per copy (512)")
+    h2d.add_argument("--iterations", type=_positive, default=5)
+    h2d.add_argument("--device", help="cuda or cuda:<i> (default: the best available)")
+    add_json(h2d)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="check GPUs, drivers, CPUs, memory, /dev/shm, BLAS, threads; exit 1 on a fail",
+    )
+    add_json(doctor)
+
+    gpus = commands.add_parser("gpus", help="list the GPUs this process can see (NVML)")
+    add_json(gpus)
+    return parser
+
+
+def _jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    return obj
+
+
+def _emit_json(document: dict[str, Any], out: TextIO) -> None:
+    json.dump(document, out, indent=2, default=_jsonable)
+    out.write("\n")
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _run_bench_model(args: argparse.Namespace) -> int:
+    from trainperf.bench import Precision, Skipped, bench_model, format_iteration
+
+    precisions = ["fp32", "fp16", "bf16"] if args.precision == "all" else [args.precision]
+    out = sys.stdout
+    # In JSON mode stdout carries only the document, so the iteration lines go to stderr.
+    lines: TextIO = sys.stderr if args.json else out
+    results: list[Any] = []
+    for precision in precisions:
+        _progress(f"trainperf bench model: {args.model} {precision}: building and warming up...")
+
+        def on_iteration(i: int, rate: float, seconds: float) -> None:
+            print(format_iteration(i, rate, seconds), file=lines, flush=True)
+
+        try:
+            result = bench_model(
+                args.model,
+                cast("Precision", precision),
+                batch_size=args.batch_size,
+                image_size=args.image_size,
+                iterations=args.iterations,
+                batches_per_iteration=args.batches_per_iteration,
+                warmup_batches=args.warmup_batches,
+                train=args.train,
+                channels_last=args.channels_last,
+                tf32=args.tf32,
+                device=args.device,
+                on_iteration=on_iteration,
+            )
+        except NotImplementedError as e:
+            skipped = Skipped("model", precision, str(e))
+            results.append(skipped)
+            print(f"Skipped {precision}: {e}", file=lines)
+            continue
+        results.append(result)
+        if not args.json:
+            print(result.summary(), file=out)
+            if result.comparison is not None:
+                print(result.comparison, file=out)
+            for note in result.notes:
+                print(f"Note: {note}", file=out)
+    if args.json:
+        _emit_json({"command": "bench model", "results": results}, out)
+    return 0
+
+
+def _run_bench_matmul(args: argparse.Namespace) -> int:
+    from trainperf.bench import MATMUL_DTYPES, MatmulDtype, Skipped, bench_matmul
+
+    dtypes = list(MATMUL_DTYPES) if "all" in args.dtype else list(dict.fromkeys(args.dtype))
+    results: list[Any] = []
+    for dtype in dtypes:
+        _progress(f"trainperf bench matmul: {dtype}...")
+        try:
+            result = bench_matmul(
+                cast("MatmulDtype", dtype),
+                size=args.size,
+                iterations=args.iterations,
+                device=args.device,
+            )
+        except NotImplementedError as e:
+            results.append(Skipped("matmul", dtype, str(e)))
+            if not args.json:
+                print(f"{dtype:>4}: skipped: {e}")
+            continue
+        results.append(result)
+        if not args.json:
+            print(result.summary())
+            for note in result.notes:
+                print(f"      note: {note}")
+    if args.json:
+        _emit_json({"command": "bench matmul", "results": results}, sys.stdout)
+    return 0
+
+
+def _run_bench_h2d(args: argparse.Namespace) -> int:
+    from trainperf.bench import Skipped, bench_h2d
+    from trainperf.errors import DeviceError
+
+    size = args.size_mb * _MiB
+    _progress(f"trainperf bench h2d: {args.size_mb} MiB copies, pageable then pinned...")
+    try:
+        result: Any = bench_h2d(size_bytes=size, iterations=args.iterations, device=args.device)
+    except DeviceError as e:
+        result = Skipped("h2d", "pageable+pinned", str(e))
+        if not args.json:
+            print(f"bench h2d skipped: {e}")
+    else:
+        if not args.json:
+            print(f"host -> {result.gpu_name or result.device}, {args.size_mb} MiB per copy:")
+            print(result.summary())
+    if args.json:
+        _emit_json({"command": "bench h2d", "results": [result]}, sys.stdout)
+    return 0
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    from trainperf.doctor import diagnose
+
+    report = diagnose()
+    if args.json:
+        _emit_json({"command": "doctor", **report.to_dict()}, sys.stdout)
+    else:
+        print(report)
+    return 1 if report.worst == "fail" else 0
+
+
+def _run_gpus(args: argparse.Namespace) -> int:
+    from trainperf.device import gpus
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "no NVML": an empty list says it
+        found = gpus()
+    if args.json:
+        _emit_json({"command": "gpus", "gpus": found}, sys.stdout)
+        return 0
+    if not found:
+        print("No NVIDIA GPU visible (no driver, or CUDA_VISIBLE_DEVICES hides them).")
+        return 0
+    print(f"{'cuda':>4}  {'smi':>3}  {'name':<28}  {'memory used/total':>20}  {'util':>4}  cc")
+    for g in found:
+        if g.memory_total is not None and g.memory_used is not None:
+            memory = f"{g.memory_used / 2**30:.1f}/{g.memory_total / 2**30:.1f} GiB"
+        else:
+            memory = "?"
+        util = "?" if g.utilization is None else f"{g.utilization}%"
+        cc = "?" if g.compute_capability is None else "{}.{}".format(*g.compute_capability)
+        print(f"{g.index:>4}  {g.nvml_index:>3}  {g.name:<28}  {memory:>20}  {util:>4}  {cc}")
+    return 0
+
+
+_HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "model": _run_bench_model,
+    "matmul": _run_bench_matmul,
+    "h2d": _run_bench_h2d,
+    "doctor": _run_doctor,
+    "gpus": _run_gpus,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``trainperf`` with ``argv`` (default: the command line) and return the exit status.
+
+    Returns 0 on success, 1 when a command fails (or ``doctor`` finds a failing check), and
+    exits with 2 on a usage error (argparse's convention).
+
+    Example:
+        >>> main(["bench", "matmul", "--size", "32", "--dtype", "fp32", "--device", "cpu",
+        ...       "--iterations", "1", "--json"])  # doctest: +ELLIPSIS
+        {...}
+        0
+    """
+    args = build_parser().parse_args(argv)
+    handler = _HANDLERS[args.bench if args.command == "bench" else args.command]
+    from trainperf.errors import TrainperfError
+
+    try:
+        return handler(args)
+    except (ValueError, TrainperfError, ModuleNotFoundError) as e:
+        print(f"trainperf: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # The reader (`| head`) went away: stop quietly, as Unix tools do. Python's docs
+        # recipe: point stdout at devnull so the flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

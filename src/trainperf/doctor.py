@@ -1,0 +1,230 @@
+"""``trainperf doctor``: check the environment a training run depends on, one verdict per check.
+
+Each check returns a :class:`Check` (name, verdict ``ok``/``warn``/``fail``/``skip``, the
+measured value, and the fix). The check functions (defined in ``_doctor_checks``, exported
+here) take their inputs as arguments, so they can be tested against any environment;
+:func:`diagnose` gathers the real inputs (NVML, torch, cgroups, ``/dev/shm``, NumPy's BLAS,
+environment variables) and runs them all.
+Nothing here initialises CUDA, and the whole run takes a second or two without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainperf import _imports
+from trainperf._doctor_checks import (
+    Check,
+    Verdict,
+    check_blas,
+    check_cpus,
+    check_cuda_arch,
+    check_gpus,
+    check_memory,
+    check_shm,
+    check_start_method,
+    check_threads,
+    check_torch_build,
+    check_visible_devices,
+)
+from trainperf.device import GpuInfo
+from trainperf.limits import HostLimits, host_limits
+
+__all__ = [
+    "Check",
+    "DoctorReport",
+    "Verdict",
+    "check_blas",
+    "check_cpus",
+    "check_cuda_arch",
+    "check_gpus",
+    "check_memory",
+    "check_shm",
+    "check_start_method",
+    "check_threads",
+    "check_torch_build",
+    "check_visible_devices",
+    "diagnose",
+]
+
+_SEVERITY: dict[str, int] = {"skip": 0, "ok": 1, "warn": 2, "fail": 3}
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    """Every check's outcome, printable as a table.
+
+    Attributes:
+        checks: the checks, in the order they ran.
+    """
+
+    checks: tuple[Check, ...]
+
+    @property
+    def worst(self) -> Verdict:
+        """The most severe verdict: fail > warn > ok > skip."""
+        worst: Verdict = "skip"
+        for check in self.checks:
+            if _SEVERITY[check.verdict] > _SEVERITY[worst]:
+                worst = check.verdict
+        return worst
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: ``{"worst": ..., "checks": [{name, verdict, value, fix}, ...]}``."""
+        return {"worst": self.worst, "checks": [asdict(c) for c in self.checks]}
+
+    def __str__(self) -> str:
+        width = max((len(c.name) for c in self.checks), default=4)
+        lines = [f"{'check':<{width}}  verdict  value"]
+        for c in self.checks:
+            lines.append(f"{c.name:<{width}}  {c.verdict:<7}  {c.value}")
+            if c.fix and c.verdict != "ok":
+                lines.append(f"{'':<{width}}  {'':<7}  fix: {c.fix}")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- gathering
+
+
+def _nvml_system() -> tuple[str | None, int | None, int]:
+    """Driver version, the CUDA version it supports, and the physical GPU count."""
+    if not _imports.is_available("pynvml"):
+        return None, None, 0
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None, None, 0
+    try:
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else str(driver)
+        return (
+            driver,
+            int(pynvml.nvmlSystemGetCudaDriverVersion()),
+            int(pynvml.nvmlDeviceGetCount()),
+        )
+    except pynvml.NVMLError:
+        return None, None, 0
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _list_gpus() -> tuple[list[GpuInfo], str | None]:
+    from trainperf import device
+    from trainperf.errors import DeviceError
+
+    with warnings.catch_warnings():
+        # doctor reports a missing driver itself; gpus()'s warning would repeat it.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        try:
+            return device.gpus(), None
+        except DeviceError as e:
+            return [], str(e)
+
+
+def _blas_pools() -> list[dict[str, Any]] | None:
+    if not _imports.is_available("threadpoolctl"):
+        return None
+    import numpy  # noqa: F401  (threadpoolctl only sees the BLAS of modules already loaded)
+
+    # Imported by name: threadpoolctl ships no type information.
+    threadpoolctl = importlib.import_module("threadpoolctl")
+    return list(threadpoolctl.threadpool_info())
+
+
+def _cpu_vendor(cpuinfo: Path) -> str | None:
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    match = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.MULTILINE)
+    return match.group(1) if match else None
+
+
+def _start_method() -> str:
+    # get_start_method() without allow_none would fix the default for the whole process.
+    method = multiprocessing.get_start_method(allow_none=True)
+    return method or multiprocessing.get_all_start_methods()[0]
+
+
+def _torch_versions() -> tuple[int | None, tuple[int, ...] | None]:
+    cudnn_module: Any = torch.backends.cudnn  # its functions are untyped
+    cudnn = cudnn_module.version() if cudnn_module.is_available() else None
+    nccl: tuple[int, ...] | None = None
+    try:
+        if torch.version.cuda is not None and torch.distributed.is_nccl_available():
+            raw = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+            nccl = tuple(raw) if isinstance(raw, tuple) else (int(raw),)
+    except (RuntimeError, AttributeError):
+        nccl = None
+    return cudnn, nccl
+
+
+def diagnose(
+    *,
+    limits: HostLimits | None = None,
+    env: Mapping[str, str] | None = None,
+    cpuinfo: Path = Path("/proc/cpuinfo"),
+) -> DoctorReport:
+    """Run every check against this machine and return the report.
+
+    Args:
+        limits: host limits to use instead of reading them (tests pass fake cgroups here).
+        env: environment variables to check instead of ``os.environ``.
+        cpuinfo: where to read the CPU vendor from.
+
+    Returns:
+        A :class:`DoctorReport`; ``print`` it for a table, ``to_dict()`` for JSON.
+
+    Example:
+        >>> report = diagnose()
+        >>> [c.name for c in report.checks][:3]
+        ['gpus', 'torch', 'cuda_arch']
+        >>> report.worst in ("ok", "warn", "fail")
+        True
+    """
+    environ = os.environ if env is None else env
+    limits = host_limits() if limits is None else limits
+    gpus, gpu_error = _list_gpus()
+    driver, driver_cuda, physical = _nvml_system()
+    physical = max(physical, len(gpus))
+    cudnn, nccl = _torch_versions()
+    try:
+        processes = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        processes = 1
+    checks = [
+        check_gpus(gpus, driver, gpu_error),
+        check_torch_build(
+            torch_version=torch.__version__,
+            cuda=torch.version.cuda,
+            cudnn=cudnn,
+            nccl=nccl,
+            gpu_count=physical,
+            driver_cuda=driver_cuda,
+        ),
+        check_cuda_arch(torch.cuda.get_arch_list(), [(g.name, g.compute_capability) for g in gpus]),
+        check_cpus(limits, len(gpus)),
+        check_memory(limits),
+        check_shm(limits, workers=max(1, limits.cpus // max(1, len(gpus)))),
+        check_blas(_blas_pools(), _cpu_vendor(cpuinfo), limits.cpus),
+        check_threads(
+            torch.get_num_threads(), environ.get("OMP_NUM_THREADS"), limits.cpus, processes
+        ),
+        check_start_method(_start_method()),
+        check_visible_devices(
+            environ.get("CUDA_VISIBLE_DEVICES"), environ.get("CUDA_DEVICE_ORDER"), physical
+        ),
+    ]
+    return DoctorReport(tuple(checks))

@@ -1,0 +1,172 @@
+"""The `trainperf` command, run in-process (fast) and once as `python -m trainperf`."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from trainperf.cli import build_parser, main
+
+ITERATION = re.compile(r"^Iteration \d+, \d+\.\d images/s in \d+\.\d{3} s\.$")
+# One image of 32 px, one timed batch: each model run takes about a second on a CPU.
+TINY = ["--device", "cpu", "--batch-size", "1", "--image-size", "32", "--warmup-batches", "1",
+        "--iterations", "1"]  # fmt: skip
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    code, out, _ = run(capsys, *argv, "--json")
+    assert code == 0
+    document: dict[str, Any] = json.loads(out)
+    return document
+
+
+def test_bench_model_prints_the_seed_lines_and_a_summary(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run(capsys, "bench", "model", *TINY[:-1], "2")
+    assert code == 0
+    lines = out.splitlines()
+    assert [i for i, line in enumerate(lines) if ITERATION.match(line)] == [0, 1]
+    assert lines[0].startswith("Iteration 0,") and lines[1].startswith("Iteration 1,")
+    assert "resnet50 fp32 inference on cpu" in lines[2]
+    assert "warming up" in err  # progress goes to stderr
+
+
+def test_bench_model_all_precisions_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "bench", "model", "--precision", "all", *TINY, "--json")
+    assert code == 0
+    document = json.loads(out)
+    assert document["command"] == "bench model"
+    results = document["results"]
+    assert [r.get("precision", r.get("setting")) for r in results] == ["fp32", "fp16", "bf16"]
+    for r in results:
+        if "reason" in r:  # a precision this PyTorch cannot run on the CPU is a skipped record
+            assert r["benchmark"] == "model"
+            continue
+        assert r["model"] == "resnet50" and r["device"] == "cpu"
+        assert len(r["iteration_seconds"]) == 1 and r["images_per_s"] > 0
+    # In JSON mode the iteration lines still show, on stderr.
+    assert sum(bool(ITERATION.match(line)) for line in err.splitlines()) == sum(
+        "reason" not in r for r in results
+    )
+
+
+def test_bench_model_vit_json(capsys: pytest.CaptureFixture[str]) -> None:
+    document = run_json(capsys, "bench", "model", "--model", "vit_b_16", "--precision", "bf16",
+                        *TINY)  # fmt: skip
+    (result,) = document["results"]
+    assert (result["model"], result["precision"], result["image_size"]) == ("vit_b_16", "bf16", 32)
+
+
+def test_bench_model_library_errors_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "bench", "model", "--model", "vit_b_16", "--image-size", "40",
+                       "--device", "cpu")  # fmt: skip
+    assert code == 1 and "trainperf: error: vit_b_16 takes 16-pixel patches" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_bench_model_on_missing_cuda_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "bench", "model", "--device", "cuda")
+    assert code == 1 and "CUDA is not available" in err
+
+
+def test_bench_matmul_json_and_human(capsys: pytest.CaptureFixture[str]) -> None:
+    document = run_json(capsys, "bench", "matmul", "--size", "32", "--iterations", "2",
+                        "--device", "cpu")  # fmt: skip
+    results = {r.get("dtype", r.get("setting")): r for r in document["results"]}
+    assert list(results) == ["fp32", "tf32", "bf16", "fp16"]
+    assert results["tf32"]["reason"].startswith("bench_matmul(dtype='tf32') needs a CUDA GPU")
+    assert all(results[d]["tflops"] > 0 and results[d]["size"] == 32 for d in ("fp32", "fp16"))
+    code, out, _ = run(capsys, "bench", "matmul", "--size", "32", "--dtype", "fp32", "fp32",
+                       "--device", "cpu")  # fmt: skip
+    assert code == 0 and out.count("TFLOP/s") == 1 and "fp32:" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_bench_h2d_without_cuda_says_so_and_succeeds(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "bench", "h2d")
+    assert code == 0 and "bench h2d skipped" in out and "needs CUDA" in out
+    document = run_json(capsys, "bench", "h2d")
+    (skipped,) = document["results"]
+    assert skipped["benchmark"] == "h2d" and "needs CUDA" in skipped["reason"]
+
+
+@pytest.mark.requires_cuda
+def test_bench_h2d_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    document = run_json(capsys, "bench", "h2d", "--size-mb", "16", "--iterations", "2")
+    (result,) = document["results"]
+    assert result["pinned_gb_per_s"] > 0 and result["size_bytes"] == 16 * 2**20
+
+
+def test_doctor_human_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "doctor")
+    assert out.splitlines()[0].split() == ["check", "verdict", "value"]
+    assert "visible_devices" in out
+    json_code, json_out, _ = run(capsys, "doctor", "--json")
+    document = json.loads(json_out)
+    assert document["command"] == "doctor"
+    assert {c["name"] for c in document["checks"]} >= {"gpus", "cpus", "shm", "blas"}
+    assert code == json_code == (1 if document["worst"] == "fail" else 0)
+
+
+def test_gpus_lists_what_nvml_sees(capsys: pytest.CaptureFixture[str]) -> None:
+    document = run_json(capsys, "gpus")
+    code, out, _ = run(capsys, "gpus")
+    assert code == 0
+    if not document["gpus"]:
+        assert "No NVIDIA GPU visible" in out
+    for g in document["gpus"]:
+        assert g["name"] in out and {"index", "uuid", "memory_total"} <= set(g)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["bench"],
+        ["bench", "model", "--precision", "fp8"],
+        ["bench", "model", "--iterations", "0"],
+        ["bench", "matmul", "--size", "x"],
+        ["bench", "matmul", "--dtype", "int8"],
+    ],
+)
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "usage: trainperf" in capsys.readouterr().err
+
+
+def test_build_parser_defaults() -> None:
+    args = build_parser().parse_args(["bench", "model"])
+    assert (args.model, args.precision, args.iterations, args.tf32, args.json) == (
+        "resnet50", "fp32", None, None, False,
+    )  # fmt: skip
+    assert build_parser().parse_args(["bench", "model", "--no-tf32"]).tf32 is False
+
+
+def test_python_dash_m_trainperf() -> None:
+    help_run = subprocess.run(
+        [sys.executable, "-m", "trainperf", "--help"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert "bench" in help_run.stdout and "doctor" in help_run.stdout
+    doctor = subprocess.run(
+        [sys.executable, "-m", "trainperf", "doctor", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    document = json.loads(doctor.stdout)
+    assert doctor.returncode == (1 if document["worst"] == "fail" else 0)
+    assert [c["name"] for c in document["checks"]][:2] == ["gpus", "torch"]
