@@ -1,0 +1,52 @@
+"""Multi-process training on torch.distributed: ``launch(main)`` and the helpers ranks use.
+
+``launch(main)`` at the bottom of a plain training script starts one process per GPU
+(NCCL), or as many CPU ranks as asked for (gloo), with the process group initialised; the
+same script runs unchanged under ``torchrun`` or ``srun`` across nodes. Failures are
+reported with the failing rank's traceback, and nothing is left running.
+
+Import it as ``import trainperf.ddp`` (or ``from trainperf import ddp``): the top-level
+``trainperf`` package does not import it, so ``import trainperf`` stays light.
+
+Example:
+    >>> import trainperf.ddp as ddp
+    >>> ddp.rank(), ddp.world_size(), ddp.is_main_process()
+    (0, 1, True)
+"""
+
+from __future__ import annotations
+
+from trainperf.ddp._env import expand_nodelist
+from trainperf.ddp._helpers import (
+    DistributedLoader,
+    all_reduce_mean,
+    barrier,
+    data_parallel,
+    distributed_loader,
+    is_main_process,
+    local_rank,
+    print0,
+    rank,
+    world_size,
+    wrap_model,
+)
+from trainperf.ddp._launch import Backend, StartMethod, launch, launch_all
+
+__all__ = [
+    "Backend",
+    "DistributedLoader",
+    "StartMethod",
+    "all_reduce_mean",
+    "barrier",
+    "data_parallel",
+    "distributed_loader",
+    "expand_nodelist",
+    "is_main_process",
+    "launch",
+    "launch_all",
+    "local_rank",
+    "print0",
+    "rank",
+    "world_size",
+    "wrap_model",
+]

@@ -1,0 +1,364 @@
+"""Helpers for code that runs on every rank: who am I, reduce, print once, wrap, shard data.
+
+Every helper also works in a plain single process (no process group): rank 0 of 1, the
+main process, collectives that return their input. So a training function written for
+``launch`` can be called directly while debugging.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from trainperf.ddp._worker import die_with_parent
+
+__all__ = [
+    "DistributedLoader",
+    "all_reduce_mean",
+    "barrier",
+    "data_parallel",
+    "distributed_loader",
+    "is_main_process",
+    "local_rank",
+    "print0",
+    "rank",
+    "wrap_model",
+    "world_size",
+]
+
+T = TypeVar("T")
+_dp_warned = False
+
+
+def _initialised() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return default
+
+
+def rank() -> int:
+    """This process's global rank: from the process group, else ``RANK``, else 0.
+
+    Example:
+        >>> rank()
+        0
+    """
+    return dist.get_rank() if _initialised() else _env_int("RANK", 0)
+
+
+def local_rank() -> int:
+    """This process's rank on its node (its GPU index): ``LOCAL_RANK``, else 0.
+
+    Example:
+        >>> local_rank()
+        0
+    """
+    return _env_int("LOCAL_RANK", 0)
+
+
+def world_size() -> int:
+    """Number of ranks: from the process group, else ``WORLD_SIZE``, else 1.
+
+    Example:
+        >>> world_size()
+        1
+    """
+    return dist.get_world_size() if _initialised() else _env_int("WORLD_SIZE", 1)
+
+
+def is_main_process() -> bool:
+    """True on global rank 0 (and in a plain single process).
+
+    Example:
+        >>> is_main_process()
+        True
+    """
+    return rank() == 0
+
+
+def barrier() -> None:
+    """Wait until every rank gets here; does nothing without a process group.
+
+    Example:
+        >>> barrier()
+    """
+    if _initialised():
+        dist.barrier()
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """``print`` on rank 0 only (flushed, so it is not lost if the job is killed).
+
+    Example:
+        >>> print0("loss", 0.25)
+        loss 0.25
+    """
+    if is_main_process():
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+def _rank_device() -> torch.device:
+    """Where this rank's model lives: its GPU under NCCL, the CPU under gloo."""
+    if _initialised():
+        if "nccl" in str(dist.get_backend()):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """The element-wise mean of ``tensor`` over all ranks, as a new tensor (input untouched).
+
+    Integer tensors are averaged in the default float dtype. Under NCCL a CPU tensor makes
+    a round trip through this rank's GPU and comes back on the CPU.
+
+    Args:
+        tensor: the same shape on every rank.
+
+    Returns:
+        The mean, on ``tensor``'s device.
+
+    Raises:
+        TypeError: ``tensor`` is not a tensor.
+
+    Example:
+        >>> all_reduce_mean(torch.tensor([1.0, 3.0]))
+        tensor([1., 3.])
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(
+            f"all_reduce_mean needs a torch.Tensor, got {type(tensor).__name__}; "
+            "wrap numbers with torch.tensor(value)"
+        )
+    out = tensor.detach().clone()
+    if not (out.is_floating_point() or out.is_complex()):
+        out = out.to(torch.get_default_dtype())
+    if not _initialised():
+        return out
+    work = out
+    if "nccl" in str(dist.get_backend()) and out.device.type != "cuda":
+        work = out.to(_rank_device())
+    dist.all_reduce(work, op=dist.ReduceOp.SUM)
+    work /= dist.get_world_size()
+    return work.to(out.device) if work is not out else work
+
+
+def wrap_model(model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
+    """Move ``model`` to this rank's device and wrap it in ``DistributedDataParallel``.
+
+    ``device_ids`` is passed only on a GPU (DDP refuses it for CPU modules). Without a
+    process group the model is only moved and returned unwrapped, so the same training
+    function runs in a single process.
+
+    Args:
+        model: a plain (unwrapped) module.
+        **ddp_kwargs: passed to ``DistributedDataParallel`` (``find_unused_parameters``,
+            ``gradient_as_bucket_view``, ...).
+
+    Returns:
+        The DDP-wrapped model (or the moved model without a process group).
+
+    Raises:
+        ValueError: ``model`` is already wrapped in DataParallel or DDP.
+
+    Example:
+        >>> net = wrap_model(torch.nn.Linear(2, 1))
+        >>> type(net).__name__, next(net.parameters()).device.type
+        ('Linear', 'cpu')
+    """
+    wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+    if isinstance(model, wrappers):
+        raise ValueError(
+            f"wrap_model got a model already wrapped in {type(model).__name__}; pass the "
+            "plain module (trainperf.checkpoint.unwrap_model(model) peels wrappers)"
+        )
+    device = _rank_device()
+    model.to(device)
+    if not _initialised():
+        return model
+    if device.type == "cuda":
+        ddp_kwargs.setdefault("device_ids", [device.index])
+        ddp_kwargs.setdefault("output_device", device.index)
+    return nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+
+
+class _AutoEpochSampler(DistributedSampler[T]):
+    """A DistributedSampler whose epoch moves on by itself after each pass.
+
+    ``set_epoch(e)`` still works (and sets the epoch of the next pass), so code written for
+    a plain DistributedSampler behaves the same; code that forgets it no longer repeats
+    the first epoch's order forever.
+    """
+
+    def __iter__(self) -> Iterator[T]:
+        indices = list(super().__iter__())
+        self.epoch += 1
+        return iter(indices)
+
+
+class _DieWithRank:
+    """DataLoader ``worker_init_fn`` that ties the worker's life to its rank's."""
+
+    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
+        self.user_fn = user_fn
+        self.parent = os.getpid()
+
+    def __call__(self, worker_id: int) -> None:
+        die_with_parent(self.parent)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+class DistributedLoader(DataLoader[T]):
+    """A DataLoader over this rank's shard; the shuffle changes every epoch.
+
+    Each pass over the loader uses the next epoch's order (0, 1, 2, ...); call
+    :meth:`set_epoch` to choose it explicitly (e.g. when resuming).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[T],
+        batch_size: int,
+        sampler: DistributedSampler[T],
+        **loader_kwargs: Any,
+    ) -> None:
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler, **loader_kwargs)
+        self.distributed_sampler = sampler
+
+    @property
+    def epoch(self) -> int:
+        """The epoch whose order the next pass uses."""
+        return int(self.distributed_sampler.epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch``'s shuffle for the next pass (the usual ``sampler.set_epoch``).
+
+        Raises:
+            ValueError: ``epoch`` is not an integer >= 0.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+        self.distributed_sampler.set_epoch(epoch)
+
+
+def distributed_loader(
+    dataset: Dataset[T],
+    batch_size: int,
+    *,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = False,
+    **loader_kwargs: Any,
+) -> DistributedLoader[T]:
+    """A DataLoader that gives each rank its own 1/world_size of ``dataset`` every epoch.
+
+    Built on ``DistributedSampler`` (with this rank and world size, so it also works in a
+    single process). The shuffle is seeded by ``seed + epoch`` and the epoch advances
+    after each pass by itself; ``loader.set_epoch(e)`` sets it explicitly. Without
+    ``drop_last`` the sampler pads with repeated samples so every rank gets as many.
+    DataLoader workers die with their rank.
+
+    Args:
+        dataset: a map-style dataset.
+        batch_size: samples per batch *per rank*.
+        shuffle: shuffle (the same permutation on every rank, split between them).
+        seed: base seed of the shuffle; must be the same on every rank.
+        drop_last: drop the tail that does not divide evenly among ranks.
+        **loader_kwargs: passed to ``DataLoader`` (``num_workers``, ``pin_memory``, ...);
+            not ``sampler`` or ``batch_sampler``.
+
+    Returns:
+        A :class:`DistributedLoader` (a ``DataLoader``).
+
+    Raises:
+        ValueError: ``batch_size`` < 1, or ``loader_kwargs`` has ``sampler`` or
+            ``batch_sampler``.
+
+    Example:
+        >>> loader = distributed_loader(list(range(6)), batch_size=3, shuffle=False)
+        >>> [batch.tolist() for batch in loader]
+        [[0, 1, 2], [3, 4, 5]]
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    clashing = sorted({"sampler", "batch_sampler"} & loader_kwargs.keys())
+    if clashing:
+        raise ValueError(
+            f"distributed_loader chooses the sampler itself; remove {', '.join(clashing)} "
+            "(use its shuffle= argument)"
+        )
+    sampler: _AutoEpochSampler[T] = _AutoEpochSampler(
+        dataset,
+        num_replicas=world_size(),
+        rank=rank(),
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+    )
+    if loader_kwargs.get("num_workers", 0) > 0 and sys.platform.startswith("linux"):
+        loader_kwargs["worker_init_fn"] = _DieWithRank(loader_kwargs.get("worker_init_fn"))
+    return DistributedLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_kwargs)
+
+
+def data_parallel(model: nn.Module, device_ids: Sequence[int] | None = None) -> nn.Module:
+    """Wrap ``model`` in ``nn.DataParallel``, first moving it to ``device_ids[0]``.
+
+    DataParallel gathers on ``device_ids[0]`` and insists that the module already lives
+    there ("module must have its parameters and buffers on device cuda:1 ... but found one
+    of them on device: cuda:0"); this moves it. Says once that DistributedDataParallel
+    (:func:`launch` + :func:`wrap_model`) is faster: one process per GPU, no per-step
+    scatter/gather and no GIL contention. Without CUDA the model is returned unwrapped.
+
+    Args:
+        model: a plain module.
+        device_ids: GPUs to use; None means all visible.
+
+    Returns:
+        The DataParallel-wrapped model (or ``model`` itself without CUDA).
+
+    Raises:
+        ValueError: ``device_ids`` is empty or names a GPU that is not visible.
+
+    Example:
+        >>> net = data_parallel(torch.nn.Linear(2, 1))  # no GPU here: returned as is
+        >>> type(net).__name__
+        'Linear'
+    """
+    global _dp_warned
+    if not torch.cuda.is_available():
+        if device_ids:
+            raise ValueError(f"device_ids={list(device_ids)!r} given, but no CUDA GPU is visible")
+        return model
+    count = torch.cuda.device_count()
+    ids = list(range(count)) if device_ids is None else [int(i) for i in device_ids]
+    if not ids:
+        raise ValueError("device_ids must name at least one GPU, got []")
+    bad = [i for i in ids if not 0 <= i < count]
+    if bad:
+        raise ValueError(f"device_ids {bad} are not visible GPUs (0..{count - 1})")
+    if not _dp_warned:
+        _dp_warned = True
+        warnings.warn(
+            "nn.DataParallel runs every GPU from one process; DistributedDataParallel is "
+            "faster (trainperf.ddp.launch(main) with wrap_model(model) inside main)",
+            stacklevel=2,
+        )
+    model.to(torch.device("cuda", ids[0]))
+    return nn.DataParallel(model, device_ids=ids)

@@ -1,0 +1,436 @@
+"""``launch(main)``: one process per GPU (or N CPU ranks), or the ranks a launcher started.
+
+Inside a torchrun or SLURM job, ``main`` runs in this process after the process group is
+initialised from the environment. Otherwise the launcher hosts a ``TCPStore`` on a port the
+OS picks (no probe-then-bind race), starts ``nprocs`` workers that join through it, and
+watches them: the first failure stops the rest within seconds and is raised as a
+:class:`~trainperf.errors.LaunchError` carrying the failing rank's own traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.context import BaseContext
+from pathlib import Path
+from typing import Any, Literal
+
+from trainperf.ddp import _env
+from trainperf.ddp._group import Group
+from trainperf.ddp._procs import Interrupted, SignalGuard
+from trainperf.ddp._worker import WorkerSpec, rank_device
+from trainperf.errors import DeviceError, LaunchError
+
+__all__ = ["Backend", "StartMethod", "launch", "launch_all"]
+
+Backend = Literal["nccl", "gloo"]
+StartMethod = Literal["spawn", "fork"]
+_BACKENDS = ("nccl", "gloo")
+_START_METHODS = ("spawn", "fork")
+
+logger = logging.getLogger("trainperf.ddp")
+_LOCALHOST = "127.0.0.1"
+
+
+def _check_options(
+    main: Callable[..., Any],
+    backend: str | None,
+    start_method: str,
+    timeout: timedelta | float,
+    max_restarts: int,
+) -> timedelta:
+    if not callable(main):
+        raise TypeError(f"main must be callable, got {type(main).__name__}")
+    if backend is not None and backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS} or None (auto), got {backend!r}")
+    if start_method not in _START_METHODS:
+        raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+        raise ValueError(f"timeout must be a positive timedelta (or seconds), got {timeout!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
+    return timeout
+
+
+def _resolve_backend(backend: str | None, gpu_count: int) -> str:
+    if backend is None:
+        return "nccl" if gpu_count > 0 else "gloo"
+    if backend == "nccl" and gpu_count == 0:
+        raise ValueError(
+            "backend='nccl' needs CUDA GPUs and none is visible; "
+            "use backend='gloo' (or None) on CPU"
+        )
+    return backend
+
+
+def cuda_driver_loaded(maps: Path = Path("/proc/self/maps")) -> bool:
+    """Whether this process has loaded CUDA's driver library (Linux; False elsewhere).
+
+    ``torch.cuda.is_available()`` loads and initialises it without counting as "CUDA
+    initialised" in torch, yet forked children can no longer use CUDA afterwards.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> maps = pathlib.Path(tempfile.mkdtemp()) / "maps"
+        >>> _ = maps.write_text("7f00-7f80 r-xp 00000000 08:01 42 /usr/lib/libcuda.so.1\\n")
+        >>> cuda_driver_loaded(maps), cuda_driver_loaded(maps.with_name("missing"))
+        (True, False)
+    """
+    try:
+        return "libcuda.so" in maps.read_text()
+    except OSError:
+        return False
+
+
+def _check_spawnable(main: Callable[..., Any], start_method: str, backend: str) -> None:
+    import torch
+
+    if start_method == "fork":
+        if "fork" not in multiprocessing.get_all_start_methods():
+            raise ValueError("start_method='fork' is not available on this platform; use 'spawn'")
+        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            raise DeviceError(
+                "start_method='fork' cannot be used once CUDA is initialised in this process: "
+                "forked workers cannot use CUDA then. Restart the kernel/interpreter and call "
+                "launch() before anything touches the GPU, or run a script with "
+                "start_method='spawn'"
+            )
+        if backend == "nccl" and cuda_driver_loaded():
+            raise DeviceError(
+                "start_method='fork' with backend='nccl': CUDA's driver is already loaded in "
+                "this process (torch.cuda.is_available() or another CUDA call ran), so forked "
+                "workers cannot use the GPU. Restart the kernel/interpreter and call launch() "
+                "before any CUDA call (export PYTORCH_NVML_BASED_CUDA_CHECK=1 keeps "
+                "torch.cuda.is_available() from loading it), or use start_method='spawn'"
+            )
+        return
+    name = getattr(main, "__qualname__", repr(main))
+    try:
+        pickle.dumps(main)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise ValueError(
+            f"start_method='spawn' sends main to each worker by name, and {name!r} cannot be "
+            f"pickled ({e}): define main at module top level (not a lambda or nested "
+            "function), or use start_method='fork' (Linux, notebooks)"
+        ) from e
+    main_module = sys.modules.get("__main__")
+    if getattr(main, "__module__", None) == "__main__" and not getattr(
+        main_module, "__file__", None
+    ):
+        raise ValueError(
+            f"{name!r} is defined in an interactive session (notebook or REPL), which spawned "
+            "workers cannot import: use start_method='fork', or move main into a .py module"
+        )
+
+
+def _host_store(timeout: timedelta) -> Any:
+    import torch.distributed as dist
+
+    explicit = os.environ.get("MASTER_PORT")
+    port = _env._port(os.environ, "MASTER_PORT") if explicit else 0
+    try:
+        return dist.TCPStore(  # type: ignore[attr-defined]
+            _LOCALHOST, port, None, True, timeout, wait_for_workers=False
+        )
+    except RuntimeError as e:
+        if explicit:
+            raise LaunchError(
+                f"cannot listen on {_LOCALHOST}:{port} (MASTER_PORT={explicit}): the port is "
+                f"taken or not allowed ({e}); choose another MASTER_PORT, or unset it and "
+                "launch() picks a free port"
+            ) from e
+        raise LaunchError(f"cannot start the rendezvous store on {_LOCALHOST}: {e}") from e
+
+
+def _spawn(
+    main: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    nprocs: int,
+    backend: str,
+    start_method: str,
+    timeout: timedelta,
+    max_restarts: int,
+    all_ranks: bool,
+) -> dict[int, Any]:
+    from trainperf.limits import usable_cpus
+
+    ctx = multiprocessing.get_context(start_method)
+    store = _host_store(timeout)
+    threads = None if "OMP_NUM_THREADS" in os.environ else usable_cpus(nprocs)
+    base = WorkerSpec(
+        main=main,
+        args=args,
+        kwargs=kwargs,
+        backend=backend,
+        world_size=nprocs,
+        master_addr=_LOCALHOST,
+        master_port=store.port,
+        store_prefix="",
+        timeout=timeout,
+        threads=threads,
+        parent_pid=os.getpid(),
+        send_result_from_all=all_ranks,
+    )
+    try:
+        with SignalGuard() as guard:
+            try:
+                return _attempts(ctx, base, guard, max_restarts)
+            except Interrupted as e:
+                if e.signum == signal.SIGINT:
+                    raise KeyboardInterrupt from None
+                raise SystemExit(128 + e.signum) from None
+    finally:
+        del store
+
+
+def _attempts(
+    ctx: BaseContext, base: WorkerSpec, guard: SignalGuard, max_restarts: int
+) -> dict[int, Any]:
+    """Run the group; after a failure, run it again from scratch, up to ``max_restarts``."""
+    attempt = 0
+    while True:
+        # Each attempt rendezvouses under its own key prefix in the one store.
+        spec = dataclasses.replace(base, store_prefix=f"trainperf/attempt{attempt}/")
+        label = f" (attempt {attempt + 1} of {max_restarts + 1})" if max_restarts else ""
+        try:
+            return Group(ctx, spec, label, guard).run()
+        except LaunchError as e:
+            if attempt == max_restarts:
+                raise
+            logger.warning("%s\nrestarting all %d ranks", e, base.world_size)
+        attempt += 1
+
+
+def _run_in_process(
+    env: _env.DistributedEnv,
+    main: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    backend: str | None,
+    timeout: timedelta,
+    all_ranks: bool,
+) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    from trainperf.limits import usable_cpus
+
+    names = (*_env.TORCHRUN_VARS, "LOCAL_WORLD_SIZE")
+    saved = {name: os.environ.get(name) for name in names}
+    values = (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port)
+    os.environ.update({n: str(v) for n, v in zip(_env.TORCHRUN_VARS, values, strict=True)})
+    os.environ["LOCAL_WORLD_SIZE"] = str(env.local_world_size)
+    created = False
+    try:
+        if not dist.is_initialized():
+            resolved = _resolve_backend(backend, torch.cuda.device_count())
+            if "OMP_NUM_THREADS" not in os.environ:
+                torch.set_num_threads(usable_cpus(env.local_world_size))
+            device = None
+            if resolved == "nccl":
+                device = rank_device(env.local_rank)
+                torch.cuda.set_device(device)
+            dist.init_process_group(
+                resolved,
+                init_method="env://",
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timeout,
+                device_id=device,
+            )
+            created = True
+        result = main(*args, **kwargs)
+        if not all_ranks:
+            return result
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result)
+        return gathered
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _launch(
+    main: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    nprocs: int | None,
+    backend: str | None,
+    start_method: str,
+    timeout: timedelta | float,
+    max_restarts: int,
+    all_ranks: bool,
+) -> Any:
+    import torch
+
+    span = _check_options(main, backend, start_method, timeout, max_restarts)
+    env = _env.detect()
+    if env is not None:
+        return _run_in_process(
+            env, main, args, kwargs, backend=backend, timeout=span, all_ranks=all_ranks
+        )
+    gpu_count = torch.cuda.device_count()  # through NVML: does not initialise CUDA
+    resolved = _resolve_backend(backend, gpu_count)
+    if nprocs is None:
+        nprocs = max(gpu_count, 1)
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be an integer >= 1, got {nprocs!r}")
+    if resolved == "nccl" and nprocs > gpu_count:
+        raise ValueError(
+            f"nprocs={nprocs} with backend='nccl' needs {nprocs} GPUs, but {gpu_count} "
+            f"{'is' if gpu_count == 1 else 'are'} visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use "
+            f"nprocs<={gpu_count}, or backend='gloo' for CPU ranks"
+        )
+    _check_spawnable(main, start_method, resolved)
+    results = _spawn(
+        main,
+        args,
+        kwargs,
+        nprocs=nprocs,
+        backend=resolved,
+        start_method=start_method,
+        timeout=span,
+        max_restarts=max_restarts,
+        all_ranks=all_ranks,
+    )
+    return [results[r] for r in range(nprocs)] if all_ranks else results[0]
+
+
+def launch(
+    main: Callable[..., Any],
+    *args: Any,
+    nprocs: int | None = None,
+    backend: Backend | None = None,
+    start_method: StartMethod = "spawn",
+    timeout: timedelta | float = timedelta(minutes=30),
+    max_restarts: int = 0,
+    **kwargs: Any,
+) -> Any:
+    """Run ``main(*args, **kwargs)`` on every rank of a process group; return rank 0's value.
+
+    Outside a launcher, starts ``nprocs`` workers on this machine (default: one per visible
+    GPU, 1 without GPUs; ask for more CPU ranks explicitly). Under torchrun or in a SLURM
+    step (``RANK``/``WORLD_SIZE``/... or ``SLURM_PROCID``/``SLURM_NTASKS``/... set) starts
+    nothing: initialises the process group from the environment and runs ``main`` here,
+    returning this process's own value; ``nprocs``, ``start_method`` and ``max_restarts``
+    are then ignored (the launcher owns them). The process group is always destroyed.
+
+    Each worker gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT``, ``torch.cuda.set_device(local_rank)`` under NCCL, and a share of the
+    CPUs as ``torch.set_num_threads`` (unless ``OMP_NUM_THREADS`` is set). For every rank's
+    value use :func:`launch_all`. Keyword arguments named like the options above go to
+    ``launch``, not ``main``: wrap ``main`` in ``functools.partial`` for those.
+
+    Args:
+        main: the training function; a module-level function under ``"spawn"``.
+        *args: positional arguments for ``main``.
+        nprocs: number of workers on this machine.
+        backend: ``"nccl"`` or ``"gloo"``; None picks NCCL with GPUs, gloo without.
+        start_method: ``"spawn"`` (scripts, with an ``if __name__ == "__main__":`` guard)
+            or ``"fork"`` (notebooks and REPLs, Linux, before CUDA is initialised).
+        timeout: how long a collective (and the rendezvous) may wait for a peer.
+        max_restarts: how many times a failed group is restarted from scratch.
+        **kwargs: keyword arguments for ``main``.
+
+    Returns:
+        What ``main`` returned on rank 0 (pickled back to the launcher).
+
+    Raises:
+        LaunchError: a worker raised, exited with a non-zero code or died by a signal (the
+            first failing rank, its exception type and traceback, or the signal), or the
+            explicit ``MASTER_PORT`` cannot be bound.
+        ValueError: bad option, inconsistent launcher environment (names the variable),
+            too many ranks for the GPUs under NCCL, or ``main`` unpicklable under spawn.
+        DeviceError: ``start_method="fork"`` after CUDA was initialised.
+        KeyboardInterrupt: SIGINT reached the launcher (after stopping every worker).
+        SystemExit: SIGTERM reached the launcher; exit status 143, after stopping every worker.
+
+    Example:
+        >>> import operator, torch
+        >>> how = "spawn" if torch.cuda.device_count() else "fork"  # fork: quick, no GPUs
+        >>> launch(operator.add, 2, 3, nprocs=2, backend="gloo", start_method=how)
+        5
+    """
+    return _launch(
+        main,
+        args,
+        kwargs,
+        nprocs=nprocs,
+        backend=backend,
+        start_method=start_method,
+        timeout=timeout,
+        max_restarts=max_restarts,
+        all_ranks=False,
+    )
+
+
+def launch_all(
+    main: Callable[..., Any],
+    *args: Any,
+    nprocs: int | None = None,
+    backend: Backend | None = None,
+    start_method: StartMethod = "spawn",
+    timeout: timedelta | float = timedelta(minutes=30),
+    max_restarts: int = 0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Like :func:`launch`, but return every rank's value, indexed by rank.
+
+    Under torchrun or SLURM the values are gathered with ``all_gather_object`` before the
+    process group is destroyed, so every process gets the whole list.
+
+    Args:
+        main: as for :func:`launch`.
+        *args: as for :func:`launch`.
+        nprocs: as for :func:`launch`.
+        backend: as for :func:`launch`.
+        start_method: as for :func:`launch`.
+        timeout: as for :func:`launch`.
+        max_restarts: as for :func:`launch`.
+        **kwargs: as for :func:`launch`.
+
+    Returns:
+        ``[value of rank 0, value of rank 1, ...]``.
+
+    Raises:
+        LaunchError: as for :func:`launch`.
+        ValueError: as for :func:`launch`.
+        DeviceError: as for :func:`launch`.
+
+    Example:
+        >>> import operator, torch
+        >>> how = "spawn" if torch.cuda.device_count() else "fork"  # fork: quick, no GPUs
+        >>> launch_all(operator.add, 2, 3, nprocs=2, backend="gloo", start_method=how)
+        [5, 5]
+    """
+    result: list[Any] = _launch(
+        main,
+        args,
+        kwargs,
+        nprocs=nprocs,
+        backend=backend,
+        start_method=start_method,
+        timeout=timeout,
+        max_restarts=max_restarts,
+        all_ranks=True,
+    )
+    return result

@@ -1,0 +1,227 @@
+"""What runs inside each worker that ``launch`` spawns.
+
+A worker ties its life to the parent's (parent-death signal), takes its own process group
+so the parent can stop it together with its DataLoader workers, joins the process group
+through the parent's store, runs ``main`` and sends one message back: its result, or the
+exception it died of, stamped with the time it was raised so the parent can tell the
+first failure from the ranks that failed because a peer had gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from types import TracebackType
+from typing import Any
+
+__all__ = ["Failure", "WorkerSpec", "die_with_parent", "rank_device", "worker_main"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs; pickled once per rank under spawn."""
+
+    main: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    backend: str
+    world_size: int
+    master_addr: str
+    master_port: int
+    store_prefix: str
+    timeout: timedelta
+    threads: int | None
+    parent_pid: int
+    send_result_from_all: bool
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The exception a worker's ``main`` (or its set-up) raised, as plain strings."""
+
+    rank: int
+    pid: int
+    type_name: str
+    message: str
+    traceback: str
+    time: float
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies; exit if it already has.
+
+    The parent can die between ``fork`` and ``prctl``; the signal is then never sent, so
+    the parent pid is checked afterwards. Elsewhere (macOS) this does nothing.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def rank_device(local_rank: int) -> Any:
+    """The CUDA device a rank with this local rank uses (one process per GPU).
+
+    A job whose scheduler binds one GPU per task shows each task a single device; any
+    other layout needs ``local_rank < device_count``.
+    """
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 1:
+        return torch.device("cuda", 0)
+    if local_rank >= count:
+        raise ValueError(
+            f"local rank {local_rank} has no GPU: only {count} visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); start at most "
+            f"{count} processes per node, or use backend='gloo'"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """Drop this module's own frames from the top of a traceback: users want theirs."""
+    start = tb
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return tb if tb is not None else start
+
+
+def _describe(rank: int, exc: BaseException) -> Failure:
+    cls = type(exc)
+    name = (
+        cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    )
+    return Failure(
+        rank=rank,
+        pid=os.getpid(),
+        type_name=name,
+        message=str(exc),
+        traceback="".join(traceback.format_exception(cls, exc, _user_frames(exc.__traceback__))),
+        time=time.time(),
+    )
+
+
+def _setup(spec: WorkerSpec, rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(spec.world_size),
+        LOCAL_WORLD_SIZE=str(spec.world_size),
+        MASTER_ADDR=spec.master_addr,
+        MASTER_PORT=str(spec.master_port),
+    )
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    device = None
+    if spec.backend == "nccl":
+        device = rank_device(rank)
+        torch.cuda.set_device(device)
+    client = dist.TCPStore(  # type: ignore[attr-defined]
+        spec.master_addr, spec.master_port, is_master=False, timeout=spec.timeout
+    )
+    dist.init_process_group(
+        spec.backend,
+        store=dist.PrefixStore(spec.store_prefix, client),  # type: ignore[attr-defined]
+        rank=rank,
+        world_size=spec.world_size,
+        timeout=spec.timeout,
+        device_id=device,
+    )
+
+
+def _destroy() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _is_clean_exit(exc: BaseException) -> bool:
+    return isinstance(exc, SystemExit) and exc.code in (None, 0)
+
+
+def _send(conn: Connection, message: tuple[str, int, Any]) -> None:
+    # Plain pickle copies tensors into the message; multiprocessing's own pickler would
+    # share their storage through a file descriptor that dies with this process.
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _report_failure(conn: Connection, failure: Failure) -> None:
+    # OSError: the parent is gone or stopped listening; the exit code still tells it.
+    with contextlib.suppress(OSError):
+        _send(conn, ("error", failure.rank, failure))
+
+
+def worker_main(spec: WorkerSpec, rank: int, conn: Connection) -> None:
+    """Entry point of a spawned worker (``multiprocessing.Process`` target)."""
+    die_with_parent(spec.parent_pid)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    # A forked worker inherits the launcher's handlers, which would raise in the wrong process.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    try:
+        _setup(spec, rank)
+        result = spec.main(*spec.args, **spec.kwargs)
+        payload = result if (rank == 0 or spec.send_result_from_all) else None
+        try:
+            # The result goes out before the group is torn down: a peer still inside a
+            # collective fails as soon as this rank disconnects, and the launcher must by
+            # then know that this rank had returned.
+            _send(conn, ("ok", rank, payload))
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            raise TypeError(
+                f"main returned a value that cannot be pickled back to the launcher "
+                f"({type(result).__name__}): {e}"
+            ) from e
+    except BaseException as exc:
+        if _is_clean_exit(exc):
+            _send(conn, ("ok", rank, None))
+        else:
+            # Report before tearing the group down: destroying it can block after a fault,
+            # and the time stamp must precede the errors this exit causes in the peers.
+            _report_failure(conn, _describe(rank, exc))
+            _exit_now(1)
+    conn.close()
+    try:
+        _destroy()
+    except Exception:
+        # main succeeded and its result is already with the launcher: a failed clean-up
+        # is worth a warning, not the run.
+        print(
+            f"trainperf.ddp: rank {rank}: destroy_process_group failed after main returned:\n"
+            + traceback.format_exc(),
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _exit_now(code: int) -> None:
+    """Leave without interpreter shutdown: after a fault it can block (threads, NCCL)."""
+    with contextlib.suppress(Exception):
+        _destroy()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

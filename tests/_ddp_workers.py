@@ -1,0 +1,173 @@
+"""Functions the ddp tests run on every rank (module level, so spawned workers import them)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import trainperf.ddp as ddp
+
+N_SAMPLES = 48
+BATCH = 3
+EPOCHS = 2
+LR = 0.1
+SEED = 7
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def make_dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N_SAMPLES, 4, generator=g)
+    y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(N_SAMPLES, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+def reference_training(world: int) -> dict[str, torch.Tensor]:
+    """Single-process SGD on the concatenation of every rank's batch, step by step."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = make_dataset().tensors
+    global_batch = BATCH * world
+    for epoch in range(EPOCHS):
+        perm = torch.randperm(N_SAMPLES, generator=torch.Generator().manual_seed(SEED + epoch))
+        for start in range(0, N_SAMPLES, global_batch):
+            idx = perm[start : start + global_batch]
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_and_reduce() -> dict[str, Any]:
+    """DDP training with wrap_model + distributed_loader, plus collective checks."""
+    model = make_model()
+    net = ddp.wrap_model(model)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    loader = ddp.distributed_loader(make_dataset(), BATCH, shuffle=True, seed=SEED)
+    device = next(net.parameters()).device
+    steps = 0
+    for _ in range(EPOCHS):  # no set_epoch: the loader advances the epoch itself
+        for x_cpu, y_cpu in loader:
+            x, y = x_cpu.to(device), y_cpu.to(device)
+            opt.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            steps += 1
+    summed = torch.tensor([float(ddp.rank() + 1)], device=device)
+    dist.all_reduce(summed)
+    mean = ddp.all_reduce_mean(torch.tensor([ddp.rank(), 10 * ddp.rank()]))
+    ddp.barrier()
+    return {
+        "rank": ddp.rank(),
+        "local_rank": ddp.local_rank(),
+        "world_size": ddp.world_size(),
+        "is_main": ddp.is_main_process(),
+        "wrapped": type(net).__name__,
+        "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")},
+        "master_port": os.environ.get("MASTER_PORT"),
+        "pid": os.getpid(),
+        "threads": torch.get_num_threads(),
+        "steps": steps,
+        "next_epoch": loader.epoch,
+        "sum": summed.item(),
+        "mean": mean.tolist(),
+        "params": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+    }
+
+
+def add(a: int, b: int, *, scale: int = 1) -> int:
+    return (a + b) * scale * (ddp.rank() + 1)
+
+
+def backend_and_group() -> tuple[str, int]:
+    return str(dist.get_backend()), dist.get_world_size()
+
+
+# ------------------------------------------------------------------------------ faults
+
+
+def _all_reduce() -> None:
+    dist.all_reduce(torch.zeros(1))
+
+
+def raise_on_rank(bad_rank: int, delay_s: float = 0.0) -> int:
+    if ddp.rank() == bad_rank:
+        time.sleep(delay_s)
+        raise ValueError(f"deliberate failure on rank {bad_rank}")
+    _all_reduce()  # the healthy ranks wait here for the one that never comes
+    return ddp.rank()
+
+
+def exit_on_rank(bad_rank: int, code: int) -> None:
+    if ddp.rank() == bad_rank:
+        sys.stdout.flush()
+        os._exit(code)
+    _all_reduce()
+
+
+def sys_exit_on_rank(bad_rank: int, code: int) -> int:
+    if ddp.rank() == bad_rank:
+        sys.exit(code)
+    return ddp.rank()
+
+
+def signal_on_rank(bad_rank: int, signum: int) -> None:
+    if ddp.rank() == bad_rank:
+        os.kill(os.getpid(), signum)
+        time.sleep(30)
+    _all_reduce()
+
+
+def stuck_on_rank(bad_rank: int) -> None:
+    """The bad rank stays alive but never joins the collective."""
+    if ddp.rank() == bad_rank:
+        time.sleep(120)
+    _all_reduce()
+
+
+def return_early_on_rank(bad_rank: int) -> str:
+    if ddp.rank() == bad_rank:
+        return "left"
+    _all_reduce()
+    return "stayed"
+
+
+def fail_first_attempt(marker: str) -> int:
+    """Rank 1 fails the first time (no marker file yet); every rank succeeds the second."""
+    path = Path(marker)
+    if ddp.rank() == 1 and not path.exists():
+        path.write_text("failed once")
+        raise RuntimeError("first attempt fails")
+    t = torch.tensor([1.0])
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def always_fail() -> None:
+    raise KeyError("always")
+
+
+def unpicklable_result() -> Any:
+    return lambda: None
+
+
+def raise_while_peer_ignores_sigterm(bad_rank: int) -> None:
+    """The other ranks ignore SIGTERM and sleep: the launcher must escalate to SIGKILL."""
+    if ddp.rank() == bad_rank:
+        time.sleep(0.5)
+        raise ValueError("deliberate failure")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(120)
