@@ -21,9 +21,7 @@ def run_example(name: str, *args: str, timeout: float = 240) -> str:
 
 
 def test_quickstart_trains_and_reloads_identically(tmp_path: Path) -> None:
-    out = run_example(
-        "quickstart.py", "--samples", "128", "--epochs", "2", "--out", str(tmp_path)
-    )
+    out = run_example("quickstart.py", "--samples", "128", "--epochs", "2", "--out", str(tmp_path))
     assert "epoch 2/2" in out
     assert "outputs identical to the trained model: True" in out
     assert (tmp_path / "model.pt").is_file()

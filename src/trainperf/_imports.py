@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-from functools import lru_cache
+from functools import cache
 
 __all__ = ["EXTRAS", "is_available", "require"]
 
@@ -24,7 +24,7 @@ EXTRAS: dict[str, tuple[tuple[str, ...], str | None]] = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def is_available(import_name: str) -> bool:
     """Return True if ``import_name`` can be imported and its distribution is installed.
 
@@ -55,10 +55,11 @@ def require(import_name: str, feature: str) -> None:
 
     Example:
         >>> require("torch", "anything")
-        >>> require("surely_not_a_real_package", "my_function()")
-        Traceback (most recent call last):
-        ...
-        ModuleNotFoundError: my_function() needs surely_not_a_real_package: pip install surely_not_a_real_package
+        >>> try:
+        ...     require("no_such_pkg", "my_function()")
+        ... except ModuleNotFoundError as e:
+        ...     print(e)
+        my_function() needs no_such_pkg: pip install no_such_pkg
     """
     if is_available(import_name):
         return

@@ -92,7 +92,9 @@ def _cgroup_dirs(controller: str, root: Path, proc_cgroup: Path) -> list[Path]:
     return seen
 
 
-def cgroup_cpu_quota(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP) -> float | None:
+def cgroup_cpu_quota(
+    root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP
+) -> float | None:
     """CPUs' worth of time the cgroup quota allows, or None when there is no quota.
 
     Example:
