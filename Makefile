@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 
-.PHONY: demo test lint typecheck unit clean
+.PHONY: demo test lint typecheck docs unit clean
 
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; sys.exit("trainperf needs Python >= 3.10, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
@@ -14,27 +14,30 @@ $(BIN)/python:
 
 # Stamps record which extras are installed; they are redone when pyproject.toml changes.
 $(VENV)/.demo-installed: pyproject.toml | $(BIN)/python
-	$(PIP) install --quiet -e '.[vision]'
+	$(PIP) install --quiet -e '.[vision,plot]'
 	touch $@
 
 $(VENV)/.test-installed: pyproject.toml | $(BIN)/python
-	$(PIP) install --quiet -e '.[vision,dali,safetensors,dev]'
+	$(PIP) install --quiet -e '.[vision,dali,safetensors,plot,dev]'
 	touch $@ $(VENV)/.demo-installed
 
 demo: $(VENV)/.demo-installed
 	$(BIN)/python examples/quickstart.py
 
 lint: $(VENV)/.test-installed
-	$(BIN)/ruff check src tests examples benchmarks
-	$(BIN)/ruff format --check src tests examples benchmarks
+	$(BIN)/ruff check src tests examples benchmarks tools conftest.py
+	$(BIN)/ruff format --check src tests examples benchmarks tools conftest.py
 
 typecheck: $(VENV)/.test-installed
 	$(BIN)/mypy
 
+docs: $(VENV)/.test-installed
+	$(BIN)/mkdocs build --strict --site-dir site
+
 unit: $(VENV)/.test-installed
 	$(BIN)/python -m pytest
 
-test: lint typecheck unit
+test: lint typecheck docs unit
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) site build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from trainperf._imports import is_available
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -20,8 +22,50 @@ def run_example(name: str, *args: str, timeout: float = 240) -> str:
     return proc.stdout
 
 
-def test_quickstart_trains_and_reloads_identically(tmp_path: Path) -> None:
-    out = run_example("quickstart.py", "--samples", "128", "--epochs", "2", "--out", str(tmp_path))
-    assert "epoch 2/2" in out
-    assert "outputs identical to the trained model: True" in out
+def test_quickstart_runs_every_stage(tmp_path: Path) -> None:
+    out = run_example(
+        "quickstart.py",
+        *("--per-class", "12", "--image-size", "32", "--epochs", "1", "--tune-budget", "4"),
+        *("--out", str(tmp_path)),
+    )
+    assert "1. trainperf doctor" in out and " ok," in out
+    assert "chosen: num_workers=" in out  # the autotuner's report
+    assert "trainperf.watch: " in out  # the verdict
+    assert "outputs identical: True" in out
+    assert "final loss per rank: " in out  # the 2-rank ddp.launch
     assert (tmp_path / "model.pt").is_file()
+    assert len(list((tmp_path / "images").rglob("*.jpg"))) == 48
+    if is_available("matplotlib"):
+        assert (tmp_path / "loader_tuning.png").stat().st_size > 1000
+        assert (tmp_path / "watch_timeline.png").stat().st_size > 1000
+
+
+def test_checkpoint_across_devices_reloads_into_a_plain_model(tmp_path: Path) -> None:
+    out = run_example("checkpoint_across_devices.py", "--steps", "3", "--out", str(tmp_path))
+    assert "the wrapped model's keys look like 'module._orig_mod." in out
+    assert "saved keys look like '0.weight'" in out
+    assert "every key loaded: True; weights identical: True" in out
+    assert "outputs identical to the trained model: True" in out or "outputs match" in out
+    assert "truncated (save or copy interrupted): CheckpointCorruptError" in out
+    assert "empty: CheckpointCorruptError" in out
+    assert "NotACheckpointError" in out
+    assert "missing: CheckpointNotFoundError" in out
+    assert (tmp_path / "model.pt").is_file()
+
+
+def test_diagnose_my_loop_finds_the_slow_loader(tmp_path: Path) -> None:
+    plot = tmp_path / "timeline.png"
+    out = run_example("diagnose_my_loop.py", "--steps", "12", "--plot", str(plot))
+    assert "trainperf.watch: input-bound" in out
+    assert "fix: feed the loop faster: trainperf.autotune_loader()" in out
+    # The plot is optional: either it was written, or the example says how to get matplotlib.
+    assert plot.is_file() or "no plot: WatchReport.plot() needs matplotlib" in out
+
+
+def test_notebook_launch_runs_two_forked_ranks() -> None:
+    out = run_example("notebook_launch.py")
+    assert "launch -> rank 0 returned {'rank': 0," in out
+    assert "launch_all -> rank 1:" in out
+    assert "ranks hold the same weights after training: True" in out
+    assert "a lambda under fork: [0, 10]" in out
+    assert "the same under spawn: ValueError: start_method='spawn'" in out

@@ -40,7 +40,7 @@ def test_require_names_the_feature_and_the_extra(monkeypatch: pytest.MonkeyPatch
     ):
         _imports.require("nvidia.dali", "image_loader(backend='dali')")
     with pytest.raises(
-        ModuleNotFoundError, match=r"plot\(\) needs matplotlib: pip install matplotlib"
+        ModuleNotFoundError, match=r"plot\(\) needs matplotlib: pip install 'trainperf\[plot\]'"
     ):
         _imports.require("matplotlib", "plot()")
 

@@ -265,7 +265,7 @@ def test_plot_without_matplotlib_names_the_fix(
 ) -> None:
     real = _imports.is_available
     monkeypatch.setattr(_imports, "is_available", lambda n: n != "matplotlib" and real(n))
-    with pytest.raises(ModuleNotFoundError, match="pip install matplotlib"):
+    with pytest.raises(ModuleNotFoundError, match=r"pip install .trainperf\[plot\]."):
         _report().plot(tmp_path / "timeline.png")
 
 

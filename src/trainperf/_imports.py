@@ -19,7 +19,7 @@ EXTRAS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "torchvision": (("torchvision",), "vision"),
     "nvidia.dali": (("nvidia-dali-cuda120", "nvidia-dali-cuda110", "nvidia-dali-cuda130"), "dali"),
     "safetensors": (("safetensors",), "safetensors"),
-    "matplotlib": (("matplotlib",), None),
+    "matplotlib": (("matplotlib",), "plot"),
     "threadpoolctl": (("threadpoolctl",), None),
 }
 

@@ -225,7 +225,7 @@ class WatchReport:
             ``path`` as a :class:`~pathlib.Path`.
 
         Raises:
-            ModuleNotFoundError: matplotlib is not installed (``pip install matplotlib``).
+            ModuleNotFoundError: matplotlib is not installed (``pip install 'trainperf[plot]'``).
         """
         require("matplotlib", "WatchReport.plot()")
         from matplotlib.backends.backend_agg import FigureCanvasAgg
