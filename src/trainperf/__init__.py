@@ -46,6 +46,7 @@ from trainperf.errors import (
     UnsafeCheckpointError,
 )
 from trainperf.limits import HostLimits, host_limits, usable_cpus
+from trainperf.loader import CandidateResult, TuningReport, autotune_loader, tune_loader
 from trainperf.watch import Watch, WatchReport, watch
 
 try:
@@ -54,6 +55,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "CandidateResult",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -68,10 +70,12 @@ __all__ = [
     "NotACheckpointError",
     "StateDictMismatchError",
     "TrainperfError",
+    "TuningReport",
     "UnsafeCheckpointError",
     "Watch",
     "WatchReport",
     "__version__",
+    "autotune_loader",
     "best_device",
     "check_same_device",
     "choose_precision",
@@ -85,6 +89,7 @@ __all__ = [
     "select_gpus",
     "strip_prefix",
     "to_device",
+    "tune_loader",
     "unwrap_model",
     "usable_cpus",
     "watch",

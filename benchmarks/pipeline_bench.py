@@ -1,0 +1,397 @@
+"""Benchmark: images/s of each image_loader backend on one generated folder of JPEGs.
+
+The folder: ``--images`` JPEGs of 500x375 (the ImageNet-like size of the H200 anchors),
+textured colour fields saved at quality 90, in 4 classes; or ``--data DIR``. Every backend
+runs the *training* transform (random resized crop to 224, flip, normalise) on the same
+files, with the same CPU budget (``--threads``, default: this process's usable CPUs):
+
+- ``dali``: ``num_threads = --threads`` (CPU-only mode without a GPU);
+- ``nvjpeg``: ``--threads`` reader threads, decode and augment on the GPU (CUDA only);
+- ``torchvision``: the DataLoader from ``trainperf.loader.autotune_loader`` with
+  ``max_workers = --threads`` (the baseline);
+- ``torchvision-wN`` (``--fixed-workers N``): the same DataLoader with ``num_workers=N``
+  and persistent workers, untuned, for reference.
+
+Timing: the first epoch is warm-up (pipelines fill, workers start, the autotuner runs
+before it); then whole epochs are timed until ``--seconds`` have passed (at least
+``--epochs``), between ``torch.cuda.synchronize()`` calls on CUDA. Two per-core figures:
+images/s divided by ``--threads``, and images per CPU-second (the CPU time of this process,
+all its threads, and its DataLoader workers over the timed epochs), which is the cost per
+image and still holds on a machine that other jobs share.
+
+``--train-resnet`` (CUDA): ResNet-50 training, bf16 autocast + channels_last through
+``trainperf.amp.MixedPrecision``, SGD, batch ``--batch-size``, fed by the nvjpeg backend,
+against the same model on a synthetic batch already on the GPU. Target: >= 90 %.
+
+Targets: DALI on the CPU >= 1.5x the autotuned DataLoader per core; nvjpeg-fed ResNet-50 >=
+90 % of its synthetic-data images/s.
+
+Usage::
+
+    python benchmarks/pipeline_bench.py [--images 512] [--data DIR] [--threads N]
+        [--batch-size 64] [--size 224] [--backends dali,torchvision] [--seconds 10]
+        [--tune-budget 30] [--train-resnet] [--steps 40] [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+
+from trainperf._imports import is_available
+from trainperf.limits import usable_cpus
+from trainperf.pipelines import ImageLoader, image_loader
+
+TARGET_DALI_VS_LOADER = 1.5
+TARGET_FED_VS_SYNTHETIC = 0.90
+CLASSES = 4
+
+
+@dataclass
+class Row:
+    backend: str
+    device: str
+    status: str = "ok"  # ok | skipped | failed
+    note: str = ""
+    threads: int = 0
+    workers: int | None = None
+    images_per_s: float | None = None
+    per_core: float | None = None
+    per_cpu_second: float | None = None
+    epochs_timed: int = 0
+    setup_s: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- the folder
+
+
+def _write_one(args: tuple[str, int, int, int]) -> int:
+    from PIL import Image
+
+    path, seed, width, height = args
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = rng.uniform(40, 215, size=3).astype(np.float32)
+    waves = [
+        40 * np.sin(x / width * rng.uniform(2, 12) + rng.uniform(0, 6))
+        + 30 * np.cos(y / height * rng.uniform(2, 12) + rng.uniform(0, 6))
+        for _ in range(3)
+    ]
+    pixels = base[None, None, :] + np.stack(waves, axis=-1)
+    # Grain makes the files about 100 KiB, like the photos the H200 anchors were measured on.
+    pixels += rng.normal(0, 25, size=pixels.shape).astype(np.float32)
+    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(path, quality=90)
+    return os.path.getsize(path)
+
+
+def make_folder(root: Path, images: int, *, width: int = 500, height: int = 375) -> int:
+    """Write ``images`` JPEGs under ``root/<class>/``; return their total size in bytes."""
+    jobs = []
+    for i in range(images):
+        d = root / f"class{i % CLASSES}"
+        d.mkdir(parents=True, exist_ok=True)
+        jobs.append((str(d / f"{i:06d}.jpg"), i, width, height))
+    with ProcessPoolExecutor(max_workers=max(1, usable_cpus())) as pool:
+        return sum(pool.map(_write_one, jobs, chunksize=16))
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process (all threads) and its children, live and reaped."""
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:4])  # user, system, children_user, children_system
+    for child in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            total += sum(child.cpu_times()[:2])
+    return total
+
+
+def time_loader(loader: ImageLoader, *, epochs: int, seconds: float) -> tuple[float, float, int]:
+    """After a warm-up epoch, whole epochs until enough time has passed.
+
+    Returns:
+        (images/s, images per CPU-second of this process and its workers, epochs timed).
+        The second is the per-core efficiency, and holds up on a shared, busy machine.
+    """
+    device = loader.device
+    for _ in loader:  # warm-up epoch
+        pass
+    synchronize(device)
+    images, timed = 0, 0
+    cpu0, start = cpu_seconds(), time.perf_counter()
+    while timed < epochs or time.perf_counter() - start < seconds:
+        for batch, _ in loader:
+            images += batch.shape[0]
+        timed += 1
+    synchronize(device)
+    wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu0
+    return images / wall, images / cpu, timed
+
+
+def bench_backend(backend: str, args: argparse.Namespace, device: torch.device) -> Row:
+    row = Row(backend, str(device), threads=args.threads)
+    # for the loader built below, "torchvision-wN" is the torchvision backend
+    if backend == "dali" and not is_available("nvidia.dali"):
+        row.status, row.note = "skipped", "nvidia-dali is not installed"
+        return row
+    if backend == "nvjpeg" and device.type != "cuda":
+        row.status, row.note = "skipped", "needs a CUDA device"
+        return row
+    kwargs: dict[str, Any] = {}
+    if backend == "torchvision":
+        kwargs["loader_kwargs"] = {
+            "budget_s": args.tune_budget,
+            "progress": False,
+            "cache": False,
+            "max_workers": args.threads,
+        }
+    elif backend.startswith("torchvision-w"):
+        workers = int(backend.removeprefix("torchvision-w"))
+        kwargs["loader_kwargs"] = {"num_workers": workers, "persistent_workers": workers > 0}
+        backend = "torchvision"
+    try:
+        start = time.perf_counter()
+        loader = image_loader(
+            args.data,
+            args.batch_size,
+            size=args.size,
+            backend=backend,  # type: ignore[arg-type]
+            device=device,
+            num_threads=args.threads,
+            shard=None,
+            **kwargs,
+        )
+        row.setup_s = time.perf_counter() - start
+        if loader.backend == "torchvision":
+            dl = loader.dataloader  # type: ignore[attr-defined]
+            row.workers = dl.num_workers
+            report = getattr(dl, "tuning_report", None)
+            if report is not None:
+                row.extra["tuned_kwargs"] = {
+                    k: v
+                    for k, v in report.best_kwargs.items()
+                    if k in ("num_workers", "prefetch_factor", "pin_memory", "persistent_workers")
+                }
+        ips, per_cpu_s, timed = time_loader(loader, epochs=args.epochs, seconds=args.seconds)
+        loader.close()
+        row.images_per_s, row.per_cpu_second, row.epochs_timed = ips, per_cpu_s, timed
+        row.per_core = ips / args.threads
+    except Exception as e:  # a failed backend is a row, not the end of the benchmark
+        row.status, row.note = "failed", f"{type(e).__name__}: {e}"[:300]
+        traceback.print_exc()
+    return row
+
+
+# --------------------------------------------------------------------------- ResNet-50 training
+
+
+def train_resnet(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """ResNet-50 bf16 + channels_last images/s: nvjpeg-fed vs a synthetic batch on the GPU."""
+    import torchvision
+
+    from trainperf.amp import MixedPrecision
+
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    mp = MixedPrecision(device, precision="bf16")
+    model = mp.prepare(torchvision.models.resnet50(weights=None, num_classes=CLASSES))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        x, y = mp.prepare_batch((x, y))
+        with mp.autocast():
+            loss = loss_fn(model(x), y)
+        mp.backward(loss)
+        mp.step(opt)
+        mp.zero_grad(opt)
+
+    b = args.batch_size
+    x = torch.randn(b, 3, args.size, args.size, device=device)
+    y = torch.randint(0, CLASSES, (b,), device=device)
+    for _ in range(args.warmup):
+        step(x, y)
+    synchronize(device)
+    rounds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step(x, y)
+        synchronize(device)
+        rounds.append(b * args.steps / (time.perf_counter() - start))
+    synthetic = statistics.median(rounds)
+
+    loader = image_loader(
+        args.data, b, size=args.size, backend="nvjpeg", device=device,
+        num_threads=args.threads, shard=None,
+    )  # fmt: skip
+    for done, (images, labels) in enumerate(loader, start=1):  # warm-up on real batches
+        step(images, labels)
+        if done >= args.warmup:
+            break
+    synchronize(device)
+    images_seen, steps, start = 0, 0, time.perf_counter()
+    while steps < 3 * args.steps:
+        for images, labels in loader:
+            step(images, labels)
+            images_seen += images.shape[0]
+            steps += 1
+    synchronize(device)
+    fed = images_seen / (time.perf_counter() - start)
+    loader.close()
+    return {
+        "model": "resnet50",
+        "precision": "bf16 autocast + channels_last (trainperf.amp.MixedPrecision)",
+        "batch_size": b,
+        "synthetic_images_per_s": synthetic,
+        "synthetic_rounds": rounds,
+        "nvjpeg_fed_images_per_s": fed,
+        "nvjpeg_fed_steps": steps,
+        "ratio": fed / synthetic,
+        "target": TARGET_FED_VS_SYNTHETIC,
+    }
+
+
+# --------------------------------------------------------------------------- report
+
+
+def print_table(rows: list[Row], baseline: Row | None) -> None:
+    print(
+        f"{'backend':<15} {'device':<7} {'threads':>7} {'workers':>7} {'images/s':>9} "
+        f"{'per core':>8} {'per CPU-s':>9} {'vs DataLoader':>13}  note"
+    )
+    for r in rows:
+        ips = f"{r.images_per_s:,.0f}" if r.images_per_s else "-"
+        per_core = f"{r.per_core:,.1f}" if r.per_core else "-"
+        per_cpu = f"{r.per_cpu_second:,.1f}" if r.per_cpu_second else "-"
+        ratio = "-"
+        if r.images_per_s and baseline and baseline.images_per_s and baseline.per_cpu_second:
+            ratio = (
+                f"{r.images_per_s / baseline.images_per_s:.2f}x/"
+                f"{(r.per_cpu_second or 0) / baseline.per_cpu_second:.2f}x"
+            )
+        workers = "-" if r.workers is None else str(r.workers)
+        note = r.note if r.status != "ok" else ""
+        print(
+            f"{r.backend:<15} {r.device:<7} {r.threads:>7} {workers:>7} {ips:>9} "
+            f"{per_core:>8} {per_cpu:>9} {ratio:>13}  {note}"
+        )
+    print("(vs DataLoader: images/s ratio / per-CPU-second ratio)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=512)
+    parser.add_argument("--data", type=Path, default=None, help="an existing image folder")
+    parser.add_argument("--threads", type=int, default=usable_cpus())
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--batch-size", type=int, default=None, help="64 on CPU, 128 on CUDA")
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--backends", default="dali,nvjpeg,torchvision")
+    parser.add_argument("--epochs", type=int, default=2, help="timed epochs, at least")
+    parser.add_argument("--seconds", type=float, default=10.0, help="timed seconds, at least")
+    parser.add_argument("--tune-budget", type=float, default=30.0)
+    parser.add_argument("--fixed-workers", type=int, default=None, help="add an untuned row")
+    parser.add_argument("--train-resnet", action="store_true")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    from trainperf.device import best_device
+
+    device = best_device() if args.device == "auto" else torch.device(args.device)
+    if args.batch_size is None:
+        args.batch_size = 128 if device.type == "cuda" else 64
+    tmp = None
+    if args.data is None:
+        tmp = tempfile.TemporaryDirectory(prefix="pipeline_bench_")
+        args.data = Path(tmp.name) / "images"
+        start = time.perf_counter()
+        total = make_folder(args.data, args.images)
+        print(
+            f"wrote {args.images} JPEGs of 500x375 ({total / args.images / 1024:.0f} KiB each) "
+            f"in {time.perf_counter() - start:.1f} s"
+        )
+    print(
+        f"device {device}, {args.threads} threads, batch {args.batch_size}, size {args.size}, "
+        f"torch {torch.__version__}"
+    )
+    names = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if args.fixed_workers is not None:
+        names.append(f"torchvision-w{args.fixed_workers}")
+    rows = [bench_backend(name, args, device) for name in names]
+    baseline = next((r for r in rows if r.backend == "torchvision" and r.images_per_s), None)
+    print()
+    print_table(rows, baseline)
+    dali = next((r for r in rows if r.backend == "dali" and r.images_per_s), None)
+    dali_ratio = None
+    if dali and baseline and dali.per_cpu_second and baseline.per_cpu_second:
+        dali_ratio = dali.per_cpu_second / baseline.per_cpu_second
+        verdict = "met" if dali_ratio >= TARGET_DALI_VS_LOADER else "NOT met"
+        print(
+            f"\nDALI vs autotuned DataLoader, images per CPU-second: {dali_ratio:.2f}x; "
+            f"images/s on the same {args.threads} cores: "
+            f"{(dali.images_per_s or 0) / (baseline.images_per_s or 1):.2f}x "
+            f"(target >= {TARGET_DALI_VS_LOADER}x per core: {verdict})"
+        )
+    training = None
+    if args.train_resnet:
+        if device.type != "cuda":
+            print("\n--train-resnet needs a CUDA device; skipped")
+        else:
+            training = train_resnet(args, device)
+            verdict = "met" if training["ratio"] >= TARGET_FED_VS_SYNTHETIC else "NOT met"
+            print(
+                f"\nResNet-50 bf16+channels_last training, batch {args.batch_size}: synthetic "
+                f"{training['synthetic_images_per_s']:,.0f} images/s, nvjpeg-fed "
+                f"{training['nvjpeg_fed_images_per_s']:,.0f} images/s = "
+                f"{training['ratio']:.0%} (target >= {TARGET_FED_VS_SYNTHETIC:.0%}: {verdict})"
+            )
+    if args.json:
+        versions = {"torch": torch.__version__, "python": platform.python_version()}
+        for name in ("torchvision", "nvidia.dali"):
+            if is_available(name):
+                mod = __import__(name, fromlist=["__version__"])
+                versions[name] = getattr(mod, "__version__", "?")
+        out = {
+            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "versions": versions,
+            "rows": [asdict(r) for r in rows],
+            "dali_vs_dataloader_per_cpu_second": dali_ratio,
+            "training": training,
+        }
+        args.json.write_text(json.dumps(out, indent=2))
+        print(f"wrote {args.json}")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

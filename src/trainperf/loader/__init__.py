@@ -1,0 +1,42 @@
+"""Choose DataLoader settings by measurement: :func:`tune_loader` and :func:`autotune_loader`.
+
+A starved input pipeline is the commonest reason a rented GPU idles. The tuner measures the
+steady-state throughput of a few DataLoader configurations (not a grid) within a hard time
+budget and returns the fastest one that fits the CPUs, memory and ``/dev/shm`` of this
+process, without leaving a worker behind when a configuration crashes or hangs.
+
+- :mod:`._measure`: timing one configuration (start-up and prefetch buffer excluded,
+  repeated windows until they agree) and catching worker faults;
+- :mod:`._search`: prediction from the single-process cost, then a short climb;
+- :mod:`._report`: :class:`TuningReport` and :class:`CandidateResult`;
+- :mod:`._cache`: the JSON cache under the user cache directory.
+
+Example:
+    >>> import torch
+    >>> from torch.utils.data import TensorDataset
+    >>> from trainperf.loader import autotune_loader
+    >>> loader = autotune_loader(TensorDataset(torch.randn(64, 4)), 8, device="cpu",
+    ...                          max_workers=0, budget_s=5, cache=False, progress=False)
+    >>> isinstance(loader, torch.utils.data.DataLoader), loader.tuning_report.from_cache
+    (True, False)
+"""
+
+from __future__ import annotations
+
+from trainperf.loader._cache import cache_file
+from trainperf.loader._measure import WindowPolicy, measure
+from trainperf.loader._report import CandidateResult, FaultKind, Status, TuningReport
+from trainperf.loader._tune import TunedDataLoader, autotune_loader, tune_loader
+
+__all__ = [
+    "CandidateResult",
+    "FaultKind",
+    "Status",
+    "TunedDataLoader",
+    "TuningReport",
+    "WindowPolicy",
+    "autotune_loader",
+    "cache_file",
+    "measure",
+    "tune_loader",
+]

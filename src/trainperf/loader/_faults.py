@@ -1,0 +1,258 @@
+"""Worker faults: which process is a worker, what an exception means, and a clean stop.
+
+A DataLoader's failures arrive as exceptions in the main process: ``RuntimeError``s for a
+worker that died ("exited unexpectedly", "killed by signal"), for a hang ("timed out
+after"), re-raised dataset errors ("Caught ValueError in DataLoader worker process 0"),
+pickling errors under ``spawn``. :func:`classify_fault` turns each into a
+:data:`~trainperf.loader.FaultKind` and a sentence with the fix; :func:`close_iterator`
+stops the workers without the multi-second joins a hung worker would otherwise cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import psutil
+
+from trainperf.loader._report import FaultKind, format_bytes
+
+__all__ = [
+    "WorkerProcesses",
+    "classify_fault",
+    "close_iterator",
+    "start_method",
+    "thread_busy_seconds",
+]
+
+_HELPER_MARKERS = ("resource_tracker", "forkserver", "semaphore_tracker")
+
+
+class WorkerProcesses:
+    """The worker processes started since construction (multiprocessing helpers excluded)."""
+
+    def __init__(self) -> None:
+        self._me = psutil.Process()
+        self._before = {p.pid for p in self._me.children(recursive=True)}
+        self._procs: dict[int, psutil.Process] = {}
+        self._helpers: set[int] = set()
+        self.peak_rss = 0
+
+    def scan(self) -> list[psutil.Process]:
+        for p in self._me.children(recursive=True):
+            if p.pid in self._before or p.pid in self._procs or p.pid in self._helpers:
+                continue
+            try:
+                cmd = " ".join(p.cmdline())
+            except psutil.Error:
+                continue
+            if any(m in cmd for m in _HELPER_MARKERS):
+                self._helpers.add(p.pid)
+            else:
+                self._procs[p.pid] = p
+        return list(self._procs.values())
+
+    def alive(self) -> list[psutil.Process]:
+        out = []
+        for p in self._procs.values():
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except psutil.Error:
+                continue
+        return out
+
+    def busy_seconds(self) -> float:
+        """CPU demand of all workers' threads so far (see :func:`thread_busy_seconds`)."""
+        total = 0.0
+        for p in self._procs.values():
+            busy = _schedstat_seconds(f"/proc/{p.pid}/task")
+            if busy is None:
+                with contextlib.suppress(psutil.Error):
+                    t = p.cpu_times()
+                    busy = t.user + t.system
+            total += busy or 0.0
+        return total
+
+    def sample_rss(self) -> None:
+        total = 0
+        for p in self._procs.values():
+            with contextlib.suppress(psutil.Error):
+                total += p.memory_info().rss
+        self.peak_rss = max(self.peak_rss, total)
+
+    def max_uss(self) -> int | None:
+        best: int | None = None
+        for p in self._procs.values():
+            with contextlib.suppress(psutil.Error, AttributeError):
+                uss = int(p.memory_full_info().uss)
+                best = uss if best is None else max(best, uss)
+        return best
+
+    def kill(self) -> None:
+        for p in self.alive():
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+    def wait_exited(self, timeout: float) -> list[psutil.Process]:
+        """Wait (without reaping: multiprocessing does that) until the workers have exited."""
+        end = time.monotonic() + timeout
+        alive = self.alive()
+        while alive and time.monotonic() < end:
+            time.sleep(0.02)
+            alive = self.alive()
+        return alive
+
+
+def _read_schedstat(path: str) -> float | None:
+    try:
+        with open(path) as f:
+            run_ns, wait_ns, _ = f.read().split()
+        return (int(run_ns) + int(wait_ns)) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
+def _schedstat_seconds(task_dir: str) -> float | None:
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return None
+    found = [_read_schedstat(f"{task_dir}/{tid}/schedstat") for tid in tids]
+    values = [v for v in found if v is not None]
+    return sum(values) if values else None
+
+
+def thread_busy_seconds() -> float:
+    """CPU demand of the calling thread so far: seconds running plus seconds runnable but
+    waiting for a CPU (Linux ``schedstat``; CPU time elsewhere).
+
+    Counting the wait keeps the estimate honest on a busy host: a compute-bound loop that
+    other processes crowd off the CPU still demands a whole core, while a loop that sleeps
+    on I/O does not.
+
+    Example:
+        >>> thread_busy_seconds() >= 0
+        True
+    """
+    busy = _read_schedstat(f"/proc/self/task/{threading.get_native_id()}/schedstat")
+    return time.thread_time() if busy is None else busy
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else text
+
+
+def classify_fault(
+    error: BaseException,
+    *,
+    start_method: str,
+    timeout_s: float,
+    budget_capped: bool,
+    inflight_bytes: int | None = None,
+    shm_free: int | None = None,
+) -> tuple[FaultKind, str]:
+    """Name the fault behind a DataLoader exception and say how to fix it.
+
+    Example:
+        >>> classify_fault(RuntimeError("DataLoader worker (pid(s) 12) exited unexpectedly"),
+        ...                start_method="fork", timeout_s=10, budget_capped=False)[0]
+        'crash'
+        >>> classify_fault(RuntimeError("DataLoader timed out after 2 seconds"),
+        ...                start_method="fork", timeout_s=2, budget_capped=False)[0]
+        'hang'
+    """
+    msg = str(error)
+    low = msg.lower()
+    if start_method != "fork" and (
+        isinstance(error, pickle.PicklingError) or "pickle" in low or "local object" in low
+    ):
+        return "pickle", (
+            f"the dataset, collate_fn or worker_init_fn cannot be pickled, which the "
+            f"{start_method!r} start method needs ({_first_line(msg)}); fix: use module-level "
+            f"functions instead of lambdas or local functions and no open files, locks or "
+            f"generators as attributes, or pass multiprocessing_context='fork' (Linux)"
+        )
+    shm_markers = (
+        "bus error",
+        "no space left on device",
+        "unable to write to file </torch_",
+        "shared memory",
+        "unable to allocate shared memory",
+    )
+    if any(m in low for m in shm_markers):
+        where = "" if shm_free is None else f" ({format_bytes(shm_free)} free"
+        if where and inflight_bytes is not None:
+            where += f", about {format_bytes(inflight_bytes)} of batches in flight"
+        where += ")" if where else ""
+        return "shm", (
+            f"/dev/shm is too small for the batches in flight{where}: {_last_line(msg)}; fix: "
+            f"give the container more shared memory (docker run --shm-size=16g, or a "
+            f"memory-backed emptyDir on Kubernetes), or use fewer workers or a smaller "
+            f"prefetch_factor"
+        )
+    if "timed out after" in low:
+        if budget_capped:
+            return "budget", f"no batch within {timeout_s:.1f} s when the time budget ran out"
+        return "hang", (
+            f"no batch arrived within {timeout_s:.1f} s: a worker hangs (a deadlock, blocking "
+            f"I/O, a lock or thread pool inherited across fork); fix the dataset, or pass a "
+            f"larger timeout= if batches really take that long"
+        )
+    if "exited unexpectedly" in low or "killed by signal" in low:
+        hint = "run with num_workers=0 to see the dataset's own error"
+        if "killed by signal: killed" in low:
+            hint = "SIGKILL usually means the out-of-memory killer: use fewer workers"
+        elif start_method != "fork":
+            hint += (
+                f"; under {start_method!r}, the script must guard its entry point with "
+                f"if __name__ == '__main__':"
+            )
+        return "crash", f"a worker died ({_first_line(msg)}); {hint}"
+    return "error", f"the dataset raised in a worker: {_last_line(msg)}"
+
+
+def start_method(loader_kwargs: Mapping[str, Any]) -> str:
+    import multiprocessing
+
+    ctx = loader_kwargs.get("multiprocessing_context")
+    if isinstance(ctx, str):
+        return ctx
+    if ctx is not None and hasattr(ctx, "get_start_method"):
+        return str(ctx.get_start_method())
+    # allow_none=True reads the default without fixing it for the rest of the program.
+    method = multiprocessing.get_start_method(allow_none=True)
+    return method or multiprocessing.get_all_start_methods()[0]
+
+
+def close_iterator(it: Any, workers: WorkerProcesses, *, kill_first: bool) -> None:
+    """Shut the iterator's workers down; kill hung ones first so the join does not wait."""
+    for _ in range(3):
+        try:
+            if kill_first:
+                workers.kill()
+                workers.wait_exited(2.0)
+                # torch's SIGCHLD handler raises RuntimeError for the killed workers; let it
+                # fire here, inside the try, rather than later in the caller's code.
+                time.sleep(0.02)
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            break
+        except RuntimeError:
+            continue
+    # Workers normally exit within milliseconds of the shutdown; anything left is killed
+    # (its pids are no longer watched by torch, so this raises nothing).
+    if workers.wait_exited(3.0):
+        workers.kill()
+        workers.wait_exited(2.0)

@@ -1,0 +1,301 @@
+"""What the DataLoader tuner measured and chose: :class:`CandidateResult`, :class:`TuningReport`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from trainperf._imports import require
+from trainperf.limits import HostLimits
+
+__all__ = ["CandidateResult", "FaultKind", "Status", "TuningReport", "format_bytes"]
+
+Status = Literal["ok", "failed", "skipped"]
+"""``ok``: measured; ``failed``: tried and broke; ``skipped``: not tried, predicted unsafe or
+pointless."""
+
+FaultKind = Literal["crash", "hang", "pickle", "shm", "memory", "cpu", "error", "budget"]
+"""Why a candidate failed or was skipped:
+
+- ``crash``: a worker died (segfault, ``os._exit``, killed by the OOM killer, ...);
+- ``hang``: no batch arrived within the timeout;
+- ``pickle``: the dataset (or ``collate_fn``/``worker_init_fn``) cannot be sent to workers
+  started with ``spawn``/``forkserver``;
+- ``shm``: ``/dev/shm`` is (or would be) too small for the batches in flight;
+- ``memory``: workers plus batches in flight would not fit in available memory;
+- ``cpu``: the workers would need more cores than are left after one for the main process;
+- ``error``: the dataset raised inside a worker;
+- ``budget``: the time budget ran out.
+"""
+
+
+def format_bytes(n: float | None) -> str:
+    """``1536 * 2**20`` -> ``"1.5 GiB"``; None -> ``"-"``.
+
+    Example:
+        >>> format_bytes(1536 * 2**20), format_bytes(300 * 2**20), format_bytes(None)
+        ('1.5 GiB', '300 MiB', '-')
+    """
+    if n is None:
+        return "-"
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.0f} MiB"
+    return f"{n / 2**10:.0f} KiB"
+
+
+@dataclass(frozen=True)
+class CandidateResult:
+    """One DataLoader configuration the tuner considered.
+
+    Attributes:
+        num_workers: worker processes (0: loading in the main process).
+        prefetch_factor: batches each worker keeps in flight (None when ``num_workers=0``).
+        pin_memory: whether batches were copied to page-locked memory.
+        status: ``"ok"``, ``"failed"`` or ``"skipped"``.
+        samples_per_s: steady-state throughput (median of the timed windows), None unless ok.
+        spread: (max - min) / median of the windows' throughputs; small means trustworthy.
+        windows: timed windows.
+        batches: batches inside the timed windows.
+        startup_s: seconds from ``iter(loader)`` to the first batch (worker start-up plus
+            one batch).
+        worker_peak_rss: peak resident memory of all workers together, in bytes. Pages
+            shared with the main process count in every worker, so this overstates the
+            memory really used; see ``worker_uss``.
+        worker_uss: private (unshared) memory of the largest worker, in bytes: what one more
+            worker costs.
+        worker_cpu: CPU cores the workers demanded during the windows (time running plus
+            time waiting for a CPU, so other load on the host does not hide it).
+        main_cpu: the same for the measuring thread of the main process.
+        batch_bytes: bytes of tensor data in one batch.
+        elapsed_s: wall time spent on this candidate, start-up and shutdown included.
+        fault: why it failed or was skipped (see :data:`FaultKind`), else None.
+        reason: a sentence saying what went wrong and the fix, else None.
+    """
+
+    num_workers: int
+    prefetch_factor: int | None
+    pin_memory: bool
+    status: Status
+    samples_per_s: float | None = None
+    spread: float | None = None
+    windows: int = 0
+    batches: int = 0
+    startup_s: float | None = None
+    worker_peak_rss: int | None = None
+    worker_uss: int | None = None
+    worker_cpu: float | None = None
+    main_cpu: float | None = None
+    batch_bytes: int | None = None
+    elapsed_s: float = 0.0
+    fault: FaultKind | None = None
+    reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the candidate was measured successfully."""
+        return self.status == "ok" and self.samples_per_s is not None
+
+    def label(self) -> str:
+        """``"workers=4 prefetch=2 pin=no"``."""
+        pf = "-" if self.prefetch_factor is None else str(self.prefetch_factor)
+        return f"workers={self.num_workers} prefetch={pf} pin={'yes' if self.pin_memory else 'no'}"
+
+
+def _num(x: float | None, fmt: str) -> str:
+    """Format ``x`` with ``fmt`` plus an optional unit after a space or %: ``".1f%"``."""
+    if x is None:
+        return "-"
+    spec, _, unit = fmt.partition(" ")
+    if spec.endswith("%"):
+        return format(x, spec[:-1]) + "%"
+    return format(x, spec) + unit
+
+
+@dataclass(frozen=True)
+class TuningReport:
+    """The result of :func:`trainperf.loader.tune_loader`.
+
+    Attributes:
+        best_kwargs: keyword arguments for ``DataLoader(dataset, **best_kwargs)``: the
+            chosen ``num_workers``, ``prefetch_factor``, ``pin_memory`` and
+            ``persistent_workers``, ``batch_size``, and the caller's own keyword arguments
+            (``collate_fn``, ``shuffle``, ``sampler``, ...) unchanged.
+        samples_per_s: measured steady-state throughput of the chosen configuration (None
+            when nothing could be measured within the budget).
+        baseline_samples_per_s: the same for ``num_workers=0``.
+        step_samples_per_s: throughput of the caller's ``step_fn`` alone, when given.
+        candidates: every configuration considered, in the order tried.
+        elapsed_s: wall time of the whole tuning (or of the cache lookup).
+        budget_s: the wall-clock budget it ran under.
+        limits: the CPU, memory and shared-memory limits that bounded the search.
+        cpus: CPUs usable by this process (its share when several local ranks run).
+        worker_cpus: cores the workers may keep busy (``cpus - 1``, at least 1).
+        max_workers: the largest ``num_workers`` considered.
+        device: the device batches are meant for (``"cpu"``, ``"cuda:0"``, ...).
+        batch_size: the batch size tuned for.
+        from_cache: True when the settings came from the cache without measuring.
+        notes: remarks on the decisions (fallbacks, budget, persistence, cache).
+    """
+
+    best_kwargs: dict[str, Any]
+    samples_per_s: float | None
+    baseline_samples_per_s: float | None
+    step_samples_per_s: float | None
+    candidates: tuple[CandidateResult, ...]
+    elapsed_s: float
+    budget_s: float
+    limits: HostLimits
+    cpus: int
+    worker_cpus: int
+    max_workers: int
+    device: str
+    batch_size: int
+    from_cache: bool = False
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def num_workers(self) -> int:
+        """The chosen ``num_workers``."""
+        return int(self.best_kwargs["num_workers"])
+
+    @property
+    def speedup(self) -> float | None:
+        """Chosen throughput over ``num_workers=0`` throughput (None when unknown)."""
+        if not self.samples_per_s or not self.baseline_samples_per_s:
+            return None
+        return self.samples_per_s / self.baseline_samples_per_s
+
+    def chosen(self) -> CandidateResult | None:
+        """The measured candidate that matches ``best_kwargs`` (None if it was not measured)."""
+        pf = self.best_kwargs.get("prefetch_factor")
+        for c in self.candidates:
+            if (
+                c.ok
+                and c.num_workers == self.num_workers
+                and c.prefetch_factor == pf
+                and c.pin_memory == bool(self.best_kwargs.get("pin_memory", False))
+            ):
+                return c
+        return None
+
+    def __str__(self) -> str:
+        lim = self.limits
+        shm = (
+            "no /dev/shm" if lim.shm_free is None else f"/dev/shm {format_bytes(lim.shm_free)} free"
+        )
+        source = (
+            "from cache" if self.from_cache else f"{self.elapsed_s:.1f} s of {self.budget_s:g} s"
+        )
+        lines = [
+            f"DataLoader tuning: batch_size={self.batch_size}, device {self.device}, {source}",
+            f"limits: {self.cpus} usable CPUs ({self.worker_cpus} for workers, one kept for the "
+            f"main process), {format_bytes(lim.memory_available)} memory available, {shm}",
+        ]
+        header = (
+            f"{'workers':>7} {'prefetch':>8} {'pin':>3} {'samples/s':>10} {'spread':>6} "
+            f"{'start-up':>8} {'workers RSS':>11} {'cores':>5}  status"
+        )
+        lines.append(header)
+        for c in self.candidates:
+            cores = c.main_cpu if c.num_workers == 0 else c.worker_cpu
+            status = c.status if c.reason is None else f"{c.status} ({c.fault}): {c.reason}"
+            lines.append(
+                f"{c.num_workers:>7} {_num(c.prefetch_factor, 'd'):>8} "
+                f"{'yes' if c.pin_memory else 'no':>3} {_num(c.samples_per_s, ',.1f'):>10} "
+                f"{_num(None if c.spread is None else 100 * c.spread, '.1f%'):>6} "
+                f"{_num(c.startup_s, '.2f s'):>8} {format_bytes(c.worker_peak_rss):>11} "
+                f"{_num(cores, '.2f'):>5}  {status}"
+            )
+        chosen = ", ".join(
+            f"{k}={self.best_kwargs[k]!r}"
+            for k in ("num_workers", "prefetch_factor", "pin_memory", "persistent_workers")
+            if k in self.best_kwargs
+        )
+        speed = (
+            "not measured" if self.samples_per_s is None else f"{self.samples_per_s:,.1f} samples/s"
+        )
+        if self.speedup is not None:
+            speed += f" ({self.speedup:.2f}x num_workers=0)"
+        lines.append(f"chosen: {chosen}: {speed}")
+        if self.step_samples_per_s is not None:
+            lines.append(f"step_fn alone: {self.step_samples_per_s:,.1f} samples/s")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def plot(self, path: str | os.PathLike[str]) -> Path:
+        """Save a chart of throughput against ``num_workers`` to ``path`` (PNG, SVG, PDF...).
+
+        One line per (prefetch_factor, pin_memory) pair; the chosen configuration is starred
+        and the ``step_fn`` throughput, when known, drawn as a horizontal line.
+
+        Args:
+            path: the image file to write; its suffix picks the format.
+
+        Returns:
+            ``path`` as a :class:`~pathlib.Path`.
+
+        Raises:
+            ModuleNotFoundError: matplotlib is not installed.
+
+        Example:
+            >>> from trainperf.limits import HostLimits
+            >>> r = TuningReport({"num_workers": 0}, None, None, None, (), 0.0, 1.0,
+            ...                  HostLimits(2, 2, None, 2, 2**33, None, 2**32, None, None),
+            ...                  2, 1, 4, "cpu", 8)
+            >>> try:
+            ...     _ = r.plot("/tmp/trainperf-doctest-plot.png")
+            ... except ModuleNotFoundError as e:
+            ...     print("pip install" in str(e))
+            ... else:
+            ...     print(True)
+            True
+        """
+        require("matplotlib", "TuningReport.plot()")
+        # Figure without pyplot: no global backend switch, works on headless hosts.
+        from matplotlib.figure import Figure
+
+        out = Path(path)
+        fig = Figure(figsize=(7, 4.5))
+        ax = fig.add_subplot()
+        groups: dict[tuple[int | None, bool], list[CandidateResult]] = {}
+        for c in self.candidates:
+            if c.ok:
+                key = (c.prefetch_factor or 2, c.pin_memory)
+                groups.setdefault(key, []).append(c)
+        zero = [c for c in self.candidates if c.ok and c.num_workers == 0]
+        for (pf, pin), cs in sorted(groups.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1])):
+            pts = sorted(
+                {c.num_workers: c for c in cs + zero}.values(), key=lambda c: c.num_workers
+            )
+            ax.plot(
+                [c.num_workers for c in pts],
+                [c.samples_per_s or 0.0 for c in pts],
+                marker="o",
+                label=f"prefetch_factor={pf}, pin_memory={pin}",
+            )
+        best = self.chosen()
+        if best is not None:
+            ax.plot(
+                [best.num_workers],
+                [best.samples_per_s or 0.0],
+                marker="*",
+                markersize=16,
+                linestyle="none",
+                color="black",
+                label="chosen",
+            )
+        if self.step_samples_per_s is not None:
+            ax.axhline(self.step_samples_per_s, linestyle="--", color="grey", label="step_fn")
+        ax.set_xlabel("num_workers")
+        ax.set_ylabel("samples/s (steady state)")
+        ax.set_title(f"DataLoader throughput, batch_size={self.batch_size}")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(out)
+        return out

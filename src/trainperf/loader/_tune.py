@@ -1,0 +1,512 @@
+"""``tune_loader`` and ``autotune_loader``: the public entry points of the DataLoader tuner."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import psutil
+import torch
+from torch.utils.data import DataLoader
+
+from trainperf.limits import HostLimits, host_limits, usable_cpus
+from trainperf.loader import _cache
+from trainperf.loader._faults import start_method
+from trainperf.loader._measure import measure
+from trainperf.loader._progress import ProgressBar
+from trainperf.loader._report import CandidateResult, TuningReport
+from trainperf.loader._search import Search, default_max_workers, safety_margin
+
+__all__ = ["TunedDataLoader", "autotune_loader", "tune_loader"]
+
+_TUNED = ("num_workers", "prefetch_factor")
+_ALLOWED = frozenset(inspect.signature(DataLoader.__init__).parameters) - {
+    "self",
+    "dataset",
+    "batch_size",
+}
+
+
+class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
+    """A plain :class:`torch.utils.data.DataLoader` that also carries the tuning report.
+
+    Attributes:
+        tuning_report: the :class:`TuningReport` its settings came from.
+    """
+
+    tuning_report: TuningReport
+
+
+def _local_ranks() -> int:
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is None or raw == "":
+        return 1
+    try:
+        ranks = int(raw)
+    except ValueError:
+        ranks = 0
+    if ranks < 1:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE must be a positive integer (processes on this host), got {raw!r}"
+        )
+    return ranks
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        from trainperf.device import best_device
+
+        return best_device()
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(
+            f"device must be a str, a torch.device or None, got {type(device).__name__}"
+        )
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device must be like 'cpu' or 'cuda:0', got {device!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available; pass 'cpu' or None")
+    return dev
+
+
+def _check_args(
+    batch_size: int,
+    max_workers: int | None,
+    budget_s: float,
+    epochs_hint: int | None,
+    step_fn: Callable[[Any], Any] | None,
+    loader_kwargs: Mapping[str, Any],
+) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if max_workers is not None and (
+        isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 0
+    ):
+        raise ValueError(f"max_workers must be None or an int >= 0, got {max_workers!r}")
+    if (
+        isinstance(budget_s, bool)
+        or not isinstance(budget_s, (int, float))
+        or not budget_s > 0
+        or math.isinf(budget_s)
+    ):
+        raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
+    if epochs_hint is not None and (
+        isinstance(epochs_hint, bool) or not isinstance(epochs_hint, int) or epochs_hint < 1
+    ):
+        raise ValueError(f"epochs_hint must be None or an int >= 1, got {epochs_hint!r}")
+    if step_fn is not None and not callable(step_fn):
+        raise ValueError(f"step_fn must be callable (it gets one batch), got {step_fn!r}")
+    for k in loader_kwargs:
+        if k in _TUNED:
+            raise ValueError(
+                f"{k} is what tune_loader chooses, so it cannot be passed in; bound the search "
+                f"with max_workers= instead"
+            )
+        if k == "batch_sampler":
+            raise ValueError(
+                "batch_sampler is not supported: tune_loader batches with batch_size; pass "
+                "sampler= (and drop_last=) instead"
+            )
+        if k not in _ALLOWED:
+            raise ValueError(
+                f"unknown DataLoader argument {k!r}; choices: {', '.join(sorted(_ALLOWED))}"
+            )
+
+
+def _time_step(
+    dataset: Any,
+    batch_size: int,
+    loader_kwargs: Mapping[str, Any],
+    step_fn: Callable[[Any], Any],
+    device: torch.device,
+    deadline: float,
+) -> float:
+    """Samples/s of ``step_fn`` alone: one warm-up call, then up to 5 timed calls (1 s)."""
+    kwargs = {k: v for k, v in loader_kwargs.items() if k in ("shuffle", "sampler", "collate_fn")}
+    loader: DataLoader[Any] = DataLoader(dataset, batch_size=batch_size, **kwargs)
+    it = iter(loader)
+    cuda = device.type == "cuda"
+    spent, calls, samples = 0.0, 0, 0
+    try:
+        for i in range(6):
+            try:
+                batch = next(it)
+            except StopIteration:
+                it = iter(loader)
+                batch = next(it)
+            t = time.perf_counter()
+            step_fn(batch)
+            if cuda:
+                torch.cuda.synchronize(device)
+            if i > 0:  # the first call pays for lazy initialisation
+                spent += time.perf_counter() - t
+                calls += 1
+                samples += batch_size
+            if calls and (spent > 1.0 or time.perf_counter() > deadline):
+                break
+    except Exception as e:
+        raise RuntimeError(f"step_fn raised on a batch of the dataset: {e!r}") from e
+    return samples / max(spent, 1e-9) if calls else math.inf
+
+
+def _persistent(
+    choice: CandidateResult,
+    epochs_hint: int | None,
+    samples_per_epoch: int | None,
+    batch_size: int,
+) -> tuple[bool, str | None]:
+    n, rate = choice.num_workers, choice.samples_per_s
+    if n == 0:
+        return False, None
+    if epochs_hint == 1:
+        return False, "persistent_workers=False: one epoch, so there is no restart to save"
+    if rate is None or choice.startup_s is None:
+        return True, None
+    # Start-up minus one batch's production: what re-creating the workers each epoch costs.
+    overhead = max(0.0, choice.startup_s - n * batch_size / rate)
+    if samples_per_epoch is None:
+        return True, None
+    epoch_s = samples_per_epoch / rate
+    if overhead >= 0.01 * epoch_s:
+        return True, (
+            f"persistent_workers=True: worker start-up ({overhead:.2f} s) is "
+            f"{100 * overhead / max(epoch_s, 1e-9):.1f} % of an epoch ({epoch_s:.1f} s)"
+        )
+    return False, (
+        f"persistent_workers=False: worker start-up ({overhead:.2f} s) is under 1 % of an "
+        f"epoch ({epoch_s:.1f} s)"
+    )
+
+
+def _final_kwargs(
+    loader_kwargs: Mapping[str, Any],
+    batch_size: int,
+    choice: Mapping[str, Any],
+    notes: list[str],
+) -> dict[str, Any]:
+    out: dict[str, Any] = {**loader_kwargs, "batch_size": batch_size}
+    n = int(choice["num_workers"])
+    out["num_workers"] = n
+    out["pin_memory"] = bool(choice["pin_memory"])
+    if n > 0:
+        out["prefetch_factor"] = int(choice["prefetch_factor"] or 2)
+        out["persistent_workers"] = bool(choice["persistent_workers"])
+    else:
+        # DataLoader rejects these with num_workers=0.
+        out.pop("prefetch_factor", None)
+        out["persistent_workers"] = False
+        if out.pop("multiprocessing_context", None) is not None:
+            notes.append("multiprocessing_context dropped: it needs num_workers > 0")
+    return out
+
+
+def _from_cache(
+    entry: Mapping[str, Any],
+    limits: HostLimits,
+    loader_kwargs: Mapping[str, Any],
+    batch_size: int,
+    common: dict[str, Any],
+    started: float,
+) -> TuningReport | None:
+    """A report built from a cache entry, or None when it is malformed or no longer fits."""
+    try:
+        best = dict(entry["best"])
+        candidates = tuple(CandidateResult(**c) for c in entry["candidates"])
+        int(best["num_workers"])
+        need, shm = int(entry["memory_needed"]), int(entry["shm_needed"])
+        notes = [str(n) for n in entry.get("notes", [])]
+        rate = entry.get("samples_per_s")
+        base = entry.get("baseline_samples_per_s")
+        step = entry.get("step_samples_per_s")
+    except (KeyError, TypeError, ValueError):
+        return None
+    if need > limits.memory_available - safety_margin(limits.memory_available):
+        return None
+    if limits.shm_free is not None and shm > 0.9 * limits.shm_free:
+        return None
+    notes.append(f"settings from the cache ({_cache.cache_file()}); cache=False re-tunes")
+    return TuningReport(
+        best_kwargs=_final_kwargs(loader_kwargs, batch_size, best, []),
+        samples_per_s=rate,
+        baseline_samples_per_s=base,
+        step_samples_per_s=step,
+        candidates=candidates,
+        elapsed_s=time.perf_counter() - started,
+        from_cache=True,
+        notes=tuple(notes),
+        **common,
+    )
+
+
+def tune_loader(
+    dataset: Any,
+    batch_size: int,
+    *,
+    device: str | torch.device | None = None,
+    max_workers: int | None = None,
+    budget_s: float = 30.0,
+    epochs_hint: int | None = None,
+    step_fn: Callable[[Any], Any] | None = None,
+    cache: bool = True,
+    progress: bool = True,
+    **loader_kwargs: Any,
+) -> TuningReport:
+    """Choose ``num_workers``, ``prefetch_factor``, ``pin_memory`` and ``persistent_workers``
+    for ``DataLoader(dataset, batch_size)`` by measuring steady-state throughput.
+
+    ``num_workers=0`` is measured first; a prediction from its cost picks the first worker
+    count, and a short climb refines it (see :mod:`trainperf.loader`). Workers are limited
+    to the usable CPUs (affinity and cgroup quota, divided by ``LOCAL_WORLD_SIZE``) minus
+    one for the main process, unless they mostly wait; to available memory (cgroup-aware)
+    and to free ``/dev/shm``. A worker that crashes, hangs (see ``timeout``) or cannot be
+    pickled marks its candidate failed; if no worker configuration works the result is
+    ``num_workers=0`` with a ``RuntimeWarning`` saying why. No worker outlives the call.
+
+    Args:
+        dataset: a map-style or iterable dataset.
+        batch_size: samples per batch.
+        device: where batches go; ``pin_memory`` is only considered for CUDA, and on CUDA
+            the host-to-device copy is part of the measurement. None:
+            :func:`trainperf.best_device`.
+        max_workers: the largest ``num_workers`` to consider (default: four per usable CPU,
+            2 to 64; 0 measures ``num_workers=0`` only).
+        budget_s: hard wall-clock limit for the whole tuning, in seconds.
+        epochs_hint: epochs the loader will run; with 1, workers are never kept alive
+            between epochs. None means several.
+        step_fn: your training step, called as ``step_fn(batch)``; timed on a few batches in
+            this process so workers stop being added once loading outruns it.
+        cache: reuse (and store) the choice in the user cache directory.
+        progress: draw a progress bar on stderr.
+        **loader_kwargs: other DataLoader arguments (``shuffle``, ``sampler``,
+            ``collate_fn``, ``drop_last``, ``worker_init_fn``, ``multiprocessing_context``,
+            ...), passed through unchanged. ``pin_memory`` or ``persistent_workers`` given
+            here are kept as given. ``timeout`` doubles as the hang limit while measuring.
+
+    Returns:
+        A :class:`TuningReport`; ``DataLoader(dataset, **report.best_kwargs)`` builds the
+        loader.
+
+    Raises:
+        ValueError: a bad argument, ``num_workers``/``prefetch_factor``/``batch_sampler``
+            in ``loader_kwargs``, CUDA asked for but absent, an empty loader, or a bad
+            ``LOCAL_WORLD_SIZE``.
+        RuntimeError: the dataset fails in the main process or ``step_fn`` raises.
+
+    Example:
+        >>> from torch.utils.data import TensorDataset
+        >>> ds = TensorDataset(torch.randn(256, 8))
+        >>> report = tune_loader(ds, 32, device="cpu", max_workers=0, budget_s=5,
+        ...                      cache=False, progress=False, shuffle=True)
+        >>> report.best_kwargs["num_workers"], report.best_kwargs["shuffle"]
+        (0, True)
+    """
+    started = time.perf_counter()
+    _check_args(batch_size, max_workers, budget_s, epochs_hint, step_fn, loader_kwargs)
+    deadline = started + budget_s
+    dev = _resolve_device(device)
+    cuda = dev.type == "cuda"
+    limits = host_limits()
+    cpus = usable_cpus(_local_ranks(), limits=limits)
+    worker_cpus = max(1, cpus - 1)
+    n_max = default_max_workers(cpus) if max_workers is None else max_workers
+    method = start_method(loader_kwargs)
+    user_pin = loader_kwargs.get("pin_memory")
+    user_persistent = loader_kwargs.get("persistent_workers")
+    pin_options = (
+        (bool(user_pin),) if user_pin is not None else ((True, False) if cuda else (False,))
+    )
+    common: dict[str, Any] = {
+        "budget_s": float(budget_s),
+        "limits": limits,
+        "cpus": cpus,
+        "worker_cpus": worker_cpus,
+        "max_workers": n_max,
+        "device": str(dev),
+        "batch_size": batch_size,
+    }
+
+    key = None
+    if cache:
+        key = _cache.make_key(
+            _cache.key_fields(
+                dataset,
+                batch_size,
+                cpus=cpus,
+                device_type=dev.type,
+                max_workers=n_max,
+                epochs_hint=epochs_hint,
+                step_fn=step_fn,
+                loader_kwargs=loader_kwargs,
+            )
+        )
+        entry = _cache.read_entry(key)
+        if entry is not None:
+            hit = _from_cache(entry, limits, loader_kwargs, batch_size, common, started)
+            if hit is not None:
+                return hit
+
+    bar = ProgressBar(float(budget_s), enabled=progress)
+    measure_kwargs = {
+        k: v for k, v in loader_kwargs.items() if k not in ("pin_memory", "persistent_workers")
+    }
+    user_timeout = float(loader_kwargs.get("timeout") or 0.0)
+    batch_s = [1.0]  # seconds per batch in the main process, known after the baseline
+
+    def hang_timeout(n: int) -> float:
+        if user_timeout > 0:
+            return user_timeout
+        spawn_extra = 0.0 if method == "fork" else 20.0
+        return max(10.0, 20.0 * batch_s[0] * max(1.0, n / worker_cpus)) + spawn_extra
+
+    def run(n: int, pf: int | None, pin: bool) -> CandidateResult:
+        bar.update(f"measuring workers={n} prefetch={pf or '-'}", force=True)
+        r = measure(
+            dataset,
+            batch_size,
+            measure_kwargs,
+            num_workers=n,
+            prefetch_factor=pf,
+            pin_memory=pin,
+            deadline=deadline,
+            hang_timeout_s=hang_timeout(n),
+            device=dev if cuda else None,
+            shm_free=limits.shm_free,
+            on_tick=bar.update,
+        )
+        done = "-" if r.samples_per_s is None else f"{r.samples_per_s:,.0f}/s"
+        bar.update(f"workers={n} prefetch={pf or '-'}: {done}", force=True)
+        return r
+
+    try:
+        try:
+            baseline = run(0, None, pin_options[0])
+        except ValueError:
+            raise
+        except Exception as e:
+            raise RuntimeError(
+                f"the dataset fails in the main process (num_workers=0), so there is nothing "
+                f"to tune: {e!r}"
+            ) from e
+        if baseline.samples_per_s:
+            batch_s[0] = batch_size / baseline.samples_per_s
+        step_rate = None
+        if step_fn is not None and time.perf_counter() < deadline:
+            step_rate = _time_step(dataset, batch_size, loader_kwargs, step_fn, dev, deadline)
+        search = Search(
+            measure=run,
+            out_of_time=lambda: time.perf_counter() >= deadline - 0.05,
+            worker_cpus=worker_cpus,
+            max_workers=n_max,
+            memory_available=limits.memory_available,
+            shm_free=limits.shm_free,
+            start_method=method,
+            pin_options=pin_options,
+            step_samples_per_s=step_rate,
+            main_rss=psutil.Process().memory_info().rss,
+        )
+        choice = search.run(baseline)
+    finally:
+        bar.close()
+
+    notes = list(search.notes)
+    samples_per_epoch = (
+        _cache.length(loader_kwargs["sampler"])
+        if "sampler" in loader_kwargs
+        else _cache.length(dataset)
+    )
+    if user_persistent is not None:
+        persistent = bool(user_persistent)
+    else:
+        persistent, why = _persistent(choice, epochs_hint, samples_per_epoch, batch_size)
+        if why:
+            notes.append(why)
+    if user_persistent and choice.num_workers == 0:
+        notes.append("persistent_workers=True dropped: it needs num_workers > 0")
+    best = {
+        "num_workers": choice.num_workers,
+        "prefetch_factor": choice.prefetch_factor,
+        "pin_memory": choice.pin_memory,
+        "persistent_workers": persistent,
+    }
+    best_kwargs = _final_kwargs(loader_kwargs, batch_size, best, notes)
+    if key is not None and choice.ok:
+        entry = {
+            "best": best,
+            "samples_per_s": choice.samples_per_s,
+            "baseline_samples_per_s": baseline.samples_per_s,
+            "step_samples_per_s": step_rate,
+            "memory_needed": search.memory_needed(
+                choice.num_workers, choice.prefetch_factor, choice.pin_memory
+            )
+            if choice.num_workers
+            else 0,
+            "shm_needed": search.shm_needed(choice.num_workers, choice.prefetch_factor),
+            "candidates": [dataclasses.asdict(c) for c in search.results],
+            "notes": notes,
+        }
+        try:
+            _cache.write_entry(key, entry)
+        except OSError as e:
+            notes.append(f"the choice could not be cached: {e}")
+    return TuningReport(
+        best_kwargs=best_kwargs,
+        samples_per_s=choice.samples_per_s,
+        baseline_samples_per_s=baseline.samples_per_s,
+        step_samples_per_s=step_rate,
+        candidates=tuple(search.results),
+        elapsed_s=time.perf_counter() - started,
+        notes=tuple(notes),
+        **common,
+    )
+
+
+def autotune_loader(
+    dataset: Any,
+    batch_size: int,
+    *,
+    device: str | torch.device | None = None,
+    max_workers: int | None = None,
+    budget_s: float = 30.0,
+    epochs_hint: int | None = None,
+    step_fn: Callable[[Any], Any] | None = None,
+    cache: bool = True,
+    progress: bool = True,
+    **loader_kwargs: Any,
+) -> TunedDataLoader:
+    """:func:`tune_loader`, then the DataLoader built from ``report.best_kwargs``.
+
+    The result is an ordinary ``DataLoader`` (a subclass that adds one attribute): the
+    report is ``loader.tuning_report``. Arguments, errors and warnings are those of
+    :func:`tune_loader`.
+
+    Returns:
+        The tuned DataLoader.
+
+    Example:
+        >>> from torch.utils.data import TensorDataset
+        >>> loader = autotune_loader(TensorDataset(torch.randn(128, 4)), 16, device="cpu",
+        ...                          max_workers=0, budget_s=5, cache=False, progress=False)
+        >>> loader.num_workers, loader.tuning_report.num_workers, len(loader)
+        (0, 0, 8)
+    """
+    report = tune_loader(
+        dataset,
+        batch_size,
+        device=device,
+        max_workers=max_workers,
+        budget_s=budget_s,
+        epochs_hint=epochs_hint,
+        step_fn=step_fn,
+        cache=cache,
+        progress=progress,
+        **loader_kwargs,
+    )
+    loader = TunedDataLoader(dataset, **report.best_kwargs)
+    loader.tuning_report = report
+    return loader

@@ -1,0 +1,293 @@
+"""Image input pipelines that keep JPEG decoding off the Python workers.
+
+One function, :func:`image_loader`, returns an iterable of ``(images, labels)`` batches (the
+contract of a torchvision DataLoader) from one of three backends:
+
+- ``"dali"``: NVIDIA DALI (``pip install 'trainperf[dali]'``) decodes and augments in C++
+  threads, or with nvJPEG on the GPU;
+- ``"nvjpeg"``: CPU threads read bytes, ``torchvision.io.decode_jpeg`` decodes whole batches on
+  the GPU, and the augmentation runs there too;
+- ``"torchvision"``: PIL and torchvision transforms in an autotuned DataLoader, the fallback
+  everywhere.
+
+Nothing here imports DALI or torchvision until a loader is built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+
+from trainperf._imports import is_available, require
+from trainperf.errors import DeviceError
+from trainperf.pipelines._base import Backend, ImageLoader, LoaderConfig
+from trainperf.pipelines._source import BadFile, Shard, load_source, resolve_shard, shard_plan
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "BadFile",
+    "ImageLoader",
+    "LoaderConfig",
+    "Shard",
+    "image_loader",
+]
+
+IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
+IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
+
+_BACKENDS = ("auto", "dali", "nvjpeg", "torchvision")
+_LAST_BATCH = ("drop", "keep")
+_ON_ERROR = ("raise", "skip")
+_log = logging.getLogger(__name__)
+
+
+def _dali_importable() -> bool:
+    if not is_available("nvidia.dali"):
+        return False
+    try:
+        import nvidia.dali  # noqa: F401
+    except (ImportError, OSError) as e:  # e.g. a wheel built for another CUDA
+        _log.info("NVIDIA DALI is installed but does not import (%s); not using it", e)
+        return False
+    return True
+
+
+def _choose_backend(
+    backend: Literal["auto", "dali", "nvjpeg", "torchvision"], device: torch.device
+) -> tuple[Backend, str]:
+    if backend == "dali":
+        if not is_available("nvidia.dali"):
+            from trainperf.pipelines._dali import dali_missing_error
+
+            raise dali_missing_error()
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"backend='dali' runs on 'cpu' or a CUDA device, got device='{device}'; "
+                "use backend='torchvision'"
+            )
+        return "dali", "asked for"
+    if backend == "nvjpeg":
+        require("torchvision", "image_loader(backend='nvjpeg')")
+        if device.type != "cuda":
+            raise ValueError(
+                f"backend='nvjpeg' decodes on a CUDA GPU, but device is '{device}'; use "
+                "backend='dali' or backend='torchvision' there"
+            )
+        return "nvjpeg", "asked for"
+    if backend == "torchvision":
+        require("torchvision", "image_loader(backend='torchvision')")
+        return "torchvision", "asked for"
+    if device.type in ("cpu", "cuda") and _dali_importable():
+        where = "nvJPEG on the GPU" if device.type == "cuda" else "DALI's CPU mode"
+        return "dali", f"auto: NVIDIA DALI is installed ({where})"
+    if device.type == "cuda" and is_available("torchvision"):
+        return "nvjpeg", "auto: DALI is not installed; CUDA device, so torchvision's GPU decode"
+    if is_available("torchvision"):
+        return "torchvision", (
+            f"auto: DALI is not installed and device '{device}' has no nvJPEG, so the "
+            "autotuned DataLoader"
+        )
+    raise ModuleNotFoundError(
+        "image_loader() needs NVIDIA DALI or torchvision: pip install 'trainperf[dali]' "
+        "or pip install 'trainperf[vision]'",
+        name="torchvision",
+    )
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, str) and device == "auto":
+        from trainperf.device import best_device
+
+        return best_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f"device must be 'auto', a device string or torch.device, got {device!r}"
+        ) from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"device='{dev}' was asked for, but CUDA is not available here")
+    return dev
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _channel_triple(
+    name: str, value: Sequence[float], *, positive: bool
+) -> tuple[float, float, float]:
+    try:
+        triple = tuple(float(v) for v in value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} must be 3 numbers (R, G, B), got {value!r}") from e
+    if len(triple) != 3 or (positive and min(triple) <= 0):
+        need = "3 positive numbers" if positive else "3 numbers"
+        raise ValueError(f"{name} must be {need} (R, G, B, in 0..1 units), got {value!r}")
+    return triple[0], triple[1], triple[2]
+
+
+def image_loader(
+    source: str | os.PathLike[str] | Sequence[tuple[str | os.PathLike[str], int]],
+    batch_size: int,
+    *,
+    train: bool = True,
+    size: int = 224,
+    backend: Literal["auto", "dali", "nvjpeg", "torchvision"] = "auto",
+    device: str | torch.device = "auto",
+    num_threads: int | Literal["auto"] = "auto",
+    shard: Literal["auto"] | tuple[int, int] | None = "auto",
+    seed: int = 0,
+    last_batch: Literal["drop", "keep"] = "drop",
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+    on_error: Literal["raise", "skip"] = "raise",
+    loader_kwargs: Mapping[str, Any] | None = None,
+) -> ImageLoader:
+    """Batches of normalised images and their labels, decoded off the Python workers.
+
+    Yields ``(images, labels)``: float32 ``[N, 3, size, size]`` normalised with ``mean`` and
+    ``std``, and int64 ``[N]``, both on ``device``. ``len()`` is the number of batches per
+    epoch; each new iteration is a new epoch, reshuffled when ``train``.
+
+    Train: random resized crop (area 8-100 %, aspect 3/4-4/3), horizontal flip, normalise.
+    Eval: resize the shorter side to ``int(size / 0.875)``, centre crop, normalise: the
+    output of torchvision's ``Resize`` + ``CenterCrop`` + ``Normalize`` (exact for the
+    torchvision backend; DALI within one grey level, see ``docs/pipelines.md``).
+    Grayscale, CMYK and PNG images are converted to RGB. EXIF orientation is ignored, as
+    torchvision's ImageFolder ignores it.
+
+    Args:
+        source: an ImageFolder directory (``root/<class>/<image>``, classes sorted by
+            name) or a list of ``(path, label)`` pairs.
+        batch_size: images per batch, per rank.
+        train: training augmentation and reshuffling, or the eval transform in file order.
+        size: output height and width.
+        backend: ``"auto"`` (DALI if installed, else nvjpeg on a CUDA device, else
+            torchvision), or one of them by name. The choice is in ``loader.backend`` and
+            ``loader.backend_reason``, and logged.
+        device: where batches are delivered; ``"auto"`` is :func:`trainperf.best_device`.
+        num_threads: decode threads (DALI), reader threads (nvjpeg) or the most DataLoader
+            workers (torchvision); ``"auto"``: this process's share of the usable CPUs.
+        shard: ``"auto"`` reads this rank's shard under ``torch.distributed`` (or torchrun's
+            ``RANK``/``WORLD_SIZE``); ``(rank, world_size)`` sets it; None reads everything.
+            Every rank gets the same number of batches per epoch.
+        seed: seeds shuffling and augmentation (use the same on every rank).
+        last_batch: ``"drop"`` the partial last batch (each rank's shard is trimmed to
+            ``floor(N / world_size)``), or ``"keep"`` it (shards padded to
+            ``ceil(N / world_size)`` by repeating images).
+        mean: per-channel mean, 0..1 units.
+        std: per-channel standard deviation, 0..1 units.
+        on_error: ``"raise"``: a missing, empty or non-image file raises up front, naming
+            it, and a file that fails to decode raises when it is reached; ``"skip"``:
+            every file is decoded once up front and bad ones are left out with a warning
+            (listed in ``loader.skipped``).
+        loader_kwargs: torchvision backend only: keyword arguments for
+            :func:`trainperf.loader.autotune_loader` (e.g. ``budget_s``), or for a plain
+            ``DataLoader`` when they include ``num_workers`` (no tuning).
+
+    Returns:
+        An :class:`ImageLoader`.
+
+    Raises:
+        ValueError: a bad argument; no images; a bad file under ``on_error="raise"``;
+            ``batch_size`` larger than a rank's share with ``last_batch="drop"``.
+        FileNotFoundError: ``source`` does not exist.
+        ModuleNotFoundError: the backend's package is not installed (the message names the
+            ``pip install`` command).
+        DeviceError: a CUDA device was asked for without CUDA.
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> from PIL import Image
+        >>> root = tempfile.mkdtemp()
+        >>> for cls, colour in (("red", (220, 20, 20)), ("blue", (20, 20, 220))):
+        ...     os.makedirs(f"{root}/{cls}")
+        ...     for i in range(3):
+        ...         Image.new("RGB", (64 + 8 * i, 48), colour).save(f"{root}/{cls}/{i}.jpg")
+        >>> loader = image_loader(root, batch_size=4, size=32, backend="torchvision",
+        ...                       device="cpu", loader_kwargs={"num_workers": 0})
+        >>> len(loader), loader.classes
+        (1, ('blue', 'red'))
+        >>> images, labels = next(iter(loader))
+        >>> images.shape, images.dtype, labels.dtype
+        (torch.Size([4, 3, 32, 32]), torch.float32, torch.int64)
+    """
+    batch_size = _positive_int("batch_size", batch_size)
+    size = _positive_int("size", size)
+    if not isinstance(train, bool):
+        raise ValueError(f"train must be True or False, got {train!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if last_batch not in _LAST_BATCH:
+        raise ValueError(f"last_batch must be one of {_LAST_BATCH}, got {last_batch!r}")
+    if on_error not in _ON_ERROR:
+        raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    mean3 = _channel_triple("mean", mean, positive=False)
+    std3 = _channel_triple("std", std, positive=True)
+    rank, world_size = resolve_shard(shard)
+    if num_threads == "auto":
+        from trainperf.limits import usable_cpus
+
+        local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        threads = usable_cpus(int(local) if local.isdigit() and int(local) > 0 else 1)
+    else:
+        threads = _positive_int("num_threads", num_threads)
+    dev = _resolve_device(device)
+    chosen, reason = _choose_backend(backend, dev)
+    if loader_kwargs is not None and chosen != "torchvision":
+        if backend != "auto":
+            raise ValueError(
+                f"loader_kwargs configure the torchvision backend's DataLoader; "
+                f"backend={backend!r} takes none"
+            )
+        _log.info("backend %r chosen: loader_kwargs (torchvision only) are not used", chosen)
+
+    source_files = load_source(source, on_error=on_error)
+    if source_files.skipped:
+        import warnings
+
+        listed = ", ".join(f"{b.path} ({b.reason})" for b in source_files.skipped[:5])
+        more = len(source_files.skipped) - 5
+        warnings.warn(
+            f"image_loader skipped {len(source_files.skipped)} unreadable file(s): {listed}"
+            + (f" and {more} more" if more > 0 else "")
+            + "; see loader.skipped",
+            stacklevel=2,
+        )
+    plan = shard_plan(len(source_files.files), batch_size, rank, world_size, last_batch)
+    config = LoaderConfig(
+        batch_size=batch_size,
+        train=train,
+        size=size,
+        device=dev,
+        num_threads=threads,
+        seed=seed,
+        last_batch=last_batch,
+        mean=mean3,
+        std=std3,
+    )
+    loader: ImageLoader
+    if chosen == "dali":
+        from trainperf.pipelines._dali import DaliLoader
+
+        loader = DaliLoader(source_files, plan, config, reason)
+    elif chosen == "nvjpeg":
+        from trainperf.pipelines._nvjpeg import NvjpegLoader
+
+        loader = NvjpegLoader(source_files, plan, config, reason)
+    else:
+        from trainperf.pipelines._torchvision import TorchvisionLoader
+
+        loader = TorchvisionLoader(source_files, plan, config, reason, loader_kwargs)
+    _log.info("%r", loader)
+    return loader

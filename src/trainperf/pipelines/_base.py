@@ -1,0 +1,139 @@
+"""The loader every backend returns: an iterable of ``(images, labels)``, one pass per epoch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from trainperf.pipelines._source import BadFile, ImageSource, Shard
+
+__all__ = ["Backend", "ImageLoader", "LoaderConfig"]
+
+Backend = Literal["dali", "nvjpeg", "torchvision"]
+LastBatch = Literal["drop", "keep"]
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """What :func:`trainperf.pipelines.image_loader` was asked for, resolved.
+
+    Attributes:
+        batch_size: images per batch.
+        train: random resized crop + flip (True) or resize + centre crop (False).
+        size: output height and width.
+        device: where batches are delivered.
+        num_threads: decode threads (DALI), reader threads (nvjpeg), or the worker cap
+            (torchvision).
+        seed: seeds shuffling and augmentation.
+        last_batch: ``"drop"`` or ``"keep"`` the partial last batch.
+        mean: per-channel mean, in 0..1 units.
+        std: per-channel standard deviation, in 0..1 units.
+    """
+
+    batch_size: int
+    train: bool
+    size: int
+    device: torch.device
+    num_threads: int
+    seed: int
+    last_batch: LastBatch
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+
+class ImageLoader:
+    """Batches of ``(images, labels)``: float ``[N, 3, size, size]`` and int64 ``[N]``.
+
+    ``len(loader)`` is the number of batches per epoch, the same on every rank. Each
+    ``iter(loader)`` (each ``for`` loop) is a new epoch, reshuffled when training.
+    Subclasses implement :meth:`_epoch`.
+
+    Attributes:
+        backend: ``"dali"``, ``"nvjpeg"`` or ``"torchvision"``.
+        backend_reason: why that backend was chosen.
+        config: the resolved settings.
+        source: the files, labels and classes read.
+        shard: this rank's share: rank, world size, samples and batches per epoch.
+        epoch: epochs started so far.
+    """
+
+    backend: Backend
+
+    def __init__(
+        self, source: ImageSource, shard: Shard, config: LoaderConfig, backend_reason: str
+    ) -> None:
+        self.source = source
+        self.shard = shard
+        self.config = config
+        self.backend_reason = backend_reason
+        self.epoch = 0
+
+    # ----------------------------------------------------------------- the contract
+
+    @property
+    def device(self) -> torch.device:
+        """Where the batches are delivered."""
+        return self.config.device
+
+    @property
+    def batch_size(self) -> int:
+        """Images per batch (the last one may hold fewer with ``last_batch="keep"``)."""
+        return self.config.batch_size
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        """Class names; a label is an index into this tuple."""
+        return self.source.classes
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The image files read (after skipping bad ones); indices point into this tuple."""
+        return self.source.files
+
+    @property
+    def skipped(self) -> tuple[BadFile, ...]:
+        """Files left out by ``on_error="skip"``, with the reason."""
+        return self.source.skipped
+
+    def __len__(self) -> int:
+        return self.shard.batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for images, labels, _ in self.iter_with_indices():
+            yield images, labels
+
+    def iter_with_indices(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """One epoch of ``(images, labels, indices)``; ``indices`` (int64, on the CPU) point
+        into :attr:`files`, to tell which file each image came from."""
+        epoch = self.epoch
+        self.epoch += 1
+        return self._epoch(epoch)
+
+    def _epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release threads, worker processes and pipelines. Iterating again is an error."""
+
+    def __enter__(self) -> ImageLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        c, s = self.config, self.shard
+        return (
+            f"ImageLoader(backend={self.backend!r}, device='{c.device}', "
+            f"batch_size={c.batch_size}, batches={s.batches}, images={len(self.files)}, "
+            f"classes={len(self.classes)}, shard={s.rank}/{s.world_size}, train={c.train}, "
+            f"size={c.size}; why: {self.backend_reason})"
+        )
+
+
+def labels_tensor(labels: Sequence[int]) -> torch.Tensor:
+    """File index -> label, for turning a batch of indices into its labels."""
+    return torch.tensor(list(labels), dtype=torch.int64)

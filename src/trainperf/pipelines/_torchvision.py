@@ -1,0 +1,235 @@
+"""The torchvision backend: PIL decode and torchvision transforms in DataLoader workers.
+
+The fallback everywhere. The DataLoader comes from :func:`trainperf.loader.autotune_loader`
+(the worker count is measured, not guessed) unless ``loader_kwargs`` names ``num_workers``.
+Workers return uint8 ``HWC`` images (PIL's layout, so batching them is a plain copy). For a
+CUDA (or MPS) device the batch is converted and normalised on the device: a quarter of the
+bytes go through shared and pinned memory. For the CPU the collate function normalises the
+whole batch in the worker, in parallel with the others. Either way the arithmetic is that
+of ``ToTensor`` + ``Normalize``, so results are bit-identical to torchvision's.
+
+Randomness is per sample: each image's crop and flip come from a generator seeded with
+``(seed, epoch, index)``, so a run is reproducible whatever number of workers the autotuner
+picks. The crop follows ``RandomResizedCrop`` exactly (:func:`sample_crop_box`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from trainperf.pipelines._augment import CROP_RATIO, normalize, sample_crop_box
+from trainperf.pipelines._base import ImageLoader, LoaderConfig, labels_tensor
+from trainperf.pipelines._source import ImageSource, Shard, epoch_indices
+
+__all__ = [
+    "EpochSampler",
+    "FileDataset",
+    "NormalizingCollate",
+    "TorchvisionLoader",
+    "sample_seed",
+]
+
+_MIX = 1_000_003
+_RESERVED = ("sampler", "batch_sampler", "shuffle", "drop_last", "batch_size", "collate_fn")
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one image's augmentation in one epoch.
+
+    Example:
+        >>> sample_seed(0, 1, 2) != sample_seed(0, 2, 1)
+        True
+    """
+    return (seed * _MIX + epoch) * _MIX + index
+
+
+class FileDataset(Dataset[tuple[torch.Tensor, int]]):
+    """Decodes ``files[index]`` with PIL (to RGB) and applies the train or eval transform.
+
+    Keys are ``(index, epoch)`` pairs, as :class:`EpochSampler` yields them (a plain index
+    means epoch 0); items are a uint8 ``[size, size, 3]`` image and the index.
+
+    Args:
+        files: image paths.
+        train: random resized crop + flip, or resize + centre crop.
+        size: output height and width.
+        seed: base of the per-sample seeds.
+    """
+
+    def __init__(self, files: Sequence[str], *, train: bool, size: int, seed: int) -> None:
+        self.files = tuple(files)
+        self.train = train
+        self.size = size
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, key: tuple[int, int] | int) -> tuple[torch.Tensor, int]:
+        import torchvision.transforms.functional as TF
+        from PIL import Image
+        from torchvision.transforms import InterpolationMode
+
+        index, epoch = (key, 0) if isinstance(key, int) else key
+        path = self.files[index]
+        try:
+            with Image.open(path) as im:
+                # Grayscale, CMYK, palette and RGBA images all become 3-channel RGB.
+                img = im.convert("RGB")
+        except Exception as e:  # PIL raises OSError, SyntaxError, ValueError...
+            raise RuntimeError(
+                f"could not decode image {path!r} ({type(e).__name__}: {e}); fix or remove the "
+                "file, or pass on_error='skip', which decodes every file up front and leaves "
+                "out the bad ones"
+            ) from e
+        size = self.size
+        if self.train:
+            rng = random.Random(sample_seed(self.seed, epoch, index))
+            top, left, h, w = sample_crop_box(img.height, img.width, rng)
+            img = TF.resized_crop(
+                img, top, left, h, w, [size, size], InterpolationMode.BILINEAR, antialias=True
+            )
+            if rng.random() < 0.5:
+                img = TF.hflip(img)
+        else:
+            img = TF.resize(img, int(size / CROP_RATIO), InterpolationMode.BILINEAR, antialias=True)
+            img = TF.center_crop(img, [size, size])
+        return torch.from_numpy(np.array(img, dtype=np.uint8)), index
+
+
+class NormalizingCollate:
+    """Stack ``(HWC uint8 image, index)`` samples into a normalised float NCHW batch.
+
+    Runs in the DataLoader worker (single-threaded there), so the float conversion of each
+    batch happens in parallel across workers rather than in the training process.
+    """
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
+        self.mean = tuple(mean)
+        self.std = tuple(std)
+
+    def __call__(
+        self, samples: Sequence[tuple[torch.Tensor, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        images = torch.stack([image for image, _ in samples]).permute(0, 3, 1, 2).contiguous()
+        indices = torch.tensor([index for _, index in samples], dtype=torch.int64)
+        return normalize(images, self.mean, self.std), indices
+
+
+class EpochSampler(Sampler[tuple[int, int]]):
+    """This rank's ``(index, epoch)`` keys for the epoch set by :meth:`set_epoch`.
+
+    The order is :func:`trainperf.pipelines._source.epoch_indices`, i.e. exactly
+    ``DistributedSampler``'s.
+    """
+
+    def __init__(self, num_files: int, shard: Shard, *, shuffle: bool, seed: int, drop: bool):
+        self.num_files = num_files
+        self.shard = shard
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop = drop
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.shard.samples if not self.drop else self.num_files // self.shard.world_size
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        order = epoch_indices(
+            self.num_files,
+            self.shard.rank,
+            self.shard.world_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            epoch=self.epoch,
+            last_batch="drop" if self.drop else "keep",
+        )
+        return iter([(i, self.epoch) for i in order])
+
+
+class TorchvisionLoader(ImageLoader):
+    """``image_loader`` batches from a DataLoader over :class:`FileDataset`."""
+
+    backend = "torchvision"
+
+    def __init__(
+        self,
+        source: ImageSource,
+        shard: Shard,
+        config: LoaderConfig,
+        backend_reason: str,
+        loader_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(source, shard, config, backend_reason)
+        drop = config.last_batch == "drop"
+        self.dataset = FileDataset(
+            source.files, train=config.train, size=config.size, seed=config.seed
+        )
+        self.sampler = EpochSampler(
+            len(source.files), shard, shuffle=config.train, seed=config.seed, drop=drop
+        )
+        kwargs: dict[str, Any] = dict(loader_kwargs or {})
+        for reserved in _RESERVED:
+            if reserved in kwargs:
+                raise ValueError(
+                    f"loader_kwargs may not set {reserved!r}: image_loader sets it (from "
+                    f"batch_size, shard, train and last_batch); the others are {_RESERVED}"
+                )
+        kwargs.setdefault("pin_memory", config.device.type == "cuda")
+        # On the CPU, the workers normalise; on an accelerator, uint8 batches cross to it and
+        # are normalised there.
+        self._normalise_in_workers = config.device.type == "cpu"
+        if self._normalise_in_workers:
+            kwargs["collate_fn"] = NormalizingCollate(config.mean, config.std)
+        if "num_workers" in kwargs:
+            self.dataloader: DataLoader[Any] = DataLoader(
+                self.dataset,
+                batch_size=config.batch_size,
+                sampler=self.sampler,
+                drop_last=drop,
+                **kwargs,
+            )
+        else:
+            from trainperf.loader import autotune_loader
+
+            kwargs.setdefault("max_workers", config.num_threads)
+            self.dataloader = autotune_loader(
+                self.dataset,
+                config.batch_size,
+                device=config.device,
+                sampler=self.sampler,
+                drop_last=drop,
+                **kwargs,
+            )
+        self._labels = labels_tensor(source.labels)
+        self._closed = False
+
+    def _epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        if self._closed:
+            raise RuntimeError("this image loader was closed")
+        self.sampler.set_epoch(epoch)
+        device, c = self.config.device, self.config
+        for images, indices in self.dataloader:
+            if not self._normalise_in_workers:
+                nchw = images.to(device, non_blocking=True).permute(0, 3, 1, 2)
+                images = normalize(nchw, c.mean, c.std).contiguous()
+            labels = self._labels[indices].to(device, non_blocking=True)
+            yield images, labels, indices
+
+    def close(self) -> None:
+        self._closed = True
+        # Persistent workers live in the DataLoader's kept iterator; ending it ends them.
+        kept = getattr(self.dataloader, "_iterator", None)
+        shutdown = getattr(kept, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+        self.dataloader._iterator = None

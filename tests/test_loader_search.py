@@ -1,0 +1,339 @@
+"""trainperf.loader._search: prediction and climb, driven by synthetic measurements.
+
+A synthetic pool delivers ``min(n, saturation) * per_worker`` samples/s and each worker
+demands ``demand`` cores, so every decision (CPU cap, memory cap, step_fn cap, climb
+direction, fallback) is checked exactly, without timing anything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from trainperf.limits import HostLimits
+from trainperf.loader import CandidateResult, tune_loader
+from trainperf.loader import _tune as tune_mod
+from trainperf.loader._search import GAIN, Search, default_max_workers, safety_margin
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+class Pool:
+    """Synthetic measurements: throughput, CPU demand and memory of ``n`` workers."""
+
+    def __init__(
+        self,
+        rate: Callable[[int, int | None], float],
+        *,
+        demand: float = 1.0,
+        main_demand: float | None = None,
+        uss: int = 50 * MiB,
+        batch_bytes: int = MiB,
+        fail: dict[int, tuple[str, str]] | None = None,
+    ) -> None:
+        self.rate = rate
+        self.demand = demand
+        self.main_demand = demand if main_demand is None else main_demand
+        self.uss = uss
+        self.batch_bytes = batch_bytes
+        self.fail = fail or {}
+        self.calls: list[tuple[int, int | None, bool]] = []
+
+    def baseline(self) -> CandidateResult:
+        return self(0, None, False)
+
+    def __call__(self, n: int, pf: int | None, pin: bool) -> CandidateResult:
+        self.calls.append((n, pf, pin))
+        if n in self.fail:
+            fault, reason = self.fail[n]
+            return CandidateResult(n, pf, pin, "failed", fault=fault, reason=reason)  # type: ignore[arg-type]
+        return CandidateResult(
+            n,
+            pf,
+            pin,
+            "ok",
+            samples_per_s=self.rate(n, pf),
+            spread=0.01,
+            windows=2,
+            batches=10,
+            startup_s=0.1,
+            worker_uss=self.uss if n else None,
+            worker_cpu=n * self.demand if n else None,
+            main_cpu=self.main_demand,
+            batch_bytes=self.batch_bytes,
+        )
+
+
+def linear(per_worker: float = 150.0, saturation: int = 1000) -> Callable[[int, int | None], float]:
+    """100 samples/s in the main process; each worker (no torch threads to share, no
+    Python overhead of the training loop) delivers ``per_worker`` up to ``saturation``."""
+
+    def rate(n: int, pf: int | None) -> float:
+        return 100.0 if n == 0 else per_worker * min(n, saturation)
+
+    return rate
+
+
+def search(pool: Pool, **kw: Any) -> Search:
+    args: dict[str, Any] = {
+        "measure": pool,
+        "out_of_time": lambda: False,
+        "worker_cpus": 3,
+        "max_workers": 12,
+        "memory_available": 64 * GiB,
+        "shm_free": 64 * GiB,
+        "start_method": "fork",
+    }
+    args.update(kw)
+    return Search(**args)
+
+
+def workers_tried(s: Search) -> list[int]:
+    return [c.num_workers for c in s.results if c.status != "skipped"]
+
+
+def test_cpu_bound_pool_stops_at_the_cores_left_for_workers() -> None:
+    pool = Pool(linear(), demand=1.0)
+    s = search(pool, worker_cpus=3)
+    choice = s.run(pool.baseline())
+    assert choice.num_workers == 3
+    cpu_skips = [c for c in s.results if c.fault == "cpu"]
+    assert [c.num_workers for c in cpu_skips] == [4]
+    assert "one is kept for the main process" in (cpu_skips[0].reason or "")
+    assert max(workers_tried(s)) == 3
+
+
+def test_io_bound_pool_goes_past_the_core_count() -> None:
+    pool = Pool(linear(), demand=0.05)
+    s = search(pool, worker_cpus=1, max_workers=8)
+    choice = s.run(pool.baseline())
+    assert choice.num_workers == 8
+    assert workers_tried(s) == [0, 8, 6]  # predicted straight to the cap, one step down
+
+
+def test_plateau_picks_the_fewest_workers_that_reach_it() -> None:
+    pool = Pool(linear(saturation=2), demand=1.0)
+    s = search(pool, worker_cpus=7)
+    choice = s.run(pool.baseline())
+    # 7 predicted; 9 is over the CPU budget; stepping down by 2 keeps the plateau to 3.
+    assert workers_tried(s) == [0, 7, 5, 3, 1]
+    assert choice.num_workers == 3
+    assert choice.samples_per_s == pytest.approx(300)
+
+
+def test_climbs_while_each_step_pays() -> None:
+    # The main process looks partly I/O-bound (0.3 cores) and workers turn out to demand
+    # less (0.1): the prediction is low and the climb goes up until throughput saturates.
+    pool = Pool(linear(saturation=9), demand=0.1, main_demand=0.3)
+    s = search(pool, worker_cpus=1, max_workers=16)
+    choice = s.run(pool.baseline())
+    assert workers_tried(s) == [0, 5, 6, 7, 8, 9, 10]  # 5 = floor(1.5 / 0.3), steps of 1
+    assert choice.num_workers == 9
+
+
+def test_workers_that_do_not_beat_the_main_process_are_not_chosen() -> None:
+    def rate(n: int, pf: int | None) -> float:
+        return 1000.0 if n == 0 else 950.0  # inter-process copies cost more than they save
+
+    pool = Pool(rate, demand=1.0)
+    s = search(pool, worker_cpus=7)
+    assert s.run(pool.baseline()).num_workers == 0
+    assert workers_tried(s) == [0, 7, 3]  # the half-size pool is tried once (contention)
+
+
+def test_near_ties_prefer_num_workers_zero() -> None:
+    pool = Pool(lambda n, pf: 1000.0 if n == 0 else 1010.0, demand=1.0)
+    assert search(pool, worker_cpus=1).run(pool.baseline()).num_workers == 0
+
+
+def test_step_fn_caps_the_workers() -> None:
+    pool = Pool(linear(), demand=0.05)
+    s = search(pool, worker_cpus=15, max_workers=64, step_samples_per_s=400.0)
+    choice = s.run(pool.baseline())
+    # ceil(1.1 * 400 / 100) = 5 predicted; 3 workers (450/s) already outrun a 400/s step,
+    # and more would only burn CPU.
+    assert workers_tried(s)[1] == 5
+    assert max(workers_tried(s)) == 5
+    assert choice.num_workers == 3
+    assert s.objective(choice) == pytest.approx(400.0)
+
+
+def test_step_fn_makes_overlap_count() -> None:
+    # One worker is no faster than the main process, but it overlaps with the step.
+    pool = Pool(lambda n, pf: 100.0, demand=1.0)
+    s = search(pool, worker_cpus=1, step_samples_per_s=100.0)
+    choice = s.run(pool.baseline())
+    assert choice.num_workers == 1
+    assert s.objective(pool.baseline()) == pytest.approx(50.0)
+    assert s.objective(choice) == pytest.approx(100.0)
+
+
+def test_measured_worker_memory_caps_the_climb() -> None:
+    pool = Pool(linear(), demand=0.05, uss=1 * GiB, batch_bytes=MiB)
+    s = search(pool, worker_cpus=1, max_workers=16, memory_available=12 * GiB, main_rss=1 * GiB)
+    choice = s.run(pool.baseline())
+    room = 12 * GiB - safety_margin(12 * GiB)
+    # Before a worker is measured, each may copy the whole main process (1 GiB): the
+    # first probe is sized for that worst case, not for 16 workers.
+    first = workers_tried(s)[1]
+    assert first * GiB + (first * 2 + 2) * MiB <= room
+    # Measured 1 GiB per worker (+25 % for growth) then caps the climb and the choice.
+    assert any(c.fault == "memory" for c in s.results)
+    assert s.memory_needed(choice.num_workers, 2, False) <= room
+    assert 0 < choice.num_workers < first
+
+
+def test_memory_prediction_counts_workers_and_batches_in_flight() -> None:
+    pool = Pool(linear(), batch_bytes=10 * MiB)
+    s = search(pool, start_method="spawn")
+    s.results = [pool.baseline()]
+    # Before any worker is measured: the spawn prior (768 MiB) per worker.
+    assert s.memory_needed(4, 2, False) == 4 * 768 * MiB + (4 * 2 + 2) * 10 * MiB
+    assert s.memory_needed(4, 2, True) == 4 * 768 * MiB + 2 * (4 * 2 + 2) * 10 * MiB
+    assert s.shm_needed(4, 4) == (4 * 4 + 2) * 10 * MiB
+    assert s.shm_needed(0, None) == 0
+
+
+def test_fatal_fault_stops_the_search_and_warns() -> None:
+    pool = Pool(linear(), fail={3: ("crash", "a worker died (boom); run with num_workers=0")})
+    s = search(pool)
+    with pytest.warns(RuntimeWarning, match="boom"):
+        choice = s.run(pool.baseline())
+    assert choice.num_workers == 0
+    assert workers_tried(s) == [0, 3]
+    assert s.broken is not None and s.broken.fault == "crash"
+
+
+def test_shm_failure_retries_with_fewer_workers() -> None:
+    pool = Pool(linear(), demand=1.0, fail={3: ("shm", "/dev/shm full"), 7: ("shm", "full")})
+    s = search(pool, worker_cpus=7)
+    choice = s.run(pool.baseline())
+    # /dev/shm failures are not fatal: halve until it fits, then climb back to the edge.
+    assert workers_tried(s) == [0, 7, 3, 1, 2]
+    assert choice.num_workers == 2
+    assert s.broken is None
+
+
+def test_budget_exhausted_after_the_baseline() -> None:
+    pool = Pool(linear())
+    s = search(pool, out_of_time=lambda: True)
+    choice = s.run(pool.baseline())
+    assert choice.num_workers == 0
+    assert [(c.status, c.fault) for c in s.results[1:]] == [("skipped", "budget")]
+    assert len(pool.calls) == 1
+
+
+def test_max_workers_zero_measures_only_the_baseline() -> None:
+    pool = Pool(linear())
+    s = search(pool, max_workers=0)
+    assert s.run(pool.baseline()).num_workers == 0
+    assert len(s.results) == 1
+
+
+def test_prefetch_and_pin_are_refined_at_the_chosen_count() -> None:
+    def rate(n: int, pf: int | None) -> float:
+        # Workers idle waiting on in-order delivery: half speed unless prefetch is deep.
+        return 100.0 if n == 0 else 50.0 * n * (2 if pf == 4 else 1)
+
+    pool = Pool(rate, demand=1.0)
+    s = search(pool, worker_cpus=3, pin_options=(True, False))
+    choice = s.run(pool.baseline())
+    assert (choice.num_workers, choice.prefetch_factor, choice.pin_memory) == (3, 4, True)
+    assert (3, 4, False) in pool.calls
+
+
+def test_gain_threshold_is_meaningful() -> None:
+    assert 0 < GAIN < 0.1
+
+
+def test_default_max_workers_and_margin() -> None:
+    assert default_max_workers(1) == 4
+    assert default_max_workers(2) == 8
+    assert default_max_workers(100) == 64
+    assert safety_margin(100 * GiB) == 10 * GiB
+
+
+# --------------------------------------------------------------------------- limits, end to end
+
+
+def fake_limits(cpus: int) -> HostLimits:
+    return HostLimits(
+        cpus_host=64,
+        cpus_affinity=64,
+        cpu_quota=float(cpus),
+        cpus=cpus,
+        memory_total=64 * GiB,
+        memory_limit=None,
+        memory_available=32 * GiB,
+        shm_total=32 * GiB,
+        shm_free=32 * GiB,
+    )
+
+
+class BusyLoop(Dataset[torch.Tensor]):
+    """Compute-bound: a pure-Python loop of about 1 ms per sample."""
+
+    def __len__(self) -> int:
+        return 256
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        end = time.perf_counter() + 0.001
+        while time.perf_counter() < end:
+            pass
+        return torch.zeros(8)
+
+
+def test_worker_cap_follows_host_limits_and_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(3))
+    report = tune_loader(BusyLoop(), 4, device="cpu", budget_s=10, cache=False, progress=False)
+    assert (report.cpus, report.worker_cpus, report.max_workers) == (3, 2, 12)
+    assert report.limits.cpu_quota == 3.0
+    # Compute-bound workers demand a core each: never more than the 2 left for workers.
+    assert all(c.num_workers <= 2 for c in report.candidates if c.status != "skipped")
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(6))
+    report = tune_loader(
+        BusyLoop(), 4, device="cpu", budget_s=10, max_workers=0, cache=False, progress=False
+    )
+    assert (report.cpus, report.worker_cpus) == (2, 1)
+
+
+def test_bad_local_world_size_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "zero")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE must be a positive integer"):
+        tune_loader(BusyLoop(), 4, device="cpu", cache=False, progress=False)
+
+
+class Sleepy(Dataset[torch.Tensor]):
+    """I/O-bound: 20 ms of waiting per sample and almost no CPU."""
+
+    def __len__(self) -> int:
+        return 512
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(0.02)
+        return torch.zeros(8)
+
+
+def test_io_bound_dataset_gets_workers_end_to_end() -> None:
+    # A 4x-8x effect (sleeping workers overlap), far beyond timing noise.
+    report = tune_loader(
+        Sleepy(), 2, device="cpu", max_workers=8, budget_s=12, cache=False, progress=False
+    )
+    assert report.num_workers >= 2
+    assert report.best_kwargs["prefetch_factor"] >= 2
+    assert report.speedup is not None and report.speedup > 1.5
+    assert report.elapsed_s < 12 + 3
