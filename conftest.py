@@ -17,6 +17,12 @@ import torch
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # multiprocessing starts one resource-tracker process lazily (spawn/forkserver, shared
+    # memory) and keeps it for the life of the interpreter; starting it up front keeps it out
+    # of the per-test leaked-children check below.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     # Tests run on 2 cores: one torch thread pool per test process is plenty and avoids
     # oversubscription when tests spawn workers.
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))

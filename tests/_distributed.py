@@ -13,7 +13,7 @@ from typing import Any
 
 from trainperf.ddp import launch_all
 
-__all__ = ["FORK", "fast_start_method", "spawn", "start_resource_tracker"]
+__all__ = ["FORK", "fast_start_method", "spawn"]
 
 FORK = "fork"
 
@@ -31,17 +31,6 @@ def fast_start_method() -> str:
     # Forked children of a process that loaded CUDA's driver (the conftest's
     # torch.cuda.is_available() does) are on shaky ground even without using the GPU.
     return "spawn" if torch.cuda.is_initialized() or cuda_driver_loaded() else "fork"
-
-
-def start_resource_tracker() -> None:
-    """Start multiprocessing's resource tracker now, before a test counts its children.
-
-    The first spawn-method process of an interpreter starts this helper process, which
-    then lives as long as the interpreter; it is not a worker that a launch leaked.
-    """
-    from multiprocessing import resource_tracker
-
-    resource_tracker.ensure_running()
 
 
 def spawn(

@@ -25,7 +25,7 @@ from torch import nn
 
 import _ddp_workers as workers
 import trainperf.ddp as ddp
-from _distributed import FORK, fast_start_method, spawn, start_resource_tracker
+from _distributed import FORK, fast_start_method, spawn
 from trainperf.ddp import _env, _launch
 from trainperf.errors import DeviceError, LaunchError
 from trainperf.limits import usable_cpus
@@ -53,11 +53,6 @@ def _clear_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _resource_tracker() -> None:
-    start_resource_tracker()
-
-
 @pytest.fixture(autouse=True)
 def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
     _clear_launcher_env(monkeypatch)
@@ -67,7 +62,7 @@ def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("world", "start_method"), [(2, "spawn"), (4, FORK)])
+@pytest.mark.parametrize(("world", "start_method"), [(2, FORK), (4, "spawn")])
 def test_ddp_training_matches_single_process_on_the_concatenated_batch(
     world: int, start_method: str
 ) -> None:

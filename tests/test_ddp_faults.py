@@ -22,18 +22,13 @@ import pytest
 
 import _ddp_workers as workers
 import trainperf.ddp as ddp
-from _distributed import fast_start_method, start_resource_tracker
+from _distributed import fast_start_method
 from trainperf.ddp import _env, _group
 from trainperf.ddp._worker import Failure, WorkerSpec
 from trainperf.errors import LaunchError
 
 SCRIPT = Path(__file__).parent / "_ddp_script.py"
 LONG = timedelta(minutes=30)  # the default: a test that waits for it would time out
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _resource_tracker() -> None:
-    start_resource_tracker()
 
 
 @pytest.fixture(autouse=True)
