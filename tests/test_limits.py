@@ -81,3 +81,37 @@ def test_usable_cpus_divides_among_local_ranks(monkeypatch: pytest.MonkeyPatch) 
     assert limits.usable_cpus(64) == 1
     with pytest.raises(ValueError, match="local_ranks must be >= 1, got 0"):
         limits.usable_cpus(0)
+
+
+def test_limits_on_a_parent_cgroup_bind(tmp_path: Path) -> None:
+    # SLURM-like: the job cgroup has the limits, the step (leaf) says "max".
+    write(tmp_path / "proc_cgroup", "0::/job/step0\n")
+    root = tmp_path / "root"
+    write(root / "job" / "cpu.max", "200000 100000\n")
+    write(root / "job" / "memory.max", str(4 * 2**30))
+    write(root / "job" / "memory.current", str(2**30))
+    write(root / "job" / "step0" / "cpu.max", "max 100000\n")
+    write(root / "job" / "step0" / "memory.max", "max\n")
+    write(root / "job" / "step0" / "memory.current", str(2**29))
+    assert cgroup_cpu_quota(root, tmp_path / "proc_cgroup") == 2.0
+    assert cgroup_memory_limit(root, tmp_path / "proc_cgroup") == (4 * 2**30, 2**30)
+
+
+def test_tightest_of_nested_limits_wins(tmp_path: Path) -> None:
+    write(tmp_path / "proc_cgroup", "0::/a/b\n")
+    root = tmp_path / "root"
+    write(root / "a" / "cpu.max", "800000 100000\n")
+    write(root / "a" / "b" / "cpu.max", "300000 100000\n")
+    assert cgroup_cpu_quota(root, tmp_path / "proc_cgroup") == 3.0
+
+
+def test_local_world_size_reads_torchrun_then_slurm() -> None:
+    from trainperf.limits import local_world_size
+
+    assert local_world_size({"LOCAL_WORLD_SIZE": "8", "SLURM_NTASKS_PER_NODE": "2"}) == 8
+    assert local_world_size({"SLURM_NTASKS_PER_NODE": "4(x2)"}) == 4
+    assert local_world_size({}) == 1
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE must be a whole number >= 1.*'zero'"):
+        local_world_size({"LOCAL_WORLD_SIZE": "zero"})
+    with pytest.raises(ValueError, match=r"SLURM_NTASKS_PER_NODE.*got '0'"):
+        local_world_size({"SLURM_NTASKS_PER_NODE": "0"})

@@ -13,12 +13,20 @@ from __future__ import annotations
 import math
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-__all__ = ["HostLimits", "cgroup_cpu_quota", "cgroup_memory_limit", "host_limits", "usable_cpus"]
+__all__ = [
+    "HostLimits",
+    "cgroup_cpu_quota",
+    "cgroup_memory_limit",
+    "host_limits",
+    "local_world_size",
+    "usable_cpus",
+]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
@@ -64,32 +72,37 @@ def _read(path: Path) -> str | None:
 
 
 def _cgroup_dirs(controller: str, root: Path, proc_cgroup: Path) -> list[Path]:
-    """Candidate directories for a controller, most specific first.
+    """Directories whose limits bind this process for ``controller``, leaf first.
 
+    A limit set on any ancestor cgroup binds too (SLURM puts it on the job, not the step),
+    so every directory from the process's own cgroup up to the mount point is returned.
     Inside a container the cgroup namespace usually makes the mount point itself the
-    process's own cgroup, while on a host the process's path must be appended; trying both
-    covers either.
+    process's own cgroup; on a host the process's path must be appended. Only existing
+    directories are returned.
     """
     text = _read(proc_cgroup) or ""
-    candidates: list[Path] = []
+    leaves: list[Path] = []
     for line in text.splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         _, controllers, rel = parts
-        rel = rel.lstrip("/")
+        rel = rel.strip().lstrip("/")
         if controllers == "":  # cgroup v2 unified hierarchy
-            candidates.append(root / rel)
+            leaves.append(root / rel)
         elif controller in controllers.split(","):
-            for name in (controllers, controller):
-                candidates.append(root / name / rel)
-                candidates.append(root / name)
-    candidates.append(root)
-    seen: list[Path] = []
-    for c in candidates:
-        if c not in seen:
-            seen.append(c)
-    return seen
+            leaves.extend(root / name / rel for name in (controllers, controller))
+    out: list[Path] = []
+    for leaf in leaves:
+        for d in (leaf, *leaf.parents):
+            if not d.is_relative_to(root):
+                break
+            if d not in out and d.is_dir():
+                out.append(d)
+    for d in (root / controller, root):
+        if d not in out and d.is_dir():
+            out.append(d)
+    return out
 
 
 def cgroup_cpu_quota(
@@ -104,24 +117,27 @@ def cgroup_cpu_quota(
         >>> cgroup_cpu_quota(d, d / "missing")
         2.5
     """
+    quotas: list[float] = []
     for d in _cgroup_dirs("cpu", root, proc_cgroup):
         v2 = _read(d / "cpu.max")
         if v2 is not None:
             quota, _, period = v2.partition(" ")
-            if quota == "max":
-                return None
             try:
-                return int(quota) / int(period or "100000")
+                if quota != "max":
+                    quotas.append(int(quota) / int(period or "100000"))
             except ValueError:
-                return None
+                pass
+            continue
         quota_us, period_us = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
         if quota_us is not None and period_us is not None:
             try:
                 q, p = int(quota_us), int(period_us)
             except ValueError:
-                return None
-            return None if q <= 0 or p <= 0 else q / p
-    return None
+                continue
+            if q > 0 and p > 0:
+                quotas.append(q / p)
+    # The tightest limit on the way up to the root is the one that binds.
+    return min(quotas) if quotas else None
 
 
 def cgroup_memory_limit(
@@ -137,6 +153,8 @@ def cgroup_memory_limit(
         >>> cgroup_memory_limit(d, d / "missing")
         (4294967296, 1073741824)
     """
+    limit: int | None = None
+    usage: int | None = None
     for d in _cgroup_dirs("memory", root, proc_cgroup):
         for limit_name, usage_name in (
             ("memory.max", "memory.current"),
@@ -146,11 +164,15 @@ def cgroup_memory_limit(
             if raw is None:
                 continue
             usage_raw = _read(d / usage_name)
-            usage = int(usage_raw) if usage_raw and usage_raw.isdigit() else None
-            if raw == "max" or not raw.isdigit() or int(raw) >= _V1_UNLIMITED:
-                return None, usage
-            return int(raw), usage
-    return None, None
+            here = int(usage_raw) if usage_raw and usage_raw.isdigit() else None
+            if usage is None:
+                usage = here  # the process's own (innermost) cgroup's usage
+            if raw.isdigit() and int(raw) < _V1_UNLIMITED and (limit is None or int(raw) < limit):
+                # The tightest limit on the way up binds; its usage is what counts against it.
+                limit = int(raw)
+                usage = here if here is not None else usage
+            break
+    return limit, usage
 
 
 def host_limits(
@@ -226,3 +248,35 @@ def usable_cpus(local_ranks: int = 1, *, limits: HostLimits | None = None) -> in
         raise ValueError(f"local_ranks must be >= 1, got {local_ranks!r}")
     limits = limits or host_limits()
     return max(1, limits.cpus // local_ranks)
+
+
+def local_world_size(env: Mapping[str, str] | None = None) -> int:
+    """Training processes sharing this host: ``LOCAL_WORLD_SIZE`` (torchrun), else
+    ``SLURM_NTASKS_PER_NODE``, else 1.
+
+    Args:
+        env: the environment to read (default ``os.environ``).
+
+    Raises:
+        ValueError: the variable is set but is not a whole number >= 1.
+
+    Example:
+        >>> local_world_size({"LOCAL_WORLD_SIZE": "4"})
+        4
+        >>> local_world_size({})
+        1
+    """
+    env = os.environ if env is None else env
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        raw = env.get(name)
+        if raw is None or raw.strip() == "":
+            continue
+        # SLURM writes "4(x2)" for heterogeneous nodes; the count before "(" is this node's.
+        value = raw.split("(", 1)[0].split(",", 1)[0].strip()
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(
+                f"{name} must be a whole number >= 1 (processes on this host), got {raw!r}; "
+                f"unset it or fix the launcher that set it"
+            )
+        return int(value)
+    return 1
