@@ -15,19 +15,19 @@ import pytest
 import torch
 from torch import nn
 
-from trainperf import amp
+from trainperf import _channels_last, _precision, _tf32, amp
 from trainperf.amp import MixedPrecision, choose_precision
 from trainperf.checkpoint import load_checkpoint, save_checkpoint
 from trainperf.errors import DeviceError
 
-CPU_FP16 = amp._autocast_supports("cpu", torch.float16)
+CPU_FP16 = _precision.autocast_supports("cpu", torch.float16)
 needs_cpu_fp16 = pytest.mark.skipif(
     not CPU_FP16, reason="this torch has no fp16 autocast on the CPU (GradScaler tests need it)"
 )
 
 
 def fake_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:
-    monkeypatch.setattr(amp, "_cuda_capability", lambda device: capability)
+    monkeypatch.setattr(_precision, "cuda_capability", lambda device: capability)
 
 
 def small_cnn() -> nn.Module:
@@ -125,20 +125,20 @@ def test_auto_policy_follows_the_compute_capability(
 def test_auto_policy_on_cpu_depends_on_bf16_kernels(
     monkeypatch: pytest.MonkeyPatch, kernels: bool, dtype: torch.dtype
 ) -> None:
-    monkeypatch.setattr(amp, "_cpu_has_bf16_kernels", lambda: kernels)
+    monkeypatch.setattr(_precision, "cpu_has_bf16_kernels", lambda: kernels)
     assert choose_precision("cpu") == dtype
     assert MixedPrecision("cpu").dtype == dtype
 
 
 def test_auto_policy_for_mps_and_unknown_devices() -> None:
-    assert amp._auto_precision(torch.device("mps"))[0] == torch.float16
+    assert _precision.auto_precision(torch.device("mps"))[0] == torch.float16
     assert choose_precision("meta") == torch.float32
 
 
 def test_device_none_uses_best_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(amp, "best_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(_precision, "best_device", lambda: torch.device("cpu"))
     assert MixedPrecision(precision="fp32").device == torch.device("cpu")
-    monkeypatch.setattr(amp, "best_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(_precision, "best_device", lambda: torch.device("cuda", 0))
     fake_gpu(monkeypatch, (8, 0))
     assert choose_precision() == torch.bfloat16
 
@@ -192,7 +192,7 @@ def test_fp16_on_pascal_warns(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_half_precision_without_autocast_support_is_an_error(
     monkeypatch: pytest.MonkeyPatch, precision: str
 ) -> None:
-    monkeypatch.setattr(amp, "_autocast_supports", lambda device_type, dtype: False)
+    monkeypatch.setattr(_precision, "autocast_supports", lambda device_type, dtype: False)
     with pytest.raises(ValueError, match=rf"precision='{precision}' needs {precision} autocast"):
         MixedPrecision("cpu", precision=precision)  # type: ignore[arg-type]
 
@@ -484,22 +484,27 @@ def test_channels_last_rule_on_resnet18_and_vit_b_16() -> None:
     cuda = torch.device("cuda", 0)
     resnet = torchvision.models.resnet18(weights=None)
     vit = torchvision.models.vit_b_16(weights=None)
-    assert amp._conv_share(resnet) > 0.9
-    assert amp._conv_share(vit) < 0.01  # only the patch embedding is a Conv2d
-    assert amp._channels_last_decision(resnet, "auto", device=cuda, tensor_cores=True)[0]
-    use, why = amp._channels_last_decision(vit, "auto", device=cuda, tensor_cores=True)
+    assert _channels_last.conv_share(resnet) > 0.9
+    assert _channels_last.conv_share(vit) < 0.01  # only the patch embedding is a Conv2d
+    assert _channels_last.channels_last_decision(resnet, "auto", device=cuda, tensor_cores=True)[0]
+    use, why = _channels_last.channels_last_decision(vit, "auto", device=cuda, tensor_cores=True)
     assert not use and "not a convolutional model" in why
 
 
 def test_channels_last_rule_details() -> None:
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     cnn, vit = small_cnn(), TinyViT()
-    assert amp._conv_share(nn.ReLU()) == 0.0
-    assert amp._conv_share(vit) < amp.CONV_SHARE_FOR_CHANNELS_LAST < amp._conv_share(cnn)
-    decide = amp._channels_last_decision
+    assert _channels_last.conv_share(nn.ReLU()) == 0.0
+    assert (
+        _channels_last.conv_share(vit)
+        < _channels_last.CONV_SHARE_FOR_CHANNELS_LAST
+        < _channels_last.conv_share(cnn)
+    )
+    decide = _channels_last.channels_last_decision
     assert decide(cnn, "auto", device=cuda, tensor_cores=True) == (
         True,
-        f"channels_last: yes, {amp._conv_share(cnn):.0%} of parameters in Conv2d/BatchNorm2d",
+        f"channels_last: yes, {_channels_last.conv_share(cnn):.0%} of parameters in "
+        "Conv2d/BatchNorm2d",
     )
     assert not decide(vit, "auto", device=cuda, tensor_cores=True)[0]
     assert not decide(cnn, "auto", device=cuda, tensor_cores=False)[0]  # fp32 on a V100
@@ -508,7 +513,7 @@ def test_channels_last_rule_details() -> None:
     assert not decide(cnn, False, device=cuda, tensor_cores=True)[0]
     shared = nn.Sequential(nn.Conv2d(3, 3, 1), nn.Linear(3, 3))
     shared.append(shared[0])  # a shared module is counted once
-    assert amp._conv_share(shared) == pytest.approx(12 / 24)
+    assert _channels_last.conv_share(shared) == pytest.approx(12 / 24)
 
 
 def test_prepare_on_cpu_leaves_auto_channels_last_off_and_tf32_alone() -> None:
@@ -554,7 +559,7 @@ def test_prepare_batch_moves_to_the_device() -> None:
 def test_enable_tf32_leaves_both_apis_readable(restore_tf32: None) -> None:
     torch.set_float32_matmul_precision("highest")
     torch.backends.cudnn.allow_tf32 = False  # the state a legacy-API user leaves behind
-    amp._enable_tf32()
+    _tf32.enable_tf32()
     # Reading the legacy flags raises on torch >= 2.9 if the two APIs were mixed.
     assert torch.get_float32_matmul_precision() == "high"
     assert torch.backends.cuda.matmul.allow_tf32 is True
@@ -570,9 +575,41 @@ def test_enable_tf32_leaves_both_apis_readable(restore_tf32: None) -> None:
 )
 def test_enable_tf32_after_the_new_api_turned_it_off(restore_tf32: None) -> None:
     torch.backends.cudnn.conv.fp32_precision = "ieee"
-    amp._enable_tf32()
+    _tf32.enable_tf32()
     assert torch.backends.cudnn.conv.fp32_precision == "tf32"
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+
+
+def test_tf32_context_switches_and_restores_even_after_an_error(restore_tf32: None) -> None:
+    torch.set_float32_matmul_precision("highest")
+    before = _tf32.tf32_state()
+    with _tf32.tf32(True) as state:
+        assert state == _tf32.TF32State(matmul=True, cudnn=True) == _tf32.tf32_state()
+    assert _tf32.tf32_state() == before
+    with pytest.raises(KeyError, match="inside"), _tf32.tf32(False):
+        assert _tf32.tf32_state() == _tf32.TF32State(matmul=False, cudnn=False)
+        raise KeyError("inside")
+    assert _tf32.tf32_state() == before
+    switch = _tf32.tf32(1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="enabled must be True or False, got 1"), switch:
+        pass
+
+
+@pytest.mark.skipif(
+    not hasattr(getattr(torch.backends.cuda, "matmul", None), "fp32_precision"),
+    reason="this torch has no per-backend fp32_precision API",
+)
+def test_tf32_state_reads_after_the_new_api_made_legacy_getters_raise(restore_tf32: None) -> None:
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cudnn.conv.fp32_precision = "ieee"  # rnn stays tf32: legacy reads raise
+    with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+        torch.get_float32_matmul_precision()
+    assert _tf32.tf32_state() == _tf32.TF32State(matmul=True, cudnn=False)
+    with _tf32.tf32(False):
+        assert _tf32.tf32_state() == _tf32.TF32State(matmul=False, cudnn=False)
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert torch.backends.cudnn.conv.fp32_precision == "ieee"
+    assert _tf32.tf32_state() == _tf32.TF32State(matmul=True, cudnn=False)
 
 
 # --------------------------------------------------------------------------- on a GPU

@@ -6,12 +6,13 @@ import csv
 import importlib
 import io
 import statistics
+from collections.abc import Iterator
 from importlib.resources import files
 
 import pytest
 import torch
 
-from trainperf import _imports
+from trainperf import _imports, _tf32
 from trainperf.bench import (
     BenchResult,
     H2DResult,
@@ -210,7 +211,7 @@ def test_compare_to_reference_rejects_bad_arguments(kwargs: dict[str, object], m
 # --------------------------------------------------------------------------- bench_model
 
 
-def test_format_iteration_is_the_seed_line() -> None:
+def test_format_iteration_is_the_reference_line() -> None:
     assert format_iteration(3, 1234.56, 1.5554) == "Iteration 3, 1234.6 images/s in 1.555 s."
 
 
@@ -305,6 +306,48 @@ def test_bf16_on_a_pre_ampere_gpu_is_not_implemented(monkeypatch: pytest.MonkeyP
         bench_model("resnet50", "bf16")
     with pytest.raises(NotImplementedError, match=r"needs compute capability 8\.0\+ .* has 7\.0"):
         bench_matmul("bf16")
+
+
+def test_bf16_is_checked_on_the_gpu_asked_for_not_the_current_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A mixed host: the current device (cuda:0) is a Hopper, cuda:1 a Volta.
+    capabilities = {0: (9, 0), 1: (7, 0)}
+    cuda1 = torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_capability", lambda device=None: capabilities[device.index]
+    )
+    monkeypatch.setattr(model_module, "resolve_device", lambda device: cuda1)
+    monkeypatch.setattr(matmul_module, "resolve_device", lambda device: cuda1)
+    with pytest.raises(NotImplementedError, match=r"bf16 needs .* cuda:1 has 7\.0"):
+        bench_model("resnet50", "bf16", device="cuda:1")
+    with pytest.raises(NotImplementedError, match=r"8\.0\+ \(Ampere\); cuda:1 has 7\.0"):
+        bench_matmul("bf16", device="cuda:1")
+
+
+@pytest.fixture
+def new_tf32_api() -> Iterator[None]:
+    """The state a user of torch's new per-backend API leaves: legacy getters then raise."""
+    matmul = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if matmul is None:
+        pytest.skip("this torch has no per-backend fp32_precision API")
+    saved = _tf32._snapshot()
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    yield
+    _tf32._restore(saved)
+
+
+def test_bench_reads_and_restores_tf32_after_the_new_api_was_used(new_tf32_api: None) -> None:
+    before = _tf32.tf32_state()
+    raw = torch.backends.cuda.matmul.fp32_precision
+    assert bench_matmul("fp32", size=16, iterations=1, warmup=1, device="cpu").tflops > 0
+    kept = bench_model("resnet50", **TINY)
+    assert (kept.tf32_matmul, kept.tf32_cudnn) == (before.matmul, before.cudnn)
+    off = bench_model("resnet50", tf32=False, **TINY)
+    assert (off.tf32_matmul, off.tf32_cudnn) == (False, False)
+    assert _tf32.tf32_state() == before
+    assert torch.backends.cuda.matmul.fp32_precision == raw
 
 
 def test_bench_model_without_torchvision_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -697,6 +697,19 @@ def test_safetensors_needs_a_flat_tensor_dict(tmp_path: Path, obj: Any, match: s
     assert list(tmp_path.iterdir()) == []
 
 
+def test_safetensors_with_tied_weights_names_them_and_the_fix(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    net = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False))
+    net[1].weight = net[0].weight  # tied input and output embeddings
+    with pytest.raises(
+        ValueError, match=r"share memory .*\['0\.weight', '1\.weight'\].*save to a \.pt file"
+    ):
+        save_checkpoint(net.state_dict(), tmp_path / "tied.safetensors")
+    assert list(tmp_path.iterdir()) == []
+    untied = {k: v.clone() for k, v in net.state_dict().items()}
+    assert save_checkpoint(untied, tmp_path / "tied.safetensors").exists()
+
+
 def test_truncated_safetensors(tmp_path: Path) -> None:
     pytest.importorskip("safetensors")
     path = save_checkpoint({"w": torch.randn(1000)}, tmp_path / "w.safetensors")

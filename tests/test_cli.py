@@ -170,3 +170,24 @@ def test_python_dash_m_trainperf() -> None:
     document = json.loads(doctor.stdout)
     assert doctor.returncode == (1 if document["worst"] == "fail" else 0)
     assert [c["name"] for c in document["checks"]][:2] == ["gpus", "torch"]
+
+
+def test_bench_model_help_names_the_reference_table(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "model", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert "reference table" in " ".join(out.split()) and "seed" not in out
+
+
+def test_gpus_table_formats_memory_like_the_other_reports(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainperf import device
+    from trainperf.device import GpuInfo
+
+    card = GpuInfo(0, 0, "GPU-1", "NVIDIA A100", 80 * 2**30, 2**29, 80 * 2**30 - 2**29, 3,
+                   (8, 0), "00000000:01:00.0")  # fmt: skip
+    monkeypatch.setattr(device, "gpus", lambda: [card])
+    code, out, _ = run(capsys, "gpus")
+    assert code == 0 and "512 MiB/80.0 GiB" in out

@@ -548,6 +548,14 @@ def test_distributed_loader_workers_keep_the_users_worker_init_fn() -> None:
     assert pickle.loads(pickle.dumps(loader.worker_init_fn)).user_fn is _record_worker
 
 
+def test_data_parallel_rejects_an_empty_device_list_with_or_without_cuda() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"device_ids must name at least one GPU, got \[\]"):
+        ddp.data_parallel(model, device_ids=[])
+    with pytest.raises(ValueError, match=r"must name at least one GPU.*pass None"):
+        ddp.data_parallel(model, device_ids=())
+
+
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks the behaviour without GPUs")
 def test_data_parallel_without_gpus() -> None:
     model = nn.Linear(2, 2)

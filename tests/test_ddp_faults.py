@@ -7,8 +7,11 @@ start-up per rank); the spawn path is covered by test_ddp.py and the Ctrl-C test
 
 from __future__ import annotations
 
+import errno
 import json
+import multiprocessing
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -24,6 +27,7 @@ import _ddp_workers as workers
 import trainperf.ddp as ddp
 from _distributed import fast_start_method
 from trainperf.ddp import _env, _group
+from trainperf.ddp._procs import SignalGuard
 from trainperf.ddp._worker import Failure, WorkerSpec
 from trainperf.errors import LaunchError
 
@@ -139,6 +143,54 @@ def _make_group(n: int = 3) -> _group.Group:
         workers.add, (), {}, "gloo", n, "127.0.0.1", 1, "p/", LONG, None, os.getpid(), False
     )
     return _group.Group(None, spec, "", None)  # type: ignore[arg-type]
+
+
+class _Unstartable:
+    """A process whose start fails the way ``fork``/``spawn`` can: with ``error``."""
+
+    pid = None
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def start(self) -> None:
+        raise self.error
+
+
+class _RecordingContext:
+    """A multiprocessing context that records the pipes it hands out; no process starts."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.pipes: list[tuple[Any, Any]] = []
+
+    def Pipe(self, duplex: bool = True) -> tuple[Any, Any]:
+        ends = multiprocessing.Pipe(duplex=duplex)
+        self.pipes.append(ends)
+        return ends
+
+    def Process(self, **kwargs: Any) -> _Unstartable:
+        return _Unstartable(self.error)
+
+
+@pytest.mark.parametrize(
+    ("error", "raised", "match"),
+    [
+        (OSError(errno.EAGAIN, "Resource temporarily unavailable"), OSError, "temporarily"),
+        (pickle.PicklingError("no pickling"), ValueError, r"cannot be pickled: no pickling"),
+    ],
+)
+def test_a_failed_process_start_closes_both_ends_of_its_pipe(
+    error: BaseException, raised: type[BaseException], match: str
+) -> None:
+    ctx = _RecordingContext(error)
+    group = _group.Group(ctx, _make_group(2).spec, "", SignalGuard())  # type: ignore[arg-type]
+    with pytest.raises(raised, match=match) as info:
+        group.run()
+    assert info.value is error or info.value.__cause__ is error
+    assert len(ctx.pipes) == 1, "no later rank is started after a failure"
+    reader, writer = ctx.pipes[0]
+    assert reader.closed and writer.closed
 
 
 def test_the_earliest_failure_is_blamed_whatever_order_reports_arrive_in() -> None:

@@ -22,9 +22,11 @@ import trainperf.device._inventory as inventory_mod
 import trainperf.device._seed as seed_mod
 from trainperf.device import (
     GpuInfo,
+    VisibleDevices,
     best_device,
     check_same_device,
     gpus,
+    parse_visible_devices,
     seed_everything,
     select_gpus,
     to_device,
@@ -690,6 +692,49 @@ def test_to_device_pinned_non_blocking_to_cuda_and_back() -> None:
     assert torch.equal(back["x"], batch["x"].half()) and torch.equal(back["y"], batch["y"])
 
 
+def test_parse_visible_devices_reads_like_cuda() -> None:
+    assert parse_visible_devices("1, 3") == VisibleDevices("index", ("1", "3"), None)
+    assert parse_visible_devices("+1,2gpu,x,0") == VisibleDevices("index", ("1", "2"), "x")
+    assert parse_visible_devices("") == VisibleDevices("index", (), "")
+    assert parse_visible_devices("-1").first_invalid == "-1"
+    assert parse_visible_devices("GPU-ab,0") == VisibleDevices("GPU-", ("GPU-ab",), "0")
+    assert parse_visible_devices("MIG-1,GPU-2").entries == ("MIG-1",)
+    assert parse_visible_devices("GPU-").entries == ()  # a bare prefix is no UUID
+    assert parse_visible_devices("0,2,0").duplicates == ("0",)
+    assert parse_visible_devices("GPU-aB,GPU-Ab").duplicates == ("GPU-Ab",)
+
+
+def test_gpus_reads_the_environment_it_is_given(fake_nvml: Any) -> None:
+    env = {"CUDA_VISIBLE_DEVICES": "1,0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert [g.nvml_index for g in gpus(env=env)] == [1, 0]
+    assert [g.nvml_index for g in gpus(env={})] == [3, 1, 2, 0]
+    assert gpus(env={"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert len(gpus()) == 4  # os.environ has neither variable (the fixture removed them)
+
+
+def test_nvml_session_shuts_down_and_maps_errors(fake_nvml: Any) -> None:
+    with inventory_mod.nvml_session() as nvml:
+        assert nvml is fake_nvml and nvml.calls["init"] == 1
+    assert fake_nvml.calls["shutdown"] == 1
+    with (
+        pytest.raises(DeviceError, match="NVML failed while sampling"),
+        inventory_mod.nvml_session("sampling") as nvml,
+    ):
+        raise nvml.NVMLError_Unknown("boom")
+    assert fake_nvml.calls["shutdown"] == 2
+
+
+def test_nvml_session_without_a_driver_yields_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", make_fake_nvml([], "DriverNotLoaded"))
+    reasons: list[str] = []
+    with inventory_mod.nvml_session(on_missing=reasons.append) as nvml:
+        assert nvml is None
+    assert reasons == ["fake DriverNotLoaded"]
+    monkeypatch.setitem(sys.modules, "pynvml", make_fake_nvml([], "NoPermission"))
+    with pytest.raises(DeviceError, match="refused access"), inventory_mod.nvml_session():
+        pass
+
+
 # --------------------------------------------------------------------------- check_same_device()
 
 
@@ -721,6 +766,49 @@ def test_check_same_device_inputs_only_and_dataclasses() -> None:
         DeviceMismatchError, match=r"cpu: input arg0\[1\]\n  meta: input item\.images"
     ):
         check_same_device(None, ["no tensor", torch.ones(1)], item=item)
+
+
+@dataclasses.dataclass
+class MovableBatch:
+    """A user batch dataclass with its own .to, as training code often has."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+
+    def to(self, device: torch.device) -> MovableBatch:
+        return MovableBatch(self.images.to(device), self.labels.to(device))
+
+
+class Encoding(collections.UserDict):  # type: ignore[type-arg]
+    """A Mapping with .to, like Hugging Face's BatchEncoding."""
+
+    def to(self, device: torch.device) -> Encoding:
+        return Encoding({k: v.to(device) for k, v in self.items()})
+
+
+class Holder:
+    """Neither a mapping nor a dataclass: tensors kept as attributes, and a cycle."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+        self.me = self
+
+    def to(self, device: torch.device) -> Holder:
+        return Holder(self.x.to(device))
+
+
+def test_check_same_device_looks_inside_objects_with_their_own_to() -> None:
+    batch = MovableBatch(torch.ones(2, device="meta"), torch.ones(2))
+    with pytest.raises(
+        DeviceMismatchError, match=r"meta: input batch\.images\n  cpu: input batch\.labels"
+    ):
+        check_same_device(None, batch=batch)
+    encoding = Encoding(input_ids=torch.ones(1), mask=torch.ones(1, device="meta"))
+    with pytest.raises(DeviceMismatchError, match=r"meta: input enc\['mask'\]"):
+        check_same_device(torch.nn.Linear(1, 1), enc=encoding)
+    with pytest.raises(DeviceMismatchError, match=r"meta: input h\.x\n"):
+        check_same_device(torch.nn.Linear(1, 1), h=Holder(torch.ones(1, device="meta")))
+    assert check_same_device(None, batch.to(torch.device("meta"))) == META
 
 
 def test_check_same_device_needs_a_tensor() -> None:

@@ -8,6 +8,7 @@ import json
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -138,7 +139,7 @@ def test_diagnose_reports_an_arch_mismatch_from_mocked_torch_and_gpu(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_50", "sm_60", "sm_70"])
-    monkeypatch.setattr(device_module, "gpus", lambda: [gpu(0, cc=(9, 0), name="NVIDIA H100")])
+    monkeypatch.setattr(device_module, "gpus", lambda **_: [gpu(0, cc=(9, 0), name="NVIDIA H100")])
     report = diagnose(limits=limits(), env={})
     arch = {c.name: c for c in report.checks}["cuda_arch"]
     assert arch.verdict == "fail" and "NVIDIA H100 (sm_90)" in arch.value
@@ -146,12 +147,64 @@ def test_diagnose_reports_an_arch_mismatch_from_mocked_torch_and_gpu(
 
 
 def test_diagnose_turns_an_nvml_error_into_a_failed_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse() -> list[GpuInfo]:
+    def refuse(**_: object) -> list[GpuInfo]:
         raise DeviceError("NVML refused access to the GPUs")
 
     monkeypatch.setattr(device_module, "gpus", refuse)
     gpus = {c.name: c for c in diagnose(limits=limits(), env={}).checks}["gpus"]
     assert gpus.verdict == "fail" and "refused" in gpus.value
+
+
+def test_diagnose_lists_gpus_from_the_env_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[object] = []
+
+    def fake_gpus(*, env: object = None) -> list[GpuInfo]:
+        seen.append(env)
+        return []
+
+    monkeypatch.setattr(device_module, "gpus", fake_gpus)
+    env = {"CUDA_VISIBLE_DEVICES": "1"}
+    diagnose(limits=limits(), env=env)
+    diagnose(limits=limits())
+    assert seen == [env, None]  # None: gpus() reads os.environ (and torch's view) itself
+
+
+def fake_pynvml(driver_error: bool = False) -> types.ModuleType:
+    nvml: Any = types.ModuleType("pynvml")
+    nvml.NVMLError = type("NVMLError", (Exception,), {})
+    for name in ("LibraryNotFound", "DriverNotLoaded", "NoPermission", "Unknown"):
+        setattr(nvml, f"NVMLError_{name}", type(name, (nvml.NVMLError,), {}))
+    nvml.calls = []
+    nvml.nvmlInit = lambda: nvml.calls.append("init")
+    nvml.nvmlShutdown = lambda: nvml.calls.append("shutdown")
+
+    def driver() -> bytes:
+        if driver_error:
+            raise nvml.NVMLError_Unknown("lost")
+        return b"550.54"
+
+    nvml.nvmlSystemGetDriverVersion = driver
+    nvml.nvmlSystemGetCudaDriverVersion = lambda: 12040
+    nvml.nvmlDeviceGetCount = lambda: 0
+    return nvml
+
+
+def test_doctor_reads_the_driver_through_one_nvml_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    nvml = fake_pynvml()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert doctor_module._nvml_system() == ("550.54", 12040, 0)
+    assert nvml.calls == ["init", "shutdown"]
+    broken = fake_pynvml(driver_error=True)
+    monkeypatch.setitem(sys.modules, "pynvml", broken)
+    assert doctor_module._nvml_system() == (None, None, 0)
+    assert broken.calls == ["init", "shutdown"]
+
+
+def test_diagnose_uses_the_loaders_start_method() -> None:
+    from trainperf.loader._faults import start_method
+
+    check = {c.name: c for c in diagnose(limits=limits(), env={}).checks}["start_method"]
+    assert check.value == f"{start_method({})} on {sys.platform}"
 
 
 # --------------------------------------------------------------------------- host
@@ -255,6 +308,14 @@ def test_threads_oversubscription_and_bad_omp() -> None:
     assert bad.verdict == "warn" and "'four'" in bad.fix
 
 
+@pytest.mark.parametrize("value", ["0", "-2", "four", "", "1.5"])
+def test_threads_omp_must_be_an_integer_of_at_least_one(value: str) -> None:
+    check = check_threads(2, value, cpus=8, processes=2)
+    assert check.verdict == "warn"
+    assert f"got {value!r}" in check.fix and "set OMP_NUM_THREADS=4" in check.fix
+    assert check_threads(2, " 3 ", cpus=8).verdict == "ok"
+
+
 def test_diagnose_counts_torchrun_ranks_as_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
     env = {"LOCAL_WORLD_SIZE": "4"}
@@ -284,6 +345,11 @@ def test_start_method() -> None:
         ("1,3", "PCI_BUS_ID", 4, "ok", ""),
         ("0", None, 1, "ok", ""),
         ("GPU-8d3b,GPU-77aa", None, 4, "ok", ""),
+        ("GPU-8d3b,GPU-8D3B", None, 4, "fail", "listed twice"),
+        ("0,GPU-8d3b", "PCI_BUS_ID", 4, "fail", "so only 0 are visible"),
+        ("GPU-8d3b,1", None, 4, "fail", "'1' is not a GPU- UUID"),
+        ("abc", None, 2, "fail", "no GPU is visible"),
+        ("+1", "PCI_BUS_ID", 2, "ok", ""),
         (None, "PCI", 2, "warn", "ignores"),
     ],
 )

@@ -313,8 +313,21 @@ def test_worker_cap_follows_host_limits_and_local_ranks(monkeypatch: pytest.Monk
 
 def test_bad_local_world_size_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "zero")
-    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE must be a positive integer"):
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE must be a whole number >= 1.*'zero'"):
         tune_loader(BusyLoop(), 4, device="cpu", cache=False, progress=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "0")
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE must be a whole number >= 1.*'0'"):
+        tune_loader(BusyLoop(), 4, device="cpu", cache=False, progress=False)
+
+
+def test_slurm_tasks_per_node_divide_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
+    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(6))
+    report = tune_loader(
+        BusyLoop(), 4, device="cpu", budget_s=10, max_workers=0, cache=False, progress=False
+    )
+    assert (report.cpus, report.worker_cpus) == (3, 2)
 
 
 class Sleepy(Dataset[torch.Tensor]):
@@ -335,5 +348,10 @@ def test_io_bound_dataset_gets_workers_end_to_end() -> None:
     )
     assert report.num_workers >= 2
     assert report.best_kwargs["prefetch_factor"] >= 2
-    assert report.speedup is not None and report.speedup > 1.5
-    assert report.elapsed_s < 12 + 3
+    chosen = report.chosen()
+    assert chosen is not None and chosen.ok
+    # The choice is the measured best, or one with fewer workers within 2 % of it.
+    best = max(c.samples_per_s or 0.0 for c in report.candidates if c.ok)
+    assert chosen.samples_per_s is not None and chosen.samples_per_s >= 0.98 * best
+    baseline = report.candidates[0].samples_per_s
+    assert report.speedup == pytest.approx(chosen.samples_per_s / baseline)  # type: ignore[operator]

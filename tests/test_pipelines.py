@@ -905,3 +905,59 @@ def test_torchvision_backend_builds_its_dataloader_with_the_autotuner(folder: Pa
     report = loader.dataloader.tuning_report  # type: ignore[attr-defined]
     assert report.num_workers in (0, 1)
     assert sorted(_indices(loader)) == list(range(24))
+
+
+def test_autotuned_torchvision_backend_shows_no_progress_bar_unless_asked(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.loader
+
+    seen: list[dict[str, Any]] = []
+    real = trainperf.loader.autotune_loader
+
+    def autotune_loader(dataset: Any, batch_size: int, **kw: Any) -> Any:
+        seen.append(kw)
+        return real(dataset, batch_size, **{**kw, "max_workers": 0, "budget_s": 5})
+
+    monkeypatch.setattr(trainperf.loader, "autotune_loader", autotune_loader)
+    _loader(folder, "torchvision", loader_kwargs={"cache": False})
+    _loader(folder, "torchvision", loader_kwargs={"cache": False, "progress": True})
+    assert [kw["progress"] for kw in seen] == [False, True]
+    assert all(kw["cache"] is False for kw in seen)
+
+
+def test_num_threads_auto_divides_cpus_by_the_local_world_size(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.limits
+
+    monkeypatch.setattr(trainperf.limits, "host_limits", lambda: _limits_with_cpus(8))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert _loader(folder, "torchvision", num_threads="auto").config.num_threads == 2
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8")
+    assert _loader(folder, "torchvision", num_threads="auto").config.num_threads == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE must be a whole number >= 1.*'two'"):
+        _loader(folder, "torchvision", num_threads="auto")
+
+
+def _limits_with_cpus(cpus: int) -> Any:
+    from trainperf.limits import HostLimits
+
+    return HostLimits(cpus, cpus, None, cpus, 1 << 34, None, 1 << 33, None, None)
+
+
+def test_shard_auto_uses_trainperf_ddp_rank_and_world_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import trainperf.ddp
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(trainperf.ddp, "rank", lambda: 2)
+    monkeypatch.setattr(trainperf.ddp, "world_size", lambda: 5)
+    assert resolve_shard("auto") == (2, 5)
+    monkeypatch.setattr(trainperf.ddp, "rank", lambda: 5)
+    with pytest.raises(ValueError, match=r"shard needs 0 <= rank < world_size, got rank=5"):
+        resolve_shard("auto")

@@ -144,11 +144,42 @@ def test_the_report_prints_serialises_and_can_be_taken_inside_the_loop() -> None
         ({"warmup_steps": -1}, "warmup_steps must be an int >= 0"),
         ({"device": "tpu"}, "device must be"),
         ({"device": "meta"}, "device must be"),
+        ({"max_records": 0}, "max_records must be an int >= 1"),
+        ({"max_records": 2.5}, "max_records must be an int >= 1"),
     ],
 )
 def test_watch_rejects_bad_arguments(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         watch(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_long_run_keeps_only_the_most_recent_steps() -> None:
+    with watch(device="cpu", warmup_steps=2, max_records=4) as w:
+        for i in range(11):
+            w.step(samples=i)
+            assert len(w._ends) < 8  # never more than 2 x max_records held
+        inside = w.report()
+    assert inside.steps == 11 and inside.dropped_steps == 7
+    assert [s.index for s in inside.timeline] == [7, 8, 9, 10]
+    assert [s.samples for s in inside.timeline] == [7, 8, 9, 10]
+    # The first kept step starts where the last dropped one ended, not at 0.
+    assert inside.timeline[0].start > 0
+    assert inside.timeline[0].start + inside.timeline[0].duration == pytest.approx(
+        inside.timeline[1].start
+    )
+    assert inside.warmup_steps == 2 and "figures over the last 4" in str(inside)
+    assert inside.to_dict()["dropped_steps"] == 7
+
+
+def test_the_sampler_keeps_only_the_most_recent_samples() -> None:
+    with watch(device="cpu", interval=0.002, max_records=3) as w:
+        deadline = time.perf_counter() + 5
+        while w.report().dropped_samples == 0 and time.perf_counter() < deadline:
+            time.sleep(0.01)
+    report = w.report()
+    assert report.dropped_samples > 0 and len(report.samples) == 3
+    times = [s.time for s in report.samples]
+    assert times == sorted(times)
 
 
 def test_using_a_watch_outside_its_with_block_is_an_error() -> None:
@@ -244,6 +275,15 @@ def test_analyse_needs_enough_steps() -> None:
     assert report.verdict.kind == "inconclusive"
     assert "w.step()" in report.verdict.fix
     assert "inconclusive" in str(report)
+
+
+def test_analyse_counts_dropped_steps_in_indices_and_warmup() -> None:
+    steps = [StepRecord(100 + i, i * 0.02, 0.015, 0.005, 32, None) for i in range(20)]
+    report = analyse(steps, warmup_steps=2, dropped_steps=100)
+    assert report.steps == 120 and report.warmup_steps == 2
+    assert report.wall_s == pytest.approx(20 * 0.02)  # the warm-up was among the dropped
+    with pytest.raises(ValueError, match="dropped_steps and dropped_samples must be >= 0"):
+        analyse(steps, dropped_steps=-1)
 
 
 def test_analyse_rejects_bad_arguments() -> None:

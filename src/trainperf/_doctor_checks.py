@@ -2,19 +2,20 @@
 
 Each takes what it checks as arguments (a :class:`~trainperf.limits.HostLimits`, a version,
 an environment variable's value) and returns a :class:`Check`, so any environment can be
-tested without touching the real one. :func:`trainperf.doctor.diagnose` gathers the real
+tested without touching the real one. The GPU and PyTorch-build checks are in
+``_doctor_gpu``. :func:`trainperf.doctor.diagnose` gathers the real
 inputs and runs them all; import everything from :mod:`trainperf.doctor`.
 """
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trainperf.device import GpuInfo
+from trainperf._format import format_bytes
+from trainperf.device import parse_visible_devices
 from trainperf.limits import HostLimits
 
 __all__ = [
@@ -22,28 +23,21 @@ __all__ = [
     "Verdict",
     "check_blas",
     "check_cpus",
-    "check_cuda_arch",
-    "check_gpus",
     "check_memory",
     "check_shm",
     "check_start_method",
     "check_threads",
-    "check_torch_build",
     "check_visible_devices",
 ]
 
 Verdict = Literal["ok", "warn", "fail", "skip"]
 _GiB = 2**30
-_MiB = 2**20
 
-# The seed recommends 4-8 CPU cores per GPU for asynchronous data loading.
+# 4-8 CPU cores per GPU is the usual advice for asynchronous data loading.
 MIN_CPUS_PER_GPU = 4
 # One ImageNet-style fp32 batch (128 x 3 x 224 x 224), what a DataLoader worker puts in /dev/shm.
 DEFAULT_BATCH_BYTES = 128 * 3 * 224 * 224 * 4
 DEFAULT_PREFETCH_FACTOR = 2
-# A GPU already this busy (percent) or this full when doctor runs is shared with someone.
-BUSY_UTILIZATION = 50
-BUSY_MEMORY_FRACTION = 0.1
 
 
 @dataclass(frozen=True)
@@ -64,204 +58,11 @@ class Check:
     fix: str = ""
 
 
-def _gib(n: float) -> str:
-    return f"{n / _GiB:.1f} GiB"
-
-
-# --------------------------------------------------------------------------- GPUs and torch
-
-
-def check_gpus(
-    gpus: Sequence[GpuInfo], driver: str | None = None, error: str | None = None
-) -> Check:
-    """GPUs and driver as NVML sees them, and whether another process already uses one.
-
-    Args:
-        gpus: the visible GPUs (:func:`trainperf.gpus`).
-        driver: the driver version, None when unknown.
-        error: why the GPUs could not be listed, if they could not.
-
-    Example:
-        >>> check_gpus([]).verdict
-        'skip'
-    """
-    if error is not None:
-        return Check("gpus", "fail", f"NVML failed: {error}", "check that `nvidia-smi` works")
-    if not gpus:
-        fix = "nothing to do on a CPU-only machine"
-        return Check(
-            "gpus",
-            "skip",
-            "no NVIDIA GPU visible (no driver, or CUDA_VISIBLE_DEVICES hides them)",
-            fix,
-        )
-    parts = []
-    busy = []
-    for g in gpus:
-        memory = "" if g.memory_total is None else f", {_gib(g.memory_total)}"
-        parts.append(f"cuda:{g.index} {g.name}{memory}")
-        used_fraction = (
-            g.memory_used / g.memory_total if g.memory_used is not None and g.memory_total else 0.0
-        )
-        if (g.utilization or 0) >= BUSY_UTILIZATION or used_fraction >= BUSY_MEMORY_FRACTION:
-            busy.append(f"cuda:{g.index} is {g.utilization or 0}% busy, {used_fraction:.0%} full")
-    value = "; ".join(parts) + (f"; driver {driver}" if driver else "")
-    if busy:
-        fix = (
-            "another process is using the GPU (nvidia-smi shows which): stop it, or pick a free "
-            "card with trainperf.select_gpus()"
-        )
-        return Check("gpus", "warn", value + " -- " + "; ".join(busy), fix)
-    return Check("gpus", "ok", value)
-
-
-def _version_tuple(text: str | None) -> tuple[int, int] | None:
-    match = re.match(r"(\d+)\.(\d+)", text or "")
-    return (int(match.group(1)), int(match.group(2))) if match else None
-
-
-def check_torch_build(
-    *,
-    torch_version: str,
-    cuda: str | None,
-    cudnn: int | None,
-    nccl: tuple[int, ...] | None,
-    gpu_count: int,
-    driver_cuda: int | None = None,
-) -> Check:
-    """PyTorch, CUDA, cuDNN and NCCL versions; a CPU-only build or a too-old driver fails.
-
-    Args:
-        torch_version: ``torch.__version__``.
-        cuda: ``torch.version.cuda`` (None for a CPU-only build).
-        cudnn: ``torch.backends.cudnn.version()``, e.g. 92400.
-        nccl: ``torch.cuda.nccl.version()``, e.g. ``(2, 21, 5)``.
-        gpu_count: NVIDIA GPUs on this machine.
-        driver_cuda: the newest CUDA the driver supports, as NVML encodes it (12040 = 12.4).
-
-    Example:
-        >>> check_torch_build(torch_version="2.4.0+cpu", cuda=None, cudnn=None, nccl=None,
-        ...                   gpu_count=1).verdict
-        'fail'
-    """
-    parts = [f"torch {torch_version}", f"CUDA {cuda or 'none (CPU-only build)'}"]
-    if cudnn:
-        # cuDNN 9 encodes 9.1.0 as 90100; cuDNN 8 encoded 8.9.2 as 8902.
-        major, rest = (cudnn // 10000, cudnn % 10000) if cudnn >= 10000 else divmod(cudnn, 1000)
-        parts.append(f"cuDNN {major}.{rest // 100}.{rest % 100}")
-    if nccl:
-        parts.append("NCCL " + ".".join(str(v) for v in nccl))
-    if driver_cuda:
-        parts.append(f"driver supports CUDA {driver_cuda // 1000}.{driver_cuda % 1000 // 10}")
-    value = ", ".join(parts)
-    if gpu_count and cuda is None:
-        fix = (
-            f"this machine has {gpu_count} GPU(s) but PyTorch is a CPU-only build: install a "
-            "CUDA build (pip install torch --index-url https://download.pytorch.org/whl/cu124, "
-            "picking the CUDA version your driver supports)"
-        )
-        return Check("torch", "fail", value, fix)
-    built = _version_tuple(cuda)
-    if built and driver_cuda:
-        supported = (driver_cuda // 1000, driver_cuda % 1000 // 10)
-        if supported[0] < built[0]:
-            fix = (
-                f"the driver supports CUDA up to {supported[0]}.{supported[1]} but PyTorch was "
-                f"built for {cuda}: update the NVIDIA driver, or install a PyTorch built for "
-                f"CUDA {supported[0]}.x"
-            )
-            return Check("torch", "fail", value, fix)
-        if supported < built:
-            fix = (
-                f"the driver is older than PyTorch's CUDA {cuda}: minor-version compatibility "
-                "usually works, but kernels compiled at run time (PTX) can fail; update the "
-                "driver"
-            )
-            return Check("torch", "warn", value, fix)
-    return Check("torch", "ok", value)
-
-
-_ARCH = re.compile(r"^(sm|compute)_(\d+)([af]?)$")
-
-
-def _arch_capability(digits: str) -> tuple[int, int]:
-    return int(digits[:-1]), int(digits[-1])
-
-
-def check_cuda_arch(
-    arch_list: Sequence[str], capabilities: Sequence[tuple[str, tuple[int, int] | None]]
-) -> Check:
-    """Whether this PyTorch build has kernels for each GPU's architecture.
-
-    A GPU runs machine code (``sm_XY``) built for its own major version and an equal or
-    lower minor (``sm_80`` runs on 8.6), code built for exactly its architecture
-    (``sm_90a``), or compiles PTX (``compute_XY``) for an equal or older architecture at
-    start-up, which is slow the first time.
-
-    Args:
-        arch_list: ``torch.cuda.get_arch_list()``, e.g. ``["sm_80", "sm_90"]``.
-        capabilities: ``(gpu name, (major, minor))`` for each GPU.
-
-    Example:
-        >>> check_cuda_arch(["sm_70", "sm_80"], [("NVIDIA H100", (9, 0))]).verdict
-        'fail'
-        >>> check_cuda_arch(["sm_80", "sm_90"], [("NVIDIA A10", (8, 6))]).verdict
-        'ok'
-    """
-    if not capabilities:
-        return Check("cuda_arch", "skip", "no GPU to check", "")
-    if not arch_list:
-        return Check(
-            "cuda_arch",
-            "skip",
-            "this PyTorch build reports no CUDA architectures (CPU-only build, or CUDA not "
-            "usable here)",
-            "see the torch check",
-        )
-    parsed = [m for m in (_ARCH.match(a) for a in arch_list) if m]
-    bad: list[str] = []
-    jit: list[str] = []
-    for name, cc in capabilities:
-        if cc is None:
-            continue
-        sass = False
-        ptx = False
-        for m in parsed:
-            kind, digits, suffix = m.groups()
-            built = _arch_capability(digits)
-            if kind == "sm" and suffix == "a":
-                sass |= built == cc
-            elif kind == "sm":
-                sass |= built[0] == cc[0] and built[1] <= cc[1]
-            else:
-                ptx |= built <= cc
-        label = f"{name} (sm_{cc[0]}{cc[1]})"
-        if not sass and ptx:
-            jit.append(label)
-        elif not sass:
-            bad.append(label)
-    value = "built for " + " ".join(arch_list)
-    if bad:
-        fix = (
-            "install a PyTorch build whose CUDA version supports this GPU (a newer one for a "
-            "new GPU: Ampere needs CUDA 11+, Hopper 11.8+, Blackwell 12.8+; old GPUs need an "
-            "older build); see https://pytorch.org/get-started/locally/"
-        )
-        return Check("cuda_arch", "fail", value + "; no kernels for " + ", ".join(bad), fix)
-    if jit:
-        fix = (
-            "kernels are compiled at start-up (slow first run, cached in ~/.nv/ComputeCache); "
-            "a build with native kernels for this GPU avoids it"
-        )
-        return Check("cuda_arch", "warn", value + "; only PTX for " + ", ".join(jit), fix)
-    return Check("cuda_arch", "ok", value + "; every GPU has native kernels")
-
-
 # --------------------------------------------------------------------------- host
 
 
 def check_cpus(limits: HostLimits, gpu_count: int) -> Check:
-    """CPU count vs affinity vs cgroup quota, and the share per GPU (the seed says 4-8).
+    """CPU count vs affinity vs cgroup quota, and the share per GPU (4-8 is the usual advice).
 
     Example:
         >>> from trainperf.limits import HostLimits
@@ -309,10 +110,11 @@ def check_memory(limits: HostLimits) -> Check:
     ceiling = limits.memory_total
     if limits.memory_limit is not None and limits.memory_limit < limits.memory_total:
         ceiling = limits.memory_limit
-        value = f"cgroup limit {_gib(limits.memory_limit)} of host {_gib(limits.memory_total)}"
+        limit, host = format_bytes(limits.memory_limit), format_bytes(limits.memory_total)
+        value = f"cgroup limit {limit} of host {host}"
     else:
-        value = f"host {_gib(limits.memory_total)}, no cgroup limit"
-    value += f", {_gib(limits.memory_available)} available"
+        value = f"host {format_bytes(limits.memory_total)}, no cgroup limit"
+    value += f", {format_bytes(limits.memory_available)} available"
     if limits.memory_available < min(2 * _GiB, 0.1 * ceiling) or (
         limits.memory_available < 0.05 * ceiling
     ):
@@ -362,8 +164,8 @@ def check_shm(
     need = max(1, workers) * prefetch_factor * batch_bytes
     free = limits.shm_free if limits.shm_free is not None else limits.shm_total
     value = (
-        f"{limits.shm_total / _MiB:.0f} MiB ({free / _MiB:.0f} MiB free); {workers} workers x "
-        f"{prefetch_factor} batches of {batch_bytes / _MiB:.0f} MiB need ~{need / _MiB:.0f} MiB"
+        f"{format_bytes(limits.shm_total)} ({format_bytes(free)} free); {workers} workers x "
+        f"{prefetch_factor} batches of {format_bytes(batch_bytes)} need ~{format_bytes(need)}"
     )
     fix = (
         "enlarge /dev/shm: docker run --shm-size=16g (or --ipc=host); on Kubernetes mount an "
@@ -429,6 +231,14 @@ def check_blas(
     return Check("blas", "ok", value)
 
 
+def _positive_int(text: str | None) -> int | None:
+    try:
+        value = int(text) if text is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and value >= 1 else None
+
+
 def check_threads(
     torch_threads: int, omp_num_threads: str | None, cpus: int, processes: int = 1
 ) -> Check:
@@ -449,18 +259,26 @@ def check_threads(
         'warn'
         >>> check_threads(4, "4", cpus=16, processes=4).verdict
         'ok'
+        >>> check_threads(4, "0", cpus=16).verdict
+        'warn'
     """
     value = (
         f"torch {torch_threads} threads, OMP_NUM_THREADS={omp_num_threads or 'unset'}, "
         f"{cpus} usable CPUs, {processes} process(es)"
     )
-    if omp_num_threads is not None and not omp_num_threads.strip().isdigit():
-        fix = f"OMP_NUM_THREADS must be a positive integer, got {omp_num_threads!r}"
-        return Check("threads", "warn", value, fix)
     share = max(1, cpus // max(1, processes))
-    if omp_num_threads is not None and int(omp_num_threads) * processes > cpus:
+    omp = _positive_int(omp_num_threads)
+    if omp_num_threads is not None and omp is None:
+        # OpenMP ignores 0 or junk and starts one thread per core, the oversubscription the
+        # variable was meant to prevent.
         fix = (
-            f"OMP_NUM_THREADS={omp_num_threads.strip()} x {processes} process(es) oversubscribes "
+            f"OMP_NUM_THREADS must be an integer >= 1, got {omp_num_threads!r} (OpenMP then "
+            f"ignores it): set OMP_NUM_THREADS={share}"
+        )
+        return Check("threads", "warn", value, fix)
+    if omp is not None and omp * processes > cpus:
+        fix = (
+            f"OMP_NUM_THREADS={omp} x {processes} process(es) oversubscribes "
             f"{cpus} usable CPUs: set OMP_NUM_THREADS={share}"
         )
         return Check("threads", "warn", value, fix)
@@ -503,10 +321,12 @@ _CUDA_ORDERS = ("FASTEST_FIRST", "PCI_BUS_ID")
 def check_visible_devices(visible: str | None, order: str | None, gpu_count: int) -> Check:
     """``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` sanity.
 
-    CUDA reads the list once, at start-up; it stops at the first entry it cannot parse or
-    that does not exist, shows nothing when an entry repeats, and numbers the GPUs fastest
-    first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, so on a multi-GPU host an integer index
-    need not be the GPU ``nvidia-smi`` shows under it.
+    The list is read with :func:`trainperf.device.parse_visible_devices`, the rules
+    :func:`trainperf.gpus` applies. CUDA reads it once, at start-up; the first entry sets the
+    notation (indices or UUIDs); it stops at the first entry it cannot parse, in another
+    notation, or that does not exist, shows nothing when an entry repeats, and numbers the
+    GPUs fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, so on a multi-GPU host an
+    integer index need not be the GPU ``nvidia-smi`` shows under it.
 
     Args:
         visible: ``CUDA_VISIBLE_DEVICES``, None when unset.
@@ -525,31 +345,36 @@ def check_visible_devices(visible: str | None, order: str | None, gpu_count: int
         return Check("visible_devices", "warn", value, fix)
     if visible is None:
         return Check("visible_devices", "ok", value + f" (all {gpu_count} GPU(s) visible)")
-    entries = [e.strip() for e in visible.split(",")]
-    if visible.strip() == "" or entries[0].startswith("-"):
+    parsed = parse_visible_devices(visible)
+    entries = parsed.entries
+    bad = parsed.first_invalid
+    if not entries and bad is not None and (bad == "" or bad.startswith("-")):
         return Check(
             "visible_devices",
             "warn" if gpu_count else "ok",
             value + " (hides every GPU)",
             "unset CUDA_VISIBLE_DEVICES to use the GPUs" if gpu_count else "",
         )
-    for entry in entries:
-        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+    if bad is not None:
+        kind = "an index" if parsed.notation == "index" else f"a {parsed.notation} UUID"
+        visible_part = f"only {', '.join(entries)} are visible" if entries else "no GPU is visible"
+        fix = (
+            f"{bad!r} is not {kind}, as the first entry sets (entries cannot mix indices and "
+            f"UUIDs): CUDA stops reading the list there, so {visible_part}"
+        )
+        return Check("visible_devices", "fail", value, fix)
+    if parsed.notation == "index" and gpu_count:
+        missing = next((e for e in entries if int(e) >= gpu_count), None)
+        if missing is not None:
             fix = (
-                f"{entry!r} is neither an index nor a GPU-/MIG- UUID: CUDA stops reading the "
-                "list there, so only the entries before it are visible"
+                f"index {missing} does not exist ({gpu_count} GPU(s)): CUDA stops reading the "
+                "list there; `nvidia-smi -L` lists the GPUs"
             )
             return Check("visible_devices", "fail", value, fix)
-        if entry.isdigit() and gpu_count and int(entry) >= gpu_count:
-            fix = (
-                f"index {entry} does not exist ({gpu_count} GPU(s)): CUDA stops reading the list "
-                "there; `nvidia-smi -L` lists the GPUs"
-            )
-            return Check("visible_devices", "fail", value, fix)
-    if len(set(entries)) != len(entries):
+    if parsed.duplicates:
         fix = "a GPU is listed twice, and CUDA then makes no GPU visible: list each once"
         return Check("visible_devices", "fail", value, fix)
-    if any(e.isdigit() for e in entries) and gpu_count > 1 and order != "PCI_BUS_ID":
+    if parsed.notation == "index" and gpu_count > 1 and order != "PCI_BUS_ID":
         fix = (
             "CUDA numbers GPUs fastest-first, nvidia-smi by PCI bus: index "
             f"{entries[0]} here need not be nvidia-smi's GPU {entries[0]}. Set "

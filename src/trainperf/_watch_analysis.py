@@ -1,26 +1,19 @@
-"""The verdict side of ``trainperf.watch``: report types and :func:`analyse`.
+"""The verdict side of ``trainperf.watch``: :func:`analyse` (report types: ``_watch_report``).
 
 :class:`~trainperf.watch.Watch` records a timeline (one :class:`StepRecord` per step) and
 background :class:`Sample` s; :func:`analyse` turns them into a :class:`WatchReport` whose
-:class:`Verdict` names what limits the loop in the seed guide's terms, the numbers behind
-it, and the trainperf tool that fixes it. Import these from :mod:`trainperf.watch`.
+:class:`Verdict` names what limits the loop, the numbers behind it, and the trainperf tool
+that fixes it. Import these from :mod:`trainperf.watch`.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, Literal
 
-from trainperf._imports import require
+from trainperf._watch_report import Sample, StepRecord, Verdict, VerdictKind, WatchReport
 
 __all__ = ["Sample", "StepRecord", "Verdict", "VerdictKind", "WatchReport", "analyse"]
-
-VerdictKind = Literal[
-    "input-bound", "compute-bound", "host-bound", "gpu-unused", "periodic-stalls", "inconclusive"
-]
 
 MIN_STEPS = 5  # measured steps needed for a verdict
 INPUT_BOUND_WAIT = 0.25  # share of step time spent waiting for data
@@ -57,223 +50,6 @@ _FIXES: dict[str, str] = {
     ),
     "inconclusive": "watch more steps: call w.step() once at the end of each training step",
 }
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One training step.
-
-    Attributes:
-        index: the step's number, from 0.
-        start: seconds from the start of the watch to the step's start.
-        wait: seconds spent waiting for batches (in ``w.iter``).
-        compute: the rest of the step.
-        samples: samples in the step's batches, None when unknown.
-        gpu_busy: seconds the GPU took for the step's work (CUDA events), None without CUDA.
-    """
-
-    index: int
-    start: float
-    wait: float
-    compute: float
-    samples: int | None
-    gpu_busy: float | None
-
-    @property
-    def duration(self) -> float:
-        """``wait + compute``."""
-        return self.wait + self.compute
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One background sample.
-
-    Attributes:
-        time: seconds from the start of the watch.
-        gpu_utilization: percent of the sample period a kernel ran (NVML), None without one.
-        gpu_memory_used: bytes used on the GPU (all processes), None without one.
-        process_cpu: CPU percent of this process and its children (100 = one core).
-        host_cpu: CPU percent of the whole host (100 = every core busy).
-    """
-
-    time: float
-    gpu_utilization: float | None
-    gpu_memory_used: int | None
-    process_cpu: float
-    host_cpu: float
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What limits the loop, why, and what fixes it.
-
-    Attributes:
-        kind: ``"input-bound"``, ``"compute-bound"``, ``"host-bound"``, ``"gpu-unused"``,
-            ``"periodic-stalls"`` or ``"inconclusive"``.
-        summary: one sentence.
-        reasons: the numbers behind it.
-        fix: what to do, naming the trainperf tool that does it.
-    """
-
-    kind: VerdictKind
-    summary: str
-    reasons: tuple[str, ...]
-    fix: str
-
-
-@dataclass(frozen=True)
-class WatchReport:
-    """The verdict on a watched loop and the measurements behind it.
-
-    Steps before ``warmup_steps`` (loader start-up, cuDNN autotuning) are kept in
-    ``timeline`` but left out of every figure.
-
-    Attributes:
-        verdict: the main finding.
-        findings: further findings worth acting on.
-        device: ``"cpu"``, ``"cuda:<i>"`` or ``"auto"`` (CUDA never used).
-        steps: steps recorded.
-        warmup_steps: leading steps left out of the figures.
-        wall_s: seconds of the measured steps.
-        steps_per_s: measured steps per second.
-        samples_per_s: samples per second, None when batch sizes are unknown.
-        median_step_s: the median step time.
-        wait_fraction: share of step time spent waiting for data.
-        gpu_busy_fraction: share of step time the GPU worked on the steps (CUDA events).
-        gpu_utilization_mean: mean NVML utilisation (percent) over the measured steps.
-        gpu_utilization_max: its maximum.
-        gpu_memory_max: the most GPU memory seen in use, bytes.
-        process_cpu_mean: mean CPU percent of this process and its children.
-        host_cpu_mean: mean host CPU percent.
-        cpus: CPUs this process may use.
-        stall_period: N when every N-th step stalls, else None.
-        stall_steps: indices of the stalled steps.
-        stall_fraction: share of the measured time lost to those stalls.
-        timeline: every step.
-        samples: every background sample.
-    """
-
-    verdict: Verdict
-    findings: tuple[Verdict, ...]
-    device: str
-    steps: int
-    warmup_steps: int
-    wall_s: float
-    steps_per_s: float
-    samples_per_s: float | None
-    median_step_s: float
-    wait_fraction: float
-    gpu_busy_fraction: float | None
-    gpu_utilization_mean: float | None
-    gpu_utilization_max: float | None
-    gpu_memory_max: int | None
-    process_cpu_mean: float | None
-    host_cpu_mean: float | None
-    cpus: int
-    stall_period: int | None
-    stall_steps: tuple[int, ...]
-    stall_fraction: float
-    timeline: tuple[StepRecord, ...]
-    samples: tuple[Sample, ...]
-
-    def to_dict(self, *, timeline: bool = False) -> dict[str, Any]:
-        """A JSON-ready dict; the per-step timeline and samples only when asked for."""
-        data = asdict(self)
-        if not timeline:
-            del data["timeline"], data["samples"]
-        return data
-
-    def __str__(self) -> str:
-        v = self.verdict
-        lines = [f"trainperf.watch: {v.kind}: {v.summary}"]
-        if self.steps - self.warmup_steps >= 1 and self.wall_s > 0:
-            rate = f", {self.samples_per_s:.1f} samples/s" if self.samples_per_s else ""
-            lines.append(
-                f"  {self.steps} steps ({self.warmup_steps} warm-up left out), "
-                f"{self.steps_per_s:.2f} steps/s{rate}; median step {self.median_step_s * 1e3:.1f}"
-                f" ms, {self.wait_fraction:.0%} of it waiting for data"
-            )
-        gpu = []
-        if self.gpu_busy_fraction is not None:
-            gpu.append(f"busy {self.gpu_busy_fraction:.0%} of step time")
-        if self.gpu_utilization_mean is not None:
-            gpu.append(f"utilisation mean {self.gpu_utilization_mean:.0f}%")
-        if self.gpu_memory_max is not None:
-            gpu.append(f"memory up to {self.gpu_memory_max / 2**30:.1f} GiB")
-        if gpu:
-            lines.append("  GPU: " + ", ".join(gpu))
-        if self.process_cpu_mean is not None and self.host_cpu_mean is not None:
-            lines.append(
-                f"  CPU: this process and its workers {self.process_cpu_mean:.0f}% "
-                f"(of {self.cpus * 100}% usable), host {self.host_cpu_mean:.0f}%"
-            )
-        lines.extend(f"  - {r}" for r in v.reasons)
-        lines.append(f"  fix: {v.fix}")
-        for f in self.findings:
-            lines.append(f"  also {f.kind}: {f.summary}")
-            lines.append(f"    fix: {f.fix}")
-        return "\n".join(lines)
-
-    def plot(self, path: str | Path) -> Path:
-        """Save a timeline PNG: step time split into wait and compute, GPU and CPU use.
-
-        Args:
-            path: the PNG to write.
-
-        Returns:
-            ``path`` as a :class:`~pathlib.Path`.
-
-        Raises:
-            ModuleNotFoundError: matplotlib is not installed (``pip install 'trainperf[plot]'``).
-        """
-        require("matplotlib", "WatchReport.plot()")
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(10, 6))
-        FigureCanvasAgg(fig)  # a canvas of our own: pyplot's global state is left alone
-        top, bottom = fig.subplots(2, 1, sharex=True)
-        starts, widths, waits, computes = _binned(self.timeline)
-        top.bar(starts, waits, width=widths, align="edge", color="tab:orange", label="data wait")
-        top.bar(
-            starts, computes, width=widths, bottom=waits, align="edge", color="tab:blue",
-            label="compute",
-        )  # fmt: skip
-        top.set_ylabel("step time (ms)")
-        top.set_title(f"trainperf.watch: {self.verdict.kind}")
-        top.legend(loc="upper right")
-        times = [s.time for s in self.samples]
-        gpu = [(s.time, s.gpu_utilization) for s in self.samples if s.gpu_utilization is not None]
-        if gpu:
-            bottom.plot([t for t, _ in gpu], [u for _, u in gpu], label="GPU utilisation %")
-        cpu = [s.process_cpu / self.cpus for s in self.samples]
-        bottom.plot(times, cpu, label="process CPU % of usable")
-        bottom.plot(times, [s.host_cpu for s in self.samples], label="host CPU %", alpha=0.6)
-        bottom.set_ylim(0, 105)
-        bottom.set_xlabel("seconds")
-        bottom.legend(loc="upper right")
-        out = Path(path)
-        fig.savefig(out, dpi=100)
-        return out
-
-
-_MAX_BARS = 2000
-
-
-def _binned(
-    timeline: Sequence[StepRecord],
-) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Bar positions, widths and mean wait/compute (ms) per bar, at most ``_MAX_BARS`` bars."""
-    size = max(1, -(-len(timeline) // _MAX_BARS))  # long runs: average runs of steps per bar
-    starts, widths, waits, computes = [], [], [], []
-    for i in range(0, len(timeline), size):
-        group = timeline[i : i + size]
-        starts.append(group[0].start)
-        widths.append(max(sum(s.duration for s in group), 1e-6))
-        waits.append(sum(s.wait for s in group) / len(group) * 1e3)
-        computes.append(sum(s.compute for s in group) / len(group) * 1e3)
-    return starts, widths, waits, computes
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -315,6 +91,8 @@ def analyse(
     cuda_used: bool = False,
     cpus: int = 1,
     warmup_steps: int = 2,
+    dropped_steps: int = 0,
+    dropped_samples: int = 0,
 ) -> WatchReport:
     """Turn a step timeline and background samples into a :class:`WatchReport`.
 
@@ -327,13 +105,18 @@ def analyse(
         gpu_present: a GPU is visible to this process.
         cuda_used: the process initialised CUDA during the watch.
         cpus: CPUs this process may use.
-        warmup_steps: leading steps to leave out of the figures.
+        warmup_steps: leading steps to leave out of the figures, counted from the run's
+            first step (dropped ones included).
+        dropped_steps: steps recorded before ``timeline[0]`` and no longer kept; the
+            timeline's first step is step number ``dropped_steps``.
+        dropped_samples: background samples no longer kept.
 
     Returns:
         The report.
 
     Raises:
-        ValueError: ``cpus`` < 1 or ``warmup_steps`` < 0.
+        ValueError: ``cpus`` < 1, or ``warmup_steps``, ``dropped_steps`` or
+            ``dropped_samples`` < 0.
 
     Example:
         >>> steps = [StepRecord(i, i * 0.02, 0.015, 0.005, 32, None) for i in range(20)]
@@ -344,7 +127,14 @@ def analyse(
         raise ValueError(f"cpus must be >= 1, got {cpus!r}")
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}")
-    measured = list(timeline[warmup_steps:])
+    if dropped_steps < 0 or dropped_samples < 0:
+        raise ValueError(
+            f"dropped_steps and dropped_samples must be >= 0, got {dropped_steps!r} and "
+            f"{dropped_samples!r}"
+        )
+    skip = max(0, warmup_steps - dropped_steps)  # warm-up steps still in the timeline
+    first = dropped_steps + skip  # the number of the first measured step
+    measured = list(timeline[skip:])
     t_start = measured[0].start if measured else 0.0
     window = [s for s in samples if s.time >= t_start]
     durations = [s.duration for s in measured]
@@ -362,7 +152,7 @@ def analyse(
     memory = [s.gpu_memory_used for s in window if s.gpu_memory_used is not None]
     process_cpu = _mean([s.process_cpu for s in window])
     host_cpu = _mean([s.host_cpu for s in window])
-    period, stalled, stall_fraction = _find_stalls(durations, warmup_steps)
+    period, stalled, stall_fraction = _find_stalls(durations, first)
     util_mean = _mean(utils)
 
     def report(verdict: Verdict, findings: Sequence[Verdict] = ()) -> WatchReport:
@@ -370,8 +160,8 @@ def analyse(
             verdict=verdict,
             findings=tuple(findings),
             device=device,
-            steps=len(timeline),
-            warmup_steps=min(warmup_steps, len(timeline)),
+            steps=dropped_steps + len(timeline),
+            warmup_steps=min(warmup_steps, dropped_steps + len(timeline)),
             wall_s=wall,
             steps_per_s=len(measured) / wall if wall > 0 else 0.0,
             samples_per_s=samples_per_s,
@@ -389,6 +179,8 @@ def analyse(
             stall_fraction=stall_fraction,
             timeline=tuple(timeline),
             samples=tuple(samples),
+            dropped_steps=dropped_steps,
+            dropped_samples=dropped_samples,
         )
 
     def verdict(kind: VerdictKind, summary: str, *reasons: str) -> Verdict:
@@ -441,7 +233,7 @@ def analyse(
     wait_reason = f"{wait:.0%} of step time is spent waiting for the next batch"
     candidates: list[tuple[float, Verdict]] = []
     if period is not None and stall_fraction >= STALL_SHARE / 2:
-        slow_ms = statistics.median(durations[i - warmup_steps] for i in stalled) * 1e3
+        slow_ms = statistics.median(durations[i - first] for i in stalled) * 1e3
         candidates.append(
             (
                 stall_fraction if stall_fraction >= STALL_SHARE else 0.0,

@@ -25,120 +25,29 @@ anything else                          fp32          no
 from __future__ import annotations
 
 import contextlib
-import copy
-import warnings
 import weakref
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, TypeVar, get_args
 
 import torch
 from torch import nn
 
-from trainperf.device import best_device, to_device
-from trainperf.errors import DeviceError
+from trainperf import _precision
+from trainperf._channels_last import (
+    CONV_SHARE_FOR_CHANNELS_LAST,
+    channels_last_decision,
+    to_channels_last,
+)
+from trainperf._tf32 import enable_tf32
+from trainperf.device import to_device
 
 __all__ = ["CONV_SHARE_FOR_CHANNELS_LAST", "MixedPrecision", "Precision", "choose_precision"]
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 _PRECISIONS: tuple[str, ...] = get_args(Precision)
-_DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-}
-_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
-
-# channels_last="auto" converts a model only when at least this share of its parameters sits
-# in 2-D convolutions and their batch norms: ResNets are ~95 %, a ViT-B/16 (whose only
-# convolution is the patch embedding) ~0.7 %, and channels_last does not help a ViT.
-CONV_SHARE_FOR_CHANNELS_LAST = 0.5
+_NAMES = _precision.NAMES
 
 T = TypeVar("T")
-
-
-# --------------------------------------------------------------------------- what the device has
-# These small functions are the seams the tests replace to fake a P40, V100, T4, A100 or H200.
-
-
-def _cuda_capability(device: torch.device) -> tuple[int, int]:
-    """The compute capability of a CUDA device (initialises CUDA)."""
-    if not torch.cuda.is_available():
-        raise DeviceError(
-            f"device {str(device)!r} was asked for, but CUDA is not available here "
-            f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); "
-            "use device='cpu', or device=None to pick the best available device"
-        )
-    major, minor = torch.cuda.get_device_capability(device)
-    return int(major), int(minor)
-
-
-def _cpu_has_bf16_kernels() -> bool:
-    """Whether oneDNN has bf16 kernels for this CPU; without them bf16 is slower than fp32."""
-    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
-        return False
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # an op missing from this torch build
-        return False
-
-
-def _autocast_supports(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch.autocast(device_type, dtype=dtype)`` would really autocast.
-
-    torch disables autocast with a warning (rather than failing) for a dtype a device does
-    not support, e.g. fp16 on the CPU in older releases; this asks without autocasting.
-    """
-    if not torch.amp.is_autocast_available(device_type):
-        return False
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            ctx = torch.autocast(device_type, dtype=dtype)
-        except RuntimeError:
-            return False
-    return bool(getattr(ctx, "_enabled", False)) and not caught
-
-
-# --------------------------------------------------------------------------- choosing a precision
-
-
-def _auto_precision(device: torch.device) -> tuple[torch.dtype, str]:
-    """The "auto" choice for ``device`` and the reason for it."""
-    if device.type == "cuda":
-        major, minor = _cuda_capability(device)
-        cc = f"compute capability {major}.{minor}"
-        if major >= 8:
-            return torch.bfloat16, f"auto: {device} has {cc} (>= 8.0) -> bf16, no loss scaling"
-        if major == 7:
-            return torch.float16, (
-                f"auto: {device} has {cc} (Volta/Turing: fp16 tensor cores, no native bf16) "
-                "-> fp16 with loss scaling"
-            )
-        return torch.float32, (
-            f"auto: {device} has {cc} (< 7.0: no tensor cores, fp16 is slower than fp32) -> fp32"
-        )
-    if device.type == "cpu":
-        if _cpu_has_bf16_kernels() and _autocast_supports("cpu", torch.bfloat16):
-            return torch.bfloat16, "auto: the CPU has bf16 kernels and bf16 autocast -> bf16"
-        return torch.float32, "auto: the CPU has no bf16 kernels (bf16 would be slower) -> fp32"
-    if device.type == "mps":
-        return torch.float16, "auto: mps -> fp16 with loss scaling"
-    return torch.float32, f"auto: no policy for device type {device.type!r} -> fp32"
-
-
-def _as_torch_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return best_device()
-    if isinstance(device, torch.device):
-        return device
-    if not isinstance(device, str):
-        raise TypeError(f"device must be a str, torch.device or None, got {device!r}")
-    try:
-        return torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(
-            f"invalid device {device!r}: expected e.g. 'cpu', 'cuda', 'cuda:1' or 'mps' ({e})"
-        ) from e
 
 
 def choose_precision(device: str | torch.device | None = None) -> torch.dtype:
@@ -162,127 +71,7 @@ def choose_precision(device: str | torch.device | None = None) -> torch.dtype:
         >>> choose_precision("cpu") in (torch.bfloat16, torch.float32)
         True
     """
-    return _auto_precision(_as_torch_device(device))[0]
-
-
-def _resolve(device: torch.device, precision: str) -> tuple[torch.dtype, str]:
-    """The dtype for an explicit or "auto" ``precision`` on ``device``, and why."""
-    if precision == "auto":
-        return _auto_precision(device)
-    dtype = _DTYPES[precision]
-    if dtype == torch.float32:
-        return dtype, "requested fp32"
-    if device.type == "cuda":
-        major, minor = _cuda_capability(device)
-        if dtype == torch.bfloat16 and major < 8:
-            raise ValueError(
-                f"precision='bf16' needs compute capability >= 8.0 (Ampere or newer) for native "
-                f"bf16, but {device} has {major}.{minor}; use precision='fp16' (with loss "
-                "scaling) or precision='auto'"
-            )
-        if dtype == torch.float16 and major < 7:
-            warnings.warn(
-                f"precision='fp16' on {device} (compute capability {major}.{minor}, no tensor "
-                "cores) is usually slower than fp32; precision='auto' picks fp32 there",
-                UserWarning,
-                stacklevel=3,
-            )
-        scaled = " with loss scaling" if dtype == torch.float16 else ""
-        return dtype, f"requested {precision}{scaled} on {device} ({major}.{minor})"
-    if not _autocast_supports(device.type, dtype):
-        raise ValueError(
-            f"precision={precision!r} needs {precision} autocast on {device.type!r}, which "
-            f"torch {torch.__version__} does not support there; use precision='auto', 'fp32' "
-            "or the other half precision"
-        )
-    scaled = " with loss scaling" if dtype == torch.float16 else ""
-    return dtype, f"requested {precision}{scaled} on {device}"
-
-
-# --------------------------------------------------------------------------- channels_last, TF32
-
-
-def _conv_share(model: nn.Module) -> float:
-    """The share of ``model``'s parameters held by 2-D convolutions and 2-D batch norms."""
-    seen: set[int] = set()
-    total = conv = 0
-    for module in model.modules():
-        is_conv = isinstance(module, (nn.Conv2d, nn.ConvTranspose2d, nn.BatchNorm2d))
-        for p in module.parameters(recurse=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            total += p.numel()
-            if is_conv:
-                conv += p.numel()
-    return conv / total if total else 0.0
-
-
-def _channels_last_decision(
-    model: nn.Module,
-    setting: bool | Literal["auto"],
-    *,
-    device: torch.device,
-    tensor_cores: bool,
-) -> tuple[bool, str]:
-    """Whether to convert ``model`` to channels_last, and why (pure: touches no device)."""
-    if setting is True:
-        return True, "channels_last: requested"
-    if setting is False:
-        return False, "channels_last: off (requested)"
-    if device.type != "cuda":
-        return False, f"channels_last: not on {device.type} ('auto' converts on CUDA only)"
-    share = _conv_share(model)
-    if share < CONV_SHARE_FOR_CHANNELS_LAST:
-        return False, (
-            f"channels_last: no, {share:.0%} of parameters in Conv2d/BatchNorm2d "
-            f"(< {CONV_SHARE_FOR_CHANNELS_LAST:.0%}: not a convolutional model)"
-        )
-    if not tensor_cores:
-        return False, "channels_last: no, no tensor cores in use (fp32 without TF32, or < 7.0)"
-    return True, f"channels_last: yes, {share:.0%} of parameters in Conv2d/BatchNorm2d"
-
-
-def _enable_tf32() -> None:
-    """Allow TF32 for fp32 matmuls and cuDNN convolutions, process-wide.
-
-    torch >= 2.9 has a new per-backend API (``fp32_precision``) and raises when a legacy flag
-    (``allow_tf32``) is read after the new API has changed it. Matmuls go through
-    ``set_float32_matmul_precision``, which both APIs read back consistently; convolutions
-    through whichever API the current state was set with.
-    """
-    torch.set_float32_matmul_precision("high")
-    conv = getattr(torch.backends.cudnn, "conv", None)
-    current = getattr(conv, "fp32_precision", None)
-    if current is None or current == "none":
-        # No new API, or the state came from the legacy flag (which leaves "none" behind).
-        torch.backends.cudnn.allow_tf32 = True
-    elif current != "tf32":
-        conv.fp32_precision = "tf32"  # type: ignore[union-attr]
-
-
-def _to_channels_last(obj: T) -> T:
-    """4-D floating tensors inside dicts, lists, tuples and namedtuples -> channels_last."""
-    out: Any
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() == 4 and obj.is_floating_point():
-            out = obj.contiguous(memory_format=torch.channels_last)
-            return out  # type: ignore[no-any-return]
-        return obj
-    if isinstance(obj, tuple):
-        items = [_to_channels_last(v) for v in obj]
-        out = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-        return out  # type: ignore[no-any-return]
-    if isinstance(obj, list):
-        return [_to_channels_last(v) for v in obj]  # type: ignore[return-value]
-    if isinstance(obj, MutableMapping):
-        new = copy.copy(obj)  # keeps the subclass and its state (defaultdict's factory)
-        for key, value in obj.items():
-            new[key] = _to_channels_last(value)
-        return new
-    if isinstance(obj, Mapping):
-        return {k: _to_channels_last(v) for k, v in obj.items()}  # type: ignore[return-value]
-    return obj
+    return _precision.auto_precision(_precision.as_torch_device(device))[0]
 
 
 # --------------------------------------------------------------------------- the class
@@ -352,13 +141,15 @@ class MixedPrecision:
             raise ValueError(f"channels_last must be 'auto', True or False, got {channels_last!r}")
         if not isinstance(tf32, bool):
             raise TypeError(f"tf32 must be True or False, got {tf32!r}")
-        self.device: torch.device = _as_torch_device(device)
+        self.device: torch.device = _precision.as_torch_device(device)
         self.precision: Precision = precision
         self.channels_last: bool | Literal["auto"] = channels_last
         self.tf32 = tf32
         self.dtype: torch.dtype
-        self.dtype, self._precision_reason = _resolve(self.device, precision)
-        self._capability = _cuda_capability(self.device) if self.device.type == "cuda" else None
+        self.dtype, self._precision_reason = _precision.resolve(self.device, precision)
+        self._capability = (
+            _precision.cuda_capability(self.device) if self.device.type == "cuda" else None
+        )
         self._scaler: torch.amp.GradScaler | None = None
         self._backward_pending = False
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -420,7 +211,7 @@ class MixedPrecision:
         cc = self._capability or (0, 0)
         tf32_on = self.tf32 and cc >= (8, 0)
         tensor_cores = cc >= (7, 0) and (self.dtype != torch.float32 or tf32_on)
-        use_cl, why_cl = _channels_last_decision(
+        use_cl, why_cl = channels_last_decision(
             model, self.channels_last, device=self.device, tensor_cores=tensor_cores
         )
         model.to(self.device)
@@ -428,7 +219,7 @@ class MixedPrecision:
             model.to(memory_format=torch.channels_last)
             self.uses_channels_last = True
         if tf32_on:
-            _enable_tf32()
+            enable_tf32()
             self.tf32_enabled = True
         why_tf32 = (
             "TF32: enabled process-wide"
@@ -461,7 +252,7 @@ class MixedPrecision:
             (True, [0, 1])
         """
         moved = to_device(batch, self.device, non_blocking=True)
-        return _to_channels_last(moved) if self.uses_channels_last else moved
+        return to_channels_last(moved) if self.uses_channels_last else moved
 
     # ----------------------------------------------------------------- the training step
 

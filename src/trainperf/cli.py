@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     model = benches.add_parser(
         "model",
         help="ResNet-50 / ViT-B/16 throughput on synthetic data, vs the reference GPUs",
-        description="The seed guide's benchmark: a torchvision model with random weights, "
+        description="The reference table's benchmark (a GPU cloud provider's published "
+        "figures, PyTorch 1.9): a torchvision model with random weights, "
         "synthetic input on the device, weights cast to the precision. Defaults: batch 128 at "
         "224 px and 15 batches per iteration on a GPU; batch 2 at 64 px on the CPU.",
     )
@@ -135,7 +136,7 @@ def _progress(message: str) -> None:
 
 
 def _run_bench_model(args: argparse.Namespace) -> int:
-    from trainperf.bench import Precision, Skipped, bench_model, format_iteration
+    from trainperf.bench import BenchPrecision, Skipped, bench_model, format_iteration
 
     precisions = ["fp32", "fp16", "bf16"] if args.precision == "all" else [args.precision]
     out = sys.stdout
@@ -151,7 +152,7 @@ def _run_bench_model(args: argparse.Namespace) -> int:
         try:
             result = bench_model(
                 args.model,
-                cast("Precision", precision),
+                cast("BenchPrecision", precision),
                 batch_size=args.batch_size,
                 image_size=args.image_size,
                 iterations=args.iterations,
@@ -242,6 +243,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
 
 
 def _run_gpus(args: argparse.Namespace) -> int:
+    from trainperf._format import format_bytes
     from trainperf.device import gpus
 
     with warnings.catch_warnings():
@@ -256,7 +258,7 @@ def _run_gpus(args: argparse.Namespace) -> int:
     print(f"{'cuda':>4}  {'smi':>3}  {'name':<28}  {'memory used/total':>20}  {'util':>4}  cc")
     for g in found:
         if g.memory_total is not None and g.memory_used is not None:
-            memory = f"{g.memory_used / 2**30:.1f}/{g.memory_total / 2**30:.1f} GiB"
+            memory = f"{format_bytes(g.memory_used)}/{format_bytes(g.memory_total)}"
         else:
             memory = "?"
         util = "?" if g.utilization is None else f"{g.utilization}%"

@@ -1,17 +1,16 @@
 """``trainperf doctor``: check the environment a training run depends on, one verdict per check.
 
 Each check returns a :class:`Check` (name, verdict ``ok``/``warn``/``fail``/``skip``, the
-measured value, and the fix). The check functions (defined in ``_doctor_checks``, exported
-here) take their inputs as arguments, so they can be tested against any environment;
-:func:`diagnose` gathers the real inputs (NVML, torch, cgroups, ``/dev/shm``, NumPy's BLAS,
-environment variables) and runs them all.
+measured value, and the fix). The check functions (defined in ``_doctor_checks`` and
+``_doctor_gpu``, exported here) take their inputs as arguments, so they can be tested against
+any environment; :func:`diagnose` gathers the real inputs (NVML, torch, cgroups,
+``/dev/shm``, NumPy's BLAS, environment variables) and runs them all.
 Nothing here initialises CUDA, and the whole run takes a second or two without a GPU.
 """
 
 from __future__ import annotations
 
 import importlib
-import multiprocessing
 import os
 import re
 import warnings
@@ -28,17 +27,18 @@ from trainperf._doctor_checks import (
     Verdict,
     check_blas,
     check_cpus,
-    check_cuda_arch,
-    check_gpus,
     check_memory,
     check_shm,
     check_start_method,
     check_threads,
-    check_torch_build,
     check_visible_devices,
 )
+from trainperf._doctor_gpu import check_cuda_arch, check_gpus, check_torch_build
 from trainperf.device import GpuInfo
+from trainperf.device._inventory import nvml_session
+from trainperf.errors import DeviceError
 from trainperf.limits import HostLimits, host_limits
+from trainperf.loader._faults import start_method
 
 __all__ = [
     "Check",
@@ -80,7 +80,14 @@ class DoctorReport:
         return worst
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict: ``{"worst": ..., "checks": [{name, verdict, value, fix}, ...]}``."""
+        """A JSON-ready dict: ``{"worst": ..., "checks": [{name, verdict, value, fix}, ...]}``.
+
+        Example:
+            >>> report = DoctorReport((Check("shm", "warn", "64 MiB", "enlarge /dev/shm"),))
+            >>> data = report.to_dict()
+            >>> data["worst"], data["checks"][0]["fix"]
+            ('warn', 'enlarge /dev/shm')
+        """
         return {"worst": self.worst, "checks": [asdict(c) for c in self.checks]}
 
     def __str__(self) -> str:
@@ -98,37 +105,28 @@ class DoctorReport:
 
 def _nvml_system() -> tuple[str | None, int | None, int]:
     """Driver version, the CUDA version it supports, and the physical GPU count."""
-    if not _imports.is_available("pynvml"):
-        return None, None, 0
-    import pynvml
-
     try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
+        with nvml_session("reading the driver version") as nvml:
+            if nvml is None:  # no driver or pynvml: the gpus check says so
+                return None, None, 0
+            driver = nvml.nvmlSystemGetDriverVersion()
+            return (
+                driver.decode() if isinstance(driver, bytes) else str(driver),
+                int(nvml.nvmlSystemGetCudaDriverVersion()),
+                int(nvml.nvmlDeviceGetCount()),
+            )
+    except DeviceError:  # the gpus check reports NVML's failure itself
         return None, None, 0
-    try:
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        driver = driver.decode() if isinstance(driver, bytes) else str(driver)
-        return (
-            driver,
-            int(pynvml.nvmlSystemGetCudaDriverVersion()),
-            int(pynvml.nvmlDeviceGetCount()),
-        )
-    except pynvml.NVMLError:
-        return None, None, 0
-    finally:
-        pynvml.nvmlShutdown()
 
 
-def _list_gpus() -> tuple[list[GpuInfo], str | None]:
+def _list_gpus(env: Mapping[str, str] | None) -> tuple[list[GpuInfo], str | None]:
     from trainperf import device
-    from trainperf.errors import DeviceError
 
     with warnings.catch_warnings():
         # doctor reports a missing driver itself; gpus()'s warning would repeat it.
         warnings.simplefilter("ignore", RuntimeWarning)
         try:
-            return device.gpus(), None
+            return device.gpus(env=env), None
         except DeviceError as e:
             return [], str(e)
 
@@ -150,12 +148,6 @@ def _cpu_vendor(cpuinfo: Path) -> str | None:
         return None
     match = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.MULTILINE)
     return match.group(1) if match else None
-
-
-def _start_method() -> str:
-    # get_start_method() without allow_none would fix the default for the whole process.
-    method = multiprocessing.get_start_method(allow_none=True)
-    return method or multiprocessing.get_all_start_methods()[0]
 
 
 def _torch_versions() -> tuple[int | None, tuple[int, ...] | None]:
@@ -181,7 +173,9 @@ def diagnose(
 
     Args:
         limits: host limits to use instead of reading them (tests pass fake cgroups here).
-        env: environment variables to check instead of ``os.environ``.
+        env: environment variables to use instead of ``os.environ``, for every check that
+            reads one: ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` (also for the GPU
+            list, :func:`trainperf.gpus`), ``OMP_NUM_THREADS`` and ``LOCAL_WORLD_SIZE``.
         cpuinfo: where to read the CPU vendor from.
 
     Returns:
@@ -196,7 +190,7 @@ def diagnose(
     """
     environ = os.environ if env is None else env
     limits = host_limits() if limits is None else limits
-    gpus, gpu_error = _list_gpus()
+    gpus, gpu_error = _list_gpus(env)
     driver, driver_cuda, physical = _nvml_system()
     physical = max(physical, len(gpus))
     cudnn, nccl = _torch_versions()
@@ -222,7 +216,7 @@ def diagnose(
         check_threads(
             torch.get_num_threads(), environ.get("OMP_NUM_THREADS"), limits.cpus, processes
         ),
-        check_start_method(_start_method()),
+        check_start_method(start_method({})),
         check_visible_devices(
             environ.get("CUDA_VISIBLE_DEVICES"), environ.get("CUDA_DEVICE_ORDER"), physical
         ),

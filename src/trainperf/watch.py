@@ -13,27 +13,29 @@ two CUDA events (recorded, never waited for: they are read back lazily with
 ``Event.query()`` and one ``Event.synchronize()`` when the report is made). A background
 thread samples GPU utilisation and memory (NVML) and process and host CPU (psutil) ten
 times a second. :func:`analyse` (in ``_watch_analysis``, re-exported here) turns the
-timeline into a verdict in the seed guide's terms: input-bound, compute-bound, host-bound,
-GPU unused or periodic stalls.
+timeline into a verdict: input-bound, compute-bound, host-bound, GPU unused or periodic
+stalls.
+
+Memory stays bounded however long the loop runs: the watch keeps the most recent
+``max_records`` steps (100,000 by default, about 3 MB) and as many background samples (2.8
+hours at ten a second); older ones are dropped, the report counts them
+(``dropped_steps``, ``dropped_samples``) and its figures cover what was kept.
+
+``trainperf.watch`` is the :func:`watch` function (``import trainperf`` binds the name to
+it), so reach this module's other names with ``from trainperf.watch import analyse``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
-import warnings
 from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-import psutil
 import torch
 
-from trainperf._imports import is_available
 from trainperf._watch_analysis import (
     Sample,
     StepRecord,
@@ -42,6 +44,7 @@ from trainperf._watch_analysis import (
     WatchReport,
     analyse,
 )
+from trainperf._watch_sampler import MAX_RECORDS, _Sampler
 from trainperf.limits import usable_cpus
 
 __all__ = [
@@ -59,136 +62,6 @@ T = TypeVar("T")
 _RESOLVE_EVERY = 32  # steps between non-blocking reads of finished CUDA events
 
 
-def _child_pids() -> set[int]:
-    """Direct children of this process (DataLoader workers), from /proc, cheaply."""
-    pids: set[int] = set()
-    try:
-        for task in Path("/proc/self/task").iterdir():
-            text = (task / "children").read_text()
-            pids.update(int(p) for p in text.split())
-    except OSError:
-        # No /proc (macOS) or no CONFIG_PROC_CHILDREN: ask psutil, which scans every process.
-        with contextlib.suppress(psutil.Error):
-            pids = {c.pid for c in psutil.Process().children()}
-    return pids
-
-
-class _Sampler(threading.Thread):
-    """Samples GPU utilisation and memory, process and host CPU, every ``interval`` s."""
-
-    def __init__(self, interval: float, t0: float, gpu: bool) -> None:
-        super().__init__(name="trainperf-watch-sampler", daemon=True)
-        self.interval = interval
-        self.t0 = t0
-        self.gpu = gpu
-        self.gpu_present = False
-        self.device_index: int | None = None  # set by the watching thread once CUDA is in use
-        self.samples: list[Sample] = []
-        self.ready = threading.Event()
-        self._stop_event = threading.Event()
-        self._nvml: Any = None
-        self._handle: Any = None
-        self._handle_tried = False
-        self._me = psutil.Process()
-        self._children: dict[int, psutil.Process] = {}
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        # Bounded: a hung driver call must not hang the training script's exit with it.
-        self.join(timeout=10)
-
-    def run(self) -> None:
-        try:
-            self._me.cpu_percent(None)
-            psutil.cpu_percent(None)
-            if self.gpu:
-                self._start_nvml()
-        finally:
-            self.ready.set()
-        tick = 0
-        try:
-            while not self._stop_event.wait(self.interval):
-                if tick % 20 == 0:  # workers come and go; /proc is read every ~2 s
-                    self._refresh_children()
-                tick += 1
-                try:
-                    self.samples.append(self._sample())
-                except Exception:  # a failed sample is a gap in the plot, not a crash
-                    continue
-        finally:
-            if self._nvml is not None:
-                self._nvml.nvmlShutdown()
-
-    def _start_nvml(self) -> None:
-        from trainperf import device
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # "no NVML": the report says so
-            try:
-                self.gpu_present = bool(device.gpus())
-            except Exception:  # a broken NVML must not break the training loop
-                self.gpu_present = False
-        if self.gpu_present and is_available("pynvml"):
-            import pynvml
-
-            try:
-                pynvml.nvmlInit()
-                self._nvml = pynvml
-            except pynvml.NVMLError:
-                self._nvml = None
-
-    def _gpu_handle(self) -> Any:
-        if self._handle is not None or self._handle_tried or self.device_index is None:
-            return self._handle
-        self._handle_tried = True
-        nvml = self._nvml
-        props: Any = torch.cuda.get_device_properties(self.device_index)  # stubs lack pci_*
-        uuid = str(props.uuid)
-        try:
-            self._handle = nvml.nvmlDeviceGetHandleByUUID(
-                uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
-            )
-        except nvml.NVMLError:
-            # Older drivers or MIG: fall back to the PCI address, where torch reports one.
-            with contextlib.suppress(nvml.NVMLError, AttributeError):
-                self._handle = nvml.nvmlDeviceGetHandleByPciBusId(
-                    f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-                )
-        return self._handle
-
-    def _refresh_children(self) -> None:
-        pids = _child_pids()
-        for pid in list(self._children):
-            if pid not in pids:
-                del self._children[pid]
-        for pid in pids - self._children.keys():
-            try:
-                child = psutil.Process(pid)
-                child.cpu_percent(None)
-                self._children[pid] = child
-            except psutil.Error:
-                continue
-
-    def _sample(self) -> Sample:
-        util: float | None = None
-        used: int | None = None
-        if self._nvml is not None:
-            try:
-                handle = self._gpu_handle()
-                if handle is not None:
-                    util = float(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-                    used = int(self._nvml.nvmlDeviceGetMemoryInfo(handle).used)
-            except Exception:  # NVML hiccups (MIG, a lost GPU) must not kill sampling
-                util = used = None
-        cpu = self._me.cpu_percent(None)
-        for pid, child in list(self._children.items()):
-            try:
-                cpu += child.cpu_percent(None)
-            except psutil.Error:
-                del self._children[pid]
-        return Sample(time.perf_counter() - self.t0, util, used, cpu, psutil.cpu_percent(None))
-
-
 def _batch_size(batch: object, depth: int = 0) -> int | None:
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else None
@@ -202,7 +75,12 @@ def _batch_size(batch: object, depth: int = 0) -> int | None:
 
 
 class Watch:
-    """Times a training loop and samples GPU and CPU use; see :func:`watch`."""
+    """Times a training loop and samples GPU and CPU use; see :func:`watch`.
+
+    Raises:
+        ValueError: ``interval`` <= 0, ``warmup_steps`` < 0, ``max_records`` < 1 or an
+            invalid ``device``.
+    """
 
     def __init__(
         self,
@@ -210,7 +88,10 @@ class Watch:
         device: str | torch.device | None = None,
         interval: float = 0.1,
         warmup_steps: int = 2,
+        max_records: int = MAX_RECORDS,
     ) -> None:
+        if isinstance(max_records, bool) or not isinstance(max_records, int) or max_records < 1:
+            raise ValueError(f"max_records must be an int >= 1, got {max_records!r}")
         if not interval > 0:
             raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -228,11 +109,16 @@ class Watch:
         self._device = dev
         self._interval = interval
         self._warmup = warmup_steps
+        self._max = max_records
         self._state = "new"
         self._t0 = 0.0
+        # Per step, in compact arrays; once they hold 2 x max_records steps the oldest half
+        # goes at once (amortised O(1) per step), so at most 2 x max_records are ever held.
         self._ends = array("d")
         self._waits = array("d")
         self._counts = array("q")
+        self._first = 0  # the index of the step at self._ends[0]
+        self._dropped_end = 0.0  # when the last dropped step ended
         self._pending_wait = 0.0
         self._pending_count = 0
         self._count_known = True
@@ -251,7 +137,9 @@ class Watch:
         self._state = "running"
         self._cpus = usable_cpus()
         want_gpu = self._device is None or self._device.type == "cuda"
-        self._sampler = _Sampler(self._interval, time.perf_counter(), gpu=want_gpu)
+        self._sampler = _Sampler(
+            self._interval, time.perf_counter(), gpu=want_gpu, max_samples=self._max
+        )
         self._sampler.start()
         self._sampler.ready.wait(timeout=10)
         self._maybe_start_cuda()
@@ -289,6 +177,13 @@ class Watch:
 
         Raises:
             RuntimeError: the watch is not running (use it inside ``with``).
+
+        Example:
+            >>> with watch(device="cpu") as w:
+            ...     for batch in w.iter([torch.zeros(4, 2)] * 3):
+            ...         w.step()
+            >>> [s.samples for s in w.report().timeline]
+            [4, 4, 4]
         """
         if self._state != "running":
             raise RuntimeError(
@@ -325,6 +220,14 @@ class Watch:
         Raises:
             RuntimeError: the watch is not running (use it inside ``with``).
             ValueError: ``samples`` is not an int >= 0.
+
+        Example:
+            >>> with watch(device="cpu") as w:
+            ...     for _ in range(3):
+            ...         w.step(samples=32)  # a loop without w.iter: say how many samples
+            >>> r = w.report()
+            >>> r.steps, r.timeline[0].samples
+            (3, 32)
         """
         now = time.perf_counter()
         if self._state != "running":
@@ -344,16 +247,27 @@ class Watch:
         self._pending_wait = 0.0
         self._pending_count = 0
         self._count_known = True
+        if len(self._ends) >= 2 * self._max:
+            self._trim()
         if not self._cuda:
             self._maybe_start_cuda()
             if not self._cuda:
                 return
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end.record(self._stream)
-        self._pending.append((len(self._ends) - 1, self._step_start, end))
+        self._pending.append((self._first + len(self._ends) - 1, self._step_start, end))
         self._step_start = None
         if len(self._ends) % _RESOLVE_EVERY == 0:
             self._resolve(block=False)
+
+    def _trim(self) -> None:
+        cut = len(self._ends) - self._max
+        self._dropped_end = self._ends[cut - 1]
+        del self._ends[:cut], self._waits[:cut], self._counts[:cut]
+        self._first += cut
+        busy = self._gpu_busy
+        while busy and (oldest := next(iter(busy))) < self._first:  # keys come in step order
+            del busy[oldest]
 
     def _resolve(self, *, block: bool) -> None:
         if block and self._pending:
@@ -371,6 +285,14 @@ class Watch:
 
         Raises:
             RuntimeError: the watch was never entered.
+
+        Example:
+            >>> with watch(device="cpu", warmup_steps=0) as w:
+            ...     for batch in w.iter([torch.zeros(8, 3)] * 6):
+            ...         w.step()
+            ...     so_far = w.report()  # inside the loop: the verdict so far
+            >>> so_far.steps, w.report().device
+            (6, 'cpu')
         """
         if self._state == "new":
             raise RuntimeError(
@@ -378,10 +300,12 @@ class Watch:
             )
         if self._cuda:
             self._resolve(block=True)
+        extra = max(0, len(self._ends) - self._max)  # held beyond max_records: not reported
+        first = self._first + extra
+        previous = self._ends[extra - 1] if extra else self._dropped_end
         timeline = []
-        previous = 0.0
-        steps = zip(self._ends, self._waits, self._counts, strict=True)
-        for i, (end, wait_s, count) in enumerate(steps):
+        steps = zip(self._ends[extra:], self._waits[extra:], self._counts[extra:], strict=True)
+        for i, (end, wait_s, count) in enumerate(steps, start=first):
             duration = end - previous
             timeline.append(
                 StepRecord(
@@ -403,14 +327,17 @@ class Watch:
                 if sampler and sampler.device_index is not None
                 else "auto"
             )
+        samples, dropped_samples = sampler.snapshot() if sampler else ([], 0)
         return analyse(
             timeline,
-            list(sampler.samples) if sampler else [],
+            samples,
             device=device,
             gpu_present=bool(sampler and sampler.gpu_present),
             cuda_used=self._cuda,
             cpus=self._cpus,
             warmup_steps=self._warmup,
+            dropped_steps=first,
+            dropped_samples=dropped_samples,
         )
 
 
@@ -419,6 +346,7 @@ def watch(
     device: str | torch.device | None = None,
     interval: float = 0.1,
     warmup_steps: int = 2,
+    max_records: int = MAX_RECORDS,
 ) -> Watch:
     """Watch a training loop and say what limits it: data, compute, the host, or stalls.
 
@@ -428,12 +356,16 @@ def watch(
             The watch never initialises CUDA itself.
         interval: seconds between background samples of GPU and CPU use.
         warmup_steps: leading steps left out of the verdict (loader start-up, autotuning).
+        max_records: the most recent steps, and background samples, kept for the report;
+            older ones are dropped (and counted) so a run of any length uses bounded memory:
+            a step costs 24 bytes (up to twice this many are held), a sample about 200.
 
     Returns:
         A :class:`Watch` to use as a context manager.
 
     Raises:
-        ValueError: ``interval`` <= 0, ``warmup_steps`` < 0 or an invalid ``device``.
+        ValueError: ``interval`` <= 0, ``warmup_steps`` < 0, ``max_records`` < 1 or an
+            invalid ``device``.
 
     Example:
         >>> import time
@@ -445,4 +377,6 @@ def watch(
         >>> r.steps, r.verdict.kind in ("compute-bound", "input-bound", "periodic-stalls")
         (10, True)
     """
-    return Watch(device=device, interval=interval, warmup_steps=warmup_steps)
+    return Watch(
+        device=device, interval=interval, warmup_steps=warmup_steps, max_records=max_records
+    )

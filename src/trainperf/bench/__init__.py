@@ -1,7 +1,7 @@
 """Benchmarks that say whether a GPU runs at its expected speed.
 
-- :func:`bench_model`: the seed guide's ResNet-50 / ViT-B/16 throughput benchmark,
-  compared with its table of reference GPUs;
+- :func:`bench_model`: a ResNet-50 / ViT-B/16 throughput benchmark, compared with the
+  reference table (a GPU cloud provider's published figures, PyTorch 1.9);
 - :func:`bench_matmul`: matrix-product TFLOP/s per dtype, against the datasheet;
 - :func:`bench_h2d`: host-to-device bandwidth, pageable vs pinned.
 
@@ -13,15 +13,11 @@ from __future__ import annotations
 from trainperf.bench._common import Skipped
 from trainperf.bench.h2d import H2DResult, bench_h2d
 from trainperf.bench.matmul import MATMUL_DTYPES, MatmulDtype, MatmulResult, bench_matmul
-from trainperf.bench.model import (
-    BenchResult,
-    ModelName,
-    Precision,
-    bench_model,
-    format_iteration,
-)
+from trainperf.bench.model import BenchResult, bench_model, format_iteration
 from trainperf.bench.reference import (
+    BenchPrecision,
     GpuSpec,
+    ModelName,
     ReferenceComparison,
     compare_to_reference,
     find_gpu_spec,
@@ -33,13 +29,13 @@ from trainperf.bench.reference import (
 
 __all__ = [
     "MATMUL_DTYPES",
+    "BenchPrecision",
     "BenchResult",
     "GpuSpec",
     "H2DResult",
     "MatmulDtype",
     "MatmulResult",
     "ModelName",
-    "Precision",
     "ReferenceComparison",
     "Skipped",
     "bench_h2d",

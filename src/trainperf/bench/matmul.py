@@ -1,6 +1,6 @@
 """``bench_matmul``: TFLOP/s of one square matrix product, per dtype, against the datasheet.
 
-The seed's sanity check for a slow card is a run of 8192x8192 fp32 matmuls. Four dtypes
+A quick sanity check for a slow card is a run of 8192x8192 fp32 matmuls. Four dtypes
 are measured: ``fp32`` with TF32 off (the datasheet's fp32 figure), ``tf32`` (fp32 inputs
 on TF32 tensor cores, Ampere and newer), ``bf16`` and ``fp16``. The TF32 setting is
 restored after each run.
@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from trainperf._tf32 import tf32
 from trainperf.bench._common import check_positive, gpu_name, resolve_device, synchronize
 from trainperf.bench.reference import find_gpu_spec
 
@@ -45,7 +46,7 @@ class MatmulResult:
         iterations: timed products.
         seconds: mean wall time of one product over one synchronised block.
         tflops: ``2 * size**3 / seconds / 1e12``.
-        datasheet_tflops: the seed's datasheet figure for this card and dtype (fp32 and
+        datasheet_tflops: the reference datasheet figure for this card and dtype (fp32 and
             fp16 only), None when unknown.
         datasheet_fraction: ``tflops / datasheet_tflops``, None when unknown.
         notes: caveats (no datasheet figure, TF32 on a pre-Ampere GPU, a low fraction).
@@ -63,7 +64,12 @@ class MatmulResult:
     notes: tuple[str, ...]
 
     def summary(self) -> str:
-        """One line: dtype, TFLOP/s and the datasheet fraction where known."""
+        """One line: dtype, TFLOP/s and the datasheet fraction where known.
+
+        Example:
+            >>> bench_matmul("fp32", size=32, iterations=1, warmup=1, device="cpu").summary()[:5]
+            'fp32:'
+        """
         shape = f"{self.size}x{self.size}"
         line = f"{self.dtype:>4}: {self.tflops:9.3f} TFLOP/s ({shape}, {self.device})"
         if self.datasheet_tflops is not None and self.datasheet_fraction is not None:
@@ -119,7 +125,8 @@ def bench_matmul(
         )
     if dev.type == "cuda":
         capability = torch.cuda.get_device_capability(dev)
-        if dtype == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        # The device asked for, not the current one (which is_bf16_supported() looks at).
+        if dtype == "bf16" and capability < (8, 0):
             raise NotImplementedError(
                 f"bench_matmul(dtype='bf16') needs compute capability 8.0+ (Ampere); {dev} "
                 f"has {capability[0]}.{capability[1]}"
@@ -131,9 +138,9 @@ def bench_matmul(
     a = torch.randn(size, size, device=dev, dtype=torch_dtype)
     b = torch.randn(size, size, device=dev, dtype=torch_dtype)
     out = torch.empty(size, size, device=dev, dtype=torch_dtype)
-    saved = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if dtype == "tf32" else "highest")
-    try:
+    # The TF32 switch is restored afterwards, and never read through a legacy getter that
+    # raises once torch's new fp32_precision API was used.
+    with tf32(dtype == "tf32"):
         for _ in range(warmup):
             torch.matmul(a, b, out=out)
         synchronize(dev)
@@ -143,8 +150,6 @@ def bench_matmul(
             torch.matmul(a, b, out=out)
         synchronize(dev)
         seconds = (time.perf_counter() - start) / iterations
-    finally:
-        torch.set_float32_matmul_precision(saved)
     tflops = 2 * size**3 / seconds / 1e12
 
     name = gpu_name(dev)
@@ -155,9 +160,9 @@ def bench_matmul(
     fraction = None if datasheet is None else tflops / datasheet
     if name is not None and datasheet is None:
         if spec is None:
-            notes.append(f"no datasheet figure for {name} in the seed's table")
+            notes.append(f"no datasheet figure for {name} in the reference table")
         else:
-            notes.append(f"the seed's table lists no {dtype} figure for {name}")
+            notes.append(f"the reference table lists no {dtype} figure for {name}")
     if fraction is not None and fraction < LOW_FRACTION:
         notes.append(
             f"{fraction:.0%} of the datasheet: check clocks and power "

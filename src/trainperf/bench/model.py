@@ -1,6 +1,7 @@
-"""``bench_model``: the seed guide's GPU benchmark, ResNet-50 and ViT-B/16 on synthetic data.
+"""``bench_model``: a GPU throughput benchmark, ResNet-50 and ViT-B/16 on synthetic data.
 
-The method is the seed's: a torchvision model with random weights (nothing is downloaded),
+The method is the one behind the reference table (a GPU cloud provider's published figures,
+PyTorch 1.9): a torchvision model with random weights (nothing is downloaded),
 synthetic input already in device memory (no CPU preprocessing, no I/O), weights *cast* to
 the precision (pure fp16/bf16, not autocast), and a few timed iterations of several
 batches each, each printed as ``Iteration i, X images/s in Y s.``. Warm-up batches run
@@ -9,23 +10,27 @@ first and are not timed; CUDA is synchronised before and after each timed iterat
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from trainperf._imports import require
+from trainperf._tf32 import tf32 as tf32_mode
+from trainperf._tf32 import tf32_state
 from trainperf.bench._common import check_positive, gpu_name, resolve_device, synchronize
-from trainperf.bench.reference import ReferenceComparison, compare_to_reference
+from trainperf.bench.reference import (
+    BenchPrecision,
+    ModelName,
+    ReferenceComparison,
+    compare_to_reference,
+)
 
-__all__ = ["BenchResult", "ModelName", "Precision", "bench_model", "format_iteration"]
-
-ModelName = Literal["resnet50", "vit_b_16"]
-Precision = Literal["fp32", "fp16", "bf16"]
+__all__ = ["BenchPrecision", "BenchResult", "ModelName", "bench_model", "format_iteration"]
 
 MODELS: tuple[str, ...] = ("resnet50", "vit_b_16")
 PRECISIONS: dict[str, torch.dtype] = {
@@ -34,7 +39,7 @@ PRECISIONS: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
 }
 
-# The seed's iteration is 1,920 images: 15 batches of 128 on a GPU. A CPU gets a token run
+# The reference's iteration is 1,920 images: 15 batches of 128 on a GPU. A CPU gets a token run
 # so that the command (and its tests) finish in seconds.
 CUDA_DEFAULTS = {"batch_size": 128, "image_size": 224, "batches_per_iteration": 15, "iterations": 5}
 CPU_DEFAULTS = {"batch_size": 2, "image_size": 64, "batches_per_iteration": 1, "iterations": 2}
@@ -65,7 +70,7 @@ class BenchResult:
         iteration_seconds: wall time of each timed iteration.
         iteration_images_per_s: throughput of each timed iteration.
         images_per_s: the median of ``iteration_images_per_s``.
-        comparison: the comparison with the seed's reference GPUs, None when there is none.
+        comparison: the comparison with the reference GPUs, None when there is none.
         notes: why there is no comparison, or other caveats.
     """
 
@@ -95,7 +100,14 @@ class BenchResult:
         return self.batch_size * self.batches_per_iteration
 
     def summary(self) -> str:
-        """One line: model, precision, device, settings and the median throughput."""
+        """One line: model, precision, device, settings and the median throughput.
+
+        Example:
+            >>> r = bench_model("resnet50", device="cpu", batch_size=1, image_size=32,
+            ...                 iterations=1, warmup_batches=1)
+            >>> r.summary().startswith("resnet50 fp32 inference on cpu: ")
+            True
+        """
         mode = "training" if self.train else "inference"
         layout = ", channels_last" if self.channels_last else ""
         where = self.gpu_name or self.device
@@ -107,7 +119,7 @@ class BenchResult:
 
 
 def format_iteration(index: int, images_per_s: float, seconds: float) -> str:
-    """The seed's per-iteration line.
+    """The reference benchmark's per-iteration line.
 
     Example:
         >>> format_iteration(0, 7258.31, 0.26453)
@@ -128,15 +140,20 @@ def _build(model: str, image_size: int) -> torch.nn.Module:
 
 
 def _unsupported(precision: str, device: torch.device) -> str | None:
-    bf16_on_cuda = device.type == "cuda" and precision == "bf16"
-    if bf16_on_cuda and not torch.cuda.is_bf16_supported(including_emulation=False):
-        return "bf16 needs a GPU with compute capability 8.0 or newer (Ampere+)"
+    # The device asked for, not the current one: is_bf16_supported() looks at the latter.
+    if device.type == "cuda" and precision == "bf16":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 0):
+            return (
+                f"bf16 needs a GPU with compute capability 8.0 or newer (Ampere+); "
+                f"{device} has {major}.{minor}"
+            )
     return None
 
 
 def bench_model(
     model: ModelName = "resnet50",
-    precision: Precision = "fp32",
+    precision: BenchPrecision = "fp32",
     *,
     batch_size: int | None = None,
     image_size: int | None = None,
@@ -150,10 +167,10 @@ def bench_model(
     compare: bool = True,
     on_iteration: Callable[[int, float, float], None] | None = None,
 ) -> BenchResult:
-    """Measure a torchvision model's throughput the way the seed guide does.
+    """Measure a torchvision model's throughput the way the reference table was measured.
 
     Defaults depend on the device: on a GPU, batch 128 at 224 px and 15 batches (1,920
-    images) per iteration, as the seed; on the CPU, batch 2 at 64 px and one batch per
+    images) per iteration, as the reference; on the CPU, batch 2 at 64 px and one batch per
     iteration, so that a CPU run is a quick smoke test. ``vit_b_16`` is built for the
     image size asked for (its patch size is 16, so the size must be a multiple of 16).
 
@@ -162,7 +179,7 @@ def bench_model(
         precision: ``"fp32"``, ``"fp16"`` or ``"bf16"``; weights and input are cast to it.
         batch_size: images per batch (device default when None).
         image_size: input height and width (device default when None).
-        iterations: timed iterations (5 on a GPU, as the seed; 2 on the CPU when None).
+        iterations: timed iterations (5 on a GPU, as the reference; 2 on the CPU when None).
         batches_per_iteration: batches per timed iteration (device default when None).
         warmup_batches: untimed batches first (default: one iteration's worth, at least 2).
         train: time forward + backward + an SGD step instead of inference.
@@ -171,7 +188,7 @@ def bench_model(
             PyTorch's current settings. The previous settings are restored afterwards.
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``; None picks the GPU with the most
             free memory, else the CPU.
-        compare: compare a GPU's inference result with the seed's reference table.
+        compare: compare a GPU's inference result with the reference table.
         on_iteration: called after each timed iteration with ``(index, images_per_s,
             seconds)``, e.g. to print :func:`format_iteration` lines as they come.
 
@@ -252,44 +269,37 @@ def bench_model(
         def run_batch() -> None:
             net(images)
 
-    saved_matmul = torch.get_float32_matmul_precision()
-    saved_cudnn = torch.backends.cudnn.allow_tf32
-    if tf32 is not None:
-        torch.set_float32_matmul_precision("high" if tf32 else "highest")
-        torch.backends.cudnn.allow_tf32 = tf32
-    tf32_matmul = torch.get_float32_matmul_precision() != "highest"
-    tf32_cudnn = bool(torch.backends.cudnn.allow_tf32)
     seconds: list[float] = []
     rates: list[float] = []
-    try:
-        with torch.inference_mode(not train):
-            try:
-                for _ in range(warmup_batches):
-                    run_batch()
-            except (NotImplementedError, RuntimeError) as e:
-                # PyTorch reports a missing kernel as NotImplementedError, or (older builds)
-                # a RuntimeError "... not implemented for 'Half'"; anything else is a bug.
-                if not isinstance(e, NotImplementedError) and "not implemented" not in str(e):
-                    raise
-                raise NotImplementedError(
-                    f"bench_model: {model} in {precision} is not supported on {dev} by this "
-                    f"PyTorch build ({e})"
-                ) from e
+    # tf32=None keeps the current settings; either way they are read without the RuntimeError
+    # torch raises once its new fp32_precision API was used, and restored afterwards.
+    mode = contextlib.nullcontext(tf32_state()) if tf32 is None else tf32_mode(tf32)
+    with mode as state, torch.inference_mode(not train):
+        tf32_matmul, tf32_cudnn = state.matmul, state.cudnn
+        try:
+            for _ in range(warmup_batches):
+                run_batch()
+        except (NotImplementedError, RuntimeError) as e:
+            # PyTorch reports a missing kernel as NotImplementedError, or (older builds)
+            # a RuntimeError "... not implemented for 'Half'"; anything else is a bug.
+            if not isinstance(e, NotImplementedError) and "not implemented" not in str(e):
+                raise
+            raise NotImplementedError(
+                f"bench_model: {model} in {precision} is not supported on {dev} by this "
+                f"PyTorch build ({e})"
+            ) from e
+        synchronize(dev)
+        for i in range(iterations):
+            start = time.perf_counter()
+            for _ in range(batches_per_iteration):
+                run_batch()
             synchronize(dev)
-            for i in range(iterations):
-                start = time.perf_counter()
-                for _ in range(batches_per_iteration):
-                    run_batch()
-                synchronize(dev)
-                elapsed = time.perf_counter() - start
-                rate = batch_size * batches_per_iteration / elapsed
-                seconds.append(elapsed)
-                rates.append(rate)
-                if on_iteration is not None:
-                    on_iteration(i, rate, elapsed)
-    finally:
-        torch.set_float32_matmul_precision(saved_matmul)
-        torch.backends.cudnn.allow_tf32 = saved_cudnn
+            elapsed = time.perf_counter() - start
+            rate = batch_size * batches_per_iteration / elapsed
+            seconds.append(elapsed)
+            rates.append(rate)
+            if on_iteration is not None:
+                on_iteration(i, rate, elapsed)
 
     median = statistics.median(rates)
     device_name = gpu_name(dev)
@@ -297,10 +307,10 @@ def bench_model(
     comparison = None
     if compare and device_name is not None:
         if train:
-            notes.append("no reference comparison: the seed's table is inference")
+            notes.append("no reference comparison: the reference table is inference")
         elif image_size != REFERENCE_IMAGE_SIZE:
             notes.append(
-                f"no reference comparison: the seed's table is at {REFERENCE_IMAGE_SIZE}px"
+                f"no reference comparison: the reference table is at {REFERENCE_IMAGE_SIZE}px"
             )
         else:
             comparison = compare_to_reference(

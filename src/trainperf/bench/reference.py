@@ -1,4 +1,6 @@
-"""The seed guide's reference GPUs: measured throughput, datasheet figures, name matching.
+"""The reference GPUs: measured throughput, datasheet figures, name matching.
+
+The reference table is a GPU cloud provider's published figures (PyTorch 1.9).
 
 Two tables ship as package data (``trainperf/data``): ``seed_gpu_throughput.csv``
 (ResNet-50 and ViT-B/16 inference, images/s, PyTorch 1.9) and ``seed_gpu_specs.csv``
@@ -20,6 +22,8 @@ from typing import Literal
 
 __all__ = [
     "MODEL_COLUMNS",
+    "BenchPrecision",
+    "ModelName",
     "GpuSpec",
     "ReferenceComparison",
     "compare_to_reference",
@@ -31,9 +35,11 @@ __all__ = [
 ]
 
 ModelName = Literal["resnet50", "vit_b_16"]
-Precision = Literal["fp32", "fp16", "bf16"]
+"""The models :func:`~trainperf.bench.bench_model` runs and the reference table lists."""
+BenchPrecision = Literal["fp32", "fp16", "bf16"]
+"""Benchmark precisions (weights and input cast to it); not :data:`trainperf.amp.Precision`."""
 
-# torchvision model name -> the column prefix the seed's table uses (timm's names).
+# torchvision model name -> the column prefix the reference table uses (timm's names).
 MODEL_COLUMNS: dict[str, str] = {"resnet50": "resnet50", "vit_b_16": "vit_base_patch16_224"}
 
 # A known GPU below this fraction of its reference is reported as sick or throttled.
@@ -91,7 +97,7 @@ def _throughput_rows() -> tuple[tuple[str, tuple[tuple[str, float], ...]], ...]:
 
 
 def reference_throughput() -> dict[str, dict[str, float]]:
-    """The seed's measured inference throughput, images/s, by GPU and column.
+    """The reference table's measured inference throughput, images/s, by GPU and column.
 
     Columns are ``<model>_<precision>`` with timm's model names: ``resnet50_fp16``,
     ``resnet50_fp32``, ``vit_base_patch16_224_fp16``, ``vit_base_patch16_224_fp32``.
@@ -111,7 +117,7 @@ def reference_throughput() -> dict[str, dict[str, float]]:
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """A GPU's datasheet figures as the seed guide quotes them.
+    """A GPU's datasheet figures as the reference table quotes them.
 
     Attributes:
         gpu: the table's name for the card.
@@ -144,7 +150,7 @@ def _spec_rows() -> tuple[GpuSpec, ...]:
 
 
 def gpu_specs() -> tuple[GpuSpec, ...]:
-    """The seed guide's datasheet table, one :class:`GpuSpec` per card.
+    """The reference datasheet table, one :class:`GpuSpec` per card.
 
     Example:
         >>> [s.gpu for s in gpu_specs()][:3]
@@ -187,7 +193,7 @@ def find_reference_gpu(name: str) -> str | None:
 
 @dataclass(frozen=True)
 class ReferenceComparison:
-    """How a measured throughput compares with the seed's reference GPUs.
+    """How a measured throughput compares with the reference GPUs.
 
     Attributes:
         gpu: this GPU's name as reported.
@@ -248,13 +254,13 @@ TF32_CAVEAT = (
 def compare_to_reference(
     gpu_name: str,
     model: ModelName,
-    precision: Precision,
+    precision: BenchPrecision,
     images_per_s: float,
     *,
     compute_capability: tuple[int, int] | None = None,
     tf32_matmul: bool | None = None,
 ) -> ReferenceComparison:
-    """Compare a measured inference throughput with the seed's table.
+    """Compare a measured inference throughput with the reference table.
 
     Ratio to the same card when it is listed, and in any case the rank among the listed
     cards. The table has no bf16 column: bf16 is compared with fp16 (the same tensor-core

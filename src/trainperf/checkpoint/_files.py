@@ -80,7 +80,25 @@ def _safetensors_bytes(obj: Any) -> bytes:
             "state dict) alone to .safetensors and everything else (optimizer, epoch, ...) "
             "to a .pt file"
         )
-    return bytes(save({k: v.contiguous() for k, v in obj.items()}))
+    tensors = {k: v.contiguous() for k, v in obj.items()}
+    try:
+        return bytes(save(tensors))
+    except RuntimeError as e:
+        # Tied weights (an embedding shared with the output layer) share one storage, which
+        # safetensors refuses; name them instead of passing its bare RuntimeError on.
+        by_storage: dict[tuple[str, int], list[str]] = {}
+        for key, tensor in tensors.items():
+            if tensor.numel():
+                where = (str(tensor.device), tensor.untyped_storage().data_ptr())
+                by_storage.setdefault(where, []).append(key)
+        shared = [sorted(keys) for keys in by_storage.values() if len(keys) > 1]
+        if not shared:
+            raise
+        raise ValueError(
+            f"a .safetensors file cannot hold tensors that share memory (tied weights), but "
+            f"these do: {shared}; save to a .pt file instead, or clone the tied tensors first "
+            "({k: v.clone() for k, v in state_dict.items()})"
+        ) from e
 
 
 def save_checkpoint(obj: Any, path: str | os.PathLike[str], *, distributed: bool = True) -> Path:

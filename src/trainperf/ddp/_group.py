@@ -96,9 +96,13 @@ class Group:
             )
             try:
                 proc.start()
-            except (pickle.PicklingError, AttributeError, TypeError) as e:
+            except BaseException as e:
+                # Whatever went wrong (unpicklable args, fork/spawn failing with OSError,
+                # an interrupt), neither end of this rank's pipe may outlive the launch.
                 reader.close()
                 writer.close()
+                if not isinstance(e, (pickle.PicklingError, AttributeError, TypeError)):
+                    raise
                 raise ValueError(
                     "start_method='spawn' pickles main's args and kwargs for every worker, "
                     f"and they cannot be pickled: {e}; pass picklable values (build "

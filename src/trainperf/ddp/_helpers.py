@@ -252,6 +252,16 @@ class DistributedLoader(DataLoader[T]):
 
         Raises:
             ValueError: ``epoch`` is not an integer >= 0.
+
+        Example:
+            >>> loader = distributed_loader(list(range(6)), batch_size=6, seed=1)
+            >>> loader.set_epoch(3)
+            >>> loader.epoch
+            3
+            >>> first = next(iter(loader)).tolist()
+            >>> loader.set_epoch(3)  # the same epoch again: the same order
+            >>> next(iter(loader)).tolist() == first
+            True
         """
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
@@ -342,14 +352,16 @@ def data_parallel(model: nn.Module, device_ids: Sequence[int] | None = None) -> 
         'Linear'
     """
     global _dp_warned
+    if device_ids is not None and len(device_ids) == 0:
+        raise ValueError(
+            "device_ids must name at least one GPU, got []; pass None to use every visible GPU"
+        )
     if not torch.cuda.is_available():
         if device_ids:
             raise ValueError(f"device_ids={list(device_ids)!r} given, but no CUDA GPU is visible")
         return model
     count = torch.cuda.device_count()
     ids = list(range(count)) if device_ids is None else [int(i) for i in device_ids]
-    if not ids:
-        raise ValueError("device_ids must name at least one GPU, got []")
     bad = [i for i in ids if not 0 <= i < count]
     if bad:
         raise ValueError(f"device_ids {bad} are not visible GPUs (0..{count - 1})")

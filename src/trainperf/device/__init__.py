@@ -10,23 +10,33 @@ cannot see; it is approximated as *descending compute capability, then PCI bus i
 exact when all cards are of one model. Once ``torch.cuda`` is initialised, the UUIDs torch
 reports are used instead, which is exact.
 
-- :mod:`._inventory`: :class:`GpuInfo`, :func:`gpus`, :func:`select_gpus`, :func:`best_device`
-  (NVML discovery and the ``CUDA_VISIBLE_DEVICES`` / ``CUDA_DEVICE_ORDER`` rules);
+- :mod:`._inventory`: :class:`GpuInfo`, :func:`gpus`, :func:`select_gpus`, :func:`best_device`,
+  :func:`parse_visible_devices` (NVML discovery, through one NVML session helper, and the
+  ``CUDA_VISIBLE_DEVICES`` / ``CUDA_DEVICE_ORDER`` rules);
 - :mod:`._move`: :func:`to_device` and :func:`check_same_device` (walking nested batches);
 - :mod:`._seed`: :func:`seed_everything` and :func:`worker_init_fn`.
 """
 
 from __future__ import annotations
 
-from trainperf.device._inventory import GpuInfo, best_device, gpus, select_gpus
+from trainperf.device._inventory import (
+    GpuInfo,
+    VisibleDevices,
+    best_device,
+    gpus,
+    parse_visible_devices,
+    select_gpus,
+)
 from trainperf.device._move import check_same_device, to_device
 from trainperf.device._seed import seed_everything, worker_init_fn
 
 __all__ = [
     "GpuInfo",
+    "VisibleDevices",
     "best_device",
     "check_same_device",
     "gpus",
+    "parse_visible_devices",
     "seed_everything",
     "select_gpus",
     "to_device",

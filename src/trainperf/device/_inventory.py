@@ -13,20 +13,21 @@ reports are used instead, which is exact.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 
+from trainperf._format import format_bytes
 from trainperf.errors import DeviceError
 
 T = TypeVar("T")
-_GiB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def _warn_no_nvml(reason: str) -> None:
         f"trainperf.gpus() found no NVIDIA driver/NVML ({reason}); reporting no GPUs. "
         "This warning is shown once per process.",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=5,  # past nvml_session and contextlib, to the caller of gpus()
     )
 
 
@@ -131,35 +132,99 @@ def _mig_instances(nvml: Any, handles: list[Any], cards: list[GpuInfo]) -> list[
 
 _ORDINAL = re.compile(r"\+?(\d+)")
 
+Notation = Literal["index", "GPU-", "MIG-"]
 
-def _visible(cards: list[GpuInfo], migs: Callable[[], list[GpuInfo]]) -> list[GpuInfo]:
+
+@dataclass(frozen=True)
+class VisibleDevices:
+    """``CUDA_VISIBLE_DEVICES`` read the way the CUDA runtime reads it.
+
+    Attributes:
+        notation: ``"index"`` (ordinals), ``"GPU-"`` (UUIDs or unique UUID prefixes) or
+            ``"MIG-"``; the first entry sets it.
+        entries: the entries CUDA takes, in order, up to the first it cannot read; ordinals
+            as plain decimal digits (``"+1"`` and ``"1gpu"`` read as ``"1"``, like C's
+            ``strtoul``), UUIDs as written.
+        first_invalid: the entry CUDA stops at (junk, empty, another notation than the
+            first entry's, or a bare prefix), None when it reads every entry.
+    """
+
+    notation: Notation
+    entries: tuple[str, ...]
+    first_invalid: str | None
+
+    @property
+    def duplicates(self) -> tuple[str, ...]:
+        """Entries named more than once (textually): CUDA then makes no GPU visible."""
+        seen: set[str] = set()
+        repeated: list[str] = []
+        for entry in self.entries:
+            key = entry.lower()
+            if key in seen and entry not in repeated:
+                repeated.append(entry)
+            seen.add(key)
+        return tuple(repeated)
+
+
+def parse_visible_devices(value: str) -> VisibleDevices:
+    """Parse ``CUDA_VISIBLE_DEVICES`` as CUDA does, without looking at any GPU.
+
+    The first entry sets the notation (ordinals, ``GPU-`` or ``MIG-`` UUIDs); an entry in
+    another notation ends the list, as does any entry CUDA cannot read. Whether an ordinal or
+    UUID exists, and duplicates of one card under two spellings, need the GPUs: see
+    :func:`gpus`.
+
+    Args:
+        value: the variable's value (an empty string hides every GPU).
+
+    Returns:
+        A :class:`VisibleDevices`.
+
+    Example:
+        >>> parse_visible_devices("1, 3,x,2")
+        VisibleDevices(notation='index', entries=('1', '3'), first_invalid='x')
+        >>> parse_visible_devices("GPU-8d3b,0").entries, parse_visible_devices("").entries
+        (('GPU-8d3b',), ())
+    """
+    raw = [entry.strip() for entry in value.split(",")]
+    prefix = raw[0][:4] if raw[0].startswith(("GPU-", "MIG-")) else ""
+    notation: Notation = "GPU-" if prefix == "GPU-" else "MIG-" if prefix == "MIG-" else "index"
+    entries: list[str] = []
+    for entry in raw:
+        if prefix and entry.startswith(prefix) and len(entry) > len(prefix):
+            entries.append(entry)
+        elif not prefix and (match := _ORDINAL.match(entry)):
+            entries.append(str(int(match.group(1))))
+        else:
+            return VisibleDevices(notation, tuple(entries), entry)
+    return VisibleDevices(notation, tuple(entries), None)
+
+
+def _visible(
+    cards: list[GpuInfo], migs: Callable[[], list[GpuInfo]], env: Mapping[str, str]
+) -> list[GpuInfo]:
     """Apply CUDA_DEVICE_ORDER and CUDA_VISIBLE_DEVICES the way the CUDA runtime does."""
-    if os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID":
+    if env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID":
         ordered = sorted(cards, key=lambda c: (c.pci_bus_id.lower(), c.nvml_index))
     else:  # FASTEST_FIRST, CUDA's default; any other value is ignored by CUDA too
         ordered = sorted(
             cards,
             key=lambda c: (tuple(-v for v in c.compute_capability or (0, 0)), c.pci_bus_id),
         )
-    spec = os.environ.get("CUDA_VISIBLE_DEVICES")
+    spec = env.get("CUDA_VISIBLE_DEVICES")
     if spec is None:
         return ordered
-    # The first entry sets the notation (ordinals, GPU- or MIG- UUIDs); an entry in another
-    # notation ends the list, as it does for CUDA (seen on an H200: "0,GPU-<uuid of 0>" shows
-    # one card, while naming a card twice in one notation, even as prefix + full UUID, or
-    # "0,0", shows none).
-    entries = [raw.strip() for raw in spec.split(",")]
-    prefix = entries[0][:4] if entries[0].startswith(("GPU-", "MIG-")) else ""
-    pool = migs() if prefix == "MIG-" else cards
+    # Seen on an H200: "0,GPU-<uuid of 0>" shows one card, while naming a card twice in one
+    # notation, even as prefix + full UUID, or "0,0", shows none.
+    parsed = parse_visible_devices(spec)
+    pool = migs() if parsed.notation == "MIG-" else cards
     chosen: list[GpuInfo] = []
-    for entry in entries:
-        candidates: list[GpuInfo] = []
-        if prefix and entry.startswith(prefix) and len(entry) > len(prefix):
+    for entry in parsed.entries:
+        if parsed.notation == "index":
+            candidates = ordered[int(entry) :][:1]
+        else:
             # CUDA accepts the hex digits in either case (seen on an H200).
             candidates = [c for c in pool if c.uuid.lower().startswith(entry.lower())]
-        elif not prefix and (match := _ORDINAL.match(entry)):
-            # Read like C's strtoul, as CUDA does: "1gpu" is 1.
-            candidates = ordered[int(match.group(1)) :][:1]
         if len(candidates) != 1:  # unknown, out of range or an ambiguous prefix: stop here
             break
         if candidates[0] in chosen:
@@ -186,7 +251,61 @@ def _torch_order(found: Callable[[], list[GpuInfo]]) -> list[GpuInfo] | None:
     return None if None in mapped else [c for c in mapped if c is not None]
 
 
-def gpus() -> list[GpuInfo]:
+@contextlib.contextmanager
+def nvml_session(
+    purpose: str = "listing GPUs", on_missing: Callable[[str], None] | None = None
+) -> Iterator[Any]:
+    """Initialise NVML for the block, shut it down after, and turn its errors into ours.
+
+    The one place trainperf opens NVML (:func:`gpus`, ``trainperf doctor`` and
+    ``trainperf.watch`` all go through it). NVML counts its initialisations, so nested
+    sessions are fine.
+
+    Args:
+        purpose: what the caller does, for the error message (``"NVML failed while ..."``).
+        on_missing: called with the reason when there is no NVML to open (pynvml not
+            installed, no NVIDIA driver); the block then gets None.
+
+    Yields:
+        The ``pynvml`` module, initialised; None without a driver or pynvml.
+
+    Raises:
+        DeviceError: NVML refuses access (permissions) or fails otherwise, on start-up or
+            inside the block.
+
+    Example:
+        >>> with nvml_session(on_missing=lambda reason: None) as nvml:
+        ...     count = 0 if nvml is None else nvml.nvmlDeviceGetCount()
+        >>> count >= 0
+        True
+    """
+    # A plain import, not _imports.is_available: tests (and users) may put a stand-in
+    # module under the name, which find_spec rejects.
+    try:
+        import pynvml as nvml
+    except ImportError as e:
+        if on_missing is not None:
+            on_missing(f"cannot import pynvml: {e}")
+        yield None
+        return
+    try:
+        nvml.nvmlInit()
+    except (nvml.NVMLError_LibraryNotFound, nvml.NVMLError_DriverNotLoaded) as e:
+        if on_missing is not None:
+            on_missing(str(e))
+        yield None
+        return
+    except nvml.NVMLError as e:
+        raise _nvml_error(nvml, e, purpose) from e
+    try:
+        yield nvml
+    except nvml.NVMLError as e:
+        raise _nvml_error(nvml, e, purpose) from e
+    finally:
+        nvml.nvmlShutdown()
+
+
+def gpus(*, env: Mapping[str, str] | None = None) -> list[GpuInfo]:
     """List the GPUs this process can see, numbered as CUDA numbers them, without touching CUDA.
 
     Honours ``CUDA_VISIBLE_DEVICES`` as CUDA does: ordinals, ``GPU-`` UUIDs or unique UUID
@@ -194,6 +313,11 @@ def gpus() -> list[GpuInfo]:
     another notation than the first; a card named twice, or an empty string, hides every
     GPU; unset shows all. Ordinals count in ``CUDA_DEVICE_ORDER`` (see the module docstring
     for how ``FASTEST_FIRST`` is approximated).
+
+    Args:
+        env: where to read ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` from; None
+            means ``os.environ``, and then, once CUDA is initialised, the UUIDs torch reports
+            (CUDA read the variables at its start, maybe before they changed).
 
     Returns:
         One :class:`GpuInfo` per visible device, ordered by CUDA index; ``[]`` without an
@@ -205,20 +329,12 @@ def gpus() -> list[GpuInfo]:
     Example:
         >>> all(g.index == i for i, g in enumerate(gpus()))
         True
+        >>> gpus(env={"CUDA_VISIBLE_DEVICES": ""})  # an empty list hides every GPU
+        []
     """
-    try:
-        import pynvml as nvml
-    except ImportError as e:
-        _warn_no_nvml(f"cannot import pynvml: {e}")
-        return []
-    try:
-        nvml.nvmlInit()
-    except (nvml.NVMLError_LibraryNotFound, nvml.NVMLError_DriverNotLoaded) as e:
-        _warn_no_nvml(str(e))
-        return []
-    except nvml.NVMLError as e:
-        raise _nvml_error(nvml, e) from e
-    try:
+    with nvml_session(on_missing=_warn_no_nvml) as nvml:
+        if nvml is None:
+            return []
         handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
         cards = [_describe(nvml, h, i) for i, h in enumerate(handles)]
         mig_cache: list[list[GpuInfo]] = []
@@ -228,22 +344,19 @@ def gpus() -> list[GpuInfo]:
                 mig_cache.append(_mig_instances(nvml, handles, cards))
             return mig_cache[0]
 
-        visible = _torch_order(lambda: cards + migs()) or _visible(cards, migs)
-    except nvml.NVMLError as e:
-        raise _nvml_error(nvml, e) from e
-    finally:
-        nvml.nvmlShutdown()
+        by_torch = _torch_order(lambda: cards + migs()) if env is None else None
+        visible = by_torch or _visible(cards, migs, os.environ if env is None else env)
     return [dataclasses.replace(c, index=i) for i, c in enumerate(visible)]
 
 
-def _nvml_error(nvml: Any, e: Exception) -> DeviceError:
+def _nvml_error(nvml: Any, e: Exception, purpose: str = "listing GPUs") -> DeviceError:
     if isinstance(e, nvml.NVMLError_NoPermission):
         return DeviceError(
             f"NVML refused access to the GPUs ({e}). Fix: give this user read/write access to "
             "/dev/nvidiactl and /dev/nvidia* (add it to the group that owns them, often "
             "'video'), or start the container with the NVIDIA runtime (docker run --gpus all)."
         )
-    return DeviceError(f"NVML failed while listing GPUs: {e!r}. Check `nvidia-smi` works.")
+    return DeviceError(f"NVML failed while {purpose}: {e!r}. Check `nvidia-smi` works.")
 
 
 def _free(card: GpuInfo) -> int:
@@ -253,7 +366,7 @@ def _free(card: GpuInfo) -> int:
 def _fmt_free(card: GpuInfo) -> str:
     if card.memory_free is None:
         return "free memory unknown"
-    return f"{card.memory_free / _GiB:.1f} GiB free"
+    return f"{format_bytes(card.memory_free)} free"
 
 
 def select_gpus(n: int = 1, *, min_free_memory: int | None = None) -> list[int]:
@@ -303,7 +416,7 @@ def select_gpus(n: int = 1, *, min_free_memory: int | None = None) -> list[int]:
             )
             or "no GPUs (no NVIDIA driver, or CUDA_VISIBLE_DEVICES hides them all)"
         )
-        need = "" if min_free_memory is None else f" with >= {min_free_memory / _GiB:.1f} GiB free"
+        need = "" if min_free_memory is None else f" with >= {format_bytes(min_free_memory)} free"
         raise DeviceError(f"select_gpus(n={n}) needs {n} GPU(s){need}; found: {found}")
     chosen = ranked[:n]
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(c.uuid for c in chosen)

@@ -254,23 +254,45 @@ def to_device(
 # --------------------------------------------------------------------------- same-device check
 
 
-def _named_tensors(obj: Any, path: str, out: list[tuple[str, torch.Tensor]]) -> None:
+def _named_tensors(
+    obj: Any, path: str, out: list[tuple[str, torch.Tensor]], seen: set[int] | None = None
+) -> None:
     kind = _kind(type(obj))
     if kind == _TENSOR:
         out.append((path, obj))
     elif isinstance(obj, torch.nn.Module):
         out += [(f"{path}.{name}", p) for name, p in obj.named_parameters()]
         out += [(f"{path}.{name}", b) for name, b in obj.named_buffers()]
+    elif kind == _HAS_TO:
+        # to_device lets these move themselves, but checking must look inside: a Hugging Face
+        # BatchEncoding is a Mapping, a batch class is often a dataclass, others keep their
+        # tensors as attributes. `seen` stops reference cycles between such objects.
+        seen = set() if seen is None else seen
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, Mapping):
+            items = list(obj.items())
+        elif dataclasses.is_dataclass(obj):
+            items = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+        else:
+            try:
+                items = list(vars(obj).items())
+            except TypeError:  # no __dict__ (__slots__ or a C type): nothing to walk
+                return
+        for key, value in items:
+            where = f"{path}[{key!r}]" if isinstance(obj, Mapping) else f"{path}.{key}"
+            _named_tensors(value, where, out, seen)
     elif kind == _MAPPING:
         for key, value in obj.items():
-            _named_tensors(value, f"{path}[{key!r}]", out)
+            _named_tensors(value, f"{path}[{key!r}]", out, seen)
     elif kind in (_NAMEDTUPLE, _DATACLASS):
         names = obj._fields if kind == _NAMEDTUPLE else [f.name for f in dataclasses.fields(obj)]
         for name in names:
-            _named_tensors(getattr(obj, name), f"{path}.{name}", out)
+            _named_tensors(getattr(obj, name), f"{path}.{name}", out, seen)
     elif kind in (_SEQUENCE, _SET):
         for i, value in enumerate(obj):
-            _named_tensors(value, f"{path}[{i}]", out)
+            _named_tensors(value, f"{path}[{i}]", out, seen)
 
 
 def check_same_device(
@@ -284,6 +306,8 @@ def check_same_device(
     Args:
         module: the model (or None to check the inputs alone).
         *tensors: inputs, possibly nested in containers (named ``arg0``, ``arg1``…).
+            Objects with their own ``.to`` are looked inside too: mappings (Hugging Face's
+            ``BatchEncoding``) by item, dataclasses by field, others by attribute.
         **named_tensors: inputs by name, possibly nested.
 
     Returns:

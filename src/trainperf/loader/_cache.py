@@ -3,9 +3,10 @@
 ``$XDG_CACHE_HOME/trainperf/loader.json`` (``~/.cache/trainperf/loader.json`` when the
 variable is unset). Entries are keyed by a hash of what decides the answer (dataset type,
 length and sample shape, batch size, usable CPUs, host, device type and the relevant loader
-arguments). Writes are atomic (a temporary file renamed over the old one), so an interrupted
-run or two ranks writing at once never leave half a file; a file that does not parse is
-ignored and replaced on the next write.
+arguments). Writes are atomic (:func:`trainperf._atomic.write_atomically`: a temporary file
+fsynced and renamed over the old one, then the directory fsynced), so an interrupted run or
+two ranks writing at once never leave half a file, and temp files of killed writers are
+cleaned up; a file that does not parse is ignored and replaced on the next write.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ import hashlib
 import json
 import os
 import socket
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset
+
+from trainperf._atomic import write_atomically
 
 __all__ = [
     "cache_file",
@@ -223,19 +225,14 @@ def write_entry(key: str, entry: dict[str, Any], path: Path | None = None) -> No
         1
     """
     path = path or cache_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
     entries = _load(path)
     entries[key] = {**entry, "created": time.time()}
     if len(entries) > _MAX_ENTRIES:
         newest = sorted(entries.items(), key=lambda kv: kv[1].get("created", 0), reverse=True)
         entries = dict(newest[:_MAX_ENTRIES])
-    fd, tmp = tempfile.mkstemp(prefix=".loader-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": _VERSION, "entries": entries}, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    data = json.dumps({"version": _VERSION, "entries": entries}, indent=1, sort_keys=True)
+
+    def write(f: IO[bytes]) -> None:
+        f.write(data.encode())
+
+    write_atomically(path, write)

@@ -223,6 +223,27 @@ def classify_fault(
 
 
 def start_method(loader_kwargs: Mapping[str, Any]) -> str:
+    """The start method DataLoader workers will use: ``"fork"``, ``"spawn"`` or ``"forkserver"``.
+
+    From ``loader_kwargs["multiprocessing_context"]`` (a name or a context object) when
+    given, else the process's default, read without fixing it (a later
+    ``set_start_method`` still works).
+
+    Args:
+        loader_kwargs: the caller's DataLoader keyword arguments.
+
+    Returns:
+        The start method's name.
+
+    Example:
+        >>> import multiprocessing
+        >>> start_method({"multiprocessing_context": "spawn"})
+        'spawn'
+        >>> start_method({"multiprocessing_context": multiprocessing.get_context("fork")})
+        'fork'
+        >>> start_method({}) in multiprocessing.get_all_start_methods()
+        True
+    """
     import multiprocessing
 
     ctx = loader_kwargs.get("multiprocessing_context")

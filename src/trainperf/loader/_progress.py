@@ -1,4 +1,9 @@
-"""A one-line progress bar on stderr for the time-budgeted tuner (no tqdm dependency)."""
+"""A one-line progress bar on stderr for the time-budgeted tuner (no tqdm dependency).
+
+On a terminal the line is redrawn in place with ``\\r``. Anywhere else (a CI log, a SLURM
+``.err`` file, a pipe) every redraw would become a line of its own, so only a start line and
+a final line are written there.
+"""
 
 from __future__ import annotations
 
@@ -13,16 +18,20 @@ class ProgressBar:
     """``tune_loader [#######.............] 7.1/30 s  workers=4 prefetch=2  best 1,234/s``.
 
     The bar fills with elapsed time against the budget; updates are throttled to 10 per
-    second and nothing is written when ``enabled`` is False.
+    second and nothing is written when ``enabled`` is False. When the stream is not a
+    terminal, the first update writes one start line and :meth:`close` one final line
+    (the bar's last state); nothing in between.
 
     Example:
         >>> import io
-        >>> out = io.StringIO()
+        >>> out = io.StringIO()  # not a terminal: a start line and a final line
         >>> bar = ProgressBar(10.0, stream=out, width=10)
         >>> bar.update("workers=2", force=True)
+        >>> bar.update("workers=4", force=True)
         >>> bar.close()
-        >>> "tune_loader [" in out.getvalue() and out.getvalue().endswith("\\n")
-        True
+        >>> lines = out.getvalue().splitlines()
+        >>> len(lines), "\\r" in out.getvalue(), lines[-1].startswith("tune_loader [")
+        (2, False, True)
     """
 
     def __init__(
@@ -41,6 +50,11 @@ class ProgressBar:
         self._last = -1.0
         self._text = ""
         self._drawn = 0
+        self._started = False
+        try:
+            self._tty = bool(self._stream.isatty())
+        except (AttributeError, ValueError):  # no isatty, or a closed stream
+            self._tty = False
 
     def update(self, text: str | None = None, *, force: bool = False) -> None:
         """Redraw with ``text`` (or the previous text) after the bar."""
@@ -48,23 +62,37 @@ class ProgressBar:
             self._text = text
         if not self._enabled:
             return
+        if not self._tty:
+            if not self._started:
+                self._started = True
+                self._stream.write(
+                    f"tune_loader: measuring DataLoader settings (budget {self._budget:g} s)\n"
+                )
+                self._stream.flush()
+            return
         now = time.perf_counter()
         if not force and now - self._last < 0.1:
             return
         self._last = now
-        elapsed = now - self._start
-        filled = min(self._width, int(self._width * elapsed / self._budget)) if self._budget else 0
-        bar = "#" * filled + "." * (self._width - filled)
-        line = f"tune_loader [{bar}] {elapsed:.1f}/{self._budget:g} s  {self._text}"
+        line = self._line(now)
         pad = " " * max(0, self._drawn - len(line))
         self._stream.write("\r" + line + pad)
         self._stream.flush()
         self._drawn = len(line)
 
+    def _line(self, now: float) -> str:
+        elapsed = now - self._start
+        filled = min(self._width, int(self._width * elapsed / self._budget)) if self._budget else 0
+        bar = "#" * filled + "." * (self._width - filled)
+        return f"tune_loader [{bar}] {elapsed:.1f}/{self._budget:g} s  {self._text}"
+
     def close(self) -> None:
         """Draw the final state and end the line."""
         if not self._enabled:
             return
-        self.update(force=True)
-        self._stream.write("\n")
+        if self._tty:
+            self.update(force=True)
+            self._stream.write("\n")
+        else:
+            self._stream.write(self._line(time.perf_counter()) + "\n")
         self._stream.flush()

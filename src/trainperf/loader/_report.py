@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from trainperf._format import format_bytes
 from trainperf._imports import require
 from trainperf.limits import HostLimits
 
@@ -29,22 +30,6 @@ FaultKind = Literal["crash", "hang", "pickle", "shm", "memory", "cpu", "error", 
 - ``error``: the dataset raised inside a worker;
 - ``budget``: the time budget ran out.
 """
-
-
-def format_bytes(n: float | None) -> str:
-    """``1536 * 2**20`` -> ``"1.5 GiB"``; None -> ``"-"``.
-
-    Example:
-        >>> format_bytes(1536 * 2**20), format_bytes(300 * 2**20), format_bytes(None)
-        ('1.5 GiB', '300 MiB', '-')
-    """
-    if n is None:
-        return "-"
-    if n >= 2**30:
-        return f"{n / 2**30:.1f} GiB"
-    if n >= 2**20:
-        return f"{n / 2**20:.0f} MiB"
-    return f"{n / 2**10:.0f} KiB"
 
 
 @dataclass(frozen=True)
@@ -100,7 +85,14 @@ class CandidateResult:
         return self.status == "ok" and self.samples_per_s is not None
 
     def label(self) -> str:
-        """``"workers=4 prefetch=2 pin=no"``."""
+        """A short name of the configuration: ``"workers=4 prefetch=2 pin=no"``.
+
+        Example:
+            >>> CandidateResult(4, 2, False, "ok").label()
+            'workers=4 prefetch=2 pin=no'
+            >>> CandidateResult(0, None, True, "skipped").label()
+            'workers=0 prefetch=- pin=yes'
+        """
         pf = "-" if self.prefetch_factor is None else str(self.prefetch_factor)
         return f"workers={self.num_workers} prefetch={pf} pin={'yes' if self.pin_memory else 'no'}"
 
@@ -170,7 +162,19 @@ class TuningReport:
         return self.samples_per_s / self.baseline_samples_per_s
 
     def chosen(self) -> CandidateResult | None:
-        """The measured candidate that matches ``best_kwargs`` (None if it was not measured)."""
+        """The measured candidate that matches ``best_kwargs`` (None if it was not measured).
+
+        Example:
+            >>> from trainperf.limits import HostLimits
+            >>> zero = CandidateResult(0, None, False, "ok", samples_per_s=100.0)
+            >>> two = CandidateResult(2, 2, False, "ok", samples_per_s=250.0)
+            >>> report = TuningReport(
+            ...     {"num_workers": 2, "prefetch_factor": 2, "pin_memory": False},
+            ...     250.0, 100.0, None, (zero, two), 1.0, 5.0,
+            ...     HostLimits(4, 4, None, 4, 2**33, None, 2**32, None, None), 4, 3, 8, "cpu", 32)
+            >>> report.chosen() is two, report.chosen().label()
+            (True, 'workers=2 prefetch=2 pin=no')
+        """
         pf = self.best_kwargs.get("prefetch_factor")
         for c in self.candidates:
             if (

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -14,7 +13,7 @@ import psutil
 import torch
 from torch.utils.data import DataLoader
 
-from trainperf.limits import HostLimits, host_limits, usable_cpus
+from trainperf.limits import HostLimits, host_limits, local_world_size, usable_cpus
 from trainperf.loader import _cache
 from trainperf.loader._faults import start_method
 from trainperf.loader._measure import measure
@@ -40,21 +39,6 @@ class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
     """
 
     tuning_report: TuningReport
-
-
-def _local_ranks() -> int:
-    raw = os.environ.get("LOCAL_WORLD_SIZE")
-    if raw is None or raw == "":
-        return 1
-    try:
-        ranks = int(raw)
-    except ValueError:
-        ranks = 0
-    if ranks < 1:
-        raise ValueError(
-            f"LOCAL_WORLD_SIZE must be a positive integer (processes on this host), got {raw!r}"
-        )
-    return ranks
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
@@ -127,31 +111,52 @@ def _time_step(
     device: torch.device,
     deadline: float,
 ) -> float:
-    """Samples/s of ``step_fn`` alone: one warm-up call, then up to 5 timed calls (1 s)."""
+    """Samples/s of ``step_fn`` alone: one warm-up call, then up to 5 timed calls (1 s).
+
+    Each batch is moved to ``device`` first (outside the timed region), as the training
+    loop would do; on CUDA the device is synchronised before and after each call so the
+    time is the step's and not a queue's.
+    """
+    from trainperf.device import to_device
+
     kwargs = {k: v for k, v in loader_kwargs.items() if k in ("shuffle", "sampler", "collate_fn")}
     loader: DataLoader[Any] = DataLoader(dataset, batch_size=batch_size, **kwargs)
     it = iter(loader)
     cuda = device.type == "cuda"
+    name = getattr(step_fn, "__qualname__", None) or repr(step_fn)
     spent, calls, samples = 0.0, 0, 0
-    try:
-        for i in range(6):
-            try:
-                batch = next(it)
-            except StopIteration:
-                it = iter(loader)
-                batch = next(it)
-            t = time.perf_counter()
+    for i in range(6):
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(loader)
+            batch = next(it)
+        try:
+            batch = to_device(batch, device)
+            if cuda:
+                torch.cuda.synchronize(device)
+        except Exception as e:
+            raise RuntimeError(
+                f"moving a batch to {device} for step_fn failed: {e!r}; step_fn gets the batch "
+                f"on the tuning device, so its tensors (or objects with a .to method) must move "
+                f"there"
+            ) from e
+        t = time.perf_counter()
+        try:
             step_fn(batch)
             if cuda:
                 torch.cuda.synchronize(device)
-            if i > 0:  # the first call pays for lazy initialisation
-                spent += time.perf_counter() - t
-                calls += 1
-                samples += batch_size
-            if calls and (spent > 1.0 or time.perf_counter() > deadline):
-                break
-    except Exception as e:
-        raise RuntimeError(f"step_fn raised on a batch of the dataset: {e!r}") from e
+        except Exception as e:
+            raise RuntimeError(
+                f"step_fn {name} raised on a batch of the dataset (moved to {device}): {e!r}; "
+                f"tune_loader calls step_fn(batch) like one training step"
+            ) from e
+        if i > 0:  # the first call pays for lazy initialisation
+            spent += time.perf_counter() - t
+            calls += 1
+            samples += batch_size
+        if calls and (spent > 1.0 or time.perf_counter() > deadline):
+            break
     return samples / max(spent, 1e-9) if calls else math.inf
 
 
@@ -262,11 +267,12 @@ def tune_loader(
 
     ``num_workers=0`` is measured first; a prediction from its cost picks the first worker
     count, and a short climb refines it (see :mod:`trainperf.loader`). Workers are limited
-    to the usable CPUs (affinity and cgroup quota, divided by ``LOCAL_WORLD_SIZE``) minus
-    one for the main process, unless they mostly wait; to available memory (cgroup-aware)
-    and to free ``/dev/shm``. A worker that crashes, hangs (see ``timeout``) or cannot be
-    pickled marks its candidate failed; if no worker configuration works the result is
-    ``num_workers=0`` with a ``RuntimeWarning`` saying why. No worker outlives the call.
+    to the usable CPUs (affinity and cgroup quota, divided by the processes on this host,
+    :func:`trainperf.limits.local_world_size`) minus one for the main process, unless they
+    mostly wait; to available memory (cgroup-aware) and to free ``/dev/shm``. A worker
+    that crashes, hangs (see ``timeout``) or cannot be pickled marks its candidate failed;
+    if no worker configuration works the result is ``num_workers=0`` with a
+    ``RuntimeWarning`` saying why. No worker outlives the call.
 
     Args:
         dataset: a map-style or iterable dataset.
@@ -280,7 +286,10 @@ def tune_loader(
         epochs_hint: epochs the loader will run; with 1, workers are never kept alive
             between epochs. None means several.
         step_fn: your training step, called as ``step_fn(batch)``; timed on a few batches in
-            this process so workers stop being added once loading outruns it.
+            this process so workers stop being added once loading outruns it. The batch is
+            moved to ``device`` first (:func:`trainperf.device.to_device`, not timed), so a
+            step written for GPU tensors works; on CUDA the device is synchronised around
+            each timed call.
         cache: reuse (and store) the choice in the user cache directory.
         progress: draw a progress bar on stderr.
         **loader_kwargs: other DataLoader arguments (``shuffle``, ``sampler``,
@@ -295,8 +304,9 @@ def tune_loader(
     Raises:
         ValueError: a bad argument, ``num_workers``/``prefetch_factor``/``batch_sampler``
             in ``loader_kwargs``, CUDA asked for but absent, an empty loader, or a bad
-            ``LOCAL_WORLD_SIZE``.
-        RuntimeError: the dataset fails in the main process or ``step_fn`` raises.
+            ``LOCAL_WORLD_SIZE``/``SLURM_NTASKS_PER_NODE``.
+        RuntimeError: the dataset fails in the main process, a batch cannot be moved to
+            ``device`` for ``step_fn``, or ``step_fn`` raises.
 
     Example:
         >>> from torch.utils.data import TensorDataset
@@ -312,7 +322,7 @@ def tune_loader(
     dev = _resolve_device(device)
     cuda = dev.type == "cuda"
     limits = host_limits()
-    cpus = usable_cpus(_local_ranks(), limits=limits)
+    cpus = usable_cpus(local_world_size(), limits=limits)
     worker_cpus = max(1, cpus - 1)
     n_max = default_max_workers(cpus) if max_workers is None else max_workers
     method = start_method(loader_kwargs)

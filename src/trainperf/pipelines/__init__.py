@@ -155,7 +155,17 @@ def image_loader(
 
     Yields ``(images, labels)``: float32 ``[N, 3, size, size]`` normalised with ``mean`` and
     ``std``, and int64 ``[N]``, both on ``device``. ``len()`` is the number of batches per
-    epoch; each new iteration is a new epoch, reshuffled when ``train``.
+    epoch; each new iteration is a new epoch, reshuffled when ``train``. With DALI, an epoch
+    abandoned part-way (a ``break``) is read to its end, outputs discarded, when the next
+    iteration starts: DALI's reader cannot rewind, so that costs up to one epoch's decoding.
+
+    With the torchvision backend and no ``num_workers`` in ``loader_kwargs``, building the
+    loader *runs the DataLoader autotuner* (:func:`trainperf.loader.autotune_loader`): it
+    measures worker counts for up to ``budget_s`` seconds (30 by default), stores the choice
+    in the tuner's cache (``~/.cache/trainperf/loader.json``; a later call with the same
+    data returns at once) and shows no progress bar unless ``loader_kwargs`` asks for one
+    (``"progress": True``). Pass ``{"num_workers": n}`` to skip tuning, or
+    ``{"budget_s": ..., "cache": False}`` to bound or not store it.
 
     Train: random resized crop (area 8-100 %, aspect 3/4-4/3), horizontal flip, normalise.
     Eval: resize the shorter side to ``int(size / 0.875)``, centre crop, normalise: the
@@ -175,7 +185,8 @@ def image_loader(
             ``loader.backend_reason``, and logged.
         device: where batches are delivered; ``"auto"`` is :func:`trainperf.best_device`.
         num_threads: decode threads (DALI), reader threads (nvjpeg) or the most DataLoader
-            workers (torchvision); ``"auto"``: this process's share of the usable CPUs.
+            workers (torchvision); ``"auto"``: this process's share of the usable CPUs
+            (divided by :func:`trainperf.limits.local_world_size`).
         shard: ``"auto"`` reads this rank's shard under ``torch.distributed`` (or torchrun's
             ``RANK``/``WORLD_SIZE``); ``(rank, world_size)`` sets it; None reads everything.
             Every rank gets the same number of batches per epoch.
@@ -190,15 +201,18 @@ def image_loader(
             every file is decoded once up front and bad ones are left out with a warning
             (listed in ``loader.skipped``).
         loader_kwargs: torchvision backend only: keyword arguments for
-            :func:`trainperf.loader.autotune_loader` (e.g. ``budget_s``), or for a plain
-            ``DataLoader`` when they include ``num_workers`` (no tuning).
+            :func:`trainperf.loader.autotune_loader` (e.g. ``budget_s``, ``cache``,
+            ``progress``, which defaults to False here), or for a plain ``DataLoader`` when
+            they include ``num_workers`` (no tuning).
 
     Returns:
         An :class:`ImageLoader`.
 
     Raises:
         ValueError: a bad argument; no images; a bad file under ``on_error="raise"``;
-            ``batch_size`` larger than a rank's share with ``last_batch="drop"``.
+            ``batch_size`` larger than a rank's share with ``last_batch="drop"``; with
+            ``num_threads="auto"``, a ``LOCAL_WORLD_SIZE``/``SLURM_NTASKS_PER_NODE`` that
+            is not a whole number >= 1.
         FileNotFoundError: ``source`` does not exist.
         ModuleNotFoundError: the backend's package is not installed (the message names the
             ``pip install`` command).
@@ -236,10 +250,9 @@ def image_loader(
     std3 = _channel_triple("std", std, positive=True)
     rank, world_size = resolve_shard(shard)
     if num_threads == "auto":
-        from trainperf.limits import usable_cpus
+        from trainperf.limits import local_world_size, usable_cpus
 
-        local = os.environ.get("LOCAL_WORLD_SIZE", "1")
-        threads = usable_cpus(int(local) if local.isdigit() and int(local) > 0 else 1)
+        threads = usable_cpus(local_world_size())
     else:
         threads = _positive_int("num_threads", num_threads)
     dev = _resolve_device(device)

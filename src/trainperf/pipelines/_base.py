@@ -107,7 +107,23 @@ class ImageLoader:
 
     def iter_with_indices(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """One epoch of ``(images, labels, indices)``; ``indices`` (int64, on the CPU) point
-        into :attr:`files`, to tell which file each image came from."""
+        into :attr:`files`, to tell which file each image came from.
+
+        Example:
+            >>> import os, tempfile
+            >>> from PIL import Image
+            >>> from trainperf.pipelines import image_loader
+            >>> root = tempfile.mkdtemp()
+            >>> for cls in ("cat", "dog"):
+            ...     os.makedirs(f"{root}/{cls}")
+            ...     Image.new("RGB", (40, 30)).save(f"{root}/{cls}/0.jpg")
+            >>> loader = image_loader(root, 2, size=16, train=False, backend="torchvision",
+            ...                       device="cpu", shard=None, loader_kwargs={"num_workers": 0})
+            >>> for images, labels, indices in loader.iter_with_indices():
+            ...     names = [os.path.relpath(loader.files[i], root) for i in indices]
+            ...     print(names, labels.tolist())
+            ['cat/0.jpg', 'dog/0.jpg'] [0, 1]
+        """
         epoch = self.epoch
         self.epoch += 1
         return self._epoch(epoch)
@@ -116,7 +132,27 @@ class ImageLoader:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Release threads, worker processes and pipelines. Iterating again is an error."""
+        """Release threads, worker processes and pipelines. Iterating again is an error.
+
+        The loader is also a context manager that closes itself at the end of the block.
+
+        Example:
+            >>> import os, tempfile
+            >>> from PIL import Image
+            >>> from trainperf.pipelines import image_loader
+            >>> root = tempfile.mkdtemp()
+            >>> os.makedirs(f"{root}/cat")
+            >>> Image.new("RGB", (40, 30)).save(f"{root}/cat/0.jpg")
+            >>> loader = image_loader(root, 1, size=16, backend="torchvision", device="cpu",
+            ...                       shard=None, loader_kwargs={"num_workers": 0})
+            >>> [labels.tolist() for _, labels in loader]
+            [[0]]
+            >>> loader.close()
+            >>> next(iter(loader))
+            Traceback (most recent call last):
+            ...
+            RuntimeError: this image loader was closed
+        """
 
     def __enter__(self) -> ImageLoader:
         return self

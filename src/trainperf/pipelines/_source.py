@@ -333,13 +333,15 @@ def load_source(
 def resolve_shard(shard: Literal["auto"] | tuple[int, int] | None) -> tuple[int, int]:
     """``(rank, world_size)`` for ``shard``.
 
-    ``"auto"``: ``torch.distributed``'s rank and world size when a process group is
-    initialised; else torchrun's ``RANK``/``WORLD_SIZE`` variables when both are set (the
-    process group may come later); else ``(0, 1)``. ``None`` means ``(0, 1)``: this process
-    reads everything.
+    ``"auto"``: :func:`trainperf.ddp.rank` and :func:`trainperf.ddp.world_size` (the
+    process group's when one is initialised, else torchrun's ``RANK``/``WORLD_SIZE``
+    variables, so the process group may come later) when a process group exists or both
+    variables are set; else ``(0, 1)``. ``None`` means ``(0, 1)``: this process reads
+    everything.
 
     Raises:
-        ValueError: a malformed tuple, or ``rank`` outside ``[0, world_size)``.
+        ValueError: a malformed tuple, or ``rank`` outside ``[0, world_size)`` (given, or
+            from the process group or the environment).
 
     Example:
         >>> resolve_shard((1, 4)), resolve_shard(None)
@@ -354,12 +356,14 @@ def resolve_shard(shard: Literal["auto"] | tuple[int, int] | None) -> tuple[int,
             )
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        env_rank, env_world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
-        if env_rank.isdigit() and env_world.isdigit():
-            return resolve_shard((int(env_rank), int(env_world)))
-        return 0, 1
+        import trainperf.ddp as ddp
+
+        grouped = dist.is_available() and dist.is_initialized()
+        # A lone RANK or WORLD_SIZE is not a launch (ddp.rank() would default the other one
+        # and give a shard that no other process reads alongside): read everything then.
+        if not grouped and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+            return 0, 1
+        return resolve_shard((ddp.rank(), ddp.world_size()))
     if (
         not isinstance(shard, tuple)
         or len(shard) != 2

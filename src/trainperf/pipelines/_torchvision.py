@@ -202,6 +202,8 @@ class TorchvisionLoader(ImageLoader):
             from trainperf.loader import autotune_loader
 
             kwargs.setdefault("max_workers", config.num_threads)
+            # A bar nobody asked for, from inside a constructor, is noise in training logs.
+            kwargs.setdefault("progress", False)
             self.dataloader = autotune_loader(
                 self.dataset,
                 config.batch_size,

@@ -1,0 +1,29 @@
+"""Human-readable formatting shared by reports: :func:`format_bytes`."""
+
+from __future__ import annotations
+
+__all__ = ["format_bytes"]
+
+
+def format_bytes(n: float | None) -> str:
+    """``1536 * 2**20`` -> ``"1.5 GiB"``; None -> ``"-"``.
+
+    GiB with one decimal from 1 GiB up, whole MiB from 1 MiB, whole KiB below.
+
+    Args:
+        n: a number of bytes, or None when unknown.
+
+    Returns:
+        The size in words, e.g. ``"300 MiB"``.
+
+    Example:
+        >>> format_bytes(1536 * 2**20), format_bytes(300 * 2**20), format_bytes(None)
+        ('1.5 GiB', '300 MiB', '-')
+    """
+    if n is None:
+        return "-"
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.0f} MiB"
+    return f"{n / 2**10:.0f} KiB"

@@ -1,0 +1,148 @@
+"""The precision policy behind :class:`trainperf.amp.MixedPrecision`: what a device supports.
+
+The small functions that ask the device (:func:`cuda_capability`, :func:`cpu_has_bf16_kernels`,
+:func:`autocast_supports`) are the seams tests replace to fake a P40, V100, T4, A100 or H200;
+:func:`auto_precision` and :func:`resolve` turn their answers into a dtype and a reason.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from trainperf.device import best_device
+from trainperf.errors import DeviceError
+
+__all__ = [
+    "DTYPES",
+    "NAMES",
+    "as_torch_device",
+    "auto_precision",
+    "autocast_supports",
+    "cpu_has_bf16_kernels",
+    "cuda_capability",
+    "resolve",
+]
+
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of a CUDA device (initialises CUDA)."""
+    if not torch.cuda.is_available():
+        raise DeviceError(
+            f"device {str(device)!r} was asked for, but CUDA is not available here "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); "
+            "use device='cpu', or device=None to pick the best available device"
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    return int(major), int(minor)
+
+
+def cpu_has_bf16_kernels() -> bool:
+    """Whether oneDNN has bf16 kernels for this CPU; without them bf16 is slower than fp32."""
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # an op missing from this torch build
+        return False
+
+
+def autocast_supports(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.autocast(device_type, dtype=dtype)`` would really autocast.
+
+    torch disables autocast with a warning (rather than failing) for a dtype a device does
+    not support, e.g. fp16 on the CPU in older releases; this asks without autocasting.
+    """
+    if not torch.amp.is_autocast_available(device_type):
+        return False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            ctx = torch.autocast(device_type, dtype=dtype)
+        except RuntimeError:
+            return False
+    return bool(getattr(ctx, "_enabled", False)) and not caught
+
+
+# --------------------------------------------------------------------------- choosing a precision
+
+
+def auto_precision(device: torch.device) -> tuple[torch.dtype, str]:
+    """The "auto" choice for ``device`` and the reason for it."""
+    if device.type == "cuda":
+        major, minor = cuda_capability(device)
+        cc = f"compute capability {major}.{minor}"
+        if major >= 8:
+            return torch.bfloat16, f"auto: {device} has {cc} (>= 8.0) -> bf16, no loss scaling"
+        if major == 7:
+            return torch.float16, (
+                f"auto: {device} has {cc} (Volta/Turing: fp16 tensor cores, no native bf16) "
+                "-> fp16 with loss scaling"
+            )
+        return torch.float32, (
+            f"auto: {device} has {cc} (< 7.0: no tensor cores, fp16 is slower than fp32) -> fp32"
+        )
+    if device.type == "cpu":
+        if cpu_has_bf16_kernels() and autocast_supports("cpu", torch.bfloat16):
+            return torch.bfloat16, "auto: the CPU has bf16 kernels and bf16 autocast -> bf16"
+        return torch.float32, "auto: the CPU has no bf16 kernels (bf16 would be slower) -> fp32"
+    if device.type == "mps":
+        return torch.float16, "auto: mps -> fp16 with loss scaling"
+    return torch.float32, f"auto: no policy for device type {device.type!r} -> fp32"
+
+
+def as_torch_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return best_device()
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a str, torch.device or None, got {device!r}")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(
+            f"invalid device {device!r}: expected e.g. 'cpu', 'cuda', 'cuda:1' or 'mps' ({e})"
+        ) from e
+
+
+def resolve(device: torch.device, precision: str) -> tuple[torch.dtype, str]:
+    """The dtype for an explicit or "auto" ``precision`` on ``device``, and why."""
+    if precision == "auto":
+        return auto_precision(device)
+    dtype = DTYPES[precision]
+    if dtype == torch.float32:
+        return dtype, "requested fp32"
+    if device.type == "cuda":
+        major, minor = cuda_capability(device)
+        if dtype == torch.bfloat16 and major < 8:
+            raise ValueError(
+                f"precision='bf16' needs compute capability >= 8.0 (Ampere or newer) for native "
+                f"bf16, but {device} has {major}.{minor}; use precision='fp16' (with loss "
+                "scaling) or precision='auto'"
+            )
+        if dtype == torch.float16 and major < 7:
+            warnings.warn(
+                f"precision='fp16' on {device} (compute capability {major}.{minor}, no tensor "
+                "cores) is usually slower than fp32; precision='auto' picks fp32 there",
+                UserWarning,
+                stacklevel=3,
+            )
+        scaled = " with loss scaling" if dtype == torch.float16 else ""
+        return dtype, f"requested {precision}{scaled} on {device} ({major}.{minor})"
+    if not autocast_supports(device.type, dtype):
+        raise ValueError(
+            f"precision={precision!r} needs {precision} autocast on {device.type!r}, which "
+            f"torch {torch.__version__} does not support there; use precision='auto', 'fp32' "
+            "or the other half precision"
+        )
+    scaled = " with loss scaling" if dtype == torch.float16 else ""
+    return dtype, f"requested {precision}{scaled} on {device}"
