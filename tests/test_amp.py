@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+import trainperf.device
 from trainperf import _channels_last, _precision, _tf32, amp
 from trainperf.amp import MixedPrecision, choose_precision
 from trainperf.checkpoint import load_checkpoint, save_checkpoint
@@ -28,6 +29,9 @@ needs_cpu_fp16 = pytest.mark.skipif(
 
 def fake_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:
     monkeypatch.setattr(_precision, "cuda_capability", lambda device: capability)
+    # resolve_device checks that a CUDA device exists before the policy asks about it.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
 
 
 def small_cnn() -> nn.Module:
@@ -136,9 +140,9 @@ def test_auto_policy_for_mps_and_unknown_devices() -> None:
 
 
 def test_device_none_uses_best_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_precision, "best_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(trainperf.device, "best_device", lambda: torch.device("cpu"))
     assert MixedPrecision(precision="fp32").device == torch.device("cpu")
-    monkeypatch.setattr(_precision, "best_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(trainperf.device, "best_device", lambda: torch.device("cuda", 0))
     fake_gpu(monkeypatch, (8, 0))
     assert choose_precision() == torch.bfloat16
 
@@ -213,7 +217,7 @@ def test_cuda_without_cuda_is_a_device_error(monkeypatch: pytest.MonkeyPatch) ->
         ({"channels_last": "yes"}, ValueError, "channels_last must be 'auto', True or False"),
         ({"channels_last": 1}, ValueError, "channels_last must be 'auto', True or False"),
         ({"tf32": "yes"}, TypeError, "tf32 must be True or False"),
-        ({"device": 3.5}, TypeError, "device must be a str, torch.device or None"),
+        ({"device": 3.5}, TypeError, "device must be a str, int, torch.device or None"),
         ({"device": "gpu7"}, ValueError, "invalid device 'gpu7'"),
     ],
 )

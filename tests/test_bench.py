@@ -259,8 +259,8 @@ def test_bench_model_restores_tf32_settings() -> None:
         ({"model": "vit_b_16", "image_size": 40}, "multiple of 16"),
         ({"image_size": 16}, "resnet50 needs image_size >= 32"),
         ({"train": True}, "training needs batch_size >= 2"),
-        ({"device": "tpu"}, "device must be"),
-        ({"device": "meta"}, "device must be"),
+        ({"device": "tpu"}, "invalid device 'tpu': expected 'auto', 'cpu', 'cuda'"),
+        ({"device": "meta"}, "device 'meta' is not supported here: expected 'auto', 'cpu'"),
     ],
 )
 def test_bench_model_rejects_bad_arguments(kwargs: dict[str, object], match: str) -> None:

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset, SequentialSampler
 
 from trainperf import _imports
 from trainperf._imports import is_available
+from trainperf.errors import DeviceError
 from trainperf.limits import HostLimits
 from trainperf.loader import (
     CandidateResult,
@@ -324,8 +325,7 @@ def test_empty_loader_raises() -> None:
         ((4,), {"prefetch_factor": 2}, "prefetch_factor is what tune_loader chooses"),
         ((4,), {"batch_sampler": [[0]]}, "batch_sampler is not supported"),
         ((4,), {"num_worker": 2}, "unknown DataLoader argument 'num_worker'; choices:"),
-        ((4,), {"device": 3.5}, "device must be a str, a torch.device or None"),
-        ((4,), {"device": "gpu"}, "device must be like 'cpu' or 'cuda:0', got 'gpu'"),
+        ((4,), {"device": "gpu"}, "invalid device 'gpu': expected 'auto', 'cpu', 'cuda'"),
     ],
 )
 def test_bad_arguments_raise(args: tuple[Any, ...], kwargs: dict[str, Any], match: str) -> None:
@@ -333,9 +333,14 @@ def test_bad_arguments_raise(args: tuple[Any, ...], kwargs: dict[str, Any], matc
         tune_loader(Waits(), *args, **{**quick(), **kwargs})
 
 
+def test_device_of_the_wrong_type_raises() -> None:
+    with pytest.raises(TypeError, match=r"device must be a str, int, torch\.device or None"):
+        tune_loader(Waits(), 4, **quick(device=3.5))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 def test_cuda_without_cuda_raises() -> None:
-    with pytest.raises(ValueError, match="CUDA is not available"):
+    with pytest.raises(DeviceError, match=r"CUDA is not available.*device='cpu'"):
         tune_loader(Waits(), 4, **quick(device="cuda"))
 
 

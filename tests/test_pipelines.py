@@ -567,7 +567,7 @@ def test_list_sources_are_checked(folder: Path) -> None:
         ({"shard": "everything"}, ValueError, "shard must be 'auto', None or a"),
         ({"shard": (0, 1, 2)}, ValueError, "shard must be 'auto', None or a"),
         ({"num_threads": 0}, ValueError, "num_threads must be an int >= 1"),
-        ({"device": "toaster"}, ValueError, "device must be 'auto', a device string"),
+        ({"device": "toaster"}, ValueError, "invalid device 'toaster': expected 'auto', 'cpu'"),
         ({"backend": "nvjpeg"}, ValueError, "backend='nvjpeg' decodes on a CUDA GPU"),
         ({"batch_size": 25}, ValueError, r"batch_size=25 is larger than the 24 images"),
         (

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from trainperf import _imports
+from trainperf.errors import DeviceError
 from trainperf.watch import Sample, StepRecord, Watch, WatchReport, analyse, watch
 
 watch_module = importlib.import_module("trainperf.watch")
@@ -142,8 +143,8 @@ def test_the_report_prints_serialises_and_can_be_taken_inside_the_loop() -> None
     [
         ({"interval": 0}, "interval must be > 0"),
         ({"warmup_steps": -1}, "warmup_steps must be an int >= 0"),
-        ({"device": "tpu"}, "device must be"),
-        ({"device": "meta"}, "device must be"),
+        ({"device": "tpu"}, "invalid device 'tpu': expected 'cpu', 'cuda'"),
+        ({"device": "meta"}, "device 'meta' is not supported here: expected 'cpu', 'cuda'"),
         ({"max_records": 0}, "max_records must be an int >= 1"),
         ({"max_records": 2.5}, "max_records must be an int >= 1"),
     ],
@@ -151,6 +152,14 @@ def test_the_report_prints_serialises_and_can_be_taken_inside_the_loop() -> None
 def test_watch_rejects_bad_arguments(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         watch(**kwargs)  # type: ignore[arg-type]
+
+
+def test_watch_checks_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(TypeError, match=r"device must be a str, int or torch\.device, got 1\.5"):
+        watch(device=1.5)  # type: ignore[arg-type]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match=r"device 'cuda' needs CUDA.*use device='cpu' instead"):
+        watch(device="cuda")
 
 
 def test_a_long_run_keeps_only_the_most_recent_steps() -> None:

@@ -11,13 +11,11 @@ import warnings
 
 import torch
 
-from trainperf.device import best_device
 from trainperf.errors import DeviceError
 
 __all__ = [
     "DTYPES",
     "NAMES",
-    "as_torch_device",
     "auto_precision",
     "autocast_supports",
     "cpu_has_bf16_kernels",
@@ -97,21 +95,6 @@ def auto_precision(device: torch.device) -> tuple[torch.dtype, str]:
     if device.type == "mps":
         return torch.float16, "auto: mps -> fp16 with loss scaling"
     return torch.float32, f"auto: no policy for device type {device.type!r} -> fp32"
-
-
-def as_torch_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return best_device()
-    if isinstance(device, torch.device):
-        return device
-    if not isinstance(device, str):
-        raise TypeError(f"device must be a str, torch.device or None, got {device!r}")
-    try:
-        return torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(
-            f"invalid device {device!r}: expected e.g. 'cpu', 'cuda', 'cuda:1' or 'mps' ({e})"
-        ) from e
 
 
 def resolve(device: torch.device, precision: str) -> tuple[torch.dtype, str]:

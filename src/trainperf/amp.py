@@ -39,7 +39,7 @@ from trainperf._channels_last import (
     to_channels_last,
 )
 from trainperf._tf32 import enable_tf32
-from trainperf.device import to_device
+from trainperf.device import resolve_device, to_device
 
 __all__ = ["CONV_SHARE_FOR_CHANNELS_LAST", "MixedPrecision", "Precision", "choose_precision"]
 
@@ -58,20 +58,23 @@ def choose_precision(device: str | torch.device | None = None) -> torch.dtype:
     ``MixedPrecision(precision=...)``.
 
     Args:
-        device: the device to decide for; None means :func:`trainperf.best_device`.
+        device: the device to decide for; None or ``"auto"`` means
+            :func:`trainperf.best_device` (parsed by :func:`trainperf.device.resolve_device`).
 
     Returns:
         ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
 
     Raises:
-        DeviceError: a CUDA device was asked for but CUDA is not available.
+        DeviceError: CUDA or MPS asked for but not available, or a CUDA index beyond the
+            visible GPUs.
         ValueError: ``device`` is not a valid device string.
+        TypeError: ``device`` has the wrong type.
 
     Example:
         >>> choose_precision("cpu") in (torch.bfloat16, torch.float32)
         True
     """
-    return _precision.auto_precision(_precision.as_torch_device(device))[0]
+    return _precision.auto_precision(resolve_device(device, allowed=None))[0]
 
 
 # --------------------------------------------------------------------------- the class
@@ -98,7 +101,8 @@ class MixedPrecision:
             mp.zero_grad(optimizer)
 
     Args:
-        device: where to train; None means :func:`trainperf.best_device`.
+        device: where to train; None or ``"auto"`` means :func:`trainperf.best_device`
+            (parsed by :func:`trainperf.device.resolve_device`).
         precision: "auto", "bf16", "fp16" or "fp32".
         channels_last: "auto" converts models whose parameters are mostly in 2-D
             convolutions (and their batch norms), on CUDA, when tensor cores are in use;
@@ -107,11 +111,12 @@ class MixedPrecision:
             :meth:`prepare` runs. This is process-wide torch state. False leaves it as is.
 
     Raises:
-        ValueError: an unknown ``precision`` or ``channels_last``; bf16 asked for on a GPU
-            without native bf16 (compute capability < 8.0); bf16 or fp16 asked for on a
-            device whose autocast does not support it.
+        ValueError: an invalid ``device``; an unknown ``precision`` or ``channels_last``;
+            bf16 asked for on a GPU without native bf16 (compute capability < 8.0); bf16 or
+            fp16 asked for on a device whose autocast does not support it.
         TypeError: ``tf32`` is not a bool, or ``device`` has the wrong type.
-        DeviceError: a CUDA device was asked for but CUDA is not available.
+        DeviceError: CUDA or MPS asked for but not available, or a CUDA index beyond the
+            visible GPUs.
 
     Example:
         >>> mp = MixedPrecision("cpu", precision="bf16")
@@ -141,7 +146,7 @@ class MixedPrecision:
             raise ValueError(f"channels_last must be 'auto', True or False, got {channels_last!r}")
         if not isinstance(tf32, bool):
             raise TypeError(f"tf32 must be True or False, got {tf32!r}")
-        self.device: torch.device = _precision.as_torch_device(device)
+        self.device: torch.device = resolve_device(device, allowed=None)
         self.precision: Precision = precision
         self.channels_last: bool | Literal["auto"] = channels_last
         self.tf32 = tf32

@@ -45,6 +45,7 @@ from trainperf._watch_analysis import (
     analyse,
 )
 from trainperf._watch_sampler import MAX_RECORDS, _Sampler
+from trainperf.device import resolve_device
 from trainperf.limits import usable_cpus
 
 __all__ = [
@@ -79,7 +80,9 @@ class Watch:
 
     Raises:
         ValueError: ``interval`` <= 0, ``warmup_steps`` < 0, ``max_records`` < 1 or an
-            invalid ``device``.
+            invalid ``device`` (not CPU or CUDA).
+        TypeError: ``device`` is not a str, int, torch.device or None.
+        DeviceError: a CUDA ``device`` without CUDA, or a CUDA index beyond the visible GPUs.
     """
 
     def __init__(
@@ -96,17 +99,10 @@ class Watch:
             raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
-        dev = None
-        if device is not None:
-            try:
-                dev = torch.device(device)
-            except (RuntimeError, TypeError) as e:
-                raise ValueError(
-                    f"device must be 'cpu', 'cuda' or 'cuda:<i>', got {device!r}"
-                ) from e
-            if dev.type not in ("cpu", "cuda"):
-                raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<i>', got {device!r}")
-        self._device = dev
+        # None is not "the best device" here but "follow whatever the loop uses".
+        self._device = (
+            None if device is None else resolve_device(device, allowed=("cpu", "cuda"), auto=False)
+        )
         self._interval = interval
         self._warmup = warmup_steps
         self._max = max_records
@@ -365,7 +361,9 @@ def watch(
 
     Raises:
         ValueError: ``interval`` <= 0, ``warmup_steps`` < 0, ``max_records`` < 1 or an
-            invalid ``device``.
+            invalid ``device`` (not CPU or CUDA).
+        TypeError: ``device`` is not a str, int, torch.device or None.
+        DeviceError: a CUDA ``device`` without CUDA, or a CUDA index beyond the visible GPUs.
 
     Example:
         >>> import time

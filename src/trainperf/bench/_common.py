@@ -7,7 +7,7 @@ from typing import cast
 
 import torch
 
-from trainperf.errors import DeviceError
+from trainperf.device import resolve_device as _resolve
 
 __all__ = ["Skipped", "check_positive", "gpu_name", "resolve_device", "synchronize"]
 
@@ -28,35 +28,16 @@ class Skipped:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The device to benchmark: ``device`` checked, or the best one available when None."""
-    if device is None:
-        from trainperf.device import best_device
+    """The device to benchmark: ``device`` checked, or the best one available when None.
 
-        dev = best_device()
-        return dev if dev.type in ("cuda", "cpu") else torch.device("cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(
-            f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {device!r} ({e})"
-        ) from e
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {device!r}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise DeviceError(
-                f"device {device!r} asked for, but CUDA is not available here: "
-                "no NVIDIA GPU or driver, or a CPU-only PyTorch build"
-            )
-        # torch's stubs type .index as int, but a bare "cuda" has none.
-        index = cast("int | None", dev.index)
-        if index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        elif index >= torch.cuda.device_count():
-            raise DeviceError(
-                f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s) "
-                "are visible"
-            )
+    Parsed by :func:`trainperf.device.resolve_device` with CPU and CUDA allowed (None on a
+    Mac picks the CPU); a bare ``"cuda"`` becomes the current CUDA device, so records
+    name the card.
+    """
+    dev = _resolve(device, allowed=("cpu", "cuda"))
+    # torch's stubs type .index as int, but a bare "cuda" has none.
+    if dev.type == "cuda" and cast("int | None", dev.index) is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -21,11 +20,11 @@ from trainperf.checkpoint._formats import (
     _torch_load,
 )
 from trainperf.checkpoint._prefix import _same_type, strip_prefix, unwrap_model
+from trainperf.device import resolve_device
 from trainperf.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
-    DeviceError,
     NotACheckpointError,
 )
 
@@ -171,37 +170,9 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str], *, distributed: bool
     return path
 
 
-def _resolve_device(device: str | torch.device) -> torch.device:
-    if isinstance(device, torch.device):
-        dev = device
-    elif device == "auto":
-        from trainperf.device import best_device
-
-        dev = best_device()
-    elif isinstance(device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        dev = torch.device(device)
-    else:
-        raise ValueError(
-            f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}"
-        )
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise DeviceError(
-                f"load_checkpoint(device={device!r}) needs CUDA, but torch.cuda.is_available() "
-                "is False on this machine; load with device='cpu' (or 'auto') instead"
-            )
-        count = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= count:
-            raise DeviceError(
-                f"load_checkpoint(device={device!r}): only {count} GPU(s) are visible "
-                f"(cuda:0 to cuda:{count - 1}; CUDA_VISIBLE_DEVICES renumbers them from 0)"
-            )
-    return dev
-
-
 def load_checkpoint(
     path: str | os.PathLike[str],
-    device: str | torch.device = "cpu",
+    device: str | int | torch.device = "cpu",
     *,
     weights_only: bool = True,
     verify: bool = True,
@@ -214,8 +185,10 @@ def load_checkpoint(
 
     Args:
         path: The file (``str`` or path-like).
-        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, a ``torch.device``, or ``"auto"``
-            (``trainperf.device.best_device()``). CUDA is checked before the file is read.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (or the int ``N``), ``"mps"``, a
+            ``torch.device`` of those types, or ``"auto"`` (``trainperf.device.best_device()``),
+            parsed by :func:`trainperf.device.resolve_device`. The device is checked before
+            the file is read.
         weights_only: Refuse pickled code (the default). ``False`` runs whatever the file
             contains: only for files you trust.
         verify: Check every CRC-32 of a torch zip file first, so flipped bytes in tensor
@@ -226,7 +199,8 @@ def load_checkpoint(
 
     Raises:
         ValueError: ``device`` is not one of the forms above.
-        DeviceError: CUDA asked for but not available, or fewer GPUs than the index.
+        TypeError: ``device`` is not a str, int or torch.device.
+        DeviceError: CUDA or MPS asked for but not available, or fewer GPUs than the index.
         CheckpointNotFoundError: No file at ``path``.
         NotACheckpointError: A directory, or a file of another kind (text, JSON, image, ...).
         CheckpointCorruptError: An empty, truncated or damaged checkpoint.
@@ -240,7 +214,7 @@ def load_checkpoint(
         ...     load_checkpoint(p, "cpu")
         {'step': 3, 'w': tensor([1., 1.])}
     """
-    dev = _resolve_device(device)
+    dev = resolve_device(device, allowed=("cpu", "cuda", "mps"))
     path = Path(os.fspath(path))
     if path.is_dir():
         hint = (

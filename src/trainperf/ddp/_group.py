@@ -14,6 +14,7 @@ import os
 import pickle
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import BaseContext
@@ -59,9 +60,15 @@ class Group:
     """One attempt: ``nprocs`` workers started, watched, and stopped."""
 
     def __init__(
-        self, ctx: BaseContext, spec: WorkerSpec, attempt: str, guard: SignalGuard
+        self,
+        ctx: BaseContext,
+        spec: WorkerSpec,
+        attempt: str,
+        guard: SignalGuard,
+        on_started: Callable[[], None] | None = None,
     ) -> None:
         self.ctx = ctx
+        self.on_started = on_started
         self.spec = spec
         self.n = spec.world_size
         self.attempt = attempt
@@ -76,6 +83,8 @@ class Group:
     def run(self) -> dict[int, Any]:
         try:
             self._start()
+            if self.on_started is not None:
+                self.on_started()
             self._watch()
         finally:
             with self.guard.deferred():

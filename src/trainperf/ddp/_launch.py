@@ -9,12 +9,14 @@ watches them: the first failure stops the rest within seconds and is raised as a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
 import os
 import pickle
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -132,16 +134,17 @@ def _check_spawnable(main: Callable[..., Any], start_method: str, backend: str) 
         )
 
 
-def _host_store(timeout: timedelta) -> Any:
-    import torch.distributed as dist
-
+def _listen() -> socket.socket:
+    """Bind the rendezvous port now (port 0 lets the OS pick a free one: no probe-then-bind
+    race); the store that serves it starts only after the workers are forked."""
     explicit = os.environ.get("MASTER_PORT")
     port = _env._port(os.environ, "MASTER_PORT") if explicit else 0
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        return dist.TCPStore(  # type: ignore[attr-defined]
-            _LOCALHOST, port, None, True, timeout, wait_for_workers=False
-        )
-    except RuntimeError as e:
+        sock.bind((_LOCALHOST, port))
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
         if explicit:
             raise LaunchError(
                 f"cannot listen on {_LOCALHOST}:{port} (MASTER_PORT={explicit}): the port is "
@@ -149,6 +152,48 @@ def _host_store(timeout: timedelta) -> Any:
                 "launch() picks a free port"
             ) from e
         raise LaunchError(f"cannot start the rendezvous store on {_LOCALHOST}: {e}") from e
+    return sock
+
+
+class _StoreHost:
+    """The launcher's ``TCPStore``, started on the listening socket after the first fork.
+
+    The store serves clients from a background thread; forking while that thread holds a
+    lock can leave a child deadlocked before it ever reaches the rendezvous (seen with four
+    forked ranks). Workers that connect earlier wait in the socket's backlog.
+    """
+
+    def __init__(self, sock: socket.socket, timeout: timedelta) -> None:
+        self.sock = sock
+        self.timeout = timeout
+        self.store: Any = None
+
+    def start(self) -> None:
+        if self.store is not None:
+            return
+        import torch.distributed as dist
+
+        fd = os.dup(self.sock.fileno())  # the store owns (and closes) its own copy
+        try:
+            self.store = dist.TCPStore(  # type: ignore[attr-defined]
+                _LOCALHOST,
+                self.sock.getsockname()[1],
+                None,
+                True,
+                self.timeout,
+                wait_for_workers=False,
+                master_listen_fd=fd,
+            )
+        except RuntimeError as e:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise LaunchError(f"cannot start the rendezvous store on {_LOCALHOST}: {e}") from e
+        finally:
+            self.sock.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        self.store = None
 
 
 def _spawn(
@@ -166,7 +211,7 @@ def _spawn(
     from trainperf.limits import usable_cpus
 
     ctx = multiprocessing.get_context(start_method)
-    store = _host_store(timeout)
+    host = _StoreHost(_listen(), timeout)
     threads = None if "OMP_NUM_THREADS" in os.environ else usable_cpus(nprocs)
     base = WorkerSpec(
         main=main,
@@ -175,7 +220,7 @@ def _spawn(
         backend=backend,
         world_size=nprocs,
         master_addr=_LOCALHOST,
-        master_port=store.port,
+        master_port=host.sock.getsockname()[1],
         store_prefix="",
         timeout=timeout,
         threads=threads,
@@ -185,17 +230,21 @@ def _spawn(
     try:
         with SignalGuard() as guard:
             try:
-                return _attempts(ctx, base, guard, max_restarts)
+                return _attempts(ctx, base, guard, max_restarts, host.start)
             except Interrupted as e:
                 if e.signum == signal.SIGINT:
                     raise KeyboardInterrupt from None
                 raise SystemExit(128 + e.signum) from None
     finally:
-        del store
+        host.close()
 
 
 def _attempts(
-    ctx: BaseContext, base: WorkerSpec, guard: SignalGuard, max_restarts: int
+    ctx: BaseContext,
+    base: WorkerSpec,
+    guard: SignalGuard,
+    max_restarts: int,
+    on_started: Callable[[], None] | None = None,
 ) -> dict[int, Any]:
     """Run the group; after a failure, run it again from scratch, up to ``max_restarts``."""
     attempt = 0
@@ -204,7 +253,7 @@ def _attempts(
         spec = dataclasses.replace(base, store_prefix=f"trainperf/attempt{attempt}/")
         label = f" (attempt {attempt + 1} of {max_restarts + 1})" if max_restarts else ""
         try:
-            return Group(ctx, spec, label, guard).run()
+            return Group(ctx, spec, label, guard, on_started).run()
         except LaunchError as e:
             if attempt == max_restarts:
                 raise

@@ -14,6 +14,7 @@ reports are used instead, which is exact.
   :func:`parse_visible_devices` (NVML discovery, through one NVML session helper, and the
   ``CUDA_VISIBLE_DEVICES`` / ``CUDA_DEVICE_ORDER`` rules);
 - :mod:`._move`: :func:`to_device` and :func:`check_same_device` (walking nested batches);
+- :mod:`._resolve`: :func:`resolve_device`, the one parser of every ``device`` argument;
 - :mod:`._seed`: :func:`seed_everything` and :func:`worker_init_fn`.
 """
 
@@ -28,6 +29,7 @@ from trainperf.device._inventory import (
     select_gpus,
 )
 from trainperf.device._move import check_same_device, to_device
+from trainperf.device._resolve import resolve_device
 from trainperf.device._seed import seed_everything, worker_init_fn
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "check_same_device",
     "gpus",
     "parse_visible_devices",
+    "resolve_device",
     "seed_everything",
     "select_gpus",
     "to_device",

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from trainperf.device._resolve import resolve_device
 from trainperf.errors import DeviceMismatchError
 
 T = TypeVar("T")
@@ -59,24 +60,6 @@ def _kind(cls: type) -> int:
     if len(_kinds) < 4096:  # types made on the fly (namedtuple factories) must not leak
         _kinds[cls] = kind
     return kind
-
-
-def _as_device(device: str | int | torch.device) -> torch.device:
-    if isinstance(device, torch.device):
-        return device
-    if isinstance(device, bool) or not isinstance(device, (str, int)):
-        raise TypeError(f"device must be a str, int or torch.device, got {device!r}")
-    if isinstance(device, int):
-        if device < 0:
-            raise ValueError(f"a device index must be >= 0, got {device!r}")
-        return torch.device("cuda", device)
-    try:
-        return torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(
-            f"invalid device {device!r}: expected e.g. 'cpu', 'cuda', 'cuda:1', 'mps' or 'meta' "
-            f"({e})"
-        ) from e
 
 
 def _rebuild(obj: Any, kind: int, move: Callable[[Any], Any], device: torch.device) -> Any:
@@ -233,6 +216,8 @@ def to_device(
     Raises:
         ValueError: ``device`` is not a valid device, or ``dtype`` is not floating-point.
         TypeError: ``device`` has the wrong type, or a container cannot be rebuilt.
+        DeviceError: CUDA or MPS asked for but not available, or a CUDA index beyond the
+            visible GPUs (see :func:`trainperf.device.resolve_device`).
 
     Example:
         >>> batch = {"x": torch.ones(2), "y": [torch.tensor([1]), "id-7"]}
@@ -240,7 +225,7 @@ def to_device(
         >>> out["x"].device, out["x"].dtype, out["y"][0].dtype, out["y"][1]
         (device(type='meta'), torch.float16, torch.int64, 'id-7')
     """
-    dev = _as_device(device)
+    dev = resolve_device(device, allowed=None, auto=False)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(
             f"dtype casts floating-point tensors only, so it must be a floating dtype such as "

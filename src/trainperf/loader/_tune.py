@@ -13,6 +13,7 @@ import psutil
 import torch
 from torch.utils.data import DataLoader
 
+from trainperf.device import resolve_device
 from trainperf.limits import HostLimits, host_limits, local_world_size, usable_cpus
 from trainperf.loader import _cache
 from trainperf.loader._faults import start_method
@@ -39,24 +40,6 @@ class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
     """
 
     tuning_report: TuningReport
-
-
-def _resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        from trainperf.device import best_device
-
-        return best_device()
-    if not isinstance(device, (str, torch.device)):
-        raise ValueError(
-            f"device must be a str, a torch.device or None, got {type(device).__name__}"
-        )
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"device must be like 'cpu' or 'cuda:0', got {device!r}") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but CUDA is not available; pass 'cpu' or None")
-    return dev
 
 
 def _check_args(
@@ -278,8 +261,8 @@ def tune_loader(
         dataset: a map-style or iterable dataset.
         batch_size: samples per batch.
         device: where batches go; ``pin_memory`` is only considered for CUDA, and on CUDA
-            the host-to-device copy is part of the measurement. None:
-            :func:`trainperf.best_device`.
+            the host-to-device copy is part of the measurement. None or ``"auto"``:
+            :func:`trainperf.best_device` (see :func:`trainperf.device.resolve_device`).
         max_workers: the largest ``num_workers`` to consider (default: four per usable CPU,
             2 to 64; 0 measures ``num_workers=0`` only).
         budget_s: hard wall-clock limit for the whole tuning, in seconds.
@@ -302,9 +285,12 @@ def tune_loader(
         loader.
 
     Raises:
-        ValueError: a bad argument, ``num_workers``/``prefetch_factor``/``batch_sampler``
-            in ``loader_kwargs``, CUDA asked for but absent, an empty loader, or a bad
-            ``LOCAL_WORLD_SIZE``/``SLURM_NTASKS_PER_NODE``.
+        ValueError: a bad argument (an invalid ``device`` included),
+            ``num_workers``/``prefetch_factor``/``batch_sampler`` in ``loader_kwargs``, an
+            empty loader, or a bad ``LOCAL_WORLD_SIZE``/``SLURM_NTASKS_PER_NODE``.
+        TypeError: ``device`` is not a str, int, torch.device or None.
+        DeviceError: CUDA (or MPS) asked for but not available, or a CUDA index beyond the
+            visible GPUs.
         RuntimeError: the dataset fails in the main process, a batch cannot be moved to
             ``device`` for ``step_fn``, or ``step_fn`` raises.
 
@@ -319,7 +305,7 @@ def tune_loader(
     started = time.perf_counter()
     _check_args(batch_size, max_workers, budget_s, epochs_hint, step_fn, loader_kwargs)
     deadline = started + budget_s
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     cuda = dev.type == "cuda"
     limits = host_limits()
     cpus = usable_cpus(local_world_size(), limits=limits)

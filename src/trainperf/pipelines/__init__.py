@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 
 from trainperf._imports import is_available, require
-from trainperf.errors import DeviceError
+from trainperf.device import resolve_device
 from trainperf.pipelines._base import Backend, ImageLoader, LoaderConfig
 from trainperf.pipelines._source import BadFile, Shard, load_source, resolve_shard, shard_plan
 
@@ -99,22 +99,6 @@ def _choose_backend(
     )
 
 
-def _resolve_device(device: str | torch.device) -> torch.device:
-    if isinstance(device, str) and device == "auto":
-        from trainperf.device import best_device
-
-        return best_device()
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(
-            f"device must be 'auto', a device string or torch.device, got {device!r}"
-        ) from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise DeviceError(f"device='{dev}' was asked for, but CUDA is not available here")
-    return dev
-
-
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -183,7 +167,8 @@ def image_loader(
         backend: ``"auto"`` (DALI if installed, else nvjpeg on a CUDA device, else
             torchvision), or one of them by name. The choice is in ``loader.backend`` and
             ``loader.backend_reason``, and logged.
-        device: where batches are delivered; ``"auto"`` is :func:`trainperf.best_device`.
+        device: where batches are delivered; ``"auto"`` is :func:`trainperf.best_device`
+            (parsed by :func:`trainperf.device.resolve_device`).
         num_threads: decode threads (DALI), reader threads (nvjpeg) or the most DataLoader
             workers (torchvision); ``"auto"``: this process's share of the usable CPUs
             (divided by :func:`trainperf.limits.local_world_size`).
@@ -216,7 +201,9 @@ def image_loader(
         FileNotFoundError: ``source`` does not exist.
         ModuleNotFoundError: the backend's package is not installed (the message names the
             ``pip install`` command).
-        DeviceError: a CUDA device was asked for without CUDA.
+        TypeError: ``device`` is not a str, int or torch.device.
+        DeviceError: CUDA (or MPS) asked for but not available, or a CUDA index beyond the
+            visible GPUs.
 
     Example:
         >>> import tempfile, numpy as np
@@ -255,7 +242,7 @@ def image_loader(
         threads = usable_cpus(local_world_size())
     else:
         threads = _positive_int("num_threads", num_threads)
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     chosen, reason = _choose_backend(backend, dev)
     if loader_kwargs is not None and chosen != "torchvision":
         if backend != "auto":

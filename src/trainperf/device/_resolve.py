@@ -1,0 +1,117 @@
+""":func:`resolve_device`: the one parser of every ``device`` argument trainperf takes."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+from trainperf.errors import DeviceError
+
+__all__ = ["resolve_device"]
+
+_DEFAULT_ALLOWED = ("cpu", "cuda", "mps", "meta")
+
+
+def _choices(allowed: Collection[str] | None, auto: bool) -> str:
+    forms = ["'auto'"] if auto else []
+    for kind in _DEFAULT_ALLOWED if allowed is None else allowed:
+        forms += ["'cuda'", "'cuda:<i>' (e.g. 'cuda:1')"] if kind == "cuda" else [repr(kind)]
+    more = ", or a torch.device" if allowed is None else ""
+    return ", ".join(forms[:-1]) + f" or {forms[-1]}{more}" if len(forms) > 1 else forms[0]
+
+
+def resolve_device(
+    device: str | int | torch.device | None,
+    *,
+    allowed: Collection[str] | None = _DEFAULT_ALLOWED,
+    auto: bool = True,
+) -> torch.device:
+    """Turn a user's ``device`` argument into a checked :class:`torch.device`.
+
+    Every trainperf function that takes ``device`` parses it here, so the spellings, the
+    checks and the error messages are the same everywhere. Only the availability of the
+    device is checked (``torch.cuda.is_available()``, ``torch.cuda.device_count()``): CUDA
+    is not initialised.
+
+    Args:
+        device: ``None`` or ``"auto"`` for :func:`trainperf.device.best_device` (when
+            ``auto`` is True); a string such as ``"cpu"``, ``"cuda"``, ``"cuda:1"``,
+            ``"mps"`` or ``"meta"``; an int ``i``, meaning ``cuda:<i>``; or a
+            :class:`torch.device`.
+        allowed: the device types the caller accepts; None accepts every type
+            :class:`torch.device` knows. When ``"auto"`` picks a type outside it (MPS for
+            a CPU-or-CUDA caller), the CPU is used instead.
+        auto: whether None and ``"auto"`` mean the best device; if False, None is a
+            :class:`TypeError` and ``"auto"`` a :class:`ValueError`.
+
+    Returns:
+        The device.
+
+    Raises:
+        TypeError: ``device`` is not a str, int, torch.device (or None with ``auto``).
+        ValueError: ``device`` is not a valid device, a negative index, or of a type not
+            in ``allowed``; the message lists the choices.
+        DeviceError: CUDA asked for but not available, a CUDA index beyond
+            ``torch.cuda.device_count()``, or MPS asked for but not available.
+
+    Example:
+        >>> resolve_device("cpu")
+        device(type='cpu')
+        >>> resolve_device(torch.device("meta"), allowed=None)
+        device(type='meta')
+        >>> resolve_device(None, allowed=("cpu", "cuda")).type in {"cpu", "cuda"}
+        True
+    """
+    if auto and (device is None or (isinstance(device, str) and device == "auto")):
+        # Looked up on the package at call time, so one monkeypatch of
+        # trainperf.device.best_device reaches every caller.
+        from trainperf import device as package
+
+        best = package.best_device()
+        if allowed is not None and best.type not in allowed:
+            return torch.device("cpu")
+        return best
+    if isinstance(device, torch.device):
+        dev = device
+    elif isinstance(device, bool) or not isinstance(device, (str, int)):
+        kinds = "a str, int, torch.device or None" if auto else "a str, int or torch.device"
+        raise TypeError(f"device must be {kinds}, got {device!r}")
+    elif isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"a device index must be >= 0, got {device!r}")
+        dev = torch.device("cuda", device)
+    else:
+        try:
+            dev = torch.device(device)
+        except RuntimeError as e:
+            choices = _choices(allowed, auto)
+            raise ValueError(f"invalid device {device!r}: expected {choices}") from e
+    if allowed is not None and dev.type not in allowed:
+        raise ValueError(
+            f"device {str(dev)!r} is not supported here: expected {_choices(allowed, auto)}"
+        )
+    fallback = "device='cpu' or device='auto'" if auto else "device='cpu'"
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(
+                f"device {str(dev)!r} needs CUDA, but CUDA is not available here (no NVIDIA GPU "
+                f"or driver, or a CPU-only PyTorch build); use {fallback} instead"
+            )
+        count = torch.cuda.device_count()
+        # torch's stubs type .index as int, but a bare "cuda" has none.
+        index: int | None = dev.index
+        if index is not None and index >= count:
+            raise DeviceError(
+                f"device {str(dev)!r} does not exist: only {count} GPU(s) are visible "
+                f"(cuda:0 to cuda:{count - 1}; CUDA_VISIBLE_DEVICES renumbers them from 0)"
+            )
+    elif dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise DeviceError(
+                f"device {str(dev)!r} needs Apple's Metal (MPS), but MPS is not available here "
+                f"(not a Mac with Apple silicon, or a PyTorch build without MPS); use {fallback} "
+                "instead"
+            )
+    return dev
