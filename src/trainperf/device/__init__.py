@@ -1,14 +1,8 @@
 """Devices: which GPUs exist and are free, moving batches to a device, same-device checks, seeds.
 
-GPU discovery goes through NVML (``pynvml``), never through CUDA, so listing or choosing
-GPUs does not create a CUDA context and ``CUDA_VISIBLE_DEVICES`` can still be set
-afterwards. :func:`gpus` maps NVML's view onto CUDA's numbering the way the CUDA runtime
-does, from ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER``.
-
-``CUDA_DEVICE_ORDER=FASTEST_FIRST`` (CUDA's default) orders cards by a speed estimate NVML
-cannot see; it is approximated as *descending compute capability, then PCI bus id*, which is
-exact when all cards are of one model. Once ``torch.cuda`` is initialised, the UUIDs torch
-reports are used instead, which is exact.
+GPU discovery goes through NVML, never through CUDA, so listing or choosing GPUs creates no
+CUDA context; how NVML's view is mapped onto CUDA's numbering (``CUDA_VISIBLE_DEVICES``,
+``CUDA_DEVICE_ORDER``) is described in :mod:`._inventory`.
 
 - :mod:`._inventory`: :class:`GpuInfo`, :func:`gpus`, :func:`select_gpus`, :func:`best_device`,
   :func:`parse_visible_devices` (NVML discovery, through one NVML session helper, and the
