@@ -140,6 +140,9 @@ def _listen() -> socket.socket:
     explicit = os.environ.get("MASTER_PORT")
     port = _env._port(os.environ, "MASTER_PORT") if explicit else 0
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # As TCPStore does: a port left in TIME_WAIT by the previous run is reusable, while one
+    # with a live listener still fails to bind (Linux), which is the error users must see.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((_LOCALHOST, port))
         sock.listen(1024)
