@@ -69,6 +69,21 @@ def test_second_call_is_a_cache_hit(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "from cache" in str(second)
 
 
+def idle_step(batch: Any) -> None:
+    """A training step that does nothing: the main process only takes batches."""
+
+
+def test_cache_hit_keeps_the_measured_main_process_share() -> None:
+    first = tune(step_fn=idle_step)
+    assert first.main_cores < 0.5 and first.worker_cpus == first.cpus
+    second = tune(step_fn=idle_step)
+    assert second.from_cache
+    assert (second.main_cores, second.worker_cpus) == (first.main_cores, first.worker_cpus)
+    third = tune()  # no step_fn: another key, and one core kept again
+    assert not third.from_cache
+    assert third.main_cores == 1.0 and third.worker_cpus == max(1, third.cpus - 1)
+
+
 def test_key_depends_on_batch_size_dataset_and_loader_arguments() -> None:
     tune()
     assert not tune(shuffle=True).from_cache  # a loader argument differs

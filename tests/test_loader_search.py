@@ -20,6 +20,7 @@ from trainperf.limits import HostLimits
 from trainperf.loader import CandidateResult, tune_loader
 from trainperf.loader import _tune as tune_mod
 from trainperf.loader._search import GAIN, Search, default_max_workers, safety_margin
+from trainperf.loader._tune import cores_for_workers, main_process_cores
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -111,8 +112,18 @@ def test_cpu_bound_pool_stops_at_the_cores_left_for_workers() -> None:
     assert choice.num_workers == 3
     cpu_skips = [c for c in s.results if c.fault == "cpu"]
     assert [c.num_workers for c in cpu_skips] == [4]
-    assert "one is kept for the main process" in (cpu_skips[0].reason or "")
+    assert "3 are left for workers (one kept for the main process)" in (cpu_skips[0].reason or "")
     assert max(workers_tried(s)) == 3
+
+
+def test_cpu_skip_names_a_measured_main_process_share() -> None:
+    pool = Pool(linear(), demand=1.0)
+    s = search(pool, worker_cpus=2, main_cores=0.03)
+    s.run(pool.baseline())
+    cpu_skips = [c for c in s.results if c.fault == "cpu"]
+    assert cpu_skips and "0.03 kept for the main process, as step_fn measured" in (
+        cpu_skips[0].reason or ""
+    )
 
 
 def test_io_bound_pool_goes_past_the_core_count() -> None:
@@ -309,6 +320,56 @@ def test_worker_cap_follows_host_limits_and_local_ranks(monkeypatch: pytest.Monk
         BusyLoop(), 4, device="cpu", budget_s=10, max_workers=0, cache=False, progress=False
     )
     assert (report.cpus, report.worker_cpus) == (2, 1)
+
+
+def test_step_fn_replaces_the_kept_core_with_what_it_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(3))
+    # A step that does nothing: the main process only takes batches, so every core may
+    # go to workers (the loader-alone case).
+    idle = tune_loader(
+        BusyLoop(),
+        4,
+        device="cpu",
+        budget_s=10,
+        max_workers=0,
+        step_fn=lambda b: None,
+        cache=False,
+        progress=False,
+    )
+    assert idle.main_cores < 0.5 and idle.worker_cpus == 3
+    assert "kept for the main process, as step_fn measured" in str(idle)
+
+    def busy_step(batch: Any) -> None:  # keeps one core busy for 5 ms
+        end = time.process_time() + 0.005
+        while time.process_time() < end:
+            pass
+
+    busy = tune_loader(
+        BusyLoop(),
+        4,
+        device="cpu",
+        budget_s=10,
+        max_workers=0,
+        step_fn=busy_step,
+        cache=False,
+        progress=False,
+    )
+    assert 0.5 <= busy.main_cores <= 3.0 and busy.worker_cpus == 2
+    unknown = tune_loader(
+        BusyLoop(), 4, device="cpu", budget_s=10, max_workers=0, cache=False, progress=False
+    )
+    assert (unknown.main_cores, unknown.worker_cpus) == (1.0, 2)
+    assert "(2 for workers, one kept for the main process)" in str(unknown)
+
+
+def test_main_process_cores_and_cores_for_workers() -> None:
+    assert main_process_cores(8) == 1.0
+    assert main_process_cores(8, 0.001, 123.0) == 0.12  # 1 ms of CPU per sample, 123/s
+    assert main_process_cores(8, 0.0, 1e6) == 0.0
+    assert main_process_cores(2, 0.01, 1000.0) == 2.0  # never more than every core
+    assert [cores_for_workers(4, m) for m in (0.0, 0.4, 0.6, 1.0, 3.7, 4.0)] == [4, 4, 3, 3, 1, 1]
 
 
 def test_bad_local_world_size_raises(monkeypatch: pytest.MonkeyPatch) -> None:

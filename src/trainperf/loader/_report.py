@@ -107,6 +107,18 @@ def _num(x: float | None, fmt: str) -> str:
     return format(x, spec) + unit
 
 
+def main_process_share(main_cores: float) -> str:
+    """How the report words the cores kept for the main process.
+
+    Example:
+        >>> main_process_share(1.0), main_process_share(0.04)
+        ('one kept for the main process', '0.04 kept for the main process, as step_fn measured')
+    """
+    if main_cores == 1.0:
+        return "one kept for the main process"
+    return f"{main_cores:.2f} kept for the main process, as step_fn measured"
+
+
 @dataclass(frozen=True)
 class TuningReport:
     """The result of :func:`trainperf.loader.tune_loader`.
@@ -125,12 +137,15 @@ class TuningReport:
         budget_s: the wall-clock budget it ran under.
         limits: the CPU, memory and shared-memory limits that bounded the search.
         cpus: CPUs usable by this process (its share when several local ranks run).
-        worker_cpus: cores the workers may keep busy (``cpus - 1``, at least 1).
+        worker_cpus: whole cores the workers may keep busy: ``cpus - main_cores``, rounded,
+            at least 1.
         max_workers: the largest ``num_workers`` considered.
         device: the device batches are meant for (``"cpu"``, ``"cuda:0"``, ...).
         batch_size: the batch size tuned for.
         from_cache: True when the settings came from the cache without measuring.
         notes: remarks on the decisions (fallbacks, budget, persistence, cache).
+        main_cores: cores kept for the main process: 1.0 when no ``step_fn`` was given (the
+            training step is unknown), else the cores ``step_fn`` was measured to use.
     """
 
     best_kwargs: dict[str, Any]
@@ -148,6 +163,7 @@ class TuningReport:
     batch_size: int
     from_cache: bool = False
     notes: tuple[str, ...] = field(default=())
+    main_cores: float = 1.0
 
     @property
     def num_workers(self) -> int:
@@ -196,8 +212,9 @@ class TuningReport:
         )
         lines = [
             f"DataLoader tuning: batch_size={self.batch_size}, device {self.device}, {source}",
-            f"limits: {self.cpus} usable CPUs ({self.worker_cpus} for workers, one kept for the "
-            f"main process), {format_bytes(lim.memory_available)} memory available, {shm}",
+            f"limits: {self.cpus} usable CPUs ({self.worker_cpus} for workers, "
+            f"{main_process_share(self.main_cores)}), "
+            f"{format_bytes(lim.memory_available)} memory available, {shm}",
         ]
         header = (
             f"{'workers':>7} {'prefetch':>8} {'pin':>3} {'samples/s':>10} {'spread':>6} "

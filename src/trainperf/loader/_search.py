@@ -2,7 +2,8 @@
 
 Not a grid. ``num_workers=0`` is measured first; its throughput and CPU use say how much a
 worker delivers and how much of a core it burns. The first worker count tried is the one
-that fills the cores left for workers (``usable CPUs - 1``) — more when the loading mostly
+that fills the cores left for workers (usable CPUs minus the main process's: one core, or
+what ``step_fn`` was measured to use) — more when the loading mostly
 waits (sleeps, I/O) rather than computes — capped by ``max_workers``, by memory and
 ``/dev/shm``, and by ``step_fn`` (no point loading faster than the training step eats).
 From there it climbs in steps of a quarter of the count while each step pays at least 3 %,
@@ -18,7 +19,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from trainperf.loader._report import CandidateResult, FaultKind
+from trainperf.loader._report import CandidateResult, FaultKind, main_process_share
 
 __all__ = ["GAIN", "TIE", "Search", "default_max_workers", "safety_margin"]
 
@@ -83,6 +84,7 @@ class Search:
     pin_options: tuple[bool, ...] = (False,)
     step_samples_per_s: float | None = None
     main_rss: int = 0
+    main_cores: float = 1.0
     results: list[CandidateResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     broken: CandidateResult | None = None
@@ -143,8 +145,8 @@ class Search:
         if cores > self.worker_cpus + 0.5:
             return "cpu", (
                 f"{n} workers would keep about {cores:.1f} cores busy but only "
-                f"{self.worker_cpus} of {self.worker_cpus + 1} usable are left for workers (one "
-                f"is kept for the main process)"
+                f"{self.worker_cpus} are left for workers "
+                f"({main_process_share(self.main_cores)})"
             )
         return self.memory_problem(n, pf, pin)
 

@@ -93,12 +93,14 @@ def _time_step(
     step_fn: Callable[[Any], Any],
     device: torch.device,
     deadline: float,
-) -> float:
-    """Samples/s of ``step_fn`` alone: one warm-up call, then up to 5 timed calls (1 s).
+) -> tuple[float, float]:
+    """``step_fn`` alone: one warm-up call, then up to 5 timed calls (1 s).
 
-    Each batch is moved to ``device`` first (outside the timed region), as the training
-    loop would do; on CUDA the device is synchronised before and after each call so the
-    time is the step's and not a queue's.
+    Returns its samples/s and the CPU seconds it costs per sample (this process's CPU time,
+    all threads counted), from which the main process's share of the cores follows. Each
+    batch is moved to ``device`` first (outside the timed
+    region), as the training loop would do; on CUDA the device is synchronised before and
+    after each call so the time is the step's and not a queue's.
     """
     from trainperf.device import to_device
 
@@ -107,7 +109,7 @@ def _time_step(
     it = iter(loader)
     cuda = device.type == "cuda"
     name = getattr(step_fn, "__qualname__", None) or repr(step_fn)
-    spent, calls, samples = 0.0, 0, 0
+    spent, cpu, calls, samples = 0.0, 0.0, 0, 0
     for i in range(6):
         try:
             batch = next(it)
@@ -124,7 +126,7 @@ def _time_step(
                 f"on the tuning device, so its tensors (or objects with a .to method) must move "
                 f"there"
             ) from e
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         try:
             step_fn(batch)
             if cuda:
@@ -136,11 +138,52 @@ def _time_step(
             ) from e
         if i > 0:  # the first call pays for lazy initialisation
             spent += time.perf_counter() - t
+            cpu += time.process_time() - c
             calls += 1
             samples += batch_size
         if calls and (spent > 1.0 or time.perf_counter() > deadline):
             break
-    return samples / max(spent, 1e-9) if calls else math.inf
+    if not calls:
+        return math.inf, 0.0
+    return samples / max(spent, 1e-9), cpu / samples
+
+
+def main_process_cores(
+    cpus: int,
+    step_cpu_per_sample: float | None = None,
+    samples_per_s: float = 0.0,
+) -> float:
+    """Cores kept for the main process: one when the training step is unknown (no
+    ``step_fn``), else the step's CPU seconds per sample times the samples per second it
+    will process (at most ``cpus``).
+
+    Example:
+        >>> main_process_cores(16), main_process_cores(16, 0.0005, 2000.0)
+        (1.0, 1.0)
+        >>> main_process_cores(16, 2e-6, 5000.0), main_process_cores(2, 0.01, 500.0)
+        (0.01, 2.0)
+    """
+    if step_cpu_per_sample is None:
+        return 1.0
+    return round(min(float(cpus), max(0.0, step_cpu_per_sample * samples_per_s)), 2)
+
+
+def _loader_ceiling(baseline: CandidateResult, cpus: int) -> float:
+    """Samples/s the loading could reach with every usable core, from ``num_workers=0``
+    (an upper bound: the main process's demand is judged at the fastest the step could be
+    fed)."""
+    rate = baseline.samples_per_s or 0.0
+    return cpus * rate / min(1.0, max(0.01, baseline.main_cpu or 1.0))
+
+
+def cores_for_workers(cpus: int, main_cores: float) -> int:
+    """Whole cores the workers may keep busy: the rest after ``main_cores``, at least 1.
+
+    Example:
+        >>> cores_for_workers(16, 1.0), cores_for_workers(2, 0.02), cores_for_workers(2, 2.0)
+        (15, 2, 1)
+    """
+    return max(1, math.floor(cpus - main_cores + 0.5))
 
 
 def _persistent(
@@ -201,8 +244,14 @@ def _from_cache(
     batch_size: int,
     common: dict[str, Any],
     started: float,
+    worker_cpus: int,
+    main_cores: float,
 ) -> TuningReport | None:
-    """A report built from a cache entry, or None when it is malformed or no longer fits."""
+    """A report built from a cache entry, or None when it is malformed or no longer fits.
+
+    ``worker_cpus`` and ``main_cores`` are the values before any ``step_fn`` measurement;
+    the entry's own, when it has them, take precedence.
+    """
     try:
         best = dict(entry["best"])
         candidates = tuple(CandidateResult(**c) for c in entry["candidates"])
@@ -212,6 +261,8 @@ def _from_cache(
         rate = entry.get("samples_per_s")
         base = entry.get("baseline_samples_per_s")
         step = entry.get("step_samples_per_s")
+        worker_cpus = int(entry.get("worker_cpus", worker_cpus))
+        main_cores = float(entry.get("main_cores", main_cores))
     except (KeyError, TypeError, ValueError):
         return None
     if need > limits.memory_available - safety_margin(limits.memory_available):
@@ -228,6 +279,8 @@ def _from_cache(
         elapsed_s=time.perf_counter() - started,
         from_cache=True,
         notes=tuple(notes),
+        worker_cpus=worker_cpus,
+        main_cores=main_cores,
         **common,
     )
 
@@ -251,8 +304,9 @@ def tune_loader(
     ``num_workers=0`` is measured first; a prediction from its cost picks the first worker
     count, and a short climb refines it (see :mod:`trainperf.loader`). Workers are limited
     to the usable CPUs (affinity and cgroup quota, divided by the processes on this host,
-    :func:`trainperf.limits.local_world_size`) minus one for the main process, unless they
-    mostly wait; to available memory (cgroup-aware) and to free ``/dev/shm``. A worker
+    :func:`trainperf.limits.local_world_size`) minus what the main process needs — one core
+    when the training step is unknown, what ``step_fn`` was measured to use when given —
+    unless they mostly wait; to available memory (cgroup-aware) and to free ``/dev/shm``. A worker
     that crashes, hangs (see ``timeout``) or cannot be pickled marks its candidate failed;
     if no worker configuration works the result is ``num_workers=0`` with a
     ``RuntimeWarning`` saying why. No worker outlives the call.
@@ -269,7 +323,10 @@ def tune_loader(
         epochs_hint: epochs the loader will run; with 1, workers are never kept alive
             between epochs. None means several.
         step_fn: your training step, called as ``step_fn(batch)``; timed on a few batches in
-            this process so workers stop being added once loading outruns it. The batch is
+            this process so workers stop being added once loading outruns it, and the CPU it
+            uses is what the main process keeps (instead of one whole core), so a step that
+            mostly waits for the GPU leaves its core to workers. When the main process does
+            nothing but take batches, ``step_fn=lambda batch: None`` says so. The batch is
             moved to ``device`` first (:func:`trainperf.device.to_device`, not timed), so a
             step written for GPU tensors works; on CUDA the device is synchronised around
             each timed call.
@@ -309,7 +366,8 @@ def tune_loader(
     cuda = dev.type == "cuda"
     limits = host_limits()
     cpus = usable_cpus(local_world_size(), limits=limits)
-    worker_cpus = max(1, cpus - 1)
+    main_cores = main_process_cores(cpus)  # until step_fn has been measured
+    worker_cpus = cores_for_workers(cpus, main_cores)
     n_max = default_max_workers(cpus) if max_workers is None else max_workers
     method = start_method(loader_kwargs)
     user_pin = loader_kwargs.get("pin_memory")
@@ -321,7 +379,6 @@ def tune_loader(
         "budget_s": float(budget_s),
         "limits": limits,
         "cpus": cpus,
-        "worker_cpus": worker_cpus,
         "max_workers": n_max,
         "device": str(dev),
         "batch_size": batch_size,
@@ -343,7 +400,9 @@ def tune_loader(
         )
         entry = _cache.read_entry(key)
         if entry is not None:
-            hit = _from_cache(entry, limits, loader_kwargs, batch_size, common, started)
+            hit = _from_cache(
+                entry, limits, loader_kwargs, batch_size, common, started, worker_cpus, main_cores
+            )
             if hit is not None:
                 return hit
 
@@ -393,11 +452,18 @@ def tune_loader(
             batch_s[0] = batch_size / baseline.samples_per_s
         step_rate = None
         if step_fn is not None and time.perf_counter() < deadline:
-            step_rate = _time_step(dataset, batch_size, loader_kwargs, step_fn, dev, deadline)
+            step_rate, step_cpu = _time_step(
+                dataset, batch_size, loader_kwargs, step_fn, dev, deadline
+            )
+            # The main process steps as fast as batches arrive, up to the step's own speed.
+            fed = min(step_rate, _loader_ceiling(baseline, cpus))
+            main_cores = main_process_cores(cpus, step_cpu, fed)
+            worker_cpus = cores_for_workers(cpus, main_cores)
         search = Search(
             measure=run,
             out_of_time=lambda: time.perf_counter() >= deadline - 0.05,
             worker_cpus=worker_cpus,
+            main_cores=main_cores,
             max_workers=n_max,
             memory_available=limits.memory_available,
             shm_free=limits.shm_free,
@@ -437,6 +503,8 @@ def tune_loader(
             "samples_per_s": choice.samples_per_s,
             "baseline_samples_per_s": baseline.samples_per_s,
             "step_samples_per_s": step_rate,
+            "worker_cpus": worker_cpus,
+            "main_cores": main_cores,
             "memory_needed": search.memory_needed(
                 choice.num_workers, choice.prefetch_factor, choice.pin_memory
             )
@@ -458,6 +526,8 @@ def tune_loader(
         candidates=tuple(search.results),
         elapsed_s=time.perf_counter() - started,
         notes=tuple(notes),
+        worker_cpus=worker_cpus,
+        main_cores=main_cores,
         **common,
     )
 
