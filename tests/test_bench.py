@@ -6,6 +6,7 @@ import csv
 import importlib
 import io
 import statistics
+import time
 from collections.abc import Iterator
 from importlib.resources import files
 
@@ -191,6 +192,22 @@ def test_fp32_on_ampere_carries_the_tf32_caveat_and_no_false_alarm() -> None:
     assert TF32_CAVEAT not in volta.notes
 
 
+def test_fp32_resnet50_goes_by_the_cudnn_tf32_flag_not_the_matmul_one() -> None:
+    # PyTorch's defaults: convolutions on TF32, matmuls off it. ResNet-50 is convolutions.
+    ref = reference_throughput()["A100"]["resnet50_fp32"]
+    default = compare_to_reference(
+        "NVIDIA A100-SXM4-80GB", "resnet50", "fp32", ref / 3,
+        compute_capability=(8, 0), tf32_matmul=False, tf32_cudnn=True,
+    )  # fmt: skip
+    assert default.warning is not None and "0.33x" in default.warning
+    off = compare_to_reference(
+        "NVIDIA A100-SXM4-80GB", "resnet50", "fp32", ref / 3,
+        compute_capability=(8, 0), tf32_matmul=True, tf32_cudnn=False,
+    )  # fmt: skip
+    assert off.warning is None
+    assert any("convolutions off TF32" in n and "--tf32" in n for n in off.notes)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -350,6 +367,61 @@ def test_bench_reads_and_restores_tf32_after_the_new_api_was_used(new_tf32_api: 
     assert torch.backends.cuda.matmul.fp32_precision == raw
 
 
+class _Slow(torch.nn.Module):
+    """Stands in for a torchvision model: a trainable head, and a sleep that caps its speed."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.head = torch.nn.Linear(3, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)  # 64 images take >= 0.1 s: <= 640 images/s, far under an A100
+        return self.head(x.mean(dim=(2, 3)))
+
+
+@pytest.fixture
+def fake_a100(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_model on the CPU, reporting as an A100 with PyTorch's default TF32 flags."""
+    monkeypatch.setattr(model_module, "_build", lambda model, size: _Slow(0.1))
+    monkeypatch.setattr(model_module, "gpu_name", lambda device: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    defaults = _tf32.TF32State(matmul=False, cudnn=True)
+    monkeypatch.setattr(model_module, "tf32_state", lambda: defaults)
+
+
+# One warm-up and one timed batch at the reference's 224 px.
+AT_224 = {"device": "cpu", "image_size": 224, "iterations": 1, "batches_per_iteration": 1,
+          "warmup_batches": 1}  # fmt: skip
+
+
+def test_bench_model_warns_about_a_known_gpu_well_under_its_reference(fake_a100: None) -> None:
+    r = bench_model("resnet50", "fp32", batch_size=64, **AT_224)
+    c = r.comparison
+    assert c is not None and c.reference_gpu == "A100" and c.column == "resnet50_fp32"
+    assert c.ratio is not None and c.ratio < SLOW_RATIO
+    # Convolutions ran on TF32, as the reference's did: a like-for-like comparison.
+    assert c.warning is not None and "throttled or sick" in c.warning
+    assert (r.tf32_matmul, r.tf32_cudnn) == (False, True)
+    vit = bench_model("vit_b_16", "fp32", batch_size=64, **AT_224).comparison
+    # ViT's matmuls ran in full fp32 and the reference's on TF32: a note, not a warning.
+    assert vit is not None and vit.warning is None
+    assert any("matmuls off TF32" in n for n in vit.notes)
+
+
+def test_bench_model_notes_why_it_gives_no_warning_or_no_comparison(fake_a100: None) -> None:
+    small = bench_model("resnet50", "fp32", batch_size=8, **AT_224)
+    assert small.comparison is not None and small.comparison.warning is None
+    assert any("batch 8 is small" in n for n in small.notes)
+    trained = bench_model("resnet50", "fp32", batch_size=2, train=True, **AT_224)
+    assert trained.comparison is None
+    assert any("the reference table is inference" in n for n in trained.notes)
+    resized = bench_model("resnet50", "fp32", batch_size=2, **{**AT_224, "image_size": 64})
+    assert resized.comparison is None and any("at 224px" in n for n in resized.notes)
+    cpu = bench_model("resnet50", "fp32", batch_size=2, compare=False, **AT_224)
+    assert cpu.comparison is None and cpu.notes == ()
+
+
 def test_bench_model_without_torchvision_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_imports, "is_available", lambda name: name != "torchvision")
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'trainperf\[vision\]'"):
@@ -398,8 +470,14 @@ def test_bench_matmul_compares_with_the_datasheet(monkeypatch: pytest.MonkeyPatc
     assert r.datasheet_fraction == pytest.approx(r.tflops / 35.58)
     assert any("of the datasheet" in n for n in r.notes)  # a CPU is far below a 3090
     assert "of the datasheet's 35.58" in r.summary()
+    # bf16 has no column: on Ampere (the 3090 is 8.6) it is held against fp16's 71 TFLOP/s.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
     bf16 = bench_matmul("bf16", size=64, iterations=1, device="cpu")
-    assert bf16.datasheet_tflops is None and any("no bf16 figure" in n for n in bf16.notes)
+    assert bf16.datasheet_tflops == 71 and bf16.datasheet_fraction is not None
+    assert any("compared with its fp16 figure" in n for n in bf16.notes)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    older = bench_matmul("bf16", size=64, iterations=1, device="cpu")
+    assert older.datasheet_tflops is None and any("no bf16 figure" in n for n in older.notes)
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -22,6 +23,7 @@ from trainperf.doctor import (
     check_cpus,
     check_cuda_arch,
     check_gpus,
+    check_load,
     check_memory,
     check_shm,
     check_start_method,
@@ -39,8 +41,8 @@ device_module = importlib.import_module("trainperf.device")
 GiB = 2**30
 MiB = 2**20
 NAMES = [
-    "gpus", "torch", "cuda_arch", "cpus", "memory", "shm", "blas", "threads", "start_method",
-    "visible_devices",
+    "gpus", "torch", "cuda_arch", "cpus", "memory", "shm", "blas", "threads", "load",
+    "start_method", "visible_devices",
 ]  # fmt: skip
 
 
@@ -253,6 +255,15 @@ def test_shm_tiny_small_enough_and_missing() -> None:
     )
 
 
+def test_diagnose_sizes_shm_for_every_rank_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 8 GPUs, 32 CPUs: all ranks' 32 workers share one 1 GiB /dev/shm (not 4 per GPU).
+    monkeypatch.setattr(device_module, "gpus", lambda **_: [gpu(i) for i in range(8)])
+    one_gib = limits(shm_total=GiB, shm_free=GiB)
+    shm = {c.name: c for c in diagnose(limits=one_gib, env={}).checks}["shm"]
+    assert shm.verdict == "warn" and "32 workers" in shm.value
+    assert shm.verdict == check_shm(one_gib, workers=32).verdict
+
+
 def _pool(api: str, threads: int = 4) -> dict[str, object]:
     return {"user_api": "blas", "internal_api": api, "num_threads": threads, "version": "1.0"}
 
@@ -321,6 +332,28 @@ def test_diagnose_counts_torchrun_ranks_as_processes(monkeypatch: pytest.MonkeyP
     env = {"LOCAL_WORLD_SIZE": "4"}
     threads = {c.name: c for c in diagnose(limits=limits(cpus=16), env=env).checks}["threads"]
     assert threads.verdict == "warn" and "4 process(es)" in threads.value
+
+
+def test_load_average_against_the_usable_cpus() -> None:
+    over = check_load(25.3, cpus=16)
+    assert over.verdict == "warn" and "25.3" in over.value and "16 usable CPUs" in over.value
+    assert "1.6x" in over.fix and "taskset" in over.fix and "OMP_NUM_THREADS" in over.fix
+    assert check_load(24.0, cpus=16).verdict == "ok"  # 1.5x: busy, not clearly over
+    assert check_load(0.3, cpus=2).verdict == "ok"
+    assert check_load(None, cpus=2).verdict == "skip"
+
+
+def test_diagnose_reads_the_load_average(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "getloadavg", lambda: (48.0, 30.0, 12.0), raising=False)
+    load = {c.name: c for c in diagnose(limits=limits(cpus=16), env={}).checks}["load"]
+    assert load.verdict == "warn" and "load average 48.0 for 16 usable CPUs" in load.value
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 2.0, 1.0))
+    assert {c.name: c for c in diagnose(limits=limits(cpus=16), env={}).checks}[
+        "load"
+    ].verdict == "ok"
+    monkeypatch.delattr(os, "getloadavg")  # Windows has none
+    load = {c.name: c for c in diagnose(limits=limits(cpus=16), env={}).checks}["load"]
+    assert load.verdict == "skip"
 
 
 def test_start_method() -> None:

@@ -270,6 +270,67 @@ def test_analyse_compute_bound_on_a_busy_gpu() -> None:
     assert any("busy 95%" in r for r in report.verdict.reasons)
 
 
+# The CUDA-event span of a step is host time when the stream is idle: ~100 % for a loop that
+# launches nothing or launches slowly. These timelines span 100 % of every step.
+
+
+def test_analyse_a_full_event_span_at_idle_utilisation_is_gpu_unused() -> None:
+    spanned = steps(20, 0.0, 0.01, gpu_busy=0.01)
+    idle = [Sample(i * 0.1, float(i % 3), 2**30, 100, 20) for i in range(10)]  # 0-2 %
+    report = analyse(spanned, idle, gpu_present=True, cuda_used=True, cpus=8)
+    assert report.verdict.kind == "gpu-unused", report
+    assert report.gpu_busy_fraction == pytest.approx(1.0)  # still reported, as the span
+    assert "busy only 1%" in report.verdict.summary
+    assert any("span 100%" in r and "upper bound" in r for r in report.verdict.reasons)
+
+
+def test_analyse_a_full_event_span_with_saturated_cpus_is_host_bound() -> None:
+    spanned = steps(20, 0.0, 0.01, gpu_busy=0.01)  # no data wait
+    hot = samples(10, 30.0, 390, 98)  # 3.9 of 4 CPUs busy
+    report = analyse(spanned, hot, gpu_present=True, cuda_used=True, cpus=4)
+    assert report.verdict.kind == "host-bound", report
+    assert "busy only 30%" in report.verdict.summary
+
+
+def test_analyse_a_full_event_span_at_high_utilisation_is_compute_bound() -> None:
+    spanned = steps(20, 0.0, 0.01, gpu_busy=0.01)
+    report = analyse(spanned, samples(10, 95.0, 100, 10), gpu_present=True, cuda_used=True, cpus=8)
+    assert report.verdict.kind == "compute-bound", report
+    assert any("busy 95%" in r for r in report.verdict.reasons)
+
+
+def test_analyse_without_nvml_takes_the_event_span_as_a_bound() -> None:
+    spanned = steps(20, 0.0, 0.01, gpu_busy=0.01)
+    report = analyse(spanned, gpu_present=True, cuda_used=True, cpus=8)
+    assert report.verdict.kind == "compute-bound"
+    assert any("busy at most 100%" in r for r in report.verdict.reasons)
+
+
+def test_analyse_a_saw_tooth_with_a_modest_wait_is_input_bound() -> None:
+    sawtooth = [Sample(i * 0.1, u, 2**30, 50, 20) for i, u in enumerate([90.0, 5.0] * 10)]
+    modest = steps(20, 0.003, 0.017)  # 15 % of step time waiting: under 25 %
+    report = analyse(modest, sawtooth, gpu_present=True, cuda_used=True, cpus=8)
+    assert report.verdict.kind == "input-bound", report
+    assert any("saw-tooth" in r for r in report.verdict.reasons)
+    flat = samples(20, 47.5, 50, 20)  # the same mean without the swing
+    assert analyse(modest, flat, gpu_present=True, cuda_used=True, cpus=8).verdict.kind == (
+        "compute-bound"
+    )
+    little = steps(20, 0.001, 0.019)  # 5 %: the saw-tooth alone does not make it input-bound
+    assert analyse(little, sawtooth, gpu_present=True, cuda_used=True, cpus=8).verdict.kind == (
+        "compute-bound"
+    )
+
+
+def test_analyse_finds_a_stall_every_tenth_step_in_thirty() -> None:
+    timeline = steps(30, 0.0, 0.01)
+    for i in (9, 19, 29):
+        timeline[i] = StepRecord(i, timeline[i].start, 0.0, 0.2, 32, None)
+    report = analyse(timeline)  # 28 measured steps: period 10 is past a third of them
+    assert report.verdict.kind == "periodic-stalls", report
+    assert report.stall_period == 10 and report.stall_steps == (9, 19, 29)
+
+
 def test_analyse_ignores_scattered_slow_steps() -> None:
     timeline = steps(60, 0.0, 0.01)
     for i in (5, 17, 18, 41):
@@ -331,8 +392,9 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
 @pytest.mark.requires_cuda
 def test_a_gpu_loop_is_timed_with_cuda_events() -> None:
     x = torch.randn(2048, 2048, device="cuda")
-    with watch() as w:
-        for batch in w.iter([x] * 40):
+    # Long enough for NVML's utilisation (averaged over up to a second) to see the work.
+    with watch(interval=0.02) as w:
+        for batch in w.iter([x] * 200):
             for _ in range(4):
                 batch = batch @ x
             w.step()
@@ -346,11 +408,16 @@ def test_a_gpu_loop_is_timed_with_cuda_events() -> None:
 @pytest.mark.requires_cuda
 def test_a_cpu_loop_on_a_gpu_machine_leaves_the_gpu_unused() -> None:
     torch.zeros(1, device="cuda")  # CUDA is up, but the loop never touches the GPU
-    with watch() as w:
-        for _ in w.iter([torch.zeros(8)] * 20):
+    with watch(interval=0.02) as w:
+        for _ in w.iter([torch.zeros(8)] * 80):
             burn(0.005)
             w.step()
-    assert w.report().verdict.kind == "gpu-unused"
+    report = w.report()
+    # The idle stream's events span the host time of each step: the span alone says ~100 %.
+    assert report.gpu_busy_fraction is not None and report.gpu_busy_fraction > 0.5
+    # NVML's utilisation, sampled through the loop, is what shows the GPU idle.
+    assert report.gpu_utilization_mean is not None, "NVML gave no utilisation samples"
+    assert report.verdict.kind == "gpu-unused", report
 
 
 def test_watch_module_keeps_its_classes_when_shadowed() -> None:

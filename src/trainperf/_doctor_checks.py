@@ -23,6 +23,7 @@ __all__ = [
     "Verdict",
     "check_blas",
     "check_cpus",
+    "check_load",
     "check_memory",
     "check_shm",
     "check_start_method",
@@ -38,6 +39,8 @@ MIN_CPUS_PER_GPU = 4
 # One ImageNet-style fp32 batch (128 x 3 x 224 x 224), what a DataLoader worker puts in /dev/shm.
 DEFAULT_BATCH_BYTES = 128 * 3 * 224 * 224 * 4
 DEFAULT_PREFETCH_FACTOR = 2
+# A 1-minute load average above this many times the usable CPUs is oversubscription.
+OVERLOAD_FACTOR = 1.5
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,8 @@ def check_shm(
 
     Args:
         limits: the host limits (``shm_total``/``shm_free`` are used).
-        workers: DataLoader workers expected (one per usable CPU is typical).
+        workers: DataLoader workers expected on the whole host: one per usable CPU is
+            typical, and every rank's workers share the one ``/dev/shm``.
         batch_bytes: bytes of one batch (default: 128 x 3 x 224 x 224 fp32, 77 MB).
         prefetch_factor: batches each worker keeps ready.
 
@@ -289,6 +293,39 @@ def check_threads(
         )
         return Check("threads", "warn", value, fix)
     return Check("threads", "ok", value)
+
+
+def check_load(load_average: float | None, cpus: int) -> Check:
+    """The 1-minute load average against the usable CPUs: other jobs competing for them.
+
+    ``check_threads`` sees only this process's own settings; the load average counts every
+    runnable (or I/O-waiting) thread on the host, so several jobs, or a neighbour's, that
+    together want more cores than there are show up here. Data loading and kernel launches
+    then wait for a core.
+
+    Args:
+        load_average: ``os.getloadavg()[0]``; None where the platform has none (Windows).
+        cpus: usable CPUs.
+
+    Example:
+        >>> check_load(24.0, cpus=8).verdict
+        'warn'
+        >>> check_load(6.5, cpus=8).verdict, check_load(None, cpus=8).verdict
+        ('ok', 'skip')
+    """
+    if load_average is None:
+        return Check("load", "skip", "no load average on this platform", "")
+    value = f"1-minute load average {load_average:.1f} for {cpus} usable CPUs"
+    if load_average > OVERLOAD_FACTOR * cpus:
+        fix = (
+            f"a load of {load_average:.1f} is {load_average / cpus:.1f}x the {cpus} usable "
+            "CPUs, so threads wait for a core: run fewer jobs at once, lower each job's "
+            "threads so that together they fit (OMP_NUM_THREADS, torch.set_num_threads(), "
+            "DataLoader num_workers), or pin each job to cores of its own "
+            "(taskset -c <first>-<last> python train.py)"
+        )
+        return Check("load", "warn", value, fix)
+    return Check("load", "ok", value)
 
 
 def check_start_method(method: str, platform: str = sys.platform) -> Check:

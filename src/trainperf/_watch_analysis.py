@@ -17,6 +17,7 @@ __all__ = ["Sample", "StepRecord", "Verdict", "VerdictKind", "WatchReport", "ana
 
 MIN_STEPS = 5  # measured steps needed for a verdict
 INPUT_BOUND_WAIT = 0.25  # share of step time spent waiting for data
+SAWTOOTH_WAIT = 0.10  # with a saw-tooth GPU utilisation, this much waiting is input-bound
 CPU_SATURATED = 0.8  # share of the usable CPUs this process and its workers use
 HOST_SATURATED = 90.0  # host CPU percent, with the process using at least half its share
 GPU_IDLE_UTIL = 5.0  # percent
@@ -67,7 +68,8 @@ def _find_stalls(durations: Sequence[float], first: int) -> tuple[int | None, li
     total = sum(durations)
     last = first + len(durations) - 1
     if len(slow) >= 3:
-        for period in range(2, len(durations) // 3 + 1):
+        # Up to the longest period that fits three stalls: p, p + N, p + 2N.
+        for period in range(2, (len(durations) - 1) // 2 + 1):
             phases: dict[int, int] = {}
             for i in slow:
                 phases[i % period] = phases.get(i % period, 0) + 1
@@ -97,6 +99,11 @@ def analyse(
     """Turn a step timeline and background samples into a :class:`WatchReport`.
 
     :class:`Watch` calls this; it is public so recorded timelines can be re-analysed.
+
+    How busy the GPU was is judged from the smaller of NVML's mean utilisation and the
+    CUDA-event span (``gpu_busy_fraction``): the span is only an upper bound, since on an
+    idle stream it measures host time between the two events. Without NVML samples the span
+    alone is used, and a GPU the loop barely uses cannot then be told from a busy one.
 
     Args:
         timeline: the steps, in order.
@@ -147,7 +154,8 @@ def analyse(
         else None
     )
     busy = [s.gpu_busy for s in measured if s.gpu_busy is not None]
-    gpu_busy = min(1.0, sum(busy) / wall) if busy and len(busy) == len(measured) else None
+    # The CUDA-event span: an upper bound on the GPU's busy share, not the share itself.
+    gpu_span = min(1.0, sum(busy) / wall) if busy and len(busy) == len(measured) else None
     utils = [s.gpu_utilization for s in window if s.gpu_utilization is not None]
     memory = [s.gpu_memory_used for s in window if s.gpu_memory_used is not None]
     process_cpu = _mean([s.process_cpu for s in window])
@@ -167,7 +175,7 @@ def analyse(
             samples_per_s=samples_per_s,
             median_step_s=statistics.median(durations) if durations else 0.0,
             wait_fraction=wait,
-            gpu_busy_fraction=gpu_busy,
+            gpu_busy_fraction=gpu_span,
             gpu_utilization_mean=util_mean,
             gpu_utilization_max=max(utils) if utils else None,
             gpu_memory_max=max(memory) if memory else None,
@@ -202,8 +210,22 @@ def analyse(
                 "stay on the CPU",
             )
         )
-    gpu_share = (
-        gpu_busy if gpu_busy is not None else (None if util_mean is None else util_mean / 100)
+    # On an idle stream a step's two events complete as soon as they are recorded, so their
+    # span is host time: ~100 % for a loop that launches nothing (or launches slowly). The
+    # span only bounds the busy share from above; NVML's utilisation (the share of time a
+    # kernel ran) is the smaller, truer figure where it exists.
+    utilisation = None if util_mean is None else util_mean / 100
+    shares = [x for x in (gpu_span, utilisation) if x is not None]
+    gpu_share = min(shares) if shares else None
+    gpu_figures = "; ".join(
+        part
+        for part in (
+            "" if utilisation is None else f"NVML utilisation averages {util_mean:.0f}%",
+            ""
+            if gpu_span is None
+            else f"the steps' CUDA events span {gpu_span:.0%} of step time (an upper bound)",
+        )
+        if part
     )
     if gpu_present and gpu_share is not None and gpu_share * 100 < GPU_IDLE_UTIL:
         return report(
@@ -211,6 +233,7 @@ def analyse(
                 "gpu-unused",
                 f"CUDA is initialised but the GPU is busy only {gpu_share:.0%} of the time: the "
                 "model or the data is not on the GPU",
+                gpu_figures,
             )
         )
 
@@ -247,7 +270,8 @@ def analyse(
                 ),
             )
         )
-    if wait >= INPUT_BOUND_WAIT:
+    # A saw-tooth (the GPU idles between batches) makes a smaller wait the limit as well.
+    if wait >= INPUT_BOUND_WAIT or (swing and wait >= SAWTOOTH_WAIT):
         kind: VerdictKind = "host-bound" if saturated else "input-bound"
         summary = (
             "waiting for data while the CPUs are saturated"
@@ -264,6 +288,7 @@ def analyse(
                     f"the GPU is busy only {gpu_share:.0%} of the time while the CPUs are "
                     "saturated",
                     cpu_reason,
+                    gpu_figures,
                 ),
             )
         )
@@ -272,7 +297,12 @@ def analyse(
         main = candidates[0][1]
         return report(main, [v for _, v in candidates[1:]])
     where = "the GPU" if cuda_used else "the CPU"
-    busy_reason = "" if gpu_share is None else f"the GPU is busy {gpu_share:.0%} of step time"
+    if gpu_share is None:
+        busy_reason = ""
+    elif utilisation is None:  # the event span alone: only a bound
+        busy_reason = f"the GPU is busy at most {gpu_share:.0%} of step time ({gpu_figures})"
+    else:
+        busy_reason = f"the GPU is busy {gpu_share:.0%} of step time ({gpu_figures})"
     main = verdict(
         "compute-bound",
         f"the training step on {where} is the limit; data arrives in time",

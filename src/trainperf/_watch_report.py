@@ -32,7 +32,10 @@ class StepRecord:
         wait: seconds spent waiting for batches (in ``w.iter``).
         compute: the rest of the step.
         samples: samples in the step's batches, None when unknown.
-        gpu_busy: seconds the GPU took for the step's work (CUDA events), None without CUDA.
+        gpu_busy: seconds between the step's two CUDA events (one recorded when its first
+            batch arrives, one at ``w.step()``) as the GPU reached them, None without CUDA.
+            An upper bound on the GPU's busy time: on an idle stream an event completes as
+            soon as it is recorded, so a step that launches nothing spans its host time.
     """
 
     index: int
@@ -105,7 +108,11 @@ class WatchReport:
         samples_per_s: samples per second, None when batch sizes are unknown.
         median_step_s: the median step time.
         wait_fraction: share of step time spent waiting for data.
-        gpu_busy_fraction: share of step time the GPU worked on the steps (CUDA events).
+        gpu_busy_fraction: the steps' CUDA-event span as a share of step time (the sum of
+            ``StepRecord.gpu_busy`` over the step time), None without CUDA. An upper bound
+            on how busy the GPU was, not the busy share itself: a loop that launches kernels
+            slowly, or none at all, still spans ~100 %. The verdict uses the smaller of this
+            and ``gpu_utilization_mean`` / 100.
         gpu_utilization_mean: mean NVML utilisation (percent) over the measured steps.
         gpu_utilization_max: its maximum.
         gpu_memory_max: the most GPU memory seen in use, bytes.
@@ -183,7 +190,7 @@ class WatchReport:
             )
         gpu = []
         if self.gpu_busy_fraction is not None:
-            gpu.append(f"busy {self.gpu_busy_fraction:.0%} of step time")
+            gpu.append(f"CUDA events span {self.gpu_busy_fraction:.0%} of step time")
         if self.gpu_utilization_mean is not None:
             gpu.append(f"utilisation mean {self.gpu_utilization_mean:.0f}%")
         if self.gpu_memory_max is not None:

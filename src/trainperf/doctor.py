@@ -27,6 +27,7 @@ from trainperf._doctor_checks import (
     Verdict,
     check_blas,
     check_cpus,
+    check_load,
     check_memory,
     check_shm,
     check_start_method,
@@ -48,6 +49,7 @@ __all__ = [
     "check_cpus",
     "check_cuda_arch",
     "check_gpus",
+    "check_load",
     "check_memory",
     "check_shm",
     "check_start_method",
@@ -141,6 +143,17 @@ def _blas_pools() -> list[dict[str, Any]] | None:
     return list(threadpoolctl.threadpool_info())
 
 
+def _load_average() -> float | None:
+    """The 1-minute load average, None where the platform has none (Windows)."""
+    getloadavg = getattr(os, "getloadavg", None)
+    if getloadavg is None:
+        return None
+    try:
+        return float(getloadavg()[0])
+    except OSError:  # the platform could not tell
+        return None
+
+
 def _cpu_vendor(cpuinfo: Path) -> str | None:
     try:
         text = cpuinfo.read_text()
@@ -211,11 +224,13 @@ def diagnose(
         check_cuda_arch(torch.cuda.get_arch_list(), [(g.name, g.compute_capability) for g in gpus]),
         check_cpus(limits, len(gpus)),
         check_memory(limits),
-        check_shm(limits, workers=max(1, limits.cpus // max(1, len(gpus)))),
+        # Every rank's workers share the one /dev/shm: the whole host's workers count.
+        check_shm(limits, workers=max(1, limits.cpus)),
         check_blas(_blas_pools(), _cpu_vendor(cpuinfo), limits.cpus),
         check_threads(
             torch.get_num_threads(), environ.get("OMP_NUM_THREADS"), limits.cpus, processes
         ),
+        check_load(_load_average(), limits.cpus),
         check_start_method(start_method({})),
         check_visible_devices(
             environ.get("CUDA_VISIBLE_DEVICES"), environ.get("CUDA_DEVICE_ORDER"), physical

@@ -10,9 +10,10 @@
 
 Per step the loop pays two ``time.perf_counter()`` stamps and, once the process uses CUDA,
 two CUDA events (recorded, never waited for: they are read back lazily with
-``Event.query()`` and one ``Event.synchronize()`` when the report is made). A background
-thread samples GPU utilisation and memory (NVML) and process and host CPU (psutil) ten
-times a second. :func:`analyse` (in ``_watch_analysis``, re-exported here) turns the
+``Event.query()`` and one ``Event.synchronize()`` when the report is made); the time
+between them is the span of the step's GPU work, an upper bound on its busy time. A
+background thread samples GPU utilisation and memory (NVML) and process and host CPU
+(psutil) ten times a second. :func:`analyse` (in ``_watch_analysis``, re-exported here) turns the
 timeline into a verdict: input-bound, compute-bound, host-bound, GPU unused or periodic
 stalls.
 
@@ -203,6 +204,8 @@ class Watch:
             else:
                 self._pending_count += n
             if self._cuda and self._step_start is None:
+                # With the stream idle this event completes at once, so the step's span is
+                # then host time; analyse() bounds it with NVML's utilisation.
                 self._step_start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
                 self._step_start.record(self._stream)
             yield item

@@ -46,8 +46,9 @@ class MatmulResult:
         iterations: timed products.
         seconds: mean wall time of one product over one synchronised block.
         tflops: ``2 * size**3 / seconds / 1e12``.
-        datasheet_tflops: the reference datasheet figure for this card and dtype (fp32 and
-            fp16 only), None when unknown.
+        datasheet_tflops: the reference datasheet figure for this card and dtype, None when
+            unknown: fp32 and fp16, and for bf16 on Ampere and newer the fp16 figure (the
+            table has no bf16 column; a note says so).
         datasheet_fraction: ``tflops / datasheet_tflops``, None when unknown.
         notes: caveats (no datasheet figure, TF32 on a pre-Ampere GPU, a low fraction).
     """
@@ -157,6 +158,13 @@ def bench_matmul(
     datasheet = None
     if spec is not None and dtype in ("fp32", "fp16"):
         datasheet = spec.fp32_tflops if dtype == "fp32" else spec.fp16_tflops
+    elif spec is not None and dtype == "bf16" and torch.cuda.get_device_capability(dev) >= (8, 0):
+        # As bench model does: bf16 and fp16 share the tensor-core rate on Ampere and newer.
+        datasheet = spec.fp16_tflops
+        notes.append(
+            "the reference table has no bf16 figure; compared with its fp16 figure (the same "
+            "tensor-core rate on Ampere and newer)"
+        )
     fraction = None if datasheet is None else tflops / datasheet
     if name is not None and datasheet is None:
         if spec is None:

@@ -320,6 +320,7 @@ def bench_model(
                 median,
                 compute_capability=torch.cuda.get_device_capability(dev),
                 tf32_matmul=tf32_matmul,
+                tf32_cudnn=tf32_cudnn,
             )
             if comparison.warning is not None and batch_size < MIN_COMPARABLE_BATCH:
                 notes.append(

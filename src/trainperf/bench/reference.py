@@ -259,6 +259,7 @@ def compare_to_reference(
     *,
     compute_capability: tuple[int, int] | None = None,
     tf32_matmul: bool | None = None,
+    tf32_cudnn: bool | None = None,
 ) -> ReferenceComparison:
     """Compare a measured inference throughput with the reference table.
 
@@ -266,7 +267,10 @@ def compare_to_reference(
     cards. The table has no bf16 column: bf16 is compared with fp16 (the same tensor-core
     rate on Ampere and newer), with a note saying so. For fp32 on Ampere or newer
     (compute capability >= 8.0) the TF32 caveat is noted, and no slowness warning is given
-    when this run kept matmuls off TF32 (``tf32_matmul=False``), since the reference did not.
+    when this run kept the model's fp32 work off TF32 and the reference did not: ResNet-50 is
+    convolutions (``tf32_cudnn=False``), ViT-B/16 matmuls (``tf32_matmul=False``). PyTorch's
+    defaults keep convolutions on TF32 and matmuls off it, so a default fp32 ResNet-50 run
+    is like-for-like (and warned about when slow) while a default fp32 ViT-B/16 run is not.
 
     Args:
         gpu_name: this GPU's name, any spelling.
@@ -274,7 +278,9 @@ def compare_to_reference(
         precision: ``"fp32"``, ``"fp16"`` or ``"bf16"``.
         images_per_s: the measured throughput (> 0).
         compute_capability: this GPU's ``(major, minor)``, for the TF32 caveat.
-        tf32_matmul: whether this run allowed TF32 for fp32 matmuls.
+        tf32_matmul: whether this run allowed TF32 for fp32 matmuls (None: unknown).
+        tf32_cudnn: whether this run allowed TF32 for fp32 cuDNN convolutions (None:
+            unknown).
 
     Returns:
         A :class:`ReferenceComparison`.
@@ -301,7 +307,11 @@ def compare_to_reference(
         notes.append("the reference table has no bf16 column; compared with its fp16 figures")
     column = f"{MODEL_COLUMNS[model]}_{table_precision}"
     ampere_or_newer = compute_capability is not None and compute_capability >= (8, 0)
-    tf32_differs = precision == "fp32" and ampere_or_newer and tf32_matmul is False
+    # The switch the model's fp32 work goes through; the reference ran both on TF32.
+    work, tf32_used = (
+        ("convolutions", tf32_cudnn) if model == "resnet50" else ("matmuls", tf32_matmul)
+    )
+    tf32_differs = precision == "fp32" and ampere_or_newer and tf32_used is False
     if precision == "fp32" and (ampere_or_newer or compute_capability is None):
         notes.append(TF32_CAVEAT)
 
@@ -315,7 +325,7 @@ def compare_to_reference(
     if ratio is not None and ratio < SLOW_RATIO:
         if tf32_differs:
             notes.append(
-                f"{ratio:.2f}x the reference, but this run kept fp32 matmuls off TF32 and the "
+                f"{ratio:.2f}x the reference, but this run kept fp32 {work} off TF32 and the "
                 "reference did not: run with --tf32 for a like-for-like comparison"
             )
         else:
