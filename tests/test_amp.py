@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import json
 import math
+import platform
 import subprocess
 import sys
 from collections import OrderedDict, namedtuple
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -134,6 +136,63 @@ def test_auto_policy_on_cpu_depends_on_bf16_kernels(
     assert MixedPrecision("cpu").dtype == dtype
 
 
+def fake_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+    machine: str,
+    *,
+    avx512_bf16: bool | None,
+    amx: bool | None,
+    onednn: bool,
+) -> None:
+    """A CPU of ``machine``; None removes a torch.cpu check (a torch that lacks it)."""
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    for name, value in (
+        ("_is_avx512_bf16_supported", avx512_bf16),
+        ("_is_amx_tile_supported", amx),
+    ):
+        if value is None:
+            monkeypatch.delattr(torch.cpu, name, raising=False)
+        else:
+            monkeypatch.setattr(torch.cpu, name, lambda value=value: value)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
+
+
+@pytest.mark.parametrize(
+    ("cpu", "machine", "avx512_bf16", "amx", "native"),
+    [
+        # oneDNN says yes on every AVX-512BW/VL/DQ CPU; only these flags mean native bf16.
+        ("Cascade Lake", "x86_64", False, False, False),
+        ("Cooper Lake / Zen 4", "x86_64", True, False, True),
+        ("Sapphire Rapids", "x86_64", True, True, True),
+        ("AMX only", "AMD64", False, True, True),
+        ("a torch without the checks", "x86_64", None, None, False),
+    ],
+)
+def test_x86_cpu_needs_avx512_bf16_or_amx_not_just_onednn(
+    monkeypatch: pytest.MonkeyPatch,
+    cpu: str,
+    machine: str,
+    avx512_bf16: bool | None,
+    amx: bool | None,
+    native: bool,
+) -> None:
+    fake_cpu(monkeypatch, machine, avx512_bf16=avx512_bf16, amx=amx, onednn=True)
+    assert _precision.cpu_has_bf16_kernels() is native
+    dtype, why = _precision.auto_precision(torch.device("cpu"))
+    assert dtype == (torch.bfloat16 if native else torch.float32)
+    assert ("has native bf16" if native else "no native bf16") in why
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_arm_cpu_keeps_the_onednn_check(monkeypatch: pytest.MonkeyPatch, onednn: bool) -> None:
+    # The x86 flags are False on Arm; oneDNN's answer decides there.
+    fake_cpu(monkeypatch, "aarch64", avx512_bf16=False, amx=False, onednn=onednn)
+    assert _precision.cpu_has_bf16_kernels() is onednn
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert _precision.cpu_has_bf16_kernels() is False
+
+
 def test_auto_policy_for_mps_and_unknown_devices() -> None:
     assert _precision.auto_precision(torch.device("mps"))[0] == torch.float16
     assert choose_precision("meta") == torch.float32
@@ -143,8 +202,9 @@ def test_device_none_uses_best_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(trainperf.device, "best_device", lambda: torch.device("cpu"))
     assert MixedPrecision(precision="fp32").device == torch.device("cpu")
     monkeypatch.setattr(trainperf.device, "best_device", lambda: torch.device("cuda", 0))
-    fake_gpu(monkeypatch, (8, 0))
-    assert choose_precision() == torch.bfloat16
+    fake_gpu(monkeypatch, (7, 0))  # fp16: an answer the CPU never gives
+    assert choose_precision() == torch.float16
+    assert MixedPrecision().device == torch.device("cuda", 0)
 
 
 def test_explicit_precision_overrides_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -378,6 +438,39 @@ def test_fp16_step_that_grows_the_scale_counts_as_stepped() -> None:
     assert torch.allclose(w.detach(), torch.full((3,), 0.8))
 
 
+@needs_cpu_fp16
+@pytest.mark.parametrize("finite", [True, False])
+def test_fp16_step_reads_the_device_at_most_once_more_than_grad_scaler(
+    monkeypatch: pytest.MonkeyPatch, finite: bool
+) -> None:
+    # Each device-to-host read in a step (a CUDA synchronisation on a GPU) is a Tensor.item().
+    item = torch.Tensor.item
+    reads = 0
+
+    def counted(self: torch.Tensor) -> object:
+        nonlocal reads
+        reads += 1
+        return item(self)
+
+    def after_backward() -> tuple[MixedPrecision, torch.optim.Optimizer]:
+        w = nn.Parameter(torch.ones(3))
+        mp = MixedPrecision("cpu", precision="fp16")
+        mp.backward((w * 2).sum())
+        if not finite:
+            w.grad[0] = math.inf  # type: ignore[index]
+        return mp, torch.optim.SGD([w], lr=0.1)
+
+    mp, opt = after_backward()
+    assert mp.scaler is not None
+    monkeypatch.setattr(torch.Tensor, "item", counted)
+    mp.scaler.step(opt)  # what a hand-written loop does
+    mp.scaler.update()
+    bare, reads = reads, 0
+    mp, opt = after_backward()
+    assert mp.step(opt) is finite
+    assert bare >= 1 and reads <= bare + 1
+
+
 def reference_fp32(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, clip: float
 ) -> nn.Module:
@@ -474,6 +567,19 @@ def test_loading_a_state_without_scale_keeps_a_fresh_scaler() -> None:
     assert mp.scaler is None
 
 
+@needs_cpu_fp16
+def test_loading_a_state_without_scale_into_fp16_keeps_its_fresh_scaler() -> None:
+    fresh = MixedPrecision("cpu", precision="fp16").state_dict()
+    mp = MixedPrecision("cpu", precision="fp16")
+    mp.load_state_dict({"precision": "bf16", "scaler": None})  # a bf16 run resumed as fp16
+    assert mp.scaler is not None
+    assert mp.scaler.get_scale() == 2.0**16  # GradScaler's initial scale
+    assert mp.state_dict() == fresh
+    w = nn.Parameter(torch.ones(2))
+    mp.backward(w.sum())
+    assert mp.step(torch.optim.SGD([w], lr=0.1))  # and it works
+
+
 @pytest.mark.parametrize("bad", [{"scale": 1.0}, {"precision": "fp16"}, [1, 2], None])
 def test_load_state_dict_rejects_other_dicts(bad: object) -> None:
     with pytest.raises(ValueError, match="not a MixedPrecision state dict"):
@@ -483,34 +589,56 @@ def test_load_state_dict_rejects_other_dicts(bad: object) -> None:
 # --------------------------------------------------------------------------- channels_last
 
 
-def test_channels_last_rule_on_resnet18_and_vit_b_16() -> None:
+@pytest.mark.parametrize(
+    ("name", "converts", "convs"),
+    [
+        ("resnet18", True, 20),
+        # ~11 % and ~4 % of their parameters are in convolutions (the rest in the classifier's
+        # Linear layers), but nearly all of their compute is.
+        ("vgg16", True, 13),
+        ("alexnet", True, 5),
+        # A 4x4/4 stem and 2x2/2 downsampling (patch embeddings), then depthwise 7x7 convolutions.
+        ("convnext_tiny", True, 18),
+        # Only a patch embedding: 16x16/16 (ViT), 4x4/4 (Swin).
+        ("vit_b_16", False, 0),
+        ("swin_t", False, 0),
+    ],
+)
+def test_channels_last_rule_on_torchvision_models(name: str, converts: bool, convs: int) -> None:
     torchvision = pytest.importorskip("torchvision")
-    cuda = torch.device("cuda", 0)
-    resnet = torchvision.models.resnet18(weights=None)
-    vit = torchvision.models.vit_b_16(weights=None)
-    assert _channels_last.conv_share(resnet) > 0.9
-    assert _channels_last.conv_share(vit) < 0.01  # only the patch embedding is a Conv2d
-    assert _channels_last.channels_last_decision(resnet, "auto", device=cuda, tensor_cores=True)[0]
-    use, why = _channels_last.channels_last_decision(vit, "auto", device=cuda, tensor_cores=True)
-    assert not use and "not a convolutional model" in why
+    with torch.device("meta"):  # no memory, no initialisation cost
+        model = getattr(torchvision.models, name)(weights=None)
+    use, why = _channels_last.channels_last_decision(
+        model, "auto", device=torch.device("cuda", 0), tensor_cores=True
+    )
+    assert use is converts
+    assert _channels_last.feature_map_convs(model)[0] == convs
+    if converts:
+        assert why.startswith(f"channels_last: yes, {convs} 2-D convolutions over feature maps (")
+    else:
+        assert why == (
+            "channels_last: no, no 2-D convolution over feature maps, only 1 patch embedding: "
+            "not a convolutional model"
+        )
+    if name in ("vgg16", "alexnet"):
+        assert _channels_last.conv_share(model) < 0.15  # what the old parameter-share rule missed
 
 
 def test_channels_last_rule_details() -> None:
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     cnn, vit = small_cnn(), TinyViT()
     assert _channels_last.conv_share(nn.ReLU()) == 0.0
-    assert (
-        _channels_last.conv_share(vit)
-        < _channels_last.CONV_SHARE_FOR_CHANNELS_LAST
-        < _channels_last.conv_share(cnn)
-    )
     decide = _channels_last.channels_last_decision
     assert decide(cnn, "auto", device=cuda, tensor_cores=True) == (
         True,
-        f"channels_last: yes, {_channels_last.conv_share(cnn):.0%} of parameters in "
-        "Conv2d/BatchNorm2d",
+        f"channels_last: yes, 2 2-D convolutions over feature maps "
+        f"({_channels_last.conv_share(cnn):.0%} of parameters in Conv2d/BatchNorm2d)",
     )
-    assert not decide(vit, "auto", device=cuda, tensor_cores=True)[0]
+    assert not decide(vit, "auto", device=cuda, tensor_cores=True)[0]  # 8x8/8 patch embedding
+    assert decide(nn.Linear(2, 2), "auto", device=cuda, tensor_cores=True) == (
+        False,
+        "channels_last: no, no 2-D convolution over feature maps: not a convolutional model",
+    )
     assert not decide(cnn, "auto", device=cuda, tensor_cores=False)[0]  # fp32 on a V100
     assert not decide(cnn, "auto", device=cpu, tensor_cores=True)[0]
     assert decide(vit, True, device=cpu, tensor_cores=False)[0]
@@ -518,6 +646,26 @@ def test_channels_last_rule_details() -> None:
     shared = nn.Sequential(nn.Conv2d(3, 3, 1), nn.Linear(3, 3))
     shared.append(shared[0])  # a shared module is counted once
     assert _channels_last.conv_share(shared) == pytest.approx(12 / 24)
+    assert _channels_last.feature_map_convs(shared) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    ("conv", "patch"),
+    [
+        (nn.Conv2d(3, 8, 16, stride=16), True),  # ViT
+        (nn.Conv2d(3, 8, (1, 4), stride=(1, 4)), True),
+        (nn.ConvTranspose2d(8, 8, 2, stride=2), True),
+        (nn.Conv2d(8, 8, 1), False),  # pointwise: 1x1 kernel == 1x1 stride, still a conv
+        (nn.Conv2d(8, 8, 1, stride=2), False),  # ResNet downsample
+        (nn.Conv2d(3, 8, 7, stride=2, padding=3), False),  # ResNet stem
+        (nn.Conv2d(3, 8, 11, stride=4), False),  # AlexNet's first layer: overlapping
+        (nn.Conv2d(8, 8, 2, stride=2, dilation=2), False),  # dilated: not contiguous patches
+        (nn.ConvTranspose2d(8, 8, 4, stride=2, padding=1), False),
+    ],
+)
+def test_patch_embedding_is_kernel_equal_to_stride_above_1x1(conv: nn.Module, patch: bool) -> None:
+    assert _channels_last.is_patch_embedding(conv) is patch  # type: ignore[arg-type]
+    assert _channels_last.feature_map_convs(nn.Sequential(conv)) == (int(not patch), int(patch))
 
 
 def test_prepare_on_cpu_leaves_auto_channels_last_off_and_tf32_alone() -> None:
@@ -528,6 +676,69 @@ def test_prepare_on_cpu_leaves_auto_channels_last_off_and_tf32_alone() -> None:
     x = mp.prepare_batch(torch.randn(2, 3, 8, 8))
     assert x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last)
     assert "channels_last: not on cpu" in repr(mp) and "TF32: not applicable" in repr(mp)
+
+
+class StaysOnCpu(nn.Sequential):
+    """A model that ignores ``.to(device)`` (keeping ``memory_format``), so that prepare() can
+    run against a faked GPU without CUDA."""
+
+    def to(self, *args: Any, **kwargs: Any) -> StaysOnCpu:
+        kwargs.pop("device", None)
+        args = tuple(a for a in args if not isinstance(a, torch.device))
+        return super().to(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("capability", "precision", "tf32", "channels_last", "tf32_on"),
+    [
+        ((6, 1), "auto", True, False, False),  # Pascal: fp32, no tensor cores
+        ((7, 0), "auto", True, True, False),  # V100: fp16 tensor cores; TF32 needs 8.0
+        ((7, 5), "fp32", True, False, False),  # T4 in fp32: no tensor cores in use
+        ((8, 0), "auto", True, True, True),  # A100: bf16
+        ((9, 0), "fp32", True, True, True),  # H200 in fp32: TF32 tensor cores
+        ((9, 0), "fp32", False, False, False),  # ... without TF32: none
+        ((9, 0), "bf16", False, True, False),
+    ],
+)
+def test_prepare_turns_the_compute_capability_into_channels_last_and_tf32(
+    monkeypatch: pytest.MonkeyPatch,
+    restore_tf32: None,
+    capability: tuple[int, int],
+    precision: str,
+    tf32: bool,
+    channels_last: bool,
+    tf32_on: bool,
+) -> None:
+    fake_gpu(monkeypatch, capability)
+    with _tf32.tf32(False):
+        mp = MixedPrecision("cuda", precision=precision, tf32=tf32)  # type: ignore[arg-type]
+        model = mp.prepare(StaysOnCpu(*small_cnn()))
+        assert _tf32.tf32_state() == _tf32.TF32State(matmul=tf32_on, cudnn=tf32_on)
+    assert (mp.uses_channels_last, mp.tf32_enabled) == (channels_last, tf32_on)
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last) is channels_last
+    if channels_last:
+        assert "channels_last: yes, 2 2-D convolutions over feature maps" in mp.reason
+    else:
+        assert "channels_last: no, no tensor cores in use" in mp.reason
+    if tf32_on:
+        assert "TF32: enabled process-wide" in mp.reason
+    elif not tf32:
+        assert "TF32: off (tf32=False)" in mp.reason
+    else:
+        assert "TF32: not applicable (needs CUDA compute capability >= 8.0)" in mp.reason
+
+
+def test_prepare_leaves_a_vit_alone_on_a_faked_h200(
+    monkeypatch: pytest.MonkeyPatch, restore_tf32: None
+) -> None:
+    fake_gpu(monkeypatch, (9, 0))
+    vit = TinyViT()
+    vit.to = lambda *args, **kwargs: vit  # type: ignore[method-assign]  # no CUDA to move to
+    with _tf32.tf32(False):
+        mp = MixedPrecision("cuda")
+        mp.prepare(vit)
+    assert not mp.uses_channels_last and mp.tf32_enabled
+    assert "not a convolutional model" in mp.reason
 
 
 def test_prepare_batch_converts_only_4d_float_tensors_in_containers() -> None:

@@ -1,7 +1,7 @@
 """channels_last for :class:`trainperf.amp.MixedPrecision`: when to convert, and converting batches.
 
 channels_last (NHWC) lets convolutions run on tensor cores without layout transposes; it helps
-convolutional models only, so "auto" looks at where a model's parameters are.
+models that convolve over feature maps, so "auto" looks for such convolutions.
 """
 
 from __future__ import annotations
@@ -14,22 +14,52 @@ import torch
 from torch import nn
 
 __all__ = [
-    "CONV_SHARE_FOR_CHANNELS_LAST",
     "channels_last_decision",
     "conv_share",
+    "feature_map_convs",
+    "is_patch_embedding",
     "to_channels_last",
 ]
 
 T = TypeVar("T")
 
-# channels_last="auto" converts a model only when at least this share of its parameters sits
-# in 2-D convolutions and their batch norms: ResNets are ~95 %, a ViT-B/16 (whose only
-# convolution is the patch embedding) ~0.7 %, and channels_last does not help a ViT.
-CONV_SHARE_FOR_CHANNELS_LAST = 0.5
+
+def is_patch_embedding(conv: nn.Conv2d | nn.ConvTranspose2d) -> bool:
+    """Whether ``conv`` cuts its input into non-overlapping patches (kernel == stride > 1x1).
+
+    A ViT's ``conv_proj`` (16x16, stride 16) or a Swin's stem (4x4, stride 4): in effect one
+    matmul per patch, not a convolution over feature maps.
+    """
+    return (
+        conv.kernel_size == conv.stride
+        and any(k > 1 for k in conv.kernel_size)
+        and all(d == 1 for d in conv.dilation)
+    )
+
+
+def feature_map_convs(model: nn.Module) -> tuple[int, int]:
+    """``(convolutions over feature maps, patch embeddings)`` among ``model``'s 2-D convolutions.
+
+    Every ``Conv2d``/``ConvTranspose2d`` that is not a patch embedding (see
+    :func:`is_patch_embedding`) counts as a convolution over feature maps; a shared module is
+    counted once.
+    """
+    convs = patches = 0
+    for module in model.modules():
+        if isinstance(module, (nn.Conv2d, nn.ConvTranspose2d)):
+            if is_patch_embedding(module):
+                patches += 1
+            else:
+                convs += 1
+    return convs, patches
 
 
 def conv_share(model: nn.Module) -> float:
-    """The share of ``model``'s parameters held by 2-D convolutions and 2-D batch norms."""
+    """The share of ``model``'s parameters held by 2-D convolutions and 2-D batch norms.
+
+    Reported as extra information only: it is no guide to compute (VGG-16's convolutions hold
+    ~11 % of its parameters and nearly all of its FLOPs).
+    """
     seen: set[int] = set()
     total = conv = 0
     for module in model.modules():
@@ -51,22 +81,34 @@ def channels_last_decision(
     device: torch.device,
     tensor_cores: bool,
 ) -> tuple[bool, str]:
-    """Whether to convert ``model`` to channels_last, and why (pure: touches no device)."""
+    """Whether to convert ``model`` to channels_last, and why (pure: touches no device).
+
+    "auto" converts on CUDA, when tensor cores are in use, a model with at least one 2-D
+    convolution over feature maps (a patch embedding alone, as in a ViT, does not count).
+    """
     if setting is True:
         return True, "channels_last: requested"
     if setting is False:
         return False, "channels_last: off (requested)"
     if device.type != "cuda":
         return False, f"channels_last: not on {device.type} ('auto' converts on CUDA only)"
-    share = conv_share(model)
-    if share < CONV_SHARE_FOR_CHANNELS_LAST:
+    convs, patches = feature_map_convs(model)
+    if not convs:
+        only = f", only {_plural(patches, 'patch embedding')}" if patches else ""
         return False, (
-            f"channels_last: no, {share:.0%} of parameters in Conv2d/BatchNorm2d "
-            f"(< {CONV_SHARE_FOR_CHANNELS_LAST:.0%}: not a convolutional model)"
+            f"channels_last: no, no 2-D convolution over feature maps{only}: "
+            "not a convolutional model"
         )
     if not tensor_cores:
         return False, "channels_last: no, no tensor cores in use (fp32 without TF32, or < 7.0)"
-    return True, f"channels_last: yes, {share:.0%} of parameters in Conv2d/BatchNorm2d"
+    return True, (
+        f"channels_last: yes, {_plural(convs, '2-D convolution')} over feature maps "
+        f"({conv_share(model):.0%} of parameters in Conv2d/BatchNorm2d)"
+    )
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def to_channels_last(obj: T) -> T:

@@ -7,6 +7,7 @@ The small functions that ask the device (:func:`cuda_capability`, :func:`cpu_has
 
 from __future__ import annotations
 
+import platform
 import warnings
 
 import torch
@@ -43,14 +44,40 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
     return int(major), int(minor)
 
 
+# platform.machine() of an x86-64 CPU: Linux and macOS say x86_64, Windows AMD64.
+_X86_64 = ("x86_64", "amd64")
+
+
 def cpu_has_bf16_kernels() -> bool:
-    """Whether oneDNN has bf16 kernels for this CPU; without them bf16 is slower than fp32."""
+    """Whether this CPU computes bf16 natively; where it is emulated, bf16 is slower than fp32.
+
+    On x86-64 that takes AVX512-BF16 or AMX (Cooper Lake, Sapphire Rapids, Zen 4 and later).
+    oneDNN's own check is not enough there: it also says yes on any AVX-512BW/VL/DQ CPU
+    (Skylake-SP, Cascade Lake), where bf16 is emulated. Elsewhere (aarch64) oneDNN's check is
+    used. On x86-64 a torch without torch.cpu's checks gets False: fp32 may leave speed
+    unused there, but is never slower than emulated bf16.
+    """
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
+    if platform.machine().lower() in _X86_64:
+        return _x86_has_native_bf16()
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # an op missing from this torch build
         return False
+
+
+def _x86_has_native_bf16() -> bool:
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        check = getattr(torch.cpu, name, None)
+        if check is None:  # private helpers, missing from some torch releases
+            continue
+        try:
+            if check():
+                return True
+        except (AttributeError, RuntimeError):
+            continue
+    return False
 
 
 def autocast_supports(device_type: str, dtype: torch.dtype) -> bool:
@@ -90,8 +117,8 @@ def auto_precision(device: torch.device) -> tuple[torch.dtype, str]:
         )
     if device.type == "cpu":
         if cpu_has_bf16_kernels() and autocast_supports("cpu", torch.bfloat16):
-            return torch.bfloat16, "auto: the CPU has bf16 kernels and bf16 autocast -> bf16"
-        return torch.float32, "auto: the CPU has no bf16 kernels (bf16 would be slower) -> fp32"
+            return torch.bfloat16, "auto: the CPU has native bf16 and bf16 autocast -> bf16"
+        return torch.float32, "auto: the CPU has no native bf16 (emulated bf16 is slower) -> fp32"
     if device.type == "mps":
         return torch.float16, "auto: mps -> fp16 with loss scaling"
     return torch.float32, f"auto: no policy for device type {device.type!r} -> fp32"

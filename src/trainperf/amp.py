@@ -9,17 +9,21 @@ channels_last, TF32) from the device, and says which it made and why.
 
 The "auto" policy (:func:`choose_precision`):
 
-=====================================  ============  ==============
-device                                 precision     loss scaler
-=====================================  ============  ==============
-CUDA, compute capability >= 8.0        bf16          no
-CUDA, compute capability 7.x           fp16          yes
-CUDA, compute capability < 7.0         fp32          no
-CPU with bf16 kernels (oneDNN)         bf16          no
-CPU without                            fp32          no
-MPS                                    fp16          yes
-anything else                          fp32          no
-=====================================  ============  ==============
+========================================  ============  ==============
+device                                    precision     loss scaler
+========================================  ============  ==============
+CUDA, compute capability >= 8.0           bf16          no
+CUDA, compute capability 7.x              fp16          yes
+CUDA, compute capability < 7.0            fp32          no
+CPU with native bf16 (AVX512-BF16/AMX)    bf16          no
+CPU without                               fp32          no
+MPS                                       fp16          yes
+anything else                             fp32          no
+========================================  ============  ==============
+
+On x86-64 "native bf16" means AVX512-BF16 or AMX (an AVX-512 CPU without them, such as
+Skylake or Cascade Lake, emulates bf16 and gets fp32); on other CPUs (Arm) it is oneDNN's
+own bf16 check.
 """
 
 from __future__ import annotations
@@ -33,15 +37,11 @@ import torch
 from torch import nn
 
 from trainperf import _precision
-from trainperf._channels_last import (
-    CONV_SHARE_FOR_CHANNELS_LAST,
-    channels_last_decision,
-    to_channels_last,
-)
+from trainperf._channels_last import channels_last_decision, to_channels_last
 from trainperf._tf32 import enable_tf32
 from trainperf.device import resolve_device, to_device
 
-__all__ = ["CONV_SHARE_FOR_CHANNELS_LAST", "MixedPrecision", "Precision", "choose_precision"]
+__all__ = ["MixedPrecision", "Precision", "choose_precision"]
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 _PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -54,7 +54,7 @@ def choose_precision(device: str | torch.device | None = None) -> torch.dtype:
     """The precision the "auto" policy picks for ``device`` (see the table in the module doc).
 
     CUDA compute capability >= 8.0 -> bf16; 7.x -> fp16 (with a loss scaler); < 7.0 -> fp32;
-    a CPU with bf16 kernels -> bf16, else fp32; MPS -> fp16. Override it with
+    a CPU with native bf16 -> bf16, else fp32; MPS -> fp16. Override it with
     ``MixedPrecision(precision=...)``.
 
     Args:
@@ -104,9 +104,9 @@ class MixedPrecision:
         device: where to train; None or ``"auto"`` means :func:`trainperf.best_device`
             (parsed by :func:`trainperf.device.resolve_device`).
         precision: "auto", "bf16", "fp16" or "fp32".
-        channels_last: "auto" converts models whose parameters are mostly in 2-D
-            convolutions (and their batch norms), on CUDA, when tensor cores are in use;
-            True/False force it on/off.
+        channels_last: "auto" converts models with at least one 2-D convolution over
+            feature maps (a patch embedding, as in a ViT, does not count), on CUDA, when
+            tensor cores are in use; True/False force it on/off.
         tf32: allow TF32 for fp32 matmuls and convolutions on compute capability >= 8.0 when
             :meth:`prepare` runs. This is process-wide torch state. False leaves it as is.
 
@@ -302,9 +302,11 @@ class MixedPrecision:
         """Clip (after unscaling), then step; for fp16, skip the step on inf/NaN gradients.
 
         The fp16 loss scale is lowered after a skipped step and raised after a run of good
-        ones. Only advance an LR scheduler when this returns True. For fp16 this reads the
-        scale back from the device (one synchronisation per step); bf16 and fp32 never skip
-        and never synchronise here.
+        ones. Only advance an LR scheduler when this returns True. For fp16, besides the
+        synchronisation inside ``GradScaler.step`` (which reads the inf/NaN flag to decide; a
+        fused optimizer skips on the device without it), this reads that flag back once more
+        after the step to say whether it stepped: at most two synchronisations per step.
+        bf16 and fp32 never skip and never synchronise here.
 
         Args:
             optimizer: the optimizer whose parameters got gradients from :meth:`backward`.
@@ -346,11 +348,13 @@ class MixedPrecision:
         if max_grad_norm is not None:
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
             nn.utils.clip_grad_norm_(_parameters(optimizer), max_grad_norm)
-        scale_before = scaler.get_scale()
         scaler.step(optimizer)
+        # The inf/NaN flags GradScaler.step decided on (torch's own test, in _maybe_opt_step);
+        # update() discards them, so read them first: one read, instead of the loss scale
+        # before and after.
+        found_inf = sum(v.item() for v in scaler._found_inf_per_device(optimizer).values())
         scaler.update()
-        # update() multiplies the scale by backoff_factor (< 1) exactly when it found inf/NaN.
-        return scaler.get_scale() >= scale_before
+        return not found_inf
 
     def zero_grad(
         self, optimizer: torch.optim.Optimizer | None = None, *, set_to_none: bool = True
