@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from trainperf._imports import is_available
+from trainperf.pipelines import _dali_importable
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# As in test_pipelines.py: CI (TRAINPERF_REQUIRE_DALI=1) fails instead of skipping without DALI.
+REQUIRE_DALI = os.environ.get("TRAINPERF_REQUIRE_DALI") == "1"
 
 
-def run_example(name: str, *args: str, timeout: float = 240) -> str:
+def run_example(
+    name: str, *args: str, timeout: float = 240, env: dict[str, str] | None = None
+) -> str:
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / name), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=None if env is None else {**os.environ, **env},
     )
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
@@ -69,3 +79,31 @@ def test_notebook_launch_runs_two_forked_ranks() -> None:
     assert "ranks hold the same weights after training: True" in out
     assert "a lambda under fork: [0, 10]" in out
     assert "the same under spawn: ValueError: start_method='spawn'" in out
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "torchvision",
+        pytest.param(
+            "dali",
+            marks=pytest.mark.skipif(
+                not REQUIRE_DALI and not _dali_importable(),
+                reason="needs nvidia-dali (TRAINPERF_REQUIRE_DALI=1 turns this into a failure)",
+            ),
+        ),
+    ],
+)
+def test_train_imagefolder_trains_with_the_backend_asked_for(tmp_path: Path, backend: str) -> None:
+    out = run_example(
+        "train_imagefolder.py",
+        *("--backend", backend, "--device", "cpu", "--epochs", "1"),
+        *("--images-per-class", "8", "--size", "32", "--tune-budget", "2"),
+        env={"XDG_CACHE_HOME": str(tmp_path / "cache")},  # the autotuner's cache
+    )
+    assert f"ImageLoader(backend='{backend}', device='cpu'" in out
+    assert "images=24, classes=3" in out
+    assert "MixedPrecision(device='cpu'" in out
+    found = re.search(r"epoch 0: loss (\d+\.\d+), eval accuracy (\d+\.\d)%", out)
+    assert found, out
+    assert 0 <= float(found.group(2)) <= 100

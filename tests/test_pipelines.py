@@ -9,6 +9,7 @@ standing in for the GPU.
 from __future__ import annotations
 
 import math
+import os
 import random
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from trainperf.pipelines import (
     IMAGENET_STD,
     ImageLoader,
     LoaderConfig,
+    _dali_importable,
     image_loader,
 )
 from trainperf.pipelines._augment import (
@@ -45,7 +47,13 @@ from trainperf.pipelines._source import (
 
 PIL = pytest.importorskip("PIL.Image")
 torchvision = pytest.importorskip("torchvision")
-needs_dali = pytest.mark.skipif(not is_available("nvidia.dali"), reason="needs nvidia-dali")
+# CI sets TRAINPERF_REQUIRE_DALI=1 (.ci/run): there the DALI tests run, and fail, when the
+# 'dali' extra did not install or does not import, instead of skipping quietly.
+REQUIRE_DALI = os.environ.get("TRAINPERF_REQUIRE_DALI") == "1"
+needs_dali = pytest.mark.skipif(
+    not REQUIRE_DALI and not _dali_importable(),
+    reason="needs nvidia-dali (TRAINPERF_REQUIRE_DALI=1 turns this skip into a failure)",
+)
 requires_cuda = pytest.mark.requires_cuda
 
 SIZE = 32
@@ -145,6 +153,7 @@ def _nvjpeg_on_cpu(
     rank: int = 0,
     world: int = 1,
     last_batch: str = "keep",
+    size: int = SIZE,
 ) -> ImageLoader:
     """The nvjpeg backend's code with the CPU in the GPU's place (image_loader refuses this)."""
     from trainperf.pipelines._nvjpeg import NvjpegLoader
@@ -154,7 +163,7 @@ def _nvjpeg_on_cpu(
     config = LoaderConfig(
         batch_size,
         train,
-        SIZE,
+        size,
         torch.device("cpu"),
         2,
         seed,
@@ -257,13 +266,17 @@ def test_eval_shards_stay_put_and_cover_the_files(folder: Path, backend: str) ->
     assert sorted(first[0] + first[1]) == list(range(24))
 
 
+@pytest.mark.parametrize("size", [SIZE, 224])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_eval_matches_torchvision_resize_centercrop_normalize(folder: Path, backend: str) -> None:
-    loader = _loader(folder, backend, train=False, batch_size=8, last_batch="keep")
+def test_eval_matches_torchvision_resize_centercrop_normalize(
+    folder: Path, backend: str, size: int
+) -> None:
+    loader = _loader(folder, backend, train=False, batch_size=8, last_batch="keep", size=size)
     worst, total, count = 0.0, 0.0, 0
     for images, _, indices in loader.iter_with_indices():
+        assert images.shape[-2:] == (size, size)
         for image, index in zip(images, indices.tolist(), strict=True):
-            expected = _reference_eval(loader.files[index], SIZE)
+            expected = _reference_eval(loader.files[index], size)
             diff = (_pixels(image[None]) - _pixels(expected[None])).abs()
             worst, total, count = (
                 max(worst, diff.max().item()),
@@ -366,6 +379,35 @@ def test_dali_missing_names_the_extra(folder: Path, monkeypatch: pytest.MonkeyPa
         image_loader(folder, 8, backend="dali", device="cpu")
     with pytest.raises(ModuleNotFoundError, match=r"trainperf\[dali\].*trainperf\[vision\]"):
         image_loader(folder, 8, device="cpu")
+
+
+def test_dali_installed_but_broken_names_the_import_error_and_the_fix(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import builtins
+
+    import trainperf.pipelines as pipelines
+
+    real_import = builtins.__import__
+
+    def import_without_cuda(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "nvidia.dali" or name.startswith("nvidia.dali."):
+            raise OSError("libcudart.so.12: cannot open shared object file: No such file")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(pipelines, "is_available", lambda name: True)  # the wheel is there
+    monkeypatch.setattr(builtins, "__import__", import_without_cuda)
+    with pytest.raises(
+        ImportError,
+        match=r"NVIDIA DALI is installed but does not import \(OSError: libcudart\.so\.12.*\)"
+        r".*pip install --force-reinstall 'trainperf\[dali\]'.*CUDA 12",
+    ) as raised:
+        image_loader(folder, 8, backend="dali", device="cpu")
+    assert type(raised.value) is ImportError  # not ModuleNotFoundError: it is installed
+    assert isinstance(raised.value.__cause__, OSError)
+    loader = image_loader(folder, 8, size=SIZE, device="cpu", shard=None, loader_kwargs=NO_TUNING)
+    assert loader.backend == "torchvision"
+    assert "DALI is installed but does not import" in loader.backend_reason
 
 
 def test_torchvision_missing_names_the_extra(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -637,13 +679,15 @@ def test_nvjpeg_code_on_cpu_has_the_contract_and_torchvisions_crops(folder: Path
             assert (_pixels(a) - _pixels(b)).abs().mean().item() < 1 / 255
 
 
-def test_nvjpeg_eval_on_cpu_matches_torchvision(folder: Path) -> None:
-    loader = _nvjpeg_on_cpu(folder, train=False, batch_size=8)
+@pytest.mark.parametrize("size", [SIZE, 224])
+def test_nvjpeg_eval_on_cpu_matches_torchvision(folder: Path, size: int) -> None:
+    loader = _nvjpeg_on_cpu(folder, train=False, batch_size=8, size=size)
     worst, total, count = 0.0, 0.0, 0
     for images, _, indices in loader.iter_with_indices():
+        assert images.shape[-2:] == (size, size)
         for image, index in zip(images, indices.tolist(), strict=True):
             diff = (
-                _pixels(image[None]) - _pixels(_reference_eval(loader.files[index], SIZE)[None])
+                _pixels(image[None]) - _pixels(_reference_eval(loader.files[index], size)[None])
             ).abs()
             worst, total, count = (
                 max(worst, diff.max().item()),
@@ -667,13 +711,61 @@ def test_nvjpeg_shards_and_an_abandoned_epoch(folder: Path) -> None:
     assert len(_epoch(loaders[0])) == 3
 
 
-def test_nvjpeg_names_a_file_it_cannot_decode(truncated_folder: Path) -> None:
-    loader = _nvjpeg_on_cpu(truncated_folder, train=False, batch_size=25)
-    with pytest.raises(RuntimeError, match=r"could not decode image .*truncated\.jpg"):
+@pytest.fixture()
+def bad_marker_folder(folder: Path, tmp_path: Path) -> Path:
+    """The folder plus a JPEG whose header and end marker are intact but whose middle is not."""
+    import shutil
+
+    root = Path(shutil.copytree(folder, tmp_path / "bad_marker"))
+    data = bytearray((root / "a_red" / "00.jpg").read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 200] = b"\x00\xff" * 100  # 0xFF 0x00 ... is no marker JPEG knows
+    (root / "a_red" / "bad_marker.jpg").write_bytes(bytes(data))
+    return root
+
+
+@pytest.mark.parametrize(
+    ("damaged", "name"),
+    [
+        # no end-of-image marker: decoded on the CPU from the start
+        ("truncated_folder", "truncated.jpg"),
+        # sent to the batched decode, which fails; then one by one, and the CPU fallback
+        ("bad_marker_folder", "bad_marker.jpg"),
+    ],
+)
+def test_nvjpeg_names_a_file_it_cannot_decode(
+    request: pytest.FixtureRequest, damaged: str, name: str
+) -> None:
+    from trainperf.pipelines._nvjpeg import _gpu_decodable
+
+    root: Path = request.getfixturevalue(damaged)
+    path = next(root.rglob(name))
+    assert _gpu_decodable(np.fromfile(path, dtype=np.uint8)) == (name == "bad_marker.jpg")
+    loader = _nvjpeg_on_cpu(root, train=False, batch_size=25)
+    with pytest.raises(RuntimeError, match=rf"could not decode image .*{name}"):
         _epoch(loader)
     loader.close()
     with pytest.raises(RuntimeError, match="was closed"):
         _epoch(loader)
+
+
+@requires_cuda
+def test_nvjpeg_on_the_gpu_names_a_truncated_jpeg(truncated_folder: Path) -> None:
+    # The truncated file lacks its end-of-image marker, so it is decoded on the CPU, which
+    # refuses it: the error does not depend on what nvJPEG makes of a truncated stream.
+    loader = image_loader(
+        truncated_folder,
+        25,
+        size=SIZE,
+        backend="nvjpeg",
+        device="cuda",
+        shard=None,
+        train=False,
+        last_batch="keep",
+    )
+    with pytest.raises(RuntimeError, match=r"could not decode image .*truncated\.jpg"):
+        _epoch(loader)
+    loader.close()
 
 
 def test_jpeg_frame_tells_coding_and_components(folder: Path, tmp_path: Path) -> None:
@@ -701,6 +793,28 @@ def test_jpeg_frame_tells_coding_and_components(folder: Path, tmp_path: Path) ->
     assert jpeg_frame(b"\xff\xd8garbage") is None
     gpu = _gpu_decodable(np.fromfile(folder / "a_red" / "00.jpg", dtype=np.uint8))
     assert gpu and not _gpu_decodable(np.fromfile(tmp_path / "progressive.jpg", dtype=np.uint8))
+
+
+def test_jpeg_frame_is_found_after_a_large_icc_profile(folder: Path, tmp_path: Path) -> None:
+    from PIL import Image
+
+    from trainperf.pipelines._nvjpeg import _gpu_decodable, jpeg_frame
+
+    path = tmp_path / "camera.jpg"
+    with Image.open(folder / "a_red" / "00.jpg") as im:
+        # PIL splits the profile over several APP2 segments: the frame header is at ~200 KB.
+        im.save(path, quality=90, icc_profile=bytes(200_000))
+    data = path.read_bytes()
+    assert data.index(b"\xff\xc0") > 3 * 65536
+    assert jpeg_frame(data) == (0xC0, 3)
+    array = np.fromfile(path, dtype=np.uint8)
+    assert jpeg_frame(array) == (0xC0, 3) and _gpu_decodable(array)
+    assert jpeg_frame(data[: 3 * 65536]) is None  # cut before the frame header
+    # and the file decodes like any other, through the nvjpeg code
+    loader = _nvjpeg_on_cpu([(str(path), 0), (str(path), 0)], train=False, batch_size=2)
+    images = _epoch(loader)[0][0]
+    assert images.shape == (2, 3, SIZE, SIZE)
+    assert torch.equal(images[0], images[1])
 
 
 @requires_cuda
@@ -808,6 +922,36 @@ def test_dali_gpu_graph_decodes_mixed_and_augments_on_the_gpu(train: bool) -> No
         assert "shuffle_after_epoch: True" in reader
     else:
         assert devices["Slice"] == "gpu" and "stick_to_shard: True" in reader
+
+
+@needs_dali
+@pytest.mark.parametrize(
+    ("gpu", "train_antialias", "expected"),
+    [(False, None, False), (True, None, True), (False, True, True)],
+)
+def test_dali_train_resize_antialiases_on_the_gpu_or_when_asked(
+    gpu: bool, train_antialias: bool | None, expected: bool
+) -> None:
+    from trainperf.pipelines._dali import build_pipeline
+
+    pipe = build_pipeline(
+        ["a.jpg"],
+        [0],
+        gpu=gpu,
+        device_id=None,
+        batch_size=1,
+        num_threads=1,
+        seed=0,
+        rank=0,
+        world_size=1,
+        train=True,
+        size=32,
+        mean=IMAGENET_MEAN,
+        std=IMAGENET_STD,
+        train_antialias=train_antialias,
+    )
+    resize = next(spec for name, _, spec in _graph_ops(pipe) if name == "Resize")
+    assert f"antialias: {expected}" in resize
 
 
 # --------------------------------------------------------------------------- pieces

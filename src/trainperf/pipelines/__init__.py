@@ -46,13 +46,21 @@ _ON_ERROR = ("raise", "skip")
 _log = logging.getLogger(__name__)
 
 
-def _dali_importable() -> bool:
-    if not is_available("nvidia.dali"):
-        return False
+def _dali_import_error() -> ImportError | OSError | None:
+    """None if NVIDIA DALI imports, else the error that importing it raised."""
     try:
         import nvidia.dali  # noqa: F401
     except (ImportError, OSError) as e:  # e.g. a wheel built for another CUDA
-        _log.info("NVIDIA DALI is installed but does not import (%s); not using it", e)
+        return e
+    return None
+
+
+def _dali_importable() -> bool:
+    if not is_available("nvidia.dali"):
+        return False
+    error = _dali_import_error()
+    if error is not None:
+        _log.info("NVIDIA DALI is installed but does not import (%s); not using it", error)
         return False
     return True
 
@@ -65,6 +73,11 @@ def _choose_backend(
             from trainperf.pipelines._dali import dali_missing_error
 
             raise dali_missing_error()
+        error = _dali_import_error()
+        if error is not None:
+            from trainperf.pipelines._dali import dali_broken_error
+
+            raise dali_broken_error(error) from error
         if device.type not in ("cpu", "cuda"):
             raise ValueError(
                 f"backend='dali' runs on 'cpu' or a CUDA device, got device='{device}'; "
@@ -85,12 +98,17 @@ def _choose_backend(
     if device.type in ("cpu", "cuda") and _dali_importable():
         where = "nvJPEG on the GPU" if device.type == "cuda" else "DALI's CPU mode"
         return "dali", f"auto: NVIDIA DALI is installed ({where})"
+    if not is_available("nvidia.dali"):
+        no_dali = "DALI is not installed"
+    elif device.type in ("cpu", "cuda"):
+        no_dali = "DALI is installed but does not import (see the INFO log)"
+    else:
+        no_dali = f"DALI does not run on '{device.type}'"
     if device.type == "cuda" and is_available("torchvision"):
-        return "nvjpeg", "auto: DALI is not installed; CUDA device, so torchvision's GPU decode"
+        return "nvjpeg", f"auto: {no_dali}; CUDA device, so torchvision's GPU decode"
     if is_available("torchvision"):
         return "torchvision", (
-            f"auto: DALI is not installed and device '{device}' has no nvJPEG, so the "
-            "autotuned DataLoader"
+            f"auto: {no_dali} and device '{device}' has no nvJPEG, so the autotuned DataLoader"
         )
     raise ModuleNotFoundError(
         "image_loader() needs NVIDIA DALI or torchvision: pip install 'trainperf[dali]' "
@@ -201,6 +219,8 @@ def image_loader(
         FileNotFoundError: ``source`` does not exist.
         ModuleNotFoundError: the backend's package is not installed (the message names the
             ``pip install`` command).
+        ImportError: ``backend="dali"`` and DALI is installed but does not import (e.g. a
+            wheel for another CUDA version); the message says why and how to reinstall it.
         TypeError: ``device`` is not a str, int or torch.device.
         DeviceError: CUDA (or MPS) asked for but not available, or a CUDA index beyond the
             visible GPUs.

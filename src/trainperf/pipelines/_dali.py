@@ -29,7 +29,7 @@ from trainperf.pipelines._augment import CROP_RATIO
 from trainperf.pipelines._base import ImageLoader, LoaderConfig, labels_tensor
 from trainperf.pipelines._source import ImageSource, Shard
 
-__all__ = ["DaliLoader", "build_pipeline", "dali_missing_error"]
+__all__ = ["DaliLoader", "build_pipeline", "dali_broken_error", "dali_missing_error"]
 
 # The reader's output name, which the iterator uses to read the shard sizes.
 READER = "Reader"
@@ -41,6 +41,17 @@ def dali_missing_error() -> ModuleNotFoundError:
     """The error for ``backend="dali"`` without DALI installed."""
     return ModuleNotFoundError(
         "image_loader(backend='dali') needs NVIDIA DALI: pip install 'trainperf[dali]'",
+        name="nvidia.dali",
+    )
+
+
+def dali_broken_error(error: BaseException) -> ImportError:
+    """The error for ``backend="dali"`` when DALI is installed but ``import`` fails."""
+    return ImportError(
+        f"image_loader(backend='dali'): NVIDIA DALI is installed but does not import "
+        f"({type(error).__name__}: {error}). Reinstall it: pip install --force-reinstall "
+        "'trainperf[dali]' (its wheel, nvidia-dali-cuda120, needs a CUDA 12 runtime and "
+        "driver), or pass backend='torchvision'",
         name="nvidia.dali",
     )
 
@@ -60,6 +71,7 @@ def build_pipeline(
     size: int,
     mean: Sequence[float],
     std: Sequence[float],
+    train_antialias: bool | None = None,
 ) -> Any:
     """Define (not build) the DALI pipeline.
 
@@ -77,6 +89,9 @@ def build_pipeline(
         size: output height and width.
         mean: per-channel mean in 0..1 units.
         std: per-channel std in 0..1 units.
+        train_antialias: antialias the train resize; None: on the GPU only (the default,
+            see below). ``benchmarks/pipeline_bench.py --dali-antialias`` sets True to time
+            the same work as the torchvision backend, which always antialiases.
 
     Returns:
         An unbuilt ``nvidia.dali.Pipeline`` with outputs ``(images, indices)``.
@@ -88,6 +103,7 @@ def build_pipeline(
 
     decoder = "mixed" if gpu else "cpu"
     short = int(size / CROP_RATIO)
+    antialias = gpu if train_antialias is None else train_antialias
 
     # A global reshuffle each epoch; every rank must use the same seed for the shards to stay
     # disjoint. Eval keeps each rank on its own shard, in file order.
@@ -130,7 +146,7 @@ def build_pipeline(
                 resize_x=float(size),
                 resize_y=float(size),
                 interp_type=types.INTERP_LINEAR,
-                antialias=gpu,
+                antialias=antialias,
             )
             mirror = fn.random.coin_flip(probability=0.5)
         else:
@@ -194,12 +210,24 @@ def _cause(message: str) -> str:
 
 
 class DaliLoader(ImageLoader):
-    """``image_loader`` batches from a DALI pipeline; see the module docstring."""
+    """``image_loader`` batches from a DALI pipeline; see the module docstring.
+
+    Args:
+        source, shard, config, backend_reason: as for every :class:`ImageLoader`.
+        train_antialias: see :func:`build_pipeline`; ``image_loader`` leaves it None, only
+            the pipeline benchmark sets it.
+    """
 
     backend = "dali"
 
     def __init__(
-        self, source: ImageSource, shard: Shard, config: LoaderConfig, backend_reason: str
+        self,
+        source: ImageSource,
+        shard: Shard,
+        config: LoaderConfig,
+        backend_reason: str,
+        *,
+        train_antialias: bool | None = None,
     ) -> None:
         super().__init__(source, shard, config, backend_reason)
         plugin: Any = importlib.import_module("nvidia.dali.plugin.pytorch")
@@ -233,6 +261,7 @@ class DaliLoader(ImageLoader):
             size=config.size,
             mean=config.mean,
             std=config.std,
+            train_antialias=train_antialias,
         )
         self._iterator: Any = plugin.DALIGenericIterator(
             [pipe],

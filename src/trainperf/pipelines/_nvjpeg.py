@@ -5,7 +5,9 @@ files, ``torchvision.io.decode_jpeg(list, device="cuda")`` decodes the JPEGs in 
 nvJPEG call, and the crop / resize / flip / normalise of :mod:`._augment` run on the GPU, on
 a side stream; the training loop's stream waits on an event, never on the host. Files that
 nvJPEG does not take (PNG, BMP, TIFF, WebP, and CMYK/YCCK JPEGs) are decoded on the CPU in the
-reader threads (``torchvision.io.decode_image``, PIL as the fallback) and copied over.
+reader threads (``torchvision.io.decode_image``, PIL as the fallback) and copied over, and
+so are JPEGs that do not end with the end-of-image marker (truncated ones among them: nvJPEG
+may decode those without an error, the CPU decoder raises naming the file).
 
 Crops and flips use the same per-sample seeds as the torchvision backend, so both backends
 cut the same boxes out of the same images. The device may also be the CPU, which the CPU
@@ -45,13 +47,15 @@ def jpeg_frame(data: bytes | np.ndarray[Any, Any]) -> tuple[int, int] | None:
 
     The marker tells the coding (0xC0 baseline, 0xC1 extended, 0xC2 progressive, ...);
     components are 1 for grey, 3 for YCbCr/RGB, 4 for CMYK/YCCK. Walks the marker segments
-    up to the first start-of-frame.
+    up to the first start-of-frame, jumping over each by its length, however far into the
+    file it is (camera JPEGs carry EXIF thumbnails and ICC profiles of 64 KiB and more).
 
     Example:
         >>> jpeg_frame(b"\\xff\\xd8\\xff\\xc0\\x00\\x0b\\x08\\x00\\x10\\x00\\x10\\x03")
         (192, 3)
     """
-    buf = bytes(data[:65536]) if isinstance(data, np.ndarray) else data[:65536]
+    # A view, not a copy, whatever the size.
+    buf = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
     pos = 2
     while pos + 4 <= len(buf):
         if buf[pos] != 0xFF:
@@ -65,14 +69,21 @@ def jpeg_frame(data: bytes | np.ndarray[Any, Any]) -> tuple[int, int] | None:
         if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
             pos += 2
             continue
-        pos += 2 + int.from_bytes(buf[pos + 2 : pos + 4], "big")
+        pos += 2 + ((buf[pos + 2] << 8) | buf[pos + 3])
     return None
 
 
 def _gpu_decodable(data: np.ndarray[Any, Any]) -> bool:
     # Baseline or extended sequential colour JPEGs: what nvJPEG's batched decode surely takes.
-    # Grey, CMYK and progressive files are rare enough to decode on the CPU.
-    return data[:3].tobytes() == b"\xff\xd8\xff" and jpeg_frame(data) in _GPU_FRAMES
+    # Grey, CMYK and progressive files are rare enough to decode on the CPU. So is a file
+    # that does not end with the end-of-image marker: truncated (nvJPEG may decode it
+    # without a word, libjpeg-turbo refuses it and the error names the file) or carrying
+    # data after the image (which the CPU decoder ignores).
+    return (
+        data[:3].tobytes() == b"\xff\xd8\xff"
+        and data[-2:].tobytes() == b"\xff\xd9"
+        and jpeg_frame(data) in _GPU_FRAMES
+    )
 
 
 def augment_batch(
