@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -248,6 +249,29 @@ def test_step_fn_is_timed_and_reported() -> None:
     assert seen and set(seen) == {4}
     assert r.step_samples_per_s is not None and r.step_samples_per_s > 0
     assert "step_fn alone" in str(r)
+
+
+def _burn(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_step_cpu_counts_the_step_but_not_the_tuners_synchronize(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import trainperf.device
+    from trainperf.loader._tune import _time_step
+
+    # A CUDA run faked on the CPU: batches stay put, and synchronize spins for 5 ms as a
+    # waiting CUDA synchronisation may.
+    monkeypatch.setattr(trainperf.device, "to_device", lambda batch, device, **kw: batch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: _burn(0.005))
+    cuda = torch.device("cuda")
+    _, idle = _time_step(Waits(), 4, {}, lambda b: None, cuda, math.inf)
+    _, busy = _time_step(Waits(), 4, {}, lambda b: _burn(0.004), cuda, math.inf)
+    assert idle < 0.0002  # s of CPU per sample: the 5 ms synchronize is not the step's
+    assert busy >= 0.0008  # 4 ms of CPU for a batch of 4 is 1 ms per sample
 
 
 def test_step_fn_gets_the_batch_moved_to_the_tuning_device(

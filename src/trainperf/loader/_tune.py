@@ -96,8 +96,9 @@ def _time_step(
 ) -> tuple[float, float]:
     """``step_fn`` alone: one warm-up call, then up to 5 timed calls (1 s).
 
-    Returns its samples/s and the CPU seconds it costs per sample (this process's CPU time,
-    all threads counted), from which the main process's share of the cores follows. Each
+    Returns its samples/s and the CPU seconds it costs per sample (this process's CPU time
+    until ``step_fn`` returns, all threads counted, not the synchronisation the tuner adds
+    after it), from which the main process's share of the cores follows. Each
     batch is moved to ``device`` first (outside the timed
     region), as the training loop would do; on CUDA the device is synchronised before and
     after each call so the time is the step's and not a queue's.
@@ -129,6 +130,9 @@ def _time_step(
         t, c = time.perf_counter(), time.process_time()
         try:
             step_fn(batch)
+            # CPU time stops before the tuner's own synchronize: waiting on it may spin, and
+            # a training loop does not synchronise after every step.
+            c_end = time.process_time()
             if cuda:
                 torch.cuda.synchronize(device)
         except Exception as e:
@@ -138,7 +142,7 @@ def _time_step(
             ) from e
         if i > 0:  # the first call pays for lazy initialisation
             spent += time.perf_counter() - t
-            cpu += time.process_time() - c
+            cpu += c_end - c
             calls += 1
             samples += batch_size
         if calls and (spent > 1.0 or time.perf_counter() > deadline):
@@ -324,8 +328,9 @@ def tune_loader(
             between epochs. None means several.
         step_fn: your training step, called as ``step_fn(batch)``; timed on a few batches in
             this process so workers stop being added once loading outruns it, and the CPU it
-            uses is what the main process keeps (instead of one whole core), so a step that
-            mostly waits for the GPU leaves its core to workers. When the main process does
+            uses until it returns is what the main process keeps (instead of one whole
+            core), so a GPU step that queues its kernels and returns leaves most of its core
+            to workers. When the main process does
             nothing but take batches, ``step_fn=lambda batch: None`` says so. The batch is
             moved to ``device`` first (:func:`trainperf.device.to_device`, not timed), so a
             step written for GPU tensors works; on CUDA the device is synchronised around
