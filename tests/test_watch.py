@@ -292,6 +292,17 @@ def test_analyse_a_full_event_span_with_saturated_cpus_is_host_bound() -> None:
     assert "busy only 30%" in report.verdict.summary
 
 
+def test_analyse_ignores_samples_taken_long_after_the_loop() -> None:
+    loop = steps(20, 0.0, 0.01)  # 0.2 s of steps
+    during = [Sample(t, 95.0, 2**30, 100, 10) for t in (0.0, 0.05, 0.1, 0.15, 0.2, 0.25)]
+    idle_after = [Sample(0.3 + 0.05 * i, 0.0, 2**30, 1, 1) for i in range(30)]
+    report = analyse(loop, during + idle_after, gpu_present=True, cuda_used=True, cpus=8)
+    # Samples up to the loop's end, and the first after it (NVML's figure covers the period
+    # before it), count; the idle tail of a report made later does not.
+    assert report.gpu_utilization_mean == 95.0
+    assert report.verdict.kind == "compute-bound", report
+
+
 def test_analyse_a_full_event_span_at_high_utilisation_is_compute_bound() -> None:
     spanned = steps(20, 0.0, 0.01, gpu_busy=0.01)
     report = analyse(spanned, samples(10, 95.0, 100, 10), gpu_present=True, cuda_used=True, cpus=8)

@@ -8,6 +8,7 @@ that fixes it. Import these from :mod:`trainperf.watch`.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 
@@ -143,7 +144,13 @@ def analyse(
     first = dropped_steps + skip  # the number of the first measured step
     measured = list(timeline[skip:])
     t_start = measured[0].start if measured else 0.0
-    window = [s for s in samples if s.time >= t_start]
+    # Background samples taken while the measured steps ran, plus the first one after the last
+    # step ends (NVML's utilisation covers the period before the sample); samples after that
+    # (a report made long after the loop) would dilute the loop's figures.
+    t_end = measured[-1].start + measured[-1].duration if measured else math.inf
+    during = [s for s in samples if t_start <= s.time <= t_end]
+    after = [s for s in samples if s.time > t_end]
+    window = during + after[:1]
     durations = [s.duration for s in measured]
     wall = sum(durations)
     wait = sum(s.wait for s in measured) / wall if wall > 0 else 0.0
