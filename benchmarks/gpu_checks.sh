@@ -45,7 +45,7 @@ if [ "$part" = quick ]; then
 elif [ "$part" = rest ]; then
   if [ "$cuda" = 1 ]; then
     step pipeline_bench 240 $PY benchmarks/pipeline_bench.py --images 4096 --backends nvjpeg,torchvision --tune-budget 20 --seconds 8 --train-resnet --steps 30 --json "$OUT/pipeline_bench.json"
-    step autotune_jpeg 240 $PY benchmarks/autotune_bench.py --datasets jpeg --batch-size 128 --workers 0,8,12,14,15,16,24 --prefetch 2 --pin true --json "$OUT/autotune_jpeg.json"
+    step autotune_jpeg 270 $PY benchmarks/autotune_bench.py --datasets jpeg --batch-size 128 --workers 0,8,12,14,15,16,24 --prefetch 2 --pin true --budget 30 --json "$OUT/autotune_jpeg.json"
   else
     step pipeline_bench 240 $PY benchmarks/pipeline_bench.py --images 64 --backends torchvision --tune-budget 3 --seconds 2 --json "$OUT/pipeline_bench.json"
     step autotune_jpeg 240 $PY benchmarks/autotune_bench.py --datasets jpeg --quick --json "$OUT/autotune_jpeg.json"

@@ -97,12 +97,43 @@ def test_limits_on_a_parent_cgroup_bind(tmp_path: Path) -> None:
     assert cgroup_memory_limit(root, tmp_path / "proc_cgroup") == (4 * 2**30, 2**30)
 
 
+def test_memory_level_with_the_least_room_binds_not_the_smallest_limit(tmp_path: Path) -> None:
+    # The job's 32 GiB are shared by its steps: 30 GiB used there leaves 2 GiB, although this
+    # step's own (equal) limit has 27 GiB free.
+    write(tmp_path / "proc_cgroup", "0::/job/step0\n")
+    root = tmp_path / "root"
+    write(root / "job" / "memory.max", str(32 * 2**30))
+    write(root / "job" / "memory.current", str(30 * 2**30))
+    write(root / "job" / "step0" / "memory.max", str(32 * 2**30))
+    write(root / "job" / "step0" / "memory.current", str(5 * 2**30))
+    assert cgroup_memory_limit(root, tmp_path / "proc_cgroup") == (32 * 2**30, 30 * 2**30)
+    # A smaller limit with more room left does not bind either.
+    write(root / "job" / "step0" / "memory.max", str(8 * 2**30))
+    assert cgroup_memory_limit(root, tmp_path / "proc_cgroup") == (32 * 2**30, 30 * 2**30)
+    write(root / "job" / "memory.current", str(6 * 2**30))  # now the step has less room: 3 GiB
+    assert cgroup_memory_limit(root, tmp_path / "proc_cgroup") == (8 * 2**30, 5 * 2**30)
+
+
 def test_tightest_of_nested_limits_wins(tmp_path: Path) -> None:
     write(tmp_path / "proc_cgroup", "0::/a/b\n")
     root = tmp_path / "root"
     write(root / "a" / "cpu.max", "800000 100000\n")
     write(root / "a" / "b" / "cpu.max", "300000 100000\n")
     assert cgroup_cpu_quota(root, tmp_path / "proc_cgroup") == 3.0
+
+
+def test_usable_cpus_divides_unless_slurm_bound_each_task() -> None:
+    from trainperf.limits import usable_cpus
+
+    whole = HostLimits(64, 32, None, 32, 2**34, None, 2**33, None, None)
+    bound = HostLimits(64, 8, None, 8, 2**34, None, 2**33, None, None)
+    slurm = {"SLURM_NTASKS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "8"}
+    assert usable_cpus(4, limits=whole, env={}) == 8  # torchrun: 4 ranks share 32 CPUs
+    assert usable_cpus(4, limits=bound, env=slurm) == 8  # srun bound each task to its 8
+    assert usable_cpus(4, limits=whole, env=slurm) == 8  # --cpu-bind=none: all 32, shared
+    # One SLURM task that starts 4 ranks itself (trainperf.ddp.launch): they share its CPUs.
+    one_task = {"SLURM_NTASKS_PER_NODE": "1", "SLURM_CPUS_PER_TASK": "8"}
+    assert usable_cpus(4, limits=bound, env=one_task) == 2
 
 
 def test_local_world_size_reads_torchrun_then_slurm() -> None:

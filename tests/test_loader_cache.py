@@ -147,6 +147,50 @@ def test_unwritable_cache_is_a_note_not_an_error(
         write_entry("k", {}, cache_file())
 
 
+class FailsInWorkers(Dataset[torch.Tensor]):
+    """Loads in the main process, raises in every worker (a dataset not yet fixed)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if torch.utils.data.get_worker_info() is not None:
+            raise RuntimeError("fails in a worker")
+        return torch.zeros(4)
+
+
+def test_a_fallback_forced_by_failing_workers_is_not_cached() -> None:
+    with pytest.warns(RuntimeWarning, match="falls back to num_workers=0"):
+        first = tune(FailsInWorkers(), max_workers=2, cache=True)
+    assert first.num_workers == 0 and any("not cached" in n for n in first.notes)
+    with pytest.warns(RuntimeWarning, match="falls back to num_workers=0"):
+        second = tune(FailsInWorkers(), max_workers=2, cache=True)
+    assert not second.from_cache  # tuned again: the warning is not lost behind a cache hit
+
+
+def test_lambdas_nested_functions_and_partials_get_their_own_keys() -> None:
+    import functools
+
+    def key(step_fn: Any) -> str:
+        fields = key_fields(
+            Slowish(), 8, cpus=2, device_type="cpu", max_workers=4, epochs_hint=None,
+            step_fn=step_fn, loader_kwargs={},
+        )  # fmt: skip
+        return make_key(fields)
+
+    def heavy(batch: Any) -> None:
+        sum(range(10**5))
+
+    def light(batch: Any) -> None:
+        return None
+
+    idle, busy = (lambda batch: None), (lambda batch: sum(range(10**5)))
+    keys = {key(idle), key(busy), key(heavy), key(light)}
+    keys |= {key(functools.partial(heavy)), key(functools.partial(light))}
+    assert len(keys) == 6  # every one of them a different step, so a different cache entry
+    assert key(idle) == key(idle)  # and the same step keeps its key
+
+
 def test_key_fields_and_first_sample_failure() -> None:
     fields = key_fields(
         Slowish(),

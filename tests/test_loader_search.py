@@ -118,7 +118,7 @@ def test_cpu_bound_pool_stops_at_the_cores_left_for_workers() -> None:
 
 def test_cpu_skip_names_a_measured_main_process_share() -> None:
     pool = Pool(linear(), demand=1.0)
-    s = search(pool, worker_cpus=2, main_cores=0.03)
+    s = search(pool, worker_cpus=2, main_cores=0.03, step_samples_per_s=1e9)
     s.run(pool.baseline())
     cpu_skips = [c for c in s.results if c.fault == "cpu"]
     assert cpu_skips and "0.03 kept for the main process, as step_fn measured" in (
@@ -265,8 +265,22 @@ def test_prefetch_and_pin_are_refined_at_the_chosen_count() -> None:
     assert (3, 4, False) in pool.calls
 
 
-def test_gain_threshold_is_meaningful() -> None:
-    assert 0 < GAIN < 0.1
+def test_climb_continues_only_while_a_step_up_pays_gain() -> None:
+    def rates(gain_per_worker: float) -> Callable[[int, int | None], float]:
+        # Linear to 4 workers (200/s), then each extra worker adds gain_per_worker.
+        return lambda n, pf: 100.0 if n == 0 else (
+            50.0 * n if n <= 4 else 200.0 * (1 + gain_per_worker) ** (n - 4)
+        )  # fmt: skip
+
+    tried = {}
+    for label, g in (("below", GAIN / 3), ("above", 2 * GAIN)):
+        pool = Pool(rates(g), demand=1.0)
+        # step_fn at 300/s predicts 4 workers (ceil(1.1 * 300 / 100)); the CPUs allow 7.
+        s = search(pool, worker_cpus=7, step_samples_per_s=300.0)
+        s.run(pool.baseline())
+        tried[label] = workers_tried(s)
+    assert tried["below"][:3] == [0, 4, 5] and 6 not in tried["below"]  # 5 did not pay GAIN
+    assert tried["above"][:5] == [0, 4, 5, 6, 7]  # every step paid, up to the CPU cap
 
 
 def test_default_max_workers_and_margin() -> None:

@@ -143,7 +143,9 @@ def cgroup_cpu_quota(
 def cgroup_memory_limit(
     root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP
 ) -> tuple[int | None, int | None]:
-    """The cgroup memory limit and current usage in bytes (None where not set or unknown).
+    """The binding cgroup memory limit and its current usage in bytes (None where not set or
+    unknown): of every level from this process's cgroup up to the root, the one with the least
+    room left (``limit - usage``). Without any limit the usage is this process's cgroup's.
 
     Example:
         >>> import tempfile, pathlib
@@ -155,6 +157,8 @@ def cgroup_memory_limit(
     """
     limit: int | None = None
     usage: int | None = None
+    own: int | None = None  # the process's own (innermost) cgroup's usage
+    headroom: int | None = None
     for d in _cgroup_dirs("memory", root, proc_cgroup):
         for limit_name, usage_name in (
             ("memory.max", "memory.current"),
@@ -165,13 +169,19 @@ def cgroup_memory_limit(
                 continue
             usage_raw = _read(d / usage_name)
             here = int(usage_raw) if usage_raw and usage_raw.isdigit() else None
-            if usage is None:
-                usage = here  # the process's own (innermost) cgroup's usage
-            if raw.isdigit() and int(raw) < _V1_UNLIMITED and (limit is None or int(raw) < limit):
-                # The tightest limit on the way up binds; its usage is what counts against it.
-                limit = int(raw)
-                usage = here if here is not None else usage
+            if own is None:
+                own = here
+            if raw.isdigit() and int(raw) < _V1_UNLIMITED:
+                # The level with the least room binds, which need not be the smallest limit:
+                # a parent's limit is shared with its other children. A level whose usage is
+                # unknown counts at least this process's own cgroup's.
+                used = here if here is not None else own
+                room = int(raw) - (used or 0)
+                if headroom is None or room < headroom:
+                    headroom, limit, usage = room, int(raw), used
             break
+    if limit is None:
+        usage = own
     return limit, usage
 
 
@@ -229,24 +239,49 @@ def host_limits(
     )
 
 
-def usable_cpus(local_ranks: int = 1, *, limits: HostLimits | None = None) -> int:
+def usable_cpus(
+    local_ranks: int = 1,
+    *,
+    limits: HostLimits | None = None,
+    env: Mapping[str, str] | None = None,
+) -> int:
     """CPUs one of ``local_ranks`` processes on this host may use (at least 1).
+
+    The host's usable CPUs are shared by the ranks, except where SLURM already bound each rank
+    to its own: when the ranks are SLURM tasks (``SLURM_NTASKS_PER_NODE`` equals
+    ``local_ranks``) and this process's affinity is no wider than ``SLURM_CPUS_PER_TASK``, the
+    affinity is this rank's share and is not divided again.
 
     Args:
         local_ranks: training processes sharing this host (one per GPU under DDP).
         limits: limits to use instead of reading them now.
+        env: the environment to read (default ``os.environ``).
 
     Raises:
         ValueError: ``local_ranks`` is below 1.
 
     Example:
         >>> limits = HostLimits(64, 64, 8.0, 8, 2**34, None, 2**33, None, None)
-        >>> usable_cpus(2, limits=limits)
+        >>> usable_cpus(2, limits=limits, env={})
         4
+        >>> bound = HostLimits(64, 8, None, 8, 2**34, None, 2**33, None, None)
+        >>> usable_cpus(4, limits=bound, env={"SLURM_NTASKS_PER_NODE": "4",
+        ...                                   "SLURM_CPUS_PER_TASK": "8"})
+        8
     """
     if local_ranks < 1:
         raise ValueError(f"local_ranks must be >= 1, got {local_ranks!r}")
     limits = limits or host_limits()
+    env = os.environ if env is None else env
+    per_task = (env.get("SLURM_CPUS_PER_TASK") or "").strip()
+    tasks = (env.get("SLURM_NTASKS_PER_NODE") or "").split("(", 1)[0].split(",", 1)[0].strip()
+    if (
+        local_ranks > 1
+        and per_task.isdigit()
+        and tasks == str(local_ranks)
+        and limits.cpus_affinity <= int(per_task)
+    ):
+        return max(1, limits.cpus)
     return max(1, limits.cpus // local_ranks)
 
 

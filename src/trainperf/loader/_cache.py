@@ -12,6 +12,7 @@ cleaned up; a file that does not parse is ignored and replaced on the next write
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -69,12 +70,29 @@ def cache_file() -> Path:
 
 
 def _qualname(obj: Any) -> str:
+    """``module.qualname`` of a class or function (of the object's type otherwise); lambdas and
+    nested functions, whose names are not unique, add where they are defined, and a
+    ``functools.partial`` names its function.
+
+    Example:
+        >>> _qualname(len), _qualname(3)
+        ('builtins.len', 'builtins.int')
+        >>> f, g = (lambda b: None), (lambda b: b)
+        >>> _qualname(f) == _qualname(g), _qualname(f).split("@")[0].endswith(".<lambda>")
+        (False, True)
+    """
+    if isinstance(obj, functools.partial):
+        return f"functools.partial({_qualname(obj.func)})"
     target = (
         obj
         if isinstance(obj, type) or (callable(obj) and hasattr(obj, "__qualname__"))
         else type(obj)
     )
-    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
+    name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
+    code = getattr(target, "__code__", None)
+    if code is not None and ("<lambda>" in name or "<locals>" in name):
+        name += f"@{code.co_filename}:{code.co_firstlineno}:{code.co_code.hex()[:32]}"
+    return name
 
 
 def _describe(value: Any) -> Any:

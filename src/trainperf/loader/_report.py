@@ -26,7 +26,7 @@ FaultKind = Literal["crash", "hang", "pickle", "shm", "memory", "cpu", "error", 
   started with ``spawn``/``forkserver``;
 - ``shm``: ``/dev/shm`` is (or would be) too small for the batches in flight;
 - ``memory``: workers plus batches in flight would not fit in available memory;
-- ``cpu``: the workers would need more cores than are left after one for the main process;
+- ``cpu``: the workers would need more cores than are left after the main process's share;
 - ``error``: the dataset raised inside a worker;
 - ``budget``: the time budget ran out.
 """
@@ -107,14 +107,15 @@ def _num(x: float | None, fmt: str) -> str:
     return format(x, spec) + unit
 
 
-def main_process_share(main_cores: float) -> str:
-    """How the report words the cores kept for the main process.
+def main_process_share(main_cores: float, measured: bool = False) -> str:
+    """How the report words the cores kept for the main process (``measured``: from
+    ``step_fn``, else the one core kept when the step is unknown).
 
     Example:
-        >>> main_process_share(1.0), main_process_share(0.04)
+        >>> main_process_share(1.0), main_process_share(0.04, measured=True)
         ('one kept for the main process', '0.04 kept for the main process, as step_fn measured')
     """
-    if main_cores == 1.0:
+    if not measured:
         return "one kept for the main process"
     return f"{main_cores:.2f} kept for the main process, as step_fn measured"
 
@@ -213,7 +214,7 @@ class TuningReport:
         lines = [
             f"DataLoader tuning: batch_size={self.batch_size}, device {self.device}, {source}",
             f"limits: {self.cpus} usable CPUs ({self.worker_cpus} for workers, "
-            f"{main_process_share(self.main_cores)}), "
+            f"{main_process_share(self.main_cores, self.step_samples_per_s is not None)}), "
             f"{format_bytes(lim.memory_available)} memory available, {shm}",
         ]
         header = (

@@ -146,7 +146,7 @@ class Search:
             return "cpu", (
                 f"{n} workers would keep about {cores:.1f} cores busy but only "
                 f"{self.worker_cpus} are left for workers "
-                f"({main_process_share(self.main_cores)})"
+                f"({main_process_share(self.main_cores, self.step_samples_per_s is not None)})"
             )
         return self.memory_problem(n, pf, pin)
 

@@ -502,7 +502,18 @@ def tune_loader(
         "persistent_workers": persistent,
     }
     best_kwargs = _final_kwargs(loader_kwargs, batch_size, best, notes)
-    if key is not None and choice.ok:
+    # A num_workers=0 forced by failing or refused workers (a crash, too little /dev/shm or
+    # memory, the budget) is not a choice to keep: the next call tunes again, so it can see a
+    # fixed dataset or a bigger /dev/shm.
+    forced = choice.num_workers == 0 and any(
+        c.num_workers > 0 and c.fault is not None and c.fault != "cpu" for c in search.results
+    )
+    if key is not None and forced:
+        notes.append(
+            "not cached: workers failed or were refused (see the candidates), so the next call "
+            "tunes again"
+        )
+    if key is not None and choice.ok and not forced:
         entry = {
             "best": best,
             "samples_per_s": choice.samples_per_s,
