@@ -66,6 +66,8 @@ class Faulty(Dataset[torch.Tensor]):
                 )
             if self.how == "raise":
                 raise ValueError(f"bad sample {i}")
+            if self.how == "slow":
+                time.sleep(0.2)
         time.sleep(0.001)
         return torch.zeros(16)
 
@@ -139,6 +141,53 @@ def test_hanging_worker_is_detected_by_timeout_and_killed(monkeypatch: pytest.Mo
     assert "1.0 s" in (bad[0].reason or "")
     assert report.best_kwargs["num_workers"] == 0
     assert report.best_kwargs["timeout"] == 1.0  # the caller's argument passes through
+    assert_no_workers_left()
+
+
+@pytest.mark.timeout(60)
+def test_hang_under_a_small_budget_keeps_the_budget_and_is_reported() -> None:
+    # The default hang limit (10 s) is longer than the budget: the wait is cut to the time
+    # left, so the call ends on time, and the empty-handed pool is still reported.
+    with pytest.warns(RuntimeWarning, match="left of the time budget") as caught:
+        report = tune(Faulty("hang"), budget_s=4.0)
+    assert report.elapsed_s <= 4.0 + 1.0, "budget_s is a hard limit (plus the workers' cleanup)"
+    bad = failed(report)
+    assert [c.fault for c in bad] == ["hang"]
+    reason = bad[0].reason or ""
+    assert "may hang" in reason and "budget_s" in reason and "timeout=" in reason
+    assert "budget_s" in str(caught[0].message)
+    assert any("falls back" in n for n in report.notes)
+    assert report.best_kwargs["num_workers"] == 0
+    assert_no_workers_left()
+
+
+@pytest.mark.timeout(60)
+def test_budget_spent_on_slow_workers_is_a_note_not_a_fault(
+    recwarn: pytest.WarningsRecorder,
+) -> None:
+    # Batches arrive (0.8 s each per worker), but not enough for one steady-state window.
+    report = tune(Faulty("slow"), budget_s=3.0)
+    assert report.elapsed_s <= 3.0 + 1.0
+    assert [c.fault for c in report.candidates if c.num_workers > 0] == ["budget"]
+    assert report.best_kwargs["num_workers"] == 0
+    assert any("budget ran out before any worker configuration" in n for n in report.notes)
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+    assert_no_workers_left()
+
+
+@pytest.mark.slow  # about 11 s: the default hang limit is 10 s
+@pytest.mark.timeout(60)
+def test_hang_is_detected_by_the_default_timeout() -> None:
+    with pytest.warns(RuntimeWarning, match="hang"):
+        report = tune(Faulty("hang"), budget_s=20.0)
+    bad = failed(report)
+    assert [c.fault for c in bad] == ["hang"]
+    reason = bad[0].reason or ""
+    # A real hang limit, not the budget's: the reason says so and names the fix.
+    assert "no batch arrived within 10.0 s" in reason and "budget" not in reason
+    assert "timeout=" in reason
+    assert report.elapsed_s <= 20.0 + 1.0
+    assert "timeout" not in report.best_kwargs
     assert_no_workers_left()
 
 
@@ -236,7 +285,8 @@ def test_memory_limit_is_never_approached(monkeypatch: pytest.MonkeyPatch) -> No
             "--shm-size",
         ),
         ("DataLoader timed out after 3 seconds", {}, "hang", "timeout="),
-        ("DataLoader timed out after 3 seconds", {"budget_capped": True}, "budget", "budget"),
+        # The budget cut the wait short: still a possible hang, and the budget is named.
+        ("DataLoader timed out after 3 seconds", {"budget_capped": True}, "hang", "budget_s"),
         (
             "Can't pickle local object 'f.<locals>.<lambda>'",
             {"start_method": "spawn"},

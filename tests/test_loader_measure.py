@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, TensorDataset, get_worker_info
 
 from trainperf.loader import WindowPolicy, measure
+from trainperf.loader import _measure as measure_mod
 from trainperf.loader._measure import batch_bytes, time_windows
 
 BS = 8
@@ -105,6 +106,27 @@ def test_deadline_discards_a_partial_window() -> None:
     assert timing.samples_per_s is None
 
 
+def test_a_wait_cut_by_the_deadline_ends_the_timing_with_the_windows_so_far() -> None:
+    clock = FakeClock()
+    arrivals = iter([0.01 * i for i in range(1, 60)])
+
+    def next_batch() -> int:
+        t = next(arrivals, None)
+        if t is None:  # the workers stall; the wait for the next batch reaches the deadline
+            clock.t = 5.0
+            raise measure_mod._DeadlineReached
+        clock.t = t
+        return BS
+
+    policy = WindowPolicy(min_window_s=0.0, min_windows=10, max_windows=10)
+    timing = time_windows(
+        next_batch, skip=2, window_batches=10, policy=policy, clock=clock, deadline=5.0
+    )
+    assert timing.budget_hit
+    assert len(timing.rates) == 5
+    assert timing.samples_per_s == pytest.approx(800)
+
+
 def test_batch_bytes_walks_nested_batches() -> None:
     import numpy as np
 
@@ -197,3 +219,68 @@ def test_measure_skips_when_the_deadline_has_passed() -> None:
     )
     assert (r.status, r.fault) == ("skipped", "budget")
     assert math.isfinite(r.elapsed_s)
+
+
+class SlowInWorkers(Dataset[torch.Tensor]):
+    """Each sample takes ``sample_s`` in a worker (forever when None); instant in the main
+    process."""
+
+    def __init__(self, sample_s: float | None) -> None:
+        self.sample_s = sample_s
+
+    def __len__(self) -> int:
+        return 256
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if get_worker_info() is not None:
+            time.sleep(120 if self.sample_s is None else self.sample_s)
+        return torch.zeros(4)
+
+
+def measure_until(
+    dataset: Any, deadline_s: float, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Any, list[bool]]:
+    closes: list[bool] = []
+    real_close = measure_mod.close_iterator
+
+    def close_iterator(it: Any, workers: Any, *, kill_first: bool) -> None:
+        closes.append(kill_first)
+        real_close(it, workers, kill_first=kill_first)
+
+    monkeypatch.setattr(measure_mod, "close_iterator", close_iterator)
+    r = measure(
+        dataset,
+        BS,
+        {},
+        num_workers=2,
+        prefetch_factor=2,
+        pin_memory=False,
+        deadline=time.perf_counter() + deadline_s,
+        hang_timeout_s=30.0,
+    )
+    return r, closes
+
+
+@pytest.mark.timeout(60)
+def test_deadline_cuts_the_hang_timeout_and_a_silent_pool_is_a_possible_hang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    r, closes = measure_until(SlowInWorkers(None), 1.5, monkeypatch)
+    assert (r.status, r.fault) == ("failed", "hang")
+    assert "1.5 s left of the time budget" in (r.reason or "")
+    assert "budget_s" in (r.reason or "") and "may hang" in (r.reason or "")
+    assert r.elapsed_s <= 1.5 + 1.0, "the deadline is a hard limit (plus cleanup)"
+    assert closes == [True], "workers that may hang are killed, not joined"
+
+
+@pytest.mark.timeout(60)
+def test_deadline_during_slow_batches_is_the_budget_not_a_hang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 0.4 s per batch per worker: the first batch arrives, the skipped ones do not all.
+    r, closes = measure_until(SlowInWorkers(0.05), 1.5, monkeypatch)
+    assert (r.status, r.fault) == ("failed", "budget")
+    assert r.startup_s is not None
+    assert r.elapsed_s <= 1.5 + 1.0
+    # A graceful stop would wait for each worker's batch in hand, past the deadline.
+    assert closes == [True]

@@ -24,13 +24,18 @@ from trainperf.loader._report import FaultKind, format_bytes
 
 __all__ = [
     "WorkerProcesses",
+    "budget_cut_reason",
     "classify_fault",
     "close_iterator",
+    "main_private_bytes",
     "start_method",
     "thread_busy_seconds",
 ]
 
 _HELPER_MARKERS = ("resource_tracker", "forkserver", "semaphore_tracker")
+USS_READ_LIMIT = 8
+"""Workers whose private memory is read: reading one costs a walk of its page tables
+(milliseconds for a process holding torch), and the workers of one pool are alike."""
 
 
 class WorkerProcesses:
@@ -86,13 +91,17 @@ class WorkerProcesses:
                 total += p.memory_info().rss
         self.peak_rss = max(self.peak_rss, total)
 
-    def max_uss(self) -> int | None:
-        best: int | None = None
-        for p in self._procs.values():
+    def uss_by_pid(self, limit: int = USS_READ_LIMIT) -> dict[int, int]:
+        """Private (unshared) memory of up to ``limit`` workers, in bytes, by pid."""
+        out: dict[int, int] = {}
+        for p in list(self._procs.values())[:limit]:
             with contextlib.suppress(psutil.Error, AttributeError):
-                uss = int(p.memory_full_info().uss)
-                best = uss if best is None else max(best, uss)
-        return best
+                out[p.pid] = int(p.memory_full_info().uss)
+        return out
+
+    def max_uss(self) -> int | None:
+        """The largest private memory among (up to ``USS_READ_LIMIT``) workers."""
+        return max(self.uss_by_pid().values(), default=None)
 
     def kill(self) -> None:
         for p in self.alive():
@@ -144,6 +153,28 @@ def thread_busy_seconds() -> float:
     return time.thread_time() if busy is None else busy
 
 
+def main_private_bytes() -> int:
+    """Private anonymous memory of this process, in bytes: the most a forked worker can
+    copy from it (``RssAnon`` on Linux, else the unique set size, else the RSS).
+
+    Example:
+        >>> main_private_bytes() > 0
+        True
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    me = psutil.Process()
+    try:
+        return int(me.memory_full_info().uss)
+    except (psutil.Error, AttributeError):
+        return int(me.memory_info().rss)
+
+
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else text
 
@@ -163,6 +194,10 @@ def classify_fault(
     shm_free: int | None = None,
 ) -> tuple[FaultKind, str]:
     """Name the fault behind a DataLoader exception and say how to fix it.
+
+    A timeout is a ``"hang"``; with ``budget_capped`` (the wait was cut to the time left
+    of the budget, shorter than the hang limit) its reason says that the budget may simply
+    be too short (:func:`budget_cut_reason`).
 
     Example:
         >>> classify_fault(RuntimeError("DataLoader worker (pid(s) 12) exited unexpectedly"),
@@ -203,7 +238,7 @@ def classify_fault(
         )
     if "timed out after" in low:
         if budget_capped:
-            return "budget", f"no batch within {timeout_s:.1f} s when the time budget ran out"
+            return "hang", budget_cut_reason(timeout_s)
         return "hang", (
             f"no batch arrived within {timeout_s:.1f} s: a worker hangs (a deadlock, blocking "
             f"I/O, a lock or thread pool inherited across fork); fix the dataset, or pass a "
@@ -220,6 +255,24 @@ def classify_fault(
             )
         return "crash", f"a worker died ({_first_line(msg)}); {hint}"
     return "error", f"the dataset raised in a worker: {_last_line(msg)}"
+
+
+def budget_cut_reason(seconds_left: float) -> str:
+    """Why a candidate whose hang timeout the budget cut short delivered no batch.
+
+    The tuner cannot tell a hang from a pool too slow to start within what was left, so it
+    says both, and how to tell them apart.
+
+    Example:
+        >>> budget_cut_reason(2.5).split(":")[0]
+        'no batch within the 2.5 s left of the time budget'
+    """
+    return (
+        f"no batch within the {seconds_left:.1f} s left of the time budget: a worker may hang, "
+        f"or the budget is too short for the workers to start and deliver one batch; fix: a "
+        f"larger budget_s, or a DataLoader timeout= shorter than the budget so that a hang "
+        f"is reported as one"
+    )
 
 
 def start_method(loader_kwargs: Mapping[str, Any]) -> str:

@@ -21,14 +21,15 @@ FaultKind = Literal["crash", "hang", "pickle", "shm", "memory", "cpu", "error", 
 """Why a candidate failed or was skipped:
 
 - ``crash``: a worker died (segfault, ``os._exit``, killed by the OOM killer, ...);
-- ``hang``: no batch arrived within the timeout;
+- ``hang``: no batch arrived within the timeout, or, when the budget cut the timeout short,
+  within what was left of it (then the budget may simply be too short);
 - ``pickle``: the dataset (or ``collate_fn``/``worker_init_fn``) cannot be sent to workers
   started with ``spawn``/``forkserver``;
 - ``shm``: ``/dev/shm`` is (or would be) too small for the batches in flight;
 - ``memory``: workers plus batches in flight would not fit in available memory;
 - ``cpu``: the workers would need more cores than are left after the main process's share;
 - ``error``: the dataset raised inside a worker;
-- ``budget``: the time budget ran out.
+- ``budget``: the time budget ran out before a steady-state window was timed.
 """
 
 
@@ -50,8 +51,10 @@ class CandidateResult:
         worker_peak_rss: peak resident memory of all workers together, in bytes. Pages
             shared with the main process count in every worker, so this overstates the
             memory really used; see ``worker_uss``.
-        worker_uss: private (unshared) memory of the largest worker, in bytes: what one more
-            worker costs.
+        worker_uss: private memory one worker is expected to reach over the run, in bytes: the
+            largest worker's measured USS plus its growth per sample projected over the
+            dataset (a forked worker copies the pages of the Python objects it reads), capped
+            at the main process's private memory; what one more worker costs.
         worker_cpu: CPU cores the workers demanded during the windows (time running plus
             time waiting for a CPU, so other load on the host does not hide it).
         main_cpu: the same for the measuring thread of the main process.

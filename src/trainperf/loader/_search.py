@@ -116,9 +116,12 @@ class Search:
         return 1.0 if main is None else min(1.0, max(0.01, main))
 
     def worker_bytes(self) -> int:
-        """Private memory per worker: the largest measured (plus 25 % for growth over an
-        epoch), else the worst case: a worker may end up copying every page of the main
-        process it was forked from (``main_rss``)."""
+        """Private memory per worker: the largest measured plus 25 %, else the worst case:
+        a worker may end up copying every page of the main process it was forked from
+        (``main_rss``). A measured figure already includes the growth projected over the
+        dataset (a forked worker copies the pages of the Python objects it touches, see
+        :func:`trainperf.loader._measure.project_worker_uss`); the 25 % covers what the
+        projection cannot see."""
         seen = [c.worker_uss for c in self.results if c.worker_uss]
         if seen:
             return int(max(seen) * 1.25)
@@ -302,6 +305,8 @@ class Search:
         )
 
     def _explain_fallback(self, choice: CandidateResult) -> None:
+        if choice.num_workers > 0 or any(c.ok and c.num_workers > 0 for c in self.results):
+            return
         failed = [
             c
             for c in self.results
@@ -309,9 +314,12 @@ class Search:
             and (c.status == "failed" or c.fault in ("memory", "shm"))
             and c.fault != "budget"
         ]
-        if not failed or choice.num_workers > 0:
-            return
-        if any(c.ok and c.num_workers > 0 for c in self.results):
+        if not failed:
+            if any(c.num_workers > 0 and c.fault == "budget" for c in self.results):
+                self.notes.append(
+                    "num_workers=0 by default, not by measurement: the time budget ran out "
+                    "before any worker configuration was measured; fix: a larger budget_s"
+                )
             return
         why = "; ".join(f"{c.label()}: {c.reason}" for c in failed)
         msg = f"tune_loader falls back to num_workers=0 because workers fail: {why}"
