@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import threading
 import time
@@ -232,7 +233,7 @@ def test_analyse_gpu_unused_when_cuda_never_started() -> None:
 
 def test_analyse_gpu_unused_at_zero_utilisation() -> None:
     report = analyse(
-        steps(20, 0.0, 0.01), samples(10, 0.0, 100, 50), gpu_present=True, cuda_used=True
+        steps(120, 0.0, 0.01), samples(15, 0.0, 100, 50), gpu_present=True, cuda_used=True
     )
     assert report.verdict.kind == "gpu-unused"
     assert report.gpu_utilization_mean == 0.0
@@ -241,30 +242,30 @@ def test_analyse_gpu_unused_at_zero_utilisation() -> None:
 def test_analyse_input_bound_names_the_saw_tooth() -> None:
     utils = [90.0, 5.0] * 10
     sawtooth = [Sample(i * 0.1, u, 2**30, 50, 20) for i, u in enumerate(utils)]
-    report = analyse(steps(20, 0.015, 0.005), sawtooth, gpu_present=True, cuda_used=True, cpus=8)
+    report = analyse(steps(60, 0.015, 0.005), sawtooth, gpu_present=True, cuda_used=True, cpus=8)
     assert report.verdict.kind == "input-bound"
     assert any("saw-tooth" in r for r in report.verdict.reasons)
     assert report.gpu_memory_max == 2**30
 
 
 def test_analyse_host_bound_when_workers_saturate_the_cpus() -> None:
-    hot = samples(10, 40.0, 780, 99)  # 7.8 of 8 CPUs busy
-    report = analyse(steps(20, 0.015, 0.005), hot, gpu_present=True, cuda_used=True, cpus=8)
+    hot = samples(15, 40.0, 780, 99)  # 7.8 of 8 CPUs busy
+    report = analyse(steps(60, 0.015, 0.005), hot, gpu_present=True, cuda_used=True, cpus=8)
     assert report.verdict.kind == "host-bound"
     assert "image_loader" in report.verdict.fix
 
 
 def test_analyse_host_bound_when_the_gpu_starves_without_waiting_for_data() -> None:
-    gpu_steps = steps(20, 0.0, 0.01, gpu_busy=0.002)  # GPU busy 20% of each step
-    hot = samples(10, 20.0, 400, 95)
+    gpu_steps = steps(120, 0.0, 0.01, gpu_busy=0.002)  # GPU busy 20% of each step
+    hot = samples(15, 20.0, 400, 95)
     report = analyse(gpu_steps, hot, gpu_present=True, cuda_used=True, cpus=4)
     assert report.verdict.kind == "host-bound"
     assert report.gpu_busy_fraction == pytest.approx(0.2)
 
 
 def test_analyse_compute_bound_on_a_busy_gpu() -> None:
-    busy = steps(20, 0.0005, 0.02, gpu_busy=0.0195)
-    report = analyse(busy, samples(10, 98.0, 100, 10), gpu_present=True, cuda_used=True, cpus=8)
+    busy = steps(60, 0.0005, 0.02, gpu_busy=0.0195)
+    report = analyse(busy, samples(15, 98.0, 100, 10), gpu_present=True, cuda_used=True, cpus=8)
     assert report.verdict.kind == "compute-bound"
     assert "on the GPU" in report.verdict.summary
     assert any("busy 95%" in r for r in report.verdict.reasons)
@@ -275,8 +276,8 @@ def test_analyse_compute_bound_on_a_busy_gpu() -> None:
 
 
 def test_analyse_a_full_event_span_at_idle_utilisation_is_gpu_unused() -> None:
-    spanned = steps(20, 0.0, 0.01, gpu_busy=0.01)
-    idle = [Sample(i * 0.1, float(i % 3), 2**30, 100, 20) for i in range(10)]  # 0-2 %
+    spanned = steps(120, 0.0, 0.01, gpu_busy=0.01)
+    idle = [Sample(i * 0.1, float(i % 3), 2**30, 100, 20) for i in range(15)]  # 0-2 %
     report = analyse(spanned, idle, gpu_present=True, cuda_used=True, cpus=8)
     assert report.verdict.kind == "gpu-unused", report
     assert report.gpu_busy_fraction == pytest.approx(1.0)  # still reported, as the span
@@ -285,17 +286,17 @@ def test_analyse_a_full_event_span_at_idle_utilisation_is_gpu_unused() -> None:
 
 
 def test_analyse_a_full_event_span_with_saturated_cpus_is_host_bound() -> None:
-    spanned = steps(20, 0.0, 0.01, gpu_busy=0.01)  # no data wait
-    hot = samples(10, 30.0, 390, 98)  # 3.9 of 4 CPUs busy
+    spanned = steps(120, 0.0, 0.01, gpu_busy=0.01)  # no data wait
+    hot = samples(15, 30.0, 390, 98)  # 3.9 of 4 CPUs busy
     report = analyse(spanned, hot, gpu_present=True, cuda_used=True, cpus=4)
     assert report.verdict.kind == "host-bound", report
     assert "busy only 30%" in report.verdict.summary
 
 
 def test_analyse_ignores_samples_taken_long_after_the_loop() -> None:
-    loop = steps(20, 0.0, 0.01)  # 0.2 s of steps
-    during = [Sample(t, 95.0, 2**30, 100, 10) for t in (0.0, 0.05, 0.1, 0.15, 0.2, 0.25)]
-    idle_after = [Sample(0.3 + 0.05 * i, 0.0, 2**30, 1, 1) for i in range(30)]
+    loop = steps(120, 0.0, 0.01)  # 1.2 s of steps
+    during = [Sample(0.05 * i, 95.0, 2**30, 100, 10) for i in range(26)]  # to 1.25 s
+    idle_after = [Sample(1.3 + 0.05 * i, 0.0, 2**30, 1, 1) for i in range(60)]
     report = analyse(loop, during + idle_after, gpu_present=True, cuda_used=True, cpus=8)
     # Samples up to the loop's end, and the first after it (NVML's figure covers the period
     # before it), count; the idle tail of a report made later does not.
@@ -303,15 +304,37 @@ def test_analyse_ignores_samples_taken_long_after_the_loop() -> None:
     assert report.verdict.kind == "compute-bound", report
 
 
+def test_analyse_follows_the_gpu_past_the_end_of_the_hosts_loop() -> None:
+    # The host queued 20 steps in 0.2 s; the GPU needed 1.5 s for them (the spans say so), and
+    # NVML saw it busy all that time. The window runs to the GPU's end, long enough for NVML.
+    queued = steps(20, 0.0, 0.01, gpu_busy=0.075)
+    busy = [Sample(0.1 * i, 95.0, 2**30, 100, 10) for i in range(16)]  # 0 .. 1.5 s
+    idle = [Sample(1.6 + 0.1 * i, 0.0, 2**30, 1, 1) for i in range(30)]
+    report = analyse(queued, busy + idle, gpu_present=True, cuda_used=True, cpus=8)
+    assert report.verdict.kind == "compute-bound", report
+    assert report.gpu_utilization_mean == pytest.approx(95.0, abs=6.0)
+    assert any("busy 9" in r for r in report.verdict.reasons)
+
+
+def test_analyse_does_not_trust_nvml_over_a_short_window() -> None:
+    # 0.2 s of steps: NVML's figure (averaged over up to a second) mostly shows what came
+    # before the loop, so a 0 % reading must not make it "gpu-unused".
+    short = steps(20, 0.0, 0.01, gpu_busy=0.01)
+    zero = [Sample(0.05 * i, 0.0, 2**30, 100, 10) for i in range(6)]
+    report = analyse(short, zero, gpu_present=True, cuda_used=True, cpus=8)
+    assert report.verdict.kind == "compute-bound", report
+    assert any("is not used" in r and "at least that long" in r for r in report.verdict.reasons)
+
+
 def test_analyse_a_full_event_span_at_high_utilisation_is_compute_bound() -> None:
-    spanned = steps(20, 0.0, 0.01, gpu_busy=0.01)
-    report = analyse(spanned, samples(10, 95.0, 100, 10), gpu_present=True, cuda_used=True, cpus=8)
+    spanned = steps(120, 0.0, 0.01, gpu_busy=0.01)
+    report = analyse(spanned, samples(15, 95.0, 100, 10), gpu_present=True, cuda_used=True, cpus=8)
     assert report.verdict.kind == "compute-bound", report
     assert any("busy 95%" in r for r in report.verdict.reasons)
 
 
 def test_analyse_without_nvml_takes_the_event_span_as_a_bound() -> None:
-    spanned = steps(20, 0.0, 0.01, gpu_busy=0.01)
+    spanned = steps(120, 0.0, 0.01, gpu_busy=0.01)
     report = analyse(spanned, gpu_present=True, cuda_used=True, cpus=8)
     assert report.verdict.kind == "compute-bound"
     assert any("busy at most 100%" in r for r in report.verdict.reasons)
@@ -319,7 +342,7 @@ def test_analyse_without_nvml_takes_the_event_span_as_a_bound() -> None:
 
 def test_analyse_a_saw_tooth_with_a_modest_wait_is_input_bound() -> None:
     sawtooth = [Sample(i * 0.1, u, 2**30, 50, 20) for i, u in enumerate([90.0, 5.0] * 10)]
-    modest = steps(20, 0.003, 0.017)  # 15 % of step time waiting: under 25 %
+    modest = steps(60, 0.003, 0.017)  # 15 % of step time waiting: under 25 %
     report = analyse(modest, sawtooth, gpu_present=True, cuda_used=True, cpus=8)
     assert report.verdict.kind == "input-bound", report
     assert any("saw-tooth" in r for r in report.verdict.reasons)
@@ -327,7 +350,7 @@ def test_analyse_a_saw_tooth_with_a_modest_wait_is_input_bound() -> None:
     assert analyse(modest, flat, gpu_present=True, cuda_used=True, cpus=8).verdict.kind == (
         "compute-bound"
     )
-    little = steps(20, 0.001, 0.019)  # 5 %: the saw-tooth alone does not make it input-bound
+    little = steps(60, 0.001, 0.019)  # 5 %: the saw-tooth alone does not make it input-bound
     assert analyse(little, sawtooth, gpu_present=True, cuda_used=True, cpus=8).verdict.kind == (
         "compute-bound"
     )
@@ -402,13 +425,19 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
 
 @pytest.mark.requires_cuda
 def test_a_gpu_loop_is_timed_with_cuda_events() -> None:
-    x = torch.randn(2048, 2048, device="cuda")
-    # Long enough for NVML's utilisation (averaged over up to a second) to see the work.
+    x = torch.randn(4096, 4096, device="cuda")
+    # At least 1.5 s of GPU work, each step waited for (loss.item() in a real loop does the
+    # same), so the host's loop lasts as long as the GPU's and NVML (averaged over up to a
+    # second) samples the work itself.
+    end = time.perf_counter() + 1.5
     with watch(interval=0.02) as w:
-        for batch in w.iter([x] * 200):
+        for batch in w.iter(itertools.repeat(x)):
             for _ in range(4):
                 batch = batch @ x
+            torch.cuda.synchronize()
             w.step()
+            if time.perf_counter() > end:
+                break
     report = w.report()
     assert report.device == f"cuda:{torch.cuda.current_device()}"
     assert all(s.gpu_busy is not None and s.gpu_busy > 0 for s in report.timeline)
@@ -419,8 +448,12 @@ def test_a_gpu_loop_is_timed_with_cuda_events() -> None:
 @pytest.mark.requires_cuda
 def test_a_cpu_loop_on_a_gpu_machine_leaves_the_gpu_unused() -> None:
     torch.zeros(1, device="cuda")  # CUDA is up, but the loop never touches the GPU
+    # NVML averages over up to a second: let earlier GPU work (other tests) age out of it.
+    # (NVML counts the whole device, so another process using this GPU would fail this test.)
+    torch.cuda.synchronize()
+    time.sleep(1.1)
     with watch(interval=0.02) as w:
-        for _ in w.iter([torch.zeros(8)] * 80):
+        for _ in w.iter([torch.zeros(8)] * 250):  # 250 x 5 ms: over NVML's second
             burn(0.005)
             w.step()
     report = w.report()

@@ -22,6 +22,7 @@ SAWTOOTH_WAIT = 0.10  # with a saw-tooth GPU utilisation, this much waiting is i
 CPU_SATURATED = 0.8  # share of the usable CPUs this process and its workers use
 HOST_SATURATED = 90.0  # host CPU percent, with the process using at least half its share
 GPU_IDLE_UTIL = 5.0  # percent
+NVML_MIN_WINDOW_S = 1.0  # NVML's utilisation averages over 1/6 s to 1 s, by product
 STALL_FACTOR = 2.5  # a stall is a step this many times the median (and far outside the noise)
 STALL_SHARE = 0.1  # share of run time lost to periodic stalls that makes them the verdict
 
@@ -144,10 +145,15 @@ def analyse(
     first = dropped_steps + skip  # the number of the first measured step
     measured = list(timeline[skip:])
     t_start = measured[0].start if measured else 0.0
-    # Background samples taken while the measured steps ran, plus the first one after the last
-    # step ends (NVML's utilisation covers the period before the sample); samples after that
-    # (a report made long after the loop) would dilute the loop's figures.
+    # Background samples taken while the measured steps ran, plus the first one after (NVML's
+    # utilisation covers the period before the sample); samples after that (a report made long
+    # after the loop) would dilute the loop's figures. The steps "ran" until the GPU finished
+    # them, which may be after the host's loop ended (the host queues ahead): the GPU could
+    # not have finished before the first step's start plus the steps' spans.
+    spans = [s.gpu_busy for s in measured]
     t_end = measured[-1].start + measured[-1].duration if measured else math.inf
+    if measured and None not in spans:
+        t_end = max(t_end, t_start + sum(x for x in spans if x is not None))
     during = [s for s in samples if t_start <= s.time <= t_end]
     after = [s for s in samples if s.time > t_end]
     window = during + after[:1]
@@ -221,7 +227,17 @@ def analyse(
     # span is host time: ~100 % for a loop that launches nothing (or launches slowly). The
     # span only bounds the busy share from above; NVML's utilisation (the share of time a
     # kernel ran) is the smaller, truer figure where it exists.
-    utilisation = None if util_mean is None else util_mean / 100
+    # NVML averages over a period of up to a second: over a shorter window, or with fewer
+    # than three samples, its figure mostly describes what came before the loop.
+    nvml_window = (t_end - t_start) if measured else 0.0
+    nvml_ok = util_mean is not None and len(utils) >= 3 and nvml_window >= NVML_MIN_WINDOW_S
+    utilisation = util_mean / 100 if nvml_ok and util_mean is not None else None
+    nvml_note = (
+        ""
+        if nvml_ok or util_mean is None
+        else f"NVML utilisation ({len(utils)} samples over {nvml_window:.2f} s) is not used: it "
+        f"averages over up to {NVML_MIN_WINDOW_S:g} s, so watch at least that long"
+    )
     shares = [x for x in (gpu_span, utilisation) if x is not None]
     gpu_share = min(shares) if shares else None
     gpu_figures = "; ".join(
@@ -231,6 +247,7 @@ def analyse(
             ""
             if gpu_span is None
             else f"the steps' CUDA events span {gpu_span:.0%} of step time (an upper bound)",
+            nvml_note,
         )
         if part
     )
@@ -256,7 +273,7 @@ def analyse(
         else ""
     )
     swing = ""
-    if len(utils) >= 5 and util_mean is not None and util_mean < 60:
+    if nvml_ok and len(utils) >= 5 and util_mean is not None and util_mean < 60:
         low, high = min(utils), max(utils)
         if statistics.pstdev(utils) >= 20:
             swing = f"GPU utilisation swings between {low:.0f}% and {high:.0f}% (saw-tooth)"
