@@ -1,60 +1,113 @@
 #!/usr/bin/env bash
 # Every GPU check the issues ask for, in one script, for a session that is lent a GPU machine.
 #
-#   bash benchmarks/gpu_checks.sh quick   # ~5 min: doctor, MixedPrecision vs peers, GPU tests,
-#                                         #         bench model/matmul/h2d
-#   bash benchmarks/gpu_checks.sh rest    # ~5 min: pipelines (nvjpeg -> ResNet-50), overhead
-#                                         #         benchmarks, autotuner JPEG grid on all cores
+#   bash benchmarks/gpu_checks.sh quick   # env, MixedPrecision vs peers (amp_bench), bench
+#                                         # model/matmul/h2d, doctor, GPU tests, DDP fork tests
+#   bash benchmarks/gpu_checks.sh rest    # nvjpeg pipeline -> ResNet-50, overhead benchmarks,
+#                                         # autotuner JPEG grid on all cores, DDP example
+#
+# Steps run most important first, each under its own time limit, and the whole part under a
+# deadline: GPU_CHECKS_DEADLINE_S seconds (default 500) from the start. A step's limit is cut to
+# the time left, and a step that would start with under 30 s left is skipped (and logged as
+# skipped), so a part finishes inside a tool call that allows 600 s. Both parts at the default
+# need more than a 15-minute lease minus the machine start: give them e.g. 420 and 300.
+#
+# Logs and JSON go to a work folder (${TMPDIR:-/tmp}/gpu-checks-<part>); after every step
+# all of it is packed into ONE archive, $OUT/<part>.tar.gz (OUT defaults to ./gpu-out), so a
+# run killed midway still returns everything done so far, as a single file (the device tool
+# returns at most 8). `tar xzf <part>.tar.gz` gives <step>.txt, the JSON files and summary.txt:
+# one line per step (name, exit code, seconds), also printed as "== step ..." lines and again
+# at the end, so the last lines of output are the overview. Exit 124/137: the step ran out of
+# time.
 #
 # Runs from the repository root with the source tree on PYTHONPATH (the GPU machine has its
-# own torch/torchvision and no registry access). Every step has its own time limit, so one
-# hang cannot eat the rest; results land in $OUT (or ./gpu-out when OUT is unset).
-# It also runs on a CPU-only machine (tiny sizes) so that it can be checked before a lease.
+# own torch/torchvision and no registry access). It also runs on a CPU-only machine (tiny
+# sizes), so that it can be checked before a lease:
+#   OUT=/tmp/gq PYTHON=python bash benchmarks/gpu_checks.sh quick && tar tzf /tmp/gq/quick.tar.gz
 set -u
-cd "$(dirname "$0")/.."
+SECONDS=0
+part="${1:-quick}"
+case "$part" in
+  quick | rest) ;;
+  *) echo "usage: $0 quick|rest" >&2; exit 2 ;;
+esac
+deadline="${GPU_CHECKS_DEADLINE_S:-500}"
+case "$deadline" in
+  '' | *[!0-9]*) echo "GPU_CHECKS_DEADLINE_S must be a whole number of seconds, got '$deadline'" >&2; exit 2 ;;
+esac
+if [ -n "${OUT:-}" ]; then  # relative to where the script was started from
+  OUT=$(mkdir -p "$OUT" && cd "$OUT" && pwd) || { echo "cannot write to OUT=$OUT" >&2; exit 2; }
+fi
+cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
+WORK="${TMPDIR:-/tmp}/gpu-checks-$part"
+rm -rf "$WORK"
+mkdir -p "$WORK"
+ARCHIVE="$OUT/$part.tar.gz"
 PY="${PYTHON:-python3}"
-part="${1:-quick}"
 
-step() {  # step NAME SECONDS CMD...: run with a time limit, keep the log, never stop the script
-  local name=$1 limit=$2
-  shift 2
-  echo; echo "######## $name (limit ${limit}s, $(date +%T))"
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
-  echo "######## $name: exit ${PIPESTATUS[0]}"
+pack() {  # the whole work folder as one archive, replaced atomically (a kill keeps the last)
+  tar -C "$WORK" -czf "$ARCHIVE.tmp" . && mv -f "$ARCHIVE.tmp" "$ARCHIVE"
 }
 
-cuda=$($PY -c 'import torch; print(int(torch.cuda.is_available()))')
+note() {  # one summary line: on stdout and in summary.txt
+  echo "$*" | tee -a "$WORK/summary.txt"
+}
+
+step() {  # step NAME SECONDS CMD...: run with a time limit, keep the log, never stop the script
+  local name=$1 limit=$2 left rc started
+  shift 2
+  left=$((deadline - SECONDS))
+  if [ "$left" -lt 30 ]; then
+    note "== step $name: skipped (${left}s left of GPU_CHECKS_DEADLINE_S=$deadline)"
+    pack
+    return
+  fi
+  # timeout may take 10 s more to kill a step that ignores SIGTERM
+  if [ $((left - 10)) -lt "$limit" ]; then limit=$((left - 10)); fi
+  echo; echo "######## $name (limit ${limit}s, $(date +%T))"
+  started=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$WORK/$name.txt"
+  rc=${PIPESTATUS[0]}
+  note "== step $name: exit $rc, $((SECONDS - started))s (limit ${limit}s)"
+  pack
+}
+
+cuda=$(timeout 120 "$PY" -c 'import torch; print(int(torch.cuda.is_available()))')
+note "== $part: cuda=${cuda:-?}, deadline ${deadline}s, archive $ARCHIVE"
+pytest=("$PY" -m pytest -q -p no:cacheprovider -ra --timeout 60)
 
 if [ "$part" = quick ]; then
   step env 30 bash -c "nvidia-smi -L 2>/dev/null; $PY -c 'import sys, torch, torchvision; print(sys.version.split()[0], torch.__version__, torchvision.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else \"cpu\")'"
-  step doctor 60 $PY -m trainperf doctor
-  step amp_bench 240 $PY benchmarks/amp_bench.py --json "$OUT/amp_bench.json"
-  step gpu_tests 240 $PY -m pytest -q -p no:cacheprovider -ra -m requires_cuda tests
-  step ddp_fork_tests 120 $PY -m pytest -q -p no:cacheprovider -ra tests/test_ddp.py -k "fork or returns_rank0 or master_port"
-  step bench_matmul 60 $PY -m trainperf bench matmul --json
-  step bench_h2d 60 $PY -m trainperf bench h2d --json
+  step amp_bench 240 "$PY" benchmarks/amp_bench.py --json "$WORK/amp_bench.json"
   if [ "$cuda" = 1 ]; then
-    step bench_resnet50 120 $PY -m trainperf bench model --model resnet50 --precision all
-    step bench_vit 150 $PY -m trainperf bench model --model vit_b_16 --precision all
+    step bench_resnet50 120 "$PY" -m trainperf bench model --model resnet50 --precision all
+    step bench_vit 150 "$PY" -m trainperf bench model --model vit_b_16 --precision all
   else
-    step bench_resnet50 120 $PY -m trainperf bench model --model resnet50 --precision fp32
+    step bench_resnet50 120 "$PY" -m trainperf bench model --model resnet50 --precision fp32
   fi
-elif [ "$part" = rest ]; then
-  if [ "$cuda" = 1 ]; then
-    step pipeline_bench 240 $PY benchmarks/pipeline_bench.py --images 4096 --backends nvjpeg,torchvision --tune-budget 20 --seconds 8 --train-resnet --steps 30 --json "$OUT/pipeline_bench.json"
-    step autotune_jpeg 270 $PY benchmarks/autotune_bench.py --datasets jpeg --batch-size 128 --workers 0,8,12,14,15,16,24 --prefetch 2 --pin true --budget 30 --json "$OUT/autotune_jpeg.json"
-  else
-    step pipeline_bench 240 $PY benchmarks/pipeline_bench.py --images 64 --backends torchvision --tune-budget 3 --seconds 2 --json "$OUT/pipeline_bench.json"
-    step autotune_jpeg 240 $PY benchmarks/autotune_bench.py --datasets jpeg --quick --json "$OUT/autotune_jpeg.json"
-  fi
-  step bench_overhead 150 $PY benchmarks/bench_overhead.py --json "$OUT/bench_overhead.json"
-  step watch_overhead 120 $PY benchmarks/watch_overhead.py --json "$OUT/watch_overhead.json"
-  step ddp_example 90 $PY examples/ddp_train.py
+  step bench_matmul 60 "$PY" -m trainperf bench matmul --json
+  step bench_h2d 60 "$PY" -m trainperf bench h2d --json
+  step doctor 60 "$PY" -m trainperf doctor
+  step gpu_tests 240 "${pytest[@]}" -m requires_cuda tests
+  step ddp_fork_tests 120 "${pytest[@]}" tests/test_ddp.py -k "fork or returns_rank0 or master_port"
 else
-  echo "usage: $0 quick|rest" >&2
-  exit 2
+  if [ "$cuda" = 1 ]; then
+    step pipeline_bench 240 "$PY" benchmarks/pipeline_bench.py --images 4096 --backends nvjpeg,torchvision --tune-budget 20 --seconds 8 --train-resnet --steps 30 --json "$WORK/pipeline_bench.json"
+  else
+    step pipeline_bench 240 "$PY" benchmarks/pipeline_bench.py --images 64 --backends torchvision --tune-budget 3 --seconds 2 --json "$WORK/pipeline_bench.json"
+  fi
+  step bench_overhead 150 "$PY" benchmarks/bench_overhead.py --rounds 3 --json "$WORK/bench_overhead.json"
+  step watch_overhead 120 "$PY" benchmarks/watch_overhead.py --rounds 3 --json "$WORK/watch_overhead.json"
+  if [ "$cuda" = 1 ]; then
+    step autotune_jpeg 180 "$PY" benchmarks/autotune_bench.py --datasets jpeg --batch-size 128 --workers 0,8,16,24 --prefetch 2 --pin true --budget 20 --json "$WORK/autotune_jpeg.json"
+  else
+    step autotune_jpeg 240 "$PY" benchmarks/autotune_bench.py --datasets jpeg --quick --json "$WORK/autotune_jpeg.json"
+  fi
+  step ddp_example 90 "$PY" examples/ddp_train.py
 fi
-echo; echo "results in $OUT"
+echo; echo "######## summary ($part, ${SECONDS}s)"
+cat "$WORK/summary.txt"
+echo "results in $ARCHIVE (tar xzf it)"

@@ -471,6 +471,21 @@ def test_fp16_step_reads_the_device_at_most_once_more_than_grad_scaler(
     assert bare >= 1 and reads <= bare + 1
 
 
+@needs_cpu_fp16
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_fp16_step_with_a_disabled_scaler_is_a_plain_step(max_grad_norm: float | None) -> None:
+    # MixedPrecision never builds one, but a disabled GradScaler (GradScaler("cuda") disables
+    # itself without CUDA) keeps none of the per-optimizer state the skip check reads.
+    mp = MixedPrecision("cpu", precision="fp16")
+    mp._scaler = torch.amp.GradScaler("cpu", enabled=False)
+    w = nn.Parameter(torch.ones(3))
+    mp.backward((w * 2).sum())
+    assert w.grad is not None and w.grad.tolist() == [2.0, 2.0, 2.0]  # not scaled
+    assert mp.step(torch.optim.SGD([w], lr=0.1), max_grad_norm=max_grad_norm) is True
+    grad = 2.0 if max_grad_norm is None else 2.0 / math.sqrt(12.0)  # the norm clipped to 1
+    assert w.detach().tolist() == pytest.approx([1.0 - 0.1 * grad] * 3, abs=1e-6)
+
+
 def reference_fp32(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, clip: float
 ) -> nn.Module:
@@ -846,3 +861,48 @@ def test_prepare_on_cuda_picks_channels_last_and_tf32(restore_tf32: None) -> Non
     mp.backward(loss)
     assert mp.step(opt, max_grad_norm=1.0)
     assert torch.isfinite(loss)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+@pytest.mark.parametrize("optimizer", ["sgd-foreach", "adam-fused"])
+def test_fp16_on_cuda_skips_non_finite_steps_with_foreach_and_fused_optimizers(
+    restore_tf32: None, optimizer: str, max_grad_norm: float | None
+) -> None:
+    # A fused optimizer takes GradScaler's other path: it gets the inf flag and skips on the
+    # device (torch's _step_supports_amp_scaling) instead of GradScaler deciding on the host.
+    torch.manual_seed(0)
+    mp = MixedPrecision("cuda", precision="fp16")
+    model = mp.prepare(small_mlp())
+    opt: torch.optim.Optimizer
+    if optimizer == "sgd-foreach":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    x, y = mp.prepare_batch((torch.randn(8, 16), torch.randint(0, 4, (8,))))
+    scaler = mp.scaler
+    assert scaler is not None and scaler.is_enabled()
+
+    def backward(bad: float | None) -> list[torch.Tensor]:
+        with mp.autocast():
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        mp.backward(loss)
+        if bad is not None:
+            model[0].weight.grad[0, 0] = bad  # type: ignore[index]
+        return [p.detach().clone() for p in model.parameters()]
+
+    before = backward(None)
+    scale = scaler.get_scale()
+    assert mp.step(opt, max_grad_norm=max_grad_norm) is True
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert scaler.get_scale() == scale  # growth comes only after 2000 good steps
+    mp.zero_grad(opt)
+
+    before = backward(math.inf)
+    assert mp.step(opt, max_grad_norm=max_grad_norm) is False
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert scaler.get_scale() == scale * 0.5
+    mp.zero_grad(opt)
+
+    backward(None)
+    assert mp.step(opt, max_grad_norm=max_grad_norm) is True

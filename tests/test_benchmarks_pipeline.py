@@ -16,7 +16,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
+from trainperf import _tf32
 from trainperf.pipelines import _dali_importable
 
 pytest.importorskip("torchvision")
@@ -43,6 +45,19 @@ def bench() -> Iterator[ModuleType]:
         yield module
     finally:
         del sys.modules[spec.name]
+
+
+@pytest.fixture(autouse=True)
+def _restore_backend_flags() -> Iterator[None]:
+    """train_resnet sets cudnn.benchmark, and MixedPrecision.prepare switches TF32 on for the
+    whole process on a GPU; neither may leak into the tests that run after these."""
+    saved_tf32 = _tf32._snapshot()
+    benchmark = torch.backends.cudnn.benchmark
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
+        _tf32._restore(saved_tf32)
 
 
 def _table_rows(out: str) -> dict[str, str]:

@@ -349,6 +349,10 @@ class MixedPrecision:
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
             nn.utils.clip_grad_norm_(_parameters(optimizer), max_grad_norm)
         scaler.step(optimizer)
+        if not scaler.is_enabled():
+            # A disabled scaler steps plainly and keeps no inf/NaN flags to read (nor the
+            # per-optimizer state they live in); update() would be a no-op.
+            return True
         # The inf/NaN flags GradScaler.step decided on (torch's own test, in _maybe_opt_step);
         # update() discards them, so read them first: one read, instead of the loss scale
         # before and after.
