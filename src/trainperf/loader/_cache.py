@@ -142,10 +142,11 @@ def _first_sample(dataset: Any) -> Any:
 
 
 def length(obj: Any) -> int | None:
-    """``len(obj)``, or None when it has no length."""
+    """``len(obj)``, or None when it has no length (an iterable dataset, or a ``__len__``
+    that raises ``NotImplementedError``)."""
     try:
         return len(obj)
-    except TypeError:
+    except (TypeError, NotImplementedError):
         return None
 
 

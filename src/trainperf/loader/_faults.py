@@ -99,10 +99,6 @@ class WorkerProcesses:
                 out[p.pid] = int(p.memory_full_info().uss)
         return out
 
-    def max_uss(self) -> int | None:
-        """The largest private memory among (up to ``USS_READ_LIMIT``) workers."""
-        return max(self.uss_by_pid().values(), default=None)
-
     def kill(self) -> None:
         for p in self.alive():
             with contextlib.suppress(psutil.Error):
@@ -189,22 +185,17 @@ def classify_fault(
     *,
     start_method: str,
     timeout_s: float,
-    budget_capped: bool,
     inflight_bytes: int | None = None,
     shm_free: int | None = None,
 ) -> tuple[FaultKind, str]:
     """Name the fault behind a DataLoader exception and say how to fix it.
 
-    A timeout is a ``"hang"``; with ``budget_capped`` (the wait was cut to the time left
-    of the budget, shorter than the hang limit) its reason says that the budget may simply
-    be too short (:func:`budget_cut_reason`).
-
     Example:
         >>> classify_fault(RuntimeError("DataLoader worker (pid(s) 12) exited unexpectedly"),
-        ...                start_method="fork", timeout_s=10, budget_capped=False)[0]
+        ...                start_method="fork", timeout_s=10)[0]
         'crash'
         >>> classify_fault(RuntimeError("DataLoader timed out after 2 seconds"),
-        ...                start_method="fork", timeout_s=2, budget_capped=False)[0]
+        ...                start_method="fork", timeout_s=2)[0]
         'hang'
     """
     msg = str(error)
@@ -237,8 +228,6 @@ def classify_fault(
             f"prefetch_factor"
         )
     if "timed out after" in low:
-        if budget_capped:
-            return "hang", budget_cut_reason(timeout_s)
         return "hang", (
             f"no batch arrived within {timeout_s:.1f} s: a worker hangs (a deadlock, blocking "
             f"I/O, a lock or thread pool inherited across fork); fix the dataset, or pass a "

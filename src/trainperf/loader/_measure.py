@@ -57,6 +57,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from trainperf.loader._cache import length
 from trainperf.loader._faults import (
     WorkerProcesses,
     budget_cut_reason,
@@ -354,13 +355,6 @@ def _projected_uss(
     )
 
 
-def _length(obj: Any) -> int | None:
-    try:
-        return len(obj)
-    except (TypeError, NotImplementedError):  # an iterable dataset without a length
-        return None
-
-
 def measure(
     dataset: Any,
     batch_size: int,
@@ -574,7 +568,6 @@ def measure(
             e,
             start_method=start_method(loader_kwargs),
             timeout_s=hang_timeout_s,
-            budget_capped=False,
             inflight_bytes=inflight,
             shm_free=shm_free,
         )
@@ -590,7 +583,7 @@ def measure(
                 # The whole dataset: a worker kept across shuffled epochs meets every
                 # sample, and even one epoch's share of random samples touches most pages
                 # (each holds many objects).
-                samples_per_worker=_length(dataset),
+                samples_per_worker=length(dataset),
             )
         if num_workers > 0:
             workers.scan()

@@ -98,10 +98,10 @@ def _time_step(
 
     Returns its samples/s and the CPU seconds it costs per sample (this process's CPU time
     until ``step_fn`` returns, all threads counted, not the synchronisation the tuner adds
-    after it), from which the main process's share of the cores follows. Each
-    batch is moved to ``device`` first (outside the timed
-    region), as the training loop would do; on CUDA the device is synchronised before and
-    after each call so the time is the step's and not a queue's.
+    after it), from which the main process's share of the cores follows. Each batch is
+    moved to ``device`` first (outside the timed region), as the training loop would do; on
+    CUDA the device is synchronised before and after each call so the time is the step's
+    and not a queue's.
     """
     from trainperf.device import to_device
 
@@ -248,13 +248,11 @@ def _from_cache(
     batch_size: int,
     common: dict[str, Any],
     started: float,
-    worker_cpus: int,
-    main_cores: float,
 ) -> TuningReport | None:
     """A report built from a cache entry, or None when it is malformed or no longer fits.
 
-    ``worker_cpus`` and ``main_cores`` are the values before any ``step_fn`` measurement;
-    the entry's own, when it has them, take precedence.
+    The main process's share is the entry's (measured with ``step_fn``); an entry without
+    one kept the default core.
     """
     try:
         best = dict(entry["best"])
@@ -265,8 +263,8 @@ def _from_cache(
         rate = entry.get("samples_per_s")
         base = entry.get("baseline_samples_per_s")
         step = entry.get("step_samples_per_s")
-        worker_cpus = int(entry.get("worker_cpus", worker_cpus))
-        main_cores = float(entry.get("main_cores", main_cores))
+        main_cores = float(entry.get("main_cores", main_process_cores(common["cpus"])))
+        worker_cpus = int(entry.get("worker_cpus", cores_for_workers(common["cpus"], main_cores)))
     except (KeyError, TypeError, ValueError):
         return None
     if need > limits.memory_available - safety_margin(limits.memory_available):
@@ -310,8 +308,8 @@ def tune_loader(
     to the usable CPUs (affinity and cgroup quota, divided by the processes on this host,
     :func:`trainperf.limits.local_world_size`) minus what the main process needs — one core
     when the training step is unknown, what ``step_fn`` was measured to use when given —
-    unless they mostly wait; to available memory (cgroup-aware) and to free ``/dev/shm``. A worker
-    that crashes, hangs (see ``timeout``) or cannot be pickled marks its candidate failed;
+    unless they mostly wait; to available memory (cgroup-aware) and to free ``/dev/shm``. A
+    worker that crashes, hangs (see ``timeout``) or cannot be pickled marks its candidate failed;
     if no worker configuration works the result is ``num_workers=0`` with a
     ``RuntimeWarning`` saying why. No worker outlives the call.
 
@@ -330,8 +328,8 @@ def tune_loader(
             this process so workers stop being added once loading outruns it, and the CPU it
             uses until it returns is what the main process keeps (instead of one whole
             core), so a GPU step that queues its kernels and returns leaves most of its core
-            to workers. When the main process does
-            nothing but take batches, ``step_fn=lambda batch: None`` says so. The batch is
+            to workers. When the main process does nothing but take batches,
+            ``step_fn=lambda batch: None`` says so. The batch is
             moved to ``device`` first (:func:`trainperf.device.to_device`, not timed), so a
             step written for GPU tensors works; on CUDA the device is synchronised around
             each timed call.
@@ -405,9 +403,7 @@ def tune_loader(
         )
         entry = _cache.read_entry(key)
         if entry is not None:
-            hit = _from_cache(
-                entry, limits, loader_kwargs, batch_size, common, started, worker_cpus, main_cores
-            )
+            hit = _from_cache(entry, limits, loader_kwargs, batch_size, common, started)
             if hit is not None:
                 return hit
 
