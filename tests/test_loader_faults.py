@@ -20,9 +20,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from _loader_spies import record_closes
 from trainperf.limits import HostLimits
 from trainperf.loader import TuningReport, tune_loader
-from trainperf.loader import _measure as measure_mod
 from trainperf.loader import _tune as tune_mod
 from trainperf.loader._faults import classify_fault
 
@@ -124,14 +124,7 @@ def test_crashing_worker_falls_back_to_zero_workers(how: str) -> None:
 
 @pytest.mark.timeout(60)  # hung workers that were joined instead of killed would hang here
 def test_hanging_worker_is_detected_by_timeout_and_killed(monkeypatch: pytest.MonkeyPatch) -> None:
-    closes: list[bool] = []
-    real_close = measure_mod.close_iterator
-
-    def close_iterator(it: Any, workers: Any, *, kill_first: bool) -> None:
-        closes.append(kill_first)
-        real_close(it, workers, kill_first=kill_first)
-
-    monkeypatch.setattr(measure_mod, "close_iterator", close_iterator)
+    closes = record_closes(monkeypatch)
     with pytest.warns(RuntimeWarning, match="hang"):
         report = tune(Faulty("hang"), timeout=1.0)
     # The hung candidate was the only one with workers; they were killed before the join.
@@ -285,8 +278,6 @@ def test_memory_limit_is_never_approached(monkeypatch: pytest.MonkeyPatch) -> No
             "--shm-size",
         ),
         ("DataLoader timed out after 3 seconds", {}, "hang", "timeout="),
-        # The budget cut the wait short: still a possible hang, and the budget is named.
-        ("DataLoader timed out after 3 seconds", {"budget_capped": True}, "hang", "budget_s"),
         (
             "Can't pickle local object 'f.<locals>.<lambda>'",
             {"start_method": "spawn"},
@@ -302,7 +293,7 @@ def test_memory_limit_is_never_approached(monkeypatch: pytest.MonkeyPatch) -> No
     ],
 )
 def test_classify_fault(message: str, kwargs: dict[str, Any], kind: str, words: str) -> None:
-    args: dict[str, Any] = {"start_method": "fork", "timeout_s": 3.0, "budget_capped": False}
+    args: dict[str, Any] = {"start_method": "fork", "timeout_s": 3.0}
     args.update(kwargs)
     got_kind, reason = classify_fault(RuntimeError(message), **args)
     assert got_kind == kind

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset, get_worker_info
 
+from _loader_spies import record_closes
 from trainperf.loader import WindowPolicy, measure
 from trainperf.loader import _measure as measure_mod
 from trainperf.loader._measure import batch_bytes, time_windows
@@ -240,14 +241,7 @@ class SlowInWorkers(Dataset[torch.Tensor]):
 def measure_until(
     dataset: Any, deadline_s: float, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[Any, list[bool]]:
-    closes: list[bool] = []
-    real_close = measure_mod.close_iterator
-
-    def close_iterator(it: Any, workers: Any, *, kill_first: bool) -> None:
-        closes.append(kill_first)
-        real_close(it, workers, kill_first=kill_first)
-
-    monkeypatch.setattr(measure_mod, "close_iterator", close_iterator)
+    closes = record_closes(monkeypatch)
     r = measure(
         dataset,
         BS,

@@ -84,9 +84,10 @@ def test_batches_in_flight_count_as_noise(monkeypatch: pytest.MonkeyPatch) -> No
     assert _projected_uss(first, last, batch_bytes=0, **kw) > 1000 * MiB
 
 
-def test_search_plans_with_the_projection_and_a_margin() -> None:
+def search_over(result: CandidateResult) -> Search:
+    """A search that has measured ``result`` (and measures nothing more)."""
     s = Search(
-        measure=lambda n, pf, pin: CandidateResult(n, pf, pin, "skipped"),
+        measure=lambda n, pf, pin: result,
         out_of_time=lambda: False,
         worker_cpus=1,
         max_workers=2,
@@ -94,8 +95,13 @@ def test_search_plans_with_the_projection_and_a_margin() -> None:
         shm_free=None,
         start_method="fork",
     )
-    s.results = [CandidateResult(2, 2, False, "ok", samples_per_s=1.0, worker_uss=400 * MiB)]
-    assert s.worker_bytes() == 500 * MiB
+    s.results = [result]
+    return s
+
+
+def test_search_plans_with_the_projection_and_a_margin() -> None:
+    measured_pool = CandidateResult(2, 2, False, "ok", samples_per_s=1.0, worker_uss=400 * MiB)
+    assert search_over(measured_pool).worker_bytes() == 500 * MiB
 
 
 def test_main_private_bytes_counts_this_processes_memory() -> None:
@@ -185,17 +191,7 @@ def test_python_object_dataset_projects_memory_a_worker_really_reaches(
     assert r.worker_uss is not None
     reached = uss_after_an_epoch(ds, 256)
     assert r.worker_uss >= reached, (r.worker_uss // MiB, reached // MiB, end_of_window // MiB)
-    s = Search(
-        measure=lambda n, pf, pin: r,
-        out_of_time=lambda: False,
-        worker_cpus=1,
-        max_workers=2,
-        memory_available=64 << 30,
-        shm_free=None,
-        start_method="fork",
-    )
-    s.results = [r]
-    assert s.worker_bytes() >= reached
+    assert search_over(r).worker_bytes() >= reached
 
 
 class SlowFileList(FileList):

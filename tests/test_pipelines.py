@@ -887,27 +887,31 @@ def _graph_ops(pipe: Any) -> list[tuple[str, str, str]]:
     return out
 
 
+def _dali_graph(files: list[str], **kw: Any) -> Any:
+    """The DALI pipeline for ``files`` (labels 0, 1, ...), defined without a GPU
+    (``device_id=None``), one thread, seed 0, rank 0 of 1 unless ``kw`` says otherwise."""
+    from trainperf.pipelines._dali import build_pipeline
+
+    args: dict[str, Any] = {
+        "gpu": False,
+        "device_id": None,
+        "batch_size": len(files),
+        "num_threads": 1,
+        "seed": 0,
+        "rank": 0,
+        "world_size": 1,
+        "mean": IMAGENET_MEAN,
+        "std": IMAGENET_STD,
+        **kw,
+    }
+    return build_pipeline(files, list(range(len(files))), **args)
+
+
 @needs_dali
 @pytest.mark.parametrize("train", [True, False])
 def test_dali_gpu_graph_decodes_mixed_and_augments_on_the_gpu(train: bool) -> None:
-    from trainperf.pipelines._dali import build_pipeline
-
     # device_id=None lets the graph be defined without a GPU; gpu=True picks the GPU operators.
-    pipe = build_pipeline(
-        ["a.jpg", "b.jpg"],
-        [0, 1],
-        gpu=True,
-        device_id=None,
-        batch_size=2,
-        num_threads=1,
-        seed=0,
-        rank=1,
-        world_size=2,
-        train=train,
-        size=224,
-        mean=IMAGENET_MEAN,
-        std=IMAGENET_STD,
-    )
+    pipe = _dali_graph(["a.jpg", "b.jpg"], gpu=True, rank=1, world_size=2, train=train, size=224)
     ops = _graph_ops(pipe)
     devices = {name: device for name, device, _ in ops}
     reader = next(spec for name, _, spec in ops if name == "readers__File")
@@ -932,24 +936,7 @@ def test_dali_gpu_graph_decodes_mixed_and_augments_on_the_gpu(train: bool) -> No
 def test_dali_train_resize_antialiases_on_the_gpu_or_when_asked(
     gpu: bool, train_antialias: bool | None, expected: bool
 ) -> None:
-    from trainperf.pipelines._dali import build_pipeline
-
-    pipe = build_pipeline(
-        ["a.jpg"],
-        [0],
-        gpu=gpu,
-        device_id=None,
-        batch_size=1,
-        num_threads=1,
-        seed=0,
-        rank=0,
-        world_size=1,
-        train=True,
-        size=32,
-        mean=IMAGENET_MEAN,
-        std=IMAGENET_STD,
-        train_antialias=train_antialias,
-    )
+    pipe = _dali_graph(["a.jpg"], gpu=gpu, train=True, size=32, train_antialias=train_antialias)
     resize = next(spec for name, _, spec in _graph_ops(pipe) if name == "Resize")
     assert f"antialias: {expected}" in resize
 
