@@ -10,10 +10,10 @@ files, with the same CPU budget (``--threads``, default: this process's usable C
 - ``torchvision``: the DataLoader from ``trainperf.loader.autotune_loader`` with
   ``max_workers = --threads`` (the baseline);
 - ``torchvision-wN`` (``--fixed-workers N``): the same DataLoader with ``num_workers=N``
-  and persistent workers, untuned, for reference;
-- ``dali-antialias`` (``--dali-antialias``): DALI with its train resize antialiased, as the
-  torchvision baseline's is, for an equal-work comparison (``image_loader`` antialiases
-  DALI's train resize on the GPU only, as NVIDIA's reference ResNet-50 DALI pipeline does).
+  and persistent workers, untuned, for reference.
+
+Every backend does the same work: the train resize is bilinear and antialiased everywhere (on
+DALI's CPU path torch does the resize, see ``trainperf.pipelines._dali``).
 
 Timing: the first epoch is warm-up (pipelines fill, workers start, the autotuner runs
 before it); then whole epochs are timed until ``--seconds`` have passed (at least
@@ -36,7 +36,7 @@ Usage::
 
     python benchmarks/pipeline_bench.py [--images 512] [--data DIR] [--threads N]
         [--batch-size 64] [--size 224] [--backends dali,torchvision] [--seconds 10]
-        [--tune-budget 30] [--dali-antialias] [--train-resnet] [--feed-backend nvjpeg]
+        [--tune-budget 30] [--train-resnet] [--feed-backend nvjpeg]
         [--model resnet50] [--warmup 10] [--steps 30] [--json results.json]
 """
 
@@ -158,18 +158,6 @@ def time_loader(loader: ImageLoader, *, epochs: int, seconds: float) -> tuple[fl
     return images / wall, images / cpu, timed
 
 
-def _with_train_antialias(loader: ImageLoader) -> ImageLoader:
-    """The same DALI loader, rebuilt with its train resize antialiased (image_loader has no
-    such option: only this benchmark needs it)."""
-    from trainperf.pipelines._dali import DaliLoader
-
-    rebuilt = DaliLoader(
-        loader.source, loader.shard, loader.config, loader.backend_reason, train_antialias=True
-    )
-    loader.close()
-    return rebuilt
-
-
 def _feed_kwargs(backend: str, args: argparse.Namespace) -> dict[str, Any]:
     if backend != "torchvision":
         return {}
@@ -185,10 +173,6 @@ def _feed_kwargs(backend: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def bench_backend(backend: str, args: argparse.Namespace, device: torch.device) -> Row:
     row = Row(backend, str(device), threads=args.threads)
-    # for the loader built below, "torchvision-wN" is the torchvision backend
-    antialias = backend == "dali-antialias"
-    if antialias:
-        backend = "dali"
     if backend == "dali" and not is_available("nvidia.dali"):
         row.status, row.note = "skipped", "nvidia-dali is not installed"
         return row
@@ -212,8 +196,6 @@ def bench_backend(backend: str, args: argparse.Namespace, device: torch.device) 
             shard=None,
             **kwargs,
         )
-        if antialias:
-            loader = _with_train_antialias(loader)
         row.setup_s = time.perf_counter() - start
         if loader.backend == "torchvision":
             dl = loader.dataloader  # type: ignore[attr-defined]
@@ -353,11 +335,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="timed seconds, at least")
     parser.add_argument("--tune-budget", type=float, default=30.0)
     parser.add_argument("--fixed-workers", type=int, default=None, help="add an untuned row")
-    parser.add_argument(
-        "--dali-antialias",
-        action="store_true",
-        help="add a DALI row with its train resize antialiased (the torchvision baseline's work)",
-    )
     parser.add_argument("--train-resnet", action="store_true")
     parser.add_argument(
         "--feed-backend",
@@ -395,8 +372,6 @@ def main(argv: list[str] | None = None) -> int:
     names = [b.strip() for b in args.backends.split(",") if b.strip()]
     if args.fixed_workers is not None:
         names.append(f"torchvision-w{args.fixed_workers}")
-    if args.dali_antialias:
-        names.append("dali-antialias")
     rows = [bench_backend(name, args, device) for name in names]
     baseline = next((r for r in rows if r.backend == "torchvision" and r.images_per_s), None)
     print()

@@ -311,6 +311,20 @@ def test_dali_epoch_abandoned_part_way_is_finished_before_the_next(folder: Path)
     assert len(_epoch(loader)) == len(loader)
 
 
+@needs_dali
+def test_dali_cpu_batches_a_caller_keeps_stay_intact(folder: Path) -> None:
+    # On the CPU the batches are DALI's own buffers (dynamic executor, no copy): one that is
+    # kept must not be overwritten by later batches, nor by writes into them.
+    loader = _loader(folder, "dali", batch_size=5, last_batch="keep")
+    kept = [(images, images.clone()) for images, _, _ in _epoch(loader)[:2]]
+    for _ in range(2):
+        for images, _, _ in _epoch(loader):
+            images.mul_(0)
+    for images, snapshot in kept:
+        assert torch.equal(images, snapshot)
+        assert snapshot.abs().sum() > 0
+
+
 def test_torchvision_persistent_workers_end_with_close(folder: Path) -> None:
     import psutil
 
@@ -399,7 +413,7 @@ def test_dali_installed_but_broken_names_the_import_error_and_the_fix(
     monkeypatch.setattr(builtins, "__import__", import_without_cuda)
     with pytest.raises(
         ImportError,
-        match=r"NVIDIA DALI is installed but does not import \(OSError: libcudart\.so\.12.*\)"
+        match=r"NVIDIA DALI is installed but cannot be used \(OSError: libcudart\.so\.12.*\)"
         r".*pip install --force-reinstall 'trainperf\[dali\]'.*CUDA 12",
     ) as raised:
         image_loader(folder, 8, backend="dali", device="cpu")
@@ -407,7 +421,32 @@ def test_dali_installed_but_broken_names_the_import_error_and_the_fix(
     assert isinstance(raised.value.__cause__, OSError)
     loader = image_loader(folder, 8, size=SIZE, device="cpu", shard=None, loader_kwargs=NO_TUNING)
     assert loader.backend == "torchvision"
-    assert "DALI is installed but does not import" in loader.backend_reason
+    assert "DALI is installed but cannot be used" in loader.backend_reason
+
+
+def test_dali_older_than_supported_is_refused_with_the_version_and_fix(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import types
+
+    import trainperf.pipelines as pipelines
+
+    dali = types.ModuleType("nvidia.dali")
+    dali.__version__ = "1.30.0"  # type: ignore[attr-defined]
+    nvidia = types.ModuleType("nvidia")
+    nvidia.dali = dali  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "nvidia", nvidia)
+    monkeypatch.setitem(sys.modules, "nvidia.dali", dali)
+    monkeypatch.setattr(pipelines, "is_available", lambda name: True)
+    with pytest.raises(
+        ImportError,
+        match=r"cannot be used \(ImportError: NVIDIA DALI 1\.30\.0 is older than 1\.44\)"
+        r".*pip install --force-reinstall 'trainperf\[dali\]'",
+    ):
+        image_loader(folder, 8, backend="dali", device="cpu")
+    loader = image_loader(folder, 8, size=SIZE, device="cpu", shard=None, loader_kwargs=NO_TUNING)
+    assert loader.backend == "torchvision"
+    assert "DALI is installed but cannot be used" in loader.backend_reason
 
 
 def test_torchvision_missing_names_the_extra(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -929,16 +968,97 @@ def test_dali_gpu_graph_decodes_mixed_and_augments_on_the_gpu(train: bool) -> No
 
 
 @needs_dali
-@pytest.mark.parametrize(
-    ("gpu", "train_antialias", "expected"),
-    [(False, None, False), (True, None, True), (False, True, True)],
-)
-def test_dali_train_resize_antialiases_on_the_gpu_or_when_asked(
-    gpu: bool, train_antialias: bool | None, expected: bool
+@pytest.mark.parametrize("gpu", [False, True])
+def test_dali_zero_copy_executor_on_the_cpu_only(gpu: bool) -> None:
+    pipe = _dali_graph(["a.jpg"], gpu=gpu, train=True, size=32)
+    assert pipe.exec_dynamic is (not gpu)
+
+
+@needs_dali
+@pytest.mark.parametrize("gpu", [False, True])
+def test_dali_train_graph_resizes_antialiased_on_the_gpu_and_leaves_the_cpu_crops_to_torch(
+    gpu: bool,
 ) -> None:
-    pipe = _dali_graph(["a.jpg"], gpu=gpu, train=True, size=32, train_antialias=train_antialias)
-    resize = next(spec for name, _, spec in _graph_ops(pipe) if name == "Resize")
-    assert f"antialias: {expected}" in resize
+    pipe = _dali_graph(["a.jpg"], gpu=gpu, train=True, size=32)
+    ops = {name: spec for name, _, spec in _graph_ops(pipe)}
+    assert "decoders__ImageRandomCrop" in ops
+    if gpu:
+        assert "antialias: True" in ops["Resize"] and "CropMirrorNormalize" in ops
+    else:  # CpuTrainFinish resizes (antialiased), mirrors and normalises in torch
+        assert "Resize" not in ops and "CropMirrorNormalize" not in ops
+
+
+def _reference_finish(
+    crop: torch.Tensor, flip: bool, size: int, mean: list[float], std: list[float]
+) -> torch.Tensor:
+    """torchvision's tensor arithmetic: Resize(antialias) on uint8, flip, ToTensor+Normalize."""
+    import torch.nn.functional as F
+
+    img = crop.permute(2, 0, 1).unsqueeze(0).contiguous()
+    if img.shape[-2:] != (size, size):
+        img = F.interpolate(img, size=(size, size), mode="bilinear", antialias=True)
+    return normalize(random_flip(img, [flip]), mean, std)[0]
+
+
+@needs_dali
+def test_cpu_train_finish_matches_resize_flip_normalize() -> None:
+    from trainperf.pipelines._dali import CpuTrainFinish
+
+    size, mean, std = 24, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    g = torch.Generator().manual_seed(0)
+    shapes = [(50, 70), (24, 24), (13, 9), (100, 31)]  # down, same, up, mixed
+    crops = [torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=g) for h, w in shapes]
+    flips = [True, False, True, False]
+    batch = CpuTrainFinish(size, mean=mean, std=std)(crops, flips)
+    assert batch.shape == (4, 3, size, size) and batch.dtype == torch.float32
+    assert batch.is_contiguous(memory_format=torch.channels_last)
+    for got, crop, flip in zip(batch, crops, flips, strict=True):
+        torch.testing.assert_close(got, _reference_finish(crop, flip, size, mean, std))
+
+
+@needs_dali
+def test_cpu_train_finish_reuses_a_buffer_only_once_nothing_holds_it() -> None:
+    from trainperf.pipelines._dali import CpuTrainFinish
+
+    finish = CpuTrainFinish(8, mean=[0.0] * 3, std=[1.0] * 3)
+    grey = [torch.full((10, 10, 3), 128, dtype=torch.uint8)] * 2
+    white = [torch.full((10, 10, 3), 255, dtype=torch.uint8)] * 2
+    first = finish(grey, [False, False])
+    first_ptr = first.data_ptr()
+    del first
+    assert finish(grey, [False, False]).data_ptr() == first_ptr  # dropped: reused
+
+    kept = finish(grey, [False, False])
+    view = finish(grey, [False, False])[1:]  # only a view of this batch survives
+    after = finish(white, [False, False])
+    assert after.data_ptr() not in (kept.data_ptr(), view.data_ptr())
+    assert torch.all(kept == 128 / 255) and torch.all(view == 128 / 255)
+    assert torch.all(after == 1.0)
+
+
+@needs_dali
+def test_cpu_train_finish_runs_on_one_torch_thread_and_restores_the_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import trainperf.pipelines._dali as dali_backend
+
+    seen: list[int] = []
+    interpolate = dali_backend.F.interpolate
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return interpolate(*args, **kwargs)
+
+    monkeypatch.setattr(dali_backend.F, "interpolate", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        dali_backend.CpuTrainFinish(8, mean=[0.0] * 3, std=[1.0] * 3)(
+            [torch.zeros((9, 9, 3), dtype=torch.uint8)], [False]
+        )
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 # --------------------------------------------------------------------------- pieces

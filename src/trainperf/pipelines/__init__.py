@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -46,12 +47,21 @@ _ON_ERROR = ("raise", "skip")
 _log = logging.getLogger(__name__)
 
 
+# The oldest DALI the backend runs on: its CPU graph uses the dynamic executor (1.44).
+DALI_MIN_VERSION = (1, 44)
+
+
 def _dali_import_error() -> ImportError | OSError | None:
-    """None if NVIDIA DALI imports, else the error that importing it raised."""
+    """None if NVIDIA DALI imports and is new enough, else the error that says why not."""
     try:
-        import nvidia.dali  # noqa: F401
+        import nvidia.dali
     except (ImportError, OSError) as e:  # e.g. a wheel built for another CUDA
         return e
+    version = str(getattr(nvidia.dali, "__version__", ""))
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) < DALI_MIN_VERSION:
+        need = ".".join(map(str, DALI_MIN_VERSION))
+        return ImportError(f"NVIDIA DALI {version or '(no version)'} is older than {need}")
     return None
 
 
@@ -60,7 +70,7 @@ def _dali_importable() -> bool:
         return False
     error = _dali_import_error()
     if error is not None:
-        _log.info("NVIDIA DALI is installed but does not import (%s); not using it", error)
+        _log.info("NVIDIA DALI is installed but cannot be used (%s); not using it", error)
         return False
     return True
 
@@ -101,7 +111,7 @@ def _choose_backend(
     if not is_available("nvidia.dali"):
         no_dali = "DALI is not installed"
     elif device.type in ("cpu", "cuda"):
-        no_dali = "DALI is installed but does not import (see the INFO log)"
+        no_dali = "DALI is installed but cannot be used (see the INFO log)"
     else:
         no_dali = f"DALI does not run on '{device.type}'"
     if device.type == "cuda" and is_available("torchvision"):
@@ -220,7 +230,8 @@ def image_loader(
         ModuleNotFoundError: the backend's package is not installed (the message names the
             ``pip install`` command).
         ImportError: ``backend="dali"`` and DALI is installed but does not import (e.g. a
-            wheel for another CUDA version); the message says why and how to reinstall it.
+            wheel for another CUDA version) or is older than 1.44; the message says why and
+            how to reinstall it.
         TypeError: ``device`` is not a str, int or torch.device.
         DeviceError: CUDA (or MPS) asked for but not available, or a CUDA index beyond the
             visible GPUs.
