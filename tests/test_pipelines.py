@@ -177,11 +177,12 @@ def _nvjpeg_on_cpu(
 # --------------------------------------------------------------------------- the contract
 
 
+@pytest.mark.parametrize("train", [True, False])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_batches_have_the_dataloader_contract_and_the_right_labels(
-    folder: Path, backend: str
+    folder: Path, backend: str, train: bool
 ) -> None:
-    loader = _loader(folder, backend, batch_size=5, last_batch="keep")
+    loader = _loader(folder, backend, batch_size=5, last_batch="keep", train=train)
     assert loader.backend == backend
     assert loader.classes == ("a_red", "b_blue")
     assert len(loader.files) == 24 and len(loader) == 5
@@ -195,6 +196,7 @@ def test_batches_have_the_dataloader_contract_and_the_right_labels(
     for images, labels, indices in batches:
         assert images.shape == (len(labels), 3, SIZE, SIZE)
         assert images.dtype == torch.float32 and images.device.type == "cpu"
+        assert images.is_contiguous()
         assert labels.dtype == torch.int64 and labels.shape == (len(labels),)
         rgb = _pixels(images).mean(dim=(2, 3))
         for colour, label, index in zip(rgb, labels.tolist(), indices.tolist(), strict=True):
@@ -312,10 +314,12 @@ def test_dali_epoch_abandoned_part_way_is_finished_before_the_next(folder: Path)
 
 
 @needs_dali
-def test_dali_cpu_batches_a_caller_keeps_stay_intact(folder: Path) -> None:
-    # On the CPU the batches are DALI's own buffers (dynamic executor, no copy): one that is
-    # kept must not be overwritten by later batches, nor by writes into them.
-    loader = _loader(folder, "dali", batch_size=5, last_batch="keep")
+@pytest.mark.parametrize("train", [True, False])
+def test_dali_cpu_batches_a_caller_keeps_stay_intact(folder: Path, train: bool) -> None:
+    # On the CPU, eval batches are DALI's own buffers (dynamic executor, no copy) and train
+    # batches reused ones (CpuTrainFinish): a batch that is kept must not be written over by
+    # later batches, nor by writes into them.
+    loader = _loader(folder, "dali", batch_size=5, last_batch="keep", train=train)
     kept = [(images, images.clone()) for images, _, _ in _epoch(loader)[:2]]
     for _ in range(2):
         for images, _, _ in _epoch(loader):
@@ -1011,7 +1015,7 @@ def test_cpu_train_finish_matches_resize_flip_normalize() -> None:
     flips = [True, False, True, False]
     batch = CpuTrainFinish(size, mean=mean, std=std)(crops, flips)
     assert batch.shape == (4, 3, size, size) and batch.dtype == torch.float32
-    assert batch.is_contiguous(memory_format=torch.channels_last)
+    assert batch.is_contiguous()
     for got, crop, flip in zip(batch, crops, flips, strict=True):
         torch.testing.assert_close(got, _reference_finish(crop, flip, size, mean, std))
 

@@ -252,7 +252,8 @@ class CpuTrainFinish:
     antialiased, on uint8: torch's vectorised path, the arithmetic of torchvision's ``Resize``
     on a tensor), mirrored when its flag is set, and written as ``x * scale + bias``
     (``scale = 1 / (255 std)``, ``bias = -mean / std``) into the batch while it is still in
-    the CPU cache. The batch is ``[N, 3, size, size]`` float32 in channels_last layout.
+    the CPU cache. The batch is ``[N, 3, size, size]`` float32, contiguous, like every
+    backend's.
 
     The float batch (38 MB for 64 images at 224 px) lives in a numpy buffer that is reused
     once nothing else holds it: the caller's batch, and every view of it, keep its buffer
@@ -279,10 +280,9 @@ class CpuTrainFinish:
         self.size = size
         m = torch.tensor(list(mean), dtype=torch.float32)
         s = torch.tensor(list(std), dtype=torch.float32)
-        # Full-size operands: a broadcast over the last dimension (3) is not vectorised and
-        # cost 10x as much per image.
-        self._scale = (1 / (255 * s)).expand(size, size, 3).contiguous()
-        self._bias = (-m / s).expand(size, size, 3).contiguous()
+        # Full-size operands, so that each op is one contiguous, vectorised loop.
+        self._scale = (1 / (255 * s)).view(3, 1, 1).expand(3, size, size).contiguous()
+        self._bias = (-m / s).view(3, 1, 1).expand(3, size, size).contiguous()
         self._keep = keep
         self._buffers: list[np.ndarray] = []
         self._idle_refs = _refs_while_listed([np.empty(0, dtype=np.float32)])
@@ -299,19 +299,19 @@ class CpuTrainFinish:
     def __call__(self, crops: Sequence[torch.Tensor], flips: Sequence[bool]) -> torch.Tensor:
         """The normalised batch of ``crops`` (uint8 ``[h, w, 3]`` each), mirrored by ``flips``."""
         size = self.size
-        out = torch.from_numpy(self._buffer((len(crops), size, size, 3)))
+        out = torch.from_numpy(self._buffer((len(crops), 3, size, size)))
         with _one_torch_thread():
             for i, (crop, flip) in enumerate(zip(crops, flips, strict=True)):
-                img = crop.permute(2, 0, 1).unsqueeze(0)  # [1, 3, h, w], channels_last
+                # [1, 3, h, w] in channels_last strides: torch's fast uint8 resize takes that
+                # layout and returns a contiguous [1, 3, size, size].
+                img = crop.permute(2, 0, 1).unsqueeze(0)
                 if img.shape[-2:] != (size, size):
                     img = F.interpolate(img, size=(size, size), mode="bilinear", antialias=True)
-                hwc = img[0].permute(1, 2, 0)
-                if flip:
-                    hwc = hwc.flip(1)
+                chw = img[0].flip(-1) if flip else img[0]
                 row = out[i]
-                row.copy_(hwc)
+                row.copy_(chw)
                 row.mul_(self._scale).add_(self._bias)
-        return out.permute(0, 3, 1, 2)
+        return out
 
 
 _FAILED_SAMPLE = re.compile(r"Failed to decode sample #\d+ : (.+)")
