@@ -57,11 +57,16 @@ def _dali_import_error() -> ImportError | OSError | None:
         import nvidia.dali
     except (ImportError, OSError) as e:  # e.g. a wheel built for another CUDA
         return e
-    version = str(getattr(nvidia.dali, "__version__", ""))
-    found = re.match(r"(\d+)\.(\d+)", version)
-    if found is None or (int(found[1]), int(found[2])) < DALI_MIN_VERSION:
-        need = ".".join(map(str, DALI_MIN_VERSION))
-        return ImportError(f"NVIDIA DALI {version or '(no version)'} is older than {need}")
+    version = getattr(nvidia.dali, "__version__", None)
+    found = re.match(r"(\d+)\.(\d+)", str(version))
+    need = ".".join(map(str, DALI_MIN_VERSION))
+    if found is None:
+        return ImportError(
+            f"cannot tell which NVIDIA DALI this is (__version__ = {version!r}); trainperf "
+            f"needs {need} or later"
+        )
+    if (int(found[1]), int(found[2])) < DALI_MIN_VERSION:
+        return ImportError(f"NVIDIA DALI {version} is older than {need}")
     return None
 
 

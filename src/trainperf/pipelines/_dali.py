@@ -26,11 +26,10 @@ ignores it, so every backend sees the same pixels.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import re
-import sys
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -218,31 +217,15 @@ def build_pipeline(
     return graph()
 
 
-@contextlib.contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    """torch's intra-op parallelism off, on this thread, for the duration.
-
-    :class:`CpuTrainFinish` works on one image (150k values at 224 px) at a time, which is above
-    ATen's grain size, so with more threads every op is split up. On a 2-core machine that made
-    the step cost 1.6x the CPU time (OpenMP hand-offs and spin-waits, while DALI's own threads
-    want the cores). With OpenMP (torch's default build) the thread count belongs to the calling
-    thread: torch ops on other threads keep theirs.
-    """
-    before = torch.get_num_threads()
-    if before == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+# ATen splits an elementwise op over its intra-op threads above this many elements
+# (at::internal::GRAIN_SIZE). CpuTrainFinish works in row bands below it: split, its ops cost
+# 1.6x the CPU time on a 2-core machine, where the extra thread waited for cores DALI's threads
+# held. (Changing torch's thread count instead would be process-wide state.)
+_ATEN_GRAIN = 32768
 
 
-def _refs_while_listed(buffers: list[np.ndarray]) -> int:
-    for buf in buffers:  # the same references as the check in CpuTrainFinish._buffer
-        return sys.getrefcount(buf)
-    raise AssertionError("empty")
+def _gone() -> None:
+    """A weak reference that has died: a buffer nothing was made from yet."""
 
 
 class CpuTrainFinish:
@@ -252,13 +235,14 @@ class CpuTrainFinish:
     antialiased, on uint8: torch's vectorised path, the arithmetic of torchvision's ``Resize``
     on a tensor), mirrored when its flag is set, and written as ``x * scale + bias``
     (``scale = 1 / (255 std)``, ``bias = -mean / std``) into the batch while it is still in
-    the CPU cache. The batch is ``[N, 3, size, size]`` float32, contiguous, like every
-    backend's.
+    the CPU cache, in row bands small enough that torch does not split them over threads.
+    The batch is ``[N, 3, size, size]`` float32, contiguous, like every backend's.
 
     The float batch (38 MB for 64 images at 224 px) lives in a numpy buffer that is reused
-    once nothing else holds it: the caller's batch, and every view of it, keep its buffer
-    alive, so a batch that is kept is never written over. Fresh memory for every batch cost
-    0.19 ms per image in page faults.
+    once no tensor uses it: each batch is handed out through a view of its own, and the buffer
+    is free again only when that view is gone, i.e. when the batch, every view of it and
+    everything made from them without a copy are gone. Fresh memory for every batch cost 0.19
+    ms per image in page faults.
 
     Args:
         size: output height and width.
@@ -283,34 +267,41 @@ class CpuTrainFinish:
         # Full-size operands, so that each op is one contiguous, vectorised loop.
         self._scale = (1 / (255 * s)).view(3, 1, 1).expand(3, size, size).contiguous()
         self._bias = (-m / s).view(3, 1, 1).expand(3, size, size).contiguous()
+        self._rows = max(1, _ATEN_GRAIN // (3 * size))
         self._keep = keep
-        self._buffers: list[np.ndarray] = []
-        self._idle_refs = _refs_while_listed([np.empty(0, dtype=np.float32)])
+        # (buffer, weak reference to the view the last batch from it was made of)
+        self._slots: list[tuple[np.ndarray, Callable[[], np.ndarray | None]]] = []
 
-    def _buffer(self, shape: tuple[int, ...]) -> np.ndarray:
-        for buf in self._buffers:
-            if buf.shape == shape and sys.getrefcount(buf) <= self._idle_refs:
-                return buf
-        buf = np.empty(shape, dtype=np.float32)
-        if len(self._buffers) < self._keep:
-            self._buffers.append(buf)
-        return buf
+    def _batch_memory(self, shape: tuple[int, ...]) -> torch.Tensor:
+        slot = next(
+            (i for i, (buf, out) in enumerate(self._slots) if buf.shape == shape and out() is None),
+            None,
+        )
+        if slot is None:
+            if len(self._slots) == self._keep:  # every kept buffer is in use: a fresh one
+                return torch.from_numpy(np.empty(shape, dtype=np.float32))
+            slot = len(self._slots)
+            self._slots.append((np.empty(shape, dtype=np.float32), _gone))
+        buf = self._slots[slot][0]
+        view = buf.view()  # torch holds this view; it dies with the last tensor using it
+        self._slots[slot] = (buf, weakref.ref(view))
+        return torch.from_numpy(view)
 
     def __call__(self, crops: Sequence[torch.Tensor], flips: Sequence[bool]) -> torch.Tensor:
         """The normalised batch of ``crops`` (uint8 ``[h, w, 3]`` each), mirrored by ``flips``."""
-        size = self.size
-        out = torch.from_numpy(self._buffer((len(crops), 3, size, size)))
-        with _one_torch_thread():
-            for i, (crop, flip) in enumerate(zip(crops, flips, strict=True)):
-                # [1, 3, h, w] in channels_last strides: torch's fast uint8 resize takes that
-                # layout and returns a contiguous [1, 3, size, size].
-                img = crop.permute(2, 0, 1).unsqueeze(0)
-                if img.shape[-2:] != (size, size):
-                    img = F.interpolate(img, size=(size, size), mode="bilinear", antialias=True)
-                chw = img[0].flip(-1) if flip else img[0]
-                row = out[i]
-                row.copy_(chw)
-                row.mul_(self._scale).add_(self._bias)
+        size, rows = self.size, self._rows
+        out = self._batch_memory((len(crops), 3, size, size))
+        for i, (crop, flip) in enumerate(zip(crops, flips, strict=True)):
+            # [1, 3, h, w] in channels_last strides: torch's fast uint8 resize takes that
+            # layout and returns a contiguous [1, 3, size, size].
+            img = crop.permute(2, 0, 1).unsqueeze(0)
+            if img.shape[-2:] != (size, size):
+                img = F.interpolate(img, size=(size, size), mode="bilinear", antialias=True)
+            for top in range(0, size, rows):
+                band = img[0, :, top : top + rows]
+                dst = out[i, :, top : top + rows]
+                dst.copy_(band.flip(-1) if flip else band)
+                dst.mul_(self._scale[:, top : top + rows]).add_(self._bias[:, top : top + rows])
         return out
 
 
@@ -454,3 +445,4 @@ class DaliLoader(ImageLoader):
 
     def close(self) -> None:
         self._iterator = None
+        self._finish = None  # its batch buffers go once the caller's batches do
