@@ -3,17 +3,37 @@
 - the environment is restored after each test (tests and doctests set CUDA_VISIBLE_DEVICES,
   RANK, MASTER_PORT, ...);
 - a leaked default process group is destroyed;
-- a test that leaves child processes alive fails (and the children are killed).
+- a test that leaves child processes alive fails (and the children are killed);
+- doctests are collected from the module an object's public ``__module__`` names.
 """
 
 from __future__ import annotations
 
+import doctest
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import pytest
 import torch
+
+_stock_from_module = doctest.DocTestFinder._from_module
+
+
+def _from_module(self: doctest.DocTestFinder, module: Any, obj: object) -> bool:
+    # Public objects report their public path (``trainperf.TuningReport``), so doctest's own
+    # rule would skip a re-exported class in its defining module, and its methods (whose
+    # globals are that module's) in the package that re-exports it. Each top-level trainperf
+    # object belongs to the module its ``__module__`` names; a method belongs to its class.
+    name = getattr(obj, "__module__", None)
+    if isinstance(name, str) and name.startswith("trainperf") and hasattr(obj, "__qualname__"):
+        qualname = str(obj.__qualname__)
+        return "." in qualname.replace(".<locals>.", "") or name == module.__name__
+    return bool(_stock_from_module(self, module, obj))
+
+
+doctest.DocTestFinder._from_module = _from_module  # type: ignore[method-assign]
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainperf._imports import is_available, require
+from trainperf._utils.imports import is_available, require
 from trainperf.amp import MixedPrecision
 from trainperf.device import best_device
 

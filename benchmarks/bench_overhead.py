@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from trainperf.bench import bench_model
-from trainperf.bench.model import PRECISIONS
+from trainperf.bench._model import PRECISIONS
 
 TARGET = 0.03
 

@@ -60,7 +60,7 @@ import numpy as np
 import psutil
 import torch
 
-from trainperf._imports import is_available
+from trainperf._utils.imports import is_available
 from trainperf.limits import usable_cpus
 from trainperf.pipelines import ImageLoader, image_loader
 

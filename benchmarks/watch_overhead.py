@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainperf.watch import watch
+from trainperf import watch
 
 TARGET = 0.02
 # name -> (batch, width, layers) on CUDA; the CPU gets a token model whatever the name.

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import trainperf as tp
 import trainperf.ddp
-from trainperf import _imports
+from trainperf._utils import imports as _imports
 from trainperf.loader import tune_loader
 
 CLASSES = ("circle", "square", "stripes", "noise")

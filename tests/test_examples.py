@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trainperf._imports import is_available
-from trainperf.pipelines import _dali_importable
+from trainperf._utils.imports import is_available
+from trainperf.pipelines._loader import _dali_importable
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # As in test_pipelines.py: CI (TRAINPERF_REQUIRE_DALI=1) fails instead of skipping without DALI.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from trainperf._utils.public import set_public_module
 from trainperf.amp import MixedPrecision, choose_precision
 from trainperf.checkpoint import (
     LoadResult,
@@ -47,7 +48,7 @@ from trainperf.errors import (
 )
 from trainperf.limits import HostLimits, host_limits, usable_cpus
 from trainperf.loader import CandidateResult, TuningReport, autotune_loader, tune_loader
-from trainperf.watch import Watch, WatchReport, watch
+from trainperf.monitor import Watch, WatchReport, watch
 
 try:
     __version__ = version("trainperf")
@@ -95,3 +96,5 @@ __all__ = [
     "watch",
     "worker_init_fn",
 ]
+
+set_public_module(globals(), __all__, __name__)

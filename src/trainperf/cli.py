@@ -243,7 +243,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
 
 
 def _run_gpus(args: argparse.Namespace) -> int:
-    from trainperf._format import format_bytes
+    from trainperf._utils.format import format_bytes
     from trainperf.device import gpus
 
     with warnings.catch_warnings():

@@ -10,11 +10,12 @@
 
 from __future__ import annotations
 
+from trainperf._utils.public import set_public_module
 from trainperf.bench._common import Skipped
-from trainperf.bench.h2d import H2DResult, bench_h2d
-from trainperf.bench.matmul import MATMUL_DTYPES, MatmulDtype, MatmulResult, bench_matmul
-from trainperf.bench.model import BenchResult, bench_model, format_iteration
-from trainperf.bench.reference import (
+from trainperf.bench._h2d import H2DResult, bench_h2d
+from trainperf.bench._matmul import MATMUL_DTYPES, MatmulDtype, MatmulResult, bench_matmul
+from trainperf.bench._model import BenchResult, bench_model, format_iteration
+from trainperf.bench._reference import (
     BenchPrecision,
     GpuSpec,
     ModelName,
@@ -49,3 +50,5 @@ __all__ = [
     "normalize_gpu_name",
     "reference_throughput",
 ]
+
+set_public_module(globals(), __all__, __name__)

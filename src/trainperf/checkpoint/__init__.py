@@ -15,6 +15,7 @@ DDP) and ``_orig_mod.`` (``torch.compile``) prefixes into wrapped or plain model
 
 from __future__ import annotations
 
+from trainperf._utils.public import set_public_module
 from trainperf.checkpoint._files import load_checkpoint, save_checkpoint
 from trainperf.checkpoint._prefix import (
     DEFAULT_PREFIXES,
@@ -33,3 +34,5 @@ __all__ = [
     "strip_prefix",
     "unwrap_model",
 ]
+
+set_public_module(globals(), __all__, __name__)

@@ -10,8 +10,7 @@ from typing import IO, Any
 import torch
 from torch import nn
 
-from trainperf._imports import require
-from trainperf.checkpoint._atomic import _write_atomically
+from trainperf._utils.imports import require
 from trainperf.checkpoint._formats import (
     _LEGACY_MAGIC,
     _describe,
@@ -20,6 +19,7 @@ from trainperf.checkpoint._formats import (
     _torch_load,
 )
 from trainperf.checkpoint._prefix import _same_type, strip_prefix, unwrap_model
+from trainperf.checkpoint._write import _write_atomically
 from trainperf.device import resolve_device
 from trainperf.errors import (
     CheckpointCorruptError,

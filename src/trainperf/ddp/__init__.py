@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+from trainperf._utils.public import set_public_module
 from trainperf.ddp._env import expand_nodelist
 from trainperf.ddp._helpers import (
     DistributedLoader,
@@ -50,3 +51,5 @@ __all__ = [
     "world_size",
     "wrap_model",
 ]
+
+set_public_module(globals(), __all__, __name__)

@@ -14,6 +14,7 @@ CUDA context; how NVML's view is mapped onto CUDA's numbering (``CUDA_VISIBLE_DE
 
 from __future__ import annotations
 
+from trainperf._utils.public import set_public_module
 from trainperf.device._inventory import (
     GpuInfo,
     VisibleDevices,
@@ -39,3 +40,5 @@ __all__ = [
     "to_device",
     "worker_init_fn",
 ]
+
+set_public_module(globals(), __all__, __name__)

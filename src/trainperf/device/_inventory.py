@@ -24,7 +24,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from trainperf._format import format_bytes
+from trainperf._utils.format import format_bytes
 from trainperf.errors import DeviceError
 
 T = TypeVar("T")

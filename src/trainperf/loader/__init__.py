@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+from trainperf._utils.public import set_public_module
 from trainperf.loader._cache import cache_file
 from trainperf.loader._measure import WindowPolicy, measure
 from trainperf.loader._report import CandidateResult, FaultKind, Status, TuningReport
@@ -40,3 +41,5 @@ __all__ = [
     "measure",
     "tune_loader",
 ]
+
+set_public_module(globals(), __all__, __name__)

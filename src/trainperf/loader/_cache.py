@@ -3,7 +3,7 @@
 ``$XDG_CACHE_HOME/trainperf/loader.json`` (``~/.cache/trainperf/loader.json`` when the
 variable is unset). Entries are keyed by a hash of what decides the answer (dataset type,
 length and sample shape, batch size, usable CPUs, host, device type and the relevant loader
-arguments). Writes are atomic (:func:`trainperf._atomic.write_atomically`: a temporary file
+arguments). Writes are atomic (:func:`trainperf._utils.atomic.write_atomically`: a temporary file
 fsynced and renamed over the old one, then the directory fsynced), so an interrupted run or
 two ranks writing at once never leave half a file, and temp files of killed writers are
 cleaned up; a file that does not parse is ignored and replaced on the next write.
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from trainperf._atomic import write_atomically
+from trainperf._utils.atomic import write_atomically
 
 __all__ = [
     "cache_file",

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from trainperf._format import format_bytes
-from trainperf._imports import require
+from trainperf._utils.format import format_bytes
+from trainperf._utils.imports import require
 from trainperf.limits import HostLimits
 
 __all__ = ["CandidateResult", "FaultKind", "Status", "TuningReport", "format_bytes"]

@@ -1,0 +1,13 @@
+"""Private helpers shared by several trainperf packages; nothing here is public API.
+
+Who uses what:
+
+- :mod:`~trainperf._utils.atomic`: atomic file writes, used by ``checkpoint`` (through its
+  ``_write`` module, which names the fix in a ``CheckpointError``) and the ``loader`` cache.
+- :mod:`~trainperf._utils.imports`: availability checks for optional packages (DALI, NVML,
+  torchvision, safetensors, matplotlib), used by every package that imports one lazily.
+- :mod:`~trainperf._utils.format`: byte sizes in words, used by the reports of ``device``,
+  ``doctor``, ``loader`` and ``monitor``.
+- :mod:`~trainperf._utils.public`: sets each public object's ``__module__`` to the path users
+  import it from, used by every package ``__init__``.
+"""

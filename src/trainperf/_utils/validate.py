@@ -1,0 +1,101 @@
+"""Argument checks shared by every package: one rule, one message per kind of value.
+
+Each check returns the value it accepted, so a call site reads
+``batch_size = positive_int("batch_size", batch_size)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = ["choice", "non_negative_int", "positive_int", "positive_number"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_int(name: str, value: object, *, none_ok: bool = False) -> int:
+    """``value`` if it is an int >= 1 (``True`` is not), else ``ValueError`` naming ``name``.
+
+    Args:
+        name: the argument's name, as the caller wrote it.
+        value: what was passed.
+        none_ok: accept None too (the caller documents what None means); the error says so.
+
+    Raises:
+        ValueError: ``value`` is not a whole number >= 1.
+
+    Example:
+        >>> positive_int("batch_size", 32)
+        32
+        >>> positive_int("batch_size", 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: batch_size must be an int >= 1, got 0
+    """
+    if none_ok and value is None:
+        return value  # type: ignore[return-value]
+    if not _is_int(value) or value < 1:  # type: ignore[operator]
+        allowed = "None or an int >= 1" if none_ok else "an int >= 1"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def non_negative_int(name: str, value: object) -> int:
+    """``value`` if it is an int >= 0 (``True`` is not), else ``ValueError`` naming ``name``.
+
+    Raises:
+        ValueError: ``value`` is not a whole number >= 0.
+
+    Example:
+        >>> non_negative_int("seed", 0)
+        0
+    """
+    if not _is_int(value) or value < 0:  # type: ignore[operator]
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def positive_number(name: str, value: object, *, unit: str = "") -> float:
+    """``value`` as a float if it is a finite number > 0, else ``ValueError`` naming ``name``.
+
+    Args:
+        name: the argument's name.
+        value: what was passed.
+        unit: what the number counts, for the message (``"seconds"``).
+
+    Raises:
+        ValueError: ``value`` is not a finite number > 0.
+
+    Example:
+        >>> positive_number("budget_s", 10)
+        10.0
+        >>> positive_number("budget_s", -1, unit="seconds")
+        Traceback (most recent call last):
+        ...
+        ValueError: budget_s must be a positive number of seconds, got -1
+    """
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type, operator]
+        what = f"a positive number of {unit}" if unit else "a positive number"
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def choice(name: str, value: object, choices: Sequence[object]) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of ``choices`` (compared with ``==``).
+
+    Raises:
+        ValueError: ``value`` is not among ``choices``; the message lists them.
+
+    Example:
+        >>> choice("last_batch", "drop", ("drop", "keep"))
+        >>> choice("last_batch", "all", ("drop", "keep"))
+        Traceback (most recent call last):
+        ...
+        ValueError: last_batch must be one of ('drop', 'keep'), got 'all'
+    """
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")

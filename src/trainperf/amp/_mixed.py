@@ -1,0 +1,451 @@
+"""Mixed precision that picks the fast path for the GPU it runs on.
+
+One H200 training ResNet-50 (batch 128): fp32 882 images/s, TF32 2,133, autocast bf16 2,344
+(what Accelerate's ``mixed_precision="bf16"`` and Fabric's ``"bf16-mixed"`` give), autocast
+bf16 with channels_last 4,383. Older GPUs follow other rules: on Pascal fp16 is slower than
+fp32, on Volta/Turing fp16 with loss scaling is the fast path, and from Ampere on bf16 needs
+no scaler. :class:`MixedPrecision` makes those choices (precision, loss scaling,
+channels_last, TF32) from the device, and says which it made and why.
+
+The "auto" policy (:func:`choose_precision`):
+
+========================================  ============  ==============
+device                                    precision     loss scaler
+========================================  ============  ==============
+CUDA, compute capability >= 8.0           bf16          no
+CUDA, compute capability 7.x              fp16          yes
+CUDA, compute capability < 7.0            fp32          no
+CPU with native bf16 (AVX512-BF16/AMX)    bf16          no
+CPU without                               fp32          no
+MPS                                       fp16          yes
+anything else                             fp32          no
+========================================  ============  ==============
+
+On x86-64 "native bf16" means AVX512-BF16 or AMX (an AVX-512 CPU without them, such as
+Skylake or Cascade Lake, emulates bf16 and gets fp32); on other CPUs (Arm) it is oneDNN's
+own bf16 check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, TypeVar, get_args
+
+import torch
+from torch import nn
+
+from trainperf.amp import _precision
+from trainperf.amp._channels_last import channels_last_decision, to_channels_last
+from trainperf.amp._tf32 import enable_tf32
+from trainperf.device import resolve_device, to_device
+
+__all__ = ["MixedPrecision", "Precision", "choose_precision"]
+
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+_PRECISIONS: tuple[str, ...] = get_args(Precision)
+_NAMES = _precision.NAMES
+
+T = TypeVar("T")
+
+
+def choose_precision(device: str | torch.device | None = None) -> torch.dtype:
+    """The precision the "auto" policy picks for ``device`` (see the table in the module doc).
+
+    CUDA compute capability >= 8.0 -> bf16; 7.x -> fp16 (with a loss scaler); < 7.0 -> fp32;
+    a CPU with native bf16 -> bf16, else fp32; MPS -> fp16. Override it with
+    ``MixedPrecision(precision=...)``.
+
+    Args:
+        device: the device to decide for; None or ``"auto"`` means
+            :func:`trainperf.best_device` (parsed by :func:`trainperf.device.resolve_device`).
+
+    Returns:
+        ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
+
+    Raises:
+        DeviceError: CUDA or MPS asked for but not available, or a CUDA index beyond the
+            visible GPUs.
+        ValueError: ``device`` is not a valid device string.
+        TypeError: ``device`` has the wrong type.
+
+    Example:
+        >>> choose_precision("cpu") in (torch.bfloat16, torch.float32)
+        True
+    """
+    return _precision.auto_precision(resolve_device(device, allowed=None))[0]
+
+
+# --------------------------------------------------------------------------- the class
+
+
+class MixedPrecision:
+    """Autocast, loss scaling, channels_last and TF32, chosen for the device.
+
+    ``precision="auto"`` follows :func:`choose_precision`; "bf16", "fp16" and "fp32" force
+    one. A loss scaler (``torch.amp.GradScaler``) exists only for fp16; bf16 has fp32's range
+    and needs none. Nothing here initialises CUDA unless ``device`` is a CUDA device.
+
+    A training step::
+
+        mp = MixedPrecision()                      # device=None: best_device()
+        model = mp.prepare(model)                  # device, channels_last, TF32
+        for batch in loader:
+            x, y = mp.prepare_batch(batch)         # to_device + channels_last
+            with mp.autocast():
+                loss = loss_fn(model(x), y)
+            mp.backward(loss)
+            if mp.step(optimizer, max_grad_norm=1.0):
+                scheduler.step()                   # not on a skipped fp16 step
+            mp.zero_grad(optimizer)
+
+    Args:
+        device: where to train; None or ``"auto"`` means :func:`trainperf.best_device`
+            (parsed by :func:`trainperf.device.resolve_device`).
+        precision: "auto", "bf16", "fp16" or "fp32".
+        channels_last: "auto" converts models with at least one 2-D convolution over
+            feature maps (a patch embedding, as in a ViT, does not count), on CUDA, when
+            tensor cores are in use; True/False force it on/off.
+        tf32: allow TF32 for fp32 matmuls and convolutions on compute capability >= 8.0 when
+            :meth:`prepare` runs. This is process-wide torch state. False leaves it as is.
+
+    Raises:
+        ValueError: an invalid ``device``; an unknown ``precision`` or ``channels_last``;
+            bf16 asked for on a GPU without native bf16 (compute capability < 8.0); bf16 or
+            fp16 asked for on a device whose autocast does not support it.
+        TypeError: ``tf32`` is not a bool, or ``device`` has the wrong type.
+        DeviceError: CUDA or MPS asked for but not available, or a CUDA index beyond the
+            visible GPUs.
+
+    Example:
+        >>> mp = MixedPrecision("cpu", precision="bf16")
+        >>> model = mp.prepare(torch.nn.Linear(4, 2))
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> x, y = mp.prepare_batch((torch.randn(8, 4), torch.randn(8, 2)))
+        >>> with mp.autocast():
+        ...     loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        >>> mp.backward(loss)
+        >>> mp.step(optimizer, max_grad_norm=1.0)
+        True
+        >>> mp.dtype, mp.uses_scaler
+        (torch.bfloat16, False)
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        precision: Precision = "auto",
+        *,
+        channels_last: bool | Literal["auto"] = "auto",
+        tf32: bool = True,
+    ) -> None:
+        if precision not in _PRECISIONS:
+            raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+        if channels_last not in (True, False, "auto") or not isinstance(channels_last, (bool, str)):
+            raise ValueError(f"channels_last must be 'auto', True or False, got {channels_last!r}")
+        if not isinstance(tf32, bool):
+            raise TypeError(f"tf32 must be True or False, got {tf32!r}")
+        self.device: torch.device = resolve_device(device, allowed=None)
+        self.precision: Precision = precision
+        self.channels_last: bool | Literal["auto"] = channels_last
+        self.tf32 = tf32
+        self.dtype: torch.dtype
+        self.dtype, self._precision_reason = _precision.resolve(self.device, precision)
+        self._capability = (
+            _precision.cuda_capability(self.device) if self.device.type == "cuda" else None
+        )
+        self._scaler: torch.amp.GradScaler | None = None
+        self._backward_pending = False
+        self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.uses_channels_last = False
+        self.tf32_enabled = False
+        self._prepare_reasons: list[str] = []
+
+    # ----------------------------------------------------------------- what was chosen
+
+    @property
+    def uses_scaler(self) -> bool:
+        """True for fp16, the only precision whose small range needs loss scaling."""
+        return self.dtype == torch.float16
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The fp16 loss scaler (created on first use), or None: bf16 and fp32 never have one."""
+        if self.uses_scaler and self._scaler is None:
+            self._scaler = torch.amp.GradScaler(self.device.type)
+        return self._scaler
+
+    @property
+    def reason(self) -> str:
+        """Why the precision (and, after :meth:`prepare`, channels_last and TF32) were chosen."""
+        return "; ".join([self._precision_reason, *self._prepare_reasons])
+
+    def __repr__(self) -> str:
+        return (
+            f"MixedPrecision(device='{self.device}', dtype={_NAMES[self.dtype]}, "
+            f"uses_scaler={self.uses_scaler}, channels_last={self.channels_last!r}, "
+            f"tf32={self.tf32}; why: {self.reason})"
+        )
+
+    # ----------------------------------------------------------------- model and batches
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Move ``model`` to the device, to channels_last where it helps, and enable TF32.
+
+        Weights stay fp32 (autocast casts per op). TF32 is switched on process-wide (torch
+        keeps it as global state) when ``tf32=True`` and the GPU has compute capability >= 8.0.
+
+        Args:
+            model: the module to train.
+
+        Returns:
+            The same module, moved in place.
+
+        Raises:
+            TypeError: ``model`` is not an ``nn.Module``.
+
+        Example:
+            >>> mp = MixedPrecision("cpu", precision="fp32", channels_last=True)
+            >>> model = mp.prepare(torch.nn.Conv2d(3, 8, 3))
+            >>> model.weight.is_contiguous(memory_format=torch.channels_last)
+            True
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"prepare() takes an nn.Module, got {type(model).__name__}")
+        cc = self._capability or (0, 0)
+        tf32_on = self.tf32 and cc >= (8, 0)
+        tensor_cores = cc >= (7, 0) and (self.dtype != torch.float32 or tf32_on)
+        use_cl, why_cl = channels_last_decision(
+            model, self.channels_last, device=self.device, tensor_cores=tensor_cores
+        )
+        model.to(self.device)
+        if use_cl:
+            model.to(memory_format=torch.channels_last)
+            self.uses_channels_last = True
+        if tf32_on:
+            enable_tf32()
+            self.tf32_enabled = True
+        why_tf32 = (
+            "TF32: enabled process-wide"
+            if tf32_on
+            else "TF32: off (tf32=False)"
+            if not self.tf32
+            else "TF32: not applicable (needs CUDA compute capability >= 8.0)"
+        )
+        self._prepare_reasons = [why_cl, why_tf32]
+        self._models.add(model)
+        return model
+
+    def prepare_batch(self, batch: T) -> T:
+        """Move ``batch`` to the device; 4-D float tensors go channels_last if a model did.
+
+        Containers are walked as :func:`trainperf.to_device` does; the memory-format
+        conversion reaches tensors inside dicts, lists, tuples and namedtuples.
+
+        Args:
+            batch: a tensor or a nesting of containers holding tensors.
+
+        Returns:
+            The batch on the device.
+
+        Example:
+            >>> mp = MixedPrecision("cpu", precision="fp32", channels_last=True)
+            >>> _ = mp.prepare(torch.nn.Conv2d(3, 8, 3))
+            >>> x, y = mp.prepare_batch((torch.randn(2, 3, 8, 8), torch.tensor([0, 1])))
+            >>> x.is_contiguous(memory_format=torch.channels_last), y.tolist()
+            (True, [0, 1])
+        """
+        moved = to_device(batch, self.device, non_blocking=True)
+        return to_channels_last(moved) if self.uses_channels_last else moved
+
+    # ----------------------------------------------------------------- the training step
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The context for the forward pass: autocast to bf16/fp16, or nothing for fp32.
+
+        Example:
+            >>> with MixedPrecision("cpu", precision="bf16").autocast():
+            ...     torch.nn.Linear(4, 2)(torch.randn(3, 4)).dtype
+            torch.bfloat16
+        """
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, through the loss scaler for fp16.
+
+        Args:
+            loss: the scalar loss of the forward pass.
+
+        Raises:
+            TypeError: ``loss`` is not a tensor.
+
+        Example:
+            >>> mp = MixedPrecision("cpu", precision="fp32")
+            >>> w = torch.ones(2, requires_grad=True)
+            >>> mp.backward((w * 3).sum())
+            >>> w.grad.tolist()
+            [3.0, 3.0]
+        """
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"backward() takes the loss tensor, got {type(loss).__name__}")
+        scaler = self.scaler
+        if scaler is not None:
+            scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+        else:
+            loss.backward()  # type: ignore[no-untyped-call]
+        self._backward_pending = True
+
+    def step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None) -> bool:
+        """Clip (after unscaling), then step; for fp16, skip the step on inf/NaN gradients.
+
+        The fp16 loss scale is lowered after a skipped step and raised after a run of good
+        ones. Only advance an LR scheduler when this returns True. For fp16, besides the
+        synchronisation inside ``GradScaler.step`` (which reads the inf/NaN flag to decide; a
+        fused optimizer skips on the device without it), this reads that flag back once more
+        after the step to say whether it stepped: at most two synchronisations per step.
+        bf16 and fp32 never skip and never synchronise here.
+
+        Args:
+            optimizer: the optimizer whose parameters got gradients from :meth:`backward`.
+            max_grad_norm: clip the total gradient norm (over the optimizer's parameters)
+                to this value; None does not clip.
+
+        Returns:
+            True if the optimizer stepped, False if the fp16 step was skipped.
+
+        Raises:
+            RuntimeError: no :meth:`backward` since the last step or :meth:`zero_grad`.
+            ValueError: ``max_grad_norm`` is not a positive number.
+
+        Example:
+            >>> mp = MixedPrecision("cpu", precision="fp32")
+            >>> w = torch.nn.Parameter(torch.ones(2))
+            >>> opt = torch.optim.SGD([w], lr=1.0)
+            >>> mp.backward((w * 10).sum())
+            >>> mp.step(opt, max_grad_norm=1.0), [round(v, 4) for v in w.tolist()]
+            (True, [0.2929, 0.2929])
+        """
+        if not self._backward_pending:
+            raise RuntimeError(
+                "MixedPrecision.step() found no gradients from mp.backward(loss) since the last "
+                "step or zero_grad; call mp.backward(loss) instead of loss.backward(), so that "
+                "fp16 loss scaling and skipped steps work"
+            )
+        if max_grad_norm is not None and not (
+            isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0
+        ):
+            raise ValueError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
+        self._backward_pending = False
+        scaler = self.scaler
+        if scaler is None:
+            if max_grad_norm is not None:
+                nn.utils.clip_grad_norm_(_parameters(optimizer), max_grad_norm)
+            optimizer.step()
+            return True
+        if max_grad_norm is not None:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            nn.utils.clip_grad_norm_(_parameters(optimizer), max_grad_norm)
+        scaler.step(optimizer)
+        if not scaler.is_enabled():
+            # A disabled scaler steps plainly and keeps no inf/NaN flags to read (nor the
+            # per-optimizer state they live in); update() would be a no-op.
+            return True
+        # The inf/NaN flags GradScaler.step decided on (torch's own test, in _maybe_opt_step);
+        # update() discards them, so read them first: one read, instead of the loss scale
+        # before and after.
+        found_inf = sum(v.item() for v in scaler._found_inf_per_device(optimizer).values())
+        scaler.update()
+        return not found_inf
+
+    def zero_grad(
+        self, optimizer: torch.optim.Optimizer | None = None, *, set_to_none: bool = True
+    ) -> None:
+        """Clear gradients: the optimizer's, or every model :meth:`prepare` has seen.
+
+        Args:
+            optimizer: whose parameters to clear; None clears the prepared models'.
+            set_to_none: set ``.grad`` to None (cheaper) instead of zero-filling it.
+
+        Raises:
+            RuntimeError: no optimizer was given and no model was prepared.
+
+        Example:
+            >>> mp = MixedPrecision("cpu", precision="fp32")
+            >>> model = mp.prepare(torch.nn.Linear(2, 1))
+            >>> mp.backward(model(torch.ones(1, 2)).sum())
+            >>> mp.zero_grad()
+            >>> model.weight.grad is None
+            True
+        """
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            models = list(self._models)
+            if not models:
+                raise RuntimeError(
+                    "zero_grad() without an optimizer clears the models passed to "
+                    "mp.prepare(), but there are none; call mp.zero_grad(optimizer)"
+                )
+            for model in models:
+                model.zero_grad(set_to_none=set_to_none)
+        self._backward_pending = False
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The precision and the loss-scaler state (None without a scaler), for checkpoints.
+
+        Plain Python values only, so ``load_checkpoint(..., weights_only=True)`` reads it.
+
+        Example:
+            >>> MixedPrecision("cpu", precision="fp32").state_dict()
+            {'precision': 'fp32', 'scaler': None}
+        """
+        scaler = self.scaler
+        return {
+            "precision": _NAMES[self.dtype],
+            "scaler": dict(scaler.state_dict()) if scaler is not None else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Restore the loss scale of a resumed fp16 run.
+
+        Args:
+            state: what :meth:`state_dict` returned.
+            strict: raise when ``state`` holds a loss scale this instance has no scaler for
+                (an fp16 run resumed as bf16 or fp32); False drops it.
+
+        Raises:
+            ValueError: ``state`` is not a MixedPrecision state dict, or (``strict``) it
+                carries a loss scale that this precision cannot use.
+
+        Example:
+            >>> mp = MixedPrecision("cpu", precision="fp32")
+            >>> mp.load_state_dict({"precision": "fp32", "scaler": None})
+        """
+        if not isinstance(state, Mapping) or set(state) != {"precision", "scaler"}:
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(
+                "not a MixedPrecision state dict: expected the keys ['precision', 'scaler'] "
+                f"from mp.state_dict(), got {got!r}"
+            )
+        saved = state["scaler"]
+        if saved is None:
+            return  # nothing to restore; an fp16 run resumed from bf16 starts a fresh scale
+        scaler = self.scaler
+        if scaler is None:
+            if strict:
+                raise ValueError(
+                    f"the state holds a loss scale from a {state['precision']} run, but this "
+                    f"MixedPrecision uses {_NAMES[self.dtype]}, which has no scaler; pass "
+                    "strict=False to drop it, or precision='fp16' to keep using it"
+                )
+            return
+        scaler.load_state_dict(dict(saved))
+
+
+def _parameters(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]

@@ -1,0 +1,190 @@
+"""``bench_matmul``: TFLOP/s of one square matrix product, per dtype, against the datasheet.
+
+A quick sanity check for a slow card is a run of 8192x8192 fp32 matmuls. Four dtypes
+are measured: ``fp32`` with TF32 off (the datasheet's fp32 figure), ``tf32`` (fp32 inputs
+on TF32 tensor cores, Ampere and newer), ``bf16`` and ``fp16``. The TF32 setting is
+restored after each run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from trainperf.amp._tf32 import tf32
+from trainperf.bench._common import check_positive, gpu_name, resolve_device, synchronize
+from trainperf.bench._reference import find_gpu_spec
+
+__all__ = ["MATMUL_DTYPES", "MatmulDtype", "MatmulResult", "bench_matmul"]
+
+MatmulDtype = Literal["fp32", "tf32", "bf16", "fp16"]
+MATMUL_DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
+_TORCH_DTYPES = {
+    "fp32": torch.float32,
+    "tf32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+CUDA_DEFAULT_SIZE = 8192
+CPU_DEFAULT_SIZE = 256
+# Under this fraction of the datasheet figure the card is worth a look.
+LOW_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class MatmulResult:
+    """One matmul benchmark.
+
+    Attributes:
+        dtype: ``"fp32"`` (TF32 off), ``"tf32"``, ``"bf16"`` or ``"fp16"``.
+        size: the matrices are ``size x size``.
+        device: e.g. ``"cuda:0"``.
+        gpu_name: the GPU's name, None on the CPU.
+        iterations: timed products.
+        seconds: mean wall time of one product over one synchronised block.
+        tflops: ``2 * size**3 / seconds / 1e12``.
+        datasheet_tflops: the reference datasheet figure for this card and dtype, None when
+            unknown: fp32 and fp16, and for bf16 on Ampere and newer the fp16 figure (the
+            table has no bf16 column; a note says so).
+        datasheet_fraction: ``tflops / datasheet_tflops``, None when unknown.
+        notes: caveats (no datasheet figure, TF32 on a pre-Ampere GPU, a low fraction).
+    """
+
+    dtype: str
+    size: int
+    device: str
+    gpu_name: str | None
+    iterations: int
+    seconds: float
+    tflops: float
+    datasheet_tflops: float | None
+    datasheet_fraction: float | None
+    notes: tuple[str, ...]
+
+    def summary(self) -> str:
+        """One line: dtype, TFLOP/s and the datasheet fraction where known.
+
+        Example:
+            >>> bench_matmul("fp32", size=32, iterations=1, warmup=1, device="cpu").summary()[:5]
+            'fp32:'
+        """
+        shape = f"{self.size}x{self.size}"
+        line = f"{self.dtype:>4}: {self.tflops:9.3f} TFLOP/s ({shape}, {self.device})"
+        if self.datasheet_tflops is not None and self.datasheet_fraction is not None:
+            line += f", {self.datasheet_fraction:.0%} of the datasheet's {self.datasheet_tflops:g}"
+        return line
+
+
+def bench_matmul(
+    dtype: MatmulDtype = "fp32",
+    *,
+    size: int | None = None,
+    iterations: int | None = None,
+    warmup: int = 3,
+    device: str | torch.device | None = None,
+) -> MatmulResult:
+    """Time ``size x size`` matrix products on random data and report TFLOP/s.
+
+    Args:
+        dtype: ``"fp32"`` (TF32 off), ``"tf32"`` (fp32 with TF32 on), ``"bf16"`` or
+            ``"fp16"``.
+        size: the matrix side; 8192 on a GPU, 256 on the CPU when None.
+        iterations: timed products (20 on a GPU, 10 on the CPU when None).
+        warmup: untimed products first.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:<i>"``, or None for the best available.
+
+    Returns:
+        A :class:`MatmulResult`.
+
+    Raises:
+        ValueError: an unknown dtype or a count below 1.
+        NotImplementedError: ``"tf32"`` on the CPU (TF32 is a CUDA tensor-core mode), or
+            bf16 on a GPU older than Ampere.
+        DeviceError: a CUDA device was asked for but is not available.
+
+    Example:
+        >>> r = bench_matmul("fp32", size=64, iterations=2, device="cpu")
+        >>> r.dtype, r.size, r.tflops > 0
+        ('fp32', 64, True)
+    """
+    if dtype not in MATMUL_DTYPES:
+        raise ValueError(f"dtype must be one of {list(MATMUL_DTYPES)}, got {dtype!r}")
+    dev = resolve_device(device)
+    size = (CUDA_DEFAULT_SIZE if dev.type == "cuda" else CPU_DEFAULT_SIZE) if size is None else size
+    iterations = (20 if dev.type == "cuda" else 10) if iterations is None else iterations
+    check_positive("size", size)
+    check_positive("iterations", iterations)
+    check_positive("warmup", warmup)
+    notes: list[str] = []
+    if dtype == "tf32" and dev.type != "cuda":
+        raise NotImplementedError(
+            "bench_matmul(dtype='tf32') needs a CUDA GPU: TF32 is a tensor-core mode of "
+            "Ampere and newer GPUs; on the CPU fp32 matmuls ignore it"
+        )
+    if dev.type == "cuda":
+        capability = torch.cuda.get_device_capability(dev)
+        # The device asked for, not the current one (which is_bf16_supported() looks at).
+        if dtype == "bf16" and capability < (8, 0):
+            raise NotImplementedError(
+                f"bench_matmul(dtype='bf16') needs compute capability 8.0+ (Ampere); {dev} "
+                f"has {capability[0]}.{capability[1]}"
+            )
+        if dtype == "tf32" and capability < (8, 0):
+            notes.append("this GPU predates TF32 (Ampere): tf32 runs as plain fp32")
+
+    torch_dtype = _TORCH_DTYPES[dtype]
+    a = torch.randn(size, size, device=dev, dtype=torch_dtype)
+    b = torch.randn(size, size, device=dev, dtype=torch_dtype)
+    out = torch.empty(size, size, device=dev, dtype=torch_dtype)
+    # The TF32 switch is restored afterwards, and never read through a legacy getter that
+    # raises once torch's new fp32_precision API was used.
+    with tf32(dtype == "tf32"):
+        for _ in range(warmup):
+            torch.matmul(a, b, out=out)
+        synchronize(dev)
+        # One synchronised block: a sync per product would add its latency to each one.
+        start = time.perf_counter()
+        for _ in range(iterations):
+            torch.matmul(a, b, out=out)
+        synchronize(dev)
+        seconds = (time.perf_counter() - start) / iterations
+    tflops = 2 * size**3 / seconds / 1e12
+
+    name = gpu_name(dev)
+    spec = None if name is None else find_gpu_spec(name)
+    datasheet = None
+    if spec is not None and dtype in ("fp32", "fp16"):
+        datasheet = spec.fp32_tflops if dtype == "fp32" else spec.fp16_tflops
+    elif spec is not None and dtype == "bf16" and torch.cuda.get_device_capability(dev) >= (8, 0):
+        # As bench model does: bf16 and fp16 share the tensor-core rate on Ampere and newer.
+        datasheet = spec.fp16_tflops
+        notes.append(
+            "the reference table has no bf16 figure; compared with its fp16 figure (the same "
+            "tensor-core rate on Ampere and newer)"
+        )
+    fraction = None if datasheet is None else tflops / datasheet
+    if name is not None and datasheet is None:
+        if spec is None:
+            notes.append(f"no datasheet figure for {name} in the reference table")
+        else:
+            notes.append(f"the reference table lists no {dtype} figure for {name}")
+    if fraction is not None and fraction < LOW_FRACTION:
+        notes.append(
+            f"{fraction:.0%} of the datasheet: check clocks and power "
+            "(nvidia-smi -q -d CLOCK,POWER), other processes on the GPU, and try a larger size"
+        )
+    return MatmulResult(
+        dtype=dtype,
+        size=size,
+        device=str(dev),
+        gpu_name=name,
+        iterations=iterations,
+        seconds=seconds,
+        tflops=tflops,
+        datasheet_tflops=datasheet,
+        datasheet_fraction=fraction,
+        notes=tuple(notes),
+    )

@@ -1,0 +1,353 @@
+"""``bench_model``: a GPU throughput benchmark, ResNet-50 and ViT-B/16 on synthetic data.
+
+The method is the one behind the reference table (a GPU cloud provider's published figures,
+PyTorch 1.9): a torchvision model with random weights (nothing is downloaded),
+synthetic input already in device memory (no CPU preprocessing, no I/O), weights *cast* to
+the precision (pure fp16/bf16, not autocast), and a few timed iterations of several
+batches each, each printed as ``Iteration i, X images/s in Y s.``. Warm-up batches run
+first and are not timed; CUDA is synchronised before and after each timed iteration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from trainperf._utils.imports import require
+from trainperf.amp._tf32 import tf32 as tf32_mode
+from trainperf.amp._tf32 import tf32_state
+from trainperf.bench._common import check_positive, gpu_name, resolve_device, synchronize
+from trainperf.bench._reference import (
+    BenchPrecision,
+    ModelName,
+    ReferenceComparison,
+    compare_to_reference,
+)
+
+__all__ = ["BenchPrecision", "BenchResult", "ModelName", "bench_model", "format_iteration"]
+
+MODELS: tuple[str, ...] = ("resnet50", "vit_b_16")
+PRECISIONS: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+# The reference's iteration is 1,920 images: 15 batches of 128 on a GPU. A CPU gets a token run
+# so that the command (and its tests) finish in seconds.
+CUDA_DEFAULTS = {"batch_size": 128, "image_size": 224, "batches_per_iteration": 15, "iterations": 5}
+CPU_DEFAULTS = {"batch_size": 2, "image_size": 64, "batches_per_iteration": 1, "iterations": 2}
+REFERENCE_IMAGE_SIZE = 224
+# Below this batch a GPU is under-fed and a "slow card" warning would be misleading.
+MIN_COMPARABLE_BATCH = 64
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """One model benchmark: the settings it ran with and what it measured.
+
+    Attributes:
+        model: ``"resnet50"`` or ``"vit_b_16"``.
+        precision: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (weights and input cast to it).
+        device: e.g. ``"cuda:0"`` or ``"cpu"``.
+        gpu_name: the GPU's name, None on the CPU.
+        batch_size: images per batch.
+        image_size: input height and width in pixels.
+        batches_per_iteration: batches in one timed iteration.
+        warmup_batches: untimed batches run first.
+        train: forward + backward + SGD step when True, inference otherwise.
+        channels_last: model and input in NHWC memory format.
+        tf32_matmul: fp32 matmuls were allowed to use TF32 during the run.
+        tf32_cudnn: cuDNN convolutions were allowed to use TF32 during the run.
+        cudnn_benchmark: ``torch.backends.cudnn.benchmark`` during the run.
+        torch_version: ``torch.__version__``.
+        iteration_seconds: wall time of each timed iteration.
+        iteration_images_per_s: throughput of each timed iteration.
+        images_per_s: the median of ``iteration_images_per_s``.
+        comparison: the comparison with the reference GPUs, None when there is none.
+        notes: why there is no comparison, or other caveats.
+    """
+
+    model: str
+    precision: str
+    device: str
+    gpu_name: str | None
+    batch_size: int
+    image_size: int
+    batches_per_iteration: int
+    warmup_batches: int
+    train: bool
+    channels_last: bool
+    tf32_matmul: bool
+    tf32_cudnn: bool
+    cudnn_benchmark: bool
+    torch_version: str
+    iteration_seconds: tuple[float, ...]
+    iteration_images_per_s: tuple[float, ...]
+    images_per_s: float
+    comparison: ReferenceComparison | None
+    notes: tuple[str, ...]
+
+    @property
+    def images_per_iteration(self) -> int:
+        """Images processed in one timed iteration."""
+        return self.batch_size * self.batches_per_iteration
+
+    def summary(self) -> str:
+        """One line: model, precision, device, settings and the median throughput.
+
+        Example:
+            >>> r = bench_model("resnet50", device="cpu", batch_size=1, image_size=32,
+            ...                 iterations=1, warmup_batches=1)
+            >>> r.summary().startswith("resnet50 fp32 inference on cpu: ")
+            True
+        """
+        mode = "training" if self.train else "inference"
+        layout = ", channels_last" if self.channels_last else ""
+        where = self.gpu_name or self.device
+        return (
+            f"{self.model} {self.precision} {mode} on {where}: {self.images_per_s:.1f} images/s "
+            f"(median of {len(self.iteration_seconds)} iterations, batch {self.batch_size}, "
+            f"{self.image_size}px{layout})"
+        )
+
+
+def format_iteration(index: int, images_per_s: float, seconds: float) -> str:
+    """The reference benchmark's per-iteration line.
+
+    Example:
+        >>> format_iteration(0, 7258.31, 0.26453)
+        'Iteration 0, 7258.3 images/s in 0.265 s.'
+    """
+    return f"Iteration {index}, {images_per_s:.1f} images/s in {seconds:.3f} s."
+
+
+def _build(model: str, image_size: int) -> torch.nn.Module:
+    require("torchvision", f"bench_model(model={model!r})")
+    import torchvision
+
+    if model == "resnet50":
+        net: torch.nn.Module = torchvision.models.resnet50(weights=None)
+    else:
+        net = torchvision.models.vit_b_16(weights=None, image_size=image_size)
+    return net
+
+
+def _unsupported(precision: str, device: torch.device) -> str | None:
+    # The device asked for, not the current one: is_bf16_supported() looks at the latter.
+    if device.type == "cuda" and precision == "bf16":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 0):
+            return (
+                f"bf16 needs a GPU with compute capability 8.0 or newer (Ampere+); "
+                f"{device} has {major}.{minor}"
+            )
+    return None
+
+
+def bench_model(
+    model: ModelName = "resnet50",
+    precision: BenchPrecision = "fp32",
+    *,
+    batch_size: int | None = None,
+    image_size: int | None = None,
+    iterations: int | None = None,
+    batches_per_iteration: int | None = None,
+    warmup_batches: int | None = None,
+    train: bool = False,
+    channels_last: bool = False,
+    tf32: bool | None = None,
+    device: str | torch.device | None = None,
+    compare: bool = True,
+    on_iteration: Callable[[int, float, float], None] | None = None,
+) -> BenchResult:
+    """Measure a torchvision model's throughput the way the reference table was measured.
+
+    Defaults depend on the device: on a GPU, batch 128 at 224 px and 15 batches (1,920
+    images) per iteration, as the reference; on the CPU, batch 2 at 64 px and one batch per
+    iteration, so that a CPU run is a quick smoke test. ``vit_b_16`` is built for the
+    image size asked for (its patch size is 16, so the size must be a multiple of 16).
+
+    Args:
+        model: ``"resnet50"`` (memory-bandwidth sensitive) or ``"vit_b_16"`` (compute-bound).
+        precision: ``"fp32"``, ``"fp16"`` or ``"bf16"``; weights and input are cast to it.
+        batch_size: images per batch (device default when None).
+        image_size: input height and width (device default when None).
+        iterations: timed iterations (5 on a GPU, as the reference; 2 on the CPU when None).
+        batches_per_iteration: batches per timed iteration (device default when None).
+        warmup_batches: untimed batches first (default: one iteration's worth, at least 2).
+        train: time forward + backward + an SGD step instead of inference.
+        channels_last: use the NHWC memory format (faster convolutions on tensor cores).
+        tf32: allow TF32 for fp32 matmuls and convolutions during the run; None keeps
+            PyTorch's current settings. The previous settings are restored afterwards.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``; None picks the GPU with the most
+            free memory, else the CPU.
+        compare: compare a GPU's inference result with the reference table.
+        on_iteration: called after each timed iteration with ``(index, images_per_s,
+            seconds)``, e.g. to print :func:`format_iteration` lines as they come.
+
+    Returns:
+        A :class:`BenchResult`.
+
+    Raises:
+        ValueError: an unknown model or precision, a count below 1, an image size the
+            model cannot take, or ``train`` with a batch of one.
+        NotImplementedError: this device or PyTorch build cannot run the model in
+            ``precision`` (e.g. bf16 on a pre-Ampere GPU).
+        DeviceError: a CUDA device was asked for but is not available.
+        ModuleNotFoundError: torchvision is missing (``pip install 'trainperf[vision]'``).
+
+    Example:
+        >>> r = bench_model("resnet50", "fp32", device="cpu", batch_size=1, image_size=32,
+        ...                 iterations=1, warmup_batches=1)
+        >>> r.model, r.precision, len(r.iteration_seconds), r.images_per_s > 0
+        ('resnet50', 'fp32', 1, True)
+    """
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {list(MODELS)}, got {model!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    dev = resolve_device(device)
+    defaults = CUDA_DEFAULTS if dev.type == "cuda" else CPU_DEFAULTS
+    batch_size = defaults["batch_size"] if batch_size is None else batch_size
+    image_size = defaults["image_size"] if image_size is None else image_size
+    iterations = defaults["iterations"] if iterations is None else iterations
+    if batches_per_iteration is None:
+        batches_per_iteration = defaults["batches_per_iteration"]
+    if warmup_batches is None:
+        warmup_batches = max(2, batches_per_iteration)
+    for name, value in (
+        ("batch_size", batch_size),
+        ("image_size", image_size),
+        ("iterations", iterations),
+        ("batches_per_iteration", batches_per_iteration),
+        ("warmup_batches", warmup_batches),
+    ):
+        check_positive(name, value)
+    if model == "vit_b_16" and image_size % 16:
+        raise ValueError(
+            f"vit_b_16 takes 16-pixel patches, so image_size must be a multiple of 16, "
+            f"got {image_size!r} (the reference uses 224)"
+        )
+    if model == "resnet50" and image_size < 32:
+        raise ValueError(f"resnet50 needs image_size >= 32, got {image_size!r}")
+    if train and batch_size < 2:
+        raise ValueError(
+            f"training needs batch_size >= 2 (BatchNorm cannot normalise one image), "
+            f"got {batch_size!r}"
+        )
+    reason = _unsupported(precision, dev)
+    if reason is not None:
+        raise NotImplementedError(f"bench_model(precision={precision!r}) on {dev}: {reason}")
+
+    dtype = PRECISIONS[precision]
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    net = _build(model, image_size).to(dev, dtype).to(memory_format=memory_format)
+    images = torch.randn(batch_size, 3, image_size, image_size, device=dev, dtype=dtype)
+    images = images.contiguous(memory_format=memory_format)
+    labels = torch.randint(0, 1000, (batch_size,), device=dev)
+
+    if train:
+        net.train()
+        optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+
+        def run_batch() -> None:
+            loss = torch.nn.functional.cross_entropy(net(images), labels)
+            torch.autograd.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    else:
+        net.eval()
+
+        def run_batch() -> None:
+            net(images)
+
+    seconds: list[float] = []
+    rates: list[float] = []
+    # tf32=None keeps the current settings; either way they are read without the RuntimeError
+    # torch raises once its new fp32_precision API was used, and restored afterwards.
+    mode = contextlib.nullcontext(tf32_state()) if tf32 is None else tf32_mode(tf32)
+    with mode as state, torch.inference_mode(not train):
+        tf32_matmul, tf32_cudnn = state.matmul, state.cudnn
+        try:
+            for _ in range(warmup_batches):
+                run_batch()
+        except (NotImplementedError, RuntimeError) as e:
+            # PyTorch reports a missing kernel as NotImplementedError, or (older builds)
+            # a RuntimeError "... not implemented for 'Half'"; anything else is a bug.
+            if not isinstance(e, NotImplementedError) and "not implemented" not in str(e):
+                raise
+            raise NotImplementedError(
+                f"bench_model: {model} in {precision} is not supported on {dev} by this "
+                f"PyTorch build ({e})"
+            ) from e
+        synchronize(dev)
+        for i in range(iterations):
+            start = time.perf_counter()
+            for _ in range(batches_per_iteration):
+                run_batch()
+            synchronize(dev)
+            elapsed = time.perf_counter() - start
+            rate = batch_size * batches_per_iteration / elapsed
+            seconds.append(elapsed)
+            rates.append(rate)
+            if on_iteration is not None:
+                on_iteration(i, rate, elapsed)
+
+    median = statistics.median(rates)
+    device_name = gpu_name(dev)
+    notes: list[str] = []
+    comparison = None
+    if compare and device_name is not None:
+        if train:
+            notes.append("no reference comparison: the reference table is inference")
+        elif image_size != REFERENCE_IMAGE_SIZE:
+            notes.append(
+                f"no reference comparison: the reference table is at {REFERENCE_IMAGE_SIZE}px"
+            )
+        else:
+            comparison = compare_to_reference(
+                device_name,
+                model,
+                precision,
+                median,
+                compute_capability=torch.cuda.get_device_capability(dev),
+                tf32_matmul=tf32_matmul,
+                tf32_cudnn=tf32_cudnn,
+            )
+            if comparison.warning is not None and batch_size < MIN_COMPARABLE_BATCH:
+                notes.append(
+                    f"batch {batch_size} is small; the reference ran 1,920 images per "
+                    f"iteration, so the {comparison.ratio:.2f}x ratio may reflect the batch"
+                )
+                comparison = dataclasses.replace(comparison, warning=None)
+            if channels_last:
+                notes.append("channels_last is faster than the reference's default layout")
+    return BenchResult(
+        model=model,
+        precision=precision,
+        device=str(dev),
+        gpu_name=device_name,
+        batch_size=batch_size,
+        image_size=image_size,
+        batches_per_iteration=batches_per_iteration,
+        warmup_batches=warmup_batches,
+        train=train,
+        channels_last=channels_last,
+        tf32_matmul=tf32_matmul,
+        tf32_cudnn=tf32_cudnn,
+        cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
+        torch_version=torch.__version__,
+        iteration_seconds=tuple(seconds),
+        iteration_images_per_s=tuple(rates),
+        images_per_s=median,
+        comparison=comparison,
+        notes=tuple(notes),
+    )

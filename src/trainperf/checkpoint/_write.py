@@ -1,0 +1,61 @@
+"""Atomic checkpoint writes: :func:`trainperf._utils.atomic.write_atomically`, with its failures
+translated into :class:`~trainperf.errors.CheckpointError` messages that name the fix.
+
+A crash, kill or full disk never leaves a partial file under the final name; temp files left by
+killed writers on this host are removed on the next write to the same path.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from trainperf._utils.atomic import fsync_dir, write_atomically
+from trainperf.errors import CheckpointError
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    if path.is_dir():
+        raise CheckpointError(
+            f"cannot save checkpoint to {path}: it is a directory; give a file path such as "
+            f"{path / 'checkpoint.pt'}",
+            path,
+        )
+    try:
+        write_atomically(path, write, sync_directory=False)
+    except Exception as e:
+        os_err = _os_error(e)
+        if os_err is not None:
+            reason = os_err.strerror or str(os_err)
+            hint = {
+                errno.ENOSPC: "the disk is full: free space or save to another disk",
+                errno.EDQUOT: "the disk quota is exhausted: free space or save elsewhere",
+                errno.EACCES: "no permission to write there: pick a writable directory",
+                errno.EROFS: "the filesystem is read-only: save to a writable disk",
+            }.get(os_err.errno or 0, "")
+            reason += f" ({hint})" if hint else ""
+        else:
+            reason = f"the object could not be serialised: {type(e).__name__}: {e}"
+        raise CheckpointError(
+            f"could not save checkpoint {path}: {reason}; any previous file there is unchanged",
+            path,
+        ) from e
+    try:
+        fsync_dir(path.parent)
+    except OSError as e:
+        raise CheckpointError(
+            f"saved checkpoint {path}, but could not flush its directory to disk "
+            f"({e.strerror or e}): after a power loss the old file may reappear",
+            path,
+        ) from e

@@ -1,0 +1,223 @@
+"""``trainperf doctor``: check the environment a training run depends on, one verdict per check.
+
+Each check returns a :class:`Check` (name, verdict ``ok``/``warn``/``fail``/``skip``, the
+measured value, and the fix). The check functions (in ``_checks`` and ``_gpu``, exported by
+:mod:`trainperf.doctor`) take their inputs as arguments, so they can be tested against
+any environment; :func:`diagnose` gathers the real inputs (NVML, torch, cgroups,
+``/dev/shm``, NumPy's BLAS, environment variables) and runs them all.
+Nothing here initialises CUDA, and the whole run takes a second or two without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainperf._utils import imports as _imports
+from trainperf.device import GpuInfo
+from trainperf.device._inventory import nvml_session
+from trainperf.doctor._checks import (
+    Check,
+    CheckStatus,
+    check_blas,
+    check_cpus,
+    check_load,
+    check_memory,
+    check_shm,
+    check_start_method,
+    check_threads,
+    check_visible_devices,
+)
+from trainperf.doctor._gpu import check_cuda_arch, check_gpus, check_torch_build
+from trainperf.errors import DeviceError
+from trainperf.limits import HostLimits, host_limits
+from trainperf.loader._faults import start_method
+
+__all__ = ["DoctorReport", "diagnose"]
+
+_SEVERITY: dict[str, int] = {"skip": 0, "ok": 1, "warn": 2, "fail": 3}
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    """Every check's outcome, printable as a table.
+
+    Attributes:
+        checks: the checks, in the order they ran.
+    """
+
+    checks: tuple[Check, ...]
+
+    @property
+    def worst(self) -> CheckStatus:
+        """The most severe verdict: fail > warn > ok > skip."""
+        worst: CheckStatus = "skip"
+        for check in self.checks:
+            if _SEVERITY[check.verdict] > _SEVERITY[worst]:
+                worst = check.verdict
+        return worst
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: ``{"worst": ..., "checks": [{name, verdict, value, fix}, ...]}``.
+
+        Example:
+            >>> report = DoctorReport((Check("shm", "warn", "64 MiB", "enlarge /dev/shm"),))
+            >>> data = report.to_dict()
+            >>> data["worst"], data["checks"][0]["fix"]
+            ('warn', 'enlarge /dev/shm')
+        """
+        return {"worst": self.worst, "checks": [asdict(c) for c in self.checks]}
+
+    def __str__(self) -> str:
+        width = max((len(c.name) for c in self.checks), default=4)
+        lines = [f"{'check':<{width}}  verdict  value"]
+        for c in self.checks:
+            lines.append(f"{c.name:<{width}}  {c.verdict:<7}  {c.value}")
+            if c.fix and c.verdict != "ok":
+                lines.append(f"{'':<{width}}  {'':<7}  fix: {c.fix}")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- gathering
+
+
+def _nvml_system() -> tuple[str | None, int | None, int]:
+    """Driver version, the CUDA version it supports, and the physical GPU count."""
+    try:
+        with nvml_session("reading the driver version") as nvml:
+            if nvml is None:  # no driver or pynvml: the gpus check says so
+                return None, None, 0
+            driver = nvml.nvmlSystemGetDriverVersion()
+            return (
+                driver.decode() if isinstance(driver, bytes) else str(driver),
+                int(nvml.nvmlSystemGetCudaDriverVersion()),
+                int(nvml.nvmlDeviceGetCount()),
+            )
+    except DeviceError:  # the gpus check reports NVML's failure itself
+        return None, None, 0
+
+
+def _list_gpus(env: Mapping[str, str] | None) -> tuple[list[GpuInfo], str | None]:
+    from trainperf import device
+
+    with warnings.catch_warnings():
+        # doctor reports a missing driver itself; gpus()'s warning would repeat it.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        try:
+            return device.gpus(env=env), None
+        except DeviceError as e:
+            return [], str(e)
+
+
+def _blas_pools() -> list[dict[str, Any]] | None:
+    if not _imports.is_available("threadpoolctl"):
+        return None
+    import numpy  # noqa: F401  (threadpoolctl only sees the BLAS of modules already loaded)
+
+    # Imported by name: threadpoolctl ships no type information.
+    threadpoolctl = importlib.import_module("threadpoolctl")
+    return list(threadpoolctl.threadpool_info())
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average, None where the platform has none (Windows)."""
+    getloadavg = getattr(os, "getloadavg", None)
+    if getloadavg is None:
+        return None
+    try:
+        return float(getloadavg()[0])
+    except OSError:  # the platform could not tell
+        return None
+
+
+def _cpu_vendor(cpuinfo: Path) -> str | None:
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    match = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.MULTILINE)
+    return match.group(1) if match else None
+
+
+def _torch_versions() -> tuple[int | None, tuple[int, ...] | None]:
+    cudnn_module: Any = torch.backends.cudnn  # its functions are untyped
+    cudnn = cudnn_module.version() if cudnn_module.is_available() else None
+    nccl: tuple[int, ...] | None = None
+    try:
+        if torch.version.cuda is not None and torch.distributed.is_nccl_available():
+            raw = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+            nccl = tuple(raw) if isinstance(raw, tuple) else (int(raw),)
+    except (RuntimeError, AttributeError):
+        nccl = None
+    return cudnn, nccl
+
+
+def diagnose(
+    *,
+    limits: HostLimits | None = None,
+    env: Mapping[str, str] | None = None,
+    cpuinfo: Path = Path("/proc/cpuinfo"),
+) -> DoctorReport:
+    """Run every check against this machine and return the report.
+
+    Args:
+        limits: host limits to use instead of reading them (tests pass fake cgroups here).
+        env: environment variables to use instead of ``os.environ``, for every check that
+            reads one: ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` (also for the GPU
+            list, :func:`trainperf.gpus`), ``OMP_NUM_THREADS`` and ``LOCAL_WORLD_SIZE``.
+        cpuinfo: where to read the CPU vendor from.
+
+    Returns:
+        A :class:`DoctorReport`; ``print`` it for a table, ``to_dict()`` for JSON.
+
+    Example:
+        >>> report = diagnose()
+        >>> [c.name for c in report.checks][:3]
+        ['gpus', 'torch', 'cuda_arch']
+        >>> report.worst in ("ok", "warn", "fail")
+        True
+    """
+    environ = os.environ if env is None else env
+    limits = host_limits() if limits is None else limits
+    gpus, gpu_error = _list_gpus(env)
+    driver, driver_cuda, physical = _nvml_system()
+    physical = max(physical, len(gpus))
+    cudnn, nccl = _torch_versions()
+    try:
+        processes = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        processes = 1
+    checks = [
+        check_gpus(gpus, driver, gpu_error),
+        check_torch_build(
+            torch_version=torch.__version__,
+            cuda=torch.version.cuda,
+            cudnn=cudnn,
+            nccl=nccl,
+            gpu_count=physical,
+            driver_cuda=driver_cuda,
+        ),
+        check_cuda_arch(torch.cuda.get_arch_list(), [(g.name, g.compute_capability) for g in gpus]),
+        check_cpus(limits, len(gpus)),
+        check_memory(limits),
+        # Every rank's workers share the one /dev/shm: the whole host's workers count.
+        check_shm(limits, workers=max(1, limits.cpus)),
+        check_blas(_blas_pools(), _cpu_vendor(cpuinfo), limits.cpus),
+        check_threads(
+            torch.get_num_threads(), environ.get("OMP_NUM_THREADS"), limits.cpus, processes
+        ),
+        check_load(_load_average(), limits.cpus),
+        check_start_method(start_method({})),
+        check_visible_devices(
+            environ.get("CUDA_VISIBLE_DEVICES"), environ.get("CUDA_DEVICE_ORDER"), physical
+        ),
+    ]
+    return DoctorReport(tuple(checks))

@@ -1,0 +1,365 @@
+"""``trainperf.watch()``: watch a real training loop and say what limits it.
+
+::
+
+    with trainperf.watch() as w:
+        for batch in w.iter(loader):   # times the wait for each batch
+            loss = step(batch)
+            w.step()                   # marks the end of a training step
+    print(w.report())
+
+Per step the loop pays two ``time.perf_counter()`` stamps and, once the process uses CUDA,
+two CUDA events (recorded, never waited for: they are read back lazily with
+``Event.query()`` and one ``Event.synchronize()`` when the report is made); the time
+between them is the span of the step's GPU work, an upper bound on its busy time. A
+background thread samples GPU utilisation and memory (NVML) and process and host CPU
+(psutil) ten times a second. :func:`analyse` (in ``_analysis``) turns the
+timeline into a verdict: input-bound, compute-bound, host-bound, GPU unused or periodic
+stalls.
+
+Memory stays bounded however long the loop runs: the watch keeps the most recent
+``max_records`` steps (100,000 by default, about 3 MB) and as many background samples (2.8
+hours at ten a second); older ones are dropped, the report counts them
+(``dropped_steps``, ``dropped_samples``) and its figures cover what was kept.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+
+from trainperf.device import resolve_device
+from trainperf.limits import usable_cpus
+from trainperf.monitor._analysis import analyse
+from trainperf.monitor._report import StepRecord, WatchReport
+from trainperf.monitor._sampler import MAX_RECORDS, _Sampler
+
+__all__ = ["Watch", "watch"]
+
+T = TypeVar("T")
+_RESOLVE_EVERY = 32  # steps between non-blocking reads of finished CUDA events
+
+
+def _batch_size(batch: object, depth: int = 0) -> int | None:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    if depth >= 2:
+        return None
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_size(batch[0], depth + 1)
+    if isinstance(batch, Mapping) and batch:
+        return _batch_size(next(iter(batch.values())), depth + 1)
+    return None
+
+
+class Watch:
+    """Times a training loop and samples GPU and CPU use; see :func:`watch`.
+
+    Raises:
+        ValueError: ``interval`` <= 0, ``warmup_steps`` < 0, ``max_records`` < 1 or an
+            invalid ``device`` (not CPU or CUDA).
+        TypeError: ``device`` is not a str, int, torch.device or None.
+        DeviceError: a CUDA ``device`` without CUDA, or a CUDA index beyond the visible GPUs.
+    """
+
+    def __init__(
+        self,
+        *,
+        device: str | torch.device | None = None,
+        interval: float = 0.1,
+        warmup_steps: int = 2,
+        max_records: int = MAX_RECORDS,
+    ) -> None:
+        if isinstance(max_records, bool) or not isinstance(max_records, int) or max_records < 1:
+            raise ValueError(f"max_records must be an int >= 1, got {max_records!r}")
+        if not interval > 0:
+            raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        # None is not "the best device" here but "follow whatever the loop uses".
+        self._device = (
+            None if device is None else resolve_device(device, allowed=("cpu", "cuda"), auto=False)
+        )
+        self._interval = interval
+        self._warmup = warmup_steps
+        self._max = max_records
+        self._state = "new"
+        self._t0 = 0.0
+        # Per step, in compact arrays; once they hold 2 x max_records steps the oldest half
+        # goes at once (amortised O(1) per step), so at most 2 x max_records are ever held.
+        self._ends = array("d")
+        self._waits = array("d")
+        self._counts = array("q")
+        self._first = 0  # the index of the step at self._ends[0]
+        self._dropped_end = 0.0  # when the last dropped step ended
+        self._pending_wait = 0.0
+        self._pending_count = 0
+        self._count_known = True
+        self._sampler: _Sampler | None = None
+        self._cpus = 1
+        # CUDA events: (step index, event at the step's first batch, event at its end).
+        self._cuda = False
+        self._stream: Any = None
+        self._step_start: Any = None
+        self._pending: deque[tuple[int, Any, Any]] = deque()
+        self._gpu_busy: dict[int, float] = {}
+
+    def __enter__(self) -> Watch:
+        if self._state != "new":
+            raise RuntimeError("a Watch can be entered once; make a new one with trainperf.watch()")
+        self._state = "running"
+        self._cpus = usable_cpus()
+        want_gpu = self._device is None or self._device.type == "cuda"
+        self._sampler = _Sampler(
+            self._interval, time.perf_counter(), gpu=want_gpu, max_samples=self._max
+        )
+        self._sampler.start()
+        self._sampler.ready.wait(timeout=10)
+        self._maybe_start_cuda()
+        # The clock starts once the sampler is up (NVML start-up is not the loop's time); the
+        # sampler's first sample comes an interval later, so moving its origin is safe.
+        self._t0 = self._sampler.t0 = time.perf_counter()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._state = "done"
+        if self._sampler is not None:
+            self._sampler.stop()
+
+    def _maybe_start_cuda(self) -> None:
+        # Never initialise CUDA ourselves: only follow a loop that already uses it.
+        if self._device is not None and self._device.type == "cpu":
+            return
+        if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            return
+        index = self._device.index if self._device is not None else None
+        if index is None:
+            index = torch.cuda.current_device()
+        self._stream = torch.cuda.current_stream(index)
+        self._cuda = True
+        if self._sampler is not None:
+            self._sampler.device_index = index
+
+    def iter(self, iterable: Iterable[T]) -> Iterator[T]:
+        """Yield from ``iterable``, timing the wait for each item.
+
+        Raises:
+            RuntimeError: the watch is not running (use it inside ``with``).
+
+        Example:
+            >>> with watch(device="cpu") as w:
+            ...     for batch in w.iter([torch.zeros(4, 2)] * 3):
+            ...         w.step()
+            >>> [s.samples for s in w.report().timeline]
+            [4, 4, 4]
+        """
+        if self._state != "running":
+            raise RuntimeError(
+                "w.iter() needs a running watch: use it inside `with trainperf.watch() as w:`"
+            )
+        return self._iterate(iter(iterable))
+
+    def _iterate(self, it: Iterator[T]) -> Iterator[T]:
+        clock = time.perf_counter
+        while True:
+            t = clock()
+            try:
+                item = next(it)
+            except StopIteration:
+                self._pending_wait += clock() - t
+                return
+            self._pending_wait += clock() - t
+            n = _batch_size(item)
+            if n is None:
+                self._count_known = False
+            else:
+                self._pending_count += n
+            if self._cuda and self._step_start is None:
+                # With the stream idle this event completes at once, so the step's span is
+                # then host time; analyse() bounds it with NVML's utilisation.
+                self._step_start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                self._step_start.record(self._stream)
+            yield item
+
+    def step(self, samples: int | None = None) -> None:
+        """Mark the end of a training step.
+
+        Args:
+            samples: samples in this step, overriding what ``w.iter`` counted.
+
+        Raises:
+            RuntimeError: the watch is not running (use it inside ``with``).
+            ValueError: ``samples`` is not an int >= 0.
+
+        Example:
+            >>> with watch(device="cpu") as w:
+            ...     for _ in range(3):
+            ...         w.step(samples=32)  # a loop without w.iter: say how many samples
+            >>> r = w.report()
+            >>> r.steps, r.timeline[0].samples
+            (3, 32)
+        """
+        now = time.perf_counter()
+        if self._state != "running":
+            raise RuntimeError(
+                "w.step() needs a running watch: call it inside `with trainperf.watch() as w:`"
+            )
+        if samples is not None and (
+            isinstance(samples, bool) or not isinstance(samples, int) or samples < 0
+        ):
+            raise ValueError(f"samples must be an int >= 0 or None, got {samples!r}")
+        self._ends.append(now - self._t0)
+        self._waits.append(self._pending_wait)
+        if samples is not None:
+            self._counts.append(samples)
+        else:
+            self._counts.append(self._pending_count if self._count_known else -1)
+        self._pending_wait = 0.0
+        self._pending_count = 0
+        self._count_known = True
+        if len(self._ends) >= 2 * self._max:
+            self._trim()
+        if not self._cuda:
+            self._maybe_start_cuda()
+            if not self._cuda:
+                return
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end.record(self._stream)
+        self._pending.append((self._first + len(self._ends) - 1, self._step_start, end))
+        self._step_start = None
+        if len(self._ends) % _RESOLVE_EVERY == 0:
+            self._resolve(block=False)
+
+    def _trim(self) -> None:
+        cut = len(self._ends) - self._max
+        self._dropped_end = self._ends[cut - 1]
+        del self._ends[:cut], self._waits[:cut], self._counts[:cut]
+        self._first += cut
+        busy = self._gpu_busy
+        while busy and (oldest := next(iter(busy))) < self._first:  # keys come in step order
+            del busy[oldest]
+
+    def _resolve(self, *, block: bool) -> None:
+        if block and self._pending:
+            self._pending[-1][2].synchronize()
+        while self._pending and self._pending[0][2].query():
+            index, start, end = self._pending.popleft()
+            if start is not None:
+                self._gpu_busy[index] = start.elapsed_time(end) / 1e3
+
+    def report(self) -> WatchReport:
+        """The verdict so far (inside the ``with``) or on the whole loop (after it).
+
+        Returns:
+            A :class:`WatchReport`; ``print`` it, or ``.plot(path)`` for a timeline PNG.
+
+        Raises:
+            RuntimeError: the watch was never entered.
+
+        Example:
+            >>> with watch(device="cpu", warmup_steps=0) as w:
+            ...     for batch in w.iter([torch.zeros(8, 3)] * 6):
+            ...         w.step()
+            ...     so_far = w.report()  # inside the loop: the verdict so far
+            >>> so_far.steps, w.report().device
+            (6, 'cpu')
+        """
+        if self._state == "new":
+            raise RuntimeError(
+                "w.report() needs a watch that ran: use `with trainperf.watch() as w:`"
+            )
+        if self._cuda:
+            self._resolve(block=True)
+        extra = max(0, len(self._ends) - self._max)  # held beyond max_records: not reported
+        first = self._first + extra
+        previous = self._ends[extra - 1] if extra else self._dropped_end
+        timeline = []
+        steps = zip(self._ends[extra:], self._waits[extra:], self._counts[extra:], strict=True)
+        for i, (end, wait_s, count) in enumerate(steps, start=first):
+            duration = end - previous
+            timeline.append(
+                StepRecord(
+                    index=i,
+                    start=previous,
+                    wait=min(wait_s, duration),
+                    compute=max(0.0, duration - wait_s),
+                    samples=None if count < 0 else count,
+                    gpu_busy=self._gpu_busy.get(i),
+                )
+            )
+            previous = end
+        sampler = self._sampler
+        if self._device is not None:
+            device = str(self._device)
+        else:
+            device = (
+                f"cuda:{sampler.device_index}"
+                if sampler and sampler.device_index is not None
+                else "auto"
+            )
+        samples, dropped_samples = sampler.snapshot() if sampler else ([], 0)
+        return analyse(
+            timeline,
+            samples,
+            device=device,
+            gpu_present=bool(sampler and sampler.gpu_present),
+            cuda_used=self._cuda,
+            cpus=self._cpus,
+            warmup_steps=self._warmup,
+            dropped_steps=first,
+            dropped_samples=dropped_samples,
+        )
+
+
+def watch(
+    *,
+    device: str | torch.device | None = None,
+    interval: float = 0.1,
+    warmup_steps: int = 2,
+    max_records: int = MAX_RECORDS,
+) -> Watch:
+    """Watch a training loop and say what limits it: data, compute, the host, or stalls.
+
+    Args:
+        device: ``"cpu"`` for a CPU loop (no GPU is looked at), ``"cuda[:i]"`` for a GPU
+            loop, or None to follow whatever the loop uses (CUDA once it is initialised).
+            The watch never initialises CUDA itself.
+        interval: seconds between background samples of GPU and CPU use.
+        warmup_steps: leading steps left out of the verdict (loader start-up, autotuning).
+        max_records: the most recent steps, and background samples, kept for the report;
+            older ones are dropped (and counted) so a run of any length uses bounded memory:
+            a step costs 24 bytes (up to twice this many are held), a sample about 200.
+
+    Returns:
+        A :class:`Watch` to use as a context manager.
+
+    Raises:
+        ValueError: ``interval`` <= 0, ``warmup_steps`` < 0, ``max_records`` < 1 or an
+            invalid ``device`` (not CPU or CUDA).
+        TypeError: ``device`` is not a str, int, torch.device or None.
+        DeviceError: a CUDA ``device`` without CUDA, or a CUDA index beyond the visible GPUs.
+
+    Example:
+        >>> import time
+        >>> with watch(device="cpu") as w:
+        ...     for batch in w.iter([torch.zeros(8, 3)] * 10):
+        ...         time.sleep(0.002)
+        ...         w.step()
+        >>> r = w.report()
+        >>> r.steps, r.verdict.kind in ("compute-bound", "input-bound", "periodic-stalls")
+        (10, True)
+    """
+    return Watch(
+        device=device, interval=interval, warmup_steps=warmup_steps, max_records=max_records
+    )

@@ -1,0 +1,308 @@
+"""`image_loader`: pick a backend, check the arguments, build the loader."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+
+from trainperf._utils.imports import is_available, require
+from trainperf.device import resolve_device
+from trainperf.pipelines._base import Backend, ImageLoader, LoaderConfig
+from trainperf.pipelines._source import load_source, resolve_shard, shard_plan
+
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "image_loader"]
+
+IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
+IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
+
+_BACKENDS = ("auto", "dali", "nvjpeg", "torchvision")
+_LAST_BATCH = ("drop", "keep")
+_ON_ERROR = ("raise", "skip")
+_log = logging.getLogger(__name__)
+
+
+# The oldest DALI the backend runs on: its CPU graph uses the dynamic executor (1.44).
+DALI_MIN_VERSION = (1, 44)
+
+
+def _dali_import_error() -> ImportError | OSError | None:
+    """None if NVIDIA DALI imports and is new enough, else the error that says why not."""
+    try:
+        import nvidia.dali
+    except (ImportError, OSError) as e:  # e.g. a wheel built for another CUDA
+        return e
+    version = getattr(nvidia.dali, "__version__", None)
+    found = re.match(r"(\d+)\.(\d+)", str(version))
+    need = ".".join(map(str, DALI_MIN_VERSION))
+    if found is None:
+        return ImportError(
+            f"cannot tell which NVIDIA DALI this is (__version__ = {version!r}); trainperf "
+            f"needs {need} or later"
+        )
+    if (int(found[1]), int(found[2])) < DALI_MIN_VERSION:
+        return ImportError(f"NVIDIA DALI {version} is older than {need}")
+    return None
+
+
+def _dali_importable() -> bool:
+    if not is_available("nvidia.dali"):
+        return False
+    error = _dali_import_error()
+    if error is not None:
+        _log.info("NVIDIA DALI is installed but cannot be used (%s); not using it", error)
+        return False
+    return True
+
+
+def _choose_backend(
+    backend: Literal["auto", "dali", "nvjpeg", "torchvision"], device: torch.device
+) -> tuple[Backend, str]:
+    if backend == "dali":
+        if not is_available("nvidia.dali"):
+            from trainperf.pipelines._dali import dali_missing_error
+
+            raise dali_missing_error()
+        error = _dali_import_error()
+        if error is not None:
+            from trainperf.pipelines._dali import dali_broken_error
+
+            raise dali_broken_error(error) from error
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"backend='dali' runs on 'cpu' or a CUDA device, got device='{device}'; "
+                "use backend='torchvision'"
+            )
+        return "dali", "asked for"
+    if backend == "nvjpeg":
+        require("torchvision", "image_loader(backend='nvjpeg')")
+        if device.type != "cuda":
+            raise ValueError(
+                f"backend='nvjpeg' decodes on a CUDA GPU, but device is '{device}'; use "
+                "backend='dali' or backend='torchvision' there"
+            )
+        return "nvjpeg", "asked for"
+    if backend == "torchvision":
+        require("torchvision", "image_loader(backend='torchvision')")
+        return "torchvision", "asked for"
+    if device.type in ("cpu", "cuda") and _dali_importable():
+        where = "nvJPEG on the GPU" if device.type == "cuda" else "DALI's CPU mode"
+        return "dali", f"auto: NVIDIA DALI is installed ({where})"
+    if not is_available("nvidia.dali"):
+        no_dali = "DALI is not installed"
+    elif device.type in ("cpu", "cuda"):
+        no_dali = "DALI is installed but cannot be used (see the INFO log)"
+    else:
+        no_dali = f"DALI does not run on '{device.type}'"
+    if device.type == "cuda" and is_available("torchvision"):
+        return "nvjpeg", f"auto: {no_dali}; CUDA device, so torchvision's GPU decode"
+    if is_available("torchvision"):
+        return "torchvision", (
+            f"auto: {no_dali} and device '{device}' has no nvJPEG, so the autotuned DataLoader"
+        )
+    raise ModuleNotFoundError(
+        "image_loader() needs NVIDIA DALI or torchvision: pip install 'trainperf[dali]' "
+        "or pip install 'trainperf[vision]'",
+        name="torchvision",
+    )
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _channel_triple(
+    name: str, value: Sequence[float], *, positive: bool
+) -> tuple[float, float, float]:
+    try:
+        triple = tuple(float(v) for v in value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} must be 3 numbers (R, G, B), got {value!r}") from e
+    if len(triple) != 3 or (positive and min(triple) <= 0):
+        need = "3 positive numbers" if positive else "3 numbers"
+        raise ValueError(f"{name} must be {need} (R, G, B, in 0..1 units), got {value!r}")
+    return triple[0], triple[1], triple[2]
+
+
+def image_loader(
+    source: str | os.PathLike[str] | Sequence[tuple[str | os.PathLike[str], int]],
+    batch_size: int,
+    *,
+    train: bool = True,
+    size: int = 224,
+    backend: Literal["auto", "dali", "nvjpeg", "torchvision"] = "auto",
+    device: str | torch.device = "auto",
+    num_threads: int | Literal["auto"] = "auto",
+    shard: Literal["auto"] | tuple[int, int] | None = "auto",
+    seed: int = 0,
+    last_batch: Literal["drop", "keep"] = "drop",
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+    on_error: Literal["raise", "skip"] = "raise",
+    loader_kwargs: Mapping[str, Any] | None = None,
+) -> ImageLoader:
+    """Batches of normalised images and their labels, decoded off the Python workers.
+
+    Yields ``(images, labels)``: float32 ``[N, 3, size, size]`` normalised with ``mean`` and
+    ``std``, and int64 ``[N]``, both on ``device``. ``len()`` is the number of batches per
+    epoch; each new iteration is a new epoch, reshuffled when ``train``. With DALI, an epoch
+    abandoned part-way (a ``break``) is read to its end, outputs discarded, when the next
+    iteration starts: DALI's reader cannot rewind, so that costs up to one epoch's decoding.
+
+    With the torchvision backend and no ``num_workers`` in ``loader_kwargs``, building the
+    loader *runs the DataLoader autotuner* (:func:`trainperf.loader.autotune_loader`): it
+    measures worker counts for up to ``budget_s`` seconds (30 by default), stores the choice
+    in the tuner's cache (``~/.cache/trainperf/loader.json``; a later call with the same
+    data returns at once) and shows no progress bar unless ``loader_kwargs`` asks for one
+    (``"progress": True``). Pass ``{"num_workers": n}`` to skip tuning, or
+    ``{"budget_s": ..., "cache": False}`` to bound or not store it.
+
+    Train: random resized crop (area 8-100 %, aspect 3/4-4/3), horizontal flip, normalise.
+    Eval: resize the shorter side to ``int(size / 0.875)``, centre crop, normalise: the
+    output of torchvision's ``Resize`` + ``CenterCrop`` + ``Normalize`` (exact for the
+    torchvision backend; DALI within one grey level, see ``docs/pipelines.md``).
+    Grayscale, CMYK and PNG images are converted to RGB. EXIF orientation is ignored, as
+    torchvision's ImageFolder ignores it.
+
+    Args:
+        source: an ImageFolder directory (``root/<class>/<image>``, classes sorted by
+            name) or a list of ``(path, label)`` pairs.
+        batch_size: images per batch, per rank.
+        train: training augmentation and reshuffling, or the eval transform in file order.
+        size: output height and width.
+        backend: ``"auto"`` (DALI if installed, else nvjpeg on a CUDA device, else
+            torchvision), or one of them by name. The choice is in ``loader.backend`` and
+            ``loader.backend_reason``, and logged.
+        device: where batches are delivered; ``"auto"`` is :func:`trainperf.best_device`
+            (parsed by :func:`trainperf.device.resolve_device`).
+        num_threads: decode threads (DALI), reader threads (nvjpeg) or the most DataLoader
+            workers (torchvision); ``"auto"``: this process's share of the usable CPUs
+            (divided by :func:`trainperf.limits.local_world_size`).
+        shard: ``"auto"`` reads this rank's shard under ``torch.distributed`` (or torchrun's
+            ``RANK``/``WORLD_SIZE``); ``(rank, world_size)`` sets it; None reads everything.
+            Every rank gets the same number of batches per epoch.
+        seed: seeds shuffling and augmentation (use the same on every rank).
+        last_batch: ``"drop"`` the partial last batch (each rank's shard is trimmed to
+            ``floor(N / world_size)``), or ``"keep"`` it (shards padded to
+            ``ceil(N / world_size)`` by repeating images).
+        mean: per-channel mean, 0..1 units.
+        std: per-channel standard deviation, 0..1 units.
+        on_error: ``"raise"``: a missing, empty or non-image file raises up front, naming
+            it, and a file that fails to decode raises when it is reached; ``"skip"``:
+            every file is decoded once up front and bad ones are left out with a warning
+            (listed in ``loader.skipped``).
+        loader_kwargs: torchvision backend only: keyword arguments for
+            :func:`trainperf.loader.autotune_loader` (e.g. ``budget_s``, ``cache``,
+            ``progress``, which defaults to False here), or for a plain ``DataLoader`` when
+            they include ``num_workers`` (no tuning).
+
+    Returns:
+        An :class:`ImageLoader`.
+
+    Raises:
+        ValueError: a bad argument; no images; a bad file under ``on_error="raise"``;
+            ``batch_size`` larger than a rank's share with ``last_batch="drop"``; with
+            ``num_threads="auto"``, a ``LOCAL_WORLD_SIZE``/``SLURM_NTASKS_PER_NODE`` that
+            is not a whole number >= 1.
+        FileNotFoundError: ``source`` does not exist.
+        ModuleNotFoundError: the backend's package is not installed (the message names the
+            ``pip install`` command).
+        ImportError: ``backend="dali"`` and DALI is installed but does not import (e.g. a
+            wheel for another CUDA version) or is older than 1.44; the message says why and
+            how to reinstall it.
+        TypeError: ``device`` is not a str, int or torch.device.
+        DeviceError: CUDA (or MPS) asked for but not available, or a CUDA index beyond the
+            visible GPUs.
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> from PIL import Image
+        >>> root = tempfile.mkdtemp()
+        >>> for cls, colour in (("red", (220, 20, 20)), ("blue", (20, 20, 220))):
+        ...     os.makedirs(f"{root}/{cls}")
+        ...     for i in range(3):
+        ...         Image.new("RGB", (64 + 8 * i, 48), colour).save(f"{root}/{cls}/{i}.jpg")
+        >>> loader = image_loader(root, batch_size=4, size=32, backend="torchvision",
+        ...                       device="cpu", loader_kwargs={"num_workers": 0})
+        >>> len(loader), loader.classes
+        (1, ('blue', 'red'))
+        >>> images, labels = next(iter(loader))
+        >>> images.shape, images.dtype, labels.dtype
+        (torch.Size([4, 3, 32, 32]), torch.float32, torch.int64)
+    """
+    batch_size = _positive_int("batch_size", batch_size)
+    size = _positive_int("size", size)
+    if not isinstance(train, bool):
+        raise ValueError(f"train must be True or False, got {train!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if last_batch not in _LAST_BATCH:
+        raise ValueError(f"last_batch must be one of {_LAST_BATCH}, got {last_batch!r}")
+    if on_error not in _ON_ERROR:
+        raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    mean3 = _channel_triple("mean", mean, positive=False)
+    std3 = _channel_triple("std", std, positive=True)
+    rank, world_size = resolve_shard(shard)
+    if num_threads == "auto":
+        from trainperf.limits import local_world_size, usable_cpus
+
+        threads = usable_cpus(local_world_size())
+    else:
+        threads = _positive_int("num_threads", num_threads)
+    dev = resolve_device(device)
+    chosen, reason = _choose_backend(backend, dev)
+    if loader_kwargs is not None and chosen != "torchvision":
+        if backend != "auto":
+            raise ValueError(
+                f"loader_kwargs configure the torchvision backend's DataLoader; "
+                f"backend={backend!r} takes none"
+            )
+        _log.info("backend %r chosen: loader_kwargs (torchvision only) are not used", chosen)
+
+    source_files = load_source(source, on_error=on_error)
+    if source_files.skipped:
+        import warnings
+
+        listed = ", ".join(f"{b.path} ({b.reason})" for b in source_files.skipped[:5])
+        more = len(source_files.skipped) - 5
+        warnings.warn(
+            f"image_loader skipped {len(source_files.skipped)} unreadable file(s): {listed}"
+            + (f" and {more} more" if more > 0 else "")
+            + "; see loader.skipped",
+            stacklevel=2,
+        )
+    plan = shard_plan(len(source_files.files), batch_size, rank, world_size, last_batch)
+    config = LoaderConfig(
+        batch_size=batch_size,
+        train=train,
+        size=size,
+        device=dev,
+        num_threads=threads,
+        seed=seed,
+        last_batch=last_batch,
+        mean=mean3,
+        std=std3,
+    )
+    loader: ImageLoader
+    if chosen == "dali":
+        from trainperf.pipelines._dali import DaliLoader
+
+        loader = DaliLoader(source_files, plan, config, reason)
+    elif chosen == "nvjpeg":
+        from trainperf.pipelines._nvjpeg import NvjpegLoader
+
+        loader = NvjpegLoader(source_files, plan, config, reason)
+    else:
+        from trainperf.pipelines._torchvision import TorchvisionLoader
+
+        loader = TorchvisionLoader(source_files, plan, config, reason, loader_kwargs)
+    _log.info("%r", loader)
+    return loader

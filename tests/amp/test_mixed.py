@@ -1,0 +1,914 @@
+"""trainperf.amp: the precision policy, the training step, loss scaling, checkpoints, misuse."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import platform
+import subprocess
+import sys
+from collections import OrderedDict, namedtuple
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import trainperf.device
+from trainperf.amp import (
+    MixedPrecision,
+    _channels_last,
+    _mixed,
+    _precision,
+    _tf32,
+    choose_precision,
+)
+from trainperf.checkpoint import load_checkpoint, save_checkpoint
+from trainperf.errors import DeviceError
+
+CPU_FP16 = _precision.autocast_supports("cpu", torch.float16)
+needs_cpu_fp16 = pytest.mark.skipif(
+    not CPU_FP16, reason="this torch has no fp16 autocast on the CPU (GradScaler tests need it)"
+)
+
+
+def fake_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:
+    monkeypatch.setattr(_precision, "cuda_capability", lambda device: capability)
+    # resolve_device checks that a CUDA device exists before the policy asks about it.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+
+def small_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+
+
+def small_mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
+
+
+class TinyViT(nn.Module):
+    """ViT-shaped: a patch-embedding Conv2d, then transformer blocks (Linear layers)."""
+
+    def __init__(self, dim: int = 64, depth: int = 2) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, kernel_size=8, stride=8)
+        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth)
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.patch(x).flatten(2).transpose(1, 2)
+        return self.head(self.encoder(tokens).mean(1))
+
+
+def train(
+    mp: MixedPrecision, model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int
+) -> list[float]:
+    model = mp.prepare(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    xb, yb = mp.prepare_batch((x, y))
+    losses = []
+    for _ in range(steps):
+        with mp.autocast():
+            out = model(xb)
+        loss = nn.functional.cross_entropy(out.float(), yb)
+        mp.backward(loss)
+        assert mp.step(opt, max_grad_norm=5.0)
+        mp.zero_grad(opt)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture
+def restore_tf32() -> Iterator[None]:
+    """TF32 flags are process-wide; put them back through the legacy setters, which leave
+    both the legacy and the new (torch >= 2.9) APIs readable."""
+    matmul = torch.get_float32_matmul_precision()
+    cudnn = torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cudnn.allow_tf32 = cudnn
+    torch.set_float32_matmul_precision(matmul)
+
+
+# --------------------------------------------------------------------------- the "auto" policy
+
+
+@pytest.mark.parametrize(
+    ("gpu", "capability", "dtype", "scaler"),
+    [
+        ("P40", (6, 1), torch.float32, False),
+        ("V100", (7, 0), torch.float16, True),
+        ("T4", (7, 5), torch.float16, True),
+        ("A100", (8, 0), torch.bfloat16, False),
+        ("H200", (9, 0), torch.bfloat16, False),
+    ],
+)
+def test_auto_policy_follows_the_compute_capability(
+    monkeypatch: pytest.MonkeyPatch,
+    gpu: str,
+    capability: tuple[int, int],
+    dtype: torch.dtype,
+    scaler: bool,
+) -> None:
+    fake_gpu(monkeypatch, capability)
+    assert choose_precision("cuda:0") == dtype
+    mp = MixedPrecision("cuda:0")
+    assert (mp.dtype, mp.uses_scaler) == (dtype, scaler)
+    assert f"compute capability {capability[0]}.{capability[1]}" in repr(mp)
+    assert f"dtype={_mixed._NAMES[dtype]}" in repr(mp)
+
+
+@pytest.mark.parametrize(("kernels", "dtype"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_policy_on_cpu_depends_on_bf16_kernels(
+    monkeypatch: pytest.MonkeyPatch, kernels: bool, dtype: torch.dtype
+) -> None:
+    monkeypatch.setattr(_precision, "cpu_has_bf16_kernels", lambda: kernels)
+    assert choose_precision("cpu") == dtype
+    assert MixedPrecision("cpu").dtype == dtype
+
+
+def fake_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+    machine: str,
+    *,
+    avx512_bf16: bool | None,
+    amx: bool | None,
+    onednn: bool,
+) -> None:
+    """A CPU of ``machine``; None removes a torch.cpu check (a torch that lacks it)."""
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    for name, value in (
+        ("_is_avx512_bf16_supported", avx512_bf16),
+        ("_is_amx_tile_supported", amx),
+    ):
+        if value is None:
+            monkeypatch.delattr(torch.cpu, name, raising=False)
+        else:
+            monkeypatch.setattr(torch.cpu, name, lambda value=value: value)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
+
+
+@pytest.mark.parametrize(
+    ("cpu", "machine", "avx512_bf16", "amx", "native"),
+    [
+        # oneDNN says yes on every AVX-512BW/VL/DQ CPU; only these flags mean native bf16.
+        ("Cascade Lake", "x86_64", False, False, False),
+        ("Cooper Lake / Zen 4", "x86_64", True, False, True),
+        ("Sapphire Rapids", "x86_64", True, True, True),
+        ("AMX only", "AMD64", False, True, True),
+        ("a torch without the checks", "x86_64", None, None, False),
+    ],
+)
+def test_x86_cpu_needs_avx512_bf16_or_amx_not_just_onednn(
+    monkeypatch: pytest.MonkeyPatch,
+    cpu: str,
+    machine: str,
+    avx512_bf16: bool | None,
+    amx: bool | None,
+    native: bool,
+) -> None:
+    fake_cpu(monkeypatch, machine, avx512_bf16=avx512_bf16, amx=amx, onednn=True)
+    assert _precision.cpu_has_bf16_kernels() is native
+    dtype, why = _precision.auto_precision(torch.device("cpu"))
+    assert dtype == (torch.bfloat16 if native else torch.float32)
+    assert ("has native bf16" if native else "no native bf16") in why
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_arm_cpu_keeps_the_onednn_check(monkeypatch: pytest.MonkeyPatch, onednn: bool) -> None:
+    # The x86 flags are False on Arm; oneDNN's answer decides there.
+    fake_cpu(monkeypatch, "aarch64", avx512_bf16=False, amx=False, onednn=onednn)
+    assert _precision.cpu_has_bf16_kernels() is onednn
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert _precision.cpu_has_bf16_kernels() is False
+
+
+def test_auto_policy_for_mps_and_unknown_devices() -> None:
+    assert _precision.auto_precision(torch.device("mps"))[0] == torch.float16
+    assert choose_precision("meta") == torch.float32
+
+
+def test_device_none_uses_best_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trainperf.device, "best_device", lambda: torch.device("cpu"))
+    assert MixedPrecision(precision="fp32").device == torch.device("cpu")
+    monkeypatch.setattr(trainperf.device, "best_device", lambda: torch.device("cuda", 0))
+    fake_gpu(monkeypatch, (7, 0))  # fp16: an answer the CPU never gives
+    assert choose_precision() == torch.float16
+    assert MixedPrecision().device == torch.device("cuda", 0)
+
+
+def test_explicit_precision_overrides_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_gpu(monkeypatch, (9, 0))
+    mp = MixedPrecision("cuda", precision="fp16")
+    assert (mp.dtype, mp.uses_scaler) == (torch.float16, True)
+    assert "requested fp16 with loss scaling" in mp.reason
+    assert MixedPrecision("cuda", precision="fp32").dtype == torch.float32
+
+
+def test_construction_on_cpu_does_not_initialise_cuda() -> None:
+    code = (
+        "import torch\n"
+        "from trainperf.amp import MixedPrecision\n"
+        "mp = MixedPrecision('cpu')\n"
+        "m = mp.prepare(torch.nn.Conv2d(3, 4, 3))\n"
+        "x = mp.prepare_batch(torch.randn(2, 3, 8, 8))\n"
+        "with mp.autocast():\n"
+        "    loss = m(x).float().sum()\n"
+        "mp.backward(loss)\n"
+        "mp.step(torch.optim.SGD(m.parameters(), lr=0.1))\n"
+        "print(torch.cuda.is_initialized())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+# --------------------------------------------------------------------------- misuse
+
+
+def test_bf16_on_a_gpu_without_native_bf16_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_gpu(monkeypatch, (7, 5))
+    with pytest.raises(
+        ValueError, match=r"precision='bf16' needs compute capability >= 8\.0.*7\.5"
+    ):
+        MixedPrecision("cuda", precision="bf16")
+
+
+def test_fp16_on_pascal_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_gpu(monkeypatch, (6, 1))
+    with pytest.warns(UserWarning, match="usually slower than fp32"):
+        mp = MixedPrecision("cuda", precision="fp16")
+    assert mp.uses_scaler
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_half_precision_without_autocast_support_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, precision: str
+) -> None:
+    monkeypatch.setattr(_precision, "autocast_supports", lambda device_type, dtype: False)
+    with pytest.raises(ValueError, match=rf"precision='{precision}' needs {precision} autocast"):
+        MixedPrecision("cpu", precision=precision)  # type: ignore[arg-type]
+
+
+def test_cuda_without_cuda_is_a_device_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        MixedPrecision("cuda")
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        choose_precision("cuda:1")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"precision": "fp8"}, ValueError, "precision must be one of"),
+        ({"precision": "bfloat16"}, ValueError, "precision must be one of"),
+        ({"channels_last": "yes"}, ValueError, "channels_last must be 'auto', True or False"),
+        ({"channels_last": 1}, ValueError, "channels_last must be 'auto', True or False"),
+        ({"tf32": "yes"}, TypeError, "tf32 must be True or False"),
+        ({"device": 3.5}, TypeError, "device must be a str, int, torch.device or None"),
+        ({"device": "gpu7"}, ValueError, "invalid device 'gpu7'"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, object], exc: type[Exception], match: str) -> None:
+    kwargs.setdefault("device", "cpu")
+    with pytest.raises(exc, match=match):
+        MixedPrecision(**kwargs)  # type: ignore[arg-type]
+
+
+def test_step_without_backward_through_mp_is_an_error() -> None:
+    mp = MixedPrecision("cpu", precision="bf16")
+    model = mp.prepare(small_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with mp.autocast():
+        loss = model(torch.randn(4, 16)).float().sum()
+    loss.backward()  # the mistake: not through mp
+    with pytest.raises(RuntimeError, match=r"call mp\.backward\(loss\) instead of loss\.backward"):
+        mp.step(opt)
+
+
+def test_a_step_consumes_the_backward_and_zero_grad_discards_it() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    model = mp.prepare(small_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp.backward(model(torch.randn(4, 16)).sum())
+    mp.backward(model(torch.randn(4, 16)).sum())  # accumulation: two backwards, one step
+    assert mp.step(opt)
+    with pytest.raises(RuntimeError, match="found no gradients"):
+        mp.step(opt)
+    mp.backward(model(torch.randn(4, 16)).sum())
+    mp.zero_grad(opt)
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(RuntimeError, match="found no gradients"):
+        mp.step(opt)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, "1.0"])
+def test_max_grad_norm_must_be_positive(bad: object) -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    w = nn.Parameter(torch.ones(2))
+    mp.backward(w.sum())
+    with pytest.raises(ValueError, match="max_grad_norm must be a number > 0"):
+        mp.step(torch.optim.SGD([w], lr=0.1), max_grad_norm=bad)  # type: ignore[arg-type]
+
+
+def test_backward_and_prepare_check_their_argument() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    with pytest.raises(TypeError, match=r"backward\(\) takes the loss tensor, got float"):
+        mp.backward(1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"prepare\(\) takes an nn\.Module, got dict"):
+        mp.prepare({})  # type: ignore[arg-type]
+
+
+def test_zero_grad_without_optimizer_clears_prepared_models() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    with pytest.raises(RuntimeError, match=r"call mp\.zero_grad\(optimizer\)"):
+        mp.zero_grad()
+    a, b = mp.prepare(small_mlp()), mp.prepare(small_mlp())
+    mp.backward((a(torch.randn(2, 16)) + b(torch.randn(2, 16))).sum())
+    mp.zero_grad(set_to_none=False)
+    for p in [*a.parameters(), *b.parameters()]:
+        assert p.grad is not None and not p.grad.any()
+
+
+def test_bf16_and_fp32_never_create_a_scaler() -> None:
+    for precision in ("bf16", "fp32"):
+        mp = MixedPrecision("cpu", precision=precision)  # type: ignore[arg-type]
+        model = mp.prepare(small_mlp())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with mp.autocast():
+            loss = model(torch.randn(4, 16)).float().sum()
+        mp.backward(loss)
+        mp.step(opt)
+        assert mp.scaler is None and not mp.uses_scaler and mp._scaler is None
+        assert mp.state_dict() == {"precision": precision, "scaler": None}
+
+
+# --------------------------------------------------------------------------- training on the CPU
+
+
+def test_bf16_trains_a_small_cnn_in_channels_last() -> None:
+    torch.manual_seed(0)
+    # Classes differ in their per-channel means, which the pooled CNN can learn quickly.
+    y = torch.arange(16) % 4
+    x = 1.5 * torch.randn(4, 3, 1, 1)[y] + torch.randn(16, 3, 16, 16)
+    mp = MixedPrecision("cpu", precision="bf16", channels_last=True)
+    model = small_cnn()
+    losses = train(mp, model, x, y, steps=30)
+    assert losses[-1] < 0.5 * losses[0]
+    assert mp.uses_channels_last
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
+    with mp.autocast():
+        assert model(mp.prepare_batch(x)).dtype == torch.bfloat16
+
+
+def test_bf16_trains_a_small_mlp() -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    losses = train(MixedPrecision("cpu", precision="bf16"), small_mlp(), x, y, steps=40)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_fp32_autocast_is_a_no_op() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    with mp.autocast():
+        assert not torch.is_autocast_enabled("cpu")
+        assert nn.Linear(4, 2)(torch.randn(3, 4)).dtype == torch.float32
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_fp16_skips_the_step_on_non_finite_gradients_and_lowers_the_scale(bad: float) -> None:
+    torch.manual_seed(0)
+    mp = MixedPrecision("cpu", precision="fp16")
+    assert mp.uses_scaler and mp.dtype == torch.float16
+    model = mp.prepare(small_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    assert mp.scaler is not None
+    scale = mp.scaler.get_scale()
+
+    with mp.autocast():
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+    mp.backward(loss)
+    model[0].weight.grad[0, 0] = bad  # type: ignore[index]
+    before = [p.detach().clone() for p in model.parameters()]
+    stepped = mp.step(opt, max_grad_norm=1.0)
+    if stepped:
+        sched.step()
+    assert stepped is False
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert mp.scaler.get_scale() == scale * 0.5
+    assert opt.param_groups[0]["lr"] == 0.1  # the scheduler did not advance
+    mp.zero_grad(opt)
+
+    with mp.autocast():
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+    mp.backward(loss)
+    assert mp.step(opt, max_grad_norm=1.0) is True
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert mp.scaler.get_scale() == scale * 0.5
+
+
+@needs_cpu_fp16
+def test_fp16_step_that_grows_the_scale_counts_as_stepped() -> None:
+    mp = MixedPrecision("cpu", precision="fp16")
+    assert mp.scaler is not None
+    mp.scaler.load_state_dict(
+        {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 1,
+         "_growth_tracker": 0}
+    )  # fmt: skip
+    w = nn.Parameter(torch.ones(3))
+    mp.backward((w * 2).sum())
+    assert mp.step(torch.optim.SGD([w], lr=0.1)) is True
+    assert mp.scaler.get_scale() == 16.0
+    assert torch.allclose(w.detach(), torch.full((3,), 0.8))
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("finite", [True, False])
+def test_fp16_step_reads_the_device_at_most_once_more_than_grad_scaler(
+    monkeypatch: pytest.MonkeyPatch, finite: bool
+) -> None:
+    # Each device-to-host read in a step (a CUDA synchronisation on a GPU) is a Tensor.item().
+    item = torch.Tensor.item
+    reads = 0
+
+    def counted(self: torch.Tensor) -> object:
+        nonlocal reads
+        reads += 1
+        return item(self)
+
+    def after_backward() -> tuple[MixedPrecision, torch.optim.Optimizer]:
+        w = nn.Parameter(torch.ones(3))
+        mp = MixedPrecision("cpu", precision="fp16")
+        mp.backward((w * 2).sum())
+        if not finite:
+            w.grad[0] = math.inf  # type: ignore[index]
+        return mp, torch.optim.SGD([w], lr=0.1)
+
+    mp, opt = after_backward()
+    assert mp.scaler is not None
+    monkeypatch.setattr(torch.Tensor, "item", counted)
+    mp.scaler.step(opt)  # what a hand-written loop does
+    mp.scaler.update()
+    bare, reads = reads, 0
+    mp, opt = after_backward()
+    assert mp.step(opt) is finite
+    assert bare >= 1 and reads <= bare + 1
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_fp16_step_with_a_disabled_scaler_is_a_plain_step(max_grad_norm: float | None) -> None:
+    # MixedPrecision never builds one, but a disabled GradScaler (GradScaler("cuda") disables
+    # itself without CUDA) keeps none of the per-optimizer state the skip check reads.
+    mp = MixedPrecision("cpu", precision="fp16")
+    mp._scaler = torch.amp.GradScaler("cpu", enabled=False)
+    w = nn.Parameter(torch.ones(3))
+    mp.backward((w * 2).sum())
+    assert w.grad is not None and w.grad.tolist() == [2.0, 2.0, 2.0]  # not scaled
+    assert mp.step(torch.optim.SGD([w], lr=0.1), max_grad_norm=max_grad_norm) is True
+    grad = 2.0 if max_grad_norm is None else 2.0 / math.sqrt(12.0)  # the norm clipped to 1
+    assert w.detach().tolist() == pytest.approx([1.0 - 0.1 * grad] * 3, abs=1e-6)
+
+
+def reference_fp32(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, clip: float
+) -> nn.Module:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        loss = 100 * nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize(
+    ("precision", "tol"),
+    [
+        ("fp32", 1e-6),
+        ("bf16", 2e-2),
+        pytest.param("fp16", 5e-3, marks=needs_cpu_fp16),
+    ],
+)
+def test_clipping_through_step_matches_the_fp32_reference(precision: str, tol: float) -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 16), torch.randint(0, 4, (16,))
+    start = small_mlp()
+    ref = reference_fp32(copy.deepcopy(start), x, y, steps=3, clip=0.5)
+
+    mp = MixedPrecision("cpu", precision=precision)  # type: ignore[arg-type]
+    model = mp.prepare(copy.deepcopy(start))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = tries = 0
+    while steps < 3 and tries < 30:
+        tries += 1
+        with mp.autocast():
+            out = model(x)
+        # x100 makes the raw gradient norm far above 0.5, so clipping decides the update; with
+        # fp16, clipping the still-scaled gradients would make the step ~65536x too small.
+        # fp16 skips the first steps (the scaled gradients overflow) until the scale is low
+        # enough; a skipped step leaves plain SGD's parameters as they were.
+        mp.backward(100 * nn.functional.cross_entropy(out.float(), y))
+        steps += mp.step(opt, max_grad_norm=0.5)
+        mp.zero_grad(opt)
+    assert steps == 3
+    moved = [
+        (p - q).abs().max().item()
+        for p, q in zip(model.parameters(), start.parameters(), strict=True)
+    ]
+    assert min(moved) > 1e-3  # the comparison below is not trivially true
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=tol, rtol=tol)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+@needs_cpu_fp16
+def test_scaler_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
+    mp = MixedPrecision("cpu", precision="fp16")
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    mp.backward(w.sum())
+    w.grad[0] = math.inf  # type: ignore[index]
+    assert not mp.step(opt)
+    mp.zero_grad(opt)
+    mp.backward(w.sum())
+    assert mp.step(opt)
+    state = mp.state_dict()
+    assert state["precision"] == "fp16"
+    assert state["scaler"]["scale"] == 32768.0 and state["scaler"]["_growth_tracker"] == 1
+
+    path = save_checkpoint({"amp": state, "w": w.detach()}, tmp_path / "ckpt.pt")
+    loaded = load_checkpoint(path)  # weights_only=True: plain values only
+    resumed = MixedPrecision("cpu", precision="fp16")
+    resumed.load_state_dict(loaded["amp"])
+    assert resumed.scaler is not None
+    assert resumed.scaler.get_scale() == 32768.0
+    assert resumed.state_dict() == state
+    json.dumps(state)  # plain Python values
+
+
+@needs_cpu_fp16
+def test_loading_a_loss_scale_into_bf16() -> None:
+    state = MixedPrecision("cpu", precision="fp16").state_dict()
+    bf16 = MixedPrecision("cpu", precision="bf16")
+    with pytest.raises(ValueError, match=r"loss scale from a fp16 run.*strict=False"):
+        bf16.load_state_dict(state)
+    bf16.load_state_dict(state, strict=False)
+    assert bf16.scaler is None
+
+
+def test_loading_a_state_without_scale_keeps_a_fresh_scaler() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    mp.load_state_dict({"precision": "bf16", "scaler": None})
+    assert mp.scaler is None
+
+
+@needs_cpu_fp16
+def test_loading_a_state_without_scale_into_fp16_keeps_its_fresh_scaler() -> None:
+    fresh = MixedPrecision("cpu", precision="fp16").state_dict()
+    mp = MixedPrecision("cpu", precision="fp16")
+    mp.load_state_dict({"precision": "bf16", "scaler": None})  # a bf16 run resumed as fp16
+    assert mp.scaler is not None
+    assert mp.scaler.get_scale() == 2.0**16  # GradScaler's initial scale
+    assert mp.state_dict() == fresh
+    w = nn.Parameter(torch.ones(2))
+    mp.backward(w.sum())
+    assert mp.step(torch.optim.SGD([w], lr=0.1))  # and it works
+
+
+@pytest.mark.parametrize("bad", [{"scale": 1.0}, {"precision": "fp16"}, [1, 2], None])
+def test_load_state_dict_rejects_other_dicts(bad: object) -> None:
+    with pytest.raises(ValueError, match="not a MixedPrecision state dict"):
+        MixedPrecision("cpu", precision="fp32").load_state_dict(bad)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- channels_last
+
+
+@pytest.mark.parametrize(
+    ("name", "converts", "convs"),
+    [
+        ("resnet18", True, 20),
+        # ~11 % and ~4 % of their parameters are in convolutions (the rest in the classifier's
+        # Linear layers), but nearly all of their compute is.
+        ("vgg16", True, 13),
+        ("alexnet", True, 5),
+        # A 4x4/4 stem and 2x2/2 downsampling (patch embeddings), then depthwise 7x7 convolutions.
+        ("convnext_tiny", True, 18),
+        # Only a patch embedding: 16x16/16 (ViT), 4x4/4 (Swin).
+        ("vit_b_16", False, 0),
+        ("swin_t", False, 0),
+    ],
+)
+def test_channels_last_rule_on_torchvision_models(name: str, converts: bool, convs: int) -> None:
+    torchvision = pytest.importorskip("torchvision")
+    with torch.device("meta"):  # no memory, no initialisation cost
+        model = getattr(torchvision.models, name)(weights=None)
+    use, why = _channels_last.channels_last_decision(
+        model, "auto", device=torch.device("cuda", 0), tensor_cores=True
+    )
+    assert use is converts
+    assert _channels_last.feature_map_convs(model)[0] == convs
+    if converts:
+        assert why.startswith(f"channels_last: yes, {convs} 2-D convolutions over feature maps (")
+    else:
+        assert why == (
+            "channels_last: no, no 2-D convolution over feature maps, only 1 patch embedding: "
+            "not a convolutional model"
+        )
+    if name in ("vgg16", "alexnet"):
+        assert _channels_last.conv_share(model) < 0.15  # what the old parameter-share rule missed
+
+
+def test_channels_last_rule_details() -> None:
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    cnn, vit = small_cnn(), TinyViT()
+    assert _channels_last.conv_share(nn.ReLU()) == 0.0
+    decide = _channels_last.channels_last_decision
+    assert decide(cnn, "auto", device=cuda, tensor_cores=True) == (
+        True,
+        f"channels_last: yes, 2 2-D convolutions over feature maps "
+        f"({_channels_last.conv_share(cnn):.0%} of parameters in Conv2d/BatchNorm2d)",
+    )
+    assert not decide(vit, "auto", device=cuda, tensor_cores=True)[0]  # 8x8/8 patch embedding
+    assert decide(nn.Linear(2, 2), "auto", device=cuda, tensor_cores=True) == (
+        False,
+        "channels_last: no, no 2-D convolution over feature maps: not a convolutional model",
+    )
+    assert not decide(cnn, "auto", device=cuda, tensor_cores=False)[0]  # fp32 on a V100
+    assert not decide(cnn, "auto", device=cpu, tensor_cores=True)[0]
+    assert decide(vit, True, device=cpu, tensor_cores=False)[0]
+    assert not decide(cnn, False, device=cuda, tensor_cores=True)[0]
+    shared = nn.Sequential(nn.Conv2d(3, 3, 1), nn.Linear(3, 3))
+    shared.append(shared[0])  # a shared module is counted once
+    assert _channels_last.conv_share(shared) == pytest.approx(12 / 24)
+    assert _channels_last.feature_map_convs(shared) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    ("conv", "patch"),
+    [
+        (nn.Conv2d(3, 8, 16, stride=16), True),  # ViT
+        (nn.Conv2d(3, 8, (1, 4), stride=(1, 4)), True),
+        (nn.ConvTranspose2d(8, 8, 2, stride=2), True),
+        (nn.Conv2d(8, 8, 1), False),  # pointwise: 1x1 kernel == 1x1 stride, still a conv
+        (nn.Conv2d(8, 8, 1, stride=2), False),  # ResNet downsample
+        (nn.Conv2d(3, 8, 7, stride=2, padding=3), False),  # ResNet stem
+        (nn.Conv2d(3, 8, 11, stride=4), False),  # AlexNet's first layer: overlapping
+        (nn.Conv2d(8, 8, 2, stride=2, dilation=2), False),  # dilated: not contiguous patches
+        (nn.ConvTranspose2d(8, 8, 4, stride=2, padding=1), False),
+    ],
+)
+def test_patch_embedding_is_kernel_equal_to_stride_above_1x1(conv: nn.Module, patch: bool) -> None:
+    assert _channels_last.is_patch_embedding(conv) is patch  # type: ignore[arg-type]
+    assert _channels_last.feature_map_convs(nn.Sequential(conv)) == (int(not patch), int(patch))
+
+
+def test_prepare_on_cpu_leaves_auto_channels_last_off_and_tf32_alone() -> None:
+    mp = MixedPrecision("cpu", precision="bf16")
+    model = mp.prepare(small_cnn())
+    assert not mp.uses_channels_last and not mp.tf32_enabled
+    assert model[0].weight.is_contiguous()
+    x = mp.prepare_batch(torch.randn(2, 3, 8, 8))
+    assert x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last)
+    assert "channels_last: not on cpu" in repr(mp) and "TF32: not applicable" in repr(mp)
+
+
+class StaysOnCpu(nn.Sequential):
+    """A model that ignores ``.to(device)`` (keeping ``memory_format``), so that prepare() can
+    run against a faked GPU without CUDA."""
+
+    def to(self, *args: Any, **kwargs: Any) -> StaysOnCpu:
+        kwargs.pop("device", None)
+        args = tuple(a for a in args if not isinstance(a, torch.device))
+        return super().to(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("capability", "precision", "tf32", "channels_last", "tf32_on"),
+    [
+        ((6, 1), "auto", True, False, False),  # Pascal: fp32, no tensor cores
+        ((7, 0), "auto", True, True, False),  # V100: fp16 tensor cores; TF32 needs 8.0
+        ((7, 5), "fp32", True, False, False),  # T4 in fp32: no tensor cores in use
+        ((8, 0), "auto", True, True, True),  # A100: bf16
+        ((9, 0), "fp32", True, True, True),  # H200 in fp32: TF32 tensor cores
+        ((9, 0), "fp32", False, False, False),  # ... without TF32: none
+        ((9, 0), "bf16", False, True, False),
+    ],
+)
+def test_prepare_turns_the_compute_capability_into_channels_last_and_tf32(
+    monkeypatch: pytest.MonkeyPatch,
+    restore_tf32: None,
+    capability: tuple[int, int],
+    precision: str,
+    tf32: bool,
+    channels_last: bool,
+    tf32_on: bool,
+) -> None:
+    fake_gpu(monkeypatch, capability)
+    with _tf32.tf32(False):
+        mp = MixedPrecision("cuda", precision=precision, tf32=tf32)  # type: ignore[arg-type]
+        model = mp.prepare(StaysOnCpu(*small_cnn()))
+        assert _tf32.tf32_state() == _tf32.TF32State(matmul=tf32_on, cudnn=tf32_on)
+    assert (mp.uses_channels_last, mp.tf32_enabled) == (channels_last, tf32_on)
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last) is channels_last
+    if channels_last:
+        assert "channels_last: yes, 2 2-D convolutions over feature maps" in mp.reason
+    else:
+        assert "channels_last: no, no tensor cores in use" in mp.reason
+    if tf32_on:
+        assert "TF32: enabled process-wide" in mp.reason
+    elif not tf32:
+        assert "TF32: off (tf32=False)" in mp.reason
+    else:
+        assert "TF32: not applicable (needs CUDA compute capability >= 8.0)" in mp.reason
+
+
+def test_prepare_leaves_a_vit_alone_on_a_faked_h200(
+    monkeypatch: pytest.MonkeyPatch, restore_tf32: None
+) -> None:
+    fake_gpu(monkeypatch, (9, 0))
+    vit = TinyViT()
+    vit.to = lambda *args, **kwargs: vit  # type: ignore[method-assign]  # no CUDA to move to
+    with _tf32.tf32(False):
+        mp = MixedPrecision("cuda")
+        mp.prepare(vit)
+    assert not mp.uses_channels_last and mp.tf32_enabled
+    assert "not a convolutional model" in mp.reason
+
+
+def test_prepare_batch_converts_only_4d_float_tensors_in_containers() -> None:
+    mp = MixedPrecision("cpu", precision="fp32", channels_last=True)
+    mp.prepare(small_cnn())
+    Pair = namedtuple("Pair", ["image", "label"])
+    batch = {
+        "pair": Pair(torch.randn(2, 3, 4, 4), torch.tensor([1, 2])),
+        "list": [torch.randn(2, 3, 4, 4), torch.randint(0, 9, (2, 3, 4, 4))],
+        "od": OrderedDict(v=torch.randn(2, 3, 4)),
+        "name": "x",
+    }
+    out = mp.prepare_batch(batch)
+    cl = torch.channels_last
+    assert isinstance(out["pair"], Pair) and out["pair"].image.is_contiguous(memory_format=cl)
+    assert out["list"][0].is_contiguous(memory_format=cl)
+    int_images = out["list"][1]
+    assert int_images.is_contiguous() and not int_images.is_contiguous(memory_format=cl)
+    assert isinstance(out["od"], OrderedDict) and out["od"]["v"].is_contiguous()
+    assert out["name"] == "x"
+    assert torch.equal(out["pair"].image, batch["pair"].image)
+
+
+def test_prepare_batch_moves_to_the_device() -> None:
+    mp = MixedPrecision("meta", precision="fp32")
+    x, y = mp.prepare_batch([torch.randn(2, 3), torch.tensor([1])])
+    assert x.device.type == "meta" and y.device.type == "meta"
+
+
+# --------------------------------------------------------------------------- TF32
+
+
+def test_enable_tf32_leaves_both_apis_readable(restore_tf32: None) -> None:
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False  # the state a legacy-API user leaves behind
+    _tf32.enable_tf32()
+    # Reading the legacy flags raises on torch >= 2.9 if the two APIs were mixed.
+    assert torch.get_float32_matmul_precision() == "high"
+    assert torch.backends.cuda.matmul.allow_tf32 is True
+    assert torch.backends.cudnn.allow_tf32 is True
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+
+
+@pytest.mark.skipif(
+    not hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision"),
+    reason="this torch has no per-backend fp32_precision API",
+)
+def test_enable_tf32_after_the_new_api_turned_it_off(restore_tf32: None) -> None:
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    _tf32.enable_tf32()
+    assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+
+
+def test_tf32_context_switches_and_restores_even_after_an_error(restore_tf32: None) -> None:
+    torch.set_float32_matmul_precision("highest")
+    before = _tf32.tf32_state()
+    with _tf32.tf32(True) as state:
+        assert state == _tf32.TF32State(matmul=True, cudnn=True) == _tf32.tf32_state()
+    assert _tf32.tf32_state() == before
+    with pytest.raises(KeyError, match="inside"), _tf32.tf32(False):
+        assert _tf32.tf32_state() == _tf32.TF32State(matmul=False, cudnn=False)
+        raise KeyError("inside")
+    assert _tf32.tf32_state() == before
+    switch = _tf32.tf32(1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="enabled must be True or False, got 1"), switch:
+        pass
+
+
+@pytest.mark.skipif(
+    not hasattr(getattr(torch.backends.cuda, "matmul", None), "fp32_precision"),
+    reason="this torch has no per-backend fp32_precision API",
+)
+def test_tf32_state_reads_after_the_new_api_made_legacy_getters_raise(restore_tf32: None) -> None:
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cudnn.conv.fp32_precision = "ieee"  # rnn stays tf32: legacy reads raise
+    with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+        torch.get_float32_matmul_precision()
+    assert _tf32.tf32_state() == _tf32.TF32State(matmul=True, cudnn=False)
+    with _tf32.tf32(False):
+        assert _tf32.tf32_state() == _tf32.TF32State(matmul=False, cudnn=False)
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert torch.backends.cudnn.conv.fp32_precision == "ieee"
+    assert _tf32.tf32_state() == _tf32.TF32State(matmul=True, cudnn=False)
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.requires_cuda
+def test_prepare_on_cuda_picks_channels_last_and_tf32(restore_tf32: None) -> None:
+    torchvision = pytest.importorskip("torchvision")
+    mp = MixedPrecision("cuda")
+    model = mp.prepare(torchvision.models.resnet18(weights=None))
+    major, _ = torch.cuda.get_device_capability()
+    assert next(model.parameters()).device.type == "cuda"
+    assert mp.uses_channels_last == (major >= 7)
+    assert mp.tf32_enabled == (major >= 8)
+    x, y = mp.prepare_batch((torch.randn(4, 3, 64, 64), torch.randint(0, 1000, (4,))))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with mp.autocast():
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+    mp.backward(loss)
+    assert mp.step(opt, max_grad_norm=1.0)
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+@pytest.mark.parametrize("optimizer", ["sgd-foreach", "adam-fused"])
+def test_fp16_on_cuda_skips_non_finite_steps_with_foreach_and_fused_optimizers(
+    restore_tf32: None, optimizer: str, max_grad_norm: float | None
+) -> None:
+    # A fused optimizer takes GradScaler's other path: it gets the inf flag and skips on the
+    # device (torch's _step_supports_amp_scaling) instead of GradScaler deciding on the host.
+    torch.manual_seed(0)
+    mp = MixedPrecision("cuda", precision="fp16")
+    model = mp.prepare(small_mlp())
+    opt: torch.optim.Optimizer
+    if optimizer == "sgd-foreach":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    x, y = mp.prepare_batch((torch.randn(8, 16), torch.randint(0, 4, (8,))))
+    scaler = mp.scaler
+    assert scaler is not None and scaler.is_enabled()
+
+    def backward(bad: float | None) -> list[torch.Tensor]:
+        with mp.autocast():
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        mp.backward(loss)
+        if bad is not None:
+            model[0].weight.grad[0, 0] = bad  # type: ignore[index]
+        return [p.detach().clone() for p in model.parameters()]
+
+    before = backward(None)
+    scale = scaler.get_scale()
+    assert mp.step(opt, max_grad_norm=max_grad_norm) is True
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert scaler.get_scale() == scale  # growth comes only after 2000 good steps
+    mp.zero_grad(opt)
+
+    before = backward(math.inf)
+    assert mp.step(opt, max_grad_norm=max_grad_norm) is False
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert scaler.get_scale() == scale * 0.5
+    mp.zero_grad(opt)
+
+    backward(None)
+    assert mp.step(opt, max_grad_norm=max_grad_norm) is True

@@ -1,0 +1,51 @@
+"""benchmarks/autotune_bench.py: a CPU smoke test of the script (its numbers are not checked)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "autotune_bench.py"
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def load_bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("autotune_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "autotune_bench", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow  # a few seconds: a 3-configuration grid and two tuner runs
+def test_autotune_bench_compares_both_tuner_modes_with_the_grid(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bench = load_bench(monkeypatch)
+    out_json = tmp_path / "autotune.json"
+    rc = bench.main(
+        ["--quick", "--datasets", "light", "--budget", "5", "--device", "cpu",
+         "--json", str(out_json)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = [line for line in out.splitlines() if line.startswith("light ")]
+    assert len(rows) == 2 and "default" in rows[0] and "loader alone" in rows[1]
+    results = json.loads(out_json.read_text())["results"]
+    assert [r["mode"] for r in results] == ["default", "loader alone"]
+    for r in results:
+        assert r["grid_configs"] == 3  # --quick: 0, 1 and 2 workers at one prefetch factor
+        assert r["tuned_samples_per_s"] > 0 and r["grid_best_samples_per_s"] > 0
+        assert 0 < r["ratio_to_grid_best"] <= 1.0  # the grid best is the grid's maximum
+    assert results[0]["main_cores"] == 1.0  # no step_fn: one core kept
+    assert results[1]["main_cores"] < 0.5  # an idle step_fn: the main process only takes batches

@@ -1,0 +1,58 @@
+"""The one helper multi-process tests use: run a function on every rank, get every result.
+
+Worker functions must live at module top level in an importable module (``tests.ddp._workers``)
+so that spawned workers can import them; ``multiprocessing`` hands the parent's
+``sys.path`` (which pytest put ``tests/`` on) to spawned children.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from trainperf.ddp import launch_all
+
+__all__ = ["FORK", "fast_start_method", "spawn"]
+
+FORK = "fork"
+
+
+def fast_start_method() -> str:
+    """ "fork" (no interpreter start-up per rank) unless CUDA is already initialised here.
+
+    On a GPU machine an earlier test may have initialised CUDA in this process, and launch
+    then refuses fork; spawn is slower but always safe.
+    """
+    import torch
+
+    from trainperf.ddp._launch import cuda_driver_loaded
+
+    # Forked children of a process that loaded CUDA's driver (the conftest's
+    # torch.cuda.is_available() does) are on shaky ground even without using the GPU.
+    return "spawn" if torch.cuda.is_initialized() or cuda_driver_loaded() else "fork"
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    backend: str = "gloo",
+    *,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    start_method: str = "spawn",
+    timeout_s: float = 60.0,
+) -> dict[int, Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return ``{rank: result}``."""
+    if start_method == FORK:
+        start_method = fast_start_method()
+    results = launch_all(
+        fn,
+        *args,
+        nprocs=world_size,
+        backend=backend,  # type: ignore[arg-type]
+        start_method=start_method,  # type: ignore[arg-type]
+        timeout=timedelta(seconds=timeout_s),
+        **(kwargs or {}),
+    )
+    return dict(enumerate(results))

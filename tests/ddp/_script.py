@@ -1,0 +1,68 @@
+"""A training script the ddp tests run as a separate program (torchrun, SLURM, signals).
+
+python _script.py all_reduce OUTDIR
+    launch(main): each rank all-reduces rank+1 and writes OUTDIR/rank<R>.json.
+python _script.py hang OUTDIR START_METHOD
+    launch(main, nprocs=2): each rank starts 2 DataLoader workers, writes its pid and
+    theirs to OUTDIR/pids<R>.json, then keeps iterating forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+
+import trainperf.ddp as ddp
+
+
+def all_reduce_main(outdir: str) -> int:
+    t = torch.tensor([float(ddp.rank() + 1)])
+    dist.all_reduce(t)
+    record = {
+        "rank": ddp.rank(),
+        "world_size": ddp.world_size(),
+        "local_rank": ddp.local_rank(),
+        "sum": t.item(),
+        "pid": os.getpid(),
+    }
+    (Path(outdir) / f"rank{ddp.rank()}.json").write_text(json.dumps(record))
+    return int(t.item())
+
+
+class SlowDataset(torch.utils.data.Dataset[int]):
+    def __len__(self) -> int:
+        return 1_000_000
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(0.05)
+        return i
+
+
+def hang_main(outdir: str) -> None:
+    loader = ddp.distributed_loader(SlowDataset(), batch_size=2, num_workers=2)
+    batches = iter(loader)
+    next(batches)
+    me = psutil.Process()
+    record = {"rank": os.getpid(), "loader": [c.pid for c in me.children(recursive=True)]}
+    path = Path(outdir) / f"pids{ddp.rank()}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(record))
+    path.with_suffix(".tmp").rename(path)
+    for _ in batches:
+        pass
+
+
+if __name__ == "__main__":
+    mode, out = sys.argv[1], sys.argv[2]
+    if mode == "all_reduce":
+        print("result", ddp.launch(all_reduce_main, out, nprocs=2, backend="gloo"), flush=True)
+    elif mode == "hang":
+        ddp.launch(hang_main, out, nprocs=2, backend="gloo", start_method=sys.argv[3])
+    else:
+        sys.exit(f"unknown mode {mode!r}")

@@ -1,0 +1,300 @@
+"""trainperf.loader faults: crashing, segfaulting, hanging and unpicklable workers, /dev/shm.
+
+Each broken configuration must be reported (fault and fix), tuning must fall back to
+``num_workers=0`` with a warning, and no worker may be left alive (the root conftest fails
+any test that leaves a child process).
+"""
+
+from __future__ import annotations
+
+import multiprocessing.resource_tracker
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from tests.loader._spies import record_closes
+from trainperf.limits import HostLimits
+from trainperf.loader import TuningReport, tune_loader
+from trainperf.loader import _tune as tune_mod
+from trainperf.loader._faults import classify_fault
+
+GiB = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _resource_tracker() -> Iterator[None]:
+    # The spawn start method starts multiprocessing's resource tracker, a long-lived helper
+    # that is not a DataLoader worker; start it before the leak check takes its snapshot.
+    multiprocessing.resource_tracker.ensure_running()
+    yield
+
+
+class Faulty(Dataset[torch.Tensor]):
+    """Fine in the main process; misbehaves in a DataLoader worker as ``how`` says."""
+
+    def __init__(self, how: str, n: int = 64) -> None:
+        self.how = how
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if get_worker_info() is not None:
+            if self.how == "exit":
+                os._exit(3)
+            if self.how == "segv":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            if self.how == "hang":
+                time.sleep(120)
+            if self.how == "shm":
+                raise RuntimeError(
+                    "unable to write to file </torch_123_456_7>: No space left on device (28)"
+                )
+            if self.how == "raise":
+                raise ValueError(f"bad sample {i}")
+            if self.how == "slow":
+                time.sleep(0.2)
+        time.sleep(0.001)
+        return torch.zeros(16)
+
+
+class Unpicklable(Dataset[torch.Tensor]):
+    def __init__(self) -> None:
+        self.transform = lambda x: x  # lambdas cannot be pickled for spawn
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.transform(torch.zeros(4))
+
+
+def tune(dataset: Any, **kw: Any) -> TuningReport:
+    kw = {
+        "device": "cpu",
+        "max_workers": 2,
+        "budget_s": 15.0,
+        "cache": False,
+        "progress": False,
+        **kw,
+    }
+    return tune_loader(dataset, 4, **kw)
+
+
+def assert_no_workers_left() -> None:
+    me = psutil.Process()
+    alive = [
+        p
+        for p in me.children(recursive=True)
+        if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())
+    ]
+    assert alive == []
+
+
+def failed(report: TuningReport) -> list[Any]:
+    return [c for c in report.candidates if c.status == "failed"]
+
+
+@pytest.mark.parametrize("how", ["exit", "segv"])
+def test_crashing_worker_falls_back_to_zero_workers(how: str) -> None:
+    with pytest.warns(RuntimeWarning, match="falls back to num_workers=0"):
+        report = tune(Faulty(how))
+    assert report.best_kwargs["num_workers"] == 0
+    bad = failed(report)
+    assert len(bad) == 1, "a crash is not retried with other worker counts"
+    assert bad[0].fault == "crash"
+    assert "exited unexpectedly" in (bad[0].reason or "")
+    assert any("falls back" in n for n in report.notes)
+    assert_no_workers_left()
+
+
+@pytest.mark.timeout(60)  # hung workers that were joined instead of killed would hang here
+def test_hanging_worker_is_detected_by_timeout_and_killed(monkeypatch: pytest.MonkeyPatch) -> None:
+    closes = record_closes(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="hang"):
+        report = tune(Faulty("hang"), timeout=1.0)
+    # The hung candidate was the only one with workers; they were killed before the join.
+    assert closes == [True], "hung workers must be killed, not joined"
+    bad = failed(report)
+    assert [c.fault for c in bad] == ["hang"]
+    assert "1.0 s" in (bad[0].reason or "")
+    assert report.best_kwargs["num_workers"] == 0
+    assert report.best_kwargs["timeout"] == 1.0  # the caller's argument passes through
+    assert_no_workers_left()
+
+
+@pytest.mark.timeout(60)
+def test_hang_under_a_small_budget_keeps_the_budget_and_is_reported() -> None:
+    # The default hang limit (10 s) is longer than the budget: the wait is cut to the time
+    # left, so the call ends on time, and the empty-handed pool is still reported.
+    with pytest.warns(RuntimeWarning, match="left of the time budget") as caught:
+        report = tune(Faulty("hang"), budget_s=4.0)
+    assert report.elapsed_s <= 4.0 + 1.0, "budget_s is a hard limit (plus the workers' cleanup)"
+    bad = failed(report)
+    assert [c.fault for c in bad] == ["hang"]
+    reason = bad[0].reason or ""
+    assert "may hang" in reason and "budget_s" in reason and "timeout=" in reason
+    assert "budget_s" in str(caught[0].message)
+    assert any("falls back" in n for n in report.notes)
+    assert report.best_kwargs["num_workers"] == 0
+    assert_no_workers_left()
+
+
+@pytest.mark.timeout(60)
+def test_budget_spent_on_slow_workers_is_a_note_not_a_fault(
+    recwarn: pytest.WarningsRecorder,
+) -> None:
+    # Batches arrive (0.8 s each per worker), but not enough for one steady-state window.
+    report = tune(Faulty("slow"), budget_s=3.0)
+    assert report.elapsed_s <= 3.0 + 1.0
+    assert [c.fault for c in report.candidates if c.num_workers > 0] == ["budget"]
+    assert report.best_kwargs["num_workers"] == 0
+    assert any("budget ran out before any worker configuration" in n for n in report.notes)
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+    assert_no_workers_left()
+
+
+@pytest.mark.slow  # about 11 s: the default hang limit is 10 s
+@pytest.mark.timeout(60)
+def test_hang_is_detected_by_the_default_timeout() -> None:
+    with pytest.warns(RuntimeWarning, match="hang"):
+        report = tune(Faulty("hang"), budget_s=20.0)
+    bad = failed(report)
+    assert [c.fault for c in bad] == ["hang"]
+    reason = bad[0].reason or ""
+    # A real hang limit, not the budget's: the reason says so and names the fix.
+    assert "no batch arrived within 10.0 s" in reason and "budget" not in reason
+    assert "timeout=" in reason
+    assert report.elapsed_s <= 20.0 + 1.0
+    assert "timeout" not in report.best_kwargs
+    assert_no_workers_left()
+
+
+def test_unpicklable_dataset_under_spawn_is_reported() -> None:
+    with pytest.warns(RuntimeWarning, match="pickle"):
+        report = tune(Unpicklable(), multiprocessing_context="spawn")
+    bad = failed(report)
+    assert [c.fault for c in bad] == ["pickle"]
+    assert "'spawn'" in (bad[0].reason or "") and "lambda" in (bad[0].reason or "")
+    # num_workers=0 rejects a multiprocessing_context, so it is dropped (and said so).
+    assert report.best_kwargs["num_workers"] == 0
+    assert "multiprocessing_context" not in report.best_kwargs
+    assert any("multiprocessing_context dropped" in n for n in report.notes)
+    assert_no_workers_left()
+
+
+def test_dataset_error_in_worker_is_reported() -> None:
+    with pytest.warns(RuntimeWarning, match="bad sample"):
+        report = tune(Faulty("raise"))
+    assert [c.fault for c in failed(report)] == ["error"]
+    assert_no_workers_left()
+
+
+def test_shm_exhaustion_in_worker_says_how_to_fix_it() -> None:
+    with pytest.warns(RuntimeWarning, match="shm-size"):
+        report = tune(Faulty("shm"))
+    bad = failed(report)
+    assert bad and all(c.fault == "shm" for c in bad)
+    # /dev/shm running out is retried with fewer workers before giving up.
+    assert bad[-1].num_workers == 1
+    assert_no_workers_left()
+
+
+def fake_limits(**over: Any) -> HostLimits:
+    base = {
+        "cpus_host": 2,
+        "cpus_affinity": 2,
+        "cpu_quota": None,
+        "cpus": 2,
+        "memory_total": 16 * GiB,
+        "memory_limit": None,
+        "memory_available": 8 * GiB,
+        "shm_total": 64 * GiB,
+        "shm_free": 64 * GiB,
+    }
+    base.update(over)
+    return HostLimits(**base)
+
+
+class BigSamples(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.zeros(64 * 1024)  # 256 KiB
+
+
+def test_too_small_shm_is_predicted_and_never_tried(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(shm_free=2 << 20))
+    with pytest.warns(RuntimeWarning, match="shm-size"):
+        report = tune(BigSamples())
+    assert report.best_kwargs["num_workers"] == 0
+    assert all(c.status == "skipped" and c.fault == "shm" for c in report.candidates[1:])
+    assert report.limits.shm_free == 2 << 20
+
+
+def test_memory_limit_is_never_approached(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 600 MiB available: after the 512 MiB safety margin, not even one forked worker
+    # (128 MiB assumed) plus its batches fits.
+    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(memory_available=600 << 20))
+    with pytest.warns(RuntimeWarning, match="memory"):
+        report = tune(BigSamples())
+    assert report.best_kwargs["num_workers"] == 0
+    skipped = [c for c in report.candidates if c.status == "skipped"]
+    assert skipped and all(c.fault == "memory" for c in skipped)
+    assert "GiB" in (skipped[0].reason or "")
+
+
+@pytest.mark.parametrize(
+    ("message", "kwargs", "kind", "words"),
+    [
+        ("DataLoader worker (pid(s) 77) exited unexpectedly", {}, "crash", "num_workers=0"),
+        ("DataLoader worker (pid 77) is killed by signal: Killed. ", {}, "crash", "out-of-memory"),
+        (
+            "DataLoader worker (pid(s) 77) exited unexpectedly",
+            {"start_method": "spawn"},
+            "crash",
+            "__main__",
+        ),
+        (
+            "DataLoader worker (pid 77) is killed by signal: Bus error. It is possible that "
+            "dataloader's workers are out of shared memory.",
+            {"shm_free": 1 << 20},
+            "shm",
+            "--shm-size",
+        ),
+        ("DataLoader timed out after 3 seconds", {}, "hang", "timeout="),
+        (
+            "Can't pickle local object 'f.<locals>.<lambda>'",
+            {"start_method": "spawn"},
+            "pickle",
+            "module-level",
+        ),
+        (
+            "Caught KeyError in DataLoader worker process 0.\nOriginal Traceback:\nKeyError: 5",
+            {},
+            "error",
+            "KeyError: 5",
+        ),
+    ],
+)
+def test_classify_fault(message: str, kwargs: dict[str, Any], kind: str, words: str) -> None:
+    args: dict[str, Any] = {"start_method": "fork", "timeout_s": 3.0}
+    args.update(kwargs)
+    got_kind, reason = classify_fault(RuntimeError(message), **args)
+    assert got_kind == kind
+    assert words in reason

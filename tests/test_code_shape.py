@@ -1,0 +1,55 @@
+"""House rules that keep the source readable: short functions, no loose private modules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "trainperf"
+MAX_CODE_LINES = 60  # per function, docstring, comments and blank lines excluded
+
+
+def code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> int:
+    """Lines of a function's body that hold code (a nested function counts for both)."""
+    body = node.body
+    first = body[0]
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    ):
+        body = body[1:]
+    counted: set[int] = set()
+    for stmt in body:
+        for n in range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1):
+            text = lines[n - 1].strip()
+            if text and not text.startswith("#"):
+                counted.add(n)
+    return len(counted)
+
+
+def long_functions(source: str, limit: int = MAX_CODE_LINES) -> list[tuple[str, int]]:
+    """``(name, code lines)`` of every function in ``source`` longer than ``limit``."""
+    lines = source.splitlines()
+    return [
+        (node.name, n)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (n := code_lines(node, lines)) > limit
+    ]
+
+
+def test_the_counter_skips_docstrings_comments_and_blank_lines() -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(61))
+    source = f'def f():\n    """Doc.\n\n    More.\n    """\n    # why\n\n{body}\n'
+    assert long_functions(source) == [("f", 61)]
+    assert long_functions(source, limit=61) == []
+
+
+def test_no_function_is_longer_than_sixty_code_lines() -> None:
+    too_long = [
+        f"{path.relative_to(SRC)}: {name} has {n} code lines"
+        for path in sorted(SRC.rglob("*.py"))
+        for name, n in long_functions(path.read_text())
+    ]
+    assert not too_long, "split these (limit 60):\n" + "\n".join(too_long)

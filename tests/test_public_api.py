@@ -1,0 +1,102 @@
+"""The public API: `__all__` stays sorted and in sync, and `import trainperf` stays light."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import trainperf
+
+INIT = Path(trainperf.__file__)
+
+
+def test_all_is_sorted_and_unique() -> None:
+    assert trainperf.__all__ == sorted(trainperf.__all__)
+    assert len(set(trainperf.__all__)) == len(trainperf.__all__)
+
+
+def test_all_matches_the_names_imported_in_init() -> None:
+    tree = ast.parse(INIT.read_text())
+    imported = {
+        alias.asname or alias.name
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        and node.module
+        and node.module.startswith("trainperf")
+        and not node.module.startswith("trainperf._utils")
+        for alias in node.names
+    }
+    assert imported | {"__version__"} == set(trainperf.__all__)
+    for name in trainperf.__all__:
+        assert hasattr(trainperf, name), name
+
+
+def test_public_callables_have_docstrings_with_examples() -> None:
+    for name in trainperf.__all__:
+        obj = getattr(trainperf, name)
+        if callable(obj) and not isinstance(obj, type):
+            doc = obj.__doc__ or ""
+            assert ">>>" in doc, f"trainperf.{name} has no runnable example in its docstring"
+
+
+def test_import_is_light_and_never_initialises_cuda() -> None:
+    # torch itself imports pynvml when it is installed, so what counts is what trainperf adds.
+    code = (
+        "import json, sys, torch\n"
+        "heavy = ['pynvml', 'torchvision', 'nvidia.dali', 'matplotlib', 'safetensors']\n"
+        "before = {m for m in heavy if m in sys.modules}\n"
+        "import trainperf\n"
+        "added = [m for m in heavy if m in sys.modules and m not in before]\n"
+        "print(json.dumps({'added': added, 'cuda_initialised': torch.cuda.is_initialized()}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"added": [], "cuda_initialised": False}
+
+
+def test_version_is_a_string() -> None:
+    assert isinstance(trainperf.__version__, str) and trainperf.__version__
+
+
+def test_public_objects_report_their_public_module() -> None:
+    for name in trainperf.__all__:
+        obj = getattr(trainperf, name)
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            assert obj.__module__ == "trainperf", f"trainperf.{name}.__module__ = {obj.__module__}"
+
+
+def _all_modules() -> list[str]:
+    return [m.name for m in pkgutil.walk_packages(trainperf.__path__, "trainperf.")]
+
+
+def test_subpackage_exports_report_a_public_module() -> None:
+    for module_name in _all_modules():
+        if "._" in module_name:
+            continue
+        module = importlib.import_module(module_name)
+        for name in getattr(module, "__all__", ()):
+            obj = getattr(module, name)
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                assert "._" not in obj.__module__, f"{module_name}.{name}: {obj.__module__}"
+
+
+def test_no_module_is_shadowed_by_an_attribute() -> None:
+    # `import trainperf.x` and `trainperf.x` must be the same thing, for every module.
+    for module_name in _all_modules():
+        module = importlib.import_module(module_name)
+        parent_name, _, leaf = module_name.rpartition(".")
+        parent = importlib.import_module(parent_name)
+        assert getattr(parent, leaf) is module, f"{module_name} is shadowed by {parent_name}.{leaf}"
+
+
+def test_no_private_module_sits_at_the_package_root() -> None:
+    loose = [m for m in _all_modules() if m.count(".") == 1 and m.split(".")[1].startswith("_")]
+    assert loose == ["trainperf.__main__", "trainperf._utils"], loose
