@@ -1,11 +1,11 @@
-# The README's two commands: `make demo` and `make test`.
+# The README's two commands: `make demo` and `make test` (`make test-fast` while you work).
 # Each creates the virtual environment when it is missing and installs what it needs.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 
-.PHONY: demo test lint typecheck docs unit clean
+.PHONY: demo test test-fast lint typecheck docs unit clean
 
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; sys.exit("trainperf needs Python >= 3.10, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
@@ -38,6 +38,10 @@ unit: $(VENV)/.test-installed
 	$(BIN)/python -m pytest
 
 test: lint typecheck docs unit
+
+# What to run while you work: every test not marked slow (under a minute on 2 cores).
+test-fast: $(VENV)/.test-installed
+	$(BIN)/python -m pytest -m "not slow" -q
 
 clean:
 	rm -rf $(VENV) site build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -4,12 +4,13 @@
   RANK, MASTER_PORT, ...);
 - a leaked default process group is destroyed;
 - a test that leaves child processes alive fails (and the children are killed);
-- doctests are collected from the module an object's public ``__module__`` names.
+- doctests are collected from the module that defines each object, not its public path.
 """
 
 from __future__ import annotations
 
 import doctest
+import inspect
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -21,15 +22,29 @@ import torch
 _stock_from_module = doctest.DocTestFinder._from_module
 
 
+def _defined_in(obj: object) -> str | None:
+    """The module whose code defines ``obj`` (its globals), whatever ``__module__`` says."""
+    if isinstance(obj, property):
+        obj = obj.fget
+    obj = getattr(obj, "__func__", obj)  # staticmethod / classmethod
+    if inspect.isfunction(obj):
+        return str(obj.__globals__.get("__name__"))
+    if inspect.isclass(obj):
+        for member in vars(obj).values():
+            found = _defined_in(member) if not inspect.isclass(member) else None
+            if found and found.startswith("trainperf"):
+                return found
+    return None
+
+
 def _from_module(self: doctest.DocTestFinder, module: Any, obj: object) -> bool:
     # Public objects report their public path (``trainperf.TuningReport``), so doctest's own
-    # rule would skip a re-exported class in its defining module, and its methods (whose
-    # globals are that module's) in the package that re-exports it. Each top-level trainperf
-    # object belongs to the module its ``__module__`` names; a method belongs to its class.
-    name = getattr(obj, "__module__", None)
-    if isinstance(name, str) and name.startswith("trainperf") and hasattr(obj, "__qualname__"):
-        qualname = str(obj.__qualname__)
-        return "." in qualname.replace(".<locals>.", "") or name == module.__name__
+    # rule would look for a re-exported class's examples in the package that re-exports it,
+    # where the names its examples use are not defined. Collect each trainperf object where
+    # its code is, as if ``__module__`` had never been rewritten.
+    home = _defined_in(obj)
+    if home is not None and home.startswith("trainperf"):
+        return home == module.__name__
     return bool(_stock_from_module(self, module, obj))
 
 

@@ -44,6 +44,7 @@ def test_bench_model_prints_the_seed_lines_and_a_summary(
     assert "warming up" in err  # progress goes to stderr
 
 
+@pytest.mark.slow
 def test_bench_model_all_precisions_as_json(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "bench", "model", "--precision", "all", *TINY, "--json")
     assert code == 0
@@ -63,6 +64,7 @@ def test_bench_model_all_precisions_as_json(capsys: pytest.CaptureFixture[str]) 
     )
 
 
+@pytest.mark.slow
 def test_bench_model_vit_json(capsys: pytest.CaptureFixture[str]) -> None:
     document = run_json(capsys, "bench", "model", "--model", "vit_b_16", "--precision", "bf16",
                         *TINY)  # fmt: skip
@@ -80,6 +82,14 @@ def test_bench_model_library_errors_exit_1(capsys: pytest.CaptureFixture[str]) -
 def test_bench_model_on_missing_cuda_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "bench", "model", "--device", "cuda")
     assert code == 1 and "CUDA is not available" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_bench_matmul_on_missing_cuda_exits_1_instead_of_skipping_every_dtype(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run(capsys, "bench", "matmul", "--device", "cuda", "--json")
+    assert code == 1 and "CUDA is not available" in err and out == ""
 
 
 def test_bench_matmul_json_and_human(capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,6 +167,7 @@ def test_build_parser_defaults() -> None:
     assert build_parser().parse_args(["bench", "model", "--no-tf32"]).tf32 is False
 
 
+@pytest.mark.slow
 def test_python_dash_m_trainperf() -> None:
     help_run = subprocess.run(
         [sys.executable, "-m", "trainperf", "--help"],
@@ -191,3 +202,78 @@ def test_gpus_table_formats_memory_like_the_other_reports(
     monkeypatch.setattr(device, "gpus", lambda: [card])
     code, out, _ = run(capsys, "gpus")
     assert code == 0 and "512 MiB/80.0 GiB" in out
+
+
+# --------------------------------------------------------------------------- --json is to_dict()
+
+
+def _fixed_results() -> dict[str, Any]:
+    """One result of each benchmark, made up, as the library would return them."""
+    from trainperf.bench import BenchResult, H2DResult, MatmulResult, compare_to_reference
+
+    comparison = compare_to_reference("NVIDIA A100-SXM4-80GB", "resnet50", "fp16", 1500.0)
+    model = BenchResult(
+        "resnet50", "fp16", "cuda:0", "NVIDIA A100-SXM4-80GB", 128, 224, 15, 15, False, False,
+        False, True, False, torch.__version__, (1.2, 1.3), (1600.0, 1476.9), 1538.5,
+        comparison, ("a note",),
+    )  # fmt: skip
+    matmul = MatmulResult(
+        "fp16", 8192, "cuda:0", "NVIDIA A100-SXM4-80GB", 20, 0.004, 274.9, 312.0, 0.88, ()
+    )
+    h2d = H2DResult("cuda:0", "NVIDIA A100-SXM4-80GB", 16 * 2**20, 2, 9.1, 24.8, 24.8 / 9.1)
+    return {"model": model, "matmul": matmul, "h2d": h2d}
+
+
+@pytest.mark.parametrize(
+    ("bench", "function", "argv"),
+    [
+        ("model", "bench_model", ["--precision", "fp16"]),
+        ("matmul", "bench_matmul", ["--dtype", "fp16"]),
+        ("h2d", "bench_h2d", ["--size-mb", "16"]),
+    ],
+)
+def test_bench_json_prints_each_results_to_dict_and_human_mode_its_str(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    bench: str,
+    function: str,
+    argv: list[str],
+) -> None:
+    import trainperf.bench
+
+    result = _fixed_results()[bench]
+    monkeypatch.setattr(trainperf.bench, function, lambda *args, **kwargs: result)
+    device = [] if bench == "h2d" else ["--device", "cpu"]
+    document = run_json(capsys, "bench", bench, *argv, *device)
+    assert document == {"command": f"bench {bench}", "results": [result.to_dict()]}
+    code, out, _ = run(capsys, "bench", bench, *argv, *device)
+    assert code == 0 and out == f"{result}\n"
+
+
+def test_bench_json_prints_a_skipped_records_to_dict(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.bench
+    from trainperf.bench import Skipped
+    from trainperf.errors import DeviceError
+
+    def bench_matmul(dtype: str, **kwargs: Any) -> Any:
+        raise DeviceError(f"bench_matmul(dtype={dtype!r}) needs what this GPU lacks")
+
+    monkeypatch.setattr(trainperf.bench, "bench_matmul", bench_matmul)
+    document = run_json(capsys, "bench", "matmul", "--dtype", "bf16", "--device", "cpu")
+    skipped = Skipped("matmul", "bf16", "bench_matmul(dtype='bf16') needs what this GPU lacks")
+    assert document == {"command": "bench matmul", "results": [skipped.to_dict()]}
+
+
+def test_doctor_json_prints_the_reports_to_dict(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.doctor
+    from trainperf.doctor import Check, DoctorReport
+
+    report = DoctorReport((Check("shm", "warn", "64 MiB", "enlarge /dev/shm"),))
+    monkeypatch.setattr(trainperf.doctor, "diagnose", lambda: report)
+    document = run_json(capsys, "doctor")
+    assert document.pop("command") == "doctor"
+    assert document == report.to_dict()

@@ -22,6 +22,9 @@ from typing import Any
 
 import pytest
 
+# Each test here runs a script or builds the site: seconds each.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 CHROMIUM_ARGS = [

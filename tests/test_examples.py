@@ -13,8 +13,11 @@ import pytest
 from trainperf._utils.imports import is_available
 from trainperf.pipelines._loader import _dali_importable
 
+# Each test here runs a script or builds the site: seconds each.
+pytestmark = pytest.mark.slow
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-# As in test_pipelines.py: CI (TRAINPERF_REQUIRE_DALI=1) fails instead of skipping without DALI.
+# As in tests/pipelines/_images.py: CI (TRAINPERF_REQUIRE_DALI=1) fails rather than skips.
 REQUIRE_DALI = os.environ.get("TRAINPERF_REQUIRE_DALI") == "1"
 
 

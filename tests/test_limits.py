@@ -79,7 +79,7 @@ def test_usable_cpus_divides_among_local_ranks(monkeypatch: pytest.MonkeyPatch) 
     assert limits.usable_cpus() == 16
     assert limits.usable_cpus(4) == 4
     assert limits.usable_cpus(64) == 1
-    with pytest.raises(ValueError, match="local_ranks must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="local_ranks must be an int >= 1, got 0"):
         limits.usable_cpus(0)
 
 
@@ -146,3 +146,25 @@ def test_local_world_size_reads_torchrun_then_slurm() -> None:
         local_world_size({"LOCAL_WORLD_SIZE": "zero"})
     with pytest.raises(ValueError, match=r"SLURM_NTASKS_PER_NODE.*got '0'"):
         local_world_size({"SLURM_NTASKS_PER_NODE": "0"})
+
+
+def test_usable_cpus_reads_slurm_by_the_one_rule() -> None:
+    from trainperf.limits import usable_cpus
+
+    bound = HostLimits(64, 8, None, 8, 2**34, None, 2**33, None, None)
+    env = {"SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2", "SLURM_CPUS_PER_TASK": "8"}
+    assert usable_cpus(3, limits=bound, env=env) == 8  # this node's 3 tasks, bound to 8 each
+    assert usable_cpus(4, limits=bound, env=env) == 2  # 4 ranks are not this node's tasks
+    with pytest.raises(ValueError, match=r"SLURM_CPUS_PER_TASK must be a whole number >= 1 .*'8c'"):
+        usable_cpus(3, limits=bound, env={**env, "SLURM_CPUS_PER_TASK": "8c"})
+    with pytest.raises(ValueError, match=r"SLURM_TASKS_PER_NODE must look like .*'4\(x'"):
+        usable_cpus(3, limits=bound, env={**env, "SLURM_TASKS_PER_NODE": "4(x"})
+    # One rank shares nothing, so nothing is read.
+    assert usable_cpus(1, limits=bound, env={"SLURM_CPUS_PER_TASK": "8c"}) == 8
+
+
+def test_local_world_size_takes_world_size_without_local_world_size() -> None:
+    from trainperf.limits import local_world_size
+
+    assert local_world_size({"WORLD_SIZE": "2", "SLURM_NTASKS_PER_NODE": "4"}) == 2
+    assert local_world_size({"SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}) == 3

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import trainperf
 
 INIT = Path(trainperf.__file__)
@@ -45,6 +47,7 @@ def test_public_callables_have_docstrings_with_examples() -> None:
             assert ">>>" in doc, f"trainperf.{name} has no runnable example in its docstring"
 
 
+@pytest.mark.slow
 def test_import_is_light_and_never_initialises_cuda() -> None:
     # torch itself imports pynvml when it is installed, so what counts is what trainperf adds.
     code = (

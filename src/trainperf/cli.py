@@ -2,7 +2,8 @@
 
 A thin layer: :func:`build_parser` defines the arguments, each handler calls the library
 (:mod:`trainperf.bench`, :mod:`trainperf.doctor`, :func:`trainperf.device.gpus`) and prints
-either a human-readable report on stdout or, with ``--json``, one JSON document on stdout.
+either each result's ``str()`` (the report a person reads) on stdout or, with ``--json``, one
+JSON document on stdout holding each result's ``to_dict()``.
 Progress (warm-up, per-iteration lines in JSON mode) goes to stderr, so ``--json`` output
 can be piped as it is.
 """
@@ -18,45 +19,30 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO, cast
 
+from trainperf._utils.validate import positive_int
+
 __all__ = ["build_parser", "main"]
 
 _MiB = 2**20
+_DEVICE_HELP = "cpu, cuda or cuda:<i> (default: the best available)"
 
 
 def _positive(text: str) -> int:
-    # argparse's type=int accepts 0 and negatives; a count below 1 is an argument error.
+    # argparse's type=int accepts 0 and negatives; a count below 1 is an argument error, by
+    # the library's own rule (trainperf._utils.validate.positive_int).
     try:
-        value = int(text)
+        return positive_int("count", int(text))
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from e
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``trainperf`` argument parser.
-
-    Example:
-        >>> args = build_parser().parse_args(["bench", "matmul", "--size", "64", "--json"])
-        >>> args.command, args.bench, args.size, args.json
-        ('bench', 'matmul', 64, True)
-    """
-    parser = argparse.ArgumentParser(
-        prog="trainperf",
-        description="Say why PyTorch training is slow: benchmark the GPU, check the "
-        "environment, list GPUs.",
+def _add_json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON document on stdout instead"
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add_json(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--json", action="store_true", help="print one JSON document on stdout instead"
-        )
 
-    bench = commands.add_parser("bench", help="benchmark the GPU (model, matmul, h2d)")
-    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-
+def _add_model_parser(benches: Any) -> None:
     model = benches.add_parser(
         "model",
         help="ResNet-50 / ViT-B/16 throughput on synthetic data, vs the reference GPUs",
@@ -82,9 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="allow TF32 for fp32 (default: PyTorch's current setting)",
     )
-    model.add_argument("--device", help="cpu, cuda or cuda:<i> (default: the best available)")
-    add_json(model)
+    model.add_argument("--device", help=_DEVICE_HELP)
+    _add_json(model)
 
+
+def _add_matmul_parser(benches: Any) -> None:
     matmul = benches.add_parser(
         "matmul",
         help="matrix-product TFLOP/s per dtype, vs the datasheet",
@@ -98,29 +86,54 @@ def build_parser() -> argparse.ArgumentParser:
         default=["all"],
     )
     matmul.add_argument("--iterations", type=_positive)
-    matmul.add_argument("--device", help="cpu, cuda or cuda:<i> (default: the best available)")
-    add_json(matmul)
+    matmul.add_argument("--device", help=_DEVICE_HELP)
+    _add_json(matmul)
 
+
+def _add_h2d_parser(benches: Any) -> None:
     h2d = benches.add_parser(
         "h2d", help="host-to-device GB/s, pageable vs pinned memory (needs CUDA)"
     )
     h2d.add_argument("--size-mb", type=_positive, default=512, help="MiB per copy (512)")
     h2d.add_argument("--iterations", type=_positive, default=5)
     h2d.add_argument("--device", help="cuda or cuda:<i> (default: the best available)")
-    add_json(h2d)
+    _add_json(h2d)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``trainperf`` argument parser.
+
+    Example:
+        >>> args = build_parser().parse_args(["bench", "matmul", "--size", "64", "--json"])
+        >>> args.command, args.bench, args.size, args.json
+        ('bench', 'matmul', 64, True)
+    """
+    parser = argparse.ArgumentParser(
+        prog="trainperf",
+        description="Say why PyTorch training is slow: benchmark the GPU, check the "
+        "environment, list GPUs.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    bench = commands.add_parser("bench", help="benchmark the GPU (model, matmul, h2d)")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    _add_model_parser(benches)
+    _add_matmul_parser(benches)
+    _add_h2d_parser(benches)
     doctor = commands.add_parser(
         "doctor",
         help="check GPUs, drivers, CPUs, memory, /dev/shm, BLAS, threads; exit 1 on a fail",
     )
-    add_json(doctor)
-
+    _add_json(doctor)
     gpus = commands.add_parser("gpus", help="list the GPUs this process can see (NVML)")
-    add_json(gpus)
+    _add_json(gpus)
     return parser
 
 
 def _jsonable(obj: Any) -> Any:
+    # Every result type has to_dict(); a plain dataclass (GpuInfo) is written field by field.
+    to_dict = getattr(obj, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.asdict(obj)
     return obj
@@ -131,13 +144,59 @@ def _emit_json(document: dict[str, Any], out: TextIO) -> None:
     out.write("\n")
 
 
+def _emit_results(command: str, results: Sequence[Any], out: TextIO) -> None:
+    """The ``--json`` document of a benchmark: its name and each result's ``to_dict()``."""
+    _emit_json({"command": command, "results": [r.to_dict() for r in results]}, out)
+
+
 def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _run_bench_model(args: argparse.Namespace) -> int:
-    from trainperf.bench import BenchPrecision, Skipped, bench_model, format_iteration
+def _check_device(device: str | None) -> None:
+    """Refuse a device that is not there before any benchmark runs (exit status 1).
 
+    A :class:`~trainperf.errors.DeviceError` raised by a benchmark after this check means
+    the device lacks what one setting needs (bf16 before Ampere, TF32 on the CPU): that
+    setting is reported as skipped and the others still run.
+    """
+    from trainperf.device import resolve_device
+
+    resolve_device(device, allowed=("cpu", "cuda"))
+
+
+def _bench_one_model(args: argparse.Namespace, precision: str, lines: TextIO) -> Any:
+    """One ``bench model`` run: its result, or a Skipped record of why it could not run."""
+    from trainperf.bench import BenchPrecision, Skipped, bench_model, format_iteration
+    from trainperf.errors import DeviceError
+
+    def on_iteration(i: int, rate: float, seconds: float) -> None:
+        print(format_iteration(i, rate, seconds), file=lines, flush=True)
+
+    try:
+        return bench_model(
+            args.model,
+            cast("BenchPrecision", precision),
+            batch_size=args.batch_size,
+            image_size=args.image_size,
+            iterations=args.iterations,
+            batches_per_iteration=args.batches_per_iteration,
+            warmup_batches=args.warmup_batches,
+            train=args.train,
+            channels_last=args.channels_last,
+            tf32=args.tf32,
+            device=args.device,
+            on_iteration=on_iteration,
+        )
+    except (DeviceError, NotImplementedError) as e:
+        print(f"Skipped {precision}: {e}", file=lines)
+        return Skipped("model", precision, str(e))
+
+
+def _run_bench_model(args: argparse.Namespace) -> int:
+    from trainperf.bench import Skipped
+
+    _check_device(args.device)
     precisions = ["fp32", "fp16", "bf16"] if args.precision == "all" else [args.precision]
     out = sys.stdout
     # In JSON mode stdout carries only the document, so the iteration lines go to stderr.
@@ -145,45 +204,20 @@ def _run_bench_model(args: argparse.Namespace) -> int:
     results: list[Any] = []
     for precision in precisions:
         _progress(f"trainperf bench model: {args.model} {precision}: building and warming up...")
-
-        def on_iteration(i: int, rate: float, seconds: float) -> None:
-            print(format_iteration(i, rate, seconds), file=lines, flush=True)
-
-        try:
-            result = bench_model(
-                args.model,
-                cast("BenchPrecision", precision),
-                batch_size=args.batch_size,
-                image_size=args.image_size,
-                iterations=args.iterations,
-                batches_per_iteration=args.batches_per_iteration,
-                warmup_batches=args.warmup_batches,
-                train=args.train,
-                channels_last=args.channels_last,
-                tf32=args.tf32,
-                device=args.device,
-                on_iteration=on_iteration,
-            )
-        except NotImplementedError as e:
-            skipped = Skipped("model", precision, str(e))
-            results.append(skipped)
-            print(f"Skipped {precision}: {e}", file=lines)
-            continue
+        result = _bench_one_model(args, precision, lines)
         results.append(result)
-        if not args.json:
-            print(result.summary(), file=out)
-            if result.comparison is not None:
-                print(result.comparison, file=out)
-            for note in result.notes:
-                print(f"Note: {note}", file=out)
+        if not args.json and not isinstance(result, Skipped):
+            print(result, file=out)
     if args.json:
-        _emit_json({"command": "bench model", "results": results}, out)
+        _emit_results("bench model", results, out)
     return 0
 
 
 def _run_bench_matmul(args: argparse.Namespace) -> int:
     from trainperf.bench import MATMUL_DTYPES, MatmulDtype, Skipped, bench_matmul
+    from trainperf.errors import DeviceError
 
+    _check_device(args.device)
     dtypes = list(MATMUL_DTYPES) if "all" in args.dtype else list(dict.fromkeys(args.dtype))
     results: list[Any] = []
     for dtype in dtypes:
@@ -195,18 +229,16 @@ def _run_bench_matmul(args: argparse.Namespace) -> int:
                 iterations=args.iterations,
                 device=args.device,
             )
-        except NotImplementedError as e:
+        except (DeviceError, NotImplementedError) as e:
             results.append(Skipped("matmul", dtype, str(e)))
             if not args.json:
                 print(f"{dtype:>4}: skipped: {e}")
             continue
         results.append(result)
         if not args.json:
-            print(result.summary())
-            for note in result.notes:
-                print(f"      note: {note}")
+            print(result)
     if args.json:
-        _emit_json({"command": "bench matmul", "results": results}, sys.stdout)
+        _emit_results("bench matmul", results, sys.stdout)
     return 0
 
 
@@ -224,10 +256,9 @@ def _run_bench_h2d(args: argparse.Namespace) -> int:
             print(f"bench h2d skipped: {e}")
     else:
         if not args.json:
-            print(f"host -> {result.gpu_name or result.device}, {args.size_mb} MiB per copy:")
-            print(result.summary())
+            print(result)
     if args.json:
-        _emit_json({"command": "bench h2d", "results": [result]}, sys.stdout)
+        _emit_results("bench h2d", [result], sys.stdout)
     return 0
 
 

@@ -1,19 +1,62 @@
-"""Exceptions that trainperf callers may want to catch.
+"""Exceptions that trainperf callers may want to catch, and which condition raises which type.
 
-Everything else is a built-in exception (``ValueError`` for a bad argument,
-``ModuleNotFoundError`` for a missing extra) whose message names the value and
-the fix. The tree::
+trainperf defines its own classes only where callers need to catch them; everything else is a
+built-in exception whose message names the value and the fix. The tree::
 
     TrainperfError
-    ├── DeviceError                  (also RuntimeError)
+    ├── DeviceError                  (also RuntimeError) a device cannot be selected or used
     │   └── DeviceMismatchError      tensors/parameters on different devices
-    ├── CheckpointError
-    │   ├── CheckpointNotFoundError  (also FileNotFoundError)
+    ├── CheckpointError              a checkpoint cannot be saved or loaded; .path names it
+    │   ├── CheckpointNotFoundError  (also FileNotFoundError) no file at the path
     │   ├── CheckpointCorruptError   empty, truncated or damaged file
-    │   ├── NotACheckpointError      a file that is not a checkpoint at all
+    │   ├── NotACheckpointError      a file (or directory) that is not a checkpoint at all
     │   ├── UnsafeCheckpointError    weights_only=True refused the file
     │   └── StateDictMismatchError   keys or shapes differ from the model
-    └── LaunchError                  a multi-process launch failed
+    └── LaunchError                  (also RuntimeError) a multi-process launch failed
+
+Which condition maps to which type, everywhere in the package:
+
+- ``DeviceError``: CUDA or MPS asked for but not available, a CUDA index past the visible
+  GPUs, fewer GPUs than asked for (``select_gpus``), CUDA already initialised where it must
+  not be (``select_gpus``, ``launch(start_method="fork")``), NVML refusing access or failing,
+  a function that needs a CUDA GPU run without one (``bench_h2d``,
+  ``bench_matmul(dtype="tf32")``), bf16 on a GPU below compute capability 8.0 (``amp``,
+  ``bench_matmul``), a precision the device cannot run (``bench_model``).
+- ``DeviceMismatchError``: ``check_same_device`` found more than one device.
+- ``CheckpointError``: a save failed (the object cannot be serialised, disk full, no
+  permission, ``path`` is a directory, the directory cannot be flushed), rank 0 failed a
+  collective save, or a load failed in a way none of the subclasses names.
+- ``LaunchError``: a worker raised, exited non-zero or died by a signal (the first failing
+  rank and its traceback), the explicit ``MASTER_PORT`` cannot be bound, or the rendezvous
+  store cannot start.
+- ``ValueError``: an argument's value is out of range or not one of the choices (every
+  "must be an int >= 1" check, device strings, option names); a launcher environment variable
+  that is malformed or contradicts another (``RANK`` >= ``WORLD_SIZE``, ``SLURM_NODEID`` past
+  ``SLURM_TASKS_PER_NODE``); inputs that do not fit together (a ``.safetensors`` path with
+  non-tensor values, state-dict keys that collide once prefixes are removed, no tensor to
+  check, a ``main`` that spawned workers cannot import).
+- ``TypeError``: an argument of the wrong type (``device=None`` where there is no default
+  device, a non-module to ``unwrap_model``, a non-callable ``main``), or a container
+  ``to_device`` cannot rebuild.
+- ``ModuleNotFoundError``: an optional extra is not installed; the message names the function
+  and the ``pip install`` that fixes it. ``ImportError``: it is installed but cannot be used
+  (DALI that fails to import or is too old).
+- ``RuntimeError``: an object used out of order (a ``Watch`` entered twice or used outside its
+  ``with``, a closed image loader, ``MixedPrecision.step()`` without ``mp.backward``), or the
+  user's data or code failing inside a trainperf run (the dataset or ``step_fn`` raising in
+  ``tune_loader``, an image that cannot be decoded, a DALI pipeline that failed).
+- ``NotImplementedError``: this PyTorch build lacks a kernel ``bench_model`` needs (a
+  half-precision kernel on the CPU in some builds); the abstract methods of the image-loader
+  base class.
+- ``FileNotFoundError`` / ``NotADirectoryError``: ``image_loader``'s folder is missing / is a
+  file. ``OSError`` (``IsADirectoryError`` included): a file-system failure outside
+  checkpoints (the tuning cache), or the OS refusing to start a worker process.
+- ``KeyboardInterrupt`` / ``SystemExit``: SIGINT / SIGTERM reached ``launch`` (re-raised after
+  every worker was stopped; ``SystemExit(143)`` for SIGTERM). The CLI exits with
+  ``SystemExit`` (status 2 for a bad command line, as argparse does).
+
+The list is checked against the source by ``tests/test_errors.py``; ``docs/errors.md`` holds
+the same table.
 """
 
 from __future__ import annotations

@@ -16,8 +16,14 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
+
+from trainperf._utils import launch_env
+from trainperf._utils.format import format_bytes as fb
+from trainperf._utils.serialize import result_dict
+from trainperf._utils.validate import positive_int
 
 __all__ = [
     "HostLimits",
@@ -62,6 +68,20 @@ class HostLimits:
     memory_available: int
     shm_total: int | None
     shm_free: int | None
+
+    def __str__(self) -> str:
+        quota = "" if self.cpu_quota is None else f", cgroup quota {self.cpu_quota:g}"
+        cpus = f"{self.cpus_affinity} in the affinity mask of {self.cpus_host}{quota}"
+        limit = "" if self.memory_limit is None else f", cgroup limit {fb(self.memory_limit)}"
+        memory = f"{fb(self.memory_available)} available of {fb(self.memory_total)}{limit}"
+        shm = (
+            "none" if self.shm_free is None else f"{fb(self.shm_free)} free of {fb(self.shm_total)}"
+        )
+        return f"CPUs: {self.cpus} usable ({cpus})\nmemory: {memory}\n/dev/shm: {shm}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-safe dict (sizes in bytes)."""
+        return result_dict(self)
 
 
 def _read(path: Path) -> str | None:
@@ -248,9 +268,11 @@ def usable_cpus(
     """CPUs one of ``local_ranks`` processes on this host may use (at least 1).
 
     The host's usable CPUs are shared by the ranks, except where SLURM already bound each rank
-    to its own: when the ranks are SLURM tasks (``SLURM_NTASKS_PER_NODE`` equals
-    ``local_ranks``) and this process's affinity is no wider than ``SLURM_CPUS_PER_TASK``, the
-    affinity is this rank's share and is not divided again.
+    to its own: when the ranks are SLURM tasks (SLURM's tasks on this node,
+    ``SLURM_NTASKS_PER_NODE`` else ``SLURM_TASKS_PER_NODE``, equal ``local_ranks``) and this
+    process's affinity is no wider than ``SLURM_CPUS_PER_TASK``, the affinity is this rank's
+    share and is not divided again. The variables are read by the rules of
+    :mod:`trainperf._utils.launch_env` (``"4(x2),3"`` counts this node's entry).
 
     Args:
         local_ranks: training processes sharing this host (one per GPU under DDP).
@@ -258,7 +280,8 @@ def usable_cpus(
         env: the environment to read (default ``os.environ``).
 
     Raises:
-        ValueError: ``local_ranks`` is below 1.
+        ValueError: ``local_ranks`` is not an int >= 1, or (with ``local_ranks`` > 1) a SLURM
+            variable it reads is set but malformed; the message names it.
 
     Example:
         >>> limits = HostLimits(64, 64, 8.0, 8, 2**34, None, 2**33, None, None)
@@ -269,49 +292,42 @@ def usable_cpus(
         ...                                   "SLURM_CPUS_PER_TASK": "8"})
         8
     """
-    if local_ranks < 1:
-        raise ValueError(f"local_ranks must be >= 1, got {local_ranks!r}")
+    positive_int("local_ranks", local_ranks)
     limits = limits or host_limits()
-    env = os.environ if env is None else env
-    per_task = (env.get("SLURM_CPUS_PER_TASK") or "").strip()
-    tasks = (env.get("SLURM_NTASKS_PER_NODE") or "").split("(", 1)[0].split(",", 1)[0].strip()
-    if (
-        local_ranks > 1
-        and per_task.isdigit()
-        and tasks == str(local_ranks)
-        and limits.cpus_affinity <= int(per_task)
-    ):
+    if local_ranks > 1 and _bound_per_task(local_ranks, limits, env):
         return max(1, limits.cpus)
     return max(1, limits.cpus // local_ranks)
 
 
+def _bound_per_task(local_ranks: int, limits: HostLimits, env: Mapping[str, str] | None) -> bool:
+    """Whether SLURM bound each of the ``local_ranks`` ranks to CPUs of its own."""
+    if launch_env.tasks_on_this_node(env) != local_ranks:
+        return False
+    per_task = launch_env.read_int("SLURM_CPUS_PER_TASK", env)
+    return per_task is not None and limits.cpus_affinity <= per_task
+
+
 def local_world_size(env: Mapping[str, str] | None = None) -> int:
     """Training processes sharing this host: ``LOCAL_WORLD_SIZE`` (torchrun), else
-    ``SLURM_NTASKS_PER_NODE``, else 1.
+    ``WORLD_SIZE``, else SLURM's tasks on this node (``SLURM_NTASKS_PER_NODE``, else
+    ``SLURM_TASKS_PER_NODE``; of ``"4(x2),3"`` the entry of node ``SLURM_NODEID``, or the
+    first without it), else 1.
+
+    The same rule as ``trainperf.ddp`` uses, from :mod:`trainperf._utils.launch_env`.
 
     Args:
         env: the environment to read (default ``os.environ``).
 
     Raises:
-        ValueError: the variable is set but is not a whole number >= 1.
+        ValueError: a variable it reads is set but malformed (not a whole number >= 1, or
+            not SLURM's ``4(x2),3`` form); the message names it, its value and the fix.
 
     Example:
         >>> local_world_size({"LOCAL_WORLD_SIZE": "4"})
         4
+        >>> local_world_size({"SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"})
+        3
         >>> local_world_size({})
         1
     """
-    env = os.environ if env is None else env
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        raw = env.get(name)
-        if raw is None or raw.strip() == "":
-            continue
-        # SLURM writes "4(x2)" for heterogeneous nodes; the count before "(" is this node's.
-        value = raw.split("(", 1)[0].split(",", 1)[0].strip()
-        if not value.isdigit() or int(value) < 1:
-            raise ValueError(
-                f"{name} must be a whole number >= 1 (processes on this host), got {raw!r}; "
-                f"unset it or fix the launcher that set it"
-            )
-        return int(value)
-    return 1
+    return launch_env.local_world_size(env)

@@ -1,15 +1,12 @@
-"""trainperf.amp: the precision policy, the training step, loss scaling, checkpoints, misuse."""
+"""trainperf.amp._mixed: MixedPrecision's device, training step, loss scaling, checkpoints."""
 
 from __future__ import annotations
 
 import copy
 import json
 import math
-import platform
 import subprocess
 import sys
-from collections import OrderedDict, namedtuple
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,62 +15,10 @@ import torch
 from torch import nn
 
 import trainperf.device
-from trainperf.amp import (
-    MixedPrecision,
-    _channels_last,
-    _mixed,
-    _precision,
-    _tf32,
-    choose_precision,
-)
+from tests.amp._helpers import TinyViT, fake_gpu, needs_cpu_fp16, small_cnn, small_mlp
+from trainperf.amp import MixedPrecision, _tf32, choose_precision
 from trainperf.checkpoint import load_checkpoint, save_checkpoint
 from trainperf.errors import DeviceError
-
-CPU_FP16 = _precision.autocast_supports("cpu", torch.float16)
-needs_cpu_fp16 = pytest.mark.skipif(
-    not CPU_FP16, reason="this torch has no fp16 autocast on the CPU (GradScaler tests need it)"
-)
-
-
-def fake_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:
-    monkeypatch.setattr(_precision, "cuda_capability", lambda device: capability)
-    # resolve_device checks that a CUDA device exists before the policy asks about it.
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-
-
-def small_cnn() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1),
-        nn.BatchNorm2d(8),
-        nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(8, 4),
-    )
-
-
-def small_mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
-    )
-
-
-class TinyViT(nn.Module):
-    """ViT-shaped: a patch-embedding Conv2d, then transformer blocks (Linear layers)."""
-
-    def __init__(self, dim: int = 64, depth: int = 2) -> None:
-        super().__init__()
-        self.patch = nn.Conv2d(3, dim, kernel_size=8, stride=8)
-        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, depth)
-        self.head = nn.Linear(dim, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = self.patch(x).flatten(2).transpose(1, 2)
-        return self.head(self.encoder(tokens).mean(1))
 
 
 def train(
@@ -94,114 +39,7 @@ def train(
     return losses
 
 
-@pytest.fixture
-def restore_tf32() -> Iterator[None]:
-    """TF32 flags are process-wide; put them back through the legacy setters, which leave
-    both the legacy and the new (torch >= 2.9) APIs readable."""
-    matmul = torch.get_float32_matmul_precision()
-    cudnn = torch.backends.cudnn.allow_tf32
-    yield
-    torch.backends.cudnn.allow_tf32 = cudnn
-    torch.set_float32_matmul_precision(matmul)
-
-
-# --------------------------------------------------------------------------- the "auto" policy
-
-
-@pytest.mark.parametrize(
-    ("gpu", "capability", "dtype", "scaler"),
-    [
-        ("P40", (6, 1), torch.float32, False),
-        ("V100", (7, 0), torch.float16, True),
-        ("T4", (7, 5), torch.float16, True),
-        ("A100", (8, 0), torch.bfloat16, False),
-        ("H200", (9, 0), torch.bfloat16, False),
-    ],
-)
-def test_auto_policy_follows_the_compute_capability(
-    monkeypatch: pytest.MonkeyPatch,
-    gpu: str,
-    capability: tuple[int, int],
-    dtype: torch.dtype,
-    scaler: bool,
-) -> None:
-    fake_gpu(monkeypatch, capability)
-    assert choose_precision("cuda:0") == dtype
-    mp = MixedPrecision("cuda:0")
-    assert (mp.dtype, mp.uses_scaler) == (dtype, scaler)
-    assert f"compute capability {capability[0]}.{capability[1]}" in repr(mp)
-    assert f"dtype={_mixed._NAMES[dtype]}" in repr(mp)
-
-
-@pytest.mark.parametrize(("kernels", "dtype"), [(True, torch.bfloat16), (False, torch.float32)])
-def test_auto_policy_on_cpu_depends_on_bf16_kernels(
-    monkeypatch: pytest.MonkeyPatch, kernels: bool, dtype: torch.dtype
-) -> None:
-    monkeypatch.setattr(_precision, "cpu_has_bf16_kernels", lambda: kernels)
-    assert choose_precision("cpu") == dtype
-    assert MixedPrecision("cpu").dtype == dtype
-
-
-def fake_cpu(
-    monkeypatch: pytest.MonkeyPatch,
-    machine: str,
-    *,
-    avx512_bf16: bool | None,
-    amx: bool | None,
-    onednn: bool,
-) -> None:
-    """A CPU of ``machine``; None removes a torch.cpu check (a torch that lacks it)."""
-    monkeypatch.setattr(platform, "machine", lambda: machine)
-    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
-    for name, value in (
-        ("_is_avx512_bf16_supported", avx512_bf16),
-        ("_is_amx_tile_supported", amx),
-    ):
-        if value is None:
-            monkeypatch.delattr(torch.cpu, name, raising=False)
-        else:
-            monkeypatch.setattr(torch.cpu, name, lambda value=value: value)
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
-
-
-@pytest.mark.parametrize(
-    ("cpu", "machine", "avx512_bf16", "amx", "native"),
-    [
-        # oneDNN says yes on every AVX-512BW/VL/DQ CPU; only these flags mean native bf16.
-        ("Cascade Lake", "x86_64", False, False, False),
-        ("Cooper Lake / Zen 4", "x86_64", True, False, True),
-        ("Sapphire Rapids", "x86_64", True, True, True),
-        ("AMX only", "AMD64", False, True, True),
-        ("a torch without the checks", "x86_64", None, None, False),
-    ],
-)
-def test_x86_cpu_needs_avx512_bf16_or_amx_not_just_onednn(
-    monkeypatch: pytest.MonkeyPatch,
-    cpu: str,
-    machine: str,
-    avx512_bf16: bool | None,
-    amx: bool | None,
-    native: bool,
-) -> None:
-    fake_cpu(monkeypatch, machine, avx512_bf16=avx512_bf16, amx=amx, onednn=True)
-    assert _precision.cpu_has_bf16_kernels() is native
-    dtype, why = _precision.auto_precision(torch.device("cpu"))
-    assert dtype == (torch.bfloat16 if native else torch.float32)
-    assert ("has native bf16" if native else "no native bf16") in why
-
-
-@pytest.mark.parametrize("onednn", [True, False])
-def test_arm_cpu_keeps_the_onednn_check(monkeypatch: pytest.MonkeyPatch, onednn: bool) -> None:
-    # The x86 flags are False on Arm; oneDNN's answer decides there.
-    fake_cpu(monkeypatch, "aarch64", avx512_bf16=False, amx=False, onednn=onednn)
-    assert _precision.cpu_has_bf16_kernels() is onednn
-    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
-    assert _precision.cpu_has_bf16_kernels() is False
-
-
-def test_auto_policy_for_mps_and_unknown_devices() -> None:
-    assert _precision.auto_precision(torch.device("mps"))[0] == torch.float16
-    assert choose_precision("meta") == torch.float32
+# ----------------------------------------------------------------- the device, construction
 
 
 def test_device_none_uses_best_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -213,14 +51,7 @@ def test_device_none_uses_best_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert MixedPrecision().device == torch.device("cuda", 0)
 
 
-def test_explicit_precision_overrides_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_gpu(monkeypatch, (9, 0))
-    mp = MixedPrecision("cuda", precision="fp16")
-    assert (mp.dtype, mp.uses_scaler) == (torch.float16, True)
-    assert "requested fp16 with loss scaling" in mp.reason
-    assert MixedPrecision("cuda", precision="fp32").dtype == torch.float32
-
-
+@pytest.mark.slow
 def test_construction_on_cpu_does_not_initialise_cuda() -> None:
     code = (
         "import torch\n"
@@ -241,30 +72,6 @@ def test_construction_on_cpu_does_not_initialise_cuda() -> None:
 
 
 # --------------------------------------------------------------------------- misuse
-
-
-def test_bf16_on_a_gpu_without_native_bf16_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_gpu(monkeypatch, (7, 5))
-    with pytest.raises(
-        ValueError, match=r"precision='bf16' needs compute capability >= 8\.0.*7\.5"
-    ):
-        MixedPrecision("cuda", precision="bf16")
-
-
-def test_fp16_on_pascal_warns(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_gpu(monkeypatch, (6, 1))
-    with pytest.warns(UserWarning, match="usually slower than fp32"):
-        mp = MixedPrecision("cuda", precision="fp16")
-    assert mp.uses_scaler
-
-
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_half_precision_without_autocast_support_is_an_error(
-    monkeypatch: pytest.MonkeyPatch, precision: str
-) -> None:
-    monkeypatch.setattr(_precision, "autocast_supports", lambda device_type, dtype: False)
-    with pytest.raises(ValueError, match=rf"precision='{precision}' needs {precision} autocast"):
-        MixedPrecision("cpu", precision=precision)  # type: ignore[arg-type]
 
 
 def test_cuda_without_cuda_is_a_device_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -364,6 +171,7 @@ def test_bf16_and_fp32_never_create_a_scaler() -> None:
 # --------------------------------------------------------------------------- training on the CPU
 
 
+@pytest.mark.slow
 def test_bf16_trains_a_small_cnn_in_channels_last() -> None:
     torch.manual_seed(0)
     # Classes differ in their per-channel means, which the pooled CNN can learn quickly.
@@ -607,86 +415,7 @@ def test_load_state_dict_rejects_other_dicts(bad: object) -> None:
         MixedPrecision("cpu", precision="fp32").load_state_dict(bad)  # type: ignore[arg-type]
 
 
-# --------------------------------------------------------------------------- channels_last
-
-
-@pytest.mark.parametrize(
-    ("name", "converts", "convs"),
-    [
-        ("resnet18", True, 20),
-        # ~11 % and ~4 % of their parameters are in convolutions (the rest in the classifier's
-        # Linear layers), but nearly all of their compute is.
-        ("vgg16", True, 13),
-        ("alexnet", True, 5),
-        # A 4x4/4 stem and 2x2/2 downsampling (patch embeddings), then depthwise 7x7 convolutions.
-        ("convnext_tiny", True, 18),
-        # Only a patch embedding: 16x16/16 (ViT), 4x4/4 (Swin).
-        ("vit_b_16", False, 0),
-        ("swin_t", False, 0),
-    ],
-)
-def test_channels_last_rule_on_torchvision_models(name: str, converts: bool, convs: int) -> None:
-    torchvision = pytest.importorskip("torchvision")
-    with torch.device("meta"):  # no memory, no initialisation cost
-        model = getattr(torchvision.models, name)(weights=None)
-    use, why = _channels_last.channels_last_decision(
-        model, "auto", device=torch.device("cuda", 0), tensor_cores=True
-    )
-    assert use is converts
-    assert _channels_last.feature_map_convs(model)[0] == convs
-    if converts:
-        assert why.startswith(f"channels_last: yes, {convs} 2-D convolutions over feature maps (")
-    else:
-        assert why == (
-            "channels_last: no, no 2-D convolution over feature maps, only 1 patch embedding: "
-            "not a convolutional model"
-        )
-    if name in ("vgg16", "alexnet"):
-        assert _channels_last.conv_share(model) < 0.15  # what the old parameter-share rule missed
-
-
-def test_channels_last_rule_details() -> None:
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    cnn, vit = small_cnn(), TinyViT()
-    assert _channels_last.conv_share(nn.ReLU()) == 0.0
-    decide = _channels_last.channels_last_decision
-    assert decide(cnn, "auto", device=cuda, tensor_cores=True) == (
-        True,
-        f"channels_last: yes, 2 2-D convolutions over feature maps "
-        f"({_channels_last.conv_share(cnn):.0%} of parameters in Conv2d/BatchNorm2d)",
-    )
-    assert not decide(vit, "auto", device=cuda, tensor_cores=True)[0]  # 8x8/8 patch embedding
-    assert decide(nn.Linear(2, 2), "auto", device=cuda, tensor_cores=True) == (
-        False,
-        "channels_last: no, no 2-D convolution over feature maps: not a convolutional model",
-    )
-    assert not decide(cnn, "auto", device=cuda, tensor_cores=False)[0]  # fp32 on a V100
-    assert not decide(cnn, "auto", device=cpu, tensor_cores=True)[0]
-    assert decide(vit, True, device=cpu, tensor_cores=False)[0]
-    assert not decide(cnn, False, device=cuda, tensor_cores=True)[0]
-    shared = nn.Sequential(nn.Conv2d(3, 3, 1), nn.Linear(3, 3))
-    shared.append(shared[0])  # a shared module is counted once
-    assert _channels_last.conv_share(shared) == pytest.approx(12 / 24)
-    assert _channels_last.feature_map_convs(shared) == (1, 0)
-
-
-@pytest.mark.parametrize(
-    ("conv", "patch"),
-    [
-        (nn.Conv2d(3, 8, 16, stride=16), True),  # ViT
-        (nn.Conv2d(3, 8, (1, 4), stride=(1, 4)), True),
-        (nn.ConvTranspose2d(8, 8, 2, stride=2), True),
-        (nn.Conv2d(8, 8, 1), False),  # pointwise: 1x1 kernel == 1x1 stride, still a conv
-        (nn.Conv2d(8, 8, 1, stride=2), False),  # ResNet downsample
-        (nn.Conv2d(3, 8, 7, stride=2, padding=3), False),  # ResNet stem
-        (nn.Conv2d(3, 8, 11, stride=4), False),  # AlexNet's first layer: overlapping
-        (nn.Conv2d(8, 8, 2, stride=2, dilation=2), False),  # dilated: not contiguous patches
-        (nn.ConvTranspose2d(8, 8, 4, stride=2, padding=1), False),
-    ],
-)
-def test_patch_embedding_is_kernel_equal_to_stride_above_1x1(conv: nn.Module, patch: bool) -> None:
-    assert _channels_last.is_patch_embedding(conv) is patch  # type: ignore[arg-type]
-    assert _channels_last.feature_map_convs(nn.Sequential(conv)) == (int(not patch), int(patch))
+# ----------------------------------------------------------------- prepare: channels_last, TF32
 
 
 def test_prepare_on_cpu_leaves_auto_channels_last_off_and_tf32_alone() -> None:
@@ -762,90 +491,10 @@ def test_prepare_leaves_a_vit_alone_on_a_faked_h200(
     assert "not a convolutional model" in mp.reason
 
 
-def test_prepare_batch_converts_only_4d_float_tensors_in_containers() -> None:
-    mp = MixedPrecision("cpu", precision="fp32", channels_last=True)
-    mp.prepare(small_cnn())
-    Pair = namedtuple("Pair", ["image", "label"])
-    batch = {
-        "pair": Pair(torch.randn(2, 3, 4, 4), torch.tensor([1, 2])),
-        "list": [torch.randn(2, 3, 4, 4), torch.randint(0, 9, (2, 3, 4, 4))],
-        "od": OrderedDict(v=torch.randn(2, 3, 4)),
-        "name": "x",
-    }
-    out = mp.prepare_batch(batch)
-    cl = torch.channels_last
-    assert isinstance(out["pair"], Pair) and out["pair"].image.is_contiguous(memory_format=cl)
-    assert out["list"][0].is_contiguous(memory_format=cl)
-    int_images = out["list"][1]
-    assert int_images.is_contiguous() and not int_images.is_contiguous(memory_format=cl)
-    assert isinstance(out["od"], OrderedDict) and out["od"]["v"].is_contiguous()
-    assert out["name"] == "x"
-    assert torch.equal(out["pair"].image, batch["pair"].image)
-
-
 def test_prepare_batch_moves_to_the_device() -> None:
     mp = MixedPrecision("meta", precision="fp32")
     x, y = mp.prepare_batch([torch.randn(2, 3), torch.tensor([1])])
     assert x.device.type == "meta" and y.device.type == "meta"
-
-
-# --------------------------------------------------------------------------- TF32
-
-
-def test_enable_tf32_leaves_both_apis_readable(restore_tf32: None) -> None:
-    torch.set_float32_matmul_precision("highest")
-    torch.backends.cudnn.allow_tf32 = False  # the state a legacy-API user leaves behind
-    _tf32.enable_tf32()
-    # Reading the legacy flags raises on torch >= 2.9 if the two APIs were mixed.
-    assert torch.get_float32_matmul_precision() == "high"
-    assert torch.backends.cuda.matmul.allow_tf32 is True
-    assert torch.backends.cudnn.allow_tf32 is True
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
-        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
-        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
-
-
-@pytest.mark.skipif(
-    not hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision"),
-    reason="this torch has no per-backend fp32_precision API",
-)
-def test_enable_tf32_after_the_new_api_turned_it_off(restore_tf32: None) -> None:
-    torch.backends.cudnn.conv.fp32_precision = "ieee"
-    _tf32.enable_tf32()
-    assert torch.backends.cudnn.conv.fp32_precision == "tf32"
-    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
-
-
-def test_tf32_context_switches_and_restores_even_after_an_error(restore_tf32: None) -> None:
-    torch.set_float32_matmul_precision("highest")
-    before = _tf32.tf32_state()
-    with _tf32.tf32(True) as state:
-        assert state == _tf32.TF32State(matmul=True, cudnn=True) == _tf32.tf32_state()
-    assert _tf32.tf32_state() == before
-    with pytest.raises(KeyError, match="inside"), _tf32.tf32(False):
-        assert _tf32.tf32_state() == _tf32.TF32State(matmul=False, cudnn=False)
-        raise KeyError("inside")
-    assert _tf32.tf32_state() == before
-    switch = _tf32.tf32(1)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="enabled must be True or False, got 1"), switch:
-        pass
-
-
-@pytest.mark.skipif(
-    not hasattr(getattr(torch.backends.cuda, "matmul", None), "fp32_precision"),
-    reason="this torch has no per-backend fp32_precision API",
-)
-def test_tf32_state_reads_after_the_new_api_made_legacy_getters_raise(restore_tf32: None) -> None:
-    torch.backends.cuda.matmul.fp32_precision = "tf32"
-    torch.backends.cudnn.conv.fp32_precision = "ieee"  # rnn stays tf32: legacy reads raise
-    with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
-        torch.get_float32_matmul_precision()
-    assert _tf32.tf32_state() == _tf32.TF32State(matmul=True, cudnn=False)
-    with _tf32.tf32(False):
-        assert _tf32.tf32_state() == _tf32.TF32State(matmul=False, cudnn=False)
-    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
-    assert torch.backends.cudnn.conv.fp32_precision == "ieee"
-    assert _tf32.tf32_state() == _tf32.TF32State(matmul=True, cudnn=False)
 
 
 # --------------------------------------------------------------------------- on a GPU

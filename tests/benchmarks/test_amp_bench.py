@@ -9,6 +9,9 @@ from types import ModuleType
 
 import pytest
 
+# Each test here runs a script or builds the site: seconds each.
+pytestmark = pytest.mark.slow
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "amp_bench.py"
 # The peers (accelerate, fabric) are left out: whether they run depends on what is installed.
 CONFIGS = ("fp32", "fp32+tf32", "autocast-bf16", "autocast-bf16+cl", "trainperf")

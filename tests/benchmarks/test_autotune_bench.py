@@ -10,6 +10,9 @@ from types import ModuleType
 
 import pytest
 
+# Each test here runs a script or builds the site: seconds each.
+pytestmark = pytest.mark.slow
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "autotune_bench.py"
 
 

@@ -21,11 +21,14 @@ import torch
 from trainperf.amp import _tf32
 from trainperf.pipelines._loader import _dali_importable
 
+# Each test here runs a script or builds the site: seconds each.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("torchvision")
 pytest.importorskip("PIL")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline_bench.py"
-# As in test_pipelines.py: CI (TRAINPERF_REQUIRE_DALI=1) expects the DALI rows to run.
+# As in tests/pipelines/_images.py: CI (TRAINPERF_REQUIRE_DALI=1) expects the DALI rows to run.
 HAS_DALI = os.environ.get("TRAINPERF_REQUIRE_DALI") == "1" or _dali_importable()
 TINY = [
     *("--images", "8", "--threads", "1", "--batch-size", "4", "--size", "32"),

@@ -11,11 +11,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from trainperf.ddp import launch_all
+from trainperf.ddp import launch, launch_all
 
-__all__ = ["FORK", "fast_start_method", "spawn"]
+__all__ = ["FORK", "LONG", "fast_start_method", "launch_fork", "spawn"]
 
 FORK = "fork"
+LONG = timedelta(minutes=30)  # the default: a test that waits for it would time out
 
 
 def fast_start_method() -> str:
@@ -56,3 +57,10 @@ def spawn(
         **(kwargs or {}),
     )
     return dict(enumerate(results))
+
+
+def launch_fork(main: Callable[..., Any], *args: Any, nprocs: int = 2, **kw: Any) -> Any:
+    """``launch`` on gloo ranks started the quick way (fork where it is safe)."""
+    return launch(
+        main, *args, nprocs=nprocs, backend="gloo", start_method=fast_start_method(), **kw
+    )

@@ -1,8 +1,9 @@
-"""trainperf.ddp: launching, environment detection and the helpers ranks use.
+"""trainperf.ddp._launch: launching workers, options refused before starting, running inside a
+torchrun or SLURM job, restarts.
 
-Faults (a rank raising, dying, hanging; signals to the launcher) are in test_ddp_faults.py.
 Multi-process tests use gloo on CPU; spawn costs a few seconds per launch here, so each
-launch checks several things at once.
+launch checks several things at once. Faults inside the group are in test_group.py,
+test_procs.py and test_worker.py.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import trainperf.ddp as ddp
 from tests.ddp import _workers as workers
-from tests.ddp._distributed import FORK, fast_start_method, spawn
+from tests.ddp._distributed import FORK, LONG, fast_start_method, launch_fork, spawn
+from tests.ddp._envs import TORCHRUN
 from trainperf.ddp import _env, _launch
 from trainperf.errors import DeviceError, LaunchError
 from trainperf.limits import usable_cpus
@@ -47,20 +48,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _clear_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name in _env.TORCHRUN_VARS or name.startswith("SLURM_") or name == "LOCAL_WORLD_SIZE":
-            monkeypatch.delenv(name)
-
-
-@pytest.fixture(autouse=True)
-def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    _clear_launcher_env(monkeypatch)
-
-
 # ------------------------------------------------------------------ launch: the happy path
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("world", "start_method"), [(2, FORK), (4, "spawn")])
 def test_ddp_training_matches_single_process_on_the_concatenated_batch(
@@ -127,7 +118,7 @@ def test_launch_binds_the_given_master_port_and_fails_fast_when_taken(
             ddp.launch(workers.add, 1, 2, nprocs=2, **_gloo_fast())
 
     monkeypatch.setenv("MASTER_PORT", "http")
-    with pytest.raises(ValueError, match="MASTER_PORT must be an integer"):
+    with pytest.raises(ValueError, match=r"MASTER_PORT must be a port in 1\.\.65535, got 'http'"):
         ddp.launch(workers.add, 1, 2, nprocs=2, **_gloo_fast())
 
 
@@ -141,15 +132,15 @@ def _nested_main() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"nprocs": 0}, ValueError, r"nprocs must be an integer >= 1, got 0"),
-        ({"nprocs": -2}, ValueError, r"nprocs must be an integer >= 1, got -2"),
-        ({"nprocs": "2"}, ValueError, r"nprocs must be an integer >= 1, got '2'"),
-        ({"nprocs": True}, ValueError, r"nprocs must be an integer >= 1, got True"),
+        ({"nprocs": 0}, ValueError, r"nprocs must be an int >= 1, got 0"),
+        ({"nprocs": -2}, ValueError, r"nprocs must be an int >= 1, got -2"),
+        ({"nprocs": "2"}, ValueError, r"nprocs must be an int >= 1, got '2'"),
+        ({"nprocs": True}, ValueError, r"nprocs must be an int >= 1, got True"),
         ({"backend": "mpi"}, ValueError, r"backend must be one of \('nccl', 'gloo'\)"),
         ({"start_method": "forkserver"}, ValueError, r"start_method must be one of"),
         ({"timeout": timedelta(0)}, ValueError, r"timeout must be a positive timedelta"),
         ({"timeout": -1.0}, ValueError, r"timeout must be a positive timedelta"),
-        ({"max_restarts": -1}, ValueError, r"max_restarts must be an integer >= 0"),
+        ({"max_restarts": -1}, ValueError, r"max_restarts must be an int >= 0, got -1"),
     ],
 )
 def test_launch_rejects_bad_options(kwargs: dict[str, Any], error: type, match: str) -> None:
@@ -200,17 +191,6 @@ def test_fork_refused_where_the_platform_has_none(monkeypatch: pytest.MonkeyPatc
         ddp.launch(workers.add, 1, 2, nprocs=2, backend="gloo", start_method="fork")
 
 
-def test_a_local_rank_without_its_gpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainperf.ddp._worker import rank_device
-
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert rank_device(1) == torch.device("cuda", 1)
-    with pytest.raises(ValueError, match=r"local rank 2 has no GPU: only 2 visible"):
-        rank_device(2)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # one GPU bound per task
-    assert rank_device(3) == torch.device("cuda", 0)
-
-
 def test_fork_refused_once_cuda_is_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(_launch, "cuda_driver_loaded", lambda: True)
@@ -219,91 +199,6 @@ def test_fork_refused_once_cuda_is_initialised(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(DeviceError, match=r"start_method='fork' cannot be used once CUDA"):
         ddp.launch(workers.add, 1, 2, nprocs=2, backend="gloo", start_method="fork")
-
-
-# -------------------------------------------------------------- environment detection
-
-
-TORCHRUN = {
-    "RANK": "3",
-    "WORLD_SIZE": "4",
-    "LOCAL_RANK": "1",
-    "LOCAL_WORLD_SIZE": "2",
-    "MASTER_ADDR": "10.1.2.3",
-    "MASTER_PORT": "29500",
-}
-SLURM = {
-    "SLURM_PROCID": "5",
-    "SLURM_NTASKS": "8",
-    "SLURM_LOCALID": "1",
-    "SLURM_TASKS_PER_NODE": "4(x2)",
-    "SLURM_JOB_NODELIST": "node[07-08],gpu3",
-    "SLURM_JOB_ID": "4242",
-}
-
-
-def test_detect_torchrun_and_slurm() -> None:
-    assert _env.detect({}) is None
-    assert _env.detect({"MASTER_PORT": "1234"}) is None  # choosing a port is not a job
-    assert _env.detect(TORCHRUN) == _env.DistributedEnv("torchrun", 3, 4, 1, 2, "10.1.2.3", 29500)
-    assert _env.detect(SLURM) == _env.DistributedEnv(
-        "slurm", 5, 8, 1, 4, "node07", _env.SLURM_PORT_BASE + 4242
-    )
-    assert _env.detect({**SLURM, "MASTER_PORT": "23456", "MASTER_ADDR": "head"}) == (
-        _env.DistributedEnv("slurm", 5, 8, 1, 4, "head", 23456)
-    )
-    step = {**SLURM, "SLURM_STEP_NODELIST": "gpu[10-11]", "SLURM_NTASKS_PER_NODE": "3"}
-    assert _env.detect(step) == _env.DistributedEnv(
-        "slurm", 5, 8, 1, 3, "gpu10", _env.SLURM_PORT_BASE + 4242
-    )
-    # A one-task SLURM job is a workstation: launch spawns locally.
-    assert _env.detect({**SLURM, "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
-    # torchrun inside an srun step: torchrun's variables win.
-    assert _env.detect({**SLURM, **TORCHRUN}).source == "torchrun"  # type: ignore[union-attr]
-
-
-@pytest.mark.parametrize(
-    ("env", "match"),
-    [
-        ({"RANK": "0"}, r"RANK=0 is set but WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT"),
-        ({k: v for k, v in TORCHRUN.items() if k != "MASTER_PORT"}, r"but MASTER_PORT is not"),
-        ({**TORCHRUN, "RANK": "4"}, r"RANK must be < WORLD_SIZE=4, got RANK=4"),
-        ({**TORCHRUN, "WORLD_SIZE": "four"}, r"WORLD_SIZE must be an integer, got 'four'"),
-        ({**TORCHRUN, "WORLD_SIZE": "0"}, r"WORLD_SIZE must be >= 1"),
-        ({**TORCHRUN, "LOCAL_RANK": "2"}, r"LOCAL_RANK must be < LOCAL_WORLD_SIZE=2"),
-        ({**TORCHRUN, "MASTER_PORT": "70000"}, r"MASTER_PORT must be a port in 1\.\.65535"),
-        ({"SLURM_PROCID": "0"}, r"SLURM_NTASKS is not set"),
-        ({k: v for k, v in SLURM.items() if k != "SLURM_LOCALID"}, r"SLURM_LOCALID is not set"),
-        ({**SLURM, "SLURM_PROCID": "8"}, r"SLURM_PROCID must be < SLURM_NTASKS=8"),
-        ({k: v for k, v in SLURM.items() if k != "SLURM_JOB_NODELIST"}, r"SLURM_JOB_NODELIST"),
-        ({k: v for k, v in SLURM.items() if k != "SLURM_JOB_ID"}, r"SLURM_JOB_ID or MASTER_PORT"),
-        ({**SLURM, "SLURM_JOB_ID": "x1"}, r"SLURM_JOB_ID must be an integer, got 'x1'"),
-        ({**SLURM, "SLURM_TASKS_PER_NODE": "many"}, r"SLURM_TASKS_PER_NODE must look like"),
-        ({**SLURM, "SLURM_JOB_NODELIST": "node[1-2"}, r"unbalanced '\['"),
-    ],
-)
-def test_detect_rejects_inconsistent_environments(env: dict[str, str], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        _env.detect(env)
-
-
-def test_expand_nodelist() -> None:
-    assert ddp.expand_nodelist("node[01-04,07],gpu3") == [
-        "node01",
-        "node02",
-        "node03",
-        "node04",
-        "node07",
-        "gpu3",
-    ]
-    assert ddp.expand_nodelist("a1,b[9-10]") == ["a1", "b9", "b10"]
-    assert ddp.expand_nodelist("r[1-2]-n[1,3]") == ["r1-n1", "r1-n3", "r2-n1", "r2-n3"]
-    with pytest.raises(ValueError, match=r"unbalanced '\]'"):
-        ddp.expand_nodelist("node1-2]")
-    with pytest.raises(ValueError, match=r"bad range 'a-b'"):
-        ddp.expand_nodelist("node[a-b]")
-    with pytest.raises(ValueError, match="SLURM node list is empty"):
-        ddp.expand_nodelist(" , ")
 
 
 def _in_process_main(tag: str) -> dict[str, Any]:
@@ -342,7 +237,7 @@ def test_launch_inside_a_job_runs_main_in_this_process(monkeypatch: pytest.Monke
         ddp.launch(_in_process_main, "t")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("WORLD_SIZE", "0")
-    with pytest.raises(ValueError, match=r"WORLD_SIZE must be >= 1"):
+    with pytest.raises(ValueError, match=r"WORLD_SIZE must be a whole number >= 1 .*, got '0'"):
         ddp.launch(_in_process_main, "t")
 
 
@@ -378,6 +273,7 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_two_torchrun_nodes_on_loopback_with_c10d_rendezvous(tmp_path: Path) -> None:
     port = _free_port()
@@ -399,6 +295,7 @@ def test_two_torchrun_nodes_on_loopback_with_c10d_rendezvous(tmp_path: Path) -> 
     assert len({r["pid"] for r in records}) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_slurm_job_step_simulated_by_two_programs(tmp_path: Path) -> None:
     port = _free_port()
@@ -426,160 +323,23 @@ def test_slurm_job_step_simulated_by_two_programs(tmp_path: Path) -> None:
     assert {r["pid"] for r in records}.isdisjoint({os.getpid()})
 
 
-# ---------------------------------------------------------------------------- helpers
-
-
-def test_helpers_without_a_process_group(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert (ddp.rank(), ddp.local_rank(), ddp.world_size(), ddp.is_main_process()) == (
-        0,
-        0,
-        1,
-        True,
-    )
-    ddp.barrier()
-    x = torch.tensor([1, 2])
-    mean = ddp.all_reduce_mean(x)
-    assert mean.dtype == torch.get_default_dtype() and mean.tolist() == [1.0, 2.0]
-    y = torch.tensor([0.5])
-    assert ddp.all_reduce_mean(y) is not y
-    with pytest.raises(TypeError, match=r"all_reduce_mean needs a torch\.Tensor, got float"):
-        ddp.all_reduce_mean(0.5)  # type: ignore[arg-type]
-
-    ddp.print0("hello", 1)
-    assert capsys.readouterr().out == "hello 1\n"
-    # Before the process group exists (torchrun sets these), the environment says who we are.
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert (ddp.rank(), ddp.local_rank(), ddp.world_size(), ddp.is_main_process()) == (
-        1,
-        1,
-        2,
-        False,
-    )
-    ddp.print0("hidden")
-    assert capsys.readouterr().out == ""
-    monkeypatch.setenv("RANK", "garbage")
-    assert ddp.rank() == 0
-
-    model = nn.Linear(3, 1)
-    assert ddp.wrap_model(model) is model
-    with pytest.raises(ValueError, match=r"already wrapped in DataParallel.*unwrap_model"):
-        ddp.wrap_model(nn.DataParallel(model))
-
-
-def test_helpers_in_a_one_rank_process_group(capsys: pytest.CaptureFixture[str]) -> None:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        net = ddp.wrap_model(nn.Linear(3, 1), find_unused_parameters=True)
-        assert isinstance(net, nn.parallel.DistributedDataParallel)
-        assert net.device_ids is None  # CPU: DDP refuses device_ids
-        assert net.find_unused_parameters is True
-        with pytest.raises(ValueError, match="already wrapped in DistributedDataParallel"):
-            ddp.wrap_model(net)
-        assert ddp.all_reduce_mean(torch.tensor([4.0, 6.0])).tolist() == [4.0, 6.0]
-        ddp.barrier()
-        ddp.print0("only", "me", sep="-")
-        assert capsys.readouterr().out == "only-me\n"
-    finally:
-        dist.destroy_process_group()
-
-
-def test_distributed_loader_shards_and_reshuffles(monkeypatch: pytest.MonkeyPatch) -> None:
-    data = list(range(10))
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    shards = {}
-    for r in (0, 1):
-        monkeypatch.setenv("RANK", str(r))
-        loader = ddp.distributed_loader(data, batch_size=5, shuffle=False)
-        shards[r] = [b.tolist() for b in loader]
-    assert shards == {0: [[0, 2, 4, 6, 8]], 1: [[1, 3, 5, 7, 9]]}
-
-    monkeypatch.setenv("RANK", "0")
-    loader = ddp.distributed_loader(data, batch_size=5, seed=3)
-    assert isinstance(loader, torch.utils.data.DataLoader) and loader.epoch == 0
-    epoch0 = [b.tolist() for b in loader]
-    epoch1 = [b.tolist() for b in loader]
-    assert loader.epoch == 2
-    assert epoch0 != epoch1  # the shuffle changes by itself every epoch
-    loader.set_epoch(0)
-    assert [b.tolist() for b in loader] == epoch0  # and can be replayed
-    other_seed = [b.tolist() for b in ddp.distributed_loader(data, batch_size=5, seed=4)]
-    assert other_seed != epoch0
-
-    # Padding: 5 samples over 2 ranks gives each rank 3 unless drop_last.
-    assert len(list(ddp.distributed_loader(list(range(5)), 1, shuffle=False))) == 3
-    assert len(list(ddp.distributed_loader(list(range(5)), 1, drop_last=True))) == 2
-
-    with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got 0"):
-        ddp.distributed_loader(data, 0)
-    with pytest.raises(ValueError, match="remove batch_sampler, sampler"):
-        ddp.distributed_loader(data, 2, sampler=None, batch_sampler=None)
-    with pytest.raises(ValueError, match="epoch must be an integer >= 0, got -1"):
-        loader.set_epoch(-1)
-
-
-def _record_worker(worker_id: int) -> None:
-    info = torch.utils.data.get_worker_info()
-    assert info is not None
-    info.dataset.seen = worker_id  # type: ignore[union-attr]
-
-
-class _Square(torch.utils.data.Dataset[int]):
-    seen = -1
-
-    def __len__(self) -> int:
-        return 4
-
-    def __getitem__(self, i: int) -> int:
-        return i * i * 100 + self.seen
-
-
 @pytest.mark.timeout(60)
-def test_distributed_loader_workers_keep_the_users_worker_init_fn() -> None:
-    loader = ddp.distributed_loader(
-        _Square(), batch_size=4, shuffle=False, num_workers=1, worker_init_fn=_record_worker
-    )
-    # The user's worker_init_fn ran in the worker (seen = 0), after ours.
-    assert [b.tolist() for b in loader] == [[0, 100, 400, 900]]
-    assert loader.worker_init_fn is not _record_worker  # wrapped to die with the rank
-    assert pickle.loads(pickle.dumps(loader.worker_init_fn)).user_fn is _record_worker
+def test_max_restarts_reruns_the_whole_group(tmp_path: Path) -> None:
+    marker = tmp_path / "failed-once"
+    assert launch_fork(workers.fail_first_attempt, str(marker), max_restarts=1, timeout=LONG) == 2
+    assert marker.exists()
+
+    with pytest.raises(LaunchError, match=r"^rank [01] of 2 \(attempt 3 of 3\) raised KeyError"):
+        launch_fork(workers.always_fail, max_restarts=2)
+    with pytest.raises(LaunchError, match=r"^rank [01] of 2 raised KeyError: 'always'"):
+        launch_fork(workers.always_fail)
 
 
-def test_data_parallel_rejects_an_empty_device_list_with_or_without_cuda() -> None:
-    model = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match=r"device_ids must name at least one GPU, got \[\]"):
-        ddp.data_parallel(model, device_ids=[])
-    with pytest.raises(ValueError, match=r"must name at least one GPU.*pass None"):
-        ddp.data_parallel(model, device_ids=())
-
-
-@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks the behaviour without GPUs")
-def test_data_parallel_without_gpus() -> None:
-    model = nn.Linear(2, 2)
-    assert ddp.data_parallel(model) is model
-    with pytest.raises(ValueError, match=r"device_ids=\[0\] given, but no CUDA GPU is visible"):
-        ddp.data_parallel(model, device_ids=[0])
-
-
-@pytest.mark.requires_cuda
-def test_data_parallel_moves_the_model_to_the_first_device_and_warns_once() -> None:
-    import trainperf.ddp._helpers as helpers
-
-    helpers._dp_warned = False
-    last = torch.cuda.device_count() - 1
-    with pytest.warns(UserWarning, match="DistributedDataParallel is faster"):
-        dp = ddp.data_parallel(nn.Linear(2, 2), device_ids=[last])
-    assert isinstance(dp, nn.DataParallel)
-    assert next(dp.parameters()).device == torch.device("cuda", last)
-    out = dp(torch.randn(4, 2, device=f"cuda:{last}"))
-    assert out.shape == (4, 2)
-    with pytest.raises(ValueError, match="must name at least one GPU"):
-        ddp.data_parallel(nn.Linear(2, 2), device_ids=[])
-    with pytest.raises(ValueError, match=r"are not visible GPUs"):
-        ddp.data_parallel(nn.Linear(2, 2), device_ids=[last + 1])
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_the_spawn_path_reports_failures_too() -> None:
+    with pytest.raises(LaunchError, match=r"^rank 1 of 2 raised ValueError: deliberate"):
+        ddp.launch(workers.raise_on_rank, 1, nprocs=2, backend="gloo", timeout=LONG)
 
 
 @pytest.mark.requires_cuda

@@ -1,4 +1,4 @@
-"""trainperf.loader._cache: a second call returns at once; cache=False; corrupt file rewritten."""
+"""trainperf.loader._cache: the file's place, its keys, atomic writes, corrupt files."""
 
 from __future__ import annotations
 
@@ -18,30 +18,10 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from trainperf.limits import HostLimits, host_limits
-from trainperf.loader import _tune as tune_mod
+from tests.loader._fakes import Slowish
+from tests.loader._fakes import tune_for_cache as tune
 from trainperf.loader import cache_file, tune_loader
 from trainperf.loader._cache import key_fields, make_key, read_entry, write_entry
-
-
-@pytest.fixture(autouse=True)
-def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-
-
-class Slowish(Dataset[tuple[torch.Tensor, int]]):
-    def __len__(self) -> int:
-        return 96
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        time.sleep(0.0005)
-        return torch.zeros(3, 8, 8), i % 10
-
-
-def tune(ds: Any = None, **kw: Any) -> Any:
-    # max_workers=0 keeps most of these fast: the cache stores whatever was chosen.
-    kw = {"device": "cpu", "max_workers": 0, "budget_s": 8.0, "progress": False, **kw}
-    return tune_loader(Slowish() if ds is None else ds, 8, **kw)
 
 
 def test_cache_file_follows_xdg_and_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,39 +31,7 @@ def test_cache_file_follows_xdg_and_home(tmp_path: Path, monkeypatch: pytest.Mon
     assert cache_file() == tmp_path / "home" / ".cache" / "trainperf" / "loader.json"
 
 
-def test_second_call_is_a_cache_hit(monkeypatch: pytest.MonkeyPatch) -> None:
-    first = tune(shuffle=True, max_workers=1)
-    assert not first.from_cache
-    assert cache_file().exists()
-
-    def no_measuring(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("a cache hit must not measure anything")
-
-    monkeypatch.setattr(tune_mod, "measure", no_measuring)
-    second = tune(shuffle=True, max_workers=1)
-    assert second.from_cache
-    assert second.best_kwargs == first.best_kwargs
-    assert second.samples_per_s == first.samples_per_s
-    assert [c.num_workers for c in second.candidates] == [c.num_workers for c in first.candidates]
-    assert any("cache" in n for n in second.notes)
-    assert "from cache" in str(second)
-
-
-def idle_step(batch: Any) -> None:
-    """A training step that does nothing: the main process only takes batches."""
-
-
-def test_cache_hit_keeps_the_measured_main_process_share() -> None:
-    first = tune(step_fn=idle_step)
-    assert first.main_cores < 0.5 and first.worker_cpus == first.cpus
-    second = tune(step_fn=idle_step)
-    assert second.from_cache
-    assert (second.main_cores, second.worker_cpus) == (first.main_cores, first.worker_cpus)
-    third = tune()  # no step_fn: another key, and one core kept again
-    assert not third.from_cache
-    assert third.main_cores == 1.0 and third.worker_cpus == max(1, third.cpus - 1)
-
-
+@pytest.mark.slow  # about 3-4 s: five tuning runs
 def test_key_depends_on_batch_size_dataset_and_loader_arguments() -> None:
     tune()
     assert not tune(shuffle=True).from_cache  # a loader argument differs
@@ -95,15 +43,6 @@ def test_key_depends_on_batch_size_dataset_and_loader_arguments() -> None:
     assert tune().from_cache
 
 
-def test_cache_false_neither_reads_nor_writes() -> None:
-    tune()
-    assert not tune(cache=False).from_cache
-    path = cache_file()
-    path.unlink()
-    tune(cache=False)
-    assert not path.exists()
-
-
 def test_corrupt_cache_file_is_ignored_and_rewritten() -> None:
     path = cache_file()
     path.parent.mkdir(parents=True)
@@ -113,59 +52,6 @@ def test_corrupt_cache_file_is_ignored_and_rewritten() -> None:
     data = json.loads(path.read_text())
     assert data["version"] == 1 and len(data["entries"]) == 1
     assert tune().from_cache
-
-
-def test_malformed_entry_is_ignored() -> None:
-    tune()
-    data = json.loads(cache_file().read_text())
-    for entry in data["entries"].values():
-        entry["candidates"] = [{"no such field": 1}]
-    cache_file().write_text(json.dumps(data))
-    assert not tune().from_cache
-
-
-def test_cached_choice_that_no_longer_fits_memory_is_re_tuned(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    tune()
-    data = json.loads(cache_file().read_text())
-    for entry in data["entries"].values():
-        entry["memory_needed"] = 10**15  # as if measured on a much bigger host
-    cache_file().write_text(json.dumps(data))
-    assert not tune().from_cache
-
-
-def test_unwritable_cache_is_a_note_not_an_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # a file where a directory must be
-    report = tune()
-    assert any("could not be cached" in n for n in report.notes)
-    with pytest.raises(OSError):
-        write_entry("k", {}, cache_file())
-
-
-class FailsInWorkers(Dataset[torch.Tensor]):
-    """Loads in the main process, raises in every worker (a dataset not yet fixed)."""
-
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        if torch.utils.data.get_worker_info() is not None:
-            raise RuntimeError("fails in a worker")
-        return torch.zeros(4)
-
-
-def test_a_fallback_forced_by_failing_workers_is_not_cached() -> None:
-    with pytest.warns(RuntimeWarning, match="falls back to num_workers=0"):
-        first = tune(FailsInWorkers(), max_workers=2, cache=True)
-    assert first.num_workers == 0 and any("not cached" in n for n in first.notes)
-    with pytest.warns(RuntimeWarning, match="falls back to num_workers=0"):
-        second = tune(FailsInWorkers(), max_workers=2, cache=True)
-    assert not second.from_cache  # tuned again: the warning is not lost behind a cache hit
 
 
 def test_lambdas_nested_functions_and_partials_get_their_own_keys() -> None:
@@ -224,14 +110,6 @@ def test_read_entry_of_wrong_version(tmp_path: Path) -> None:
     assert read_entry("k", p) is None
     write_entry("k", {"a": 2}, p)
     assert read_entry("k", p) == {"a": 2, "created": pytest.approx(time.time(), abs=60)}
-
-
-def test_limits_in_report_are_current_on_a_hit(monkeypatch: pytest.MonkeyPatch) -> None:
-    tune()
-    real = host_limits()
-    fake = HostLimits(**{**real.__dict__, "shm_free": real.shm_free})
-    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake)
-    assert tune().limits is fake
 
 
 def _dead_pid() -> int:

@@ -12,7 +12,6 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -20,18 +19,12 @@ import pytest
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from tests.loader._fakes import tune_two_workers as tune
 from tests.loader._spies import record_closes
-from trainperf.limits import HostLimits
-from trainperf.loader import TuningReport, tune_loader
-from trainperf.loader import _tune as tune_mod
-from trainperf.loader._faults import classify_fault
+from trainperf.loader import TuningReport
+from trainperf.loader._faults import classify_fault, main_private_bytes
 
-GiB = 1 << 30
-
-
-@pytest.fixture(autouse=True)
-def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+MiB = 1 << 20
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -83,18 +76,6 @@ class Unpicklable(Dataset[torch.Tensor]):
         return self.transform(torch.zeros(4))
 
 
-def tune(dataset: Any, **kw: Any) -> TuningReport:
-    kw = {
-        "device": "cpu",
-        "max_workers": 2,
-        "budget_s": 15.0,
-        "cache": False,
-        "progress": False,
-        **kw,
-    }
-    return tune_loader(dataset, 4, **kw)
-
-
 def assert_no_workers_left() -> None:
     me = psutil.Process()
     alive = [
@@ -122,6 +103,7 @@ def test_crashing_worker_falls_back_to_zero_workers(how: str) -> None:
     assert_no_workers_left()
 
 
+@pytest.mark.slow  # about 2-3 s: a 1 s hang limit
 @pytest.mark.timeout(60)  # hung workers that were joined instead of killed would hang here
 def test_hanging_worker_is_detected_by_timeout_and_killed(monkeypatch: pytest.MonkeyPatch) -> None:
     closes = record_closes(monkeypatch)
@@ -137,6 +119,7 @@ def test_hanging_worker_is_detected_by_timeout_and_killed(monkeypatch: pytest.Mo
     assert_no_workers_left()
 
 
+@pytest.mark.slow  # about 4 s: a 4 s budget
 @pytest.mark.timeout(60)
 def test_hang_under_a_small_budget_keeps_the_budget_and_is_reported() -> None:
     # The default hang limit (10 s) is longer than the budget: the wait is cut to the time
@@ -154,6 +137,7 @@ def test_hang_under_a_small_budget_keeps_the_budget_and_is_reported() -> None:
     assert_no_workers_left()
 
 
+@pytest.mark.slow  # about 3 s: a 3 s budget
 @pytest.mark.timeout(60)
 def test_budget_spent_on_slow_workers_is_a_note_not_a_fault(
     recwarn: pytest.WarningsRecorder,
@@ -197,6 +181,7 @@ def test_unpicklable_dataset_under_spawn_is_reported() -> None:
     assert_no_workers_left()
 
 
+@pytest.mark.slow  # about 2 s: a pool started and failed
 def test_dataset_error_in_worker_is_reported() -> None:
     with pytest.warns(RuntimeWarning, match="bad sample"):
         report = tune(Faulty("raise"))
@@ -204,6 +189,7 @@ def test_dataset_error_in_worker_is_reported() -> None:
     assert_no_workers_left()
 
 
+@pytest.mark.slow  # about 2-3 s: pools started and failed
 def test_shm_exhaustion_in_worker_says_how_to_fix_it() -> None:
     with pytest.warns(RuntimeWarning, match="shm-size"):
         report = tune(Faulty("shm"))
@@ -212,51 +198,6 @@ def test_shm_exhaustion_in_worker_says_how_to_fix_it() -> None:
     # /dev/shm running out is retried with fewer workers before giving up.
     assert bad[-1].num_workers == 1
     assert_no_workers_left()
-
-
-def fake_limits(**over: Any) -> HostLimits:
-    base = {
-        "cpus_host": 2,
-        "cpus_affinity": 2,
-        "cpu_quota": None,
-        "cpus": 2,
-        "memory_total": 16 * GiB,
-        "memory_limit": None,
-        "memory_available": 8 * GiB,
-        "shm_total": 64 * GiB,
-        "shm_free": 64 * GiB,
-    }
-    base.update(over)
-    return HostLimits(**base)
-
-
-class BigSamples(Dataset[torch.Tensor]):
-    def __len__(self) -> int:
-        return 16
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.zeros(64 * 1024)  # 256 KiB
-
-
-def test_too_small_shm_is_predicted_and_never_tried(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(shm_free=2 << 20))
-    with pytest.warns(RuntimeWarning, match="shm-size"):
-        report = tune(BigSamples())
-    assert report.best_kwargs["num_workers"] == 0
-    assert all(c.status == "skipped" and c.fault == "shm" for c in report.candidates[1:])
-    assert report.limits.shm_free == 2 << 20
-
-
-def test_memory_limit_is_never_approached(monkeypatch: pytest.MonkeyPatch) -> None:
-    # 600 MiB available: after the 512 MiB safety margin, not even one forked worker
-    # (128 MiB assumed) plus its batches fits.
-    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(memory_available=600 << 20))
-    with pytest.warns(RuntimeWarning, match="memory"):
-        report = tune(BigSamples())
-    assert report.best_kwargs["num_workers"] == 0
-    skipped = [c for c in report.candidates if c.status == "skipped"]
-    assert skipped and all(c.fault == "memory" for c in skipped)
-    assert "GiB" in (skipped[0].reason or "")
 
 
 @pytest.mark.parametrize(
@@ -298,3 +239,10 @@ def test_classify_fault(message: str, kwargs: dict[str, Any], kind: str, words: 
     got_kind, reason = classify_fault(RuntimeError(message), **args)
     assert got_kind == kind
     assert words in reason
+
+
+def test_main_private_bytes_counts_this_processes_memory() -> None:
+    before = main_private_bytes()
+    block = torch.ones(64 * MiB // 4)  # 64 MiB, every page written
+    assert main_private_bytes() >= before + 48 * MiB
+    del block

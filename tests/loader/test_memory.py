@@ -1,4 +1,4 @@
-"""trainperf.loader worker memory: growth of forked workers over an epoch is projected.
+"""trainperf.loader._memory: growth of forked workers over an epoch is projected.
 
 A forked worker shares its parent's pages until it writes to them, and reading a Python
 object writes its reference count: a dataset of many Python objects is copied into every
@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from trainperf.loader import CandidateResult, measure
-from trainperf.loader import _measure as measure_mod
+from tests.loader._fakes import search_over
+from trainperf.loader import _memory as memory_mod
+from trainperf.loader import measure
 from trainperf.loader._faults import WorkerProcesses, main_private_bytes
-from trainperf.loader._measure import _projected_uss, project_worker_uss
-from trainperf.loader._search import Search
+from trainperf.loader._memory import CollectFirst, project_worker_uss, projected_uss
 
 MiB = 1 << 20
 
@@ -61,54 +61,39 @@ def test_noise_allowance_is_a_parameter() -> None:
 def test_readings_use_the_smallest_growth_and_the_largest_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(measure_mod, "main_private_bytes", lambda: 10_000 * MiB)
+    monkeypatch.setattr(memory_mod, "main_private_bytes", lambda: 10_000 * MiB)
     first = (64, {1: 10 * MiB, 2: 4 * MiB, 3: 10 * MiB})  # worker 2 was still starting
     last = (4_064, {1: 15 * MiB, 2: 20 * MiB, 3: 16 * MiB, 4: 30 * MiB})
-    got = _projected_uss(first, last, num_workers=2, batch_bytes=0, samples_per_worker=10_000)
+    got = projected_uss(first, last, num_workers=2, batch_bytes=0, samples_per_worker=10_000)
     # Growth 5 MiB (worker 1; 4 MiB beyond noise) over 2,000 samples per worker, projected
     # over 10,000 samples, on top of the largest worker (30 MiB).
     assert got == 30 * MiB + 4 * MiB * 10_000 // 2_000
     # Without a first reading, or with no worker read twice, the measured size stands.
     kw: dict[str, Any] = {"num_workers": 2, "batch_bytes": 0, "samples_per_worker": 10_000}
-    assert _projected_uss(None, last, **kw) == 30 * MiB
-    assert _projected_uss((0, {9: MiB}), last, **kw) == 30 * MiB
-    assert _projected_uss(first, (10, {}), **kw) is None
+    assert projected_uss(None, last, **kw) == 30 * MiB
+    assert projected_uss((0, {9: MiB}), last, **kw) == 30 * MiB
+    assert projected_uss(first, (10, {}), **kw) is None
 
 
 def test_batches_in_flight_count_as_noise(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(measure_mod, "main_private_bytes", lambda: 10_000 * MiB)
+    monkeypatch.setattr(memory_mod, "main_private_bytes", lambda: 10_000 * MiB)
     first = (0, {1: 10 * MiB})
     last = (1_000, {1: 17 * MiB})  # 7 MiB: two 3 MiB batches held, plus churn
     kw: dict[str, Any] = {"num_workers": 1, "samples_per_worker": 10**6}
-    assert _projected_uss(first, last, batch_bytes=3 * MiB, **kw) == 17 * MiB
-    assert _projected_uss(first, last, batch_bytes=0, **kw) > 1000 * MiB
+    assert projected_uss(first, last, batch_bytes=3 * MiB, **kw) == 17 * MiB
+    assert projected_uss(first, last, batch_bytes=0, **kw) > 1000 * MiB
 
 
-def search_over(result: CandidateResult) -> Search:
-    """A search that has measured ``result`` (and measures nothing more)."""
-    s = Search(
-        measure=lambda n, pf, pin: result,
-        out_of_time=lambda: False,
-        worker_cpus=1,
-        max_workers=2,
-        memory_available=64 << 30,
-        shm_free=None,
-        start_method="fork",
-    )
-    s.results = [result]
-    return s
+def test_collect_first_runs_the_callers_worker_init_fn_after_the_collection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gc
 
-
-def test_search_plans_with_the_projection_and_a_margin() -> None:
-    measured_pool = CandidateResult(2, 2, False, "ok", samples_per_s=1.0, worker_uss=400 * MiB)
-    assert search_over(measured_pool).worker_bytes() == 500 * MiB
-
-
-def test_main_private_bytes_counts_this_processes_memory() -> None:
-    before = main_private_bytes()
-    block = torch.ones(64 * MiB // 4)  # 64 MiB, every page written
-    assert main_private_bytes() >= before + 48 * MiB
-    del block
+    order: list[str] = []
+    monkeypatch.setattr(gc, "collect", lambda: order.append("collect"))
+    CollectFirst(lambda worker_id: order.append(f"init {worker_id}"))(3)
+    CollectFirst(None)(4)
+    assert order == ["collect", "init 3", "collect"]
 
 
 # ------------------------------------------------------------------ real workers
@@ -182,6 +167,7 @@ def measured(dataset: Any, batch_size: int, monkeypatch: pytest.MonkeyPatch) -> 
     return r, max(readings[-1].values())
 
 
+@pytest.mark.slow  # about 8 s each: a real epoch
 @pytest.mark.parametrize("make", [FileList, Records], ids=["file-names", "records"])
 def test_python_object_dataset_projects_memory_a_worker_really_reaches(
     make: Any, monkeypatch: pytest.MonkeyPatch
@@ -200,6 +186,7 @@ class SlowFileList(FileList):
         return len(self.files[i])
 
 
+@pytest.mark.slow  # about 5-6 s: a million file names
 def test_growth_after_the_window_is_projected(monkeypatch: pytest.MonkeyPatch) -> None:
     # A few seconds read only a few thousand names of a million; the pages of the others
     # are copied later in the epoch, and the projection accounts for them.
@@ -208,6 +195,7 @@ def test_growth_after_the_window_is_projected(monkeypatch: pytest.MonkeyPatch) -
     assert r.worker_uss >= 2 * end_of_window, (r.worker_uss // MiB, end_of_window // MiB)
 
 
+@pytest.mark.slow  # about 3 s: a 256 MiB dataset
 def test_tensor_dataset_projection_stays_small(monkeypatch: pytest.MonkeyPatch) -> None:
     tensor = torch.ones(1 << 21, 32)  # 256 MiB, all of it private to this process
     size = tensor.element_size() * tensor.numel()

@@ -7,28 +7,21 @@ direction, fallback) is checked exactly, without timing anything.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import Dataset
 
+from tests.loader._fakes import search_over, tune_two_workers
 from trainperf.limits import HostLimits
-from trainperf.loader import CandidateResult, tune_loader
+from trainperf.loader import CandidateResult
 from trainperf.loader import _tune as tune_mod
 from trainperf.loader._search import GAIN, Search, default_max_workers, safety_margin
-from trainperf.loader._tune import cores_for_workers, main_process_cores
 
 GiB = 1 << 30
 MiB = 1 << 20
-
-
-@pytest.fixture(autouse=True)
-def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
 class Pool:
@@ -290,143 +283,55 @@ def test_default_max_workers_and_margin() -> None:
     assert safety_margin(100 * GiB) == 10 * GiB
 
 
-# --------------------------------------------------------------------------- limits, end to end
+def test_search_plans_with_the_projection_and_a_margin() -> None:
+    measured_pool = CandidateResult(2, 2, False, "ok", samples_per_s=1.0, worker_uss=400 * MiB)
+    assert search_over(measured_pool).worker_bytes() == 500 * MiB
 
 
-def fake_limits(cpus: int) -> HostLimits:
-    return HostLimits(
-        cpus_host=64,
-        cpus_affinity=64,
-        cpu_quota=float(cpus),
-        cpus=cpus,
-        memory_total=64 * GiB,
-        memory_limit=None,
-        memory_available=32 * GiB,
-        shm_total=32 * GiB,
-        shm_free=32 * GiB,
-    )
+# ------------------------------------------------------------- predicted limits, end to end
 
 
-class BusyLoop(Dataset[torch.Tensor]):
-    """Compute-bound: a pure-Python loop of about 1 ms per sample."""
+def fake_limits(**over: Any) -> HostLimits:
+    base = {
+        "cpus_host": 2,
+        "cpus_affinity": 2,
+        "cpu_quota": None,
+        "cpus": 2,
+        "memory_total": 16 * GiB,
+        "memory_limit": None,
+        "memory_available": 8 * GiB,
+        "shm_total": 64 * GiB,
+        "shm_free": 64 * GiB,
+    }
+    base.update(over)
+    return HostLimits(**base)
 
+
+class BigSamples(Dataset[torch.Tensor]):
     def __len__(self) -> int:
-        return 256
+        return 16
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        end = time.perf_counter() + 0.001
-        while time.perf_counter() < end:
-            pass
-        return torch.zeros(8)
+        return torch.zeros(64 * 1024)  # 256 KiB
 
 
-def test_worker_cap_follows_host_limits_and_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(3))
-    report = tune_loader(BusyLoop(), 4, device="cpu", budget_s=10, cache=False, progress=False)
-    assert (report.cpus, report.worker_cpus, report.max_workers) == (3, 2, 12)
-    assert report.limits.cpu_quota == 3.0
-    # Compute-bound workers demand a core each: never more than the 2 left for workers.
-    assert all(c.num_workers <= 2 for c in report.candidates if c.status != "skipped")
-
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(6))
-    report = tune_loader(
-        BusyLoop(), 4, device="cpu", budget_s=10, max_workers=0, cache=False, progress=False
-    )
-    assert (report.cpus, report.worker_cpus) == (2, 1)
+@pytest.mark.slow  # about 2 s: a tuning run
+def test_too_small_shm_is_predicted_and_never_tried(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(shm_free=2 << 20))
+    with pytest.warns(RuntimeWarning, match="shm-size"):
+        report = tune_two_workers(BigSamples())
+    assert report.best_kwargs["num_workers"] == 0
+    assert all(c.status == "skipped" and c.fault == "shm" for c in report.candidates[1:])
+    assert report.limits.shm_free == 2 << 20
 
 
-def test_step_fn_replaces_the_kept_core_with_what_it_measured(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(3))
-    # A step that does nothing: the main process only takes batches, so every core may
-    # go to workers (the loader-alone case).
-    idle = tune_loader(
-        BusyLoop(),
-        4,
-        device="cpu",
-        budget_s=10,
-        max_workers=0,
-        step_fn=lambda b: None,
-        cache=False,
-        progress=False,
-    )
-    assert idle.main_cores < 0.5 and idle.worker_cpus == 3
-    assert "kept for the main process, as step_fn measured" in str(idle)
-
-    def busy_step(batch: Any) -> None:  # keeps one core busy for 5 ms
-        end = time.process_time() + 0.005
-        while time.process_time() < end:
-            pass
-
-    busy = tune_loader(
-        BusyLoop(),
-        4,
-        device="cpu",
-        budget_s=10,
-        max_workers=0,
-        step_fn=busy_step,
-        cache=False,
-        progress=False,
-    )
-    assert 0.5 <= busy.main_cores <= 3.0 and busy.worker_cpus == 2
-    unknown = tune_loader(
-        BusyLoop(), 4, device="cpu", budget_s=10, max_workers=0, cache=False, progress=False
-    )
-    assert (unknown.main_cores, unknown.worker_cpus) == (1.0, 2)
-    assert "(2 for workers, one kept for the main process)" in str(unknown)
-
-
-def test_main_process_cores_and_cores_for_workers() -> None:
-    assert main_process_cores(8) == 1.0
-    assert main_process_cores(8, 0.001, 123.0) == 0.12  # 1 ms of CPU per sample, 123/s
-    assert main_process_cores(8, 0.0, 1e6) == 0.0
-    assert main_process_cores(2, 0.01, 1000.0) == 2.0  # never more than every core
-    assert [cores_for_workers(4, m) for m in (0.0, 0.4, 0.6, 1.0, 3.7, 4.0)] == [4, 4, 3, 3, 1, 1]
-
-
-def test_bad_local_world_size_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "zero")
-    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE must be a whole number >= 1.*'zero'"):
-        tune_loader(BusyLoop(), 4, device="cpu", cache=False, progress=False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "0")
-    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE must be a whole number >= 1.*'0'"):
-        tune_loader(BusyLoop(), 4, device="cpu", cache=False, progress=False)
-
-
-def test_slurm_tasks_per_node_divide_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
-    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(6))
-    report = tune_loader(
-        BusyLoop(), 4, device="cpu", budget_s=10, max_workers=0, cache=False, progress=False
-    )
-    assert (report.cpus, report.worker_cpus) == (3, 2)
-
-
-class Sleepy(Dataset[torch.Tensor]):
-    """I/O-bound: 20 ms of waiting per sample and almost no CPU."""
-
-    def __len__(self) -> int:
-        return 512
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        time.sleep(0.02)
-        return torch.zeros(8)
-
-
-def test_io_bound_dataset_gets_workers_end_to_end() -> None:
-    # A 4x-8x effect (sleeping workers overlap), far beyond timing noise.
-    report = tune_loader(
-        Sleepy(), 2, device="cpu", max_workers=8, budget_s=12, cache=False, progress=False
-    )
-    assert report.num_workers >= 2
-    assert report.best_kwargs["prefetch_factor"] >= 2
-    chosen = report.chosen()
-    assert chosen is not None and chosen.ok
-    # The choice is the measured best, or one with fewer workers within 2 % of it.
-    best = max(c.samples_per_s or 0.0 for c in report.candidates if c.ok)
-    assert chosen.samples_per_s is not None and chosen.samples_per_s >= 0.98 * best
-    baseline = report.candidates[0].samples_per_s
-    assert report.speedup == pytest.approx(chosen.samples_per_s / baseline)  # type: ignore[operator]
+def test_memory_limit_is_never_approached(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 600 MiB available: after the 512 MiB safety margin, not even one forked worker
+    # (128 MiB assumed) plus its batches fits.
+    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(memory_available=600 << 20))
+    with pytest.warns(RuntimeWarning, match="memory"):
+        report = tune_two_workers(BigSamples())
+    assert report.best_kwargs["num_workers"] == 0
+    skipped = [c for c in report.candidates if c.status == "skipped"]
+    assert skipped and all(c.fault == "memory" for c in skipped)
+    assert "GiB" in (skipped[0].reason or "")

@@ -8,6 +8,13 @@ Who uses what:
   torchvision, safetensors, matplotlib), used by every package that imports one lazily.
 - :mod:`~trainperf._utils.format`: byte sizes in words, used by the reports of ``device``,
   ``doctor``, ``loader`` and ``monitor``.
+- :mod:`~trainperf._utils.launch_env`: the launcher's environment (RANK, LOCAL_RANK,
+  WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_PORT, SLURM_*), read and parsed with one rule each;
+  used by ``limits``, ``ddp``, ``doctor`` (through ``limits``) and ``pipelines``.
+- :mod:`~trainperf._utils.validate`: the argument checks (``positive_int``, ``choice``, ...)
+  every package uses, one message per kind of value.
+- :mod:`~trainperf._utils.serialize`: ``result_dict``, the ``to_dict()`` of result dataclasses
+  in ``bench``, ``checkpoint``, ``device`` and ``limits``.
 - :mod:`~trainperf._utils.public`: sets each public object's ``__module__`` to the path users
   import it from, used by every package ``__init__``.
 """

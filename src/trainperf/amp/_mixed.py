@@ -1,29 +1,8 @@
-"""Mixed precision that picks the fast path for the GPU it runs on.
+""":class:`MixedPrecision` and :func:`choose_precision`, the "auto" policy's public face.
 
-One H200 training ResNet-50 (batch 128): fp32 882 images/s, TF32 2,133, autocast bf16 2,344
-(what Accelerate's ``mixed_precision="bf16"`` and Fabric's ``"bf16-mixed"`` give), autocast
-bf16 with channels_last 4,383. Older GPUs follow other rules: on Pascal fp16 is slower than
-fp32, on Volta/Turing fp16 with loss scaling is the fast path, and from Ampere on bf16 needs
-no scaler. :class:`MixedPrecision` makes those choices (precision, loss scaling,
-channels_last, TF32) from the device, and says which it made and why.
-
-The "auto" policy (:func:`choose_precision`):
-
-========================================  ============  ==============
-device                                    precision     loss scaler
-========================================  ============  ==============
-CUDA, compute capability >= 8.0           bf16          no
-CUDA, compute capability 7.x              fp16          yes
-CUDA, compute capability < 7.0            fp32          no
-CPU with native bf16 (AVX512-BF16/AMX)    bf16          no
-CPU without                               fp32          no
-MPS                                       fp16          yes
-anything else                             fp32          no
-========================================  ============  ==============
-
-On x86-64 "native bf16" means AVX512-BF16 or AMX (an AVX-512 CPU without them, such as
-Skylake or Cascade Lake, emulates bf16 and gets fp32); on other CPUs (Arm) it is oneDNN's
-own bf16 check.
+The policy table is in :mod:`trainperf.amp`'s docstring and the per-device rules in
+:mod:`trainperf.amp._precision`; what each choice is worth, measured, is in the project's
+``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -36,6 +15,7 @@ from typing import Any, Literal, TypeVar, get_args
 import torch
 from torch import nn
 
+from trainperf._utils.validate import choice
 from trainperf.amp import _precision
 from trainperf.amp._channels_last import channels_last_decision, to_channels_last
 from trainperf.amp._tf32 import enable_tf32
@@ -51,7 +31,7 @@ T = TypeVar("T")
 
 
 def choose_precision(device: str | torch.device | None = None) -> torch.dtype:
-    """The precision the "auto" policy picks for ``device`` (see the table in the module doc).
+    """The precision the "auto" policy picks for ``device`` (the table in :mod:`trainperf.amp`).
 
     CUDA compute capability >= 8.0 -> bf16; 7.x -> fp16 (with a loss scaler); < 7.0 -> fp32;
     a CPU with native bf16 -> bf16, else fp32; MPS -> fp16. Override it with
@@ -112,11 +92,12 @@ class MixedPrecision:
 
     Raises:
         ValueError: an invalid ``device``; an unknown ``precision`` or ``channels_last``;
-            bf16 asked for on a GPU without native bf16 (compute capability < 8.0); bf16 or
-            fp16 asked for on a device whose autocast does not support it.
+            bf16 or fp16 asked for on a device whose autocast (in this torch) does not
+            support it.
         TypeError: ``tf32`` is not a bool, or ``device`` has the wrong type.
-        DeviceError: CUDA or MPS asked for but not available, or a CUDA index beyond the
-            visible GPUs.
+        DeviceError: CUDA or MPS asked for but not available, a CUDA index beyond the
+            visible GPUs, or bf16 asked for on a GPU without native bf16 (compute
+            capability < 8.0).
 
     Example:
         >>> mp = MixedPrecision("cpu", precision="bf16")
@@ -140,8 +121,7 @@ class MixedPrecision:
         channels_last: bool | Literal["auto"] = "auto",
         tf32: bool = True,
     ) -> None:
-        if precision not in _PRECISIONS:
-            raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+        choice("precision", precision, _PRECISIONS)
         if channels_last not in (True, False, "auto") or not isinstance(channels_last, (bool, str)):
             raise ValueError(f"channels_last must be 'auto', True or False, got {channels_last!r}")
         if not isinstance(tf32, bool):

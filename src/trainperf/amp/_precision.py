@@ -125,7 +125,13 @@ def auto_precision(device: torch.device) -> tuple[torch.dtype, str]:
 
 
 def resolve(device: torch.device, precision: str) -> tuple[torch.dtype, str]:
-    """The dtype for an explicit or "auto" ``precision`` on ``device``, and why."""
+    """The dtype for an explicit or "auto" ``precision`` on ``device``, and why.
+
+    Raises:
+        DeviceError: bf16 on a GPU without native bf16 (compute capability < 8.0), or a
+            CUDA device without CUDA.
+        ValueError: fp16 or bf16 on a device whose autocast this torch does not support.
+    """
     if precision == "auto":
         return auto_precision(device)
     dtype = DTYPES[precision]
@@ -134,7 +140,7 @@ def resolve(device: torch.device, precision: str) -> tuple[torch.dtype, str]:
     if device.type == "cuda":
         major, minor = cuda_capability(device)
         if dtype == torch.bfloat16 and major < 8:
-            raise ValueError(
+            raise DeviceError(
                 f"precision='bf16' needs compute capability >= 8.0 (Ampere or newer) for native "
                 f"bf16, but {device} has {major}.{minor}; use precision='fp16' (with loss "
                 "scaling) or precision='auto'"

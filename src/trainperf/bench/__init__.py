@@ -5,7 +5,14 @@
 - :func:`bench_matmul`: matrix-product TFLOP/s per dtype, against the datasheet;
 - :func:`bench_h2d`: host-to-device bandwidth, pageable vs pinned.
 
-``trainperf bench model|matmul|h2d`` runs them from the command line.
+Every result (:class:`BenchResult`, :class:`MatmulResult`, :class:`H2DResult`,
+:class:`ReferenceComparison`, :class:`Skipped`) reads as a report with ``str()`` and as JSON-safe
+data with ``to_dict()``. ``trainperf bench model|matmul|h2d`` runs them from the command line
+and prints one or the other (``--json``).
+
+A device that lacks what a setting needs (bf16 before Ampere, TF32 on the CPU, any CUDA for
+``bench_h2d``) raises :class:`~trainperf.errors.DeviceError`; a kernel missing from this
+PyTorch build raises ``NotImplementedError``.
 """
 
 from __future__ import annotations

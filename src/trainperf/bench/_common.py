@@ -1,15 +1,23 @@
-"""What every benchmark shares: choosing the device, synchronising it, skipped records."""
+"""What every benchmark shares: choosing the device, synchronising it, the result protocol.
+
+Every result (:class:`~trainperf.bench.BenchResult`, :class:`~trainperf.bench.MatmulResult`,
+:class:`~trainperf.bench.H2DResult`, :class:`~trainperf.bench.ReferenceComparison`,
+:class:`Skipped`) is a frozen dataclass whose ``str()`` is the report a person reads and whose
+``to_dict()`` (``_utils.serialize.result_dict``) is what ``trainperf bench ... --json``
+prints.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 
+from trainperf._utils.serialize import result_dict
 from trainperf.device import resolve_device as _resolve
 
-__all__ = ["Skipped", "check_positive", "gpu_name", "resolve_device", "synchronize"]
+__all__ = ["Skipped", "gpu_name", "resolve_device", "result_dict", "synchronize"]
 
 
 @dataclass(frozen=True)
@@ -20,19 +28,30 @@ class Skipped:
         benchmark: ``"model"``, ``"matmul"`` or ``"h2d"``.
         setting: what was skipped, e.g. ``"fp16"`` or ``"tf32"``.
         reason: why, and what would make it run.
+
+    Example:
+        >>> print(Skipped("matmul", "tf32", "needs a CUDA GPU"))
+        bench matmul tf32 skipped: needs a CUDA GPU
     """
 
     benchmark: str
     setting: str
     reason: str
 
+    def __str__(self) -> str:
+        return f"bench {self.benchmark} {self.setting} skipped: {self.reason}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"benchmark", "setting", "reason"}``, JSON-safe."""
+        return result_dict(self)
+
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The device to benchmark: ``device`` checked, or the best one available when None.
+    """The device to benchmark: ``device`` checked, or the best one available for None/"auto".
 
     Parsed by :func:`trainperf.device.resolve_device` with CPU and CUDA allowed (None on a
-    Mac picks the CPU); a bare ``"cuda"`` becomes the current CUDA device, so records
-    name the card.
+    Mac picks the CPU, not MPS: the benchmarks and their reference figures are CPU or CUDA);
+    a bare ``"cuda"`` becomes the current CUDA device, so records name the card.
     """
     dev = _resolve(device, allowed=("cpu", "cuda"))
     # torch's stubs type .index as int, but a bare "cuda" has none.
@@ -50,9 +69,3 @@ def synchronize(device: torch.device) -> None:
 def gpu_name(device: torch.device) -> str | None:
     """The name of the GPU behind ``device``, or None for the CPU."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
-
-
-def check_positive(name: str, value: int) -> None:
-    """Raise ``ValueError`` unless ``value`` is an int >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")

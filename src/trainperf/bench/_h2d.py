@@ -11,15 +11,18 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from trainperf.bench._common import check_positive, gpu_name, resolve_device, synchronize
+from trainperf._utils.validate import positive_int
+from trainperf.bench._common import gpu_name, resolve_device, result_dict, synchronize
 from trainperf.errors import DeviceError
 
 __all__ = ["H2DResult", "bench_h2d"]
 
-DEFAULT_SIZE_BYTES = 512 * 2**20
+_MiB = 2**20
+DEFAULT_SIZE_BYTES = 512 * _MiB
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,29 @@ class H2DResult:
             f"({self.pinned_speedup:.1f}x; use DataLoader(pin_memory=True))"
         )
 
+    def __str__(self) -> str:
+        """A line naming the GPU and the copy size, then :meth:`summary`.
+
+        Example:
+            >>> print(H2DResult("cuda:0", "NVIDIA H200", 2**28, 10, 12.3, 50.1, 50.1 / 12.3))
+            host -> NVIDIA H200, 256 MiB per copy:
+            pageable:   12.3 GB/s
+            pinned:     50.1 GB/s (4.1x; use DataLoader(pin_memory=True))
+        """
+        size = self.size_bytes
+        per_copy = f"{size // _MiB} MiB" if size % _MiB == 0 else f"{size} bytes"
+        where = self.gpu_name or self.device
+        return f"host -> {where}, {per_copy} per copy:\n{self.summary()}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-safe.
+
+        Example:
+            >>> H2DResult("cuda:0", None, 2**20, 1, 1.0, 4.0, 4.0).to_dict()["pinned_speedup"]
+            4.0
+        """
+        return result_dict(self)
+
 
 def _median_gb_per_s(
     src: torch.Tensor, dst: torch.Tensor, device: torch.device, iterations: int
@@ -86,16 +112,21 @@ def bench_h2d(
     Args:
         size_bytes: bytes per copy (512 MiB by default).
         iterations: timed copies of each kind (after one untimed copy).
-        device: a CUDA device; None picks the GPU with the most free memory.
+        device: ``"cuda"`` or ``"cuda:<i>"``; None or ``"auto"`` is the best available
+            device (:func:`trainperf.best_device`: the GPU with the most free memory). Unlike
+            the other benchmarks there is no CPU fallback: without CUDA there is nothing to
+            copy to, and a :class:`~trainperf.errors.DeviceError` says so.
 
     Returns:
         An :class:`H2DResult`.
 
     Raises:
         ValueError: a count below 1, or a non-CUDA ``device``.
-        DeviceError: no CUDA GPU is available (host-to-device copies need one).
+        DeviceError: no CUDA GPU is available (host-to-device copies need one), or the CUDA
+            device asked for does not exist.
 
     Example:
+        >>> from trainperf.errors import DeviceError
         >>> try:
         ...     r = bench_h2d(size_bytes=2**20, iterations=1)
         ... except DeviceError as e:  # a CPU-only machine
@@ -104,9 +135,9 @@ def bench_h2d(
         ...     print(r.pinned_gb_per_s > 0)
         True
     """
-    check_positive("size_bytes", size_bytes)
-    check_positive("iterations", iterations)
-    if device is None and not torch.cuda.is_available():
+    positive_int("size_bytes", size_bytes)
+    positive_int("iterations", iterations)
+    if device in (None, "auto") and not torch.cuda.is_available():
         raise DeviceError(
             "bench_h2d needs CUDA: it measures host-to-device copies, and no CUDA GPU is "
             "available here (no NVIDIA GPU or driver, or a CPU-only PyTorch build)"

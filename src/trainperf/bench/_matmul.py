@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
+from trainperf._utils.validate import choice, positive_int
 from trainperf.amp._tf32 import tf32
-from trainperf.bench._common import check_positive, gpu_name, resolve_device, synchronize
-from trainperf.bench._reference import find_gpu_spec
+from trainperf.bench._common import gpu_name, resolve_device, result_dict, synchronize
+from trainperf.bench._reference import GpuSpec, find_gpu_spec
+from trainperf.errors import DeviceError
 
 __all__ = ["MATMUL_DTYPES", "MatmulDtype", "MatmulResult", "bench_matmul"]
 
@@ -77,6 +79,96 @@ class MatmulResult:
             line += f", {self.datasheet_fraction:.0%} of the datasheet's {self.datasheet_tflops:g}"
         return line
 
+    def __str__(self) -> str:
+        """The summary line, then one indented line per note."""
+        return "\n".join([self.summary(), *(f"      note: {note}" for note in self.notes)])
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-safe (``notes`` as a list).
+
+        Example:
+            >>> r = bench_matmul("fp32", size=32, iterations=1, warmup=1, device="cpu")
+            >>> r.to_dict()["dtype"], str(r) == r.summary()  # no notes on the CPU
+            ('fp32', True)
+        """
+        return result_dict(self)
+
+
+def _check_dtype_on(dtype: str, device: torch.device) -> tuple[str, ...]:
+    """Raise if ``device`` cannot run ``dtype``; else the notes on how it will run it."""
+    if dtype == "tf32" and device.type != "cuda":
+        raise DeviceError(
+            "bench_matmul(dtype='tf32') needs a CUDA GPU: TF32 is a tensor-core mode of "
+            "Ampere and newer GPUs; on the CPU fp32 matmuls ignore it"
+        )
+    if device.type != "cuda":
+        return ()
+    capability = torch.cuda.get_device_capability(device)
+    # The device asked for, not the current one (which is_bf16_supported() looks at).
+    if dtype == "bf16" and capability < (8, 0):
+        raise DeviceError(
+            f"bench_matmul(dtype='bf16') needs compute capability 8.0+ (Ampere); {device} "
+            f"has {capability[0]}.{capability[1]}"
+        )
+    if dtype == "tf32" and capability < (8, 0):
+        return ("this GPU predates TF32 (Ampere): tf32 runs as plain fp32",)
+    return ()
+
+
+def _seconds_per_product(
+    dtype: str, size: int, iterations: int, warmup: int, device: torch.device
+) -> float:
+    """Mean wall time of one ``size x size`` product, over one synchronised block."""
+    torch_dtype = _TORCH_DTYPES[dtype]
+    a = torch.randn(size, size, device=device, dtype=torch_dtype)
+    b = torch.randn(size, size, device=device, dtype=torch_dtype)
+    out = torch.empty(size, size, device=device, dtype=torch_dtype)
+    # The TF32 switch is restored afterwards, and never read through a legacy getter that
+    # raises once torch's new fp32_precision API was used.
+    with tf32(dtype == "tf32"):
+        for _ in range(warmup):
+            torch.matmul(a, b, out=out)
+        synchronize(device)
+        # One synchronised block: a sync per product would add its latency to each one.
+        start = time.perf_counter()
+        for _ in range(iterations):
+            torch.matmul(a, b, out=out)
+        synchronize(device)
+        return (time.perf_counter() - start) / iterations
+
+
+def _datasheet_tflops(
+    spec: GpuSpec | None, dtype: str, device: torch.device
+) -> tuple[float | None, tuple[str, ...]]:
+    """The datasheet figure to compare ``dtype`` with, and a note where it is a stand-in."""
+    if spec is not None and dtype in ("fp32", "fp16"):
+        return (spec.fp32_tflops if dtype == "fp32" else spec.fp16_tflops), ()
+    if spec is not None and dtype == "bf16" and torch.cuda.get_device_capability(device) >= (8, 0):
+        # As bench model does: bf16 and fp16 share the tensor-core rate on Ampere and newer.
+        return spec.fp16_tflops, (
+            "the reference table has no bf16 figure; compared with its fp16 figure (the same "
+            "tensor-core rate on Ampere and newer)",
+        )
+    return None, ()
+
+
+def _datasheet_notes(
+    name: str | None, spec: GpuSpec | None, dtype: str, fraction: float | None
+) -> tuple[str, ...]:
+    """Why there is no datasheet figure, or that the measured one is low."""
+    notes: list[str] = []
+    if name is not None and fraction is None:
+        if spec is None:
+            notes.append(f"no datasheet figure for {name} in the reference table")
+        else:
+            notes.append(f"the reference table lists no {dtype} figure for {name}")
+    if fraction is not None and fraction < LOW_FRACTION:
+        notes.append(
+            f"{fraction:.0%} of the datasheet: check clocks and power "
+            "(nvidia-smi -q -d CLOCK,POWER), other processes on the GPU, and try a larger size"
+        )
+    return tuple(notes)
+
 
 def bench_matmul(
     dtype: MatmulDtype = "fp32",
@@ -94,88 +186,39 @@ def bench_matmul(
         size: the matrix side; 8192 on a GPU, 256 on the CPU when None.
         iterations: timed products (20 on a GPU, 10 on the CPU when None).
         warmup: untimed products first.
-        device: ``"cpu"``, ``"cuda"``, ``"cuda:<i>"``, or None for the best available.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``; None or ``"auto"`` is the best
+            available device (:func:`trainperf.best_device`: the GPU with the most free
+            memory), except that where that is MPS the CPU is used: the benchmarks run on
+            CPU and CUDA only.
 
     Returns:
         A :class:`MatmulResult`.
 
     Raises:
         ValueError: an unknown dtype or a count below 1.
-        NotImplementedError: ``"tf32"`` on the CPU (TF32 is a CUDA tensor-core mode), or
-            bf16 on a GPU older than Ampere.
-        DeviceError: a CUDA device was asked for but is not available.
+        DeviceError: a CUDA device was asked for but is not available, or the device lacks
+            what ``dtype`` needs: ``"tf32"`` on the CPU (TF32 is a CUDA tensor-core mode),
+            or bf16 on a GPU older than Ampere.
 
     Example:
         >>> r = bench_matmul("fp32", size=64, iterations=2, device="cpu")
         >>> r.dtype, r.size, r.tflops > 0
         ('fp32', 64, True)
     """
-    if dtype not in MATMUL_DTYPES:
-        raise ValueError(f"dtype must be one of {list(MATMUL_DTYPES)}, got {dtype!r}")
+    choice("dtype", dtype, MATMUL_DTYPES)
     dev = resolve_device(device)
     size = (CUDA_DEFAULT_SIZE if dev.type == "cuda" else CPU_DEFAULT_SIZE) if size is None else size
     iterations = (20 if dev.type == "cuda" else 10) if iterations is None else iterations
-    check_positive("size", size)
-    check_positive("iterations", iterations)
-    check_positive("warmup", warmup)
-    notes: list[str] = []
-    if dtype == "tf32" and dev.type != "cuda":
-        raise NotImplementedError(
-            "bench_matmul(dtype='tf32') needs a CUDA GPU: TF32 is a tensor-core mode of "
-            "Ampere and newer GPUs; on the CPU fp32 matmuls ignore it"
-        )
-    if dev.type == "cuda":
-        capability = torch.cuda.get_device_capability(dev)
-        # The device asked for, not the current one (which is_bf16_supported() looks at).
-        if dtype == "bf16" and capability < (8, 0):
-            raise NotImplementedError(
-                f"bench_matmul(dtype='bf16') needs compute capability 8.0+ (Ampere); {dev} "
-                f"has {capability[0]}.{capability[1]}"
-            )
-        if dtype == "tf32" and capability < (8, 0):
-            notes.append("this GPU predates TF32 (Ampere): tf32 runs as plain fp32")
-
-    torch_dtype = _TORCH_DTYPES[dtype]
-    a = torch.randn(size, size, device=dev, dtype=torch_dtype)
-    b = torch.randn(size, size, device=dev, dtype=torch_dtype)
-    out = torch.empty(size, size, device=dev, dtype=torch_dtype)
-    # The TF32 switch is restored afterwards, and never read through a legacy getter that
-    # raises once torch's new fp32_precision API was used.
-    with tf32(dtype == "tf32"):
-        for _ in range(warmup):
-            torch.matmul(a, b, out=out)
-        synchronize(dev)
-        # One synchronised block: a sync per product would add its latency to each one.
-        start = time.perf_counter()
-        for _ in range(iterations):
-            torch.matmul(a, b, out=out)
-        synchronize(dev)
-        seconds = (time.perf_counter() - start) / iterations
+    positive_int("size", size)
+    positive_int("iterations", iterations)
+    positive_int("warmup", warmup)
+    notes = _check_dtype_on(dtype, dev)
+    seconds = _seconds_per_product(dtype, size, iterations, warmup, dev)
     tflops = 2 * size**3 / seconds / 1e12
-
     name = gpu_name(dev)
     spec = None if name is None else find_gpu_spec(name)
-    datasheet = None
-    if spec is not None and dtype in ("fp32", "fp16"):
-        datasheet = spec.fp32_tflops if dtype == "fp32" else spec.fp16_tflops
-    elif spec is not None and dtype == "bf16" and torch.cuda.get_device_capability(dev) >= (8, 0):
-        # As bench model does: bf16 and fp16 share the tensor-core rate on Ampere and newer.
-        datasheet = spec.fp16_tflops
-        notes.append(
-            "the reference table has no bf16 figure; compared with its fp16 figure (the same "
-            "tensor-core rate on Ampere and newer)"
-        )
+    datasheet, stand_in = _datasheet_tflops(spec, dtype, dev)
     fraction = None if datasheet is None else tflops / datasheet
-    if name is not None and datasheet is None:
-        if spec is None:
-            notes.append(f"no datasheet figure for {name} in the reference table")
-        else:
-            notes.append(f"the reference table lists no {dtype} figure for {name}")
-    if fraction is not None and fraction < LOW_FRACTION:
-        notes.append(
-            f"{fraction:.0%} of the datasheet: check clocks and power "
-            "(nvidia-smi -q -d CLOCK,POWER), other processes on the GPU, and try a larger size"
-        )
     return MatmulResult(
         dtype=dtype,
         size=size,
@@ -186,5 +229,5 @@ def bench_matmul(
         tflops=tflops,
         datasheet_tflops=datasheet,
         datasheet_fraction=fraction,
-        notes=tuple(notes),
+        notes=notes + stand_in + _datasheet_notes(name, spec, dtype, fraction),
     )

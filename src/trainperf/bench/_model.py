@@ -16,19 +16,22 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from trainperf._utils.imports import require
+from trainperf._utils.validate import choice, positive_int
 from trainperf.amp._tf32 import tf32 as tf32_mode
 from trainperf.amp._tf32 import tf32_state
-from trainperf.bench._common import check_positive, gpu_name, resolve_device, synchronize
+from trainperf.bench._common import gpu_name, resolve_device, result_dict, synchronize
 from trainperf.bench._reference import (
     BenchPrecision,
     ModelName,
     ReferenceComparison,
     compare_to_reference,
 )
+from trainperf.errors import DeviceError
 
 __all__ = ["BenchPrecision", "BenchResult", "ModelName", "bench_model", "format_iteration"]
 
@@ -117,6 +120,28 @@ class BenchResult:
             f"{self.image_size}px{layout})"
         )
 
+    def __str__(self) -> str:
+        """The summary line, then the reference comparison and the notes, one per line."""
+        lines = [self.summary()]
+        if self.comparison is not None:
+            lines.append(str(self.comparison))
+        lines.extend(f"Note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-safe (tuples as lists, the comparison as a dict or None).
+
+        Example:
+            >>> import json
+            >>> r = bench_model("resnet50", device="cpu", batch_size=1, image_size=32,
+            ...                 iterations=1, warmup_batches=1)
+            >>> json.loads(json.dumps(r.to_dict())) == r.to_dict()
+            True
+            >>> str(r).splitlines()[0] == r.summary()
+            True
+        """
+        return result_dict(self)
+
 
 def format_iteration(index: int, images_per_s: float, seconds: float) -> str:
     """The reference benchmark's per-iteration line.
@@ -149,6 +174,202 @@ def _unsupported(precision: str, device: torch.device) -> str | None:
                 f"{device} has {major}.{minor}"
             )
     return None
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """The counts a run uses, defaults filled in for the device and checked."""
+
+    batch_size: int
+    image_size: int
+    iterations: int
+    batches_per_iteration: int
+    warmup_batches: int
+
+
+def _settings(
+    device: torch.device,
+    *,
+    batch_size: int | None,
+    image_size: int | None,
+    iterations: int | None,
+    batches_per_iteration: int | None,
+    warmup_batches: int | None,
+) -> _Settings:
+    defaults = CUDA_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
+    batch_size = defaults["batch_size"] if batch_size is None else batch_size
+    image_size = defaults["image_size"] if image_size is None else image_size
+    iterations = defaults["iterations"] if iterations is None else iterations
+    if batches_per_iteration is None:
+        batches_per_iteration = defaults["batches_per_iteration"]
+    if warmup_batches is None:
+        warmup_batches = max(2, batches_per_iteration)
+    return _Settings(
+        batch_size=positive_int("batch_size", batch_size),
+        image_size=positive_int("image_size", image_size),
+        iterations=positive_int("iterations", iterations),
+        batches_per_iteration=positive_int("batches_per_iteration", batches_per_iteration),
+        warmup_batches=positive_int("warmup_batches", warmup_batches),
+    )
+
+
+def _check_model_input(model: str, settings: _Settings, *, train: bool) -> None:
+    image_size, batch_size = settings.image_size, settings.batch_size
+    if model == "vit_b_16" and image_size % 16:
+        raise ValueError(
+            f"vit_b_16 takes 16-pixel patches, so image_size must be a multiple of 16, "
+            f"got {image_size!r} (the reference uses 224)"
+        )
+    if model == "resnet50" and image_size < 32:
+        raise ValueError(f"resnet50 needs image_size >= 32, got {image_size!r}")
+    if train and batch_size < 2:
+        raise ValueError(
+            f"training needs batch_size >= 2 (BatchNorm cannot normalise one image), "
+            f"got {batch_size!r}"
+        )
+
+
+def _batch_runner(
+    model: str,
+    precision: str,
+    settings: _Settings,
+    device: torch.device,
+    *,
+    train: bool,
+    channels_last: bool,
+) -> Callable[[], None]:
+    """One batch of the benchmark (inference, or a training step), ready to call."""
+    dtype = PRECISIONS[precision]
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    size, batch = settings.image_size, settings.batch_size
+    net = _build(model, size).to(device, dtype).to(memory_format=memory_format)
+    images = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
+    images = images.contiguous(memory_format=memory_format)
+    labels = torch.randint(0, 1000, (batch,), device=device)
+
+    def infer() -> None:
+        net(images)
+
+    if not train:
+        net.eval()
+        return infer
+    net.train()
+    optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+
+    def train_step() -> None:
+        loss = torch.nn.functional.cross_entropy(net(images), labels)
+        torch.autograd.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return train_step
+
+
+def _warm_up(run_batch: Callable[[], None], batches: int, what: str) -> None:
+    """Run the untimed batches; a kernel this PyTorch build lacks is a NotImplementedError."""
+    try:
+        for _ in range(batches):
+            run_batch()
+    except (NotImplementedError, RuntimeError) as e:
+        # PyTorch reports a missing kernel as NotImplementedError, or (older builds)
+        # a RuntimeError "... not implemented for 'Half'"; anything else is a bug.
+        if not isinstance(e, NotImplementedError) and "not implemented" not in str(e):
+            raise
+        raise NotImplementedError(f"bench_model: {what} by this PyTorch build ({e})") from e
+
+
+@dataclass(frozen=True)
+class _Timing:
+    """What the timed iterations measured, and the TF32 settings they ran with."""
+
+    seconds: tuple[float, ...]
+    rates: tuple[float, ...]
+    tf32_matmul: bool
+    tf32_cudnn: bool
+
+
+def _time_iterations(
+    run_batch: Callable[[], None],
+    settings: _Settings,
+    device: torch.device,
+    on_iteration: Callable[[int, float, float], None] | None,
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """``(seconds, images_per_s)`` of each timed iteration, CUDA synchronised around each."""
+    seconds: list[float] = []
+    rates: list[float] = []
+    synchronize(device)
+    for i in range(settings.iterations):
+        start = time.perf_counter()
+        for _ in range(settings.batches_per_iteration):
+            run_batch()
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+        rate = settings.batch_size * settings.batches_per_iteration / elapsed
+        seconds.append(elapsed)
+        rates.append(rate)
+        if on_iteration is not None:
+            on_iteration(i, rate, elapsed)
+    return tuple(seconds), tuple(rates)
+
+
+def _measure(
+    run_batch: Callable[[], None],
+    settings: _Settings,
+    device: torch.device,
+    *,
+    what: str,
+    train: bool,
+    tf32: bool | None,
+    on_iteration: Callable[[int, float, float], None] | None,
+) -> _Timing:
+    """Warm up, then time the iterations, under the TF32 setting asked for."""
+    # tf32=None keeps the current settings; either way they are read without the RuntimeError
+    # torch raises once its new fp32_precision API was used, and restored afterwards.
+    mode = contextlib.nullcontext(tf32_state()) if tf32 is None else tf32_mode(tf32)
+    with mode as state, torch.inference_mode(not train):
+        _warm_up(run_batch, settings.warmup_batches, what)
+        seconds, rates = _time_iterations(run_batch, settings, device, on_iteration)
+    return _Timing(seconds, rates, tf32_matmul=state.matmul, tf32_cudnn=state.cudnn)
+
+
+def _comparison(
+    device: torch.device,
+    device_name: str,
+    model: ModelName,
+    precision: BenchPrecision,
+    images_per_s: float,
+    settings: _Settings,
+    timing: _Timing,
+    *,
+    train: bool,
+    channels_last: bool,
+) -> tuple[ReferenceComparison | None, tuple[str, ...]]:
+    """The reference comparison of a GPU inference run at 224 px, and notes on why not."""
+    if train:
+        return None, ("no reference comparison: the reference table is inference",)
+    if settings.image_size != REFERENCE_IMAGE_SIZE:
+        return None, (
+            f"no reference comparison: the reference table is at {REFERENCE_IMAGE_SIZE}px",
+        )
+    notes: list[str] = []
+    comparison = compare_to_reference(
+        device_name,
+        model,
+        precision,
+        images_per_s,
+        compute_capability=torch.cuda.get_device_capability(device),
+        tf32_matmul=timing.tf32_matmul,
+        tf32_cudnn=timing.tf32_cudnn,
+    )
+    if comparison.warning is not None and settings.batch_size < MIN_COMPARABLE_BATCH:
+        notes.append(
+            f"batch {settings.batch_size} is small; the reference ran 1,920 images per "
+            f"iteration, so the {comparison.ratio:.2f}x ratio may reflect the batch"
+        )
+        comparison = dataclasses.replace(comparison, warning=None)
+    if channels_last:
+        notes.append("channels_last is faster than the reference's default layout")
+    return comparison, tuple(notes)
 
 
 def bench_model(
@@ -186,8 +407,10 @@ def bench_model(
         channels_last: use the NHWC memory format (faster convolutions on tensor cores).
         tf32: allow TF32 for fp32 matmuls and convolutions during the run; None keeps
             PyTorch's current settings. The previous settings are restored afterwards.
-        device: ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``; None picks the GPU with the most
-            free memory, else the CPU.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``; None or ``"auto"`` is the best
+            available device (:func:`trainperf.best_device`: the GPU with the most free
+            memory), except that where that is MPS the CPU is used: the benchmarks run on
+            CPU and CUDA only.
         compare: compare a GPU's inference result with the reference table.
         on_iteration: called after each timed iteration with ``(index, images_per_s,
             seconds)``, e.g. to print :func:`format_iteration` lines as they come.
@@ -198,9 +421,10 @@ def bench_model(
     Raises:
         ValueError: an unknown model or precision, a count below 1, an image size the
             model cannot take, or ``train`` with a batch of one.
-        NotImplementedError: this device or PyTorch build cannot run the model in
-            ``precision`` (e.g. bf16 on a pre-Ampere GPU).
-        DeviceError: a CUDA device was asked for but is not available.
+        DeviceError: a CUDA device was asked for but is not available, or the GPU lacks
+            what ``precision`` needs (bf16 on a GPU older than Ampere).
+        NotImplementedError: this PyTorch build has no kernel for the model in
+            ``precision`` on this device (e.g. fp16 convolutions on some CPU builds).
         ModuleNotFoundError: torchvision is missing (``pip install 'trainperf[vision]'``).
 
     Example:
@@ -209,145 +433,62 @@ def bench_model(
         >>> r.model, r.precision, len(r.iteration_seconds), r.images_per_s > 0
         ('resnet50', 'fp32', 1, True)
     """
-    if model not in MODELS:
-        raise ValueError(f"model must be one of {list(MODELS)}, got {model!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    choice("model", model, MODELS)
+    choice("precision", precision, tuple(PRECISIONS))
     dev = resolve_device(device)
-    defaults = CUDA_DEFAULTS if dev.type == "cuda" else CPU_DEFAULTS
-    batch_size = defaults["batch_size"] if batch_size is None else batch_size
-    image_size = defaults["image_size"] if image_size is None else image_size
-    iterations = defaults["iterations"] if iterations is None else iterations
-    if batches_per_iteration is None:
-        batches_per_iteration = defaults["batches_per_iteration"]
-    if warmup_batches is None:
-        warmup_batches = max(2, batches_per_iteration)
-    for name, value in (
-        ("batch_size", batch_size),
-        ("image_size", image_size),
-        ("iterations", iterations),
-        ("batches_per_iteration", batches_per_iteration),
-        ("warmup_batches", warmup_batches),
-    ):
-        check_positive(name, value)
-    if model == "vit_b_16" and image_size % 16:
-        raise ValueError(
-            f"vit_b_16 takes 16-pixel patches, so image_size must be a multiple of 16, "
-            f"got {image_size!r} (the reference uses 224)"
-        )
-    if model == "resnet50" and image_size < 32:
-        raise ValueError(f"resnet50 needs image_size >= 32, got {image_size!r}")
-    if train and batch_size < 2:
-        raise ValueError(
-            f"training needs batch_size >= 2 (BatchNorm cannot normalise one image), "
-            f"got {batch_size!r}"
-        )
+    settings = _settings(
+        dev,
+        batch_size=batch_size,
+        image_size=image_size,
+        iterations=iterations,
+        batches_per_iteration=batches_per_iteration,
+        warmup_batches=warmup_batches,
+    )
+    _check_model_input(model, settings, train=train)
     reason = _unsupported(precision, dev)
     if reason is not None:
-        raise NotImplementedError(f"bench_model(precision={precision!r}) on {dev}: {reason}")
-
-    dtype = PRECISIONS[precision]
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    net = _build(model, image_size).to(dev, dtype).to(memory_format=memory_format)
-    images = torch.randn(batch_size, 3, image_size, image_size, device=dev, dtype=dtype)
-    images = images.contiguous(memory_format=memory_format)
-    labels = torch.randint(0, 1000, (batch_size,), device=dev)
-
-    if train:
-        net.train()
-        optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
-
-        def run_batch() -> None:
-            loss = torch.nn.functional.cross_entropy(net(images), labels)
-            torch.autograd.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    else:
-        net.eval()
-
-        def run_batch() -> None:
-            net(images)
-
-    seconds: list[float] = []
-    rates: list[float] = []
-    # tf32=None keeps the current settings; either way they are read without the RuntimeError
-    # torch raises once its new fp32_precision API was used, and restored afterwards.
-    mode = contextlib.nullcontext(tf32_state()) if tf32 is None else tf32_mode(tf32)
-    with mode as state, torch.inference_mode(not train):
-        tf32_matmul, tf32_cudnn = state.matmul, state.cudnn
-        try:
-            for _ in range(warmup_batches):
-                run_batch()
-        except (NotImplementedError, RuntimeError) as e:
-            # PyTorch reports a missing kernel as NotImplementedError, or (older builds)
-            # a RuntimeError "... not implemented for 'Half'"; anything else is a bug.
-            if not isinstance(e, NotImplementedError) and "not implemented" not in str(e):
-                raise
-            raise NotImplementedError(
-                f"bench_model: {model} in {precision} is not supported on {dev} by this "
-                f"PyTorch build ({e})"
-            ) from e
-        synchronize(dev)
-        for i in range(iterations):
-            start = time.perf_counter()
-            for _ in range(batches_per_iteration):
-                run_batch()
-            synchronize(dev)
-            elapsed = time.perf_counter() - start
-            rate = batch_size * batches_per_iteration / elapsed
-            seconds.append(elapsed)
-            rates.append(rate)
-            if on_iteration is not None:
-                on_iteration(i, rate, elapsed)
-
-    median = statistics.median(rates)
+        raise DeviceError(f"bench_model(precision={precision!r}) on {dev}: {reason}")
+    run_batch = _batch_runner(
+        model, precision, settings, dev, train=train, channels_last=channels_last
+    )
+    what = f"{model} in {precision} is not supported on {dev}"
+    timing = _measure(
+        run_batch, settings, dev, what=what, train=train, tf32=tf32, on_iteration=on_iteration
+    )
+    median = statistics.median(timing.rates)
     device_name = gpu_name(dev)
-    notes: list[str] = []
-    comparison = None
+    comparison: ReferenceComparison | None = None
+    notes: tuple[str, ...] = ()
     if compare and device_name is not None:
-        if train:
-            notes.append("no reference comparison: the reference table is inference")
-        elif image_size != REFERENCE_IMAGE_SIZE:
-            notes.append(
-                f"no reference comparison: the reference table is at {REFERENCE_IMAGE_SIZE}px"
-            )
-        else:
-            comparison = compare_to_reference(
-                device_name,
-                model,
-                precision,
-                median,
-                compute_capability=torch.cuda.get_device_capability(dev),
-                tf32_matmul=tf32_matmul,
-                tf32_cudnn=tf32_cudnn,
-            )
-            if comparison.warning is not None and batch_size < MIN_COMPARABLE_BATCH:
-                notes.append(
-                    f"batch {batch_size} is small; the reference ran 1,920 images per "
-                    f"iteration, so the {comparison.ratio:.2f}x ratio may reflect the batch"
-                )
-                comparison = dataclasses.replace(comparison, warning=None)
-            if channels_last:
-                notes.append("channels_last is faster than the reference's default layout")
+        comparison, notes = _comparison(
+            dev,
+            device_name,
+            model,
+            precision,
+            median,
+            settings,
+            timing,
+            train=train,
+            channels_last=channels_last,
+        )
     return BenchResult(
         model=model,
         precision=precision,
         device=str(dev),
         gpu_name=device_name,
-        batch_size=batch_size,
-        image_size=image_size,
-        batches_per_iteration=batches_per_iteration,
-        warmup_batches=warmup_batches,
+        batch_size=settings.batch_size,
+        image_size=settings.image_size,
+        batches_per_iteration=settings.batches_per_iteration,
+        warmup_batches=settings.warmup_batches,
         train=train,
         channels_last=channels_last,
-        tf32_matmul=tf32_matmul,
-        tf32_cudnn=tf32_cudnn,
+        tf32_matmul=timing.tf32_matmul,
+        tf32_cudnn=timing.tf32_cudnn,
         cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
         torch_version=torch.__version__,
-        iteration_seconds=tuple(seconds),
-        iteration_images_per_s=tuple(rates),
+        iteration_seconds=timing.seconds,
+        iteration_images_per_s=timing.rates,
         images_per_s=median,
         comparison=comparison,
-        notes=tuple(notes),
+        notes=notes,
     )

@@ -18,7 +18,10 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib.resources import files
-from typing import Literal
+from typing import Any, Literal
+
+from trainperf._utils.validate import choice
+from trainperf.bench._common import result_dict
 
 __all__ = [
     "MODEL_COLUMNS",
@@ -242,6 +245,16 @@ class ReferenceComparison:
         lines.extend(f"Note: {n}" for n in self.notes)
         return "\n".join(lines)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-safe: ``next_faster``/``next_slower`` as ``[gpu, images_per_s]``.
+
+        Example:
+            >>> c = compare_to_reference("NVIDIA GeForce RTX 3090", "resnet50", "fp16", 1800.0)
+            >>> c.to_dict()["reference_gpu"], type(c.to_dict()["notes"]).__name__
+            ('3090', 'list')
+        """
+        return result_dict(self)
+
 
 TF32_CAVEAT = (
     "the reference fp32 figures were measured with PyTorch 1.9, which used TF32 for fp32 "
@@ -295,10 +308,8 @@ def compare_to_reference(
         >>> compare_to_reference("NVIDIA H200", "resnet50", "fp16", 10000.0).rank
         1
     """
-    if model not in MODEL_COLUMNS:
-        raise ValueError(f"model must be one of {sorted(MODEL_COLUMNS)}, got {model!r}")
-    if precision not in ("fp32", "fp16", "bf16"):
-        raise ValueError(f"precision must be 'fp32', 'fp16' or 'bf16', got {precision!r}")
+    choice("model", model, sorted(MODEL_COLUMNS))
+    choice("precision", precision, ("fp32", "fp16", "bf16"))
     if not images_per_s > 0:
         raise ValueError(f"images_per_s must be > 0, got {images_per_s!r}")
     notes: list[str] = []

@@ -9,7 +9,9 @@ DDP) and ``_orig_mod.`` (``torch.compile``) prefixes into wrapped or plain model
 - :mod:`._prefix`: :func:`unwrap_model`, :func:`strip_prefix`, :func:`load_state_dict` and
   :class:`LoadResult` (wrapper layers and key prefixes);
 - :mod:`._files`: :func:`save_checkpoint` and :func:`load_checkpoint`;
-- :mod:`._atomic`: the temp-file, fsync and ``os.replace`` write behind ``save_checkpoint``;
+- :mod:`._write`: ``write_checkpoint_file``, the temp-file, fsync and ``os.replace`` write
+  behind ``save_checkpoint`` (:mod:`trainperf._utils.atomic`), its failures as
+  ``CheckpointError``;
 - :mod:`._formats`: recognising a file from its first bytes and naming why it does not load.
 """
 

@@ -19,7 +19,7 @@ from trainperf.checkpoint._formats import (
     _torch_load,
 )
 from trainperf.checkpoint._prefix import _same_type, strip_prefix, unwrap_model
-from trainperf.checkpoint._write import _write_atomically
+from trainperf.checkpoint._write import write_checkpoint_file
 from trainperf.device import resolve_device
 from trainperf.errors import (
     CheckpointCorruptError,
@@ -153,10 +153,10 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str], *, distributed: bool
                 def write_bytes(f: IO[bytes]) -> None:
                     f.write(data)
 
-                _write_atomically(path, write_bytes)
+                write_checkpoint_file(path, write_bytes)
             else:
                 prepared = _prepare(obj)
-                _write_atomically(path, lambda f: torch.save(prepared, f))
+                write_checkpoint_file(path, lambda f: torch.save(prepared, f))
         except Exception as e:
             failure = e
     if rank is not None:
@@ -172,7 +172,7 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str], *, distributed: bool
 
 def load_checkpoint(
     path: str | os.PathLike[str],
-    device: str | int | torch.device = "cpu",
+    device: str | int | torch.device | None = "cpu",
     *,
     weights_only: bool = True,
     verify: bool = True,
@@ -186,9 +186,14 @@ def load_checkpoint(
     Args:
         path: The file (``str`` or path-like).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (or the int ``N``), ``"mps"``, a
-            ``torch.device`` of those types, or ``"auto"`` (``trainperf.device.best_device()``),
-            parsed by :func:`trainperf.device.resolve_device`. The device is checked before
-            the file is read.
+            ``torch.device`` of those types, or None / ``"auto"`` for
+            ``trainperf.device.best_device()`` (as ``device=None`` means elsewhere in
+            trainperf), parsed by :func:`trainperf.device.resolve_device`. The device is
+            checked before the file is read. The default is ``"cpu"``, not the best device,
+            because ``model.load_state_dict`` copies the tensors into the model wherever its
+            parameters live: loading onto a GPU first would hold a second copy of the weights
+            (and optimizer state) in GPU memory, and the load works the same on a machine
+            without the GPU the file was saved on.
         weights_only: Refuse pickled code (the default). ``False`` runs whatever the file
             contains: only for files you trust.
         verify: Check every CRC-32 of a torch zip file first, so flipped bytes in tensor

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from trainperf._utils.serialize import result_dict
 from trainperf.errors import StateDictMismatchError
 
 DEFAULT_PREFIXES: tuple[str, ...] = ("module.", "_orig_mod.")
@@ -162,6 +163,22 @@ class LoadResult:
     def complete(self) -> bool:
         """True when every key was loaded and nothing was left over."""
         return not (self.missing or self.unexpected or self.mismatched)
+
+    def __str__(self) -> str:
+        if self.complete:
+            return "every key loaded"
+        lines = []
+        if self.missing:
+            lines.append(f"{len(self.missing)} missing: {_names(list(self.missing))}")
+        if self.unexpected:
+            lines.append(f"{len(self.unexpected)} unexpected: {_names(list(self.unexpected))}")
+        for key, saved, wanted in self.mismatched:
+            lines.append(f"shape mismatch: {key}: checkpoint {list(saved)}, model {list(wanted)}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-safe dict (shapes as lists), plus ``complete``."""
+        return {**result_dict(self), "complete": self.complete}
 
 
 def _names(names: list[str], limit: int = 10) -> str:

@@ -1,5 +1,6 @@
-"""Atomic checkpoint writes: :func:`trainperf._utils.atomic.write_atomically`, with its failures
-translated into :class:`~trainperf.errors.CheckpointError` messages that name the fix.
+"""Atomic checkpoint writes: :func:`write_checkpoint_file` runs
+:func:`trainperf._utils.atomic.write_atomically` and translates its failures into
+:class:`~trainperf.errors.CheckpointError` messages that name the fix.
 
 A crash, kill or full disk never leaves a partial file under the final name; temp files left by
 killed writers on this host are removed on the next write to the same path.
@@ -15,6 +16,8 @@ from typing import IO
 from trainperf._utils.atomic import fsync_dir, write_atomically
 from trainperf.errors import CheckpointError
 
+__all__ = ["write_checkpoint_file"]
+
 
 def _os_error(e: BaseException) -> OSError | None:
     seen: BaseException | None = e
@@ -25,7 +28,19 @@ def _os_error(e: BaseException) -> OSError | None:
     return None
 
 
-def _write_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+def write_checkpoint_file(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write ``path`` atomically through ``write(f)``, then flush its directory.
+
+    Args:
+        path: the checkpoint file.
+        write: writes the serialised checkpoint into the binary file it is given.
+
+    Raises:
+        CheckpointError: ``path`` is a directory, the write failed (disk full, no permission,
+            read-only filesystem: the message says which, and that any earlier file is
+            unchanged), ``write`` raised (the object could not be serialised), or the
+            directory could not be flushed; the cause is chained.
+    """
     if path.is_dir():
         raise CheckpointError(
             f"cannot save checkpoint to {path}: it is a directory; give a file path such as "

@@ -3,16 +3,19 @@
 ``launch`` spawns nothing inside such a job: the launcher (torchrun's agent, ``srun``) has
 already started one process per rank, and the environment says which rank this one is.
 Half-set or contradictory variables are refused with the variable's name rather than
-left to hang in a rendezvous that can never complete.
+left to hang in a rendezvous that can never complete. Each variable is read and parsed by
+:mod:`trainperf._utils.launch_env` (the same rules ``trainperf.limits`` follows); this module
+decides which launcher started the process and whether its variables agree.
 """
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
+
+from trainperf._utils import launch_env
+from trainperf._utils.launch_env import expand_nodelist
 
 __all__ = ["DistributedEnv", "detect", "expand_nodelist", "slurm_default_port"]
 
@@ -50,187 +53,112 @@ class DistributedEnv:
     master_port: int
 
 
-def _int(env: Mapping[str, str], name: str, *, minimum: int = 0) -> int:
-    raw = env.get(name)
-    if raw is None:
-        raise ValueError(f"environment variable {name} is not set")
-    try:
-        value = int(raw)
-    except ValueError as e:
-        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from e
-    if value < minimum:
-        raise ValueError(f"environment variable {name} must be >= {minimum}, got {raw!r}")
+def _required(name: str, env: Mapping[str, str]) -> int:
+    """A whole-number variable that a SLURM job step always sets (SLURM_PROCID is set)."""
+    value = launch_env.read_int(name, env)
+    if value is None:
+        raise ValueError(
+            f"environment variable {name} is not set, but SLURM_PROCID is: a SLURM job step "
+            "(srun) sets both; run under srun, or unset SLURM_PROCID to let launch() spawn "
+            "the workers itself"
+        )
     return value
 
 
-def _port(env: Mapping[str, str], name: str) -> int:
-    port = _int(env, name, minimum=1)
-    if port > 65535:
-        raise ValueError(f"environment variable {name} must be a port in 1..65535, got {port!r}")
-    return port
+def _incomplete(env: Mapping[str, str]) -> ValueError:
+    missing = [name for name in TORCHRUN_VARS if not launch_env.is_set(name, env)]
+    found = ", ".join(
+        f"{n}={launch_env.text(n, env)}" for n in _TORCHRUN_MARKERS if launch_env.is_set(n, env)
+    )
+    return ValueError(
+        f"incomplete torchrun environment: {found} is set but {', '.join(missing)} "
+        f"{'is' if len(missing) == 1 else 'are'} not; a distributed job needs all of "
+        f"{', '.join(TORCHRUN_VARS)} (unset {', '.join(n for n in _TORCHRUN_MARKERS)} "
+        "to let launch() spawn the workers itself)"
+    )
 
 
 def _torchrun(env: Mapping[str, str]) -> DistributedEnv:
-    missing = [name for name in TORCHRUN_VARS if not env.get(name)]
-    if missing:
-        found = ", ".join(f"{n}={env[n]}" for n in _TORCHRUN_MARKERS if n in env)
-        raise ValueError(
-            f"incomplete torchrun environment: {found} is set but {', '.join(missing)} "
-            f"{'is' if len(missing) == 1 else 'are'} not; a distributed job needs all of "
-            f"{', '.join(TORCHRUN_VARS)} (unset {', '.join(n for n in _TORCHRUN_MARKERS)} "
-            "to let launch() spawn the workers itself)"
-        )
-    world_size = _int(env, "WORLD_SIZE", minimum=1)
-    rank = _int(env, "RANK")
+    rank, world_size, local_rank = (
+        launch_env.read_int(name, env) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    )
+    master_addr, master_port = launch_env.text("MASTER_ADDR", env), launch_env.read_port(env)
+    if rank is None or world_size is None or local_rank is None:
+        raise _incomplete(env)
+    if master_addr is None or master_port is None:
+        raise _incomplete(env)
     if rank >= world_size:
         raise ValueError(f"RANK must be < WORLD_SIZE={world_size}, got RANK={rank}")
-    local_rank = _int(env, "LOCAL_RANK")
-    local_world_size = (
-        _int(env, "LOCAL_WORLD_SIZE", minimum=1) if "LOCAL_WORLD_SIZE" in env else world_size
-    )
+    local_world_size = launch_env.local_world_size(env)
     if local_rank >= local_world_size:
         raise ValueError(
             f"LOCAL_RANK must be < LOCAL_WORLD_SIZE={local_world_size}, got LOCAL_RANK={local_rank}"
         )
     return DistributedEnv(
-        "torchrun",
-        rank,
-        world_size,
-        local_rank,
-        local_world_size,
-        env["MASTER_ADDR"],
-        _port(env, "MASTER_PORT"),
+        "torchrun", rank, world_size, local_rank, local_world_size, master_addr, master_port
     )
-
-
-def _split_top_level(text: str) -> list[str]:
-    """Split on commas outside brackets: "a[1,2],b" -> ["a[1,2]", "b"]."""
-    parts: list[str] = []
-    depth, start = 0, 0
-    for i, ch in enumerate(text):
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced ']' in SLURM node list {text!r}")
-        elif ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    if depth != 0:
-        raise ValueError(f"unbalanced '[' in SLURM node list {text!r}")
-    parts.append(text[start:])
-    return [p.strip() for p in parts if p.strip()]
-
-
-def _expand_range(spec: str, nodelist: str) -> list[str]:
-    out: list[str] = []
-    for item in spec.split(","):
-        lo, sep, hi = item.strip().partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"bad range {item!r} in SLURM node list {nodelist!r}")
-        if not sep:
-            out.append(lo)
-            continue
-        width = len(lo)  # "01-04" keeps its zero padding
-        out.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
-    return out
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a SLURM node list (``SLURM_JOB_NODELIST``) into host names, in order.
-
-    Handles ranges with zero padding, lists inside brackets and several bracket groups in
-    one name, without calling ``scontrol``.
-
-    Args:
-        nodelist: e.g. ``"node[01-03,07],gpu3"``.
-
-    Returns:
-        The host names.
-
-    Raises:
-        ValueError: the list is empty or malformed.
-
-    Example:
-        >>> expand_nodelist("node[01-03,07],gpu3")
-        ['node01', 'node02', 'node03', 'node07', 'gpu3']
-        >>> expand_nodelist("rack[1-2]-n[8-9]")
-        ['rack1-n8', 'rack1-n9', 'rack2-n8', 'rack2-n9']
-    """
-    hosts: list[str] = []
-    for part in _split_top_level(nodelist):
-        names = [""]
-        for literal, bracket in re.findall(r"([^\[\]]*)(?:\[([^\]]*)\])?", part):
-            suffixes = _expand_range(bracket, nodelist) if bracket else [""]
-            names = [n + literal + s for n in names for s in suffixes]
-        hosts.extend(names)
-    if not hosts:
-        raise ValueError(f"SLURM node list is empty: {nodelist!r}")
-    return hosts
 
 
 def slurm_default_port(job_id: str) -> int:
     """MASTER_PORT for a SLURM job that sets none: derived from the job id.
 
+    Raises:
+        ValueError: ``job_id`` is not a whole number.
+
     Example:
         >>> slurm_default_port("123456")
         18456
     """
-    try:
-        number = int(job_id)
-    except ValueError as e:
-        raise ValueError(f"SLURM_JOB_ID must be an integer, got {job_id!r}") from e
+    number = launch_env.parse_int("SLURM_JOB_ID", job_id)
     return SLURM_PORT_BASE + number % SLURM_PORT_SPAN
 
 
-def _tasks_on_first_node(value: str) -> int:
-    """SLURM_TASKS_PER_NODE looks like "4(x2),3"; the first count is this layout's width."""
-    match = re.match(r"\s*(\d+)", value)
-    if not match:
-        raise ValueError(f"SLURM_TASKS_PER_NODE must look like '4(x2),3', got {value!r}")
-    return int(match.group(1))
+def _slurm_master_addr(env: Mapping[str, str]) -> str:
+    addr = launch_env.text("MASTER_ADDR", env)
+    if addr is not None:
+        return addr
+    hosts = launch_env.nodelist(env)
+    if hosts is None:
+        raise ValueError(
+            "SLURM job step without SLURM_JOB_NODELIST: cannot tell which host runs rank 0; "
+            "set MASTER_ADDR to it"
+        )
+    return hosts[0]
+
+
+def _slurm_master_port(env: Mapping[str, str]) -> int:
+    port = launch_env.read_port(env)
+    if port is not None:
+        return port
+    job_id = launch_env.text("SLURM_JOB_ID", env)
+    if job_id is None:
+        raise ValueError(
+            "SLURM job step without SLURM_JOB_ID or MASTER_PORT: set MASTER_PORT to a free port "
+            "on the first host"
+        )
+    return slurm_default_port(job_id)
 
 
 def _slurm(env: Mapping[str, str]) -> DistributedEnv | None:
-    ntasks = _int(env, "SLURM_NTASKS", minimum=1)
-    rank = _int(env, "SLURM_PROCID")
+    ntasks = _required("SLURM_NTASKS", env)
+    rank = _required("SLURM_PROCID", env)
     if rank >= ntasks:
         raise ValueError(f"SLURM_PROCID must be < SLURM_NTASKS={ntasks}, got SLURM_PROCID={rank}")
     if ntasks == 1:
         # A one-task job (or `srun --pty bash`) is a workstation: launch() spawns locally.
         return None
-    local_rank = _int(env, "SLURM_LOCALID")
-    if "SLURM_NTASKS_PER_NODE" in env:
-        local_world_size = _int(env, "SLURM_NTASKS_PER_NODE", minimum=1)
-    elif "SLURM_TASKS_PER_NODE" in env:
-        local_world_size = _tasks_on_first_node(env["SLURM_TASKS_PER_NODE"])
-    else:
-        local_world_size = 1
-    local_world_size = max(local_world_size, local_rank + 1)
-
-    if env.get("MASTER_ADDR"):
-        master_addr = env["MASTER_ADDR"]
-    else:
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-        if not nodelist:
-            raise ValueError(
-                "SLURM job step without SLURM_JOB_NODELIST: cannot tell which host runs rank 0; "
-                "set MASTER_ADDR to it"
-            )
-        master_addr = expand_nodelist(nodelist)[0]
-
-    if env.get("MASTER_PORT"):
-        master_port = _port(env, "MASTER_PORT")
-    elif env.get("SLURM_JOB_ID"):
-        master_port = slurm_default_port(env["SLURM_JOB_ID"])
-    else:
-        raise ValueError(
-            "SLURM job step without SLURM_JOB_ID or MASTER_PORT: set MASTER_PORT to a free port "
-            "on the first host"
-        )
+    local_rank = _required("SLURM_LOCALID", env)
+    # Without SLURM_NODEID the first node's count stands for this node's; a task numbered
+    # past it shows this node has more.
+    local_world_size = max(launch_env.local_world_size(env), local_rank + 1)
     return DistributedEnv(
-        "slurm", rank, ntasks, local_rank, local_world_size, master_addr, master_port
+        "slurm",
+        rank,
+        ntasks,
+        local_rank,
+        local_world_size,
+        _slurm_master_addr(env),
+        _slurm_master_port(env),
     )
 
 
@@ -257,9 +185,9 @@ def detect(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
         >>> env.source, env.rank, env.world_size, env.master_port
         ('torchrun', 1, 2, 29500)
     """
-    env = os.environ if environ is None else environ
-    if any(name in env for name in _TORCHRUN_MARKERS):
+    env = launch_env.environ(environ)
+    if any(launch_env.is_set(name, env) for name in _TORCHRUN_MARKERS):
         return _torchrun(env)
-    if "SLURM_PROCID" in env:
+    if launch_env.is_set("SLURM_PROCID", env):
         return _slurm(env)
     return None

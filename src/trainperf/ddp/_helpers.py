@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from trainperf._utils import launch_env
+from trainperf._utils.validate import non_negative_int, positive_int
 from trainperf.ddp._worker import die_with_parent
 
 __all__ = [
@@ -43,14 +45,16 @@ def _initialised() -> bool:
 
 
 def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ[name])
-    except (KeyError, ValueError):
-        return default
+    """``name`` from the environment, ``default`` when unset; a malformed value raises."""
+    value = launch_env.read_int(name)
+    return default if value is None else value
 
 
 def rank() -> int:
     """This process's global rank: from the process group, else ``RANK``, else 0.
+
+    Raises:
+        ValueError: ``RANK`` is set but is not a whole number >= 0.
 
     Example:
         >>> rank()
@@ -62,6 +66,9 @@ def rank() -> int:
 def local_rank() -> int:
     """This process's rank on its node (its GPU index): ``LOCAL_RANK``, else 0.
 
+    Raises:
+        ValueError: ``LOCAL_RANK`` is set but is not a whole number >= 0.
+
     Example:
         >>> local_rank()
         0
@@ -71,6 +78,9 @@ def local_rank() -> int:
 
 def world_size() -> int:
     """Number of ranks: from the process group, else ``WORLD_SIZE``, else 1.
+
+    Raises:
+        ValueError: ``WORLD_SIZE`` is set but is not a whole number >= 1.
 
     Example:
         >>> world_size()
@@ -263,8 +273,7 @@ class DistributedLoader(DataLoader[T]):
             >>> next(iter(loader)).tolist() == first
             True
         """
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+        non_negative_int("epoch", epoch)
         self.distributed_sampler.set_epoch(epoch)
 
 
@@ -306,8 +315,7 @@ def distributed_loader(
         >>> [batch.tolist() for batch in loader]
         [[0, 1, 2], [3, 4, 5]]
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    positive_int("batch_size", batch_size)
     clashing = sorted({"sampler", "batch_sampler"} & loader_kwargs.keys())
     if clashing:
         raise ValueError(

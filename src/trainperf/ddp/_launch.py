@@ -24,6 +24,8 @@ from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any, Literal
 
+from trainperf._utils import launch_env
+from trainperf._utils.validate import non_negative_int, positive_int
 from trainperf.ddp import _env
 from trainperf.ddp._group import Group
 from trainperf.ddp._procs import Interrupted, SignalGuard
@@ -58,8 +60,7 @@ def _check_options(
         timeout = timedelta(seconds=timeout)
     if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
         raise ValueError(f"timeout must be a positive timedelta (or seconds), got {timeout!r}")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
+    non_negative_int("max_restarts", max_restarts)
     return timeout
 
 
@@ -137,8 +138,8 @@ def _check_spawnable(main: Callable[..., Any], start_method: str, backend: str) 
 def _listen() -> socket.socket:
     """Bind the rendezvous port now (port 0 lets the OS pick a free one: no probe-then-bind
     race); the store that serves it starts only after the workers are forked."""
-    explicit = os.environ.get("MASTER_PORT")
-    port = _env._port(os.environ, "MASTER_PORT") if explicit else 0
+    explicit = launch_env.read_port()
+    port = 0 if explicit is None else explicit
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     # As TCPStore does: a port left in TIME_WAIT by the previous run is reusable, while one
     # with a live listener still fails to bind (Linux), which is the error users must see.
@@ -148,7 +149,7 @@ def _listen() -> socket.socket:
         sock.listen(1024)
     except OSError as e:
         sock.close()
-        if explicit:
+        if explicit is not None:
             raise LaunchError(
                 f"cannot listen on {_LOCALHOST}:{port} (MASTER_PORT={explicit}): the port is "
                 f"taken or not allowed ({e}); choose another MASTER_PORT, or unset it and "
@@ -343,8 +344,7 @@ def _launch(
     resolved = _resolve_backend(backend, gpu_count)
     if nprocs is None:
         nprocs = max(gpu_count, 1)
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be an integer >= 1, got {nprocs!r}")
+    positive_int("nprocs", nprocs)
     if resolved == "nccl" and nprocs > gpu_count:
         raise ValueError(
             f"nprocs={nprocs} with backend='nccl' needs {nprocs} GPUs, but {gpu_count} "

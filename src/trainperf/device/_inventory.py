@@ -25,6 +25,8 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from trainperf._utils.format import format_bytes
+from trainperf._utils.serialize import result_dict
+from trainperf._utils.validate import positive_int
 from trainperf.errors import DeviceError
 
 T = TypeVar("T")
@@ -59,6 +61,18 @@ class GpuInfo:
     utilization: int | None
     compute_capability: tuple[int, int] | None
     pci_bus_id: str
+
+    def __str__(self) -> str:
+        cc = "?" if self.compute_capability is None else ".".join(map(str, self.compute_capability))
+        util = "?" if self.utilization is None else f"{self.utilization}%"
+        return (
+            f"cuda:{self.index} {self.name} (compute {cc}): {format_bytes(self.memory_free)} free "
+            f"of {format_bytes(self.memory_total)}, {util} busy, NVML {self.nvml_index} {self.uuid}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-safe dict (``compute_capability`` as a list)."""
+        return result_dict(self)
 
 
 # --------------------------------------------------------------------------- NVML discovery
@@ -395,8 +409,7 @@ def select_gpus(n: int = 1, *, min_free_memory: int | None = None) -> list[int]:
         >>> len(chosen) <= 1
         True
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    positive_int("n", n)
     if min_free_memory is not None and min_free_memory < 0:
         raise ValueError(f"min_free_memory must be >= 0 bytes or None, got {min_free_memory!r}")
     if _cuda_initialized():

@@ -205,7 +205,9 @@ def to_device(
 
     Args:
         obj: a tensor or any nesting of the containers above.
-        device: ``"cuda:1"``, ``1`` (meaning ``cuda:1``) or a ``torch.device``.
+        device: ``"cuda:1"``, ``1`` (meaning ``cuda:1``) or a ``torch.device``. There is no
+            default and None is refused (``TypeError``): a batch must go where its model is,
+            which "the best device" need not be.
         non_blocking: allow asynchronous host-to-device copies (see above).
         dtype: cast floating-point tensors to this floating dtype on the way; integer and
             bool tensors (labels, indices, masks) keep theirs. Not passed to ``.to`` objects.
@@ -215,7 +217,8 @@ def to_device(
 
     Raises:
         ValueError: ``device`` is not a valid device, or ``dtype`` is not floating-point.
-        TypeError: ``device`` has the wrong type, or a container cannot be rebuilt.
+        TypeError: ``device`` has the wrong type (None included), or a container cannot be
+            rebuilt.
         DeviceError: CUDA or MPS asked for but not available, or a CUDA index beyond the
             visible GPUs (see :func:`trainperf.device.resolve_device`).
 

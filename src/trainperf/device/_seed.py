@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainperf._utils.validate import non_negative_int
+
 
 def seed_everything(seed: int, *, deterministic: bool = False) -> int:
     """Seed Python's ``random``, NumPy, torch and every CUDA device, for reproducible runs.
@@ -79,7 +81,7 @@ def worker_init_fn(worker_id: int) -> None:
         worker_id: the worker's number, as the DataLoader passes it.
 
     Raises:
-        ValueError: ``worker_id`` < 0.
+        ValueError: ``worker_id`` is not an int >= 0.
 
     Example:
         >>> from torch.utils.data import DataLoader
@@ -87,8 +89,7 @@ def worker_init_fn(worker_id: int) -> None:
         ...                     generator=torch.Generator().manual_seed(0))
         >>> worker_init_fn(0)
     """
-    if worker_id < 0:
-        raise ValueError(f"worker_id must be >= 0, got {worker_id!r}")
+    non_negative_int("worker_id", worker_id)
     info = torch.utils.data.get_worker_info()
     seed = info.seed if info is not None else torch.initial_seed() + worker_id
     random.seed(seed)

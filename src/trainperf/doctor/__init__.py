@@ -1,14 +1,15 @@
-"""``trainperf doctor``: check the environment a training run depends on, one verdict per check.
+"""``trainperf doctor``: check the environment a training run depends on, a status per check.
 
-Each check returns a :class:`Check` (name, status ``ok``/``warn``/``fail``/``skip``, the
-measured value, and the fix). The ``check_*`` functions are pure: they take their inputs as
-arguments, so each can be tested against any environment. :func:`diagnose` gathers the real
-inputs (NVML, torch, cgroups, ``/dev/shm``, NumPy's BLAS, environment variables) and runs
-them all into a :class:`DoctorReport`. Nothing here initialises CUDA.
+Each check returns a :class:`Check`: its name, its status (a :data:`CheckStatus`, ``ok``,
+``warn``, ``fail`` or ``skip``, held in the field ``verdict``), the measured value, and the
+fix. The ``check_*`` functions are pure: they take their inputs as arguments, so each can be
+tested against any environment. :func:`diagnose` gathers the real inputs (NVML, torch,
+cgroups, ``/dev/shm``, NumPy's BLAS, environment variables) and runs them all into a
+:class:`DoctorReport`. Nothing here initialises CUDA.
 
 Example:
     >>> from trainperf.doctor import check_load
-    >>> check_load(load_average=0.5, cpus=4).verdict
+    >>> check_load(load_average=0.5, cpus=4).verdict  # the check's status
     'ok'
 """
 

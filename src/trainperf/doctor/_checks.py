@@ -31,6 +31,8 @@ __all__ = [
     "check_visible_devices",
 ]
 
+# A check's status, held in Check.verdict ("skip": could not be checked). Not to be confused
+# with trainperf.monitor.Verdict, the watch's finding.
 CheckStatus = Literal["ok", "warn", "fail", "skip"]
 _GiB = 2**30
 
@@ -49,7 +51,8 @@ class Check:
 
     Attributes:
         name: short identifier, e.g. ``"shm"``.
-        verdict: ``"ok"``, ``"warn"``, ``"fail"`` or ``"skip"`` (could not be checked).
+        verdict: the check's status (a :data:`CheckStatus`): ``"ok"``, ``"warn"``,
+            ``"fail"`` or ``"skip"`` (could not be checked).
         value: what was measured, in words.
         fix: what to do about a warn or fail (or how to make a skipped check run); empty
             when there is nothing to do.
@@ -59,6 +62,15 @@ class Check:
     verdict: CheckStatus
     value: str
     fix: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        """A JSON-ready dict: ``{"name", "verdict" (the status), "value", "fix"}``.
+
+        Example:
+            >>> Check("shm", "warn", "64 MiB", "enlarge /dev/shm").to_dict()["verdict"]
+            'warn'
+        """
+        return {"name": self.name, "verdict": self.verdict, "value": self.value, "fix": self.fix}
 
 
 # --------------------------------------------------------------------------- host

@@ -1,6 +1,6 @@
-"""``trainperf doctor``: check the environment a training run depends on, one verdict per check.
+"""``trainperf doctor``: :func:`diagnose` runs every check; :class:`DoctorReport` holds them.
 
-Each check returns a :class:`Check` (name, verdict ``ok``/``warn``/``fail``/``skip``, the
+Each check returns a :class:`Check` (name, status ``ok``/``warn``/``fail``/``skip``, the
 measured value, and the fix). The check functions (in ``_checks`` and ``_gpu``, exported by
 :mod:`trainperf.doctor`) take their inputs as arguments, so they can be tested against
 any environment; :func:`diagnose` gathers the real inputs (NVML, torch, cgroups,
@@ -15,7 +15,7 @@ import os
 import re
 import warnings
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from trainperf.doctor._checks import (
 )
 from trainperf.doctor._gpu import check_cuda_arch, check_gpus, check_torch_build
 from trainperf.errors import DeviceError
-from trainperf.limits import HostLimits, host_limits
+from trainperf.limits import HostLimits, host_limits, local_world_size
 from trainperf.loader._faults import start_method
 
 __all__ = ["DoctorReport", "diagnose"]
@@ -58,7 +58,7 @@ class DoctorReport:
 
     @property
     def worst(self) -> CheckStatus:
-        """The most severe verdict: fail > warn > ok > skip."""
+        """The most severe status among the checks: fail > warn > ok > skip."""
         worst: CheckStatus = "skip"
         for check in self.checks:
             if _SEVERITY[check.verdict] > _SEVERITY[worst]:
@@ -68,13 +68,16 @@ class DoctorReport:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict: ``{"worst": ..., "checks": [{name, verdict, value, fix}, ...]}``.
 
+        ``worst`` is :attr:`worst`; each check is :meth:`Check.to_dict`, whose ``verdict``
+        key holds the check's status.
+
         Example:
             >>> report = DoctorReport((Check("shm", "warn", "64 MiB", "enlarge /dev/shm"),))
             >>> data = report.to_dict()
             >>> data["worst"], data["checks"][0]["fix"]
             ('warn', 'enlarge /dev/shm')
         """
-        return {"worst": self.worst, "checks": [asdict(c) for c in self.checks]}
+        return {"worst": self.worst, "checks": [c.to_dict() for c in self.checks]}
 
     def __str__(self) -> str:
         width = max((len(c.name) for c in self.checks), default=4)
@@ -192,8 +195,8 @@ def diagnose(
     physical = max(physical, len(gpus))
     cudnn, nccl = _torch_versions()
     try:
-        processes = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
+        processes = local_world_size(environ)
+    except ValueError:  # a malformed launcher variable: the threads check assumes one process
         processes = 1
     checks = [
         check_gpus(gpus, driver, gpu_error),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -99,6 +101,19 @@ class CandidateResult:
         pf = "-" if self.prefetch_factor is None else str(self.prefetch_factor)
         return f"workers={self.num_workers} prefetch={pf} pin={'yes' if self.pin_memory else 'no'}"
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every field by name, JSON-safe; ``CandidateResult(**c.to_dict())`` is ``c`` again.
+
+        This is how the tuner's cache stores a candidate.
+
+        Example:
+            >>> c = CandidateResult(2, 2, False, "ok", samples_per_s=250.0)
+            >>> d = c.to_dict()
+            >>> d["num_workers"], d["samples_per_s"], d["fault"], CandidateResult(**d) == c
+            (2, 250.0, None, True)
+        """
+        return dataclasses.asdict(self)
+
 
 def _num(x: float | None, fmt: str) -> str:
     """Format ``x`` with ``fmt`` plus an optional unit after a space or %: ``".1f%"``."""
@@ -108,6 +123,28 @@ def _num(x: float | None, fmt: str) -> str:
     if spec.endswith("%"):
         return format(x, spec[:-1]) + "%"
     return format(x, spec) + unit
+
+
+def _json_value(value: Any) -> Any:
+    """``value`` if JSON holds it, else a description: a function or class by its qualified
+    name, a multiprocessing context by its start method, anything else by its repr.
+
+    Example:
+        >>> _json_value({"shuffle": True, "collate_fn": len, "ids": (1, 2)})
+        {'shuffle': True, 'collate_fn': 'builtins.len', 'ids': [1, 2]}
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if hasattr(value, "get_start_method"):
+        return str(value.get_start_method())
+    name = getattr(value, "__qualname__", None)
+    if callable(value) and isinstance(name, str):
+        return f"{getattr(value, '__module__', None) or '?'}.{name}"
+    return repr(value)
 
 
 def main_process_share(main_cores: float, measured: bool = False) -> str:
@@ -205,6 +242,47 @@ class TuningReport:
             ):
                 return c
         return None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain dicts, lists, strings and numbers (``json.dumps`` takes it).
+
+        Every field by name, plus ``num_workers`` and ``speedup``. ``candidates`` are
+        :meth:`CandidateResult.to_dict`, ``limits`` the :class:`~trainperf.limits.HostLimits`
+        fields, and ``best_kwargs`` values JSON cannot hold (a ``collate_fn``, a sampler)
+        are described: functions and classes by qualified name, anything else by repr.
+
+        Example:
+            >>> import json
+            >>> from trainperf.limits import HostLimits
+            >>> zero = CandidateResult(0, None, False, "ok", samples_per_s=100.0)
+            >>> report = TuningReport(
+            ...     {"num_workers": 0, "collate_fn": len}, 100.0, 100.0, None, (zero,), 1.0,
+            ...     5.0, HostLimits(4, 4, None, 4, 2**33, None, 2**32, None, None), 4, 3, 8,
+            ...     "cpu", 32)
+            >>> data = json.loads(json.dumps(report.to_dict()))
+            >>> data["best_kwargs"], data["speedup"], data["candidates"][0]["status"]
+            ({'num_workers': 0, 'collate_fn': 'builtins.len'}, 1.0, 'ok')
+        """
+        return {
+            "best_kwargs": _json_value(self.best_kwargs),
+            "num_workers": self.num_workers,
+            "samples_per_s": self.samples_per_s,
+            "baseline_samples_per_s": self.baseline_samples_per_s,
+            "speedup": self.speedup,
+            "step_samples_per_s": self.step_samples_per_s,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "elapsed_s": self.elapsed_s,
+            "budget_s": self.budget_s,
+            "limits": dataclasses.asdict(self.limits),
+            "cpus": self.cpus,
+            "worker_cpus": self.worker_cpus,
+            "main_cores": self.main_cores,
+            "max_workers": self.max_workers,
+            "device": self.device,
+            "batch_size": self.batch_size,
+            "from_cache": self.from_cache,
+            "notes": list(self.notes),
+        }
 
     def __str__(self) -> str:
         lim = self.limits

@@ -120,7 +120,7 @@ class Search:
         a worker may end up copying every page of the main process it was forked from
         (``main_rss``). A measured figure already includes the growth projected over the
         dataset (a forked worker copies the pages of the Python objects it touches, see
-        :func:`trainperf.loader._measure.project_worker_uss`); the 25 % covers what the
+        :func:`trainperf.loader._memory.project_worker_uss`); the 25 % covers what the
         projection cannot see."""
         seen = [c.worker_uss for c in self.results if c.worker_uss]
         if seen:

@@ -1,12 +1,19 @@
-"""``tune_loader`` and ``autotune_loader``: the public entry points of the DataLoader tuner."""
+"""``tune_loader`` and ``autotune_loader``: the public entry points of the DataLoader tuner.
+
+A call checks its arguments (:mod:`trainperf.loader._args`) and settles the device and the
+limits it works in, then returns a cached choice that still fits
+(:mod:`trainperf.loader._cached`), or measures ``num_workers=0`` and ``step_fn``
+(:mod:`trainperf.loader._step`), searches (:mod:`trainperf.loader._search`) over
+measurements (:mod:`trainperf.loader._measure`) and turns the choice into DataLoader
+arguments (:mod:`trainperf.loader._choice`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import math
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -15,21 +22,17 @@ from torch.utils.data import DataLoader
 
 from trainperf.device import resolve_device
 from trainperf.limits import HostLimits, host_limits, local_world_size, usable_cpus
-from trainperf.loader import _cache
+from trainperf.loader import _cache, _cached
+from trainperf.loader._args import check_args
+from trainperf.loader._choice import NOT_CACHED, best_settings, final_kwargs, forced_fallback
 from trainperf.loader._faults import start_method
 from trainperf.loader._measure import measure
 from trainperf.loader._progress import ProgressBar
 from trainperf.loader._report import CandidateResult, TuningReport
-from trainperf.loader._search import Search, default_max_workers, safety_margin
+from trainperf.loader._search import Search, default_max_workers
+from trainperf.loader._step import cores_for_workers, loader_ceiling, main_process_cores, time_step
 
-__all__ = ["TunedDataLoader", "autotune_loader", "tune_loader"]
-
-_TUNED = ("num_workers", "prefetch_factor")
-_ALLOWED = frozenset(inspect.signature(DataLoader.__init__).parameters) - {
-    "self",
-    "dataset",
-    "batch_size",
-}
+__all__ = ["TunedDataLoader", "autotune_loader", "hang_timeout", "tune_loader"]
 
 
 class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
@@ -42,249 +45,287 @@ class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
     tuning_report: TuningReport
 
 
-def _check_args(
+@dataclass(frozen=True)
+class _Setup:
+    """What a call settles before measuring: the device, the limits, the search's bounds."""
+
+    device: torch.device
+    limits: HostLimits
+    cpus: int
+    max_workers: int
+    start_method: str
+    pin_options: tuple[bool, ...]
+    budget_s: float
+    batch_size: int
+
+    def report_fields(self) -> dict[str, Any]:
+        """The :class:`TuningReport` fields known before anything is measured."""
+        return {
+            "budget_s": self.budget_s,
+            "limits": self.limits,
+            "cpus": self.cpus,
+            "max_workers": self.max_workers,
+            "device": str(self.device),
+            "batch_size": self.batch_size,
+        }
+
+
+def _set_up(
     batch_size: int,
+    device: str | torch.device | None,
     max_workers: int | None,
     budget_s: float,
+    loader_kwargs: Mapping[str, Any],
+) -> _Setup:
+    dev = resolve_device(device)
+    limits = host_limits()
+    cpus = usable_cpus(local_world_size(), limits=limits)
+    user_pin = loader_kwargs.get("pin_memory")
+    if user_pin is not None:
+        pin_options: tuple[bool, ...] = (bool(user_pin),)
+    else:
+        pin_options = (True, False) if dev.type == "cuda" else (False,)
+    return _Setup(
+        device=dev,
+        limits=limits,
+        cpus=cpus,
+        max_workers=default_max_workers(cpus) if max_workers is None else max_workers,
+        start_method=start_method(loader_kwargs),
+        pin_options=pin_options,
+        budget_s=float(budget_s),
+        batch_size=batch_size,
+    )
+
+
+def _cache_key(
+    dataset: Any,
+    setup: _Setup,
     epochs_hint: int | None,
     step_fn: Callable[[Any], Any] | None,
     loader_kwargs: Mapping[str, Any],
-) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    if max_workers is not None and (
-        isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 0
-    ):
-        raise ValueError(f"max_workers must be None or an int >= 0, got {max_workers!r}")
-    if (
-        isinstance(budget_s, bool)
-        or not isinstance(budget_s, (int, float))
-        or not budget_s > 0
-        or math.isinf(budget_s)
-    ):
-        raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
-    if epochs_hint is not None and (
-        isinstance(epochs_hint, bool) or not isinstance(epochs_hint, int) or epochs_hint < 1
-    ):
-        raise ValueError(f"epochs_hint must be None or an int >= 1, got {epochs_hint!r}")
-    if step_fn is not None and not callable(step_fn):
-        raise ValueError(f"step_fn must be callable (it gets one batch), got {step_fn!r}")
-    for k in loader_kwargs:
-        if k in _TUNED:
-            raise ValueError(
-                f"{k} is what tune_loader chooses, so it cannot be passed in; bound the search "
-                f"with max_workers= instead"
-            )
-        if k == "batch_sampler":
-            raise ValueError(
-                "batch_sampler is not supported: tune_loader batches with batch_size; pass "
-                "sampler= (and drop_last=) instead"
-            )
-        if k not in _ALLOWED:
-            raise ValueError(
-                f"unknown DataLoader argument {k!r}; choices: {', '.join(sorted(_ALLOWED))}"
-            )
-
-
-def _time_step(
-    dataset: Any,
-    batch_size: int,
-    loader_kwargs: Mapping[str, Any],
-    step_fn: Callable[[Any], Any],
-    device: torch.device,
-    deadline: float,
-) -> tuple[float, float]:
-    """``step_fn`` alone: one warm-up call, then up to 5 timed calls (1 s).
-
-    Returns its samples/s and the CPU seconds it costs per sample (this process's CPU time
-    until ``step_fn`` returns, all threads counted, not the synchronisation the tuner adds
-    after it), from which the main process's share of the cores follows. Each batch is
-    moved to ``device`` first (outside the timed region), as the training loop would do; on
-    CUDA the device is synchronised before and after each call so the time is the step's
-    and not a queue's.
-    """
-    from trainperf.device import to_device
-
-    kwargs = {k: v for k, v in loader_kwargs.items() if k in ("shuffle", "sampler", "collate_fn")}
-    loader: DataLoader[Any] = DataLoader(dataset, batch_size=batch_size, **kwargs)
-    it = iter(loader)
-    cuda = device.type == "cuda"
-    name = getattr(step_fn, "__qualname__", None) or repr(step_fn)
-    spent, cpu, calls, samples = 0.0, 0.0, 0, 0
-    for i in range(6):
-        try:
-            batch = next(it)
-        except StopIteration:
-            it = iter(loader)
-            batch = next(it)
-        try:
-            batch = to_device(batch, device)
-            if cuda:
-                torch.cuda.synchronize(device)
-        except Exception as e:
-            raise RuntimeError(
-                f"moving a batch to {device} for step_fn failed: {e!r}; step_fn gets the batch "
-                f"on the tuning device, so its tensors (or objects with a .to method) must move "
-                f"there"
-            ) from e
-        t, c = time.perf_counter(), time.process_time()
-        try:
-            step_fn(batch)
-            # CPU time stops before the tuner's own synchronize: waiting on it may spin, and
-            # a training loop does not synchronise after every step.
-            c_end = time.process_time()
-            if cuda:
-                torch.cuda.synchronize(device)
-        except Exception as e:
-            raise RuntimeError(
-                f"step_fn {name} raised on a batch of the dataset (moved to {device}): {e!r}; "
-                f"tune_loader calls step_fn(batch) like one training step"
-            ) from e
-        if i > 0:  # the first call pays for lazy initialisation
-            spent += time.perf_counter() - t
-            cpu += c_end - c
-            calls += 1
-            samples += batch_size
-        if calls and (spent > 1.0 or time.perf_counter() > deadline):
-            break
-    if not calls:
-        return math.inf, 0.0
-    return samples / max(spent, 1e-9), cpu / samples
-
-
-def main_process_cores(
-    cpus: int,
-    step_cpu_per_sample: float | None = None,
-    samples_per_s: float = 0.0,
-) -> float:
-    """Cores kept for the main process: one when the training step is unknown (no
-    ``step_fn``), else the step's CPU seconds per sample times the samples per second it
-    will process (at most ``cpus``).
-
-    Example:
-        >>> main_process_cores(16), main_process_cores(16, 0.0005, 2000.0)
-        (1.0, 1.0)
-        >>> main_process_cores(16, 2e-6, 5000.0), main_process_cores(2, 0.01, 500.0)
-        (0.01, 2.0)
-    """
-    if step_cpu_per_sample is None:
-        return 1.0
-    return round(min(float(cpus), max(0.0, step_cpu_per_sample * samples_per_s)), 2)
-
-
-def _loader_ceiling(baseline: CandidateResult, cpus: int) -> float:
-    """Samples/s the loading could reach with every usable core, from ``num_workers=0``
-    (an upper bound: the main process's demand is judged at the fastest the step could be
-    fed)."""
-    rate = baseline.samples_per_s or 0.0
-    return cpus * rate / min(1.0, max(0.01, baseline.main_cpu or 1.0))
-
-
-def cores_for_workers(cpus: int, main_cores: float) -> int:
-    """Whole cores the workers may keep busy: the rest after ``main_cores``, at least 1.
-
-    Example:
-        >>> cores_for_workers(16, 1.0), cores_for_workers(2, 0.02), cores_for_workers(2, 2.0)
-        (15, 2, 1)
-    """
-    return max(1, math.floor(cpus - main_cores + 0.5))
-
-
-def _persistent(
-    choice: CandidateResult,
-    epochs_hint: int | None,
-    samples_per_epoch: int | None,
-    batch_size: int,
-) -> tuple[bool, str | None]:
-    n, rate = choice.num_workers, choice.samples_per_s
-    if n == 0:
-        return False, None
-    if epochs_hint == 1:
-        return False, "persistent_workers=False: one epoch, so there is no restart to save"
-    if rate is None or choice.startup_s is None:
-        return True, None
-    # Start-up minus one batch's production: what re-creating the workers each epoch costs.
-    overhead = max(0.0, choice.startup_s - n * batch_size / rate)
-    if samples_per_epoch is None:
-        return True, None
-    epoch_s = samples_per_epoch / rate
-    if overhead >= 0.01 * epoch_s:
-        return True, (
-            f"persistent_workers=True: worker start-up ({overhead:.2f} s) is "
-            f"{100 * overhead / max(epoch_s, 1e-9):.1f} % of an epoch ({epoch_s:.1f} s)"
-        )
-    return False, (
-        f"persistent_workers=False: worker start-up ({overhead:.2f} s) is under 1 % of an "
-        f"epoch ({epoch_s:.1f} s)"
+) -> str:
+    fields = _cache.key_fields(
+        dataset,
+        setup.batch_size,
+        cpus=setup.cpus,
+        device_type=setup.device.type,
+        max_workers=setup.max_workers,
+        epochs_hint=epochs_hint,
+        step_fn=step_fn,
+        loader_kwargs=loader_kwargs,
     )
+    return _cache.make_key(fields)
 
 
-def _final_kwargs(
-    loader_kwargs: Mapping[str, Any],
-    batch_size: int,
-    choice: Mapping[str, Any],
-    notes: list[str],
-) -> dict[str, Any]:
-    out: dict[str, Any] = {**loader_kwargs, "batch_size": batch_size}
-    n = int(choice["num_workers"])
-    out["num_workers"] = n
-    out["pin_memory"] = bool(choice["pin_memory"])
-    if n > 0:
-        out["prefetch_factor"] = int(choice["prefetch_factor"] or 2)
-        out["persistent_workers"] = bool(choice["persistent_workers"])
-    else:
-        # DataLoader rejects these with num_workers=0.
-        out.pop("prefetch_factor", None)
-        out["persistent_workers"] = False
-        if out.pop("multiprocessing_context", None) is not None:
-            notes.append("multiprocessing_context dropped: it needs num_workers > 0")
-    return out
-
-
-def _from_cache(
-    entry: Mapping[str, Any],
-    limits: HostLimits,
-    loader_kwargs: Mapping[str, Any],
-    batch_size: int,
-    common: dict[str, Any],
-    started: float,
+def _cache_hit(
+    key: str, setup: _Setup, loader_kwargs: Mapping[str, Any], started: float
 ) -> TuningReport | None:
-    """A report built from a cache entry, or None when it is malformed or no longer fits.
-
-    The main process's share is the entry's (measured with ``step_fn``); an entry without
-    one kept the default core.
-    """
-    try:
-        best = dict(entry["best"])
-        candidates = tuple(CandidateResult(**c) for c in entry["candidates"])
-        int(best["num_workers"])
-        need, shm = int(entry["memory_needed"]), int(entry["shm_needed"])
-        notes = [str(n) for n in entry.get("notes", [])]
-        rate = entry.get("samples_per_s")
-        base = entry.get("baseline_samples_per_s")
-        step = entry.get("step_samples_per_s")
-        main_cores = float(entry.get("main_cores", main_process_cores(common["cpus"])))
-        worker_cpus = int(entry.get("worker_cpus", cores_for_workers(common["cpus"], main_cores)))
-    except (KeyError, TypeError, ValueError):
+    entry = _cache.read_entry(key)
+    if entry is None:
         return None
-    if need > limits.memory_available - safety_margin(limits.memory_available):
-        return None
-    if limits.shm_free is not None and shm > 0.9 * limits.shm_free:
-        return None
-    notes.append(f"settings from the cache ({_cache.cache_file()}); cache=False re-tunes")
-    return TuningReport(
-        best_kwargs=_final_kwargs(loader_kwargs, batch_size, best, []),
-        samples_per_s=rate,
-        baseline_samples_per_s=base,
-        step_samples_per_s=step,
-        candidates=candidates,
-        elapsed_s=time.perf_counter() - started,
-        from_cache=True,
-        notes=tuple(notes),
-        worker_cpus=worker_cpus,
-        main_cores=main_cores,
-        **common,
+    return _cached.report_from_cache(
+        entry, setup.limits, loader_kwargs, setup.batch_size, setup.report_fields(), started
     )
+
+
+def hang_timeout(
+    num_workers: int, *, user_timeout: float, start_method: str, batch_s: float, worker_cpus: int
+) -> float:
+    """Seconds without a batch that count as a hang while measuring ``num_workers`` workers.
+
+    The caller's ``timeout`` when given; else twenty times the main process's time per
+    batch, times how far the workers outnumber their cores, at least 10 s; plus 20 s for
+    workers that import torch again as they start (``spawn``, ``forkserver``).
+
+    Example:
+        >>> hang_timeout(4, user_timeout=0.0, start_method="fork", batch_s=0.01, worker_cpus=2)
+        10.0
+        >>> hang_timeout(4, user_timeout=0.0, start_method="spawn", batch_s=1.0, worker_cpus=2)
+        60.0
+        >>> hang_timeout(4, user_timeout=3.0, start_method="spawn", batch_s=1.0, worker_cpus=2)
+        3.0
+    """
+    if user_timeout > 0:
+        return user_timeout
+    spawn_extra = 0.0 if start_method == "fork" else 20.0
+    return max(10.0, 20.0 * batch_s * max(1.0, num_workers / worker_cpus)) + spawn_extra
+
+
+@dataclass(frozen=True)
+class _Measurer:
+    """The search's ``measure``: one candidate timed on the caller's dataset and arguments,
+    within the call's deadline, and shown on the progress bar."""
+
+    dataset: Any
+    batch_size: int
+    loader_kwargs: dict[str, Any]  # without pin_memory and persistent_workers: tuned here
+    setup: _Setup
+    deadline: float
+    bar: ProgressBar
+    user_timeout: float
+    worker_cpus: int
+    batch_s: float = 1.0  # seconds per batch in the main process, known after the baseline
+
+    def __call__(self, n: int, pf: int | None, pin: bool) -> CandidateResult:
+        setup = self.setup
+        self.bar.update(f"measuring workers={n} prefetch={pf or '-'}", force=True)
+        r = measure(
+            self.dataset,
+            self.batch_size,
+            self.loader_kwargs,
+            num_workers=n,
+            prefetch_factor=pf,
+            pin_memory=pin,
+            deadline=self.deadline,
+            hang_timeout_s=hang_timeout(
+                n,
+                user_timeout=self.user_timeout,
+                start_method=setup.start_method,
+                batch_s=self.batch_s,
+                worker_cpus=self.worker_cpus,
+            ),
+            device=setup.device if setup.device.type == "cuda" else None,
+            shm_free=setup.limits.shm_free,
+            on_tick=self.bar.update,
+        )
+        done = "-" if r.samples_per_s is None else f"{r.samples_per_s:,.0f}/s"
+        self.bar.update(f"workers={n} prefetch={pf or '-'}: {done}", force=True)
+        return r
+
+
+@dataclass(frozen=True)
+class _Shares:
+    """How the usable cores are split, and the step's own speed when ``step_fn`` was timed."""
+
+    main_cores: float
+    worker_cpus: int
+    step_samples_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What the search starts from."""
+
+    baseline: CandidateResult
+    shares: _Shares
+    search: Search
+
+
+def _measure_baseline(measurer: _Measurer) -> CandidateResult:
+    try:
+        return measurer(0, None, measurer.setup.pin_options[0])
+    except ValueError:
+        raise
+    except Exception as e:
+        raise RuntimeError(
+            f"the dataset fails in the main process (num_workers=0), so there is nothing "
+            f"to tune: {e!r}"
+        ) from e
+
+
+def _shares(
+    measurer: _Measurer,
+    step_fn: Callable[[Any], Any] | None,
+    loader_kwargs: Mapping[str, Any],
+    baseline: CandidateResult,
+) -> _Shares:
+    """One core for the main process, or what ``step_fn`` was measured to use."""
+    cpus = measurer.setup.cpus
+    main_cores = main_process_cores(cpus)
+    if step_fn is None or time.perf_counter() >= measurer.deadline:
+        return _Shares(main_cores, cores_for_workers(cpus, main_cores))
+    step_rate, step_cpu = time_step(
+        measurer.dataset,
+        measurer.batch_size,
+        loader_kwargs,
+        step_fn,
+        measurer.setup.device,
+        measurer.deadline,
+    )
+    # The main process steps as fast as batches arrive, up to the step's own speed.
+    fed = min(step_rate, loader_ceiling(baseline, cpus))
+    main_cores = main_process_cores(cpus, step_cpu, fed)
+    return _Shares(main_cores, cores_for_workers(cpus, main_cores), step_rate)
+
+
+def _prepare(
+    dataset: Any,
+    loader_kwargs: Mapping[str, Any],
+    step_fn: Callable[[Any], Any] | None,
+    setup: _Setup,
+    deadline: float,
+    bar: ProgressBar,
+) -> _Prepared:
+    """Measure ``num_workers=0`` and ``step_fn``, and set up the search from them."""
+    measurer = _Measurer(
+        dataset,
+        setup.batch_size,
+        {k: v for k, v in loader_kwargs.items() if k not in ("pin_memory", "persistent_workers")},
+        setup,
+        deadline,
+        bar,
+        user_timeout=float(loader_kwargs.get("timeout") or 0.0),
+        # Until step_fn has been measured: one core kept for the main process.
+        worker_cpus=cores_for_workers(setup.cpus, main_process_cores(setup.cpus)),
+    )
+    baseline = _measure_baseline(measurer)
+    rate = baseline.samples_per_s
+    measurer = dataclasses.replace(measurer, batch_s=setup.batch_size / rate if rate else 1.0)
+    shares = _shares(measurer, step_fn, loader_kwargs, baseline)
+    search = Search(
+        measure=dataclasses.replace(measurer, worker_cpus=shares.worker_cpus),
+        out_of_time=lambda: time.perf_counter() >= deadline - 0.05,
+        worker_cpus=shares.worker_cpus,
+        main_cores=shares.main_cores,
+        max_workers=setup.max_workers,
+        memory_available=setup.limits.memory_available,
+        shm_free=setup.limits.shm_free,
+        start_method=setup.start_method,
+        pin_options=setup.pin_options,
+        step_samples_per_s=shares.step_samples_per_s,
+        main_rss=psutil.Process().memory_info().rss,
+    )
+    return _Prepared(baseline, shares, search)
+
+
+def _finish(
+    dataset: Any,
+    loader_kwargs: Mapping[str, Any],
+    epochs_hint: int | None,
+    key: str | None,
+    setup: _Setup,
+    prepared: _Prepared,
+    choice: CandidateResult,
+    started: float,
+) -> TuningReport:
+    """The report of a search that chose ``choice``; stored in the cache unless forced."""
+    search, batch_size = prepared.search, setup.batch_size
+    notes = list(search.notes)
+    samples_per_epoch = _cache.length(loader_kwargs.get("sampler", dataset))
+    persistent = loader_kwargs.get("persistent_workers")
+    best = best_settings(choice, persistent, epochs_hint, samples_per_epoch, batch_size, notes)
+    best_kwargs = final_kwargs(loader_kwargs, batch_size, best, notes)
+    forced = forced_fallback(choice, search.results)
+    if key is not None and forced:
+        notes.append(NOT_CACHED)
+    report = TuningReport(
+        best_kwargs=best_kwargs,
+        samples_per_s=choice.samples_per_s,
+        baseline_samples_per_s=prepared.baseline.samples_per_s,
+        step_samples_per_s=prepared.shares.step_samples_per_s,
+        candidates=tuple(search.results),
+        elapsed_s=time.perf_counter() - started,
+        notes=tuple(notes),
+        worker_cpus=prepared.shares.worker_cpus,
+        main_cores=prepared.shares.main_cores,
+        **setup.report_fields(),
+    )
+    if key is None or not choice.ok or forced:
+        return report
+    n, pf, pin = choice.num_workers, choice.prefetch_factor, choice.pin_memory
+    memory = search.memory_needed(n, pf, pin) if n else 0
+    report = _cached.store(key, report, best, memory, search.shm_needed(n, pf))
+    return dataclasses.replace(report, elapsed_s=time.perf_counter() - started)
 
 
 def tune_loader(
@@ -363,185 +404,22 @@ def tune_loader(
         (0, True)
     """
     started = time.perf_counter()
-    _check_args(batch_size, max_workers, budget_s, epochs_hint, step_fn, loader_kwargs)
+    check_args(batch_size, max_workers, budget_s, epochs_hint, step_fn, loader_kwargs)
     deadline = started + budget_s
-    dev = resolve_device(device)
-    cuda = dev.type == "cuda"
-    limits = host_limits()
-    cpus = usable_cpus(local_world_size(), limits=limits)
-    main_cores = main_process_cores(cpus)  # until step_fn has been measured
-    worker_cpus = cores_for_workers(cpus, main_cores)
-    n_max = default_max_workers(cpus) if max_workers is None else max_workers
-    method = start_method(loader_kwargs)
-    user_pin = loader_kwargs.get("pin_memory")
-    user_persistent = loader_kwargs.get("persistent_workers")
-    pin_options = (
-        (bool(user_pin),) if user_pin is not None else ((True, False) if cuda else (False,))
-    )
-    common: dict[str, Any] = {
-        "budget_s": float(budget_s),
-        "limits": limits,
-        "cpus": cpus,
-        "max_workers": n_max,
-        "device": str(dev),
-        "batch_size": batch_size,
-    }
-
-    key = None
-    if cache:
-        key = _cache.make_key(
-            _cache.key_fields(
-                dataset,
-                batch_size,
-                cpus=cpus,
-                device_type=dev.type,
-                max_workers=n_max,
-                epochs_hint=epochs_hint,
-                step_fn=step_fn,
-                loader_kwargs=loader_kwargs,
-            )
-        )
-        entry = _cache.read_entry(key)
-        if entry is not None:
-            hit = _from_cache(entry, limits, loader_kwargs, batch_size, common, started)
-            if hit is not None:
-                return hit
-
+    setup = _set_up(batch_size, device, max_workers, budget_s, loader_kwargs)
+    key = _cache_key(dataset, setup, epochs_hint, step_fn, loader_kwargs) if cache else None
+    if key is not None:
+        hit = _cache_hit(key, setup, loader_kwargs, started)
+        if hit is not None:
+            return hit
     bar = ProgressBar(float(budget_s), enabled=progress)
-    measure_kwargs = {
-        k: v for k, v in loader_kwargs.items() if k not in ("pin_memory", "persistent_workers")
-    }
-    user_timeout = float(loader_kwargs.get("timeout") or 0.0)
-    batch_s = [1.0]  # seconds per batch in the main process, known after the baseline
-
-    def hang_timeout(n: int) -> float:
-        if user_timeout > 0:
-            return user_timeout
-        spawn_extra = 0.0 if method == "fork" else 20.0
-        return max(10.0, 20.0 * batch_s[0] * max(1.0, n / worker_cpus)) + spawn_extra
-
-    def run(n: int, pf: int | None, pin: bool) -> CandidateResult:
-        bar.update(f"measuring workers={n} prefetch={pf or '-'}", force=True)
-        r = measure(
-            dataset,
-            batch_size,
-            measure_kwargs,
-            num_workers=n,
-            prefetch_factor=pf,
-            pin_memory=pin,
-            deadline=deadline,
-            hang_timeout_s=hang_timeout(n),
-            device=dev if cuda else None,
-            shm_free=limits.shm_free,
-            on_tick=bar.update,
-        )
-        done = "-" if r.samples_per_s is None else f"{r.samples_per_s:,.0f}/s"
-        bar.update(f"workers={n} prefetch={pf or '-'}: {done}", force=True)
-        return r
-
     try:
-        try:
-            baseline = run(0, None, pin_options[0])
-        except ValueError:
-            raise
-        except Exception as e:
-            raise RuntimeError(
-                f"the dataset fails in the main process (num_workers=0), so there is nothing "
-                f"to tune: {e!r}"
-            ) from e
-        if baseline.samples_per_s:
-            batch_s[0] = batch_size / baseline.samples_per_s
-        step_rate = None
-        if step_fn is not None and time.perf_counter() < deadline:
-            step_rate, step_cpu = _time_step(
-                dataset, batch_size, loader_kwargs, step_fn, dev, deadline
-            )
-            # The main process steps as fast as batches arrive, up to the step's own speed.
-            fed = min(step_rate, _loader_ceiling(baseline, cpus))
-            main_cores = main_process_cores(cpus, step_cpu, fed)
-            worker_cpus = cores_for_workers(cpus, main_cores)
-        search = Search(
-            measure=run,
-            out_of_time=lambda: time.perf_counter() >= deadline - 0.05,
-            worker_cpus=worker_cpus,
-            main_cores=main_cores,
-            max_workers=n_max,
-            memory_available=limits.memory_available,
-            shm_free=limits.shm_free,
-            start_method=method,
-            pin_options=pin_options,
-            step_samples_per_s=step_rate,
-            main_rss=psutil.Process().memory_info().rss,
-        )
-        choice = search.run(baseline)
+        prepared = _prepare(dataset, loader_kwargs, step_fn, setup, deadline, bar)
+        # Run from here: the warning of a fallback to num_workers=0 names the caller's line.
+        choice = prepared.search.run(prepared.baseline)
     finally:
         bar.close()
-
-    notes = list(search.notes)
-    samples_per_epoch = (
-        _cache.length(loader_kwargs["sampler"])
-        if "sampler" in loader_kwargs
-        else _cache.length(dataset)
-    )
-    if user_persistent is not None:
-        persistent = bool(user_persistent)
-    else:
-        persistent, why = _persistent(choice, epochs_hint, samples_per_epoch, batch_size)
-        if why:
-            notes.append(why)
-    if user_persistent and choice.num_workers == 0:
-        notes.append("persistent_workers=True dropped: it needs num_workers > 0")
-    best = {
-        "num_workers": choice.num_workers,
-        "prefetch_factor": choice.prefetch_factor,
-        "pin_memory": choice.pin_memory,
-        "persistent_workers": persistent,
-    }
-    best_kwargs = _final_kwargs(loader_kwargs, batch_size, best, notes)
-    # A num_workers=0 forced by failing or refused workers (a crash, too little /dev/shm or
-    # memory, the budget) is not a choice to keep: the next call tunes again, so it can see a
-    # fixed dataset or a bigger /dev/shm.
-    forced = choice.num_workers == 0 and any(
-        c.num_workers > 0 and c.fault is not None and c.fault != "cpu" for c in search.results
-    )
-    if key is not None and forced:
-        notes.append(
-            "not cached: workers failed or were refused (see the candidates), so the next call "
-            "tunes again"
-        )
-    if key is not None and choice.ok and not forced:
-        entry = {
-            "best": best,
-            "samples_per_s": choice.samples_per_s,
-            "baseline_samples_per_s": baseline.samples_per_s,
-            "step_samples_per_s": step_rate,
-            "worker_cpus": worker_cpus,
-            "main_cores": main_cores,
-            "memory_needed": search.memory_needed(
-                choice.num_workers, choice.prefetch_factor, choice.pin_memory
-            )
-            if choice.num_workers
-            else 0,
-            "shm_needed": search.shm_needed(choice.num_workers, choice.prefetch_factor),
-            "candidates": [dataclasses.asdict(c) for c in search.results],
-            "notes": notes,
-        }
-        try:
-            _cache.write_entry(key, entry)
-        except OSError as e:
-            notes.append(f"the choice could not be cached: {e}")
-    return TuningReport(
-        best_kwargs=best_kwargs,
-        samples_per_s=choice.samples_per_s,
-        baseline_samples_per_s=baseline.samples_per_s,
-        step_samples_per_s=step_rate,
-        candidates=tuple(search.results),
-        elapsed_s=time.perf_counter() - started,
-        notes=tuple(notes),
-        worker_cpus=worker_cpus,
-        main_cores=main_cores,
-        **common,
-    )
+    return _finish(dataset, loader_kwargs, epochs_hint, key, setup, prepared, choice, started)
 
 
 def autotune_loader(

@@ -11,7 +11,8 @@
 :class:`Watch` records a timeline (one :class:`StepRecord` per step) while a background
 sampler reads GPU and CPU use; :func:`analyse` turns the timeline into a
 :class:`WatchReport` whose :class:`Verdict` says whether the loop is input-bound,
-compute-bound, host-bound, not using the GPU, or stalling periodically. The package is called
+compute-bound, host-bound, not using the GPU, or stalling periodically; each of those rules
+is a pure function of the measured figures (``_rules``). The package is called
 ``monitor`` so that ``trainperf.watch`` is only ever the function.
 
 Example:

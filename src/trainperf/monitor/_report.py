@@ -8,7 +8,7 @@ from :mod:`trainperf.monitor`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,6 +50,10 @@ class StepRecord:
         """``wait + compute``."""
         return self.wait + self.compute
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict (``duration`` is left out: it is their sum)."""
+        return _fields_dict(self)
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -69,6 +73,10 @@ class Sample:
     process_cpu: float
     host_cpu: float
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict."""
+        return _fields_dict(self)
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -86,6 +94,20 @@ class Verdict:
     summary: str
     reasons: tuple[str, ...]
     fix: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: ``{"kind", "summary", "reasons" (a list), "fix"}``.
+
+        Example:
+            >>> Verdict("input-bound", "waits", ("30% waiting",), "tune").to_dict()["reasons"]
+            ['30% waiting']
+        """
+        return {
+            "kind": self.kind,
+            "summary": self.summary,
+            "reasons": list(self.reasons),
+            "fix": self.fix,
+        }
 
 
 @dataclass(frozen=True)
@@ -160,11 +182,12 @@ class WatchReport:
             timeline: include ``timeline`` and ``samples`` (large for a long run).
 
         Returns:
-            The report's fields as plain dicts, lists and numbers.
+            The report's fields as plain dicts, lists, strings and numbers (``json.dumps``
+            takes it as it is); the verdict and findings as :meth:`Verdict.to_dict` gives them.
 
         Example:
             >>> import json
-            >>> from trainperf.watch import analyse
+            >>> from trainperf.monitor import analyse
             >>> steps = [StepRecord(i, i * 0.02, 0.015, 0.005, 32, None) for i in range(8)]
             >>> data = analyse(steps).to_dict()
             >>> data["verdict"]["kind"], data["steps"], "timeline" in data
@@ -172,8 +195,14 @@ class WatchReport:
             >>> len(json.loads(json.dumps(analyse(steps).to_dict(timeline=True)))["timeline"])
             8
         """
-        data = asdict(self)
-        if not timeline:
+        data = _fields_dict(self)  # in field order; the non-JSON values are replaced below
+        data["verdict"] = self.verdict.to_dict()
+        data["findings"] = [f.to_dict() for f in self.findings]
+        data["stall_steps"] = list(self.stall_steps)
+        if timeline:
+            data["timeline"] = [s.to_dict() for s in self.timeline]
+            data["samples"] = [s.to_dict() for s in self.samples]
+        else:
             del data["timeline"], data["samples"]
         return data
 
@@ -222,7 +251,7 @@ class WatchReport:
             ModuleNotFoundError: matplotlib is not installed (``pip install 'trainperf[plot]'``).
 
         Example:
-            >>> from trainperf.watch import analyse
+            >>> from trainperf.monitor import analyse
             >>> steps = [StepRecord(i, i * 0.02, 0.015, 0.005, 32, None) for i in range(8)]
             >>> analyse(steps).plot("timeline.png")  # doctest: +SKIP
             PosixPath('timeline.png')
@@ -256,6 +285,11 @@ class WatchReport:
         out = Path(path)
         fig.savefig(out, dpi=100)
         return out
+
+
+def _fields_dict(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields, shallow, in their order (``asdict`` would copy tuples as tuples)."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
 _MAX_BARS = 2000

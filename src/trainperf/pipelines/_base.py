@@ -10,9 +10,11 @@ import torch
 
 from trainperf.pipelines._source import BadFile, ImageSource, Shard
 
-__all__ = ["Backend", "ImageLoader", "LoaderConfig"]
+__all__ = ["ImageBackend", "ImageLoader", "LoaderConfig"]
 
-Backend = Literal["dali", "nvjpeg", "torchvision"]
+# Not "Backend": in trainperf.ddp (as in torch.distributed) that word means nccl or gloo.
+ImageBackend = Literal["dali", "nvjpeg", "torchvision"]
+"""The libraries an :class:`ImageLoader` can decode and augment with."""
 LastBatch = Literal["drop", "keep"]
 
 
@@ -60,7 +62,7 @@ class ImageLoader:
         epoch: epochs started so far.
     """
 
-    backend: Backend
+    backend: ImageBackend
 
     def __init__(
         self, source: ImageSource, shard: Shard, config: LoaderConfig, backend_reason: str

@@ -74,6 +74,104 @@ def dali_broken_error(error: BaseException) -> ImportError:
     )
 
 
+def _dali_ops() -> tuple[Any, Any]:
+    """DALI's ``fn`` and ``types`` modules, as Any: its partial stubs disagree with its runtime
+    (``fn`` is generated)."""
+    return importlib.import_module("nvidia.dali.fn"), importlib.import_module("nvidia.dali.types")
+
+
+def _read(
+    files: Sequence[str],
+    indices: Sequence[int],
+    *,
+    rank: int,
+    world_size: int,
+    train: bool,
+    seed: int,
+) -> tuple[Any, Any]:
+    """The reader's ``(encoded, index)``: sharded, padded, reshuffled each epoch when training."""
+    fn, _ = _dali_ops()
+    # A global reshuffle each epoch; every rank must use the same seed for the shards to stay
+    # disjoint. Eval keeps each rank on its own shard, in file order.
+    shuffle = (
+        {"shuffle_after_epoch": True, "shuffle_after_epoch_seed": seed % (2**31)} if train else {}
+    )
+    return fn.readers.file(  # type: ignore[no-any-return]
+        files=list(files),
+        labels=list(indices),
+        name=READER,
+        shard_id=rank,
+        num_shards=world_size,
+        pad_last_batch=True,
+        stick_to_shard=not train,
+        **shuffle,
+    )
+
+
+def _random_crops(encoded: Any, decoder: str) -> Any:
+    """Decode only each image's random resized crop box (area 8-100 %, aspect 3/4-4/3)."""
+    fn, types = _dali_ops()
+    return fn.decoders.image_random_crop(
+        encoded,
+        device=decoder,
+        output_type=types.RGB,
+        random_area=[0.08, 1.0],
+        random_aspect_ratio=[3 / 4, 4 / 3],
+        num_attempts=10,
+        adjust_orientation=False,
+    )
+
+
+def _eval_resize_crop(encoded: Any, decoder: str, size: int) -> Any:
+    """Decode, resize the shorter side to ``size / CROP_RATIO``, cut the centre square."""
+    fn, types = _dali_ops()
+    short = int(size / CROP_RATIO)
+    images = fn.decoders.image(
+        encoded, device=decoder, output_type=types.RGB, adjust_orientation=False
+    )
+    # torchvision's Resize(short): the shorter side becomes `short`, the longer is
+    # truncated, and CenterCrop rounds its offset half to even. DALI's resize_shorter
+    # and crop_pos round differently (one pixel off, a visible shift), so the sizes and
+    # offsets are computed here in integers.
+    shape = fn.peek_image_shape(encoded, adjust_orientation=False, dtype=types.INT32)
+    h, w = shape[0], shape[1]
+    tall = fn.cast(h > w, dtype=types.INT32)
+    new_h = tall * ((short * h) // w) + (1 - tall) * short
+    new_w = tall * short + (1 - tall) * ((short * w) // h)
+    images = fn.resize(
+        images,
+        resize_x=fn.cast(new_w, dtype=types.FLOAT),
+        resize_y=fn.cast(new_h, dtype=types.FLOAT),
+        interp_type=types.INTERP_LINEAR,
+        antialias=True,
+    )
+    dy, dx = new_h - size, new_w - size
+    half_y, half_x = dy // 2, dx // 2
+    top = half_y + (dy % 2) * (half_y % 2)
+    left = half_x + (dx % 2) * (half_x % 2)
+    return fn.slice(
+        images,
+        fn.cast(fn.stack(top, left), dtype=types.FLOAT),
+        fn.constant(fdata=[float(size), float(size)]),
+        axis_names="HW",
+        normalized_anchor=False,
+        normalized_shape=False,
+    )
+
+
+def _normalize(images: Any, mean: Sequence[float], std: Sequence[float], mirror: Any) -> Any:
+    """Float ``CHW`` output, normalised (``mean``/``std`` in 0..1 units), mirrored by flag."""
+    fn, types = _dali_ops()
+    return fn.crop_mirror_normalize(
+        images,
+        dtype=types.FLOAT,
+        output_layout="CHW",
+        mean=[m * 255 for m in mean],
+        std=[s * 255 for s in std],
+        mirror=mirror,
+    )
+
+
 def build_pipeline(
     files: Sequence[str],
     indices: Sequence[int],
@@ -112,20 +210,12 @@ def build_pipeline(
         when training on the CPU: ``(crops, flips, indices)``, uint8 ``HWC`` crops of any
         size and a 0/1 mirror flag per image, for :class:`CpuTrainFinish`.
     """
-    # DALI's partial type stubs disagree with its runtime (``fn`` is generated): use it as Any.
-    fn: Any = importlib.import_module("nvidia.dali.fn")
-    types: Any = importlib.import_module("nvidia.dali.types")
     pipeline_def: Any = importlib.import_module("nvidia.dali").pipeline_def
-
+    fn, types = _dali_ops()
     decoder = "mixed" if gpu else "cpu"
-    short = int(size / CROP_RATIO)
 
-    # A global reshuffle each epoch; every rank must use the same seed for the shards to stay
-    # disjoint. Eval keeps each rank on its own shard, in file order.
-    shuffle = (
-        {"shuffle_after_epoch": True, "shuffle_after_epoch_seed": seed % (2**31)} if train else {}
-    )
-
+    # The helpers create the operators in a fixed order (reader, decoder, resize, coin flip,
+    # normalise); random operators are seeded from the pipeline seed as they are added.
     @pipeline_def(  # type: ignore[untyped-decorator]
         batch_size=batch_size,
         num_threads=num_threads,
@@ -140,79 +230,23 @@ def build_pipeline(
         exec_dynamic=not gpu,
     )
     def graph() -> tuple[Any, ...]:
-        encoded, index = fn.readers.file(
-            files=list(files),
-            labels=list(indices),
-            name=READER,
-            shard_id=rank,
-            num_shards=world_size,
-            pad_last_batch=True,
-            stick_to_shard=not train,
-            **shuffle,
+        encoded, index = _read(
+            files, indices, rank=rank, world_size=world_size, train=train, seed=seed
         )
-        if train:
-            images = fn.decoders.image_random_crop(
-                encoded,
-                device=decoder,
-                output_type=types.RGB,
-                random_area=[0.08, 1.0],
-                random_aspect_ratio=[3 / 4, 4 / 3],
-                num_attempts=10,
-                adjust_orientation=False,
-            )
-            if not gpu:  # torch resizes, mirrors and normalises (CpuTrainFinish)
-                flips = fn.random.coin_flip(probability=0.5, dtype=types.UINT8)
-                return images, flips, index
-            images = fn.resize(
-                images,
-                resize_x=float(size),
-                resize_y=float(size),
-                interp_type=types.INTERP_LINEAR,
-                antialias=True,
-            )
-            mirror = fn.random.coin_flip(probability=0.5)
-        else:
-            images = fn.decoders.image(
-                encoded, device=decoder, output_type=types.RGB, adjust_orientation=False
-            )
-            # torchvision's Resize(short): the shorter side becomes `short`, the longer is
-            # truncated, and CenterCrop rounds its offset half to even. DALI's resize_shorter
-            # and crop_pos round differently (one pixel off, a visible shift), so the sizes and
-            # offsets are computed here in integers.
-            shape = fn.peek_image_shape(encoded, adjust_orientation=False, dtype=types.INT32)
-            h, w = shape[0], shape[1]
-            tall = fn.cast(h > w, dtype=types.INT32)
-            new_h = tall * ((short * h) // w) + (1 - tall) * short
-            new_w = tall * short + (1 - tall) * ((short * w) // h)
-            images = fn.resize(
-                images,
-                resize_x=fn.cast(new_w, dtype=types.FLOAT),
-                resize_y=fn.cast(new_h, dtype=types.FLOAT),
-                interp_type=types.INTERP_LINEAR,
-                antialias=True,
-            )
-            dy, dx = new_h - size, new_w - size
-            half_y, half_x = dy // 2, dx // 2
-            top = half_y + (dy % 2) * (half_y % 2)
-            left = half_x + (dx % 2) * (half_x % 2)
-            images = fn.slice(
-                images,
-                fn.cast(fn.stack(top, left), dtype=types.FLOAT),
-                fn.constant(fdata=[float(size), float(size)]),
-                axis_names="HW",
-                normalized_anchor=False,
-                normalized_shape=False,
-            )
-            mirror = None
-        images = fn.crop_mirror_normalize(
-            images,
-            dtype=types.FLOAT,
-            output_layout="CHW",
-            mean=[m * 255 for m in mean],
-            std=[s * 255 for s in std],
-            mirror=mirror,
+        if not train:
+            images = _eval_resize_crop(encoded, decoder, size)
+            return _normalize(images, mean, std, mirror=None), index
+        crops = _random_crops(encoded, decoder)
+        if not gpu:  # torch resizes, mirrors and normalises (CpuTrainFinish)
+            return crops, fn.random.coin_flip(probability=0.5, dtype=types.UINT8), index
+        images = fn.resize(
+            crops,
+            resize_x=float(size),
+            resize_y=float(size),
+            interp_type=types.INTERP_LINEAR,
+            antialias=True,
         )
-        return images, index
+        return _normalize(images, mean, std, mirror=fn.random.coin_flip(probability=0.5)), index
 
     return graph()
 

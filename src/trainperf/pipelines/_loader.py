@@ -11,9 +11,10 @@ from typing import Any, Literal
 import torch
 
 from trainperf._utils.imports import is_available, require
+from trainperf._utils.validate import choice, non_negative_int, positive_int
 from trainperf.device import resolve_device
-from trainperf.pipelines._base import Backend, ImageLoader, LoaderConfig
-from trainperf.pipelines._source import load_source, resolve_shard, shard_plan
+from trainperf.pipelines._base import ImageBackend, ImageLoader, LoaderConfig
+from trainperf.pipelines._source import ImageSource, Shard, load_source, resolve_shard, shard_plan
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "image_loader"]
 
@@ -61,7 +62,7 @@ def _dali_importable() -> bool:
 
 def _choose_backend(
     backend: Literal["auto", "dali", "nvjpeg", "torchvision"], device: torch.device
-) -> tuple[Backend, str]:
+) -> tuple[ImageBackend, str]:
     if backend == "dali":
         if not is_available("nvidia.dali"):
             from trainperf.pipelines._dali import dali_missing_error
@@ -111,12 +112,6 @@ def _choose_backend(
     )
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
-
-
 def _channel_triple(
     name: str, value: Sequence[float], *, positive: bool
 ) -> tuple[float, float, float]:
@@ -130,6 +125,75 @@ def _channel_triple(
     return triple[0], triple[1], triple[2]
 
 
+def _check_choices(*, train: object, backend: object, last_batch: object, on_error: object) -> None:
+    if not isinstance(train, bool):
+        raise ValueError(f"train must be True or False, got {train!r}")
+    choice("backend", backend, _BACKENDS)
+    choice("last_batch", last_batch, _LAST_BATCH)
+    choice("on_error", on_error, _ON_ERROR)
+
+
+def _threads(num_threads: int | Literal["auto"]) -> int:
+    """``num_threads`` checked, or this process's share of the usable CPUs for ``"auto"``."""
+    if num_threads == "auto":
+        from trainperf.limits import local_world_size, usable_cpus
+
+        return usable_cpus(local_world_size())
+    return positive_int("num_threads", num_threads)
+
+
+def _check_loader_kwargs(
+    loader_kwargs: Mapping[str, Any] | None, chosen: ImageBackend, backend: str
+) -> None:
+    """``loader_kwargs`` are for the torchvision backend: an error if another was asked for."""
+    if loader_kwargs is None or chosen == "torchvision":
+        return
+    if backend != "auto":
+        raise ValueError(
+            f"loader_kwargs configure the torchvision backend's DataLoader; "
+            f"backend={backend!r} takes none"
+        )
+    _log.info("backend %r chosen: loader_kwargs (torchvision only) are not used", chosen)
+
+
+def _warn_skipped(source: ImageSource) -> None:
+    if not source.skipped:
+        return
+    import warnings
+
+    listed = ", ".join(f"{b.path} ({b.reason})" for b in source.skipped[:5])
+    more = len(source.skipped) - 5
+    # stacklevel=3: the warning names the line that called image_loader.
+    warnings.warn(
+        f"image_loader skipped {len(source.skipped)} unreadable file(s): {listed}"
+        + (f" and {more} more" if more > 0 else "")
+        + "; see loader.skipped",
+        stacklevel=3,
+    )
+
+
+def _build_loader(
+    chosen: ImageBackend,
+    source: ImageSource,
+    plan: Shard,
+    config: LoaderConfig,
+    reason: str,
+    loader_kwargs: Mapping[str, Any] | None,
+) -> ImageLoader:
+    """The loader of the chosen backend; each backend's module is imported only here."""
+    if chosen == "dali":
+        from trainperf.pipelines._dali import DaliLoader
+
+        return DaliLoader(source, plan, config, reason)
+    if chosen == "nvjpeg":
+        from trainperf.pipelines._nvjpeg import NvjpegLoader
+
+        return NvjpegLoader(source, plan, config, reason)
+    from trainperf.pipelines._torchvision import TorchvisionLoader
+
+    return TorchvisionLoader(source, plan, config, reason, loader_kwargs)
+
+
 def image_loader(
     source: str | os.PathLike[str] | Sequence[tuple[str | os.PathLike[str], int]],
     batch_size: int,
@@ -137,7 +201,7 @@ def image_loader(
     train: bool = True,
     size: int = 224,
     backend: Literal["auto", "dali", "nvjpeg", "torchvision"] = "auto",
-    device: str | torch.device = "auto",
+    device: str | torch.device | None = "auto",
     num_threads: int | Literal["auto"] = "auto",
     shard: Literal["auto"] | tuple[int, int] | None = "auto",
     seed: int = 0,
@@ -179,7 +243,8 @@ def image_loader(
         backend: ``"auto"`` (DALI if installed, else nvjpeg on a CUDA device, else
             torchvision), or one of them by name. The choice is in ``loader.backend`` and
             ``loader.backend_reason``, and logged.
-        device: where batches are delivered; ``"auto"`` is :func:`trainperf.best_device`
+        device: where batches are delivered; ``"auto"`` (the default) or None is the best
+            available device, :func:`trainperf.best_device`, as everywhere in trainperf
             (parsed by :func:`trainperf.device.resolve_device`).
         num_threads: decode threads (DALI), reader threads (nvjpeg) or the most DataLoader
             workers (torchvision); ``"auto"``: this process's share of the usable CPUs
@@ -221,7 +286,8 @@ def image_loader(
             visible GPUs.
 
     Example:
-        >>> import tempfile, numpy as np
+        >>> import os, tempfile
+        >>> import numpy as np
         >>> from PIL import Image
         >>> root = tempfile.mkdtemp()
         >>> for cls, colour in (("red", (220, 20, 20)), ("blue", (20, 20, 220))):
@@ -236,49 +302,19 @@ def image_loader(
         >>> images.shape, images.dtype, labels.dtype
         (torch.Size([4, 3, 32, 32]), torch.float32, torch.int64)
     """
-    batch_size = _positive_int("batch_size", batch_size)
-    size = _positive_int("size", size)
-    if not isinstance(train, bool):
-        raise ValueError(f"train must be True or False, got {train!r}")
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if last_batch not in _LAST_BATCH:
-        raise ValueError(f"last_batch must be one of {_LAST_BATCH}, got {last_batch!r}")
-    if on_error not in _ON_ERROR:
-        raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    batch_size = positive_int("batch_size", batch_size)
+    size = positive_int("size", size)
+    _check_choices(train=train, backend=backend, last_batch=last_batch, on_error=on_error)
+    seed = non_negative_int("seed", seed)
     mean3 = _channel_triple("mean", mean, positive=False)
     std3 = _channel_triple("std", std, positive=True)
     rank, world_size = resolve_shard(shard)
-    if num_threads == "auto":
-        from trainperf.limits import local_world_size, usable_cpus
-
-        threads = usable_cpus(local_world_size())
-    else:
-        threads = _positive_int("num_threads", num_threads)
+    threads = _threads(num_threads)
     dev = resolve_device(device)
     chosen, reason = _choose_backend(backend, dev)
-    if loader_kwargs is not None and chosen != "torchvision":
-        if backend != "auto":
-            raise ValueError(
-                f"loader_kwargs configure the torchvision backend's DataLoader; "
-                f"backend={backend!r} takes none"
-            )
-        _log.info("backend %r chosen: loader_kwargs (torchvision only) are not used", chosen)
-
+    _check_loader_kwargs(loader_kwargs, chosen, backend)
     source_files = load_source(source, on_error=on_error)
-    if source_files.skipped:
-        import warnings
-
-        listed = ", ".join(f"{b.path} ({b.reason})" for b in source_files.skipped[:5])
-        more = len(source_files.skipped) - 5
-        warnings.warn(
-            f"image_loader skipped {len(source_files.skipped)} unreadable file(s): {listed}"
-            + (f" and {more} more" if more > 0 else "")
-            + "; see loader.skipped",
-            stacklevel=2,
-        )
+    _warn_skipped(source_files)
     plan = shard_plan(len(source_files.files), batch_size, rank, world_size, last_batch)
     config = LoaderConfig(
         batch_size=batch_size,
@@ -291,18 +327,6 @@ def image_loader(
         mean=mean3,
         std=std3,
     )
-    loader: ImageLoader
-    if chosen == "dali":
-        from trainperf.pipelines._dali import DaliLoader
-
-        loader = DaliLoader(source_files, plan, config, reason)
-    elif chosen == "nvjpeg":
-        from trainperf.pipelines._nvjpeg import NvjpegLoader
-
-        loader = NvjpegLoader(source_files, plan, config, reason)
-    else:
-        from trainperf.pipelines._torchvision import TorchvisionLoader
-
-        loader = TorchvisionLoader(source_files, plan, config, reason, loader_kwargs)
+    loader = _build_loader(chosen, source_files, plan, config, reason, loader_kwargs)
     _log.info("%r", loader)
     return loader

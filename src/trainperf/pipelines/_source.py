@@ -23,6 +23,9 @@ from typing import Literal
 
 import torch
 
+from trainperf._utils import launch_env
+from trainperf._utils.validate import non_negative_int
+
 __all__ = [
     "IMAGE_EXTENSIONS",
     "BadFile",
@@ -245,9 +248,7 @@ def _list_items(items: Sequence[object]) -> list[tuple[str, int]]:
         p, label = item
         if not isinstance(p, (str, os.PathLike)):
             raise TypeError(f"source[{i}] path must be a str or os.PathLike, got {p!r}")
-        if isinstance(label, bool) or not isinstance(label, int) or label < 0:
-            raise ValueError(f"source[{i}] label must be an int >= 0, got {label!r}")
-        out.append((os.fspath(p), label))
+        out.append((os.fspath(p), non_negative_int(f"source[{i}] label", label)))
     return out
 
 
@@ -361,7 +362,7 @@ def resolve_shard(shard: Literal["auto"] | tuple[int, int] | None) -> tuple[int,
         grouped = dist.is_available() and dist.is_initialized()
         # A lone RANK or WORLD_SIZE is not a launch (ddp.rank() would default the other one
         # and give a shard that no other process reads alongside): read everything then.
-        if not grouped and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        if not grouped and not (launch_env.is_set("RANK") and launch_env.is_set("WORLD_SIZE")):
             return 0, 1
         return resolve_shard((ddp.rank(), ddp.world_size()))
     if (

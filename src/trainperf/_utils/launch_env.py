@@ -1,0 +1,330 @@
+"""The launcher's environment variables, read and parsed here only, with one rule each.
+
+torchrun sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``
+and ``MASTER_PORT``; a SLURM job step (``srun``) sets ``SLURM_PROCID``, ``SLURM_LOCALID``,
+``SLURM_NTASKS``, ``SLURM_NODEID``, ``SLURM_TASKS_PER_NODE`` (and ``SLURM_NTASKS_PER_NODE``
+under ``--ntasks-per-node``), ``SLURM_CPUS_PER_TASK``, ``SLURM_JOB_ID`` and the node lists.
+:mod:`trainperf.limits` (``local_world_size``, ``usable_cpus``) and :mod:`trainperf.ddp`
+(``detect``, ``rank()`` and friends, the spawner's ``MASTER_PORT``) read them through this
+module, so a value means the same thing, and fails the same way, everywhere.
+
+The rules:
+
+- Unset or blank is unset: the caller's default applies (the functions here return None).
+- A set value that breaks its rule is a ``ValueError`` naming the variable, the value and the
+  fix; never a silent default.
+- ``RANK``, ``LOCAL_RANK``, ``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``,
+  ``SLURM_JOB_ID``: a whole number >= 0 (decimal digits; no sign).
+- ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``SLURM_NTASKS``, ``SLURM_CPUS_PER_TASK``: a whole
+  number >= 1.
+- ``MASTER_PORT``: a whole number in 1..65535.
+- ``SLURM_NTASKS_PER_NODE``, ``SLURM_TASKS_PER_NODE``: tasks per node in SLURM's compressed
+  form, ``"4"``, ``"4(x2)"`` or ``"4(x2),3"`` (4 tasks on each of the first 2 nodes, then 3
+  on the third); every count >= 1.
+- Tasks on this node: ``SLURM_NTASKS_PER_NODE``, else ``SLURM_TASKS_PER_NODE``; of its
+  entries, the ``SLURM_NODEID``-th node's, or the first node's when ``SLURM_NODEID`` is unset.
+  A single count without ``(xN)`` (how ``--ntasks-per-node=4`` is written) is every node's.
+- Processes on this host (:func:`local_world_size`): ``LOCAL_WORLD_SIZE``, else
+  ``WORLD_SIZE`` (a torch launcher that does not say how many ranks share a host is taken
+  to run them all on this one; torchrun always says), else SLURM's tasks on this node,
+  else 1. torchrun's variables win over SLURM's, as in ``trainperf.ddp``.
+- ``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``: a host list such as
+  ``"node[01-03,07],gpu3"`` (:func:`expand_nodelist`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+
+__all__ = [
+    "environ",
+    "expand_nodelist",
+    "is_set",
+    "local_world_size",
+    "nodelist",
+    "parse_int",
+    "parse_tasks_per_node",
+    "read_int",
+    "read_port",
+    "tasks_on_this_node",
+    "text",
+]
+
+_FIX = "unset it or fix the launcher that set it"
+
+# Whole-number variables: the least value allowed, and what the number counts.
+_WHOLE_NUMBERS: dict[str, tuple[int, str]] = {
+    "RANK": (0, "this process's global rank"),
+    "LOCAL_RANK": (0, "this process's rank on its host"),
+    "WORLD_SIZE": (1, "processes in the job"),
+    "LOCAL_WORLD_SIZE": (1, "processes on this host"),
+    "SLURM_PROCID": (0, "this task's global rank"),
+    "SLURM_LOCALID": (0, "this task's rank on its node"),
+    "SLURM_NODEID": (0, "this node's index in the job step"),
+    "SLURM_NTASKS": (1, "tasks in the job step"),
+    "SLURM_CPUS_PER_TASK": (1, "CPUs per task"),
+    "SLURM_JOB_ID": (0, "the job's id"),
+}
+_DIGITS = re.compile(r"[0-9]+")
+_TASK_ENTRY = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
+_TASK_VARIABLES = ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+
+
+def environ(env: Mapping[str, str] | None = None) -> Mapping[str, str]:
+    """``env``, or this process's environment when None: the one place it is looked up."""
+    return os.environ if env is None else env
+
+
+def text(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """The variable's value with surrounding blanks removed; None when unset or blank.
+
+    Example:
+        >>> text("MASTER_ADDR", {"MASTER_ADDR": " head "}), text("MASTER_ADDR", {})
+        ('head', None)
+    """
+    value = environ(env).get(name)
+    if value is None or not value.strip():
+        return None
+    return value.strip()
+
+
+def is_set(name: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether the variable is set to something other than blanks.
+
+    Example:
+        >>> is_set("RANK", {"RANK": "0"}), is_set("RANK", {"RANK": ""})
+        (True, False)
+    """
+    return text(name, env) is not None
+
+
+def parse_int(name: str, raw: str) -> int:
+    """``raw`` as the whole number variable ``name`` holds, checked against its rule.
+
+    Args:
+        name: one of the whole-number variables in the module docstring.
+        raw: its value.
+
+    Raises:
+        ValueError: ``raw`` is not a whole number at least the variable's minimum.
+
+    Example:
+        >>> parse_int("WORLD_SIZE", " 8 ")
+        8
+        >>> parse_int("WORLD_SIZE", "0")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: environment variable WORLD_SIZE must be a whole number >= 1 (...), got '0'; ...
+    """
+    minimum, meaning = _WHOLE_NUMBERS[name]
+    value = raw.strip()
+    if not _DIGITS.fullmatch(value) or int(value) < minimum:
+        raise ValueError(
+            f"environment variable {name} must be a whole number >= {minimum} ({meaning}), "
+            f"got {raw!r}; {_FIX}"
+        )
+    return int(value)
+
+
+def read_int(name: str, env: Mapping[str, str] | None = None) -> int | None:
+    """The whole-number variable ``name`` (see :func:`parse_int`), or None when unset.
+
+    Example:
+        >>> read_int("RANK", {"RANK": "3"}), read_int("RANK", {})
+        (3, None)
+    """
+    raw = environ(env).get(name)
+    if raw is None or not raw.strip():
+        return None
+    return parse_int(name, raw)
+
+
+def read_port(env: Mapping[str, str] | None = None) -> int | None:
+    """``MASTER_PORT`` as a port number, or None when unset.
+
+    Raises:
+        ValueError: it is set, but not a whole number in 1..65535.
+
+    Example:
+        >>> read_port({"MASTER_PORT": "29500"}), read_port({})
+        (29500, None)
+    """
+    raw = text("MASTER_PORT", env)
+    if raw is None:
+        return None
+    if not _DIGITS.fullmatch(raw) or not 1 <= int(raw) <= 65535:
+        raise ValueError(
+            f"environment variable MASTER_PORT must be a port in 1..65535, got "
+            f"{environ(env)['MASTER_PORT']!r}; set it to a free port, or unset it"
+        )
+    return int(raw)
+
+
+def parse_tasks_per_node(name: str, raw: str) -> tuple[tuple[int, int], ...]:
+    """SLURM's compressed tasks-per-node list as ``(tasks, nodes)`` pairs.
+
+    Args:
+        name: the variable, for the message.
+        raw: e.g. ``"4(x2),3"``.
+
+    Raises:
+        ValueError: ``raw`` is not a list of counts >= 1, each optionally ``(xN)``.
+
+    Example:
+        >>> parse_tasks_per_node("SLURM_TASKS_PER_NODE", "4(x2),3")
+        ((4, 2), (3, 1))
+    """
+    entries: list[tuple[int, int]] = []
+    for part in raw.split(","):
+        match = _TASK_ENTRY.fullmatch(part.strip())
+        tasks = int(match.group(1)) if match else 0
+        nodes = int(match.group(2) or "1") if match else 0
+        if tasks < 1 or nodes < 1:
+            raise ValueError(
+                f"environment variable {name} must look like '4', '4(x2)' or '4(x2),3' "
+                f"(tasks on each node, every count >= 1), got {raw!r}; {_FIX}"
+            )
+        entries.append((tasks, nodes))
+    return tuple(entries)
+
+
+def _entry_for_node(name: str, raw: str, entries: tuple[tuple[int, int], ...], node: int) -> int:
+    if len(entries) == 1 and entries[0][1] == 1 and "(" not in raw:
+        return entries[0][0]  # --ntasks-per-node=4: every node's count
+    remaining = node
+    for tasks, nodes in entries:
+        if remaining < nodes:
+            return tasks
+        remaining -= nodes
+    listed = sum(nodes for _, nodes in entries)
+    raise ValueError(
+        f"SLURM_NODEID={node} but {name}={raw!r} lists tasks for {listed} node(s) only: the "
+        "variables come from different jobs or steps; unset them, or run inside one srun step"
+    )
+
+
+def tasks_on_this_node(env: Mapping[str, str] | None = None) -> int | None:
+    """SLURM's tasks on this node (the rule is in the module docstring), or None when unset.
+
+    Raises:
+        ValueError: a variable breaks its rule, or ``SLURM_NODEID`` is past the listed nodes.
+
+    Example:
+        >>> tasks_on_this_node({"SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"})
+        3
+        >>> tasks_on_this_node({"SLURM_TASKS_PER_NODE": "4(x2),3"})  # node unknown: the first
+        4
+    """
+    for name in _TASK_VARIABLES:
+        raw = text(name, env)
+        if raw is None:
+            continue
+        entries = parse_tasks_per_node(name, raw)
+        node = read_int("SLURM_NODEID", env)
+        return entries[0][0] if node is None else _entry_for_node(name, raw, entries, node)
+    return None
+
+
+def local_world_size(env: Mapping[str, str] | None = None) -> int:
+    """Processes on this host: ``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``, else SLURM's tasks
+    on this node, else 1 (see the module docstring).
+
+    Raises:
+        ValueError: a variable it reads breaks its rule.
+
+    Example:
+        >>> local_world_size({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"})
+        4
+        >>> local_world_size({"SLURM_NTASKS_PER_NODE": "2(x3)"}), local_world_size({})
+        (2, 1)
+    """
+    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        value = read_int(name, env)
+        if value is not None:
+            return value
+    tasks = tasks_on_this_node(env)
+    return 1 if tasks is None else tasks
+
+
+def _split_top_level(nodes: str) -> list[str]:
+    """Split on commas outside brackets: "a[1,2],b" -> ["a[1,2]", "b"]."""
+    parts: list[str] = []
+    depth, start = 0, 0
+    for i, ch in enumerate(nodes):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in SLURM node list {nodes!r}")
+        elif ch == "," and depth == 0:
+            parts.append(nodes[start:i])
+            start = i + 1
+    if depth != 0:
+        raise ValueError(f"unbalanced '[' in SLURM node list {nodes!r}")
+    parts.append(nodes[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_range(spec: str, nodelist: str) -> list[str]:
+    out: list[str] = []
+    for item in spec.split(","):
+        lo, sep, hi = item.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad range {item!r} in SLURM node list {nodelist!r}")
+        if not sep:
+            out.append(lo)
+            continue
+        width = len(lo)  # "01-04" keeps its zero padding
+        out.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
+    return out
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a SLURM node list (``SLURM_JOB_NODELIST``) into host names, in order.
+
+    Handles ranges with zero padding, lists inside brackets and several bracket groups in
+    one name, without calling ``scontrol``.
+
+    Args:
+        nodelist: e.g. ``"node[01-03,07],gpu3"``.
+
+    Returns:
+        The host names.
+
+    Raises:
+        ValueError: the list is empty or malformed.
+
+    Example:
+        >>> expand_nodelist("node[01-03,07],gpu3")
+        ['node01', 'node02', 'node03', 'node07', 'gpu3']
+        >>> expand_nodelist("rack[1-2]-n[8-9]")
+        ['rack1-n8', 'rack1-n9', 'rack2-n8', 'rack2-n9']
+    """
+    hosts: list[str] = []
+    for part in _split_top_level(nodelist):
+        names = [""]
+        for literal, bracket in re.findall(r"([^\[\]]*)(?:\[([^\]]*)\])?", part):
+            suffixes = _expand_range(bracket, nodelist) if bracket else [""]
+            names = [n + literal + s for n in names for s in suffixes]
+        hosts.extend(names)
+    if not hosts:
+        raise ValueError(f"SLURM node list is empty: {nodelist!r}")
+    return hosts
+
+
+def nodelist(env: Mapping[str, str] | None = None) -> list[str] | None:
+    """The hosts of this job step (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``),
+    or None when neither is set.
+
+    Raises:
+        ValueError: the list is malformed (see :func:`expand_nodelist`).
+
+    Example:
+        >>> nodelist({"SLURM_JOB_NODELIST": "gpu[1-2]"}), nodelist({})
+        (['gpu1', 'gpu2'], None)
+    """
+    raw = text("SLURM_STEP_NODELIST", env) or text("SLURM_JOB_NODELIST", env)
+    return None if raw is None else expand_nodelist(raw)

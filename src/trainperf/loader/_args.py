@@ -1,0 +1,86 @@
+"""The argument checks of :func:`trainperf.loader.tune_loader`, done once on entry."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from trainperf._utils.validate import positive_int, positive_number
+
+__all__ = ["check_args", "check_loader_kwargs"]
+
+_TUNED = ("num_workers", "prefetch_factor")
+_ALLOWED = frozenset(inspect.signature(DataLoader.__init__).parameters) - {
+    "self",
+    "dataset",
+    "batch_size",
+}
+
+
+def check_args(
+    batch_size: int,
+    max_workers: int | None,
+    budget_s: float,
+    epochs_hint: int | None,
+    step_fn: Callable[[Any], Any] | None,
+    loader_kwargs: Mapping[str, Any],
+) -> None:
+    """Raise ``ValueError`` for the first argument ``tune_loader`` cannot take.
+
+    Raises:
+        ValueError: a bad ``batch_size``, ``max_workers``, ``budget_s``, ``epochs_hint`` or
+            ``step_fn``, or a DataLoader argument it rejects (see
+            :func:`check_loader_kwargs`).
+
+    Example:
+        >>> check_args(32, None, 30.0, None, None, {"shuffle": True})
+        >>> check_args(32, None, float("inf"), None, None, {})
+        Traceback (most recent call last):
+        ...
+        ValueError: budget_s must be a positive number of seconds, got inf
+    """
+    positive_int("batch_size", batch_size)
+    # None means the default; the shared validator has no None-or-int->=0 rule.
+    if max_workers is not None and (
+        isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 0
+    ):
+        raise ValueError(f"max_workers must be None or an int >= 0, got {max_workers!r}")
+    positive_number("budget_s", budget_s, unit="seconds")
+    positive_int("epochs_hint", epochs_hint, none_ok=True)
+    if step_fn is not None and not callable(step_fn):
+        raise ValueError(f"step_fn must be callable (it gets one batch), got {step_fn!r}")
+    check_loader_kwargs(loader_kwargs)
+
+
+def check_loader_kwargs(loader_kwargs: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` for a DataLoader argument ``tune_loader`` cannot pass through.
+
+    Raises:
+        ValueError: ``num_workers`` or ``prefetch_factor`` (what the tuner chooses),
+            ``batch_sampler`` (the tuner batches with ``batch_size``), or a name DataLoader
+            does not take (the message lists those it does).
+
+    Example:
+        >>> check_loader_kwargs({"num_workers": 4})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: num_workers is what tune_loader chooses, so it cannot be passed in; ...
+    """
+    for k in loader_kwargs:
+        if k in _TUNED:
+            raise ValueError(
+                f"{k} is what tune_loader chooses, so it cannot be passed in; bound the search "
+                f"with max_workers= instead"
+            )
+        if k == "batch_sampler":
+            raise ValueError(
+                "batch_sampler is not supported: tune_loader batches with batch_size; pass "
+                "sampler= (and drop_last=) instead"
+            )
+        if k not in _ALLOWED:
+            raise ValueError(
+                f"unknown DataLoader argument {k!r}; choices: {', '.join(sorted(_ALLOWED))}"
+            )

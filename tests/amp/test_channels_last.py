@@ -1,0 +1,112 @@
+"""trainperf.amp._channels_last: when "auto" converts a model, and converting batches."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+from torch import nn
+
+from tests.amp._helpers import TinyViT, small_cnn
+from trainperf.amp import MixedPrecision, _channels_last
+
+
+@pytest.mark.parametrize(
+    ("name", "converts", "convs"),
+    [
+        ("resnet18", True, 20),
+        # ~11 % and ~4 % of their parameters are in convolutions (the rest in the classifier's
+        # Linear layers), but nearly all of their compute is.
+        ("vgg16", True, 13),
+        ("alexnet", True, 5),
+        # A 4x4/4 stem and 2x2/2 downsampling (patch embeddings), then depthwise 7x7 convolutions.
+        ("convnext_tiny", True, 18),
+        # Only a patch embedding: 16x16/16 (ViT), 4x4/4 (Swin).
+        ("vit_b_16", False, 0),
+        ("swin_t", False, 0),
+    ],
+)
+def test_channels_last_rule_on_torchvision_models(name: str, converts: bool, convs: int) -> None:
+    torchvision = pytest.importorskip("torchvision")
+    with torch.device("meta"):  # no memory, no initialisation cost
+        model = getattr(torchvision.models, name)(weights=None)
+    use, why = _channels_last.channels_last_decision(
+        model, "auto", device=torch.device("cuda", 0), tensor_cores=True
+    )
+    assert use is converts
+    assert _channels_last.feature_map_convs(model)[0] == convs
+    if converts:
+        assert why.startswith(f"channels_last: yes, {convs} 2-D convolutions over feature maps (")
+    else:
+        assert why == (
+            "channels_last: no, no 2-D convolution over feature maps, only 1 patch embedding: "
+            "not a convolutional model"
+        )
+    if name in ("vgg16", "alexnet"):
+        assert _channels_last.conv_share(model) < 0.15  # what the old parameter-share rule missed
+
+
+def test_channels_last_rule_details() -> None:
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    cnn, vit = small_cnn(), TinyViT()
+    assert _channels_last.conv_share(nn.ReLU()) == 0.0
+    decide = _channels_last.channels_last_decision
+    assert decide(cnn, "auto", device=cuda, tensor_cores=True) == (
+        True,
+        f"channels_last: yes, 2 2-D convolutions over feature maps "
+        f"({_channels_last.conv_share(cnn):.0%} of parameters in Conv2d/BatchNorm2d)",
+    )
+    assert not decide(vit, "auto", device=cuda, tensor_cores=True)[0]  # 8x8/8 patch embedding
+    assert decide(nn.Linear(2, 2), "auto", device=cuda, tensor_cores=True) == (
+        False,
+        "channels_last: no, no 2-D convolution over feature maps: not a convolutional model",
+    )
+    assert not decide(cnn, "auto", device=cuda, tensor_cores=False)[0]  # fp32 on a V100
+    assert not decide(cnn, "auto", device=cpu, tensor_cores=True)[0]
+    assert decide(vit, True, device=cpu, tensor_cores=False)[0]
+    assert not decide(cnn, False, device=cuda, tensor_cores=True)[0]
+    shared = nn.Sequential(nn.Conv2d(3, 3, 1), nn.Linear(3, 3))
+    shared.append(shared[0])  # a shared module is counted once
+    assert _channels_last.conv_share(shared) == pytest.approx(12 / 24)
+    assert _channels_last.feature_map_convs(shared) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    ("conv", "patch"),
+    [
+        (nn.Conv2d(3, 8, 16, stride=16), True),  # ViT
+        (nn.Conv2d(3, 8, (1, 4), stride=(1, 4)), True),
+        (nn.ConvTranspose2d(8, 8, 2, stride=2), True),
+        (nn.Conv2d(8, 8, 1), False),  # pointwise: 1x1 kernel == 1x1 stride, still a conv
+        (nn.Conv2d(8, 8, 1, stride=2), False),  # ResNet downsample
+        (nn.Conv2d(3, 8, 7, stride=2, padding=3), False),  # ResNet stem
+        (nn.Conv2d(3, 8, 11, stride=4), False),  # AlexNet's first layer: overlapping
+        (nn.Conv2d(8, 8, 2, stride=2, dilation=2), False),  # dilated: not contiguous patches
+        (nn.ConvTranspose2d(8, 8, 4, stride=2, padding=1), False),
+    ],
+)
+def test_patch_embedding_is_kernel_equal_to_stride_above_1x1(conv: nn.Module, patch: bool) -> None:
+    assert _channels_last.is_patch_embedding(conv) is patch  # type: ignore[arg-type]
+    assert _channels_last.feature_map_convs(nn.Sequential(conv)) == (int(not patch), int(patch))
+
+
+def test_prepare_batch_converts_only_4d_float_tensors_in_containers() -> None:
+    mp = MixedPrecision("cpu", precision="fp32", channels_last=True)
+    mp.prepare(small_cnn())
+    Pair = namedtuple("Pair", ["image", "label"])
+    batch = {
+        "pair": Pair(torch.randn(2, 3, 4, 4), torch.tensor([1, 2])),
+        "list": [torch.randn(2, 3, 4, 4), torch.randint(0, 9, (2, 3, 4, 4))],
+        "od": OrderedDict(v=torch.randn(2, 3, 4)),
+        "name": "x",
+    }
+    out = mp.prepare_batch(batch)
+    cl = torch.channels_last
+    assert isinstance(out["pair"], Pair) and out["pair"].image.is_contiguous(memory_format=cl)
+    assert out["list"][0].is_contiguous(memory_format=cl)
+    int_images = out["list"][1]
+    assert int_images.is_contiguous() and not int_images.is_contiguous(memory_format=cl)
+    assert isinstance(out["od"], OrderedDict) and out["od"]["v"].is_contiguous()
+    assert out["name"] == "x"
+    assert torch.equal(out["pair"].image, batch["pair"].image)

@@ -1,0 +1,56 @@
+"""trainperf.bench._h2d: bench_h2d's checks on the CPU, and a run on a GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trainperf.bench import H2DResult, bench_h2d
+from trainperf.errors import DeviceError
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_bench_h2d_needs_cuda() -> None:
+    with pytest.raises(DeviceError, match="bench_h2d needs CUDA"):
+        bench_h2d(size_bytes=1024)
+
+
+def test_bench_h2d_rejects_cpu_and_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        bench_h2d(size_bytes=1024, device="cpu")
+    with pytest.raises(ValueError, match="size_bytes must be an int >= 1"):
+        bench_h2d(size_bytes=0)
+    with pytest.raises(ValueError, match="iterations must be an int >= 1"):
+        bench_h2d(iterations=0)
+
+
+@pytest.mark.requires_cuda
+def test_bench_h2d_on_cuda() -> None:
+    r = bench_h2d(size_bytes=32 * 2**20, iterations=2)
+    assert isinstance(r, H2DResult)
+    assert r.pageable_gb_per_s > 0 and r.pinned_gb_per_s > 0
+    assert r.pinned_speedup == pytest.approx(r.pinned_gb_per_s / r.pageable_gb_per_s)
+    with pytest.raises(DeviceError, match="does not exist"):
+        bench_h2d(size_bytes=1024, device=f"cuda:{torch.cuda.device_count()}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_bench_h2d_auto_device_needs_cuda_like_none() -> None:
+    with pytest.raises(DeviceError, match="bench_h2d needs CUDA"):
+        bench_h2d(size_bytes=1024, device="auto")
+
+
+def test_h2d_result_to_dict_is_json_safe_and_its_str_is_the_report() -> None:
+    r = H2DResult("cuda:0", "NVIDIA H200", 512 * 2**20, 5, 7.2, 54.5, 54.5 / 7.2)
+    data = r.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert data == {
+        "device": "cuda:0", "gpu_name": "NVIDIA H200", "size_bytes": 512 * 2**20,
+        "iterations": 5, "pageable_gb_per_s": 7.2, "pinned_gb_per_s": 54.5,
+        "pinned_speedup": 54.5 / 7.2,
+    }  # fmt: skip
+    assert str(r) == f"host -> NVIDIA H200, 512 MiB per copy:\n{r.summary()}"
+    odd = H2DResult("cuda:1", None, 1000, 1, 1.0, 2.0, 2.0)
+    assert str(odd).splitlines()[0] == "host -> cuda:1, 1000 bytes per copy:"

@@ -1,0 +1,105 @@
+"""trainperf.bench._matmul: bench_matmul on the CPU (and on a faked or real GPU)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+import torch
+
+from tests.bench._fakes import fake_mixed_host, fake_volta
+from trainperf.bench import MatmulResult, bench_matmul
+from trainperf.errors import DeviceError
+
+matmul_module = importlib.import_module("trainperf.bench._matmul")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_bench_matmul_on_cpu(dtype: str) -> None:
+    r = bench_matmul(dtype, size=64, iterations=3, device="cpu")  # type: ignore[arg-type]
+    assert isinstance(r, MatmulResult)
+    assert (r.dtype, r.size, r.iterations, r.device) == (dtype, 64, 3, "cpu")
+    assert r.tflops == pytest.approx(2 * 64**3 / r.seconds / 1e12)
+    assert r.datasheet_tflops is None and r.gpu_name is None
+    assert f"{dtype}:" in r.summary()
+
+
+def test_bench_matmul_restores_the_matmul_precision() -> None:
+    saved = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        bench_matmul("fp32", size=32, iterations=1, device="cpu")
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
+def test_bench_matmul_compares_with_the_datasheet(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pretend the CPU is a 3090 to exercise the datasheet lookup; 35.58 TFLOP/s fp32.
+    monkeypatch.setattr(matmul_module, "gpu_name", lambda device: "NVIDIA GeForce RTX 3090")
+    r = bench_matmul("fp32", size=64, iterations=2, device="cpu")
+    assert r.datasheet_tflops == 35.58
+    assert r.datasheet_fraction == pytest.approx(r.tflops / 35.58)
+    assert any("of the datasheet" in n for n in r.notes)  # a CPU is far below a 3090
+    assert "of the datasheet's 35.58" in r.summary()
+    # bf16 has no column: on Ampere (the 3090 is 8.6) it is held against fp16's 71 TFLOP/s.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    bf16 = bench_matmul("bf16", size=64, iterations=1, device="cpu")
+    assert bf16.datasheet_tflops == 71 and bf16.datasheet_fraction is not None
+    assert any("compared with its fp16 figure" in n for n in bf16.notes)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    older = bench_matmul("bf16", size=64, iterations=1, device="cpu")
+    assert older.datasheet_tflops is None and any("no bf16 figure" in n for n in older.notes)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"dtype": "int8"}, ValueError, "dtype must be one of"),
+        ({"size": 0}, ValueError, "size must be an int >= 1"),
+        ({"iterations": -1}, ValueError, "iterations must be an int >= 1"),
+        ({"warmup": 0}, ValueError, "warmup must be an int >= 1"),
+        ({"dtype": "tf32"}, DeviceError, "needs a CUDA GPU"),
+    ],
+)
+def test_bench_matmul_rejects(kwargs: dict[str, object], error: type, match: str) -> None:
+    args: dict[str, object] = {"dtype": "fp32", "size": 16, "device": "cpu", **kwargs}
+    with pytest.raises(error, match=match):
+        bench_matmul(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.requires_cuda
+def test_bench_matmul_on_cuda_all_dtypes() -> None:
+    for dtype in ("fp32", "tf32", "bf16", "fp16"):
+        r = bench_matmul(dtype, size=1024, iterations=3)  # type: ignore[arg-type]
+        assert r.device.startswith("cuda") and r.tflops > 0
+
+
+def test_bf16_on_a_pre_ampere_gpu_is_a_device_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_volta(monkeypatch, matmul_module)
+    with pytest.raises(DeviceError, match=r"needs compute capability 8\.0\+ .* has 7\.0"):
+        bench_matmul("bf16")
+
+
+def test_bf16_is_checked_on_the_gpu_asked_for_not_the_current_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake_mixed_host(monkeypatch, matmul_module)
+    with pytest.raises(DeviceError, match=r"8\.0\+ \(Ampere\); cuda:1 has 7\.0"):
+        bench_matmul("bf16", device="cuda:1")
+
+
+# --------------------------------------------------------------------------- the result protocol
+
+
+def test_matmul_result_to_dict_is_json_safe_and_its_str_is_the_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(matmul_module, "gpu_name", lambda device: "NVIDIA GeForce RTX 3090")
+    r = bench_matmul("fp32", size=32, iterations=1, device="cpu")
+    data = r.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert data["notes"] == list(r.notes) and data["datasheet_tflops"] == 35.58
+    assert r.notes  # a CPU is far below a 3090
+    assert str(r) == "\n".join([r.summary(), *(f"      note: {n}" for n in r.notes)])

@@ -1,0 +1,235 @@
+"""trainperf.bench._model: bench_model on the CPU (and on a faked or real GPU)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import statistics
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.bench._fakes import fake_mixed_host, fake_volta
+from trainperf._utils import imports as _imports
+from trainperf.amp import _tf32
+from trainperf.bench import BenchResult, bench_matmul, bench_model, format_iteration
+from trainperf.bench._reference import SLOW_RATIO
+from trainperf.errors import DeviceError
+
+model_module = importlib.import_module("trainperf.bench._model")
+
+# One warm-up batch and one timed batch of one small image: each CPU run takes about a second.
+TINY = {"device": "cpu", "batch_size": 1, "image_size": 32, "iterations": 1, "warmup_batches": 1}
+
+
+def test_format_iteration_is_the_reference_line() -> None:
+    assert format_iteration(3, 1234.56, 1.5554) == "Iteration 3, 1234.6 images/s in 1.555 s."
+
+
+@pytest.mark.slow
+def test_bench_model_on_cpu_records_settings_and_iterations() -> None:
+    seen: list[tuple[int, float, float]] = []
+    r = bench_model(
+        "resnet50", "fp32", device="cpu", warmup_batches=1, on_iteration=lambda *a: seen.append(a)
+    )
+    assert isinstance(r, BenchResult)
+    assert (r.model, r.precision, r.device, r.gpu_name) == ("resnet50", "fp32", "cpu", None)
+    # The CPU defaults: a token run of two iterations of one batch of 2 images at 64 px.
+    assert (r.batch_size, r.image_size, r.batches_per_iteration) == (2, 64, 1)
+    assert [i for i, _, _ in seen] == [0, 1]
+    assert r.iteration_seconds == tuple(s for _, _, s in seen)
+    for rate, seconds in zip(r.iteration_images_per_s, r.iteration_seconds, strict=True):
+        assert rate == pytest.approx(r.images_per_iteration / seconds)
+    assert r.images_per_s == statistics.median(r.iteration_images_per_s)
+    assert r.comparison is None and r.torch_version == torch.__version__
+    assert "resnet50 fp32 inference on cpu" in r.summary()
+
+
+@pytest.mark.slow
+def test_bench_model_training_channels_last_and_vit() -> None:
+    trained = bench_model(
+        "resnet50", "fp32", train=True, channels_last=True, **{**TINY, "batch_size": 2}
+    )
+    assert trained.train and trained.channels_last and trained.images_per_s > 0
+    vit = bench_model("vit_b_16", "bf16", **TINY)
+    assert vit.model == "vit_b_16" and vit.images_per_s > 0
+
+
+def test_bench_model_restores_tf32_settings() -> None:
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    r = bench_model("resnet50", "fp32", tf32=before[0] == "highest", **TINY)
+    assert r.tf32_matmul == (before[0] == "highest")
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"model": "resnet18"}, "model must be one of"),
+        ({"precision": "fp8"}, "precision must be one of"),
+        ({"batch_size": 0}, "batch_size must be an int >= 1"),
+        ({"iterations": 0}, "iterations must be an int >= 1"),
+        ({"model": "vit_b_16", "image_size": 40}, "multiple of 16"),
+        ({"image_size": 16}, "resnet50 needs image_size >= 32"),
+        ({"train": True}, "training needs batch_size >= 2"),
+        ({"device": "tpu"}, "invalid device 'tpu': expected 'auto', 'cpu', 'cuda'"),
+        ({"device": "meta"}, "device 'meta' is not supported here: expected 'auto', 'cpu'"),
+    ],
+)
+def test_bench_model_rejects_bad_arguments(kwargs: dict[str, object], match: str) -> None:
+    args = {**TINY, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        bench_model(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_bench_model_on_missing_cuda_says_so() -> None:
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        bench_model(**{**TINY, "device": "cuda"})  # type: ignore[arg-type]
+
+
+class _NoHalf(torch.nn.Module):
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise self.error
+
+
+def test_a_missing_kernel_becomes_not_implemented(monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = RuntimeError("\"slow_conv2d_cpu\" not implemented for 'Half'")
+    monkeypatch.setattr(model_module, "_build", lambda model, size: _NoHalf(missing))
+    with pytest.raises(NotImplementedError, match="not supported on cpu"):
+        bench_model("resnet50", "fp16", **TINY)
+    other = RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(model_module, "_build", lambda model, size: _NoHalf(other))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        bench_model("resnet50", "fp16", **TINY)
+
+
+def test_bf16_on_a_pre_ampere_gpu_is_a_device_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_volta(monkeypatch, model_module)
+    with pytest.raises(DeviceError, match=r"bf16 needs a GPU with compute capability 8\.0"):
+        bench_model("resnet50", "bf16")
+
+
+def test_bf16_is_checked_on_the_gpu_asked_for_not_the_current_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake_mixed_host(monkeypatch, model_module)
+    with pytest.raises(DeviceError, match=r"bf16 needs .* cuda:1 has 7\.0"):
+        bench_model("resnet50", "bf16", device="cuda:1")
+
+
+@pytest.fixture
+def new_tf32_api() -> Iterator[None]:
+    """The state a user of torch's new per-backend API leaves: legacy getters then raise."""
+    matmul = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if matmul is None:
+        pytest.skip("this torch has no per-backend fp32_precision API")
+    saved = _tf32._snapshot()
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    yield
+    _tf32._restore(saved)
+
+
+@pytest.mark.slow
+def test_bench_reads_and_restores_tf32_after_the_new_api_was_used(new_tf32_api: None) -> None:
+    before = _tf32.tf32_state()
+    raw = torch.backends.cuda.matmul.fp32_precision
+    assert bench_matmul("fp32", size=16, iterations=1, warmup=1, device="cpu").tflops > 0
+    kept = bench_model("resnet50", **TINY)
+    assert (kept.tf32_matmul, kept.tf32_cudnn) == (before.matmul, before.cudnn)
+    off = bench_model("resnet50", tf32=False, **TINY)
+    assert (off.tf32_matmul, off.tf32_cudnn) == (False, False)
+    assert _tf32.tf32_state() == before
+    assert torch.backends.cuda.matmul.fp32_precision == raw
+
+
+class _Slow(torch.nn.Module):
+    """Stands in for a torchvision model: a trainable head, and a sleep that caps its speed."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.head = torch.nn.Linear(3, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)  # 64 images take >= 0.1 s: <= 640 images/s, far under an A100
+        return self.head(x.mean(dim=(2, 3)))
+
+
+@pytest.fixture
+def fake_a100(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_model on the CPU, reporting as an A100 with PyTorch's default TF32 flags."""
+    monkeypatch.setattr(model_module, "_build", lambda model, size: _Slow(0.1))
+    monkeypatch.setattr(model_module, "gpu_name", lambda device: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    defaults = _tf32.TF32State(matmul=False, cudnn=True)
+    monkeypatch.setattr(model_module, "tf32_state", lambda: defaults)
+
+
+# One warm-up and one timed batch at the reference's 224 px.
+AT_224 = {"device": "cpu", "image_size": 224, "iterations": 1, "batches_per_iteration": 1,
+          "warmup_batches": 1}  # fmt: skip
+
+
+def test_bench_model_warns_about_a_known_gpu_well_under_its_reference(fake_a100: None) -> None:
+    r = bench_model("resnet50", "fp32", batch_size=64, **AT_224)
+    c = r.comparison
+    assert c is not None and c.reference_gpu == "A100" and c.column == "resnet50_fp32"
+    assert c.ratio is not None and c.ratio < SLOW_RATIO
+    # Convolutions ran on TF32, as the reference's did: a like-for-like comparison.
+    assert c.warning is not None and "throttled or sick" in c.warning
+    assert (r.tf32_matmul, r.tf32_cudnn) == (False, True)
+    vit = bench_model("vit_b_16", "fp32", batch_size=64, **AT_224).comparison
+    # ViT's matmuls ran in full fp32 and the reference's on TF32: a note, not a warning.
+    assert vit is not None and vit.warning is None
+    assert any("matmuls off TF32" in n for n in vit.notes)
+
+
+def test_bench_model_notes_why_it_gives_no_warning_or_no_comparison(fake_a100: None) -> None:
+    small = bench_model("resnet50", "fp32", batch_size=8, **AT_224)
+    assert small.comparison is not None and small.comparison.warning is None
+    assert any("batch 8 is small" in n for n in small.notes)
+    trained = bench_model("resnet50", "fp32", batch_size=2, train=True, **AT_224)
+    assert trained.comparison is None
+    assert any("the reference table is inference" in n for n in trained.notes)
+    resized = bench_model("resnet50", "fp32", batch_size=2, **{**AT_224, "image_size": 64})
+    assert resized.comparison is None and any("at 224px" in n for n in resized.notes)
+    cpu = bench_model("resnet50", "fp32", batch_size=2, compare=False, **AT_224)
+    assert cpu.comparison is None and cpu.notes == ()
+
+
+def test_bench_model_without_torchvision_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_imports, "is_available", lambda name: name != "torchvision")
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'trainperf\[vision\]'"):
+        bench_model("resnet50", "fp32", **TINY)
+
+
+@pytest.mark.requires_cuda
+def test_bench_model_on_cuda_compares_with_the_reference() -> None:
+    r = bench_model("resnet50", "fp16", device="cuda", batch_size=8, iterations=2,
+                    batches_per_iteration=2)  # fmt: skip
+    assert r.gpu_name == torch.cuda.get_device_name()
+    assert r.comparison is not None and r.comparison.column == "resnet50_fp16"
+    assert 1 <= r.comparison.rank <= r.comparison.out_of
+    small = bench_model("resnet50", "fp16", device="cuda", image_size=64, iterations=1)
+    assert small.comparison is None and any("224px" in n for n in small.notes)
+
+
+# --------------------------------------------------------------------------- the result protocol
+
+
+def test_bench_result_to_dict_is_json_safe_and_its_str_is_the_report(fake_a100: None) -> None:
+    r = bench_model("resnet50", "fp32", batch_size=8, **AT_224)
+    data = r.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert data["iteration_seconds"] == list(r.iteration_seconds)
+    assert r.comparison is not None and data["comparison"] == r.comparison.to_dict()
+    lines = str(r).splitlines()
+    assert lines[0] == r.summary()
+    assert "\n".join(lines[1:]) == "\n".join([str(r.comparison), *(f"Note: {n}" for n in r.notes)])

@@ -1,0 +1,218 @@
+"""trainperf.bench._reference: the reference tables, GPU-name matching, the comparison."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from importlib.resources import files
+
+import pytest
+
+from trainperf.bench import (
+    compare_to_reference,
+    find_gpu_spec,
+    find_reference_gpu,
+    gpu_specs,
+    normalize_gpu_name,
+    reference_throughput,
+)
+from trainperf.bench._reference import SLOW_RATIO, TF32_CAVEAT
+
+
+def _csv_rows(name: str) -> list[dict[str, str]]:
+    text = (files("trainperf.bench") / "data" / name).read_text()
+    return list(csv.DictReader(io.StringIO("\n".join(
+        line for line in text.splitlines() if line and not line.startswith("#")
+    ))))  # fmt: skip
+
+
+# --------------------------------------------------------------------------- reference tables
+
+
+def test_reference_table_has_every_row_and_column_of_the_csv() -> None:
+    rows = _csv_rows("seed_gpu_throughput.csv")
+    table = reference_throughput()
+    assert list(table) == [r["gpu"] for r in rows]
+    for row in rows:
+        assert table[row["gpu"]] == {k: float(v) for k, v in row.items() if k != "gpu"}
+    assert set(table["V100"]) == {
+        "resnet50_fp16",
+        "resnet50_fp32",
+        "vit_base_patch16_224_fp16",
+        "vit_base_patch16_224_fp32",
+    }
+
+
+def test_reference_table_is_a_fresh_copy() -> None:
+    reference_throughput()["3090"]["resnet50_fp16"] = -1.0
+    assert reference_throughput()["3090"]["resnet50_fp16"] > 0
+
+
+def test_specs_table_loads() -> None:
+    specs = gpu_specs()
+    assert [s.gpu for s in specs] == [r["gpu"] for r in _csv_rows("seed_gpu_specs.csv")]
+    assert all(s.fp32_tflops > 0 and s.fp16_tflops > 0 for s in specs)
+
+
+@pytest.mark.parametrize(
+    ("reported", "row"),
+    [
+        ("NVIDIA GeForce RTX 3090", "3090"),
+        ("NVIDIA GeForce RTX 3090 Ti", "3090 Ti"),
+        ("NVIDIA GeForce RTX 3080 Ti", "3080 Ti"),
+        ("NVIDIA GeForce RTX 3080", "3080"),
+        ("NVIDIA GeForce RTX 3060", "3060"),
+        ("NVIDIA GeForce RTX 3060 Ti", None),
+        ("NVIDIA GeForce RTX 3060 Laptop GPU", None),
+        ("NVIDIA GeForce RTX 4090", "4090"),
+        ("NVIDIA GeForce RTX 4080 SUPER", None),
+        ("NVIDIA GeForce RTX 2080 Ti", "2080 Ti"),
+        ("NVIDIA GeForce GTX 1080 Ti", "1080 Ti"),
+        ("GeForce GTX 1080", None),
+        ("NVIDIA TITAN Xp", "TITAN Xp"),
+        ("NVIDIA TITAN X (Pascal)", None),
+        ("Tesla V100-SXM2-32GB", "V100"),
+        ("Tesla V100-PCIE-16GB", "V100"),
+        ("Tesla V100-DGXS-32GB", "V100"),
+        ("Tesla V100S-PCIE-32GB", None),
+        ("Tesla T4", "Tesla T4"),
+        ("Tesla P40", "Tesla P40"),
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA A100 80GB PCIe", "A100"),
+        ("NVIDIA A100-PCIE-40GB", "A100"),
+        ("NVIDIA A10", "A10"),
+        ("NVIDIA A10G", None),
+        ("NVIDIA A40", "A40"),
+        ("NVIDIA RTX A4000", "A4000"),
+        ("NVIDIA RTX A5000", "A5000"),
+        ("NVIDIA L40", "L40"),
+        ("NVIDIA L40S", None),
+        ("NVIDIA H200", None),
+        ("NVIDIA H100 80GB HBM3", None),
+    ],
+)
+def test_gpu_names_match_reference_rows_exactly(reported: str, row: str | None) -> None:
+    assert find_reference_gpu(reported) == row
+
+
+def test_every_reference_row_matches_itself_and_only_itself() -> None:
+    keys = [normalize_gpu_name(gpu) for gpu in reference_throughput()]
+    assert len(set(keys)) == len(keys)
+    for gpu in reference_throughput():
+        assert find_reference_gpu(gpu) == gpu
+
+
+def test_specs_lookup_by_reported_name() -> None:
+    a100 = find_gpu_spec("NVIDIA A100-SXM4-40GB")
+    assert a100 is not None and a100.gpu == "A100 SXM4"
+    rtx = find_gpu_spec("NVIDIA GeForce RTX 3090")
+    assert rtx is not None and rtx.fp32_tflops == 35.58
+    assert find_gpu_spec("NVIDIA GeForce RTX 3090 Ti") is None
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def test_known_gpu_at_its_reference_speed() -> None:
+    ref = reference_throughput()["A100"]["resnet50_fp16"]
+    c = compare_to_reference("NVIDIA A100-SXM4-80GB", "resnet50", "fp16", ref)
+    assert c.reference_gpu == "A100" and c.ratio == pytest.approx(1.0)
+    assert c.warning is None
+    faster = [g for g, v in reference_throughput().items() if g != "A100" and v[c.column] > ref]
+    assert c.rank == len(faster) + 1
+    assert c.out_of == len(reference_throughput())
+    assert "Rank" in str(c) and "1.00x" in str(c)
+
+
+def test_known_gpu_well_under_reference_is_warned_about() -> None:
+    ref = reference_throughput()["3090"]["vit_base_patch16_224_fp16"]
+    c = compare_to_reference("NVIDIA GeForce RTX 3090", "vit_b_16", "fp16", ref * 0.5)
+    assert c.column == "vit_base_patch16_224_fp16"
+    assert c.ratio == pytest.approx(0.5)
+    assert c.warning is not None and "0.50x" in c.warning and "nvidia-smi" in c.warning
+    assert "WARNING" in str(c)
+    ok = compare_to_reference("NVIDIA GeForce RTX 3090", "vit_b_16", "fp16", ref * SLOW_RATIO)
+    assert ok.warning is None
+
+
+def test_unknown_gpu_is_ranked_among_the_reference_gpus() -> None:
+    table = reference_throughput()
+    top = max(table, key=lambda g: table[g]["resnet50_fp16"])
+    fast = compare_to_reference("NVIDIA H200", "resnet50", "fp16", 10_000.0)
+    assert fast.reference_gpu is None and fast.ratio is None and fast.warning is None
+    assert (fast.rank, fast.out_of) == (1, len(table) + 1)
+    assert fast.next_faster is None
+    assert fast.next_slower == (top, table[top]["resnet50_fp16"])
+    slow = compare_to_reference("NVIDIA H200", "resnet50", "fp16", 1.0)
+    assert slow.rank == slow.out_of and slow.next_slower is None
+
+
+def test_bf16_is_compared_with_the_fp16_column_and_says_so() -> None:
+    c = compare_to_reference("NVIDIA A40", "resnet50", "bf16", 1800.0)
+    assert c.column == "resnet50_fp16"
+    assert any("bf16" in n for n in c.notes)
+
+
+def test_fp32_on_ampere_carries_the_tf32_caveat_and_no_false_alarm() -> None:
+    ref = reference_throughput()["A100"]["vit_base_patch16_224_fp32"]
+    off = compare_to_reference(
+        "NVIDIA A100-SXM4-40GB", "vit_b_16", "fp32", ref / 3,
+        compute_capability=(8, 0), tf32_matmul=False,
+    )  # fmt: skip
+    assert TF32_CAVEAT in off.notes
+    assert off.warning is None and any("--tf32" in n for n in off.notes)
+    on = compare_to_reference(
+        "NVIDIA A100-SXM4-40GB", "vit_b_16", "fp32", ref / 3,
+        compute_capability=(8, 0), tf32_matmul=True,
+    )  # fmt: skip
+    assert on.warning is not None
+    volta = compare_to_reference(
+        "Tesla V100-SXM2-16GB", "resnet50", "fp32", 1300.0, compute_capability=(7, 0)
+    )
+    assert TF32_CAVEAT not in volta.notes
+
+
+def test_fp32_resnet50_goes_by_the_cudnn_tf32_flag_not_the_matmul_one() -> None:
+    # PyTorch's defaults: convolutions on TF32, matmuls off it. ResNet-50 is convolutions.
+    ref = reference_throughput()["A100"]["resnet50_fp32"]
+    default = compare_to_reference(
+        "NVIDIA A100-SXM4-80GB", "resnet50", "fp32", ref / 3,
+        compute_capability=(8, 0), tf32_matmul=False, tf32_cudnn=True,
+    )  # fmt: skip
+    assert default.warning is not None and "0.33x" in default.warning
+    off = compare_to_reference(
+        "NVIDIA A100-SXM4-80GB", "resnet50", "fp32", ref / 3,
+        compute_capability=(8, 0), tf32_matmul=True, tf32_cudnn=False,
+    )  # fmt: skip
+    assert off.warning is None
+    assert any("convolutions off TF32" in n and "--tf32" in n for n in off.notes)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"model": "resnet18"}, "model must be one of"),
+        ({"precision": "fp8"}, "precision must be"),
+        ({"images_per_s": 0.0}, "images_per_s must be > 0"),
+    ],
+)
+def test_compare_to_reference_rejects_bad_arguments(kwargs: dict[str, object], match: str) -> None:
+    args: dict[str, object] = {
+        "gpu_name": "NVIDIA A40", "model": "resnet50", "precision": "fp16", "images_per_s": 1.0,
+    }  # fmt: skip
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        compare_to_reference(**args)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- the result protocol
+
+
+def test_comparison_to_dict_is_json_safe_and_its_str_is_the_report() -> None:
+    c = compare_to_reference("NVIDIA GeForce RTX 3090", "resnet50", "fp16", 1800.0)
+    data = c.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert data["reference_gpu"] == "3090" and data["warning"] == c.warning
+    assert data["next_faster"] == list(c.next_faster or []) and isinstance(data["notes"], list)
+    assert str(c).startswith("Reference: 3090 resnet50_fp16") and "WARNING: " in str(c)

@@ -1,0 +1,340 @@
+"""trainperf.checkpoint._files: save_checkpoint and load_checkpoint (devices, missing, empty and
+safetensors files, the GPU-saved fixtures, saving under torch.distributed)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import trainperf._utils.imports
+from tests.checkpoint._common import FIXTURES, GPU_FILES, Net, assert_same, temps
+from trainperf.checkpoint import load_checkpoint, load_state_dict, save_checkpoint, unwrap_model
+from trainperf.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    DeviceError,
+    NotACheckpointError,
+)
+
+# --------------------------------------------------------------------------- save
+
+
+def test_save_round_trip_accepts_str_and_pathlike_and_returns_path(tmp_path: Path) -> None:
+    obj = {"step": 3, "w": torch.randn(3, 2), "names": ["a", "b"]}
+    for target in (str(tmp_path / "a.pt"), tmp_path / "b.pt"):
+        out = save_checkpoint(obj, target)
+        assert out == Path(target) and isinstance(out, Path)
+        loaded = load_checkpoint(out)
+        assert loaded["step"] == 3 and loaded["names"] == ["a", "b"]
+        assert torch.equal(loaded["w"], obj["w"])
+    assert temps(tmp_path) == []
+
+
+def test_save_replaces_existing_file(old: Path) -> None:
+    save_checkpoint({"gen": 1}, old)
+    assert load_checkpoint(old) == {"gen": 1}
+    assert temps(old.parent) == []
+
+
+def test_save_creates_missing_parent_directories(tmp_path: Path) -> None:
+    path = tmp_path / "runs" / "exp1" / "last.pt"
+    save_checkpoint({"x": 1}, path)
+    assert load_checkpoint(path) == {"x": 1}
+
+
+def test_save_module_saves_unwrapped_state_dict(tmp_path: Path) -> None:
+    net = Net()
+    for i, wrapped in enumerate(
+        [net, nn.DataParallel(net), torch.compile(net), nn.DataParallel(torch.compile(net))]
+    ):
+        path = save_checkpoint(wrapped, tmp_path / f"m{i}.pt")
+        # weights_only=True loads it: a state dict, not a pickled module.
+        loaded = load_checkpoint(path)
+        assert_same(loaded, net.state_dict())
+        assert loaded._metadata[""] == net.state_dict()._metadata[""]
+
+
+def test_save_dict_of_modules_optimizer_and_prefixed_state_dicts(tmp_path: Path) -> None:
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.randn(2, 3, 5, 5)).sum().backward()
+    opt.step()
+    obj = collections.OrderedDict(
+        model=nn.DataParallel(net),
+        ema=nn.DataParallel(torch.compile(net)).state_dict(),
+        optimizer=opt,
+        epoch=7,
+    )
+    path = save_checkpoint(obj, tmp_path / "all.pt")
+    loaded = load_checkpoint(path)
+    assert isinstance(loaded, collections.OrderedDict)
+    assert list(loaded) == ["model", "ema", "optimizer", "epoch"]
+    assert_same(loaded["model"], net.state_dict())
+    assert_same(loaded["ema"], net.state_dict())
+    assert loaded["ema"]._metadata["bn"] == {"version": 2}
+    assert loaded["optimizer"]["param_groups"][0]["momentum"] == 0.9
+    assert loaded["epoch"] == 7
+    assert isinstance(obj["model"], nn.DataParallel)  # the caller's dict is not modified
+
+
+def test_save_strips_prefixes_of_a_top_level_state_dict(tmp_path: Path) -> None:
+    sd = nn.DataParallel(Net()).state_dict()
+    loaded = load_checkpoint(save_checkpoint(sd, tmp_path / "s.pt"))
+    assert list(loaded) == [k.removeprefix("module.") for k in sd]
+
+
+# ---------------------------------------------------------------------- distributed
+
+
+def test_save_under_one_rank_gloo_group_unwraps_ddp(tmp_path: Path) -> None:
+    dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    try:
+        net = Net()
+        ddp = nn.parallel.DistributedDataParallel(net)
+        path = save_checkpoint({"model": ddp}, tmp_path / "ddp.pt")
+        assert_same(load_checkpoint(path)["model"], net.state_dict())
+        fresh = nn.parallel.DistributedDataParallel(Net())
+        assert load_state_dict(fresh, ddp.state_dict()).complete
+        assert_same(unwrap_model(fresh).state_dict(), net.state_dict())
+    finally:
+        dist.destroy_process_group()
+
+
+TWO_RANKS = textwrap.dedent(
+    """
+    import json, sys, datetime, torch, torch.distributed as dist
+    from pathlib import Path
+    from trainperf.checkpoint import save_checkpoint, load_checkpoint
+    from trainperf.errors import CheckpointError
+
+    rank, tmp = int(sys.argv[1]), Path(sys.argv[2])
+    dist.init_process_group("gloo", init_method=(tmp / "store").as_uri(), rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=30))
+    out = {}
+    try:
+        # Rank 1's object cannot be pickled: if rank 1 tried to write, it would raise.
+        good = {"w": torch.full((3,), 7.0)} if rank == 0 else {"f": lambda: 0}
+        save_checkpoint(good, tmp / "dist.pt")
+        out["exists_on_return"] = (tmp / "dist.pt").exists()
+        out["loaded"] = load_checkpoint(tmp / "dist.pt")["w"].tolist()
+        bad = {"f": lambda: 0} if rank == 0 else {"w": torch.ones(1)}
+        try:
+            save_checkpoint(bad, tmp / "bad.pt")
+            out["bad"] = "returned"
+        except CheckpointError as e:
+            out["bad"] = str(e)
+        out["bad_exists"] = (tmp / "bad.pt").exists()
+        save_checkpoint({"rank": rank}, tmp / f"own{rank}.pt", distributed=False)
+    finally:
+        dist.destroy_process_group()
+    (tmp / f"result{rank}.json").write_text(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.slow
+def test_two_ranks_only_rank0_writes_and_failures_reach_every_rank(tmp_path: Path) -> None:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", TWO_RANKS, str(rank), str(tmp_path)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(2)
+    ]
+    try:
+        errs = [p.communicate(timeout=60)[1].decode() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0], errs
+    r0, r1 = (json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2))
+    assert r0["exists_on_return"] and r1["exists_on_return"]
+    assert r0["loaded"] == r1["loaded"] == [7.0, 7.0, 7.0]
+    assert "could not be serialised" in r0["bad"]
+    assert r1["bad"].startswith("rank 0 could not save checkpoint") and "lambda" in r1["bad"]
+    assert not r0["bad_exists"] and not r1["bad_exists"]
+    assert load_checkpoint(tmp_path / "own1.pt") == {"rank": 1}
+    assert temps(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------- load
+
+
+@pytest.mark.parametrize("name", GPU_FILES)
+@pytest.mark.parametrize("device", ["cpu", "auto", torch.device("cpu")])
+def test_gpu_saved_fixtures_load_on_cpu(name: str, device: Any) -> None:
+    from trainperf.device import best_device
+
+    # "auto" is the CPU on a machine without a GPU, which is where these tests run in CI.
+    want = best_device().type if device == "auto" else "cpu"
+    sd = load_checkpoint(FIXTURES / name, device)
+    assert len(sd) == 9
+    assert all(t.device.type == want for t in sd.values())
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("name", GPU_FILES)
+def test_gpu_saved_fixtures_load_on_cuda(name: str) -> None:
+    sd = load_checkpoint(FIXTURES / name, "cuda:0")
+    assert all(t.device == torch.device("cuda", 0) for t in sd.values())
+
+
+@pytest.mark.requires_cuda
+def test_cuda_round_trips(tmp_path: Path) -> None:
+    net = Net().cuda()
+    path = save_checkpoint({"model": nn.DataParallel(net)}, tmp_path / "gpu.pt")
+    on_cpu = load_checkpoint(path, "cpu")["model"]
+    assert all(t.device.type == "cpu" for t in on_cpu.values())
+    on_gpu = load_checkpoint(path, "auto")["model"]
+    assert all(t.device.type == "cuda" for t in on_gpu.values())
+    assert load_state_dict(torch.compile(Net()), on_gpu).complete
+    n = torch.cuda.device_count()
+    with pytest.raises(DeviceError, match=rf"only {n} GPU\(s\)"):
+        load_checkpoint(path, f"cuda:{n}")
+    if trainperf._utils.imports.is_available("safetensors"):
+        st = save_checkpoint(net, tmp_path / "gpu.safetensors")
+        for device in ("cuda", "cuda:0", torch.device("cuda", 0)):
+            loaded = load_checkpoint(st, device)
+            assert all(t.device.type == "cuda" for t in loaded.values())
+
+
+def test_auto_uses_best_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainperf.device
+
+    calls = []
+
+    def fake_best() -> torch.device:
+        calls.append(1)
+        return torch.device("cpu")
+
+    monkeypatch.setattr(trainperf.device, "best_device", fake_best)
+    load_checkpoint(FIXTURES / GPU_FILES[0], "auto")
+    assert calls == [1]
+
+
+def test_cuda_without_cuda_fails_before_reading(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    for device in ("cuda", "cuda:1", torch.device("cuda", 0), 0):
+        with pytest.raises(DeviceError, match=r"needs CUDA.*device='cpu'"):
+            load_checkpoint(tmp_path / "does-not-exist.pt", device)
+
+
+def test_cuda_index_beyond_visible_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(DeviceError, match=r"'cuda:3'.*only 2 GPU\(s\).*cuda:0 to cuda:1"):
+        load_checkpoint(tmp_path / "does-not-exist.pt", "cuda:3")
+
+
+@pytest.mark.parametrize("device", ["gpu", "CPU", "cuda:x", "cuda:", ""])
+def test_bad_device_string(device: Any) -> None:
+    with pytest.raises(ValueError, match=r"invalid device .*expected 'auto', 'cpu', 'cuda'"):
+        load_checkpoint(FIXTURES / GPU_FILES[0], device)
+
+
+def test_meta_device_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"device 'meta' is not supported here.*'mps'"):
+        load_checkpoint(FIXTURES / GPU_FILES[0], "meta")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointNotFoundError, match=r"nope\.pt does not exist") as info:
+        load_checkpoint(tmp_path / "nope.pt")
+    assert isinstance(info.value, FileNotFoundError)
+    assert info.value.path == tmp_path / "nope.pt"
+
+
+def test_directory(tmp_path: Path) -> None:
+    with pytest.raises(NotACheckpointError, match=r"is a directory.*give the checkpoint file"):
+        load_checkpoint(tmp_path)
+    (tmp_path / ".metadata").write_bytes(b"x")
+    with pytest.raises(NotACheckpointError, match=r"torch\.distributed\.checkpoint"):
+        load_checkpoint(tmp_path)
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    (tmp_path / "e.pt").write_bytes(b"")
+    with pytest.raises(CheckpointCorruptError, match=r"e\.pt is empty \(0 bytes\)"):
+        load_checkpoint(tmp_path / "e.pt")
+
+
+# --------------------------------------------------------------------- safetensors
+
+
+def test_safetensors_round_trip(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    sd = {"a": torch.randn(3, 4), "b": torch.arange(5), "t": torch.randn(4, 3).t()}
+    path = save_checkpoint(sd, tmp_path / "w.safetensors")
+    assert path.read_bytes()[8:9] == b"{"
+    loaded = load_checkpoint(path)
+    assert_same(dict(sorted(loaded.items())), sd)  # safetensors stores keys sorted
+    net = Net()
+    loaded = load_checkpoint(save_checkpoint(nn.DataParallel(net), tmp_path / "m.safetensors"))
+    assert load_state_dict(Net(), loaded).complete
+    assert set(loaded) == set(net.state_dict())
+    # The content decides the reader, not the name.
+    (tmp_path / "m.safetensors").rename(tmp_path / "m.bin")
+    assert set(load_checkpoint(tmp_path / "m.bin")) == set(net.state_dict())
+    assert temps(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("obj", "match"),
+    [
+        ({"model": {"w": torch.ones(1)}}, r"key 'model' \(dict\) is not a tensor"),
+        ({"w": torch.ones(1), "epoch": 3}, r"key 'epoch' \(int\) is not a tensor"),
+        ([torch.ones(1)], r"the whole object is not a tensor \(list given\)"),
+    ],
+)
+def test_safetensors_needs_a_flat_tensor_dict(tmp_path: Path, obj: Any, match: str) -> None:
+    pytest.importorskip("safetensors")
+    with pytest.raises(ValueError, match=match + r".*everything else .* to a \.pt file"):
+        save_checkpoint(obj, tmp_path / "x.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_safetensors_with_tied_weights_names_them_and_the_fix(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    net = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False))
+    net[1].weight = net[0].weight  # tied input and output embeddings
+    with pytest.raises(
+        ValueError, match=r"share memory .*\['0\.weight', '1\.weight'\].*save to a \.pt file"
+    ):
+        save_checkpoint(net.state_dict(), tmp_path / "tied.safetensors")
+    assert list(tmp_path.iterdir()) == []
+    untied = {k: v.clone() for k, v in net.state_dict().items()}
+    assert save_checkpoint(untied, tmp_path / "tied.safetensors").exists()
+
+
+def test_truncated_safetensors(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    path = save_checkpoint({"w": torch.randn(1000)}, tmp_path / "w.safetensors")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointCorruptError, match=r"safetensors checkpoint .* truncated"):
+        load_checkpoint(path)
+
+
+def test_missing_safetensors_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("safetensors")
+    path = save_checkpoint({"w": torch.ones(1)}, tmp_path / "w.safetensors")
+    monkeypatch.setattr(trainperf._utils.imports, "is_available", lambda name: False)
+    with pytest.raises(ModuleNotFoundError, match=r"save_checkpoint.*trainperf\[safetensors\]"):
+        save_checkpoint({"w": torch.ones(1)}, tmp_path / "v.safetensors")
+    with pytest.raises(ModuleNotFoundError, match=r"load_checkpoint.*trainperf\[safetensors\]"):
+        load_checkpoint(path)

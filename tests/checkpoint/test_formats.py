@@ -1,0 +1,169 @@
+"""trainperf.checkpoint._formats: recognising a file from its first bytes, naming why it does
+not load (truncated, damaged, not a checkpoint, unsafe pickle)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.checkpoint._common import FIXTURES, GPU_FILES
+from trainperf.checkpoint import load_checkpoint, save_checkpoint
+from trainperf.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+)
+
+
+@pytest.fixture
+def good_bytes(tmp_path: Path) -> bytes:
+    save_checkpoint({"w": torch.randn(100_000), "b": torch.randn(10)}, tmp_path / "good.pt")
+    return (tmp_path / "good.pt").read_bytes()
+
+
+def test_truncated_file(tmp_path: Path, good_bytes: bytes) -> None:
+    (tmp_path / "t.pt").write_bytes(good_bytes[: len(good_bytes) // 2])
+    with pytest.raises(CheckpointCorruptError, match=r"t\.pt is truncated.*cut short") as info:
+        load_checkpoint(tmp_path / "t.pt")
+    assert isinstance(info.value.__cause__, zipfile.BadZipFile)
+
+
+def test_flipped_bytes_in_tensor_data_fail_the_crc(tmp_path: Path, good_bytes: bytes) -> None:
+    data = bytearray(good_bytes)
+    mid = len(data) // 2  # inside the 400 kB tensor record
+    data[mid : mid + 16] = bytes(b ^ 0xFF for b in data[mid : mid + 16])
+    (tmp_path / "f.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match=r"damaged \(Bad CRC-32.*bytes were changed"):
+        load_checkpoint(tmp_path / "f.pt")
+
+
+def test_zeroed_central_directory(tmp_path: Path, good_bytes: bytes) -> None:
+    data = bytearray(good_bytes)
+    start, end = data.find(b"PK\x01\x02"), data.rfind(b"PK\x05\x06")
+    data[start:end] = bytes(end - start)  # keep the end record, zero the directory
+    (tmp_path / "z.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match=r"z\.pt is damaged"):
+        load_checkpoint(tmp_path / "z.pt")
+
+
+def test_files_saved_without_crc_still_load(tmp_path: Path) -> None:
+    config = pytest.importorskip("torch.utils.serialization").config
+    if not hasattr(config.save, "compute_crc32"):
+        pytest.skip("this torch always writes CRC-32s")
+    # Not monkeypatch: torch's config proxies do not survive its setattr/undo round trip.
+    with config.patch({"save.compute_crc32": False}):
+        torch.save({"w": torch.ones(3)}, tmp_path / "nocrc.pt")
+    with zipfile.ZipFile(tmp_path / "nocrc.pt") as zf:
+        assert {i.CRC for i in zf.infolist()} == {0}
+    assert torch.equal(load_checkpoint(tmp_path / "nocrc.pt")["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"hello, this is a log file\n", "a text file"),
+        (b'  {"lr": 0.1, "epochs": 3}', "JSON text"),
+        (b"\x89PNG\r\n\x1a\n" + bytes(range(200)), "a PNG image"),
+        (b"version https://git-lfs.github.com/spec/v1\noid sha256:abc\n", "git lfs pull"),
+        (b"<!DOCTYPE html><html>Access denied</html>", "HTML"),
+        (b"\x93NUMPY\x01\x00v\x00{'descr'", "numpy.load"),
+        (bytes([0xFE, 0xFE, 0x01, 0x9C]) * 8, "unrecognised binary data"),
+    ],
+)
+def test_not_a_checkpoint(tmp_path: Path, content: bytes, match: str) -> None:
+    (tmp_path / "x.pt").write_bytes(content)
+    with pytest.raises(NotACheckpointError, match=rf"x\.pt is not a checkpoint: .*{match}"):
+        load_checkpoint(tmp_path / "x.pt")
+
+
+def test_plain_pickle_and_other_zip_are_not_checkpoints(tmp_path: Path) -> None:
+    (tmp_path / "p.pkl").write_bytes(pickle.dumps({"a": 1}, protocol=4))
+    with pytest.raises(NotACheckpointError, match=r"Python pickle but not a torch\.save file"):
+        load_checkpoint(tmp_path / "p.pkl")
+    with zipfile.ZipFile(tmp_path / "docs.zip", "w") as zf:
+        zf.writestr("readme.txt", "hi")
+    with pytest.raises(NotACheckpointError, match=r"zip archive but not one torch\.save"):
+        load_checkpoint(tmp_path / "docs.zip")
+
+
+def test_legacy_format_loads_and_truncation_is_reported(tmp_path: Path) -> None:
+    path = tmp_path / "legacy.pt"
+    torch.save({"w": torch.arange(1000.0)}, path, _use_new_zipfile_serialization=False)
+    assert torch.equal(load_checkpoint(path)["w"], torch.arange(1000.0))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointCorruptError, match=r"damaged or truncated.*EOF"):
+        load_checkpoint(path)
+
+
+class Payload:
+    """Unpickling this would create the marker file: what a malicious checkpoint does."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_pickle_is_refused_and_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2), "x": Payload(marker)}, path)
+    with pytest.raises(
+        UnsafeCheckpointError,
+        match=r"weights_only=True refuses.*system.*arbitrary code.*add_safe_globals"
+        r".*weights_only=False \(only for files you trust\)",
+    ) as info:
+        load_checkpoint(path)
+    assert isinstance(info.value.__cause__, pickle.UnpicklingError)
+    assert not marker.exists()
+
+
+@dataclasses.dataclass
+class RunConfig:
+    lr: float
+
+
+def test_trusted_classes_load_by_explicit_opt_in(tmp_path: Path) -> None:
+    path = tmp_path / "trusted.pt"
+    torch.save({"config": RunConfig(0.1), "w": torch.ones(1)}, path)
+    with pytest.raises(UnsafeCheckpointError, match=r"RunConfig"):
+        load_checkpoint(path)
+    with torch.serialization.safe_globals([RunConfig]):
+        assert load_checkpoint(path)["config"] == RunConfig(0.1)
+    assert load_checkpoint(path, weights_only=False)["config"] == RunConfig(0.1)
+
+
+def test_other_load_failures_are_checkpoint_errors(tmp_path: Path) -> None:
+    module = tmp_path / "gone_module.py"
+    module.write_text("class Thing:\n    pass\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import gone_module
+
+        torch.save({"t": gone_module.Thing()}, tmp_path / "t.pt")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("gone_module", None)
+    module.unlink()
+    with pytest.raises(CheckpointError, match=r"could not load.*No module named 'gone_module'"):
+        load_checkpoint(tmp_path / "t.pt", weights_only=False)
+
+
+def test_out_of_memory_is_not_rewrapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    def oom(*args: Any, **kwargs: Any) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(torch, "load", oom)
+    with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
+        load_checkpoint(FIXTURES / GPU_FILES[0])

@@ -1,0 +1,217 @@
+"""trainperf.checkpoint._write: atomic saves under faults (pickling errors, full disk, failed
+fsync, no permission, interrupts, kill -9) never leave a partial file."""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import re
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.checkpoint._common import assert_old_intact, temps
+from trainperf.checkpoint import load_checkpoint, save_checkpoint
+from trainperf.errors import CheckpointCorruptError, CheckpointError
+
+
+def test_save_to_a_directory_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"is a directory; give a file path such as"):
+        save_checkpoint({"x": 1}, tmp_path)
+
+
+class Unpicklable:
+    def __reduce__(self) -> Any:
+        raise RuntimeError("refuses to be pickled")
+
+
+@pytest.mark.parametrize(
+    ("bad", "cause"),
+    [
+        ({"f": lambda: 0}, (AttributeError, pickle.PicklingError)),
+        ({"u": Unpicklable()}, RuntimeError),
+    ],
+)
+def test_save_that_fails_while_pickling_keeps_old_file(
+    old: Path, bad: dict[str, Any], cause: Any
+) -> None:
+    with pytest.raises(CheckpointError, match=r"could not be serialised.*previous file") as info:
+        save_checkpoint({"w": torch.randn(1000), **bad}, old)
+    assert isinstance(info.value.__cause__, cause)
+    assert info.value.path == old
+    assert_old_intact(old)
+
+
+def test_full_disk_during_fsync_keeps_old_file(old: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_space(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(CheckpointError, match=r"No space left on device \(the disk is full") as e:
+        save_checkpoint({"gen": 1, "w": torch.randn(100)}, old)
+    assert isinstance(e.value.__cause__, OSError)
+    monkeypatch.undo()
+    assert_old_intact(old)
+
+
+def test_full_disk_mid_write_keeps_old_file(old: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_save = torch.save
+
+    class FullDisk:
+        """A file whose disk fills up after 4 kB, as the kernel reports it: ENOSPC."""
+
+        def __init__(self, f: Any) -> None:
+            self.f, self.n = f, 0
+
+        def write(self, b: bytes) -> int:
+            self.n += len(b)
+            if self.n > 4096:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return int(self.f.write(b))
+
+        def flush(self) -> None:
+            self.f.flush()
+
+    monkeypatch.setattr(torch, "save", lambda obj, f, **kw: real_save(obj, FullDisk(f), **kw))
+    with pytest.raises(CheckpointError, match=r"No space left on device \(the disk is full"):
+        save_checkpoint({"gen": 1, "w": torch.randn(100_000)}, old)
+    monkeypatch.undo()
+    assert_old_intact(old)
+
+
+def test_failed_directory_fsync_is_reported(old: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(CheckpointError, match=r"saved checkpoint .* could not flush its directory"):
+        save_checkpoint({"gen": 1}, old)
+    monkeypatch.undo()
+    # The rename had happened: the new file is there, complete.
+    assert load_checkpoint(old) == {"gen": 1}
+    assert temps(old.parent) == []
+
+
+def test_permission_error_names_the_fix(old: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def denied(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(os, "replace", denied)
+    with pytest.raises(CheckpointError, match=r"Permission denied \(no permission.*writable"):
+        save_checkpoint({"gen": 1}, old)
+    monkeypatch.undo()
+    assert_old_intact(old)
+
+
+def test_keyboard_interrupt_propagates_and_removes_temp(
+    old: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(obj: Any, f: Any, **kw: Any) -> None:
+        f.write(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint({"gen": 1}, old)
+    monkeypatch.undo()
+    assert_old_intact(old)
+
+
+# A writer process that is SIGKILLed mid-save. "mid-write": the disk stalls after ~60 MB of a
+# 200 MB checkpoint. "before-rename": all bytes written, the fsync (a slow disk) never returns.
+KILLED_WRITER = textwrap.dedent(
+    """
+    import os, sys, time, torch
+    from trainperf.checkpoint import save_checkpoint
+
+    mode, path = sys.argv[1], sys.argv[2]
+    if mode == "mid-write":
+        real_save = torch.save
+
+        class StallingFile:
+            def __init__(self, f):
+                self.f, self.n = f, 0
+
+            def write(self, b):
+                n = self.f.write(b)
+                self.n += len(b)
+                if self.n > 50_000_000:
+                    self.f.flush()
+                    time.sleep(120)
+                return n
+
+            def flush(self):
+                self.f.flush()
+
+        torch.save = lambda obj, f, **kw: real_save(obj, StallingFile(f), **kw)
+    else:
+        os.fsync = lambda fd: time.sleep(120)
+    big = {"gen": 1, **{f"w{i}": torch.ones(5_000_000) for i in range(10)}}
+    save_checkpoint(big, path)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "min_size"), [("mid-write", 40e6), ("before-rename", 199e6)])
+def test_kill_9_mid_save_keeps_old_file(old: Path, mode: str, min_size: float) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, mode, str(old)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not [t for t in temps(old.parent) if t.stat().st_size >= min_size]:
+            if proc.poll() is not None:
+                pytest.fail(f"writer exited early: {proc.stderr.read().decode()}")
+            assert time.monotonic() < deadline, "the writer never got going"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    # The final name still holds the complete old checkpoint.
+    loaded = load_checkpoint(old)
+    assert loaded["gen"] == 0 and torch.equal(loaded["w"], torch.arange(4.0))
+    # The killed writer's temp file is the only other file, and it is named as documented.
+    (leftover,) = temps(old.parent)
+    assert leftover.name.startswith(".ckpt.pt.tmp-") and leftover.name.split("-")[-2] == str(
+        proc.pid
+    )
+    assert sorted(p.name for p in old.parent.iterdir()) == sorted(["ckpt.pt", leftover.name])
+    if mode == "mid-write":
+        with pytest.raises(CheckpointCorruptError, match="truncated"):
+            load_checkpoint(leftover)
+    # The next save removes the dead writer's temp file.
+    save_checkpoint({"gen": 2}, old)
+    assert load_checkpoint(old) == {"gen": 2}
+    assert temps(old.parent) == []
+
+
+def test_save_keeps_temp_files_of_live_writers(tmp_path: Path) -> None:
+    path = tmp_path / "c.pt"
+    # Named as save_checkpoint names them: .NAME.tmp-HOST-PID-RANDOM (HOST sanitised).
+    host_pid = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) + f"-{os.getppid()}"
+    live = tmp_path / f".c.pt.tmp-{host_pid}-0123abcd"
+    other_host = tmp_path / ".c.pt.tmp-elsewhere-999999999-0123abcd"
+    live.write_bytes(b"in progress")
+    other_host.write_bytes(b"in progress")
+    save_checkpoint({"x": 1}, path)
+    assert live.exists() and other_host.exists()

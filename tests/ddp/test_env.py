@@ -1,0 +1,58 @@
+"""trainperf.ddp._env: is this process one rank of a torchrun or SLURM job?"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.ddp._envs import SLURM, TORCHRUN
+from trainperf.ddp import _env
+
+# -------------------------------------------------------------- environment detection
+
+
+def test_detect_torchrun_and_slurm() -> None:
+    assert _env.detect({}) is None
+    assert _env.detect({"MASTER_PORT": "1234"}) is None  # choosing a port is not a job
+    assert _env.detect(TORCHRUN) == _env.DistributedEnv("torchrun", 3, 4, 1, 2, "10.1.2.3", 29500)
+    assert _env.detect(SLURM) == _env.DistributedEnv(
+        "slurm", 5, 8, 1, 4, "node07", _env.SLURM_PORT_BASE + 4242
+    )
+    assert _env.detect({**SLURM, "MASTER_PORT": "23456", "MASTER_ADDR": "head"}) == (
+        _env.DistributedEnv("slurm", 5, 8, 1, 4, "head", 23456)
+    )
+    step = {**SLURM, "SLURM_STEP_NODELIST": "gpu[10-11]", "SLURM_NTASKS_PER_NODE": "3"}
+    assert _env.detect(step) == _env.DistributedEnv(
+        "slurm", 5, 8, 1, 3, "gpu10", _env.SLURM_PORT_BASE + 4242
+    )
+    # A one-task SLURM job is a workstation: launch spawns locally.
+    assert _env.detect({**SLURM, "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
+    # torchrun inside an srun step: torchrun's variables win.
+    assert _env.detect({**SLURM, **TORCHRUN}).source == "torchrun"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"RANK": "0"}, r"RANK=0 is set but WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT"),
+        ({k: v for k, v in TORCHRUN.items() if k != "MASTER_PORT"}, r"but MASTER_PORT is not"),
+        ({**TORCHRUN, "RANK": "4"}, r"RANK must be < WORLD_SIZE=4, got RANK=4"),
+        (
+            {**TORCHRUN, "WORLD_SIZE": "four"},
+            r"WORLD_SIZE must be a whole number.*'four'; unset it",
+        ),
+        ({**TORCHRUN, "WORLD_SIZE": "0"}, r"WORLD_SIZE must be a whole number >= 1 .*, got '0'"),
+        ({**TORCHRUN, "LOCAL_RANK": "2"}, r"LOCAL_RANK must be < LOCAL_WORLD_SIZE=2"),
+        ({**TORCHRUN, "MASTER_PORT": "70000"}, r"MASTER_PORT must be a port in 1\.\.65535"),
+        ({"SLURM_PROCID": "0"}, r"SLURM_NTASKS is not set"),
+        ({k: v for k, v in SLURM.items() if k != "SLURM_LOCALID"}, r"SLURM_LOCALID is not set"),
+        ({**SLURM, "SLURM_PROCID": "8"}, r"SLURM_PROCID must be < SLURM_NTASKS=8"),
+        ({k: v for k, v in SLURM.items() if k != "SLURM_JOB_NODELIST"}, r"SLURM_JOB_NODELIST"),
+        ({k: v for k, v in SLURM.items() if k != "SLURM_JOB_ID"}, r"SLURM_JOB_ID or MASTER_PORT"),
+        ({**SLURM, "SLURM_JOB_ID": "x1"}, r"SLURM_JOB_ID must be a whole number >= 0 .*, got 'x1'"),
+        ({**SLURM, "SLURM_TASKS_PER_NODE": "many"}, r"SLURM_TASKS_PER_NODE must look like"),
+        ({**SLURM, "SLURM_JOB_NODELIST": "node[1-2"}, r"unbalanced '\['"),
+    ],
+)
+def test_detect_rejects_inconsistent_environments(env: dict[str, str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _env.detect(env)

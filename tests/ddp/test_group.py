@@ -1,0 +1,128 @@
+"""trainperf.ddp._group: the first failure is named with its traceback and the rest are stopped.
+
+Every test ends in bounded time (pytest-timeout) and the root conftest fails any test that
+leaves a child process alive. Most launches use ``start_method="fork"`` (no interpreter
+start-up per rank).
+"""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import os
+import pickle
+import time
+from typing import Any
+
+import pytest
+
+from tests.ddp import _workers as workers
+from tests.ddp._distributed import LONG, launch_fork
+from trainperf.ddp import _group
+from trainperf.ddp._procs import SignalGuard
+from trainperf.ddp._worker import Failure, WorkerSpec
+from trainperf.errors import LaunchError
+
+
+@pytest.mark.timeout(60)
+def test_a_raising_rank_is_named_with_its_own_traceback_and_the_others_are_stopped() -> None:
+    # Rank 1 raises while ranks 0, 2, 3 wait in a collective with a 30-minute timeout.
+    with pytest.raises(LaunchError) as info:
+        launch_fork(workers.raise_on_rank, 1, 0.3, nprocs=4, timeout=LONG)
+    text = str(info.value)
+    assert text.startswith("rank 1 of 4 raised ValueError: deliberate failure on rank 1")
+    assert "Traceback from rank 1:" in text
+    assert 'raise ValueError(f"deliberate failure on rank {bad_rank}")' in text
+    assert "_workers.py" in text and "in raise_on_rank" in text
+    assert "_worker.py" not in text  # the launcher's own frames are trimmed
+    # The victims either were stopped or failed after it; none is blamed.
+    assert not text.startswith(("rank 0", "rank 2", "rank 3"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_an_escalation_to_sigkill_stops_a_rank_that_ignores_sigterm() -> None:
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"^rank 1 of 2 raised ValueError: deliberate") as info:
+        launch_fork(workers.raise_while_peer_ignores_sigterm, 1, timeout=LONG)
+    assert "Stopped by the launcher: rank 0" in str(info.value)
+    # Bounded by the SIGTERM grace period, not by the 120 s the rank would sleep.
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_left_is_reported_without_waiting_for_the_timeout() -> None:
+    with pytest.raises(LaunchError) as info:
+        launch_fork(workers.return_early_on_rank, 1, timeout=LONG)
+    text = str(info.value)
+    assert text.startswith("rank 0 of 2 raised RuntimeError")
+    assert "Already returned from main: rank 1 (a collective that not every rank calls" in text
+
+
+def _make_group(n: int = 3) -> _group.Group:
+    spec = WorkerSpec(
+        workers.add, (), {}, "gloo", n, "127.0.0.1", 1, "p/", LONG, None, os.getpid(), False
+    )
+    return _group.Group(None, spec, "", None)  # type: ignore[arg-type]
+
+
+class _Unstartable:
+    """A process whose start fails the way ``fork``/``spawn`` can: with ``error``."""
+
+    pid = None
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def start(self) -> None:
+        raise self.error
+
+
+class _RecordingContext:
+    """A multiprocessing context that records the pipes it hands out; no process starts."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.pipes: list[tuple[Any, Any]] = []
+
+    def Pipe(self, duplex: bool = True) -> tuple[Any, Any]:
+        ends = multiprocessing.Pipe(duplex=duplex)
+        self.pipes.append(ends)
+        return ends
+
+    def Process(self, **kwargs: Any) -> _Unstartable:
+        return _Unstartable(self.error)
+
+
+@pytest.mark.parametrize(
+    ("error", "raised", "match"),
+    [
+        (OSError(errno.EAGAIN, "Resource temporarily unavailable"), OSError, "temporarily"),
+        (pickle.PicklingError("no pickling"), ValueError, r"cannot be pickled: no pickling"),
+    ],
+)
+def test_a_failed_process_start_closes_both_ends_of_its_pipe(
+    error: BaseException, raised: type[BaseException], match: str
+) -> None:
+    ctx = _RecordingContext(error)
+    group = _group.Group(ctx, _make_group(2).spec, "", SignalGuard())  # type: ignore[arg-type]
+    with pytest.raises(raised, match=match) as info:
+        group.run()
+    assert info.value is error or info.value.__cause__ is error
+    assert len(ctx.pipes) == 1, "no later rank is started after a failure"
+    reader, writer = ctx.pipes[0]
+    assert reader.closed and writer.closed
+
+
+def test_the_earliest_failure_is_blamed_whatever_order_reports_arrive_in() -> None:
+    group = _make_group()
+    victim = Failure(0, 11, "RuntimeError", "Connection closed by peer", "tb0", time=105.0)
+    cause = Failure(2, 12, "ValueError", "bad batch\nmore", "tb2", time=100.0)
+    for f in (victim, cause):  # the victim's report arrives first
+        group.problems.append(_group._Problem(f.rank, f.time, _group._summary(f), f.traceback))
+    group.stopped = [1]
+    text = group._message()
+    assert text.splitlines()[0] == "rank 2 of 3 raised ValueError: bad batch"
+    assert "Traceback from rank 2:\ntb2" in text
+    assert "rank 0 raised RuntimeError: Connection closed by peer" in text
+    assert "Stopped by the launcher: rank 1" in text

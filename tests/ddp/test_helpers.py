@@ -1,0 +1,178 @@
+"""trainperf.ddp._helpers: rank(), world_size(), reductions, wrap_model, distributed_loader,
+data_parallel, with and without a process group."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import trainperf.ddp as ddp
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def test_helpers_without_a_process_group(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (ddp.rank(), ddp.local_rank(), ddp.world_size(), ddp.is_main_process()) == (
+        0,
+        0,
+        1,
+        True,
+    )
+    ddp.barrier()
+    x = torch.tensor([1, 2])
+    mean = ddp.all_reduce_mean(x)
+    assert mean.dtype == torch.get_default_dtype() and mean.tolist() == [1.0, 2.0]
+    y = torch.tensor([0.5])
+    assert ddp.all_reduce_mean(y) is not y
+    with pytest.raises(TypeError, match=r"all_reduce_mean needs a torch\.Tensor, got float"):
+        ddp.all_reduce_mean(0.5)  # type: ignore[arg-type]
+
+    ddp.print0("hello", 1)
+    assert capsys.readouterr().out == "hello 1\n"
+    # Before the process group exists (torchrun sets these), the environment says who we are.
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert (ddp.rank(), ddp.local_rank(), ddp.world_size(), ddp.is_main_process()) == (
+        1,
+        1,
+        2,
+        False,
+    )
+    ddp.print0("hidden")
+    assert capsys.readouterr().out == ""
+    # A malformed value is an error naming it, never a silent default.
+    monkeypatch.setenv("RANK", "garbage")
+    with pytest.raises(ValueError, match=r"RANK must be a whole number >= 0 .*, got 'garbage'"):
+        ddp.rank()
+    monkeypatch.setenv("WORLD_SIZE", "-1")
+    with pytest.raises(ValueError, match=r"WORLD_SIZE must be a whole number >= 1 .*'-1'"):
+        ddp.world_size()
+    monkeypatch.setenv("LOCAL_RANK", "1.5")
+    with pytest.raises(ValueError, match=r"LOCAL_RANK must be a whole number >= 0 .*'1\.5'"):
+        ddp.local_rank()
+    monkeypatch.delenv("RANK")
+    assert ddp.rank() == 0  # unset is the default
+
+    model = nn.Linear(3, 1)
+    assert ddp.wrap_model(model) is model
+    with pytest.raises(ValueError, match=r"already wrapped in DataParallel.*unwrap_model"):
+        ddp.wrap_model(nn.DataParallel(model))
+
+
+def test_helpers_in_a_one_rank_process_group(capsys: pytest.CaptureFixture[str]) -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        net = ddp.wrap_model(nn.Linear(3, 1), find_unused_parameters=True)
+        assert isinstance(net, nn.parallel.DistributedDataParallel)
+        assert net.device_ids is None  # CPU: DDP refuses device_ids
+        assert net.find_unused_parameters is True
+        with pytest.raises(ValueError, match="already wrapped in DistributedDataParallel"):
+            ddp.wrap_model(net)
+        assert ddp.all_reduce_mean(torch.tensor([4.0, 6.0])).tolist() == [4.0, 6.0]
+        ddp.barrier()
+        ddp.print0("only", "me", sep="-")
+        assert capsys.readouterr().out == "only-me\n"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_loader_shards_and_reshuffles(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = list(range(10))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    shards = {}
+    for r in (0, 1):
+        monkeypatch.setenv("RANK", str(r))
+        loader = ddp.distributed_loader(data, batch_size=5, shuffle=False)
+        shards[r] = [b.tolist() for b in loader]
+    assert shards == {0: [[0, 2, 4, 6, 8]], 1: [[1, 3, 5, 7, 9]]}
+
+    monkeypatch.setenv("RANK", "0")
+    loader = ddp.distributed_loader(data, batch_size=5, seed=3)
+    assert isinstance(loader, torch.utils.data.DataLoader) and loader.epoch == 0
+    epoch0 = [b.tolist() for b in loader]
+    epoch1 = [b.tolist() for b in loader]
+    assert loader.epoch == 2
+    assert epoch0 != epoch1  # the shuffle changes by itself every epoch
+    loader.set_epoch(0)
+    assert [b.tolist() for b in loader] == epoch0  # and can be replayed
+    other_seed = [b.tolist() for b in ddp.distributed_loader(data, batch_size=5, seed=4)]
+    assert other_seed != epoch0
+
+    # Padding: 5 samples over 2 ranks gives each rank 3 unless drop_last.
+    assert len(list(ddp.distributed_loader(list(range(5)), 1, shuffle=False))) == 3
+    assert len(list(ddp.distributed_loader(list(range(5)), 1, drop_last=True))) == 2
+
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        ddp.distributed_loader(data, 0)
+    with pytest.raises(ValueError, match="remove batch_sampler, sampler"):
+        ddp.distributed_loader(data, 2, sampler=None, batch_sampler=None)
+    with pytest.raises(ValueError, match="epoch must be an int >= 0, got -1"):
+        loader.set_epoch(-1)
+
+
+def _record_worker(worker_id: int) -> None:
+    info = torch.utils.data.get_worker_info()
+    assert info is not None
+    info.dataset.seen = worker_id  # type: ignore[union-attr]
+
+
+class _Square(torch.utils.data.Dataset[int]):
+    seen = -1
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return i * i * 100 + self.seen
+
+
+@pytest.mark.timeout(60)
+def test_distributed_loader_workers_keep_the_users_worker_init_fn() -> None:
+    loader = ddp.distributed_loader(
+        _Square(), batch_size=4, shuffle=False, num_workers=1, worker_init_fn=_record_worker
+    )
+    # The user's worker_init_fn ran in the worker (seen = 0), after ours.
+    assert [b.tolist() for b in loader] == [[0, 100, 400, 900]]
+    assert loader.worker_init_fn is not _record_worker  # wrapped to die with the rank
+    assert pickle.loads(pickle.dumps(loader.worker_init_fn)).user_fn is _record_worker
+
+
+def test_data_parallel_rejects_an_empty_device_list_with_or_without_cuda() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"device_ids must name at least one GPU, got \[\]"):
+        ddp.data_parallel(model, device_ids=[])
+    with pytest.raises(ValueError, match=r"must name at least one GPU.*pass None"):
+        ddp.data_parallel(model, device_ids=())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks the behaviour without GPUs")
+def test_data_parallel_without_gpus() -> None:
+    model = nn.Linear(2, 2)
+    assert ddp.data_parallel(model) is model
+    with pytest.raises(ValueError, match=r"device_ids=\[0\] given, but no CUDA GPU is visible"):
+        ddp.data_parallel(model, device_ids=[0])
+
+
+@pytest.mark.requires_cuda
+def test_data_parallel_moves_the_model_to_the_first_device_and_warns_once() -> None:
+    import trainperf.ddp._helpers as helpers
+
+    helpers._dp_warned = False
+    last = torch.cuda.device_count() - 1
+    with pytest.warns(UserWarning, match="DistributedDataParallel is faster"):
+        dp = ddp.data_parallel(nn.Linear(2, 2), device_ids=[last])
+    assert isinstance(dp, nn.DataParallel)
+    assert next(dp.parameters()).device == torch.device("cuda", last)
+    out = dp(torch.randn(4, 2, device=f"cuda:{last}"))
+    assert out.shape == (4, 2)
+    with pytest.raises(ValueError, match="must name at least one GPU"):
+        ddp.data_parallel(nn.Linear(2, 2), device_ids=[])
+    with pytest.raises(ValueError, match=r"are not visible GPUs"):
+        ddp.data_parallel(nn.Linear(2, 2), device_ids=[last + 1])

@@ -1,0 +1,116 @@
+"""trainperf.ddp._procs: deaths named by exit code and signal; signals to the launcher stop every
+worker and DataLoader worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.ddp import _workers as workers
+from tests.ddp._distributed import LONG, launch_fork
+from trainperf.errors import LaunchError
+
+SCRIPT = Path(__file__).parent / "_script.py"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("main", "args", "match"),
+    [
+        (workers.exit_on_rank, (1, 3), r"^rank 1 of 2 exited with code 3 without reporting"),
+        (
+            workers.signal_on_rank,
+            (1, signal.SIGKILL),
+            r"^rank 1 of 2 died from signal SIGKILL .*out-of-memory killer",
+        ),
+        (
+            workers.signal_on_rank,
+            (0, signal.SIGSEGV),
+            r"^rank 0 of 2 died from signal SIGSEGV .*crash in native code",
+        ),
+        (workers.sys_exit_on_rank, (1, 4), r"^rank 1 of 2 called sys\.exit\(4\)"),
+        (workers.unpicklable_result, (), r"^rank 0 of 2 raised TypeError: main returned a value"),
+    ],
+)
+def test_exit_codes_and_signals_are_named(main: Any, args: tuple[Any, ...], match: str) -> None:
+    with pytest.raises(LaunchError, match=match):
+        launch_fork(main, *args, timeout=LONG)
+
+
+def _wait_for(paths: list[Path], proc: subprocess.Popen[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if proc.poll() is not None:
+            out, _ = proc.communicate()
+            pytest.fail(f"the launcher exited early ({proc.returncode}):\n{out}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            out, _ = proc.communicate()
+            pytest.fail(f"workers never reported their pids:\n{out}")
+        time.sleep(0.1)
+
+
+def _gone(pids: list[int], timeout: float) -> list[int]:
+    """The pids still alive (zombies count as gone) after waiting up to ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("sig", "start_method", "codes"),
+    [
+        (signal.SIGINT, "spawn", {130, -signal.SIGINT}),
+        (signal.SIGTERM, "fork", {143}),
+        (signal.SIGKILL, "fork", {-signal.SIGKILL}),
+    ],
+)
+def test_signals_to_the_launcher_leave_no_worker_or_dataloader_worker(
+    tmp_path: Path, sig: int, start_method: str, codes: set[int]
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "hang", str(tmp_path), start_method],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    pids: list[int] = []
+    try:
+        _wait_for([tmp_path / "pids0.json", tmp_path / "pids1.json"], proc, timeout=90)
+        for r in (0, 1):
+            record = json.loads((tmp_path / f"pids{r}.json").read_text())
+            pids += [record["rank"], *record["loader"]]
+        assert len(pids) == 6  # 2 ranks with 2 DataLoader workers each
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode in codes, out
+        # SIGKILL gives the launcher no chance to clean up: the parent-death signal must.
+        assert _gone(pids, timeout=15) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in _gone(pids, timeout=0):
+            os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,279 @@
+"""trainperf.device._move: to_device and check_same_device over nested batches."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import types
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+import torch
+
+from trainperf.device import check_same_device, to_device
+from trainperf.errors import DeviceMismatchError
+
+META = torch.device("meta")
+
+
+# --------------------------------------------------------------------------- to_device()
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    label: int
+
+
+@dataclasses.dataclass
+class Batch:
+    images: torch.Tensor
+    ids: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenBatch:
+    x: torch.Tensor
+    mask: torch.Tensor
+    derived: torch.Tensor = dataclasses.field(init=False)
+    scale: dataclasses.InitVar[float] = 1.0  # an InitVar without replace()'s help
+
+    def __post_init__(self, scale: float) -> None:
+        object.__setattr__(self, "derived", self.x * scale)
+
+
+class Recorder:
+    """A custom batch class with its own .to."""
+
+    def __init__(self) -> None:
+        self.moved_to: torch.device | None = None
+
+    def to(self, device: torch.device) -> Recorder:
+        self.moved_to = device
+        return self
+
+
+class TaggedList(list):  # type: ignore[type-arg]
+    tag = "kept"
+
+
+class StrictTuple(tuple):  # type: ignore[type-arg]
+    def __new__(cls, a: Any, b: Any) -> StrictTuple:  # cannot be built from one iterable
+        return super().__new__(cls, (a, b))
+
+
+def float_cpu(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape)
+
+
+def test_to_device_moves_nested_containers_and_keeps_their_types() -> None:
+    default = collections.defaultdict(list, {"a": float_cpu(2)})
+    ordered = collections.OrderedDict([("z", float_cpu(1)), ("a", float_cpu(1))])
+    array = np.arange(3)
+    batch = {
+        "list": [float_cpu(2), (float_cpu(3), "keep")],
+        "ordered": ordered,
+        "default": default,
+        "pair": Pair(float_cpu(2), 7),
+        "batch": Batch(float_cpu(2), ["a", "b"]),
+        "set": {float_cpu(1)},
+        "frozenset": frozenset({float_cpu(1)}),
+        "tagged": TaggedList([float_cpu(1)]),
+        "proxy": types.MappingProxyType({"p": float_cpu(1)}),
+        "leaves": ["s", 3, 2.5, None, True, array, torch.Size([2]), torch.float16],
+    }
+    out = to_device(batch, "meta")
+    assert type(out) is dict and list(out) == list(batch)
+    assert out["list"][0].device == META and out["list"][1][0].device == META
+    assert type(out["list"][1]) is tuple and out["list"][1][1] == "keep"
+    assert type(out["ordered"]) is collections.OrderedDict and list(out["ordered"]) == ["z", "a"]
+    assert out["ordered"]["a"].device == META
+    assert type(out["default"]) is collections.defaultdict
+    assert out["default"].default_factory is list and out["default"]["a"].device == META
+    assert type(out["pair"]) is Pair and out["pair"].x.device == META and out["pair"].label == 7
+    assert type(out["batch"]) is Batch and out["batch"].images.device == META
+    assert out["batch"].ids == ["a", "b"]
+    assert type(out["set"]) is set and next(iter(out["set"])).device == META
+    assert type(out["frozenset"]) is frozenset and next(iter(out["frozenset"])).device == META
+    assert type(out["tagged"]) is TaggedList and out["tagged"][0].device == META
+    assert type(out["proxy"]) is types.MappingProxyType and out["proxy"]["p"].device == META
+    assert out["leaves"][:5] == ["s", 3, 2.5, None, True]
+    assert out["leaves"][5] is array and out["leaves"][6:] == [torch.Size([2]), torch.float16]
+    # The input is not modified.
+    assert batch["list"][0].device.type == "cpu" and ordered["a"].device.type == "cpu"
+
+
+def test_to_device_frozen_dataclass() -> None:
+    frozen = FrozenBatch(float_cpu(2), torch.ones(2, dtype=torch.bool), scale=2.0)
+    out = to_device(frozen, "meta", dtype=torch.float16)
+    assert type(out) is FrozenBatch
+    assert (out.x.device, out.x.dtype) == (META, torch.float16)
+    assert (out.mask.device, out.mask.dtype) == (META, torch.bool)
+    assert out.derived.device == META  # an init=False field moves too
+    assert frozen.x.device.type == "cpu"
+    untouched = Batch(images=None, ids=["a"])  # type: ignore[arg-type]
+    assert to_device(untouched, "meta").ids == ["a"]
+
+
+def test_to_device_dtype_casts_floats_only() -> None:
+    batch = {
+        "f32": float_cpu(2),
+        "f64": torch.zeros(2, dtype=torch.float64),
+        "labels": torch.tensor([1, 2]),
+        "mask": torch.tensor([True, False]),
+        "complex": torch.zeros(2, dtype=torch.complex64),
+        "u8": torch.zeros(2, dtype=torch.uint8),
+    }
+    out = to_device(batch, "cpu", dtype=torch.bfloat16)
+    assert {k: v.dtype for k, v in out.items()} == {
+        "f32": torch.bfloat16,
+        "f64": torch.bfloat16,
+        "labels": torch.int64,
+        "mask": torch.bool,
+        "complex": torch.complex64,
+        "u8": torch.uint8,
+    }
+    assert torch.equal(out["f32"], batch["f32"].to(torch.bfloat16))
+
+
+def test_to_device_returns_tensors_already_in_place_without_copying() -> None:
+    x = float_cpu(3)
+    labels = torch.tensor([1])
+    out = to_device((x, labels), torch.device("cpu"), dtype=torch.float32)
+    assert out[0] is x and out[1] is labels
+
+
+def test_to_device_calls_to_on_objects_and_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # cuda:1 must exist
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    rec = Recorder()
+    model = torch.nn.Linear(2, 2)
+    out = to_device({"rec": rec, "model": [model]}, "meta")
+    assert out["rec"] is rec and rec.moved_to == META
+    assert out["model"][0] is model and model.weight.device == META  # modules move in place
+    to_device(rec, 1)
+    assert rec.moved_to == torch.device("cuda", 1)  # an int means a CUDA index
+    to_device(rec, torch.device("cpu"))
+    assert rec.moved_to == torch.device("cpu")
+
+
+def test_to_device_moves_tensor_subclasses() -> None:
+    param = torch.nn.Parameter(float_cpu(2))
+    out = to_device([param], "meta", dtype=torch.float16)
+    assert (out[0].device, out[0].dtype) == (META, torch.float16)
+
+
+@pytest.mark.parametrize("bad", ["gpu", "cuda:x", "", "cpu:0:1"])
+def test_to_device_rejects_bad_device_strings(bad: str) -> None:
+    with pytest.raises(ValueError, match=f"invalid device {bad!r}.*'cuda:1'"):
+        to_device(float_cpu(1), bad)
+
+
+def test_to_device_rejects_bad_device_values() -> None:
+    with pytest.raises(ValueError, match="device index must be >= 0, got -1"):
+        to_device(float_cpu(1), -1)
+    for bad in (True, 1.5, None):
+        with pytest.raises(TypeError, match=r"device must be a str, int or torch.device"):
+            to_device(float_cpu(1), bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64, "float16"])
+def test_to_device_rejects_non_float_dtype(dtype: Any) -> None:
+    with pytest.raises(ValueError, match="floating dtype"):
+        to_device(float_cpu(1), "cpu", dtype=dtype)
+
+
+def test_to_device_names_a_container_it_cannot_rebuild() -> None:
+    with pytest.raises(TypeError, match=r"cannot rebuild a StrictTuple.*\.to\(device\)"):
+        to_device(StrictTuple(float_cpu(1), 2), "meta")
+
+
+@pytest.mark.requires_cuda
+def test_to_device_pinned_non_blocking_to_cuda_and_back() -> None:
+    batch = {"x": torch.randn(1024).pin_memory(), "y": torch.arange(4).pin_memory()}
+    out = to_device(batch, "cuda", non_blocking=True, dtype=torch.float16)
+    back = to_device(out, "cpu", non_blocking=True)
+    torch.cuda.synchronize()  # a non-blocking device-to-host copy is read only after a sync
+    assert out["x"].device.type == "cuda" and out["x"].dtype == torch.float16
+    assert torch.equal(back["x"], batch["x"].half()) and torch.equal(back["y"], batch["y"])
+
+
+# --------------------------------------------------------------------------- check_same_device()
+
+
+def test_check_same_device_returns_the_common_device() -> None:
+    model = torch.nn.BatchNorm1d(2)  # parameters and buffers
+    assert check_same_device(model, torch.ones(3, 2), extra=[{"m": torch.ones(1)}]) == torch.device(
+        "cpu"
+    )
+    assert check_same_device(None, torch.ones(1, device="meta")) == META
+
+
+def test_check_same_device_names_parameters_and_inputs_per_device() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).to("meta")
+    batch = {"ids": [torch.ones(1), torch.ones(1, device="meta")]}
+    with pytest.raises(DeviceMismatchError, match="on 2 devices") as info:
+        check_same_device(model, Pair(torch.ones(1), 0), x=batch)
+    message = str(info.value)
+    meta_line = next(line for line in message.splitlines() if line.strip().startswith("meta:"))
+    cpu_line = next(line for line in message.splitlines() if line.strip().startswith("cpu:"))
+    assert "parameter 0.weight" in meta_line and "parameter 0.bias" in meta_line
+    assert "more" in meta_line  # 4 parameters, 3 buffers, 1 input: only a few are listed
+    assert cpu_line.strip() == "cpu: input arg0.x, input x['ids'][0]"
+    assert "model.to('meta')" in message
+
+
+def test_check_same_device_inputs_only_and_dataclasses() -> None:
+    item = Batch(torch.ones(1, device="meta"), ["a"])
+    with pytest.raises(
+        DeviceMismatchError, match=r"cpu: input arg0\[1\]\n  meta: input item\.images"
+    ):
+        check_same_device(None, ["no tensor", torch.ones(1)], item=item)
+
+
+@dataclasses.dataclass
+class MovableBatch:
+    """A user batch dataclass with its own .to, as training code often has."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+
+    def to(self, device: torch.device) -> MovableBatch:
+        return MovableBatch(self.images.to(device), self.labels.to(device))
+
+
+class Encoding(collections.UserDict):  # type: ignore[type-arg]
+    """A Mapping with .to, like Hugging Face's BatchEncoding."""
+
+    def to(self, device: torch.device) -> Encoding:
+        return Encoding({k: v.to(device) for k, v in self.items()})
+
+
+class Holder:
+    """Neither a mapping nor a dataclass: tensors kept as attributes, and a cycle."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+        self.me = self
+
+    def to(self, device: torch.device) -> Holder:
+        return Holder(self.x.to(device))
+
+
+def test_check_same_device_looks_inside_objects_with_their_own_to() -> None:
+    batch = MovableBatch(torch.ones(2, device="meta"), torch.ones(2))
+    with pytest.raises(
+        DeviceMismatchError, match=r"meta: input batch\.images\n  cpu: input batch\.labels"
+    ):
+        check_same_device(None, batch=batch)
+    encoding = Encoding(input_ids=torch.ones(1), mask=torch.ones(1, device="meta"))
+    with pytest.raises(DeviceMismatchError, match=r"meta: input enc\['mask'\]"):
+        check_same_device(torch.nn.Linear(1, 1), enc=encoding)
+    with pytest.raises(DeviceMismatchError, match=r"meta: input h\.x\n"):
+        check_same_device(torch.nn.Linear(1, 1), h=Holder(torch.ones(1, device="meta")))
+    assert check_same_device(None, batch.to(torch.device("meta"))) == META
+
+
+def test_check_same_device_needs_a_tensor() -> None:
+    with pytest.raises(ValueError, match="found no tensors"):
+        check_same_device(torch.nn.ReLU(), "text", n=3)

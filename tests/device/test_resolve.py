@@ -1,0 +1,129 @@
+"""trainperf.device._resolve: resolve_device, the one parser of every device argument."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from trainperf.device import resolve_device
+from trainperf.errors import DeviceError
+
+META = torch.device("meta")
+
+
+# --------------------------------------------------------------------------- resolve_device()
+
+
+def fake_cuda(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_resolve_device_parses_strings_ints_and_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_cuda(monkeypatch, 2)
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("cuda") == torch.device("cuda")
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device(1) == torch.device("cuda", 1)  # an int means a CUDA index
+    assert resolve_device(torch.device("cuda", 0), allowed=("cuda",)) == torch.device("cuda", 0)
+    assert resolve_device("meta") == META
+    # allowed=None takes any type torch knows; only CUDA and MPS are checked for presence.
+    assert resolve_device(torch.device("xpu"), allowed=None) == torch.device("xpu")
+
+
+def test_resolve_device_none_and_auto_mean_best_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainperf.device
+
+    best = torch.device("cuda", 3)
+    monkeypatch.setattr(trainperf.device, "best_device", lambda: best)
+    assert resolve_device(None) == best
+    assert resolve_device("auto") == best
+    monkeypatch.setattr(trainperf.device, "best_device", lambda: torch.device("mps"))
+    assert resolve_device("auto") == torch.device("mps")
+    # A caller that cannot use what "auto" found falls back to the CPU.
+    assert resolve_device(None, allowed=("cpu", "cuda")) == torch.device("cpu")
+
+
+def test_resolve_device_without_auto_refuses_none_and_auto() -> None:
+    with pytest.raises(TypeError, match=r"device must be a str, int or torch\.device, got None"):
+        resolve_device(None, auto=False)
+    with pytest.raises(ValueError, match=r"invalid device 'auto': expected 'cpu', 'cuda'"):
+        resolve_device("auto", auto=False)
+
+
+@pytest.mark.parametrize("bad", [1.5, True, [0]])
+def test_resolve_device_rejects_wrong_types(bad: Any) -> None:
+    got = re.escape(repr(bad))
+    with pytest.raises(TypeError, match=rf"a str, int, torch\.device or None, got {got}$"):
+        resolve_device(bad)
+
+
+def test_resolve_device_rejects_invalid_and_disallowed_devices() -> None:
+    with pytest.raises(ValueError, match="a device index must be >= 0, got -1"):
+        resolve_device(-1)
+    with pytest.raises(
+        ValueError,
+        match=r"invalid device 'gpu': expected 'auto', 'cpu', 'cuda', 'cuda:<i>' \(e\.g\. "
+        r"'cuda:1'\), 'mps' or 'meta'$",
+    ):
+        resolve_device("gpu")
+    with pytest.raises(ValueError, match=r"invalid device 'cuda:x': .*, or a torch\.device$"):
+        resolve_device("cuda:x", allowed=None, auto=False)
+    with pytest.raises(
+        ValueError,
+        match=r"device 'meta' is not supported here: expected 'cpu', 'cuda' or 'cuda:<i>'",
+    ):
+        resolve_device(torch.device("meta"), allowed=("cpu", "cuda"), auto=False)
+    with pytest.raises(ValueError, match=r"device 'mps' is not supported here: expected 'auto'"):
+        resolve_device("mps", allowed=("cpu", "cuda"))
+
+
+def test_resolve_device_checks_cuda_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_cuda(monkeypatch, 0)
+    for device in ("cuda", 0, torch.device("cuda", 0)):
+        with pytest.raises(
+            DeviceError,
+            match=r"device 'cuda(:0)?' needs CUDA, but CUDA is not available here .*"
+            r"use device='cpu' or device='auto' instead",
+        ):
+            resolve_device(device)
+    with pytest.raises(DeviceError, match=r"use device='cpu' instead"):
+        resolve_device("cuda", auto=False)
+    fake_cuda(monkeypatch, 2)
+    with pytest.raises(
+        DeviceError,
+        match=r"device 'cuda:2' does not exist: only 2 GPU\(s\) are visible \(cuda:0 to cuda:1",
+    ):
+        resolve_device(2)
+
+
+def test_resolve_device_checks_mps_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match=r"device 'mps' needs Apple's Metal \(MPS\)"):
+        resolve_device("mps")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert resolve_device("mps") == torch.device("mps")
+
+
+@pytest.mark.slow
+def test_resolve_device_does_not_initialise_cuda() -> None:
+    code = (
+        "import json, torch\n"
+        "from trainperf.device import resolve_device\n"
+        "resolve_device(None); resolve_device('cpu')\n"
+        "try:\n"
+        "    resolve_device('cuda:0')\n"
+        "except Exception:\n"
+        "    pass\n"
+        "print(json.dumps(torch.cuda.is_initialized()))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert json.loads(out.stdout.strip().splitlines()[-1]) is False

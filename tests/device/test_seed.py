@@ -1,0 +1,125 @@
+"""trainperf.device._seed: seed_everything and worker_init_fn."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import trainperf.device._seed as seed_mod
+from trainperf.device import seed_everything, worker_init_fn
+
+# --------------------------------------------------------------------------- seeds
+
+
+@pytest.fixture
+def restore_determinism() -> Iterator[None]:
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    yield
+    torch.use_deterministic_algorithms(saved[0])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[1], saved[2]
+    random.setstate(rng[0])
+    np.random.set_state(rng[1])
+    torch.set_rng_state(rng[2])
+
+
+def draws() -> tuple[float, float, list[float]]:
+    return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+
+def test_seed_everything_reproduces_draws(restore_determinism: None) -> None:
+    import os
+
+    assert seed_everything(123) == 123
+    first = draws()
+    seed_everything(123)
+    assert draws() == first
+    seed_everything(124)
+    assert draws() != first
+    assert os.environ["PYTHONHASHSEED"] == "124"
+    assert seed_everything(np.int64(5)) == 5  # type: ignore[arg-type]
+    assert seed_everything(2**32 - 1) == 2**32 - 1
+
+
+def test_seed_everything_deterministic(restore_determinism: None) -> None:
+    import os
+
+    torch.use_deterministic_algorithms(False)
+    seed_everything(0)  # deterministic=False leaves the settings alone
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ or os.environ["CUBLAS_WORKSPACE_CONFIG"]
+    seed_everything(0, deterministic=True)
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_seed_everything_range(seed: int) -> None:
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*32 - 1\]"):
+        seed_everything(seed)
+
+
+@pytest.mark.parametrize("seed", [1.5, "1", True, None])
+def test_seed_everything_type(seed: Any) -> None:
+    with pytest.raises(TypeError, match="seed must be an int"):
+        seed_everything(seed)
+
+
+class WorkerDraws(Dataset[tuple[int, int, int, float]]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> tuple[int, int, int, float]:
+        info = torch.utils.data.get_worker_info()
+        assert info is not None
+        return info.id, torch.initial_seed(), int(np.random.randint(2**31)), random.random()
+
+
+def run_loader(seed: int) -> list[tuple[int, int, int, float]]:
+    loader = DataLoader(
+        WorkerDraws(),
+        batch_size=None,
+        num_workers=2,
+        worker_init_fn=worker_init_fn,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    return [tuple(int(v) if i < 3 else float(v) for i, v in enumerate(item)) for item in loader]  # type: ignore[misc]
+
+
+def test_worker_init_fn_gives_distinct_reproducible_worker_seeds() -> None:
+    first = run_loader(0)
+    assert run_loader(0) == first
+    assert run_loader(1) != first
+    by_worker: dict[int, tuple[int, int]] = {}
+    for wid, seed, draw, _ in first:
+        by_worker.setdefault(wid, (seed, draw))  # each worker's first item
+    assert set(by_worker) == {0, 1}
+    assert by_worker[0][1] != by_worker[1][1]  # distinct NumPy streams
+    for wid, (seed, draw) in by_worker.items():
+        # The worker's first NumPy draw is the one worker_init_fn's seeding gives.
+        expected = np.random.RandomState(seed_mod._worker_seed_state(seed)).randint(2**31)
+        assert draw == expected, wid
+        assert next(r for w, _, _, r in first if w == wid) == random.Random(seed).random()
+
+
+def test_worker_init_fn_outside_a_worker(restore_determinism: None) -> None:
+    torch.manual_seed(11)
+    worker_init_fn(0)
+    a = draws()[:2]
+    worker_init_fn(1)
+    b = draws()[:2]
+    worker_init_fn(0)
+    assert draws()[:2] == a != b
+    with pytest.raises(ValueError, match="worker_id must be an int >= 0, got -1"):
+        worker_init_fn(-1)

@@ -1,0 +1,218 @@
+"""diagnose() and DoctorReport (``doctor/_diagnose.py``): mocked inputs and the whole report."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.doctor._fakes import GiB, MiB, _pool, gpu, limits, write
+from trainperf._utils import imports as _imports
+from trainperf.device import GpuInfo
+from trainperf.doctor import Check, DoctorReport, check_shm, diagnose
+from trainperf.errors import DeviceError
+from trainperf.limits import host_limits
+
+doctor_module = importlib.import_module("trainperf.doctor._diagnose")
+device_module = importlib.import_module("trainperf.device")
+
+NAMES = [
+    "gpus", "torch", "cuda_arch", "cpus", "memory", "shm", "blas", "threads", "load",
+    "start_method", "visible_devices",
+]  # fmt: skip
+
+
+def test_diagnose_reports_an_arch_mismatch_from_mocked_torch_and_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_50", "sm_60", "sm_70"])
+    monkeypatch.setattr(device_module, "gpus", lambda **_: [gpu(0, cc=(9, 0), name="NVIDIA H100")])
+    report = diagnose(limits=limits(), env={})
+    arch = {c.name: c for c in report.checks}["cuda_arch"]
+    assert arch.verdict == "fail" and "NVIDIA H100 (sm_90)" in arch.value
+    assert report.worst == "fail"
+
+
+def test_diagnose_turns_an_nvml_error_into_a_failed_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(**_: object) -> list[GpuInfo]:
+        raise DeviceError("NVML refused access to the GPUs")
+
+    monkeypatch.setattr(device_module, "gpus", refuse)
+    gpus = {c.name: c for c in diagnose(limits=limits(), env={}).checks}["gpus"]
+    assert gpus.verdict == "fail" and "refused" in gpus.value
+
+
+def test_diagnose_lists_gpus_from_the_env_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[object] = []
+
+    def fake_gpus(*, env: object = None) -> list[GpuInfo]:
+        seen.append(env)
+        return []
+
+    monkeypatch.setattr(device_module, "gpus", fake_gpus)
+    env = {"CUDA_VISIBLE_DEVICES": "1"}
+    diagnose(limits=limits(), env=env)
+    diagnose(limits=limits())
+    assert seen == [env, None]  # None: gpus() reads os.environ (and torch's view) itself
+
+
+def fake_pynvml(driver_error: bool = False) -> types.ModuleType:
+    nvml: Any = types.ModuleType("pynvml")
+    nvml.NVMLError = type("NVMLError", (Exception,), {})
+    for name in ("LibraryNotFound", "DriverNotLoaded", "NoPermission", "Unknown"):
+        setattr(nvml, f"NVMLError_{name}", type(name, (nvml.NVMLError,), {}))
+    nvml.calls = []
+    nvml.nvmlInit = lambda: nvml.calls.append("init")
+    nvml.nvmlShutdown = lambda: nvml.calls.append("shutdown")
+
+    def driver() -> bytes:
+        if driver_error:
+            raise nvml.NVMLError_Unknown("lost")
+        return b"550.54"
+
+    nvml.nvmlSystemGetDriverVersion = driver
+    nvml.nvmlSystemGetCudaDriverVersion = lambda: 12040
+    nvml.nvmlDeviceGetCount = lambda: 0
+    return nvml
+
+
+def test_doctor_reads_the_driver_through_one_nvml_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    nvml = fake_pynvml()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert doctor_module._nvml_system() == ("550.54", 12040, 0)
+    assert nvml.calls == ["init", "shutdown"]
+    broken = fake_pynvml(driver_error=True)
+    monkeypatch.setitem(sys.modules, "pynvml", broken)
+    assert doctor_module._nvml_system() == (None, None, 0)
+    assert broken.calls == ["init", "shutdown"]
+
+
+def test_diagnose_uses_the_loaders_start_method() -> None:
+    from trainperf.loader._faults import start_method
+
+    check = {c.name: c for c in diagnose(limits=limits(), env={}).checks}["start_method"]
+    assert check.value == f"{start_method({})} on {sys.platform}"
+
+
+def test_diagnose_sizes_shm_for_every_rank_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 8 GPUs, 32 CPUs: all ranks' 32 workers share one 1 GiB /dev/shm (not 4 per GPU).
+    monkeypatch.setattr(device_module, "gpus", lambda **_: [gpu(i) for i in range(8)])
+    one_gib = limits(shm_total=GiB, shm_free=GiB)
+    shm = {c.name: c for c in diagnose(limits=one_gib, env={}).checks}["shm"]
+    assert shm.verdict == "warn" and "32 workers" in shm.value
+    assert shm.verdict == check_shm(one_gib, workers=32).verdict
+
+
+@pytest.mark.parametrize(("api", "vendor", "verdict"), [
+    ("openblas", "GenuineIntel", "warn"), ("mkl", "GenuineIntel", "ok"),
+    ("openblas", "AuthenticAMD", "ok"),
+])  # fmt: skip
+def test_diagnose_reads_blas_through_a_mocked_threadpoolctl(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, api: str, vendor: str, verdict: str
+) -> None:
+    fake = types.ModuleType("threadpoolctl")
+    fake.threadpool_info = lambda: [_pool(api, threads=2)]  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "threadpoolctl", fake)
+    real = _imports.is_available
+    monkeypatch.setattr(_imports, "is_available", lambda n: n == "threadpoolctl" or real(n))
+    cpuinfo = write(tmp_path / "cpuinfo", f"processor\t: 0\nvendor_id\t: {vendor}\n")
+    blas = {c.name: c for c in diagnose(limits=limits(), env={}, cpuinfo=cpuinfo).checks}["blas"]
+    assert blas.verdict == verdict and api in blas.value and vendor in blas.value
+
+
+def test_diagnose_without_threadpoolctl_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = _imports.is_available
+    monkeypatch.setattr(_imports, "is_available", lambda n: n != "threadpoolctl" and real(n))
+    blas = {c.name: c for c in diagnose(limits=limits(), env={}).checks}["blas"]
+    assert blas.verdict == "skip" and "pip install threadpoolctl" in blas.fix
+
+
+def test_diagnose_counts_torchrun_ranks_as_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    env = {"LOCAL_WORLD_SIZE": "4"}
+    threads = {c.name: c for c in diagnose(limits=limits(cpus=16), env=env).checks}["threads"]
+    assert threads.verdict == "warn" and "4 process(es)" in threads.value
+
+
+def test_diagnose_reads_the_load_average(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "getloadavg", lambda: (48.0, 30.0, 12.0), raising=False)
+    load = {c.name: c for c in diagnose(limits=limits(cpus=16), env={}).checks}["load"]
+    assert load.verdict == "warn" and "load average 48.0 for 16 usable CPUs" in load.value
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 2.0, 1.0))
+    assert {c.name: c for c in diagnose(limits=limits(cpus=16), env={}).checks}[
+        "load"
+    ].verdict == "ok"
+    monkeypatch.delattr(os, "getloadavg")  # Windows has none
+    load = {c.name: c for c in diagnose(limits=limits(cpus=16), env={}).checks}["load"]
+    assert load.verdict == "skip"
+
+
+def test_diagnose_against_a_faked_host(tmp_path: Path) -> None:
+    write(tmp_path / "cpu.max", "100000 100000\n")
+    faked = host_limits(cgroup_root=tmp_path, proc_cgroup=tmp_path / "none", shm_path=tmp_path)
+    faked = dataclasses.replace(faked, shm_total=16 * MiB, shm_free=16 * MiB)
+    env = {"CUDA_VISIBLE_DEVICES": "0,0", "OMP_NUM_THREADS": "1"}
+    report = diagnose(limits=faked, env=env, cpuinfo=tmp_path / "missing")
+    by_name = {c.name: c for c in report.checks}
+    assert [c.name for c in report.checks] == NAMES
+    assert by_name["cpus"].value.startswith("1 usable")
+    assert by_name["shm"].verdict == "fail"
+    assert by_name["visible_devices"].verdict == "fail"
+    assert "OMP_NUM_THREADS=1" in by_name["threads"].value
+    assert report.worst == "fail"
+    document = json.loads(json.dumps(report.to_dict()))
+    assert document["worst"] == "fail"
+    assert [c["name"] for c in document["checks"]] == NAMES
+    assert set(document["checks"][0]) == {"name", "verdict", "value", "fix"}
+    table = str(report)
+    assert all(name in table for name in NAMES) and "enlarge /dev/shm" in table
+
+
+def test_diagnose_on_this_machine_never_initialises_cuda() -> None:
+    was = torch.cuda.is_initialized()
+    report = diagnose()
+    assert [c.name for c in report.checks] == NAMES
+    assert all(c.verdict in ("ok", "warn", "fail", "skip") for c in report.checks)
+    assert torch.cuda.is_initialized() == was
+
+
+def test_worst_orders_fail_warn_ok_skip() -> None:
+    def report(*verdicts: str) -> DoctorReport:
+        return DoctorReport(tuple(Check(f"c{i}", v, "x") for i, v in enumerate(verdicts)))  # type: ignore[arg-type]
+
+    assert report().worst == "skip"
+    assert report("skip", "ok").worst == "ok"
+    assert report("ok", "warn", "skip").worst == "warn"
+    assert report("warn", "fail", "ok").worst == "fail"
+
+
+def test_the_report_is_a_table_and_its_dict_is_json_safe() -> None:
+    checks = (
+        Check("shm", "fail", "16 MiB", "enlarge /dev/shm"),
+        Check("load", "ok", "load 0.5", "nothing shown for ok"),
+        Check("blas", "skip", "no threadpoolctl", "pip install threadpoolctl"),
+    )
+    report = DoctorReport(checks)
+    assert str(report).splitlines() == [
+        "check  verdict  value",
+        "shm   fail     16 MiB",
+        "               fix: enlarge /dev/shm",
+        "load  ok       load 0.5",
+        "blas  skip     no threadpoolctl",
+        "               fix: pip install threadpoolctl",
+    ]
+    data = report.to_dict()
+    # Only str, int, float, bool, None, lists and dicts survive a JSON round trip unchanged.
+    assert json.loads(json.dumps(data)) == data
+    assert data == {"worst": "fail", "checks": [c.to_dict() for c in checks]}
+    assert json.loads(json.dumps(DoctorReport(()).to_dict())) == {"worst": "skip", "checks": []}

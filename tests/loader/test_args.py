@@ -1,0 +1,80 @@
+"""trainperf.loader._args: tune_loader's argument checks, each error with its message."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from tests.loader._fakes import Waits, quick
+from trainperf.errors import DeviceError
+from trainperf.loader import tune_loader
+from trainperf.loader._args import check_args
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        ((0,), {}, "batch_size must be an int >= 1, got 0"),
+        ((4,), {"max_workers": -1}, "max_workers must be None or an int >= 0"),
+        ((4,), {"budget_s": 0}, "budget_s must be a positive number"),
+        ((4,), {"epochs_hint": 0}, "epochs_hint must be None or an int >= 1"),
+        ((4,), {"step_fn": 3}, "step_fn must be callable"),
+        ((4,), {"num_workers": 2}, "num_workers is what tune_loader chooses"),
+        ((4,), {"prefetch_factor": 2}, "prefetch_factor is what tune_loader chooses"),
+        ((4,), {"batch_sampler": [[0]]}, "batch_sampler is not supported"),
+        ((4,), {"num_worker": 2}, "unknown DataLoader argument 'num_worker'; choices:"),
+        ((4,), {"device": "gpu"}, "invalid device 'gpu': expected 'auto', 'cpu', 'cuda'"),
+    ],
+)
+def test_bad_arguments_raise(args: tuple[Any, ...], kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        tune_loader(Waits(), *args, **{**quick(), **kwargs})
+
+
+def test_device_of_the_wrong_type_raises() -> None:
+    with pytest.raises(TypeError, match=r"device must be a str, int, torch\.device or None"):
+        tune_loader(Waits(), 4, **quick(device=3.5))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_without_cuda_raises() -> None:
+    with pytest.raises(DeviceError, match=r"CUDA is not available.*device='cpu'"):
+        tune_loader(Waits(), 4, **quick(device="cuda"))
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "kwargs", "match"),
+    [
+        (True, {}, "batch_size must be an int >= 1, got True"),
+        (2.0, {}, "batch_size must be an int >= 1, got 2.0"),
+        (4, {"max_workers": True}, "max_workers must be None or an int >= 0, got True"),
+        (4, {"max_workers": 1.5}, "max_workers must be None or an int >= 0, got 1.5"),
+        (4, {"budget_s": math.inf}, "budget_s must be a positive number of seconds, got inf"),
+        (4, {"budget_s": math.nan}, "budget_s must be a positive number of seconds, got nan"),
+        (4, {"budget_s": True}, "budget_s must be a positive number of seconds, got True"),
+        (4, {"budget_s": "10"}, "budget_s must be a positive number of seconds, got '10'"),
+        (4, {"epochs_hint": False}, "epochs_hint must be None or an int >= 1, got False"),
+    ],
+)
+def test_check_args_rejects_bools_non_numbers_and_infinities(
+    batch_size: Any, kwargs: dict[str, Any], match: str
+) -> None:
+    args: dict[str, Any] = {
+        "max_workers": None,
+        "budget_s": 30.0,
+        "epochs_hint": None,
+        "step_fn": None,
+        "loader_kwargs": {},
+        **kwargs,
+    }
+    with pytest.raises(ValueError, match=match):
+        check_args(batch_size, **args)
+
+
+def test_check_args_accepts_the_defaults_and_bounds() -> None:
+    check_args(1, None, 30.0, None, None, {})
+    check_args(1, 0, 0.5, 1, len, {"shuffle": True, "timeout": 5})
+    check_args(1, 64, 10, 3, lambda batch: None, {"multiprocessing_context": "spawn"})

@@ -1,0 +1,187 @@
+"""trainperf.loader._cached: tune_loader's cache path.
+
+A second call returns at once; cache=False; entries that are malformed, no longer fit or
+come from a forced fallback are not used; the entry format stays readable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from tests.loader._fakes import tune_for_cache as tune
+from trainperf.limits import HostLimits, host_limits
+from trainperf.loader import CandidateResult, cache_file
+from trainperf.loader import _tune as tune_mod
+from trainperf.loader._cache import write_entry
+from trainperf.loader._cached import REPORT_KEYS
+
+
+@pytest.mark.slow  # about 2 s: a search with one worker
+def test_second_call_is_a_cache_hit(monkeypatch: pytest.MonkeyPatch) -> None:
+    first = tune(shuffle=True, max_workers=1)
+    assert not first.from_cache
+    assert cache_file().exists()
+
+    def no_measuring(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a cache hit must not measure anything")
+
+    monkeypatch.setattr(tune_mod, "measure", no_measuring)
+    second = tune(shuffle=True, max_workers=1)
+    assert second.from_cache
+    assert second.best_kwargs == first.best_kwargs
+    assert second.samples_per_s == first.samples_per_s
+    assert [c.num_workers for c in second.candidates] == [c.num_workers for c in first.candidates]
+    assert any("cache" in n for n in second.notes)
+    assert "from cache" in str(second)
+
+
+def idle_step(batch: Any) -> None:
+    """A training step that does nothing: the main process only takes batches."""
+
+
+def test_cache_hit_keeps_the_measured_main_process_share() -> None:
+    first = tune(step_fn=idle_step)
+    assert first.main_cores < 0.5 and first.worker_cpus == first.cpus
+    second = tune(step_fn=idle_step)
+    assert second.from_cache
+    assert (second.main_cores, second.worker_cpus) == (first.main_cores, first.worker_cpus)
+    third = tune()  # no step_fn: another key, and one core kept again
+    assert not third.from_cache
+    assert third.main_cores == 1.0 and third.worker_cpus == max(1, third.cpus - 1)
+
+
+@pytest.mark.slow  # about 2-4 s: three tuning runs
+def test_cache_false_neither_reads_nor_writes() -> None:
+    tune()
+    assert not tune(cache=False).from_cache
+    path = cache_file()
+    path.unlink()
+    tune(cache=False)
+    assert not path.exists()
+
+
+def test_malformed_entry_is_ignored() -> None:
+    tune()
+    data = json.loads(cache_file().read_text())
+    for entry in data["entries"].values():
+        entry["candidates"] = [{"no such field": 1}]
+    cache_file().write_text(json.dumps(data))
+    assert not tune().from_cache
+
+
+def test_cached_choice_that_no_longer_fits_memory_is_re_tuned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tune()
+    data = json.loads(cache_file().read_text())
+    for entry in data["entries"].values():
+        entry["memory_needed"] = 10**15  # as if measured on a much bigger host
+    cache_file().write_text(json.dumps(data))
+    assert not tune().from_cache
+
+
+def test_unwritable_cache_is_a_note_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # a file where a directory must be
+    report = tune()
+    assert any("could not be cached" in n for n in report.notes)
+    with pytest.raises(OSError):
+        write_entry("k", {}, cache_file())
+
+
+class FailsInWorkers(Dataset[torch.Tensor]):
+    """Loads in the main process, raises in every worker (a dataset not yet fixed)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if torch.utils.data.get_worker_info() is not None:
+            raise RuntimeError("fails in a worker")
+        return torch.zeros(4)
+
+
+@pytest.mark.slow  # about 3-4 s: workers fail twice
+def test_a_fallback_forced_by_failing_workers_is_not_cached() -> None:
+    with pytest.warns(RuntimeWarning, match="falls back to num_workers=0"):
+        first = tune(FailsInWorkers(), max_workers=2, cache=True)
+    assert first.num_workers == 0 and any("not cached" in n for n in first.notes)
+    with pytest.warns(RuntimeWarning, match="falls back to num_workers=0"):
+        second = tune(FailsInWorkers(), max_workers=2, cache=True)
+    assert not second.from_cache  # tuned again: the warning is not lost behind a cache hit
+
+
+def test_limits_in_report_are_current_on_a_hit(monkeypatch: pytest.MonkeyPatch) -> None:
+    tune()
+    real = host_limits()
+    fake = HostLimits(**{**real.__dict__, "shm_free": real.shm_free})
+    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake)
+    assert tune().limits is fake
+
+
+# --------------------------------------------------------------------------- entry format
+
+
+def stored_entry() -> dict[str, Any]:
+    entries = json.loads(cache_file().read_text())["entries"]
+    assert len(entries) == 1
+    return dict(next(iter(entries.values())))
+
+
+def test_the_entry_holds_the_reports_own_serialisation() -> None:
+    report = tune()
+    entry = stored_entry()
+    assert set(entry) == {"best", "memory_needed", "shm_needed", "created", *REPORT_KEYS}
+    data = report.to_dict()
+    assert {k: entry[k] for k in REPORT_KEYS} == {k: data[k] for k in REPORT_KEYS}
+    fields = {f.name for f in dataclasses.fields(CandidateResult)}
+    assert all(set(c) == fields for c in entry["candidates"])
+    assert entry["best"] == {
+        "num_workers": 0,
+        "prefetch_factor": None,
+        "pin_memory": False,
+        "persistent_workers": False,
+    }
+
+
+def test_an_entry_in_the_earlier_format_is_still_a_hit(monkeypatch: pytest.MonkeyPatch) -> None:
+    tune()
+    key = next(iter(json.loads(cache_file().read_text())["entries"]))
+    # An entry as the tuner wrote it before TuningReport.to_dict existed (candidates written
+    # by dataclasses.asdict; no main_cores or worker_cpus before step_fn was measured).
+    old = {
+        "best": {
+            "num_workers": 0,
+            "prefetch_factor": None,
+            "pin_memory": False,
+            "persistent_workers": False,
+        },
+        "samples_per_s": 1234.5,
+        "baseline_samples_per_s": 1234.5,
+        "step_samples_per_s": None,
+        "memory_needed": 0,
+        "shm_needed": 0,
+        "candidates": [dataclasses.asdict(CandidateResult(0, None, False, "ok", 1234.5, 0.01))],
+        "notes": ["an old note"],
+    }
+    cache_file().write_text(json.dumps({"version": 1, "entries": {key: old}}))
+
+    def no_measuring(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a cache hit must not measure anything")
+
+    monkeypatch.setattr(tune_mod, "measure", no_measuring)
+    hit = tune()
+    assert hit.from_cache and hit.samples_per_s == 1234.5
+    assert hit.candidates == (CandidateResult(0, None, False, "ok", 1234.5, 0.01),)
+    assert (hit.main_cores, hit.worker_cpus) == (1.0, max(1, hit.cpus - 1))
+    assert hit.notes[0] == "an old note" and "settings from the cache" in hit.notes[1]

@@ -1,0 +1,184 @@
+"""analyse() (``monitor/_analysis.py``): verdicts on faked timelines and samples."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.monitor._fakes import samples, steps
+from trainperf.monitor import Sample, StepRecord, analyse
+
+
+def test_analyse_gpu_unused_when_cuda_never_started() -> None:
+    report = analyse(steps(20, 0.0, 0.01), gpu_present=True, cuda_used=False)
+    assert report.verdict.kind == "gpu-unused"
+    assert "to_device" in report.verdict.fix and "never initialised CUDA" in report.verdict.summary
+
+
+def test_analyse_gpu_unused_at_zero_utilisation() -> None:
+    report = analyse(
+        steps(120, 0.0, 0.01), samples(15, 0.0, 100, 50), gpu_present=True, cuda_used=True
+    )
+    assert report.verdict.kind == "gpu-unused"
+    assert report.gpu_utilization_mean == 0.0
+
+
+def test_analyse_input_bound_names_the_saw_tooth() -> None:
+    utils = [90.0, 5.0] * 10
+    sawtooth = [Sample(i * 0.1, u, 2**30, 50, 20) for i, u in enumerate(utils)]
+    report = analyse(steps(60, 0.015, 0.005), sawtooth, gpu_present=True, cuda_used=True, cpus=8)
+    assert report.verdict.kind == "input-bound"
+    assert any("saw-tooth" in r for r in report.verdict.reasons)
+    assert report.gpu_memory_max == 2**30
+
+
+def test_analyse_host_bound_when_workers_saturate_the_cpus() -> None:
+    hot = samples(15, 40.0, 780, 99)  # 7.8 of 8 CPUs busy
+    report = analyse(steps(60, 0.015, 0.005), hot, gpu_present=True, cuda_used=True, cpus=8)
+    assert report.verdict.kind == "host-bound"
+    assert "image_loader" in report.verdict.fix
+
+
+def test_analyse_host_bound_when_the_gpu_starves_without_waiting_for_data() -> None:
+    gpu_steps = steps(120, 0.0, 0.01, gpu_busy=0.002)  # GPU busy 20% of each step
+    hot = samples(15, 20.0, 400, 95)
+    report = analyse(gpu_steps, hot, gpu_present=True, cuda_used=True, cpus=4)
+    assert report.verdict.kind == "host-bound"
+    assert report.gpu_busy_fraction == pytest.approx(0.2)
+
+
+def test_analyse_compute_bound_on_a_busy_gpu() -> None:
+    busy = steps(60, 0.0005, 0.02, gpu_busy=0.0195)
+    report = analyse(busy, samples(15, 98.0, 100, 10), gpu_present=True, cuda_used=True, cpus=8)
+    assert report.verdict.kind == "compute-bound"
+    assert "on the GPU" in report.verdict.summary
+    assert any("busy 95%" in r for r in report.verdict.reasons)
+
+
+# The CUDA-event span of a step is host time when the stream is idle: ~100 % for a loop that
+# launches nothing or launches slowly. These timelines span 100 % of every step.
+
+
+def test_analyse_a_full_event_span_at_idle_utilisation_is_gpu_unused() -> None:
+    spanned = steps(120, 0.0, 0.01, gpu_busy=0.01)
+    idle = [Sample(i * 0.1, float(i % 3), 2**30, 100, 20) for i in range(15)]  # 0-2 %
+    report = analyse(spanned, idle, gpu_present=True, cuda_used=True, cpus=8)
+    assert report.verdict.kind == "gpu-unused", report
+    assert report.gpu_busy_fraction == pytest.approx(1.0)  # still reported, as the span
+    assert "busy only 1%" in report.verdict.summary
+    assert any("span 100%" in r and "upper bound" in r for r in report.verdict.reasons)
+
+
+def test_analyse_a_full_event_span_with_saturated_cpus_is_host_bound() -> None:
+    spanned = steps(120, 0.0, 0.01, gpu_busy=0.01)  # no data wait
+    hot = samples(15, 30.0, 390, 98)  # 3.9 of 4 CPUs busy
+    report = analyse(spanned, hot, gpu_present=True, cuda_used=True, cpus=4)
+    assert report.verdict.kind == "host-bound", report
+    assert "busy only 30%" in report.verdict.summary
+
+
+def test_analyse_ignores_samples_taken_long_after_the_loop() -> None:
+    loop = steps(120, 0.0, 0.01)  # 1.2 s of steps
+    during = [Sample(0.05 * i, 95.0, 2**30, 100, 10) for i in range(26)]  # to 1.25 s
+    idle_after = [Sample(1.3 + 0.05 * i, 0.0, 2**30, 1, 1) for i in range(60)]
+    report = analyse(loop, during + idle_after, gpu_present=True, cuda_used=True, cpus=8)
+    # Samples up to the loop's end, and the first after it (NVML's figure covers the period
+    # before it), count; the idle tail of a report made later does not.
+    assert report.gpu_utilization_mean == 95.0
+    assert report.verdict.kind == "compute-bound", report
+
+
+def test_analyse_follows_the_gpu_past_the_end_of_the_hosts_loop() -> None:
+    # The host queued 20 steps in 0.2 s; the GPU needed 1.5 s for them (the spans say so), and
+    # NVML saw it busy all that time. The window runs to the GPU's end, long enough for NVML.
+    queued = steps(20, 0.0, 0.01, gpu_busy=0.075)
+    busy = [Sample(0.1 * i, 95.0, 2**30, 100, 10) for i in range(16)]  # 0 .. 1.5 s
+    idle = [Sample(1.6 + 0.1 * i, 0.0, 2**30, 1, 1) for i in range(30)]
+    report = analyse(queued, busy + idle, gpu_present=True, cuda_used=True, cpus=8)
+    assert report.verdict.kind == "compute-bound", report
+    assert report.gpu_utilization_mean == pytest.approx(95.0, abs=6.0)
+    assert any("busy 9" in r for r in report.verdict.reasons)
+
+
+def test_analyse_does_not_trust_nvml_over_a_short_window() -> None:
+    # 0.2 s of steps: NVML's figure (averaged over up to a second) mostly shows what came
+    # before the loop, so a 0 % reading must not make it "gpu-unused".
+    short = steps(20, 0.0, 0.01, gpu_busy=0.01)
+    zero = [Sample(0.05 * i, 0.0, 2**30, 100, 10) for i in range(6)]
+    report = analyse(short, zero, gpu_present=True, cuda_used=True, cpus=8)
+    assert report.verdict.kind == "compute-bound", report
+    assert any("is not used" in r and "at least that long" in r for r in report.verdict.reasons)
+
+
+def test_analyse_a_full_event_span_at_high_utilisation_is_compute_bound() -> None:
+    spanned = steps(120, 0.0, 0.01, gpu_busy=0.01)
+    report = analyse(spanned, samples(15, 95.0, 100, 10), gpu_present=True, cuda_used=True, cpus=8)
+    assert report.verdict.kind == "compute-bound", report
+    assert any("busy 95%" in r for r in report.verdict.reasons)
+
+
+def test_analyse_without_nvml_takes_the_event_span_as_a_bound() -> None:
+    spanned = steps(120, 0.0, 0.01, gpu_busy=0.01)
+    report = analyse(spanned, gpu_present=True, cuda_used=True, cpus=8)
+    assert report.verdict.kind == "compute-bound"
+    assert any("busy at most 100%" in r for r in report.verdict.reasons)
+
+
+def test_analyse_a_saw_tooth_with_a_modest_wait_is_input_bound() -> None:
+    sawtooth = [Sample(i * 0.1, u, 2**30, 50, 20) for i, u in enumerate([90.0, 5.0] * 10)]
+    modest = steps(60, 0.003, 0.017)  # 15 % of step time waiting: under 25 %
+    report = analyse(modest, sawtooth, gpu_present=True, cuda_used=True, cpus=8)
+    assert report.verdict.kind == "input-bound", report
+    assert any("saw-tooth" in r for r in report.verdict.reasons)
+    flat = samples(20, 47.5, 50, 20)  # the same mean without the swing
+    assert analyse(modest, flat, gpu_present=True, cuda_used=True, cpus=8).verdict.kind == (
+        "compute-bound"
+    )
+    little = steps(60, 0.001, 0.019)  # 5 %: the saw-tooth alone does not make it input-bound
+    assert analyse(little, sawtooth, gpu_present=True, cuda_used=True, cpus=8).verdict.kind == (
+        "compute-bound"
+    )
+
+
+def test_analyse_finds_a_stall_every_tenth_step_in_thirty() -> None:
+    timeline = steps(30, 0.0, 0.01)
+    for i in (9, 19, 29):
+        timeline[i] = StepRecord(i, timeline[i].start, 0.0, 0.2, 32, None)
+    report = analyse(timeline)  # 28 measured steps: period 10 is past a third of them
+    assert report.verdict.kind == "periodic-stalls", report
+    assert report.stall_period == 10 and report.stall_steps == (9, 19, 29)
+
+
+def test_analyse_ignores_scattered_slow_steps() -> None:
+    timeline = steps(60, 0.0, 0.01)
+    for i in (5, 17, 18, 41):
+        timeline[i] = StepRecord(i, timeline[i].start, 0.0, 0.2, 32, None)
+    report = analyse(timeline)
+    assert report.stall_period is None and report.verdict.kind == "compute-bound"
+    assert set(report.stall_steps) == {5, 17, 18, 41}
+
+
+def test_analyse_needs_enough_steps() -> None:
+    report = analyse(steps(6, 0.0, 0.01), warmup_steps=2)
+    assert report.verdict.kind == "inconclusive"
+    assert "w.step()" in report.verdict.fix
+    assert "inconclusive" in str(report)
+
+
+def test_analyse_counts_dropped_steps_in_indices_and_warmup() -> None:
+    steps = [StepRecord(100 + i, i * 0.02, 0.015, 0.005, 32, None) for i in range(20)]
+    report = analyse(steps, warmup_steps=2, dropped_steps=100)
+    assert report.steps == 120 and report.warmup_steps == 2
+    assert report.wall_s == pytest.approx(20 * 0.02)  # the warm-up was among the dropped
+    with pytest.raises(ValueError, match="dropped_steps must be an int >= 0, got -1"):
+        analyse(steps, dropped_steps=-1)
+
+
+def test_analyse_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="cpus must be an int >= 1, got 0"):
+        analyse([], cpus=0)
+    with pytest.raises(ValueError, match="warmup_steps must be an int >= 0, got -1"):
+        analyse([], warmup_steps=-1)
+    with pytest.raises(ValueError, match="dropped_samples must be an int >= 0, got -3"):
+        analyse([], dropped_samples=-3)
+    with pytest.raises(ValueError, match=r"cpus must be an int >= 1, got 2\.0"):
+        analyse([], cpus=2.0)  # type: ignore[arg-type]

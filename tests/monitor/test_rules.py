@@ -1,0 +1,276 @@
+"""The verdict rules (``monitor/_rules.py``), each on hand-made figures: firing, not, edges."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from trainperf.monitor import Verdict
+from trainperf.monitor._rules import (
+    Figures,
+    compute_bound,
+    cpu_share,
+    cpus_saturated,
+    cuda_never_initialised,
+    gpu_figures,
+    gpu_idle,
+    gpu_share,
+    host_bound,
+    input_bound,
+    nvml_share,
+    periodic_stalls,
+    rank,
+    saw_tooth,
+    too_few_steps,
+    waits_for_data,
+    weight,
+)
+
+
+def figures(**changes: object) -> Figures:
+    """20 measured steps on a used GPU, 8 CPUs idle, no waiting, no samples, no stalls."""
+    base = Figures(
+        measured_steps=20, warmup_steps=2, gpu_present=True, cuda_used=True, cpus=8,
+        wall_s=0.2, wait_fraction=0.0, median_step_s=0.01, gpu_span=None, utilisation=(),
+        nvml_window_s=2.0, process_cpu=None, host_cpu=None, stall_period=None,
+        stall_steps=(), stall_fraction=0.0, stall_median_s=None,
+    )  # fmt: skip
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+def nvml(percent: float, n: int = 3) -> tuple[float, ...]:
+    return (percent,) * n
+
+
+SAWTOOTH = (90.0, 5.0) * 3  # mean 47.5 %, standard deviation 42.5 points
+STALLS = {"stall_period": 10, "stall_steps": (9, 19, 29), "stall_median_s": 0.2}
+
+
+# --------------------------------------------------------------------------- derived figures
+
+
+def test_nvml_share_needs_three_samples_over_a_second() -> None:
+    assert nvml_share(figures(utilisation=nvml(40.0))) == pytest.approx(0.4)
+    assert nvml_share(figures(utilisation=nvml(40.0, n=2))) is None
+    assert nvml_share(figures(utilisation=nvml(40.0), nvml_window_s=1.0)) == pytest.approx(0.4)
+    assert nvml_share(figures(utilisation=nvml(40.0), nvml_window_s=0.99)) is None
+    assert nvml_share(figures()) is None
+
+
+def test_gpu_share_is_the_smaller_of_the_span_and_nvml() -> None:
+    assert gpu_share(figures(gpu_span=1.0, utilisation=nvml(30.0))) == pytest.approx(0.3)
+    assert gpu_share(figures(gpu_span=0.2, utilisation=nvml(90.0))) == pytest.approx(0.2)
+    assert gpu_share(figures(gpu_span=0.6)) == pytest.approx(0.6)
+    assert gpu_share(figures(utilisation=nvml(30.0), nvml_window_s=0.5)) is None  # untrusted
+    assert gpu_share(figures()) is None
+
+
+def test_gpu_figures_name_what_was_used_and_what_was_not() -> None:
+    both = gpu_figures(figures(gpu_span=1.0, utilisation=nvml(30.0)))
+    assert both == (
+        "NVML utilisation averages 30%; the steps' CUDA events span 100% of step time "
+        "(an upper bound)"
+    )
+    short = gpu_figures(figures(utilisation=nvml(30.0), nvml_window_s=0.25))
+    assert short.startswith("NVML utilisation (3 samples over 0.25 s) is not used")
+    assert gpu_figures(figures()) == ""
+
+
+def test_cpu_share_counts_the_usable_cpus() -> None:
+    assert cpu_share(figures(process_cpu=400.0, cpus=8)) == pytest.approx(0.5)
+    assert cpu_share(figures()) is None
+
+
+@pytest.mark.parametrize(
+    ("process_cpu", "host_cpu", "saturated"),
+    [
+        (640.0, None, True),  # 80 % of 8 CPUs: the edge
+        (639.0, 10.0, False),
+        (320.0, 90.0, True),  # 40 % of them on a host 90 % busy: the other edge
+        (320.0, 89.9, False),
+        (319.0, 99.0, False),
+        (None, 99.0, False),  # no samples
+    ],
+)
+def test_cpus_saturated_at_the_edges(
+    process_cpu: float | None, host_cpu: float | None, saturated: bool
+) -> None:
+    assert cpus_saturated(figures(process_cpu=process_cpu, host_cpu=host_cpu)) is saturated
+
+
+@pytest.mark.parametrize(
+    ("utilisation", "window_s", "found"),
+    [
+        (SAWTOOTH, 2.0, True),
+        (SAWTOOTH[:4], 2.0, False),  # 4 samples: a saw-tooth needs 5
+        (SAWTOOTH, 0.5, False),  # NVML not trusted over half a second
+        ((60.0, 20.0) * 3, 2.0, True),  # a swing of exactly 20 points: the edge
+        ((59.8, 20.2) * 3, 2.0, False),
+        ((99.8, 20.0) * 3, 2.0, True),  # mean 59.9 %
+        ((100.0, 20.0) * 3, 2.0, False),  # mean 60 %: a busy GPU, not a saw-tooth
+    ],
+)
+def test_saw_tooth_at_the_edges(
+    utilisation: tuple[float, ...], window_s: float, found: bool
+) -> None:
+    text = saw_tooth(figures(utilisation=utilisation, nvml_window_s=window_s))
+    assert bool(text) is found
+    if found:
+        assert text.endswith("(saw-tooth)") and "swings between" in text
+
+
+@pytest.mark.parametrize(
+    ("wait", "utilisation", "waiting"),
+    [
+        (0.25, (), True),  # the edge without a saw-tooth
+        (0.2499, (), False),
+        (0.10, SAWTOOTH, True),  # the edge with one
+        (0.0999, SAWTOOTH, False),
+    ],
+)
+def test_waits_for_data_at_the_edges(
+    wait: float, utilisation: tuple[float, ...], waiting: bool
+) -> None:
+    assert waits_for_data(figures(wait_fraction=wait, utilisation=utilisation)) is waiting
+
+
+# --------------------------------------------------------------------------- decisive rules
+
+
+def test_too_few_steps_below_five() -> None:
+    verdict = too_few_steps(figures(measured_steps=4))
+    assert verdict is not None and verdict.kind == "inconclusive"
+    assert verdict.summary == "4 measured step(s) after 2 warm-up; a verdict needs at least 5"
+    assert "w.step()" in verdict.fix and verdict.reasons == ()
+    assert too_few_steps(figures(measured_steps=5)) is None
+
+
+def test_cuda_never_initialised_with_a_gpu_present() -> None:
+    verdict = cuda_never_initialised(figures(cuda_used=False))
+    assert verdict is not None and verdict.kind == "gpu-unused"
+    assert "never initialised CUDA" in verdict.summary and "to_device" in verdict.fix
+    assert cuda_never_initialised(figures()) is None
+    assert cuda_never_initialised(figures(gpu_present=False, cuda_used=False)) is None
+
+
+def test_gpu_idle_under_five_percent() -> None:
+    verdict = gpu_idle(figures(utilisation=nvml(4.0)))
+    assert verdict is not None and verdict.kind == "gpu-unused"
+    assert "busy only 4%" in verdict.summary
+    assert verdict.reasons == ("NVML utilisation averages 4%",)
+    assert gpu_idle(figures(utilisation=nvml(5.0))) is None  # the edge: 5 % is not idle
+    assert gpu_idle(figures(utilisation=nvml(4.0), gpu_present=False)) is None
+    assert gpu_idle(figures()) is None  # nothing says how busy the GPU is
+
+
+def test_gpu_idle_from_the_event_span_alone_and_not_from_untrusted_nvml() -> None:
+    span = gpu_idle(figures(gpu_span=0.04))
+    assert span is not None and any("span 4%" in r for r in span.reasons)
+    assert gpu_idle(figures(utilisation=nvml(0.0), nvml_window_s=0.2)) is None
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+def test_periodic_stalls_from_half_the_stall_share() -> None:
+    verdict = periodic_stalls(figures(stall_fraction=0.05, **STALLS))
+    assert verdict is not None and verdict.kind == "periodic-stalls"
+    assert verdict.summary == (
+        "every 10 steps one step takes 200 ms instead of 10.0 ms, costing 5% of the run"
+    )
+    assert verdict.reasons == ("stalled steps: 9, 19, 29",)
+    assert "save_checkpoint" in verdict.fix
+    assert periodic_stalls(figures(stall_fraction=0.0499, **STALLS)) is None
+    scattered = {**STALLS, "stall_period": None}
+    assert periodic_stalls(figures(stall_fraction=0.5, **scattered)) is None
+
+
+def test_periodic_stalls_list_eight_steps_at_most() -> None:
+    many = {**STALLS, "stall_steps": tuple(range(9, 100, 10))}
+    verdict = periodic_stalls(figures(stall_fraction=0.3, **many))
+    assert verdict is not None
+    assert verdict.reasons == ("stalled steps: 9, 19, 29, 39, 49, 59, 69, 79 ...",)
+
+
+def test_input_bound_when_waiting_with_cpus_to_spare() -> None:
+    verdict = input_bound(figures(wait_fraction=0.3, process_cpu=100.0, host_cpu=20.0))
+    assert verdict is not None and verdict.kind == "input-bound"
+    assert verdict.summary == "the training step waits for data"
+    assert verdict.reasons == (
+        "30% of step time is spent waiting for the next batch",
+        "this process and its workers use 12% of the 8 usable CPUs, the host is 20% busy",
+    )
+    assert "autotune_loader" in verdict.fix
+    assert input_bound(figures(wait_fraction=0.2)) is None
+    assert input_bound(figures(wait_fraction=0.3, process_cpu=700.0)) is None  # host-bound
+
+
+def test_input_bound_names_the_saw_tooth() -> None:
+    verdict = input_bound(figures(wait_fraction=0.15, utilisation=SAWTOOTH))
+    assert verdict is not None and any("saw-tooth" in r for r in verdict.reasons)
+
+
+def test_host_bound_when_waiting_on_saturated_cpus() -> None:
+    verdict = host_bound(figures(wait_fraction=0.3, process_cpu=700.0))
+    assert verdict is not None and verdict.kind == "host-bound"
+    assert verdict.summary == "waiting for data while the CPUs are saturated"
+    assert "image_loader" in verdict.fix
+    assert host_bound(figures(wait_fraction=0.3, process_cpu=100.0)) is None
+
+
+def test_host_bound_when_the_gpu_starves_on_saturated_cpus() -> None:
+    hot = {"process_cpu": 700.0, "host_cpu": 95.0}
+    verdict = host_bound(figures(gpu_span=0.49, **hot))
+    assert verdict is not None and verdict.kind == "host-bound"
+    assert verdict.summary == "the GPU is busy only 49% of the time while the CPUs are saturated"
+    assert host_bound(figures(gpu_span=0.5, **hot)) is None  # the edge: half busy is enough
+    assert host_bound(figures(**hot)) is None  # no GPU figures: nothing starves
+    assert host_bound(figures(gpu_span=0.2)) is None  # CPUs to spare
+
+
+def test_compute_bound_says_where_and_how_busy() -> None:
+    cpu = compute_bound(figures(cuda_used=False, gpu_present=False, wait_fraction=0.02))
+    assert cpu.kind == "compute-bound"
+    assert cpu.summary == "the training step on the CPU is the limit; data arrives in time"
+    assert cpu.reasons == ("only 2% of step time is spent waiting for data",)
+    assert "MixedPrecision" in cpu.fix
+    bound = compute_bound(figures(gpu_span=1.0))
+    assert "on the GPU" in bound.summary
+    assert any(r.startswith("the GPU is busy at most 100% of step time") for r in bound.reasons)
+    measured = compute_bound(figures(gpu_span=1.0, utilisation=nvml(95.0)))
+    assert any(r.startswith("the GPU is busy 95% of step time (NVML") for r in measured.reasons)
+
+
+# --------------------------------------------------------------------------- ranking
+
+
+def test_weight_of_each_candidate() -> None:
+    stalls = Verdict("periodic-stalls", "", (), "")
+    assert weight(figures(stall_fraction=0.1), stalls) == 0.1  # the edge: it can lead
+    assert weight(figures(stall_fraction=0.099), stalls) == 0.0  # an "also" finding only
+    assert weight(figures(wait_fraction=0.4), Verdict("input-bound", "", (), "")) == 0.4
+    host = Verdict("host-bound", "", (), "")
+    assert weight(figures(wait_fraction=0.3, gpu_span=0.2), host) == 0.3  # waiting
+    assert weight(figures(wait_fraction=0.0, gpu_span=0.2), host) == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="only periodic-stalls, input-bound and host-bound"):
+        weight(figures(), Verdict("compute-bound", "", (), ""))
+
+
+def test_rank_puts_the_heaviest_first_and_the_rest_as_findings() -> None:
+    f = figures(wait_fraction=0.4, stall_fraction=0.3, **STALLS)
+    stalls, waiting = periodic_stalls(f), input_bound(f)
+    assert stalls is not None and waiting is not None
+    assert rank(f, [stalls, waiting]) == (waiting, (stalls,))
+    tie = figures(wait_fraction=0.3, stall_fraction=0.3, **STALLS)
+    first, second = periodic_stalls(tie), input_bound(tie)
+    assert first is not None and second is not None
+    assert rank(tie, [first, second]) == (first, (second,))  # a tie keeps the rule order
+
+
+def test_rank_falls_back_to_compute_bound() -> None:
+    f = figures(stall_fraction=0.07, **STALLS)  # stalls worth a finding, not the verdict
+    stalls = periodic_stalls(f)
+    assert stalls is not None
+    assert rank(f, [stalls]) == (compute_bound(f), (stalls,))
+    assert rank(figures(), []) == (compute_bound(figures()), ())

@@ -1,0 +1,108 @@
+"""Shared by the pipelines tests: a generated folder of real image files, and loaders over it.
+
+The folder: two classes, red-ish (class "a_red") and blue-ish ("b_blue") JPEGs of 60-140 px,
+plus a grayscale JPEG, a CMYK JPEG and a PNG. Every CPU-capable backend runs over it: the
+torchvision backend, DALI in its CPU-only mode, and the nvjpeg backend's own code with the CPU
+standing in for the GPU (``tests/pipelines/test_nvjpeg.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from trainperf.pipelines import IMAGENET_MEAN, IMAGENET_STD, ImageLoader, image_loader
+from trainperf.pipelines._loader import _dali_importable
+
+# CI sets TRAINPERF_REQUIRE_DALI=1 (.ci/run): there the DALI tests run, and fail, when the
+# 'dali' extra did not install or does not import, instead of skipping quietly.
+REQUIRE_DALI = os.environ.get("TRAINPERF_REQUIRE_DALI") == "1"
+needs_dali = pytest.mark.skipif(
+    not REQUIRE_DALI and not _dali_importable(),
+    reason="needs nvidia-dali (TRAINPERF_REQUIRE_DALI=1 turns this skip into a failure)",
+)
+requires_cuda = pytest.mark.requires_cuda
+
+SIZE = 32
+RED, BLUE = (200, 50, 40), (40, 50, 200)
+NO_TUNING = {"num_workers": 0}
+CPU_BACKENDS = [
+    pytest.param("torchvision", id="torchvision"),
+    pytest.param("dali", id="dali", marks=needs_dali),
+]
+
+
+# --------------------------------------------------------------------------- the image folder
+
+
+def _picture(w: int, h: int, colour: tuple[int, int, int], rng: np.random.Generator) -> Any:
+    """A smooth colour field with texture: natural enough for resampling to matter."""
+    from PIL import Image, ImageFilter
+
+    y, x = np.mgrid[0:h, 0:w]
+    wave = 25 * np.sin(x / max(w, 1) * 6 + rng.uniform(0, 6)) + 20 * np.cos(y / max(h, 1) * 5)
+    pixels = np.array(colour, dtype=np.float64)[None, None, :] + wave[..., None]
+    pixels += rng.normal(0, 12, size=(h, w, 3))
+    img = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+    return img.filter(ImageFilter.GaussianBlur(1.0))
+
+
+def _write_folder(root: Path, per_class: int = 10, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    for name, colour in (("a_red", RED), ("b_blue", BLUE)):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            w, h = (int(v) for v in rng.integers(60, 141, size=2))
+            _picture(w, h, colour, rng).save(root / name / f"{i:02d}.jpg", quality=90)
+    _picture(90, 70, (128, 128, 128), rng).convert("L").save(root / "a_red" / "gray.jpg")
+    _picture(100, 80, RED, rng).convert("CMYK").save(root / "a_red" / "cmyk.jpg")
+    _picture(80, 100, BLUE, rng).save(root / "b_blue" / "png_among_jpegs.png")
+    (root / "b_blue" / "notes.txt").write_text("not an image suffix: ignored, like ImageFolder")
+    return root
+
+
+def _loader(source: Any, backend: str, **kw: Any) -> ImageLoader:
+    kw.setdefault("size", SIZE)
+    kw.setdefault("device", "cpu")
+    kw.setdefault("num_threads", 2)
+    kw.setdefault("shard", None)
+    if backend == "torchvision":
+        kw.setdefault("loader_kwargs", NO_TUNING)
+    return image_loader(source, kw.pop("batch_size", 5), backend=backend, **kw)  # type: ignore[arg-type]
+
+
+def _epoch(loader: ImageLoader) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    return list(loader.iter_with_indices())
+
+
+def _indices(loader: ImageLoader) -> list[int]:
+    return [i for _, _, idx in loader.iter_with_indices() for i in idx.tolist()]
+
+
+def _pixels(images: torch.Tensor) -> torch.Tensor:
+    """Back from normalised to 0..1 pixel units."""
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    return images * std + mean
+
+
+def _reference_eval(path: str, size: int) -> torch.Tensor:
+    import torchvision.transforms as T
+    from PIL import Image
+
+    transform = T.Compose(
+        [
+            T.Resize(int(size / 0.875)),
+            T.CenterCrop(size),
+            T.ToTensor(),
+            T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
+    with Image.open(path) as im:
+        out: torch.Tensor = transform(im.convert("RGB"))
+    return out

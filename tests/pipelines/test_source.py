@@ -1,0 +1,191 @@
+"""trainperf.pipelines._source: finding and checking the files, sharding, epoch order."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.pipelines._images import CPU_BACKENDS, NO_TUNING, SIZE, _indices, _loader
+from trainperf.pipelines import image_loader
+from trainperf.pipelines._source import (
+    check_files,
+    epoch_indices,
+    load_source,
+    resolve_shard,
+    shard_plan,
+)
+
+PIL = pytest.importorskip("PIL.Image")
+torchvision = pytest.importorskip("torchvision")
+
+
+def test_shard_auto_follows_torch_distributed(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    assert resolve_shard("auto") == (1, 2)
+    loader = image_loader(
+        folder, 4, size=SIZE, device="cpu", backend="torchvision", loader_kwargs=NO_TUNING
+    )
+    assert (loader.shard.rank, loader.shard.world_size, len(loader)) == (1, 2, 3)
+    assert _indices(loader) == epoch_indices(
+        24, 1, 2, shuffle=True, seed=0, epoch=0, last_batch="drop"
+    )
+
+
+def test_shard_auto_reads_torchrun_variables_before_init(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert resolve_shard("auto") == (3, 4)
+    monkeypatch.delenv("RANK")
+    assert resolve_shard("auto") == (0, 1)
+
+
+def test_shard_auto_uses_trainperf_ddp_rank_and_world_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import trainperf.ddp
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(trainperf.ddp, "rank", lambda: 2)
+    monkeypatch.setattr(trainperf.ddp, "world_size", lambda: 5)
+    assert resolve_shard("auto") == (2, 5)
+    monkeypatch.setattr(trainperf.ddp, "rank", lambda: 5)
+    with pytest.raises(ValueError, match=r"shard needs 0 <= rank < world_size, got rank=5"):
+        resolve_shard("auto")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("drop", [False, True])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_epoch_order_is_exactly_distributed_samplers(world: int, drop: bool, shuffle: bool) -> None:
+    from torch.utils.data import DistributedSampler
+
+    data = list(range(23))
+    for rank in range(world):
+        sampler = DistributedSampler(
+            data, num_replicas=world, rank=rank, shuffle=shuffle, seed=7, drop_last=drop
+        )
+        for epoch in (0, 1):
+            sampler.set_epoch(epoch)
+            ours = epoch_indices(
+                23,
+                rank,
+                world,
+                shuffle=shuffle,
+                seed=7,
+                epoch=epoch,
+                last_batch="drop" if drop else "keep",
+            )
+            assert ours == list(sampler)
+
+
+def test_shard_plan_gives_every_rank_the_same_number_of_batches() -> None:
+    for n in range(1, 40):
+        for world in (1, 2, 3, 4):
+            for batch in (1, 3, 8):
+                for last in ("keep", "drop"):
+                    per_rank = n // world if last == "drop" else math.ceil(n / world)
+                    if (per_rank < batch and last == "drop") or per_rank == 0:
+                        continue
+                    plans = [shard_plan(n, batch, r, world, last) for r in range(world)]  # type: ignore[arg-type]
+                    assert len({(p.batches, p.samples) for p in plans}) == 1
+                    p = plans[0]
+                    assert (p.batches - 1) * batch + p.last_batch_size == p.samples
+
+
+def test_missing_path_empty_folder_and_wrong_layout(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        image_loader(tmp_path / "nope", 4, device="cpu")
+    (tmp_path / "file.jpg").write_bytes(b"x")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        image_loader(tmp_path / "file.jpg", 4, device="cpu")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no class subfolders"):
+        image_loader(tmp_path / "empty", 4, device="cpu")
+    (tmp_path / "empty" / "cats").mkdir()
+    (tmp_path / "empty" / "cats" / "readme.txt").write_text("hi")
+    with pytest.raises(ValueError, match="but no images in them"):
+        image_loader(tmp_path / "empty", 4, device="cpu")
+
+
+def test_non_image_and_empty_files_are_named_up_front(bad_folder: Path) -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)2 of 26 files.*notes\.jpg: not a supported image"
+        r".*empty\.jpg: empty file.*on_error='skip'",
+    ):
+        image_loader(bad_folder, 4, device="cpu", backend="torchvision", loader_kwargs=NO_TUNING)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_truncated_jpeg_is_skipped_by_the_decode_check(
+    truncated_folder: Path, backend: str
+) -> None:
+    with pytest.warns(UserWarning, match="truncated.jpg"):
+        loader = _loader(truncated_folder, backend, on_error="skip", batch_size=8)
+    assert [Path(b.path).name for b in loader.skipped] == ["truncated.jpg"]
+    assert "cannot be decoded" in loader.skipped[0].reason
+    assert sorted(_indices(loader)) == list(range(24))
+
+
+def test_every_file_bad_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "x.jpg").write_text("nope")
+    with pytest.raises(ValueError, match="none of the 1 files"):
+        load_source(tmp_path, on_error="skip")
+
+
+def test_list_sources_are_checked(folder: Path) -> None:
+    good = str(next(folder.glob("a_red/*.jpg")))
+    with pytest.raises(ValueError, match=r"list of .* pairs is empty"):
+        image_loader([], 4, device="cpu")
+    with pytest.raises(TypeError, match=r"source\[0\] must be a \(path, label\) pair"):
+        image_loader([good], 4, device="cpu")  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"source\[1\] label must be an int >= 0, got -1"):
+        image_loader([(good, 0), (good, -1)], 4, device="cpu")
+    with pytest.raises(TypeError, match=r"source\[0\] path must be a str"):
+        image_loader([(3, 0)], 4, device="cpu")  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="source must be a folder path or a list"):
+        image_loader(42, 4, device="cpu")  # type: ignore[arg-type]
+    loader = image_loader(
+        [(good, 2), (good, 0)],
+        2,
+        device="cpu",
+        backend="torchvision",
+        size=SIZE,
+        loader_kwargs=NO_TUNING,
+    )
+    assert loader.classes == ("0", "1", "2")
+
+
+def test_header_check_reports_each_problem(tmp_path: Path) -> None:
+    (tmp_path / "dir.jpg").mkdir()
+    (tmp_path / "empty.jpg").write_bytes(b"")
+    (tmp_path / "text.jpg").write_text("hello")
+    (tmp_path / "ok.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 8)
+    results = check_files(
+        [str(tmp_path / n) for n in ("dir.jpg", "empty.jpg", "text.jpg", "ok.png", "gone.jpg")]
+    )
+    assert [r[0] for r in results] == [None, None, None, "png", None]
+    assert results[0][1] == "is a directory, not an image file"
+    assert results[1][1] == "empty file"
+    assert (results[2][1] or "").startswith("not a supported image (starts with b'hello'")
+    assert results[3][1] is None and results[4][1] == "file not found"
+
+
+def test_many_files_are_checked_in_threads(tmp_path: Path) -> None:
+    paths = []
+    for i in range(80):
+        p = tmp_path / f"{i}.bmp"
+        p.write_bytes(b"BM" + bytes(14) if i % 7 else b"")
+        paths.append(str(p))
+    results = check_files(paths, threads=4)
+    assert [r[1] == "empty file" for r in results] == [i % 7 == 0 for i in range(80)]
