@@ -166,5 +166,7 @@ def test_usable_cpus_reads_slurm_by_the_one_rule() -> None:
 def test_local_world_size_takes_world_size_without_local_world_size() -> None:
     from trainperf.limits import local_world_size
 
-    assert local_world_size({"WORLD_SIZE": "2", "SLURM_NTASKS_PER_NODE": "4"}) == 2
+    assert local_world_size({"WORLD_SIZE": "2"}) == 2
+    # A job script's WORLD_SIZE=$SLURM_NTASKS is the whole job: SLURM's per-node count wins.
+    assert local_world_size({"WORLD_SIZE": "16", "SLURM_NTASKS_PER_NODE": "8"}) == 8
     assert local_world_size({"SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}) == 3

@@ -103,3 +103,27 @@ def test_no_module_is_shadowed_by_an_attribute() -> None:
 def test_no_private_module_sits_at_the_package_root() -> None:
     loose = [m for m in _all_modules() if m.count(".") == 1 and m.split(".")[1].startswith("_")]
     assert loose == ["trainperf.__main__", "trainperf._utils"], loose
+
+
+def test_type_hints_of_public_classes_resolve() -> None:
+    # __module__ is rewritten; the string annotations must still resolve (dataclass tools).
+    import typing
+
+    for module_name in ["trainperf", *[m for m in _all_modules() if "._" not in m]]:
+        module = importlib.import_module(module_name)
+        for name in getattr(module, "__all__", ()):
+            obj = getattr(module, name)
+            if inspect.isclass(obj) and obj.__module__.startswith("trainperf"):
+                if not all(_hints_resolve(base) for base in obj.__mro__[1:]):
+                    continue  # e.g. torch's DataLoader, whose own hints do not resolve
+                typing.get_type_hints(obj)
+
+
+def _hints_resolve(cls: type) -> bool:
+    import typing
+
+    try:
+        typing.get_type_hints(cls)
+    except NameError:
+        return False
+    return True

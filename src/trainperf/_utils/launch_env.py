@@ -24,10 +24,10 @@ The rules:
 - Tasks on this node: ``SLURM_NTASKS_PER_NODE``, else ``SLURM_TASKS_PER_NODE``; of its
   entries, the ``SLURM_NODEID``-th node's, or the first node's when ``SLURM_NODEID`` is unset.
   A single count without ``(xN)`` (how ``--ntasks-per-node=4`` is written) is every node's.
-- Processes on this host (:func:`local_world_size`): ``LOCAL_WORLD_SIZE``, else
-  ``WORLD_SIZE`` (a torch launcher that does not say how many ranks share a host is taken
-  to run them all on this one; torchrun always says), else SLURM's tasks on this node,
-  else 1. torchrun's variables win over SLURM's, as in ``trainperf.ddp``.
+- Processes on this host (:func:`local_world_size`): ``LOCAL_WORLD_SIZE``, else SLURM's
+  tasks on this node (a job script's ``WORLD_SIZE=$SLURM_NTASKS`` is the whole job), else
+  ``WORLD_SIZE`` (a torch launcher that does not say how many ranks share a host is taken to
+  run them all on this one; torchrun always says), else 1.
 - ``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``: a host list such as
   ``"node[01-03,07],gpu3"`` (:func:`expand_nodelist`).
 """
@@ -228,8 +228,11 @@ def tasks_on_this_node(env: Mapping[str, str] | None = None) -> int | None:
 
 
 def local_world_size(env: Mapping[str, str] | None = None) -> int:
-    """Processes on this host: ``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``, else SLURM's tasks
-    on this node, else 1 (see the module docstring).
+    """Processes on this host: ``LOCAL_WORLD_SIZE``, else SLURM's tasks on this node, else
+    ``WORLD_SIZE``, else 1 (see the module docstring).
+
+    SLURM's count comes before ``WORLD_SIZE`` because job scripts often export
+    ``WORLD_SIZE=$SLURM_NTASKS``, the whole job's size, not this node's.
 
     Raises:
         ValueError: a variable it reads breaks its rule.
@@ -237,15 +240,19 @@ def local_world_size(env: Mapping[str, str] | None = None) -> int:
     Example:
         >>> local_world_size({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"})
         4
-        >>> local_world_size({"SLURM_NTASKS_PER_NODE": "2(x3)"}), local_world_size({})
+        >>> local_world_size({"SLURM_NTASKS_PER_NODE": "2(x3)", "WORLD_SIZE": "6"})
+        2
+        >>> local_world_size({"WORLD_SIZE": "2"}), local_world_size({})
         (2, 1)
     """
-    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
-        value = read_int(name, env)
-        if value is not None:
-            return value
+    local = read_int("LOCAL_WORLD_SIZE", env)
+    if local is not None:
+        return local
     tasks = tasks_on_this_node(env)
-    return 1 if tasks is None else tasks
+    if tasks is not None:
+        return tasks
+    world = read_int("WORLD_SIZE", env)
+    return 1 if world is None else world
 
 
 def _split_top_level(nodes: str) -> list[str]:

@@ -9,6 +9,7 @@ exports ends up as ``trainperf.<name>``.
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Iterable, Mapping
 
 __all__ = ["set_public_module"]
@@ -36,4 +37,21 @@ def set_public_module(namespace: Mapping[str, object], names: Iterable[str], mod
         if not (inspect.isclass(obj) or inspect.isfunction(obj)):
             continue
         if str(getattr(obj, "__module__", "")).startswith("trainperf."):
+            if inspect.isclass(obj):
+                _resolve_annotations(obj)
             obj.__module__ = module
+
+
+def _resolve_annotations(cls: type) -> None:
+    # ``from __future__ import annotations`` leaves annotations as strings, which
+    # ``typing.get_type_hints`` evaluates in ``sys.modules[cls.__module__]``: resolve them in
+    # the defining module while ``__module__`` still names it (dataclass tools, pydantic and
+    # OmegaConf read them).
+    own = vars(cls).get("__annotations__")
+    if not own:
+        return
+    try:
+        hints = typing.get_type_hints(cls, include_extras=True)
+    except (NameError, TypeError, AttributeError):  # a name only imported for type checking
+        return
+    cls.__annotations__ = {name: hints.get(name, value) for name, value in own.items()}

@@ -150,7 +150,8 @@ def _slurm(env: Mapping[str, str]) -> DistributedEnv | None:
     local_rank = _required("SLURM_LOCALID", env)
     # Without SLURM_NODEID the first node's count stands for this node's; a task numbered
     # past it shows this node has more.
-    local_world_size = max(launch_env.local_world_size(env), local_rank + 1)
+    # SLURM's own count: a stray LOCAL_WORLD_SIZE from elsewhere does not override it.
+    local_world_size = max(launch_env.tasks_on_this_node(env) or 1, local_rank + 1)
     return DistributedEnv(
         "slurm",
         rank,
