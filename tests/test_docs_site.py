@@ -77,6 +77,7 @@ def test_strict_build_fails_on_a_broken_anchor_and_a_page_left_out(tmp_path: Pat
     for name in ("docs", "tools"):
         shutil.copytree(ROOT / name, tmp_path / name)
     shutil.copy(ROOT / "mkdocs.yml", tmp_path)
+    shutil.copy(ROOT / "README.md", tmp_path)  # getting-started includes its install block
     (tmp_path / "src").symlink_to(ROOT / "src")
     with (tmp_path / "docs" / "troubleshooting.md").open("a") as f:
         f.write("\nSee [devices](device.md#no-such-heading).\n")
