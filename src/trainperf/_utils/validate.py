@@ -12,8 +12,13 @@ from collections.abc import Sequence
 __all__ = ["choice", "non_negative_int", "positive_int", "positive_number"]
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _int_at_least(name: str, value: object, minimum: int, none_ok: bool) -> int:
+    if none_ok and value is None:
+        return value  # type: ignore[return-value]
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        allowed = f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {'None or ' if none_ok else ''}{allowed}, got {value!r}")
+    return value
 
 
 def positive_int(name: str, value: object, *, none_ok: bool = False) -> int:
@@ -35,16 +40,16 @@ def positive_int(name: str, value: object, *, none_ok: bool = False) -> int:
         ...
         ValueError: batch_size must be an int >= 1, got 0
     """
-    if none_ok and value is None:
-        return value  # type: ignore[return-value]
-    if not _is_int(value) or value < 1:  # type: ignore[operator]
-        allowed = "None or an int >= 1" if none_ok else "an int >= 1"
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-    return value  # type: ignore[return-value]
+    return _int_at_least(name, value, 1, none_ok)
 
 
-def non_negative_int(name: str, value: object) -> int:
+def non_negative_int(name: str, value: object, *, none_ok: bool = False) -> int:
     """``value`` if it is an int >= 0 (``True`` is not), else ``ValueError`` naming ``name``.
+
+    Args:
+        name: the argument's name.
+        value: what was passed.
+        none_ok: accept None too; the error says so.
 
     Raises:
         ValueError: ``value`` is not a whole number >= 0.
@@ -52,10 +57,12 @@ def non_negative_int(name: str, value: object) -> int:
     Example:
         >>> non_negative_int("seed", 0)
         0
+        >>> non_negative_int("max_workers", -1, none_ok=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_workers must be None or an int >= 0, got -1
     """
-    if not _is_int(value) or value < 0:  # type: ignore[operator]
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    return value  # type: ignore[return-value]
+    return _int_at_least(name, value, 0, none_ok)
 
 
 def positive_number(name: str, value: object, *, unit: str = "") -> float:

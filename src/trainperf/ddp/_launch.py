@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainperf._utils import launch_env
-from trainperf._utils.validate import non_negative_int, positive_int
+from trainperf._utils.validate import choice, non_negative_int, positive_int
 from trainperf.ddp import _env
 from trainperf.ddp._group import Group
 from trainperf.ddp._procs import Interrupted, SignalGuard
@@ -54,8 +54,7 @@ def _check_options(
         raise TypeError(f"main must be callable, got {type(main).__name__}")
     if backend is not None and backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS} or None (auto), got {backend!r}")
-    if start_method not in _START_METHODS:
-        raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
+    choice("start_method", start_method, _START_METHODS)
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         timeout = timedelta(seconds=timeout)
     if not isinstance(timeout, timedelta) or timeout <= timedelta(0):

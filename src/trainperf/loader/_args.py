@@ -8,7 +8,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from trainperf._utils.validate import positive_int, positive_number
+from trainperf._utils.validate import non_negative_int, positive_int, positive_number
 
 __all__ = ["check_args", "check_loader_kwargs"]
 
@@ -43,11 +43,7 @@ def check_args(
         ValueError: budget_s must be a positive number of seconds, got inf
     """
     positive_int("batch_size", batch_size)
-    # None means the default; the shared validator has no None-or-int->=0 rule.
-    if max_workers is not None and (
-        isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 0
-    ):
-        raise ValueError(f"max_workers must be None or an int >= 0, got {max_workers!r}")
+    non_negative_int("max_workers", max_workers, none_ok=True)  # None: the default
     positive_number("budget_s", budget_s, unit="seconds")
     positive_int("epochs_hint", epochs_hint, none_ok=True)
     if step_fn is not None and not callable(step_fn):
