@@ -233,3 +233,15 @@ def test_bench_result_to_dict_is_json_safe_and_its_str_is_the_report(fake_a100: 
     lines = str(r).splitlines()
     assert lines[0] == r.summary()
     assert "\n".join(lines[1:]) == "\n".join([str(r.comparison), *(f"Note: {n}" for n in r.notes)])
+
+
+@pytest.mark.slow
+def test_a_busy_host_is_noted_with_doctors_load_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_module, "load_average", lambda: 40.0)
+    result = bench_model("resnet50", "fp32", device="cpu", warmup_batches=1)
+    busy = [n for n in result.notes if n.startswith("the host was busy while measuring")]
+    assert busy and "40.0" in busy[0] and "run fewer jobs at once" in busy[0]
+    assert "Note: the host was busy" in str(result)
+    monkeypatch.setattr(model_module, "load_average", lambda: 0.0)
+    quiet = bench_model("resnet50", "fp32", device="cpu", warmup_batches=1)
+    assert not any("busy" in n for n in quiet.notes)

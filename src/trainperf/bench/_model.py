@@ -31,7 +31,9 @@ from trainperf.bench._reference import (
     ReferenceComparison,
     compare_to_reference,
 )
+from trainperf.doctor._checks import check_load, load_average
 from trainperf.errors import DeviceError
+from trainperf.limits import usable_cpus
 
 __all__ = ["BenchPrecision", "BenchResult", "ModelName", "bench_model", "format_iteration"]
 
@@ -332,6 +334,23 @@ def _measure(
     return _Timing(seconds, rates, tf32_matmul=state.matmul, tf32_cudnn=state.cudnn)
 
 
+def _busy_host_notes(load: float | None, cpus: int) -> tuple[str, ...]:
+    """A note when other work crowded the host while measuring (doctor's ``load`` check).
+
+    Example:
+        >>> _busy_host_notes(12.0, 2)[0].startswith("the host was busy")
+        True
+        >>> _busy_host_notes(1.0, 2)
+        ()
+    """
+    check = check_load(load, cpus)
+    if check.verdict != "warn":
+        return ()
+    return (
+        f"the host was busy while measuring ({check.value}), so the figure may be low: {check.fix}",
+    )
+
+
 def _comparison(
     device: torch.device,
     device_name: str,
@@ -471,6 +490,7 @@ def bench_model(
             train=train,
             channels_last=channels_last,
         )
+    notes = _busy_host_notes(load_average(), usable_cpus()) + notes
     return BenchResult(
         model=model,
         precision=precision,

@@ -9,6 +9,7 @@ inputs and runs them all; import everything from :mod:`trainperf.doctor`.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -305,6 +306,23 @@ def check_threads(
         )
         return Check("threads", "warn", value, fix)
     return Check("threads", "ok", value)
+
+
+def load_average() -> float | None:
+    """The host's 1-minute load average, None where the platform has none (Windows).
+
+    Example:
+        >>> value = load_average()
+        >>> value is None or value >= 0
+        True
+    """
+    getloadavg = getattr(os, "getloadavg", None)
+    if getloadavg is None:
+        return None
+    try:
+        return float(getloadavg()[0])
+    except OSError:  # the platform could not tell
+        return None
 
 
 def check_load(load_average: float | None, cpus: int) -> Check:

@@ -35,6 +35,7 @@ from trainperf.doctor._checks import (
     check_start_method,
     check_threads,
     check_visible_devices,
+    load_average,
 )
 from trainperf.doctor._gpu import check_cuda_arch, check_gpus, check_torch_build
 from trainperf.errors import DeviceError
@@ -130,17 +131,6 @@ def _blas_pools() -> list[dict[str, Any]] | None:
     return list(threadpoolctl.threadpool_info())
 
 
-def _load_average() -> float | None:
-    """The 1-minute load average, None where the platform has none (Windows)."""
-    getloadavg = getattr(os, "getloadavg", None)
-    if getloadavg is None:
-        return None
-    try:
-        return float(getloadavg()[0])
-    except OSError:  # the platform could not tell
-        return None
-
-
 def _cpu_vendor(cpuinfo: Path) -> str | None:
     try:
         text = cpuinfo.read_text()
@@ -217,7 +207,7 @@ def diagnose(
         check_threads(
             torch.get_num_threads(), environ.get("OMP_NUM_THREADS"), limits.cpus, processes
         ),
-        check_load(_load_average(), limits.cpus),
+        check_load(load_average(), limits.cpus),
         check_start_method(start_method({})),
         check_visible_devices(
             environ.get("CUDA_VISIBLE_DEVICES"), environ.get("CUDA_DEVICE_ORDER"), physical
