@@ -103,3 +103,16 @@ def test_matmul_result_to_dict_is_json_safe_and_its_str_is_the_report(
     assert data["notes"] == list(r.notes) and data["datasheet_tflops"] == 35.58
     assert r.notes  # a CPU is far below a 3090
     assert str(r) == "\n".join([r.summary(), *(f"      note: {n}" for n in r.notes)])
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_emulated_half_precision_on_the_cpu_says_so(
+    monkeypatch: pytest.MonkeyPatch, native_bf16: bool
+) -> None:
+    monkeypatch.setattr(matmul_module, "cpu_has_bf16_kernels", lambda: native_bf16)
+    fp16 = bench_matmul("fp16", size=32, iterations=1, warmup=1, device="cpu")
+    assert any("no native fp16 matrix product" in n for n in fp16.notes), fp16.notes
+    bf16 = bench_matmul("bf16", size=32, iterations=1, warmup=1, device="cpu")
+    assert any("no native bf16" in n for n in bf16.notes) is not native_bf16
+    fp32 = bench_matmul("fp32", size=32, iterations=1, warmup=1, device="cpu")
+    assert not any("no native" in n for n in fp32.notes)

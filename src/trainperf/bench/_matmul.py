@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 
 from trainperf._utils.validate import choice, positive_int
+from trainperf.amp._precision import cpu_has_bf16_kernels
 from trainperf.amp._tf32 import tf32
 from trainperf.bench._common import gpu_name, resolve_device, result_dict, synchronize
 from trainperf.bench._reference import GpuSpec, find_gpu_spec
@@ -102,7 +103,7 @@ def _check_dtype_on(dtype: str, device: torch.device) -> tuple[str, ...]:
             "Ampere and newer GPUs; on the CPU fp32 matmuls ignore it"
         )
     if device.type != "cuda":
-        return ()
+        return _cpu_notes(dtype)
     capability = torch.cuda.get_device_capability(device)
     # The device asked for, not the current one (which is_bf16_supported() looks at).
     if dtype == "bf16" and capability < (8, 0):
@@ -113,6 +114,17 @@ def _check_dtype_on(dtype: str, device: torch.device) -> tuple[str, ...]:
     if dtype == "tf32" and capability < (8, 0):
         return ("this GPU predates TF32 (Ampere): tf32 runs as plain fp32",)
     return ()
+
+
+def _cpu_notes(dtype: str) -> tuple[str, ...]:
+    """Half precision this CPU does not compute natively: torch emulates it, slowly."""
+    emulated = dtype == "fp16" or (dtype == "bf16" and not cpu_has_bf16_kernels())
+    if not emulated:
+        return ()
+    return (
+        f"this CPU has no native {dtype} matrix product: torch emulates it, so this is not a "
+        "hardware rate; compare fp32 (bench matmul on a GPU measures the tensor cores)",
+    )
 
 
 def _seconds_per_product(
