@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
 import torch
 
 from trainperf.monitor import Sample, StepRecord
+
+
+def sampler_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "trainperf-watch-sampler"]
 
 
 def sleepy_loader(n: int, seconds: float, batch: int = 16) -> Iterator[torch.Tensor]:

@@ -182,3 +182,33 @@ def test_analyse_rejects_bad_arguments() -> None:
         analyse([], dropped_samples=-3)
     with pytest.raises(ValueError, match=r"cpus must be an int >= 1, got 2\.0"):
         analyse([], cpus=2.0)  # type: ignore[arg-type]
+
+
+def test_analyse_without_a_measured_wait_says_so() -> None:
+    # 80 % of each step is a data wait that happened outside w.iter, so it is compute here.
+    unmeasured = steps(60, 0.0, 0.02)
+    report = analyse(unmeasured, wait_measured=False)
+    assert report.wait_fraction is None
+    assert report.verdict.kind == "compute-bound"
+    assert "data arrives in time" not in report.verdict.summary
+    text = str(report)
+    assert "data wait not measured (wrap the loader: w.iter(loader))" in text
+    assert "waiting for data" not in text.splitlines()[1]
+    assert report.to_dict()["wait_fraction"] is None
+    assert analyse(unmeasured).wait_fraction == 0.0  # measured: a real 0
+
+
+def test_analyse_on_a_host_other_processes_keep_busy() -> None:
+    busy_host = samples(15, None, 20, 99)  # this process: a fifth of one of 4 CPUs
+    report = analyse(steps(60, 0.0, 0.02), busy_host, cpus=4)
+    assert report.verdict.kind == "host-bound", report
+    assert report.verdict.summary.startswith("other processes hold the host's CPUs")
+    quiet = analyse(steps(60, 0.0, 0.02), samples(15, None, 20, 30), cpus=4)
+    assert quiet.verdict.kind == "compute-bound"
+
+
+def test_analyse_passes_the_precision_in_use_to_the_rules() -> None:
+    why = "auto: the CPU has no native bf16 (emulated bf16 is slower) -> fp32"
+    report = analyse(steps(60, 0.0, 0.02), precision=("fp32", why))
+    assert report.verdict.kind == "compute-bound"
+    assert why in report.verdict.fix and "autocast" not in report.verdict.fix

@@ -11,6 +11,7 @@ from trainperf.monitor._rules import (
     Figures,
     compute_bound,
     cpu_share,
+    cpus_held_by_others,
     cpus_saturated,
     cuda_never_initialised,
     gpu_figures,
@@ -242,6 +243,68 @@ def test_compute_bound_says_where_and_how_busy() -> None:
     assert any(r.startswith("the GPU is busy 95% of step time (NVML") for r in measured.reasons)
 
 
+def test_without_a_measured_wait_nothing_waits_for_data() -> None:
+    # w.step() without w.iter(): the time in next(loader) counts as step time, so a wait
+    # fraction of 0 says nothing; 0.8 here stands for any figure the rules must not use.
+    unmeasured = figures(wait_fraction=0.8, wait_measured=False, process_cpu=100.0)
+    assert not waits_for_data(unmeasured)
+    assert input_bound(unmeasured) is None
+    assert host_bound(dataclasses.replace(unmeasured, process_cpu=700.0)) is None
+    assert input_bound(figures(wait_fraction=0.8, process_cpu=100.0)) is not None
+
+
+def test_compute_bound_does_not_claim_data_arrives_in_time_without_measuring_it() -> None:
+    cpu = compute_bound(figures(cuda_used=False, gpu_present=False, wait_measured=False))
+    assert cpu.kind == "compute-bound"
+    assert "data arrives in time" not in cpu.summary
+    assert cpu.summary == (
+        "the training step on the CPU, or the data loading inside it, is the limit: data "
+        "waiting was not measured"
+    )
+    assert cpu.reasons[0].startswith("data waiting was not measured: w.step() was called")
+    assert not any("spent waiting for data" in r for r in cpu.reasons)
+    assert cpu.fix.startswith("measure the data wait first: for batch in w.iter(loader):")
+    gpu = compute_bound(figures(wait_measured=False, gpu_span=1.0, utilisation=nvml(95.0)))
+    assert any(r.startswith("the GPU is busy 95% of step time") for r in gpu.reasons)
+
+
+@pytest.mark.parametrize(
+    ("process_cpu", "host_cpu", "held"),
+    [
+        (100.0, 90.0, True),  # 12 % of 8 CPUs on a host 90 % busy: the edge
+        (100.0, 89.9, False),
+        (319.0, 99.0, True),  # just under 40 % of the usable CPUs
+        (320.0, 99.0, False),  # 40 %: this process is the one keeping the host busy
+        (None, 99.0, False),  # no samples
+        (100.0, None, False),
+    ],
+)
+def test_cpus_held_by_others_at_the_edges(
+    process_cpu: float | None, host_cpu: float | None, held: bool
+) -> None:
+    verdict = cpus_held_by_others(figures(process_cpu=process_cpu, host_cpu=host_cpu))
+    assert (verdict is not None) is held
+    if verdict is not None:
+        assert process_cpu is not None
+        assert verdict.kind == "host-bound"
+        assert verdict.summary.startswith("other processes hold the host's CPUs: the host is")
+        assert f"use {process_cpu / 800:.0%} of the 8 usable CPUs" in verdict.summary
+        assert verdict.reasons[0] == "0% of step time is spent waiting for the next batch"
+        assert "cannot be told from a compute-bound one" in verdict.reasons[1]
+        assert "trainperf doctor" in verdict.fix and "MixedPrecision" not in verdict.fix
+
+
+def test_compute_bound_does_not_advise_mixed_precision_already_in_use() -> None:
+    why = "auto: the CPU has no native bf16 (emulated bf16 is slower) -> fp32"
+    fp32 = compute_bound(figures(cuda_used=False, precision=("fp32", why)))
+    assert "autocast" not in fp32.fix and "lower precision is not advised" in fp32.fix
+    assert f"MixedPrecision is in use and chose fp32 ({why})" in fp32.fix
+    assert "channels_last" in fp32.fix
+    bf16 = compute_bound(figures(precision=("bf16", "auto: cuda:0 has 9.0 -> bf16")))
+    assert "already runs in bf16" in bf16.fix and "autocast" not in bf16.fix
+    assert "bf16/fp16 autocast" in compute_bound(figures()).fix  # not in use: advised
+
+
 # --------------------------------------------------------------------------- ranking
 
 
@@ -274,3 +337,24 @@ def test_rank_falls_back_to_compute_bound() -> None:
     assert stalls is not None
     assert rank(f, [stalls]) == (compute_bound(f), (stalls,))
     assert rank(figures(), []) == (compute_bound(figures()), ())
+
+
+def test_rank_says_the_cpus_are_held_instead_of_compute_bound() -> None:
+    held = figures(process_cpu=80.0, host_cpu=99.0)  # 10 % of 8 CPUs on a saturated host
+    verdict = cpus_held_by_others(held)
+    assert verdict is not None
+    assert rank(held, []) == (verdict, ())
+    # A GPU that NVML shows busy is the limit still; the held CPUs are a finding.
+    busy = dataclasses.replace(held, gpu_span=1.0, utilisation=nvml(90.0))
+    busy_verdict = cpus_held_by_others(busy)
+    assert rank(busy, []) == (compute_bound(busy), (busy_verdict,))
+    # The event span alone is only an upper bound: it does not show the GPU busy.
+    assert rank(dataclasses.replace(held, gpu_span=1.0), [])[0].kind == "host-bound"
+    unmeasured = cpus_held_by_others(dataclasses.replace(held, wait_measured=False))
+    assert unmeasured is not None
+    assert unmeasured.reasons[0].startswith("data waiting was not measured: wrap the loader")
+    # A candidate that explains the run leads, and the held CPUs follow it.
+    waiting = dataclasses.replace(held, wait_fraction=0.5)
+    main = input_bound(waiting)
+    assert main is not None
+    assert rank(waiting, [main]) == (main, (cpus_held_by_others(waiting),))

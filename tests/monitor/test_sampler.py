@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
-from tests.monitor._fakes import sleepy_loader
+from tests.monitor._fakes import sampler_threads, sleepy_loader
 from trainperf.monitor import watch
-
-
-def sampler_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "trainperf-watch-sampler"]
 
 
 def test_the_sampler_thread_stops_on_exit_even_after_an_error() -> None:

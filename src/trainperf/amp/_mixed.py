@@ -23,6 +23,10 @@ from trainperf.device import resolve_device, to_device
 
 __all__ = ["MixedPrecision", "Precision", "choose_precision"]
 
+# Live MixedPrecision objects: trainperf.watch() reads them so that it does not advise mixed
+# precision to a loop that already uses it (a WeakSet: it never keeps one alive).
+LIVE: weakref.WeakSet[MixedPrecision] = weakref.WeakSet()
+
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 _PRECISIONS: tuple[str, ...] = get_args(Precision)
 _NAMES = _precision.NAMES
@@ -141,6 +145,7 @@ class MixedPrecision:
         self.uses_channels_last = False
         self.tf32_enabled = False
         self._prepare_reasons: list[str] = []
+        LIVE.add(self)
 
     # ----------------------------------------------------------------- what was chosen
 

@@ -120,6 +120,8 @@ def _figures(
     gpu_present: bool,
     cuda_used: bool,
     cpus: int,
+    wait_measured: bool,
+    precision: tuple[str, str] | None,
 ) -> Figures:
     """Measure the steps (numbered from ``first``) and their samples for the rules."""
     durations = [s.duration for s in measured]
@@ -145,6 +147,8 @@ def _figures(
         stall_median_s=(
             statistics.median(durations[i - first] for i in stalled) if stalled else None
         ),
+        wait_measured=wait_measured,
+        precision=precision,
     )
 
 
@@ -169,6 +173,8 @@ def analyse(
     warmup_steps: int = 2,
     dropped_steps: int = 0,
     dropped_samples: int = 0,
+    wait_measured: bool = True,
+    precision: tuple[str, str] | None = None,
 ) -> WatchReport:
     """Turn a step timeline and background samples into a :class:`WatchReport`.
 
@@ -191,6 +197,13 @@ def analyse(
         dropped_steps: steps recorded before ``timeline[0]`` and no longer kept; the
             timeline's first step is step number ``dropped_steps``.
         dropped_samples: background samples no longer kept.
+        wait_measured: the timeline's ``wait`` is the measured data wait (the loop used
+            ``w.iter()``). False when it was not: the time spent fetching batches is then in
+            ``compute``, nothing is called input-bound, the report's ``wait_fraction`` is
+            None, and a compute-bound verdict says the wait was not measured.
+        precision: ``(name, reason)`` of the :class:`trainperf.amp.MixedPrecision` in use,
+            e.g. ``("fp32", "auto: the CPU has no native bf16 ... -> fp32")``; a
+            compute-bound verdict then does not advise mixed precision. None: none in use.
 
     Returns:
         The report.
@@ -215,6 +228,7 @@ def analyse(
     figures = _figures(
         measured, window, window_s, first,
         warmup_steps=warmup_steps, gpu_present=gpu_present, cuda_used=cuda_used, cpus=cpus,
+        wait_measured=wait_measured, precision=precision,
     )  # fmt: skip
     verdict, findings = _decide(figures)
     kept = dropped_steps + len(timeline)
@@ -229,7 +243,7 @@ def analyse(
         steps_per_s=len(measured) / figures.wall_s if figures.wall_s > 0 else 0.0,
         samples_per_s=_samples_per_s(measured, figures.wall_s),
         median_step_s=figures.median_step_s,
-        wait_fraction=figures.wait_fraction,
+        wait_fraction=figures.wait_fraction if wait_measured else None,
         gpu_busy_fraction=figures.gpu_span,
         gpu_utilization_mean=figures.utilisation_mean,
         gpu_utilization_max=max(figures.utilisation) if figures.utilisation else None,

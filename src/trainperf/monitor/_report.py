@@ -129,7 +129,9 @@ class WatchReport:
         steps_per_s: measured steps per second.
         samples_per_s: samples per second, None when batch sizes are unknown.
         median_step_s: the median step time.
-        wait_fraction: share of step time spent waiting for data.
+        wait_fraction: share of step time spent waiting for data; None when it was not
+            measured (the loop called ``w.step()`` but never ``w.iter()``, so the time spent
+            fetching batches is in the step time).
         gpu_busy_fraction: the steps' CUDA-event span as a share of step time (the sum of
             ``StepRecord.gpu_busy`` over the step time), None without CUDA. An upper bound
             on how busy the GPU was, not the busy share itself: a loop that launches kernels
@@ -159,7 +161,7 @@ class WatchReport:
     steps_per_s: float
     samples_per_s: float | None
     median_step_s: float
-    wait_fraction: float
+    wait_fraction: float | None
     gpu_busy_fraction: float | None
     gpu_utilization_mean: float | None
     gpu_utilization_max: float | None
@@ -212,10 +214,15 @@ class WatchReport:
         if self.steps - self.warmup_steps >= 1 and self.wall_s > 0:
             rate = f", {self.samples_per_s:.1f} samples/s" if self.samples_per_s else ""
             kept = f", figures over the last {len(self.timeline)}" if self.dropped_steps else ""
+            wait = (
+                "data wait not measured (wrap the loader: w.iter(loader))"
+                if self.wait_fraction is None
+                else f"{self.wait_fraction:.0%} of it waiting for data"
+            )
             lines.append(
                 f"  {self.steps} steps ({self.warmup_steps} warm-up left out{kept}), "
                 f"{self.steps_per_s:.2f} steps/s{rate}; median step {self.median_step_s * 1e3:.1f}"
-                f" ms, {self.wait_fraction:.0%} of it waiting for data"
+                f" ms, {wait}"
             )
         gpu = []
         if self.gpu_busy_fraction is not None:
@@ -264,7 +271,8 @@ class WatchReport:
         FigureCanvasAgg(fig)  # a canvas of our own: pyplot's global state is left alone
         top, bottom = fig.subplots(2, 1, sharex=True)
         starts, widths, waits, computes = _binned(self.timeline)
-        top.bar(starts, waits, width=widths, align="edge", color="tab:orange", label="data wait")
+        waited = "data wait" if self.wait_fraction is not None else "data wait (not measured)"
+        top.bar(starts, waits, width=widths, align="edge", color="tab:orange", label=waited)
         top.bar(
             starts, computes, width=widths, bottom=waits, align="edge", color="tab:blue",
             label="compute",

@@ -6,8 +6,15 @@
 (gpu-unused). The candidates :func:`periodic_stalls`, :func:`input_bound` and
 :func:`host_bound` are then ranked by :func:`rank` on how much of the run each explains
 (:func:`weight`): the first leads and the others become the report's "also" findings;
-:func:`compute_bound` leads when none explains any of the run. Each rule returns its
-:class:`Verdict`, or None where it does not apply, so each can be tested on figures alone.
+when none explains any of the run, :func:`cpus_held_by_others` (other processes keep the
+host busy) leads if it applies and the GPU is not shown busy, else :func:`compute_bound`.
+Each rule returns its :class:`Verdict`, or None where it does not apply, so each can be
+tested on figures alone.
+
+Two inputs change what the rules may say. Without ``w.iter()`` the time spent fetching a
+batch is step time (``Figures.wait_measured`` is False): nothing is input-bound then, and
+compute-bound says that the data wait was not measured instead of "data arrives in time".
+A :class:`trainperf.amp.MixedPrecision` in use (``Figures.precision``) is not advised again.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ __all__ = [
     "Figures",
     "compute_bound",
     "cpu_share",
+    "cpus_held_by_others",
     "cpus_saturated",
     "cuda_never_initialised",
     "gpu_figures",
@@ -43,6 +51,7 @@ INPUT_BOUND_WAIT = 0.25  # share of step time spent waiting for data
 SAWTOOTH_WAIT = 0.10  # with a saw-tooth GPU utilisation, this much waiting is input-bound
 CPU_SATURATED = 0.8  # share of the usable CPUs this process and its workers use
 HOST_SATURATED = 90.0  # host CPU percent, with the process using at least half its share
+# (the same 90 % with the process tree under half its share: other processes hold the CPUs)
 GPU_IDLE_UTIL = 5.0  # percent
 GPU_STARVED = 0.5  # busy share under which saturated CPUs make the loop host-bound
 NVML_MIN_WINDOW_S = 1.0  # NVML's utilisation averages over 1/6 s to 1 s, by product
@@ -79,6 +88,15 @@ _FIXES: dict[str, str] = {
     ),
     "inconclusive": "watch more steps: call w.step() once at the end of each training step",
 }
+_HELD_CPUS_FIX = (
+    "other processes are using this host's CPUs, so every figure here is slowed by them: "
+    "stop or move the other jobs (`trainperf doctor` shows the host's load) or run where "
+    "these cores are yours, then watch again"
+)
+_STEP_FIXES = "use channels_last for convolutional models, and a larger batch if memory allows"
+_MEASURE_WAIT = (
+    "measure the data wait first: for batch in w.iter(loader): ... w.step(), and watch again; "
+)
 
 
 @dataclass(frozen=True)
@@ -104,6 +122,10 @@ class Figures:
         stall_steps: the stalled steps' numbers.
         stall_fraction: share of the run lost to the periodic stalls.
         stall_median_s: the median stalled step's duration, None without stalls.
+        wait_measured: the data wait was measured (the loop used ``w.iter()``); when False
+            the time spent fetching batches is in the step time and ``wait_fraction`` is 0.
+        precision: ``(name, reason)`` of the :class:`trainperf.amp.MixedPrecision` in use
+            (``"fp32"``, ``"bf16"`` or ``"fp16"``, and why it chose that), None without one.
     """
 
     measured_steps: int
@@ -123,6 +145,8 @@ class Figures:
     stall_steps: tuple[int, ...]
     stall_fraction: float
     stall_median_s: float | None
+    wait_measured: bool = True
+    precision: tuple[str, str] | None = None
 
     @property
     def utilisation_mean(self) -> float | None:
@@ -218,7 +242,10 @@ def waits_for_data(f: Figures) -> bool:
     """Waiting for data limits the loop: 25 % of step time, or 10 % with a saw-tooth.
 
     A saw-tooth (the GPU idles between batches) makes the smaller wait the limit as well.
+    Never when the wait was not measured (no ``w.iter()``).
     """
+    if not f.wait_measured:
+        return False
     return f.wait_fraction >= INPUT_BOUND_WAIT or (
         bool(saw_tooth(f)) and f.wait_fraction >= SAWTOOTH_WAIT
     )
@@ -327,8 +354,29 @@ def host_bound(f: Figures) -> Verdict | None:
     )
 
 
+def _compute_fix(f: Figures) -> str:
+    """The compute-bound fix; a MixedPrecision already in use is not advised again."""
+    if f.precision is None:
+        return _FIXES["compute-bound"]
+    name, why = f.precision
+    if name == "fp32":
+        return (
+            f"the training step itself is the limit; trainperf.amp.MixedPrecision is in use "
+            f"and chose fp32 ({why}), so lower precision is not advised: {_STEP_FIXES}"
+        )
+    return (
+        f"the training step itself is the limit and already runs in {name} "
+        f"(trainperf.amp.MixedPrecision: {why}): {_STEP_FIXES}"
+    )
+
+
 def compute_bound(f: Figures) -> Verdict:
-    """compute-bound: what is left when no candidate explains the run; it always applies."""
+    """compute-bound: what is left when no candidate explains the run; it always applies.
+
+    It says "data arrives in time" only when the wait was measured; without ``w.iter()``
+    the step time includes fetching the batch, and the verdict says so and how to measure
+    it. The fix leaves out mixed precision when ``f.precision`` says it is in use.
+    """
     where = "the GPU" if f.cuda_used else "the CPU"
     share = gpu_share(f)
     if share is None:
@@ -337,11 +385,50 @@ def compute_bound(f: Figures) -> Verdict:
         busy_reason = f"the GPU is busy at most {share:.0%} of step time ({gpu_figures(f)})"
     else:
         busy_reason = f"the GPU is busy {share:.0%} of step time ({gpu_figures(f)})"
-    return _verdict(
-        "compute-bound",
-        f"the training step on {where} is the limit; data arrives in time",
-        f"only {f.wait_fraction:.0%} of step time is spent waiting for data",
-        busy_reason,
+    if f.wait_measured:
+        summary = f"the training step on {where} is the limit; data arrives in time"
+        wait_reason = f"only {f.wait_fraction:.0%} of step time is spent waiting for data"
+        fix = _compute_fix(f)
+    else:
+        summary = (
+            f"the training step on {where}, or the data loading inside it, is the limit: "
+            "data waiting was not measured"
+        )
+        wait_reason = (
+            "data waiting was not measured: w.step() was called but w.iter() never was, so "
+            "the time spent fetching each batch counts as step time"
+        )
+        fix = _MEASURE_WAIT + "if the step is still the limit, " + _compute_fix(f)
+    reasons = tuple(r for r in (wait_reason, busy_reason) if r)
+    return Verdict("compute-bound", summary, reasons, fix)
+
+
+def cpus_held_by_others(f: Figures) -> Verdict | None:
+    """host-bound: the host is >= 90 % busy while this process tree uses < 40 % of its CPUs.
+
+    Other processes then hold the CPUs this loop could use, and a step slowed by them
+    cannot be told from a compute-bound one (nor, from these figures, from a loop that is
+    idle for another reason): :func:`rank` puts this in compute-bound's place, and lists it
+    under any other verdict. ``host_cpu`` is the whole host's figure, so on a host split
+    into CPU sets another set's load counts too.
+    """
+    tree = cpu_share(f)
+    if tree is None or f.host_cpu is None:
+        return None
+    if f.host_cpu < HOST_SATURATED or tree >= CPU_SATURATED / 2:
+        return None
+    return Verdict(
+        "host-bound",
+        f"other processes hold the host's CPUs: the host is {f.host_cpu:.0f}% busy while "
+        f"this process and its workers use {tree:.0%} of the {f.cpus} usable CPUs",
+        (
+            _wait_reason(f)
+            if f.wait_measured
+            else "data waiting was not measured: wrap the loader, for batch in w.iter(loader)",
+            "on a saturated host a step slowed by other processes cannot be told from a "
+            "compute-bound one",
+        ),
+        _HELD_CPUS_FIX,
     )
 
 
@@ -374,10 +461,23 @@ def rank(f: Figures, candidates: Sequence[Verdict]) -> tuple[Verdict, tuple[Verd
     """The main verdict and the "also" findings.
 
     The candidate that explains most of the run leads (on a tie, the earlier one) and the
-    others follow it as findings; when none explains any of it, :func:`compute_bound`
-    leads and every candidate is a finding.
+    others follow it as findings; when none explains any of it, every candidate is a
+    finding and :func:`cpus_held_by_others` leads where it applies, unless NVML shows the
+    GPU busy at least ``GPU_STARVED`` of the time (then the GPU is the limit:
+    :func:`compute_bound` leads). Held CPUs that do not lead are the last finding.
     """
     ranked = sorted(candidates, key=lambda v: -weight(f, v))
+    held = cpus_held_by_others(f)
     if ranked and weight(f, ranked[0]) > 0:
-        return ranked[0], tuple(ranked[1:])
-    return compute_bound(f), tuple(ranked)
+        main, others = ranked[0], ranked[1:]
+    elif held is not None and not _gpu_shown_busy(f):
+        return held, tuple(ranked)
+    else:
+        main, others = compute_bound(f), ranked
+    return main, (*others, *(() if held is None else (held,)))
+
+
+def _gpu_shown_busy(f: Figures) -> bool:
+    """NVML (not the event span alone, an upper bound) shows the GPU busy half the time."""
+    share = gpu_share(f)
+    return nvml_share(f) is not None and share is not None and share >= GPU_STARVED

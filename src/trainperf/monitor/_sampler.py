@@ -63,6 +63,10 @@ class _Sampler(threading.Thread):
         self._me = psutil.Process()
         self._children: dict[int, psutil.Process] = {}
 
+    def request_stop(self) -> None:
+        """Ask the thread to end, without waiting for it (a dropped watch's finaliser)."""
+        self._stop_event.set()
+
     def stop(self) -> None:
         self._stop_event.set()
         # Bounded: a hung driver call must not hang the training script's exit with it.

@@ -8,6 +8,9 @@
             w.step()                   # marks the end of a training step
     print(w.report())
 
+or, with no re-indent of the loop, ``w = trainperf.watch(); w.start()`` before it and
+``print(w.stop())`` after it.
+
 Per step the loop pays two ``time.perf_counter()`` stamps and, once the process uses CUDA,
 two CUDA events (recorded, never waited for: they are read back lazily with
 ``Event.query()`` and one ``Event.synchronize()`` when the report is made); the time
@@ -26,7 +29,9 @@ hours at ten a second); older ones are dropped, the report counts them
 
 from __future__ import annotations
 
+import sys
 import time
+import weakref
 from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
@@ -46,6 +51,8 @@ __all__ = ["Watch", "watch"]
 
 T = TypeVar("T")
 _RESOLVE_EVERY = 32  # steps between non-blocking reads of finished CUDA events
+_PRECISION_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_RUN_IT = "inside `with trainperf.watch() as w:`, or between w.start() and w.stop()"
 
 
 def _batch_size(batch: object, depth: int = 0) -> int | None:
@@ -60,8 +67,35 @@ def _batch_size(batch: object, depth: int = 0) -> int | None:
     return None
 
 
+def _precision_in_use() -> tuple[str, str] | None:
+    """What a live :class:`trainperf.amp.MixedPrecision` chose: ``(name, reason)``, or None.
+
+    amp keeps its live objects in ``trainperf.amp._mixed.LIVE`` (a ``WeakSet``); without
+    that registry, or with nothing in it, none is in use. With several, a lower precision
+    is reported first (the loop already uses it). Read from ``sys.modules``: where amp was
+    never imported, no MixedPrecision exists.
+    """
+    live = getattr(sys.modules.get("trainperf.amp._mixed"), "LIVE", None)
+    if live is None:
+        return None
+    found = []
+    for mp in list(live):
+        name = _PRECISION_NAMES.get(getattr(mp, "dtype", None))  # type: ignore[arg-type]
+        reason = getattr(mp, "reason", None)
+        if name is not None and isinstance(reason, str):
+            found.append((name != "fp32", name, reason))
+    if not found:
+        return None
+    _, name, reason = max(found)
+    return name, reason
+
+
 class Watch:
     """Times a training loop and samples GPU and CPU use; see :func:`watch`.
+
+    Use it as a context manager (``with trainperf.watch() as w:``) or, to leave the loop's
+    indentation alone, call :meth:`start` before the loop and :meth:`stop` after it. Either
+    way a watch runs once.
 
     Raises:
         ValueError: ``interval`` is not a number > 0, ``warmup_steps`` not an int >= 0,
@@ -100,6 +134,7 @@ class Watch:
         self._pending_wait = 0.0
         self._pending_count = 0
         self._count_known = True
+        self._iterated = False  # w.iter() was used: the data wait is measured
         self._sampler: _Sampler | None = None
         self._cpus = 1
         # CUDA events: (step index, event at the step's first batch, event at its end).
@@ -112,18 +147,7 @@ class Watch:
     def __enter__(self) -> Watch:
         if self._state != "new":
             raise RuntimeError("a Watch can be entered once; make a new one with trainperf.watch()")
-        self._state = "running"
-        self._cpus = usable_cpus()
-        want_gpu = self._device is None or self._device.type == "cuda"
-        self._sampler = _Sampler(
-            self._interval, time.perf_counter(), gpu=want_gpu, max_samples=self._max
-        )
-        self._sampler.start()
-        self._sampler.ready.wait(timeout=10)
-        self._maybe_start_cuda()
-        # The clock starts once the sampler is up (NVML start-up is not the loop's time); the
-        # sampler's first sample comes an interval later, so moving its origin is safe.
-        self._t0 = self._sampler.t0 = time.perf_counter()
+        self._begin()
         return self
 
     def __exit__(
@@ -132,6 +156,89 @@ class Watch:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._end()
+
+    def start(self) -> Watch:
+        """Start watching without a ``with`` block: the loop keeps its indentation.
+
+        Call :meth:`stop` after the loop; it stops the background thread and returns the
+        report. If the loop can raise, stop in a ``finally:`` (or use ``with``): a watch
+        that is never stopped samples until it is garbage-collected.
+
+        Returns:
+            This watch, so ``w = trainperf.watch().start()`` works.
+
+        Raises:
+            RuntimeError: the watch is already running, or already ran (a watch runs once).
+
+        Example:
+            >>> w = watch(device="cpu")
+            >>> _ = w.start()
+            >>> for batch in w.iter([torch.zeros(4, 2)] * 8):
+            ...     w.step()
+            >>> report = w.stop()
+            >>> report.steps, report.wait_fraction is not None  # w.iter measured the wait
+            (8, True)
+        """
+        if self._state == "running":
+            raise RuntimeError(
+                "w.start() on a watch that is already running: call it once, before the loop, "
+                "and w.stop() once, after it"
+            )
+        if self._state == "done":
+            raise RuntimeError(
+                "w.start() on a watch that already ran: a watch runs once; make a new one "
+                "with trainperf.watch()"
+            )
+        self._begin()
+        return self
+
+    def stop(self) -> WatchReport:
+        """Stop watching (the background thread ends) and return the report on the loop.
+
+        :meth:`report` gives the same report again afterwards.
+
+        Returns:
+            The :class:`WatchReport` on the whole loop.
+
+        Raises:
+            RuntimeError: the watch never started, or already stopped.
+
+        Example:
+            >>> w = watch(device="cpu").start()
+            >>> for _ in range(3):
+            ...     w.step(samples=4)
+            >>> w.stop().steps, w.report().steps
+            (3, 3)
+        """
+        if self._state == "new":
+            raise RuntimeError(
+                "w.stop() before w.start(): call w.start() before the loop and w.stop() after "
+                "it, or use `with trainperf.watch() as w:`"
+            )
+        if self._state == "done":
+            raise RuntimeError(
+                "w.stop() on a watch that already stopped: w.report() gives its report again"
+            )
+        self._end()
+        return self.report()
+
+    def _begin(self) -> None:
+        self._state = "running"
+        self._cpus = usable_cpus()
+        want_gpu = self._device is None or self._device.type == "cuda"
+        sampler = _Sampler(self._interval, time.perf_counter(), gpu=want_gpu, max_samples=self._max)
+        self._sampler = sampler
+        sampler.start()
+        # A started watch that is dropped unstopped must not leave its thread sampling.
+        weakref.finalize(self, sampler.request_stop)
+        sampler.ready.wait(timeout=10)
+        self._maybe_start_cuda()
+        # The clock starts once the sampler is up (NVML start-up is not the loop's time); the
+        # sampler's first sample comes an interval later, so moving its origin is safe.
+        self._t0 = sampler.t0 = time.perf_counter()
+
+    def _end(self) -> None:
         self._state = "done"
         if self._sampler is not None:
             self._sampler.stop()
@@ -154,7 +261,8 @@ class Watch:
         """Yield from ``iterable``, timing the wait for each item.
 
         Raises:
-            RuntimeError: the watch is not running (use it inside ``with``).
+            RuntimeError: the watch is not running (use it inside ``with``, or between
+                :meth:`start` and :meth:`stop`).
 
         Example:
             >>> with watch(device="cpu") as w:
@@ -164,9 +272,8 @@ class Watch:
             [4, 4, 4]
         """
         if self._state != "running":
-            raise RuntimeError(
-                "w.iter() needs a running watch: use it inside `with trainperf.watch() as w:`"
-            )
+            raise RuntimeError(f"w.iter() needs a running watch: use it {_RUN_IT}")
+        self._iterated = True
         return self._iterate(iter(iterable))
 
     def _iterate(self, it: Iterator[T]) -> Iterator[T]:
@@ -194,11 +301,15 @@ class Watch:
     def step(self, samples: int | None = None) -> None:
         """Mark the end of a training step.
 
+        Without :meth:`iter` the watch cannot tell the wait for data from the step: the
+        report then says the data wait was not measured, and calls nothing input-bound.
+
         Args:
             samples: samples in this step, overriding what ``w.iter`` counted.
 
         Raises:
-            RuntimeError: the watch is not running (use it inside ``with``).
+            RuntimeError: the watch is not running (use it inside ``with``, or between
+                :meth:`start` and :meth:`stop`).
             ValueError: ``samples`` is not an int >= 0.
 
         Example:
@@ -211,9 +322,7 @@ class Watch:
         """
         now = time.perf_counter()
         if self._state != "running":
-            raise RuntimeError(
-                "w.step() needs a running watch: call it inside `with trainperf.watch() as w:`"
-            )
+            raise RuntimeError(f"w.step() needs a running watch: call it {_RUN_IT}")
         if samples is not None:
             non_negative_int("samples", samples)
         self._ends.append(now - self._t0)
@@ -256,13 +365,13 @@ class Watch:
                 self._gpu_busy[index] = start.elapsed_time(end) / 1e3
 
     def report(self) -> WatchReport:
-        """The verdict so far (inside the ``with``) or on the whole loop (after it).
+        """The verdict so far (while the watch runs) or on the whole loop (after it).
 
         Returns:
             A :class:`WatchReport`; ``print`` it, or ``.plot(path)`` for a timeline PNG.
 
         Raises:
-            RuntimeError: the watch was never entered.
+            RuntimeError: the watch never ran (never entered, never started).
 
         Example:
             >>> with watch(device="cpu", warmup_steps=0) as w:
@@ -274,7 +383,8 @@ class Watch:
         """
         if self._state == "new":
             raise RuntimeError(
-                "w.report() needs a watch that ran: use `with trainperf.watch() as w:`"
+                "w.report() needs a watch that ran: use `with trainperf.watch() as w:`, or "
+                "w.start() before the loop and w.stop() after it"
             )
         if self._cuda:
             self._resolve(block=True)
@@ -316,6 +426,8 @@ class Watch:
             warmup_steps=self._warmup,
             dropped_steps=first,
             dropped_samples=dropped_samples,
+            wait_measured=self._iterated,
+            precision=_precision_in_use(),
         )
 
 
@@ -340,7 +452,8 @@ def watch(
             sample about 200 (250 with a GPU).
 
     Returns:
-        A :class:`Watch` to use as a context manager.
+        A :class:`Watch`: use it as a context manager, or call ``w.start()`` before the
+        loop and ``w.stop()`` (which returns the report) after it.
 
     Raises:
         ValueError: ``interval`` is not a number > 0, ``warmup_steps`` not an int >= 0,
