@@ -4,10 +4,6 @@ safetensors files, the GPU-saved fixtures, saving under torch.distributed)."""
 from __future__ import annotations
 
 import collections
-import json
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 import trainperf._utils.imports
+from tests.checkpoint import _ranks
 from tests.checkpoint._common import FIXTURES, GPU_FILES, Net, assert_same, temps
+from tests.ddp._distributed import FORK, spawn
 from trainperf.checkpoint import load_checkpoint, load_state_dict, save_checkpoint, unwrap_model
 from trainperf.errors import (
     CheckpointCorruptError,
@@ -52,6 +50,7 @@ def test_save_creates_missing_parent_directories(tmp_path: Path) -> None:
     assert load_checkpoint(path) == {"x": 1}
 
 
+@pytest.mark.slow
 def test_save_module_saves_unwrapped_state_dict(tmp_path: Path) -> None:
     net = Net()
     for i, wrapped in enumerate(
@@ -87,6 +86,42 @@ def test_save_dict_of_modules_optimizer_and_prefixed_state_dicts(tmp_path: Path)
     assert isinstance(obj["model"], nn.DataParallel)  # the caller's dict is not modified
 
 
+def test_save_schedulers_scalers_and_mixed_precision_as_state_dicts(tmp_path: Path) -> None:
+    from trainperf import MixedPrecision
+
+    net = nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    obj = {
+        "model": net,
+        "optimizer": opt,
+        "scheduler": sched,
+        "scaler": scaler,
+        "mp": MixedPrecision("cpu", precision="fp32"),
+        "more": {"schedulers": [sched], "pair": (opt, 1)},
+    }
+    state = load_checkpoint(save_checkpoint(obj, tmp_path / "all.pt"))  # weights_only=True
+    opt2 = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    sched2.load_state_dict(state["scheduler"])
+    assert sched2.last_epoch == 3 and sched2.get_last_lr() == sched.get_last_lr() == [0.05]
+    scaler2 = torch.amp.GradScaler("cpu")
+    scaler2.load_state_dict(state["scaler"])
+    assert scaler2.get_scale() == 1024.0
+    assert state["mp"] == {"precision": "fp32", "scaler": None}
+    assert state["more"]["schedulers"] == [sched.state_dict()]
+    assert state["more"]["pair"][1] == 1 and isinstance(state["more"]["pair"], tuple)
+    assert state["more"]["pair"][0]["param_groups"][0]["lr"] == 0.05
+    assert obj["scheduler"] is sched and obj["more"]["schedulers"][0] is sched  # not modified
+    # A class has a state_dict attribute too, but is no stateful object: saved as given.
+    path = save_checkpoint({"cls": nn.Linear}, tmp_path / "cls.pt")
+    assert load_checkpoint(path, weights_only=False)["cls"] is nn.Linear
+
+
 def test_save_strips_prefixes_of_a_top_level_state_dict(tmp_path: Path) -> None:
     sd = nn.DataParallel(Net()).state_dict()
     loaded = load_checkpoint(save_checkpoint(sd, tmp_path / "s.pt"))
@@ -110,63 +145,52 @@ def test_save_under_one_rank_gloo_group_unwraps_ddp(tmp_path: Path) -> None:
         dist.destroy_process_group()
 
 
-TWO_RANKS = textwrap.dedent(
-    """
-    import json, sys, datetime, torch, torch.distributed as dist
-    from pathlib import Path
-    from trainperf.checkpoint import save_checkpoint, load_checkpoint
-    from trainperf.errors import CheckpointError
+def test_distributed_must_be_none_true_or_false(tmp_path: Path) -> None:
+    with pytest.raises(
+        ValueError, match=r"distributed must be one of \(None, True, False\), got 'yes'"
+    ):
+        save_checkpoint({"x": 1}, tmp_path / "c.pt", distributed="yes")  # type: ignore[arg-type]
+    assert not (tmp_path / "c.pt").exists()
 
-    rank, tmp = int(sys.argv[1]), Path(sys.argv[2])
-    dist.init_process_group("gloo", init_method=(tmp / "store").as_uri(), rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=30))
-    out = {}
-    try:
-        # Rank 1's object cannot be pickled: if rank 1 tried to write, it would raise.
-        good = {"w": torch.full((3,), 7.0)} if rank == 0 else {"f": lambda: 0}
-        save_checkpoint(good, tmp / "dist.pt")
-        out["exists_on_return"] = (tmp / "dist.pt").exists()
-        out["loaded"] = load_checkpoint(tmp / "dist.pt")["w"].tolist()
-        bad = {"f": lambda: 0} if rank == 0 else {"w": torch.ones(1)}
-        try:
-            save_checkpoint(bad, tmp / "bad.pt")
-            out["bad"] = "returned"
-        except CheckpointError as e:
-            out["bad"] = str(e)
-        out["bad_exists"] = (tmp / "bad.pt").exists()
-        save_checkpoint({"rank": rank}, tmp / f"own{rank}.pt", distributed=False)
-    finally:
-        dist.destroy_process_group()
-    (tmp / f"result{rank}.json").write_text(json.dumps(out))
-    """
-)
+
+# Two gloo ranks, forked where that is safe. The process-group timeout is short so that a
+# save that waits for a rank which never joins fails the test in seconds instead of hanging it.
+def _two_ranks(fn: Any, tmp_path: Path, timeout_s: float = 10.0) -> dict[int, Any]:
+    return spawn(fn, 2, "gloo", args=(tmp_path,), start_method=FORK, timeout_s=timeout_s)
+
+
+def test_save_inside_if_rank_0_returns_and_writes_once(tmp_path: Path) -> None:
+    results = _two_ranks(_ranks.save_on_rank0_only, tmp_path)
+    assert results[0]["written"] == ["r0.pt"] and results[1]["written"] == []
+    assert results[0]["w"] == results[1]["w"] == [7.0, 7.0, 7.0]
+    assert results[0]["step"] == 5
+    assert temps(tmp_path) == []
+
+
+def test_save_on_every_rank_writes_on_rank_0_only(tmp_path: Path) -> None:
+    results = _two_ranks(_ranks.save_on_every_rank, tmp_path)
+    assert results[0]["written"] == ["all.pt"] and results[1]["written"] == []
+    assert results[0]["returned"] == results[1]["returned"] == "all.pt"
+    assert results[1]["w"] == [7.0, 7.0, 7.0]
 
 
 @pytest.mark.slow
-def test_two_ranks_only_rank0_writes_and_failures_reach_every_rank(tmp_path: Path) -> None:
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", TWO_RANKS, str(rank), str(tmp_path)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        for rank in range(2)
-    ]
-    try:
-        errs = [p.communicate(timeout=60)[1].decode() for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    assert [p.returncode for p in procs] == [0, 0], errs
-    r0, r1 = (json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2))
+def test_distributed_true_waits_for_rank_0_and_shares_its_failure(tmp_path: Path) -> None:
+    r0, r1 = _two_ranks(_ranks.save_collectively, tmp_path).values()
+    # Rank 0 took 0.5 s to write; rank 1 returned only once the file was there.
     assert r0["exists_on_return"] and r1["exists_on_return"]
     assert r0["loaded"] == r1["loaded"] == [7.0, 7.0, 7.0]
-    assert "could not be serialised" in r0["bad"]
-    assert r1["bad"].startswith("rank 0 could not save checkpoint") and "lambda" in r1["bad"]
     assert not r0["bad_exists"] and not r1["bad_exists"]
+    assert r0["written"] == ["dist.pt", "bad.pt", "own0.pt"] and r1["written"] == ["own1.pt"]
     assert load_checkpoint(tmp_path / "own1.pt") == {"rank": 1}
     assert temps(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_distributed_true_on_one_rank_names_the_fix(tmp_path: Path) -> None:
+    results = _two_ranks(_ranks.collective_on_rank0_only, tmp_path, timeout_s=3.0)
+    assert "rank 0 waited" in results[0] and "was written" in results[0], results[0]
+    assert load_checkpoint(tmp_path / "lone.pt")["w"].tolist() == [1.0]
 
 
 # ---------------------------------------------------------------------------- load

@@ -4,6 +4,8 @@ DDP and torch.compile prefixes."""
 from __future__ import annotations
 
 import collections
+import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -140,8 +142,8 @@ def test_mismatch_reports_missing_unexpected_and_shapes_together() -> None:
 
 def test_mismatch_lists_at_most_ten_names() -> None:
     model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(12)])
-    with pytest.raises(StateDictMismatchError, match=r"24 missing key\(s\).*\.\.\.and 14 more"):
-        load_state_dict(model, {})
+    with pytest.raises(StateDictMismatchError, match=r"23 missing key\(s\).*\.\.\.and 13 more"):
+        load_state_dict(model, {"0.weight": torch.ones(1, 1)})
 
 
 def test_whole_checkpoint_passed_as_state_dict_gets_a_hint() -> None:
@@ -156,7 +158,8 @@ def test_strict_false_loads_what_fits() -> None:
     del src["_orig_mod.bn.running_var"]
     net = Net(classes=5)
     fc_before = net.fc.weight.clone()
-    result = load_state_dict(torch.compile(net), src, strict=False)
+    with pytest.warns(UserWarning, match=r"loaded 6 of 9 model keys: 1 missing"):
+        result = load_state_dict(torch.compile(net), src, strict=False)
     assert result == LoadResult(
         missing=("bn.running_var",),
         unexpected=("extra.weight",),
@@ -172,3 +175,68 @@ def test_strict_false_loads_what_fits() -> None:
 def test_load_state_dict_needs_a_mapping() -> None:
     with pytest.raises(TypeError, match=r"state_dict must be a mapping.*got list"):
         load_state_dict(Net(), [1, 2])  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------- nothing fits / partial loads
+
+
+def lightning_like(net: nn.Module) -> dict[str, torch.Tensor]:
+    """A LightningModule's state dict: the model is an attribute, so keys start with ``model.``."""
+    return {f"model.{k}": v for k, v in net.state_dict().items()}
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_nothing_matched_raises_whatever_strict_says(strict: bool) -> None:
+    net = Net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(StateDictMismatchError, match=r"none of the state dict's 9 keys") as info:
+        load_state_dict(net, lightning_like(Net()), strict=strict)
+    text = str(info.value)
+    assert "nothing would be loaded" in text
+    assert ("an error even with strict=False" in text) == (not strict)
+    assert "model keys: conv.weight, conv.bias, bn.weight, ...and 6 more" in text
+    assert "state-dict keys: model.conv.weight, model.conv.bias, model.bn.weight, ..." in text
+    assert "strip_prefix(state_dict, 'model.')" in text
+    assert "pass strict=False" not in text  # the advice that loaded nothing
+    assert len(info.value.missing) == 9 and len(info.value.unexpected) == 9
+    assert_same(net.state_dict(), before)
+
+
+@pytest.mark.parametrize(
+    ("make_model", "state_dict", "fix"),
+    [
+        (Net, {}, r"the state dict is empty"),
+        (Net, {"model": Net().state_dict(), "epoch": 1}, r"whole checkpoint.*\['model'\]"),
+        (Net, Net().fc.state_dict(), r"submodule 'fc'.*model\.get_submodule\('fc'\)"),
+        (Net, {"head.w": torch.ones(1)}, r"saved from another architecture"),
+        (
+            lambda: nn.Linear(8, 5),
+            nn.Linear(8, 10).state_dict(),
+            r"2 keys match by name, but every one has another shape: weight checkpoint",
+        ),
+    ],
+    ids=["empty", "whole-checkpoint", "submodule", "other-model", "all-shapes-differ"],
+)
+def test_nothing_matched_names_the_likely_fix(
+    make_model: Any, state_dict: dict[str, Any], fix: str
+) -> None:
+    with pytest.raises(StateDictMismatchError, match=fix):
+        load_state_dict(make_model(), state_dict, strict=False)
+
+
+def test_partial_load_with_strict_false_warns_with_counts() -> None:
+    sd = Net().state_dict()
+    del sd["fc.weight"], sd["fc.bias"]
+    sd["head.weight"] = torch.ones(1)
+    with pytest.warns(UserWarning, match=r"loaded 7 of 9 model keys: 2 missing \(fc\.weight"):
+        result = load_state_dict(Net(), sd, strict=False)
+    assert result.missing == ("fc.weight", "fc.bias") and result.unexpected == ("head.weight",)
+    with pytest.warns(UserWarning, match=r"1 unexpected \(head\.weight\)"):
+        load_state_dict(Net(), sd, strict=False)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_complete_load_warns_nothing(strict: bool) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_state_dict(Net(), nn.DataParallel(Net()).state_dict(), strict=strict).complete

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from trainperf._utils.imports import require
+from trainperf._utils.validate import choice
 from trainperf.checkpoint._formats import (
     _LEGACY_MAGIC,
     _describe,
@@ -40,18 +41,50 @@ def _is_tensor_state_dict(obj: object) -> bool:
     )
 
 
-def _plain(value: Any) -> Any:
+def _has_state(value: object) -> bool:
+    """An instance with a ``state_dict()`` method: optimizers, LR schedulers, GradScaler, ..."""
+    return not isinstance(value, type) and callable(getattr(value, "state_dict", None))
+
+
+def _stateless(value: Any, active: set[int]) -> Any:
+    """``value`` with every module (unwrapped) and stateful object inside it, at any depth of
+    dicts, lists and tuples, replaced by its state dict; containers without one are kept as
+    they are (same object), so a file of plain data is saved exactly as given."""
     if isinstance(value, nn.Module):
         return unwrap_model(value).state_dict()
-    if isinstance(value, torch.optim.Optimizer):
+    if _has_state(value):
         return value.state_dict()
+    if not isinstance(value, (Mapping, list, tuple)) or id(value) in active:
+        return value  # a container that holds itself is left to pickle's memo
+    active.add(id(value))
+    try:
+        items: list[tuple[Any, Any]] = (
+            list(value.items()) if isinstance(value, Mapping) else list(enumerate(value))
+        )
+        new = [(k, _stateless(v, active)) for k, v in items]
+    finally:
+        active.discard(id(value))
+    if all(a is b for (_, a), (_, b) in zip(items, new, strict=True)):
+        return value
+    if isinstance(value, Mapping):
+        return _same_type(value, new)
+    values = [v for _, v in new]
+    if isinstance(value, list):
+        return values
+    try:  # a namedtuple takes its fields as arguments, other tuples an iterable
+        return type(value)(*values) if hasattr(value, "_fields") else type(value)(values)
+    except Exception:  # a tuple subclass built some other way: a plain tuple will do
+        return tuple(values)
+
+
+def _plain(value: Any) -> Any:
     if _is_tensor_state_dict(value):
         return strip_prefix(value)
-    return value
+    return _stateless(value, set())
 
 
 def _prepare(obj: Any) -> Any:
-    if isinstance(obj, Mapping) and not _is_tensor_state_dict(obj):
+    if isinstance(obj, Mapping) and not _is_tensor_state_dict(obj) and not _has_state(obj):
         return _same_type(obj, ((k, _plain(v)) for k, v in obj.items()))
     return _plain(obj)
 
@@ -100,7 +133,54 @@ def _safetensors_bytes(obj: Any) -> bytes:
         ) from e
 
 
-def save_checkpoint(obj: Any, path: str | os.PathLike[str], *, distributed: bool = True) -> Path:
+def _write(obj: Any, path: Path) -> None:
+    prepared = _prepare(obj)
+    if path.suffix.lower() == ".safetensors":
+        data = _safetensors_bytes(prepared)
+
+        def write_bytes(f: IO[bytes]) -> None:
+            f.write(data)
+
+        write_checkpoint_file(path, write_bytes)
+    else:
+        write_checkpoint_file(path, lambda f: torch.save(prepared, f))
+
+
+def _group_rank() -> int | None:
+    """This process's rank in the default process group; None without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank())
+    return None
+
+
+def _write_collectively(obj: Any, path: Path, rank: int) -> None:
+    """Rank 0 writes, then broadcasts success or its error, so every rank returns or raises."""
+    failure: Exception | None = None
+    if rank == 0:
+        try:
+            _write(obj, path)
+        except Exception as e:
+            failure = e
+    status = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+    try:
+        torch.distributed.broadcast_object_list(status, src=0)
+    except Exception as e:
+        done = f"{path} was written" if rank == 0 and failure is None else f"{path} may not exist"
+        raise CheckpointError(
+            f"save_checkpoint(..., distributed=True) is a collective, but rank {rank} waited "
+            f"for the other ranks in vain ({type(e).__name__}: {e}); {done}. Call it on every "
+            "rank, or to save inside `if rank == 0:` leave distributed at its default",
+            path,
+        ) from e
+    if failure is not None:
+        raise failure
+    if status[0] is not None:
+        raise CheckpointError(f"rank 0 could not save checkpoint {path}: {status[0]}", path)
+
+
+def save_checkpoint(
+    obj: Any, path: str | os.PathLike[str], *, distributed: bool | None = None
+) -> Path:
     """Save ``obj`` atomically: a crash, kill or full disk never leaves a partial file at ``path``.
 
     The object goes to a hidden temp file in the same directory (``.NAME.tmp-HOST-PID-XXXX``),
@@ -109,28 +189,38 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str], *, distributed: bool
     this host are removed on the next save to the same path.
 
     Modules are saved as their state dict, after unwrapping DataParallel, DDP and
-    ``torch.compile`` (so ``{"model": model, "optimizer": opt}`` works, and optimizers are
-    saved as their state dicts); state dicts (top level, or values of a top-level dict) lose
+    ``torch.compile`` (so ``{"model": model, "optimizer": opt}`` works), and so is anything
+    else with a ``state_dict()`` method (optimizers, LR schedulers, ``torch.amp.GradScaler``,
+    ``trainperf.MixedPrecision``), at any depth of dicts, lists and tuples, so the file loads
+    with ``weights_only=True``; state dicts (top level, or values of a top-level dict) lose
     their ``module.`` / ``_orig_mod.`` prefixes. Paths ending in ``.safetensors`` are written
     with safetensors and take a flat dict of str -> tensor (or a module).
 
     Args:
         obj: A module, a state dict, or a dict of them and other picklable values.
         path: Destination file (``str`` or path-like).
-        distributed: With a ``torch.distributed`` process group initialised and
-            ``distributed=True``, this is a collective: call it on every rank; rank 0
-            writes and all ranks return once the file exists (or all raise). Pass False
-            when calling it from one rank only (inside ``if rank == 0:``).
+        distributed: What to do under an initialised ``torch.distributed`` process group.
+            None (the default): rank 0 writes and every other rank returns at once without
+            writing or serialising anything; no collective is involved, so calling it on
+            every rank and calling it inside ``if rank == 0:`` both work (other ranks that
+            must read the file wait for it themselves, e.g. with a barrier). True: a
+            collective, to be called on every rank: rank 0 writes and every rank returns
+            once the file exists, or raises if rank 0 failed. False: ignore the process
+            group and write from this process (per-rank files). Without a process group
+            every value writes.
 
     Returns:
-        ``path`` as a ``Path``.
+        ``path`` as a ``Path`` (on ranks other than 0 with the default, the file rank 0 is
+        writing, which may not exist yet).
 
     Raises:
         CheckpointError: The object could not be serialised or the file not written (disk
-            full, no permission, ``path`` is a directory), or rank 0 failed; the cause is
-            chained and any earlier file at ``path`` is left intact.
-        ValueError: A ``.safetensors`` path with something other than str -> tensor, or a
-            state dict whose keys collide once prefixes are removed.
+            full, no permission, ``path`` is a directory), or with ``distributed=True`` rank 0
+            failed or another rank never joined; the cause is chained and any earlier file
+            at ``path`` is left intact.
+        ValueError: A ``.safetensors`` path with something other than str -> tensor, a
+            state dict whose keys collide once prefixes are removed, or ``distributed`` not
+            None, True or False.
         ModuleNotFoundError: A ``.safetensors`` path without safetensors installed.
 
     Example:
@@ -140,33 +230,15 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str], *, distributed: bool
         ...     sorted(load_checkpoint(p)["model"])
         ['bias', 'weight']
     """
+    choice("distributed", distributed, (None, True, False))
     path = Path(os.fspath(path))
-    rank = None
-    if distributed and torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank = torch.distributed.get_rank()
-    failure: Exception | None = None
-    if rank in (None, 0):
-        try:
-            if path.suffix.lower() == ".safetensors":
-                data = _safetensors_bytes(_prepare(obj))
-
-                def write_bytes(f: IO[bytes]) -> None:
-                    f.write(data)
-
-                write_checkpoint_file(path, write_bytes)
-            else:
-                prepared = _prepare(obj)
-                write_checkpoint_file(path, lambda f: torch.save(prepared, f))
-        except Exception as e:
-            failure = e
-    if rank is not None:
-        # Rank 0 reports success or its error, so no rank waits forever on a failed write.
-        status = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-        torch.distributed.broadcast_object_list(status, src=0)
-        if status[0] is not None and failure is None:
-            raise CheckpointError(f"rank 0 could not save checkpoint {path}: {status[0]}", path)
-    if failure is not None:
-        raise failure
+    rank = None if distributed is False else _group_rank()
+    if rank is None:
+        _write(obj, path)
+    elif distributed:
+        _write_collectively(obj, path, rank)
+    elif rank == 0:
+        _write(obj, path)
     return path
 
 

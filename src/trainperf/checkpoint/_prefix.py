@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -182,8 +183,18 @@ class LoadResult:
 
 
 def _names(names: list[str], limit: int = 10) -> str:
-    shown = ", ".join(names[:limit])
+    shown = ", ".join(map(str, names[:limit]))
     return shown + (f", ...and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _nested_hint(sd: Mapping[str, Any]) -> str | None:
+    nested = [k for k, v in sd.items() if isinstance(v, Mapping)]
+    if not nested:
+        return None
+    return (
+        f"The state dict holds nested dicts under {_names(nested)}: it looks like a whole "
+        f"checkpoint; pass checkpoint[{nested[0]!r}] instead."
+    )
 
 
 def _mismatch_message(model: nn.Module, sd: Mapping[str, Any], result: LoadResult) -> str:
@@ -197,14 +208,10 @@ def _mismatch_message(model: nn.Module, sd: Mapping[str, Any], result: LoadResul
         lines.append(f"  {n} unexpected key(s) (in the state dict, not the model): ")
         lines[-1] += _names(list(result.unexpected))
     if result.mismatched:
-        shapes = [f"{k} checkpoint {tuple(a)} vs model {tuple(b)}" for k, a, b in result.mismatched]
-        lines.append(f"  {len(shapes)} shape mismatch(es): {_names(shapes)}")
-    nested = [k for k, v in sd.items() if isinstance(v, Mapping)]
-    if nested:
-        lines.append(
-            f"  The state dict holds nested dicts under {_names(nested)}: it looks like a whole "
-            f"checkpoint; pass checkpoint[{nested[0]!r}] instead."
-        )
+        lines.append(f"  {len(result.mismatched)} shape mismatch(es): {_shapes(result)}")
+    hint = _nested_hint(sd)
+    if hint:
+        lines.append(f"  {hint}")
     lines.append(
         "  Check that the checkpoint was saved from this architecture with the same sizes, "
         "or pass strict=False to load only the keys that fit."
@@ -212,41 +219,103 @@ def _mismatch_message(model: nn.Module, sd: Mapping[str, Any], result: LoadResul
     return "\n".join(lines)
 
 
-def load_state_dict(
-    model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True
-) -> LoadResult:
-    """Load ``state_dict`` into ``model``, whichever of them carries wrapper prefixes.
+def _shapes(result: LoadResult) -> str:
+    return _names(
+        [f"{k} checkpoint {tuple(a)} vs model {tuple(b)}" for k, a, b in result.mismatched]
+    )
 
-    The state dict's ``module.`` / ``_orig_mod.`` prefixes are removed as far as that makes
-    its keys match, and it is loaded into ``unwrap_model(model)``, which shares parameters
-    with every wrapper around it. Shapes are checked before anything is copied, so one error
-    lists missing, unexpected and shape-mismatched keys together.
 
-    Args:
-        model: A plain, DataParallel, DDP or ``torch.compile``-d module (any nesting).
-        state_dict: Parameters and buffers, e.g. ``load_checkpoint(path)["model"]``.
-        strict: If True, any difference raises and nothing is loaded. If False, the keys
-            that fit are loaded and the rest are reported in the result.
+def _same_shape(a: Any, b: Any) -> bool:
+    tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    if tensors and not (nn.parameter.is_lazy(a) or nn.parameter.is_lazy(b)):
+        return bool(a.shape == b.shape)
+    return True
 
-    Returns:
-        A ``LoadResult``; with ``strict=True`` it is always complete.
 
-    Raises:
-        TypeError: ``state_dict`` is not a mapping.
-        StateDictMismatchError: ``strict=True`` and keys or shapes differ; the model is
-            unchanged.
+def _common_prefix(longer: Mapping[str, Any], shorter: Mapping[str, Any]) -> tuple[str, int] | None:
+    """The most common ``P.`` such that ``P.`` + a key of ``shorter`` is a key of ``longer``
+    holding a value of the same shape, with how many keys it fits."""
+    counts: dict[str, int] = {}
+    for key, value in longer.items():
+        parts = key.split(".") if isinstance(key, str) else []
+        for i in range(1, len(parts)):
+            rest = ".".join(parts[i:])
+            if rest in shorter and _same_shape(value, shorter[rest]):
+                prefix = ".".join(parts[:i]) + "."
+                counts[prefix] = counts.get(prefix, 0) + 1
+    return max(counts.items(), key=lambda item: item[1]) if counts else None
 
-    Example:
-        >>> net = nn.Linear(2, 2)
-        >>> load_state_dict(net, nn.DataParallel(nn.Linear(2, 2)).state_dict()).complete
-        True
-    """
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(
-            f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}"
+
+def _likely_fix(target: Mapping[str, Any], sd: Mapping[str, Any], result: LoadResult) -> str:
+    if not sd:
+        return "the state dict is empty: check what was saved under the key you loaded"
+    if result.mismatched:
+        return (
+            f"{len(result.mismatched)} keys match by name, but every one has another shape: "
+            f"{_shapes(result)}; build the model with the sizes the checkpoint was saved with"
         )
-    inner = unwrap_model(model)
-    target = inner.state_dict()
+    hint = _nested_hint(sd)
+    if hint:
+        return hint
+    extra = _common_prefix(sd, target)
+    if extra:
+        return (
+            f"{extra[1]} of its keys fit once the prefix {extra[0]!r} is removed (the model "
+            "was an attribute of a wrapper when it was saved, e.g. a LightningModule): "
+            f"load_state_dict(model, strip_prefix(state_dict, {extra[0]!r}))"
+        )
+    inner = _common_prefix(target, sd)
+    if inner:
+        name = inner[0][:-1]
+        return (
+            f"it holds the weights of the submodule {name!r} only ({inner[1]} of its keys fit "
+            f"there): load_state_dict(model.get_submodule({name!r}), state_dict)"
+        )
+    return (
+        "it was saved from another architecture: build the model class (and sizes) the "
+        "checkpoint was saved from"
+    )
+
+
+def _nothing_fits_message(
+    model: nn.Module,
+    target: Mapping[str, Any],
+    sd: Mapping[str, Any],
+    result: LoadResult,
+    strict: bool,
+) -> str:
+    even = " (an error even with strict=False)" if not strict else ""
+    return (
+        f"state dict does not fit {type(model).__name__}: none of the state dict's {len(sd)} "
+        f"keys fits any of the model's {len(target)}, so nothing would be loaded{even}.\n"
+        f"  model keys: {_names(list(target), 3)}\n"
+        f"  state-dict keys: {_names(list(sd), 3)}\n"
+        f"  Likely fix: {_likely_fix(target, sd, result)}"
+    )
+
+
+def _warn_partial(target: Mapping[str, Any], result: LoadResult) -> None:
+    loaded = len(target) - len(result.missing) - len(result.mismatched)
+    parts = [
+        f"{len(names)} {kind} ({_names(list(names), 3)})"
+        for kind, names in (
+            ("missing", result.missing),
+            ("unexpected", result.unexpected),
+            ("with another shape", [k for k, _, _ in result.mismatched]),
+        )
+        if names
+    ]
+    warnings.warn(
+        f"load_state_dict(strict=False) loaded {loaded} of {len(target)} model keys: "
+        f"{', '.join(parts)}; the returned LoadResult lists them all (missing keys keep their "
+        "current values)",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _fit_prefixes(state_dict: Mapping[str, Any], target: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state_dict`` with as many prefix layers removed as makes most of its keys match."""
     # Candidates strip one more layer of prefixes each; the one matching most model keys wins,
     # so a model with a submodule that really is called "module" is not over-stripped.
     best, best_score = state_dict, sum(k in target for k in state_dict)
@@ -262,36 +331,98 @@ def load_state_dict(
         score = sum(k in target for k in candidate)
         if score >= best_score:
             best, best_score = candidate, score
-    unexpected = [k for k in best if k not in target]
-    missing = [k for k in target if k not in best]
+    return best
+
+
+def _compare(best: Mapping[str, Any], target: Mapping[str, Any]) -> LoadResult:
     mismatched: list[Mismatch] = []
     for key, value in best.items():
-        want = target.get(key)
-        if (
-            isinstance(value, torch.Tensor)
-            and isinstance(want, torch.Tensor)
-            and not nn.parameter.is_lazy(want)
-            and value.shape != want.shape
-        ):
-            mismatched.append((key, tuple(value.shape), tuple(want.shape)))
-    result = LoadResult(tuple(missing), tuple(unexpected), tuple(mismatched))
+        if key in target and not _same_shape(value, target[key]):
+            mismatched.append((key, tuple(value.shape), tuple(target[key].shape)))
+    return LoadResult(
+        missing=tuple(k for k in target if k not in best),
+        unexpected=tuple(k for k in best if k not in target),
+        mismatched=tuple(mismatched),
+    )
+
+
+def load_state_dict(
+    model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True
+) -> LoadResult:
+    """Load ``state_dict`` into ``model``, whichever of them carries wrapper prefixes.
+
+    The state dict's ``module.`` / ``_orig_mod.`` prefixes are removed as far as that makes
+    its keys match, and it is loaded into ``unwrap_model(model)``, which shares parameters
+    with every wrapper around it. Shapes are checked before anything is copied, so one error
+    lists missing, unexpected and shape-mismatched keys together.
+
+    A state dict of which no key fits the model (by name and shape, after removing the
+    prefixes) is always an error, ``strict=False`` or not: loading nothing is never what was
+    meant. The message shows a few keys of each and the likely fix (a whole checkpoint
+    instead of its model entry, an extra prefix such as a LightningModule's ``model.``, a
+    submodule's weights, other sizes).
+
+    Args:
+        model: A plain, DataParallel, DDP or ``torch.compile``-d module (any nesting).
+        state_dict: Parameters and buffers, e.g. ``load_checkpoint(path)["model"]``.
+        strict: If True, any difference raises and nothing is loaded. If False, the keys
+            that fit are loaded, the rest are reported in the result, and a ``UserWarning``
+            says how many keys were missing, unexpected or of another shape.
+
+    Returns:
+        A ``LoadResult``; with ``strict=True`` it is always complete.
+
+    Raises:
+        TypeError: ``state_dict`` is not a mapping.
+        StateDictMismatchError: No key fits (whatever ``strict`` says), or ``strict=True``
+            and keys or shapes differ; the model is unchanged.
+
+    Example:
+        >>> net = nn.Linear(2, 2)
+        >>> load_state_dict(net, nn.DataParallel(nn.Linear(2, 2)).state_dict()).complete
+        True
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}"
+        )
+    inner = unwrap_model(model)
+    target = inner.state_dict()
+    best = _fit_prefixes(state_dict, target)
+    result = _compare(best, target)
+    fits = len(target) - len(result.missing) - len(result.mismatched)
+    if fits == 0 and (target or best):
+        raise StateDictMismatchError(
+            _nothing_fits_message(inner, target, best, result, strict),
+            missing=list(result.missing),
+            unexpected=list(result.unexpected),
+            mismatched=list(result.mismatched),
+        )
     if strict:
         if not result.complete:
             raise StateDictMismatchError(
                 _mismatch_message(inner, best, result),
-                missing=missing,
-                unexpected=unexpected,
-                mismatched=mismatched,
+                missing=list(result.missing),
+                unexpected=list(result.unexpected),
+                mismatched=list(result.mismatched),
             )
         inner.load_state_dict(best, strict=True)
         return result
-    skip = set(unexpected) | {k for k, _, _ in mismatched}
+    result = _load_what_fits(inner, best, result)
+    if not result.complete:
+        _warn_partial(target, result)
+    return result
+
+
+def _load_what_fits(inner: nn.Module, best: Mapping[str, Any], found: LoadResult) -> LoadResult:
+    bad = {k for k, _, _ in found.mismatched}
+    skip = set(found.unexpected) | bad
     keep = _same_type(best, ((k, v) for k, v in best.items() if k not in skip))
     if hasattr(best, "_metadata"):
         keep._metadata = best._metadata
     torch_result = inner.load_state_dict(keep, strict=False)
-    bad = {k for k, _, _ in mismatched}
     # torch's own list accounts for load hooks (e.g. BatchNorm filling in old checkpoints).
     missing = [k for k in torch_result.missing_keys if k not in bad]
+    unexpected = list(found.unexpected)
     unexpected += [k for k in torch_result.unexpected_keys if k not in unexpected]
-    return LoadResult(tuple(missing), tuple(unexpected), tuple(mismatched))
+    return LoadResult(tuple(missing), tuple(unexpected), found.mismatched)
