@@ -27,8 +27,9 @@ Which condition maps to which type, everywhere in the package:
   permission, ``path`` is a directory, the directory cannot be flushed), rank 0 failed a
   collective save, or a load failed in a way none of the subclasses names.
 - ``LaunchError``: a worker raised, exited non-zero or died by a signal (the first failing
-  rank and its traceback), the explicit ``MASTER_PORT`` cannot be bound, or the rendezvous
-  store cannot start.
+  rank and its traceback), the explicit ``MASTER_PORT`` cannot be bound, the rendezvous
+  store cannot start, or, under spawn, the script calls ``launch`` without the
+  ``if __name__ == "__main__":`` guard.
 - ``ValueError``: an argument's value is out of range or not one of the choices (every
   "must be an int >= 1" check, device strings, option names); a launcher environment variable
   that is malformed or contradicts another (``RANK`` >= ``WORLD_SIZE``, ``SLURM_NODEID`` past

@@ -15,10 +15,12 @@ import pickle
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -340,6 +342,61 @@ def test_max_restarts_reruns_the_whole_group(tmp_path: Path) -> None:
 def test_the_spawn_path_reports_failures_too() -> None:
     with pytest.raises(LaunchError, match=r"^rank 1 of 2 raised ValueError: deliberate"):
         ddp.launch(workers.raise_on_rank, 1, nprocs=2, backend="gloo", timeout=LONG)
+
+
+_UNGUARDED = """\
+import trainperf.ddp as ddp
+
+
+def main():
+    return 1
+
+
+# No __main__ guard; and a restart could not help, so there must be none.
+print("result", ddp.launch(main, nprocs=2, backend="gloo", max_restarts=1))
+"""
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("TRAINPERF_TEST_MARKER") == marker:
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(_UNGUARDED)
+    env = _clean_env()
+    marker = f"unguarded-{os.getpid()}-{time.time_ns()}"
+    env["TRAINPERF_TEST_MARKER"] = marker  # inherited by every process the script starts
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out
+    assert "LaunchError: rank" in out and "could not start" in out, out
+    assert 'if __name__ == "__main__":' in out and 'start_method="fork"' in out, out
+    assert str(script) in out, out
+    # Neither Python's bootstrapping traceback from the workers nor the wrong diagnosis.
+    assert "bootstrapping phase" not in out and "crash in native code" not in out, out
+    assert out.count("Traceback (most recent call last)") == 1, out
+    assert "(attempt 1 of 2)" in out and "attempt 2" not in out and "restarting" not in out
+    deadline = time.monotonic() + 10
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_with(marker) == []
 
 
 @pytest.mark.requires_cuda

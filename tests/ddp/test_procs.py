@@ -16,7 +16,8 @@ import psutil
 import pytest
 
 from tests.ddp import _workers as workers
-from tests.ddp._distributed import LONG, launch_fork
+from tests.ddp._distributed import LONG, fast_start_method, launch_fork
+from trainperf.ddp._worker import REIMPORT_EXIT_CODE
 from trainperf.errors import LaunchError
 
 SCRIPT = Path(__file__).parent / "_script.py"
@@ -44,6 +45,17 @@ SCRIPT = Path(__file__).parent / "_script.py"
 def test_exit_codes_and_signals_are_named(main: Any, args: tuple[Any, ...], match: str) -> None:
     with pytest.raises(LaunchError, match=match):
         launch_fork(main, *args, timeout=LONG)
+
+
+@pytest.mark.timeout(60)
+def test_the_missing_guard_exit_status_means_that_only_for_spawned_workers() -> None:
+    # A forked worker never imports the script again, so its exit status is just a status.
+    if fast_start_method() != "fork":
+        pytest.skip("fork is refused once CUDA is initialised in this process")
+    with pytest.raises(
+        LaunchError, match=rf"^rank 1 of 2 exited with code {REIMPORT_EXIT_CODE} without"
+    ):
+        launch_fork(workers.exit_on_rank, 1, REIMPORT_EXIT_CODE, timeout=LONG)
 
 
 def _wait_for(paths: list[Path], proc: subprocess.Popen[str], timeout: float) -> None:

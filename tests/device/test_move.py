@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import types
+from collections.abc import Iterator, MutableMapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -196,6 +198,210 @@ def test_to_device_pinned_non_blocking_to_cuda_and_back() -> None:
     torch.cuda.synchronize()  # a non-blocking device-to-host copy is read only after a sync
     assert out["x"].device.type == "cuda" and out["x"].dtype == torch.float16
     assert torch.equal(back["x"], batch["x"].half()) and torch.equal(back["y"], batch["y"])
+
+
+# ------------------------------------------------------------------- cases from the peers' tests
+
+
+@pytest.mark.parametrize(
+    ("source", "pinned", "target", "expected"),
+    [
+        ("cpu", True, "cuda", True),  # the one case that overlaps: pinned host to accelerator
+        ("cpu", True, "cuda:1", True),
+        ("cpu", True, "xpu", True),
+        ("cpu", False, "cuda", False),  # pageable memory: the copy is synchronous anyway
+        ("cuda", False, "cpu", False),  # device to host: read before it lands otherwise
+        ("cuda:0", False, "cuda:1", False),
+        ("cpu", True, "cpu", False),  # a CPU target never
+        ("cpu", True, "mps", False),  # MPS: a race, as Lightning notes (pytorch#83015)
+        ("cpu", True, "meta", False),
+    ],
+)
+def test_non_blocking_only_from_pinned_host_memory_to_an_accelerator(
+    source: str, pinned: bool, target: str, expected: bool
+) -> None:
+    from trainperf.device._move import copies_async
+
+    assert copies_async(torch.device(source), pinned, torch.device(target)) is expected
+
+
+class _ToRecorder:
+    """Stands in for Tensor.to: records the keyword arguments and moves nothing."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.calls.append(kwargs)
+        return tensor
+
+
+def _nested() -> Any:
+    return {
+        "x": float_cpu(2),
+        "list": [float_cpu(1), torch.tensor([1])],
+        "tuple": (float_cpu(1),),
+        "param": [torch.nn.Parameter(float_cpu(1))],  # a subclass: the slow path
+        "pair": Pair(float_cpu(1), 3),
+    }
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+@pytest.mark.parametrize("dtype", [None, torch.float16])
+def test_to_device_never_asks_a_host_target_for_a_non_blocking_copy(
+    monkeypatch: pytest.MonkeyPatch, pinned: bool, dtype: torch.dtype | None
+) -> None:
+    recorder = _ToRecorder()
+    monkeypatch.setattr(torch.Tensor, "to", recorder)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: pinned)
+    for target in ("cpu", "meta"):
+        to_device(_nested(), target, non_blocking=True, dtype=dtype)
+    assert len(recorder.calls) == 2 * 6
+    assert not [kw for kw in recorder.calls if kw.get("non_blocking")]
+
+
+def test_to_device_copies_async_only_what_is_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # "cuda" must resolve
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    recorder = _ToRecorder()
+    monkeypatch.setattr(torch.Tensor, "to", recorder)
+    pinned = _nested()
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: self is pinned["x"])
+    to_device(pinned, "cuda", non_blocking=True)
+    assert [kw.get("non_blocking", False) for kw in recorder.calls] == [True] + [False] * 5
+    recorder.calls.clear()
+    to_device(pinned, "cuda", non_blocking=False)
+    assert not [kw for kw in recorder.calls if kw.get("non_blocking")]
+
+
+class _Forgetful:
+    """Lightning's wrongly implemented transferable type: .to forgets to return self."""
+
+    def __init__(self, tensor: torch.Tensor, should_return: bool) -> None:
+        self.tensor = tensor
+        self.should_return = should_return
+
+    def to(self, device: torch.device) -> _Forgetful | None:
+        self.tensor = self.tensor.to(device)
+        return self if self.should_return else None
+
+
+@pytest.mark.parametrize("should_return", [False, True])
+def test_to_device_keeps_an_object_whose_to_returns_none(should_return: bool) -> None:
+    obj = _Forgetful(float_cpu(1), should_return)
+    assert to_device(obj, "meta") is obj and obj.tensor.device == META
+    assert to_device({"o": [obj]}, torch.device("meta"))["o"][0] is obj
+
+
+class AttributeStore(MutableMapping):  # type: ignore[type-arg]
+    """A mapping that keeps its items in an attribute, as many batch classes do."""
+
+    def __init__(self, items: dict[str, Any] | None = None, tag: str = "") -> None:
+        self._store: dict[str, Any] = dict(items or {})
+        self.tag = tag
+
+    def __getitem__(self, key: str) -> Any:
+        return self._store[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._store[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._store[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._store)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+
+class SlotStore(AttributeStore):
+    """The same, but the store is a slot that no attribute copy can see."""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, items: dict[str, Any] | None = None) -> None:
+        self._store = dict(items or {})
+
+
+def test_to_device_leaves_the_callers_mapping_as_it_was() -> None:
+    x, ids = float_cpu(2), "id-7"
+    for batch in (
+        AttributeStore({"x": x, "ids": ids}, tag="train"),
+        SlotStore({"x": x, "ids": ids}),
+        collections.UserDict({"x": x, "ids": ids}),  # Accelerate's test_send_to_device case
+    ):
+        out = to_device(batch, "meta")
+        assert type(out) is type(batch) and out is not batch
+        assert out["x"].device == META and out["ids"] == ids
+        assert batch["x"] is x, type(batch).__name__  # the caller's batch did not change
+    kept = to_device(AttributeStore({"x": x}, tag="train"), "meta")
+    assert kept.tag == "train"  # state outside the items survives the copy
+
+
+@dataclasses.dataclass
+class CachedBatch:
+    var: torch.Tensor
+
+    @functools.cached_property
+    def doubled(self) -> torch.Tensor:
+        return self.var * 2
+
+
+class Doubling:
+    """A base class whose cached property the dataclass below inherits."""
+
+    var: torch.Tensor
+
+    @functools.cached_property
+    def doubled(self) -> torch.Tensor:
+        return self.var * 2
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenCachedBatch(Doubling):
+    var: torch.Tensor
+
+
+class CachedDict(dict):  # type: ignore[type-arg]
+    @functools.cached_property
+    def total(self) -> torch.Tensor:
+        return sum(self.values())  # type: ignore[return-value]
+
+
+def test_to_device_drops_cached_property_values() -> None:
+    # Lightning's test_apply_to_collection_with_cached_property_dataclass, moved to a device.
+    for cls in (CachedBatch, FrozenCachedBatch):
+        before = cls(float_cpu(1))
+        assert before.doubled.device.type == "cpu"  # computed and cached on the CPU
+        after = to_device(before, "meta")
+        assert after.var.device == META and after.doubled.device == META, cls.__name__
+        assert before.doubled.device.type == "cpu"  # the original keeps its own
+    mapping = CachedDict(a=float_cpu(1))
+    assert mapping.total.device.type == "cpu"
+    assert to_device(mapping, "meta").total.device == META
+
+
+def test_to_device_skip_keys_leaves_those_entries_as_they_are() -> None:
+    # Accelerate's send_to_device(..., skip_keys=...): the key is skipped in every mapping.
+    kept = float_cpu(2)
+    batch = {"x": float_cpu(2), "keep": kept, "inner": {"keep": [kept], "y": float_cpu(1)}}
+    out = to_device(batch, "meta", skip_keys="keep")
+    assert out["x"].device == META and out["inner"]["y"].device == META
+    assert out["keep"] is kept and out["inner"]["keep"][0] is kept
+    ordered = collections.OrderedDict(keep=kept, z=float_cpu(1))
+    store = AttributeStore({"keep": kept, "z": float_cpu(1)})
+    for mapping in to_device([ordered, store], "meta", skip_keys=["keep", "absent"]):
+        assert mapping["keep"] is kept and mapping["z"].device == META
+    assert to_device(batch, "meta", skip_keys=())["keep"].device == META
+
+
+@pytest.mark.parametrize("bad", [3, [["keep"]], b"keep"])
+def test_to_device_rejects_bad_skip_keys(bad: Any) -> None:
+    expected = r"skip_keys must be a str or an iterable of hashable keys, such as \['labels'\], got"
+    with pytest.raises(TypeError, match=expected):
+        to_device(float_cpu(1), "meta", skip_keys=bad)
 
 
 # --------------------------------------------------------------------------- check_same_device()

@@ -13,6 +13,7 @@ import logging
 import os
 import pickle
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +23,13 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from trainperf.ddp._procs import SignalGuard, death_summary, signal_tree
-from trainperf.ddp._worker import Failure, WorkerSpec, worker_main
+from trainperf.ddp._worker import (
+    REIMPORT_EXIT_CODE,
+    WORKER_NAME_PREFIX,
+    Failure,
+    WorkerSpec,
+    worker_main,
+)
 from trainperf.errors import LaunchError
 
 __all__ = ["EXIT_GRACE_S", "TERM_GRACE_S", "Group"]
@@ -44,7 +51,8 @@ class _Problem:
     rank: int
     time: float
     summary: str
-    detail: str = ""
+    detail: str = ""  # the rank's traceback
+    advice: str = ""  # what to do, when the cause is known without a traceback
 
 
 def _summary(failure: Failure) -> str:
@@ -54,6 +62,23 @@ def _summary(failure: Failure) -> str:
     if len(first_line) > 300:
         first_line = first_line[:300] + "..."
     return f"raised {failure.type_name}" + (f": {first_line}" if first_line else "")
+
+
+def _unguarded_main() -> tuple[str, str]:
+    """Summary and advice for workers that exited because the script has no main guard."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or "the main script"
+    summary = (
+        f"could not start: each spawned worker imports {script} again, and that import "
+        "called launch() once more, because the call is not under an "
+        'if __name__ == "__main__": guard'
+    )
+    advice = (
+        "Fix: start the workers only when the script is run, not when it is imported:\n\n"
+        '    if __name__ == "__main__":\n'
+        "        trainperf.ddp.launch(main)\n\n"
+        'In a notebook or REPL there is no script to import: use start_method="fork" (Linux).'
+    )
+    return summary, advice
 
 
 class Group:
@@ -79,6 +104,8 @@ class Group:
         self.results: dict[int, Any] = {}
         self.problems: list[_Problem] = []
         self.stopped: list[int] = []
+        # False once a failure is certain to repeat (no __main__ guard): no restart then.
+        self.restartable = True
 
     def run(self) -> dict[int, Any]:
         try:
@@ -100,7 +127,7 @@ class Group:
             proc = self.ctx.Process(  # type: ignore[attr-defined]
                 target=worker_main,
                 args=(self.spec, rank, writer),
-                name=f"trainperf-rank{rank}",
+                name=f"{WORKER_NAME_PREFIX}{rank}",
                 daemon=False,  # daemonic processes may not start DataLoader workers
             )
             try:
@@ -171,6 +198,10 @@ class Group:
                     rank, seen_at, "exited with code 0 without returning from main (os._exit?)"
                 )
             )
+        elif code == REIMPORT_EXIT_CODE and self.ctx.get_start_method() == "spawn":
+            summary, advice = _unguarded_main()
+            self.problems.append(_Problem(rank, seen_at, summary, advice=advice))
+            self.restartable = False
         else:
             self.problems.append(_Problem(rank, seen_at - _DEATH_SLACK_S, death_summary(code)))
 
@@ -243,6 +274,8 @@ class Group:
         lines = [f"rank {first.rank} of {self.n}{self.attempt} {first.summary}"]
         if first.detail:
             lines += ["", f"Traceback from rank {first.rank}:", first.detail.rstrip()]
+        if first.advice:
+            lines += ["", first.advice]
         later = sorted((p for p in self.problems if p is not first), key=lambda p: p.time)
         if later:
             lines += ["", "Later failures (often a consequence of the first):"]

@@ -29,7 +29,7 @@ from trainperf._utils.validate import choice, non_negative_int, positive_int
 from trainperf.ddp import _env
 from trainperf.ddp._group import Group
 from trainperf.ddp._procs import Interrupted, SignalGuard
-from trainperf.ddp._worker import WorkerSpec, rank_device
+from trainperf.ddp._worker import REIMPORT_EXIT_CODE, WorkerSpec, rank_device, reimporting_main
 from trainperf.errors import DeviceError, LaunchError
 
 __all__ = ["Backend", "StartMethod", "launch", "launch_all"]
@@ -255,10 +255,11 @@ def _attempts(
         # Each attempt rendezvouses under its own key prefix in the one store.
         spec = dataclasses.replace(base, store_prefix=f"trainperf/attempt{attempt}/")
         label = f" (attempt {attempt + 1} of {max_restarts + 1})" if max_restarts else ""
+        group = Group(ctx, spec, label, guard, on_started)
         try:
-            return Group(ctx, spec, label, guard, on_started).run()
+            return group.run()
         except LaunchError as e:
-            if attempt == max_restarts:
+            if attempt == max_restarts or not group.restartable:
                 raise
             logger.warning("%s\nrestarting all %d ranks", e, base.world_size)
         attempt += 1
@@ -331,6 +332,11 @@ def _launch(
     max_restarts: int,
     all_ranks: bool,
 ) -> Any:
+    if reimporting_main():
+        # A spawned worker importing a script with no __main__ guard: Python would refuse to
+        # start processes from here with a long traceback. Leave quietly instead; the
+        # launcher knows this exit status and says what to change.
+        raise SystemExit(REIMPORT_EXIT_CODE)
     import torch
 
     span = _check_options(main, backend, start_method, timeout, max_restarts)
@@ -407,8 +413,11 @@ def launch(
 
     Raises:
         LaunchError: a worker raised, exited with a non-zero code or died by a signal (the
-            first failing rank, its exception type and traceback, or the signal), or the
-            explicit ``MASTER_PORT`` cannot be bound.
+            first failing rank, its exception type and traceback, or the signal), the
+            explicit ``MASTER_PORT`` cannot be bound, or, under spawn, the script calls
+            ``launch`` outside an ``if __name__ == "__main__":`` guard (each worker imports
+            the script again; the message says to add the guard, or to use fork in a
+            notebook, and the group is not restarted).
         ValueError: bad option, inconsistent launcher environment (names the variable),
             too many ranks for the GPUs under NCCL, or ``main`` unpicklable under spawn.
         DeviceError: ``start_method="fork"`` after CUDA was initialised.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing
 import os
 import pickle
 import signal
@@ -24,9 +25,24 @@ from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
 
-__all__ = ["Failure", "WorkerSpec", "die_with_parent", "rank_device", "worker_main"]
+__all__ = [
+    "REIMPORT_EXIT_CODE",
+    "WORKER_NAME_PREFIX",
+    "Failure",
+    "WorkerSpec",
+    "die_with_parent",
+    "rank_device",
+    "reimporting_main",
+    "worker_main",
+]
 
 _PR_SET_PDEATHSIG = 1
+
+# Each worker process is named f"{WORKER_NAME_PREFIX}{rank}".
+WORKER_NAME_PREFIX = "trainperf-rank"
+# The exit status of a spawned worker whose import of the script called launch() again (no
+# __main__ guard); the launcher turns it into the advice to add one.
+REIMPORT_EXIT_CODE = 117
 
 
 @dataclass(frozen=True)
@@ -74,6 +90,23 @@ def die_with_parent(parent_pid: int) -> None:
         return
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def reimporting_main() -> bool:
+    """Whether this is a worker that ``launch`` spawned, still importing the main script.
+
+    Under spawn each worker first imports the script again (as ``__mp_main__``); a
+    ``launch()`` call that no ``if __name__ == "__main__":`` guard protects then runs in the
+    worker too, where Python refuses it with a long "bootstrapping phase" traceback. Until
+    that import is over, multiprocessing has not set the worker's parent process yet, while
+    the process already bears the name the launcher gave it.
+
+    Example:
+        >>> reimporting_main()  # the launching process itself
+        False
+    """
+    me = multiprocessing.current_process()
+    return me.name.startswith(WORKER_NAME_PREFIX) and multiprocessing.parent_process() is None
 
 
 def rank_device(local_rank: int) -> Any:
