@@ -22,8 +22,10 @@ from trainperf.loader._args import check_args
         ((4,), {"budget_s": 0}, "budget_s must be a positive number"),
         ((4,), {"epochs_hint": 0}, "epochs_hint must be None or an int >= 1"),
         ((4,), {"step_fn": 3}, "step_fn must be callable"),
-        ((4,), {"num_workers": 2}, "num_workers is what tune_loader chooses"),
-        ((4,), {"prefetch_factor": 2}, "prefetch_factor is what tune_loader chooses"),
+        ((4,), {"num_workers": -1}, "num_workers must be an int >= 0, got -1"),
+        ((4,), {"num_workers": 2, "prefetch_factor": 0}, "prefetch_factor must be None or an"),
+        ((4,), {"prefetch_factor": 2}, r"prefetch_factor=2 needs num_workers > 0 \(DataLoader"),
+        ((4,), {"num_workers": 0, "prefetch_factor": 4}, "prefetch_factor=4 needs num_workers"),
         ((4,), {"batch_sampler": [[0]]}, "batch_sampler is not supported"),
         ((4,), {"num_worker": 2}, "unknown DataLoader argument 'num_worker'; choices:"),
         ((4,), {"device": "gpu"}, "invalid device 'gpu': expected 'auto', 'cpu', 'cuda'"),
@@ -78,3 +80,11 @@ def test_check_args_accepts_the_defaults_and_bounds() -> None:
     check_args(1, None, 30.0, None, None, {})
     check_args(1, 0, 0.5, 1, len, {"shuffle": True, "timeout": 5})
     check_args(1, 64, 10, 3, lambda batch: None, {"multiprocessing_context": "spawn"})
+
+
+def test_check_args_accepts_the_callers_own_worker_settings() -> None:
+    # The caller's current DataLoader settings: measured as one candidate (see test_user).
+    check_args(1, None, 30.0, None, None, {"num_workers": 1, "pin_memory": True})
+    check_args(1, None, 30.0, None, None, {"num_workers": 4, "prefetch_factor": 8})
+    check_args(1, None, 30.0, None, None, {"num_workers": 0, "prefetch_factor": None})
+    check_args(1, None, 30.0, None, None, {"persistent_workers": True})

@@ -22,7 +22,7 @@ from torch.utils.data import Dataset, get_worker_info
 from tests.loader._fakes import tune_two_workers as tune
 from tests.loader._spies import record_closes
 from trainperf.loader import TuningReport
-from trainperf.loader._faults import classify_fault, main_private_bytes
+from trainperf.loader._faults import classify_fault, hang_timeout, main_private_bytes
 
 MiB = 1 << 20
 
@@ -246,3 +246,12 @@ def test_main_private_bytes_counts_this_processes_memory() -> None:
     block = torch.ones(64 * MiB // 4)  # 64 MiB, every page written
     assert main_private_bytes() >= before + 48 * MiB
     del block
+
+
+def test_hang_timeout() -> None:
+    fork: dict[str, Any] = {"user_timeout": 0.0, "start_method": "fork", "worker_cpus": 4}
+    assert hang_timeout(2, batch_s=0.01, **fork) == 10.0  # at least 10 s
+    assert hang_timeout(2, batch_s=1.0, **fork) == 20.0  # 20 batches
+    assert hang_timeout(8, batch_s=1.0, **fork) == 40.0  # twice as many workers as cores
+    assert hang_timeout(8, batch_s=1.0, **{**fork, "start_method": "spawn"}) == 60.0
+    assert hang_timeout(8, batch_s=1.0, **{**fork, "user_timeout": 2.5}) == 2.5

@@ -5,16 +5,19 @@ steady-state throughput of a few DataLoader configurations (not a grid) within a
 budget and returns the fastest one that fits the CPUs, memory and ``/dev/shm`` of this
 process, without leaving a worker behind when a configuration crashes or hangs.
 
-- :mod:`._tune`: the entry points; :mod:`._args`: their argument checks;
+- :mod:`._tune`: the entry points; :mod:`._args`: their argument checks; :mod:`._rng`:
+  every random number generator left as the call found it;
 - :mod:`._measure`: timing one configuration and catching worker faults (:mod:`._faults`),
   with :mod:`._windows` (start-up and prefetch buffer excluded, repeated windows until they
   agree), :mod:`._memory` (worker memory projected over the run) and :mod:`._batches`;
 - :mod:`._step`: ``step_fn`` timed alone, and the cores it leaves to workers;
 - :mod:`._search`: prediction from the single-process cost, then a short climb;
+- :mod:`._user`: the caller's own ``num_workers`` measured as one candidate, and judged;
 - :mod:`._choice`: ``persistent_workers`` and the DataLoader arguments of the choice;
-- :mod:`._report`: :class:`TuningReport` and :class:`CandidateResult`;
+- :mod:`._report`: :class:`TuningReport`, :class:`CandidateResult` and :class:`UserSetting`;
 - :mod:`._cache`: the JSON cache under the user cache directory; :mod:`._cached`: the
-  entries ``tune_loader`` reads and writes there;
+  entries ``tune_loader`` reads and writes there (and hands to other local ranks);
+- :mod:`._share`: under DDP, tuning once per host on local rank 0;
 - :mod:`._progress`: the progress bar.
 
 Example:
@@ -32,7 +35,13 @@ from __future__ import annotations
 from trainperf._utils.public import set_public_module
 from trainperf.loader._cache import cache_file
 from trainperf.loader._measure import measure
-from trainperf.loader._report import CandidateResult, FaultKind, Status, TuningReport
+from trainperf.loader._report import (
+    CandidateResult,
+    FaultKind,
+    Status,
+    TuningReport,
+    UserSetting,
+)
 from trainperf.loader._tune import TunedDataLoader, autotune_loader, tune_loader
 from trainperf.loader._windows import WindowPolicy
 
@@ -42,6 +51,7 @@ __all__ = [
     "Status",
     "TunedDataLoader",
     "TuningReport",
+    "UserSetting",
     "WindowPolicy",
     "autotune_loader",
     "cache_file",

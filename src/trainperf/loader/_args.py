@@ -12,7 +12,6 @@ from trainperf._utils.validate import non_negative_int, positive_int, positive_n
 
 __all__ = ["check_args", "check_loader_kwargs"]
 
-_TUNED = ("num_workers", "prefetch_factor")
 _ALLOWED = frozenset(inspect.signature(DataLoader.__init__).parameters) - {
     "self",
     "dataset",
@@ -32,8 +31,9 @@ def check_args(
 
     Raises:
         ValueError: a bad ``batch_size``, ``max_workers``, ``budget_s``, ``epochs_hint`` or
-            ``step_fn``, or a DataLoader argument it rejects (see
-            :func:`check_loader_kwargs`).
+            ``step_fn``, a DataLoader argument it rejects (see :func:`check_loader_kwargs`),
+            a bad ``num_workers`` or ``prefetch_factor``, or ``prefetch_factor`` without
+            workers (DataLoader refuses it too).
 
     Example:
         >>> check_args(32, None, 30.0, None, None, {"shuffle": True})
@@ -49,28 +49,38 @@ def check_args(
     if step_fn is not None and not callable(step_fn):
         raise ValueError(f"step_fn must be callable (it gets one batch), got {step_fn!r}")
     check_loader_kwargs(loader_kwargs)
+    _check_callers_workers(loader_kwargs)
+
+
+def _check_callers_workers(loader_kwargs: Mapping[str, Any]) -> None:
+    """The caller's own ``num_workers`` and ``prefetch_factor``, as DataLoader checks them."""
+    n = non_negative_int("num_workers", loader_kwargs.get("num_workers", 0))
+    pf = positive_int("prefetch_factor", loader_kwargs.get("prefetch_factor"), none_ok=True)
+    if pf is not None and n == 0:
+        raise ValueError(
+            f"prefetch_factor={pf} needs num_workers > 0 (DataLoader refuses it without "
+            f"workers): pass num_workers= with it, or leave prefetch_factor out"
+        )
 
 
 def check_loader_kwargs(loader_kwargs: Mapping[str, Any]) -> None:
     """Raise ``ValueError`` for a DataLoader argument ``tune_loader`` cannot pass through.
 
+    ``num_workers``, ``prefetch_factor``, ``pin_memory`` and ``persistent_workers`` are the
+    caller's current setting (see :mod:`trainperf.loader._user`), so they are taken.
+
     Raises:
-        ValueError: ``num_workers`` or ``prefetch_factor`` (what the tuner chooses),
-            ``batch_sampler`` (the tuner batches with ``batch_size``), or a name DataLoader
-            does not take (the message lists those it does).
+        ValueError: ``batch_sampler`` (the tuner batches with ``batch_size``), or a name
+            DataLoader does not take (the message lists those it does).
 
     Example:
-        >>> check_loader_kwargs({"num_workers": 4})  # doctest: +ELLIPSIS
+        >>> check_loader_kwargs({"num_workers": 4, "pin_memory": True})
+        >>> check_loader_kwargs({"num_worker": 4})  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: num_workers is what tune_loader chooses, so it cannot be passed in; ...
+        ValueError: unknown DataLoader argument 'num_worker'; choices: ...
     """
     for k in loader_kwargs:
-        if k in _TUNED:
-            raise ValueError(
-                f"{k} is what tune_loader chooses, so it cannot be passed in; bound the search "
-                f"with max_workers= instead"
-            )
         if k == "batch_sampler":
             raise ValueError(
                 "batch_sampler is not supported: tune_loader batches with batch_size; pass "

@@ -4,24 +4,36 @@ the entry stored for a fresh choice.
 An entry holds the four tuned settings (``"best"``), the report's figures, notes and
 candidates as :meth:`~trainperf.loader.TuningReport.to_dict` writes them, and the memory and
 ``/dev/shm`` the choice needs, so that a hit on a host with less of either tunes again. The
-file itself (its place, keys, atomic writes) is :mod:`trainperf.loader._cache`.
+file itself (its place, keys, atomic writes) is :mod:`trainperf.loader._cache`. Under DDP
+local rank 0 sends the other local ranks the same entry, less the memory figures
+(:func:`share_entry`, :func:`report_from_share`; the hand-over is
+:mod:`trainperf.loader._share`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainperf.limits import HostLimits
 from trainperf.loader import _cache
 from trainperf.loader._choice import final_kwargs
-from trainperf.loader._report import CandidateResult, TuningReport
+from trainperf.loader._report import CandidateResult, TuningReport, UserSetting
 from trainperf.loader._search import safety_margin
 from trainperf.loader._step import cores_for_workers, main_process_cores
 
-__all__ = ["REPORT_KEYS", "cache_entry", "report_from_cache", "store"]
+__all__ = [
+    "REPORT_KEYS",
+    "cache_entry",
+    "cached_report",
+    "entry_key",
+    "report_from_cache",
+    "report_from_share",
+    "share_entry",
+    "store",
+]
 
 REPORT_KEYS = (
     "samples_per_s",
@@ -31,6 +43,7 @@ REPORT_KEYS = (
     "main_cores",
     "candidates",
     "notes",
+    "user_setting",
 )
 """The keys of :meth:`TuningReport.to_dict` an entry keeps, under the same names."""
 
@@ -76,55 +89,172 @@ def store(
     return report
 
 
+def _user_setting(data: Any) -> UserSetting | None:
+    return None if data is None else UserSetting(**data)
+
+
+def _parsed(entry: Mapping[str, Any], cpus: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The tuned settings and the report fields an entry holds; None when it is malformed.
+
+    The main process's share is the entry's (measured with ``step_fn``); an entry without
+    one kept the default core.
+    """
+    try:
+        best = dict(entry["best"])
+        int(best["num_workers"])
+        main_cores = float(entry.get("main_cores", main_process_cores(cpus)))
+        fields = {
+            "samples_per_s": entry.get("samples_per_s"),
+            "baseline_samples_per_s": entry.get("baseline_samples_per_s"),
+            "step_samples_per_s": entry.get("step_samples_per_s"),
+            "candidates": tuple(CandidateResult(**c) for c in entry["candidates"]),
+            "notes": [str(n) for n in entry.get("notes", [])],
+            "main_cores": main_cores,
+            "worker_cpus": int(entry.get("worker_cpus", cores_for_workers(cpus, main_cores))),
+            "user_setting": _user_setting(entry.get("user_setting")),
+        }
+    except (KeyError, TypeError, ValueError):
+        return None
+    return best, fields
+
+
+def _report(
+    best: Mapping[str, Any],
+    fields: dict[str, Any],
+    loader_kwargs: Mapping[str, Any],
+    common: Mapping[str, Any],
+    started: float,
+    **extra: Any,
+) -> TuningReport:
+    return TuningReport(
+        best_kwargs=final_kwargs(loader_kwargs, common["batch_size"], best, []),
+        elapsed_s=time.perf_counter() - started,
+        **{**fields, "notes": tuple(fields["notes"])},
+        **extra,
+        **common,
+    )
+
+
+def entry_key(
+    dataset: Any,
+    batch_size: int,
+    *,
+    cpus: int,
+    device_type: str,
+    max_workers: int,
+    epochs_hint: int | None,
+    step_fn: Callable[[Any], Any] | None,
+    loader_kwargs: Mapping[str, Any],
+) -> str:
+    """The key of a call's entry: a hash of :func:`trainperf.loader._cache.key_fields`.
+
+    Raises:
+        RuntimeError: reading the first sample fails.
+    """
+    fields = _cache.key_fields(
+        dataset,
+        batch_size,
+        cpus=cpus,
+        device_type=device_type,
+        max_workers=max_workers,
+        epochs_hint=epochs_hint,
+        step_fn=step_fn,
+        loader_kwargs=loader_kwargs,
+    )
+    return _cache.make_key(fields)
+
+
+def cached_report(
+    key: str,
+    limits: HostLimits,
+    loader_kwargs: Mapping[str, Any],
+    common: Mapping[str, Any],
+    started: float,
+) -> TuningReport | None:
+    """The report of the entry stored under ``key``, or None (no entry, or one that is
+    malformed or no longer fits; see :func:`report_from_cache`)."""
+    entry = _cache.read_entry(key)
+    if entry is None:
+        return None
+    return report_from_cache(entry, limits, loader_kwargs, common, started)
+
+
 def report_from_cache(
     entry: Mapping[str, Any],
     limits: HostLimits,
     loader_kwargs: Mapping[str, Any],
-    batch_size: int,
     common: Mapping[str, Any],
     started: float,
 ) -> TuningReport | None:
     """A report built from a cache entry, or None when it is malformed or no longer fits.
 
-    The main process's share is the entry's (measured with ``step_fn``); an entry without
-    one kept the default core.
-
     Args:
         entry: what :func:`cache_entry` stored (older entries may lack the shares).
         limits: this host's limits now.
         loader_kwargs: the caller's DataLoader arguments.
-        batch_size: the batch size.
-        common: the report fields known before measuring (``cpus``, ``device``, ...).
+        common: the report fields known before measuring (``cpus``, ``batch_size``, ...).
         started: ``time.perf_counter()`` when the call began.
     """
+    parsed = _parsed(entry, common["cpus"])
+    if parsed is None:
+        return None
     try:
-        best = dict(entry["best"])
-        candidates = tuple(CandidateResult(**c) for c in entry["candidates"])
-        int(best["num_workers"])
         need, shm = int(entry["memory_needed"]), int(entry["shm_needed"])
-        notes = [str(n) for n in entry.get("notes", [])]
-        rate = entry.get("samples_per_s")
-        base = entry.get("baseline_samples_per_s")
-        step = entry.get("step_samples_per_s")
-        main_cores = float(entry.get("main_cores", main_process_cores(common["cpus"])))
-        worker_cpus = int(entry.get("worker_cpus", cores_for_workers(common["cpus"], main_cores)))
     except (KeyError, TypeError, ValueError):
         return None
     if need > limits.memory_available - safety_margin(limits.memory_available):
         return None
     if limits.shm_free is not None and shm > 0.9 * limits.shm_free:
         return None
-    notes.append(f"settings from the cache ({_cache.cache_file()}); cache=False re-tunes")
-    return TuningReport(
-        best_kwargs=final_kwargs(loader_kwargs, batch_size, best, []),
-        samples_per_s=rate,
-        baseline_samples_per_s=base,
-        step_samples_per_s=step,
-        candidates=candidates,
-        elapsed_s=time.perf_counter() - started,
-        from_cache=True,
-        notes=tuple(notes),
-        worker_cpus=worker_cpus,
-        main_cores=main_cores,
-        **common,
+    best, fields = parsed
+    fields["notes"].append(f"settings from the cache ({_cache.cache_file()}); cache=False re-tunes")
+    return _report(best, fields, loader_kwargs, common, started, from_cache=True)
+
+
+def share_entry(report: TuningReport) -> dict[str, Any]:
+    """What local rank 0 sends the other local ranks: the tuned settings of ``report``
+    (their own arguments complete them) and its figures, as a cache entry holds them.
+
+    Example:
+        >>> from trainperf.limits import HostLimits
+        >>> zero = CandidateResult(0, None, False, "ok", samples_per_s=100.0)
+        >>> report = TuningReport(
+        ...     {"num_workers": 0, "pin_memory": False, "persistent_workers": False}, 100.0,
+        ...     100.0, None, (zero,), 1.0, 5.0,
+        ...     HostLimits(4, 4, None, 4, 2**33, None, 2**32, None, None), 4, 3, 8, "cpu", 32)
+        >>> share_entry(report)["best"]  # doctest: +NORMALIZE_WHITESPACE
+        {'num_workers': 0, 'prefetch_factor': None, 'pin_memory': False,
+         'persistent_workers': False}
+    """
+    data = report.to_dict()
+    kw = report.best_kwargs
+    best = {
+        "num_workers": report.num_workers,
+        "prefetch_factor": kw.get("prefetch_factor"),
+        "pin_memory": bool(kw.get("pin_memory", False)),
+        "persistent_workers": bool(kw.get("persistent_workers", False)),
+    }
+    return {"best": best, **{k: data[k] for k in REPORT_KEYS}, "from_cache": report.from_cache}
+
+
+def report_from_share(
+    entry: Mapping[str, Any],
+    loader_kwargs: Mapping[str, Any],
+    common: Mapping[str, Any],
+    started: float,
+    sender: int,
+) -> TuningReport | None:
+    """This rank's report from what local rank 0 (global rank ``sender``) sent, with this
+    rank's own arguments; None when the entry is malformed. Nothing is re-checked against
+    the limits: local rank 0 checked them on this same host."""
+    parsed = _parsed(entry, common["cpus"])
+    if parsed is None:
+        return None
+    best, fields = parsed
+    fields["notes"].append(
+        f"tuned on local rank 0 (rank {sender}) of this host and shared with this rank"
+    )
+    from_cache = bool(entry.get("from_cache", False))
+    return _report(
+        best, fields, loader_kwargs, common, started, from_cache=from_cache, shared_from=sender
     )

@@ -5,7 +5,8 @@ worker that died ("exited unexpectedly", "killed by signal"), for a hang ("timed
 after"), re-raised dataset errors ("Caught ValueError in DataLoader worker process 0"),
 pickling errors under ``spawn``. :func:`classify_fault` turns each into a
 :data:`~trainperf.loader.FaultKind` and a sentence with the fix; :func:`close_iterator`
-stops the workers without the multi-second joins a hung worker would otherwise cost.
+stops the workers without the multi-second joins a hung worker would otherwise cost;
+:func:`hang_timeout` says how long a wait for a batch may last before it counts as a hang.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "budget_cut_reason",
     "classify_fault",
     "close_iterator",
+    "hang_timeout",
     "main_private_bytes",
     "start_method",
     "thread_busy_seconds",
@@ -319,3 +321,26 @@ def close_iterator(it: Any, workers: WorkerProcesses, *, kill_first: bool) -> No
     if workers.wait_exited(3.0):
         workers.kill()
         workers.wait_exited(2.0)
+
+
+def hang_timeout(
+    num_workers: int, *, user_timeout: float, start_method: str, batch_s: float, worker_cpus: int
+) -> float:
+    """Seconds without a batch that count as a hang while measuring ``num_workers`` workers.
+
+    The caller's ``timeout`` when given; else twenty times the main process's time per
+    batch, times how far the workers outnumber their cores, at least 10 s; plus 20 s for
+    workers that import torch again as they start (``spawn``, ``forkserver``).
+
+    Example:
+        >>> hang_timeout(4, user_timeout=0.0, start_method="fork", batch_s=0.01, worker_cpus=2)
+        10.0
+        >>> hang_timeout(4, user_timeout=0.0, start_method="spawn", batch_s=1.0, worker_cpus=2)
+        60.0
+        >>> hang_timeout(4, user_timeout=3.0, start_method="spawn", batch_s=1.0, worker_cpus=2)
+        3.0
+    """
+    if user_timeout > 0:
+        return user_timeout
+    spawn_extra = 0.0 if start_method == "fork" else 20.0
+    return max(10.0, 20.0 * batch_s * max(1.0, num_workers / worker_cpus)) + spawn_extra

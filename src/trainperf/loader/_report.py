@@ -13,7 +13,7 @@ from trainperf._utils.format import format_bytes
 from trainperf._utils.imports import require
 from trainperf.limits import HostLimits
 
-__all__ = ["CandidateResult", "FaultKind", "Status", "TuningReport", "format_bytes"]
+__all__ = ["CandidateResult", "FaultKind", "Status", "TuningReport", "UserSetting", "format_bytes"]
 
 Status = Literal["ok", "failed", "skipped"]
 """``ok``: measured; ``failed``: tried and broke; ``skipped``: not tried, predicted unsafe or
@@ -115,6 +115,55 @@ class CandidateResult:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class UserSetting:
+    """The caller's own ``num_workers`` (and ``prefetch_factor``, ``pin_memory``), measured as
+    one candidate, and the verdict on it.
+
+    Attributes:
+        given: the caller's ``num_workers``, ``prefetch_factor``, ``pin_memory`` and
+            ``persistent_workers``, as passed.
+        num_workers: the configuration measured as the caller's: ``num_workers`` as given...
+        prefetch_factor: ...``prefetch_factor`` as given, else DataLoader's default (2 with
+            workers, None without)...
+        pin_memory: ...and ``pin_memory`` as given, else DataLoader's default (False).
+        kept: whether ``best_kwargs`` keeps this configuration.
+        samples_per_s: its measured throughput (None when it was not measured).
+        verdict: why it was kept, or why not and what was chosen instead.
+    """
+
+    given: dict[str, Any]
+    num_workers: int
+    prefetch_factor: int | None
+    pin_memory: bool
+    kept: bool
+    samples_per_s: float | None
+    verdict: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field by name, JSON-safe; ``UserSetting(**s.to_dict())`` is ``s`` again.
+
+        Example:
+            >>> s = UserSetting({"num_workers": 0}, 0, None, False, True, 90.0, "the fastest")
+            >>> UserSetting(**s.to_dict()) == s, s.to_dict()["kept"]
+            (True, True)
+        """
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        """One line: the setting as given, kept or replaced, and why.
+
+        Example:
+            >>> print(UserSetting({"num_workers": 1, "pin_memory": True}, 1, 2, True, False,
+            ...                   100.0, "workers=3 prefetch=2 pin=yes is 2.50x as fast"))
+            ... # doctest: +NORMALIZE_WHITESPACE
+            your setting num_workers=1, pin_memory=True: replaced:
+            workers=3 prefetch=2 pin=yes is 2.50x as fast
+        """
+        given = ", ".join(f"{k}={v!r}" for k, v in self.given.items())
+        return f"your setting {given}: {'kept' if self.kept else 'replaced'}: {self.verdict}"
+
+
 def _num(x: float | None, fmt: str) -> str:
     """Format ``x`` with ``fmt`` plus an optional unit after a space or %: ``".1f%"``."""
     if x is None:
@@ -187,6 +236,10 @@ class TuningReport:
         notes: remarks on the decisions (fallbacks, budget, persistence, cache).
         main_cores: cores kept for the main process: 1.0 when no ``step_fn`` was given (the
             training step is unknown), else the cores ``step_fn`` was measured to use.
+        user_setting: the caller's own ``num_workers`` (and friends) and the verdict on
+            it (see :class:`UserSetting`); None when ``num_workers`` was not passed.
+        shared_from: under DDP, the global rank whose local rank 0 tuned these settings
+            and sent them to this rank; None when this process tuned (or read the cache).
     """
 
     best_kwargs: dict[str, Any]
@@ -205,6 +258,8 @@ class TuningReport:
     from_cache: bool = False
     notes: tuple[str, ...] = field(default=())
     main_cores: float = 1.0
+    user_setting: UserSetting | None = None
+    shared_from: int | None = None
 
     @property
     def num_workers(self) -> int:
@@ -248,8 +303,9 @@ class TuningReport:
 
         Every field by name, plus ``num_workers`` and ``speedup``. ``candidates`` are
         :meth:`CandidateResult.to_dict`, ``limits`` the :class:`~trainperf.limits.HostLimits`
-        fields, and ``best_kwargs`` values JSON cannot hold (a ``collate_fn``, a sampler)
-        are described: functions and classes by qualified name, anything else by repr.
+        fields, ``user_setting`` :meth:`UserSetting.to_dict`, and ``best_kwargs`` values JSON
+        cannot hold (a ``collate_fn``, a sampler) are described: functions and classes by
+        qualified name, anything else by repr.
 
         Example:
             >>> import json
@@ -282,18 +338,26 @@ class TuningReport:
             "batch_size": self.batch_size,
             "from_cache": self.from_cache,
             "notes": list(self.notes),
+            "user_setting": None if self.user_setting is None else self.user_setting.to_dict(),
+            "shared_from": self.shared_from,
         }
+
+    def _source(self) -> str:
+        """Where the settings came from, for the first line of the table."""
+        if self.shared_from is not None:
+            return f"tuned on local rank 0 (rank {self.shared_from}) and shared"
+        if self.from_cache:
+            return "from cache"
+        return f"{self.elapsed_s:.1f} s of {self.budget_s:g} s"
 
     def __str__(self) -> str:
         lim = self.limits
         shm = (
             "no /dev/shm" if lim.shm_free is None else f"/dev/shm {format_bytes(lim.shm_free)} free"
         )
-        source = (
-            "from cache" if self.from_cache else f"{self.elapsed_s:.1f} s of {self.budget_s:g} s"
-        )
         lines = [
-            f"DataLoader tuning: batch_size={self.batch_size}, device {self.device}, {source}",
+            f"DataLoader tuning: batch_size={self.batch_size}, device {self.device}, "
+            f"{self._source()}",
             f"limits: {self.cpus} usable CPUs ({self.worker_cpus} for workers, "
             f"{main_process_share(self.main_cores, self.step_samples_per_s is not None)}), "
             f"{format_bytes(lim.memory_available)} memory available, {shm}",
@@ -324,6 +388,8 @@ class TuningReport:
         if self.speedup is not None:
             speed += f" ({self.speedup:.2f}x num_workers=0)"
         lines.append(f"chosen: {chosen}: {speed}")
+        if self.user_setting is not None:
+            lines.append(str(self.user_setting))
         if self.step_samples_per_s is not None:
             lines.append(f"step_fn alone: {self.step_samples_per_s:,.1f} samples/s")
         lines.extend(f"note: {n}" for n in self.notes)

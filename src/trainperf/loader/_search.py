@@ -15,13 +15,15 @@ Among the configurations within 2 % of the best, the one with fewest workers win
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trainperf.loader._report import CandidateResult, FaultKind, main_process_share
 
-__all__ = ["GAIN", "TIE", "Search", "default_max_workers", "safety_margin"]
+__all__ = ["GAIN", "TIE", "Search", "callers_stacklevel", "default_max_workers", "safety_margin"]
 
 MiB = 1 << 20
 GAIN = 0.03
@@ -32,6 +34,20 @@ _FATAL: tuple[FaultKind, ...] = ("crash", "hang", "pickle", "error")
 
 MeasureFn = Callable[[int, "int | None", bool], CandidateResult]
 """``measure(num_workers, prefetch_factor, pin_memory) -> CandidateResult``."""
+
+
+def callers_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised where this is called name the first
+    line outside :mod:`trainperf.loader`: the caller's ``tune_loader(...)`` or
+    ``autotune_loader(...)``, however deep inside the tuner the warning starts."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while (
+        frame.f_back is not None
+        and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def default_max_workers(cpus: int) -> int:
@@ -71,7 +87,9 @@ class Search:
     """One tuning run over ``(num_workers, prefetch_factor, pin_memory)``.
 
     ``measure`` does the timing (and owns the deadline); ``out_of_time`` says whether the
-    budget is spent. Tests drive the search with synthetic measurements.
+    budget is spent; ``user`` is the caller's own ``(num_workers, prefetch_factor,
+    pin_memory)``, measured first when given. Tests drive the search with synthetic
+    measurements.
     """
 
     measure: MeasureFn
@@ -85,6 +103,7 @@ class Search:
     step_samples_per_s: float | None = None
     main_rss: int = 0
     main_cores: float = 1.0
+    user: tuple[int, int | None, bool] | None = None
     results: list[CandidateResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     broken: CandidateResult | None = None
@@ -191,7 +210,8 @@ class Search:
 
     # ----------------------------------------------------------------- steps
 
-    def _find(self, n: int, pf: int | None, pin: bool) -> CandidateResult | None:
+    def find(self, n: int, pf: int | None, pin: bool) -> CandidateResult | None:
+        """The candidate already considered with these settings, or None."""
         for c in self.results:
             if (c.num_workers, c.prefetch_factor, c.pin_memory) == (n, pf, pin):
                 return c
@@ -199,7 +219,7 @@ class Search:
 
     def attempt(self, n: int, pf: int | None, pin: bool) -> CandidateResult:
         """Measure a candidate unless already done, unsafe, or out of time."""
-        seen = self._find(n, pf, pin)
+        seen = self.find(n, pf, pin)
         if seen is not None:
             return seen
         why = self.why_not(n, pf, pin)
@@ -227,8 +247,12 @@ class Search:
         if not baseline.ok:
             self.notes.append("num_workers=0 could not be measured within the budget")
             return baseline
+        if self.user is not None and self.user[0] <= self.max_workers:
+            # The caller's own setting first: the budget cannot run out before it, and the
+            # prediction starts from its measured cost (see trainperf.loader._user).
+            self.attempt(*self.user)
         if self.max_workers == 0:
-            return baseline
+            return self.choose()
         pin = self.pin_options[0]
         n = self.predict()
         cur = self.attempt(n, 2, pin)
@@ -324,4 +348,4 @@ class Search:
         why = "; ".join(f"{c.label()}: {c.reason}" for c in failed)
         msg = f"tune_loader falls back to num_workers=0 because workers fail: {why}"
         self.notes.append(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        warnings.warn(msg, RuntimeWarning, stacklevel=callers_stacklevel())

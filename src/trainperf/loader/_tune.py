@@ -1,7 +1,9 @@
 """``tune_loader`` and ``autotune_loader``: the public entry points of the DataLoader tuner.
 
-A call checks its arguments (:mod:`trainperf.loader._args`) and settles the device and the
-limits it works in, then returns a cached choice that still fits
+A call checks its arguments (:mod:`trainperf.loader._args`) and, with every random number
+generator saved (:mod:`trainperf.loader._rng`), settles the device and the limits it works
+in; under DDP only local rank 0 goes on, and the host's other ranks receive its result
+(:mod:`trainperf.loader._share`). It returns a cached choice that still fits
 (:mod:`trainperf.loader._cached`), or measures ``num_workers=0`` and ``step_fn``
 (:mod:`trainperf.loader._step`), searches (:mod:`trainperf.loader._search`) over
 measurements (:mod:`trainperf.loader._measure`) and turns the choice into DataLoader
@@ -22,17 +24,19 @@ from torch.utils.data import DataLoader
 
 from trainperf.device import resolve_device
 from trainperf.limits import HostLimits, host_limits, local_world_size, usable_cpus
-from trainperf.loader import _cache, _cached
+from trainperf.loader import _cache, _cached, _share, _user
 from trainperf.loader._args import check_args
 from trainperf.loader._choice import NOT_CACHED, best_settings, final_kwargs, forced_fallback
-from trainperf.loader._faults import start_method
+from trainperf.loader._faults import hang_timeout, start_method
 from trainperf.loader._measure import measure
 from trainperf.loader._progress import ProgressBar
 from trainperf.loader._report import CandidateResult, TuningReport
+from trainperf.loader._rng import callers_generators, preserved_rng
 from trainperf.loader._search import Search, default_max_workers
 from trainperf.loader._step import cores_for_workers, loader_ceiling, main_process_cores, time_step
+from trainperf.loader._user import given_settings, judge, user_config
 
-__all__ = ["TunedDataLoader", "autotune_loader", "hang_timeout", "tune_loader"]
+__all__ = ["TunedDataLoader", "autotune_loader", "tune_loader"]
 
 
 class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
@@ -97,58 +101,18 @@ def _set_up(
     )
 
 
-def _cache_key(
-    dataset: Any,
-    setup: _Setup,
-    epochs_hint: int | None,
-    step_fn: Callable[[Any], Any] | None,
-    loader_kwargs: Mapping[str, Any],
-) -> str:
-    fields = _cache.key_fields(
-        dataset,
-        setup.batch_size,
-        cpus=setup.cpus,
-        device_type=setup.device.type,
-        max_workers=setup.max_workers,
-        epochs_hint=epochs_hint,
-        step_fn=step_fn,
-        loader_kwargs=loader_kwargs,
-    )
-    return _cache.make_key(fields)
+@dataclass(frozen=True)
+class _Call:
+    """One call's arguments, checked, and what it settled before measuring."""
 
-
-def _cache_hit(
-    key: str, setup: _Setup, loader_kwargs: Mapping[str, Any], started: float
-) -> TuningReport | None:
-    entry = _cache.read_entry(key)
-    if entry is None:
-        return None
-    return _cached.report_from_cache(
-        entry, setup.limits, loader_kwargs, setup.batch_size, setup.report_fields(), started
-    )
-
-
-def hang_timeout(
-    num_workers: int, *, user_timeout: float, start_method: str, batch_s: float, worker_cpus: int
-) -> float:
-    """Seconds without a batch that count as a hang while measuring ``num_workers`` workers.
-
-    The caller's ``timeout`` when given; else twenty times the main process's time per
-    batch, times how far the workers outnumber their cores, at least 10 s; plus 20 s for
-    workers that import torch again as they start (``spawn``, ``forkserver``).
-
-    Example:
-        >>> hang_timeout(4, user_timeout=0.0, start_method="fork", batch_s=0.01, worker_cpus=2)
-        10.0
-        >>> hang_timeout(4, user_timeout=0.0, start_method="spawn", batch_s=1.0, worker_cpus=2)
-        60.0
-        >>> hang_timeout(4, user_timeout=3.0, start_method="spawn", batch_s=1.0, worker_cpus=2)
-        3.0
-    """
-    if user_timeout > 0:
-        return user_timeout
-    spawn_extra = 0.0 if start_method == "fork" else 20.0
-    return max(10.0, 20.0 * batch_s * max(1.0, num_workers / worker_cpus)) + spawn_extra
+    dataset: Any
+    loader_kwargs: dict[str, Any]
+    epochs_hint: int | None
+    step_fn: Callable[[Any], Any] | None
+    cache: bool
+    progress: bool
+    setup: _Setup
+    started: float
 
 
 @dataclass(frozen=True)
@@ -260,7 +224,8 @@ def _prepare(
     measurer = _Measurer(
         dataset,
         setup.batch_size,
-        {k: v for k, v in loader_kwargs.items() if k not in ("pin_memory", "persistent_workers")},
+        # The four settings a candidate sets itself; the caller's are one candidate.
+        {k: v for k, v in loader_kwargs.items() if k not in _user.GIVEN},
         setup,
         deadline,
         bar,
@@ -284,40 +249,40 @@ def _prepare(
         pin_options=setup.pin_options,
         step_samples_per_s=shares.step_samples_per_s,
         main_rss=psutil.Process().memory_info().rss,
+        user=user_config(loader_kwargs),
     )
     return _Prepared(baseline, shares, search)
 
 
 def _finish(
-    dataset: Any,
-    loader_kwargs: Mapping[str, Any],
-    epochs_hint: int | None,
-    key: str | None,
-    setup: _Setup,
-    prepared: _Prepared,
-    choice: CandidateResult,
-    started: float,
+    call: _Call, key: str | None, prepared: _Prepared, choice: CandidateResult
 ) -> TuningReport:
     """The report of a search that chose ``choice``; stored in the cache unless forced."""
-    search, batch_size = prepared.search, setup.batch_size
+    search, setup, loader_kwargs = prepared.search, call.setup, call.loader_kwargs
     notes = list(search.notes)
-    samples_per_epoch = _cache.length(loader_kwargs.get("sampler", dataset))
+    samples_per_epoch = _cache.length(loader_kwargs.get("sampler", call.dataset))
     persistent = loader_kwargs.get("persistent_workers")
-    best = best_settings(choice, persistent, epochs_hint, samples_per_epoch, batch_size, notes)
-    best_kwargs = final_kwargs(loader_kwargs, batch_size, best, notes)
+    best = best_settings(
+        choice, persistent, call.epochs_hint, samples_per_epoch, setup.batch_size, notes
+    )
+    best_kwargs = final_kwargs(loader_kwargs, setup.batch_size, best, notes)
     forced = forced_fallback(choice, search.results)
     if key is not None and forced:
         notes.append(NOT_CACHED)
+    user = user_config(loader_kwargs)
     report = TuningReport(
         best_kwargs=best_kwargs,
         samples_per_s=choice.samples_per_s,
         baseline_samples_per_s=prepared.baseline.samples_per_s,
         step_samples_per_s=prepared.shares.step_samples_per_s,
         candidates=tuple(search.results),
-        elapsed_s=time.perf_counter() - started,
+        elapsed_s=time.perf_counter() - call.started,
         notes=tuple(notes),
         worker_cpus=prepared.shares.worker_cpus,
         main_cores=prepared.shares.main_cores,
+        user_setting=None
+        if user is None
+        else judge(search, choice, user, given_settings(loader_kwargs)),
         **setup.report_fields(),
     )
     if key is None or not choice.ok or forced:
@@ -325,7 +290,63 @@ def _finish(
     n, pf, pin = choice.num_workers, choice.prefetch_factor, choice.pin_memory
     memory = search.memory_needed(n, pf, pin) if n else 0
     report = _cached.store(key, report, best, memory, search.shm_needed(n, pf))
-    return dataclasses.replace(report, elapsed_s=time.perf_counter() - started)
+    return dataclasses.replace(report, elapsed_s=time.perf_counter() - call.started)
+
+
+def _tune_here(call: _Call, key: str | None) -> TuningReport:
+    """Answer from the cache entry ``key`` (None: no cache), else measure in this process."""
+    setup = call.setup
+    if key is not None:
+        hit = _cached.cached_report(
+            key, setup.limits, call.loader_kwargs, setup.report_fields(), call.started
+        )
+        if hit is not None:
+            return hit
+    bar = ProgressBar(setup.budget_s, enabled=call.progress)
+    try:
+        deadline = call.started + setup.budget_s
+        prepared = _prepare(call.dataset, call.loader_kwargs, call.step_fn, setup, deadline, bar)
+        choice = prepared.search.run(prepared.baseline)
+    finally:
+        bar.close()
+    return _finish(call, key, prepared, choice)
+
+
+def _tuned(call: _Call) -> TuningReport:
+    """Tuned in this process, or once per host under DDP (:mod:`trainperf.loader._share`)."""
+    peers, why_not = _share.local_peers()
+    fields_key = None
+    if call.cache or peers is not None:
+        setup = call.setup
+        fields_key = _cached.entry_key(
+            call.dataset,
+            setup.batch_size,
+            cpus=setup.cpus,
+            device_type=setup.device.type,
+            max_workers=setup.max_workers,
+            epochs_hint=call.epochs_hint,
+            step_fn=call.step_fn,
+            loader_kwargs=call.loader_kwargs,
+        )
+    key = fields_key if call.cache else None
+    if peers is None or fields_key is None:
+        report = _tune_here(call, key)
+        if why_not is not None:
+            report = dataclasses.replace(report, notes=(*report.notes, why_not))
+        return report
+    share_key = _share.call_key(peers.host, fields_key)
+    if peers.local_rank == 0:
+        return _share.tune_and_send(peers, share_key, lambda: _tune_here(call, key))
+    return _share.receive_or_tune(
+        peers,
+        share_key,
+        call.setup.budget_s + _share.GRACE_S,
+        lambda sender, entry: _cached.report_from_share(
+            entry, call.loader_kwargs, call.setup.report_fields(), call.started, sender
+        ),
+        # Measured from now: the wait must not eat this rank's own budget.
+        lambda: _tune_here(dataclasses.replace(call, started=time.perf_counter()), key),
+    )
 
 
 def tune_loader(
@@ -354,6 +375,16 @@ def tune_loader(
     if no worker configuration works the result is ``num_workers=0`` with a
     ``RuntimeWarning`` saying why. No worker outlives the call.
 
+    Every random number generator is left as the call found it (python's ``random``,
+    numpy's global generator, torch's CPU and CUDA generators, and the ``generator`` and
+    sampler generator passed in; :mod:`trainperf.loader._rng`), so a seeded run trains the
+    same whether the settings were measured, read from the cache, or not tuned at all.
+
+    Under DDP (a process group initialised and several ranks on this host) local rank 0
+    tunes and the host's other ranks receive its choice (``report.shared_from``); a rank
+    that gets nothing within ``budget_s`` + 30 s tunes on its own
+    (:mod:`trainperf.loader._share`). Call it on every rank with the same arguments.
+
     Args:
         dataset: a map-style or iterable dataset.
         batch_size: samples per batch.
@@ -379,21 +410,27 @@ def tune_loader(
         **loader_kwargs: other DataLoader arguments (``shuffle``, ``sampler``,
             ``collate_fn``, ``drop_last``, ``worker_init_fn``, ``multiprocessing_context``,
             ...), passed through unchanged. ``pin_memory`` or ``persistent_workers`` given
-            here are kept as given. ``timeout`` doubles as the hang limit while measuring.
+            here are kept as given. ``num_workers`` (with ``prefetch_factor``) is your
+            current setting: measured as one candidate when it fits the limits and
+            ``max_workers``, and judged in ``report.user_setting`` (kept, or what replaced
+            it and why; :mod:`trainperf.loader._user`). ``timeout`` doubles as the hang
+            limit while measuring.
 
     Returns:
         A :class:`TuningReport`; ``DataLoader(dataset, **report.best_kwargs)`` builds the
         loader.
 
     Raises:
-        ValueError: a bad argument (an invalid ``device`` included),
-            ``num_workers``/``prefetch_factor``/``batch_sampler`` in ``loader_kwargs``, an
-            empty loader, or a bad ``LOCAL_WORLD_SIZE``/``SLURM_NTASKS_PER_NODE``.
+        ValueError: a bad argument (an invalid ``device``, a negative ``num_workers``, a
+            ``prefetch_factor`` without workers included), ``batch_sampler`` in
+            ``loader_kwargs``, an empty loader, or a bad
+            ``LOCAL_WORLD_SIZE``/``SLURM_NTASKS_PER_NODE``/``LOCAL_RANK``.
         TypeError: ``device`` is not a str, int, torch.device or None.
         DeviceError: CUDA (or MPS) asked for but not available, or a CUDA index beyond the
             visible GPUs.
         RuntimeError: the dataset fails in the main process, a batch cannot be moved to
-            ``device`` for ``step_fn``, or ``step_fn`` raises.
+            ``device`` for ``step_fn``, or ``step_fn`` raises; under DDP, tuning failed on
+            local rank 0 (raised on the others, quoting its error).
 
     Example:
         >>> from torch.utils.data import TensorDataset
@@ -405,21 +442,12 @@ def tune_loader(
     """
     started = time.perf_counter()
     check_args(batch_size, max_workers, budget_s, epochs_hint, step_fn, loader_kwargs)
-    deadline = started + budget_s
-    setup = _set_up(batch_size, device, max_workers, budget_s, loader_kwargs)
-    key = _cache_key(dataset, setup, epochs_hint, step_fn, loader_kwargs) if cache else None
-    if key is not None:
-        hit = _cache_hit(key, setup, loader_kwargs, started)
-        if hit is not None:
-            return hit
-    bar = ProgressBar(float(budget_s), enabled=progress)
-    try:
-        prepared = _prepare(dataset, loader_kwargs, step_fn, setup, deadline, bar)
-        # Run from here: the warning of a fallback to num_workers=0 names the caller's line.
-        choice = prepared.search.run(prepared.baseline)
-    finally:
-        bar.close()
-    return _finish(dataset, loader_kwargs, epochs_hint, key, setup, prepared, choice, started)
+    with preserved_rng(callers_generators(loader_kwargs)):
+        setup = _set_up(batch_size, device, max_workers, budget_s, loader_kwargs)
+        call = _Call(
+            dataset, dict(loader_kwargs), epochs_hint, step_fn, cache, progress, setup, started
+        )
+        return _tuned(call)
 
 
 def autotune_loader(

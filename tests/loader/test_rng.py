@@ -1,0 +1,138 @@
+"""trainperf.loader._rng: tuning leaves every random number generator as it found it.
+
+A seeded run trains the same without trainperf, with a fresh tuning and with an answer from
+the cache; the global generators (python, numpy, torch, CUDA) and the generators the caller
+hands in are restored whatever the tuner measured.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
+
+from trainperf.loader import autotune_loader, tune_loader
+from trainperf.loader._rng import preserved_rng
+
+
+class Augments(Dataset[torch.Tensor]):
+    """Draws from python's, numpy's and torch's global generators in every sample, the way
+    random augmentations do when the loader runs in the main process."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((2,), random.random() + float(np.random.rand())) + torch.rand(2)
+
+
+def global_states() -> tuple[Any, Any, torch.Tensor]:
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def assert_same_states(before: tuple[Any, Any, torch.Tensor]) -> None:
+    py, numpy_state, cpu = global_states()
+    assert py == before[0], "python's random state changed"
+    assert numpy_state[0] == before[1][0] and np.array_equal(numpy_state[1], before[1][1])
+    assert numpy_state[2:] == before[1][2:], "numpy's global state changed"
+    assert torch.equal(cpu, before[2]), "torch's CPU generator changed"
+
+
+def quick(**kw: Any) -> dict[str, Any]:
+    return {"device": "cpu", "max_workers": 0, "budget_s": 5.0, "progress": False, **kw}
+
+
+def test_tuning_and_a_cache_hit_leave_the_global_generators_as_they_were() -> None:
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    before = global_states()
+    fresh = tune_loader(Augments(), 4, **quick(shuffle=True))
+    assert not fresh.from_cache and fresh.candidates[0].ok
+    assert_same_states(before)
+    hit = tune_loader(Augments(), 4, **quick(shuffle=True))
+    assert hit.from_cache
+    assert_same_states(before)
+
+
+def test_generators_the_caller_hands_in_are_restored() -> None:
+    loader_gen = torch.Generator().manual_seed(3)
+    sampler_gen = torch.Generator().manual_seed(4)
+    sampler = RandomSampler(range(32), generator=sampler_gen)
+    states = loader_gen.get_state(), sampler_gen.get_state()
+    tune_loader(Augments(), 4, **quick(sampler=sampler, generator=loader_gen, cache=False))
+    assert torch.equal(loader_gen.get_state(), states[0])
+    assert torch.equal(sampler_gen.get_state(), states[1])
+
+
+def test_generators_are_restored_when_tuning_raises() -> None:
+    torch.manual_seed(5)
+    before = global_states()
+    with pytest.raises(RuntimeError, match="step_fn"):
+        tune_loader(Augments(), 4, **quick(cache=False, step_fn=lambda b: 1 / 0))
+    assert_same_states(before)
+
+
+def test_preserved_rng_restores_what_the_block_drew() -> None:
+    torch.manual_seed(0)
+    before = global_states()
+    gen = torch.Generator().manual_seed(2)
+    gen_state = gen.get_state()
+    with preserved_rng([gen]):
+        random.random(), np.random.rand(), torch.rand(3), torch.rand(1, generator=gen)
+    assert_same_states(before)
+    assert torch.equal(gen.get_state(), gen_state)
+
+
+def seeded_losses(how: str) -> list[float]:
+    """A seeded training run: the model is built after the loader, as scripts do."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    if how == "plain":
+        loader: DataLoader[Any] = DataLoader(data, batch_size=8, shuffle=True)
+    else:
+        loader = autotune_loader(data, 8, **quick(shuffle=True, cache=how != "no cache"))
+        assert loader.tuning_report.from_cache is (how == "from cache")
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in loader:
+        loss = nn.functional.mse_loss(model(nn.functional.dropout(x, 0.2)), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow  # about 3 s: five short training runs, three of them tuned
+def test_a_seeded_run_trains_the_same_with_tuning_from_the_cache_and_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain = seeded_losses("plain")
+    assert seeded_losses("plain") == plain  # the run is deterministic at all
+    assert seeded_losses("no cache") == plain
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh"))
+    assert seeded_losses("tuned, cached") == plain  # measured, then stored
+    assert seeded_losses("from cache") == plain
+
+
+@pytest.mark.requires_cuda
+def test_the_cuda_generators_are_restored() -> None:
+    torch.manual_seed(0)
+    torch.cuda.init()
+    before = torch.cuda.get_rng_state_all()
+
+    def step(batch: Any) -> None:
+        torch.rand(4, device="cuda")
+
+    tune_loader(Augments(), 4, **quick(device="cuda", cache=False, step_fn=step))
+    after = torch.cuda.get_rng_state_all()
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
