@@ -178,6 +178,8 @@ def test_unpicklable_dataset_under_spawn_is_reported() -> None:
     assert report.best_kwargs["num_workers"] == 0
     assert "multiprocessing_context" not in report.best_kwargs
     assert any("multiprocessing_context dropped" in n for n in report.notes)
+    # The reason is in the candidate's row once; the note points at it instead of repeating.
+    assert str(report).count("cannot be pickled") == 1, str(report)
     assert_no_workers_left()
 
 

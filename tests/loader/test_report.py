@@ -170,3 +170,10 @@ def test_report_to_dict_describes_what_json_cannot_hold() -> None:
     assert data["speedup"] is None and data["samples_per_s"] is None
     assert data["candidates"] == [] and data["from_cache"] is True
     assert data["notes"] == ["a note"]
+
+
+def test_a_report_without_candidates_prints_no_empty_table(report: TuningReport) -> None:
+    # An entry cached by an older version holds only the choice: no header without rows.
+    bare = dataclasses.replace(report, candidates=())
+    assert "workers RSS" not in str(bare) and "num_workers=" in str(bare)
+    assert "workers RSS" in str(report)

@@ -366,7 +366,8 @@ class TuningReport:
             f"{'workers':>7} {'prefetch':>8} {'pin':>3} {'samples/s':>10} {'spread':>6} "
             f"{'start-up':>8} {'workers RSS':>11} {'cores':>5}  status"
         )
-        lines.append(header)
+        if self.candidates:  # a cached report holds only the choice, not the table
+            lines.append(header)
         for c in self.candidates:
             cores = c.main_cpu if c.num_workers == 0 else c.worker_cpu
             status = c.status if c.reason is None else f"{c.status} ({c.fault}): {c.reason}"

@@ -167,7 +167,7 @@ class Search:
         if cores > self.worker_cpus + 0.5:
             return "cpu", (
                 f"{n} workers would keep about {cores:.1f} cores busy but only "
-                f"{self.worker_cpus} are left for workers "
+                f"{_cores(self.worker_cpus)} left for workers "
                 f"({main_process_share(self.main_cores, self.step_samples_per_s is not None)})"
             )
         return self.memory_problem(n, pf, pin)
@@ -346,6 +346,24 @@ class Search:
                 )
             return
         why = "; ".join(f"{c.label()}: {c.reason}" for c in failed)
-        msg = f"tune_loader falls back to num_workers=0 because workers fail: {why}"
-        self.notes.append(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=callers_stacklevel())
+        warnings.warn(
+            f"tune_loader falls back to num_workers=0 because workers fail: {why}",
+            RuntimeWarning,
+            stacklevel=callers_stacklevel(),
+        )
+        # The table's rows give each reason in full; the note only points at them.
+        labels = ", ".join(c.label() for c in failed)
+        self.notes.append(
+            f"tune_loader falls back to num_workers=0 because workers fail ({labels}: the "
+            "reasons are in the table above)"
+        )
+
+
+def _cores(n: int) -> str:
+    """``1`` -> ``"1 is"``, ``3`` -> ``"3 are"``: the count of cores as a sentence's subject.
+
+    Example:
+        >>> _cores(1), _cores(3)
+        ('1 is', '3 are')
+    """
+    return f"{n} {'is' if n == 1 else 'are'}"
