@@ -277,3 +277,12 @@ def test_doctor_json_prints_the_reports_to_dict(
     document = run_json(capsys, "doctor")
     assert document.pop("command") == "doctor"
     assert document == report.to_dict()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_bench_model_on_a_missing_gpu_fails_before_building_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run(capsys, "bench", "model", "--device", "cuda")
+    assert code != 0 and "needs CUDA" in err
+    assert "building and warming up" not in out + err
