@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,3 +45,38 @@ def assert_old_intact(path: Path) -> None:
     loaded = load_checkpoint(path)
     assert loaded["gen"] == 0 and torch.equal(loaded["w"], torch.arange(4.0))
     assert temps(path.parent) == []
+
+
+# ------------------------------------------------------------ files written by other tools
+PEERS = Path(__file__).parents[1] / "fixtures" / "peers"
+
+
+def tiny_mlp() -> nn.Module:
+    """The network every peer fixture but transformers' holds (make_fixtures.TINY_MLP)."""
+    torch.manual_seed(100)  # make_fixtures.FRESH_SEED: values unlike every fixture's
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def sha256(t: torch.Tensor) -> str:
+    """MANIFEST.json's checksum recipe."""
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+def manifest_tensors(fixture: str, name: str) -> dict[str, dict[str, Any]]:
+    """MANIFEST's tensors of state dict ``name`` in ``fixture``, keyed as the model names them
+    (the recorded key prefix removed)."""
+    manifest = json.loads((PEERS / "MANIFEST.json").read_text())
+    entry = manifest["fixtures"][fixture]["state_dicts"][name]
+    prefix = entry["key_prefix"]
+    return {k[len(prefix) :]: v for k, v in entry["tensors"].items() if k.startswith(prefix)}
+
+
+def assert_manifest(tensors: Mapping[str, torch.Tensor], fixture: str, name: str) -> None:
+    """``tensors`` are bit-identical to what MANIFEST records (keys, shapes, dtypes, bytes)."""
+    want = manifest_tensors(fixture, name)
+    assert sorted(tensors) == sorted(want)
+    for key, spec in want.items():
+        t = tensors[key]
+        assert list(t.shape) == spec["shape"] and str(t.dtype) == f"torch.{spec['dtype']}", key
+        assert sha256(t) == spec["sha256"], key

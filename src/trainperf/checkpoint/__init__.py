@@ -8,19 +8,26 @@ DDP) and ``_orig_mod.`` (``torch.compile``) prefixes into wrapped or plain model
 
 - :mod:`._prefix`: :func:`unwrap_model`, :func:`strip_prefix`, :func:`load_state_dict` and
   :class:`LoadResult` (wrapper layers and key prefixes);
+- :mod:`._keys`: the key helpers behind them (removing prefix layers, matching shapes);
+- :mod:`._search`: finding the model's state dict inside a whole checkpoint (timm,
+  Lightning, Fabric), by keys and shapes;
 - :mod:`._files`: :func:`save_checkpoint` and :func:`load_checkpoint`;
 - :mod:`._write`: ``write_checkpoint_file``, the temp-file, fsync and ``os.replace`` write
   behind ``save_checkpoint`` (:mod:`trainperf._utils.atomic`), its failures as
   ``CheckpointError``;
-- :mod:`._formats`: recognising a file from its first bytes and naming why it does not load.
+- :mod:`._formats`: recognising a file from its first bytes and naming why it does not load;
+- :mod:`._allow`: the data-only types (numpy, argparse.Namespace, pathlib, datetime) allowed
+  under ``weights_only=True``, and the refusal message listing every other global;
+- :mod:`._dirs`: directories (sharded safetensors / ``.bin`` with an index, Accelerate
+  ``save_state``, DCP).
 """
 
 from __future__ import annotations
 
 from trainperf._utils.public import set_public_module
 from trainperf.checkpoint._files import load_checkpoint, save_checkpoint
+from trainperf.checkpoint._keys import DEFAULT_PREFIXES
 from trainperf.checkpoint._prefix import (
-    DEFAULT_PREFIXES,
     LoadResult,
     load_state_dict,
     strip_prefix,

@@ -12,6 +12,7 @@ from torch import nn
 
 from trainperf._utils.imports import require
 from trainperf._utils.validate import choice
+from trainperf.checkpoint._dirs import directory_weights, load_sharded
 from trainperf.checkpoint._formats import (
     _LEGACY_MAGIC,
     _describe,
@@ -19,7 +20,8 @@ from trainperf.checkpoint._formats import (
     _open_zip,
     _torch_load,
 )
-from trainperf.checkpoint._prefix import _same_type, strip_prefix, unwrap_model
+from trainperf.checkpoint._keys import _same_type
+from trainperf.checkpoint._prefix import strip_prefix, unwrap_model
 from trainperf.checkpoint._write import write_checkpoint_file
 from trainperf.device import resolve_device
 from trainperf.errors import (
@@ -252,11 +254,20 @@ def load_checkpoint(
     """Load a checkpoint onto ``device``, safely, wherever it was saved.
 
     Tensors saved on a GPU load on a CPU-only machine (``map_location``). ``weights_only=True``
-    never falls back to unsafe unpickling. The file type is read from its first bytes (torch
-    zip, legacy torch pickle, safetensors), not its name.
+    never falls back to unsafe unpickling, but allows a fixed set of data-only types
+    (numpy arrays, scalars and dtypes, ``argparse.Namespace``, ``pathlib`` paths,
+    ``datetime`` values) for this load only. The file type is read from its first bytes
+    (torch zip, legacy torch pickle, safetensors), not its name.
+
+    A directory is read as what other tools write: a sharded checkpoint with its
+    ``*.safetensors.index.json`` or ``pytorch_model.bin.index.json`` (Accelerate
+    ``save_model``, transformers ``save_pretrained``) is loaded as one state dict (each
+    shard with the same ``weights_only`` and ``verify``); otherwise ``model.safetensors``, else
+    ``pytorch_model.bin`` (Accelerate ``save_state``: the model only, not its
+    ``optimizer.bin`` or random states).
 
     Args:
-        path: The file (``str`` or path-like).
+        path: The file or directory (``str`` or path-like).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (or the int ``N``), ``"mps"``, a
             ``torch.device`` of those types, or None / ``"auto"`` for
             ``trainperf.device.best_device()`` (as ``device=None`` means elsewhere in
@@ -279,7 +290,9 @@ def load_checkpoint(
         TypeError: ``device`` is not a str, int or torch.device.
         DeviceError: CUDA or MPS asked for but not available, or fewer GPUs than the index.
         CheckpointNotFoundError: No file at ``path``.
-        NotACheckpointError: A directory, or a file of another kind (text, JSON, image, ...).
+        NotACheckpointError: A directory without weights trainperf recognises (or a
+            ``torch.distributed.checkpoint`` one: the message names the converter), or a file
+            of another kind (text, JSON, image, ...).
         CheckpointCorruptError: An empty, truncated or damaged checkpoint.
         UnsafeCheckpointError: ``weights_only=True`` refused an object in the file.
         CheckpointError: Any other failure while loading (cause chained).
@@ -293,13 +306,16 @@ def load_checkpoint(
     """
     dev = resolve_device(device, allowed=("cpu", "cuda", "mps"))
     path = Path(os.fspath(path))
-    if path.is_dir():
-        hint = (
-            "a torch.distributed.checkpoint directory: load it with torch.distributed.checkpoint"
-            if (path / ".metadata").exists()
-            else "give the checkpoint file inside it"
-        )
-        raise NotACheckpointError(f"{path} is a directory, not a checkpoint file; {hint}", path)
+    if not path.is_dir():
+        return _load_file(path, dev, weights_only, verify)
+    kind, found = directory_weights(path)
+    if kind == "index":
+        return load_sharded(found, lambda shard: _load_file(shard, dev, weights_only, verify))
+    return _load_file(found, dev, weights_only, verify)
+
+
+def _load_file(path: Path, dev: torch.device, weights_only: bool, verify: bool) -> Any:
+    """One checkpoint file, whatever its format (read from its first bytes)."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:

@@ -6,6 +6,7 @@ whether a file is truncated, damaged, of another kind, or refused as unsafe.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import re
 import struct
@@ -15,6 +16,12 @@ from typing import Any
 
 import torch
 
+from trainperf.checkpoint._allow import (
+    allow_data_only,
+    allow_line,
+    blocked_globals,
+    holds_whole_module,
+)
 from trainperf.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -99,22 +106,43 @@ def _refusal_reason(msg: str) -> str:
     return " ".join(middle) or "see the chained error"
 
 
+def _unsafe_message(path: Path, reason: str) -> str:
+    """Every global the file needs beyond the allowed ones, at once, and the line that allows
+    them (torch's own error names only the first); for a pickled model, how to get its
+    weights out instead."""
+    names = blocked_globals(path)
+    listed = f"{len(names)} global(s) not allowed: {', '.join(names)}" if names else reason
+    head = (
+        f"{path} contains objects that weights_only=True refuses to unpickle ({listed}). "
+        "Unpickling can run arbitrary code."
+    )
+    if holds_whole_module(path, names):
+        return (
+            f"{head} It holds a whole pickled model (torch.save(model)), not a state dict: "
+            "if you trust the file, load it once with weights_only=False and save its "
+            "weights, model.state_dict() (save_checkpoint(model, path) does that), then "
+            "rebuild the model in code and load_state_dict the weights into it"
+        )
+    allow = allow_line(names) if names else "torch.serialization.add_safe_globals([...])"
+    return (
+        f"{head} If you trust the file, allow exactly these with `{allow}` (or the same list "
+        "in a `with torch.serialization.safe_globals([...]):` block around this load), or "
+        "load it with weights_only=False (only for files you trust). numpy arrays, scalars "
+        "and dtypes, argparse.Namespace, pathlib paths and datetime values are allowed "
+        "already"
+    )
+
+
 def _torch_load(path: Path, dev: torch.device, weights_only: bool) -> Any:
     try:
-        return torch.load(path, map_location=dev, weights_only=weights_only)
+        with allow_data_only() if weights_only else contextlib.nullcontext():
+            return torch.load(path, map_location=dev, weights_only=weights_only)
     except torch.OutOfMemoryError:
         raise
     except Exception as e:
         msg = str(e)
         if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in msg:
-            reason = _refusal_reason(msg)
-            raise UnsafeCheckpointError(
-                f"{path} contains objects that weights_only=True refuses to unpickle "
-                f"({reason}). Unpickling can run arbitrary code. If you trust the file, "
-                "allow its classes with torch.serialization.add_safe_globals([...]), or "
-                "load it with weights_only=False (only for files you trust)",
-                path,
-            ) from e
+            raise UnsafeCheckpointError(_unsafe_message(path, _refusal_reason(msg)), path) from e
         if isinstance(e, (RuntimeError, EOFError, pickle.UnpicklingError, KeyError, ValueError)):
             raise CheckpointCorruptError(
                 f"checkpoint {path} is damaged or truncated ({type(e).__name__}: "

@@ -6,22 +6,28 @@ functions peel the wrappers off models and the prefixes off state dicts, in any 
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-import torch
 from torch import nn
 
 from trainperf._utils.serialize import result_dict
+from trainperf._utils.validate import choice
+from trainperf.checkpoint._keys import (
+    DEFAULT_PREFIXES,
+    M,
+    Mismatch,
+    _common_prefix,
+    _names,
+    _same_shape,
+    _same_type,
+    _strip,
+)
+from trainperf.checkpoint._search import find_state_dict, nested_hint
 from trainperf.errors import StateDictMismatchError
-
-DEFAULT_PREFIXES: tuple[str, ...] = ("module.", "_orig_mod.")
-M = TypeVar("M", bound=Mapping[str, Any])
-Mismatch = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -52,65 +58,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
-
-
-def _strip_key(
-    key: str, prefixes: tuple[str, ...], rounds: int | None, meta: bool = False
-) -> tuple[str, int]:
-    done = 0
-    while rounds is None or done < rounds:
-        for p in prefixes:
-            if key.startswith(p) and len(key) > len(p):
-                key = key[len(p) :]
-                done += 1
-                break
-            # `_metadata` keys are module paths without the trailing dot: "module" is the root.
-            if meta and p.endswith(".") and key == p[:-1]:
-                key = ""
-                done += 1
-                break
-        else:
-            break
-    return key, done
-
-
-def _same_type(template: Mapping[str, Any], items: Iterable[tuple[str, Any]]) -> Any:
-    pairs = list(items)
-    try:
-        out: Any = type(template)()
-        for k, v in pairs:
-            out[k] = v
-    except Exception:  # a read-only or oddly constructed Mapping: a plain dict will do
-        out = dict(pairs)
-    return out
-
-
-def _strip(state_dict: M, prefixes: tuple[str, ...], rounds: int | None) -> M:
-    origin: dict[str, str] = {}
-    pairs = []
-    for key, value in state_dict.items():
-        new = _strip_key(key, prefixes, rounds)[0] if isinstance(key, str) else key
-        if new in origin:
-            raise ValueError(
-                f"strip_prefix: keys {origin[new]!r} and {key!r} both become {new!r} after "
-                f"removing {prefixes}; the state dict mixes wrapped and unwrapped copies of "
-                "one parameter: keep one of them before loading"
-            )
-        origin[new] = key
-        pairs.append((new, value))
-    out: M = _same_type(state_dict, pairs)
-    meta = getattr(state_dict, "_metadata", None)
-    if meta is not None:
-        # Wrappers add their own metadata entries; the innermost module's (most stripped) wins.
-        depth: dict[str, int] = {}
-        new_meta: dict[str, Any] = {}
-        for key, value in dict(meta).items():
-            new, done = _strip_key(key, prefixes, rounds, meta=True)
-            if done >= depth.get(new, -1):
-                depth[new], new_meta[new] = done, value
-        with contextlib.suppress(AttributeError, TypeError):
-            out._metadata = _same_type(meta, new_meta.items())  # type: ignore[attr-defined]
-    return out
 
 
 def _check_prefixes(prefixes: str | Iterable[str]) -> tuple[str, ...]:
@@ -154,11 +101,15 @@ class LoadResult:
         unexpected: State-dict keys the model has no place for (ignored).
         mismatched: ``(key, checkpoint_shape, model_shape)`` for keys whose shapes differ
             (not loaded).
+        source: Where the loaded state dict was found when a whole checkpoint was given,
+            e.g. ``"checkpoint['state_dict'] (prefix 'model.' removed)"``; ``""`` when the
+            mapping given was the state dict itself.
     """
 
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[Mismatch, ...] = ()
+    source: str = ""
 
     @property
     def complete(self) -> bool:
@@ -166,9 +117,9 @@ class LoadResult:
         return not (self.missing or self.unexpected or self.mismatched)
 
     def __str__(self) -> str:
+        lines = [f"loaded from {self.source}"] if self.source else []
         if self.complete:
-            return "every key loaded"
-        lines = []
+            return "\n".join([*lines, "every key loaded"])
         if self.missing:
             lines.append(f"{len(self.missing)} missing: {_names(list(self.missing))}")
         if self.unexpected:
@@ -182,23 +133,12 @@ class LoadResult:
         return {**result_dict(self), "complete": self.complete}
 
 
-def _names(names: list[str], limit: int = 10) -> str:
-    shown = ", ".join(map(str, names[:limit]))
-    return shown + (f", ...and {len(names) - limit} more" if len(names) > limit else "")
+def _subject(result: LoadResult) -> str:
+    return f"state dict {result.source}" if result.source else "state dict"
 
 
-def _nested_hint(sd: Mapping[str, Any]) -> str | None:
-    nested = [k for k, v in sd.items() if isinstance(v, Mapping)]
-    if not nested:
-        return None
-    return (
-        f"The state dict holds nested dicts under {_names(nested)}: it looks like a whole "
-        f"checkpoint; pass checkpoint[{nested[0]!r}] instead."
-    )
-
-
-def _mismatch_message(model: nn.Module, sd: Mapping[str, Any], result: LoadResult) -> str:
-    lines = [f"state dict does not fit {type(model).__name__}:"]
+def _mismatch_message(model: nn.Module, result: LoadResult, hint: str | None) -> str:
+    lines = [f"{_subject(result)} does not fit {type(model).__name__}:"]
     if result.missing:
         n = len(result.missing)
         lines.append(f"  {n} missing key(s) (in the model, not the state dict): ")
@@ -209,9 +149,14 @@ def _mismatch_message(model: nn.Module, sd: Mapping[str, Any], result: LoadResul
         lines[-1] += _names(list(result.unexpected))
     if result.mismatched:
         lines.append(f"  {len(result.mismatched)} shape mismatch(es): {_shapes(result)}")
-    hint = _nested_hint(sd)
     if hint:
-        lines.append(f"  {hint}")
+        lines.append(f"  {hint[0].upper()}{hint[1:]}.")
+    if "n_averaged" in result.unexpected:
+        lines.append(
+            "  n_averaged is the update counter of torch.optim.swa_utils.AveragedModel: load "
+            "into AveragedModel(model) as it was saved, or pass strict=False to load the "
+            "averaged network alone."
+        )
     lines.append(
         "  Check that the checkpoint was saved from this architecture with the same sizes, "
         "or pass strict=False to load only the keys that fit."
@@ -225,28 +170,9 @@ def _shapes(result: LoadResult) -> str:
     )
 
 
-def _same_shape(a: Any, b: Any) -> bool:
-    tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-    if tensors and not (nn.parameter.is_lazy(a) or nn.parameter.is_lazy(b)):
-        return bool(a.shape == b.shape)
-    return True
-
-
-def _common_prefix(longer: Mapping[str, Any], shorter: Mapping[str, Any]) -> tuple[str, int] | None:
-    """The most common ``P.`` such that ``P.`` + a key of ``shorter`` is a key of ``longer``
-    holding a value of the same shape, with how many keys it fits."""
-    counts: dict[str, int] = {}
-    for key, value in longer.items():
-        parts = key.split(".") if isinstance(key, str) else []
-        for i in range(1, len(parts)):
-            rest = ".".join(parts[i:])
-            if rest in shorter and _same_shape(value, shorter[rest]):
-                prefix = ".".join(parts[:i]) + "."
-                counts[prefix] = counts.get(prefix, 0) + 1
-    return max(counts.items(), key=lambda item: item[1]) if counts else None
-
-
-def _likely_fix(target: Mapping[str, Any], sd: Mapping[str, Any], result: LoadResult) -> str:
+def _likely_fix(
+    target: Mapping[str, Any], sd: Mapping[str, Any], result: LoadResult, hint: str | None
+) -> str:
     if not sd:
         return "the state dict is empty: check what was saved under the key you loaded"
     if result.mismatched:
@@ -254,7 +180,6 @@ def _likely_fix(target: Mapping[str, Any], sd: Mapping[str, Any], result: LoadRe
             f"{len(result.mismatched)} keys match by name, but every one has another shape: "
             f"{_shapes(result)}; build the model with the sizes the checkpoint was saved with"
         )
-    hint = _nested_hint(sd)
     if hint:
         return hint
     extra = _common_prefix(sd, target)
@@ -283,14 +208,16 @@ def _nothing_fits_message(
     sd: Mapping[str, Any],
     result: LoadResult,
     strict: bool,
+    hint: str | None,
 ) -> str:
     even = " (an error even with strict=False)" if not strict else ""
     return (
-        f"state dict does not fit {type(model).__name__}: none of the state dict's {len(sd)} "
+        f"{_subject(result)} does not fit {type(model).__name__}: none of the state dict's "
+        f"{len(sd)} "
         f"keys fits any of the model's {len(target)}, so nothing would be loaded{even}.\n"
         f"  model keys: {_names(list(target), 3)}\n"
         f"  state-dict keys: {_names(list(sd), 3)}\n"
-        f"  Likely fix: {_likely_fix(target, sd, result)}"
+        f"  Likely fix: {_likely_fix(target, sd, result, hint)}"
     )
 
 
@@ -314,27 +241,7 @@ def _warn_partial(target: Mapping[str, Any], result: LoadResult) -> None:
     )
 
 
-def _fit_prefixes(state_dict: Mapping[str, Any], target: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``state_dict`` with as many prefix layers removed as makes most of its keys match."""
-    # Candidates strip one more layer of prefixes each; the one matching most model keys wins,
-    # so a model with a submodule that really is called "module" is not over-stripped.
-    best, best_score = state_dict, sum(k in target for k in state_dict)
-    candidate: Mapping[str, Any] = state_dict
-    while True:
-        try:
-            nxt = _strip(candidate, DEFAULT_PREFIXES, 1)
-        except ValueError:
-            break
-        if list(nxt) == list(candidate):
-            break
-        candidate = nxt
-        score = sum(k in target for k in candidate)
-        if score >= best_score:
-            best, best_score = candidate, score
-    return best
-
-
-def _compare(best: Mapping[str, Any], target: Mapping[str, Any]) -> LoadResult:
+def _compare(best: Mapping[str, Any], target: Mapping[str, Any], source: str = "") -> LoadResult:
     mismatched: list[Mismatch] = []
     for key, value in best.items():
         if key in target and not _same_shape(value, target[key]):
@@ -343,11 +250,12 @@ def _compare(best: Mapping[str, Any], target: Mapping[str, Any]) -> LoadResult:
         missing=tuple(k for k in target if k not in best),
         unexpected=tuple(k for k in best if k not in target),
         mismatched=tuple(mismatched),
+        source=source,
     )
 
 
 def load_state_dict(
-    model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True
+    model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True, ema: bool = False
 ) -> LoadResult:
     """Load ``state_dict`` into ``model``, whichever of them carries wrapper prefixes.
 
@@ -356,56 +264,69 @@ def load_state_dict(
     with every wrapper around it. Shapes are checked before anything is copied, so one error
     lists missing, unexpected and shape-mismatched keys together.
 
+    A whole checkpoint (a mapping holding dicts) is searched for the model's weights: the
+    mapping and every dict in it, two levels deep, are matched against the model by key and
+    shape, also with an extra prefix removed (a LightningModule's ``model.``, whose other
+    attributes' keys are then left out), and the one where most model keys fit is loaded:
+    timm's ``state_dict``, Lightning's ``state_dict``, Fabric's or a script's ``model``.
+    Dicts named like an EMA copy (``state_dict_ema``, ``model_ema``, ``ema``) are used only,
+    and then exclusively, with ``ema=True``. ``LoadResult.source`` says which part was
+    loaded. Two parts that fit equally well are an error naming both.
+
     A state dict of which no key fits the model (by name and shape, after removing the
     prefixes) is always an error, ``strict=False`` or not: loading nothing is never what was
-    meant. The message shows a few keys of each and the likely fix (a whole checkpoint
-    instead of its model entry, an extra prefix such as a LightningModule's ``model.``, a
-    submodule's weights, other sizes).
+    meant. The message shows a few keys of each and the likely fix (an extra prefix such as
+    a LightningModule's ``model.``, a submodule's weights, other sizes).
 
     Args:
         model: A plain, DataParallel, DDP or ``torch.compile``-d module (any nesting).
-        state_dict: Parameters and buffers, e.g. ``load_checkpoint(path)["model"]``.
+        state_dict: Parameters and buffers, e.g. ``load_checkpoint(path)["model"]``, or the
+            whole checkpoint.
         strict: If True, any difference raises and nothing is loaded. If False, the keys
             that fit are loaded, the rest are reported in the result, and a ``UserWarning``
             says how many keys were missing, unexpected or of another shape.
+        ema: Load the EMA copy of a whole checkpoint (timm's ``state_dict_ema``) instead of
+            the regular weights.
 
     Returns:
         A ``LoadResult``; with ``strict=True`` it is always complete.
 
     Raises:
         TypeError: ``state_dict`` is not a mapping.
-        StateDictMismatchError: No key fits (whatever ``strict`` says), or ``strict=True``
-            and keys or shapes differ; the model is unchanged.
+        StateDictMismatchError: No key fits (whatever ``strict`` says), ``strict=True`` and
+            keys or shapes differ, two parts of a checkpoint fit equally well, or ``ema=True``
+            and no EMA copy fits; the model is unchanged.
 
     Example:
         >>> net = nn.Linear(2, 2)
         >>> load_state_dict(net, nn.DataParallel(nn.Linear(2, 2)).state_dict()).complete
         True
+        >>> ckpt = {"model": nn.Linear(2, 2).state_dict(), "optimizer": {}, "epoch": 3}
+        >>> load_state_dict(net, ckpt).source
+        "checkpoint['model']"
     """
     if not isinstance(state_dict, Mapping):
         raise TypeError(
             f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}"
         )
+    choice("ema", ema, (False, True))
     inner = unwrap_model(model)
     target = inner.state_dict()
-    best = _fit_prefixes(state_dict, target)
-    result = _compare(best, target)
+    found = find_state_dict(state_dict, target, ema)
+    best = found.state_dict
+    result = _compare(best, target, found.describe())
+    hint = None if found.where else nested_hint(state_dict, target)
     fits = len(target) - len(result.missing) - len(result.mismatched)
-    if fits == 0 and (target or best):
+    if (fits == 0 and (target or best)) or (strict and not result.complete):
         raise StateDictMismatchError(
-            _nothing_fits_message(inner, target, best, result, strict),
+            _nothing_fits_message(inner, target, best, result, strict, hint)
+            if fits == 0
+            else _mismatch_message(inner, result, hint),
             missing=list(result.missing),
             unexpected=list(result.unexpected),
             mismatched=list(result.mismatched),
         )
     if strict:
-        if not result.complete:
-            raise StateDictMismatchError(
-                _mismatch_message(inner, best, result),
-                missing=list(result.missing),
-                unexpected=list(result.unexpected),
-                mismatched=list(result.mismatched),
-            )
         inner.load_state_dict(best, strict=True)
         return result
     result = _load_what_fits(inner, best, result)
@@ -425,4 +346,4 @@ def _load_what_fits(inner: nn.Module, best: Mapping[str, Any], found: LoadResult
     missing = [k for k in torch_result.missing_keys if k not in bad]
     unexpected = list(found.unexpected)
     unexpected += [k for k in torch_result.unexpected_keys if k not in unexpected]
-    return LoadResult(tuple(missing), tuple(unexpected), found.mismatched)
+    return LoadResult(tuple(missing), tuple(unexpected), found.mismatched, found.source)

@@ -1,0 +1,113 @@
+"""Checkpoint directories: sharded weights with an index, Accelerate ``save_state``, DCP.
+
+What other tools write as a directory, and what ``load_checkpoint(dir)`` makes of it:
+
+- ``*.safetensors.index.json`` / ``pytorch_model.bin.index.json`` (Accelerate ``save_model``,
+  transformers ``save_pretrained`` with shards): every shard its ``weight_map`` names, loaded
+  as one state dict; safetensors is preferred when both are there, as transformers does;
+- ``model.safetensors`` or ``pytorch_model.bin`` alone (Accelerate ``save_state``, an
+  unsharded ``save_pretrained``): that file; ``save_state``'s ``optimizer.bin``,
+  ``scheduler.bin`` and ``random_states_*.pkl`` are not loaded;
+- a ``.metadata`` file (``torch.distributed.checkpoint``): an error naming the converter.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainperf.errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError
+
+# In the order they are preferred: safetensors first, as transformers and Accelerate do.
+_INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
+_SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def _index_file(path: Path) -> Path | None:
+    for suffix in _INDEX_SUFFIXES:
+        found = sorted(p for p in path.iterdir() if p.name.endswith(suffix))
+        if len(found) > 1:
+            raise NotACheckpointError(
+                f"{path} holds {len(found)} shard indexes ({', '.join(p.name for p in found)}); "
+                "give the index file of the model you want: load_checkpoint("
+                f"'{found[0]}')",
+                path,
+            )
+        if found:
+            return found[0]
+    return None
+
+
+def _shard_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError(f"weight_map is a {type(weight_map).__name__}, not a dict")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointCorruptError(
+            f"shard index {index} is not a valid index ({type(e).__name__}: {e}); it should "
+            'be JSON with a "weight_map" of tensor name -> shard file: re-copy the directory',
+            index,
+        ) from e
+    return {str(k): str(v) for k, v in weight_map.items()}
+
+
+def load_sharded(index: Path, load_file: Callable[[Path], Any]) -> dict[str, Any]:
+    """Every shard ``index`` lists, merged into one state dict; each shard is read with
+    ``load_file`` (so with ``weights_only`` and the CRC check); every tensor the index names
+    must be in its shard."""
+    weight_map = _shard_map(index)
+    merged: dict[str, Any] = {}
+    for name in dict.fromkeys(weight_map.values()):
+        shard = index.parent / name
+        if not shard.is_file():
+            raise CheckpointNotFoundError(
+                f"shard {shard} listed in {index.name} does not exist: the directory was "
+                "copied only in part; copy every shard the index lists",
+                shard,
+            )
+        merged.update(load_file(shard))
+    absent = [k for k in weight_map if k not in merged]
+    if absent:
+        raise CheckpointCorruptError(
+            f"{index} lists {len(absent)} tensor(s) that its shards do not hold "
+            f"({', '.join(absent[:5])}{', ...' if len(absent) > 5 else ''}): the shards and "
+            "the index come from different saves; re-copy the directory",
+            index,
+        )
+    return merged
+
+
+def directory_weights(path: Path) -> tuple[str, Path]:
+    """``("index", file)`` or ``("file", file)``: what ``load_checkpoint(path)`` reads from
+    the directory ``path``.
+
+    Raises:
+        NotACheckpointError: A ``torch.distributed.checkpoint`` directory, several indexes,
+            or no weights file trainperf recognises (the message lists what is there).
+    """
+    if (path / ".metadata").exists():
+        raise NotACheckpointError(
+            f"{path} is a torch.distributed.checkpoint (DCP) directory, which holds shards "
+            "for a process group to load collectively; convert it to one file first: "
+            "torch.distributed.checkpoint.format_utils.dcp_to_torch_save("
+            f"'{path}', 'model.pt'), then load_checkpoint('model.pt') (or load it with "
+            "torch.distributed.checkpoint.load on every rank)",
+            path,
+        )
+    index = _index_file(path)
+    if index is not None:
+        return "index", index
+    for name in _SINGLE_FILES:
+        if (path / name).is_file():
+            return "file", path / name
+    inside = sorted(p.name for p in path.iterdir())
+    shown = ", ".join(inside[:8]) + (", ..." if len(inside) > 8 else "") if inside else "nothing"
+    raise NotACheckpointError(
+        f"{path} is a directory, not a checkpoint file, and holds no shard index "
+        f"(*.safetensors.index.json, *.bin.index.json) nor {' or '.join(_SINGLE_FILES)}; it "
+        f"holds {shown}: give the checkpoint file inside it",
+        path,
+    )

@@ -1,0 +1,123 @@
+"""State-dict keys: removing prefix layers and matching keys and shapes against a model's.
+
+The helpers behind :mod:`._prefix` (``strip_prefix``, ``load_state_dict``) and :mod:`._search`
+(finding the model's state dict inside a whole checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+DEFAULT_PREFIXES: tuple[str, ...] = ("module.", "_orig_mod.")
+M = TypeVar("M", bound=Mapping[str, Any])
+Mismatch = tuple[str, tuple[int, ...], tuple[int, ...]]
+
+
+def _strip_key(
+    key: str, prefixes: tuple[str, ...], rounds: int | None, meta: bool = False
+) -> tuple[str, int]:
+    done = 0
+    while rounds is None or done < rounds:
+        for p in prefixes:
+            if key.startswith(p) and len(key) > len(p):
+                key = key[len(p) :]
+                done += 1
+                break
+            # `_metadata` keys are module paths without the trailing dot: "module" is the root.
+            if meta and p.endswith(".") and key == p[:-1]:
+                key = ""
+                done += 1
+                break
+        else:
+            break
+    return key, done
+
+
+def _same_type(template: Mapping[str, Any], items: Iterable[tuple[str, Any]]) -> Any:
+    pairs = list(items)
+    try:
+        out: Any = type(template)()
+        for k, v in pairs:
+            out[k] = v
+    except Exception:  # a read-only or oddly constructed Mapping: a plain dict will do
+        out = dict(pairs)
+    return out
+
+
+def _strip(state_dict: M, prefixes: tuple[str, ...], rounds: int | None) -> M:
+    origin: dict[str, str] = {}
+    pairs = []
+    for key, value in state_dict.items():
+        new = _strip_key(key, prefixes, rounds)[0] if isinstance(key, str) else key
+        if new in origin:
+            raise ValueError(
+                f"strip_prefix: keys {origin[new]!r} and {key!r} both become {new!r} after "
+                f"removing {prefixes}; the state dict mixes wrapped and unwrapped copies of "
+                "one parameter: keep one of them before loading"
+            )
+        origin[new] = key
+        pairs.append((new, value))
+    out: M = _same_type(state_dict, pairs)
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None:
+        # Wrappers add their own metadata entries; the innermost module's (most stripped) wins.
+        depth: dict[str, int] = {}
+        new_meta: dict[str, Any] = {}
+        for key, value in dict(meta).items():
+            new, done = _strip_key(key, prefixes, rounds, meta=True)
+            if done >= depth.get(new, -1):
+                depth[new], new_meta[new] = done, value
+        with contextlib.suppress(AttributeError, TypeError):
+            out._metadata = _same_type(meta, new_meta.items())  # type: ignore[attr-defined]
+    return out
+
+
+def _names(names: list[str], limit: int = 10) -> str:
+    shown = ", ".join(map(str, names[:limit]))
+    return shown + (f", ...and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    if tensors and not (nn.parameter.is_lazy(a) or nn.parameter.is_lazy(b)):
+        return bool(a.shape == b.shape)
+    return True
+
+
+def _common_prefix(longer: Mapping[str, Any], shorter: Mapping[str, Any]) -> tuple[str, int] | None:
+    """The most common ``P.`` such that ``P.`` + a key of ``shorter`` is a key of ``longer``
+    holding a value of the same shape, with how many keys it fits."""
+    counts: dict[str, int] = {}
+    for key, value in longer.items():
+        parts = key.split(".") if isinstance(key, str) else []
+        for i in range(1, len(parts)):
+            rest = ".".join(parts[i:])
+            if rest in shorter and _same_shape(value, shorter[rest]):
+                prefix = ".".join(parts[:i]) + "."
+                counts[prefix] = counts.get(prefix, 0) + 1
+    return max(counts.items(), key=lambda item: item[1]) if counts else None
+
+
+def _fit_prefixes(state_dict: Mapping[str, Any], target: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state_dict`` with as many prefix layers removed as makes most of its keys match."""
+    # Candidates strip one more layer of prefixes each; the one matching most model keys wins,
+    # so a model with a submodule that really is called "module" is not over-stripped.
+    best, best_score = state_dict, sum(k in target for k in state_dict)
+    candidate: Mapping[str, Any] = state_dict
+    while True:
+        try:
+            nxt = _strip(candidate, DEFAULT_PREFIXES, 1)
+        except ValueError:
+            break
+        if list(nxt) == list(candidate):
+            break
+        candidate = nxt
+        score = sum(k in target for k in candidate)
+        if score >= best_score:
+            best, best_score = candidate, score
+    return best

@@ -1,0 +1,136 @@
+"""trainperf.checkpoint._dirs: load_checkpoint(dir) for sharded checkpoints with an index
+(Accelerate save_model, transformers save_pretrained), Accelerate save_state, and DCP."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.checkpoint._common import PEERS, assert_manifest, tiny_mlp
+from trainperf.checkpoint import load_checkpoint, load_state_dict
+from trainperf.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    NotACheckpointError,
+    UnsafeCheckpointError,
+)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "name", "needs_safetensors"),
+    [
+        ("accelerate/save_model_bin", "merged shards", False),
+        ("accelerate/save_model_safetensors", "merged shards", True),
+        ("accelerate/save_state", "model.safetensors", True),
+        ("transformers/bert_tiny", "merged shards", True),
+    ],
+    ids=["accelerate-bin-shards", "accelerate-safetensors-shards", "save-state", "transformers"],
+)
+def test_directory_loads_as_one_state_dict(
+    fixture: str, name: str, needs_safetensors: bool
+) -> None:
+    if needs_safetensors:
+        pytest.importorskip("safetensors")
+    sd = load_checkpoint(PEERS / fixture)
+    assert_manifest(sd, fixture, name)
+    if not fixture.startswith("transformers"):
+        model = tiny_mlp()
+        assert load_state_dict(model, sd).complete
+        assert_manifest(model.state_dict(), fixture, name)
+
+
+def test_save_state_with_bin_weights_loads_pytorch_model_bin(tmp_path: Path) -> None:
+    sd = tiny_mlp().state_dict()
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    torch.save({"state": {}, "param_groups": []}, tmp_path / "optimizer.bin")
+    loaded = load_checkpoint(tmp_path)
+    assert list(loaded) == list(sd) and all(torch.equal(loaded[k], sd[k]) for k in sd)
+
+
+def bin_shards(directory: Path, shards: dict[str, dict[str, Any]]) -> Path:
+    weight_map = {}
+    for file, tensors in shards.items():
+        torch.save(tensors, directory / file)
+        weight_map.update(dict.fromkeys(tensors, file))
+    index = directory / "pytorch_model.bin.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+class Payload:
+    def __reduce__(self) -> Any:
+        return (os.system, ("true",))
+
+
+def test_shards_are_loaded_with_weights_only(tmp_path: Path) -> None:
+    bin_shards(tmp_path, {"a.bin": {"w": torch.ones(1)}, "b.bin": {"v": Payload()}})
+    with pytest.raises(UnsafeCheckpointError, match=r"b\.bin contains objects.*posix\.system"):
+        load_checkpoint(tmp_path)
+
+
+def test_a_missing_shard_is_named(tmp_path: Path) -> None:
+    bin_shards(tmp_path, {"a.bin": {"w": torch.ones(1)}, "b.bin": {"v": torch.ones(1)}})
+    (tmp_path / "b.bin").unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"shard .*b\.bin listed in .*does not exist"):
+        load_checkpoint(tmp_path)
+
+
+def test_an_index_naming_absent_tensors_is_corrupt(tmp_path: Path) -> None:
+    index = bin_shards(tmp_path, {"a.bin": {"w": torch.ones(1)}})
+    index.write_text(json.dumps({"weight_map": {"w": "a.bin", "gone": "a.bin"}}))
+    with pytest.raises(CheckpointCorruptError, match=r"lists 1 tensor\(s\) that its shards do not"):
+        load_checkpoint(tmp_path)
+    index.write_text("{not json")
+    with pytest.raises(CheckpointCorruptError, match=r"is not a valid index.*weight_map"):
+        load_checkpoint(tmp_path)
+    index.write_text(json.dumps({"weight_map": ["w"]}))
+    with pytest.raises(CheckpointCorruptError, match=r"weight_map is a list"):
+        load_checkpoint(tmp_path)
+
+
+def test_two_indexes_ask_which(tmp_path: Path) -> None:
+    bin_shards(tmp_path, {"a.bin": {"w": torch.ones(1)}})
+    shutil.copy(tmp_path / "pytorch_model.bin.index.json", tmp_path / "other.bin.index.json")
+    with pytest.raises(NotACheckpointError, match=r"holds 2 shard indexes.*give the index file"):
+        load_checkpoint(tmp_path)
+
+
+def test_an_index_file_itself_is_not_a_checkpoint(tmp_path: Path) -> None:
+    index = bin_shards(tmp_path, {"a.bin": {"w": torch.ones(1)}})
+    with pytest.raises(NotACheckpointError, match=r"JSON text"):
+        load_checkpoint(index)
+
+
+def test_dcp_directory_names_the_converter() -> None:
+    with pytest.raises(
+        NotACheckpointError,
+        match=r"torch\.distributed\.checkpoint \(DCP\) directory.*"
+        r"torch\.distributed\.checkpoint\.format_utils\.dcp_to_torch_save\(",
+    ):
+        load_checkpoint(PEERS / "dcp")
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_dcp_converted_as_the_error_says_loads(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(PEERS / "dcp", tmp_path / "model.pt")
+    model = tiny_mlp()
+    assert load_state_dict(model, load_checkpoint(tmp_path / "model.pt")).complete
+    assert_manifest(model.state_dict(), "dcp", "model")
+
+
+def test_a_directory_without_weights_lists_what_it_holds(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(
+        NotACheckpointError,
+        match=r"is a directory, not a checkpoint file, and holds no shard index.*"
+        r"it holds notes\.txt: give the checkpoint file inside it",
+    ):
+        load_checkpoint(tmp_path)
