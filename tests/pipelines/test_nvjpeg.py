@@ -240,3 +240,14 @@ def test_nvjpeg_on_the_gpu_eval_matches_torchvision(folder: Path) -> None:
                 _pixels(image[None]) - _pixels(_reference_eval(loader.files[index], SIZE)[None])
             ).abs()
             assert diff.mean().item() < 2 / 255
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_nvjpeg_scales_a_16_bit_png_like_the_other_backends(tmp_path: Path, train: bool) -> None:
+    from tests.pipelines.test_decode import GREY8, write_grey16
+
+    (tmp_path / "grey").mkdir()
+    write_grey16(tmp_path / "grey" / "g16.png")
+    [(images, _)] = list(_nvjpeg_on_cpu(tmp_path, train=train, batch_size=1))
+    levels = (_pixels(images) * 255).round()
+    assert levels.min().item() == levels.max().item() == GREY8

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from trainperf.pipelines import image_loader
 from trainperf.pipelines._source import (
     check_files,
     epoch_indices,
+    find_images,
     load_source,
     resolve_shard,
     shard_plan,
@@ -189,3 +191,64 @@ def test_many_files_are_checked_in_threads(tmp_path: Path) -> None:
         paths.append(str(p))
     results = check_files(paths, threads=4)
     assert [r[1] == "empty file" for r in results] == [i % 7 == 0 for i in range(80)]
+
+
+def _tiny_png(path: Path) -> None:
+    PIL.new("RGB", (4, 4), (10, 20, 30)).save(path)
+
+
+def _looping_folder(root: Path) -> Path:
+    """12 files in two classes, with ``a/loop -> .`` and ``b/up -> ..`` (the sweep's case)."""
+    for name in ("a", "b"):
+        (root / name / "sub").mkdir(parents=True)
+        for i in range(3):
+            _tiny_png(root / name / f"{i}.png")
+            _tiny_png(root / name / "sub" / f"{i}.png")
+    (root / "a" / "loop").symlink_to(".")
+    (root / "b" / "up").symlink_to("..")
+    return root
+
+
+def test_directory_symlink_loops_count_each_file_once_under_its_class(tmp_path: Path) -> None:
+    root = _looping_folder(tmp_path / "data")
+    with pytest.warns(UserWarning, match=r"skipped 2 directory link\(s\).*a/loop.*b/up"):
+        src = load_source(root, on_error="raise")
+    assert len(src.files) == 12
+    assert len({os.path.realpath(f) for f in src.files}) == 12
+    for path, label in zip(src.files, src.labels, strict=True):
+        parts = Path(path).relative_to(root).parts
+        assert parts[0] == src.classes[label]
+        assert "loop" not in parts and "up" not in parts
+
+
+def test_directory_links_are_followed_once_and_first_reached_wins(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    _tiny_png(outside / "x.png")
+    for name in ("a", "b"):
+        (root / name).mkdir(parents=True)
+        _tiny_png(root / name / "own.png")
+    (root / "a" / "more").symlink_to(outside)  # a real link out of the tree: followed
+    (root / "b" / "same").symlink_to(outside)  # the same directory again: skipped, named
+    (root / "b" / "to_a").symlink_to(root / "a")  # another class folder: skipped, named
+    with pytest.warns(UserWarning, match=r"skipped 2 directory link\(s\)") as caught:
+        items, classes = find_images(root)
+    message = str(caught[0].message)
+    assert "b/same (= a/more)" in message and "b/to_a (= a)" in message
+    assert classes == ("a", "b")
+    names = sorted((Path(p).relative_to(root).as_posix(), label) for p, label in items)
+    assert names == [("a/more/x.png", 0), ("a/own.png", 0), ("b/own.png", 1)]
+
+
+def test_empty_class_folder_warns_by_name_and_keeps_its_index(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    for name in ("a", "b_empty", "c"):
+        (root / name).mkdir(parents=True)
+    _tiny_png(root / "a" / "1.png")
+    _tiny_png(root / "c" / "1.png")
+    (root / "b_empty" / "readme.txt").write_text("no images here")
+    with pytest.warns(UserWarning, match=r"class folder\(s\) with no images: 'b_empty'"):
+        src = load_source(root, on_error="raise")
+    assert src.classes == ("a", "b_empty", "c")
+    assert src.labels == (0, 2)

@@ -31,6 +31,7 @@ import torch
 from trainperf.pipelines._augment import center_resize_crop, normalize, random_flip, resized_crop
 from trainperf.pipelines._augment import sample_crop_box as _sample_crop_box
 from trainperf.pipelines._base import ImageLoader, LoaderConfig, labels_tensor
+from trainperf.pipelines._decode import pil_to_rgb, to_uint8
 from trainperf.pipelines._source import ImageSource, Shard, epoch_indices
 from trainperf.pipelines._torchvision import sample_seed
 
@@ -136,7 +137,7 @@ def _decode_on_cpu(data: np.ndarray[Any, Any], path: str) -> torch.Tensor:
 
     try:
         decoded: torch.Tensor = decode_image(torch.from_numpy(data), mode=ImageReadMode.RGB)
-        return decoded
+        return to_uint8(decoded)  # 16-bit PNGs decode to uint16
     except RuntimeError:
         pass  # BMP and TIFF: torchvision.io does not read them; PIL does
     import io
@@ -146,7 +147,7 @@ def _decode_on_cpu(data: np.ndarray[Any, Any], path: str) -> torch.Tensor:
 
     try:
         with Image.open(io.BytesIO(data.tobytes())) as im:
-            pixels: torch.Tensor = TF.pil_to_tensor(im.convert("RGB"))
+            pixels: torch.Tensor = TF.pil_to_tensor(pil_to_rgb(im))
             return pixels
     except Exception as e:
         raise RuntimeError(

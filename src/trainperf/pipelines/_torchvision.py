@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from trainperf.pipelines._augment import CROP_RATIO, normalize, sample_crop_box
 from trainperf.pipelines._base import ImageLoader, LoaderConfig, labels_tensor
+from trainperf.pipelines._decode import pil_to_rgb
 from trainperf.pipelines._source import ImageSource, Shard, epoch_indices
 
 __all__ = [
@@ -80,8 +81,9 @@ class FileDataset(Dataset[tuple[torch.Tensor, int]]):
         path = self.files[index]
         try:
             with Image.open(path) as im:
-                # Grayscale, CMYK, palette and RGBA images all become 3-channel RGB.
-                img = im.convert("RGB")
+                # Grayscale, CMYK, palette and RGBA images all become 3-channel RGB; 16-bit
+                # greyscale is scaled to 8 bits (PIL's convert would clip it to white).
+                img = pil_to_rgb(im)
         except Exception as e:  # PIL raises OSError, SyntaxError, ValueError...
             raise RuntimeError(
                 f"could not decode image {path!r} ({type(e).__name__}: {e}); fix or remove the "
