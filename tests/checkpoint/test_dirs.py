@@ -134,3 +134,14 @@ def test_a_directory_without_weights_lists_what_it_holds(tmp_path: Path) -> None
         r"it holds notes\.txt: give the checkpoint file inside it",
     ):
         load_checkpoint(tmp_path)
+
+
+def test_an_index_naming_a_shard_outside_its_directory_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.bin"
+    torch.save({"w": torch.ones(1)}, outside)
+    inner = tmp_path / "ckpt"
+    inner.mkdir()
+    index = bin_shards(inner, {"a.bin": {"v": torch.ones(1)}})
+    index.write_text(json.dumps({"weight_map": {"v": "a.bin", "w": "../outside.bin"}}))
+    with pytest.raises(CheckpointCorruptError, match=r"names a shard outside its directory"):
+        load_checkpoint(inner)

@@ -362,3 +362,14 @@ def test_missing_safetensors_names_the_extra(
         save_checkpoint({"w": torch.ones(1)}, tmp_path / "v.safetensors")
     with pytest.raises(ModuleNotFoundError, match=r"load_checkpoint.*trainperf\[safetensors\]"):
         load_checkpoint(path)
+
+
+def test_distributed_given_as_a_falsy_number_means_false(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainperf.checkpoint import _files
+
+    # As if this were rank 1 of a process group: only distributed=False writes here.
+    monkeypatch.setattr(_files, "_group_rank", lambda: 1)
+    assert not save_checkpoint({"x": torch.ones(1)}, tmp_path / "none.pt").exists()
+    assert save_checkpoint({"x": torch.ones(1)}, tmp_path / "zero.pt", distributed=0).exists()

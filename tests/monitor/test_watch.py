@@ -350,3 +350,15 @@ def test_a_cpu_loop_on_a_gpu_machine_leaves_the_gpu_unused() -> None:
     # NVML's utilisation, sampled through the loop, is what shows the GPU idle.
     assert report.gpu_utilization_mean is not None, "NVML gave no utilisation samples"
     assert report.verdict.kind == "gpu-unused", report
+
+
+def test_under_ddp_the_watch_judges_cpus_by_this_ranks_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from trainperf.limits import usable_cpus
+    from trainperf.monitor import _watch
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert _watch._rank_cpus() == usable_cpus(2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    assert _watch._rank_cpus() == usable_cpus()

@@ -471,15 +471,16 @@ def bench_model(
         model, precision, settings, dev, train=train, channels_last=channels_last
     )
     what = f"{model} in {precision} is not supported on {dev}"
+    # Read before the run: the 1-minute average would otherwise count the bench's own threads.
+    notes = _busy_host_notes(load_average(), usable_cpus())
     timing = _measure(
         run_batch, settings, dev, what=what, train=train, tf32=tf32, on_iteration=on_iteration
     )
     median = statistics.median(timing.rates)
     device_name = gpu_name(dev)
     comparison: ReferenceComparison | None = None
-    notes: tuple[str, ...] = ()
     if compare and device_name is not None:
-        comparison, notes = _comparison(
+        comparison, why = _comparison(
             dev,
             device_name,
             model,
@@ -490,7 +491,7 @@ def bench_model(
             train=train,
             channels_last=channels_last,
         )
-    notes = _busy_host_notes(load_average(), usable_cpus()) + notes
+        notes += why
     return BenchResult(
         model=model,
         precision=precision,

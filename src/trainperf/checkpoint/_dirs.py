@@ -62,6 +62,12 @@ def load_sharded(index: Path, load_file: Callable[[Path], Any]) -> dict[str, Any
     merged: dict[str, Any] = {}
     for name in dict.fromkeys(weight_map.values()):
         shard = index.parent / name
+        if Path(name).name != name:
+            raise CheckpointCorruptError(
+                f"{index} names a shard outside its directory ({name!r}): an index lists "
+                "file names beside it; check where this directory came from",
+                index,
+            )
         if not shard.is_file():
             raise CheckpointNotFoundError(
                 f"shard {shard} listed in {index.name} does not exist: the directory was "

@@ -233,6 +233,8 @@ def save_checkpoint(
         ['bias', 'weight']
     """
     choice("distributed", distributed, (None, True, False))
+    # choice() compares with ==: 0 or numpy's False pass it and must mean False below.
+    distributed = None if distributed is None else bool(distributed)
     path = Path(os.fspath(path))
     rank = None if distributed is False else _group_rank()
     if rank is None:

@@ -36,7 +36,10 @@ class Found:
 
     @property
     def ema(self) -> bool:
-        return any(_EMA.search(str(part)) for part in self.where)
+        """Named like an EMA copy: a dict (``state_dict_ema``) or an attribute prefix
+        (``model_ema.module.``, a LightningModule's EMA attribute)."""
+        parts = (*self.where, *self.prefix.split("."))
+        return any(_EMA.search(str(part)) for part in parts)
 
     def path(self) -> str:
         """``checkpoint['state_dict']``; ``state_dict`` for the mapping itself."""
@@ -119,8 +122,10 @@ def _choices(found: list[Found]) -> str:
 def _ambiguous(best: list[Found], n_target: int, ema: bool) -> StateDictMismatchError:
     names = ", ".join(f"{f.describe() or 'the mapping itself'}" for f in best)
     first = best[0]
+    # Only this prefix's keys, without it: strip_prefix would keep the other attributes' keys.
     pick = (
-        f"load_state_dict(model, strip_prefix({first.path()}, {first.prefix!r}))"
+        f"load_state_dict(model, {{k[{len(first.prefix)}:]: v for k, v in "
+        f"{first.path()}.items() if k.startswith({first.prefix!r})}})"
         if first.prefix
         else f"load_state_dict(model, {first.path()})"
     )

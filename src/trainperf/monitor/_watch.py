@@ -42,7 +42,7 @@ import torch
 
 from trainperf._utils.validate import non_negative_int, positive_int, positive_number
 from trainperf.device import resolve_device
-from trainperf.limits import usable_cpus
+from trainperf.limits import local_world_size, usable_cpus
 from trainperf.monitor._analysis import analyse
 from trainperf.monitor._report import StepRecord, WatchReport
 from trainperf.monitor._sampler import MAX_RECORDS, _Sampler
@@ -88,6 +88,15 @@ def _precision_in_use() -> tuple[str, str] | None:
         return None
     _, name, reason = max(found)
     return name, reason
+
+
+def _rank_cpus() -> int:
+    """This process's share of the usable CPUs: under DDP the host's ranks split them, so a
+    host busy with this job's own ranks is not "other processes"."""
+    try:
+        return usable_cpus(local_world_size())
+    except ValueError:  # a malformed launcher variable: the limits' own error elsewhere
+        return usable_cpus()
 
 
 class Watch:
@@ -225,7 +234,7 @@ class Watch:
 
     def _begin(self) -> None:
         self._state = "running"
-        self._cpus = usable_cpus()
+        self._cpus = _rank_cpus()
         want_gpu = self._device is None or self._device.type == "cuda"
         sampler = _Sampler(self._interval, time.perf_counter(), gpu=want_gpu, max_samples=self._max)
         self._sampler = sampler
