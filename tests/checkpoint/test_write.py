@@ -4,6 +4,7 @@ fsync, no permission, interrupts, kill -9) never leave a partial file."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import pickle
 import re
@@ -192,9 +193,9 @@ def test_kill_9_mid_save_keeps_old_file(old: Path, mode: str, min_size: float) -
     assert loaded["gen"] == 0 and torch.equal(loaded["w"], torch.arange(4.0))
     # The killed writer's temp file is the only other file, and it is named as documented.
     (leftover,) = temps(old.parent)
-    assert leftover.name.startswith(".ckpt.pt.tmp-") and leftover.name.split("-")[-2] == str(
-        proc.pid
-    )
+    # Named .NAME.tmp-HOST-SLOT: the first writer of a path takes slot 0.
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+    assert leftover.name == f".ckpt.pt.tmp-{host}-0"
     assert sorted(p.name for p in old.parent.iterdir()) == sorted(["ckpt.pt", leftover.name])
     if mode == "mid-write":
         with pytest.raises(CheckpointCorruptError, match="truncated"):
@@ -207,11 +208,14 @@ def test_kill_9_mid_save_keeps_old_file(old: Path, mode: str, min_size: float) -
 
 def test_save_keeps_temp_files_of_live_writers(tmp_path: Path) -> None:
     path = tmp_path / "c.pt"
-    # Named as save_checkpoint names them: .NAME.tmp-HOST-PID-RANDOM (HOST sanitised).
-    host_pid = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) + f"-{os.getppid()}"
-    live = tmp_path / f".c.pt.tmp-{host_pid}-0123abcd"
-    other_host = tmp_path / ".c.pt.tmp-elsewhere-999999999-0123abcd"
+    # Named as save_checkpoint names them: .NAME.tmp-HOST-SLOT (HOST sanitised); a live
+    # writer holds an exclusive flock on its temp file until its rename.
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+    live = tmp_path / f".c.pt.tmp-{host}-0"
+    other_host = tmp_path / ".c.pt.tmp-elsewhere-0"
     live.write_bytes(b"in progress")
     other_host.write_bytes(b"in progress")
-    save_checkpoint({"x": 1}, path)
-    assert live.exists() and other_host.exists()
+    with live.open("rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        save_checkpoint({"x": 1}, path)
+        assert live.read_bytes() == b"in progress" and other_host.exists()

@@ -141,13 +141,39 @@ def _nested_main() -> None:
         ({"backend": "mpi"}, ValueError, r"backend must be one of \('nccl', 'gloo'\)"),
         ({"start_method": "forkserver"}, ValueError, r"start_method must be one of"),
         ({"timeout": timedelta(0)}, ValueError, r"timeout must be a positive timedelta"),
-        ({"timeout": -1.0}, ValueError, r"timeout must be a positive timedelta"),
+        ({"timeout": -1.0}, ValueError, r"timeout must be a positive number of seconds"),
         ({"max_restarts": -1}, ValueError, r"max_restarts must be an int >= 0, got -1"),
     ],
 )
 def test_launch_rejects_bad_options(kwargs: dict[str, Any], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         ddp.launch(workers.add, 1, 2, **{"start_method": "fork", "backend": "gloo", **kwargs})
+
+
+_NUMERIC_TIMEOUT = r"timeout must be a positive number of seconds \(or a positive timedelta\)"
+
+
+@pytest.mark.parametrize(
+    ("timeout", "match"),
+    [
+        (float("nan"), _NUMERIC_TIMEOUT + ", got nan"),
+        (float("inf"), _NUMERIC_TIMEOUT + ", got inf"),
+        (-1, _NUMERIC_TIMEOUT + ", got -1"),
+        (0, _NUMERIC_TIMEOUT + ", got 0"),
+        (0.0, _NUMERIC_TIMEOUT + ", got 0.0"),
+        ("30", _NUMERIC_TIMEOUT + ", got '30'"),
+        (1e300, r"timeout=1e\+300 seconds is longer than a timedelta can hold"),
+        (timedelta(0), r"timeout must be a positive timedelta \(or a positive number of second"),
+        (timedelta(seconds=-1), r"timeout must be a positive timedelta.*got datetime\.timedelta"),
+    ],
+)
+def test_launch_rejects_a_timeout_that_is_not_finite_and_positive(
+    timeout: object, match: str
+) -> None:
+    # Refused on entry, as ValueError, before any rank starts (nan and inf used to escape as a
+    # raw "cannot convert float NaN to integer" and an OverflowError).
+    with pytest.raises(ValueError, match=match):
+        ddp.launch(workers.add, 1, 2, start_method="fork", backend="gloo", timeout=timeout)  # type: ignore[arg-type]
 
 
 def test_launch_rejects_what_spawn_cannot_send(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,9 @@ from trainperf.errors import DeviceError
 from trainperf.loader import tune_loader
 from trainperf.loader._args import check_args
 
+# DataLoader's own timeout: 0 (its default) means "wait for ever", so 0 is allowed.
+_LOADER_TIMEOUT = r"timeout must be a finite number of seconds >= 0 \(0: no timeout\)"
+
 
 @pytest.mark.parametrize(
     ("args", "kwargs", "match"),
@@ -27,6 +30,11 @@ from trainperf.loader._args import check_args
         ((4,), {"prefetch_factor": 2}, r"prefetch_factor=2 needs num_workers > 0 \(DataLoader"),
         ((4,), {"num_workers": 0, "prefetch_factor": 4}, "prefetch_factor=4 needs num_workers"),
         ((4,), {"batch_sampler": [[0]]}, "batch_sampler is not supported"),
+        ((4,), {"timeout": -1}, _LOADER_TIMEOUT + ", got -1"),
+        ((4,), {"timeout": math.nan}, _LOADER_TIMEOUT + ", got nan"),
+        ((4,), {"timeout": math.inf}, _LOADER_TIMEOUT + ", got inf"),
+        ((4,), {"timeout": None}, _LOADER_TIMEOUT + ", got None"),
+        ((4,), {"timeout": "5"}, _LOADER_TIMEOUT + ", got '5'"),
         ((4,), {"num_worker": 2}, "unknown DataLoader argument 'num_worker'; choices:"),
         ((4,), {"device": "gpu"}, "invalid device 'gpu': expected 'auto', 'cpu', 'cuda'"),
     ],
@@ -79,6 +87,8 @@ def test_check_args_rejects_bools_non_numbers_and_infinities(
 def test_check_args_accepts_the_defaults_and_bounds() -> None:
     check_args(1, None, 30.0, None, None, {})
     check_args(1, 0, 0.5, 1, len, {"shuffle": True, "timeout": 5})
+    check_args(1, 0, 0.5, 1, len, {"timeout": 0})  # DataLoader's default: no timeout
+    check_args(1, 0, 0.5, 1, len, {"timeout": 2.5})
     check_args(1, 64, 10, 3, lambda batch: None, {"multiprocessing_context": "spawn"})
 
 
@@ -88,3 +98,20 @@ def test_check_args_accepts_the_callers_own_worker_settings() -> None:
     check_args(1, None, 30.0, None, None, {"num_workers": 4, "prefetch_factor": 8})
     check_args(1, None, 30.0, None, None, {"num_workers": 0, "prefetch_factor": None})
     check_args(1, None, 30.0, None, None, {"persistent_workers": True})
+
+
+class _CountsReads(Waits):
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        self.reads += 1
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("timeout", [-1, math.nan, math.inf])
+def test_a_bad_dataloader_timeout_is_refused_before_anything_is_measured(timeout: float) -> None:
+    ds = _CountsReads()
+    with pytest.raises(ValueError, match=_LOADER_TIMEOUT):
+        tune_loader(ds, 4, **quick(timeout=timeout))
+    assert ds.reads == 0  # refused on entry, not by DataLoader after the tuning ran

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import re
 import socket
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from tests.loader._fakes import Slowish
 from tests.loader._fakes import tune_for_cache as tune
+from trainperf._utils.atomic import temp_name
 from trainperf.loader import cache_file, tune_loader
 from trainperf.loader._cache import key_fields, make_key, read_entry, write_entry
 
@@ -112,22 +112,20 @@ def test_read_entry_of_wrong_version(tmp_path: Path) -> None:
     assert read_entry("k", p) == {"a": 2, "created": pytest.approx(time.time(), abs=60)}
 
 
-def _dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
-
-
 def test_write_entry_is_atomic_and_removes_stale_temps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     p = tmp_path / "new" / "dir" / "loader.json"
     write_entry("k", {"num_workers": 1}, p)  # missing directories are created
     host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
-    stale = p.parent / f".loader.json.tmp-{host}-{_dead_pid()}-0123abcd"
-    stale.write_text("half a file from a killed writer")
-    live = p.parent / f".loader.json.tmp-{host}-{os.getppid()}-0123abcd"
+    # Slot 0: a live writer (it holds the lock); slots 1 and 2: killed writers' (no lock).
+    live = temp_name(p, host, 0)
     live.write_text("another process is still writing")
+    stale = [temp_name(p, host, 1), temp_name(p, host, 2)]
+    for s in stale:
+        s.write_text("half a file from a killed writer")
+    holder = os.open(live, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another open file: conflicts even in this process
     synced: list[int] = []
     real_fsync = os.fsync
 
@@ -136,10 +134,14 @@ def test_write_entry_is_atomic_and_removes_stale_temps(
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    write_entry("j", {"num_workers": 2}, p)
+    try:
+        write_entry("j", {"num_workers": 2}, p)
+    finally:
+        os.close(holder)
     monkeypatch.undo()
     assert synced == [stat.S_IFREG, stat.S_IFDIR]  # the file, then its directory entry
-    assert not stale.exists() and live.exists()
+    assert not any(s.exists() for s in stale)
+    assert live.read_text() == "another process is still writing"
     assert read_entry("j", p)["num_workers"] == 2  # type: ignore[index]
     assert read_entry("k", p)["num_workers"] == 1  # type: ignore[index]
 

@@ -87,6 +87,75 @@ def test_cached_choice_that_no_longer_fits_memory_is_re_tuned(
     assert not tune().from_cache
 
 
+def edit_entry(**changes: Any) -> None:
+    """Change the one stored entry by hand, as a user editing loader.json would."""
+    data = json.loads(cache_file().read_text())
+    (entry,) = data["entries"].values()
+    for name, value in changes.items():
+        if name in ("memory_needed", "shm_needed"):
+            entry[name] = value
+        else:
+            entry["best"][name] = value
+    cache_file().write_text(json.dumps(data))
+
+
+def test_a_re_tune_says_why_the_cached_choice_no_longer_fits_memory() -> None:
+    tune()
+    edit_entry(memory_needed=10**15)
+    report = tune()
+    assert not report.from_cache
+    assert any(
+        n.startswith("the cached settings were not used (they need 931322.6 GiB of memory")
+        and n.endswith("): tuned again")
+        for n in report.notes
+    ), report.notes
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        # A hand-edited worker count far beyond what this host (and this call) would try.
+        (
+            {"num_workers": 100000, "prefetch_factor": 2},
+            "num_workers=100000 is above max_workers=0",
+        ),
+        ({"num_workers": -1}, "num_workers=-1 is not an int >= 0"),
+        ({"num_workers": "4"}, "num_workers='4' is not an int >= 0"),
+        ({"num_workers": True}, "num_workers=True is not an int >= 0"),
+        ({"num_workers": 2.5}, "num_workers=2.5 is not an int >= 0"),
+        ({"prefetch_factor": 0}, "prefetch_factor=0 is not None or an int >= 1"),
+        ({"prefetch_factor": "2"}, "prefetch_factor='2' is not None or an int >= 1"),
+        ({"pin_memory": "yes"}, "pin_memory='yes' is not a bool"),
+        ({"pin_memory": 1}, "pin_memory=1 is not a bool"),
+        ({"persistent_workers": None}, "persistent_workers=None is not a bool"),
+        ({"memory_needed": -5}, "memory_needed=-5 is not an int >= 0"),
+        ({"shm_needed": "0"}, "shm_needed='0' is not an int >= 0"),
+    ],
+)
+def test_a_hand_edited_entry_is_checked_and_re_tuned_with_a_note(
+    changes: dict[str, Any], why: str
+) -> None:
+    tune()
+    edit_entry(**changes)
+    report = tune()
+    assert not report.from_cache and report.num_workers == 0  # max_workers=0: measured again
+    assert f"the cached settings were not used ({why}" in " | ".join(report.notes)
+    assert any(n.endswith("tuned again") for n in report.notes)
+    assert tune().from_cache  # the re-tuned entry replaced the edited one
+
+
+@pytest.mark.slow  # about 6 s: two searches with up to two workers
+def test_an_entry_above_max_workers_is_re_tuned_but_within_it_is_a_hit() -> None:
+    tune(max_workers=2)
+    edit_entry(num_workers=2, prefetch_factor=2, persistent_workers=False)
+    hit = tune(max_workers=2)
+    assert hit.from_cache and hit.num_workers == 2  # a setting this call could choose: kept
+    edit_entry(num_workers=3)
+    miss = tune(max_workers=2)
+    assert not miss.from_cache and miss.num_workers <= 2
+    assert any("num_workers=3 is above max_workers=2" in n for n in miss.notes)
+
+
 def test_unwritable_cache_is_a_note_not_an_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

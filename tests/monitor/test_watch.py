@@ -171,6 +171,10 @@ def test_samples_are_counted_from_batches_or_given() -> None:
     [
         ({"interval": 0}, "interval must be a positive number of seconds, got 0"),
         ({"interval": float("inf")}, "interval must be a positive number of seconds, got inf"),
+        ({"interval": float("nan")}, "interval must be a positive number of seconds, got nan"),
+        ({"interval": -1}, "interval must be a positive number of seconds, got -1"),
+        ({"interval": True}, "interval must be a positive number of seconds, got True"),
+        ({"interval": 1e300}, r"interval=1e\+300 s is longer than a timer can wait \(at most "),
         ({"warmup_steps": -1}, "warmup_steps must be an int >= 0"),
         ({"device": "tpu"}, "invalid device 'tpu': expected 'cpu', 'cuda'"),
         ({"device": "meta"}, "device 'meta' is not supported here: expected 'cpu', 'cuda'"),

@@ -1,15 +1,25 @@
 """Atomic file writes: temp file in the same directory, fsync, ``os.replace``, fsync the directory.
 
-A crash, kill or full disk never leaves a partial file under the final name; temp files left
-by killed writers on this host are removed on the next write to the same path. Shared by the
+A crash, kill or full disk never leaves a partial file under the final name. Shared by the
 checkpoint writer (which translates failures into ``CheckpointError``) and the DataLoader
 tuner's cache.
+
+Temp files are named ``.NAME.tmp-HOST-N``: the same few names for every write of ``NAME``
+from this host (``N`` is 0 unless several writers of that path run at once), and a writer
+holds an exclusive ``flock`` on its temp file until it has been renamed. So a temp file
+whose lock nobody holds was left by a killed writer, and the next write of the same path
+from this host finds it by name (a few ``open`` calls, never a directory listing: saving
+into a directory of 200,000 files costs what saving into an empty one does) and reuses or
+removes it; a live writer's (another rank's) keeps its lock and is left alone, and so are
+other hosts'. Where the filesystem has no ``flock`` the temp name is unique
+(``.NAME.tmp-HOST-PID-RANDOM``) and a killed writer's temp file stays until removed by hand.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import re
 import secrets
@@ -18,9 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-__all__ = ["fsync_dir", "write_atomically"]
+__all__ = ["fsync_dir", "temp_name", "write_atomically"]
 
-_TEMP_SUFFIX = re.compile(r"(?P<host>.*)-(?P<pid>\d+)-[0-9a-f]{8}")
+# After the slot a writer takes, slots are probed for dead writers' temp files until this
+# many in a row are absent: a gap this long needs that many writers of one path at once.
+_SPARE_SLOTS = 8
 
 
 def fsync_dir(directory: Path) -> None:
@@ -58,28 +70,116 @@ def _make_parents(directory: Path) -> None:
         fsync_dir(d.parent)
 
 
-def _pid_alive(pid: int) -> bool:
+def temp_name(path: Path, host: str, slot: int) -> Path:
+    """The temp file of writer slot ``slot`` for ``path`` on ``host``.
+
+    Example:
+        >>> temp_name(Path("runs/last.pt"), "node1", 0).as_posix()
+        'runs/.last.pt.tmp-node1-0'
+    """
+    return path.parent / f".{path.name}.tmp-{host}-{slot}"
+
+
+class _NoLocks(Exception):
+    """The filesystem cannot ``flock``: live and dead writers' temp files look alike."""
+
+
+def _names_it(fd: int, name: Path) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        st, named = os.fstat(fd), os.lstat(name)
+    except FileNotFoundError:
         return False
-    except PermissionError:
-        return True
-    return True
+    return (st.st_dev, st.st_ino) == (named.st_dev, named.st_ino)
 
 
-def _remove_stale_temps(path: Path, host: str) -> None:
-    lead = f".{path.name}.tmp-"
-    with contextlib.suppress(OSError):
-        for entry in path.parent.iterdir():
-            m = _TEMP_SUFFIX.fullmatch(entry.name[len(lead) :])
-            if not entry.name.startswith(lead) or m is None or m["host"] != host:
-                continue
-            pid = int(m["pid"])
-            # Only a dead writer's temp is stale; a live one (another rank) is mid-write.
-            if pid != os.getpid() and not _pid_alive(pid):
-                with contextlib.suppress(OSError):
-                    entry.unlink()
+def _open_existing(name: Path) -> int | None:
+    try:
+        return os.open(name, os.O_WRONLY | os.O_NOFOLLOW)
+    except OSError:  # gone, another user's, or a planted symlink (ELOOP): not ours
+        return None
+
+
+def _open_slot(name: Path, *, create: bool) -> int | None:
+    """An fd on ``name`` holding its exclusive lock, or None: held by a live writer, not
+    ours to open, or (``create=False``) absent.
+
+    Every rename or unlink of a slot name is made by the holder of the lock on the file it
+    names, so once locked, a name that still names our file stays ours until we close it.
+
+    Raises:
+        _NoLocks: the filesystem refuses ``flock`` (a slot file this call made is removed).
+        OSError: the slot file cannot be created (a read-only or full filesystem, ...).
+    """
+    while True:
+        made = False
+        if not create:
+            fd = _open_existing(name)
+        else:
+            try:
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+                made = True
+            except FileExistsError:
+                fd = _open_existing(name)
+                if fd is None and not os.path.lexists(name):
+                    continue  # renamed or removed between the two opens: free again
+        if fd is None:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except OSError as e:
+            if made:
+                os.unlink(name)
+            os.close(fd)
+            raise _NoLocks from e
+        if _names_it(fd, name):
+            return fd
+        os.close(fd)  # renamed over its final name, or removed, after we opened it
+        if not create:
+            return None
+
+
+def _remove_dead_slots(path: Path, host: str, first: int) -> None:
+    """Remove the unlocked (dead writers') temp files of ``path`` from slot ``first`` on,
+    until ``_SPARE_SLOTS`` slots in a row are absent. Best effort: a failure is no reason
+    to fail the save."""
+    absent, slot = 0, first
+    with contextlib.suppress(OSError, _NoLocks):
+        while absent < _SPARE_SLOTS:
+            name = temp_name(path, host, slot)
+            if not os.path.lexists(name):
+                absent += 1
+            else:
+                absent = 0
+                stale = _open_slot(name, create=False)
+                if stale is not None:  # nobody holds it: its writer is dead
+                    try:
+                        os.unlink(name)
+                    finally:
+                        os.close(stale)
+            slot += 1
+
+
+def _claim_temp(path: Path, host: str) -> tuple[int, Path]:
+    """The lowest free slot's temp file for ``path``, open and locked (it may hold a dead
+    writer's partial file: truncate it), after removing dead writers' temp files above it."""
+    slot = 0
+    while (fd := _open_slot(temp_name(path, host, slot), create=True)) is None:
+        slot += 1
+    _remove_dead_slots(path, host, slot + 1)
+    return fd, temp_name(path, host, slot)
+
+
+def _open_temp(path: Path, host: str) -> tuple[int, Path, bool]:
+    """``(fd, temp path, locked)``: a locked slot, or a unique name where locks fail."""
+    try:
+        fd, tmp = _claim_temp(path, host)
+        return fd, tmp, True
+    except _NoLocks:
+        tmp = path.parent / f".{path.name}.tmp-{host}-{os.getpid()}-{secrets.token_hex(4)}"
+        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp, False
 
 
 def write_atomically(
@@ -91,6 +191,8 @@ def write_atomically(
     fsynced and renamed over ``path``, then (with ``sync_directory``) the directory is
     fsynced so the rename survives a power loss. Missing parent directories are created.
     On any failure, or an interrupt, the temp file is removed and ``path`` is unchanged.
+    Temp files of killed writers of ``path`` on this host are reused or removed, found by
+    name: the directory is never listed (see the module docstring).
 
     Args:
         path: the final file name.
@@ -113,19 +215,21 @@ def write_atomically(
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, f"{path} is a directory, not a file name", str(path))
     host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
-    tmp = path.parent / f".{path.name}.tmp-{host}-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        _make_parents(path.parent)
-        _remove_stale_temps(path, host)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as f:
+    _make_parents(path.parent)
+    fd, tmp, locked = _open_temp(path, host)
+    # The file stays open (so locked) until after the rename: a writer that found the lock
+    # free could otherwise take this file while it is being renamed into place.
+    with os.fdopen(fd, "wb") as f:
+        try:
+            os.ftruncate(f.fileno(), 0)  # a reused slot may hold a dead writer's partial file
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+            os.replace(tmp, path)
+        except BaseException:
+            if not locked or _names_it(f.fileno(), tmp):
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            raise
     if sync_directory:
         fsync_dir(path.parent)

@@ -9,7 +9,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["choice", "non_negative_int", "positive_int", "positive_number"]
+__all__ = [
+    "choice",
+    "non_negative_int",
+    "non_negative_number",
+    "positive_int",
+    "positive_number",
+]
 
 
 def _int_at_least(name: str, value: object, minimum: int, none_ok: bool) -> int:
@@ -88,6 +94,37 @@ def positive_number(name: str, value: object, *, unit: str = "") -> float:
     if not ok or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type, operator]
         what = f"a positive number of {unit}" if unit else "a positive number"
         raise ValueError(f"{name} must be {what}, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def non_negative_number(name: str, value: object, *, unit: str = "", zero: str = "") -> float:
+    """``value`` as a float if it is a finite number >= 0, else ``ValueError`` naming ``name``.
+
+    For options where 0 is meaningful (DataLoader's ``timeout=0``: no timeout), unlike
+    :func:`positive_number`. NaN and infinity are refused, as there.
+
+    Args:
+        name: the argument's name.
+        value: what was passed.
+        unit: what the number counts, for the message (``"seconds"``).
+        zero: what 0 means, for the message (``"no timeout"``).
+
+    Raises:
+        ValueError: ``value`` is not a finite number >= 0.
+
+    Example:
+        >>> non_negative_number("timeout", 0)
+        0.0
+        >>> non_negative_number("timeout", float("nan"), unit="seconds", zero="no timeout")
+        Traceback (most recent call last):
+        ...
+        ValueError: timeout must be a finite number of seconds >= 0 (0: no timeout), got nan
+    """
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value < 0:  # type: ignore[arg-type, operator]
+        what = f"a finite number of {unit} >= 0" if unit else "a finite number >= 0"
+        meaning = f" (0: {zero})" if zero else ""
+        raise ValueError(f"{name} must be {what}{meaning}, got {value!r}")
     return float(value)  # type: ignore[arg-type]
 
 

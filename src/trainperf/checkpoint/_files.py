@@ -185,10 +185,10 @@ def save_checkpoint(
 ) -> Path:
     """Save ``obj`` atomically: a crash, kill or full disk never leaves a partial file at ``path``.
 
-    The object goes to a hidden temp file in the same directory (``.NAME.tmp-HOST-PID-XXXX``),
-    which is flushed, fsynced and renamed over ``path`` with ``os.replace``; then the directory
-    is fsynced. Missing parent directories are created. Temp files left by killed writers on
-    this host are removed on the next save to the same path.
+    The object goes to a hidden temp file in the same directory (``.NAME.tmp-HOST-N``, locked
+    while written), which is flushed, fsynced and renamed over ``path`` with ``os.replace``;
+    then the directory is fsynced. Missing parent directories are created. Temp files left by
+    killed writers on this host are reused or removed by the next save to the same path.
 
     Modules are saved as their state dict, after unwrapping DataParallel, DDP and
     ``torch.compile`` (so ``{"model": model, "optimizer": opt}`` works), and so is anything

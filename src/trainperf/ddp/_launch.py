@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainperf._utils import launch_env
-from trainperf._utils.validate import choice, non_negative_int, positive_int
+from trainperf._utils.validate import choice, non_negative_int, positive_int, positive_number
 from trainperf.ddp import _env
 from trainperf.ddp._group import Group
 from trainperf.ddp._procs import Interrupted, SignalGuard
@@ -55,12 +55,28 @@ def _check_options(
     if backend is not None and backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS} or None (auto), got {backend!r}")
     choice("start_method", start_method, _START_METHODS)
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        timeout = timedelta(seconds=timeout)
-    if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
-        raise ValueError(f"timeout must be a positive timedelta (or seconds), got {timeout!r}")
+    span = _timeout_span(timeout)
     non_negative_int("max_restarts", max_restarts)
-    return timeout
+    return span
+
+
+def _timeout_span(timeout: object) -> timedelta:
+    """``timeout`` as a timedelta: a timedelta > 0, or a finite number of seconds > 0."""
+    if isinstance(timeout, timedelta):
+        if timeout <= timedelta(0):
+            raise ValueError(
+                f"timeout must be a positive timedelta (or a positive number of seconds), "
+                f"got {timeout!r}"
+            )
+        return timeout
+    seconds = positive_number("timeout", timeout, unit="seconds (or a positive timedelta)")
+    try:
+        return timedelta(seconds=seconds)
+    except OverflowError:
+        raise ValueError(
+            f"timeout={timeout!r} seconds is longer than a timedelta can hold (at most "
+            f"{timedelta.max.total_seconds():.0f} s); pass a shorter timeout"
+        ) from None
 
 
 def _resolve_backend(backend: str | None, gpu_count: int) -> str:
@@ -404,7 +420,9 @@ def launch(
         backend: ``"nccl"`` or ``"gloo"``; None picks NCCL with GPUs, gloo without.
         start_method: ``"spawn"`` (scripts, with an ``if __name__ == "__main__":`` guard)
             or ``"fork"`` (notebooks and REPLs, Linux, before CUDA is initialised).
-        timeout: how long a collective (and the rendezvous) may wait for a peer.
+        timeout: how long a collective (and the rendezvous) may wait for a peer: a
+            ``timedelta`` > 0, or a finite number of seconds > 0 (NaN, infinity, 0 and
+            negatives are refused with ``ValueError`` before any rank starts).
         max_restarts: how many times a failed group is restarted from scratch.
         **kwargs: keyword arguments for ``main``.
 

@@ -8,7 +8,12 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from trainperf._utils.validate import non_negative_int, positive_int, positive_number
+from trainperf._utils.validate import (
+    non_negative_int,
+    non_negative_number,
+    positive_int,
+    positive_number,
+)
 
 __all__ = ["check_args", "check_loader_kwargs"]
 
@@ -32,8 +37,10 @@ def check_args(
     Raises:
         ValueError: a bad ``batch_size``, ``max_workers``, ``budget_s``, ``epochs_hint`` or
             ``step_fn``, a DataLoader argument it rejects (see :func:`check_loader_kwargs`),
-            a bad ``num_workers`` or ``prefetch_factor``, or ``prefetch_factor`` without
-            workers (DataLoader refuses it too).
+            a bad ``num_workers``, ``prefetch_factor`` or ``timeout`` (a finite number of
+            seconds >= 0; DataLoader itself lets NaN and infinity through and refuses -1
+            only when the final loader is built, after the tuning), or ``prefetch_factor``
+            without workers (DataLoader refuses it too).
 
     Example:
         >>> check_args(32, None, 30.0, None, None, {"shuffle": True})
@@ -53,7 +60,10 @@ def check_args(
 
 
 def _check_callers_workers(loader_kwargs: Mapping[str, Any]) -> None:
-    """The caller's own ``num_workers`` and ``prefetch_factor``, as DataLoader checks them."""
+    """The caller's own ``num_workers``, ``prefetch_factor`` and ``timeout``, as DataLoader
+    checks them (and, for ``timeout``, NaN and infinity too, which DataLoader lets through)."""
+    if "timeout" in loader_kwargs:
+        non_negative_number("timeout", loader_kwargs["timeout"], unit="seconds", zero="no timeout")
     n = non_negative_int("num_workers", loader_kwargs.get("num_workers", 0))
     pf = positive_int("prefetch_factor", loader_kwargs.get("prefetch_factor"), none_ok=True)
     if pf is not None and n == 0:

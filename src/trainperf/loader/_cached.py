@@ -3,7 +3,11 @@ the entry stored for a fresh choice.
 
 An entry holds the four tuned settings (``"best"``), the report's figures, notes and
 candidates as :meth:`~trainperf.loader.TuningReport.to_dict` writes them, and the memory and
-``/dev/shm`` the choice needs, so that a hit on a host with less of either tunes again. The
+``/dev/shm`` the choice needs. Nothing in it is trusted: before a hit is used,
+:func:`cache_misfit` checks the settings' types and ranges, ``num_workers`` against this
+call's ``max_workers`` (the caller's, or the default from the usable CPUs), and the memory
+and ``/dev/shm`` against what is free now; an entry that fails (hand-edited, corrupted, or
+from a roomier host) is tuned again, with a note saying why. The
 file itself (its place, keys, atomic writes) is :mod:`trainperf.loader._cache`. Under DDP
 local rank 0 sends the other local ranks the same entry, less the memory figures
 (:func:`share_entry`, :func:`report_from_share`; the hand-over is
@@ -15,8 +19,9 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
+from trainperf._utils.format import format_bytes
 from trainperf.limits import HostLimits
 from trainperf.loader import _cache
 from trainperf.loader._choice import final_kwargs
@@ -27,6 +32,7 @@ from trainperf.loader._step import cores_for_workers, main_process_cores
 __all__ = [
     "REPORT_KEYS",
     "cache_entry",
+    "cache_misfit",
     "cached_report",
     "entry_key",
     "report_from_cache",
@@ -170,13 +176,93 @@ def cached_report(
     loader_kwargs: Mapping[str, Any],
     common: Mapping[str, Any],
     started: float,
-) -> TuningReport | None:
-    """The report of the entry stored under ``key``, or None (no entry, or one that is
-    malformed or no longer fits; see :func:`report_from_cache`)."""
+) -> tuple[TuningReport | None, str | None]:
+    """The report of the entry stored under ``key`` and None; or None and, when there was
+    an entry that is malformed or no longer fits (:func:`cache_misfit`), the note for the
+    report of the tuning that replaces it."""
     entry = _cache.read_entry(key)
     if entry is None:
-        return None
-    return report_from_cache(entry, limits, loader_kwargs, common, started)
+        return None, None
+    why = cache_misfit(entry, limits, common)
+    if why is not None:
+        return None, f"the cached settings were not used ({why}): tuned again"
+    return report_from_cache(entry, limits, loader_kwargs, common, started), None
+
+
+def _is_int(value: object, minimum: int) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _settings_misfit(best: Any, max_workers: int) -> str | None:
+    """Why the tuned settings ``best`` are not ones this call could have chosen, or None."""
+    if not isinstance(best, Mapping):
+        return f"best={best!r} is not a mapping of settings"
+    n, pf = best.get("num_workers"), best.get("prefetch_factor")
+    if not _is_int(n, 0):
+        return f"num_workers={n!r} is not an int >= 0"
+    if n > max_workers:
+        return (
+            f"num_workers={n} is above max_workers={max_workers}, the most this call tries "
+            f"(the caller's max_workers, or the default from the usable CPUs)"
+        )
+    if pf is not None and not _is_int(pf, 1):
+        return f"prefetch_factor={pf!r} is not None or an int >= 1"
+    for name in ("pin_memory", "persistent_workers"):
+        if not isinstance(best.get(name), bool):
+            return f"{name}={best.get(name)!r} is not a bool"
+    return None
+
+
+def _limits_misfit(entry: Mapping[str, Any], limits: HostLimits) -> str | None:
+    """Why the memory and ``/dev/shm`` the entry's choice needs are not free now, or None."""
+    need, shm = entry.get("memory_needed"), entry.get("shm_needed")
+    if not _is_int(need, 0):
+        return f"memory_needed={need!r} is not an int >= 0"
+    if not _is_int(shm, 0):
+        return f"shm_needed={shm!r} is not an int >= 0"
+    room = limits.memory_available - safety_margin(limits.memory_available)
+    if need > room:
+        return (
+            f"they need {format_bytes(need)} of memory, {format_bytes(max(room, 0))} is "
+            f"available now after the safety margin"
+        )
+    if limits.shm_free is not None and shm > 0.9 * limits.shm_free:
+        return (
+            f"they need {format_bytes(shm)} of /dev/shm, {format_bytes(limits.shm_free)} is "
+            f"free now (90 % of it is used at most)"
+        )
+    return None
+
+
+def cache_misfit(
+    entry: Mapping[str, Any], limits: HostLimits, common: Mapping[str, Any]
+) -> str | None:
+    """Why a cache entry cannot be used on this host for this call, or None when it can.
+
+    A hit is checked as strictly as a choice the tuner makes: the settings' types and ranges
+    (``num_workers`` an int >= 0, ``prefetch_factor`` None or an int >= 1, ``pin_memory`` and
+    ``persistent_workers`` bools), ``num_workers`` at most this call's ``max_workers``, and
+    the memory and ``/dev/shm`` the choice needs within what is free now.
+
+    Args:
+        entry: what :func:`cache_entry` stored, or a hand-edited version of it.
+        limits: this host's limits now.
+        common: the report fields known before measuring (``cpus``, ``max_workers``, ...).
+
+    Example:
+        >>> from trainperf.limits import HostLimits
+        >>> limits = HostLimits(4, 4, None, 4, 2**33, None, 2**32, None, None)
+        >>> best = {"num_workers": 100000, "prefetch_factor": 2, "pin_memory": False,
+        ...         "persistent_workers": False}
+        >>> cache_misfit({"best": best}, limits, {"max_workers": 16, "cpus": 4})[:42]
+        'num_workers=100000 is above max_workers=16'
+    """
+    why = _settings_misfit(entry.get("best"), int(common["max_workers"]))
+    if why is None:
+        why = _limits_misfit(entry, limits)
+    if why is None and _parsed(entry, common["cpus"]) is None:
+        why = "the entry is malformed: its figures or candidates do not parse"
+    return why
 
 
 def report_from_cache(
@@ -186,7 +272,8 @@ def report_from_cache(
     common: Mapping[str, Any],
     started: float,
 ) -> TuningReport | None:
-    """A report built from a cache entry, or None when it is malformed or no longer fits.
+    """A report built from a cache entry, or None when it is malformed or no longer fits
+    (:func:`cache_misfit` says why).
 
     Args:
         entry: what :func:`cache_entry` stored (older entries may lack the shares).
@@ -196,15 +283,7 @@ def report_from_cache(
         started: ``time.perf_counter()`` when the call began.
     """
     parsed = _parsed(entry, common["cpus"])
-    if parsed is None:
-        return None
-    try:
-        need, shm = int(entry["memory_needed"]), int(entry["shm_needed"])
-    except (KeyError, TypeError, ValueError):
-        return None
-    if need > limits.memory_available - safety_margin(limits.memory_available):
-        return None
-    if limits.shm_free is not None and shm > 0.9 * limits.shm_free:
+    if parsed is None or cache_misfit(entry, limits, common) is not None:
         return None
     best, fields = parsed
     fields["notes"].append(f"settings from the cache ({_cache.cache_file()}); cache=False re-tunes")

@@ -296,8 +296,9 @@ def _finish(
 def _tune_here(call: _Call, key: str | None) -> TuningReport:
     """Answer from the cache entry ``key`` (None: no cache), else measure in this process."""
     setup = call.setup
+    misfit = None  # why a stored entry was not used, for the new report's notes
     if key is not None:
-        hit = _cached.cached_report(
+        hit, misfit = _cached.cached_report(
             key, setup.limits, call.loader_kwargs, setup.report_fields(), call.started
         )
         if hit is not None:
@@ -309,7 +310,11 @@ def _tune_here(call: _Call, key: str | None) -> TuningReport:
         choice = prepared.search.run(prepared.baseline)
     finally:
         bar.close()
-    return _finish(call, key, prepared, choice)
+    report = _finish(call, key, prepared, choice)
+    if misfit is None:
+        return report
+    # Added after _finish stored the entry: the note is about this call, not the next hit.
+    return dataclasses.replace(report, notes=(misfit, *report.notes))
 
 
 def _tuned(call: _Call) -> TuningReport:

@@ -30,6 +30,7 @@ hours at ten a second); older ones are dropped, the report counts them
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import weakref
 from array import array
@@ -107,7 +108,8 @@ class Watch:
     way a watch runs once.
 
     Raises:
-        ValueError: ``interval`` is not a number > 0, ``warmup_steps`` not an int >= 0,
+        ValueError: ``interval`` is not a finite number > 0 (at most
+            ``threading.TIMEOUT_MAX``), ``warmup_steps`` not an int >= 0,
             ``max_records`` not an int >= 1, or ``device`` is invalid (not CPU or CUDA).
         TypeError: ``device`` is not a str, int, torch.device or None.
         DeviceError: a CUDA ``device`` without CUDA, or a CUDA index beyond the visible GPUs.
@@ -122,7 +124,14 @@ class Watch:
         max_records: int = MAX_RECORDS,
     ) -> None:
         positive_int("max_records", max_records)
-        positive_number("interval", interval, unit="seconds")
+        interval = positive_number("interval", interval, unit="seconds")
+        if interval > threading.TIMEOUT_MAX:
+            # The sampler thread waits `interval` between samples; past this, the wait itself
+            # raises OverflowError inside the thread.
+            raise ValueError(
+                f"interval={interval!r} s is longer than a timer can wait (at most "
+                f"{threading.TIMEOUT_MAX:.0f} s); pass a shorter interval, e.g. 0.1"
+            )
         non_negative_int("warmup_steps", warmup_steps)
         # None is not "the best device" here but "follow whatever the loop uses".
         self._device = (
@@ -465,7 +474,8 @@ def watch(
         loop and ``w.stop()`` (which returns the report) after it.
 
     Raises:
-        ValueError: ``interval`` is not a number > 0, ``warmup_steps`` not an int >= 0,
+        ValueError: ``interval`` is not a finite number > 0 (at most
+            ``threading.TIMEOUT_MAX``), ``warmup_steps`` not an int >= 0,
             ``max_records`` not an int >= 1, or ``device`` is invalid (not CPU or CUDA).
         TypeError: ``device`` is not a str, int, torch.device or None.
         DeviceError: a CUDA ``device`` without CUDA, or a CUDA index beyond the visible GPUs.
