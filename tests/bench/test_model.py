@@ -177,6 +177,7 @@ AT_224 = {"device": "cpu", "image_size": 224, "iterations": 1, "batches_per_iter
           "warmup_batches": 1}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_bench_model_warns_about_a_known_gpu_well_under_its_reference(fake_a100: None) -> None:
     r = bench_model("resnet50", "fp32", batch_size=64, **AT_224)
     c = r.comparison
@@ -191,6 +192,7 @@ def test_bench_model_warns_about_a_known_gpu_well_under_its_reference(fake_a100:
     assert any("matmuls off TF32" in n for n in vit.notes)
 
 
+@pytest.mark.slow
 def test_bench_model_notes_why_it_gives_no_warning_or_no_comparison(fake_a100: None) -> None:
     small = bench_model("resnet50", "fp32", batch_size=8, **AT_224)
     assert small.comparison is not None and small.comparison.warning is None

@@ -63,6 +63,7 @@ def test_save_module_saves_unwrapped_state_dict(tmp_path: Path) -> None:
         assert loaded._metadata[""] == net.state_dict()._metadata[""]
 
 
+@pytest.mark.slow
 def test_save_dict_of_modules_optimizer_and_prefixed_state_dicts(tmp_path: Path) -> None:
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)

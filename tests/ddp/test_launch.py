@@ -351,6 +351,7 @@ def test_slurm_job_step_simulated_by_two_programs(tmp_path: Path) -> None:
     assert {r["pid"] for r in records}.isdisjoint({os.getpid()})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_max_restarts_reruns_the_whole_group(tmp_path: Path) -> None:
     marker = tmp_path / "failed-once"

@@ -46,6 +46,7 @@ def idle_step(batch: Any) -> None:
     """A training step that does nothing: the main process only takes batches."""
 
 
+@pytest.mark.slow
 def test_cache_hit_keeps_the_measured_main_process_share() -> None:
     first = tune(step_fn=idle_step)
     assert first.main_cores < 0.5 and first.worker_cpus == first.cpus
@@ -67,6 +68,7 @@ def test_cache_false_neither_reads_nor_writes() -> None:
     assert not path.exists()
 
 
+@pytest.mark.slow
 def test_malformed_entry_is_ignored() -> None:
     tune()
     data = json.loads(cache_file().read_text())
@@ -76,6 +78,7 @@ def test_malformed_entry_is_ignored() -> None:
     assert not tune().from_cache
 
 
+@pytest.mark.slow
 def test_cached_choice_that_no_longer_fits_memory_is_re_tuned(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -99,6 +102,7 @@ def edit_entry(**changes: Any) -> None:
     cache_file().write_text(json.dumps(data))
 
 
+@pytest.mark.slow
 def test_a_re_tune_says_why_the_cached_choice_no_longer_fits_memory() -> None:
     tune()
     edit_entry(memory_needed=10**15)
@@ -132,6 +136,7 @@ def test_a_re_tune_says_why_the_cached_choice_no_longer_fits_memory() -> None:
         ({"shm_needed": "0"}, "shm_needed='0' is not an int >= 0"),
     ],
 )
+@pytest.mark.slow
 def test_a_hand_edited_entry_is_checked_and_re_tuned_with_a_note(
     changes: dict[str, Any], why: str
 ) -> None:
@@ -156,6 +161,7 @@ def test_an_entry_above_max_workers_is_re_tuned_but_within_it_is_a_hit() -> None
     assert any("num_workers=3 is above max_workers=2" in n for n in miss.notes)
 
 
+@pytest.mark.slow
 def test_unwritable_cache_is_a_note_not_an_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

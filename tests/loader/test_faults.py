@@ -90,6 +90,7 @@ def failed(report: TuningReport) -> list[Any]:
     return [c for c in report.candidates if c.status == "failed"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["exit", "segv"])
 def test_crashing_worker_falls_back_to_zero_workers(how: str) -> None:
     with pytest.warns(RuntimeWarning, match="falls back to num_workers=0"):

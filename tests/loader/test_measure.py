@@ -137,6 +137,7 @@ def measure_until(
     return r, closes
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_deadline_cuts_the_hang_timeout_and_a_silent_pool_is_a_possible_hang(
     monkeypatch: pytest.MonkeyPatch,
@@ -149,6 +150,7 @@ def test_deadline_cuts_the_hang_timeout_and_a_silent_pool_is_a_possible_hang(
     assert closes == [True], "workers that may hang are killed, not joined"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_deadline_during_slow_batches_is_the_budget_not_a_hang(
     monkeypatch: pytest.MonkeyPatch,

@@ -172,6 +172,7 @@ def test_report_to_dict_describes_what_json_cannot_hold() -> None:
     assert data["notes"] == ["a note"]
 
 
+@pytest.mark.slow
 def test_a_report_without_candidates_prints_no_empty_table(report: TuningReport) -> None:
     # An entry cached by an older version holds only the choice: no header without rows.
     bare = dataclasses.replace(report, candidates=())

@@ -61,6 +61,7 @@ def test_tuning_and_a_cache_hit_leave_the_global_generators_as_they_were() -> No
     assert_same_states(before)
 
 
+@pytest.mark.slow
 def test_generators_the_caller_hands_in_are_restored() -> None:
     loader_gen = torch.Generator().manual_seed(3)
     sampler_gen = torch.Generator().manual_seed(4)
@@ -71,6 +72,7 @@ def test_generators_the_caller_hands_in_are_restored() -> None:
     assert torch.equal(sampler_gen.get_state(), states[1])
 
 
+@pytest.mark.slow
 def test_generators_are_restored_when_tuning_raises() -> None:
     torch.manual_seed(5)
     before = global_states()

@@ -325,6 +325,7 @@ def test_too_small_shm_is_predicted_and_never_tried(monkeypatch: pytest.MonkeyPa
     assert report.limits.shm_free == 2 << 20
 
 
+@pytest.mark.slow
 def test_memory_limit_is_never_approached(monkeypatch: pytest.MonkeyPatch) -> None:
     # 600 MiB available: after the 512 MiB safety margin, not even one forked worker
     # (128 MiB assumed) plus its batches fits.

@@ -25,6 +25,7 @@ def ranks(**kwargs: Any) -> dict[int, Any]:
     return spawn(tune_and_count, 2, kwargs=kwargs, start_method=FORK, timeout_s=30.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", [False, True])
 def test_only_local_rank_0_measures_and_both_ranks_get_its_choice(cache: bool) -> None:
     out = ranks(cache=cache)
@@ -41,6 +42,7 @@ def test_only_local_rank_0_measures_and_both_ranks_get_its_choice(cache: bool) -
         assert again[1]["measured"] == [] and again[1]["shared_from"] == 0
 
 
+@pytest.mark.slow
 def test_local_rank_0_calling_alone_does_not_wait_for_the_others() -> None:
     out = ranks(cache=False, callers=(0,))
     assert out[0]["measured"] == [0] and out[0]["seconds"] < 3.0 + 2.0

@@ -41,6 +41,7 @@ def test_step_cpu_counts_the_step_but_not_the_tuners_synchronize(
     assert busy >= 0.0008  # 4 ms of CPU for a batch of 4 is 1 ms per sample
 
 
+@pytest.mark.slow
 def test_step_fn_gets_the_batch_moved_to_the_tuning_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -45,6 +45,7 @@ def test_best_kwargs_pass_the_callers_arguments_through(report: TuningReport) ->
     del loader
 
 
+@pytest.mark.slow
 def test_autotune_loader_returns_a_dataloader_with_its_report() -> None:
     sampler = SequentialSampler(range(32))
     loader = autotune_loader(Waits(), 8, **quick(max_workers=0, sampler=sampler))

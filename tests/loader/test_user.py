@@ -145,6 +145,7 @@ def test_num_workers_in_the_loader_arguments_is_measured_and_judged() -> None:
     assert loader.num_workers == report.num_workers
 
 
+@pytest.mark.slow
 def test_num_workers_above_max_workers_is_accepted_and_not_measured() -> None:
     report = tune_loader(Waits(), 8, **quick(max_workers=0, num_workers=3))
     assert report.num_workers == 0 and [c.num_workers for c in report.candidates] == [0]
@@ -152,6 +153,7 @@ def test_num_workers_above_max_workers_is_accepted_and_not_measured() -> None:
     assert "num_workers=3 is above max_workers=0" in str(report)
 
 
+@pytest.mark.slow
 def test_the_callers_setting_is_part_of_the_cache_key(monkeypatch: pytest.MonkeyPatch) -> None:
     first = tune_for_cache(num_workers=0)
     assert first.user_setting is not None and first.user_setting.kept

@@ -45,6 +45,7 @@ def test_plot_without_matplotlib_names_the_fix(
         _report().plot(tmp_path / "timeline.png")
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = _report().plot(tmp_path / "timeline.png")

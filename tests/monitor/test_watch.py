@@ -131,6 +131,7 @@ def test_watch_sees_a_real_mixed_precision() -> None:
         assert f"chose fp32 ({mp.reason})" in report.verdict.fix, report
 
 
+@pytest.mark.slow
 def test_a_stall_every_tenth_step_is_found_with_its_period() -> None:
     with watch(device="cpu") as w:
         for i, _ in enumerate(w.iter([torch.zeros(4)] * 50)):
@@ -247,6 +248,7 @@ def _input_bound_loop(w: Watch) -> None:
         w.step()
 
 
+@pytest.mark.slow
 def test_start_and_stop_give_the_report_a_with_block_gives() -> None:
     before = sampler_threads()
     w = watch(device="cpu")
