@@ -7,10 +7,9 @@ main process, collectives that return their input. So a training function writte
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -19,8 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from trainperf._utils import launch_env
+from trainperf._utils.lifetime import DieWithParent
 from trainperf._utils.validate import non_negative_int, positive_int
-from trainperf.ddp._worker import die_with_parent
 
 __all__ = [
     "DistributedLoader",
@@ -222,19 +221,6 @@ class _AutoEpochSampler(DistributedSampler[T]):
         return iter(indices)
 
 
-class _DieWithRank:
-    """DataLoader ``worker_init_fn`` that ties the worker's life to its rank's."""
-
-    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
-        self.user_fn = user_fn
-        self.parent = os.getpid()
-
-    def __call__(self, worker_id: int) -> None:
-        die_with_parent(self.parent)
-        if self.user_fn is not None:
-            self.user_fn(worker_id)
-
-
 class DistributedLoader(DataLoader[T]):
     """A DataLoader over this rank's shard; the shuffle changes every epoch.
 
@@ -331,7 +317,7 @@ def distributed_loader(
         drop_last=drop_last,
     )
     if loader_kwargs.get("num_workers", 0) > 0 and sys.platform.startswith("linux"):
-        loader_kwargs["worker_init_fn"] = _DieWithRank(loader_kwargs.get("worker_init_fn"))
+        loader_kwargs["worker_init_fn"] = DieWithParent(loader_kwargs.get("worker_init_fn"))
     return DistributedLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_kwargs)
 
 

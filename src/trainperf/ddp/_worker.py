@@ -10,7 +10,6 @@ first failure from the ranks that failed because a peer had gone.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import multiprocessing
 import os
 import pickle
@@ -25,18 +24,17 @@ from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
 
+from trainperf._utils.lifetime import die_with_parent
+
 __all__ = [
     "REIMPORT_EXIT_CODE",
     "WORKER_NAME_PREFIX",
     "Failure",
     "WorkerSpec",
-    "die_with_parent",
     "rank_device",
     "reimporting_main",
     "worker_main",
 ]
-
-_PR_SET_PDEATHSIG = 1
 
 # Each worker process is named f"{WORKER_NAME_PREFIX}{rank}".
 WORKER_NAME_PREFIX = "trainperf-rank"
@@ -73,23 +71,6 @@ class Failure:
     message: str
     traceback: str
     time: float
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies; exit if it already has.
-
-    The parent can die between ``fork`` and ``prctl``; the signal is then never sent, so
-    the parent pid is checked afterwards. Elsewhere (macOS) this does nothing.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def reimporting_main() -> bool:
