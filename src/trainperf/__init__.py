@@ -24,6 +24,7 @@ from trainperf.checkpoint import (
     unwrap_model,
 )
 from trainperf.device import (
+    DieWithParent,
     GpuInfo,
     best_device,
     check_same_device,
@@ -62,6 +63,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "DeviceError",
     "DeviceMismatchError",
+    "DieWithParent",
     "DoctorReport",
     "GpuInfo",
     "HostLimits",

@@ -4,7 +4,8 @@ A DataLoader worker whose parent is SIGKILLed (an OOM kill, ``kill -9`` of a lau
 scheduler's hard stop) would otherwise live on with ppid 1, holding memory and shared-memory
 segments. Every DataLoader trainperf builds wraps its ``worker_init_fn`` in
 :class:`DieWithParent`; a DataLoader you build yourself can pass
-``worker_init_fn=DieWithParent(your_fn)`` (Linux only; elsewhere it only calls ``your_fn``).
+``worker_init_fn=trainperf.DieWithParent(your_fn)`` (Linux only; elsewhere it only calls
+``your_fn``).
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ class DieWithParent:
     It then calls the ``worker_init_fn`` it wraps (if any). Wrapping twice is harmless.
 
     Example:
-        >>> fn = DieWithParent(None)
-        >>> fn.parent == os.getpid()
+        >>> from torch.utils.data import DataLoader
+        >>> from trainperf import DieWithParent, worker_init_fn
+        >>> init = DieWithParent(worker_init_fn)  # seeds the worker, and it dies with us
+        >>> loader = DataLoader(range(4), num_workers=2, worker_init_fn=init)
+        >>> init.user_fn is worker_init_fn
         True
     """
 

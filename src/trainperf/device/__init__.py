@@ -9,11 +9,14 @@ CUDA context; how NVML's view is mapped onto CUDA's numbering (``CUDA_VISIBLE_DE
   ``CUDA_VISIBLE_DEVICES`` / ``CUDA_DEVICE_ORDER`` rules);
 - :mod:`._move`: :func:`to_device` and :func:`check_same_device` (walking nested batches);
 - :mod:`._resolve`: :func:`resolve_device`, the one parser of every ``device`` argument;
-- :mod:`._seed`: :func:`seed_everything` and :func:`worker_init_fn`.
+- :mod:`._seed`: :func:`seed_everything` and :func:`worker_init_fn`;
+- :class:`DieWithParent` (from ``trainperf._utils.lifetime``): a ``worker_init_fn`` wrapper that
+  makes DataLoader workers die with the process that started them.
 """
 
 from __future__ import annotations
 
+from trainperf._utils.lifetime import DieWithParent
 from trainperf._utils.public import set_public_module
 from trainperf.device._inventory import (
     GpuInfo,
@@ -28,6 +31,7 @@ from trainperf.device._resolve import resolve_device
 from trainperf.device._seed import seed_everything, worker_init_fn
 
 __all__ = [
+    "DieWithParent",
     "GpuInfo",
     "VisibleDevices",
     "best_device",
