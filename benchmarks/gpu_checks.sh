@@ -92,12 +92,17 @@ if [ "$part" = quick ]; then
   step bench_h2d 60 "$PY" -m trainperf bench h2d --json
   step doctor 60 "$PY" -m trainperf doctor
   step gpu_tests 240 "${pytest[@]}" -m requires_cuda tests
-  step ddp_fork_tests 120 "${pytest[@]}" tests/test_ddp.py -k "fork or returns_rank0 or master_port"
+  step ddp_fork_tests 120 "${pytest[@]}" tests/ddp -k "fork or returns_rank0 or master_port"
 else
   if [ "$cuda" = 1 ]; then
     step pipeline_bench 240 "$PY" benchmarks/pipeline_bench.py --images 4096 --backends nvjpeg,torchvision --tune-budget 20 --seconds 8 --train-resnet --steps 30 --json "$WORK/pipeline_bench.json"
   else
     step pipeline_bench 240 "$PY" benchmarks/pipeline_bench.py --images 64 --backends torchvision --tune-budget 3 --seconds 2 --json "$WORK/pipeline_bench.json"
+  fi
+  if [ "$cuda" = 1 ]; then
+    step to_device 60 "$PY" benchmarks/to_device_bench.py --device cuda:0 --rounds 5 --json "$WORK/to_device.json"
+  else
+    step to_device 60 "$PY" benchmarks/to_device_bench.py --reps 20 --rounds 3 --json "$WORK/to_device.json"
   fi
   step bench_overhead 150 "$PY" benchmarks/bench_overhead.py --rounds 3 --json "$WORK/bench_overhead.json"
   step watch_overhead 120 "$PY" benchmarks/watch_overhead.py --rounds 3 --json "$WORK/watch_overhead.json"
