@@ -286,3 +286,30 @@ def test_bench_model_on_a_missing_gpu_fails_before_building_anything(
     code, out, err = run(capsys, "bench", "model", "--device", "cuda")
     assert code != 0 and "needs CUDA" in err
     assert "building and warming up" not in out + err
+
+
+def test_doctor_dist_asks_for_the_multi_process_checks(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.doctor
+    from trainperf.doctor import AllReduceSweep, Check, DoctorReport, SweepRow
+
+    calls: list[dict[str, object]] = []
+    sweep = AllReduceSweep("gloo", 2, "cpu", (SweepRow(2**26, 3, 0.1, 0.671, 0.671),))
+    report = DoctorReport(
+        (Check("ifname", "fail", "NCCL_SOCKET_IFNAME='bogus0'", "fix"),), (sweep,)
+    )
+
+    def diagnose(**kwargs: object) -> DoctorReport:
+        calls.append(kwargs)
+        return report
+
+    monkeypatch.setattr(trainperf.doctor, "diagnose", diagnose)
+    assert build_parser().parse_args(["doctor"]).dist is False
+    code, out, err = run(capsys, "doctor", "--dist", "--json")
+    assert calls == [{"dist": True}] and code == 1  # a failed check: exit status 1
+    document = json.loads(out)
+    assert document["all_reduce"][0]["peak_busbw_gb_per_s"] == 0.671
+    assert "starting ranks" in err  # progress on stderr, the document alone on stdout
+    code, out, _ = run(capsys, "doctor", "--dist")
+    assert "all_reduce sweep: gloo, 2 ranks on cpu" in out and "bogus0" in out

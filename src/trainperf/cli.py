@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor",
         help="check GPUs, drivers, CPUs, memory, /dev/shm, BLAS, threads; exit 1 on a fail",
     )
+    doctor.add_argument(
+        "--dist",
+        action="store_true",
+        help="also the multi-process pre-flight (5-30 s): start one rank per GPU (2 CPU "
+        "ranks with gloo without 2 GPUs), time an all_reduce sweep against the link, check "
+        "/dev/shm for NCCL, NCCL_*/GLOO_* variables, interfaces, IOMMU/ACS, P2P on vs off",
+    )
     _add_json(doctor)
     gpus = commands.add_parser("gpus", help="list the GPUs this process can see (NVML)")
     _add_json(gpus)
@@ -265,7 +272,11 @@ def _run_bench_h2d(args: argparse.Namespace) -> int:
 def _run_doctor(args: argparse.Namespace) -> int:
     from trainperf.doctor import diagnose
 
-    report = diagnose()
+    if args.dist:
+        _progress("trainperf doctor --dist: starting ranks for an all_reduce sweep...")
+        report = diagnose(dist=True)
+    else:
+        report = diagnose()
     if args.json:
         _emit_json({"command": "doctor", **report.to_dict()}, sys.stdout)
     else:

@@ -216,3 +216,29 @@ def test_the_report_is_a_table_and_its_dict_is_json_safe() -> None:
     assert json.loads(json.dumps(data)) == data
     assert data == {"worst": "fail", "checks": [c.to_dict() for c in checks]}
     assert json.loads(json.dumps(DoctorReport(()).to_dict())) == {"worst": "skip", "checks": []}
+
+
+def test_report_with_sweeps_prints_them_after_the_table_and_adds_them_to_json() -> None:
+    from trainperf.doctor import AllReduceSweep, SweepRow
+
+    checks = (Check("all_reduce", "ok", "gloo, 2 ranks"),)
+    sweep = AllReduceSweep("gloo", 2, "cpu", (SweepRow(2**20, 3, 0.002, 0.524, 0.524),))
+    plain, with_sweep = DoctorReport(checks), DoctorReport(checks, (sweep,))
+    assert "all_reduce" not in plain.to_dict()
+    assert json.loads(json.dumps(with_sweep.to_dict()))["all_reduce"] == [sweep.to_dict()]
+    assert str(with_sweep) == str(plain) + "\n\n" + str(sweep)
+
+
+def test_diagnose_starts_no_ranks_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[object] = []
+
+    def dist_checks(**kwargs: object) -> tuple[list[Check], list[object]]:
+        seen.append(kwargs["gpus"])
+        return [Check("all_reduce", "ok", "faked")], []
+
+    monkeypatch.setattr(doctor_module, "dist_checks", dist_checks)
+    monkeypatch.setattr(device_module, "gpus", lambda **_: [gpu(0)])
+    assert [c.name for c in diagnose(limits=limits(), env={}).checks] == NAMES
+    report = diagnose(limits=limits(), env={}, dist=True)
+    assert [c.name for c in report.checks] == [*NAMES, "all_reduce"]
+    assert seen == [[gpu(0)]]  # the GPUs the other checks saw

@@ -6,6 +6,8 @@ measured value, and the fix). The check functions (in ``_checks`` and ``_gpu``, 
 any environment; :func:`diagnose` gathers the real inputs (NVML, torch, cgroups,
 ``/dev/shm``, NumPy's BLAS, environment variables) and runs them all.
 Nothing here initialises CUDA, and the whole run takes a second or two without a GPU.
+``diagnose(dist=True)`` adds the multi-process pre-flight of ``_dist`` (ranks started, an
+all_reduce sweep, the interconnect checks), which takes 5 to 30 seconds.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ from trainperf.doctor._checks import (
     check_visible_devices,
     load_average,
 )
+from trainperf.doctor._dist import dist_checks
 from trainperf.doctor._gpu import check_cuda_arch, check_gpus, check_torch_build
+from trainperf.doctor._sweep import AllReduceSweep
 from trainperf.errors import DeviceError
 from trainperf.limits import HostLimits, host_limits, local_world_size
 from trainperf.loader._faults import start_method
@@ -53,9 +57,12 @@ class DoctorReport:
 
     Attributes:
         checks: the checks, in the order they ran.
+        sweeps: the all_reduce sweeps ``diagnose(dist=True)`` ran (empty otherwise), each an
+            :class:`~trainperf.doctor.AllReduceSweep`, printed after the table.
     """
 
     checks: tuple[Check, ...]
+    sweeps: tuple[AllReduceSweep, ...] = ()
 
     @property
     def worst(self) -> CheckStatus:
@@ -70,7 +77,8 @@ class DoctorReport:
         """A JSON-ready dict: ``{"worst": ..., "checks": [{name, verdict, value, fix}, ...]}``.
 
         ``worst`` is :attr:`worst`; each check is :meth:`Check.to_dict`, whose ``verdict``
-        key holds the check's status.
+        key holds the check's status. After ``diagnose(dist=True)`` an ``"all_reduce"`` key
+        holds each sweep's :meth:`~trainperf.doctor.AllReduceSweep.to_dict`.
 
         Example:
             >>> report = DoctorReport((Check("shm", "warn", "64 MiB", "enlarge /dev/shm"),))
@@ -78,7 +86,10 @@ class DoctorReport:
             >>> data["worst"], data["checks"][0]["fix"]
             ('warn', 'enlarge /dev/shm')
         """
-        return {"worst": self.worst, "checks": [c.to_dict() for c in self.checks]}
+        data: dict[str, Any] = {"worst": self.worst, "checks": [c.to_dict() for c in self.checks]}
+        if self.sweeps:
+            data["all_reduce"] = [s.to_dict() for s in self.sweeps]
+        return data
 
     def __str__(self) -> str:
         width = max((len(c.name) for c in self.checks), default=4)
@@ -87,6 +98,8 @@ class DoctorReport:
             lines.append(f"{c.name:<{width}}  {c.verdict:<7}  {c.value}")
             if c.fix and c.verdict != "ok":
                 lines.append(f"{'':<{width}}  {'':<7}  fix: {c.fix}")
+        for sweep in self.sweeps:
+            lines.extend(["", str(sweep)])
         return "\n".join(lines)
 
 
@@ -153,34 +166,13 @@ def _torch_versions() -> tuple[int | None, tuple[int, ...] | None]:
     return cudnn, nccl
 
 
-def diagnose(
-    *,
-    limits: HostLimits | None = None,
-    env: Mapping[str, str] | None = None,
-    cpuinfo: Path = Path("/proc/cpuinfo"),
-) -> DoctorReport:
-    """Run every check against this machine and return the report.
-
-    Args:
-        limits: host limits to use instead of reading them (tests pass fake cgroups here).
-        env: environment variables to use instead of ``os.environ``, for every check that
-            reads one: ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` (also for the GPU
-            list, :func:`trainperf.gpus`), ``OMP_NUM_THREADS`` and ``LOCAL_WORLD_SIZE``.
-        cpuinfo: where to read the CPU vendor from.
-
-    Returns:
-        A :class:`DoctorReport`; ``print`` it for a table, ``to_dict()`` for JSON.
-
-    Example:
-        >>> report = diagnose()
-        >>> [c.name for c in report.checks][:3]
-        ['gpus', 'torch', 'cuda_arch']
-        >>> report.worst in ("ok", "warn", "fail")
-        True
-    """
-    environ = os.environ if env is None else env
-    limits = host_limits() if limits is None else limits
-    gpus, gpu_error = _list_gpus(env)
+def _host_checks(
+    environ: Mapping[str, str],
+    limits: HostLimits,
+    gpus: list[GpuInfo],
+    gpu_error: str | None,
+    cpuinfo: Path,
+) -> list[Check]:
     driver, driver_cuda, physical = _nvml_system()
     physical = max(physical, len(gpus))
     cudnn, nccl = _torch_versions()
@@ -188,7 +180,7 @@ def diagnose(
         processes = local_world_size(environ)
     except ValueError:  # a malformed launcher variable: the threads check assumes one process
         processes = 1
-    checks = [
+    return [
         check_gpus(gpus, driver, gpu_error),
         check_torch_build(
             torch_version=torch.__version__,
@@ -213,4 +205,47 @@ def diagnose(
             environ.get("CUDA_VISIBLE_DEVICES"), environ.get("CUDA_DEVICE_ORDER"), physical
         ),
     ]
-    return DoctorReport(tuple(checks))
+
+
+def diagnose(
+    *,
+    limits: HostLimits | None = None,
+    env: Mapping[str, str] | None = None,
+    cpuinfo: Path = Path("/proc/cpuinfo"),
+    dist: bool = False,
+) -> DoctorReport:
+    """Run every check against this machine and return the report.
+
+    Args:
+        limits: host limits to use instead of reading them (tests pass fake cgroups here).
+        env: environment variables to use instead of ``os.environ``, for every check that
+            reads one: ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` (also for the GPU
+            list, :func:`trainperf.gpus`), ``OMP_NUM_THREADS`` and ``LOCAL_WORLD_SIZE``, and
+            with ``dist=True`` the ``NCCL_*``/``GLOO_*`` variables and ``MASTER_ADDR``. The
+            ranks of the all_reduce sweep run in this process's own environment.
+        cpuinfo: where to read the CPU vendor from.
+        dist: also run the multi-process pre-flight (``trainperf doctor --dist``, 5-30 s):
+            start one rank per GPU (NCCL; 2 CPU ranks with gloo without 2 GPUs), time an
+            all_reduce sweep against what the link should give, and check ``/dev/shm`` for
+            NCCL, the ``NCCL_*`` variables, the socket interfaces and names, IOMMU/ACS and,
+            with 2+ GPUs, peer-to-peer on against off.
+
+    Returns:
+        A :class:`DoctorReport`; ``print`` it for a table, ``to_dict()`` for JSON.
+
+    Example:
+        >>> report = diagnose()
+        >>> [c.name for c in report.checks][:3]
+        ['gpus', 'torch', 'cuda_arch']
+        >>> report.worst in ("ok", "warn", "fail")
+        True
+    """
+    environ = os.environ if env is None else env
+    limits = host_limits() if limits is None else limits
+    gpus, gpu_error = _list_gpus(env)
+    dist_part: tuple[list[Check], list[AllReduceSweep]] = ([], [])
+    if dist:
+        # First, while nothing here has loaded CUDA's driver, so gloo ranks can be forked.
+        dist_part = dist_checks(env=environ, limits=limits, gpus=gpus)
+    checks = _host_checks(environ, limits, gpus, gpu_error, cpuinfo) + dist_part[0]
+    return DoctorReport(tuple(checks), tuple(dist_part[1]))

@@ -1,0 +1,396 @@
+"""The interconnect checks of ``trainperf doctor --dist``: pure functions of their inputs.
+
+``all_reduce`` judges the measured bus bandwidth against the link's own figure,
+``nccl_shm`` sizes ``/dev/shm`` for NCCL's shared-memory transport, ``iommu`` reads the
+IOMMU and PCIe ACS settings that can block peer-to-peer traffic, and ``p2p`` compares an
+all_reduce with peer-to-peer allowed against one with ``NCCL_P2P_DISABLE=1``. The network
+checks (``nccl_env``, ``ifname``, ``hostname``) are in ``_net_checks``. Import everything
+from :mod:`trainperf.doctor`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from trainperf._utils.format import format_bytes
+from trainperf.doctor._checks import Check
+from trainperf.doctor._interconnect import LinkEstimate
+from trainperf.doctor._sweep import AllReduceSweep
+
+__all__ = [
+    "IommuGroup",
+    "acs_redirecting_bridges",
+    "check_all_reduce",
+    "check_iommu",
+    "check_nccl_shm",
+    "check_p2p",
+    "nccl_shm_need",
+]
+
+_MiB = 2**20
+
+# (warn below, fail below) as a fraction of the link's figure. A healthy NVLink or PCIe link
+# carries well over half its figure in an all_reduce of 64 MiB and more (nccl-tests); half
+# means traffic takes a slower path (host memory instead of peer-to-peer), a tenth means
+# sockets. gloo reduces on the CPU and copies through user space: it reached 59-91 % of a
+# bare loopback socket on this project's 2-core machine; under a quarter the CPUs are
+# contended. A slow CPU-only run is never a failure.
+BANDWIDTH_FLOORS: dict[str, tuple[float, float]] = {
+    "nvlink": (0.5, 0.1),
+    "pcie": (0.5, 0.1),
+    "loopback": (0.25, 0.0),
+}
+
+# NCCL's SHM transport: the receiving rank of each (channel, sender) pair allocates one
+# /dev/shm segment holding a buffer per protocol (transport/shm.cc, shmRecvSetup): LL
+# 512 KiB, LL128 4,915,200 bytes (~4.7 MiB), SIMPLE NCCL_BUFFSIZE (4 MiB), plus a 4 KiB
+# header: the 9,637,888 bytes of "Error while creating shared memory segment ... (size
+# 9637888)" in nccl#342 (newer versions size it a little smaller, so this errs large).
+# NCCL usually sets up 2 channels or more on one host (its INFO log: "Channel 00/02", "Channel
+# 01/02"), and within one host its rings and chain trees receive from at most 2 distinct
+# peers (the previous and the next rank). An estimate, sized from NCCL's own buffers.
+NCCL_LL_BUFFSIZE = 8 * 512 * 8 * 16
+NCCL_LL128_BUFFSIZE = 120 * 640 * 8 * 8
+NCCL_SIMPLE_BUFFSIZE = 4 * _MiB
+NCCL_SHM_HEADER = 4096
+NCCL_SHM_CHANNELS = 2
+NCCL_SHM_MAX_PEERS = 2
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    try:
+        value = int(env[name], 0)
+    except (KeyError, ValueError):
+        return default
+    return value if value > 0 else default
+
+
+def nccl_shm_need(ranks: int, env: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """Bytes of ``/dev/shm`` NCCL's SHM transport needs for ``ranks`` ranks on one host.
+
+    ``ranks x channels x peers x segment``: each rank receives, per channel, from
+    ``min(ranks - 1, 2)`` peers, into one segment of LL + LL128 + SIMPLE buffers (their
+    sizes from ``NCCL_LL_BUFFSIZE``, ``NCCL_LL128_BUFFSIZE`` and ``NCCL_BUFFSIZE`` when
+    set); the channels are ``NCCL_MIN_NCHANNELS`` when set above 2.
+
+    Returns:
+        ``(bytes, the rule in words)``.
+
+    Example:
+        >>> need, rule = nccl_shm_need(8)
+        >>> need // 2**20, rule
+        (294, '8 ranks x 2 channels x 2 peers x 9.2 MiB segments')
+        >>> nccl_shm_need(2)[0] // 2**20
+        36
+    """
+    env = env or {}
+    segment = (
+        NCCL_SHM_HEADER
+        + _env_int(env, "NCCL_LL_BUFFSIZE", NCCL_LL_BUFFSIZE)
+        + _env_int(env, "NCCL_LL128_BUFFSIZE", NCCL_LL128_BUFFSIZE)
+        + _env_int(env, "NCCL_BUFFSIZE", NCCL_SIMPLE_BUFFSIZE)
+    )
+    channels = max(NCCL_SHM_CHANNELS, _env_int(env, "NCCL_MIN_NCHANNELS", 0))
+    peers = max(0, min(ranks - 1, NCCL_SHM_MAX_PEERS))
+    rule = (
+        f"{ranks} ranks x {channels} channels x {peers} peer{'s' * (peers != 1)} x "
+        f"{segment / _MiB:.1f} MiB segments"
+    )
+    return ranks * channels * peers * segment, rule
+
+
+def check_nccl_shm(
+    shm_free: int | None,
+    ranks: int,
+    *,
+    backend: str,
+    env: Mapping[str, str] | None = None,
+) -> Check:
+    """``/dev/shm`` against what NCCL's shared-memory transport needs for ``ranks`` ranks.
+
+    NCCL falls back to shared memory between GPUs that cannot reach each other
+    peer-to-peer (or with ``NCCL_P2P_DISABLE=1``); a ``/dev/shm`` too small for its
+    segments fails the job at start-up with "unhandled system error" (torchtitan#853,
+    nccl#342). Docker's default is 64 MB. See :func:`nccl_shm_need` for the rule.
+
+    Args:
+        shm_free: free bytes in ``/dev/shm``; None where there is none.
+        ranks: ranks on this host.
+        backend: the backend the job uses: a too-small ``/dev/shm`` fails NCCL; gloo does
+            not use it (a warning, since the same machine may run NCCL later).
+        env: the environment (``NCCL_SHM_DISABLE``, buffer sizes).
+
+    Example:
+        >>> check_nccl_shm(64 * 2**20, 8, backend="nccl").verdict
+        'fail'
+        >>> check_nccl_shm(16 * 2**30, 8, backend="nccl").verdict
+        'ok'
+    """
+    env = env or {}
+    if shm_free is None:
+        return Check("nccl_shm", "skip", "no /dev/shm here", "")
+    if env.get("NCCL_SHM_DISABLE", "").strip() == "1":
+        value = f"/dev/shm {format_bytes(shm_free)} free; NCCL_SHM_DISABLE=1: NCCL does not use it"
+        return Check("nccl_shm", "ok", value)
+    need, rule = nccl_shm_need(ranks, env)
+    value = (
+        f"/dev/shm {format_bytes(shm_free)} free; NCCL's shared-memory transport needs "
+        f"~{format_bytes(need)} for {rule}"
+    )
+    if shm_free >= need:
+        return Check("nccl_shm", "ok", value)
+    fix = (
+        "enlarge /dev/shm: docker run --shm-size=1g (or --ipc=host); on Kubernetes mount an "
+        "emptyDir with medium: Memory at /dev/shm; NCCL_SHM_DISABLE=1 avoids it at the cost "
+        "of slower transfers where peer-to-peer is unavailable"
+    )
+    if backend == "nccl":
+        lead = "NCCL fails at start-up with 'unhandled system error' when it uses it: "
+        return Check("nccl_shm", "fail", value, lead + fix)
+    lead = f"gloo does not use /dev/shm, but NCCL with {ranks} ranks on this host would fail: "
+    return Check("nccl_shm", "warn", value, lead + fix)
+
+
+def check_all_reduce(
+    sweep: AllReduceSweep | None, link: LinkEstimate | None, error: str | None = None
+) -> Check:
+    """The sweep's peak bus bandwidth against what the link should give.
+
+    Args:
+        sweep: the measured sweep; None when it could not run.
+        link: the link's figure (:func:`~trainperf.doctor.link_estimate`, or the loopback
+            baseline for gloo); None or unknown: reported without a verdict on speed.
+        error: why the sweep failed, if it did.
+
+    Example:
+        >>> from trainperf.doctor import AllReduceSweep, LinkEstimate, SweepRow
+        >>> sweep = AllReduceSweep("nccl", 2, "cuda", (SweepRow(2**26, 10, 0.01, 120.0, 120.0),))
+        >>> check_all_reduce(sweep, LinkEstimate("nvlink", 300.0, "NVLink 12 links")).verdict
+        'warn'
+    """
+    if error is not None or sweep is None:
+        fix = (
+            "rerun with NCCL_DEBUG=INFO (NCCL) or TORCH_DISTRIBUTED_DEBUG=DETAIL to see which "
+            "transport fails; the ifname, nccl_env and nccl_shm checks name the usual causes"
+        )
+        return Check("all_reduce", "fail", f"the all_reduce sweep failed: {error}", fix)
+    peak = sweep.peak
+    ranks = f"{sweep.backend}, {sweep.world_size} ranks on {sweep.device}"
+    if peak is None:
+        return Check("all_reduce", "skip", f"{ranks}: no sizes were timed", "")
+    measured = (
+        f"{ranks}: peak bus bandwidth {peak.busbw_gb_per_s:.2f} GB/s at "
+        f"{format_bytes(peak.size_bytes)}"
+    )
+    if link is None or link.gb_per_s is None:
+        detail = link.detail if link is not None else "no link figure"
+        return Check("all_reduce", "ok", f"{measured}; {detail}, nothing to compare with")
+    fraction = peak.busbw_gb_per_s / link.gb_per_s
+    value = f"{measured} = {fraction:.0%} of {link.detail}"
+    warn_below, fail_below = BANDWIDTH_FLOORS.get(link.kind, (0.5, 0.1))
+    if fraction >= warn_below:
+        return Check("all_reduce", "ok", value)
+    if link.kind == "loopback":
+        fix = (
+            "gloo reaches well under the host's own loopback socket: the CPUs are busy (see "
+            "the load and threads checks), or GLOO_SOCKET_IFNAME points at a slower interface"
+        )
+        return Check("all_reduce", "warn", value, fix)
+    fix = (
+        f"below {warn_below:.0%} of the link, traffic takes a slower path: NCCL_DEBUG=INFO "
+        "shows the transport per channel ('via P2P/IPC' or NVLS is the fast one, 'via SHM' "
+        "goes through host memory, 'via NET/Socket' through TCP); see the p2p, iommu and "
+        "nccl_env checks"
+    )
+    return Check("all_reduce", "fail" if fraction < fail_below else "warn", value, fix)
+
+
+# --------------------------------------------------------------------------- IOMMU and ACS
+
+
+@dataclass(frozen=True)
+class IommuGroup:
+    """One ``/sys/kernel/iommu_groups/<n>`` entry, as far as doctor needs it.
+
+    Attributes:
+        group: the group number.
+        kind: the ``type`` file (``"identity"`` = passthrough, ``"DMA"``/``"DMA-FQ"`` =
+            translated), None on kernels without it.
+        gpus: PCI addresses of NVIDIA GPUs in the group.
+    """
+
+    group: str
+    kind: str | None
+    gpus: tuple[str, ...] = ()
+
+
+_ACS_CTL = re.compile(r"ACSCtl:\s*(.*)")
+
+
+def acs_redirecting_bridges(lspci_vvv: str) -> tuple[str, ...]:
+    """PCI devices whose ACS control has ``SrcValid+`` in ``lspci -vvv`` output.
+
+    NCCL's troubleshooting guide: if ``lspci -vvv | grep ACSCtl`` shows ``SrcValid+``,
+    ACS might be enabled, redirecting peer-to-peer traffic through the CPU root complex.
+
+    Example:
+        >>> text = ("00:01.0 PCI bridge: Intel\\n\\tACSCtl:\\tSrcValid+ TransBlk- ReqRedir+\\n"
+        ...         "00:02.0 PCI bridge: Intel\\n\\tACSCtl:\\tSrcValid- TransBlk-\\n")
+        >>> acs_redirecting_bridges(text)
+        ('00:01.0',)
+    """
+    found: list[str] = []
+    device = ""
+    for line in lspci_vvv.splitlines():
+        if line and not line[0].isspace():
+            device = line.split(" ", 1)[0]
+            continue
+        match = _ACS_CTL.search(line)
+        if match and "SrcValid+" in match.group(1) and device not in found:
+            found.append(device)
+    return tuple(found)
+
+
+def _iommu_state(cmdline: str, groups: Sequence[IommuGroup]) -> tuple[str, bool]:
+    """The IOMMU in words, and whether GPU DMA is translated (not passthrough)."""
+    tokens = dict(t.split("=", 1) for t in cmdline.split() if "=" in t)
+    settings = ", ".join(
+        f"{k}={tokens[k]}" for k in ("iommu", "intel_iommu", "amd_iommu") if k in tokens
+    )
+    if not groups:
+        return f"no IOMMU groups (IOMMU off{'; ' + settings if settings else ''})", False
+    gpu_kinds = {g.kind for g in groups if g.gpus}
+    if gpu_kinds and None not in gpu_kinds:
+        translated = any(k != "identity" for k in gpu_kinds)
+    else:  # no type file: the command line tells whether the IOMMU passes DMA through
+        translated = tokens.get("iommu") != "pt" and (
+            tokens.get("intel_iommu") == "on" or tokens.get("amd_iommu") not in (None, "off")
+        )
+    kinds = "/".join(sorted(k or "?" for k in gpu_kinds)) or "no GPU in a group"
+    state = f"IOMMU on, {len(groups)} groups, GPU groups {kinds}"
+    return state + (f"; {settings}" if settings else ""), translated
+
+
+def check_iommu(
+    cmdline: str,
+    groups: Sequence[IommuGroup],
+    acs_bridges: Sequence[str] | None,
+    gpu_count: int,
+    *,
+    acs_note: str = "",
+) -> Check:
+    """IOMMU and PCIe ACS settings that can block or slow GPU peer-to-peer traffic.
+
+    An IOMMU that translates the GPUs' DMA, or ACS redirection on the PCIe bridges between
+    them, sends peer-to-peer traffic up to the CPU root complex: much slower, or a hang
+    (nccl#631, nccl#2079; NCCL troubleshooting, "PCI Access Control Services").
+
+    Args:
+        cmdline: ``/proc/cmdline`` (``iommu=``, ``intel_iommu=``, ``amd_iommu=``).
+        groups: the IOMMU groups (empty: IOMMU off).
+        acs_bridges: bridges with ACS ``SrcValid+`` (:func:`acs_redirecting_bridges`);
+            None when ``lspci -vvv`` could not be read.
+        gpu_count: GPUs on this host; peer-to-peer needs two.
+        acs_note: why the ACS state is unknown, when it is.
+
+    Example:
+        >>> check_iommu("iommu=pt", [], [], gpu_count=8).verdict
+        'ok'
+        >>> check_iommu("", [], ["00:01.0"], gpu_count=8).verdict
+        'warn'
+    """
+    state, translated = _iommu_state(cmdline, groups)
+    if acs_bridges is None:
+        acs = f"ACS: unknown ({acs_note or 'lspci -vvv unavailable'})"
+    else:
+        acs = f"ACS SrcValid+ on {', '.join(acs_bridges)}" if acs_bridges else "ACS off"
+    value = f"{state}; {acs}"
+    if gpu_count < 2:
+        return Check("iommu", "skip", value, "nothing to do: peer-to-peer needs 2+ GPUs")
+    problems = []
+    if translated:
+        problems.append(
+            "the IOMMU translates GPU DMA: add iommu=pt to the kernel command line "
+            "(passthrough), or disable VT-d/AMD-Vi in the BIOS"
+        )
+    if acs_bridges:
+        problems.append(
+            "ACS redirects peer-to-peer traffic through the root complex: disable it "
+            "(BIOS, or `setpci -s <bridge> ECAP_ACS+0x6.w=0000` on each bridge as NCCL's "
+            "troubleshooting guide shows)"
+        )
+    if problems:
+        fix = (
+            "; ".join(problems)
+            + "; where the p2p check shows P2P slow or failing, NCCL_P2P_DISABLE=1"
+        )
+        return Check("iommu", "warn", value, fix)
+    return Check("iommu", "ok", value)
+
+
+# --------------------------------------------------------------------------- P2P on vs off
+
+# P2P slower than this fraction of the host-memory path means peer traffic is redirected.
+P2P_SLOWER_FRACTION = 0.9
+
+
+def check_p2p(
+    gpu_count: int,
+    *,
+    with_p2p: float | None = None,
+    without_p2p: float | None = None,
+    with_error: str | None = None,
+    without_error: str | None = None,
+    nvml_blocked: Sequence[str] = (),
+) -> Check:
+    """Peer-to-peer between GPUs: an all_reduce with P2P against one with ``NCCL_P2P_DISABLE=1``.
+
+    Args:
+        gpu_count: GPUs on this host.
+        with_p2p: peak bus bandwidth (GB/s) with P2P allowed; None when not measured.
+        without_p2p: the same with ``NCCL_P2P_DISABLE=1``.
+        with_error: why the P2P run failed (a hang ends at the sweep's timeout).
+        without_error: why the run without P2P failed.
+        nvml_blocked: GPU pairs NVML reports as unable to use P2P, with the reason.
+
+    Example:
+        >>> check_p2p(8, with_p2p=40.0, without_p2p=18.0).verdict
+        'ok'
+        >>> check_p2p(8, with_p2p=3.0, without_p2p=18.0).verdict
+        'warn'
+        >>> check_p2p(8, with_error="timed out", without_p2p=18.0).verdict
+        'fail'
+    """
+    if gpu_count < 2:
+        return Check("p2p", "skip", "peer-to-peer needs 2+ GPUs", "")
+    nvml = f"; NVML: no P2P for {', '.join(nvml_blocked)}" if nvml_blocked else ""
+    broken_fix = (
+        "P2P is broken on this host (ACS or the IOMMU redirecting peer traffic; see the iommu "
+        "check): disable ACS / set iommu=pt, or export NCCL_P2P_DISABLE=1 for every job"
+    )
+    if with_error is not None and without_error is None:
+        value = f"all_reduce with P2P failed ({with_error}), with NCCL_P2P_DISABLE=1 it works{nvml}"
+        return Check("p2p", "fail", value, broken_fix)
+    if with_error is not None or without_error is not None:
+        value = f"all_reduce failed with P2P ({with_error}) and without ({without_error}){nvml}"
+        return Check("p2p", "fail", value, "see the all_reduce check: NCCL fails either way")
+    if with_p2p is None or without_p2p is None:
+        value = "not measured" + nvml
+        return Check("p2p", "warn" if nvml_blocked else "skip", value, broken_fix * bool(nvml))
+    ratio = with_p2p / without_p2p if without_p2p else float("inf")
+    value = (
+        f"P2P {with_p2p:.1f} GB/s vs NCCL_P2P_DISABLE=1 {without_p2p:.1f} GB/s bus bandwidth "
+        f"({ratio:.2f}x){nvml}"
+    )
+    if ratio < P2P_SLOWER_FRACTION:
+        fix = "P2P is slower than going through host memory: " + broken_fix
+        return Check("p2p", "warn", value, fix)
+    if nvml_blocked:
+        fix = (
+            "NCCL goes through host memory between those GPUs (see nccl_shm); on a PCIe host "
+            "see the iommu check"
+        )
+        return Check("p2p", "warn", value, fix)
+    return Check("p2p", "ok", value)

@@ -1,0 +1,365 @@
+"""The network checks of ``trainperf doctor --dist``: pure functions of their inputs.
+
+``nccl_env`` reads the ``NCCL_*`` variables that switch a transport off or name one that is
+not there, ``ifname`` matches ``NCCL_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` against this
+host's interfaces, and ``hostname`` checks that the names the rendezvous and gloo resolve
+lead to an address here. Import everything from :mod:`trainperf.doctor`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from trainperf.doctor._checks import Check, CheckStatus
+
+__all__ = [
+    "IfnameFilter",
+    "check_hostname",
+    "check_nccl_env",
+    "check_socket_ifname",
+    "nccl_default_interfaces",
+    "parse_nccl_ifname",
+]
+
+_SEVERITY = {"ok": 0, "warn": 1, "fail": 2}
+
+
+def _nccl_int(text: str | None) -> int | None:
+    """An NCCL integer parameter as NCCL reads it (``strtoll``, base auto); None if not one."""
+    if text is None:
+        return None
+    try:
+        return int(text.strip(), 0)
+    except ValueError:
+        return None
+
+
+class _Findings:
+    """What a check found, each with its status; the worst one is the check's verdict."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[CheckStatus, str]] = []
+
+    def warn(self, text: str) -> None:
+        self.items.append(("warn", text))
+
+    def fail(self, text: str) -> None:
+        self.items.append(("fail", text))
+
+    def check(self, name: str, value: str, fix_suffix: str = "") -> Check:
+        if not self.items:
+            return Check(name, "ok", value)
+        worst = max((status for status, _ in self.items), key=_SEVERITY.__getitem__)
+        return Check(name, worst, value, "; ".join(t for _, t in self.items) + fix_suffix)
+
+
+def _flag(env: Mapping[str, str], name: str, found: _Findings) -> bool:
+    """Whether ``name`` is set to a non-zero integer; a non-integer is a finding of its own."""
+    raw = env.get(name)
+    if raw is None:
+        return False
+    value = _nccl_int(raw)
+    if value is None:
+        found.warn(
+            f"{name}={raw!r} is not an integer: NCCL ignores it and keeps its default (use 0 or 1)"
+        )
+        return False
+    return value != 0
+
+
+def _p2p_off(env: Mapping[str, str], found: _Findings) -> bool:
+    """Findings on the variables that turn peer-to-peer off; whether one of them does."""
+    disabled = _flag(env, "NCCL_P2P_DISABLE", found)
+    if disabled:
+        found.warn(
+            "NCCL_P2P_DISABLE=1: GPUs exchange data through host memory instead of "
+            "NVLink/PCIe peer-to-peer, at a fraction of the bandwidth; keep it only "
+            "where the p2p check shows P2P broken"
+        )
+    level = env.get("NCCL_P2P_LEVEL", "").strip().upper()
+    if level in ("LOC", "0"):
+        found.warn(f"NCCL_P2P_LEVEL={level} never uses peer-to-peer")
+    return disabled or level in ("LOC", "0")
+
+
+def _network(env: Mapping[str, str], ib_devices: Sequence[str], found: _Findings) -> None:
+    ib = ", ".join(ib_devices)
+    if _flag(env, "NCCL_IB_DISABLE", found) and ib_devices:
+        found.warn(
+            f"NCCL_IB_DISABLE=1 although {ib} is here: traffic between nodes goes "
+            "through TCP sockets"
+        )
+    net = (env.get("NCCL_NET") or "").strip().lower()
+    if net == "ib" and not ib_devices:
+        found.fail(
+            "NCCL_NET=IB but this host has no InfiniBand/RoCE device "
+            "(/sys/class/infiniband is empty): NCCL fails at start-up"
+        )
+    elif net == "socket" and ib_devices:
+        found.warn(f"NCCL_NET=Socket ignores {ib}: traffic between nodes goes through TCP")
+
+
+def check_nccl_env(env: Mapping[str, str], ib_devices: Sequence[str] = ()) -> Check:
+    """``NCCL_*`` variables that switch transports off, or name a network that is not here.
+
+    Args:
+        env: the environment.
+        ib_devices: InfiniBand/RoCE devices on this host (``/sys/class/infiniband``).
+
+    Example:
+        >>> check_nccl_env({"NCCL_P2P_DISABLE": "1"}).verdict
+        'warn'
+        >>> check_nccl_env({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}).verdict
+        'fail'
+        >>> check_nccl_env({"NCCL_NET": "IB"}, ib_devices=[]).verdict
+        'fail'
+        >>> check_nccl_env({}).verdict
+        'ok'
+    """
+    found = _Findings()
+    p2p_off = _p2p_off(env, found)
+    if _flag(env, "NCCL_SHM_DISABLE", found):
+        found.warn(
+            "NCCL_SHM_DISABLE=1: without peer-to-peer, ranks on this host fall back to TCP sockets"
+        )
+        if p2p_off:
+            found.fail(
+                "peer-to-peer and shared memory are both off: every transfer between "
+                "GPUs of this host goes through TCP sockets, tens of times slower"
+            )
+    _network(env, ib_devices, found)
+    for name in ("NCCL_ALGO", "NCCL_PROTO"):
+        if env.get(name):
+            found.warn(
+                f"{name}={env[name]!r} is a debugging setting (NCCL's docs: do not "
+                "keep it in scripts)"
+            )
+    shown = sorted(k for k in env if k.startswith("NCCL_"))
+    value = "NCCL variables: " + (", ".join(f"{k}={env[k]}" for k in shown) or "none set")
+    return found.check("nccl_env", value, "; unset the variable unless it is needed")
+
+
+# --------------------------------------------------------------------------- interfaces
+
+
+@dataclass(frozen=True)
+class IfnameFilter:
+    """``NCCL_SOCKET_IFNAME`` parsed as NCCL parses it.
+
+    A comma-separated list of prefixes; a leading ``^`` excludes instead of selecting, and
+    a ``=`` (after the ``^`` if any) makes every entry an exact name (NCCL's env docs).
+
+    Attributes:
+        exclude: the list names interfaces not to use.
+        exact: entries are whole names, not prefixes.
+        entries: the names or prefixes.
+    """
+
+    exclude: bool
+    exact: bool
+    entries: tuple[str, ...]
+
+    def matches(self, interface: str) -> bool:
+        """Whether ``interface`` is named by an entry (before the exclusion is applied).
+
+        Example:
+            >>> parse_nccl_ifname("eth").matches("eth0"), parse_nccl_ifname("=eth").matches("eth0")
+            (True, False)
+        """
+        if self.exact:
+            return interface in self.entries
+        return any(interface.startswith(entry) for entry in self.entries)
+
+
+def parse_nccl_ifname(value: str) -> IfnameFilter:
+    """Parse ``NCCL_SOCKET_IFNAME``: ``eth``, ``=eth0,eth1``, ``^docker``, ``^=docker0``.
+
+    Example:
+        >>> parse_nccl_ifname("^=docker0,lo")
+        IfnameFilter(exclude=True, exact=True, entries=('docker0', 'lo'))
+    """
+    text = value.strip()
+    exclude = text.startswith("^")
+    text = text.removeprefix("^")
+    exact = text.startswith("=")
+    text = text.removeprefix("=")
+    entries = tuple(e.strip() for e in text.split(",") if e.strip())
+    return IfnameFilter(exclude, exact, entries)
+
+
+def nccl_default_interfaces(interfaces: Mapping[str, Sequence[str]]) -> list[str]:
+    """The interfaces NCCL picks with no ``NCCL_SOCKET_IFNAME``: InfiniBand (``ib*``) first,
+    then any but ``docker*`` and ``lo``, then ``docker*``, then ``lo`` (only those with an
+    address).
+
+    Example:
+        >>> nccl_default_interfaces({"lo": ["127.0.0.1"], "eth0": ["10.0.0.2"], "ifb0": []})
+        ['eth0']
+    """
+    usable = [name for name, addresses in interfaces.items() if addresses]
+    for pick in (
+        lambda n: n.startswith("ib"),
+        lambda n: not n.startswith(("docker", "lo")),
+        lambda n: n.startswith("docker"),
+        lambda n: n.startswith("lo"),
+    ):
+        found = [n for n in usable if pick(n)]
+        if found:
+            return found
+    return []
+
+
+def _nccl_ifname(value: str, interfaces: Mapping[str, Sequence[str]]) -> tuple[CheckStatus, str]:
+    parsed = parse_nccl_ifname(value)
+    usable = [n for n, addresses in interfaces.items() if addresses]
+    if parsed.exclude:
+        left = [n for n in usable if not parsed.matches(n)]
+        if not left:
+            return "fail", f"NCCL_SOCKET_IFNAME={value!r} excludes every interface with an address"
+        return "ok", f"NCCL_SOCKET_IFNAME={value!r} leaves {', '.join(left)}"
+    chosen = [n for n in usable if parsed.matches(n)]
+    kind = "named" if parsed.exact else "matching"
+    unmatched = [
+        e
+        for e in parsed.entries
+        if not any((n == e if parsed.exact else n.startswith(e)) for n in usable)
+    ]
+    if not chosen:
+        return "fail", (
+            f"NCCL_SOCKET_IFNAME={value!r}: no interface {kind} {', '.join(map(repr, unmatched))} "
+            "has an address here, so NCCL finds no socket interface and fails at start-up"
+        )
+    if unmatched:
+        return "warn", (
+            f"NCCL_SOCKET_IFNAME={value!r}: {', '.join(map(repr, unmatched))} matches no "
+            f"interface here (a typo?); NCCL uses {', '.join(chosen)}"
+        )
+    return "ok", f"NCCL_SOCKET_IFNAME={value!r} selects {', '.join(chosen)}"
+
+
+def _gloo_ifname(value: str, interfaces: Mapping[str, Sequence[str]]) -> tuple[CheckStatus, str]:
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    missing = [n for n in names if not interfaces.get(n)]
+    if missing:
+        absent = [n for n in missing if n not in interfaces]
+        why = "does not exist" if absent == missing else "has no address (or does not exist)"
+        return "fail", (
+            f"GLOO_SOCKET_IFNAME={value!r}: {', '.join(map(repr, missing))} {why} here (gloo "
+            "takes exact names, no prefixes), so gloo fails with 'Unable to find address for'"
+        )
+    return "ok", f"GLOO_SOCKET_IFNAME={value!r}"
+
+
+def check_socket_ifname(
+    nccl_ifname: str | None, gloo_ifname: str | None, interfaces: Mapping[str, Sequence[str]]
+) -> Check:
+    """``NCCL_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` against this host's interfaces.
+
+    Args:
+        nccl_ifname: ``NCCL_SOCKET_IFNAME``, None when unset (NCCL then picks by itself).
+        gloo_ifname: ``GLOO_SOCKET_IFNAME``, None when unset (gloo resolves the hostname).
+        interfaces: every interface (``socket.if_nameindex()``) and its IP addresses; NCCL
+            and gloo use only interfaces that have one.
+
+    Example:
+        >>> here = {"lo": ["127.0.0.1"], "eth0": ["10.0.0.2"]}
+        >>> check = check_socket_ifname("bogus0", None, here)
+        >>> check.verdict, "'bogus0'" in check.value
+        ('fail', True)
+        >>> check_socket_ifname("^docker", "eth0", here).verdict
+        'ok'
+    """
+    results: list[tuple[CheckStatus, str]] = []
+    if nccl_ifname is None:
+        default = nccl_default_interfaces(interfaces)
+        picks = ", ".join(default) or "none"
+        results.append(("ok", f"NCCL_SOCKET_IFNAME unset (NCCL picks {picks})"))
+    else:
+        results.append(_nccl_ifname(nccl_ifname, interfaces))
+    if gloo_ifname is not None:
+        results.append(_gloo_ifname(gloo_ifname, interfaces))
+    else:
+        results.append(("ok", "GLOO_SOCKET_IFNAME unset (gloo uses the hostname's address)"))
+    listed = ", ".join(f"{n} {'/'.join(a) or '(no address)'}" for n, a in interfaces.items())
+    value = "; ".join(text for _, text in results) + f"; interfaces: {listed or 'none'}"
+    worst = max((status for status, _ in results), key=_SEVERITY.__getitem__)
+    if worst == "ok":
+        return Check("ifname", "ok", value)
+    usable = ", ".join(n for n, a in interfaces.items() if a)
+    fix = (
+        f"name an interface that exists here ({usable}): `ip -br addr` lists them; "
+        "NCCL_SOCKET_IFNAME takes prefixes (eth, ^docker, =eth0), GLOO_SOCKET_IFNAME exact names"
+    )
+    return Check("ifname", worst, value, fix)
+
+
+# --------------------------------------------------------------------------- names
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def check_hostname(
+    hostname: str,
+    resolved: Sequence[str] | None,
+    interfaces: Mapping[str, Sequence[str]],
+    *,
+    master_addr: str | None = None,
+    master_resolved: Sequence[str] | None = None,
+) -> Check:
+    """The hostname (what gloo binds to by default) and ``MASTER_ADDR`` resolve to addresses.
+
+    Without ``GLOO_SOCKET_IFNAME``, gloo resolves the hostname and binds to that address; if
+    it cannot, it falls back to the loopback address, which works on one host only.
+
+    Args:
+        hostname: ``socket.gethostname()``.
+        resolved: the hostname's addresses (``getaddrinfo``); None when it does not resolve.
+        interfaces: this host's interfaces and their addresses.
+        master_addr: ``MASTER_ADDR``, None when unset.
+        master_resolved: its addresses; None when it does not resolve.
+
+    Example:
+        >>> here = {"lo": ["127.0.0.1"], "eth0": ["10.0.0.2"]}
+        >>> check_hostname("node1", ["10.0.0.2"], here).verdict
+        'ok'
+        >>> check_hostname("node1", None, here).verdict
+        'warn'
+        >>> check_hostname("node1", ["10.0.0.2"], here, master_addr="nowhere").verdict
+        'fail'
+    """
+    owner = {a: n for n, addresses in interfaces.items() for a in addresses}
+    found = _Findings()
+    if resolved is None:
+        value = f"{hostname!r} does not resolve"
+        found.warn(
+            "gloo falls back to the loopback address: fine on one host, but other "
+            "nodes cannot reach it; add the hostname to /etc/hosts or set "
+            "GLOO_SOCKET_IFNAME"
+        )
+    else:
+        places = [f"{a} ({owner.get(a, 'on no interface here')})" for a in resolved]
+        value = f"{hostname!r} resolves to {', '.join(places)}"
+        if not any(a in owner for a in resolved):
+            found.warn(
+                f"{hostname!r} resolves to no address of this host, so gloo cannot "
+                "bind to it and falls back to loopback: fix /etc/hosts or set "
+                "GLOO_SOCKET_IFNAME"
+            )
+        elif all(_is_loopback(a) for a in resolved):
+            value += "; loopback only: fine on one host, set GLOO_SOCKET_IFNAME across nodes"
+    if master_addr is not None and master_resolved is None:
+        value += f"; MASTER_ADDR={master_addr!r} does not resolve"
+        found.fail(
+            f"MASTER_ADDR={master_addr!r} does not resolve: the rendezvous cannot "
+            "connect; use an address or a name in DNS or /etc/hosts"
+        )
+    elif master_addr is not None and master_resolved is not None:
+        value += f"; MASTER_ADDR={master_addr!r} -> {', '.join(master_resolved)}"
+    return found.check("hostname", value)

@@ -1,0 +1,124 @@
+"""The all_reduce sweep (``doctor/_sweep.py``): bus bandwidth, the result, the gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from trainperf.doctor import AllReduceSweep, SweepRow, all_reduce_sweep, bus_bandwidth
+from trainperf.doctor._sweep import environment, start_method_for
+
+ROWS = (SweepRow(2**20, 40, 0.002, 0.524, 0.524), SweepRow(2**26, 4, 0.05, 1.342, 1.342))
+
+
+def test_bus_bandwidth_is_algbw_times_2_n_minus_1_over_n() -> None:
+    assert bus_bandwidth(10.0, 2) == 10.0
+    assert bus_bandwidth(10.0, 4) == 15.0
+    assert bus_bandwidth(8.0, 8) == 14.0
+
+
+def test_a_row_from_the_slowest_ranks_time() -> None:
+    row = SweepRow.from_timing(64 * 2**20, 5, 0.01, ranks=4)
+    assert row.algbw_gb_per_s == pytest.approx(6.711, abs=1e-3)
+    assert row.busbw_gb_per_s == pytest.approx(6.711 * 1.5, abs=1e-3)
+    assert (row.size_bytes, row.iterations, row.seconds_per_call) == (64 * 2**20, 5, 0.01)
+
+
+def test_sweep_report_protocol() -> None:
+    sweep = AllReduceSweep("gloo", 2, "cpu", ROWS, start_method="fork", seconds=1.5)
+    assert sweep.peak == ROWS[1]
+    text = str(sweep)
+    assert text.splitlines()[0].startswith("all_reduce sweep: gloo, 2 ranks on cpu")
+    assert "64 MiB" in text and "1.34" in text and "50.00 ms" in text
+    data = json.loads(json.dumps(sweep.to_dict()))
+    assert data["peak_busbw_gb_per_s"] == 1.342 and len(data["rows"]) == 2
+    assert data["setting"] == "as configured" and data["backend"] == "gloo"
+    assert AllReduceSweep("gloo", 2, "cpu", ()).to_dict()["peak_busbw_gb_per_s"] is None
+
+
+@pytest.mark.slow  # the first matplotlib import takes seconds
+def test_sweep_plot_writes_an_image(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = AllReduceSweep("gloo", 2, "cpu", ROWS).plot(tmp_path / "sweep.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_environment_sets_removes_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NCCL_P2P_LEVEL", "NVL")
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    with environment({"NCCL_P2P_DISABLE": "1", "NCCL_P2P_LEVEL": None}):
+        assert os.environ["NCCL_P2P_DISABLE"] == "1" and "NCCL_P2P_LEVEL" not in os.environ
+    assert "NCCL_P2P_DISABLE" not in os.environ and os.environ["NCCL_P2P_LEVEL"] == "NVL"
+    with pytest.raises(RuntimeError, match="inside"), environment({"NCCL_P2P_DISABLE": "1"}):
+        raise RuntimeError("inside")
+    assert "NCCL_P2P_DISABLE" not in os.environ
+
+
+def test_start_method_forks_only_where_safe(tmp_path: Path) -> None:
+    clean = tmp_path / "maps"
+    clean.write_text("7f00-7f80 r-xp 0 08:01 1 /usr/lib/libcudart.so.13\n")  # runtime only
+    cuda = tmp_path / "cuda-maps"
+    cuda.write_text("7f00-7f80 r-xp 0 08:01 1 /usr/lib/libcuda.so.1\n")
+    assert start_method_for("nccl", clean) == "spawn"
+    assert start_method_for("gloo", cuda) == "spawn"
+    assert start_method_for("gloo", tmp_path / "missing") == "spawn"
+    assert start_method_for("gloo", clean) == ("fork" if os.name == "posix" else "spawn")
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert start_method_for("gloo", clean) == "spawn"  # fork with a second thread
+    finally:
+        stop.set()
+        other.join()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"nprocs": 1}, "nprocs >= 2"),
+        ({"nprocs": 0}, "nprocs must be an int >= 1, got 0"),
+        ({"sizes": []}, "at least one message size"),
+        ({"sizes": [2**20, 0]}, r"sizes\[\] must be an int >= 1, got 0"),
+        ({"backend": "mpi"}, "backend must be one of"),
+        ({"timeout": math.nan}, "timeout"),
+        ({"target_seconds": 0}, "target_seconds"),
+    ],
+)
+def test_all_reduce_sweep_refuses_bad_options_before_starting_ranks(
+    kwargs: dict[str, object], message: str
+) -> None:
+    options: dict[str, object] = {"backend": "gloo", **kwargs}
+    with pytest.raises(ValueError, match=message):
+        all_reduce_sweep(**options)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_gloo_sweep_end_to_end_with_an_environment_override() -> None:
+    sweep = all_reduce_sweep(
+        backend="gloo", nprocs=2, sizes=[2**16, 2**20], env={"TRAINPERF_SWEEP_TEST": "1"},
+        target_seconds=0.02,
+    )  # fmt: skip
+    assert (sweep.backend, sweep.world_size, sweep.device) == ("gloo", 2, "cpu")
+    assert [r.size_bytes for r in sweep.rows] == [2**16, 2**20]
+    assert all(r.iterations >= 3 and r.busbw_gb_per_s > 0 for r in sweep.rows)
+    assert sweep.setting == "TRAINPERF_SWEEP_TEST=1"
+    assert "TRAINPERF_SWEEP_TEST" not in os.environ
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.slow
+def test_nccl_sweep_one_rank_per_gpu() -> None:
+    import trainperf
+
+    gpus = len(trainperf.gpus())  # NVML: CUDA stays uninitialised in this process
+    if gpus < 2:
+        pytest.skip(f"an NCCL all_reduce needs 2+ GPUs, this host has {gpus}")
+    sweep = all_reduce_sweep(backend="nccl", sizes=[2**20, 2**26], target_seconds=0.05)
+    assert (sweep.backend, sweep.world_size, sweep.device) == ("nccl", gpus, "cuda")
+    assert sweep.start_method == "spawn" and all(r.busbw_gb_per_s > 0 for r in sweep.rows)
