@@ -91,6 +91,8 @@ if [ "$part" = quick ]; then
   step bench_matmul 60 "$PY" -m trainperf bench matmul --json
   step bench_h2d 60 "$PY" -m trainperf bench h2d --json
   step doctor 60 "$PY" -m trainperf doctor
+  step doctor_dist 90 "$PY" -m trainperf doctor --dist
+  step gpu_links 30 "$PY" -c 'import trainperf; from trainperf.doctor import read_gpu_links, link_estimate; l = read_gpu_links(trainperf.gpus()); print(l); print(link_estimate(l))'
   step gpu_tests 240 "${pytest[@]}" -m requires_cuda tests
   step ddp_fork_tests 120 "${pytest[@]}" tests/ddp -k "fork or returns_rank0 or master_port"
 else
