@@ -13,7 +13,7 @@ from trainperf.loader import _tune as tune_mod
 
 
 def tune_and_count(
-    cache: bool, callers: tuple[int, ...] = (0, 1), grace_s: float | None = None
+    cache: bool, callers: tuple[int, ...] = (0, 1), share_grace_s: float | None = None
 ) -> dict[str, Any]:
     """``tune_loader`` on the ranks in ``callers``; what it measured here and reported."""
     measured: list[int] = []
@@ -23,8 +23,8 @@ def tune_and_count(
         measured.append(kwargs["num_workers"])
         return real(*args, **kwargs)
 
-    if grace_s is not None:
-        _share.GRACE_S = grace_s
+    if share_grace_s is not None:
+        _share.GRACE_S = share_grace_s
     if dist.get_rank() not in callers:
         return {"called": False}
     tune_mod.measure = counting  # type: ignore[assignment]

@@ -216,7 +216,14 @@ def stored_entry() -> dict[str, Any]:
 def test_the_entry_holds_the_reports_own_serialisation() -> None:
     report = tune()
     entry = stored_entry()
-    assert set(entry) == {"best", "memory_needed", "shm_needed", "created", *REPORT_KEYS}
+    assert set(entry) == {
+        "best",
+        "memory_needed",
+        "shm_needed",
+        "sharding_checked",
+        "created",
+        *REPORT_KEYS,
+    }
     data = report.to_dict()
     assert {k: entry[k] for k in REPORT_KEYS} == {k: data[k] for k in REPORT_KEYS}
     fields = {f.name for f in dataclasses.fields(CandidateResult)}

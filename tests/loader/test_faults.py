@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import multiprocessing.resource_tracker
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -21,8 +23,14 @@ from torch.utils.data import Dataset, get_worker_info
 
 from tests.loader._fakes import tune_two_workers as tune
 from tests.loader._spies import record_closes
-from trainperf.loader import TuningReport
-from trainperf.loader._faults import classify_fault, hang_timeout, main_private_bytes
+from trainperf.loader import TuningReport, measure
+from trainperf.loader._faults import (
+    child_signals_held,
+    classify_fault,
+    hang_timeout,
+    main_private_bytes,
+    sigkilled_workers,
+)
 
 MiB = 1 << 20
 
@@ -41,6 +49,7 @@ class Faulty(Dataset[torch.Tensor]):
     def __init__(self, how: str, n: int = 64) -> None:
         self.how = how
         self.n = n
+        self.calls = 0  # in this process (each worker counts its own)
 
     def __len__(self) -> int:
         return self.n
@@ -51,6 +60,10 @@ class Faulty(Dataset[torch.Tensor]):
                 os._exit(3)
             if self.how == "segv":
                 os.kill(os.getpid(), signal.SIGSEGV)
+            self.calls += 1
+            # What the out-of-memory killer does: SIGKILL, at once or after some batches.
+            if self.how == "sigkill" or (self.how == "late-sigkill" and self.calls > 24):
+                os.kill(os.getpid(), signal.SIGKILL)
             if self.how == "hang":
                 time.sleep(120)
             if self.how == "shm":
@@ -101,6 +114,41 @@ def test_crashing_worker_falls_back_to_zero_workers(how: str) -> None:
     assert bad[0].fault == "crash"
     assert "exited unexpectedly" in (bad[0].reason or "")
     assert any("falls back" in n for n in report.notes)
+    assert_no_workers_left()
+
+
+@pytest.mark.slow  # about 2 s: a worker started and killed
+def test_a_sigkilled_worker_is_reported_as_likely_out_of_memory() -> None:
+    with pytest.warns(RuntimeWarning, match="out-of-memory killer"):
+        report = tune(Faulty("sigkill"))
+    assert report.best_kwargs["num_workers"] == 0
+    bad = failed(report)
+    assert [c.fault for c in bad] == ["memory"], "not a generic crash"
+    reason = bad[0].reason or ""
+    assert "killed by SIGKILL (exit code -9), most likely by the out-of-memory killer" in reason
+    assert "fewer workers" in reason
+    assert_no_workers_left()
+
+
+@pytest.mark.slow  # about 2 s: a pool killed after some batches
+def test_a_sigkill_after_some_batches_quotes_the_workers_memory() -> None:
+    r = measure(
+        Faulty("late-sigkill", n=4096),
+        4,
+        {},
+        num_workers=2,
+        prefetch_factor=2,
+        pin_memory=False,
+        deadline=time.perf_counter() + 30,
+        memory_available=5 << 30,
+    )
+    assert (r.status, r.fault) == ("failed", "memory")
+    assert re.search(
+        r"SIGKILL \(exit code -9\), most likely by the out-of-memory killer: 2 workers had "
+        r"reached \d+ MiB resident together \(\d+ MiB private each at the first reading\), "
+        r"with 5\.0 GiB available when tuning started; fix: ",
+        r.reason or "",
+    ), r.reason
     assert_no_workers_left()
 
 
@@ -207,7 +255,8 @@ def test_shm_exhaustion_in_worker_says_how_to_fix_it() -> None:
     ("message", "kwargs", "kind", "words"),
     [
         ("DataLoader worker (pid(s) 77) exited unexpectedly", {}, "crash", "num_workers=0"),
-        ("DataLoader worker (pid 77) is killed by signal: Killed. ", {}, "crash", "out-of-memory"),
+        # SIGKILL: the out-of-memory killer, most likely (issue 20.2), not a generic crash.
+        ("DataLoader worker (pid 77) is killed by signal: Killed. ", {}, "memory", "out-of-memory"),
         (
             "DataLoader worker (pid(s) 77) exited unexpectedly",
             {"start_method": "spawn"},
@@ -258,3 +307,44 @@ def test_hang_timeout() -> None:
     assert hang_timeout(8, batch_s=1.0, **fork) == 40.0  # twice as many workers as cores
     assert hang_timeout(8, batch_s=1.0, **{**fork, "start_method": "spawn"}) == 60.0
     assert hang_timeout(8, batch_s=1.0, **{**fork, "user_timeout": 2.5}) == 2.5
+
+
+class DyingWorker:
+    """A worker process as DataLoader holds it, that is SIGKILLed ``after_s`` from now."""
+
+    def __init__(self, pid: int, after_s: float) -> None:
+        self.pid = pid
+        self.dies_at = time.monotonic() + after_s
+
+    @property
+    def exitcode(self) -> int | None:
+        return -signal.SIGKILL if time.monotonic() >= self.dies_at else None
+
+
+def test_a_worker_still_dying_when_its_socket_resets_is_waited_for() -> None:
+    # The main process may see the connection reset before the worker can be waited for.
+    it = SimpleNamespace(_workers=[DyingWorker(11, 0.0), DyingWorker(12, 0.2)])
+    assert sigkilled_workers(it) == [11]
+    it = SimpleNamespace(_workers=[DyingWorker(12, 0.2), DyingWorker(13, 60.0)])
+    assert sigkilled_workers(it) == []  # no symptom of a death: no wait
+    assert sigkilled_workers(it, ConnectionResetError(104, "reset")) == [12]
+    assert sigkilled_workers(SimpleNamespace(), EOFError()) == []  # no workers to wait for
+
+
+def test_child_signals_are_quiet_while_a_failed_pool_is_stopped() -> None:
+    # torch's SIGCHLD handler raises for each worker that dies; while a failed pool is
+    # looked at and stopped, more die, and none of that may escape from measure().
+    def raising(signum: int, frame: Any) -> None:
+        raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
+
+    previous = signal.signal(signal.SIGCHLD, raising)
+    try:
+        with child_signals_held():
+            os.kill(os.getpid(), signal.SIGCHLD)
+            time.sleep(0.05)  # the handler would run here
+        assert signal.getsignal(signal.SIGCHLD) is raising  # put back
+        with pytest.raises(RuntimeError, match="killed by signal"):
+            os.kill(os.getpid(), signal.SIGCHLD)
+            time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGCHLD, previous)

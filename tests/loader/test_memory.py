@@ -8,17 +8,19 @@ Tensor buffers are never written and stay shared.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from tests.loader._fakes import search_over
+from tests.loader._fakes import quick, search_over
 from trainperf.loader import _memory as memory_mod
-from trainperf.loader import measure
+from trainperf.loader import measure, tune_loader
 from trainperf.loader._faults import WorkerProcesses, main_private_bytes
 from trainperf.loader._memory import CollectFirst, project_worker_uss, projected_uss
 
@@ -208,3 +210,70 @@ def test_tensor_dataset_projection_stays_small(monkeypatch: pytest.MonkeyPatch) 
     # the worker's start-up garbage collection copies the parent's Python containers.)
     growth = r.worker_uss - end_of_window
     assert growth < size // 8, (r.worker_uss // MiB, end_of_window // MiB)
+
+
+# ------------------------------------------ workers that each hold a lot (issue 20.2)
+
+HOG = 200 * MiB
+
+
+class Hog(Dataset[torch.Tensor]):
+    """I/O-bound (10 ms a sample), and each worker holds 200 MiB of its own from its first
+    sample on (a per-worker index, a decoder's buffers)."""
+
+    def __init__(self) -> None:
+        self.held: Any = None
+
+    def __len__(self) -> int:
+        return 256
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.held is None and torch.utils.data.get_worker_info() is not None:
+            self.held = np.ones(HOG, dtype=np.uint8)  # every page written
+        time.sleep(0.01)
+        return torch.zeros(8)
+
+
+@pytest.mark.slow  # about 5-8 s: a real search with workers holding 200 MiB each
+def test_workers_are_never_started_beyond_what_one_measured_worker_says_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tests.loader.test_search import fake_limits
+    from trainperf.loader import _tune as tune_mod
+    from trainperf.loader._search import safety_margin
+
+    # 1.5 GiB available, about 1 GiB after the margin: the prior for a lean script (128 MiB
+    # a forked worker) would start 6 of the 8 workers the CPUs ask for; 200 MiB each fit 4.
+    available = 1536 * MiB
+    room = available - safety_margin(available)
+    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(memory_available=available))
+    monkeypatch.setattr(tune_mod, "main_rss", lambda: 100 * MiB)
+    started: list[int] = []
+    real = tune_mod.measure
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        started.append(kwargs["num_workers"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tune_mod, "measure", counting)
+    report = tune_loader(Hog(), 4, **quick(max_workers=8, budget_s=20.0))
+    one = next(c for c in report.candidates if c.num_workers == 1)
+    assert one.ok and one.worker_uss is not None and one.worker_uss >= HOG
+    assert started[:2] == [0, 1], "one worker is measured before any pool"
+    per_worker = 1.25 * max(c.worker_uss or 0 for c in report.candidates)
+    fits = int(room // per_worker)
+    assert 1 <= fits < 6
+    # No pool larger than the measured memory allows was ever started...
+    assert max(started) <= fits
+    # ...and the larger counts considered are listed as skipped, with the figures.
+    skipped = [c for c in report.candidates if c.status == "skipped" and c.fault == "memory"]
+    assert 8 in {c.num_workers for c in skipped}
+    text = str(report)
+    for c in skipped:
+        assert c.num_workers > fits
+        line = next(ln for ln in text.splitlines() if ln.lstrip().startswith(f"{c.num_workers} "))
+        assert re.search(
+            rf"skipped \(memory\): {c.num_workers} workers \u00d7 0\.\d\d GiB \+ .* > "
+            rf"{room / 2**30:.2f} GiB available",
+            line,
+        ), line

@@ -336,3 +336,108 @@ def test_memory_limit_is_never_approached(monkeypatch: pytest.MonkeyPatch) -> No
     skipped = [c for c in report.candidates if c.status == "skipped"]
     assert skipped and all(c.fault == "memory" for c in skipped)
     assert "GiB" in (skipped[0].reason or "")
+
+
+# ------------------------------------------------- one worker measured first (issue 20.2)
+
+
+def test_one_worker_is_measured_before_a_pool_and_the_pool_fits_what_it_measured() -> None:
+    # Each worker holds 2 GiB; 6 GiB available. The prior (128 MiB a forked worker) would
+    # start 8 workers; one worker measured first caps the pool at what really fits.
+    pool = Pool(linear(), demand=0.05, uss=2 * GiB, batch_bytes=MiB)
+    s = search(pool, worker_cpus=1, max_workers=8, memory_available=6 * GiB, probe_first=True)
+    choice = s.run(pool.baseline())
+    room = 6 * GiB - safety_margin(6 * GiB)  # 5.4 GiB
+    assert workers_tried(s)[:2] == [0, 1]  # the probe: one worker, before any pool
+    assert all(s.memory_needed(n, 2, False) <= room for n in workers_tried(s))
+    assert max(workers_tried(s)) == 2  # 2 x 2.5 GiB fits 5.4 GiB, 3 do not
+    assert choice.num_workers == 2
+    # The 8 the CPUs asked for is listed, with the figures, not dropped silently.
+    eight = s.find(8, 2, False)
+    assert eight is not None and (eight.status, eight.fault) == ("skipped", "memory")
+    assert (eight.reason or "").startswith("8 workers \u00d7 2.50 GiB + ")
+    assert "> 5.40 GiB available (per worker: measured" in (eight.reason or "")
+    three = s.find(3, 2, False)  # the climb's next step: skipped the same way
+    assert three is not None and (three.reason or "").startswith("3 workers \u00d7 2.50 GiB")
+
+
+def test_without_the_probe_the_first_pool_is_sized_by_the_prior() -> None:
+    # What the probe prevents: the same pool started at once at the CPUs' count.
+    pool = Pool(linear(), demand=0.05, uss=2 * GiB, batch_bytes=MiB)
+    s = search(pool, worker_cpus=1, max_workers=8, memory_available=6 * GiB)
+    s.run(pool.baseline())
+    assert workers_tried(s)[1] == 8
+
+
+def test_no_probe_when_a_worker_was_measured_or_the_first_pool_has_one() -> None:
+    pool = Pool(linear(), demand=0.05)
+    s = search(pool, worker_cpus=1, max_workers=8, probe_first=True, user=(3, 2, False))
+    s.run(pool.baseline())
+    assert workers_tried(s)[:3] == [0, 3, 8]  # the caller's 3 workers measured memory
+    pool = Pool(linear(), demand=1.0)
+    s = search(pool, worker_cpus=1, probe_first=True)
+    s.run(pool.baseline())
+    assert workers_tried(s) == [0, 1]
+
+
+def test_a_probe_that_fails_starts_no_pool() -> None:
+    pool = Pool(linear(), demand=0.05, fail={1: ("memory", "a worker was killed by SIGKILL")})
+    s = search(pool, worker_cpus=1, max_workers=8, probe_first=True)
+    with pytest.warns(RuntimeWarning, match="SIGKILL"):
+        choice = s.run(pool.baseline())
+    assert choice.num_workers == 0 and workers_tried(s) == [0, 1]
+
+
+def test_the_first_count_lowered_for_the_prior_is_listed_too() -> None:
+    # Before any worker is measured (no probe): 1 GiB assumed per worker (the main process).
+    pool = Pool(linear(), demand=0.05, uss=10 * MiB)
+    s = search(pool, worker_cpus=1, max_workers=16, memory_available=6 * GiB, main_rss=GiB)
+    s.run(pool.baseline())
+    sixteen = s.find(16, 2, False)
+    assert sixteen is not None and sixteen.status == "skipped"
+    assert "16 workers \u00d7 1.00 GiB" in (sixteen.reason or "")
+    assert "assumed: no worker measured yet" in (sixteen.reason or "")
+
+
+def test_a_sigkilled_pool_is_retried_smaller() -> None:
+    pool = Pool(linear(), demand=0.05, fail={8: ("memory", "killed by SIGKILL")})
+    s = search(pool, worker_cpus=1, max_workers=8)
+    choice = s.run(pool.baseline())
+    assert workers_tried(s)[:3] == [0, 8, 4]  # halved, not given up
+    assert choice.num_workers >= 4 and s.broken is None
+
+
+def test_a_faster_pool_refused_for_memory_is_noted() -> None:
+    # The 4-worker pool ran and measured 3 GiB per worker: that estimate refuses the faster
+    # pool, and a note says why it was not chosen.
+    def measure(n: int, pf: int | None, pin: bool) -> CandidateResult:
+        uss = 3 * GiB if n >= 4 else 100 * MiB
+        rate = 100.0 if n == 0 else 150.0 * n
+        return CandidateResult(
+            n, pf, pin, "ok", samples_per_s=rate, worker_uss=uss if n else None,
+            worker_cpu=0.05 * n if n else None, main_cpu=0.05, batch_bytes=MiB,
+        )  # fmt: skip
+
+    s = search(measure, worker_cpus=1, max_workers=4, memory_available=8 * GiB)
+    choice = s.run(measure(0, None, False))
+    assert choice.num_workers < 4
+    assert any(n.startswith("workers=4 prefetch=2 pin=no ran, but is not chosen: 4 workers \u00d7 ")
+               for n in s.notes)  # fmt: skip
+
+
+# --------------------------------------------- every worker count refused (issue 20.7)
+
+
+def test_a_refusal_measures_no_worker_configuration() -> None:
+    pool = Pool(linear(), demand=0.05)
+    refused = CandidateResult(2, 2, False, "failed", fault="unsharded", reason="replays")
+    s = search(pool, max_workers=8, refused=refused, user=(4, 2, False), probe_first=True)
+    choice = s.run(pool.baseline())
+    assert choice.num_workers == 0 and pool.calls == [(0, None, False)]
+    mine = s.find(4, 2, False)
+    assert mine is not None and (mine.status, mine.fault, mine.reason) == (
+        "skipped",
+        "unsharded",
+        "replays",
+    )
+    assert s.results[1] is refused

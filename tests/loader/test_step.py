@@ -35,8 +35,8 @@ def test_step_cpu_counts_the_step_but_not_the_tuners_synchronize(
     monkeypatch.setattr(trainperf.device, "to_device", lambda batch, device, **kw: batch)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: _burn(0.005))
     cuda = torch.device("cuda")
-    _, idle = time_step(Waits(), 4, {}, lambda b: None, cuda, math.inf)
-    _, busy = time_step(Waits(), 4, {}, lambda b: _burn(0.004), cuda, math.inf)
+    idle = time_step(Waits(), 4, {}, lambda b: None, cuda, math.inf).cpu_per_sample
+    busy = time_step(Waits(), 4, {}, lambda b: _burn(0.004), cuda, math.inf).cpu_per_sample
     assert idle < 0.0002  # s of CPU per sample: the 5 ms synchronize is not the step's
     assert busy >= 0.0008  # 4 ms of CPU for a batch of 4 is 1 ms per sample
 
@@ -107,8 +107,27 @@ def test_loader_ceiling_scales_the_baseline_to_every_core() -> None:
     assert loader_ceiling(zero(None, 1.0), 4) == 0.0
 
 
-def test_time_step_with_no_time_left_still_times_one_call() -> None:
+def test_time_step_with_no_time_left_uses_the_warm_up_call() -> None:
+    # The budget is kept: no call starts after the deadline (issue 20.11). The warm-up
+    # call's figures stand in, marked partial.
     calls: list[int] = []
-    rate, cpu = time_step(Waits(), 4, {}, lambda b: calls.append(1), torch.device("cpu"), -math.inf)
-    assert len(calls) == 2  # the warm-up call, then one timed call
-    assert rate > 0 and cpu >= 0
+    t = time_step(Waits(), 4, {}, lambda b: calls.append(1), torch.device("cpu"), -math.inf)
+    assert len(calls) == 1
+    assert t.partial and t.calls == 0
+    assert t.samples_per_s > 0 and t.cpu_per_sample >= 0 and t.longest_s > 0
+
+
+def test_time_step_starts_no_call_the_last_one_says_ends_after_the_deadline() -> None:
+    # 0.15 s a call, 0.25 s left: after the warm-up call (ends at about 0.15 s) a second
+    # would end at 0.3 s, past the deadline, so it is not started (issue 20.11).
+    starts: list[float] = []
+
+    def step(batch: Any) -> None:
+        starts.append(time.perf_counter())
+        time.sleep(0.15)
+
+    deadline = time.perf_counter() + 0.25
+    t = time_step(Waits(), 4, {}, step, torch.device("cpu"), deadline)
+    assert len(starts) == 1 and t.partial
+    assert t.longest_s >= 0.15
+    assert t.samples_per_s == pytest.approx(4 / 0.15, rel=0.5)

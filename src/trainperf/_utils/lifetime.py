@@ -11,6 +11,7 @@ segments. Every DataLoader trainperf builds wraps its ``worker_init_fn`` in
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
 import signal
 import sys
@@ -53,10 +54,13 @@ class DieWithParent:
     """
 
     def __init__(self, user_fn: Callable[[int], None] | None) -> None:
-        self.user_fn = user_fn.user_fn if isinstance(user_fn, DieWithParent) else user_fn
-        self.parent = os.getpid()
+        inner = user_fn.user_fn if isinstance(user_fn, DieWithParent) else user_fn
+        self.user_fn: Callable[[int], None] | None = inner
 
     def __call__(self, worker_id: int) -> None:
-        die_with_parent(self.parent)
+        # The parent is whichever process started this worker (the loader may have been built
+        # in another one), as multiprocessing recorded it before the parent could die.
+        parent = multiprocessing.parent_process()
+        die_with_parent(os.getppid() if parent is None or parent.pid is None else parent.pid)
         if self.user_fn is not None:
             self.user_fn(worker_id)

@@ -1,15 +1,21 @@
 """Choose DataLoader settings by measurement: :func:`tune_loader` and :func:`autotune_loader`.
 
 A starved input pipeline is the commonest reason a rented GPU idles. The tuner measures the
-steady-state throughput of a few DataLoader configurations (not a grid) within a hard time
+steady-state throughput of a few DataLoader configurations (not a grid) within a time
 budget and returns the fastest one that fits the CPUs, memory and ``/dev/shm`` of this
-process, without leaving a worker behind when a configuration crashes or hangs.
+process, without leaving a worker behind when a configuration crashes or hangs, or when
+the process itself is killed.
 
-- :mod:`._tune`: the entry points; :mod:`._args`: their argument checks; :mod:`._rng`:
-  every random number generator left as the call found it;
+- :mod:`._tune`: the entry points; :mod:`._autotune`: ``autotune_loader`` and the loader
+  it returns, whose workers die with their parent; :mod:`._args`: the argument checks;
+  :mod:`._rng`: every random number generator left as the call found it; :mod:`._budget`:
+  what ``budget_s`` guarantees;
+- :mod:`._iterable`: an ``IterableDataset`` that does not shard its stream across workers,
+  found on a short probe and kept at ``num_workers=0``;
 - :mod:`._measure`: timing one configuration and catching worker faults (:mod:`._faults`),
-  with :mod:`._windows` (start-up and prefetch buffer excluded, repeated windows until they
-  agree), :mod:`._memory` (worker memory projected over the run) and :mod:`._batches`;
+  with :mod:`._fetch` (its DataLoader, every wait cut to the deadline), :mod:`._windows`
+  (start-up and prefetch buffer excluded, repeated windows until they agree),
+  :mod:`._memory` (worker memory projected over the run) and :mod:`._batches`;
 - :mod:`._step`: ``step_fn`` timed alone, and the cores it leaves to workers;
 - :mod:`._search`: prediction from the single-process cost, then a short climb;
 - :mod:`._user`: the caller's own ``num_workers`` measured as one candidate, and judged;
@@ -33,6 +39,7 @@ Example:
 from __future__ import annotations
 
 from trainperf._utils.public import set_public_module
+from trainperf.loader._autotune import TunedDataLoader, autotune_loader
 from trainperf.loader._cache import cache_file
 from trainperf.loader._measure import measure
 from trainperf.loader._report import (
@@ -42,7 +49,7 @@ from trainperf.loader._report import (
     TuningReport,
     UserSetting,
 )
-from trainperf.loader._tune import TunedDataLoader, autotune_loader, tune_loader
+from trainperf.loader._tune import tune_loader
 from trainperf.loader._windows import WindowPolicy
 
 __all__ = [

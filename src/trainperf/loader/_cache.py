@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from trainperf._utils.atomic import write_atomically
+from trainperf._utils.lifetime import DieWithParent
 
 __all__ = [
     "cache_file",
@@ -97,6 +98,12 @@ def _qualname(obj: Any) -> str:
     if code is not None and ("<lambda>" in name or "<locals>" in name):
         name += f"@{code.co_filename}:{code.co_firstlineno}:{code.co_code.hex()[:32]}"
     return name
+
+
+def _unwrapped(value: Any) -> Any:
+    """The caller's own function inside :class:`trainperf.DieWithParent`, which does not
+    change the answer (every worker the tuner starts has it)."""
+    return value.user_fn if isinstance(value, DieWithParent) else value
 
 
 def _describe(value: Any) -> Any:
@@ -191,7 +198,9 @@ def key_fields(
         "max_workers": max_workers,
         "epochs_hint": epochs_hint,
         "step_fn": None if step_fn is None else _qualname(step_fn),
-        "loader": {k: _describe(loader_kwargs[k]) for k in _KEY_KWARGS if k in loader_kwargs},
+        "loader": {
+            k: _describe(_unwrapped(loader_kwargs[k])) for k in _KEY_KWARGS if k in loader_kwargs
+        },
     }
 
 

@@ -75,6 +75,8 @@ def cache_entry(
         **{k: data[k] for k in REPORT_KEYS},
         "memory_needed": memory_needed,
         "shm_needed": shm_needed,
+        # An IterableDataset's workers were chosen after the check that it shards.
+        "sharding_checked": True,
     }
 
 
@@ -176,14 +178,17 @@ def cached_report(
     loader_kwargs: Mapping[str, Any],
     common: Mapping[str, Any],
     started: float,
+    *,
+    iterable: bool = False,
 ) -> tuple[TuningReport | None, str | None]:
     """The report of the entry stored under ``key`` and None; or None and, when there was
-    an entry that is malformed or no longer fits (:func:`cache_misfit`), the note for the
-    report of the tuning that replaces it."""
+    an entry that is malformed or no longer fits (:func:`cache_misfit`; ``iterable``: the
+    dataset is an ``IterableDataset``), the note for the report of the tuning that replaces
+    it."""
     entry = _cache.read_entry(key)
     if entry is None:
         return None, None
-    why = cache_misfit(entry, limits, common)
+    why = cache_misfit(entry, limits, common, iterable=iterable)
     if why is not None:
         return None, f"the cached settings were not used ({why}): tuned again"
     return report_from_cache(entry, limits, loader_kwargs, common, started), None
@@ -235,19 +240,26 @@ def _limits_misfit(entry: Mapping[str, Any], limits: HostLimits) -> str | None:
 
 
 def cache_misfit(
-    entry: Mapping[str, Any], limits: HostLimits, common: Mapping[str, Any]
+    entry: Mapping[str, Any],
+    limits: HostLimits,
+    common: Mapping[str, Any],
+    *,
+    iterable: bool = False,
 ) -> str | None:
     """Why a cache entry cannot be used on this host for this call, or None when it can.
 
     A hit is checked as strictly as a choice the tuner makes: the settings' types and ranges
     (``num_workers`` an int >= 0, ``prefetch_factor`` None or an int >= 1, ``pin_memory`` and
     ``persistent_workers`` bools), ``num_workers`` at most this call's ``max_workers``, and
-    the memory and ``/dev/shm`` the choice needs within what is free now.
+    the memory and ``/dev/shm`` the choice needs within what is free now. For an
+    ``IterableDataset``, workers stored before the tuner checked that it shards its stream
+    (:mod:`trainperf.loader._iterable`) are not trusted either.
 
     Args:
         entry: what :func:`cache_entry` stored, or a hand-edited version of it.
         limits: this host's limits now.
         common: the report fields known before measuring (``cpus``, ``max_workers``, ...).
+        iterable: the dataset is an ``IterableDataset``.
 
     Example:
         >>> from trainperf.limits import HostLimits
@@ -258,6 +270,12 @@ def cache_misfit(
         'num_workers=100000 is above max_workers=16'
     """
     why = _settings_misfit(entry.get("best"), int(common["max_workers"]))
+    unchecked = iterable and not entry.get("sharding_checked")
+    if why is None and unchecked and entry["best"]["num_workers"] > 0:
+        why = (
+            "stored before tune_loader checked that an IterableDataset shards its stream "
+            "across workers"
+        )
     if why is None:
         why = _limits_misfit(entry, limits)
     if why is None and _parsed(entry, common["cpus"]) is None:

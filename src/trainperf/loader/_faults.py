@@ -14,9 +14,10 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import psutil
@@ -26,10 +27,13 @@ from trainperf.loader._report import FaultKind, format_bytes
 __all__ = [
     "WorkerProcesses",
     "budget_cut_reason",
+    "child_signals_held",
     "classify_fault",
     "close_iterator",
     "hang_timeout",
     "main_private_bytes",
+    "oom_figures",
+    "sigkilled_workers",
     "start_method",
     "thread_busy_seconds",
 ]
@@ -182,6 +186,67 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else text
 
 
+_DEATH_SYMPTOMS = (ConnectionError, EOFError)
+"""What the main process may see first when a worker dies while sending a batch (the
+socket that passes the batch's shared memory closes), before the worker can be waited
+for."""
+
+
+def sigkilled_workers(it: Any, error: BaseException | None = None) -> list[int]:
+    """Pids of the DataLoader iterator's workers that ended with SIGKILL (exit code -9).
+
+    When ``error`` is what a worker's death looks like from the main process (a
+    connection reset, an end of file: see :data:`_DEATH_SYMPTOMS`), the worker may still
+    be dying, so this waits for its exit code for up to a second. Reading ``exitcode``
+    reaps a dead worker, which torch's shutdown handles.
+    """
+    workers = list(getattr(it, "_workers", None) or ())
+    end = time.monotonic() + (1.0 if isinstance(error, _DEATH_SYMPTOMS) else 0.0)
+    while True:
+        out, running = [], 0
+        for w in workers:
+            with contextlib.suppress(Exception):
+                code = w.exitcode
+                running += code is None
+                if code == -signal.SIGKILL:
+                    out.append(int(w.pid))
+        if out or not running or time.monotonic() >= end:
+            return out
+        time.sleep(0.02)
+
+
+def oom_figures(
+    num_workers: int,
+    *,
+    workers_rss: int | None,
+    worker_uss: int | None,
+    memory_available: int | None,
+) -> str:
+    """The memory figures quoted when a worker was SIGKILLed: what the workers had reached
+    (as last read, every ~0.2 s) against what was available when the tuning started.
+
+    Example:
+        >>> GiB = 2**30
+        >>> print(oom_figures(4, workers_rss=3 * GiB, worker_uss=GiB // 2,
+        ...                   memory_available=2 * GiB))  # doctest: +NORMALIZE_WHITESPACE
+        4 workers had reached 3.0 GiB resident together (512 MiB private each at the first
+        reading), with 2.0 GiB available when tuning started
+        >>> oom_figures(2, workers_rss=None, worker_uss=None, memory_available=None)
+        '2 workers were running (their memory was not read before the kill)'
+    """
+    workers = f"{num_workers} worker{'' if num_workers == 1 else 's'}"
+    if not workers_rss:
+        verb = "was" if num_workers == 1 else "were"
+        text = f"{workers} {verb} running (their memory was not read before the kill)"
+    else:
+        text = f"{workers} had reached {format_bytes(workers_rss)} resident together"
+        if worker_uss:
+            text += f" ({format_bytes(worker_uss)} private each at the first reading)"
+    if memory_available is not None:
+        text += f", with {format_bytes(memory_available)} available when tuning started"
+    return text
+
+
 def classify_fault(
     error: BaseException,
     *,
@@ -189,8 +254,14 @@ def classify_fault(
     timeout_s: float,
     inflight_bytes: int | None = None,
     shm_free: int | None = None,
+    sigkilled: bool = False,
+    memory_figures: str | None = None,
 ) -> tuple[FaultKind, str]:
     """Name the fault behind a DataLoader exception and say how to fix it.
+
+    A worker killed by SIGKILL (``sigkilled``, or torch's "killed by signal: Killed") is
+    reported as ``memory``: the out-of-memory killer is by far the commonest sender, and
+    ``memory_figures`` (:func:`oom_figures`) says how close to the limit the workers were.
 
     Example:
         >>> classify_fault(RuntimeError("DataLoader worker (pid(s) 12) exited unexpectedly"),
@@ -199,9 +270,20 @@ def classify_fault(
         >>> classify_fault(RuntimeError("DataLoader timed out after 2 seconds"),
         ...                start_method="fork", timeout_s=2)[0]
         'hang'
+        >>> classify_fault(RuntimeError("DataLoader worker (pid(s) 12) exited unexpectedly"),
+        ...                start_method="fork", timeout_s=10, sigkilled=True)[0]
+        'memory'
     """
     msg = str(error)
     low = msg.lower()
+    if sigkilled or "killed by signal: killed" in low:
+        figures = f": {memory_figures}" if memory_figures else ""
+        return "memory", (
+            f"a worker was killed by SIGKILL (exit code -9), most likely by the out-of-memory "
+            f"killer{figures}; fix: fewer workers or a smaller prefetch_factor, a dataset "
+            f"whose workers hold less (open files lazily, keep big arrays in shared tensors), "
+            f"or more memory for the job"
+        )
     if start_method != "fork" and (
         isinstance(error, pickle.PicklingError) or "pickle" in low or "local object" in low
     ):
@@ -237,9 +319,7 @@ def classify_fault(
         )
     if "exited unexpectedly" in low or "killed by signal" in low:
         hint = "run with num_workers=0 to see the dataset's own error"
-        if "killed by signal: killed" in low:
-            hint = "SIGKILL usually means the out-of-memory killer: use fewer workers"
-        elif start_method != "fork":
+        if start_method != "fork":
             hint += (
                 f"; under {start_method!r}, the script must guard its entry point with "
                 f"if __name__ == '__main__':"
@@ -298,6 +378,33 @@ def start_method(loader_kwargs: Mapping[str, Any]) -> str:
     # allow_none=True reads the default without fixing it for the rest of the program.
     method = multiprocessing.get_start_method(allow_none=True)
     return method or multiprocessing.get_all_start_methods()[0]
+
+
+@contextlib.contextmanager
+def child_signals_held() -> Iterator[None]:
+    """Keep torch's SIGCHLD handler quiet while a failed pool is looked at and stopped.
+
+    That handler raises ``RuntimeError`` in the main thread, at any line, for every worker
+    that dies with a failure; after the first (already caught) more follow: the
+    out-of-memory killer takes workers one by one, and stopping the pool kills the rest.
+    Blocking the signal would not do (another thread of this process takes it, and the
+    handler still runs in the main thread), so a handler that does nothing stands in until
+    the iterator is shut down; torch's, put back, then finds no worker registered and
+    raises nothing. Only the main thread has signal handlers; elsewhere this does nothing.
+    """
+    if not hasattr(signal, "SIGCHLD") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGCHLD)
+    signal.signal(signal.SIGCHLD, _ignore_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL if previous is None else previous)
+
+
+def _ignore_signal(signum: int, frame: Any) -> None:
+    """A Python-level handler that does nothing (not SIG_IGN: that would reap children)."""
 
 
 def close_iterator(it: Any, workers: WorkerProcesses, *, kill_first: bool) -> None:

@@ -1,6 +1,7 @@
 """Steady-state throughput of one DataLoader configuration, surviving broken workers.
 
-:func:`measure` builds the DataLoader, takes the first batch on its own (the start-up), then
+:func:`measure` builds the DataLoader (:mod:`trainperf.loader._fetch`: its arguments, and
+every wait for a batch cut to the deadline), takes the first batch on its own (the start-up), then
 hands the batches to :func:`~trainperf.loader._windows.time_windows`, which drops the
 prefetch burst and times windows until they agree (why: :mod:`trainperf.loader._windows`).
 Alongside, it reads what the workers cost: their CPU demand during the windows, and their
@@ -11,17 +12,24 @@ Short datasets are cycled: workers are kept alive across epochs (``persistent_wo
 a window never contains a worker restart, and the clock keeps running over the epoch
 boundary, whose small refill gap is a real cost of training too.
 
-Faults are caught per configuration: a worker that crashes or is killed, a dataset that
+Faults are caught per configuration: a worker that crashes, a worker SIGKILLed (most likely
+by the out-of-memory killer: a ``memory`` fault quoting the workers' memory), a dataset that
 raises in a worker, a hang (DataLoader ``timeout``), a dataset that cannot be pickled for
-``spawn``, and ``/dev/shm`` running out. The iterator is shut down explicitly (an exception's
-traceback keeps it alive in a reference cycle, and garbage collection of a cycle breaks
-the queues it needs to stop its workers cleanly), hung workers are killed first, and the
-process table is checked afterwards so no worker outlives the measurement.
+``spawn``, and ``/dev/shm`` running out. The iterator is shut down explicitly (an
+exception's traceback keeps it alive in a reference cycle, and garbage collection of a
+cycle breaks the queues it needs to stop its workers cleanly), hung workers are killed
+first, and the process table is checked afterwards so no worker outlives the measurement.
+Every worker also dies with this process (:class:`trainperf.DieWithParent`), so a tuner
+killed with SIGKILL leaves none behind.
 
-The deadline is a hard limit: every wait for a batch is cut to the time left (the hang
-timeout only when that is shorter), and workers that could not stop gracefully before it
-are killed. A pool that delivers no batch at all before the deadline is reported as a
-possible hang, since the tuner cannot tell a hang from a budget too short to start it.
+With workers the deadline is a hard limit: every wait for a batch is cut to the time left
+(the hang timeout only when that is shorter), and workers that could not stop gracefully
+before it are killed. A pool that delivers no batch at all before the deadline is reported
+as a possible hang, since the tuner cannot tell a hang from a budget too short to start it.
+With ``num_workers=0`` the batch is loaded in this process, and nothing can interrupt it
+safely (a thread left running would go on using the dataset while training starts), so a
+batch is only started when the last one says it ends before the deadline: the first one,
+or one slower than the one before, may run past it.
 """
 
 from __future__ import annotations
@@ -35,19 +43,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from trainperf.loader._batches import batch_bytes, samples_in
 from trainperf.loader._cache import length
 from trainperf.loader._faults import (
     WorkerProcesses,
     budget_cut_reason,
+    child_signals_held,
     classify_fault,
     close_iterator,
+    oom_figures,
+    sigkilled_workers,
     start_method,
     thread_busy_seconds,
 )
-from trainperf.loader._memory import CollectFirst, UssReading, projected_uss
+from trainperf.loader._fetch import Batches, Spec, loader_kwargs_for
+from trainperf.loader._memory import UssReading, projected_uss
 from trainperf.loader._report import CandidateResult, FaultKind
 from trainperf.loader._windows import (
     DEFAULT_POLICY,
@@ -58,136 +69,6 @@ from trainperf.loader._windows import (
 )
 
 __all__ = ["measure"]
-
-
-@dataclass(frozen=True)
-class _Spec:
-    """What one measurement was asked to do."""
-
-    dataset: Any
-    batch_size: int
-    num_workers: int
-    prefetch_factor: int | None
-    pin_memory: bool
-    deadline: float
-    hang_timeout_s: float
-    cuda_device: torch.device | None  # where each batch is copied, as training would
-
-    def config(self) -> dict[str, Any]:
-        """The :class:`CandidateResult` fields that name the configuration."""
-        return {
-            "num_workers": self.num_workers,
-            "prefetch_factor": self.prefetch_factor,
-            "pin_memory": self.pin_memory,
-        }
-
-
-def _loader_kwargs(
-    loader_kwargs: Mapping[str, Any], spec: _Spec, remaining: float
-) -> tuple[dict[str, Any], float]:
-    """The DataLoader arguments for this measurement, and the timeout it starts with."""
-    kwargs = dict(loader_kwargs)
-    kwargs.pop("timeout", None)
-    kwargs.pop("persistent_workers", None)
-    if spec.num_workers == 0:
-        kwargs.pop("multiprocessing_context", None)
-        return kwargs, 0.0
-    # DataLoader needs a timeout to start with; each wait for a batch then sets its own.
-    timeout_s = min(spec.hang_timeout_s, remaining)
-    kwargs.update(prefetch_factor=spec.prefetch_factor, persistent_workers=True, timeout=timeout_s)
-    kwargs["worker_init_fn"] = CollectFirst(kwargs.get("worker_init_fn"))
-    return kwargs, timeout_s
-
-
-class _Batches:
-    """The batches of one DataLoader, every wait cut to the deadline. An epoch that ends
-    starts the next one (persistent workers: the same processes)."""
-
-    def __init__(self, spec: _Spec, kwargs: dict[str, Any], timeout_s: float) -> None:
-        self.spec = spec
-        self.kwargs = kwargs
-        self.timeout_s = timeout_s
-        self.loader: Any = None
-        self.it: Any = None
-        self.samples = 0  # received so far, the first batch included
-
-    def start(self) -> None:
-        """Build the DataLoader and its iterator (which starts the workers)."""
-        spec = self.spec
-        self.loader = DataLoader(
-            spec.dataset,
-            batch_size=spec.batch_size,
-            num_workers=spec.num_workers,
-            pin_memory=spec.pin_memory,
-            **self.kwargs,
-        )
-        self.it = iter(self.loader)
-
-    def _next_in_time(self) -> Any:
-        spec = self.spec
-        if spec.num_workers == 0:
-            return next(self.it)
-        wait = min(spec.hang_timeout_s, spec.deadline - time.perf_counter())
-        if wait <= 0.001:
-            raise DeadlineReached
-        # The budget is a hard limit, so no wait may outlast it: the iterator reads its
-        # timeout before each wait (a private attribute; without it the wait is the one
-        # DataLoader started with).
-        settable = hasattr(self.it, "_timeout")
-        if settable:
-            self.it._timeout = wait
-        try:
-            return next(self.it)
-        except RuntimeError as e:
-            cut = (wait if settable else self.timeout_s) < spec.hang_timeout_s
-            if cut and "timed out after" in str(e).lower():
-                raise DeadlineReached from e
-            raise
-
-    def fetch(self) -> Any:
-        """The next batch, from the next epoch when this one is done.
-
-        Raises:
-            ValueError: the loader yields no batch at all.
-            DeadlineReached: the deadline passed while waiting.
-        """
-        try:
-            return self._next_in_time()
-        except StopIteration:
-            self.it = iter(self.loader)
-            try:
-                return self._next_in_time()
-            except StopIteration:
-                raise ValueError(self._no_batch()) from None
-
-    def _no_batch(self) -> str:
-        dataset = self.spec.dataset
-        return (
-            f"the DataLoader yields no batch (batch_size={self.spec.batch_size}, "
-            f"drop_last={self.kwargs.get('drop_last', False)!r}, "
-            f"dataset of {len(dataset) if hasattr(dataset, '__len__') else '?'}"
-            f" samples)"
-        )
-
-    def next_batch(self) -> int:
-        """Fetch a batch, copy it to the CUDA device if any, and count its samples."""
-        batch = self.fetch()
-        device = self.spec.cuda_device
-        if device is not None:
-            from trainperf.device import to_device
-
-            to_device(batch, device, non_blocking=self.spec.pin_memory)
-        n = samples_in(batch, self.spec.batch_size)
-        self.samples += n
-        return n
-
-    def sync(self) -> None:
-        """Wait for the copies queued on the CUDA device."""
-        torch.cuda.synchronize(self.spec.cuda_device)
-
-    def release(self) -> None:
-        """Drop the iterator and the loader (after :func:`close_iterator` stopped them)."""
-        self.it = self.loader = None
 
 
 @dataclass
@@ -229,7 +110,7 @@ class _Readings:
             self.worker_cpu = (self.workers.busy_seconds() - workers0) / wall
 
 
-def _first_batch(batches: _Batches, readings: _Readings, t0: float) -> None:
+def _first_batch(batches: Batches, readings: _Readings, t0: float) -> None:
     """Take the first batch: the start-up time, a batch's bytes, the first memory reading."""
     first = batches.fetch()
     readings.startup_s = time.perf_counter() - t0
@@ -243,7 +124,7 @@ def _first_batch(batches: _Batches, readings: _Readings, t0: float) -> None:
         readings.first_uss = (batches.samples, readings.workers.uss_by_pid())
 
 
-def _time(batches: _Batches, readings: _Readings, policy: WindowPolicy) -> WindowTiming:
+def _time(batches: Batches, readings: _Readings, policy: WindowPolicy) -> WindowTiming:
     spec = batches.spec
     return time_windows(
         batches.next_batch,
@@ -259,26 +140,35 @@ def _time(batches: _Batches, readings: _Readings, policy: WindowPolicy) -> Windo
 
 def _worker_fault(
     error: Exception,
-    spec: _Spec,
+    batches: Batches,
     readings: _Readings,
     loader_kwargs: Mapping[str, Any],
-    shm_free: int | None,
 ) -> tuple[FaultKind, str]:
+    spec = batches.spec
     inflight = (
         None
         if readings.batch_bytes is None
         else readings.batch_bytes * spec.num_workers * (spec.prefetch_factor or 0)
+    )
+    first_uss = readings.first_uss
+    figures = oom_figures(
+        spec.num_workers,
+        workers_rss=readings.workers.peak_rss or None,
+        worker_uss=max(first_uss[1].values()) if first_uss and first_uss[1] else None,
+        memory_available=spec.memory_available,
     )
     return classify_fault(
         error,
         start_method=start_method(loader_kwargs),
         timeout_s=spec.hang_timeout_s,
         inflight_bytes=inflight,
-        shm_free=shm_free,
+        shm_free=spec.shm_free,
+        sigkilled=bool(sigkilled_workers(batches.it, error)),
+        memory_figures=figures,
     )
 
 
-def _kill_first(spec: _Spec, timing: WindowTiming | None, fault: FaultKind | None) -> bool:
+def _kill_first(spec: Spec, timing: WindowTiming | None, fault: FaultKind | None) -> bool:
     """Whether to kill the workers before the join.
 
     After any fault, killing first is what keeps a hung worker from costing a 5-second
@@ -293,7 +183,7 @@ def _kill_first(spec: _Spec, timing: WindowTiming | None, fault: FaultKind | Non
 
 
 def _stop(
-    batches: _Batches,
+    batches: Batches,
     readings: _Readings,
     timing: WindowTiming | None,
     fault: FaultKind | None,
@@ -324,7 +214,7 @@ def _stop(
 
 
 def _result(
-    spec: _Spec,
+    spec: Spec,
     readings: _Readings,
     uss: int | None,
     timing: WindowTiming | None,
@@ -373,6 +263,7 @@ def measure(
     hang_timeout_s: float = 30.0,
     device: torch.device | None = None,
     shm_free: int | None = None,
+    memory_available: int | None = None,
     policy: WindowPolicy = DEFAULT_POLICY,
     on_tick: Callable[[], None] | None = None,
 ) -> CandidateResult:
@@ -390,12 +281,18 @@ def measure(
         num_workers: worker processes.
         prefetch_factor: batches in flight per worker (None when ``num_workers=0``).
         pin_memory: copy batches to page-locked memory.
-        deadline: ``time.perf_counter()`` value by which to stop (a hard limit: no wait for a
-            batch runs past it; stopping the workers may take a few milliseconds more).
+        deadline: ``time.perf_counter()`` value by which to stop. With workers no wait for a
+            batch runs past it (stopping them may take a few milliseconds more); with
+            ``num_workers=0`` a batch is loaded in this process, which nothing interrupts,
+            so a batch is not started when the previous one says it would end after the
+            deadline, and the first batch (or one slower than the one before) may run past
+            it.
         hang_timeout_s: seconds without a batch that count as a hang (each wait is cut to
             the time left before ``deadline`` when that is shorter).
         device: a CUDA device to copy each batch to (timed, as training would), else None.
         shm_free: free ``/dev/shm`` bytes, quoted if it runs out.
+        memory_available: available memory in bytes, quoted if a worker is SIGKILLed (a
+            ``memory`` fault: most likely the out-of-memory killer).
         policy: window sizes and stopping rule.
         on_tick: called every ~0.2 s (progress display).
 
@@ -416,7 +313,7 @@ def measure(
         ('ok', True, 96)
     """
     t0 = time.perf_counter()
-    spec = _Spec(
+    spec = Spec(
         dataset,
         batch_size,
         num_workers,
@@ -425,6 +322,8 @@ def measure(
         deadline,
         hang_timeout_s,
         cuda_device=device if device is not None and device.type == "cuda" else None,
+        shm_free=shm_free,
+        memory_available=memory_available,
     )
     remaining = deadline - t0
     if remaining <= 0.05:
@@ -434,7 +333,7 @@ def measure(
             fault="budget",
             reason="the time budget ran out before it could start",
         )
-    batches = _Batches(spec, *_loader_kwargs(loader_kwargs, spec, remaining))
+    batches = Batches(spec, *loader_kwargs_for(loader_kwargs, spec, remaining))
     readings = _Readings(WorkerProcesses(), num_workers, on_tick, last_tick=t0)
     timing: WindowTiming | None = None
     fault: tuple[FaultKind, str] | None = None
@@ -455,9 +354,11 @@ def measure(
     except Exception as e:
         if num_workers == 0 or (isinstance(e, ValueError) and "yields no batch" in str(e)):
             raise
-        fault = _worker_fault(e, spec, readings, loader_kwargs, shm_free)
+        with child_signals_held():  # other workers may die while this one is looked at
+            fault = _worker_fault(e, batches, readings, loader_kwargs)
         # The traceback's frames hold the iterator; clearing them lets it go now.
         traceback.clear_frames(e.__traceback__)
     finally:
-        uss = _stop(batches, readings, timing, None if fault is None else fault[0])
+        with child_signals_held():
+            uss = _stop(batches, readings, timing, None if fault is None else fault[0])
     return _result(spec, readings, uss, timing, fault, time.perf_counter() - t0)

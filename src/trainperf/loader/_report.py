@@ -19,19 +19,25 @@ Status = Literal["ok", "failed", "skipped"]
 """``ok``: measured; ``failed``: tried and broke; ``skipped``: not tried, predicted unsafe or
 pointless."""
 
-FaultKind = Literal["crash", "hang", "pickle", "shm", "memory", "cpu", "error", "budget"]
+FaultKind = Literal[
+    "crash", "hang", "pickle", "shm", "memory", "cpu", "error", "budget", "unsharded"
+]
 """Why a candidate failed or was skipped:
 
-- ``crash``: a worker died (segfault, ``os._exit``, killed by the OOM killer, ...);
+- ``crash``: a worker died (a segfault, ``os._exit``, a signal other than SIGKILL, ...);
 - ``hang``: no batch arrived within the timeout, or, when the budget cut the timeout short,
   within what was left of it (then the budget may simply be too short);
 - ``pickle``: the dataset (or ``collate_fn``/``worker_init_fn``) cannot be sent to workers
   started with ``spawn``/``forkserver``;
 - ``shm``: ``/dev/shm`` is (or would be) too small for the batches in flight;
-- ``memory``: workers plus batches in flight would not fit in available memory;
+- ``memory``: skipped, workers plus batches in flight would not fit in available memory;
+  failed, a worker was killed by SIGKILL (exit code -9), most likely by the out-of-memory
+  killer;
 - ``cpu``: the workers would need more cores than are left after the main process's share;
 - ``error``: the dataset raised inside a worker;
-- ``budget``: the time budget ran out before a steady-state window was timed.
+- ``budget``: the time budget ran out before a steady-state window was timed;
+- ``unsharded``: an ``IterableDataset`` that does not shard its stream across workers (two
+  workers yielded the same items), so every worker would replay the whole stream.
 """
 
 

@@ -6,8 +6,13 @@ that fills the cores left for workers (usable CPUs minus the main process's: one
 what ``step_fn`` was measured to use) — more when the loading mostly
 waits (sleeps, I/O) rather than computes — capped by ``max_workers``, by memory and
 ``/dev/shm``, and by ``step_fn`` (no point loading faster than the training step eats).
-From there it climbs in steps of a quarter of the count while each step pays at least 3 %,
-or, when the first step up does not pay, steps down while throughput holds within 2 %.
+Before a pool of more than one worker is started, one worker is measured (``probe_first``),
+so that the memory check of the first pool uses a measured worker, not a guess: a dataset
+whose workers each hold gigabytes would otherwise start a pool the memory limit cannot
+hold. A count the limits refuse is listed as skipped, with the figures (the workers, the
+memory each needs, and what is available), never dropped silently. From there it climbs in
+steps of a quarter of the count while each step pays at least 3 %, or, when the first step
+up does not pay, steps down while throughput holds within 2 %.
 Among the configurations within 2 % of the best, the one with fewest workers wins, so
 ``num_workers=0`` is kept unless workers really are faster.
 """
@@ -21,7 +26,12 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from trainperf.loader._report import CandidateResult, FaultKind, main_process_share
+from trainperf.loader._report import (
+    CandidateResult,
+    FaultKind,
+    format_bytes,
+    main_process_share,
+)
 
 __all__ = ["GAIN", "TIE", "Search", "callers_stacklevel", "default_max_workers", "safety_margin"]
 
@@ -31,6 +41,7 @@ GAIN = 0.03
 TIE = 0.02
 """Configurations within this fraction of the best count as equal; fewest workers wins."""
 _FATAL: tuple[FaultKind, ...] = ("crash", "hang", "pickle", "error")
+_TIMES = "\N{MULTIPLICATION SIGN}"
 
 MeasureFn = Callable[[int, "int | None", bool], CandidateResult]
 """``measure(num_workers, prefetch_factor, pin_memory) -> CandidateResult``."""
@@ -88,8 +99,12 @@ class Search:
 
     ``measure`` does the timing (and owns the deadline); ``out_of_time`` says whether the
     budget is spent; ``user`` is the caller's own ``(num_workers, prefetch_factor,
-    pin_memory)``, measured first when given. Tests drive the search with synthetic
-    measurements.
+    pin_memory)``, measured first when given. ``probe_first``: measure one worker before
+    the first pool of several, unless a worker's memory is known already (the tuner sets
+    it; tests of the search's other rules leave it off). ``refused``: a failed worker
+    configuration that rules out every other (an ``IterableDataset`` that does not shard,
+    :mod:`trainperf.loader._iterable`): no worker configuration is measured. Tests drive
+    the search with synthetic measurements.
     """
 
     measure: MeasureFn
@@ -104,6 +119,8 @@ class Search:
     main_rss: int = 0
     main_cores: float = 1.0
     user: tuple[int, int | None, bool] | None = None
+    probe_first: bool = False
+    refused: CandidateResult | None = None
     results: list[CandidateResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     broken: CandidateResult | None = None
@@ -163,6 +180,8 @@ class Search:
         """Why this candidate must not be tried (CPU, memory, /dev/shm), or None."""
         if n == 0:
             return None
+        if self.refused is not None and self.refused.fault is not None:
+            return self.refused.fault, self.refused.reason or ""
         cores = n * self.cores_per_worker()
         if cores > self.worker_cpus + 0.5:
             return "cpu", (
@@ -172,17 +191,30 @@ class Search:
             )
         return self.memory_problem(n, pf, pin)
 
+    def _worker_measured(self) -> bool:
+        return any(c.worker_uss for c in self.results)
+
     def memory_problem(self, n: int, pf: int | None, pin: bool) -> tuple[FaultKind, str] | None:
         """Why ``n`` workers would not fit in memory or ``/dev/shm``, or None."""
         if n == 0:
             return None
         need = self.memory_needed(n, pf, pin)
-        room = self.memory_available - safety_margin(self.memory_available)
+        margin = safety_margin(self.memory_available)
+        room = self.memory_available - margin
         if need > room:
+            per = self.worker_bytes()
+            inflight = need - n * per
+            how = (
+                "measured private memory projected over the dataset, +25 %"
+                if self._worker_measured()
+                else "assumed: no worker measured yet"
+            )
             return "memory", (
-                f"would need about {need / 2**30:.1f} GiB (workers' own memory plus batches in "
-                f"flight) but only {max(room, 0) / 2**30:.1f} GiB is available after a safety "
-                f"margin; fix: more memory, fewer workers, or a smaller prefetch_factor"
+                f"{n} workers {_TIMES} {per / 2**30:.2f} GiB + {format_bytes(inflight)} of batches "
+                f"in flight > {max(room, 0) / 2**30:.2f} GiB available (per worker: {how}; "
+                f"available: {format_bytes(self.memory_available)} less a safety margin of "
+                f"{format_bytes(margin)}); fix: more memory, fewer workers, or a smaller "
+                f"prefetch_factor"
             )
         shm = self.shm_needed(n, pf)
         if self.shm_free is not None and shm > 0.9 * self.shm_free:
@@ -194,8 +226,9 @@ class Search:
             )
         return None
 
-    def predict(self) -> int:
-        """The first worker count to try (see the module docstring)."""
+    def wanted(self) -> int:
+        """The worker count the CPUs, ``max_workers`` and ``step_fn`` ask for, before the
+        memory and ``/dev/shm`` limits."""
         base = self._baseline()
         n = math.floor((self.worker_cpus + 0.5) / self.cores_per_worker())
         n = max(1, min(self.max_workers, n))
@@ -203,10 +236,34 @@ class Search:
             # Workers beyond what keeps up with the step only burn CPU (10 % headroom).
             needed = math.ceil(1.1 * self.step_samples_per_s / base.samples_per_s)
             n = min(n, max(1, needed))
+        return n
+
+    def predict(self) -> int:
+        """The first worker count to try (see the module docstring): :meth:`wanted`,
+        lowered until the limits allow it."""
+        n = self.wanted()
         pin = self.pin_options[0]
         while n > 1 and self.why_not(n, 2, pin) is not None:
             n = max(1, n * 3 // 4) if n > 4 else n - 1
         return n
+
+    def _first_count(self, pin: bool) -> int:
+        """:meth:`predict`; the count it lowered for the limits is listed as skipped, with
+        the figures, so that no candidate vanishes without a note."""
+        wanted, n = self.wanted(), self.predict()
+        why = self.why_not(wanted, 2, pin) if n < wanted else None
+        if why is not None and self.find(wanted, 2, pin) is None:
+            self.results.append(
+                CandidateResult(wanted, 2, pin, "skipped", fault=why[0], reason=why[1])
+            )
+        return n
+
+    def _probe_one_worker(self, pin: bool) -> CandidateResult | None:
+        """One worker measured before a pool of several (see ``probe_first``); None when
+        not needed: a worker was measured already, or the first pool has one worker."""
+        if not self.probe_first or self._worker_measured() or self.predict() <= 1:
+            return None
+        return self.attempt(1, 2, pin)
 
     # ----------------------------------------------------------------- steps
 
@@ -247,25 +304,46 @@ class Search:
         if not baseline.ok:
             self.notes.append("num_workers=0 could not be measured within the budget")
             return baseline
+        if self.refused is not None:
+            self.results.append(self.refused)
         if self.user is not None and self.user[0] <= self.max_workers:
             # The caller's own setting first: the budget cannot run out before it, and the
             # prediction starts from its measured cost (see trainperf.loader._user).
             self.attempt(*self.user)
-        if self.max_workers == 0:
+        if self.max_workers == 0 or self.refused is not None:
             return self.choose()
         pin = self.pin_options[0]
-        n = self.predict()
-        cur = self.attempt(n, 2, pin)
-        while cur.fault == "shm" and n > 1:  # a smaller pool may still fit
-            n = n // 2
-            cur = self.attempt(n, 2, pin)
-        if cur.ok:
-            self._climb(cur, pin)
+        probe = self._probe_one_worker(pin)
+        if probe is None or probe.ok:
+            self._pool(pin)
         choice = self.choose()
         if choice.num_workers > 0:
             choice = self._refine(choice)
         self._explain_fallback(choice)
+        self._explain_memory_refusals(choice)
         return choice
+
+    def _pool(self, pin: bool) -> None:
+        """The predicted pool, smaller ones while it does not fit, then the climb."""
+        n = self._first_count(pin)
+        cur = self.attempt(n, 2, pin)
+        # A smaller pool may still fit: /dev/shm ran out, or a worker was SIGKILLed (the
+        # out-of-memory killer, most likely).
+        while n > 1 and (cur.fault == "shm" or (cur.fault == "memory" and cur.status == "failed")):
+            n = n // 2
+            cur = self.attempt(n, 2, pin)
+        if cur.ok:
+            self._climb(cur, pin)
+
+    def _explain_memory_refusals(self, choice: CandidateResult) -> None:
+        """A note for each faster configuration that ran but that the memory measured on
+        the way says would not last the run."""
+        for c in self.results:
+            if not c.ok or self.objective(c) <= self.objective(choice) * (1 + TIE):
+                continue
+            problem = self.memory_problem(c.num_workers, c.prefetch_factor, c.pin_memory)
+            if problem is not None:
+                self.notes.append(f"{c.label()} ran, but is not chosen: {problem[1]}")
 
     def _climb(self, first: CandidateResult, pin: bool) -> None:
         base = self._baseline()

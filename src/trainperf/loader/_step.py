@@ -3,7 +3,8 @@
 Without ``step_fn`` the main process keeps one core (the training step is unknown). With
 it, the step is timed on a few batches in this process, and the main process keeps the CPU
 it was measured to use at the rate it will be fed; the workers get the rest
-(:func:`cores_for_workers`).
+(:func:`cores_for_workers`). A call of ``step_fn`` cannot be cut short, so none is started
+that would end after the deadline by the last one's time (:func:`time_step`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +20,15 @@ from torch.utils.data import DataLoader
 
 from trainperf.loader._report import CandidateResult
 
-__all__ = ["cores_for_workers", "loader_ceiling", "main_process_cores", "time_step"]
+__all__ = [
+    "Shares",
+    "StepTiming",
+    "cores_for_workers",
+    "loader_ceiling",
+    "main_process_cores",
+    "split_cores",
+    "time_step",
+]
 
 
 def _moved(batch: Any, device: torch.device) -> Any:
@@ -58,6 +68,30 @@ def _timed_call(
     return time.perf_counter() - t, c_end - c
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """What :func:`time_step` measured.
+
+    Attributes:
+        samples_per_s: the step's own throughput.
+        cpu_per_sample: this process's CPU seconds per sample until ``step_fn`` returns.
+        calls: timed calls; 0 when the budget allowed only the warm-up call, whose figures
+            are then used (they include one-off start-up costs: a partial measurement).
+        longest_s: the longest call, with its batch (loaded in this process) and the move to
+            the device: how far past the deadline one call can run.
+    """
+
+    samples_per_s: float
+    cpu_per_sample: float
+    calls: int
+    longest_s: float
+
+    @property
+    def partial(self) -> bool:
+        """Only the warm-up call was timed."""
+        return self.calls == 0
+
+
 def time_step(
     dataset: Any,
     batch_size: int,
@@ -65,7 +99,7 @@ def time_step(
     step_fn: Callable[[Any], Any],
     device: torch.device,
     deadline: float,
-) -> tuple[float, float]:
+) -> StepTiming:
     """``step_fn`` alone: one warm-up call, then up to 5 timed calls (1 s).
 
     Returns its samples/s and the CPU seconds it costs per sample (this process's CPU time
@@ -75,6 +109,11 @@ def time_step(
     CUDA the device is synchronised before and after each call so the time is the step's
     and not a queue's.
 
+    Nothing interrupts a call (it runs the caller's code in this process), so the deadline
+    is kept by not starting one that the last one says would end after it: only the first
+    call, or one slower than the one before, runs past the deadline. When no time is left
+    after the warm-up call, its figures are returned (``calls == 0``).
+
     Raises:
         RuntimeError: a batch cannot be moved to ``device``, or ``step_fn`` raises.
     """
@@ -82,23 +121,31 @@ def time_step(
     loader: DataLoader[Any] = DataLoader(dataset, batch_size=batch_size, **kwargs)
     it = iter(loader)
     spent, cpu, calls, samples = 0.0, 0.0, 0, 0
+    warm_up = (math.inf, 0.0)  # wall and CPU seconds of the first call
+    longest = 0.0
     for i in range(6):
+        start = time.perf_counter()
         try:
             batch = next(it)
         except StopIteration:
             it = iter(loader)
             batch = next(it)
         wall_s, cpu_s = _timed_call(step_fn, _moved(batch, device), device)
-        if i > 0:  # the first call pays for lazy initialisation
+        now = time.perf_counter()
+        longest = max(longest, now - start)
+        if i == 0:  # the first call pays for lazy initialisation
+            warm_up = (wall_s, cpu_s)
+        else:
             spent += wall_s
             cpu += cpu_s
             calls += 1
             samples += batch_size
-        if calls and (spent > 1.0 or time.perf_counter() > deadline):
+        if (calls and spent > 1.0) or now + (now - start) > deadline:
             break
     if not calls:
-        return math.inf, 0.0
-    return samples / max(spent, 1e-9), cpu / samples
+        wall_s, cpu_s = warm_up
+        return StepTiming(batch_size / max(wall_s, 1e-9), cpu_s / batch_size, 0, longest)
+    return StepTiming(samples / max(spent, 1e-9), cpu / samples, calls, longest)
 
 
 def main_process_cores(
@@ -143,3 +190,57 @@ def cores_for_workers(cpus: int, main_cores: float) -> int:
         (15, 2, 1)
     """
     return max(1, math.floor(cpus - main_cores + 0.5))
+
+
+@dataclass(frozen=True)
+class Shares:
+    """How the usable cores are split, and the step's timing when ``step_fn`` was timed."""
+
+    main_cores: float
+    worker_cpus: int
+    step: StepTiming | None = None
+
+    @property
+    def step_samples_per_s(self) -> float | None:
+        """The step's own throughput, when it was timed."""
+        return None if self.step is None else self.step.samples_per_s
+
+
+def split_cores(
+    dataset: Any,
+    batch_size: int,
+    loader_kwargs: Mapping[str, Any],
+    step_fn: Callable[[Any], Any] | None,
+    *,
+    device: torch.device,
+    cpus: int,
+    baseline: CandidateResult,
+    batch_s: float,
+    deadline: float,
+    notes: list[str],
+) -> Shares:
+    """One core for the main process, or what ``step_fn`` was measured to use.
+
+    ``step_fn`` is not timed when its first batch (``batch_s``, loaded in this process)
+    would already end after the deadline; a note says so, or that only its warm-up call
+    was timed.
+    """
+    main_cores = main_process_cores(cpus)
+    if step_fn is None:
+        return Shares(main_cores, cores_for_workers(cpus, main_cores))
+    if time.perf_counter() + batch_s >= deadline:
+        notes.append(
+            "step_fn was not timed: the time budget ran out first, so one core is kept for "
+            "the main process; fix: a larger budget_s"
+        )
+        return Shares(main_cores, cores_for_workers(cpus, main_cores))
+    step = time_step(dataset, batch_size, loader_kwargs, step_fn, device, deadline)
+    if step.partial:
+        notes.append(
+            "step_fn was timed on its warm-up call only (the time budget ran out), which may "
+            "include one-off start-up costs; fix: a larger budget_s"
+        )
+    # The main process steps as fast as batches arrive, up to the step's own speed.
+    fed = min(step.samples_per_s, loader_ceiling(baseline, cpus))
+    main_cores = main_process_cores(cpus, step.cpu_per_sample, fed)
+    return Shares(main_cores, cores_for_workers(cpus, main_cores), step)

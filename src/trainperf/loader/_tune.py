@@ -1,13 +1,15 @@
-"""``tune_loader`` and ``autotune_loader``: the public entry points of the DataLoader tuner.
+"""``tune_loader``: the public entry point of the DataLoader tuner.
 
 A call checks its arguments (:mod:`trainperf.loader._args`) and, with every random number
 generator saved (:mod:`trainperf.loader._rng`), settles the device and the limits it works
 in; under DDP only local rank 0 goes on, and the host's other ranks receive its result
 (:mod:`trainperf.loader._share`). It returns a cached choice that still fits
 (:mod:`trainperf.loader._cached`), or measures ``num_workers=0`` and ``step_fn``
-(:mod:`trainperf.loader._step`), searches (:mod:`trainperf.loader._search`) over
+(:mod:`trainperf.loader._step`), checks that an ``IterableDataset`` shards across workers
+(:mod:`trainperf.loader._iterable`), searches (:mod:`trainperf.loader._search`) over
 measurements (:mod:`trainperf.loader._measure`) and turns the choice into DataLoader
-arguments (:mod:`trainperf.loader._choice`).
+arguments (:mod:`trainperf.loader._choice`). ``autotune_loader`` builds the loader
+(:mod:`trainperf.loader._autotune`).
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from typing import Any
 
 import psutil
 import torch
-from torch.utils.data import DataLoader
 
 from trainperf.device import resolve_device
 from trainperf.limits import HostLimits, host_limits, local_world_size, usable_cpus
-from trainperf.loader import _cache, _cached, _share, _user
+from trainperf.loader import _cache, _cached, _iterable, _share, _user
 from trainperf.loader._args import check_args
+from trainperf.loader._budget import overrun_note
 from trainperf.loader._choice import NOT_CACHED, best_settings, final_kwargs, forced_fallback
 from trainperf.loader._faults import hang_timeout, start_method
 from trainperf.loader._measure import measure
@@ -33,20 +35,10 @@ from trainperf.loader._progress import ProgressBar
 from trainperf.loader._report import CandidateResult, TuningReport
 from trainperf.loader._rng import callers_generators, preserved_rng
 from trainperf.loader._search import Search, default_max_workers
-from trainperf.loader._step import cores_for_workers, loader_ceiling, main_process_cores, time_step
+from trainperf.loader._step import Shares, cores_for_workers, main_process_cores, split_cores
 from trainperf.loader._user import given_settings, judge, user_config
 
-__all__ = ["TunedDataLoader", "autotune_loader", "tune_loader"]
-
-
-class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
-    """A plain :class:`torch.utils.data.DataLoader` that also carries the tuning report.
-
-    Attributes:
-        tuning_report: the :class:`TuningReport` its settings came from.
-    """
-
-    tuning_report: TuningReport
+__all__ = ["tune_loader"]
 
 
 @dataclass(frozen=True)
@@ -150,6 +142,7 @@ class _Measurer:
             ),
             device=setup.device if setup.device.type == "cuda" else None,
             shm_free=setup.limits.shm_free,
+            memory_available=setup.limits.memory_available,
             on_tick=self.bar.update,
         )
         done = "-" if r.samples_per_s is None else f"{r.samples_per_s:,.0f}/s"
@@ -158,20 +151,11 @@ class _Measurer:
 
 
 @dataclass(frozen=True)
-class _Shares:
-    """How the usable cores are split, and the step's own speed when ``step_fn`` was timed."""
-
-    main_cores: float
-    worker_cpus: int
-    step_samples_per_s: float | None = None
-
-
-@dataclass(frozen=True)
 class _Prepared:
     """What the search starts from."""
 
     baseline: CandidateResult
-    shares: _Shares
+    shares: Shares
     search: Search
 
 
@@ -185,31 +169,6 @@ def _measure_baseline(measurer: _Measurer) -> CandidateResult:
             f"the dataset fails in the main process (num_workers=0), so there is nothing "
             f"to tune: {e!r}"
         ) from e
-
-
-def _shares(
-    measurer: _Measurer,
-    step_fn: Callable[[Any], Any] | None,
-    loader_kwargs: Mapping[str, Any],
-    baseline: CandidateResult,
-) -> _Shares:
-    """One core for the main process, or what ``step_fn`` was measured to use."""
-    cpus = measurer.setup.cpus
-    main_cores = main_process_cores(cpus)
-    if step_fn is None or time.perf_counter() >= measurer.deadline:
-        return _Shares(main_cores, cores_for_workers(cpus, main_cores))
-    step_rate, step_cpu = time_step(
-        measurer.dataset,
-        measurer.batch_size,
-        loader_kwargs,
-        step_fn,
-        measurer.setup.device,
-        measurer.deadline,
-    )
-    # The main process steps as fast as batches arrive, up to the step's own speed.
-    fed = min(step_rate, loader_ceiling(baseline, cpus))
-    main_cores = main_process_cores(cpus, step_cpu, fed)
-    return _Shares(main_cores, cores_for_workers(cpus, main_cores), step_rate)
 
 
 def _prepare(
@@ -234,9 +193,28 @@ def _prepare(
         worker_cpus=cores_for_workers(setup.cpus, main_process_cores(setup.cpus)),
     )
     baseline = _measure_baseline(measurer)
-    rate = baseline.samples_per_s
-    measurer = dataclasses.replace(measurer, batch_s=setup.batch_size / rate if rate else 1.0)
-    shares = _shares(measurer, step_fn, loader_kwargs, baseline)
+    measurer = dataclasses.replace(measurer, batch_s=_main_batch_s(baseline, setup.batch_size))
+    notes: list[str] = []
+    shares = split_cores(
+        dataset,
+        setup.batch_size,
+        loader_kwargs,
+        step_fn,
+        device=setup.device,
+        cpus=setup.cpus,
+        baseline=baseline,
+        batch_s=measurer.batch_s,
+        deadline=deadline,
+        notes=notes,
+    )
+    refused = _iterable.sharding_refusal(
+        dataset,
+        loader_kwargs,
+        max_workers=setup.max_workers,
+        pin=setup.pin_options[0],
+        deadline=deadline,
+        notes=notes,
+    )
     search = Search(
         measure=dataclasses.replace(measurer, worker_cpus=shares.worker_cpus),
         out_of_time=lambda: time.perf_counter() >= deadline - 0.05,
@@ -248,10 +226,29 @@ def _prepare(
         start_method=setup.start_method,
         pin_options=setup.pin_options,
         step_samples_per_s=shares.step_samples_per_s,
-        main_rss=psutil.Process().memory_info().rss,
+        main_rss=main_rss(),
         user=user_config(loader_kwargs),
+        # One worker's memory is measured before a pool of several is started.
+        probe_first=True,
+        refused=refused,
+        notes=notes,
     )
     return _Prepared(baseline, shares, search)
+
+
+def main_rss() -> int:
+    """This process's resident memory: what a forked worker is assumed to copy at worst,
+    until one worker has been measured."""
+    return int(psutil.Process().memory_info().rss)
+
+
+def _main_batch_s(baseline: CandidateResult, batch_size: int) -> float:
+    """Seconds one batch takes in the main process: the steady rate's, or the first batch's
+    when that is all there is (1 s when nothing is known)."""
+    rate = baseline.samples_per_s
+    if rate:
+        return batch_size / rate
+    return baseline.startup_s or 1.0
 
 
 def _finish(
@@ -270,13 +267,23 @@ def _finish(
     if key is not None and forced:
         notes.append(NOT_CACHED)
     user = user_config(loader_kwargs)
+    elapsed = time.perf_counter() - call.started
+    step = prepared.shares.step
+    over = overrun_note(
+        setup.budget_s,
+        elapsed,
+        _main_batch_s(prepared.baseline, setup.batch_size),
+        None if step is None else step.longest_s,
+    )
+    if over is not None:
+        notes.append(over)
     report = TuningReport(
         best_kwargs=best_kwargs,
         samples_per_s=choice.samples_per_s,
         baseline_samples_per_s=prepared.baseline.samples_per_s,
         step_samples_per_s=prepared.shares.step_samples_per_s,
         candidates=tuple(search.results),
-        elapsed_s=time.perf_counter() - call.started,
+        elapsed_s=elapsed,
         notes=tuple(notes),
         worker_cpus=prepared.shares.worker_cpus,
         main_cores=prepared.shares.main_cores,
@@ -299,7 +306,12 @@ def _tune_here(call: _Call, key: str | None) -> TuningReport:
     misfit = None  # why a stored entry was not used, for the new report's notes
     if key is not None:
         hit, misfit = _cached.cached_report(
-            key, setup.limits, call.loader_kwargs, setup.report_fields(), call.started
+            key,
+            setup.limits,
+            call.loader_kwargs,
+            setup.report_fields(),
+            call.started,
+            iterable=_iterable.is_iterable(call.dataset),
         )
         if hit is not None:
             return hit
@@ -378,7 +390,12 @@ def tune_loader(
     unless they mostly wait; to available memory (cgroup-aware) and to free ``/dev/shm``. A
     worker that crashes, hangs (see ``timeout``) or cannot be pickled marks its candidate failed;
     if no worker configuration works the result is ``num_workers=0`` with a
-    ``RuntimeWarning`` saying why. No worker outlives the call.
+    ``RuntimeWarning`` saying why. One worker is measured before a pool of several, and a
+    count the memory cannot hold is never started (it is listed as skipped, with the
+    figures); a worker killed by SIGKILL is reported as likely out of memory. An
+    ``IterableDataset`` that does not shard its stream across workers (each would replay
+    it) keeps ``num_workers=0``, with a ``RuntimeWarning`` showing the fix. No worker
+    outlives the call, even if this process is killed.
 
     Every random number generator is left as the call found it (python's ``random``,
     numpy's global generator, torch's CPU and CUDA generators, and the ``generator`` and
@@ -398,7 +415,12 @@ def tune_loader(
             :func:`trainperf.best_device` (see :func:`trainperf.device.resolve_device`).
         max_workers: the largest ``num_workers`` to consider (default: four per usable CPU,
             2 to 64; 0 measures ``num_workers=0`` only).
-        budget_s: hard wall-clock limit for the whole tuning, in seconds.
+        budget_s: wall-clock budget for the whole tuning, in seconds. Worker pools are cut
+            at the deadline; work in this process (a batch loaded with ``num_workers=0``, a
+            ``step_fn`` call) cannot be interrupted, so none is started that the previous
+            one says would end after it, and the call returns within ``budget_s`` plus at
+            most one such piece; the report's notes say when it ran over, and why
+            (:mod:`trainperf.loader._budget`).
         epochs_hint: epochs the loader will run; with 1, workers are never kept alive
             between epochs. None means several.
         step_fn: your training step, called as ``step_fn(batch)``; timed on a few batches in
@@ -453,49 +475,3 @@ def tune_loader(
             dataset, dict(loader_kwargs), epochs_hint, step_fn, cache, progress, setup, started
         )
         return _tuned(call)
-
-
-def autotune_loader(
-    dataset: Any,
-    batch_size: int,
-    *,
-    device: str | torch.device | None = None,
-    max_workers: int | None = None,
-    budget_s: float = 30.0,
-    epochs_hint: int | None = None,
-    step_fn: Callable[[Any], Any] | None = None,
-    cache: bool = True,
-    progress: bool = True,
-    **loader_kwargs: Any,
-) -> TunedDataLoader:
-    """:func:`tune_loader`, then the DataLoader built from ``report.best_kwargs``.
-
-    The result is an ordinary ``DataLoader`` (a subclass that adds one attribute): the
-    report is ``loader.tuning_report``. Arguments, errors and warnings are those of
-    :func:`tune_loader`.
-
-    Returns:
-        The tuned DataLoader.
-
-    Example:
-        >>> from torch.utils.data import TensorDataset
-        >>> loader = autotune_loader(TensorDataset(torch.randn(128, 4)), 16, device="cpu",
-        ...                          max_workers=0, budget_s=5, cache=False, progress=False)
-        >>> loader.num_workers, loader.tuning_report.num_workers, len(loader)
-        (0, 0, 8)
-    """
-    report = tune_loader(
-        dataset,
-        batch_size,
-        device=device,
-        max_workers=max_workers,
-        budget_s=budget_s,
-        epochs_hint=epochs_hint,
-        step_fn=step_fn,
-        cache=cache,
-        progress=progress,
-        **loader_kwargs,
-    )
-    loader = TunedDataLoader(dataset, **report.best_kwargs)
-    loader.tuning_report = report
-    return loader

@@ -1,0 +1,94 @@
+"""``autotune_loader``: :func:`~trainperf.loader.tune_loader`, then the DataLoader it chose.
+
+The loader is a :class:`TunedDataLoader`: a plain DataLoader that carries the report and
+whose workers die with the process that iterates it (:class:`trainperf.DieWithParent`
+around the caller's ``worker_init_fn``), so a training process killed with SIGKILL (the
+out-of-memory killer, ``kill -9``, a scheduler's hard stop) leaves no worker behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from trainperf._utils.lifetime import DieWithParent
+from trainperf.loader._report import TuningReport
+from trainperf.loader._tune import tune_loader
+
+__all__ = ["TunedDataLoader", "autotune_loader"]
+
+
+class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
+    """A plain :class:`torch.utils.data.DataLoader` that also carries the tuning report.
+
+    Its workers die with the process that iterates it: with ``num_workers > 0`` its
+    ``worker_init_fn`` is :class:`trainperf.DieWithParent` around yours (``.user_fn``), and
+    each ``iter()`` ties the new workers to the process that starts them (a loader built in
+    one process and iterated in another still works).
+
+    Attributes:
+        tuning_report: the :class:`TuningReport` its settings came from.
+
+    Example:
+        >>> from trainperf import DieWithParent
+        >>> loader = TunedDataLoader(range(8), batch_size=4, num_workers=2, worker_init_fn=print)
+        >>> isinstance(loader.worker_init_fn, DieWithParent), loader.worker_init_fn.user_fn
+        (True, <built-in function print>)
+    """
+
+    tuning_report: TuningReport
+
+    def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(dataset, *args, **kwargs)
+        if self.num_workers > 0:
+            self.worker_init_fn = DieWithParent(self.worker_init_fn)
+
+
+def autotune_loader(
+    dataset: Any,
+    batch_size: int,
+    *,
+    device: str | torch.device | None = None,
+    max_workers: int | None = None,
+    budget_s: float = 30.0,
+    epochs_hint: int | None = None,
+    step_fn: Callable[[Any], Any] | None = None,
+    cache: bool = True,
+    progress: bool = True,
+    **loader_kwargs: Any,
+) -> TunedDataLoader:
+    """:func:`tune_loader`, then the DataLoader built from ``report.best_kwargs``.
+
+    The result is an ordinary ``DataLoader`` (a subclass that adds one attribute): the
+    report is ``loader.tuning_report``. Its workers die with the process that iterates it
+    (see :class:`TunedDataLoader`). Arguments, errors and warnings are those of
+    :func:`tune_loader`.
+
+    Returns:
+        The tuned DataLoader.
+
+    Example:
+        >>> from torch.utils.data import TensorDataset
+        >>> loader = autotune_loader(TensorDataset(torch.randn(128, 4)), 16, device="cpu",
+        ...                          max_workers=0, budget_s=5, cache=False, progress=False)
+        >>> loader.num_workers, loader.tuning_report.num_workers, len(loader)
+        (0, 0, 8)
+    """
+    report = tune_loader(
+        dataset,
+        batch_size,
+        device=device,
+        max_workers=max_workers,
+        budget_s=budget_s,
+        epochs_hint=epochs_hint,
+        step_fn=step_fn,
+        cache=cache,
+        progress=progress,
+        **loader_kwargs,
+    )
+    loader = TunedDataLoader(dataset, **report.best_kwargs)
+    loader.tuning_report = report
+    return loader

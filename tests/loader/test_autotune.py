@@ -1,0 +1,132 @@
+"""trainperf.loader._autotune: the loader autotune_loader returns, and workers that die
+with their parent (issue 20.3).
+
+A training process killed with SIGKILL (the out-of-memory killer, ``kill -9``, a
+scheduler's hard stop) cannot stop its DataLoader workers; they would live on with ppid 1,
+holding memory and shared memory. Every loader the tuner builds ties its workers' lives to
+the process that iterates it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from trainperf import DieWithParent
+from trainperf.loader import TunedDataLoader, autotune_loader
+
+ORPHANS = Path(__file__).with_name("_orphans.py")
+
+
+def record(worker_id: int) -> None:
+    """A caller's worker_init_fn (module level: picklable)."""
+
+
+def test_the_tuned_loader_wraps_the_callers_worker_init_fn() -> None:
+    loader = TunedDataLoader(range(8), batch_size=2, num_workers=2, worker_init_fn=record)
+    init = loader.worker_init_fn
+    assert isinstance(init, DieWithParent) and init.user_fn is record
+    assert pickle.loads(pickle.dumps(init)).user_fn is record  # spawn sends it to workers
+    # Without workers there is nothing to wrap.
+    assert TunedDataLoader(range(8), worker_init_fn=record).worker_init_fn is record
+    assert TunedDataLoader(range(8)).worker_init_fn is None
+
+
+@pytest.mark.slow  # about 1 s: two workers started
+def test_the_tuned_loaders_workers_run_the_callers_worker_init_fn() -> None:
+    seen = []
+    loader = TunedDataLoader(
+        range(4), batch_size=2, num_workers=2, worker_init_fn=record, persistent_workers=False
+    )
+    for batch in loader:
+        seen.extend(batch.tolist())
+    assert sorted(seen) == [0, 1, 2, 3]
+
+
+@pytest.mark.slow  # about 1 s: a tuning run
+def test_autotune_loaders_report_and_the_cache_keep_the_callers_own_function() -> None:
+    loader = autotune_loader(
+        range(32), 4, device="cpu", max_workers=0, budget_s=5, progress=False, worker_init_fn=record
+    )
+    # num_workers=0: no worker to tie, and best_kwargs (which a DataLoader built elsewhere,
+    # in another process, may use) never hold the wrapper.
+    assert loader.tuning_report.best_kwargs["worker_init_fn"] is record
+    assert loader.worker_init_fn is record
+    from trainperf.loader._cache import key_fields
+
+    kw = {"device_type": "cpu", "max_workers": 0, "epochs_hint": None, "step_fn": None}
+    plain = key_fields(range(4), 4, cpus=2, loader_kwargs={"worker_init_fn": record}, **kw)
+    wrapped = key_fields(
+        range(4), 4, cpus=2, loader_kwargs={"worker_init_fn": DieWithParent(record)}, **kw
+    )
+    assert plain == wrapped  # the wrapper changes nothing the answer depends on
+
+
+def _alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _wait_for_workers(where: Path, child: subprocess.Popen[str], timeout: float) -> list[int]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        pids = [int(p.name) for p in where.iterdir()]
+        if len(pids) >= 2:
+            return pids
+        if child.poll() is not None:
+            pytest.fail(f"the child exited early: {child.communicate()[0]}")
+        time.sleep(0.05)
+    pytest.fail("the workers did not start in time")
+
+
+@pytest.mark.slow  # about 2-4 s each: a child process with torch and two workers
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["tuned", "measure", "sharding"])
+def test_workers_die_when_their_parent_is_sigkilled(tmp_path: Path, mode: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    child = subprocess.Popen(
+        [sys.executable, str(ORPHANS), mode, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    pids: list[int] = []
+    try:
+        pids = _wait_for_workers(tmp_path, child, timeout=90)
+        assert all(psutil.Process(p).ppid() == child.pid for p in pids)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        end = time.monotonic() + 5.0  # they sleep 120 s: only the parent-death signal ends them
+        while _alive(pids) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert _alive(pids) == [], f"{mode}: workers outlived their parent"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        for pid in _alive(pids):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_plain_dataloader_gets_the_same_with_die_with_parent() -> None:
+    # What docs/loader.md tells users to do for a DataLoader they build themselves.
+    init = DieWithParent(record)
+    loader = DataLoader(torch.arange(4), num_workers=2, worker_init_fn=init)
+    assert loader.worker_init_fn is init and init.user_fn is record
