@@ -66,6 +66,34 @@ def _write_folder(root: Path, per_class: int = 10, seed: int = 0) -> Path:
     return root
 
 
+# Above every image of `folder` (at most 140 x 140 = 19,600 pixels), below BIG.
+SMALL_LIMIT = 20_000
+BIG = (300, 200)  # a real image of 60,000 pixels: over SMALL_LIMIT, cheap to decode
+
+
+def big_image(path: Path) -> None:
+    """A real image of ``BIG`` pixels (JPEG or PNG by suffix): over ``SMALL_LIMIT``."""
+    from PIL import Image
+
+    Image.new("RGB", BIG, (200, 60, 50)).save(path)
+
+
+def bomb_jpeg(width: int = 30000, height: int = 30000) -> bytes:
+    """A decompression bomb: a real 8 x 8 JPEG of a few hundred bytes whose frame header claims
+    ``width x height`` pixels (30000 x 30000: a 2.7 GB RGB image for a decoder)."""
+    import io
+    import struct
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (90, 120, 150)).save(out, format="JPEG")
+    data = bytearray(out.getvalue())
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = struct.pack(">HH", height, width)
+    return bytes(data)
+
+
 def _loader(source: Any, backend: str, **kw: Any) -> ImageLoader:
     kw.setdefault("size", SIZE)
     kw.setdefault("device", "cpu")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.pipelines._images import _write_folder
+from tests.pipelines._images import _write_folder, big_image, bomb_jpeg
 
 
 @pytest.fixture(scope="module")
@@ -35,3 +35,22 @@ def truncated_folder(folder: Path, tmp_path: Path) -> Path:
     data = (root / "a_red" / "00.jpg").read_bytes()
     (root / "a_red" / "truncated.jpg").write_bytes(data[: len(data) // 2])
     return root
+
+
+@pytest.fixture()
+def bomb_folder(folder: Path, tmp_path: Path) -> Path:
+    """``folder`` plus a header-only 30000 x 30000 JPEG bomb and a real 300 x 200 PNG."""
+    import shutil
+
+    root = Path(shutil.copytree(folder, tmp_path / "bombs"))
+    (root / "a_red" / "bomb.jpg").write_bytes(bomb_jpeg())
+    big_image(root / "b_blue" / "big.png")
+    return root
+
+
+@pytest.fixture()
+def fresh_folder(folder: Path, tmp_path: Path) -> Path:
+    """A copy of ``folder`` that a test may change after building a loader on it."""
+    import shutil
+
+    return Path(shutil.copytree(folder, tmp_path / "fresh"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -10,11 +11,14 @@ import torch
 from tests.pipelines._images import (
     CPU_BACKENDS,
     SIZE,
+    SMALL_LIMIT,
     _epoch,
     _indices,
     _loader,
     _pixels,
     _reference_eval,
+    big_image,
+    bomb_jpeg,
 )
 from trainperf.pipelines._source import load_source
 
@@ -164,3 +168,50 @@ def test_closed_loader_refuses_to_iterate(folder: Path, backend: str) -> None:
         assert len(_epoch(loader)) == 3
     with pytest.raises(RuntimeError, match="was closed"):
         _epoch(loader)
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+@pytest.mark.parametrize("replacement", ["big", "bomb"])
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_file_replaced_after_the_check_is_refused_before_it_is_decoded(
+    fresh_folder: Path,
+    backend: str,
+    on_error: str,
+    replacement: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import trainperf.pipelines._torchvision as tv
+
+    decoded: list[tuple[int, int]] = []
+    real = tv.pil_to_rgb
+
+    def spy(im: Any) -> Any:
+        decoded.append(im.size)
+        return real(im)
+
+    monkeypatch.setattr(tv, "pil_to_rgb", spy)
+    loader = _loader(
+        fresh_folder,
+        backend,
+        on_error=on_error,
+        max_pixels=SMALL_LIMIT,
+        train=False,
+        batch_size=8,
+        last_batch="keep",
+    )
+    victim = fresh_folder / "a_red" / "03.jpg"  # in the first batch
+    if replacement == "big":
+        big_image(victim)  # a real 300 x 200 JPEG
+    else:  # a header-only bomb of 10000 x 10000: Pillow's own check would only warn
+        victim.write_bytes(bomb_jpeg(10000, 10000))
+    size = "300x200 = 60,000" if replacement == "big" else "10000x10000 = 100,000,000"
+    with pytest.raises(
+        RuntimeError,
+        match=rf"03\.jpg' has {size} pixels, over max_pixels=20,000 \(a bomb guard\), so it is "
+        r"not decoded: it changed after the loader checked it .*max_pixels=\.\.\.\) \(now 20,000",
+    ):
+        _epoch(loader)
+    assert (300, 200) not in decoded and (10000, 10000) not in decoded
+    if backend == "dali":  # refused by trainperf's feed: DALI never had the bytes
+        assert "03.jpg' has" in (loader._feed.error or "")  # type: ignore[attr-defined]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,6 @@ import pytest
 import torch
 
 from tests.pipelines._images import _epoch, _indices, _loader, needs_dali
-from trainperf.pipelines import IMAGENET_MEAN, IMAGENET_STD
 
 PIL = pytest.importorskip("PIL.Image")
 torchvision = pytest.importorskip("torchvision")
@@ -55,80 +55,6 @@ def test_dali_after_a_decode_error_says_so_instead_of_hanging(truncated_folder: 
         "Current pipeline object is no longer valid."
     )
     assert _cause(message) == "bad thing"
-
-
-def _graph_ops(pipe: Any) -> list[tuple[str, str, str]]:
-    """(operator, device, spec text) of a defined, unbuilt DALI pipeline."""
-    pipe._build_graph()
-    out = []
-    for op in pipe._ops:
-        spec = str(op.spec)
-        name = spec.splitlines()[0].removeprefix("OpSpec for ").rstrip(":")
-        device = next(line.split(":")[1].strip() for line in spec.splitlines() if "device:" in line)
-        out.append((name, device, spec))
-    return out
-
-
-def _dali_graph(files: list[str], **kw: Any) -> Any:
-    """The DALI pipeline for ``files`` (labels 0, 1, ...), defined without a GPU
-    (``device_id=None``), one thread, seed 0, rank 0 of 1 unless ``kw`` says otherwise."""
-    from trainperf.pipelines._dali import build_pipeline
-
-    args: dict[str, Any] = {
-        "gpu": False,
-        "device_id": None,
-        "batch_size": len(files),
-        "num_threads": 1,
-        "seed": 0,
-        "rank": 0,
-        "world_size": 1,
-        "mean": IMAGENET_MEAN,
-        "std": IMAGENET_STD,
-        **kw,
-    }
-    return build_pipeline(files, list(range(len(files))), **args)
-
-
-@needs_dali
-@pytest.mark.parametrize("train", [True, False])
-def test_dali_gpu_graph_decodes_mixed_and_augments_on_the_gpu(train: bool) -> None:
-    # device_id=None lets the graph be defined without a GPU; gpu=True picks the GPU operators.
-    pipe = _dali_graph(["a.jpg", "b.jpg"], gpu=True, rank=1, world_size=2, train=train, size=224)
-    ops = _graph_ops(pipe)
-    devices = {name: device for name, device, _ in ops}
-    reader = next(spec for name, _, spec in ops if name == "readers__File")
-    assert devices["readers__File"] == "cpu"
-    assert (
-        "shard_id: 1" in reader and "num_shards: 2" in reader and "pad_last_batch: True" in reader
-    )
-    decoder = "decoders__ImageRandomCrop" if train else "decoders__Image"
-    assert devices[decoder] == "mixed"
-    assert devices["Resize"] == "gpu" and devices["CropMirrorNormalize"] == "gpu"
-    if train:
-        assert "shuffle_after_epoch: True" in reader
-    else:
-        assert devices["Slice"] == "gpu" and "stick_to_shard: True" in reader
-
-
-@needs_dali
-@pytest.mark.parametrize("gpu", [False, True])
-def test_dali_zero_copy_executor_on_the_cpu_only(gpu: bool) -> None:
-    pipe = _dali_graph(["a.jpg"], gpu=gpu, train=True, size=32)
-    assert pipe.exec_dynamic is (not gpu)
-
-
-@needs_dali
-@pytest.mark.parametrize("gpu", [False, True])
-def test_dali_train_graph_resizes_antialiased_on_the_gpu_and_leaves_the_cpu_crops_to_torch(
-    gpu: bool,
-) -> None:
-    pipe = _dali_graph(["a.jpg"], gpu=gpu, train=True, size=32)
-    ops = {name: spec for name, _, spec in _graph_ops(pipe)}
-    assert "decoders__ImageRandomCrop" in ops
-    if gpu:
-        assert "antialias: True" in ops["Resize"] and "CropMirrorNormalize" in ops
-    else:  # CpuTrainFinish resizes (antialiased), mirrors and normalises in torch
-        assert "Resize" not in ops and "CropMirrorNormalize" not in ops
 
 
 def _reference_finish(
@@ -197,3 +123,159 @@ def test_cpu_train_finish_reuses_a_buffer_only_once_nothing_holds_it() -> None:
     kept_ptr = kept.data_ptr()
     del kept
     assert finish(_solid(80), no_flip).data_ptr() == kept_ptr  # let go: reused
+
+
+# ------------------------------------------------------- every DALI failure names its file
+
+
+def _cut(path: Path, keep: int = 300) -> None:
+    """Cut a JPEG inside its headers: the frame header is kept (the size check passes), and
+    DALI's decoder fails with "nvImageCodec failure: '#3'", naming no file."""
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+@needs_dali
+@pytest.mark.parametrize("train", [True, False])
+def test_dali_cut_jpeg_is_named_not_just_nvimagecodec_failure_3(
+    fresh_folder: Path, train: bool
+) -> None:
+    _cut(fresh_folder / "b_blue" / "04.jpg")
+    loader = _loader(fresh_folder, "dali", batch_size=8, train=train, last_batch="keep")
+    with pytest.raises(
+        RuntimeError,
+        match=r"^DALI could not decode '[^']*b_blue/04\.jpg': cannot be decoded .*\(rank 0, "
+        r"epoch 0\); a DALI pipeline cannot continue after an error\. Fix or remove the file",
+    ):
+        _epoch(loader)
+    with pytest.raises(RuntimeError, match=r"failed earlier: DALI could not decode .*04\.jpg"):
+        _epoch(loader)
+
+
+@needs_dali
+def test_dali_skip_leaves_out_the_cut_jpeg_before_dali_sees_it(fresh_folder: Path) -> None:
+    _cut(fresh_folder / "b_blue" / "04.jpg")
+    with pytest.warns(UserWarning, match=r"04\.jpg"):
+        loader = _loader(fresh_folder, "dali", batch_size=8, on_error="skip", last_batch="keep")
+    assert [Path(b.path).name for b in loader.skipped] == ["04.jpg"]
+    assert sorted(_indices(loader)) == list(range(23))
+
+
+def _non_utf8(directory: Path, name: bytes, data: bytes) -> str:
+    try:
+        path = os.path.join(os.fsencode(directory), name)
+        with open(path, "wb") as f:
+            f.write(data)
+    except (OSError, UnicodeError):
+        pytest.skip("this file system takes only UTF-8 names")
+    return os.fsdecode(path)
+
+
+@needs_dali
+@pytest.mark.parametrize("train", [True, False])
+def test_dali_reads_file_names_that_are_not_utf8(fresh_folder: Path, train: bool) -> None:
+    jpeg = (fresh_folder / "a_red" / "00.jpg").read_bytes()
+    odd = _non_utf8(fresh_folder / "a_red", b"caf\xe9 \xff.jpg", jpeg)
+    loader = _loader(fresh_folder, "dali", batch_size=5, train=train, last_batch="keep")
+    assert odd in loader.files
+    assert sorted(_indices(loader)) == list(range(25))
+
+
+@needs_dali
+def test_dali_error_on_a_non_utf8_name_shows_it_escaped(fresh_folder: Path) -> None:
+    jpeg = (fresh_folder / "a_red" / "00.jpg").read_bytes()
+    _non_utf8(fresh_folder / "a_red", b"caf\xe9.jpg", jpeg[:300])
+    loader = _loader(fresh_folder, "dali", batch_size=25, train=False, last_batch="keep")
+    with pytest.raises(RuntimeError, match=r"DALI could not decode '[^']*a_red/caf\\xe9\.jpg'"):
+        _epoch(loader)
+
+
+@needs_dali
+@pytest.mark.parametrize("how", ["cut", "text"])
+def test_dali_names_a_file_overwritten_after_the_loader_was_built(
+    fresh_folder: Path, how: str
+) -> None:
+    loader = _loader(fresh_folder, "dali", batch_size=8, train=False, last_batch="keep")
+    victim = fresh_folder / "a_red" / "03.jpg"
+    if how == "cut":  # the header still passes: DALI's decoder fails, the file is found
+        _cut(victim)
+        match = r"^DALI could not decode '[^']*a_red/03\.jpg': cannot be decoded"
+    else:  # trainperf's feed refuses it before DALI has it
+        victim.write_text("no longer an image")
+        match = r"03\.jpg' not a supported image .*changed after the loader checked it"
+    with pytest.raises(RuntimeError, match=match):
+        _epoch(loader)
+
+
+@needs_dali
+@pytest.mark.parametrize("train", [True, False])
+def test_dali_orders_files_as_the_other_backends(folder: Path, train: bool) -> None:
+    kw: dict[str, Any] = {"batch_size": 4, "train": train, "shard": (1, 2), "seed": 2}
+    dali, torchvision_ = _loader(folder, "dali", **kw), _loader(folder, "torchvision", **kw)
+    for _ in range(2):
+        assert _indices(dali) == _indices(torchvision_)
+
+
+@needs_dali
+def test_dali_epoch_left_part_way_costs_only_the_batches_read_ahead(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.pipelines._dali_feed as feed_module
+
+    reads: list[str] = []
+    real = feed_module.read_checked
+
+    def counting(path: str, max_pixels: int | None) -> Any:
+        reads.append(path)
+        return real(path, max_pixels)
+
+    monkeypatch.setattr(feed_module, "read_checked", counting)
+    loader = _loader(folder, "dali", batch_size=1, last_batch="keep")  # 24 batches an epoch
+    it = loader.iter_with_indices()
+    next(it)
+    it.close()
+    assert sorted(_indices(loader)) == list(range(24))
+    # One batch taken and a few read ahead, then a whole epoch (and a few of the next): not
+    # the 24 + 24 of a reader that must run the abandoned epoch to its end.
+    assert len(reads) <= 1 + 4 + 24 + 4, len(reads)
+
+
+@needs_dali
+@pytest.mark.parametrize("failure", [None, "decoder", "feed"])
+def test_dali_loader_is_freed_without_the_garbage_collector(
+    fresh_folder: Path, failure: str | None
+) -> None:
+    # A loader only the collector frees may be destroyed in a forked DataLoader worker
+    # (the collector runs there too), and destroying a DALI pipeline there segfaults.
+    import gc
+    import weakref
+
+    loader = _loader(fresh_folder, "dali", batch_size=4, train=failure is None)
+    if failure == "decoder":
+        _cut(fresh_folder / "a_red" / "02.jpg")
+    elif failure == "feed":
+        (fresh_folder / "a_red" / "02.jpg").write_text("not an image any more")
+    if failure is None:
+        _epoch(loader)
+    else:
+        with pytest.raises(RuntimeError, match=r"02\.jpg"):
+            _epoch(loader)
+    gone = weakref.ref(loader)
+    gc.disable()
+    try:
+        del loader
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
+@needs_dali
+def test_dali_never_hands_out_a_batch_whose_file_the_feed_replaced(folder: Path) -> None:
+    # Should DALI ever decode the placeholder byte, the batch is still refused, with the
+    # feed's reason.
+    from trainperf.pipelines._dali_feed import FedBatch
+
+    loader = _loader(folder, "dali", batch_size=4, train=False)
+    loader._iterator = iter([[{"images": None, "indices": None}]])  # type: ignore[attr-defined]
+    loader._feed.pending.append(FedBatch(0, 0, (0, 1, 2, 3), "image 'x.jpg' empty file"))  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match=r"^image 'x\.jpg' empty file \(rank 0, epoch -1\)"):
+        loader._next()  # type: ignore[attr-defined]

@@ -11,14 +11,24 @@ import torch
 
 from tests.pipelines._images import (
     SIZE,
+    SMALL_LIMIT,
     _epoch,
     _indices,
     _loader,
     _pixels,
     _reference_eval,
+    big_image,
+    bomb_jpeg,
     requires_cuda,
 )
-from trainperf.pipelines import IMAGENET_MEAN, IMAGENET_STD, ImageLoader, LoaderConfig, image_loader
+from trainperf.pipelines import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    MAX_IMAGE_PIXELS,
+    ImageLoader,
+    LoaderConfig,
+    image_loader,
+)
 from trainperf.pipelines._source import load_source, shard_plan
 
 PIL = pytest.importorskip("PIL.Image")
@@ -35,11 +45,13 @@ def _nvjpeg_on_cpu(
     world: int = 1,
     last_batch: str = "keep",
     size: int = SIZE,
+    on_error: str = "raise",
+    max_pixels: int | None = MAX_IMAGE_PIXELS,
 ) -> ImageLoader:
     """The nvjpeg backend's code with the CPU in the GPU's place (image_loader refuses this)."""
     from trainperf.pipelines._nvjpeg import NvjpegLoader
 
-    src = load_source(source, on_error="raise")
+    src = load_source(source, on_error=on_error, max_pixels=max_pixels)  # type: ignore[arg-type]
     plan = shard_plan(len(src.files), batch_size, rank, world, last_batch)  # type: ignore[arg-type]
     config = LoaderConfig(
         batch_size,
@@ -51,6 +63,7 @@ def _nvjpeg_on_cpu(
         last_batch,
         IMAGENET_MEAN,
         IMAGENET_STD,
+        max_pixels,
     )  # type: ignore[arg-type]
     return NvjpegLoader(src, plan, config, "test: CPU stand-in")
 
@@ -251,3 +264,45 @@ def test_nvjpeg_scales_a_16_bit_png_like_the_other_backends(tmp_path: Path, trai
     [(images, _)] = list(_nvjpeg_on_cpu(tmp_path, train=train, batch_size=1))
     levels = (_pixels(images) * 255).round()
     assert levels.min().item() == levels.max().item() == GREY8
+
+
+def test_nvjpeg_code_refuses_or_skips_images_over_max_pixels_up_front(bomb_folder: Path) -> None:
+    with pytest.raises(ValueError, match=r"(?s)2 of 26 files.*bomb\.jpg: has 30000x30000"):
+        _nvjpeg_on_cpu(bomb_folder, max_pixels=SMALL_LIMIT)
+    loader = _nvjpeg_on_cpu(bomb_folder, on_error="skip", max_pixels=SMALL_LIMIT)
+    names = sorted(Path(b.path).name for b in loader.skipped)
+    assert names == ["big.png", "bomb.jpg"]
+    assert sorted(_indices(loader)) == list(range(24))
+
+
+@pytest.mark.parametrize("replacement", ["big", "bomb", "text"])
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_nvjpeg_code_checks_the_bytes_it_decodes(
+    fresh_folder: Path, on_error: str, replacement: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.pipelines._nvjpeg as nvjpeg
+
+    decoded: list[int] = []
+    real = nvjpeg._decode_on_cpu
+
+    def spy(data: Any, path: str) -> Any:
+        decoded.append(len(data))
+        return real(data, path)
+
+    monkeypatch.setattr(nvjpeg, "_decode_on_cpu", spy)
+    loader = _nvjpeg_on_cpu(
+        fresh_folder, train=False, batch_size=8, on_error=on_error, max_pixels=SMALL_LIMIT
+    )
+    victim = fresh_folder / "a_red" / "03.jpg"
+    if replacement == "big":
+        big_image(victim)
+        said = r"has 300x200 = 60,000 pixels, over max_pixels=20,000"
+    elif replacement == "bomb":
+        victim.write_bytes(bomb_jpeg())
+        said = r"has 30000x30000 = 900,000,000 pixels, over max_pixels=20,000"
+    else:
+        victim.write_text("overwritten with text")
+        said = r"not a supported image \(starts with b'overwrit'"
+    with pytest.raises(RuntimeError, match=rf"03\.jpg' {said}.*changed after the loader checked"):
+        _epoch(loader)
+    assert victim.stat().st_size not in decoded  # refused before any decoder saw it

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.pipelines._images import CPU_BACKENDS, NO_TUNING, SIZE, _indices, _loader
+from tests.pipelines._images import (
+    CPU_BACKENDS,
+    NO_TUNING,
+    SIZE,
+    SMALL_LIMIT,
+    _indices,
+    _loader,
+)
 from trainperf.pipelines import image_loader
 from trainperf.pipelines._source import (
     check_files,
@@ -172,15 +179,18 @@ def test_header_check_reports_each_problem(tmp_path: Path) -> None:
     (tmp_path / "dir.jpg").mkdir()
     (tmp_path / "empty.jpg").write_bytes(b"")
     (tmp_path / "text.jpg").write_text("hello")
-    (tmp_path / "ok.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 8)
-    results = check_files(
-        [str(tmp_path / n) for n in ("dir.jpg", "empty.jpg", "text.jpg", "ok.png", "gone.jpg")]
-    )
-    assert [r[0] for r in results] == [None, None, None, "png", None]
+    # The header is all the check reads: a PNG's signature and IHDR chunk (4 x 4 pixels).
+    ihdr = (13).to_bytes(4, "big") + b"IHDR" + (4).to_bytes(4, "big") + (4).to_bytes(4, "big")
+    (tmp_path / "ok.png").write_bytes(b"\x89PNG\r\n\x1a\n" + ihdr)
+    (tmp_path / "cut.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 8)  # no image size
+    names = ("dir.jpg", "empty.jpg", "text.jpg", "ok.png", "gone.jpg", "cut.png")
+    results = check_files([str(tmp_path / n) for n in names])
+    assert [r[0] for r in results] == [None, None, None, "png", None, "png"]
     assert results[0][1] == "is a directory, not an image file"
     assert results[1][1] == "empty file"
     assert (results[2][1] or "").startswith("not a supported image (starts with b'hello'")
     assert results[3][1] is None and results[4][1] == "file not found"
+    assert results[5][1] == "is truncated: its header ends before the image size"
 
 
 def test_many_files_are_checked_in_threads(tmp_path: Path) -> None:
@@ -252,3 +262,80 @@ def test_empty_class_folder_warns_by_name_and_keeps_its_index(tmp_path: Path) ->
         src = load_source(root, on_error="raise")
     assert src.classes == ("a", "b_empty", "c")
     assert src.labels == (0, 2)
+
+
+# ------------------------------------------------------------------ the pixel limit, up front
+
+BOMB_REASON = "has 30000x30000 = 900,000,000 pixels, over max_pixels=20,000 (a bomb guard)"
+BIG_REASON = "has 300x200 = 60,000 pixels, over max_pixels=20,000 (a bomb guard)"
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_images_over_max_pixels_are_refused_up_front_naming_them_and_the_fix(
+    bomb_folder: Path, backend: str
+) -> None:
+    with pytest.raises(ValueError) as refused:
+        _loader(bomb_folder, backend, max_pixels=SMALL_LIMIT)
+    message = str(refused.value)
+    assert "2 of 26 files" in message
+    assert f"bomb.jpg: {BOMB_REASON}" in message and f"big.png: {BIG_REASON}" in message
+    assert "pass a larger image_loader(..., max_pixels=...) (now 20,000; None: no limit)" in message
+    # The default limit (Pillow's) lets the real 300 x 200 image through, not the bomb.
+    with pytest.raises(ValueError, match=r"(?s)1 of 26 files.*bomb\.jpg: has 30000x30000"):
+        _loader(bomb_folder, backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_images_over_max_pixels_are_skipped_without_being_decoded(
+    bomb_folder: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.pipelines._source as source_module
+
+    decoded: list[str] = []
+    real = source_module.decode_problem
+
+    def spy(path: str) -> str | None:
+        decoded.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(source_module, "decode_problem", spy)
+    with pytest.warns(UserWarning, match=r"skipped 2 unreadable file\(s\).*bomb\.jpg"):
+        loader = _loader(
+            bomb_folder, backend, on_error="skip", max_pixels=SMALL_LIMIT, last_batch="keep"
+        )
+    assert {Path(b.path).name: b.reason for b in loader.skipped} == {
+        "bomb.jpg": BOMB_REASON,
+        "big.png": BIG_REASON,
+    }
+    # Refused from its header: the bomb (and the big image) never reached a decoder.
+    assert len(decoded) == 24 and "bomb.jpg" not in decoded and "big.png" not in decoded
+    assert sorted(_indices(loader)) == list(range(24))
+
+
+def test_max_pixels_none_is_no_limit_and_the_limit_is_inclusive(bomb_folder: Path) -> None:
+    big = str(bomb_folder / "b_blue" / "big.png")
+    assert load_source([(big, 0)], on_error="raise", max_pixels=None).files == (big,)
+    assert load_source([(big, 0)], on_error="skip", max_pixels=300 * 200).files == (big,)
+    with pytest.raises(ValueError, match="300x200 = 60,000 pixels, over max_pixels=59,999"):
+        load_source([(big, 0)], on_error="raise", max_pixels=300 * 200 - 1)
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+def test_pillows_own_limit_is_named_with_its_fix_in_the_skip_check(
+    bomb_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # max_pixels allows the image, but Pillow's global limit (here lowered) refuses it.
+    monkeypatch.setattr(PIL, "MAX_IMAGE_PIXELS", 1000)
+    big = str(bomb_folder / "b_blue" / "big.png")
+    with pytest.raises(ValueError, match=r"DecompressionBombError.*PIL\.Image\.MAX_IMAGE_PIXELS"):
+        load_source([(big, 0)], on_error="skip", max_pixels=None)
+
+
+def test_a_name_that_is_not_utf8_is_shown_escaped(tmp_path: Path) -> None:
+    try:
+        path = os.path.join(os.fsencode(tmp_path), b"caf\xe9.jpg")
+        open(path, "wb").close()
+    except (OSError, UnicodeError):
+        pytest.skip("this file system takes only UTF-8 names")
+    with pytest.raises(ValueError, match=r"caf\\xe9\.jpg: empty file"):
+        load_source([(os.fsdecode(path), 0)], on_error="raise")

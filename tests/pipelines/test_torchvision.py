@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +103,92 @@ def test_torchvision_backend_on_cuda_normalises_there_exactly(folder: Path) -> N
         for image, index in zip(images.cpu(), indices.tolist(), strict=True):
             expected = _reference_eval(loader.files[index], SIZE)
             torch.testing.assert_close(image, expected, atol=1e-5, rtol=0)
+
+
+def test_plain_dataloader_workers_are_tied_to_their_parent(folder: Path) -> None:
+    from trainperf import DieWithParent
+
+    def mine(worker_id: int) -> None:
+        pass
+
+    loader = _loader(
+        folder, "torchvision", loader_kwargs={"num_workers": 2, "worker_init_fn": mine}
+    )
+    init = loader.dataloader.worker_init_fn  # type: ignore[attr-defined]
+    assert isinstance(init, DieWithParent) and init.user_fn is mine
+    plain = _loader(folder, "torchvision", loader_kwargs={"num_workers": 1})
+    assert isinstance(plain.dataloader.worker_init_fn, DieWithParent)  # type: ignore[attr-defined]
+
+
+def _alive(pids: list[int]) -> list[int]:
+    import psutil
+
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's"
+)
+def test_workers_die_with_a_sigkilled_training_process(folder: Path, tmp_path: Path) -> None:
+    script = Path(__file__).parent / "_orphans.py"
+    root = Path(__file__).parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(folder), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        files = [tmp_path / "worker0", tmp_path / "worker1"]
+        while not all(f.exists() for f in files):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"the workers never started:\n{proc.communicate()[0]}")
+            time.sleep(0.1)
+        pids = [int(f.read_text()) for f in files]
+        assert len(_alive(pids)) == 2
+        proc.kill()  # SIGKILL: no clean-up code runs in the training process
+        proc.wait(timeout=30)
+        # Busy in worker_init_fn, PyTorch's own parent check (every 5 s, between batches)
+        # never runs: without the parent-death signal they would sleep on for 300 s.
+        deadline = time.monotonic() + 10
+        while _alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _alive(pids) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in _alive(pids):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+def test_pillows_own_limit_is_named_with_its_fix_when_a_worker_decodes(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainperf.pipelines._torchvision import FileDataset
+
+    files = load_source(folder, on_error="raise").files
+    dataset = FileDataset(files, train=False, size=SIZE, seed=0, max_pixels=None)
+    monkeypatch.setattr(PIL, "MAX_IMAGE_PIXELS", 100)  # every test image is over twice this
+    with pytest.raises(
+        RuntimeError,
+        match=r"could not decode image .*DecompressionBombError.*PIL\.Image\.MAX_IMAGE_PIXELS "
+        r"\(now 100\): raise it along with max_pixels",
+    ):
+        dataset[0]

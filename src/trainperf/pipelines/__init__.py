@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from trainperf._utils.public import set_public_module
 from trainperf.pipelines._base import ImageLoader, LoaderConfig
-from trainperf.pipelines._loader import IMAGENET_MEAN, IMAGENET_STD, image_loader
+from trainperf.pipelines._loader import IMAGENET_MEAN, IMAGENET_STD, MAX_IMAGE_PIXELS, image_loader
 from trainperf.pipelines._source import BadFile, Shard
 
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "MAX_IMAGE_PIXELS",
     "BadFile",
     "ImageLoader",
     "LoaderConfig",

@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from trainperf.pipelines._header import MAX_IMAGE_PIXELS
 from trainperf.pipelines._source import BadFile, ImageSource, Shard
 
 __all__ = ["ImageBackend", "ImageLoader", "LoaderConfig"]
@@ -33,6 +34,8 @@ class LoaderConfig:
         last_batch: ``"drop"`` or ``"keep"`` the partial last batch.
         mean: per-channel mean, in 0..1 units.
         std: per-channel standard deviation, in 0..1 units.
+        max_pixels: the most pixels an image may have (read from its header before it is
+            decoded); None: no limit.
     """
 
     batch_size: int
@@ -44,6 +47,7 @@ class LoaderConfig:
     last_batch: LastBatch
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    max_pixels: int | None = MAX_IMAGE_PIXELS
 
 
 class ImageLoader:

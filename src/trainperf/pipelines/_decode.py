@@ -20,7 +20,7 @@ import torch
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-__all__ = ["SIXTEEN_BIT_MODES", "pil_to_rgb", "to_uint8"]
+__all__ = ["SIXTEEN_BIT_MODES", "pil_failure", "pil_to_rgb", "to_uint8"]
 
 # PIL's modes of 16-bit greyscale (little, big and native endian).
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
@@ -67,3 +67,29 @@ def to_uint8(pixels: torch.Tensor) -> torch.Tensor:
         return pixels
     wide = pixels.to(torch.int32)
     return torch.div(wide * 255 + _MAX16 // 2, _MAX16, rounding_mode="floor").to(torch.uint8)
+
+
+def pil_failure(error: BaseException) -> str:
+    """A PIL decode error for a message: Pillow's own pixel limit is named, with its fix.
+
+    Pillow refuses, in ``Image.open``, images over twice ``PIL.Image.MAX_IMAGE_PIXELS`` (a
+    global, 89,478,485 by default), whatever ``max_pixels`` allows: only an image that
+    ``max_pixels`` lets through and Pillow's limit does not can meet this.
+
+    Example:
+        >>> from PIL import Image
+        >>> pil_failure(OSError("image file is truncated"))
+        'OSError: image file is truncated'
+        >>> "PIL.Image.MAX_IMAGE_PIXELS" in pil_failure(Image.DecompressionBombError("big"))
+        True
+    """
+    from PIL import Image as PILImage
+
+    said = f"{type(error).__name__}: {error}"
+    if isinstance(error, PILImage.DecompressionBombError):
+        return (
+            f"{said}; Pillow, which decodes this file, also obeys its own limit, "
+            f"PIL.Image.MAX_IMAGE_PIXELS (now {PILImage.MAX_IMAGE_PIXELS}): raise it along "
+            "with max_pixels (None: no limit)"
+        )
+    return said

@@ -14,9 +14,17 @@ from trainperf._utils.imports import is_available, require
 from trainperf._utils.validate import choice, non_negative_int, positive_int
 from trainperf.device import resolve_device
 from trainperf.pipelines._base import ImageBackend, ImageLoader, LoaderConfig
-from trainperf.pipelines._source import ImageSource, Shard, load_source, resolve_shard, shard_plan
+from trainperf.pipelines._header import MAX_IMAGE_PIXELS
+from trainperf.pipelines._source import (
+    ImageSource,
+    Shard,
+    load_source,
+    resolve_shard,
+    shard_plan,
+    shown,
+)
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "image_loader"]
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "MAX_IMAGE_PIXELS", "image_loader"]
 
 IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
 IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
@@ -161,7 +169,7 @@ def _warn_skipped(source: ImageSource) -> None:
         return
     import warnings
 
-    listed = ", ".join(f"{b.path} ({b.reason})" for b in source.skipped[:5])
+    listed = ", ".join(f"{shown(b.path)} ({b.reason})" for b in source.skipped[:5])
     more = len(source.skipped) - 5
     # stacklevel=3: the warning names the line that called image_loader.
     warnings.warn(
@@ -210,14 +218,14 @@ def image_loader(
     std: Sequence[float] = IMAGENET_STD,
     on_error: Literal["raise", "skip"] = "raise",
     loader_kwargs: Mapping[str, Any] | None = None,
+    max_pixels: int | None = MAX_IMAGE_PIXELS,
 ) -> ImageLoader:
     """Batches of normalised images and their labels, decoded off the Python workers.
 
     Yields ``(images, labels)``: float32 ``[N, 3, size, size]`` normalised with ``mean`` and
     ``std``, and int64 ``[N]``, both on ``device``. ``len()`` is the number of batches per
-    epoch; each new iteration is a new epoch, reshuffled when ``train``. With DALI, an epoch
-    abandoned part-way (a ``break``) is read to its end, outputs discarded, when the next
-    iteration starts: DALI's reader cannot rewind, so that costs up to one epoch's decoding.
+    epoch; each new iteration is a new epoch, reshuffled when ``train``. An epoch abandoned
+    part-way (a ``break``) costs at most the few batches already read ahead.
 
     With the torchvision backend and no ``num_workers`` in ``loader_kwargs``, building the
     loader *runs the DataLoader autotuner* (:func:`trainperf.loader.autotune_loader`): it
@@ -258,20 +266,29 @@ def image_loader(
             ``ceil(N / world_size)`` by repeating images).
         mean: per-channel mean, 0..1 units.
         std: per-channel standard deviation, 0..1 units.
-        on_error: ``"raise"``: a missing, empty or non-image file raises up front, naming
-            it, and a file that fails to decode raises when it is reached; ``"skip"``:
-            every file is decoded once up front and bad ones are left out with a warning
-            (listed in ``loader.skipped``).
+        on_error: ``"raise"``: a missing, empty or non-image file, or one over
+            ``max_pixels``, raises up front, naming it, and a file that fails to decode
+            raises when it is reached; ``"skip"``: every file is decoded once up front and
+            bad ones (those over ``max_pixels`` without decoding them) are left out with a
+            warning (listed in ``loader.skipped``). A file that goes bad after the loader is
+            built raises, naming it, whichever is chosen.
         loader_kwargs: torchvision backend only: keyword arguments for
             :func:`trainperf.loader.autotune_loader` (e.g. ``budget_s``, ``cache``,
             ``progress``, which defaults to False here), or for a plain ``DataLoader`` when
             they include ``num_workers`` (no tuning).
+        max_pixels: the most pixels (width x height) an image may have: every backend reads
+            the size from the file's header, before decoding it, and treats an image over
+            the limit as a bad file (see ``on_error``), so a decompression bomb (a small
+            file that claims 30000 x 30000 pixels) never reaches a decoder. The default is
+            Pillow's ``MAX_IMAGE_PIXELS``, 89,478,485 (:data:`MAX_IMAGE_PIXELS`); None: no
+            limit.
 
     Returns:
         An :class:`ImageLoader`.
 
     Raises:
-        ValueError: a bad argument; no images; a bad file under ``on_error="raise"``;
+        ValueError: a bad argument; no images; a bad file (an image over ``max_pixels``
+            among them) under ``on_error="raise"``;
             ``batch_size`` larger than a rank's share with ``last_batch="drop"``; with
             ``num_threads="auto"``, a ``LOCAL_WORLD_SIZE``/``SLURM_NTASKS_PER_NODE`` that
             is not a whole number >= 1.
@@ -306,6 +323,7 @@ def image_loader(
     size = positive_int("size", size)
     _check_choices(train=train, backend=backend, last_batch=last_batch, on_error=on_error)
     seed = non_negative_int("seed", seed)
+    max_pixels = positive_int("max_pixels", max_pixels, none_ok=True)
     mean3 = _channel_triple("mean", mean, positive=False)
     std3 = _channel_triple("std", std, positive=True)
     rank, world_size = resolve_shard(shard)
@@ -313,7 +331,7 @@ def image_loader(
     dev = resolve_device(device)
     chosen, reason = _choose_backend(backend, dev)
     _check_loader_kwargs(loader_kwargs, chosen, backend)
-    source_files = load_source(source, on_error=on_error)
+    source_files = load_source(source, on_error=on_error, max_pixels=max_pixels)
     _warn_skipped(source_files)
     plan = shard_plan(len(source_files.files), batch_size, rank, world_size, last_batch)
     config = LoaderConfig(
@@ -326,6 +344,7 @@ def image_loader(
         last_batch=last_batch,
         mean=mean3,
         std=std3,
+        max_pixels=max_pixels,
     )
     loader = _build_loader(chosen, source_files, plan, config, reason, loader_kwargs)
     _log.info("%r", loader)

@@ -7,7 +7,8 @@ a side stream; the training loop's stream waits on an event, never on the host. 
 nvJPEG does not take (PNG, BMP, TIFF, WebP, and CMYK/YCCK JPEGs) are decoded on the CPU in the
 reader threads (``torchvision.io.decode_image``, PIL as the fallback) and copied over, and
 so are JPEGs that do not end with the end-of-image marker (truncated ones among them: nvJPEG
-may decode those without an error, the CPU decoder raises naming the file).
+may decode those without an error, the CPU decoder raises naming the file). Each file's bytes
+pass the header check (format, image size within ``max_pixels``) before any decoder sees them.
 
 Crops and flips use the same per-sample seeds as the torchvision backend, so both backends
 cut the same boxes out of the same images. The device may also be the CPU, which the CPU
@@ -31,8 +32,8 @@ import torch
 from trainperf.pipelines._augment import center_resize_crop, normalize, random_flip, resized_crop
 from trainperf.pipelines._augment import sample_crop_box as _sample_crop_box
 from trainperf.pipelines._base import ImageLoader, LoaderConfig, labels_tensor
-from trainperf.pipelines._decode import pil_to_rgb, to_uint8
-from trainperf.pipelines._source import ImageSource, Shard, epoch_indices
+from trainperf.pipelines._decode import pil_failure, pil_to_rgb, to_uint8
+from trainperf.pipelines._source import ImageSource, Shard, epoch_batches, read_checked, shown
 from trainperf.pipelines._torchvision import sample_seed
 
 __all__ = ["NvjpegLoader", "augment_batch", "jpeg_frame"]
@@ -128,10 +129,6 @@ def augment_batch(
     return normalize(batch, mean, std)
 
 
-def _read(path: str) -> np.ndarray[Any, Any]:
-    return np.fromfile(path, dtype=np.uint8)
-
-
 def _decode_on_cpu(data: np.ndarray[Any, Any], path: str) -> torch.Tensor:
     from torchvision.io import ImageReadMode, decode_image
 
@@ -151,7 +148,7 @@ def _decode_on_cpu(data: np.ndarray[Any, Any], path: str) -> torch.Tensor:
             return pixels
     except Exception as e:
         raise RuntimeError(
-            f"could not decode image {path!r} ({type(e).__name__}: {e}); fix or remove the "
+            f"could not decode image '{shown(path)}' ({pil_failure(e)}); fix or remove the "
             "file, or pass on_error='skip'"
         ) from e
 
@@ -223,7 +220,8 @@ class NvjpegLoader(ImageLoader):
 
     def _make_batch(self, indices: list[int], epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         paths = [self.source.files[i] for i in indices]
-        datas = list(self._live_pool().map(_read, paths))
+        limit = self.config.max_pixels
+        datas = list(self._live_pool().map(lambda p: read_checked(p, limit), paths))
         images = self._decode(paths, datas)
         c = self.config
         batch = augment_batch(
@@ -274,18 +272,16 @@ class NvjpegLoader(ImageLoader):
     def _epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         if self._pool is None:
             raise RuntimeError("this image loader was closed")
-        plan = self.shard
-        order = epoch_indices(
+        c = self.config
+        batches = epoch_batches(
             len(self.source.files),
-            plan.rank,
-            plan.world_size,
-            shuffle=self.config.train,
-            seed=self.config.seed,
+            self.shard,
+            c.batch_size,
+            shuffle=c.train,
+            seed=c.seed,
             epoch=epoch,
-            last_batch=self.config.last_batch,
+            last_batch=c.last_batch,
         )
-        b = self.config.batch_size
-        batches = [order[i : i + b] for i in range(0, len(order), b)][: plan.batches]
         out: queue.Queue[Any] = queue.Queue(maxsize=self._prefetch)
         stop = threading.Event()
         producer = threading.Thread(

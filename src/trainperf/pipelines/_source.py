@@ -1,14 +1,17 @@
 """Where the images come from: the file list, its labels, its checks, and each rank's share.
 
-A source is an ImageFolder-style directory (``root/<class>/<image>``) or a list of
-``(path, label)`` pairs. Every file is checked once, up front, in threads, so that a bad file
-is reported by name before training starts rather than crashing a decoder mid-epoch:
+A source is an ImageFolder-style directory (``root/<class>/<image>``, see :mod:`._folder`) or a
+list of ``(path, label)`` pairs. Every file is checked once, up front, in threads, so that a
+bad file is reported by name before training starts rather than crashing a decoder mid-epoch:
 
-- ``"header"`` (``on_error="raise"``): the file exists, is not empty, and its first bytes
-  are those of a JPEG, PNG, BMP, TIFF or WebP image. Costs one small read per file.
+- ``"header"`` (``on_error="raise"``): the file exists, is not empty, its first bytes are
+  those of a JPEG, PNG, BMP, TIFF or WebP image, and the image size in its header is within
+  ``max_pixels`` (:mod:`._header`). Costs a small read or two per file; nothing is decoded,
+  so a decompression bomb is refused without allocating its pixels.
 - ``"decode"`` (``on_error="skip"``): the header check, then a full decode with PIL (JPEGs
   in draft mode, at 1/8 scale, which still reads every byte of the compressed stream), so
-  truncated and corrupt files are found and left out.
+  truncated and corrupt files are found and left out. A file that fails the header check
+  (a bomb among them) is never decoded.
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from trainperf._utils import launch_env
 from trainperf._utils.validate import non_negative_int
+from trainperf.pipelines._folder import IMAGE_EXTENSIONS, find_images
+from trainperf.pipelines._header import MAX_IMAGE_PIXELS, ImageFormat, bytes_problem, file_problem
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -35,18 +40,30 @@ __all__ = [
     "epoch_indices",
     "find_images",
     "resolve_shard",
+    "changed_file_error",
+    "epoch_batches",
+    "read_checked",
     "shard_plan",
-    "sniff_format",
+    "shown",
 ]
 
-# The suffixes torchvision's ImageFolder takes, less the rare PPM/PGM/TIF-variants DALI and
-# torchvision.io do not all decode.
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
-
-ImageFormat = Literal["jpeg", "png", "bmp", "tiff", "webp"]
 Check = Literal["header", "decode"]
 # More threads than cores: the header check waits on the disk, not the CPU.
 _CHECK_THREADS = 16
+
+
+def shown(path: str) -> str:
+    """``path`` as it is printed in messages: bytes that are not UTF-8 as ``\\xNN`` escapes.
+
+    A file name may hold any bytes but ``/`` and NUL; Python keeps the non-UTF-8 ones as
+    lone surrogates (``os.fsdecode``), which many log handlers refuse to write.
+
+    Example:
+        >>> import os
+        >>> print(shown(os.fsdecode(b"caf\\xe9.jpg")))
+        caf\\xe9.jpg
+    """
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 @dataclass(frozen=True)
@@ -100,49 +117,24 @@ class Shard:
     last_batch_size: int
 
 
-def sniff_format(head: bytes) -> ImageFormat | None:
-    """The image format announced by a file's first bytes, or None.
-
-    Example:
-        >>> sniff_format(b"\\xff\\xd8\\xff\\xe0\\x00\\x10JFIF"), sniff_format(b"hello")
-        ('jpeg', None)
-    """
-    if head.startswith(b"\xff\xd8\xff"):
-        return "jpeg"
-    if head.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "png"
-    if head.startswith(b"BM"):
-        return "bmp"
-    if head[:4] in (b"II*\x00", b"MM\x00*"):
-        return "tiff"
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return "webp"
-    return None
-
-
-def _header_problem(path: str) -> tuple[ImageFormat | None, str | None]:
+def _header_problem(path: str, max_pixels: int | None) -> tuple[ImageFormat | None, str | None]:
     try:
         with open(path, "rb") as f:
-            head = f.read(16)
+            return file_problem(f, max_pixels)
     except FileNotFoundError:
         return None, "file not found"
     except IsADirectoryError:
         return None, "is a directory, not an image file"
     except OSError as e:
         return None, f"cannot be read ({e.strerror or e})"
-    if not head:
-        return None, "empty file"
-    fmt = sniff_format(head)
-    if fmt is None:
-        return None, (
-            f"not a supported image (starts with {head[:8]!r}; JPEG, PNG, BMP, TIFF and WebP "
-            "are read)"
-        )
-    return fmt, None
 
 
-def _decode_problem(path: str) -> str | None:
+def decode_problem(path: str) -> str | None:
+    """Why PIL cannot decode ``path`` (draft mode for JPEGs), or None. Check the header first:
+    this allocates the image."""
     from PIL import Image
+
+    from trainperf.pipelines._decode import pil_failure
 
     try:
         with Image.open(path) as im:
@@ -151,26 +143,35 @@ def _decode_problem(path: str) -> str | None:
             im.draft("RGB", (1, 1))
             im.convert("RGB").load()
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, struct.error...
-        return f"cannot be decoded ({type(e).__name__}: {e})"
+        return f"cannot be decoded ({pil_failure(e)})"
     return None
 
 
-def _check_one(path: str, check: Check) -> tuple[ImageFormat | None, str | None]:
-    fmt, problem = _header_problem(path)
+def check_one(
+    path: str, check: Check, max_pixels: int | None = MAX_IMAGE_PIXELS
+) -> tuple[ImageFormat | None, str | None]:
+    """``(format, problem)`` of one file: the header, then (``"decode"``) a PIL decode."""
+    fmt, problem = _header_problem(path, max_pixels)
     if problem is None and check == "decode":
-        problem = _decode_problem(path)
+        problem = decode_problem(path)
     return fmt, problem
 
 
 def check_files(
-    files: Sequence[str], check: Check = "header", *, threads: int = _CHECK_THREADS
+    files: Sequence[str],
+    check: Check = "header",
+    *,
+    threads: int = _CHECK_THREADS,
+    max_pixels: int | None = MAX_IMAGE_PIXELS,
 ) -> list[tuple[ImageFormat | None, str | None]]:
     """Check every file; return ``(format, problem)`` per file (problem None when fine).
 
     Args:
         files: paths to check.
-        check: ``"header"`` (first bytes) or ``"decode"`` (header, then a PIL decode).
+        check: ``"header"`` (first bytes and image size) or ``"decode"`` (header, then a PIL
+            decode of the files whose header passed).
         threads: reader threads.
+        max_pixels: the most pixels an image may have (None: no limit).
 
     Returns:
         One ``(format, problem)`` pair per file, in order.
@@ -180,158 +181,9 @@ def check_files(
         [(None, 'file not found')]
     """
     if len(files) < 64 or threads <= 1:
-        return [_check_one(f, check) for f in files]
+        return [check_one(f, check, max_pixels) for f in files]
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="trainperf-check") as pool:
-        return list(pool.map(lambda f: _check_one(f, check), files, chunksize=64))
-
-
-def _dir_key(path: str) -> tuple[int, int] | None:
-    """The identity of the directory ``path`` leads to (links followed), or None if unreadable."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _walk_class(
-    top: str, seen: dict[tuple[int, int], str], repeats: list[tuple[str, str]]
-) -> list[str]:
-    """The image files under ``top``, each real directory read once across the whole folder.
-
-    Directory links are followed, but a directory already read (``seen``: identity -> the path
-    it was first read through) is not read again; ``(path, first path)`` goes to ``repeats``.
-    Subfolders are walked in sorted order, so which path reaches a directory first is fixed.
-    """
-    found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
-        kept = []
-        for name in sorted(dirnames):
-            sub = os.path.join(dirpath, name)
-            key = _dir_key(sub)
-            if key is not None and key in seen:
-                repeats.append((sub, seen[key]))
-                continue
-            if key is not None:
-                seen[key] = sub
-            kept.append(name)
-        dirnames[:] = kept  # os.walk descends only into what is left here
-        found.extend(
-            os.path.join(dirpath, f) for f in filenames if f.lower().endswith(IMAGE_EXTENSIONS)
-        )
-    return sorted(found)
-
-
-def _scan_classes(
-    path: Path, classes: Sequence[str]
-) -> tuple[list[list[str]], list[tuple[str, str]]]:
-    """Each class's files, and the directories skipped as already read.
-
-    The root and every class folder are claimed before any is walked, so a link to the root
-    (``up -> ..``) or to another class folder is a repeat, and a class folder is read as its
-    own class even when a link in an earlier class leads to it.
-    """
-    seen: dict[tuple[int, int], str] = {}
-    for top in (str(path), *(os.path.join(path, name) for name in classes)):
-        key = _dir_key(top)
-        if key is not None:
-            seen.setdefault(key, top)
-    repeats: list[tuple[str, str]] = []
-    per_class: list[list[str]] = []
-    for name in classes:
-        top = os.path.join(path, name)
-        first = seen.get(_dir_key(top) or (-1, -1), top)
-        if first != top:  # two class folders that are the same directory: read it once
-            repeats.append((top, first))
-            per_class.append([])
-        else:
-            per_class.append(_walk_class(top, seen, repeats))
-    return per_class, repeats
-
-
-def _listed(names: Sequence[str], limit: int = 5) -> str:
-    more = len(names) - limit
-    return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
-
-
-def find_images(root: str | os.PathLike[str]) -> tuple[list[tuple[str, int]], tuple[str, ...]]:
-    """List ``root/<class>/**/<image>`` like torchvision's ImageFolder.
-
-    Classes are the sorted subfolder names; files are those with an image suffix
-    (case-insensitive), sorted, searched recursively. Other files are ignored.
-
-    Directory links are followed, but every real directory is read once: a link to a
-    directory already read (``loop -> .``, ``up -> ..``, a second link to the same place, a
-    link to another class folder) is skipped, with a warning that names it, so each file is
-    counted once, under the class folder it is first reached from (classes in sorted order,
-    subfolders sorted). File links are files: two links to one image are two samples, as in
-    ImageFolder.
-
-    A class folder without images stays a class (its index is kept, so every label still
-    matches the sorted folder names), with a warning that names it; torchvision's
-    ImageFolder raises instead.
-
-    Args:
-        root: the dataset directory.
-
-    Returns:
-        ``([(path, label), ...], classes)``.
-
-    Raises:
-        FileNotFoundError: ``root`` does not exist.
-        NotADirectoryError: ``root`` is a file.
-        ValueError: ``root`` has no class subfolders, or no images in them.
-
-    Example:
-        >>> find_images("/no/such/dir")
-        Traceback (most recent call last):
-        ...
-        FileNotFoundError: image folder '/no/such/dir' does not exist
-    """
-    path = Path(root)
-    if not path.exists():
-        raise FileNotFoundError(f"image folder {str(root)!r} does not exist")
-    if not path.is_dir():
-        raise NotADirectoryError(
-            f"image source {str(root)!r} is a file; pass a folder laid out as "
-            "root/<class>/<image>, or a list of (path, label) pairs"
-        )
-    classes = tuple(sorted(e.name for e in os.scandir(path) if e.is_dir()))
-    if not classes:
-        raise ValueError(
-            f"image folder {str(root)!r} has no class subfolders; the layout is "
-            "root/<class>/<image> (e.g. root/cat/1.jpg, root/dog/2.jpg)"
-        )
-    per_class, repeats = _scan_classes(path, classes)
-    items = [(f, label) for label, found in enumerate(per_class) for f in found]
-    if not items:
-        raise ValueError(
-            f"image folder {str(root)!r} has class subfolders {list(classes)[:5]} but no "
-            f"images in them (suffixes read: {', '.join(IMAGE_EXTENSIONS)})"
-        )
-    import warnings
-
-    # stacklevel=4: find_images <- load_source <- image_loader <- the caller's line.
-    if repeats:
-        rel = [
-            f"{os.path.relpath(p, path)} (= {os.path.relpath(first, path)})" for p, first in repeats
-        ]
-        warnings.warn(
-            f"image folder {str(root)!r}: skipped {len(repeats)} directory link(s) to folders "
-            f"already read, so that each file is counted once, under the class folder it is "
-            f"first reached from: {_listed(rel)}; remove the links to silence this",
-            stacklevel=4,
-        )
-    empty = [f"{name!r} (label {i})" for i, name in enumerate(classes) if not per_class[i]]
-    if empty:
-        warnings.warn(
-            f"image folder {str(root)!r} has {len(empty)} class folder(s) with no images: "
-            f"{_listed(empty)}; kept as classes so that every label matches the sorted folder "
-            "names (torchvision's ImageFolder would raise); remove the folder to drop the class, "
-            "or add its images",
-            stacklevel=4,
-        )
-    return items, classes
+        return list(pool.map(lambda f: check_one(f, check, max_pixels), files, chunksize=64))
 
 
 def _list_items(items: Sequence[object]) -> list[tuple[str, int]]:
@@ -349,10 +201,48 @@ def _list_items(items: Sequence[object]) -> list[tuple[str, int]]:
 
 
 def _describe_bad(bad: Sequence[BadFile], limit: int = 10) -> str:
-    lines = [f"  {b.path}: {b.reason}" for b in bad[:limit]]
+    lines = [f"  {shown(b.path)}: {b.reason}" for b in bad[:limit]]
     if len(bad) > limit:
         lines.append(f"  ... and {len(bad) - limit} more")
     return "\n".join(lines)
+
+
+def pixel_limit_fix(max_pixels: int) -> str:
+    """The fix for an image over the pixel limit, said wherever one is refused."""
+    return (
+        f"if it is a real image and not a decompression bomb, pass a larger "
+        f"image_loader(..., max_pixels=...) (now {max_pixels:,}; None: no limit)"
+    )
+
+
+def read_checked(path: str, max_pixels: int | None) -> np.ndarray[Any, Any]:
+    """The bytes of ``path``, after the header check (format, image size within
+    ``max_pixels``) on those very bytes, which are what a backend then decodes.
+
+    Raises:
+        RuntimeError: the file is gone, or is no longer an image within the limit (it passed
+            the check when the loader was built, so it has changed since).
+    """
+    try:
+        data = np.fromfile(path, dtype=np.uint8)
+    except OSError as e:
+        raise changed_file_error(path, f"cannot be read ({e.strerror or e})", max_pixels) from e
+    _, problem = bytes_problem(data, max_pixels)
+    if problem is not None:
+        raise changed_file_error(path, problem, max_pixels)
+    return data
+
+
+def changed_file_error(path: str, problem: str, max_pixels: int | None) -> RuntimeError:
+    """The error for a file that fails the header check when a backend reads it to decode it:
+    it passed the same check when the loader was built, so it has changed since."""
+    fix = "fix or remove the file"
+    if max_pixels is not None and "max_pixels=" in problem:
+        fix += f"; {pixel_limit_fix(max_pixels)}"
+    return RuntimeError(
+        f"image '{shown(path)}' {problem}, so it is not decoded: it changed after the loader "
+        f"checked it (on_error='skip' leaves out only files that are bad then); {fix}"
+    )
 
 
 def load_source(
@@ -360,6 +250,7 @@ def load_source(
     *,
     on_error: Literal["raise", "skip"],
     threads: int = _CHECK_THREADS,
+    max_pixels: int | None = MAX_IMAGE_PIXELS,
 ) -> ImageSource:
     """Resolve ``source`` to a checked :class:`ImageSource`.
 
@@ -368,6 +259,8 @@ def load_source(
         on_error: ``"raise"`` checks headers and raises on a bad file; ``"skip"`` also
             decodes every file and leaves the bad ones out (see the module docstring).
         threads: threads for the checks.
+        max_pixels: images with more pixels (read from the header) are bad files; None: no
+            limit.
 
     Returns:
         The files, labels, formats and classes.
@@ -395,9 +288,8 @@ def load_source(
             "source must be a folder path or a list of (path, label) pairs, "
             f"got {type(source).__name__}"
         )
-    results = check_files(
-        [p for p, _ in items], "decode" if on_error == "skip" else "header", threads=threads
-    )
+    check: Check = "decode" if on_error == "skip" else "header"
+    results = check_files([p for p, _ in items], check, threads=threads, max_pixels=max_pixels)
     good: list[tuple[str, int, ImageFormat]] = []
     bad: list[BadFile] = []
     for (p, label), (fmt, problem) in zip(items, results, strict=True):
@@ -406,10 +298,16 @@ def load_source(
         else:
             bad.append(BadFile(p, problem or "unknown format"))
     if bad and on_error == "raise":
+        too_big = max_pixels is not None and any("max_pixels=" in b.reason for b in bad)
         raise ValueError(
             f"{len(bad)} of {len(items)} files in {where} are not readable images:\n"
             f"{_describe_bad(bad)}\nFix or remove them, or pass on_error='skip' to leave "
             "them out"
+            + (
+                f"; for an image over max_pixels: {pixel_limit_fix(max_pixels)}"
+                if too_big and max_pixels is not None
+                else ""
+            )
         )
     if not good:
         raise ValueError(
@@ -546,3 +444,34 @@ def epoch_indices(
         pad = total - num_files
         order += (order * math.ceil(pad / num_files))[:pad] if pad else []
     return order[rank::world_size]
+
+
+def epoch_batches(
+    num_files: int,
+    shard: Shard,
+    batch_size: int,
+    *,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+    last_batch: Literal["drop", "keep"],
+) -> list[list[int]]:
+    """This rank's batches of file indices for one epoch: :func:`epoch_indices` cut into
+    ``shard.batches`` batches of ``batch_size`` (the last one partial with ``"keep"``).
+
+    Example:
+        >>> epoch_batches(5, shard_plan(5, 2, 0, 1, "keep"), 2, shuffle=False, seed=0, epoch=0,
+        ...               last_batch="keep")
+        [[0, 1], [2, 3], [4]]
+    """
+    order = epoch_indices(
+        num_files,
+        shard.rank,
+        shard.world_size,
+        shuffle=shuffle,
+        seed=seed,
+        epoch=epoch,
+        last_batch=last_batch,
+    )
+    starts = range(0, len(order), batch_size)
+    return [order[i : i + batch_size] for i in starts][: shard.batches]

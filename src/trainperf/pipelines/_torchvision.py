@@ -23,10 +23,18 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from trainperf._utils.lifetime import DieWithParent
 from trainperf.pipelines._augment import CROP_RATIO, normalize, sample_crop_box
 from trainperf.pipelines._base import ImageLoader, LoaderConfig, labels_tensor
-from trainperf.pipelines._decode import pil_to_rgb
-from trainperf.pipelines._source import ImageSource, Shard, epoch_indices
+from trainperf.pipelines._decode import pil_failure, pil_to_rgb
+from trainperf.pipelines._header import MAX_IMAGE_PIXELS, pixel_problem
+from trainperf.pipelines._source import (
+    ImageSource,
+    Shard,
+    changed_file_error,
+    epoch_indices,
+    shown,
+)
 
 __all__ = [
     "EpochSampler",
@@ -54,42 +62,61 @@ class FileDataset(Dataset[tuple[torch.Tensor, int]]):
     """Decodes ``files[index]`` with PIL (to RGB) and applies the train or eval transform.
 
     Keys are ``(index, epoch)`` pairs, as :class:`EpochSampler` yields them (a plain index
-    means epoch 0); items are a uint8 ``[size, size, 3]`` image and the index.
+    means epoch 0); items are a uint8 ``[size, size, 3]`` image and the index. The image size
+    is checked against ``max_pixels`` from the header PIL has read, before it decodes: the
+    file may have changed since the up-front check.
 
     Args:
         files: image paths.
         train: random resized crop + flip, or resize + centre crop.
         size: output height and width.
         seed: base of the per-sample seeds.
+        max_pixels: the most pixels an image may have; None: no limit.
     """
 
-    def __init__(self, files: Sequence[str], *, train: bool, size: int, seed: int) -> None:
+    def __init__(
+        self,
+        files: Sequence[str],
+        *,
+        train: bool,
+        size: int,
+        seed: int,
+        max_pixels: int | None = MAX_IMAGE_PIXELS,
+    ) -> None:
         self.files = tuple(files)
         self.train = train
         self.size = size
         self.seed = seed
+        self.max_pixels = max_pixels
+
+    def _decode(self, path: str) -> Any:
+        from PIL import Image
+
+        try:
+            with Image.open(path) as im:  # reads the header only
+                too_big = pixel_problem(im.width, im.height, self.max_pixels)
+                # Grayscale, CMYK, palette and RGBA images all become 3-channel RGB; 16-bit
+                # greyscale is scaled to 8 bits (PIL's convert would clip it to white).
+                img = None if too_big else pil_to_rgb(im)
+        except Exception as e:  # PIL raises OSError, SyntaxError, ValueError...
+            raise RuntimeError(
+                f"could not decode image '{shown(path)}' ({pil_failure(e)}); fix or remove the "
+                "file, or pass on_error='skip', which decodes every file up front and leaves "
+                "out the bad ones"
+            ) from e
+        if too_big is not None:
+            raise changed_file_error(path, too_big, self.max_pixels)
+        return img
 
     def __len__(self) -> int:
         return len(self.files)
 
     def __getitem__(self, key: tuple[int, int] | int) -> tuple[torch.Tensor, int]:
         import torchvision.transforms.functional as TF
-        from PIL import Image
         from torchvision.transforms import InterpolationMode
 
         index, epoch = (key, 0) if isinstance(key, int) else key
-        path = self.files[index]
-        try:
-            with Image.open(path) as im:
-                # Grayscale, CMYK, palette and RGBA images all become 3-channel RGB; 16-bit
-                # greyscale is scaled to 8 bits (PIL's convert would clip it to white).
-                img = pil_to_rgb(im)
-        except Exception as e:  # PIL raises OSError, SyntaxError, ValueError...
-            raise RuntimeError(
-                f"could not decode image {path!r} ({type(e).__name__}: {e}); fix or remove the "
-                "file, or pass on_error='skip', which decodes every file up front and leaves "
-                "out the bad ones"
-            ) from e
+        img = self._decode(self.files[index])
         size = self.size
         if self.train:
             rng = random.Random(sample_seed(self.seed, epoch, index))
@@ -174,7 +201,11 @@ class TorchvisionLoader(ImageLoader):
         super().__init__(source, shard, config, backend_reason)
         drop = config.last_batch == "drop"
         self.dataset = FileDataset(
-            source.files, train=config.train, size=config.size, seed=config.seed
+            source.files,
+            train=config.train,
+            size=config.size,
+            seed=config.seed,
+            max_pixels=config.max_pixels,
         )
         self.sampler = EpochSampler(
             len(source.files), shard, shuffle=config.train, seed=config.seed, drop=drop
@@ -193,6 +224,9 @@ class TorchvisionLoader(ImageLoader):
         if self._normalise_in_workers:
             kwargs["collate_fn"] = NormalizingCollate(config.mean, config.std)
         if "num_workers" in kwargs:
+            # Workers die with this process, even when it is SIGKILLed (autotune_loader's
+            # DataLoader does this itself).
+            kwargs["worker_init_fn"] = DieWithParent(kwargs.get("worker_init_fn"))
             self.dataloader: DataLoader[Any] = DataLoader(
                 self.dataset,
                 batch_size=config.batch_size,

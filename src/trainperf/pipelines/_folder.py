@@ -1,0 +1,167 @@
+"""Finding the images of an ImageFolder-style directory: classes, files and directory links.
+
+``root/<class>/**/<image>``, as torchvision's ImageFolder reads it, except that every real
+directory is read once (links to a directory already read are skipped, and named), and a
+class folder without images is kept as a class, with a warning.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["IMAGE_EXTENSIONS", "find_images"]
+
+# The suffixes torchvision's ImageFolder takes, less the rare PPM/PGM/TIF-variants DALI and
+# torchvision.io do not all decode.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
+
+
+def _dir_key(path: str) -> tuple[int, int] | None:
+    """The identity of the directory ``path`` leads to (links followed), or None if unreadable."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _walk_class(
+    top: str, seen: dict[tuple[int, int], str], repeats: list[tuple[str, str]]
+) -> list[str]:
+    """The image files under ``top``, each real directory read once across the whole folder.
+
+    Directory links are followed, but a directory already read (``seen``: identity -> the path
+    it was first read through) is not read again; ``(path, first path)`` goes to ``repeats``.
+    Subfolders are walked in sorted order, so which path reaches a directory first is fixed.
+    """
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+        kept = []
+        for name in sorted(dirnames):
+            sub = os.path.join(dirpath, name)
+            key = _dir_key(sub)
+            if key is not None and key in seen:
+                repeats.append((sub, seen[key]))
+                continue
+            if key is not None:
+                seen[key] = sub
+            kept.append(name)
+        dirnames[:] = kept  # os.walk descends only into what is left here
+        found.extend(
+            os.path.join(dirpath, f) for f in filenames if f.lower().endswith(IMAGE_EXTENSIONS)
+        )
+    return sorted(found)
+
+
+def _scan_classes(
+    path: Path, classes: Sequence[str]
+) -> tuple[list[list[str]], list[tuple[str, str]]]:
+    """Each class's files, and the directories skipped as already read.
+
+    The root and every class folder are claimed before any is walked, so a link to the root
+    (``up -> ..``) or to another class folder is a repeat, and a class folder is read as its
+    own class even when a link in an earlier class leads to it.
+    """
+    seen: dict[tuple[int, int], str] = {}
+    for top in (str(path), *(os.path.join(path, name) for name in classes)):
+        key = _dir_key(top)
+        if key is not None:
+            seen.setdefault(key, top)
+    repeats: list[tuple[str, str]] = []
+    per_class: list[list[str]] = []
+    for name in classes:
+        top = os.path.join(path, name)
+        first = seen.get(_dir_key(top) or (-1, -1), top)
+        if first != top:  # two class folders that are the same directory: read it once
+            repeats.append((top, first))
+            per_class.append([])
+        else:
+            per_class.append(_walk_class(top, seen, repeats))
+    return per_class, repeats
+
+
+def _listed(names: Sequence[str], limit: int = 5) -> str:
+    more = len(names) - limit
+    return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
+
+
+def find_images(root: str | os.PathLike[str]) -> tuple[list[tuple[str, int]], tuple[str, ...]]:
+    """List ``root/<class>/**/<image>`` like torchvision's ImageFolder.
+
+    Classes are the sorted subfolder names; files are those with an image suffix
+    (case-insensitive), sorted, searched recursively. Other files are ignored.
+
+    Directory links are followed, but every real directory is read once: a link to a
+    directory already read (``loop -> .``, ``up -> ..``, a second link to the same place, a
+    link to another class folder) is skipped, with a warning that names it, so each file is
+    counted once, under the class folder it is first reached from (classes in sorted order,
+    subfolders sorted). File links are files: two links to one image are two samples, as in
+    ImageFolder.
+
+    A class folder without images stays a class (its index is kept, so every label still
+    matches the sorted folder names), with a warning that names it; torchvision's
+    ImageFolder raises instead.
+
+    Args:
+        root: the dataset directory.
+
+    Returns:
+        ``([(path, label), ...], classes)``.
+
+    Raises:
+        FileNotFoundError: ``root`` does not exist.
+        NotADirectoryError: ``root`` is a file.
+        ValueError: ``root`` has no class subfolders, or no images in them.
+
+    Example:
+        >>> find_images("/no/such/dir")
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: image folder '/no/such/dir' does not exist
+    """
+    path = Path(root)
+    if not path.exists():
+        raise FileNotFoundError(f"image folder {str(root)!r} does not exist")
+    if not path.is_dir():
+        raise NotADirectoryError(
+            f"image source {str(root)!r} is a file; pass a folder laid out as "
+            "root/<class>/<image>, or a list of (path, label) pairs"
+        )
+    classes = tuple(sorted(e.name for e in os.scandir(path) if e.is_dir()))
+    if not classes:
+        raise ValueError(
+            f"image folder {str(root)!r} has no class subfolders; the layout is "
+            "root/<class>/<image> (e.g. root/cat/1.jpg, root/dog/2.jpg)"
+        )
+    per_class, repeats = _scan_classes(path, classes)
+    items = [(f, label) for label, found in enumerate(per_class) for f in found]
+    if not items:
+        raise ValueError(
+            f"image folder {str(root)!r} has class subfolders {list(classes)[:5]} but no "
+            f"images in them (suffixes read: {', '.join(IMAGE_EXTENSIONS)})"
+        )
+    import warnings
+
+    # stacklevel=4: find_images <- load_source <- image_loader <- the caller's line.
+    if repeats:
+        rel = [
+            f"{os.path.relpath(p, path)} (= {os.path.relpath(first, path)})" for p, first in repeats
+        ]
+        warnings.warn(
+            f"image folder {str(root)!r}: skipped {len(repeats)} directory link(s) to folders "
+            f"already read, so that each file is counted once, under the class folder it is "
+            f"first reached from: {_listed(rel)}; remove the links to silence this",
+            stacklevel=4,
+        )
+    empty = [f"{name!r} (label {i})" for i, name in enumerate(classes) if not per_class[i]]
+    if empty:
+        warnings.warn(
+            f"image folder {str(root)!r} has {len(empty)} class folder(s) with no images: "
+            f"{_listed(empty)}; kept as classes so that every label matches the sorted folder "
+            "names (torchvision's ImageFolder would raise); remove the folder to drop the class, "
+            "or add its images",
+            stacklevel=4,
+        )
+    return items, classes
