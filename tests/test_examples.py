@@ -110,3 +110,21 @@ def test_train_imagefolder_trains_with_the_backend_asked_for(tmp_path: Path, bac
     found = re.search(r"epoch 0: loss (\d+\.\d+), eval accuracy (\d+\.\d)%", out)
     assert found, out
     assert 0 <= float(found.group(2)) <= 100
+
+
+def test_tune_batch_size_keeps_the_global_batch_and_trains_with_it(tmp_path: Path) -> None:
+    plot = tmp_path / "bs.png"
+    out = run_example(
+        "tune_batch_size.py",
+        *("--device", "cpu", "--samples", "128", "--size", "8", "--global-batch", "32"),
+        *("--max-size", "8", "--budget", "6", "--loader-budget", "2", "--plot", str(plot)),
+    )
+    assert "MixedPrecision(device='cpu'" in out
+    assert out.count("<- chosen") == 1
+    found = re.search(r"chosen: batch_size=(\d+), accumulation_steps=(\d+)", out)
+    assert found, out
+    assert int(found.group(1)) * int(found.group(2)) == 32 and int(found.group(1)) <= 8
+    assert "model and RNG left as they were: True" in out
+    assert "DataLoader: num_workers=" in out and out.count("input pipeline: one batch is") == 2
+    assert re.search(r"epoch 0: batch \d+ x \d+ accumulated = 32 per update", out), out
+    assert plot.is_file() or "no chart: BatchSizeReport.plot() needs matplotlib" in out

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import trainperf
-from trainperf import bench, checkpoint, device, doctor, loader, monitor
+from trainperf import batchsize, bench, checkpoint, device, doctor, loader, monitor
 
 
 def _watch_report() -> object:
@@ -61,6 +61,18 @@ FACTORIES: dict[str, Callable[[], object]] = {
     "LoadResult": _load_result,
     "HostLimits": trainperf.host_limits,
     "GpuInfo": _gpu_info,
+    "BatchSizeReport": lambda: batchsize.BatchSizeReport(
+        8,
+        1,
+        10.0,
+        None,
+        None,
+        (batchsize.BatchSizeCandidate(8, "ok", samples_per_s=10.0),),
+        1.0,
+        5.0,
+        0.1,
+        "cpu",
+    ),
 }
 
 
@@ -90,7 +102,7 @@ def test_every_public_result_type_has_the_protocol() -> None:
     public = [checkpoint.LoadResult, device.GpuInfo, trainperf.HostLimits, doctor.DoctorReport]
     public += [monitor.WatchReport, loader.TuningReport, bench.BenchResult, bench.MatmulResult]
     public += [bench.H2DResult, bench.ReferenceComparison, bench.Skipped, loader.UserSetting]
-    public += [doctor.AllReduceSweep]
+    public += [doctor.AllReduceSweep, batchsize.BatchSizeReport, batchsize.BatchSizeCandidate]
     for cls in public:
         assert callable(getattr(cls, "to_dict", None)), f"{cls.__name__} has no to_dict()"
         assert "__str__" in vars(cls), f"{cls.__name__} has no __str__ of its own"

@@ -15,6 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from trainperf._utils.public import set_public_module
 from trainperf.amp import MixedPrecision, choose_precision
+from trainperf.batchsize import BatchSizeReport, batches_from, tune_batch_size
 from trainperf.checkpoint import (
     LoadResult,
     load_checkpoint,
@@ -57,6 +58,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "BatchSizeReport",
     "CandidateResult",
     "CheckpointCorruptError",
     "CheckpointError",
@@ -79,6 +81,7 @@ __all__ = [
     "WatchReport",
     "__version__",
     "autotune_loader",
+    "batches_from",
     "best_device",
     "check_same_device",
     "choose_precision",
@@ -92,6 +95,7 @@ __all__ = [
     "select_gpus",
     "strip_prefix",
     "to_device",
+    "tune_batch_size",
     "tune_loader",
     "unwrap_model",
     "usable_cpus",

@@ -1,0 +1,130 @@
+"""Find the fastest batch size for a training step, keep the effective batch, then train.
+
+    python examples/tune_batch_size.py                        # a small CNN, any device
+    python examples/tune_batch_size.py --global-batch 128 --budget 30 --plot bs.png
+
+The three tuners work together:
+
+1. ``MixedPrecision`` picks the precision for this device (bf16 on Ampere and later) and the
+   training step uses it;
+2. ``tune_batch_size`` runs that step at a few batch sizes and picks the fastest one that
+   fits the memory, with the gradient accumulation that keeps ``--global-batch`` samples
+   per optimizer update; the model, the optimizer and every random generator are left
+   exactly as they were (the script checks);
+3. ``autotune_loader`` then chooses the DataLoader settings for that batch size, and the
+   report says what its batches in flight cost in memory.
+
+Training then steps the optimizer every ``accumulation_steps`` batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import trainperf as tp
+
+
+def small_cnn(classes: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, classes),
+    )  # fmt: skip
+
+
+def make_data(n: int, size: int, classes: int) -> TensorDataset:
+    """Images whose mean colour tells the class: learnable in an epoch."""
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, classes, (n,), generator=g)
+    images = torch.randn(n, 3, size, size, generator=g) * 0.5
+    images[:, 0] += labels.float()[:, None, None] / classes
+    return TensorDataset(images, labels)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--samples", type=int, default=2048)
+    p.add_argument("--size", type=int, default=32, help="image side in pixels")
+    p.add_argument("--global-batch", type=int, default=64, help="samples per optimizer update")
+    p.add_argument("--max-size", type=int, default=None, help="largest batch size to try")
+    p.add_argument("--budget", type=float, default=20.0, help="tune_batch_size seconds")
+    p.add_argument("--loader-budget", type=float, default=5.0, help="autotune_loader seconds")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--plot", default=None, help="save the batch-size chart here")
+    args = p.parse_args(argv)
+
+    mp = tp.MixedPrecision(None if args.device == "auto" else args.device)
+    print(repr(mp))
+    data = make_data(args.samples, args.size, classes=4)
+    torch.manual_seed(0)
+    model = mp.prepare(small_cnn(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """One training step: what tune_batch_size times at each size."""
+        images, labels = mp.prepare_batch(batch)
+        with mp.autocast():
+            loss = loss_fn(model(images), labels)
+        mp.backward(loss)
+        mp.step(opt)
+        mp.zero_grad(opt)
+
+    before = [t.clone() for t in model.state_dict().values()]
+    rng = torch.get_rng_state()
+    report = tp.tune_batch_size(
+        step, tp.batches_from(data), model=model, optimizer=(opt, mp),
+        global_batch=args.global_batch, max_size=args.max_size, budget_s=args.budget,
+        progress=False, cache=False,
+    )  # fmt: skip
+    print(report)
+    same = all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values(), strict=True))
+    print(f"model and RNG left as they were: {same and torch.equal(rng, torch.get_rng_state())}")
+    if args.plot:
+        try:
+            print(f"chart: {report.plot(args.plot)}")
+        except ModuleNotFoundError as e:
+            print(f"no chart: {e}")
+
+    loader = tp.autotune_loader(
+        data, report.batch_size, device=mp.device, budget_s=args.loader_budget,
+        shuffle=True, drop_last=True, progress=False, cache=False,
+    )  # fmt: skip
+    kw = loader.tuning_report.best_kwargs
+    print(
+        f"DataLoader: num_workers={kw['num_workers']}, prefetch_factor={kw.get('prefetch_factor')}"
+    )
+    print(report.input_pipeline(kw["num_workers"], kw.get("prefetch_factor")))
+
+    accum = report.accumulation_steps
+    for epoch in range(args.epochs):
+        model.train()
+        start, seen, correct = time.perf_counter(), 0, 0
+        for i, (images, labels) in enumerate(loader):
+            images, labels = mp.prepare_batch((images, labels))
+            with mp.autocast():
+                out = model(images)
+                loss = loss_fn(out, labels) / accum  # the mean over the effective batch
+            mp.backward(loss)
+            if (i + 1) % accum == 0:
+                mp.step(opt)
+                mp.zero_grad(opt)
+            seen += labels.numel()
+            correct += int((out.argmax(1) == labels).sum())
+        rate = seen / (time.perf_counter() - start)
+        print(
+            f"epoch {epoch}: batch {report.batch_size} x {accum} accumulated = "
+            f"{report.effective_batch} per update, train accuracy {correct / seen:.1%}, "
+            f"{rate:,.0f} samples/s"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

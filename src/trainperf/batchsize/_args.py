@@ -1,0 +1,105 @@
+"""The argument checks of :func:`trainperf.tune_batch_size`, done once on entry, and the
+sizes they allow (:func:`size_space`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainperf._utils.validate import non_negative_int, positive_int, positive_number
+from trainperf.batchsize._search import SizeSpace
+
+__all__ = ["check_args", "size_space"]
+
+
+def check_args(
+    step: Any,
+    sample: Any,
+    *,
+    min_size: object,
+    max_size: object,
+    global_batch: object,
+    budget_s: object,
+    headroom: object,
+    num_workers: object,
+    prefetch_factor: object,
+) -> None:
+    """Raise ``ValueError`` for the first argument ``tune_batch_size`` cannot take.
+
+    Raises:
+        ValueError: ``step`` or ``sample`` is not callable; ``min_size``, ``max_size`` or
+            ``global_batch`` is not a whole number >= 1 (``max_size`` and ``global_batch``
+            may be None) or ``max_size < min_size``; ``budget_s`` is not a finite number of
+            seconds > 0; ``headroom`` is not in ``[0, 1)``; ``num_workers`` or
+            ``prefetch_factor`` is out of range, or ``prefetch_factor`` comes without workers.
+
+    Example:
+        >>> check_args(print, print, min_size=1, max_size=None, global_batch=256,
+        ...            budget_s=60.0, headroom=0.1, num_workers=4, prefetch_factor=2)
+        >>> check_args(print, print, min_size=1, max_size=None, global_batch=None,
+        ...            budget_s=60.0, headroom=1.0, num_workers=0, prefetch_factor=None)
+        ... # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: headroom must be a fraction of the memory in [0, 1) (0.1 keeps ...), got 1.0
+    """
+    for name, fn, what in (("step", step, "one batch"), ("sample", sample, "a batch size n")):
+        if not callable(fn):
+            raise ValueError(f"{name} must be callable (it gets {what}), got {fn!r}")
+    low = positive_int("min_size", min_size)
+    high = positive_int("max_size", max_size, none_ok=True)
+    if high is not None and high < low:
+        raise ValueError(
+            f"max_size={high} is below min_size={low}: pass max_size >= min_size, or None"
+        )
+    positive_int("global_batch", global_batch, none_ok=True)
+    positive_number("budget_s", budget_s, unit="seconds")
+    number = isinstance(headroom, (int, float)) and not isinstance(headroom, bool)
+    if not number or not 0.0 <= headroom < 1.0:  # type: ignore[operator]  # NaN fails too
+        raise ValueError(
+            f"headroom must be a fraction of the memory in [0, 1) (0.1 keeps 10 % free), "
+            f"got {headroom!r}"
+        )
+    workers = non_negative_int("num_workers", num_workers)
+    pf = positive_int("prefetch_factor", prefetch_factor, none_ok=True)
+    if pf is not None and workers == 0:
+        raise ValueError(
+            f"prefetch_factor={pf} needs num_workers > 0 (DataLoader refuses it without "
+            f"workers): pass num_workers= with it, or leave prefetch_factor out"
+        )
+
+
+def size_space(
+    min_size: int, max_size: int | None, global_batch: int | None, world_size: int
+) -> SizeSpace:
+    """The sizes a call may try: ``[min_size, max_size]``, or with ``global_batch`` the
+    divisors of ``global_batch / world_size`` there.
+
+    Raises:
+        ValueError: ``global_batch`` is not divisible by ``world_size``, or no size in range
+            divides ``global_batch / world_size``.
+
+    Example:
+        >>> size_space(1, None, 256, 2).per_rank
+        128
+        >>> size_space(1, None, 255, 2)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: global_batch=255 is not divisible by world_size=2 (...): pass ... e.g. 256
+    """
+    if global_batch is None:
+        return SizeSpace(min_size, max_size)
+    if global_batch % world_size:
+        up = -(-global_batch // world_size) * world_size
+        raise ValueError(
+            f"global_batch={global_batch} is not divisible by world_size={world_size} (the "
+            f"ranks of torch.distributed): pass a global_batch that is a multiple of "
+            f"{world_size}, e.g. {up}"
+        )
+    space = SizeSpace(min_size, max_size, global_batch // world_size)
+    if space.first() is None:
+        raise ValueError(
+            f"no batch size in [min_size={min_size}, max_size={max_size}] divides "
+            f"global_batch / world_size = {global_batch} / {world_size} = {space.per_rank}: "
+            f"lower min_size, or pass a global_batch with such a divisor"
+        )
+    return space

@@ -1,0 +1,159 @@
+"""The tuner's cache: chosen batch sizes in ``batch_size.json`` beside the loader's cache.
+
+``$XDG_CACHE_HOME/trainperf/batch_size.json`` (``~/.cache/trainperf/`` when the variable is
+unset), written and read with the DataLoader tuner's own functions
+(:mod:`trainperf.loader._cache`: atomic writes, a corrupt file ignored and replaced, old
+entries dropped). Entries are keyed the same way, by a hash of what decides the answer: the
+model's class, parameter count and dtype, the optimizer's class, the device (for CUDA its
+name and memory), the host, the torch version, the step function, the batch's shape and
+types (:func:`~trainperf.loader._cache.sample_signature` of the first size's batch), the
+sizes allowed, the world size, ``global_batch`` and ``headroom``.
+
+Nothing in an entry is trusted: before a hit is used, :func:`cache_misfit` checks that its
+size is one this call allows and that its peak memory still fits the memory usable now;
+otherwise the call tunes again, with a note saying why.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainperf._utils.format import format_bytes
+from trainperf.batchsize._report import BatchSizeCandidate
+from trainperf.batchsize._search import SizeSpace
+from trainperf.loader._cache import _qualname, cache_file, make_key, sample_signature
+
+__all__ = ["ENTRY_KEYS", "cache_misfit", "cache_path", "entry_key", "parsed_candidates"]
+
+_VERSION = 1
+ENTRY_KEYS = (
+    "batch_size",
+    "accumulation_steps",
+    "samples_per_s",
+    "peak_memory",
+    "memory_limit",
+    "memory_kind",
+    "candidates",
+    "batch_bytes",
+)
+"""What an entry keeps: these report fields (``candidates`` as ``to_dict()`` writes them)."""
+
+
+def cache_path() -> Path:
+    """``batch_size.json`` in the directory of :func:`trainperf.loader.cache_file`.
+
+    Example:
+        >>> import os
+        >>> os.environ["XDG_CACHE_HOME"] = "/tmp/xdg"
+        >>> str(cache_path())
+        '/tmp/xdg/trainperf/batch_size.json'
+    """
+    return cache_file().with_name("batch_size.json")
+
+
+def _model_fields(objects: Sequence[Any]) -> list[Any]:
+    out: list[Any] = []
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            params = list(obj.parameters())
+            dtypes = sorted({str(p.dtype) for p in params})
+            out.append([_qualname(type(obj)), sum(p.numel() for p in params), dtypes])
+        else:
+            out.append(_qualname(type(obj)))
+    return out
+
+
+def _device_fields(device: torch.device) -> list[Any]:
+    if device.type != "cuda":
+        return [device.type]
+    props = torch.cuda.get_device_properties(device)
+    return [device.type, props.name, int(props.total_memory)]
+
+
+def entry_key(
+    *,
+    step: Any,
+    objects: Sequence[Any],
+    device: torch.device,
+    first_batch: Any,
+    space: SizeSpace,
+    world_size: int,
+    global_batch: int | None,
+    headroom: float,
+) -> str:
+    """The key of a call's entry: a hash of what decides the answer (the module docstring).
+
+    Example:
+        >>> k = entry_key(step=print, objects=[nn.Linear(2, 2)], device=torch.device("cpu"),
+        ...               first_batch=torch.zeros(1, 2), space=SizeSpace(1, 64),
+        ...               world_size=1, global_batch=None, headroom=0.1)
+        >>> len(k)
+        32
+    """
+    fields = {
+        "v": _VERSION,
+        "objects": _model_fields(objects),
+        "device": _device_fields(device),
+        "host": socket.gethostname(),
+        "torch": torch.__version__,
+        "step": _qualname(step),
+        "sample": sample_signature(first_batch),
+        "sizes": [space.min_size, space.max_size, space.per_rank],
+        "world_size": world_size,
+        "global_batch": global_batch,
+        "headroom": headroom,
+    }
+    return make_key(fields)
+
+
+def parsed_candidates(entry: Mapping[str, Any]) -> tuple[BatchSizeCandidate, ...] | None:
+    """The candidates an entry holds, or None when they do not parse."""
+    try:
+        return tuple(BatchSizeCandidate(**c) for c in entry["candidates"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _is_int(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def cache_misfit(entry: Mapping[str, Any], space: SizeSpace, usable: float | None) -> str | None:
+    """Why a stored entry cannot be used by this call, or None when it can.
+
+    Args:
+        entry: what the tuner stored (or a hand-edited version of it).
+        space: the sizes this call allows.
+        usable: the memory a size may peak at now (None when not measured).
+
+    Example:
+        >>> entry = {"batch_size": 48, "accumulation_steps": 1, "peak_memory": 2**30,
+        ...          "candidates": []}
+        >>> cache_misfit(entry, SizeSpace(1, None, 64), None)
+        'batch_size=48 is not a size this call allows'
+        >>> cache_misfit(entry, SizeSpace(1, 64), 2**29)
+        'it peaked at 1.0 GiB, 512 MiB is usable now'
+    """
+    size, accum, peak = (
+        entry.get("batch_size"),
+        entry.get("accumulation_steps"),
+        entry.get("peak_memory"),
+    )
+    if not _is_int(size, 1) or not space.allowed(size):  # type: ignore[arg-type]
+        return f"batch_size={size!r} is not a size this call allows"
+    expected = 1 if space.per_rank is None else space.per_rank // size  # type: ignore[operator]
+    if accum != expected:
+        return f"accumulation_steps={accum!r} does not make up the global batch ({expected})"
+    if peak is not None and not _is_int(peak, 0):
+        return f"peak_memory={peak!r} is not None or an int >= 0"
+    if peak is not None and usable is not None and peak > usable:
+        return f"it peaked at {format_bytes(peak)}, {format_bytes(usable)} is usable now"
+    if parsed_candidates(entry) is None:
+        return "the entry is malformed: its candidates do not parse"
+    return None

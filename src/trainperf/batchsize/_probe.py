@@ -1,0 +1,319 @@
+"""One batch size run for real: warm-up, timed windows, peak memory, out-of-memory caught.
+
+A probe of size ``n`` (:class:`Prober`):
+
+1. hands back the previous probe's memory and resets the peak
+   (:mod:`trainperf.batchsize._memory`);
+2. builds the batch once (``sample(n)``, checked to hold ``n`` samples) and moves it to the
+   device; it is reused for every step, so loading is not timed;
+3. warms up: steps, each synchronised, until two in a row agree within 25 %
+   (:func:`warmed_up`, at least 2 and at most 8, or past the deadline after 2): the first
+   steps at a new size grow the allocator's pools, run cuDNN's autotuner and recompile
+   under ``torch.compile``;
+4. times windows of a fixed number of steps (:func:`steps_per_window`: at least a quarter
+   of a second each), synchronising CUDA once per window, not per step, until the last
+   windows agree within 5 % (at most 5 windows), as the DataLoader tuner times its
+   candidates (:class:`~trainperf.loader.WindowPolicy`, median of the last three);
+5. reads the peak memory of the whole probe, warm-up included, then puts the training
+   state back (:mod:`trainperf.batchsize._state`).
+
+``torch.OutOfMemoryError`` (or the CPU allocator's "can't allocate memory") anywhere in the
+probe, building the batch included, is caught (:func:`is_out_of_memory`): the exception and
+its traceback, which hold the probe's activations, are dropped, the state is restored (the
+probe's gradients and optimizer state go with it), the allocator's cache is emptied, and the
+size is reported as ``oom``. Any other exception propagates; the caller restores the state
+first.
+
+Under DDP each decision (warm-up done, steps per window, window done, out of time) is
+taken from figures all ranks agree on (:mod:`trainperf.batchsize._agree`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainperf._utils.format import format_bytes
+from trainperf.batchsize._agree import Agreement
+from trainperf.batchsize._memory import MemoryReader, Peak
+from trainperf.batchsize._report import BatchSizeCandidate, CandidateStatus
+from trainperf.batchsize._sample import checked_batch
+from trainperf.batchsize._state import SavedState
+from trainperf.loader._batches import batch_bytes
+from trainperf.loader._windows import WindowPolicy, WindowTiming
+from trainperf.loader._windows import _settled as settled
+
+__all__ = [
+    "DEFAULT_PROBE",
+    "ProbePolicy",
+    "Prober",
+    "is_out_of_memory",
+    "status_of",
+    "steps_per_window",
+    "warmed_up",
+]
+
+# Out-of-memory errors torch raises as plain RuntimeErrors: the CPU allocator's, MPS's in
+# older torch, and cuBLAS/cuDNN failing to allocate their workspaces on a full GPU.
+_OOM_TEXTS = (
+    "can't allocate memory",
+    "not enough memory",
+    "MPS backend out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+)
+
+
+@dataclass(frozen=True)
+class ProbePolicy:
+    """How one batch size is measured (see the module docstring for why).
+
+    Attributes:
+        min_warmup: warm-up steps at least.
+        max_warmup: warm-up steps at most.
+        warmup_tolerance: warm-up ends when two steps in a row differ by at most this.
+        windows: the timed windows (``min_window_s``, ``min_windows``, ``max_windows``,
+            ``target_spread``; ``min_window_batches`` is the fewest steps per window).
+    """
+
+    min_warmup: int = 2
+    max_warmup: int = 8
+    warmup_tolerance: float = 0.25
+    windows: WindowPolicy = field(
+        default_factory=lambda: WindowPolicy(
+            min_window_batches=1, min_window_s=0.25, min_windows=2, max_windows=5
+        )
+    )
+
+
+DEFAULT_PROBE = ProbePolicy()
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """True for an out-of-memory error: ``torch.OutOfMemoryError`` (CUDA and other
+    accelerators), or a ``RuntimeError`` saying so: the CPU allocator's (it raises no such
+    class), or cuBLAS/cuDNN failing to allocate a workspace.
+
+    Example:
+        >>> is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory"))
+        True
+        >>> is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory"))
+        True
+        >>> is_out_of_memory(RuntimeError("shape mismatch"))
+        False
+    """
+    if isinstance(e, torch.cuda.OutOfMemoryError):  # torch.OutOfMemoryError since 2.5
+        return True
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in _OOM_TEXTS)
+
+
+def warmed_up(times: Sequence[float], policy: ProbePolicy = DEFAULT_PROBE) -> bool:
+    """True once the warm-up steps (their seconds, in order) have settled.
+
+    Example:
+        >>> warmed_up([3.0, 0.1]), warmed_up([3.0, 0.1, 0.11]), warmed_up([0.1] * 8)
+        (False, True, True)
+    """
+    if len(times) >= policy.max_warmup:
+        return True
+    if len(times) < max(2, policy.min_warmup):
+        return False
+    prev, last = times[-2], times[-1]
+    return abs(last - prev) <= policy.warmup_tolerance * max(prev, last, 1e-9)
+
+
+def steps_per_window(step_s: float, policy: ProbePolicy = DEFAULT_PROBE) -> int:
+    """Steps in one timed window: enough for ``min_window_s`` at ``step_s`` per step.
+
+    Example:
+        >>> steps_per_window(0.01), steps_per_window(2.0)
+        (25, 1)
+    """
+    w = policy.windows
+    want = math.ceil(w.min_window_s / max(step_s, 1e-6) - 1e-9)
+    return int(min(100_000, max(w.min_window_batches, want)))
+
+
+def status_of(oom: bool, peak: int | None, usable: float | None) -> CandidateStatus:
+    """``oom``, ``over-headroom`` (the peak is past ``usable``) or ``ok``.
+
+    Example:
+        >>> status_of(False, 9 * 2**30, 8 * 2**30), status_of(False, None, 1.0)
+        ('over-headroom', 'ok')
+    """
+    if oom:
+        return "oom"
+    if peak is not None and usable is not None and peak > usable:
+        return "over-headroom"
+    return "ok"
+
+
+@dataclass
+class _Timed:
+    """What the steps of one probe measured."""
+
+    warmup: int = 0
+    timing: WindowTiming | None = None
+    budget_cut: bool = False
+    batch_bytes: int = 0
+
+
+@dataclass
+class Prober:
+    """The search's ``probe``: one batch size run and measured (see the module docstring).
+
+    Attributes:
+        step: the caller's training step.
+        sample: the caller's batch builder.
+        device: where the batch is moved and the work synchronised.
+        memory: the device's memory reader.
+        state: the caller's saved state, restored after each probe.
+        agree: how ranks agree (no-op with one).
+        deadline: ``time.perf_counter()`` value at which the budget ends.
+        usable: the most a size may peak at (``(1 - headroom) * limit``), None unknown.
+        per_rank: ``global_batch / world_size`` (for ``accumulation_steps``), or None.
+        policy: the measurement's shape.
+        on_update: progress text sink.
+        batch_bytes: host bytes of the batch of each size run.
+    """
+
+    step: Callable[[Any], object]
+    sample: Callable[[int], Any]
+    device: torch.device
+    memory: MemoryReader
+    state: SavedState
+    agree: Agreement
+    deadline: float
+    usable: Callable[[], float | None]
+    per_rank: int | None = None
+    policy: ProbePolicy = DEFAULT_PROBE
+    on_update: Callable[[str], None] = lambda text: None
+    batch_bytes: dict[int, int] = field(default_factory=dict)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _batch(self, size: int) -> tuple[Any, int]:
+        from trainperf.device import to_device
+
+        host = checked_batch(self.sample, size)
+        return to_device(host, self.device), batch_bytes(host)
+
+    def _warm_up(self, batch: Any, timed: _Timed) -> float:
+        """Warm-up steps until they settle on every rank; the last step's seconds."""
+        times: list[float] = []
+        while True:
+            t0 = time.perf_counter()
+            self.step(batch)
+            self._sync()
+            self.memory.after_step()
+            times.append(time.perf_counter() - t0)
+            timed.warmup = len(times)
+            done = warmed_up(times, self.policy)
+            if len(times) >= self.policy.min_warmup and time.perf_counter() >= self.deadline:
+                done = True  # out of time: the windows say how settled it was
+            if not self.agree.any(not done):
+                return times[-1]
+
+    def _window(self, batch: Any, size: int, k: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(k):
+            self.step(batch)
+            self.memory.after_step()
+        self._sync()
+        return size * k / max(time.perf_counter() - t0, 1e-9)
+
+    def _run(self, size: int, timed: _Timed) -> None:
+        batch, timed.batch_bytes = self._batch(size)
+        self.on_update(f"batch {size}: warming up")
+        step_s = self._warm_up(batch, timed)
+        (k_agreed,), _ = self.agree.combine(maxima=[steps_per_window(step_s, self.policy)])
+        k = int(k_agreed)
+        rates: list[float] = []
+        while True:
+            rate = self._window(batch, size, k)
+            late = time.perf_counter() >= self.deadline
+            (late_any,), (slowest,) = self.agree.combine(maxima=[float(late)], minima=[rate])
+            rates.append(slowest)
+            timed.timing = WindowTiming(tuple(rates), k * len(rates), 0, bool(late_any))
+            self.on_update(f"batch {size}: {timed.timing.samples_per_s:,.0f}/s")
+            if settled(timed.timing, self.policy.windows):
+                return
+            if len(rates) >= self.policy.windows.max_windows:
+                return
+            if late_any:
+                timed.budget_cut = True
+                return
+
+    def _measure(self, size: int) -> tuple[_Timed, str | None]:
+        """Run the steps; an out-of-memory error is returned as its message, anything else
+        raised."""
+        timed = _Timed()
+        try:
+            self._run(size, timed)
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            # Only the text is kept: the exception's traceback holds the probe's tensors.
+            text = str(e).strip()
+            return timed, text.splitlines()[0][:200] if text else type(e).__name__
+        return timed, None
+
+    def __call__(self, size: int) -> BatchSizeCandidate:
+        started = time.perf_counter()
+        self.memory.start_probe()
+        oom_message = None
+        try:
+            timed, oom_message = self._measure(size)
+            peak = self.memory.peak()
+        finally:
+            # The probe's gradients, optimizer state and BatchNorm statistics go; the
+            # caller's come back. Then the memory they held is handed back.
+            self.state.restore()
+            self.memory.free(collect=oom_message is not None)
+        (oom_any, peak_max), _ = self.agree.combine(
+            maxima=[float(oom_message is not None), float(peak.memory or 0)]
+        )
+        agreed = Peak(None if peak.memory is None else int(peak_max), peak.allocated)
+        return self._candidate(size, timed, agreed, bool(oom_any), oom_message, started)
+
+    def _candidate(
+        self,
+        size: int,
+        timed: _Timed,
+        peak: Peak,
+        oom: bool,
+        oom_message: str | None,
+        started: float,
+    ) -> BatchSizeCandidate:
+        self.batch_bytes[size] = timed.batch_bytes
+        usable = self.usable()
+        status = status_of(oom, peak.memory, usable)
+        timing = timed.timing
+        reason = None
+        if status == "oom":
+            reason = oom_message or "out of memory on another rank"
+        elif status == "over-headroom":
+            reason = f"peak past the {format_bytes(usable)} usable"
+        elif timed.budget_cut:
+            reason = "the budget cut the timing short"
+        return BatchSizeCandidate(
+            batch_size=size,
+            status=status,
+            samples_per_s=None if oom or timing is None else timing.samples_per_s,
+            spread=None if oom or timing is None else timing.spread,
+            peak_memory=peak.memory,
+            peak_allocated=peak.allocated,
+            warmup_steps=timed.warmup,
+            steps=0 if timing is None else timing.batches,
+            windows=0 if timing is None else len(timing.rates),
+            accumulation_steps=1 if self.per_rank is None else self.per_rank // size,
+            elapsed_s=time.perf_counter() - started,
+            reason=reason,
+        )

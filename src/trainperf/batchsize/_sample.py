@@ -1,0 +1,175 @@
+"""Batches of any size: :func:`batches_from` a dataset, and the check that ``sample(n)`` keeps
+its word.
+
+The tuner calls ``sample(n)`` once per batch size it tries and reuses the batch for every
+step of that size, so building it is not timed: the input pipeline's speed is the loader
+tuner's business (:func:`trainperf.autotune_loader`), not the batch size's.
+
+Why not ``batch_sampler_from``, the name the issue suggested: a PyTorch ``batch_sampler``
+yields lists of *indices*, while this returns a *batch* of samples; the name would promise
+the wrong thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, default_collate
+
+from trainperf._utils.validate import positive_int
+
+__all__ = ["DatasetBatches", "batch_length", "batches_from", "checked_batch"]
+
+
+class DatasetBatches:
+    """``sample(n)``: a batch of the first ``n`` samples of a dataset, cycling when it is
+    shorter, collated with ``collate_fn`` (``default_collate`` by default).
+
+    Built by :func:`batches_from`. The same ``n`` always gives the same samples, so every
+    batch size is timed on the same data and nothing random is drawn by the indexing.
+
+    Attributes:
+        dataset: the map-style or iterable dataset the samples come from.
+        collate_fn: what turns a list of samples into a batch.
+    """
+
+    def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None):
+        if collate_fn is not None and not callable(collate_fn):
+            raise ValueError(
+                f"collate_fn must be callable (it gets a list of samples), got {collate_fn!r}"
+            )
+        self.dataset = dataset
+        self.collate_fn: Callable[[list[Any]], Any] = collate_fn or default_collate
+
+    def _samples(self, n: int) -> list[Any]:
+        if isinstance(self.dataset, IterableDataset) or not hasattr(self.dataset, "__getitem__"):
+            return self._iterated(n)
+        try:
+            size = len(self.dataset)
+        except TypeError as e:
+            raise ValueError(
+                f"batches_from() needs a dataset with __len__ and __getitem__, or an iterable "
+                f"dataset; {type(self.dataset).__name__} has __getitem__ but no length"
+            ) from e
+        if size == 0:
+            raise ValueError("batches_from() got an empty dataset: there is no sample to batch")
+        return [self.dataset[i % size] for i in range(n)]
+
+    def _iterated(self, n: int) -> list[Any]:
+        out: list[Any] = []
+        while len(out) < n:
+            before = len(out)
+            it: Iterator[Any] = iter(self.dataset)
+            for item in it:
+                out.append(item)
+                if len(out) == n:
+                    break
+            if len(out) == before:
+                raise ValueError("batches_from() got an empty dataset: there is no sample to batch")
+        return out
+
+    def __call__(self, n: int) -> Any:
+        """A batch of ``n`` samples.
+
+        Raises:
+            ValueError: ``n`` is not an int >= 1, or the dataset is empty.
+        """
+        positive_int("n", n)
+        return self.collate_fn(self._samples(n))
+
+    def __repr__(self) -> str:
+        name = getattr(self.collate_fn, "__qualname__", repr(self.collate_fn))
+        return f"batches_from({type(self.dataset).__name__}, collate_fn={name})"
+
+
+def batches_from(
+    dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None
+) -> DatasetBatches:
+    """The ``sample`` argument of :func:`trainperf.tune_batch_size`, built from a dataset.
+
+    ``sample(n)`` collates the first ``n`` samples (cycling through a shorter dataset) with
+    ``collate_fn``, as a ``DataLoader(dataset, batch_size=n, collate_fn=collate_fn)`` would;
+    pass the ``collate_fn`` your DataLoader uses.
+
+    Args:
+        dataset: a map-style dataset (``__len__`` and ``__getitem__``) or an iterable one.
+        collate_fn: turns a list of samples into a batch; ``default_collate`` when None.
+
+    Returns:
+        A :class:`DatasetBatches` (a callable: ``sample(n)``).
+
+    Raises:
+        ValueError: ``collate_fn`` is not callable. Calling the result raises
+            ``ValueError`` for an empty dataset or an ``n`` that is not an int >= 1.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import TensorDataset
+        >>> sample = batches_from(TensorDataset(torch.arange(10.0), torch.arange(10)))
+        >>> x, y = sample(4)
+        >>> x.tolist(), y.shape
+        ([0.0, 1.0, 2.0, 3.0], torch.Size([4]))
+        >>> sample(12)[1].tolist()[-3:]   # a short dataset is cycled
+        [9, 0, 1]
+    """
+    return DatasetBatches(dataset, collate_fn)
+
+
+def _first_leading_size(obj: Any, depth: int = 0) -> int | None:
+    """The leading size of the first tensor or array (with a dimension) in a nested batch."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return int(obj.shape[0]) if obj.ndim >= 1 else None
+    if depth > 8 or isinstance(obj, (str, bytes)):
+        return None
+    values = obj.values() if isinstance(obj, Mapping) else obj
+    if isinstance(obj, (Mapping, list, tuple)):
+        for v in values:
+            found = _first_leading_size(v, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def batch_length(batch: Any) -> int | None:
+    """Samples in a batch: the leading size of its first tensor (or array); a list of other
+    things counts its items; None when it cannot tell.
+
+    Example:
+        >>> batch_length({"x": torch.zeros(5, 3), "y": torch.zeros(5)}), batch_length(["a", "b"])
+        (5, 2)
+        >>> batch_length(torch.tensor(3.0)) is None
+        True
+    """
+    found = _first_leading_size(batch)
+    if found is not None:
+        return found
+    if isinstance(batch, list):
+        return len(batch)
+    return None
+
+
+def checked_batch(sample: Callable[[int], Any], n: int) -> Any:
+    """``sample(n)``, refused when it does not hold ``n`` samples.
+
+    Raises:
+        ValueError: the batch's leading size (see :func:`batch_length`) is not ``n``.
+
+    Example:
+        >>> checked_batch(lambda n: torch.zeros(n, 2), 3).shape
+        torch.Size([3, 2])
+        >>> checked_batch(lambda n: torch.zeros(8, 2), 3)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: sample(3) returned a batch of 8 samples (...); sample(n) must ... n samples
+    """
+    batch = sample(n)
+    got = batch_length(batch)
+    if got is not None and got != n:
+        raise ValueError(
+            f"sample({n}) returned a batch of {got} samples (the leading size of its first "
+            f"tensor); sample(n) must return exactly n samples"
+        )
+    return batch

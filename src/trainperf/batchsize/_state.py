@@ -1,0 +1,166 @@
+"""Training state saved before probing and put back after each probe and at the end.
+
+Probing runs real training steps: the parameters move, the optimizer's moments fill in,
+BatchNorm statistics drift, dropout draws random numbers. :class:`SavedState` copies what
+the caller handed in (``model``, ``optimizer``, and anything else with ``state_dict`` and
+``load_state_dict``) to host memory once, with every parameter's gradient and every
+module's train/eval mode, and :meth:`SavedState.restore` loads it back bit for bit.
+
+Restoring *between* probes matters too: each batch size starts from the caller's state, so
+an optimizer that had no state yet allocates it inside the probe (its memory is part of that
+size's peak, as in training) and drops it afterwards, and a probe's diverging steps never
+leak into the next. Random number generators are restored by
+:func:`trainperf.loader._rng.preserved_rng` around the whole call.
+
+Copies go to host memory: a copy on the GPU would take the memory being measured. A state
+whose ``state_dict()`` is empty (a disabled ``GradScaler``) has nothing to restore and is
+left alone; ``load_state_dict`` of an empty dict would refuse it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["SavedState", "stateful_objects"]
+
+
+def stateful_objects(*groups: object) -> list[Any]:
+    """The objects whose state is saved: each argument, or each item of a tuple or list.
+
+    Raises:
+        TypeError: one of them has no ``state_dict``/``load_state_dict``.
+
+    Example:
+        >>> m = nn.Linear(2, 2)
+        >>> opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        >>> [type(o).__name__ for o in stateful_objects(m, (opt,), None)]
+        ['Linear', 'SGD']
+    """
+    found: list[Any] = []
+    for group in groups:
+        items = group if isinstance(group, (tuple, list)) else (group,)
+        for obj in items:
+            if obj is None:
+                continue
+            if not (callable(getattr(obj, "state_dict", None))) or not callable(
+                getattr(obj, "load_state_dict", None)
+            ):
+                raise TypeError(
+                    f"{type(obj).__name__} has no state_dict()/load_state_dict(), so "
+                    f"tune_batch_size cannot put it back after probing; pass modules, "
+                    f"optimizers, schedulers, GradScalers (anything with both methods)"
+                )
+            if all(obj is not seen for seen in found):
+                found.append(obj)
+    return found
+
+
+def _to_host(value: Any) -> Any:
+    """A deep copy of a state dict with every tensor copied to host memory."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return type(value)((k, _to_host(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_to_host(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def _parameters(objects: Iterable[Any]) -> list[nn.Parameter]:
+    """Every parameter of the modules and optimizers among ``objects``, once."""
+    params: list[nn.Parameter] = []
+    seen: set[int] = set()
+
+    def add(ps: Iterable[Any]) -> None:
+        for p in ps:
+            if isinstance(p, torch.Tensor) and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)  # type: ignore[arg-type]
+
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            add(obj.parameters())
+        elif isinstance(obj, torch.optim.Optimizer):
+            for group in obj.param_groups:
+                add(group["params"])
+    return params
+
+
+def _modules(objects: Iterable[Any]) -> Iterator[nn.Module]:
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            yield from obj.modules()
+
+
+@dataclass
+class SavedState:
+    """Host copies of the caller's state, and :meth:`restore` to load them back.
+
+    Attributes:
+        states: ``(object, copy of its state_dict())`` for each object with a state.
+        grads: ``(parameter, copy of its .grad or None)`` for every parameter.
+        modes: ``(module, its .training flag)`` for every submodule.
+    """
+
+    states: list[tuple[Any, Any]] = field(default_factory=list)
+    grads: list[tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
+    modes: list[tuple[nn.Module, bool]] = field(default_factory=list)
+
+    @classmethod
+    def save(cls, objects: Iterable[Any]) -> SavedState:
+        """Copy the state of ``objects`` (see :func:`stateful_objects`) to host memory.
+
+        Example:
+            >>> m = nn.Linear(2, 1)
+            >>> saved = SavedState.save([m])
+            >>> with torch.no_grad():
+            ...     _ = m.weight.add_(1.0)
+            >>> before = saved.states[0][1]["weight"].clone()
+            >>> saved.restore()
+            >>> torch.equal(m.weight.detach(), before)
+            True
+        """
+        objects = list(objects)
+        states = []
+        for obj in objects:
+            state = obj.state_dict()
+            if len(state):
+                states.append((obj, _to_host(state)))
+        grads = [
+            (p, None if p.grad is None else p.grad.detach().to("cpu", copy=True))
+            for p in _parameters(objects)
+        ]
+        modes = [(m, m.training) for m in _modules(objects)]
+        return cls(states, grads, modes)
+
+    def restore(self) -> None:
+        """Load every saved state back, exactly: values, gradients and train/eval modes.
+
+        ``load_state_dict`` gets a fresh copy each time: an optimizer keeps the tensors it
+        is handed when they already have the right device and dtype, and its next step
+        would then change the saved copy.
+        """
+        for obj, state in self.states:
+            obj.load_state_dict(copy.deepcopy(state))
+        with torch.no_grad():
+            for p, g in self.grads:
+                if g is None:
+                    p.grad = None
+                elif p.grad is not None and p.grad.shape == g.shape:
+                    p.grad.copy_(g)
+                else:
+                    p.grad = g.to(device=p.device, copy=True)
+        for m, training in self.modes:
+            m.train(training)
+
+    def drop_gradients(self) -> None:
+        """Set every parameter's ``.grad`` to None (after an out-of-memory error, before the
+        memory is handed back)."""
+        for p, _ in self.grads:
+            p.grad = None

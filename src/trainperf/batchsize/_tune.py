@@ -1,0 +1,362 @@
+"""``tune_batch_size``: the public entry point of the batch-size tuner.
+
+A call checks its arguments (:mod:`trainperf.batchsize._args`), settles the sizes it may try
+and the device, and, with every random number generator saved
+(:func:`trainperf.loader._rng.preserved_rng`), returns a cached choice that still fits
+(:mod:`trainperf.batchsize._cache`) or saves the training state
+(:mod:`trainperf.batchsize._state`), searches (:mod:`trainperf.batchsize._search`) over
+probes (:mod:`trainperf.batchsize._probe`) and puts the state back, however the call ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainperf.batchsize import _cache
+from trainperf.batchsize._agree import Agreement
+from trainperf.batchsize._args import check_args, size_space
+from trainperf.batchsize._memory import HostMemory, MemoryReader, reader_for
+from trainperf.batchsize._probe import DEFAULT_PROBE, Prober
+from trainperf.batchsize._progress import BatchSizeBar
+from trainperf.batchsize._report import BatchSizeCandidate, BatchSizeReport, PipelineMemory
+from trainperf.batchsize._sample import checked_batch
+from trainperf.batchsize._search import Search, SizeSpace
+from trainperf.batchsize._state import SavedState, stateful_objects
+from trainperf.device import resolve_device
+from trainperf.limits import HostLimits, host_limits
+from trainperf.loader._cache import read_entry, write_entry
+from trainperf.loader._rng import preserved_rng
+
+__all__ = ["tune_batch_size"]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call's arguments, checked, and what it settled before measuring."""
+
+    step: Callable[[Any], object]
+    sample: Callable[[int], Any]
+    objects: list[Any]
+    device: torch.device
+    space: SizeSpace
+    agree: Agreement
+    global_batch: int | None
+    budget_s: float
+    headroom: float
+    progress: bool
+    cache: bool
+    num_workers: int
+    prefetch_factor: int | None
+    started: float
+
+    def usable(self, memory: MemoryReader) -> float | None:
+        """``(1 - headroom)`` of the memory limit, the smallest over the ranks."""
+        if memory.limit is None:
+            return None
+        _, (low,) = self.agree.combine(minima=[(1.0 - self.headroom) * memory.limit])
+        return low
+
+    def report(self, limits: HostLimits, batch_bytes: int | None, **fields: Any) -> BatchSizeReport:
+        pipeline = (
+            None
+            if batch_bytes is None
+            else PipelineMemory.of(
+                batch_bytes,
+                self.num_workers,
+                self.prefetch_factor,
+                limits.memory_available,
+                limits.shm_free,
+            )
+        )
+        return BatchSizeReport(
+            elapsed_s=time.perf_counter() - self.started,
+            budget_s=self.budget_s,
+            headroom=self.headroom,
+            device=str(self.device),
+            world_size=self.agree.world_size,
+            global_batch=self.global_batch,
+            pipeline=pipeline,
+            **fields,
+        )
+
+
+def _device(device: str | int | torch.device | None, objects: Sequence[Any]) -> torch.device:
+    """``device`` parsed; None: where the model's parameters are, else the best device."""
+    if device is None:
+        for obj in objects:
+            if isinstance(obj, nn.Module):
+                for p in obj.parameters():
+                    return p.device
+    return resolve_device(device)
+
+
+def _from_cache(
+    call: _Call, key: str, limits: HostLimits
+) -> tuple[BatchSizeReport | None, str | None]:
+    """The stored choice (all ranks must hold the same one), or None and why not."""
+    path = _cache.cache_path()
+    entry = read_entry(key, path)
+    why = None
+    if entry is not None:
+        why = _cache.cache_misfit(entry, call.space, call.usable(reader_for(call.device)))
+    size = float(entry["batch_size"]) if entry is not None and why is None else 0.0
+    (high,), (low,) = call.agree.combine(maxima=[size], minima=[size])
+    if entry is None or why is not None or high != low or low == 0:
+        if entry is not None and why is None:
+            why = "the ranks' cached choices differ"
+        return None, None if why is None else f"the cached choice was not used ({why}): tuned again"
+    candidates = _cache.parsed_candidates(entry) or ()
+    report = call.report(
+        limits,
+        entry.get("batch_bytes"),
+        batch_size=int(entry["batch_size"]),
+        accumulation_steps=int(entry["accumulation_steps"]),
+        samples_per_s=entry.get("samples_per_s"),
+        peak_memory=entry.get("peak_memory"),
+        memory_limit=entry.get("memory_limit"),
+        candidates=candidates,
+        memory_kind=str(entry.get("memory_kind", "unmeasured")),
+        from_cache=True,
+        notes=(f"batch size from the cache ({path}); cache=False re-tunes",),
+    )
+    return report, None
+
+
+def _store(key: str, report: BatchSizeReport) -> BatchSizeReport:
+    data = report.to_dict()
+    entry = {k: data[k] for k in _cache.ENTRY_KEYS if k != "batch_bytes"}
+    entry["batch_bytes"] = None if report.pipeline is None else report.pipeline.batch_bytes
+    try:
+        write_entry(key, entry, _cache.cache_path())
+    except OSError as e:
+        note = f"the choice could not be cached: {e}"
+        return dataclasses.replace(report, notes=(*report.notes, note))
+    return report
+
+
+def _no_fit(call: _Call, results: Sequence[BatchSizeCandidate]) -> RuntimeError:
+    tried = "; ".join(f"{c.batch_size}: {c.status} ({c.reason})" for c in results) or "none"
+    return RuntimeError(
+        f"tune_batch_size found no batch size that fits: {tried}. Lower min_size (now "
+        f"{call.space.min_size}) or headroom (now {call.headroom:g}), free memory on "
+        f"{call.device}, or make the step use less (trainperf.MixedPrecision, a smaller model)"
+    )
+
+
+def _notes(
+    call: _Call, search: Search, memory: MemoryReader, choice: BatchSizeCandidate
+) -> list[str]:
+    notes = list(search.notes)
+    if isinstance(memory, HostMemory) and memory.samples_steps:
+        notes.append(
+            "peak memory read after each step (the kernel's high-water mark could not be reset)"
+        )
+    if memory.kind == "unmeasured":
+        notes.append(
+            f"peak memory is not measured on {call.device}: only an out-of-memory error "
+            f"limits the size"
+        )
+    if choice.batch_size == call.space.top:
+        notes.append(
+            "the largest allowed size was chosen: a larger max_size (or global_batch) may be faster"
+        )
+    if any(c.status == "skipped" and "budget" in (c.reason or "") for c in search.results):
+        notes.append(
+            f"budget_s={call.budget_s:g} cut the search short: a larger budget may find a "
+            f"faster size"
+        )
+    if call.agree.active:
+        notes.append(
+            f"tuned in lockstep on {call.agree.world_size} ranks (the slowest rank's "
+            f"throughput, the largest peak)"
+        )
+    return notes
+
+
+def _search(call: _Call) -> BatchSizeReport:
+    """Measure: save the state, grow and refine, put the state back."""
+    state = SavedState.save(call.objects)
+    memory = reader_for(call.device)
+    deadline = call.started + call.budget_s
+    bar = BatchSizeBar(call.budget_s, enabled=call.progress)
+    policy = DEFAULT_PROBE
+    prober = Prober(
+        call.step, call.sample, call.device, memory, state, call.agree, deadline,
+        usable=lambda: call.usable(memory), per_rank=call.space.per_rank, policy=policy,
+        on_update=lambda text: bar.update(text),
+    )  # fmt: skip
+    search = Search(
+        call.space,
+        prober,
+        time_left=lambda: call.agree.combine(minima=[deadline - time.perf_counter()])[1][0],
+        usable=lambda: call.usable(memory),
+        baseline=memory.start_level,
+        warmup_steps=policy.min_warmup,
+        min_windows=policy.windows.min_windows,
+        window_s=policy.windows.min_window_s,
+        target_spread=policy.windows.target_spread,
+    )
+    try:
+        choice = search.run()
+    finally:
+        state.restore()
+        memory.free()
+        bar.close()
+    if choice is None:
+        raise _no_fit(call, search.results)
+    return call.report(
+        host_limits(),
+        prober.batch_bytes.get(choice.batch_size),
+        batch_size=choice.batch_size,
+        accumulation_steps=choice.accumulation_steps,
+        samples_per_s=choice.samples_per_s,
+        peak_memory=choice.peak_memory,
+        memory_limit=memory.limit,
+        candidates=tuple(search.results),
+        memory_kind=memory.kind,
+        notes=tuple(_notes(call, search, memory, choice)),
+    )
+
+
+def _tune(call: _Call) -> BatchSizeReport:
+    key = misfit = None
+    if call.cache:
+        first = call.space.first() or call.space.min_size  # size_space refused no sizes
+        key = _cache.entry_key(
+            step=call.step,
+            objects=call.objects,
+            device=call.device,
+            first_batch=checked_batch(call.sample, first),
+            space=call.space,
+            world_size=call.agree.world_size,
+            global_batch=call.global_batch,
+            headroom=call.headroom,
+        )
+        hit, misfit = _from_cache(call, key, host_limits())
+        if hit is not None:
+            return hit
+    report = _search(call)
+    if misfit is not None:
+        report = dataclasses.replace(report, notes=(misfit, *report.notes))
+    return report if key is None else _store(key, report)
+
+
+def tune_batch_size(
+    step: Callable[[Any], object],
+    sample: Callable[[int], Any],
+    *,
+    model: Any = None,
+    optimizer: Any = None,
+    device: str | int | torch.device | None = None,
+    min_size: int = 1,
+    max_size: int | None = None,
+    global_batch: int | None = None,
+    budget_s: float = 60.0,
+    headroom: float = 0.1,
+    progress: bool = True,
+    cache: bool = True,
+    num_workers: int = 0,
+    prefetch_factor: int | None = None,
+) -> BatchSizeReport:
+    """The batch size that trains fastest here, found by measuring your own training step.
+
+    Sizes grow geometrically from ``min_size`` until throughput stops rising by more than
+    the measurement's spread, memory passes the headroom, or a size runs out of memory
+    (the error is caught); then the sizes between the best and its neighbours are tried
+    (:mod:`trainperf.batchsize._search`). Each size runs warm-up steps and then timed
+    windows until they agree, with its peak memory measured; the choice is always a size
+    that ran. Tuning leaves training exactly where it was: the state of ``model`` and
+    ``optimizer`` (parameters, gradients, optimizer moments, BatchNorm statistics,
+    train/eval modes) and every random number generator (python, numpy, torch CPU and CUDA)
+    are put back bit for bit, however the call ends.
+
+    Under DDP (a process group initialised) call it on every rank with the same
+    arguments: the ranks tune in lockstep and choose the same size
+    (:mod:`trainperf.batchsize._agree`).
+
+    Args:
+        step: your training step on one batch: forward, backward, optimizer step
+            (``step(batch)``; what it returns is ignored).
+        sample: ``sample(n)`` returns a batch of ``n`` samples (its first tensor's leading
+            size must be ``n``); :func:`trainperf.batches_from` builds one from a dataset.
+            The batch is moved to ``device`` once per size (not timed) and reused.
+        model: the module ``step`` trains, or a tuple of objects with ``state_dict`` and
+            ``load_state_dict``; saved before probing and restored after.
+        optimizer: its optimizer, or a tuple (optimizer, scheduler, ``GradScaler``,
+            :class:`trainperf.MixedPrecision`, ...); saved and restored likewise.
+        device: where ``step`` runs; None: where the model's parameters are, else
+            :func:`trainperf.best_device` (parsed by :func:`trainperf.device.resolve_device`).
+        min_size: the smallest batch size tried.
+        max_size: the largest (None: no bound but memory and ``global_batch``).
+        global_batch: keep this effective batch: only sizes that divide ``global_batch /
+            world_size`` are tried, and ``accumulation_steps`` makes up the rest. None:
+            the fastest size, with ``accumulation_steps=1``.
+        budget_s: wall-clock budget in seconds; no size is started that would not finish
+            in it (the first size always runs).
+        headroom: the fraction of the memory limit kept free: the chosen size peaks at most
+            at ``(1 - headroom)`` of it (CUDA: the GPU's free memory plus what this process
+            already holds; CPU: the host memory available, :func:`trainperf.host_limits`).
+        progress: draw a progress bar on stderr.
+        cache: reuse (and store) the choice in the user cache directory, keyed like the
+            DataLoader tuner's cache (model class and size, device, dtype, batch shape...).
+        num_workers: the DataLoader workers that will feed training, for the report's
+            input-pipeline memory (``report.pipeline``).
+        prefetch_factor: their prefetch factor (None: DataLoader's 2 with workers).
+
+    Returns:
+        A :class:`BatchSizeReport`: ``batch_size`` per step and ``accumulation_steps``.
+
+    Raises:
+        ValueError: a bad argument (see :mod:`trainperf.batchsize._args`), ``global_batch``
+            not divisible by the world size, or ``sample(n)`` returning a batch of another
+            size.
+        TypeError: ``model`` or ``optimizer`` holds an object without ``state_dict`` and
+            ``load_state_dict``; ``device`` has the wrong type.
+        DeviceError: the device asked for is not available.
+        RuntimeError: no size fits (even ``min_size`` runs out of memory or peaks past the
+            headroom).
+        Exception: whatever ``step`` or ``sample`` raises other than an out-of-memory
+            error, after the state is restored.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Linear(8, 1)
+        >>> opt = torch.optim.Adam(model.parameters())
+        >>> def step(batch):
+        ...     x, y = batch
+        ...     opt.zero_grad()
+        ...     nn.functional.mse_loss(model(x), y).backward()
+        ...     opt.step()
+        >>> sample = lambda n: (torch.randn(n, 8), torch.randn(n, 1))
+        >>> report = tune_batch_size(step, sample, model=model, optimizer=opt, device="cpu",
+        ...                          min_size=8, max_size=8, global_batch=32,
+        ...                          budget_s=0.5, progress=False, cache=False)
+        >>> report.batch_size, report.accumulation_steps, report.chosen().status
+        (8, 4, 'ok')
+        >>> len(opt.state)    # the optimizer is as it was: no moments yet
+        0
+    """
+    started = time.perf_counter()
+    check_args(
+        step, sample, min_size=min_size, max_size=max_size, global_batch=global_batch,
+        budget_s=budget_s, headroom=headroom, num_workers=num_workers,
+        prefetch_factor=prefetch_factor,
+    )  # fmt: skip
+    objects = stateful_objects(model, optimizer)
+    agree = Agreement()
+    space = size_space(min_size, max_size, global_batch, agree.world_size)
+    call = _Call(
+        step, sample, objects, _device(device, objects), space, agree, global_batch,
+        float(budget_s), float(headroom), progress, cache, num_workers, prefetch_factor,
+        started,
+    )  # fmt: skip
+    with preserved_rng():
+        return _tune(call)

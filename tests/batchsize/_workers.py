@@ -1,0 +1,43 @@
+"""What the 2-rank tests run on every rank (module level, so spawned workers import it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from tests.batchsize._fakes import QUICK
+from trainperf.batchsize import _tune, tune_batch_size
+
+
+def tune_ddp(global_batch: int) -> dict[str, Any]:
+    """Tune a DDP-wrapped model (gradients all-reduced in every backward) on this rank."""
+    torch.set_num_threads(1)
+    _tune.DEFAULT_PROBE = QUICK  # short windows (a fresh process: the fixture is not here)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(x: torch.Tensor) -> None:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        report = tune_batch_size(
+            step, lambda n: torch.randn(n, 8), model=model, optimizer=opt, device="cpu",
+            global_batch=global_batch, max_size=16, budget_s=30, progress=False, cache=False,
+        )  # fmt: skip
+    except ValueError as e:
+        return {"error": str(e)}
+    return {
+        "batch_size": report.batch_size,
+        "accumulation_steps": report.accumulation_steps,
+        "world_size": report.world_size,
+        "sizes": [c.batch_size for c in report.candidates],
+        "restored": all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)),
+        "notes": list(report.notes),
+    }

@@ -1,0 +1,36 @@
+"""Under DDP the ranks tune in lockstep: the same sizes, the same choice, no hang."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.batchsize._workers import tune_ddp
+from tests.ddp._distributed import FORK, spawn
+from trainperf.batchsize._agree import Agreement, world_size
+
+
+def test_without_a_process_group_there_is_one_rank_and_nothing_to_exchange() -> None:
+    agree = Agreement()
+    assert world_size() == 1 and not agree.active
+    assert agree.combine(maxima=[3.0], minima=[-1.0]) == ([3.0], [-1.0])
+    assert agree.any(True) and not agree.any(False)
+
+
+@pytest.mark.slow  # two ranks started and tuned: several seconds
+def test_two_ranks_keep_the_global_batch_and_choose_the_same_size() -> None:
+    results = spawn(tune_ddp, world_size=2, args=(64,), start_method=FORK, timeout_s=120)
+    r0, r1 = results[0], results[1]
+    assert "error" not in r0, r0
+    assert r0["world_size"] == r1["world_size"] == 2
+    assert r0["batch_size"] == r1["batch_size"] and r0["sizes"] == r1["sizes"]
+    assert r0["batch_size"] * r0["accumulation_steps"] * 2 == 64
+    assert all(32 % n == 0 and n <= 16 for n in r0["sizes"])  # divisors of 64 / 2
+    assert r0["restored"] and r1["restored"]
+    assert any("lockstep on 2 ranks" in n for n in r0["notes"])
+
+
+@pytest.mark.slow
+def test_a_global_batch_two_ranks_cannot_share_is_refused_naming_both() -> None:
+    results = spawn(tune_ddp, world_size=2, args=(63,), start_method=FORK, timeout_s=120)
+    for r in results.values():
+        assert r["error"].startswith("global_batch=63 is not divisible by world_size=2")

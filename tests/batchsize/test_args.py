@@ -1,0 +1,69 @@
+"""Every argument ``tune_batch_size`` refuses, refused on entry with its name and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from trainperf.batchsize._args import check_args, size_space
+
+GOOD: dict[str, Any] = {
+    "min_size": 1,
+    "max_size": None,
+    "global_batch": None,
+    "budget_s": 60.0,
+    "headroom": 0.1,
+    "num_workers": 0,
+    "prefetch_factor": None,
+}
+
+
+def check(step: Any = print, sample: Any = print, **changes: Any) -> None:
+    check_args(step, sample, **{**GOOD, **changes})
+
+
+def test_good_arguments_pass() -> None:
+    check()
+    check(min_size=8, max_size=8, global_batch=64, headroom=0.0, num_workers=4, prefetch_factor=4)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"step": None}, r"step must be callable \(it gets one batch\), got None"),
+        ({"sample": 3}, r"sample must be callable \(it gets a batch size n\), got 3"),
+        ({"min_size": 0}, r"min_size must be an int >= 1, got 0"),
+        ({"max_size": 2.5}, r"max_size must be None or an int >= 1, got 2.5"),
+        ({"min_size": 8, "max_size": 4}, r"max_size=4 is below min_size=8"),
+        ({"global_batch": True}, r"global_batch must be None or an int >= 1, got True"),
+        ({"budget_s": float("nan")}, r"budget_s must be a positive number of seconds, got nan"),
+        ({"headroom": 1}, r"headroom must be a fraction of the memory in \[0, 1\)"),
+        ({"headroom": -0.1}, r"headroom must be a fraction .* got -0.1"),
+        ({"headroom": float("nan")}, r"headroom must be a fraction .* got nan"),
+        ({"headroom": "10%"}, r"headroom must be a fraction .* got '10%'"),
+        ({"num_workers": -1}, r"num_workers must be an int >= 0, got -1"),
+        ({"prefetch_factor": 0, "num_workers": 2}, r"prefetch_factor must be None or an int"),
+        ({"prefetch_factor": 2}, r"prefetch_factor=2 needs num_workers > 0"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check(**changes)
+
+
+def test_the_global_batch_is_split_over_the_ranks() -> None:
+    assert size_space(1, None, 256, 1).per_rank == 256
+    assert size_space(1, None, 256, 2).per_rank == 128
+    assert size_space(4, 64, None, 2).per_rank is None
+
+
+def test_a_global_batch_the_ranks_cannot_share_names_both() -> None:
+    message = r"global_batch=100 is not divisible by world_size=3.*e\.g\. 102"
+    with pytest.raises(ValueError, match=message):
+        size_space(1, None, 100, 3)
+
+
+def test_a_range_without_a_divisor_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"no batch size in \[min_size=5, max_size=6\] divides"):
+        size_space(5, 6, 64, 2)

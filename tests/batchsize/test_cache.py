@@ -1,0 +1,66 @@
+"""The cache: keyed like the loader tuner's, and nothing in it trusted."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainperf.batchsize._cache import cache_misfit, cache_path, entry_key, parsed_candidates
+from trainperf.batchsize._search import SizeSpace
+
+
+def key(**kw: object) -> str:
+    fields: dict[str, object] = {
+        "step": print,
+        "objects": [nn.Linear(4, 4), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)],
+        "device": torch.device("cpu"),
+        "first_batch": torch.zeros(1, 4),
+        "space": SizeSpace(1, 64),
+        "world_size": 1,
+        "global_batch": None,
+        "headroom": 0.1,
+    }
+    fields.update(kw)
+    return entry_key(**fields)  # type: ignore[arg-type]
+
+
+def test_the_key_changes_with_what_decides_the_answer() -> None:
+    base = key()
+    assert key() == base
+    changed = [
+        key(objects=[nn.Linear(4, 8)]),  # another parameter count
+        key(objects=[nn.Linear(4, 4).double()]),  # another dtype
+        key(step=len),
+        key(first_batch=torch.zeros(1, 5)),
+        key(first_batch=torch.zeros(1, 4, dtype=torch.float16)),
+        key(space=SizeSpace(1, 128)),
+        key(world_size=2),
+        key(global_batch=64),
+        key(headroom=0.2),
+    ]
+    assert base not in changed and len(set(changed)) == len(changed)
+
+
+def test_the_file_sits_beside_the_loaders() -> None:
+    assert cache_path().name == "batch_size.json"
+    assert cache_path().parent.name == "trainperf"
+
+
+def entry(**kw: object) -> dict[str, object]:
+    return {"batch_size": 16, "accumulation_steps": 4, "peak_memory": 1000, "candidates": [],
+            **kw}  # fmt: skip
+
+
+def test_an_entry_is_used_only_when_it_still_fits() -> None:
+    space = SizeSpace(1, None, per_rank=64)
+    assert cache_misfit(entry(), space, 2000.0) is None
+    assert cache_misfit(entry(peak_memory=None), space, None) is None
+    assert "peaked at" in (cache_misfit(entry(), space, 500.0) or "")
+    assert "not a size this call allows" in (cache_misfit(entry(batch_size=12), space, None) or "")
+    assert "not a size" in (cache_misfit(entry(batch_size="16"), space, None) or "")
+    assert "does not make up" in (cache_misfit(entry(accumulation_steps=2), space, None) or "")
+    assert "peak_memory=-1" in (cache_misfit(entry(peak_memory=-1), space, None) or "")
+    bad = entry(candidates=[{"batch_size": 16, "no such field": 1}])
+    assert "do not parse" in (cache_misfit(bad, space, None) or "")
+    assert parsed_candidates(bad) is None
+    assert parsed_candidates(entry(candidates=[{"batch_size": 8, "status": "ok"}])) is not None

@@ -1,0 +1,74 @@
+"""``batches_from`` a dataset, and the check that ``sample(n)`` holds ``n`` samples."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
+
+from trainperf.batchsize import DatasetBatches, batches_from
+from trainperf.batchsize._sample import batch_length, checked_batch
+
+
+class Stream(IterableDataset[int]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.n))
+
+
+def test_a_map_style_dataset_is_batched_from_its_start_and_cycled() -> None:
+    sample = batches_from(TensorDataset(torch.arange(5)))
+    assert isinstance(sample, DatasetBatches)
+    (x,) = sample(3)
+    assert x.tolist() == [0, 1, 2]
+    (x,) = sample(7)
+    assert x.tolist() == [0, 1, 2, 3, 4, 0, 1]
+    assert "TensorDataset" in repr(sample)
+
+
+def test_an_iterable_dataset_is_read_from_the_start_again_when_short() -> None:
+    assert batches_from(Stream(3))(5).tolist() == [0, 1, 2, 0, 1]
+
+
+def test_collate_fn_builds_the_batch() -> None:
+    sample = batches_from(TensorDataset(torch.arange(4)), collate_fn=lambda items: len(items))
+    assert sample(3) == 3
+
+
+def test_bad_datasets_and_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="empty dataset"):
+        batches_from(TensorDataset(torch.zeros(0)))(2)
+    with pytest.raises(ValueError, match="empty dataset"):
+        batches_from(Stream(0))(2)
+    with pytest.raises(ValueError, match=r"n must be an int >= 1, got 0"):
+        batches_from(TensorDataset(torch.zeros(3)))(0)
+    with pytest.raises(ValueError, match="collate_fn must be callable"):
+        batches_from(TensorDataset(torch.zeros(3)), collate_fn="stack")  # type: ignore[arg-type]
+
+
+class NoLength(Dataset[int]):
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def test_a_dataset_with_getitem_but_no_length_is_named() -> None:
+    with pytest.raises(ValueError, match="NoLength has __getitem__ but no length"):
+        batches_from(NoLength())(2)
+
+
+def test_batch_length_reads_the_first_tensor_or_counts_a_list() -> None:
+    assert batch_length({"ids": ["a", "b"], "x": np.zeros((3, 2))}) == 3
+    assert batch_length([torch.tensor(1.0), torch.zeros(4)]) == 4  # 0-d tensors say nothing
+    assert batch_length(["a", "b", "c"]) == 3
+    assert batch_length("text") is None
+
+
+def test_checked_batch_names_the_size_asked_for_and_the_size_returned() -> None:
+    with pytest.raises(ValueError, match=r"sample\(4\) returned a batch of 2 samples"):
+        checked_batch(lambda n: (torch.zeros(2, 3), torch.zeros(2)), 4)
+    assert checked_batch(lambda n: "opaque", 4) == "opaque"  # nothing to check

@@ -1,0 +1,79 @@
+"""Training state saved and restored bit for bit: parameters, moments, gradients, modes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.batchsize._fakes import Trainer, same_state, sample, state_of
+from trainperf.batchsize._state import SavedState, stateful_objects
+
+
+def test_restore_undoes_training_steps_exactly() -> None:
+    t = Trainer()
+    for _ in range(3):  # the caller's run so far: Adam moments exist
+        t(sample(4))
+    t.model.eval()
+    before = state_of(t.model, t.opt)
+    saved = SavedState.save(stateful_objects(t.model, t.opt))
+    for _ in range(5):
+        t(sample(16))  # probing: parameters, moments, BatchNorm statistics and modes change
+    assert not same_state(before, state_of(t.model, t.opt))
+    saved.restore()
+    assert same_state(before, state_of(t.model, t.opt))
+
+
+def test_restore_can_be_repeated_without_the_optimizer_changing_the_saved_copy() -> None:
+    # Optimizer.load_state_dict keeps CPU tensors it is handed as they are; without a fresh
+    # copy per restore, the next probe's steps would update the saved moments in place.
+    t = Trainer()
+    t(sample(4))
+    before = state_of(t.model, t.opt)
+    saved = SavedState.save([t.model, t.opt])
+    for _ in range(3):
+        t(sample(8))
+        saved.restore()
+    assert same_state(before, state_of(t.model, t.opt))
+
+
+def test_an_optimizer_without_state_gets_none_back() -> None:
+    t = Trainer()
+    saved = SavedState.save([t.model, t.opt])
+    t(sample(8))
+    assert len(t.opt.state) > 0
+    saved.restore()
+    assert len(t.opt.state) == 0  # the probe's moments are dropped, memory with them
+    assert all(p.grad is None for p in t.model.parameters())
+
+
+def test_gradients_in_the_middle_of_an_accumulation_come_back() -> None:
+    t = Trainer()
+    x, y = sample(4)
+    nn.functional.mse_loss(t.model(x), y).backward()  # half of an accumulated update
+    grads = [p.grad.clone() for p in t.model.parameters()]  # type: ignore[union-attr]
+    saved = SavedState.save([t.model, t.opt])
+    t(sample(8))
+    saved.drop_gradients()
+    assert all(p.grad is None for p in t.model.parameters())
+    saved.restore()
+    assert all(torch.equal(p.grad, g) for p, g in zip(t.model.parameters(), grads, strict=True))  # type: ignore[arg-type]
+
+
+def test_schedulers_and_scalers_in_a_tuple_are_restored_and_empty_states_skipped() -> None:
+    t = Trainer()
+    sched = torch.optim.lr_scheduler.StepLR(t.opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)  # state_dict() is {}: nothing to do
+    objects = stateful_objects(t.model, (t.opt, sched, scaler))
+    assert objects == [t.model, t.opt, sched, scaler]
+    saved = SavedState.save(objects)
+    for _ in range(3):
+        t(sample(4))
+        sched.step()
+    saved.restore()
+    assert sched.last_epoch == 0 and t.opt.param_groups[0]["lr"] == 0.01
+
+
+def test_an_object_without_state_dict_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match=r"str has no state_dict\(\)/load_state_dict\(\)"):
+        stateful_objects(nn.Linear(1, 1), ("not a state",))
