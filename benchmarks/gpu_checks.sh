@@ -3,8 +3,9 @@
 #
 #   bash benchmarks/gpu_checks.sh quick   # env, MixedPrecision vs peers (amp_bench), bench
 #                                         # model/matmul/h2d, doctor, GPU tests, DDP fork tests
-#   bash benchmarks/gpu_checks.sh rest    # nvjpeg pipeline -> ResNet-50, overhead benchmarks,
-#                                         # autotuner JPEG grid on all cores, DDP example
+#   bash benchmarks/gpu_checks.sh rest    # nvjpeg pipeline -> ResNet-50, to_device, overhead
+#                                         # benchmarks, autotuner JPEG grid on all cores, DDP
+#                                         # example, tune_batch_size vs a sweep (3 models)
 #
 # Steps run most important first, each under its own time limit, and the whole part under a
 # deadline: GPU_CHECKS_DEADLINE_S seconds (default 500) from the start. A step's limit is cut to
@@ -114,6 +115,13 @@ else
     step autotune_jpeg 240 "$PY" benchmarks/autotune_bench.py --datasets jpeg --quick --json "$WORK/autotune_jpeg.json"
   fi
   step ddp_example 90 "$PY" examples/ddp_train.py
+  if [ "$cuda" = 1 ]; then
+    for model in resnet50 vit_b_16 gpt2; do
+      step "batch_size_$model" 300 "$PY" benchmarks/batch_size_bench.py --device cuda --models "$model" --json "$WORK/batch_size_$model.json"
+    done
+  else
+    step batch_size 240 "$PY" benchmarks/batch_size_bench.py --quick --json "$WORK/batch_size.json"
+  fi
 fi
 echo; echo "######## summary ($part, ${SECONDS}s)"
 cat "$WORK/summary.txt"
