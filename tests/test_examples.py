@@ -128,3 +128,21 @@ def test_tune_batch_size_keeps_the_global_batch_and_trains_with_it(tmp_path: Pat
     assert "DataLoader: num_workers=" in out and out.count("input pipeline: one batch is") == 2
     assert re.search(r"epoch 0: batch \d+ x \d+ accumulated = 32 per update", out), out
     assert plot.is_file() or "no chart: BatchSizeReport.plot() needs matplotlib" in out
+
+
+def test_resume_after_preemption_survives_sigterm_and_sigkill(tmp_path: Path) -> None:
+    out = run_example(
+        "resume_after_preemption.py",
+        *("--steps", "40", "--term-at", "15", "--kill-at", "33", "--out", str(tmp_path)),
+    )
+    assert "SIGTERM: saved step 15" in out
+    assert "exit code 0; checkpoints: [10, 15]" in out
+    assert "starting at step 15" in out and "exit code -9; checkpoints: [20, 30]" in out
+    assert "starting at step 30" in out
+    assert "weights and optimizer state identical to the uninterrupted run: True" in out
+
+
+def test_ddp_train_runs_two_cpu_ranks_with_hang_detection() -> None:
+    out = run_example("ddp_train.py", "--epochs", "1", "--nprocs", "2", "--hang-timeout", "120")
+    assert "2 rank(s), gloo on cpu" in out
+    assert re.search(r"^final loss \d+\.\d+$", out, re.MULTILINE), out

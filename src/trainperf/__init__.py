@@ -17,6 +17,7 @@ from trainperf._utils.public import set_public_module
 from trainperf.amp import MixedPrecision, choose_precision
 from trainperf.batchsize import BatchSizeReport, batches_from, tune_batch_size
 from trainperf.checkpoint import (
+    Checkpointer,
     LoadResult,
     load_checkpoint,
     load_state_dict,
@@ -63,6 +64,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "Checkpointer",
     "DeviceError",
     "DeviceMismatchError",
     "DieWithParent",

@@ -231,3 +231,66 @@ def test_a_slot_renamed_away_between_open_and_lock_is_not_taken(
     monkeypatch.setattr(fcntl, "flock", flock)
     _put(path, b"new")
     assert raced and path.read_bytes() == b"new" and _temps(tmp_path) == []
+
+
+# --------------------------------------------------------------------- symbolic links
+
+
+@pytest.mark.parametrize("absolute", [False, True])
+def test_a_link_is_written_through_and_stays_a_link(tmp_path: Path, absolute: bool) -> None:
+    target = tmp_path / "runs" / "step100.pt"
+    _put(target, b"step 100")
+    link = tmp_path / "latest.pt"
+    link.symlink_to(target if absolute else Path("runs") / "step100.pt")
+    written = write_atomically(link, lambda f: f.write(b"step 200"))
+    assert written == (target if absolute else tmp_path / "runs" / "step100.pt")
+    assert link.is_symlink() and os.readlink(link) == str(
+        target if absolute else Path("runs", "step100.pt")
+    )
+    assert target.read_bytes() == b"step 200"  # what torch.save(obj, link) would have done
+    assert _temps(tmp_path) == [] and _temps(target.parent) == []
+
+
+def test_a_chain_of_links_is_followed_to_its_end(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    final = tmp_path / "real" / "c.pt"
+    _put(final, b"old")
+    (tmp_path / "b.pt").symlink_to("real/c.pt")
+    (tmp_path / "a.pt").symlink_to("b.pt")
+    assert write_atomically(tmp_path / "a.pt", lambda f: f.write(b"new")) == tmp_path / "real/c.pt"
+    assert final.read_bytes() == b"new"
+    assert (tmp_path / "a.pt").is_symlink() and (tmp_path / "b.pt").is_symlink()
+
+
+def test_a_dangling_link_creates_its_target(tmp_path: Path) -> None:
+    # As open(link, "wb") does; missing directories on the way are made, as for any path.
+    link = tmp_path / "latest.pt"
+    link.symlink_to("later/step1.pt")
+    write_atomically(link, lambda f: f.write(b"first"))
+    assert link.is_symlink() and (tmp_path / "later" / "step1.pt").read_bytes() == b"first"
+
+
+def test_a_loop_of_links_is_refused_by_name(tmp_path: Path) -> None:
+    (tmp_path / "a.pt").symlink_to("b.pt")
+    (tmp_path / "b.pt").symlink_to("a.pt")
+    with pytest.raises(OSError, match=r"a\.pt is a symbolic link that leads to itself") as info:
+        write_atomically(tmp_path / "a.pt", lambda f: f.write(b"x"))
+    assert info.value.errno == errno.ELOOP
+    assert (tmp_path / "a.pt").is_symlink() and _temps(tmp_path) == []
+
+
+# ------------------------------------------------------------------- parent is a file
+
+
+@pytest.mark.parametrize("below", ["ck.pt", "sub/ck.pt"])
+def test_a_parent_that_is_a_file_is_named(tmp_path: Path, below: str) -> None:
+    (tmp_path / "afile").write_bytes(b"not a directory")
+    with pytest.raises(NotADirectoryError, match=r"/afile is a file, not a directory"):
+        write_atomically(tmp_path / "afile" / below, lambda f: f.write(b"x"))
+    assert (tmp_path / "afile").read_bytes() == b"not a directory"
+
+
+def test_a_parent_that_is_a_dangling_link_is_named(tmp_path: Path) -> None:
+    (tmp_path / "gone").symlink_to("nowhere")
+    with pytest.raises(FileNotFoundError, match=r"/gone is a dangling symbolic link"):
+        write_atomically(tmp_path / "gone" / "ck.pt", lambda f: f.write(b"x"))

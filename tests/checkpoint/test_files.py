@@ -129,6 +129,49 @@ def test_save_strips_prefixes_of_a_top_level_state_dict(tmp_path: Path) -> None:
     assert list(loaded) == [k.removeprefix("module.") for k in sd]
 
 
+def _averaged() -> torch.optim.swa_utils.AveragedModel:
+    torch.manual_seed(0)
+    swa = torch.optim.swa_utils.AveragedModel(Net())
+    for _ in range(2):
+        swa.update_parameters(Net())
+    return swa
+
+
+@pytest.mark.parametrize("form", ["module", "state dict", "dict of module", "dict of state dict"])
+def test_an_averaged_models_real_module_prefix_is_kept(tmp_path: Path, form: str) -> None:
+    # AveragedModel holds the network as a real submodule named `module`, beside its own
+    # n_averaged: only wrappers' prefixes (on every key) go, so the file loads back into an
+    # AveragedModel with torch alone, strictly.
+    swa = _averaged()
+    obj: Any = {
+        "module": swa,
+        "state dict": swa.state_dict(),
+        "dict of module": {"swa": swa},
+        "dict of state dict": {"swa": swa.state_dict()},
+    }[form]
+    path = save_checkpoint(obj, tmp_path / "swa.pt")
+    saved = torch.load(path, weights_only=True)
+    saved = saved.get("swa", saved)
+    assert list(saved) == list(swa.state_dict())  # n_averaged, module.conv.weight, ...
+    plain = torch.optim.swa_utils.AveragedModel(Net())
+    plain.load_state_dict(saved, strict=True)
+    assert int(plain.n_averaged) == 2
+    assert_same(plain.state_dict(), swa.state_dict())
+    ours = torch.optim.swa_utils.AveragedModel(Net())
+    assert load_state_dict(ours, load_checkpoint(path)).complete
+    assert_same(ours.state_dict(), swa.state_dict())
+
+
+def test_wrapper_layers_go_even_around_an_averaged_model(tmp_path: Path) -> None:
+    # DataParallel around an AveragedModel: its layer is on every key and goes; the
+    # AveragedModel's own `module.` stays.
+    swa = _averaged()
+    sd = nn.DataParallel(swa).state_dict()
+    assert all(k.startswith("module.") for k in sd)
+    loaded = load_checkpoint(save_checkpoint({"swa": sd}, tmp_path / "dp.pt"))["swa"]
+    assert list(loaded) == list(swa.state_dict())
+
+
 # ---------------------------------------------------------------------- distributed
 
 

@@ -240,3 +240,18 @@ def test_complete_load_warns_nothing(strict: bool) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert load_state_dict(Net(), nn.DataParallel(Net()).state_dict(), strict=strict).complete
+
+
+def test_an_averaged_models_file_loads_into_an_averaged_model_unstripped() -> None:
+    # Its `module.` is a real submodule: load_state_dict removes a prefix only when that
+    # makes more keys fit, so n_averaged and module.* go where they were saved from.
+    torch.manual_seed(1)
+    swa = torch.optim.swa_utils.AveragedModel(Net())
+    swa.update_parameters(Net())
+    target = torch.optim.swa_utils.AveragedModel(Net())
+    result = load_state_dict(target, swa.state_dict())
+    assert result.complete and int(target.n_averaged) == 1
+    assert_same(target.state_dict(), swa.state_dict())
+    # Into the bare network, the prefix goes and n_averaged is named as the one left over.
+    with pytest.raises(StateDictMismatchError, match=r"n_averaged is the update counter"):
+        load_state_dict(Net(), swa.state_dict())

@@ -219,3 +219,29 @@ def test_save_keeps_temp_files_of_live_writers(tmp_path: Path) -> None:
         fcntl.flock(held, fcntl.LOCK_EX)
         save_checkpoint({"x": 1}, path)
         assert live.read_bytes() == b"in progress" and other_host.exists()
+
+
+def test_save_writes_through_a_link_and_keeps_it(tmp_path: Path) -> None:
+    step100 = save_checkpoint({"step": 100}, tmp_path / "step100.pt")
+    (tmp_path / "latest.pt").symlink_to("step100.pt")
+    assert save_checkpoint({"step": 200}, tmp_path / "latest.pt") == tmp_path / "latest.pt"
+    assert (tmp_path / "latest.pt").is_symlink()
+    assert load_checkpoint(step100) == {"step": 200} and temps(tmp_path) == []
+
+
+def test_save_below_a_file_says_which_component_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("a log, not a directory")
+    with pytest.raises(
+        CheckpointError,
+        match=r"could not save checkpoint .*/afile/ck\.pt: .*/afile is a file, not a directory "
+        r"\(every path above the checkpoint must be a directory: rename or remove that file, "
+        r"or save somewhere else\)$",
+    ) as info:
+        save_checkpoint({"w": torch.ones(1)}, tmp_path / "afile" / "ck.pt")
+    assert isinstance(info.value.__cause__, NotADirectoryError)
+
+
+def test_save_to_a_loop_of_links_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "a.pt").symlink_to("a.pt")
+    with pytest.raises(CheckpointError, match=r"leads to itself .*\(point the link at a file"):
+        save_checkpoint({"w": torch.ones(1)}, tmp_path / "a.pt")

@@ -13,6 +13,12 @@ into a directory of 200,000 files costs what saving into an empty one does) and 
 removes it; a live writer's (another rank's) keeps its lock and is left alone, and so are
 other hosts'. Where the filesystem has no ``flock`` the temp name is unique
 (``.NAME.tmp-HOST-PID-RANDOM``) and a killed writer's temp file stays until removed by hand.
+
+A path that is a symbolic link is written *through*, as ``open()`` and ``torch.save`` do:
+the chain of links is followed to the file at its end, the temp file goes beside that file
+(same directory, so the rename stays atomic) and is renamed onto it, and the links stay
+links. A dangling link creates the file it points to. A parent path that is a regular file
+is reported as such (``NotADirectoryError`` naming it), not as ``File exists``.
 """
 
 from __future__ import annotations
@@ -28,11 +34,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-__all__ = ["fsync_dir", "temp_name", "write_atomically"]
+__all__ = ["fsync_dir", "link_target", "remove_dead_temp", "temp_name", "write_atomically"]
 
 # After the slot a writer takes, slots are probed for dead writers' temp files until this
 # many in a row are absent: a gap this long needs that many writers of one path at once.
 _SPARE_SLOTS = 8
+# Linux's own limit on links followed in one path lookup (MAXSYMLINKS).
+_MAX_LINKS = 40
 
 
 def fsync_dir(directory: Path) -> None:
@@ -59,15 +67,61 @@ def fsync_dir(directory: Path) -> None:
 
 
 def _make_parents(directory: Path) -> None:
+    """``mkdir -p directory``, fsyncing each new entry.
+
+    Raises:
+        NotADirectoryError: a path above the file is a regular file (named in the message).
+        FileNotFoundError: a path above the file is a dangling symbolic link.
+        OSError: a directory cannot be created.
+    """
     created = []
     d = directory
     while not d.exists():
+        if os.path.lexists(d):
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"{d} is a dangling symbolic link (to {os.readlink(d)!r}), not a directory",
+                str(d),
+            )
         created.append(d)
         d = d.parent
+    if not d.is_dir():
+        # mkdir would say "File exists" about the directory it was asked for, hiding which
+        # component is the file.
+        raise NotADirectoryError(errno.ENOTDIR, f"{d} is a file, not a directory", str(d))
     directory.mkdir(parents=True, exist_ok=True)
     # A new directory's own entry must reach the disk too, or the file may vanish with it.
     for d in reversed(created):
         fsync_dir(d.parent)
+
+
+def link_target(path: Path) -> Path:
+    """The file that writing ``path`` replaces: ``path`` itself, or for a symbolic link the
+    path at the end of its chain of links (which need not exist: a dangling link).
+
+    Relative links are read relative to the directory that holds them, as the kernel does.
+
+    Raises:
+        OSError: ``ELOOP``: the links form a loop (or a chain longer than Linux follows).
+
+    Example:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp())
+        >>> (d / "latest.pt").symlink_to("step100.pt")
+        >>> link_target(d / "latest.pt") == d / "step100.pt"
+        True
+    """
+    start = path
+    for _ in range(_MAX_LINKS):
+        if not os.path.islink(path):
+            return path
+        path = path.parent / os.readlink(path)  # an absolute link replaces the whole path
+    raise OSError(
+        errno.ELOOP,
+        f"{start} is a symbolic link that leads to itself (a loop of links, or more than "
+        f"{_MAX_LINKS} in a row)",
+        str(start),
+    )
 
 
 def temp_name(path: Path, host: str, slot: int) -> Path:
@@ -141,6 +195,36 @@ def _open_slot(name: Path, *, create: bool) -> int | None:
             return None
 
 
+def remove_dead_temp(name: Path) -> bool:
+    """Remove ``name``, a temp file of :func:`write_atomically`, if its writer is dead (nobody
+    holds its lock); True if it was removed.
+
+    A live writer's file (locked), a file that is gone, not ours to open, or on a filesystem
+    without ``flock`` is left alone (False). Only call it on temp files of this host: a lock
+    held on another host may not be visible here.
+
+    Example:
+        >>> import tempfile
+        >>> stale = Path(tempfile.mkdtemp()) / ".c.pt.tmp-host-0"
+        >>> _ = stale.write_bytes(b"half")
+        >>> remove_dead_temp(stale), stale.exists()
+        (True, False)
+    """
+    try:
+        fd = _open_slot(name, create=False)
+    except (OSError, _NoLocks):
+        return False
+    if fd is None:
+        return False
+    try:
+        os.unlink(name)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def _remove_dead_slots(path: Path, host: str, first: int) -> None:
     """Remove the unlocked (dead writers') temp files of ``path`` from slot ``first`` on,
     until ``_SPARE_SLOTS`` slots in a row are absent. Best effort: a failure is no reason
@@ -184,7 +268,7 @@ def _open_temp(path: Path, host: str) -> tuple[int, Path, bool]:
 
 def write_atomically(
     path: Path, write: Callable[[IO[bytes]], None], *, sync_directory: bool = True
-) -> None:
+) -> Path:
     """Write ``path`` through ``write(f)`` so that it is either the old file or the new one.
 
     ``write`` gets a binary file open on a temp file beside ``path``; the temp file is
@@ -192,7 +276,8 @@ def write_atomically(
     fsynced so the rename survives a power loss. Missing parent directories are created.
     On any failure, or an interrupt, the temp file is removed and ``path`` is unchanged.
     Temp files of killed writers of ``path`` on this host are reused or removed, found by
-    name: the directory is never listed (see the module docstring).
+    name: the directory is never listed (see the module docstring). A symbolic link is
+    written through: the file at the end of its chain is replaced, the link stays.
 
     Args:
         path: the final file name.
@@ -200,18 +285,25 @@ def write_atomically(
         sync_directory: fsync the directory after the rename; False leaves that to the
             caller (:func:`fsync_dir`), which may want to report it differently.
 
+    Returns:
+        The file that was replaced: ``path``, or the target of the link ``path`` is.
+
     Raises:
-        IsADirectoryError: ``path`` is a directory.
-        OSError: creating, writing, flushing or renaming failed (``errno`` says why).
+        IsADirectoryError: ``path`` is a directory (or a link to one).
+        NotADirectoryError: a path above it is a regular file (the message names it).
+        OSError: creating, writing, flushing or renaming failed (``errno`` says why), or
+            ``path`` is a loop of symbolic links (``ELOOP``).
         Exception: whatever ``write`` raised, unchanged.
 
     Example:
         >>> import tempfile
         >>> p = Path(tempfile.mkdtemp()) / "sub" / "data.bin"
-        >>> write_atomically(p, lambda f: f.write(b"hello"))
+        >>> write_atomically(p, lambda f: f.write(b"hello")) == p
+        True
         >>> p.read_bytes(), [q.name for q in p.parent.iterdir()]
         (b'hello', ['data.bin'])
     """
+    path = link_target(path)
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, f"{path} is a directory, not a file name", str(path))
     host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
@@ -233,3 +325,4 @@ def write_atomically(
             raise
     if sync_directory:
         fsync_dir(path.parent)
+    return path

@@ -19,24 +19,37 @@ DDP) and ``_orig_mod.`` (``torch.compile``) prefixes into wrapped or plain model
 - :mod:`._allow`: the data-only types (numpy, argparse.Namespace, pathlib, datetime) allowed
   under ``weights_only=True``, and the refusal message listing every other global;
 - :mod:`._dirs`: directories (sharded safetensors / ``.bin`` with an index, Accelerate
-  ``save_state``, DCP).
+  ``save_state``, DCP);
+- :mod:`._checkpointer`: :class:`Checkpointer`, a directory of step-numbered checkpoints
+  (background saves, ``keep``, exact resume, preemption), built from :mod:`._steps` (file
+  names, retention, stale temp files), :mod:`._payload` (what a file holds, and restoring
+  it into live objects), :mod:`._writer` (the forked or threaded background writer and
+  :class:`SaveHandle`), :mod:`._preempt` (:class:`Preemption`, the signal flag every rank
+  agrees on), :mod:`._loader_state` (a DataLoader's position mid-epoch) and :mod:`._rng`
+  (the random generators' states).
 """
 
 from __future__ import annotations
 
 from trainperf._utils.public import set_public_module
+from trainperf.checkpoint._checkpointer import Checkpointer
 from trainperf.checkpoint._files import load_checkpoint, save_checkpoint
 from trainperf.checkpoint._keys import DEFAULT_PREFIXES
+from trainperf.checkpoint._preempt import Preemption
 from trainperf.checkpoint._prefix import (
     LoadResult,
     load_state_dict,
     strip_prefix,
     unwrap_model,
 )
+from trainperf.checkpoint._writer import SaveHandle
 
 __all__ = [
     "DEFAULT_PREFIXES",
+    "Checkpointer",
     "LoadResult",
+    "Preemption",
+    "SaveHandle",
     "load_checkpoint",
     "load_state_dict",
     "save_checkpoint",

@@ -20,8 +20,8 @@ from trainperf.checkpoint._formats import (
     _open_zip,
     _torch_load,
 )
-from trainperf.checkpoint._keys import _same_type
-from trainperf.checkpoint._prefix import strip_prefix, unwrap_model
+from trainperf.checkpoint._keys import _same_type, strip_wrapper_layers
+from trainperf.checkpoint._prefix import unwrap_model
 from trainperf.checkpoint._write import write_checkpoint_file
 from trainperf.device import resolve_device
 from trainperf.errors import (
@@ -81,7 +81,7 @@ def _stateless(value: Any, active: set[int]) -> Any:
 
 def _plain(value: Any) -> Any:
     if _is_tensor_state_dict(value):
-        return strip_prefix(value)
+        return strip_wrapper_layers(value)
     return _stateless(value, set())
 
 
@@ -195,8 +195,11 @@ def save_checkpoint(
     else with a ``state_dict()`` method (optimizers, LR schedulers, ``torch.amp.GradScaler``,
     ``trainperf.MixedPrecision``), at any depth of dicts, lists and tuples, so the file loads
     with ``weights_only=True``; state dicts (top level, or values of a top-level dict) lose
-    their ``module.`` / ``_orig_mod.`` prefixes. Paths ending in ``.safetensors`` are written
-    with safetensors and take a flat dict of str -> tensor (or a module).
+    the ``module.`` / ``_orig_mod.`` layers that a wrapper puts before every key, and keep
+    a real submodule's name (``AveragedModel``'s ``module.`` beside its ``n_averaged``).
+    Paths ending in ``.safetensors`` are written with safetensors and take a flat dict of
+    str -> tensor (or a module). A symbolic link is written through: the file it points to
+    is replaced and the link stays a link (a dangling link creates that file).
 
     Args:
         obj: A module, a state dict, or a dict of them and other picklable values.
@@ -217,12 +220,11 @@ def save_checkpoint(
 
     Raises:
         CheckpointError: The object could not be serialised or the file not written (disk
-            full, no permission, ``path`` is a directory), or with ``distributed=True`` rank 0
-            failed or another rank never joined; the cause is chained and any earlier file
-            at ``path`` is left intact.
-        ValueError: A ``.safetensors`` path with something other than str -> tensor, a
-            state dict whose keys collide once prefixes are removed, or ``distributed`` not
-            None, True or False.
+            full, no permission, ``path`` is a directory, a parent path is a file), or with
+            ``distributed=True`` rank 0 failed or another rank never joined; the cause is
+            chained and any earlier file at ``path`` is left intact.
+        ValueError: A ``.safetensors`` path with something other than str -> tensor (or
+            tensors that share memory), or ``distributed`` not None, True or False.
         ModuleNotFoundError: A ``.safetensors`` path without safetensors installed.
 
     Example:

@@ -1,7 +1,8 @@
 """State-dict keys: removing prefix layers and matching keys and shapes against a model's.
 
-The helpers behind :mod:`._prefix` (``strip_prefix``, ``load_state_dict``) and :mod:`._search`
-(finding the model's state dict inside a whole checkpoint).
+The helpers behind :mod:`._prefix` (``strip_prefix``, ``load_state_dict``), :mod:`._search`
+(finding the model's state dict inside a whole checkpoint) and :mod:`._files`
+(``strip_wrapper_layers``: what ``save_checkpoint`` removes from a state dict).
 """
 
 from __future__ import annotations
@@ -74,6 +75,39 @@ def _strip(state_dict: M, prefixes: tuple[str, ...], rounds: int | None) -> M:
                 depth[new], new_meta[new] = done, value
         with contextlib.suppress(AttributeError, TypeError):
             out._metadata = _same_type(meta, new_meta.items())  # type: ignore[attr-defined]
+    return out
+
+
+def strip_wrapper_layers(state_dict: M) -> M:
+    """``state_dict`` without the prefix layers that a wrapper puts before *every* key.
+
+    DataParallel, DDP and ``torch.compile`` own no parameters or buffers of their own, so
+    their state dicts carry ``module.`` / ``_orig_mod.`` before every key; such a layer is
+    removed (repeatedly: DDP around a compiled model). A state dict where some key lacks
+    the prefix came from a module with a real submodule of that name
+    (``torch.optim.swa_utils.AveragedModel``: ``module.*`` and its own ``n_averaged``) and
+    keeps its keys.
+
+    Example:
+        >>> strip_wrapper_layers({"module._orig_mod.w": 1, "module._orig_mod.b": 2})
+        {'w': 1, 'b': 2}
+        >>> strip_wrapper_layers({"n_averaged": 0, "module.w": 1})
+        {'n_averaged': 0, 'module.w': 1}
+    """
+    out = state_dict
+    while out:
+        keys = list(out)
+        layer = next(
+            (
+                p
+                for p in DEFAULT_PREFIXES
+                if all(isinstance(k, str) and k.startswith(p) and len(k) > len(p) for k in keys)
+            ),
+            None,
+        )
+        if layer is None:
+            break
+        out = _strip(out, (layer,), 1)
     return out
 
 

@@ -28,8 +28,40 @@ def _os_error(e: BaseException) -> OSError | None:
     return None
 
 
+# Failures where nothing can be at the path, so "the previous file is unchanged" says nothing.
+_NO_PREVIOUS = (errno.ENOTDIR, errno.ELOOP)
+
+
+def _reason(e: Exception) -> str:
+    """Why a write failed, the fix, and what happened to the file that was there."""
+    os_err = _os_error(e)
+    if os_err is None:
+        return (
+            f"the object could not be serialised: {type(e).__name__}: {e}; any previous "
+            "file there is unchanged"
+        )
+    reason = os_err.strerror or str(os_err)
+    hint = {
+        errno.ENOSPC: "the disk is full: free space or save to another disk",
+        errno.EDQUOT: "the disk quota is exhausted: free space or save elsewhere",
+        errno.EACCES: "no permission to write there: pick a writable directory",
+        errno.EROFS: "the filesystem is read-only: save to a writable disk",
+        errno.ENOTDIR: "every path above the checkpoint must be a directory: rename or "
+        "remove that file, or save somewhere else",
+        errno.ELOOP: "point the link at a file, or save to a plain path",
+    }.get(os_err.errno or 0, "")
+    if "dangling symbolic link" in reason:
+        hint = "fix or remove the link, or save somewhere else"
+    reason += f" ({hint})" if hint else ""
+    if os_err.errno not in _NO_PREVIOUS and not hint.startswith("fix or remove the link"):
+        reason += "; any previous file there is unchanged"
+    return reason
+
+
 def write_checkpoint_file(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     """Write ``path`` atomically through ``write(f)``, then flush its directory.
+
+    A symbolic link is written through (its target is replaced; the link stays).
 
     Args:
         path: the checkpoint file.
@@ -38,8 +70,9 @@ def write_checkpoint_file(path: Path, write: Callable[[IO[bytes]], None]) -> Non
     Raises:
         CheckpointError: ``path`` is a directory, the write failed (disk full, no permission,
             read-only filesystem: the message says which, and that any earlier file is
-            unchanged), ``write`` raised (the object could not be serialised), or the
-            directory could not be flushed; the cause is chained.
+            unchanged), a parent path is a file or a dangling link, ``path`` is a loop of
+            links, ``write`` raised (the object could not be serialised), or the directory
+            could not be flushed; the cause is chained.
     """
     if path.is_dir():
         raise CheckpointError(
@@ -48,26 +81,11 @@ def write_checkpoint_file(path: Path, write: Callable[[IO[bytes]], None]) -> Non
             path,
         )
     try:
-        write_atomically(path, write, sync_directory=False)
+        written = write_atomically(path, write, sync_directory=False)
     except Exception as e:
-        os_err = _os_error(e)
-        if os_err is not None:
-            reason = os_err.strerror or str(os_err)
-            hint = {
-                errno.ENOSPC: "the disk is full: free space or save to another disk",
-                errno.EDQUOT: "the disk quota is exhausted: free space or save elsewhere",
-                errno.EACCES: "no permission to write there: pick a writable directory",
-                errno.EROFS: "the filesystem is read-only: save to a writable disk",
-            }.get(os_err.errno or 0, "")
-            reason += f" ({hint})" if hint else ""
-        else:
-            reason = f"the object could not be serialised: {type(e).__name__}: {e}"
-        raise CheckpointError(
-            f"could not save checkpoint {path}: {reason}; any previous file there is unchanged",
-            path,
-        ) from e
+        raise CheckpointError(f"could not save checkpoint {path}: {_reason(e)}", path) from e
     try:
-        fsync_dir(path.parent)
+        fsync_dir(written.parent)
     except OSError as e:
         raise CheckpointError(
             f"saved checkpoint {path}, but could not flush its directory to disk "

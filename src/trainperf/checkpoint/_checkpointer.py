@@ -1,0 +1,417 @@
+""":class:`Checkpointer`: a directory of step-numbered checkpoints for a plain training loop.
+
+It ties the pieces together: the file names and retention (:mod:`._steps`), what a file holds
+and how it is put back (:mod:`._payload`), the writers (:mod:`._writer`) and the stop flag
+(:mod:`._preempt`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import warnings
+import weakref
+import zipfile
+from collections.abc import Iterable, Mapping
+from functools import partial
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from trainperf._utils.format import format_bytes
+from trainperf._utils.validate import choice, non_negative_int, positive_int
+from trainperf.checkpoint._files import load_checkpoint
+from trainperf.checkpoint._loader_state import track
+from trainperf.checkpoint._payload import build_payload, rank_payload, restore_into, saved_step
+from trainperf.checkpoint._preempt import Preemption
+from trainperf.checkpoint._steps import (
+    main_file,
+    rank_file,
+    remove_dead_temps,
+    retire,
+    steps_on_disk,
+)
+from trainperf.checkpoint._writer import (
+    SaveHandle,
+    Staging,
+    fork_writes,
+    staging_fits,
+    start_process,
+    start_thread,
+    tensor_bytes,
+    write_now,
+)
+from trainperf.errors import CheckpointError
+from trainperf.limits import host_limits
+
+__all__ = ["Checkpointer"]
+
+_LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def _group() -> tuple[int, int]:
+    """``(rank, world size)`` of the default process group; ``(0, 1)`` without one."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank()), int(dist.get_world_size())
+    return 0, 1
+
+
+def _unloadable(path: Path) -> str | None:
+    """Why ``path`` is not a complete torch.save file (its zip directory), or None."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+    except (OSError, zipfile.BadZipFile, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    if not any(n.endswith("/data.pkl") for n in names):
+        return "a zip archive without data.pkl, not a torch.save file"
+    return None
+
+
+class Checkpointer:
+    """A directory of step-numbered, atomic checkpoints: background saves, ``keep`` newest,
+    exact resume (generators, DataLoader position), preemption.
+
+    Each :meth:`save` writes ``directory/step-000000030.pt``, a file in
+    :func:`save_checkpoint`'s format (``load_checkpoint`` and plain ``torch.load`` read
+    it): every entry of ``state`` as ``save_checkpoint`` saves it (modules and objects with
+    ``state_dict()`` as their state dicts), DataLoaders as their position, and under
+    ``"trainperf"`` the step and the random states of Python, NumPy, torch and every
+    initialised CUDA device. :meth:`restore` loads the newest complete one back into the
+    live objects.
+
+    Args:
+        directory: where the files go (created on the first save).
+        keep: how many of the newest checkpoints to keep; older ones are deleted only after
+            a newer one is durable (fsynced and renamed), and the one just written never is.
+        every: save only at steps that are multiples of ``every`` (other steps' ``save``
+            calls return at once, with a handle whose ``path`` is None), except when
+            ``force=True`` or once a :meth:`preemption` stop was requested; None saves
+            whenever asked.
+
+    Raises:
+        ValueError: ``keep`` or ``every`` is not an int >= 1.
+        CheckpointError: ``directory`` exists and is not a directory.
+
+    Example:
+        >>> import tempfile
+        >>> from torch import nn
+        >>> model = nn.Linear(2, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> ckpt = Checkpointer(tempfile.mkdtemp(), keep=2)
+        >>> ckpt.restore({"model": model, "optimizer": opt})  # nothing saved yet
+        0
+        >>> for step in (10, 20, 30):
+        ...     _ = ckpt.save({"model": model, "optimizer": opt}, step=step, blocking=False)
+        >>> ckpt.wait()
+        >>> ckpt.steps(), ckpt.latest().name
+        ([20, 30], 'step-000000030.pt')
+        >>> ckpt.restore({"model": nn.Linear(2, 2), "optimizer": opt})
+        30
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike[str], *, keep: int = 3, every: int | None = None
+    ) -> None:
+        self.directory = Path(os.fspath(directory))
+        self.keep = positive_int("keep", keep)
+        self.every: int | None = positive_int("every", every, none_ok=True)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(
+                f"Checkpointer directory {self.directory} is a file, not a directory: give "
+                "a directory for the step files (it is created if missing)",
+                self.directory,
+            )
+        self.removed_temps = remove_dead_temps(self.directory)
+        self._pending: SaveHandle | None = None
+        self._staging = Staging()
+        self._stop: Preemption | None = None
+        _LIVE.add(self)
+
+    def __repr__(self) -> str:
+        every = "" if self.every is None else f", every={self.every}"
+        return f"Checkpointer({str(self.directory)!r}, keep={self.keep}{every})"
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.wait()
+        elif self._pending is not None:
+            self._pending._event.wait()  # the write finishes; its error is not the news
+
+    # ------------------------------------------------------------------ saving
+
+    def _settle(self) -> None:
+        """Wait for the write in flight; raise its failure; pass its notes on."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending._event.wait()
+        self._warn_notes(pending.notes)
+        pending.raise_failure()
+
+    def _skips(self, step: int, force: bool) -> bool:
+        stopping = self._stop is not None and self._stop._agreed_at is not None
+        return self.every is not None and step % self.every != 0 and not force and not stopping
+
+    def _after(self, step: int) -> list[str]:
+        return retire(self.directory, self.keep, step)
+
+    def save(
+        self, state: Mapping[str, Any], *, step: int, blocking: bool = True, force: bool = False
+    ) -> SaveHandle:
+        """Save ``state`` as step ``step``.
+
+        ``blocking=True`` returns once the file is durable. ``blocking=False`` returns once
+        the state is captured, and the file is written in the background: on Linux with
+        CPU tensors by a forked process (a copy-on-write snapshot: nothing is copied up
+        front), otherwise by a thread from host buffers the tensors were copied into (pinned
+        for GPU tensors, reused from save to save). Either way the training step may change
+        the model right after ``save`` returns: the file holds step ``step``'s values. If
+        the host's available memory (:func:`trainperf.host_limits`) cannot hold one more
+        copy of the state, the save is made blocking, with a warning giving both figures.
+
+        One write is in flight at most: a ``save`` while one is pending first waits for it,
+        and raises its failure if it failed (as :meth:`wait` does). Under a process group
+        rank 0 writes the step file and every other rank writes only its own small file
+        (``step-….rank-0000R.pt``: its generators and loader positions) and returns; no
+        collective is involved, so calling it on every rank and inside ``if rank == 0:``
+        both work.
+
+        Args:
+            state: what to save: ``{"model": model, "optimizer": opt, "loader": loader,
+                "epoch": 3, ...}``; values with ``state_dict()`` are saved through it,
+                DataLoaders as their position, plain values as they are.
+            step: the step number (an int >= 0), which names the file.
+            blocking: wait for the file (True) or write it in the background (False).
+            force: save even if ``every`` would skip this step.
+
+        Returns:
+            A :class:`SaveHandle`.
+
+        Raises:
+            CheckpointError: the previous background write failed (its error, chained,
+                with its path; this save is then not made: call it again), or this
+                blocking save failed; nothing older is deleted.
+            TypeError: ``state`` is not a dict with string keys.
+            ValueError: ``step`` is not an int >= 0, or ``state`` uses the key
+                ``"trainperf"``.
+        """
+        step = non_negative_int("step", step)
+        choice("blocking", blocking, (True, False))
+        choice("force", force, (False, True))
+        if self._skips(step, bool(force)):
+            # A skipped step must not wait for the write in flight (the loop calls save on
+            # every step), but reports it once it has failed.
+            if self._pending is not None and self._pending.done():
+                self._settle()
+            return SaveHandle.finished(step, None, "skipped")
+        self._settle()
+        path = main_file(self.directory, step)
+        rank, world = _group()
+        if rank > 0:
+            write_now(rank_payload(state, step, rank, world), rank_file(self.directory, step, rank))
+            return SaveHandle.finished(step, path, "other rank")
+        payload = build_payload(state, step, rank, world)
+        if not blocking:
+            handle = self._start_background(payload, path, step)
+            if handle is not None:
+                return handle
+        write_now(payload, path)
+        self._warn_notes(self._after(step))
+        return SaveHandle.finished(step, path, "blocking")
+
+    def _warn_notes(self, notes: list[str]) -> None:
+        for note in notes:
+            warnings.warn(
+                f"Checkpointer: could not delete the retired checkpoint {note}",
+                UserWarning,
+                stacklevel=4,
+            )
+
+    def _start_background(self, payload: Any, path: Path, step: int) -> SaveHandle | None:
+        """Start a background write; None when host memory cannot hold the snapshot."""
+        total, on_cpu = tensor_bytes(payload)
+        forked = on_cpu and fork_writes()
+        needed = total if forked else self._staging.needed_bytes(payload)
+        limits = host_limits()
+        if needed and not staging_fits(needed, limits.memory_available, limits.memory_total):
+            warnings.warn(
+                f"Checkpointer.save(step={step}, blocking=False): a background save needs up "
+                f"to {format_bytes(needed)} more host memory (one copy of the state), but "
+                f"{format_bytes(limits.memory_available)} is available (of "
+                f"{format_bytes(limits.memory_total)}, with a margin kept free): saving "
+                "synchronously instead",
+                UserWarning,
+                stacklevel=3,
+            )
+            return None
+        handle = SaveHandle(step, path, "process" if forked else "thread")
+        after = partial(self._after, step)
+        if forked:
+            start_process(payload, path, after, handle)
+        else:
+            start_thread(self._staging.stage(payload), path, after, handle)
+        self._pending = handle
+        return handle
+
+    def wait(self) -> None:
+        """Wait until the background write (if any) is durable.
+
+        Raises:
+            CheckpointError: it failed (chained, with its path); nothing older was deleted.
+        """
+        self._settle()
+
+    # ----------------------------------------------------------------- reading
+
+    def steps(self) -> list[int]:
+        """The steps whose files are in the directory, oldest first."""
+        return steps_on_disk(self.directory)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint file, or None when there is none.
+
+        A file that is not a complete ``torch.save`` archive (cut short, damaged,
+        unreadable) is skipped with a warning. This reads each file's zip directory only;
+        :meth:`restore` also checks every byte's CRC and falls back to an older file.
+        """
+        for step in reversed(self.steps()):
+            path = main_file(self.directory, step)
+            why = _unloadable(path)
+            if why is None:
+                return path
+            warnings.warn(f"skipping checkpoint {path}: {why}", UserWarning, stacklevel=2)
+        return None
+
+    def _own_part(self, step: int, rank: int) -> Mapping[str, Any] | None:
+        if rank == 0:
+            return None
+        path = rank_file(self.directory, step, rank)
+        try:
+            own = load_checkpoint(path)
+        except CheckpointError as e:
+            warnings.warn(
+                f"rank {rank} has no readable file of its own for step {step} ({e}): its "
+                "random states and loader positions come from rank 0's file, so its random "
+                "numbers may differ from the interrupted run's",
+                UserWarning,
+                stacklevel=3,
+            )
+            return None
+        return own if isinstance(own, Mapping) else None
+
+    def restore(
+        self, state: Mapping[str, Any], *, device: str | int | torch.device | None = None
+    ) -> int:
+        """Load the newest complete checkpoint into the live objects of ``state``; return
+        its step, or 0 when there is none.
+
+        Each value with ``load_state_dict`` gets its saved state (modules through
+        :func:`load_state_dict`, so wrapper prefixes fit either way, strictly; optimizers,
+        schedulers, ``GradScaler``, ``MixedPrecision``), DataLoaders continue the pass they
+        were saved in (the consumed batches are skipped at the sampler, never loaded),
+        plain values are replaced in ``state``, and the random generators are set. A file
+        that fails to load (cut short, damaged) is skipped with a warning for the next
+        older one. Loaders in ``state`` are tracked from here on, even when there is no
+        checkpoint yet, so that a later save knows their position: call it before the loop.
+
+        Args:
+            state: the same keys ``save`` was given, holding the live objects.
+            device: where the file's tensors are loaded before being copied into the live
+                objects (which keep their own devices): None means the CPU.
+
+        Returns:
+            The restored step, or 0.
+
+        Raises:
+            CheckpointError: a background write of this Checkpointer failed (as for
+                :meth:`wait`).
+            TypeError: ``state`` is not a dict with string keys.
+            ValueError: ``state`` has an entry the checkpoint lacks.
+            StateDictMismatchError: a module's weights do not fit it.
+        """
+        self._settle()
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                "Checkpointer.restore takes a dict of the live objects, such as {'model': "
+                f"model, 'optimizer': opt}}, got {type(state).__name__}"
+            )
+        for value in state.values():
+            if isinstance(value, DataLoader):
+                track(value)
+        rank, _ = _group()
+        for step in reversed(self.steps()):
+            path = main_file(self.directory, step)
+            try:
+                saved = load_checkpoint(path, "cpu" if device is None else device)
+                found = saved_step(saved, str(path))
+            except (CheckpointError, ValueError) as e:
+                warnings.warn(f"skipping checkpoint {path}: {e}", UserWarning, stacklevel=2)
+                continue
+            restore_into(state, saved, self._own_part(step, rank), str(path))
+            return found
+        return 0
+
+    # -------------------------------------------------------------- preemption
+
+    def preemption(
+        self,
+        signals: Iterable[str | int] | str | int = ("SIGTERM", "SIGUSR1"),
+        grace_s: float = 25.0,
+        *,
+        check_every: int | None = None,
+    ) -> Preemption:
+        """A context manager whose value's ``requested`` turns True once a signal asks the
+        run to stop, at the same step on every rank.
+
+        The handlers only set a flag, so the loop decides when to save; a second signal
+        during the final save does not interrupt it. ``deadline_s`` says how much of
+        ``grace_s`` is left. While ``requested`` is True, ``save`` ignores ``every``.
+
+        Args:
+            signals: names (``"SIGTERM"``, ``"USR1"``) or numbers of the signals to catch.
+            grace_s: seconds between the first signal and the hard kill the loop expects
+                (torchrun sends SIGKILL 30 s after SIGTERM; the default leaves 5 s spare).
+            check_every: under a process group, compare the ranks' flags every this many
+                reads of ``requested``; None measures the comparison on entry and picks
+                the interval that keeps it under 1 % of a 10 ms step.
+
+        Returns:
+            A :class:`Preemption` (enter it with ``with``).
+
+        Raises:
+            ValueError: an unknown or uncatchable signal, ``grace_s`` not a finite number
+                > 0, or ``check_every`` not an int >= 1.
+            RuntimeError: entered outside the main thread, or entered twice.
+        """
+        self._stop = Preemption(signals, grace_s, check_every)
+        return self._stop
+
+
+def _wait_at_exit() -> None:
+    """A background write still running when the interpreter exits is finished first."""
+    for ckpt in list(_LIVE):
+        pending = ckpt._pending
+        if pending is not None and not pending.done():
+            print(
+                f"trainperf: waiting for the background save of step {pending.step} to "
+                f"{pending.path} before exiting",
+                file=sys.stderr,
+            )
+            pending._event.wait()
+
+
+atexit.register(_wait_at_exit)

@@ -1,0 +1,370 @@
+"""Where a DataLoader is in its epoch, saved and restored exactly, without loading what it
+skips.
+
+A tracked loader keeps its class's behaviour (its class becomes a subclass of its own class,
+so ``isinstance`` checks, ``TunedDataLoader.tuning_report`` and
+``DistributedLoader.set_epoch`` still work) and counts two things: the passes (epochs)
+started and the batches handed out in the current pass. When a pass's sampler starts
+drawing, the states it draws from are recorded: torch's global generator (``RandomSampler``
+without a generator seeds itself from it), every ``torch.Generator`` and ``epoch`` attribute
+along the sampler chain (``BatchSampler.sampler``, ``DistributedSampler.epoch``).
+
+On restore, the next pass replays the interrupted one: the recorded states are put back just
+while its sampler draws, so it yields the same order, and the first ``position`` batches of
+indices are dropped at the sampler, so their samples are never loaded. Every random draw the
+DataLoader makes while starting that pass (the workers' base seed) is undone, because the
+interrupted run had made it before the checkpoint, and the generators stay where the
+checkpoint left them.
+
+Not exact, and documented: random augmentation done *inside* DataLoader workers (each worker's
+generator has advanced through the batches it loaded, which the resumed pass does not replay),
+an ``IterableDataset`` (no sampler to skip at: its pass restarts, with a warning) and
+``in_order=False`` loaders (the consumed batches are not a prefix).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+__all__ = ["loader_state", "restore_loader", "track"]
+
+_VERSION = 1
+_CHAIN_DEPTH = 4  # loader -> BatchSampler -> sampler -> a sampler it wraps
+_TRACKER = "_trainperf_tracker"
+
+
+def _chain(index_sampler: Any) -> list[Any]:
+    """The index sampler and the samplers it wraps (``.sampler``), outermost first."""
+    out = [index_sampler]
+    while len(out) < _CHAIN_DEPTH and getattr(out[-1], "sampler", None) is not None:
+        out.append(out[-1].sampler)
+    return out
+
+
+def _generators(chain: list[Any]) -> list[torch.Generator | None]:
+    return [
+        g if isinstance(g := getattr(s, "generator", None), torch.Generator) else None
+        for s in chain
+    ]
+
+
+def _epochs(chain: list[Any]) -> list[int | None]:
+    return [e if isinstance(e := getattr(s, "epoch", None), int) else None for s in chain]
+
+
+@dataclass
+class _States:
+    """The generator states and epochs a pass's sampler draws from."""
+
+    torch_state: torch.Tensor
+    generators: list[torch.Tensor | None]
+    epochs: list[int | None]
+    loader_generator: torch.Tensor | None = None
+
+    @classmethod
+    def read(cls, chain: list[Any], loader_gen: torch.Generator | None) -> _States:
+        return cls(
+            torch.get_rng_state(),
+            [None if g is None else g.get_state() for g in _generators(chain)],
+            _epochs(chain),
+            None if loader_gen is None else loader_gen.get_state(),
+        )
+
+    def apply(self, chain: list[Any], loader_gen: torch.Generator | None) -> None:
+        torch.set_rng_state(self.torch_state)
+        for g, state in zip(_generators(chain), self.generators, strict=False):
+            if g is not None and state is not None:
+                g.set_state(state)
+        for sampler, epoch in zip(chain, self.epochs, strict=False):
+            if epoch is not None and isinstance(getattr(sampler, "epoch", None), int):
+                sampler.epoch = epoch
+        if loader_gen is not None and self.loader_generator is not None:
+            loader_gen.set_state(self.loader_generator)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "torch": self.torch_state,
+            "generators": self.generators,
+            "epochs": self.epochs,
+            "loader_generator": self.loader_generator,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> _States:
+        return cls(d["torch"], list(d["generators"]), list(d["epochs"]), d["loader_generator"])
+
+
+@contextlib.contextmanager
+def _sandbox(chain: list[Any], loader_gen: torch.Generator | None) -> Iterator[None]:
+    """Whatever is drawn inside leaves every generator (and epoch) as it found them."""
+    before = _States.read(chain, loader_gen)
+    try:
+        yield
+    finally:
+        before.apply(chain, loader_gen)
+
+
+@dataclass
+class _Resume:
+    passes: int
+    position: int
+    start: _States
+
+
+@dataclass
+class _Tracker:
+    """A loader's pass count, position, and the states its current pass drew from."""
+
+    passes: int = 0
+    position: int = 0
+    done: bool = False
+    known: bool = True  # False: tracking began mid-pass, so the position is unknown
+    start: _States | None = None
+    resume: _Resume | None = None
+    pass_id: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+class _IndexSampler:
+    """Wraps the loader's index sampler: records where each pass starts drawing, and on
+    resume replays that start and drops the batches already handed out."""
+
+    def __init__(self, inner: Any, loader: DataLoader[Any]) -> None:
+        self.inner = inner
+        # A weak reference: the loader holds this object, and a cycle would keep a loader
+        # with persistent workers (and so the workers) alive until the garbage collector ran.
+        self._loader = weakref.ref(loader)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        loader = self._loader()
+        if loader is None:  # pragma: no cover - the loader is what iterates us
+            yield from self.inner
+            return
+        tracker: _Tracker = loader.__dict__[_TRACKER]
+        chain = _chain(self.inner)
+        gen = loader.generator
+        del loader
+        resume, tracker.resume = tracker.resume, None
+        if resume is None:
+            # Read now, at the first pull, the moment the inner sampler draws its order.
+            tracker.start = _States.read(chain, gen)
+            yield from self.inner
+            return
+        with _sandbox(chain, gen):
+            resume.start.apply(chain, gen)
+            it = iter(self.inner)
+            skipped = sum(1 for _ in itertools.islice(it, resume.position))
+            first = list(itertools.islice(it, 1))
+        tracker.start = resume.start
+        if skipped < resume.position:
+            warnings.warn(
+                f"the loader's sampler yields {skipped} batches this pass, fewer than the "
+                f"{resume.position} the checkpoint had already consumed: the dataset or "
+                "sampler changed since it was saved",
+                UserWarning,
+                stacklevel=2,
+            )
+        yield from first
+        yield from it
+
+
+class _Counting:
+    """The iterator a tracked loader returns: counts what the loop takes."""
+
+    def __init__(self, it: Iterator[Any], tracker: _Tracker, pass_id: int) -> None:
+        self._it = it
+        self._tracker = tracker
+        self._pass_id = pass_id
+
+    def __iter__(self) -> _Counting:
+        return self
+
+    def __next__(self) -> Any:
+        tracker = self._tracker
+        try:
+            item = next(self._it)
+        except StopIteration:
+            if tracker.pass_id == self._pass_id:
+                tracker.done = True
+            raise
+        if tracker.pass_id == self._pass_id:
+            tracker.position += 1
+        return item
+
+    def __len__(self) -> int:
+        return len(self._it)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._it, name)
+
+
+def _tracked_iter(loader: Any, make: Callable[[], Iterator[Any]]) -> _Counting:
+    """A tracked loader's ``__iter__``: ``make`` is its own class's."""
+    tracker: _Tracker = loader.__dict__[_TRACKER]
+    tracker.pass_id += 1
+    if tracker.resume is None:
+        tracker.passes += 1
+        tracker.position, tracker.done, tracker.known, tracker.start = 0, False, True, None
+        it = make()
+    else:
+        resume = tracker.resume
+        # The interrupted run made this pass's start-up draws (the workers' base seed)
+        # before the checkpoint: undo them here.
+        with _sandbox([], loader.generator):
+            it = make()
+        tracker.passes, tracker.position = resume.passes, resume.position
+        tracker.done, tracker.known = False, True
+    return _Counting(iter(it), tracker, tracker.pass_id)
+
+
+def _tracked_index_sampler(loader: Any, inner: Any) -> _IndexSampler:
+    cached: _IndexSampler | None = loader.__dict__.get("_trainperf_index_sampler")
+    if cached is None or cached.inner is not inner:
+        cached = _IndexSampler(inner, loader)
+        loader.__dict__["_trainperf_index_sampler"] = cached
+    return cached
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _own_index_sampler(loader: DataLoader[Any]) -> Any:
+    """The index sampler of ``loader``'s own class (the one a tracked loader wraps)."""
+    base = type(loader).__mro__[1] if _TRACKER in loader.__dict__ else type(loader)
+    return base._index_sampler.__get__(loader)  # type: ignore[attr-defined]
+
+
+def _tracked_class(cls: type) -> type:
+    """``cls`` with a counting ``__iter__`` and a replaying ``_index_sampler``.
+
+    A plain subclass (no mixin base), so an instance's ``__class__`` may be switched to it.
+    """
+    if cls not in _CLASSES:
+        base: Any = cls
+
+        def __iter__(self: Any) -> _Counting:
+            return _tracked_iter(self, lambda: base.__iter__(self))
+
+        def _index_sampler(self: Any) -> _IndexSampler:
+            return _tracked_index_sampler(self, base._index_sampler.__get__(self, base))
+
+        new = type(
+            cls.__name__,
+            (cls,),
+            {
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__iter__": __iter__,
+                "_index_sampler": property(_index_sampler),
+            },
+        )
+        _CLASSES[cls] = new
+    return _CLASSES[cls]
+
+
+def track(loader: DataLoader[Any], *, known: bool = True) -> None:
+    """Start tracking ``loader``'s position (nothing happens if it is tracked already).
+
+    ``known=False`` marks a loader whose current pass began before tracking did: its
+    position stays unknown until its next pass starts.
+    """
+    if _TRACKER in loader.__dict__:
+        return
+    tracker = _Tracker(known=known)
+    loader.__dict__[_TRACKER] = tracker
+    loader.__class__ = _tracked_class(type(loader))
+
+
+def _length(loader: DataLoader[Any]) -> int | None:
+    if isinstance(loader.dataset, IterableDataset):
+        return None
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def loader_state(loader: DataLoader[Any]) -> dict[str, Any] | None:
+    """The tracked ``loader``'s pass, position and generator states, as plain data; None
+    when its position is unknown (tracking began mid-pass)."""
+    tracker: _Tracker = loader.__dict__[_TRACKER]
+    if not tracker.known:
+        return None
+    length = _length(loader)
+    chain = _chain(_own_index_sampler(loader))
+    return {
+        "version": _VERSION,
+        "passes": tracker.passes,
+        "position": tracker.position,
+        "length": length,
+        "done": tracker.done or (length is not None and tracker.position >= length),
+        "start": None if tracker.start is None else tracker.start.to_dict(),
+        "now": _States.read(chain, loader.generator).to_dict(),
+    }
+
+
+def _resume_note(loader: DataLoader[Any], saved: Mapping[str, Any]) -> str | None:
+    """Why the saved pass cannot be continued here, or None when it can."""
+    if isinstance(loader.dataset, IterableDataset):
+        return (
+            "an IterableDataset has no sampler to skip the consumed batches at, so its "
+            f"pass restarts (the checkpoint had consumed {saved['position']} batches of it)"
+        )
+    if getattr(loader, "in_order", True) is False:
+        return "with in_order=False the consumed batches are not the first ones: the pass restarts"
+    length = _length(loader)
+    if saved["length"] is not None and length != saved["length"]:
+        return (
+            f"it has {length} batches per pass, but {saved['length']} when the checkpoint "
+            "was saved (another dataset, batch size or world size): the pass restarts"
+        )
+    return None
+
+
+def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key: str) -> None:
+    """Track ``loader`` and make its next pass continue the one ``saved`` was taken in.
+
+    Raises:
+        ValueError: ``saved`` is not what :func:`loader_state` returns.
+    """
+    track(loader)
+    if saved is None:
+        warnings.warn(
+            f"the checkpoint has no position for loader {key!r} (its tracking began in the "
+            "middle of a pass: pass the loader to Checkpointer.restore before the loop); it "
+            "starts where it is",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
+    if not isinstance(saved, Mapping) or saved.get("version") != _VERSION:
+        raise ValueError(
+            f"checkpoint entry {key!r} is not a DataLoader position saved by Checkpointer "
+            f"(got {type(saved).__name__}); restore it into the object it was saved from"
+        )
+    tracker: _Tracker = loader.__dict__[_TRACKER]
+    chain = _chain(_own_index_sampler(loader))
+    _States.from_dict(saved["now"]).apply(chain, loader.generator)
+    tracker.passes, tracker.position, tracker.known = saved["passes"], saved["position"], True
+    tracker.done, tracker.resume = True, None
+    if saved["done"] or saved["start"] is None:
+        return
+    note = _resume_note(loader, saved)
+    if note is not None:
+        warnings.warn(f"loader {key!r}: {note}", UserWarning, stacklevel=3)
+        return
+    tracker.resume = _Resume(saved["passes"], saved["position"], _States.from_dict(saved["start"]))
+    # Saved again before the loop starts, it must still say "in the middle of this pass".
+    tracker.done, tracker.start = False, tracker.resume.start

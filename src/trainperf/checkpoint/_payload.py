@@ -1,0 +1,179 @@
+"""What a Checkpointer file holds, and putting it back into live objects.
+
+A file is a dict like the one ``save_checkpoint`` writes: every entry of the state as
+``save_checkpoint`` saves it (modules unwrapped and as state dicts, objects with
+``state_dict()`` as their state dicts, plain values as they are), DataLoaders as their
+position (:mod:`._loader_state`), and under the reserved key ``"trainperf"`` the step, the
+format version and the generator states (:mod:`._rng`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+from torch import nn
+from torch.utils.data import DataLoader
+
+from trainperf.checkpoint._files import _prepare
+from trainperf.checkpoint._loader_state import loader_state, restore_loader, track
+from trainperf.checkpoint._prefix import load_state_dict
+from trainperf.checkpoint._rng import rng_state, set_rng_state
+
+__all__ = ["RESERVED", "build_payload", "rank_payload", "restore_into", "saved_step"]
+
+RESERVED = "trainperf"
+_FORMAT = 1
+_KEEP = object()  # _restore_value's "restored in place, nothing to replace"
+
+
+def _check_state(state: object, what: str) -> Mapping[str, Any]:
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"{what} takes a dict of what to save, such as {{'model': model, 'optimizer': "
+            f"opt}}, got {type(state).__name__}"
+        )
+    bad = [k for k in state if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"{what}: the state's keys must be strings, got {bad!r}")
+    if RESERVED in state:
+        raise ValueError(
+            f"{what}: the key {RESERVED!r} is reserved for the step and random states that "
+            "Checkpointer adds; rename your entry"
+        )
+    return state
+
+
+def _loader_entry(key: str, loader: DataLoader[Any]) -> dict[str, Any] | None:
+    if "_trainperf_tracker" not in loader.__dict__:
+        track(loader, known=False)
+        warnings.warn(
+            f"loader {key!r} was not given to Checkpointer.restore() before the loop, so "
+            "where it is in the current pass is unknown: this checkpoint resumes it where "
+            "it starts after the restore; it is tracked from its next pass on (call "
+            "ckpt.restore(state) before the loop, even on the first run)",
+            UserWarning,
+            stacklevel=4,
+        )
+    return loader_state(loader)
+
+
+def _meta(step: int, rank: int, world_size: int) -> dict[str, Any]:
+    return {
+        "format": _FORMAT,
+        "step": step,
+        "rank": rank,
+        "world_size": world_size,
+        "rng": rng_state(),
+    }
+
+
+def build_payload(
+    state: Mapping[str, Any], step: int, rank: int = 0, world_size: int = 1
+) -> dict[str, Any]:
+    """The content of a step's main file; tensors are the live ones (not copied).
+
+    Raises:
+        TypeError: ``state`` is not a dict with string keys.
+        ValueError: ``state`` uses the reserved key ``"trainperf"``.
+    """
+    state = _check_state(state, "Checkpointer.save")
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        out[key] = _loader_entry(key, value) if isinstance(value, DataLoader) else _prepare(value)
+    out[RESERVED] = _meta(step, rank, world_size)
+    return out
+
+
+def rank_payload(state: Mapping[str, Any], step: int, rank: int, world_size: int) -> dict[str, Any]:
+    """What rank ``rank > 0`` keeps of a step: its loaders' positions and generator states
+    (the model and optimizer are rank 0's to write)."""
+    state = _check_state(state, "Checkpointer.save")
+    out: dict[str, Any] = {
+        key: _loader_entry(key, value)
+        for key, value in state.items()
+        if isinstance(value, DataLoader)
+    }
+    out[RESERVED] = _meta(step, rank, world_size)
+    return out
+
+
+def saved_step(payload: Mapping[str, Any], where: str) -> int:
+    """The step a loaded file says it holds.
+
+    Raises:
+        ValueError: the file was not written by ``Checkpointer.save``.
+    """
+    meta = payload.get(RESERVED) if isinstance(payload, Mapping) else None
+    if not isinstance(meta, Mapping) or not isinstance(meta.get("step"), int):
+        raise ValueError(
+            f"{where} was not written by Checkpointer.save (no {RESERVED!r} entry with its "
+            "step); load it with load_checkpoint instead"
+        )
+    return int(meta["step"])
+
+
+def _restore_value(live: Any, saved: Any, where: str) -> Any:
+    """Load ``saved`` into ``live`` (returns ``_KEEP``), or return the plain value that
+    replaces ``live``."""
+    if isinstance(live, nn.Module):
+        load_state_dict(live, saved)
+        return _KEEP
+    if not isinstance(live, type) and callable(getattr(live, "load_state_dict", None)):
+        live.load_state_dict(saved)
+        return _KEEP
+    if isinstance(live, MutableMapping) and isinstance(saved, Mapping):
+        for k in list(live):
+            if k in saved:
+                new = _restore_value(live[k], saved[k], f"{where}[{k!r}]")
+                if new is not _KEEP:
+                    live[k] = new
+        return _KEEP
+    if (
+        isinstance(live, (list, tuple))
+        and isinstance(saved, (list, tuple))
+        and len(live) == len(saved)
+    ):
+        pairs = list(zip(live, saved, strict=True))
+        values = [_restore_value(a, b, f"{where}[{i}]") for i, (a, b) in enumerate(pairs)]
+        if isinstance(live, list):
+            for i, v in enumerate(values):
+                if v is not _KEEP:
+                    live[i] = v
+            return _KEEP
+        return type(live)(a if v is _KEEP else v for a, v in zip(live, values, strict=True))
+    return saved
+
+
+def restore_into(
+    state: Mapping[str, Any], saved: Mapping[str, Any], own: Mapping[str, Any] | None, where: str
+) -> None:
+    """Load ``saved`` (a main file) into the live objects of ``state``; ``own`` is this
+    rank's own file (loader positions and generator states), None on rank 0.
+
+    Plain values in ``state`` are replaced by the saved ones (when ``state`` is a mutable
+    dict). Entries the file has and ``state`` lacks are ignored.
+
+    Raises:
+        TypeError: ``state`` is not a dict with string keys.
+        ValueError: ``state`` has entries the file lacks, or uses the reserved key.
+        StateDictMismatchError: a module's weights do not fit it.
+    """
+    state = _check_state(state, "Checkpointer.restore")
+    missing = [k for k in state if k not in saved]
+    if missing:
+        has = sorted(k for k in saved if k != RESERVED)
+        raise ValueError(
+            f"{where} has no entry {', '.join(map(repr, missing))} (it holds {has}): give "
+            "restore the keys the checkpoints were saved with"
+        )
+    mine = own if own is not None else saved
+    for key, live in state.items():
+        if isinstance(live, DataLoader):
+            restore_loader(live, mine.get(key, saved[key]), key)
+            continue
+        new = _restore_value(live, saved[key], key)
+        if new is not _KEEP and isinstance(state, MutableMapping):
+            state[key] = new
+    set_rng_state(mine[RESERVED]["rng"])

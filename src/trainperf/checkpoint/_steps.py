@@ -1,0 +1,117 @@
+"""A Checkpointer directory's files: step-numbered names, listing, retention, stale temps.
+
+Names sort by step under ``ls``: ``step-000000030.pt`` (nine digits, zero-padded; a step past
+999,999,999 gets more digits and still parses). Under a process group, rank ``r > 0`` keeps
+its own generator states and loader position beside it in ``step-000000030.rank-00001.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+
+from trainperf._utils.atomic import remove_dead_temp
+
+__all__ = [
+    "main_file",
+    "rank_file",
+    "remove_dead_temps",
+    "retire",
+    "steps_on_disk",
+    "this_host",
+    "to_retire",
+]
+
+_MAIN = re.compile(r"^step-(\d{9,})\.pt$")
+_ANY = re.compile(r"^step-(\d{9,})\.(?:rank-\d{5,}\.)?pt$")
+# write_atomically's temp names: .NAME.tmp-HOST-SLOT (HOST sanitised as it does).
+_TEMP = re.compile(r"^\.(step-\d{9,}\.(?:rank-\d{5,}\.)?pt)\.tmp-(.+)-(\d+)$")
+
+
+def main_file(directory: Path, step: int) -> Path:
+    """``directory/step-000000030.pt``.
+
+    Example:
+        >>> main_file(Path("runs"), 30).name
+        'step-000000030.pt'
+    """
+    return directory / f"step-{step:09d}.pt"
+
+
+def rank_file(directory: Path, step: int, rank: int) -> Path:
+    """``directory/step-000000030.rank-00001.pt``: rank ``rank``'s own part of a step.
+
+    Example:
+        >>> rank_file(Path("runs"), 30, 1).name
+        'step-000000030.rank-00001.pt'
+    """
+    return directory / f"step-{step:09d}.rank-{rank:05d}.pt"
+
+
+def _names(directory: Path) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except FileNotFoundError:
+        return []
+
+
+def steps_on_disk(directory: Path) -> list[int]:
+    """Steps with a complete main file (complete: it was renamed into place), ascending."""
+    return sorted(int(m[1]) for name in _names(directory) if (m := _MAIN.match(name)))
+
+
+def to_retire(steps: list[int], keep: int, protect: int) -> list[int]:
+    """Which of ``steps`` (with a main file) ``keep=N`` deletes: all but the ``keep``
+    newest, never ``protect`` (the one just written, even if older numbers exist above it).
+
+    Example:
+        >>> to_retire([10, 20, 30, 40], keep=2, protect=40)
+        [10, 20]
+        >>> to_retire([10, 20, 300], keep=1, protect=20)  # a restarted run, older numbers
+        [10]
+    """
+    newest = sorted(set(steps), reverse=True)
+    kept = set(newest[:keep]) | {protect}
+    return sorted(s for s in steps if s not in kept and s < max(kept))
+
+
+def retire(directory: Path, keep: int, protect: int) -> list[str]:
+    """Delete the main and rank files of the steps :func:`to_retire` names, and rank files
+    of older steps whose main file never appeared; return what could not be deleted."""
+    names = _names(directory)
+    steps = [int(m[1]) for name in names if (m := _MAIN.match(name))]
+    doomed = set(to_retire(steps, keep, protect))
+    oldest_kept = min((s for s in steps if s not in doomed), default=protect)
+    failed = []
+    for name in names:
+        m = _ANY.match(name)
+        if m is None:
+            continue
+        step = int(m[1])
+        if step in doomed or (step < oldest_kept and not _MAIN.match(name)):
+            try:
+                os.unlink(directory / name)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                failed.append(f"{directory / name}: {e.strerror or e}")
+    return failed
+
+
+def this_host() -> str:
+    """The host name as :mod:`trainperf._utils.atomic` puts it in temp names."""
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+
+
+def remove_dead_temps(directory: Path) -> list[str]:
+    """Remove this host's temp files in ``directory`` that no live writer holds (left by a
+    killed save); return their names. Other hosts' temp files are left alone."""
+    host = this_host()
+    removed = []
+    for name in _names(directory):
+        m = _TEMP.match(name)
+        if m and m[2] == host and remove_dead_temp(directory / name):
+            removed.append(name)
+    return sorted(removed)

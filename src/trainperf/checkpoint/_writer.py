@@ -1,0 +1,399 @@
+"""Writing a Checkpointer file: now, or in the background, and the handle that reports it.
+
+Two background writers, chosen by where the tensors live:
+
+- ``"process"`` (CPU tensors, Linux): the process forks; the child's memory is a
+  copy-on-write snapshot of the state at the moment of ``save`` (the kernel copies a page
+  only when the training process writes to it), so nothing is copied up front and the
+  training process returns from ``save`` after the fork (tens of milliseconds for a few GB).
+  The child runs at a lower CPU priority, writes with ``torch.save`` under its own GIL,
+  deletes what ``keep`` retires, reports through a pipe and exits; it ignores SIGINT and
+  SIGTERM (the training process decides when to stop) and is SIGKILLed if the training
+  process dies, so a killed job leaves no writer behind.
+- ``"thread"`` (accelerator tensors, or no ``fork``): every tensor is copied into reused
+  host buffers (pinned for GPU tensors, so the copies are DMA transfers), then a thread
+  writes them. ``torch.save`` holds the GIL while it writes, so this thread slows the
+  training loop's Python while it runs; measured in ``benchmarks/checkpoint_bench.py``.
+
+Staging needs host memory (up to one copy of the state): :func:`staging_fits` checks it
+against :func:`trainperf.host_limits` first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainperf._utils.lifetime import die_with_parent
+from trainperf.checkpoint._keys import _same_type
+from trainperf.checkpoint._write import write_checkpoint_file
+from trainperf.errors import CheckpointError
+
+__all__ = [
+    "SaveHandle",
+    "Staging",
+    "fork_writes",
+    "staging_fits",
+    "start_process",
+    "start_thread",
+    "tensor_bytes",
+    "write_now",
+]
+
+# A lower priority than the training process, not the lowest: at 19 a busy host (other
+# jobs at 0) would starve the writer, and the next save waits for it.
+_NICE = 10
+_QUIET = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP"))
+# Headroom kept free when deciding whether staging fits: the larger of these.
+_MARGIN_MIN = 512 << 20
+_MARGIN_FRACTION = 0.05
+
+
+def staging_fits(needed: int, available: int, total: int) -> bool:
+    """Whether ``needed`` more bytes of host memory fit while keeping a margin free.
+
+    The margin is the larger of 512 MiB and 5 % of ``total``: page cache, the writer's own
+    buffers and the training loop's allocations need room too.
+
+    Example:
+        >>> staging_fits(1 << 30, 8 << 30, 16 << 30)
+        True
+        >>> staging_fits(1 << 30, (1 << 30) + (100 << 20), 16 << 30)
+        False
+    """
+    margin = max(_MARGIN_MIN, int(total * _MARGIN_FRACTION))
+    return needed + margin <= available
+
+
+def _tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            _tensors(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensors(v, out)
+    return out
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+        ptr = id(t)
+    return (str(t.device), ptr)
+
+
+def tensor_bytes(payload: Any) -> tuple[int, bool]:
+    """``(bytes, all on the CPU)`` of the tensors in ``payload``, each storage counted once.
+
+    Example:
+        >>> w = torch.zeros(256)
+        >>> tensor_bytes({"a": w, "b": [w, torch.zeros(2, dtype=torch.int8)]})
+        (1026, True)
+    """
+    seen: dict[tuple[Any, ...], int] = {}
+    cpu = True
+    for t in _tensors(payload, []):
+        cpu = cpu and t.device.type == "cpu"
+        key = _storage_key(t)
+        nbytes = t.untyped_storage().nbytes() if key[1] != id(t) else t.numel() * t.element_size()
+        seen[key] = max(seen.get(key, 0), nbytes)
+    return sum(seen.values()), cpu
+
+
+def fork_writes() -> bool:
+    """Whether background writes can use a forked process here (Linux)."""
+    return sys.platform.startswith("linux") and hasattr(os, "fork")
+
+
+class Staging:
+    """Host buffers that background saves copy tensors into, reused from save to save."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        # Whether each buffer is pinned, kept here: is_pinned() on a CPU tensor can start
+        # CUDA where it was never used.
+        self._pinned: list[bool] = []
+
+    def _fits(self, i: int, t: torch.Tensor) -> bool:
+        if i >= len(self._buffers):
+            return False
+        buf = self._buffers[i]
+        pinned = t.device.type == "cuda"
+        return buf.shape == t.shape and buf.dtype == t.dtype and self._pinned[i] == pinned
+
+    def needed_bytes(self, payload: Any) -> int:
+        """Bytes of new buffers that staging ``payload`` would allocate."""
+        return sum(
+            t.numel() * t.element_size()
+            for i, t in enumerate(_staged_tensors(payload))
+            if not self._fits(i, t)
+        )
+
+    def _buffer(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        if self._fits(i, t):
+            return self._buffers[i]
+        pin = t.device.type == "cuda"
+        buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        if i < len(self._buffers):
+            self._buffers[i], self._pinned[i] = buf, pin
+        else:
+            self._buffers.append(buf)
+            self._pinned.append(pin)
+        return buf
+
+    def stage(self, payload: Any) -> Any:
+        """``payload`` with every tensor copied into a host buffer (containers rebuilt, other
+        values shared), once every copy has landed."""
+        counter = [0]
+        done: dict[tuple[Any, ...], torch.Tensor] = {}
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            if t.layout != torch.strided:  # sparse and such: a plain copy, no buffer
+                return t.detach().to("cpu", copy=True)
+            key = _view_key(t)
+            if key not in done:  # the same tensor twice (tied weights): one buffer
+                out = self._buffer(counter[0], t)
+                out.copy_(t.detach(), non_blocking=t.device.type == "cuda")
+                counter[0] += 1
+                done[key] = out
+            return done[key]
+
+        staged = _rebuild(payload, copy)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            torch.cuda.synchronize()  # every non-blocking copy has landed
+        return staged
+
+
+def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.device, t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+
+
+def _staged_tensors(payload: Any) -> list[torch.Tensor]:
+    """The tensors :meth:`Staging.stage` gives a buffer each, in its order."""
+    seen: dict[tuple[Any, ...], torch.Tensor] = {}
+    for t in _tensors(payload, []):
+        if t.layout == torch.strided:
+            seen.setdefault(_view_key(t), t)
+    return list(seen.values())
+
+
+def _rebuild(obj: Any, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return copy(obj)
+    if isinstance(obj, Mapping):
+        out = _same_type(obj, ((k, _rebuild(v, copy)) for k, v in obj.items()))
+        meta = getattr(obj, "_metadata", None)
+        if meta is not None:
+            with contextlib.suppress(AttributeError, TypeError):
+                out._metadata = meta
+        return out
+    if isinstance(obj, list):
+        return [_rebuild(v, copy) for v in obj]
+    if isinstance(obj, tuple):
+        values = [_rebuild(v, copy) for v in obj]
+        return type(obj)(*values) if hasattr(obj, "_fields") else tuple(values)
+    return obj
+
+
+def write_now(payload: Any, path: Path) -> None:
+    """Write ``payload`` to ``path`` atomically (temp file, fsync, rename, fsync dir).
+
+    Raises:
+        CheckpointError: it could not be serialised or written (the cause chained).
+    """
+    write_checkpoint_file(path, lambda f: torch.save(payload, f))
+
+
+class SaveHandle:
+    """One :meth:`Checkpointer.save`: where it goes and whether it has finished.
+
+    Attributes:
+        step: the step saved.
+        path: the step's file (on ranks other than 0 under a process group, the file rank 0
+            writes); None for a save that ``every`` skipped.
+        writer: how it was written: ``"blocking"``, ``"process"`` (a forked writer),
+            ``"thread"`` (staged buffers written by a thread), ``"other rank"`` (rank 0
+            writes it) or ``"skipped"``.
+    """
+
+    def __init__(self, step: int, path: Path | None, writer: str) -> None:
+        self.step = step
+        self.path = path
+        self.writer = writer
+        self.notes: list[str] = []
+        self._event = threading.Event()
+        self._failure: tuple[str, BaseException] | None = None
+        self._reported = False
+
+    @classmethod
+    def finished(cls, step: int, path: Path | None, writer: str) -> SaveHandle:
+        handle = cls(step, path, writer)
+        handle._event.set()
+        return handle
+
+    def __repr__(self) -> str:
+        state = "failed" if self._failure else "done" if self.done() else "writing"
+        return f"SaveHandle(step={self.step}, path={str(self.path)!r}, {self.writer}, {state})"
+
+    def _finish(self, failure: tuple[str, BaseException] | None, notes: list[str]) -> None:
+        self._failure = failure
+        self.notes = notes
+        self._event.set()
+
+    def done(self) -> bool:
+        """True once the file is durable (or the write failed)."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: as long as it takes); True if finished.
+
+        Raises:
+            CheckpointError: the background write failed (once: the next ``save`` or
+                ``wait`` of the Checkpointer does not raise it again); the cause is chained
+                and ``.path`` names the file.
+        """
+        finished = self._event.wait(timeout)
+        if finished:
+            self.raise_failure()
+        return finished
+
+    def raise_failure(self) -> None:
+        """Raise the background write's failure if there was one not raised yet."""
+        if self._failure is None or self._reported:
+            return
+        self._reported = True
+        message, cause = self._failure
+        raise CheckpointError(
+            f"the background save of step {self.step} failed: {message}; no older "
+            "checkpoint was deleted",
+            self.path,
+        ) from cause
+
+
+def _failure_record(e: BaseException) -> dict[str, Any]:
+    """What the parent needs to rebuild the failure: the message, and the root cause (the
+    OSError with its errno, or the serialisation error)."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = e
+    while seen is not None and len(chain) < 10:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    os_err = next((c for c in chain if isinstance(c, OSError)), None)
+    root = os_err or chain[min(1, len(chain) - 1)]
+    return {
+        "ok": False,
+        "message": str(e),
+        "type": type(root).__name__,
+        "cause": str(root),
+        "errno": os_err.errno if os_err else None,
+        "strerror": os_err.strerror if os_err else None,
+        "filename": os_err.filename if os_err else None,
+    }
+
+
+def _send(fd: int, record: dict[str, Any]) -> None:
+    data = json.dumps(record).encode()
+    with contextlib.suppress(OSError):  # the training process is gone: nobody to tell
+        while data:
+            data = data[os.write(fd, data) :]
+
+
+def _child(payload: Any, path: Path, after: Callable[[], list[str]], fd: int, parent: int) -> None:
+    """The forked writer's whole life; never returns."""
+    code = 1
+    try:
+        die_with_parent(parent)
+        for sig in _QUIET:
+            signal.signal(sig, signal.SIG_IGN)
+        with contextlib.suppress(OSError):
+            os.nice(_NICE)
+        write_now(payload, path)
+        _send(fd, {"ok": True, "notes": after()})
+        code = 0
+    except BaseException as e:
+        _send(fd, _failure_record(e))
+    finally:
+        os._exit(code)
+
+
+def _cause(record: Mapping[str, Any]) -> BaseException:
+    if record.get("errno"):
+        return OSError(record["errno"], record["strerror"], record["filename"])
+    return RuntimeError(f"in the writer process: {record.get('type')}: {record.get('cause')}")
+
+
+def _death(status: int | None) -> str:
+    if status is None:
+        return "the writer process ended without a word"
+    if os.WIFSIGNALED(status):
+        name = signal.Signals(os.WTERMSIG(status)).name
+        return f"the writer process was killed by {name} (the OOM killer sends SIGKILL)"
+    return f"the writer process exited with status {os.waitstatus_to_exitcode(status)}"
+
+
+def _reap(pid: int, fd: int, handle: SaveHandle) -> None:
+    chunks = []
+    with contextlib.suppress(OSError):
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+    os.close(fd)
+    status: int | None = None
+    with contextlib.suppress(ChildProcessError):  # reaped elsewhere (a SIGCHLD handler)
+        status = os.waitpid(pid, 0)[1]
+    try:
+        record = json.loads(b"".join(chunks)) if chunks else None
+    except ValueError:
+        record = None
+    if record is None:
+        death = _death(status)
+        handle._finish((death, OSError(errno.ECHILD, death)), [])
+    elif record["ok"]:
+        handle._finish(None, list(record["notes"]))
+    else:
+        handle._finish((record["message"], _cause(record)), [])
+
+
+def start_process(
+    payload: Any, path: Path, after: Callable[[], list[str]], handle: SaveHandle
+) -> None:
+    """Fork a writer of ``payload`` (its copy-on-write snapshot) to ``path``; ``after`` runs
+    in the writer once the file is durable and returns notes for the caller."""
+    read_fd, write_fd = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child's coverage is not collected
+        os.close(read_fd)
+        _child(payload, path, after, write_fd, parent)
+    os.close(write_fd)
+    threading.Thread(
+        target=_reap, args=(pid, read_fd, handle), name="trainperf-checkpoint-reaper", daemon=True
+    ).start()
+
+
+def start_thread(
+    payload: Any, path: Path, after: Callable[[], list[str]], handle: SaveHandle
+) -> None:
+    """Write the (staged) ``payload`` to ``path`` from a thread; ``after`` as for
+    :func:`start_process`."""
+
+    def run() -> None:
+        try:
+            write_now(payload, path)
+            handle._finish(None, after())
+        except BaseException as e:
+            handle._finish((str(e), e), [])
+
+    threading.Thread(target=run, name="trainperf-checkpoint-writer", daemon=True).start()

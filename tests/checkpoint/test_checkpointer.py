@@ -1,0 +1,383 @@
+"""trainperf.checkpoint._checkpointer: Checkpointer's files, background saves, retention,
+failures raised at the next call, and restore into live objects."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import trainperf.checkpoint._checkpointer as checkpointer_module
+import trainperf.checkpoint._writer as writer_module
+from tests.checkpoint import _agree
+from tests.ddp._distributed import FORK, spawn
+from trainperf import Checkpointer, MixedPrecision, host_limits, load_checkpoint
+from trainperf._utils.atomic import temp_name
+from trainperf.checkpoint import SaveHandle
+from trainperf.checkpoint._steps import this_host
+from trainperf.errors import CheckpointError, StateDictMismatchError
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _trained() -> dict[str, Any]:
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+        sched.step()
+    return {"model": model, "optimizer": opt, "scheduler": sched}
+
+
+# ------------------------------------------------------------------------------- files
+
+
+def test_a_step_file_is_a_save_checkpoint_file_named_by_step(tmp_path: Path) -> None:
+    state = _trained()
+    handle = Checkpointer(tmp_path).save({**state, "epoch": 2}, step=7)
+    assert handle.done() and handle.writer == "blocking"
+    assert handle.path == tmp_path / "step-000000007.pt"
+    plain = torch.load(handle.path, weights_only=True)  # torch alone reads it, weights only
+    assert sorted(plain) == ["epoch", "model", "optimizer", "scheduler", "trainperf"]
+    assert plain["epoch"] == 2 and plain["trainperf"]["step"] == 7
+    assert sorted(plain["trainperf"]["rng"]) == ["cuda", "numpy", "python", "torch"]
+    fresh = _model()
+    fresh.load_state_dict(load_checkpoint(handle.path)["model"])
+    for a, b in zip(fresh.parameters(), state["model"].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_background_save_holds_its_steps_values_bit_for_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    if writer == "thread":  # what GPU tensors get: staged copies written by a thread
+        monkeypatch.setattr(checkpointer_module, "fork_writes", lambda: False)
+    w = torch.arange(1_000_000, dtype=torch.float32)
+    ckpt = Checkpointer(tmp_path)
+    handle = ckpt.save({"w": w, "n": 1}, step=1, blocking=False)
+    assert handle.writer == writer
+    w.mul_(-1)  # the next training step, right after save returned
+    ckpt.wait()
+    assert handle.done()
+    saved = load_checkpoint(handle.path)
+    assert torch.equal(saved["w"], torch.arange(1_000_000, dtype=torch.float32))
+    assert saved["n"] == 1 and os.listdir(tmp_path) == ["step-000000001.pt"]
+
+
+@pytest.mark.slow  # five background writes, one after another
+def test_keep_deletes_older_files_only_once_a_newer_one_is_written(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path, keep=2)
+    for step in (10, 20, 30, 40):
+        ckpt.save({"step": step}, step=step, blocking=False)
+    ckpt.wait()
+    assert ckpt.steps() == [30, 40]
+    ckpt.save({"f": lambda: 0}, step=50, blocking=False)  # this write fails
+    with pytest.raises(CheckpointError, match=r"background save of step 50 failed"):
+        ckpt.wait()
+    assert ckpt.steps() == [30, 40]  # nothing deleted for a write that never landed
+    assert ckpt.latest() == tmp_path / "step-000000040.pt"
+
+
+def test_an_unpicklable_value_is_raised_by_the_next_save_chained_with_the_path(
+    tmp_path: Path,
+) -> None:
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"w": torch.ones(2)}, step=1)
+    handle = ckpt.save({"w": torch.ones(2), "fn": lambda: 1}, step=2, blocking=False)
+    with pytest.raises(
+        CheckpointError,
+        match=r"background save of step 2 failed: could not save checkpoint .*step-000000002\.pt: "
+        r"the object could not be serialised: .*Can't pickle .*; no older checkpoint was deleted",
+    ) as info:
+        ckpt.save({"w": torch.ones(2)}, step=3)
+    assert info.value.path == tmp_path / "step-000000002.pt" and info.value.__cause__ is not None
+    assert handle.done() and ckpt.steps() == [1]
+    ckpt.save({"w": torch.ones(2)}, step=3)  # raised once: the Checkpointer carries on
+    assert ckpt.steps() == [1, 3]
+
+
+def test_a_blocking_save_that_fails_raises_at_once(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path)
+    with pytest.raises(CheckpointError, match=r"could not save checkpoint .*the object could not"):
+        ckpt.save({"fn": lambda: 1}, step=1)
+    assert ckpt.steps() == [] and ckpt.latest() is None
+
+
+def test_a_second_save_waits_for_the_one_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(checkpointer_module, "fork_writes", lambda: False)
+    release = threading.Event()
+    real = writer_module.write_now
+
+    def slow(payload: Any, path: Path) -> None:
+        release.wait(timeout=60)
+        real(payload, path)
+
+    monkeypatch.setattr(writer_module, "write_now", slow)
+    ckpt = Checkpointer(tmp_path)
+    first = ckpt.save({"n": 1}, step=1, blocking=False)
+    assert first.wait(timeout=0.05) is False and not first.done()
+    assert "writing" in repr(first)
+    threading.Timer(0.2, release.set).start()
+    ckpt.save({"n": 2}, step=2, blocking=False)  # returns only after step 1 is on disk
+    assert first.done() and (tmp_path / "step-000000001.pt").exists()
+    ckpt.wait()
+    assert ckpt.steps() == [1, 2]
+
+
+def test_every_skips_other_steps_unless_forced(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path, every=10)
+    skipped = ckpt.save({"n": 1}, step=5)
+    assert skipped.writer == "skipped" and skipped.path is None and skipped.done()
+    ckpt.save({"n": 2}, step=10)
+    ckpt.save({"n": 3}, step=15, force=True)
+    assert ckpt.steps() == [10, 15]
+
+
+def test_a_skipped_step_does_not_wait_for_the_write_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(checkpointer_module, "fork_writes", lambda: False)
+    release = threading.Event()
+    real = writer_module.write_now
+
+    def held(payload: Any, path: Path) -> None:
+        release.wait(timeout=60)
+        real(payload, path)
+
+    monkeypatch.setattr(writer_module, "write_now", held)
+    ckpt = Checkpointer(tmp_path, every=10)
+    writing = ckpt.save({"n": 1}, step=10, blocking=False)
+    for step in range(11, 15):  # the loop calls save every step: these return at once
+        assert ckpt.save({"n": step}, step=step).writer == "skipped"
+    assert not writing.done()
+    release.set()
+    ckpt.wait()
+    assert ckpt.steps() == [10]
+
+
+def test_a_stop_request_saves_whatever_every_says(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path, every=100)
+    with ckpt.preemption(("SIGUSR1",)) as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert stop.requested
+        assert ckpt.save({"n": 37}, step=37).writer == "blocking"
+    assert ckpt.steps() == [37]
+
+
+def test_the_memory_check_falls_back_to_a_blocking_save_with_the_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tight = replace(host_limits(), memory_available=300 << 20, memory_total=8 << 30)
+    monkeypatch.setattr(checkpointer_module, "host_limits", lambda: tight)
+    ckpt = Checkpointer(tmp_path)
+    with pytest.warns(
+        UserWarning,
+        match=r"needs up to 38 MiB more host memory \(one copy of the state\), but 300 MiB "
+        r"is available .*saving synchronously instead",
+    ):
+        handle = ckpt.save({"w": torch.zeros(10_000_000)}, step=1, blocking=False)
+    assert handle.writer == "blocking" and ckpt.steps() == [1]
+
+
+# ------------------------------------------------------------------- finding files
+
+
+def test_latest_skips_a_cut_short_file_and_restore_a_damaged_one(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path)
+    for step in (1, 2, 3):
+        ckpt.save({"w": torch.full((1000,), float(step))}, step=step)
+    newest = tmp_path / "step-000000003.pt"
+    newest.write_bytes(newest.read_bytes()[:500])  # cut short (a copy that stopped)
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000003\.pt"):
+        assert ckpt.latest() == tmp_path / "step-000000002.pt"
+    middle = tmp_path / "step-000000002.pt"
+    data = bytearray(middle.read_bytes())
+    at = bytes(data).index(np.float32(2.0).tobytes() * 8)
+    data[at] ^= 0xFF  # one flipped byte in the tensor data: the zip directory is fine
+    middle.write_bytes(bytes(data))
+    state = {"w": torch.zeros(1000)}
+    with pytest.warns(UserWarning, match=r"skipping checkpoint") as caught:
+        assert ckpt.restore(state) == 1
+    said = [str(w.message) for w in caught]
+    assert any("step-000000003.pt" in m and "truncated" in m for m in said)
+    assert any("step-000000002.pt" in m and "damaged" in m for m in said)
+    assert torch.equal(state["w"], torch.full((1000,), 1.0))
+
+
+def test_a_killed_writers_temp_file_goes_when_the_directory_is_opened(tmp_path: Path) -> None:
+    Checkpointer(tmp_path).save({"n": 1}, step=1)
+    stale = temp_name(tmp_path / "step-000000002.pt", this_host(), 0)
+    stale.write_bytes(b"half of a save killed with -9")
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.removed_temps == [stale.name] and not stale.exists()
+    assert ckpt.steps() == [1]
+
+
+def test_a_directory_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "runs").write_text("a log")
+    with pytest.raises(CheckpointError, match=r"runs is a file, not a directory: give a directory"):
+        Checkpointer(tmp_path / "runs")
+
+
+def test_arguments_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"keep must be an int >= 1, got 0"):
+        Checkpointer(tmp_path, keep=0)
+    with pytest.raises(ValueError, match=r"every must be None or an int >= 1, got 2.5"):
+        Checkpointer(tmp_path, every=2.5)  # type: ignore[arg-type]
+    ckpt = Checkpointer(tmp_path)
+    with pytest.raises(ValueError, match=r"step must be an int >= 0, got -1"):
+        ckpt.save({}, step=-1)
+    with pytest.raises(ValueError, match=r"blocking must be one of \(True, False\), got 'no'"):
+        ckpt.save({}, step=1, blocking="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Checkpointer.save takes a dict of what to save"):
+        ckpt.save([1, 2], step=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"the state's keys must be strings, got \[1\]"):
+        ckpt.save({1: 2}, step=1)  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=r"the key 'trainperf' is reserved"):
+        ckpt.save({"trainperf": 1}, step=1)
+    with pytest.raises(TypeError, match=r"Checkpointer.restore takes a dict of the live objects"):
+        ckpt.restore(nn.Linear(1, 1))  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- restore
+
+
+def test_restore_without_a_checkpoint_returns_0(tmp_path: Path) -> None:
+    model = _model()
+    before = [p.clone() for p in model.parameters()]
+    assert Checkpointer(tmp_path / "new").restore({"model": model}) == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_restore_puts_every_object_and_the_random_state_back(tmp_path: Path) -> None:
+    state = _trained()
+    mp = MixedPrecision("cpu", precision="fp32")
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0)
+    extra = {"schedulers": [state["scheduler"]], "best": 0.25, "tag": ("a", 1)}
+    saved_state = {**state, "mp": mp, "scaler": scaler, "extra": extra, "epoch": 4}
+    ckpt = Checkpointer(tmp_path)
+    random.seed(3)
+    torch.manual_seed(3)
+    ckpt.save({**saved_state, "model": nn.DataParallel(state["model"])}, step=12)
+    expected = (random.random(), torch.rand(2).tolist())
+    fresh = _trained()
+    torch.manual_seed(77)
+    fresh["model"] = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    fresh["optimizer"] = torch.optim.Adam(fresh["model"].parameters(), lr=0.1)
+    fresh["scheduler"] = torch.optim.lr_scheduler.StepLR(fresh["optimizer"], 1, gamma=0.5)
+    live: dict[str, Any] = {
+        **fresh,
+        "mp": MixedPrecision("cpu", precision="fp32"),
+        "scaler": torch.amp.GradScaler("cpu"),
+        "extra": {"schedulers": [fresh["scheduler"]], "best": 9.0, "tag": ("b", 2)},
+        "epoch": 0,
+    }
+    assert ckpt.restore(live) == 12
+    assert (random.random(), torch.rand(2).tolist()) == expected
+    for a, b in zip(live["model"].parameters(), state["model"].parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert json.dumps(str(live["optimizer"].state_dict())) == json.dumps(
+        str(state["optimizer"].state_dict())
+    )
+    assert live["scheduler"].last_epoch == state["scheduler"].last_epoch == 3
+    assert live["scaler"].get_scale() == 512.0
+    assert live["epoch"] == 4 and live["extra"]["best"] == 0.25 and live["extra"]["tag"] == ("a", 1)
+
+
+def test_restore_says_which_entries_the_checkpoint_lacks(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"model": _model()}, step=1)
+    with pytest.raises(ValueError, match=r"has no entry 'ema' \(it holds \['model'\]\)"):
+        ckpt.restore({"model": _model(), "ema": _model()})
+    with pytest.raises(StateDictMismatchError, match=r"does not fit Linear"):
+        ckpt.restore({"model": nn.Linear(4, 8)})
+
+
+def test_a_loader_resumes_mid_epoch_through_save_and_restore(tmp_path: Path) -> None:
+    data = TensorDataset(torch.arange(48))
+    torch.manual_seed(5)
+    loader = DataLoader(data, batch_size=4, shuffle=True)
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.restore({"loader": loader}) == 0  # tracks the loader from its first batch
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    ckpt.save({"loader": loader}, step=5, blocking=False)
+    rest = [b[0].tolist() for b in it]
+    ckpt.wait()
+    torch.manual_seed(0)
+    again = DataLoader(data, batch_size=4, shuffle=True)
+    assert Checkpointer(tmp_path).restore({"loader": again}) == 5
+    assert [b[0].tolist() for b in again] == rest
+
+
+def test_a_loader_never_given_to_restore_is_saved_with_a_warning(tmp_path: Path) -> None:
+    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2)
+    with pytest.warns(UserWarning, match=r"loader 'loader' was not given to Checkpointer.restore"):
+        Checkpointer(tmp_path).save({"loader": loader}, step=1)
+    assert load_checkpoint(tmp_path / "step-000000001.pt")["loader"] is None
+
+
+def test_the_context_manager_waits_for_the_write(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path) as ckpt:
+        handle: SaveHandle = ckpt.save({"w": torch.ones(10)}, step=3, blocking=False)
+    assert handle.done() and ckpt.steps() == [3]
+    assert repr(ckpt) == f"Checkpointer({str(tmp_path)!r}, keep=3)"
+
+
+@pytest.mark.slow  # two forked gloo ranks
+def test_under_a_group_rank0_writes_and_each_rank_gets_its_own_random_state(
+    tmp_path: Path,
+) -> None:
+    results = spawn(_agree.save_and_restore_on_two_ranks, args=(str(tmp_path),), start_method=FORK)
+    assert results[0]["step"] == results[1]["step"] == 5
+    assert results[0]["same_draws"] and results[1]["same_draws"]
+    assert results[0]["weights"] == results[1]["weights"]  # rank 0's model, on both
+    assert results[0]["files"] == ["step-000000005.pt", "step-000000005.rank-00001.pt"]
+
+
+# -------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.requires_cuda
+def test_a_gpu_state_is_staged_into_pinned_buffers_and_saved_bit_for_bit(tmp_path: Path) -> None:
+    w = torch.arange(1_000_000, device="cuda", dtype=torch.float32)
+    model = nn.Linear(4, 4).cuda()
+    ckpt = Checkpointer(tmp_path)
+    for step in (1, 2):  # the second reuses the first one's pinned buffers
+        handle = ckpt.save({"w": w, "model": model}, step=step, blocking=False)
+        assert handle.writer == "thread"
+        w.mul_(-1)  # the next step changes the GPU tensor right away
+        ckpt.wait()
+    buffers = ckpt._staging._buffers
+    assert buffers and all(b.is_pinned() for b in buffers)
+    saved = load_checkpoint(tmp_path / "step-000000002.pt")
+    assert torch.equal(saved["w"], -torch.arange(1_000_000, dtype=torch.float32))
+    assert saved["trainperf"]["rng"]["cuda"] is not None  # every CUDA device's state
+    fresh = nn.Linear(4, 4).cuda()
+    assert ckpt.restore({"w": torch.zeros(1), "model": fresh}) == 2
+    assert next(fresh.parameters()).device.type == "cuda"
+    for a, b in zip(fresh.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)

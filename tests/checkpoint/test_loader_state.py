@@ -1,0 +1,195 @@
+"""trainperf.checkpoint._loader_state: a tracked DataLoader resumed mid-epoch yields exactly
+what the uninterrupted one would have, without loading the batches it skips."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+
+from trainperf.checkpoint._loader_state import loader_state, restore_loader, track
+from trainperf.ddp import DistributedLoader, distributed_loader
+from trainperf.loader import TunedDataLoader
+
+DATA = TensorDataset(torch.arange(40))
+
+
+class Recording(Dataset[torch.Tensor]):
+    """Remembers every index it was asked for (in this process)."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.asked.append(i)
+        return torch.tensor(i)
+
+
+def _values(batch: Any) -> list[int]:
+    t = batch[0] if isinstance(batch, (list, tuple)) else batch
+    return [int(v) for v in t.reshape(-1).tolist()]
+
+
+def _run(
+    loader: DataLoader[Any], epochs: int, stop: tuple[int, int] | None
+) -> tuple[list[Any], Any]:
+    """Batches and interleaved torch draws (a dropout's) over ``epochs``; the loader's state
+    and torch's at epoch/batch ``stop`` too."""
+    seen: list[Any] = []
+    saved = None
+    for epoch in range(epochs):
+        for i, batch in enumerate(loader):
+            seen += [_values(batch), torch.rand(1).item()]
+            if stop == (epoch, i):
+                saved = (copy.deepcopy(loader_state(loader)), torch.get_rng_state(), len(seen))
+    return seen, saved
+
+
+def _resume_matches(make: Callable[[], DataLoader[Any]]) -> None:
+    torch.manual_seed(0)
+    loader = make()
+    track(loader)
+    straight, saved = _run(loader, 3, stop=(1, 3))
+    assert saved is not None
+    state, torch_state, n = saved
+    torch.manual_seed(12345)  # another process, seeded otherwise: restore must fix it all
+    fresh = make()
+    restore_loader(fresh, state, "loader")
+    torch.set_rng_state(torch_state)  # Checkpointer.restore does this too
+    rest, _ = _run(fresh, 2, stop=None)
+    assert straight[:n] + rest == straight
+    assert isinstance(fresh, type(make()))
+
+
+LOADERS: dict[str, Callable[[], DataLoader[Any]]] = {
+    "shuffle": lambda: DataLoader(DATA, batch_size=4, shuffle=True),
+    "own generator": lambda: DataLoader(
+        DATA, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5)
+    ),
+    "batch_size=None": lambda: DataLoader(DATA, batch_size=None, shuffle=True),
+    "distributed_loader": lambda: distributed_loader(DATA, 4, seed=3),
+    "TunedDataLoader": lambda: TunedDataLoader(DATA, batch_size=4, shuffle=True),
+}
+SLOW_LOADERS: dict[str, Callable[[], DataLoader[Any]]] = {
+    "2 workers": lambda: DataLoader(DATA, batch_size=4, shuffle=True, num_workers=2),
+    "persistent workers": lambda: DataLoader(
+        DATA, batch_size=4, shuffle=True, num_workers=2, persistent_workers=True
+    ),
+    "distributed_loader, 2 workers": lambda: distributed_loader(DATA, 4, seed=3, num_workers=2),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LOADERS))
+def test_a_resumed_pass_continues_exactly(kind: str) -> None:
+    _resume_matches(LOADERS[kind])
+
+
+@pytest.mark.slow  # DataLoader workers start every epoch
+@pytest.mark.parametrize("kind", sorted(SLOW_LOADERS))
+def test_a_resumed_pass_with_workers_continues_exactly(kind: str) -> None:
+    _resume_matches(SLOW_LOADERS[kind])
+
+
+def test_the_consumed_batches_are_skipped_at_the_sampler_never_loaded() -> None:
+    torch.manual_seed(0)
+    data = Recording()
+    loader = DataLoader(data, batch_size=4, shuffle=True)
+    track(loader)
+    it = iter(loader)
+    consumed = [_values(next(it)) for _ in range(3)]
+    state = loader_state(loader)
+    rest_straight = [_values(b) for b in it]
+    fresh_data = Recording()
+    fresh = DataLoader(fresh_data, batch_size=4, shuffle=True)
+    restore_loader(fresh, state, "loader")
+    assert [_values(b) for b in fresh] == rest_straight
+    loaded = sorted(fresh_data.asked)
+    assert loaded == sorted(i for batch in rest_straight for i in batch)  # 28 of 40
+    assert not set(loaded) & {i for batch in consumed for i in batch}
+
+
+def test_the_state_says_pass_position_and_whether_the_pass_ended() -> None:
+    loader = DataLoader(DATA, batch_size=8)
+    track(loader)
+    assert loader_state(loader)["passes"] == 0  # type: ignore[index]
+    it = iter(loader)
+    next(it)
+    state = loader_state(loader)
+    assert state is not None
+    assert (state["passes"], state["position"], state["done"]) == (1, 1, False)
+    list(it)
+    state = loader_state(loader)
+    assert state is not None and (state["position"], state["length"], state["done"]) == (5, 5, True)
+
+
+def test_saved_again_before_the_loop_it_still_resumes_mid_pass() -> None:
+    torch.manual_seed(0)
+    loader = DataLoader(DATA, batch_size=4, shuffle=True)
+    track(loader)
+    it = iter(loader)
+    next(it)
+    state = loader_state(loader)
+    fresh = DataLoader(DATA, batch_size=4, shuffle=True)
+    restore_loader(fresh, state, "loader")
+    again = loader_state(fresh)
+    assert again is not None and state is not None
+    assert (again["passes"], again["position"], again["done"]) == (1, 1, False)
+
+
+def test_a_loader_tracked_mid_pass_has_no_position_and_restore_says_so() -> None:
+    loader = DataLoader(DATA, batch_size=4)
+    track(loader, known=False)
+    assert loader_state(loader) is None
+    with pytest.warns(UserWarning, match=r"no position for loader 'train'.*before the loop"):
+        restore_loader(DataLoader(DATA, batch_size=4), None, "train")
+    list(loader)  # its next pass is tracked from the start
+    assert loader_state(loader) is not None
+
+
+class _Stream(IterableDataset[int]):
+    def __iter__(self) -> Any:
+        return iter(range(12))
+
+
+def test_an_iterable_dataset_restarts_its_pass_with_a_warning() -> None:
+    loader = DataLoader(_Stream(), batch_size=4)
+    track(loader)
+    it = iter(loader)
+    next(it)
+    state = loader_state(loader)
+    fresh = DataLoader(_Stream(), batch_size=4)
+    with pytest.warns(UserWarning, match=r"an IterableDataset has no sampler to skip"):
+        restore_loader(fresh, state, "stream")
+    assert next(_values(b) for b in fresh) == [0, 1, 2, 3]
+
+
+def test_a_loader_of_another_length_restarts_its_pass_with_a_warning() -> None:
+    loader = DataLoader(DATA, batch_size=4)
+    track(loader)
+    it = iter(loader)
+    next(it)
+    state = loader_state(loader)
+    with pytest.warns(UserWarning, match=r"it has 5 batches per pass, but 10 when the checkpoint"):
+        restore_loader(DataLoader(DATA, batch_size=8), state, "loader")
+
+
+def test_an_entry_that_is_not_a_position_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"checkpoint entry 'loader' is not a DataLoader position"):
+        restore_loader(DataLoader(DATA), {"weight": 1}, "loader")
+
+
+def test_tracking_keeps_the_loaders_own_class_and_attributes() -> None:
+    loader = distributed_loader(DATA, 4, seed=1)
+    track(loader)
+    track(loader)  # twice is harmless
+    assert isinstance(loader, DistributedLoader) and type(loader).__name__ == "DistributedLoader"
+    loader.set_epoch(2)
+    assert loader.epoch == 2 and len(loader) == 10
+    assert [len(_values(b)) for b in loader] == [4] * 10

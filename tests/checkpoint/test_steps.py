@@ -1,0 +1,88 @@
+"""trainperf.checkpoint._steps: step file names that sort, retention that never deletes the
+newest, and dead writers' temp files removed by name and lock."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from trainperf._utils.atomic import temp_name
+from trainperf.checkpoint._steps import (
+    main_file,
+    rank_file,
+    remove_dead_temps,
+    retire,
+    steps_on_disk,
+    this_host,
+    to_retire,
+)
+
+
+def test_names_sort_by_step_as_ls_does(tmp_path: Path) -> None:
+    steps = [7, 30, 100, 1_000_000, 5]
+    names = [main_file(tmp_path, s).name for s in steps]
+    names += [rank_file(tmp_path, s, 1).name for s in steps]
+    by_name = sorted(names)
+    assert by_name[:4] == [
+        "step-000000005.pt",
+        "step-000000005.rank-00001.pt",
+        "step-000000007.pt",
+        "step-000000007.rank-00001.pt",
+    ]
+    assert by_name[-2] == "step-001000000.pt"
+
+
+def test_steps_on_disk_reads_only_main_files(tmp_path: Path) -> None:
+    for s in (30, 10, 20):
+        main_file(tmp_path, s).write_bytes(b"x")
+    rank_file(tmp_path, 40, 1).write_bytes(b"x")  # a rank's part alone is no checkpoint
+    (tmp_path / ".step-000000050.pt.tmp-host-0").write_bytes(b"half")
+    (tmp_path / "notes.txt").write_text("mine")
+    main_file(tmp_path, 12_345_678_901).write_bytes(b"x")  # past nine digits: still a step
+    assert steps_on_disk(tmp_path) == [10, 20, 30, 12_345_678_901]
+    assert steps_on_disk(tmp_path / "missing") == []
+
+
+def test_to_retire_keeps_the_newest_and_the_one_just_written() -> None:
+    assert to_retire([10, 20, 30], keep=3, protect=30) == []
+    assert to_retire([10, 20, 30, 40], keep=2, protect=40) == [10, 20]
+    # A run restarted from scratch writes step 20 beside an old step 300: 20 stays, and
+    # nothing above the protected step is taken for "older".
+    assert to_retire([10, 20, 300], keep=1, protect=20) == [10]
+
+
+def test_retire_deletes_old_steps_with_their_rank_files(tmp_path: Path) -> None:
+    for s in (10, 20, 30):
+        main_file(tmp_path, s).write_bytes(b"x")
+        rank_file(tmp_path, s, 1).write_bytes(b"r")
+    rank_file(tmp_path, 5, 2).write_bytes(b"r")  # a rank's part whose main file never came
+    rank_file(tmp_path, 40, 1).write_bytes(b"r")  # a rank ahead of rank 0's write: kept
+    (tmp_path / "mine.txt").write_text("not ours")
+    assert retire(tmp_path, keep=2, protect=30) == []
+    assert sorted(os.listdir(tmp_path)) == [
+        "mine.txt",
+        "step-000000020.pt",
+        "step-000000020.rank-00001.pt",
+        "step-000000030.pt",
+        "step-000000030.rank-00001.pt",
+        "step-000000040.rank-00001.pt",
+    ]
+
+
+def test_dead_temps_go_live_and_other_hosts_stay(tmp_path: Path) -> None:
+    host = this_host()
+    final = main_file(tmp_path, 30)
+    dead = temp_name(final, host, 0)
+    dead.write_bytes(b"half of a killed save")
+    live = temp_name(main_file(tmp_path, 40), host, 0)
+    live.write_bytes(b"being written")
+    elsewhere = temp_name(final, "otherhost", 0)
+    elsewhere.write_bytes(b"another host's writer")
+    fd = os.open(live, os.O_WRONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a live writer holds its temp file's lock
+        assert remove_dead_temps(tmp_path) == [dead.name]
+    finally:
+        os.close(fd)
+    assert not dead.exists() and live.exists() and elsewhere.exists()
