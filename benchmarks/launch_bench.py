@@ -7,10 +7,15 @@
 2. Per-step time of a model wrapped by ``wrap_model`` versus hand-written
    ``DistributedDataParallel(model.to(device), device_ids=...)``: same model, same data,
    timed in alternating rounds inside one launch (CUDA synchronised around each round).
+3. What hang detection (``hang_timeout``) costs a training step of about 10 ms: a DDP step
+   (forward, backward, optimizer step) plus ``--collectives`` Python collectives, timed in
+   alternating rounds with the rank's instrumentation installed and removed, inside one
+   launch; and the instrumentation's own cost per wrapped collective and per optimizer step.
 
     python benchmarks/launch_bench.py                     # CPU: 2 gloo ranks
     python benchmarks/launch_bench.py --backend nccl      # GPU: one rank per GPU
     python benchmarks/launch_bench.py --json out.json
+    python benchmarks/launch_bench.py --only-detection    # just part 3
 
 Prints a table and records the settings it ran with.
 """
@@ -140,8 +145,147 @@ def _step_times(width: int, depth: int, batch: int, steps: int, rounds: int) -> 
     return {"per_step_s": per_step, "type": type(wrapped).__name__}
 
 
+def _instrumentation_cost(calls: int) -> dict[str, float]:
+    """Seconds per call of a wrapped collective's bookkeeping and of the step hook."""
+    import torch
+
+    from trainperf.ddp import _progress
+
+    tracker = _progress._installed[0]
+    t = torch.ones(1)
+
+    def nothing(tensor: Any) -> None:
+        return None
+
+    wrapped = _progress._wrap("all_reduce", nothing)
+    results = {}
+    for name, fn in (("plain", nothing), ("wrapped", wrapped)):
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn(t)
+            best = min(best, (time.perf_counter() - t0) / calls)
+        results[name] = best
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        tracker.step()
+    results["step_hook"] = (time.perf_counter() - t0) / calls
+    return {
+        "collective_s": results["wrapped"] - results["plain"],
+        "step_hook_s": results["step_hook"],
+    }
+
+
+def _detection_overhead(
+    step_ms: float, collectives: int, steps: int, rounds: int
+) -> dict[str, Any]:
+    """Runs on every rank (launched with hang_timeout on): alternate rounds with the rank's
+    instrumentation installed and removed, on a step calibrated to about ``step_ms``."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import trainperf.ddp as ddp
+    from trainperf.ddp import _progress
+
+    tracker = _progress._installed[0]
+    torch.manual_seed(0)
+    model = ddp.wrap_model(_make_model(256, 2))
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 256, device=device), torch.randn(32, 1, device=device)
+    a = torch.randn(128 if not cuda else 2048, 128 if not cuda else 2048, device=device)
+
+    def step(work: int) -> None:
+        for _ in range(work):
+            torch.mm(a, a)
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        for _ in range(collectives):
+            dist.all_reduce(loss.detach())
+
+    def timed(work: int, n: int) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step(work)
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n
+
+    work = 0
+    for _ in range(8):  # calibrate the compute so one step takes about step_ms
+        per = timed(max(work, 1), 5)
+        work = max(1, round(max(work, 1) * step_ms / 1e3 / per))
+    agreed = torch.tensor([work], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    work = int(agreed.item())
+    per_step: dict[str, list[float]] = {"off": [], "on": []}
+    for r in range(rounds):
+        for mode in ("on", "off") if r % 2 else ("off", "on"):
+            if mode == "off":
+                _progress.uninstall()
+            dist.barrier()
+            per_step[mode].append(timed(work, steps))
+            if mode == "off":
+                _progress.install(tracker)
+    cost = _instrumentation_cost(20000)
+    return {"per_step_s": per_step, "work": work, **cost}
+
+
+def _report_detection(results: list[dict[str, Any]], collectives: int) -> dict[str, Any]:
+    off = statistics.median(t for r in results for t in r["per_step_s"]["off"])
+    on = statistics.median(t for r in results for t in r["per_step_s"]["on"])
+    # Each round times both, back to back: the paired ratio cancels the host's drift.
+    ratios = sorted(
+        b / a
+        for r in results
+        for a, b in zip(r["per_step_s"]["off"], r["per_step_s"]["on"], strict=True)
+    )
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    paired = statistics.median(ratios)
+    collective_s = statistics.median(r["collective_s"] for r in results)
+    hook_s = statistics.median(r["step_hook_s"] for r in results)
+    accounted = (collectives * collective_s + hook_s) / off
+    print(
+        f"\nHang detection on a {off * 1e3:.1f} ms DDP step with {collectives} Python "
+        f"collectives, {len(ratios)} alternating rounds per rank"
+    )
+    print(f"{'instrumentation':24} {'ms/step median':>15}")
+    print(f"{'removed':24} {_fmt_ms(off):>15}")
+    print(f"{'installed':24} {_fmt_ms(on):>15}")
+    print(
+        f"measured: {(paired - 1) * 100:+.2f} % (median of paired per-round ratios; quartiles "
+        f"{(quartiles[0] - 1) * 100:+.1f} .. {(quartiles[2] - 1) * 100:+.1f} %; ratio of "
+        f"medians {(on / off - 1) * 100:+.2f} %)"
+    )
+    print(
+        f"bookkeeping: {collective_s * 1e6:.2f} us per collective, {hook_s * 1e6:.2f} us per "
+        f"optimizer step = {accounted * 100:.3f} % of the step"
+    )
+    return {
+        "step_s": {"off": off, "on": on},
+        "measured_overhead": paired - 1,
+        "ratio_of_medians": on / off - 1,
+        "per_round_ratios": ratios,
+        "collective_s": collective_s,
+        "step_hook_s": hook_s,
+        "accounted_overhead": accounted,
+    }
+
+
 def _fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:9.1f}"
+
+
+def _settings(args: argparse.Namespace, nprocs: int) -> dict[str, Any]:
+    return {**vars(args), "json": str(args.json), "nprocs": nprocs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--skip-torchrun", action="store_true")
+    parser.add_argument("--only-detection", action="store_true", help="only part 3")
+    parser.add_argument("--step-ms", type=float, default=10.0, help="part 3's step time")
+    parser.add_argument("--collectives", type=int, default=4, help="per step, in part 3")
+    parser.add_argument("--detection-rounds", type=int, default=40)
+    parser.add_argument("--detection-steps", type=int, default=10, help="steps per round")
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
     parser.add_argument("--torchrun-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -168,6 +317,23 @@ def main(argv: list[str] | None = None) -> int:
     import trainperf.ddp as ddp
 
     nprocs = args.nprocs or (torch.cuda.device_count() if args.backend == "nccl" else 2)
+    detection_results = ddp.launch_all(
+        _detection_overhead,
+        args.step_ms,
+        args.collectives,
+        args.detection_steps,
+        args.detection_rounds,
+        nprocs=nprocs,
+        backend=args.backend,
+        hang_timeout=300.0,
+    )
+    detection = _report_detection(detection_results, args.collectives)
+    if args.only_detection:
+        if args.json is not None:
+            args.json.write_text(
+                json.dumps({"settings": _settings(args, nprocs), "detection": detection}, indent=2)
+            )
+        return 0
     launchers: dict[str, Any] = {
         "launch (spawn)": lambda: _time_launch(nprocs, args.backend, "spawn"),
     }
@@ -232,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.json is not None:
         record = {
-            "settings": {**vars(args), "json": str(args.json), "nprocs": nprocs},
+            "settings": _settings(args, nprocs),
             "machine": {
                 "python": platform.python_version(),
                 "torch": torch.__version__,
@@ -243,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             "per_step_s": {"median": step_median, "per_rank": per_rank},
             "wrap_model_overhead": overhead,
             "per_round_ratios": ratios,
+            "detection": detection,
         }
         args.json.write_text(json.dumps(record, indent=2))
     return 0

@@ -3,6 +3,7 @@
     python examples/ddp_train.py                      # one rank per GPU (NCCL), or 2 CPU ranks
     python examples/ddp_train.py --nprocs 4           # more CPU ranks
     torchrun --nproc-per-node 2 examples/ddp_train.py # unchanged under torchrun (or srun)
+    python examples/ddp_train.py --hang-timeout 60    # name a stuck rank after 60 s, not 300
 
 Synthetic regression data, a few epochs; rank 0 prints the loss averaged over all ranks.
 """
@@ -58,9 +59,21 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument(
+        "--hang-timeout", type=float, default=300.0, help="seconds without progress (0: off)"
+    )
     args = parser.parse_args()
     nprocs = args.nprocs or (torch.cuda.device_count() or 2)  # ignored under torchrun/srun
-    final = ddp.launch(train, args.epochs, args.batch_size, args.lr, nprocs=nprocs)
+    # A rank that stops making progress (a collective that never completes) is named, with
+    # its file:line, after hang_timeout seconds; under torchrun the ranks watch each other.
+    final = ddp.launch(
+        train,
+        args.epochs,
+        args.batch_size,
+        args.lr,
+        nprocs=nprocs,
+        hang_timeout=args.hang_timeout or None,
+    )
     if ddp.is_main_process():  # under torchrun every rank returns here: print once
         print(f"final loss {final:.4f}")
 

@@ -13,6 +13,7 @@ built-in exception whose message names the value and the fix. The tree::
     │   ├── UnsafeCheckpointError    weights_only=True refused the file
     │   └── StateDictMismatchError   keys or shapes differ from the model
     └── LaunchError                  (also RuntimeError) a multi-process launch failed
+        └── HangError                no rank made progress for hang_timeout; .report
 
 Which condition maps to which type, everywhere in the package:
 
@@ -29,13 +30,18 @@ Which condition maps to which type, everywhere in the package:
 - ``LaunchError``: a worker raised, exited non-zero or died by a signal (the first failing
   rank and its traceback), the explicit ``MASTER_PORT`` cannot be bound, the rendezvous
   store cannot start, or, under spawn, the script calls ``launch`` without the
-  ``if __name__ == "__main__":`` guard.
+  ``if __name__ == "__main__":`` guard, its re-import in a worker fails, or the worker cannot
+  import ``main``'s module.
+- ``HangError``: ``launch(hang_timeout=...)`` saw no progress on any rank for
+  ``hang_timeout`` seconds; the message names the rank(s) that caused it, their file:line,
+  and what the others wait in (``.report`` holds it all).
 - ``ValueError``: an argument's value is out of range or not one of the choices (every
   "must be an int >= 1" check, device strings, option names); a launcher environment variable
   that is malformed or contradicts another (``RANK`` >= ``WORLD_SIZE``, ``SLURM_NODEID`` past
   ``SLURM_TASKS_PER_NODE``); inputs that do not fit together (a ``.safetensors`` path with
   non-tensor values, state-dict keys that collide once prefixes are removed, no tensor to
-  check, a ``main`` that spawned workers cannot import).
+  check, a ``main`` that spawned workers cannot import); an ``nprocs`` the host cannot hold
+  (more than 4 gloo ranks per usable CPU, or ranks whose projected memory does not fit).
 - ``TypeError``: an argument of the wrong type (``device=None`` where there is no default
   device, a non-module to ``unwrap_model``, a non-callable ``main``), or a container
   ``to_device`` cannot rebuild.
@@ -43,9 +49,10 @@ Which condition maps to which type, everywhere in the package:
   and the ``pip install`` that fixes it. ``ImportError``: it is installed but cannot be used
   (DALI that fails to import or is too old).
 - ``RuntimeError``: an object used out of order (a ``Watch`` entered twice or used outside its
-  ``with``, a closed image loader, ``MixedPrecision.step()`` without ``mp.backward``), or the
-  user's data or code failing inside a trainperf run (the dataset or ``step_fn`` raising in
-  ``tune_loader``, an image that cannot be decoded, a DALI pipeline that failed).
+  ``with``, a closed image loader, ``MixedPrecision.step()`` without ``mp.backward``,
+  ``ddp.watchdog()`` before ``init_process_group``), or the user's data or code failing
+  inside a trainperf run (the dataset or ``step_fn`` raising in ``tune_loader``, an image
+  that cannot be decoded, a DALI pipeline that failed).
 - ``NotImplementedError``: this PyTorch build lacks a kernel ``bench_model`` needs (a
   half-precision kernel on the CPU in some builds); the abstract methods of the image-loader
   base class.
@@ -53,7 +60,8 @@ Which condition maps to which type, everywhere in the package:
   file. ``OSError`` (``IsADirectoryError`` included): a file-system failure outside
   checkpoints (the tuning cache), or the OS refusing to start a worker process.
 - ``KeyboardInterrupt`` / ``SystemExit``: SIGINT / SIGTERM reached ``launch`` (re-raised after
-  every worker was stopped; ``SystemExit(143)`` for SIGTERM). The CLI exits with
+  every worker was stopped; ``SystemExit(143)`` for SIGTERM, once the ranks exited within
+  ``grace_s`` or were killed). The CLI exits with
   ``SystemExit`` (status 2 for a bad command line, as argparse does).
 
 The list is checked against the source by ``tests/test_errors.py``; ``docs/errors.md`` holds
@@ -68,6 +76,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "DeviceError",
     "DeviceMismatchError",
+    "HangError",
     "LaunchError",
     "NotACheckpointError",
     "StateDictMismatchError",
@@ -136,3 +145,15 @@ class StateDictMismatchError(CheckpointError):
 
 class LaunchError(TrainperfError, RuntimeError):
     """A worker of a multi-process launch failed; the message names the rank and cause."""
+
+
+class HangError(LaunchError):
+    """No rank made progress for ``hang_timeout`` seconds; the message names the cause.
+
+    ``report`` is the :class:`trainperf.ddp.HangReport` (verdict, every rank's state and
+    stack; ``report.to_dict()`` is JSON-safe).
+    """
+
+    def __init__(self, message: str, report: object = None) -> None:
+        super().__init__(message)
+        self.report = report

@@ -171,3 +171,27 @@ def raise_while_peer_ignores_sigterm(bad_rank: int) -> None:
         raise ValueError("deliberate failure")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(120)
+
+
+def finish_after_sigterm(outdir: str, work_s: float) -> int:
+    """Catch SIGTERM, then keep working for ``work_s`` seconds (reading batches from a
+    DataLoader worker, as a final step before a checkpoint would), write a file and return."""
+    import threading
+
+    from torch.utils.data import DataLoader
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    batches = iter(DataLoader(range(1000), batch_size=1, num_workers=1))
+    next(batches)
+    Path(outdir, f"ready{ddp.rank()}").write_text("")
+    while not stop.wait(0.05):
+        pass
+    deadline = time.monotonic() + work_s
+    seen = 0
+    while time.monotonic() < deadline:
+        next(batches)  # the loader must still serve this rank during the grace period
+        seen += 1
+        time.sleep(0.05)
+    Path(outdir, f"saved{ddp.rank()}").write_text(str(seen))
+    return ddp.rank()

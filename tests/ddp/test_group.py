@@ -85,6 +85,9 @@ class _RecordingContext:
         self.error = error
         self.pipes: list[tuple[Any, Any]] = []
 
+    def get_start_method(self) -> str:
+        return "fork"
+
     def Pipe(self, duplex: bool = True) -> tuple[Any, Any]:
         ends = multiprocessing.Pipe(duplex=duplex)
         self.pipes.append(ends)

@@ -126,3 +126,75 @@ def test_signals_to_the_launcher_leave_no_worker_or_dataloader_worker(
             proc.wait()
         for pid in _gone(pids, timeout=0):
             os.kill(pid, signal.SIGKILL)
+
+
+SIGINT_TRIALS = Path(__file__).parent / "_sigint_trials.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sigint_at_random_moments_of_start_up_leaves_no_child_and_is_never_lost() -> None:
+    # #20.6: zombies in 9 of 25 trials, and SIGINTs swallowed when the handler ran inside
+    # os.fork()'s at-fork hooks (the launch then went on as if nothing had happened). Fork
+    # start-up takes well under 0.5 s here, spawn's a few seconds: the delays cover both.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    run = subprocess.run(
+        [sys.executable, str(SIGINT_TRIALS), "20", "fork:16:0.5", "spawn:3:2.5"],
+        capture_output=True, text=True, timeout=200, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report == {"trials": 19, "bad": []}
+
+
+def _sigterm_when_ready(paths: list[Path], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_gives_the_ranks_their_grace_period_before_sigkill(tmp_path: Path) -> None:
+    import threading
+
+    ready = [tmp_path / "ready0", tmp_path / "ready1"]
+    sender = threading.Thread(target=_sigterm_when_ready, args=(ready, 60), daemon=True)
+    sender.start()
+    t0 = time.monotonic()
+    # 4 s of work after SIGTERM: beyond the 3 s the launcher used to give before SIGKILL.
+    with pytest.raises(SystemExit) as info:
+        launch_fork(workers.finish_after_sigterm, str(tmp_path), 4.0, timeout=LONG)
+    sender.join()
+    assert info.value.code == 143
+    for rank in (0, 1):
+        # Each rank finished its work, and its DataLoader worker kept serving it meanwhile.
+        assert int((tmp_path / f"saved{rank}").read_text()) > 0
+    assert time.monotonic() - t0 < 60  # well inside the 25 s default grace
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ranks_still_running_when_grace_s_ends_are_killed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import threading
+
+    ready = [tmp_path / "ready0", tmp_path / "ready1"]
+    sender = threading.Thread(target=_sigterm_when_ready, args=(ready, 60), daemon=True)
+    sender.start()
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="trainperf.ddp"), pytest.raises(SystemExit) as info:
+        launch_fork(workers.finish_after_sigterm, str(tmp_path), 30.0, timeout=LONG, grace_s=1.0)
+    sender.join()
+    assert info.value.code == 143
+    assert not (tmp_path / "saved0").exists() and not (tmp_path / "saved1").exists()
+    assert "did not exit within grace_s=1 s; killing them" in caplog.text
+    assert time.monotonic() - t0 < 40
+
+
+@pytest.mark.parametrize("grace_s", [0, -1.0, float("nan"), float("inf"), "25"])
+def test_grace_s_must_be_a_finite_positive_number(grace_s: object) -> None:
+    with pytest.raises(ValueError, match=r"grace_s must be a positive number of seconds"):
+        launch_fork(workers.add, 1, 2, grace_s=grace_s)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,3 +41,41 @@ def test_a_rank_stuck_in_a_collective_fails_within_the_timeout() -> None:
     # Rank 1 stays alive but never joins: rank 0 must give up after `timeout`, not hang.
     with pytest.raises(LaunchError, match=r"^rank 0 of 2 raised RuntimeError: .*[Tt]imed out"):
         launch_fork(workers.stuck_on_rank, 1, timeout=timedelta(seconds=3))
+
+
+_ELSEWHERE = """\
+def main():
+    return "ran"
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_main_spawned_workers_cannot_import_is_named_with_the_import_error(
+    tmp_path: Path,
+) -> None:
+    # A module loaded from a file path: the launcher can pickle main by name, but a new
+    # interpreter cannot import it (#20.13; it used to be "exited with code 1 without
+    # reporting an error", the ModuleNotFoundError only on stderr).
+    name = f"tp_elsewhere_{os.getpid()}"
+    path = tmp_path / f"{name}.py"
+    path.write_text(_ELSEWHERE)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        with pytest.raises(
+            LaunchError,
+            match=rf"^rank [01] of 2 \(attempt 1 of 2\) could not load main: raised "
+            rf"ModuleNotFoundError: No module named '{name}'",
+        ) as info:
+            ddp.launch(module.main, nprocs=2, backend="gloo", start_method="spawn", max_restarts=1)
+    finally:
+        del sys.modules[name]
+    text = str(info.value)
+    assert f"imports main's module ({name}) by name" in text
+    assert "start_method='fork'" in text
+    assert "Traceback from rank" in text and "ModuleNotFoundError" in text
+    assert "without reporting an error" not in text

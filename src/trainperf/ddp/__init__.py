@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from trainperf._utils.public import set_public_module
 from trainperf.ddp._env import expand_nodelist
+from trainperf.ddp._hang import HangReport
 from trainperf.ddp._helpers import (
     DistributedLoader,
     all_reduce_mean,
@@ -32,11 +33,16 @@ from trainperf.ddp._helpers import (
     wrap_model,
 )
 from trainperf.ddp._launch import Backend, StartMethod, launch, launch_all
+from trainperf.ddp._watchdog import Watchdog, watchdog
+from trainperf.errors import HangError
 
 __all__ = [
     "Backend",
     "DistributedLoader",
+    "HangError",
+    "HangReport",
     "StartMethod",
+    "Watchdog",
     "all_reduce_mean",
     "barrier",
     "data_parallel",
@@ -48,8 +54,11 @@ __all__ = [
     "local_rank",
     "print0",
     "rank",
+    "watchdog",
     "world_size",
     "wrap_model",
 ]
 
-set_public_module(globals(), __all__, __name__)
+# HangError is trainperf.errors' (re-exported here and at the top level): it keeps
+# `trainperf` as its public module, like every exception.
+set_public_module(globals(), [n for n in __all__ if n != "HangError"], __name__)

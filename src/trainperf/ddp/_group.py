@@ -1,9 +1,17 @@
 """The single-node spawner's watch over one group of workers: start, collect, stop, report.
 
-Each worker sends one message (its result, or its exception stamped with the time it was
-raised). The group waits on those pipes and on the process sentinels together; the first
+Each worker sends ``loaded`` once ``main`` is imported, then one final message (its result,
+or its exception stamped with the time it was raised). The group waits on those pipes, on
+the process sentinels and on the spawned workers' start-up stderr together; the first
 failure ends the watch, every worker's process tree is stopped (SIGTERM, then SIGKILL), and
 the earliest failure is reported with its traceback.
+
+Signals: SIGINT/SIGTERM raise :class:`~trainperf.ddp._procs.Interrupted` only while the
+group waits. Starting a worker and handling what it sent run with signals held back: an
+exception raised by the handler inside ``os.fork()``'s at-fork hooks would be swallowed
+(the launch would go on as if nothing had happened), and one raised between starting a
+process and recording it would leave a child that nobody reaps. After SIGTERM the ranks get
+``grace_s`` seconds to exit on their own before SIGKILL.
 """
 
 from __future__ import annotations
@@ -22,11 +30,14 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from trainperf.ddp._procs import SignalGuard, death_summary, signal_tree
+from trainperf.ddp import _capacity
+from trainperf.ddp._procs import Interrupted, SignalGuard, death_summary, signal_tree
+from trainperf.ddp._stderr import StartupStderr, last_traceback, redirected_stderr
 from trainperf.ddp._worker import (
     REIMPORT_EXIT_CODE,
     WORKER_NAME_PREFIX,
     Failure,
+    InheritedFd,
     WorkerSpec,
     worker_main,
 )
@@ -61,12 +72,56 @@ def _summary(failure: Failure) -> str:
     first_line = failure.message.strip().splitlines()[0] if failure.message.strip() else ""
     if len(first_line) > 300:
         first_line = first_line[:300] + "..."
-    return f"raised {failure.type_name}" + (f": {first_line}" if first_line else "")
+    text = f"raised {failure.type_name}" + (f": {first_line}" if first_line else "")
+    return f"could not load main: {text}" if failure.stage == "load" else text
+
+
+def _script() -> str:
+    return getattr(sys.modules.get("__main__"), "__file__", None) or "the main script"
+
+
+def _load_advice(main: object) -> str:
+    module = getattr(main, "__module__", None) or "its module"
+    return (
+        f"Fix: a spawned worker is a new interpreter that imports main's module ({module}) by "
+        "name, so it must be importable there: installed, or in a directory on sys.path (a "
+        "module loaded from a file path with importlib is not); or use start_method='fork' "
+        "(Linux), which needs no import."
+    )
+
+
+def _startup_problem(rank: int, seen_at: float, text: str) -> _Problem | None:
+    """The failure Python printed while a spawned worker imported the script, if any."""
+    found = last_traceback(text)
+    if found is None:
+        return None
+    exception, tb = found
+    script = _script()
+    summary = (
+        f"could not start: {exception} (Python raised it while the new process imported "
+        f"{script}, before trainperf's code ran there)"
+    )
+    if "bootstrapping phase" in text:
+        advice = (
+            f"Fix: code at the top level of {script} starts a process (a multiprocessing "
+            "Process or Pool, a DataLoader with workers), and each spawned worker runs it again "
+            "while it imports the script. Move it under the "
+            'if __name__ == "__main__": guard (or into main), or use start_method="fork" '
+            "(Linux)."
+        )
+    else:
+        advice = (
+            f"Fix: each spawned worker imports {script} again before it runs main, so its top "
+            "level runs in every worker: move that code under the "
+            'if __name__ == "__main__": guard (or into main), or use start_method="fork" '
+            "(Linux), which imports nothing again."
+        )
+    return _Problem(rank, seen_at - _DEATH_SLACK_S, summary, tb, advice)
 
 
 def _unguarded_main() -> tuple[str, str]:
     """Summary and advice for workers that exited because the script has no main guard."""
-    script = getattr(sys.modules.get("__main__"), "__file__", None) or "the main script"
+    script = _script()
     summary = (
         f"could not start: each spawned worker imports {script} again, and that import "
         "called launch() once more, because the call is not under an "
@@ -91,6 +146,9 @@ class Group:
         attempt: str,
         guard: SignalGuard,
         on_started: Callable[[], None] | None = None,
+        *,
+        measure_first: bool = False,
+        detector: Any = None,
     ) -> None:
         self.ctx = ctx
         self.on_started = on_started
@@ -98,88 +156,158 @@ class Group:
         self.n = spec.world_size
         self.attempt = attempt
         self.guard = guard
+        # Start rank 0 alone and check that nprocs ranks of its size fit in memory.
+        self.measure_first = measure_first
+        # A _detector.HangDetector, or None when hang detection is off.
+        self.detector = detector
         self.procs: list[BaseProcess] = []
         self.readers: dict[int, Connection] = {}
+        self.stderr: dict[int, StartupStderr] = {}
         self.running: dict[int, BaseProcess] = {}
+        self.loaded: set[int] = set()
         self.results: dict[int, Any] = {}
         self.problems: list[_Problem] = []
         self.stopped: list[int] = []
+        self.hang: Any = None  # the detector's report, once a hang was found
         # False once a failure is certain to repeat (no __main__ guard): no restart then.
         self.restartable = True
 
     def run(self) -> dict[int, Any]:
+        signum: int | None = None
         try:
+            self.guard.raise_pending()  # a signal that came while the guard was set up
             self._start()
             if self.on_started is not None:
                 self.on_started()
             self._watch()
+        except Interrupted as e:
+            signum = e.signum
+            raise
         finally:
             with self.guard.deferred():
-                self._stop()
+                graceful = signum == signal.SIGTERM and self.spec.grace_s is not None
+                if graceful:
+                    self._drain(float(self.spec.grace_s or 0.0))
+                self._stop(0.0 if graceful else TERM_GRACE_S)
             self.guard.raise_pending()
+        if self.hang is not None:
+            raise self.detector.error(self.hang) from None
         if self.problems:
             raise LaunchError(self._message())
         return self.results
 
     def _start(self) -> None:
+        available = _capacity.available_memory() if self.measure_first else 0
         for rank in range(self.n):
-            reader, writer = self.ctx.Pipe(duplex=False)
-            proc = self.ctx.Process(  # type: ignore[attr-defined]
-                target=worker_main,
-                args=(self.spec, rank, writer),
-                name=f"{WORKER_NAME_PREFIX}{rank}",
-                daemon=False,  # daemonic processes may not start DataLoader workers
-            )
-            try:
+            with self.guard.deferred():
+                self._start_one(rank)
+            self.guard.raise_pending()
+            if rank == 0 and self.measure_first:
+                self._check_memory(available)
+            if self.problems:
+                return  # the watch reports it; starting more ranks would not help
+
+    def _start_one(self, rank: int) -> None:
+        reader, writer = self.ctx.Pipe(duplex=False)
+        redirect = (
+            redirected_stderr()
+            if self.ctx.get_start_method() == "spawn"
+            else contextlib.nullcontext(None)
+        )
+        try:
+            with redirect as captured:
+                stderr = None if captured is None else InheritedFd(captured[1])
+                proc = self.ctx.Process(  # type: ignore[attr-defined]
+                    target=worker_main,
+                    args=(self.spec, rank, writer, stderr),
+                    name=f"{WORKER_NAME_PREFIX}{rank}",
+                    daemon=False,  # daemonic processes may not start DataLoader workers
+                )
                 proc.start()
-            except BaseException as e:
-                # Whatever went wrong (unpicklable args, fork/spawn failing with OSError,
-                # an interrupt), neither end of this rank's pipe may outlive the launch.
-                reader.close()
-                writer.close()
-                if not isinstance(e, (pickle.PicklingError, AttributeError, TypeError)):
-                    raise
-                raise ValueError(
-                    "start_method='spawn' pickles main's args and kwargs for every worker, "
-                    f"and they cannot be pickled: {e}; pass picklable values (build "
-                    "unpicklable objects inside main), or use start_method='fork'"
-                ) from e
-            # Closing our copy now keeps later forked workers from inheriting it.
+        except BaseException as e:
+            # Whatever went wrong (unpicklable args, fork/spawn failing with OSError),
+            # neither end of this rank's pipe may outlive the launch.
+            reader.close()
             writer.close()
-            with contextlib.suppress(OSError):  # the worker does it too; the first one wins
-                os.setpgid(proc.pid, proc.pid)
-            self.procs.append(proc)
-            self.readers[rank] = reader
-            self.running[rank] = proc
+            if not isinstance(e, (pickle.PicklingError, AttributeError, TypeError)):
+                raise
+            raise ValueError(
+                "start_method='spawn' pickles main's args and kwargs for every worker, "
+                f"and they cannot be pickled: {e}; pass picklable values (build "
+                "unpicklable objects inside main), or use start_method='fork'"
+            ) from e
+        # Closing our copy now keeps later forked workers from inheriting it.
+        writer.close()
+        with contextlib.suppress(OSError):  # the worker does it too; the first one wins
+            os.setpgid(proc.pid, proc.pid)
+        self.procs.append(proc)
+        self.readers[rank] = reader
+        self.running[rank] = proc
+        if captured is not None:
+            self.stderr[rank] = captured[0]
+        if self.detector is not None:
+            self.detector.started(rank, proc.pid)
+
+    def _check_memory(self, available: int) -> None:
+        """Wait until rank 0 has imported torch and main, then project nprocs of it."""
+        deadline = time.monotonic() + self.spec.timeout.total_seconds()
+        while 0 not in self.loaded and 0 in self.running and not self.problems:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wait_once(min(remaining, 1.0))
+        if 0 not in self.loaded or self.problems:
+            return
+        pid = self.running[0].pid if 0 in self.running else None
+        per_rank = 0 if pid is None else _capacity.rank_memory(pid)
+        refusal = _capacity.memory_refusal(self.n, per_rank, available)
+        if refusal is not None:
+            raise ValueError(refusal)
 
     def _receive(self, rank: int) -> None:
-        conn = self.readers.pop(rank)
+        conn = self.readers[rank]
         try:
             data = conn.recv_bytes()
         except (EOFError, OSError):
+            self.readers.pop(rank).close()
             return
-        finally:
-            conn.close()
         try:
             kind, _, payload = pickle.loads(data)
         except Exception as e:
+            self.readers.pop(rank).close()
             self.problems.append(
                 _Problem(rank, time.time(), f"sent a result the launcher cannot unpickle: {e!r}")
             )
             return
+        if kind == "loaded":
+            self.loaded.add(rank)
+            return
+        self.readers.pop(rank).close()
         if kind == "ok":
             self.results[rank] = payload
-        else:
-            f: Failure = payload
-            self.problems.append(_Problem(rank, f.time, _summary(f), f.traceback))
+            if self.detector is not None:
+                self.detector.returned(rank)
+            return
+        f: Failure = payload
+        advice = _load_advice(self.spec.main) if f.stage == "load" else ""
+        if f.stage == "load":
+            self.restartable = False
+        self.problems.append(_Problem(rank, f.time, _summary(f), f.traceback, advice))
+
+    def _collect(self, rank: int) -> None:
+        """Read whatever an exited worker still has in its pipes."""
+        while rank in self.readers and self.readers[rank].poll(0):
+            self._receive(rank)
+        if rank in self.readers:
+            self.readers.pop(rank).close()
+        if rank in self.stderr:
+            self.stderr[rank].drain(1.0)
 
     def _exited(self, rank: int, seen_at: float) -> None:
-        proc = self.running.pop(rank)
+        proc = self.running[rank]
         proc.join()
-        if rank in self.readers and self.readers[rank].poll(0):
-            self._receive(rank)
-        elif rank in self.readers:
-            self.readers.pop(rank).close()
+        del self.running[rank]
+        self._collect(rank)
         code = proc.exitcode if proc.exitcode is not None else -signal.SIGKILL
         reported = any(p.rank == rank for p in self.problems)
         if reported or (rank in self.results and code == 0):
@@ -192,42 +320,69 @@ class Group:
                 rank,
                 death_summary(code).replace(" without reporting an error", " while shutting down"),
             )
-        elif code == 0:
-            self.problems.append(
-                _Problem(
-                    rank, seen_at, "exited with code 0 without returning from main (os._exit?)"
-                )
+            return
+        self.problems.append(self._no_report(rank, code, seen_at))
+
+    def _no_report(self, rank: int, code: int, seen_at: float) -> _Problem:
+        """What to blame for a worker that exited with ``code`` and sent nothing."""
+        if code == 0:
+            return _Problem(
+                rank, seen_at, "exited with code 0 without returning from main (os._exit?)"
             )
-        elif code == REIMPORT_EXIT_CODE and self.ctx.get_start_method() == "spawn":
-            summary, advice = _unguarded_main()
-            self.problems.append(_Problem(rank, seen_at, summary, advice=advice))
+        if code == REIMPORT_EXIT_CODE and self.ctx.get_start_method() == "spawn":
             self.restartable = False
-        else:
-            self.problems.append(_Problem(rank, seen_at - _DEATH_SLACK_S, death_summary(code)))
+            summary, advice = _unguarded_main()
+            return _Problem(rank, seen_at, summary, advice=advice)
+        if rank in self.stderr and rank not in self.loaded:
+            startup = _startup_problem(rank, seen_at, self.stderr[rank].text())
+            if startup is not None:
+                self.restartable = False
+                return startup
+        return _Problem(rank, seen_at - _DEATH_SLACK_S, death_summary(code))
 
     def _reap(self, rank: int) -> None:
         """Join a worker the launcher is stopping; keep a report it managed to send."""
-        self.running.pop(rank).join()
-        if rank in self.readers and self.readers[rank].poll(0):
-            self._receive(rank)
+        self.running[rank].join()
+        del self.running[rank]
+        self._collect(rank)
 
     def _handle(self, ready: list[Any], *, stopping: bool = False) -> None:
         seen_at = time.time()
         rank_of_reader = {c: r for r, c in self.readers.items()}
         rank_of_sentinel = {p.sentinel: r for r, p in self.running.items()}
         for obj in ready:
+            if isinstance(obj, StartupStderr):
+                obj.read()
+        for obj in ready:
             rank = rank_of_reader.get(obj)
             if rank is not None and rank in self.readers:
                 self._receive(rank)
         for obj in ready:
             rank = rank_of_sentinel.get(obj)
-            if rank is not None:
+            if rank is not None and rank in self.running:
                 self._reap(rank) if stopping else self._exited(rank, seen_at)
+
+    def _wait_once(self, timeout: float | None, *, stopping: bool = False) -> bool:
+        """Wait for the next message, exit or stderr output; False if nothing is left."""
+        waitables: list[Any] = [*self.readers.values()]
+        waitables += [p.sentinel for p in self.running.values()]
+        waitables += [s for s in self.stderr.values() if s.fd is not None]
+        if not waitables:
+            return False
+        ready = wait(waitables, timeout)  # the one place a signal may interrupt the watch
+        if stopping:  # already deferred by the caller
+            self._handle(ready, stopping=True)
+            return True
+        with self.guard.deferred():
+            self._handle(ready)
+        self.guard.raise_pending()
+        return True
 
     def _watch(self) -> None:
         exit_deadline: float | None = None
+        poll = 1.0 if self.detector is None else self.detector.poll_s
         while not self.problems:
-            timeout: float | None = 1.0
+            timeout: float | None = poll
             if len(self.results) == self.n:
                 if not self.running:
                     return
@@ -242,32 +397,60 @@ class Group:
                         EXIT_GRACE_S,
                     )
                     return
-            waitables: list[Any] = [*self.readers.values()]
-            waitables += [p.sentinel for p in self.running.values()]
-            if not waitables:
+            if not self._wait_once(timeout):
                 return
-            self._handle(wait(waitables, timeout))
+            if self.detector is not None and len(self.results) < self.n:
+                with self.guard.deferred():
+                    self.hang = self.detector.check(self.running, self.results)
+                self.guard.raise_pending()
+                if self.hang is not None:
+                    return
 
-    def _stop(self) -> None:
+    def _drain(self, grace_s: float) -> None:
+        """SIGTERM reached the launcher: pass it on to each rank and wait up to ``grace_s``.
+
+        Only the rank itself is signalled: its DataLoader workers must keep serving it while
+        it finishes a step and saves (they are stopped with the rest afterwards). Ranks that
+        exit within the grace period are not failures; the launcher exits with 143.
+        """
+        for proc in self.running.values():
+            if proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self.running and (remaining := deadline - time.monotonic()) > 0:
+            self._wait_once(remaining, stopping=True)
+        if self.running:
+            logger.warning(
+                "SIGTERM: ranks %s did not exit within grace_s=%g s; killing them",
+                sorted(self.running),
+                grace_s,
+            )
+        for p in self.problems:
+            logger.warning("after SIGTERM, rank %d %s\n%s", p.rank, p.summary, p.detail)
+
+    def _stop(self, term_grace_s: float = TERM_GRACE_S) -> None:
         """Stop every worker and everything below it; collect reports that still arrive."""
         self.stopped = sorted(self.running)
         for rank, proc in enumerate(self.procs):
             if proc.pid is not None:
                 signal_tree(proc.pid, signal.SIGTERM, alive=rank in self.running)
-        deadline = time.monotonic() + TERM_GRACE_S
+        deadline = time.monotonic() + term_grace_s
         while self.running and (remaining := deadline - time.monotonic()) > 0:
-            waitables: list[Any] = [*self.readers.values()]
-            waitables += [p.sentinel for p in self.running.values()]
-            self._handle(wait(waitables, remaining), stopping=True)
+            self._wait_once(remaining, stopping=True)
         for rank, proc in enumerate(self.procs):
             if proc.pid is not None:
                 signal_tree(proc.pid, signal.SIGKILL, alive=rank in self.running)
-        for proc in self.running.values():
-            proc.join(timeout=10)
+        # Every child is joined, whatever path led here: none is left as a zombie.
+        for proc in self.procs:
+            if proc.exitcode is None:
+                proc.join(timeout=10)
         self.running.clear()
         for conn in self.readers.values():
             conn.close()
         self.readers.clear()
+        for captured in self.stderr.values():
+            captured.close()
 
     def _message(self) -> str:
         first = min(self.problems, key=lambda p: p.time)
@@ -288,6 +471,8 @@ class Group:
                 + ", ".join(map(str, returned))
                 + " (a collective that not every rank calls fails like this)",
             ]
+        if self.detector is not None:
+            lines += self.detector.mismatch_note()
         stopped = [r for r in self.stopped if r != first.rank and r not in self.results]
         if stopped:
             lines += [

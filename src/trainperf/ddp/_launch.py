@@ -1,5 +1,9 @@
 """``launch(main)``: one process per GPU (or N CPU ranks), or the ranks a launcher started.
 
+Modules: ``_store`` (the rendezvous store), ``_injob`` (inside torchrun/SLURM),
+``_capacity`` (how many ranks fit), ``_group`` (starting and watching one attempt),
+``_worker`` (inside each rank), ``_detector``/``_progress``/``_stacks``/``_hang`` (hangs).
+
 Inside a torchrun or SLURM job, ``main`` runs in this process after the process group is
 initialised from the environment. Otherwise the launcher hosts a ``TCPStore`` on a port the
 OS picks (no probe-then-bind race), starts ``nprocs`` workers that join through it, and
@@ -9,14 +13,12 @@ watches them: the first failure stops the rest within seconds and is raised as a
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import multiprocessing
 import os
 import pickle
 import signal
-import socket
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -24,12 +26,14 @@ from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any, Literal
 
-from trainperf._utils import launch_env
 from trainperf._utils.validate import choice, non_negative_int, positive_int, positive_number
-from trainperf.ddp import _env
+from trainperf.ddp import _capacity, _env
+from trainperf.ddp._detector import HangDetector
 from trainperf.ddp._group import Group
+from trainperf.ddp._injob import resolve_backend, run_in_process
 from trainperf.ddp._procs import Interrupted, SignalGuard
-from trainperf.ddp._worker import REIMPORT_EXIT_CODE, WorkerSpec, rank_device, reimporting_main
+from trainperf.ddp._store import LOCALHOST, StoreHost, listen
+from trainperf.ddp._worker import REIMPORT_EXIT_CODE, WorkerSpec, reimporting_main
 from trainperf.errors import DeviceError, LaunchError
 
 __all__ = ["Backend", "StartMethod", "launch", "launch_all"]
@@ -40,7 +44,6 @@ _BACKENDS = ("nccl", "gloo")
 _START_METHODS = ("spawn", "fork")
 
 logger = logging.getLogger("trainperf.ddp")
-_LOCALHOST = "127.0.0.1"
 
 
 def _check_options(
@@ -77,17 +80,6 @@ def _timeout_span(timeout: object) -> timedelta:
             f"timeout={timeout!r} seconds is longer than a timedelta can hold (at most "
             f"{timedelta.max.total_seconds():.0f} s); pass a shorter timeout"
         ) from None
-
-
-def _resolve_backend(backend: str | None, gpu_count: int) -> str:
-    if backend is None:
-        return "nccl" if gpu_count > 0 else "gloo"
-    if backend == "nccl" and gpu_count == 0:
-        raise ValueError(
-            "backend='nccl' needs CUDA GPUs and none is visible; "
-            "use backend='gloo' (or None) on CPU"
-        )
-    return backend
 
 
 def cuda_driver_loaded(maps: Path = Path("/proc/self/maps")) -> bool:
@@ -150,71 +142,6 @@ def _check_spawnable(main: Callable[..., Any], start_method: str, backend: str) 
         )
 
 
-def _listen() -> socket.socket:
-    """Bind the rendezvous port now (port 0 lets the OS pick a free one: no probe-then-bind
-    race); the store that serves it starts only after the workers are forked."""
-    explicit = launch_env.read_port()
-    port = 0 if explicit is None else explicit
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    # As TCPStore does: a port left in TIME_WAIT by the previous run is reusable, while one
-    # with a live listener still fails to bind (Linux), which is the error users must see.
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((_LOCALHOST, port))
-        sock.listen(1024)
-    except OSError as e:
-        sock.close()
-        if explicit is not None:
-            raise LaunchError(
-                f"cannot listen on {_LOCALHOST}:{port} (MASTER_PORT={explicit}): the port is "
-                f"taken or not allowed ({e}); choose another MASTER_PORT, or unset it and "
-                "launch() picks a free port"
-            ) from e
-        raise LaunchError(f"cannot start the rendezvous store on {_LOCALHOST}: {e}") from e
-    return sock
-
-
-class _StoreHost:
-    """The launcher's ``TCPStore``, started on the listening socket after the first fork.
-
-    The store serves clients from a background thread; forking while that thread holds a
-    lock can leave a child deadlocked before it ever reaches the rendezvous (seen with four
-    forked ranks). Workers that connect earlier wait in the socket's backlog.
-    """
-
-    def __init__(self, sock: socket.socket, timeout: timedelta) -> None:
-        self.sock = sock
-        self.timeout = timeout
-        self.store: Any = None
-
-    def start(self) -> None:
-        if self.store is not None:
-            return
-        import torch.distributed as dist
-
-        fd = os.dup(self.sock.fileno())  # the store owns (and closes) its own copy
-        try:
-            self.store = dist.TCPStore(  # type: ignore[attr-defined]
-                _LOCALHOST,
-                self.sock.getsockname()[1],
-                None,
-                True,
-                self.timeout,
-                wait_for_workers=False,
-                master_listen_fd=fd,
-            )
-        except RuntimeError as e:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            raise LaunchError(f"cannot start the rendezvous store on {_LOCALHOST}: {e}") from e
-        finally:
-            self.sock.close()
-
-    def close(self) -> None:
-        self.sock.close()
-        self.store = None
-
-
 def _spawn(
     main: Callable[..., Any],
     args: tuple[Any, ...],
@@ -226,36 +153,51 @@ def _spawn(
     timeout: timedelta,
     max_restarts: int,
     all_ranks: bool,
+    grace_s: float,
+    hang_timeout: float | None,
 ) -> dict[int, Any]:
     from trainperf.limits import usable_cpus
 
     ctx = multiprocessing.get_context(start_method)
-    host = _StoreHost(_listen(), timeout)
-    threads = None if "OMP_NUM_THREADS" in os.environ else usable_cpus(nprocs)
-    base = WorkerSpec(
-        main=main,
-        args=args,
-        kwargs=kwargs,
-        backend=backend,
-        world_size=nprocs,
-        master_addr=_LOCALHOST,
-        master_port=host.sock.getsockname()[1],
-        store_prefix="",
-        timeout=timeout,
-        threads=threads,
-        parent_pid=os.getpid(),
-        send_result_from_all=all_ranks,
-    )
+    detector = None if hang_timeout is None else HangDetector(nprocs, hang_timeout)
     try:
-        with SignalGuard() as guard:
-            try:
-                return _attempts(ctx, base, guard, max_restarts, host.start)
-            except Interrupted as e:
-                if e.signum == signal.SIGINT:
-                    raise KeyboardInterrupt from None
-                raise SystemExit(128 + e.signum) from None
+        # The guard comes first: an interrupt from here on stops whatever was started.
+        with SignalGuard() as guard, StoreHost(listen(), timeout) as host:
+            threads = None if "OMP_NUM_THREADS" in os.environ else usable_cpus(nprocs)
+            base = WorkerSpec(
+                main=main,
+                args=args,
+                kwargs=kwargs,
+                backend=backend,
+                world_size=nprocs,
+                master_addr=LOCALHOST,
+                master_port=host.sock.getsockname()[1],
+                store_prefix="",
+                timeout=timeout,
+                threads=threads,
+                parent_pid=os.getpid(),
+                send_result_from_all=all_ranks,
+                grace_s=grace_s,
+                hang=None if detector is None else detector.spec,
+            )
+            measure = nprocs > 1 and _capacity.needs_measuring(
+                nprocs, _own_memory(), _capacity.available_memory()
+            )
+            return _attempts(ctx, base, guard, max_restarts, host.start, measure, detector)
+    except Interrupted as e:
+        if e.signum == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise SystemExit(128 + e.signum) from None
     finally:
-        host.close()
+        if detector is not None:
+            detector.close()
+
+
+def _own_memory() -> int:
+    """This process's resident memory: what a rank with torch imported costs, roughly."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
 
 
 def _attempts(
@@ -264,6 +206,8 @@ def _attempts(
     guard: SignalGuard,
     max_restarts: int,
     on_started: Callable[[], None] | None = None,
+    measure_first: bool = False,
+    detector: HangDetector | None = None,
 ) -> dict[int, Any]:
     """Run the group; after a failure, run it again from scratch, up to ``max_restarts``."""
     attempt = 0
@@ -271,7 +215,11 @@ def _attempts(
         # Each attempt rendezvouses under its own key prefix in the one store.
         spec = dataclasses.replace(base, store_prefix=f"trainperf/attempt{attempt}/")
         label = f" (attempt {attempt + 1} of {max_restarts + 1})" if max_restarts else ""
-        group = Group(ctx, spec, label, guard, on_started)
+        if detector is not None:
+            detector.reset()
+        group = Group(
+            ctx, spec, label, guard, on_started, measure_first=measure_first, detector=detector
+        )
         try:
             return group.run()
         except LaunchError as e:
@@ -279,61 +227,7 @@ def _attempts(
                 raise
             logger.warning("%s\nrestarting all %d ranks", e, base.world_size)
         attempt += 1
-
-
-def _run_in_process(
-    env: _env.DistributedEnv,
-    main: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    backend: str | None,
-    timeout: timedelta,
-    all_ranks: bool,
-) -> Any:
-    import torch
-    import torch.distributed as dist
-
-    from trainperf.limits import usable_cpus
-
-    names = (*_env.TORCHRUN_VARS, "LOCAL_WORLD_SIZE")
-    saved = {name: os.environ.get(name) for name in names}
-    values = (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port)
-    os.environ.update({n: str(v) for n, v in zip(_env.TORCHRUN_VARS, values, strict=True)})
-    os.environ["LOCAL_WORLD_SIZE"] = str(env.local_world_size)
-    created = False
-    try:
-        if not dist.is_initialized():
-            resolved = _resolve_backend(backend, torch.cuda.device_count())
-            if "OMP_NUM_THREADS" not in os.environ:
-                torch.set_num_threads(usable_cpus(env.local_world_size))
-            device = None
-            if resolved == "nccl":
-                device = rank_device(env.local_rank)
-                torch.cuda.set_device(device)
-            dist.init_process_group(
-                resolved,
-                init_method="env://",
-                rank=env.rank,
-                world_size=env.world_size,
-                timeout=timeout,
-                device_id=device,
-            )
-            created = True
-        result = main(*args, **kwargs)
-        if not all_ranks:
-            return result
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, result)
-        return gathered
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        measure_first = False  # measured once; the host has not changed since
 
 
 def _launch(
@@ -347,6 +241,8 @@ def _launch(
     timeout: timedelta | float,
     max_restarts: int,
     all_ranks: bool,
+    grace_s: float,
+    hang_timeout: float | None,
 ) -> Any:
     if reimporting_main():
         # A spawned worker importing a script with no __main__ guard: Python would refuse to
@@ -356,13 +252,24 @@ def _launch(
     import torch
 
     span = _check_options(main, backend, start_method, timeout, max_restarts)
+    grace = positive_number("grace_s", grace_s, unit="seconds")
+    hang = None
+    if hang_timeout is not None:
+        hang = positive_number("hang_timeout", hang_timeout, unit="seconds (or None)")
     env = _env.detect()
     if env is not None:
-        return _run_in_process(
-            env, main, args, kwargs, backend=backend, timeout=span, all_ranks=all_ranks
+        return run_in_process(
+            env,
+            main,
+            args,
+            kwargs,
+            backend=backend,
+            timeout=span,
+            all_ranks=all_ranks,
+            hang_timeout=hang,
         )
     gpu_count = torch.cuda.device_count()  # through NVML: does not initialise CUDA
-    resolved = _resolve_backend(backend, gpu_count)
+    resolved = resolve_backend(backend, gpu_count)
     if nprocs is None:
         nprocs = max(gpu_count, 1)
     positive_int("nprocs", nprocs)
@@ -373,6 +280,7 @@ def _launch(
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use "
             f"nprocs<={gpu_count}, or backend='gloo' for CPU ranks"
         )
+    _check_capacity(nprocs, resolved)
     _check_spawnable(main, start_method, resolved)
     results = _spawn(
         main,
@@ -384,8 +292,21 @@ def _launch(
         timeout=span,
         max_restarts=max_restarts,
         all_ranks=all_ranks,
+        grace_s=grace,
+        hang_timeout=hang,
     )
     return [results[r] for r in range(nprocs)] if all_ranks else results[0]
+
+
+def _check_capacity(nprocs: int, backend: str) -> None:
+    """Refuse more gloo ranks than the CPUs can run (see ``_capacity``)."""
+    from trainperf.limits import host_limits
+
+    if backend != "gloo" or nprocs == 1 or _capacity.oversubscription_allowed():
+        return
+    refusal = _capacity.cpu_refusal(nprocs, host_limits().cpus)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def launch(
@@ -396,6 +317,8 @@ def launch(
     start_method: StartMethod = "spawn",
     timeout: timedelta | float = timedelta(minutes=30),
     max_restarts: int = 0,
+    grace_s: float = 25.0,
+    hang_timeout: float | None = 300.0,
     **kwargs: Any,
 ) -> Any:
     """Run ``main(*args, **kwargs)`` on every rank of a process group; return rank 0's value.
@@ -424,23 +347,39 @@ def launch(
             ``timedelta`` > 0, or a finite number of seconds > 0 (NaN, infinity, 0 and
             negatives are refused with ``ValueError`` before any rank starts).
         max_restarts: how many times a failed group is restarted from scratch.
+        grace_s: after SIGTERM reaches the launcher, how long the ranks get to exit on
+            their own (SIGTERM is passed on to each rank, not to its DataLoader workers)
+            before SIGKILL; below torchrun's and SLURM's 30 s. Each rank sees it as
+            ``TRAINPERF_GRACE_S``.
+        hang_timeout: seconds without progress on any rank (a collective returning, an
+            optimizer step, a rank returning from main) after which the launcher collects
+            every rank's stacks, names the rank(s) that caused the hang and stops them all
+            (``HangError``); None turns detection off. Under torchrun or SLURM the ranks
+            watch each other through :func:`watchdog` instead.
         **kwargs: keyword arguments for ``main``.
 
     Returns:
         What ``main`` returned on rank 0 (pickled back to the launcher).
 
     Raises:
+        HangError: no rank made progress for ``hang_timeout`` seconds (a ``LaunchError``).
         LaunchError: a worker raised, exited with a non-zero code or died by a signal (the
-            first failing rank, its exception type and traceback, or the signal), the
-            explicit ``MASTER_PORT`` cannot be bound, or, under spawn, the script calls
-            ``launch`` outside an ``if __name__ == "__main__":`` guard (each worker imports
-            the script again; the message says to add the guard, or to use fork in a
-            notebook, and the group is not restarted).
+            first failing rank, its exception type and traceback, or the signal; ranks in
+            different collectives are named), the explicit ``MASTER_PORT`` cannot be
+            bound, or, under spawn, a worker could not start: the script calls ``launch``
+            outside an ``if __name__ == "__main__":`` guard, its top level fails when a
+            worker imports it again (the worker's own traceback is in the message), or
+            ``main``'s module cannot be imported in a new interpreter. None of these is
+            restarted: it would fail the same way.
         ValueError: bad option, inconsistent launcher environment (names the variable),
-            too many ranks for the GPUs under NCCL, or ``main`` unpicklable under spawn.
+            too many ranks for the GPUs under NCCL, more gloo ranks than 4 per usable CPU
+            (``TRAINPERF_OVERSUBSCRIBE=1`` allows it), ranks whose projected memory does
+            not fit (measured on rank 0 first when it could matter), or ``main``
+            unpicklable under spawn.
         DeviceError: ``start_method="fork"`` after CUDA was initialised.
         KeyboardInterrupt: SIGINT reached the launcher (after stopping every worker).
-        SystemExit: SIGTERM reached the launcher; exit status 143, after stopping every worker.
+        SystemExit: SIGTERM reached the launcher; exit status 143, once every rank exited
+            (within ``grace_s``) or was killed.
 
     Example:
         >>> import operator, torch
@@ -458,6 +397,8 @@ def launch(
         timeout=timeout,
         max_restarts=max_restarts,
         all_ranks=False,
+        grace_s=grace_s,
+        hang_timeout=hang_timeout,
     )
 
 
@@ -469,6 +410,8 @@ def launch_all(
     start_method: StartMethod = "spawn",
     timeout: timedelta | float = timedelta(minutes=30),
     max_restarts: int = 0,
+    grace_s: float = 25.0,
+    hang_timeout: float | None = 300.0,
     **kwargs: Any,
 ) -> list[Any]:
     """Like :func:`launch`, but return every rank's value, indexed by rank.
@@ -484,12 +427,15 @@ def launch_all(
         start_method: as for :func:`launch`.
         timeout: as for :func:`launch`.
         max_restarts: as for :func:`launch`.
+        grace_s: as for :func:`launch`.
+        hang_timeout: as for :func:`launch`.
         **kwargs: as for :func:`launch`.
 
     Returns:
         ``[value of rank 0, value of rank 1, ...]``.
 
     Raises:
+        HangError: as for :func:`launch`.
         LaunchError: as for :func:`launch`.
         ValueError: as for :func:`launch`.
         DeviceError: as for :func:`launch`.
@@ -510,5 +456,7 @@ def launch_all(
         timeout=timeout,
         max_restarts=max_restarts,
         all_ranks=True,
+        grace_s=grace_s,
+        hang_timeout=hang_timeout,
     )
     return result

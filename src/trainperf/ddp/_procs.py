@@ -98,10 +98,13 @@ class SignalGuard:
 
     def __enter__(self) -> SignalGuard:
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                if signal.getsignal(sig) is signal.SIG_IGN:
-                    continue
-                self._previous[sig] = signal.signal(sig, self._handle)
+            # A signal between installing the two handlers waits for raise_pending(): raised
+            # here, it would skip __exit__ and leave the first handler installed.
+            with self.deferred():
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    if signal.getsignal(sig) is signal.SIG_IGN:
+                        continue
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(

@@ -1,15 +1,23 @@
 """What runs inside each worker that ``launch`` spawns.
 
 A worker ties its life to the parent's (parent-death signal), takes its own process group
-so the parent can stop it together with its DataLoader workers, joins the process group
-through the parent's store, runs ``main`` and sends one message back: its result, or the
-exception it died of, stamped with the time it was raised so the parent can tell the
+so the parent can stop it together with its DataLoader workers, loads ``main`` (under spawn:
+imports its module, inside the worker's own error handling, so an import that fails is
+reported like any exception), joins the process group through the parent's store, runs
+``main`` and sends its messages back: ``loaded`` once ``main`` is imported, then its result,
+or the exception it died of, stamped with the time it was raised so the parent can tell the
 first failure from the ranks that failed because a peer had gone.
+
+A spawned worker starts with its stderr on a pipe to the launcher, which keeps the tail: what
+Python prints when importing the script fails before any trainperf code runs (a
+bootstrapping ``RuntimeError``, an exception at import time) reaches the ``LaunchError``.
+The worker puts its real stderr back as its first act.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import pickle
@@ -21,8 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn, cast
 
 from trainperf._utils.lifetime import die_with_parent
 
@@ -30,6 +39,7 @@ __all__ = [
     "REIMPORT_EXIT_CODE",
     "WORKER_NAME_PREFIX",
     "Failure",
+    "InheritedFd",
     "WorkerSpec",
     "rank_device",
     "reimporting_main",
@@ -45,9 +55,14 @@ REIMPORT_EXIT_CODE = 117
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs; pickled once per rank under spawn."""
+    """Everything a worker needs; pickled once per rank under spawn.
 
-    main: Callable[..., Any]
+    ``main``, ``args`` and ``kwargs`` travel as one pickled blob (``packed``) that the
+    worker loads inside its own error handling: a module the worker cannot import then
+    fails as a reported exception, not as a crash of multiprocessing's bootstrap.
+    """
+
+    main: Callable[..., Any] | None
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     backend: str
@@ -59,6 +74,48 @@ class WorkerSpec:
     threads: int | None
     parent_pid: int
     send_result_from_all: bool
+    grace_s: float | None = None
+    hang: Any = None  # a _progress.ProgressSpec when hang detection is on
+    packed: bytes | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if fields["main"] is not None:
+            # ForkingPickler: tensors in args keep multiprocessing's shared-memory transfer.
+            call = (fields.pop("main"), fields.pop("args"), fields.pop("kwargs"))
+            fields.update(main=None, args=(), kwargs={}, packed=bytes(ForkingPickler.dumps(call)))
+        return (_rebuild_spec, (fields,))
+
+    def load(self) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+        """``(main, args, kwargs)``, unpickled here when they came packed."""
+        if self.packed is None:
+            return cast(Callable[..., Any], self.main), self.args, self.kwargs
+        call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] = pickle.loads(self.packed)
+        return call
+
+
+def _rebuild_spec(fields: dict[str, Any]) -> WorkerSpec:
+    return WorkerSpec(**fields)
+
+
+class InheritedFd:
+    """A file descriptor of the launcher handed to a spawned worker under the same number.
+
+    Pickled only while multiprocessing starts the worker (which passes the descriptor
+    along); a forked worker inherits every descriptor and needs none of this.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return (_rebuild_fd, (reduction.DupFd(self.fd),))
+
+
+def _rebuild_fd(dup: Any) -> InheritedFd:
+    return InheritedFd(dup.detach())
 
 
 @dataclass(frozen=True)
@@ -71,6 +128,9 @@ class Failure:
     message: str
     traceback: str
     time: float
+    # "load": importing main's module (unpickling main and its arguments) failed;
+    # "main": the set-up or main itself raised.
+    stage: str = "main"
 
 
 def reimporting_main() -> bool:
@@ -118,7 +178,7 @@ def _user_frames(tb: TracebackType | None) -> TracebackType | None:
     return tb if tb is not None else start
 
 
-def _describe(rank: int, exc: BaseException) -> Failure:
+def _describe(rank: int, exc: BaseException, stage: str = "main") -> Failure:
     cls = type(exc)
     name = (
         cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
@@ -130,6 +190,7 @@ def _describe(rank: int, exc: BaseException) -> Failure:
         message=str(exc),
         traceback="".join(traceback.format_exception(cls, exc, _user_frames(exc.__traceback__))),
         time=time.time(),
+        stage=stage,
     )
 
 
@@ -187,18 +248,89 @@ def _report_failure(conn: Connection, failure: Failure) -> None:
         _send(conn, ("error", failure.rank, failure))
 
 
-def worker_main(spec: WorkerSpec, rank: int, conn: Connection) -> None:
-    """Entry point of a spawned worker (``multiprocessing.Process`` target)."""
-    die_with_parent(spec.parent_pid)
+def _restore_stderr(stderr: InheritedFd | None) -> None:
+    """Point fd 2 back at the launcher's stderr (it was a pipe while Python started)."""
+    if stderr is None:
+        return
     with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
+        os.dup2(stderr.fd, 2)
+    with contextlib.suppress(OSError):
+        os.close(stderr.fd)
+
+
+def _load(spec: WorkerSpec, rank: int, conn: Connection) -> Any:
+    """``(main, args, kwargs)``, then tell the launcher (it may be measuring this rank)."""
+    try:
+        call = spec.load()
+    except BaseException as exc:
+        _report_failure(conn, _describe(rank, exc, stage="load"))
+        _exit_now(1)
+    import torch  # noqa: F401  (what a rank costs is measured with torch imported)
+
+    with contextlib.suppress(OSError):
+        _send(conn, ("loaded", rank, None))
+    return call
+
+
+# Keeps the stack file open for faulthandler for the life of the worker.
+_stack_files: list[Any] = []
+
+
+def _track(spec: WorkerSpec, rank: int) -> Any:
+    """Hang detection on: write progress into this rank's slot, dump stacks on request.
+
+    Installed before main's module is imported, so its ``dist.*`` calls are seen.
+    """
+    if spec.hang is None:
+        return None
+    import faulthandler
+
+    from trainperf.ddp import _progress
+    from trainperf.ddp._stacks import DUMP_SIGNAL
+
+    tracker = _progress.Tracker(_progress.attach(spec.hang.path), rank)
+    _progress.install(tracker)
+    _progress._launched.append(True)
+    stacks = open(os.path.join(spec.hang.stacks_dir, f"rank{rank}.stacks"), "w")  # noqa: SIM115
+    _stack_files.append(stacks)
+    faulthandler.register(DUMP_SIGNAL, file=stacks, all_threads=True, chain=False)
+    return tracker
+
+
+def worker_main(
+    spec: WorkerSpec, rank: int, conn: Connection, stderr: InheritedFd | None = None
+) -> None:
+    """Entry point of a spawned worker (``multiprocessing.Process`` target)."""
     # A forked worker inherits the launcher's handlers, which would raise in the wrong process.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    _restore_stderr(stderr)
+    die_with_parent(spec.parent_pid)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    if spec.grace_s is not None:
+        # What the launcher gives a rank between SIGTERM and SIGKILL (preemption handlers).
+        os.environ["TRAINPERF_GRACE_S"] = f"{spec.grace_s:g}"
+    try:
+        tracker = _track(spec, rank)
+    except Exception as e:
+        # Hang detection is a help, not a condition to run: without it this rank's slot
+        # never says "ready", so the launcher's hang clock does not start.
+        print(
+            f"trainperf.ddp: rank {rank}: hang detection is off ({e!r})",
+            file=sys.stderr,
+            flush=True,
+        )
+        tracker = None
+    main, args, kwargs = _load(spec, rank, conn)
 
     try:
         _setup(spec, rank)
-        result = spec.main(*spec.args, **spec.kwargs)
+        if tracker is not None:
+            tracker.ready(armed=True)
+        result = main(*args, **kwargs)
+        if tracker is not None:
+            tracker.returned()
         payload = result if (rank == 0 or spec.send_result_from_all) else None
         try:
             # The result goes out before the group is torn down: a peer still inside a
@@ -232,7 +364,7 @@ def worker_main(spec: WorkerSpec, rank: int, conn: Connection) -> None:
         )
 
 
-def _exit_now(code: int) -> None:
+def _exit_now(code: int) -> NoReturn:
     """Leave without interpreter shutdown: after a fault it can block (threads, NCCL)."""
     with contextlib.suppress(Exception):
         _destroy()

@@ -1,0 +1,214 @@
+"""The launcher's hang detector: watches every rank's progress, and on a hang names the cause.
+
+The launcher creates one directory (under ``/dev/shm`` where it exists) holding the shared
+progress slots and one stack file per rank. Each poll of the launcher's watch loop reads the
+slots; once every rank has finished its set-up, ``hang_timeout`` seconds without a change in
+any rank's progress (nor a rank returning) is a hang. The launcher then signals each rank
+with :data:`~trainperf.ddp._stacks.DUMP_SIGNAL`, on which ``faulthandler`` writes all its
+threads' stacks from the C signal handler, reads them with the slots, and runs the rules of
+:mod:`~trainperf.ddp._hang`; the group stops every rank and raises ``HangError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+import time
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from trainperf.ddp import _hang
+from trainperf.ddp._progress import ProgressSpec, SlotState, State, open_slots, read_slot
+from trainperf.ddp._stacks import (
+    DUMP_SIGNAL,
+    ThreadStack,
+    classify,
+    compiling,
+    parse_dump,
+    source_line,
+    user_frame,
+)
+from trainperf.errors import HangError
+
+__all__ = ["HangDetector", "rank_view"]
+
+_PREFIX = "trainperf-hang-"
+_DUMP_WAIT_S = 3.0
+
+
+def _base_dir() -> str | None:
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+def _remove_stale(base: str | None) -> None:
+    """Directories of launchers that died without cleaning up (SIGKILL): the pid is gone."""
+    root = Path(base or tempfile.gettempdir())
+    for path in root.glob(f"{_PREFIX}*"):
+        match = re.match(rf"{_PREFIX}(\d+)-", path.name)
+        if match and not psutil.pid_exists(int(match[1])):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def rank_view(
+    rank: int, status: _hang.Status, slot: SlotState, threads: list[ThreadStack] | None
+) -> _hang.RankView:
+    """One rank's view for the rules, from its slot and its parsed stack dump."""
+    main = next((t for t in threads or [] if t.ident == slot.thread), None)
+    frames = main.frames if main else ()
+    last = slot.history[-1] if slot.history else None
+    waits_async = bool(last and last.async_op and slot.state == State.RUNNING)
+    activity = classify(
+        frames, in_collective=slot.state == State.IN_COLLECTIVE, waits_async=waits_async
+    )
+    where = user_frame(frames)
+    others = tuple(
+        (t.ident, user_frame(t.frames), source_line(user_frame(t.frames)))
+        for t in threads or []
+        if t is not main and t.frames
+    )
+    return _hang.RankView(
+        rank=rank,
+        status=status,
+        activity=activity,
+        collective=slot.current or (last if activity == "collective" else None),
+        history=slot.history,
+        steps=slot.steps,
+        where=where,
+        line=source_line(where),
+        stack=frames,
+        threads=others,
+        answered=threads is not None,
+    )
+
+
+class HangDetector:
+    """Progress slots and stack files for one launch, and the hang check the group polls."""
+
+    def __init__(self, nprocs: int, hang_timeout: float) -> None:
+        base = _base_dir()
+        _remove_stale(base)
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=base))
+        self.n = nprocs
+        self.timeout = hang_timeout
+        self.poll_s = min(1.0, max(0.1, hang_timeout / 4))
+        self.slots = open_slots(self.dir / "progress", nprocs)
+        self.spec = ProgressSpec(str(self.dir / "progress"), str(self.dir))
+        self.pids: dict[int, int] = {}
+        self._signature: Any = None
+        self._since = time.monotonic()
+
+    def reset(self) -> None:
+        """A new attempt: zero every slot, forget the pids and the clock."""
+        self.slots[:] = bytes(len(self.slots))
+        for path in self.dir.glob("rank*.stacks"):
+            path.unlink(missing_ok=True)
+        self.pids.clear()
+        self._signature = None
+        self._since = time.monotonic()
+
+    def started(self, rank: int, pid: int) -> None:
+        self.pids[rank] = pid
+
+    def returned(self, rank: int) -> None:
+        """A rank returned from main: progress (the signature counts results too)."""
+
+    def _states(self) -> list[SlotState]:
+        return [read_slot(self.slots, r) for r in range(self.n)]
+
+    def check(self, running: dict[int, BaseProcess], results: dict[int, Any]) -> Any:
+        """A :class:`~trainperf.ddp._hang.HangReport` once the job has hung, else None."""
+        now = time.monotonic()
+        states = self._states()
+        ready = all(s.state != State.STARTING or r in results for r, s in enumerate(states))
+        signature = (tuple(s.progress for s in states), len(results), len(running))
+        if not ready or signature != self._signature:
+            self._signature, self._since = signature, now
+            return None
+        if now - self._since < self.timeout:
+            return None
+        report = self.report(states, running, results, now - self._since)
+        if any(v.status == "running" and compiling(v.stack) for v in report.ranks):
+            self._since = time.monotonic()  # torch.compile at work: progress, of a kind
+            return None
+        return report
+
+    def _dump(self, ranks: list[int]) -> dict[int, list[ThreadStack]]:
+        """Ask each rank for its stacks; return what arrived within a few seconds."""
+        before = {r: self._size(r) for r in ranks}
+        for rank in ranks:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.pids[rank], DUMP_SIGNAL)
+        sizes: dict[int, int] = {}
+        deadline = time.monotonic() + _DUMP_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = {r: self._size(r) for r in ranks}
+            # Each file grew (the new dump, appended) and stopped growing (it is complete).
+            if all(now[r] > before[r] and now[r] == sizes.get(r) for r in ranks):
+                break
+            sizes = now
+        found = {}
+        for rank in ranks:
+            path = self.dir / f"rank{rank}.stacks"
+            with contextlib.suppress(OSError):
+                threads = parse_dump(path.read_text(errors="replace"))
+                if threads:
+                    found[rank] = threads
+        return found
+
+    def _size(self, rank: int) -> int:
+        try:
+            return (self.dir / f"rank{rank}.stacks").stat().st_size
+        except OSError:
+            return 0
+
+    def report(
+        self,
+        states: list[SlotState],
+        running: dict[int, BaseProcess],
+        results: dict[int, Any],
+        stalled_s: float,
+    ) -> _hang.HangReport:
+        alive = [r for r in sorted(running) if r in self.pids and states[r].armed]
+        stacks = self._dump(alive)
+        views = []
+        for rank, slot in enumerate(states):
+            status: _hang.Status = (
+                "returned" if rank in results else "running" if rank in running else "gone"
+            )
+            views.append(rank_view(rank, status, slot, stacks.get(rank)))
+        verdict = _hang.diagnose(views)
+        return _hang.HangReport(self.timeout, stalled_s, self.n, verdict, tuple(views))
+
+    def error(self, report: _hang.HangReport) -> HangError:
+        stopped = "Every rank was stopped (SIGTERM, then SIGKILL after 3 s)."
+        return HangError(f"{report}\n\n{stopped}", report=report)
+
+    def mismatch_note(self) -> list[str]:
+        """For a LaunchError: each rank's last collective, when they were the same call
+        (same count) but disagree on what it is: the crash was a collective mismatch (gloo
+        aborts on a size mismatch: "Received data size doesn't match expected size")."""
+        last = {r: s.history[-1] for r, s in enumerate(self._states()) if s.history}
+        if len(last) < 2 or len({c.seq for c in last.values()}) != 1:
+            return []
+        if len({(c.op, c.detail, c.site) for c in last.values()}) < 2:
+            return []
+        lines = ["", "The ranks called different collectives (a collective mismatch):"]
+        lines += [f"  rank {r}: {c.describe()}" for r, c in sorted(last.items())]
+        lines.append(
+            "Every rank must call the same collectives in the same order, with the same "
+            "shapes and dtypes."
+        )
+        return lines
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError, ValueError):
+            self.slots.close()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,395 @@
+"""Which rank caused a hang, and why: pure rules over every rank's stack and collective state.
+
+Input: one :class:`RankView` per rank (built by the launcher or the watchdog from the slot
+and the stack dump). The rules, in order (:func:`diagnose`):
+
+1. **outside**: some ranks wait (in a collective, or inside ``backward()``, where DDP's
+   gradient all-reduce runs) while others run user code outside any collective: those
+   are the cause; their stack says whether they wait for a DataLoader batch, are blocked
+   on a lock, or are simply busy (a loop, a sleep, work only they do).
+2. **returned**: some ranks returned from ``main`` and the others are still busy outside
+   any collective: the busy ones are the cause.
+3. **ddp**: some ranks wait inside ``backward()`` while others wait in a collective and have
+   made more optimizer steps: those got past the gradient all-reduce without starting it
+   (their forward did not use every parameter), so they are the cause.
+4. **mismatch**: every running rank waits, but not in the same collective (name, tensor
+   shape and dtype, call site): the ranks outside the largest group are the cause; with
+   no largest group (two ranks), the rank whose last move (previous call site -> this one)
+   no rank ever made before (it skipped a collective) is; else all are named.
+5. **behind**: all wait in the same call, but their collective counts differ: the ranks
+   with fewer calls skipped one earlier.
+6. **stalled**: all wait in the same collective and none is missing: the cause is below
+   Python (network, a kernel, a peer outside the job); no rank is blamed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from trainperf.ddp._progress import Collective
+from trainperf.ddp._stacks import Activity, Frame, is_user_file
+
+__all__ = ["HangReport", "RankView", "Verdict", "diagnose"]
+
+Status = Literal["running", "returned", "gone"]
+Kind = Literal["outside", "returned", "ddp", "mismatch", "behind", "stalled"]
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank at the moment of the hang."""
+
+    rank: int
+    status: Status
+    activity: Activity
+    collective: Collective | None = None  # the collective it waits in
+    history: tuple[Collective, ...] = ()  # its last collectives, oldest first
+    steps: int = 0  # optimizer steps
+    where: Frame | None = None  # the innermost frame of the user's code, main thread
+    line: str = ""  # that frame's source line
+    stack: tuple[Frame, ...] = ()  # main thread, innermost first
+    threads: tuple[tuple[int, Frame | None, str], ...] = ()  # other threads: id, frame, line
+    answered: bool = True  # whether a stack dump came
+
+    @property
+    def waiting(self) -> bool:
+        return self.status == "running" and self.activity in ("collective", "backward")
+
+    @property
+    def busy(self) -> bool:
+        return self.status == "running" and not self.waiting
+
+    def key(self) -> tuple[str, str, str]:
+        """What it waits in, as ranks must agree on: op, shape/dtype, call site."""
+        if self.activity == "collective" and self.collective is not None:
+            c = self.collective
+            return c.op, c.detail, c.site
+        return "backward()", "", self.where.site if self.where else "?"
+
+    def doing(self) -> str:
+        """What this rank does, in words."""
+        at = f" at {self.where}" if self.where else ""
+        code = f" (`{self.line}`)" if self.line else ""
+        if self.status == "returned":
+            return "returned from main"
+        if self.status == "gone":
+            return "has exited"
+        if self.activity == "collective" and self.collective is not None:
+            return f"waits in {self.collective.describe()}"
+        if self.activity == "backward":
+            return f"waits inside backward(){at} (DDP's gradient all-reduce runs there)"
+        if self.activity == "dataloader":
+            return f"waits for a batch from its DataLoader{at}{code}"
+        if self.activity == "lock":
+            return f"is blocked on a lock{at}{code}"
+        return f"is busy outside any collective{at}{code}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: Kind
+    root: tuple[int, ...]  # the ranks that cause the hang (empty for "stalled")
+    headline: str
+    advice: str
+
+
+def _ranks(ranks: list[int] | tuple[int, ...]) -> str:
+    ranks = sorted(ranks)
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _verb(ranks: list[RankView], singular: str, plural: str) -> str:
+    return singular if len(ranks) == 1 else plural
+
+
+def _what_others_do(others: list[RankView]) -> str:
+    """'rank 0 waits in ...' / 'ranks 0, 2 wait in ...', grouped by what they do."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for v in others:
+        groups[v.doing()].append(v.rank)
+    parts = []
+    for doing, ranks in groups.items():
+        if len(ranks) > 1:
+            doing = doing.replace("waits ", "wait ", 1).replace("returned", "returned", 1)
+            doing = doing.replace("has exited", "have exited", 1)
+        parts.append(f"{_ranks(ranks)} {doing}")
+    return "; ".join(parts)
+
+
+def _describe_root(root: list[RankView]) -> str:
+    return "; ".join(f"rank {v.rank} {v.doing()}" for v in root)
+
+
+_ADVICE = {
+    "running": (
+        "Fix: every rank must reach the same collectives. Look at what {who} does at {site}: "
+        "an endless loop, a sleep, or work only some ranks do. If that work is slow on "
+        "purpose, raise hang_timeout (or pass hang_timeout=None)."
+    ),
+    "dataloader": (
+        "Fix: {who}'s DataLoader delivers no batch: a worker is stuck in __getitem__ (I/O, "
+        "a lock, a deadlock after fork) or died. DataLoader(..., timeout=60) makes the wait "
+        "raise; num_workers=0 runs __getitem__ in the rank, so the next report shows its line."
+    ),
+    "lock": (
+        "Fix: {who} waits for a lock that nothing releases: another of its threads holds it "
+        "(its threads are listed below). Release it on every path (`with lock:`), and do not "
+        "hold it across blocking calls."
+    ),
+    "returned": (
+        "Fix: the other ranks finished main while {who} still runs code at {site} that they "
+        "do not. If that is intended (work only {who} does at the end), raise hang_timeout; "
+        "otherwise make it return."
+    ),
+    "ddp": (
+        "Fix: make every rank's forward use the same parameters (no branch on the rank or the "
+        "data around a layer), or wrap the model with find_unused_parameters=True."
+    ),
+    "mismatch": (
+        "Fix: every rank must call the same collectives in the same order, with the same "
+        "shapes and dtypes: look for an `if` that depends on the rank or the data around "
+        "{site}. TORCH_DISTRIBUTED_DEBUG=DETAIL checks every call as it is made."
+    ),
+    "stalled": (
+        "Fix: no rank is missing from the collective, so the stall is below Python: the "
+        "interconnect (run `trainperf doctor --dist`; NCCL_DEBUG=INFO names the transport), "
+        "a GPU kernel that never finishes, or a peer outside this job on the same port."
+    ),
+}
+
+
+def _advice(kind: str, root: list[RankView]) -> str:
+    first = root[0] if root else None
+    site = first.where.site if first and first.where else "the call site"
+    if first and first.collective and kind in ("mismatch", "behind"):
+        site = first.collective.site
+    who = _ranks([v.rank for v in root]) if root else "every rank"
+    return _ADVICE[kind].format(who=who, site=site)
+
+
+def _outside(running: list[RankView], done: list[RankView]) -> Verdict | None:
+    waiting = [v for v in running if v.waiting]
+    busy = [v for v in running if v.busy]
+    if not busy or not (waiting or done):
+        return None
+    others = waiting + done
+    kind: Kind = "outside" if waiting else "returned"
+    tail = "while" if waiting else "after"
+    headline = f"{_describe_root(busy)}, {tail} {_what_others_do(others)}"
+    activity = busy[0].activity
+    advice = _advice("returned" if kind == "returned" else activity, busy)
+    return Verdict(kind, tuple(v.rank for v in busy), headline, advice)
+
+
+def _ddp(waiting: list[RankView]) -> Verdict | None:
+    behind = [v for v in waiting if v.activity == "backward"]
+    ahead = [v for v in waiting if v.activity == "collective"]
+    if not behind or not ahead or min(v.steps for v in ahead) <= max(v.steps for v in behind):
+        return None
+    steps = ", ".join(f"rank {v.rank}: {v.steps}" for v in sorted(waiting, key=lambda v: v.rank))
+    headline = (
+        f"{_ranks([v.rank for v in ahead])} got past the backward() that "
+        f"{_ranks([v.rank for v in behind])} {_verb(behind, 'waits', 'wait')} in (optimizer "
+        f"steps {steps}) without starting DDP's gradient all-reduce: "
+        f"{_verb(ahead, 'its', 'their')} forward did not use every parameter. Now "
+        f"{_describe_root(ahead)}; {_what_others_do(behind)}"
+    )
+    return Verdict("ddp", tuple(v.rank for v in ahead), headline, _advice("ddp", ahead))
+
+
+def _transitions(history: tuple[Collective, ...]) -> list[tuple[tuple[str, str], ...]]:
+    """Consecutive (previous call, next call) pairs, by op and call site."""
+    return [
+        ((a.op, a.site), (b.op, b.site))
+        for a, b in itertools.pairwise(history)
+        if b.seq == a.seq + 1
+    ]
+
+
+def _deviating(waiting: list[RankView]) -> list[RankView]:
+    """Ranks whose last move (previous call site -> current one) no rank made before."""
+    known: set[tuple[tuple[str, str], ...]] = set()
+    last: dict[int, tuple[tuple[str, str], ...]] = {}
+    for v in waiting:
+        moves = _transitions(v.history) if v.activity == "collective" else []
+        if moves:
+            last[v.rank] = moves[-1]
+            known.update(moves[:-1])
+    return [v for v in waiting if v.rank in last and last[v.rank] not in known]
+
+
+def _mismatch(waiting: list[RankView]) -> Verdict | None:
+    groups: dict[tuple[str, str, str], list[RankView]] = defaultdict(list)
+    for v in waiting:
+        groups[v.key()].append(v)
+    if len(groups) < 2:
+        return None
+    sizes = sorted((len(g) for g in groups.values()), reverse=True)
+    if sizes[0] > sizes[1]:
+        majority = max(groups.values(), key=len)
+        root = [v for v in waiting if v not in majority]
+    else:
+        root = _deviating(waiting)
+        if not 0 < len(root) < len(waiting):
+            root = list(waiting)
+    others = [v for v in waiting if v not in root]
+    headline = "the ranks wait in different collectives: " + _describe_root(root)
+    if others:
+        headline += f", while {_what_others_do(others)}"
+    return Verdict("mismatch", tuple(v.rank for v in root), headline, _advice("mismatch", root))
+
+
+def _same_call(waiting: list[RankView]) -> Verdict:
+    seqs = {v.rank: v.collective.seq for v in waiting if v.collective is not None}
+    if len(set(seqs.values())) > 1:
+        least = min(seqs.values())
+        root = [v for v in waiting if seqs.get(v.rank) == least]
+        others = [v for v in waiting if v not in root]
+        headline = (
+            f"every rank waits at the same call, but {_describe_root(root)} while "
+            f"{_what_others_do(others)}: {_verb(root, 'it has', 'they have')} made fewer "
+            "collective calls, so one was skipped earlier"
+        )
+        return Verdict("behind", tuple(v.rank for v in root), headline, _advice("mismatch", root))
+    doing = waiting[0].doing() if waiting else "nothing"
+    headline = f"every rank {doing}, and none is missing from it"
+    return Verdict("stalled", (), headline, _advice("stalled", []))
+
+
+def diagnose(views: list[RankView]) -> Verdict:
+    """Name the rank(s) that caused a hang (see the module docstring for the rules).
+
+    Example:
+        >>> from trainperf.ddp._progress import Collective
+        >>> c = Collective(3, "all_reduce", "float32[4]", "train.py", 24, "main")
+        >>> v0 = RankView(0, "running", "collective", collective=c)
+        >>> v1 = RankView(1, "running", "running", where=Frame("train.py", 21, "main"))
+        >>> diagnose([v0, v1]).root
+        (1,)
+    """
+    running = [v for v in views if v.status == "running"]
+    done = [v for v in views if v.status != "running"]
+    found = _outside(running, done)
+    if found is not None:
+        return found
+    waiting = [v for v in running if v.waiting]
+    busy = [v for v in running if v.busy]
+    if busy:  # nobody waits and nobody finished: all of them are stuck outside collectives
+        headline = _describe_root(busy)
+        return Verdict(
+            "outside", tuple(v.rank for v in busy), headline, _advice(busy[0].activity, busy)
+        )
+    for rule in (_ddp, _mismatch):
+        found = rule(waiting)
+        if found is not None:
+            return found
+    return _same_call(waiting)
+
+
+def _from_user_code(stack: tuple[Frame, ...]) -> list[Frame]:
+    """Outermost first, from the start of the innermost run of the user's frames: the
+    launcher's and multiprocessing's frames above it say nothing (under fork the launching
+    script's own frames are further out still)."""
+    frames = list(reversed(stack))
+    user = [i for i, f in enumerate(frames) if is_user_file(f.file)]
+    if not user:
+        return frames
+    first = user[-1]
+    while first > 0 and is_user_file(frames[first - 1].file):
+        first -= 1
+    return frames[first:]
+
+
+def _stack_lines(view: RankView, limit: int = 12) -> list[str]:
+    if not view.answered:
+        return [f"rank {view.rank} sent no stack (it may be stopped, or gone)"]
+    lines = [f"Stack of rank {view.rank}, main thread (most recent call last):"]
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    # trainperf's own frames (the collective's wrapper) are left out: they say nothing.
+    shown = [f for f in _from_user_code(view.stack) if not f.file.startswith(own)]
+    for f in shown[-limit:]:
+        lines.append(f'  File "{f.file}", line {f.line}, in {f.function}')
+        if f == view.where and view.line:
+            lines.append(f"    {view.line}")
+    for ident, frame, code in view.threads:
+        text = f"  other thread 0x{ident:x}: {frame if frame else '(no Python frame)'}"
+        lines.append(text + (f" (`{code}`)" if code else ""))
+    return lines
+
+
+@dataclass(frozen=True)
+class HangReport:
+    """A hang, its verdict and every rank's state. ``str()`` is the message users read."""
+
+    hang_timeout: float
+    stalled_s: float
+    world_size: int
+    verdict: Verdict
+    ranks: tuple[RankView, ...]
+    option: str = "hang_timeout"  # how the caller named the timeout (watchdog: "timeout")
+
+    def __str__(self) -> str:
+        v = self.verdict
+        cause = (
+            f"{_ranks(v.root)} {'is' if len(v.root) == 1 else 'are'} the cause"
+            if v.root
+            else "no rank is blamed"
+        )
+        lines = [
+            f"no progress on any of {self.world_size} ranks for {self.stalled_s:.0f} s "
+            f"({self.option}={self.hang_timeout:g}): {cause}.",
+            v.headline,
+            "",
+            v.advice,
+            "",
+            "Each rank:",
+        ]
+        for view in self.ranks:
+            steps = f" ({view.steps} optimizer steps)" if view.steps else ""
+            lines.append(f"  rank {view.rank} {view.doing()}{steps}")
+        for view in self.ranks:
+            if view.rank in v.root:
+                lines += ["", *_stack_lines(view)]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe: the verdict, and per rank its state, call site and stack."""
+        return {
+            "hang_timeout": self.hang_timeout,
+            "stalled_s": None if math.isinf(self.stalled_s) else round(self.stalled_s, 1),
+            "world_size": self.world_size,
+            "kind": self.verdict.kind,
+            "root_ranks": list(self.verdict.root),
+            "headline": self.verdict.headline,
+            "advice": self.verdict.advice,
+            "ranks": [_view_dict(view) for view in self.ranks],
+        }
+
+
+def _frame_dict(frame: Frame | None) -> dict[str, Any] | None:
+    if frame is None:
+        return None
+    return {"file": frame.file, "line": frame.line, "function": frame.function}
+
+
+def _view_dict(view: RankView) -> dict[str, Any]:
+    c = view.collective
+    return {
+        "rank": view.rank,
+        "status": view.status,
+        "activity": view.activity,
+        "doing": view.doing(),
+        "where": _frame_dict(view.where),
+        "source": view.line,
+        "collective": None
+        if c is None
+        else {"op": c.op, "detail": c.detail, "seq": c.seq, "site": c.site, "function": c.function},
+        "optimizer_steps": view.steps,
+        "stack": [_frame_dict(f) for f in reversed(view.stack)],
+        "answered": view.answered,
+    }

@@ -1,0 +1,90 @@
+"""``launch`` inside a torchrun or SLURM job: no workers to start, ``main`` runs here.
+
+The process group is initialised from the launcher's environment (``env://``) unless it
+already exists, ``main`` runs under :func:`~trainperf.ddp.watchdog` when ``hang_timeout`` is
+set (there is no launcher of ours to watch the ranks, so they watch each other), and the
+group is destroyed afterwards; the environment variables set here are put back.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from trainperf.ddp import _env
+from trainperf.ddp._worker import rank_device
+
+__all__ = ["resolve_backend", "run_in_process"]
+
+
+def resolve_backend(backend: str | None, gpu_count: int) -> str:
+    if backend is None:
+        return "nccl" if gpu_count > 0 else "gloo"
+    if backend == "nccl" and gpu_count == 0:
+        raise ValueError(
+            "backend='nccl' needs CUDA GPUs and none is visible; "
+            "use backend='gloo' (or None) on CPU"
+        )
+    return backend
+
+
+def run_in_process(
+    env: _env.DistributedEnv,
+    main: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    backend: str | None,
+    timeout: timedelta,
+    all_ranks: bool,
+    hang_timeout: float | None,
+) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    from trainperf.ddp._watchdog import watchdog
+    from trainperf.limits import usable_cpus
+
+    names = (*_env.TORCHRUN_VARS, "LOCAL_WORLD_SIZE")
+    saved = {name: os.environ.get(name) for name in names}
+    values = (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port)
+    os.environ.update({n: str(v) for n, v in zip(_env.TORCHRUN_VARS, values, strict=True)})
+    os.environ["LOCAL_WORLD_SIZE"] = str(env.local_world_size)
+    created = False
+    try:
+        if not dist.is_initialized():
+            resolved = resolve_backend(backend, torch.cuda.device_count())
+            if "OMP_NUM_THREADS" not in os.environ:
+                torch.set_num_threads(usable_cpus(env.local_world_size))
+            device = None
+            if resolved == "nccl":
+                device = rank_device(env.local_rank)
+                torch.cuda.set_device(device)
+            dist.init_process_group(
+                resolved,
+                init_method="env://",
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timeout,
+                device_id=device,
+            )
+            created = True
+        # No launcher of ours to watch the ranks: they watch each other (a hang ends every
+        # rank with status 124 and the verdict on stderr).
+        with watchdog(hang_timeout):
+            result = main(*args, **kwargs)
+        if not all_ranks:
+            return result
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result)
+        return gathered
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

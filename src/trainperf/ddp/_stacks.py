@@ -1,0 +1,204 @@
+"""Every thread's Python stack from a ``faulthandler`` dump, and what the main thread is doing.
+
+A rank registers ``faulthandler.register(signum, file, all_threads=True)``: the dump is
+written from the C signal handler, so it comes even from a rank stuck in C code (a
+collective, a lock, a DataLoader queue), whether or not that code holds the GIL. Its
+format::
+
+    Thread 0x00007f5c9a7fc640 (most recent call first):
+      File "/usr/lib/python3.11/threading.py", line 324 in wait
+      ...
+
+    Current thread 0x00007f5ca0f5e740 (most recent call first):
+      File "train.py", line 12 in main
+
+:func:`classify` reads a rank's main thread (innermost frame first) and its slot into one
+:data:`Activity`: inside a collective, inside ``backward()`` (DDP's gradient all-reduce
+runs there, from C++), waiting for a DataLoader batch, blocked on a lock, or running.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import signal
+import sysconfig
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "DUMP_SIGNAL",
+    "Activity",
+    "Frame",
+    "ThreadStack",
+    "classify",
+    "compiling",
+    "is_user_file",
+    "parse_dump",
+    "source_line",
+    "user_frame",
+]
+
+# The signal on which a rank's faulthandler dumps its stacks: a real-time signal, which no
+# program or batch system uses by default (SLURM's --signal and preemption handlers often
+# take SIGUSR1/SIGUSR2).
+DUMP_SIGNAL = signal.SIGRTMIN + 4
+
+Activity = Literal["collective", "backward", "dataloader", "lock", "running"]
+
+_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
+_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
+_LOCK_LINE = re.compile(r"\.acquire\(|\bwith\b[^#]*lock\b", re.IGNORECASE)
+_STDLIB = os.path.normpath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    function: str
+
+    @property
+    def site(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    def __str__(self) -> str:
+        return f"{self.site} in {self.function}"
+
+
+@dataclass(frozen=True)
+class ThreadStack:
+    ident: int
+    current: bool  # the thread that ran the signal handler
+    frames: tuple[Frame, ...]  # innermost first, as faulthandler prints them
+
+
+def parse_dump(text: str) -> list[ThreadStack]:
+    """The threads of one dump (the last dump, if the text holds several).
+
+    Example:
+        >>> dump = 'Current thread 0x00007f00 (most recent call first):\\n'
+        >>> dump += '  File "train.py", line 12 in main\\n  File "train.py", line 20 in <module>\\n'
+        >>> [str(f) for f in parse_dump(dump)[0].frames]
+        ['train.py:12 in main', 'train.py:20 in <module>']
+    """
+    threads: list[ThreadStack] = []
+    ident: int | None = None
+    current = False
+    frames: list[Frame] = []
+    seen: set[int] = set()
+
+    def flush() -> None:
+        if ident is not None:
+            threads.append(ThreadStack(ident, current, tuple(frames)))
+
+    for line in text.splitlines():
+        head = _THREAD.match(line)
+        if head:
+            flush()
+            ident, current, frames = int(head[2], 16), head[1] == "Current thread", []
+            if ident in seen:  # a second dump starts: keep only the newest
+                threads.clear()
+                seen.clear()
+            seen.add(ident)
+            continue
+        frame = _FRAME.match(line)
+        if frame and ident is not None:
+            frames.append(Frame(frame["file"], int(frame["line"]), frame["func"]))
+    flush()
+    return threads
+
+
+def _package_dirs() -> tuple[str, ...]:
+    import torch
+
+    import trainperf
+
+    return tuple(
+        os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep for m in (torch, trainperf)
+    )
+
+
+def is_user_file(file: str) -> bool:
+    """Whether a frame's file is the user's: not torch, trainperf, the standard library or
+    frozen modules.
+
+    Example:
+        >>> is_user_file("/home/me/train.py"), is_user_file("<frozen runpy>")
+        (True, False)
+    """
+    if file.startswith("<"):
+        return False
+    path = os.path.normpath(file)
+    return not path.startswith((_STDLIB, *_package_dirs()))
+
+
+def user_frame(frames: tuple[Frame, ...]) -> Frame | None:
+    """The innermost frame in the user's code (torch internals skipped), else the innermost."""
+    for frame in frames:
+        if is_user_file(frame.file):
+            return frame
+    return frames[0] if frames else None
+
+
+def source_line(frame: Frame | None) -> str:
+    """The line of source a frame is on, stripped ('' when the file cannot be read)."""
+    if frame is None:
+        return ""
+    return linecache.getline(frame.file, frame.line).strip()
+
+
+def _in(frames: tuple[Frame, ...], path_part: str, functions: tuple[str, ...]) -> bool:
+    part = path_part.replace("/", os.sep)
+    return any(part in f.file and f.function in functions for f in frames)
+
+
+def classify(
+    frames: tuple[Frame, ...], *, in_collective: bool, waits_async: bool = False
+) -> Activity:
+    """What a rank's main thread is doing, from its stack (innermost first) and its slot.
+
+    Args:
+        frames: the main thread's frames, innermost first.
+        in_collective: the rank's slot says it is inside a Python collective.
+        waits_async: its last collective was started with ``async_op=True`` (the wait then
+            happens in ``work.wait()``, which has no Python frame of its own).
+
+    Example:
+        >>> loop = (Frame("/torch/utils/data/dataloader.py", 700, "__next__"),
+        ...         Frame("/home/me/train.py", 30, "main"))
+        >>> classify(loop, in_collective=False)
+        'dataloader'
+    """
+    if in_collective:
+        return "collective"
+    if _in(frames, "torch/autograd/", ("backward", "_engine_run_backward")) or _in(
+        frames, "torch/_tensor.py", ("backward",)
+    ):
+        return "backward"
+    if _in(frames, "torch/utils/data/", ("__next__",)):
+        return "dataloader"
+    if not frames:
+        return "running"
+    innermost = frames[0]
+    if innermost.file.startswith(_STDLIB) and innermost.function in ("acquire", "wait", "join"):
+        return "lock"
+    line = source_line(innermost)
+    if waits_async and ".wait(" in line:
+        return "collective"
+    if _LOCK_LINE.search(line):
+        return "lock"
+    return "running"
+
+
+def compiling(frames: tuple[Frame, ...]) -> bool:
+    """Whether the stack is inside ``torch.compile``'s compiler (dynamo or inductor): a
+    first compilation can take minutes on every rank at once, and is not a hang.
+
+    Example:
+        >>> compiling((Frame("/torch/_inductor/graph.py", 900, "run"),))
+        True
+    """
+    parts = (f"torch{os.sep}_dynamo{os.sep}", f"torch{os.sep}_inductor{os.sep}")
+    return any(part in f.file for f in frames for part in parts)

@@ -1,0 +1,125 @@
+"""trainperf.ddp._hang: the root-cause rules, one test each, on hand-made rank views."""
+
+from __future__ import annotations
+
+import json
+
+from trainperf.ddp._hang import HangReport, RankView, diagnose
+from trainperf.ddp._progress import Collective
+from trainperf.ddp._stacks import Activity, Frame
+
+F = "/home/me/train.py"
+
+
+def _c(seq: int, op: str = "all_reduce", line: int = 24, detail: str = "float32[4]") -> Collective:
+    return Collective(seq, op, detail, F, line, "main")
+
+
+def _waits(
+    rank: int, c: Collective, history: tuple[Collective, ...] = (), steps: int = 0
+) -> RankView:
+    return RankView(rank, "running", "collective", collective=c, history=(*history, c), steps=steps)
+
+
+def _busy(rank: int, activity: Activity = "running", line: int = 21) -> RankView:
+    where = Frame(F, line, "main")
+    return RankView(rank, "running", activity, where=where, stack=(where,))
+
+
+def test_a_rank_outside_any_collective_while_others_wait_is_the_cause() -> None:
+    v = diagnose([_waits(0, _c(3)), _busy(1, line=21), _waits(2, _c(3))])
+    assert (v.kind, v.root) == ("outside", (1,))
+    assert v.headline.startswith(f"rank 1 is busy outside any collective at {F}:21 in main")
+    assert f"while ranks 0, 2 wait in all_reduce float32[4] (collective #3) at {F}:24" in v.headline
+    assert "raise hang_timeout" in v.advice
+
+
+def test_a_dataloader_wait_and_a_lock_are_named_with_their_fix() -> None:
+    v = diagnose([_waits(0, _c(3)), _busy(1, "dataloader")])
+    assert v.root == (1,) and "waits for a batch from its DataLoader" in v.headline
+    assert "__getitem__" in v.advice and "timeout=" in v.advice
+    threads = ((0x7F, Frame(F, 9, "hold"), "time.sleep(1e9)"),)
+    where = Frame(F, 30, "main")
+    view = RankView(1, "running", "lock", where=where, line="with lock:", threads=threads)
+    v = diagnose([_waits(0, _c(3)), view])
+    assert v.root == (1,) and f"is blocked on a lock at {F}:30 in main (`with lock:`)" in v.headline
+    assert "another of its threads holds it" in v.advice
+    report = HangReport(3.0, 3.2, 2, v, (_waits(0, _c(3)), view))
+    assert f"other thread 0x7f: {F}:9 in hold (`time.sleep(1e9)`)" in str(report)
+
+
+def test_a_rank_busy_after_the_others_returned_is_the_cause() -> None:
+    done = RankView(0, "returned", "running")
+    v = diagnose([done, _busy(1)])
+    assert (v.kind, v.root) == ("returned", (1,))
+    assert v.headline.endswith("after rank 0 returned from main")
+
+
+def test_a_rank_past_the_ddp_backward_others_wait_in_is_the_cause() -> None:
+    stuck = RankView(0, "running", "backward", where=Frame(F, 95, "main"), steps=2)
+    ahead = _waits(1, _c(9, "barrier", 98, ""), steps=3)
+    v = diagnose([stuck, ahead])
+    assert (v.kind, v.root) == ("ddp", (1,))
+    assert "optimizer steps rank 0: 2, rank 1: 3" in v.headline
+    assert "find_unused_parameters=True" in v.advice
+    # Without more steps on the waiting rank, it is an ordinary mismatch (both named).
+    v = diagnose([stuck, _waits(1, _c(9, "barrier", 98, ""), steps=2)])
+    assert v.kind == "mismatch" and v.root == (0, 1)
+
+
+def test_the_rank_outside_the_largest_group_of_collectives_is_the_cause() -> None:
+    odd = _waits(1, _c(3, "all_gather", 64, "float32[4] x3"))
+    v = diagnose([_waits(0, _c(3)), odd, _waits(2, _c(3))])
+    assert (v.kind, v.root) == ("mismatch", (1,))
+    assert "rank 1 waits in all_gather float32[4] x3 (collective #3)" in v.headline
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in v.advice
+    # Same op, other shape: a mismatch too.
+    v = diagnose([_waits(0, _c(3)), _waits(1, _c(3, detail="float32[8]")), _waits(2, _c(3))])
+    assert v.root == (1,)
+
+
+def test_with_two_ranks_the_one_that_skipped_a_collective_is_found_by_its_history() -> None:
+    # Both ran all_reduce(A:54) -> broadcast(B:56) -> A -> B ...; rank 1 went A -> A.
+    a, b = (lambda s: _c(s, "all_reduce", 54)), (lambda s: _c(s, "broadcast", 56))
+    past = (a(1), b(2), a(3), b(4), a(5))
+    v = diagnose([_waits(0, b(6), past), _waits(1, a(6), past)])
+    assert (v.kind, v.root) == ("mismatch", (1,))
+    # Without history to tell them apart, both are named.
+    v = diagnose([_waits(0, _c(3, "all_reduce", 66)), _waits(1, _c(3, "all_gather", 64))])
+    assert v.root == (0, 1)
+
+
+def test_ranks_at_the_same_call_with_fewer_collectives_skipped_one_earlier() -> None:
+    v = diagnose([_waits(0, _c(7)), _waits(1, _c(6)), _waits(2, _c(7))])
+    assert (v.kind, v.root) == ("behind", (1,))
+
+
+def test_every_rank_in_the_same_collective_blames_nobody() -> None:
+    v = diagnose([_waits(0, _c(3)), _waits(1, _c(3))])
+    assert (v.kind, v.root) == ("stalled", ())
+    assert "doctor --dist" in v.advice
+
+
+def test_ranks_all_stuck_outside_collectives_are_all_named() -> None:
+    v = diagnose([_busy(0, "dataloader"), _busy(1, "dataloader")])
+    assert (v.kind, v.root) == ("outside", (0, 1))
+
+
+def test_a_rank_that_sent_no_stack_is_named_as_such() -> None:
+    silent = RankView(1, "running", "running", answered=False)
+    v = diagnose([_waits(0, _c(3)), silent])
+    report = HangReport(3.0, 4.0, 2, v, (_waits(0, _c(3)), silent))
+    assert v.root == (1,) and "rank 1 sent no stack" in str(report)
+
+
+def test_the_report_reads_and_serialises() -> None:
+    views = (_waits(0, _c(3), steps=2), _busy(1))
+    report = HangReport(3.0, 3.4, 2, diagnose(list(views)), views)
+    text = str(report)
+    assert text.startswith("no progress on any of 2 ranks for 3 s (hang_timeout=3): rank 1 is")
+    assert "Each rank:\n  rank 0 waits in all_reduce" in text and "(2 optimizer steps)" in text
+    assert f'Stack of rank 1, main thread (most recent call last):\n  File "{F}", line 21' in text
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["root_ranks"] == [1] and data["kind"] == "outside"
+    assert data["ranks"][0]["collective"]["site"] == f"{F}:24"
+    assert data["ranks"][1]["where"] == {"file": F, "line": 21, "function": "main"}

@@ -1,0 +1,237 @@
+"""Issue #16's hang cases under ``launch(hang_timeout=...)`` and ``watchdog()`` with torchrun:
+HangError within hang_timeout + 30 s naming the right rank and its file:line, every process
+gone afterwards; healthy jobs run to the end with no report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import trainperf.ddp as ddp
+from tests.ddp import _hangs
+from tests.ddp._distributed import LONG, launch_fork
+from tests.ddp.test_launch import _clean_env, _processes_with
+from trainperf.ddp import _launch
+from trainperf.errors import HangError, LaunchError
+
+HANG_S = 3.0
+CAUSE = _hangs.cause_line("# CAUSE")
+WAIT = _hangs.cause_line("# WAIT")
+HANGS = str(Path(_hangs.__file__))
+
+# case, ranks, verdict kind, what the message says the cause does, what the others do
+CASES: list[tuple[str, int, str, str, str]] = [
+    ("busy_loop", 2, "outside", "is busy outside any collective", "waits in all_reduce"),
+    ("skips_collective", 2, "mismatch", "waits in all_reduce", "waits in broadcast"),
+    ("different_collective", 3, "mismatch", "waits in all_gather", "wait in all_reduce"),
+    ("ddp_unused_layer", 2, "ddp", "waits in barrier", "waits inside backward()"),
+    ("stuck_dataloader", 2, "outside", "waits for a batch from its DataLoader", "waits in"),
+    ("own_lock", 2, "outside", "is blocked on a lock", "waits in all_reduce"),
+    ("busy_after_return", 2, "returned", "is busy outside any collective", "returned from"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("case", "nprocs", "kind", "cause", "others"), CASES, ids=[c[0] for c in CASES]
+)
+def test_each_hang_case_names_the_rank_and_its_line(
+    case: str, nprocs: int, kind: str, cause: str, others: str
+) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(HangError, match=r"^no progress on any of \d ranks for \d+ s") as info:
+        launch_fork(_hangs.CASES[case], nprocs=nprocs, timeout=LONG, hang_timeout=HANG_S)
+    elapsed = time.monotonic() - t0
+    assert isinstance(info.value, LaunchError)
+    text = str(info.value)
+    assert text.startswith(f"no progress on any of {nprocs} ranks for ")
+    assert f"rank {_hangs.BAD} is the cause." in text.splitlines()[0], text
+    report = info.value.report
+    assert report.verdict.kind == kind and report.verdict.root == (_hangs.BAD,), text
+    headline = report.verdict.headline
+    assert f"rank {_hangs.BAD} {cause}" in headline, headline
+    assert f"{HANGS}:{CAUSE[case]}" in headline, headline  # the user's line, not torch's
+    assert others in headline, headline
+    if case in WAIT:
+        assert f"{HANGS}:{WAIT[case]}" in headline, headline
+    assert "Every rank was stopped" in text
+    assert elapsed < HANG_S + 30  # start-up included
+    json.dumps(report.to_dict())  # serialisable
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_shape_mismatch_that_gloo_aborts_on_is_named_as_a_mismatch() -> None:
+    # Under gloo a size mismatch is a crash (SIGABRT), not a hang: the LaunchError says why.
+    with pytest.raises(LaunchError) as info:
+        launch_fork(_hangs.different_shape, timeout=LONG, hang_timeout=HANG_S)
+    text = str(info.value)
+    assert "different collectives (a collective mismatch)" in text, text
+    site = f"{HANGS}:{CAUSE['different_shape']}"
+    assert f"rank 0: all_reduce float32[4] (collective #3) at {site}" in text, text
+    assert f"rank 1: all_reduce float32[8] (collective #3) at {site}" in text, text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_checkpoint_save_of_half_the_timeout_is_not_a_hang() -> None:
+    assert launch_fork(_hangs.slow_save, 2.0, timeout=LONG, hang_timeout=4.0) == "done"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_steps_slower_than_a_tenth_of_the_timeout_are_not_a_hang() -> None:
+    assert launch_fork(_hangs.slow_steps, 8, 0.45, timeout=LONG, hang_timeout=4.0) == 8
+
+
+def test_hang_timeout_none_starts_no_detector(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any) -> None:
+        raise AssertionError("a detector was made with hang_timeout=None")
+
+    monkeypatch.setattr(_launch, "HangDetector", refuse)
+    assert launch_fork(_hangs.slow_steps, 1, 0.0, hang_timeout=None) == 1
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), "300"])
+def test_hang_timeout_must_be_none_or_a_finite_positive_number(value: object) -> None:
+    match = r"hang_timeout must be a positive number of seconds \(or None\)"
+    with pytest.raises(ValueError, match=match):
+        ddp.launch(_hangs.slow_steps, 1, 0.0, nprocs=2, backend="gloo", hang_timeout=value)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"timeout must be a positive number of seconds"):
+        ddp.watchdog(value)  # type: ignore[arg-type]
+
+
+def test_watchdog_needs_a_process_group_and_is_off_with_none() -> None:
+    with pytest.raises(RuntimeError, match=r"watchdog\(\) needs the default process group"):
+        ddp.watchdog(10.0)
+    with ddp.watchdog(None) as off:
+        assert not off.active
+
+
+# ---------------------------------------------------------------- torchrun with watchdog()
+
+TORCHRUN_CASES = [
+    ("busy_loop", "outside", "is busy outside any collective"),
+    ("skips_collective", "mismatch", "waits in all_reduce"),
+    ("busy_after_return", "returned", "is busy outside any collective"),
+    ("own_lock", "outside", "is blocked on a lock"),
+    ("stuck_dataloader", "outside", "waits for a batch from its DataLoader"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("case", "kind", "cause"), TORCHRUN_CASES, ids=[c[0] for c in TORCHRUN_CASES]
+)
+def test_the_torchrun_variant_gives_the_same_verdict(
+    tmp_path: Path, case: str, kind: str, cause: str
+) -> None:
+    report_path = tmp_path / "hang.json"
+    env = _clean_env()
+    env["OMP_NUM_THREADS"] = "1"
+    marker = f"torchrun-hang-{os.getpid()}-{time.time_ns()}"
+    env["TRAINPERF_TEST_MARKER"] = marker
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--monitor-interval", "0.5", HANGS, case, str(HANG_S), str(report_path),
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out
+    assert "exitcode  : 124" in out, out  # the watchdog's exit, seen by torchrun
+    verdict = out[out.index("trainperf.ddp.watchdog: ") :]
+    assert f"rank {_hangs.BAD} is the cause." in verdict.splitlines()[0], verdict
+    assert f"rank {_hangs.BAD} {cause}" in verdict and f"{HANGS}:{CAUSE[case]}" in verdict, verdict
+    report = json.loads(report_path.read_text())
+    assert report["kind"] == kind and report["root_ranks"] == [_hangs.BAD], report
+    assert report["message"] in verdict
+    assert time.monotonic() - t0 < 90
+    deadline = time.monotonic() + 10
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_with(marker) == []
+
+
+_FAKE_COMPILER = """\
+import time
+
+
+def compile_for(seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sum(range(1000))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_long_torch_compile_on_every_rank_is_not_a_hang(tmp_path: Path) -> None:
+    # A module whose path looks like torch's compiler: its frames mean "compiling".
+    path = tmp_path / "torch" / "_dynamo" / "tp_fake_compiler.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(_FAKE_COMPILER)
+    spec = importlib.util.spec_from_file_location("tp_fake_compiler", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = launch_fork(
+        _hangs.long_compile, module.compile_for, 2.5 * HANG_S, timeout=LONG, hang_timeout=HANG_S
+    )
+    assert result == "compiled"
+
+
+def _watched_now() -> tuple[bool, bool]:
+    import threading
+
+    import torch.distributed as dist
+
+    wrapped = hasattr(dist.all_reduce, "__trainperf_watched__")
+    return wrapped, any(t.name == "trainperf-watchdog" for t in threading.enumerate())
+
+
+@pytest.mark.timeout(60)
+def test_launch_inside_a_job_watches_through_the_watchdog_and_then_restores_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    import torch.distributed as dist
+
+    from tests.ddp.test_launch import _free_port
+
+    original = dist.all_reduce
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="2")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert ddp.launch(_watched_now, backend="gloo", hang_timeout=30.0) == (True, True)
+    assert dist.all_reduce is original
+    assert not any(t.name == "trainperf-watchdog" for t in threading.enumerate())
+    assert ddp.launch(_watched_now, backend="gloo", hang_timeout=None) == (False, False)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_cannot_open_its_progress_slot_still_runs(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from trainperf.ddp import _progress
+
+    def full(path: str) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_progress, "attach", full)  # forked ranks inherit the patch
+    assert launch_fork(_hangs.slow_steps, 2, 0.0, hang_timeout=HANG_S) == 2
+    assert (
+        "hang detection is off (OSError(28, 'No space left on device'))" in capfd.readouterr().err
+    )

@@ -1,0 +1,93 @@
+"""trainperf.ddp._progress: a rank's slot round-trips, and the wrappers record collectives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainperf.ddp import _progress
+from trainperf.ddp._progress import (
+    HISTORY,
+    SLOT_SIZE,
+    Collective,
+    State,
+    Tracker,
+    read_slot,
+)
+
+
+def test_a_fresh_slot_reads_as_starting_with_no_history() -> None:
+    state = read_slot(bytearray(SLOT_SIZE))
+    assert (state.progress, state.state, state.history, state.current) == (0, 0, (), None)
+
+
+def test_the_tracker_writes_what_the_launcher_reads() -> None:
+    buf = bytearray(3 * SLOT_SIZE)
+    tracker = Tracker(buf, index=2)
+    tracker.ready(armed=True)
+    tracker.enter("all_reduce", (torch.ones(4, 8),), {})
+    inside = read_slot(buf, 2)
+    assert inside.state == State.IN_COLLECTIVE and inside.armed
+    current = inside.current
+    assert current is not None
+    assert (current.op, current.detail, current.seq) == ("all_reduce", "float32[4, 8]", 1)
+    assert current.file == __file__ and current.function.startswith("test_the_tracker")
+    tracker.exit()
+    tracker.step()
+    after = read_slot(buf, 2)
+    assert after.state == State.RUNNING and after.current is None
+    assert (after.progress, after.steps, after.entered) == (3, 1, 1)  # ready, exit, step
+    assert read_slot(buf, 0).progress == 0  # other slots untouched
+    tracker.returned()
+    assert read_slot(buf, 2).state == State.RETURNED
+
+
+def test_the_history_keeps_the_last_collectives_in_order() -> None:
+    buf = bytearray(SLOT_SIZE)
+    tracker = Tracker(buf)
+    for i in range(HISTORY + 3):
+        tracker.enter("broadcast", ([torch.zeros(i + 1, dtype=torch.int64)] * 2,), {})
+        tracker.exit()
+    tracker.enter("barrier", (), {"async_op": True})
+    history = read_slot(buf).history
+    assert [c.seq for c in history] == list(range(HISTORY + 4 - HISTORY + 1, HISTORY + 5))
+    assert history[-2].detail == f"int64[{HISTORY + 3}] x2" and not history[-2].async_op
+    assert history[-1].op == "barrier" and history[-1].async_op
+
+
+def test_a_long_call_site_keeps_the_end_of_its_path() -> None:
+    c = Collective(5, "all_reduce", "float32[1]", "/" + "deep/" * 80 + "train.py", 7, "main")
+    text = c.encode()
+    assert len(text) <= 256
+    back = Collective.decode(5, text)
+    assert back is not None and back.file.endswith("deep/train.py") and back.line == 7
+    assert Collective.decode(1, b"garbage") is None
+
+
+def test_the_wrapper_records_the_outer_call_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    buf = bytearray(SLOT_SIZE)
+    tracker = Tracker(buf)
+    monkeypatch.setattr(_progress, "_installed", [tracker])
+    seen: list[int] = []
+
+    def inner(t: torch.Tensor) -> None:
+        seen.append(read_slot(buf).state)
+
+    watched_inner = _progress._wrap("all_gather", inner)
+
+    def outer(t: torch.Tensor) -> str:
+        watched_inner(t)  # e.g. all_gather_object calling all_gather
+        return "done"
+
+    watched = _progress._wrap("all_gather_object", outer)
+    assert watched(torch.ones(2)) == "done"
+    assert seen == [State.IN_COLLECTIVE]
+    state = read_slot(buf)
+    assert [c.op for c in state.history] == ["all_gather_object"] and state.progress == 1
+
+    def fails(t: torch.Tensor) -> None:
+        raise RuntimeError("peer gone")
+
+    with pytest.raises(RuntimeError, match="peer gone"):
+        _progress._wrap("all_reduce", fails)(torch.ones(1))
+    assert read_slot(buf).state == State.RUNNING and tracker.depth == 0

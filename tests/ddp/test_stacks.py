@@ -1,0 +1,118 @@
+"""trainperf.ddp._stacks: faulthandler dumps parsed, and what a rank's main thread is doing."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from trainperf.ddp._stacks import Frame, classify, is_user_file, parse_dump, user_frame
+
+TORCH = os.path.dirname(torch.__file__)
+THREADING = threading.__file__
+
+_DUMP = f"""\
+Thread 0x00007f5c9a7fc640 (most recent call first):
+  File "{THREADING}", line 324 in wait
+  File "/home/me/train.py", line 12 in worker
+
+Current thread 0x00007f5ca0f5e740 (most recent call first):
+  File "{TORCH}/distributed/distributed_c10d.py", line 3913 in all_reduce
+  File "/home/me/train.py", line 30 in main
+  File "/home/me/train.py", line 40 in <module>
+"""
+
+
+def test_a_dump_is_parsed_into_threads_innermost_frame_first() -> None:
+    threads = parse_dump(_DUMP)
+    assert [(hex(t.ident), t.current) for t in threads] == [
+        ("0x7f5c9a7fc640", False),
+        ("0x7f5ca0f5e740", True),
+    ]
+    main = threads[1]
+    assert main.frames[0] == Frame(f"{TORCH}/distributed/distributed_c10d.py", 3913, "all_reduce")
+    assert user_frame(main.frames) == Frame("/home/me/train.py", 30, "main")
+    # A second dump in the same file: only the newest counts.
+    again = parse_dump(_DUMP + "\n" + _DUMP.replace("line 30", "line 31"))
+    assert len(again) == 2 and again[1].frames[1].line == 31
+
+
+def test_a_real_dump_of_this_process_parses() -> None:
+    stop = threading.Event()
+    helper = threading.Thread(target=stop.wait, daemon=True)
+    helper.start()
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"dump-{os.getpid()}.txt"
+    try:
+        with path.open("w") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+        threads = parse_dump(path.read_text())
+    finally:
+        stop.set()
+        path.unlink(missing_ok=True)
+    idents = {t.ident for t in threads}
+    assert threading.main_thread().ident in idents and helper.ident in idents
+    mine = next(t for t in threads if t.ident == threading.main_thread().ident)
+    assert any(f.function == "test_a_real_dump_of_this_process_parses" for f in mine.frames)
+
+
+def test_torch_trainperf_and_the_standard_library_are_not_user_code() -> None:
+    assert is_user_file("/home/me/train.py")
+    assert not is_user_file(f"{TORCH}/nn/modules/module.py")
+    assert not is_user_file(THREADING)
+    assert not is_user_file("<frozen runpy>")
+    assert user_frame(()) is None
+    internals = (Frame(f"{TORCH}/x.py", 1, "f"),)
+    assert user_frame(internals) == internals[0]  # nothing of the user's: the innermost
+
+
+def _frames(*spec: tuple[str, int, str]) -> tuple[Frame, ...]:
+    return tuple(Frame(*s) for s in spec)
+
+
+def test_each_activity_is_recognised(tmp_path: Path) -> None:
+    user = ("/home/me/train.py", 30, "main")
+    assert classify(_frames(user), in_collective=True) == "collective"
+    backward = _frames((f"{TORCH}/autograd/graph.py", 829, "_engine_run_backward"), user)
+    assert classify(backward, in_collective=False) == "backward"
+    loader = _frames((f"{TORCH}/utils/data/dataloader.py", 733, "__next__"), user)
+    assert classify(loader, in_collective=False) == "dataloader"
+    assert classify(_frames((THREADING, 324, "wait"), user), in_collective=False) == "lock"
+    source = tmp_path / "train.py"
+    source.write_text("import time\nwith state_lock:\n    time.sleep(1)\nwork.wait()\n")
+    at = str(source)
+    assert classify(_frames((at, 2, "main")), in_collective=False) == "lock"
+    assert classify(_frames((at, 3, "main")), in_collective=False) == "running"
+    # An async collective's wait has no frame of its own: the slot says what it waits for.
+    assert classify(_frames((at, 4, "main")), in_collective=False, waits_async=True) == "collective"
+    assert classify(_frames((at, 4, "main")), in_collective=False) == "running"
+    assert classify((), in_collective=False) == "running"
+
+
+def test_a_stack_of_a_thread_blocked_on_a_lock_reads_as_lock() -> None:
+    lock = threading.Lock()
+    lock.acquire()
+    ready = threading.Event()
+
+    def blocked() -> None:
+        ready.set()
+        with lock:
+            pass
+
+    t = threading.Thread(target=blocked, daemon=True)
+    t.start()
+    ready.wait()
+    time.sleep(0.1)
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"lock-{os.getpid()}.txt"
+    try:
+        with path.open("w") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+        thread = next(x for x in parse_dump(path.read_text()) if x.ident == t.ident)
+        assert classify(thread.frames, in_collective=False) == "lock"
+    finally:
+        lock.release()
+        t.join()
+        path.unlink(missing_ok=True)
