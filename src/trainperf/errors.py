@@ -25,8 +25,10 @@ Which condition maps to which type, everywhere in the package:
   ``bench_matmul``), a precision the device cannot run (``bench_model``).
 - ``DeviceMismatchError``: ``check_same_device`` found more than one device.
 - ``CheckpointError``: a save failed (the object cannot be serialised, disk full, no
-  permission, ``path`` is a directory, the directory cannot be flushed), rank 0 failed a
-  collective save, or a load failed in a way none of the subclasses names.
+  permission, ``path`` is a directory, a path component is a file or a dangling link, a loop
+  of symbolic links, the directory cannot be flushed), a ``Checkpointer``'s background write
+  failed (raised by the next ``save``/``wait``/``restore``), rank 0 failed a collective save,
+  or a load failed in a way none of the subclasses names.
 - ``LaunchError``: a worker raised, exited non-zero or died by a signal (the first failing
   rank and its traceback), the explicit ``MASTER_PORT`` cannot be bound, the rendezvous
   store cannot start, or, under spawn, the script calls ``launch`` without the
@@ -41,7 +43,8 @@ Which condition maps to which type, everywhere in the package:
   ``SLURM_TASKS_PER_NODE``); inputs that do not fit together (a ``.safetensors`` path with
   non-tensor values, state-dict keys that collide once prefixes are removed, no tensor to
   check, a ``main`` that spawned workers cannot import); an ``nprocs`` the host cannot hold
-  (more than 4 gloo ranks per usable CPU, or ranks whose projected memory does not fit).
+  (more than 4 gloo ranks per usable CPU, or ranks whose projected memory does not fit); a
+  signal name ``preemption()`` does not know or cannot catch.
 - ``TypeError``: an argument of the wrong type (``device=None`` where there is no default
   device, a non-module to ``unwrap_model``, a non-callable ``main``), or a container
   ``to_device`` cannot rebuild.
@@ -50,7 +53,8 @@ Which condition maps to which type, everywhere in the package:
   (DALI that fails to import or is too old).
 - ``RuntimeError``: an object used out of order (a ``Watch`` entered twice or used outside its
   ``with``, a closed image loader, ``MixedPrecision.step()`` without ``mp.backward``,
-  ``ddp.watchdog()`` before ``init_process_group``), or the user's data or code failing
+  ``ddp.watchdog()`` before ``init_process_group``, ``Checkpointer.preemption()`` entered
+  twice or outside the main thread), or the user's data or code failing
   inside a trainperf run (the dataset or ``step_fn`` raising in ``tune_loader``, an image
   that cannot be decoded, a DALI pipeline that failed).
 - ``NotImplementedError``: this PyTorch build lacks a kernel ``bench_model`` needs (a

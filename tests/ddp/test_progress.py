@@ -91,3 +91,20 @@ def test_the_wrapper_records_the_outer_call_only(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(RuntimeError, match="peer gone"):
         _progress._wrap("all_reduce", fails)(torch.ones(1))
     assert read_slot(buf).state == State.RUNNING and tracker.depth == 0
+
+
+def test_a_dataloader_batch_is_progress_and_uninstall_restores_the_iterator() -> None:
+    from torch.utils.data import DataLoader, dataloader
+
+    original = dataloader._BaseDataLoaderIter.__next__
+    buf = bytearray(SLOT_SIZE)
+    _progress.install(Tracker(buf))
+    try:
+        batches = list(DataLoader(range(6), batch_size=2))
+        # An evaluation loop (no optimizer step, no collective) still moves the job on.
+        assert len(batches) == 3 and read_slot(buf).progress == 3
+    finally:
+        _progress.uninstall()
+    assert dataloader._BaseDataLoaderIter.__next__ is original
+    list(DataLoader(range(4), batch_size=2))
+    assert read_slot(buf).progress == 3

@@ -3,9 +3,10 @@
 **Progress** is any of: a ``torch.distributed`` collective called from Python returned
 (``all_reduce``, ``broadcast``, ``barrier``, ``all_gather``, the ``*_object`` ones, ...), an
 optimizer stepped (``torch.optim`` global step hook: this covers DDP, whose gradient
-all-reduce runs in C++ inside ``backward()``), the rank finished its set-up, or returned
-from ``main``. A job makes progress while any rank does; a hang is ``hang_timeout`` seconds
-with none on any rank.
+all-reduce runs in C++ inside ``backward()``), a DataLoader returned a batch (so an
+evaluation loop with no optimizer step and no collective is progress too), the rank finished
+its set-up, or returned from ``main``. A job makes progress while any rank does; a hang is
+``hang_timeout`` seconds with none on any rank.
 
 Each rank writes into a fixed-size **slot**: counters, its state (running, in a collective,
 returned), its main thread's id, and a ring of its last :data:`HISTORY` collectives (name,
@@ -226,6 +227,11 @@ class Tracker:
         self.progress += 1
         self._write()
 
+    def batch(self) -> None:
+        """A DataLoader returned a batch (evaluation loops have no optimizer step)."""
+        self.progress += 1
+        self._write()
+
     def _caller(self) -> FrameType | None:
         """The innermost frame outside torch and trainperf: the user's call site."""
         frame: FrameType | None = sys._getframe(2)
@@ -348,6 +354,28 @@ def install(tracker: Tracker) -> None:
             _originals.append((dist, name, fn))
             setattr(dist, name, watched)
     _hooks.append(register_optimizer_step_post_hook(_on_step))
+    _watch_batches()
+
+
+def _watch_batches() -> None:
+    """Count every batch a DataLoader returns (one wrapper on the iterators' base class)."""
+    from torch.utils.data import dataloader
+
+    base = dataloader._BaseDataLoaderIter
+    fn = base.__next__
+    if hasattr(fn, "__trainperf_watched__"):
+        return
+
+    @functools.wraps(fn)
+    def watched_next(self: Any) -> Any:
+        out = fn(self)
+        if _installed:
+            _installed[0].batch()
+        return out
+
+    watched_next.__trainperf_watched__ = fn  # type: ignore[attr-defined]
+    _originals.append((base, "__next__", fn))
+    base.__next__ = watched_next  # type: ignore[method-assign]
 
 
 def uninstall() -> None:
