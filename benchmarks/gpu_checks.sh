@@ -121,6 +121,10 @@ else
   fi
   step ddp_example 90 "$PY" examples/ddp_train.py
   if [ "$cuda" = 1 ]; then
+    step launch_detection 240 "$PY" benchmarks/launch_bench.py --backend nccl --only-detection --json "$WORK/launch_detection_gpu.json"
+  fi
+  step launch_detection_cpu 240 "$PY" benchmarks/launch_bench.py --only-detection --json "$WORK/launch_detection_cpu.json"
+  if [ "$cuda" = 1 ]; then
     for model in resnet50 vit_b_16 gpt2; do
       step "batch_size_$model" 300 "$PY" benchmarks/batch_size_bench.py --device cuda --models "$model" --json "$WORK/batch_size_$model.json"
     done
