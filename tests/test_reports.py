@@ -103,6 +103,7 @@ def test_every_public_result_type_has_the_protocol() -> None:
     public += [monitor.WatchReport, loader.TuningReport, bench.BenchResult, bench.MatmulResult]
     public += [bench.H2DResult, bench.ReferenceComparison, bench.Skipped, loader.UserSetting]
     public += [doctor.AllReduceSweep, batchsize.BatchSizeReport, batchsize.BatchSizeCandidate]
+    public += [loader.TuningChange]
     for cls in public:
         assert callable(getattr(cls, "to_dict", None)), f"{cls.__name__} has no to_dict()"
         assert "__str__" in vars(cls), f"{cls.__name__} has no __str__ of its own"

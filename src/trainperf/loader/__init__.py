@@ -7,9 +7,10 @@ process, without leaving a worker behind when a configuration crashes or hangs, 
 the process itself is killed.
 
 - :mod:`._tune`: the entry points; :mod:`._autotune`: ``autotune_loader`` and the loader
-  it returns, whose workers die with their parent; :mod:`._args`: the argument checks;
-  :mod:`._rng`: every random number generator left as the call found it; :mod:`._budget`:
-  what ``budget_s`` guarantees;
+  it returns, whose workers die with their parent; :mod:`._adapt`: with ``adapt=True``, a
+  loader that retunes itself between epochs, by the rules of :mod:`._adapt_rules`;
+  :mod:`._args`: the argument checks; :mod:`._rng`: every random number generator left
+  as the call found it; :mod:`._budget`: what ``budget_s`` guarantees;
 - :mod:`._iterable`: an ``IterableDataset`` that does not shard its stream across workers,
   found on a short probe and kept at ``num_workers=0``;
 - :mod:`._measure`: timing one configuration and catching worker faults (:mod:`._faults`),
@@ -39,6 +40,7 @@ Example:
 from __future__ import annotations
 
 from trainperf._utils.public import set_public_module
+from trainperf.loader._adapt import AdaptiveDataLoader, TuningChange
 from trainperf.loader._autotune import TunedDataLoader, autotune_loader
 from trainperf.loader._cache import cache_file
 from trainperf.loader._measure import measure
@@ -53,10 +55,12 @@ from trainperf.loader._tune import tune_loader
 from trainperf.loader._windows import WindowPolicy
 
 __all__ = [
+    "AdaptiveDataLoader",
     "CandidateResult",
     "FaultKind",
     "Status",
     "TunedDataLoader",
+    "TuningChange",
     "TuningReport",
     "UserSetting",
     "WindowPolicy",

@@ -58,6 +58,7 @@ def autotune_loader(
     step_fn: Callable[[Any], Any] | None = None,
     cache: bool = True,
     progress: bool = True,
+    adapt: bool = False,
     **loader_kwargs: Any,
 ) -> TunedDataLoader:
     """:func:`tune_loader`, then the DataLoader built from ``report.best_kwargs``.
@@ -66,6 +67,12 @@ def autotune_loader(
     report is ``loader.tuning_report``. Its workers die with the process that iterates it
     (see :class:`TunedDataLoader`). Arguments, errors and warnings are those of
     :func:`tune_loader`.
+
+    With ``adapt=True`` the loader is an :class:`~trainperf.loader.AdaptiveDataLoader`: it
+    keeps measuring while iterated and changes ``num_workers`` / ``prefetch_factor`` at
+    epoch boundaries (never mid-epoch) when the loop waits for data, when its workers take
+    CPUs the step needs, or when the usable CPUs or memory change; each change is logged
+    and kept in ``loader.tuning_history``. The sample order stays the fixed loader's.
 
     Returns:
         The tuned DataLoader.
@@ -89,6 +96,32 @@ def autotune_loader(
         progress=progress,
         **loader_kwargs,
     )
-    loader = TunedDataLoader(dataset, **report.best_kwargs)
+    if adapt:
+        # Workers it starts are kept between epochs unless the caller said otherwise.
+        keep = loader_kwargs.get("persistent_workers") is not False and epochs_hint != 1
+        loader = _adaptive(dataset, report, keep_workers=keep)
+    else:
+        loader = TunedDataLoader(dataset, **report.best_kwargs)
     loader.tuning_report = report
     return loader
+
+
+def _adaptive(dataset: Any, report: TuningReport, *, keep_workers: bool) -> TunedDataLoader:
+    # Imported here: the adaptive loader is a TunedDataLoader, defined above.
+    from trainperf.loader._adapt import AdaptiveDataLoader, memory_rules
+    from trainperf.loader._faults import start_method
+    from trainperf.loader._tune import main_rss
+
+    rules = memory_rules(
+        list(report.candidates),
+        report.max_workers,
+        main_rss(),
+        start_method(report.best_kwargs),
+    )
+    return AdaptiveDataLoader(
+        dataset,
+        max_workers=report.max_workers,  # the caller's bound holds while adapting too
+        tuner=rules,
+        keep_workers=keep_workers,
+        **report.best_kwargs,
+    )

@@ -1,0 +1,439 @@
+"""``autotune_loader(..., adapt=True)``: a DataLoader that keeps itself tuned between epochs.
+
+:class:`AdaptiveDataLoader` times every ``__next__`` (the loop waiting for data) and the
+gaps between them (the step), reads its workers' CPU about twice a second, and at each
+``iter()`` after the first reads the usable CPUs and memory again
+(:func:`trainperf.limits.host_limits`, :func:`trainperf.limits.usable_cpus`). The rules of
+:mod:`trainperf.loader._adapt_rules` then say whether ``num_workers`` / ``prefetch_factor``
+change; memory and ``/dev/shm`` bind through the one-off tuner's own rule
+(:meth:`trainperf.loader._search.Search.memory_problem`).
+
+Settings change only at epoch boundaries (between ``iter()`` calls), never mid-epoch, so
+the samples come in exactly the order the same loader would give without adapting: the
+sampler runs in this process whatever the worker count, and workers return batches in
+order. A persistent worker pool is shut down before a new one starts, and the draw from the
+generator a new pool would make is undone, so a ``persistent_workers=True`` loader also
+keeps its order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+from trainperf._utils.lifetime import DieWithParent
+from trainperf._utils.validate import non_negative_int
+from trainperf.limits import HostLimits, host_limits, local_world_size, usable_cpus
+from trainperf.loader._adapt_rules import Change, EpochFigures, Reason, decide, rates
+from trainperf.loader._autotune import TunedDataLoader
+from trainperf.loader._batches import batch_bytes, samples_in
+from trainperf.loader._report import CandidateResult
+from trainperf.loader._search import Search, default_max_workers
+
+__all__ = ["AdaptiveDataLoader", "TuningChange", "memory_rules"]
+
+logger = logging.getLogger("trainperf.loader")
+
+_SAMPLE_EVERY_S = 0.5  # how often the workers' CPU is read
+_TOO_MANY = "This DataLoader will create"
+
+
+@dataclass(frozen=True)
+class TuningChange:
+    """One change an :class:`AdaptiveDataLoader` made, at the start of an epoch.
+
+    Attributes:
+        epoch: the epoch (counted from 0) that runs with the new setting.
+        time: when it was made (seconds since the epoch, ``time.time()``): where a timeline
+            puts its marker.
+        old: ``(num_workers, prefetch_factor)`` before.
+        new: ``(num_workers, prefetch_factor)`` after.
+        reason: which rule made it (see :mod:`trainperf.loader._adapt_rules`).
+        why: one sentence with the figures behind it.
+        figures: what the previous epoch measured.
+    """
+
+    epoch: int
+    time: float
+    old: tuple[int, int | None]
+    new: tuple[int, int | None]
+    reason: Reason
+    why: str
+    figures: EpochFigures
+
+    def __str__(self) -> str:
+        """One line: old → new settings, why, the measured rates.
+
+        Example:
+            >>> from trainperf.loader._adapt_rules import figures
+            >>> print(TuningChange(1, 0.0, (0, None), (3, 2), "input-bound", "waited",
+            ...                    figures(samples=400, startup_s=0.0)))
+            ... # doctest: +NORMALIZE_WHITESPACE
+            epoch 1: workers=0 prefetch=- → workers=3 prefetch=2 (input-bound: waited;
+            200 samples/s, waited for data 50 % of the time, 4 usable CPUs 20 % busy)
+        """
+        return (
+            f"epoch {self.epoch}: {_label(self.old)} → {_label(self.new)} "
+            f"({self.reason}: {self.why}; {rates(self.figures)})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field by name, JSON-safe (the figures as a dict)."""
+        return dataclasses.asdict(self)
+
+
+def _label(setting: tuple[int, int | None]) -> str:
+    n, pf = setting
+    return f"workers={n} prefetch={'-' if pf is None or n == 0 else pf}"
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return float(t.user + t.system)
+
+
+CpuMark = dict[int, tuple[float, float]]
+"""``{cpu: (busy seconds, total seconds)}`` for this process's CPUs."""
+
+
+def cpu_mark() -> CpuMark | None:
+    """The busy and total time of each CPU this process may run on, so far (read with its
+    own mark, not psutil's shared one that ``cpu_percent`` moves)."""
+    try:
+        per = psutil.cpu_times(percpu=True)
+        mine = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return None
+    out = {}
+    for i in mine:
+        if i < len(per):
+            t = per[i]
+            total = float(sum(t))
+            out[i] = (total - t.idle - getattr(t, "iowait", 0.0), total)
+    return out
+
+
+def host_busy(before: CpuMark | None, after: CpuMark | None) -> float | None:
+    """Share of the CPUs' time busy between two marks (every process counted), or None.
+
+    Example:
+        >>> host_busy({0: (1.0, 2.0), 1: (0.0, 2.0)}, {0: (3.0, 4.0), 1: (1.0, 4.0)})
+        0.75
+    """
+    if not before or not after:
+        return None
+    busy = total = 0.0
+    for cpu, (b1, t1) in after.items():
+        if cpu in before:
+            b0, t0 = before[cpu]
+            busy, total = busy + b1 - b0, total + t1 - t0
+    return min(1.0, max(0.0, busy / total)) if total > 0 else None
+
+
+class _Workers:
+    """The workers' CPU, read at most every half second while batches arrive."""
+
+    def __init__(self) -> None:
+        self.procs: list[psutil.Process] = []
+        self.first: tuple[float, float] | None = None  # (wall, cpu seconds)
+        self.last: tuple[float, float] | None = None
+
+    def read(self, it: Any, now: float) -> None:
+        if self.last is not None and now - self.last[0] < _SAMPLE_EVERY_S:
+            return
+        if not self.procs:
+            with contextlib.suppress(psutil.Error, AttributeError):
+                self.procs = [psutil.Process(w.pid) for w in getattr(it, "_workers", [])]
+            if not self.procs:
+                return
+        total = 0.0
+        for p in self.procs:
+            with contextlib.suppress(psutil.Error):
+                total += _cpu_s(p)
+        self.last = (now, total)
+        if self.first is None:
+            self.first = self.last
+
+    def cores(self) -> float | None:
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return None
+        return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
+
+
+class _TimedIter:
+    """The DataLoader's iterator, timed: waits in ``__next__``, gaps between calls."""
+
+    def __init__(self, it: Any, loader: AdaptiveDataLoader) -> None:
+        self.it, self.loader = it, loader
+        self.batches = self.samples = 0
+        self.wait_s = self.step_s = self.startup_s = 0.0
+        self.load_cpu_s = self.step_cpu_s = 0.0
+        self.started = time.perf_counter()
+        self.returned: float | None = None
+        self.returned_cpu = 0.0
+        self.workers = _Workers()
+        self.final: EpochFigures | None = None
+        self.cpu_mark = cpu_mark()
+
+    def __iter__(self) -> _TimedIter:
+        return self
+
+    def __len__(self) -> int:
+        return len(self.it)
+
+    def __next__(self) -> Any:
+        t0, c0 = time.perf_counter(), time.process_time()
+        if self.returned is not None:
+            self.step_s += t0 - self.returned
+            self.step_cpu_s += c0 - self.returned_cpu
+        try:
+            batch = next(self.it)
+        except StopIteration:
+            self.loader._epoch_ended(self)
+            raise
+        t1 = time.perf_counter()
+        if self.batches == 0:
+            self.startup_s = t1 - self.started
+            self.loader._batch_bytes = batch_bytes(batch)
+        else:
+            self.wait_s += t1 - t0
+            self.load_cpu_s += time.process_time() - c0
+        self.batches += 1
+        self.samples += samples_in(batch, self.loader.batch_size or 1)
+        self.workers.read(self.it, t1)
+        self.returned, self.returned_cpu = time.perf_counter(), time.process_time()
+        return batch
+
+    def figures(self, limits: HostLimits) -> EpochFigures:
+        return EpochFigures(
+            num_workers=self.loader.num_workers,
+            prefetch_factor=self.loader.prefetch_factor if self.loader.num_workers else None,
+            batches=self.batches,
+            samples=self.samples,
+            wait_s=self.wait_s,
+            step_s=self.step_s,
+            startup_s=self.startup_s,
+            load_cpu_s=self.load_cpu_s,
+            step_cpu_s=self.step_cpu_s,
+            worker_cores=self.workers.cores(),
+            host_busy=host_busy(self.cpu_mark, cpu_mark()),
+            cpus=usable_cpus(local_world_size(), limits=limits),
+            memory_available=limits.memory_available,
+        )
+
+
+def _not_measuring(n: int, pf: int | None, pin: bool) -> CandidateResult:
+    raise RuntimeError("the adaptive loader measures while it is iterated, not by a search")
+
+
+def memory_rules(
+    candidates: list[CandidateResult], max_workers: int, main_rss: int, start_method: str
+) -> Search:
+    """The one-off tuner's memory and ``/dev/shm`` rules (:class:`Search`), fed with what
+    it measured (``candidates``: worker memory, batch size); only ``memory_problem`` is used.
+
+    Example:
+        >>> rules = memory_rules([], 4, 2**30, "fork")
+        >>> rules.memory_problem(2, 2, False) is None  # the limits are set per call
+        False
+    """
+    return Search(
+        measure=_not_measuring,
+        out_of_time=lambda: True,
+        worker_cpus=1,
+        max_workers=max_workers,
+        memory_available=0,
+        shm_free=None,
+        start_method=start_method,
+        main_rss=main_rss,
+        results=list(candidates),
+    )
+
+
+class AdaptiveDataLoader(TunedDataLoader):
+    """A :class:`TunedDataLoader` that retunes ``num_workers`` / ``prefetch_factor`` between
+    epochs from what it measures while iterated (see :mod:`trainperf.loader._adapt`).
+
+    Every change is logged at INFO on the ``trainperf.loader`` logger and kept in
+    ``tuning_history``. Settings never change mid-epoch; the sample order is the one the
+    same loader gives without adapting.
+
+    Args:
+        dataset: as for DataLoader.
+        max_workers: the most workers it will use (default: four per usable CPU, 2 to 64).
+        tuner: the one-off tuner's memory rules with what it measured
+            (:func:`memory_rules`); None: a worker's memory is assumed to be the whole
+            main process's, the worst case.
+        keep_workers: keep the workers it starts alive between epochs
+            (``persistent_workers`` becomes True then); False restarts them each epoch.
+        **kwargs: DataLoader arguments.
+
+    Attributes:
+        tuning_history: the :class:`TuningChange` records, oldest first.
+
+    Raises:
+        ValueError: ``max_workers`` is not None or an int >= 0 (and DataLoader's own).
+
+    Example:
+        >>> loader = AdaptiveDataLoader(range(8), batch_size=4, max_workers=2)
+        >>> [b.tolist() for b in loader], loader.tuning_history
+        ([[0, 1, 2, 3], [4, 5, 6, 7]], [])
+    """
+
+    tuning_history: list[TuningChange]
+
+    def __init__(
+        self,
+        dataset: Any,
+        *args: Any,
+        max_workers: int | None = None,
+        tuner: Search | None = None,
+        keep_workers: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        non_negative_int("max_workers", max_workers, none_ok=True)
+        super().__init__(dataset, *args, **kwargs)
+        self._keep_workers = keep_workers
+        self._batch_bytes = 0  # of the latest epoch's first batch
+        self._main = psutil.Process()
+        limits = host_limits()
+        self._cpus = usable_cpus(local_world_size(), limits=limits)
+        self._max_workers = default_max_workers(self._cpus) if max_workers is None else max_workers
+        self._tuner = tuner or memory_rules(
+            [], self._max_workers, int(self._main.memory_info().rss), "fork"
+        )
+        self._epoch = 0
+        self._current: _TimedIter | None = None
+        self._fastest_step = float("inf")
+        # A persistent pool draws from the generator once, when it starts: a pool rebuilt
+        # later must not draw again, or the order would differ from the fixed loader's.
+        self._draws_once = bool(self.persistent_workers and self.num_workers > 0)
+        self.tuning_history = []
+
+    def __iter__(self) -> Any:
+        if self._current is not None:
+            self._epoch_ended(self._current)
+            self._retune(self._current)
+        reuse = bool(self.persistent_workers and self.num_workers > 0) and (
+            self._iterator is not None
+        )
+        if self._epoch > 0 and reuse and not self._draws_once:
+            # The loader as built would start a new iterator, which draws its workers' base
+            # seed from the generator: the same draw keeps the sampler's sequence.
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        scratch = self._draws_once and self._epoch > 0 and not reuse
+        with self._no_extra_draw() if scratch else _nothing(), warnings.catch_warnings():
+            if self.tuning_history:
+                # More workers than cores is this loader's measured choice (they wait on
+                # I/O), not the mistake DataLoader's check warns about.
+                warnings.filterwarnings("ignore", _TOO_MANY, UserWarning)
+            it = super().__iter__()
+        self._current = _TimedIter(it, self)
+        self._epoch += 1
+        return self._current
+
+    def _epoch_ended(self, timed: _TimedIter) -> None:
+        """Read the epoch's figures as it ends (or, cut short, as the next one starts)."""
+        if timed.final is None:
+            timed.final = timed.figures(host_limits())
+
+    def fits(self, n: int, pf: int | None, limits: HostLimits | None = None) -> bool:
+        """Whether ``n`` workers with ``pf`` batches each in flight fit the memory and
+        ``/dev/shm`` of ``limits`` (default: now), by the one-off tuner's rule."""
+        limits = limits or host_limits()
+        results = self._tuner.results
+        if self._batch_bytes and not any(c.batch_bytes for c in results):
+            # Built without a tuning run: the batches seen here say what one occupies.
+            seen = CandidateResult(0, None, False, "ok", batch_bytes=self._batch_bytes)
+            results = [*results, seen]
+        search = dataclasses.replace(
+            self._tuner,
+            memory_available=limits.memory_available,
+            shm_free=limits.shm_free,
+            results=results,
+        )
+        return search.memory_problem(n, pf, bool(self.pin_memory)) is None
+
+    def _retune(self, timed: _TimedIter) -> None:
+        limits = host_limits()  # memory and /dev/shm as this epoch starts
+        f = timed.final or timed.figures(limits)
+        if f.batches < 2:
+            return
+        self._fastest_step = min(self._fastest_step, f.step_per_batch)
+        change = decide(
+            f,
+            previous_cpus=self._cpus,
+            fastest_step_per_batch=self._fastest_step,
+            max_workers=self._max_workers,
+            fits=lambda n, pf: self.fits(n, pf, limits),
+        )
+        self._cpus = f.cpus
+        if change is not None:
+            self._apply(change, f)
+
+    def _apply(self, change: Change, f: EpochFigures) -> None:
+        old = (self.num_workers, self.prefetch_factor if self.num_workers else None)
+        self._shut_down_pool()
+        self.num_workers = change.num_workers
+        if change.num_workers > 0:
+            self.prefetch_factor = change.prefetch_factor or 2
+            if self._keep_workers and not self.persistent_workers:
+                # DataLoader refuses this once built, to protect the pool it caches; this
+                # loader shuts that pool down itself before any change.
+                object.__setattr__(self, "persistent_workers", True)
+            if not isinstance(self.worker_init_fn, DieWithParent):
+                self.worker_init_fn = DieWithParent(self.worker_init_fn)
+        record = TuningChange(
+            epoch=self._epoch,
+            time=time.time(),
+            old=old,
+            new=(change.num_workers, change.prefetch_factor if change.num_workers else None),
+            reason=change.reason,
+            why=change.why,
+            figures=f,
+        )
+        self.tuning_history.append(record)
+        logger.info("loader retuned: %s", record)
+
+    def close(self) -> None:
+        """Stop the workers of a persistent pool now (they otherwise live until the loader
+        is garbage-collected, as with any DataLoader); the next ``iter()`` starts anew."""
+        self._shut_down_pool()
+
+    def _shut_down_pool(self) -> None:
+        """Stop a persistent pool's workers now, so a new one never runs beside them."""
+        it = self._iterator
+        if it is None:
+            return
+        self._iterator = None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+    @contextlib.contextmanager
+    def _no_extra_draw(self) -> Iterator[None]:
+        """A new iterator draws its workers' base seed from ``generator`` (or torch's
+        global generator) as it starts; the sampler holds its own reference, so the draw is
+        made from a scratch generator instead and the sampler's sequence is untouched."""
+        real = self.generator
+        seed = (0 if real is None else real.initial_seed()) + self._epoch
+        self.generator = torch.Generator().manual_seed(seed)
+        try:
+            yield
+        finally:
+            self.generator = real
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield

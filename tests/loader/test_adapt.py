@@ -1,0 +1,282 @@
+"""The adaptive loader: order kept whatever it changes, workers added to a waiting loop,
+fewer when the usable CPUs halve, old pools shut down, every change recorded."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import trainperf.loader._adapt as adapt
+from tests.loader._fakes import quick
+from trainperf.limits import HostLimits
+from trainperf.loader import AdaptiveDataLoader, CandidateResult, TuningChange, autotune_loader
+from trainperf.loader._adapt import memory_rules
+from trainperf.loader._adapt_rules import Change, EpochFigures
+
+
+class Latency(Dataset[int]):
+    """I/O latency: 4 ms per sample, almost no CPU."""
+
+    def __init__(self, n: int = 48) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(0.004)
+        return i
+
+
+def _epochs(loader: Any, epochs: int) -> list[list[int]]:
+    return [[int(x) for b in loader for x in b] for _ in range(epochs)]
+
+
+def _scripted(
+    monkeypatch: pytest.MonkeyPatch, settings: list[tuple[int, int | None] | None]
+) -> None:
+    """Replace the rules by a script: epoch k+1 runs with ``settings[k]`` (None: no change)."""
+    script: Iterator[tuple[int, int | None] | None] = iter(settings)
+
+    def decide(f: EpochFigures, **kw: Any) -> Change | None:
+        step = next(script)
+        return None if step is None else Change(step[0], step[1], "input-bound", "scripted")
+
+    monkeypatch.setattr(adapt, "decide", decide)
+
+
+def _seeded(own: bool) -> torch.Generator | None:
+    if own:
+        return torch.Generator().manual_seed(7)
+    torch.manual_seed(7)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("persistent", "own"), [(False, True), (False, False), (True, True), (True, False)]
+)
+def test_sample_order_is_the_fixed_loaders_whatever_changes(
+    monkeypatch: pytest.MonkeyPatch, persistent: bool, own: bool
+) -> None:
+    # None: an epoch that keeps its pool (no new iterator, so no draw from the generator).
+    plan: list[tuple[int, int | None] | None] = [(2, 2), None, (1, 3), (0, None), (2, 2)]
+    _scripted(monkeypatch, plan)
+    start = 2 if persistent else 0
+    kw: dict[str, Any] = {"batch_size": 5, "shuffle": True, "persistent_workers": persistent}
+    ds = Latency(24)
+    fixed = DataLoader(ds, num_workers=start, generator=_seeded(own), **kw)
+    expected = _epochs(fixed, 6)
+    loader = AdaptiveDataLoader(ds, num_workers=start, generator=_seeded(own), **kw)
+    try:
+        got = _epochs(loader, 6)
+    finally:
+        for done in (loader, fixed):  # persistent pools live until shut down or collected
+            if done._iterator is not None:
+                done._iterator._shutdown_workers()  # type: ignore[attr-defined]
+    assert got == expected
+    assert [c.new for c in loader.tuning_history] == [p for p in plan if p is not None]
+    assert loader.persistent_workers  # the workers it started were kept between epochs
+    assert len({tuple(e) for e in got}) > 1  # the shuffle did shuffle
+
+
+def test_order_kept_with_the_global_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+    _scripted(monkeypatch, [(0, None), (0, None)])
+    torch.manual_seed(3)
+    expected = _epochs(DataLoader(range(20), batch_size=4, shuffle=True), 3)
+    torch.manual_seed(3)
+    assert _epochs(AdaptiveDataLoader(range(20), batch_size=4, shuffle=True), 3) == expected
+
+
+@pytest.mark.slow
+def test_a_waiting_loop_gets_workers_after_the_first_epoch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    loader = AdaptiveDataLoader(Latency(), batch_size=4, max_workers=4)
+    with caplog.at_level(logging.INFO, logger="trainperf.loader"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # the warning-free path: no DataLoader warning either
+        try:
+            first = _epochs(loader, 1)
+            assert loader.num_workers == 0
+            second = _epochs(loader, 1)
+        finally:
+            loader.close()
+    assert first == second == [list(range(48))]
+    assert loader.num_workers > 0
+    (change,) = loader.tuning_history
+    assert change.reason == "input-bound" and change.epoch == 1
+    assert change.old == (0, None) and change.new == (loader.num_workers, 2)
+    assert change.figures.wait_share > 0.5 and change.figures.batches == 12
+    assert f"workers=0 prefetch=- → workers={loader.num_workers} prefetch=2" in str(change)
+    assert "samples/s" in str(change)
+    assert [r.getMessage() for r in caplog.records] == [f"loader retuned: {change}"]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_halved_usable_cpus_mean_fewer_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpus = {"now": 8}
+    monkeypatch.setattr(adapt, "usable_cpus", lambda *a, **kw: cpus["now"])
+    # Busy workers (a core each) without burning this machine's two cores on it, and a
+    # host whose other load is not counted: the rule under test is the CPUs' change.
+    monkeypatch.setattr(adapt._Workers, "cores", lambda self: float(len(self.procs)))
+    monkeypatch.setattr(adapt, "cpu_mark", lambda: None)
+    loader = AdaptiveDataLoader(Latency(24), batch_size=4, num_workers=6, max_workers=6)
+
+    def epoch() -> list[int]:  # a step that sleeps: it leaves its core to the workers
+        return [x for b in loader for x in b.tolist() if time.sleep(0.002) is None]
+
+    try:
+        assert epoch() == list(range(24))
+        assert loader.num_workers == 6 and loader.tuning_history == []
+        cpus["now"] = 4
+        epoch()
+        epoch()
+    finally:
+        loader.close()
+    change = loader.tuning_history[0]
+    assert change.reason == "cpus" and change.old == (6, 2) and change.new == (4, 2)
+    assert "usable CPUs 8 → 4" in change.why
+    assert loader.num_workers == 4
+
+
+@pytest.mark.slow
+def test_a_persistent_pool_is_shut_down_before_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    _scripted(monkeypatch, [(1, 2), (1, 2)])
+    loader = AdaptiveDataLoader(Latency(16), batch_size=4, num_workers=2, persistent_workers=True)
+    for _ in loader:
+        pass
+    old = [w.pid for w in loader._iterator._workers]  # type: ignore[union-attr]
+    assert len(old) == 2 and all(psutil.pid_exists(p) for p in old)
+    it = iter(loader)
+    gone = [not psutil.pid_exists(p) or psutil.Process(p).status() == "zombie" for p in old]
+    assert gone == [True, True]
+    assert len(it.it._workers) == 1  # type: ignore[attr-defined]
+    for _ in it:
+        pass
+    loader.close()
+    assert loader._iterator is None
+
+
+def test_change_record_protocol() -> None:
+    from trainperf.loader._adapt_rules import figures
+
+    change = TuningChange(2, 1.7e9, (4, 2), (2, 2), "cpus", "usable CPUs 8 → 4", figures())
+    d = json.loads(json.dumps(change.to_dict()))
+    assert d["old"] == [4, 2] and d["reason"] == "cpus" and d["figures"]["cpus"] == 4
+    assert str(change).startswith("epoch 2: workers=4 prefetch=2 → workers=2 prefetch=2 (cpus:")
+
+
+def _limits(memory: int, shm: int | None) -> HostLimits:
+    return HostLimits(4, 4, None, 4, 64 << 30, None, memory, shm, shm)
+
+
+def test_memory_rule_is_the_tuners() -> None:
+    loader = AdaptiveDataLoader(range(8), batch_size=4)
+    # Nothing measured: a worker is assumed to copy the whole main process.
+    rss = psutil.Process().memory_info().rss
+    assert loader.fits(1, 2, _limits(64 << 30, None))
+    assert not loader.fits(4, 2, _limits(int(4 * rss), None))
+    # Measured by the tuner: 100 MiB a worker, 10 MiB batches; /dev/shm binds.
+    measured = CandidateResult(1, 2, False, "ok", 1.0, worker_uss=100 << 20, batch_bytes=10 << 20)
+    rules = memory_rules([measured], 8, rss, "fork")
+    tuned = AdaptiveDataLoader(range(8), batch_size=4, tuner=rules)
+    assert tuned.fits(8, 2, _limits(64 << 30, 1 << 30))
+    assert not tuned.fits(8, 2, _limits(64 << 30, 100 << 20))  # 18 batches of 10 MiB
+
+
+def test_without_a_tuning_the_batches_seen_bind_dev_shm() -> None:
+    loader = AdaptiveDataLoader(TensorDataset(torch.zeros(8, 1 << 18)), batch_size=4)  # 4 MiB
+    assert loader.fits(4, 2, _limits(64 << 30, 20 << 20))  # nothing seen yet
+    assert sum(b[0].shape[0] for b in loader) == 8
+    assert loader.fits(1, 2, _limits(64 << 30, 20 << 20))  # 4 batches in flight: 16 MiB
+    assert not loader.fits(4, 2, _limits(64 << 30, 20 << 20))  # 10 batches: 40 MiB
+
+
+def test_the_memory_rules_measure_nothing() -> None:
+    with pytest.raises(RuntimeError, match="measures while it is iterated"):
+        memory_rules([], 2, 0, "fork").measure(1, 2, False)
+
+
+def test_host_busy_between_marks() -> None:
+    assert adapt.host_busy(None, {0: (1.0, 1.0)}) is None
+    assert adapt.host_busy({0: (0.0, 1.0)}, {0: (0.0, 1.0)}) is None  # no time passed
+    assert adapt.host_busy({0: (0.0, 1.0), 1: (0.0, 1.0)}, {0: (2.0, 3.0)}) == 1.0
+    before = adapt.cpu_mark()
+    spin = time.perf_counter() + 0.1
+    while time.perf_counter() < spin:
+        pass
+    busy = adapt.host_busy(before, adapt.cpu_mark())
+    assert busy is not None and 0.0 < busy <= 1.0  # this process was busy meanwhile
+
+
+@pytest.mark.slow
+def test_autotune_loader_adapt_returns_an_adaptive_loader() -> None:
+    loader = autotune_loader(Latency(16), 4, adapt=True, **quick(max_workers=0, budget_s=5.0))
+    assert isinstance(loader, AdaptiveDataLoader)
+    assert loader.num_workers == 0 and loader.tuning_report.num_workers == 0
+    assert sorted(x for b in loader for x in b.tolist()) == list(range(16))
+    plain = autotune_loader(Latency(16), 4, **quick(max_workers=0, budget_s=5.0))
+    assert not isinstance(plain, AdaptiveDataLoader)
+
+
+@pytest.mark.slow
+def test_keep_workers_false_restarts_them_each_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    _scripted(monkeypatch, [(2, 2), (2, 2)])
+    loader = AdaptiveDataLoader(Latency(8), batch_size=4, keep_workers=False)
+    assert _epochs(loader, 3) == [list(range(8))] * 3
+    assert loader.num_workers == 2 and not loader.persistent_workers
+    assert loader._iterator is None
+
+
+@pytest.mark.slow
+def test_autotune_loader_keeps_the_callers_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    loader = autotune_loader(
+        Latency(16), 4, adapt=True, persistent_workers=False, **quick(max_workers=0, budget_s=5.0)
+    )
+    assert isinstance(loader, AdaptiveDataLoader)
+    assert loader._max_workers == 0 and loader._keep_workers is False
+    _epochs(loader, 2)  # waits for data, but max_workers=0 holds
+    assert loader.num_workers == 0 and loader.tuning_history == []
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_a_full_host_and_a_slowed_step_mean_fewer_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A CPU hog lands: the CPUs read full and the step takes three times as long.
+    monkeypatch.setattr(adapt, "usable_cpus", lambda *a, **kw: 4)
+    monkeypatch.setattr(adapt._Workers, "cores", lambda self: float(len(self.procs)))
+    monkeypatch.setattr(adapt, "host_busy", lambda before, after: 1.0)
+    loader = AdaptiveDataLoader(Latency(48), batch_size=4, num_workers=4, max_workers=4)
+
+    def epoch(step_s: float) -> None:
+        for _ in loader:
+            time.sleep(step_s)
+
+    try:
+        epoch(0.001)
+        epoch(0.008)
+        assert loader.tuning_history == []  # full, but the first epoch's step is the fastest
+        epoch(0.008)
+    finally:
+        loader.close()
+    (change,) = loader.tuning_history
+    assert change.reason == "oversubscribed" and change.old == (4, 2)
+    assert change.new[0] < 4 and change.epoch == 2
+    assert loader.num_workers == change.new[0]
+
+
+def test_max_workers_is_checked() -> None:
+    with pytest.raises(ValueError, match="max_workers"):
+        AdaptiveDataLoader(range(4), max_workers=-1)

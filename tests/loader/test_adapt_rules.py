@@ -1,0 +1,124 @@
+"""The adaptive loader's rules, each on synthetic epoch figures."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from trainperf.loader._adapt_rules import (
+    Change,
+    cores_per_worker,
+    decide,
+    figures,
+    needed_workers,
+    rates,
+    worker_cores_left,
+)
+
+
+def _fits(n: int, pf: int | None) -> bool:
+    return True
+
+
+def _decide(f: Any, **kw: Any) -> Change | None:
+    args: dict[str, Any] = {
+        "previous_cpus": f.cpus,
+        "fastest_step_per_batch": f.step_per_batch,
+        "max_workers": 16,
+        "fits": _fits,
+        **kw,
+    }
+    return decide(f, **args)
+
+
+def test_cores_per_worker_from_workers_or_the_loading_thread() -> None:
+    assert cores_per_worker(figures(num_workers=4, worker_cores=3.0)) == 0.75
+    assert cores_per_worker(figures(wait_s=1.0, load_cpu_s=0.9)) == 0.9
+    # Unread workers count as a whole core each; never under 0.01 (sleeping I/O).
+    assert cores_per_worker(figures(num_workers=2, worker_cores=None)) == 1.0
+    assert cores_per_worker(figures(wait_s=1.0, load_cpu_s=0.0)) == 0.01
+
+
+def test_worker_cores_left_takes_off_the_step_and_other_processes() -> None:
+    idle = figures(wait_s=0.0, step_s=1.0, step_cpu_s=1.0, host_busy=0.25, cpus=8)
+    # The step uses 1 core of 8; the 2 busy cores are the step's and one other process's.
+    assert worker_cores_left(idle) == 6.0
+    assert worker_cores_left(figures(host_busy=None, cpus=4)) == 3.9
+
+
+def test_needed_workers_keeps_up_with_the_step() -> None:
+    assert needed_workers(figures(wait_s=9.0, step_s=1.0)) == 10
+    assert needed_workers(figures(wait_s=0.0, step_s=1.0)) == 1
+    # Two workers that kept the loop waiting half the time: four more than keep up.
+    assert needed_workers(figures(num_workers=2, wait_s=1.0, step_s=1.0)) == 5
+
+
+def test_input_bound_with_free_cores_adds_workers() -> None:
+    change = _decide(figures(wait_s=4.0, step_s=1.0))
+    assert change is not None
+    assert (change.num_workers, change.prefetch_factor, change.reason) == (5, 2, "input-bound")
+    assert (
+        change.why
+        == "5 workers would keep up with the step; one uses 0.01 cores, 3.1 are free for workers"
+    )
+
+
+def test_input_bound_bounded_by_max_workers_cores_and_memory() -> None:
+    f = figures(wait_s=9.0, step_s=1.0)
+    assert _decide(f, max_workers=3).num_workers == 3  # type: ignore[union-attr]
+    assert _decide(f, fits=lambda n, pf: n <= 2).num_workers == 2  # type: ignore[union-attr]
+    assert _decide(f, fits=lambda n, pf: False) is None
+    # CPU-bound loading (a whole core per sample loaded) on 4 CPUs: 4 workers at most.
+    busy_load = figures(wait_s=9.0, step_s=1.0, load_cpu_s=9.0, host_busy=None)
+    assert _decide(busy_load).num_workers == 4  # type: ignore[union-attr]
+
+
+def test_no_change_when_not_waiting() -> None:
+    assert _decide(figures(wait_s=0.05, step_s=1.0)) is None  # 5 % waiting
+
+
+def test_a_full_host_takes_waiting_workers_not_busy_ones() -> None:
+    sleeping = _decide(figures(wait_s=4.0, step_s=1.0, host_busy=1.0))
+    assert sleeping is not None and sleeping.num_workers == 5
+    # Loading that keeps a core busy: one worker, which frees the main thread's core.
+    busy = _decide(figures(wait_s=4.0, step_s=1.0, load_cpu_s=4.0, host_busy=1.0))
+    assert busy is not None and busy.num_workers == 1
+    two = figures(num_workers=1, prefetch_factor=2, worker_cores=1.0, wait_s=4.0, host_busy=1.0)
+    assert _decide(two) is None
+
+
+def test_memory_that_no_longer_fits_drops_workers() -> None:
+    f = figures(num_workers=6, prefetch_factor=2, worker_cores=1.0, wait_s=0.0)
+    change = _decide(f, fits=lambda n, pf: n <= 2)
+    assert change is not None
+    assert (change.num_workers, change.reason) == (2, "memory")
+    none_fit = _decide(f, fits=lambda n, pf: False)
+    assert none_fit is not None and (none_fit.num_workers, none_fit.prefetch_factor) == (0, None)
+
+
+def test_halved_cpus_refit_busy_workers() -> None:
+    # Eight busy workers (a core each) when there were 8 CPUs; now 4.
+    f = figures(num_workers=8, prefetch_factor=2, worker_cores=8.0, cpus=4, host_busy=None)
+    change = _decide(f, previous_cpus=8)
+    assert change is not None
+    assert (change.num_workers, change.reason) == (4, "cpus")
+    assert "8 → 4" in change.why
+    # Workers that mostly wait still fit: no change.
+    waiting = figures(num_workers=8, prefetch_factor=2, worker_cores=0.4, cpus=4, wait_s=0.0)
+    assert _decide(waiting, previous_cpus=8) is None
+
+
+def test_oversubscribed_host_and_slowed_step_drop_workers() -> None:
+    f = figures(num_workers=4, prefetch_factor=2, worker_cores=2.0, host_busy=1.0, wait_s=0.0)
+    slowed = _decide(f, fastest_step_per_batch=f.step_per_batch / 2)
+    assert slowed is not None
+    assert slowed.reason == "oversubscribed" and slowed.num_workers < 4
+    assert "2.00x its fastest" in slowed.why
+    # Full CPUs but a step as fast as ever: the workers are not in its way.
+    assert _decide(f) is None
+
+
+def test_figures_to_dict_is_json_and_rates_reads() -> None:
+    f = figures(wait_s=1.0, step_s=3.0, samples=800, startup_s=0.0, host_busy=None)
+    assert json.loads(json.dumps(f.to_dict()))["wait_s"] == 1.0
+    assert rates(f) == "200 samples/s, waited for data 25 % of the time, 4 usable CPUs"
