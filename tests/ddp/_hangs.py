@@ -154,6 +154,17 @@ def slow_save(seconds: float) -> str:
     return "done"
 
 
+def every_rank_busy(seconds: float) -> str:
+    """Healthy: every rank works alone in its own code (preprocessing its shard, an
+    evaluation without a DataLoader) for ``seconds``, then they meet in a collective."""
+    _steps(1)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sum(i * i for i in range(10_000))
+    dist.barrier()
+    return "done"
+
+
 def slow_steps(steps: int, step_s: float) -> int:
     """Healthy: steps a little slower than hang_timeout / 10, each with an optimizer step."""
     net = ddp.wrap_model(nn.Linear(4, 1))

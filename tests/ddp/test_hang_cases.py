@@ -89,6 +89,13 @@ def test_a_checkpoint_save_of_half_the_timeout_is_not_a_hang() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+def test_every_rank_busy_in_its_own_code_past_the_timeout_is_not_a_hang() -> None:
+    # Nobody waits for anybody: slow work, not a hang (it used to be killed as one).
+    assert launch_fork(_hangs.every_rank_busy, 9.0, timeout=LONG, hang_timeout=3.0) == "done"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 def test_steps_slower_than_a_tenth_of_the_timeout_are_not_a_hang() -> None:
     assert launch_fork(_hangs.slow_steps, 8, 0.45, timeout=LONG, hang_timeout=4.0) == 8
 

@@ -167,6 +167,20 @@ def test_a_persistent_pool_is_shut_down_before_the_next(monkeypatch: pytest.Monk
     assert loader._iterator is None
 
 
+@pytest.mark.slow
+def test_an_abandoned_epochs_workers_stop_before_the_next_pool_starts() -> None:
+    loader = AdaptiveDataLoader(Latency(16), batch_size=4, num_workers=2)
+    it = iter(loader)
+    next(it)  # then `break`: the epoch is abandoned, its iterator still held by the loader
+    old = [w.pid for w in it.it._workers]  # type: ignore[attr-defined]
+    assert len(old) == 2
+    del it
+    for _ in loader:  # the next epoch
+        pass
+    gone = [not psutil.pid_exists(p) or psutil.Process(p).status() == "zombie" for p in old]
+    assert gone == [True, True]
+
+
 def test_change_record_protocol() -> None:
     from trainperf.loader._adapt_rules import figures
 

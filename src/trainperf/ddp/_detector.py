@@ -134,8 +134,11 @@ class HangDetector:
         if now - self._since < self.timeout:
             return None
         report = self.report(states, running, results, now - self._since)
-        if any(v.status == "running" and compiling(v.stack) for v in report.ranks):
-            self._since = time.monotonic()  # torch.compile at work: progress, of a kind
+        compiles = any(v.status == "running" and compiling(v.stack) for v in report.ranks)
+        if compiles or not _hang.blocked(list(report.ranks)):
+            # torch.compile at work, or every rank busy in its own code: no rank waits for
+            # another, so this is slow work, not a hang. Look again in hang_timeout.
+            self._since = time.monotonic()
             return None
         return report
 

@@ -34,7 +34,7 @@ from typing import Any, Literal
 from trainperf.ddp._progress import Collective
 from trainperf.ddp._stacks import Activity, Frame, is_user_file
 
-__all__ = ["HangReport", "RankView", "Verdict", "diagnose"]
+__all__ = ["HangReport", "RankView", "Verdict", "blocked", "diagnose"]
 
 Status = Literal["running", "returned", "gone"]
 Kind = Literal["outside", "returned", "ddp", "mismatch", "behind", "stalled"]
@@ -259,6 +259,23 @@ def _same_call(waiting: list[RankView]) -> Verdict:
     doing = waiting[0].doing() if waiting else "nothing"
     headline = f"every rank {doing}, and none is missing from it"
     return Verdict("stalled", (), headline, _advice("stalled", []))
+
+
+def blocked(views: list[RankView]) -> bool:
+    """Whether the ranks are stuck on each other: one waits (in a collective or in DDP's
+    ``backward()``) or is gone. Ranks all busy in their own code (each preprocessing its
+    shard, an evaluation without a DataLoader) wait for nobody, so that is not a hang.
+
+    Example:
+        >>> busy = RankView(0, "running", "running")
+        >>> blocked([busy, RankView(1, "running", "running")])
+        False
+        >>> blocked([busy, RankView(1, "running", "collective")])
+        True
+        >>> blocked([busy, RankView(1, "returned", "running")])
+        True
+    """
+    return any(v.waiting or v.status != "running" for v in views)
 
 
 def diagnose(views: list[RankView]) -> Verdict:

@@ -39,8 +39,8 @@ from trainperf._utils.atomic import write_atomically
 from trainperf._utils.validate import positive_number
 from trainperf.ddp import _hang, _progress
 from trainperf.ddp._detector import rank_view
-from trainperf.ddp._progress import SLOT_SIZE, Tracker, read_slot
-from trainperf.ddp._stacks import compiling, parse_dump
+from trainperf.ddp._progress import SLOT_SIZE, State, Tracker, read_slot
+from trainperf.ddp._stacks import classify, compiling, parse_dump
 
 __all__ = ["COLLECT_S", "EXIT_CODE", "Watchdog", "watchdog"]
 
@@ -147,11 +147,26 @@ class Watchdog:
                 if self._compiling():
                     since = now  # torch.compile at work on this rank: not a hang
                     self.store.add("progress", 1)
-                else:
+                elif self._blocked():
                     self.store.set("hang", str(self.rank))
+                else:
+                    since = now  # busy in its own code and nobody gone: a waiting rank judges
             if self.store.check(["hang"]):
                 return self._collect(now - since)
         return None
+
+    def _blocked(self) -> bool:
+        """This rank waits (in a collective or in DDP's ``backward()``) or another is gone.
+
+        Ranks all busy in their own code wait for nobody: that is slow work, not a hang.
+        """
+        if self.tracker.state == State.IN_COLLECTIVE:
+            return True
+        main = [t for t in parse_dump(self._own_dump()) if t.ident == self.tracker.thread]
+        if main and classify(main[0].frames, in_collective=False) == "backward":
+            return True
+        others = [f"report/{r}" for r in range(self.world) if r != self.rank]
+        return any(self.store.check([key]) for key in others)
 
     def _compiling(self) -> bool:
         main = [t for t in parse_dump(self._own_dump()) if t.ident == self.tracker.thread]

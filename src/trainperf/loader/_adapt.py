@@ -324,6 +324,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         if self._current is not None:
             self._epoch_ended(self._current)
             self._retune(self._current)
+            self._release(self._current)
         reuse = bool(self.persistent_workers and self.num_workers > 0) and (
             self._iterator is not None
         )
@@ -404,6 +405,16 @@ class AdaptiveDataLoader(TunedDataLoader):
         )
         self.tuning_history.append(record)
         logger.info("loader retuned: %s", record)
+
+    def _release(self, timed: _TimedIter) -> None:
+        """Stop a finished or abandoned (``break``) epoch's own workers before a new pool
+        starts; a persistent pool is the loader's and stays."""
+        self._current = None
+        if timed.it is self._iterator:
+            return
+        shutdown = getattr(timed.it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
     def close(self) -> None:
         """Stop the workers of a persistent pool now (they otherwise live until the loader
