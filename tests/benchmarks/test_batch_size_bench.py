@@ -63,7 +63,7 @@ def test_the_mlp_sweep_and_the_tuner_run_and_are_compared(
 def test_the_lightning_mode_reads_a_saved_sweep(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    pytest.importorskip("lightning")  # only in the benchmark's own environment
+    pytest.importorskip("lightning.pytorch")  # only in the benchmark's own environment
     bench = load_bench(monkeypatch)
     sweep = [{"batch_size": n, "status": "ok", "samples_per_s": 10.0 * n} for n in (1, 2, 4)]
     saved = {"results": [{"model": "mlp", "sweep": sweep, "tuned": 4,

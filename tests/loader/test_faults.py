@@ -145,7 +145,8 @@ def test_a_sigkill_after_some_batches_quotes_the_workers_memory() -> None:
     assert (r.status, r.fault) == ("failed", "memory")
     assert re.search(
         r"SIGKILL \(exit code -9\), most likely by the out-of-memory killer: 2 workers had "
-        r"reached \d+ MiB resident together \(\d+ MiB private each at the first reading\), "
+        r"reached [\d.]+ [KMG]iB resident together \([\d.]+ [KMG]iB private each at the first "
+        r"reading\), "
         r"with 5\.0 GiB available when tuning started; fix: ",
         r.reason or "",
     ), r.reason
