@@ -263,11 +263,25 @@ def test_a_chain_of_links_is_followed_to_its_end(tmp_path: Path) -> None:
 
 
 def test_a_dangling_link_creates_its_target(tmp_path: Path) -> None:
-    # As open(link, "wb") does; missing directories on the way are made, as for any path.
+    # As open(link, "wb") does, when the target's directory exists.
+    (tmp_path / "later").mkdir()
     link = tmp_path / "latest.pt"
     link.symlink_to("later/step1.pt")
     write_atomically(link, lambda f: f.write(b"first"))
     assert link.is_symlink() and (tmp_path / "later" / "step1.pt").read_bytes() == b"first"
+
+
+def test_a_dangling_link_never_creates_its_targets_directories(tmp_path: Path) -> None:
+    # A link into a purged scratch directory: rebuilding /scratch/... would hide the loss.
+    link = tmp_path / "latest.pt"
+    link.symlink_to(tmp_path / "scratch" / "run1" / "step1.pt")
+    with pytest.raises(
+        FileNotFoundError, match=r"latest\.pt is a symbolic link to .*/scratch/run1/step1\.pt"
+    ) as info:
+        write_atomically(link, lambda f: f.write(b"first"))
+    assert "does not exist" in str(info.value) and info.value.errno == errno.ENOENT
+    assert not (tmp_path / "scratch").exists() and link.is_symlink()
+    assert _temps(tmp_path) == []
 
 
 def test_a_loop_of_links_is_refused_by_name(tmp_path: Path) -> None:

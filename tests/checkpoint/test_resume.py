@@ -188,17 +188,24 @@ def _alive_in_group(pgid: int) -> list[int]:
     return alive
 
 
+_TRAINER = (
+    "import sys; from pathlib import Path; "
+    "from tests.checkpoint.test_resume import _crash_trainer; "
+    "_crash_trainer(Path(sys.argv[1]), int(sys.argv[2]))"
+)
+
+
 def _one_crash(directory: Path, delay_s: float) -> None:
+    # A fresh interpreter, not a fork of this one: a fork of the test process inherits
+    # whatever threads earlier tests left (and their locks), which can hang the child.
     read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the forked trainer
-        code = 1
-        try:
-            os.setsid()  # its own process group: the kill takes the writer with it
-            os.close(read_fd)
-            _crash_trainer(directory, write_fd)
-        finally:
-            os._exit(code)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, str(directory), str(write_fd)],
+        pass_fds=(write_fd,),
+        start_new_session=True,  # its own process group: the kill takes the writer with it
+        cwd=ROOT,
+    )
+    pid = proc.pid
     os.close(write_fd)
     try:
         ready, _, _ = select.select([read_fd], [], [], TIMEOUT_S)
@@ -206,7 +213,7 @@ def _one_crash(directory: Path, delay_s: float) -> None:
         time.sleep(delay_s)
     finally:
         os.killpg(pid, signal.SIGKILL)  # the trainer and its writer, as a job kill does
-        os.waitpid(pid, 0)
+        proc.wait()
         os.close(read_fd)
     deadline = time.monotonic() + 60
     while _alive_in_group(pid) and time.monotonic() < deadline:

@@ -273,7 +273,8 @@ def write_atomically(
 
     ``write`` gets a binary file open on a temp file beside ``path``; the temp file is
     fsynced and renamed over ``path``, then (with ``sync_directory``) the directory is
-    fsynced so the rename survives a power loss. Missing parent directories are created.
+    fsynced so the rename survives a power loss. Missing parent directories are created
+    (not those of a link's target).
     On any failure, or an interrupt, the temp file is removed and ``path`` is unchanged.
     Temp files of killed writers of ``path`` on this host are reused or removed, found by
     name: the directory is never listed (see the module docstring). A symbolic link is
@@ -291,6 +292,8 @@ def write_atomically(
     Raises:
         IsADirectoryError: ``path`` is a directory (or a link to one).
         NotADirectoryError: a path above it is a regular file (the message names it).
+        FileNotFoundError: ``path`` is a symbolic link whose target's directory is missing
+            (the message names the link and the target).
         OSError: creating, writing, flushing or renaming failed (``errno`` says why), or
             ``path`` is a loop of symbolic links (``ELOOP``).
         Exception: whatever ``write`` raised, unchanged.
@@ -303,7 +306,17 @@ def write_atomically(
         >>> p.read_bytes(), [q.name for q in p.parent.iterdir()]
         (b'hello', ['data.bin'])
     """
-    path = link_target(path)
+    link, path = path, link_target(path)
+    if path != link and not path.parent.is_dir():
+        # Only the link's target file is created, never its directories: a link into a
+        # purged scratch directory must not quietly rebuild it.
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{link} is a symbolic link to {path}, whose directory {path.parent} does not "
+            "exist (or is not a directory): create it, point the link elsewhere, or remove "
+            "the link",
+            str(link),
+        )
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, f"{path} is a directory, not a file name", str(path))
     host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())

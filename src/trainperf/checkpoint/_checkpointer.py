@@ -8,10 +8,11 @@ and how it is put back (:mod:`._payload`), the writers (:mod:`._writer`) and the
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
+import threading
 import warnings
-import weakref
 import zipfile
 from collections.abc import Iterable, Mapping
 from functools import partial
@@ -39,18 +40,19 @@ from trainperf.checkpoint._writer import (
     SaveHandle,
     Staging,
     fork_writes,
+    pending_handles,
+    snapshot_safe,
     staging_fits,
     start_process,
     start_thread,
     tensor_bytes,
+    unreported_failures,
     write_now,
 )
 from trainperf.errors import CheckpointError
 from trainperf.limits import host_limits
 
 __all__ = ["Checkpointer"]
-
-_LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
 def _group() -> tuple[int, int]:
@@ -131,7 +133,6 @@ class Checkpointer:
         self._pending: SaveHandle | None = None
         self._staging = Staging()
         self._stop: Preemption | None = None
-        _LIVE.add(self)
 
     def __repr__(self) -> str:
         every = "" if self.every is None else f", every={self.every}"
@@ -244,7 +245,7 @@ class Checkpointer:
     def _start_background(self, payload: Any, path: Path, step: int) -> SaveHandle | None:
         """Start a background write; None when host memory cannot hold the snapshot."""
         total, on_cpu = tensor_bytes(payload)
-        forked = on_cpu and fork_writes()
+        forked = on_cpu and fork_writes() and snapshot_safe(payload)
         needed = total if forked else self._staging.needed_bytes(payload)
         limits = host_limits()
         if needed and not staging_fits(needed, limits.memory_available, limits.memory_total):
@@ -260,10 +261,13 @@ class Checkpointer:
             return None
         handle = SaveHandle(step, path, "process" if forked else "thread")
         after = partial(self._after, step)
-        if forked:
-            start_process(payload, path, after, handle)
-        else:
-            start_thread(self._staging.stage(payload), path, after, handle)
+        staged = payload if forked else self._staging.stage(payload)
+        handle._track()
+        try:
+            (start_process if forked else start_thread)(staged, path, after, handle)
+        except BaseException:
+            handle._untrack()  # nothing started: nothing for the exit hook to wait for
+            raise
         self._pending = handle
         return handle
 
@@ -402,16 +406,28 @@ class Checkpointer:
 
 
 def _wait_at_exit() -> None:
-    """A background write still running when the interpreter exits is finished first."""
-    for ckpt in list(_LIVE):
-        pending = ckpt._pending
-        if pending is not None and not pending.done():
+    """Finish every background write still running when the process exits (its Checkpointer
+    may be gone), then print each failed write that was never reported to stderr."""
+    for pending in pending_handles():
+        if not pending.done():
             print(
                 f"trainperf: waiting for the background save of step {pending.step} to "
                 f"{pending.path} before exiting",
                 file=sys.stderr,
             )
             pending._event.wait()
+    for failed in unreported_failures():
+        message, cause = failed._failure or ("unknown", None)
+        print(
+            f"trainperf: ERROR: the background save of step {failed.step} to {failed.path} "
+            f"failed: {message} ({type(cause).__name__}: {cause}); no older checkpoint was "
+            "deleted",
+            file=sys.stderr,
+        )
 
 
 atexit.register(_wait_at_exit)
+# Processes that end in os._exit (multiprocessing's fork children, fork-started ranks) skip
+# atexit but run threading's exit hooks (in multiprocessing's _bootstrap).
+with contextlib.suppress(AttributeError, RuntimeError):
+    threading._register_atexit(_wait_at_exit)  # type: ignore[attr-defined]

@@ -113,6 +113,25 @@ def _sandbox(chain: list[Any], loader_gen: torch.Generator | None) -> Iterator[N
         before.apply(chain, loader_gen)
 
 
+@contextlib.contextmanager
+def _replaying(chain: list[Any], loader_gen: torch.Generator | None) -> Iterator[None]:
+    """Like :func:`_sandbox`, but the sampler chain's generators stay where the replay left
+    them: a sampler that draws lazily from one (``RandomSampler(replacement=True)``, 32
+    indices at a time) goes on from there. torch's global generator, the epochs and a loader
+    ``generator`` the samplers do not draw from are put back."""
+    before = _States.read(chain, loader_gen)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(before.torch_state)
+        for sampler, epoch in zip(chain, before.epochs, strict=False):
+            if epoch is not None and isinstance(getattr(sampler, "epoch", None), int):
+                sampler.epoch = epoch
+        drawn = any(g is loader_gen for g in _generators(chain))
+        if loader_gen is not None and before.loader_generator is not None and not drawn:
+            loader_gen.set_state(before.loader_generator)
+
+
 @dataclass
 class _Resume:
     passes: int
@@ -132,6 +151,9 @@ class _Tracker:
     resume: _Resume | None = None
     pass_id: int = 0
     notes: list[str] = field(default_factory=list)
+    # The next new iterator draws its workers' base seed from a scratch generator: a
+    # restored loader whose uninterrupted twin reuses its persistent workers draws none.
+    scratch_seed: bool = False
 
 
 class _IndexSampler:
@@ -162,7 +184,7 @@ class _IndexSampler:
             tracker.start = _States.read(chain, gen)
             yield from self.inner
             return
-        with _sandbox(chain, gen):
+        with _replaying(chain, gen):
             resume.start.apply(chain, gen)
             it = iter(self.inner)
             skipped = sum(1 for _ in itertools.islice(it, resume.position))
@@ -210,6 +232,22 @@ class _Counting:
         return getattr(self._it, name)
 
 
+@contextlib.contextmanager
+def _scratch_generator(loader: Any) -> Iterator[None]:
+    """The workers' base seed drawn from a scratch generator (the sampler keeps its own
+    reference, so its draws are untouched): torch's global generator and ``generator``
+    stay where the checkpoint left them, as for a loader whose persistent workers go on."""
+    real = loader.generator
+    seed = (torch.initial_seed() if real is None else real.initial_seed()) + loader.__dict__[
+        _TRACKER
+    ].passes
+    loader.generator = torch.Generator().manual_seed(seed)
+    try:
+        yield
+    finally:
+        loader.generator = real
+
+
 def _tracked_iter(loader: Any, make: Callable[[], Iterator[Any]]) -> _Counting:
     """A tracked loader's ``__iter__``: ``make`` is its own class's."""
     tracker: _Tracker = loader.__dict__[_TRACKER]
@@ -217,7 +255,9 @@ def _tracked_iter(loader: Any, make: Callable[[], Iterator[Any]]) -> _Counting:
     if tracker.resume is None:
         tracker.passes += 1
         tracker.position, tracker.done, tracker.known, tracker.start = 0, False, True, None
-        it = make()
+        scratch, tracker.scratch_seed = tracker.scratch_seed, False
+        with _scratch_generator(loader) if scratch else contextlib.nullcontext():
+            it = make()
     else:
         resume = tracker.resume
         # The interrupted run made this pass's start-up draws (the workers' base seed)
@@ -359,6 +399,9 @@ def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key
     _States.from_dict(saved["now"]).apply(chain, loader.generator)
     tracker.passes, tracker.position, tracker.known = saved["passes"], saved["position"], True
     tracker.done, tracker.resume = True, None
+    tracker.scratch_seed = bool(
+        saved["done"] and saved["passes"] >= 1 and loader.persistent_workers and loader.num_workers
+    )
     if saved["done"] or saved["start"] is None:
         return
     note = _resume_note(loader, saved)

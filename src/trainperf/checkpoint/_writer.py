@@ -29,6 +29,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Mapping
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,8 @@ from trainperf.errors import CheckpointError
 
 __all__ = [
     "SaveHandle",
+    "pending_handles",
+    "unreported_failures",
     "Staging",
     "fork_writes",
     "staging_fits",
@@ -57,6 +60,39 @@ _QUIET = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGUSR1", "SIG
 # Headroom kept free when deciding whether staging fits: the larger of these.
 _MARGIN_MIN = 512 << 20
 _MARGIN_FRACTION = 0.05
+
+# Background writes still running, held strongly: the exit hook waits for them even when
+# their Checkpointer is gone. Failed writes nobody has been told of yet, for the same hook.
+# No lock (set.add, set.discard, list.append and list.pop are atomic under the GIL): a lock
+# held by a reaper thread at a fork would stay held in the child forever.
+_PENDING: set[SaveHandle] = set()
+_FAILED: list[SaveHandle] = []
+
+
+def _forget_parents_writes() -> None:
+    """In a forked child: the parent's writes are not this process's to wait for."""
+    _PENDING.clear()
+    _FAILED.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parents_writes)
+
+
+def pending_handles() -> list[SaveHandle]:
+    """The background writes of this process not finished yet."""
+    return list(_PENDING.copy())
+
+
+def unreported_failures() -> list[SaveHandle]:
+    """Failed background writes whose failure was never raised; each is marked reported."""
+    failed = []
+    while _FAILED:
+        handle = _FAILED.pop(0)
+        if not handle._reported:
+            handle._reported = True
+            failed.append(handle)
+    return failed
 
 
 def staging_fits(needed: int, available: int, total: int) -> bool:
@@ -118,6 +154,27 @@ def fork_writes() -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "fork")
 
 
+def snapshot_safe(payload: Any) -> bool:
+    """Whether a fork's copy-on-write snapshot holds ``payload``'s tensors as they are now.
+
+    Not for a tensor in shared memory (``share_memory_()``: the fork shares its pages, so
+    the training process's next writes reach the writer), nor, once CUDA is initialised,
+    for a pinned one (pinned pages are shared the same way): those go through staging.
+
+    Example:
+        >>> shared = torch.zeros(2).share_memory_()
+        >>> snapshot_safe({"w": torch.zeros(2)}), snapshot_safe({"w": shared})
+        (True, False)
+    """
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    for t in _tensors(payload, []):
+        if t.layout != torch.strided:
+            continue
+        if t.is_shared() or (cuda and t.is_pinned()):  # type: ignore[no-untyped-call]
+            return False
+    return True
+
+
 class Staging:
     """Host buffers that background saves copy tensors into, reused from save to save."""
 
@@ -155,10 +212,12 @@ class Staging:
         return buf
 
     def stage(self, payload: Any) -> Any:
-        """``payload`` with every tensor copied into a host buffer (containers rebuilt, other
-        values shared), once every copy has landed."""
+        """``payload`` with every tensor copied into a host buffer and every other leaf
+        (NumPy arrays, user objects) deep-copied (containers rebuilt; a leaf that cannot be
+        copied is shared), once every copy has landed."""
         counter = [0]
         done: dict[tuple[Any, ...], torch.Tensor] = {}
+        devices: set[torch.device] = set()
 
         def copy(t: torch.Tensor) -> torch.Tensor:
             if t.layout != torch.strided:  # sparse and such: a plain copy, no buffer
@@ -167,14 +226,27 @@ class Staging:
             if key not in done:  # the same tensor twice (tied weights): one buffer
                 out = self._buffer(counter[0], t)
                 out.copy_(t.detach(), non_blocking=t.device.type == "cuda")
+                if t.device.type == "cuda":
+                    devices.add(t.device)
                 counter[0] += 1
                 done[key] = out
             return done[key]
 
         staged = _rebuild(payload, copy)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            torch.cuda.synchronize()  # every non-blocking copy has landed
+        for device in devices:  # every non-blocking copy has landed, on each device
+            torch.cuda.synchronize(device)
         return staged
+
+
+def _copy_leaf(obj: Any) -> Any:
+    """A deep copy of a non-tensor leaf, so the training loop's next change misses it;
+    immutable scalars and anything that cannot be copied are shared."""
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+        return obj
+    try:
+        return deepcopy(obj)
+    except Exception:  # a lock, a generator, a socket: written as it is at write time
+        return obj
 
 
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -205,7 +277,7 @@ def _rebuild(obj: Any, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, tuple):
         values = [_rebuild(v, copy) for v in obj]
         return type(obj)(*values) if hasattr(obj, "_fields") else tuple(values)
-    return obj
+    return _copy_leaf(obj)
 
 
 def write_now(payload: Any, path: Path) -> None:
@@ -248,9 +320,19 @@ class SaveHandle:
         state = "failed" if self._failure else "done" if self.done() else "writing"
         return f"SaveHandle(step={self.step}, path={str(self.path)!r}, {self.writer}, {state})"
 
+    def _track(self) -> None:
+        """Count this write as running until :meth:`_finish` (for the exit hook)."""
+        _PENDING.add(self)
+
+    def _untrack(self) -> None:
+        _PENDING.discard(self)
+
     def _finish(self, failure: tuple[str, BaseException] | None, notes: list[str]) -> None:
         self._failure = failure
         self.notes = notes
+        if failure is not None:
+            _FAILED.append(self)
+        _PENDING.discard(self)
         self._event.set()
 
     def done(self) -> bool:
