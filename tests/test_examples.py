@@ -70,7 +70,8 @@ def test_diagnose_my_loop_finds_the_slow_loader(tmp_path: Path) -> None:
     plot = tmp_path / "timeline.png"
     out = run_example("diagnose_my_loop.py", "--steps", "12", "--plot", str(plot))
     assert "trainperf.watch: input-bound" in out
-    assert "fix: feed the loop faster: trainperf.autotune_loader()" in out
+    assert "fix: feed the loop faster: trainperf.autotune_loader(" in out
+    assert "what if (ranked by predicted gain" in out
     # The plot is optional: either it was written, or the example says how to get matplotlib.
     assert plot.is_file() or "no plot: WatchReport.plot() needs matplotlib" in out
 

@@ -1,7 +1,9 @@
-"""Shared by the monitor tests: loaders that sleep, steps that burn CPU, synthetic timelines."""
+"""Shared by the monitor tests: loaders that sleep, steps that burn CPU, synthetic timelines
+and figures."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -9,6 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from trainperf.monitor import Sample, StepRecord
+from trainperf.monitor._figures import Figures
 
 
 def sampler_threads() -> list[threading.Thread]:
@@ -39,3 +42,34 @@ def steps(n: int, wait: float, compute: float, **extra: object) -> list[StepReco
 def samples(n: int, util: float | None, process_cpu: float, host_cpu: float) -> list[Sample]:
     return [Sample(i * 0.1, util, 2**30 if util is not None else None, process_cpu, host_cpu)
             for i in range(n)]  # fmt: skip
+
+
+def figures(**changes: object) -> Figures:
+    """20 measured steps on a used GPU, 8 CPUs idle, no waiting, no samples, no stalls."""
+    base = Figures(
+        measured_steps=20, warmup_steps=2, gpu_present=True, cuda_used=True, cpus=8,
+        wall_s=0.2, wait_fraction=0.0, median_step_s=0.01, gpu_span=None, utilisation=(),
+        nvml_window_s=2.0, process_cpu=None, host_cpu=None, stall_period=None,
+        stall_steps=(), stall_fraction=0.0, stall_median_s=None,
+    )  # fmt: skip
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+def cpu_loop(**changes: object) -> Figures:
+    """A CPU loop of 100 steps of 20 ms on 2 CPUs (``figures`` with no GPU)."""
+    loop: dict[str, object] = {
+        "gpu_present": False, "cuda_used": False, "cpus": 2, "measured_steps": 100,
+        "wall_s": 2.0, "median_step_s": 0.02,
+    }  # fmt: skip
+    return figures(**{**loop, **changes})
+
+
+def doubling_timeline() -> list[StepRecord]:
+    """Two workers keep up with a 5 ms step, until the per-sample cost doubles at step 60:
+    then each step waits 3 ms for its batch (8 ms a step)."""
+    out, start = [], 0.0
+    for i in range(120):
+        wait, compute = (0.0002, 0.005) if i < 60 else (0.003, 0.005)
+        out.append(StepRecord(i, start, wait, compute, 8, None, 0.0001, 0.0))
+        start += wait + compute
+    return out

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.monitor._fakes import samples, steps
-from trainperf.monitor import Sample, StepRecord, analyse
+from tests.monitor._fakes import doubling_timeline, samples, steps
+from trainperf.monitor import LoopSetup, Sample, StepRecord, analyse
 
 
 def test_analyse_gpu_unused_when_cuda_never_started() -> None:
@@ -212,3 +212,42 @@ def test_analyse_passes_the_precision_in_use_to_the_rules() -> None:
     report = analyse(steps(60, 0.0, 0.02), precision=("fp32", why))
     assert report.verdict.kind == "compute-bound"
     assert why in report.verdict.fix and "autocast" not in report.verdict.fix
+
+
+# --------------------------------------------------------------------------- the loop now
+
+
+def test_a_lasting_change_makes_the_verdict_about_the_steps_since() -> None:
+    timeline = doubling_timeline()
+    quiet = [Sample(i * 0.1, None, None, 30.0, 20.0, 5.0) for i in range(30)]
+    report = analyse(timeline, quiet, cpus=2, setup=LoopSetup(num_workers=2))
+    # Over the whole run 24.5 % of step time waits, under the 25 % that is input-bound.
+    assert report.wait_fraction == pytest.approx(0.245, abs=0.001)
+    assert report.regime_start == 60
+    assert report.verdict.kind == "input-bound", report
+    assert report.verdict.reasons[0].startswith(
+        "the step time rose lastingly at step 60, from a median of 5.2 ms to 8.0 ms (1.54x): "
+        "these figures and predictions cover the 60 steps since"
+    )
+    assert "37% of step time is spent waiting" in report.verdict.reasons[1]
+    # The prediction is for the loop now: 2 workers deliver every 8 ms (16 ms each); the
+    # tuner's 4 (enough for the 5 ms step) would deliver every 4 ms, and the step keeps its
+    # 0.1 ms of taking each batch: 8 ms -> 5.1 ms.
+    assert report.verdict.fixes[0].predicted_speedup == pytest.approx(8.0 / 5.1)
+    assert "the step time changed at step 60" in str(report)
+    steady = analyse(timeline[60:], quiet, cpus=2, setup=LoopSetup(num_workers=2))
+    assert steady.regime_start is None
+
+
+def test_the_measured_cpu_figures_reach_the_predictions() -> None:
+    # 16 ms waits of which 1.6 ms on a CPU, 4 ms steps: test_predict's sleepy loader.
+    timeline = [StepRecord(i, i * 0.02, 0.016, 0.004, 8, None, 0.0016, 0.001) for i in range(40)]
+    hot = [Sample(i * 0.1, None, None, 100.0, 99.0, 60.0) for i in range(8)]
+    report = analyse(timeline, hot, cpus=2, setup=LoopSetup(num_workers=0, torch_threads=1))
+    loader = report.verdict.fixes[0]
+    assert loader.call == "trainperf.autotune_loader(dataset, batch_size, step_fn=train_step)"
+    assert loader.predicted_speedup == pytest.approx(5.0)
+    assert report.setup == LoopSetup(num_workers=0, torch_threads=1)
+    assert report.to_dict()["setup"]["torch_threads"] == 1
+    unmeasured = analyse(timeline, hot, cpus=2, wait_measured=False)
+    assert unmeasured.verdict.kind != "input-bound"

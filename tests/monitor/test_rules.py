@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from trainperf.monitor import Verdict
+from tests.monitor._fakes import cpu_loop, figures
+from trainperf.monitor import LoopSetup, Verdict
 from trainperf.monitor._rules import (
-    Figures,
     compute_bound,
     cpu_share,
     cpus_held_by_others,
@@ -27,17 +27,6 @@ from trainperf.monitor._rules import (
     waits_for_data,
     weight,
 )
-
-
-def figures(**changes: object) -> Figures:
-    """20 measured steps on a used GPU, 8 CPUs idle, no waiting, no samples, no stalls."""
-    base = Figures(
-        measured_steps=20, warmup_steps=2, gpu_present=True, cuda_used=True, cpus=8,
-        wall_s=0.2, wait_fraction=0.0, median_step_s=0.01, gpu_span=None, utilisation=(),
-        nvml_window_s=2.0, process_cpu=None, host_cpu=None, stall_period=None,
-        stall_steps=(), stall_fraction=0.0, stall_median_s=None,
-    )  # fmt: skip
-    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
 
 
 def nvml(percent: float, n: int = 3) -> tuple[float, ...]:
@@ -358,3 +347,100 @@ def test_rank_says_the_cpus_are_held_instead_of_compute_bound() -> None:
     main = input_bound(waiting)
     assert main is not None
     assert rank(waiting, [main]) == (main, (cpus_held_by_others(waiting),))
+
+
+# --------------------------------------------------------------------------- predictions
+
+
+def test_every_candidate_carries_its_fixes_and_the_best_prediction() -> None:
+    waiting = input_bound(cpu_loop(wait_fraction=0.8, wait_cpu_s=0.0016, process_cpu=20.0))
+    assert waiting is not None
+    assert [f.call for f in waiting.fixes] == [
+        "trainperf.autotune_loader(dataset, batch_size, step_fn=train_step)"
+    ]
+    assert waiting.predicted_speedup == pytest.approx(5.0)  # worked out in test_predict
+    assert waiting.basis == waiting.fixes[0].basis
+    stalls = periodic_stalls(figures(stall_fraction=0.2, **STALLS))
+    assert stalls is not None and stalls.predicted_speedup == pytest.approx(1.25)
+    assert stalls.fixes[0].call.startswith("trainperf.Checkpointer(")
+    on_gpu = input_bound(figures(wait_fraction=0.6, wait_cpu_s=0.006, process_cpu=100.0))
+    assert on_gpu is not None  # a CUDA loop: GPU decoding is a fix too
+    assert {f.call.split("(")[0] for f in on_gpu.fixes} == {
+        "trainperf.autotune_loader", "trainperf.pipelines.image_loader",
+    }  # fmt: skip
+    assert on_gpu.predicted_speedup == max(f.predicted_speedup for f in on_gpu.fixes)
+
+
+def test_the_decisive_verdicts_say_what_they_cannot_predict() -> None:
+    few = too_few_steps(figures(measured_steps=2))
+    assert few is not None and few.predicted_speedup == 1.0 and few.fixes == ()
+    assert few.basis == "not predicted: 2 step(s) say too little"
+    unused = cuda_never_initialised(figures(cuda_used=False))
+    assert unused is not None and unused.fixes[0].finding == "gpu-unused"
+    assert unused.basis.startswith("not predicted")
+    idle = gpu_idle(figures(utilisation=nvml(1.0)))
+    assert idle is not None and idle.fixes == unused.fixes
+
+
+def test_compute_bound_predicts_mixed_precision_and_a_larger_batch() -> None:
+    cpu = compute_bound(cpu_loop(setup=LoopSetup(cpu_native_bf16=False)))
+    assert [f.call for f in cpu.fixes] == ["trainperf.MixedPrecision()"]
+    assert cpu.predicted_speedup == 1.0 and "no native bf16" in cpu.basis
+    setup = LoopSetup(gpu_name="NVIDIA A100-SXM4-80GB", gpu_capability=(8, 0))
+    gpu = compute_bound(figures(gpu_span=0.4, setup=setup))
+    assert [f.call for f in gpu.fixes] == [
+        "trainperf.tune_batch_size(model, ...)", "trainperf.MixedPrecision()",
+    ]  # fmt: skip
+    assert gpu.predicted_speedup == 2.0  # a GPU busy 40 %: a doubled batch beats bf16
+    assert compute_bound(figures(precision=("bf16", "x"))).fixes == ()  # nothing left
+
+
+def test_held_cpus_predict_the_wait_for_a_cpu_gone() -> None:
+    held = cpus_held_by_others(cpu_loop(process_cpu=20.0, host_cpu=99.0, cpu_delay_s=0.010))
+    assert held is not None and held.predicted_speedup == pytest.approx(2.0)
+    assert held.fixes[0].call.startswith("stop or move the other jobs")
+
+
+OVERSUBSCRIBED = {
+    "process_cpu": 180.0, "workers_cpu": 120.0, "host_cpu": 95.0,
+    "setup": LoopSetup(torch_threads=16, num_workers=2),
+}  # fmt: skip
+
+
+def test_host_bound_names_torch_threads_that_oversubscribe_the_cpus() -> None:
+    verdict = host_bound(cpu_loop(wait_fraction=0.1, **OVERSUBSCRIBED))
+    assert verdict is not None and verdict.kind == "host-bound"
+    assert verdict.summary == "torch's 16 threads oversubscribe the 2 usable CPUs"
+    assert verdict.reasons[0] == (
+        "torch runs 16 threads on 2 usable CPUs while the DataLoader workers keep 1.2 cores "
+        "busy and other processes 0.1: 1 would fit (torch.set_num_threads)"
+    )
+    assert verdict.fixes[0].call == "torch.set_num_threads(1)"
+    # Waiting as well: the waiting verdict, with the threads among its reasons and fixes.
+    waiting = host_bound(cpu_loop(wait_fraction=0.3, **OVERSUBSCRIBED))
+    assert waiting is not None and waiting.summary.startswith("waiting for data")
+    assert any(r.startswith("torch runs 16 threads") for r in waiting.reasons)
+    assert "torch.set_num_threads(1)" in [f.call for f in waiting.fixes]
+
+
+def test_oversubscribed_threads_are_host_bound_on_a_host_others_keep_busy() -> None:
+    # This tree uses 35 % of its CPUs (not saturated), the host is 98 % busy.
+    setup = LoopSetup(torch_threads=16, num_workers=2)
+    busy = cpu_loop(wait_fraction=0.3, process_cpu=70.0, workers_cpu=40.0, host_cpu=98.0,
+                    setup=setup)  # fmt: skip
+    verdict = host_bound(busy)
+    assert verdict is not None
+    assert verdict.summary == (
+        "waiting for data while torch's 16 threads oversubscribe the busy CPUs"
+    )
+    quiet = dataclasses.replace(busy, host_cpu=50.0)
+    assert host_bound(quiet) is None  # idle CPUs: the threads crowd nothing
+
+
+def test_oversubscription_weighs_the_share_of_threads_that_do_not_fit() -> None:
+    f = cpu_loop(wait_fraction=0.1, **OVERSUBSCRIBED)
+    verdict = host_bound(f)
+    assert verdict is not None
+    assert weight(f, verdict) == pytest.approx(1 - 1 / 16)
+    main, _ = rank(f, [verdict])
+    assert main is verdict  # it leads over compute-bound

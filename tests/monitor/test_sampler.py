@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
 from tests.monitor._fakes import sampler_threads, sleepy_loader
 from trainperf.monitor import watch
@@ -41,3 +43,31 @@ def test_the_sampler_keeps_only_the_most_recent_samples() -> None:
     assert report.dropped_samples > 0 and len(report.samples) == 3
     times = [s.time for s in report.samples]
     assert times == sorted(times)
+
+
+class _Busy(torch.utils.data.Dataset[torch.Tensor]):
+    """Each sample is 20 ms of CPU work in a worker."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+        return torch.zeros(2)
+
+
+@pytest.mark.slow  # two workers start and compute for about a second
+def test_the_workers_cpu_is_sampled_apart_from_the_loops() -> None:
+    loader = DataLoader(_Busy(), batch_size=2, num_workers=2, timeout=60)
+    with watch(device="cpu", interval=0.05) as w:
+        for _ in w.iter(loader):
+            w.step()
+    report = w.report()
+    assert report.samples and all(s.workers_cpu is not None for s in report.samples)
+    assert all(s.process_cpu >= (s.workers_cpu or 0.0) for s in report.samples)
+    # The workers are found within half a second of starting, and keep a core busy or
+    # wait for one: most of the second they ran, their CPU shows.
+    assert max(s.workers_cpu or 0.0 for s in report.samples) > 20.0
+    assert report.setup.num_workers == 2

@@ -5,12 +5,16 @@ from __future__ import annotations
 import gc
 import importlib
 import itertools
+import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from tests.monitor._fakes import burn, sampler_threads, sleepy_loader
 from trainperf.errors import DeviceError
@@ -368,3 +372,114 @@ def test_under_ddp_the_watch_judges_cpus_by_this_ranks_share(
     assert _watch._rank_cpus() == usable_cpus(2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
     assert _watch._rank_cpus() == usable_cpus()
+
+
+# --------------------------------------------------------------------------- what predictions need
+
+
+def _busy_loader(n: int, seconds: float) -> Iterator[torch.Tensor]:
+    for _ in range(n):
+        burn(seconds)
+        yield torch.zeros(4, 2)
+
+
+def test_the_watch_tells_loading_that_computes_from_loading_that_waits() -> None:
+    reports = {}
+    for name, loader in (("sleeps", sleepy_loader(12, 0.02)), ("computes", _busy_loader(12, 0.02))):
+        with watch(device="cpu", warmup_steps=0) as w:
+            for _ in w.iter(loader):
+                w.step()
+        reports[name] = w.report()
+    cpu = {k: [s.wait_cpu for s in r.timeline] for k, r in reports.items()}
+    assert all(c is not None for c in cpu["sleeps"] + cpu["computes"])
+    # 20 ms of busy loading demands 20 ms of CPU per step (running or waiting for one);
+    # 20 ms of sleep demands little. The kernel adds run time at scheduler ticks, so one
+    # step's figure may be a few ms off; their mean is not.
+    busy = [c for c in cpu["computes"] if c is not None]
+    assert sum(busy) / len(busy) >= 0.017
+    assert sum(c for c in cpu["sleeps"] if c is not None) < 0.5 * sum(
+        c for c in cpu["computes"] if c is not None
+    )
+    delays = [s.cpu_delay for s in reports["computes"].timeline]
+    if Path("/proc/thread-self/schedstat").exists():
+        assert all(d is not None and 0 <= d <= s.duration + 1e-3
+                   for d, s in zip(delays, reports["computes"].timeline, strict=True))  # fmt: skip
+
+
+def test_the_watch_reads_the_loaders_settings_and_torch_threads() -> None:
+    loader = DataLoader(TensorDataset(torch.zeros(32, 2)), batch_size=4)
+    with watch(device="cpu") as w:
+        for _ in w.iter(loader):
+            w.step()
+    setup = w.report().setup
+    assert (setup.num_workers, setup.batch_size) == (0, 4)
+    assert setup.torch_threads == torch.get_num_threads()
+    assert setup.gpu_name is None
+    with watch(device="cpu") as plain:
+        for _ in plain.iter([torch.zeros(2)] * 3):
+            plain.step()
+    assert plain.report().setup.num_workers is None  # not a DataLoader
+
+
+class _ScriptedClock:
+    """Stands in for the schedstat clock: returns (demand, delay) readings from a script."""
+
+    generation = 1
+
+    def __init__(self, readings: list[tuple[float, float]]) -> None:
+        self.readings = list(readings)
+        self.calls = 0
+
+    def read(self) -> tuple[float, float]:
+        self.calls += 1
+        return self.readings.pop(0)
+
+    def close(self) -> None:
+        pass
+
+
+def test_schedstat_is_read_every_16_steps_and_spread_over_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ticks = itertools.count()
+    monkeypatch.setattr(time, "thread_time", lambda: next(ticks) * 0.001)  # 1 ms per wait
+    clock = _ScriptedClock([
+        (1.000, 0.000),  # at the start: run 1.000
+        (1.048, 0.016),  # after 16 steps: 32 ms run, 16 ms waiting for a CPU
+        (1.056, 0.020),  # at the end, 4 steps later: 4 ms run, 4 ms waiting
+    ])  # fmt: skip
+    w = Watch(device="cpu", warmup_steps=0)
+    w._clock = clock  # type: ignore[assignment]
+    with w:
+        for _ in w.iter([torch.zeros(2)] * 20):
+            w.step()
+    assert clock.calls == 3  # not one a step
+    steps = w.report().timeline
+    assert [s.cpu_delay for s in steps] == pytest.approx([0.001] * 20)
+    # Waiting for a CPU half as long as running, then as long: the waits' CPU time (1 ms
+    # each) is scaled into demand by 1.5, then by 2.
+    assert [s.wait_cpu for s in steps] == pytest.approx([0.0015] * 16 + [0.002] * 4)
+
+
+def test_without_schedstat_the_delays_are_unknown_and_the_wait_is_cpu_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    w = Watch(device="cpu", warmup_steps=0, max_records=8)
+    w._clock = _ScriptedClock([(0.0, math.nan)] * 10)  # type: ignore[assignment]
+    with w:
+        for _ in w.iter([torch.zeros(2)] * 40):  # past max_records: old steps are dropped
+            w.step()
+    steps = w.report().timeline
+    assert len(steps) == 8 and all(s.cpu_delay is None for s in steps)
+    assert all(s.wait_cpu is not None and s.wait_cpu >= 0 for s in steps)
+
+
+def test_a_reading_after_old_steps_were_dropped_spreads_over_every_step_it_covers() -> None:
+    w = Watch(device="cpu", warmup_steps=0, max_records=4)
+    # 16 steps between the readings, 16 ms waiting for a CPU: 1 ms each, though only the
+    # last 4 to 8 of those steps are still held when the reading comes.
+    w._clock = _ScriptedClock([(1.0, 0.0), (1.048, 0.016)])  # type: ignore[assignment]
+    with w:
+        for _ in range(16):
+            w.step()
+    assert [s.cpu_delay for s in w.report().timeline] == pytest.approx([0.001] * 4)

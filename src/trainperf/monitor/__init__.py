@@ -12,8 +12,11 @@
 sampler reads GPU and CPU use; :func:`analyse` turns the timeline into a
 :class:`WatchReport` whose :class:`Verdict` says whether the loop is input-bound,
 compute-bound, host-bound, not using the GPU, or stalling periodically; each of those rules
-is a pure function of the measured figures (``_rules``). The package is called
-``monitor`` so that ``trainperf.watch`` is only ever the function.
+is a pure function of the measured figures (``_rules``). Each verdict and "also" finding
+carries its :class:`Fix` es with the speed-up each is predicted to give and the basis of
+that prediction (``_predict``, pure functions as well); ``report.what_if()`` returns the
+:class:`WhatIf` table that ranks them. The package is called ``monitor`` so that
+``trainperf.watch`` is only ever the function.
 
 Example:
     >>> from trainperf.monitor import Watch, analyse
@@ -25,16 +28,28 @@ from __future__ import annotations
 
 from trainperf._utils.public import set_public_module
 from trainperf.monitor._analysis import analyse
-from trainperf.monitor._report import Sample, StepRecord, Verdict, VerdictKind, WatchReport
+from trainperf.monitor._report import (
+    Fix,
+    Sample,
+    StepRecord,
+    Verdict,
+    VerdictKind,
+    WatchReport,
+    WhatIf,
+)
+from trainperf.monitor._setup import LoopSetup
 from trainperf.monitor._watch import Watch, watch
 
 __all__ = [
+    "Fix",
+    "LoopSetup",
     "Sample",
     "StepRecord",
     "Verdict",
     "VerdictKind",
     "Watch",
     "WatchReport",
+    "WhatIf",
     "analyse",
     "watch",
 ]

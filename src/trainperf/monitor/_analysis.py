@@ -4,20 +4,25 @@
 background :class:`Sample` s; :func:`analyse` measures them into the figures the verdict
 rules (``_rules``, pure functions) judge, applies the rules in order, and returns a
 :class:`WatchReport` whose :class:`Verdict` names what limits the loop, the numbers behind
-it, and the trainperf tool that fixes it. Import these from :mod:`trainperf.monitor`.
+it, the trainperf tool that fixes it, and what each fix is predicted to gain (``_predict``).
+Where the step time changed lastingly part-way (``_shift``), the figures the rules judge
+are those of the steps since the change: the loop as it runs now. Import these from
+:mod:`trainperf.monitor`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from trainperf._utils.validate import non_negative_int, positive_int
+from trainperf.monitor._figures import Figures
 from trainperf.monitor._report import Sample, StepRecord, Verdict, VerdictKind, WatchReport
 from trainperf.monitor._rules import (
     MIN_STEPS,
-    Figures,
     cuda_never_initialised,
     gpu_idle,
     host_bound,
@@ -26,6 +31,8 @@ from trainperf.monitor._rules import (
     rank,
     too_few_steps,
 )
+from trainperf.monitor._setup import LoopSetup
+from trainperf.monitor._shift import Shift, find_shift
 
 __all__ = ["Sample", "StepRecord", "Verdict", "VerdictKind", "WatchReport", "analyse"]
 
@@ -103,6 +110,13 @@ def _event_span(measured: Sequence[StepRecord], wall: float) -> float | None:
     return min(1.0, sum(busy) / wall) if busy and len(busy) == len(measured) else None
 
 
+def _per_step(values: Sequence[float | None]) -> float | None:
+    """The mean of a per-step figure, None unless every step has it."""
+    if not values or any(v is None for v in values):
+        return None
+    return statistics.fmean(v for v in values if v is not None)
+
+
 def _samples_per_s(measured: Sequence[StepRecord], wall: float) -> float | None:
     known = [s.samples for s in measured]
     if wall <= 0 or not known or None in known:
@@ -110,29 +124,38 @@ def _samples_per_s(measured: Sequence[StepRecord], wall: float) -> float | None:
     return sum(n for n in known if n is not None) / wall
 
 
+@dataclass(frozen=True)
+class _Context:
+    """What ``analyse`` was told about the run, besides its steps and samples."""
+
+    warmup_steps: int
+    gpu_present: bool
+    cuda_used: bool
+    cpus: int
+    wait_measured: bool
+    precision: tuple[str, str] | None
+    setup: LoopSetup
+
+
 def _figures(
     measured: Sequence[StepRecord],
     window: Sequence[Sample],
     window_s: float,
     first: int,
-    *,
-    warmup_steps: int,
-    gpu_present: bool,
-    cuda_used: bool,
-    cpus: int,
-    wait_measured: bool,
-    precision: tuple[str, str] | None,
+    ctx: _Context,
+    shift: Shift | None = None,
 ) -> Figures:
     """Measure the steps (numbered from ``first``) and their samples for the rules."""
     durations = [s.duration for s in measured]
+    workers = [s.workers_cpu for s in window if s.workers_cpu is not None]
     wall = sum(durations)
     period, stalled, stall_fraction = _find_stalls(durations, first)
     return Figures(
         measured_steps=len(measured),
-        warmup_steps=warmup_steps,
-        gpu_present=gpu_present,
-        cuda_used=cuda_used,
-        cpus=cpus,
+        warmup_steps=ctx.warmup_steps,
+        gpu_present=ctx.gpu_present,
+        cuda_used=ctx.cuda_used,
+        cpus=ctx.cpus,
         wall_s=wall,
         wait_fraction=sum(s.wait for s in measured) / wall if wall > 0 else 0.0,
         median_step_s=statistics.median(durations) if durations else 0.0,
@@ -147,8 +170,13 @@ def _figures(
         stall_median_s=(
             statistics.median(durations[i - first] for i in stalled) if stalled else None
         ),
-        wait_measured=wait_measured,
-        precision=precision,
+        wait_measured=ctx.wait_measured,
+        precision=ctx.precision,
+        wait_cpu_s=_per_step([s.wait_cpu for s in measured]) if ctx.wait_measured else None,
+        cpu_delay_s=_per_step([s.cpu_delay for s in measured]),
+        workers_cpu=_mean(workers),
+        setup=ctx.setup,
+        shift=shift,
     )
 
 
@@ -160,6 +188,31 @@ def _decide(figures: Figures) -> tuple[Verdict, tuple[Verdict, ...]]:
             return verdict, ()
     candidates = [v for v in (rule(figures) for rule in _CANDIDATES) if v is not None]
     return rank(figures, candidates)
+
+
+def _shift_reason(shift: Shift, steps: int) -> str:
+    change = "rose" if shift.ratio > 1 else "fell"
+    return (
+        f"the step time {change} lastingly at step {shift.step}, from a median of "
+        f"{shift.before_s * 1e3:.1f} ms to {shift.after_s * 1e3:.1f} ms ({shift.ratio:.2f}x): "
+        f"these figures and predictions cover the {steps} steps since, the loop as it runs now"
+    )
+
+
+def _judge(
+    measured: Sequence[StepRecord], samples: Sequence[Sample], first: int, ctx: _Context
+) -> tuple[Verdict, tuple[Verdict, ...], Shift | None]:
+    """The verdict and findings on the loop as it runs now: the steps since a lasting change
+    in step time (``_shift``), or all of them."""
+    shift = find_shift([s.duration for s in measured], first)
+    judged = measured[shift.step - first :] if shift is not None else measured
+    window, window_s = _window(judged, samples)
+    figures = _figures(judged, window, window_s, shift.step if shift else first, ctx, shift)
+    verdict, findings = _decide(figures)
+    if shift is not None:
+        reasons = (_shift_reason(shift, len(judged)), *verdict.reasons)
+        verdict = dataclasses.replace(verdict, reasons=reasons)
+    return verdict, findings, shift
 
 
 def analyse(
@@ -175,6 +228,7 @@ def analyse(
     dropped_samples: int = 0,
     wait_measured: bool = True,
     precision: tuple[str, str] | None = None,
+    setup: LoopSetup | None = None,
 ) -> WatchReport:
     """Turn a step timeline and background samples into a :class:`WatchReport`.
 
@@ -204,9 +258,14 @@ def analyse(
         precision: ``(name, reason)`` of the :class:`trainperf.amp.MixedPrecision` in use,
             e.g. ``("fp32", "auto: the CPU has no native bf16 ... -> fp32")``; a
             compute-bound verdict then does not advise mixed precision. None: none in use.
+        setup: what the loop ran with (:class:`LoopSetup`: DataLoader settings, torch
+            threads, the GPU), for the predictions; None: nothing known.
 
     Returns:
-        The report.
+        The report: a verdict and "also" findings, each with its fixes and their predicted
+        gains (``report.what_if()`` ranks them). Where the step time changed lastingly
+        part-way, the verdict covers the steps since (``regime_start``); the report's own
+        figures cover every measured step.
 
     Raises:
         ValueError: ``cpus`` is not an int >= 1, or ``warmup_steps``, ``dropped_steps`` or
@@ -224,13 +283,12 @@ def analyse(
     skip = max(0, warmup_steps - dropped_steps)  # warm-up steps still in the timeline
     first = dropped_steps + skip  # the number of the first measured step
     measured = list(timeline[skip:])
+    ctx = _Context(
+        warmup_steps, gpu_present, cuda_used, cpus, wait_measured, precision, setup or LoopSetup()
+    )
     window, window_s = _window(measured, samples)
-    figures = _figures(
-        measured, window, window_s, first,
-        warmup_steps=warmup_steps, gpu_present=gpu_present, cuda_used=cuda_used, cpus=cpus,
-        wait_measured=wait_measured, precision=precision,
-    )  # fmt: skip
-    verdict, findings = _decide(figures)
+    figures = _figures(measured, window, window_s, first, ctx)  # the whole run, for the report
+    verdict, findings, shift = _judge(measured, samples, first, ctx)
     kept = dropped_steps + len(timeline)
     memory = [s.gpu_memory_used for s in window if s.gpu_memory_used is not None]
     return WatchReport(
@@ -258,4 +316,6 @@ def analyse(
         samples=tuple(samples),
         dropped_steps=dropped_steps,
         dropped_samples=dropped_samples,
+        setup=ctx.setup,
+        regime_start=None if shift is None else shift.step,
     )

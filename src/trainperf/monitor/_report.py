@@ -1,5 +1,6 @@
 """The report types of ``trainperf.watch()``: :class:`StepRecord`, :class:`Sample`,
-:class:`Verdict` and :class:`WatchReport` (printing, ``to_dict`` and ``plot``).
+:class:`Fix`, :class:`Verdict`, :class:`WhatIf` and :class:`WatchReport` (printing,
+``to_dict``; the plot is drawn by ``_plot``).
 
 :func:`~trainperf.monitor.analyse` (in ``_analysis``) builds them; import everything
 from :mod:`trainperf.monitor`.
@@ -7,15 +8,26 @@ from :mod:`trainperf.monitor`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
+import dataclasses
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
 from trainperf._utils.format import format_bytes
-from trainperf._utils.imports import require
+from trainperf.monitor._setup import LoopSetup
 
-__all__ = ["Sample", "StepRecord", "Verdict", "VerdictKind", "WatchReport"]
+__all__ = [
+    "NOT_PREDICTED",
+    "Fix",
+    "Sample",
+    "StepRecord",
+    "Verdict",
+    "VerdictKind",
+    "WatchReport",
+    "WhatIf",
+    "rank_fixes",
+    "with_fixes",
+]
 
 VerdictKind = Literal[
     "input-bound", "compute-bound", "host-bound", "gpu-unused", "periodic-stalls", "inconclusive"
@@ -36,6 +48,12 @@ class StepRecord:
             batch arrives, one at ``w.step()``) as the GPU reached them, None without CUDA.
             An upper bound on the GPU's busy time: on an idle stream an event completes as
             soon as it is recorded, so a step that launches nothing spans its host time.
+        wait_cpu: CPU seconds the loop's thread demanded while it waited for the step's
+            batches (running, plus runnable but waiting for a CPU: Linux ``schedstat``;
+            CPU time elsewhere); loading in the loop's thread shows here, a worker's does
+            not. None when not measured.
+        cpu_delay: seconds of the step the loop's thread was runnable but waited for a CPU
+            (other threads or processes held them); None when not measured.
     """
 
     index: int
@@ -44,6 +62,8 @@ class StepRecord:
     compute: float
     samples: int | None
     gpu_busy: float | None
+    wait_cpu: float | None = None
+    cpu_delay: float | None = None
 
     @property
     def duration(self) -> float:
@@ -65,6 +85,8 @@ class Sample:
         gpu_memory_used: bytes used on the GPU (all processes), None without one.
         process_cpu: CPU percent of this process and its children (100 = one core).
         host_cpu: CPU percent of the whole host (100 = every core busy).
+        workers_cpu: CPU percent of the children alone (DataLoader workers), part of
+            ``process_cpu``; None when not measured.
     """
 
     time: float
@@ -72,15 +94,49 @@ class Sample:
     gpu_memory_used: int | None
     process_cpu: float
     host_cpu: float
+    workers_cpu: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
         return _fields_dict(self)
 
 
+NOT_PREDICTED = "not predicted"
+"""How a ``basis`` begins when the figures say nothing about the gain (the speed-up is 1.0)."""
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One fix for a finding, and the gain predicted for it from the measured figures.
+
+    Attributes:
+        finding: the verdict kind it addresses.
+        call: the trainperf call (or setting) that applies it.
+        predicted_speedup: samples per second after the fix over samples per second now
+            (1.8: 80 % more; 1.0: no gain predicted, or none can be, see ``basis``).
+        basis: one sentence: how the prediction was computed, from which measured figures.
+    """
+
+    finding: VerdictKind
+    call: str
+    predicted_speedup: float
+    basis: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict.
+
+        Example:
+            >>> Fix("input-bound", "trainperf.autotune_loader(dataset, 32)", 2.5, "...").to_dict()
+            ... # doctest: +NORMALIZE_WHITESPACE
+            {'finding': 'input-bound', 'call': 'trainperf.autotune_loader(dataset, 32)',
+             'predicted_speedup': 2.5, 'basis': '...'}
+        """
+        return _fields_dict(self)
+
+
 @dataclass(frozen=True)
 class Verdict:
-    """What limits the loop, why, and what fixes it.
+    """What limits the loop, why, what fixes it, and how much the fix is predicted to gain.
 
     Attributes:
         kind: ``"input-bound"``, ``"compute-bound"``, ``"host-bound"``, ``"gpu-unused"``,
@@ -88,15 +144,22 @@ class Verdict:
         summary: one sentence.
         reasons: the numbers behind it.
         fix: what to do, naming the trainperf tool that does it.
+        predicted_speedup: the best of ``fixes``' predicted speed-ups (1.0 without fixes).
+        basis: how that prediction was computed (the best fix's ``basis``).
+        fixes: the fixes with a predicted gain, best first.
     """
 
     kind: VerdictKind
     summary: str
     reasons: tuple[str, ...]
     fix: str
+    predicted_speedup: float = 1.0
+    basis: str = f"{NOT_PREDICTED}: no fix was predicted"
+    fixes: tuple[Fix, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict: ``{"kind", "summary", "reasons" (a list), "fix"}``.
+        """A JSON-ready dict: ``{"kind", "summary", "reasons" (a list), "fix",
+        "predicted_speedup", "basis", "fixes" (a list of dicts)}``.
 
         Example:
             >>> Verdict("input-bound", "waits", ("30% waiting",), "tune").to_dict()["reasons"]
@@ -107,7 +170,78 @@ class Verdict:
             "summary": self.summary,
             "reasons": list(self.reasons),
             "fix": self.fix,
+            "predicted_speedup": self.predicted_speedup,
+            "basis": self.basis,
+            "fixes": [f.to_dict() for f in self.fixes],
         }
+
+
+def with_fixes(verdict: Verdict, fixes: tuple[Fix, ...] | list[Fix]) -> Verdict:
+    """``verdict`` carrying ``fixes``, ranked best first, and the best one's prediction.
+
+    Example:
+        >>> fixes = [Fix("input-bound", "a()", 1.5, "x"), Fix("input-bound", "b()", 3.0, "y")]
+        >>> v = with_fixes(Verdict("input-bound", "waits", (), "tune"), fixes)
+        >>> v.predicted_speedup, v.basis, [f.call for f in v.fixes]
+        (3.0, 'y', ['b()', 'a()'])
+    """
+    ranked = tuple(sorted(fixes, key=lambda f: -f.predicted_speedup))
+    if not ranked:
+        return dataclasses.replace(verdict, fixes=())
+    best = ranked[0]
+    return dataclasses.replace(
+        verdict, predicted_speedup=best.predicted_speedup, basis=best.basis, fixes=ranked
+    )
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """The fixes of a :class:`WatchReport`, ranked by predicted gain (``report.what_if()``).
+
+    Attributes:
+        fixes: every fix of the verdict and the "also" findings, best first; a call named
+            by two findings is listed once, with the larger prediction.
+        samples_per_s: the loop's measured samples per second (None when batch sizes are
+            unknown), what each speed-up multiplies.
+        steps_per_s: the loop's measured steps per second.
+    """
+
+    fixes: tuple[Fix, ...]
+    samples_per_s: float | None
+    steps_per_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: ``{"fixes": [Fix.to_dict(), ...], "samples_per_s",
+        "steps_per_s"}``."""
+        return {
+            "fixes": [f.to_dict() for f in self.fixes],
+            "samples_per_s": self.samples_per_s,
+            "steps_per_s": self.steps_per_s,
+        }
+
+    def __str__(self) -> str:
+        if not self.fixes:
+            return "what if: no fix to predict"
+        rate = (
+            f"{self.samples_per_s:,.1f} samples/s"
+            if self.samples_per_s
+            else f"{self.steps_per_s:.2f} steps/s"
+        )
+        lines = [f"what if (ranked by predicted gain; now {rate}):"]
+        for i, f in enumerate(self.fixes, start=1):
+            lines.append(f"  {i}. {f.predicted_speedup:5.2f}x  {f.call}  [{f.finding}]")
+            lines.append(f"            {f.basis}")
+        return "\n".join(lines)
+
+
+def rank_fixes(verdicts: tuple[Verdict, ...] | list[Verdict]) -> tuple[Fix, ...]:
+    """Every fix of ``verdicts``, one per call (the larger prediction), best first."""
+    best: dict[str, Fix] = {}
+    for v in verdicts:
+        for f in v.fixes:
+            if f.call not in best or f.predicted_speedup > best[f.call].predicted_speedup:
+                best[f.call] = f
+    return tuple(sorted(best.values(), key=lambda f: -f.predicted_speedup))
 
 
 @dataclass(frozen=True)
@@ -150,6 +284,12 @@ class WatchReport:
         samples: every background sample kept.
         dropped_steps: older steps no longer kept (0 unless the run outgrew ``max_records``).
         dropped_samples: older background samples no longer kept.
+        setup: what the loop ran with (DataLoader settings, torch threads, the GPU), as
+            the predictions used it.
+        regime_start: where the step time changed lastingly part-way (an epoch's
+            augmentation got heavier, other jobs arrived), the first step after the change:
+            the verdict, the findings and their predictions describe the steps since then;
+            None without such a change.
     """
 
     verdict: Verdict
@@ -176,6 +316,26 @@ class WatchReport:
     samples: tuple[Sample, ...]
     dropped_steps: int = 0
     dropped_samples: int = 0
+    setup: LoopSetup = field(default_factory=LoopSetup)
+    regime_start: int | None = None
+
+    def what_if(self) -> WhatIf:
+        """The fixes of the verdict and the "also" findings, ranked by predicted gain.
+
+        ``print(report.what_if())`` gives the table: each fix's predicted speed-up, the
+        trainperf call that applies it, the finding it addresses, and the basis of the
+        prediction.
+
+        Example:
+            >>> from trainperf.monitor import analyse
+            >>> steps = [StepRecord(i, i * 0.02, 0.015, 0.005, 32, 0.0, 0.0) for i in range(20)]
+            >>> best = analyse(steps, cpus=4).what_if().fixes[0]
+            >>> best.call, round(best.predicted_speedup, 1)
+            ('trainperf.autotune_loader(dataset, batch_size, step_fn=train_step)', 4.0)
+        """
+        return WhatIf(
+            rank_fixes((self.verdict, *self.findings)), self.samples_per_s, self.steps_per_s
+        )
 
     def to_dict(self, *, timeline: bool = False) -> dict[str, Any]:
         """A JSON-ready dict; the per-step timeline and samples only when asked for.
@@ -201,6 +361,8 @@ class WatchReport:
         data["verdict"] = self.verdict.to_dict()
         data["findings"] = [f.to_dict() for f in self.findings]
         data["stall_steps"] = list(self.stall_steps)
+        data["setup"] = self.setup.to_dict()
+        data["what_if"] = [f.to_dict() for f in self.what_if().fixes]
         if timeline:
             data["timeline"] = [s.to_dict() for s in self.timeline]
             data["samples"] = [s.to_dict() for s in self.samples]
@@ -212,18 +374,39 @@ class WatchReport:
         v = self.verdict
         lines = [f"trainperf.watch: {v.kind}: {v.summary}"]
         if self.steps - self.warmup_steps >= 1 and self.wall_s > 0:
-            rate = f", {self.samples_per_s:.1f} samples/s" if self.samples_per_s else ""
-            kept = f", figures over the last {len(self.timeline)}" if self.dropped_steps else ""
-            wait = (
-                "data wait not measured (wrap the loader: w.iter(loader))"
-                if self.wait_fraction is None
-                else f"{self.wait_fraction:.0%} of it waiting for data"
-            )
+            lines.append(self._rate_line())
+        lines.extend(self._use_lines())
+        if self.regime_start is not None:
             lines.append(
-                f"  {self.steps} steps ({self.warmup_steps} warm-up left out{kept}), "
-                f"{self.steps_per_s:.2f} steps/s{rate}; median step {self.median_step_s * 1e3:.1f}"
-                f" ms, {wait}"
+                f"  the step time changed at step {self.regime_start}: the verdict, findings "
+                "and predictions cover the steps since then"
             )
+        lines.extend(f"  - {r}" for r in v.reasons)
+        lines.append(f"  fix: {v.fix}")
+        lines.append(f"  predicted: {_predicted(v)}")
+        for f in self.findings:
+            lines.append(f"  also {f.kind}: {f.summary}")
+            lines.append(f"    fix: {f.fix}")
+            lines.append(f"    predicted: {_predicted(f)}")
+        lines.append(str(self.what_if()))
+        return "\n".join(lines)
+
+    def _rate_line(self) -> str:
+        rate = f", {self.samples_per_s:.1f} samples/s" if self.samples_per_s else ""
+        kept = f", figures over the last {len(self.timeline)}" if self.dropped_steps else ""
+        wait = (
+            "data wait not measured (wrap the loader: w.iter(loader))"
+            if self.wait_fraction is None
+            else f"{self.wait_fraction:.0%} of it waiting for data"
+        )
+        return (
+            f"  {self.steps} steps ({self.warmup_steps} warm-up left out{kept}), "
+            f"{self.steps_per_s:.2f} steps/s{rate}; median step {self.median_step_s * 1e3:.1f}"
+            f" ms, {wait}"
+        )
+
+    def _use_lines(self) -> list[str]:
+        lines = []
         gpu = []
         if self.gpu_busy_fraction is not None:
             gpu.append(f"CUDA events span {self.gpu_busy_fraction:.0%} of step time")
@@ -238,12 +421,7 @@ class WatchReport:
                 f"  CPU: this process and its workers {self.process_cpu_mean:.0f}% "
                 f"(of {self.cpus * 100}% usable), host {self.host_cpu_mean:.0f}%"
             )
-        lines.extend(f"  - {r}" for r in v.reasons)
-        lines.append(f"  fix: {v.fix}")
-        for f in self.findings:
-            lines.append(f"  also {f.kind}: {f.summary}")
-            lines.append(f"    fix: {f.fix}")
-        return "\n".join(lines)
+        return lines
 
     def plot(self, path: str | Path) -> Path:
         """Save a timeline PNG: step time split into wait and compute, GPU and CPU use.
@@ -263,56 +441,18 @@ class WatchReport:
             >>> analyse(steps).plot("timeline.png")  # doctest: +SKIP
             PosixPath('timeline.png')
         """
-        require("matplotlib", "WatchReport.plot()")
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from trainperf.monitor._plot import plot_report
 
-        fig = Figure(figsize=(10, 6))
-        FigureCanvasAgg(fig)  # a canvas of our own: pyplot's global state is left alone
-        top, bottom = fig.subplots(2, 1, sharex=True)
-        starts, widths, waits, computes = _binned(self.timeline)
-        waited = "data wait" if self.wait_fraction is not None else "data wait (not measured)"
-        top.bar(starts, waits, width=widths, align="edge", color="tab:orange", label=waited)
-        top.bar(
-            starts, computes, width=widths, bottom=waits, align="edge", color="tab:blue",
-            label="compute",
-        )  # fmt: skip
-        top.set_ylabel("step time (ms)")
-        top.set_title(f"trainperf.watch: {self.verdict.kind}")
-        top.legend(loc="upper right")
-        times = [s.time for s in self.samples]
-        gpu = [(s.time, s.gpu_utilization) for s in self.samples if s.gpu_utilization is not None]
-        if gpu:
-            bottom.plot([t for t, _ in gpu], [u for _, u in gpu], label="GPU utilisation %")
-        cpu = [s.process_cpu / self.cpus for s in self.samples]
-        bottom.plot(times, cpu, label="process CPU % of usable")
-        bottom.plot(times, [s.host_cpu for s in self.samples], label="host CPU %", alpha=0.6)
-        bottom.set_ylim(0, 105)
-        bottom.set_xlabel("seconds")
-        bottom.legend(loc="upper right")
-        out = Path(path)
-        fig.savefig(out, dpi=100)
-        return out
+        return plot_report(self, path)
+
+
+def _predicted(v: Verdict) -> str:
+    """The verdict's prediction in a few words: ``"2.50x with trainperf.autotune_loader(...)"``."""
+    if not v.fixes:
+        return v.basis
+    return f"{v.predicted_speedup:.2f}x with {v.fixes[0].call}"
 
 
 def _fields_dict(obj: Any) -> dict[str, Any]:
     """A dataclass's fields, shallow, in their order (``asdict`` would copy tuples as tuples)."""
     return {f.name: getattr(obj, f.name) for f in fields(obj)}
-
-
-_MAX_BARS = 2000
-
-
-def _binned(
-    timeline: Sequence[StepRecord],
-) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Bar positions, widths and mean wait/compute (ms) per bar, at most ``_MAX_BARS`` bars."""
-    size = max(1, -(-len(timeline) // _MAX_BARS))  # long runs: average runs of steps per bar
-    starts, widths, waits, computes = [], [], [], []
-    for i in range(0, len(timeline), size):
-        group = timeline[i : i + size]
-        starts.append(group[0].start)
-        widths.append(max(sum(s.duration for s in group), 1e-6))
-        waits.append(sum(s.wait for s in group) / len(group) * 1e3)
-        computes.append(sum(s.compute for s in group) / len(group) * 1e3)
-    return starts, widths, waits, computes

@@ -15,17 +15,66 @@ Two inputs change what the rules may say. Without ``w.iter()`` the time spent fe
 batch is step time (``Figures.wait_measured`` is False): nothing is input-bound then, and
 compute-bound says that the data wait was not measured instead of "data arrives in time".
 A :class:`trainperf.amp.MixedPrecision` in use (``Figures.precision``) is not advised again.
+
+Every verdict carries the fixes that apply to it, each with the gain predicted for it by
+a pure function of the same figures (``_predict``): ``Verdict.predicted_speedup`` and
+``Verdict.basis`` are the best fix's. :class:`Figures` and the figures derived from it
+that the predictions share live in ``_figures`` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 
-from trainperf.monitor._report import Verdict, VerdictKind
+from trainperf.monitor._figures import (
+    CPU_SATURATED,
+    HOST_SATURATED,
+    INPUT_BOUND_WAIT,
+    NVML_MIN_SAMPLES,
+    NVML_MIN_WINDOW_S,
+    SAWTOOTH_MAX_MEAN,
+    SAWTOOTH_MIN_SAMPLES,
+    SAWTOOTH_MIN_STDEV,
+    SAWTOOTH_WAIT,
+    Figures,
+    cpu_share,
+    cpus_saturated,
+    gpu_share,
+    nvml_share,
+    others_cores,
+    oversubscribed,
+    saw_tooth,
+    threads_that_fit,
+    waits_for_data,
+    worker_cores,
+)
+from trainperf.monitor._predict import (
+    batch_fix,
+    free_cpus_fix,
+    gpu_decode_fix,
+    gpu_fix,
+    loader_fix,
+    precision_fix,
+    stall_fixes,
+    threads_fix,
+)
+from trainperf.monitor._report import NOT_PREDICTED, Fix, Verdict, VerdictKind, with_fixes
 
 __all__ = [
+    "CPU_SATURATED",
+    "GPU_IDLE_UTIL",
+    "GPU_STARVED",
+    "HOST_SATURATED",
+    "INPUT_BOUND_WAIT",
+    "MIN_STEPS",
+    "NVML_MIN_SAMPLES",
+    "NVML_MIN_WINDOW_S",
+    "SAWTOOTH_MAX_MEAN",
+    "SAWTOOTH_MIN_SAMPLES",
+    "SAWTOOTH_MIN_STDEV",
+    "SAWTOOTH_WAIT",
+    "STALL_SHARE",
     "Figures",
     "compute_bound",
     "cpu_share",
@@ -47,25 +96,15 @@ __all__ = [
 ]
 
 MIN_STEPS = 5  # measured steps needed for a verdict
-INPUT_BOUND_WAIT = 0.25  # share of step time spent waiting for data
-SAWTOOTH_WAIT = 0.10  # with a saw-tooth GPU utilisation, this much waiting is input-bound
-CPU_SATURATED = 0.8  # share of the usable CPUs this process and its workers use
-HOST_SATURATED = 90.0  # host CPU percent, with the process using at least half its share
-# (the same 90 % with the process tree under half its share: other processes hold the CPUs)
 GPU_IDLE_UTIL = 5.0  # percent
 GPU_STARVED = 0.5  # busy share under which saturated CPUs make the loop host-bound
-NVML_MIN_WINDOW_S = 1.0  # NVML's utilisation averages over 1/6 s to 1 s, by product
-NVML_MIN_SAMPLES = 3  # fewer NVML samples mostly describe what came before the loop
-SAWTOOTH_MIN_SAMPLES = 5
-SAWTOOTH_MAX_MEAN = 60.0  # percent: a busier GPU does not idle between batches
-SAWTOOTH_MIN_STDEV = 20.0  # percentage points
 STALL_SHARE = 0.1  # share of run time lost to periodic stalls that makes them the verdict
 
 _FIXES: dict[str, str] = {
     "input-bound": (
-        "feed the loop faster: trainperf.autotune_loader() picks num_workers, prefetch_factor "
-        "and pin_memory for this machine; trainperf.pipelines.image_loader decodes images on "
-        "the GPU"
+        "feed the loop faster: trainperf.autotune_loader(dataset, batch_size, "
+        "step_fn=train_step) picks num_workers, prefetch_factor and pin_memory for this "
+        "machine and this step; trainperf.pipelines.image_loader decodes images on the GPU"
     ),
     "host-bound": (
         "the CPUs are saturated: move decoding and augmentation to the GPU "
@@ -82,9 +121,10 @@ _FIXES: dict[str, str] = {
         "batch = trainperf.to_device(batch, device), with device = trainperf.best_device()"
     ),
     "periodic-stalls": (
-        "something expensive runs every few steps inside the loop: save checkpoints less often "
-        "(trainperf.save_checkpoint every few hundred steps or per epoch), and move image "
-        "saving and logging out of the loop"
+        "something expensive runs every few steps inside the loop: save checkpoints without "
+        "blocking the loop (trainperf.Checkpointer(...).save(..., blocking=False)) or less "
+        "often (trainperf.save_checkpoint every few hundred steps or per epoch), and move "
+        "image saving and logging out of the loop"
     ),
     "inconclusive": "watch more steps: call w.step() once at the end of each training step",
 }
@@ -99,89 +139,14 @@ _MEASURE_WAIT = (
 )
 
 
-@dataclass(frozen=True)
-class Figures:
-    """What the rules judge: figures of the measured steps (the warm-up left out).
-
-    Attributes:
-        measured_steps: steps after the warm-up.
-        warmup_steps: the warm-up asked for (the inconclusive verdict names it).
-        gpu_present: a GPU is visible to this process.
-        cuda_used: the process initialised CUDA during the watch.
-        cpus: CPUs this process may use.
-        wall_s: seconds of the measured steps.
-        wait_fraction: share of step time spent waiting for data.
-        median_step_s: the median step time.
-        gpu_span: the steps' CUDA-event span as a share of step time, None unless every
-            measured step has one. An upper bound on the GPU's busy share, not the share.
-        utilisation: NVML utilisation samples (percent) taken while the steps ran.
-        nvml_window_s: seconds those samples cover (the steps, up to the GPU's end).
-        process_cpu: mean CPU percent of this process and its children, None without samples.
-        host_cpu: mean host CPU percent, None without samples.
-        stall_period: N when every N-th step stalls, else None.
-        stall_steps: the stalled steps' numbers.
-        stall_fraction: share of the run lost to the periodic stalls.
-        stall_median_s: the median stalled step's duration, None without stalls.
-        wait_measured: the data wait was measured (the loop used ``w.iter()``); when False
-            the time spent fetching batches is in the step time and ``wait_fraction`` is 0.
-        precision: ``(name, reason)`` of the :class:`trainperf.amp.MixedPrecision` in use
-            (``"fp32"``, ``"bf16"`` or ``"fp16"``, and why it chose that), None without one.
-    """
-
-    measured_steps: int
-    warmup_steps: int
-    gpu_present: bool
-    cuda_used: bool
-    cpus: int
-    wall_s: float
-    wait_fraction: float
-    median_step_s: float
-    gpu_span: float | None
-    utilisation: tuple[float, ...]
-    nvml_window_s: float
-    process_cpu: float | None
-    host_cpu: float | None
-    stall_period: int | None
-    stall_steps: tuple[int, ...]
-    stall_fraction: float
-    stall_median_s: float | None
-    wait_measured: bool = True
-    precision: tuple[str, str] | None = None
-
-    @property
-    def utilisation_mean(self) -> float | None:
-        """The NVML samples' mean (percent), None without samples."""
-        return statistics.fmean(self.utilisation) if self.utilisation else None
-
-
-def _verdict(kind: VerdictKind, summary: str, *reasons: str) -> Verdict:
-    return Verdict(kind, summary, tuple(r for r in reasons if r), _FIXES[kind])
+def _verdict(
+    kind: VerdictKind, summary: str, *reasons: str, fixes: Sequence[Fix | None] = ()
+) -> Verdict:
+    verdict = Verdict(kind, summary, tuple(r for r in reasons if r), _FIXES[kind])
+    return with_fixes(verdict, [x for x in fixes if x is not None])
 
 
 # --------------------------------------------------------------------------- derived figures
-
-
-def nvml_share(f: Figures) -> float | None:
-    """NVML's mean utilisation as a share, where it can be trusted, else None.
-
-    NVML averages over a period of up to a second: over a shorter window, or with fewer
-    than three samples, its figure mostly describes what came before the loop.
-    """
-    mean = f.utilisation_mean
-    trusted = len(f.utilisation) >= NVML_MIN_SAMPLES and f.nvml_window_s >= NVML_MIN_WINDOW_S
-    return mean / 100 if mean is not None and trusted else None
-
-
-def gpu_share(f: Figures) -> float | None:
-    """How busy the GPU was: the smaller of the event span and NVML's trusted share.
-
-    On an idle stream a step's two events complete as soon as they are recorded, so their
-    span is host time: ~100 % for a loop that launches nothing (or launches slowly). The
-    span only bounds the busy share from above; NVML's utilisation (the share of time a
-    kernel ran) is the smaller, truer figure where it exists.
-    """
-    shares = [x for x in (f.gpu_span, nvml_share(f)) if x is not None]
-    return min(shares) if shares else None
 
 
 def _nvml_note(f: Figures) -> str:
@@ -205,50 +170,12 @@ def gpu_figures(f: Figures) -> str:
     return "; ".join(part for part in parts if part)
 
 
-def cpu_share(f: Figures) -> float | None:
-    """The share of the usable CPUs this process and its workers use, None without samples."""
-    return None if f.process_cpu is None else f.process_cpu / (100 * f.cpus)
-
-
-def cpus_saturated(f: Figures) -> bool:
-    """The process tree uses 80 % of its CPUs, or 40 % on a host that is 90 % busy."""
-    tree = cpu_share(f)
-    if tree is None:
-        return False
-    busy_host = f.host_cpu is not None and f.host_cpu >= HOST_SATURATED
-    return tree >= CPU_SATURATED or (busy_host and tree >= CPU_SATURATED / 2)
-
-
 def _cpu_reason(f: Figures) -> str:
     tree = cpu_share(f)
     if tree is None:
         return ""
     host = "" if f.host_cpu is None else f", the host is {f.host_cpu:.0f}% busy"
     return f"this process and its workers use {tree:.0%} of the {f.cpus} usable CPUs" + host
-
-
-def saw_tooth(f: Figures) -> str:
-    """The saw-tooth in words when a trusted NVML utilisation swings widely, else ""."""
-    mean = f.utilisation_mean
-    if nvml_share(f) is None or len(f.utilisation) < SAWTOOTH_MIN_SAMPLES or mean is None:
-        return ""
-    if mean >= SAWTOOTH_MAX_MEAN or statistics.pstdev(f.utilisation) < SAWTOOTH_MIN_STDEV:
-        return ""
-    low, high = min(f.utilisation), max(f.utilisation)
-    return f"GPU utilisation swings between {low:.0f}% and {high:.0f}% (saw-tooth)"
-
-
-def waits_for_data(f: Figures) -> bool:
-    """Waiting for data limits the loop: 25 % of step time, or 10 % with a saw-tooth.
-
-    A saw-tooth (the GPU idles between batches) makes the smaller wait the limit as well.
-    Never when the wait was not measured (no ``w.iter()``).
-    """
-    if not f.wait_measured:
-        return False
-    return f.wait_fraction >= INPUT_BOUND_WAIT or (
-        bool(saw_tooth(f)) and f.wait_fraction >= SAWTOOTH_WAIT
-    )
 
 
 def _wait_reason(f: Figures) -> str:
@@ -262,11 +189,12 @@ def too_few_steps(f: Figures) -> Verdict | None:
     """inconclusive: fewer than ``MIN_STEPS`` measured steps."""
     if f.measured_steps >= MIN_STEPS:
         return None
-    return _verdict(
+    verdict = _verdict(
         "inconclusive",
         f"{f.measured_steps} measured step(s) after {f.warmup_steps} warm-up; a verdict "
         f"needs at least {MIN_STEPS}",
     )
+    return replace(verdict, basis=f"{NOT_PREDICTED}: {f.measured_steps} step(s) say too little")
 
 
 def cuda_never_initialised(f: Figures) -> Verdict | None:
@@ -277,6 +205,7 @@ def cuda_never_initialised(f: Figures) -> Verdict | None:
         "gpu-unused",
         "a GPU is visible but this process never initialised CUDA: the model and data stay "
         "on the CPU",
+        fixes=(gpu_fix(f),),
     )
 
 
@@ -290,6 +219,7 @@ def gpu_idle(f: Figures) -> Verdict | None:
         f"CUDA is initialised but the GPU is busy only {share:.0%} of the time: the model or "
         "the data is not on the GPU",
         gpu_figures(f),
+        fixes=(gpu_fix(f),),
     )
 
 
@@ -312,6 +242,7 @@ def periodic_stalls(f: Figures) -> Verdict | None:
         f"every {f.stall_period} steps one step takes {f.stall_median_s * 1e3:.0f} ms instead "
         f"of {f.median_step_s * 1e3:.1f} ms, costing {f.stall_fraction:.0%} of the run",
         f"stalled steps: {listed}" + (" ..." if len(f.stall_steps) > 8 else ""),
+        fixes=stall_fixes(f),
     )
 
 
@@ -325,24 +256,44 @@ def input_bound(f: Figures) -> Verdict | None:
         _wait_reason(f),
         saw_tooth(f),
         _cpu_reason(f),
+        fixes=(loader_fix(f, "input-bound"), gpu_decode_fix(f, "input-bound")),
+    )
+
+
+def _threads_reason(f: Figures) -> str:
+    if not oversubscribed(f):
+        return ""
+    return (
+        f"torch runs {f.setup.torch_threads} threads on {f.cpus} usable CPUs while the "
+        f"DataLoader workers keep {worker_cores(f):.1f} cores busy and other processes "
+        f"{others_cores(f):.1f}: {threads_that_fit(f)} would fit (torch.set_num_threads)"
     )
 
 
 def host_bound(f: Figures) -> Verdict | None:
-    """host-bound: saturated CPUs, and the loop waits for data or the GPU starves.
+    """host-bound: saturated CPUs, and the loop waits for data or the GPU starves; or torch
+    oversubscribes busy CPUs with threads (:func:`~trainperf.monitor._figures.oversubscribed`).
 
     The GPU starves when it is busy under ``GPU_STARVED`` of the time.
     """
-    if not cpus_saturated(f):
+    threads = _threads_reason(f)
+    if not cpus_saturated(f) and not threads:
         return None
+    fixes = (threads_fix(f), gpu_decode_fix(f, "host-bound"), loader_fix(f, "host-bound"))
     if waits_for_data(f):
-        return _verdict(
-            "host-bound",
-            "waiting for data while the CPUs are saturated",
-            _wait_reason(f),
-            saw_tooth(f),
-            _cpu_reason(f),
+        summary = (
+            "waiting for data while the CPUs are saturated"
+            if cpus_saturated(f)
+            else f"waiting for data while torch's {f.setup.torch_threads} threads "
+            "oversubscribe the busy CPUs"
         )
+        return _verdict(
+            "host-bound", summary, _wait_reason(f), saw_tooth(f), _cpu_reason(f), threads,
+            fixes=fixes,
+        )  # fmt: skip
+    if threads:
+        summary = f"torch's {f.setup.torch_threads} threads oversubscribe the {f.cpus} usable CPUs"
+        return _verdict("host-bound", summary, threads, _cpu_reason(f), fixes=fixes)
     share = gpu_share(f)
     if share is None or share >= GPU_STARVED:
         return None
@@ -351,6 +302,7 @@ def host_bound(f: Figures) -> Verdict | None:
         f"the GPU is busy only {share:.0%} of the time while the CPUs are saturated",
         _cpu_reason(f),
         gpu_figures(f),
+        fixes=fixes,
     )
 
 
@@ -400,7 +352,8 @@ def compute_bound(f: Figures) -> Verdict:
         )
         fix = _MEASURE_WAIT + "if the step is still the limit, " + _compute_fix(f)
     reasons = tuple(r for r in (wait_reason, busy_reason) if r)
-    return Verdict("compute-bound", summary, reasons, fix)
+    fixes = [x for x in (precision_fix(f), batch_fix(f)) if x is not None]
+    return with_fixes(Verdict("compute-bound", summary, reasons, fix), fixes)
 
 
 def cpus_held_by_others(f: Figures) -> Verdict | None:
@@ -417,7 +370,7 @@ def cpus_held_by_others(f: Figures) -> Verdict | None:
         return None
     if f.host_cpu < HOST_SATURATED or tree >= CPU_SATURATED / 2:
         return None
-    return Verdict(
+    verdict = Verdict(
         "host-bound",
         f"other processes hold the host's CPUs: the host is {f.host_cpu:.0f}% busy while "
         f"this process and its workers use {tree:.0%} of the {f.cpus} usable CPUs",
@@ -430,6 +383,7 @@ def cpus_held_by_others(f: Figures) -> Verdict | None:
         ),
         _HELD_CPUS_FIX,
     )
+    return with_fixes(verdict, [free_cpus_fix(f)])
 
 
 # --------------------------------------------------------------------------- ranking
@@ -439,7 +393,9 @@ def weight(f: Figures, verdict: Verdict) -> float:
     """How much of the run a candidate explains, for :func:`rank`.
 
     Periodic stalls weigh their share of the run (0 under ``STALL_SHARE``), waiting for data
-    its share of step time, and a starving GPU the share of time it idles.
+    its share of step time, and a starving GPU the share of time it idles; oversubscribed
+    CPUs weigh at least the share of torch's threads that do not fit
+    (``1 - threads_that_fit / torch_threads``).
 
     Raises:
         ValueError: ``verdict`` is not a candidate (periodic-stalls, input-bound, host-bound).
@@ -450,7 +406,11 @@ def weight(f: Figures, verdict: Verdict) -> float:
         return f.wait_fraction
     if verdict.kind == "host-bound":
         share = gpu_share(f)
-        return f.wait_fraction if waits_for_data(f) or share is None else 1 - share
+        base = f.wait_fraction if waits_for_data(f) or share is None else 1 - share
+        threads = f.setup.torch_threads
+        if oversubscribed(f) and threads is not None:
+            return max(base, 1 - threads_that_fit(f) / threads)
+        return base
     raise ValueError(
         "only periodic-stalls, input-bound and host-bound verdicts are ranked, got "
         f"{verdict.kind!r}: pass the candidates' verdicts"

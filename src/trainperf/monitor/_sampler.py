@@ -23,6 +23,9 @@ from trainperf.monitor._report import Sample
 __all__ = ["MAX_RECORDS"]
 
 MAX_RECORDS = 100_000  # steps, and background samples, a watch keeps by default
+# Samples between reads of this process's children: DataLoader workers start when the loop
+# first iterates, and their CPU (the predictions' per-worker cost) counts from the next read.
+_REFRESH_EVERY = 5
 
 
 def _child_pids() -> set[int]:
@@ -56,6 +59,9 @@ class _Sampler(threading.Thread):
         self.dropped = 0
         self._lock = threading.Lock()
         self.ready = threading.Event()
+        # Set once the watch has moved t0 to after start-up: no sample is timed from the
+        # old origin (a sample from before would look later than the ones after it).
+        self.go = threading.Event()
         self._stop_event = threading.Event()
         self._nvml: Any = None
         self._handle: Any = None
@@ -66,9 +72,11 @@ class _Sampler(threading.Thread):
     def request_stop(self) -> None:
         """Ask the thread to end, without waiting for it (a dropped watch's finaliser)."""
         self._stop_event.set()
+        self.go.set()
 
     def stop(self) -> None:
         self._stop_event.set()
+        self.go.set()
         # Bounded: a hung driver call must not hang the training script's exit with it.
         self.join(timeout=10)
 
@@ -87,9 +95,10 @@ class _Sampler(threading.Thread):
                     self._start_nvml(stack)
             finally:
                 self.ready.set()
+            self.go.wait(timeout=10)
             tick = 0
             while not self._stop_event.wait(self.interval):
-                if tick % 20 == 0:  # workers come and go; /proc is read every ~2 s
+                if tick % _REFRESH_EVERY == 0:  # workers come and go: /proc is read again
                     self._refresh_children()
                 tick += 1
                 try:
@@ -159,10 +168,14 @@ class _Sampler(threading.Thread):
                     used = int(self._nvml.nvmlDeviceGetMemoryInfo(handle).used)
             except Exception:  # NVML hiccups (MIG, a lost GPU) must not kill sampling
                 util = used = None
-        cpu = self._me.cpu_percent(None)
+        own = self._me.cpu_percent(None)
+        workers = 0.0
         for pid, child in list(self._children.items()):
             try:
-                cpu += child.cpu_percent(None)
+                workers += child.cpu_percent(None)
             except psutil.Error:
                 del self._children[pid]
-        return Sample(time.perf_counter() - self.t0, util, used, cpu, psutil.cpu_percent(None))
+        return Sample(
+            time.perf_counter() - self.t0, util, used, own + workers, psutil.cpu_percent(None),
+            workers,
+        )  # fmt: skip

@@ -11,8 +11,10 @@
 or, with no re-indent of the loop, ``w = trainperf.watch(); w.start()`` before it and
 ``print(w.stop())`` after it.
 
-Per step the loop pays two ``time.perf_counter()`` stamps and, once the process uses CUDA,
-two CUDA events (recorded, never waited for: they are read back lazily with
+Per step the loop pays two ``time.perf_counter()`` stamps, two ``time.thread_time()``
+readings around each batch (the CPU the wait used), one read of the thread's ``schedstat``
+every 16 steps (the time it waited for a CPU) and, once the process uses CUDA, two CUDA
+events (recorded, never waited for: they are read back lazily with
 ``Event.query()`` and one ``Event.synchronize()`` when the report is made); the time
 between them is the span of the step's GPU work, an upper bound on its busy time. A
 background thread samples GPU utilisation and memory (NVML) and process and host CPU
@@ -21,7 +23,7 @@ timeline into a verdict: input-bound, compute-bound, host-bound, GPU unused or p
 stalls.
 
 Memory stays bounded however long the loop runs: the watch keeps the most recent
-``max_records`` steps (100,000 by default: at most 5 MB on the CPU, about 27 MB under
+``max_records`` steps (100,000 by default: at most 8 MB on the CPU, about 30 MB under
 CUDA) and as many background samples (2.8
 hours at ten a second); older ones are dropped, the report counts them
 (``dropped_steps``, ``dropped_samples``) and its figures cover what was kept.
@@ -29,13 +31,13 @@ hours at ten a second); older ones are dropped, the report counts them
 
 from __future__ import annotations
 
-import sys
+import math
 import threading
 import time
 import weakref
 from array import array
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -43,8 +45,10 @@ import torch
 
 from trainperf._utils.validate import non_negative_int, positive_int, positive_number
 from trainperf.device import resolve_device
-from trainperf.limits import local_world_size, usable_cpus
 from trainperf.monitor._analysis import analyse
+from trainperf.monitor._probe import CpuClock, batch_size, loader_facts, loop_setup
+from trainperf.monitor._probe import precision_in_use as _precision_in_use
+from trainperf.monitor._probe import rank_cpus as _rank_cpus
 from trainperf.monitor._report import StepRecord, WatchReport
 from trainperf.monitor._sampler import MAX_RECORDS, _Sampler
 
@@ -52,52 +56,8 @@ __all__ = ["Watch", "watch"]
 
 T = TypeVar("T")
 _RESOLVE_EVERY = 32  # steps between non-blocking reads of finished CUDA events
-_PRECISION_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_SETTLE_EVERY = 16  # steps between reads of the loop thread's schedstat (see _settle)
 _RUN_IT = "inside `with trainperf.watch() as w:`, or between w.start() and w.stop()"
-
-
-def _batch_size(batch: object, depth: int = 0) -> int | None:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else None
-    if depth >= 2:
-        return None
-    if isinstance(batch, (list, tuple)) and batch:
-        return _batch_size(batch[0], depth + 1)
-    if isinstance(batch, Mapping) and batch:
-        return _batch_size(next(iter(batch.values())), depth + 1)
-    return None
-
-
-def _precision_in_use() -> tuple[str, str] | None:
-    """What a live :class:`trainperf.amp.MixedPrecision` chose: ``(name, reason)``, or None.
-
-    amp keeps its live objects in ``trainperf.amp._mixed.LIVE`` (a ``WeakSet``); without
-    that registry, or with nothing in it, none is in use. With several, a lower precision
-    is reported first (the loop already uses it). Read from ``sys.modules``: where amp was
-    never imported, no MixedPrecision exists.
-    """
-    live = getattr(sys.modules.get("trainperf.amp._mixed"), "LIVE", None)
-    if live is None:
-        return None
-    found = []
-    for mp in list(live):
-        name = _PRECISION_NAMES.get(getattr(mp, "dtype", None))  # type: ignore[arg-type]
-        reason = getattr(mp, "reason", None)
-        if name is not None and isinstance(reason, str):
-            found.append((name != "fp32", name, reason))
-    if not found:
-        return None
-    _, name, reason = max(found)
-    return name, reason
-
-
-def _rank_cpus() -> int:
-    """This process's share of the usable CPUs: under DDP the host's ranks split them, so a
-    host busy with this job's own ranks is not "other processes"."""
-    try:
-        return usable_cpus(local_world_size())
-    except ValueError:  # a malformed launcher variable: the limits' own error elsewhere
-        return usable_cpus()
 
 
 class Watch:
@@ -147,12 +107,20 @@ class Watch:
         self._ends = array("d")
         self._waits = array("d")
         self._counts = array("q")
+        self._wait_cpus = array("d")  # CPU the loop's thread demanded while waiting
+        self._delays = array("d")  # time it waited for a CPU (NaN: not known)
+        self._unsettled = 0  # steps since the last schedstat reading (see _settle)
         self._first = 0  # the index of the step at self._ends[0]
         self._dropped_end = 0.0  # when the last dropped step ended
         self._pending_wait = 0.0
+        self._pending_wait_cpu = 0.0
         self._pending_count = 0
         self._count_known = True
         self._iterated = False  # w.iter() was used: the data wait is measured
+        self._clock = CpuClock()
+        # (run, delay, generation) at the last schedstat reading: see _settle().
+        self._last_reading = (math.nan, math.nan, 0)
+        self._loader: dict[str, Any] = {}
         self._sampler: _Sampler | None = None
         self._cpus = 1
         # CUDA events: (step index, event at the step's first batch, event at its end).
@@ -244,6 +212,8 @@ class Watch:
     def _begin(self) -> None:
         self._state = "running"
         self._cpus = _rank_cpus()
+        weakref.finalize(self, self._clock.close)
+        self._last_reading = self._reading()
         want_gpu = self._device is None or self._device.type == "cuda"
         sampler = _Sampler(self._interval, time.perf_counter(), gpu=want_gpu, max_samples=self._max)
         self._sampler = sampler
@@ -253,11 +223,14 @@ class Watch:
         sampler.ready.wait(timeout=10)
         self._maybe_start_cuda()
         # The clock starts once the sampler is up (NVML start-up is not the loop's time); the
-        # sampler's first sample comes an interval later, so moving its origin is safe.
+        # sampler takes its first sample an interval after it is told to go.
         self._t0 = sampler.t0 = time.perf_counter()
+        sampler.go.set()
 
     def _end(self) -> None:
         self._state = "done"
+        self._settle()  # in the loop's thread, while its schedstat is still the one open
+        self._clock.close()
         if self._sampler is not None:
             self._sampler.stop()
 
@@ -292,19 +265,22 @@ class Watch:
         if self._state != "running":
             raise RuntimeError(f"w.iter() needs a running watch: use it {_RUN_IT}")
         self._iterated = True
+        self._loader = loader_facts(iterable)  # what the predictions need of the loader
         return self._iterate(iter(iterable))
 
     def _iterate(self, it: Iterator[T]) -> Iterator[T]:
-        clock = time.perf_counter
+        clock, cpu = time.perf_counter, time.thread_time
         while True:
-            t = clock()
+            t, c = clock(), cpu()
             try:
                 item = next(it)
             except StopIteration:
+                self._pending_wait_cpu += cpu() - c
                 self._pending_wait += clock() - t
                 return
+            self._pending_wait_cpu += cpu() - c
             self._pending_wait += clock() - t
-            n = _batch_size(item)
+            n = batch_size(item)
             if n is None:
                 self._count_known = False
             else:
@@ -345,11 +321,17 @@ class Watch:
             non_negative_int("samples", samples)
         self._ends.append(now - self._t0)
         self._waits.append(self._pending_wait)
+        self._wait_cpus.append(self._pending_wait_cpu)
+        self._delays.append(math.nan)
         if samples is not None:
             self._counts.append(samples)
         else:
             self._counts.append(self._pending_count if self._count_known else -1)
+        self._unsettled += 1
+        if self._unsettled >= _SETTLE_EVERY:
+            self._settle()
         self._pending_wait = 0.0
+        self._pending_wait_cpu = 0.0
         self._pending_count = 0
         self._count_known = True
         if len(self._ends) >= 2 * self._max:
@@ -365,10 +347,39 @@ class Watch:
         if len(self._ends) % _RESOLVE_EVERY == 0:
             self._resolve(block=False)
 
+    def _reading(self) -> tuple[float, float, int]:
+        demand, delay = self._clock.read()
+        return demand - delay, delay, self._clock.generation
+
+    def _settle(self) -> None:
+        """Give the steps since the last schedstat reading their CPU figures.
+
+        One reading every ``_SETTLE_EVERY`` steps (a ``pread`` costs a few microseconds;
+        ``time.thread_time()`` around each batch costs less): the time the loop's thread
+        waited for a CPU in between is spread evenly over those steps, and the CPU time
+        each spent waiting for data is scaled by the interval's wait-for-a-CPU per second
+        run, into what it demanded (running, plus waiting for a CPU). Without schedstat, or
+        read from another thread, the delays stay unknown and the wait CPU is CPU time.
+        """
+        pending, self._unsettled = self._unsettled, 0
+        if pending <= 0:
+            return
+        run, delay, generation = reading = self._reading()
+        run0, delay0, generation0 = self._last_reading
+        self._last_reading = reading
+        if generation == generation0 and not math.isnan(delay + delay0):
+            per_step = max(0.0, delay - delay0) / pending
+            queued = max(0.0, delay - delay0) / (run - run0) if run > run0 else 0.0
+            # The interval's steps still held (a trim may have dropped its first ones).
+            for i in range(max(0, len(self._ends) - pending), len(self._ends)):
+                self._delays[i] = per_step
+                self._wait_cpus[i] *= 1 + queued
+
     def _trim(self) -> None:
         cut = len(self._ends) - self._max
         self._dropped_end = self._ends[cut - 1]
         del self._ends[:cut], self._waits[:cut], self._counts[:cut]
+        del self._wait_cpus[:cut], self._delays[:cut]
         self._first += cut
         busy = self._gpu_busy
         while busy and (oldest := next(iter(busy))) < self._first:  # keys come in step order
@@ -406,24 +417,9 @@ class Watch:
             )
         if self._cuda:
             self._resolve(block=True)
-        extra = max(0, len(self._ends) - self._max)  # held beyond max_records: not reported
-        first = self._first + extra
-        previous = self._ends[extra - 1] if extra else self._dropped_end
-        timeline = []
-        steps = zip(self._ends[extra:], self._waits[extra:], self._counts[extra:], strict=True)
-        for i, (end, wait_s, count) in enumerate(steps, start=first):
-            duration = end - previous
-            timeline.append(
-                StepRecord(
-                    index=i,
-                    start=previous,
-                    wait=min(wait_s, duration),
-                    compute=max(0.0, duration - wait_s),
-                    samples=None if count < 0 else count,
-                    gpu_busy=self._gpu_busy.get(i),
-                )
-            )
-            previous = end
+        if self._state == "running":
+            self._settle()
+        first, timeline = self._timeline()
         sampler = self._sampler
         if self._device is not None:
             device = str(self._device)
@@ -434,6 +430,7 @@ class Watch:
                 else "auto"
             )
         samples, dropped_samples = sampler.snapshot() if sampler else ([], 0)
+        cuda_index = sampler.device_index if self._cuda and sampler else None
         return analyse(
             timeline,
             samples,
@@ -446,7 +443,35 @@ class Watch:
             dropped_samples=dropped_samples,
             wait_measured=self._iterated,
             precision=_precision_in_use(),
+            setup=loop_setup(self._loader, cuda_index),
         )
+
+    def _timeline(self) -> tuple[int, list[StepRecord]]:
+        """The number of the first step kept, and the kept steps as :class:`StepRecord` s."""
+        extra = max(0, len(self._ends) - self._max)  # held beyond max_records: not reported
+        first = self._first + extra
+        previous = self._ends[extra - 1] if extra else self._dropped_end
+        timeline = []
+        steps = zip(
+            self._ends[extra:], self._waits[extra:], self._counts[extra:],
+            self._wait_cpus[extra:], self._delays[extra:], strict=True,
+        )  # fmt: skip
+        for i, (end, wait_s, count, wait_cpu, delay) in enumerate(steps, start=first):
+            duration = end - previous
+            timeline.append(
+                StepRecord(
+                    index=i,
+                    start=previous,
+                    wait=min(wait_s, duration),
+                    compute=max(0.0, duration - wait_s),
+                    samples=None if count < 0 else count,
+                    gpu_busy=self._gpu_busy.get(i),
+                    wait_cpu=wait_cpu,
+                    cpu_delay=None if math.isnan(delay) else max(0.0, delay),
+                )
+            )
+            previous = end
+        return first, timeline
 
 
 def watch(
@@ -466,7 +491,7 @@ def watch(
         warmup_steps: leading steps left out of the verdict (loader start-up, autotuning).
         max_records: the most recent steps, and background samples, kept for the report;
             older ones are dropped (and counted) so a run of any length uses bounded memory:
-            a step costs 24 bytes (about 130 under CUDA; up to twice this many are held), a
+            a step costs 40 bytes (about 146 under CUDA; up to twice this many are held), a
             sample about 200 (250 with a GPU).
 
     Returns:

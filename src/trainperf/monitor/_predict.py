@@ -1,0 +1,422 @@
+"""What each fix is predicted to gain: pure functions of the measured :class:`Figures`.
+
+Each function returns the :class:`Fix` for one trainperf call (or None where it does not
+apply), with ``predicted_speedup`` (samples per second after over before) and a ``basis``
+sentence naming the figures it came from. The verdict rules (``_rules``) attach them to
+their verdicts; ``WatchReport.what_if()`` ranks them.
+
+The models, all on the mean step ``T`` (wall time over steps), its data wait ``w`` and the
+rest ``c = T - w``:
+
+- **A faster loader** (:func:`loader_fix`, ``autotune_loader``): loading a step's batches
+  takes one worker ``L`` seconds, ``Lc`` of them on a CPU (measured in the loop's thread
+  when it loads, ``L = w``; from the workers' delivered rate and CPU when they do,
+  ``L = num_workers * T``). The tuner's pick (with ``step_fn``), ``k`` workers, is the
+  count that fills the cores it leaves for workers, ``W`` (usable CPUs minus the step's
+  cores, or what the tuner measured), at ``Lc / L`` of a core each, no more than keep up
+  with the step (``1.1 L / c``), capped by its ``max_workers``; they deliver a step's
+  batches every ``max(L / k, Lc / W')`` seconds (``W'``: ``W`` less the cores other
+  processes keep busy, at least 1; never slower than the loader's current workers), and
+  the loop then runs at ``max(c + h, that)``, ``h`` the loop's own cost of receiving a
+  step's batches (measured when it has workers already, else not counted), never slower
+  than now (the tuner measures the current setting, and ``num_workers=0``, too).
+- **GPU decoding** (:func:`gpu_decode_fix`, ``image_loader``): the loading's CPU work
+  moves to the GPU, leaving ``max(c, (L - Lc) / k)``; the GPU's own decode time is not
+  measured, so this is an upper bound.
+- **Without the stalls** (:func:`stall_fixes`): the run minus the stalls' excess over the
+  median step, ``1 / (1 - stall_fraction)``; saving ten times less often keeps a tenth.
+- **Lower precision** (:func:`precision_fix`, ``MixedPrecision``): on a GPU the reference
+  table's fp16/fp32 throughput ratio ``r`` for this GPU (or its tensor-core GPUs' median)
+  on the share ``g`` of the step the GPU is busy: ``1 / ((1 - g) + g / r)``.
+- **A larger batch** (:func:`batch_fix`, ``tune_batch_size``): doubling it keeps the host's
+  time per step and doubles the GPU's: ``min(2, 1 / g)``.
+- **Fewer threads** (:func:`threads_fix`): with torch's threads cut to the cores the
+  workers and other processes leave, the workers keep up: at least ``T / max(c, Lw / n)``
+  (``Lw``: the workers' CPU per step, ``n`` workers); the step's own speed-up is not
+  predicted.
+- **The host's CPUs back** (:func:`free_cpus_fix`): the step minus the time the loop's
+  thread waited for a CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from trainperf.loader._search import default_max_workers
+from trainperf.monitor._figures import (
+    Figures,
+    compute_s,
+    gpu_share,
+    main_cores,
+    mean_step_s,
+    others_cores,
+    oversubscribed,
+    threads_that_fit,
+    wait_s,
+    waits_for_data,
+    worker_cores,
+)
+from trainperf.monitor._report import NOT_PREDICTED, Fix, VerdictKind
+
+__all__ = [
+    "LESS_OFTEN",
+    "LoadCost",
+    "batch_fix",
+    "free_cpus_fix",
+    "gpu_decode_fix",
+    "gpu_fix",
+    "load_cost",
+    "loader_fix",
+    "precision_fix",
+    "reference_ratio",
+    "stall_fixes",
+    "step_cores",
+    "threads_fix",
+    "tuner_workers",
+]
+
+LESS_OFTEN = 10  # "save less often" is predicted for saving this many times less often
+CPU_HEAVY = 0.5  # share of the loading on a CPU above which GPU decoding is predicted
+
+LOADER_CALL = "trainperf.autotune_loader(dataset, batch_size, step_fn=train_step)"
+GPU_DECODE_CALL = 'trainperf.pipelines.image_loader(folder, batch_size, backend="nvjpeg")'
+ASYNC_SAVE_CALL = "trainperf.Checkpointer(directory).save(state, step, blocking=False)"
+PRECISION_CALL = "trainperf.MixedPrecision()"
+BATCH_CALL = "trainperf.tune_batch_size(model, ...)"
+GPU_CALL = "model.to(device); batch = trainperf.to_device(batch, device)"
+FREE_CPUS_CALL = "stop or move the other jobs (`trainperf doctor` shows the host's load)"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _cores(n: int) -> str:
+    return f"{n} core" if n == 1 else f"{n} cores"
+
+
+def _speedup(before: float, after: float) -> float:
+    return before / after if after > 0 else 1.0
+
+
+# --------------------------------------------------------------------------- the loader
+
+
+@dataclass(frozen=True)
+class LoadCost:
+    """What loading one step's batches costs one worker (or the loop's thread).
+
+    Attributes:
+        wall_s: seconds one worker takes (``L``).
+        cpu_s: of which on a CPU (``Lc``), running or waiting for one.
+        how: where the figures come from, in words.
+    """
+
+    wall_s: float
+    cpu_s: float
+    how: str
+
+    @property
+    def cores(self) -> float:
+        """The share of a core one worker keeps busy while it loads."""
+        return min(1.0, self.cpu_s / self.wall_s) if self.wall_s > 0 else 1.0
+
+
+def load_cost(f: Figures) -> LoadCost:
+    """The loading cost per step, from the loop's thread or from the workers' rate.
+
+    Loading in the loop's thread (``num_workers=0``, or not a DataLoader) it is the wait
+    itself and the CPU the thread demanded meanwhile; with ``n`` workers keeping the loop
+    waiting, each takes ``n`` steps' time per step's batches, using the workers' sampled CPU.
+    A CPU figure not measured counts the whole time as CPU (the cautious case).
+    """
+    n = f.setup.num_workers or 0
+    step = mean_step_s(f)
+    if n == 0:
+        wall = wait_s(f)
+        cpu = wall if f.wait_cpu_s is None else min(f.wait_cpu_s, wall)
+        how = (
+            f"the loop's thread waits {_ms(wall)} per step for its batches, {_ms(cpu)} of it "
+            "running or waiting for a CPU"
+        )
+        return LoadCost(wall, cpu, how)
+    wall = n * step
+    cpu = wall if f.workers_cpu is None else min(worker_cores(f) * step, wall)
+    how = (
+        f"{n} workers deliver a step's batches every {_ms(step)}, so one takes {_ms(wall)} "
+        f"({_ms(cpu)} of CPU per step)"
+    )
+    return LoadCost(wall, cpu, how)
+
+
+def step_cores(f: Figures, cost: LoadCost) -> float:
+    """Cores the training step keeps busy while it runs (what ``step_fn`` measures for the
+    tuner): this process's CPU per step, less the loading in its own thread, over the step's
+    time; 1 where the CPU was not sampled (the core the tuner keeps without ``step_fn``)."""
+    own, work = main_cores(f), compute_s(f)
+    if own is None or work <= 0:
+        return 1.0
+    loading = (f.wait_cpu_s or 0.0) if f.setup.num_workers else cost.cpu_s
+    return min(float(f.cpus), max(0.0, own * mean_step_s(f) - loading) / work)
+
+
+def tuner_workers(f: Figures, cost: LoadCost) -> tuple[int, int]:
+    """``(k, W)``: the workers ``autotune_loader(..., step_fn=...)`` would pick, and the
+    cores it leaves them.
+
+    ``W`` is the tuner's own figure when it ran, else the usable CPUs minus the cores the
+    step keeps busy (:func:`step_cores`; at least 1). ``k`` fills ``W`` at ``cost.cores``
+    each, no more than keep up with the step with 10 % to spare (the tuner's cap with a
+    ``step_fn``), within its ``max_workers`` (the tuner's, or its default for these CPUs),
+    and never below the loader's current count (the tuner keeps a faster setting of the
+    caller's).
+    """
+    w_cpus = f.setup.tuned_worker_cpus or max(1, round(f.cpus - step_cores(f, cost)))
+    top = f.setup.tuned_max_workers or default_max_workers(f.cpus)
+    k = math.floor((w_cpus + 0.5) / max(0.01, cost.cores))
+    work = compute_s(f)
+    if work > 0:
+        k = min(k, math.ceil(1.1 * cost.wall_s / work))
+    return max(1, min(top, k), f.setup.num_workers or 0), w_cpus
+
+
+def loader_fix(f: Figures, finding: VerdictKind) -> Fix | None:
+    """``autotune_loader``: the step against what the tuner's workers would deliver.
+
+    With workers already, the loop's thread keeps its cost of taking each batch from them
+    (the CPU it demanded while waiting); from ``num_workers=0`` that cost is not measured
+    and not counted.
+    """
+    if not waits_for_data(f):
+        return None
+    cost = load_cost(f)
+    k, w_cpus = tuner_workers(f, cost)
+    step, work = mean_step_s(f), compute_s(f)
+    # The cores the workers get: those the tuner leaves them, less what other processes
+    # keep busy there (they keep their load; the tuner does not count it), at least one.
+    free = max(1.0, w_cpus - others_cores(f))
+    loader = max(cost.wall_s / k, cost.cpu_s / free)
+    n = f.setup.num_workers or 0
+    taking = min(f.wait_cpu_s or 0.0, wait_s(f)) if n else 0.0
+    if n:  # the tuner measures the loader's own setting too
+        loader = min(loader, cost.wall_s / n)
+    # ... and num_workers=0 (or the current setting): it never picks a slower one.
+    after = min(step, max(work + taking, loader))
+    step_part = (
+        f"the step's {_ms(work)} and the {_ms(taking)} it takes to receive them"
+        if n
+        else f"the step's {_ms(work)} (receiving them from workers not counted)"
+    )
+    held = others_cores(f)
+    others = f", {held:.1f} of them busy with other processes" if held >= 0.05 else ""
+    basis = (
+        f"{cost.how}; {k} workers (the tuner's pick for {_cores(w_cpus)} left to workers"
+        f"{others}, {cost.cores:.0%} of a core each) would deliver them every {_ms(loader)} "
+        f"against {step_part}: {_ms(step)} -> {_ms(after)} per step"
+    )
+    return Fix(finding, LOADER_CALL, _speedup(step, after), basis)
+
+
+def gpu_decode_fix(f: Figures, finding: VerdictKind) -> Fix | None:
+    """GPU decoding (``image_loader``): the loading's CPU work moved off the CPUs.
+
+    Only on a CUDA loop that waits for data whose loading is mostly CPU work.
+    """
+    if not f.cuda_used or not waits_for_data(f):
+        return None
+    cost = load_cost(f)
+    if cost.cores < CPU_HEAVY:
+        return None
+    k, _ = tuner_workers(f, cost)
+    step, work = mean_step_s(f), compute_s(f)
+    rest = (cost.wall_s - cost.cpu_s) / k
+    after = max(work, rest)
+    basis = (
+        f"at most: {cost.how}; decoding on the GPU moves the {_ms(cost.cpu_s)} of CPU off "
+        f"the host, leaving the step's {_ms(work)} (the GPU's decode time, not measured "
+        f"here, adds to it): {_ms(step)} -> {_ms(after)} per step"
+    )
+    return Fix(finding, GPU_DECODE_CALL, _speedup(step, after), basis)
+
+
+# --------------------------------------------------------------------------- stalls
+
+
+def stall_fixes(f: Figures) -> tuple[Fix, ...]:
+    """A non-blocking save (the stalls' excess gone) and saving ten times less often."""
+    if f.stall_period is None or f.stall_fraction <= 0 or not f.stall_steps:
+        return ()
+    lost = f.stall_fraction
+    each = lost * f.wall_s / len(f.stall_steps)
+    figures = (
+        f"{len(f.stall_steps)} stalls every {f.stall_period} steps, each {_ms(each)} over the "
+        f"median step, {lost:.0%} of {f.wall_s:.2f} s"
+    )
+    async_basis = (
+        f"the run without the stalls' excess ({figures}); a non-blocking save leaves only the "
+        "copy of the state to host memory in the step, not measured here"
+    )
+    less = lost * (1 - 1 / LESS_OFTEN)
+    less_basis = (
+        f"the run with a tenth of the stalls' excess ({figures}): saving every "
+        f"{LESS_OFTEN * f.stall_period} steps instead of every {f.stall_period}"
+    )
+    return (
+        Fix("periodic-stalls", ASYNC_SAVE_CALL, 1 / (1 - lost), async_basis),
+        Fix(
+            "periodic-stalls",
+            f"trainperf.save_checkpoint(...) every {LESS_OFTEN * f.stall_period} steps",
+            1 / (1 - less),
+            less_basis,
+        ),
+    )
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def _geomean_ratio(row: dict[str, float]) -> tuple[float, float, float] | None:
+    try:
+        cnn = row["resnet50_fp16"] / row["resnet50_fp32"]
+        vit = row["vit_base_patch16_224_fp16"] / row["vit_base_patch16_224_fp32"]
+    except (KeyError, ZeroDivisionError):
+        return None
+    return math.sqrt(cnn * vit), cnn, vit
+
+
+def reference_ratio(gpu_name: str | None) -> tuple[float, str]:
+    """The fp16/fp32 throughput ratio the reference table gives a GPU, and whence.
+
+    The geometric mean of the table's ResNet-50 and ViT-B/16 ratios for the GPU; for a GPU
+    the table lacks, the median of that over its tensor-core GPUs (fp16 faster than fp32).
+
+    Example:
+        >>> ratio, where = reference_ratio("NVIDIA A100-SXM4-80GB")
+        >>> round(ratio, 2), where.split(" (")[0].split()[-1]
+        (1.3, 'A100')
+        >>> reference_ratio("NVIDIA H200")[1].startswith("NVIDIA H200 is not in the reference")
+        True
+    """
+    from trainperf.bench import find_reference_gpu, reference_throughput
+
+    table = reference_throughput()
+    row = find_reference_gpu(gpu_name) if gpu_name else None
+    found = _geomean_ratio(table[row]) if row else None
+    if row is not None and found is not None:
+        mean, cnn, vit = found
+        return mean, (
+            f"the reference table's fp16/fp32 throughput for the {row} (ResNet-50 {cnn:.2f}x, "
+            f"ViT-B/16 {vit:.2f}x: {mean:.2f}x, their geometric mean)"
+        )
+    tensor = [r[0] for v in table.values() if (r := _geomean_ratio(v)) and r[1] > 1]
+    median = statistics.median(tensor)
+    name = gpu_name or "this GPU"
+    return median, (
+        f"{name} is not in the reference table: the median of its {len(tensor)} tensor-core "
+        f"GPUs' fp16/fp32 throughput ({median:.2f}x)"
+    )
+
+
+def precision_fix(f: Figures) -> Fix | None:
+    """``MixedPrecision``: the reference ratio on the GPU's busy share (Amdahl's law).
+
+    None when a lower precision is already in use; 1.0 where ``MixedPrecision`` keeps fp32
+    (a CPU without native bf16, a GPU before tensor cores, or one already chose fp32).
+    """
+    if f.precision is not None and f.precision[0] != "fp32":
+        return None
+    if f.precision is not None:
+        basis = f"MixedPrecision is in use and chose fp32 ({f.precision[1]}): no lower precision"
+        return Fix("compute-bound", PRECISION_CALL, 1.0, basis)
+    if not f.cuda_used:
+        if f.setup.cpu_native_bf16:
+            basis = (
+                f"{NOT_PREDICTED}: bf16 on this CPU is not in the reference table; "
+                "`trainperf bench matmul --device cpu` measures it"
+            )
+        else:
+            basis = "this CPU has no native bf16, so MixedPrecision keeps fp32: no gain"
+        return Fix("compute-bound", PRECISION_CALL, 1.0, basis)
+    cap = f.setup.gpu_capability
+    if cap is not None and cap < (7, 0):
+        basis = f"compute capability {cap[0]}.{cap[1]} has no fast fp16: MixedPrecision keeps fp32"
+        return Fix("compute-bound", PRECISION_CALL, 1.0, basis)
+    ratio, where = reference_ratio(f.setup.gpu_name)
+    busy = gpu_share(f)
+    g = 1.0 if busy is None else busy
+    speedup = 1 / ((1 - g) + g / ratio)
+    share = "all (not measured)" if busy is None else f"{g:.0%}"
+    basis = f"{where}, on the {share} of step time the GPU is busy"
+    return Fix("compute-bound", PRECISION_CALL, speedup, basis)
+
+
+def batch_fix(f: Figures) -> Fix | None:
+    """``tune_batch_size``: a doubled batch on a GPU busy ``g`` of the step: ``min(2, 1/g)``."""
+    busy = gpu_share(f)
+    if not f.cuda_used or busy is None:
+        return None
+    speedup = 2.0 if busy <= 0.5 else 1 / busy
+    basis = (
+        f"twice the batch: the host's time per step stays and the GPU's, busy {busy:.0%} of "
+        "the step, doubles, if memory allows (tune_batch_size finds the largest that fits)"
+    )
+    return Fix("compute-bound", BATCH_CALL, speedup, basis)
+
+
+def gpu_fix(f: Figures) -> Fix:
+    """Moving the loop to the GPU: not predicted (the step's speed there is not measured)."""
+    basis = (
+        f"{NOT_PREDICTED}: a loop on the CPU says nothing of its speed on the GPU; "
+        "`trainperf bench model` shows what this GPU does"
+    )
+    return Fix("gpu-unused", GPU_CALL, 1.0, basis)
+
+
+# --------------------------------------------------------------------------- the CPUs
+
+
+def threads_fix(f: Figures) -> Fix | None:
+    """``torch.set_num_threads(k)``: the step's threads cut to the cores left to them.
+
+    A lower bound: the workers get the cores the surplus threads took, so the data wait
+    goes where they can keep up (``max(c, what k workers... deliver)``, as in
+    :func:`loader_fix` with the current workers); the step's own time with fewer threads
+    is kept as it is, because crowded threads spend CPU spinning and waiting for each other
+    in ways the figures cannot tell from work, and it can be much shorter.
+    """
+    threads = f.setup.torch_threads
+    if not oversubscribed(f) or threads is None:
+        return None
+    k = threads_that_fit(f)
+    step, work = mean_step_s(f), compute_s(f)
+    workers = max(1, f.setup.num_workers or 0)
+    feed = (worker_cores(f) * step) / workers  # the workers' CPU per step, each on a core
+    after = min(step, max(work, feed))
+    basis = (
+        f"at least: torch runs {threads} threads on {f.cpus} usable CPUs, {_cores(k)} left "
+        f"once the workers ({worker_cores(f):.1f} cores) and other processes "
+        f"({others_cores(f):.1f}) have theirs; with {k} the workers keep up and the "
+        f"{_ms(wait_s(f))} data wait goes, the step's own {_ms(work)} kept (fewer threads "
+        f"stop crowding it too, not predicted): {_ms(step)} -> {_ms(after)} per step"
+    )
+    return Fix("host-bound", f"torch.set_num_threads({k})", _speedup(step, after), basis)
+
+
+def free_cpus_fix(f: Figures) -> Fix:
+    """The host's CPUs back: the step minus the time its thread waited for a CPU."""
+    step = mean_step_s(f)
+    if f.cpu_delay_s is None:
+        basis = f"{NOT_PREDICTED}: the time the loop's thread waited for a CPU was not measured"
+        return Fix("host-bound", FREE_CPUS_CALL, 1.0, basis)
+    delay = f.cpu_delay_s
+    if delay >= step:  # a thread cannot wait longer than the step it waits in
+        basis = f"{NOT_PREDICTED}: the measured wait for a CPU is not shorter than the step"
+        return Fix("host-bound", FREE_CPUS_CALL, 1.0, basis)
+    after = step - delay
+    basis = (
+        f"the loop's thread waited {_ms(delay)} per step for a CPU other processes held: "
+        f"{_ms(step)} -> {_ms(after)} per step without them"
+    )
+    return Fix("host-bound", FREE_CPUS_CALL, _speedup(step, after), basis)

@@ -1,0 +1,65 @@
+"""What a watched loop ran with, besides its timeline: :class:`LoopSetup`.
+
+The predictions of ``trainperf.watch()`` (``_predict``) need a few facts the step timeline
+cannot give: the DataLoader's settings (and what the tuner measured, when the loader came
+from :func:`trainperf.autotune_loader`), torch's thread count, the host's CPUs, and the
+GPU. :class:`~trainperf.monitor.Watch` reads them once, when the report is made
+(``_probe``); :func:`~trainperf.monitor.analyse` takes them as one value so a recorded
+timeline can be re-analysed with the setup it ran with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["LoopSetup"]
+
+
+@dataclass(frozen=True)
+class LoopSetup:
+    """The settings a watched loop ran with; every field None where it is not known.
+
+    Attributes:
+        num_workers: the DataLoader's ``num_workers`` (0: batches are loaded in the loop's
+            own thread); None when ``w.iter()`` was given something other than a
+            ``torch.utils.data.DataLoader``, or never called.
+        prefetch_factor: the DataLoader's ``prefetch_factor`` (None without workers).
+        batch_size: the DataLoader's ``batch_size``.
+        tuned_num_workers: the ``num_workers`` :func:`trainperf.autotune_loader` chose,
+            None unless the loader came from it.
+        tuned_worker_cpus: the cores the tuner left for workers (``TuningReport.worker_cpus``).
+        tuned_max_workers: the largest ``num_workers`` the tuner considered.
+        tuned_samples_per_s: the throughput the tuner measured for its choice.
+        torch_threads: ``torch.get_num_threads()`` in the loop's process.
+        host_cpus: logical CPUs of the whole host (``os.cpu_count()``).
+        gpu_name: the CUDA device's name, None without CUDA.
+        gpu_capability: its compute capability, e.g. ``(9, 0)``.
+        cpu_native_bf16: whether the CPU computes bf16 natively (what
+            :class:`trainperf.amp.MixedPrecision` decides on for a CPU loop).
+
+    Example:
+        >>> LoopSetup(num_workers=0, torch_threads=4).to_dict()["num_workers"]
+        0
+    """
+
+    num_workers: int | None = None
+    prefetch_factor: int | None = None
+    batch_size: int | None = None
+    tuned_num_workers: int | None = None
+    tuned_worker_cpus: int | None = None
+    tuned_max_workers: int | None = None
+    tuned_samples_per_s: float | None = None
+    torch_threads: int | None = None
+    host_cpus: int | None = None
+    gpu_name: str | None = None
+    gpu_capability: tuple[int, int] | None = None
+    cpu_native_bf16: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field by name, JSON-safe (the capability as a list)."""
+        data = dataclasses.asdict(self)
+        if self.gpu_capability is not None:
+            data["gpu_capability"] = list(self.gpu_capability)
+        return data

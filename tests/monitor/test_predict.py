@@ -1,0 +1,278 @@
+"""The predicted gains (``monitor/_predict.py``): each model on hand-made figures.
+
+The figures are chosen so that each prediction can be worked out by hand; the comments
+give the arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from tests.monitor._fakes import cpu_loop, figures
+from trainperf.bench import reference_throughput
+from trainperf.monitor import LoopSetup
+from trainperf.monitor._predict import (
+    LESS_OFTEN,
+    batch_fix,
+    free_cpus_fix,
+    gpu_decode_fix,
+    gpu_fix,
+    load_cost,
+    loader_fix,
+    precision_fix,
+    reference_ratio,
+    stall_fixes,
+    step_cores,
+    threads_fix,
+    tuner_workers,
+)
+
+# --------------------------------------------------------------------------- the loader
+
+
+def test_sleepy_loading_in_the_loop_gets_the_workers_that_keep_up_with_the_step() -> None:
+    # 20 ms steps, 16 ms of them waiting, 1.6 ms of that on a CPU: one worker keeps a
+    # tenth of a core busy, so 15 would fill the core left to workers, but 5 keep up with
+    # the 4 ms step (16 ms / 4 ms, 10 % to spare) and deliver every 3.2 ms: 20 ms -> 4 ms.
+    f = cpu_loop(wait_fraction=0.8, wait_cpu_s=0.0016)
+    cost = load_cost(f)
+    assert (cost.wall_s, cost.cpu_s, cost.cores) == pytest.approx((0.016, 0.0016, 0.1))
+    assert tuner_workers(f, cost) == (5, 1)
+    fix = loader_fix(f, "input-bound")
+    assert fix is not None and fix.finding == "input-bound"
+    assert fix.call == "trainperf.autotune_loader(dataset, batch_size, step_fn=train_step)"
+    assert fix.predicted_speedup == pytest.approx(5.0)
+    assert fix.basis == (
+        "the loop's thread waits 16.0 ms per step for its batches, 1.6 ms of it running or "
+        "waiting for a CPU; 5 workers (the tuner's pick for 1 core left to workers, 10% of "
+        "a core each) would deliver them every 3.2 ms against the step's 4.0 ms (receiving "
+        "them from workers not counted): 20.0 ms -> 4.0 ms per step"
+    )
+    # A step that is only 1 ms: the tuner's most on 2 CPUs, 8, deliver every 2 ms.
+    short = cpu_loop(wait_fraction=0.95, wait_cpu_s=0.0019)  # 19 ms waiting, 1 ms step
+    assert tuner_workers(short, load_cost(short))[0] == 8
+    assert loader_fix(short, "input-bound").predicted_speedup == pytest.approx(20 / 2.375)  # type: ignore[union-attr]
+
+
+def test_the_cores_left_to_workers_are_the_cpus_the_step_leaves() -> None:
+    # A GPU-like step that keeps 0.1 of a core busy (this process: 0.3 cores, 0.2 of them
+    # the loading in its own thread) leaves both CPUs to workers.
+    f = cpu_loop(wait_fraction=0.5, wait_cpu_s=0.004, process_cpu=30.0)
+    cost = load_cost(f)
+    assert step_cores(f, cost) == pytest.approx((0.3 * 0.02 - 0.004) / 0.01)
+    assert tuner_workers(f, cost)[1] == 2
+    busy = cpu_loop(wait_fraction=0.5, wait_cpu_s=0.004, process_cpu=70.0)  # a core's step
+    assert tuner_workers(busy, load_cost(busy))[1] == 1
+    assert step_cores(cpu_loop(wait_fraction=0.5), cost) == 1.0  # not sampled: one core
+
+
+def test_with_workers_the_step_keeps_its_cost_of_receiving_batches() -> None:
+    # 2 workers keep the loop waiting 10 ms of each 20 ms step, 2 ms of it the loop's own
+    # CPU taking the batches: with more workers the step is 10 + 2 ms.
+    f = cpu_loop(wait_fraction=0.5, wait_cpu_s=0.002, workers_cpu=10.0,
+                 setup=LoopSetup(num_workers=2))  # fmt: skip
+    fix = loader_fix(f, "input-bound")
+    assert fix is not None and fix.predicted_speedup == pytest.approx(20 / 12)
+    assert "and the 2.0 ms it takes to receive them" in fix.basis
+
+
+def test_cpu_bound_loading_is_bounded_by_the_cores_left_to_workers() -> None:
+    # All 16 ms of loading on a CPU: one worker on the one core left delivers every 16 ms.
+    fix = loader_fix(cpu_loop(wait_fraction=0.8, wait_cpu_s=0.016), "input-bound")
+    assert fix is not None and fix.predicted_speedup == pytest.approx(20 / 16)
+    # Not measured: the cautious case, all CPU.
+    unknown = loader_fix(cpu_loop(wait_fraction=0.8), "input-bound")
+    assert unknown is not None and unknown.predicted_speedup == pytest.approx(20 / 16)
+
+
+def test_workers_that_keep_the_loop_waiting_are_judged_by_their_delivered_rate() -> None:
+    # 2 workers deliver a step's batches every 20 ms, so each takes 40 ms; together they
+    # use 0.1 cores (2 ms of CPU per step). 8 would deliver every 5 ms, under the 10 ms
+    # step: 20 ms -> 10 ms.
+    f = cpu_loop(wait_fraction=0.5, workers_cpu=10.0, setup=LoopSetup(num_workers=2))
+    cost = load_cost(f)
+    assert (cost.wall_s, cost.cpu_s) == pytest.approx((0.040, 0.002))
+    assert cost.how.startswith("2 workers deliver a step's batches every 20.0 ms")
+    fix = loader_fix(f, "input-bound")
+    assert fix is not None and fix.predicted_speedup == pytest.approx(2.0)
+
+
+def test_a_loader_already_at_the_tuners_choice_gains_nothing_more() -> None:
+    # 4 CPUs, the tuner left 3 to workers and chose 3; they keep 3 cores busy and the loop
+    # still waits: more workers cannot get more cores.
+    setup = LoopSetup(num_workers=3, tuned_num_workers=3, tuned_worker_cpus=3, tuned_max_workers=3)
+    f = cpu_loop(cpus=4, wait_fraction=0.5, workers_cpu=300.0, setup=setup)
+    assert tuner_workers(f, load_cost(f)) == (3, 3)
+    fix = loader_fix(f, "input-bound")
+    assert fix is not None and fix.predicted_speedup == pytest.approx(1.0)
+
+
+def test_workers_whose_cpu_was_not_sampled_are_never_predicted_slower() -> None:
+    # Without the workers' CPU the loading counts as all CPU: 2 workers at 40 ms each would
+    # need 2 cores where 1 is left, but they deliver every 20 ms now, and the tuner would
+    # keep that: no gain, and no loss.
+    f = cpu_loop(wait_fraction=0.5, setup=LoopSetup(num_workers=2))
+    fix = loader_fix(f, "input-bound")
+    assert fix is not None and fix.predicted_speedup == pytest.approx(1.0)
+
+
+def test_the_tuner_never_predicts_fewer_workers_than_the_loader_has() -> None:
+    f = cpu_loop(wait_fraction=0.5, workers_cpu=600.0, setup=LoopSetup(num_workers=6))
+    assert tuner_workers(f, load_cost(f))[0] == 6
+
+
+def test_no_loader_fix_without_a_data_wait() -> None:
+    assert loader_fix(cpu_loop(wait_fraction=0.1), "input-bound") is None
+    assert loader_fix(cpu_loop(wait_fraction=0.8, wait_measured=False), "input-bound") is None
+
+
+def test_gpu_decoding_moves_the_loadings_cpu_work_off_the_host() -> None:
+    # A CUDA loop of 10 ms steps, 6 ms waiting for CPU-bound decoding: on the GPU, the
+    # 4 ms step is left (an upper bound: the GPU's decode time is not known).
+    f = figures(wait_fraction=0.6, wait_cpu_s=0.006)
+    fix = gpu_decode_fix(f, "input-bound")
+    assert fix is not None and fix.predicted_speedup == pytest.approx(2.5)
+    assert fix.call == 'trainperf.pipelines.image_loader(folder, batch_size, backend="nvjpeg")'
+    assert fix.basis.startswith("at most: ")
+    assert gpu_decode_fix(figures(wait_fraction=0.6, wait_cpu_s=0.001), "input-bound") is None
+    assert gpu_decode_fix(cpu_loop(wait_fraction=0.6, wait_cpu_s=0.012), "input-bound") is None
+    assert gpu_decode_fix(figures(wait_fraction=0.1, wait_cpu_s=0.001), "input-bound") is None
+
+
+# --------------------------------------------------------------------------- stalls
+
+
+def test_the_stalls_excess_goes_with_a_non_blocking_save() -> None:
+    f = figures(stall_period=10, stall_steps=(9, 19, 29), stall_fraction=0.2, stall_median_s=0.2)
+    async_save, less_often = stall_fixes(f)
+    assert async_save.call == "trainperf.Checkpointer(directory).save(state, step, blocking=False)"
+    assert async_save.predicted_speedup == pytest.approx(1 / 0.8)
+    assert async_save.basis.startswith(
+        "the run without the stalls' excess (3 stalls every 10 steps, each 13.3 ms over the "
+        "median step, 20% of 0.20 s)"
+    )
+    assert less_often.call == f"trainperf.save_checkpoint(...) every {LESS_OFTEN * 10} steps"
+    assert less_often.predicted_speedup == pytest.approx(1 / (1 - 0.2 * 0.9))
+    assert stall_fixes(figures()) == ()
+    assert stall_fixes(figures(stall_period=None, stall_steps=(3, 7), stall_fraction=0.2)) == ()
+
+
+# --------------------------------------------------------------------------- precision
+
+
+def _ratio(row: dict[str, float]) -> float:
+    cnn = row["resnet50_fp16"] / row["resnet50_fp32"]
+    vit = row["vit_base_patch16_224_fp16"] / row["vit_base_patch16_224_fp32"]
+    return math.sqrt(cnn * vit)
+
+
+def test_the_reference_ratio_is_the_tables_for_a_listed_gpu() -> None:
+    table = reference_throughput()
+    ratio, where = reference_ratio("NVIDIA A100-SXM4-80GB")
+    assert ratio == pytest.approx(_ratio(table["A100"]))
+    assert where.startswith("the reference table's fp16/fp32 throughput for the A100 (ResNet-50")
+
+
+def test_an_unlisted_gpu_gets_the_tables_tensor_core_median() -> None:
+    table = reference_throughput()
+    tensor = [_ratio(r) for r in table.values() if r["resnet50_fp16"] > r["resnet50_fp32"]]
+    ratio, where = reference_ratio("NVIDIA H200")
+    assert ratio == pytest.approx(statistics.median(tensor))
+    assert where.startswith(f"NVIDIA H200 is not in the reference table: the median of its "
+                            f"{len(tensor)} tensor-core GPUs'")  # fmt: skip
+    assert reference_ratio(None)[1].startswith("this GPU is not in the reference table")
+
+
+def test_mixed_precision_on_a_gpu_speeds_up_the_share_it_is_busy() -> None:
+    a100 = LoopSetup(gpu_name="NVIDIA A100-SXM4-80GB", gpu_capability=(8, 0))
+    r = reference_ratio(a100.gpu_name)[0]
+    busy = precision_fix(figures(gpu_span=1.0, utilisation=(80.0,) * 3, setup=a100))
+    assert busy is not None and busy.call == "trainperf.MixedPrecision()"
+    assert busy.predicted_speedup == pytest.approx(1 / (0.2 + 0.8 / r))  # Amdahl on 80 %
+    assert busy.basis.endswith("on the 80% of step time the GPU is busy")
+    unknown = precision_fix(figures(setup=a100))
+    assert unknown is not None and unknown.predicted_speedup == pytest.approx(r)
+    assert "all (not measured)" in unknown.basis
+
+
+def test_mixed_precision_gains_nothing_where_it_keeps_fp32() -> None:
+    pascal = precision_fix(figures(setup=LoopSetup(gpu_name="TITAN Xp", gpu_capability=(6, 1))))
+    assert pascal is not None and pascal.predicted_speedup == 1.0
+    assert pascal.basis.startswith("compute capability 6.1 has no fast fp16")
+    plain = precision_fix(cpu_loop(setup=LoopSetup(cpu_native_bf16=False)))
+    assert plain is not None and plain.predicted_speedup == 1.0 and "no native bf16" in plain.basis
+    native = precision_fix(cpu_loop(setup=LoopSetup(cpu_native_bf16=True)))
+    assert native is not None and native.predicted_speedup == 1.0
+    assert native.basis.startswith("not predicted: bf16 on this CPU")
+    why = "auto: the CPU has no native bf16 -> fp32"
+    chosen = precision_fix(cpu_loop(precision=("fp32", why)))
+    assert chosen is not None and chosen.predicted_speedup == 1.0 and why in chosen.basis
+    assert precision_fix(figures(precision=("bf16", "auto"))) is None  # already lower
+
+
+def test_a_larger_batch_fills_a_gpu_the_host_keeps_waiting() -> None:
+    starved = batch_fix(figures(gpu_span=0.4))
+    assert starved is not None and starved.predicted_speedup == 2.0  # doubled, capped at 2
+    assert starved.call == "trainperf.tune_batch_size(model, ...)"
+    half = batch_fix(figures(gpu_span=0.8))
+    assert half is not None and half.predicted_speedup == pytest.approx(1.25)
+    full = batch_fix(figures(gpu_span=1.0))
+    assert full is not None and full.predicted_speedup == pytest.approx(1.0)
+    assert batch_fix(figures()) is None  # nothing says how busy the GPU is
+    assert batch_fix(cpu_loop()) is None
+
+
+def test_moving_to_the_gpu_is_not_predicted() -> None:
+    fix = gpu_fix(cpu_loop())
+    assert fix.finding == "gpu-unused" and fix.predicted_speedup == 1.0
+    assert fix.basis.startswith("not predicted: ") and "trainperf.to_device" in fix.call
+
+
+# --------------------------------------------------------------------------- the CPUs
+
+
+def test_fewer_threads_let_the_workers_keep_up() -> None:
+    # 20 ms steps, 6 ms waiting; 16 threads on 2 CPUs; the 2 workers use 1.2 cores (24 ms
+    # of CPU per step, 12 ms each) and other processes 0.1: 1 thread fits. The workers then
+    # keep up with the 14 ms step, whose own gain is not predicted: 20 ms -> 14 ms.
+    setup = LoopSetup(torch_threads=16, num_workers=2)
+    f = cpu_loop(process_cpu=180.0, workers_cpu=120.0, host_cpu=95.0, wait_fraction=0.3,
+                 setup=setup)  # fmt: skip
+    fix = threads_fix(f)
+    assert fix is not None and fix.call == "torch.set_num_threads(1)"
+    assert fix.predicted_speedup == pytest.approx(20 / 14)
+    assert fix.basis.startswith("at least: torch runs 16 threads on 2 usable CPUs, 1 core left")
+    slow_workers = cpu_loop(process_cpu=180.0, workers_cpu=180.0, host_cpu=95.0,
+                            wait_fraction=0.3, setup=setup)  # fmt: skip
+    bounded = threads_fix(slow_workers)  # 18 ms of CPU per worker per step: the bound
+    assert bounded is not None and bounded.predicted_speedup == pytest.approx(20 / 18)
+    assert threads_fix(cpu_loop(process_cpu=180.0, host_cpu=95.0)) is None  # threads unknown
+
+
+def test_the_hosts_cpus_back_take_the_wait_for_a_cpu_off_the_step() -> None:
+    fix = free_cpus_fix(cpu_loop(cpu_delay_s=0.005))
+    assert fix.predicted_speedup == pytest.approx(20 / 15)
+    assert fix.basis == (
+        "the loop's thread waited 5.0 ms per step for a CPU other processes held: 20.0 ms -> "
+        "15.0 ms per step without them"
+    )
+    unknown = free_cpus_fix(cpu_loop())
+    assert unknown.predicted_speedup == 1.0 and unknown.basis.startswith("not predicted")
+    odd = free_cpus_fix(cpu_loop(cpu_delay_s=0.02))
+    assert odd.predicted_speedup == 1.0 and "not shorter than the step" in odd.basis
+
+
+def test_cpu_bound_loading_gets_only_the_cores_other_processes_leave() -> None:
+    # 15 ms of CPU-bound loading, a 5 ms step that leaves both CPUs to workers: 2 workers.
+    # On a quiet host they deliver every 7.5 ms; where other processes keep 1.5 cores busy
+    # they have one core between them: every 15 ms.
+    quiet = cpu_loop(wait_fraction=0.75, wait_cpu_s=0.015, process_cpu=30.0, host_cpu=15.0)
+    busy = cpu_loop(wait_fraction=0.75, wait_cpu_s=0.015, process_cpu=30.0, host_cpu=90.0)
+    assert tuner_workers(quiet, load_cost(quiet)) == tuner_workers(busy, load_cost(busy)) == (2, 2)
+    fast, slow = loader_fix(quiet, "input-bound"), loader_fix(busy, "input-bound")
+    assert fast is not None and fast.predicted_speedup == pytest.approx(20 / 7.5)
+    assert slow is not None and slow.predicted_speedup == pytest.approx(20 / 15)
+    assert "2 cores left to workers, 1.5 of them busy with other processes" in slow.basis

@@ -1,0 +1,126 @@
+"""What the watch reads besides the clock (``monitor/_probe.py``): CPU demand, the loader's
+settings, the loop's setup."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.monitor._fakes import burn
+from trainperf.monitor import LoopSetup
+from trainperf.monitor._probe import CpuClock, batch_size, loader_facts, loop_setup
+
+HAS_SCHEDSTAT = Path("/proc/thread-self/schedstat").exists()
+
+
+def test_the_clock_counts_cpu_work_and_not_sleep() -> None:
+    clock = CpuClock()
+    try:
+        start, _ = clock.read()
+        time.sleep(0.05)
+        slept, _ = clock.read()
+        burn(0.05)
+        worked, _ = clock.read()
+    finally:
+        clock.close()
+    # Sleeping demands (almost) no CPU; busy-waiting 50 ms demands all of it (running, or
+    # waiting for a CPU on a crowded host: both count).
+    assert slept - start < 0.02
+    assert worked - slept >= 0.045
+
+
+@pytest.mark.skipif(not HAS_SCHEDSTAT, reason="needs Linux's /proc/thread-self/schedstat")
+def test_the_clock_reads_the_wait_for_a_cpu_from_schedstat() -> None:
+    clock = CpuClock()
+    try:
+        demand, delay = clock.read()
+        run, wait, _ = Path("/proc/thread-self/schedstat").read_text().split()
+    finally:
+        clock.close()
+    assert not math.isnan(delay) and delay >= 0
+    assert demand == pytest.approx((int(run) + int(wait)) / 1e9, abs=0.05)
+
+
+def test_without_schedstat_the_clock_uses_cpu_time_and_knows_no_delay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_proc(*args: object, **kwargs: object) -> int:
+        raise FileNotFoundError("no /proc here")
+
+    monkeypatch.setattr(os, "open", no_proc)
+    clock = CpuClock()
+    before = time.thread_time()
+    demand, delay = clock.read()
+    assert math.isnan(delay)
+    assert before <= demand <= time.thread_time()
+
+
+def test_a_reading_from_another_thread_reopens_and_counts_a_generation() -> None:
+    clock = CpuClock()
+    try:
+        clock.read()
+        first = clock.generation
+        other: list[int] = []
+        thread = threading.Thread(target=lambda: (clock.read(), other.append(clock.generation)))
+        thread.start()
+        thread.join(timeout=10)
+        assert other == [first + 1]
+        clock.read()  # back on this thread: reopened again
+        assert clock.generation == first + 2
+    finally:
+        clock.close()
+    clock.close()  # closing twice is harmless
+
+
+def test_batch_size_reads_the_first_tensor() -> None:
+    assert batch_size(torch.zeros(5, 2)) == 5
+    assert batch_size({"x": torch.zeros(3, 1), "y": torch.zeros(3)}) == 3
+    assert batch_size([(torch.zeros(4, 2), 1)]) == 4
+    assert batch_size(torch.tensor(1.0)) is None
+    assert batch_size([[[torch.zeros(2)]]]) is None  # deeper than two levels: not looked at
+    assert batch_size("opaque") is None
+
+
+def test_loader_facts_read_a_dataloader_and_nothing_else() -> None:
+    data = TensorDataset(torch.zeros(16, 2))
+    assert loader_facts(DataLoader(data, batch_size=4)) == {
+        "num_workers": 0, "prefetch_factor": None, "batch_size": 4,
+    }  # fmt: skip
+    workers = loader_facts(DataLoader(data, batch_size=8, num_workers=2, prefetch_factor=3))
+    assert workers == {"num_workers": 2, "prefetch_factor": 3, "batch_size": 8}
+    assert loader_facts([torch.zeros(2)]) == {}
+    assert loader_facts(iter(range(3))) == {}
+
+
+class _Report:
+    """What loader_facts reads of a TuningReport."""
+
+    num_workers = 3
+    worker_cpus = 5
+    max_workers = 24
+    samples_per_s = 1234.5
+
+
+def test_loader_facts_bring_what_the_tuner_measured() -> None:
+    loader = DataLoader(TensorDataset(torch.zeros(16, 2)), batch_size=4)
+    loader.tuning_report = _Report()  # type: ignore[attr-defined]
+    facts = loader_facts(loader)
+    assert facts["tuned_num_workers"] == 3 and facts["tuned_worker_cpus"] == 5
+    assert facts["tuned_max_workers"] == 24 and facts["tuned_samples_per_s"] == 1234.5
+
+
+def test_loop_setup_reads_threads_and_cpus_without_cuda() -> None:
+    setup = loop_setup({"num_workers": 2, "batch_size": 8}, None)
+    assert setup.num_workers == 2 and setup.batch_size == 8
+    assert setup.torch_threads == torch.get_num_threads()
+    assert setup.host_cpus == os.cpu_count()
+    assert setup.gpu_name is None and setup.gpu_capability is None
+    assert isinstance(setup.cpu_native_bf16, bool)
+    assert LoopSetup().to_dict()["num_workers"] is None
