@@ -57,6 +57,28 @@ def test_sleepy_loading_in_the_loop_gets_the_workers_that_keep_up_with_the_step(
     assert loader_fix(short, "input-bound").predicted_speedup == pytest.approx(20 / 2.375)  # type: ignore[union-attr]
 
 
+def test_a_measured_hand_over_is_counted_in_the_step_and_the_workers() -> None:
+    # As above (20 ms steps, 16 ms waiting, 1.6 ms of it CPU), with the probe's figures:
+    # receiving a batch costs the loop's thread 1 ms, a worker 0.4 ms more to produce it.
+    # Each worker then takes 16.4 ms (2.0 ms CPU) a batch; 5 keep up with the 4 ms step,
+    # delivering every 3.3 ms, under the step's 4 + 1 ms: 20 ms -> 5 ms.
+    setup = LoopSetup(handover_receive_s=0.001, handover_produce_s=0.0004)
+    f = cpu_loop(wait_fraction=0.8, wait_cpu_s=0.0016, setup=setup)
+    cost = load_cost(f)
+    assert (cost.wall_s, cost.cpu_s) == pytest.approx((0.0164, 0.002))
+    assert cost.how.endswith("and a worker 0.4 ms more to hand them over (measured)")
+    fix = loader_fix(f, "input-bound")
+    assert fix is not None and fix.predicted_speedup == pytest.approx(20 / 5)
+    assert "and the 1.0 ms it would take to receive them (measured by a one-worker probe" in (
+        fix.basis
+    )
+    # Two batches a step (accumulation inside the step): twice the hand-over.
+    two = cpu_loop(wait_fraction=0.8, wait_cpu_s=0.0016,
+                   setup=LoopSetup(handover_receive_s=0.001, batches_per_step=2.0))  # fmt: skip
+    fix2 = loader_fix(two, "input-bound")
+    assert fix2 is not None and fix2.predicted_speedup == pytest.approx(20 / 6)
+
+
 def test_the_cores_left_to_workers_are_the_cpus_the_step_leaves() -> None:
     # A GPU-like step that keeps 0.1 of a core busy (this process: 0.3 cores, 0.2 of them
     # the loading in its own thread) leaves both CPUs to workers.

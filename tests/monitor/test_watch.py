@@ -6,6 +6,7 @@ import gc
 import importlib
 import itertools
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -34,6 +35,11 @@ def test_a_loader_that_sleeps_is_input_bound() -> None:
     assert "autotune_loader" in report.verdict.fix
     assert report.steps == 30 and report.warmup_steps == 2
     assert report.samples_per_s is not None and report.samples_per_s > 0
+    # Loading in the loop's thread: the hand-over to workers was measured for the prediction.
+    assert report.setup.batches_per_step == 1.0
+    if os.path.exists("/proc/self/schedstat"):
+        assert report.setup.handover_receive_s is not None
+        assert "measured by a one-worker probe" in report.verdict.fixes[0].basis
 
 
 def test_a_step_that_burns_cpu_is_compute_bound() -> None:

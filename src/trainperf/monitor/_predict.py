@@ -64,12 +64,14 @@ __all__ = [
     "LESS_OFTEN",
     "LoadCost",
     "batch_fix",
+    "batches_per_step",
     "free_cpus_fix",
     "gpu_decode_fix",
     "gpu_fix",
     "load_cost",
     "loader_fix",
     "precision_fix",
+    "receive_s",
     "reference_ratio",
     "stall_fixes",
     "step_cores",
@@ -141,7 +143,10 @@ def load_cost(f: Figures) -> LoadCost:
             f"the loop's thread waits {_ms(wall)} per step for its batches, {_ms(cpu)} of it "
             "running or waiting for a CPU"
         )
-        return LoadCost(wall, cpu, how)
+        extra = (f.setup.handover_produce_s or 0.0) * batches_per_step(f)
+        if extra > 0:  # a worker also collates into shared memory and pickles
+            how += f", and a worker {_ms(extra)} more to hand them over (measured)"
+        return LoadCost(wall + extra, cpu + extra, how)
     wall = n * step
     cpu = wall if f.workers_cpu is None else min(worker_cores(f) * step, wall)
     how = (
@@ -151,6 +156,18 @@ def load_cost(f: Figures) -> LoadCost:
     return LoadCost(wall, cpu, how)
 
 
+def batches_per_step(f: Figures) -> float:
+    """Batches the loop takes per step (1 when not known)."""
+    return f.setup.batches_per_step or 1.0
+
+
+def receive_s(f: Figures) -> float | None:
+    """CPU seconds per step the loop's thread would spend taking its batches from workers,
+    where the hand-over probe measured it (a loop loading in its own thread); else None."""
+    one = f.setup.handover_receive_s
+    return None if one is None else one * batches_per_step(f)
+
+
 def step_cores(f: Figures, cost: LoadCost) -> float:
     """Cores the training step keeps busy while it runs (what ``step_fn`` measures for the
     tuner): this process's CPU per step, less the loading in its own thread, over the step's
@@ -158,7 +175,8 @@ def step_cores(f: Figures, cost: LoadCost) -> float:
     own, work = main_cores(f), compute_s(f)
     if own is None or work <= 0:
         return 1.0
-    loading = (f.wait_cpu_s or 0.0) if f.setup.num_workers else cost.cpu_s
+    handing = (f.setup.handover_produce_s or 0.0) * batches_per_step(f)  # not in this thread
+    loading = (f.wait_cpu_s or 0.0) if f.setup.num_workers else cost.cpu_s - handing
     return min(float(f.cpus), max(0.0, own * mean_step_s(f) - loading) / work)
 
 
@@ -199,16 +217,20 @@ def loader_fix(f: Figures, finding: VerdictKind) -> Fix | None:
     free = max(1.0, w_cpus - others_cores(f))
     loader = max(cost.wall_s / k, cost.cpu_s / free)
     n = f.setup.num_workers or 0
-    taking = min(f.wait_cpu_s or 0.0, wait_s(f)) if n else 0.0
+    taking = min(f.wait_cpu_s or 0.0, wait_s(f)) if n else receive_s(f)
     if n:  # the tuner measures the loader's own setting too
         loader = min(loader, cost.wall_s / n)
     # ... and num_workers=0 (or the current setting): it never picks a slower one.
-    after = min(step, max(work + taking, loader))
-    step_part = (
-        f"the step's {_ms(work)} and the {_ms(taking)} it takes to receive them"
-        if n
-        else f"the step's {_ms(work)} (receiving them from workers not counted)"
-    )
+    after = min(step, max(work + (taking or 0.0), loader))
+    if n:
+        step_part = f"the step's {_ms(work)} and the {_ms(taking or 0.0)} it takes to receive them"
+    elif taking is None:
+        step_part = f"the step's {_ms(work)} (receiving them from workers not counted)"
+    else:
+        step_part = (
+            f"the step's {_ms(work)} and the {_ms(taking)} it would take to receive them "
+            "(measured by a one-worker probe of these batches)"
+        )
     held = others_cores(f)
     others = f", {held:.1f} of them busy with other processes" if held >= 0.05 else ""
     basis = (

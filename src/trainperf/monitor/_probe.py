@@ -149,9 +149,10 @@ def loader_facts(iterable: object) -> dict[str, Any]:
     return facts
 
 
-def loop_setup(facts: Mapping[str, Any], cuda_index: int | None) -> LoopSetup:
+def loop_setup(facts: Mapping[str, Any], cuda_index: int | None, **measured: Any) -> LoopSetup:
     """The :class:`LoopSetup` now: ``facts`` from :func:`loader_facts`, torch's threads, the
-    host's CPUs, the GPU the loop uses (``cuda_index``: None when it uses none)."""
+    host's CPUs, the GPU the loop uses (``cuda_index``: None when it uses none), and the
+    ``measured`` fields the watch itself found (batches per step, the hand-over probe)."""
     from trainperf.amp._precision import cpu_has_bf16_kernels
 
     name: str | None = None
@@ -167,4 +168,5 @@ def loop_setup(facts: Mapping[str, Any], cuda_index: int | None) -> LoopSetup:
         gpu_name=name,
         gpu_capability=capability,
         cpu_native_bf16=cpu_has_bf16_kernels() if cuda_index is None else None,
+        **measured,
     )

@@ -38,6 +38,13 @@ class LoopSetup:
         gpu_capability: its compute capability, e.g. ``(9, 0)``.
         cpu_native_bf16: whether the CPU computes bf16 natively (what
             :class:`trainperf.amp.MixedPrecision` decides on for a CPU loop).
+        batches_per_step: batches ``w.iter()`` yielded per step (1 in most loops; more
+            with gradient accumulation inside a step).
+        handover_receive_s: CPU seconds the loop's thread would spend taking one batch from a
+            DataLoader worker, measured by a one-worker probe of this loop's batch layout
+            when the loop loads in its own thread (``_handover``); None otherwise.
+        handover_produce_s: the extra CPU seconds a worker would spend on one batch
+            (collating into shared memory, pickling), from the same probe.
 
     Example:
         >>> LoopSetup(num_workers=0, torch_threads=4).to_dict()["num_workers"]
@@ -56,6 +63,9 @@ class LoopSetup:
     gpu_name: str | None = None
     gpu_capability: tuple[int, int] | None = None
     cpu_native_bf16: bool | None = None
+    batches_per_step: float | None = None
+    handover_receive_s: float | None = None
+    handover_produce_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name, JSON-safe (the capability as a list)."""

@@ -46,6 +46,8 @@ import torch
 from trainperf._utils.validate import non_negative_int, positive_int, positive_number
 from trainperf.device import resolve_device
 from trainperf.monitor._analysis import analyse
+from trainperf.monitor._figures import SAWTOOTH_WAIT
+from trainperf.monitor._handover import batch_layout, measure_handover
 from trainperf.monitor._probe import CpuClock, batch_size, loader_facts, loop_setup
 from trainperf.monitor._probe import precision_in_use as _precision_in_use
 from trainperf.monitor._probe import rank_cpus as _rank_cpus
@@ -116,6 +118,9 @@ class Watch:
         self._pending_wait_cpu = 0.0
         self._pending_count = 0
         self._count_known = True
+        self._items = 0  # batches w.iter() yielded
+        self._layout: tuple[int, ...] | None = None  # the first batch's tensor sizes
+        self._layout_batch: int | None = None  # and its samples
         self._iterated = False  # w.iter() was used: the data wait is measured
         self._clock = CpuClock()
         # (run, delay, generation) at the last schedstat reading: see _settle().
@@ -281,6 +286,9 @@ class Watch:
             self._pending_wait_cpu += cpu() - c
             self._pending_wait += clock() - t
             n = batch_size(item)
+            self._items += 1
+            if self._layout is None:
+                self._layout, self._layout_batch = batch_layout(item), n
             if n is None:
                 self._count_known = False
             else:
@@ -443,8 +451,25 @@ class Watch:
             dropped_samples=dropped_samples,
             wait_measured=self._iterated,
             precision=_precision_in_use(),
-            setup=loop_setup(self._loader, cuda_index),
+            setup=loop_setup(self._loader, cuda_index, **self._measured(timeline)),
         )
+
+    def _measured(self, timeline: list[StepRecord]) -> dict[str, Any]:
+        """What the watch measures for the predictions beyond the timeline: batches per
+        step, and (once) what a worker hand-over would cost a loop that loads in its own
+        thread while it waits for data (the probe runs a worker for under a second)."""
+        steps = self._first + len(self._ends)
+        out: dict[str, Any] = {"batches_per_step": self._items / steps if steps else None}
+        kept = timeline[max(0, self._warmup - self._first) :]
+        total = sum(s.duration for s in kept)
+        waits = total > 0 and sum(s.wait for s in kept) >= SAWTOOTH_WAIT * total
+        in_thread = not self._loader.get("num_workers")
+        if waits and in_thread and self._layout and self._layout_batch:
+            handover = measure_handover(self._layout, self._layout_batch)
+            if handover is not None:
+                out["handover_receive_s"] = handover.receive_s
+                out["handover_produce_s"] = handover.produce_s
+        return out
 
     def _timeline(self) -> tuple[int, list[StepRecord]]:
         """The number of the first step kept, and the kept steps as :class:`StepRecord` s."""

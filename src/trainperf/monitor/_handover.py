@@ -1,0 +1,151 @@
+"""What moving the loading into DataLoader workers costs besides the loading: measured.
+
+A loop that loads in its own thread (``num_workers=0``) shows what loading costs, but not
+what handing each batch over from a worker process will: the worker collates into shared
+memory and pickles, the loop's thread unpickles and maps the storage. Against a step of a
+few milliseconds that is a large part of the step (about a millisecond of the loop
+thread's CPU a batch on a busy 2-core host), so the prediction for
+:func:`trainperf.autotune_loader` measures it instead of leaving it out:
+:func:`measure_handover` runs one worker over batches of the loop's own layout (the same
+tensors, the same bytes) once, when the report is made, and a loop with workers already
+shows its own cost.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Handover", "batch_layout", "measure_handover"]
+
+_MAX_TENSORS = 64  # a batch layout keeps at most this many tensors
+_MAX_BATCHES = 32
+_MIN_BATCHES = 8
+_PROBE_S = 0.6  # the probe stops after this long once it has _MIN_BATCHES
+_CACHE: dict[tuple[tuple[int, ...], int], Handover | None] = {}
+
+
+@dataclass(frozen=True)
+class Handover:
+    """Per batch, what a worker hand-over costs beyond loading it in the loop's thread.
+
+    Attributes:
+        receive_s: CPU seconds the loop's thread spends taking a batch from a worker.
+        produce_s: extra CPU seconds a worker spends on a batch (collating into shared
+            memory, pickling) over what fetching it costs the loop's thread.
+        batches: batches the probe measured.
+    """
+
+    receive_s: float
+    produce_s: float
+    batches: int
+
+
+def batch_layout(batch: object, depth: int = 0) -> tuple[int, ...]:
+    """The byte sizes of a batch's tensors, in order (nested lists, tuples and mappings
+    walked three levels deep, at most 64 tensors)."""
+    if isinstance(batch, torch.Tensor):
+        return (batch.numel() * batch.element_size(),)
+    if depth >= 3:
+        return ()
+    items: Sequence[Any] | None = None
+    if isinstance(batch, Mapping):
+        items = list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        items = batch
+    out: tuple[int, ...] = ()
+    for item in items or ():
+        out += batch_layout(item, depth + 1)
+        if len(out) >= _MAX_TENSORS:
+            return out[:_MAX_TENSORS]
+    return out
+
+
+class _Samples(torch.utils.data.Dataset[tuple[torch.Tensor, ...]]):
+    """Samples whose default collation gives a batch of the given layout."""
+
+    def __init__(self, sample_bytes: tuple[int, ...], length: int) -> None:
+        self._sample = tuple(torch.ones(max(1, n), dtype=torch.uint8) for n in sample_bytes)
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        return self._sample
+
+
+def _cpu_of(pid: int) -> float | None:
+    """CPU seconds process ``pid``'s main thread has run (nanosecond ``schedstat``)."""
+    try:
+        with open(f"/proc/{pid}/schedstat", "rb") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _local_cost(data: _Samples, batch: int, count: int) -> float:
+    """CPU seconds per batch the loop's thread spends fetching a batch itself."""
+    loader = torch.utils.data.DataLoader(data, batch_size=batch, num_workers=0)
+    it = iter(loader)
+    next(it)
+    start = time.thread_time()
+    for _ in range(count):
+        next(it)
+    return (time.thread_time() - start) / count
+
+
+def _probe(layout: tuple[int, ...], batch: int) -> Handover | None:
+    sample = tuple(-(-n // batch) for n in layout)
+    data = _Samples(sample, batch * (_MAX_BATCHES + 2))
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=batch, num_workers=1, prefetch_factor=2, timeout=30
+    )
+    it = iter(loader)
+    try:
+        next(it)  # the worker has started
+        pid = it._workers[0].pid  # type: ignore[attr-defined]
+        worker_start, start, count = _cpu_of(pid), time.perf_counter(), 0
+        receive = 0.0
+        while count < _MAX_BATCHES and (
+            count < _MIN_BATCHES or time.perf_counter() - start < _PROBE_S
+        ):
+            t = time.thread_time()
+            next(it)
+            receive += time.thread_time() - t
+            count += 1
+        worker_end = _cpu_of(pid)
+    finally:
+        it._shutdown_workers()  # type: ignore[attr-defined]
+    if worker_start is None or worker_end is None:
+        return None
+    local = _local_cost(data, batch, min(count, 16))
+    produce = max(0.0, (worker_end - worker_start) / count - local)
+    return Handover(receive / count, produce, count)
+
+
+def measure_handover(layout: tuple[int, ...], batch: int) -> Handover | None:
+    """What a one-worker DataLoader's hand-over costs per batch of this ``layout`` (the
+    tensors' byte sizes, :func:`batch_layout`) and ``batch`` samples; None where it cannot
+    be measured (no ``/proc``, a worker that will not start). Measured once per layout and
+    process (under a second), then remembered.
+
+    Example:
+        >>> h = measure_handover((8 * 4096,), 8)
+        >>> h is None or (h.receive_s >= 0 and h.produce_s >= 0)
+        True
+    """
+    if not layout or batch < 1 or not os.path.exists("/proc/self/schedstat"):
+        return None
+    key = (layout, batch)
+    if key not in _CACHE:
+        try:
+            _CACHE[key] = _probe(layout, batch)
+        except (RuntimeError, OSError):  # a worker that could not start or timed out
+            _CACHE[key] = None
+    return _CACHE[key]

@@ -1,0 +1,43 @@
+"""The hand-over probe (``monitor/_handover.py``): a batch's layout, one worker measured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainperf.monitor import _handover
+from trainperf.monitor._handover import Handover, batch_layout, measure_handover
+
+
+def test_the_layout_is_every_tensor_s_bytes_in_order() -> None:
+    batch = {"x": torch.zeros(4, 3), "y": [torch.zeros(4, dtype=torch.int64), "label"]}
+    assert batch_layout(batch) == (48, 32)
+    assert batch_layout(torch.zeros(2, dtype=torch.uint8)) == (2,)
+    assert batch_layout("not a tensor") == ()
+    assert len(batch_layout([torch.zeros(1)] * 100)) == 64  # capped
+
+
+@pytest.mark.slow
+def test_one_worker_is_measured_once_per_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_handover, "_CACHE", {})
+    first = measure_handover((8 * 4096,), 8)
+    if first is None:
+        pytest.skip("no /proc schedstat here")
+    assert isinstance(first, Handover) and first.batches >= 8
+    assert first.receive_s > 0 and first.produce_s >= 0
+    assert measure_handover((8 * 4096,), 8) is first  # remembered, not measured again
+
+
+def test_nothing_to_measure_is_none() -> None:
+    assert measure_handover((), 8) is None
+    assert measure_handover((64,), 0) is None
+
+
+def test_a_worker_that_fails_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_handover, "_CACHE", {})
+
+    def broken(layout: tuple[int, ...], batch: int) -> Handover:
+        raise RuntimeError("DataLoader worker (pid 1) exited unexpectedly")
+
+    monkeypatch.setattr(_handover, "_probe", broken)
+    assert measure_handover((64,), 8) is None
