@@ -114,6 +114,11 @@ else
   fi
   step bench_overhead 150 "$PY" benchmarks/bench_overhead.py --rounds 3 --json "$WORK/bench_overhead.json"
   step watch_overhead 120 "$PY" benchmarks/watch_overhead.py --rounds 3 --json "$WORK/watch_overhead.json"
+  if [ "$cuda" = 1 ]; then  # watch's predictions: fp32 -> bf16, PIL -> workers / nvJPEG (16 cores)
+    step whatif_gpu 240 "$PY" benchmarks/whatif_bench.py --device cuda --rounds 2 --reports --json "$WORK/whatif_gpu.json"
+  else
+    step whatif_gpu 120 "$PY" benchmarks/whatif_bench.py --device cuda --dry-run --rounds 1 --scale 0.3 --json "$WORK/whatif_gpu.json"
+  fi
   if [ "$cuda" = 1 ]; then
     step autotune_jpeg 180 "$PY" benchmarks/autotune_bench.py --datasets jpeg --batch-size 128 --workers 0,8,16,24 --prefetch 2 --pin true --budget 20 --json "$WORK/autotune_jpeg.json"
   else
