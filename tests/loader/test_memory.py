@@ -234,9 +234,10 @@ class Hog(Dataset[torch.Tensor]):
         return torch.zeros(8)
 
 
-@pytest.mark.slow  # about 5-8 s: a real search with workers holding 200 MiB each
+@pytest.mark.slow  # about 5-8 s each: a real search with workers holding 200 MiB each
+@pytest.mark.parametrize("ranks", [1, 4])
 def test_workers_are_never_started_beyond_what_one_measured_worker_says_fits(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, ranks: int
 ) -> None:
     from tests.loader.test_search import fake_limits
     from trainperf.loader import _tune as tune_mod
@@ -244,9 +245,16 @@ def test_workers_are_never_started_beyond_what_one_measured_worker_says_fits(
 
     # 1.5 GiB available, about 1 GiB after the margin: the prior for a lean script (128 MiB
     # a forked worker) would start 6 of the 8 workers the CPUs ask for; 200 MiB each fit 4.
+    # With 4 training processes on the host each starts its own workers: the host has 4
+    # times as much (and 4 times the CPUs), and each rank gets the same share.
     available = 1536 * MiB
     room = available - safety_margin(available)
-    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(memory_available=available))
+    host = fake_limits(
+        memory_available=available * ranks, cpus=2 * ranks, cpus_host=2 * ranks,
+        cpus_affinity=2 * ranks, shm_free=64 * 2**30 * ranks,
+    )  # fmt: skip
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    monkeypatch.setattr(tune_mod, "host_limits", lambda: host)
     monkeypatch.setattr(tune_mod, "main_rss", lambda: 100 * MiB)
     started: list[int] = []
     real = tune_mod.measure
@@ -277,3 +285,4 @@ def test_workers_are_never_started_beyond_what_one_measured_worker_says_fits(
             rf"{room / 2**30:.2f} GiB available",
             line,
         ), line
+    assert ("this rank's share, 1/4 of what the host has free" in text) == (ranks == 4)

@@ -41,12 +41,34 @@ from trainperf.loader._user import given_settings, judge, user_config
 __all__ = ["tune_loader"]
 
 
+def rank_share(limits: HostLimits, local_ranks: int) -> HostLimits:
+    """The memory and ``/dev/shm`` one of ``local_ranks`` training processes may give its
+    loader: each rank starts its own workers with the settings chosen (a host's ranks
+    share one tuning), so the available memory and the free ``/dev/shm`` are divided
+    between them. The CPUs are :func:`~trainperf.limits.usable_cpus`'s.
+
+    Example:
+        >>> limits = HostLimits(8, 8, None, 8, 2**35, None, 2**34, 2**33, 2**33)
+        >>> share = rank_share(limits, 4)
+        >>> share.memory_available == 2**32, share.shm_free == 2**31
+        (True, True)
+    """
+    if local_ranks <= 1:
+        return limits
+    shm = None if limits.shm_free is None else limits.shm_free // local_ranks
+    return dataclasses.replace(
+        limits, memory_available=limits.memory_available // local_ranks, shm_free=shm
+    )
+
+
 @dataclass(frozen=True)
 class _Setup:
     """What a call settles before measuring: the device, the limits, the search's bounds."""
 
     device: torch.device
     limits: HostLimits
+    share: HostLimits  # the memory and /dev/shm this rank's loader may use
+    local_ranks: int
     cpus: int
     max_workers: int
     start_method: str
@@ -75,7 +97,8 @@ def _set_up(
 ) -> _Setup:
     dev = resolve_device(device)
     limits = host_limits()
-    cpus = usable_cpus(local_world_size(), limits=limits)
+    ranks = local_world_size()
+    cpus = usable_cpus(ranks, limits=limits)
     user_pin = loader_kwargs.get("pin_memory")
     if user_pin is not None:
         pin_options: tuple[bool, ...] = (bool(user_pin),)
@@ -84,6 +107,8 @@ def _set_up(
     return _Setup(
         device=dev,
         limits=limits,
+        share=rank_share(limits, ranks),
+        local_ranks=ranks,
         cpus=cpus,
         max_workers=default_max_workers(cpus) if max_workers is None else max_workers,
         start_method=start_method(loader_kwargs),
@@ -141,8 +166,8 @@ class _Measurer:
                 worker_cpus=self.worker_cpus,
             ),
             device=setup.device if setup.device.type == "cuda" else None,
-            shm_free=setup.limits.shm_free,
-            memory_available=setup.limits.memory_available,
+            shm_free=setup.share.shm_free,
+            memory_available=setup.share.memory_available,
             on_tick=self.bar.update,
         )
         done = "-" if r.samples_per_s is None else f"{r.samples_per_s:,.0f}/s"
@@ -195,6 +220,12 @@ def _prepare(
     baseline = _measure_baseline(measurer)
     measurer = dataclasses.replace(measurer, batch_s=_main_batch_s(baseline, setup.batch_size))
     notes: list[str] = []
+    if setup.local_ranks > 1:
+        notes.append(
+            f"memory and /dev/shm: this rank's share, 1/{setup.local_ranks} of what the host "
+            f"has free ({setup.local_ranks} training processes on this host each start "
+            f"their own workers)"
+        )
     shares = split_cores(
         dataset,
         setup.batch_size,
@@ -221,8 +252,8 @@ def _prepare(
         worker_cpus=shares.worker_cpus,
         main_cores=shares.main_cores,
         max_workers=setup.max_workers,
-        memory_available=setup.limits.memory_available,
-        shm_free=setup.limits.shm_free,
+        memory_available=setup.share.memory_available,
+        shm_free=setup.share.shm_free,
         start_method=setup.start_method,
         pin_options=setup.pin_options,
         step_samples_per_s=shares.step_samples_per_s,
@@ -307,7 +338,7 @@ def _tune_here(call: _Call, key: str | None) -> TuningReport:
     if key is not None:
         hit, misfit = _cached.cached_report(
             key,
-            setup.limits,
+            setup.share,
             call.loader_kwargs,
             setup.report_fields(),
             call.started,
