@@ -2,11 +2,12 @@
 
 Each scenario induces one bottleneck in a short training loop, watches it, reads the
 prediction the report gives for the scenario's fix (``report.what_if()``), applies that fix
-and measures the loop again. The measured speed-up is samples per second with the fix over
-samples per second without it, over the measured steps (the warm-up left out; for
-``cost-doubles``, over the steps since the change the report found). Rounds alternate the
-two runs so that drift on a shared host hits both alike; the table shows each scenario's
-median round.
+and measures the loop again. The measured speed-up is samples per second with the fix
+over samples per second without it, over the measured steps (the warm-up left out; for
+``cost-doubles``, over the steps since the change the report found). Each round runs the
+loop without the fix, with each fix, and without it again, and the speed-up is over the
+two runs without it (their geometric mean), so that drift on a shared host weighs on both
+sides alike; the table shows each scenario's median round.
 
 Target (issue 18): every prediction within +-20 % of the measured speed-up.
 
@@ -60,6 +61,7 @@ import gc
 import io
 import itertools
 import json
+import math
 import os
 import re
 import statistics
@@ -376,7 +378,7 @@ def oversubscription(scale: float, budget: float) -> Scenario:
 
 
 def cpu_bound(scale: float, budget: float) -> Scenario:
-    steps = max(20, int(60 * scale))
+    steps = max(20, int(120 * scale))
     n = steps * 64 + 256
     data = TensorDataset(torch.randn(n, 256), torch.randint(0, 10, (n,)))
 
@@ -641,16 +643,24 @@ def applied(report: WatchReport) -> str:
 
 
 def run_round(sc: Scenario) -> list[dict[str, Any]]:
-    """One baseline run and one run per fix: the prediction and the measured speed-up."""
+    """A baseline run, one run per fix, and the baseline again: the prediction (from the
+    first baseline's report) and the measured speed-up against both baselines' geometric
+    mean, so that a host whose load drifts during the round weighs on both sides alike."""
     gc.collect()  # a MixedPrecision of the last round must not look "in use" (amp's registry)
     base = sc.baseline()
     start = base.regime_start if sc.regime else None
-    out = []
+    runs = []
     for prefix, fixed in sc.fixes:
-        predicted, call, basis = predicted_fix(base, prefix)
         gc.collect()
-        after = fixed(base)
-        before_rate, after_rate = rate(base, start), rate(after, start)
+        runs.append((prefix, fixed(base)))
+    gc.collect()
+    again = sc.baseline()
+    again_start = again.regime_start if sc.regime else None
+    before_rate = math.sqrt(max(0.0, rate(base, start) * rate(again, again_start)))
+    out = []
+    for prefix, after in runs:
+        predicted, call, basis = predicted_fix(base, prefix)
+        after_rate = rate(after, start)
         out.append({
             "fix": call, "predicted": predicted, "basis": basis,
             "measured": after_rate / before_rate if before_rate > 0 else 0.0,
@@ -702,7 +712,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--scenarios", default="", help="comma-separated; default: all")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies the steps run")
     parser.add_argument("--budget", type=float, default=20.0, help="autotune_loader's budget_s")
     parser.add_argument(
