@@ -41,3 +41,14 @@ def test_a_worker_that_fails_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(_handover, "_probe", broken)
     assert measure_handover((64,), 8) is None
+
+
+def test_no_probe_in_a_daemonic_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A DataLoader worker or a pool worker may not have children: not measured, no error.
+    import multiprocessing
+
+    monkeypatch.setattr(_handover, "_CACHE", {})
+    monkeypatch.setattr(multiprocessing.current_process(), "daemon", True)
+    called: list[int] = []
+    monkeypatch.setattr(_handover, "_probe", lambda layout, batch: called.append(1))
+    assert measure_handover((64,), 8) is None and not called

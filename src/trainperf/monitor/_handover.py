@@ -104,7 +104,12 @@ def _probe(layout: tuple[int, ...], batch: int) -> Handover | None:
     sample = tuple(-(-n // batch) for n in layout)
     data = _Samples(sample, batch * (_MAX_BATCHES + 2))
     loader = torch.utils.data.DataLoader(
-        data, batch_size=batch, num_workers=1, prefetch_factor=2, timeout=30
+        data,
+        batch_size=batch,
+        num_workers=1,
+        prefetch_factor=2,
+        timeout=10,  # a worker that stalls: not measured (the report says so)
+        multiprocessing_context="fork",
     )
     it = iter(loader)
     try:
@@ -140,12 +145,24 @@ def measure_handover(layout: tuple[int, ...], batch: int) -> Handover | None:
         >>> h is None or (h.receive_s >= 0 and h.produce_s >= 0)
         True
     """
-    if not layout or batch < 1 or not os.path.exists("/proc/self/schedstat"):
+    if not layout or batch < 1 or not _can_fork_a_worker():
         return None
     key = (layout, batch)
     if key not in _CACHE:
         try:
             _CACHE[key] = _probe(layout, batch)
-        except (RuntimeError, OSError):  # a worker that could not start or timed out
+        except Exception:  # a worker that could not start, died or timed out: not measured
             _CACHE[key] = None
     return _CACHE[key]
+
+
+def _can_fork_a_worker() -> bool:
+    """A worker can be started cheaply here: Linux ``/proc``, the fork start method (the
+    probe forks its worker whatever the default: a spawned one takes seconds to start, and
+    the worker touches no CUDA), and not a daemonic process (which may not have children:
+    a DataLoader worker, a ``multiprocessing`` pool worker)."""
+    import multiprocessing
+
+    if not os.path.exists("/proc/self/schedstat") or multiprocessing.current_process().daemon:
+        return False
+    return "fork" in multiprocessing.get_all_start_methods()
