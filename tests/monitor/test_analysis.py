@@ -237,6 +237,12 @@ def test_a_lasting_change_makes_the_verdict_about_the_steps_since() -> None:
     assert "the step time changed at step 60" in str(report)
     steady = analyse(timeline[60:], quiet, cpus=2, setup=LoopSetup(num_workers=2))
     assert steady.regime_start is None
+    # what_if() multiplies the rate of the loop now (8 samples per 8.0 ms step), not the
+    # whole run's (which averages in the faster first half).
+    table = report.what_if()
+    assert table.samples_per_s == pytest.approx(1000.0, rel=1e-3)
+    assert report.samples_per_s is not None and report.samples_per_s > 1200
+    assert "now 1,000.0 samples/s" in str(table)
 
 
 def test_the_measured_cpu_figures_reach_the_predictions() -> None:

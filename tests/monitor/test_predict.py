@@ -167,6 +167,33 @@ def test_gpu_decoding_moves_the_loadings_cpu_work_off_the_host() -> None:
 # --------------------------------------------------------------------------- stalls
 
 
+def test_stalls_every_few_steps_are_not_predicted_as_saves() -> None:
+    # Gradient accumulation watched per micro-batch: every 4th "step" takes 100 ms after
+    # three of 1 ms, 96 % of the run. A save's gain is not predicted (and no 1 / (1 - 1)).
+    cadence = cpu_loop(stall_period=4, stall_steps=(3, 7, 11, 15), stall_fraction=0.96)
+    (fix,) = stall_fixes(cadence)
+    assert fix.predicted_speedup == 1.0
+    assert fix.basis.startswith("not predicted: a stall every 4 steps costing 96% of the run")
+    whole = cpu_loop(stall_period=10, stall_steps=(9, 19, 29), stall_fraction=1.0)
+    assert [f.predicted_speedup for f in stall_fixes(whole)] == [1.0]
+
+
+def test_workers_behind_an_iterable_that_is_not_a_dataloader_are_not_guessed() -> None:
+    # A prefetcher around a 3-worker DataLoader: num_workers unknown, 3 cores of children.
+    hidden = cpu_loop(wait_fraction=0.5, wait_cpu_s=0.0003, process_cpu=310.0, workers_cpu=300.0)
+    fix = loader_fix(hidden, "input-bound")
+    assert fix is not None and fix.predicted_speedup == 1.0
+    assert "pass the DataLoader itself to w.iter()" in fix.basis
+
+
+def test_workers_not_yet_sampled_count_as_all_cpu() -> None:
+    # Workers the sampler has not found yet read 0 %: the cautious case, not "free".
+    zero = cpu_loop(wait_fraction=0.5, workers_cpu=0.0, setup=LoopSetup(num_workers=2))
+    unknown = cpu_loop(wait_fraction=0.5, workers_cpu=None, setup=LoopSetup(num_workers=2))
+    assert load_cost(zero) == load_cost(unknown)
+    assert load_cost(zero).cpu_s == load_cost(zero).wall_s
+
+
 def test_the_stalls_excess_goes_with_a_non_blocking_save() -> None:
     f = figures(stall_period=10, stall_steps=(9, 19, 29), stall_fraction=0.2, stall_median_s=0.2)
     async_save, less_often = stall_fixes(f)

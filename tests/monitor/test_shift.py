@@ -67,3 +67,13 @@ def test_the_bursts_of_two_workers_are_judged_on_runs_of_steps() -> None:
     shift = find_shift(before + after)
     assert shift is not None and abs(shift.step - 40) <= 2
     assert shift.ratio == pytest.approx(0.0165 / 0.011, rel=0.05)
+
+
+def test_a_side_that_drifts_is_not_a_level() -> None:
+    # Flat, then a steady climb from 1.5x to 3x: the medians differ 2x and every run after
+    # the cut is above the middle, but the second side's halves differ 1.4x: a trend (or
+    # contention wandering), not a second level.
+    ramp = [0.015 * 2 ** (i / 39) for i in range(40)]
+    assert find_shift([0.01] * 40 + ramp) is None
+    # The same jump to a level that holds is a change.
+    assert find_shift([0.01] * 40 + [0.021] * 40) is not None

@@ -42,6 +42,26 @@ def test_a_loader_that_sleeps_is_input_bound() -> None:
         assert "measured by a one-worker probe" in report.verdict.fixes[0].basis
 
 
+def test_a_report_inside_the_loop_does_not_run_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The probe takes about a second: inside the loop it would land in the loop's step.
+    from trainperf.monitor import _handover
+
+    monkeypatch.setattr(_handover, "_CACHE", {})
+    probed: list[int] = []
+    real = _handover._probe
+    monkeypatch.setattr(_handover, "_probe", lambda *a: probed.append(1) or real(*a))
+    with watch(device="cpu") as w:
+        for i, _ in enumerate(w.iter(sleepy_loader(12, 0.01))):
+            burn(0.002)
+            w.step()
+            if i == 8:
+                inside = w.report()
+    assert inside.setup.handover_receive_s is None and not probed
+    after = w.report()
+    assert len(probed) == (1 if _handover._can_fork_a_worker() else 0)
+    assert (after.setup.handover_receive_s is not None) == bool(probed)
+
+
 def test_a_step_that_burns_cpu_is_compute_bound() -> None:
     batches = [torch.zeros(8, 4)] * 30  # ready at once: no wait
     with watch(device="cpu") as w:

@@ -13,6 +13,7 @@ shows its own cost.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -27,7 +28,9 @@ _MAX_TENSORS = 64  # a batch layout keeps at most this many tensors
 _MAX_BATCHES = 32
 _MIN_BATCHES = 8
 _PROBE_S = 0.6  # the probe stops after this long once it has _MIN_BATCHES
-_CACHE: dict[tuple[tuple[int, ...], int], Handover | None] = {}
+_MAX_PROBE_S = 1.0  # ... and after this long with any two
+_SHM_SHARE = 0.25  # the probe's batches in flight take at most this share of /dev/shm
+_CACHE: dict[tuple[int, int, int], Handover | None] = {}
 
 
 @dataclass(frozen=True)
@@ -81,23 +84,37 @@ class _Samples(torch.utils.data.Dataset[tuple[torch.Tensor, ...]]):
 
 
 def _cpu_of(pid: int) -> float | None:
-    """CPU seconds process ``pid``'s main thread has run (nanosecond ``schedstat``)."""
+    """CPU seconds all threads of process ``pid`` have run (nanosecond ``schedstat`` of
+    each task: a worker pickles in its queue's feeder thread, not its main one)."""
+    total = 0.0
     try:
-        with open(f"/proc/{pid}/schedstat", "rb") as f:
-            return int(f.read().split()[0]) / 1e9
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/schedstat", "rb") as f:
+                    total += int(f.read().split()[0]) / 1e9
+            except FileNotFoundError:  # a thread that ended since the listing
+                continue
     except (OSError, ValueError, IndexError):
         return None
+    return total
 
 
-def _local_cost(data: _Samples, batch: int, count: int) -> float:
-    """CPU seconds per batch the loop's thread spends fetching a batch itself."""
+def _local_cost(data: _Samples, batch: int, count: int, until: float) -> float:
+    """CPU seconds per batch the loop's thread spends fetching a batch itself, with one
+    torch thread as a worker has (more threads spin on a busy host and count as work)."""
     loader = torch.utils.data.DataLoader(data, batch_size=batch, num_workers=0)
-    it = iter(loader)
-    next(it)
-    start = time.thread_time()
-    for _ in range(count):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        it = iter(loader)
         next(it)
-    return (time.thread_time() - start) / count
+        start, done = time.thread_time(), 0
+        while done < count and (done < 2 or time.perf_counter() < until):
+            next(it)
+            done += 1
+        return (time.thread_time() - start) / done
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _probe(layout: tuple[int, ...], batch: int) -> Handover | None:
@@ -124,36 +141,59 @@ def _probe(layout: tuple[int, ...], batch: int) -> Handover | None:
             next(it)
             receive += time.thread_time() - t
             count += 1
+            if count >= 2 and time.perf_counter() - start > _MAX_PROBE_S:
+                break  # large batches: fewer of them
         worker_end = _cpu_of(pid)
     finally:
         it._shutdown_workers()  # type: ignore[attr-defined]
     if worker_start is None or worker_end is None:
         return None
-    local = _local_cost(data, batch, min(count, 16))
+    local = _local_cost(data, batch, min(count, 16), time.perf_counter() + _PROBE_S / 2)
     produce = max(0.0, (worker_end - worker_start) / count - local)
     return Handover(receive / count, produce, count)
 
 
-def measure_handover(layout: tuple[int, ...], batch: int) -> Handover | None:
+def measure_handover(layout: tuple[int, ...], batch: int, *, probe: bool = True) -> Handover | None:
     """What a one-worker DataLoader's hand-over costs per batch of this ``layout`` (the
     tensors' byte sizes, :func:`batch_layout`) and ``batch`` samples; None where it cannot
-    be measured (no ``/proc``, a worker that will not start). Measured once per layout and
-    process (under a second), then remembered.
+    be measured (no ``/proc``, a worker that will not start, no room in ``/dev/shm``).
+    Measured once per process for layouts alike (:func:`_key`), in about a second (up to
+    1.5 s for large batches), then remembered; ``probe=False`` only looks it up.
 
     Example:
         >>> h = measure_handover((8 * 4096,), 8)
         >>> h is None or (h.receive_s >= 0 and h.produce_s >= 0)
         True
     """
-    if not layout or batch < 1 or not _can_fork_a_worker():
+    if not layout or batch < 1 or not _can_fork_a_worker() or not _shm_holds(sum(layout)):
         return None
-    key = (layout, batch)
+    key = _key(layout, batch)
+    if key not in _CACHE and not probe:
+        return None  # only what was measured before
     if key not in _CACHE:
         try:
             _CACHE[key] = _probe(layout, batch)
         except Exception:  # a worker that could not start, died or timed out: not measured
             _CACHE[key] = None
     return _CACHE[key]
+
+
+def _key(layout: tuple[int, ...], batch: int) -> tuple[int, int, int]:
+    """Layouts alike enough to share a measurement: the tensor count, the batch size and
+    the total bytes to within a factor of sqrt(2) (padding to each batch's longest
+    sequence changes the bytes, not the cost's size)."""
+    return len(layout), batch, round(2 * math.log2(max(1, sum(layout))))
+
+
+def _shm_holds(batch_bytes: int) -> bool:
+    """``/dev/shm`` has room for the probe's batches in flight (three) within a quarter of
+    what is free there (under DDP every rank of the host may probe at once, next to
+    NCCL's segments); True where there is no ``/dev/shm`` to fill."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return True
+    return 3 * batch_bytes <= _SHM_SHARE * st.f_bavail * st.f_frsize
 
 
 def _can_fork_a_worker() -> bool:

@@ -80,7 +80,10 @@ __all__ = [
 ]
 
 LESS_OFTEN = 10  # "save less often" is predicted for saving this many times less often
+MIN_SAVE_PERIOD = 5  # stalls more often than this are not predicted as saves
+MAX_SAVE_SHARE = 0.5  # nor stalls that take more than this share of the run
 CPU_HEAVY = 0.5  # share of the loading on a CPU above which GPU decoding is predicted
+HIDDEN_WORKERS = 0.1  # child processes' cores that show workers behind a non-DataLoader
 
 LOADER_CALL = "trainperf.autotune_loader(dataset, batch_size, step_fn=train_step)"
 GPU_DECODE_CALL = 'trainperf.pipelines.image_loader(folder, batch_size, backend="nvjpeg")'
@@ -148,7 +151,9 @@ def load_cost(f: Figures) -> LoadCost:
             how += f", and a worker {_ms(extra)} more to hand them over (measured)"
         return LoadCost(wall + extra, cpu + extra, how)
     wall = n * step
-    cpu = wall if f.workers_cpu is None else min(worker_cores(f) * step, wall)
+    # No worker CPU sampled (none, or only zeros: the sampler had not found the workers
+    # yet, as at each epoch's start without persistent workers): the cautious case.
+    cpu = wall if not f.workers_cpu else min(worker_cores(f) * step, wall)
     how = (
         f"{n} workers deliver a step's batches every {_ms(step)}, so one takes {_ms(wall)} "
         f"({_ms(cpu)} of CPU per step)"
@@ -209,6 +214,13 @@ def loader_fix(f: Figures, finding: VerdictKind) -> Fix | None:
     """
     if not waits_for_data(f):
         return None
+    if f.setup.num_workers is None and worker_cores(f) >= HIDDEN_WORKERS:
+        basis = (
+            f"not predicted: child processes of this loop use {worker_cores(f):.1f} cores, "
+            "so workers load behind an iterable that is not a DataLoader, whose settings "
+            "the watch cannot see: pass the DataLoader itself to w.iter() for a prediction"
+        )
+        return Fix(finding, LOADER_CALL, 1.0, basis)
     cost = load_cost(f)
     k, w_cpus = tuner_workers(f, cost)
     step, work = mean_step_s(f), compute_s(f)
@@ -271,6 +283,13 @@ def stall_fixes(f: Figures) -> tuple[Fix, ...]:
     if f.stall_period is None or f.stall_fraction <= 0 or not f.stall_steps:
         return ()
     lost = f.stall_fraction
+    if f.stall_period < MIN_SAVE_PERIOD or lost > MAX_SAVE_SHARE:
+        basis = (
+            f"not predicted: a stall every {f.stall_period} steps costing {lost:.0%} of the "
+            "run is more likely the loop's own cadence (w.step() called per micro-batch of "
+            "a gradient accumulation, or an optimizer step every few batches) than a save"
+        )
+        return (Fix("periodic-stalls", ASYNC_SAVE_CALL, 1.0, basis),)
     each = lost * f.wall_s / len(f.stall_steps)
     figures = (
         f"{len(f.stall_steps)} stalls every {f.stall_period} steps, each {_ms(each)} over the "

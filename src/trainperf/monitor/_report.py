@@ -201,9 +201,11 @@ class WhatIf:
     Attributes:
         fixes: every fix of the verdict and the "also" findings, best first; a call named
             by two findings is listed once, with the larger prediction.
-        samples_per_s: the loop's measured samples per second (None when batch sizes are
-            unknown), what each speed-up multiplies.
-        steps_per_s: the loop's measured steps per second.
+        samples_per_s: the measured samples per second (None when batch sizes are
+            unknown) of the steps the predictions judge, what each speed-up multiplies:
+            the whole run's, or the steps' since the step time changed (the report's
+            ``regime_start``).
+        steps_per_s: their steps per second.
     """
 
     fixes: tuple[Fix, ...]
@@ -333,9 +335,21 @@ class WatchReport:
             >>> best.call, round(best.predicted_speedup, 1)
             ('trainperf.autotune_loader(dataset, batch_size, step_fn=train_step)', 4.0)
         """
-        return WhatIf(
-            rank_fixes((self.verdict, *self.findings)), self.samples_per_s, self.steps_per_s
-        )
+        samples_per_s, steps_per_s = self._judged_rates()
+        return WhatIf(rank_fixes((self.verdict, *self.findings)), samples_per_s, steps_per_s)
+
+    def _judged_rates(self) -> tuple[float | None, float]:
+        """``(samples/s, steps/s)`` of the steps the verdict judges: the run's, or since
+        the change in step time (``regime_start``), what the predictions multiply."""
+        if self.regime_start is None:
+            return self.samples_per_s, self.steps_per_s
+        since = [s for s in self.timeline if s.index >= self.regime_start]
+        wall = sum(s.duration for s in since)
+        if not since or wall <= 0:
+            return self.samples_per_s, self.steps_per_s
+        counts = [s.samples for s in since]
+        samples = None if None in counts else sum(n or 0 for n in counts) / wall
+        return samples, len(since) / wall
 
     def to_dict(self, *, timeline: bool = False) -> dict[str, Any]:
         """A JSON-ready dict; the per-step timeline and samples only when asked for.

@@ -14,8 +14,10 @@ its median, and a change is a cut between runs where the runs' median after it i
 ``SHIFT_RATIO`` times the median before it (or at most 1 / ``SHIFT_RATIO``), each side
 holds at least ``MIN_PHASE_SHARE`` of the runs and ``MIN_PHASE_STEPS`` steps, and at least
 ``CONSISTENT`` of the runs on each side lie on their own side of the two medians'
-geometric mean. The cut is then placed at the step, within a run of it, that splits the
-steps themselves best.
+geometric mean, and neither side drifts (the medians of its first and second halves differ
+by less than the fourth root of the change: contention that wanders up and down, or a
+loop that slows steadily, is not two levels). The cut is then placed at the step, within
+a run of it, that splits the steps themselves best.
 """
 
 from __future__ import annotations
@@ -75,7 +77,22 @@ def _score(values: Sequence[float], cut: int) -> tuple[float, float, float] | No
     right = sum((v > mid) == rise for v in values[cut:]) / (len(values) - cut)
     if min(left, right) < CONSISTENT:
         return None
+    jump = max(after / before, before / after)
+    if max(_drift(values[:cut]), _drift(values[cut:])) > jump**0.25:
+        return None  # a side that drifts as it goes: a wander, not two levels
     return (left * cut + right * (len(values) - cut)) / len(values), before, after
+
+
+def _drift(values: Sequence[float]) -> float:
+    """How far a side's level moves within it: the ratio of the medians of its first and
+    second halves (1.0 for a side too short to halve)."""
+    if len(values) < 4:
+        return 1.0
+    half = len(values) // 2
+    a, b = statistics.median(values[:half]), statistics.median(values[half:])
+    if a <= 0 or b <= 0:
+        return 1.0
+    return max(a / b, b / a)
 
 
 def find_shift(durations: Sequence[float], first: int = 0) -> Shift | None:

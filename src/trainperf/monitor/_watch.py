@@ -51,7 +51,7 @@ from trainperf.monitor._handover import batch_layout, measure_handover
 from trainperf.monitor._probe import CpuClock, batch_size, loader_facts, loop_setup
 from trainperf.monitor._probe import precision_in_use as _precision_in_use
 from trainperf.monitor._probe import rank_cpus as _rank_cpus
-from trainperf.monitor._report import StepRecord, WatchReport
+from trainperf.monitor._report import Sample, StepRecord, WatchReport
 from trainperf.monitor._sampler import MAX_RECORDS, _Sampler
 
 __all__ = ["Watch", "watch"]
@@ -451,25 +451,36 @@ class Watch:
             dropped_samples=dropped_samples,
             wait_measured=self._iterated,
             precision=_precision_in_use(),
-            setup=loop_setup(self._loader, cuda_index, **self._measured(timeline)),
+            setup=loop_setup(self._loader, cuda_index, **self._measured(timeline, samples)),
         )
 
-    def _measured(self, timeline: list[StepRecord]) -> dict[str, Any]:
+    def _measured(self, timeline: list[StepRecord], samples: list[Sample]) -> dict[str, Any]:
         """What the watch measures for the predictions beyond the timeline: batches per
         step, and (once) what a worker hand-over would cost a loop that loads in its own
-        thread while it waits for data (the probe runs a worker for under a second)."""
+        thread while it waits for data. The probe runs a worker for about a second, so
+        only once the watch has stopped: a report made inside the loop would put that
+        second into the loop's step (it uses a measurement made before, if any)."""
         steps = self._first + len(self._ends)
         out: dict[str, Any] = {"batches_per_step": self._items / steps if steps else None}
         kept = timeline[max(0, self._warmup - self._first) :]
         total = sum(s.duration for s in kept)
         waits = total > 0 and sum(s.wait for s in kept) >= SAWTOOTH_WAIT * total
-        in_thread = not self._loader.get("num_workers")
-        if waits and in_thread and self._layout and self._layout_batch:
-            handover = measure_handover(self._layout, self._layout_batch)
+        if waits and self._loads_in_thread(samples) and self._layout and self._layout_batch:
+            probe = self._state != "running"
+            handover = measure_handover(self._layout, self._layout_batch, probe=probe)
             if handover is not None:
                 out["handover_receive_s"] = handover.receive_s
                 out["handover_produce_s"] = handover.produce_s
         return out
+
+    def _loads_in_thread(self, samples: list[Sample]) -> bool:
+        """The loop loads in its own thread: a DataLoader with ``num_workers=0``, or an
+        iterable of another kind while this process's children used under a tenth of a
+        core (more would be workers behind it: a prefetcher around a DataLoader, say)."""
+        if "num_workers" in self._loader:
+            return not self._loader["num_workers"]
+        workers = [x.workers_cpu for x in samples if x.workers_cpu is not None]
+        return not workers or sum(workers) / len(workers) < 10.0
 
     def _timeline(self) -> tuple[int, list[StepRecord]]:
         """The number of the first step kept, and the kept steps as :class:`StepRecord` s."""
