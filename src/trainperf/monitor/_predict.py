@@ -18,13 +18,18 @@ rest ``c = T - w``:
   batches every ``max(L / k, Lc / W')`` seconds (``W'``: ``W`` less the cores other
   processes keep busy, at least 1; never slower than the loader's current workers), and
   the loop then runs at ``max(c + h, that)``, ``h`` the loop's own cost of receiving a
-  step's batches (measured when it has workers already, else not counted), never slower
-  than now (the tuner measures the current setting, and ``num_workers=0``, too).
+  step's batches (measured when it has workers already; from the hand-over probe,
+  ``_handover``, when it loads in its own thread, which also adds a worker's cost of
+  handing the batches over to ``L`` and ``Lc``), never slower than now (the tuner measures
+  the current setting, and ``num_workers=0``, too). Workers behind an iterable that is not
+  a DataLoader are not predicted.
 - **GPU decoding** (:func:`gpu_decode_fix`, ``image_loader``): the loading's CPU work
   moves to the GPU, leaving ``max(c, (L - Lc) / k)``; the GPU's own decode time is not
   measured, so this is an upper bound.
 - **Without the stalls** (:func:`stall_fixes`): the run minus the stalls' excess over the
   median step, ``1 / (1 - stall_fraction)``; saving ten times less often keeps a tenth.
+  Stalls every fewer than 5 steps, or costing over half the run, are not predicted (more
+  likely the loop's own cadence, such as gradient accumulation, than a save).
 - **Lower precision** (:func:`precision_fix`, ``MixedPrecision``): on a GPU the reference
   table's fp16/fp32 throughput ratio ``r`` for this GPU (or its tensor-core GPUs' median)
   on the share ``g`` of the step the GPU is busy: ``1 / ((1 - g) + g / r)``.
