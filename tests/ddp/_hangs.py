@@ -9,6 +9,8 @@ tests find that line with :func:`cause_line`. Run as a script under torchrun wit
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import threading
 import time
@@ -47,6 +49,13 @@ def busy_loop() -> None:
     if ddp.rank() == BAD:
         time.sleep(1e9)  # CAUSE busy_loop
     dist.all_reduce(torch.ones(4))  # WAIT busy_loop
+
+
+def busy_loop_failing_on_sigterm() -> None:
+    """Case 1, where the stuck rank's SIGTERM handler exits with code 3 (a failed save)."""
+    if ddp.rank() == BAD:
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(3))
+    busy_loop()
 
 
 def skips_collective() -> None:
@@ -154,6 +163,21 @@ def slow_save(seconds: float) -> str:
     return "done"
 
 
+def busy_save(seconds: float) -> str:
+    """Healthy: rank 0 spends ``seconds`` (past hang_timeout) in a checkpoint save that
+    trainperf marks with ``busy()``, while the others wait in a barrier."""
+    from trainperf.ddp._progress import busy
+
+    _steps(2)
+    if ddp.rank() == 0:
+        with busy("saving checkpoint /tmp/fake/step-2.pt"):
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                torch.save({"w": torch.randn(256, 256)}, "/dev/null")
+    dist.barrier()
+    return "done"
+
+
 def every_rank_busy(seconds: float) -> str:
     """Healthy: every rank works alone in its own code (preprocessing its shard, an
     evaluation without a DataLoader) for ``seconds``, then they meet in a collective."""
@@ -200,9 +224,17 @@ CASES = {
 }
 
 
+CASES["different_shape"] = different_shape
+# Healthy jobs under torchrun, given the timeout.
+HEALTHY: dict[str, Callable[[float], object]] = {"busy_save": lambda t: busy_save(3 * t)}
+
+
 if __name__ == "__main__":
     case, timeout, report = sys.argv[1], float(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo")
     with ddp.watchdog(timeout, report_path=report):
-        CASES[case]()
+        if case in HEALTHY:
+            HEALTHY[case](timeout)
+        else:
+            CASES[case]()
     dist.destroy_process_group()

@@ -195,3 +195,28 @@ def finish_after_sigterm(outdir: str, work_s: float) -> int:
         time.sleep(0.05)
     Path(outdir, f"saved{ddp.rank()}").write_text(str(seen))
     return ddp.rank()
+
+
+def exit_on_sigterm(outdir: str, bad_rank: int, code: int) -> int:
+    """Wait for SIGTERM: ``bad_rank`` then exits with ``code`` (a save that failed), the
+    others finish cleanly."""
+    import threading
+
+    stop = threading.Event()
+    if ddp.rank() == bad_rank:
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(code))
+    else:
+        signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    Path(outdir, f"ready{ddp.rank()}").write_text("")
+    while not stop.wait(0.05):
+        pass
+    return ddp.rank()
+
+
+def raise_while_peer_exits_on_sigterm(bad_rank: int, code: int) -> None:
+    """``bad_rank`` raises; the others' SIGTERM handler exits with ``code`` (a failed save)."""
+    if ddp.rank() == bad_rank:
+        time.sleep(0.5)
+        raise ValueError("deliberate failure")
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(code))
+    time.sleep(120)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from trainperf.ddp._hang import HangReport, RankView, diagnose
 from trainperf.ddp._progress import Collective
 from trainperf.ddp._stacks import Activity, Frame
@@ -123,3 +125,56 @@ def test_the_report_reads_and_serialises() -> None:
     assert data["root_ranks"] == [1] and data["kind"] == "outside"
     assert data["ranks"][0]["collective"]["site"] == f"{F}:24"
     assert data["ranks"][1]["where"] == {"file": F, "line": 21, "function": "main"}
+
+
+def test_ranks_that_crashed_while_being_stopped_are_named_first() -> None:
+    from trainperf.ddp._hang import Ending
+
+    views = (_waits(0, _c(3)), _busy(1), _waits(2, _c(3)))
+    endings = (
+        Ending(0, -15, "stopped by SIGTERM", True),
+        Ending(1, -11, "died from signal SIGSEGV (a crash in native code)", False),
+        Ending(2, -15, "stopped by SIGTERM", True),
+    )
+    report = HangReport(3.0, 3.4, 3, diagnose(list(views)), views, endings=endings)
+    text = str(report)
+    assert "While the ranks were stopped:\n  rank 1 died from signal SIGSEGV" in text
+    assert text.endswith("Ranks 0, 2: stopped by SIGTERM.")
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["endings"][1] == {
+        "rank": 1,
+        "exitcode": -11,
+        "how": "died from signal SIGSEGV (a crash in native code)",
+        "expected": False,
+    }
+
+
+def test_a_rank_stuck_in_known_slow_work_is_named_with_it() -> None:
+    where = Frame(F, 40, "save")
+    stuck = RankView(
+        1, "running", "running", where=where, stuck_in="saving checkpoint /c.pt", stuck_s=31.0
+    )
+    v = diagnose([_waits(0, _c(3, "barrier", 50, "")), stuck])
+    assert (v.kind, v.root) == ("outside", (1,))
+    assert v.headline.startswith(f"rank 1 is stuck in saving checkpoint /c.pt for 31 s at {F}:40")
+    assert "10 x the timeout" in v.advice
+
+
+def test_the_rules_stay_linear_in_the_number_of_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under watchdog() one rank diagnoses every rank's view: comparing views pairwise (a
+    # list-membership test per rank) took seconds at a few thousand ranks.
+    n = 300
+    views = [_waits(r, _c(9)) for r in range(n)]
+    views[7] = _waits(7, _c(9, "all_gather", 64))
+    compared = [0]
+    plain_eq = RankView.__eq__
+
+    def counting_eq(self: RankView, other: object) -> bool:
+        compared[0] += 1
+        return bool(plain_eq(self, other))
+
+    monkeypatch.setattr(RankView, "__eq__", counting_eq)
+    v = diagnose(views)
+    str(HangReport(3.0, 3.1, n, v, tuple(views)))
+    assert v.root == (7,)
+    assert compared[0] <= 2 * n, compared[0]

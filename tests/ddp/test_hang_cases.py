@@ -89,6 +89,27 @@ def test_a_checkpoint_save_of_half_the_timeout_is_not_a_hang() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+def test_one_rank_alone_in_a_busy_save_past_the_timeout_is_not_a_hang() -> None:
+    # Rank 0 saves for 3 x hang_timeout inside busy() while rank 1 waits in a barrier.
+    assert launch_fork(_hangs.busy_save, 6.0, timeout=LONG, hang_timeout=2.0) == "done"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_rank_that_fails_while_being_stopped_is_named_in_the_hang_error() -> None:
+    with pytest.raises(HangError) as info:
+        launch_fork(_hangs.busy_loop_failing_on_sigterm, timeout=LONG, hang_timeout=HANG_S)
+    text = str(info.value)
+    assert f"rank {_hangs.BAD} is the cause." in text.splitlines()[0], text
+    assert "While the ranks were stopped:\n  rank 1 exited with code 3" in text, text
+    assert "Rank 0: stopped by SIGTERM." in text, text
+    endings = {e.rank: (e.exitcode, e.expected) for e in info.value.report.endings}
+    assert endings == {0: (-15, True), 1: (3, False)}
+    assert info.value.report.to_dict()["endings"][1]["exitcode"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 def test_every_rank_busy_in_its_own_code_past_the_timeout_is_not_a_hang() -> None:
     # Nobody waits for anybody: slow work, not a hang (it used to be killed as one).
     assert launch_fork(_hangs.every_rank_busy, 9.0, timeout=LONG, hang_timeout=3.0) == "done"
@@ -126,48 +147,101 @@ def test_watchdog_needs_a_process_group_and_is_off_with_none() -> None:
 
 # ---------------------------------------------------------------- torchrun with watchdog()
 
+# case, ranks, verdict kind, what the cause does
 TORCHRUN_CASES = [
-    ("busy_loop", "outside", "is busy outside any collective"),
-    ("skips_collective", "mismatch", "waits in all_reduce"),
-    ("busy_after_return", "returned", "is busy outside any collective"),
-    ("own_lock", "outside", "is blocked on a lock"),
-    ("stuck_dataloader", "outside", "waits for a batch from its DataLoader"),
+    ("busy_loop", 2, "outside", "is busy outside any collective"),
+    ("skips_collective", 2, "mismatch", "waits in all_reduce"),
+    # Three ranks: with two, nothing tells which of all_gather / all_reduce is the odd one.
+    ("different_collective", 3, "mismatch", "waits in all_gather"),
+    ("ddp_unused_layer", 2, "ddp", "waits in barrier"),
+    ("busy_after_return", 2, "returned", "is busy outside any collective"),
+    ("own_lock", 2, "outside", "is blocked on a lock"),
+    ("stuck_dataloader", 2, "outside", "waits for a batch from its DataLoader"),
+    # Four ranks: one collects the reports, every rank prints nothing but the same verdict.
+    ("busy_loop", 4, "outside", "is busy outside any collective"),
 ]
+
+
+def _torchrun(
+    case: str, nprocs: int, report_path: Path, marker: str
+) -> subprocess.CompletedProcess[str]:
+    env = _clean_env()
+    env["OMP_NUM_THREADS"] = "1"
+    env["TRAINPERF_TEST_MARKER"] = marker
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(nprocs), "--monitor-interval", "0.5",
+        HANGS, case, str(HANG_S), str(report_path),
+    ]  # fmt: skip
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _all_gone(marker: str) -> None:
+    deadline = time.monotonic() + 10
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_with(marker) == []
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(
-    ("case", "kind", "cause"), TORCHRUN_CASES, ids=[c[0] for c in TORCHRUN_CASES]
+    ("case", "nprocs", "kind", "cause"),
+    TORCHRUN_CASES,
+    ids=[f"{c[0]}-{c[1]}" for c in TORCHRUN_CASES],
 )
 def test_the_torchrun_variant_gives_the_same_verdict(
-    tmp_path: Path, case: str, kind: str, cause: str
+    tmp_path: Path, case: str, nprocs: int, kind: str, cause: str
 ) -> None:
     report_path = tmp_path / "hang.json"
-    env = _clean_env()
-    env["OMP_NUM_THREADS"] = "1"
     marker = f"torchrun-hang-{os.getpid()}-{time.time_ns()}"
-    env["TRAINPERF_TEST_MARKER"] = marker
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "--monitor-interval", "0.5", HANGS, case, str(HANG_S), str(report_path),
-    ]  # fmt: skip
     t0 = time.monotonic()
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    run = _torchrun(case, nprocs, report_path, marker)
     out = run.stdout + run.stderr
     assert run.returncode != 0, out
+    assert out.count("trainperf.ddp.watchdog: ") == 1, out  # one rank prints it
     assert "exitcode  : 124" in out, out  # the watchdog's exit, seen by torchrun
     verdict = out[out.index("trainperf.ddp.watchdog: ") :]
     assert f"rank {_hangs.BAD} is the cause." in verdict.splitlines()[0], verdict
     assert f"rank {_hangs.BAD} {cause}" in verdict and f"{HANGS}:{CAUSE[case]}" in verdict, verdict
     report = json.loads(report_path.read_text())
     assert report["kind"] == kind and report["root_ranks"] == [_hangs.BAD], report
-    assert report["message"] in verdict
+    assert report["message"] in verdict and report["world_size"] == nprocs
+    assert f"on any of {nprocs} ranks" in verdict
     assert time.monotonic() - t0 < 90
-    deadline = time.monotonic() + 10
-    while _processes_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _processes_with(marker) == []
+    _all_gone(marker)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_under_torchrun_a_shape_mismatch_that_gloo_aborts_on_names_the_crash(
+    tmp_path: Path,
+) -> None:
+    # gloo aborts (SIGABRT) on a size mismatch: a crash, not a hang, so there is no verdict
+    # to give (and none is made up); torchrun names the crashed rank, and the watchdog's
+    # faulthandler prints that rank's Python stack with the call site.
+    marker = f"torchrun-shape-{os.getpid()}-{time.time_ns()}"
+    run = _torchrun("different_shape", 2, tmp_path / "hang.json", marker)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out
+    assert "trainperf.ddp.watchdog" not in out and not (tmp_path / "hang.json").exists(), out
+    assert "Received data size doesn't match expected size" in out, out
+    assert "(SIGABRT)" in out, out  # torchrun's summary of the crashed rank
+    fatal = out[out.index("Fatal Python error: Aborted") :]
+    site = f'File "{HANGS}", line {CAUSE["different_shape"]} in different_shape'
+    assert site in fatal, fatal
+    _all_gone(marker)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_under_torchrun_a_busy_save_past_the_timeout_is_not_a_hang(tmp_path: Path) -> None:
+    marker = f"torchrun-save-{os.getpid()}-{time.time_ns()}"
+    run = _torchrun("busy_save", 2, tmp_path / "hang.json", marker)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    assert "trainperf.ddp.watchdog" not in out and not (tmp_path / "hang.json").exists()
+    _all_gone(marker)
 
 
 _FAKE_COMPILER = """\

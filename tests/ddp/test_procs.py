@@ -198,3 +198,54 @@ def test_ranks_still_running_when_grace_s_ends_are_killed(
 def test_grace_s_must_be_a_finite_positive_number(grace_s: object) -> None:
     with pytest.raises(ValueError, match=r"grace_s must be a positive number of seconds"):
         launch_fork(workers.add, 1, 2, grace_s=grace_s)
+
+
+def test_how_a_rank_being_stopped_ended_and_whether_the_stop_explains_it() -> None:
+    from trainperf.ddp._procs import stop_ending
+
+    assert stop_ending(-signal.SIGTERM, killed=False) == ("stopped by SIGTERM", True)
+    text, expected = stop_ending(-signal.SIGKILL, killed=True)
+    assert expected and text == "killed with SIGKILL (still running 3 s after SIGTERM)"
+    assert stop_ending(0, killed=False) == ("exited with code 0 on SIGTERM", True)
+    # What the stop does not explain is named as it is.
+    assert stop_ending(3, killed=False) == (
+        "exited with code 3 (os._exit(), or a crash in native code)",
+        False,
+    )
+    text, expected = stop_ending(-signal.SIGSEGV, killed=False)
+    assert not expected and text.startswith("died from signal SIGSEGV (a crash in native code")
+    text, expected = stop_ending(-signal.SIGKILL, killed=False)  # not ours: the OOM killer?
+    assert not expected and "out-of-memory killer" in text
+    assert stop_ending(1, killed=False, reported="raised OSError: disk full") == (
+        "raised OSError: disk full (exit code 1)",
+        False,
+    )
+    assert stop_ending(None, killed=True)[1] is False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_rank_that_fails_during_the_sigterm_grace_period_is_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import threading
+
+    ready = [tmp_path / "ready0", tmp_path / "ready1"]
+    sender = threading.Thread(target=_sigterm_when_ready, args=(ready, 60), daemon=True)
+    sender.start()
+    with caplog.at_level("WARNING", logger="trainperf.ddp"), pytest.raises(SystemExit) as info:
+        launch_fork(workers.exit_on_sigterm, str(tmp_path), 1, 3, timeout=LONG)
+    sender.join()
+    assert info.value.code == 143
+    assert "after SIGTERM, rank 1 exited with code 3" in caplog.text, caplog.text
+    assert "rank 0" not in caplog.text  # it finished cleanly within the grace period
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_rank_that_fails_while_the_launcher_stops_it_is_named() -> None:
+    with pytest.raises(LaunchError, match=r"^rank 1 of 2 raised ValueError") as info:
+        launch_fork(workers.raise_while_peer_exits_on_sigterm, 1, 5, timeout=LONG)
+    text = str(info.value)
+    assert "Stopped by the launcher: rank 0\n  rank 0 exited with code 5" in text, text
+    assert "while being stopped" in text

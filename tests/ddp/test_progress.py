@@ -108,3 +108,65 @@ def test_a_dataloader_batch_is_progress_and_uninstall_restores_the_iterator() ->
     assert dataloader._BaseDataLoaderIter.__next__ is original
     list(DataLoader(range(4), batch_size=2))
     assert read_slot(buf).progress == 3
+
+
+def test_busy_marks_the_slot_outermost_first_and_counts_as_progress(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+    import time
+
+    buf = bytearray(SLOT_SIZE)
+    tracker = Tracker(buf)
+    monkeypatch.setattr(_progress, "_installed", [tracker])
+    with _progress.busy("saving checkpoint /ckpt/step-3.pt"):
+        with _progress.busy("fsync"):
+            inside = read_slot(buf)
+        assert read_slot(buf).busy_since > 0  # still in the outer block
+    after = read_slot(buf)
+    assert inside.busy == "saving checkpoint /ckpt/step-3.pt"
+    assert 0 < time.time() - inside.busy_since < 60
+    assert after.busy_since == 0 and after.busy == "" and after.progress == 2  # in, out
+    # Another thread's work does not hold the job up: not marked.
+    seen: list[float] = []
+
+    def elsewhere() -> None:
+        with _progress.busy("background save"):
+            seen.append(read_slot(buf).busy_since)
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert seen == [0.0]
+    # A long text is cut to fit its slot.
+    with _progress.busy("x" * 1000):
+        assert read_slot(buf).busy == "x" * 254
+
+
+def test_busy_without_detection_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_progress, "_installed", [])
+    with _progress.busy("saving"):
+        pass
+
+
+def test_busy_counts_up_to_the_cap() -> None:
+    from trainperf.ddp._progress import BUSY_CAP, SlotState, busy_counts
+
+    inside = SlotState(1, 0, 0, 0.0, 0, State.RUNNING, True, (), 1000.0, "saving")
+    assert busy_counts(inside, 1000.0 + BUSY_CAP * 2.0 - 0.1, 2.0)
+    assert not busy_counts(inside, 1000.0 + BUSY_CAP * 2.0 + 0.1, 2.0)
+    outside = SlotState(1, 0, 0, 0.0, 0, State.RUNNING, True, ())
+    assert not busy_counts(outside, 1000.0, 2.0)
+
+
+def test_busy_in_a_forked_child_leaves_the_rank_s_slot_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    buf = bytearray(SLOT_SIZE)
+    tracker = Tracker(buf)
+    monkeypatch.setattr(_progress, "_installed", [tracker])
+    monkeypatch.setattr(tracker, "pid", os.getpid() + 1)  # as a forked writer sees it
+    with _progress.busy("saving checkpoint in a forked writer"):
+        assert read_slot(buf).busy_since == 0

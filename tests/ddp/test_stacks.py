@@ -116,3 +116,28 @@ def test_a_stack_of_a_thread_blocked_on_a_lock_reads_as_lock() -> None:
         lock.release()
         t.join()
         path.unlink(missing_ok=True)
+
+
+def test_torch_compile_on_any_thread_counts_but_the_compile_pool_s_parked_threads_do_not() -> None:
+    from trainperf.ddp._stacks import ThreadStack, compiling_threads
+
+    main = ThreadStack(1, False, (Frame("/home/me/train.py", 30, "main"),))
+    worker = ThreadStack(
+        2,
+        False,
+        (
+            Frame(f"{TORCH}/_inductor/codecache.py", 2000, "load"),
+            Frame(f"{TORCH}/_dynamo/eval_frame.py", 600, "_fn"),
+            Frame("/home/me/train.py", 12, "warm_up"),
+        ),
+    )
+    parked = ThreadStack(
+        3,
+        False,
+        (
+            Frame(f"{THREADING}", 324, "wait"),
+            Frame(f"{TORCH}/_inductor/compile_worker/subproc_pool.py", 250, "_read_thread"),
+        ),
+    )
+    assert not compiling_threads([main, parked])
+    assert compiling_threads([main, worker, parked])

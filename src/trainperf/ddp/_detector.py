@@ -7,29 +7,40 @@ any rank's progress (nor a rank returning) is a hang. The launcher then signals 
 with :data:`~trainperf.ddp._stacks.DUMP_SIGNAL`, on which ``faulthandler`` writes all its
 threads' stacks from the C signal handler, reads them with the slots, and runs the rules of
 :mod:`~trainperf.ddp._hang`; the group stops every rank and raises ``HangError``.
+
+The verdict comes from one snapshot: the slots read before the dump, checked again after it
+(a rank that moved meanwhile is progress, not a hang), and every thread of every rank for
+``torch.compile`` at work. A rank inside :func:`~trainperf.ddp._progress.busy` (a blocking
+checkpoint save) counts as making progress for up to ``BUSY_CAP`` times ``hang_timeout``.
+Run directories that dead launchers left behind are removed by the rules of
+:mod:`~trainperf.ddp._rundir`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-import re
 import shutil
-import tempfile
 import time
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from trainperf.ddp import _hang
-from trainperf.ddp._progress import ProgressSpec, SlotState, State, open_slots, read_slot
+from trainperf.ddp import _hang, _rundir
+from trainperf.ddp._progress import (
+    ProgressSpec,
+    SlotState,
+    State,
+    busy_counts,
+    open_slots,
+    read_slot,
+)
 from trainperf.ddp._stacks import (
     DUMP_SIGNAL,
     ThreadStack,
     classify,
-    compiling,
+    compiling_threads,
     parse_dump,
     source_line,
     user_frame,
@@ -38,7 +49,6 @@ from trainperf.errors import HangError
 
 __all__ = ["HangDetector", "rank_view"]
 
-_PREFIX = "trainperf-hang-"
 _DUMP_WAIT_S = 3.0
 
 
@@ -47,19 +57,15 @@ def _base_dir() -> str | None:
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
-def _remove_stale(base: str | None) -> None:
-    """Directories of launchers that died without cleaning up (SIGKILL): the pid is gone."""
-    root = Path(base or tempfile.gettempdir())
-    for path in root.glob(f"{_PREFIX}*"):
-        match = re.match(rf"{_PREFIX}(\d+)-", path.name)
-        if match and not psutil.pid_exists(int(match[1])):
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def rank_view(
-    rank: int, status: _hang.Status, slot: SlotState, threads: list[ThreadStack] | None
+    rank: int,
+    status: _hang.Status,
+    slot: SlotState,
+    threads: list[ThreadStack] | None,
+    now: float | None = None,
 ) -> _hang.RankView:
-    """One rank's view for the rules, from its slot and its parsed stack dump."""
+    """One rank's view for the rules, from its slot and its parsed stack dump (``now``:
+    ``time.time()``, for how long it has been inside ``busy()``)."""
     main = next((t for t in threads or [] if t.ident == slot.thread), None)
     frames = main.frames if main else ()
     last = slot.history[-1] if slot.history else None
@@ -68,6 +74,8 @@ def rank_view(
         frames, in_collective=slot.state == State.IN_COLLECTIVE, waits_async=waits_async
     )
     where = user_frame(frames)
+    # Still inside busy() when the hang is declared: past the cap, stuck in that work.
+    stuck_s = max(0.0, (time.time() if now is None else now) - slot.busy_since)
     others = tuple(
         (t.ident, user_frame(t.frames), source_line(user_frame(t.frames)))
         for t in threads or []
@@ -85,6 +93,9 @@ def rank_view(
         stack=frames,
         threads=others,
         answered=threads is not None,
+        compiling=compiling_threads(threads or []),
+        stuck_in=slot.busy if slot.busy_since else "",
+        stuck_s=stuck_s if slot.busy_since else 0.0,
     )
 
 
@@ -93,8 +104,8 @@ class HangDetector:
 
     def __init__(self, nprocs: int, hang_timeout: float) -> None:
         base = _base_dir()
-        _remove_stale(base)
-        self.dir = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=base))
+        _rundir.remove_stale(base)
+        self.dir = _rundir.create(base)
         self.n = nprocs
         self.timeout = hang_timeout
         self.poll_s = min(1.0, max(0.1, hang_timeout / 4))
@@ -128,19 +139,25 @@ class HangDetector:
         states = self._states()
         ready = all(s.state != State.STARTING or r in results for r, s in enumerate(states))
         signature = (tuple(s.progress for s in states), len(results), len(running))
-        if not ready or signature != self._signature:
+        if not ready or signature != self._signature or self._busy(states, running):
             self._signature, self._since = signature, now
             return None
         if now - self._since < self.timeout:
             return None
         report = self.report(states, running, results, now - self._since)
-        compiles = any(v.status == "running" and compiling(v.stack) for v in report.ranks)
-        if compiles or not _hang.blocked(list(report.ranks)):
-            # torch.compile at work, or every rank busy in its own code: no rank waits for
-            # another, so this is slow work, not a hang. Look again in hang_timeout.
+        moved = tuple(s.progress for s in self._states()) != signature[0]
+        if moved or not _hang.is_hang(list(report.ranks)):
+            # A rank moved while the stacks were taken, torch.compile is at work, or every
+            # rank is busy in its own code (no rank waits for another): slow work, not a
+            # hang. Look again in hang_timeout.
             self._since = time.monotonic()
             return None
         return report
+
+    def _busy(self, states: list[SlotState], running: dict[int, BaseProcess]) -> bool:
+        """A running rank is inside busy() (a blocking checkpoint save), below the cap."""
+        now = time.time()
+        return any(r in running and busy_counts(s, now, self.timeout) for r, s in enumerate(states))
 
     def _dump(self, ranks: list[int]) -> dict[int, list[ThreadStack]]:
         """Ask each rank for its stacks; return what arrived within a few seconds."""
@@ -190,7 +207,14 @@ class HangDetector:
         verdict = _hang.diagnose(views)
         return _hang.HangReport(self.timeout, stalled_s, self.n, verdict, tuple(views))
 
-    def error(self, report: _hang.HangReport) -> HangError:
+    def error(
+        self,
+        report: _hang.HangReport,
+        endings: list[tuple[int, int | None, str, bool]] | None = None,
+    ) -> HangError:
+        """The HangError for ``report``, with how each stopped rank ended (the group's
+        ``(rank, exit code, how, expected)``): a crash or an error code meanwhile is named."""
+        report = dataclasses.replace(report, endings=tuple(_hang.Ending(*e) for e in endings or []))
         stopped = "Every rank was stopped (SIGTERM, then SIGKILL after 3 s)."
         return HangError(f"{report}\n\n{stopped}", report=report)
 

@@ -12,6 +12,10 @@ exception raised by the handler inside ``os.fork()``'s at-fork hooks would be sw
 (the launch would go on as if nothing had happened), and one raised between starting a
 process and recording it would leave a child that nobody reaps. After SIGTERM the ranks get
 ``grace_s`` seconds to exit on their own before SIGKILL.
+
+Every rank's exit status while it is being stopped is kept: a rank that crashes or exits
+with an error code during a grace period (after SIGTERM is passed on, or once a hang was
+declared) is named, in the ``HangError``'s report or in the launcher's warning.
 """
 
 from __future__ import annotations
@@ -21,18 +25,28 @@ import logging
 import os
 import pickle
 import signal
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from trainperf.ddp import _capacity
-from trainperf.ddp._procs import Interrupted, SignalGuard, death_summary, signal_tree
-from trainperf.ddp._stderr import StartupStderr, last_traceback, redirected_stderr
+from trainperf.ddp._failures import DEATH_SLACK_S as _DEATH_SLACK_S
+from trainperf.ddp._failures import Problem as _Problem
+from trainperf.ddp._failures import load_advice as _load_advice
+from trainperf.ddp._failures import startup_problem as _startup_problem
+from trainperf.ddp._failures import summarize as _summary
+from trainperf.ddp._failures import unguarded_main as _unguarded_main
+from trainperf.ddp._procs import (
+    Interrupted,
+    SignalGuard,
+    death_summary,
+    signal_tree,
+    stop_ending,
+)
+from trainperf.ddp._stderr import StartupStderr, redirected_stderr
 from trainperf.ddp._worker import (
     REIMPORT_EXIT_CODE,
     WORKER_NAME_PREFIX,
@@ -51,89 +65,6 @@ logger = logging.getLogger("trainperf.ddp")
 TERM_GRACE_S = 3.0
 # After every rank has reported its result, how long the processes get to exit on their own.
 EXIT_GRACE_S = 10.0
-# A death without a report is only seen when the parent wakes up, about when the peers'
-# "connection closed" errors are stamped; dating it this much earlier blames the dead rank,
-# not the ranks that failed because it was gone.
-_DEATH_SLACK_S = 1.0
-
-
-@dataclass(frozen=True)
-class _Problem:
-    rank: int
-    time: float
-    summary: str
-    detail: str = ""  # the rank's traceback
-    advice: str = ""  # what to do, when the cause is known without a traceback
-
-
-def _summary(failure: Failure) -> str:
-    if failure.type_name == "SystemExit":
-        return f"called sys.exit({failure.message})"
-    first_line = failure.message.strip().splitlines()[0] if failure.message.strip() else ""
-    if len(first_line) > 300:
-        first_line = first_line[:300] + "..."
-    text = f"raised {failure.type_name}" + (f": {first_line}" if first_line else "")
-    return f"could not load main: {text}" if failure.stage == "load" else text
-
-
-def _script() -> str:
-    return getattr(sys.modules.get("__main__"), "__file__", None) or "the main script"
-
-
-def _load_advice(main: object) -> str:
-    module = getattr(main, "__module__", None) or "its module"
-    return (
-        f"Fix: a spawned worker is a new interpreter that imports main's module ({module}) by "
-        "name, so it must be importable there: installed, or in a directory on sys.path (a "
-        "module loaded from a file path with importlib is not); or use start_method='fork' "
-        "(Linux), which needs no import."
-    )
-
-
-def _startup_problem(rank: int, seen_at: float, text: str) -> _Problem | None:
-    """The failure Python printed while a spawned worker imported the script, if any."""
-    found = last_traceback(text)
-    if found is None:
-        return None
-    exception, tb = found
-    script = _script()
-    summary = (
-        f"could not start: {exception} (Python raised it while the new process imported "
-        f"{script}, before trainperf's code ran there)"
-    )
-    if "bootstrapping phase" in text:
-        advice = (
-            f"Fix: code at the top level of {script} starts a process (a multiprocessing "
-            "Process or Pool, a DataLoader with workers), and each spawned worker runs it again "
-            "while it imports the script. Move it under the "
-            'if __name__ == "__main__": guard (or into main), or use start_method="fork" '
-            "(Linux)."
-        )
-    else:
-        advice = (
-            f"Fix: each spawned worker imports {script} again before it runs main, so its top "
-            "level runs in every worker: move that code under the "
-            'if __name__ == "__main__": guard (or into main), or use start_method="fork" '
-            "(Linux), which imports nothing again."
-        )
-    return _Problem(rank, seen_at - _DEATH_SLACK_S, summary, tb, advice)
-
-
-def _unguarded_main() -> tuple[str, str]:
-    """Summary and advice for workers that exited because the script has no main guard."""
-    script = _script()
-    summary = (
-        f"could not start: each spawned worker imports {script} again, and that import "
-        "called launch() once more, because the call is not under an "
-        'if __name__ == "__main__": guard'
-    )
-    advice = (
-        "Fix: start the workers only when the script is run, not when it is imported:\n\n"
-        '    if __name__ == "__main__":\n'
-        "        trainperf.ddp.launch(main)\n\n"
-        'In a notebook or REPL there is no script to import: use start_method="fork" (Linux).'
-    )
-    return summary, advice
 
 
 class Group:
@@ -168,6 +99,10 @@ class Group:
         self.results: dict[int, Any] = {}
         self.problems: list[_Problem] = []
         self.stopped: list[int] = []
+        # Exit codes of the ranks reaped while being stopped, and those SIGKILL reached.
+        self.stop_codes: dict[int, int | None] = {}
+        self.killed: set[int] = set()
+        self._stop_began = float("inf")  # time.time() when stopping began (first SIGTERM)
         self.hang: Any = None  # the detector's report, once a hang was found
         # False once a failure is certain to repeat (no __main__ guard): no restart then.
         self.restartable = True
@@ -191,7 +126,7 @@ class Group:
                 self._stop(0.0 if graceful else TERM_GRACE_S)
             self.guard.raise_pending()
         if self.hang is not None:
-            raise self.detector.error(self.hang) from None
+            raise self.detector.error(self.hang, self.endings()) from None
         if self.problems:
             raise LaunchError(self._message())
         return self.results
@@ -341,10 +276,30 @@ class Group:
         return _Problem(rank, seen_at - _DEATH_SLACK_S, death_summary(code))
 
     def _reap(self, rank: int) -> None:
-        """Join a worker the launcher is stopping; keep a report it managed to send."""
-        self.running[rank].join()
-        del self.running[rank]
+        """Join a worker the launcher is stopping; keep its exit code and a report it
+        managed to send."""
+        proc = self.running.pop(rank)
+        proc.join()
+        self.stop_codes[rank] = proc.exitcode
         self._collect(rank)
+
+    def _ending(self, rank: int) -> tuple[str, bool]:
+        """How a rank that was being stopped ended (see :func:`_procs.stop_ending`)."""
+        late = [p for p in self.problems if p.rank == rank and p.time >= self._stop_began]
+        code = self.stop_codes.get(rank)
+        if code == REIMPORT_EXIT_CODE and self.ctx.get_start_method() == "spawn" and not late:
+            # The missing main guard again (its own import of the script): already the cause.
+            return "exited: it too imported a script with no main guard", True
+        return stop_ending(
+            code,
+            killed=rank in self.killed,
+            reported=late[0].summary if late else "",
+            term_grace_s=TERM_GRACE_S,
+        )
+
+    def endings(self) -> list[tuple[int, int | None, str, bool]]:
+        """``(rank, exit code, how it ended, expected)`` for each rank the stop reached."""
+        return [(r, self.stop_codes.get(r), *self._ending(r)) for r in self.stopped]
 
     def _handle(self, ready: list[Any], *, stopping: bool = False) -> None:
         seen_at = time.time()
@@ -411,8 +366,11 @@ class Group:
 
         Only the rank itself is signalled: its DataLoader workers must keep serving it while
         it finishes a step and saves (they are stopped with the rest afterwards). Ranks that
-        exit within the grace period are not failures; the launcher exits with 143.
+        exit within the grace period are not failures; the launcher exits with 143. A rank
+        that crashed or exited with an error code meanwhile is named in a warning.
         """
+        self._stop_began = min(self._stop_began, time.time())
+        draining = sorted(self.running)
         for proc in self.running.values():
             if proc.pid is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -428,9 +386,18 @@ class Group:
             )
         for p in self.problems:
             logger.warning("after SIGTERM, rank %d %s\n%s", p.rank, p.summary, p.detail)
+        reported = {p.rank for p in self.problems}
+        for rank in draining:
+            code = self.stop_codes.get(rank)
+            if rank in self.stop_codes and rank not in reported and code != 0:
+                text = stop_ending(code, killed=False)[0].replace(
+                    "SIGTERM", "the passed-on SIGTERM"
+                )
+                logger.warning("after SIGTERM, rank %d %s (exit code %s)", rank, text, code)
 
     def _stop(self, term_grace_s: float = TERM_GRACE_S) -> None:
         """Stop every worker and everything below it; collect reports that still arrive."""
+        self._stop_began = min(self._stop_began, time.time())
         self.stopped = sorted(self.running)
         for rank, proc in enumerate(self.procs):
             if proc.pid is not None:
@@ -438,6 +405,7 @@ class Group:
         deadline = time.monotonic() + term_grace_s
         while self.running and (remaining := deadline - time.monotonic()) > 0:
             self._wait_once(remaining, stopping=True)
+        self.killed = set(self.running)
         for rank, proc in enumerate(self.procs):
             if proc.pid is not None:
                 signal_tree(proc.pid, signal.SIGKILL, alive=rank in self.running)
@@ -445,6 +413,8 @@ class Group:
         for proc in self.procs:
             if proc.exitcode is None:
                 proc.join(timeout=10)
+        for rank in self.running:
+            self.stop_codes[rank] = self.running[rank].exitcode
         self.running.clear()
         for conn in self.readers.values():
             conn.close()
@@ -480,4 +450,10 @@ class Group:
                 f"Stopped by the launcher: rank{'s' if len(stopped) > 1 else ''} "
                 + ", ".join(map(str, stopped)),
             ]
+        odd = [
+            (rank, text)
+            for rank, _, text, expected in self.endings()
+            if not expected and not any(p.rank == rank for p in self.problems)
+        ]
+        lines += [f"  rank {rank} {text} while being stopped" for rank, text in odd]
         return "\n".join(lines)

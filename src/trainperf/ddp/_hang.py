@@ -20,6 +20,10 @@ and the stack dump). The rules, in order (:func:`diagnose`):
    with fewer calls skipped one earlier.
 6. **stalled**: all wait in the same collective and none is missing: the cause is below
    Python (network, a kernel, a peer outside the job); no rank is blamed.
+
+Before any rule, :func:`is_hang` says whether the stall is a hang at all: not while a rank
+compiles (``torch.compile`` frames on any of its threads), nor while no rank waits for
+another (every rank busy in its own code).
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trainperf.ddp._progress import Collective
+from trainperf.ddp._progress import BUSY_CAP, Collective
 from trainperf.ddp._stacks import Activity, Frame, is_user_file
 
-__all__ = ["HangReport", "RankView", "Verdict", "blocked", "diagnose"]
+__all__ = ["Ending", "HangReport", "RankView", "Verdict", "blocked", "diagnose", "is_hang"]
 
 Status = Literal["running", "returned", "gone"]
 Kind = Literal["outside", "returned", "ddp", "mismatch", "behind", "stalled"]
@@ -55,6 +59,9 @@ class RankView:
     stack: tuple[Frame, ...] = ()  # main thread, innermost first
     threads: tuple[tuple[int, Frame | None, str], ...] = ()  # other threads: id, frame, line
     answered: bool = True  # whether a stack dump came
+    compiling: bool = False  # torch.compile's compiler on one of its threads
+    stuck_in: str = ""  # the known slow work (busy()) it has been in past the cap
+    stuck_s: float = 0.0  # for how long
 
     @property
     def waiting(self) -> bool:
@@ -81,6 +88,8 @@ class RankView:
             return "has exited"
         if self.activity == "collective" and self.collective is not None:
             return f"waits in {self.collective.describe()}"
+        if self.stuck_in and self.activity != "backward":
+            return f"is stuck in {self.stuck_in} for {self.stuck_s:.0f} s{at}{code}"
         if self.activity == "backward":
             return f"waits inside backward(){at} (DDP's gradient all-reduce runs there)"
         if self.activity == "dataloader":
@@ -136,6 +145,12 @@ _ADVICE = {
         "a lock, a deadlock after fork) or died. DataLoader(..., timeout=60) makes the wait "
         "raise; num_workers=0 runs __getitem__ in the rank, so the next report shows its line."
     ),
+    "busy": (
+        "Fix: {who} spent more than {cap:g} x the timeout in that work, which counts as "
+        "progress only that long. A checkpoint write that slow points at the storage (a full, "
+        "slow or network filesystem: check the path's free space and write speed); if it is "
+        "slow on purpose, raise hang_timeout."
+    ),
     "lock": (
         "Fix: {who} waits for a lock that nothing releases: another of its threads holds it "
         "(its threads are listed below). Release it on every path (`with lock:`), and do not "
@@ -169,7 +184,7 @@ def _advice(kind: str, root: list[RankView]) -> str:
     if first and first.collective and kind in ("mismatch", "behind"):
         site = first.collective.site
     who = _ranks([v.rank for v in root]) if root else "every rank"
-    return _ADVICE[kind].format(who=who, site=site)
+    return _ADVICE[kind].format(who=who, site=site, cap=BUSY_CAP)
 
 
 def _outside(running: list[RankView], done: list[RankView]) -> Verdict | None:
@@ -181,7 +196,7 @@ def _outside(running: list[RankView], done: list[RankView]) -> Verdict | None:
     kind: Kind = "outside" if waiting else "returned"
     tail = "while" if waiting else "after"
     headline = f"{_describe_root(busy)}, {tail} {_what_others_do(others)}"
-    activity = busy[0].activity
+    activity = "busy" if busy[0].stuck_in else busy[0].activity
     advice = _advice("returned" if kind == "returned" else activity, busy)
     return Verdict(kind, tuple(v.rank for v in busy), headline, advice)
 
@@ -223,6 +238,12 @@ def _deviating(waiting: list[RankView]) -> list[RankView]:
     return [v for v in waiting if v.rank in last and last[v.rank] not in known]
 
 
+def _excluding(views: list[RankView], left_out: list[RankView]) -> list[RankView]:
+    """``views`` without ``left_out``, by rank (linear: thousands of ranks under watchdog)."""
+    ranks = {v.rank for v in left_out}
+    return [v for v in views if v.rank not in ranks]
+
+
 def _mismatch(waiting: list[RankView]) -> Verdict | None:
     groups: dict[tuple[str, str, str], list[RankView]] = defaultdict(list)
     for v in waiting:
@@ -232,12 +253,13 @@ def _mismatch(waiting: list[RankView]) -> Verdict | None:
     sizes = sorted((len(g) for g in groups.values()), reverse=True)
     if sizes[0] > sizes[1]:
         majority = max(groups.values(), key=len)
-        root = [v for v in waiting if v not in majority]
+        in_majority = {v.rank for v in majority}
+        root = [v for v in waiting if v.rank not in in_majority]
     else:
         root = _deviating(waiting)
         if not 0 < len(root) < len(waiting):
             root = list(waiting)
-    others = [v for v in waiting if v not in root]
+    others = _excluding(waiting, root)
     headline = "the ranks wait in different collectives: " + _describe_root(root)
     if others:
         headline += f", while {_what_others_do(others)}"
@@ -249,7 +271,7 @@ def _same_call(waiting: list[RankView]) -> Verdict:
     if len(set(seqs.values())) > 1:
         least = min(seqs.values())
         root = [v for v in waiting if seqs.get(v.rank) == least]
-        others = [v for v in waiting if v not in root]
+        others = _excluding(waiting, root)
         headline = (
             f"every rank waits at the same call, but {_describe_root(root)} while "
             f"{_what_others_do(others)}: {_verb(root, 'it has', 'they have')} made fewer "
@@ -276,6 +298,23 @@ def blocked(views: list[RankView]) -> bool:
         True
     """
     return any(v.waiting or v.status != "running" for v in views)
+
+
+def is_hang(views: list[RankView]) -> bool:
+    """Whether a stall seen on these views (one snapshot) is a hang: some rank waits for
+    another (:func:`blocked`) and no running rank is inside ``torch.compile``'s compiler, on
+    any of its threads (a first compilation can take minutes on every rank at once).
+
+    Example:
+        >>> waits = RankView(0, "running", "collective")
+        >>> is_hang([waits, RankView(1, "running", "running")])
+        True
+        >>> is_hang([waits, RankView(1, "running", "running", compiling=True)])
+        False
+    """
+    if any(v.status == "running" and v.compiling for v in views):
+        return False
+    return blocked(views)
 
 
 def diagnose(views: list[RankView]) -> Verdict:
@@ -340,6 +379,16 @@ def _stack_lines(view: RankView, limit: int = 12) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Ending:
+    """How one rank's process ended once the hang was declared and the ranks were stopped."""
+
+    rank: int
+    exitcode: int | None  # as multiprocessing gives it: -N for signal N; None if unknown
+    text: str  # "stopped by the launcher's SIGTERM", "died from signal SIGSEGV (...)", ...
+    expected: bool  # the ending the stop itself causes (SIGTERM, or SIGKILL after the grace)
+
+
+@dataclass(frozen=True)
 class HangReport:
     """A hang, its verdict and every rank's state. ``str()`` is the message users read."""
 
@@ -349,6 +398,7 @@ class HangReport:
     verdict: Verdict
     ranks: tuple[RankView, ...]
     option: str = "hang_timeout"  # how the caller named the timeout (watchdog: "timeout")
+    endings: tuple[Ending, ...] = ()  # how each rank ended when stopped (the launcher's)
 
     def __str__(self) -> str:
         v = self.verdict
@@ -369,9 +419,11 @@ class HangReport:
         for view in self.ranks:
             steps = f" ({view.steps} optimizer steps)" if view.steps else ""
             lines.append(f"  rank {view.rank} {view.doing()}{steps}")
+        root = set(v.root)
         for view in self.ranks:
-            if view.rank in v.root:
+            if view.rank in root:
                 lines += ["", *_stack_lines(view)]
+        lines += _ending_lines(self.endings)
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -385,7 +437,36 @@ class HangReport:
             "headline": self.verdict.headline,
             "advice": self.verdict.advice,
             "ranks": [_view_dict(view) for view in self.ranks],
+            "endings": [
+                {"rank": e.rank, "exitcode": e.exitcode, "how": e.text, "expected": e.expected}
+                for e in self.endings
+            ],
         }
+
+
+def _ending_lines(endings: tuple[Ending, ...]) -> list[str]:
+    """The ranks whose exit was not the one the stop causes, named first: a rank that
+    crashed or exited with an error code while being stopped says something about the hang."""
+    if not endings:
+        return []
+    odd = [e for e in endings if not e.expected]
+    lines = [""]
+    if odd:
+        lines.append("While the ranks were stopped:")
+        lines += [f"  rank {e.rank} {e.text}" for e in odd]
+    usual = [e for e in endings if e.expected]
+    if usual:
+        lines.append(f"{_ranks([e.rank for e in usual]).capitalize()}: {'; '.join(_usual(usual))}.")
+    return lines
+
+
+def _usual(endings: list[Ending]) -> list[str]:
+    groups: dict[str, list[int]] = defaultdict(list)
+    for e in endings:
+        groups[e.text].append(e.rank)
+    if len(groups) == 1:
+        return list(groups)
+    return [f"{text} ({_ranks(ranks)})" for text, ranks in groups.items()]
 
 
 def _frame_dict(frame: Frame | None) -> dict[str, Any] | None:

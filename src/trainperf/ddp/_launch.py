@@ -1,8 +1,9 @@
 """``launch(main)``: one process per GPU (or N CPU ranks), or the ranks a launcher started.
 
 Modules: ``_store`` (the rendezvous store), ``_injob`` (inside torchrun/SLURM),
-``_capacity`` (how many ranks fit), ``_group`` (starting and watching one attempt),
-``_worker`` (inside each rank), ``_detector``/``_progress``/``_stacks``/``_hang`` (hangs).
+``_capacity`` (how many ranks fit), ``_group`` (starting and watching one attempt) and
+``_failures`` (what it says about a failed rank), ``_worker`` (inside each rank),
+``_detector``/``_progress``/``_stacks``/``_hang``/``_rundir`` (hangs).
 
 Inside a torchrun or SLURM job, ``main`` runs in this process after the process group is
 initialised from the environment. Otherwise the launcher hosts a ``TCPStore`` on a port the

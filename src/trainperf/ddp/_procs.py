@@ -17,7 +17,7 @@ from typing import Any
 
 import psutil
 
-__all__ = ["Interrupted", "SignalGuard", "death_summary", "signal_tree"]
+__all__ = ["Interrupted", "SignalGuard", "death_summary", "signal_tree", "stop_ending"]
 
 _CRASH_SIGNALS = {"SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE"}
 
@@ -49,6 +49,38 @@ def death_summary(exitcode: int) -> str:
     elif name in _CRASH_SIGNALS:
         text += " (a crash in native code: a C++/CUDA extension, or a library bug)"
     return text
+
+
+def stop_ending(
+    exitcode: int | None, *, killed: bool, reported: str = "", term_grace_s: float = 3.0
+) -> tuple[str, bool]:
+    """How a rank that was being stopped (SIGTERM, then SIGKILL) ended, and whether that is
+    the ending the stop itself causes; a crash or an error code during the grace period is
+    not, and is named.
+
+    Args:
+        exitcode: its multiprocessing exit code (-N: signal N; None: never reaped).
+        killed: it was still running when the grace ran out and was sent SIGKILL.
+        reported: the failure it reported while being stopped (its summary), if any.
+        term_grace_s: the grace between SIGTERM and SIGKILL, for the text.
+
+    Example:
+        >>> stop_ending(-15, killed=False)
+        ('stopped by SIGTERM', True)
+        >>> stop_ending(3, killed=False)[1], stop_ending(-11, killed=False)[0][:31]
+        (False, 'died from signal SIGSEGV (a cra')
+    """
+    if exitcode is None:
+        return "could not be reaped (its exit status is unknown)", False
+    if reported:
+        return f"{reported} (exit code {exitcode})", False
+    if exitcode == -signal.SIGTERM:
+        return "stopped by SIGTERM", True
+    if exitcode == -signal.SIGKILL and killed:
+        return f"killed with SIGKILL (still running {term_grace_s:g} s after SIGTERM)", True
+    if exitcode == 0:
+        return "exited with code 0 on SIGTERM", True
+    return death_summary(exitcode).replace(" without reporting an error", ""), False
 
 
 def _descendants(pid: int) -> list[int]:

@@ -8,6 +8,12 @@ evaluation loop with no optimizer step and no collective is progress too), the r
 its set-up, or returned from ``main``. A job makes progress while any rank does; a hang is
 ``hang_timeout`` seconds with none on any rank.
 
+**Known slow work**: trainperf's own long operations (a blocking checkpoint save) run inside
+:func:`busy`, which marks the rank's slot "busy in <what> since <time>". A rank in such a
+block counts as making progress for up to :data:`BUSY_CAP` times the timeout (one rank alone
+in a long save while the others wait in a barrier is not a hang); past that it is named as
+stuck in that work.
+
 Each rank writes into a fixed-size **slot**: counters, its state (running, in a collective,
 returned), its main thread's id, and a ring of its last :data:`HISTORY` collectives (name,
 tensor shape and dtype, the user's file:line and function, sequence number). Under
@@ -24,6 +30,7 @@ a few microseconds (measured by ``benchmarks/launch_bench.py``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
@@ -31,13 +38,14 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 __all__ = [
+    "BUSY_CAP",
     "HISTORY",
     "SLOT_SIZE",
     "Collective",
@@ -46,6 +54,8 @@ __all__ = [
     "State",
     "Tracker",
     "attach",
+    "busy",
+    "busy_counts",
     "install",
     "open_slots",
     "read_slot",
@@ -54,14 +64,20 @@ __all__ = [
 ]
 
 HISTORY = 8
-_HEADER = struct.Struct("<QQQdQII")  # progress, entered, steps, last, thread, state, armed
+# progress, entered, steps, last, thread, state, armed, busy since (0: not in busy())
+_HEADER = struct.Struct("<QQQdQIId")
 _HEADER_SIZE = 64
 _ENTRY = struct.Struct("<QH")  # sequence number, text length
 _ENTRY_SIZE = 256
 _TEXT_MAX = _ENTRY_SIZE - _ENTRY.size
 _FULL_ENTRY = struct.Struct(f"<QH{_TEXT_MAX}s")  # written in one call
 _CACHE_MAX = 4096  # distinct (call site, op, shape) descriptions kept per rank
-SLOT_SIZE = _HEADER_SIZE + HISTORY * _ENTRY_SIZE
+_BUSY_OFFSET = _HEADER_SIZE + HISTORY * _ENTRY_SIZE
+_BUSY_SIZE = 256
+_BUSY = struct.Struct(f"<H{_BUSY_SIZE - 2}s")  # text length, what busy() said
+SLOT_SIZE = _BUSY_OFFSET + _BUSY_SIZE
+# A rank inside busy() counts as making progress for up to this many times the timeout.
+BUSY_CAP = 10.0
 
 
 class State:
@@ -144,6 +160,8 @@ class SlotState:
     state: int
     armed: bool
     history: tuple[Collective, ...]  # oldest first; the last is the current one when in it
+    busy_since: float = 0.0  # time.time() when the rank entered busy(); 0 when not inside
+    busy: str = ""  # what busy() said it does ("saving checkpoint /ckpt/step-100.pt")
 
     @property
     def current(self) -> Collective | None:
@@ -156,7 +174,12 @@ class SlotState:
 def read_slot(buf: Any, index: int = 0) -> SlotState:
     """Parse slot ``index`` of ``buf`` (a shared mmap, or a watchdog's own bytearray)."""
     base = index * SLOT_SIZE
-    progress, entered, steps, last, thread, state, armed = _HEADER.unpack_from(buf, base)
+    header = _HEADER.unpack_from(buf, base)
+    progress, entered, steps, last, thread, state, armed, busy_since = header
+    busy_text = ""
+    if busy_since:
+        n, text = _BUSY.unpack_from(buf, base + _BUSY_OFFSET)
+        busy_text = text[: min(n, _BUSY_SIZE - 2)].decode(errors="replace")
     history = []
     for i in range(HISTORY):
         offset = base + _HEADER_SIZE + i * _ENTRY_SIZE
@@ -168,7 +191,30 @@ def read_slot(buf: Any, index: int = 0) -> SlotState:
         if entry is not None:
             history.append(entry)
     history.sort(key=lambda c: c.seq)
-    return SlotState(progress, entered, steps, last, thread, state, bool(armed), tuple(history))
+    return SlotState(
+        progress,
+        entered,
+        steps,
+        last,
+        thread,
+        state,
+        bool(armed),
+        tuple(history),
+        busy_since,
+        busy_text,
+    )
+
+
+def busy_counts(slot: SlotState, now: float, timeout: float) -> bool:
+    """Whether a rank inside :func:`busy` still counts as making progress: for up to
+    :data:`BUSY_CAP` times the timeout (``now`` is ``time.time()``).
+
+    Example:
+        >>> inside = SlotState(5, 0, 0, 0.0, 0, State.RUNNING, True, (), 100.0, "saving")
+        >>> busy_counts(inside, 120.0, 3.0), busy_counts(inside, 131.0, 3.0)
+        (True, False)
+    """
+    return slot.busy_since > 0 and now - slot.busy_since < BUSY_CAP * timeout
 
 
 def _package_dir(module: Any) -> str:
@@ -191,7 +237,10 @@ class Tracker:
         self.state = State.STARTING
         self.armed = False
         self.depth = 0
+        self.busy_since = 0.0
+        self.busy_depth = 0
         self.thread = threading.main_thread().ident or 0
+        self.pid = os.getpid()  # a forked child (a background checkpoint writer) is not it
         self._skip = (_package_dir(torch), _package_dir(trainperf), "<")
         self._texts: dict[tuple[Any, ...], bytes] = {}
         self._write()
@@ -207,6 +256,7 @@ class Tracker:
             self.thread,
             self.state,
             self.armed,
+            self.busy_since,
         )
 
     def ready(self, *, armed: bool) -> None:
@@ -229,6 +279,27 @@ class Tracker:
 
     def batch(self) -> None:
         """A DataLoader returned a batch (evaluation loops have no optimizer step)."""
+        self.progress += 1
+        self._write()
+
+    def busy_enter(self, what: str) -> None:
+        """Known slow work starts (the outermost of nested blocks names it)."""
+        self.busy_depth += 1
+        if self.busy_depth > 1:
+            return
+        text = what.encode(errors="replace")[: _BUSY_SIZE - 2]
+        # The text first, then the time that says it is valid: a reader never sees a
+        # busy_since with the previous block's text.
+        _BUSY.pack_into(self.buf, self.base + _BUSY_OFFSET, len(text), text)
+        self.busy_since = time.time()
+        self.progress += 1
+        self._write()
+
+    def busy_exit(self) -> None:
+        self.busy_depth -= 1
+        if self.busy_depth > 0:
+            return
+        self.busy_since = 0.0
         self.progress += 1
         self._write()
 
@@ -387,6 +458,32 @@ def uninstall() -> None:
         hook.remove()
     _hooks.clear()
     _installed.clear()
+
+
+@contextlib.contextmanager
+def busy(what: str) -> Iterator[None]:
+    """Mark this rank as busy in known slow work (``"saving checkpoint /ckpt/step-9.pt"``).
+
+    For trainperf's own long operations: while the block runs, the hang detection
+    (``launch(hang_timeout=...)`` or ``watchdog()``) counts this rank as making progress, for
+    up to :data:`BUSY_CAP` times the timeout; past that the report names it as stuck in
+    ``what``. Cheap, and nothing at all when no detection watches this process. Only the
+    main thread's blocks count: a background thread's work, or a forked child's (a
+    background checkpoint writer inherits the tracker), does not hold the job up.
+
+    Example:
+        >>> with busy("saving checkpoint /tmp/step-1.pt"):  # no detection here: no effect
+        ...     pass
+    """
+    tracker = _installed[0] if _installed else None
+    if tracker is None or threading.get_ident() != tracker.thread or os.getpid() != tracker.pid:
+        yield
+        return
+    tracker.busy_enter(what)
+    try:
+        yield
+    finally:
+        tracker.busy_exit()
 
 
 def _on_step(optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "ThreadStack",
     "classify",
     "compiling",
+    "compiling_threads",
     "is_user_file",
     "parse_dump",
     "source_line",
@@ -202,3 +203,28 @@ def compiling(frames: tuple[Frame, ...]) -> bool:
     """
     parts = (f"torch{os.sep}_dynamo{os.sep}", f"torch{os.sep}_inductor{os.sep}")
     return any(part in f.file for f in frames for part in parts)
+
+
+# Inductor's compile-worker pool keeps helper threads (reading the workers' replies, watching
+# their health) parked in its own module for the life of the process, compiling or not.
+_POOL = f"torch{os.sep}_inductor{os.sep}compile_worker{os.sep}"
+
+
+def compiling_threads(threads: list[ThreadStack]) -> bool:
+    """Whether any thread of a rank is inside ``torch.compile``'s compiler, not only the
+    main thread: a compilation may run on a thread of the user's or of a library (a
+    training loop driven from a worker thread, a background warm-up compile). The compile
+    worker pool's parked helper threads do not count.
+
+    Example:
+        >>> idle = ThreadStack(1, False, (Frame("/torch/_inductor/compile_worker/"
+        ...     "subproc_pool.py", 250, "_read_thread"),))
+        >>> work = ThreadStack(2, False, (Frame("/torch/_dynamo/convert_frame.py", 9, "f"),))
+        >>> compiling_threads([idle]), compiling_threads([idle, work])
+        (False, True)
+    """
+    for thread in threads:
+        frames = tuple(f for f in thread.frames if _POOL not in f.file)
+        if compiling(frames):
+            return True
+    return False

@@ -6,18 +6,34 @@ agent hosts it). Each rank runs one daemon thread that, every ``timeout / 20`` s
 (0.1 s to 5 s):
 
 1. adds its new progress (see :mod:`~trainperf.ddp._progress`) to one shared counter and
-   reads the total back: one store round trip. ``timeout`` seconds without the total
-   changing is a hang; the first rank to see it sets the ``hang`` key.
+   reads the total back: one store round trip (a rank inside ``busy()``, a blocking
+   checkpoint save, adds one each time: it is making progress). ``timeout`` seconds without
+   the total changing may be a hang: the rank decides on one snapshot of its own state
+   (its slot and one dump of all its threads; :func:`judge`), and a rank that waits for
+   another sets the ``hang`` key.
 2. once ``hang`` is set, writes its own stacks (``faulthandler.dump_traceback``, all
-   threads) and its progress slot to the store, waits for the other ranks' (up to
-   :data:`COLLECT_S`), and the lowest rank still in the job prints the verdict to stderr
-   (and writes ``report_path``); the others print it too if that rank stays silent. Then
-   every rank exits with status :data:`EXIT_CODE`, so torchrun's restart policy acts.
+   threads) and its progress slot to the store. One rank (the first to claim the
+   ``collector`` key) waits for the others' reports (up to :data:`COLLECT_S`), reads each
+   once, and posts the verdict; every rank reads that one key, and the lowest rank still in
+   the job prints it to stderr (and writes ``report_path``). Collecting is O(ranks) store
+   reads in all, not O(ranks²). If the collector goes silent, each rank collects and prints
+   for itself. Then every rank exits with status :data:`EXIT_CODE`, so torchrun's restart
+   policy acts.
 
-A rank that returned (left the ``with`` block, or its interpreter exited) posts that first,
-so the others can say so. A rank whose thread cannot run (stuck in C code that holds the
-GIL) sends nothing and is named as not answering. If the store itself is gone (srun, rank
-0 hosted it and exited), the rank judges from its own state alone.
+A rank that returned (left the ``with`` block, or its interpreter exited) posts that first
+and counts itself in one ``ended`` counter, so the others can say so. A rank whose thread
+cannot run (stuck in C code that holds the GIL) sends nothing and is named as not
+answering. If the store itself is gone (srun, rank 0 hosted it and exited), the rank judges
+from its own state alone.
+
+A rank that crashes instead (gloo aborts with SIGABRT when the ranks call a collective with
+different sizes: "Received data size doesn't match expected size") has nothing to say to
+the store; the watchdog turns ``faulthandler`` on, so that rank prints its Python stack,
+with the call site, before torchrun reports it as the failed rank.
+
+Nesting: a ``watchdog()`` while another is active in the process (a script's own call inside
+``launch()`` under torchrun, which already runs ``main`` under one) does nothing; the outer
+one keeps watching, with its own timeout, after the inner one exits.
 """
 
 from __future__ import annotations
@@ -33,21 +49,66 @@ import threading
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from trainperf._utils.atomic import write_atomically
 from trainperf._utils.validate import positive_number
 from trainperf.ddp import _hang, _progress
 from trainperf.ddp._detector import rank_view
-from trainperf.ddp._progress import SLOT_SIZE, State, Tracker, read_slot
-from trainperf.ddp._stacks import classify, compiling, parse_dump
+from trainperf.ddp._progress import SLOT_SIZE, SlotState, State, Tracker, busy_counts, read_slot
+from trainperf.ddp._stacks import ThreadStack, classify, compiling_threads, parse_dump
 
-__all__ = ["COLLECT_S", "EXIT_CODE", "Watchdog", "watchdog"]
+__all__ = ["COLLECT_S", "EXIT_CODE", "Watchdog", "judge", "watchdog"]
 
 # How long a rank waits for the others' stacks once a hang is declared.
 COLLECT_S = 10.0
 # The exit status of every rank after a hang (as coreutils' `timeout` uses).
 EXIT_CODE = 124
+
+
+# The watchdog active in this process (at most one: a nested call does nothing), and how
+# many were started here, which keys each one's store entries (every rank starts as many).
+_active: list[Watchdog] = []
+_started = [0]
+
+Decision = Literal["progress", "hang", "wait"]
+
+
+def judge(
+    slot: SlotState,
+    threads: list[ThreadStack],
+    *,
+    seen_progress: int,
+    ended: bool,
+    now: float,
+    timeout: float,
+) -> Decision:
+    """What a rank makes of a stall, from one snapshot of itself: its slot and one dump of
+    all its threads.
+
+    ``"progress"``: it moved since the stall was measured, it is inside ``torch.compile``'s
+    compiler (on any thread), or inside ``busy()`` below the cap. ``"hang"``: it waits (in a
+    collective, or in DDP's ``backward()``), or another rank has ended. ``"wait"``: it is
+    busy in its own code, so it waits for nobody: a waiting rank judges.
+
+    Example:
+        >>> from trainperf.ddp._progress import SlotState, State
+        >>> inside = SlotState(7, 3, 0, 0.0, 1, State.IN_COLLECTIVE, True, ())
+        >>> judge(inside, [], seen_progress=7, ended=False, now=0.0, timeout=5.0)
+        'hang'
+        >>> judge(inside, [], seen_progress=6, ended=False, now=0.0, timeout=5.0)
+        'progress'
+    """
+    if slot.progress != seen_progress:
+        return "progress"
+    if compiling_threads(threads) or busy_counts(slot, now, timeout):
+        return "progress"
+    if slot.state == State.IN_COLLECTIVE or ended:
+        return "hang"
+    main = [t for t in threads if t.ident == slot.thread]
+    if main and classify(main[0].frames, in_collective=False) == "backward":
+        return "hang"
+    return "wait"
 
 
 def _store(rank_prefix: str) -> Any:
@@ -74,8 +135,10 @@ class Watchdog:
     def start(self) -> Watchdog:
         import torch.distributed as dist
 
-        if self.timeout is None or _progress.under_launcher():
-            return self  # off, or launch(hang_timeout=...) already watches this rank
+        if self.timeout is None or _progress.under_launcher() or _active:
+            # Off, launch(hang_timeout=...) already watches this rank, or another watchdog
+            # is active here (nested): it keeps watching; this one does nothing.
+            return self
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "watchdog() needs the default process group: call it after "
@@ -83,7 +146,8 @@ class Watchdog:
                 "whose hang_timeout= does the same)"
             )
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.store = _store(f"{dist.get_world_size()}/")
+        _started[0] += 1
+        self.store = _store(f"{dist.get_world_size()}/{_started[0]}/")
         self.buf = bytearray(SLOT_SIZE)
         self.tracker = Tracker(self.buf)
         _progress.install(self.tracker)
@@ -91,6 +155,12 @@ class Watchdog:
         self.limit = self.timeout
         self.poll_s = min(5.0, max(0.1, self.timeout / 20))
         self.active = True
+        _active.append(self)
+        # A rank that crashes (gloo aborts on a collective whose sizes differ between ranks:
+        # a crash, not a hang) prints its Python stack, with the call site, on its way out.
+        self._faulthandler = not faulthandler.is_enabled()
+        if self._faulthandler:
+            faulthandler.enable(all_threads=True)
         self._thread = threading.Thread(target=self._run, name="trainperf-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self.stop)
@@ -112,65 +182,75 @@ class Watchdog:
         if not self.active:
             return
         self.active = False
+        with contextlib.suppress(ValueError):
+            _active.remove(self)
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
         self.tracker.returned()
         _progress.uninstall()
+        if getattr(self, "_faulthandler", False):
+            faulthandler.disable()
         with contextlib.suppress(Exception):
             self._post(status, "")
+            self.store.add("ended", 1)
             self.store.add("progress", 1)
 
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        record: dict[str, Any] | None = None
         try:
-            report = self._watch()
+            record = self._watch()
         except Exception:  # the store is gone: judge from this rank alone
             if self._stop.is_set():
                 return
             report = self._alone()
-        if report is not None:
-            self._finish(report)
+            record = None if report is None else _verdict_record(report, self.rank)
+        if record is not None:
+            self._finish(record)
 
-    def _watch(self) -> _hang.HangReport | None:
+    def _watch(self) -> dict[str, Any] | None:
         sent = 0
         total, since = -1, time.monotonic()
         while not self._stop.wait(self.poll_s):
             progress = self.tracker.progress
-            now_total = int(self.store.add("progress", progress - sent))
+            # Inside busy() (a blocking checkpoint save) below the cap: a beat of progress,
+            # so that the ranks waiting for this one do not call it a hang.
+            beat = int(busy_counts(self._slot(), time.time(), self.limit))
+            now_total = int(self.store.add("progress", progress - sent + beat))
             sent = progress
             now = time.monotonic()
             if now_total != total:
                 total, since = now_total, now
             elif now - since > self.limit:
-                if self._compiling():
-                    since = now  # torch.compile at work on this rank: not a hang
-                    self.store.add("progress", 1)
-                elif self._blocked():
+                decision = self._decide(sent)
+                if decision == "hang":
                     self.store.set("hang", str(self.rank))
-                else:
-                    since = now  # busy in its own code and nobody gone: a waiting rank judges
+                else:  # progress, or busy in its own code: a waiting rank judges
+                    since = now
+                    if decision == "progress":
+                        self.store.add("progress", 1)
             if self.store.check(["hang"]):
                 return self._collect(now - since)
         return None
 
-    def _blocked(self) -> bool:
-        """This rank waits (in a collective or in DDP's ``backward()``) or another is gone.
+    def _slot(self) -> SlotState:
+        return read_slot(bytes(self.buf))
 
-        Ranks all busy in their own code wait for nobody: that is slow work, not a hang.
-        """
-        if self.tracker.state == State.IN_COLLECTIVE:
-            return True
-        main = [t for t in parse_dump(self._own_dump()) if t.ident == self.tracker.thread]
-        if main and classify(main[0].frames, in_collective=False) == "backward":
-            return True
-        others = [f"report/{r}" for r in range(self.world) if r != self.rank]
-        return any(self.store.check([key]) for key in others)
-
-    def _compiling(self) -> bool:
-        main = [t for t in parse_dump(self._own_dump()) if t.ident == self.tracker.thread]
-        return bool(main) and compiling(main[0].frames)
+    def _decide(self, seen_progress: int) -> Decision:
+        """One snapshot (the slot, then one dump of every thread), one decision."""
+        slot = self._slot()
+        threads = parse_dump(self._own_dump())
+        ended = int(self.store.add("ended", 0)) > 0
+        return judge(
+            slot,
+            threads,
+            seen_progress=seen_progress,
+            ended=ended,
+            now=time.time(),
+            timeout=self.limit,
+        )
 
     def _post(self, status: str, dump: str) -> None:
         record = {"status": status, "slot": bytes(self.buf).hex(), "dump": dump}
@@ -185,29 +265,58 @@ class Watchdog:
         blocks = text.split("\n\n")
         return "\n\n".join(b for b in blocks if b.strip() and not b.startswith("Current"))
 
-    def _collect(self, stalled_s: float) -> _hang.HangReport:
+    def _collect(self, stalled_s: float) -> dict[str, Any]:
+        """Post this rank's report; one rank reads them all, the others read its verdict."""
         self._post("running", self._own_dump())
+        claimed = self.store.compare_set("collector", "", str(self.rank))
+        if claimed == str(self.rank).encode():
+            record = _verdict_record(self._read_reports(stalled_s), self.rank)
+            self.store.set("verdict", json.dumps(record))
+            return record
+        heard = self._heard("verdict", 2 * COLLECT_S)
+        if heard is not None:
+            found: dict[str, Any] = json.loads(heard)
+            return found
+        # The collector went silent: judge alone, and print it too.
+        return {**_verdict_record(self._read_reports(stalled_s), self.rank), "speaker": self.rank}
+
+    def _read_reports(self, stalled_s: float) -> _hang.HangReport:
+        """Wait for every rank's report (one check of all keys per poll), read each once."""
         keys = [f"report/{r}" for r in range(self.world)]
         deadline = time.monotonic() + COLLECT_S
-        while time.monotonic() < deadline and not all(self.store.check([k]) for k in keys):
+        complete = bool(self.store.check(keys))
+        while time.monotonic() < deadline and not complete:
             time.sleep(0.1)
+            complete = bool(self.store.check(keys))
+        # Past the deadline, find who is missing (this rank only, once).
+        present = keys if complete else [k for k in keys if self.store.check([k])]
+        values = dict(zip(present, self.store.multi_get(present), strict=True)) if present else {}
         views = []
         for rank, key in enumerate(keys):
-            if not self.store.check([key]):
+            if key not in values:
                 views.append(_hang.RankView(rank, "running", "running", answered=False))
                 continue
-            record = json.loads(self.store.get(key))
-            views.append(_view(rank, record))
+            views.append(_view(rank, json.loads(values[key])))
         verdict = _hang.diagnose(views)
         return _hang.HangReport(
             self.limit, stalled_s, self.world, verdict, tuple(views), option="timeout"
         )
 
+    def _heard(self, key: str, wait_s: float) -> bytes | None:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                if self.store.check([key]):
+                    return bytes(self.store.get(key))
+            time.sleep(0.1)
+        return None
+
     def _alone(self) -> _hang.HangReport | None:
         """The store failed: watch this rank's own progress; the others count as gone."""
         progress, since = self.tracker.progress, time.monotonic()
         while not self._stop.wait(self.poll_s):
-            if self.tracker.progress != progress:
+            moved = self.tracker.progress != progress
+            if moved or busy_counts(self._slot(), time.time(), self.limit):
                 progress, since = self.tracker.progress, time.monotonic()
             elif time.monotonic() - since > self.limit:
                 record = {"status": "running", "slot": bytes(self.buf).hex()}
@@ -223,48 +332,34 @@ class Watchdog:
                 )
         return None
 
-    def _speaker(self) -> int:
-        """The lowest rank still in the job: it prints, the others wait for it."""
-        for rank in range(self.world):
-            with contextlib.suppress(Exception):
-                record = json.loads(self.store.get(f"report/{rank}"))
-                if record["status"] == "running":
-                    return rank
-        return self.rank
-
-    def _finish(self, report: _hang.HangReport) -> None:
-        text = f"trainperf.ddp.watchdog: {report}\n\nEvery rank exits with status {EXIT_CODE}."
-        speaker = self.rank
+    def _finish(self, record: dict[str, Any]) -> None:
+        if record["speaker"] == self.rank:
+            self._publish(record)
+        # Every answering rank counts itself out, and waits (briefly) for the others, so that
+        # no process (perhaps the store's host) exits while another still reads the store.
         with contextlib.suppress(Exception):
-            speaker = self._speaker()
-        if speaker == self.rank:
-            self._publish(report, text)
-            with contextlib.suppress(Exception):
-                self.store.set("verdict", text)
-            time.sleep(
-                1.0
-            )  # the others read the verdict before this process (maybe the store's host) exits
-        elif not self._heard_verdict():
-            self._publish(report, text)
+            self.store.add("finished", 1)
+            deadline = time.monotonic() + 3.0
+            while (
+                int(self.store.add("finished", 0)) < record["answering"]
+                and time.monotonic() < deadline
+            ):
+                time.sleep(0.1)
         sys.stderr.flush()
         sys.stdout.flush()
         _kill_children()
         os._exit(EXIT_CODE)
 
-    def _heard_verdict(self) -> bool:
-        deadline = time.monotonic() + COLLECT_S
-        while time.monotonic() < deadline:
-            with contextlib.suppress(Exception):
-                if self.store.check(["verdict"]):
-                    return True
-            time.sleep(0.1)
-        return False
-
-    def _publish(self, report: _hang.HangReport, text: str) -> None:
+    def _publish(self, record: dict[str, Any]) -> None:
+        text = (
+            f"trainperf.ddp.watchdog: {record['message']}\n\n"
+            f"Every rank exits with status {EXIT_CODE}."
+        )
         print(text, file=sys.stderr, flush=True)
         if self.report_path is None:
             return
-        payload = json.dumps({**report.to_dict(), "message": str(report)}, indent=2).encode()
+        text = json.dumps({**record["report"], "message": record["message"]}, indent=2)
+        payload = text.encode()
         with contextlib.suppress(OSError):
             write_atomically(self.report_path, lambda f: _write(f, payload))
 
@@ -284,6 +379,26 @@ def _kill_children() -> None:
 
 def _write(f: IO[bytes], data: bytes) -> None:
     f.write(data)
+
+
+def _speaker(report: _hang.HangReport, me: int) -> int:
+    """The lowest rank still running that answered prints the verdict (``me`` if none)."""
+    for view in report.ranks:
+        if view.status == "running" and view.answered:
+            return view.rank
+    return me
+
+
+def _verdict_record(report: _hang.HangReport, me: int) -> dict[str, Any]:
+    """What the collector posts (JSON): the message, the report's dict, who prints it, and
+    how many ranks answered (they wait for each other before exiting)."""
+    answering = sum(1 for v in report.ranks if v.status == "running" and v.answered)
+    return {
+        "message": str(report),
+        "report": report.to_dict(),
+        "speaker": _speaker(report, me),
+        "answering": answering,
+    }
 
 
 def _view(rank: int, record: dict[str, Any]) -> _hang.RankView:
@@ -308,7 +423,9 @@ def watchdog(
     every rank sends its stacks, the lowest live rank prints the verdict to stderr (and
     writes it to ``report_path`` as JSON), and every rank exits with status 124 so that the
     launcher's restart policy can act. Under :func:`launch` it does nothing: ``launch``'s
-    ``hang_timeout`` already watches the ranks.
+    ``hang_timeout`` already watches the ranks. Nor does it while another ``watchdog()`` is
+    active in this process (nested calls): the outer one keeps watching, with its own
+    timeout, after the inner one exits.
 
     Args:
         timeout: seconds without progress on any rank that count as a hang; None turns it

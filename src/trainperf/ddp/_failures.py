@@ -1,0 +1,106 @@
+"""What the launcher says about a rank that failed: its summary, and the advice for the
+failures whose cause is known without a traceback (a spawned worker that could not import
+the script or main's module). Used by :mod:`~trainperf.ddp._group`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from trainperf.ddp._stderr import last_traceback
+from trainperf.ddp._worker import Failure
+
+__all__ = [
+    "DEATH_SLACK_S",
+    "Problem",
+    "load_advice",
+    "main_script",
+    "startup_problem",
+    "summarize",
+    "unguarded_main",
+]
+
+# A death without a report is only seen when the parent wakes up, about when the peers'
+# "connection closed" errors are stamped; dating it this much earlier blames the dead rank,
+# not the ranks that failed because it was gone.
+DEATH_SLACK_S = 1.0
+
+
+@dataclass(frozen=True)
+class Problem:
+    rank: int
+    time: float
+    summary: str
+    detail: str = ""  # the rank's traceback
+    advice: str = ""  # what to do, when the cause is known without a traceback
+
+
+def summarize(failure: Failure) -> str:
+    if failure.type_name == "SystemExit":
+        return f"called sys.exit({failure.message})"
+    first_line = failure.message.strip().splitlines()[0] if failure.message.strip() else ""
+    if len(first_line) > 300:
+        first_line = first_line[:300] + "..."
+    text = f"raised {failure.type_name}" + (f": {first_line}" if first_line else "")
+    return f"could not load main: {text}" if failure.stage == "load" else text
+
+
+def main_script() -> str:
+    return getattr(sys.modules.get("__main__"), "__file__", None) or "the main script"
+
+
+def load_advice(main: object) -> str:
+    module = getattr(main, "__module__", None) or "its module"
+    return (
+        f"Fix: a spawned worker is a new interpreter that imports main's module ({module}) by "
+        "name, so it must be importable there: installed, or in a directory on sys.path (a "
+        "module loaded from a file path with importlib is not); or use start_method='fork' "
+        "(Linux), which needs no import."
+    )
+
+
+def startup_problem(rank: int, seen_at: float, text: str) -> Problem | None:
+    """The failure Python printed while a spawned worker imported the script, if any."""
+    found = last_traceback(text)
+    if found is None:
+        return None
+    exception, tb = found
+    script = main_script()
+    summary = (
+        f"could not start: {exception} (Python raised it while the new process imported "
+        f"{script}, before trainperf's code ran there)"
+    )
+    if "bootstrapping phase" in text:
+        advice = (
+            f"Fix: code at the top level of {script} starts a process (a multiprocessing "
+            "Process or Pool, a DataLoader with workers), and each spawned worker runs it again "
+            "while it imports the script. Move it under the "
+            'if __name__ == "__main__": guard (or into main), or use start_method="fork" '
+            "(Linux)."
+        )
+    else:
+        advice = (
+            f"Fix: each spawned worker imports {script} again before it runs main, so its top "
+            "level runs in every worker: move that code under the "
+            'if __name__ == "__main__": guard (or into main), or use start_method="fork" '
+            "(Linux), which imports nothing again."
+        )
+    return Problem(rank, seen_at - DEATH_SLACK_S, summary, tb, advice)
+
+
+def unguarded_main() -> tuple[str, str]:
+    """Summary and advice for workers that exited because the script has no main guard."""
+    script = main_script()
+    summary = (
+        f"could not start: each spawned worker imports {script} again, and that import "
+        "called launch() once more, because the call is not under an "
+        'if __name__ == "__main__": guard'
+    )
+    advice = (
+        "Fix: start the workers only when the script is run, not when it is imported:\n\n"
+        '    if __name__ == "__main__":\n'
+        "        trainperf.ddp.launch(main)\n\n"
+        'In a notebook or REPL there is no script to import: use start_method="fork" (Linux).'
+    )
+    return summary, advice

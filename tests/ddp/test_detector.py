@@ -1,0 +1,137 @@
+"""trainperf.ddp._detector: the launcher's hang check on hand-made slots and stack dumps (the
+launched cases are in test_hang_cases)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from trainperf.ddp import _detector
+from trainperf.ddp._detector import HangDetector
+from trainperf.ddp._progress import BUSY_CAP, Tracker
+from trainperf.ddp._stacks import Frame, ThreadStack
+
+TORCH = os.path.dirname(torch.__file__)
+MAIN = threading.main_thread().ident or 0
+USER = "/home/me/train.py"
+RUNNING: dict[int, Any] = {0: object(), 1: object()}  # the group's live processes
+
+
+@pytest.fixture
+def detector(monkeypatch: pytest.MonkeyPatch) -> Iterator[HangDetector]:
+    """Two ranks: rank 0 waits in all_reduce, rank 1 runs its own code."""
+    det = HangDetector(2, 0.15)
+    try:
+        waits, runs = Tracker(det.slots, 0), Tracker(det.slots, 1)
+        for rank, tracker in enumerate((waits, runs)):
+            tracker.ready(armed=True)
+            det.started(rank, os.getpid())
+        waits.enter("all_reduce", (torch.ones(4),), {})
+        det.trackers = (waits, runs)  # type: ignore[attr-defined]
+        yield det
+    finally:
+        det.close()
+
+
+def _stacks(*extra: ThreadStack) -> dict[int, list[ThreadStack]]:
+    c10d = Frame(f"{TORCH}/distributed/distributed_c10d.py", 3900, "all_reduce")
+    waiting = ThreadStack(MAIN, False, (c10d, Frame(USER, 24, "main")))
+    running = ThreadStack(MAIN, False, (Frame(USER, 21, "main"),))
+    return {0: [waiting], 1: [running, *extra]}
+
+
+def _check_after_timeout(det: HangDetector) -> Any:
+    assert det.check(RUNNING, {}) is None  # starts the clock
+    time.sleep(det.timeout + 0.1)
+    return det.check(RUNNING, {})
+
+
+def test_a_stall_with_one_rank_waiting_is_a_hang(
+    detector: HangDetector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(detector, "_dump", lambda ranks: _stacks())
+    report = _check_after_timeout(detector)
+    assert report is not None and report.verdict.root == (1,)
+
+
+def test_torch_compile_on_a_rank_s_other_thread_is_not_a_hang(
+    detector: HangDetector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiler = ThreadStack(
+        0x99, False, (Frame(f"{TORCH}/_dynamo/convert_frame.py", 900, "compile"),)
+    )
+    monkeypatch.setattr(detector, "_dump", lambda ranks: _stacks(compiler))
+    assert _check_after_timeout(detector) is None
+
+
+def test_a_rank_that_moves_while_the_stacks_are_taken_is_not_a_hang(
+    detector: HangDetector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def dump_while_moving(ranks: list[int]) -> dict[int, list[ThreadStack]]:
+        detector.trackers[1].batch()  # type: ignore[attr-defined]
+        return _stacks()
+
+    monkeypatch.setattr(detector, "_dump", dump_while_moving)
+    assert _check_after_timeout(detector) is None
+
+
+def test_a_rank_in_busy_work_progresses_until_the_cap_then_is_named(
+    detector: HangDetector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(detector, "_dump", lambda ranks: _stacks())
+    saving = detector.trackers[1]  # type: ignore[attr-defined]
+    saving.busy_enter("saving checkpoint /ckpt/step-9.pt")
+    assert _check_after_timeout(detector) is None
+    assert detector.check(RUNNING, {}) is None
+    # Past BUSY_CAP x hang_timeout in the block it counts no more: named as stuck in it.
+    saving.busy_since = time.time() - BUSY_CAP * detector.timeout - 1.0
+    saving._write()
+    report = _check_after_timeout(detector)
+    assert report is not None and report.verdict.root == (1,)
+    assert "rank 1 is stuck in saving checkpoint /ckpt/step-9.pt for " in report.verdict.headline
+    assert "raise hang_timeout" in report.verdict.advice
+    assert report.to_dict()["ranks"][1]["doing"].startswith("is stuck in saving checkpoint")
+
+
+def _dir_with_owner(base: Any, name: str, **fields: Any) -> Any:
+    import dataclasses
+    import json
+
+    from trainperf.ddp import _rundir
+
+    path = base / f"{_rundir.PREFIX}{name}"
+    path.mkdir()
+    record = {**dataclasses.asdict(_rundir.this_process()), **fields}
+    (path / _rundir.OWNER_FILE).write_text(json.dumps(record))
+    return path
+
+
+def test_stale_run_directories_are_judged_by_owner_not_by_pid(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    monkeypatch.setattr(_detector, "_base_dir", lambda: str(tmp_path))
+    # Another container's live launcher: its pid means nothing in this pid namespace.
+    other_container = _dir_with_owner(tmp_path, f"{gone.pid}-a", pid=gone.pid, pid_ns="pid:[1]")
+    # This launcher's pid, but another start time: the pid was reused, the owner is gone.
+    reused = _dir_with_owner(tmp_path, f"{os.getpid()}-b", start=1)
+    live = _dir_with_owner(tmp_path, f"{os.getpid()}-c")
+    dead = _dir_with_owner(tmp_path, f"{gone.pid}-d", pid=gone.pid)
+    det = HangDetector(1, 5.0)
+    try:
+        assert det.dir.parent == tmp_path
+        assert other_container.exists() and live.exists()
+        assert not reused.exists() and not dead.exists()
+    finally:
+        det.close()
+    assert not det.dir.exists()

@@ -1,0 +1,231 @@
+"""trainperf.ddp._watchdog: one decision per snapshot, O(ranks) report collection, safe
+nesting, and busy() beats (the multi-process torchrun cases are in test_hang_cases)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from trainperf.ddp import _progress, _watchdog
+from trainperf.ddp._progress import SLOT_SIZE, SlotState, State, Tracker
+from trainperf.ddp._stacks import Frame, ThreadStack
+from trainperf.ddp._watchdog import Watchdog, judge, watchdog
+
+TORCH = os.path.dirname(torch.__file__)
+MAIN = threading.main_thread().ident or 0
+USER = "/home/me/train.py"
+
+
+class FakeStore:
+    """The part of a ``torch.distributed.Store`` the watchdog uses, counting key reads."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.reads: Counter[str] = Counter()  # key prefix ("report") -> values read
+        self.lock = threading.Lock()
+
+    def _count(self, key: str) -> None:
+        self.reads[key.split("/")[0]] += 1
+
+    def add(self, key: str, n: int) -> int:
+        with self.lock:
+            value = int(self.data.get(key, b"0")) + n
+            self.data[key] = str(value).encode()
+            return value
+
+    def set(self, key: str, value: str | bytes) -> None:
+        with self.lock:
+            self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str) -> bytes:
+        with self.lock:
+            self._count(key)
+            return self.data[key]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        with self.lock:
+            for key in keys:
+                self._count(key)
+            return [self.data[k] for k in keys]
+
+    def check(self, keys: list[str]) -> bool:
+        with self.lock:
+            return all(k in self.data for k in keys)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        with self.lock:
+            current = self.data.get(key)
+            if (current is None and expected == "") or current == expected.encode():
+                self.data[key] = desired.encode()
+            return self.data.get(key, b"")
+
+
+def _watchdog_on(store: FakeStore, rank: int, world: int, limit: float = 0.3) -> Watchdog:
+    """A Watchdog set up as start() does, without a process group or a thread."""
+    wd = Watchdog(limit, None)
+    wd.rank, wd.world, wd.store = rank, world, store
+    wd.buf = bytearray(SLOT_SIZE)
+    wd.tracker = Tracker(wd.buf)
+    wd.tracker.ready(armed=True)
+    wd.limit, wd.poll_s = limit, 0.02
+    return wd
+
+
+def _dump(*frames: tuple[str, int, str]) -> str:
+    lines = [f"Thread 0x{MAIN:x} (most recent call first):"]
+    lines += [f'  File "{file}", line {line} in {fn}' for file, line, fn in frames]
+    return "\n".join(lines) + "\n"
+
+
+# The main thread in the user's own code, then (a moment later) inside backward() where
+# AOT autograd compiles the backward graph on its first call: a compilation, not a hang.
+PLAIN = _dump((USER, 20, "main"))
+BACKWARD_COMPILE = _dump(
+    (f"{TORCH}/_inductor/compile_fx.py", 900, "bw_compiler"),
+    (f"{TORCH}/autograd/graph.py", 800, "_engine_run_backward"),
+    (f"{TORCH}/_tensor.py", 600, "backward"),
+    (USER, 30, "main"),
+)
+
+
+def _run_watch(wd: Watchdog, seconds: float) -> None:
+    thread = threading.Thread(target=wd._watch, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    wd._stop.set()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_the_stall_is_judged_on_one_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each look at the rank alternates between the two moments: checking "compiling?" on
+    # one dump and "blocked?" on the next would see a blocked rank that is not compiling.
+    store = FakeStore()
+    wd = _watchdog_on(store, 0, 2, limit=0.05)
+    dumps = iter([PLAIN, BACKWARD_COMPILE] * 1000)
+    monkeypatch.setattr(wd, "_own_dump", lambda: next(dumps))
+    monkeypatch.setattr(wd, "_collect", lambda stalled_s: {"collected": True})
+    _run_watch(wd, 0.5)  # several stalls, each judged
+    assert "hang" not in store.data
+
+
+def test_the_decision_rules() -> None:
+    waits = SlotState(7, 3, 0, 0.0, MAIN, State.IN_COLLECTIVE, True, ())
+    running = SlotState(7, 3, 0, 0.0, MAIN, State.RUNNING, True, ())
+    kw: dict[str, Any] = {"seen_progress": 7, "ended": False, "now": 100.0, "timeout": 5.0}
+    assert judge(waits, [], **kw) == "hang"
+    assert judge(waits, [], **{**kw, "seen_progress": 6}) == "progress"  # moved meanwhile
+    assert judge(running, [], **kw) == "wait"  # busy in its own code
+    assert judge(running, [], **{**kw, "ended": True}) == "hang"  # another rank is gone
+    backward = ThreadStack(MAIN, False, (Frame(f"{TORCH}/_tensor.py", 600, "backward"),))
+    assert judge(running, [backward], **kw) == "hang"
+    # torch.compile on a thread other than the main one counts too.
+    compiler = ThreadStack(99, False, (Frame(f"{TORCH}/_dynamo/convert_frame.py", 9, "f"),))
+    assert judge(waits, [backward, compiler], **kw) == "progress"
+    # Inside busy(): progress below the cap (10 x timeout), then a hang like any other wait.
+    saving = SlotState(7, 3, 0, 0.0, MAIN, State.IN_COLLECTIVE, True, (), 90.0, "saving")
+    assert judge(saving, [], **kw) == "progress"
+    assert judge(saving, [], **{**kw, "now": 141.0}) == "hang"
+
+
+def test_a_rank_inside_busy_beats_progress_each_poll() -> None:
+    store = FakeStore()
+    wd = _watchdog_on(store, 1, 2, limit=0.1)
+    wd.tracker.busy_enter("saving checkpoint /ckpt/step-3.pt")
+    before = wd.tracker.progress
+    _run_watch(wd, 0.4)  # past the timeout, below the cap
+    # Every poll added one beat on top of this rank's own (unchanged) progress.
+    assert wd.tracker.progress == before
+    assert int(store.data["progress"]) >= before + 3
+    assert "hang" not in store.data
+
+
+def _collect_on(world: int, store: FakeStore) -> list[Any]:
+    """Every rank of a world collects at once, as after a hang."""
+    dogs = [_watchdog_on(store, r, world) for r in range(world)]
+    dogs[1].tracker.enter("all_reduce", (torch.ones(4),), {})  # one rank waits in a collective
+    store.set("hang", "1")
+    results: list[Any] = [None] * world
+
+    def run(rank: int) -> None:
+        results[rank] = dogs[rank]._collect(3.0)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+def _message(result: Any) -> str:
+    return str(result["message"] if isinstance(result, dict) else result)
+
+
+def test_collecting_the_reports_reads_each_one_once() -> None:
+    store = FakeStore()
+    results = _collect_on(4, store)
+    # One rank reads the 4 reports; the others read its verdict (was: each rank read all).
+    assert store.reads["report"] == 4, store.reads
+    assert store.reads["verdict"] <= 3
+    messages = {_message(r) for r in results}
+    assert len(messages) == 1, messages
+    record = results[0]
+    assert record["report"]["world_size"] == 4 and record["answering"] == 4
+    assert record["speaker"] == 0  # the lowest rank still running prints
+    json.dumps(record)
+
+
+def test_a_silent_collector_leaves_each_rank_to_judge(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = FakeStore()
+    store.set("collector", "3")  # claimed by a rank that then died
+    monkeypatch.setattr(_watchdog, "COLLECT_S", 0.1)
+    dogs = [_watchdog_on(store, r, 2) for r in range(2)]
+    t0 = time.monotonic()
+    record = dogs[0]._collect(1.0)
+    assert time.monotonic() - t0 < 10
+    assert record["speaker"] == 0 and "rank 1" in record["message"]  # rank 1 never answered
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    import torch.distributed as dist
+
+    from tests.ddp.test_launch import _free_port
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_a_nested_watchdog_leaves_the_outer_one_watching(one_rank_group: None) -> None:
+    import torch.distributed as dist
+
+    original = dist.all_reduce
+    with watchdog(30.0) as outer:
+        with watchdog(5.0) as inner:
+            assert not inner.active  # nested: does nothing
+        assert outer.active and outer._thread is not None and outer._thread.is_alive()
+        assert hasattr(dist.all_reduce, "__trainperf_watched__")
+        before = outer.tracker.progress
+        dist.all_reduce(torch.ones(1))
+        assert outer.tracker.progress == before + 1  # still counted
+    assert dist.all_reduce is original
+    assert not any(t.name == "trainperf-watchdog" for t in threading.enumerate())
+    # After the outer one, a new watchdog starts (keys of its own in the store).
+    with watchdog(30.0) as again:
+        assert again.active
+    assert not _watchdog._active and not _progress._installed
