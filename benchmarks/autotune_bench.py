@@ -24,11 +24,16 @@ Usage:
     python benchmarks/autotune_bench.py --datasets jpeg --batch-size 128 \\
         --workers 0,8,12,14,15,16,24 --prefetch 2 --pin true --json out.json
                                       # 16-core GPU host, about 3 minutes (reduced grid)
+    python benchmarks/autotune_bench.py --adapt [adapt_bench options]
+                                      # the adaptive loader (adapt=True) against fixed
+                                      # settings: from num_workers=0, CPUs halved, a CPU
+                                      # hog (benchmarks/adapt_bench.py; about 8 minutes)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
 import math
@@ -37,6 +42,7 @@ import platform
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -320,8 +326,30 @@ def parse_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def adapt_main(argv: list[str]) -> int:
+    """``--adapt``: the adaptive loader's scenarios, run by ``benchmarks/adapt_bench.py``'s
+    own code (its options follow ``--adapt``)."""
+    path = Path(__file__).with_name("adapt_bench.py")
+    spec = importlib.util.spec_from_file_location("adapt_bench", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["adapt_bench"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return int(module.main(argv))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--adapt" in argv:
+        return adapt_main([a for a in argv if a != "--adapt"])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--adapt",
+        action="store_true",
+        help="benchmark the adaptive loader instead (benchmarks/adapt_bench.py; its "
+        "options, e.g. --scenarios warmup --duration 60, follow)",
+    )
     p.add_argument(
         "--datasets",
         default="jpeg,light,io,memory",

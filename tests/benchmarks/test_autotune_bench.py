@@ -52,3 +52,17 @@ def test_autotune_bench_compares_both_tuner_modes_with_the_grid(
         assert 0 < r["ratio_to_grid_best"] <= 1.0  # the grid best is the grid's maximum
     assert results[0]["main_cores"] == 1.0  # no step_fn: one core kept
     assert results[1]["main_cores"] < 0.5  # an idle step_fn: the main process only takes batches
+
+
+@pytest.mark.slow  # the warmup scenario, shortened: about 6 s
+def test_autotune_bench_adapt_runs_the_adaptive_scenarios(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench = load_bench(monkeypatch)
+    monkeypatch.setitem(sys.modules, "adapt_bench", None)  # replaced by the one it loads
+    short = ["--workers", "0,2", "--duration", "2.5", "--tail", "1.5", "--warm", "0.3"]
+    rc = bench.main(["--adapt", "--scenarios", "warmup", *short, "--measure", "0.8"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "warmup   as started" in out and "[warmup] tuning_history" in out
+    assert "cpus " not in out  # only the scenario asked for

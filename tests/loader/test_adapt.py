@@ -128,7 +128,7 @@ def test_halved_usable_cpus_mean_fewer_workers(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(adapt, "usable_cpus", lambda *a, **kw: cpus["now"])
     # Busy workers (a core each) without burning this machine's two cores on it, and a
     # host whose other load is not counted: the rule under test is the CPUs' change.
-    monkeypatch.setattr(adapt._Workers, "cores", lambda self: float(len(self.procs)))
+    monkeypatch.setattr(adapt.Workers, "cores", lambda self: float(len(self.procs)))
     monkeypatch.setattr(adapt, "cpu_mark", lambda: None)
     loader = AdaptiveDataLoader(Latency(24), batch_size=4, num_workers=6, max_workers=6)
 
@@ -268,21 +268,25 @@ def test_autotune_loader_keeps_the_callers_bounds(monkeypatch: pytest.MonkeyPatc
 def test_a_full_host_and_a_slowed_step_mean_fewer_workers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # A CPU hog lands: the CPUs read full and the step takes three times as long.
+    # A CPU hog lands: the CPUs read full and the step takes five times as long.
     monkeypatch.setattr(adapt, "usable_cpus", lambda *a, **kw: 4)
-    monkeypatch.setattr(adapt._Workers, "cores", lambda self: float(len(self.procs)))
+    monkeypatch.setattr(adapt.Workers, "cores", lambda self: float(len(self.procs)))
     monkeypatch.setattr(adapt, "host_busy", lambda before, after: 1.0)
-    loader = AdaptiveDataLoader(Latency(48), batch_size=4, num_workers=4, max_workers=4)
+    # Batches that cost the workers nothing, from workers started once: the loop does not
+    # wait for data (a loop that waits keeps its workers: see test_adapt_rules).
+    loader = AdaptiveDataLoader(
+        range(48), batch_size=4, num_workers=4, max_workers=4, persistent_workers=True
+    )
 
     def epoch(step_s: float) -> None:
         for _ in loader:
             time.sleep(step_s)
 
     try:
-        epoch(0.001)
-        epoch(0.008)
+        epoch(0.004)
+        epoch(0.02)
         assert loader.tuning_history == []  # full, but the first epoch's step is the fastest
-        epoch(0.008)
+        epoch(0.02)
     finally:
         loader.close()
     (change,) = loader.tuning_history

@@ -118,6 +118,17 @@ def test_oversubscribed_host_and_slowed_step_drop_workers() -> None:
     assert _decide(f) is None
 
 
+def test_a_slowed_step_that_waits_for_data_keeps_its_workers() -> None:
+    # A full host slowed the step, but the loop waits for data half the time: fewer workers
+    # would only make it wait longer (this once cut 3 workers to 1 under a CPU hog).
+    f = figures(num_workers=3, prefetch_factor=2, worker_cores=0.4, host_busy=1.0, wait_s=1.0)
+    assert _decide(f, fastest_step_per_batch=f.step_per_batch / 2, max_workers=3) is None
+    # Waiting 5 % of the time: the workers may be what slowed the step.
+    less = figures(num_workers=3, prefetch_factor=2, worker_cores=3.0, host_busy=1.0, wait_s=0.05)
+    cut = _decide(less, fastest_step_per_batch=less.step_per_batch / 2, max_workers=3)
+    assert cut is not None and cut.reason == "oversubscribed" and cut.num_workers < 3
+
+
 def test_figures_to_dict_is_json_and_rates_reads() -> None:
     f = figures(wait_s=1.0, step_s=3.0, samples=800, startup_s=0.0, host_busy=None)
     assert json.loads(json.dumps(f.to_dict()))["wait_s"] == 1.0

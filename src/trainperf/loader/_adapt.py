@@ -1,27 +1,31 @@
-"""``autotune_loader(..., adapt=True)``: a DataLoader that keeps itself tuned between epochs.
+"""``autotune_loader(..., adapt=True)``: a DataLoader that keeps itself tuned while it runs.
 
 :class:`AdaptiveDataLoader` times every ``__next__`` (the loop waiting for data) and the
-gaps between them (the step), reads its workers' CPU about twice a second, and at each
-``iter()`` after the first reads the usable CPUs and memory again
-(:func:`trainperf.limits.host_limits`, :func:`trainperf.limits.usable_cpus`). The rules of
-:mod:`trainperf.loader._adapt_rules` then say whether ``num_workers`` / ``prefetch_factor``
-change; memory and ``/dev/shm`` bind through the one-off tuner's own rule
-(:meth:`trainperf.loader._search.Search.memory_problem`).
+gaps between them (the step), reads its workers' CPU about twice a second, and every
+``_CHECK_EVERY_S`` seconds of iteration (and at each ``iter()`` after the first) reads the
+usable CPUs and memory again (:func:`trainperf.limits.host_limits`,
+:func:`trainperf.limits.usable_cpus`). The rules of :mod:`trainperf.loader._adapt_rules`
+then say whether ``num_workers`` / ``prefetch_factor`` change; memory and ``/dev/shm`` bind
+through the one-off tuner's own rule (:meth:`trainperf.loader._search.Search.memory_problem`).
 
-Settings change only at epoch boundaries (between ``iter()`` calls), never mid-epoch, so
-the samples come in exactly the order the same loader would give without adapting: the
-sampler runs in this process whatever the worker count, and workers return batches in
-order. A persistent worker pool is shut down before a new one starts, and the draw from the
-generator a new pool would make is undone, so a ``persistent_workers=True`` loader also
-keeps its order.
+A change is made at a batch boundary, mid-epoch, when the sample sequence can be kept
+exactly (:func:`trainperf.loader._adapt_plan.resumable`: a map-style dataset and torch's
+own samplers): the epoch's indices are drawn once from the sampler, as the plain loader
+draws them, and the new worker pool gets the indices the old one had prefetched but not
+delivered, then the rest (:class:`~trainperf.loader._adapt_plan.EpochPlan`). Otherwise
+changes wait for the next epoch boundary. Either way the samples come in exactly the order
+the same loader gives without adapting: the sampler runs in this process whatever the
+worker count, and workers return batches in order. A worker pool is shut down before a new
+one starts, and the draws from the generator a new pool makes are those the fixed loader
+makes, so a ``persistent_workers=True`` loader also keeps its order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
-import os
 import time
 import warnings
 from collections.abc import Iterator
@@ -30,10 +34,13 @@ from typing import Any
 
 import psutil
 import torch
+from torch.utils.data import DataLoader
 
 from trainperf._utils.lifetime import DieWithParent
 from trainperf._utils.validate import non_negative_int
 from trainperf.limits import HostLimits, host_limits, local_world_size, usable_cpus
+from trainperf.loader._adapt_measure import Workers, cpu_mark, host_busy
+from trainperf.loader._adapt_plan import EpochPlan, resumable
 from trainperf.loader._adapt_rules import Change, EpochFigures, Reason, decide, rates
 from trainperf.loader._autotune import TunedDataLoader
 from trainperf.loader._batches import batch_bytes, samples_in
@@ -44,23 +51,29 @@ __all__ = ["AdaptiveDataLoader", "TuningChange", "memory_rules"]
 
 logger = logging.getLogger("trainperf.loader")
 
-_SAMPLE_EVERY_S = 0.5  # how often the workers' CPU is read
+_CHECK_EVERY_S = 2.0  # seconds of iteration between mid-epoch checks
+_CHECK_BATCHES = 4  # batches a mid-epoch check needs, the first of its window excluded
 _TOO_MANY = "This DataLoader will create"
 
 
 @dataclass(frozen=True)
 class TuningChange:
-    """One change an :class:`AdaptiveDataLoader` made, at the start of an epoch.
+    """One change an :class:`AdaptiveDataLoader` made, at an epoch boundary or mid-epoch.
 
     Attributes:
-        epoch: the epoch (counted from 0) that runs with the new setting.
+        epoch: the epoch (counted from 0) that runs with the new setting (from its start,
+            or from batch ``epoch_batch`` on).
         time: when it was made (seconds since the epoch, ``time.time()``): where a timeline
             puts its marker.
         old: ``(num_workers, prefetch_factor)`` before.
         new: ``(num_workers, prefetch_factor)`` after.
         reason: which rule made it (see :mod:`trainperf.loader._adapt_rules`).
         why: one sentence with the figures behind it.
-        figures: what the previous epoch measured.
+        figures: what was measured since the previous check (the previous epoch, or the
+            seconds before a mid-epoch change).
+        batch: batches the loader had yielded, over all epochs, when it was made (the
+            first batch with the new setting is number ``batch``, from 0).
+        epoch_batch: batches of ``epoch`` yielded before it (0: at the epoch's start).
     """
 
     epoch: int
@@ -70,6 +83,8 @@ class TuningChange:
     reason: Reason
     why: str
     figures: EpochFigures
+    batch: int = 0
+    epoch_batch: int = 0
 
     def __str__(self) -> str:
         """One line: old → new settings, why, the measured rates.
@@ -82,8 +97,9 @@ class TuningChange:
             epoch 1: workers=0 prefetch=- → workers=3 prefetch=2 (input-bound: waited;
             200 samples/s, waited for data 50 % of the time, 4 usable CPUs 20 % busy)
         """
+        at = f"epoch {self.epoch}" + (f", batch {self.epoch_batch}" if self.epoch_batch else "")
         return (
-            f"epoch {self.epoch}: {_label(self.old)} → {_label(self.new)} "
+            f"{at}: {_label(self.old)} → {_label(self.new)} "
             f"({self.reason}: {self.why}; {rates(self.figures)})"
         )
 
@@ -97,92 +113,27 @@ def _label(setting: tuple[int, int | None]) -> str:
     return f"workers={n} prefetch={'-' if pf is None or n == 0 else pf}"
 
 
-def _cpu_s(proc: psutil.Process) -> float:
-    t = proc.cpu_times()
-    return float(t.user + t.system)
-
-
-CpuMark = dict[int, tuple[float, float]]
-"""``{cpu: (busy seconds, total seconds)}`` for this process's CPUs."""
-
-
-def cpu_mark() -> CpuMark | None:
-    """The busy and total time of each CPU this process may run on, so far (read with its
-    own mark, not psutil's shared one that ``cpu_percent`` moves)."""
-    try:
-        per = psutil.cpu_times(percpu=True)
-        mine = os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        return None
-    out = {}
-    for i in mine:
-        if i < len(per):
-            t = per[i]
-            total = float(sum(t))
-            out[i] = (total - t.idle - getattr(t, "iowait", 0.0), total)
-    return out
-
-
-def host_busy(before: CpuMark | None, after: CpuMark | None) -> float | None:
-    """Share of the CPUs' time busy between two marks (every process counted), or None.
-
-    Example:
-        >>> host_busy({0: (1.0, 2.0), 1: (0.0, 2.0)}, {0: (3.0, 4.0), 1: (1.0, 4.0)})
-        0.75
-    """
-    if not before or not after:
-        return None
-    busy = total = 0.0
-    for cpu, (b1, t1) in after.items():
-        if cpu in before:
-            b0, t0 = before[cpu]
-            busy, total = busy + b1 - b0, total + t1 - t0
-    return min(1.0, max(0.0, busy / total)) if total > 0 else None
-
-
-class _Workers:
-    """The workers' CPU, read at most every half second while batches arrive."""
-
-    def __init__(self) -> None:
-        self.procs: list[psutil.Process] = []
-        self.first: tuple[float, float] | None = None  # (wall, cpu seconds)
-        self.last: tuple[float, float] | None = None
-
-    def read(self, it: Any, now: float) -> None:
-        if self.last is not None and now - self.last[0] < _SAMPLE_EVERY_S:
-            return
-        if not self.procs:
-            with contextlib.suppress(psutil.Error, AttributeError):
-                self.procs = [psutil.Process(w.pid) for w in getattr(it, "_workers", [])]
-            if not self.procs:
-                return
-        total = 0.0
-        for p in self.procs:
-            with contextlib.suppress(psutil.Error):
-                total += _cpu_s(p)
-        self.last = (now, total)
-        if self.first is None:
-            self.first = self.last
-
-    def cores(self) -> float | None:
-        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
-            return None
-        return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
-
-
 class _TimedIter:
-    """The DataLoader's iterator, timed: waits in ``__next__``, gaps between calls."""
+    """The DataLoader's iterator, timed: waits in ``__next__``, gaps between calls.
 
-    def __init__(self, it: Any, loader: AdaptiveDataLoader) -> None:
-        self.it, self.loader = it, loader
+    The figures cover a window: the epoch so far, or the time since the last mid-epoch
+    check; the first batch of a window counts as its start-up.
+    """
+
+    def __init__(self, it: Any, loader: AdaptiveDataLoader, plan: EpochPlan | None) -> None:
+        self.it, self.loader, self.plan = it, loader, plan
+        self.yielded = 0  # batches of this epoch yielded, whatever pools made them
+        self.returned: float | None = None
+        self.returned_cpu = 0.0
+        self.final: EpochFigures | None = None
+        self.new_window()
+
+    def new_window(self) -> None:
         self.batches = self.samples = 0
         self.wait_s = self.step_s = self.startup_s = 0.0
         self.load_cpu_s = self.step_cpu_s = 0.0
         self.started = time.perf_counter()
-        self.returned: float | None = None
-        self.returned_cpu = 0.0
-        self.workers = _Workers()
-        self.final: EpochFigures | None = None
+        self.workers = Workers()
         self.cpu_mark = cpu_mark()
 
     def __iter__(self) -> _TimedIter:
@@ -196,6 +147,10 @@ class _TimedIter:
         if self.returned is not None:
             self.step_s += t0 - self.returned
             self.step_cpu_s += c0 - self.returned_cpu
+            due = t0 - self.started >= _CHECK_EVERY_S and self.batches > _CHECK_BATCHES
+            if due and self.plan is not None and self.final is None:
+                self.loader._check(self)  # a batch boundary: it may replace the pool
+                t0, c0 = time.perf_counter(), time.process_time()
         try:
             batch = next(self.it)
         except StopIteration:
@@ -209,6 +164,10 @@ class _TimedIter:
             self.wait_s += t1 - t0
             self.load_cpu_s += time.process_time() - c0
         self.batches += 1
+        self.yielded += 1
+        self.loader._yielded += 1
+        if self.plan is not None:
+            self.plan.received(self.yielded)
         self.samples += samples_in(batch, self.loader.batch_size or 1)
         self.workers.read(self.it, t1)
         self.returned, self.returned_cpu = time.perf_counter(), time.process_time()
@@ -261,12 +220,14 @@ def memory_rules(
 
 
 class AdaptiveDataLoader(TunedDataLoader):
-    """A :class:`TunedDataLoader` that retunes ``num_workers`` / ``prefetch_factor`` between
-    epochs from what it measures while iterated (see :mod:`trainperf.loader._adapt`).
+    """A :class:`TunedDataLoader` that retunes ``num_workers`` / ``prefetch_factor`` while it
+    runs, from what it measures while iterated (see :mod:`trainperf.loader._adapt`).
 
     Every change is logged at INFO on the ``trainperf.loader`` logger and kept in
-    ``tuning_history``. Settings never change mid-epoch; the sample order is the one the
-    same loader gives without adapting.
+    ``tuning_history``. A change is made mid-epoch, at a batch boundary, when the sample
+    sequence can be kept exactly (a map-style dataset and torch's own samplers), else at the
+    next epoch boundary; either way the samples and their order are those the same loader
+    gives without adapting.
 
     Args:
         dataset: as for DataLoader.
@@ -276,18 +237,24 @@ class AdaptiveDataLoader(TunedDataLoader):
             main process's, the worst case.
         keep_workers: keep the workers it starts alive between epochs
             (``persistent_workers`` becomes True then); False restarts them each epoch.
+        mid_epoch: allow changes within an epoch (where the order can be kept); False:
+            only at epoch boundaries.
         **kwargs: DataLoader arguments.
 
     Attributes:
         tuning_history: the :class:`TuningChange` records, oldest first.
+        epoch_boundaries_only: why changes wait for an epoch boundary (``"an
+            IterableDataset"``, ``"a custom sampler (Mine)"``, ``"mid_epoch=False"``, or
+            that its index sampler is wrapped: a :class:`trainperf.Checkpointer` tracks
+            it), or None when they may happen mid-epoch.
 
     Raises:
         ValueError: ``max_workers`` is not None or an int >= 0 (and DataLoader's own).
 
     Example:
         >>> loader = AdaptiveDataLoader(range(8), batch_size=4, max_workers=2)
-        >>> [b.tolist() for b in loader], loader.tuning_history
-        ([[0, 1, 2, 3], [4, 5, 6, 7]], [])
+        >>> [b.tolist() for b in loader], loader.tuning_history, loader.epoch_boundaries_only
+        ([[0, 1, 2, 3], [4, 5, 6, 7]], [], None)
     """
 
     tuning_history: list[TuningChange]
@@ -299,12 +266,13 @@ class AdaptiveDataLoader(TunedDataLoader):
         max_workers: int | None = None,
         tuner: Search | None = None,
         keep_workers: bool = True,
+        mid_epoch: bool = True,
         **kwargs: Any,
     ) -> None:
         non_negative_int("max_workers", max_workers, none_ok=True)
         super().__init__(dataset, *args, **kwargs)
         self._keep_workers = keep_workers
-        self._batch_bytes = 0  # of the latest epoch's first batch
+        self._batch_bytes = 0  # of the latest window's first batch
         self._main = psutil.Process()
         limits = host_limits()
         self._cpus = usable_cpus(local_world_size(), limits=limits)
@@ -313,12 +281,35 @@ class AdaptiveDataLoader(TunedDataLoader):
             [], self._max_workers, int(self._main.memory_info().rss), "fork"
         )
         self._epoch = 0
+        self._yielded = 0  # batches yielded over all epochs
         self._current: _TimedIter | None = None
         self._fastest_step = float("inf")
         # A persistent pool draws from the generator once, when it starts: a pool rebuilt
         # later must not draw again, or the order would differ from the fixed loader's.
         self._draws_once = bool(self.persistent_workers and self.num_workers > 0)
         self.tuning_history = []
+        self._why_not_mid_epoch = resumable(self) if mid_epoch else "mid_epoch=False"
+        self._plan = None if self._why_not_mid_epoch else EpochPlan(self._real_index_sampler)
+
+    @property
+    def epoch_boundaries_only(self) -> str | None:
+        """Why changes wait for an epoch boundary, or None when they may happen mid-epoch."""
+        if self._why_not_mid_epoch is None and _wraps_index_sampler(type(self)):
+            # Another layer (a Checkpointer tracking this loader) wraps the index sampler
+            # and counts each iterator's draws: a pool replaced under it would break that.
+            return f"its index sampler is wrapped ({type(self).__name__})"
+        return self._why_not_mid_epoch
+
+    @property
+    def _real_index_sampler(self) -> Any:
+        return DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
+
+    @property
+    def _index_sampler(self) -> Any:
+        # What DataLoader's iterators draw indices from: the epoch plan, which replays the
+        # indices a replaced pool had not delivered (see _adapt_plan).
+        plan = self.__dict__.get("_plan")
+        return self._real_index_sampler if plan is None else plan
 
     def __iter__(self) -> Any:
         if self._current is not None:
@@ -333,15 +324,21 @@ class AdaptiveDataLoader(TunedDataLoader):
             # seed from the generator: the same draw keeps the sampler's sequence.
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         scratch = self._draws_once and self._epoch > 0 and not reuse
+        it = self._start(scratch)
+        plan = None if self.epoch_boundaries_only else self._plan
+        self._current = _TimedIter(it, self, plan)
+        self._epoch += 1
+        return self._current
+
+    def _start(self, scratch: bool) -> Any:
+        """A DataLoader iterator; ``scratch``: its draw from the generator is not the fixed
+        loader's (that one would start none here), so it draws from a scratch one."""
         with self._no_extra_draw() if scratch else _nothing(), warnings.catch_warnings():
             if self.tuning_history:
                 # More workers than cores is this loader's measured choice (they wait on
                 # I/O), not the mistake DataLoader's check warns about.
                 warnings.filterwarnings("ignore", _TOO_MANY, UserWarning)
-            it = super().__iter__()
-        self._current = _TimedIter(it, self)
-        self._epoch += 1
-        return self._current
+            return super().__iter__()
 
     def _epoch_ended(self, timed: _TimedIter) -> None:
         """Read the epoch's figures as it ends (or, cut short, as the next one starts)."""
@@ -365,11 +362,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         )
         return search.memory_problem(n, pf, bool(self.pin_memory)) is None
 
-    def _retune(self, timed: _TimedIter) -> None:
-        limits = host_limits()  # memory and /dev/shm as this epoch starts
-        f = timed.final or timed.figures(limits)
-        if f.batches < 2:
-            return
+    def _decide(self, f: EpochFigures, limits: HostLimits) -> Change | None:
         self._fastest_step = min(self._fastest_step, f.step_per_batch)
         change = decide(
             f,
@@ -379,10 +372,37 @@ class AdaptiveDataLoader(TunedDataLoader):
             fits=lambda n, pf: self.fits(n, pf, limits),
         )
         self._cpus = f.cpus
-        if change is not None:
-            self._apply(change, f)
+        return change
 
-    def _apply(self, change: Change, f: EpochFigures) -> None:
+    def _retune(self, timed: _TimedIter) -> None:
+        limits = host_limits()  # memory and /dev/shm as this epoch starts
+        f = timed.final or timed.figures(limits)
+        if f.batches < 2:
+            return
+        change = self._decide(f, limits)
+        if change is not None:
+            self._apply(change, f, epoch=self._epoch, epoch_batch=0)
+
+    def _check(self, timed: _TimedIter) -> None:
+        """Mid-epoch, at a batch boundary: apply the rules to the window that ends here and,
+        on a change, hand the rest of the epoch to a new pool."""
+        limits = host_limits()
+        f = timed.figures(limits)
+        change = self._decide(f, limits)
+        plan = timed.plan
+        if change is not None and plan is not None:
+            if timed.it is not self._iterator:  # this epoch's own pool, not the loader's
+                _shut_down(timed.it)
+            self._apply(change, f, epoch=self._epoch - 1, epoch_batch=timed.yielded)
+            plan.resume_at(timed.yielded)
+            try:
+                # The fixed loader starts no iterator mid-epoch: no draw from the generator.
+                timed.it = self._start(scratch=True)
+            finally:
+                plan.resumed()
+        timed.new_window()
+
+    def _apply(self, change: Change, f: EpochFigures, *, epoch: int, epoch_batch: int) -> None:
         old = (self.num_workers, self.prefetch_factor if self.num_workers else None)
         self._shut_down_pool()
         self.num_workers = change.num_workers
@@ -395,13 +415,15 @@ class AdaptiveDataLoader(TunedDataLoader):
             if not isinstance(self.worker_init_fn, DieWithParent):
                 self.worker_init_fn = DieWithParent(self.worker_init_fn)
         record = TuningChange(
-            epoch=self._epoch,
+            epoch=epoch,
             time=time.time(),
             old=old,
             new=(change.num_workers, change.prefetch_factor if change.num_workers else None),
             reason=change.reason,
             why=change.why,
             figures=f,
+            batch=self._yielded,
+            epoch_batch=epoch_batch,
         )
         self.tuning_history.append(record)
         logger.info("loader retuned: %s", record)
@@ -410,15 +432,14 @@ class AdaptiveDataLoader(TunedDataLoader):
         """Stop a finished or abandoned (``break``) epoch's own workers before a new pool
         starts; a persistent pool is the loader's and stays."""
         self._current = None
-        if timed.it is self._iterator:
-            return
-        shutdown = getattr(timed.it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        if timed.it is not self._iterator:
+            _shut_down(timed.it)
 
     def close(self) -> None:
-        """Stop the workers of a persistent pool now (they otherwise live until the loader
-        is garbage-collected, as with any DataLoader); the next ``iter()`` starts anew."""
+        """Stop the workers now (a persistent pool's otherwise live until the loader is
+        garbage-collected, as with any DataLoader); the next ``iter()`` starts anew."""
+        if self._current is not None and self._current.it is not self._iterator:
+            _shut_down(self._current.it)
         self._shut_down_pool()
 
     def _shut_down_pool(self) -> None:
@@ -427,9 +448,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         if it is None:
             return
         self._iterator = None
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        _shut_down(it)
 
     @contextlib.contextmanager
     def _no_extra_draw(self) -> Iterator[None]:
@@ -443,6 +462,18 @@ class AdaptiveDataLoader(TunedDataLoader):
             yield
         finally:
             self.generator = real
+
+
+def _wraps_index_sampler(cls: type) -> bool:
+    """Whether a subclass of :class:`AdaptiveDataLoader` redefines ``_index_sampler``."""
+    own = AdaptiveDataLoader.__dict__["_index_sampler"]
+    return inspect.getattr_static(cls, "_index_sampler") is not own
+
+
+def _shut_down(it: Any) -> None:
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
 
 
 @contextlib.contextmanager

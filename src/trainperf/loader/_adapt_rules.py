@@ -9,8 +9,10 @@ usable CPUs were, and the usable CPUs now. In the order they are applied (:func:
   that does (the fit is the one-off tuner's own rule, passed in as ``fits``);
 - ``cpus``: the usable CPUs changed and the workers now need more cores than are left →
   the count that fits;
-- ``oversubscribed``: the usable CPUs are (nearly) all busy and the step slowed down →
-  fewer workers;
+- ``oversubscribed``: the usable CPUs are (nearly) all busy, the step slowed down and the
+  loop is not input-bound (it waits for data under ``INPUT_BOUND_SHARE`` of the time) →
+  fewer workers (a loop that waits would only wait longer; and the two rules never both
+  apply, so they do not undo each other check after check);
 - ``input-bound``: the loop waited for data a significant share of the time and cores are
   free for what a worker costs (I/O-latency workers cost almost none) → the count that
   keeps up with the step, within those cores, ``max_workers`` and memory.
@@ -287,7 +289,7 @@ def decide(
             )  # fmt: skip
     busy = f.host_busy is not None and f.host_busy >= BUSY_SHARE
     slowed = f.step_per_batch > STEP_SLOWED * fastest_step_per_batch
-    if n > 0 and busy and slowed:
+    if n > 0 and busy and slowed and f.wait_share < INPUT_BOUND_SHARE:
         new = max(1, min(n - 1, cap, needed_workers(f)))
         if new < n:
             times = f.step_per_batch / fastest_step_per_batch
