@@ -54,6 +54,7 @@ FACTORIES: dict[str, Callable[[], object]] = {
     "DoctorReport": lambda: doctor.DoctorReport(checks=(_check(),)),  # type: ignore[arg-type]
     "WatchReport": _watch_report,
     "WhatIf": lambda: _watch_report().what_if(),  # type: ignore[attr-defined]
+    "LoaderChange": lambda: monitor.LoaderChange(3, 1.5, (0, None), (4, 2), "input-bound", "x"),
     "BenchResult-matmul": lambda: bench.bench_matmul("fp32", size=64, iterations=2, device="cpu"),
     "Skipped": lambda: bench.Skipped("matmul", "fp16", "not on the CPU"),
     "ReferenceComparison": lambda: bench.compare_to_reference(
@@ -104,7 +105,7 @@ def test_every_public_result_type_has_the_protocol() -> None:
     public += [monitor.WatchReport, loader.TuningReport, bench.BenchResult, bench.MatmulResult]
     public += [bench.H2DResult, bench.ReferenceComparison, bench.Skipped, loader.UserSetting]
     public += [doctor.AllReduceSweep, batchsize.BatchSizeReport, batchsize.BatchSizeCandidate]
-    public += [loader.TuningChange, monitor.WhatIf]
+    public += [loader.TuningChange, monitor.WhatIf, monitor.LoaderChange]
     for cls in public:
         assert callable(getattr(cls, "to_dict", None)), f"{cls.__name__} has no to_dict()"
         assert "__str__" in vars(cls), f"{cls.__name__} has no __str__ of its own"

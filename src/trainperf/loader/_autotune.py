@@ -69,8 +69,9 @@ def autotune_loader(
     :func:`tune_loader`.
 
     With ``adapt=True`` the loader is an :class:`~trainperf.loader.AdaptiveDataLoader`: it
-    keeps measuring while iterated and changes ``num_workers`` / ``prefetch_factor`` at
-    epoch boundaries (never mid-epoch) when the loop waits for data, when its workers take
+    keeps measuring while iterated and changes ``num_workers`` / ``prefetch_factor`` at a
+    batch boundary, mid-epoch where the sample sequence can be kept exactly (else at the
+    next epoch boundary), when the loop waits for data, when its workers take
     CPUs the step needs, or when the usable CPUs or memory change; each change is logged
     and kept in ``loader.tuning_history``. The sample order stays the fixed loader's.
 

@@ -30,6 +30,7 @@ from trainperf._utils.public import set_public_module
 from trainperf.monitor._analysis import analyse
 from trainperf.monitor._report import (
     Fix,
+    LoaderChange,
     Sample,
     StepRecord,
     Verdict,
@@ -42,6 +43,7 @@ from trainperf.monitor._watch import Watch, watch
 
 __all__ = [
     "Fix",
+    "LoaderChange",
     "LoopSetup",
     "Sample",
     "StepRecord",

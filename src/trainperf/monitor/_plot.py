@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainperf._utils.imports import require
 from trainperf.monitor._report import StepRecord
@@ -44,6 +44,7 @@ def plot_report(report: WatchReport, path: str | Path) -> Path:
         for ax in (top, bottom):
             ax.axvline(changed.start, color="tab:red", linestyle="--", linewidth=1)
         top.text(changed.start, 0, " step time changed", color="tab:red", va="bottom")
+    _mark_loader_changes(report, top, bottom)
     top.set_ylabel("step time (ms)")
     top.set_title(f"trainperf.watch: {report.verdict.kind}")
     top.legend(loc="upper right")
@@ -60,6 +61,18 @@ def plot_report(report: WatchReport, path: str | Path) -> Path:
     out = Path(path)
     fig.savefig(out, dpi=100)
     return out
+
+
+def _mark_loader_changes(report: WatchReport, top: Any, bottom: Any) -> None:
+    """A line on both panels and a label (``num_workers 0→4``) where an adaptive loader
+    changed its settings (``report.loader_changes``)."""
+    steps = {s.index: s.start for s in report.timeline}
+    for change in report.loader_changes:
+        x = steps.get(change.step, change.time)  # the step's start, else the change's time
+        for ax in (top, bottom):
+            ax.axvline(x, color="tab:green", linestyle=":", linewidth=1.5)
+        top.text(x, 0.98, f" {change.label}", color="tab:green", va="top", rotation=90,
+                 transform=top.get_xaxis_transform())  # fmt: skip
 
 
 _MAX_BARS = 2000

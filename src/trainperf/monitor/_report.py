@@ -19,6 +19,7 @@ from trainperf.monitor._setup import LoopSetup
 __all__ = [
     "NOT_PREDICTED",
     "Fix",
+    "LoaderChange",
     "Sample",
     "StepRecord",
     "Verdict",
@@ -99,6 +100,50 @@ class Sample:
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
         return _fields_dict(self)
+
+
+@dataclass(frozen=True)
+class LoaderChange:
+    """A change an adaptive loader (``autotune_loader(..., adapt=True)``) made while watched.
+
+    Attributes:
+        step: the step (from 0) that took the first batch with the new settings.
+        time: seconds from the start of the watch to the change.
+        old: ``(num_workers, prefetch_factor)`` before.
+        new: ``(num_workers, prefetch_factor)`` after.
+        reason: the rule that made it (``"input-bound"``, ``"cpus"``, ...).
+        why: the loader's sentence for it, with the figures behind it.
+    """
+
+    step: int
+    time: float
+    old: tuple[int, int | None]
+    new: tuple[int, int | None]
+    reason: str
+    why: str
+
+    @property
+    def label(self) -> str:
+        """What changed, for the timeline's marker.
+
+        Example:
+            >>> LoaderChange(12, 3.5, (0, None), (4, 2), "input-bound", "...").label
+            'num_workers 0→4'
+            >>> LoaderChange(12, 3.5, (4, 2), (4, 4), "input-bound", "...").label
+            'prefetch_factor 2→4'
+        """
+        if self.old[0] != self.new[0]:
+            return f"num_workers {self.old[0]}→{self.new[0]}"
+        return f"prefetch_factor {self.old[1]}→{self.new[1]}"
+
+    def __str__(self) -> str:
+        return f"step {self.step} ({self.time:.1f} s): {self.label} ({self.reason}): {self.why}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict (``old`` and ``new`` as lists)."""
+        data = _fields_dict(self)
+        data["old"], data["new"] = list(self.old), list(self.new)
+        return data
 
 
 NOT_PREDICTED = "not predicted"
@@ -292,6 +337,8 @@ class WatchReport:
             augmentation got heavier, other jobs arrived), the first step after the change:
             the verdict, the findings and their predictions describe the steps since then;
             None without such a change.
+        loader_changes: the changes an adaptive loader given to ``w.iter()`` made while
+            watched, oldest first (the timeline plot marks each).
     """
 
     verdict: Verdict
@@ -320,6 +367,7 @@ class WatchReport:
     dropped_samples: int = 0
     setup: LoopSetup = field(default_factory=LoopSetup)
     regime_start: int | None = None
+    loader_changes: tuple[LoaderChange, ...] = ()
 
     def what_if(self) -> WhatIf:
         """The fixes of the verdict and the "also" findings, ranked by predicted gain.
@@ -377,6 +425,7 @@ class WatchReport:
         data["stall_steps"] = list(self.stall_steps)
         data["setup"] = self.setup.to_dict()
         data["what_if"] = [f.to_dict() for f in self.what_if().fixes]
+        data["loader_changes"] = [c.to_dict() for c in self.loader_changes]
         if timeline:
             data["timeline"] = [s.to_dict() for s in self.timeline]
             data["samples"] = [s.to_dict() for s in self.samples]
@@ -395,6 +444,8 @@ class WatchReport:
                 f"  the step time changed at step {self.regime_start}: the verdict, findings "
                 "and predictions cover the steps since then"
             )
+        for c in self.loader_changes:
+            lines.append(f"  the loader retuned at step {c.step}: {c.label} ({c.reason})")
         lines.extend(f"  - {r}" for r in v.reasons)
         lines.append(f"  fix: {v.fix}")
         lines.append(f"  predicted: {_predicted(v)}")

@@ -31,6 +31,7 @@ hours at ten a second); older ones are dropped, the report counts them
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -51,7 +52,7 @@ from trainperf.monitor._handover import batch_layout, measure_handover
 from trainperf.monitor._probe import CpuClock, batch_size, loader_facts, loop_setup
 from trainperf.monitor._probe import precision_in_use as _precision_in_use
 from trainperf.monitor._probe import rank_cpus as _rank_cpus
-from trainperf.monitor._report import Sample, StepRecord, WatchReport
+from trainperf.monitor._report import LoaderChange, Sample, StepRecord, WatchReport
 from trainperf.monitor._sampler import MAX_RECORDS, _Sampler
 
 __all__ = ["Watch", "watch"]
@@ -104,6 +105,9 @@ class Watch:
         self._max = max_records
         self._state = "new"
         self._t0 = 0.0
+        self._wall0 = 0.0  # time.time() at _t0: where an adaptive loader's changes fall
+        # (step, TuningChange) for each change an adaptive loader in w.iter() made.
+        self._retunes: list[tuple[int, Any]] = []
         # Per step, in compact arrays; once they hold 2 x max_records steps the oldest half
         # goes at once (amortised O(1) per step), so at most 2 x max_records are ever held.
         self._ends = array("d")
@@ -230,6 +234,7 @@ class Watch:
         # The clock starts once the sampler is up (NVML start-up is not the loop's time); the
         # sampler takes its first sample an interval after it is told to go.
         self._t0 = sampler.t0 = time.perf_counter()
+        self._wall0 = time.time()
         sampler.go.set()
 
     def _end(self) -> None:
@@ -271,9 +276,14 @@ class Watch:
             raise RuntimeError(f"w.iter() needs a running watch: use it {_RUN_IT}")
         self._iterated = True
         self._loader = loader_facts(iterable)  # what the predictions need of the loader
-        return self._iterate(iter(iterable))
+        # An AdaptiveDataLoader's changes (at iter(), or mid-epoch in next()) are read as
+        # its history grows: each is marked at the step that took its first batch.
+        history = getattr(iterable, "tuning_history", None)
+        history = history if isinstance(history, list) else None
+        seen = len(history) if history is not None else 0
+        return self._iterate(iter(iterable), history, seen)
 
-    def _iterate(self, it: Iterator[T]) -> Iterator[T]:
+    def _iterate(self, it: Iterator[T], history: list[Any] | None, seen: int) -> Iterator[T]:
         clock, cpu = time.perf_counter, time.thread_time
         while True:
             t, c = clock(), cpu()
@@ -285,6 +295,10 @@ class Watch:
                 return
             self._pending_wait_cpu += cpu() - c
             self._pending_wait += clock() - t
+            if history is not None and len(history) > seen:
+                step = self._first + len(self._ends)  # the step taking this batch
+                self._retunes.extend((step, change) for change in history[seen:])
+                seen = len(history)
             n = batch_size(item)
             self._items += 1
             if self._layout is None:
@@ -439,7 +453,7 @@ class Watch:
             )
         samples, dropped_samples = sampler.snapshot() if sampler else ([], 0)
         cuda_index = sampler.device_index if self._cuda and sampler else None
-        return analyse(
+        report = analyse(
             timeline,
             samples,
             device=device,
@@ -452,6 +466,21 @@ class Watch:
             wait_measured=self._iterated,
             precision=_precision_in_use(),
             setup=loop_setup(self._loader, cuda_index, **self._measured(timeline, samples)),
+        )
+        return dataclasses.replace(report, loader_changes=self._loader_changes())
+
+    def _loader_changes(self) -> tuple[LoaderChange, ...]:
+        """The adaptive loader's changes, placed on the watch's clock."""
+        return tuple(
+            LoaderChange(
+                step=step,
+                time=max(0.0, float(c.time) - self._wall0),
+                old=(int(c.old[0]), c.old[1]),
+                new=(int(c.new[0]), c.new[1]),
+                reason=str(c.reason),
+                why=str(c.why),
+            )
+            for step, c in self._retunes
         )
 
     def _measured(self, timeline: list[StepRecord], samples: list[Sample]) -> dict[str, Any]:
