@@ -208,6 +208,21 @@ def test_memory_rule_is_the_tuners() -> None:
     assert not tuned.fits(8, 2, _limits(64 << 30, 100 << 20))  # 18 batches of 10 MiB
 
 
+def test_under_ddp_the_limits_now_are_this_ranks_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 4 training processes on the host each start workers: 18 batches of 10 MiB in flight
+    # fit 512 MiB of free /dev/shm, not the quarter of it that is this rank's.
+    from trainperf.loader import _adapt
+
+    measured = CandidateResult(1, 2, False, "ok", 1.0, worker_uss=100 << 20, batch_bytes=10 << 20)
+    tuned = AdaptiveDataLoader(
+        range(8), batch_size=4, tuner=memory_rules([measured], 8, 1 << 30, "fork")
+    )
+    monkeypatch.setattr(_adapt, "host_limits", lambda: _limits(64 << 30, 512 << 20))
+    assert tuned.fits(8, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert not tuned.fits(8, 2)
+
+
 def test_without_a_tuning_the_batches_seen_bind_dev_shm() -> None:
     loader = AdaptiveDataLoader(TensorDataset(torch.zeros(8, 1 << 18)), batch_size=4)  # 4 MiB
     assert loader.fits(4, 2, _limits(64 << 30, 20 << 20))  # nothing seen yet

@@ -46,6 +46,7 @@ from trainperf.loader._autotune import TunedDataLoader
 from trainperf.loader._batches import batch_bytes, samples_in
 from trainperf.loader._report import CandidateResult
 from trainperf.loader._search import Search, default_max_workers
+from trainperf.loader._tune import rank_share
 
 __all__ = ["AdaptiveDataLoader", "TuningChange", "memory_rules"]
 
@@ -189,6 +190,12 @@ class _TimedIter:
             cpus=usable_cpus(local_world_size(), limits=limits),
             memory_available=limits.memory_available,
         )
+
+
+def _rank_limits() -> HostLimits:
+    """The host's limits now, with the memory and ``/dev/shm`` this rank's loader may use
+    (the one-off tuner's share: each local rank starts its own workers)."""
+    return rank_share(host_limits(), local_world_size())
 
 
 def _not_measuring(n: int, pf: int | None, pin: bool) -> CandidateResult:
@@ -343,12 +350,12 @@ class AdaptiveDataLoader(TunedDataLoader):
     def _epoch_ended(self, timed: _TimedIter) -> None:
         """Read the epoch's figures as it ends (or, cut short, as the next one starts)."""
         if timed.final is None:
-            timed.final = timed.figures(host_limits())
+            timed.final = timed.figures(_rank_limits())
 
     def fits(self, n: int, pf: int | None, limits: HostLimits | None = None) -> bool:
         """Whether ``n`` workers with ``pf`` batches each in flight fit the memory and
         ``/dev/shm`` of ``limits`` (default: now), by the one-off tuner's rule."""
-        limits = limits or host_limits()
+        limits = limits or _rank_limits()
         results = self._tuner.results
         if self._batch_bytes and not any(c.batch_bytes for c in results):
             # Built without a tuning run: the batches seen here say what one occupies.
@@ -375,7 +382,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         return change
 
     def _retune(self, timed: _TimedIter) -> None:
-        limits = host_limits()  # memory and /dev/shm as this epoch starts
+        limits = _rank_limits()  # memory and /dev/shm as this epoch starts
         f = timed.final or timed.figures(limits)
         if f.batches < 2:
             return
@@ -386,7 +393,7 @@ class AdaptiveDataLoader(TunedDataLoader):
     def _check(self, timed: _TimedIter) -> None:
         """Mid-epoch, at a batch boundary: apply the rules to the window that ends here and,
         on a change, hand the rest of the epoch to a new pool."""
-        limits = host_limits()
+        limits = _rank_limits()
         f = timed.figures(limits)
         change = self._decide(f, limits)
         plan = timed.plan
