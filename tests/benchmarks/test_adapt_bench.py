@@ -3,28 +3,22 @@ and the CPUs and the hog are put back whatever happens."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import psutil
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "adapt_bench.py"
+from tests.benchmarks._scripts import load_script
+
 SHORT = ["--workers", "0,2", "--duration", "2.5", "--before", "1.5", "--tail", "1.5"]
 SHORT += ["--warm", "0.3", "--measure", "0.8", "--latency-ms", "1"]
 
 
 def load_bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("adapt_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "adapt_bench", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("adapt_bench", monkeypatch)
 
 
 @pytest.mark.slow  # about 20 s: several loaders with workers, a CPU hog for seconds

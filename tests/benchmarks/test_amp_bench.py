@@ -2,28 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests.benchmarks._scripts import load_script
+
 # Each test here runs a script or builds the site: seconds each.
 pytestmark = pytest.mark.slow
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "amp_bench.py"
 # The peers (accelerate, fabric) are left out: whether they run depends on what is installed.
 CONFIGS = ("fp32", "fp32+tf32", "autocast-bf16", "autocast-bf16+cl", "trainperf")
 
 
 def load_bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("amp_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "amp_bench", module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("amp_bench", monkeypatch)
 
 
 @pytest.mark.slow  # a few seconds: five ResNet-18 builds and steps

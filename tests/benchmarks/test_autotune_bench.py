@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -10,10 +9,10 @@ from types import ModuleType
 
 import pytest
 
+from tests.benchmarks._scripts import load_script
+
 # Each test here runs a script or builds the site: seconds each.
 pytestmark = pytest.mark.slow
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "autotune_bench.py"
 
 
 @pytest.fixture(autouse=True)
@@ -22,12 +21,7 @@ def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def load_bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("autotune_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "autotune_bench", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("autotune_bench", monkeypatch)
 
 
 @pytest.mark.slow  # a few seconds: a 3-configuration grid and two tuner runs

@@ -7,10 +7,8 @@ before it costs GPU time. Nothing here asserts on a speed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -18,6 +16,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from tests.benchmarks._scripts import script_module
 from trainperf.amp import _tf32
 from trainperf.pipelines._loader import _dali_importable
 
@@ -27,7 +26,6 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("torchvision")
 pytest.importorskip("PIL")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline_bench.py"
 # As in tests/pipelines/_images.py: CI (TRAINPERF_REQUIRE_DALI=1) expects the DALI rows to run.
 HAS_DALI = os.environ.get("TRAINPERF_REQUIRE_DALI") == "1" or _dali_importable()
 TINY = [
@@ -39,15 +37,8 @@ requires_cuda = pytest.mark.requires_cuda
 
 @pytest.fixture(scope="module")
 def bench() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("pipeline_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
+    with script_module("pipeline_bench", "pipeline_bench") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 @pytest.fixture(autouse=True)

@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
+from tests.benchmarks._scripts import load_script
+
 # The script runs real loops: a second or more.
 pytestmark = pytest.mark.slow
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "whatif_bench.py"
-
 
 def load_bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("whatif_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "whatif_bench", module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("whatif_bench", monkeypatch)
 
 
 def test_whatif_bench_prints_predicted_against_measured(

@@ -9,34 +9,24 @@ verdict's evidence and prediction.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests.benchmarks._scripts import script_module
 from trainperf.limits import usable_cpus
 from trainperf.monitor import Fix, WatchReport
 
 # Each scenario runs a loop of a second or so, some with DataLoader workers.
 pytestmark = pytest.mark.slow
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "whatif_bench.py"
 SCALE = 0.5
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("whatif_bench_scenarios", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
+    with script_module("whatif_bench", "whatif_bench_scenarios") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 def held_by_others(report: WatchReport) -> bool:
