@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 # Starts a child process (the SIGTERM part) and two forked gloo ranks: seconds.
 pytestmark = pytest.mark.slow
@@ -34,6 +35,7 @@ def test_checkpoint_bench_measures_every_part_on_a_tiny_state(
     rc = bench.main(
         [
             *("--size-mb", "4", "--repeats", "1", "--seconds", "0.2", "--step-ms", "2"),
+            *("--rate-rounds", "2"),
             *("--agree-steps", "20", "--dir", str(tmp_path / "d"), "--json", str(out_json)),
         ]
     )
@@ -56,9 +58,52 @@ def test_checkpoint_bench_measures_every_part_on_a_tiny_state(
     assert result["sigterm"]["exit_code"] == 0 and "saved" in result["sigterm"]["child"]
     assert result["agreement"]["check_every"] >= 1
     assert result["settings"]["size_mb"] == 4
+    for rate in result["rates"]:
+        assert len(rate["ratios"]) == 2 and rate["ratio"] > 0
+        for r in rate["rounds"]:
+            assert r["windows"]["during"]["steps"] >= 0 and r["base_steps_per_s"] > 0
+    process = next(r for r in result["rates"] if r["writer"] == "process")
+    assert all(r["writer_cpu_s"] > 0 for r in process["rounds"])  # the reaped writer's CPU
+    assert "where the loop's time went" in out
+
+
+def test_the_training_step_trains_the_saved_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = load_bench(monkeypatch)
+    state = bench.make_state(1, torch.device("cpu"))
+    step = bench.make_step(state, torch.device("cpu"), 1.0)
+    params = [p.detach().clone() for p in state["model"].parameters()]
+    steps_before = [s["step"].item() for s in state["optimizer"].state.values()]
+    assert len(steps_before) == len(params)
+    step()
+    assert all(
+        not torch.equal(a, b) for a, b in zip(params, state["model"].parameters(), strict=True)
+    )
+    steps_after = [s["step"].item() for s in state["optimizer"].state.values()]
+    assert all(b > a for a, b in zip(steps_before, steps_after, strict=True))  # Adam stepped each
 
 
 def test_bad_options_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     bench = load_bench(monkeypatch)
     with pytest.raises(SystemExit):
         bench.main(["--writers", "fork"])
+    with pytest.raises(SystemExit):
+        bench.main(["--rate-rounds", "0"])
+
+
+def test_a_dry_run_of_the_cuda_plan_runs_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # What benchmarks/gpu_checks.sh runs on the GPU host, checked here without one: the CUDA
+    # plan (staged buffers and a thread, the 2 % target) on a small CPU state.
+    bench = load_bench(monkeypatch)
+    out_json = tmp_path / "dry.json"
+    argv = ["--device", "cuda", "--dry-run", "--skip", "agree", "--json", str(out_json)]
+    assert bench.main([*argv, "--dir", str(tmp_path / "d")]) == 0
+    out = capsys.readouterr().out
+    assert "DRY RUN of the --device cuda plan" in out
+    assert "Checkpointer.save(blocking=False) [thread]" in out and "[process]" not in out
+    assert "blocked <= 2% of sync" in out and "SIGTERM to exit with a 4 MB final save" in out
+    result = json.loads(out_json.read_text())
+    assert result["device_type"] == "cuda" and result["dry_run"] and result["size_mb"] == 4
+    assert [r["writer"] for r in result["rates"]] == ["thread"]
+    assert not torch.cuda.is_initialized()  # type: ignore[no-untyped-call]

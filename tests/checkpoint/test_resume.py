@@ -9,6 +9,7 @@ namespace), so all are marked slow.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -22,9 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
+from tests.checkpoint._crash import CRASH_FLOATS
 from trainperf import Checkpointer, load_checkpoint
 from trainperf.errors import CheckpointError
 
@@ -34,13 +37,16 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300  # a loaded 2-core machine: generous, never a measure of speed
 
 
-def _train(*args: str | Path) -> subprocess.Popen[str]:
+def _train(*args: str | Path, session: bool = False) -> subprocess.Popen[str]:
+    """Start ``tests.checkpoint._train``; ``session``: in its own session and process group
+    (which a kill of the whole job then targets)."""
     return subprocess.Popen(
         [sys.executable, "-m", "tests.checkpoint._train", *map(str, args)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=session,
     )
 
 
@@ -125,10 +131,17 @@ def test_sigterm_under_preemption_saves_at_37_and_resume_equals_the_straight_run
     _assert_identical(straight, tmp_path / "resumed.pt")
 
 
+@pytest.fixture(scope="module")
+def straight_ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """60 steps under ``ddp.launch`` on two gloo ranks, never interrupted."""
+    d = tmp_path_factory.mktemp("straight_ddp")
+    _finish(_train(d / "ckpt", d / "out.pt", "--ranks", "2"))
+    return d / "out.pt"
+
+
 def test_under_ddp_launch_sigterm_to_the_launcher_then_resume_equals_the_straight_run(
-    tmp_path: Path,
+    tmp_path: Path, straight_ddp: Path
 ) -> None:
-    _finish(_train(tmp_path / "straight", tmp_path / "straight.pt", "--ranks", "2"))
     run = _train(
         tmp_path / "ckpt", tmp_path / "unused.pt", "--hold-at", "37", "--preempt", "--ranks", "2"
     )
@@ -147,30 +160,61 @@ def test_under_ddp_launch_sigterm_to_the_launcher_then_resume_equals_the_straigh
     assert "step-000000037.pt" in files and "step-000000037.rank-00001.pt" in files, files
     out = _finish(_train(tmp_path / "ckpt", tmp_path / "resumed.pt", "--ranks", "2"))
     assert "rank 0 restored 37" in out and "rank 1 restored 37" in out
-    _assert_identical(tmp_path / "straight.pt", tmp_path / "resumed.pt")
+    _assert_identical(straight_ddp, tmp_path / "resumed.pt")
+
+
+def _gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Those of ``pids`` still alive (not zombies) after waiting up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def test_under_ddp_launch_sigkill_of_the_job_then_resume_equals_the_straight_run(
+    tmp_path: Path, straight_ddp: Path
+) -> None:
+    run = _train(
+        tmp_path / "ckpt", tmp_path / "unused.pt", "--hold-at", "37", "--ranks", "2", session=True
+    )
+    family: list[int] = []
+    try:
+        _wait_for(run, "holding 37")  # rank 0's step-30 background save has completed
+        time.sleep(0.5)  # both ranks are holding: only rank 0 prints
+        family = [p.pid for p in psutil.Process(run.pid).children(recursive=True)]
+        os.killpg(run.pid, signal.SIGKILL)  # kill -9 of the launcher's process group
+        assert run.wait(timeout=TIMEOUT_S) == -signal.SIGKILL
+        # The ranks lead process groups of their own: they and their writers die with the
+        # launcher (the parent-death signal), leaving nothing behind.
+        assert len(family) >= 2 and _gone(family, 60) == [], family
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+        for pid in _gone(family, 0):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        run.kill()
+        run.wait()
+    assert Checkpointer(tmp_path / "ckpt").steps() == [10, 20, 30]
+    assert (tmp_path / "ckpt" / "step-000000030.rank-00001.pt").exists()
+    out = _finish(_train(tmp_path / "ckpt", tmp_path / "resumed.pt", "--ranks", "2"))
+    assert "rank 0 restored 30" in out and "rank 1 restored 30" in out, out
+    _assert_identical(straight_ddp, tmp_path / "resumed.pt")
 
 
 # -------------------------------------------------------------------------- crash loop
 
-CRASH_TRIALS = int(os.environ.get("TRAINPERF_CRASH_TRIALS", "12"))
-CRASH_FLOATS = 50 * 1024 * 1024  # 200 MiB of float32
-
-
-def _crash_trainer(directory: Path, ready: int) -> None:
-    """Background saves back to back, each of a 200 MiB tensor filled with its step."""
-    ckpt = Checkpointer(directory, keep=2)
-    step = max(ckpt.steps(), default=0)
-    w = torch.empty(CRASH_FLOATS)
-    if step == 0:  # the first trial: one complete checkpoint before the kills begin
-        step = 1
-        w.fill_(1.0)
-        ckpt.save({"w": w, "step": 1}, step=1, blocking=False)
-        ckpt.wait()
-    os.write(ready, b"go")
-    while True:
-        step += 1
-        w.fill_(float(step))
-        ckpt.save({"w": w, "step": step}, step=step, blocking=False)
+CRASH_TRIALS = int(os.environ.get("TRAINPERF_CRASH_TRIALS", "50"))
+# The kill lands uniformly in this many seconds after the trainer starts its loop of saves:
+# longer than one 200 MiB save cycle (fill, fork, write, fsync, rename, retention; about
+# 1-2.5 s on the loaded 2-core test machine), so it lands at any phase of a cycle.
+CRASH_WINDOW_S = 3.0
 
 
 def _alive_in_group(pgid: int) -> list[int]:
@@ -188,59 +232,99 @@ def _alive_in_group(pgid: int) -> list[int]:
     return alive
 
 
-_TRAINER = (
-    "import sys; from pathlib import Path; "
-    "from tests.checkpoint.test_resume import _crash_trainer; "
-    "_crash_trainer(Path(sys.argv[1]), int(sys.argv[2]))"
-)
+class _Zygote:
+    """``python -m tests.checkpoint._crash``: one warm interpreter (started fresh, not a fork
+    of this one, whose threads earlier tests may have left holding locks) that forks each
+    trial's trainer, so a trial costs the kill, not an interpreter start."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.checkpoint._crash"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+            bufsize=0,
+            # NumPy's OpenBLAS otherwise starts an idle thread at import: one thread only.
+            env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
+        )
+        self._buf = b""
+
+    def line(self) -> str:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + TIMEOUT_S
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(left, 0))
+            chunk = os.read(self.proc.stdout.fileno(), 4096) if ready else b""
+            if not chunk:
+                raise AssertionError(f"the crash zygote went quiet: {self._buf!r}")
+            self._buf += chunk
+        got, self._buf = self._buf.split(b"\n", 1)
+        return got.decode()
+
+    def crash(self, directory: Path, delay_s: float) -> None:
+        """Fork a trainer into ``directory``, SIGKILL its process group ``delay_s`` after it
+        starts saving in a loop, and check that nothing of it is left."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{directory}\n".encode())
+        seen = [self.line(), self.line()]  # "pid N" and "go", in either order
+        pids = [int(s.split()[1]) for s in seen if s.startswith("pid ")]
+        assert len(pids) == 1 and "go" in seen, seen
+        pid = pids[0]
+        family: list[int] = []
+        try:
+            time.sleep(delay_s)
+            # The writer has a session of its own: it dies with the trainer, not by killpg.
+            with contextlib.suppress(psutil.NoSuchProcess):
+                family = [p.pid for p in psutil.Process(pid).children(recursive=True)]
+        finally:
+            os.killpg(pid, signal.SIGKILL)  # the trainer's process group, as a job kill does
+        assert self.line().startswith("reaped "), "the zygote did not reap the trainer"
+        deadline = time.monotonic() + 60
+        while _alive_in_group(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _alive_in_group(pid)
+        assert _gone(family, 60) == [], family
+
+    def close(self) -> None:
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()  # the zygote's loop ends
+            self.proc.wait(timeout=60)
+        finally:
+            self.proc.kill()
+            self.proc.wait()
 
 
-def _one_crash(directory: Path, delay_s: float) -> None:
-    # A fresh interpreter, not a fork of this one: a fork of the test process inherits
-    # whatever threads earlier tests left (and their locks), which can hang the child.
-    read_fd, write_fd = os.pipe()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _TRAINER, str(directory), str(write_fd)],
-        pass_fds=(write_fd,),
-        start_new_session=True,  # its own process group: the kill takes the writer with it
-        cwd=ROOT,
-    )
-    pid = proc.pid
-    os.close(write_fd)
-    try:
-        ready, _, _ = select.select([read_fd], [], [], TIMEOUT_S)
-        assert ready and os.read(read_fd, 2) == b"go"
-        time.sleep(delay_s)
-    finally:
-        os.killpg(pid, signal.SIGKILL)  # the trainer and its writer, as a job kill does
-        proc.wait()
-        os.close(read_fd)
-    deadline = time.monotonic() + 60
-    while _alive_in_group(pid) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not _alive_in_group(pid)
-
-
+@pytest.mark.timeout(900)  # about 3 minutes on the loaded 2-core test machine
 def test_kill_9_during_background_writes_never_loses_the_previous_checkpoint(
     tmp_path: Path,
 ) -> None:
-    # 12 trials by default: a 200 MiB background write takes ~2.5 s on the loaded 2-core test
-    # machine, so each trial is a few seconds; TRAINPERF_CRASH_TRIALS=50 runs the issue's 50.
-    # The kill lands anywhere in the fork, the write, the rename or the retention.
+    # The issue's 50 trials (TRAINPERF_CRASH_TRIALS changes it). The kill lands anywhere in
+    # the fill, the fork, the write, the rename or the retention.
     rng = random.Random(15)
     directory = tmp_path / "ckpt"
-    for trial in range(CRASH_TRIALS):
-        _one_crash(directory, rng.uniform(0.0, 6.0))
-        ckpt = Checkpointer(directory, keep=2)  # the next open: stale temp files go
-        names = os.listdir(directory) if directory.exists() else []
-        assert not [n for n in names if ".tmp-" in n], (trial, names)
-        latest = ckpt.latest()
-        assert latest is not None, (trial, names)  # the first trial saved one before its kill
-        saved = load_checkpoint(latest)
-        step = saved["trainperf"]["step"]
-        assert latest.name == f"step-{step:09d}.pt" and saved["step"] == step
-        assert saved["w"].shape == (CRASH_FLOATS,)
-        assert bool((saved["w"] == float(step)).all()), (trial, step)
+    interrupted = 0  # trials whose kill left a writer's temp file: it landed mid-write
+    zygote = _Zygote()
+    try:
+        for trial in range(CRASH_TRIALS):
+            zygote.crash(directory, rng.uniform(0.0, CRASH_WINDOW_S))
+            interrupted += any(".tmp-" in n for n in os.listdir(directory))
+            ckpt = Checkpointer(directory, keep=2)  # the next open: stale temp files go
+            names = os.listdir(directory)
+            assert not [n for n in names if ".tmp-" in n], (trial, names)
+            latest = ckpt.latest()
+            assert latest is not None, (trial, names)  # the first trial saved one before
+            saved = load_checkpoint(latest)
+            step = saved["trainperf"]["step"]
+            assert latest.name == f"step-{step:09d}.pt" and saved["step"] == step
+            assert saved["w"].shape == (CRASH_FLOATS,)
+            w = saved["w"]  # every element is the step's (min and max: no 200 MiB temporary)
+            assert w.min().item() == w.max().item() == float(step), (trial, step)
+    finally:
+        zygote.close()
+    # The trials exercised kills during writes, not only between them.
+    assert interrupted >= max(1, CRASH_TRIALS // 5), (interrupted, CRASH_TRIALS)
 
 
 # ----------------------------------------------------------------- disk and directory

@@ -4,13 +4,27 @@ handle that reports a background write (its failure raised once)."""
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno
+import json
+import mmap
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from trainperf.checkpoint._writer import SaveHandle, Staging, staging_fits, tensor_bytes
+from trainperf import Checkpointer
+from trainperf.checkpoint._writer import (
+    _IOPRIO_SET,
+    SaveHandle,
+    Staging,
+    drop_cached,
+    lower_priority,
+    staging_fits,
+    tensor_bytes,
+)
 from trainperf.errors import CheckpointError
 
 GiB = 1 << 30
@@ -59,3 +73,101 @@ def test_a_failure_is_raised_once_chained_with_the_path(tmp_path: Path) -> None:
     assert e.value.__cause__ is cause and e.value.path == tmp_path / "step-000000007.pt"
     assert handle.wait() is True  # raised once; the Checkpointer's next call does not repeat it
     assert "failed" in repr(handle)
+
+
+def _resident_pages(path: Path) -> int:
+    """How many of ``path``'s pages are in the page cache: ``mincore`` on a mapping that is
+    never touched (touching would read the pages in)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long]
+    size = path.stat().st_size
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            rc = libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec)
+            assert rc == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec)
+
+
+def _page_cache_works(path: Path) -> bool:
+    """Whether ``path``'s filesystem keeps written pages cached and drops them on request
+    (not tmpfs, whose pages are the file)."""
+    with path.open("wb") as f:
+        f.write(os.urandom(1 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+    cached = _resident_pages(path) > 0
+    drop_cached(path)
+    return cached and _resident_pages(path) == 0
+
+
+needs_linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+
+
+@needs_linux
+def test_drop_cached_evicts_a_written_files_pages(tmp_path: Path) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(4 << 20))
+    if _resident_pages(path) == 0:
+        pytest.skip("this filesystem keeps no written pages in the page cache")
+    with path.open("rb+") as f:
+        os.fsync(f.fileno())  # clean pages: what the writer has after its fsync
+    drop_cached(path)
+    assert _resident_pages(path) == 0
+    drop_cached(tmp_path / "missing.pt")  # best effort: nothing to drop is no error
+
+
+@needs_linux
+def test_the_forked_writer_leaves_no_checkpoint_in_the_page_cache(tmp_path: Path) -> None:
+    if not _page_cache_works(tmp_path / "probe.bin"):
+        pytest.skip("this filesystem does not drop cached pages on request")
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    handle = ckpt.save({"w": torch.randn(1 << 20)}, step=1, blocking=False)  # 4 MiB
+    ckpt.wait()
+    assert handle.writer == "process" and handle.path is not None
+    assert _resident_pages(handle.path) == 0
+
+
+@needs_linux
+def test_lower_priority_lowers_cpu_and_io_priority() -> None:
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child's coverage is not collected
+        try:
+            before = os.nice(0)
+            lower_priority()
+            number = _IOPRIO_SET.get(os.uname().machine)
+            ioprio = None
+            if number is not None:  # ioprio_get is ioprio_set's number + 1 on these
+                libc = ctypes.CDLL(None, use_errno=True)
+                ioprio = libc.syscall(number + 1, 1, 0)
+            policy = os.sched_getscheduler(0)
+            own = os.getsid(0) == os.getpid()
+            try:
+                group = Path("/proc/self/autogroup").read_text()
+            except OSError:
+                group = ""
+            out = [before, os.nice(0), ioprio, policy, own, group]
+            os.write(write_fd, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as f:
+        before, after, ioprio, policy, own_session, autogroup = json.loads(f.read())
+    os.waitpid(pid, 0)
+    assert after == min(before + 10, 19) and policy == os.SCHED_BATCH
+    # Its own session: autogroup does not split the training process's CPU share with it.
+    assert own_session
+    if autogroup:  # "/autogroup-123 nice 10" where the kernel groups by session
+        assert autogroup.split()[-1] == "10", autogroup
+    if ioprio is not None and ioprio >= 0:  # -1: no ioprio_get here (seccomp)
+        assert ioprio == (2 << 13) | 7  # best effort, its lowest level

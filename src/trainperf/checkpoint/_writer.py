@@ -6,8 +6,10 @@ Two background writers, chosen by where the tensors live:
   copy-on-write snapshot of the state at the moment of ``save`` (the kernel copies a page
   only when the training process writes to it), so nothing is copied up front and the
   training process returns from ``save`` after the fork (tens of milliseconds for a few GB).
-  The child runs at a lower CPU priority, writes with ``torch.save`` under its own GIL,
-  deletes what ``keep`` retires, reports through a pipe and exits; it ignores SIGINT and
+  The child runs in a session of its own at a lower CPU and I/O priority
+  (:func:`lower_priority`), writes with
+  ``torch.save`` under its own GIL, drops the durable file from the page cache, deletes
+  what ``keep`` retires, reports through a pipe and exits; it ignores SIGINT and
   SIGTERM (the training process decides when to stop) and is SIGKILLed if the training
   process dies, so a killed job leaves no writer behind.
 - ``"thread"`` (accelerator tensors, or no ``fork``): every tensor is copied into reused
@@ -22,6 +24,7 @@ against :func:`trainperf.host_limits` first.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import os
@@ -45,7 +48,9 @@ __all__ = [
     "pending_handles",
     "unreported_failures",
     "Staging",
+    "drop_cached",
     "fork_writes",
+    "lower_priority",
     "staging_fits",
     "start_process",
     "start_thread",
@@ -56,6 +61,10 @@ __all__ = [
 # A lower priority than the training process, not the lowest: at 19 a busy host (other
 # jobs at 0) would starve the writer, and the next save waits for it.
 _NICE = 10
+# The writer's I/O priority: the best-effort class (the training process's), its lowest
+# level. Not the idle class, which a disk kept busy by others (a data loader) would starve.
+_IOPRIO_CLASS_BE, _IOPRIO_LEVEL = 2, 7
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "ppc64le": 273}  # syscall numbers
 _QUIET = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP"))
 # Headroom kept free when deciding whether staging fits: the larger of these.
 _MARGIN_MIN = 512 << 20
@@ -393,6 +402,51 @@ def _send(fd: int, record: dict[str, Any]) -> None:
             data = data[os.write(fd, data) :]
 
 
+def lower_priority() -> None:
+    """Best effort: this process's CPU priority (nice, and the batch policy: its wake-ups do
+    not preempt the loop) and I/O priority below the training process's, so the writer
+    takes what the loop leaves.
+
+    It also starts a session of its own: where the kernel groups processes by session for
+    CPU shares (autogroup, on by default in most distributions' kernels), a writer in the
+    training process's session splits that session's share with the loop whatever its nice
+    value, so a host loaded by other jobs takes the writer's CPU out of the loop. In its own
+    session, at the same nice value for the session, it competes with every job alike.
+    Parent death still kills it (the signal survives ``setsid``).
+    """
+    with contextlib.suppress(OSError):
+        os.setsid()
+    with contextlib.suppress(OSError):
+        Path("/proc/self/autogroup").write_text(str(_NICE))
+    with contextlib.suppress(OSError):
+        os.nice(_NICE)
+    if hasattr(os, "SCHED_BATCH"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    number = _IOPRIO_SET.get(os.uname().machine)
+    if number is None:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        # ioprio_set(IOPRIO_WHO_PROCESS, 0 = this process, class << 13 | level)
+        libc.syscall(number, 1, 0, (_IOPRIO_CLASS_BE << 13) | _IOPRIO_LEVEL)
+    except (OSError, AttributeError):  # no libc symbol, a seccomp filter: the default stays
+        return
+
+
+def drop_cached(path: Path) -> None:
+    """Best effort: evict ``path``'s pages (written and fsynced: clean) from the page cache,
+    so a checkpoint does not push the training data's cached files out of memory."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def _child(payload: Any, path: Path, after: Callable[[], list[str]], fd: int, parent: int) -> None:
     """The forked writer's whole life; never returns."""
     code = 1
@@ -400,9 +454,9 @@ def _child(payload: Any, path: Path, after: Callable[[], list[str]], fd: int, pa
         die_with_parent(parent)
         for sig in _QUIET:
             signal.signal(sig, signal.SIG_IGN)
-        with contextlib.suppress(OSError):
-            os.nice(_NICE)
+        lower_priority()
         write_now(payload, path)
+        drop_cached(path)
         _send(fd, {"ok": True, "notes": after()})
         code = 0
     except BaseException as e:
@@ -474,6 +528,7 @@ def start_thread(
     def run() -> None:
         try:
             write_now(payload, path)
+            drop_cached(path)
             handle._finish(None, after())
         except BaseException as e:
             handle._finish((str(e), e), [])
