@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from trainperf._utils.format import format_bytes
 from trainperf._utils.validate import choice, non_negative_int, positive_int
-from trainperf.checkpoint._files import load_checkpoint
+from trainperf.checkpoint._files import load_checkpoint, saving
 from trainperf.checkpoint._loader_state import track
 from trainperf.checkpoint._payload import build_payload, rank_payload, restore_into, saved_step
 from trainperf.checkpoint._preempt import Preemption
@@ -223,14 +223,17 @@ class Checkpointer:
         path = main_file(self.directory, step)
         rank, world = _group()
         if rank > 0:
-            write_now(rank_payload(state, step, rank, world), rank_file(self.directory, step, rank))
+            own = rank_file(self.directory, step, rank)
+            with saving(own):
+                write_now(rank_payload(state, step, rank, world), own)
             return SaveHandle.finished(step, path, "other rank")
         payload = build_payload(state, step, rank, world)
         if not blocking:
             handle = self._start_background(payload, path, step)
             if handle is not None:
                 return handle
-        write_now(payload, path)
+        with saving(path):  # blocking: the other ranks may wait in a collective meanwhile
+            write_now(payload, path)
         self._warn_notes(self._after(step))
         return SaveHandle.finished(step, path, "blocking")
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -135,17 +137,30 @@ def _safetensors_bytes(obj: Any) -> bytes:
         ) from e
 
 
+def saving(path: Path) -> contextlib.AbstractContextManager[None]:
+    """Tell trainperf's hang detection that this rank is saving ``path``: known slow work,
+    not a hang (the other ranks may wait in a collective meanwhile). Nothing when no hang
+    detection runs in this process: its module is then not even imported, so this costs one
+    dict lookup and imports nothing (no torch.distributed, no CUDA)."""
+    progress = sys.modules.get("trainperf.ddp._progress")
+    if progress is None:
+        return contextlib.nullcontext()
+    busy: contextlib.AbstractContextManager[None] = progress.busy(f"saving checkpoint {path}")
+    return busy
+
+
 def _write(obj: Any, path: Path) -> None:
-    prepared = _prepare(obj)
-    if path.suffix.lower() == ".safetensors":
-        data = _safetensors_bytes(prepared)
+    with saving(path):
+        prepared = _prepare(obj)
+        if path.suffix.lower() == ".safetensors":
+            data = _safetensors_bytes(prepared)
 
-        def write_bytes(f: IO[bytes]) -> None:
-            f.write(data)
+            def write_bytes(f: IO[bytes]) -> None:
+                f.write(data)
 
-        write_checkpoint_file(path, write_bytes)
-    else:
-        write_checkpoint_file(path, lambda f: torch.save(prepared, f))
+            write_checkpoint_file(path, write_bytes)
+        else:
+            write_checkpoint_file(path, lambda f: torch.save(prepared, f))
 
 
 def _group_rank() -> int | None:
