@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from tests.batchsize._fakes import Curve
 from trainperf.batchsize import BatchSizeCandidate
+from trainperf.batchsize._compare import Comparison, round_order
 from trainperf.batchsize._search import (
     Search,
     SizeSpace,
     choose,
     growth_factor,
+    looks_flat,
     needs_confirming,
     predicted_peak,
     probe_cost,
@@ -244,3 +247,192 @@ def test_a_lucky_best_is_measured_again_before_it_stops_the_growth() -> None:
     s = Search(SizeSpace(1, 256), probe, time_left=lambda: math.inf, usable=lambda: None)
     best = s.run()
     assert runs[2] == 2 and best is not None and best.batch_size == 64
+
+
+# --------------------------------------------------------------------------- a drifting host
+
+
+class DriftingHost:
+    """Probes and alternating windows on a host whose load changes between probes: each
+    probe, and each window of a comparison, runs at the load of its moment (one tick each);
+    ``busy`` ticks run at a third of the speed. Within one probe the windows agree (small
+    spread): only measurements taken at different moments disagree."""
+
+    def __init__(self, curve: Curve, busy: set[int]) -> None:
+        self.curve = curve
+        self.busy = busy
+        self.tick = 0
+        self.compared: list[tuple[int, ...]] = []
+
+    def _now(self, n: int) -> float:
+        load = 3.0 if self.tick in self.busy else 1.0
+        self.tick += 1
+        return self.curve.rate(n) / load
+
+    def probe(self, n: int) -> BatchSizeCandidate:
+        self.curve.probed.append(n)
+        return ok(n, self._now(n), spread=0.01)
+
+    def compare(self, sizes: Sequence[BatchSizeCandidate], rounds: int) -> Comparison:
+        order = tuple(c.batch_size for c in sizes)
+        self.compared.append(order)
+        done = []
+        for r in range(rounds):
+            row = {n: self._now(n) for n in round_order(order, r)}
+            done.append(tuple(row[n] for n in order))
+        return Comparison(order, tuple(done))
+
+
+def drifting(compare: bool) -> tuple[DriftingHost, BatchSizeCandidate | None]:
+    # Throughput rises all the way (16 % from 128 to 256, the top); the host is busy while
+    # the fourth and fifth probes run (32 and 64, after 1, 2 and 8).
+    host = DriftingHost(Curve(overhead=0.05, per_sample=0.001), busy={3, 4})
+    s = Search(
+        SizeSpace(1, 256), host.probe, time_left=lambda: math.inf, usable=lambda: None,
+        compare=host.compare if compare else None,
+    )  # fmt: skip
+    return host, s.run()
+
+
+def test_a_busy_moment_stops_the_growth_when_probes_are_compared_across_time() -> None:
+    # What the search did before sizes were alternated: the slow-looking 32 stops it.
+    host, best = drifting(compare=False)
+    assert best is not None and max(host.curve.probed) <= 64
+    assert host.curve.rate(best.batch_size) < 0.9 * host.curve.rate(256)
+
+
+def test_alternating_windows_see_through_the_busy_moment() -> None:
+    host, best = drifting(compare=True)
+    assert best is not None
+    sweep = [n for k in range(9) for n in (2**k, 3 * 2**k // 2) if 1 <= n <= 256]
+    best_in_sweep = max(sweep, key=host.curve.rate)
+    assert host.curve.rate(best.batch_size) >= 0.97 * host.curve.rate(best_in_sweep)
+    assert host.compared  # the growth's stop and the final choice were alternated
+    assert len(set(host.curve.probed)) <= len(set(sweep)) / 2
+
+
+def test_the_final_choice_is_the_fastest_in_alternation_not_the_luckiest_probe() -> None:
+    # 48 is truly fastest; 64's probe ran on a quiet host and 48's on a busy one.
+    rates = {16: 800.0, 32: 950.0, 48: 1000.0, 64: 990.0}
+    busy_probe = {48}
+
+    def probe(n: int) -> BatchSizeCandidate:
+        return ok(n, rates[n] / (1.2 if n in busy_probe else 1.0))
+
+    def compare(sizes: Sequence[BatchSizeCandidate], rounds: int) -> Comparison:
+        order = tuple(c.batch_size for c in sizes)
+        return Comparison(order, tuple(tuple(rates[n] for n in order) for _ in range(rounds)))
+
+    s = Search(SizeSpace(1, 64, per_rank=192), probe, time_left=lambda: math.inf,
+               usable=lambda: None, compare=compare)  # fmt: skip
+    s.results = [probe(n) for n in (16, 32, 48, 64)]
+    assert choose(s.results).batch_size == 64  # type: ignore[union-attr]
+    assert s.final()
+    best = choose(s.results)
+    assert best is not None and best.batch_size == 48
+    assert "alternated with 64" in (best.reason or "")
+    assert any("alternated for 3 rounds" in note for note in s.notes)
+
+
+def test_no_time_for_alternation_falls_back_to_the_probes() -> None:
+    calls: list[object] = []
+
+    def compare(sizes: Sequence[BatchSizeCandidate], rounds: int) -> Comparison:
+        calls.append(sizes)
+        raise AssertionError("not called without time")
+
+    s = Search(SizeSpace(1, 64), Curve(), time_left=lambda: 0.0, usable=lambda: None,
+               compare=compare)  # fmt: skip
+    s.results = [ok(32, 100.0), ok(64, 99.0)]
+    assert not s.final() and not calls
+    assert any("no time left to measure 32, 64 in alternation" in n for n in s.notes)
+
+
+def test_only_a_flat_looking_figure_is_alternated_before_the_growth_goes_on() -> None:
+    best = ok(64, 1000.0, spread=0.3)
+    assert looks_flat(best, ok(128, 1009.0, spread=0.3))  # under the 1 % floor
+    assert looks_flat(best, ok(128, 700.0, spread=0.3))
+    assert not looks_flat(best, ok(128, 1200.0, spread=0.3))  # up, if within the spread
+    compared: list[tuple[int, ...]] = []
+
+    def compare(sizes: Sequence[BatchSizeCandidate], rounds: int) -> Comparison:
+        order = tuple(c.batch_size for c in sizes)
+        compared.append(order)
+        return Comparison(order, tuple(tuple(min(n, 64) * 10.0 for n in order) for _ in "abc"))
+
+    # Each size's figure is 10 % up, inside a 30 % spread: the growth goes on without a
+    # second look until the figures flatten at 64.
+    probe = Curve(
+        overhead=0.0, per_sample=0.1, spread=0.3, bump=lambda n: 1.1 ** math.log2(min(n, 64))
+    )
+    s = Search(SizeSpace(1, 256), probe, time_left=lambda: math.inf, usable=lambda: None,
+               compare=compare)  # fmt: skip
+    best_found = s.run()
+    assert best_found is not None and best_found.batch_size == 64
+    assert compared[0] == (64, 128)  # the first alternation: where the figure went flat
+
+
+def test_no_alternation_stops_a_growth_that_reached_the_top() -> None:
+    compared: list[tuple[int, ...]] = []
+
+    def compare(sizes: Sequence[BatchSizeCandidate], rounds: int) -> Comparison:
+        order = tuple(c.batch_size for c in sizes)
+        compared.append(order)
+        return Comparison(order, tuple(tuple(float(n) for n in order) for _ in "abc"))
+
+    def probe(n: int) -> BatchSizeCandidate:  # rising, but 64's own figure looks slower
+        return ok(n, 600.0 if n == 64 else 20.0 * n)
+
+    s = Search(SizeSpace(1, 64), probe, time_left=lambda: math.inf, usable=lambda: None,
+               compare=compare)  # fmt: skip
+    s.grow()
+    assert [c.batch_size for c in s.results][-1] == 64 and not compared
+    assert s.notes[-1] == "growth reached the largest allowed size"
+    s.refine()
+    assert s.final() and compared  # the fastest are alternated at the end instead
+
+
+def test_a_lucky_outlier_with_a_wide_spread_is_alternated_with_the_runners_up() -> None:
+    # 1024's one figure is an outlier (55 % spread), half again above every other size:
+    # the final alternation still takes the runners-up, and 512 (truly fastest) wins there.
+    truth = {256: 2700.0, 512: 3100.0, 1024: 3000.0, 2048: 2400.0}
+
+    def compare(sizes: Sequence[BatchSizeCandidate], rounds: int) -> Comparison:
+        order = tuple(c.batch_size for c in sizes)
+        return Comparison(order, tuple(tuple(truth[n] for n in order) for _ in range(rounds)))
+
+    s = Search(SizeSpace(1, 2048), Curve(), time_left=lambda: math.inf, usable=lambda: None,
+               compare=compare)  # fmt: skip
+    s.results = [ok(256, 2700.0), ok(512, 3100.0), ok(1024, 4700.0, spread=0.55),
+                 ok(2048, 2400.0)]  # fmt: skip
+    assert s.final()
+    assert s.compared == [frozenset({1024, 512, 256})]
+    best = choose(s.results)
+    assert best is not None and best.batch_size == 512
+
+
+def test_a_stop_on_rounds_that_disagree_waits_for_more_rounds() -> None:
+    # 8 is 10 % faster than 4; the first three rounds are noisy (median 1.0, ratios from
+    # 0.9 to 1.3), the next three are clear.
+    calls: list[tuple[int, ...]] = []
+    noisy = ((100.0, 100.0), (100.0, 130.0), (100.0, 90.0))
+    clear = ((100.0, 110.0), (100.0, 111.0), (100.0, 109.0))
+
+    def compare(sizes: Sequence[BatchSizeCandidate], rounds: int) -> Comparison:
+        order = tuple(c.batch_size for c in sizes)
+        calls.append(order)
+        if order == (4, 8):
+            return Comparison(order, noisy if calls.count(order) == 1 else clear)
+        return Comparison(order, tuple(tuple(float(min(n, 8)) for n in order) for _ in "abc"))
+
+    def probe(n: int) -> BatchSizeCandidate:
+        return ok(n, {1: 10.0, 2: 15.0, 4: 22.0}.get(n, 22.0))  # 8 and up look flat
+
+    s = Search(SizeSpace(1, 64), probe, time_left=lambda: math.inf, usable=lambda: None,
+               compare=compare)  # fmt: skip
+    s.grow()
+    assert calls[:2] == [(4, 8), (4, 8)]
+    probed = [c.batch_size for c in s.results]
+    assert 16 in probed  # the growth went on past 8
+    eight = next(c for c in s.results if c.batch_size == 8)
+    assert "(6 rounds)" in (eight.reason or "")

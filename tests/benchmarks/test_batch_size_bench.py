@@ -47,8 +47,9 @@ def test_the_mlp_sweep_and_the_tuner_run_and_are_compared(
     monkeypatch.setattr(_tune, "DEFAULT_PROBE", QUICK)  # short windows: both sides alike
     out_json = tmp_path / "bs.json"
     rc = bench.main(
-        ["--quick", "--models", "mlp", "--budget", "5", "--threads", "1", "--json", str(out_json)]
-    )
+        ["--quick", "--models", "mlp", "--budget", "5", "--threads", "1", "--sweeps", "2",
+         "--score-rounds", "2", "--json", str(out_json)]
+    )  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0
     rows = [line for line in out.splitlines() if line.startswith("mlp ")]
@@ -57,6 +58,12 @@ def test_the_mlp_sweep_and_the_tuner_run_and_are_compared(
     assert [c["batch_size"] for c in r["sweep"]] == [1, 2, 3, 4, 6, 8, 12, 16]
     assert 1 <= r["tuned"] <= 16 and r["tuned_samples_per_s"] > 0
     assert r["sweep_best_samples_per_s"] > 0 and r["time_fraction"] > 0
+    # The tuner's choice alternated with the sweep's best (no rounds when they are one size).
+    assert r["ratio_to_sweep_best"] > 0
+    assert (r["score_rounds"] is None) == (r["tuned"] == r["sweep_best"])
+    if r["score_rounds"] is not None:
+        assert len(r["score_rounds"]) == 2 and all(len(x) == 2 for x in r["score_rounds"])
+    assert len(r["repeat_sweeps"]) == 2 and "repeated sweeps" in out
     assert "[mlp] tuner report:" in out and "targets: vs best >= 97 %" in out
 
 
@@ -67,11 +74,13 @@ def test_the_lightning_mode_reads_a_saved_sweep(
     bench = load_bench(monkeypatch)
     sweep = [{"batch_size": n, "status": "ok", "samples_per_s": 10.0 * n} for n in (1, 2, 4)]
     saved = {"results": [{"model": "mlp", "sweep": sweep, "tuned": 4,
-                          "tuned_samples_per_s": 40.0, "tuner_s": 1.0,
-                          "sweep_best_samples_per_s": 40.0}]}  # fmt: skip
+                          "tuned_samples_per_s": 40.0, "tuner_s": 1.0, "sweep_best": 4,
+                          "sweep_best_samples_per_s": 40.0,
+                          "ratio_to_sweep_best": 1.0}]}  # fmt: skip
     path = tmp_path / "bs.json"
     path.write_text(json.dumps(saved))
     assert bench.main(["--lightning", str(path), "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[:3] == ["model", "trainperf", "samples/s"]
-    assert any(line.startswith("mlp ") for line in out.splitlines())
+    (row,) = [line for line in out.splitlines() if line.startswith("mlp ")]
+    assert row.split()[:4] == ["mlp", "4", "40.0", "100.0%"]

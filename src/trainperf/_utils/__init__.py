@@ -17,4 +17,12 @@ Who uses what:
   in ``bench``, ``checkpoint``, ``device`` and ``limits``.
 - :mod:`~trainperf._utils.public`: sets each public object's ``__module__`` to the path users
   import it from, used by every package ``__init__``.
+- :mod:`~trainperf._utils.lifetime`: ``DieWithParent`` and ``die_with_parent``, used by the
+  ``loader``, ``pipelines`` and the ``checkpoint`` writer.
+- :mod:`~trainperf._utils.cache` and :mod:`~trainperf._utils.qualname`: the JSON cache store
+  and the qualified names in its keys, used by the ``loader`` and ``batchsize`` caches.
+- :mod:`~trainperf._utils.windows`: repeated timed windows until the spread is small, used
+  by the ``loader``'s measurements and the ``batchsize`` probe.
+- :mod:`~trainperf._utils.progress`: the one-line progress bar of ``tune_loader`` and
+  ``tune_batch_size``.
 """

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainperf._utils.validate import non_negative_int, positive_int, positive_number
-from trainperf.batchsize._search import SizeSpace
+from trainperf.batchsize._sizes import SizeSpace
 
 __all__ = ["check_args", "size_space"]
 

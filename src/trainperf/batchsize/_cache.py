@@ -1,12 +1,12 @@
 """The tuner's cache: chosen batch sizes in ``batch_size.json`` beside the loader's cache.
 
 ``$XDG_CACHE_HOME/trainperf/batch_size.json`` (``~/.cache/trainperf/`` when the variable is
-unset), written and read with the DataLoader tuner's own functions
-(:mod:`trainperf.loader._cache`: atomic writes, a corrupt file ignored and replaced, old
-entries dropped). Entries are keyed the same way, by a hash of what decides the answer: the
-model's class, parameter count and dtype, the optimizer's class, the device (for CUDA its
-name and memory), the host, the torch version, the step function, the batch's shape and
-types (:func:`~trainperf.loader._cache.sample_signature` of the first size's batch), the
+unset), written and read with the tuners' shared store (:mod:`trainperf._utils.cache`:
+atomic writes, a corrupt file ignored and replaced, old entries dropped), as the DataLoader
+tuner's ``loader.json`` is. Entries are keyed the same way, by a hash of what decides the
+answer: the model's class, parameter count and dtype, the optimizer's class, the device (for
+CUDA its name and memory), the host, the torch version, the step function, the batch's shape
+and types (:func:`~trainperf._utils.cache.sample_signature` of the first size's batch), the
 sizes allowed, the world size, ``global_batch`` and ``headroom``.
 
 Nothing in an entry is trusted: before a hit is used, :func:`cache_misfit` checks that its
@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainperf._utils.cache import cache_dir, make_key, sample_signature
 from trainperf._utils.format import format_bytes
+from trainperf._utils.qualname import qualname
 from trainperf.batchsize._report import BatchSizeCandidate
-from trainperf.batchsize._search import SizeSpace
-from trainperf.loader._cache import _qualname, cache_file, make_key, sample_signature
+from trainperf.batchsize._sizes import SizeSpace
 
 __all__ = ["ENTRY_KEYS", "cache_misfit", "cache_path", "entry_key", "parsed_candidates"]
 
@@ -46,7 +47,7 @@ ENTRY_KEYS = (
 
 
 def cache_path() -> Path:
-    """``batch_size.json`` in the directory of :func:`trainperf.loader.cache_file`.
+    """``batch_size.json`` in the tuners' cache directory, beside the loader's ``loader.json``.
 
     Example:
         >>> import os
@@ -54,7 +55,7 @@ def cache_path() -> Path:
         >>> str(cache_path())
         '/tmp/xdg/trainperf/batch_size.json'
     """
-    return cache_file().with_name("batch_size.json")
+    return cache_dir() / "batch_size.json"
 
 
 def _model_fields(objects: Sequence[Any]) -> list[Any]:
@@ -63,9 +64,9 @@ def _model_fields(objects: Sequence[Any]) -> list[Any]:
         if isinstance(obj, nn.Module):
             params = list(obj.parameters())
             dtypes = sorted({str(p.dtype) for p in params})
-            out.append([_qualname(type(obj)), sum(p.numel() for p in params), dtypes])
+            out.append([qualname(type(obj)), sum(p.numel() for p in params), dtypes])
         else:
-            out.append(_qualname(type(obj)))
+            out.append(qualname(type(obj)))
     return out
 
 
@@ -102,7 +103,7 @@ def entry_key(
         "device": _device_fields(device),
         "host": socket.gethostname(),
         "torch": torch.__version__,
-        "step": _qualname(step),
+        "step": qualname(step),
         "sample": sample_signature(first_batch),
         "sizes": [space.min_size, space.max_size, space.per_rank],
         "world_size": world_size,

@@ -13,7 +13,7 @@ A probe of size ``n`` (:class:`Prober`):
 4. times windows of a fixed number of steps (:func:`steps_per_window`: at least a quarter
    of a second each), synchronising CUDA once per window, not per step, until the last
    windows agree within 5 % (at most 5 windows), as the DataLoader tuner times its
-   candidates (:class:`~trainperf.loader.WindowPolicy`, median of the last three);
+   candidates (:class:`~trainperf._utils.windows.WindowPolicy`, median of the last three);
 5. reads the peak memory of the whole probe, warm-up included, then puts the training
    state back (:mod:`trainperf.batchsize._state`).
 
@@ -39,14 +39,14 @@ from typing import Any
 import torch
 
 from trainperf._utils.format import format_bytes
+from trainperf._utils.windows import WindowPolicy, WindowTiming, settled
 from trainperf.batchsize._agree import Agreement
+from trainperf.batchsize._compare import Comparison, round_order
 from trainperf.batchsize._memory import MemoryReader, Peak
 from trainperf.batchsize._report import BatchSizeCandidate, CandidateStatus
 from trainperf.batchsize._sample import checked_batch
 from trainperf.batchsize._state import SavedState
 from trainperf.loader._batches import batch_bytes
-from trainperf.loader._windows import WindowPolicy, WindowTiming
-from trainperf.loader._windows import _settled as settled
 
 __all__ = [
     "DEFAULT_PROBE",
@@ -282,6 +282,70 @@ class Prober:
         )
         agreed = Peak(None if peak.memory is None else int(peak_max), peak.allocated)
         return self._candidate(size, timed, agreed, bool(oom_any), oom_message, started)
+
+    def compare(self, sizes: Sequence[BatchSizeCandidate], rounds: int) -> Comparison | None:
+        """Measure ``sizes`` (measured before, each with its figure) against each other in
+        alternating windows (:mod:`trainperf.batchsize._compare`): one untimed step of each
+        first (not on the CPU), then ``rounds`` rounds of one window per size, the order
+        reversed every other round. Each size's batch is built once and moved to the device
+        before each of its windows (untimed), so one batch at a time is there. The state is
+        put back after.
+
+        Returns:
+            The rounds completed (the deadline ends them early), or None when not one
+            completed or a size ran out of memory (on any rank).
+        """
+        order = [c.batch_size for c in sizes]
+        k = {
+            c.batch_size: steps_per_window(c.batch_size / (c.samples_per_s or 1.0), self.policy)
+            for c in sizes
+        }
+        done: list[tuple[float, ...]] = []
+        oom = False
+        try:
+            done = self._alternate(order, k, rounds)
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            oom = True
+        finally:
+            self.state.restore()
+            self.memory.free(collect=oom)
+        (oom_any,), _ = self.agree.combine(maxima=[float(oom)])
+        if oom_any or not done:
+            return None
+        return Comparison(tuple(order), tuple(done))
+
+    def _alternate(
+        self, order: list[int], k: dict[int, int], rounds: int
+    ) -> list[tuple[float, ...]]:
+        hosts = {n: checked_batch(self.sample, n) for n in order}
+        for n in order if self.device.type != "cpu" else ():
+            # The caching allocator's pools, emptied after the probe, grow back (no such
+            # pools on the CPU, where the step would only cost time).
+            self.step(self._moved(hosts[n]))
+            self._sync()
+        done: list[tuple[float, ...]] = []
+        for r in range(rounds):
+            row: dict[int, float] = {}
+            for n in round_order(order, r):
+                self.on_update(f"batch {n}: against {len(order) - 1} other(s), round {r + 1}")
+                row[n] = self._window(self._moved(hosts[n]), n, k[n])
+            late = time.perf_counter() >= self.deadline
+            (late_any,), slowest = self.agree.combine(
+                maxima=[float(late)], minima=[row[n] for n in order]
+            )
+            done.append(tuple(slowest))
+            if late_any:
+                break
+        return done
+
+    def _moved(self, host: Any) -> Any:
+        from trainperf.device import to_device
+
+        batch = to_device(host, self.device)
+        self._sync()
+        return batch
 
     def _candidate(
         self,

@@ -1,20 +1,17 @@
-"""The tuner's progress bar: the DataLoader tuner's :class:`~trainperf.loader._progress.ProgressBar`
-under this tuner's name.
-
-The loader's bar names itself ``tune_loader`` in its line and in the start line it writes
-where the stream is not a terminal; this subclass renames both and changes nothing else.
+"""The tuner's progress bar: the shared :class:`trainperf._utils.progress.ProgressBar`
+named ``tune_batch_size``.
 """
 
 from __future__ import annotations
 
-from trainperf.loader._progress import ProgressBar
+from typing import TextIO
+
+from trainperf._utils import progress
 
 __all__ = ["BatchSizeBar"]
 
-_NAME = "tune_batch_size"
 
-
-class BatchSizeBar(ProgressBar):
+class BatchSizeBar(progress.ProgressBar):
     """``tune_batch_size [#####...] 7.1/60 s  batch 128: 1,234/s``.
 
     Example:
@@ -28,12 +25,19 @@ class BatchSizeBar(ProgressBar):
         ('tune_batch_size: measuring batch sizes (budget 10 s)', True)
     """
 
-    def update(self, text: str | None = None, *, force: bool = False) -> None:
-        if self._enabled and not self._tty and not self._started:
-            self._started = True  # the start line is this tuner's, not tune_loader's
-            self._stream.write(f"{_NAME}: measuring batch sizes (budget {self._budget:g} s)\n")
-            self._stream.flush()
-        super().update(text, force=force)
-
-    def _line(self, now: float) -> str:
-        return _NAME + super()._line(now).removeprefix("tune_loader")
+    def __init__(
+        self,
+        budget_s: float,
+        *,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        width: int = 24,
+    ) -> None:
+        super().__init__(
+            budget_s,
+            name="tune_batch_size",
+            what="batch sizes",
+            enabled=enabled,
+            stream=stream,
+            width=width,
+        )

@@ -3,46 +3,65 @@
 1. **Growth.** From the smallest allowed size, each next size is the smallest allowed one
    at least twice as large, or four times while throughput still grows almost in
    proportion to the size (:func:`growth_factor`: the per-step overhead dominates there, so
-   the optimum is further up). It stops at the first size that does not raise throughput by
-   more than the measurement's spread (:func:`rising`), that runs out of memory or peaks
-   past the headroom, that is predicted to peak past the headroom (:func:`predicted_peak`:
-   a straight line through the two largest measured peaks), or that would not finish in
-   the time left (:func:`probe_cost`).
+   the optimum is further up). A size whose probe does not raise throughput by more than
+   the measurement's spread (:func:`rising`), and is not even :data:`MIN_GAIN` above the
+   best so far (:func:`looks_flat`), is measured against that best in alternating windows
+   (:mod:`trainperf.batchsize._compare`: probes taken seconds apart on a shared host
+   differ by more than the sizes do); the growth stops unless it beat the best there by
+   more than :data:`MIN_GAIN` (rounds that disagree, :func:`undecided`, get as many again
+   first). It also stops at a size that runs out of
+   memory or peaks past the headroom, that is predicted to peak past the headroom
+   (:func:`predicted_peak`: a straight line through the two largest measured peaks), or
+   that would not finish in the time left (:func:`probe_cost`).
 2. **Refinement.** Between the best size and each of its neighbours (the nearest sizes
    considered below and above, whatever their status), the allowed size nearest the
    midpoint is tried, while the two are at least 25 % apart; when one becomes the best,
    its new neighbours are refined in turn, and when the one above fails (out of memory,
    past the headroom, or predicted so), the gap up to it is halved again: a binary search
    for the largest size that fits.
-3. **Confirmation.** When the fastest size's windows did not settle (their spread is past
-   the measurement's target: a busy host), it is measured again and the second measurement
-   counts, so one lucky run does not decide; at most twice.
+3. **Final alternation** (:meth:`Search.final`). The sizes whose probes came within
+   :data:`SHORTLIST_WITHIN` of the fastest, or within its spread if wider (three at most),
+   are measured against it in
+   alternating windows, and their figures rescaled to its own (:func:`rescaled`), so the
+   choice among them does not depend on when each was probed. Without ``compare`` (or
+   without time for it), **confirmation** instead: when the fastest size's windows did not
+   settle, it is measured again and the second measurement counts; at most twice.
 4. **Choice** (:func:`choose`): the fastest size measured within the headroom; never a
    size that was not run.
 
 Allowed sizes (:class:`SizeSpace`) are the integers in ``[min_size, max_size]``, or, with
 ``global_batch``, the divisors of ``global_batch / world_size`` there. Every rule is a pure
-function of measured figures; :class:`Search` drives them with an injected ``probe``, so the
-tests run on synthetic throughput and memory curves.
+function of measured figures; :class:`Search` drives them with an injected ``probe`` and
+``compare``, so the tests run on synthetic throughput and memory curves (and drifting hosts).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from trainperf._utils.format import format_bytes
+from trainperf.batchsize._compare import (
+    Comparison,
+    compare_cost,
+    outgrows,
+    rescaled,
+    shortlist,
+    undecided,
+)
 from trainperf.batchsize._report import BatchSizeCandidate
+from trainperf.batchsize._sizes import SizeSpace
 
 __all__ = [
     "MIN_GAIN",
     "REFINE_RATIO",
+    "SHORTLIST_WITHIN",
     "Search",
     "SizeSpace",
     "choose",
     "growth_factor",
+    "looks_flat",
     "needs_confirming",
     "probe_cost",
     "predicted_peak",
@@ -55,90 +74,11 @@ MIN_GAIN = 0.01
 """A larger size must be at least this much faster (or more than the spread) to count."""
 REFINE_RATIO = 1.25
 """Two sizes at least this far apart (hi / lo) have a midpoint worth trying."""
+SHORTLIST_WITHIN = 0.4
+"""Sizes whose own probe came within this of the fastest (or within the fastest's spread, if
+wider) are measured against it at the end: on a busy host probes taken at different moments
+differ by this much."""
 _MAX_ROUNDS = 6
-
-
-@dataclass(frozen=True)
-class SizeSpace:
-    """The batch sizes the tuner may try.
-
-    Attributes:
-        min_size: the smallest.
-        max_size: the largest (None: no bound but memory).
-        per_rank: with ``global_batch``, ``global_batch / world_size``: only its divisors
-            are allowed.
-
-    Example:
-        >>> s = SizeSpace(1, None, 96)
-        >>> s.first(), s.up(16), s.up(32), s.up(96), s.between(32, 96)
-        (1, 32, 96, None, 48)
-        >>> SizeSpace(1, 512).up(256), SizeSpace(1, 512).between(128, 256)
-        (512, 192)
-    """
-
-    min_size: int
-    max_size: int | None
-    per_rank: int | None = None
-
-    @property
-    def top(self) -> int | None:
-        """The largest allowed size, None when unbounded."""
-        bounds = [b for b in (self.max_size, self.per_rank) if b is not None]
-        return min(bounds) if bounds else None
-
-    def allowed(self, n: int) -> bool:
-        """True when ``n`` may be tried."""
-        top = self.top
-        if n < self.min_size or (top is not None and n > top):
-            return False
-        return self.per_rank is None or self.per_rank % n == 0
-
-    def _divisors(self) -> list[int] | None:
-        """The allowed sizes with ``global_batch`` (its divisors in range), else None."""
-        if self.per_rank is None:
-            return None
-        return [d for d in _divisors(self.per_rank) if self.allowed(d)]
-
-    def first(self) -> int | None:
-        """The smallest allowed size (None when there is none)."""
-        sizes = self._divisors()
-        if sizes is None:
-            return self.min_size if self.allowed(self.min_size) else None
-        return sizes[0] if sizes else None
-
-    def up(self, n: int, factor: int = 2) -> int | None:
-        """The next size of the growth: the smallest allowed one >= ``factor * n``, else
-        the largest allowed one above ``n``; None at the top."""
-        sizes = self._divisors()
-        if sizes is None:
-            top = self.top
-            if top is not None and n >= top:
-                return None
-            return factor * n if top is None else min(factor * n, top)
-        above = [s for s in sizes if s > n]
-        if not above:
-            return None
-        grown = [s for s in above if s >= factor * n]
-        return grown[0] if grown else above[-1]
-
-    def between(self, lo: int, hi: int) -> int | None:
-        """The allowed size strictly between ``lo`` and ``hi`` nearest their midpoint (the
-        smaller on a tie), None when there is none."""
-        mid = (lo + hi) / 2
-        sizes = self._divisors()
-        if sizes is None:
-            inside = [n for n in (math.floor(mid), math.ceil(mid)) if lo < n < hi]
-            inside = [n for n in inside if self.allowed(n)]
-        else:
-            inside = [s for s in sizes if lo < s < hi]
-        if not inside:
-            return None
-        return min(inside, key=lambda s: (abs(s - mid), s))
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
 
 
 def rising(best: BatchSizeCandidate, new: BatchSizeCandidate) -> bool:
@@ -156,6 +96,22 @@ def rising(best: BatchSizeCandidate, new: BatchSizeCandidate) -> bool:
         return False
     noise = max(best.spread or 0.0, new.spread or 0.0, MIN_GAIN)
     return new.samples_per_s > best.samples_per_s * (1.0 + noise)
+
+
+def looks_flat(best: BatchSizeCandidate, new: BatchSizeCandidate) -> bool:
+    """True when ``new``'s own figure is not above ``best``'s by :data:`MIN_GAIN`: worth
+    measuring the two in alternation before the growth stops. A figure above it but within
+    the spread lets the growth go on without that (a larger size tried costs time, not the
+    choice: the final alternation judges the fastest).
+
+    Example:
+        >>> a = BatchSizeCandidate(64, "ok", samples_per_s=1000.0, spread=0.3)
+        >>> looks_flat(a, BatchSizeCandidate(128, "ok", samples_per_s=1005.0, spread=0.3))
+        True
+        >>> looks_flat(a, BatchSizeCandidate(128, "ok", samples_per_s=1100.0, spread=0.3))
+        False
+    """
+    return (new.samples_per_s or 0.0) <= (best.samples_per_s or 0.0) * (1.0 + MIN_GAIN)
 
 
 def growth_factor(prev: BatchSizeCandidate, new: BatchSizeCandidate) -> int:
@@ -310,6 +266,8 @@ def refinement_targets(
 
 ProbeFn = Callable[[int], BatchSizeCandidate]
 """``probe(batch_size) -> BatchSizeCandidate``: run one size and report it."""
+CompareFn = Callable[[Sequence[BatchSizeCandidate], int], Comparison | None]
+"""``compare(candidates, rounds) -> Comparison | None``: measure sizes in alternation."""
 
 
 @dataclass
@@ -325,9 +283,14 @@ class Search:
         baseline: the memory before probing, for :func:`predicted_peak`.
         warmup_steps, min_windows, window_s: the probe's shape, for :func:`probe_cost`.
         target_spread: the windows' spread past which the best size is measured again.
+        compare: measures sizes against each other in alternating windows
+            (:mod:`trainperf.batchsize._compare`); None: decisions use each probe's own
+            figure, and an unsettled one is measured again instead.
+        compare_rounds: rounds of a comparison.
         results: every size considered, in order.
         notes: why the growth stopped, what the budget cut.
         measured_twice: the sizes measured a second time.
+        compared: the sets of sizes measured in alternation.
     """
 
     space: SizeSpace
@@ -339,7 +302,10 @@ class Search:
     min_windows: int = 2
     window_s: float = 0.25
     target_spread: float = 0.05
+    compare: CompareFn | None = None
+    compare_rounds: int = 3
     results: list[BatchSizeCandidate] = field(default_factory=list)
+    compared: list[frozenset[int]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     measured_twice: set[int] = field(default_factory=set)
 
@@ -384,30 +350,119 @@ class Search:
             if not c.ok:
                 self.notes.append(f"growth stopped at {size}: {c.status} ({c.reason})")
                 return
-            if best is not None and not rising(best, c):
-                # A stop decided on an unsettled figure (either one) is noise: measure again.
-                if self._unsettled(best):
-                    best = self._measure_again(best)
-                if self._unsettled(c):
-                    c = self._measure_again(c)
+            if best is not None and not rising(best, c) and self._doubtful(best, c):
+                best, c, stop = self._second_look(best, c)
                 if not c.ok:
                     self.notes.append(f"growth stopped at {size}: {c.status} ({c.reason})")
                     return
-                if not best.ok:  # the best ran out of memory on its second run
-                    best = c
-            if best is not None and not rising(best, c):
-                self.notes.append(
-                    f"growth stopped at {size}: {c.samples_per_s:,.1f} samples/s is not "
-                    f"faster than {best.batch_size}'s {best.samples_per_s:,.1f} by more than "
-                    f"the spread"
-                )
-                return
+                if stop:
+                    return
             if best is None or (c.samples_per_s or 0.0) > (best.samples_per_s or 0.0):
                 best = c
             factor = 2 if prev is None else growth_factor(prev, c)
             prev = c
             size = self.space.up(size, factor)
         self.notes.append("growth reached the largest allowed size")
+
+    def _doubtful(self, best: BatchSizeCandidate, c: BatchSizeCandidate) -> bool:
+        """Not faster by more than the spread: without ``compare`` that takes a second look;
+        with it, only a figure that looks flat does (:func:`looks_flat`), and not at the
+        largest allowed size, where the growth ends anyway (the final alternation judges
+        the two)."""
+        if self.compare is None:
+            return True
+        return looks_flat(best, c) and self.space.up(c.batch_size) is not None
+
+    def _second_look(
+        self, best: BatchSizeCandidate, c: BatchSizeCandidate
+    ) -> tuple[BatchSizeCandidate, BatchSizeCandidate, bool]:
+        """``c`` did not rise over ``best`` by its probe: before the growth stops, the two
+        are measured in alternation (or, without ``compare``, an unsettled figure is
+        measured again). Returns ``(best, c, stop)``, ``stop`` with its note written."""
+        cmp = self._alternate([best, c])
+        if (
+            cmp is not None
+            and not outgrows(cmp, best.batch_size, c.batch_size, MIN_GAIN)
+            and undecided(cmp, c.batch_size)
+        ):
+            more = self._alternate([best, c])  # the stop waits for more rounds
+            if more is not None:
+                cmp = Comparison(cmp.sizes, cmp.rounds + more.rounds)
+        if cmp is not None:
+            c = self._replace(c, rescaled(c, cmp, best))
+            if outgrows(cmp, best.batch_size, c.batch_size, MIN_GAIN):
+                return best, c, False
+            self.notes.append(
+                f"growth stopped at {c.batch_size}: in {len(cmp.rounds)} rounds alternating "
+                f"with {best.batch_size}, it ran at {100 * cmp.ratio(c.batch_size):.1f} % of "
+                f"{best.batch_size}'s samples/s (not {100 * MIN_GAIN:.0f} % faster)"
+            )
+            return best, c, True
+        # A stop decided on an unsettled figure (either one) is noise: measure again.
+        if self._unsettled(best):
+            best = self._measure_again(best)
+        if self._unsettled(c):
+            c = self._measure_again(c)
+        if not c.ok:
+            return best, c, True
+        if not best.ok:  # the best ran out of memory on its second run
+            best = c
+        if rising(best, c):
+            return best, c, False
+        self.notes.append(
+            f"growth stopped at {c.batch_size}: {c.samples_per_s:,.1f} samples/s is not "
+            f"faster than {best.batch_size}'s {best.samples_per_s:,.1f} by more than "
+            f"the spread"
+        )
+        return best, c, True
+
+    def _replace(self, old: BatchSizeCandidate, new: BatchSizeCandidate) -> BatchSizeCandidate:
+        self.results[self.results.index(old)] = new
+        return new
+
+    def _alternate(self, sizes: Sequence[BatchSizeCandidate]) -> Comparison | None:
+        """``sizes`` measured in alternation, or None (no ``compare``, no time for it, or a
+        size ran out of memory on its second run)."""
+        if self.compare is None:
+            return None
+        cost = compare_cost(sizes, self.compare_rounds, self.window_s)
+        if cost > self.time_left():
+            self.notes.append(
+                f"no time left to measure {', '.join(str(c.batch_size) for c in sizes)} in "
+                f"alternation (about {cost:.1f} s)"
+            )
+            return None
+        self.compared.append(frozenset(c.batch_size for c in sizes))
+        return self.compare(sizes, self.compare_rounds)
+
+    def final(self) -> bool:
+        """The sizes whose own figures came within :data:`SHORTLIST_WITHIN` of the fastest,
+        or within its spread if wider (a lucky outlier's figure is wide), three at most,
+        measured against it in alternation, their figures rescaled to its own. False when
+        that could not be done (no ``compare``, no time)."""
+        ok = [c for c in self.results if c.ok]
+        top = choose(ok)
+        within = max(SHORTLIST_WITHIN, 0.0 if top is None else (top.spread or 0.0))
+        sizes = shortlist(
+            [(c.batch_size, c.samples_per_s or 0.0) for c in ok], within=min(within, 0.9), most=3
+        )
+        if len(sizes) < 2:
+            return False
+        if any(set(sizes) <= done for done in self.compared):
+            return True  # these were alternated already: no new figure since
+        by_size = {c.batch_size: c for c in ok}
+        ref, *others = (by_size[n] for n in sizes)
+        cmp = self._alternate([ref, *others])
+        if cmp is None:
+            return False
+        for c in others:
+            self._replace(c, rescaled(c, cmp, ref))
+        ratios = ", ".join(f"{n}: {100 * cmp.ratio(n):.1f} %" for n in sizes)
+        self.notes.append(
+            f"the fastest sizes alternated for {len(cmp.rounds)} rounds ({ratios} of "
+            f"{ref.batch_size}'s samples/s)"
+        )
+        return True
 
     def refine(self) -> None:
         """Try midpoints around the best size while they improve on it, or while the one
@@ -454,8 +509,10 @@ class Search:
             self._measure_again(best)
 
     def run(self) -> BatchSizeCandidate | None:
-        """Growth, refinement, confirmation, and the choice (None when no size fits)."""
+        """Growth, refinement, the fastest sizes alternated (or, without ``compare``, the
+        best confirmed), and the choice (None when no size fits)."""
         self.grow()
         self.refine()
-        self.confirm()
+        if not self.final():
+            self.confirm()
         return choose(self.results)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainperf._utils.cache import read_entry, write_entry
 from trainperf.batchsize import _cache
 from trainperf.batchsize._agree import Agreement
 from trainperf.batchsize._args import check_args, size_space
@@ -27,11 +28,11 @@ from trainperf.batchsize._probe import DEFAULT_PROBE, Prober
 from trainperf.batchsize._progress import BatchSizeBar
 from trainperf.batchsize._report import BatchSizeCandidate, BatchSizeReport, PipelineMemory
 from trainperf.batchsize._sample import checked_batch
-from trainperf.batchsize._search import Search, SizeSpace
+from trainperf.batchsize._search import Search
+from trainperf.batchsize._sizes import SizeSpace
 from trainperf.batchsize._state import SavedState, stateful_objects
 from trainperf.device import resolve_device
 from trainperf.limits import HostLimits, host_limits
-from trainperf.loader._cache import read_entry, write_entry
 from trainperf.loader._rng import preserved_rng
 
 __all__ = ["tune_batch_size"]
@@ -202,6 +203,7 @@ def _search(call: _Call) -> BatchSizeReport:
         min_windows=policy.windows.min_windows,
         window_s=policy.windows.min_window_s,
         target_spread=policy.windows.target_spread,
+        compare=prober.compare,
     )
     try:
         choice = search.run()
@@ -269,13 +271,15 @@ def tune_batch_size(
 
     Sizes grow geometrically from ``min_size`` until throughput stops rising by more than
     the measurement's spread, memory passes the headroom, or a size runs out of memory
-    (the error is caught); then the sizes between the best and its neighbours are tried
-    (:mod:`trainperf.batchsize._search`). Each size runs warm-up steps and then timed
-    windows until they agree, with its peak memory measured; the choice is always a size
-    that ran. Tuning leaves training exactly where it was: the state of ``model`` and
-    ``optimizer`` (parameters, gradients, optimizer moments, BatchNorm statistics,
-    train/eval modes) and every random number generator (python, numpy, torch CPU and CUDA)
-    are put back bit for bit, however the call ends.
+    (the error is caught); then the sizes between the best and its neighbours are tried,
+    and the fastest few are measured against each other in alternating windows, so that a
+    host whose load changes between measurements does not decide
+    (:mod:`trainperf.batchsize._search`, :mod:`trainperf.batchsize._compare`). Each size
+    runs warm-up steps and then timed windows until they agree, with its peak memory
+    measured; the choice is always a size that ran. Tuning leaves training exactly where
+    it was: the state of ``model`` and ``optimizer`` (parameters, gradients, optimizer
+    moments, BatchNorm statistics, train/eval modes) and every random number generator
+    (python, numpy, torch CPU and CUDA) are put back bit for bit, however the call ends.
 
     Under DDP (a process group initialised) call it on every rank with the same
     arguments: the ranks tune in lockstep and choose the same size

@@ -3,31 +3,27 @@
 ``$XDG_CACHE_HOME/trainperf/loader.json`` (``~/.cache/trainperf/loader.json`` when the
 variable is unset). Entries are keyed by a hash of what decides the answer (dataset type,
 length and sample shape, batch size, usable CPUs, host, device type and the relevant loader
-arguments). Writes are atomic (:func:`trainperf._utils.atomic.write_atomically`: a temporary file
-fsynced and renamed over the old one, then the directory fsynced), so an interrupted run or
-two ranks writing at once never leave half a file, and temp files of killed writers are
-cleaned up; a file that does not parse is ignored and replaced on the next write.
+arguments). The file itself is the tuners' shared store (:mod:`trainperf._utils.cache`):
+writes are atomic (a temporary file fsynced and renamed over the old one, then the directory
+fsynced), so an interrupted run or two ranks writing at once never leave half a file, and
+temp files of killed writers are cleaned up; a file that does not parse is ignored and
+replaced on the next write.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
-import json
-import os
 import socket
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-import numpy as np
-import torch
 from torch.utils.data import IterableDataset
 
-from trainperf._utils.atomic import write_atomically
+from trainperf._utils import cache
+from trainperf._utils.cache import make_key, sample_signature
 from trainperf._utils.lifetime import DieWithParent
+from trainperf._utils.qualname import qualname
 
 __all__ = [
     "cache_file",
@@ -57,8 +53,6 @@ _KEY_KWARGS = (
     "persistent_workers",
     "in_order",
 )
-# Old entries are dropped beyond this many so the file cannot grow without bound.
-_MAX_ENTRIES = 256
 
 
 def cache_file() -> Path:
@@ -70,34 +64,7 @@ def cache_file() -> Path:
         >>> str(cache_file())
         '/tmp/xdg/trainperf/loader.json'
     """
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "trainperf" / "loader.json"
-
-
-def _qualname(obj: Any) -> str:
-    """``module.qualname`` of a class or function (of the object's type otherwise); lambdas and
-    nested functions, whose names are not unique, add where they are defined, and a
-    ``functools.partial`` names its function.
-
-    Example:
-        >>> _qualname(len), _qualname(3)
-        ('builtins.len', 'builtins.int')
-        >>> f, g = (lambda b: None), (lambda b: b)
-        >>> _qualname(f) == _qualname(g), _qualname(f).split("@")[0].endswith(".<lambda>")
-        (False, True)
-    """
-    if isinstance(obj, functools.partial):
-        return f"functools.partial({_qualname(obj.func)})"
-    target = (
-        obj
-        if isinstance(obj, type) or (callable(obj) and hasattr(obj, "__qualname__"))
-        else type(obj)
-    )
-    name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
-    code = getattr(target, "__code__", None)
-    if code is not None and ("<lambda>" in name or "<locals>" in name):
-        name += f"@{code.co_filename}:{code.co_firstlineno}:{code.co_code.hex()[:32]}"
-    return name
+    return cache.cache_dir() / "loader.json"
 
 
 def _unwrapped(value: Any) -> Any:
@@ -111,33 +78,11 @@ def _describe(value: Any) -> Any:
         return value
     if hasattr(value, "get_start_method"):
         return str(value.get_start_method())
-    desc = _qualname(value)
+    desc = qualname(value)
     if hasattr(value, "__len__") and not callable(value):
         with contextlib.suppress(TypeError):
             desc += f"[{len(value)}]"
     return desc
-
-
-def sample_signature(x: Any, depth: int = 0) -> Any:
-    """Shape-and-type description of a sample, for the cache key.
-
-    Example:
-        >>> sample_signature((torch.zeros(3, 8, 8), 7))
-        ['tuple', [['tensor', [3, 8, 8], 'torch.float32'], 'int']]
-    """
-    if isinstance(x, torch.Tensor):
-        return ["tensor", list(x.shape), str(x.dtype)]
-    if isinstance(x, np.ndarray):
-        return ["ndarray", list(x.shape), str(x.dtype)]
-    if depth > 4:
-        return type(x).__qualname__
-    if isinstance(x, Mapping):
-        return {str(k): sample_signature(v, depth + 1) for k, v in list(x.items())[:32]}
-    if isinstance(x, (list, tuple)):
-        return [type(x).__qualname__, [sample_signature(v, depth + 1) for v in x[:32]]]
-    if hasattr(x, "size") and hasattr(x, "mode"):  # PIL images
-        return ["image", list(x.size), str(x.mode)]
-    return type(x).__qualname__
 
 
 def _first_sample(dataset: Any) -> Any:
@@ -179,6 +124,7 @@ def key_fields(
         RuntimeError: reading the first sample fails.
 
     Example:
+        >>> import torch
         >>> from torch.utils.data import TensorDataset
         >>> f = key_fields(TensorDataset(torch.zeros(10, 2)), 4, cpus=2, device_type="cpu",
         ...                max_workers=8, epochs_hint=None, step_fn=None,
@@ -188,7 +134,7 @@ def key_fields(
     """
     return {
         "v": _VERSION,
-        "dataset": _qualname(dataset),
+        "dataset": qualname(dataset),
         "len": length(dataset),
         "sample": sample_signature(_first_sample(dataset)),
         "batch_size": batch_size,
@@ -197,37 +143,16 @@ def key_fields(
         "device": device_type,
         "max_workers": max_workers,
         "epochs_hint": epochs_hint,
-        "step_fn": None if step_fn is None else _qualname(step_fn),
+        "step_fn": None if step_fn is None else qualname(step_fn),
         "loader": {
             k: _describe(_unwrapped(loader_kwargs[k])) for k in _KEY_KWARGS if k in loader_kwargs
         },
     }
 
 
-def make_key(fields: dict[str, Any]) -> str:
-    """A stable hash of ``fields`` (JSON-serialisable values), used as the entry key.
-
-    Example:
-        >>> make_key({"a": 1, "b": [2, 3]}) == make_key({"b": [2, 3], "a": 1})
-        True
-    """
-    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def _load(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict) or data.get("version") != _VERSION:
-        return {}
-    entries = data.get("entries")
-    return entries if isinstance(entries, dict) else {}
-
-
 def read_entry(key: str, path: Path | None = None) -> dict[str, Any] | None:
-    """The entry stored under ``key``, or None (missing, unreadable or corrupt file).
+    """The entry stored under ``key`` in ``path`` (default :func:`cache_file`), or None
+    (missing, unreadable or corrupt file): :func:`trainperf._utils.cache.read_entry`.
 
     Example:
         >>> import tempfile, pathlib
@@ -238,12 +163,12 @@ def read_entry(key: str, path: Path | None = None) -> dict[str, Any] | None:
         >>> read_entry("k", p)["num_workers"]
         3
     """
-    entry = _load(path or cache_file()).get(key)
-    return entry if isinstance(entry, dict) else None
+    return cache.read_entry(key, path or cache_file())
 
 
 def write_entry(key: str, entry: dict[str, Any], path: Path | None = None) -> None:
-    """Store ``entry`` under ``key`` atomically; a corrupt existing file is replaced.
+    """Store ``entry`` under ``key`` in ``path`` (default :func:`cache_file`) atomically; a
+    corrupt existing file is replaced: :func:`trainperf._utils.cache.write_entry`.
 
     Raises:
         OSError: the cache directory cannot be created or written.
@@ -256,15 +181,4 @@ def write_entry(key: str, entry: dict[str, Any], path: Path | None = None) -> No
         >>> read_entry("k", p)["num_workers"]
         1
     """
-    path = path or cache_file()
-    entries = _load(path)
-    entries[key] = {**entry, "created": time.time()}
-    if len(entries) > _MAX_ENTRIES:
-        newest = sorted(entries.items(), key=lambda kv: kv[1].get("created", 0), reverse=True)
-        entries = dict(newest[:_MAX_ENTRIES])
-    data = json.dumps({"version": _VERSION, "entries": entries}, indent=1, sort_keys=True)
-
-    def write(f: IO[bytes]) -> None:
-        f.write(data.encode())
-
-    write_atomically(path, write)
+    cache.write_entry(key, entry, path or cache_file())

@@ -1,20 +1,20 @@
-"""A one-line progress bar on stderr for the time-budgeted tuner (no tqdm dependency).
+"""The DataLoader tuner's progress bar: the shared :class:`trainperf._utils.progress.ProgressBar`
+named ``tune_loader``.
 
 On a terminal the line is redrawn in place with ``\\r``. Anywhere else (a CI log, a SLURM
-``.err`` file, a pipe) every redraw would become a line of its own, so only a start line and
-a final line are written there.
+``.err`` file, a pipe) only a start line and a final line are written.
 """
 
 from __future__ import annotations
 
-import sys
-import time
 from typing import TextIO
+
+from trainperf._utils import progress
 
 __all__ = ["ProgressBar"]
 
 
-class ProgressBar:
+class ProgressBar(progress.ProgressBar):
     """``tune_loader [#######.............] 7.1/30 s  workers=4 prefetch=2  best 1,234/s``.
 
     The bar fills with elapsed time against the budget; updates are throttled to 10 per
@@ -42,57 +42,11 @@ class ProgressBar:
         stream: TextIO | None = None,
         width: int = 24,
     ) -> None:
-        self._budget = budget_s
-        self._enabled = enabled
-        self._stream = stream if stream is not None else sys.stderr
-        self._width = width
-        self._start = time.perf_counter()
-        self._last = -1.0
-        self._text = ""
-        self._drawn = 0
-        self._started = False
-        try:
-            self._tty = bool(self._stream.isatty())
-        except (AttributeError, ValueError):  # no isatty, or a closed stream
-            self._tty = False
-
-    def update(self, text: str | None = None, *, force: bool = False) -> None:
-        """Redraw with ``text`` (or the previous text) after the bar."""
-        if text is not None:
-            self._text = text
-        if not self._enabled:
-            return
-        if not self._tty:
-            if not self._started:
-                self._started = True
-                self._stream.write(
-                    f"tune_loader: measuring DataLoader settings (budget {self._budget:g} s)\n"
-                )
-                self._stream.flush()
-            return
-        now = time.perf_counter()
-        if not force and now - self._last < 0.1:
-            return
-        self._last = now
-        line = self._line(now)
-        pad = " " * max(0, self._drawn - len(line))
-        self._stream.write("\r" + line + pad)
-        self._stream.flush()
-        self._drawn = len(line)
-
-    def _line(self, now: float) -> str:
-        elapsed = now - self._start
-        filled = min(self._width, int(self._width * elapsed / self._budget)) if self._budget else 0
-        bar = "#" * filled + "." * (self._width - filled)
-        return f"tune_loader [{bar}] {elapsed:.1f}/{self._budget:g} s  {self._text}"
-
-    def close(self) -> None:
-        """Draw the final state and end the line."""
-        if not self._enabled:
-            return
-        if self._tty:
-            self.update(force=True)
-            self._stream.write("\n")
-        else:
-            self._stream.write(self._line(time.perf_counter()) + "\n")
-        self._stream.flush()
+        super().__init__(
+            budget_s,
+            name="tune_loader",
+            what="DataLoader settings",
+            enabled=enabled,
+            stream=stream,
+            width=width,
+        )

@@ -14,16 +14,18 @@ each measurement (:func:`trainperf.loader.measure`)
    budget or a window cap is reached), reporting the median.
 
 Steps 2 and 3 are :func:`time_windows`, sized by a :class:`WindowPolicy`; it knows nothing of
-DataLoaders (it calls ``next_batch``), so its tests run on a fake clock.
+DataLoaders (it calls ``next_batch``), so its tests run on a fake clock. The policy, the
+windows' figures and the "settled" rule live in :mod:`trainperf._utils.windows`, shared with
+the batch-size tuner.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+
+from trainperf._utils.windows import DEFAULT_POLICY, WindowPolicy, WindowTiming, settled
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -39,72 +41,6 @@ Clock = Callable[[], float]
 
 class DeadlineReached(Exception):
     """A wait for a batch reached the deadline (raised by ``next_batch``)."""
-
-
-@dataclass(frozen=True)
-class WindowPolicy:
-    """How one configuration is timed (see the module docstring for why).
-
-    Attributes:
-        extra_skip: batches dropped after the buffer, on top of ``workers * prefetch``.
-        buffer_multiple: a window is at least this many times the prefetch buffer.
-        min_window_batches: and at least this many batches.
-        min_window_s: and at least this long.
-        min_windows: windows to time before the spread may stop the measurement.
-        max_windows: windows after which it stops regardless.
-        target_spread: stop once (max - min) / median of the last 3 windows is below this.
-    """
-
-    extra_skip: int = 2
-    buffer_multiple: int = 4
-    min_window_batches: int = 4
-    min_window_s: float = 0.25
-    min_windows: int = 2
-    max_windows: int = 5
-    target_spread: float = 0.05
-
-    def skip_batches(self, num_workers: int, prefetch_factor: int | None) -> int:
-        """Batches dropped after the first one: the prefetch buffer plus ``extra_skip``."""
-        return num_workers * (prefetch_factor or 0) + self.extra_skip
-
-    def window_batches(self, num_workers: int, prefetch_factor: int | None) -> int:
-        """Minimum batches in one timed window."""
-        buffer = num_workers * (prefetch_factor or 0)
-        return max(self.min_window_batches, self.buffer_multiple * buffer)
-
-
-DEFAULT_POLICY = WindowPolicy()
-
-
-@dataclass(frozen=True)
-class WindowTiming:
-    """Raw result of :func:`time_windows`.
-
-    Attributes:
-        rates: samples per second of each completed window, in order.
-        batches: batches inside completed windows.
-        skipped: batches dropped before the first window.
-        budget_hit: the deadline stopped the timing.
-    """
-
-    rates: tuple[float, ...]
-    batches: int
-    skipped: int
-    budget_hit: bool
-
-    @property
-    def samples_per_s(self) -> float | None:
-        """Median of the last (up to) three windows: the settled ones."""
-        return statistics.median(self.rates[-3:]) if self.rates else None
-
-    @property
-    def spread(self) -> float | None:
-        """(max - min) / median over the last (up to) three windows."""
-        last = self.rates[-3:]
-        if not last:
-            return None
-        med = statistics.median(last)
-        return (max(last) - min(last)) / med if med > 0 else math.inf
 
 
 def time_windows(
@@ -165,17 +101,7 @@ def time_windows(
             batches += count
             start = now
             timing = WindowTiming(tuple(rates), batches, skipped, False)
-            if _settled(timing, policy) or len(rates) >= policy.max_windows:
+            if settled(timing, policy) or len(rates) >= policy.max_windows:
                 return timing
     except DeadlineReached:
         return WindowTiming(tuple(rates), batches, skipped, True)
-
-
-def _settled(timing: WindowTiming, policy: WindowPolicy) -> bool:
-    """Enough windows, and the last ones agree within ``policy.target_spread``."""
-    spread = timing.spread
-    return (
-        len(timing.rates) >= policy.min_windows
-        and spread is not None
-        and spread <= policy.target_spread
-    )

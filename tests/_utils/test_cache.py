@@ -1,0 +1,69 @@
+"""trainperf._utils.cache: the tuners' shared JSON store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trainperf._utils import cache
+from trainperf._utils.cache import cache_dir, make_key, read_entry, sample_signature, write_entry
+
+
+def test_cache_dir_follows_xdg_then_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "trainperf"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "trainperf"
+
+
+def test_two_files_in_one_directory_keep_their_own_entries(tmp_path: Path) -> None:
+    a, b = tmp_path / "loader.json", tmp_path / "batch_size.json"
+    write_entry("k", {"x": 1}, a)
+    write_entry("k", {"x": 2}, b)
+    assert read_entry("k", a)["x"] == 1  # type: ignore[index]
+    assert read_entry("k", b)["x"] == 2  # type: ignore[index]
+    assert read_entry("other", a) is None
+
+
+def test_a_corrupt_or_foreign_file_reads_as_empty_and_is_replaced(tmp_path: Path) -> None:
+    p = tmp_path / "c.json"
+    for text in ("{not json", json.dumps([1, 2]), json.dumps({"version": 2, "entries": {}})):
+        p.write_text(text)
+        assert read_entry("k", p) is None
+    write_entry("k", {"x": 3}, p)
+    data = json.loads(p.read_text())
+    assert data["version"] == 1 and set(data["entries"]) == {"k"}
+
+
+def test_the_oldest_entries_go_past_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cache, "MAX_ENTRIES", 3)
+    p = tmp_path / "c.json"
+    for i in range(5):
+        write_entry(f"k{i}", {"i": i}, p)
+    kept = json.loads(p.read_text())["entries"]
+    assert sorted(kept) == ["k2", "k3", "k4"]
+
+
+def test_keys_are_stable_and_depend_on_every_field() -> None:
+    key = make_key({"a": 1, "b": [2, 3]})
+    assert key == make_key({"b": [2, 3], "a": 1}) and len(key) == 32
+    assert key != make_key({"a": 1, "b": [3, 2]})
+
+
+def test_sample_signature_describes_shapes_and_types_not_values() -> None:
+    one = {"x": torch.zeros(2, 3), "y": np.zeros(4, dtype=np.int64), "id": "a"}
+    other = {"x": torch.ones(2, 3), "y": np.ones(4, dtype=np.int64), "id": "b"}
+    assert sample_signature(one) == sample_signature(other)
+    assert sample_signature(one) == {
+        "x": ["tensor", [2, 3], "torch.float32"],
+        "y": ["ndarray", [4], "int64"],
+        "id": "str",
+    }
+    assert sample_signature(torch.zeros(2, 4)) != sample_signature(torch.zeros(2, 3))
