@@ -108,9 +108,10 @@ else
     step to_device 60 "$PY" benchmarks/to_device_bench.py --reps 20 --rounds 3 --json "$WORK/to_device.json"
   fi
   if [ "$cuda" = 1 ]; then
-    step checkpoint_bench 300 "$PY" benchmarks/checkpoint_bench.py --device cuda --size-mb 1024 --repeats 3 --seconds 3 --writers thread --json "$WORK/checkpoint_bench.json"
+    step checkpoint_bench 420 "$PY" benchmarks/checkpoint_bench.py --device cuda --size-mb 1024 --repeats 3 --seconds 3 --writers thread --json "$WORK/checkpoint_bench.json"
   else
     step checkpoint_bench 120 "$PY" benchmarks/checkpoint_bench.py --size-mb 16 --repeats 1 --seconds 0.5 --json "$WORK/checkpoint_bench.json"
+    step checkpoint_dry 60 "$PY" benchmarks/checkpoint_bench.py --device cuda --dry-run --skip agree
   fi
   step bench_overhead 150 "$PY" benchmarks/bench_overhead.py --rounds 3 --json "$WORK/bench_overhead.json"
   step watch_overhead 120 "$PY" benchmarks/watch_overhead.py --rounds 3 --json "$WORK/watch_overhead.json"
