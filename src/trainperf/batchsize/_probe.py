@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from trainperf._utils.batches import batch_bytes
 from trainperf._utils.format import format_bytes
 from trainperf._utils.windows import WindowPolicy, WindowTiming, settled
 from trainperf.batchsize._agree import Agreement
@@ -46,7 +47,6 @@ from trainperf.batchsize._memory import MemoryReader, Peak
 from trainperf.batchsize._report import BatchSizeCandidate, CandidateStatus
 from trainperf.batchsize._sample import checked_batch
 from trainperf.batchsize._state import SavedState
-from trainperf.loader._batches import batch_bytes
 
 __all__ = [
     "DEFAULT_PROBE",

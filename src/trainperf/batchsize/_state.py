@@ -10,7 +10,7 @@ Restoring *between* probes matters too: each batch size starts from the caller's
 an optimizer that had no state yet allocates it inside the probe (its memory is part of that
 size's peak, as in training) and drops it afterwards, and a probe's diverging steps never
 leak into the next. Random number generators are restored by
-:func:`trainperf.loader._rng.preserved_rng` around the whole call.
+:func:`trainperf._utils.rng.preserved_rng` around the whole call.
 
 Copies go to host memory: a copy on the GPU would take the memory being measured. A state
 whose ``state_dict()`` is empty (a disabled ``GradScaler``) has nothing to restore and is

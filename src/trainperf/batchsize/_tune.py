@@ -2,7 +2,7 @@
 
 A call checks its arguments (:mod:`trainperf.batchsize._args`), settles the sizes it may try
 and the device, and, with every random number generator saved
-(:func:`trainperf.loader._rng.preserved_rng`), returns a cached choice that still fits
+(:func:`trainperf._utils.rng.preserved_rng`), returns a cached choice that still fits
 (:mod:`trainperf.batchsize._cache`) or saves the training state
 (:mod:`trainperf.batchsize._state`), searches (:mod:`trainperf.batchsize._search`) over
 probes (:mod:`trainperf.batchsize._probe`) and puts the state back, however the call ends.
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from trainperf._utils.cache import read_entry, write_entry
+from trainperf._utils.rng import preserved_rng
 from trainperf.batchsize import _cache
 from trainperf.batchsize._agree import Agreement
 from trainperf.batchsize._args import check_args, size_space
@@ -33,7 +34,6 @@ from trainperf.batchsize._sizes import SizeSpace
 from trainperf.batchsize._state import SavedState, stateful_objects
 from trainperf.device import resolve_device
 from trainperf.limits import HostLimits, host_limits
-from trainperf.loader._rng import preserved_rng
 
 __all__ = ["tune_batch_size"]
 

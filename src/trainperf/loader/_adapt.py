@@ -36,6 +36,7 @@ import psutil
 import torch
 from torch.utils.data import DataLoader
 
+from trainperf._utils.batches import batch_bytes, samples_in
 from trainperf._utils.lifetime import DieWithParent
 from trainperf._utils.validate import non_negative_int
 from trainperf.limits import HostLimits, host_limits, local_world_size, usable_cpus
@@ -43,7 +44,6 @@ from trainperf.loader._adapt_measure import Workers, cpu_mark, host_busy
 from trainperf.loader._adapt_plan import EpochPlan, resumable
 from trainperf.loader._adapt_rules import Change, EpochFigures, Reason, decide, rates
 from trainperf.loader._autotune import TunedDataLoader
-from trainperf.loader._batches import batch_bytes, samples_in
 from trainperf.loader._report import CandidateResult
 from trainperf.loader._search import Search, default_max_workers
 from trainperf.loader._tune import rank_share

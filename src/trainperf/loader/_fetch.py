@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from trainperf._utils.batches import samples_in
 from trainperf._utils.lifetime import DieWithParent
-from trainperf.loader._batches import samples_in
 from trainperf.loader._memory import CollectFirst
 from trainperf.loader._windows import DeadlineReached
 

@@ -15,7 +15,7 @@ short, bounded probe before any worker configuration is measured:
   the same items in both workers when it does not shard;
 - the workers run on copies of the dataset (forked, or unpickled under ``spawn``), so the
   caller's dataset object and its own generators are not touched; the main process's
-  generators are restored by :func:`trainperf.loader._rng.preserved_rng` as for any
+  generators are restored by :func:`trainperf._utils.rng.preserved_rng` as for any
   measurement;
 - it stops at the first item on which the workers differ (the stream is sharded), or
   after :data:`ITEMS` items each, and at the deadline.

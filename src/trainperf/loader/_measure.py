@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from trainperf.loader._batches import batch_bytes, samples_in
+from trainperf._utils.batches import batch_bytes, samples_in
 from trainperf.loader._cache import length
 from trainperf.loader._faults import (
     WorkerProcesses,

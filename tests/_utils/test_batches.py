@@ -1,10 +1,10 @@
-"""trainperf.loader._batches: bytes and samples of nested batches."""
+"""trainperf._utils.batches: bytes and samples of nested batches."""
 
 from __future__ import annotations
 
 import torch
 
-from trainperf.loader._batches import batch_bytes, samples_in
+from trainperf._utils.batches import batch_bytes, samples_in
 
 
 def test_batch_bytes_walks_nested_batches() -> None:
