@@ -1,8 +1,10 @@
-"""A long blocking save on one rank while the others wait is not a hang (issue #16).
+"""A long save on one rank while the others wait is not a hang (issue #16), and a background
+save still running when ``main`` returns is finished, not killed (issue #15).
 
 Rank 0's save takes three times ``hang_timeout`` (its file write slowed down) while rank 1
-waits in a collective; the save marks itself as known slow work for the launcher's hang
-detection, so the job runs to the end.
+waits in a collective or has returned; the save, and a wait for a background one, mark
+themselves as known slow work for the launcher's hang detection, so the job runs to the
+end with every checkpoint on disk.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from trainperf.checkpoint import Checkpointer, _files, _writer, save_checkpoint
 SAVE_S = 6.0
 
 
-def _slowed(write: Any) -> Any:
+def _slowed(write: Any, seconds: float = SAVE_S) -> Any:
     def slow(path: Path, body: Any) -> Any:
-        time.sleep(SAVE_S)
+        time.sleep(seconds)
         return write(path, body)
 
     return slow
@@ -50,3 +52,31 @@ def _long_save(directory: str, kind: str) -> str:
 def test_a_save_longer_than_hang_timeout_is_not_a_hang(tmp_path: Path, kind: str) -> None:
     assert launch_fork(_long_save, str(tmp_path), kind, timeout=LONG, hang_timeout=2.0) == "done"
     assert any(tmp_path.iterdir())
+
+
+def _long_background_save(directory: str, mode: str) -> str:
+    # At exit the write outlasts the launcher's 10 s for a rank to exit after main returned.
+    seconds = 12.0 if mode == "exit" else SAVE_S
+    if ddp.rank() == 0:
+        _writer.write_checkpoint_file = _slowed(_writer.write_checkpoint_file, seconds)  # type: ignore[assignment]
+    dist.all_reduce(torch.ones(2))
+    ckpt = Checkpointer(directory)
+    ckpt.save({"w": torch.ones(3)}, step=1, blocking=False)
+    if mode == "next":  # the second save waits for the first write
+        ckpt.save({"w": torch.ones(3)}, step=2, blocking=False)
+        dist.barrier()
+    elif mode == "wait":
+        ckpt.wait()
+    # "exit": main returns with the write in flight; the rank finishes it before reporting
+    return "done"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["next", "wait", "exit"])
+def test_waiting_for_a_background_save_is_not_a_hang_and_the_file_is_written(
+    tmp_path: Path, mode: str
+) -> None:
+    out = launch_fork(_long_background_save, str(tmp_path), mode, timeout=LONG, hang_timeout=2.0)
+    assert out == "done"
+    assert (tmp_path / "step-000000001.pt").is_file(), sorted(p.name for p in tmp_path.iterdir())

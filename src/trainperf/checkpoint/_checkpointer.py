@@ -150,7 +150,7 @@ class Checkpointer:
         if exc_type is None:
             self.wait()
         elif self._pending is not None:
-            self._pending._event.wait()  # the write finishes; its error is not the news
+            _finish(self._pending)  # the write finishes; its error is not the news
 
     # ------------------------------------------------------------------ saving
 
@@ -159,7 +159,7 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        pending._event.wait()
+        _finish(pending)
         self._warn_notes(pending.notes)
         pending.raise_failure()
 
@@ -408,6 +408,14 @@ class Checkpointer:
         return self._stop
 
 
+def _finish(pending: SaveHandle) -> None:
+    """Wait for a background write, telling hang detection that this rank is waiting for
+    its own checkpoint (known slow work: the other ranks may wait in a collective, or have
+    returned, meanwhile), not hung."""
+    with saving(pending.path):
+        pending._event.wait()
+
+
 def _wait_at_exit() -> None:
     """Finish every background write still running when the process exits (its Checkpointer
     may be gone), then print each failed write that was never reported to stderr."""
@@ -418,7 +426,7 @@ def _wait_at_exit() -> None:
                 f"{pending.path} before exiting",
                 file=sys.stderr,
             )
-            pending._event.wait()
+            _finish(pending)
     for failed in unreported_failures():
         message, cause = failed._failure or ("unknown", None)
         print(

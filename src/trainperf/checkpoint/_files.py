@@ -137,7 +137,7 @@ def _safetensors_bytes(obj: Any) -> bytes:
         ) from e
 
 
-def saving(path: Path) -> contextlib.AbstractContextManager[None]:
+def saving(path: Path | None) -> contextlib.AbstractContextManager[None]:
     """Tell trainperf's hang detection that this rank is saving ``path``: known slow work,
     not a hang (the other ranks may wait in a collective meanwhile). Nothing when no hang
     detection runs in this process: its module is then not even imported, so this costs one

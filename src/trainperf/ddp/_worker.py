@@ -297,6 +297,16 @@ def _track(spec: WorkerSpec, rank: int) -> Any:
     return tracker
 
 
+def _finish_background_saves() -> None:
+    """Finish the background checkpoint writes ``main`` left running before this rank
+    reports its result: after that the launcher gives a rank only a few seconds to exit,
+    and stopping it would kill the writer and lose the checkpoint. Nothing when
+    trainperf.checkpoint was never imported."""
+    module = sys.modules.get("trainperf.checkpoint._checkpointer")
+    if module is not None:
+        module._wait_at_exit()
+
+
 def worker_main(
     spec: WorkerSpec, rank: int, conn: Connection, stderr: InheritedFd | None = None
 ) -> None:
@@ -329,6 +339,7 @@ def worker_main(
         if tracker is not None:
             tracker.ready(armed=True)
         result = main(*args, **kwargs)
+        _finish_background_saves()
         if tracker is not None:
             tracker.returned()
         payload = result if (rank == 0 or spec.send_result_from_all) else None
