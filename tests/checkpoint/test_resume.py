@@ -285,6 +285,28 @@ class _Zygote:
             time.sleep(0.02)
         assert not _alive_in_group(pid)
         assert _gone(family, 60) == [], family
+        # A writer forked after the snapshot above is in neither list: every fork of the
+        # zygote (the trainer and its writers keep its command line) must be gone too.
+        deadline = time.monotonic() + 60
+        while self.forks() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert self.forks() == [], self.forks()
+
+    def forks(self) -> list[int]:
+        """Live processes other than the zygote with its command line: its forks."""
+        mine = Path(f"/proc/{self.proc.pid}/cmdline").read_bytes()
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == self.proc.pid:
+                continue
+            try:
+                same = Path(f"/proc/{entry}/cmdline").read_bytes() == mine
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if same and state != "Z":
+                found.append(int(entry))
+        return found
 
     def close(self) -> None:
         try:
