@@ -41,3 +41,47 @@ def tune_ddp(global_batch: int) -> dict[str, Any]:
         "restored": all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)),
         "notes": list(report.notes),
     }
+
+
+def oom_on_rank_1(where: str) -> dict[str, Any]:
+    """Tune a sleeping step on this rank; on rank 1 alone, every step raises
+    ``torch.OutOfMemoryError`` while sizes are measured in alternation
+    (``where="alternation"``), or at 32 and above in a probe (``where="probe"``)."""
+    import time
+
+    import torch.distributed as dist
+
+    from trainperf.batchsize import _probe
+
+    torch.set_num_threads(1)
+    _tune.DEFAULT_PROBE = QUICK
+    rank = dist.get_rank()
+    inside = {"alternation": False}
+    alternate = _probe.Prober._alternate
+
+    def watched(self: _probe.Prober, *args: Any) -> Any:
+        inside["alternation"] = True
+        try:
+            return alternate(self, *args)
+        finally:
+            inside["alternation"] = False
+
+    _probe.Prober._alternate = watched  # type: ignore[method-assign]
+
+    def step(x: torch.Tensor) -> None:
+        n = len(x)
+        fails = inside["alternation"] if where == "alternation" else n >= 32
+        if rank == 1 and fails:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated on rank 1, batch {n})")
+        time.sleep(0.002 + n * 0.00005)  # throughput rises with the size all the way
+
+    report = tune_batch_size(
+        step, lambda n: torch.zeros(n, 4), device="cpu", max_size=64, budget_s=60,
+        progress=False, cache=False,
+    )  # fmt: skip
+    return {
+        "batch_size": report.batch_size,
+        "statuses": {c.batch_size: c.status for c in report.candidates},
+        "reasons": {c.batch_size: c.reason for c in report.candidates if c.status == "oom"},
+        "notes": list(report.notes),
+    }

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.batchsize._workers import tune_ddp
-from tests.ddp._distributed import FORK, spawn
+from tests.batchsize._workers import oom_on_rank_1, tune_ddp
+from tests.ddp._distributed import FORK, fast_start_method, spawn
 from trainperf.batchsize._agree import Agreement, world_size
+from trainperf.ddp import launch_all
 
 
 def test_without_a_process_group_there_is_one_rank_and_nothing_to_exchange() -> None:
@@ -34,3 +35,32 @@ def test_a_global_batch_two_ranks_cannot_share_is_refused_naming_both() -> None:
     results = spawn(tune_ddp, world_size=2, args=(63,), start_method=FORK, timeout_s=120)
     for r in results.values():
         assert r["error"].startswith("global_batch=63 is not divisible by world_size=2")
+
+
+def _oom_on_rank_1(where: str) -> list[dict[str, object]]:
+    # A rank left in another all-reduce (of another size) errors or waits: the hang
+    # detector ends that in seconds instead of the collective's timeout.
+    return launch_all(  # type: ignore[no-any-return]
+        oom_on_rank_1, where, nprocs=2, backend="gloo", start_method=fast_start_method(),
+        timeout=60.0, hang_timeout=10.0,
+    )  # fmt: skip
+
+
+@pytest.mark.slow  # two ranks started and tuned: several seconds
+def test_an_oom_on_one_rank_in_the_alternation_ends_it_on_both_alike() -> None:
+    r0, r1 = _oom_on_rank_1("alternation")
+    assert r0["batch_size"] == r1["batch_size"] and r0["statuses"] == r1["statuses"]
+    oom = [n for n, status in r0["statuses"].items() if status == "oom"]  # type: ignore[attr-defined]
+    assert len(oom) == 1 and r0["batch_size"] != oom[0]  # the first size alternated
+    assert r1["reasons"][oom[0]].startswith("CUDA out of memory (simulated on rank 1")  # type: ignore[index]
+    assert r0["reasons"][oom[0]] == "out of memory on another rank"  # type: ignore[index]
+    assert any(f"{oom[0]} ran out of memory while measured in alternation" in n
+               for n in r0["notes"])  # type: ignore[attr-defined]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_an_oom_on_one_rank_in_a_probe_stops_both_alike() -> None:
+    r0, r1 = _oom_on_rank_1("probe")
+    assert r0["batch_size"] == r1["batch_size"] and r0["statuses"] == r1["statuses"]
+    assert r0["statuses"][32] == "oom" and r0["batch_size"] < 32  # type: ignore[index, operator]
+    assert r0["reasons"][32] == "out of memory on another rank"  # type: ignore[index]

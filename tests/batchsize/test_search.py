@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tests.batchsize._fakes import Curve
 from trainperf.batchsize import BatchSizeCandidate
-from trainperf.batchsize._compare import Comparison, round_order
+from trainperf.batchsize._compare import AlternationOOM, Comparison, round_order
 from trainperf.batchsize._search import (
     Search,
     SizeSpace,
@@ -436,3 +436,79 @@ def test_a_stop_on_rounds_that_disagree_waits_for_more_rounds() -> None:
     assert 16 in probed  # the growth went on past 8
     eight = next(c for c in s.results if c.batch_size == 8)
     assert "(6 rounds)" in (eight.reason or "")
+
+
+# --------------------------------------------------------------------------- OOM in alternation
+
+
+class OomInAlternation:
+    """A host where ``fails`` runs out of memory whenever it is measured in alternation
+    (its probe alone fitted), and every other size runs at ``rates``."""
+
+    def __init__(self, rates: dict[int, float], fails: int) -> None:
+        self.rates = rates
+        self.fails = fails
+        self.compared: list[tuple[int, ...]] = []
+
+    def probe(self, n: int) -> BatchSizeCandidate:
+        return ok(n, self.rates[n])
+
+    def compare(
+        self, sizes: Sequence[BatchSizeCandidate], rounds: int
+    ) -> Comparison | AlternationOOM:
+        order = tuple(c.batch_size for c in sizes)
+        self.compared.append(order)
+        if self.fails in order:
+            return AlternationOOM(self.fails, "CUDA out of memory. Tried to allocate 2.0 GiB")
+        return Comparison(order, tuple(tuple(self.rates[n] for n in order) for _ in range(rounds)))
+
+
+def oom_marked(s: Search, n: int) -> bool:
+    (c,) = [c for c in s.results if c.batch_size == n]
+    return c.status == "oom" and c.reason == "CUDA out of memory. Tried to allocate 2.0 GiB"
+
+
+def test_a_size_out_of_memory_in_the_growths_alternation_stops_it_and_is_never_chosen() -> None:
+    # 128's probe looks flat against 32 (and is the fastest by it): the two are alternated,
+    # and 128 runs out of memory there.
+    rates = {n: 10.0 * min(n, 32) for n in range(1, 257)}
+    rates[128] = 321.0
+    host = OomInAlternation(rates, fails=128)
+    s = Search(SizeSpace(1, 256), host.probe, time_left=lambda: math.inf,
+               usable=lambda: None, compare=host.compare)  # fmt: skip
+    best = s.run()
+    assert host.compared[0] == (32, 128)
+    assert best is not None and best.batch_size != 128 and best.ok
+    assert oom_marked(s, 128)
+    assert max(c.batch_size for c in s.results) == 128  # the growth stopped there
+    assert "growth stopped at 128: oom (CUDA out of memory. Tried to allocate 2.0 GiB)" in s.notes
+    assert any(n.startswith("128 ran out of memory while measured in alternation with 32 (")
+               for n in s.notes)  # fmt: skip
+
+
+def test_a_size_out_of_memory_in_the_final_alternation_is_never_chosen() -> None:
+    # 64, the fastest by its probe, fails when the fastest sizes are alternated at the end.
+    rates = {16: 800.0, 32: 950.0, 48: 1000.0, 64: 1010.0}
+    host = OomInAlternation(rates, fails=64)
+    s = Search(SizeSpace(1, 64, per_rank=192), host.probe, time_left=lambda: math.inf,
+               usable=lambda: None, compare=host.compare)  # fmt: skip
+    s.results = [host.probe(n) for n in (16, 32, 48, 64)]
+    assert not s.final()  # no comparison came of it
+    assert host.compared == [(64, 48, 32)]
+    assert oom_marked(s, 64)
+    s.confirm()
+    best = choose(s.results)
+    assert best is not None and best.batch_size == 48
+    assert any("64 ran out of memory while measured in alternation with 48, 32" in n
+               for n in s.notes)  # fmt: skip
+
+
+def test_the_best_out_of_memory_in_the_growths_alternation_stops_it_too() -> None:
+    rates = {n: 10.0 * min(n, 32) for n in range(1, 257)}
+    host = OomInAlternation(rates, fails=32)
+    s = Search(SizeSpace(1, 256), host.probe, time_left=lambda: math.inf,
+               usable=lambda: None, compare=host.compare)  # fmt: skip
+    s.grow()
+    assert oom_marked(s, 32) and [c.batch_size for c in s.results][-1] == 128
+    assert s.notes[-1] == "growth stopped at 128: 32 CUDA out of memory. Tried to allocate 2.0 GiB"
+    assert choose(s.results).batch_size == 128  # type: ignore[union-attr]

@@ -27,6 +27,7 @@ from trainperf.batchsize._report import BatchSizeCandidate
 
 __all__ = [
     "UNDECIDED_SPREAD",
+    "AlternationOOM",
     "Comparison",
     "compare_cost",
     "outgrows",
@@ -48,6 +49,23 @@ def round_order(sizes: Sequence[int], r: int) -> list[int]:
         ([32, 64], [64, 32], [24, 16, 8])
     """
     return list(sizes) if r % 2 == 0 else list(reversed(sizes))
+
+
+@dataclass(frozen=True)
+class AlternationOOM:
+    """A size that ran out of memory while measured in alternation (on any rank).
+
+    Attributes:
+        size: the batch size whose step, batch or window raised.
+        reason: the error's first line (or "out of memory on another rank").
+
+    Example:
+        >>> AlternationOOM(64, "CUDA out of memory").size
+        64
+    """
+
+    size: int
+    reason: str
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,17 @@ size is reported as ``oom``. Any other exception propagates; the caller restores
 first.
 
 Under DDP each decision (warm-up done, steps per window, window done, out of time) is
-taken from figures all ranks agree on (:mod:`trainperf.batchsize._agree`).
+taken from figures all ranks agree on (:mod:`trainperf.batchsize._agree`). An
+out-of-memory error is agreed on at the same points: every rank makes the same-shaped
+all-reduce, its own "ran out of memory" flag in front, whether its step raised or not
+(:meth:`Prober._agreed`), so all ranks leave the probe (or the alternation) together,
+instead of one waiting in an all-reduce of another size.
+
+:meth:`Prober.compare` measures shortlisted sizes in alternation: each batch is built
+once, one at a time, and kept in host memory; each window moves it to the device and
+drops it after, with the gradients (and the CUDA allocator's cache), so one size's memory
+at a time is held. A size that runs out of memory there is returned as an
+:class:`~trainperf.batchsize._compare.AlternationOOM`, which the search marks ``oom``.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from trainperf._utils.batches import batch_bytes
 from trainperf._utils.format import format_bytes
 from trainperf._utils.windows import WindowPolicy, WindowTiming, settled
 from trainperf.batchsize._agree import Agreement
-from trainperf.batchsize._compare import Comparison, round_order
+from trainperf.batchsize._compare import AlternationOOM, Comparison, round_order
 from trainperf.batchsize._memory import MemoryReader, Peak
 from trainperf.batchsize._report import BatchSizeCandidate, CandidateStatus
 from trainperf.batchsize._sample import checked_batch
@@ -50,9 +60,11 @@ from trainperf.batchsize._state import SavedState
 
 __all__ = [
     "DEFAULT_PROBE",
+    "OTHER_RANK",
     "ProbePolicy",
     "Prober",
     "is_out_of_memory",
+    "oom_text",
     "status_of",
     "steps_per_window",
     "warmed_up",
@@ -153,6 +165,29 @@ def status_of(oom: bool, peak: int | None, usable: float | None) -> CandidateSta
     return "ok"
 
 
+OTHER_RANK = "out of memory on another rank"
+
+
+def oom_text(e: BaseException) -> str:
+    """The first line of an out-of-memory error (200 characters at most), or its class.
+
+    Example:
+        >>> oom_text(RuntimeError("DefaultCPUAllocator: can't allocate memory\\nmore"))
+        "DefaultCPUAllocator: can't allocate memory"
+    """
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+class _AgreedOOM(Exception):
+    """Every rank leaves the probe or the alternation: one ran out of memory."""
+
+    def __init__(self, reason: str, size: int = 0) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.size = size
+
+
 @dataclass
 class _Timed:
     """What the steps of one probe measured."""
@@ -205,20 +240,50 @@ class Prober:
         host = checked_batch(self.sample, size)
         return to_device(host, self.device), batch_bytes(host)
 
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
+        """``fn(*args)`` and None, or None and the message of the out-of-memory error it
+        raised (anything else propagates). Only the text is kept: the exception's traceback
+        holds the tensors of the step that raised."""
+        try:
+            return fn(*args), None
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            return None, oom_text(e)
+
+    def _agreed(
+        self, failed: str | None, maxima: Sequence[float] = (), minima: Sequence[float] = ()
+    ) -> tuple[list[float], list[float]]:
+        """:meth:`Agreement.combine` with this rank's out-of-memory flag in front: every
+        rank makes the same-shaped call whether its step raised or not, and all raise
+        :class:`_AgreedOOM` together when any did."""
+        (oom_any, *mx), mn = self.agree.combine(
+            maxima=[float(failed is not None), *maxima], minima=minima
+        )
+        if oom_any:
+            raise _AgreedOOM(failed or OTHER_RANK)
+        return mx, mn
+
+    def _timed_step(self, batch: Any) -> float:
+        t0 = time.perf_counter()
+        self.step(batch)
+        self._sync()
+        self.memory.after_step()
+        return time.perf_counter() - t0
+
     def _warm_up(self, batch: Any, timed: _Timed) -> float:
         """Warm-up steps until they settle on every rank; the last step's seconds."""
         times: list[float] = []
         while True:
-            t0 = time.perf_counter()
-            self.step(batch)
-            self._sync()
-            self.memory.after_step()
-            times.append(time.perf_counter() - t0)
+            step_s, failed = self._guarded(self._timed_step, batch)
+            if failed is None:
+                times.append(step_s)
             timed.warmup = len(times)
-            done = warmed_up(times, self.policy)
+            done = failed is not None or warmed_up(times, self.policy)
             if len(times) >= self.policy.min_warmup and time.perf_counter() >= self.deadline:
                 done = True  # out of time: the windows say how settled it was
-            if not self.agree.any(not done):
+            (more,), _ = self._agreed(failed, maxima=[float(not done)])
+            if not more:
                 return times[-1]
 
     def _window(self, batch: Any, size: int, k: int) -> float:
@@ -230,16 +295,20 @@ class Prober:
         return size * k / max(time.perf_counter() - t0, 1e-9)
 
     def _run(self, size: int, timed: _Timed) -> None:
-        batch, timed.batch_bytes = self._batch(size)
+        built, failed = self._guarded(self._batch, size)
+        self._agreed(failed)
+        batch, timed.batch_bytes = built
         self.on_update(f"batch {size}: warming up")
         step_s = self._warm_up(batch, timed)
         (k_agreed,), _ = self.agree.combine(maxima=[steps_per_window(step_s, self.policy)])
         k = int(k_agreed)
         rates: list[float] = []
         while True:
-            rate = self._window(batch, size, k)
+            rate, failed = self._guarded(self._window, batch, size, k)
             late = time.perf_counter() >= self.deadline
-            (late_any,), (slowest,) = self.agree.combine(maxima=[float(late)], minima=[rate])
+            (late_any,), (slowest,) = self._agreed(
+                failed, maxima=[float(late)], minima=[math.inf if rate is None else rate]
+            )
             rates.append(slowest)
             timed.timing = WindowTiming(tuple(rates), k * len(rates), 0, bool(late_any))
             self.on_update(f"batch {size}: {timed.timing.samples_per_s:,.0f}/s")
@@ -252,17 +321,17 @@ class Prober:
                 return
 
     def _measure(self, size: int) -> tuple[_Timed, str | None]:
-        """Run the steps; an out-of-memory error is returned as its message, anything else
-        raised."""
+        """Run the steps; an out-of-memory error (on any rank) is returned as its message,
+        anything else raised."""
         timed = _Timed()
         try:
             self._run(size, timed)
+        except _AgreedOOM as e:
+            return timed, e.reason
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
-            # Only the text is kept: the exception's traceback holds the probe's tensors.
-            text = str(e).strip()
-            return timed, text.splitlines()[0][:200] if text else type(e).__name__
+            return timed, oom_text(e)
         return timed, None
 
     def __call__(self, size: int) -> BatchSizeCandidate:
@@ -283,17 +352,23 @@ class Prober:
         agreed = Peak(None if peak.memory is None else int(peak_max), peak.allocated)
         return self._candidate(size, timed, agreed, bool(oom_any), oom_message, started)
 
-    def compare(self, sizes: Sequence[BatchSizeCandidate], rounds: int) -> Comparison | None:
+    def compare(
+        self, sizes: Sequence[BatchSizeCandidate], rounds: int
+    ) -> Comparison | AlternationOOM | None:
         """Measure ``sizes`` (measured before, each with its figure) against each other in
         alternating windows (:mod:`trainperf.batchsize._compare`): one untimed step of each
         first (not on the CPU), then ``rounds`` rounds of one window per size, the order
-        reversed every other round. Each size's batch is built once and moved to the device
-        before each of its windows (untimed), so one batch at a time is there. The state is
-        put back after.
+        reversed every other round. Each size's batch is built once, one at a time, and
+        kept in host memory; it is moved to the device before each of its windows
+        (untimed) and dropped after it, with the gradients, so one size's memory at a time
+        is held. The state is put back after.
+
+        Every rank agrees after each step or window whether one ran out of memory, so all
+        stop at the same size together.
 
         Returns:
-            The rounds completed (the deadline ends them early), or None when not one
-            completed or a size ran out of memory (on any rank).
+            The rounds completed (the deadline ends them early), the size that ran out of
+            memory (on any rank), or None when not one round completed.
         """
         order = [c.batch_size for c in sizes]
         k = {
@@ -301,36 +376,37 @@ class Prober:
             for c in sizes
         }
         done: list[tuple[float, ...]] = []
-        oom = False
+        oom: AlternationOOM | None = None
         try:
             done = self._alternate(order, k, rounds)
-        except Exception as e:
-            if not is_out_of_memory(e):
-                raise
-            oom = True
+        except _AgreedOOM as e:
+            oom = AlternationOOM(e.size, e.reason)
         finally:
             self.state.restore()
-            self.memory.free(collect=oom)
-        (oom_any,), _ = self.agree.combine(maxima=[float(oom)])
-        if oom_any or not done:
-            return None
-        return Comparison(tuple(order), tuple(done))
+            self.memory.free(collect=oom is not None)
+        if oom is not None:
+            return oom
+        return Comparison(tuple(order), tuple(done)) if done else None
 
     def _alternate(
         self, order: list[int], k: dict[int, int], rounds: int
     ) -> list[tuple[float, ...]]:
-        hosts = {n: checked_batch(self.sample, n) for n in order}
+        hosts: dict[int, Any] = {}
+        for n in order:
+            hosts[n], failed = self._guarded(self._host_batch, n)
+            self._agreed_at(n, failed)
         for n in order if self.device.type != "cpu" else ():
             # The caching allocator's pools, emptied after the probe, grow back (no such
             # pools on the CPU, where the step would only cost time).
-            self.step(self._moved(hosts[n]))
-            self._sync()
+            _, failed = self._guarded(self._untimed_step, hosts[n])
+            self._agreed_at(n, failed)
         done: list[tuple[float, ...]] = []
         for r in range(rounds):
             row: dict[int, float] = {}
             for n in round_order(order, r):
                 self.on_update(f"batch {n}: against {len(order) - 1} other(s), round {r + 1}")
-                row[n] = self._window(self._moved(hosts[n]), n, k[n])
+                row[n], failed = self._guarded(self._moved_window, hosts[n], n, k[n])
+                self._agreed_at(n, failed)
             late = time.perf_counter() >= self.deadline
             (late_any,), slowest = self.agree.combine(
                 maxima=[float(late)], minima=[row[n] for n in order]
@@ -339,6 +415,38 @@ class Prober:
             if late_any:
                 break
         return done
+
+    def _agreed_at(self, size: int, failed: str | None) -> None:
+        try:
+            self._agreed(failed)
+        except _AgreedOOM as e:
+            raise _AgreedOOM(e.reason, size) from None
+
+    def _host_batch(self, size: int) -> Any:
+        """``sample(size)`` checked, kept in host memory (a batch ``sample`` builds on the
+        device is copied out, so the shortlist's batches are not all there at once)."""
+        from trainperf.device import to_device
+
+        return to_device(checked_batch(self.sample, size), "cpu")
+
+    def _untimed_step(self, host: Any) -> None:
+        try:
+            self.step(self._moved(host))
+            self._sync()
+        finally:
+            self._release()
+
+    def _moved_window(self, host: Any, size: int, k: int) -> float:
+        try:
+            return self._window(self._moved(host), size, k)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Between two sizes: the gradients go, and the CUDA allocator's cache with them."""
+        self.state.drop_gradients()
+        if self.device.type == "cuda":
+            self.memory.free()
 
     def _moved(self, host: Any) -> Any:
         from trainperf.device import to_device
@@ -362,7 +470,7 @@ class Prober:
         timing = timed.timing
         reason = None
         if status == "oom":
-            reason = oom_message or "out of memory on another rank"
+            reason = oom_message or OTHER_RANK
         elif status == "over-headroom":
             reason = f"peak past the {format_bytes(usable)} usable"
         elif timed.budget_cut:
