@@ -313,3 +313,53 @@ def test_a_full_host_and_a_slowed_step_mean_fewer_workers(
 def test_max_workers_is_checked() -> None:
     with pytest.raises(ValueError, match="max_workers"):
         AdaptiveDataLoader(range(4), max_workers=-1)
+
+
+def test_workers_that_did_not_raise_the_rate_are_not_added_again() -> None:
+    # Any wait left (the main process's own cost per batch) read as "workers cannot keep
+    # up": 0 -> 2 -> 3 -> 5 -> 7 -> 10 -> 14 workers at the same ~620 samples/s.
+    from trainperf.loader._adapt import _rank_limits
+    from trainperf.loader._adapt_rules import figures
+
+    loader = AdaptiveDataLoader(range(8), batch_size=4, max_workers=16)
+    limits = _rank_limits()
+    cpus = loader._cpus
+
+    def measured(n: int, wait_s: float, step_s: float) -> Any:
+        pf = 2 if n else None
+        return figures(num_workers=n, prefetch_factor=pf, wait_s=wait_s, step_s=step_s,
+                       cpus=cpus, host_busy=0.1, worker_cores=0.05 * n)  # fmt: skip
+
+    first = loader._decide(measured(0, 3.0, 1.0), limits)
+    assert first is not None and first.reason == "input-bound" and first.num_workers > 0
+    n = first.num_workers
+    # It paid: the loop waits less, still 20 % of the time.
+    second = loader._decide(measured(n, 0.25, 1.0), limits)
+    assert second is not None and second.reason == "input-bound"
+    m = second.num_workers
+    assert m > n
+    # The same rate and wait share with more workers: back to the count that was as fast.
+    back = loader._decide(measured(m, 0.25, 1.0), limits)
+    assert back is not None and back.reason == "no-gain"
+    assert (back.num_workers, back.prefetch_factor) == (n, 2)
+    assert f"{m} workers gave" in back.why
+    # Still waiting 20 %: no more workers than that count now.
+    assert loader._decide(measured(n, 0.25, 1.0), limits) is None
+    assert loader._decide(measured(n, 0.25, 1.0), limits) is None
+
+
+def test_an_increase_that_gained_a_little_is_held() -> None:
+    from trainperf.loader._adapt import _rank_limits
+    from trainperf.loader._adapt_rules import figures
+
+    loader = AdaptiveDataLoader(range(8), batch_size=4, max_workers=16)
+    limits = _rank_limits()
+    cpus = loader._cpus
+    kw: dict[str, Any] = {"cpus": cpus, "host_busy": 0.1, "prefetch_factor": 2}
+    kw["worker_cores"] = 0.1  # the workers mostly wait (I/O): cores for many
+    first = loader._decide(figures(num_workers=2, wait_s=0.4, step_s=1.0, **kw), limits)
+    assert first is not None and first.reason == "input-bound"
+    # 1 % faster, the same wait share: hold the count, add none.
+    held = figures(num_workers=first.num_workers, wait_s=0.396, step_s=0.99, **kw)
+    assert loader._decide(held, limits) is None
+    assert loader._decide(held, limits) is None

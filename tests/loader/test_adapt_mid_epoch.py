@@ -288,3 +288,113 @@ def test_a_loader_a_checkpointer_tracks_changes_at_epoch_boundaries_only(
     finally:
         loader.close()
     assert got == expected and seen == []
+
+
+class Corrupt(Dataset[int]):
+    """Sample 9 cannot be read: the loop catches the error and goes on."""
+
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, i: int) -> int:
+        if i == 9:
+            raise ValueError("corrupt sample 9")
+        return i
+
+
+def _skipping_errors(loader: Any) -> list[int | str]:
+    out: list[int | str] = []
+    it = iter(loader)
+    while True:
+        try:
+            out += [int(x) for x in next(it)]
+        except StopIteration:
+            return out
+        except ValueError:
+            out.append("ERR")
+
+
+@pytest.mark.slow  # worker pools started at most batches
+@pytest.mark.parametrize("start", [0, 2])
+def test_a_batch_that_failed_to_load_is_not_replayed_by_a_later_pool(
+    monkeypatch: pytest.MonkeyPatch, start: int
+) -> None:
+    # The DataLoader uses the failed batch up; not counting it made the next pool replay
+    # a delivered one (7, ERR, 10, 11, 10, 11, 12).
+    _force_changes(monkeypatch)
+    plain = DataLoader(Corrupt(), batch_size=2, num_workers=start)
+    try:
+        expected = _skipping_errors(plain)
+    finally:
+        _close(plain)
+    loader = AdaptiveDataLoader(Corrupt(), batch_size=2, num_workers=start)
+    try:
+        got = _skipping_errors(loader)
+    finally:
+        loader.close()
+    assert expected[7:11] == [7, "ERR", 10, 11]
+    assert got == expected
+    after = [c for c in loader.tuning_history if c.epoch_batch > 4]
+    assert after  # pools changed after the error, mid-epoch
+
+
+class Augmented(Dataset[tuple[int, float]]):
+    """Each sample is its index and a random draw (a random augmentation in a worker)."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> tuple[int, float]:
+        return i, float(torch.rand(()))
+
+
+def _augmented(seed: int, adaptive: bool) -> tuple[list[int], list[float], list[int]]:
+    torch.manual_seed(seed)
+    kw: dict[str, Any] = {"batch_size": 1, "shuffle": True, "num_workers": 1}
+    loader = (AdaptiveDataLoader if adaptive else DataLoader)(Augmented(), **kw)
+    try:
+        batches = list(loader)
+    finally:
+        _close(loader)
+    history = getattr(loader, "tuning_history", [])
+    starts = [c.epoch_batch for c in history if c.epoch_batch > 0]
+    return [int(i) for i, _ in batches], [float(v) for _, v in batches], starts
+
+
+@pytest.mark.slow  # a worker pool per few batches
+def test_each_mid_epoch_pool_draws_new_worker_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pools in one epoch all used seed initial_seed() + epoch (0 + epoch without a
+    # generator, whatever torch.manual_seed said): they replayed the same random streams.
+    monkeypatch.setattr(adapt, "_CHECK_EVERY_S", 0.0)
+    monkeypatch.setattr(adapt, "_CHECK_BATCHES", 2)
+    settings = itertools.cycle([(2, 2), (1, 2)])
+    monkeypatch.setattr(adapt, "decide", lambda f, **kw: Change(*next(settings), "cpus", "x"))
+    plain_indices, _, _ = _augmented(5, adaptive=False)
+    indices, values, starts = _augmented(5, adaptive=True)
+    assert indices == plain_indices  # the sample sequence is untouched
+    assert len(starts) >= 3
+    assert len(set(values)) == len(values)  # no pool replays another's draws
+    other_indices, other_values, other_starts = _augmented(6, adaptive=True)
+    assert other_starts == starts and other_indices != indices
+    assert values[starts[0] :] != other_values[starts[0] :]  # follows torch.manual_seed
+    assert not set(values[starts[0] :]) & set(other_values[starts[0] :])
+
+
+def test_a_wrapped_index_sampler_gets_the_real_sampler_and_keeps_nothing() -> None:
+    # With the index sampler wrapped, nothing reported received batches to the plan:
+    # it kept every item of the epoch (10,000 after one unbatched epoch).
+    class Wrapped(AdaptiveDataLoader):
+        @property
+        def _index_sampler(self) -> Any:
+            return AdaptiveDataLoader._index_sampler.__get__(self)  # type: ignore[attr-defined]
+
+    loader = Wrapped(range(300), batch_size=None, max_workers=0)  # no pool to start
+    assert "index sampler is wrapped" in (loader.epoch_boundaries_only or "")
+    try:
+        for _ in range(2):
+            assert [int(x) for x in loader] == list(range(300))
+    finally:
+        loader.close()
+    plan = loader._plan
+    assert plan is None or len(plan._pending) == 0
+    assert loader._index_sampler is loader._real_index_sampler

@@ -10,6 +10,7 @@ from trainperf.loader._adapt_rules import (
     cores_per_worker,
     decide,
     figures,
+    increase_paid,
     needed_workers,
     rates,
     worker_cores_left,
@@ -133,3 +134,51 @@ def test_figures_to_dict_is_json_and_rates_reads() -> None:
     f = figures(wait_s=1.0, step_s=3.0, samples=800, startup_s=0.0, host_busy=None)
     assert json.loads(json.dumps(f.to_dict()))["wait_s"] == 1.0
     assert rates(f) == "200 samples/s, waited for data 25 % of the time, 4 usable CPUs"
+
+
+def test_an_increase_pays_by_a_faster_loop_or_less_waiting() -> None:
+    before = figures(num_workers=2, prefetch_factor=2, wait_s=1.0, step_s=1.0)  # 500/s
+    # 5 % more samples per second, the wait share unchanged (rate 1.05x: same batches,
+    # the loop 1.05x as fast).
+    faster = figures(num_workers=3, prefetch_factor=2, wait_s=1.0 / 1.05, step_s=1.0 / 1.05)
+    assert faster.loop_samples_per_s > 1.049 * before.loop_samples_per_s
+    assert increase_paid(before, faster) == "paid"
+    less_wait = figures(num_workers=3, prefetch_factor=2, wait_s=0.8, step_s=1.2)  # 40 %
+    assert increase_paid(before, less_wait) == "paid"
+
+
+def test_an_increase_that_did_not_pay_holds_or_goes_back() -> None:
+    # The reviewer's loop: ~620 samples/s whatever the workers, waiting the same share.
+    before = figures(num_workers=2, prefetch_factor=2, wait_s=0.4, step_s=1.2)
+    slightly = figures(num_workers=3, prefetch_factor=2, wait_s=0.39, step_s=1.19)
+    assert increase_paid(before, slightly) == "hold"  # 1 % faster: keep it, no more
+    slower = figures(num_workers=3, prefetch_factor=2, wait_s=0.42, step_s=1.22)
+    assert increase_paid(before, slower) == "back"  # the previous count was as fast
+    assert increase_paid(before, before) == "back"
+
+
+def test_loop_samples_per_s_leaves_out_start_up() -> None:
+    f = figures(batches=11, samples=110, wait_s=0.5, step_s=0.5, startup_s=5.0)
+    assert f.loop_samples_per_s == 100.0
+    assert f.samples_per_s < 20  # the start-up counted
+    assert figures(batches=1, samples=10).loop_samples_per_s == 0.0
+
+
+def test_decide_goes_back_or_holds_after_an_increase_that_did_not_pay() -> None:
+    kw: dict[str, Any] = {"prefetch_factor": 2, "worker_cores": 0.1, "cpus": 8}
+    before = figures(num_workers=2, wait_s=0.4, step_s=1.2, **kw)
+    same = figures(num_workers=3, wait_s=0.4, step_s=1.2, **kw)  # waiting 25 %, cores free
+    assert _decide(same).reason == "input-bound"  # type: ignore[union-attr]  # without before
+    back = _decide(same, before=before)
+    assert back is not None
+    assert (back.num_workers, back.prefetch_factor, back.reason) == (2, 2, "no-gain")
+    assert back.why == "3 workers gave 625 samples/s, 2 gave 625"
+    slightly = figures(num_workers=3, wait_s=0.39, step_s=1.19, **kw)
+    assert _decide(slightly, before=before) is None  # held: no more workers
+    paid = figures(num_workers=3, wait_s=0.25, step_s=1.0, **kw)
+    assert _decide(paid, before=before).reason == "input-bound"  # type: ignore[union-attr]
+    # Figures that follow no increase (fewer workers than before) are not judged.
+    unjudged = _decide(same, before=figures(num_workers=3, **kw))
+    assert unjudged is not None and unjudged.reason == "input-bound"
+    memory = _decide(same, before=before, fits=lambda n, pf: n <= 1)  # memory comes first
+    assert memory is not None and memory.reason == "memory"

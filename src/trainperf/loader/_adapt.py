@@ -29,7 +29,6 @@ import logging
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -40,9 +39,15 @@ from trainperf._utils.batches import batch_bytes, samples_in
 from trainperf._utils.lifetime import DieWithParent
 from trainperf._utils.validate import non_negative_int
 from trainperf.limits import HostLimits, host_limits, local_world_size, usable_cpus
+from trainperf.loader._adapt_change import TuningChange
 from trainperf.loader._adapt_measure import Workers, cpu_mark, host_busy
 from trainperf.loader._adapt_plan import EpochPlan, resumable
-from trainperf.loader._adapt_rules import Change, EpochFigures, Reason, decide, rates
+from trainperf.loader._adapt_rules import (
+    Change,
+    EpochFigures,
+    decide,
+    increase_paid,
+)
 from trainperf.loader._autotune import TunedDataLoader
 from trainperf.loader._report import CandidateResult
 from trainperf.loader._search import Search, default_max_workers
@@ -55,63 +60,7 @@ logger = logging.getLogger("trainperf.loader")
 _CHECK_EVERY_S = 2.0  # seconds of iteration between mid-epoch checks
 _CHECK_BATCHES = 4  # batches a mid-epoch check needs, the first of its window excluded
 _TOO_MANY = "This DataLoader will create"
-
-
-@dataclass(frozen=True)
-class TuningChange:
-    """One change an :class:`AdaptiveDataLoader` made, at an epoch boundary or mid-epoch.
-
-    Attributes:
-        epoch: the epoch (counted from 0) that runs with the new setting (from its start,
-            or from batch ``epoch_batch`` on).
-        time: when it was made (seconds since the epoch, ``time.time()``): where a timeline
-            puts its marker.
-        old: ``(num_workers, prefetch_factor)`` before.
-        new: ``(num_workers, prefetch_factor)`` after.
-        reason: which rule made it (see :mod:`trainperf.loader._adapt_rules`).
-        why: one sentence with the figures behind it.
-        figures: what was measured since the previous check (the previous epoch, or the
-            seconds before a mid-epoch change).
-        batch: batches the loader had yielded, over all epochs, when it was made (the
-            first batch with the new setting is number ``batch``, from 0).
-        epoch_batch: batches of ``epoch`` yielded before it (0: at the epoch's start).
-    """
-
-    epoch: int
-    time: float
-    old: tuple[int, int | None]
-    new: tuple[int, int | None]
-    reason: Reason
-    why: str
-    figures: EpochFigures
-    batch: int = 0
-    epoch_batch: int = 0
-
-    def __str__(self) -> str:
-        """One line: old → new settings, why, the measured rates.
-
-        Example:
-            >>> from trainperf.loader._adapt_rules import figures
-            >>> print(TuningChange(1, 0.0, (0, None), (3, 2), "input-bound", "waited",
-            ...                    figures(samples=400, startup_s=0.0)))
-            ... # doctest: +NORMALIZE_WHITESPACE
-            epoch 1: workers=0 prefetch=- → workers=3 prefetch=2 (input-bound: waited;
-            200 samples/s, waited for data 50 % of the time, 4 usable CPUs 20 % busy)
-        """
-        at = f"epoch {self.epoch}" + (f", batch {self.epoch_batch}" if self.epoch_batch else "")
-        return (
-            f"{at}: {_label(self.old)} → {_label(self.new)} "
-            f"({self.reason}: {self.why}; {rates(self.figures)})"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """Every field by name, JSON-safe (the figures as a dict)."""
-        return dataclasses.asdict(self)
-
-
-def _label(setting: tuple[int, int | None]) -> str:
-    n, pf = setting
-    return f"workers={n} prefetch={'-' if pf is None or n == 0 else pf}"
+_SEED_OFFSET = 0x9E3779B97F4A7C15  # sets the private seed stream apart from the real one
 
 
 class _TimedIter:
@@ -157,6 +106,12 @@ class _TimedIter:
         except StopIteration:
             self.loader._epoch_ended(self)
             raise
+        except Exception:
+            # A batch that failed to load (a corrupt sample the loop catches and goes on):
+            # the DataLoader used it up, so a pool started later must not replay it.
+            self._count()
+            self.returned, self.returned_cpu = time.perf_counter(), time.process_time()
+            raise
         t1 = time.perf_counter()
         if self.batches == 0:
             self.startup_s = t1 - self.started
@@ -165,14 +120,18 @@ class _TimedIter:
             self.wait_s += t1 - t0
             self.load_cpu_s += time.process_time() - c0
         self.batches += 1
-        self.yielded += 1
-        self.loader._yielded += 1
-        if self.plan is not None:
-            self.plan.received(self.yielded)
+        self._count()
         self.samples += samples_in(batch, self.loader.batch_size or 1)
         self.workers.read(self.it, t1)
         self.returned, self.returned_cpu = time.perf_counter(), time.process_time()
         return batch
+
+    def _count(self) -> None:
+        """One more batch of this epoch used up (yielded, or failed to load)."""
+        self.yielded += 1
+        self.loader._yielded += 1
+        if self.plan is not None:
+            self.plan.received(self.yielded)
 
     def figures(self, limits: HostLimits) -> EpochFigures:
         return EpochFigures(
@@ -290,6 +249,9 @@ class AdaptiveDataLoader(TunedDataLoader):
         self._epoch = 0
         self._yielded = 0  # batches yielded over all epochs
         self._current: _TimedIter | None = None
+        self._seeds: torch.Generator | None = None  # worker seeds of the pools it starts
+        self._before: EpochFigures | None = None  # what led to the last input-bound increase
+        self._ceiling: int | None = None  # workers beyond which more did not pay
         self._fastest_step = float("inf")
         # A persistent pool draws from the generator once, when it starts: a pool rebuilt
         # later must not draw again, or the order would differ from the fixed loader's.
@@ -315,8 +277,13 @@ class AdaptiveDataLoader(TunedDataLoader):
     def _index_sampler(self) -> Any:
         # What DataLoader's iterators draw indices from: the epoch plan, which replays the
         # indices a replaced pool had not delivered (see _adapt_plan).
+        # A subclass that wraps this (a Checkpointer tracking the loader) gets the real
+        # sampler: it adapts at epoch boundaries only, and a plan no iterator reports
+        # received batches to would keep every item of the epoch.
         plan = self.__dict__.get("_plan")
-        return self._real_index_sampler if plan is None else plan
+        if plan is None or _wraps_index_sampler(type(self)):
+            return self._real_index_sampler
+        return plan
 
     def __iter__(self) -> Any:
         if self._current is not None:
@@ -339,7 +306,7 @@ class AdaptiveDataLoader(TunedDataLoader):
 
     def _start(self, scratch: bool) -> Any:
         """A DataLoader iterator; ``scratch``: its draw from the generator is not the fixed
-        loader's (that one would start none here), so it draws from a scratch one."""
+        loader's (that one would start none here), so it draws from the private one."""
         with self._no_extra_draw() if scratch else _nothing(), warnings.catch_warnings():
             if self.tuning_history:
                 # More workers than cores is this loader's measured choice (they wait on
@@ -371,14 +338,27 @@ class AdaptiveDataLoader(TunedDataLoader):
 
     def _decide(self, f: EpochFigures, limits: HostLimits) -> Change | None:
         self._fastest_step = min(self._fastest_step, f.step_per_batch)
+        if f.cpus != self._cpus:
+            self._ceiling = None  # what more workers could not do may have changed
+        before, self._before = self._before, None
+        if before is not None and f.num_workers > before.num_workers:
+            verdict = increase_paid(before, f)
+            if verdict != "paid":
+                # The wait left is not the workers' (the main process's own cost, say):
+                # the rules hold or go back (no-gain), and no later check adds more.
+                self._ceiling = f.num_workers if verdict == "hold" else before.num_workers
+        ceiling = self._max_workers if self._ceiling is None else self._ceiling
         change = decide(
             f,
             previous_cpus=self._cpus,
             fastest_step_per_batch=self._fastest_step,
-            max_workers=self._max_workers,
+            max_workers=min(self._max_workers, ceiling),
             fits=lambda n, pf: self.fits(n, pf, limits),
+            before=before,
         )
         self._cpus = f.cpus
+        if change is not None and change.reason == "input-bound":
+            self._before = f
         return change
 
     def _retune(self, timed: _TimedIter) -> None:
@@ -461,10 +441,16 @@ class AdaptiveDataLoader(TunedDataLoader):
     def _no_extra_draw(self) -> Iterator[None]:
         """A new iterator draws its workers' base seed from ``generator`` (or torch's
         global generator) as it starts; the sampler holds its own reference, so the draw is
-        made from a scratch generator instead and the sampler's sequence is untouched."""
+        made from this loader's private generator instead and the sampler's sequence is
+        untouched. Each pool draws anew: no two replay the same worker random streams."""
         real = self.generator
-        seed = (0 if real is None else real.initial_seed()) + self._epoch
-        self.generator = torch.Generator().manual_seed(seed)
+        if self._seeds is None:
+            # Seeded once, from the real generator's seed or torch's (which follows
+            # torch.manual_seed, per rank where each rank seeds its own), offset so that
+            # its first draw is not the plain loader's first pool's.
+            seed = torch.initial_seed() if real is None else real.initial_seed()
+            self._seeds = torch.Generator().manual_seed((seed + _SEED_OFFSET) % 2**64)
+        self.generator = self._seeds
         try:
             yield
         finally:

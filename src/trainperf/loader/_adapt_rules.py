@@ -16,6 +16,13 @@ usable CPUs were, and the usable CPUs now. In the order they are applied (:func:
 - ``input-bound``: the loop waited for data a significant share of the time and cores are
   free for what a worker costs (I/O-latency workers cost almost none) → the count that
   keeps up with the step, within those cores, ``max_workers`` and memory.
+
+After an ``input-bound`` increase, :func:`increase_paid` judges the first figures measured
+with the new count against those that led to it: an increase that neither raised the
+samples per second by ``MIN_GAIN`` nor lowered the wait share by ``MIN_WAIT_DROP`` did not
+pay (the wait left is not the workers', e.g. the main process's own cost per batch). The
+loader then holds the count, or goes back (``no-gain``) when the previous count was as
+fast, and adds no workers beyond it until the usable CPUs change.
 """
 
 from __future__ import annotations
@@ -33,12 +40,13 @@ __all__ = [
     "Reason",
     "cores_per_worker",
     "decide",
+    "increase_paid",
     "needed_workers",
     "rates",
     "worker_cores_left",
 ]
 
-Reason = Literal["memory", "cpus", "oversubscribed", "input-bound"]
+Reason = Literal["memory", "cpus", "oversubscribed", "input-bound", "no-gain"]
 
 INPUT_BOUND_SHARE = 0.10
 """Share of the loop's time spent waiting for data above which more workers are tried."""
@@ -48,6 +56,12 @@ BUSY_SHARE = 0.90
 
 STEP_SLOWED = 1.20
 """A step this many times its fastest epoch's is slowed down."""
+
+MIN_GAIN = 0.05
+"""Rise in samples per second (share) an increase in workers must bring to pay."""
+
+MIN_WAIT_DROP = 0.05
+"""Drop in the wait share (of the loop's time) that also makes an increase pay."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +127,20 @@ class EpochFigures:
         """Samples per second over the epoch, start-up included."""
         wall = self.wait_s + self.step_s + self.startup_s
         return self.samples / wall if wall > 0 else 0.0
+
+    @property
+    def loop_samples_per_s(self) -> float:
+        """Samples per second once running: the first batch (start-up) left out, so that
+        a window that started a new pool compares with one that did not.
+
+        Example:
+            >>> figures(batches=11, samples=110, wait_s=0.5, step_s=0.5).loop_samples_per_s
+            100.0
+        """
+        wall = self.wait_s + self.step_s
+        if wall <= 0 or self.batches < 2:
+            return 0.0
+        return self.samples * (self.batches - 1) / self.batches / wall
 
     @property
     def step_cores(self) -> float:
@@ -232,6 +260,28 @@ def _largest_fitting(n: int, pf: int | None, fits: Callable[[int, int | None], b
     return n
 
 
+def increase_paid(before: EpochFigures, after: EpochFigures) -> Literal["paid", "hold", "back"]:
+    """What an increase in workers did: ``before`` led to it, ``after`` ran with it.
+
+    ``"paid"``: samples per second rose by ``MIN_GAIN`` or the wait share fell by
+    ``MIN_WAIT_DROP``; otherwise ``"back"`` when the previous count was as fast (fewer
+    workers for the same rate), else ``"hold"``.
+
+    Example:
+        >>> before = figures(wait_s=1.0, step_s=1.0)  # 500 samples/s, waiting half the time
+        >>> increase_paid(before, figures(num_workers=2, wait_s=0.1, step_s=1.0))
+        'paid'
+        >>> increase_paid(before, figures(num_workers=3, wait_s=0.98, step_s=1.0))
+        'hold'
+        >>> increase_paid(before, figures(num_workers=3, wait_s=1.2, step_s=1.0))
+        'back'
+    """
+    rate, was = after.loop_samples_per_s, before.loop_samples_per_s
+    if rate >= (1 + MIN_GAIN) * was or after.wait_share <= before.wait_share - MIN_WAIT_DROP:
+        return "paid"
+    return "back" if was >= rate else "hold"
+
+
 def rates(f: EpochFigures) -> str:
     """The measured rates in one phrase, for the change log.
 
@@ -253,6 +303,7 @@ def decide(
     fastest_step_per_batch: float,
     max_workers: int,
     fits: Callable[[int, int | None], bool],
+    before: EpochFigures | None = None,
 ) -> Change | None:
     """The setting the next epoch should run with, or None to keep this one.
 
@@ -262,6 +313,9 @@ def decide(
         fastest_step_per_batch: the fastest step per batch of any epoch so far.
         max_workers: the most workers ever used.
         fits: whether ``(num_workers, prefetch_factor)`` fits memory and ``/dev/shm``.
+        before: the figures that led to the ``input-bound`` increase ``f`` is the first
+            measure of (None: ``f`` follows no increase); one that did not pay
+            (:func:`increase_paid`) goes back (``no-gain``) or is held.
 
     Example:
         >>> fits = lambda n, pf: True
@@ -298,8 +352,15 @@ def decide(
                 f"the CPUs are full and the step is {times:.2f}x its fastest; {n} workers "
                 f"used {cores:.1f} cores",
             )  # fmt: skip
+    verdict = "paid" if before is None or before.num_workers >= n else increase_paid(before, f)
+    if verdict == "back" and before is not None:
+        return Change(
+            before.num_workers, before.prefetch_factor, "no-gain",
+            f"{n} workers gave {f.loop_samples_per_s:,.0f} samples/s, {before.num_workers} "
+            f"gave {before.loop_samples_per_s:,.0f}",
+        )  # fmt: skip
     # A full host still takes workers that mostly wait: the cap counts what they cost.
-    if f.wait_share >= INPUT_BOUND_SHARE and cap > n:
+    if verdict == "paid" and f.wait_share >= INPUT_BOUND_SHARE and cap > n:
         new = _largest_fitting(min(cap, max(n + 1, needed_workers(f))), pf_next, fits)
         if new > n:
             return Change(
