@@ -210,6 +210,24 @@ def long_compile(compile_for: Callable[[float], None], seconds: float) -> str:
     return "compiled"
 
 
+def _compiled_step(x: torch.Tensor) -> torch.Tensor:
+    x = x + 1
+    torch._dynamo.graph_break()
+    if ddp.rank() == 0:
+        time.sleep(1e9)  # CAUSE stuck_in_compiled_code (in a compiled function)
+    return x
+
+
+def stuck_in_compiled_code() -> str:
+    """Rank 0 is stuck in code that ``torch.compile`` compiled (after a graph break: under
+    dynamo's runtime wrapper, not its compiler); rank 1 waits in all_reduce."""
+    dist.all_reduce(torch.ones(2))
+    if ddp.rank() == 0:
+        torch.compile(_compiled_step, backend="eager")(torch.ones(2))
+    dist.all_reduce(torch.ones(2))
+    return "done"
+
+
 CASES = {
     f.__name__: f
     for f in (

@@ -127,6 +127,8 @@ def test_stale_run_directories_are_judged_by_owner_not_by_pid(
     reused = _dir_with_owner(tmp_path, f"{os.getpid()}-b", start=1)
     live = _dir_with_owner(tmp_path, f"{os.getpid()}-c")
     dead = _dir_with_owner(tmp_path, f"{gone.pid}-d", pid=gone.pid)
+    # A live launcher holds the flock on its owner record (the others' holders are gone).
+    locks = [_hold(other_container), _hold(live)]
     det = HangDetector(1, 5.0)
     try:
         assert det.dir.parent == tmp_path
@@ -134,4 +136,62 @@ def test_stale_run_directories_are_judged_by_owner_not_by_pid(
         assert not reused.exists() and not dead.exists()
     finally:
         det.close()
+        for fd in locks:
+            os.close(fd)
     assert not det.dir.exists()
+
+
+def _hold(path: Any) -> int:
+    import fcntl
+
+    from trainperf.ddp import _rundir
+
+    fd = os.open(path / _rundir.OWNER_FILE, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def test_a_collective_inside_busy_work_is_a_hang_at_once(
+    detector: HangDetector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A sharded state_dict() inside a save: rank 1 is in all_reduce inside busy(), waiting
+    # for the others; not hidden for BUSY_CAP x hang_timeout (was: no report until then).
+    monkeypatch.setattr(detector, "_dump", lambda ranks: _stacks())
+    saving = detector.trackers[1]  # type: ignore[attr-defined]
+    saving.busy_enter("saving checkpoint /ckpt/step-9.pt")
+    saving.enter("barrier", (), {})
+    report = _check_after_timeout(detector)
+    assert report is not None
+
+
+@pytest.mark.slow
+def test_the_stall_is_measured_from_the_last_progress_not_from_busy_work(
+    detector: HangDetector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(detector, "_dump", lambda ranks: _stacks())
+    saving = detector.trackers[1]  # type: ignore[attr-defined]
+    saving.busy_enter("saving checkpoint /ckpt/step-9.pt")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.6:  # below the cap: progress, each check
+        assert detector.check(RUNNING, {}) is None
+        time.sleep(0.05)
+    saving.busy_since = time.time() - BUSY_CAP * detector.timeout - 1.0
+    saving._write()
+    report = _check_after_timeout(detector)
+    assert report is not None and report.stalled_s >= 0.6, report  # was: one timeout
+
+
+def test_torch_compile_counts_as_progress_only_up_to_the_cap(
+    detector: HangDetector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiler = ThreadStack(
+        0x99, False, (Frame(f"{TORCH}/_inductor/compile_fx.py", 900, "compile_fx_inner"),)
+    )
+    monkeypatch.setattr(detector, "_dump", lambda ranks: _stacks(compiler))
+    assert _check_after_timeout(detector) is None
+    detector._moved -= BUSY_CAP * detector.timeout  # no progress for the cap by now
+    time.sleep(detector.timeout + 0.1)
+    report = detector.check(RUNNING, {})
+    assert report is not None and report.verdict.root == (1,)
+    assert "rank 1 is stuck in torch.compile's compilation" in report.verdict.headline
+    assert "torch.compile's compiler" in report.verdict.advice

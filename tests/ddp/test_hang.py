@@ -178,3 +178,15 @@ def test_the_rules_stay_linear_in_the_number_of_ranks(monkeypatch: pytest.Monkey
     str(HangReport(3.0, 3.1, n, v, tuple(views)))
     assert v.root == (7,)
     assert compared[0] <= 2 * n, compared[0]
+
+
+def test_torch_compile_excuses_a_stall_only_up_to_the_cap() -> None:
+    from trainperf.ddp._hang import RankView, is_hang
+    from trainperf.ddp._progress import BUSY_CAP
+
+    waits = RankView(0, "running", "collective")
+    compiles = RankView(1, "running", "running", compiling=True)
+    assert not is_hang([waits, compiles])  # no stall length given: compiling excuses it
+    assert not is_hang([waits, compiles], stalled_s=BUSY_CAP * 2.0 - 0.1, timeout=2.0)
+    assert is_hang([waits, compiles], stalled_s=BUSY_CAP * 2.0 + 0.1, timeout=2.0)
+    assert compiles.doing().startswith("is stuck in torch.compile's compilation")

@@ -259,7 +259,7 @@ def compile_for(seconds):
 @pytest.mark.timeout(90)
 def test_a_long_torch_compile_on_every_rank_is_not_a_hang(tmp_path: Path) -> None:
     # A module whose path looks like torch's compiler: its frames mean "compiling".
-    path = tmp_path / "torch" / "_dynamo" / "tp_fake_compiler.py"
+    path = tmp_path / "torch" / "_dynamo" / "convert_frame.py"
     path.parent.mkdir(parents=True)
     path.write_text(_FAKE_COMPILER)
     spec = importlib.util.spec_from_file_location("tp_fake_compiler", path)
@@ -270,6 +270,28 @@ def test_a_long_torch_compile_on_every_rank_is_not_a_hang(tmp_path: Path) -> Non
         _hangs.long_compile, module.compile_for, 2.5 * HANG_S, timeout=LONG, hang_timeout=HANG_S
     )
     assert result == "compiled"
+
+
+def _torch_compile_works() -> bool:
+    try:
+        import torch
+
+        compiled = torch.compile(lambda x: x + 1, backend="eager")
+        return bool(compiled(torch.ones(1)).item() == 2.0)
+    except Exception:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_rank_stuck_in_compiled_code_is_named() -> None:
+    # Compiled code runs under dynamo's eval_frame wrapper: that is not compiling (was: any
+    # torch/_dynamo frame excused the stall forever, and no hang was ever reported).
+    if not _torch_compile_works():
+        pytest.skip("torch.compile does not work here")
+    with pytest.raises(HangError, match="rank 0 is the cause") as caught:
+        launch_fork(_hangs.stuck_in_compiled_code, timeout=LONG, hang_timeout=2.0)
+    assert f"{HANGS}:{CAUSE['stuck_in_compiled_code']}" in str(caught.value)
 
 
 def _watched_now() -> tuple[bool, bool]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -170,3 +172,84 @@ def test_busy_in_a_forked_child_leaves_the_rank_s_slot_alone(
     monkeypatch.setattr(tracker, "pid", os.getpid() + 1)  # as a forked writer sees it
     with _progress.busy("saving checkpoint in a forked writer"):
         assert read_slot(buf).busy_since == 0
+
+
+def test_busy_does_not_count_while_the_rank_is_in_a_collective_inside_it() -> None:
+    # A sharded state_dict() inside a save is a collective: the rank waits for the others,
+    # so a hang there is a hang at once (was: hidden for BUSY_CAP x the timeout).
+    from trainperf.ddp._progress import SlotState, busy_counts
+
+    saving = SlotState(1, 1, 0, 0.0, 0, State.RUNNING, True, (), 1000.0, "saving")
+    assert busy_counts(saving, 1001.0, 2.0)
+    in_collective = SlotState(1, 1, 0, 0.0, 0, State.IN_COLLECTIVE, True, (), 1000.0, "saving")
+    assert not busy_counts(in_collective, 1001.0, 2.0)
+
+
+def test_a_forked_child_writes_nothing_into_the_rank_s_slot() -> None:
+    import mmap
+    import os
+
+    buf = mmap.mmap(-1, SLOT_SIZE)  # shared with a forked child, like the launcher's file
+    tracker = Tracker(buf)
+    tracker.ready(armed=True)
+    tracker.busy_enter("saving checkpoint /ckpt/step-1.pt")
+    before = bytes(buf)
+    pid = os.fork()
+    if pid == 0:  # an evaluation process, a DataLoader worker: it inherits the tracker
+        code = 0
+        try:
+            tracker.batch()
+            tracker.step()
+            tracker.enter("all_reduce", (torch.ones(2),), {})
+            tracker.exit()
+            tracker.busy_exit()
+            tracker.busy_enter("the child's own work")
+            tracker.returned()
+        except BaseException:
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert bytes(buf) == before  # still the parent's: inside its busy() block, progress 2
+    assert read_slot(buf).busy_since > 0 and read_slot(buf).progress == 2
+    buf.close()
+
+
+def test_a_thread_s_write_never_clears_the_busy_mark(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Thread B packs the header with the fields it read; meanwhile the main thread enters
+    # busy(). Without one lock across reading and packing, B's stale busy_since (0) lands
+    # after the main thread's mark and clears it.
+    import threading
+
+    buf = bytearray(SLOT_SIZE)
+    tracker = Tracker(buf)
+    packing, entered = threading.Event(), threading.Event()
+    real = _progress._HEADER
+
+    class SlowHeader:
+        def pack_into(self, *args: Any) -> None:
+            if threading.current_thread().name == "writer-b":
+                packing.set()
+                entered.wait(0.4)  # the main thread's busy_enter gets this long to land
+            real.pack_into(*args)
+
+        def unpack_from(self, *args: Any) -> Any:
+            return real.unpack_from(*args)
+
+    monkeypatch.setattr(_progress, "_HEADER", SlowHeader())
+    writer = threading.Thread(target=tracker.batch, name="writer-b")
+    writer.start()
+    assert packing.wait(10)
+
+    def enter() -> None:
+        tracker.busy_enter("saving checkpoint /ckpt/step-2.pt")
+        entered.set()
+
+    busy_thread = threading.Thread(target=enter)
+    busy_thread.start()
+    writer.join(10)
+    busy_thread.join(10)
+    assert not writer.is_alive() and not busy_thread.is_alive()
+    state = read_slot(buf)
+    assert state.busy_since > 0, "a concurrent write cleared the busy mark"
+    assert state.progress == 2  # both writes counted

@@ -78,3 +78,74 @@ def test_another_user_s_directory_is_left_alone(tmp_path: Path) -> None:
     assert remove_stale(str(tmp_path)) == [] and path.exists()
     os.chown(path, 0, 0)
     assert remove_stale(str(tmp_path)) == [path] and not path.exists()
+
+
+_HOLDER = """\
+import json, sys, time
+from pathlib import Path
+from trainperf.ddp import _rundir
+path = _rundir.create(sys.argv[1])
+record = json.loads((path / _rundir.OWNER_FILE).read_text())
+# As seen from another container on this kernel: its pid and pid namespace mean nothing here.
+record.update(pid=2**22 + 1, pid_ns="pid:[999999]", host="another-container")
+(path / _rundir.OWNER_FILE).write_text(json.dumps(record))  # same file: the lock stays
+print(path, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_locked_directory_is_never_removed_and_an_unlocked_one_is(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None
+        path = Path(holder.stdout.readline().strip())
+        assert path.parent == tmp_path and path.is_dir()
+        # Its lock is held: left alone, even though its record's pid does not exist.
+        assert remove_stale(str(tmp_path)) == [] and path.exists()
+        holder.kill()
+        holder.wait(30)
+        # Its holder died (another pid namespace, another host name, same kernel): removed.
+        assert remove_stale(str(tmp_path)) == [path] and not path.exists()
+    finally:
+        holder.kill()
+        holder.wait(30)
+        if holder.stdout is not None:
+            holder.stdout.close()
+
+
+def test_a_held_lock_overrides_every_other_rule() -> None:
+    # The pid is gone, and there is no record at all: a held lock still says alive.
+    dead = dataclasses.replace(ME, pid=42, start=300, locked=True)
+    assert not stale(dead, ME, lambda pid: None, boot_time=BOOT, age_s=60.0, unlocked=False)
+    assert not stale(None, ME, lambda pid: None, boot_time=BOOT, age_s=1e9, unlocked=False)
+    # A free lock on a record that says it was locked, from this kernel: gone, in any pid
+    # namespace or under any host name. Not from another kernel (another boot id).
+    other = dataclasses.replace(dead, pid_ns="pid:[2]", host="node2")
+    assert stale(other, ME, lambda pid: 300, boot_time=BOOT, age_s=60.0)
+    assert not stale(
+        dataclasses.replace(other, boot_id="boot-b", created=BOOT + 5),
+        ME,
+        lambda pid: 300,
+        boot_time=BOOT,
+        age_s=60.0,
+    )
+    # An older record (no lock was ever held): the pid rules as before.
+    assert not stale(
+        dataclasses.replace(other, locked=False), ME, lambda pid: 300, boot_time=BOOT, age_s=60.0
+    )
+
+
+def test_create_locks_the_record_and_release_drops_the_lock(tmp_path: Path) -> None:
+    made = _rundir.create(str(tmp_path))
+    assert not _rundir._unlocked(made)  # held by this process (another open file)
+    assert remove_stale(str(tmp_path)) == [] and made.exists()
+    _rundir.release(made)
+    assert _rundir._unlocked(made)
+    assert remove_stale(str(tmp_path)) == [made] and not made.exists()

@@ -141,3 +141,32 @@ def test_torch_compile_on_any_thread_counts_but_the_compile_pool_s_parked_thread
     )
     assert not compiling_threads([main, parked])
     assert compiling_threads([main, worker, parked])
+
+
+def test_only_the_compiler_s_frames_count_as_compiling_not_the_compiled_code_s() -> None:
+    from trainperf.ddp._stacks import ThreadStack, compiling, compiling_threads
+
+    user = Frame("/home/me/train.py", 12, "torch_dynamo_resume_in_step_at_9")
+    # Compiled code runs under eval_frame.py's wrapper: a rank stuck there is not compiling.
+    runtime = (
+        Frame("/usr/lib/python3.11/time.py", 1, "sleep"),
+        user,
+        Frame(f"{TORCH}/_dynamo/eval_frame.py", 1261, "compile_wrapper"),
+        Frame(f"{TORCH}/_dynamo/external_utils.py", 60, "inner"),
+        Frame(f"{TORCH}/_inductor/output_code.py", 600, "__call__"),
+        Frame("/home/me/train.py", 30, "main"),
+    )
+    assert not compiling(runtime)
+    assert not compiling_threads([ThreadStack(1, True, runtime)])
+    for part, function in (
+        ("_dynamo/convert_frame.py", "_compile"),
+        ("_dynamo/symbolic_convert.py", "run"),
+        ("_dynamo/output_graph.py", "call_user_compiler"),
+        ("_inductor/compile_fx.py", "fw_compiler_base"),
+        ("_inductor/graph.py", "codegen"),
+        ("_inductor/codegen/simd.py", "codegen_kernel"),
+        ("_inductor/codecache.py", "load_by_key_path"),
+        ("_inductor/async_compile.py", "wait"),
+    ):
+        frame = Frame(f"{TORCH}/{part}".replace("/", os.sep), 10, function)
+        assert compiling((frame, *runtime)), part

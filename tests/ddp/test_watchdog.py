@@ -3,6 +3,7 @@ nesting, and busy() beats (the multi-process torchrun cases are in test_hang_cas
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -88,6 +89,7 @@ def _dump(*frames: tuple[str, int, str]) -> str:
 # The main thread in the user's own code, then (a moment later) inside backward() where
 # AOT autograd compiles the backward graph on its first call: a compilation, not a hang.
 PLAIN = _dump((USER, 20, "main"))
+BACKWARD_WAIT = _dump((f"{TORCH}/_tensor.py", 600, "backward"), (USER, 30, "main"))
 BACKWARD_COMPILE = _dump(
     (f"{TORCH}/_inductor/compile_fx.py", 900, "bw_compiler"),
     (f"{TORCH}/autograd/graph.py", 800, "_engine_run_backward"),
@@ -131,9 +133,31 @@ def test_the_decision_rules() -> None:
     compiler = ThreadStack(99, False, (Frame(f"{TORCH}/_dynamo/convert_frame.py", 9, "f"),))
     assert judge(waits, [backward, compiler], **kw) == "progress"
     # Inside busy(): progress below the cap (10 x timeout), then a hang like any other wait.
-    saving = SlotState(7, 3, 0, 0.0, MAIN, State.IN_COLLECTIVE, True, (), 90.0, "saving")
+    saving = SlotState(7, 3, 0, 0.0, MAIN, State.RUNNING, True, (), 90.0, "saving")
     assert judge(saving, [], **kw) == "progress"
-    assert judge(saving, [], **{**kw, "now": 141.0}) == "hang"
+    assert judge(saving, [backward], **{**kw, "now": 141.0}) == "hang"
+    # In a collective inside busy() (a sharded state_dict() during a save): it waits for the
+    # others like any rank in a collective, a hang at once (was: progress for 10 x timeout).
+    in_save = dataclasses.replace(saving, state=State.IN_COLLECTIVE)
+    assert judge(in_save, [], **kw) == "hang"
+
+
+def test_compiling_counts_as_progress_only_up_to_the_cap() -> None:
+    waits = SlotState(7, 3, 0, 0.0, MAIN, State.IN_COLLECTIVE, True, ())
+    compiler = ThreadStack(99, False, (Frame(f"{TORCH}/_dynamo/convert_frame.py", 9, "f"),))
+    kw: dict[str, Any] = {"seen_progress": 7, "ended": False, "now": 100.0, "timeout": 5.0}
+    assert judge(waits, [compiler], **kw, stalled_s=49.0) == "progress"
+    assert judge(waits, [compiler], **kw, stalled_s=51.0) == "hang"  # stuck in compilation
+    # Compiled code running (the runtime wrapper only) is not compiling.
+    runtime = ThreadStack(
+        MAIN,
+        False,
+        (
+            Frame(USER, 12, "torch_dynamo_resume_in_f_at_4"),
+            Frame(f"{TORCH}/_dynamo/eval_frame.py", 1261, "compile_wrapper"),
+        ),
+    )
+    assert judge(waits, [runtime], **kw) == "hang"
 
 
 def test_a_rank_inside_busy_beats_progress_each_poll() -> None:
@@ -142,10 +166,45 @@ def test_a_rank_inside_busy_beats_progress_each_poll() -> None:
     wd.tracker.busy_enter("saving checkpoint /ckpt/step-3.pt")
     before = wd.tracker.progress
     _run_watch(wd, 0.4)  # past the timeout, below the cap
-    # Every poll added one beat on top of this rank's own (unchanged) progress.
+    # Every poll added one beat on top of this rank's own (unchanged) progress: beats go in
+    # the counter's high bits, real progress in the low ones.
     assert wd.tracker.progress == before
-    assert int(store.data["progress"]) >= before + 3
+    total = int(store.data["progress"])
+    assert total >> 32 >= 3 and total % (1 << 32) == before
     assert "hang" not in store.data
+
+
+@pytest.mark.slow
+def test_the_stall_reported_runs_from_the_last_real_progress_not_the_last_beat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A rank inside busy() beats every poll; once past the cap it is reported stuck. The
+    # stall the report gives counts from the last real progress (was: the last beat).
+    store = FakeStore()
+    wd = _watchdog_on(store, 0, 2, limit=0.1)
+    wd.tracker.busy_enter("saving checkpoint /ckpt/step-3.pt")
+    real_time = time.time
+    # busy() below the cap (10 x 0.1 s) for the first 0.8 s, then (skewed clock) past it.
+    clock = {"skew": 0.0}
+    monkeypatch.setattr(_progress.time, "time", lambda: real_time() + clock["skew"])
+    seen: list[float] = []
+
+    def collect(stalled_s: float) -> dict[str, Any]:
+        seen.append(stalled_s)
+        return {"collected": True}
+
+    monkeypatch.setattr(wd, "_collect", collect)
+    monkeypatch.setattr(wd, "_own_dump", lambda: BACKWARD_WAIT)
+    thread = threading.Thread(target=wd._watch, daemon=True)
+    thread.start()
+    time.sleep(0.8)  # beats: no hang
+    assert "hang" not in store.data
+    clock["skew"] = 100.0  # now far past the cap: no more beats
+    thread.join(20)
+    wd._stop.set()
+    thread.join(5)
+    assert seen, "no hang was declared"
+    assert seen[0] >= 0.7, seen  # the beats below the cap did not reset the stall
 
 
 def _collect_on(world: int, store: FakeStore) -> list[Any]:

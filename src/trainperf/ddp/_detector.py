@@ -10,8 +10,10 @@ threads' stacks from the C signal handler, reads them with the slots, and runs t
 
 The verdict comes from one snapshot: the slots read before the dump, checked again after it
 (a rank that moved meanwhile is progress, not a hang), and every thread of every rank for
-``torch.compile`` at work. A rank inside :func:`~trainperf.ddp._progress.busy` (a blocking
-checkpoint save) counts as making progress for up to ``BUSY_CAP`` times ``hang_timeout``.
+``torch.compile``'s compiler at work. A rank inside :func:`~trainperf.ddp._progress.busy`
+(a blocking checkpoint save), or compiling, counts as making progress for up to
+``BUSY_CAP`` times ``hang_timeout``; the stall a report gives is measured from the last
+change in any rank's progress, which those do not reset.
 Run directories that dead launchers left behind are removed by the rules of
 :mod:`~trainperf.ddp._rundir`.
 """
@@ -113,7 +115,8 @@ class HangDetector:
         self.spec = ProgressSpec(str(self.dir / "progress"), str(self.dir))
         self.pids: dict[int, int] = {}
         self._signature: Any = None
-        self._since = time.monotonic()
+        self._since = time.monotonic()  # when the clock for hang_timeout last started
+        self._moved = self._since  # the last change in any rank's progress
 
     def reset(self) -> None:
         """A new attempt: zero every slot, forget the pids and the clock."""
@@ -122,7 +125,7 @@ class HangDetector:
             path.unlink(missing_ok=True)
         self.pids.clear()
         self._signature = None
-        self._since = time.monotonic()
+        self._since = self._moved = time.monotonic()
 
     def started(self, rank: int, pid: int) -> None:
         self.pids[rank] = pid
@@ -139,14 +142,20 @@ class HangDetector:
         states = self._states()
         ready = all(s.state != State.STARTING or r in results for r, s in enumerate(states))
         signature = (tuple(s.progress for s in states), len(results), len(running))
-        if not ready or signature != self._signature or self._busy(states, running):
-            self._signature, self._since = signature, now
+        if not ready or signature != self._signature:
+            self._signature, self._since, self._moved = signature, now, now
+            return None
+        if self._busy(states, running):
+            self._since = now  # progress for the clock, not for how long the job stalls
             return None
         if now - self._since < self.timeout:
             return None
-        report = self.report(states, running, results, now - self._since)
+        stalled_s = now - self._moved
+        report = self.report(states, running, results, stalled_s)
         moved = tuple(s.progress for s in self._states()) != signature[0]
-        if moved or not _hang.is_hang(list(report.ranks)):
+        if moved or not _hang.is_hang(
+            list(report.ranks), stalled_s=stalled_s, timeout=self.timeout
+        ):
             # A rank moved while the stacks were taken, torch.compile is at work, or every
             # rank is busy in its own code (no rank waits for another): slow work, not a
             # hang. Look again in hang_timeout.
@@ -239,3 +248,4 @@ class HangDetector:
         with contextlib.suppress(BufferError, ValueError):
             self.slots.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+        _rundir.release(self.dir)

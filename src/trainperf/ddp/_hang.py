@@ -22,8 +22,9 @@ and the stack dump). The rules, in order (:func:`diagnose`):
    Python (network, a kernel, a peer outside the job); no rank is blamed.
 
 Before any rule, :func:`is_hang` says whether the stall is a hang at all: not while a rank
-compiles (``torch.compile`` frames on any of its threads), nor while no rank waits for
-another (every rank busy in its own code).
+compiles (``torch.compile``'s compiler frames on any of its threads) for up to ``BUSY_CAP``
+times the timeout (past that it is named as stuck in compilation), nor while no rank waits
+for another (every rank busy in its own code).
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ class RankView:
             return f"waits in {self.collective.describe()}"
         if self.stuck_in and self.activity != "backward":
             return f"is stuck in {self.stuck_in} for {self.stuck_s:.0f} s{at}{code}"
+        if self.compiling and self.activity != "backward":
+            return f"is stuck in torch.compile's compilation{at}{code}"
         if self.activity == "backward":
             return f"waits inside backward(){at} (DDP's gradient all-reduce runs there)"
         if self.activity == "dataloader":
@@ -151,6 +154,13 @@ _ADVICE = {
         "slow or network filesystem: check the path's free space and write speed); if it is "
         "slow on purpose, raise hang_timeout."
     ),
+    "compiling": (
+        "Fix: {who} spent more than {cap:g} x the timeout in torch.compile's compiler, which "
+        "counts as progress only that long. Either the compilation is stuck (a compile "
+        "worker died or deadlocked: its stacks are below) or it recompiles again and again "
+        "(TORCH_LOGS=recompiles names the guard that fails; mark changing sizes dynamic). If "
+        "one compilation is that slow on purpose, raise hang_timeout."
+    ),
     "lock": (
         "Fix: {who} waits for a lock that nothing releases: another of its threads holds it "
         "(its threads are listed below). Release it on every path (`with lock:`), and do not "
@@ -187,6 +197,13 @@ def _advice(kind: str, root: list[RankView]) -> str:
     return _ADVICE[kind].format(who=who, site=site, cap=BUSY_CAP)
 
 
+def _reason(view: RankView) -> str:
+    """Which advice fits a rank stuck outside any collective."""
+    if view.stuck_in:
+        return "busy"
+    return "compiling" if view.compiling else view.activity
+
+
 def _outside(running: list[RankView], done: list[RankView]) -> Verdict | None:
     waiting = [v for v in running if v.waiting]
     busy = [v for v in running if v.busy]
@@ -196,8 +213,7 @@ def _outside(running: list[RankView], done: list[RankView]) -> Verdict | None:
     kind: Kind = "outside" if waiting else "returned"
     tail = "while" if waiting else "after"
     headline = f"{_describe_root(busy)}, {tail} {_what_others_do(others)}"
-    activity = "busy" if busy[0].stuck_in else busy[0].activity
-    advice = _advice("returned" if kind == "returned" else activity, busy)
+    advice = _advice("returned" if kind == "returned" else _reason(busy[0]), busy)
     return Verdict(kind, tuple(v.rank for v in busy), headline, advice)
 
 
@@ -300,19 +316,25 @@ def blocked(views: list[RankView]) -> bool:
     return any(v.waiting or v.status != "running" for v in views)
 
 
-def is_hang(views: list[RankView]) -> bool:
+def is_hang(views: list[RankView], *, stalled_s: float = 0.0, timeout: float = math.inf) -> bool:
     """Whether a stall seen on these views (one snapshot) is a hang: some rank waits for
     another (:func:`blocked`) and no running rank is inside ``torch.compile``'s compiler, on
-    any of its threads (a first compilation can take minutes on every rank at once).
+    any of its threads (a first compilation can take minutes on every rank at once), unless
+    the job has made no progress for ``stalled_s`` >= ``BUSY_CAP`` x ``timeout``: then the
+    compiling rank is stuck in compilation.
 
     Example:
         >>> waits = RankView(0, "running", "collective")
         >>> is_hang([waits, RankView(1, "running", "running")])
         True
-        >>> is_hang([waits, RankView(1, "running", "running", compiling=True)])
+        >>> compiles = RankView(1, "running", "running", compiling=True)
+        >>> is_hang([waits, compiles], stalled_s=20.0, timeout=3.0)
         False
+        >>> is_hang([waits, compiles], stalled_s=31.0, timeout=3.0)
+        True
     """
-    if any(v.status == "running" and v.compiling for v in views):
+    compile_counts = stalled_s < BUSY_CAP * timeout
+    if compile_counts and any(v.status == "running" and v.compiling for v in views):
         return False
     return blocked(views)
 
@@ -338,7 +360,7 @@ def diagnose(views: list[RankView]) -> Verdict:
     if busy:  # nobody waits and nobody finished: all of them are stuck outside collectives
         headline = _describe_root(busy)
         return Verdict(
-            "outside", tuple(v.rank for v in busy), headline, _advice(busy[0].activity, busy)
+            "outside", tuple(v.rank for v in busy), headline, _advice(_reason(busy[0]), busy)
         )
     for rule in (_ddp, _mismatch):
         found = rule(waiting)

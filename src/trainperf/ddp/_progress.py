@@ -12,7 +12,8 @@ its set-up, or returned from ``main``. A job makes progress while any rank does;
 :func:`busy`, which marks the rank's slot "busy in <what> since <time>". A rank in such a
 block counts as making progress for up to :data:`BUSY_CAP` times the timeout (one rank alone
 in a long save while the others wait in a barrier is not a hang); past that it is named as
-stuck in that work.
+stuck in that work. A rank in a collective inside such a block (a sharded ``state_dict()`` during
+a save) does not count: there it waits for the others like any rank in a collective.
 
 Each rank writes into a fixed-size **slot**: counters, its state (running, in a collective,
 returned), its main thread's id, and a ring of its last :data:`HISTORY` collectives (name,
@@ -207,13 +208,19 @@ def read_slot(buf: Any, index: int = 0) -> SlotState:
 
 def busy_counts(slot: SlotState, now: float, timeout: float) -> bool:
     """Whether a rank inside :func:`busy` still counts as making progress: for up to
-    :data:`BUSY_CAP` times the timeout (``now`` is ``time.time()``).
+    :data:`BUSY_CAP` times the timeout (``now`` is ``time.time()``), and not while it is in a
+    collective (a sharded ``state_dict()`` inside a save: it waits for the other ranks).
 
     Example:
         >>> inside = SlotState(5, 0, 0, 0.0, 0, State.RUNNING, True, (), 100.0, "saving")
         >>> busy_counts(inside, 120.0, 3.0), busy_counts(inside, 131.0, 3.0)
         (True, False)
+        >>> waits = SlotState(5, 1, 0, 0.0, 0, State.IN_COLLECTIVE, True, (), 100.0, "saving")
+        >>> busy_counts(waits, 120.0, 3.0)
+        False
     """
+    if slot.state == State.IN_COLLECTIVE:
+        return False
     return slot.busy_since > 0 and now - slot.busy_since < BUSY_CAP * timeout
 
 
@@ -222,7 +229,12 @@ def _package_dir(module: Any) -> str:
 
 
 class Tracker:
-    """Writes one rank's progress into its slot; the wrappers and hooks call it."""
+    """Writes one rank's progress into its slot; the wrappers and hooks call it.
+
+    Only the process that made it writes: a forked child (an evaluation process, a
+    DataLoader worker) inherits the tracker and the shared slot, and its progress or busy
+    marks are not the rank's. One lock orders the threads' updates of the header.
+    """
 
     def __init__(self, buf: Any, index: int = 0) -> None:
         import torch
@@ -243,9 +255,20 @@ class Tracker:
         self.pid = os.getpid()  # a forked child (a background checkpoint writer) is not it
         self._skip = (_package_dir(torch), _package_dir(trainperf), "<")
         self._texts: dict[tuple[Any, ...], bytes] = {}
+        # Held across updating the fields and packing them: without it a thread's write
+        # can pack another's stale busy_since or counters. A forked child never takes it
+        # (it writes nothing), so a lock held at fork time cannot block it.
+        self.lock = threading.Lock()
         self._write()
 
+    def _mine(self) -> bool:
+        return os.getpid() == self.pid
+
     def _write(self) -> None:
+        """Pack the fields into the header (callers hold :attr:`lock`, or own the tracker
+        alone, as in ``__init__``)."""
+        if not self._mine():
+            return
         _HEADER.pack_into(
             self.buf,
             self.base,
@@ -261,47 +284,65 @@ class Tracker:
 
     def ready(self, *, armed: bool) -> None:
         """Set-up is done (the process group exists): progress, and the clock starts."""
-        self.armed = armed
-        self.state = State.RUNNING
-        self.progress += 1
-        self._write()
+        if not self._mine():
+            return
+        with self.lock:
+            self.armed = armed
+            self.state = State.RUNNING
+            self.progress += 1
+            self._write()
 
     def returned(self) -> None:
-        self.state = State.RETURNED
-        self.progress += 1
-        self._write()
+        if not self._mine():
+            return
+        with self.lock:
+            self.state = State.RETURNED
+            self.progress += 1
+            self._write()
 
     def step(self) -> None:
         """An optimizer step (all of DDP's gradient all-reduces for it are done)."""
-        self.steps += 1
-        self.progress += 1
-        self._write()
+        if not self._mine():
+            return
+        with self.lock:
+            self.steps += 1
+            self.progress += 1
+            self._write()
 
     def batch(self) -> None:
         """A DataLoader returned a batch (evaluation loops have no optimizer step)."""
-        self.progress += 1
-        self._write()
+        if not self._mine():
+            return
+        with self.lock:
+            self.progress += 1
+            self._write()
 
     def busy_enter(self, what: str) -> None:
         """Known slow work starts (the outermost of nested blocks names it)."""
-        self.busy_depth += 1
-        if self.busy_depth > 1:
+        if not self._mine():
             return
-        text = what.encode(errors="replace")[: _BUSY_SIZE - 2]
-        # The text first, then the time that says it is valid: a reader never sees a
-        # busy_since with the previous block's text.
-        _BUSY.pack_into(self.buf, self.base + _BUSY_OFFSET, len(text), text)
-        self.busy_since = time.time()
-        self.progress += 1
-        self._write()
+        with self.lock:
+            self.busy_depth += 1
+            if self.busy_depth > 1:
+                return
+            text = what.encode(errors="replace")[: _BUSY_SIZE - 2]
+            # The text first, then the time that says it is valid: a reader never sees a
+            # busy_since with the previous block's text.
+            _BUSY.pack_into(self.buf, self.base + _BUSY_OFFSET, len(text), text)
+            self.busy_since = time.time()
+            self.progress += 1
+            self._write()
 
     def busy_exit(self) -> None:
-        self.busy_depth -= 1
-        if self.busy_depth > 0:
+        if not self._mine():
             return
-        self.busy_since = 0.0
-        self.progress += 1
-        self._write()
+        with self.lock:
+            self.busy_depth -= 1
+            if self.busy_depth > 0:
+                return
+            self.busy_since = 0.0
+            self.progress += 1
+            self._write()
 
     def _caller(self) -> FrameType | None:
         """The innermost frame outside torch and trainperf: the user's call site."""
@@ -311,7 +352,8 @@ class Tracker:
         return frame
 
     def enter(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.entered += 1
+        if not self._mine():
+            return
         frame = self._caller()
         first = args[0] if args else kwargs.get("tensor", kwargs.get("tensor_list"))
         count = -1
@@ -335,10 +377,12 @@ class Tracker:
             if len(self._texts) >= _CACHE_MAX:
                 self._texts.clear()
             self._texts[key] = text
-        offset = self.base + _HEADER_SIZE + (self.entered % HISTORY) * _ENTRY_SIZE
-        _FULL_ENTRY.pack_into(self.buf, offset, self.entered, len(text), text)
-        self.state = State.IN_COLLECTIVE
-        self._write()
+        with self.lock:
+            self.entered += 1
+            offset = self.base + _HEADER_SIZE + (self.entered % HISTORY) * _ENTRY_SIZE
+            _FULL_ENTRY.pack_into(self.buf, offset, self.entered, len(text), text)
+            self.state = State.IN_COLLECTIVE
+            self._write()
 
     def _describe(
         self, op: str, detail: str, kwargs: dict[str, Any], frame: FrameType | None
@@ -350,9 +394,12 @@ class Tracker:
         return Collective(0, op, detail, file, line, function, async_op).encode()
 
     def exit(self) -> None:
-        self.state = State.RUNNING
-        self.progress += 1
-        self._write()
+        if not self._mine():
+            return
+        with self.lock:
+            self.state = State.RUNNING
+            self.progress += 1
+            self._write()
 
 
 def _detail(first: Any, count: int) -> str:

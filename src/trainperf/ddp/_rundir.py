@@ -18,11 +18,19 @@ and :func:`stale` removes a directory only when its launcher is certainly gone:
 
 A directory without an owner record (a launcher killed within microseconds of creating it,
 or an older trainperf) is removed once it is :data:`ORPHAN_AGE_S` old.
+
+The launcher also holds an exclusive ``flock`` on its owner record for its whole life (the
+kernel drops it when the process dies, however it dies), and :func:`remove_stale` first
+tries that lock without waiting: a directory whose lock is held is never removed. Locks
+work across pid namespaces on one kernel, so a record that says it is locked (``locked``)
+and whose lock is free, made in this boot (same boot id: the same kernel, whatever the
+container or its host name), is stale even from another container.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -42,6 +50,7 @@ __all__ = [
     "Owner",
     "create",
     "process_start",
+    "release",
     "remove_stale",
     "stale",
     "this_process",
@@ -63,6 +72,7 @@ class Owner:
     pid_ns: str  # readlink /proc/self/ns/pid ("pid:[4026531836]")
     host: str
     created: float  # time.time()
+    locked: bool = False  # its launcher holds a flock on the record (older records: no)
 
 
 def _read(path: str) -> str:
@@ -110,6 +120,7 @@ def this_process() -> Owner:
         pid_ns=pid_ns,
         host=socket.gethostname(),
         created=time.time(),
+        locked=True,
     )
 
 
@@ -120,6 +131,7 @@ def stale(
     *,
     boot_time: float,
     age_s: float,
+    unlocked: bool = True,
 ) -> bool:
     """Whether a run directory's launcher is certainly gone (the rules in the module doc).
 
@@ -129,6 +141,7 @@ def stale(
         start_of: a pid's start time now (:func:`process_start`), None if it does not exist.
         boot_time: when this boot began (``time.time()`` scale).
         age_s: the directory's age, from its modification time.
+        unlocked: whether the record's flock could be taken now (a held lock: alive).
 
     Example:
         >>> me = Owner(10, 500, "boot-a", "pid:[1]", "node1", 2000.0)
@@ -139,9 +152,18 @@ def stale(
         False
         >>> stale(dead, me, lambda pid: 777, boot_time=1000.0, age_s=100.0)  # pid reused
         True
+        >>> other = Owner(42, 300, "boot-a", "pid:[2]", "box2", 1900.0, locked=True)
+        >>> stale(other, me, lambda pid: 300, boot_time=1000.0, age_s=100.0)  # lock free
+        True
+        >>> stale(other, me, lambda pid: None, boot_time=1000.0, age_s=100.0, unlocked=False)
+        False
     """
+    if not unlocked:
+        return False  # its launcher (or a rank it forked) holds the lock: alive
     if owner is None:
         return age_s > ORPHAN_AGE_S
+    if owner.locked and owner.boot_id and owner.boot_id == me.boot_id:
+        return True  # this kernel's lock is free: its holder is gone, in any container
     if not owner.boot_id or not me.boot_id or owner.host != me.host:
         return False  # another machine's, or nothing to judge by
     if owner.boot_id != me.boot_id:
@@ -170,6 +192,23 @@ def _ours(path: Path) -> bool:
     return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
 
 
+def _unlocked(path: Path) -> bool:
+    """Whether the owner record's flock is free now (or there is no record to lock)."""
+    try:
+        fd = os.open(path / OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # drops the lock if it was taken
+    return True
+
+
 def remove_stale(base: str | None) -> list[Path]:
     """Remove the run directories under ``base`` whose launcher is certainly gone."""
     root = Path(base or tempfile.gettempdir())
@@ -181,17 +220,38 @@ def remove_stale(base: str | None) -> list[Path]:
             continue
         with contextlib.suppress(OSError):
             age = time.time() - path.lstat().st_mtime
-            if stale(_owner(path), me, process_start, boot_time=boot, age_s=age):
+            free = _unlocked(path)
+            if stale(_owner(path), me, process_start, boot_time=boot, age_s=age, unlocked=free):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     return removed
 
 
+# The open owner records whose flock this process holds, by run directory.
+_held: dict[Path, int] = {}
+
+
 def create(base: str | None) -> Path:
     """A new run directory under ``base`` (``tempfile``'s default if None), with this
-    process's owner record in it."""
+    process's owner record in it, locked until :func:`release` (or this process's end)."""
     path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base))
     record = path / f".{OWNER_FILE}.tmp"
-    record.write_text(json.dumps(asdict(this_process())))
-    record.replace(path / OWNER_FILE)
+    fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        # Locked before it has its name: no one ever sees the record with its lock free.
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, json.dumps(asdict(this_process())).encode())
+        record.replace(path / OWNER_FILE)
+    except BaseException:
+        os.close(fd)
+        raise
+    _held[path] = fd
     return path
+
+
+def release(path: Path) -> None:
+    """Drop the lock :func:`create` took on ``path``'s owner record (its directory is gone,
+    or about to be)."""
+    fd = _held.pop(path, None)
+    if fd is not None:
+        os.close(fd)

@@ -193,16 +193,37 @@ def classify(
     return "running"
 
 
+# The frames of torch.compile's compiler: dynamo tracing a frame and building its graph,
+# inductor lowering, generating and compiling code (or waiting for its compile workers).
+# Not ``_dynamo/eval_frame.py`` (its ``compile_wrapper`` is on the stack whenever compiled
+# code runs) nor any other runtime wrapper: a rank stuck in compiled code is not compiling.
+_COMPILER = tuple(
+    part.replace("/", os.sep)
+    for part in (
+        "torch/_dynamo/convert_frame.py",
+        "torch/_dynamo/symbolic_convert.py",
+        "torch/_dynamo/output_graph.py",
+        "torch/_inductor/compile_fx.py",
+        "torch/_inductor/graph.py",
+        "torch/_inductor/codegen/",
+        "torch/_inductor/codecache.py",
+        "torch/_inductor/async_compile.py",
+    )
+)
+
+
 def compiling(frames: tuple[Frame, ...]) -> bool:
-    """Whether the stack is inside ``torch.compile``'s compiler (dynamo or inductor): a
-    first compilation can take minutes on every rank at once, and is not a hang.
+    """Whether the stack is inside ``torch.compile``'s compiler (dynamo tracing, inductor
+    code generation): a first compilation can take minutes on every rank at once, and is
+    not a hang. Running compiled code (under ``eval_frame.py``'s wrapper) is not compiling.
 
     Example:
         >>> compiling((Frame("/torch/_inductor/graph.py", 900, "run"),))
         True
+        >>> compiling((Frame("/torch/_dynamo/eval_frame.py", 1261, "compile_wrapper"),))
+        False
     """
-    parts = (f"torch{os.sep}_dynamo{os.sep}", f"torch{os.sep}_inductor{os.sep}")
-    return any(part in f.file for f in frames for part in parts)
+    return any(part in f.file for f in frames for part in _COMPILER)
 
 
 # Inductor's compile-worker pool keeps helper threads (reading the workers' replies, watching

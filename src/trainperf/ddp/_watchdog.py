@@ -7,7 +7,10 @@ agent hosts it). Each rank runs one daemon thread that, every ``timeout / 20`` s
 
 1. adds its new progress (see :mod:`~trainperf.ddp._progress`) to one shared counter and
    reads the total back: one store round trip (a rank inside ``busy()``, a blocking
-   checkpoint save, adds one each time: it is making progress). ``timeout`` seconds without
+   checkpoint save, adds one beat each time, in the counter's high bits: it is making
+   progress, but the stall the report gives is measured from the last real progress, the
+   low bits; a rank in a collective inside ``busy()`` sends no beat: it waits for the
+   others). ``timeout`` seconds without
    the total changing may be a hang: the rank decides on one snapshot of its own state
    (its slot and one dump of all its threads; :func:`judge`), and a rank that waits for
    another sets the ``hang`` key.
@@ -55,7 +58,15 @@ from trainperf._utils.atomic import write_atomically
 from trainperf._utils.validate import positive_number
 from trainperf.ddp import _hang, _progress
 from trainperf.ddp._detector import rank_view
-from trainperf.ddp._progress import SLOT_SIZE, SlotState, State, Tracker, busy_counts, read_slot
+from trainperf.ddp._progress import (
+    BUSY_CAP,
+    SLOT_SIZE,
+    SlotState,
+    State,
+    Tracker,
+    busy_counts,
+    read_slot,
+)
 from trainperf.ddp._stacks import ThreadStack, classify, compiling_threads, parse_dump
 
 __all__ = ["COLLECT_S", "EXIT_CODE", "Watchdog", "judge", "watchdog"]
@@ -64,6 +75,9 @@ __all__ = ["COLLECT_S", "EXIT_CODE", "Watchdog", "judge", "watchdog"]
 COLLECT_S = 10.0
 # The exit status of every rank after a hang (as coreutils' `timeout` uses).
 EXIT_CODE = 124
+# A beat (busy() below the cap, torch.compile at work) adds this to the shared progress
+# counter: the low bits count real progress, the high bits beats.
+_BEAT = 1 << 32
 
 
 # The watchdog active in this process (at most one: a nested call does nothing), and how
@@ -82,12 +96,15 @@ def judge(
     ended: bool,
     now: float,
     timeout: float,
+    stalled_s: float = 0.0,
 ) -> Decision:
     """What a rank makes of a stall, from one snapshot of itself: its slot and one dump of
     all its threads.
 
     ``"progress"``: it moved since the stall was measured, it is inside ``torch.compile``'s
-    compiler (on any thread), or inside ``busy()`` below the cap. ``"hang"``: it waits (in a
+    compiler (on any thread) and the job has been stalled (``stalled_s``, since the last
+    real progress) for less than ``BUSY_CAP`` times the timeout, or it is inside ``busy()``
+    below the cap and not in a collective there. ``"hang"``: it waits (in a
     collective, or in DDP's ``backward()``), or another rank has ended. ``"wait"``: it is
     busy in its own code, so it waits for nobody: a waiting rank judges.
 
@@ -101,7 +118,9 @@ def judge(
     """
     if slot.progress != seen_progress:
         return "progress"
-    if compiling_threads(threads) or busy_counts(slot, now, timeout):
+    if busy_counts(slot, now, timeout):
+        return "progress"
+    if compiling_threads(threads) and stalled_s < BUSY_CAP * timeout:
         return "progress"
     if slot.state == State.IN_COLLECTIVE or ended:
         return "hang"
@@ -131,6 +150,7 @@ class Watchdog:
         self.limit = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._moved = time.monotonic()  # the last real progress _watch saw
 
     def start(self) -> Watchdog:
         import torch.distributed as dist
@@ -212,15 +232,18 @@ class Watchdog:
 
     def _watch(self) -> dict[str, Any] | None:
         sent = 0
-        total, since = -1, time.monotonic()
+        total, real, since = -1, -1, time.monotonic()
+        self._moved = since  # the last real progress of any rank (not a beat)
         while not self._stop.wait(self.poll_s):
             progress = self.tracker.progress
             # Inside busy() (a blocking checkpoint save) below the cap: a beat of progress,
             # so that the ranks waiting for this one do not call it a hang.
-            beat = int(busy_counts(self._slot(), time.time(), self.limit))
+            beat = _BEAT if busy_counts(self._slot(), time.time(), self.limit) else 0
             now_total = int(self.store.add("progress", progress - sent + beat))
             sent = progress
             now = time.monotonic()
+            if now_total % _BEAT != real:
+                real, self._moved = now_total % _BEAT, now
             if now_total != total:
                 total, since = now_total, now
             elif now - since > self.limit:
@@ -230,9 +253,9 @@ class Watchdog:
                 else:  # progress, or busy in its own code: a waiting rank judges
                     since = now
                     if decision == "progress":
-                        self.store.add("progress", 1)
+                        self.store.add("progress", _BEAT)
             if self.store.check(["hang"]):
-                return self._collect(now - since)
+                return self._collect(now - self._moved)
         return None
 
     def _slot(self) -> SlotState:
@@ -250,6 +273,7 @@ class Watchdog:
             ended=ended,
             now=time.time(),
             timeout=self.limit,
+            stalled_s=time.monotonic() - self._moved,
         )
 
     def _post(self, status: str, dump: str) -> None:
@@ -314,10 +338,13 @@ class Watchdog:
     def _alone(self) -> _hang.HangReport | None:
         """The store failed: watch this rank's own progress; the others count as gone."""
         progress, since = self.tracker.progress, time.monotonic()
+        last = since  # the last real progress (busy() beats reset only the clock)
         while not self._stop.wait(self.poll_s):
-            moved = self.tracker.progress != progress
-            if moved or busy_counts(self._slot(), time.time(), self.limit):
+            if self.tracker.progress != progress:
                 progress, since = self.tracker.progress, time.monotonic()
+                last = since
+            elif busy_counts(self._slot(), time.time(), self.limit):
+                since = time.monotonic()
             elif time.monotonic() - since > self.limit:
                 record = {"status": "running", "slot": bytes(self.buf).hex()}
                 record["dump"] = self._own_dump()
@@ -325,7 +352,7 @@ class Watchdog:
                     _view(r, record) if r == self.rank else _hang.RankView(r, "gone", "running")
                     for r in range(self.world)
                 ]
-                stalled = time.monotonic() - since
+                stalled = time.monotonic() - last
                 verdict = _hang.diagnose(views)
                 return _hang.HangReport(
                     self.limit, stalled, self.world, verdict, tuple(views), option="timeout"
