@@ -289,8 +289,10 @@ def test_a_full_host_and_a_slowed_step_mean_fewer_workers(
     monkeypatch.setattr(adapt, "host_busy", lambda before, after: 1.0)
     # Batches that cost the workers nothing, from workers started once: the loop does not
     # wait for data (a loop that waits keeps its workers: see test_adapt_rules).
+    # Epochs long enough that the workers' start-up waits stay under a tenth of the loop's
+    # time on a loaded host (at 12 batches of 20 ms they came close to it).
     loader = AdaptiveDataLoader(
-        range(48), batch_size=4, num_workers=4, max_workers=4, persistent_workers=True
+        range(96), batch_size=4, num_workers=4, max_workers=4, persistent_workers=True
     )
 
     def epoch(step_s: float) -> None:
@@ -299,9 +301,9 @@ def test_a_full_host_and_a_slowed_step_mean_fewer_workers(
 
     try:
         epoch(0.004)
-        epoch(0.02)
+        epoch(0.03)
         assert loader.tuning_history == []  # full, but the first epoch's step is the fastest
-        epoch(0.02)
+        epoch(0.03)
     finally:
         loader.close()
     (change,) = loader.tuning_history
