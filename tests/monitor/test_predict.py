@@ -6,6 +6,7 @@ give the arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 
@@ -299,6 +300,32 @@ def test_fewer_threads_let_the_workers_keep_up() -> None:
     bounded = threads_fix(slow_workers)  # 18 ms of CPU per worker per step: the bound
     assert bounded is not None and bounded.predicted_speedup == pytest.approx(20 / 18)
     assert threads_fix(cpu_loop(process_cpu=180.0, host_cpu=95.0)) is None  # threads unknown
+
+
+def test_fewer_threads_shrink_the_step_by_what_the_crowding_probe_measured() -> None:
+    # 20 ms steps, 6 ms waiting; the two workers keep 0.6 of a core busy (6 ms of CPU each
+    # per step). The probe found the workload 2x faster with 1 thread than with 16: the
+    # step's own 14 ms becomes 7 ms, which the workers keep up with: 20 -> 7 ms.
+    setup = LoopSetup(torch_threads=16, num_workers=2, fewer_threads=1, fewer_threads_speedup=2.0)
+    f = cpu_loop(process_cpu=180.0, workers_cpu=60.0, host_cpu=95.0, wait_fraction=0.3,
+                 setup=setup)  # fmt: skip
+    fix = threads_fix(f)
+    assert fix is not None and fix.call == "torch.set_num_threads(1)"
+    assert fix.predicted_speedup == pytest.approx(20 / 7)
+    assert fix.basis.startswith("torch runs 16 threads on 2 usable CPUs, 1 core left")
+    assert "runs 2.00x faster, as a parallel torch workload did with 1 threads instead of 16" in (
+        fix.basis
+    )
+    assert fix.basis.endswith("beside 1 busy processes: 20.0 ms -> 7.0 ms per step")
+    # A step the probe found 4x faster (3.5 ms): the workers' 6 ms per step is the bound.
+    fast = dataclasses.replace(setup, fewer_threads_speedup=4.0)
+    bound = threads_fix(dataclasses.replace(f, setup=fast))
+    assert bound is not None and bound.predicted_speedup == pytest.approx(20 / 6)
+    # A probe of another thread count does not apply to this k: the lower bound again.
+    other = dataclasses.replace(setup, fewer_threads=2)
+    lower = threads_fix(dataclasses.replace(f, setup=other))
+    assert lower is not None and lower.basis.startswith("at least:")
+    assert lower.predicted_speedup == pytest.approx(20 / 14)
 
 
 def test_the_hosts_cpus_back_take_the_wait_for_a_cpu_off_the_step() -> None:

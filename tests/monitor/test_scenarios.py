@@ -83,7 +83,11 @@ def test_torch_threads_far_above_the_cpus_beside_busy_workers(bench: ModuleType)
     threads = max(16, 4 * usable_cpus())
     assert report.setup.torch_threads == threads and report.setup.num_workers == 2
     fix = the_fix(report, "torch.set_num_threads(")
-    assert fix.basis.startswith(f"at least: torch runs {threads} threads")
+    assert fix.basis.startswith(f"torch runs {threads} threads"), fix  # the probe ran
+    assert report.setup.fewer_threads_speedup is not None
+    assert f"faster, as a parallel torch workload did with {report.setup.fewer_threads} " in (
+        fix.basis
+    )
 
 
 def test_a_cpu_bound_step_with_an_idle_loader_is_compute_bound(bench: ModuleType) -> None:

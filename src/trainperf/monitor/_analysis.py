@@ -199,20 +199,32 @@ def _shift_reason(shift: Shift, steps: int) -> str:
     )
 
 
+Measure = Callable[[Figures], LoopSetup | None]
+"""Measures more for the predictions, on the judged figures: their setup with the new
+figures in it, or None (nothing to add)."""
+
+
 def _judge(
-    measured: Sequence[StepRecord], samples: Sequence[Sample], first: int, ctx: _Context
-) -> tuple[Verdict, tuple[Verdict, ...], Shift | None]:
+    measured: Sequence[StepRecord],
+    samples: Sequence[Sample],
+    first: int,
+    ctx: _Context,
+    measure: Measure | None = None,
+) -> tuple[Verdict, tuple[Verdict, ...], Shift | None, LoopSetup]:
     """The verdict and findings on the loop as it runs now: the steps since a lasting change
-    in step time (``_shift``), or all of them."""
+    in step time (``_shift``), or all of them; and the setup they were judged with."""
     shift = find_shift([s.duration for s in measured], first)
     judged = measured[shift.step - first :] if shift is not None else measured
     window, window_s = _window(judged, samples)
     figures = _figures(judged, window, window_s, shift.step if shift else first, ctx, shift)
+    setup = measure(figures) if measure is not None else None
+    if setup is not None:
+        figures = dataclasses.replace(figures, setup=setup)
     verdict, findings = _decide(figures)
     if shift is not None:
         reasons = (_shift_reason(shift, len(judged)), *verdict.reasons)
         verdict = dataclasses.replace(verdict, reasons=reasons)
-    return verdict, findings, shift
+    return verdict, findings, shift, figures.setup
 
 
 def analyse(
@@ -229,6 +241,7 @@ def analyse(
     wait_measured: bool = True,
     precision: tuple[str, str] | None = None,
     setup: LoopSetup | None = None,
+    measure: Measure | None = None,
 ) -> WatchReport:
     """Turn a step timeline and background samples into a :class:`WatchReport`.
 
@@ -260,6 +273,9 @@ def analyse(
             compute-bound verdict then does not advise mixed precision. None: none in use.
         setup: what the loop ran with (:class:`LoopSetup`: DataLoader settings, torch
             threads, the GPU), for the predictions; None: nothing known.
+        measure: called with the judged figures before the rules, to measure more for
+            the predictions (the watch's crowding probe); returns their setup with the
+            new figures, or None.
 
     Returns:
         The report: a verdict and "also" findings, each with its fixes and their predicted
@@ -288,7 +304,7 @@ def analyse(
     )
     window, window_s = _window(measured, samples)
     figures = _figures(measured, window, window_s, first, ctx)  # the whole run, for the report
-    verdict, findings, shift = _judge(measured, samples, first, ctx)
+    verdict, findings, shift, judged_setup = _judge(measured, samples, first, ctx, measure)
     kept = dropped_steps + len(timeline)
     memory = [s.gpu_memory_used for s in window if s.gpu_memory_used is not None]
     return WatchReport(
@@ -316,6 +332,6 @@ def analyse(
         samples=tuple(samples),
         dropped_steps=dropped_steps,
         dropped_samples=dropped_samples,
-        setup=ctx.setup,
+        setup=judged_setup,
         regime_start=None if shift is None else shift.step,
     )

@@ -36,9 +36,10 @@ rest ``c = T - w``:
 - **A larger batch** (:func:`batch_fix`, ``tune_batch_size``): doubling it keeps the host's
   time per step and doubles the GPU's: ``min(2, 1 / g)``.
 - **Fewer threads** (:func:`threads_fix`): with torch's threads cut to the cores the
-  workers and other processes leave, the workers keep up: at least ``T / max(c, Lw / n)``
-  (``Lw``: the workers' CPU per step, ``n`` workers); the step's own speed-up is not
-  predicted.
+  workers and other processes leave, the workers keep up and the step's own time shrinks
+  by what the crowding probe measured (``_crowding``), ``s``: ``T / max(c / s, Lw / n)``
+  (``Lw``: the workers' CPU per step, ``n`` workers); without the probe (a GPU step)
+  ``s = 1``, a lower bound.
 - **The host's CPUs back** (:func:`free_cpus_fix`): the step minus the time the loop's
   thread waited for a CPU.
 """
@@ -426,11 +427,12 @@ def gpu_fix(f: Figures) -> Fix:
 def threads_fix(f: Figures) -> Fix | None:
     """``torch.set_num_threads(k)``: the step's threads cut to the cores left to them.
 
-    A lower bound: the workers get the cores the surplus threads took, so the data wait
-    goes where they can keep up (``max(c, what k workers... deliver)``, as in
-    :func:`loader_fix` with the current workers); the step's own time with fewer threads
-    is kept as it is, because crowded threads spend CPU spinning and waiting for each other
-    in ways the figures cannot tell from work, and it can be much shorter.
+    The workers get the cores the surplus threads took, so the data wait goes where they
+    can keep up (``max(c', what the workers deliver)``, as in :func:`loader_fix` with the
+    current workers). The step's own time ``c`` becomes ``c' = c / s``, ``s`` what the
+    crowding probe measured (``_crowding``: a parallel torch workload with ``k`` threads
+    against the loop's count, beside processes as busy as the workers); without that
+    figure (a GPU step, or not measured) ``c`` is kept, and the prediction is a lower bound.
     """
     threads = f.setup.torch_threads
     if not oversubscribed(f) or threads is None:
@@ -439,14 +441,25 @@ def threads_fix(f: Figures) -> Fix | None:
     step, work = mean_step_s(f), compute_s(f)
     workers = max(1, f.setup.num_workers or 0)
     feed = (worker_cores(f) * step) / workers  # the workers' CPU per step, each on a core
-    after = min(step, max(work, feed))
-    basis = (
-        f"at least: torch runs {threads} threads on {f.cpus} usable CPUs, {_cores(k)} left "
-        f"once the workers ({worker_cores(f):.1f} cores) and other processes "
-        f"({others_cores(f):.1f}) have theirs; with {k} the workers keep up and the "
-        f"{_ms(wait_s(f))} data wait goes, the step's own {_ms(work)} kept (fewer threads "
-        f"stop crowding it too, not predicted): {_ms(step)} -> {_ms(after)} per step"
+    probed = f.setup.fewer_threads_speedup if f.setup.fewer_threads == k else None
+    fewer = work if probed is None else work / max(probed, 1e-9)
+    after = min(step, max(fewer, feed))
+    lead = (
+        f"torch runs {threads} threads on {f.cpus} usable CPUs, {_cores(k)} left once the "
+        f"workers ({worker_cores(f):.1f} cores) and other processes ({others_cores(f):.1f}) "
+        f"have theirs; with {k} the workers keep up and the {_ms(wait_s(f))} data wait goes"
     )
+    if probed is None:
+        basis = (
+            f"at least: {lead}, the step's own {_ms(work)} kept (fewer threads stop crowding "
+            f"it too, not predicted): {_ms(step)} -> {_ms(after)} per step"
+        )
+    else:
+        basis = (
+            f"{lead}, and the step's own {_ms(work)} runs {probed:.2f}x faster, as a parallel "
+            f"torch workload did with {k} threads instead of {threads} beside "
+            f"{round(worker_cores(f))} busy processes: {_ms(step)} -> {_ms(after)} per step"
+        )
     return Fix("host-bound", f"torch.set_num_threads({k})", _speedup(step, after), basis)
 
 

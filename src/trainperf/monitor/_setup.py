@@ -45,6 +45,11 @@ class LoopSetup:
             when the loop loads in its own thread (``_handover``); None otherwise.
         handover_produce_s: the extra CPU seconds a worker would spend on one batch
             (collating into shared memory, pickling), from the same probe.
+        fewer_threads: the torch threads the usable CPUs hold beside the workers, where the
+            loop's threads crowd them on the CPU (``_crowding``); None otherwise.
+        fewer_threads_speedup: how much faster a parallel torch workload ran with
+            ``fewer_threads`` threads than with ``torch_threads``, beside processes as busy
+            as the workers (measured once, when the report is made); None otherwise.
 
     Example:
         >>> LoopSetup(num_workers=0, torch_threads=4).to_dict()["num_workers"]
@@ -66,6 +71,8 @@ class LoopSetup:
     batches_per_step: float | None = None
     handover_receive_s: float | None = None
     handover_produce_s: float | None = None
+    fewer_threads: int | None = None
+    fewer_threads_speedup: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name, JSON-safe (the capability as a list)."""

@@ -32,6 +32,7 @@ hours at ten a second); older ones are dropped, the report counts them
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 import time
@@ -47,6 +48,7 @@ import torch
 from trainperf._utils.validate import non_negative_int, positive_int, positive_number
 from trainperf.device import resolve_device
 from trainperf.monitor._analysis import analyse
+from trainperf.monitor._crowding import with_crowding
 from trainperf.monitor._figures import SAWTOOTH_WAIT
 from trainperf.monitor._handover import batch_layout, measure_handover
 from trainperf.monitor._probe import CpuClock, batch_size, loader_facts, loop_setup
@@ -466,6 +468,7 @@ class Watch:
             wait_measured=self._iterated,
             precision=_precision_in_use(),
             setup=loop_setup(self._loader, cuda_index, **self._measured(timeline, samples)),
+            measure=functools.partial(with_crowding, probe=self._state != "running"),
         )
         return dataclasses.replace(report, loader_changes=self._loader_changes())
 

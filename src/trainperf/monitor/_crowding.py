@@ -1,0 +1,178 @@
+"""What fewer torch threads would gain a CPU step on a crowded host: measured.
+
+When torch runs more intra-op threads than the CPUs hold beside the DataLoader workers, the
+threads wait for each other at every parallel region: the last one to get a CPU decides.
+How much a step loses that way depends on the host, the BLAS and the OpenMP runtime's
+spinning, none of which the watch's CPU figures can tell from work. So the prediction for
+``torch.set_num_threads(k)`` measures it: :func:`measure_crowding` runs a small parallel
+torch workload (a 256 x 256 matrix product and an element-wise pass over 256 K floats)
+with the loop's thread count and with ``k``, in alternating windows, while ``busy`` forked
+processes spin as the workers did, once, when the report is made (well under a second),
+and remembers it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from trainperf.monitor._figures import Figures, oversubscribed, threads_that_fit, worker_cores
+from trainperf.monitor._setup import LoopSetup
+
+__all__ = ["Crowding", "measure_crowding", "with_crowding"]
+
+_ROUNDS = 4  # alternating rounds, the order reversed every other one
+_WINDOW_S = 0.05  # each window runs the workload at least this long
+_MAX_S = 1.0  # the whole probe stops after this long with two rounds
+_SPIN_LIMIT_S = 5.0  # a spinner ends itself after this long, whatever its parent does
+_CACHE: dict[tuple[int, int, int], Crowding | None] = {}
+
+
+@dataclass(frozen=True)
+class Crowding:
+    """The workload's speed with ``fit`` torch threads over its speed with ``threads``.
+
+    Attributes:
+        threads: the loop's torch threads.
+        fit: the threads the CPUs hold beside the workers.
+        busy: spinning processes standing in for the workers.
+        speedup: the median over the rounds of the ``fit`` windows' rate over the
+            ``threads`` windows' rate.
+        rounds: rounds measured.
+    """
+
+    threads: int
+    fit: int
+    busy: int
+    speedup: float
+    rounds: int
+
+
+def _workload() -> object:
+    a = torch.randn(256, 256)
+    v = torch.randn(256 * 1024)
+
+    def run() -> None:
+        a @ a
+        torch.tanh(v)
+
+    return run
+
+
+def _window(run: object, threads: int) -> float:
+    """Runs of the workload per second with ``threads`` torch threads."""
+    torch.set_num_threads(threads)
+    run()  # type: ignore[operator]  # the thread pool resized: not timed
+    n, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < _WINDOW_S or n < 2:
+        run()  # type: ignore[operator]
+        n += 1
+    return n / elapsed
+
+
+def _spin() -> None:  # pragma: no cover - runs in a forked child
+    """A forked child's loop: burn a CPU until killed, or for at most ``_SPIN_LIMIT_S``."""
+    end = time.monotonic() + _SPIN_LIMIT_S
+    while time.monotonic() < end:
+        pass
+    os._exit(0)
+
+
+def _spinners(count: int) -> list[int]:
+    pids = []
+    for _ in range(count):
+        with warnings.catch_warnings():  # 3.12+ warns of fork in a threaded process; the
+            warnings.simplefilter("ignore", DeprecationWarning)  # child takes no lock
+            pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            _spin()
+        pids.append(pid)
+    return pids
+
+
+def _reap(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def _probe(threads: int, fit: int, busy: int) -> Crowding:
+    run = _workload()
+    before = torch.get_num_threads()
+    pids = _spinners(busy)
+    ratios: list[float] = []
+    try:
+        start = time.perf_counter()
+        for r in range(_ROUNDS):
+            order = (threads, fit) if r % 2 == 0 else (fit, threads)
+            rates = {n: _window(run, n) for n in order}
+            ratios.append(rates[fit] / rates[threads])
+            if r >= 1 and time.perf_counter() - start > _MAX_S:
+                break
+    finally:
+        _reap(pids)
+        torch.set_num_threads(before)
+    return Crowding(threads, fit, busy, statistics.median(ratios), len(ratios))
+
+
+def measure_crowding(threads: int, fit: int, busy: int, *, probe: bool = True) -> Crowding | None:
+    """How much faster a parallel torch workload runs with ``fit`` threads than with
+    ``threads`` beside ``busy`` processes that each keep a CPU busy; None where it cannot
+    be measured (no ``fork``, a daemonic process, ``fit >= threads``). Measured once per
+    process for each ``(threads, fit, busy)``, in well under a second, then remembered;
+    ``probe=False`` only looks it up.
+
+    Example:
+        >>> c = measure_crowding(4, 1, 0)
+        >>> c is None or (c.speedup > 0 and c.rounds >= 2)
+        True
+    """
+    if fit >= threads or fit < 1 or busy < 0 or not _can_fork():
+        return None
+    key = (threads, fit, busy)
+    if key not in _CACHE and not probe:
+        return None
+    if key not in _CACHE:
+        try:
+            _CACHE[key] = _probe(threads, fit, busy)
+        except OSError:  # fork refused (a process limit): not measured
+            _CACHE[key] = None
+    return _CACHE[key]
+
+
+def _can_fork() -> bool:
+    """Children can be forked here: ``os.fork`` exists and this is not a daemonic process
+    (which may not have children)."""
+    import multiprocessing
+
+    return hasattr(os, "fork") and not multiprocessing.current_process().daemon
+
+
+def with_crowding(f: Figures, *, probe: bool = True) -> LoopSetup | None:
+    """``f``'s setup with :func:`measure_crowding`'s figure for a loop whose torch threads
+    crowd the CPUs on the CPU (:func:`~trainperf.monitor._figures.oversubscribed`, no
+    CUDA: a GPU step's host threads mostly launch kernels), the workers' cores standing
+    in as spinning processes; None where that does not apply or was not measured."""
+    threads = f.setup.torch_threads
+    if f.cuda_used or threads is None or not oversubscribed(f):
+        return None
+    fit = threads_that_fit(f)
+    crowding = measure_crowding(threads, fit, round(worker_cores(f)), probe=probe)
+    if crowding is None:
+        return None
+    return dataclasses.replace(
+        f.setup, fewer_threads=fit, fewer_threads_speedup=round(crowding.speedup, 4)
+    )

@@ -1,0 +1,92 @@
+"""The crowding probe (``monitor/_crowding.py``): what fewer torch threads gain, measured."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from tests.monitor._fakes import cpu_loop
+from trainperf.monitor import _crowding
+from trainperf.monitor._crowding import Crowding, measure_crowding, with_crowding
+from trainperf.monitor._setup import LoopSetup
+
+
+def _children() -> set[int]:
+    """This process's children, from every thread's ``/proc`` entry."""
+    out: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            out.update(int(p) for p in f.read().split())
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_crowding, "_CACHE", {})
+
+
+def test_the_probe_measures_both_counts_beside_spinners_and_leaves_no_child() -> None:
+    before_threads, before_children = torch.get_num_threads(), _children()
+    c = measure_crowding(8, 1, 2)
+    assert c is not None and (c.threads, c.fit, c.busy) == (8, 1, 2)
+    assert c.rounds >= 2 and c.speedup > 0
+    assert torch.get_num_threads() == before_threads
+    assert _children() <= before_children  # the spinners were killed and reaped
+
+
+def test_the_probe_is_remembered_and_only_looked_up_without_probe() -> None:
+    assert measure_crowding(4, 1, 0, probe=False) is None  # never measured
+    first = measure_crowding(4, 1, 0)
+    assert first is not None and measure_crowding(4, 1, 0, probe=False) is first
+    assert measure_crowding(4, 1, 0) is first
+
+
+@pytest.mark.parametrize("threads, fit, busy", [(2, 2, 0), (2, 3, 0), (4, 0, 0), (4, 1, -1)])
+def test_nothing_to_measure_without_surplus_threads(threads: int, fit: int, busy: int) -> None:
+    assert measure_crowding(threads, fit, busy) is None
+
+
+def test_a_process_that_may_not_fork_is_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_crowding, "_can_fork", lambda: False)
+    assert measure_crowding(4, 1, 0) is None
+
+
+def test_a_refused_fork_is_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse() -> int:
+        raise BlockingIOError("Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", refuse)
+    assert measure_crowding(4, 1, 1) is None
+
+
+def _crowded(**changes: object) -> object:
+    setup = LoopSetup(torch_threads=16, num_workers=2)
+    loop = {"process_cpu": 180.0, "workers_cpu": 120.0, "host_cpu": 95.0, "setup": setup}
+    return cpu_loop(**{**loop, **changes})
+
+
+def test_a_crowded_cpu_loop_gets_the_probe_of_its_thread_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = []
+
+    def fake(threads: int, fit: int, busy: int, *, probe: bool = True) -> Crowding:
+        calls.append((threads, fit, busy, probe))
+        return Crowding(threads, fit, busy, 1.73456, 4)
+
+    monkeypatch.setattr(_crowding, "measure_crowding", fake)
+    setup = with_crowding(_crowded(), probe=False)  # type: ignore[arg-type]
+    assert calls == [(16, 1, 1, False)]  # 1.2 worker cores: one spinner; 1 thread fits
+    assert setup is not None and setup.torch_threads == 16
+    assert (setup.fewer_threads, setup.fewer_threads_speedup) == (1, 1.7346)
+
+
+def test_no_probe_for_a_gpu_loop_or_threads_that_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_crowding, "measure_crowding", pytest.fail)
+    crowded = _crowded()
+    assert with_crowding(dataclasses.replace(crowded, cuda_used=True)) is None  # type: ignore
+    assert with_crowding(_crowded(setup=LoopSetup(torch_threads=1, num_workers=2))) is None  # type: ignore
+    assert with_crowding(_crowded(setup=LoopSetup(num_workers=2))) is None  # type: ignore
