@@ -13,6 +13,7 @@ and remembers it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -99,14 +100,10 @@ def _spinners(count: int) -> list[int]:
 
 def _reap(pids: list[int]) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
+        with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass
 
 
 def _probe(threads: int, fit: int, busy: int) -> Crowding:
