@@ -25,7 +25,7 @@ CPU scenarios (``--device cpu``, the default):
     jpeg-main         PIL decode of in-memory 128x128 JPEGs in the main process, 4 ms step
                       -> trainperf.autotune_loader
     sync-save         a 10 ms step (the host waiting for a GPU) and a blocking torch.save of
-                      a 64 MB state every 10 steps -> a non-blocking save (the state copied
+                      a 32 MB state every 10 steps -> a non-blocking save (the state copied
                       to host memory, written by a thread: what
                       Checkpointer.save(blocking=False) does)
     oversubscription  torch.set_num_threads(16), or four per usable CPU where that is more,
@@ -319,7 +319,7 @@ class AsyncSaver:
 
 def sync_save(scale: float, budget: float) -> Scenario:
     steps = max(WARMUP + 40, int(60 * scale))  # at least four saves measured: a period
-    state = {f"w{i}": torch.randn(1024, 1024) for i in range(16)}  # 64 MB: 4x the step or more
+    state = {f"w{i}": torch.randn(1024, 1024) for i in range(8)}  # 32 MB: 2.5-10x the step
     batches = [torch.zeros(8, 4)] * (steps + 1)
     folder = Path(tempfile.mkdtemp(prefix="whatif-save-"))
 

@@ -263,6 +263,27 @@ def test_mixed_precision_gains_nothing_where_it_keeps_fp32() -> None:
     assert precision_fix(figures(precision=("bf16", "auto"))) is None  # already lower
 
 
+def test_bf16_on_a_cpu_speeds_up_the_share_not_waiting_by_what_the_probe_measured() -> None:
+    # 20 ms steps, 4 ms waiting: the 80 % computing runs 1.6x faster: 1 / (0.2 + 0.8 / 1.6).
+    setup = LoopSetup(cpu_native_bf16=True, cpu_bf16_speedup=1.6)
+    fix = precision_fix(cpu_loop(wait_fraction=0.2, setup=setup))
+    assert fix is not None and fix.call == "trainperf.MixedPrecision()"
+    assert fix.predicted_speedup == pytest.approx(1 / 0.7)
+    assert fix.basis == (
+        "a small MLP training step ran 1.60x faster under bf16 autocast than in fp32 on this "
+        "CPU (measured by a probe), on the 80% of step time not spent waiting for data"
+    )
+    # A probe that found bf16 no faster: no gain, the measurement named.
+    slower = LoopSetup(cpu_native_bf16=True, cpu_bf16_speedup=0.9)
+    none = precision_fix(cpu_loop(wait_fraction=0.2, setup=slower))
+    assert none is not None and none.predicted_speedup == 1.0
+    assert none.basis.endswith("on this CPU (0.90x, measured by a probe): no gain")
+    # A CPU without native bf16 keeps fp32 whatever a figure says.
+    plain = LoopSetup(cpu_native_bf16=False, cpu_bf16_speedup=1.6)
+    kept = precision_fix(cpu_loop(setup=plain))
+    assert kept is not None and kept.predicted_speedup == 1.0
+
+
 def test_a_larger_batch_fills_a_gpu_the_host_keeps_waiting() -> None:
     starved = batch_fix(figures(gpu_span=0.4))
     assert starved is not None and starved.predicted_speedup == 2.0  # doubled, capped at 2

@@ -32,7 +32,9 @@ rest ``c = T - w``:
   likely the loop's own cadence, such as gradient accumulation, than a save).
 - **Lower precision** (:func:`precision_fix`, ``MixedPrecision``): on a GPU the reference
   table's fp16/fp32 throughput ratio ``r`` for this GPU (or its tensor-core GPUs' median)
-  on the share ``g`` of the step the GPU is busy: ``1 / ((1 - g) + g / r)``.
+  on the share ``g`` of the step the GPU is busy: ``1 / ((1 - g) + g / r)``; on a CPU with
+  native bf16, ``r`` is what a small MLP training step gained under bf16 autocast
+  (``_cpu_bf16``) and ``g`` the share of the step not spent waiting for data.
 - **A larger batch** (:func:`batch_fix`, ``tune_batch_size``): doubling it keeps the host's
   time per step and doubles the GPU's: ``min(2, 1 / g)``.
 - **Fewer threads** (:func:`threads_fix`): with torch's threads cut to the cores the
@@ -378,6 +380,21 @@ def precision_fix(f: Figures) -> Fix | None:
         basis = f"MixedPrecision is in use and chose fp32 ({f.precision[1]}): no lower precision"
         return Fix("compute-bound", PRECISION_CALL, 1.0, basis)
     if not f.cuda_used:
+        gain = f.setup.cpu_bf16_speedup
+        if f.setup.cpu_native_bf16 and gain is not None:
+            if gain <= 1.0:
+                basis = (
+                    f"a small MLP training step ran no faster under bf16 autocast than in "
+                    f"fp32 on this CPU ({gain:.2f}x, measured by a probe): no gain"
+                )
+                return Fix("compute-bound", PRECISION_CALL, 1.0, basis)
+            g = compute_s(f) / mean_step_s(f) if mean_step_s(f) > 0 else 1.0
+            basis = (
+                f"a small MLP training step ran {gain:.2f}x faster under bf16 autocast than "
+                f"in fp32 on this CPU (measured by a probe), on the {g:.0%} of step time "
+                "not spent waiting for data"
+            )
+            return Fix("compute-bound", PRECISION_CALL, 1 / ((1 - g) + g / gain), basis)
         if f.setup.cpu_native_bf16:
             basis = (
                 f"{NOT_PREDICTED}: bf16 on this CPU is not in the reference table; "

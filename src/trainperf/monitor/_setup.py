@@ -50,6 +50,9 @@ class LoopSetup:
         fewer_threads_speedup: how much faster a parallel torch workload ran with
             ``fewer_threads`` threads than with ``torch_threads``, beside processes as busy
             as the workers (measured once, when the report is made); None otherwise.
+        cpu_bf16_speedup: how much faster a small MLP training step ran under bf16
+            autocast than in fp32 on this CPU (``_cpu_bf16``), for a CPU loop without
+            MixedPrecision on a CPU with native bf16; None otherwise.
 
     Example:
         >>> LoopSetup(num_workers=0, torch_threads=4).to_dict()["num_workers"]
@@ -73,6 +76,7 @@ class LoopSetup:
     handover_produce_s: float | None = None
     fewer_threads: int | None = None
     fewer_threads_speedup: float | None = None
+    cpu_bf16_speedup: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name, JSON-safe (the capability as a list)."""

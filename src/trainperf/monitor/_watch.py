@@ -48,8 +48,10 @@ import torch
 from trainperf._utils.validate import non_negative_int, positive_int, positive_number
 from trainperf.device import resolve_device
 from trainperf.monitor._analysis import analyse
+from trainperf.monitor._cpu_bf16 import with_cpu_bf16
 from trainperf.monitor._crowding import with_crowding
-from trainperf.monitor._figures import SAWTOOTH_WAIT
+from trainperf.monitor._figures import SAWTOOTH_WAIT, Figures
+from trainperf.monitor._setup import LoopSetup
 from trainperf.monitor._handover import batch_layout, measure_handover
 from trainperf.monitor._probe import CpuClock, batch_size, loader_facts, loop_setup
 from trainperf.monitor._probe import precision_in_use as _precision_in_use
@@ -468,7 +470,7 @@ class Watch:
             wait_measured=self._iterated,
             precision=_precision_in_use(),
             setup=loop_setup(self._loader, cuda_index, **self._measured(timeline, samples)),
-            measure=functools.partial(with_crowding, probe=self._state != "running"),
+            measure=functools.partial(_probed, probe=self._state != "running"),
         )
         return dataclasses.replace(report, loader_changes=self._loader_changes())
 
@@ -540,6 +542,20 @@ class Watch:
             )
             previous = end
         return first, timeline
+
+
+def _probed(f: Figures, *, probe: bool) -> LoopSetup | None:
+    """The judged figures' setup with what the predictions' probes measured (the crowding
+    of torch's threads, bf16 on a CPU), or None where none applies. ``probe=False`` (a
+    report made inside the loop) only uses earlier measurements: a probe's second would
+    land in the loop's step."""
+    setup = None
+    for measure in (with_crowding, with_cpu_bf16):
+        found = measure(f, probe=probe)
+        if found is not None:
+            setup = found
+            f = dataclasses.replace(f, setup=found)
+    return setup
 
 
 def watch(
