@@ -45,7 +45,7 @@ def _step() -> Callable[[bool], None]:
     def step(bf16: bool) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         opt.zero_grad(set_to_none=True)
 

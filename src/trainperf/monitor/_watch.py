@@ -51,13 +51,13 @@ from trainperf.monitor._analysis import analyse
 from trainperf.monitor._cpu_bf16 import with_cpu_bf16
 from trainperf.monitor._crowding import with_crowding
 from trainperf.monitor._figures import SAWTOOTH_WAIT, Figures
-from trainperf.monitor._setup import LoopSetup
 from trainperf.monitor._handover import batch_layout, measure_handover
 from trainperf.monitor._probe import CpuClock, batch_size, loader_facts, loop_setup
 from trainperf.monitor._probe import precision_in_use as _precision_in_use
 from trainperf.monitor._probe import rank_cpus as _rank_cpus
 from trainperf.monitor._report import LoaderChange, Sample, StepRecord, WatchReport
 from trainperf.monitor._sampler import MAX_RECORDS, _Sampler
+from trainperf.monitor._setup import LoopSetup
 
 __all__ = ["Watch", "watch"]
 
