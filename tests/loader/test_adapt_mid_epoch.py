@@ -9,6 +9,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,12 +42,14 @@ class Indices(Dataset[int]):
 _CYCLE = [(2, 2), (0, None), (3, 1), (1, 3), (0, None), (2, 1)]
 
 
-def _force_changes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Check after every batch and change the setting at every check; returns the list the
-    checks' worker counts are appended to."""
+def _force_changes(
+    monkeypatch: pytest.MonkeyPatch, cycle: list[tuple[int, int | None]] = _CYCLE
+) -> list[int]:
+    """Check after every batch and change the setting at every check (to each of ``cycle``
+    in turn); returns the list the checks' worker counts are appended to."""
     monkeypatch.setattr(adapt, "_CHECK_EVERY_S", 0.0)
     monkeypatch.setattr(adapt, "_CHECK_BATCHES", 0)
-    settings: Iterator[tuple[int, int | None]] = itertools.cycle(_CYCLE)
+    settings: Iterator[tuple[int, int | None]] = itertools.cycle(cycle)
     seen: list[int] = []
 
     def decide(f: EpochFigures, **kw: Any) -> Change | None:
@@ -336,6 +339,97 @@ def test_a_batch_that_failed_to_load_is_not_replayed_by_a_later_pool(
     assert got == expected
     after = [c for c in loader.tuning_history if c.epoch_batch > 4]
     assert after  # pools changed after the error, mid-epoch
+
+
+class SlowOnce(Dataset[int]):
+    """Sample 9's first read takes longer than the loader's ``timeout``; later reads (by
+    any worker: a marker file says so) are quick."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, i: int) -> int:
+        if i == 9 and not self.marker.exists():
+            time.sleep(1.5)  # a worker stopped meanwhile (a pool change) leaves no marker
+            self.marker.touch()
+        return i
+
+
+def _retrying_timeouts(loader: Any) -> list[int | str]:
+    out: list[int | str] = []
+    it = iter(loader)
+    while True:
+        try:
+            out += [int(x) for x in next(it)]
+        except StopIteration:
+            return out
+        except RuntimeError as e:
+            assert "timed out" in str(e)
+            out.append("TIMEOUT")
+
+
+def _changes_after_batch_eight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No change until the loop has batch 8, then one at every check: the first pool reads
+    batch 4 and the loop waits for it (a change would shut that pool down, and a worker
+    being shut down finishes its sample first)."""
+    monkeypatch.setattr(adapt, "_CHECK_EVERY_S", 0.0)
+    monkeypatch.setattr(adapt, "_CHECK_BATCHES", 0)
+    settings: Iterator[tuple[int, int | None]] = itertools.cycle([(2, 2), (3, 1), (1, 3)])
+
+    def decide(f: EpochFigures, **kw: Any) -> Change | None:
+        if _WATCHED[0]._yielded < 9:
+            return None
+        n, pf = next(settings)
+        return Change(n, pf, "input-bound", "forced")
+
+    monkeypatch.setattr(adapt, "decide", decide)
+
+
+_WATCHED: list[AdaptiveDataLoader] = []  # the loader _changes_after_batch_eight reads
+
+
+def _timeouts(tmp_path: Path, name: str) -> tuple[list[int | str], AdaptiveDataLoader]:
+    loader = AdaptiveDataLoader(SlowOnce(tmp_path / name), batch_size=2, num_workers=2, timeout=0.5)
+    _WATCHED[:] = [loader]
+    try:
+        return _retrying_timeouts(loader), loader
+    finally:
+        loader.close()
+
+
+@pytest.mark.slow  # waits for timeouts, worker pools started at most batches
+def test_a_batch_that_timed_out_is_delivered_once_when_the_loop_retries(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A timeout uses no batch up (the DataLoader waits for the same one on the next call):
+    # counting each as used made the next pool skip as many batches.
+    plain = DataLoader(SlowOnce(tmp_path / "plain"), batch_size=2, num_workers=2, timeout=0.5)
+    try:
+        expected = _retrying_timeouts(plain)
+    finally:
+        _close(plain)
+    assert expected[8] == "TIMEOUT" and [x for x in expected if x != "TIMEOUT"] == list(range(30))
+    _changes_after_batch_eight(monkeypatch)
+    got, loader = _timeouts(tmp_path, "adaptive")
+    assert got[8] == "TIMEOUT"  # 1.5 s against a 0.5 s timeout: one or more
+    assert [x for x in got if x != "TIMEOUT"] == list(range(30))  # was: 14-17 skipped
+    assert [c for c in loader.tuning_history if c.epoch_batch > 5]  # changes after it
+
+
+@pytest.mark.slow  # worker pools started at most batches
+def test_a_loader_with_a_timeout_can_go_down_to_no_workers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # DataLoader refuses a timeout without workers (an AssertionError at the next batch):
+    # the adaptive loader sets it aside while none run, and back once they do.
+    _force_changes(monkeypatch)  # 0 workers among the settings
+    got, loader = _timeouts(tmp_path, "adaptive")
+    assert [x for x in got if x != "TIMEOUT"] == list(range(30))
+    assert any(c.new[0] == 0 for c in loader.tuning_history)
+    assert loader.timeout == (0 if loader.num_workers == 0 else 0.5)
 
 
 class Augmented(Dataset[tuple[int, float]]):

@@ -106,7 +106,10 @@ class _TimedIter:
         except StopIteration:
             self.loader._epoch_ended(self)
             raise
-        except Exception:
+        except Exception as e:
+            if _timed_out(e):  # the DataLoader waits for the same batch on the next call
+                self.returned, self.returned_cpu = time.perf_counter(), time.process_time()
+                raise
             # A batch that failed to load (a corrupt sample the loop catches and goes on):
             # the DataLoader used it up, so a pool started later must not replay it.
             self._count()
@@ -149,6 +152,16 @@ class _TimedIter:
             cpus=usable_cpus(local_world_size(), limits=limits),
             memory_available=limits.memory_available,
         )
+
+
+def _timed_out(e: Exception) -> bool:
+    """``e`` is the DataLoader's ``timeout`` expiring: no batch was used up by it.
+
+    Example:
+        >>> _timed_out(RuntimeError("DataLoader timed out after 5 seconds"))
+        True
+    """
+    return isinstance(e, RuntimeError) and str(e).startswith("DataLoader timed out after")
 
 
 def _rank_limits() -> HostLimits:
@@ -253,6 +266,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         self._before: EpochFigures | None = None  # what led to the last input-bound increase
         self._ceiling: int | None = None  # workers beyond which more did not pay
         self._fastest_step = float("inf")
+        self._timeout_kept = 0.0  # the ``timeout`` set aside while no workers run
         # A persistent pool draws from the generator once, when it starts: a pool rebuilt
         # later must not draw again, or the order would differ from the fixed loader's.
         self._draws_once = bool(self.persistent_workers and self.num_workers > 0)
@@ -393,6 +407,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         old = (self.num_workers, self.prefetch_factor if self.num_workers else None)
         self._shut_down_pool()
         self.num_workers = change.num_workers
+        self._fit_timeout()
         if change.num_workers > 0:
             self.prefetch_factor = change.prefetch_factor or 2
             if self._keep_workers and not self.persistent_workers:
@@ -414,6 +429,14 @@ class AdaptiveDataLoader(TunedDataLoader):
         )
         self.tuning_history.append(record)
         logger.info("loader retuned: %s", record)
+
+    def _fit_timeout(self) -> None:
+        """A ``timeout`` waits for workers: set aside while none run (DataLoader refuses one
+        without workers), back when they do."""
+        if self.num_workers == 0 and self.timeout:
+            self._timeout_kept, self.timeout = self.timeout, 0
+        elif self.num_workers > 0 and self._timeout_kept:
+            self.timeout, self._timeout_kept = self._timeout_kept, 0.0
 
     def _release(self, timed: _TimedIter) -> None:
         """Stop a finished or abandoned (``break``) epoch's own workers before a new pool
