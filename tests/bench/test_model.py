@@ -203,7 +203,9 @@ def test_bench_model_notes_why_it_gives_no_warning_or_no_comparison(fake_a100: N
     resized = bench_model("resnet50", "fp32", batch_size=2, **{**AT_224, "image_size": 64})
     assert resized.comparison is None and any("at 224px" in n for n in resized.notes)
     cpu = bench_model("resnet50", "fp32", batch_size=2, compare=False, **AT_224)
-    assert cpu.comparison is None and cpu.notes == ()
+    assert cpu.comparison is None
+    # Nothing to note but, on a host other jobs keep busy, that it was (doctor's load check).
+    assert [n for n in cpu.notes if not n.startswith("the host was busy while measuring")] == []
 
 
 def test_bench_model_without_torchvision_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
