@@ -62,6 +62,23 @@ def test_a_refused_fork_is_not_measured(monkeypatch: pytest.MonkeyPatch) -> None
     assert measure_crowding(4, 1, 1) is None
 
 
+def test_a_fork_refused_part_way_reaps_the_spinners_before_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real_fork, forks, before = os.fork, [], _children()
+
+    def second_refused() -> int:
+        if forks:
+            raise BlockingIOError("Resource temporarily unavailable")
+        pid = real_fork()
+        forks.append(pid)
+        return pid
+
+    monkeypatch.setattr(os, "fork", second_refused)
+    assert measure_crowding(4, 1, 2) is None
+    assert len(forks) == 1 and forks[0] not in _children() and _children() <= before
+
+
 def _crowded(**changes: object) -> object:
     setup = LoopSetup(torch_threads=16, num_workers=2)
     loop = {"process_cpu": 180.0, "workers_cpu": 120.0, "host_cpu": 95.0, "setup": setup}

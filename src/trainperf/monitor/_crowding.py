@@ -87,8 +87,9 @@ def _spin() -> None:  # pragma: no cover - runs in a forked child
     os._exit(0)
 
 
-def _spinners(count: int) -> list[int]:
-    pids = []
+def _spinners(count: int, pids: list[int]) -> None:
+    """Fork ``count`` spinners, each pid appended to ``pids`` as soon as it exists (a fork
+    that fails part-way leaves the ones before it in ``pids``, to be reaped)."""
     for _ in range(count):
         with warnings.catch_warnings():  # 3.12+ warns of fork in a threaded process; the
             warnings.simplefilter("ignore", DeprecationWarning)  # child takes no lock
@@ -96,7 +97,6 @@ def _spinners(count: int) -> list[int]:
         if pid == 0:  # pragma: no cover - the child
             _spin()
         pids.append(pid)
-    return pids
 
 
 def _reap(pids: list[int]) -> None:
@@ -110,9 +110,10 @@ def _reap(pids: list[int]) -> None:
 def _probe(threads: int, fit: int, busy: int) -> Crowding:
     run = _workload()
     before = torch.get_num_threads()
-    pids = _spinners(busy)
+    pids: list[int] = []
     ratios: list[float] = []
     try:
+        _spinners(busy, pids)
         start = time.perf_counter()
         for r in range(_ROUNDS):
             order = (threads, fit) if r % 2 == 0 else (fit, threads)
