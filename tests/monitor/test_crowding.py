@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -34,7 +36,7 @@ def test_the_probe_measures_both_counts_beside_spinners_and_leaves_no_child() ->
     assert c is not None and (c.threads, c.fit, c.busy) == (8, 1, 2)
     assert c.rounds >= 2 and c.speedup > 0
     assert torch.get_num_threads() == before_threads
-    assert _children() <= before_children  # the spinners were killed and reaped
+    assert _children() <= before_children  # the spinners were killed and waited for
 
 
 def test_the_probe_is_remembered_and_only_looked_up_without_probe() -> None:
@@ -49,34 +51,46 @@ def test_nothing_to_measure_without_surplus_threads(threads: int, fit: int, busy
     assert measure_crowding(threads, fit, busy) is None
 
 
-def test_a_process_that_may_not_fork_is_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_crowding, "_can_fork", lambda: False)
-    assert measure_crowding(4, 1, 0) is None
-
-
-def test_a_refused_fork_is_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse() -> int:
+def test_a_refused_spinner_is_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
         raise BlockingIOError("Resource temporarily unavailable")
 
-    monkeypatch.setattr(os, "fork", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
     assert measure_crowding(4, 1, 1) is None
 
 
-def test_a_fork_refused_part_way_reaps_the_spinners_before_it(
+def test_a_spinner_refused_part_way_stops_the_ones_before_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real_fork, forks, before = os.fork, [], _children()
+    real, started, before = subprocess.Popen, [], _children()
 
-    def second_refused() -> int:
-        if forks:
+    def second_refused(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        if started:
             raise BlockingIOError("Resource temporarily unavailable")
-        pid = real_fork()
-        forks.append(pid)
-        return pid
+        p = real(*args, **kwargs)  # type: ignore[call-overload]
+        started.append(p)
+        return p
 
-    monkeypatch.setattr(os, "fork", second_refused)
+    monkeypatch.setattr(subprocess, "Popen", second_refused)
     assert measure_crowding(4, 1, 2) is None
-    assert len(forks) == 1 and forks[0] not in _children() and _children() <= before
+    assert len(started) == 1 and started[0].returncode is not None  # killed and waited for
+    assert _children() <= before
+
+
+def test_the_spinners_are_fresh_interpreters_not_forks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A forked spinner would share the loop's signal handlers and stack: a Ctrl-C would run
+    # the loop's own except blocks in it.
+    monkeypatch.setattr(os, "fork", pytest.fail)
+    commands: list[object] = []
+    real = subprocess.Popen
+
+    def spy(args: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        commands.append(args)
+        return real(args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(subprocess, "Popen", spy)
+    assert measure_crowding(4, 1, 2) is not None
+    assert len(commands) == 2 and all(c[0] == sys.executable for c in commands)  # type: ignore[index]
 
 
 def _crowded(**changes: object) -> object:

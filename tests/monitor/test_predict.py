@@ -342,6 +342,13 @@ def test_fewer_threads_shrink_the_step_by_what_the_crowding_probe_measured() -> 
     fast = dataclasses.replace(setup, fewer_threads_speedup=4.0)
     bound = threads_fix(dataclasses.replace(f, setup=fast))
     assert bound is not None and bound.predicted_speedup == pytest.approx(20 / 6)
+    # A probe that found fewer threads no faster: the step's own time kept, and said so.
+    slower = dataclasses.replace(setup, fewer_threads_speedup=0.8)
+    kept = threads_fix(dataclasses.replace(f, setup=slower))
+    assert kept is not None and kept.predicted_speedup == pytest.approx(20 / 14)
+    assert "14.0 ms is kept, as a parallel torch workload ran no faster (0.80x) with 1" in (
+        kept.basis
+    )
     # A probe of another thread count does not apply to this k: the lower bound again.
     other = dataclasses.replace(setup, fewer_threads=2)
     lower = threads_fix(dataclasses.replace(f, setup=other))

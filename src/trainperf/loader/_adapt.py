@@ -108,6 +108,8 @@ class _TimedIter:
             raise
         except Exception as e:
             if _timed_out(e):  # the DataLoader waits for the same batch on the next call
+                if self.batches:  # the loop waited for data all that time
+                    self.wait_s += time.perf_counter() - t0
                 self.returned, self.returned_cpu = time.perf_counter(), time.process_time()
                 raise
             # A batch that failed to load (a corrupt sample the loop catches and goes on):

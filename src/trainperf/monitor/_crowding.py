@@ -6,24 +6,25 @@ How much a step loses that way depends on the host, the BLAS and the OpenMP runt
 spinning, none of which the watch's CPU figures can tell from work. So the prediction for
 ``torch.set_num_threads(k)`` measures it: :func:`measure_crowding` runs a small parallel
 torch workload (a 256 x 256 matrix product and an element-wise pass over 256 K floats)
-with the loop's thread count and with ``k``, in alternating windows, while ``busy`` forked
-processes spin as the workers did, once, when the report is made (well under a second),
-and remembers it.
+with the loop's thread count and with ``k``, in alternating windows, while ``busy``
+spinning processes stand in for the workers, once, when the report is made (well under a
+second), and remembers it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import signal
 import statistics
+import subprocess
+import sys
 import time
-import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from trainperf.limits import usable_cpus
 from trainperf.monitor._figures import Figures, oversubscribed, threads_that_fit, worker_cores
 from trainperf.monitor._setup import LoopSetup
 
@@ -32,8 +33,10 @@ __all__ = ["Crowding", "measure_crowding", "with_crowding"]
 _ROUNDS = 4  # alternating rounds, the order reversed every other one
 _WINDOW_S = 0.05  # each window runs the workload at least this long
 _MAX_S = 1.0  # the whole probe stops after this long with two rounds
-_SPIN_LIMIT_S = 5.0  # a spinner ends itself after this long, whatever its parent does
-_CACHE: dict[tuple[int, int, int], Crowding | None] = {}
+_SPIN_START_S = 0.05  # the spinners' interpreters start meanwhile
+# A spinner burns a CPU and ends itself after 5 s, whatever its parent does.
+_SPIN = "import time\nend = time.monotonic() + 5.0\nwhile time.monotonic() < end:\n    pass\n"
+_CACHE: dict[tuple[int, int, int, int], Crowding | None] = {}
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class Crowding:
     rounds: int
 
 
-def _workload() -> object:
+def _workload() -> Callable[[], None]:
     gen = torch.Generator().manual_seed(0)  # the loop's random state untouched
     a = torch.randn(256, 256, generator=gen)
     v = torch.randn(256 * 1024, generator=gen)
@@ -68,52 +71,51 @@ def _workload() -> object:
     return run
 
 
-def _window(run: object, threads: int) -> float:
+def _window(run: Callable[[], None], threads: int) -> float:
     """Runs of the workload per second with ``threads`` torch threads."""
     torch.set_num_threads(threads)
-    run()  # type: ignore[operator]  # the thread pool resized: not timed
+    run()  # the thread pool resized: not timed
     n, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < _WINDOW_S or n < 2:
-        run()  # type: ignore[operator]
+        run()
         n += 1
     return n / elapsed
 
 
-def _spin() -> None:  # pragma: no cover - runs in a forked child
-    """A forked child's loop: burn a CPU until killed, or for at most ``_SPIN_LIMIT_S``."""
-    end = time.monotonic() + _SPIN_LIMIT_S
-    while time.monotonic() < end:
-        pass
-    os._exit(0)
-
-
-def _spinners(count: int, pids: list[int]) -> None:
-    """Fork ``count`` spinners, each pid appended to ``pids`` as soon as it exists (a fork
-    that fails part-way leaves the ones before it in ``pids``, to be reaped)."""
+def _spinners(count: int, procs: list[subprocess.Popen[bytes]]) -> None:
+    """Start ``count`` spinners, each appended to ``procs`` as soon as it exists (a start
+    that fails part-way leaves the ones before it in ``procs``, to be stopped). Fresh
+    interpreters, not forks: a forked child would share this process's signal handlers
+    and stack (a Ctrl-C would run the loop's own ``except`` blocks in it)."""
     for _ in range(count):
-        with warnings.catch_warnings():  # 3.12+ warns of fork in a threaded process; the
-            warnings.simplefilter("ignore", DeprecationWarning)  # child takes no lock
-            pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            _spin()
-        pids.append(pid)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-S", "-E", "-c", _SPIN],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    if procs:
+        time.sleep(_SPIN_START_S)  # the interpreters start spinning
 
 
-def _reap(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        with contextlib.suppress(OSError):
+            p.kill()
+    for p in procs:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            p.wait(timeout=5)
 
 
 def _probe(threads: int, fit: int, busy: int) -> Crowding:
     run = _workload()
     before = torch.get_num_threads()
-    pids: list[int] = []
+    procs: list[subprocess.Popen[bytes]] = []
     ratios: list[float] = []
     try:
-        _spinners(busy, pids)
+        _spinners(busy, procs)
         start = time.perf_counter()
         for r in range(_ROUNDS):
             order = (threads, fit) if r % 2 == 0 else (fit, threads)
@@ -122,42 +124,44 @@ def _probe(threads: int, fit: int, busy: int) -> Crowding:
             if r >= 1 and time.perf_counter() - start > _MAX_S:
                 break
     finally:
-        _reap(pids)
+        _stop(procs)
         torch.set_num_threads(before)
     return Crowding(threads, fit, busy, statistics.median(ratios), len(ratios))
 
 
 def measure_crowding(threads: int, fit: int, busy: int, *, probe: bool = True) -> Crowding | None:
     """How much faster a parallel torch workload runs with ``fit`` threads than with
-    ``threads`` beside ``busy`` processes that each keep a CPU busy; None where it cannot
-    be measured (no ``fork``, a daemonic process, ``fit >= threads``). Measured once per
-    process for each ``(threads, fit, busy)``, in well under a second, then remembered;
-    ``probe=False`` only looks it up.
+    ``threads`` beside ``busy`` processes that each keep a CPU busy.
+
+    Measured once per process for each ``(threads, fit, busy)`` and usable CPU count, in
+    well under a second, then remembered.
+
+    Args:
+        threads: the loop's torch threads.
+        fit: the threads the usable CPUs hold beside the workers (fewer than ``threads``).
+        busy: spinning processes to stand in for the workers (0 or more).
+        probe: False only looks up an earlier measurement.
+
+    Returns:
+        The :class:`Crowding`, or None where it cannot be measured (``fit >= threads``, no
+        interpreter to start, a process limit that refuses one).
 
     Example:
         >>> c = measure_crowding(4, 1, 0)
         >>> c is None or (c.speedup > 0 and c.rounds >= 2)
         True
     """
-    if fit >= threads or fit < 1 or busy < 0 or not _can_fork():
+    if fit >= threads or fit < 1 or busy < 0 or not sys.executable:
         return None
-    key = (threads, fit, busy)
+    key = (threads, fit, busy, usable_cpus())
     if key not in _CACHE and not probe:
         return None
     if key not in _CACHE:
         try:
             _CACHE[key] = _probe(threads, fit, busy)
-        except OSError:  # fork refused (a process limit): not measured
+        except OSError:  # a spinner refused (a process limit): not measured
             _CACHE[key] = None
     return _CACHE[key]
-
-
-def _can_fork() -> bool:
-    """Children can be forked here: ``os.fork`` exists and this is not a daemonic process
-    (which may not have children)."""
-    import multiprocessing
-
-    return hasattr(os, "fork") and not multiprocessing.current_process().daemon
 
 
 def with_crowding(f: Figures, *, probe: bool = True) -> LoopSetup | None:

@@ -459,7 +459,7 @@ def threads_fix(f: Figures) -> Fix | None:
     workers = max(1, f.setup.num_workers or 0)
     feed = (worker_cores(f) * step) / workers  # the workers' CPU per step, each on a core
     probed = f.setup.fewer_threads_speedup if f.setup.fewer_threads == k else None
-    fewer = work if probed is None else work / max(probed, 1e-9)
+    fewer = work if probed is None else work / max(probed, 1.0)  # never slower than now
     after = min(step, max(fewer, feed))
     lead = (
         f"torch runs {threads} threads on {f.cpus} usable CPUs, {_cores(k)} left once the "
@@ -472,10 +472,15 @@ def threads_fix(f: Figures) -> Fix | None:
             f"it too, not predicted): {_ms(step)} -> {_ms(after)} per step"
         )
     else:
+        gain = (
+            f"runs {probed:.2f}x faster, as a parallel torch workload did"
+            if probed > 1.0
+            else f"is kept, as a parallel torch workload ran no faster ({probed:.2f}x)"
+        )
         basis = (
-            f"{lead}, and the step's own {_ms(work)} runs {probed:.2f}x faster, as a parallel "
-            f"torch workload did with {k} threads instead of {threads} beside "
-            f"{round(worker_cores(f))} busy processes: {_ms(step)} -> {_ms(after)} per step"
+            f"{lead}, and the step's own {_ms(work)} {gain} with {k} threads instead of "
+            f"{threads} beside {round(worker_cores(f))} busy processes: {_ms(step)} -> "
+            f"{_ms(after)} per step"
         )
     return Fix("host-bound", f"torch.set_num_threads({k})", _speedup(step, after), basis)
 
