@@ -7,7 +7,7 @@ MLP training step ran 1.5x faster, since autocast keeps the loss, the backward's
 element-wise work and the optimizer in fp32. So the prediction for
 :class:`trainperf.MixedPrecision` on a CPU with native bf16 measures a small training
 step (a 3-layer MLP, 512-1024-1024-10, batch 64: forward, backward, SGD) in fp32 and
-under bf16 autocast, in alternating windows with the loop's torch threads, once, when the
+under bf16 autocast, alternating step by step with the loop's torch threads, once, when the
 report is made (about a second), and remembers it.
 """
 
@@ -26,9 +26,9 @@ from trainperf.monitor._setup import LoopSetup
 
 __all__ = ["measure_cpu_bf16", "with_cpu_bf16"]
 
-_ROUNDS = 4  # alternating rounds, the order reversed every other one
-_WINDOW_S = 0.1  # each window runs steps at least this long
-_MAX_S = 1.5  # the probe stops after this long with two rounds
+_PROBE_S = 0.8  # the probe alternates steps this long
+_MIN_PAIRS = 8  # ... and at least this many of each precision
+_MAX_S = 2.0  # ... unless they take longer than this
 _CACHE: dict[int, float | None] = {}
 
 
@@ -52,27 +52,28 @@ def _step() -> Callable[[bool], None]:
     return step
 
 
-def _window(step: Callable[[bool], None], bf16: bool) -> float:
-    """Steps per second in one window."""
-    step(bf16)  # the other precision ran last: not timed
-    n, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < _WINDOW_S or n < 2:
-        step(bf16)
-        n += 1
-    return n / elapsed
+def _timed(step: Callable[[bool], None], bf16: bool) -> float:
+    start = time.perf_counter()
+    step(bf16)
+    return time.perf_counter() - start
 
 
 def _probe() -> float:
+    """The fp32 step's median time over the bf16 step's, the two alternating step by step
+    (a host's drift and a neighbour's bursts hit both alike; windows of each in turn
+    measured 0.9-1.9x on one quiet host, alternate steps 1.5-1.6x)."""
     step = _step()
-    ratios: list[float] = []
+    step(False)  # the first of each: allocations and kernel choice, not timed
+    step(True)
+    fp32: list[float] = []
+    bf16: list[float] = []
     start = time.perf_counter()
-    for r in range(_ROUNDS):
-        order = (False, True) if r % 2 == 0 else (True, False)
-        rates = {bf16: _window(step, bf16) for bf16 in order}
-        ratios.append(rates[True] / rates[False])
-        if r >= 1 and time.perf_counter() - start > _MAX_S:
-            break
-    return statistics.median(ratios)
+    while len(fp32) < _MIN_PAIRS or time.perf_counter() - start < _PROBE_S:
+        fp32.append(_timed(step, False))
+        bf16.append(_timed(step, True))
+        if len(fp32) >= _MIN_PAIRS and time.perf_counter() - start > _MAX_S:
+            break  # slow steps: fewer of them
+    return statistics.median(fp32) / statistics.median(bf16)
 
 
 def measure_cpu_bf16(*, probe: bool = True) -> float | None:
