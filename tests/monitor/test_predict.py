@@ -334,10 +334,10 @@ def test_fewer_threads_shrink_the_step_by_what_the_crowding_probe_measured() -> 
     assert fix is not None and fix.call == "torch.set_num_threads(1)"
     assert fix.predicted_speedup == pytest.approx(20 / 7)
     assert fix.basis.startswith("torch runs 16 threads on 2 usable CPUs, 1 core left")
-    assert "runs 2.00x faster, as a parallel torch workload did with 1 threads instead of 16" in (
+    assert "runs 2.00x faster, as a parallel torch workload did with 1 thread instead of 16" in (
         fix.basis
     )
-    assert fix.basis.endswith("beside 1 busy processes: 20.0 ms -> 7.0 ms per step")
+    assert fix.basis.endswith("beside 1 busy process: 20.0 ms -> 7.0 ms per step")
     # A step the probe found 4x faster (3.5 ms): the workers' 6 ms per step is the bound.
     fast = dataclasses.replace(setup, fewer_threads_speedup=4.0)
     bound = threads_fix(dataclasses.replace(f, setup=fast))
@@ -346,7 +346,7 @@ def test_fewer_threads_shrink_the_step_by_what_the_crowding_probe_measured() -> 
     slower = dataclasses.replace(setup, fewer_threads_speedup=0.8)
     kept = threads_fix(dataclasses.replace(f, setup=slower))
     assert kept is not None and kept.predicted_speedup == pytest.approx(20 / 14)
-    assert "14.0 ms is kept, as a parallel torch workload ran no faster (0.80x) with 1" in (
+    assert "14.0 ms is kept, as a parallel torch workload ran no faster (0.80x) with 1 thread" in (
         kept.basis
     )
     # A probe of another thread count does not apply to this k: the lower bound again.

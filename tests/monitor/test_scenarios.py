@@ -91,7 +91,7 @@ def test_torch_threads_far_above_the_cpus_beside_busy_workers(bench: ModuleType)
     fix = the_fix(report, "torch.set_num_threads(")
     assert fix.basis.startswith(f"torch runs {threads} threads"), fix  # the probe ran
     assert report.setup.fewer_threads_speedup is not None
-    assert f"faster, as a parallel torch workload did with {report.setup.fewer_threads} " in (
+    assert "faster, as a parallel torch workload did with " in (
         fix.basis
     )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["format_bytes"]
+__all__ = ["format_bytes", "plural"]
 
 
 def format_bytes(n: float | None) -> str:
@@ -27,3 +27,13 @@ def format_bytes(n: float | None) -> str:
     if n >= 2**20:
         return f"{n / 2**20:.0f} MiB"
     return f"{n / 2**10:.0f} KiB"
+
+
+def plural(n: int, noun: str, many: str | None = None) -> str:
+    """``n`` and the noun, plural unless ``n == 1`` (``many``, or the noun with an "s").
+
+    Example:
+        >>> plural(1, "thread"), plural(16, "thread"), plural(2, "process", "processes")
+        ('1 thread', '16 threads', '2 processes')
+    """
+    return f"{n} {noun if n == 1 else many or noun + 's'}"

@@ -13,6 +13,8 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import nn
 
+from trainperf._utils.format import plural
+
 __all__ = [
     "channels_last_decision",
     "conv_share",
@@ -94,7 +96,7 @@ def channels_last_decision(
         return False, f"channels_last: not on {device.type} ('auto' converts on CUDA only)"
     convs, patches = feature_map_convs(model)
     if not convs:
-        only = f", only {_plural(patches, 'patch embedding')}" if patches else ""
+        only = f", only {plural(patches, 'patch embedding')}" if patches else ""
         return False, (
             f"channels_last: no, no 2-D convolution over feature maps{only}: "
             "not a convolutional model"
@@ -102,13 +104,9 @@ def channels_last_decision(
     if not tensor_cores:
         return False, "channels_last: no, no tensor cores in use (fp32 without TF32, or < 7.0)"
     return True, (
-        f"channels_last: yes, {_plural(convs, '2-D convolution')} over feature maps "
+        f"channels_last: yes, {plural(convs, '2-D convolution')} over feature maps "
         f"({conv_share(model):.0%} of parameters in Conv2d/BatchNorm2d)"
     )
-
-
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def to_channels_last(obj: T) -> T:

@@ -52,6 +52,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from trainperf._utils.format import plural
 from trainperf.loader._search import default_max_workers
 from trainperf.monitor._figures import (
     Figures,
@@ -477,10 +478,10 @@ def threads_fix(f: Figures) -> Fix | None:
             if probed > 1.0
             else f"is kept, as a parallel torch workload ran no faster ({probed:.2f}x)"
         )
+        spinners = plural(round(worker_cores(f)), "busy process", "busy processes")
         basis = (
-            f"{lead}, and the step's own {_ms(work)} {gain} with {k} threads instead of "
-            f"{threads} beside {round(worker_cores(f))} busy processes: {_ms(step)} -> "
-            f"{_ms(after)} per step"
+            f"{lead}, and the step's own {_ms(work)} {gain} with {plural(k, 'thread')} "
+            f"instead of {threads} beside {spinners}: {_ms(step)} -> {_ms(after)} per step"
         )
     return Fix("host-bound", f"torch.set_num_threads({k})", _speedup(step, after), basis)
 
