@@ -305,7 +305,11 @@ class Corrupt(Dataset[int]):
         return i
 
 
-def _skipping_errors(loader: Any) -> list[int | str]:
+def _going_on_after(
+    loader: Any, error: type[Exception] = ValueError, mark: str = "ERR"
+) -> list[int | str]:
+    """The samples a loop that catches ``error`` and goes on gets, ``mark`` where it
+    caught one."""
     out: list[int | str] = []
     it = iter(loader)
     while True:
@@ -313,8 +317,9 @@ def _skipping_errors(loader: Any) -> list[int | str]:
             out += [int(x) for x in next(it)]
         except StopIteration:
             return out
-        except ValueError:
-            out.append("ERR")
+        except error as e:
+            assert error is not RuntimeError or "timed out" in str(e)
+            out.append(mark)
 
 
 @pytest.mark.slow  # worker pools started at most batches
@@ -327,12 +332,12 @@ def test_a_batch_that_failed_to_load_is_not_replayed_by_a_later_pool(
     _force_changes(monkeypatch)
     plain = DataLoader(Corrupt(), batch_size=2, num_workers=start)
     try:
-        expected = _skipping_errors(plain)
+        expected = _going_on_after(plain)
     finally:
         _close(plain)
     loader = AdaptiveDataLoader(Corrupt(), batch_size=2, num_workers=start)
     try:
-        got = _skipping_errors(loader)
+        got = _going_on_after(loader)
     finally:
         loader.close()
     assert expected[7:11] == [7, "ERR", 10, 11]
@@ -359,16 +364,7 @@ class SlowOnce(Dataset[int]):
 
 
 def _retrying_timeouts(loader: Any) -> list[int | str]:
-    out: list[int | str] = []
-    it = iter(loader)
-    while True:
-        try:
-            out += [int(x) for x in next(it)]
-        except StopIteration:
-            return out
-        except RuntimeError as e:
-            assert "timed out" in str(e)
-            out.append("TIMEOUT")
+    return _going_on_after(loader, RuntimeError, "TIMEOUT")
 
 
 def _timed_out_before_batch_four(got: list[int | str]) -> bool:

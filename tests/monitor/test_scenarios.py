@@ -91,9 +91,7 @@ def test_torch_threads_far_above_the_cpus_beside_busy_workers(bench: ModuleType)
     fix = the_fix(report, "torch.set_num_threads(")
     assert fix.basis.startswith(f"torch runs {threads} threads"), fix  # the probe ran
     assert report.setup.fewer_threads_speedup is not None
-    assert "faster, as a parallel torch workload did with " in (
-        fix.basis
-    )
+    assert "faster, as a parallel torch workload did with " in (fix.basis)
 
 
 def test_a_cpu_bound_step_with_an_idle_loader_is_compute_bound(bench: ModuleType) -> None:
