@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from trainperf.amp import MixedPrecision
 from trainperf.batchsize._cache import cache_misfit, cache_path, entry_key, parsed_candidates
 from trainperf.batchsize._search import SizeSpace
 
@@ -39,6 +40,25 @@ def test_the_key_changes_with_what_decides_the_answer() -> None:
         key(headroom=0.2),
     ]
     assert base not in changed and len(set(changed)) == len(changed)
+
+
+def test_the_key_tells_precisions_and_optimizer_implementations_apart() -> None:
+    # A size tuned under bf16 autocast would not fit in fp32: its activations take twice
+    # the memory, and the entry's peak (the bf16 one) would pass the memory check.
+    model = nn.Linear(4, 4)
+
+    def with_(*extra: object) -> str:
+        return key(objects=[model, *extra])
+
+    bf16, fp32 = MixedPrecision("cpu", precision="bf16"), MixedPrecision("cpu", precision="fp32")
+    assert with_(bf16) != with_(fp32)
+    assert with_(bf16) == with_(MixedPrecision("cpu", precision="bf16"))
+    foreach = torch.optim.Adam(model.parameters(), foreach=True)
+    plain = torch.optim.Adam(model.parameters(), foreach=False)
+    assert with_(foreach) != with_(plain)
+    assert with_(plain) == with_(torch.optim.Adam(model.parameters(), lr=0.5, foreach=False))
+    on = torch.amp.GradScaler("cpu", enabled=True)
+    assert with_(on) != with_(torch.amp.GradScaler("cpu", enabled=False))
 
 
 def test_the_file_sits_beside_the_loaders() -> None:

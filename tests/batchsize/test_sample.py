@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from trainperf.batchsize import DatasetBatches, batches_from
 from trainperf.batchsize._sample import batch_length, checked_batch
@@ -72,3 +72,31 @@ def test_checked_batch_names_the_size_asked_for_and_the_size_returned() -> None:
     with pytest.raises(ValueError, match=r"sample\(4\) returned a batch of 2 samples"):
         checked_batch(lambda n: (torch.zeros(2, 3), torch.zeros(2)), 4)
     assert checked_batch(lambda n: "opaque", 4) == "opaque"  # nothing to check
+
+
+def test_a_list_of_per_sample_tensors_holds_as_many_samples_as_items() -> None:
+    # Detection models take tuple(zip(*samples)): images of 3 channels each, n of them. The
+    # first tensor's leading size (3) is not the batch's; the list's length is.
+    def detection(n: int) -> tuple[tuple[torch.Tensor, ...], tuple[dict[str, torch.Tensor], ...]]:
+        return tuple(torch.zeros(3, 16, 16) for _ in range(n)), tuple({} for _ in range(n))
+
+    images, _ = checked_batch(detection, 4)
+    assert len(images) == 4
+    with pytest.raises(ValueError, match=r"sample\(4\) returned a batch of 3 samples"):
+        checked_batch(lambda n: detection(n + 1), 4)  # 5 images, 3 channels: neither is 4
+    # Two views of a batch: a list of 2 tensors, each with the batch's leading size.
+    views = checked_batch(lambda n: ([torch.zeros(n, 8), torch.zeros(n, 8)], torch.zeros(n)), 4)
+    assert views[0][0].shape[0] == 4
+    with pytest.raises(ValueError, match=r"returned a list of 3 items"):
+        checked_batch(lambda n: ["a", "b", "c"], 4)
+
+
+def test_a_dataloader_is_refused_with_the_fix() -> None:
+    loader = DataLoader(TensorDataset(torch.zeros(64, 8)), batch_size=32)
+    fix = r"batches_from\(loader.dataset, collate_fn=loader.collate_fn\)"
+    with pytest.raises(ValueError, match=r"batches_from\(\) got a DataLoader: its items are "):
+        batches_from(loader)
+    with pytest.raises(ValueError, match=fix):
+        batches_from(loader)
+    with pytest.raises(ValueError, match=r"sample\(4\) returned a DataLoader"):
+        checked_batch(lambda n: loader, 4)

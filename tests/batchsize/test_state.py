@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from tests.batchsize._fakes import Trainer, same_state, sample, state_of
+from trainperf.amp import MixedPrecision
 from trainperf.batchsize._state import SavedState, stateful_objects
 
 
@@ -77,3 +78,47 @@ def test_schedulers_and_scalers_in_a_tuple_are_restored_and_empty_states_skipped
 def test_an_object_without_state_dict_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match=r"str has no state_dict\(\)/load_state_dict\(\)"):
         stateful_objects(nn.Linear(1, 1), ("not a state",))
+
+
+class Counting(nn.Module):
+    """A layer with a buffer ``state_dict()`` leaves out: a count of samples seen, and a
+    cache that grows with the longest input (as rotary caches do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long), persistent=False)
+        self.register_buffer("cache", torch.zeros(2), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += x.shape[0]
+        if self.cache.numel() < x.shape[0]:
+            self.cache = torch.arange(float(x.shape[0]))
+        return self.lin(x)
+
+
+def test_buffers_left_out_of_the_state_dict_come_back() -> None:
+    m = Counting()
+    m(torch.zeros(3, 4))
+    saved = SavedState.save(stateful_objects(m))
+    for n in (8, 16):
+        m(torch.zeros(n, 4))  # probing: the count grows, the cache is replaced by a larger one
+    saved.restore()
+    assert int(m.seen) == 3
+    assert torch.equal(m.cache, torch.arange(3.0))
+
+
+def test_a_backward_waiting_for_its_step_still_waits_after_tuning() -> None:
+    # Tuned in the middle of a gradient accumulation: mp.step(opt) must still step the
+    # gradients accumulated before (it refused: "found no gradients from mp.backward").
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp = MixedPrecision("cpu", precision="fp32")
+    mp.backward(model(torch.ones(2, 4)).sum())
+    saved = SavedState.save(stateful_objects(model, opt, mp))
+    mp.backward(model(torch.ones(2, 4)).sum())
+    mp.step(opt)  # a probe's step
+    saved.restore()
+    before = model.weight.detach().clone()
+    mp.step(opt)
+    assert not torch.equal(model.weight.detach(), before)

@@ -4,7 +4,8 @@
 unset), written and read with the tuners' shared store (:mod:`trainperf._utils.cache`:
 atomic writes, a corrupt file ignored and replaced, old entries dropped), as the DataLoader
 tuner's ``loader.json`` is. Entries are keyed the same way, by a hash of what decides the
-answer: the model's class, parameter count and dtype, the optimizer's class, the device (for
+answer: the model's class, parameter count and dtype, the optimizer's class and
+implementation flags (``fused``, ``foreach``), a MixedPrecision's precision, the device (for
 CUDA its name and memory), the host, the torch version, the step function, the batch's shape
 and types (:func:`~trainperf._utils.cache.sample_signature` of the first size's batch), the
 sizes allowed, the world size, ``global_batch`` and ``headroom``.
@@ -27,6 +28,7 @@ from torch import nn
 from trainperf._utils.cache import cache_dir, make_key, sample_signature
 from trainperf._utils.format import format_bytes
 from trainperf._utils.qualname import qualname
+from trainperf.amp import MixedPrecision
 from trainperf.batchsize._report import BatchSizeCandidate
 from trainperf.batchsize._sizes import SizeSpace
 
@@ -58,16 +60,32 @@ def cache_path() -> Path:
     return cache_dir() / "batch_size.json"
 
 
+_OPTIMIZER_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+"""Optimizer settings that change its memory or speed (not its hyper-parameters, which
+schedules change as training runs)."""
+
+
+def _describe(obj: Any) -> Any:
+    """What of ``obj`` decides the answer: a module's class, size and dtypes; an optimizer's
+    class and implementation flags; a MixedPrecision's precision (bf16 activations take half
+    the memory of fp32 ones); a GradScaler's being enabled; else the class."""
+    name = qualname(type(obj))
+    if isinstance(obj, nn.Module):
+        params = list(obj.parameters())
+        dtypes = sorted({str(p.dtype) for p in params})
+        return [name, sum(p.numel() for p in params), dtypes]
+    if isinstance(obj, torch.optim.Optimizer):
+        flags = {k: obj.defaults[k] for k in _OPTIMIZER_FLAGS if obj.defaults.get(k) is not None}
+        return [name, sorted(flags.items())]
+    if isinstance(obj, torch.amp.GradScaler):
+        return [name, obj.is_enabled()]
+    if isinstance(obj, MixedPrecision):
+        return [name, str(obj.dtype)]
+    return name
+
+
 def _model_fields(objects: Sequence[Any]) -> list[Any]:
-    out: list[Any] = []
-    for obj in objects:
-        if isinstance(obj, nn.Module):
-            params = list(obj.parameters())
-            dtypes = sorted({str(p.dtype) for p in params})
-            out.append([qualname(type(obj)), sum(p.numel() for p in params), dtypes])
-        else:
-            out.append(qualname(type(obj)))
-    return out
+    return [_describe(obj) for obj in objects]
 
 
 def _device_fields(device: torch.device) -> list[Any]:

@@ -24,6 +24,13 @@ from trainperf._utils.validate import positive_int
 __all__ = ["DatasetBatches", "batch_length", "batches_from", "checked_batch"]
 
 
+_LOADER_GIVEN = (
+    "{what} a DataLoader: its items are whole batches, so n of them would be n batches; "
+    "pass its dataset and collate_fn: batches_from(loader.dataset, "
+    "collate_fn=loader.collate_fn)"
+)
+
+
 class DatasetBatches:
     """``sample(n)``: a batch of the first ``n`` samples of a dataset, cycling when it is
     shorter, collated with ``collate_fn`` (``default_collate`` by default).
@@ -41,6 +48,8 @@ class DatasetBatches:
             raise ValueError(
                 f"collate_fn must be callable (it gets a list of samples), got {collate_fn!r}"
             )
+        if isinstance(dataset, torch.utils.data.DataLoader):
+            raise ValueError(_LOADER_GIVEN.format(what="batches_from() got"))
         self.dataset = dataset
         self.collate_fn: Callable[[list[Any]], Any] = collate_fn or default_collate
 
@@ -102,8 +111,10 @@ def batches_from(
         A :class:`DatasetBatches` (a callable: ``sample(n)``).
 
     Raises:
-        ValueError: ``collate_fn`` is not callable. Calling the result raises
-            ``ValueError`` for an empty dataset or an ``n`` that is not an int >= 1.
+        ValueError: ``collate_fn`` is not callable, or ``dataset`` is a DataLoader (its
+            items are batches: pass ``loader.dataset`` and ``loader.collate_fn``). Calling
+            the result raises ``ValueError`` for an empty dataset or an ``n`` that is not an
+            int >= 1.
 
     Example:
         >>> import torch
@@ -120,17 +131,25 @@ def batches_from(
 
 def _first_leading_size(obj: Any, depth: int = 0) -> int | None:
     """The leading size of the first tensor or array (with a dimension) in a nested batch."""
+    sizes = _path_sizes(obj, depth)
+    return sizes[-1] if sizes else None
+
+
+def _path_sizes(obj: Any, depth: int = 0) -> list[int]:
+    """On the way down to the first tensor or array with a dimension: the lengths of the
+    lists and tuples below the top level (a list of per-sample tensors, as detection
+    models take), then that tensor's leading size; empty when there is no such tensor."""
     if isinstance(obj, (torch.Tensor, np.ndarray)):
-        return int(obj.shape[0]) if obj.ndim >= 1 else None
-    if depth > 8 or isinstance(obj, (str, bytes)):
-        return None
+        return [int(obj.shape[0])] if obj.ndim >= 1 else []
+    if depth > 8 or isinstance(obj, (str, bytes)) or not isinstance(obj, (Mapping, list, tuple)):
+        return []
     values = obj.values() if isinstance(obj, Mapping) else obj
-    if isinstance(obj, (Mapping, list, tuple)):
-        for v in values:
-            found = _first_leading_size(v, depth + 1)
-            if found is not None:
-                return found
-    return None
+    for v in values:
+        found = _path_sizes(v, depth + 1)
+        if found:
+            here = [len(obj)] if depth > 0 and isinstance(obj, (list, tuple)) else []
+            return here + found
+    return []
 
 
 def batch_length(batch: Any) -> int | None:
@@ -154,8 +173,12 @@ def batch_length(batch: Any) -> int | None:
 def checked_batch(sample: Callable[[int], Any], n: int) -> Any:
     """``sample(n)``, refused when it does not hold ``n`` samples.
 
+    A batch holds ``n`` samples when its first tensor's leading size is ``n``, or a list or
+    tuple below the top level on the way to it has ``n`` items (per-sample tensors, as
+    ``tuple(zip(*samples))`` collates them for detection models).
+
     Raises:
-        ValueError: the batch's leading size (see :func:`batch_length`) is not ``n``.
+        ValueError: the batch does not hold ``n`` samples, or it is a DataLoader.
 
     Example:
         >>> checked_batch(lambda n: torch.zeros(n, 2), 3).shape
@@ -166,10 +189,15 @@ def checked_batch(sample: Callable[[int], Any], n: int) -> Any:
         ValueError: sample(3) returned a batch of 8 samples (...); sample(n) must ... n samples
     """
     batch = sample(n)
-    got = batch_length(batch)
-    if got is not None and got != n:
+    if isinstance(batch, torch.utils.data.DataLoader):
+        raise ValueError(_LOADER_GIVEN.format(what=f"sample({n}) returned"))
+    sizes = _path_sizes(batch)
+    if sizes and n not in sizes:
         raise ValueError(
-            f"sample({n}) returned a batch of {got} samples (the leading size of its first "
-            f"tensor); sample(n) must return exactly n samples"
+            f"sample({n}) returned a batch of {sizes[-1]} samples (the leading size of its "
+            f"first tensor); sample(n) must return exactly n samples"
         )
+    got = None if sizes else batch_length(batch)
+    if got is not None and got != n:
+        raise ValueError(f"sample({n}) returned a list of {got} items; it must return n samples")
     return batch

@@ -3,8 +3,9 @@
 Probing runs real training steps: the parameters move, the optimizer's moments fill in,
 BatchNorm statistics drift, dropout draws random numbers. :class:`SavedState` copies what
 the caller handed in (``model``, ``optimizer``, and anything else with ``state_dict`` and
-``load_state_dict``) to host memory once, with every parameter's gradient and every
-module's train/eval mode, and :meth:`SavedState.restore` loads it back bit for bit.
+``load_state_dict``) to host memory once, with every parameter's gradient, every module's
+train/eval mode and the buffers ``state_dict()`` leaves out (``persistent=False``), and a
+MixedPrecision's pending backward, and :meth:`SavedState.restore` loads it back bit for bit.
 
 Restoring *between* probes matters too: each batch size starts from the caller's state, so
 an optimizer that had no state yet allocates it inside the probe (its memory is part of that
@@ -26,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from trainperf.amp import MixedPrecision
 
 __all__ = ["SavedState", "stateful_objects"]
 
@@ -98,6 +101,33 @@ def _modules(objects: Iterable[Any]) -> Iterator[nn.Module]:
             yield from obj.modules()
 
 
+def _unsaved_buffers(objects: Iterable[Any]) -> list[tuple[nn.Module, str, torch.Tensor | None]]:
+    """Host copies of the buffers ``state_dict()`` leaves out (``persistent=False``: a
+    metric's running sums, a step counter, a grown rotary cache), with their modules."""
+    out: list[tuple[nn.Module, str, torch.Tensor | None]] = []
+    for m in _modules(objects):
+        for name in sorted(getattr(m, "_non_persistent_buffers_set", ())):
+            b = m._buffers.get(name)
+            out.append((m, name, None if b is None else b.detach().to("cpu", copy=True)))
+    return out
+
+
+def _restore_buffer(m: nn.Module, name: str, saved: torch.Tensor | None) -> None:
+    now = m._buffers.get(name)
+    if saved is None or now is None or now.shape != saved.shape or now.dtype != saved.dtype:
+        device = None if now is None else now.device
+        m._buffers[name] = None if saved is None else saved.to(device=device, copy=True)
+    else:
+        with torch.no_grad():
+            now.copy_(saved)
+
+
+def _pending(objects: Iterable[Any]) -> list[tuple[MixedPrecision, bool]]:
+    """Each MixedPrecision's "a backward is waiting for its step" flag (gradients
+    accumulated before tuning must still be stepped after it)."""
+    return [(o, o._backward_pending) for o in objects if isinstance(o, MixedPrecision)]
+
+
 @dataclass
 class SavedState:
     """Host copies of the caller's state, and :meth:`restore` to load them back.
@@ -106,11 +136,15 @@ class SavedState:
         states: ``(object, copy of its state_dict())`` for each object with a state.
         grads: ``(parameter, copy of its .grad or None)`` for every parameter.
         modes: ``(module, its .training flag)`` for every submodule.
+        buffers: ``(module, name, copy)`` of every buffer ``state_dict()`` leaves out.
+        pending: ``(MixedPrecision, whether a backward waits for its step)``.
     """
 
     states: list[tuple[Any, Any]] = field(default_factory=list)
     grads: list[tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
     modes: list[tuple[nn.Module, bool]] = field(default_factory=list)
+    buffers: list[tuple[nn.Module, str, torch.Tensor | None]] = field(default_factory=list)
+    pending: list[tuple[MixedPrecision, bool]] = field(default_factory=list)
 
     @classmethod
     def save(cls, objects: Iterable[Any]) -> SavedState:
@@ -137,7 +171,7 @@ class SavedState:
             for p in _parameters(objects)
         ]
         modes = [(m, m.training) for m in _modules(objects)]
-        return cls(states, grads, modes)
+        return cls(states, grads, modes, _unsaved_buffers(objects), _pending(objects))
 
     def restore(self) -> None:
         """Load every saved state back, exactly: values, gradients and train/eval modes.
@@ -158,6 +192,10 @@ class SavedState:
                     p.grad = g.to(device=p.device, copy=True)
         for m, training in self.modes:
             m.train(training)
+        for m, name, buffer in self.buffers:
+            _restore_buffer(m, name, buffer)
+        for mp, pending in self.pending:
+            mp._backward_pending = pending
 
     def drop_gradients(self) -> None:
         """Set every parameter's ``.grad`` to None (after an out-of-memory error, before the
