@@ -3,6 +3,7 @@ failures raised at the next call, and restore into live objects."""
 
 from __future__ import annotations
 
+import http
 import json
 import os
 import random
@@ -27,7 +28,7 @@ from trainperf import Checkpointer, MixedPrecision, host_limits, load_checkpoint
 from trainperf._utils.atomic import temp_name
 from trainperf.checkpoint import SaveHandle
 from trainperf.checkpoint._steps import this_host
-from trainperf.errors import CheckpointError, StateDictMismatchError
+from trainperf.errors import CheckpointError, StateDictMismatchError, UnsafeCheckpointError
 
 
 def _model() -> nn.Module:
@@ -381,3 +382,94 @@ def test_a_gpu_state_is_staged_into_pinned_buffers_and_saved_bit_for_bit(tmp_pat
     assert next(fresh.parameters()).device.type == "cuda"
     for a, b in zip(fresh.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def _epoch_loop(
+    make: Any, epochs: int, folder: Path, stop: int | None = None
+) -> list[tuple[int, tuple[int, ...], float]]:
+    """An epoch loop as scripts write it (the epoch in the state, a save at step ``stop``,
+    then the run ends): (epoch, batch, a random draw) per step."""
+    loader = make()
+    state: dict[str, Any] = {"loader": loader, "epoch": 0}
+    ckpt = Checkpointer(folder, keep=2)
+    step = ckpt.restore(state)
+    seen = []
+    for epoch in range(state["epoch"], epochs):
+        state["epoch"] = epoch
+        for (batch,) in loader:
+            seen.append((epoch, tuple(batch.tolist()), round(torch.rand(1).item(), 6)))
+            step += 1
+            if step == stop:
+                ckpt.save(state, step=step)
+                return seen
+    return seen
+
+
+@pytest.mark.parametrize(
+    "drop_last, stop",
+    [(False, 7), (False, 10), (False, 11), (False, 20), (True, 13), (True, 26)],
+)
+def test_a_save_at_any_batch_resumes_the_epoch_loop_exactly(
+    tmp_path: Path, drop_last: bool, stop: int
+) -> None:
+    # A save at an epoch's last batch (10 and 20 of 10-batch epochs; 13 and 26 with 13),
+    # taken before the loader's StopIteration, was marked a finished pass: the resumed run
+    # entered that epoch again and trained a whole extra pass.
+    data = TensorDataset(torch.arange(40))
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(data, batch_size=3 if drop_last else 4, shuffle=True, drop_last=drop_last)
+
+    torch.manual_seed(0)
+    straight = _epoch_loop(make, 3, tmp_path / "straight")
+    torch.manual_seed(0)
+    first = _epoch_loop(make, 3, tmp_path / "run", stop=stop)
+    torch.manual_seed(999)  # the resumed process starts from other random states
+    rest = _epoch_loop(make, 3, tmp_path / "run")
+    assert len(first) == stop
+    assert first + rest == straight
+
+
+@pytest.mark.parametrize("value", [http.HTTPStatus.OK, torch.Generator().manual_seed(1)])
+def test_a_value_restore_could_never_load_is_refused_before_it_is_written(
+    tmp_path: Path, value: Any
+) -> None:
+    # Saved, it made every checkpoint unloadable: restore skipped them all and returned 0.
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"model": nn.Linear(2, 2), "epoch": 1}, step=1)
+    refused = r"not saving .*step-000000002\.pt: state\['extra'\] holds a value that restore"
+    with pytest.raises(CheckpointError, match=refused):
+        ckpt.save({"model": nn.Linear(2, 2), "extra": value}, step=2)
+    ckpt.save({"extra": value}, step=3, blocking=False)  # the writer refuses it
+    with pytest.raises(CheckpointError, match=r"state\['extra'\] holds a value that restore"):
+        ckpt.wait()
+    assert ckpt.steps() == [1]
+
+
+def test_a_complete_checkpoint_that_weights_only_refuses_stops_restore(tmp_path: Path) -> None:
+    # Written by an older trainperf (or with the class allowed then): restore must not fall
+    # back to an older file, or 0, and lose every step since.
+    model = nn.Linear(2, 2)
+    Checkpointer(tmp_path).save({"model": model, "status": 1}, step=1)
+    with torch.serialization.safe_globals([http.HTTPStatus]):
+        Checkpointer(tmp_path).save({"model": model, "status": http.HTTPStatus.OK}, step=2)
+    with pytest.raises(UnsafeCheckpointError, match=r"stops at step 2 rather than fall back"):
+        Checkpointer(tmp_path).restore({"model": nn.Linear(2, 2), "status": None})
+    with torch.serialization.safe_globals([http.HTTPStatus]):
+        state: dict[str, Any] = {"model": nn.Linear(2, 2), "status": None}
+        assert Checkpointer(tmp_path).restore(state) == 2
+    assert state["status"] is http.HTTPStatus.OK
+
+
+def test_nested_entries_the_checkpoint_lacks_are_named(tmp_path: Path) -> None:
+    nets = {"gen": nn.Linear(2, 2)}
+    Checkpointer(tmp_path).save({"nets": nets, "heads": [nn.Linear(2, 2)]}, step=5)
+    live = {"nets": {"gen": nn.Linear(2, 2), "disc": nn.Linear(2, 2)}, "heads": [nn.Linear(2, 2)]}
+    with pytest.raises(ValueError, match=r"the checkpoint's nets has no entry 'disc'"):
+        Checkpointer(tmp_path).restore(live)
+    two_heads = {"nets": {"gen": nn.Linear(2, 2)}, "heads": [nn.Linear(2, 2), nn.Linear(2, 2)]}
+    with pytest.raises(ValueError, match=r"heads holds 1 items, the live one 2 with objects"):
+        Checkpointer(tmp_path).restore(two_heads)
+    plain: dict[str, Any] = {"nets": {"gen": nn.Linear(2, 2)}, "heads": [nn.Linear(2, 2)]}
+    assert Checkpointer(tmp_path).restore(plain) == 5
+    assert torch.equal(plain["nets"]["gen"].weight, nets["gen"].weight)

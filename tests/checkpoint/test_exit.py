@@ -3,6 +3,7 @@ a background save captures (shared-memory tensors, NumPy arrays)."""
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
 import subprocess
 import sys
@@ -28,17 +29,17 @@ class Slow:
 
     def __reduce__(self) -> tuple[Any, ...]:
         time.sleep(self.seconds)
-        return (dict, ())  # loads back as {}, without this class
+        return (collections.OrderedDict, ())  # loads back (weights_only allows it), empty
 
 
 _SCRIPT = """
-import sys, time, torch
+import collections, sys, time, torch
 from trainperf.checkpoint import Checkpointer
 
 class Slow:
     def __reduce__(self):
         time.sleep(1.0)
-        return (dict, ())
+        return (collections.OrderedDict, ())
 
 def train():
     ck = Checkpointer(sys.argv[1])

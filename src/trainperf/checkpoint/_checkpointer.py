@@ -49,7 +49,7 @@ from trainperf.checkpoint._writer import (
     unreported_failures,
     write_now,
 )
-from trainperf.errors import CheckpointError
+from trainperf.errors import CheckpointError, UnsafeCheckpointError
 from trainperf.limits import host_limits
 
 __all__ = ["Checkpointer"]
@@ -365,6 +365,14 @@ class Checkpointer:
             try:
                 saved = load_checkpoint(path, "cpu" if device is None else device)
                 found = saved_step(saved, str(path))
+            except UnsafeCheckpointError as e:
+                # Complete, but it holds values weights_only refuses: falling back to an
+                # older file would silently lose the steps since (they all hold them).
+                raise UnsafeCheckpointError(
+                    f"Checkpointer.restore stops at step {step} rather than fall back to an "
+                    f"older checkpoint: {e}",
+                    path,
+                ) from e
             except (CheckpointError, ValueError) as e:
                 warnings.warn(f"skipping checkpoint {path}: {e}", UserWarning, stacklevel=2)
                 continue

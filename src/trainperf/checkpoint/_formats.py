@@ -7,6 +7,7 @@ whether a file is truncated, damaged, of another kind, or refused as unsafe.
 from __future__ import annotations
 
 import contextlib
+import io
 import pickle
 import re
 import struct
@@ -131,6 +132,50 @@ def _unsafe_message(path: Path, reason: str) -> str:
         "and dtypes, argparse.Namespace, pathlib paths and datetime values are allowed "
         "already"
     )
+
+
+_CHECKED_ITEMS = 100_000  # a plain value with more items than this is not checked
+
+
+def _plain(value: Any, budget: list[int], depth: int = 0) -> bool:
+    """``value`` holds no tensor (and few enough items to round-trip cheaply)."""
+    budget[0] -= 1
+    if budget[0] < 0 or depth > 16 or isinstance(value, torch.Tensor):
+        return False
+    if isinstance(value, dict):
+        return all(_plain(k, budget, depth + 1) and _plain(v, budget, depth + 1)
+                   for k, v in value.items())  # fmt: skip
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return all(_plain(v, budget, depth + 1) for v in value)
+    return True
+
+
+def weights_only_refusal(value: Any) -> str | None:
+    """Why ``load_checkpoint`` (``weights_only=True``, with the data types it allows) would
+    refuse ``value``, or None: a round trip through ``torch.save`` in memory. Values that
+    hold tensors, or more than 100,000 items, are not checked (None).
+
+    Example:
+        >>> import http
+        >>> weights_only_refusal({"epoch": 3, "lr": [0.1, 0.01]}) is None
+        True
+        >>> "HTTPStatus" in weights_only_refusal({"status": http.HTTPStatus.OK})
+        True
+    """
+    if not _plain(value, [_CHECKED_ITEMS]):
+        return None
+    buf = io.BytesIO()
+    try:
+        torch.save(value, buf)
+    except Exception:
+        return None  # not picklable at all: the save itself says so
+    buf.seek(0)
+    try:
+        with allow_data_only():
+            torch.load(buf, weights_only=True)
+    except pickle.UnpicklingError as e:
+        return _refusal_reason(str(e))
+    return None
 
 
 def _torch_load(path: Path, dev: torch.device, weights_only: bool) -> Any:

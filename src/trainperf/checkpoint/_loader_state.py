@@ -349,7 +349,7 @@ def loader_state(loader: DataLoader[Any]) -> dict[str, Any] | None:
         "passes": tracker.passes,
         "position": tracker.position,
         "length": length,
-        "done": tracker.done or (length is not None and tracker.position >= length),
+        "done": tracker.done,  # the last batch taken, StopIteration not yet: not done
         "start": None if tracker.start is None else tracker.start.to_dict(),
         "now": _States.read(chain, loader.generator).to_dict(),
     }

@@ -81,7 +81,10 @@ def build_payload(
     state = _check_state(state, "Checkpointer.save")
     out: dict[str, Any] = {}
     for key, value in state.items():
-        out[key] = _loader_entry(key, value) if isinstance(value, DataLoader) else _prepare(value)
+        if isinstance(value, DataLoader):
+            out[key] = _loader_entry(key, value)
+            continue
+        out[key] = _prepare(value)
     out[RESERVED] = _meta(step, rank, world_size)
     return out
 
@@ -114,6 +117,21 @@ def saved_step(payload: Mapping[str, Any], where: str) -> int:
     return int(meta["step"])
 
 
+def _holds_state(value: Any, depth: int = 0) -> bool:
+    """``value`` is, or holds (in lists, tuples and dicts), an object restored in place: a
+    module, anything with ``load_state_dict``, a DataLoader."""
+    if isinstance(value, (nn.Module, DataLoader)) or (
+        not isinstance(value, type) and callable(getattr(value, "load_state_dict", None))
+    ):
+        return True
+    if depth > 8:
+        return False
+    items = value.values() if isinstance(value, Mapping) else value
+    if isinstance(value, (Mapping, list, tuple)):
+        return any(_holds_state(v, depth + 1) for v in items)
+    return False
+
+
 def _restore_value(live: Any, saved: Any, where: str) -> Any:
     """Load ``saved`` into ``live`` (returns ``_KEEP``), or return the plain value that
     replaces ``live``."""
@@ -124,17 +142,27 @@ def _restore_value(live: Any, saved: Any, where: str) -> Any:
         live.load_state_dict(saved)
         return _KEEP
     if isinstance(live, MutableMapping) and isinstance(saved, Mapping):
+        missing = [k for k in live if k not in saved]
+        if missing:
+            raise ValueError(
+                f"the checkpoint's {where} has no entry {', '.join(map(repr, missing))} (it "
+                f"holds {sorted(map(repr, saved))}): give restore the entries the "
+                "checkpoints were saved with"
+            )
         for k in list(live):
-            if k in saved:
-                new = _restore_value(live[k], saved[k], f"{where}[{k!r}]")
-                if new is not _KEEP:
-                    live[k] = new
+            new = _restore_value(live[k], saved[k], f"{where}[{k!r}]")
+            if new is not _KEEP:
+                live[k] = new
         return _KEEP
-    if (
-        isinstance(live, (list, tuple))
-        and isinstance(saved, (list, tuple))
-        and len(live) == len(saved)
-    ):
+    if isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
+        if len(live) != len(saved) and _holds_state(live):
+            raise ValueError(
+                f"the checkpoint's {where} holds {len(saved)} items, the live one {len(live)} "
+                "with objects to load into: give restore the objects the checkpoints were "
+                "saved with"
+            )
+        if len(live) != len(saved):
+            return saved
         pairs = list(zip(live, saved, strict=True))
         values = [_restore_value(a, b, f"{where}[{i}]") for i, (a, b) in enumerate(pairs)]
         if isinstance(live, list):
@@ -157,7 +185,9 @@ def restore_into(
 
     Raises:
         TypeError: ``state`` is not a dict with string keys.
-        ValueError: ``state`` has entries the file lacks, or uses the reserved key.
+        ValueError: ``state`` has entries the file lacks (at any depth of its dicts), a
+            list or tuple of live objects whose length the file's does not match, or the
+            reserved key.
         StateDictMismatchError: a module's weights do not fit it.
     """
     state = _check_state(state, "Checkpointer.restore")

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from trainperf._utils.lifetime import die_with_parent
+from trainperf.checkpoint._formats import weights_only_refusal
 from trainperf.checkpoint._keys import _same_type
 from trainperf.checkpoint._write import write_checkpoint_file
 from trainperf.errors import CheckpointError
@@ -55,6 +56,7 @@ __all__ = [
     "start_process",
     "start_thread",
     "tensor_bytes",
+    "refuse_unloadable",
     "write_now",
 ]
 
@@ -290,12 +292,36 @@ def _rebuild(obj: Any, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def write_now(payload: Any, path: Path) -> None:
-    """Write ``payload`` to ``path`` atomically (temp file, fsync, rename, fsync dir).
+    """Write ``payload`` to ``path`` atomically (temp file, fsync, rename, fsync dir), once
+    its plain values are known to load back (:func:`refuse_unloadable`).
 
     Raises:
-        CheckpointError: it could not be serialised or written (the cause chained).
+        CheckpointError: it could not be serialised or written (the cause chained), or a
+            value in it is one that loading with ``weights_only=True`` refuses.
     """
+    refuse_unloadable(payload, path)
     write_checkpoint_file(path, lambda f: torch.save(payload, f))
+
+
+def refuse_unloadable(payload: Any, path: Path) -> None:
+    """Raise before anything is written when an entry of ``payload`` holds a plain value
+    that ``Checkpointer.restore`` (``weights_only=True``) would refuse: every checkpoint
+    would then be unloadable, and restore would have nothing to resume from.
+
+    Raises:
+        CheckpointError: which entry, why, and the fix.
+    """
+    for key, value in payload.items() if isinstance(payload, dict) else ():
+        refused = weights_only_refusal(value)
+        if refused is not None:
+            raise CheckpointError(
+                f"not saving {path}: state[{key!r}] holds a value that restore could never "
+                f"load (weights_only=True refuses it: {refused}); save a plain value instead "
+                "(an Enum's .value, a torch.Generator's get_state()), or allow its class "
+                "with torch.serialization.add_safe_globals([...]) in every run that saves "
+                "or restores",
+                path,
+            )
 
 
 class SaveHandle:
