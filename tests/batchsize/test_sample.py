@@ -82,8 +82,13 @@ def test_a_list_of_per_sample_tensors_holds_as_many_samples_as_items() -> None:
 
     images, _ = checked_batch(detection, 4)
     assert len(images) == 4
-    with pytest.raises(ValueError, match=r"sample\(4\) returned a batch of 3 samples"):
+    with pytest.raises(ValueError, match=r"batch of 3 samples \(.*, a list of 5 in it\)"):
         checked_batch(lambda n: detection(n + 1), 4)  # 5 images, 3 channels: neither is 4
+    # detectron2's inputs: a list of per-sample dicts.
+    records = checked_batch(lambda n: [{"image": torch.zeros(3, 8, 8)} for _ in range(n)], 4)
+    assert len(records) == 4
+    with pytest.raises(ValueError, match=r"sample\(4\) returned a batch of 3 samples"):
+        checked_batch(lambda n: [{"image": torch.zeros(3, 8, 8)} for _ in range(5)], 4)
     # Two views of a batch: a list of 2 tensors, each with the batch's leading size.
     views = checked_batch(lambda n: ([torch.zeros(n, 8), torch.zeros(n, 8)], torch.zeros(n)), 4)
     assert views[0][0].shape[0] == 4

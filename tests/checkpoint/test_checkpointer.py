@@ -465,11 +465,56 @@ def test_nested_entries_the_checkpoint_lacks_are_named(tmp_path: Path) -> None:
     nets = {"gen": nn.Linear(2, 2)}
     Checkpointer(tmp_path).save({"nets": nets, "heads": [nn.Linear(2, 2)]}, step=5)
     live = {"nets": {"gen": nn.Linear(2, 2), "disc": nn.Linear(2, 2)}, "heads": [nn.Linear(2, 2)]}
-    with pytest.raises(ValueError, match=r"the checkpoint's nets has no entry 'disc'"):
+    with pytest.raises(ValueError, match=r"step-000000005\.pt: the checkpoint's nets has no entry "
+                       r"'disc' to load into it \(it holds 'gen'\)"):  # fmt: skip
         Checkpointer(tmp_path).restore(live)
+    assert not torch.equal(live["nets"]["gen"].weight, nets["gen"].weight)  # nothing loaded
     two_heads = {"nets": {"gen": nn.Linear(2, 2)}, "heads": [nn.Linear(2, 2), nn.Linear(2, 2)]}
     with pytest.raises(ValueError, match=r"heads holds 1 items, the live one 2 with objects"):
         Checkpointer(tmp_path).restore(two_heads)
-    plain: dict[str, Any] = {"nets": {"gen": nn.Linear(2, 2)}, "heads": [nn.Linear(2, 2)]}
-    assert Checkpointer(tmp_path).restore(plain) == 5
+    plain: dict[str, Any] = {
+        "nets": {"gen": nn.Linear(2, 2), "note": "new"},
+        "heads": [nn.Linear(2, 2)],
+    }
+    assert Checkpointer(tmp_path).restore(plain) == 5  # a plain value the file lacks: kept
     assert torch.equal(plain["nets"]["gen"].weight, nets["gen"].weight)
+    assert plain["nets"]["note"] == "new"
+
+
+def _zip_loop(
+    make: Any, epochs: int, folder: Path, stop_epoch: int | None = None
+) -> list[tuple[int, tuple[int, ...]]]:
+    """An epoch loop that takes its batches through zip (no StopIteration from the loader)
+    and saves after each epoch, the next epoch's number in the state; it ends after saving
+    epoch ``stop_epoch``."""
+    loader = make()
+    state: dict[str, Any] = {"loader": loader, "epoch": 0}
+    ckpt = Checkpointer(folder)
+    ckpt.restore(state)
+    seen = []
+    for epoch in range(state["epoch"], epochs):
+        for _, (batch,) in zip(range(len(loader)), loader, strict=False):
+            seen.append((epoch, tuple(batch.tolist())))
+        state["epoch"] = epoch + 1
+        ckpt.save(state, step=epoch + 1)
+        if epoch == stop_epoch:
+            return seen
+    return seen
+
+
+def test_a_pass_the_loop_let_go_of_at_its_last_batch_resumes_as_over(tmp_path: Path) -> None:
+    # zip(range(len(loader)), loader) takes every batch and never the StopIteration: saved
+    # after the epoch, the pass is over (a resumed run that went on with it got 0 batches).
+    data = TensorDataset(torch.arange(40))
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(data, batch_size=4, shuffle=True)
+
+    torch.manual_seed(0)
+    straight = _zip_loop(make, 3, tmp_path / "straight")
+    torch.manual_seed(0)
+    first = _zip_loop(make, 3, tmp_path / "run", stop_epoch=0)
+    torch.manual_seed(999)
+    rest = _zip_loop(make, 3, tmp_path / "run")
+    assert len(first) == 10 and len(rest) == 20
+    assert first + rest == straight

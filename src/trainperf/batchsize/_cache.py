@@ -5,7 +5,8 @@ unset), written and read with the tuners' shared store (:mod:`trainperf._utils.c
 atomic writes, a corrupt file ignored and replaced, old entries dropped), as the DataLoader
 tuner's ``loader.json`` is. Entries are keyed the same way, by a hash of what decides the
 answer: the model's class, parameter count and dtype, the optimizer's class and
-implementation flags (``fused``, ``foreach``), a MixedPrecision's precision, the device (for
+implementation flags (``fused``, ``foreach``, ``capturable``, ``differentiable``), a
+MixedPrecision's precision, a GradScaler's being enabled, the device (for
 CUDA its name and memory), the host, the torch version, the step function, the batch's shape
 and types (:func:`~trainperf._utils.cache.sample_signature` of the first size's batch), the
 sizes allowed, the world size, ``global_batch`` and ``headroom``.
@@ -75,7 +76,8 @@ def _describe(obj: Any) -> Any:
         dtypes = sorted({str(p.dtype) for p in params})
         return [name, sum(p.numel() for p in params), dtypes]
     if isinstance(obj, torch.optim.Optimizer):
-        flags = {k: obj.defaults[k] for k in _OPTIMIZER_FLAGS if obj.defaults.get(k) is not None}
+        defaults = getattr(obj, "defaults", None) or {}
+        flags = {k: defaults[k] for k in _OPTIMIZER_FLAGS if defaults.get(k) is not None}
         return [name, sorted(flags.items())]
     if isinstance(obj, torch.amp.GradScaler):
         return [name, obj.is_enabled()]

@@ -147,9 +147,17 @@ def _path_sizes(obj: Any, depth: int = 0) -> list[int]:
     for v in values:
         found = _path_sizes(v, depth + 1)
         if found:
-            here = [len(obj)] if depth > 0 and isinstance(obj, (list, tuple)) else []
-            return here + found
+            return ([len(obj)] if _per_sample(obj, depth) else []) + found
     return []
+
+
+def _per_sample(obj: Any, depth: int) -> bool:
+    """A list or tuple whose length may be the batch's: below the top level (a list of
+    per-sample tensors), or at the top a list of per-sample dicts (detectron2's inputs);
+    a top-level tuple is the batch's fields, ``(x, y)``."""
+    if not isinstance(obj, (list, tuple)):
+        return False
+    return depth > 0 or (isinstance(obj, list) and all(isinstance(v, Mapping) for v in obj))
 
 
 def batch_length(batch: Any) -> int | None:
@@ -175,7 +183,8 @@ def checked_batch(sample: Callable[[int], Any], n: int) -> Any:
 
     A batch holds ``n`` samples when its first tensor's leading size is ``n``, or a list or
     tuple below the top level on the way to it has ``n`` items (per-sample tensors, as
-    ``tuple(zip(*samples))`` collates them for detection models).
+    ``tuple(zip(*samples))`` collates them for detection models), or it is a list of ``n``
+    per-sample dicts.
 
     Raises:
         ValueError: the batch does not hold ``n`` samples, or it is a DataLoader.
@@ -193,9 +202,10 @@ def checked_batch(sample: Callable[[int], Any], n: int) -> Any:
         raise ValueError(_LOADER_GIVEN.format(what=f"sample({n}) returned"))
     sizes = _path_sizes(batch)
     if sizes and n not in sizes:
+        lists = "".join(f", a list of {k} in it" for k in sizes[:-1])
         raise ValueError(
             f"sample({n}) returned a batch of {sizes[-1]} samples (the leading size of its "
-            f"first tensor); sample(n) must return exactly n samples"
+            f"first tensor{lists}); sample(n) must return exactly n samples"
         )
     got = None if sizes else batch_length(batch)
     if got is not None and got != n:

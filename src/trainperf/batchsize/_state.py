@@ -101,21 +101,27 @@ def _modules(objects: Iterable[Any]) -> Iterator[nn.Module]:
             yield from obj.modules()
 
 
-def _unsaved_buffers(objects: Iterable[Any]) -> list[tuple[nn.Module, str, torch.Tensor | None]]:
+Buffer = tuple[nn.Module, str, torch.Tensor | None, torch.device | None]
+"""A module, a buffer's name, a host copy of it (None: it was None) and its device."""
+
+
+def _unsaved_buffers(objects: Iterable[Any]) -> list[Buffer]:
     """Host copies of the buffers ``state_dict()`` leaves out (``persistent=False``: a
     metric's running sums, a step counter, a grown rotary cache), with their modules."""
-    out: list[tuple[nn.Module, str, torch.Tensor | None]] = []
+    out: list[Buffer] = []
     for m in _modules(objects):
         for name in sorted(getattr(m, "_non_persistent_buffers_set", ())):
             b = m._buffers.get(name)
-            out.append((m, name, None if b is None else b.detach().to("cpu", copy=True)))
+            if b is None:
+                out.append((m, name, None, None))
+            else:
+                out.append((m, name, b.detach().to("cpu", copy=True), b.device))
     return out
 
 
-def _restore_buffer(m: nn.Module, name: str, saved: torch.Tensor | None) -> None:
+def _restore_buffer(m: nn.Module, name: str, saved: torch.Tensor | None, device: Any) -> None:
     now = m._buffers.get(name)
     if saved is None or now is None or now.shape != saved.shape or now.dtype != saved.dtype:
-        device = None if now is None else now.device
         m._buffers[name] = None if saved is None else saved.to(device=device, copy=True)
     else:
         with torch.no_grad():
@@ -136,14 +142,14 @@ class SavedState:
         states: ``(object, copy of its state_dict())`` for each object with a state.
         grads: ``(parameter, copy of its .grad or None)`` for every parameter.
         modes: ``(module, its .training flag)`` for every submodule.
-        buffers: ``(module, name, copy)`` of every buffer ``state_dict()`` leaves out.
+        buffers: ``(module, name, copy, device)`` of every buffer ``state_dict()`` leaves out.
         pending: ``(MixedPrecision, whether a backward waits for its step)``.
     """
 
     states: list[tuple[Any, Any]] = field(default_factory=list)
     grads: list[tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
     modes: list[tuple[nn.Module, bool]] = field(default_factory=list)
-    buffers: list[tuple[nn.Module, str, torch.Tensor | None]] = field(default_factory=list)
+    buffers: list[Buffer] = field(default_factory=list)
     pending: list[tuple[MixedPrecision, bool]] = field(default_factory=list)
 
     @classmethod
@@ -192,8 +198,8 @@ class SavedState:
                     p.grad = g.to(device=p.device, copy=True)
         for m, training in self.modes:
             m.train(training)
-        for m, name, buffer in self.buffers:
-            _restore_buffer(m, name, buffer)
+        for m, name, buffer, device in self.buffers:
+            _restore_buffer(m, name, buffer, device)
         for mp, pending in self.pending:
             mp._backward_pending = pending
 

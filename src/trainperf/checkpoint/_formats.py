@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from trainperf.checkpoint._allow import (
@@ -139,9 +140,9 @@ _CHECKED_ITEMS = 100_000  # a plain value with more items than this is not check
 
 def _plain(value: Any, budget: list[int], depth: int = 0) -> bool:
     """``value`` holds no tensor (and few enough items to round-trip cheaply)."""
-    budget[0] -= 1
-    if budget[0] < 0 or depth > 16 or isinstance(value, torch.Tensor):
-        return False
+    budget[0] -= 1 + (len(value) // 100 if isinstance(value, (str, bytes)) else 0)
+    if budget[0] < 0 or depth > 16 or isinstance(value, (torch.Tensor, np.ndarray)):
+        return False  # arrays, like tensors, load back (and would cost a copy to check)
     if isinstance(value, dict):
         return all(_plain(k, budget, depth + 1) and _plain(v, budget, depth + 1)
                    for k, v in value.items())  # fmt: skip
@@ -153,7 +154,8 @@ def _plain(value: Any, budget: list[int], depth: int = 0) -> bool:
 def weights_only_refusal(value: Any) -> str | None:
     """Why ``load_checkpoint`` (``weights_only=True``, with the data types it allows) would
     refuse ``value``, or None: a round trip through ``torch.save`` in memory. Values that
-    hold tensors, or more than 100,000 items, are not checked (None).
+    hold tensors or numpy arrays, or more than 100,000 items (a long string counts a
+    hundredth of its length), are not checked (None).
 
     Example:
         >>> import http
@@ -175,6 +177,8 @@ def weights_only_refusal(value: Any) -> str | None:
             torch.load(buf, weights_only=True)
     except pickle.UnpicklingError as e:
         return _refusal_reason(str(e))
+    except Exception:
+        return None  # an allowed class that fails to rebuild: for the load to say
     return None
 
 

@@ -150,6 +150,7 @@ class _Tracker:
     start: _States | None = None
     resume: _Resume | None = None
     pass_id: int = 0
+    current: Any = None  # a weak reference to the pass's iterator (_Counting)
     notes: list[str] = field(default_factory=list)
     # The next new iterator draws its workers' base seed from a scratch generator: a
     # restored loader whose uninterrupted twin reuses its persistent workers draws none.
@@ -266,7 +267,9 @@ def _tracked_iter(loader: Any, make: Callable[[], Iterator[Any]]) -> _Counting:
             it = make()
         tracker.passes, tracker.position = resume.passes, resume.position
         tracker.done, tracker.known = False, True
-    return _Counting(iter(it), tracker, tracker.pass_id)
+    counting = _Counting(iter(it), tracker, tracker.pass_id)
+    tracker.current = weakref.ref(counting)
+    return counting
 
 
 def _tracked_index_sampler(loader: Any, inner: Any) -> _IndexSampler:
@@ -344,12 +347,17 @@ def loader_state(loader: DataLoader[Any]) -> dict[str, Any] | None:
         return None
     length = _length(loader)
     chain = _chain(_own_index_sampler(loader))
+    # Every batch taken but no StopIteration yet: inside the loop over this pass (a save at
+    # its last batch), the pass goes on, empty, when resumed; once the loop let go of the
+    # pass's iterator (zip(range(n), loader), a break at the last batch), it is over.
+    open_pass = tracker.current is not None and tracker.current() is not None
     return {
         "version": _VERSION,
         "passes": tracker.passes,
         "position": tracker.position,
         "length": length,
-        "done": tracker.done,  # the last batch taken, StopIteration not yet: not done
+        "done": tracker.done
+        or (length is not None and tracker.position >= length and not open_pass),
         "start": None if tracker.start is None else tracker.start.to_dict(),
         "now": _States.read(chain, loader.generator).to_dict(),
     }

@@ -132,6 +132,37 @@ def _holds_state(value: Any, depth: int = 0) -> bool:
     return False
 
 
+def _unfit(live: Any, saved: Any, where: str) -> str | None:
+    """Why ``saved`` cannot be put back into ``live`` without leaving a live object
+    unloaded (a dict entry the file lacks, a list of another length), or None; checked
+    before anything is loaded."""
+    if isinstance(live, (nn.Module, DataLoader)) or (
+        not isinstance(live, type) and callable(getattr(live, "load_state_dict", None))
+    ):
+        return None
+    if isinstance(live, Mapping) and isinstance(saved, Mapping):
+        for k, v in live.items():
+            if k not in saved and _holds_state(v):
+                held = ", ".join(repr(x) for x in saved) or "nothing"
+                return (
+                    f"the checkpoint's {where} has no entry {k!r} to load into it (it holds {held})"
+                )
+            if k in saved and (why := _unfit(v, saved[k], f"{where}[{k!r}]")) is not None:
+                return why
+    if isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
+        if len(live) != len(saved):
+            if _holds_state(live):
+                return (
+                    f"the checkpoint's {where} holds {len(saved)} items, the live one "
+                    f"{len(live)} with objects to load into"
+                )
+            return None
+        for i, (a, b) in enumerate(zip(live, saved, strict=True)):
+            if (why := _unfit(a, b, f"{where}[{i}]")) is not None:
+                return why
+    return None
+
+
 def _restore_value(live: Any, saved: Any, where: str) -> Any:
     """Load ``saved`` into ``live`` (returns ``_KEEP``), or return the plain value that
     replaces ``live``."""
@@ -142,25 +173,13 @@ def _restore_value(live: Any, saved: Any, where: str) -> Any:
         live.load_state_dict(saved)
         return _KEEP
     if isinstance(live, MutableMapping) and isinstance(saved, Mapping):
-        missing = [k for k in live if k not in saved]
-        if missing:
-            raise ValueError(
-                f"the checkpoint's {where} has no entry {', '.join(map(repr, missing))} (it "
-                f"holds {sorted(map(repr, saved))}): give restore the entries the "
-                "checkpoints were saved with"
-            )
         for k in list(live):
-            new = _restore_value(live[k], saved[k], f"{where}[{k!r}]")
-            if new is not _KEEP:
-                live[k] = new
+            if k in saved:  # a plain value the file lacks keeps its live value
+                new = _restore_value(live[k], saved[k], f"{where}[{k!r}]")
+                if new is not _KEEP:
+                    live[k] = new
         return _KEEP
     if isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
-        if len(live) != len(saved) and _holds_state(live):
-            raise ValueError(
-                f"the checkpoint's {where} holds {len(saved)} items, the live one {len(live)} "
-                "with objects to load into: give restore the objects the checkpoints were "
-                "saved with"
-            )
         if len(live) != len(saved):
             return saved
         pairs = list(zip(live, saved, strict=True))
@@ -185,9 +204,10 @@ def restore_into(
 
     Raises:
         TypeError: ``state`` is not a dict with string keys.
-        ValueError: ``state`` has entries the file lacks (at any depth of its dicts), a
-            list or tuple of live objects whose length the file's does not match, or the
-            reserved key.
+        ValueError: ``state`` has entries the file lacks, a module or other object to
+            load into that the file lacks at a deeper level of its dicts (a plain value
+            the file lacks keeps its live value), a list or tuple of such objects whose
+            length the file's does not match, or the reserved key. Nothing is loaded then.
         StateDictMismatchError: a module's weights do not fit it.
     """
     state = _check_state(state, "Checkpointer.restore")
@@ -198,6 +218,12 @@ def restore_into(
             f"{where} has no entry {', '.join(map(repr, missing))} (it holds {has}): give "
             "restore the keys the checkpoints were saved with"
         )
+    for key, live in state.items():
+        why = _unfit(live, saved[key], key)
+        if why is not None:
+            raise ValueError(
+                f"{where}: {why}: give restore the objects the checkpoints were saved with"
+            )
     mine = own if own is not None else saved
     for key, live in state.items():
         if isinstance(live, DataLoader):

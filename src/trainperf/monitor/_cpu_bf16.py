@@ -28,7 +28,7 @@ __all__ = ["measure_cpu_bf16", "with_cpu_bf16"]
 
 _PROBE_S = 0.8  # the probe alternates steps this long
 _MIN_PAIRS = 8  # ... and at least this many of each precision
-_MAX_S = 2.0  # ... unless they take longer than this
+_MAX_S = 2.0  # ... unless that takes longer than this (two pairs at least)
 _CACHE: dict[int, float | None] = {}
 
 
@@ -71,7 +71,7 @@ def _probe() -> float:
     while len(fp32) < _MIN_PAIRS or time.perf_counter() - start < _PROBE_S:
         fp32.append(_timed(step, False))
         bf16.append(_timed(step, True))
-        if len(fp32) >= _MIN_PAIRS and time.perf_counter() - start > _MAX_S:
+        if len(fp32) >= 2 and time.perf_counter() - start > _MAX_S:
             break  # slow steps: fewer of them
     return statistics.median(fp32) / statistics.median(bf16)
 
