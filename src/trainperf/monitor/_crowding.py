@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import select
 import statistics
 import subprocess
 import sys
@@ -33,9 +34,13 @@ __all__ = ["Crowding", "measure_crowding", "with_crowding"]
 _ROUNDS = 4  # alternating rounds, the order reversed every other one
 _WINDOW_S = 0.05  # each window runs the workload at least this long
 _MAX_S = 1.0  # the whole probe stops after this long with two rounds
-_SPIN_START_S = 0.05  # the spinners' interpreters start meanwhile
-# A spinner burns a CPU and ends itself after 5 s, whatever its parent does.
-_SPIN = "import time\nend = time.monotonic() + 5.0\nwhile time.monotonic() < end:\n    pass\n"
+_SPIN_START_S = 2.0  # the most the probe waits for its spinners to say they spin
+# A spinner says it started (a byte on stdout), burns a CPU and ends itself after 5 s,
+# whatever its parent does.
+_SPIN = (
+    "import sys, time\nsys.stdout.write('.')\nsys.stdout.flush()\n"
+    "end = time.monotonic() + 5.0\nwhile time.monotonic() < end:\n    pass\n"
+)
 _CACHE: dict[tuple[int, int, int, int], Crowding | None] = {}
 
 
@@ -92,12 +97,17 @@ def _spinners(count: int, procs: list[subprocess.Popen[bytes]]) -> None:
             subprocess.Popen(
                 [sys.executable, "-S", "-E", "-c", _SPIN],
                 stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
             )
         )
-    if procs:
-        time.sleep(_SPIN_START_S)  # the interpreters start spinning
+    deadline = time.monotonic() + _SPIN_START_S
+    for p in procs:  # each says it spins (a loaded host starts an interpreter slowly)
+        if p.stdout is None:  # pragma: no cover - started with stdout=PIPE
+            continue
+        ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if ready:
+            p.stdout.read(1)
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -107,6 +117,8 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
     for p in procs:
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
             p.wait(timeout=5)
+        if p.stdout is not None:
+            p.stdout.close()
 
 
 def _probe(threads: int, fit: int, busy: int) -> Crowding:
