@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 import torch
 
@@ -17,12 +18,8 @@ from trainperf.monitor._setup import LoopSetup
 
 
 def _children() -> set[int]:
-    """This process's children, from every thread's ``/proc`` entry."""
-    out: set[int] = set()
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            out.update(int(p) for p in f.read().split())
-    return out
+    """This process's children."""
+    return {p.pid for p in psutil.Process().children()}
 
 
 @pytest.fixture(autouse=True)

@@ -207,7 +207,8 @@ def checked_batch(sample: Callable[[int], Any], n: int) -> Any:
             f"sample({n}) returned a batch of {sizes[-1]} samples (the leading size of its "
             f"first tensor{lists}); sample(n) must return exactly n samples"
         )
-    got = None if sizes else batch_length(batch)
-    if got is not None and got != n:
-        raise ValueError(f"sample({n}) returned a list of {got} items; it must return n samples")
+    if not sizes and isinstance(batch, list) and len(batch) != n:  # a list of other things
+        raise ValueError(
+            f"sample({n}) returned a list of {len(batch)} items; it must return n samples"
+        )
     return batch

@@ -117,12 +117,17 @@ def saved_step(payload: Mapping[str, Any], where: str) -> int:
     return int(meta["step"])
 
 
-def _holds_state(value: Any, depth: int = 0) -> bool:
-    """``value`` is, or holds (in lists, tuples and dicts), an object restored in place: a
-    module, anything with ``load_state_dict``, a DataLoader."""
-    if isinstance(value, (nn.Module, DataLoader)) or (
+def _loads_in_place(value: Any) -> bool:
+    """``value`` is restored in place: a module, anything with ``load_state_dict``, a
+    DataLoader."""
+    return isinstance(value, (nn.Module, DataLoader)) or (
         not isinstance(value, type) and callable(getattr(value, "load_state_dict", None))
-    ):
+    )
+
+
+def _holds_state(value: Any, depth: int = 0) -> bool:
+    """``value`` is, or holds (in lists, tuples and dicts), an object restored in place."""
+    if _loads_in_place(value):
         return True
     if depth > 8:
         return False
@@ -136,9 +141,7 @@ def _unfit(live: Any, saved: Any, where: str) -> str | None:
     """Why ``saved`` cannot be put back into ``live`` without leaving a live object
     unloaded (a dict entry the file lacks, a list of another length), or None; checked
     before anything is loaded."""
-    if isinstance(live, (nn.Module, DataLoader)) or (
-        not isinstance(live, type) and callable(getattr(live, "load_state_dict", None))
-    ):
+    if _loads_in_place(live):
         return None
     if isinstance(live, Mapping) and isinstance(saved, Mapping):
         for k, v in live.items():
