@@ -291,15 +291,17 @@ def _rebuild(obj: Any, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return _copy_leaf(obj)
 
 
-def write_now(payload: Any, path: Path) -> None:
+def write_now(payload: Any, path: Path, *, checked: bool = False) -> None:
     """Write ``payload`` to ``path`` atomically (temp file, fsync, rename, fsync dir), once
-    its plain values are known to load back (:func:`refuse_unloadable`).
+    its plain values are known to load back (:func:`refuse_unloadable`; ``checked``: the
+    caller did that already).
 
     Raises:
         CheckpointError: it could not be serialised or written (the cause chained), or a
             value in it is one that loading with ``weights_only=True`` refuses.
     """
-    refuse_unloadable(payload, path)
+    if not checked:
+        refuse_unloadable(payload, path)
     write_checkpoint_file(path, lambda f: torch.save(payload, f))
 
 
@@ -481,7 +483,7 @@ def _child(payload: Any, path: Path, after: Callable[[], list[str]], fd: int, pa
         for sig in _QUIET:
             signal.signal(sig, signal.SIG_IGN)
         lower_priority()
-        write_now(payload, path)
+        write_now(payload, path, checked=True)  # by the parent: no torch.load in a fork
         drop_cached(path)
         _send(fd, {"ok": True, "notes": after()})
         code = 0
@@ -532,7 +534,14 @@ def start_process(
     payload: Any, path: Path, after: Callable[[], list[str]], handle: SaveHandle
 ) -> None:
     """Fork a writer of ``payload`` (its copy-on-write snapshot) to ``path``; ``after`` runs
-    in the writer once the file is durable and returns notes for the caller."""
+    in the writer once the file is durable and returns notes for the caller. A payload
+    that :func:`refuse_unloadable` refuses fails ``handle`` without a fork (the check loads
+    with torch, which a child forked from a threaded process should not)."""
+    try:
+        refuse_unloadable(payload, path)
+    except CheckpointError as e:
+        handle._finish((str(e), e), [])
+        return
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
     pid = os.fork()
