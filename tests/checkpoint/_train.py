@@ -14,6 +14,8 @@ ranks (each rank seeded differently, a DistributedLoader, DDP).
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import sys
 import time
 from pathlib import Path
@@ -24,6 +26,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainperf import Checkpointer, DieWithParent, seed_everything
+
+# On this signal every thread's Python stack goes to stderr: what a test that sees the run
+# hang sends to each of its processes (a forked writer inherits the handler).
+DUMP_SIGNAL = signal.SIGRTMIN + 5
 
 SAMPLES, BATCH = 104, 8  # 13 batches an epoch: steps 30 and 37 fall mid-epoch
 
@@ -60,6 +66,7 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> None:
 def train(args: argparse.Namespace) -> None:
     import trainperf.ddp as ddp
 
+    faulthandler.register(DUMP_SIGNAL, all_threads=True, chain=False)
     rank = ddp.rank()
     seed_everything(100 + rank)  # each rank its own stream: its own file must restore it
     net = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
@@ -112,6 +119,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--preempt", action="store_true")
     p.add_argument("--ranks", type=int, default=1)
     args = p.parse_args(argv)
+    faulthandler.register(DUMP_SIGNAL, all_threads=True, chain=False)
     if args.ranks > 1:
         from trainperf.ddp import launch
 

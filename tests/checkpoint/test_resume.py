@@ -10,6 +10,7 @@ namespace), so all are marked slow.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import random
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ import pytest
 import torch
 
 from tests.checkpoint._crash import CRASH_FLOATS
+from tests.checkpoint._train import DUMP_SIGNAL
 from trainperf import Checkpointer, load_checkpoint
 from trainperf.errors import CheckpointError
 
@@ -35,6 +38,9 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300  # a loaded 2-core machine: generous, never a measure of speed
+# How long a run may take to print what a test waits for: under pytest's 300 s timeout, so a
+# run that hangs is reported with where it is stuck.
+WAIT_S = 180
 
 
 def _train(*args: str | Path, session: bool = False) -> subprocess.Popen[str]:
@@ -61,20 +67,73 @@ def _finish(proc: subprocess.Popen[str]) -> str:
 
 
 def _wait_for(proc: subprocess.Popen[str], line: str) -> str:
-    """Read the run's output until ``line`` (the run keeps going)."""
+    """Read the run's output until ``line`` (the run keeps going). A run that never prints
+    it is killed, and the failure shows what it printed and where each of its processes was
+    stuck (every thread's Python stack, each thread's kernel wait)."""
     assert proc.stdout is not None
-    seen = []
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        got = proc.stdout.readline()
-        if not got:
-            break
-        seen.append(got)
-        if got.strip() == line:
-            return "".join(seen)
+    seen: list[str] = []
+    found = threading.Event()
+
+    def read() -> None:  # a thread: select() cannot see what the text wrapper buffered
+        assert proc.stdout is not None
+        for got in iter(proc.stdout.readline, ""):
+            seen.append(got)
+            if got.strip() == line:
+                found.set()
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(WAIT_S)
+    if found.is_set():
+        return "".join(seen)
+    printed = "".join(seen)
+    where = _where_stuck(proc, seen) if reader.is_alive() else "it exited"
     proc.kill()
     proc.wait()
-    raise AssertionError(f"never printed {line!r}:\n{''.join(seen)}")
+    reader.join(10)
+    raise AssertionError(f"never printed {line!r}:\n{printed}\n{where}")
+
+
+def _wchan(pid: int, tid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/wchan").read_text() or "running"
+    except OSError:
+        return "?"
+
+
+def _described(p: psutil.Process) -> str:
+    try:
+        waits = [_wchan(p.pid, t.id) for t in p.threads()]
+        return f"ppid {p.ppid()} {p.status()} {p.cmdline()[:4]}, threads waiting in {waits}"
+    except psutil.Error as e:
+        return f"({e})"
+
+
+def _signal_main_thread(pid: int, signum: int) -> None:
+    """``signum`` to ``pid``'s main thread (tgkill), where faulthandler sees the Python
+    thread that runs the loop; any thread of it where tgkill is unknown."""
+    number = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)
+    if number is None or ctypes.CDLL(None).syscall(number, pid, pid, int(signum)) != 0:
+        os.kill(pid, signum)
+
+
+def _where_stuck(proc: subprocess.Popen[str], seen: list[str]) -> str:
+    """What every process of the run is doing: ``_train`` dumps every thread's Python stack
+    on DUMP_SIGNAL (its forked writers too), and /proc says where each thread waits; what
+    the run prints meanwhile lands in ``seen``."""
+    family = [psutil.Process(proc.pid)]
+    with contextlib.suppress(psutil.Error):
+        family += family[0].children(recursive=True)
+    lines = []
+    before = len(seen)
+    for p in family:
+        lines.append(f"pid {p.pid}: {_described(p)}")
+        with contextlib.suppress(psutil.Error, OSError):
+            if "resource_tracker" not in " ".join(p.cmdline()):  # it would die of it
+                _signal_main_thread(p.pid, DUMP_SIGNAL)
+    time.sleep(5.0)
+    return "processes:\n" + "\n".join(lines) + "\nstacks:\n" + "".join(seen[before:])
 
 
 def _assert_identical(a_path: Path, b_path: Path) -> None:
