@@ -430,7 +430,14 @@ def test_a_save_at_any_batch_resumes_the_epoch_loop_exactly(
     assert first + rest == straight
 
 
-@pytest.mark.parametrize("value", [http.HTTPStatus.OK, torch.Generator().manual_seed(1)])
+@pytest.mark.parametrize(
+    "value",
+    [
+        http.HTTPStatus.OK,
+        torch.Generator().manual_seed(1),
+        {"w": torch.ones(3), "status": [http.HTTPStatus.OK]},  # beside tensors too
+    ],
+)
 def test_a_value_restore_could_never_load_is_refused_before_it_is_written(
     tmp_path: Path, value: Any
 ) -> None:

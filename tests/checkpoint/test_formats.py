@@ -3,7 +3,9 @@ not load (truncated, damaged, not a checkpoint, unsafe pickle)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import http
 import os
 import pickle
 import sys
@@ -11,6 +13,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -167,3 +170,24 @@ def test_out_of_memory_is_not_rewrapped(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(torch, "load", oom)
     with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
         load_checkpoint(FIXTURES / GPU_FILES[0])
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+@pytest.mark.parametrize(
+    ("value", "refused"),
+    [
+        ({"w": torch.ones(2), "a": np.ones(3), "n": 3, "o": collections.OrderedDict(x=1)}, None),
+        ({"w": torch.ones(2), "pair": Pair(torch.ones(1), 2)}, "Pair"),
+        ({"counts": collections.defaultdict(int, a=torch.ones(1))}, "defaultdict"),
+        ([torch.ones(2), {"status": http.HTTPStatus.OK}], "HTTPStatus"),
+    ],
+)
+def test_weights_only_refusal_checks_what_surrounds_tensors_as_the_load_will_see_it(
+    value: Any, refused: str | None
+) -> None:
+    from trainperf.checkpoint._formats import weights_only_refusal
+
+    got = weights_only_refusal(value)
+    assert got is None if refused is None else refused in str(got), got

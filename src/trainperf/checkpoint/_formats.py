@@ -6,6 +6,7 @@ whether a file is truncated, damaged, of another kind, or refused as unsafe.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import pickle
@@ -135,27 +136,53 @@ def _unsafe_message(path: Path, reason: str) -> str:
     )
 
 
-_CHECKED_ITEMS = 100_000  # a plain value with more items than this is not checked
+_CHECKED_ITEMS = 100_000  # a value with more items than this is not checked
 
 
-def _plain(value: Any, budget: list[int], depth: int = 0) -> bool:
-    """``value`` holds no tensor (and few enough items to round-trip cheaply)."""
+class _TooBig(Exception):
+    """More items than :data:`_CHECKED_ITEMS`, or nested too deep, to check cheaply."""
+
+
+def _skeleton(value: Any, budget: list[int], depth: int = 0) -> Any:
+    """``value`` with every tensor and numpy array replaced by None (they load back, and
+    copying them would cost what the save does), containers rebuilt as their own type.
+
+    Raises:
+        _TooBig: more than ``budget`` items (a long string counts a hundredth of its length).
+    """
     budget[0] -= 1 + (len(value) // 100 if isinstance(value, (str, bytes)) else 0)
-    if budget[0] < 0 or depth > 16 or isinstance(value, (torch.Tensor, np.ndarray)):
-        return False  # arrays, like tensors, load back (and would cost a copy to check)
+    if budget[0] < 0 or depth > 16:
+        raise _TooBig
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return None
     if isinstance(value, dict):
-        return all(_plain(k, budget, depth + 1) and _plain(v, budget, depth + 1)
-                   for k, v in value.items())  # fmt: skip
+        items = [(_skeleton(k, budget, depth + 1), _skeleton(v, budget, depth + 1))
+                 for k, v in value.items()]  # fmt: skip
+        if isinstance(value, collections.defaultdict):
+            return collections.defaultdict(value.default_factory, items)
+        return _same_container(value, dict(items))
     if isinstance(value, (list, tuple, set, frozenset)):
-        return all(_plain(v, budget, depth + 1) for v in value)
-    return True
+        items = [_skeleton(v, budget, depth + 1) for v in value]
+        if hasattr(value, "_fields"):  # a namedtuple
+            return _same_container(value, items, star=True)
+        return _same_container(value, items)
+    return value
+
+
+def _same_container(value: Any, items: Any, *, star: bool = False) -> Any:
+    """``items`` as a container of ``value``'s type, which is what the check must see; the
+    plain builtin where that type cannot be built from them."""
+    try:
+        return type(value)(*items) if star else type(value)(items)
+    except Exception:
+        return tuple(items) if star else items
 
 
 def weights_only_refusal(value: Any) -> str | None:
     """Why ``load_checkpoint`` (``weights_only=True``, with the data types it allows) would
-    refuse ``value``, or None: a round trip through ``torch.save`` in memory. Values that
-    hold tensors or numpy arrays, or more than 100,000 items (a long string counts a
-    hundredth of its length), are not checked (None).
+    refuse ``value``, or None: a round trip through ``torch.save`` in memory of ``value``
+    with its tensors and numpy arrays left out (they load back). A value with more than
+    100,000 items (a long string counts a hundredth of its length) is not checked (None).
 
     Example:
         >>> import http
@@ -163,12 +190,16 @@ def weights_only_refusal(value: Any) -> str | None:
         True
         >>> "HTTPStatus" in weights_only_refusal({"status": http.HTTPStatus.OK})
         True
+        >>> "HTTPStatus" in weights_only_refusal({"w": torch.ones(2), "s": http.HTTPStatus.OK})
+        True
     """
-    if not _plain(value, [_CHECKED_ITEMS]):
+    try:
+        skeleton = _skeleton(value, [_CHECKED_ITEMS])
+    except _TooBig:
         return None
     buf = io.BytesIO()
     try:
-        torch.save(value, buf)
+        torch.save(skeleton, buf)
     except Exception:
         return None  # not picklable at all: the save itself says so
     buf.seek(0)
