@@ -122,3 +122,24 @@ def test_a_backward_waiting_for_its_step_still_waits_after_tuning() -> None:
     before = model.weight.detach().clone()
     mp.step(opt)
     assert not torch.equal(model.weight.detach(), before)
+
+
+def test_schedulers_driving_a_given_optimizer_are_found_and_held_still() -> None:
+    from trainperf.batchsize._state import schedulers_held
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    step_lr = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    torch.optim.lr_scheduler.StepLR(other, step_size=1)  # another optimizer's: not ours
+    found = stateful_objects(model, opt)
+    assert found[:2] == [model, opt] and {id(o) for o in found[2:]} == {id(plateau), id(step_lr)}
+    assert stateful_objects(model, (opt, step_lr)).count(step_lr) == 1
+    step_lr.step = step_lr.step  # an instance attribute of its own comes back as it was
+    own = vars(step_lr)["step"]
+    with schedulers_held(found):
+        step_lr.step()
+        plateau.step(1.0)
+    assert step_lr.last_epoch == 0 and vars(step_lr)["step"] is own
+    assert "step" not in vars(plateau)

@@ -165,3 +165,28 @@ def test_the_device_defaults_to_the_models_and_the_bar_names_the_tuner(
     err = capsys.readouterr().err
     assert err.startswith("tune_batch_size: measuring batch sizes (budget 60 s)")
     assert "tune_loader" not in err
+
+
+def test_a_scheduler_the_step_advances_stands_still_and_need_not_be_passed() -> None:
+    # A OneCycleLR stepped inside `step` ran past its total_steps within the first probe
+    # (ValueError), and any scheduler left unpassed came back further along its schedule.
+    t = Trainer()
+    sched = torch.optim.lr_scheduler.OneCycleLR(t.opt, max_lr=0.05, total_steps=40)
+    for _ in range(3):
+        t(sample(4))
+        sched.step()
+    before, lr = sched.state_dict(), t.opt.param_groups[0]["lr"]
+
+    def step(batch: Any) -> None:
+        t(batch)
+        sched.step()
+
+    report = tune_batch_size(
+        step, sample, model=t.model, optimizer=t.opt, device="cpu", min_size=2, max_size=64,
+        budget_s=30.0, progress=False, cache=False,
+    )  # fmt: skip
+    assert report.batch_size >= 2 and len(t.sizes) > 40  # far more steps than its schedule
+    assert sched.state_dict() == before and t.opt.param_groups[0]["lr"] == lr
+    assert "step" not in vars(sched)  # its own step() again
+    sched.step()
+    assert sched.last_epoch == before["last_epoch"] + 1

@@ -20,17 +20,20 @@ left alone; ``load_state_dict`` of an empty dict would refuse it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from trainperf.amp import MixedPrecision
 
-__all__ = ["SavedState", "stateful_objects"]
+__all__ = ["SavedState", "attached_schedulers", "schedulers_held", "stateful_objects"]
 
 
 def stateful_objects(*groups: object) -> list[Any]:
@@ -61,6 +64,82 @@ def stateful_objects(*groups: object) -> list[Any]:
                 )
             if all(obj is not seen for seen in found):
                 found.append(obj)
+    for scheduler in attached_schedulers([o for o in found if isinstance(o, Optimizer)]):
+        if all(scheduler is not seen for seen in found):
+            found.append(scheduler)
+    return found
+
+
+_SCHEDULER_KINDS = ("LRScheduler", "ReduceLROnPlateau")
+
+
+def _is_scheduler(obj: object) -> bool:
+    from torch.optim import lr_scheduler
+
+    return isinstance(obj, tuple(getattr(lr_scheduler, k) for k in _SCHEDULER_KINDS))
+
+
+@contextlib.contextmanager
+def schedulers_held(objects: Iterable[Any]) -> Iterator[None]:
+    """Every LR scheduler among ``objects`` stands still meanwhile: its ``step()`` does
+    nothing. Probing runs thousands of steps; a scheduler stepped by each would run out
+    (OneCycleLR raises past its ``total_steps``) and its learning rates are no part of what
+    a step costs.
+
+    Example:
+        >>> opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        >>> with schedulers_held([sched]):
+        ...     sched.step()
+        >>> sched.last_epoch, sched.step.__name__
+        (0, 'step')
+    """
+    held = [o for o in objects if _is_scheduler(o)]
+    own = [o.__dict__.get("step", _NOT_SET) for o in held]
+    for scheduler in held:
+        scheduler.step = _standing_still
+    try:
+        yield
+    finally:
+        for scheduler, step in zip(held, own, strict=True):
+            if step is _NOT_SET:
+                del scheduler.step
+            else:
+                scheduler.step = step
+
+
+_NOT_SET = object()
+
+
+def _standing_still(*args: Any, **kwargs: Any) -> None:
+    """A held scheduler's ``step``: nothing."""
+
+
+def attached_schedulers(optimizers: list[Optimizer]) -> list[Any]:
+    """The LR schedulers alive in this process that drive one of ``optimizers``.
+
+    A ``step`` that also steps its scheduler advances it on every probe step: unless its
+    state is put back too, training resumes further along its schedule than it was (a
+    OneCycleLR's warm-up spent on probes, or run past its ``total_steps``). The schedulers
+    are found by who refers to each optimizer (``gc.get_referrers``), so the caller need
+    not pass them.
+
+    Example:
+        >>> opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+        >>> attached_schedulers([opt]) == [sched]
+        True
+    """
+    found: list[Any] = []
+    for opt in optimizers:
+        # An instance's attributes refer to it from the instance itself (inline values) or
+        # from its __dict__, whose referrer is the instance.
+        for ref in gc.get_referrers(opt):
+            owners = gc.get_referrers(ref) if isinstance(ref, dict) else [ref]
+            for owner in owners:
+                mine = _is_scheduler(owner) and getattr(owner, "optimizer", None) is opt
+                if mine and all(owner is not seen for seen in found):
+                    found.append(owner)
     return found
 
 

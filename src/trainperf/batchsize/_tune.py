@@ -31,7 +31,7 @@ from trainperf.batchsize._report import BatchSizeCandidate, BatchSizeReport, Pip
 from trainperf.batchsize._sample import checked_batch
 from trainperf.batchsize._search import Search
 from trainperf.batchsize._sizes import SizeSpace
-from trainperf.batchsize._state import SavedState, stateful_objects
+from trainperf.batchsize._state import SavedState, schedulers_held, stateful_objects
 from trainperf.device import resolve_device
 from trainperf.limits import HostLimits, host_limits
 
@@ -244,7 +244,8 @@ def _tune(call: _Call) -> BatchSizeReport:
         hit, misfit = _from_cache(call, key, host_limits())
         if hit is not None:
             return hit
-    report = _search(call)
+    with schedulers_held(call.objects):
+        report = _search(call)
     if misfit is not None:
         report = dataclasses.replace(report, notes=(misfit, *report.notes))
     return report if key is None else _store(key, report)
