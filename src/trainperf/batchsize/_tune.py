@@ -295,7 +295,9 @@ def tune_batch_size(
         model: the module ``step`` trains, or a tuple of objects with ``state_dict`` and
             ``load_state_dict``; saved before probing and restored after.
         optimizer: its optimizer, or a tuple (optimizer, scheduler, ``GradScaler``,
-            :class:`trainperf.MixedPrecision`, ...); saved and restored likewise.
+            :class:`trainperf.MixedPrecision`, ...); saved and restored likewise. LR
+            schedulers driving it are found without being passed; every scheduler's
+            ``step()`` does nothing while tuning runs.
         device: where ``step`` runs; None: where the model's parameters are, else
             :func:`trainperf.best_device` (parsed by :func:`trainperf.device.resolve_device`).
         min_size: the smallest batch size tried.
