@@ -32,6 +32,7 @@ from trainperf._utils.qualname import qualname
 from trainperf.amp import MixedPrecision
 from trainperf.batchsize._report import BatchSizeCandidate
 from trainperf.batchsize._sizes import SizeSpace
+from trainperf.batchsize._state import is_scheduler
 
 __all__ = ["ENTRY_KEYS", "cache_misfit", "cache_path", "entry_key", "parsed_candidates"]
 
@@ -87,7 +88,9 @@ def _describe(obj: Any) -> Any:
 
 
 def _model_fields(objects: Sequence[Any]) -> list[Any]:
-    return [_describe(obj) for obj in objects]
+    """What of ``objects`` decides the answer; not their LR schedulers, which cost a step
+    nothing (and are found whether passed or not)."""
+    return [_describe(obj) for obj in objects if not is_scheduler(obj)]
 
 
 def _device_fields(device: torch.device) -> list[Any]:

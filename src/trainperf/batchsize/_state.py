@@ -33,7 +33,13 @@ from torch.optim import Optimizer
 
 from trainperf.amp import MixedPrecision
 
-__all__ = ["SavedState", "attached_schedulers", "schedulers_held", "stateful_objects"]
+__all__ = [
+    "SavedState",
+    "attached_schedulers",
+    "is_scheduler",
+    "schedulers_held",
+    "stateful_objects",
+]
 
 
 def stateful_objects(*groups: object) -> list[Any]:
@@ -73,7 +79,8 @@ def stateful_objects(*groups: object) -> list[Any]:
 _SCHEDULER_KINDS = ("LRScheduler", "ReduceLROnPlateau")
 
 
-def _is_scheduler(obj: object) -> bool:
+def is_scheduler(obj: object) -> bool:
+    """``obj`` is an LR scheduler (``ReduceLROnPlateau`` included)."""
     from torch.optim import lr_scheduler
 
     return isinstance(obj, tuple(getattr(lr_scheduler, k) for k in _SCHEDULER_KINDS))
@@ -94,7 +101,7 @@ def schedulers_held(objects: Iterable[Any]) -> Iterator[None]:
         >>> sched.last_epoch, sched.step.__name__
         (0, 'step')
     """
-    held = [o for o in objects if _is_scheduler(o)]
+    held = [o for o in objects if is_scheduler(o)]
     own = [o.__dict__.get("step", _NOT_SET) for o in held]
     for scheduler in held:
         scheduler.step = _standing_still
@@ -137,7 +144,7 @@ def attached_schedulers(optimizers: list[Optimizer]) -> list[Any]:
         for ref in gc.get_referrers(opt):
             owners = gc.get_referrers(ref) if isinstance(ref, dict) else [ref]
             for owner in owners:
-                mine = _is_scheduler(owner) and getattr(owner, "optimizer", None) is opt
+                mine = is_scheduler(owner) and getattr(owner, "optimizer", None) is opt
                 if mine and all(owner is not seen for seen in found):
                     found.append(owner)
     return found
