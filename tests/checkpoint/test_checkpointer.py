@@ -130,9 +130,9 @@ def test_a_second_save_waits_for_the_one_in_flight(
     release = threading.Event()
     real = writer_module.write_now
 
-    def slow(payload: Any, path: Path) -> None:
+    def slow(payload: Any, path: Path, **kw: Any) -> None:
         release.wait(timeout=60)
-        real(payload, path)
+        real(payload, path, **kw)
 
     monkeypatch.setattr(writer_module, "write_now", slow)
     ckpt = Checkpointer(tmp_path)
@@ -162,9 +162,9 @@ def test_a_skipped_step_does_not_wait_for_the_write_in_flight(
     release = threading.Event()
     real = writer_module.write_now
 
-    def held(payload: Any, path: Path) -> None:
+    def held(payload: Any, path: Path, **kw: Any) -> None:
         release.wait(timeout=60)
-        real(payload, path)
+        real(payload, path, **kw)
 
     monkeypatch.setattr(writer_module, "write_now", held)
     ckpt = Checkpointer(tmp_path, every=10)
@@ -451,6 +451,27 @@ def test_a_value_restore_could_never_load_is_refused_before_it_is_written(
     with pytest.raises(CheckpointError, match=r"state\['extra'\] holds a value that restore"):
         ckpt.wait()
     assert ckpt.steps() == [1]
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_background_save_is_checked_in_the_callers_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    # The check widens torch's allow-list while it loads: from the writer thread, a load in
+    # the training thread meanwhile saw it widened, or had its own entries taken away.
+    if writer == "thread":
+        monkeypatch.setattr(checkpointer_module, "fork_writes", lambda: False)
+    real, threads = writer_module.weights_only_refusal, []
+
+    def recorded(value: Any) -> str | None:
+        threads.append(threading.current_thread())
+        return real(value)
+
+    monkeypatch.setattr(writer_module, "weights_only_refusal", recorded)
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.save({"w": torch.ones(2), "n": 1}, step=1, blocking=False).writer == writer
+    ckpt.wait()
+    assert threads and set(threads) == {threading.main_thread()}
 
 
 def test_a_complete_checkpoint_that_weights_only_refuses_stops_restore(tmp_path: Path) -> None:

@@ -530,6 +530,16 @@ def _reap(pid: int, fd: int, handle: SaveHandle) -> None:
         handle._finish((record["message"], _cause(record)), [])
 
 
+def _refused(payload: Any, path: Path, handle: SaveHandle) -> bool:
+    """Whether :func:`refuse_unloadable` refuses ``payload``; if so ``handle`` has failed."""
+    try:
+        refuse_unloadable(payload, path)
+    except CheckpointError as e:
+        handle._finish((str(e), e), [])
+        return True
+    return False
+
+
 def start_process(
     payload: Any, path: Path, after: Callable[[], list[str]], handle: SaveHandle
 ) -> None:
@@ -537,10 +547,7 @@ def start_process(
     in the writer once the file is durable and returns notes for the caller. A payload
     that :func:`refuse_unloadable` refuses fails ``handle`` without a fork (the check loads
     with torch, which a child forked from a threaded process should not)."""
-    try:
-        refuse_unloadable(payload, path)
-    except CheckpointError as e:
-        handle._finish((str(e), e), [])
+    if _refused(payload, path, handle):
         return
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
@@ -558,11 +565,14 @@ def start_thread(
     payload: Any, path: Path, after: Callable[[], list[str]], handle: SaveHandle
 ) -> None:
     """Write the (staged) ``payload`` to ``path`` from a thread; ``after`` as for
-    :func:`start_process`."""
+    :func:`start_process`. The payload is checked here, in the caller's thread: the check
+    widens torch's allow-list while it loads, which another thread's load would see."""
+    if _refused(payload, path, handle):
+        return
 
     def run() -> None:
         try:
-            write_now(payload, path)
+            write_now(payload, path, checked=True)
             drop_cached(path)
             handle._finish(None, after())
         except BaseException as e:
