@@ -79,7 +79,7 @@ def _wait_for(proc: subprocess.Popen[str], line: str) -> str:
         assert proc.stdout is not None
         for got in iter(proc.stdout.readline, ""):
             seen.append(got)
-            if got.strip() == line:
+            if got.rstrip().endswith(line):  # another process's partial line may lead
                 found.set()
                 return
 

@@ -9,7 +9,9 @@ import errno
 import json
 import mmap
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,35 @@ def test_lower_priority_lowers_cpu_and_io_priority() -> None:
         assert autogroup.split()[-1] == "10", autogroup
     if ioprio is not None and ioprio >= 0:  # -1: no ioprio_get here (seccomp)
         assert ioprio == (2 << 13) | 7  # best effort, its lowest level
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs os.pidfd_open (Linux)")
+def test_a_copy_of_the_pipe_held_by_another_process_does_not_hold_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another thread forks (a DataLoader worker, a forked helper) between the writer's pipe
+    # and the parent's closing its end: that process holds a copy of the write end, and a
+    # reaper reading to end-of-file waited as long as it lived.
+    real_fork, holders = os.fork, []
+
+    def fork_and_leak() -> int:
+        pid = real_fork()
+        if pid != 0:
+            other = real_fork()
+            if other == 0:  # pragma: no cover - the holder only sleeps
+                time.sleep(60)
+                os._exit(0)
+            holders.append(other)
+        return pid
+
+    monkeypatch.setattr(os, "fork", fork_and_leak)
+    try:
+        ckpt = Checkpointer(tmp_path)
+        handle = ckpt.save({"w": torch.ones(4), "n": 1}, step=1, blocking=False)
+        monkeypatch.undo()
+        assert handle.writer == "process" and handle.wait(timeout=30)
+        assert holders and Checkpointer(tmp_path).steps() == [1]
+    finally:
+        for pid in holders:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)

@@ -28,6 +28,7 @@ import ctypes
 import errno
 import json
 import os
+import select
 import signal
 import sys
 import threading
@@ -508,12 +509,50 @@ def _death(status: int | None) -> str:
     return f"the writer process exited with status {os.waitstatus_to_exitcode(status)}"
 
 
-def _reap(pid: int, fd: int, handle: SaveHandle) -> None:
+def _exit_watch(pid: int) -> int | None:
+    """A pidfd on the writer ``pid`` (readable once it has exited), or None where Linux or
+    Python has none. Opened right after the fork, before anything could reap the child."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _read_report(fd: int, pidfd: int | None) -> list[bytes]:
+    """What the writer sent through the pipe ``fd``, read until it closed its end or, with
+    ``pidfd``, until it exited: the pipe's end never closes while a process forked
+    meanwhile by another thread (a subprocess, a DataLoader worker) still holds a copy of
+    the write end, and waiting for that would wait for the other process."""
     chunks = []
     with contextlib.suppress(OSError):
-        while chunk := os.read(fd, 1 << 16):
-            chunks.append(chunk)
-    os.close(fd)
+        if pidfd is None:
+            while chunk := os.read(fd, 1 << 16):
+                chunks.append(chunk)
+            return chunks
+        os.set_blocking(fd, False)
+        while True:
+            ready = select.select([fd, pidfd], [], [])[0]
+            exited = pidfd in ready
+            while True:  # what the pipe holds now
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    break
+                if not chunk:
+                    return chunks
+                chunks.append(chunk)
+            if exited:
+                return chunks
+    return chunks
+
+
+def _reap(pid: int, fd: int, handle: SaveHandle, pidfd: int | None = None) -> None:
+    try:
+        chunks = _read_report(fd, pidfd)
+    finally:
+        os.close(fd)
+        if pidfd is not None:
+            os.close(pidfd)
     status: int | None = None
     with contextlib.suppress(ChildProcessError):  # reaped elsewhere (a SIGCHLD handler)
         status = os.waitpid(pid, 0)[1]
@@ -557,7 +596,10 @@ def start_process(
         _child(payload, path, after, write_fd, parent)
     os.close(write_fd)
     threading.Thread(
-        target=_reap, args=(pid, read_fd, handle), name="trainperf-checkpoint-reaper", daemon=True
+        target=_reap,
+        args=(pid, read_fd, handle, _exit_watch(pid)),
+        name="trainperf-checkpoint-reaper",
+        daemon=True,
     ).start()
 
 
