@@ -133,6 +133,12 @@ class Group:
 
     def _start(self) -> None:
         available = _capacity.available_memory() if self.measure_first else 0
+        if self.ctx.get_start_method() != "fork":
+            # Started lazily by the first worker's start, while fd 2 is that worker's
+            # start-up pipe, multiprocessing's resource tracker would keep a copy of it.
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()
         for rank in range(self.n):
             with self.guard.deferred():
                 self._start_one(rank)
