@@ -205,3 +205,30 @@ def test_a_copy_of_the_pipe_held_by_another_process_does_not_hold_the_save(
         for pid in holders:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+
+
+def test_a_background_save_finishes_in_a_process_with_more_than_1024_files_open(
+    tmp_path: Path,
+) -> None:
+    # The reaper waited with select(), which refuses fds from 1024 on: it died, and every
+    # wait for the save (the next save's, the exit hook's) waited forever.
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit on open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    handle = None
+    try:
+        ckpt = Checkpointer(tmp_path)
+        handle = ckpt.save({"w": torch.ones(4), "n": 1}, step=1, blocking=False)
+        assert handle.writer == "process" and handle.wait(timeout=30)
+        assert ckpt.steps() == [1]
+    finally:
+        if handle is not None and not handle.done():  # or the exit hook waits for it
+            handle._finish(("never reported", RuntimeError("never reported")), [])
+            handle._reported = True
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -137,16 +137,19 @@ def attached_schedulers(optimizers: list[Optimizer]) -> list[Any]:
         >>> attached_schedulers([opt]) == [sched]
         True
     """
+    if not optimizers:
+        return []
+    # An instance's attributes refer to it from the instance itself (inline values) or
+    # from its __dict__, whose referrer is the instance: one more scan for all the dicts.
+    refs = gc.get_referrers(*optimizers)
+    dicts = [r for r in refs if isinstance(r, dict)]
+    owners = [r for r in refs if not isinstance(r, dict)]
+    owners += gc.get_referrers(*dicts) if dicts else []
     found: list[Any] = []
-    for opt in optimizers:
-        # An instance's attributes refer to it from the instance itself (inline values) or
-        # from its __dict__, whose referrer is the instance.
-        for ref in gc.get_referrers(opt):
-            owners = gc.get_referrers(ref) if isinstance(ref, dict) else [ref]
-            for owner in owners:
-                mine = is_scheduler(owner) and getattr(owner, "optimizer", None) is opt
-                if mine and all(owner is not seen for seen in found):
-                    found.append(owner)
+    for owner in owners:
+        opt = getattr(owner, "optimizer", None) if is_scheduler(owner) else None
+        if any(opt is o for o in optimizers) and all(owner is not f for f in found):
+            found.append(owner)
     return found
 
 

@@ -296,8 +296,8 @@ def tune_batch_size(
             ``load_state_dict``; saved before probing and restored after.
         optimizer: its optimizer, or a tuple (optimizer, scheduler, ``GradScaler``,
             :class:`trainperf.MixedPrecision`, ...); saved and restored likewise. LR
-            schedulers driving it are found without being passed; every scheduler's
-            ``step()`` does nothing while tuning runs.
+            schedulers whose ``.optimizer`` it is are found without being passed; while
+            tuning runs, their ``step()`` (and a passed scheduler's) does nothing.
         device: where ``step`` runs; None: where the model's parameters are, else
             :func:`trainperf.best_device` (parsed by :func:`trainperf.device.resolve_device`).
         min_size: the smallest batch size tried.

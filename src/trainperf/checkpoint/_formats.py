@@ -143,9 +143,56 @@ class _TooBig(Exception):
     """More items than :data:`_CHECKED_ITEMS`, or nested too deep, to check cheaply."""
 
 
+# Leaves and containers that loading with weights_only=True always accepts: a value made of
+# nothing else needs no round trip.
+_SAFE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+_PLAIN_CONTAINERS = (dict, collections.OrderedDict, list, tuple, set, torch.Size)
+
+
+def _loads_back(value: Any) -> bool:
+    """A tensor or a numeric numpy array (subclasses and object arrays are checked)."""
+    if type(value) in (torch.Tensor, torch.nn.Parameter):
+        return True
+    return type(value) is np.ndarray and value.dtype != object
+
+
+_PLAIN_LEAVES = frozenset((*_SAFE_LEAVES, torch.Tensor, torch.nn.Parameter))
+
+
+def _holds_odd(value: Any) -> bool:
+    """Whether ``value`` holds anything but plain containers of numbers, strings, dtypes,
+    devices, tensors and numeric numpy arrays: a quick walk (a loop, no call per item) that
+    decides whether the round trip is needed at all.
+
+    Raises:
+        _TooBig: more than :data:`_CHECKED_ITEMS` items, or nested deeper than 16.
+    """
+    stack, seen = [(value, 0)], 0
+    while stack:
+        v, depth = stack.pop()
+        t = type(v)
+        if t in _PLAIN_LEAVES:
+            continue
+        if t is np.ndarray:
+            if v.dtype == object:
+                return True
+            continue
+        if t not in _PLAIN_CONTAINERS:
+            return True
+        if depth > 16:
+            raise _TooBig
+        items = [*v.keys(), *v.values()] if isinstance(v, dict) else v
+        seen += len(items)
+        if seen > _CHECKED_ITEMS:
+            raise _TooBig
+        stack.extend((x, depth + 1) for x in items if type(x) not in _PLAIN_LEAVES)
+    return False
+
+
 def _skeleton(value: Any, budget: list[int], depth: int = 0) -> Any:
-    """``value`` with every tensor and numpy array replaced by None (they load back, and
-    copying them would cost what the save does), containers rebuilt as their own type.
+    """``value`` with every tensor and numeric numpy array replaced by None (they load
+    back, and copying them would cost what the save does), containers rebuilt as their
+    own type.
 
     Raises:
         _TooBig: more than ``budget`` items (a long string counts a hundredth of its length).
@@ -153,36 +200,38 @@ def _skeleton(value: Any, budget: list[int], depth: int = 0) -> Any:
     budget[0] -= 1 + (len(value) // 100 if isinstance(value, (str, bytes)) else 0)
     if budget[0] < 0 or depth > 16:
         raise _TooBig
-    if isinstance(value, (torch.Tensor, np.ndarray)):
+    if _loads_back(value):
         return None
     if isinstance(value, dict):
         items = [(_skeleton(k, budget, depth + 1), _skeleton(v, budget, depth + 1))
                  for k, v in value.items()]  # fmt: skip
         if isinstance(value, collections.defaultdict):
             return collections.defaultdict(value.default_factory, items)
-        return _same_container(value, dict(items))
+        return _same_container(value, items, dict)
     if isinstance(value, (list, tuple, set, frozenset)):
         items = [_skeleton(v, budget, depth + 1) for v in value]
         if hasattr(value, "_fields"):  # a namedtuple
-            return _same_container(value, items, star=True)
-        return _same_container(value, items)
+            return _same_container(value, items, tuple, star=True)
+        plain = next(t for t in (list, tuple, set, frozenset) if isinstance(value, t))
+        return _same_container(value, items, plain)
     return value
 
 
-def _same_container(value: Any, items: Any, *, star: bool = False) -> Any:
+def _same_container(value: Any, items: list[Any], plain: type, *, star: bool = False) -> Any:
     """``items`` as a container of ``value``'s type, which is what the check must see; the
-    plain builtin where that type cannot be built from them."""
+    plain builtin ``plain`` where that type cannot be built from them."""
     try:
         return type(value)(*items) if star else type(value)(items)
     except Exception:
-        return tuple(items) if star else items
+        return plain(items)
 
 
 def weights_only_refusal(value: Any) -> str | None:
     """Why ``load_checkpoint`` (``weights_only=True``, with the data types it allows) would
     refuse ``value``, or None: a round trip through ``torch.save`` in memory of ``value``
-    with its tensors and numpy arrays left out (they load back). A value with more than
-    100,000 items (a long string counts a hundredth of its length) is not checked (None).
+    with its tensors and numeric numpy arrays left out (they load back), made only when it
+    holds something other than numbers, strings and such in plain containers. A value with
+    more than 100,000 items (a long string counts a hundredth of its length) is not checked.
 
     Example:
         >>> import http
@@ -194,6 +243,8 @@ def weights_only_refusal(value: Any) -> str | None:
         True
     """
     try:
+        if not _holds_odd(value):
+            return None  # numbers, strings, tensors in plain containers: nothing to refuse
         skeleton = _skeleton(value, [_CHECKED_ITEMS])
     except _TooBig:
         return None

@@ -530,9 +530,11 @@ def _read_report(fd: int, pidfd: int | None) -> list[bytes]:
                 chunks.append(chunk)
             return chunks
         os.set_blocking(fd, False)
+        poller = select.poll()  # not select(): it refuses fds from 1024 on
+        poller.register(fd, select.POLLIN)
+        poller.register(pidfd, select.POLLIN)
         while True:
-            ready = select.select([fd, pidfd], [], [])[0]
-            exited = pidfd in ready
+            exited = any(ready == pidfd for ready, _ in poller.poll())
             while True:  # what the pipe holds now
                 try:
                     chunk = os.read(fd, 1 << 16)
@@ -547,6 +549,16 @@ def _read_report(fd: int, pidfd: int | None) -> list[bytes]:
 
 
 def _reap(pid: int, fd: int, handle: SaveHandle, pidfd: int | None = None) -> None:
+    """The reaper thread: the handle finishes however this goes (a wait on it would
+    otherwise never return)."""
+    try:
+        _reap_writer(pid, fd, handle, pidfd)
+    except BaseException as e:
+        if not handle.done():
+            handle._finish((f"reading the writer process's report failed: {e!r}", e), [])
+
+
+def _reap_writer(pid: int, fd: int, handle: SaveHandle, pidfd: int | None) -> None:
     try:
         chunks = _read_report(fd, pidfd)
     finally:
