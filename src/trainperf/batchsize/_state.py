@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from trainperf.amp import MixedPrecision
 
@@ -76,14 +77,12 @@ def stateful_objects(*groups: object) -> list[Any]:
     return found
 
 
-_SCHEDULER_KINDS = ("LRScheduler", "ReduceLROnPlateau")
-
-
 def is_scheduler(obj: object) -> bool:
     """``obj`` is an LR scheduler (``ReduceLROnPlateau`` included)."""
-    from torch.optim import lr_scheduler
+    return isinstance(obj, (LRScheduler, ReduceLROnPlateau))
 
-    return isinstance(obj, tuple(getattr(lr_scheduler, k) for k in _SCHEDULER_KINDS))
+
+_NOT_SET = object()
 
 
 @contextlib.contextmanager
@@ -113,9 +112,6 @@ def schedulers_held(objects: Iterable[Any]) -> Iterator[None]:
                 del scheduler.step
             else:
                 scheduler.step = step
-
-
-_NOT_SET = object()
 
 
 def _standing_still(*args: Any, **kwargs: Any) -> None:

@@ -149,14 +149,15 @@ _SAFE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, 
 _PLAIN_CONTAINERS = (dict, collections.OrderedDict, list, tuple, set, torch.Size)
 
 
+_TENSORS = (torch.Tensor, torch.nn.Parameter)  # exactly these: subclasses are checked
+_PLAIN_LEAVES = frozenset((*_SAFE_LEAVES, *_TENSORS))
+
+
 def _loads_back(value: Any) -> bool:
     """A tensor or a numeric numpy array (subclasses and object arrays are checked)."""
-    if type(value) in (torch.Tensor, torch.nn.Parameter):
+    if type(value) in _TENSORS:
         return True
     return type(value) is np.ndarray and value.dtype != object
-
-
-_PLAIN_LEAVES = frozenset((*_SAFE_LEAVES, torch.Tensor, torch.nn.Parameter))
 
 
 def _holds_odd(value: Any) -> bool:

@@ -28,7 +28,6 @@ import ctypes
 import errno
 import json
 import os
-import select
 import signal
 import sys
 import threading
@@ -39,6 +38,7 @@ from typing import Any
 
 import torch
 
+from trainperf._utils.fds import readable
 from trainperf._utils.lifetime import die_with_parent
 from trainperf.checkpoint._formats import weights_only_refusal
 from trainperf.checkpoint._keys import _same_type
@@ -530,11 +530,8 @@ def _read_report(fd: int, pidfd: int | None) -> list[bytes]:
                 chunks.append(chunk)
             return chunks
         os.set_blocking(fd, False)
-        poller = select.poll()  # not select(): it refuses fds from 1024 on
-        poller.register(fd, select.POLLIN)
-        poller.register(pidfd, select.POLLIN)
         while True:
-            exited = any(ready == pidfd for ready, _ in poller.poll())
+            exited = pidfd in readable([fd, pidfd], None)
             while True:  # what the pipe holds now
                 try:
                     chunk = os.read(fd, 1 << 16)

@@ -15,10 +15,11 @@ import codecs
 import contextlib
 import os
 import re
-import select
 import sys
 import time
 from collections.abc import Iterator
+
+from trainperf._utils.fds import readable
 
 __all__ = ["StartupStderr", "last_traceback", "redirected_stderr"]
 
@@ -68,8 +69,8 @@ class StartupStderr:
         it open)."""
         deadline = time.monotonic() + timeout
         while self.fd is not None and (remaining := deadline - time.monotonic()) > 0:
-            with contextlib.suppress(OSError, ValueError):
-                select.select([self.fd], [], [], remaining)
+            with contextlib.suppress(OSError):
+                readable([self.fd], remaining)
             self.read()
 
     def close(self) -> None:

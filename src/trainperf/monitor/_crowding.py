@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import select
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainperf._utils.fds import readable
 from trainperf.limits import usable_cpus
 from trainperf.monitor._figures import Figures, oversubscribed, threads_that_fit, worker_cores
 from trainperf.monitor._setup import LoopSetup
@@ -105,8 +105,7 @@ def _spinners(count: int, procs: list[subprocess.Popen[bytes]]) -> None:
     for p in procs:  # each says it spins (a loaded host starts an interpreter slowly)
         if p.stdout is None:  # pragma: no cover - started with stdout=PIPE
             continue
-        ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if ready:
+        if readable([p.stdout.fileno()], max(0.0, deadline - time.monotonic())):
             p.stdout.read(1)
 
 
