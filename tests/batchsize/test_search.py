@@ -200,13 +200,23 @@ def test_an_unsettled_best_is_measured_again_and_the_second_run_counts() -> None
 
 
 def test_refinement_moves_to_a_faster_midpoint_and_refines_around_it() -> None:
-    # A fast size between two powers of two (say, where a kernel fits the cache).
-    curve = Curve(overhead=0.05, per_sample=0.001, bump=lambda n: 1.5 if n == 384 else 1.0)
+    # A fast size between two sizes of the growth (say, where a kernel fits the cache);
+    # throughput grows in proportion to the size, so the growth quadruples: 128, then 512.
+    curve = Curve(overhead=1.0, per_sample=0.0001, bump=lambda n: 2.0 if n == 320 else 1.0)
     s = search(curve, SizeSpace(1, 512))
     best = s.run()
-    assert best is not None and best.batch_size == 384
-    assert {320, 448} <= set(curve.probed)  # the new best's neighbours were refined
+    assert best is not None and best.batch_size == 320
+    assert {224, 416} <= set(curve.probed)  # the new best's neighbours were refined
     assert len(curve.probed) == len(set(curve.probed))  # no size run twice
+    # ... but no finer than the grid of powers of two and midpoints (1.5 apart at most):
+    assert not {c for c in curve.probed if 224 < c < 320 or 320 < c < 416}
+
+
+def test_refinement_between_sizes_that_ran_stops_at_the_grid_of_the_sweep() -> None:
+    rs = [ok(32, 900.0), ok(48, 1000.0), ok(64, 950.0)]  # 1.5 and 1.33 apart
+    assert refinement_targets(rs, SizeSpace(1, 1024), rs[1]) == []
+    failing = [ok(32, 900.0), ok(48, 1000.0), BatchSizeCandidate(64, "oom")]
+    assert refinement_targets(failing, SizeSpace(1, 1024), failing[1]) == [56]
 
 
 def test_a_failing_size_above_the_best_is_approached_by_halving_the_gap() -> None:

@@ -15,6 +15,7 @@ from trainperf.batchsize._sizes import SizeSpace
 
 __all__ = [
     "MIN_GAIN",
+    "REFINE_GRID",
     "REFINE_RATIO",
     "SHORTLIST_WITHIN",
     "choose",
@@ -30,8 +31,13 @@ __all__ = [
 
 MIN_GAIN = 0.01
 """A larger size must be at least this much faster (or more than the spread) to count."""
+REFINE_GRID = 1.5
+"""Two sizes that both ran are refined only while more than this far apart (hi / lo): the
+grid of powers of two and their midpoints. Finer steps near the optimum change samples/s by
+less than a probe's noise, and each costs a probe."""
 REFINE_RATIO = 1.25
-"""Two sizes at least this far apart (hi / lo) have a midpoint worth trying."""
+"""A size and a failing one above it (out of memory, past the headroom) are refined while
+at least this far apart: a binary search for the largest size that fits."""
 SHORTLIST_WITHIN = 0.4
 """Sizes whose own probe came within this of the fastest (or within the fastest's spread, if
 wider) are measured against it at the end: on a busy host probes taken at different moments
@@ -206,16 +212,24 @@ def refinement_targets(
         [96, 192]
     """
     tried = {c.batch_size for c in results}
-    below = [c.batch_size for c in results if c.batch_size < best.batch_size]
-    above = [c.batch_size for c in results if c.batch_size > best.batch_size]
+    below = max((c for c in results if c.batch_size < best.batch_size),
+                key=lambda c: c.batch_size, default=None)  # fmt: skip
+    above = min((c for c in results if c.batch_size > best.batch_size),
+                key=lambda c: c.batch_size, default=None)  # fmt: skip
     out: list[int] = []
-    for lo, hi in (
-        (max(below, default=None), best.batch_size),
-        (best.batch_size, min(above, default=None)),
-    ):
-        if lo is None or hi is None or hi < REFINE_RATIO * lo:
+    for lo, hi in ((below, best), (best, above)):
+        if lo is None or hi is None or not _gap_wide(lo, hi):
             continue
-        mid = space.between(lo, hi)
+        mid = space.between(lo.batch_size, hi.batch_size)
         if mid is not None and mid not in tried:
             out.append(mid)
     return out
+
+
+def _gap_wide(lo: BatchSizeCandidate, hi: BatchSizeCandidate) -> bool:
+    """Whether the gap between two neighbours has a midpoint worth a probe: wider than
+    :data:`REFINE_GRID` where both ran, at least :data:`REFINE_RATIO` where one failed."""
+    ratio = hi.batch_size / lo.batch_size
+    if lo.ok and hi.ok:
+        return ratio > REFINE_GRID
+    return ratio >= REFINE_RATIO

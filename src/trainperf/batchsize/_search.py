@@ -15,10 +15,11 @@
    that would not finish in the time left (:func:`probe_cost`).
 2. **Refinement.** Between the best size and each of its neighbours (the nearest sizes
    considered below and above, whatever their status), the allowed size nearest the
-   midpoint is tried, while the two are at least 25 % apart; when one becomes the best,
-   its new neighbours are refined in turn, and when the one above fails (out of memory,
-   past the headroom, or predicted so), the gap up to it is halved again: a binary search
-   for the largest size that fits.
+   midpoint is tried, while the two are more than :data:`REFINE_GRID` apart (the sweep's
+   grid of powers of two and midpoints); when one becomes the best, its new neighbours are
+   refined in turn, and when the one above fails (out of memory, past the headroom, or
+   predicted so), the gap up to it is halved again while at least :data:`REFINE_RATIO`
+   apart: a binary search for the largest size that fits.
 3. **Final alternation** (:meth:`Search.final`). The sizes whose probes came within
    :data:`SHORTLIST_WITHIN` of the fastest, or within its spread if wider (three at most),
    are measured against it in
@@ -56,6 +57,7 @@ from trainperf.batchsize._compare import (
 from trainperf.batchsize._report import BatchSizeCandidate
 from trainperf.batchsize._rules import (
     MIN_GAIN,
+    REFINE_GRID,
     REFINE_RATIO,
     SHORTLIST_WITHIN,
     choose,
@@ -72,6 +74,7 @@ from trainperf.batchsize._sizes import SizeSpace
 
 __all__ = [
     "MIN_GAIN",
+    "REFINE_GRID",
     "REFINE_RATIO",
     "SHORTLIST_WITHIN",
     "Search",
