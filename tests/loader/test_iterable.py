@@ -248,3 +248,56 @@ def test_an_iterable_datasets_workers_cached_before_the_check_are_not_trusted() 
     assert cache_misfit(entry, limits, common) is None  # a map-style dataset: nothing to check
     entry["best"] = {**best, "num_workers": 0, "prefetch_factor": None}
     assert cache_misfit(entry, limits, common, iterable=True) is None  # no workers: fine
+
+
+# ------------------------------------------------------------------ the adaptive loader
+
+
+def _epoch_values(loader: Any) -> list[int]:
+    return [int(x) for b in loader for x in b[:, 0].tolist()]
+
+
+@pytest.mark.slow  # about 2 s: two epochs waiting on I/O and the probe
+def test_the_adaptive_loader_keeps_a_replaying_stream_at_zero_workers() -> None:
+    from trainperf.loader import AdaptiveDataLoader
+
+    loader = AdaptiveDataLoader(Replaying(sleep_s=0.003), batch_size=4, max_workers=4)
+    try:
+        first = _epoch_values(loader)  # waits for data: the rules would add workers
+        with pytest.warns(RuntimeWarning, match="AdaptiveDataLoader keeps num_workers=0"):
+            second = _epoch_values(loader)
+        third = _epoch_values(loader)  # checked once: no second warning, no workers
+    finally:
+        loader.close()
+    assert first == second == third == list(range(N))
+    assert loader.num_workers == 0 and loader.tuning_history == []
+
+
+@pytest.mark.slow  # about 3 s
+def test_autotune_loader_adapt_keeps_the_tuners_refusal_of_a_replaying_stream() -> None:
+    from trainperf.loader import AdaptiveDataLoader, autotune_loader
+
+    ds = Replaying(sleep_s=0.003)
+    with pytest.warns(RuntimeWarning, match="tune_loader keeps num_workers=0"):
+        loader = autotune_loader(ds, 4, adapt=True, **quick(max_workers=4, budget_s=5.0))
+    assert isinstance(loader, AdaptiveDataLoader) and loader._max_workers == 0
+    try:
+        assert [_epoch_values(loader) for _ in range(2)] == [list(range(N))] * 2
+    finally:
+        loader.close()
+    assert loader.num_workers == 0
+
+
+@pytest.mark.slow  # about 3 s
+def test_the_adaptive_loader_gives_a_sharded_stream_workers() -> None:
+    from trainperf.loader import AdaptiveDataLoader
+
+    loader = AdaptiveDataLoader(Sharded(sleep_s=0.003), batch_size=4, max_workers=2)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            epochs = [sorted(_epoch_values(loader)) for _ in range(2)]
+    finally:
+        loader.close()
+    assert epochs == [list(range(N))] * 2
+    assert loader.num_workers > 0 and loader.tuning_history

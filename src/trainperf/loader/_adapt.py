@@ -49,8 +49,9 @@ from trainperf.loader._adapt_rules import (
     increase_paid,
 )
 from trainperf.loader._autotune import TunedDataLoader
+from trainperf.loader._iterable import check_sharding, is_iterable, unsharded_warning
 from trainperf.loader._report import CandidateResult
-from trainperf.loader._search import Search, default_max_workers
+from trainperf.loader._search import Search, callers_stacklevel, default_max_workers
 from trainperf.loader._tune import rank_share
 
 __all__ = ["AdaptiveDataLoader", "TuningChange", "memory_rules"]
@@ -268,6 +269,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         self._before: EpochFigures | None = None  # what led to the last input-bound increase
         self._ceiling: int | None = None  # workers beyond which more did not pay
         self._fastest_step = float("inf")
+        self._sharded: bool | None = None  # an IterableDataset's stream, once checked
         self._timeout_kept = 0.0  # the ``timeout`` set aside while no workers run
         # A persistent pool draws from the generator once, when it starts: a pool rebuilt
         # later must not draw again, or the order would differ from the fixed loader's.
@@ -373,9 +375,34 @@ class AdaptiveDataLoader(TunedDataLoader):
             before=before,
         )
         self._cpus = f.cpus
+        if change is not None and change.num_workers > f.num_workers and not self._shards():
+            return None
         if change is not None and change.reason == "input-bound":
             self._before = f
         return change
+
+    def _shards(self) -> bool:
+        """Whether more workers keep the samples: an ``IterableDataset`` whose workers each
+        replay the whole stream would yield every sample once per worker. Checked once, on
+        two short-lived workers (:func:`~trainperf.loader._iterable.check_sharding`), before
+        the first increase; a stream that does not shard stays at the workers it has, with
+        a ``RuntimeWarning`` that shows the fix."""
+        if self._sharded is None:
+            self._sharded = True
+            if is_iterable(self.dataset):
+                kwargs = {
+                    "worker_init_fn": self.worker_init_fn,
+                    "multiprocessing_context": self.multiprocessing_context,
+                }
+                check = check_sharding(self.dataset, kwargs, time.perf_counter() + 10.0)
+                if check.duplicated:
+                    self._sharded = False
+                    self._max_workers = min(self._max_workers, self.num_workers)
+                    text = unsharded_warning(
+                        self.dataset, check, type(self).__name__, self.num_workers
+                    )
+                    warnings.warn(text, RuntimeWarning, stacklevel=callers_stacklevel())
+        return self._sharded
 
     def _retune(self, timed: _TimedIter) -> None:
         limits = _rank_limits()  # memory and /dev/shm as this epoch starts

@@ -119,9 +119,12 @@ def _adaptive(dataset: Any, report: TuningReport, *, keep_workers: bool) -> Tune
         main_rss(),
         start_method(report.best_kwargs),
     )
+    unsharded = any(c.fault == "unsharded" for c in report.candidates)
     return AdaptiveDataLoader(
         dataset,
-        max_workers=report.max_workers,  # the caller's bound holds while adapting too
+        # The caller's bound holds while adapting too; a stream that does not shard across
+        # workers (the tuner refused every worker count) stays in the main process.
+        max_workers=0 if unsharded else report.max_workers,
         tuner=rules,
         keep_workers=keep_workers,
         **report.best_kwargs,

@@ -290,7 +290,9 @@ def unsharded_result(dataset: Any, check: ShardCheck, pin: bool) -> CandidateRes
     )
 
 
-def unsharded_warning(dataset: Any, check: ShardCheck) -> str:
+def unsharded_warning(
+    dataset: Any, check: ShardCheck, who: str = "tune_loader", workers: int = 0
+) -> str:
     """The ``RuntimeWarning`` for a stream that is not sharded, with the fix in code.
 
     Example:
@@ -304,7 +306,7 @@ def unsharded_warning(dataset: Any, check: ShardCheck) -> str:
             yield from itertools.islice(self.samples(), i, None, n)
     """
     return (
-        f"tune_loader keeps num_workers=0: {type(dataset).__name__} is an IterableDataset that "
+        f"{who} keeps num_workers={workers}: {type(dataset).__name__} is an IterableDataset that "
         f"does not shard its stream across workers (with 2 workers, both yielded the same "
         f"first {check.items} items), so with N workers every sample would come N times. "
         f"Give each worker its share in __iter__, with torch.utils.data.get_worker_info() "
