@@ -143,3 +143,45 @@ def test_schedulers_driving_a_given_optimizer_are_found_and_held_still() -> None
         plateau.step(1.0)
     assert step_lr.last_epoch == 0 and vars(step_lr)["step"] is own
     assert "step" not in vars(plateau)
+
+
+class _FailingStep(torch.optim.SGD):
+    """An optimizer whose step runs out of memory while ``fail`` says so (inside
+    ``scaler.step``, after its ``unscale_``)."""
+
+    fail = False
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        if self.fail:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("through", ["scaler", "mixed-precision"])
+def test_a_loss_scaler_left_half_way_by_an_oom_is_put_back_ready(through: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = _FailingStep(model.parameters(), lr=0.1)
+    mp = MixedPrecision("cpu", precision="fp16")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if through == "scaler" else mp.scaler
+    assert scaler is not None
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+
+    def train_step() -> None:
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        scaler.unscale_(opt)  # as for gradient clipping
+        scaler.step(opt)
+        scaler.update()
+
+    saved = SavedState.save([model, opt, scaler if through == "scaler" else mp])
+    opt.fail = True
+    with pytest.raises(torch.OutOfMemoryError):
+        train_step()  # the probe: unscaled, then out of memory before update()
+    opt.fail = False
+    saved.restore()
+    w0 = model.weight.detach().clone()
+    train_step()  # the first training step after tuning: no "unscale_() already called"
+    moved = (model.weight.detach() - w0).abs().max().item()
+    # The gradients were unscaled: a step of lr * grad, not 65536 times that.
+    assert 0.0 < moved < 1.0, moved

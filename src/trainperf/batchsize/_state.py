@@ -219,6 +219,27 @@ def _pending(objects: Iterable[Any]) -> list[tuple[MixedPrecision, bool]]:
     return [(o, o._backward_pending) for o in objects if isinstance(o, MixedPrecision)]
 
 
+Stages = tuple[torch.amp.GradScaler, Any]
+"""A loss scaler and a copy of its per-optimizer stages (unscaled, stepped, inf found)."""
+
+
+def _stages(objects: Iterable[Any]) -> list[Stages]:
+    """Each loss scaler's per-optimizer stages, which its ``state_dict()`` leaves out: a
+    probe that ran out of memory between ``unscale_`` and ``update`` leaves them half-way,
+    and the next ``unscale_`` raises, or the next ``step`` applies gradients still scaled
+    by the loss scale (65536 times too large)."""
+    scalers: list[torch.amp.GradScaler] = []
+    for o in objects:
+        scaler = o.scaler if isinstance(o, MixedPrecision) else o
+        if isinstance(scaler, torch.amp.GradScaler) and all(scaler is not s for s in scalers):
+            scalers.append(scaler)
+    return [
+        (s, copy.deepcopy(s._per_optimizer_states))
+        for s in scalers
+        if getattr(s, "_per_optimizer_states", None) is not None
+    ]
+
+
 @dataclass
 class SavedState:
     """Host copies of the caller's state, and :meth:`restore` to load them back.
@@ -229,6 +250,8 @@ class SavedState:
         modes: ``(module, its .training flag)`` for every submodule.
         buffers: ``(module, name, copy, device)`` of every buffer ``state_dict()`` leaves out.
         pending: ``(MixedPrecision, whether a backward waits for its step)``.
+        stages: ``(GradScaler, copy of its per-optimizer stages)``, of those passed in and
+            of each MixedPrecision's.
     """
 
     states: list[tuple[Any, Any]] = field(default_factory=list)
@@ -236,6 +259,7 @@ class SavedState:
     modes: list[tuple[nn.Module, bool]] = field(default_factory=list)
     buffers: list[Buffer] = field(default_factory=list)
     pending: list[tuple[MixedPrecision, bool]] = field(default_factory=list)
+    stages: list[Stages] = field(default_factory=list)
 
     @classmethod
     def save(cls, objects: Iterable[Any]) -> SavedState:
@@ -262,7 +286,9 @@ class SavedState:
             for p in _parameters(objects)
         ]
         modes = [(m, m.training) for m in _modules(objects)]
-        return cls(states, grads, modes, _unsaved_buffers(objects), _pending(objects))
+        return cls(
+            states, grads, modes, _unsaved_buffers(objects), _pending(objects), _stages(objects)
+        )
 
     def restore(self) -> None:
         """Load every saved state back, exactly: values, gradients and train/eval modes.
@@ -287,6 +313,8 @@ class SavedState:
             _restore_buffer(m, name, buffer, device)
         for mp, pending in self.pending:
             mp._backward_pending = pending
+        for scaler, stages in self.stages:
+            scaler._per_optimizer_states = copy.deepcopy(stages)
 
     def drop_gradients(self) -> None:
         """Set every parameter's ``.grad`` to None (after an out-of-memory error, before the
