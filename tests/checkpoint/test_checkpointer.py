@@ -185,6 +185,22 @@ def test_a_stop_request_saves_whatever_every_says(tmp_path: Path) -> None:
         assert stop.requested
         assert ckpt.save({"n": 37}, step=37).writer == "blocking"
     assert ckpt.steps() == [37]
+    # The final save may come after the block: the stop stays requested.
+    assert ckpt.save({"n": 38}, step=38).writer == "blocking"
+
+
+def test_a_stop_request_saves_whatever_every_says_when_preemption_was_called_again(
+    tmp_path: Path,
+) -> None:
+    ckpt = Checkpointer(tmp_path, every=1000)
+    with ckpt.preemption(("SIGUSR1",)) as stop:
+        with ckpt.preemption(("SIGUSR2",)):  # a helper's block, say: a second Preemption
+            pass
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert stop.requested
+        assert ckpt.save({"n": 1234}, step=1234).writer == "blocking"
+    assert ckpt.steps() == [1234]
 
 
 def test_the_memory_check_falls_back_to_a_blocking_save_with_the_numbers(
@@ -314,6 +330,19 @@ def test_restore_says_which_entries_the_checkpoint_lacks(tmp_path: Path) -> None
         ckpt.restore({"model": _model(), "ema": _model()})
     with pytest.raises(StateDictMismatchError, match=r"does not fit Linear"):
         ckpt.restore({"model": nn.Linear(4, 8)})
+
+
+@pytest.mark.parametrize("device", ["gpu", "CPU"])
+def test_restore_refuses_a_device_that_is_not_one_before_reading_any_file(
+    tmp_path: Path, device: str, recwarn: pytest.WarningsRecorder
+) -> None:
+    ckpt = Checkpointer(tmp_path)
+    for step in (1000, 2000):
+        ckpt.save({"model": _model()}, step=step)
+    with pytest.raises(ValueError, match=rf"invalid device '{device}': expected 'auto', 'cpu'"):
+        ckpt.restore({"model": _model()}, device=device)  # it returned 0: a restart
+    assert not [w for w in recwarn if "skipping checkpoint" in str(w.message)]
+    assert ckpt.steps() == [1000, 2000]
 
 
 def test_a_loader_resumes_mid_epoch_through_save_and_restore(tmp_path: Path) -> None:

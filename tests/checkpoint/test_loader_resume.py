@@ -3,6 +3,8 @@ and for loaders with persistent workers restored after an end-of-epoch checkpoin
 
 from __future__ import annotations
 
+import os
+import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -82,3 +84,52 @@ def test_persistent_workers_resume_exactly_after_an_end_of_epoch_checkpoint(
         got += _epochs(resumed, 2)
         del straight, first, resumed  # their persistent workers end with them
     assert got == reference
+
+
+def _partial_epochs(
+    directory: Path, epochs: int, *, save_after: int | None = None, stop: bool = False
+) -> list[list[int]]:
+    """Epochs of 4 of a loader's 7 batches (``break`` after the 4th, as a steps-per-epoch
+    limit), saved after the inner loop at the end of epoch ``save_after``; ``stop``: with a
+    preemption stop requested then (the loop broke out for it)."""
+    loader = DataLoader(list(range(20)), batch_size=3, shuffle=True)
+    ck = Checkpointer(directory)
+    state: dict[str, Any] = {"loader": loader, "epoch": 0}
+    ck.restore(state)
+    seen: list[list[int]] = []
+    with ck.preemption() as preemption:
+        for epoch in range(state["epoch"], epochs):
+            for i, batch in enumerate(loader):
+                seen.append(batch.tolist())
+                if i + 1 == 4:
+                    break
+            state["epoch"] = epoch + 1
+            if epoch + 1 == save_after:
+                if stop:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    assert preemption.requested
+                ck.save(state, step=epoch + 1)
+                return seen
+    return seen
+
+
+def test_a_pass_the_loop_broke_out_of_is_over_when_saved_after_the_loop(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    reference = _partial_epochs(tmp_path / "ref", 3)
+    torch.manual_seed(0)
+    got = _partial_epochs(tmp_path / "run", 3, save_after=2)
+    torch.manual_seed(123)  # the resumed process starts elsewhere: the checkpoint decides
+    got += _partial_epochs(tmp_path / "run", 3)
+    assert got == reference  # epoch 3 is a new pass: a fresh shuffle, 4 batches
+
+
+def test_a_pass_left_for_a_preemption_stop_resumes_where_it_was_left(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    first = _partial_epochs(tmp_path / "run", 3, save_after=2, stop=True)
+    loader = DataLoader(list(range(20)), batch_size=3, shuffle=True)
+    torch.manual_seed(123)
+    assert Checkpointer(tmp_path / "run").restore({"loader": loader, "epoch": 0}) == 2
+    rest = _batches(loader)  # the rest of the pass epoch 2 broke out of
+    assert len(rest) == 3
+    epoch_two = first[4:] + rest
+    assert sorted(x for b in epoch_two for x in b) == list(range(20))

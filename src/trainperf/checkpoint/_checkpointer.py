@@ -49,6 +49,7 @@ from trainperf.checkpoint._writer import (
     unreported_failures,
     write_now,
 )
+from trainperf.device import resolve_device
 from trainperf.errors import CheckpointError, UnsafeCheckpointError
 from trainperf.limits import host_limits
 
@@ -132,7 +133,7 @@ class Checkpointer:
         self.removed_temps = remove_dead_temps(self.directory)
         self._pending: SaveHandle | None = None
         self._staging = Staging()
-        self._stop: Preemption | None = None
+        self._stops: list[Preemption] = []  # every preemption() made, nested ones too
 
     def __repr__(self) -> str:
         every = "" if self.every is None else f", every={self.every}"
@@ -163,9 +164,15 @@ class Checkpointer:
         self._warn_notes(pending.notes)
         pending.raise_failure()
 
+    def _stopping(self) -> bool:
+        """A stop was requested through any of this Checkpointer's :meth:`preemption`
+        objects (it stays requested: the final save may come after the ``with`` block)."""
+        return any(stop._agreed_at is not None for stop in self._stops)
+
     def _skips(self, step: int, force: bool) -> bool:
-        stopping = self._stop is not None and self._stop._agreed_at is not None
-        return self.every is not None and step % self.every != 0 and not force and not stopping
+        return (
+            self.every is not None and step % self.every != 0 and not force and not self._stopping()
+        )
 
     def _after(self, step: int) -> list[str]:
         return retire(self.directory, self.keep, step)
@@ -225,9 +232,9 @@ class Checkpointer:
         if rank > 0:
             own = rank_file(self.directory, step, rank)
             with saving(own):
-                write_now(rank_payload(state, step, rank, world), own)
+                write_now(rank_payload(state, step, rank, world, stopping=self._stopping()), own)
             return SaveHandle.finished(step, path, "other rank")
-        payload = build_payload(state, step, rank, world)
+        payload = build_payload(state, step, rank, world, stopping=self._stopping())
         if not blocking:
             handle = self._start_background(payload, path, step)
             if handle is not None:
@@ -346,8 +353,11 @@ class Checkpointer:
         Raises:
             CheckpointError: a background write of this Checkpointer failed (as for
                 :meth:`wait`).
-            TypeError: ``state`` is not a dict with string keys.
-            ValueError: ``state`` has an entry the checkpoint lacks.
+            TypeError: ``state`` is not a dict with string keys, or ``device`` not a str,
+                int or torch.device.
+            ValueError: ``state`` has an entry the checkpoint lacks, or ``device`` is not a
+                device (``"gpu"``): checked before any file is read.
+            DeviceError: ``device`` is a GPU this machine does not have.
             StateDictMismatchError: a module's weights do not fit it.
         """
         self._settle()
@@ -356,6 +366,9 @@ class Checkpointer:
                 "Checkpointer.restore takes a dict of the live objects, such as {'model': "
                 f"model, 'optimizer': opt}}, got {type(state).__name__}"
             )
+        # Checked once, before any file: a bad device is the caller's error, not a file's
+        # (skipping every file for it would restart the run from step 0).
+        dev = resolve_device("cpu" if device is None else device, allowed=("cpu", "cuda", "mps"))
         for value in state.values():
             if isinstance(value, DataLoader):
                 track(value)
@@ -363,7 +376,7 @@ class Checkpointer:
         for step in reversed(self.steps()):
             path = main_file(self.directory, step)
             try:
-                saved = load_checkpoint(path, "cpu" if device is None else device)
+                saved = load_checkpoint(path, dev)
                 found = saved_step(saved, str(path))
             except UnsafeCheckpointError as e:
                 # Complete, but it holds values weights_only refuses: falling back to an
@@ -412,8 +425,9 @@ class Checkpointer:
                 > 0, or ``check_every`` not an int >= 1.
             RuntimeError: entered outside the main thread, or entered twice.
         """
-        self._stop = Preemption(signals, grace_s, check_every)
-        return self._stop
+        stop = Preemption(signals, grace_s, check_every)
+        self._stops.append(stop)
+        return stop
 
 
 def _finish(pending: SaveHandle) -> None:
