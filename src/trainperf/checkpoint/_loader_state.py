@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import random
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -34,6 +35,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
+
+from trainperf.checkpoint._rng import as_python_state, numpy_state, set_numpy_state
 
 __all__ = ["loader_state", "restore_loader", "track"]
 
@@ -63,12 +66,16 @@ def _epochs(chain: list[Any]) -> list[int | None]:
 
 @dataclass
 class _States:
-    """The generator states and epochs a pass's sampler draws from."""
+    """The generator states and epochs a pass's sampler draws from: torch's, NumPy's and
+    Python's global generators (a custom sampler may shuffle with any of them), the
+    sampler chain's own generators and epochs, and the loader's ``generator``."""
 
     torch_state: torch.Tensor
     generators: list[torch.Tensor | None]
     epochs: list[int | None]
     loader_generator: torch.Tensor | None = None
+    numpy_state: dict[str, Any] | None = None  # None: a checkpoint from before they were kept
+    python_state: Any = None
 
     @classmethod
     def read(cls, chain: list[Any], loader_gen: torch.Generator | None) -> _States:
@@ -77,10 +84,20 @@ class _States:
             [None if g is None else g.get_state() for g in _generators(chain)],
             _epochs(chain),
             None if loader_gen is None else loader_gen.get_state(),
+            numpy_state(),
+            random.getstate(),
         )
 
-    def apply(self, chain: list[Any], loader_gen: torch.Generator | None) -> None:
+    def apply_globals(self) -> None:
+        """torch's, NumPy's and Python's global generators."""
         torch.set_rng_state(self.torch_state)
+        if self.numpy_state is not None:
+            set_numpy_state(self.numpy_state)
+        if self.python_state is not None:
+            random.setstate(as_python_state(self.python_state))
+
+    def apply(self, chain: list[Any], loader_gen: torch.Generator | None) -> None:
+        self.apply_globals()
         for g, state in zip(_generators(chain), self.generators, strict=False):
             if g is not None and state is not None:
                 g.set_state(state)
@@ -96,11 +113,20 @@ class _States:
             "generators": self.generators,
             "epochs": self.epochs,
             "loader_generator": self.loader_generator,
+            "numpy": self.numpy_state,
+            "python": self.python_state,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> _States:
-        return cls(d["torch"], list(d["generators"]), list(d["epochs"]), d["loader_generator"])
+        return cls(
+            d["torch"],
+            list(d["generators"]),
+            list(d["epochs"]),
+            d["loader_generator"],
+            d.get("numpy"),
+            d.get("python"),
+        )
 
 
 @contextlib.contextmanager
@@ -118,12 +144,14 @@ def _replaying(chain: list[Any], loader_gen: torch.Generator | None) -> Iterator
     """Like :func:`_sandbox`, but the sampler chain's generators stay where the replay left
     them: a sampler that draws lazily from one (``RandomSampler(replacement=True)``, 32
     indices at a time) goes on from there. torch's global generator, the epochs and a loader
-    ``generator`` the samplers do not draw from are put back."""
+    ``generator`` the samplers do not draw from are put back (and NumPy's and Python's global
+    generators: a custom sampler that shuffles with them replays its order, and the loop's
+    own draws from them go on from the checkpoint's states)."""
     before = _States.read(chain, loader_gen)
     try:
         yield
     finally:
-        torch.set_rng_state(before.torch_state)
+        before.apply_globals()
         for sampler, epoch in zip(chain, before.epochs, strict=False):
             if epoch is not None and isinstance(getattr(sampler, "epoch", None), int):
                 sampler.epoch = epoch

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["rng_state", "set_rng_state"]
+__all__ = ["as_python_state", "numpy_state", "rng_state", "set_numpy_state", "set_rng_state"]
 
 
-def _numpy_state() -> dict[str, Any]:
+def numpy_state() -> dict[str, Any]:
     kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
     return {
         "kind": str(kind),
@@ -32,7 +32,7 @@ def _numpy_state() -> dict[str, Any]:
     }
 
 
-def _set_numpy_state(state: Mapping[str, Any]) -> None:
+def set_numpy_state(state: Mapping[str, Any]) -> None:
     key = np.asarray(state["key"].numpy(), dtype=np.uint32)
     np.random.set_state(
         (state["kind"], key, int(state["pos"]), int(state["has_gauss"]), float(state["gauss"]))
@@ -54,13 +54,13 @@ def rng_state() -> dict[str, Any]:
         cuda = [s.clone() for s in torch.cuda.get_rng_state_all()]
     return {
         "python": random.getstate(),
-        "numpy": _numpy_state(),
+        "numpy": numpy_state(),
         "torch": torch.get_rng_state().clone(),
         "cuda": cuda,
     }
 
 
-def _as_python_state(value: Any) -> tuple[Any, ...]:
+def as_python_state(value: Any) -> tuple[Any, ...]:
     # A checkpoint read back has lists where the state had tuples only if someone rewrote
     # it; random.setstate insists on tuples.
     version, internal, gauss = value
@@ -89,8 +89,8 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
             f"not a generator state from a trainperf checkpoint: {sorted(missing)} missing "
             f"(it has {sorted(state)}); the file was not written by Checkpointer.save"
         )
-    random.setstate(_as_python_state(state["python"]))
-    _set_numpy_state(state["numpy"])
+    random.setstate(as_python_state(state["python"]))
+    set_numpy_state(state["numpy"])
     torch.set_rng_state(state["torch"].cpu())
     cuda = state["cuda"]
     if not cuda:
