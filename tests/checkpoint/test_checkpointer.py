@@ -3,6 +3,7 @@ failures raised at the next call, and restore into live objects."""
 
 from __future__ import annotations
 
+import collections
 import http
 import json
 import os
@@ -343,6 +344,26 @@ def test_restore_refuses_a_device_that_is_not_one_before_reading_any_file(
         ckpt.restore({"model": _model()}, device=device)  # it returned 0: a restart
     assert not [w for w in recwarn if "skipping checkpoint" in str(w.message)]
     assert ckpt.steps() == [1000, 2000]
+
+
+Pair = collections.namedtuple("Pair", "gen disc")
+
+
+def test_a_namedtuple_of_modules_is_restored_into_its_modules(tmp_path: Path) -> None:
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.add_safe_globals([Pair])  # as the docs advise for a namedtuple
+    try:
+        saved = Pair(_model(), nn.Linear(2, 2))
+        Checkpointer(tmp_path).save({"nets": saved, "tag": 1}, step=1)
+        torch.manual_seed(5)
+        live: dict[str, Any] = {"nets": Pair(_model(), nn.Linear(2, 2)), "tag": 0}
+        gen, disc = live["nets"]
+        assert Checkpointer(tmp_path).restore(live) == 1
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+    assert live["nets"].gen is gen and live["nets"].disc is disc  # loaded into, not replaced
+    assert torch.equal(disc.weight, saved.disc.weight) and live["tag"] == 1
 
 
 def test_a_loader_resumes_mid_epoch_through_save_and_restore(tmp_path: Path) -> None:

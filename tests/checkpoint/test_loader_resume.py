@@ -187,3 +187,20 @@ def test_a_sampler_shuffling_with_a_global_generator_resumes_exactly(
     got = _global_shuffled(tmp_path / "run", which, 12, stop=2)
     got += _global_shuffled(tmp_path / "run", which, 12, seed=1)  # seeds differ: the file decides
     assert got == reference  # the order, and the loop's own draws after the resume
+
+
+def test_another_batch_size_with_as_many_batches_restarts_the_pass_with_a_warning(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    saved = DataLoader(list(range(20)), batch_size=6, shuffle=True)  # 4 batches per pass
+    ck = Checkpointer(tmp_path)
+    ck.restore({"loader": saved})
+    it = iter(saved)
+    next(it), next(it)
+    ck.save({"loader": saved}, step=2)
+    resumed = DataLoader(list(range(20)), batch_size=5, shuffle=True)  # 4 batches too
+    with pytest.warns(UserWarning, match=r"its batch_size 6 -> 5 changed since the checkpoint"):
+        ck.restore({"loader": resumed})
+    rest = _batches(resumed)
+    assert len(rest) == 4 and sorted(x for b in rest for x in b) == list(range(20))

@@ -367,6 +367,26 @@ def _length(loader: DataLoader[Any]) -> int | None:
         return None
 
 
+def _sized(obj: Any) -> int | None:
+    try:
+        return len(obj)
+    except TypeError:
+        return None
+
+
+def _shape(loader: DataLoader[Any]) -> dict[str, int | None]:
+    """What a pass's position means: the dataset's and the sampler's sizes, and the batch
+    size (another one with the same number of batches per pass puts other samples in the
+    batches already consumed)."""
+    if isinstance(loader.dataset, IterableDataset):
+        return {}
+    return {
+        "dataset": _sized(loader.dataset),
+        "samples": _sized(loader.sampler),
+        "batch_size": loader.batch_size,
+    }
+
+
 def loader_state(loader: DataLoader[Any], *, stopping: bool = False) -> dict[str, Any] | None:
     """The tracked ``loader``'s pass, position and generator states, as plain data; None
     when its position is unknown (tracking began mid-pass).
@@ -389,6 +409,7 @@ def loader_state(loader: DataLoader[Any], *, stopping: bool = False) -> dict[str
         "passes": tracker.passes,
         "position": tracker.position,
         "length": length,
+        "shape": _shape(loader),
         "done": tracker.done or (left and (over or not stopping)),
         "start": None if tracker.start is None else tracker.start.to_dict(),
         "now": _States.read(chain, loader.generator).to_dict(),
@@ -409,6 +430,13 @@ def _resume_note(loader: DataLoader[Any], saved: Mapping[str, Any]) -> str | Non
         return (
             f"it has {length} batches per pass, but {saved['length']} when the checkpoint "
             "was saved (another dataset, batch size or world size): the pass restarts"
+        )
+    shape, was = _shape(loader), saved.get("shape") or {}
+    changed = [f"{k} {was[k]} -> {shape[k]}" for k in shape if k in was and shape[k] != was[k]]
+    if changed:
+        return (
+            f"its {', '.join(changed)} changed since the checkpoint was saved (the same number of "
+            "batches per pass, but the consumed ones held other samples): the pass restarts"
         )
     return None
 

@@ -201,8 +201,21 @@ def _restore_value(live: Any, saved: Any, where: str) -> Any:
                 if v is not _KEEP:
                     live[i] = v
             return _KEEP
-        return type(live)(a if v is _KEEP else v for a, v in zip(live, values, strict=True))
+        return _same_tuple(
+            live, [a if v is _KEEP else v for a, v in zip(live, values, strict=True)]
+        )
     return saved
+
+
+def _same_tuple(live: tuple[Any, ...], values: list[Any]) -> tuple[Any, ...]:
+    """``values`` as a tuple of ``live``'s type: a namedtuple takes them as arguments; a
+    tuple subclass whose constructor takes no iterable becomes a plain tuple."""
+    if hasattr(live, "_fields"):
+        return type(live)(*values)
+    try:
+        return type(live)(values)
+    except TypeError:
+        return tuple(values)
 
 
 def restore_into(
