@@ -242,6 +242,11 @@ def test_latest_skips_a_cut_short_file_and_restore_a_damaged_one(tmp_path: Path)
     assert any("step-000000003.pt" in m and "truncated" in m for m in said)
     assert any("step-000000002.pt" in m and "damaged" in m for m in said)
     assert torch.equal(state["w"], torch.full((1000,), 1.0))
+    # The run goes on from step 1, keep=3: the two files that do not load take no place
+    # among the three kept (and are not deleted); step 1 goes once three good ones exist.
+    for step in (4, 5, 6):
+        ckpt.save({"w": torch.full((1000,), float(step))}, step=step)
+    assert ckpt.steps() == [2, 3, 4, 5, 6]
 
 
 def test_a_killed_writers_temp_file_goes_when_the_directory_is_opened(tmp_path: Path) -> None:
@@ -257,6 +262,8 @@ def test_a_directory_that_is_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "runs").write_text("a log")
     with pytest.raises(CheckpointError, match=r"runs is a file, not a directory: give a directory"):
         Checkpointer(tmp_path / "runs")
+    with pytest.raises(CheckpointError, match=r"exp1 is in .*runs, a file, not a directory"):
+        Checkpointer(tmp_path / "runs" / "exp1")  # it raised a bare NotADirectoryError
 
 
 def test_arguments_are_checked(tmp_path: Path) -> None:

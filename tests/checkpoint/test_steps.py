@@ -7,6 +7,8 @@ import fcntl
 import os
 from pathlib import Path
 
+import torch
+
 from trainperf._utils.atomic import temp_name
 from trainperf.checkpoint._steps import (
     main_file,
@@ -54,16 +56,18 @@ def test_to_retire_keeps_the_newest_and_the_one_just_written() -> None:
 
 def test_retire_deletes_old_steps_with_their_rank_files(tmp_path: Path) -> None:
     for s in (10, 20, 30):
-        main_file(tmp_path, s).write_bytes(b"x")
+        torch.save({"step": s}, main_file(tmp_path, s))
         rank_file(tmp_path, s, 1).write_bytes(b"r")
     rank_file(tmp_path, 5, 2).write_bytes(b"r")  # a rank's part whose main file never came
     rank_file(tmp_path, 40, 1).write_bytes(b"r")  # a rank ahead of rank 0's write: kept
+    main_file(tmp_path, 25).write_bytes(b"not an archive")  # neither counted nor deleted
     (tmp_path / "mine.txt").write_text("not ours")
     assert retire(tmp_path, keep=2, protect=30) == []
     assert sorted(os.listdir(tmp_path)) == [
         "mine.txt",
         "step-000000020.pt",
         "step-000000020.rank-00001.pt",
+        "step-000000025.pt",
         "step-000000030.pt",
         "step-000000030.rank-00001.pt",
         "step-000000040.rank-00001.pt",

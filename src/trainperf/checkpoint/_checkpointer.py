@@ -13,7 +13,6 @@ import os
 import sys
 import threading
 import warnings
-import zipfile
 from collections.abc import Iterable, Mapping
 from functools import partial
 from pathlib import Path
@@ -35,6 +34,7 @@ from trainperf.checkpoint._steps import (
     remove_dead_temps,
     retire,
     steps_on_disk,
+    unloadable,
 )
 from trainperf.checkpoint._writer import (
     SaveHandle,
@@ -62,18 +62,6 @@ def _group() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return int(dist.get_rank()), int(dist.get_world_size())
     return 0, 1
-
-
-def _unloadable(path: Path) -> str | None:
-    """Why ``path`` is not a complete torch.save file (its zip directory), or None."""
-    try:
-        with zipfile.ZipFile(path) as zf:
-            names = zf.namelist()
-    except (OSError, zipfile.BadZipFile, ValueError) as e:
-        return f"{type(e).__name__}: {e}"
-    if not any(n.endswith("/data.pkl") for n in names):
-        return "a zip archive without data.pkl, not a torch.save file"
-    return None
 
 
 class Checkpointer:
@@ -124,9 +112,11 @@ class Checkpointer:
         self.directory = Path(os.fspath(directory))
         self.keep = positive_int("keep", keep)
         self.every: int | None = positive_int("every", every, none_ok=True)
-        if self.directory.exists() and not self.directory.is_dir():
+        in_the_way = _file_in_the_way(self.directory)
+        if in_the_way is not None:
+            what = "is a file" if in_the_way == self.directory else f"is in {in_the_way}, a file"
             raise CheckpointError(
-                f"Checkpointer directory {self.directory} is a file, not a directory: give "
+                f"Checkpointer directory {self.directory} {what}, not a directory: give "
                 "a directory for the step files (it is created if missing)",
                 self.directory,
             )
@@ -134,6 +124,7 @@ class Checkpointer:
         self._pending: SaveHandle | None = None
         self._staging = Staging()
         self._stops: list[Preemption] = []  # every preemption() made, nested ones too
+        self._damaged: set[int] = set()  # steps whose file restore found corrupt
 
     def __repr__(self) -> str:
         every = "" if self.every is None else f", every={self.every}"
@@ -175,7 +166,7 @@ class Checkpointer:
         )
 
     def _after(self, step: int) -> list[str]:
-        return retire(self.directory, self.keep, step)
+        return retire(self.directory, self.keep, step, self._damaged)
 
     def save(
         self, state: Mapping[str, Any], *, step: int, blocking: bool = True, force: bool = False
@@ -304,7 +295,7 @@ class Checkpointer:
         """
         for step in reversed(self.steps()):
             path = main_file(self.directory, step)
-            why = _unloadable(path)
+            why = unloadable(path)
             if why is None:
                 return path
             warnings.warn(f"skipping checkpoint {path}: {why}", UserWarning, stacklevel=2)
@@ -388,6 +379,7 @@ class Checkpointer:
                 ) from e
             except (CheckpointError, ValueError) as e:
                 warnings.warn(f"skipping checkpoint {path}: {e}", UserWarning, stacklevel=2)
+                self._damaged.add(step)  # kept, but not one of the ``keep`` newest
                 continue
             restore_into(state, saved, self._own_part(step, rank), str(path))
             return found
@@ -428,6 +420,15 @@ class Checkpointer:
         stop = Preemption(signals, grace_s, check_every)
         self._stops.append(stop)
         return stop
+
+
+def _file_in_the_way(directory: Path) -> Path | None:
+    """``directory`` or the nearest of its parents that exists, when that is not a directory
+    (a file: no step file could be written under it); else None."""
+    for path in (directory, *directory.parents):
+        if path.exists():
+            return None if path.is_dir() else path
+    return None
 
 
 def _finish(pending: SaveHandle) -> None:

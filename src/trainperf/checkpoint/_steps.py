@@ -10,11 +10,14 @@ from __future__ import annotations
 import os
 import re
 import socket
+import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from trainperf._utils.atomic import remove_dead_temp
 
 __all__ = [
+    "unloadable",
     "main_file",
     "rank_file",
     "remove_dead_temps",
@@ -77,11 +80,37 @@ def to_retire(steps: list[int], keep: int, protect: int) -> list[int]:
     return sorted(s for s in steps if s not in kept and s < max(kept))
 
 
-def retire(directory: Path, keep: int, protect: int) -> list[str]:
+def unloadable(path: Path) -> str | None:
+    """Why ``path`` is not a complete torch.save file (its zip directory), or None."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+    except (OSError, zipfile.BadZipFile, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    if not any(n.endswith("/data.pkl") for n in names):
+        return "a zip archive without data.pkl, not a torch.save file"
+    return None
+
+
+def retire(directory: Path, keep: int, protect: int, damaged: Iterable[int] = ()) -> list[str]:
     """Delete the main and rank files of the steps :func:`to_retire` names, and rank files
-    of older steps whose main file never appeared; return what could not be deleted."""
+    of older steps whose main file never appeared; return what could not be deleted.
+
+    A main file that is not a complete archive (:func:`unloadable`: cut short by another
+    tool), or whose step is in ``damaged`` (a restore found its data corrupt), neither counts
+    toward ``keep`` nor is deleted: it would hold one of the ``keep`` places for good, above
+    the files that do load."""
     names = _names(directory)
-    steps = [int(m[1]) for name in names if (m := _MAIN.match(name))]
+    bad = set(damaged)
+    steps = [
+        step
+        for name in names
+        if (m := _MAIN.match(name))
+        and (
+            (step := int(m[1])) == protect
+            or (step not in bad and unloadable(directory / name) is None)
+        )
+    ]
     doomed = set(to_retire(steps, keep, protect))
     oldest_kept = min((s for s in steps if s not in doomed), default=protect)
     failed = []
