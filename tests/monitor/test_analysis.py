@@ -148,6 +148,30 @@ def test_analyse_finds_a_stall_every_tenth_step_in_thirty() -> None:
     assert report.stall_period == 10 and report.stall_steps == (9, 19, 29)
 
 
+def _every_eighth(slow_wait: bool) -> list[StepRecord]:
+    """160 steps of 2 ms; every 8th takes 150 ms more, waiting for data or in the step."""
+    out, t = [], 0.0
+    for i in range(160):
+        extra = 0.150 if i % 8 == 0 else 0.0
+        wait, own = (0.0002 + extra, 0.002) if slow_wait else (0.0002, 0.002 + extra)
+        out.append(StepRecord(i, t, wait, own, 8, None))
+        t += wait + own
+    return out
+
+
+def test_batches_arriving_in_bursts_are_not_periodic_stalls() -> None:
+    # 8 workers started together deliver their batches together: every 8th step waits.
+    setup = LoopSetup(num_workers=8, prefetch_factor=2, batch_size=8)
+    bursts = analyse(_every_eighth(slow_wait=True), cpus=2, setup=setup)
+    assert bursts.verdict.kind == "input-bound", bursts
+    assert bursts.stall_period is None
+    assert all(f.kind != "periodic-stalls" for f in bursts.findings)
+    # The same time spent in the step itself (a synchronous save) is a periodic stall.
+    saves = analyse(_every_eighth(slow_wait=False), cpus=2, setup=setup)
+    assert saves.stall_period == 8
+    assert "periodic-stalls" in {saves.verdict.kind, *(f.kind for f in saves.findings)}
+
+
 def test_analyse_ignores_scattered_slow_steps() -> None:
     timeline = steps(60, 0.0, 0.01)
     for i in (5, 17, 18, 41):

@@ -56,15 +56,18 @@ def _mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def _find_stalls(durations: Sequence[float], first: int) -> tuple[int | None, list[int], float]:
-    """Steps far slower than the median, and their period if they recur every N steps."""
+def _find_stalls(
+    durations: Sequence[float], first: int, wall: float | None = None
+) -> tuple[int | None, list[int], float]:
+    """Steps far slower than the median, their period if they recur every N steps, and the
+    share of ``wall`` (default: the durations' sum) the periodic ones lose."""
     if len(durations) < MIN_STEPS:
         return None, [], 0.0
     median = statistics.median(durations)
     mad = statistics.median(abs(d - median) for d in durations)
     threshold = max(STALL_FACTOR * median, median + 6 * 1.4826 * mad)
     slow = [first + i for i, d in enumerate(durations) if d > threshold]
-    total = sum(durations)
+    total = sum(durations) if wall is None else wall
     last = first + len(durations) - 1
     if len(slow) >= 3:
         # Up to the longest period that fits three stalls: p, p + N, p + 2N.
@@ -149,7 +152,10 @@ def _figures(
     durations = [s.duration for s in measured]
     workers = [s.workers_cpu for s in window if s.workers_cpu is not None]
     wall = sum(durations)
-    period, stalled, stall_fraction = _find_stalls(durations, first)
+    # Stalls are the loop's own time (a synchronous save): with the wait for data measured,
+    # a batch that comes late (workers delivering in bursts) is the input-bound finding's.
+    own = [s.duration - s.wait for s in measured] if ctx.wait_measured else durations
+    period, stalled, stall_fraction = _find_stalls(own, first, wall)
     return Figures(
         measured_steps=len(measured),
         warmup_steps=ctx.warmup_steps,
