@@ -447,6 +447,18 @@ def test_the_watch_reads_the_loaders_settings_and_torch_threads() -> None:
     assert plain.report().setup.num_workers is None  # not a DataLoader
 
 
+def test_the_report_has_the_loaders_settings_as_they_are_now() -> None:
+    # An adaptive loader changes its workers while watched (0 -> 2 here, as it would after
+    # an input-bound epoch): the report's predictions must start from what runs now.
+    loader = DataLoader(TensorDataset(torch.zeros(32, 2)), batch_size=4)
+    with watch(device="cpu") as w:
+        for _ in w.iter(loader):
+            w.step()
+        loader.num_workers, loader.prefetch_factor = 2, 3
+    setup = w.report().setup
+    assert (setup.num_workers, setup.prefetch_factor) == (2, 3)
+
+
 class _ScriptedClock:
     """Stands in for the schedstat clock: returns (demand, delay) readings from a script."""
 

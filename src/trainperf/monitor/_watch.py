@@ -39,7 +39,7 @@ import time
 import weakref
 from array import array
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -133,7 +133,8 @@ class Watch:
         self._clock = CpuClock()
         # (run, delay, generation) at the last schedstat reading: see _settle().
         self._last_reading = (math.nan, math.nan, 0)
-        self._loader: dict[str, Any] = {}
+        self._loader: dict[str, Any] = {}  # the loader's settings at w.iter()
+        self._loader_ref: Callable[[], object | None] = lambda: None
         self._sampler: _Sampler | None = None
         self._cpus = 1
         # CUDA events: (step index, event at the step's first batch, event at its end).
@@ -280,6 +281,10 @@ class Watch:
             raise RuntimeError(f"w.iter() needs a running watch: use it {_RUN_IT}")
         self._iterated = True
         self._loader = loader_facts(iterable)  # what the predictions need of the loader
+        try:  # read again for the report: an adaptive loader changes its settings meanwhile
+            self._loader_ref = weakref.ref(iterable)
+        except TypeError:
+            self._loader_ref = lambda: None
         # An AdaptiveDataLoader's changes (at iter(), or mid-epoch in next()) are read as
         # its history grows: each is marked at the step that took its first batch.
         history = getattr(iterable, "tuning_history", None)
@@ -469,7 +474,7 @@ class Watch:
             dropped_samples=dropped_samples,
             wait_measured=self._iterated,
             precision=_precision_in_use(),
-            setup=loop_setup(self._loader, cuda_index, **self._measured(timeline, samples)),
+            setup=loop_setup(self._loader_now(), cuda_index, **self._measured(timeline, samples)),
             measure=functools.partial(_probed, probe=self._state != "running"),
         )
         return dataclasses.replace(report, loader_changes=self._loader_changes())
@@ -507,12 +512,19 @@ class Watch:
                 out["handover_produce_s"] = handover.produce_s
         return out
 
+    def _loader_now(self) -> dict[str, Any]:
+        """The settings of the loader ``w.iter()`` was given, as they are now (an adaptive
+        loader's change them while it runs), or as they were then if it is gone."""
+        loader = self._loader_ref()
+        return self._loader if loader is None else loader_facts(loader)
+
     def _loads_in_thread(self, samples: list[Sample]) -> bool:
         """The loop loads in its own thread: a DataLoader with ``num_workers=0``, or an
         iterable of another kind while this process's children used under a tenth of a
         core (more would be workers behind it: a prefetcher around a DataLoader, say)."""
-        if "num_workers" in self._loader:
-            return not self._loader["num_workers"]
+        facts = self._loader_now()
+        if "num_workers" in facts:
+            return not facts["num_workers"]
         workers = [x.workers_cpu for x in samples if x.workers_cpu is not None]
         return not workers or sum(workers) / len(workers) < 10.0
 
