@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from trainperf.batchsize._args import check_args, size_space
 
@@ -33,6 +35,15 @@ def test_good_arguments_pass() -> None:
     [
         ({"step": None}, r"step must be callable \(it gets one batch\), got None"),
         ({"sample": 3}, r"sample must be callable \(it gets a batch size n\), got 3"),
+        (
+            {"sample": TensorDataset(torch.zeros(4, 2))},
+            r"got <.*TensorDataset.*>; for a dataset, pass trainperf\.batches_from\(dataset\)",
+        ),
+        (
+            {"sample": DataLoader(TensorDataset(torch.zeros(4, 2)))},
+            r"for a DataLoader, pass trainperf\.batches_from\(loader\.dataset, "
+            r"collate_fn=loader\.collate_fn\)",
+        ),
         ({"min_size": 0}, r"min_size must be an int >= 1, got 0"),
         ({"max_size": 2.5}, r"max_size must be None or an int >= 1, got 2.5"),
         ({"min_size": 8, "max_size": 4}, r"max_size=4 is below min_size=8"),

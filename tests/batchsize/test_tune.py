@@ -74,10 +74,12 @@ def test_an_error_in_step_propagates_after_the_state_is_restored() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
 
 
-def test_a_real_error_at_the_first_size_propagates_unchanged() -> None:
+def test_a_real_error_at_the_first_size_propagates_with_the_fix() -> None:
     t = Trainer()  # BatchNorm refuses a batch of one sample in training mode
-    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel") as caught:
         tune(t, min_size=1, max_size=4)
+    assert str(caught.value).endswith("which BatchNorm cannot train on; pass min_size=2")
+    assert isinstance(caught.value.__cause__, ValueError)  # torch's own error, chained
 
 
 def test_a_sample_of_the_wrong_size_is_a_clear_error() -> None:

@@ -44,7 +44,7 @@ def check_args(
     """
     for name, fn, what in (("step", step, "one batch"), ("sample", sample, "a batch size n")):
         if not callable(fn):
-            raise ValueError(f"{name} must be callable (it gets {what}), got {fn!r}")
+            raise ValueError(f"{name} must be callable (it gets {what}), got {fn!r}{_hint(fn)}")
     low = positive_int("min_size", min_size)
     high = positive_int("max_size", max_size, none_ok=True)
     if high is not None and high < low:
@@ -103,3 +103,17 @@ def size_space(
             f"lower min_size, or pass a global_batch with such a divisor"
         )
     return space
+
+
+def _hint(value: object) -> str:
+    """The fix for a dataset or DataLoader passed where ``sample(n)`` goes."""
+    from torch.utils.data import DataLoader, Dataset
+
+    if isinstance(value, DataLoader):
+        return (
+            "; for a DataLoader, pass trainperf.batches_from(loader.dataset, "
+            "collate_fn=loader.collate_fn)"
+        )
+    if isinstance(value, Dataset) or hasattr(value, "__getitem__"):
+        return "; for a dataset, pass trainperf.batches_from(dataset)"
+    return ""

@@ -81,6 +81,10 @@ _OOM_TEXTS = (
 )
 
 
+_ONE_PER_CHANNEL = "Expected more than 1 value per channel when training"
+"""BatchNorm's error for a training batch of one sample."""
+
+
 @dataclass(frozen=True)
 class ProbePolicy:
     """How one batch size is measured (see the module docstring for why).
@@ -248,6 +252,11 @@ class Prober:
             return fn(*args), None
         except Exception as e:
             if not is_out_of_memory(e):
+                if isinstance(e, ValueError) and _ONE_PER_CHANNEL in str(e):
+                    raise ValueError(
+                        f"{e}: tune_batch_size ran a batch of 1 sample, which BatchNorm "
+                        "cannot train on; pass min_size=2"
+                    ) from e
                 raise
             return None, oom_text(e)
 
