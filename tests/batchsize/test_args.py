@@ -37,11 +37,11 @@ def test_good_arguments_pass() -> None:
         ({"sample": 3}, r"sample must be callable \(it gets a batch size n\), got 3"),
         (
             {"sample": TensorDataset(torch.zeros(4, 2))},
-            r"got <.*TensorDataset.*>; for a dataset, pass trainperf\.batches_from\(dataset\)",
+            r"TensorDataset.*>; for a dataset, pass sample=trainperf\.batches_from\(dataset\)",
         ),
         (
             {"sample": DataLoader(TensorDataset(torch.zeros(4, 2)))},
-            r"for a DataLoader, pass trainperf\.batches_from\(loader\.dataset, "
+            r"for a DataLoader, pass sample=trainperf\.batches_from\(loader\.dataset, "
             r"collate_fn=loader\.collate_fn\)",
         ),
         ({"min_size": 0}, r"min_size must be an int >= 1, got 0"),

@@ -247,6 +247,10 @@ def test_latest_skips_a_cut_short_file_and_restore_a_damaged_one(tmp_path: Path)
     for step in (4, 5, 6):
         ckpt.save({"w": torch.full((1000,), float(step))}, step=step)
     assert ckpt.steps() == [2, 3, 4, 5, 6]
+    # Step 2 written again replaces the damaged file: it counts, and goes in its turn.
+    for step in (2, 7):
+        ckpt.save({"w": torch.full((1000,), float(step))}, step=step)
+    assert ckpt.steps() == [3, 5, 6, 7]
 
 
 def test_a_killed_writers_temp_file_goes_when_the_directory_is_opened(tmp_path: Path) -> None:

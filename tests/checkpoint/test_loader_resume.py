@@ -89,53 +89,35 @@ def test_persistent_workers_resume_exactly_after_an_end_of_epoch_checkpoint(
     assert got == reference
 
 
-def _partial_epochs(
-    directory: Path, epochs: int, *, save_after: int | None = None, stop: bool = False
-) -> list[list[int]]:
-    """Epochs of 4 of a loader's 7 batches (``break`` after the 4th, as a steps-per-epoch
-    limit), saved after the inner loop at the end of epoch ``save_after``; ``stop``: with a
-    preemption stop requested then (the loop broke out for it)."""
+def _stopped_early(directory: Path, stop: str) -> list[list[int]]:
+    """The first 4 of a loader's 7 batches, the loop stopped (by a ``max_steps`` of its own,
+    or by a preemption stop) and saved after the inner loop."""
     loader = DataLoader(list(range(20)), batch_size=3, shuffle=True)
     ck = Checkpointer(directory)
-    state: dict[str, Any] = {"loader": loader, "epoch": 0}
-    ck.restore(state)
+    ck.restore({"loader": loader})
     seen: list[list[int]] = []
     with ck.preemption() as preemption:
-        for epoch in range(state["epoch"], epochs):
-            for i, batch in enumerate(loader):
-                seen.append(batch.tolist())
-                if i + 1 == 4:
-                    break
-            state["epoch"] = epoch + 1
-            if epoch + 1 == save_after:
-                if stop:
+        for i, batch in enumerate(loader):
+            seen.append(batch.tolist())
+            if i + 1 == 4:
+                if stop == "preemption":
                     os.kill(os.getpid(), signal.SIGTERM)
                     assert preemption.requested
-                ck.save(state, step=epoch + 1)
-                return seen
+                break
+    ck.save({"loader": loader}, step=4)
     return seen
 
 
-def test_a_pass_the_loop_broke_out_of_is_over_when_saved_after_the_loop(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", ["max_steps", "preemption"])
+def test_a_pass_the_loop_broke_out_of_resumes_where_it_was_left(tmp_path: Path, stop: str) -> None:
     torch.manual_seed(0)
-    reference = _partial_epochs(tmp_path / "ref", 3)
+    reference = _batches(DataLoader(list(range(20)), batch_size=3, shuffle=True))
     torch.manual_seed(0)
-    got = _partial_epochs(tmp_path / "run", 3, save_after=2)
-    torch.manual_seed(123)  # the resumed process starts elsewhere: the checkpoint decides
-    got += _partial_epochs(tmp_path / "run", 3)
-    assert got == reference  # epoch 3 is a new pass: a fresh shuffle, 4 batches
-
-
-def test_a_pass_left_for_a_preemption_stop_resumes_where_it_was_left(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    first = _partial_epochs(tmp_path / "run", 3, save_after=2, stop=True)
+    first = _stopped_early(tmp_path, stop)
     loader = DataLoader(list(range(20)), batch_size=3, shuffle=True)
-    torch.manual_seed(123)
-    assert Checkpointer(tmp_path / "run").restore({"loader": loader, "epoch": 0}) == 2
-    rest = _batches(loader)  # the rest of the pass epoch 2 broke out of
-    assert len(rest) == 3
-    epoch_two = first[4:] + rest
-    assert sorted(x for b in epoch_two for x in b) == list(range(20))
+    torch.manual_seed(123)  # the resumed process starts elsewhere: the checkpoint decides
+    assert Checkpointer(tmp_path).restore({"loader": loader}) == 4
+    assert first + _batches(loader) == reference  # not a batch skipped or repeated
 
 
 class _GlobalShuffle(Sampler[int]):
@@ -204,3 +186,25 @@ def test_another_batch_size_with_as_many_batches_restarts_the_pass_with_a_warnin
         ck.restore({"loader": resumed})
     rest = _batches(resumed)
     assert len(rest) == 4 and sorted(x for b in rest for x in b) == list(range(20))
+
+
+class _NoLength(torch.utils.data.Dataset[int]):
+    """A map-style dataset whose ``__len__`` raises (the sampler says what to load)."""
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+    def __len__(self) -> int:
+        raise NotImplementedError("a stream of unknown length")
+
+
+def test_a_dataset_whose_len_raises_still_saves_and_resumes(tmp_path: Path) -> None:
+    loader = DataLoader(_NoLength(), batch_size=2, sampler=list(range(10)))
+    ck = Checkpointer(tmp_path)
+    ck.restore({"loader": loader})
+    it = iter(loader)
+    first = [next(it).tolist(), next(it).tolist()]
+    ck.save({"loader": loader}, step=2)
+    resumed = DataLoader(_NoLength(), batch_size=2, sampler=list(range(10)))
+    assert Checkpointer(tmp_path).restore({"loader": resumed}) == 2
+    assert first + _batches(resumed) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]

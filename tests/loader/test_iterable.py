@@ -301,3 +301,27 @@ def test_the_adaptive_loader_gives_a_sharded_stream_workers() -> None:
         loader.close()
     assert epochs == [list(range(N))] * 2
     assert loader.num_workers > 0 and loader.tuning_history
+
+
+class _FailsInWorkers(Replaying):
+    """Reads fine in the main process; every worker raises."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        if get_worker_info() is not None:
+            raise OSError("no handle to the stream in a worker")
+        return self.samples()
+
+
+@pytest.mark.slow  # about 2 s
+def test_the_adaptive_loader_adds_no_workers_when_the_probe_cannot_tell() -> None:
+    from trainperf.loader import AdaptiveDataLoader
+
+    loader = AdaptiveDataLoader(_FailsInWorkers(sleep_s=0.003), batch_size=4, max_workers=4)
+    try:
+        first = _epoch_values(loader)
+        with pytest.warns(RuntimeWarning, match=r"could not tell whether _FailsInWorkers"):
+            second = _epoch_values(loader)
+    finally:
+        loader.close()
+    assert first == second == list(range(N))
+    assert loader.num_workers == 0 and loader.tuning_history == []

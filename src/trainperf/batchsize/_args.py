@@ -44,7 +44,8 @@ def check_args(
     """
     for name, fn, what in (("step", step, "one batch"), ("sample", sample, "a batch size n")):
         if not callable(fn):
-            raise ValueError(f"{name} must be callable (it gets {what}), got {fn!r}{_hint(fn)}")
+            hint = _hint(fn) if name == "sample" else ""
+            raise ValueError(f"{name} must be callable (it gets {what}), got {fn!r}{hint}")
     low = positive_int("min_size", min_size)
     high = positive_int("max_size", max_size, none_ok=True)
     if high is not None and high < low:
@@ -111,9 +112,9 @@ def _hint(value: object) -> str:
 
     if isinstance(value, DataLoader):
         return (
-            "; for a DataLoader, pass trainperf.batches_from(loader.dataset, "
+            "; for a DataLoader, pass sample=trainperf.batches_from(loader.dataset, "
             "collate_fn=loader.collate_fn)"
         )
     if isinstance(value, Dataset) or hasattr(value, "__getitem__"):
-        return "; for a dataset, pass trainperf.batches_from(dataset)"
+        return "; for a dataset, pass sample=trainperf.batches_from(dataset)"
     return ""

@@ -254,8 +254,8 @@ class Prober:
             if not is_out_of_memory(e):
                 if isinstance(e, ValueError) and _ONE_PER_CHANNEL in str(e):
                     raise ValueError(
-                        f"{e}: tune_batch_size ran a batch of 1 sample, which BatchNorm "
-                        "cannot train on; pass min_size=2"
+                        f"{e}: BatchNorm cannot train on a batch of one sample, and "
+                        "tune_batch_size starts at min_size (1 unless given); pass min_size=2"
                     ) from e
                 raise
             return None, oom_text(e)

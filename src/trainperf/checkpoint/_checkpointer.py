@@ -166,6 +166,7 @@ class Checkpointer:
         )
 
     def _after(self, step: int) -> list[str]:
+        self._damaged.discard(step)  # written again: the damaged file was replaced
         return retire(self.directory, self.keep, step, self._damaged)
 
     def save(
@@ -223,9 +224,9 @@ class Checkpointer:
         if rank > 0:
             own = rank_file(self.directory, step, rank)
             with saving(own):
-                write_now(rank_payload(state, step, rank, world, stopping=self._stopping()), own)
+                write_now(rank_payload(state, step, rank, world), own)
             return SaveHandle.finished(step, path, "other rank")
-        payload = build_payload(state, step, rank, world, stopping=self._stopping())
+        payload = build_payload(state, step, rank, world)
         if not blocking:
             handle = self._start_background(payload, path, step)
             if handle is not None:

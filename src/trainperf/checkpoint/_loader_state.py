@@ -370,7 +370,7 @@ def _length(loader: DataLoader[Any]) -> int | None:
 def _sized(obj: Any) -> int | None:
     try:
         return len(obj)
-    except TypeError:
+    except Exception:  # advisory: a __len__ that raises must not fail the save
         return None
 
 
@@ -387,30 +387,30 @@ def _shape(loader: DataLoader[Any]) -> dict[str, int | None]:
     }
 
 
-def loader_state(loader: DataLoader[Any], *, stopping: bool = False) -> dict[str, Any] | None:
+def loader_state(loader: DataLoader[Any]) -> dict[str, Any] | None:
     """The tracked ``loader``'s pass, position and generator states, as plain data; None
     when its position is unknown (tracking began mid-pass).
 
-    A pass whose iterator the loop let go of (a ``break``, ``zip(range(n), loader)``) is
-    over, wherever it was: the run's next ``for`` over the loader starts a new pass, and so
-    does the resumed run's. Unless ``stopping`` (a preemption stop is requested): then the
-    loop broke out for the stop, and the resumed run continues the pass where it was left.
-    Inside the loop (the iterator alive), a save at the pass's last batch resumes it, empty.
+    A pass the loop broke out of before its end is resumed where it was left, whatever
+    stopped the loop (a time limit, ``max_steps``, a preemption): never a batch skipped. Every
+    batch taken but no StopIteration yet: inside the loop over this pass (a save at its last
+    batch), the pass goes on, empty, when resumed; once the loop let go of the pass's
+    iterator (``zip(range(n), loader)``, a break at the last batch), it is over.
     """
     tracker: _Tracker = loader.__dict__[_TRACKER]
     if not tracker.known:
         return None
     length = _length(loader)
     chain = _chain(_own_index_sampler(loader))
-    over = length is not None and tracker.position >= length
-    left = tracker.resume is None and tracker.current is not None and tracker.current() is None
+    open_pass = tracker.current is not None and tracker.current() is not None
     return {
         "version": _VERSION,
         "passes": tracker.passes,
         "position": tracker.position,
         "length": length,
         "shape": _shape(loader),
-        "done": tracker.done or (left and (over or not stopping)),
+        "done": tracker.done
+        or (length is not None and tracker.position >= length and not open_pass),
         "start": None if tracker.start is None else tracker.start.to_dict(),
         "now": _States.read(chain, loader.generator).to_dict(),
     }

@@ -45,7 +45,7 @@ def _check_state(state: object, what: str) -> Mapping[str, Any]:
     return state
 
 
-def _loader_entry(key: str, loader: DataLoader[Any], stopping: bool) -> dict[str, Any] | None:
+def _loader_entry(key: str, loader: DataLoader[Any]) -> dict[str, Any] | None:
     if "_trainperf_tracker" not in loader.__dict__:
         track(loader, known=False)
         warnings.warn(
@@ -56,7 +56,7 @@ def _loader_entry(key: str, loader: DataLoader[Any], stopping: bool) -> dict[str
             UserWarning,
             stacklevel=4,
         )
-    return loader_state(loader, stopping=stopping)
+    return loader_state(loader)
 
 
 def _meta(step: int, rank: int, world_size: int) -> dict[str, Any]:
@@ -70,16 +70,9 @@ def _meta(step: int, rank: int, world_size: int) -> dict[str, Any]:
 
 
 def build_payload(
-    state: Mapping[str, Any],
-    step: int,
-    rank: int = 0,
-    world_size: int = 1,
-    *,
-    stopping: bool = False,
+    state: Mapping[str, Any], step: int, rank: int = 0, world_size: int = 1
 ) -> dict[str, Any]:
     """The content of a step's main file; tensors are the live ones (not copied).
-    ``stopping``: a preemption stop is requested (a loader's pass the loop broke out of is
-    resumed where it was left, not counted as over).
 
     Raises:
         TypeError: ``state`` is not a dict with string keys.
@@ -89,21 +82,19 @@ def build_payload(
     out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, DataLoader):
-            out[key] = _loader_entry(key, value, stopping)
+            out[key] = _loader_entry(key, value)
             continue
         out[key] = _prepare(value)
     out[RESERVED] = _meta(step, rank, world_size)
     return out
 
 
-def rank_payload(
-    state: Mapping[str, Any], step: int, rank: int, world_size: int, *, stopping: bool = False
-) -> dict[str, Any]:
+def rank_payload(state: Mapping[str, Any], step: int, rank: int, world_size: int) -> dict[str, Any]:
     """What rank ``rank > 0`` keeps of a step: its loaders' positions and generator states
     (the model and optimizer are rank 0's to write)."""
     state = _check_state(state, "Checkpointer.save")
     out: dict[str, Any] = {
-        key: _loader_entry(key, value, stopping)
+        key: _loader_entry(key, value)
         for key, value in state.items()
         if isinstance(value, DataLoader)
     }

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import math
 import time
 import warnings
 from collections.abc import Iterator
@@ -49,7 +50,7 @@ from trainperf.loader._adapt_rules import (
     increase_paid,
 )
 from trainperf.loader._autotune import TunedDataLoader
-from trainperf.loader._iterable import check_sharding, is_iterable, unsharded_warning
+from trainperf.loader._iterable import ALIKE, check_sharding, is_iterable, unsharded_warning
 from trainperf.loader._report import CandidateResult
 from trainperf.loader._search import Search, callers_stacklevel, default_max_workers
 from trainperf.loader._tune import rank_share
@@ -385,24 +386,40 @@ class AdaptiveDataLoader(TunedDataLoader):
         """Whether more workers keep the samples: an ``IterableDataset`` whose workers each
         replay the whole stream would yield every sample once per worker. Checked once, on
         two short-lived workers (:func:`~trainperf.loader._iterable.check_sharding`), before
-        the first increase; a stream that does not shard stays at the workers it has, with
-        a ``RuntimeWarning`` that shows the fix."""
+        the first increase; a stream that does not shard, or whose workers failed or were
+        too slow to tell, stays at the workers it has, with a ``RuntimeWarning``. A stream
+        whose first items are all alike cannot tell, and gets workers (as in the tuner)."""
         if self._sharded is None:
             self._sharded = True
             if is_iterable(self.dataset):
-                kwargs = {
-                    "worker_init_fn": self.worker_init_fn,
-                    "multiprocessing_context": self.multiprocessing_context,
-                }
-                check = check_sharding(self.dataset, kwargs, time.perf_counter() + 10.0)
-                if check.duplicated:
-                    self._sharded = False
-                    self._max_workers = min(self._max_workers, self.num_workers)
-                    text = unsharded_warning(
-                        self.dataset, check, type(self).__name__, self.num_workers
-                    )
-                    warnings.warn(text, RuntimeWarning, stacklevel=callers_stacklevel())
+                self._sharded = self._check_sharding()
         return self._sharded
+
+    def _check_sharding(self) -> bool:
+        kwargs = {
+            "worker_init_fn": self.worker_init_fn,
+            "multiprocessing_context": self.multiprocessing_context,
+        }
+        # No deadline of ours: the check's own limit per start method (spawned workers
+        # import torch first).
+        check = check_sharding(self.dataset, kwargs, math.inf)
+        undecided = check.duplicated is None and check.why != ALIKE
+        if not (check.duplicated or undecided):
+            return True
+        self._max_workers = min(self._max_workers, self.num_workers)
+        name = type(self).__name__
+        if check.duplicated:
+            text = unsharded_warning(self.dataset, check, name, self.num_workers)
+        else:
+            text = (
+                f"{name} keeps num_workers={self.num_workers}: could not tell whether "
+                f"{type(self.dataset).__name__}, an IterableDataset, shards its stream across "
+                f"workers ({check.why}); unless it does, every worker yields every sample. "
+                "Give each worker its share in __iter__ with "
+                "torch.utils.data.get_worker_info(), then pass max_workers or tune again"
+            )
+        warnings.warn(text, RuntimeWarning, stacklevel=callers_stacklevel())
+        return False
 
     def _retune(self, timed: _TimedIter) -> None:
         limits = _rank_limits()  # memory and /dev/shm as this epoch starts

@@ -46,6 +46,7 @@ from trainperf.loader._report import CandidateResult
 from trainperf.loader._search import callers_stacklevel
 
 __all__ = [
+    "ALIKE",
     "ITEMS",
     "SHARDING_EXAMPLE",
     "ShardCheck",
@@ -60,6 +61,8 @@ __all__ = [
 
 ITEMS = 4
 """Items compared per worker before a stream counts as not sharded."""
+ALIKE = "its first items are all alike"
+"""Why a check could not tell: a constant stream looks the same sharded or not."""
 _LIMIT_S = {"fork": 10.0, "spawn": 40.0, "forkserver": 40.0}
 """Seconds the check may take at most (spawned workers import torch again first)."""
 _SEED = 0x5EED
@@ -257,7 +260,7 @@ def check_sharding(
     items = min(len(streams[0]), len(streams[1]))
     if verdict is None and why is None:
         alike = items >= enough and len(set(streams[0][:items])) < 2
-        why = "its first items are all alike" if alike else f"only {items} items came in time"
+        why = ALIKE if alike else f"only {items} items came in time"
     if verdict is not None:
         why = None
     return ShardCheck(verdict, items, why, time.perf_counter() - t0)

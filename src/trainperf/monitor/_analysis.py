@@ -154,7 +154,7 @@ def _figures(
     wall = sum(durations)
     # Stalls are the loop's own time (a synchronous save): with the wait for data measured,
     # a batch that comes late (workers delivering in bursts) is the input-bound finding's.
-    own = [s.duration - s.wait for s in measured] if ctx.wait_measured else durations
+    own = [s.compute for s in measured] if ctx.wait_measured else durations
     period, stalled, stall_fraction = _find_stalls(own, first, wall)
     return Figures(
         measured_steps=len(measured),
@@ -173,9 +173,7 @@ def _figures(
         stall_period=period,
         stall_steps=tuple(stalled),
         stall_fraction=stall_fraction,
-        stall_median_s=(
-            statistics.median(durations[i - first] for i in stalled) if stalled else None
-        ),
+        stall_median_s=statistics.median(own[i - first] for i in stalled) if stalled else None,
         wait_measured=ctx.wait_measured,
         precision=ctx.precision,
         wait_cpu_s=_per_step([s.wait_cpu for s in measured]) if ctx.wait_measured else None,
