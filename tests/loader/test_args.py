@@ -21,6 +21,7 @@ _LOADER_TIMEOUT = r"timeout must be a finite number of seconds >= 0 \(0: no time
     ("args", "kwargs", "match"),
     [
         ((0,), {}, "batch_size must be an int >= 1, got 0"),
+        ((None,), {}, r"batch_size=None \(no automatic batching\) is not supported .* pass the"),
         ((4,), {"max_workers": -1}, "max_workers must be None or an int >= 0"),
         ((4,), {"budget_s": 0}, "budget_s must be a positive number"),
         ((4,), {"epochs_hint": 0}, "epochs_hint must be None or an int >= 1"),

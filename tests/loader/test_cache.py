@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import ConcatDataset, Dataset, TensorDataset, random_split
 
 from tests.loader._fakes import Slowish
 from tests.loader._fakes import tune_for_cache as tune
@@ -41,6 +41,30 @@ def test_key_depends_on_batch_size_dataset_and_loader_arguments() -> None:
         Slowish(), 4, device="cpu", max_workers=0, budget_s=5, progress=False
     ).from_cache
     assert tune().from_cache
+
+
+class _Other(Dataset[torch.Tensor]):
+    """Another dataset of the same length and samples as a TensorDataset of zeros."""
+
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.zeros(4)
+
+
+def test_the_key_holds_the_datasets_a_subset_or_concat_wraps() -> None:
+    def fields(ds: Any) -> dict[str, Any]:
+        return key_fields(ds, 4, cpus=2, device_type="cpu", max_workers=8, epochs_hint=None,
+                          step_fn=None, loader_kwargs={})  # fmt: skip
+
+    plain = TensorDataset(torch.zeros(96, 4))
+    a, _ = random_split(plain, [48, 48])
+    b, _ = random_split(_Other(), [48, 48])
+    assert fields(a)["dataset"] != fields(b)["dataset"]  # both Subsets: their data differs
+    assert make_key(fields(a)) != make_key(fields(b))
+    concat = fields(ConcatDataset([plain, _Other()]))["dataset"]
+    assert concat[1] == [fields(plain)["dataset"], fields(_Other())["dataset"]]
 
 
 def test_corrupt_cache_file_is_ignored_and_rewritten() -> None:

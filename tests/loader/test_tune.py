@@ -143,7 +143,7 @@ def test_dataset_failing_in_the_main_process_raises() -> None:
 
 
 def test_empty_loader_raises() -> None:
-    with pytest.raises(ValueError, match="yields no batch"):
+    with pytest.raises(ValueError, match=r"yields no batch .*: give a dataset with at least one"):
         tune_loader(Waits(), 100, **quick(drop_last=True))
 
 

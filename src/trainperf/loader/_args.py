@@ -49,6 +49,12 @@ def check_args(
         ...
         ValueError: budget_s must be a positive number of seconds, got inf
     """
+    if batch_size is None:
+        raise ValueError(
+            "batch_size=None (no automatic batching) is not supported by the tuner: it counts "
+            "samples per batch; pass the batch size your loop uses, or tune a DataLoader "
+            "that batches"
+        )
     positive_int("batch_size", batch_size)
     non_negative_int("max_workers", max_workers, none_ok=True)  # None: the default
     positive_number("budget_s", budget_s, unit="seconds")

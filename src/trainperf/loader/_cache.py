@@ -106,6 +106,29 @@ def length(obj: Any) -> int | None:
         return None
 
 
+def dataset_kind(dataset: Any, depth: int = 0) -> Any:
+    """The dataset's type, with those of the datasets it wraps (``Subset`` and
+    ``random_split``'s ``.dataset``, ``ConcatDataset``'s ``.datasets``): two ``Subset`` s
+    of different datasets are different loaders to tune.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import Subset, TensorDataset
+        >>> dataset_kind(Subset(TensorDataset(torch.zeros(4)), [0, 1]))
+        ['torch.utils.data.dataset.Subset', 'torch.utils.data.dataset.TensorDataset']
+    """
+    name = qualname(dataset)
+    if depth >= 4:
+        return name
+    inner = getattr(dataset, "dataset", None)
+    if inner is not None and not isinstance(inner, (str, bytes)):
+        return [name, dataset_kind(inner, depth + 1)]
+    parts = getattr(dataset, "datasets", None)
+    if isinstance(parts, (list, tuple)):
+        return [name, [dataset_kind(d, depth + 1) for d in parts[:16]]]
+    return name
+
+
 def key_fields(
     dataset: Any,
     batch_size: int,
@@ -134,7 +157,7 @@ def key_fields(
     """
     return {
         "v": _VERSION,
-        "dataset": qualname(dataset),
+        "dataset": dataset_kind(dataset),
         "len": length(dataset),
         "sample": sample_signature(_first_sample(dataset)),
         "batch_size": batch_size,

@@ -148,7 +148,9 @@ class Batches:
             f"the DataLoader yields no batch (batch_size={self.spec.batch_size}, "
             f"drop_last={self.kwargs.get('drop_last', False)!r}, "
             f"dataset of {len(dataset) if hasattr(dataset, '__len__') else '?'}"
-            f" samples)"
+            f" samples): give a dataset with at least one batch of samples (or drop_last=False"
+            f", or a smaller batch_size); an IterableDataset must yield its samples again on "
+            f"each iter() (one whose __iter__ returns itself is used up by the measurements)"
         )
 
     def next_batch(self) -> int:
