@@ -255,3 +255,47 @@ def test_an_averaged_models_file_loads_into_an_averaged_model_unstripped() -> No
     # Into the bare network, the prefix goes and n_averaged is named as the one left over.
     with pytest.raises(StateDictMismatchError, match=r"n_averaged is the update counter"):
         load_state_dict(Net(), swa.state_dict())
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("value", ["meta", "list"])
+def test_a_value_without_data_is_refused_before_anything_is_copied(
+    strict: bool, value: str
+) -> None:
+    state = dict(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)).state_dict())
+    if value == "meta":
+        with torch.device("meta"):
+            state["1.bias"] = torch.empty(2)  # saved before the model was materialised
+    else:
+        state["1.bias"] = [0.0, 0.0]
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(StateDictMismatchError, match=r"'1\.bias': a (meta tensor|list)"):
+        load_state_dict(model, state, strict=strict)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # unchanged
+
+
+def test_an_old_batchnorm_state_without_its_counter_loads_as_torch_loads_it() -> None:
+    old = {k: v for k, v in Net().state_dict().items() if not k.endswith("num_batches_tracked")}
+    model = Net()
+    assert load_state_dict(model, old).complete  # torch fills num_batches_tracked in
+    assert torch.equal(model.bn.running_var, old["bn.running_var"])
+    versioned = collections.OrderedDict(old)
+    versioned._metadata = Net().state_dict()._metadata  # type: ignore[attr-defined]
+    with pytest.raises(StateDictMismatchError, match=r"missing .*bn\.num_batches_tracked"):
+        load_state_dict(Net(), versioned)  # a state dict of today's torch lacks it for real
+
+
+def test_a_key_that_fits_as_it_is_is_not_stripped_into_another_parameter() -> None:
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(3))
+            self.module = nn.Module()
+            self.module.weight = nn.Parameter(torch.zeros(3))
+
+    model = Both()
+    with pytest.warns(UserWarning, match=r"1 missing \(weight\)"):
+        load_state_dict(model, {"module.weight": torch.ones(3)}, strict=False)
+    assert torch.equal(model.module.weight, torch.ones(3))
+    assert torch.equal(model.weight, torch.zeros(3))

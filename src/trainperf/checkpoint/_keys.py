@@ -152,6 +152,6 @@ def _fit_prefixes(state_dict: Mapping[str, Any], target: Mapping[str, Any]) -> M
             break
         candidate = nxt
         score = sum(k in target for k in candidate)
-        if score >= best_score:
+        if score > best_score:  # a tie keeps the fewer strips: those keys already fit
             best, best_score = candidate, score
     return best

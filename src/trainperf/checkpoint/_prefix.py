@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from trainperf._utils.serialize import result_dict
@@ -241,13 +242,22 @@ def _warn_partial(target: Mapping[str, Any], result: LoadResult) -> None:
     )
 
 
+def _filled_in(key: str, best: Mapping[str, Any]) -> bool:
+    """A key torch's own loading fills in when the state dict lacks it: BatchNorm's
+    ``num_batches_tracked`` in a state dict without version metadata (saved before torch
+    0.4.1, or built by hand)."""
+    module, _, name = key.rpartition(".")
+    stats = f"{module}.running_mean" if module else "running_mean"
+    return name == "num_batches_tracked" and stats in best and not hasattr(best, "_metadata")
+
+
 def _compare(best: Mapping[str, Any], target: Mapping[str, Any], source: str = "") -> LoadResult:
     mismatched: list[Mismatch] = []
     for key, value in best.items():
         if key in target and not _same_shape(value, target[key]):
             mismatched.append((key, tuple(value.shape), tuple(target[key].shape)))
     return LoadResult(
-        missing=tuple(k for k in target if k not in best),
+        missing=tuple(k for k in target if k not in best and not _filled_in(k, best)),
         unexpected=tuple(k for k in best if k not in target),
         mismatched=tuple(mismatched),
         source=source,
@@ -316,7 +326,7 @@ def load_state_dict(
     best = found.state_dict
     result = _compare(best, target, found.describe())
     hint = None if found.where else nested_hint(state_dict, target)
-    fits = len(target) - len(result.missing) - len(result.mismatched)
+    fits = sum(k in best for k in target) - len(result.mismatched)
     if (fits == 0 and (target or best)) or (strict and not result.complete):
         raise StateDictMismatchError(
             _nothing_fits_message(inner, target, best, result, strict, hint)
@@ -326,6 +336,7 @@ def load_state_dict(
             unexpected=list(result.unexpected),
             mismatched=list(result.mismatched),
         )
+    _refuse_no_data(best, target)
     if strict:
         inner.load_state_dict(best, strict=True)
         return result
@@ -333,6 +344,34 @@ def load_state_dict(
     if not result.complete:
         _warn_partial(target, result)
     return result
+
+
+def _no_data(value: Any, model_value: Any) -> str | None:
+    """Why ``value`` cannot be copied into the model's tensor ``model_value``, or None."""
+    if not isinstance(model_value, torch.Tensor):
+        return None  # a module's extra state (get_extra_state) is any object
+    if not isinstance(value, torch.Tensor):
+        return f"a {type(value).__name__}, not a tensor"
+    if value.is_meta and not model_value.is_meta:
+        return "a meta tensor, which holds no data (saved before the weights were materialised)"
+    return None
+
+
+def _refuse_no_data(best: Mapping[str, Any], target: Mapping[str, Any]) -> None:
+    """Before anything is copied: values that cannot be (torch would raise half-way, leaving
+    the model partly loaded)."""
+    bad = [(k, why) for k, v in best.items() if k in target and (why := _no_data(v, target[k]))]
+    if bad:
+        listed = "; ".join(f"{k!r}: {why}" for k, why in bad[:5])
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise StateDictMismatchError(
+            f"the state dict holds {len(bad)} value(s) that cannot be loaded into the model: "
+            f"{listed}{more}; nothing was loaded. Save the checkpoint again from a model with "
+            "real weights, or drop those keys and pass strict=False",
+            missing=[],
+            unexpected=[],
+            mismatched=[],
+        )
 
 
 def _load_what_fits(inner: nn.Module, best: Mapping[str, Any], found: LoadResult) -> LoadResult:
