@@ -223,6 +223,10 @@ def _setup(spec: WorkerSpec, rank: int) -> None:
         timeout=spec.timeout,
         device_id=device,
     )
+    # Every rank's side of the connections is up before any rank's main runs: a rank whose
+    # main returns at once would otherwise tear the group down while a slower peer was still
+    # connecting ("Gloo connectFullMesh failed ... Connection closed by peer").
+    dist.barrier()
 
 
 def _destroy() -> None:
