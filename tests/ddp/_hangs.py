@@ -40,7 +40,7 @@ def cause_line(marker: str = "# CAUSE") -> dict[str, int]:
 def _steps(n: int) -> None:
     """A few healthy steps first, so every rank has history."""
     for _ in range(n):
-        dist.all_reduce(torch.ones(4))
+        dist.all_reduce(torch.ones(4))  # STEP _steps
 
 
 def busy_loop() -> None:

@@ -70,6 +70,18 @@ def test_each_hang_case_names_the_rank_and_its_line(
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+def test_collectives_are_numbered_from_mains_first() -> None:
+    # The launcher's own start-up barrier is not one of main's: main's first is #1.
+    with pytest.raises(HangError) as info:
+        launch_fork(_hangs.busy_loop, timeout=LONG, hang_timeout=HANG_S)
+    good = next(r for r in info.value.report.ranks if r.rank != _hangs.BAD)
+    steps = _hangs.cause_line("# STEP")["_steps"]
+    assert [(c.seq, c.op) for c in good.history[:3]] == [(n, "all_reduce") for n in (1, 2, 3)]
+    assert good.history[0].site == f"{HANGS}:{steps}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 def test_a_shape_mismatch_that_gloo_aborts_on_is_named_as_a_mismatch() -> None:
     # Under gloo a size mismatch is a crash (SIGABRT), not a hang: the LaunchError says why.
     with pytest.raises(LaunchError) as info:

@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -229,6 +229,20 @@ def _setup(spec: WorkerSpec, rank: int) -> None:
     dist.barrier()
 
 
+@contextlib.contextmanager
+def _uncounted(tracker: Any) -> Iterator[None]:
+    """The launcher's own collectives (the group's start-up barriers) are not counted as
+    main's: the first collective a hang report names is main's first."""
+    if tracker is None:
+        yield
+        return
+    tracker.depth += 1
+    try:
+        yield
+    finally:
+        tracker.depth -= 1
+
+
 def _destroy() -> None:
     import torch.distributed as dist
 
@@ -339,7 +353,8 @@ def worker_main(
     main, args, kwargs = _load(spec, rank, conn)
 
     try:
-        _setup(spec, rank)
+        with _uncounted(tracker):
+            _setup(spec, rank)
         if tracker is not None:
             tracker.ready(armed=True)
         result = main(*args, **kwargs)
