@@ -36,6 +36,18 @@ def test_a_rank_outside_any_collective_while_others_wait_is_the_cause() -> None:
     assert "raise hang_timeout" in v.advice
 
 
+@pytest.mark.parametrize("status", ["returned", "gone"])
+def test_ranks_waiting_for_one_that_finished_call_a_collective_it_never_will(
+    status: str,
+) -> None:
+    finished = RankView(1, status, "running")  # type: ignore[arg-type]
+    v = diagnose([_waits(0, _c(2)), finished, _waits(2, _c(2))])
+    assert (v.kind, v.root) == ("mismatch", (0, 2))  # not "stalled", nobody blamed
+    assert v.headline.startswith("rank 0 waits in all_reduce float32[4] (collective #2)")
+    assert "a collective that rank 1 never will" in v.headline
+    assert f"around {F}:24" in v.advice and "interconnect" not in v.advice
+
+
 def test_a_dataloader_wait_and_a_lock_are_named_with_their_fix() -> None:
     v = diagnose([_waits(0, _c(3)), _busy(1, "dataloader")])
     assert v.root == (1,) and "waits for a batch from its DataLoader" in v.headline

@@ -362,11 +362,26 @@ def diagnose(views: list[RankView]) -> Verdict:
         return Verdict(
             "outside", tuple(v.rank for v in busy), headline, _advice(_reason(busy[0]), busy)
         )
+    if done and waiting:
+        return _left_waiting(waiting, done)
     for rule in (_ddp, _mismatch):
         found = rule(waiting)
         if found is not None:
             return found
     return _same_call(waiting)
+
+
+def _left_waiting(waiting: list[RankView], done: list[RankView]) -> Verdict:
+    """Some ranks finished main (or exited) and every other waits in a collective: those
+    call one the finished ranks never will."""
+    headline = (
+        f"{_describe_root(waiting)}, after {_what_others_do(done)}: "
+        f"{_verb(waiting, 'it calls', 'they call')} a collective that "
+        f"{_ranks([v.rank for v in done])} never will"
+    )
+    return Verdict(
+        "mismatch", tuple(v.rank for v in waiting), headline, _advice("mismatch", waiting)
+    )
 
 
 def _from_user_code(stack: tuple[Frame, ...]) -> list[Frame]:
