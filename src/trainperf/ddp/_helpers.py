@@ -276,7 +276,10 @@ def distributed_loader(
 
     Built on ``DistributedSampler`` (with this rank and world size, so it also works in a
     single process). The shuffle is seeded by ``seed + epoch`` and the epoch advances
-    after each pass by itself; ``loader.set_epoch(e)`` sets it explicitly. Without
+    after each pass by itself (each ``iter(loader)``: every rank must make as many, or
+    their shuffles drift apart and samples repeat; a peek such as ``next(iter(loader))``
+    on one rank only counts as a pass); ``loader.set_epoch(e)`` sets it explicitly, and
+    calling it at each epoch's start keeps the ranks in step whatever else iterates. Without
     ``drop_last`` the sampler pads with repeated samples so every rank gets as many.
     DataLoader workers die with their rank.
 
