@@ -194,6 +194,28 @@ def test_ranks_still_running_when_grace_s_ends_are_killed(
     assert time.monotonic() - t0 < 40
 
 
+def _sigterm_then_sigint(paths: list[Path], timeout: float) -> None:
+    _sigterm_when_ready(paths, timeout)
+    time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_the_grace_period_stops_everything_within_seconds(tmp_path: Path) -> None:
+    import threading
+
+    ready = [tmp_path / "ready0", tmp_path / "ready1"]
+    sender = threading.Thread(target=_sigterm_then_sigint, args=(ready, 60), daemon=True)
+    sender.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):  # it waited out all of grace_s=60 s
+        launch_fork(workers.finish_after_sigterm, str(tmp_path), 50.0, timeout=LONG, grace_s=60.0)
+    sender.join()
+    assert not (tmp_path / "saved0").exists() and not (tmp_path / "saved1").exists()
+    assert time.monotonic() - t0 < 30
+
+
 @pytest.mark.parametrize("grace_s", [0, -1.0, float("nan"), float("inf"), "25"])
 def test_grace_s_must_be_a_finite_positive_number(grace_s: object) -> None:
     with pytest.raises(ValueError, match=r"grace_s must be a positive number of seconds"):

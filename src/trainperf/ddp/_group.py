@@ -123,6 +123,7 @@ class Group:
                 graceful = signum == signal.SIGTERM and self.spec.grace_s is not None
                 if graceful:
                     self._drain(float(self.spec.grace_s or 0.0))
+                    graceful = self.guard.pending != signal.SIGINT
                 self._stop(0.0 if graceful else TERM_GRACE_S)
             self.guard.raise_pending()
         if self.hang is not None:
@@ -383,7 +384,10 @@ class Group:
                     os.kill(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while self.running and (remaining := deadline - time.monotonic()) > 0:
-            self._wait_once(remaining, stopping=True)
+            if self.guard.pending == signal.SIGINT:
+                return  # Ctrl-C during the grace period: stop now, as Ctrl-C always does
+            # In short waits: a signal only sets ``pending`` meanwhile, it cuts no wait short.
+            self._wait_once(min(remaining, 0.25), stopping=True)
         if self.running:
             logger.warning(
                 "SIGTERM: ranks %s did not exit within grace_s=%g s; killing them",
