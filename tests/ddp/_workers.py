@@ -160,6 +160,19 @@ def always_fail() -> None:
     raise KeyError("always")
 
 
+class UnprintableError(Exception):
+    """An exception whose ``__str__`` raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("str fails")
+
+
+def raise_unprintable_on_rank(bad_rank: int) -> None:
+    if ddp.rank() == bad_rank:
+        raise UnprintableError()
+    time.sleep(2)
+
+
 def unpicklable_result() -> Any:
     return lambda: None
 

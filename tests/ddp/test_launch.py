@@ -198,6 +198,10 @@ def test_launch_rejects_what_spawn_cannot_send(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delattr(main_module, "__file__", raising=False)
     with pytest.raises(ValueError, match=r"interactive session.*start_method='fork'"):
         ddp.launch(_nested_main, nprocs=2, backend="gloo")
+    # A script piped on stdin (python - < train.py) has a __file__ that is no file.
+    monkeypatch.setattr(main_module, "__file__", "<stdin>", raising=False)
+    with pytest.raises(ValueError, match=r"piped on stdin.*start_method='fork'"):
+        ddp.launch(_nested_main, nprocs=2, backend="gloo")
 
 
 def test_launch_refuses_nccl_without_enough_gpus(monkeypatch: pytest.MonkeyPatch) -> None:

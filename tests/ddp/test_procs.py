@@ -40,6 +40,11 @@ SCRIPT = Path(__file__).parent / "_script.py"
         ),
         (workers.sys_exit_on_rank, (1, 4), r"^rank 1 of 2 called sys\.exit\(4\)"),
         (workers.unpicklable_result, (), r"^rank 0 of 2 raised TypeError: main returned a value"),
+        (
+            workers.raise_unprintable_on_rank,
+            (1,),
+            r"^rank 1 of 2 raised .*UnprintableError: <UnprintableError whose str\(\) raised",
+        ),
     ],
 )
 def test_exit_codes_and_signals_are_named(main: Any, args: tuple[Any, ...], match: str) -> None:

@@ -133,14 +133,19 @@ def _check_spawnable(main: Callable[..., Any], start_method: str, backend: str) 
             f"pickled ({e}): define main at module top level (not a lambda or nested "
             "function), or use start_method='fork' (Linux, notebooks)"
         ) from e
-    main_module = sys.modules.get("__main__")
-    if getattr(main, "__module__", None) == "__main__" and not getattr(
-        main_module, "__file__", None
-    ):
+    if getattr(main, "__module__", None) == "__main__" and not _main_is_a_file():
         raise ValueError(
-            f"{name!r} is defined in an interactive session (notebook or REPL), which spawned "
-            "workers cannot import: use start_method='fork', or move main into a .py module"
+            f"{name!r} is defined in an interactive session (notebook or REPL, or a script "
+            "piped on stdin), which spawned workers cannot import: use start_method='fork', "
+            "or move main into a .py module"
         )
+
+
+def _main_is_a_file() -> bool:
+    """Whether ``__main__`` was run from a file spawned workers can import again (not a
+    notebook, a REPL, ``python - < train.py`` or ``python -c``: ``<stdin>``, ``<string>``)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return bool(path) and not str(path).startswith("<") and os.path.exists(str(path))
 
 
 def _spawn(

@@ -187,11 +187,19 @@ def _describe(rank: int, exc: BaseException, stage: str = "main") -> Failure:
         rank=rank,
         pid=os.getpid(),
         type_name=name,
-        message=str(exc),
+        message=_text(exc),
         traceback="".join(traceback.format_exception(cls, exc, _user_frames(exc.__traceback__))),
         time=time.time(),
         stage=stage,
     )
+
+
+def _text(exc: BaseException) -> str:
+    """``str(exc)``, or what can be said when its ``__str__`` raises (the report must go)."""
+    try:
+        return str(exc)
+    except Exception as e:
+        return f"<{type(exc).__name__} whose str() raised {type(e).__name__}: {e!r}>"
 
 
 def _setup(spec: WorkerSpec, rank: int) -> None:
