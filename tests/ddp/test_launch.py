@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -449,3 +450,32 @@ def test_module_exports() -> None:
         assert hasattr(ddp, name), name
     # Picklable by reference: the workers need these.
     assert pickle.loads(pickle.dumps(functools.partial(workers.add, 1))).func is workers.add
+
+
+def test_a_hang_timeout_the_collectives_timeout_comes_before_is_warned_about() -> None:
+    with pytest.warns(UserWarning, match=r"hang_timeout=300 s is not below timeout=5 s") as w:
+        assert ddp.launch(workers.add, 1, 2, nprocs=2, backend="gloo", start_method="fork",
+                          timeout=5.0) == 3  # fmt: skip
+    assert w[0].filename == __file__  # the caller's line
+
+
+def test_launch_outside_the_main_thread_says_signals_will_not_stop_the_ranks() -> None:
+    import threading
+
+    caught: list[warnings.WarningMessage] = []
+    results: list[int] = []
+
+    def run() -> None:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            results.append(ddp.launch(workers.add, 1, 2, nprocs=2, backend="gloo",
+                                      start_method="fork"))  # fmt: skip
+        caught.extend(seen)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    assert results == [3]
+    texts = [str(w.message) for w in caught]
+    assert any("launch() called outside the main thread" in t for t in texts), texts
+    assert [w.filename for w in caught if "main thread" in str(w.message)] == [__file__]

@@ -21,6 +21,8 @@ import os
 import pickle
 import signal
 import sys
+import threading
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.context import BaseContext
@@ -138,6 +140,20 @@ def _check_spawnable(main: Callable[..., Any], start_method: str, backend: str) 
             f"{name!r} is defined in an interactive session (notebook or REPL, or a script "
             "piped on stdin), which spawned workers cannot import: use start_method='fork', "
             "or move main into a .py module"
+        )
+
+
+def _warn_if_unreachable(hang_timeout: float, timeout: timedelta) -> None:
+    """A collective times out after ``timeout``: a hang_timeout as long never fires, and
+    the timeout's error names the rank that waited, not the one it waited for."""
+    if hang_timeout >= timeout.total_seconds():
+        warnings.warn(
+            f"hang_timeout={hang_timeout:g} s is not below timeout={timeout.total_seconds():g} "
+            "s, after which a waiting collective fails on its own: hang detection cannot name "
+            "the rank that causes a hang first. Pass a hang_timeout below timeout (or a "
+            "longer timeout)",
+            UserWarning,
+            stacklevel=4,
         )
 
 
@@ -262,7 +278,16 @@ def _launch(
     hang = None
     if hang_timeout is not None:
         hang = positive_number("hang_timeout", hang_timeout, unit="seconds (or None)")
+        _warn_if_unreachable(hang, span)
     env = _env.detect()
+    if env is None and threading.current_thread() is not threading.main_thread():
+        warnings.warn(
+            "launch() called outside the main thread: Python delivers Ctrl-C and SIGTERM to "
+            "the main thread only, so they will not stop the ranks (nor give them grace_s "
+            "to save); call launch() from the main thread",
+            UserWarning,
+            stacklevel=3,
+        )
     if env is not None:
         return run_in_process(
             env,
