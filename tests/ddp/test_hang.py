@@ -36,7 +36,12 @@ def test_a_rank_outside_any_collective_while_others_wait_is_the_cause() -> None:
     assert "raise hang_timeout" in v.advice
 
 
-@pytest.mark.parametrize("status", ["returned", "gone"])
+def test_a_rank_that_has_gone_is_not_taken_for_one_that_returned() -> None:
+    v = diagnose([_waits(0, _c(2)), RankView(1, "gone", "running")])  # it may have crashed
+    assert v.kind != "mismatch" and 0 not in v.root
+
+
+@pytest.mark.parametrize("status", ["returned"])
 def test_ranks_waiting_for_one_that_finished_call_a_collective_it_never_will(
     status: str,
 ) -> None:

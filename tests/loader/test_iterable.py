@@ -325,25 +325,3 @@ def test_the_adaptive_loader_adds_no_workers_when_the_probe_cannot_tell() -> Non
         loader.close()
     assert first == second == list(range(N))
     assert loader.num_workers == 0 and loader.tuning_history == []
-
-
-class _OnePass(IterableDataset[torch.Tensor]):
-    """A queue reader: ``__iter__`` returns itself, so a pass goes on where the last one
-    stopped."""
-
-    def __init__(self) -> None:
-        self.taken = 0
-
-    def __iter__(self) -> _OnePass:
-        return self
-
-    def __next__(self) -> torch.Tensor:
-        self.taken += 1
-        return torch.full((4,), float(self.taken))
-
-
-def test_a_stream_that_cannot_start_again_is_refused_before_any_is_used() -> None:
-    ds = _OnePass()
-    with pytest.raises(ValueError, match=r"_OnePass is an IterableDataset whose __iter__ returns"):
-        tune_loader(ds, 4, **quick(max_workers=2))
-    assert ds.taken == 0  # the training loop gets every sample

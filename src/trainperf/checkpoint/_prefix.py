@@ -360,7 +360,13 @@ def _no_data(value: Any, model_value: Any) -> str | None:
 def _refuse_no_data(best: Mapping[str, Any], target: Mapping[str, Any]) -> None:
     """Before anything is copied: values that cannot be (torch would raise half-way, leaving
     the model partly loaded)."""
-    bad = [(k, why) for k, v in best.items() if k in target and (why := _no_data(v, target[k]))]
+    bad = [
+        (k, why)
+        for k, v in best.items()
+        if k in target
+        and not str(k).endswith("_extra_state")  # set_extra_state takes any object
+        and (why := _no_data(v, target[k]))
+    ]
     if bad:
         listed = "; ".join(f"{k!r}: {why}" for k, why in bad[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""

@@ -362,7 +362,7 @@ def diagnose(views: list[RankView]) -> Verdict:
         return Verdict(
             "outside", tuple(v.rank for v in busy), headline, _advice(_reason(busy[0]), busy)
         )
-    if done and waiting:
+    if done and waiting and all(v.status == "returned" for v in done):
         return _left_waiting(waiting, done)
     for rule in (_ddp, _mismatch):
         found = rule(waiting)

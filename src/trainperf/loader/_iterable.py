@@ -54,7 +54,6 @@ __all__ = [
     "duplicated",
     "fingerprint",
     "is_iterable",
-    "refuse_one_pass",
     "sharding_refusal",
     "unsharded_result",
     "unsharded_warning",
@@ -78,29 +77,6 @@ SHARDING_EXAMPLE = """\
 def is_iterable(dataset: Any) -> bool:
     """Whether DataLoader treats ``dataset`` as an iterable-style dataset."""
     return isinstance(dataset, IterableDataset)
-
-
-def refuse_one_pass(dataset: Any) -> None:
-    """Refuse an ``IterableDataset`` whose ``__iter__`` returns itself (a queue or socket
-    reader): it cannot start its stream again, so the tuner's measurements would use up
-    samples the training loop never sees.
-
-    Raises:
-        ValueError: naming the dataset and the fix.
-    """
-    if not is_iterable(dataset):
-        return
-    try:
-        it = iter(dataset)
-    except Exception:
-        return  # the measurements report a dataset that fails to iterate
-    if it is dataset:
-        raise ValueError(
-            f"{type(dataset).__name__} is an IterableDataset whose __iter__ returns itself, so "
-            "each pass goes on where the last stopped: tuning would use up samples your loop "
-            "never sees. Make __iter__ start the stream again (a generator), or pass "
-            "num_workers to a plain DataLoader yourself"
-        )
 
 
 def _feed(h: Any, x: Any, depth: int = 0) -> None:

@@ -500,7 +500,6 @@ def tune_loader(
     """
     started = time.perf_counter()
     check_args(batch_size, max_workers, budget_s, epochs_hint, step_fn, loader_kwargs)
-    _iterable.refuse_one_pass(dataset)
     with preserved_rng(callers_generators(loader_kwargs)):
         setup = _set_up(batch_size, device, max_workers, budget_s, loader_kwargs)
         call = _Call(
