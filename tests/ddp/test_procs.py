@@ -8,7 +8,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,14 +161,20 @@ def _sigterm_when_ready(paths: list[Path], timeout: float) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _signal_once_ready(
+    tmp_path: Path, send: Callable[[list[Path], float], None]
+) -> threading.Thread:
+    """A thread that runs ``send`` (signals to this process) once both ranks are ready."""
+    ready = [tmp_path / "ready0", tmp_path / "ready1"]
+    sender = threading.Thread(target=send, args=(ready, 60), daemon=True)
+    sender.start()
+    return sender
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigterm_gives_the_ranks_their_grace_period_before_sigkill(tmp_path: Path) -> None:
-    import threading
-
-    ready = [tmp_path / "ready0", tmp_path / "ready1"]
-    sender = threading.Thread(target=_sigterm_when_ready, args=(ready, 60), daemon=True)
-    sender.start()
+    sender = _signal_once_ready(tmp_path, _sigterm_when_ready)
     t0 = time.monotonic()
     # 4 s of work after SIGTERM: beyond the 3 s the launcher used to give before SIGKILL.
     with pytest.raises(SystemExit) as info:
@@ -184,11 +192,7 @@ def test_sigterm_gives_the_ranks_their_grace_period_before_sigkill(tmp_path: Pat
 def test_ranks_still_running_when_grace_s_ends_are_killed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import threading
-
-    ready = [tmp_path / "ready0", tmp_path / "ready1"]
-    sender = threading.Thread(target=_sigterm_when_ready, args=(ready, 60), daemon=True)
-    sender.start()
+    sender = _signal_once_ready(tmp_path, _sigterm_when_ready)
     t0 = time.monotonic()
     with caplog.at_level("WARNING", logger="trainperf.ddp"), pytest.raises(SystemExit) as info:
         launch_fork(workers.finish_after_sigterm, str(tmp_path), 30.0, timeout=LONG, grace_s=1.0)
@@ -208,11 +212,7 @@ def _sigterm_then_sigint(paths: list[Path], timeout: float) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ctrl_c_during_the_grace_period_stops_everything_within_seconds(tmp_path: Path) -> None:
-    import threading
-
-    ready = [tmp_path / "ready0", tmp_path / "ready1"]
-    sender = threading.Thread(target=_sigterm_then_sigint, args=(ready, 60), daemon=True)
-    sender.start()
+    sender = _signal_once_ready(tmp_path, _sigterm_then_sigint)
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):  # it waited out all of grace_s=60 s
         launch_fork(workers.finish_after_sigterm, str(tmp_path), 50.0, timeout=LONG, grace_s=60.0)
@@ -255,11 +255,7 @@ def test_how_a_rank_being_stopped_ended_and_whether_the_stop_explains_it() -> No
 def test_a_rank_that_fails_during_the_sigterm_grace_period_is_named(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import threading
-
-    ready = [tmp_path / "ready0", tmp_path / "ready1"]
-    sender = threading.Thread(target=_sigterm_when_ready, args=(ready, 60), daemon=True)
-    sender.start()
+    sender = _signal_once_ready(tmp_path, _sigterm_when_ready)
     with caplog.at_level("WARNING", logger="trainperf.ddp"), pytest.raises(SystemExit) as info:
         launch_fork(workers.exit_on_sigterm, str(tmp_path), 1, 3, timeout=LONG)
     sender.join()
