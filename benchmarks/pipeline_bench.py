@@ -149,13 +149,27 @@ def time_loader(loader: ImageLoader, *, epochs: int, seconds: float) -> tuple[fl
     synchronize(device)
     images, timed = 0, 0
     cpu0, start = cpu_seconds(), time.perf_counter()
-    while timed < epochs or time.perf_counter() - start < seconds:
+    while timed < epochs or time.perf_counter() - start < seconds or _too_little(cpu0, start):
         for batch, _ in loader:
             images += batch.shape[0]
         timed += 1
     synchronize(device)
     wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu0
+    if cpu <= 0:
+        raise RuntimeError(f"no CPU time measured in {wall:.1f} s ({timed} epochs)")
     return images / wall, images / cpu, timed
+
+
+# CPU time is counted in clock ticks (10 ms): a tiny epoch can measure none at all (a
+# ZeroDivisionError in a smoke run). Epochs go on until this much was measured, for at
+# most MAX_EXTRA_S.
+MIN_CPU_S = 0.1
+MAX_EXTRA_S = 10.0
+
+
+def _too_little(cpu0: float, start: float) -> bool:
+    """Fewer than MIN_CPU_S CPU seconds measured since ``cpu0``, and time left for more."""
+    return time.perf_counter() - start < MAX_EXTRA_S and cpu_seconds() - cpu0 < MIN_CPU_S
 
 
 def _feed_kwargs(backend: str, args: argparse.Namespace) -> dict[str, Any]:
