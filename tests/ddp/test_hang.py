@@ -53,7 +53,7 @@ def test_ranks_waiting_for_one_that_finished_call_a_collective_it_never_will(
     assert f"around {F}:24" in v.advice and "interconnect" not in v.advice
 
 
-def test_a_dataloader_wait_and_a_lock_are_named_with_their_fix() -> None:
+def test_a_dataloader_wait_a_lock_and_a_thread_wait_are_named_with_their_fix() -> None:
     v = diagnose([_waits(0, _c(3)), _busy(1, "dataloader")])
     assert v.root == (1,) and "waits for a batch from its DataLoader" in v.headline
     assert "__getitem__" in v.advice and "timeout=" in v.advice
@@ -65,6 +65,11 @@ def test_a_dataloader_wait_and_a_lock_are_named_with_their_fix() -> None:
     assert "another of its threads holds it" in v.advice
     report = HangReport(3.0, 3.2, 2, v, (_waits(0, _c(3)), view))
     assert f"other thread 0x7f: {F}:9 in hold (`time.sleep(1e9)`)" in str(report)
+    joins = RankView(1, "running", "thread-wait", where=where, line="t.join()", threads=threads)
+    v = diagnose([_waits(0, _c(3)), joins])
+    assert v.root == (1,) and "waits for another of its threads" in v.headline
+    assert "(`t.join()`)" in v.headline and "lock" not in v.headline
+    assert "Signal on every path" in v.advice and "lock" not in v.advice
 
 
 def test_a_rank_busy_after_the_others_returned_is_the_cause() -> None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from trainperf.ddp._stacks import Frame, classify, is_user_file, parse_dump, user_frame
@@ -80,7 +83,10 @@ def test_each_activity_is_recognised(tmp_path: Path) -> None:
     assert classify(backward, in_collective=False) == "backward"
     loader = _frames((f"{TORCH}/utils/data/dataloader.py", 733, "__next__"), user)
     assert classify(loader, in_collective=False) == "dataloader"
-    assert classify(_frames((THREADING, 324, "wait"), user), in_collective=False) == "lock"
+    waits = _frames((THREADING, 324, "wait"), (THREADING, 629, "wait"), user)  # Event.wait
+    assert classify(waits, in_collective=False) == "thread-wait"
+    semaphore = _frames((THREADING, 507, "acquire"), user)
+    assert classify(semaphore, in_collective=False) == "lock"
     source = tmp_path / "train.py"
     source.write_text("import time\nwith state_lock:\n    time.sleep(1)\nwork.wait()\n")
     at = str(source)
@@ -92,15 +98,58 @@ def test_each_activity_is_recognised(tmp_path: Path) -> None:
     assert classify((), in_collective=False) == "running"
 
 
-def test_a_stack_of_a_thread_blocked_on_a_lock_reads_as_lock() -> None:
-    lock = threading.Lock()
-    lock.acquire()
+def _blocked_on(kind: str) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(what a thread blocks in, what releases it) for each blocking call tested below."""
+    lock, event, q = threading.Lock(), threading.Event(), queue.Queue[int]()
+    if kind == "lock":
+        lock.acquire()
+
+        def acquire() -> None:
+            lock.acquire()  # the line says so: acquire() has no Python frame of its own
+            lock.release()
+
+        return acquire, lock.release
+    if kind == "with-lock":
+        lock.acquire()
+
+        def with_lock() -> None:
+            with lock:
+                pass
+
+        return with_lock, lock.release
+    if kind == "semaphore":
+        sem = threading.Semaphore(0)
+        return sem.acquire, sem.release
+    if kind == "event":
+        return event.wait, event.set
+    if kind == "queue":
+        return q.get, lambda: q.put(1)
+    assert kind == "join"
+    inner = threading.Thread(target=event.wait, daemon=True)
+    inner.start()
+    return inner.join, event.set
+
+
+@pytest.mark.parametrize(
+    ("kind", "activity"),
+    [
+        ("lock", "lock"),
+        ("with-lock", "lock"),
+        ("semaphore", "lock"),
+        ("event", "thread-wait"),
+        ("queue", "thread-wait"),
+        ("join", "thread-wait"),
+    ],
+)
+def test_a_real_stack_says_whether_a_thread_waits_for_a_lock_or_for_another_thread(
+    kind: str, activity: str
+) -> None:
+    block, release = _blocked_on(kind)
     ready = threading.Event()
 
     def blocked() -> None:
         ready.set()
-        with lock:
-            pass
+        block()
 
     t = threading.Thread(target=blocked, daemon=True)
     t.start()
@@ -111,9 +160,9 @@ def test_a_stack_of_a_thread_blocked_on_a_lock_reads_as_lock() -> None:
         with path.open("w") as f:
             faulthandler.dump_traceback(f, all_threads=True)
         thread = next(x for x in parse_dump(path.read_text()) if x.ident == t.ident)
-        assert classify(thread.frames, in_collective=False) == "lock"
+        assert classify(thread.frames, in_collective=False) == activity, thread.frames
     finally:
-        lock.release()
+        release()
         t.join()
         path.unlink(missing_ok=True)
 

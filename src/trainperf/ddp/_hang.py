@@ -6,7 +6,8 @@ and the stack dump). The rules, in order (:func:`diagnose`):
 1. **outside**: some ranks wait (in a collective, or inside ``backward()``, where DDP's
    gradient all-reduce runs) while others run user code outside any collective: those
    are the cause; their stack says whether they wait for a DataLoader batch, are blocked
-   on a lock, or are simply busy (a loop, a sleep, work only they do).
+   on a lock or on another of their threads, or are simply busy (a loop, a sleep, work
+   only they do).
 2. **returned**: some ranks returned from ``main`` and the others are still busy outside
    any collective: the busy ones are the cause.
 3. **ddp**: some ranks wait inside ``backward()`` while others wait in a collective and have
@@ -99,6 +100,8 @@ class RankView:
             return f"waits for a batch from its DataLoader{at}{code}"
         if self.activity == "lock":
             return f"is blocked on a lock{at}{code}"
+        if self.activity == "thread-wait":
+            return f"waits for another of its threads (a join, an Event or a queue){at}{code}"
         return f"is busy outside any collective{at}{code}"
 
 
@@ -165,6 +168,12 @@ _ADVICE = {
         "Fix: {who} waits for a lock that nothing releases: another of its threads holds it "
         "(its threads are listed below). Release it on every path (`with lock:`), and do not "
         "hold it across blocking calls."
+    ),
+    "thread-wait": (
+        "Fix: {who} waits for one of its own threads to finish or to signal (Thread.join, an "
+        "Event or Condition, a queue) and it never does: that thread died, is stuck itself, "
+        "or was never started (its threads are listed below). Signal on every path "
+        "(try/finally), and give the wait a timeout."
     ),
     "returned": (
         "Fix: the other ranks finished main while {who} still runs code at {site} that they "

@@ -14,7 +14,9 @@ format::
 
 :func:`classify` reads a rank's main thread (innermost frame first) and its slot into one
 :data:`Activity`: inside a collective, inside ``backward()`` (DDP's gradient all-reduce
-runs there, from C++), waiting for a DataLoader batch, blocked on a lock, or running.
+runs there, from C++), waiting for a DataLoader batch, blocked on a lock, waiting for
+another of its threads (``Thread.join``, an ``Event``/``Condition`` wait, a ``queue``), or
+running.
 """
 
 from __future__ import annotations
@@ -46,12 +48,18 @@ __all__ = [
 # take SIGUSR1/SIGUSR2).
 DUMP_SIGNAL = signal.SIGRTMIN + 4
 
-Activity = Literal["collective", "backward", "dataloader", "lock", "running"]
+Activity = Literal["collective", "backward", "dataloader", "lock", "thread-wait", "running"]
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 _LOCK_LINE = re.compile(r"\.acquire\(|\bwith\b[^#]*lock\b", re.IGNORECASE)
 _STDLIB = os.path.normpath(sysconfig.get_paths()["stdlib"]) + os.sep
+# Blocking calls of threading and queue, as the innermost frame names them: the threading
+# module's own lock waits, under every Python version's Thread.join.
+_BLOCKING = ("acquire", "wait", "join", "_wait_for_tstate_lock", "get", "put")
+# Entry points (the outermost standard-library frame) that take a lock rather than wait for
+# another thread to act: Semaphore.acquire, `with semaphore:`.
+_LOCK_ENTRY = ("acquire", "__enter__")
 
 
 @dataclass(frozen=True)
@@ -183,14 +191,26 @@ def classify(
     if not frames:
         return "running"
     innermost = frames[0]
-    if innermost.file.startswith(_STDLIB) and innermost.function in ("acquire", "wait", "join"):
-        return "lock"
+    if innermost.file.startswith(_STDLIB) and innermost.function in _BLOCKING:
+        return "lock" if _stdlib_entry(frames).function in _LOCK_ENTRY else "thread-wait"
     line = source_line(innermost)
     if waits_async and ".wait(" in line:
         return "collective"
     if _LOCK_LINE.search(line):
         return "lock"
     return "running"
+
+
+def _stdlib_entry(frames: tuple[Frame, ...]) -> Frame:
+    """The outermost frame of the standard-library run the stack starts with: the call the
+    program made (``Thread.join``, ``queue.get``, ``Event.wait``), not the lock wait it ends
+    in."""
+    entry = frames[0]
+    for f in frames:
+        if not f.file.startswith(_STDLIB):
+            break
+        entry = f
+    return entry
 
 
 # The frames of torch.compile's compiler: dynamo tracing a frame and building its graph,
