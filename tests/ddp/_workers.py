@@ -210,6 +210,12 @@ def finish_after_sigterm(outdir: str, work_s: float) -> int:
     return ddp.rank()
 
 
+def ready_then_sleep(outdir: str) -> None:
+    """Say it is ready, then sleep without handling SIGTERM: the signal ends the rank."""
+    Path(outdir, f"ready{ddp.rank()}").write_text("")
+    time.sleep(60)
+
+
 def exit_on_sigterm(outdir: str, bad_rank: int, code: int) -> int:
     """Wait for SIGTERM: ``bad_rank`` then exits with ``code`` (a save that failed), the
     others finish cleanly."""

@@ -265,6 +265,22 @@ def test_a_rank_that_fails_during_the_sigterm_grace_period_is_named(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ranks_the_sigterm_itself_ended_get_one_line_that_says_how_to_save_first(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sender = _signal_once_ready(tmp_path, _sigterm_when_ready)
+    with caplog.at_level("WARNING", logger="trainperf.ddp"), pytest.raises(SystemExit) as info:
+        launch_fork(workers.ready_then_sleep, str(tmp_path), timeout=LONG)
+    sender.join()
+    assert info.value.code == 143
+    lines = [r.getMessage() for r in caplog.records if "after SIGTERM" in r.getMessage()]
+    assert len(lines) == 1, lines  # one line, not one per rank
+    assert "ranks 0, 1 were ended by the passed-on SIGTERM (exit code -15)" in lines[0]
+    assert "Checkpointer.preemption()" in lines[0]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_rank_that_fails_while_the_launcher_stops_it_is_named() -> None:
     with pytest.raises(LaunchError, match=r"^rank 1 of 2 raised ValueError") as info:

@@ -57,7 +57,7 @@ from trainperf.ddp._worker import (
 )
 from trainperf.errors import LaunchError
 
-__all__ = ["EXIT_GRACE_S", "TERM_GRACE_S", "Group"]
+__all__ = ["EXIT_GRACE_S", "TERM_GRACE_S", "Group", "drain_ending"]
 
 logger = logging.getLogger("trainperf.ddp")
 
@@ -397,13 +397,13 @@ class Group:
         for p in self.problems:
             logger.warning("after SIGTERM, rank %d %s\n%s", p.rank, p.summary, p.detail)
         reported = {p.rank for p in self.problems}
+        endings: dict[tuple[str, int | None], list[int]] = {}
         for rank in draining:
             code = self.stop_codes.get(rank)
             if rank in self.stop_codes and rank not in reported and code != 0:
-                text = stop_ending(code, killed=False)[0].replace(
-                    "SIGTERM", "the passed-on SIGTERM"
-                )
-                logger.warning("after SIGTERM, rank %d %s (exit code %s)", rank, text, code)
+                endings.setdefault((stop_ending(code, killed=False)[0], code), []).append(rank)
+        for (text, code), ranks in endings.items():
+            logger.warning("after SIGTERM, %s", drain_ending(ranks, text, code))
 
     def _stop(self, term_grace_s: float = TERM_GRACE_S) -> None:
         """Stop every worker and everything below it; collect reports that still arrive."""
@@ -467,3 +467,24 @@ class Group:
         ]
         lines += [f"  rank {rank} {text} while being stopped" for rank, text in odd]
         return "\n".join(lines)
+
+
+def drain_ending(ranks: list[int], text: str, code: int | None) -> str:
+    """One line for the ranks that ended the same way after the passed-on SIGTERM; a rank
+    the signal itself ended (no handler) saved nothing, and the line says how to let it.
+
+    Example:
+        >>> drain_ending([0, 1], "stopped by SIGTERM", -15)[:63]
+        'ranks 0, 1 were ended by the passed-on SIGTERM (exit code -15):'
+        >>> drain_ending([1], "exited with code 3", 3)
+        'rank 1 exited with code 3 (exit code 3)'
+    """
+    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    if code == -signal.SIGTERM:
+        return (
+            f"{who} {'were' if len(ranks) > 1 else 'was'} ended by the passed-on SIGTERM "
+            f"(exit code {code}): no handler caught it, so nothing ran after it; to finish the "
+            "step and save first, use trainperf.Checkpointer.preemption() (or a handler "
+            "of your own) and return"
+        )
+    return f"{who} {text} (exit code {code})"
