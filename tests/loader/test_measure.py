@@ -77,17 +77,28 @@ def test_measure_without_workers_raises_dataset_errors() -> None:
         )
 
 
-def test_measure_empty_loader_raises() -> None:
-    with pytest.raises(ValueError, match="yields no batch"):
+@pytest.mark.parametrize(
+    ("samples", "drop_last", "fix"),
+    [
+        (3, True, "or drop_last=False (it keeps the last, smaller batch), or a batch_size of "
+         "at most 3"),
+        (0, False, "give a dataset with at least one batch of samples"),
+    ],
+)  # fmt: skip
+def test_measure_empty_loader_raises_with_the_fixes_that_apply(
+    samples: int, drop_last: bool, fix: str
+) -> None:
+    with pytest.raises(ValueError, match="yields no batch") as info:
         measure(
-            TensorDataset(torch.zeros(3, 2)),
+            TensorDataset(torch.zeros(samples, 2)),
             8,
-            {"drop_last": True},
+            {"drop_last": drop_last},
             num_workers=0,
             prefetch_factor=None,
             pin_memory=False,
             deadline=time.perf_counter() + 5,
         )
+    assert str(info.value).endswith(fix), str(info.value)
 
 
 def test_measure_skips_when_the_deadline_has_passed() -> None:

@@ -143,14 +143,8 @@ class Batches:
                 raise ValueError(self._no_batch()) from None
 
     def _no_batch(self) -> str:
-        dataset = self.spec.dataset
-        return (
-            f"the DataLoader yields no batch (batch_size={self.spec.batch_size}, "
-            f"drop_last={self.kwargs.get('drop_last', False)!r}, "
-            f"dataset of {len(dataset) if hasattr(dataset, '__len__') else '?'}"
-            f" samples): give a dataset with at least one batch of samples (or drop_last=False"
-            f", or a smaller batch_size); an IterableDataset must yield its samples again on "
-            f"each iter() (one whose __iter__ returns itself is used up by the measurements)"
+        return no_batch_message(
+            self.spec.dataset, self.spec.batch_size, bool(self.kwargs.get("drop_last", False))
         )
 
     def next_batch(self) -> int:
@@ -172,3 +166,33 @@ class Batches:
     def release(self) -> None:
         """Drop the iterator and the loader (after :func:`close_iterator` stopped them)."""
         self.it = self.loader = None
+
+
+def no_batch_message(dataset: Any, batch_size: int | None, drop_last: bool) -> str:
+    """Why a DataLoader yields no batch, with only the fixes that apply.
+
+    Example:
+        >>> text = no_batch_message(range(3), 8, True)
+        >>> "or drop_last=False" in text, text.endswith("or a batch_size of at most 3")
+        (True, True)
+        >>> "drop_last=False (" in no_batch_message(range(0), 8, False)
+        False
+    """
+    try:
+        n: int | None = len(dataset)
+    except Exception:  # an IterableDataset, or a __len__ that raises
+        n = None
+    fixes = ["give a dataset with at least one batch of samples"]
+    if drop_last and batch_size is not None and (n is None or 0 < n < batch_size):
+        fixes.append("drop_last=False (it keeps the last, smaller batch)")
+        if n is not None:
+            fixes.append(f"a batch_size of at most {n}")
+    if n is None:
+        fixes.append(
+            "an IterableDataset that yields its samples again on each iter() (one whose "
+            "__iter__ returns itself is used up by the measurements)"
+        )
+    return (
+        f"the DataLoader yields no batch (batch_size={batch_size}, drop_last={drop_last!r}, "
+        f"dataset of {'?' if n is None else n} samples): " + ", or ".join(fixes)
+    )
