@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tests.batchsize._fakes import Curve
 from trainperf.batchsize import BatchSizeCandidate
-from trainperf.batchsize._compare import AlternationOOM, Comparison, round_order
+from trainperf.batchsize._compare import AlternationOOM, Comparison, rescaled, round_order
 from trainperf.batchsize._search import (
     Search,
     SizeSpace,
@@ -342,6 +342,39 @@ def test_the_final_choice_is_the_fastest_in_alternation_not_the_luckiest_probe()
     assert best is not None and best.batch_size == 48
     assert "alternated with 64" in (best.reason or "")
     assert any("alternated for 3 rounds" in note for note in s.notes)
+
+
+def test_the_final_alternation_does_not_measure_again_a_pair_the_growth_alternated() -> None:
+    # The growth stopped at 128 after alternating it with 64; refinement added 96. At the
+    # end only 96 is alternated with 64: 128's figure from the growth's rounds stands.
+    truth = {32: 100.0, 64: 110.0, 96: 117.0, 128: 108.0}
+    compared: list[tuple[int, ...]] = []
+
+    def compare(sizes: Sequence[BatchSizeCandidate], rounds: int) -> Comparison:
+        order = tuple(c.batch_size for c in sizes)
+        compared.append(order)
+        return Comparison(order, tuple(tuple(truth[n] for n in order) for _ in range(rounds)))
+
+    s = Search(SizeSpace(1, 512), Curve(), time_left=lambda: math.inf, usable=lambda: None,
+               compare=compare)  # fmt: skip
+    s.results = [ok(32, 100.0), ok(64, 110.0), ok(128, 90.0)]
+    assert s._alternate(s.results[1:]) is not None  # what the growth's stop did
+    s._replace(s.results[2], rescaled(s.results[2], s.comparisons[0], s.results[1]))
+    s.results.append(ok(96, 101.0))
+    assert s.final()
+    assert compared == [(64, 128), (64, 96)]
+    best = choose(s.results)
+    assert best is not None and best.batch_size == 96
+    figures = {c.batch_size: round(c.samples_per_s or 0.0, 1) for c in s.results}
+    assert figures == {32: 100.0, 64: 110.0, 96: 117.0, 128: 108.0}
+    # Each shortlisted size alternated with the fastest already, in two alternations:
+    # nothing is measured again.
+    compared.clear()
+    s = Search(SizeSpace(1, 512), Curve(), time_left=lambda: math.inf, usable=lambda: None,
+               compare=compare)  # fmt: skip
+    s.results = [ok(32, 50.0), ok(64, 110.0), ok(128, 108.0), ok(96, 107.0)]
+    s.comparisons = [Comparison((64, 128), ((110.0, 108.0),)), Comparison((64, 96), ((1.0, 1.0),))]
+    assert s.final() and compared == []
 
 
 def test_no_time_for_alternation_falls_back_to_the_probes() -> None:

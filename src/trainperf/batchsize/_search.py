@@ -24,9 +24,11 @@
    :data:`SHORTLIST_WITHIN` of the fastest, or within its spread if wider (three at most),
    are measured against it in
    alternating windows, and their figures rescaled to its own (:func:`rescaled`), so the
-   choice among them does not depend on when each was probed. Without ``compare`` (or
-   without time for it), **confirmation** instead: when the fastest size's windows did not
-   settle, it is measured again and the second measurement counts; at most twice.
+   choice among them does not depend on when each was probed; a size alternated with it
+   before (where the growth stopped) keeps that figure and is not measured again. Without
+   ``compare`` (or without time for it), **confirmation** instead: when the fastest size's
+   windows did not settle, it is measured again and the second measurement counts; at most
+   twice.
 4. **Choice** (:func:`choose`): the fastest size measured within the headroom; never a
    size that was not run, nor one that ran out of memory in an alternation (``compare``
    names it, :class:`~trainperf.batchsize._compare.AlternationOOM`; it is marked ``oom``
@@ -121,6 +123,7 @@ class Search:
         notes: why the growth stopped, what the budget cut.
         measured_twice: the sizes measured a second time.
         compared: the sets of sizes measured in alternation.
+        comparisons: their measurements (each size's figure was rescaled by them).
     """
 
     space: SizeSpace
@@ -136,6 +139,7 @@ class Search:
     compare_rounds: int = 3
     results: list[BatchSizeCandidate] = field(default_factory=list)
     compared: list[frozenset[int]] = field(default_factory=list)
+    comparisons: list[Comparison] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     measured_twice: set[int] = field(default_factory=set)
 
@@ -301,7 +305,14 @@ class Search:
         if isinstance(cmp, AlternationOOM):
             self._mark_oom(cmp, sizes)
             return None
+        if cmp is not None:
+            self.comparisons.append(cmp)
         return cmp
+
+    def _alternated_with(self, size: int) -> set[int]:
+        """The sizes already measured in alternation with ``size`` (their figures are on one
+        scale: a ratio measured within rounds holds whenever it was measured)."""
+        return {n for cmp in self.comparisons if size in cmp.sizes for n in cmp.sizes}
 
     def final(self) -> bool:
         """The sizes whose own figures came within :data:`SHORTLIST_WITHIN` of the fastest,
@@ -320,12 +331,16 @@ class Search:
             return True  # these were alternated already: no new figure since
         by_size = {c.batch_size: c for c in ok}
         ref, *others = (by_size[n] for n in sizes)
-        cmp = self._alternate([ref, *others])
+        known = self._alternated_with(ref.batch_size)
+        fresh = [c for c in others if c.batch_size not in known]
+        if not fresh:
+            return True  # each was alternated with the fastest already
+        cmp = self._alternate([ref, *fresh])
         if cmp is None:
             return False
-        for c in others:
+        for c in fresh:
             self._replace(c, rescaled(c, cmp, ref))
-        ratios = ", ".join(f"{n}: {100 * cmp.ratio(n):.1f} %" for n in sizes)
+        ratios = ", ".join(f"{n}: {100 * cmp.ratio(n):.1f} %" for n in cmp.sizes)
         self.notes.append(
             f"the fastest sizes alternated for {len(cmp.rounds)} rounds ({ratios} of "
             f"{ref.batch_size}'s samples/s)"
