@@ -36,9 +36,18 @@ def test_a_rank_outside_any_collective_while_others_wait_is_the_cause() -> None:
     assert "raise hang_timeout" in v.advice
 
 
-def test_a_rank_that_has_gone_is_not_taken_for_one_that_returned() -> None:
+def test_a_rank_that_has_gone_is_the_cause_not_the_interconnect() -> None:
     v = diagnose([_waits(0, _c(2)), RankView(1, "gone", "running")])  # it may have crashed
-    assert v.kind != "mismatch" and 0 not in v.root
+    assert (v.kind, v.root) == ("gone", (1,))
+    assert v.headline.startswith("rank 1 has exited without returning from main")
+    assert "while rank 0 waits in all_reduce float32[4] (collective #2)" in v.headline
+    assert "none is missing" not in v.headline and "interconnect" not in v.advice
+    assert "its own output" in v.advice
+    # With a rank that returned too: the gone one is blamed, the returned one mentioned.
+    views = [_waits(0, _c(2)), RankView(1, "gone", "running"), RankView(2, "returned", "running")]
+    v = diagnose(views)
+    assert (v.kind, v.root) == ("gone", (1,))
+    assert v.headline.endswith("; rank 2 returned from main")
 
 
 @pytest.mark.parametrize("status", ["returned"])

@@ -43,7 +43,7 @@ from trainperf.ddp._stacks import Activity, Frame, is_user_file
 __all__ = ["Ending", "HangReport", "RankView", "Verdict", "blocked", "diagnose", "is_hang"]
 
 Status = Literal["running", "returned", "gone"]
-Kind = Literal["outside", "returned", "ddp", "mismatch", "behind", "stalled"]
+Kind = Literal["outside", "returned", "gone", "ddp", "mismatch", "behind", "stalled"]
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,12 @@ _ADVICE = {
         "Event or Condition, a queue) and it never does: that thread died, is stuck itself, "
         "or was never started (its threads are listed below). Signal on every path "
         "(try/finally), and give the wait a timeout."
+    ),
+    "gone": (
+        "Fix: {who} exited while the others wait for it in a collective: its own output "
+        "(stderr, or its log under torchrun) says why. A rank that fails must end the job "
+        "(with watchdog(), an exception leaving the block counts as exiting); a rank that "
+        "leaves early on purpose must still make every collective the others make."
     ),
     "returned": (
         "Fix: the other ranks finished main while {who} still runs code at {site} that they "
@@ -371,13 +377,30 @@ def diagnose(views: list[RankView]) -> Verdict:
         return Verdict(
             "outside", tuple(v.rank for v in busy), headline, _advice(_reason(busy[0]), busy)
         )
-    if done and waiting and all(v.status == "returned" for v in done):
+    gone = [v for v in done if v.status == "gone"]
+    if gone and waiting:
+        return _waiting_for_gone(waiting, gone, _excluding(done, gone))
+    if done and waiting:
         return _left_waiting(waiting, done)
     for rule in (_ddp, _mismatch):
         found = rule(waiting)
         if found is not None:
             return found
     return _same_call(waiting)
+
+
+def _waiting_for_gone(
+    waiting: list[RankView], gone: list[RankView], returned: list[RankView]
+) -> Verdict:
+    """Some ranks exited without returning from main (an exception, a crash) and the others
+    wait in a collective: the ones that exited are the cause."""
+    who = _ranks([v.rank for v in gone])
+    verb = "have" if len(gone) > 1 else "has"
+    headline = f"{who} {verb} exited without returning from main (an error or a crash), while "
+    headline += _what_others_do(waiting)
+    if returned:
+        headline += f"; {_what_others_do(returned)}"
+    return Verdict("gone", tuple(v.rank for v in gone), headline, _advice("gone", gone))
 
 
 def _left_waiting(waiting: list[RankView], done: list[RankView]) -> Verdict:
