@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import faulthandler
+import io
+import logging
 import os
 import queue
 import threading
@@ -117,6 +119,22 @@ def _blocked_on(kind: str) -> tuple[Callable[[], object], Callable[[], object]]:
                 pass
 
         return with_lock, lock.release
+    if kind == "condition":
+        cond = threading.Condition()
+        cond.acquire()
+
+        def with_condition() -> None:
+            with cond:
+                pass
+
+        return with_condition, cond.release
+    if kind == "logging":  # another thread holds the handler's lock (a write to a full pipe)
+        handler = logging.StreamHandler(io.StringIO())
+        logger = logging.getLogger("trainperf.tests.blocked")
+        logger.addHandler(handler)
+        logger.propagate = False
+        handler.acquire()
+        return (lambda: logger.warning("blocked")), handler.release
     if kind == "semaphore":
         sem = threading.Semaphore(0)
         return sem.acquire, sem.release
@@ -130,12 +148,32 @@ def _blocked_on(kind: str) -> tuple[Callable[[], object], Callable[[], object]]:
     return inner.join, event.set
 
 
+def test_installed_packages_are_not_the_standard_library_even_below_its_directory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A Python without a venv keeps site-packages below the standard library's directory:
+    # a library's own queue-like wait there is not threading's.
+    from trainperf.ddp import _stacks
+
+    stdlib = "/usr/lib/python3.11/"
+    monkeypatch.setattr(_stacks, "_STDLIB", stdlib)
+    monkeypatch.setattr(_stacks, "_SITE", (stdlib + "site-packages/",))
+    waits = _frames((stdlib + "threading.py", 320, "wait"), (stdlib + "queue.py", 171, "get"),
+                    (stdlib + "site-packages/lib/pool.py", 40, "__enter__"),
+                    ("/home/me/train.py", 30, "main"))  # fmt: skip
+    assert classify(waits, in_collective=False) == "thread-wait"
+    lib = _frames((stdlib + "site-packages/lib/threading.py", 9, "wait"), ("/x/t.py", 1, "m"))
+    assert classify(lib, in_collective=False) == "running"
+
+
 @pytest.mark.parametrize(
     ("kind", "activity"),
     [
         ("lock", "lock"),
         ("with-lock", "lock"),
         ("semaphore", "lock"),
+        ("condition", "lock"),
+        ("logging", "lock"),
         ("event", "thread-wait"),
         ("queue", "thread-wait"),
         ("join", "thread-wait"),

@@ -54,12 +54,18 @@ _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 _LOCK_LINE = re.compile(r"\.acquire\(|\bwith\b[^#]*lock\b", re.IGNORECASE)
 _STDLIB = os.path.normpath(sysconfig.get_paths()["stdlib"]) + os.sep
-# Blocking calls of threading and queue, as the innermost frame names them: the threading
-# module's own lock waits, under every Python version's Thread.join.
-_BLOCKING = ("acquire", "wait", "join", "_wait_for_tstate_lock", "get", "put")
-# Entry points (the outermost standard-library frame) that take a lock rather than wait for
-# another thread to act: Semaphore.acquire, `with semaphore:`.
-_LOCK_ENTRY = ("acquire", "__enter__")
+# Installed packages: under the standard library's directory in a Python without a venv
+# (/usr/lib/python3.11/site-packages), and not part of it.
+_SITE = tuple(
+    os.path.normpath(sysconfig.get_paths()[k]) + os.sep for k in ("purelib", "platlib")
+)
+# Where every blocking wait of threading, queue and concurrent.futures ends, as the
+# innermost frame names it (threading.py, any Python version's Thread.join included).
+_THREADING = "threading.py"
+_BLOCKING = ("acquire", "wait", "wait_for", "join", "_wait_for_tstate_lock", "__enter__")
+# Frames on the way there that take a lock rather than wait for another thread to act:
+# Semaphore.acquire, `with semaphore:` or `with condition:`, logging's Handler.acquire.
+_LOCK_FRAMES = ("acquire", "__enter__")
 
 
 @dataclass(frozen=True)
@@ -191,8 +197,9 @@ def classify(
     if not frames:
         return "running"
     innermost = frames[0]
-    if innermost.file.startswith(_STDLIB) and innermost.function in _BLOCKING:
-        return "lock" if _stdlib_entry(frames).function in _LOCK_ENTRY else "thread-wait"
+    if _in_threading(innermost) and innermost.function in _BLOCKING:
+        takes_lock = any(f.function in _LOCK_FRAMES for f in _stdlib_run(frames))
+        return "lock" if takes_lock else "thread-wait"
     line = source_line(innermost)
     if waits_async and ".wait(" in line:
         return "collective"
@@ -201,16 +208,24 @@ def classify(
     return "running"
 
 
-def _stdlib_entry(frames: tuple[Frame, ...]) -> Frame:
-    """The outermost frame of the standard-library run the stack starts with: the call the
-    program made (``Thread.join``, ``queue.get``, ``Event.wait``), not the lock wait it ends
-    in."""
-    entry = frames[0]
+def _is_stdlib(file: str) -> bool:
+    return file.startswith(_STDLIB) and not file.startswith(_SITE)
+
+
+def _in_threading(frame: Frame) -> bool:
+    return _is_stdlib(frame.file) and os.path.basename(frame.file) == _THREADING
+
+
+def _stdlib_run(frames: tuple[Frame, ...]) -> list[Frame]:
+    """The standard-library frames the stack starts with, innermost first: the call the
+    program made (``Thread.join``, ``queue.get``, ``Handler.acquire``) down to the wait it
+    ends in."""
+    run = []
     for f in frames:
-        if not f.file.startswith(_STDLIB):
+        if not _is_stdlib(f.file):
             break
-        entry = f
-    return entry
+        run.append(f)
+    return run
 
 
 # The frames of torch.compile's compiler: dynamo tracing a frame and building its graph,
