@@ -56,9 +56,7 @@ _LOCK_LINE = re.compile(r"\.acquire\(|\bwith\b[^#]*lock\b", re.IGNORECASE)
 _STDLIB = os.path.normpath(sysconfig.get_paths()["stdlib"]) + os.sep
 # Installed packages: under the standard library's directory in a Python without a venv
 # (/usr/lib/python3.11/site-packages), and not part of it.
-_SITE = tuple(
-    os.path.normpath(sysconfig.get_paths()[k]) + os.sep for k in ("purelib", "platlib")
-)
+_SITE = tuple(os.path.normpath(sysconfig.get_paths()[k]) + os.sep for k in ("purelib", "platlib"))
 # Where every blocking wait of threading, queue and concurrent.futures ends, as the
 # innermost frame names it (threading.py, any Python version's Thread.join included).
 _THREADING = "threading.py"
