@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import Dataset, TensorDataset, get_worker_info
+from torch.utils.data import Dataset, SubsetRandomSampler, TensorDataset, get_worker_info
 
 from tests.loader._spies import record_closes
 from trainperf.loader import WindowPolicy, measure
@@ -83,16 +83,22 @@ def test_measure_without_workers_raises_dataset_errors() -> None:
         (3, True, "or drop_last=False (it keeps the last, smaller batch), or a batch_size of "
          "at most 3"),
         (0, False, "give a dataset with at least one batch of samples"),
+        (-3, True, "sampler of 3 samples): give a sampler with at least one batch of samples, "
+         "or drop_last=False (it keeps the last, smaller batch), or a batch_size of at most 3"),
     ],
 )  # fmt: skip
 def test_measure_empty_loader_raises_with_the_fixes_that_apply(
     samples: int, drop_last: bool, fix: str
 ) -> None:
+    # samples < 0: 100 samples, and a sampler that draws -samples of them.
+    kwargs: dict[str, object] = {"drop_last": drop_last}
+    if samples < 0:
+        kwargs["sampler"] = SubsetRandomSampler(range(-samples))
     with pytest.raises(ValueError, match="yields no batch") as info:
         measure(
-            TensorDataset(torch.zeros(samples, 2)),
+            TensorDataset(torch.zeros(100 if samples < 0 else samples, 2)),
             8,
-            {"drop_last": drop_last},
+            kwargs,
             num_workers=0,
             prefetch_factor=None,
             pin_memory=False,

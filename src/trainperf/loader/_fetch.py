@@ -144,7 +144,10 @@ class Batches:
 
     def _no_batch(self) -> str:
         return no_batch_message(
-            self.spec.dataset, self.spec.batch_size, bool(self.kwargs.get("drop_last", False))
+            self.spec.dataset,
+            self.spec.batch_size,
+            bool(self.kwargs.get("drop_last", False)),
+            self.kwargs.get("sampler"),
         )
 
     def next_batch(self) -> int:
@@ -168,8 +171,11 @@ class Batches:
         self.it = self.loader = None
 
 
-def no_batch_message(dataset: Any, batch_size: int | None, drop_last: bool) -> str:
-    """Why a DataLoader yields no batch, with only the fixes that apply.
+def no_batch_message(
+    dataset: Any, batch_size: int | None, drop_last: bool, sampler: Any = None
+) -> str:
+    """Why a DataLoader yields no batch, with only the fixes that apply; ``sampler`` (if
+    given) says how many samples an epoch has.
 
     Example:
         >>> text = no_batch_message(range(3), 8, True)
@@ -177,22 +183,26 @@ def no_batch_message(dataset: Any, batch_size: int | None, drop_last: bool) -> s
         (True, True)
         >>> "drop_last=False (" in no_batch_message(range(0), 8, False)
         False
+        >>> no_batch_message(range(100), 8, True, sampler=[0, 1, 2]).endswith("at most 3")
+        True
     """
+    counted = dataset if sampler is None else sampler
     try:
-        n: int | None = len(dataset)
-    except Exception:  # an IterableDataset, or a __len__ that raises
+        n: int | None = len(counted)
+    except Exception:  # an IterableDataset, a sampler without a length, a __len__ that raises
         n = None
-    fixes = ["give a dataset with at least one batch of samples"]
+    where = "dataset" if sampler is None else "sampler"
+    fixes = [f"give a {where} with at least one batch of samples"]
     if drop_last and batch_size is not None and (n is None or 0 < n < batch_size):
         fixes.append("drop_last=False (it keeps the last, smaller batch)")
         if n is not None:
             fixes.append(f"a batch_size of at most {n}")
-    if n is None:
+    if isinstance(dataset, torch.utils.data.IterableDataset):
         fixes.append(
             "an IterableDataset that yields its samples again on each iter() (one whose "
             "__iter__ returns itself is used up by the measurements)"
         )
     return (
         f"the DataLoader yields no batch (batch_size={batch_size}, drop_last={drop_last!r}, "
-        f"dataset of {'?' if n is None else n} samples): " + ", or ".join(fixes)
+        f"{where} of {'?' if n is None else n} samples): " + ", or ".join(fixes)
     )
