@@ -149,10 +149,13 @@ def time_loader(loader: ImageLoader, *, epochs: int, seconds: float) -> tuple[fl
     synchronize(device)
     images, timed = 0, 0
     cpu0, start = cpu_seconds(), time.perf_counter()
-    while timed < epochs or time.perf_counter() - start < seconds or _too_little(cpu0, start):
+    short = False
+    while timed < epochs or time.perf_counter() - start < seconds or short:
         for batch, _ in loader:
             images += batch.shape[0]
         timed += 1
+        if timed & (timed - 1) == 0:  # after 1, 2, 4, 8, ... epochs
+            short = _too_little(cpu0, start)
     synchronize(device)
     wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu0
     if cpu <= 0:
@@ -161,15 +164,16 @@ def time_loader(loader: ImageLoader, *, epochs: int, seconds: float) -> tuple[fl
 
 
 # CPU time is counted in clock ticks (10 ms): a tiny epoch can measure none at all (a
-# ZeroDivisionError in a smoke run). Epochs go on until this much was measured, for at
-# most MAX_EXTRA_S.
+# ZeroDivisionError in a smoke run). Epochs go on until this much was measured, checked
+# after 1, 2, 4, ... epochs (cpu_seconds() scans every process: checked after each tiny
+# epoch, it measured mostly itself), until MAX_TIMING_S after the timing began.
 MIN_CPU_S = 0.1
-MAX_EXTRA_S = 10.0
+MAX_TIMING_S = 10.0
 
 
 def _too_little(cpu0: float, start: float) -> bool:
     """Fewer than MIN_CPU_S CPU seconds measured since ``cpu0``, and time left for more."""
-    return time.perf_counter() - start < MAX_EXTRA_S and cpu_seconds() - cpu0 < MIN_CPU_S
+    return time.perf_counter() - start < MAX_TIMING_S and cpu_seconds() - cpu0 < MIN_CPU_S
 
 
 def _feed_kwargs(backend: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -159,3 +159,25 @@ def test_train_resnet_fed_by_nvjpeg_on_the_gpu(
     assert training["dtype"] == "bfloat16" and training["channels_last"] is True
     assert training["fed_steps"] >= 3
     assert "nvjpeg-fed" in capsys.readouterr().out
+
+
+class _TinyLoader:
+    device = torch.device("cpu")
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        yield torch.zeros(2, 3, 4, 4), torch.zeros(2)
+
+
+def test_epochs_go_on_until_cpu_time_is_measured_and_none_at_all_is_an_error(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # CPU time comes in 10 ms ticks: a tiny epoch measured none (a ZeroDivisionError).
+    ticks = iter([0.0, 0.0, 0.0, 0.0, 0.5])  # the start, then after 1, 2, 4 epochs, then 8
+    monkeypatch.setattr(bench, "cpu_seconds", lambda: next(ticks, 0.5))
+    ips, per_cpu, timed = bench.time_loader(_TinyLoader(), epochs=1, seconds=0)
+    assert ips > 0
+    assert timed == 8 and per_cpu == pytest.approx(8 * 2 / 0.5)
+    monkeypatch.setattr(bench, "cpu_seconds", lambda: 0.0)
+    monkeypatch.setattr(bench, "MAX_TIMING_S", 0.2)
+    with pytest.raises(RuntimeError, match="no CPU time measured"):
+        bench.time_loader(_TinyLoader(), epochs=1, seconds=0)
