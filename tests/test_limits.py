@@ -48,6 +48,32 @@ def test_cgroup_memory_v1_and_v2(tmp_path: Path) -> None:
     assert cgroup_memory_limit(v2, tmp_path / "none") == (None, None)
 
 
+def test_reclaimable_file_cache_is_not_counted_as_used(tmp_path: Path) -> None:
+    # A container with a 16 GiB limit that has read its dataset: 15.5 GiB "used", 14 GiB of
+    # it inactive page cache that the kernel frees before any OOM kill.
+    g = 2**30
+    write(tmp_path / "memory.max", str(16 * g))
+    write(tmp_path / "memory.current", str(31 * g // 2))
+    write(tmp_path / "memory.stat", f"anon {g // 2}\nfile {15 * g}\ninactive_file {14 * g}\n")
+    assert cgroup_memory_limit(tmp_path, tmp_path / "none") == (16 * g, 3 * g // 2)
+    got = host_limits(cgroup_root=tmp_path, proc_cgroup=tmp_path / "none", shm_path=tmp_path)
+    # The cgroup leaves 14.5 GiB (it left 0.5); the host's own available memory caps it.
+    expected = min(psutil_available(), 29 * g // 2)
+    assert abs(got.memory_available - expected) < 256 * 2**20, (got.memory_available, expected)
+    v1 = tmp_path / "v1" / "memory"
+    write(tmp_path / "pc1", "4:memory:/\n")
+    write(v1 / "memory.limit_in_bytes", str(16 * g))
+    write(v1 / "memory.usage_in_bytes", str(31 * g // 2))
+    write(v1 / "memory.stat", f"inactive_file {g}\ntotal_inactive_file {14 * g}\n")
+    assert cgroup_memory_limit(tmp_path / "v1", tmp_path / "pc1") == (16 * g, 3 * g // 2)
+
+
+def psutil_available() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
 def test_host_limits_caps_cpus_and_memory_by_cgroup(tmp_path: Path) -> None:
     write(tmp_path / "cpu.max", "100000 100000\n")
     write(tmp_path / "memory.max", str(512 * 2**20))

@@ -167,6 +167,11 @@ def cgroup_memory_limit(
     unknown): of every level from this process's cgroup up to the root, the one with the least
     room left (``limit - usage``). Without any limit the usage is this process's cgroup's.
 
+    The usage is the working set, as docker and Kubernetes count it: the cgroup's usage less
+    its inactive file cache (``inactive_file`` in ``memory.stat``; ``total_inactive_file``
+    under cgroup v1), which the kernel reclaims before it kills anything. A container that
+    has read its dataset once holds that much cache; counted as used, it left no room.
+
     Example:
         >>> import tempfile, pathlib
         >>> d = pathlib.Path(tempfile.mkdtemp())
@@ -174,6 +179,9 @@ def cgroup_memory_limit(
         >>> _ = (d / "memory.current").write_text("1073741824\\n")
         >>> cgroup_memory_limit(d, d / "missing")
         (4294967296, 1073741824)
+        >>> _ = (d / "memory.stat").write_text("anon 268435456\\ninactive_file 536870912\\n")
+        >>> cgroup_memory_limit(d, d / "missing")
+        (4294967296, 536870912)
     """
     limit: int | None = None
     usage: int | None = None
@@ -189,6 +197,10 @@ def cgroup_memory_limit(
                 continue
             usage_raw = _read(d / usage_name)
             here = int(usage_raw) if usage_raw and usage_raw.isdigit() else None
+            if here is not None:
+                v1 = limit_name == "memory.limit_in_bytes"
+                key = "total_inactive_file" if v1 else "inactive_file"
+                here = max(0, here - _inactive_file(d, key))
             if own is None:
                 own = here
             if raw.isdigit() and int(raw) < _V1_UNLIMITED:
@@ -203,6 +215,16 @@ def cgroup_memory_limit(
     if limit is None:
         usage = own
     return limit, usage
+
+
+def _inactive_file(d: Path, key: str) -> int:
+    """Bytes of inactive file cache in ``d/memory.stat`` (its ``key`` line), 0 if unknown."""
+    raw = _read(d / "memory.stat")
+    for line in (raw or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return 0
 
 
 def host_limits(
