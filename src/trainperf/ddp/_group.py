@@ -470,8 +470,8 @@ class Group:
 
 
 def drain_ending(ranks: list[int], text: str, code: int | None) -> str:
-    """One line for the ranks that ended the same way after the passed-on SIGTERM; a rank
-    the signal itself ended (no handler) saved nothing, and the line says how to let it.
+    """One line for the ranks that ended the same way after the passed-on SIGTERM; for ranks
+    the signal itself ended, the line says how to let a rank save first.
 
     Example:
         >>> drain_ending([0, 1], "stopped by SIGTERM", -15)[:63]
@@ -483,8 +483,8 @@ def drain_ending(ranks: list[int], text: str, code: int | None) -> str:
     if code == -signal.SIGTERM:
         return (
             f"{who} {'were' if len(ranks) > 1 else 'was'} ended by the passed-on SIGTERM "
-            f"(exit code {code}): no handler caught it, so nothing ran after it; to finish the "
-            "step and save first, use trainperf.Checkpointer.preemption() (or a handler "
-            "of your own) and return"
+            f"(exit code {code}: the signal's default action, with no handler or one that "
+            "re-raised it); to finish the step and save first, use "
+            "trainperf.Checkpointer.preemption() (or a handler of your own) and return"
         )
     return f"{who} {text} (exit code {code})"
