@@ -276,7 +276,7 @@ def test_ranks_the_sigterm_itself_ended_get_one_line_that_says_how_to_save_first
     assert info.value.code == 143
     lines = [r.getMessage() for r in caplog.records if "after SIGTERM" in r.getMessage()]
     assert len(lines) == 1, lines  # one line, not one per rank
-    assert "ranks 0, 1 were ended by the passed-on SIGTERM (exit code -15)" in lines[0]
+    assert "ranks 0, 1 were ended by the passed-on SIGTERM (exit code -15: " in lines[0]
     assert "Checkpointer.preemption()" in lines[0]
 
 

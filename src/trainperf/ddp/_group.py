@@ -475,7 +475,7 @@ def drain_ending(ranks: list[int], text: str, code: int | None) -> str:
 
     Example:
         >>> drain_ending([0, 1], "stopped by SIGTERM", -15)[:63]
-        'ranks 0, 1 were ended by the passed-on SIGTERM (exit code -15):'
+        'ranks 0, 1 were ended by the passed-on SIGTERM (exit code -15: '
         >>> drain_ending([1], "exited with code 3", 3)
         'rank 1 exited with code 3 (exit code 3)'
     """
