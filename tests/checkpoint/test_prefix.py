@@ -196,10 +196,39 @@ def test_nothing_matched_raises_whatever_strict_says(strict: bool) -> None:
     assert ("an error even with strict=False" in text) == (not strict)
     assert "model keys: conv.weight, conv.bias, bn.weight, ...and 6 more" in text
     assert "state-dict keys: model.conv.weight, model.conv.bias, model.bn.weight, ..." in text
-    assert "strip_prefix(state_dict, 'model.')" in text
+    assert "{k[6:]: v for k, v in state_dict.items() if k.startswith('model.')}" in text
     assert "pass strict=False" not in text  # the advice that loaded nothing
     assert len(info.value.missing) == 9 and len(info.value.unexpected) == 9
     assert_same(net.state_dict(), before)
+
+
+class _NetInModel(nn.Module):
+    """A network with a submodule of its own called ``model`` (as in many timm / HF nets)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+        self.head = nn.Linear(4, 2)
+
+
+def test_the_suggested_fix_for_an_extra_prefix_loads() -> None:
+    # A LightningModule whose network is self.model, with a loss holding a weight of its own:
+    # keys model.model.0.weight, model.head.weight, loss.weight.
+    lit = nn.Module()
+    lit.model = _NetInModel()
+    lit.loss = nn.CrossEntropyLoss(weight=torch.ones(2))
+    state_dict = lit.state_dict()
+    model = _NetInModel()
+    with pytest.raises(StateDictMismatchError, match=r"prefix 'model\.' is removed") as info:
+        load_state_dict(model, state_dict)
+    call = str(info.value).split("e.g. a LightningModule): ")[1].splitlines()[0]
+    result = eval(
+        call,
+        {"load_state_dict": load_state_dict, "strip_prefix": strip_prefix},
+        {"model": model, "state_dict": state_dict},
+    )
+    assert result.complete
+    assert_same(model.state_dict(), lit.model.state_dict())
 
 
 @pytest.mark.parametrize(

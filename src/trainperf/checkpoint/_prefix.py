@@ -27,7 +27,7 @@ from trainperf.checkpoint._keys import (
     _same_type,
     _strip,
 )
-from trainperf.checkpoint._search import find_state_dict, nested_hint
+from trainperf.checkpoint._search import find_state_dict, nested_hint, under_prefix_code
 from trainperf.errors import StateDictMismatchError
 
 
@@ -75,6 +75,13 @@ def strip_prefix(state_dict: M, prefixes: str | Iterable[str] = DEFAULT_PREFIXES
     a compiled model) and ``_orig_mod.module.fc.weight`` both become ``fc.weight``. The result
     has the input's mapping type (an ``OrderedDict`` stays one) and keeps torch's ``_metadata``
     attribute, with its keys stripped too.
+
+    It is meant for wrapper layers, which put their prefix before every key: a given prefix
+    is removed again from keys that repeat it, and keys without it are kept. To take one
+    attribute's weights out of a wrapper's state dict (a LightningModule's ``self.model``,
+    whose network may have a submodule called ``model`` too), select them instead:
+    ``{k[6:]: v for k, v in sd.items() if k.startswith("model.")}``, or give
+    ``load_state_dict`` the whole checkpoint, which does that itself.
 
     Args:
         state_dict: A mapping from parameter names to values.
@@ -188,7 +195,7 @@ def _likely_fix(
         return (
             f"{extra[1]} of its keys fit once the prefix {extra[0]!r} is removed (the model "
             "was an attribute of a wrapper when it was saved, e.g. a LightningModule): "
-            f"load_state_dict(model, strip_prefix(state_dict, {extra[0]!r}))"
+            f"load_state_dict(model, {under_prefix_code('state_dict', extra[0])})"
         )
     inner = _common_prefix(target, sd)
     if inner:

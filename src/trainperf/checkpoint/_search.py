@@ -71,6 +71,23 @@ def _nested(mapping: Mapping[str, Any], where: tuple[str, ...] = ()) -> Iterator
             yield from _nested(value, path)
 
 
+def under_prefix_code(expr: str, prefix: str) -> str:
+    """Python code for the keys of the state dict ``expr`` under ``prefix``, without it.
+
+    What a message suggests for one attribute's weights (a LightningModule's ``self.model``):
+    ``strip_prefix(expr, prefix)`` would not do, as it keeps the other attributes' keys and
+    strips the prefix again from keys that repeat it (``model.model.0.weight``).
+
+    Example:
+        >>> code = under_prefix_code("sd", "model.")
+        >>> code
+        "{k[6:]: v for k, v in sd.items() if k.startswith('model.')}"
+        >>> eval(code, {"sd": {"model.model.w": 1, "loss.w": 2}})
+        {'model.w': 1}
+    """
+    return f"{{k[{len(prefix)}:]: v for k, v in {expr}.items() if k.startswith({prefix!r})}}"
+
+
 def _under_prefix(sd: Mapping[str, Any], prefix: str) -> Mapping[str, Any]:
     """The keys of ``sd`` that start with ``prefix``, without it: one attribute's weights
     (a LightningModule's ``self.model``); the other attributes' keys are left out."""
@@ -122,10 +139,8 @@ def _choices(found: list[Found]) -> str:
 def _ambiguous(best: list[Found], n_target: int, ema: bool) -> StateDictMismatchError:
     names = ", ".join(f"{f.describe() or 'the mapping itself'}" for f in best)
     first = best[0]
-    # Only this prefix's keys, without it: strip_prefix would keep the other attributes' keys.
     pick = (
-        f"load_state_dict(model, {{k[{len(first.prefix)}:]: v for k, v in "
-        f"{first.path()}.items() if k.startswith({first.prefix!r})}})"
+        f"load_state_dict(model, {under_prefix_code(first.path(), first.prefix)})"
         if first.prefix
         else f"load_state_dict(model, {first.path()})"
     )
