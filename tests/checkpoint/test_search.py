@@ -3,6 +3,7 @@ fits the model (timm, Lightning, Fabric, a script's {"model": ...}) by keys and 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -64,14 +65,47 @@ def test_two_parts_that_fit_equally_are_an_error_naming_both() -> None:
         StateDictMismatchError,
         match=r"2 parts of the checkpoint fit the model equally well \(9 of its 9 keys each\): "
         r"checkpoint\['a'\], checkpoint\['b'\]; pass the one you mean, e\.g\. "
-        r"load_state_dict\(model, checkpoint\['a'\]\), or ema=True for an EMA copy",
+        r"load_state_dict\(model, checkpoint\['a'\]\)$",
     ):
+        load_state_dict(tiny_mlp(), ckpt)
+
+
+def test_a_tie_mentions_ema_only_when_there_is_an_ema_copy() -> None:
+    ckpt = {"a": tiny_mlp().state_dict(), "b": tiny_mlp().state_dict()}
+    ckpt["model_ema"] = tiny_mlp().state_dict()
+    with pytest.raises(StateDictMismatchError, match=r"checkpoint\['b'\]; .*ema=True for the EMA"):
+        load_state_dict(tiny_mlp(), ckpt)
+
+
+@pytest.mark.parametrize(
+    "copy",
+    [lambda sd: sd, dict, lambda sd: {k: v.detach() for k, v in sd.items()}],
+    ids=["same-dict", "same-tensors", "views"],
+)
+def test_the_same_weights_under_two_names_are_one_part(copy: Any, tmp_path: Path) -> None:
+    sd = tiny_mlp().state_dict()
+    torch.save({"model": sd, "state_dict": copy(sd), "epoch": 3}, tmp_path / "ckpt.pt")
+    model = tiny_mlp()
+    result = load_state_dict(model, load_checkpoint(tmp_path / "ckpt.pt"))
+    assert result.complete and result.source == "checkpoint['model']"
+    assert torch.equal(model.state_dict()["0.weight"], sd["0.weight"])
+
+
+def test_equal_copies_in_other_memory_are_still_two_parts() -> None:
+    sd = tiny_mlp().state_dict()
+    ckpt = {"student": sd, "teacher": {k: v.clone() for k, v in sd.items()}}
+    with pytest.raises(StateDictMismatchError, match=r"2 parts of the checkpoint fit"):
         load_state_dict(tiny_mlp(), ckpt)
 
 
 def test_two_attributes_of_one_module_are_ambiguous_too() -> None:
     net = tiny_mlp()
-    sd = {f"{who}.{k}": v for who in ("student", "teacher") for k, v in net.state_dict().items()}
+    # Two copies (teacher = deepcopy(student)): equal values, other memory.
+    sd = {
+        f"{who}.{k}": v.clone()
+        for who in ("student", "teacher")
+        for k, v in net.state_dict().items()
+    }
     with pytest.raises(
         StateDictMismatchError,
         match=r"checkpoint\['state_dict'\] \(prefix 'student\.' removed\), "

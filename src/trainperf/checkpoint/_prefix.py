@@ -288,7 +288,8 @@ def load_state_dict(
     timm's ``state_dict``, Lightning's ``state_dict``, Fabric's or a script's ``model``.
     Dicts named like an EMA copy (``state_dict_ema``, ``model_ema``, ``ema``) are used only,
     and then exclusively, with ``ema=True``. ``LoadResult.source`` says which part was
-    loaded. Two parts that fit equally well are an error naming both.
+    loaded. Two parts that fit equally well are an error naming both, unless they hold the
+    very same tensors (``{"model": sd, "state_dict": sd}``): then the first is loaded.
 
     A state dict of which no key fits the model (by name and shape, after removing the
     prefixes) is always an error, ``strict=False`` or not: loading nothing is never what was

@@ -136,7 +136,34 @@ def _choices(found: list[Found]) -> str:
     return "; ".join(f"{f.describe() or 'the mapping itself'} ({f.fits} keys fit)" for f in found)
 
 
-def _ambiguous(best: list[Found], n_target: int, ema: bool) -> StateDictMismatchError:
+def _same_tensor(a: Any, b: Any) -> bool:
+    """One object, or two views of the same memory (``v.detach()``); equal values in other
+    memory are two copies, which may well differ elsewhere (two models of one init)."""
+    if a is b:
+        return True
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.is_meta:
+        return False
+    view = (a.dtype, a.device, a.shape, a.stride(), a.storage_offset())
+    same_view = view == (b.dtype, b.device, b.shape, b.stride(), b.storage_offset())
+    return same_view and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _same_weights(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Loading either gives the model the same weights: the same dict saved under two names
+    (``{"model": sd, "state_dict": sd}``), or equal keys holding the very same tensors."""
+    return a is b or (list(a) == list(b) and all(_same_tensor(a[k], b[k]) for k in a))
+
+
+def _distinct(found: list[Found]) -> list[Found]:
+    """``found`` without candidates that hold the same weights as an earlier one."""
+    kept: list[Found] = []
+    for f in found:
+        if not any(_same_weights(f.state_dict, k.state_dict) for k in kept):
+            kept.append(f)
+    return kept
+
+
+def _ambiguous(best: list[Found], n_target: int, ema_hint: bool) -> StateDictMismatchError:
     names = ", ".join(f"{f.describe() or 'the mapping itself'}" for f in best)
     first = best[0]
     pick = (
@@ -147,7 +174,7 @@ def _ambiguous(best: list[Found], n_target: int, ema: bool) -> StateDictMismatch
     return StateDictMismatchError(
         f"{len(best)} parts of the checkpoint fit the model equally well ({best[0].fits} of its "
         f"{n_target} keys each): {names}; pass the one you mean, e.g. {pick}"
-        + ("" if ema else ", or ema=True for an EMA copy"),
+        + (", or ema=True for the EMA copy" if ema_hint else ""),
         missing=[],
         unexpected=[],
         mismatched=[],
@@ -163,8 +190,9 @@ def find_state_dict(mapping: Mapping[str, Any], target: Mapping[str, Any], ema: 
     the mapping itself is returned, for the caller's error to explain.
 
     Raises:
-        StateDictMismatchError: Two candidates fit equally well, or ``ema=True`` and no EMA
-            copy fits.
+        StateDictMismatchError: Two candidates with different weights fit equally well (the
+            same weights under two names are one candidate, the first), or ``ema=True`` and
+            no EMA copy fits.
     """
     nested = any(isinstance(v, Mapping) for k, v in mapping.items() if k != "_metadata")
     if not nested and not ema:
@@ -182,9 +210,9 @@ def find_state_dict(mapping: Mapping[str, Any], target: Mapping[str, Any], ema: 
             mismatched=[],
         )
     top = max((f.fits for f in pool), default=0)
-    best = [f for f in pool if f.fits == top]
+    best = _distinct([f for f in pool if f.fits == top])
     if len(best) > 1:
-        raise _ambiguous(best, len(target), ema)
+        raise _ambiguous(best, len(target), not ema and any(f.ema for f in found))
     return best[0] if best else Found((), "", _fit_prefixes(mapping, target), 0)
 
 
