@@ -98,6 +98,15 @@ def test_plain_pickle_and_other_zip_are_not_checkpoints(tmp_path: Path) -> None:
         load_checkpoint(tmp_path / "docs.zip")
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.*` is deprecated:FutureWarning")
+def test_a_torchscript_file_is_not_a_checkpoint_and_names_torch_jit_load(tmp_path: Path) -> None:
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), tmp_path / "net.pt")
+    with pytest.raises(NotACheckpointError, match=r"net\.pt is a TorchScript .*torch\.jit\.load\("):
+        load_checkpoint(tmp_path / "net.pt")
+    weights = torch.jit.load(tmp_path / "net.pt").state_dict()  # what the message says works
+    assert set(weights) == {"weight", "bias"}
+
+
 def test_legacy_format_loads_and_truncation_is_reported(tmp_path: Path) -> None:
     path = tmp_path / "legacy.pt"
     torch.save({"w": torch.arange(1000.0)}, path, _use_new_zipfile_serialization=False)

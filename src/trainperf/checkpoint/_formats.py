@@ -66,11 +66,24 @@ def _is_safetensors(head: bytes) -> bool:
     return 0 < n < 100_000_000 and head[8:9] == b"{"
 
 
+def _is_torchscript(names: list[str]) -> bool:
+    """torch.jit.save's zip: the data.pkl of torch.save plus the program's ``code/`` and
+    ``constants.pkl``, which torch.save never writes."""
+    return any(n.split("/")[1:2] in (["code"], ["constants.pkl"]) for n in names)
+
+
 def _open_zip(path: Path, verify: bool) -> None:
     """Check the zip structure (and CRC-32s) in Python first: torch only says 'miniz error'."""
     try:
         with zipfile.ZipFile(path) as zf:
             names = zf.namelist()
+            if _is_torchscript(names):
+                raise NotACheckpointError(
+                    f"{path} is a TorchScript program (saved with torch.jit.save), not a "
+                    f"checkpoint: load it with torch.jit.load({str(path)!r}), and its weights "
+                    "with torch.jit.load(...).state_dict()",
+                    path,
+                )
             if not any(n.endswith("/data.pkl") and n.count("/") == 1 for n in names):
                 raise NotACheckpointError(
                     f"{path} is a zip archive but not one torch.save writes (no data.pkl); "
