@@ -304,6 +304,44 @@ def test_a_value_without_data_is_refused_before_anything_is_copied(
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # unchanged
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_buffer_whose_name_ends_in_extra_state_is_checked_like_any_other(strict: bool) -> None:
+    model = nn.Module()
+    model.lin = nn.Linear(2, 2)
+    model.register_buffer("pos_extra_state", torch.zeros(3))  # an ordinary buffer
+    state = {k: v + 1 for k, v in model.state_dict().items()}
+    state["pos_extra_state"] = torch.empty(3, device="meta")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(StateDictMismatchError, match=r"'pos_extra_state': a meta tensor"):
+        load_state_dict(model, state, strict=strict)
+    assert_same(model.state_dict(), before)  # nothing was loaded
+
+
+class _WithExtraState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.extra: Any = None
+
+    def get_extra_state(self) -> Any:
+        return torch.zeros(1)
+
+    def set_extra_state(self, state: Any) -> None:
+        self.extra = state
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_modules_extra_state_may_be_any_object(nested: bool) -> None:
+    owner = _WithExtraState()
+    model = nn.Sequential(owner) if nested else owner
+    key = "0._extra_state" if nested else "_extra_state"
+    state = dict(model.state_dict())
+    assert isinstance(state[key], torch.Tensor)  # the model's is a tensor, the file's a dict
+    state[key] = {"calls": 3}
+    assert load_state_dict(model, state).complete
+    assert owner.extra == {"calls": 3}
+
+
 def test_an_old_batchnorm_state_without_its_counter_loads_as_torch_loads_it() -> None:
     old = {k: v for k, v in Net().state_dict().items() if not k.endswith("num_batches_tracked")}
     model = Net()

@@ -22,7 +22,7 @@ from trainperf.checkpoint._formats import (
     _open_zip,
     _torch_load,
 )
-from trainperf.checkpoint._keys import _same_type, strip_wrapper_layers
+from trainperf.checkpoint._keys import _same_type, is_extra_state, strip_wrapper_layers
 from trainperf.checkpoint._prefix import unwrap_model
 from trainperf.checkpoint._write import write_checkpoint_file
 from trainperf.device import resolve_device
@@ -39,7 +39,7 @@ def _is_tensor_state_dict(obj: object) -> bool:
         isinstance(obj, Mapping)
         and len(obj) > 0
         and all(
-            isinstance(k, str) and (isinstance(v, torch.Tensor) or k.endswith("_extra_state"))
+            isinstance(k, str) and (isinstance(v, torch.Tensor) or is_extra_state(k))
             for k, v in obj.items()
         )
     )

@@ -19,6 +19,17 @@ M = TypeVar("M", bound=Mapping[str, Any])
 Mismatch = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 
+def is_extra_state(key: object) -> bool:
+    """A module's extra state (``get_extra_state``): ``_extra_state`` or ``<module>._extra_state``,
+    which may hold any object; ``pos_extra_state`` is an ordinary parameter or buffer.
+
+    Example:
+        >>> [is_extra_state(k) for k in ("_extra_state", "fc._extra_state", "pos_extra_state")]
+        [True, True, False]
+    """
+    return isinstance(key, str) and (key == "_extra_state" or key.endswith("._extra_state"))
+
+
 def _strip_key(
     key: str, prefixes: tuple[str, ...], rounds: int | None, meta: bool = False
 ) -> tuple[str, int]:

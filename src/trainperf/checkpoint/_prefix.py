@@ -26,6 +26,7 @@ from trainperf.checkpoint._keys import (
     _same_shape,
     _same_type,
     _strip,
+    is_extra_state,
 )
 from trainperf.checkpoint._search import find_state_dict, nested_hint, under_prefix_code
 from trainperf.errors import StateDictMismatchError
@@ -372,7 +373,7 @@ def _refuse_no_data(best: Mapping[str, Any], target: Mapping[str, Any]) -> None:
         (k, why)
         for k, v in best.items()
         if k in target
-        and not str(k).endswith("_extra_state")  # set_extra_state takes any object
+        and not is_extra_state(k)  # set_extra_state takes any object
         and (why := _no_data(v, target[k]))
     ]
     if bad:
