@@ -151,6 +151,19 @@ def test_skip_leaves_bad_files_out_with_a_warning(bad_folder: Path, backend: str
         ({"mean": (0.5, 0.5)}, ValueError, "mean must be 3 numbers"),
         ({"mean": "abc"}, ValueError, "mean must be 3 numbers"),
         ({"std": (0.2, 0.0, 0.2)}, ValueError, "std must be 3 positive numbers"),
+        (
+            {"mean": (123.675, 116.28, 103.53)},
+            ValueError,
+            r"mean must be in 0\.\.1 units .* looks like 0\.\.255 units; "
+            r"pass mean=\(0\.485, 0\.456, 0\.406\)",
+        ),
+        (
+            {"std": (0.229 * 255, 0.224 * 255, 0.225 * 255)},
+            ValueError,
+            r"std must be in 0\.\.1 units .* pass std=\(0\.229, 0\.224, 0\.225\)",
+        ),
+        ({"seed": 2**63}, ValueError, r"seed must be < 2\*\*63 .* got 9223372036854775808"),
+        ({"seed": 2**64}, ValueError, r"seed must be < 2\*\*63 .* seed % 2\*\*63 = 0"),
         ({"shard": (2, 2)}, ValueError, "0 <= rank < world_size"),
         ({"shard": "everything"}, ValueError, "shard must be 'auto', None or a"),
         ({"shard": (0, 1, 2)}, ValueError, "shard must be 'auto', None or a"),
@@ -176,6 +189,12 @@ def test_bad_arguments_are_refused(
         kwargs.setdefault("loader_kwargs", {})
     with pytest.raises(error, match=match):
         image_loader(folder, **kwargs)
+
+
+def test_largest_seed_shuffles_epoch_after_epoch(folder: Path) -> None:
+    loader = _loader(folder, "torchvision", seed=2**63 - 1, batch_size=8)
+    for _ in range(2):
+        assert sorted(_indices(loader)) == list(range(24))
 
 
 @needs_dali

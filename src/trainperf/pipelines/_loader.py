@@ -130,7 +130,27 @@ def _channel_triple(
     if len(triple) != 3 or (positive and min(triple) <= 0):
         need = "3 positive numbers" if positive else "3 numbers"
         raise ValueError(f"{name} must be {need} (R, G, B, in 0..1 units), got {value!r}")
+    if max(triple) > 1:
+        # No channel of a 0..1 image has a mean or a spread above 1, so these are 0..255
+        # units (DALI's convention); taken as given, every image would come out ~constant.
+        divided = tuple(round(v / 255, 4) for v in triple)
+        raise ValueError(
+            f"{name} must be in 0..1 units (images are scaled to 0..1 before normalising), "
+            f"got {value!r}, which looks like 0..255 units; pass {name}={divided!r}"
+        )
     return triple[0], triple[1], triple[2]
+
+
+def _seed(seed: object) -> int:
+    """``seed`` checked: an int in ``0 <= seed < 2**63``, which ``seed + epoch`` keeps within
+    what ``torch.Generator.manual_seed`` takes."""
+    seed = non_negative_int("seed", seed)
+    if seed >= 2**63:
+        raise ValueError(
+            f"seed must be < 2**63 (it seeds torch.Generator with seed + epoch), got {seed}; "
+            f"pass a smaller one, e.g. seed % 2**63 = {seed % 2**63}"
+        )
+    return seed
 
 
 def _check_choices(*, train: object, backend: object, last_batch: object, on_error: object) -> None:
@@ -260,12 +280,13 @@ def image_loader(
         shard: ``"auto"`` reads this rank's shard under ``torch.distributed`` (or torchrun's
             ``RANK``/``WORLD_SIZE``); ``(rank, world_size)`` sets it; None reads everything.
             Every rank gets the same number of batches per epoch.
-        seed: seeds shuffling and augmentation (use the same on every rank).
+        seed: seeds shuffling and augmentation (use the same on every rank); an int in
+            ``0 <= seed < 2**63``.
         last_batch: ``"drop"`` the partial last batch (each rank's shard is trimmed to
             ``floor(N / world_size)``), or ``"keep"`` it (shards padded to
             ``ceil(N / world_size)`` by repeating images).
-        mean: per-channel mean, 0..1 units.
-        std: per-channel standard deviation, 0..1 units.
+        mean: per-channel mean, 0..1 units (not DALI's 0..255: a value over 1 is refused).
+        std: per-channel standard deviation, 0..1 units (a value over 1 is refused).
         on_error: ``"raise"``: a missing, empty or non-image file, or one over
             ``max_pixels``, raises up front, naming it, and a file that fails to decode
             raises when it is reached; ``"skip"``: every file is decoded once up front and
@@ -322,7 +343,7 @@ def image_loader(
     batch_size = positive_int("batch_size", batch_size)
     size = positive_int("size", size)
     _check_choices(train=train, backend=backend, last_batch=last_batch, on_error=on_error)
-    seed = non_negative_int("seed", seed)
+    seed = _seed(seed)
     max_pixels = positive_int("max_pixels", max_pixels, none_ok=True)
     mean3 = _channel_triple("mean", mean, positive=False)
     std3 = _channel_triple("std", std, positive=True)
