@@ -6,7 +6,9 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from tests.pipelines._images import (
     CPU_BACKENDS,
@@ -158,7 +160,7 @@ def test_list_sources_are_checked(folder: Path) -> None:
         image_loader([], 4, device="cpu")
     with pytest.raises(TypeError, match=r"source\[0\] must be a \(path, label\) pair"):
         image_loader([good], 4, device="cpu")  # type: ignore[list-item]
-    with pytest.raises(ValueError, match=r"source\[1\] label must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"source\[1\] label must be an integer >= 0 .*, got -1"):
         image_loader([(good, 0), (good, -1)], 4, device="cpu")
     with pytest.raises(TypeError, match=r"source\[0\] path must be a str"):
         image_loader([(3, 0)], 4, device="cpu")  # type: ignore[list-item]
@@ -173,6 +175,24 @@ def test_list_sources_are_checked(folder: Path) -> None:
         loader_kwargs=NO_TUNING,
     )
     assert loader.classes == ("0", "1", "2")
+
+
+def test_list_labels_may_be_numpy_or_torch_integers(folder: Path) -> None:
+    good = str(next(folder.glob("a_red/*.jpg")))
+    items = [(good, np.int64(2)), (good, torch.tensor(0)), (good, np.uint8(1))]
+    source = load_source(items, on_error="raise")
+    assert source.labels == (2, 0, 1)
+    assert all(type(label) is int for label in source.labels)
+    assert source.classes == ("0", "1", "2")
+
+
+@pytest.mark.parametrize(
+    "label", [True, np.bool_(False), torch.tensor(True), 1.0, np.float64(1), "1", np.int64(-1)]
+)
+def test_list_labels_that_are_not_integers_are_refused(folder: Path, label: object) -> None:
+    good = str(next(folder.glob("a_red/*.jpg")))
+    with pytest.raises(ValueError, match=r"source\[0\] label must be an integer >= 0 \(int, numpy"):
+        load_source([(good, label)], on_error="raise")
 
 
 def test_header_check_reports_each_problem(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ bad file is reported by name before training starts rather than crashing a decod
 from __future__ import annotations
 
 import math
+import operator
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,6 @@ import numpy as np
 import torch
 
 from trainperf._utils import launch_env
-from trainperf._utils.validate import non_negative_int
 from trainperf.pipelines._folder import IMAGE_EXTENSIONS, find_images
 from trainperf.pipelines._header import MAX_IMAGE_PIXELS, ImageFormat, bytes_problem, file_problem
 
@@ -196,8 +196,29 @@ def _list_items(items: Sequence[object]) -> list[tuple[str, int]]:
         p, label = item
         if not isinstance(p, (str, os.PathLike)):
             raise TypeError(f"source[{i}] path must be a str or os.PathLike, got {p!r}")
-        out.append((os.fspath(p), non_negative_int(f"source[{i}] label", label)))
+        out.append((os.fspath(p), _label(i, label)))
     return out
+
+
+def _is_bool(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dtype == torch.bool
+    return isinstance(value, (bool, np.bool_))
+
+
+def _label(i: int, label: object) -> int:
+    """``label`` as a Python int: any integer type (numpy's, a one-element integer tensor, as
+    pandas and torch hand them out) >= 0; a bool or a float is refused."""
+    try:
+        value = operator.index(label)  # type: ignore[arg-type]
+    except TypeError:
+        value = None
+    if value is None or _is_bool(label) or value < 0:
+        raise ValueError(
+            f"source[{i}] label must be an integer >= 0 (int, numpy or torch integer), "
+            f"got {label!r}"
+        )
+    return value
 
 
 def _describe_bad(bad: Sequence[BadFile], limit: int = 10) -> str:
