@@ -171,7 +171,7 @@ def test_closed_loader_refuses_to_iterate(folder: Path, backend: str) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
-@pytest.mark.parametrize("replacement", ["big", "bomb"])
+@pytest.mark.parametrize("replacement", ["big", "bomb", "bomb_over_pillows_limit"])
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_a_file_replaced_after_the_check_is_refused_before_it_is_decoded(
@@ -203,9 +203,15 @@ def test_a_file_replaced_after_the_check_is_refused_before_it_is_decoded(
     victim = fresh_folder / "a_red" / "03.jpg"  # in the first batch
     if replacement == "big":
         big_image(victim)  # a real 300 x 200 JPEG
-    else:  # a header-only bomb of 10000 x 10000: Pillow's own check would only warn
+    elif replacement == "bomb":  # header-only, 10000 x 10000: Pillow's own check only warns
         victim.write_bytes(bomb_jpeg(10000, 10000))
-    size = "300x200 = 60,000" if replacement == "big" else "10000x10000 = 100,000,000"
+    else:  # over twice Pillow's limit: Pillow's Image.open would refuse it itself
+        victim.write_bytes(bomb_jpeg(30000, 30000))
+    size = {
+        "big": "300x200 = 60,000",
+        "bomb": "10000x10000 = 100,000,000",
+        "bomb_over_pillows_limit": "30000x30000 = 900,000,000",
+    }[replacement]
     with pytest.raises(
         RuntimeError,
         match=rf"03\.jpg' has {size} pixels, over max_pixels=20,000 \(a bomb guard\), so it is "

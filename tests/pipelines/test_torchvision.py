@@ -192,3 +192,17 @@ def test_pillows_own_limit_is_named_with_its_fix_when_a_worker_decodes(
         r"\(now 100\): raise it along with max_pixels",
     ):
         dataset[0]
+
+
+def test_a_file_gone_since_the_check_is_named_as_changed(fresh_folder: Path) -> None:
+    from trainperf.pipelines._torchvision import FileDataset
+
+    files = load_source(fresh_folder, on_error="raise").files
+    dataset = FileDataset(files, train=False, size=SIZE, seed=0)
+    Path(files[2]).unlink()
+    with pytest.raises(
+        RuntimeError,
+        match=r"image '[^']*' cannot be read \(No such file or directory\), so it is not "
+        r"decoded: it changed after the loader checked it",
+    ):
+        dataset[2]

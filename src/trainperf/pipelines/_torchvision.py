@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from trainperf._utils.lifetime import DieWithParent
 from trainperf.pipelines._augment import CROP_RATIO, normalize, sample_crop_box
 from trainperf.pipelines._base import ImageLoader, LoaderConfig, labels_tensor
 from trainperf.pipelines._decode import pil_failure, pil_to_rgb
-from trainperf.pipelines._header import MAX_IMAGE_PIXELS, pixel_problem
+from trainperf.pipelines._header import MAX_IMAGE_PIXELS, file_problem, pixel_problem
 from trainperf.pipelines._source import (
     ImageSource,
     Shard,
@@ -62,9 +62,9 @@ class FileDataset(Dataset[tuple[torch.Tensor, int]]):
     """Decodes ``files[index]`` with PIL (to RGB) and applies the train or eval transform.
 
     Keys are ``(index, epoch)`` pairs, as :class:`EpochSampler` yields them (a plain index
-    means epoch 0); items are a uint8 ``[size, size, 3]`` image and the index. The image size
-    is checked against ``max_pixels`` from the header PIL has read, before it decodes: the
-    file may have changed since the up-front check.
+    means epoch 0); items are a uint8 ``[size, size, 3]`` image and the index. Each file
+    passes trainperf's header check (image size within ``max_pixels``) on the open file
+    before Pillow reads it, as the file may have changed since the up-front check.
 
     Args:
         files: image paths.
@@ -89,21 +89,38 @@ class FileDataset(Dataset[tuple[torch.Tensor, int]]):
         self.seed = seed
         self.max_pixels = max_pixels
 
+    def _open_checked(self, path: str) -> BinaryIO:
+        """``path`` opened, after trainperf's header check on it: Pillow's ``Image.open``
+        refuses an image over twice its own limit itself, with advice to raise that limit,
+        so a file replaced by a bomb must be refused before Pillow reads it."""
+        try:
+            f = open(path, "rb")  # noqa: SIM115 - the caller closes it
+        except OSError as e:
+            unreadable = f"cannot be read ({e.strerror or e})"
+            raise changed_file_error(path, unreadable, self.max_pixels) from e
+        _, problem = file_problem(f, self.max_pixels)
+        if problem is not None:
+            f.close()
+            raise changed_file_error(path, problem, self.max_pixels)
+        f.seek(0)
+        return f
+
     def _decode(self, path: str) -> Any:
         from PIL import Image
 
-        try:
-            with Image.open(path) as im:  # reads the header only
-                too_big = pixel_problem(im.width, im.height, self.max_pixels)
-                # Grayscale, CMYK, palette and RGBA images all become 3-channel RGB; 16-bit
-                # greyscale is scaled to 8 bits (PIL's convert would clip it to white).
-                img = None if too_big else pil_to_rgb(im)
-        except Exception as e:  # PIL raises OSError, SyntaxError, ValueError...
-            raise RuntimeError(
-                f"could not decode image '{shown(path)}' ({pil_failure(e)}); fix or remove the "
-                "file, or pass on_error='skip', which decodes every file up front and leaves "
-                "out the bad ones"
-            ) from e
+        with self._open_checked(path) as f:
+            try:
+                with Image.open(f) as im:  # reads the header only
+                    too_big = pixel_problem(im.width, im.height, self.max_pixels)
+                    # Grayscale, CMYK, palette and RGBA images all become 3-channel RGB;
+                    # 16-bit greyscale is scaled to 8 bits (PIL's convert would clip it).
+                    img = None if too_big else pil_to_rgb(im)
+            except Exception as e:  # PIL raises OSError, SyntaxError, ValueError...
+                raise RuntimeError(
+                    f"could not decode image '{shown(path)}' ({pil_failure(e)}); fix or remove "
+                    "the file, or pass on_error='skip', which decodes every file up front and "
+                    "leaves out the bad ones"
+                ) from e
         if too_big is not None:
             raise changed_file_error(path, too_big, self.max_pixels)
         return img
