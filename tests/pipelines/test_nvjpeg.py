@@ -115,6 +115,16 @@ def test_nvjpeg_shards_and_an_abandoned_epoch(folder: Path) -> None:
     assert len(_epoch(loaders[0])) == 3
 
 
+def test_nvjpeg_closed_mid_epoch_says_so(folder: Path) -> None:
+    loader = _nvjpeg_on_cpu(folder, batch_size=2)  # 12 batches: more than it prefetches
+    it = loader.iter_with_indices()
+    next(it)
+    loader.close()  # cancels the reads the producer thread is waiting on
+    with pytest.raises(RuntimeError, match=r"^this image loader was closed$"):
+        for _ in it:
+            pass
+
+
 @pytest.fixture()
 def bad_marker_folder(folder: Path, tmp_path: Path) -> Path:
     """The folder plus a JPEG whose header and end marker are intact but whose middle is not."""

@@ -304,6 +304,8 @@ class NvjpegLoader(ImageLoader):
                 if item[0] == "done":
                     return
                 if item[0] == "error":
+                    if self._pool is None:  # close() cancelled the producer's reads
+                        raise RuntimeError("this image loader was closed") from item[1]
                     raise item[1]
                 _, images, labels, indices, ready = item
                 if ready is not None:
@@ -322,6 +324,8 @@ class NvjpegLoader(ImageLoader):
             producer.join()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        # Marked closed before the shutdown, so a producer whose reads it cancels is seen to
+        # have been stopped by close(), not by a failure.
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
