@@ -160,6 +160,36 @@ def test_dali_skip_leaves_out_the_cut_jpeg_before_dali_sees_it(fresh_folder: Pat
     assert sorted(_indices(loader)) == list(range(23))
 
 
+@needs_dali
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_dali_on_a_file_pil_reads_advises_converting_it_not_skip(
+    fresh_folder: Path, on_error: str
+) -> None:
+    # DALI's TIFF parser wants BitsPerSample, which Pillow leaves out of a 1-bit TIFF.
+    PIL.new("1", (40, 30), 1).save(fresh_folder / "a_red" / "bilevel.tiff")
+    loader = _loader(fresh_folder, "dali", batch_size=25, train=False, on_error=on_error)
+    assert not loader.skipped  # PIL reads it, so skip keeps it
+    with pytest.raises(
+        RuntimeError,
+        match=r"^DALI failed on one of .*, which PIL decodes .*a DALI pipeline cannot continue "
+        r"after an error\. on_error='skip' would keep the file: .* Convert it to an image DALI "
+        r"decodes .* or pass backend='torchvision', which decodes with PIL$",
+    ):
+        _epoch(loader)
+
+
+def test_failure_fix_suggests_skip_only_for_a_file_pil_cannot_decode() -> None:
+    from trainperf.pipelines._dali import failure_fix
+    from trainperf.pipelines._dali_feed import DALI_REFUSES
+    from trainperf.pipelines._source import BadFile
+
+    refused, broken = BadFile("a.tiff", DALI_REFUSES), BadFile("b.jpg", "cannot be decoded")
+    assert "on_error='skip', which decodes" in failure_fix([refused, broken])
+    for pil_reads in ([], [refused]):
+        assert "on_error='skip' would keep the file" in failure_fix(pil_reads)
+        assert "backend='torchvision'" in failure_fix(pil_reads)
+
+
 def _non_utf8(directory: Path, name: bytes, data: bytes) -> str:
     try:
         path = os.path.join(os.fsencode(directory), name)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from trainperf.pipelines._base import ImageLoader, LoaderConfig, labels_tensor
-from trainperf.pipelines._dali_feed import FedBatch, FileFeed, find_culprits
+from trainperf.pipelines._dali_feed import DALI_REFUSES, FedBatch, FileFeed, find_culprits
 from trainperf.pipelines._dali_graph import build_pipeline
 from trainperf.pipelines._source import BadFile, ImageSource, Shard, epoch_batches, shown
 
@@ -46,7 +46,19 @@ __all__ = [
     "dali_broken_error",
     "dali_missing_error",
     "describe_failure",
+    "failure_fix",
 ]
+
+_SKIP_FIX = (
+    "Fix or remove the file, or pass on_error='skip', which decodes every file up front and "
+    "leaves out the bad ones"
+)
+_PIL_READS_FIX = (
+    "on_error='skip' would keep the file: it leaves out only files PIL cannot decode, and PIL "
+    "decodes this one. Convert it to an image DALI decodes (e.g. an 8-bit RGB PNG or JPEG; "
+    "1-bit TIFFs are one kind DALI refuses), or pass backend='torchvision', which decodes "
+    "with PIL"
+)
 
 
 def dali_missing_error() -> ModuleNotFoundError:
@@ -184,6 +196,21 @@ def describe_failure(message: str, culprits: Sequence[BadFile], suspects: Sequen
     return f"DALI failed on one of {names}{more}, which PIL decodes (DALI said: {_cause(message)})"
 
 
+def failure_fix(culprits: Sequence[BadFile]) -> str:
+    """The fix to suggest for a DALI decoder error: ``on_error='skip'`` only if some culprit
+    is a file PIL cannot decode, since skip checks files with PIL and keeps the others.
+
+    Example:
+        >>> failure_fix([BadFile("a.jpg", "cannot be decoded (truncated)")])[:25]
+        'Fix or remove the file, o'
+        >>> "backend='torchvision'" in failure_fix([])
+        True
+    """
+    if any(b.reason != DALI_REFUSES for b in culprits):
+        return _SKIP_FIX
+    return _PIL_READS_FIX
+
+
 def _device_id(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
@@ -273,28 +300,29 @@ class DaliLoader(ImageLoader):
         except RuntimeError as e:
             pending = self._feed.pending
             problem = pending[0].problem if pending else None
-            raise self._fail(problem or self._decode_failure(str(e))) from e
+            if problem is not None:
+                raise self._fail(problem) from e
+            raise self._decode_failure(str(e)) from e
         fed = self._feed.pending.popleft()
         if fed.problem is not None:  # DALI decoded the placeholder: never hand that out
             raise self._fail(fed.problem)
         return out, fed
 
-    def _fail(self, what: str) -> RuntimeError:
+    def _fail(self, what: str, fix: str = _SKIP_FIX) -> RuntimeError:
         self._failed = what
         # The pipeline cannot run again: let it go now, while this process owns its threads.
         self._iterator = None
         self._feed.close()
         return RuntimeError(
             f"{what} (rank {self.shard.rank}, epoch {self.epoch - 1}); a DALI pipeline cannot "
-            "continue after an error. Fix or remove the file, or pass on_error='skip', which "
-            "decodes every file up front and leaves out the bad ones"
+            f"continue after an error. {fix}"
         )
 
-    def _decode_failure(self, message: str) -> str:
+    def _decode_failure(self, message: str) -> RuntimeError:
         culprits, suspects = find_culprits(
             message, list(self._feed.pending), self.source.files, self.config.max_pixels
         )
-        return describe_failure(message, culprits, suspects)
+        return self._fail(describe_failure(message, culprits, suspects), failure_fix(culprits))
 
     def _images(self, out: dict[str, Any]) -> torch.Tensor:
         if self._finish is None:

@@ -38,7 +38,10 @@ import numpy as np
 
 from trainperf.pipelines._source import BadFile, check_one, read_checked, shown
 
-__all__ = ["FedBatch", "FileFeed", "find_culprits"]
+__all__ = ["DALI_REFUSES", "FedBatch", "FileFeed", "find_culprits"]
+
+# The reason given for a file DALI named in its error and PIL reads.
+DALI_REFUSES = "DALI's decoder refuses it (PIL reads it)"
 
 # Reading waits on the disk more than on the CPU (np.fromfile releases the GIL).
 _MAX_READ_THREADS = 8
@@ -183,7 +186,7 @@ def find_culprits(
     if named is not None and int(named[1]) < len(first):
         path = files[first[int(named[1])]]
         problem = check_one(path, "decode", max_pixels)[1]
-        return [BadFile(path, problem or "DALI's decoder refuses it (PIL reads it)")], [path]
+        return [BadFile(path, problem or DALI_REFUSES)], [path]
     suspects = list(dict.fromkeys(files[i] for batch in pending for i in batch.indices))
     bad = []
     for path in suspects:
