@@ -120,6 +120,26 @@ def test_plain_dataloader_workers_are_tied_to_their_parent(folder: Path) -> None
     assert isinstance(plain.dataloader.worker_init_fn, DieWithParent)  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow  # about 2 s: two workers start, twice
+@pytest.mark.parametrize("persistent", [False, True])
+def test_closed_mid_epoch_it_says_so_and_its_workers_are_gone(
+    folder: Path, persistent: bool
+) -> None:
+    import psutil
+
+    kwargs = {"num_workers": 2, "persistent_workers": persistent}
+    loader = _loader(folder, "torchvision", batch_size=2, loader_kwargs=kwargs)
+    before = {p.pid for p in psutil.Process().children()}
+    it = loader.iter_with_indices()
+    next(it)
+    workers = [p for p in psutil.Process().children() if p.pid not in before]
+    assert len(workers) == 2
+    loader.close()  # it went on yielding the workers' batches, and left them running
+    with pytest.raises(RuntimeError, match=r"^this image loader was closed$"):
+        next(it)
+    assert _alive([w.pid for w in workers]) == []
+
+
 def _alive(pids: list[int]) -> list[int]:
     import psutil
 

@@ -58,6 +58,9 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return (seed * _MIX + epoch) * _MIX + index
 
 
+_CLOSED = "this image loader was closed"
+
+
 class FileDataset(Dataset[tuple[torch.Tensor, int]]):
     """Decodes ``files[index]`` with PIL (to RGB) and applies the train or eval transform.
 
@@ -267,24 +270,35 @@ class TorchvisionLoader(ImageLoader):
             )
         self._labels = labels_tensor(source.labels)
         self._closed = False
+        self._active: Iterator[Any] | None = None  # the running epoch's DataLoader iterator
 
     def _epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         if self._closed:
-            raise RuntimeError("this image loader was closed")
+            raise RuntimeError(_CLOSED)
         self.sampler.set_epoch(epoch)
         device, c = self.config.device, self.config
-        for images, indices in self.dataloader:
-            if not self._normalise_in_workers:
-                nchw = images.to(device, non_blocking=True).permute(0, 3, 1, 2)
-                images = normalize(nchw, c.mean, c.std).contiguous()
-            labels = self._labels[indices].to(device, non_blocking=True)
-            yield images, labels, indices
+        batches = iter(self.dataloader)
+        self._active = batches
+        try:
+            for images, indices in batches:
+                if not self._normalise_in_workers:
+                    nchw = images.to(device, non_blocking=True).permute(0, 3, 1, 2)
+                    images = normalize(nchw, c.mean, c.std).contiguous()
+                labels = self._labels[indices].to(device, non_blocking=True)
+                yield images, labels, indices
+                if self._closed:  # close() while the loop held this batch
+                    raise RuntimeError(_CLOSED)
+        finally:
+            if self._active is batches:
+                self._active = None
 
     def close(self) -> None:
         self._closed = True
-        # Persistent workers live in the DataLoader's kept iterator; ending it ends them.
-        kept = getattr(self.dataloader, "_iterator", None)
-        shutdown = getattr(kept, "_shutdown_workers", None)
-        if callable(shutdown):
-            shutdown()
+        # The epoch's workers live in its DataLoader iterator (persistent ones in the
+        # DataLoader's kept one); ending it ends them.
+        for batches in (self._active, getattr(self.dataloader, "_iterator", None)):
+            shutdown = getattr(batches, "_shutdown_workers", None)
+            if callable(shutdown):
+                shutdown()
+        self._active = None
         self.dataloader._iterator = None
