@@ -6,6 +6,7 @@ import json
 import math
 import os
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,21 @@ def test_nccl_sweep_one_rank_per_gpu() -> None:
     sweep = all_reduce_sweep(backend="nccl", sizes=[2**20, 2**26], target_seconds=0.05)
     assert (sweep.backend, sweep.world_size, sweep.device) == ("nccl", gpus, "cuda")
     assert sweep.start_method == "spawn" and all(r.busbw_gb_per_s > 0 for r in sweep.rows)
+
+
+def test_sweep_hang_timeout_is_below_its_timeout_so_launch_does_not_warn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import trainperf.ddp._launch as launch_module
+
+    seen: dict[str, object] = {}
+
+    def fake_spawn(*args: object, **kwargs: object) -> dict[int, object]:
+        seen.update(kwargs)
+        return {0: [(2**16, 3, 0.001)]}
+
+    monkeypatch.setattr(launch_module, "_spawn", fake_spawn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sweep = all_reduce_sweep(backend="gloo", sizes=[2**16], timeout=20.0)
+    assert seen["hang_timeout"] == 10.0 and len(sweep.rows) == 1

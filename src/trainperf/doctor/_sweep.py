@@ -315,7 +315,8 @@ def all_reduce_sweep(
         sizes: message sizes in bytes; default 1, 4, 16, 64 MiB (and 256 MiB with NCCL).
         env: variables to set (or, with None, remove) for the ranks, e.g.
             ``{"NCCL_P2P_DISABLE": "1"}``; this process's environment is restored after.
-        timeout: seconds a collective (and the rendezvous) may wait before the run fails.
+        timeout: seconds a collective (and the rendezvous) may wait before the run fails;
+            half of it with no rank making progress is reported as a hang naming its cause.
         target_seconds: about how long each size is timed.
 
     Returns:
@@ -359,6 +360,9 @@ def all_reduce_sweep(
             backend=backend,
             start_method=method,
             timeout=timeout,
+            # Below the collective timeout, so a hang names the rank that causes it (and
+            # the launcher does not warn that it cannot).
+            hang_timeout=timeout / 2,
         )
     rows = tuple(SweepRow.from_timing(s, n, t, nprocs) for s, n, t in raw)
     setting = ", ".join(f"{k}={v}" if v is not None else f"{k} unset" for k, v in overrides.items())
