@@ -118,13 +118,93 @@ def test_a_step_consumes_the_backward_and_zero_grad_discards_it() -> None:
     mp.backward(model(torch.randn(4, 16)).sum())
     mp.backward(model(torch.randn(4, 16)).sum())  # accumulation: two backwards, one step
     assert mp.step(opt)
-    with pytest.raises(RuntimeError, match="found no gradients"):
+    with pytest.raises(RuntimeError, match=r"already called since the last mp\.backward"):
         mp.step(opt)
     mp.backward(model(torch.randn(4, 16)).sum())
     mp.zero_grad(opt)
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(RuntimeError, match="found no gradients"):
         mp.step(opt)
+
+
+def two_optimizers(mp: MixedPrecision) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+    """A backbone and a head with one optimizer each, after one mp.backward(loss)."""
+    torch.manual_seed(0)
+    model = mp.prepare(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in model]
+    with mp.autocast():
+        # Small: the fp16 backward of the scaled loss (x 65536) stays finite.
+        loss = model(torch.randn(8, 4) * 1e-3).float().mean() * 1e-2
+    mp.backward(loss)
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+    return model, opts
+
+
+def test_one_step_call_steps_several_optimizers_and_a_second_call_says_so() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    model, opts = two_optimizers(mp)
+    before = [p.detach().clone() for p in model.parameters()]
+    assert mp.step(*opts, max_grad_norm=0.5)
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    with pytest.raises(RuntimeError, match=r"pass them all to one call, mp\.step\(opt_a, opt_b\)"):
+        mp.step(opts[1])
+
+
+def test_clipping_several_optimizers_clips_each_one_s_gradients() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    model, opts = two_optimizers(mp)
+    for p in model.parameters():
+        assert p.grad is not None
+        p.grad.mul_(100.0)  # well above the clip
+    for opt in opts:
+        opt.param_groups[0]["lr"] = 0.0  # keep the clipped gradients readable
+    mp.step(*opts, max_grad_norm=0.5)
+    for layer in model:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in layer.parameters()]))
+        assert norm.item() == pytest.approx(0.5, rel=1e-4)
+
+
+def test_step_needs_an_optimizer_and_each_one_once() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    _, opts = two_optimizers(mp)
+    with pytest.raises(TypeError, match=r"got none; call mp\.step\(optimizer\)"):
+        mp.step()
+    with pytest.raises(ValueError, match="the same optimizer twice"):
+        mp.step(opts[0], opts[0])
+
+
+@needs_cpu_fp16
+def test_fp16_several_optimizers_match_gradscaler_and_update_the_scale_once() -> None:
+    mp = MixedPrecision("cpu", precision="fp16")
+    model, opts = two_optimizers(mp)
+    ref = copy.deepcopy(model)
+    ref_opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in ref]
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))  # its loss scale, the same as mp's (the gradients are mp's)
+    for p, q in zip(ref.parameters(), model.parameters(), strict=True):
+        p.grad = q.grad.clone()  # type: ignore[union-attr]
+    assert mp.step(*opts)
+    for opt in ref_opts:  # GradScaler's documented pattern for several optimizers
+        scaler.step(opt)
+    scaler.update()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    assert mp.state_dict()["scaler"]["_growth_tracker"] == 1  # one update, not two
+
+
+@needs_cpu_fp16
+def test_fp16_an_optimizer_with_inf_gradients_skips_alone_and_step_says_false() -> None:
+    mp = MixedPrecision("cpu", precision="fp16")
+    model, opts = two_optimizers(mp)
+    backbone, head = (
+        [p.detach().clone() for p in model[0].parameters()],
+        [p.detach().clone() for p in model[1].parameters()],
+    )
+    model[1].weight.grad[0, 0] = math.inf  # type: ignore[index]
+    assert mp.step(*opts) is False
+    assert all(not torch.equal(p, q) for p, q in zip(model[0].parameters(), backbone, strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(model[1].parameters(), head, strict=True))
+    assert mp.state_dict()["scaler"]["scale"] == 32768.0  # halved once
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, "1.0"])

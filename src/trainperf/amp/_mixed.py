@@ -141,6 +141,7 @@ class MixedPrecision:
         )
         self._scaler: torch.amp.GradScaler | None = None
         self._backward_pending = False
+        self._stepped = False  # a step since the last backward or zero_grad
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.uses_channels_last = False
         self.tf32_enabled = False
@@ -282,28 +283,39 @@ class MixedPrecision:
         else:
             loss.backward()  # type: ignore[no-untyped-call]
         self._backward_pending = True
+        self._stepped = False
 
-    def step(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None) -> bool:
+    def step(self, *optimizers: torch.optim.Optimizer, max_grad_norm: float | None = None) -> bool:
         """Clip (after unscaling), then step; for fp16, skip the step on inf/NaN gradients.
+
+        One :meth:`backward`, one ``step``: when one loss trains several optimizers (a
+        backbone's and a head's), pass them all to one call, ``mp.step(opt_a, opt_b)``. The
+        fp16 loss scale is then updated once, after every optimizer stepped (stepping them
+        in separate calls would unscale the later ones with a changed scale). As in
+        ``GradScaler``, each optimizer skips on inf/NaN in its own gradients.
 
         The fp16 loss scale is lowered after a skipped step and raised after a run of good
         ones. Only advance an LR scheduler when this returns True. For fp16, besides the
         synchronisation inside ``GradScaler.step`` (which reads the inf/NaN flag to decide; a
-        fused optimizer skips on the device without it), this reads that flag back once more
-        after the step to say whether it stepped: at most two synchronisations per step.
-        bf16 and fp32 never skip and never synchronise here.
+        fused optimizer skips on the device without it), this reads those flags back once
+        more after the steps to say whether they stepped: at most two synchronisations per
+        optimizer. bf16 and fp32 never skip and never synchronise here.
 
         Args:
-            optimizer: the optimizer whose parameters got gradients from :meth:`backward`.
-            max_grad_norm: clip the total gradient norm (over the optimizer's parameters)
+            *optimizers: the optimizers whose parameters got gradients from :meth:`backward`
+                (one or more).
+            max_grad_norm: clip each optimizer's total gradient norm (over its parameters)
                 to this value; None does not clip.
 
         Returns:
-            True if the optimizer stepped, False if the fp16 step was skipped.
+            True if every optimizer stepped, False if an fp16 step was skipped.
 
         Raises:
-            RuntimeError: no :meth:`backward` since the last step or :meth:`zero_grad`.
-            ValueError: ``max_grad_norm`` is not a positive number.
+            RuntimeError: no :meth:`backward` since the last step or :meth:`zero_grad`
+                (a second ``step`` after one backward says to pass all optimizers to one).
+            TypeError: no optimizer given.
+            ValueError: ``max_grad_norm`` is not a positive number, or an optimizer is
+                given twice.
 
         Example:
             >>> mp = MixedPrecision("cpu", precision="fp32")
@@ -313,6 +325,37 @@ class MixedPrecision:
             >>> mp.step(opt, max_grad_norm=1.0), [round(v, 4) for v in w.tolist()]
             (True, [0.2929, 0.2929])
         """
+        self._check_step(optimizers, max_grad_norm)
+        self._backward_pending = False
+        self._stepped = True
+        scaler = self.scaler
+        if scaler is None:
+            for optimizer in optimizers:
+                if max_grad_norm is not None:
+                    nn.utils.clip_grad_norm_(_parameters(optimizer), max_grad_norm)
+                optimizer.step()
+            return True
+        return _scaled_step(scaler, optimizers, max_grad_norm)
+
+    def _check_step(
+        self, optimizers: tuple[torch.optim.Optimizer, ...], max_grad_norm: float | None
+    ) -> None:
+        if not optimizers:
+            raise TypeError(
+                "MixedPrecision.step() takes the optimizer(s) to step, got none; call "
+                "mp.step(optimizer), or mp.step(opt_a, opt_b) for several"
+            )
+        if len({id(o) for o in optimizers}) < len(optimizers):
+            raise ValueError(
+                "MixedPrecision.step() got the same optimizer twice; pass each optimizer once"
+            )
+        if self._stepped and not self._backward_pending:
+            raise RuntimeError(
+                "MixedPrecision.step() was already called since the last mp.backward(loss): "
+                "one backward, one step. To step several optimizers on one loss, pass them "
+                "all to one call, mp.step(opt_a, opt_b), so that the fp16 loss scale is "
+                "updated once, after all of them"
+            )
         if not self._backward_pending:
             raise RuntimeError(
                 "MixedPrecision.step() found no gradients from mp.backward(loss) since the last "
@@ -323,27 +366,6 @@ class MixedPrecision:
             isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0
         ):
             raise ValueError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
-        self._backward_pending = False
-        scaler = self.scaler
-        if scaler is None:
-            if max_grad_norm is not None:
-                nn.utils.clip_grad_norm_(_parameters(optimizer), max_grad_norm)
-            optimizer.step()
-            return True
-        if max_grad_norm is not None:
-            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-            nn.utils.clip_grad_norm_(_parameters(optimizer), max_grad_norm)
-        scaler.step(optimizer)
-        if not scaler.is_enabled():
-            # A disabled scaler steps plainly and keeps no inf/NaN flags to read (nor the
-            # per-optimizer state they live in); update() would be a no-op.
-            return True
-        # The inf/NaN flags GradScaler.step decided on (torch's own test, in _maybe_opt_step);
-        # update() discards them, so read them first: one read, instead of the loss scale
-        # before and after.
-        found_inf = sum(v.item() for v in scaler._found_inf_per_device(optimizer).values())
-        scaler.update()
-        return not found_inf
 
     def zero_grad(
         self, optimizer: torch.optim.Optimizer | None = None, *, set_to_none: bool = True
@@ -377,6 +399,7 @@ class MixedPrecision:
             for model in models:
                 model.zero_grad(set_to_none=set_to_none)
         self._backward_pending = False
+        self._stepped = False
 
     # ----------------------------------------------------------------- checkpoints
 
@@ -430,6 +453,29 @@ class MixedPrecision:
                 )
             return
         scaler.load_state_dict(dict(saved))
+
+
+def _scaled_step(
+    scaler: torch.amp.GradScaler,
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    max_grad_norm: float | None,
+) -> bool:
+    """Unscale, clip and step each optimizer through ``scaler``, then update it once."""
+    for optimizer in optimizers:
+        if max_grad_norm is not None:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            nn.utils.clip_grad_norm_(_parameters(optimizer), max_grad_norm)
+        scaler.step(optimizer)
+    if not scaler.is_enabled():
+        # A disabled scaler steps plainly and keeps no inf/NaN flags to read (nor the
+        # per-optimizer state they live in); update() would be a no-op.
+        return True
+    # The inf/NaN flags GradScaler.step decided on (torch's own test, in _maybe_opt_step);
+    # update() discards them, so read them first: one read per optimizer, instead of the
+    # loss scale before and after.
+    found_inf = sum(v.item() for o in optimizers for v in scaler._found_inf_per_device(o).values())
+    scaler.update()
+    return not found_inf
 
 
 def _parameters(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:

@@ -313,6 +313,7 @@ class SavedState:
             _restore_buffer(m, name, buffer, device)
         for mp, pending in self.pending:
             mp._backward_pending = pending
+            mp._stepped = False  # the probes' steps are not the user's
         for scaler, stages in self.stages:
             scaler._per_optimizer_states = copy.deepcopy(stages)
 
