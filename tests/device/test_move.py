@@ -480,6 +480,32 @@ def test_check_same_device_looks_inside_objects_with_their_own_to() -> None:
     assert check_same_device(None, batch.to(torch.device("meta"))) == META
 
 
+class SlottedPair(tuple):  # type: ignore[type-arg]
+    """A tuple with .to and no __dict__ nor _fields: only its positions can be walked."""
+
+    __slots__ = ()
+
+    def to(self, device: torch.device) -> SlottedPair:
+        return SlottedPair(t.to(device) for t in self)
+
+
+def test_check_same_device_looks_inside_a_packed_sequence_by_field() -> None:
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    model = torch.nn.LSTM(3, 4).to("meta")
+    packed = pack_padded_sequence(torch.randn(5, 2, 3), torch.tensor([5, 3]))
+    with pytest.raises(DeviceMismatchError, match=r"cpu: input arg0\.data\n"):
+        check_same_device(model, packed)
+    # batch_sizes stays on the CPU (the RNNs want it there): not a mismatch.
+    assert check_same_device(model, to_device(packed, "meta")) == META
+
+
+def test_check_same_device_walks_a_slotted_tuple_with_to_by_position() -> None:
+    pair = SlottedPair((torch.ones(1), torch.ones(1, device="meta")))
+    with pytest.raises(DeviceMismatchError, match=r"cpu: input p\[0\]\n  meta: input p\[1\]"):
+        check_same_device(None, p=pair)
+
+
 def test_check_same_device_needs_a_tensor() -> None:
     with pytest.raises(ValueError, match="found no tensors"):
         check_same_device(torch.nn.ReLU(), "text", n=3)

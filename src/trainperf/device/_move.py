@@ -431,18 +431,8 @@ def _named_tensors(
         if id(obj) in seen:
             return
         seen.add(id(obj))
-        if isinstance(obj, Mapping):
-            items = list(obj.items())
-        elif dataclasses.is_dataclass(obj):
-            items = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-        else:
-            try:
-                items = list(vars(obj).items())
-            except TypeError:  # no __dict__ (__slots__ or a C type): nothing to walk
-                return
-        for key, value in items:
-            where = f"{path}[{key!r}]" if isinstance(obj, Mapping) else f"{path}.{key}"
-            _named_tensors(value, where, out, seen)
+        for where, value in _children(obj):
+            _named_tensors(value, path + where, out, seen)
     elif kind == _MAPPING:
         for key, value in obj.items():
             _named_tensors(value, f"{path}[{key!r}]", out, seen)
@@ -453,6 +443,31 @@ def _named_tensors(
     elif kind in (_SEQUENCE, _SET):
         for i, value in enumerate(obj):
             _named_tensors(value, f"{path}[{i}]", out, seen)
+
+
+def _children(obj: Any) -> list[tuple[str, Any]]:
+    """What an object with its own ``.to`` holds, each with its path suffix: a mapping by
+    item, a namedtuple (``PackedSequence``) by field, a dataclass by field, others by
+    attribute, and a sequence or set without a ``__dict__`` by position."""
+    if isinstance(obj, Mapping):
+        return [(f"[{k!r}]", v) for k, v in obj.items()]
+    if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
+        # A PackedSequence keeps batch_sizes on the CPU wherever its data is (its .to and
+        # the RNNs want it there): not a mismatch.
+        packed = isinstance(obj, torch.nn.utils.rnn.PackedSequence)
+        namedtuple_type: Any = type(obj)  # typeshed's tuple has no _fields
+        fields: tuple[str, ...] = namedtuple_type._fields
+        names = [n for n in fields if not (packed and n == "batch_sizes")]
+        return [(f".{name}", getattr(obj, name)) for name in names]
+    if dataclasses.is_dataclass(obj):
+        return [(f".{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    try:
+        return [(f".{k}", v) for k, v in vars(obj).items()]
+    except TypeError:  # no __dict__ (__slots__ or a C type)
+        pass
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [(f"[{i}]", v) for i, v in enumerate(obj)]
+    return []
 
 
 def check_same_device(
@@ -467,7 +482,9 @@ def check_same_device(
         module: the model (or None to check the inputs alone).
         *tensors: inputs, possibly nested in containers (named ``arg0``, ``arg1``…).
             Objects with their own ``.to`` are looked inside too: mappings (Hugging Face's
-            ``BatchEncoding``) by item, dataclasses by field, others by attribute.
+            ``BatchEncoding``) by item, namedtuples (``PackedSequence``, whose
+            ``batch_sizes`` stays on the CPU by design) and dataclasses by field, others by
+            attribute (or, without a ``__dict__``, lists and tuples by position).
         **named_tensors: inputs by name, possibly nested.
 
     Returns:
