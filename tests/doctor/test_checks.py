@@ -77,6 +77,18 @@ def test_blas_openblas_vs_mkl_on_intel_and_amd() -> None:
     assert check_blas(openmp_only, "GenuineIntel", cpus=8).verdict == "skip"
 
 
+@pytest.mark.parametrize(("threads", "cpus", "verdict"), [(1, 8, "ok"), (1, 1, "ok"),
+                                                         (2, 8, "ok"), (3, 8, "warn"),
+                                                         (8, 8, "warn")])  # fmt: skip
+def test_blas_openblas_on_intel_already_capped_is_not_a_warning(
+    threads: int, cpus: int, verdict: str
+) -> None:
+    # OPENBLAS_NUM_THREADS=1 (or a cap to a quarter of the CPUs) is the fix the warning gives.
+    check = check_blas([_pool("openblas", threads=threads)], "GenuineIntel", cpus=cpus)
+    assert check.verdict == verdict
+    assert f"({threads} threads)" in check.value
+
+
 def test_threads_oversubscription_and_bad_omp() -> None:
     over = check_threads(32, None, cpus=32, processes=4)
     assert over.verdict == "warn" and "torch.set_num_threads(8)" in over.fix

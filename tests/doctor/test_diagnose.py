@@ -119,7 +119,8 @@ def test_diagnose_reads_blas_through_a_mocked_threadpoolctl(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, api: str, vendor: str, verdict: str
 ) -> None:
     fake = types.ModuleType("threadpoolctl")
-    fake.threadpool_info = lambda: [_pool(api, threads=2)]  # type: ignore[attr-defined]
+    # One thread per core, OpenBLAS's default (a cap of a few would not be warned about).
+    fake.threadpool_info = lambda: [_pool(api, threads=32)]  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "threadpoolctl", fake)
     real = _imports.is_available
     monkeypatch.setattr(_imports, "is_available", lambda n: n == "threadpoolctl" or real(n))

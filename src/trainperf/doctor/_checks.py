@@ -200,6 +200,9 @@ def check_blas(
 ) -> Check:
     """NumPy's BLAS (via threadpoolctl): OpenBLAS on an Intel CPU, or too many threads.
 
+    OpenBLAS on an Intel CPU is a warning only while it runs more than one thread and more
+    than a quarter of the usable CPUs: capped below that, it cannot peg the cores.
+
     Args:
         pools: ``threadpoolctl.threadpool_info()``; None when threadpoolctl is missing.
         cpu_vendor: ``vendor_id`` from ``/proc/cpuinfo``, e.g. ``"GenuineIntel"``.
@@ -210,6 +213,9 @@ def check_blas(
         ...           "version": "0.3.27"}]
         >>> check_blas(pools, "GenuineIntel", cpus=4).verdict
         'warn'
+        >>> pools[0]["num_threads"] = 1  # OPENBLAS_NUM_THREADS=1: already capped
+        >>> check_blas(pools, "GenuineIntel", cpus=4).verdict
+        'ok'
         >>> check_blas(None, "GenuineIntel", cpus=4).verdict
         'skip'
     """
@@ -231,7 +237,14 @@ def check_blas(
     ]
     value = ", ".join(libs) + (f"; CPU {cpu_vendor}" if cpu_vendor else "")
     apis = {str(p.get("internal_api")) for p in blas}
-    if "openblas" in apis and "mkl" not in apis and cpu_vendor == "GenuineIntel":
+    openblas_threads = max(
+        (int(p.get("num_threads") or 0) for p in blas if p.get("internal_api") == "openblas"),
+        default=0,
+    )
+    # Capped to 1 thread (OPENBLAS_NUM_THREADS=1), or to a quarter of the CPUs or fewer, it
+    # cannot peg the cores: the cap this warning asks for is already in place.
+    capped = openblas_threads <= max(1, cpus // 4)
+    if "openblas" in apis and "mkl" not in apis and cpu_vendor == "GenuineIntel" and not capped:
         fix = (
             "on Intel CPUs an OpenBLAS NumPy can peg every core and starve the GPU's data "
             "loading: use an MKL build (conda install numpy 'libblas=*=*mkl'), or cap its threads "
