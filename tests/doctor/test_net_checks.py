@@ -58,6 +58,14 @@ def test_a_bogus_nccl_socket_ifname_is_named_and_fails() -> None:
     assert "eth0" in check.fix and "ifb0" not in check.fix.split("(")[1].split(")")[0]
 
 
+@pytest.mark.parametrize("value", ["", "x", "^"])
+def test_a_nccl_socket_ifname_under_2_characters_is_ignored_like_nccl_does(value: str) -> None:
+    check = check_socket_ifname(value, None, HERE)
+    assert check.verdict == "ok"
+    assert f"NCCL_SOCKET_IFNAME={value!r}, which NCCL ignores" in check.value
+    assert "NCCL picks eth0, eth1" in check.value
+
+
 def test_an_entry_that_matches_nothing_next_to_one_that_does_warns() -> None:
     check = check_socket_ifname("=eth0,etho1", None, HERE)
     assert check.verdict == "warn" and "'etho1' matches no interface" in check.value

@@ -258,7 +258,8 @@ def check_socket_ifname(
     """``NCCL_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` against this host's interfaces.
 
     Args:
-        nccl_ifname: ``NCCL_SOCKET_IFNAME``, None when unset (NCCL then picks by itself).
+        nccl_ifname: ``NCCL_SOCKET_IFNAME``, None when unset (NCCL then picks by itself, as
+            it does for a value of 0 or 1 characters, which it ignores).
         gloo_ifname: ``GLOO_SOCKET_IFNAME``, None when unset (gloo resolves the hostname).
         interfaces: every interface (``socket.if_nameindex()``) and its IP addresses; NCCL
             and gloo use only interfaces that have one.
@@ -272,10 +273,17 @@ def check_socket_ifname(
         'ok'
     """
     results: list[tuple[CheckStatus, str]] = []
-    if nccl_ifname is None:
+    # NCCL reads the variable only when it is longer than one character (strlen > 1):
+    # "" or "e" is as good as unset.
+    if nccl_ifname is None or len(nccl_ifname) <= 1:
         default = nccl_default_interfaces(interfaces)
         picks = ", ".join(default) or "none"
-        results.append(("ok", f"NCCL_SOCKET_IFNAME unset (NCCL picks {picks})"))
+        how = (
+            " unset"
+            if nccl_ifname is None
+            else f"={nccl_ifname!r}, which NCCL ignores (it reads 2+ characters)"
+        )
+        results.append(("ok", f"NCCL_SOCKET_IFNAME{how} (NCCL picks {picks})"))
     else:
         results.append(_nccl_ifname(nccl_ifname, interfaces))
     if gloo_ifname is not None:
