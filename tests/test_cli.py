@@ -104,6 +104,28 @@ def test_bench_matmul_json_and_human(capsys: pytest.CaptureFixture[str]) -> None
     assert code == 0 and out.count("TFLOP/s") == 1 and "fp32:" in out
 
 
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_bench_h2d_on_a_gpu_that_is_not_there_exits_1_like_matmul(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, json_flag: list[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a host with one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    code, out, err = run(capsys, "bench", "h2d", "--device", "cuda:3", "--size-mb", "1",
+                         *json_flag)  # fmt: skip
+    assert code == 1 and out == "" and "device 'cuda:3' does not exist" in err
+
+
+def test_bench_h2d_naming_cuda_on_a_cpu_only_host_exits_1_without_advising_the_cpu(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = run(capsys, "bench", "h2d", "--device", "cuda")
+    assert code == 1 and out == "" and "CUDA is not available" in err
+    assert "device='cpu'" not in err and "no CPU fallback" in err
+    code, _, err = run(capsys, "bench", "h2d", "--device", "cpu")
+    assert code == 1 and "device 'cpu' is not supported here" in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 def test_bench_h2d_without_cuda_says_so_and_succeeds(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "bench", "h2d")

@@ -160,8 +160,9 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _check_device(device: str | None) -> None:
-    """Refuse a device that is not there before any benchmark runs (exit status 1).
+def _check_device(device: str | None, allowed: tuple[str, ...] = ("cpu", "cuda")) -> None:
+    """Refuse a device that is not there, or of a type not ``allowed``, before any benchmark
+    runs (exit status 1).
 
     A :class:`~trainperf.errors.DeviceError` raised by a benchmark after this check means
     the device lacks what one setting needs (bf16 before Ampere, TF32 on the CPU): that
@@ -169,7 +170,7 @@ def _check_device(device: str | None) -> None:
     """
     from trainperf.device import resolve_device
 
-    resolve_device(device, allowed=("cpu", "cuda"))
+    resolve_device(device, allowed=allowed)
 
 
 def _bench_one_model(args: argparse.Namespace, precision: str, lines: TextIO) -> Any:
@@ -253,6 +254,9 @@ def _run_bench_h2d(args: argparse.Namespace) -> int:
     from trainperf.bench import Skipped, bench_h2d
     from trainperf.errors import DeviceError
 
+    # A device named on the command line must exist (cuda:3 on a 1-GPU host is an error, as
+    # for matmul); with none named, a host without CUDA is a skipped record.
+    _check_device(args.device, allowed=("cuda",))
     size = args.size_mb * _MiB
     _progress(f"trainperf bench h2d: {args.size_mb} MiB copies, pageable then pinned...")
     try:

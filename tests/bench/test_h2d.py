@@ -26,6 +26,15 @@ def test_bench_h2d_rejects_cpu_and_bad_sizes() -> None:
         bench_h2d(iterations=0)
 
 
+def test_bench_h2d_on_a_cpu_only_host_does_not_advise_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match="needs CUDA") as caught:
+        bench_h2d(size_bytes=1024, device="cuda")
+    assert "device='cpu'" not in str(caught.value) and "no CPU fallback" in str(caught.value)
+
+
 @pytest.mark.requires_cuda
 def test_bench_h2d_on_cuda() -> None:
     r = bench_h2d(size_bytes=32 * 2**20, iterations=2)

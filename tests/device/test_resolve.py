@@ -103,6 +103,17 @@ def test_resolve_device_checks_cuda_is_there(monkeypatch: pytest.MonkeyPatch) ->
         resolve_device(2)
 
 
+def test_a_missing_device_is_not_told_to_use_the_cpu_where_the_cpu_is_not_allowed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake_cuda(monkeypatch, 0)
+    with pytest.raises(DeviceError, match="no CPU fallback: run it on a host with an NVIDIA GPU"):
+        resolve_device("cuda", allowed=("cuda",))
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match="no CPU fallback: run it on a Mac with Apple silicon"):
+        resolve_device("mps", allowed=("mps",))
+
+
 def test_resolve_device_checks_mps_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     with pytest.raises(DeviceError, match=r"device 'mps' needs Apple's Metal \(MPS\)"):

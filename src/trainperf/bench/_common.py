@@ -46,14 +46,17 @@ class Skipped:
         return result_dict(self)
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
+def resolve_device(
+    device: str | torch.device | None, allowed: tuple[str, ...] = ("cpu", "cuda")
+) -> torch.device:
     """The device to benchmark: ``device`` checked, or the best one available for None/"auto".
 
     Parsed by :func:`trainperf.device.resolve_device` with CPU and CUDA allowed (None on a
-    Mac picks the CPU, not MPS: the benchmarks and their reference figures are CPU or CUDA);
-    a bare ``"cuda"`` becomes the current CUDA device, so records name the card.
+    Mac picks the CPU, not MPS: the benchmarks and their reference figures are CPU or CUDA),
+    or only ``allowed``; a bare ``"cuda"`` becomes the current CUDA device, so records name
+    the card.
     """
-    dev = _resolve(device, allowed=("cpu", "cuda"))
+    dev = _resolve(device, allowed=allowed)
     # torch's stubs type .index as int, but a bare "cuda" has none.
     if dev.type == "cuda" and cast("int | None", dev.index) is None:
         dev = torch.device("cuda", torch.cuda.current_device())

@@ -142,9 +142,12 @@ def bench_h2d(
             "bench_h2d needs CUDA: it measures host-to-device copies, and no CUDA GPU is "
             "available here (no NVIDIA GPU or driver, or a CPU-only PyTorch build)"
         )
-    dev = resolve_device(device)
-    if dev.type != "cuda":
-        raise ValueError(f"bench_h2d needs a CUDA device, got {str(dev)!r}")
+    try:
+        dev = resolve_device(device, allowed=("cuda",))
+    except ValueError as e:
+        raise ValueError(
+            f"bench_h2d needs a CUDA device ('cuda' or 'cuda:<i>'), got {device!r}"
+        ) from e
     pageable = torch.empty(size_bytes, dtype=torch.uint8)
     pageable.fill_(1)  # touch every page, so first-touch faults are not timed
     pinned = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=True)

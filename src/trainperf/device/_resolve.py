@@ -21,6 +21,13 @@ def _choices(allowed: Collection[str] | None, auto: bool) -> str:
     return ", ".join(forms[:-1]) + f" or {forms[-1]}{more}" if len(forms) > 1 else forms[0]
 
 
+def _instead(allowed: Collection[str] | None, auto: bool, where: str) -> str:
+    """What to do about a missing device: the CPU where the caller takes it, else ``where``."""
+    if allowed is not None and "cpu" not in allowed:
+        return f"this has no CPU fallback: run it {where}"
+    return "use device='cpu' or device='auto' instead" if auto else "use device='cpu' instead"
+
+
 def resolve_device(
     device: str | int | torch.device | None,
     *,
@@ -91,12 +98,12 @@ def resolve_device(
         raise ValueError(
             f"device {str(dev)!r} is not supported here: expected {_choices(allowed, auto)}"
         )
-    fallback = "device='cpu' or device='auto'" if auto else "device='cpu'"
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise DeviceError(
                 f"device {str(dev)!r} needs CUDA, but CUDA is not available here (no NVIDIA GPU "
-                f"or driver, or a CPU-only PyTorch build); use {fallback} instead"
+                f"or driver, or a CPU-only PyTorch build); "
+                + _instead(allowed, auto, "on a host with an NVIDIA GPU")
             )
         count = torch.cuda.device_count()
         # torch's stubs type .index as int, but a bare "cuda" has none.
@@ -111,7 +118,7 @@ def resolve_device(
         if mps is None or not mps.is_available():
             raise DeviceError(
                 f"device {str(dev)!r} needs Apple's Metal (MPS), but MPS is not available here "
-                f"(not a Mac with Apple silicon, or a PyTorch build without MPS); use {fallback} "
-                "instead"
+                "(not a Mac with Apple silicon, or a PyTorch build without MPS); "
+                + _instead(allowed, auto, "on a Mac with Apple silicon")
             )
     return dev
