@@ -109,6 +109,16 @@ def test_threads_omp_must_be_an_integer_of_at_least_one(value: str) -> None:
     assert check_threads(2, " 3 ", cpus=8).verdict == "ok"
 
 
+@pytest.mark.parametrize(("value", "verdict"), [("1,1", "ok"), ("4,2", "ok"), ("8,1", "warn")])
+def test_threads_omp_takes_a_list_per_nesting_level_as_openmp_does(
+    value: str, verdict: str
+) -> None:
+    check = check_threads(1, value, cpus=4)
+    assert check.verdict == verdict and "must be an integer" not in check.fix
+    bad = check_threads(1, "1,0", cpus=4)
+    assert bad.verdict == "warn" and "or a comma-separated list of them" in bad.fix
+
+
 def test_load_average_against_the_usable_cpus() -> None:
     over = check_load(25.3, cpus=16)
     assert over.verdict == "warn" and "25.3" in over.value and "16 usable CPUs" in over.value
@@ -144,6 +154,10 @@ def test_start_method() -> None:
         ("0,GPU-8d3b", "PCI_BUS_ID", 4, "fail", "so only 0 are visible"),
         ("GPU-8d3b,1", None, 4, "fail", "'1' is not a GPU- UUID"),
         ("abc", None, 2, "fail", "no GPU is visible"),
+        ("abc", None, 2, "fail", "'abc' is neither an index nor a GPU- or MIG- UUID"),
+        ("0,abc", None, 2, "fail", "'abc' is not an index, as the first entry sets:"),
+        ("0,GPU-8d3b", None, 2, "fail", "entries cannot mix indices, GPU- and MIG- UUIDs"),
+        ("GPU-8d3b,MIG-1a2b", None, 2, "fail", "entries cannot mix"),
         ("+1", "PCI_BUS_ID", 2, "ok", ""),
         (None, "PCI", 2, "warn", "ignores"),
     ],

@@ -64,6 +64,16 @@ def test_diagnose_lists_gpus_from_the_env_it_is_given(monkeypatch: pytest.Monkey
     assert seen == [env, None]  # None: gpus() reads os.environ (and torch's view) itself
 
 
+def test_diagnose_says_cuda_visible_devices_hides_the_hosts_gpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(device_module, "gpus", lambda **_: [])
+    monkeypatch.setattr(doctor_module, "_nvml_system", lambda: ("550.54", 12040, 2))
+    report = diagnose(limits=limits(), env={"CUDA_VISIBLE_DEVICES": "5"})
+    gpus = {c.name: c for c in report.checks}["gpus"]
+    assert "hides all 2 GPU(s)" in gpus.value and "CPU-only" not in gpus.fix
+
+
 def fake_pynvml(driver_error: bool = False) -> types.ModuleType:
     nvml: Any = types.ModuleType("pynvml")
     nvml.NVMLError = type("NVMLError", (Exception,), {})

@@ -18,6 +18,13 @@ def test_gpus_none_ok_busy_and_broken() -> None:
     assert broken.verdict == "fail" and "refused" in broken.value
 
 
+def test_gpus_hidden_by_cuda_visible_devices_are_not_called_a_cpu_only_machine() -> None:
+    hidden = check_gpus([], driver="580.1", physical=2)
+    assert hidden.verdict == "skip" and "hides all 2 GPU(s)" in hidden.value
+    assert "CPU-only" not in hidden.fix and "unset CUDA_VISIBLE_DEVICES" in hidden.fix
+    assert "nothing to do on a CPU-only machine" in check_gpus([]).fix
+
+
 def test_torch_build_versions_and_failures() -> None:
     ok = check_torch_build(
         torch_version="2.5.0", cuda="12.4", cudnn=90100, nccl=(2, 21, 5), gpu_count=1,

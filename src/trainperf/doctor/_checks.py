@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from trainperf._utils.format import format_bytes
-from trainperf.device import parse_visible_devices
+from trainperf.device import VisibleDevices, parse_visible_devices
 from trainperf.limits import HostLimits
 
 __all__ = [
@@ -261,12 +261,18 @@ def check_blas(
     return Check("blas", "ok", value)
 
 
-def _positive_int(text: str | None) -> int | None:
-    try:
-        value = int(text) if text is not None else None
-    except ValueError:
+def _omp_threads(text: str | None) -> int | None:
+    """The outermost thread count of ``OMP_NUM_THREADS``: an integer >= 1, or a list of them
+    (``"4,2"``, one per nesting level, as OpenMP accepts); None when unset or unreadable."""
+    if text is None:
         return None
-    return value if value is not None and value >= 1 else None
+    levels = []
+    for part in text.split(","):
+        try:
+            levels.append(int(part))
+        except ValueError:
+            return None
+    return levels[0] if all(n >= 1 for n in levels) else None
 
 
 def check_threads(
@@ -297,13 +303,14 @@ def check_threads(
         f"{cpus} usable CPUs, {processes} process(es)"
     )
     share = max(1, cpus // max(1, processes))
-    omp = _positive_int(omp_num_threads)
+    omp = _omp_threads(omp_num_threads)
     if omp_num_threads is not None and omp is None:
         # OpenMP ignores 0 or junk and starts one thread per core, the oversubscription the
         # variable was meant to prevent.
         fix = (
-            f"OMP_NUM_THREADS must be an integer >= 1, got {omp_num_threads!r} (OpenMP then "
-            f"ignores it): set OMP_NUM_THREADS={share}"
+            f"OMP_NUM_THREADS must be an integer >= 1 (or a comma-separated list of them, one "
+            f"per nesting level), got {omp_num_threads!r} (OpenMP then ignores it): set "
+            f"OMP_NUM_THREADS={share}"
         )
         return Check("threads", "warn", value, fix)
     if omp is not None and omp * processes > cpus:
@@ -398,6 +405,16 @@ def check_start_method(method: str, platform: str = sys.platform) -> Check:
 _CUDA_ORDERS = ("FASTEST_FIRST", "PCI_BUS_ID")
 
 
+def _unreadable_entry(bad: str, parsed: VisibleDevices) -> str:
+    """Why CUDA cannot read ``bad``: junk, or an entry in another notation than the first's."""
+    if not parsed.entries:  # the first entry itself
+        return f"{bad!r} is neither an index nor a GPU- or MIG- UUID"
+    kind = "an index" if parsed.notation == "index" else f"a {parsed.notation} UUID"
+    other = bad.startswith(("GPU-", "MIG-")) or bad.lstrip("+").isdigit()
+    mixing = " (entries cannot mix indices, GPU- and MIG- UUIDs)" if other else ""
+    return f"{bad!r} is not {kind}, as the first entry sets{mixing}"
+
+
 def check_visible_devices(visible: str | None, order: str | None, gpu_count: int) -> Check:
     """``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` sanity.
 
@@ -436,12 +453,9 @@ def check_visible_devices(visible: str | None, order: str | None, gpu_count: int
             "unset CUDA_VISIBLE_DEVICES to use the GPUs" if gpu_count else "",
         )
     if bad is not None:
-        kind = "an index" if parsed.notation == "index" else f"a {parsed.notation} UUID"
         visible_part = f"only {', '.join(entries)} are visible" if entries else "no GPU is visible"
-        fix = (
-            f"{bad!r} is not {kind}, as the first entry sets (entries cannot mix indices and "
-            f"UUIDs): CUDA stops reading the list there, so {visible_part}"
-        )
+        why = _unreadable_entry(bad, parsed)
+        fix = f"{why}: CUDA stops reading the list there, so {visible_part}"
         return Check("visible_devices", "fail", value, fix)
     if parsed.notation == "index" and gpu_count:
         missing = next((e for e in entries if int(e) >= gpu_count), None)

@@ -181,7 +181,7 @@ def _host_checks(
     except ValueError:  # a malformed launcher variable: the threads check assumes one process
         processes = 1
     return [
-        check_gpus(gpus, driver, gpu_error),
+        check_gpus(gpus, driver, gpu_error, physical=physical),
         check_torch_build(
             torch_version=torch.__version__,
             cuda=torch.version.cuda,

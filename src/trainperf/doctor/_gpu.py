@@ -21,7 +21,11 @@ BUSY_MEMORY_FRACTION = 0.1
 
 
 def check_gpus(
-    gpus: Sequence[GpuInfo], driver: str | None = None, error: str | None = None
+    gpus: Sequence[GpuInfo],
+    driver: str | None = None,
+    error: str | None = None,
+    *,
+    physical: int = 0,
 ) -> Check:
     """GPUs and driver as NVML sees them, and whether another process already uses one.
 
@@ -29,15 +33,30 @@ def check_gpus(
         gpus: the visible GPUs (:func:`trainperf.gpus`).
         driver: the driver version, None when unknown.
         error: why the GPUs could not be listed, if they could not.
+        physical: the host's GPUs (NVML's count, which ignores ``CUDA_VISIBLE_DEVICES``);
+            0 when none or unknown.
 
     Example:
         >>> check_gpus([]).verdict
         'skip'
+        >>> check_gpus([], physical=2).value
+        'no GPU visible: CUDA_VISIBLE_DEVICES hides all 2 GPU(s) of this host'
     """
     if error is not None:
         return Check("gpus", "fail", f"NVML failed: {error}", "check that `nvidia-smi` works")
+    if not gpus and physical:
+        return Check(
+            "gpus",
+            "skip",
+            f"no GPU visible: CUDA_VISIBLE_DEVICES hides all {physical} GPU(s) of this host",
+            "to use them, unset CUDA_VISIBLE_DEVICES or list them in it (`nvidia-smi -L`); "
+            "the visible_devices check says why",
+        )
     if not gpus:
-        fix = "nothing to do on a CPU-only machine"
+        fix = (
+            "nothing to do on a CPU-only machine; on a GPU host, check the driver "
+            "(`nvidia-smi`) and CUDA_VISIBLE_DEVICES"
+        )
         return Check(
             "gpus",
             "skip",
