@@ -250,16 +250,24 @@ def test_how_a_rank_being_stopped_ended_and_whether_the_stop_explains_it() -> No
     assert stop_ending(None, killed=True)[1] is False
 
 
+def _sigterm_while_launched(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, fn: Callable[..., Any], *args: Any
+) -> None:
+    """Launch ``fn(str(tmp_path), *args)`` on 2 ranks, SIGTERM the launcher once both are
+    ready, and check it exits 143; warnings go to ``caplog``."""
+    sender = _signal_once_ready(tmp_path, _sigterm_when_ready)
+    with caplog.at_level("WARNING", logger="trainperf.ddp"), pytest.raises(SystemExit) as info:
+        launch_fork(fn, str(tmp_path), *args, timeout=LONG)
+    sender.join()
+    assert info.value.code == 143
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_rank_that_fails_during_the_sigterm_grace_period_is_named(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    sender = _signal_once_ready(tmp_path, _sigterm_when_ready)
-    with caplog.at_level("WARNING", logger="trainperf.ddp"), pytest.raises(SystemExit) as info:
-        launch_fork(workers.exit_on_sigterm, str(tmp_path), 1, 3, timeout=LONG)
-    sender.join()
-    assert info.value.code == 143
+    _sigterm_while_launched(tmp_path, caplog, workers.exit_on_sigterm, 1, 3)
     assert "after SIGTERM, rank 1 exited with code 3" in caplog.text, caplog.text
     assert "rank 0" not in caplog.text  # it finished cleanly within the grace period
 
@@ -269,11 +277,7 @@ def test_a_rank_that_fails_during_the_sigterm_grace_period_is_named(
 def test_ranks_the_sigterm_itself_ended_get_one_line_that_says_how_to_save_first(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    sender = _signal_once_ready(tmp_path, _sigterm_when_ready)
-    with caplog.at_level("WARNING", logger="trainperf.ddp"), pytest.raises(SystemExit) as info:
-        launch_fork(workers.ready_then_sleep, str(tmp_path), timeout=LONG)
-    sender.join()
-    assert info.value.code == 143
+    _sigterm_while_launched(tmp_path, caplog, workers.ready_then_sleep)
     lines = [r.getMessage() for r in caplog.records if "after SIGTERM" in r.getMessage()]
     assert len(lines) == 1, lines  # one line, not one per rank
     assert "ranks 0, 1 were ended by the passed-on SIGTERM (exit code -15: " in lines[0]
