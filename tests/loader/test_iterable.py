@@ -273,6 +273,27 @@ def test_the_adaptive_loader_keeps_a_replaying_stream_at_zero_workers() -> None:
     assert loader.num_workers == 0 and loader.tuning_history == []
 
 
+@pytest.mark.slow  # about 2 s: three epochs waiting on I/O
+def test_the_adaptive_loader_probes_a_stream_only_when_the_probes_workers_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from trainperf.loader import AdaptiveDataLoader, _adapt
+
+    # Memory for one worker, not for the probe's two: no probe (and no increase) yet.
+    monkeypatch.setattr(AdaptiveDataLoader, "fits", lambda self, n, pf, limits=None: n <= 1)
+    probed: list[int] = []
+    monkeypatch.setattr(_adapt, "check_sharding", lambda *a, **k: probed.append(1))
+    loader = AdaptiveDataLoader(Replaying(sleep_s=0.003), batch_size=4, max_workers=4)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            epochs = [_epoch_values(loader) for _ in range(3)]
+    finally:
+        loader.close()
+    assert probed == [] and loader.num_workers == 0 and loader.tuning_history == []
+    assert epochs == [list(range(N))] * 3
+
+
 @pytest.mark.slow  # about 3 s
 def test_autotune_loader_adapt_keeps_the_tuners_refusal_of_a_replaying_stream() -> None:
     from trainperf.loader import AdaptiveDataLoader, autotune_loader

@@ -50,7 +50,13 @@ from trainperf.loader._adapt_rules import (
     increase_paid,
 )
 from trainperf.loader._autotune import TunedDataLoader
-from trainperf.loader._iterable import ALIKE, check_sharding, is_iterable, unsharded_warning
+from trainperf.loader._iterable import (
+    ALIKE,
+    PROBE_WORKERS,
+    check_sharding,
+    is_iterable,
+    unsharded_warning,
+)
 from trainperf.loader._report import CandidateResult
 from trainperf.loader._search import Search, callers_stacklevel, default_max_workers
 from trainperf.loader._tune import rank_share
@@ -376,8 +382,14 @@ class AdaptiveDataLoader(TunedDataLoader):
             before=before,
         )
         self._cpus = f.cpus
-        if change is not None and change.num_workers > f.num_workers and not self._shards():
-            return None
+        if change is not None and change.num_workers > f.num_workers:
+            probing = self._sharded is None and is_iterable(self.dataset)
+            if probing and not self.fits(
+                f.num_workers + PROBE_WORKERS, change.prefetch_factor, limits
+            ):
+                return None  # the probe's workers beside the running ones would not fit: later
+            if not self._shards():
+                return None
         if change is not None and change.reason == "input-bound":
             self._before = f
         return change
@@ -388,7 +400,9 @@ class AdaptiveDataLoader(TunedDataLoader):
         two short-lived workers (:func:`~trainperf.loader._iterable.check_sharding`), before
         the first increase; a stream that does not shard, or whose workers failed or were
         too slow to tell, stays at the workers it has, with a ``RuntimeWarning``. A stream
-        whose first items are all alike cannot tell, and gets workers (as in the tuner)."""
+        whose first items are all alike cannot tell, and gets workers (as in the tuner).
+        The probe waits (no increase) while its two workers, beside the running ones, would
+        not fit the memory rules."""
         if self._sharded is None:
             self._sharded = True
             if is_iterable(self.dataset):

@@ -46,6 +46,7 @@ from trainperf.loader._report import CandidateResult
 from trainperf.loader._search import callers_stacklevel
 
 __all__ = [
+    "PROBE_WORKERS",
     "ALIKE",
     "ITEMS",
     "SHARDING_EXAMPLE",
@@ -62,6 +63,8 @@ __all__ = [
 ITEMS = 4
 """Items compared per worker before a stream counts as not sharded."""
 ALIKE = "its first items are all alike"
+PROBE_WORKERS = 2
+"""Workers :func:`check_sharding` starts (beside any the caller's loader has running)."""
 """Why a check could not tell: a constant stream looks the same sharded or not."""
 _LIMIT_S = {"fork": 10.0, "spawn": 40.0, "forkserver": 40.0}
 """Seconds the check may take at most (spawned workers import torch again first)."""
@@ -241,7 +244,7 @@ def check_sharding(
         loader = DataLoader(
             dataset,
             batch_size=None,
-            num_workers=2,
+            num_workers=PROBE_WORKERS,
             collate_fn=_Fingerprint(),
             worker_init_fn=DieWithParent(_SeededAlike(loader_kwargs.get("worker_init_fn"))),
             timeout=deadline - t0,
