@@ -207,6 +207,53 @@ def test_fp16_an_optimizer_with_inf_gradients_skips_alone_and_step_says_false() 
     assert mp.state_dict()["scaler"]["scale"] == 32768.0  # halved once
 
 
+def test_a_clip_value_passed_positionally_is_refused_before_anything_steps() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    model, opts = two_optimizers(mp)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=r"got 1\.0; max_grad_norm is keyword-only"):
+        mp.step(opts[0], 1.0)  # type: ignore[arg-type]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert mp.step(optimizer=opts[0])  # the keyword of the one-optimizer signature
+
+
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("fp16", marks=needs_cpu_fp16)])
+def test_an_optimizer_whose_parameters_got_no_gradient_is_left_alone(precision: str) -> None:
+    # A frozen backbone: GradScaler asserted "No inf checks were recorded" after the head
+    # had stepped, and every later step failed ("step() has already been called").
+    mp = MixedPrecision("cpu", precision=precision)
+    model, opts = two_optimizers(mp)
+    for p in model[0].parameters():
+        p.grad = None
+    head = [p.detach().clone() for p in model[1].parameters()]
+    assert mp.step(*opts)
+    assert all(not torch.equal(p, q) for p, q in zip(model[1].parameters(), head, strict=True))
+    mp.zero_grad()
+    with mp.autocast():
+        loss = model(torch.randn(8, 4) * 1e-3).float().mean() * 1e-2
+    mp.backward(loss)
+    assert mp.step(*opts)  # the next step works
+
+
+@needs_cpu_fp16
+def test_a_failing_fp16_step_does_not_break_every_later_one() -> None:
+    mp = MixedPrecision("cpu", precision="fp16")
+    model, opts = two_optimizers(mp)
+
+    class Broken(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            raise OSError("the optimizer failed")
+
+    broken = Broken(model[1].parameters(), lr=0.1)
+    with pytest.raises(OSError, match="the optimizer failed"):
+        mp.step(opts[0], broken)
+    mp.zero_grad()
+    with mp.autocast():
+        loss = model(torch.randn(8, 4) * 1e-3).float().mean() * 1e-2
+    mp.backward(loss)
+    assert mp.step(*opts)  # "step() has already been called since the last update()" before
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, "1.0"])
 def test_max_grad_norm_must_be_positive(bad: object) -> None:
     mp = MixedPrecision("cpu", precision="fp32")

@@ -285,7 +285,12 @@ class MixedPrecision:
         self._backward_pending = True
         self._stepped = False
 
-    def step(self, *optimizers: torch.optim.Optimizer, max_grad_norm: float | None = None) -> bool:
+    def step(
+        self,
+        *optimizers: torch.optim.Optimizer,
+        max_grad_norm: float | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> bool:
         """Clip (after unscaling), then step; for fp16, skip the step on inf/NaN gradients.
 
         One :meth:`backward`, one ``step``: when one loss trains several optimizers (a
@@ -305,7 +310,9 @@ class MixedPrecision:
             *optimizers: the optimizers whose parameters got gradients from :meth:`backward`
                 (one or more).
             max_grad_norm: clip each optimizer's total gradient norm (over its parameters)
-                to this value; None does not clip.
+                to this value; None does not clip. Keyword only.
+            optimizer: one optimizer by keyword, as ``mp.step(optimizer=opt)`` (the
+                signature before several could be passed).
 
         Returns:
             True if every optimizer stepped, False if an fp16 step was skipped.
@@ -325,17 +332,22 @@ class MixedPrecision:
             >>> mp.step(opt, max_grad_norm=1.0), [round(v, 4) for v in w.tolist()]
             (True, [0.2929, 0.2929])
         """
+        if optimizer is not None:
+            optimizers = (*optimizers, optimizer)
         self._check_step(optimizers, max_grad_norm)
         self._backward_pending = False
         self._stepped = True
+        # An optimizer none of whose parameters got a gradient (a frozen backbone) has
+        # nothing to step: GradScaler would assert on it, half-way through the others.
+        stepping = tuple(o for o in optimizers if _has_grads(o))
         scaler = self.scaler
         if scaler is None:
-            for optimizer in optimizers:
+            for opt in stepping:
                 if max_grad_norm is not None:
-                    nn.utils.clip_grad_norm_(_parameters(optimizer), max_grad_norm)
-                optimizer.step()
+                    nn.utils.clip_grad_norm_(_parameters(opt), max_grad_norm)
+                opt.step()
             return True
-        return _scaled_step(scaler, optimizers, max_grad_norm)
+        return _scaled_step(scaler, stepping, max_grad_norm)
 
     def _check_step(
         self, optimizers: tuple[torch.optim.Optimizer, ...], max_grad_norm: float | None
@@ -345,6 +357,12 @@ class MixedPrecision:
                 "MixedPrecision.step() takes the optimizer(s) to step, got none; call "
                 "mp.step(optimizer), or mp.step(opt_a, opt_b) for several"
             )
+        for o in optimizers:
+            if not (callable(getattr(o, "step", None)) and hasattr(o, "param_groups")):
+                raise TypeError(
+                    f"MixedPrecision.step() takes optimizers, got {o!r}; max_grad_norm is "
+                    "keyword-only: mp.step(optimizer, max_grad_norm=1.0)"
+                )
         if len({id(o) for o in optimizers}) < len(optimizers):
             raise ValueError(
                 "MixedPrecision.step() got the same optimizer twice; pass each optimizer once"
@@ -460,12 +478,21 @@ def _scaled_step(
     optimizers: tuple[torch.optim.Optimizer, ...],
     max_grad_norm: float | None,
 ) -> bool:
-    """Unscale, clip and step each optimizer through ``scaler``, then update it once."""
-    for optimizer in optimizers:
-        if max_grad_norm is not None:
-            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-            nn.utils.clip_grad_norm_(_parameters(optimizer), max_grad_norm)
-        scaler.step(optimizer)
+    """Unscale, clip and step each optimizer through ``scaler``, then update it once. If
+    one raises, the scaler's record of this step is dropped, so that the next step works."""
+    if not optimizers:
+        return True  # no gradients anywhere: nothing stepped, nothing skipped
+    try:
+        for optimizer in optimizers:
+            if max_grad_norm is not None:
+                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+                nn.utils.clip_grad_norm_(_parameters(optimizer), max_grad_norm)
+            scaler.step(optimizer)
+    except BaseException:
+        # Stepped optimizers stay stepped; without this every later step would fail with
+        # "step() has already been called since the last update()".
+        scaler._per_optimizer_states.clear()
+        raise
     if not scaler.is_enabled():
         # A disabled scaler steps plainly and keeps no inf/NaN flags to read (nor the
         # per-optimizer state they live in); update() would be a no-op.
@@ -476,6 +503,10 @@ def _scaled_step(
     found_inf = sum(v.item() for o in optimizers for v in scaler._found_inf_per_device(o).values())
     scaler.update()
     return not found_inf
+
+
+def _has_grads(optimizer: torch.optim.Optimizer) -> bool:
+    return any(p.grad is not None for p in _parameters(optimizer))
 
 
 def _parameters(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:

@@ -213,10 +213,12 @@ def _restore_buffer(m: nn.Module, name: str, saved: torch.Tensor | None, device:
             now.copy_(saved)
 
 
-def _pending(objects: Iterable[Any]) -> list[tuple[MixedPrecision, bool]]:
-    """Each MixedPrecision's "a backward is waiting for its step" flag (gradients
-    accumulated before tuning must still be stepped after it)."""
-    return [(o, o._backward_pending) for o in objects if isinstance(o, MixedPrecision)]
+def _pending(objects: Iterable[Any]) -> list[tuple[MixedPrecision, tuple[bool, bool]]]:
+    """Each MixedPrecision's "a backward is waiting for its step" and "stepped since"
+    flags (gradients accumulated before tuning must still be stepped after it)."""
+    return [
+        (o, (o._backward_pending, o._stepped)) for o in objects if isinstance(o, MixedPrecision)
+    ]
 
 
 Stages = tuple[torch.amp.GradScaler, Any]
@@ -249,7 +251,8 @@ class SavedState:
         grads: ``(parameter, copy of its .grad or None)`` for every parameter.
         modes: ``(module, its .training flag)`` for every submodule.
         buffers: ``(module, name, copy, device)`` of every buffer ``state_dict()`` leaves out.
-        pending: ``(MixedPrecision, whether a backward waits for its step)``.
+        pending: ``(MixedPrecision, (whether a backward waits for its step, whether it
+            was stepped since))``.
         stages: ``(GradScaler, copy of its per-optimizer stages)``, of those passed in and
             of each MixedPrecision's.
     """
@@ -258,7 +261,7 @@ class SavedState:
     grads: list[tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
     modes: list[tuple[nn.Module, bool]] = field(default_factory=list)
     buffers: list[Buffer] = field(default_factory=list)
-    pending: list[tuple[MixedPrecision, bool]] = field(default_factory=list)
+    pending: list[tuple[MixedPrecision, tuple[bool, bool]]] = field(default_factory=list)
     stages: list[Stages] = field(default_factory=list)
 
     @classmethod
@@ -311,9 +314,8 @@ class SavedState:
             m.train(training)
         for m, name, buffer, device in self.buffers:
             _restore_buffer(m, name, buffer, device)
-        for mp, pending in self.pending:
-            mp._backward_pending = pending
-            mp._stepped = False  # the probes' steps are not the user's
+        for mp, (pending, stepped) in self.pending:
+            mp._backward_pending, mp._stepped = pending, stepped
         for scaler, stages in self.stages:
             scaler._per_optimizer_states = copy.deepcopy(stages)
 

@@ -142,13 +142,13 @@ def _channel_triple(
 
 
 def _seed(seed: object) -> int:
-    """``seed`` checked: an int in ``0 <= seed < 2**63``, which ``seed + epoch`` keeps within
-    what ``torch.Generator.manual_seed`` takes."""
+    """``seed`` checked: an int in ``0 <= seed < 2**64``, what ``torch.Generator.manual_seed``
+    takes (each epoch's ``seed + epoch`` is taken modulo ``2**64``)."""
     seed = non_negative_int("seed", seed)
-    if seed >= 2**63:
+    if seed >= 2**64:
         raise ValueError(
-            f"seed must be < 2**63 (it seeds torch.Generator with seed + epoch), got {seed}; "
-            f"pass a smaller one, e.g. seed % 2**63 = {seed % 2**63}"
+            f"seed must be < 2**64 (it seeds torch.Generator, which takes 64 bits), got "
+            f"{seed}; pass a smaller one, e.g. seed % 2**64 = {seed % 2**64}"
         )
     return seed
 
@@ -281,7 +281,7 @@ def image_loader(
             ``RANK``/``WORLD_SIZE``); ``(rank, world_size)`` sets it; None reads everything.
             Every rank gets the same number of batches per epoch.
         seed: seeds shuffling and augmentation (use the same on every rank); an int in
-            ``0 <= seed < 2**63``.
+            ``0 <= seed < 2**64``.
         last_batch: ``"drop"`` the partial last batch (each rank's shard is trimmed to
             ``floor(N / world_size)``), or ``"keep"`` it (shards padded to
             ``ceil(N / world_size)`` by repeating images).

@@ -454,7 +454,7 @@ def epoch_indices(
     """
     if shuffle:
         g = torch.Generator()
-        g.manual_seed(seed + epoch)
+        g.manual_seed((seed + epoch) % 2**64)  # what DistributedSampler seeds, within 64 bits
         order: list[int] = torch.randperm(num_files, generator=g).tolist()
     else:
         order = list(range(num_files))
