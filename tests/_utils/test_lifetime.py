@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import pickle
@@ -12,7 +13,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from trainperf import DieWithParent
-from trainperf._utils.lifetime import die_with_parent
+from trainperf._utils.lifetime import WATCHER_NAME, die_with_parent
 
 
 def record(worker_id: int) -> None:
@@ -104,53 +104,91 @@ def test_workers_started_by_a_fork_server_live_on(tmp_path: Path) -> None:
     assert run.stdout.strip() == str(list(range(8)))
 
 
-def _orphan_maker(pid_file: str) -> None:
-    """A child that forks a grandchild tied to it, then waits to be killed."""
-    pid = os.fork()
-    if pid == 0:
-        die_with_parent(os.getppid())
-        Path(pid_file).write_text(str(os.getpid()))
-        time.sleep(60)
-        os._exit(0)
+_PR_GET_PDEATHSIG = 2
+
+
+def _death_signal() -> int:
+    """This process's parent-death signal (0: none)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    sig = ctypes.c_int(0)
+    libc.prctl(_PR_GET_PDEATHSIG, ctypes.byref(sig), 0, 0, 0)
+    return sig.value
+
+
+def _grandchild(report: str) -> None:
+    """Tie this (just forked) process to its parent, say how, and wait to be ended."""
+    die_with_parent(os.getppid())
+    watching = any(t.name == WATCHER_NAME for t in threading.enumerate())
+    Path(report + ".tmp").write_text(f"{os.getpid()} {_death_signal()} {int(watching)}")
+    os.replace(report + ".tmp", report)
+    time.sleep(60)
+    os._exit(0)
+
+
+def _fork_grandchild(report: str) -> None:
+    if os.fork() == 0:
+        _grandchild(report)
+
+
+def _orphan_maker(report: str, from_thread: bool) -> None:
+    """A child that forks a grandchild tied to it (from its main thread, or from another
+    thread that stays alive), then waits to be killed."""
+    if from_thread:
+        threading.Thread(target=lambda: (_fork_grandchild(report), time.sleep(60))).start()
+    else:
+        _fork_grandchild(report)
     time.sleep(60)
 
 
-@pytest.mark.slow  # about 1 s
+@pytest.mark.slow  # about 1 s each
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and prctl are Linux's")
-def test_a_child_whose_parent_is_killed_exits_within_a_second(tmp_path: Path) -> None:
-    # Started from a thread, so that the grandchild has no parent-death signal: the
-    # watcher alone must end it.
-    pid_file = tmp_path / "grandchild"
+@pytest.mark.parametrize("from_thread", [False, True])
+def test_a_child_whose_parent_is_killed_ends_at_once(tmp_path: Path, from_thread: bool) -> None:
+    # Forked from the main thread: the parent-death signal. From another thread: no signal
+    # (it would fire when that thread ends), and the watcher thread alone must end it.
+    report = tmp_path / "grandchild"
     ctx = multiprocessing.get_context("fork")
-    holder: list[BaseProcess] = []
-    starter = threading.Thread(target=lambda: holder.append(_start(ctx, str(pid_file))))
-    starter.start()
-    starter.join()
-    (child,) = holder
+    child = ctx.Process(target=_orphan_maker, args=(str(report), from_thread), daemon=True)
+    child.start()
     try:
         deadline = time.monotonic() + 30
-        while not pid_file.exists() and time.monotonic() < deadline:
+        while not report.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        grandchild = int(pid_file.read_text())
+        pid, sig, watching = map(int, report.read_text().split())
+        assert (sig, watching) == ((0, 1) if from_thread else (signal.SIGKILL, 0))
         os.kill(child.pid or 0, signal.SIGKILL)
         child.join(timeout=10)
-        gone = time.monotonic() + 10
-        while _running(grandchild) and time.monotonic() < gone:
-            time.sleep(0.05)
-        assert not _running(grandchild)
+        gone = time.monotonic() + 2.0  # the watcher looks every 0.25 s
+        while _running(pid) and time.monotonic() < gone:
+            time.sleep(0.02)
+        assert not _running(pid)
     finally:
         if child.is_alive():
             child.kill()
             child.join()
-        if pid_file.exists():
+        if report.exists():
             with contextlib.suppress(OSError):
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+                os.kill(int(report.read_text().split()[0]), signal.SIGKILL)
 
 
-def _start(ctx: Any, pid_file: str) -> BaseProcess:
-    p = ctx.Process(target=_orphan_maker, args=(pid_file,), daemon=True)
-    p.start()
-    return p
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and prctl are Linux's")
+def test_a_child_whose_parent_died_before_it_looked_exits_at_once() -> None:
+    pid = os.fork()
+    if pid == 0:
+        die_with_parent(2**22 + 12345)  # not its parent, nor its parent's parent
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 1
+
+
+def test_pickling_for_a_spawned_worker_records_the_starting_thread() -> None:
+    assert pickle.loads(pickle.dumps(DieWithParent(record))).from_main is True
+    got: list[DieWithParent] = []
+    t = threading.Thread(target=lambda: got.append(pickle.loads(pickle.dumps(DieWithParent(None)))))
+    t.start()
+    t.join()
+    assert got[0].from_main is False
+    assert DieWithParent(None).from_main is None  # not pickled: forked, the hook knows
 
 
 def _running(pid: int) -> bool:

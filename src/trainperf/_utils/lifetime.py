@@ -7,14 +7,18 @@ segments. Every DataLoader trainperf builds wraps its ``worker_init_fn`` in
 ``worker_init_fn=trainperf.DieWithParent(your_fn)`` (Linux only; elsewhere it only calls
 ``your_fn``).
 
-How (:func:`die_with_parent`): a daemon thread in the child checks every
-:data:`WATCH_INTERVAL_S` whether its parent is still the process it started under, and
-exits when it is not. Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``) is set as
-well, but only in a child forked from its parent's main thread: the kernel sends it when
-the *thread* that forked the child ends, so a DataLoader iterated from a short-lived thread
-(or a checkpoint written from one) would lose its workers as that thread returns. Under the
-``forkserver`` start method (Linux's default from Python 3.14) the parent is the fork
-server, not the process that started the worker; the fork server ends with that process.
+How (:func:`die_with_parent`): Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG,
+SIGKILL)``) kills the child at once, even while its main thread is stuck in C code; but the
+kernel sends it when the *thread* that started the child ends, so it is set only where that
+thread is its parent's main thread (a DataLoader iterated from a short-lived thread, or a
+checkpoint written from one, would otherwise lose its workers as that thread returns).
+Where it is not set, a daemon thread in the child checks every :data:`WATCH_INTERVAL_S`
+whether the parent is still there (it cannot run while the child's main thread holds the
+GIL in C code). Which thread started the child is recorded in the parent: by an at-fork
+hook under ``fork``, by :class:`DieWithParent` when it is pickled for a ``spawn`` or
+``forkserver`` worker, and by ``ddp.launch`` for its ranks. Under ``forkserver`` (Linux's
+default from Python 3.14) the parent is the fork server, a child of the process that
+started the worker, which ends with that process.
 """
 
 from __future__ import annotations
@@ -27,60 +31,89 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["WATCH_INTERVAL_S", "DieWithParent", "die_with_parent"]
+__all__ = [
+    "WATCHER_NAME",
+    "WATCH_INTERVAL_S",
+    "DieWithParent",
+    "die_with_parent",
+    "started_from_main",
+]
 
 _PR_SET_PDEATHSIG = 1
 
 WATCH_INTERVAL_S = 0.25
-"""How often a child checks that its parent is alive."""
+"""How often a child without the parent-death signal checks that its parent is alive."""
 
-# Set in the parent just before each fork, inherited by the child: whether the thread that
-# forked it is its parent's main thread (None: not forked by this module's process).
+# The main thread's id, read just before each fork; in the child, whether the thread that
+# forked it was that one (it goes on as the child's only thread, with the same id). None:
+# not forked from a process that had imported this module.
+_main_ident: int | None = None
 _forked_from_main: bool | None = None
 
 
 def _before_fork() -> None:
-    global _forked_from_main
-    _forked_from_main = threading.current_thread() is threading.main_thread()
+    global _main_ident
+    _main_ident = threading.main_thread().ident
 
 
-def _after_fork_in_parent() -> None:
+def _after_fork_in_child() -> None:
     global _forked_from_main
-    _forked_from_main = None
+    _forked_from_main = threading.get_ident() == _main_ident
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent)
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Exit (``os._exit(1)``) when the parent ``parent_pid`` dies; at once if it has.
+def started_from_main() -> bool:
+    """Whether the calling thread is this process's main thread (call it where a child is
+    started, and hand the answer to :func:`die_with_parent` in the child)."""
+    return threading.current_thread() is threading.main_thread()
 
-    Linux only; elsewhere (macOS) this does nothing. ``parent_pid`` is the process that
-    started this one; under ``forkserver`` the real parent is the fork server, which is
-    watched instead (it ends with the process that started this one).
+
+def die_with_parent(parent_pid: int, from_main: bool | None = None) -> None:
+    """End this process (``os._exit(1)``) when its parent ``parent_pid`` dies; at once if it
+    has died already.
+
+    Linux only; elsewhere (macOS) this does nothing.
+
+    Args:
+        parent_pid: the process that started this one. Under ``forkserver`` the real
+            parent is the fork server, a child of ``parent_pid``: that one is watched.
+        from_main: whether the parent's main thread started this process (None: as the
+            at-fork hook recorded it, for a forked child; unknown otherwise, which counts
+            as not).
     """
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
-    if parent != parent_pid and not _alive(parent_pid):
-        os._exit(1)  # the parent died before this process got here
-    if _forked_from_main:
+    if parent != parent_pid and _ppid_of(parent) != parent_pid:
+        os._exit(1)  # reparented: the parent died before this process got here
+    if _forked_from_main if from_main is None else from_main:
         _set_death_signal()
-    threading.Thread(
-        target=_watch, args=(parent,), name="trainperf-die-with-parent", daemon=True
-    ).start()
-
-
-def _alive(pid: int) -> bool:
+        if os.getppid() != parent:
+            os._exit(1)  # it died between the check and prctl: the signal never comes
+        return
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        threading.Thread(target=_watch, args=(parent,), name=WATCHER_NAME, daemon=True).start()
+    except RuntimeError:  # no thread to be had (a pids limit): the signal, at least
+        _set_death_signal()
+
+
+WATCHER_NAME = "trainperf-die-with-parent"
+"""The watcher thread's name (hang reports leave it out)."""
+
+
+def _ppid_of(pid: int) -> int | None:
+    """``pid``'s parent, from ``/proc`` (None if unknown or a zombie)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - read at once
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] == "Z" else int(fields[1])
 
 
 def _set_death_signal() -> None:
@@ -92,7 +125,7 @@ def _set_death_signal() -> None:
 
 
 def _watch(parent: int) -> None:
-    """Exit the process once its parent is no longer ``parent`` (it was reparented)."""
+    """End the process once its parent is no longer ``parent`` (it was reparented)."""
     while os.getppid() == parent:
         time.sleep(WATCH_INTERVAL_S)
     os._exit(1)
@@ -115,11 +148,22 @@ class DieWithParent:
     def __init__(self, user_fn: Callable[[int], None] | None) -> None:
         inner = user_fn.user_fn if isinstance(user_fn, DieWithParent) else user_fn
         self.user_fn: Callable[[int], None] | None = inner
+        self.from_main: bool | None = None  # set when pickled for a spawned worker
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled (spawn, forkserver) by the thread that starts the worker: record which.
+        return {**self.__dict__, "from_main": started_from_main()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def __call__(self, worker_id: int) -> None:
         # The parent is whichever process started this worker (the loader may have been built
         # in another one), as multiprocessing recorded it before the parent could die.
         parent = multiprocessing.parent_process()
-        die_with_parent(os.getppid() if parent is None or parent.pid is None else parent.pid)
+        die_with_parent(
+            os.getppid() if parent is None or parent.pid is None else parent.pid,
+            self.from_main,
+        )
         if self.user_fn is not None:
             self.user_fn(worker_id)

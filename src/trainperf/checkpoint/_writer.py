@@ -441,7 +441,8 @@ def lower_priority() -> None:
     training process's session splits that session's share with the loop whatever its nice
     value, so a host loaded by other jobs takes the writer's CPU out of the loop. In its own
     session, at the same nice value for the session, it competes with every job alike.
-    Parent death still kills it (the signal survives ``setsid``).
+    Parent death still ends it (:func:`~trainperf._utils.lifetime.die_with_parent`: the
+    signal survives ``setsid``, and the watcher thread checks the parent, not the session).
     """
     with contextlib.suppress(OSError):
         os.setsid()

@@ -54,6 +54,14 @@ __all__ = ["HangDetector", "rank_view"]
 _DUMP_WAIT_S = 3.0
 
 
+_WATCHER_FILE = os.path.join("_utils", "lifetime.py")
+
+
+def _is_watcher(thread: ThreadStack) -> bool:
+    """die_with_parent's watcher thread: in every rank, and nothing the hang is about."""
+    return any(f.file.endswith(_WATCHER_FILE) and f.function == "_watch" for f in thread.frames)
+
+
 def _base_dir() -> str | None:
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
@@ -81,7 +89,7 @@ def rank_view(
     others = tuple(
         (t.ident, user_frame(t.frames), source_line(user_frame(t.frames)))
         for t in threads or []
-        if t is not main and t.frames
+        if t is not main and t.frames and not _is_watcher(t)
     )
     return _hang.RankView(
         rank=rank,

@@ -29,6 +29,7 @@ from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any, Literal
 
+from trainperf._utils.lifetime import started_from_main
 from trainperf._utils.validate import choice, non_negative_int, positive_int, positive_number
 from trainperf.ddp import _capacity, _env
 from trainperf.ddp._detector import HangDetector
@@ -199,6 +200,7 @@ def _spawn(
                 threads=threads,
                 parent_pid=os.getpid(),
                 send_result_from_all=all_ranks,
+                from_main=started_from_main(),
                 grace_s=grace_s,
                 hang=None if detector is None else detector.spec,
             )

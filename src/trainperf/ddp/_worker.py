@@ -1,6 +1,7 @@
 """What runs inside each worker that ``launch`` spawns.
 
-A worker ties its life to the parent's (parent-death signal), takes its own process group
+A worker ties its life to the parent's (:func:`~trainperf._utils.lifetime.die_with_parent`:
+the parent-death signal, or a watcher thread), takes its own process group
 so the parent can stop it together with its DataLoader workers, loads ``main`` (under spawn:
 imports its module, inside the worker's own error handling, so an import that fails is
 reported like any exception), joins the process group through the parent's store, runs
@@ -74,6 +75,7 @@ class WorkerSpec:
     threads: int | None
     parent_pid: int
     send_result_from_all: bool
+    from_main: bool = True  # the launcher's main thread starts the ranks (die_with_parent)
     grace_s: float | None = None
     hang: Any = None  # a _progress.ProgressSpec when hang detection is on
     packed: bytes | None = None
@@ -341,7 +343,7 @@ def worker_main(
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _restore_stderr(stderr)
-    die_with_parent(spec.parent_pid)
+    die_with_parent(spec.parent_pid, spec.from_main)
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     if spec.grace_s is not None:
