@@ -210,6 +210,29 @@ def finish_after_sigterm(outdir: str, work_s: float) -> int:
     return ddp.rank()
 
 
+def local_dataset_in_workers() -> tuple[str, list[int]]:
+    """A DataLoader with workers over a dataset class defined here (not picklable): what
+    the rank's children start with, and what they yield."""
+    import multiprocessing
+
+    from torch.utils.data import DataLoader, Dataset
+
+    class Local(Dataset[int]):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> int:
+            return i
+
+    loader = DataLoader(Local(), batch_size=2, num_workers=1)
+    return multiprocessing.get_start_method(), [int(x) for b in loader for x in b.tolist()]
+
+
+def samples_of(loader: Any) -> tuple[int, list[int]]:
+    """``(len(loader), its samples)`` in this rank."""
+    return len(loader), [int(x) for batch in loader for x in batch.tolist()]
+
+
 def ready_then_sleep(outdir: str) -> None:
     """Say it is ready, then sleep without handling SIGTERM: the signal ends the rank."""
     Path(outdir, f"ready{ddp.rank()}").write_text("")

@@ -3,7 +3,9 @@ data_parallel, with and without a process group."""
 
 from __future__ import annotations
 
+import multiprocessing
 import pickle
+import sys
 
 import pytest
 import torch
@@ -115,6 +117,44 @@ def test_distributed_loader_shards_and_reshuffles(monkeypatch: pytest.MonkeyPatc
         ddp.distributed_loader(data, 2, sampler=None, batch_sampler=None)
     with pytest.raises(ValueError, match="epoch must be an int >= 0, got -1"):
         loader.set_epoch(-1)
+
+
+def test_a_loader_built_before_the_ranks_started_shards_in_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Built in one process (a notebook cell), iterated in each rank: it was rank 0 of 1's
+    # whole dataset in every rank.
+    loader = ddp.distributed_loader(list(range(10)), batch_size=5, shuffle=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert len(loader) == 1 and [b.tolist() for b in loader] == [[1, 3, 5, 7, 9]]
+
+
+@pytest.mark.slow  # about 2 s: two ranks
+def test_a_loader_handed_to_launch_gives_each_rank_its_shard() -> None:
+    from tests.ddp import _workers as workers
+    from tests.ddp._distributed import fast_start_method
+
+    loader = ddp.distributed_loader(list(range(8)), batch_size=2, seed=1)
+    got = ddp.launch_all(workers.samples_of, loader, nprocs=2, backend="gloo",
+                         start_method=fast_start_method())  # fmt: skip
+    (len0, first), (len1, second) = got
+    assert len0 == len1 == 2 and len(first) == len(second) == 4
+    assert sorted(first + second) == list(range(8))
+
+
+@pytest.mark.slow  # about 10 s: spawned ranks import torch
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork is Linux's default")
+def test_spawned_ranks_start_their_own_children_as_the_launching_process_would() -> None:
+    # Spawn made spawn the ranks' default too: a dataset class defined in main could not be
+    # pickled for the DataLoader's workers (it works under torchrun), and each epoch's
+    # workers imported torch again.
+    from tests.ddp import _workers as workers
+
+    got = ddp.launch_all(workers.local_dataset_in_workers, nprocs=2, backend="gloo",
+                         start_method="spawn")  # fmt: skip
+    expected = multiprocessing.get_start_method(True) or multiprocessing.get_all_start_methods()[0]
+    assert got == [(expected, [0, 1, 2, 3])] * 2
 
 
 def _record_worker(worker_id: int) -> None:

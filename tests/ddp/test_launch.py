@@ -163,7 +163,11 @@ _NUMERIC_TIMEOUT = r"timeout must be a positive number of seconds \(or a positiv
         (0, _NUMERIC_TIMEOUT + ", got 0"),
         (0.0, _NUMERIC_TIMEOUT + ", got 0.0"),
         ("30", _NUMERIC_TIMEOUT + ", got '30'"),
-        (1e300, r"timeout=1e\+300 seconds is longer than a timedelta can hold"),
+        (1e300, r"timeout=1e\+300 is longer than torch\.distributed can wait"),
+        # Accepted before, then a start-up that hung for ever (100,000 days) or failed at
+        # once with a negative timeout (1e10 s).
+        (timedelta(days=100_000), r"at most 36500 days\); pass a shorter one, and hang_"),
+        (1e10, r"timeout=10000000000\.0 is longer than torch\.distributed can wait"),
         (timedelta(0), r"timeout must be a positive timedelta \(or a positive number of second"),
         (timedelta(seconds=-1), r"timeout must be a positive timedelta.*got datetime\.timedelta"),
     ],

@@ -7,6 +7,7 @@ main process, collectives that return their input. So a training function writte
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -208,17 +209,38 @@ def wrap_model(model: nn.Module, **ddp_kwargs: Any) -> nn.Module:
 
 
 class _AutoEpochSampler(DistributedSampler[T]):
-    """A DistributedSampler whose epoch moves on by itself after each pass.
+    """A DistributedSampler whose epoch moves on by itself after each pass, and whose rank
+    and world size are the process's when it is iterated.
 
     ``set_epoch(e)`` still works (and sets the epoch of the next pass), so code written for
     a plain DistributedSampler behaves the same; code that forgets it no longer repeats
-    the first epoch's order forever.
+    the first epoch's order forever. A loader built before the ranks started (in a
+    notebook cell, then handed to ``launch``) was built for rank 0 of 1: each rank would
+    read the whole dataset; it takes its own rank's shard instead.
     """
 
+    def _follow(self) -> None:
+        """Take this process's rank and world size, if they changed since it was built."""
+        replicas, here = world_size(), rank()
+        if (replicas, here) == (self.num_replicas, self.rank):
+            return
+        self.num_replicas, self.rank = replicas, here
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if self.drop_last and n % replicas != 0:
+            self.num_samples = math.ceil((n - replicas) / replicas)
+        else:
+            self.num_samples = math.ceil(n / replicas)
+        self.total_size = self.num_samples * replicas
+
     def __iter__(self) -> Iterator[T]:
+        self._follow()
         indices = list(super().__iter__())
         self.epoch += 1
         return iter(indices)
+
+    def __len__(self) -> int:
+        self._follow()
+        return super().__len__()
 
 
 class DistributedLoader(DataLoader[T]):
@@ -274,10 +296,11 @@ def distributed_loader(
 ) -> DistributedLoader[T]:
     """A DataLoader that gives each rank its own 1/world_size of ``dataset`` every epoch.
 
-    Built on ``DistributedSampler`` (with this rank and world size, so it also works in a
-    single process). The shuffle is seeded by ``seed + epoch`` and the epoch advances
-    after each pass by itself (each ``iter(loader)``: every rank must make as many, or
-    their shuffles drift apart and samples repeat; a peek such as ``next(iter(loader))``
+    Built on ``DistributedSampler`` (with the rank and world size of the process that
+    iterates it, so it also works in a single process, and a loader built before
+    ``launch`` shards in each rank). The shuffle is seeded by ``seed + epoch`` and the
+    epoch advances after each pass by itself (each ``iter(loader)``: every rank must make
+    as many, or their shuffles drift apart and samples repeat; a peek such as ``next(iter(loader))``
     on one rank only counts as a pass); ``loader.set_epoch(e)`` sets it explicitly, and
     calling it at each epoch's start keeps the ranks in step whatever else iterates. Without
     ``drop_last`` the sampler pads with repeated samples so every rank gets as many.

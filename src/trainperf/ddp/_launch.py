@@ -67,23 +67,35 @@ def _check_options(
     return span
 
 
+MAX_TIMEOUT = timedelta(days=365 * 100)
+"""The longest ``timeout``: torch.distributed keeps timeouts in milliseconds (and
+nanoseconds) in 64 bits; far beyond this, its store and barrier overflow (a start-up that
+hangs for ever, or fails at once with a negative timeout)."""
+
+
 def _timeout_span(timeout: object) -> timedelta:
-    """``timeout`` as a timedelta: a timedelta > 0, or a finite number of seconds > 0."""
+    """``timeout`` as a timedelta: a timedelta, or a finite number of seconds, in
+    ``(0, MAX_TIMEOUT]``."""
     if isinstance(timeout, timedelta):
         if timeout <= timedelta(0):
             raise ValueError(
                 f"timeout must be a positive timedelta (or a positive number of seconds), "
                 f"got {timeout!r}"
             )
-        return timeout
-    seconds = positive_number("timeout", timeout, unit="seconds (or a positive timedelta)")
-    try:
-        return timedelta(seconds=seconds)
-    except OverflowError:
+        span = timeout
+    else:
+        seconds = positive_number("timeout", timeout, unit="seconds (or a positive timedelta)")
+        try:
+            span = timedelta(seconds=seconds)
+        except OverflowError:
+            span = timedelta.max
+    if span > MAX_TIMEOUT:
         raise ValueError(
-            f"timeout={timeout!r} seconds is longer than a timedelta can hold (at most "
-            f"{timedelta.max.total_seconds():.0f} s); pass a shorter timeout"
-        ) from None
+            f"timeout={timeout!r} is longer than torch.distributed can wait (at most "
+            f"{MAX_TIMEOUT.days} days); pass a shorter one, and hang_timeout=None if no "
+            "hang should ever be reported"
+        )
+    return span
 
 
 def cuda_driver_loaded(maps: Path = Path("/proc/self/maps")) -> bool:
@@ -201,6 +213,7 @@ def _spawn(
                 parent_pid=os.getpid(),
                 send_result_from_all=all_ranks,
                 from_main=started_from_main(),
+                child_start_method=multiprocessing.get_start_method(allow_none=True),
                 grace_s=grace_s,
                 hang=None if detector is None else detector.spec,
             )

@@ -76,6 +76,9 @@ class WorkerSpec:
     parent_pid: int
     send_result_from_all: bool
     from_main: bool = True  # the launcher's main thread starts the ranks (die_with_parent)
+    # The launching process's own default start method (None: the platform's), for the
+    # rank's own children (its DataLoader workers), not the one that started the rank.
+    child_start_method: str | None = None
     grace_s: float | None = None
     hang: Any = None  # a _progress.ProgressSpec when hang detection is on
     packed: bytes | None = None
@@ -344,6 +347,10 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _restore_stderr(stderr)
     die_with_parent(spec.parent_pid, spec.from_main)
+    # A spawned process makes spawn its default too: its DataLoader workers would start a
+    # fresh interpreter each (a dataset class defined in main cannot be pickled there, and
+    # each epoch's workers import torch again), unlike the same script under torchrun.
+    multiprocessing.set_start_method(spec.child_start_method, force=True)
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     if spec.grace_s is not None:
