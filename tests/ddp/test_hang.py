@@ -145,6 +145,18 @@ def test_a_rank_that_sent_no_stack_is_named_as_such() -> None:
     assert v.root == (1,) and "rank 1 sent no stack" in str(report)
 
 
+def test_the_advice_names_the_limit_as_the_caller_named_it() -> None:
+    # watchdog(timeout=...) has no hang_timeout to raise.
+    views = (_waits(0, _c(3)), _busy(1))
+    report = HangReport(3.0, 3.4, 2, diagnose(list(views)), views, option="timeout")
+    text = str(report)
+    assert "(timeout=3)" in text and "hang_timeout" not in text
+    assert "raise the watchdog's timeout (or pass timeout=None)" in text
+    assert "hang_timeout" not in report.to_dict()["advice"]
+    launched = HangReport(3.0, 3.4, 2, diagnose(list(views)), views)
+    assert "raise hang_timeout (or pass hang_timeout=None)" in str(launched)
+
+
 def test_the_report_reads_and_serialises() -> None:
     views = (_waits(0, _c(3), steps=2), _busy(1))
     report = HangReport(3.0, 3.4, 2, diagnose(list(views)), views)

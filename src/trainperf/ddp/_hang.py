@@ -113,6 +113,21 @@ class Verdict:
     advice: str
 
 
+def _named_as(advice: str, option: str) -> str:
+    """``advice`` for a caller that names the limit ``option``: ``watchdog(timeout=...)``
+    has no ``hang_timeout``.
+
+    Example:
+        >>> _named_as("raise hang_timeout (or pass hang_timeout=None).", "timeout")
+        "raise the watchdog's timeout (or pass timeout=None)."
+    """
+    if option == "hang_timeout":
+        return advice
+    return advice.replace("hang_timeout=None", f"{option}=None").replace(
+        "hang_timeout", f"the watchdog's {option}"
+    )
+
+
 def _ranks(ranks: list[int] | tuple[int, ...]) -> str:
     ranks = sorted(ranks)
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
@@ -481,7 +496,7 @@ class HangReport:
             f"({self.option}={self.hang_timeout:g}): {cause}.",
             v.headline,
             "",
-            v.advice,
+            _named_as(v.advice, self.option),
             "",
             "Each rank:",
         ]
@@ -504,7 +519,7 @@ class HangReport:
             "kind": self.verdict.kind,
             "root_ranks": list(self.verdict.root),
             "headline": self.verdict.headline,
-            "advice": self.verdict.advice,
+            "advice": _named_as(self.verdict.advice, self.option),
             "ranks": [_view_dict(view) for view in self.ranks],
             "endings": [
                 {"rank": e.rank, "exitcode": e.exitcode, "how": e.text, "expected": e.expected}

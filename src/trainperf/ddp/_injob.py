@@ -44,7 +44,7 @@ def run_in_process(
     import torch
     import torch.distributed as dist
 
-    from trainperf.ddp._watchdog import watchdog
+    from trainperf.ddp._watchdog import Watchdog
     from trainperf.limits import usable_cpus
 
     names = (*_env.TORCHRUN_VARS, "LOCAL_WORLD_SIZE")
@@ -73,7 +73,7 @@ def run_in_process(
             created = True
         # No launcher of ours to watch the ranks: they watch each other (a hang ends every
         # rank with status 124 and the verdict on stderr).
-        with watchdog(hang_timeout):
+        with Watchdog(hang_timeout, None, option="hang_timeout").start():
             result = main(*args, **kwargs)
         if not all_ranks:
             return result

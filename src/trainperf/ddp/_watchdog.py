@@ -143,8 +143,14 @@ def _store(rank_prefix: str) -> Any:
 class Watchdog:
     """One rank's watchdog; ``with watchdog():`` or a single ``watchdog()`` call."""
 
-    def __init__(self, timeout: float | None, report_path: str | os.PathLike[str] | None) -> None:
+    def __init__(
+        self,
+        timeout: float | None,
+        report_path: str | os.PathLike[str] | None,
+        option: str = "timeout",
+    ) -> None:
         self.timeout = timeout
+        self.option = option  # how the user named the timeout, for the report
         self.report_path = None if report_path is None else Path(report_path)
         self.active = False
         self.limit = 0.0
@@ -323,7 +329,7 @@ class Watchdog:
             views.append(_view(rank, json.loads(values[key])))
         verdict = _hang.diagnose(views)
         return _hang.HangReport(
-            self.limit, stalled_s, self.world, verdict, tuple(views), option="timeout"
+            self.limit, stalled_s, self.world, verdict, tuple(views), option=self.option
         )
 
     def _heard(self, key: str, wait_s: float) -> bytes | None:
@@ -355,7 +361,7 @@ class Watchdog:
                 stalled = time.monotonic() - last
                 verdict = _hang.diagnose(views)
                 return _hang.HangReport(
-                    self.limit, stalled, self.world, verdict, tuple(views), option="timeout"
+                    self.limit, stalled, self.world, verdict, tuple(views), option=self.option
                 )
         return None
 
