@@ -377,6 +377,31 @@ def test_the_final_alternation_does_not_measure_again_a_pair_the_growth_alternat
     assert s.final() and compared == []
 
 
+def test_a_size_measured_again_after_an_alternation_is_alternated_again_at_the_end() -> None:
+    # Its new figure is on no alternation's scale: the final alternation must not trust it.
+    truth = {64: 110.0, 128: 100.0}
+    compared: list[tuple[int, ...]] = []
+
+    def compare(sizes: Sequence[BatchSizeCandidate], rounds: int) -> Comparison:
+        order = tuple(c.batch_size for c in sizes)
+        compared.append(order)
+        return Comparison(order, tuple(tuple(truth[n] for n in order) for _ in range(rounds)))
+
+    def probe(n: int) -> BatchSizeCandidate:
+        return ok(n, 115.0 if n == 128 else truth[n])  # 128's second probe: a lucky one
+
+    s = Search(SizeSpace(1, 512), probe, time_left=lambda: math.inf, usable=lambda: None,
+               compare=compare)  # fmt: skip
+    s.results = [ok(64, 110.0), ok(128, 104.0, spread=0.3)]
+    assert s._alternate(s.results) is not None
+    s._replace(s.results[1], rescaled(s.results[1], s.comparisons[0], s.results[0]))
+    s._measure_again(s.results[1])
+    compared.clear()
+    assert s.final() and compared == [(128, 64)]
+    best = choose(s.results)
+    assert best is not None and best.batch_size == 64
+
+
 def test_no_time_for_alternation_falls_back_to_the_probes() -> None:
     calls: list[object] = []
 

@@ -374,6 +374,9 @@ class Search:
     def _measure_again(self, c: BatchSizeCandidate) -> BatchSizeCandidate:
         """Probe ``c``'s size again; the second measurement replaces the first."""
         self.measured_twice.add(c.batch_size)
+        # Its new figure is on no alternation's scale: the final one must measure it again.
+        self.comparisons = [cmp for cmp in self.comparisons if c.batch_size not in cmp.sizes]
+        self.compared = [done for done in self.compared if c.batch_size not in done]
         again = self.probe(c.batch_size)
         first = f"measured twice: the first run's windows spread {100 * (c.spread or 0):.0f} %"
         note = f"{first} ({c.samples_per_s:,.1f} samples/s)"
