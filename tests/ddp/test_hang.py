@@ -50,6 +50,18 @@ def test_a_rank_that_has_gone_is_the_cause_not_the_interconnect() -> None:
     assert v.headline.endswith("; rank 2 returned from main")
 
 
+def test_ranks_that_could_not_be_asked_are_not_said_to_have_exited() -> None:
+    # The watchdog alone, its store gone: it knows its own rank only.
+    views = [RankView(0, "unknown", "running"), _waits(1, _c(2)), RankView(2, "unknown", "running")]
+    v = diagnose(views)
+    assert (v.kind, v.root) == ("unreachable", ())
+    assert v.headline.startswith("rank 1 waits in all_reduce float32[4] (collective #2)")
+    assert "ranks 0, 2 could not be asked: the store that connects the ranks failed" in v.headline
+    assert "exited" not in v.headline and "store" in v.advice
+    busy = diagnose([RankView(0, "unknown", "running"), _busy(1)])
+    assert busy.kind == "unreachable" and "returned" not in busy.advice
+
+
 @pytest.mark.parametrize("status", ["returned"])
 def test_ranks_waiting_for_one_that_finished_call_a_collective_it_never_will(
     status: str,

@@ -3,13 +3,18 @@
 Input: one :class:`RankView` per rank (built by the launcher or the watchdog from the slot
 and the stack dump). The rules, in order (:func:`diagnose`):
 
+0. **unreachable**: the store that connects the ranks failed, so the watchdog knows only
+   its own rank: no rank is blamed, and the store's host is named as the place to look.
 1. **outside**: some ranks wait (in a collective, or inside ``backward()``, where DDP's
    gradient all-reduce runs) while others run user code outside any collective: those
    are the cause; their stack says whether they wait for a DataLoader batch, are blocked
    on a lock or on another of their threads, or are simply busy (a loop, a sleep, work
    only they do).
 2. **returned**: some ranks returned from ``main`` and the others are still busy outside
-   any collective: the busy ones are the cause.
+   any collective: the busy ones are the cause. **gone**: some ranks exited without
+   returning (an exception, a crash) and the others wait: the ones that exited are; when
+   all that finished returned and the others wait, those call a collective the finished
+   ranks never will (**mismatch**).
 3. **ddp**: some ranks wait inside ``backward()`` while others wait in a collective and have
    made more optimizer steps: those got past the gradient all-reduce without starting it
    (their forward did not use every parameter), so they are the cause.
@@ -42,8 +47,8 @@ from trainperf.ddp._stacks import Activity, Frame, is_user_file
 
 __all__ = ["Ending", "HangReport", "RankView", "Verdict", "blocked", "diagnose", "is_hang"]
 
-Status = Literal["running", "returned", "gone"]
-Kind = Literal["outside", "returned", "gone", "ddp", "mismatch", "behind", "stalled"]
+Status = Literal["running", "returned", "gone", "unknown"]
+Kind = Literal["outside", "returned", "gone", "unreachable", "ddp", "mismatch", "behind", "stalled"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,8 @@ class RankView:
             return "returned from main"
         if self.status == "gone":
             return "has exited"
+        if self.status == "unknown":
+            return "could not be asked"
         if self.activity == "collective" and self.collective is not None:
             return f"waits in {self.collective.describe()}"
         if self.stuck_in and self.activity != "backward":
@@ -189,6 +196,11 @@ _ADVICE = {
         "Event or Condition, a queue) and it never does: that thread died, is stuck itself, "
         "or was never started (its threads are listed below). Signal on every path "
         "(try/finally), and give the wait a timeout."
+    ),
+    "unreachable": (
+        "Fix: the rendezvous store that connects the ranks failed, so {who} could not say "
+        "what they do: the process that hosts it (rank 0, or torchrun's agent) exited or lost "
+        "the network. Look at that process's output first; the hang may be its crash."
     ),
     "gone": (
         "Fix: {who} exited while the others wait for it in a collective: its own output "
@@ -380,6 +392,9 @@ def diagnose(views: list[RankView]) -> Verdict:
         >>> diagnose([v0, v1]).root
         (1,)
     """
+    unknown = [v for v in views if v.status == "unknown"]
+    if unknown:
+        return _unreachable(_excluding(views, unknown), unknown)
     running = [v for v in views if v.status == "running"]
     done = [v for v in views if v.status != "running"]
     found = _outside(running, done)
@@ -402,6 +417,16 @@ def diagnose(views: list[RankView]) -> Verdict:
         if found is not None:
             return found
     return _same_call(waiting)
+
+
+def _unreachable(known: list[RankView], unknown: list[RankView]) -> Verdict:
+    """The store that connects the ranks failed: only the ranks still reachable (this one)
+    could say what they do, so no rank is blamed."""
+    headline = (
+        f"{_describe_root(known)}; {_ranks([v.rank for v in unknown])} could not be asked: the "
+        "store that connects the ranks failed"
+    )
+    return Verdict("unreachable", (), headline, _advice("unreachable", unknown))
 
 
 def _waiting_for_gone(

@@ -342,7 +342,7 @@ class Watchdog:
         return None
 
     def _alone(self) -> _hang.HangReport | None:
-        """The store failed: watch this rank's own progress; the others count as gone."""
+        """The store failed: watch this rank's own progress; the others cannot be asked."""
         progress, since = self.tracker.progress, time.monotonic()
         last = since  # the last real progress (busy() beats reset only the clock)
         while not self._stop.wait(self.poll_s):
@@ -355,7 +355,7 @@ class Watchdog:
                 record = {"status": "running", "slot": bytes(self.buf).hex()}
                 record["dump"] = self._own_dump()
                 views = [
-                    _view(r, record) if r == self.rank else _hang.RankView(r, "gone", "running")
+                    _view(r, record) if r == self.rank else _hang.RankView(r, "unknown", "running")
                     for r in range(self.world)
                 ]
                 stalled = time.monotonic() - last
