@@ -145,6 +145,14 @@ def return_early_on_rank(bad_rank: int) -> str:
     return "stayed"
 
 
+def raise_after_peer_returned(bad_rank: int) -> str:
+    """The other ranks return at once; ``bad_rank`` then raises an error of its own."""
+    if ddp.rank() == bad_rank:
+        time.sleep(1.0)
+        raise ValueError("its own failure")
+    return "left"
+
+
 def fail_first_attempt(marker: str) -> int:
     """Rank 1 fails the first time (no marker file yet); every rank succeeds the second."""
     path = Path(marker)

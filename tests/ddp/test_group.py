@@ -59,6 +59,16 @@ def test_a_peer_that_left_is_reported_without_waiting_for_the_timeout() -> None:
     assert "Already returned from main: rank 1 (a collective that not every rank calls" in text
 
 
+@pytest.mark.timeout(60)
+def test_a_ranks_own_error_after_a_peer_returned_is_not_blamed_on_a_collective() -> None:
+    with pytest.raises(LaunchError) as info:
+        launch_fork(workers.raise_after_peer_returned, 0, timeout=LONG)
+    text = str(info.value)
+    assert text.startswith("rank 0 of 2 raised ValueError: its own failure")
+    assert "Already returned from main: rank 1" in text
+    assert "a collective that not every rank calls" not in text
+
+
 def _make_group(n: int = 3) -> _group.Group:
     spec = WorkerSpec(
         workers.add, (), {}, "gloo", n, "127.0.0.1", 1, "p/", LONG, None, os.getpid(), False

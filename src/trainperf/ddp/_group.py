@@ -445,11 +445,12 @@ class Group:
             lines += [f"  rank {p.rank} {p.summary}" for p in later]
         returned = sorted(r for r in self.results if r != first.rank)
         if returned and first.rank not in self.results:
+            why = " (a collective that not every rank calls fails like this)"
             lines += [
                 "",
                 f"Already returned from main: rank{'s' if len(returned) > 1 else ''} "
                 + ", ".join(map(str, returned))
-                + " (a collective that not every rank calls fails like this)",
+                + (why if _peer_gone(f"{first.summary}\n{first.detail}") else ""),
             ]
         if self.detector is not None:
             lines += self.detector.mismatch_note()
@@ -467,6 +468,21 @@ class Group:
         ]
         lines += [f"  rank {rank} {text} while being stopped" for rank, text in odd]
         return "\n".join(lines)
+
+
+_PEER_GONE = ("closed by peer", "reset by peer", "connection closed", "broken pipe")
+
+
+def _peer_gone(text: str) -> bool:
+    """Whether a failure reads like a collective whose peer had gone (gloo's "Connection
+    closed by peer"), not a rank's own error.
+
+    Example:
+        >>> _peer_gone("raised RuntimeError: [gloo] Connection closed by peer"), _peer_gone("x")
+        (True, False)
+    """
+    low = text.lower()
+    return any(s in low for s in _PEER_GONE)
 
 
 def drain_ending(ranks: list[int], text: str, code: int | None) -> str:
