@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -113,6 +114,17 @@ def test_distributed_loader_shards_and_reshuffles(monkeypatch: pytest.MonkeyPatc
 
     with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
         ddp.distributed_loader(data, 0)
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got '1'"):
+        ddp.distributed_loader(data, 2, seed="1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_workers must be an int >= 0, got '2'"):
+        ddp.distributed_loader(data, 2, num_workers="2")
+
+    class Stream(torch.utils.data.IterableDataset[int]):
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(4))
+
+    with pytest.raises(TypeError, match="got Stream, an IterableDataset: DistributedSampler"):
+        ddp.distributed_loader(Stream(), 2)
     with pytest.raises(ValueError, match="remove batch_sampler, sampler"):
         ddp.distributed_loader(data, 2, sampler=None, batch_sampler=None)
     with pytest.raises(ValueError, match="epoch must be an int >= 0, got -1"):

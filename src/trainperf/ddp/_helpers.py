@@ -319,8 +319,9 @@ def distributed_loader(
         A :class:`DistributedLoader` (a ``DataLoader``).
 
     Raises:
-        ValueError: ``batch_size`` < 1, or ``loader_kwargs`` has ``sampler`` or
-            ``batch_sampler``.
+        ValueError: ``batch_size`` < 1, ``seed`` or ``num_workers`` not an int >= 0, or
+            ``loader_kwargs`` has ``sampler`` or ``batch_sampler``.
+        TypeError: ``dataset`` is an ``IterableDataset``.
 
     Example:
         >>> loader = distributed_loader(list(range(6)), batch_size=3, shuffle=False)
@@ -328,6 +329,16 @@ def distributed_loader(
         [[0, 1, 2], [3, 4, 5]]
     """
     positive_int("batch_size", batch_size)
+    non_negative_int("seed", seed)
+    non_negative_int("num_workers", loader_kwargs.get("num_workers", 0))
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        raise TypeError(
+            f"distributed_loader needs a map-style dataset (__len__ and __getitem__), got "
+            f"{type(dataset).__name__}, an IterableDataset: DistributedSampler shards "
+            "indices. Shard the stream in its __iter__ by rank (trainperf.ddp.rank(), "
+            "world_size()) and by worker (torch.utils.data.get_worker_info()), and use a "
+            "plain DataLoader"
+        )
     clashing = sorted({"sampler", "batch_sampler"} & loader_kwargs.keys())
     if clashing:
         raise ValueError(
