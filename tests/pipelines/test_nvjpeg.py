@@ -125,6 +125,18 @@ def test_nvjpeg_closed_mid_epoch_says_so(folder: Path) -> None:
             pass
 
 
+def test_nvjpeg_closed_after_the_whole_epoch_was_read_says_so_at_once(folder: Path) -> None:
+    # One batch holds the whole epoch, so nothing is left to read when close() comes: the
+    # producer has finished and only its "done" is queued, which must not end the epoch quietly.
+    loader = _nvjpeg_on_cpu(folder, batch_size=64, last_batch="keep")
+    assert len(loader) == 1
+    it = loader.iter_with_indices()
+    next(it)
+    loader.close()
+    with pytest.raises(RuntimeError, match=r"^this image loader was closed$"):
+        next(it)
+
+
 @pytest.fixture()
 def bad_marker_folder(folder: Path, tmp_path: Path) -> Path:
     """The folder plus a JPEG whose header and end marker are intact but whose middle is not."""

@@ -316,6 +316,8 @@ class NvjpegLoader(ImageLoader):
                     images.record_stream(current)
                     labels.record_stream(current)
                 yield images, labels, torch.tensor(indices, dtype=torch.int64)
+                if self._pool is None:  # close() while the loop held this batch
+                    raise RuntimeError("this image loader was closed")
         finally:
             stop.set()
             while producer.is_alive():
