@@ -500,6 +500,23 @@ def test_check_same_device_looks_inside_a_packed_sequence_by_field() -> None:
     assert check_same_device(model, to_device(packed, "meta")) == META
 
 
+class LengthsBatch(NamedTuple):
+    """A batch whose own .to keeps the lengths on the CPU, where pack_padded_sequence wants them."""
+
+    x: torch.Tensor
+    lengths: torch.Tensor
+
+    def to(self, device: torch.device | str) -> LengthsBatch:
+        return LengthsBatch(self.x.to(device), self.lengths)
+
+
+def test_check_same_device_leaves_a_namedtuples_own_to_to_place_its_fields() -> None:
+    model = torch.nn.LSTM(3, 4).to("meta")
+    batch = LengthsBatch(torch.randn(5, 2, 3), torch.tensor([5, 3])).to("meta")
+    assert batch.lengths.device.type == "cpu"
+    assert check_same_device(model, batch) == META
+
+
 def test_check_same_device_walks_a_slotted_tuple_with_to_by_position() -> None:
     pair = SlottedPair((torch.ones(1), torch.ones(1, device="meta")))
     with pytest.raises(DeviceMismatchError, match=r"cpu: input p\[0\]\n  meta: input p\[1\]"):

@@ -447,18 +447,19 @@ def _named_tensors(
 
 def _children(obj: Any) -> list[tuple[str, Any]]:
     """What an object with its own ``.to`` holds, each with its path suffix: a mapping by
-    item, a namedtuple (``PackedSequence``) by field, a dataclass by field, others by
-    attribute, and a sequence or set without a ``__dict__`` by position."""
+    item, a ``PackedSequence`` by field (``batch_sizes`` left out), a dataclass by field,
+    others by attribute, and a sequence or set without a ``__dict__`` by position. Other
+    namedtuples are not walked: their ``.to`` decides where each field goes."""
     if isinstance(obj, Mapping):
         return [(f"[{k!r}]", v) for k, v in obj.items()]
+    if isinstance(obj, torch.nn.utils.rnn.PackedSequence):
+        # batch_sizes stays on the CPU wherever the data is (its .to and the RNNs want it
+        # there): not a mismatch. sorted_indices and unsorted_indices move with the data.
+        return [(f".{name}", getattr(obj, name)) for name in obj._fields if name != "batch_sizes"]
     if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
-        # A PackedSequence keeps batch_sizes on the CPU wherever its data is (its .to and
-        # the RNNs want it there): not a mismatch.
-        packed = isinstance(obj, torch.nn.utils.rnn.PackedSequence)
-        namedtuple_type: Any = type(obj)  # typeshed's tuple has no _fields
-        fields: tuple[str, ...] = namedtuple_type._fields
-        names = [n for n in fields if not (packed and n == "batch_sizes")]
-        return [(f".{name}", getattr(obj, name)) for name in names]
+        # A user's NamedTuple batch whose .to keeps some fields on the CPU on purpose (the
+        # lengths pack_padded_sequence wants there): its author decides placement.
+        return []
     if dataclasses.is_dataclass(obj):
         return [(f".{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)]
     try:
@@ -482,9 +483,10 @@ def check_same_device(
         module: the model (or None to check the inputs alone).
         *tensors: inputs, possibly nested in containers (named ``arg0``, ``arg1``…).
             Objects with their own ``.to`` are looked inside too: mappings (Hugging Face's
-            ``BatchEncoding``) by item, namedtuples (``PackedSequence``, whose
-            ``batch_sizes`` stays on the CPU by design) and dataclasses by field, others by
-            attribute (or, without a ``__dict__``, lists and tuples by position).
+            ``BatchEncoding``) by item, ``PackedSequence`` (whose ``batch_sizes`` stays
+            on the CPU by design) and dataclasses by field, others by attribute (or,
+            without a ``__dict__``, lists and tuples by position). Other namedtuples with
+            their own ``.to`` are not looked inside: their ``.to`` places each field.
         **named_tensors: inputs by name, possibly nested.
 
     Returns:
