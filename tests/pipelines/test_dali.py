@@ -184,10 +184,23 @@ def test_failure_fix_suggests_skip_only_for_a_file_pil_cannot_decode() -> None:
     from trainperf.pipelines._source import BadFile
 
     refused, broken = BadFile("a.tiff", DALI_REFUSES), BadFile("b.jpg", "cannot be decoded")
-    assert "on_error='skip', which decodes" in failure_fix([refused, broken])
-    for pil_reads in ([], [refused]):
-        assert "on_error='skip' would keep the file" in failure_fix(pil_reads)
-        assert "backend='torchvision'" in failure_fix(pil_reads)
+    assert "on_error='skip', which decodes" in failure_fix([refused, broken], ["a.tiff", "b.jpg"])
+    for pil_reads in ([], [refused]):  # PIL decodes the named file, or every suspect
+        assert "on_error='skip' would keep the file" in failure_fix(pil_reads, ["a.tiff"])
+        assert "backend='torchvision'" in failure_fix(pil_reads, ["a.tiff"])
+
+
+def test_dali_failure_with_no_file_known_gives_both_fixes_and_claims_nothing() -> None:
+    from trainperf.pipelines._dali import describe_failure, failure_fix
+
+    # Nothing was pending: no file was named, none was checked with PIL.
+    what = describe_failure("...encountered: nvImageCodec failure: '#3'", [], [])
+    assert what == "DALI failed on a file it did not name (DALI said: nvImageCodec failure: '#3')"
+    fix = failure_fix([], [])
+    assert "PIL decodes this one" not in fix
+    assert "Convert it" not in fix
+    assert "on_error='skip'" in fix
+    assert "backend='torchvision'" in fix
 
 
 def _non_utf8(directory: Path, name: bytes, data: bytes) -> str:

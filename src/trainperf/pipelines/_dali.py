@@ -59,6 +59,11 @@ _PIL_READS_FIX = (
     "1-bit TIFFs are one kind DALI refuses), or pass backend='torchvision', which decodes "
     "with PIL"
 )
+_UNKNOWN_FILE_FIX = (
+    "If a file is damaged, pass on_error='skip', which decodes every file up front and "
+    "leaves out the bad ones; if DALI refuses a file PIL reads, pass backend='torchvision', "
+    "which decodes with PIL"
+)
 
 
 def dali_missing_error() -> ModuleNotFoundError:
@@ -181,7 +186,8 @@ def _cause(message: str) -> str:
 
 
 def describe_failure(message: str, culprits: Sequence[BadFile], suspects: Sequence[str]) -> str:
-    """What went wrong, for a DALI decoder error: the culprit files and why, or the suspects.
+    """What went wrong, for a DALI decoder error: the culprit files and why, or the suspects
+    (all of which PIL decodes), or, with neither (nothing was pending), DALI's words alone.
 
     Example:
         >>> print(describe_failure("...encountered: nvImageCodec failure: '#3'", [], ["a.jpg"]))
@@ -191,23 +197,30 @@ def describe_failure(message: str, culprits: Sequence[BadFile], suspects: Sequen
         listed = "; ".join(f"'{shown(b.path)}': {b.reason}" for b in culprits[:5])
         more = f" and {len(culprits) - 5} more" if len(culprits) > 5 else ""
         return f"DALI could not decode {listed}{more}"
+    if not suspects:
+        return f"DALI failed on a file it did not name (DALI said: {_cause(message)})"
     names = ", ".join(f"'{shown(p)}'" for p in suspects[:10])
     more = f" and {len(suspects) - 10} more" if len(suspects) > 10 else ""
     return f"DALI failed on one of {names}{more}, which PIL decodes (DALI said: {_cause(message)})"
 
 
-def failure_fix(culprits: Sequence[BadFile]) -> str:
+def failure_fix(culprits: Sequence[BadFile], suspects: Sequence[str]) -> str:
     """The fix to suggest for a DALI decoder error: ``on_error='skip'`` only if some culprit
-    is a file PIL cannot decode, since skip checks files with PIL and keeps the others.
+    is a file PIL cannot decode, since skip checks files with PIL and keeps the others;
+    converting the file if PIL decodes every suspect; both choices if no file is known.
 
     Example:
-        >>> failure_fix([BadFile("a.jpg", "cannot be decoded (truncated)")])[:25]
+        >>> failure_fix([BadFile("a.jpg", "cannot be decoded (truncated)")], ["a.jpg"])[:25]
         'Fix or remove the file, o'
-        >>> "backend='torchvision'" in failure_fix([])
-        True
+        >>> failure_fix([], ["a.jpg"])[:37]
+        "on_error='skip' would keep the file: "
+        >>> failure_fix([], [])[:38]
+        "If a file is damaged, pass on_error='s"
     """
     if any(b.reason != DALI_REFUSES for b in culprits):
         return _SKIP_FIX
+    if not suspects:  # nothing was pending, so no file was checked with PIL
+        return _UNKNOWN_FILE_FIX
     return _PIL_READS_FIX
 
 
@@ -322,7 +335,8 @@ class DaliLoader(ImageLoader):
         culprits, suspects = find_culprits(
             message, list(self._feed.pending), self.source.files, self.config.max_pixels
         )
-        return self._fail(describe_failure(message, culprits, suspects), failure_fix(culprits))
+        what = describe_failure(message, culprits, suspects)
+        return self._fail(what, failure_fix(culprits, suspects))
 
     def _images(self, out: dict[str, Any]) -> torch.Tensor:
         if self._finish is None:
