@@ -107,6 +107,34 @@ def test_measure_empty_loader_raises_with_the_fixes_that_apply(
     assert str(info.value).endswith(fix), str(info.value)
 
 
+class ShardedStream(torch.utils.data.IterableDataset[int]):
+    """12 samples, split between the DataLoader's workers: each worker's shard is shorter."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(range(worker, 12, workers))
+
+
+def test_measure_sharded_stream_with_drop_last_offers_drop_last_false() -> None:
+    # 12 samples >= batch_size 8, but each of the 2 workers has 6: drop_last drops them all.
+    with pytest.raises(ValueError, match="yields no batch") as info:
+        measure(
+            ShardedStream(),
+            8,
+            {"drop_last": True},
+            num_workers=2,
+            prefetch_factor=2,
+            pin_memory=False,
+            deadline=time.perf_counter() + 30,
+        )
+    assert "or drop_last=False (it keeps the last, smaller batch)" in str(info.value)
+    assert "a batch_size of at most" not in str(info.value)
+
+
 def test_measure_skips_when_the_deadline_has_passed() -> None:
     r = measure(
         TensorDataset(torch.zeros(8, 2)),

@@ -193,11 +193,16 @@ def no_batch_message(
         n = None
     where = "dataset" if sampler is None else "sampler"
     fixes = [f"give a {where} with at least one batch of samples"]
-    if drop_last and batch_size is not None and (n is None or 0 < n < batch_size):
-        fixes.append("drop_last=False (it keeps the last, smaller batch)")
-        if n is not None:
+    iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+    if drop_last and batch_size is not None:
+        short = n is not None and 0 < n < batch_size
+        # Each worker batches its own shard of an IterableDataset, and a shard can be
+        # shorter than batch_size however long the whole stream is.
+        if n is None or short or iterable:
+            fixes.append("drop_last=False (it keeps the last, smaller batch)")
+        if short:
             fixes.append(f"a batch_size of at most {n}")
-    if isinstance(dataset, torch.utils.data.IterableDataset):
+    if iterable:
         fixes.append(
             "an IterableDataset that yields its samples again on each iter() (one whose "
             "__iter__ returns itself is used up by the measurements)"
