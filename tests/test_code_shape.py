@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "trainperf"
@@ -53,3 +54,33 @@ def test_no_function_is_longer_than_sixty_code_lines() -> None:
         for name, n in long_functions(path.read_text())
     ]
     assert not too_long, "split these (limit 60):\n" + "\n".join(too_long)
+
+
+def stray_docstrings(source: str) -> list[int]:
+    """Lines of module-level strings that follow neither an assignment nor the module's start:
+    an attribute docstring separated from its name (a constant inserted in between)."""
+    body = ast.parse(source).body
+    return [
+        after.lineno
+        for before, after in itertools.pairwise(body)
+        if isinstance(after, ast.Expr)
+        and isinstance(after.value, ast.Constant)
+        and isinstance(after.value.value, str)
+        and not isinstance(before, (ast.Assign, ast.AnnAssign))
+    ]
+
+
+def test_the_stray_docstring_finder_sees_a_docstring_cut_from_its_name() -> None:
+    kept = '"""Module."""\nA = 1\n"""About A."""\nB = 2\n"""About B."""\n'
+    cut = '"""Module."""\nA = 1\nB = 2\n"""About B."""\n"""About A."""\n'
+    assert stray_docstrings(kept) == []
+    assert stray_docstrings(cut) == [5]
+
+
+def test_every_module_constants_docstring_sits_under_it() -> None:
+    stray = [
+        f"{path.relative_to(SRC)}:{line}"
+        for path in sorted(SRC.rglob("*.py"))
+        for line in stray_docstrings(path.read_text())
+    ]
+    assert not stray, "put these docstrings under the name they describe:\n" + "\n".join(stray)

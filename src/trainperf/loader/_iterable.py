@@ -63,9 +63,9 @@ __all__ = [
 ITEMS = 4
 """Items compared per worker before a stream counts as not sharded."""
 ALIKE = "its first items are all alike"
+"""Why a check could not tell: a constant stream looks the same sharded or not."""
 PROBE_WORKERS = 2
 """Workers :func:`check_sharding` starts (beside any the caller's loader has running)."""
-"""Why a check could not tell: a constant stream looks the same sharded or not."""
 _LIMIT_S = {"fork": 10.0, "spawn": 40.0, "forkserver": 40.0}
 """Seconds the check may take at most (spawned workers import torch again first)."""
 _SEED = 0x5EED
