@@ -226,12 +226,19 @@ def test_an_optimizer_whose_parameters_got_no_gradient_is_left_alone(precision: 
     for p in model[0].parameters():
         p.grad = None
     head = [p.detach().clone() for p in model[1].parameters()]
+    stepped: list[object] = []
+    opts[0].register_step_post_hook(lambda opt, args, kwargs: stepped.append(opt))
+    if precision == "fp16":  # unscaled for a look at the gradients: forgotten with the step
+        mp.scaler.unscale_(opts[0])  # type: ignore[union-attr]
     assert mp.step(*opts)
     assert all(not torch.equal(p, q) for p, q in zip(model[1].parameters(), head, strict=True))
+    assert stepped == [opts[0]]  # stepped plainly: its hooks and schedulers see the step
     mp.zero_grad()
     with mp.autocast():
         loss = model(torch.randn(8, 4) * 1e-3).float().mean() * 1e-2
     mp.backward(loss)
+    if precision == "fp16":
+        mp.scaler.unscale_(opts[0])  # type: ignore[union-attr]
     assert mp.step(*opts)  # the next step works
 
 

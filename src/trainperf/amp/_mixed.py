@@ -315,12 +315,15 @@ class MixedPrecision:
                 signature before several could be passed).
 
         Returns:
-            True if every optimizer stepped, False if an fp16 step was skipped.
+            True if every optimizer stepped, False if an fp16 step was skipped (an
+            optimizer none of whose parameters got a gradient is stepped plainly and
+            counts as stepped).
 
         Raises:
             RuntimeError: no :meth:`backward` since the last step or :meth:`zero_grad`
                 (a second ``step`` after one backward says to pass all optimizers to one).
-            TypeError: no optimizer given.
+            TypeError: no optimizer given, or something that is not one (a clip value
+                passed positionally: ``max_grad_norm`` is keyword-only).
             ValueError: ``max_grad_norm`` is not a positive number, or an optimizer is
                 given twice.
 
@@ -337,17 +340,22 @@ class MixedPrecision:
         self._check_step(optimizers, max_grad_norm)
         self._backward_pending = False
         self._stepped = True
-        # An optimizer none of whose parameters got a gradient (a frozen backbone) has
-        # nothing to step: GradScaler would assert on it, half-way through the others.
-        stepping = tuple(o for o in optimizers if _has_grads(o))
         scaler = self.scaler
         if scaler is None:
-            for opt in stepping:
+            for opt in optimizers:
                 if max_grad_norm is not None:
                     nn.utils.clip_grad_norm_(_parameters(opt), max_grad_norm)
                 opt.step()
             return True
-        return _scaled_step(scaler, stepping, max_grad_norm)
+        # An optimizer none of whose parameters got a gradient (a frozen backbone) has
+        # nothing to unscale nor to find inf in: GradScaler would assert on it, half-way
+        # through the others. It is stepped plainly (its hooks and schedulers see a step).
+        scaled = tuple(o for o in optimizers if _has_grads(o))
+        for opt in optimizers:
+            if opt not in scaled:
+                _forget(scaler, opt)
+                opt.step()
+        return _scaled_step(scaler, scaled, max_grad_norm)
 
     def _check_step(
         self, optimizers: tuple[torch.optim.Optimizer, ...], max_grad_norm: float | None
@@ -489,9 +497,11 @@ def _scaled_step(
                 nn.utils.clip_grad_norm_(_parameters(optimizer), max_grad_norm)
             scaler.step(optimizer)
     except BaseException:
-        # Stepped optimizers stay stepped; without this every later step would fail with
-        # "step() has already been called since the last update()".
-        scaler._per_optimizer_states.clear()
+        # Stepped optimizers stay stepped (the loss scale is not updated for this step);
+        # without this every later step would fail with "step() has already been called
+        # since the last update()".
+        for optimizer in optimizers:
+            _forget(scaler, optimizer)
         raise
     if not scaler.is_enabled():
         # A disabled scaler steps plainly and keeps no inf/NaN flags to read (nor the
@@ -503,6 +513,14 @@ def _scaled_step(
     found_inf = sum(v.item() for o in optimizers for v in scaler._found_inf_per_device(o).values())
     scaler.update()
     return not found_inf
+
+
+def _forget(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """Drop ``scaler``'s record of ``optimizer`` for this step (an ``unscale_`` the caller
+    made, a step that raised), so the next step starts clean. A disabled scaler keeps none."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states is not None:
+        states.pop(id(optimizer), None)
 
 
 def _has_grads(optimizer: torch.optim.Optimizer) -> bool:
