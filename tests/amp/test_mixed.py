@@ -218,7 +218,7 @@ def test_a_clip_value_passed_positionally_is_refused_before_anything_steps() -> 
 
 
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("fp16", marks=needs_cpu_fp16)])
-def test_an_optimizer_whose_parameters_got_no_gradient_is_left_alone(precision: str) -> None:
+def test_an_optimizer_whose_parameters_got_no_gradient_is_stepped_plainly(precision: str) -> None:
     # A frozen backbone: GradScaler asserted "No inf checks were recorded" after the head
     # had stepped, and every later step failed ("step() has already been called").
     mp = MixedPrecision("cpu", precision=precision)
