@@ -75,9 +75,15 @@ def _iterated_in_a_thread_that_ends(init: DieWithParent) -> int:
 
 @pytest.mark.slow  # about 2 s: two workers start
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and prctl are Linux's")
-def test_workers_forked_by_a_thread_that_ends_live_on() -> None:
+@pytest.mark.parametrize("pickled", [False, True])
+def test_workers_forked_by_a_thread_that_ends_live_on(pickled: bool) -> None:
     # Linux's parent-death signal fires when the forking *thread* ends: it killed them.
-    assert _iterated_in_a_thread_that_ends(DieWithParent(None)) == 63
+    # A copy pickled elsewhere (a loader handed to launch's ranks) must not pass on the
+    # thread that started the workers of that other pickling.
+    init = DieWithParent(None)
+    if pickled:
+        init = pickle.loads(pickle.dumps(init))
+    assert _iterated_in_a_thread_that_ends(init) == 63
 
 
 _FORK_SERVER = """

@@ -236,6 +236,13 @@ def local_dataset_in_workers() -> tuple[str, list[int]]:
     return multiprocessing.get_start_method(), [int(x) for b in loader for x in b.tolist()]
 
 
+def start_method_here() -> str | None:
+    """This rank's default start method, as its own children would use it."""
+    import multiprocessing
+
+    return multiprocessing.get_start_method(allow_none=True)
+
+
 def samples_of(loader: Any) -> tuple[int, list[int]]:
     """``(len(loader), its samples)`` in this rank."""
     return len(loader), [int(x) for batch in loader for x in batch.tolist()]

@@ -169,6 +169,23 @@ def test_spawned_ranks_start_their_own_children_as_the_launching_process_would()
     assert got == [(expected, [0, 1, 2, 3])] * 2
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork is Linux's")
+def test_forked_ranks_keep_fork_for_their_children() -> None:
+    # Only spawned ranks take the launching process's default: a forked rank given a fork
+    # server it cannot use (the launcher's) failed every DataLoader with workers.
+    from tests.ddp import _workers as workers
+
+    saved = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("forkserver", force=True)  # the launcher's default
+    try:
+        got = ddp.launch_all(
+            workers.start_method_here, nprocs=2, backend="gloo", start_method="fork"
+        )
+    finally:
+        multiprocessing.set_start_method(saved, force=True)
+    assert got == ["fork", "fork"]
+
+
 def _record_worker(worker_id: int) -> None:
     info = torch.utils.data.get_worker_info()
     assert info is not None

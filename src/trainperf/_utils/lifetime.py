@@ -91,7 +91,10 @@ def die_with_parent(parent_pid: int, from_main: bool | None = None) -> None:
     parent = os.getppid()
     if parent != parent_pid and _ppid_of(parent) != parent_pid:
         os._exit(1)  # reparented: the parent died before this process got here
-    if _forked_from_main if from_main is None else from_main:
+    # A fork's own record is exact (a forkserver's child's too, when the fork server had
+    # imported this module: it forks from its main thread); else what the starter said.
+    decided = _forked_from_main if _forked_from_main is not None else from_main
+    if decided:
         _set_death_signal()
         if os.getppid() != parent:
             os._exit(1)  # it died between the check and prctl: the signal never comes
@@ -151,11 +154,19 @@ class DieWithParent:
         self.from_main: bool | None = None  # set when pickled for a spawned worker
 
     def __getstate__(self) -> dict[str, Any]:
-        # Pickled (spawn, forkserver) by the thread that starts the worker: record which.
-        return {**self.__dict__, "from_main": started_from_main()}
+        # Pickled (spawn, forkserver) by the thread that starts the worker: record which,
+        # and in which process, so that a copy made elsewhere (a loader pickled into a
+        # rank, a deepcopy) does not pass the record on to workers started later.
+        return {**self.__dict__, "from_main": started_from_main(), "_pid": os.getpid()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+    def _starter_said(self) -> bool | None:
+        """``from_main`` if this copy was pickled by the process that started this one."""
+        parent = multiprocessing.parent_process()
+        pid = self.__dict__.get("_pid")
+        return self.from_main if parent is not None and parent.pid == pid else None
 
     def __call__(self, worker_id: int) -> None:
         # The parent is whichever process started this worker (the loader may have been built
@@ -163,7 +174,7 @@ class DieWithParent:
         parent = multiprocessing.parent_process()
         die_with_parent(
             os.getppid() if parent is None or parent.pid is None else parent.pid,
-            self.from_main,
+            self._starter_said(),
         )
         if self.user_fn is not None:
             self.user_fn(worker_id)

@@ -37,6 +37,7 @@ from trainperf.ddp._group import Group
 from trainperf.ddp._injob import resolve_backend, run_in_process
 from trainperf.ddp._procs import Interrupted, SignalGuard
 from trainperf.ddp._store import LOCALHOST, StoreHost, listen
+from trainperf.ddp._worker import KEEP_START_METHOD as _KEEP
 from trainperf.ddp._worker import REIMPORT_EXIT_CODE, WorkerSpec, reimporting_main
 from trainperf.errors import DeviceError, LaunchError
 
@@ -213,7 +214,12 @@ def _spawn(
                 parent_pid=os.getpid(),
                 send_result_from_all=all_ranks,
                 from_main=started_from_main(),
-                child_start_method=multiprocessing.get_start_method(allow_none=True),
+                # Spawned ranks only: forked ones keep fork, as their parent's children would.
+                child_start_method=(
+                    multiprocessing.get_start_method(allow_none=True)
+                    if start_method == "spawn"
+                    else _KEEP
+                ),
                 grace_s=grace_s,
                 hang=None if detector is None else detector.spec,
             )

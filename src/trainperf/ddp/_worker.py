@@ -37,6 +37,7 @@ from typing import Any, NoReturn, cast
 from trainperf._utils.lifetime import die_with_parent
 
 __all__ = [
+    "KEEP_START_METHOD",
     "REIMPORT_EXIT_CODE",
     "WORKER_NAME_PREFIX",
     "Failure",
@@ -49,6 +50,8 @@ __all__ = [
 
 # Each worker process is named f"{WORKER_NAME_PREFIX}{rank}".
 WORKER_NAME_PREFIX = "trainperf-rank"
+KEEP_START_METHOD = "keep"
+"""WorkerSpec.child_start_method: leave the rank's default start method as it is."""
 # The exit status of a spawned worker whose import of the script called launch() again (no
 # __main__ guard); the launcher turns it into the advice to add one.
 REIMPORT_EXIT_CODE = 117
@@ -76,9 +79,10 @@ class WorkerSpec:
     parent_pid: int
     send_result_from_all: bool
     from_main: bool = True  # the launcher's main thread starts the ranks (die_with_parent)
-    # The launching process's own default start method (None: the platform's), for the
-    # rank's own children (its DataLoader workers), not the one that started the rank.
-    child_start_method: str | None = None
+    # The launching process's own default start method (None: the platform's), for a
+    # spawned rank's own children (its DataLoader workers), not the one that started the
+    # rank; KEEP_START_METHOD: leave the rank's as it is (forked ranks).
+    child_start_method: str | None = KEEP_START_METHOD
     grace_s: float | None = None
     hang: Any = None  # a _progress.ProgressSpec when hang detection is on
     packed: bytes | None = None
@@ -350,7 +354,8 @@ def worker_main(
     # A spawned process makes spawn its default too: its DataLoader workers would start a
     # fresh interpreter each (a dataset class defined in main cannot be pickled there, and
     # each epoch's workers import torch again), unlike the same script under torchrun.
-    multiprocessing.set_start_method(spec.child_start_method, force=True)
+    if spec.child_start_method != KEEP_START_METHOD:
+        multiprocessing.set_start_method(spec.child_start_method, force=True)
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     if spec.grace_s is not None:
