@@ -76,7 +76,9 @@ def _fork_trainer(directory: Path, zygote: int) -> int:
 
 def zygote() -> None:
     """Fork one trainer per directory read from stdin; see the module docstring."""
-    die_with_parent(os.getppid())
+    # The test starts it from its main thread: the parent-death signal, and no watcher
+    # thread (the zygote must have one thread when it forks).
+    die_with_parent(os.getppid(), from_main=True)
     out = sys.stdout.fileno()
     for line in sys.stdin:
         if threading.active_count() != 1 or _threads() != 1:
