@@ -18,7 +18,9 @@ Who uses what:
 - :mod:`~trainperf._utils.public`: sets each public object's ``__module__`` to the path users
   import it from, used by every package ``__init__``.
 - :mod:`~trainperf._utils.lifetime`: ``DieWithParent`` and ``die_with_parent``, used by the
-  ``loader``, ``pipelines`` and the ``checkpoint`` writer.
+  ``loader``, ``pipelines``, ``ddp``'s ranks and the ``checkpoint`` writer.
+- :mod:`~trainperf._utils.procfs`: ``/proc/<pid>/stat`` fields, used by ``lifetime`` and
+  ``ddp``'s run directories.
 - :mod:`~trainperf._utils.cache` and :mod:`~trainperf._utils.qualname`: the JSON cache store
   and the qualified names in its keys, used by the ``loader`` and ``batchsize`` caches.
 - :mod:`~trainperf._utils.windows`: repeated timed windows until the spread is small, used

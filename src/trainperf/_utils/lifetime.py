@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from trainperf._utils.procfs import stat_fields
+
 __all__ = [
     "WATCHER_NAME",
     "WATCH_INTERVAL_S",
@@ -111,12 +113,8 @@ WATCHER_NAME = "trainperf-die-with-parent"
 
 def _ppid_of(pid: int) -> int | None:
     """``pid``'s parent, from ``/proc`` (None if unknown or a zombie)."""
-    try:
-        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - read at once
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] == "Z" else int(fields[1])
+    fields = stat_fields(pid)
+    return None if not fields or fields[0] == "Z" else int(fields[1])
 
 
 def _set_death_signal() -> None:

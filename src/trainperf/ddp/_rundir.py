@@ -43,6 +43,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from trainperf._utils.procfs import stat_fields
+
 __all__ = [
     "ORPHAN_AGE_S",
     "OWNER_FILE",
@@ -92,13 +94,9 @@ def process_start(pid: int, proc: str = "/proc") -> int | None:
         >>> process_start(2**22 + 1) is None  # above Linux's pid_max
         True
     """
-    text = _read(f"{proc}/{pid}/stat")
-    if ")" not in text:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: count after the last ")".
-    fields = text[text.rindex(")") + 1 :].split()
+    fields = stat_fields(pid, proc)
     try:
-        return int(fields[19])  # fields[0] is field 3
+        return None if fields is None else int(fields[19])  # fields[0] is field 3
     except (IndexError, ValueError):
         return None
 
