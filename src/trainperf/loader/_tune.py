@@ -26,7 +26,7 @@ import torch
 from trainperf.device import resolve_device
 from trainperf.limits import HostLimits, host_limits, local_world_size, usable_cpus
 from trainperf.loader import _cache, _cached, _iterable, _share, _user
-from trainperf.loader._args import check_args
+from trainperf.loader._args import check_args, check_dataset
 from trainperf.loader._budget import overrun_note
 from trainperf.loader._choice import NOT_CACHED, best_settings, final_kwargs, forced_fallback
 from trainperf.loader._faults import hang_timeout, start_method
@@ -481,7 +481,8 @@ def tune_loader(
     Raises:
         ValueError: a bad argument (an invalid ``device``, a negative ``num_workers``, a
             ``prefetch_factor`` without workers included), ``batch_sampler`` in
-            ``loader_kwargs``, an empty loader, or a bad
+            ``loader_kwargs``, an empty loader, an ``IterableDataset`` that is its own
+            iterator (tuning would use up its samples), or a bad
             ``LOCAL_WORLD_SIZE``/``SLURM_NTASKS_PER_NODE``/``LOCAL_RANK``.
         TypeError: ``device`` is not a str, int, torch.device or None.
         DeviceError: CUDA (or MPS) asked for but not available, or a CUDA index beyond the
@@ -500,6 +501,7 @@ def tune_loader(
     """
     started = time.perf_counter()
     check_args(batch_size, max_workers, budget_s, epochs_hint, step_fn, loader_kwargs)
+    check_dataset(dataset)
     with preserved_rng(callers_generators(loader_kwargs)):
         setup = _set_up(batch_size, device, max_workers, budget_s, loader_kwargs)
         call = _Call(
