@@ -119,6 +119,30 @@ def _blocked_on(kind: str) -> tuple[Callable[[], object], Callable[[], object]]:
                 pass
 
         return with_lock, lock.release
+    if kind == "with-mutex":  # any name: `with self._mutex:`, `with lock2:`
+        mutex2 = threading.RLock()
+        taken = threading.Event()
+
+        def hold() -> None:
+            with mutex2:
+                taken.set()
+                event.wait()
+
+        threading.Thread(target=hold, daemon=True).start()
+        taken.wait()
+
+        def with_mutex() -> None:
+            with mutex2:
+                pass
+
+        return with_mutex, event.set
+    if kind == "simple-queue":  # queue.SimpleQueue.get waits in C: no frame of its own
+        sq = queue.SimpleQueue[int]()
+
+        def simple_get() -> None:
+            sq.get()
+
+        return simple_get, lambda: sq.put(1)
     if kind == "condition":
         cond = threading.Condition()
         cond.acquire()
@@ -177,6 +201,8 @@ def test_installed_packages_are_not_the_standard_library_even_below_its_director
         ("event", "thread-wait"),
         ("queue", "thread-wait"),
         ("join", "thread-wait"),
+        ("with-mutex", "lock"),
+        ("simple-queue", "thread-wait"),
     ],
 )
 def test_a_real_stack_says_whether_a_thread_waits_for_a_lock_or_for_another_thread(
@@ -257,3 +283,28 @@ def test_only_the_compiler_s_frames_count_as_compiling_not_the_compiled_code_s()
     ):
         frame = Frame(f"{TORCH}/{part}".replace("/", os.sep), 10, function)
         assert compiling((frame, *runtime)), part
+
+
+@pytest.mark.parametrize(
+    ("line", "activity"),
+    [
+        ("with lock:", "lock"),
+        ("with self._mutex:", "lock"),
+        ("with lock2, other:", "lock"),
+        ("with self._rlock as held:", "lock"),
+        ("with sem:", "lock"),
+        ("with clock:", "running"),
+        ("with open(lockfile) as f:", "running"),
+        ("with blocking_io():", "running"),
+        ("item = q.get()", "thread-wait"),
+        ("item = q.get(True)", "thread-wait"),
+        ("item = q.get(timeout=None)", "thread-wait"),
+        ('value = cfg.get("lr")', "running"),
+    ],
+)
+def test_a_line_that_blocks_in_c_is_read_from_its_source(
+    tmp_path: Path, line: str, activity: str
+) -> None:
+    src = tmp_path / "train.py"
+    src.write_text(f"def main():\n    {line}\n")
+    assert classify(_frames((str(src), 2, "main")), in_collective=False) == activity

@@ -52,7 +52,14 @@ Activity = Literal["collective", "backward", "dataloader", "lock", "thread-wait"
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
-_LOCK_LINE = re.compile(r"\.acquire\(|\bwith\b[^#]*lock\b", re.IGNORECASE)
+# A line that blocks in C with no Python frame of its own: a lock's acquire, or `with` on
+# something named like a lock (`with lock:`, `with self._mutex:`, `with lock2:`).
+_LOCK_LINE = re.compile(
+    r"\.acquire\(|\bwith\b[^#]*(\b|_)r?(lock|mutex|sem)\w*\s*(:|,|\bas\b)", re.IGNORECASE
+)
+# queue.SimpleQueue.get (a C call): `q.get()`, `q.get(True)`, `q.get(block=...)`,
+# `q.get(timeout=...)`; dict.get always takes a key.
+_GET_LINE = re.compile(r"\.get\(\s*(\)|True\b|block\s*=|timeout\s*=)")
 _STDLIB = os.path.normpath(sysconfig.get_paths()["stdlib"]) + os.sep
 # Installed packages: under the standard library's directory in a Python without a venv
 # (/usr/lib/python3.11/site-packages), and not part of it.
@@ -203,6 +210,8 @@ def classify(
         return "collective"
     if _LOCK_LINE.search(line):
         return "lock"
+    if _GET_LINE.search(line):
+        return "thread-wait"
     return "running"
 
 
