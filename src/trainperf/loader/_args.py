@@ -73,11 +73,9 @@ def check_dataset(dataset: Any) -> None:
     Example:
         >>> from torch.utils.data import IterableDataset
         >>> class Once(IterableDataset):
-        ...     def __init__(self): self.left = list(range(8))
+        ...     def __init__(self): self.stream = iter(range(8))
         ...     def __iter__(self): return self
-        ...     def __next__(self):
-        ...         if not self.left: raise StopIteration
-        ...         return self.left.pop()
+        ...     def __next__(self): return next(self.stream)
         >>> check_dataset(Once())
         Traceback (most recent call last):
         ...
