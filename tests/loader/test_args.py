@@ -145,8 +145,11 @@ class _Fresh(torch.utils.data.IterableDataset):
 
 def test_a_dataset_that_is_its_own_iterator_is_refused_before_any_sample_is_used() -> None:
     ds = _OwnIterator(64)
-    with pytest.raises(ValueError, match=r"_OwnIterator is an IterableDataset whose __iter__ "
-                       r"returns the dataset itself: tuning would use up samples .* afresh"):
+    with pytest.raises(
+        ValueError,
+        match=r"_OwnIterator is an IterableDataset whose __iter__ "
+        r"returns the dataset itself: tuning would use up samples .* afresh",
+    ):
         tune_loader(ds, 8, device="cpu", max_workers=0, budget_s=5, cache=False, progress=False)
     assert len(ds.left) == 64  # not one sample taken
 
