@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from trainperf._utils.validate import non_negative_number, positive_number
+from tests._utils._streams import Fresh, OwnIterator
+from trainperf._utils.validate import fresh_stream, non_negative_number, positive_number
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -1, 0, 0.0, True, "1", None])
@@ -32,3 +33,16 @@ def test_non_negative_number_takes_zero_and_plain_messages() -> None:
     assert non_negative_number("timeout", 2) == 2.0
     with pytest.raises(ValueError, match=r"^wait must be a finite number >= 0, got nan$"):
         non_negative_number("wait", math.nan)
+
+
+def test_fresh_stream_refuses_only_a_dataset_that_is_its_own_iterator() -> None:
+    one_shot = OwnIterator(8)
+    with pytest.raises(
+        ValueError,
+        match=r"OwnIterator is an IterableDataset .* itself: "
+        r"tuning would use up samples .* yield from",
+    ):
+        fresh_stream(one_shot, "tuning")
+    assert len(one_shot.left) == 8
+    fresh_stream(Fresh(), "tuning")  # __next__ too, but iter() gives a new generator
+    fresh_stream([1, 2, 3], "tuning")  # not an IterableDataset: a map-style list

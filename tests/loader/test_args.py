@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests._utils._streams import Fresh, OwnIterator
 from tests.loader._fakes import Waits, quick
 from trainperf.errors import DeviceError
 from trainperf.loader import tune_loader
@@ -118,36 +119,11 @@ def test_a_bad_dataloader_timeout_is_refused_before_anything_is_measured(timeout
     assert ds.reads == 0  # refused on entry, not by DataLoader after the tuning ran
 
 
-class _OwnIterator(torch.utils.data.IterableDataset):
-    """A one-shot stream: its __iter__ returns itself, so reading it uses it up."""
-
-    def __init__(self, n: int) -> None:
-        self.left = list(range(n))
-
-    def __iter__(self) -> _OwnIterator:
-        return self
-
-    def __next__(self) -> torch.Tensor:
-        if not self.left:
-            raise StopIteration
-        return torch.tensor([float(self.left.pop())])
-
-
-class _Fresh(torch.utils.data.IterableDataset):
-    """A stream that starts afresh on each iter(), with a __next__ it never returns."""
-
-    def __iter__(self) -> Any:
-        yield from (torch.tensor([float(i)]) for i in range(64))
-
-    def __next__(self) -> torch.Tensor:  # not its iterator: iter() returns a generator
-        raise AssertionError("never called")
-
-
 def test_a_dataset_that_is_its_own_iterator_is_refused_before_any_sample_is_used() -> None:
-    ds = _OwnIterator(64)
+    ds = OwnIterator(64)
     with pytest.raises(
         ValueError,
-        match=r"_OwnIterator is an IterableDataset whose __iter__ "
+        match=r"OwnIterator is an IterableDataset whose __iter__ "
         r"returns the dataset itself: tuning would use up samples .* afresh",
     ):
         tune_loader(ds, 8, device="cpu", max_workers=0, budget_s=5, cache=False, progress=False)
@@ -156,6 +132,6 @@ def test_a_dataset_that_is_its_own_iterator_is_refused_before_any_sample_is_used
 
 def test_a_stream_that_starts_afresh_on_each_iter_is_tuned() -> None:
     report = tune_loader(
-        _Fresh(), 8, device="cpu", max_workers=0, budget_s=5, cache=False, progress=False
+        Fresh(), 8, device="cpu", max_workers=0, budget_s=5, cache=False, progress=False
     )
     assert report.best_kwargs["num_workers"] == 0

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "choice",
+    "fresh_stream",
     "non_negative_int",
     "non_negative_number",
     "positive_int",
@@ -143,3 +144,38 @@ def choice(name: str, value: object, choices: Sequence[object]) -> None:
     """
     if value not in choices:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def fresh_stream(dataset: object, reader: str) -> None:
+    """Raise ``ValueError`` for an ``IterableDataset`` that is its own iterator (``__iter__``
+    returns itself): ``reader`` (what reads it ahead of the training loop: "tuning",
+    "batches_from()") would use up samples the loop then never sees, and each DataLoader
+    worker would replay its own copy of the stream.
+
+    Example:
+        >>> from torch.utils.data import IterableDataset
+        >>> class Once(IterableDataset):
+        ...     def __init__(self): self.stream = iter(range(8))
+        ...     def __iter__(self): return self
+        ...     def __next__(self): return next(self.stream)
+        >>> fresh_stream(Once(), "tuning")
+        Traceback (most recent call last):
+        ...
+        ValueError: Once is an IterableDataset whose __iter__ returns the dataset itself: ...
+    """
+    from torch.utils.data import IterableDataset
+
+    if not isinstance(dataset, IterableDataset) or not callable(
+        getattr(type(dataset), "__next__", None)
+    ):
+        return
+    stream: object = iter(dataset)
+    if stream is not dataset:
+        return
+    raise ValueError(
+        f"{type(dataset).__name__} is an IterableDataset whose __iter__ returns the dataset "
+        f"itself: {reader} would use up samples your training loop then never sees (and each "
+        f"DataLoader worker would replay its own copy of the stream). Give it an __iter__ "
+        f"that starts the stream afresh on each call (a generator: `def __iter__(self): "
+        f"yield from ...`)"
+    )

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, default_collate
 
-from trainperf._utils.validate import positive_int
+from trainperf._utils.validate import fresh_stream, positive_int
 
 __all__ = ["DatasetBatches", "batch_length", "batches_from", "checked_batch"]
 
@@ -50,6 +50,7 @@ class DatasetBatches:
             )
         if isinstance(dataset, torch.utils.data.DataLoader):
             raise ValueError(_LOADER_GIVEN.format(what="batches_from() got"))
+        fresh_stream(dataset, "batches_from()")
         self.dataset = dataset
         self.collate_fn: Callable[[list[Any]], Any] = collate_fn or default_collate
 
@@ -112,7 +113,9 @@ def batches_from(
 
     Raises:
         ValueError: ``collate_fn`` is not callable, or ``dataset`` is a DataLoader (its
-            items are batches: pass ``loader.dataset`` and ``loader.collate_fn``). Calling
+            items are batches: pass ``loader.dataset`` and ``loader.collate_fn``), or an
+            ``IterableDataset`` that is its own iterator (reading it would use up samples
+            the training loop then never sees). Calling
             the result raises ``ValueError`` for an empty dataset or an ``n`` that is not an
             int >= 1.
 

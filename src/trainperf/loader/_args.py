@@ -6,7 +6,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from trainperf._utils.validate import (
     non_negative_int,
@@ -15,7 +15,7 @@ from trainperf._utils.validate import (
     positive_number,
 )
 
-__all__ = ["check_args", "check_dataset", "check_loader_kwargs"]
+__all__ = ["check_args", "check_loader_kwargs"]
 
 _ALLOWED = frozenset(inspect.signature(DataLoader.__init__).parameters) - {
     "self",
@@ -63,37 +63,6 @@ def check_args(
         raise ValueError(f"step_fn must be callable (it gets one batch), got {step_fn!r}")
     check_loader_kwargs(loader_kwargs)
     _check_callers_workers(loader_kwargs)
-
-
-def check_dataset(dataset: Any) -> None:
-    """Raise ``ValueError`` for an ``IterableDataset`` that is its own iterator (``__iter__``
-    returns itself): the tuner's measurements would use up samples the training loop then
-    never sees, and each worker would replay its copy of the stream.
-
-    Example:
-        >>> from torch.utils.data import IterableDataset
-        >>> class Once(IterableDataset):
-        ...     def __init__(self): self.stream = iter(range(8))
-        ...     def __iter__(self): return self
-        ...     def __next__(self): return next(self.stream)
-        >>> check_dataset(Once())
-        Traceback (most recent call last):
-        ...
-        ValueError: Once is an IterableDataset whose __iter__ returns the dataset itself: ...
-    """
-    if not isinstance(dataset, IterableDataset) or not callable(
-        getattr(type(dataset), "__next__", None)
-    ):
-        return
-    if iter(dataset) is not dataset:
-        return
-    raise ValueError(
-        f"{type(dataset).__name__} is an IterableDataset whose __iter__ returns the dataset "
-        f"itself: tuning would use up samples your training loop then never sees (and each "
-        f"worker would replay its own copy of the stream). Give it an __iter__ that starts "
-        f"the stream afresh on each call (a generator: `def __iter__(self): yield from "
-        f"...`), or build the DataLoader yourself without tuning"
-    )
 
 
 def _check_callers_workers(loader_kwargs: Mapping[str, Any]) -> None:

@@ -23,10 +23,11 @@ from typing import Any
 import psutil
 import torch
 
+from trainperf._utils.validate import fresh_stream
 from trainperf.device import resolve_device
 from trainperf.limits import HostLimits, host_limits, local_world_size, usable_cpus
 from trainperf.loader import _cache, _cached, _iterable, _share, _user
-from trainperf.loader._args import check_args, check_dataset
+from trainperf.loader._args import check_args
 from trainperf.loader._budget import overrun_note
 from trainperf.loader._choice import NOT_CACHED, best_settings, final_kwargs, forced_fallback
 from trainperf.loader._faults import hang_timeout, start_method
@@ -501,7 +502,7 @@ def tune_loader(
     """
     started = time.perf_counter()
     check_args(batch_size, max_workers, budget_s, epochs_hint, step_fn, loader_kwargs)
-    check_dataset(dataset)
+    fresh_stream(dataset, "tuning")
     with preserved_rng(callers_generators(loader_kwargs)):
         setup = _set_up(batch_size, device, max_workers, budget_s, loader_kwargs)
         call = _Call(

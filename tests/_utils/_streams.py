@@ -1,0 +1,33 @@
+"""Iterable datasets for the checks that a stream starts afresh on each ``iter()``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import IterableDataset
+
+
+class OwnIterator(IterableDataset[torch.Tensor]):
+    """A one-shot stream: its ``__iter__`` returns itself, so reading it uses it up."""
+
+    def __init__(self, n: int) -> None:
+        self.left = list(range(n))
+
+    def __iter__(self) -> OwnIterator:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if not self.left:
+            raise StopIteration
+        return torch.tensor([float(self.left.pop())])
+
+
+class Fresh(IterableDataset[torch.Tensor]):
+    """A stream that starts afresh on each ``iter()``, with a ``__next__`` never used."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        yield from (torch.tensor([float(i)]) for i in range(64))
+
+    def __next__(self) -> torch.Tensor:  # not its iterator: iter() returns a generator
+        raise AssertionError("never called")
