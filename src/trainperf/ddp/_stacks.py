@@ -53,9 +53,12 @@ Activity = Literal["collective", "backward", "dataloader", "lock", "thread-wait"
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 # A line that blocks in C with no Python frame of its own: a lock's acquire, or `with` on
-# something named like a lock (`with lock:`, `with self._mutex:`, `with lock2:`).
+# something named like a lock (`with lock:`, `with self._mutex:`, `with lock2:`,
+# `with get_lock():`), not `with clock:`, `with blocking_io():` nor `with open(lockfile):`.
 _LOCK_LINE = re.compile(
-    r"\.acquire\(|\bwith\b[^#]*(\b|_)r?(lock|mutex|sem)\w*\s*(:|,|\bas\b)", re.IGNORECASE
+    r"\.acquire\(|\bwith\b[^#]*((?<![bc])lock|mutex|(?<![a-z0-9])sem(aphore)?\b)\w*"
+    r"(\([^#]*\))?\s*(:|,|\bas\b)",
+    re.IGNORECASE,
 )
 # queue.SimpleQueue.get (a C call): `q.get()`, `q.get(True)`, `q.get(block=...)`,
 # `q.get(timeout=...)`; dict.get always takes a key.
