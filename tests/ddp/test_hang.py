@@ -91,6 +91,10 @@ def test_a_dataloader_wait_a_lock_and_a_thread_wait_are_named_with_their_fix() -
     assert v.root == (1,) and "waits for another of its threads" in v.headline
     assert "(`t.join()`)" in v.headline and "lock" not in v.headline
     assert "Signal on every path" in v.advice and "lock" not in v.advice
+    child = RankView(1, "running", "process-wait", where=where, line="q.get()", threads=threads)
+    v = diagnose([_waits(0, _c(3)), child])
+    assert v.root == (1,) and "waits for another process (a multiprocessing queue" in v.headline
+    assert "get(timeout=...)" in v.advice and "exit code" in v.advice
 
 
 def test_a_rank_busy_after_the_others_returned_is_the_cause() -> None:

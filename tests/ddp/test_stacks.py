@@ -5,8 +5,11 @@ from __future__ import annotations
 import faulthandler
 import io
 import logging
+import multiprocessing
 import os
 import queue
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -143,6 +146,17 @@ def _blocked_on(kind: str) -> tuple[Callable[[], object], Callable[[], object]]:
             sq.get()
 
         return simple_get, lambda: sq.put(1)
+    if kind == "mp-queue":  # a multiprocessing Queue that nothing puts into
+        mq = multiprocessing.get_context("spawn").Queue()
+
+        def mp_get() -> None:
+            mq.get()
+            mq.close()
+
+        return mp_get, lambda: mq.put(1)
+    if kind == "subprocess":  # a child that never exits until killed
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        return child.wait, child.kill
     if kind == "condition":
         cond = threading.Condition()
         cond.acquire()
@@ -203,6 +217,8 @@ def test_installed_packages_are_not_the_standard_library_even_below_its_director
         ("join", "thread-wait"),
         ("with-mutex", "lock"),
         ("simple-queue", "thread-wait"),
+        ("mp-queue", "process-wait"),
+        ("subprocess", "process-wait"),
     ],
 )
 def test_a_real_stack_says_whether_a_thread_waits_for_a_lock_or_for_another_thread(
@@ -305,6 +321,7 @@ def test_only_the_compiler_s_frames_count_as_compiling_not_the_compiled_code_s()
         ("item = q.get(True)", "thread-wait"),
         ("item = q.get(timeout=None)", "thread-wait"),
         ('value = cfg.get("lr")', "running"),
+        ("pid, status = os.waitpid(pid, 0)", "process-wait"),
     ],
 )
 def test_a_line_that_blocks_in_c_is_read_from_its_source(

@@ -109,6 +109,9 @@ class RankView:
             return f"is blocked on a lock{at}{code}"
         if self.activity == "thread-wait":
             return f"waits for another of its threads (a join, an Event or a queue){at}{code}"
+        if self.activity == "process-wait":
+            what = "a multiprocessing queue, pipe or join, a subprocess"
+            return f"waits for another process ({what}){at}{code}"
         return f"is busy outside any collective{at}{code}"
 
 
@@ -196,6 +199,13 @@ _ADVICE = {
         "Event or Condition, a queue) and it never does: that thread died, is stuck itself, "
         "or was never started (its threads are listed below). Signal on every path "
         "(try/finally), and give the wait a timeout."
+    ),
+    "process-wait": (
+        "Fix: {who} waits for another process (a multiprocessing Queue or Pipe, "
+        "Process.join, a Pool's result, a subprocess) that never answers: it died, is stuck "
+        "itself, or was never started; its own output says which. Give the wait a timeout "
+        "(get(timeout=...), join(timeout), subprocess's timeout=) and check the other side's "
+        "exit code."
     ),
     "unreachable": (
         "Fix: the rendezvous store that connects the ranks failed, so {who} could not say "

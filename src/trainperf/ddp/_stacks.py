@@ -15,8 +15,9 @@ format::
 :func:`classify` reads a rank's main thread (innermost frame first) and its slot into one
 :data:`Activity`: inside a collective, inside ``backward()`` (DDP's gradient all-reduce
 runs there, from C++), waiting for a DataLoader batch, blocked on a lock, waiting for
-another of its threads (``Thread.join``, an ``Event``/``Condition`` wait, a ``queue``), or
-running.
+another of its threads (``Thread.join``, an ``Event``/``Condition`` wait, a ``queue``),
+waiting for another process (a ``multiprocessing`` queue, pipe or join, a ``subprocess``),
+or running.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ __all__ = [
 # take SIGUSR1/SIGUSR2).
 DUMP_SIGNAL = signal.SIGRTMIN + 4
 
-Activity = Literal["collective", "backward", "dataloader", "lock", "thread-wait", "running"]
+Activity = Literal[
+    "collective", "backward", "dataloader", "lock", "thread-wait", "process-wait", "running"
+]
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
@@ -63,6 +66,10 @@ _LOCK_LINE = re.compile(
 # queue.SimpleQueue.get (a C call): `q.get()`, `q.get(True)`, `q.get(block=...)`,
 # `q.get(timeout=...)`; dict.get always takes a key.
 _GET_LINE = re.compile(r"\.get\(\s*(\)|True\b|block\s*=|timeout\s*=)")
+# Where the standard library waits for another process: a multiprocessing Queue's get, a
+# Pipe's recv, Process.join, a Pool's result; subprocess's wait and communicate.
+_PROCESS_WAITS = tuple(p.replace("/", os.sep) for p in ("multiprocessing/", "/subprocess.py"))
+_WAITPID_LINE = re.compile(r"\bos\.wait(pid|4)?\(")
 _STDLIB = os.path.normpath(sysconfig.get_paths()["stdlib"]) + os.sep
 # Installed packages: under the standard library's directory in a Python without a venv
 # (/usr/lib/python3.11/site-packages), and not part of it.
@@ -205,6 +212,8 @@ def classify(
     if not frames:
         return "running"
     innermost = frames[0]
+    if _waits_for_process(frames):
+        return "process-wait"
     if _in_threading(innermost) and innermost.function in _BLOCKING:
         takes_lock = any(f.function in _LOCK_FRAMES for f in _stdlib_run(frames))
         return "lock" if takes_lock else "thread-wait"
@@ -215,7 +224,15 @@ def classify(
         return "lock"
     if _GET_LINE.search(line):
         return "thread-wait"
+    if _WAITPID_LINE.search(line):
+        return "process-wait"
     return "running"
+
+
+def _waits_for_process(frames: tuple[Frame, ...]) -> bool:
+    """The standard-library call the stack ends in is one of multiprocessing's or
+    subprocess's (:data:`_PROCESS_WAITS`)."""
+    return any(part in f.file for f in _stdlib_run(frames) for part in _PROCESS_WAITS)
 
 
 def _is_stdlib(file: str) -> bool:
