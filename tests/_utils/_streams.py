@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 
+import pytest
 import torch
 from torch.utils.data import IterableDataset
 
@@ -31,3 +33,15 @@ class Fresh(IterableDataset[torch.Tensor]):
 
     def __next__(self) -> torch.Tensor:  # not its iterator: iter() returns a generator
         raise AssertionError("never called")
+
+
+def assert_refused_unread(read: Callable[[OwnIterator], object], reader: str) -> None:
+    """``read(dataset)`` refuses a one-shot stream, naming ``reader``, before reading it."""
+    one_shot = OwnIterator(8)
+    with pytest.raises(
+        ValueError,
+        match=rf"OwnIterator is an IterableDataset whose __iter__ returns the dataset itself: "
+        rf"{re.escape(reader)} would use up samples .* afresh .* yield from",
+    ):
+        read(one_shot)
+    assert len(one_shot.left) == 8  # not one sample taken
