@@ -25,6 +25,23 @@ class OwnIterator(IterableDataset[torch.Tensor]):
         return torch.tensor([float(self.left.pop())])
 
 
+class Resets(IterableDataset[torch.Tensor]):
+    """An older tutorial's stream: ``__iter__`` rewinds it and returns it."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.i = n, 0
+
+    def __iter__(self) -> Resets:
+        self.i = 0
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.i >= self.n:
+            raise StopIteration
+        self.i += 1
+        return torch.tensor([float(self.i - 1)])
+
+
 class Fresh(IterableDataset[torch.Tensor]):
     """A stream that starts afresh on each ``iter()``, with a ``__next__`` never used."""
 
@@ -40,7 +57,7 @@ def assert_refused_unread(read: Callable[[OwnIterator], object], reader: str) ->
     one_shot = OwnIterator(8)
     with pytest.raises(
         ValueError,
-        match=rf"OwnIterator is an IterableDataset whose __iter__ returns the dataset itself: "
+        match=rf"OwnIterator is a one-shot iterator \(its __iter__ returns it as it is\): "
         rf"{re.escape(reader)} would use up samples .* afresh .* yield from",
     ):
         read(one_shot)

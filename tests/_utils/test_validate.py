@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tests._utils._streams import Fresh, assert_refused_unread
+from tests._utils._streams import Fresh, Resets, assert_refused_unread
 from trainperf._utils.validate import fresh_stream, non_negative_number, positive_number
 
 
@@ -37,5 +37,12 @@ def test_non_negative_number_takes_zero_and_plain_messages() -> None:
 
 def test_fresh_stream_refuses_only_a_dataset_that_is_its_own_iterator() -> None:
     assert_refused_unread(lambda ds: fresh_stream(ds, "tuning"), "tuning")
+    gen = (i for i in range(3))
+    with pytest.raises(ValueError, match=r"generator is a one-shot iterator"):
+        fresh_stream(gen, "batches_from()")
+    assert next(gen) == 0  # not read
+    with pytest.raises(ValueError, match=r"list_iterator is a one-shot iterator"):
+        fresh_stream(iter([1, 2]), "tuning")
+    fresh_stream(Resets(4), "tuning")  # rewinds itself on each iter(): starts afresh
     fresh_stream(Fresh(), "tuning")  # __next__ too, but iter() gives a new generator
     fresh_stream([1, 2, 3], "tuning")  # not an IterableDataset: a map-style list

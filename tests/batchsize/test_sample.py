@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-from tests._utils._streams import Fresh, assert_refused_unread
+from tests._utils._streams import Fresh, Resets, assert_refused_unread
 from trainperf.batchsize import DatasetBatches, batches_from
 from trainperf.batchsize._sample import batch_length, checked_batch
 
@@ -113,5 +113,11 @@ def test_a_dataset_that_is_its_own_iterator_is_refused_before_a_sample_is_read()
 
 
 def test_a_stream_that_starts_afresh_gives_batches_again_and_again() -> None:
-    sample = batches_from(Fresh())
-    assert torch.equal(sample(4), sample(4))
+    for ds in (Fresh(), Resets(16)):
+        sample = batches_from(ds)
+        assert torch.equal(sample(4), sample(4)) and sample(4).tolist() == [
+            [0.0],
+            [1.0],
+            [2.0],
+            [3.0],
+        ]

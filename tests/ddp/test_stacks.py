@@ -314,6 +314,18 @@ def test_only_the_compiler_s_frames_count_as_compiling_not_the_compiled_code_s()
         ("with FileLock(path):", "lock"),
         ("with self._lock_for(key) as held:", "lock"),
         ("with semantic_ctx():", "running"),
+        ("with self._locks[key]:", "lock"),
+        ("with (lock):", "lock"),
+        ("with self.lock.writer():", "lock"),
+        ("with lock.acquire_timeout(5):", "lock"),
+        ("with sem_a:", "lock"),
+        ("with self.read_sem2:", "lock"),
+        ("with self.mySem:", "lock"),
+        ("async with self._mutex:", "lock"),
+        ("with lock_a, \\", "lock"),  # continued on the next line: read by the regex
+        ('with open(lockfile, "w") as f:', "running"),
+        ("with self.lock_path.open() as f:", "running"),
+        ("with torch.no_grad():", "running"),
         ("with clock:", "running"),
         ("with open(lockfile) as f:", "running"),
         ("with blocking_io():", "running"),
@@ -322,6 +334,9 @@ def test_only_the_compiler_s_frames_count_as_compiling_not_the_compiled_code_s()
         ("item = q.get(timeout=None)", "thread-wait"),
         ('value = cfg.get("lr")', "running"),
         ("pid, status = os.waitpid(pid, 0)", "process-wait"),
+        ("pid, status = waitpid(pid, 0)", "process-wait"),
+        ("pid, status, usage = os.wait3(0)", "process-wait"),
+        ("self.waitpid_done = done.wait(1)", "running"),
     ],
 )
 def test_a_line_that_blocks_in_c_is_read_from_its_source(
@@ -330,3 +345,23 @@ def test_a_line_that_blocks_in_c_is_read_from_its_source(
     src = tmp_path / "train.py"
     src.write_text(f"def main():\n    {line}\n")
     assert classify(_frames((str(src), 2, "main")), in_collective=False) == activity
+
+
+def test_a_thread_pool_is_threads_and_a_dataloader_s_workers_are_its_own() -> None:
+    import multiprocessing.pool as mp_pool
+    import multiprocessing.popen_fork as popen_fork
+    import multiprocessing.process as mp_process
+
+    user = ("/home/me/train.py", 30, "main")
+    pool_py = mp_pool.__file__
+    pool = _frames((THREADING, 324, "wait"), (THREADING, 629, "wait"),
+                   (pool_py, 765, "wait"), (pool_py, 768, "get"), user)  # fmt: skip
+    assert classify(pool, in_collective=False) == "thread-wait"  # a ThreadPool's map
+    shutdown = _frames((popen_fork.__file__, 27, "poll"), (popen_fork.__file__, 43, "wait"),
+                       (mp_process.__file__, 149, "join"),
+                       (f"{TORCH}/utils/data/dataloader.py", 1600, "_shutdown_workers"),
+                       (f"{TORCH}/utils/data/dataloader.py", 1650, "__del__"), user)  # fmt: skip
+    assert classify(shutdown, in_collective=False) == "dataloader"
+    join = _frames((popen_fork.__file__, 27, "poll"), (popen_fork.__file__, 43, "wait"),
+                   (mp_process.__file__, 149, "join"), user)  # fmt: skip
+    assert classify(join, in_collective=False) == "process-wait"

@@ -146,11 +146,29 @@ def choice(name: str, value: object, choices: Sequence[object]) -> None:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
 
 
+def _returns_self(self: object) -> object:
+    return self
+
+
+def _one_shot(dataset: object) -> bool:
+    """An iterator that cannot start again: a C-level one (a generator, ``iter(list)``),
+    or a class whose ``__iter__`` does nothing but ``return self`` (one that resets itself
+    first, ``self.i = 0; return self``, starts afresh and is not one)."""
+    kind = type(dataset)
+    if not callable(getattr(kind, "__next__", None)):
+        return False
+    code = getattr(getattr(kind, "__iter__", None), "__code__", None)
+    if code is None:  # implemented in C: calling it has no side effect
+        return iter(dataset) is dataset  # type: ignore[call-overload]
+    mine = _returns_self.__code__
+    return bool(code.co_code == mine.co_code and code.co_argcount == 1)
+
+
 def fresh_stream(dataset: object, reader: str) -> None:
-    """Raise ``ValueError`` for an ``IterableDataset`` that is its own iterator (``__iter__``
-    returns itself): ``reader`` (what reads it ahead of the training loop: "tuning",
-    "batches_from()") would use up samples the loop then never sees, and each DataLoader
-    worker would replay its own copy of the stream.
+    """Raise ``ValueError`` for a dataset that is a one-shot iterator: a generator, or an
+    ``IterableDataset`` whose ``__iter__`` just returns itself. ``reader`` (what reads it
+    ahead of the training loop: "tuning", "batches_from()") would use up samples the loop
+    then never sees, and each DataLoader worker would replay its own copy of the stream.
 
     Example:
         >>> from torch.utils.data import IterableDataset
@@ -161,20 +179,14 @@ def fresh_stream(dataset: object, reader: str) -> None:
         >>> fresh_stream(Once(), "tuning")
         Traceback (most recent call last):
         ...
-        ValueError: Once is an IterableDataset whose __iter__ returns the dataset itself: ...
+        ValueError: Once is a one-shot iterator (its __iter__ returns it as it is): ...
+        >>> fresh_stream(list(range(8)), "tuning")  # a list starts again each time
     """
-    from torch.utils.data import IterableDataset
-
-    if not isinstance(dataset, IterableDataset) or not callable(
-        getattr(type(dataset), "__next__", None)
-    ):
-        return
-    stream: object = iter(dataset)
-    if stream is not dataset:
+    if not _one_shot(dataset):
         return
     raise ValueError(
-        f"{type(dataset).__name__} is an IterableDataset whose __iter__ returns the dataset "
-        f"itself: {reader} would use up samples your training loop then never sees (and each "
+        f"{type(dataset).__name__} is a one-shot iterator (its __iter__ returns it as it "
+        f"is): {reader} would use up samples your training loop then never sees (and each "
         f"DataLoader worker would replay its own copy of the stream). Give it an __iter__ "
         f"that starts the stream afresh on each call (a generator: `def __iter__(self): "
         f"yield from ...`)"

@@ -202,7 +202,7 @@ _ADVICE = {
     ),
     "process-wait": (
         "Fix: {who} waits for another process (a multiprocessing Queue or Pipe, "
-        "Process.join, a Pool's result, a subprocess) that never answers: it died, is stuck "
+        "Process.join, a subprocess) that never answers: it died, is stuck "
         "itself, or was never started; its own output says which. Give the wait a timeout "
         "(get(timeout=...), join(timeout), subprocess's timeout=) and check the other side's "
         "exit code."

@@ -22,6 +22,7 @@ or running.
 
 from __future__ import annotations
 
+import ast
 import linecache
 import os
 import re
@@ -56,20 +57,30 @@ Activity = Literal[
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 # A line that blocks in C with no Python frame of its own: a lock's acquire, or `with` on
-# something named like a lock (`with lock:`, `with self._mutex:`, `with lock2:`,
-# `with get_lock():`), not `with clock:`, `with blocking_io():` nor `with open(lockfile):`.
+# something named like a lock (:func:`_enters_lock`); this regex only where the line does
+# not parse on its own (a `with` continued on the next line).
 _LOCK_LINE = re.compile(
-    r"\.acquire\(|\bwith\b[^#]*((?<![bc])lock|mutex|(?<![a-z0-9])sem(aphore)?\b)\w*"
+    r"\.acquire\(|\bwith\b[^#]*((?<![bc])lock|mutex|(?<![a-z0-9])sem(aphore)?(?![a-z]))\w*"
     r"(\([^#]*\))?\s*(:|,|\bas\b)",
     re.IGNORECASE,
 )
+# The words of a name (`FileLock`, `read_sem2`, `mySem`: split at `_`, digits and case).
+_WORDS = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])")
+_LOCK_WORDS = frozenset(
+    ("lock", "locks", "rlock", "mutex", "mutexes", "sem", "sems", "semaphore", "semaphores")
+)
+_NOT_LOCKS = frozenset(("block", "clock", "unlock"))
+# Methods of a lock that return what `with` enters: reader-writer locks, timed acquires.
+_LOCK_METHODS = re.compile(r"^(acquire\w*|reader|writer|read|write|shared|exclusive)$")
 # queue.SimpleQueue.get (a C call): `q.get()`, `q.get(True)`, `q.get(block=...)`,
 # `q.get(timeout=...)`; dict.get always takes a key.
 _GET_LINE = re.compile(r"\.get\(\s*(\)|True\b|block\s*=|timeout\s*=)")
 # Where the standard library waits for another process: a multiprocessing Queue's get, a
-# Pipe's recv, Process.join, a Pool's result; subprocess's wait and communicate.
+# Pipe's recv, Process.join; subprocess's wait and communicate (not a Pool's result: its
+# wait ends in threading.py, and a ThreadPool's workers are threads).
 _PROCESS_WAITS = tuple(p.replace("/", os.sep) for p in ("multiprocessing/", "/subprocess.py"))
-_WAITPID_LINE = re.compile(r"\bos\.wait(pid|4)?\(")
+_DATALOADER = "torch/utils/data/".replace("/", os.sep)
+_WAITPID_LINE = re.compile(r"\bos\.wait(pid|id|3|4)?\(|(?<![.\w])wait(pid|id|3|4)\(")
 _STDLIB = os.path.normpath(sysconfig.get_paths()["stdlib"]) + os.sep
 # Installed packages: under the standard library's directory in a Python without a venv
 # (/usr/lib/python3.11/site-packages), and not part of it.
@@ -212,15 +223,16 @@ def classify(
     if not frames:
         return "running"
     innermost = frames[0]
-    if _waits_for_process(frames):
-        return "process-wait"
+    process = _process_wait(frames)
+    if process is not None:
+        return process
     if _in_threading(innermost) and innermost.function in _BLOCKING:
         takes_lock = any(f.function in _LOCK_FRAMES for f in _stdlib_run(frames))
         return "lock" if takes_lock else "thread-wait"
     line = source_line(innermost)
     if waits_async and ".wait(" in line:
         return "collective"
-    if _LOCK_LINE.search(line):
+    if _enters_lock(line):
         return "lock"
     if _GET_LINE.search(line):
         return "thread-wait"
@@ -229,10 +241,60 @@ def classify(
     return "running"
 
 
-def _waits_for_process(frames: tuple[Frame, ...]) -> bool:
-    """The standard-library call the stack ends in is one of multiprocessing's or
-    subprocess's (:data:`_PROCESS_WAITS`)."""
-    return any(part in f.file for f in _stdlib_run(frames) for part in _PROCESS_WAITS)
+def _process_wait(frames: tuple[Frame, ...]) -> Activity | None:
+    """ "process-wait" where the standard-library call the stack ends in is one of
+    multiprocessing's or subprocess's (:data:`_PROCESS_WAITS`) and its wait is not
+    threading's; "dataloader" where the DataLoader made that call (starting or stopping
+    its workers); else None."""
+    run = _stdlib_run(frames)
+    if not run or _in_threading(run[0]):
+        return None
+    if not any(part in f.file for f in run for part in _PROCESS_WAITS):
+        return None
+    caller = frames[len(run)] if len(run) < len(frames) else None
+    if caller is not None and _DATALOADER in caller.file:
+        return "dataloader"
+    return "process-wait"
+
+
+def _lock_named(name: str) -> bool:
+    """A word of ``name`` is a lock's: `lock2`, `read_sem`, `FileLock`, `spinlock`; not
+    `clock`, `blocking`, `semantic`, `lock_path`'s `path` alone."""
+    words = [w.lower() for w in _WORDS.findall(name)]
+    return any(w in _LOCK_WORDS or (w.endswith("lock") and w not in _NOT_LOCKS) for w in words)
+
+
+def _entered_is_lock(expr: ast.expr) -> bool:
+    """What a `with` item enters is named like a lock: its last name (`self._mutex`,
+    `get_lock()`, `self._locks[key]`, `FileLock(path)`), or a lock's method
+    (`self.lock.writer()`, `lock.acquire_timeout(5)`)."""
+    while isinstance(expr, ast.Subscript):
+        expr = expr.value
+    if isinstance(expr, ast.Call):
+        func = expr.func
+        if isinstance(func, ast.Attribute) and _LOCK_METHODS.match(func.attr):
+            return _entered_is_lock(func.value)
+        expr = func
+    if isinstance(expr, ast.Attribute):
+        return _lock_named(expr.attr)
+    return isinstance(expr, ast.Name) and _lock_named(expr.id)
+
+
+def _enters_lock(line: str) -> bool:
+    """The line acquires a lock (`.acquire(`) or enters one with `with`."""
+    if ".acquire(" in line:
+        return True
+    code = line.strip()
+    if not re.match(r"(async\s+)?with\b", code):
+        return False
+    try:
+        tree = ast.parse(code + " pass" if code.endswith(":") else code)
+    except SyntaxError:  # continued on the next line
+        return _LOCK_LINE.search(line) is not None
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, ast.With | ast.AsyncWith):
+        return False
+    return any(_entered_is_lock(item.context_expr) for item in node.items)
 
 
 def _is_stdlib(file: str) -> bool:
