@@ -322,7 +322,7 @@ def test_only_the_compiler_s_frames_count_as_compiling_not_the_compiled_code_s()
         ("with self.read_sem2:", "lock"),
         ("with self.mySem:", "lock"),
         ("async with self._mutex:", "lock"),
-        ("with lock_a, \\", "lock"),  # continued on the next line: read by the regex
+        ("with lock_a, \\", "lock"),  # continued on the next line
         ('with open(lockfile, "w") as f:', "running"),
         ("with self.lock_path.open() as f:", "running"),
         ("with torch.no_grad():", "running"),

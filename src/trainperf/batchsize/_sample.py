@@ -113,9 +113,9 @@ def batches_from(
 
     Raises:
         ValueError: ``collate_fn`` is not callable, or ``dataset`` is a DataLoader (its
-            items are batches: pass ``loader.dataset`` and ``loader.collate_fn``), or an
-            ``IterableDataset`` that is its own iterator (reading it would use up samples
-            the training loop then never sees). Calling
+            items are batches: pass ``loader.dataset`` and ``loader.collate_fn``), or a
+            one-shot iterator (a generator, an ``__iter__`` that only returns ``self``:
+            reading it would use up samples the training loop then never sees). Calling
             the result raises ``ValueError`` for an empty dataset or an ``n`` that is not an
             int >= 1.
 

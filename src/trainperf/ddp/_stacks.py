@@ -57,19 +57,12 @@ Activity = Literal[
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 # A line that blocks in C with no Python frame of its own: a lock's acquire, or `with` on
-# something named like a lock (:func:`_enters_lock`); this regex only where the line does
-# not parse on its own (a `with` continued on the next line).
-_LOCK_LINE = re.compile(
-    r"\.acquire\(|\bwith\b[^#]*((?<![bc])lock|mutex|(?<![a-z0-9])sem(aphore)?(?![a-z]))\w*"
-    r"(\([^#]*\))?\s*(:|,|\bas\b)",
-    re.IGNORECASE,
-)
-# The words of a name (`FileLock`, `read_sem2`, `mySem`: split at `_`, digits and case).
+# something named like a lock (:func:`_enters_lock`): a word of its name (`FileLock`,
+# `read_sem2`, `mySem`: split at `_`, digits and case) ends in "lock" (`rlock`,
+# `spinlock`; not one of _NOT_LOCKS) or is one of _LOCK_WORDS.
 _WORDS = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])")
-_LOCK_WORDS = frozenset(
-    ("lock", "locks", "rlock", "mutex", "mutexes", "sem", "sems", "semaphore", "semaphores")
-)
 _NOT_LOCKS = frozenset(("block", "clock", "unlock"))
+_LOCK_WORDS = frozenset(("locks", "mutex", "mutexes", "sem", "sems", "semaphore", "semaphores"))
 # Methods of a lock that return what `with` enters: reader-writer locks, timed acquires.
 _LOCK_METHODS = re.compile(r"^(acquire\w*|reader|writer|read|write|shared|exclusive)$")
 # queue.SimpleQueue.get (a C call): `q.get()`, `q.get(True)`, `q.get(block=...)`,
@@ -284,13 +277,15 @@ def _enters_lock(line: str) -> bool:
     """The line acquires a lock (`.acquire(`) or enters one with `with`."""
     if ".acquire(" in line:
         return True
-    code = line.strip()
+    code = line.split("#", 1)[0].strip()
     if not re.match(r"(async\s+)?with\b", code):
         return False
+    # The items on this line (one continued on the next, `with a, \`, ends in `, \`).
+    code = code.rstrip(":\\, ") + ": pass"
     try:
-        tree = ast.parse(code + " pass" if code.endswith(":") else code)
-    except SyntaxError:  # continued on the next line
-        return _LOCK_LINE.search(line) is not None
+        tree = ast.parse(code)
+    except SyntaxError:
+        return False
     node = tree.body[0] if tree.body else None
     if not isinstance(node, ast.With | ast.AsyncWith):
         return False
