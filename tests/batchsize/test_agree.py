@@ -62,5 +62,10 @@ def test_an_oom_on_one_rank_in_the_alternation_ends_it_on_both_alike() -> None:
 def test_an_oom_on_one_rank_in_a_probe_stops_both_alike() -> None:
     r0, r1 = _oom_on_rank_1("probe")
     assert r0["batch_size"] == r1["batch_size"] and r0["statuses"] == r1["statuses"]
-    assert r0["statuses"][32] == "oom" and r0["batch_size"] < 32  # type: ignore[index, operator]
-    assert r0["reasons"][32] == "out of memory on another rank"  # type: ignore[index]
+    # The growth reaches 32 or jumps over it to 64 (by 4 where samples/s grew almost in
+    # proportion), and the refinement then tries midpoints: which sizes fail depends on the
+    # path the host's timing takes, but each of them is 32 or above and failed on rank 1.
+    oom = sorted(n for n, status in r0["statuses"].items() if status == "oom")  # type: ignore[attr-defined]
+    assert oom and oom[0] >= 32 and r0["batch_size"] < 32, r0  # type: ignore[operator]
+    assert all(r0["reasons"][n] == "out of memory on another rank" for n in oom)  # type: ignore[index]
+    assert all(r1["reasons"][n].startswith("CUDA out of memory (simulated") for n in oom)  # type: ignore[index]
