@@ -6,9 +6,14 @@ give the arithmetic.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import importlib
+import inspect
 import math
 import statistics
+from typing import Any
 
 import pytest
 
@@ -16,7 +21,12 @@ from tests.monitor._fakes import cpu_loop, figures
 from trainperf.bench import reference_throughput
 from trainperf.monitor import LoopSetup
 from trainperf.monitor._predict import (
+    ASYNC_SAVE_CALL,
+    BATCH_CALL,
+    GPU_DECODE_CALL,
     LESS_OFTEN,
+    LOADER_CALL,
+    PRECISION_CALL,
     batch_fix,
     free_cpus_fix,
     gpu_decode_fix,
@@ -198,7 +208,7 @@ def test_workers_not_yet_sampled_count_as_all_cpu() -> None:
 def test_the_stalls_excess_goes_with_a_non_blocking_save() -> None:
     f = figures(stall_period=10, stall_steps=(9, 19, 29), stall_fraction=0.2, stall_median_s=0.2)
     async_save, less_often = stall_fixes(f)
-    assert async_save.call == "trainperf.Checkpointer(directory).save(state, step, blocking=False)"
+    assert async_save.call == ASYNC_SAVE_CALL
     assert async_save.predicted_speedup == pytest.approx(1 / 0.8)
     assert async_save.basis.startswith(
         "the run without the stalls' excess (3 stalls every 10 steps, each 13.3 ms over the "
@@ -287,7 +297,7 @@ def test_bf16_on_a_cpu_speeds_up_the_share_not_waiting_by_what_the_probe_measure
 def test_a_larger_batch_fills_a_gpu_the_host_keeps_waiting() -> None:
     starved = batch_fix(figures(gpu_span=0.4))
     assert starved is not None and starved.predicted_speedup == 2.0  # doubled, capped at 2
-    assert starved.call == "trainperf.tune_batch_size(model, ...)"
+    assert starved.call == BATCH_CALL
     half = batch_fix(figures(gpu_span=0.8))
     assert half is not None and half.predicted_speedup == pytest.approx(1.25)
     full = batch_fix(figures(gpu_span=1.0))
@@ -380,3 +390,40 @@ def test_cpu_bound_loading_gets_only_the_cores_other_processes_leave() -> None:
     assert fast is not None and fast.predicted_speedup == pytest.approx(20 / 7.5)
     assert slow is not None and slow.predicted_speedup == pytest.approx(20 / 15)
     assert "2 cores left to workers, 1.5 of them busy with other processes" in slow.basis
+
+
+def _resolve(expr: ast.expr) -> Any:
+    """The object a dotted ``trainperf.a.b`` expression names, or None for anything else."""
+    dotted = ast.unparse(expr)
+    if not dotted.startswith("trainperf."):
+        return None
+    module, attr = dotted.rsplit(".", 1)
+    return getattr(importlib.import_module(module), attr)
+
+
+def _bound_calls(code: str) -> list[inspect.BoundArguments]:
+    """Each ``trainperf.`` call in a fix's code bound to the real signature; a method of
+    a constructed object (``trainperf.X(...).m(...)``) to ``X.m``, with a stand-in self."""
+    out = []
+    for node in ast.walk(ast.parse(code.split(";")[-1].strip())):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        method = isinstance(node.func.value, ast.Call)
+        owner = _resolve(node.func.value.func) if method else _resolve(node.func)  # type: ignore[attr-defined]
+        if owner is None:
+            continue
+        fn = functools.partial(getattr(owner, node.func.attr), None) if method else owner
+        args = [None] * sum(not isinstance(a, ast.Starred) for a in node.args)
+        kwargs = {k.arg: None for k in node.keywords if k.arg is not None}
+        out.append(inspect.signature(fn).bind(*args, **kwargs))
+    return out
+
+
+@pytest.mark.parametrize(
+    "call", [LOADER_CALL, GPU_DECODE_CALL, ASYNC_SAVE_CALL, PRECISION_CALL, BATCH_CALL]
+)
+def test_every_named_call_runs_as_written(call: str) -> None:
+    # A user copies the fix from the report: its arguments must bind to the real signature
+    # (``save(state, step, ...)`` raised TypeError: step is keyword-only).
+    bound = _bound_calls(call)  # bind() raises TypeError where an argument does not fit
+    assert len(bound) == call.count("trainperf.") + call.count(")."), call

@@ -8,6 +8,7 @@ import pytest
 
 from tests.monitor._fakes import cpu_loop, figures
 from trainperf.monitor import LoopSetup, Verdict
+from trainperf.monitor._predict import BATCH_CALL
 from trainperf.monitor._rules import (
     compute_bound,
     cpu_share,
@@ -389,7 +390,7 @@ def test_compute_bound_predicts_mixed_precision_and_a_larger_batch() -> None:
     setup = LoopSetup(gpu_name="NVIDIA A100-SXM4-80GB", gpu_capability=(8, 0))
     gpu = compute_bound(figures(gpu_span=0.4, setup=setup))
     assert [f.call for f in gpu.fixes] == [
-        "trainperf.tune_batch_size(model, ...)", "trainperf.MixedPrecision()",
+        BATCH_CALL, "trainperf.MixedPrecision()",
     ]  # fmt: skip
     assert gpu.predicted_speedup == 2.0  # a GPU busy 40 %: a doubled batch beats bf16
     assert compute_bound(figures(precision=("bf16", "x"))).fixes == ()  # nothing left

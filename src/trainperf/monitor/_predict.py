@@ -96,9 +96,9 @@ HIDDEN_WORKERS = 0.1  # child processes' cores that show workers behind a non-Da
 
 LOADER_CALL = "trainperf.autotune_loader(dataset, batch_size, step_fn=train_step)"
 GPU_DECODE_CALL = 'trainperf.pipelines.image_loader(folder, batch_size, backend="nvjpeg")'
-ASYNC_SAVE_CALL = "trainperf.Checkpointer(directory).save(state, step, blocking=False)"
+ASYNC_SAVE_CALL = "trainperf.Checkpointer(directory).save(state, step=step, blocking=False)"
 PRECISION_CALL = "trainperf.MixedPrecision()"
-BATCH_CALL = "trainperf.tune_batch_size(model, ...)"
+BATCH_CALL = "trainperf.tune_batch_size(train_step, sample, model=model, optimizer=optimizer)"
 GPU_CALL = "model.to(device); batch = trainperf.to_device(batch, device)"
 FREE_CPUS_CALL = "stop or move the other jobs (`trainperf doctor` shows the host's load)"
 
