@@ -7,6 +7,9 @@
 #                                         # benchmarks, autotuner JPEG grid on all cores, DDP
 #                                         # example, tune_batch_size vs a sweep (3 models)
 #
+# `bash benchmarks/gpu_checks.sh rest whatif_gpu checkpoint_bench` runs only the steps named
+# (a rerun of the failed ones); a name that is no step of the part is an error (exit 2).
+#
 # Steps run most important first, each under its own time limit, and the whole part under a
 # deadline: GPU_CHECKS_DEADLINE_S seconds (default 500) from the start. A step's limit is cut to
 # the time left, and a step that would start with under 30 s left is skipped (and logged as
@@ -30,8 +33,11 @@ SECONDS=0
 part="${1:-quick}"
 case "$part" in
   quick | rest) ;;
-  *) echo "usage: $0 quick|rest" >&2; exit 2 ;;
+  *) echo "usage: $0 quick|rest [STEP ...]" >&2; exit 2 ;;
 esac
+shift $(($# > 0 ? 1 : 0))
+selected=" $* "  # named steps only (e.g. a rerun of the failed ones); empty: every step
+ran=" "
 deadline="${GPU_CHECKS_DEADLINE_S:-500}"
 case "$deadline" in
   '' | *[!0-9]*) echo "GPU_CHECKS_DEADLINE_S must be a whole number of seconds, got '$deadline'" >&2; exit 2 ;;
@@ -60,6 +66,10 @@ note() {  # one summary line: on stdout and in summary.txt
 step() {  # step NAME SECONDS CMD...: run with a time limit, keep the log, never stop the script
   local name=$1 limit=$2 left rc started
   shift 2
+  if [ "$selected" != "  " ] && [[ "$selected" != *" $name "* ]]; then
+    return  # not among the steps named on the command line
+  fi
+  ran="$ran$name "
   left=$((deadline - SECONDS))
   if [ "$left" -lt 30 ]; then
     note "== step $name: skipped (${left}s left of GPU_CHECKS_DEADLINE_S=$deadline)"
@@ -141,3 +151,12 @@ fi
 echo; echo "######## summary ($part, ${SECONDS}s)"
 cat "$WORK/summary.txt"
 echo "results in $ARCHIVE (tar xzf it)"
+unknown=""
+for name in $selected; do
+  [[ "$ran" == *" $name "* ]] || unknown="$unknown $name"
+done
+if [ -n "$unknown" ]; then
+  note "== no such step in $part:$unknown (the step names are those of the '== step' lines)"
+  pack
+  exit 2
+fi

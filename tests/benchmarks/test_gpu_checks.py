@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,3 +39,18 @@ def test_script_parses_and_refuses_an_unknown_part() -> None:
     proc = subprocess.run(["bash", str(SCRIPT), "bogus"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "usage" in proc.stderr
+
+
+@pytest.mark.slow  # imports torch twice: several seconds
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_named_steps_run_alone_and_an_unknown_name_is_refused(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable,
+           "TMPDIR": str(tmp_path)}  # fmt: skip
+    run = subprocess.run(["bash", str(SCRIPT), "quick", "env"], capture_output=True, text=True,
+                         env=env, timeout=240)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    summary = (tmp_path / "gpu-checks-quick" / "summary.txt").read_text()
+    assert re.findall(r"== step (\S+):", summary) == ["env"], summary
+    bad = subprocess.run(["bash", str(SCRIPT), "quick", "env", "no_such_step"],
+                         capture_output=True, text=True, env=env, timeout=240)  # fmt: skip
+    assert bad.returncode == 2 and "no such step in quick: no_such_step" in bad.stdout
