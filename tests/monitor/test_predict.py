@@ -217,6 +217,17 @@ def test_the_stalls_excess_goes_with_a_non_blocking_save() -> None:
     assert less_often.call == f"trainperf.save_checkpoint(...) every {LESS_OFTEN * 10} steps"
     assert less_often.predicted_speedup == pytest.approx(1 / (1 - 0.2 * 0.9))
     assert stall_fixes(figures()) == ()
+    # A CPU state's non-blocking save blocks 5 ms (its fork): 5 of each 13.3 ms excess stay.
+    forked = dataclasses.replace(f, setup=LoopSetup(save_block_s=0.005))
+    async_forked = stall_fixes(forked)[0]
+    assert async_forked.predicted_speedup == pytest.approx(
+        1 / (1 - 0.2 * (1 - 0.005 / (0.2 * 0.2 / 3)))
+    )
+    assert "a non-blocking save of a CPU state blocked this process for 5.0 ms" in (
+        async_forked.basis
+    )
+    slow_fork = dataclasses.replace(f, setup=LoopSetup(save_block_s=0.05))  # longer than a stall
+    assert stall_fixes(slow_fork)[0].predicted_speedup == 1.0
     assert stall_fixes(figures(stall_period=None, stall_steps=(3, 7), stall_fraction=0.2)) == ()
 
 

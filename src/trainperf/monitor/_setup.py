@@ -53,6 +53,10 @@ class LoopSetup:
         cpu_bf16_speedup: how much faster a small MLP training step ran under bf16
             autocast than in fp32 on this CPU (``_cpu_bf16``), for a CPU loop without
             MixedPrecision on a CPU with native bf16; None otherwise.
+        save_block_s: seconds ``Checkpointer.save(..., blocking=False)`` of a CPU state
+            blocked this process for (``_save_cost``: its fork and bookkeeping), what it
+            still adds to the step that saves, for a CPU loop with periodic stalls; None
+            otherwise.
 
     Example:
         >>> LoopSetup(num_workers=0, torch_threads=4).to_dict()["num_workers"]
@@ -77,6 +81,7 @@ class LoopSetup:
     fewer_threads: int | None = None
     fewer_threads_speedup: float | None = None
     cpu_bf16_speedup: float | None = None
+    save_block_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name, JSON-safe (the capability as a list)."""

@@ -57,6 +57,7 @@ from trainperf.monitor._probe import precision_in_use as _precision_in_use
 from trainperf.monitor._probe import rank_cpus as _rank_cpus
 from trainperf.monitor._report import LoaderChange, Sample, StepRecord, WatchReport
 from trainperf.monitor._sampler import MAX_RECORDS, _Sampler
+from trainperf.monitor._save_cost import with_save_cost
 from trainperf.monitor._setup import LoopSetup
 
 __all__ = ["Watch", "watch"]
@@ -558,11 +559,11 @@ class Watch:
 
 def _probed(f: Figures, *, probe: bool) -> LoopSetup | None:
     """The judged figures' setup with what the predictions' probes measured (the crowding
-    of torch's threads, bf16 on a CPU), or None where none applies. ``probe=False`` (a
-    report made inside the loop) only uses earlier measurements: a probe's second would
-    land in the loop's step."""
+    of torch's threads, bf16 on a CPU, a non-blocking save's), or None where none applies.
+    ``probe=False`` (a report made inside the loop) only uses earlier measurements: a
+    probe's second would land in the loop's step."""
     setup = None
-    for measure in (with_crowding, with_cpu_bf16):
+    for measure in (with_crowding, with_cpu_bf16, with_save_cost):
         found = measure(f, probe=probe)
         if found is not None:
             setup = found
