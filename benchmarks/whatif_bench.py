@@ -350,7 +350,7 @@ def cpu_bound(scale: float, budget: float) -> Scenario:
     def make() -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
         model = nn.Sequential(
-            nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+            nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10)
         )
         return model, torch.optim.SGD(model.parameters(), lr=1e-3)
 

@@ -207,3 +207,32 @@ def test_deadline_during_slow_batches_is_the_budget_not_a_hang(
     assert r.elapsed_s <= 1.5 + 1.0
     # A graceful stop would wait for each worker's batch in hand, past the deadline.
     assert closes == [True]
+
+
+def test_cpu_demand_counts_the_time_the_hypervisor_stole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a VM whose CPUs other tenants share, stolen time is in neither run nor wait time:
+    half a core measured while half the host's time was stolen is a whole core demanded."""
+    from trainperf.loader import _measure
+
+    class Workers:
+        busy = 0.0
+
+        def busy_seconds(self) -> float:
+            return self.busy
+
+    class HalfStolen:
+        def share(self) -> float:
+            return 0.5
+
+    clock = iter([100.0, 102.0])
+    main = iter([10.0, 10.5])
+    monkeypatch.setattr(_measure.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(_measure, "thread_busy_seconds", lambda: next(main))
+    monkeypatch.setattr(_measure, "StealMeter", HalfStolen)
+    workers = Workers()
+    readings = _measure._Readings(workers, 2, None, 0.0)  # type: ignore[arg-type]
+    readings.windows_start()
+    workers.busy = 2.0  # two workers, half a core each over the 2 s
+    readings.windows_end()
+    assert readings.worker_cpu == pytest.approx(2.0)
+    assert readings.main_cpu == pytest.approx(0.5)

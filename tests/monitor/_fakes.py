@@ -31,6 +31,15 @@ def burn(seconds: float) -> None:
         pass
 
 
+def cpu_work(seconds: float) -> None:
+    """Busy-waits on this thread's CPU time: ``seconds`` of CPU demand however crowded the
+    host, or however much of its time the hypervisor steals (a wall-clock busy-wait on a VM
+    whose CPUs other tenants share demands less: stolen time is neither run nor wait)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 def steps(n: int, wait: float, compute: float, **extra: object) -> list[StepRecord]:
     out = []
     for i in range(n):

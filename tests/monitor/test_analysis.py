@@ -281,3 +281,20 @@ def test_the_measured_cpu_figures_reach_the_predictions() -> None:
     assert report.to_dict()["setup"]["torch_threads"] == 1
     unmeasured = analyse(timeline, hot, cpus=2, wait_measured=False)
     assert unmeasured.verdict.kind != "input-bound"
+
+
+def test_cpu_time_the_hypervisor_stole_is_counted_and_shown() -> None:
+    # Waiting 75 % of the time, 4 of 8 CPUs used: input-bound with CPUs to spare, unless
+    # the hypervisor stole half the time; then the CPUs this VM got were all in use.
+    def samples_with(steal: float | None) -> list[Sample]:
+        return [Sample(i * 0.1, None, None, 400.0, 70.0, 300.0, steal) for i in range(10)]
+
+    timeline = [StepRecord(i, i * 0.02, 0.015, 0.005, 8, None, 0.01, 0.0) for i in range(40)]
+    spare = analyse(timeline, samples_with(None), cpus=8)
+    assert spare.verdict.kind == "input-bound" and spare.host_steal_mean is None
+    stolen = analyse(timeline, samples_with(50.0), cpus=8)
+    assert stolen.host_steal_mean == pytest.approx(50.0)
+    assert stolen.verdict.kind == "host-bound", stolen
+    assert any("hypervisor withheld 50% of the CPU time" in r for r in stolen.verdict.reasons)
+    assert "the hypervisor withheld 50%" in str(stolen).splitlines()[2]
+    assert stolen.to_dict()["host_steal_mean"] == pytest.approx(50.0)

@@ -122,10 +122,10 @@ def test_the_parts_serialise_themselves() -> None:
         "index": 3, "start": 0.5, "wait": 0.01, "compute": 0.02, "samples": None,
         "gpu_busy": None, "wait_cpu": 0.004, "cpu_delay": 0.001,
     }  # fmt: skip
-    sample = Sample(0.1, None, None, 50.0, 20.0, 30.0)
+    sample = Sample(0.1, None, None, 50.0, 20.0, 30.0, 4.0)
     assert sample.to_dict() == {
         "time": 0.1, "gpu_utilization": None, "gpu_memory_used": None, "process_cpu": 50.0,
-        "host_cpu": 20.0, "workers_cpu": 30.0,
+        "host_cpu": 20.0, "workers_cpu": 30.0, "host_steal": 4.0,
     }  # fmt: skip
     setup = LoopSetup(num_workers=2, gpu_capability=(9, 0))
     assert json.loads(json.dumps(setup.to_dict()))["gpu_capability"] == [9, 0]

@@ -73,6 +73,22 @@ def test_cpu_share_counts_the_usable_cpus() -> None:
     assert cpu_share(figures()) is None
 
 
+def test_cpu_time_the_hypervisor_steals_is_not_spare() -> None:
+    # Half of 8 CPUs used while half the time was stolen: all of what was left is used.
+    stolen = figures(process_cpu=400.0, cpus=8, host_cpu=95.0, host_steal=50.0, wait_fraction=0.4)
+    assert cpu_share(stolen) == pytest.approx(1.0)
+    assert cpus_saturated(stolen)
+    assert input_bound(stolen) is None  # not "waiting with CPUs to spare"
+    verdict = host_bound(stolen)
+    assert verdict is not None and verdict.summary.startswith("waiting for data while the CPUs")
+    assert any("hypervisor withheld 50% of the CPU time (steal" in r for r in verdict.reasons)
+    # A little steal is named nowhere and changes the share only by its own size.
+    light = dataclasses.replace(stolen, host_steal=2.0, host_cpu=60.0)
+    assert cpu_share(light) == pytest.approx(0.5 / 0.98)
+    spare = input_bound(light)
+    assert spare is not None and not any("steal" in r for r in spare.reasons), spare
+
+
 @pytest.mark.parametrize(
     ("process_cpu", "host_cpu", "saturated"),
     [

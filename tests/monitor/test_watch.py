@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.monitor._fakes import burn, sampler_threads, sleepy_loader
+from tests.monitor._fakes import burn, cpu_work, sampler_threads, sleepy_loader
 from trainperf.errors import DeviceError
 from trainperf.monitor import Watch, WatchReport, watch
 
@@ -405,7 +405,7 @@ def test_under_ddp_the_watch_judges_cpus_by_this_ranks_share(
 
 def _busy_loader(n: int, seconds: float) -> Iterator[torch.Tensor]:
     for _ in range(n):
-        burn(seconds)
+        cpu_work(seconds)
         yield torch.zeros(4, 2)
 
 
@@ -418,7 +418,7 @@ def test_the_watch_tells_loading_that_computes_from_loading_that_waits() -> None
         reports[name] = w.report()
     cpu = {k: [s.wait_cpu for s in r.timeline] for k, r in reports.items()}
     assert all(c is not None for c in cpu["sleeps"] + cpu["computes"])
-    # 20 ms of busy loading demands 20 ms of CPU per step (running or waiting for one);
+    # 20 ms of CPU work demands 20 ms of CPU per step (running or waiting for one);
     # 20 ms of sleep demands little. The kernel adds run time at scheduler ticks, so one
     # step's figure may be a few ms off; their mean is not.
     busy = [c for c in cpu["computes"] if c is not None]

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from trainperf._utils.batches import batch_bytes, samples_in
+from trainperf._utils.steal import StealMeter, undo_steal
 from trainperf.loader._cache import length
 from trainperf.loader._faults import (
     WorkerProcesses,
@@ -83,11 +84,14 @@ class _Readings:
     batch_bytes: int | None = None
     first_uss: UssReading | None = None
     cpu_start: tuple[float, float, float] | None = None  # wall, workers' and main busy s
+    steal: StealMeter | None = None
     worker_cpu: float | None = None
     main_cpu: float | None = None
 
     def windows_start(self) -> None:
-        """Start the CPU clocks: wall time, the workers' and this thread's busy seconds."""
+        """Start the CPU clocks: wall time, the workers' and this thread's busy seconds, and
+        the host's stolen time."""
+        self.steal = StealMeter()
         self.cpu_start = (time.perf_counter(), self.workers.busy_seconds(), thread_busy_seconds())
 
     def batch_arrived(self, now: float) -> None:
@@ -100,14 +104,18 @@ class _Readings:
                 self.on_tick()
 
     def windows_end(self) -> None:
-        """Cores the workers and the main thread demanded over the windows."""
+        """Cores the workers and the main thread demanded over the windows: busy seconds
+        per second, over the share of the time the hypervisor left this machine (on a VM
+        whose CPUs are shared, stolen time is in neither a thread's run time nor its wait:
+        :mod:`trainperf._utils.steal`)."""
         if self.cpu_start is None:
             return
         wall0, workers0, main0 = self.cpu_start
         wall = max(time.perf_counter() - wall0, 1e-9)
-        self.main_cpu = (thread_busy_seconds() - main0) / wall
+        stolen = None if self.steal is None else self.steal.share()
+        self.main_cpu = undo_steal((thread_busy_seconds() - main0) / wall, stolen)
         if self.num_workers > 0:
-            self.worker_cpu = (self.workers.busy_seconds() - workers0) / wall
+            self.worker_cpu = undo_steal((self.workers.busy_seconds() - workers0) / wall, stolen)
 
 
 def _first_batch(batches: Batches, readings: _Readings, t0: float) -> None:

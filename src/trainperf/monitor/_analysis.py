@@ -18,6 +18,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from trainperf._utils.steal import undo_steal
 from trainperf._utils.validate import non_negative_int, positive_int
 from trainperf.monitor._figures import Figures
 from trainperf.monitor._report import Sample, StepRecord, Verdict, VerdictKind, WatchReport
@@ -151,6 +152,7 @@ def _figures(
     """Measure the steps (numbered from ``first``) and their samples for the rules."""
     durations = [s.duration for s in measured]
     workers = [s.workers_cpu for s in window if s.workers_cpu is not None]
+    steal = _mean([s.host_steal for s in window if s.host_steal is not None])
     wall = sum(durations)
     # Stalls are the loop's own time (a synchronous save): with the wait for data measured,
     # a batch that comes late (workers delivering in bursts) is the input-bound finding's.
@@ -176,12 +178,22 @@ def _figures(
         stall_median_s=statistics.median(own[i - first] for i in stalled) if stalled else None,
         wait_measured=ctx.wait_measured,
         precision=ctx.precision,
-        wait_cpu_s=_per_step([s.wait_cpu for s in measured]) if ctx.wait_measured else None,
+        wait_cpu_s=_wait_cpu(measured, steal) if ctx.wait_measured else None,
         cpu_delay_s=_per_step([s.cpu_delay for s in measured]),
         workers_cpu=_mean(workers),
         setup=ctx.setup,
         shift=shift,
+        host_steal=steal,
     )
+
+
+def _wait_cpu(measured: Sequence[StepRecord], steal: float | None) -> float | None:
+    """The loop thread's CPU demand while waiting, per step, as it would be without the
+    hypervisor's steal (stolen time is in neither its run time nor its wait for a CPU)."""
+    demand = _per_step([s.wait_cpu for s in measured])
+    if demand is None or steal is None:
+        return demand
+    return undo_steal(demand, steal / 100)
 
 
 def _decide(figures: Figures) -> tuple[Verdict, tuple[Verdict, ...]]:
@@ -328,6 +340,7 @@ def analyse(
         gpu_memory_max=max(memory) if memory else None,
         process_cpu_mean=figures.process_cpu,
         host_cpu_mean=figures.host_cpu,
+        host_steal_mean=figures.host_steal,
         cpus=cpus,
         stall_period=figures.stall_period,
         stall_steps=figures.stall_steps,

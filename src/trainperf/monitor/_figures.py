@@ -10,6 +10,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from trainperf._utils.steal import undo_steal
 from trainperf.monitor._setup import LoopSetup
 from trainperf.monitor._shift import Shift
 
@@ -86,6 +87,9 @@ class Figures:
             CPU, None unless every judged step has it.
         workers_cpu: mean CPU percent of this process's children (DataLoader workers) alone,
             None without samples.
+        host_steal: mean percent of the host's CPU time the hypervisor withheld (steal),
+            None where unknown. ``process_cpu``, ``workers_cpu`` and ``wait_cpu_s`` are as
+            measured; :func:`capacity` is what the CPUs gave.
         setup: the loop's settings (:class:`LoopSetup`).
         shift: the change in step time the judged steps start at, None without one.
     """
@@ -114,6 +118,7 @@ class Figures:
     workers_cpu: float | None = None
     setup: LoopSetup = field(default_factory=LoopSetup)
     shift: Shift | None = None
+    host_steal: float | None = None
 
     @property
     def utilisation_mean(self) -> float | None:
@@ -179,9 +184,16 @@ def saw_tooth(f: Figures) -> str:
 # --------------------------------------------------------------------------- the CPUs
 
 
+def capacity(f: Figures) -> float:
+    """The usable CPUs' worth of time the hypervisor left this machine: ``cpus`` less the
+    stolen share (``host_steal``, capped at ``MAX_STEAL``); ``cpus`` where nothing is stolen."""
+    return f.cpus / undo_steal(1.0, None if f.host_steal is None else f.host_steal / 100)
+
+
 def cpu_share(f: Figures) -> float | None:
-    """The share of the usable CPUs this process and its workers use, None without samples."""
-    return None if f.process_cpu is None else f.process_cpu / (100 * f.cpus)
+    """The share of the usable CPUs' time (:func:`capacity`: what the hypervisor did not
+    steal) this process and its workers use, None without samples."""
+    return None if f.process_cpu is None else f.process_cpu / (100 * capacity(f))
 
 
 def cpus_saturated(f: Figures) -> bool:

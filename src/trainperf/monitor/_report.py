@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainperf._utils.format import format_bytes
+from trainperf._utils.steal import steal_words
 from trainperf.monitor._setup import LoopSetup
 
 __all__ = [
@@ -88,6 +89,8 @@ class Sample:
         host_cpu: CPU percent of the whole host (100 = every core busy).
         workers_cpu: CPU percent of the children alone (DataLoader workers), part of
             ``process_cpu``; None when not measured.
+        host_steal: percent of the host's CPU time the hypervisor withheld since the
+            previous sample (a VM's "steal"), None where the platform does not report it.
     """
 
     time: float
@@ -96,6 +99,7 @@ class Sample:
     process_cpu: float
     host_cpu: float
     workers_cpu: float | None = None
+    host_steal: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
@@ -323,6 +327,9 @@ class WatchReport:
         gpu_memory_max: the most GPU memory seen in use, bytes.
         process_cpu_mean: mean CPU percent of this process and its children.
         host_cpu_mean: mean host CPU percent.
+        host_steal_mean: mean percent of the host's CPU time the hypervisor withheld
+            (steal: a VM whose physical CPUs other tenants share), None where unknown. The
+            CPU shares the verdict judges are of the time that was left.
         cpus: CPUs this process may use.
         stall_period: N when every N-th step stalls, else None.
         stall_steps: indices of the stalled steps.
@@ -368,6 +375,7 @@ class WatchReport:
     setup: LoopSetup = field(default_factory=LoopSetup)
     regime_start: int | None = None
     loader_changes: tuple[LoaderChange, ...] = ()
+    host_steal_mean: float | None = None
 
     def what_if(self) -> WhatIf:
         """The fixes of the verdict and the "also" findings, ranked by predicted gain.
@@ -485,6 +493,7 @@ class WatchReport:
             lines.append(
                 f"  CPU: this process and its workers {self.process_cpu_mean:.0f}% "
                 f"(of {self.cpus * 100}% usable), host {self.host_cpu_mean:.0f}%"
+                + steal_words(self.host_steal_mean)
             )
         return lines
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from trainperf._utils.steal import steal_words
 from trainperf.monitor._figures import (
     CPU_SATURATED,
     HOST_SATURATED,
@@ -38,6 +39,7 @@ from trainperf.monitor._figures import (
     SAWTOOTH_MIN_STDEV,
     SAWTOOTH_WAIT,
     Figures,
+    capacity,
     cpu_share,
     cpus_saturated,
     gpu_share,
@@ -175,7 +177,12 @@ def _cpu_reason(f: Figures) -> str:
     if tree is None:
         return ""
     host = "" if f.host_cpu is None else f", the host is {f.host_cpu:.0f}% busy"
-    return f"this process and its workers use {tree:.0%} of the {f.cpus} usable CPUs" + host
+    left = "" if capacity(f) == f.cpus else " (of the time the hypervisor left them)"
+    return (
+        f"this process and its workers use {tree:.0%} of the {f.cpus} usable CPUs{left}"
+        + host
+        + steal_words(f.host_steal)
+    )
 
 
 def _wait_reason(f: Figures) -> str:

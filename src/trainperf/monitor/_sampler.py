@@ -17,6 +17,7 @@ from typing import Any
 import psutil
 import torch
 
+from trainperf._utils.steal import StealMeter
 from trainperf.errors import DeviceError
 from trainperf.monitor._report import Sample
 
@@ -67,6 +68,7 @@ class _Sampler(threading.Thread):
         self._handle: Any = None
         self._handle_tried = False
         self._me = psutil.Process()
+        self._steal: StealMeter | None = None
         self._children: dict[int, psutil.Process] = {}
 
     def request_stop(self) -> None:
@@ -91,6 +93,7 @@ class _Sampler(threading.Thread):
             try:
                 self._me.cpu_percent(None)
                 psutil.cpu_percent(None)
+                self._steal = StealMeter()
                 if self.gpu:
                     self._start_nvml(stack)
             finally:
@@ -175,7 +178,8 @@ class _Sampler(threading.Thread):
                 workers += child.cpu_percent(None)
             except psutil.Error:
                 del self._children[pid]
+        stolen = None if self._steal is None else self._steal.share()
         return Sample(
             time.perf_counter() - self.t0, util, used, own + workers, psutil.cpu_percent(None),
-            workers,
+            workers, None if stolen is None else 100 * stolen,
         )  # fmt: skip
