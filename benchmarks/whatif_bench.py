@@ -387,10 +387,12 @@ def cost_doubles(scale: float, budget: float) -> Scenario:
     data = SleepyDataset(steps * batch + 64, 0.006, slower_from=half)
 
     def step(i: int, batch_: Any) -> None:
-        # Two workers deliver a batch every 6 ms, about as fast as the loop takes one (this
-        # 4.5 ms and about 1.5 ms of receiving it from a worker): then the doubled cost makes
-        # every step wait, twice as long a step.
-        burn(0.0045)
+        # Two workers deliver a batch every 6 ms, slower than the loop takes one (this 3 ms
+        # and about 1.5 ms of receiving it from a worker): the loop runs at the workers'
+        # pace, and the doubled cost halves it, twice as long a step. (A step that just
+        # kept up would make the first half's pace the host's: any wake-up delay on a
+        # crowded host, or time a VM's hypervisor steals, would make it wait too.)
+        burn(0.003)
 
     def fixed(_: WatchReport) -> WatchReport:
         # Tuned on the loop as it runs now (the second half), as a retune would be: a tuner
