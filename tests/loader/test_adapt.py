@@ -17,10 +17,11 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import trainperf.loader._adapt as adapt
 from tests.loader._fakes import quick
-from trainperf.limits import HostLimits
+from trainperf.limits import HostLimits, usable_cpus
 from trainperf.loader import AdaptiveDataLoader, CandidateResult, TuningChange, autotune_loader
 from trainperf.loader._adapt import memory_rules
 from trainperf.loader._adapt_rules import Change, EpochFigures
+from trainperf.loader._search import adaptive_max_workers, default_max_workers
 
 
 class Latency(Dataset[int]):
@@ -256,6 +257,22 @@ def test_autotune_loader_adapt_returns_an_adaptive_loader() -> None:
     assert sorted(x for b in loader for x in b.tolist()) == list(range(16))
     plain = autotune_loader(Latency(16), 4, **quick(max_workers=0, budget_s=5.0))
     assert not isinstance(plain, AdaptiveDataLoader)
+
+
+@pytest.mark.slow  # about 3 s: one short tuning run
+def test_without_a_callers_bound_the_adaptive_loader_may_go_past_the_tuners() -> None:
+    # The tuner tries up to four workers per CPU in its budget; the adaptive loader, which
+    # tries each count while training and goes back when it does not pay, up to eight.
+    loader = autotune_loader(
+        TensorDataset(torch.zeros(64, 2)), 8, adapt=True, **quick(budget_s=3.0)
+    )
+    report = loader.tuning_report
+    assert isinstance(loader, AdaptiveDataLoader)
+    assert report.max_workers == default_max_workers(report.cpus)
+    assert loader._max_workers == adaptive_max_workers(report.cpus) == 2 * report.max_workers
+    assert AdaptiveDataLoader(range(8), batch_size=4)._max_workers == adaptive_max_workers(
+        usable_cpus()
+    )
 
 
 @pytest.mark.slow

@@ -18,7 +18,13 @@ from tests.loader._fakes import search_over, tune_two_workers
 from trainperf.limits import HostLimits
 from trainperf.loader import CandidateResult
 from trainperf.loader import _tune as tune_mod
-from trainperf.loader._search import GAIN, Search, default_max_workers, safety_margin
+from trainperf.loader._search import (
+    GAIN,
+    Search,
+    adaptive_max_workers,
+    default_max_workers,
+    safety_margin,
+)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -280,6 +286,7 @@ def test_default_max_workers_and_margin() -> None:
     assert default_max_workers(1) == 4
     assert default_max_workers(2) == 8
     assert default_max_workers(100) == 64
+    assert [adaptive_max_workers(n) for n in (1, 2, 7, 8, 100)] == [8, 16, 56, 64, 64]
     assert safety_margin(100 * GiB) == 10 * GiB
 
 

@@ -58,7 +58,7 @@ from trainperf.loader._iterable import (
     unsharded_warning,
 )
 from trainperf.loader._report import CandidateResult
-from trainperf.loader._search import Search, callers_stacklevel, default_max_workers
+from trainperf.loader._search import Search, adaptive_max_workers, callers_stacklevel
 from trainperf.loader._tune import rank_share
 
 __all__ = ["AdaptiveDataLoader", "TuningChange", "memory_rules"]
@@ -220,7 +220,8 @@ class AdaptiveDataLoader(TunedDataLoader):
 
     Args:
         dataset: as for DataLoader.
-        max_workers: the most workers it will use (default: four per usable CPU, 2 to 64).
+        max_workers: the most workers it will use (default: eight per usable CPU, 2 to
+            64: :func:`~trainperf.loader._search.adaptive_max_workers`).
         tuner: the one-off tuner's memory rules with what it measured
             (:func:`memory_rules`); None: a worker's memory is assumed to be the whole
             main process's, the worst case.
@@ -265,7 +266,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         self._main = psutil.Process()
         limits = host_limits()
         self._cpus = usable_cpus(local_world_size(), limits=limits)
-        self._max_workers = default_max_workers(self._cpus) if max_workers is None else max_workers
+        self._max_workers = adaptive_max_workers(self._cpus) if max_workers is None else max_workers
         self._tuner = tuner or memory_rules(
             [], self._max_workers, int(self._main.memory_info().rss), "fork"
         )

@@ -100,22 +100,28 @@ def autotune_loader(
     if adapt:
         # Workers it starts are kept between epochs unless the caller said otherwise.
         keep = loader_kwargs.get("persistent_workers") is not False and epochs_hint != 1
-        loader = _adaptive(dataset, report, keep_workers=keep)
+        loader = _adaptive(dataset, report, keep_workers=keep, bound=max_workers)
     else:
         loader = TunedDataLoader(dataset, **report.best_kwargs)
     loader.tuning_report = report
     return loader
 
 
-def _adaptive(dataset: Any, report: TuningReport, *, keep_workers: bool) -> TunedDataLoader:
+def _adaptive(
+    dataset: Any, report: TuningReport, *, keep_workers: bool, bound: int | None
+) -> TunedDataLoader:
+    """The adaptive loader from the tuner's settings: within the caller's ``max_workers``
+    (``bound``), else the adaptive loader's own default bound, not the tuner's."""
     # Imported here: the adaptive loader is a TunedDataLoader, defined above.
     from trainperf.loader._adapt import AdaptiveDataLoader, memory_rules
     from trainperf.loader._faults import start_method
+    from trainperf.loader._search import adaptive_max_workers
     from trainperf.loader._tune import main_rss
 
+    most = adaptive_max_workers(report.cpus) if bound is None else bound
     rules = memory_rules(
         list(report.candidates),
-        report.max_workers,
+        most,
         main_rss(),
         start_method(report.best_kwargs),
     )
@@ -124,7 +130,7 @@ def _adaptive(dataset: Any, report: TuningReport, *, keep_workers: bool) -> Tune
         dataset,
         # The caller's bound holds while adapting too; a stream that does not shard across
         # workers (the tuner refused every worker count) stays in the main process.
-        max_workers=0 if unsharded else report.max_workers,
+        max_workers=0 if unsharded else most,
         tuner=rules,
         keep_workers=keep_workers,
         **report.best_kwargs,

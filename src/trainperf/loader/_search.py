@@ -74,6 +74,23 @@ def default_max_workers(cpus: int) -> int:
     return max(2, min(64, 4 * cpus))
 
 
+def adaptive_max_workers(cpus: int) -> int:
+    """The most workers an :class:`~trainperf.loader.AdaptiveDataLoader` uses when the
+    caller gives no ``max_workers``: eight per usable CPU, at least 2 and at most 64.
+
+    Twice the one-off tuner's bound (:func:`default_max_workers`): the tuner pays for every
+    count it tries out of its time budget, the adaptive loader tries one while training
+    and goes back when it does not pay. Its CPU rule stops loading that computes at the
+    cores; only loading that waits (I/O latency, a remote store) gets this far, and there
+    workers at a few percent of a core each keep paying past four per CPU.
+
+    Example:
+        >>> adaptive_max_workers(1), adaptive_max_workers(2), adaptive_max_workers(16)
+        (8, 16, 64)
+    """
+    return max(2, min(64, 8 * cpus))
+
+
 def safety_margin(memory_available: int) -> int:
     """Memory never planned for: 10 % of what is available, at least 512 MiB.
 
