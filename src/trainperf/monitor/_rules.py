@@ -39,7 +39,6 @@ from trainperf.monitor._figures import (
     SAWTOOTH_MIN_STDEV,
     SAWTOOTH_WAIT,
     Figures,
-    capacity,
     cpu_share,
     cpus_saturated,
     gpu_share,
@@ -177,11 +176,12 @@ def _cpu_reason(f: Figures) -> str:
     if tree is None:
         return ""
     host = "" if f.host_cpu is None else f", the host is {f.host_cpu:.0f}% busy"
-    left = "" if capacity(f) == f.cpus else " (of the time the hypervisor left them)"
+    stolen = steal_words(f.host_steal)
+    left = " (of the time the hypervisor left them)" if stolen else ""
     return (
         f"this process and its workers use {tree:.0%} of the {f.cpus} usable CPUs{left}"
         + host
-        + steal_words(f.host_steal)
+        + stolen
     )
 
 
