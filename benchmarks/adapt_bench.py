@@ -49,6 +49,7 @@ import psutil
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from trainperf._utils.steal import StealMeter
 from trainperf.loader import AdaptiveDataLoader
 
 SCENARIOS = ("warmup", "cpus", "hog")
@@ -369,17 +370,25 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     results = []
+    steal = StealMeter()
     for name in names:
         print(f"[{name}]", file=sys.stderr)
         results.append(run_warmup(a) if name == "warmup" else run_change(name, a))
+    stolen = steal.share()
     print(table(results, a))
+    if stolen is not None:
+        # On a VM whose CPUs other tenants share: the figures are of the time that was left.
+        print(f"the hypervisor withheld {stolen:.0%} of the host's CPU time during the run (steal)")
     for r in results:
         print(f"\n[{r.scenario}] tuning_history (seconds from the start):")
         for line in r.history or ["  (no change)"]:
             print(" ", line)
     if a.json:
         data = [{**asdict(r), "ratio": r.ratio} for r in results]
-        env = {"cpus": len(os.sched_getaffinity(0)), "load_average": os.getloadavg()}
+        env = {
+            "cpus": len(os.sched_getaffinity(0)), "load_average": os.getloadavg(),
+            "steal": stolen,
+        }  # fmt: skip
         with open(a.json, "w") as f:
             json.dump({"environment": env, "arguments": vars(a), "results": data}, f, indent=1)
     return 0

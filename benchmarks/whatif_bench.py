@@ -235,6 +235,7 @@ class Row:
     rounds: list[dict[str, Any]] = field(default_factory=list)
     noise: float | None = None  # the baselines' spread over rounds: (max - min) / median
     host_cpu: float | None = None  # the baselines' mean host CPU percent
+    steal: float | None = None  # the baselines' mean percent stolen by the hypervisor
 
 
 def tuned(
@@ -634,7 +635,7 @@ def run_round(sc: Scenario) -> list[dict[str, Any]]:
             "before_samples_per_s": before_rate, "after_samples_per_s": after_rate,
             "verdict": base.verdict.kind, "regime_start": base.regime_start,
             "before": applied(base), "after": applied(after), "host_cpu": base.host_cpu_mean,
-            "report": str(base), "fixed_report": str(after),
+            "steal": base.host_steal_mean, "report": str(base), "fixed_report": str(after),
         })  # fmt: skip
     return out
 
@@ -651,28 +652,33 @@ def summarise(name: str, rounds: list[list[dict[str, Any]]]) -> list[Row]:
         before = [r["before_samples_per_s"] for r in these]
         noise = (max(before) - min(before)) / statistics.median(before) if len(these) > 1 else None
         hosts = [r["host_cpu"] for r in these if r["host_cpu"] is not None]
+        steals = [r["steal"] for r in these if r["steal"] is not None]
         rows.append(Row(name, these[-1]["verdict"], first["fix"], settings, predicted, measured,
                         these[-1]["basis"], error, these, noise,
-                        statistics.fmean(hosts) if hosts else None))  # fmt: skip
+                        statistics.fmean(hosts) if hosts else None,
+                        statistics.fmean(steals) if steals else None))  # fmt: skip
     return rows
 
 
 def print_table(rows: list[Row]) -> None:
     print(f"{'scenario':<17} {'verdict':<16} {'predicted':>9} {'measured':>9} {'error':>7}  "
-          f"{'result':<6} {'noise':>5} {'host':>4}  fix (settings before -> after)")  # fmt: skip
+          f"{'result':<6} {'noise':>5} {'host':>4} {'steal':>5}  "
+          "fix (settings before -> after)")  # fmt: skip
     for r in rows:
         pred = "-" if r.predicted is None else f"{r.predicted:.2f}x"
         err = "-" if r.error is None else f"{r.error:+.0%}"
         ok = r.error is not None and abs(r.error) <= TARGET
         noise = "-" if r.noise is None else f"{r.noise:.0%}"
         host = "-" if r.host_cpu is None else f"{r.host_cpu:.0f}%"
+        steal = "-" if r.steal is None else f"{r.steal:.0f}%"
         result = "ok" if ok else "MISS"
         print(f"{r.scenario:<17} {r.verdict:<16} {pred:>9} {r.measured:>8.2f}x {err:>7}  "
-              f"{result:<6} {noise:>5} {host:>4}  {r.fix} ({r.settings})")  # fmt: skip
+              f"{result:<6} {noise:>5} {host:>4} {steal:>5}  {r.fix} ({r.settings})")  # fmt: skip
     hits = sum(1 for r in rows if r.error is not None and abs(r.error) <= TARGET)
     print(f"{hits} of {len(rows)} predictions within +-{TARGET:.0%} of the measured speed-up")
     print("noise: the spread of the baseline's own throughput over the rounds (the same loop, "
-          "unchanged); host: the host's CPU use during the baselines")  # fmt: skip
+          "unchanged); host: the host's CPU use during the baselines; steal: the share of "
+          "the host's CPU time the hypervisor withheld then")  # fmt: skip
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
