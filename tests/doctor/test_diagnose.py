@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib
 import json
@@ -26,7 +27,7 @@ device_module = importlib.import_module("trainperf.device")
 
 NAMES = [
     "gpus", "torch", "cuda_arch", "cpus", "memory", "shm", "blas", "threads", "load",
-    "start_method", "visible_devices",
+    "steal", "start_method", "visible_devices",
 ]  # fmt: skip
 
 
@@ -166,6 +167,25 @@ def test_diagnose_reads_the_load_average(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.delattr(os, "getloadavg")  # Windows has none
     load = {c.name: c for c in diagnose(limits=limits(cpus=16), env={}).checks}["load"]
     assert load.verdict == "skip"
+
+
+def test_diagnose_reads_the_steal_since_boot(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainperf._utils import steal
+
+    fields = "user nice system idle iowait irq softirq steal guest guest_nice"
+    Times = collections.namedtuple("Times", fields)  # psutil's scputimes on Linux
+
+    def times(stolen: float) -> Any:
+        # 400 s idle, 100 s busy of which 5 s guest (already in user), `stolen` s stolen.
+        return lambda: Times(80.0, 0.0, 20.0, 400.0, 0.0, 0.0, 0.0, stolen, 5.0, 0.0)
+
+    monkeypatch.setattr(steal.psutil, "cpu_times", times(25.0))
+    found = {c.name: c for c in diagnose(limits=limits(), env={}).checks}["steal"]
+    # 25 s stolen of the 125 s the CPUs wanted (100 s busy, guest counted once, 25 stolen).
+    assert found.verdict == "warn" and "withheld 20.0% of the CPU time" in found.value, found
+    assert "dedicated cores" in found.fix
+    monkeypatch.setattr(steal.psutil, "cpu_times", times(1.0))
+    assert {c.name: c for c in diagnose(limits=limits(), env={}).checks}["steal"].verdict == "ok"
 
 
 def test_diagnose_against_a_faked_host(tmp_path: Path) -> None:

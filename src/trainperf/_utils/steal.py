@@ -22,8 +22,8 @@ import contextlib
 import psutil
 
 __all__ = [
-    "MAX_STEAL", "STEAL_NOTICE", "StealMeter", "cpu_ticks", "steal_share", "steal_words",
-    "undo_steal",
+    "MAX_STEAL", "STEAL_NOTICE", "StealMeter", "boot_steal_share", "cpu_ticks", "steal_share",
+    "steal_words", "undo_steal",
 ]  # fmt: skip
 
 MAX_STEAL = 0.9  # above this a correction would divide by almost nothing
@@ -41,6 +41,28 @@ def cpu_ticks() -> tuple[float, float] | None:
         # Guest time is already in user and nice: counting it twice would dilute steal.
         guest = getattr(t, "guest", 0.0) + getattr(t, "guest_nice", 0.0)
         return float(steal), float(sum(t)) - guest
+    return None
+
+
+def boot_steal_share() -> float | None:
+    """Since boot, the share of the CPU time this machine's CPUs wanted (busy or stolen)
+    that the hypervisor withheld; None where the platform does not report steal or the CPUs
+    never ran. Idle time is left out of the share: a VM that mostly idles would otherwise
+    hide a heavy steal whenever it computes.
+
+    Example:
+        >>> share = boot_steal_share()
+        >>> share is None or 0.0 <= share <= 1.0
+        True
+    """
+    with contextlib.suppress(Exception):  # psutil raises platform-specific errors
+        t = psutil.cpu_times()
+        steal = getattr(t, "steal", None)
+        if steal is None:
+            return None
+        guest = getattr(t, "guest", 0.0) + getattr(t, "guest_nice", 0.0)
+        wanted = float(sum(t)) - guest - t.idle - getattr(t, "iowait", 0.0)
+        return min(1.0, max(0.0, steal / wanted)) if wanted > 0 else None
     return None
 
 

@@ -27,6 +27,7 @@ from trainperf.doctor._checks import (
     check_memory,
     check_shm,
     check_start_method,
+    check_steal,
     check_threads,
     check_visible_devices,
 )
@@ -90,6 +91,7 @@ __all__ = [
     "check_shm",
     "check_socket_ifname",
     "check_start_method",
+    "check_steal",
     "check_threads",
     "check_torch_build",
     "check_visible_devices",

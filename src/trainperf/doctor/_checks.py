@@ -44,6 +44,8 @@ DEFAULT_BATCH_BYTES = 128 * 3 * 224 * 224 * 4
 DEFAULT_PREFETCH_FACTOR = 2
 # A 1-minute load average above this many times the usable CPUs is oversubscription.
 OVERLOAD_FACTOR = 1.5
+# The share of the CPU time the CPUs wanted that the hypervisor may steal before it matters.
+STEAL_WARN = 0.1
 
 
 @dataclass(frozen=True)
@@ -376,6 +378,40 @@ def check_load(load_average: float | None, cpus: int) -> Check:
         )
         return Check("load", "warn", value, fix)
     return Check("load", "ok", value)
+
+
+def check_steal(share: float | None) -> Check:
+    """The CPU time the hypervisor withheld from this VM since boot (*steal*): a VM whose
+    physical CPUs other tenants share, or a burstable instance out of CPU credits.
+
+    Stolen time is in no process's CPU time: data loading, kernel launches and every CPU
+    figure measured here (tuning, ``trainperf.watch``) get that much less of a core.
+
+    Args:
+        share: the stolen share of the CPU time the CPUs wanted since boot (busy or
+            stolen, idle left out), ``trainperf._utils.steal.boot_steal_share()``; None
+            where the platform reports no steal (only Linux does).
+
+    Example:
+        >>> check_steal(0.25).verdict, check_steal(0.02).verdict, check_steal(None).verdict
+        ('warn', 'ok', 'skip')
+    """
+    if share is None:
+        return Check("steal", "skip", "no steal figure on this platform (Linux VMs report it)")
+    value = (
+        f"the hypervisor withheld {share:.1%} of the CPU time this machine's CPUs wanted "
+        "since boot (steal)"
+    )
+    if share >= STEAL_WARN:
+        fix = (
+            "other tenants share this VM's physical CPUs, or a burstable instance ran out of "
+            "CPU credits: data loading and every CPU figure lose that share. Rent an instance "
+            "type with dedicated cores (not shared-core or burstable), or move the job to "
+            "another host; trainperf.watch reports the steal during your own loop "
+            "(report.host_steal_mean)"
+        )
+        return Check("steal", "warn", value, fix)
+    return Check("steal", "ok", value)
 
 
 def check_start_method(method: str, platform: str = sys.platform) -> Check:

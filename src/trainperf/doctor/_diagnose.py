@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from trainperf._utils import imports as _imports
+from trainperf._utils.steal import boot_steal_share
 from trainperf.device import GpuInfo
 from trainperf.device._inventory import nvml_session
 from trainperf.doctor._checks import (
@@ -35,6 +36,7 @@ from trainperf.doctor._checks import (
     check_memory,
     check_shm,
     check_start_method,
+    check_steal,
     check_threads,
     check_visible_devices,
     load_average,
@@ -200,6 +202,7 @@ def _host_checks(
             torch.get_num_threads(), environ.get("OMP_NUM_THREADS"), limits.cpus, processes
         ),
         check_load(load_average(), limits.cpus),
+        check_steal(boot_steal_share()),
         check_start_method(start_method({})),
         check_visible_devices(
             environ.get("CUDA_VISIBLE_DEVICES"), environ.get("CUDA_DEVICE_ORDER"), physical
