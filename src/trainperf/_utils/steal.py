@@ -30,9 +30,9 @@ MAX_STEAL = 0.9  # above this a correction would divide by almost nothing
 STEAL_NOTICE = 5.0  # percent of stolen CPU time a report mentions
 
 
-def cpu_ticks() -> tuple[float, float] | None:
-    """``(steal, total)`` seconds of the whole host's CPU time since boot, None where the
-    platform does not report steal (only Linux does)."""
+def _host_times() -> tuple[float, float, float] | None:
+    """``(steal, total, idle)`` seconds of the whole host's CPU time since boot (idle
+    counting iowait), None where the platform does not report steal (only Linux does)."""
     with contextlib.suppress(Exception):  # psutil raises platform-specific errors
         t = psutil.cpu_times()
         steal = getattr(t, "steal", None)
@@ -40,8 +40,16 @@ def cpu_ticks() -> tuple[float, float] | None:
             return None
         # Guest time is already in user and nice: counting it twice would dilute steal.
         guest = getattr(t, "guest", 0.0) + getattr(t, "guest_nice", 0.0)
-        return float(steal), float(sum(t)) - guest
+        idle = float(t.idle) + getattr(t, "iowait", 0.0)
+        return float(steal), float(sum(t)) - guest, idle
     return None
+
+
+def cpu_ticks() -> tuple[float, float] | None:
+    """``(steal, total)`` seconds of the whole host's CPU time since boot, None where the
+    platform does not report steal (only Linux does)."""
+    times = _host_times()
+    return None if times is None else (times[0], times[1])
 
 
 def boot_steal_share() -> float | None:
@@ -55,15 +63,12 @@ def boot_steal_share() -> float | None:
         >>> share is None or 0.0 <= share <= 1.0
         True
     """
-    with contextlib.suppress(Exception):  # psutil raises platform-specific errors
-        t = psutil.cpu_times()
-        steal = getattr(t, "steal", None)
-        if steal is None:
-            return None
-        guest = getattr(t, "guest", 0.0) + getattr(t, "guest_nice", 0.0)
-        wanted = float(sum(t)) - guest - t.idle - getattr(t, "iowait", 0.0)
-        return min(1.0, max(0.0, steal / wanted)) if wanted > 0 else None
-    return None
+    times = _host_times()
+    if times is None:
+        return None
+    steal, total, idle = times
+    wanted = total - idle
+    return min(1.0, max(0.0, steal / wanted)) if wanted > 0 else None
 
 
 def steal_share(
