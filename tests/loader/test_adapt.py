@@ -369,6 +369,30 @@ def test_workers_that_did_not_raise_the_rate_are_not_added_again() -> None:
     assert loader._decide(measured(n, 0.25, 1.0), limits) is None
 
 
+def test_a_deeper_prefetch_is_tried_once_at_the_worker_bound() -> None:
+    from trainperf.loader._adapt import _rank_limits
+    from trainperf.loader._adapt_rules import figures
+
+    loader = AdaptiveDataLoader(range(8), batch_size=4, num_workers=2, max_workers=2)
+    limits = _rank_limits()
+
+    cpus = loader._cpus
+
+    def measured(pf: int, cpus: int = cpus) -> Any:
+        return figures(num_workers=2, prefetch_factor=pf, wait_s=1.0, step_s=1.0,
+                       cpus=cpus, host_busy=0.1, worker_cores=0.1)  # fmt: skip
+
+    deeper = loader._decide(measured(2), limits)  # waiting half the time, no worker to add
+    assert deeper is not None and deeper.reason == "prefetch"
+    assert (deeper.num_workers, deeper.prefetch_factor) == (2, 4)
+    back = loader._decide(measured(4), limits)  # the same rate and wait: back to 2
+    assert back is not None and back.reason == "no-gain"
+    assert (back.num_workers, back.prefetch_factor) == (2, 2)
+    assert loader._decide(measured(2), limits) is None  # not tried again
+    again = loader._decide(measured(2, cpus + 1), limits)  # the usable CPUs changed
+    assert again is not None and again.reason == "prefetch"
+
+
 def test_an_increase_that_gained_a_little_is_held() -> None:
     from trainperf.loader._adapt import _rank_limits
     from trainperf.loader._adapt_rules import figures

@@ -172,7 +172,7 @@ def test_decide_goes_back_or_holds_after_an_increase_that_did_not_pay() -> None:
     back = _decide(same, before=before)
     assert back is not None
     assert (back.num_workers, back.prefetch_factor, back.reason) == (2, 2, "no-gain")
-    assert back.why == "3 workers gave 625 samples/s, 2 gave 625"
+    assert back.why == "3 workers gave 625 samples/s, 2 workers gave 625"
     slightly = figures(num_workers=3, wait_s=0.39, step_s=1.19, **kw)
     assert _decide(slightly, before=before) is None  # held: no more workers
     paid = figures(num_workers=3, wait_s=0.25, step_s=1.0, **kw)
@@ -182,3 +182,45 @@ def test_decide_goes_back_or_holds_after_an_increase_that_did_not_pay() -> None:
     assert unjudged is not None and unjudged.reason == "input-bound"
     memory = _decide(same, before=before, fits=lambda n, pf: n <= 1)  # memory comes first
     assert memory is not None and memory.reason == "memory"
+
+
+def test_input_bound_without_room_for_workers_tries_a_deeper_prefetch_once() -> None:
+    kw: dict[str, Any] = {"num_workers": 4, "prefetch_factor": 2, "worker_cores": 0.2}
+    waiting = figures(wait_s=1.0, step_s=1.0, **kw)  # at max_workers, CPUs 20 % busy
+    change = _decide(waiting, max_workers=4)
+    assert change is not None
+    assert (change.num_workers, change.prefetch_factor, change.reason) == (4, 4, "prefetch")
+    assert "no more workers to add at 4" in change.why
+    assert _decide(waiting, max_workers=4, max_prefetch=2) is None  # tried already
+    assert _decide(figures(wait_s=1.0, step_s=1.0, **{**kw, "prefetch_factor": 4}),
+                   max_workers=4) is None  # fmt: skip
+    assert _decide(waiting, max_workers=4, fits=lambda n, pf: pf <= 2) is None  # no memory
+    full = figures(wait_s=1.0, step_s=1.0, host_busy=0.95, **kw)  # more in flight: no CPU
+    assert _decide(full, max_workers=4) is None
+    assert _decide(figures(wait_s=0.05, step_s=1.0, **kw), max_workers=4) is None  # 5 %
+    unknown = figures(wait_s=1.0, step_s=1.0, host_busy=None, **kw)  # not measured: no trial
+    assert _decide(unknown, max_workers=4) is None
+
+
+def test_a_deeper_prefetch_that_did_not_pay_goes_back() -> None:
+    kw: dict[str, Any] = {"num_workers": 4, "worker_cores": 0.2}
+    before = figures(prefetch_factor=2, wait_s=1.0, step_s=1.0, **kw)
+    same = figures(prefetch_factor=4, wait_s=1.0, step_s=1.0, **kw)
+    back = _decide(same, before=before, max_workers=4)
+    assert back is not None
+    assert (back.num_workers, back.prefetch_factor, back.reason) == (4, 2, "no-gain")
+    assert back.why == "4 workers at prefetch 4 gave 500 samples/s, 4 workers gave 500"
+    paid = figures(prefetch_factor=4, wait_s=0.5, step_s=1.0, **kw)  # waits 17 points less
+    assert _decide(paid, before=before, max_workers=4) is None  # kept; nothing deeper
+
+
+def test_memory_keeps_workers_at_a_shallower_prefetch_when_that_fits() -> None:
+    f = figures(num_workers=4, prefetch_factor=4, worker_cores=1.0, wait_s=0.0)
+    twelve = lambda n, pf: n * (pf + 1) <= 12  # noqa: E731  # 12 batches in flight fit
+    change = _decide(f, fits=twelve)
+    assert change is not None
+    assert (change.num_workers, change.prefetch_factor, change.reason) == (4, 2, "memory")
+    assert change.why == "4 workers at prefetch 4 no longer fit memory"
+    eight = figures(num_workers=8, prefetch_factor=2, worker_cores=1.0, wait_s=0.0)
+    fewer = _decide(eight, fits=twelve)  # 4 fit at prefetch 2, 6 at prefetch 1
+    assert fewer is not None and (fewer.num_workers, fewer.prefetch_factor) == (6, 1)

@@ -44,6 +44,7 @@ from trainperf.loader._adapt_change import TuningChange
 from trainperf.loader._adapt_measure import Workers, cpu_mark, host_busy
 from trainperf.loader._adapt_plan import EpochPlan, resumable
 from trainperf.loader._adapt_rules import (
+    DEEP_PREFETCH,
     Change,
     EpochFigures,
     decide,
@@ -276,6 +277,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         self._seeds: torch.Generator | None = None  # worker seeds of the pools it starts
         self._before: EpochFigures | None = None  # what led to the last input-bound increase
         self._ceiling: int | None = None  # workers beyond which more did not pay
+        self._prefetch_ceiling: int | None = None  # the same for prefetch_factor
         self._fastest_step = float("inf")
         self._sharded: bool | None = None  # an IterableDataset's stream, once checked
         self._timeout_kept = 0.0  # the ``timeout`` set aside while no workers run
@@ -365,14 +367,11 @@ class AdaptiveDataLoader(TunedDataLoader):
     def _decide(self, f: EpochFigures, limits: HostLimits) -> Change | None:
         self._fastest_step = min(self._fastest_step, f.step_per_batch)
         if f.cpus != self._cpus:
-            self._ceiling = None  # what more workers could not do may have changed
+            # What more workers (or prefetch) could not do may have changed.
+            self._ceiling = self._prefetch_ceiling = None
         before, self._before = self._before, None
-        if before is not None and f.num_workers > before.num_workers:
-            verdict = increase_paid(before, f)
-            if verdict != "paid":
-                # The wait left is not the workers' (the main process's own cost, say):
-                # the rules hold or go back (no-gain), and no later check adds more.
-                self._ceiling = f.num_workers if verdict == "hold" else before.num_workers
+        if before is not None:
+            self._judge(before, f)
         ceiling = self._max_workers if self._ceiling is None else self._ceiling
         change = decide(
             f,
@@ -381,6 +380,7 @@ class AdaptiveDataLoader(TunedDataLoader):
             max_workers=min(self._max_workers, ceiling),
             fits=lambda n, pf: self.fits(n, pf, limits),
             before=before,
+            max_prefetch=self._prefetch_ceiling or DEEP_PREFETCH,
         )
         self._cpus = f.cpus
         if change is not None and change.num_workers > f.num_workers:
@@ -391,9 +391,24 @@ class AdaptiveDataLoader(TunedDataLoader):
                 return None  # the probe's workers beside the running ones would not fit: later
             if not self._shards():
                 return None
-        if change is not None and change.reason == "input-bound":
+        if change is not None and change.reason in ("input-bound", "prefetch"):
             self._before = f
         return change
+
+    def _judge(self, before: EpochFigures, f: EpochFigures) -> None:
+        """After an increase (``before`` led to it, ``f`` ran with it) that did not pay, no
+        later check goes beyond it: the wait left is not the workers' (the main process's
+        own cost, say); the rules hold or go back (no-gain)."""
+        verdict = increase_paid(before, f)
+        if verdict == "paid":
+            return
+        kept = f if verdict == "hold" else before
+        if f.num_workers > before.num_workers:
+            self._ceiling = kept.num_workers
+        elif f.num_workers != before.num_workers or f.prefetch_factor == before.prefetch_factor:
+            return
+        # No deeper prefetch either: the workers are not what the loop waits for.
+        self._prefetch_ceiling = kept.prefetch_factor or 2
 
     def _shards(self) -> bool:
         """Whether more workers keep the samples: an ``IterableDataset`` whose workers each

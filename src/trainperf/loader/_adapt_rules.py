@@ -5,8 +5,9 @@ Pure functions of what :class:`trainperf.loader.AdaptiveDataLoader` measured ove
 (the step), the CPU the main process, its loading thread and the workers used, how busy the
 usable CPUs were, and the usable CPUs now. In the order they are applied (:func:`decide`):
 
-- ``memory``: the current count no longer fits the memory or ``/dev/shm`` → the largest
-  that does (the fit is the one-off tuner's own rule, passed in as ``fits``);
+- ``memory``: the current count no longer fits the memory or ``/dev/shm`` → the most
+  workers that do, at a shallower ``prefetch_factor`` if that keeps more of them (the fit
+  is the one-off tuner's own rule, passed in as ``fits``);
 - ``cpus``: the usable CPUs changed and the workers now need more cores than are left →
   the count that fits;
 - ``oversubscribed``: the usable CPUs are (nearly) all busy, the step slowed down and the
@@ -15,14 +16,20 @@ usable CPUs were, and the usable CPUs now. In the order they are applied (:func:
   apply, so they do not undo each other check after check);
 - ``input-bound``: the loop waited for data a significant share of the time and cores are
   free for what a worker costs (I/O-latency workers cost almost none) → the count that
-  keeps up with the step, within those cores, ``max_workers`` and memory.
+  keeps up with the step, within those cores, ``max_workers`` and memory;
+- ``prefetch``: still input-bound and the CPUs measured not full, but no worker can be
+  added (cores, ``max_workers`` or memory) → ``prefetch_factor`` ``DEEP_PREFETCH``, so
+  that uneven batches do not leave workers idle (the one-off tuner's refinement), tried
+  once (the loader passes ``max_prefetch``); on full CPUs (or CPUs it could not read)
+  more batches in flight would only hold memory.
 
-After an ``input-bound`` increase, :func:`increase_paid` judges the first figures measured
-with the new count against those that led to it: an increase that neither raised the
-samples per second by ``MIN_GAIN`` nor lowered the wait share by ``MIN_WAIT_DROP`` did not
-pay (the wait left is not the workers', e.g. the main process's own cost per batch). The
-loader then holds the count, or goes back (``no-gain``) when the previous count was as
-fast, and adds no workers beyond it until the usable CPUs change.
+After an ``input-bound`` or ``prefetch`` increase, :func:`increase_paid` judges the first
+figures measured with the new setting against those that led to it: an increase that
+neither raised the samples per second by ``MIN_GAIN`` nor lowered the wait share by
+``MIN_WAIT_DROP`` did not pay (the wait left is not the workers', e.g. the main process's
+own cost per batch). The loader then holds the setting, or goes back (``no-gain``) when the
+previous one was as fast, and adds no workers beyond it, and no deeper prefetch, until the
+usable CPUs change.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ __all__ = [
     "worker_cores_left",
 ]
 
-Reason = Literal["memory", "cpus", "oversubscribed", "input-bound", "no-gain"]
+Reason = Literal["memory", "cpus", "oversubscribed", "input-bound", "prefetch", "no-gain"]
 
 INPUT_BOUND_SHARE = 0.10
 """Share of the loop's time spent waiting for data above which more workers are tried."""
@@ -62,6 +69,9 @@ MIN_GAIN = 0.05
 
 MIN_WAIT_DROP = 0.05
 """Drop in the wait share (of the loop's time) that also makes an increase pay."""
+
+DEEP_PREFETCH = 4
+"""The ``prefetch_factor`` the ``prefetch`` rule tries (DataLoader's default is 2)."""
 
 
 @dataclass(frozen=True)
@@ -260,6 +270,40 @@ def _largest_fitting(n: int, pf: int | None, fits: Callable[[int, int | None], b
     return n
 
 
+def _most_fitting(
+    n: int, pf: int | None, fits: Callable[[int, int | None], bool]
+) -> tuple[int, int | None]:
+    """The most workers, at most ``n``, that fit at ``pf`` or a shallower prefetch (the
+    deepest that keeps that many). Fewer batches in flight may keep every worker.
+
+    Example:
+        >>> fits = lambda n, pf: n * (pf + 1) <= 12  # 12 batches fit
+        >>> _most_fitting(4, 4, fits)  # 4 x 5 do not; 4 x 3 do, at prefetch 2
+        (4, 2)
+        >>> _most_fitting(8, 2, fits)  # 4 workers fit at prefetch 2, 6 at prefetch 1
+        (6, 1)
+    """
+    best: tuple[int, int | None] = (0, None)
+    for depth in range(pf or 2, 0, -1):
+        m = _largest_fitting(n, depth, fits)
+        if m > best[0]:
+            best = (m, depth)
+        if m == n:
+            break
+    return best
+
+
+def _setting(n: int, pf: int | None) -> str:
+    return f"{n} workers" + (f" at prefetch {pf}" if n and pf is not None and pf != 2 else "")
+
+
+def _increased(before: EpochFigures, f: EpochFigures) -> bool:
+    """Whether ``f`` runs with more workers than ``before``, or as many with deeper prefetch."""
+    if f.num_workers != before.num_workers:
+        return f.num_workers > before.num_workers
+    return (f.prefetch_factor or 0) > (before.prefetch_factor or 0)
+
+
 def increase_paid(before: EpochFigures, after: EpochFigures) -> Literal["paid", "hold", "back"]:
     """What an increase in workers did: ``before`` led to it, ``after`` ran with it.
 
@@ -304,6 +348,7 @@ def decide(
     max_workers: int,
     fits: Callable[[int, int | None], bool],
     before: EpochFigures | None = None,
+    max_prefetch: int = DEEP_PREFETCH,
 ) -> Change | None:
     """The setting the next epoch should run with, or None to keep this one.
 
@@ -313,9 +358,11 @@ def decide(
         fastest_step_per_batch: the fastest step per batch of any epoch so far.
         max_workers: the most workers ever used.
         fits: whether ``(num_workers, prefetch_factor)`` fits memory and ``/dev/shm``.
-        before: the figures that led to the ``input-bound`` increase ``f`` is the first
-            measure of (None: ``f`` follows no increase); one that did not pay
+        before: the figures that led to the ``input-bound`` or ``prefetch`` increase ``f``
+            is the first measure of (None: ``f`` follows no increase); one that did not pay
             (:func:`increase_paid`) goes back (``no-gain``) or is held.
+        max_prefetch: the deepest ``prefetch_factor`` the ``prefetch`` rule may set
+            (the current one or less: it adds none).
 
     Example:
         >>> fits = lambda n, pf: True
@@ -330,8 +377,8 @@ def decide(
     n, pf = f.num_workers, f.prefetch_factor
     pf_next = pf if n > 0 else 2
     if n > 0 and not fits(n, pf):
-        new = _largest_fitting(n, pf, fits)
-        return Change(new, pf if new else None, "memory", f"{n} workers no longer fit memory")
+        new, depth = _most_fitting(n, pf, fits)
+        return Change(new, depth, "memory", f"{_setting(n, pf)} no longer fit memory")
     cap = _cpu_cap(f, max_workers)
     cores = cores_per_worker(f) * n
     if n > 0 and f.cpus < previous_cpus and cap < n:
@@ -352,11 +399,13 @@ def decide(
                 f"the CPUs are full and the step is {times:.2f}x its fastest; {n} workers "
                 f"used {cores:.1f} cores",
             )  # fmt: skip
-    verdict = "paid" if before is None or before.num_workers >= n else increase_paid(before, f)
+    increased = before is not None and _increased(before, f)
+    verdict = increase_paid(before, f) if before is not None and increased else "paid"
     if verdict == "back" and before is not None:
+        was = _setting(before.num_workers, before.prefetch_factor)
         return Change(
             before.num_workers, before.prefetch_factor, "no-gain",
-            f"{n} workers gave {f.loop_samples_per_s:,.0f} samples/s, {before.num_workers} "
+            f"{_setting(n, pf)} gave {f.loop_samples_per_s:,.0f} samples/s, {was} "
             f"gave {before.loop_samples_per_s:,.0f}",
         )  # fmt: skip
     # A full host still takes workers that mostly wait: the cap counts what they cost.
@@ -369,4 +418,30 @@ def decide(
                 f"{cores_per_worker(f):.2f} cores, {worker_cores_left(f):.1f} are free for "
                 f"workers",
             )  # fmt: skip
-    return None
+    return _deeper(f, verdict, max_prefetch, fits)
+
+
+def _deeper(
+    f: EpochFigures, verdict: str, max_prefetch: int, fits: Callable[[int, int | None], bool]
+) -> Change | None:
+    """The ``prefetch`` rule: an input-bound loop that gets no more workers, on CPUs that
+    are not full, tries a deeper prefetch once.
+
+    Example:
+        >>> c = _deeper(figures(num_workers=8, prefetch_factor=2), "paid", 4, lambda n, pf: True)
+        >>> c.num_workers, c.prefetch_factor, c.reason
+        (8, 4, 'prefetch')
+        >>> _deeper(figures(num_workers=8, prefetch_factor=2), "paid", 2, lambda n, pf: True)
+    """
+    n, pf = f.num_workers, f.prefetch_factor or 2
+    depth = min(max_prefetch, DEEP_PREFETCH)
+    if n == 0 or verdict != "paid" or f.wait_share < INPUT_BOUND_SHARE or depth <= pf:
+        return None
+    full = f.host_busy is None or f.host_busy >= BUSY_SHARE  # unknown: no trial
+    if full or not fits(n, depth):
+        return None
+    return Change(
+        n, depth, "prefetch",
+        f"no more workers to add at {n}; {depth} batches a worker in flight (was {pf}) "
+        "keep them busy through uneven batches",
+    )  # fmt: skip
