@@ -49,6 +49,7 @@ from trainperf.loader._adapt_rules import (
     EpochFigures,
     decide,
     increase_paid,
+    increased,
 )
 from trainperf.loader._autotune import TunedDataLoader
 from trainperf.loader._iterable import (
@@ -275,7 +276,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         self._yielded = 0  # batches yielded over all epochs
         self._current: _TimedIter | None = None
         self._seeds: torch.Generator | None = None  # worker seeds of the pools it starts
-        self._before: EpochFigures | None = None  # what led to the last input-bound increase
+        self._before: EpochFigures | None = None  # what led to the last increase
         self._ceiling: int | None = None  # workers beyond which more did not pay
         self._prefetch_ceiling: int | None = None  # the same for prefetch_factor
         self._fastest_step = float("inf")
@@ -399,14 +400,11 @@ class AdaptiveDataLoader(TunedDataLoader):
         """After an increase (``before`` led to it, ``f`` ran with it) that did not pay, no
         later check goes beyond it: the wait left is not the workers' (the main process's
         own cost, say); the rules hold or go back (no-gain)."""
-        verdict = increase_paid(before, f)
-        if verdict == "paid":
+        if not increased(before, f) or (verdict := increase_paid(before, f)) == "paid":
             return
         kept = f if verdict == "hold" else before
         if f.num_workers > before.num_workers:
             self._ceiling = kept.num_workers
-        elif f.num_workers != before.num_workers or f.prefetch_factor == before.prefetch_factor:
-            return
         # No deeper prefetch either: the workers are not what the loop waits for.
         self._prefetch_ceiling = kept.prefetch_factor or 2
 

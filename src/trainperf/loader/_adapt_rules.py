@@ -48,6 +48,7 @@ __all__ = [
     "cores_per_worker",
     "decide",
     "increase_paid",
+    "increased",
     "needed_workers",
     "rates",
     "worker_cores_left",
@@ -297,7 +298,7 @@ def _setting(n: int, pf: int | None) -> str:
     return f"{n} workers" + (f" at prefetch {pf}" if n and pf is not None and pf != 2 else "")
 
 
-def _increased(before: EpochFigures, f: EpochFigures) -> bool:
+def increased(before: EpochFigures, f: EpochFigures) -> bool:
     """Whether ``f`` runs with more workers than ``before``, or as many with deeper prefetch."""
     if f.num_workers != before.num_workers:
         return f.num_workers > before.num_workers
@@ -305,7 +306,7 @@ def _increased(before: EpochFigures, f: EpochFigures) -> bool:
 
 
 def increase_paid(before: EpochFigures, after: EpochFigures) -> Literal["paid", "hold", "back"]:
-    """What an increase in workers did: ``before`` led to it, ``after`` ran with it.
+    """What an increase (workers or prefetch) did: ``before`` led to it, ``after`` ran with it.
 
     ``"paid"``: samples per second rose by ``MIN_GAIN`` or the wait share fell by
     ``MIN_WAIT_DROP``; otherwise ``"back"`` when the previous count was as fast (fewer
@@ -399,8 +400,7 @@ def decide(
                 f"the CPUs are full and the step is {times:.2f}x its fastest; {n} workers "
                 f"used {cores:.1f} cores",
             )  # fmt: skip
-    increased = before is not None and _increased(before, f)
-    verdict = increase_paid(before, f) if before is not None and increased else "paid"
+    verdict = increase_paid(before, f) if before is not None and increased(before, f) else "paid"
     if verdict == "back" and before is not None:
         was = _setting(before.num_workers, before.prefetch_factor)
         return Change(
