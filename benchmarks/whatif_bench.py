@@ -57,6 +57,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import io
 import itertools
@@ -64,6 +65,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -282,11 +284,19 @@ def jpeg_main(scale: float, budget: float) -> Scenario:
     )  # fmt: skip
 
 
+def scratch_dir(prefix: str) -> Path:
+    """A new temporary folder, removed when the process exits (a scenario's files are
+    used by closures that outlive the function that made them)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def sync_save(scale: float, budget: float) -> Scenario:
     steps = max(WARMUP + 40, int(60 * scale))  # at least four saves measured: a period
     state = {f"w{i}": torch.randn(1024, 1024) for i in range(8)}  # 32 MB: 2.5-10x the step
     batches = [torch.zeros(8, 4)] * (steps + 1)
-    folder = Path(tempfile.mkdtemp(prefix="whatif-save-"))
+    folder = scratch_dir("whatif-save-")
 
     def blocking(i: int, batch: Any) -> None:
         time.sleep(0.010)  # the host waits for the GPU
@@ -529,7 +539,7 @@ class FolderJpegs(Dataset[tuple[torch.Tensor, int]]):
 
 def jpeg_folder(count: int, size: int) -> tuple[Path, list[tuple[str, int]]]:
     """``count`` JPEGs of ``size`` x ``size`` in an ImageFolder layout (two classes)."""
-    root = Path(tempfile.mkdtemp(prefix="whatif-jpegs-"))
+    root = scratch_dir("whatif-jpegs-")
     files = []
     for i, data in enumerate(make_jpegs(count, size)):
         label = i % 2
