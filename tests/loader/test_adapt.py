@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import time
 import warnings
 from collections.abc import Iterator
@@ -334,6 +335,47 @@ def test_a_full_host_and_a_slowed_step_mean_fewer_workers(
 def test_max_workers_is_checked() -> None:
     with pytest.raises(ValueError, match="max_workers"):
         AdaptiveDataLoader(range(4), max_workers=-1)
+
+
+def test_a_start_method_given_without_workers_is_checked_at_once() -> None:
+    # DataLoader refuses any multiprocessing_context with num_workers=0; the adaptive
+    # loader keeps it for the workers it adds, so a wrong one fails here, not mid-training.
+    with pytest.raises(ValueError, match="multiprocessing_context='spwan' is neither"):
+        AdaptiveDataLoader(range(4), batch_size=2, multiprocessing_context="spwan")
+    loader = AdaptiveDataLoader(range(4), batch_size=2, multiprocessing_context="spawn")
+    assert loader.num_workers == 0 and loader.multiprocessing_context is None
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+
+
+class StartMethod(Dataset[tuple[int, str]]):
+    """Each sample with the start method of the process that loaded it."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[int, str]:
+        return i, str(multiprocessing.get_start_method(allow_none=True))
+
+
+@pytest.mark.slow  # a spawned worker imports torch: a few seconds
+def test_the_callers_start_method_is_kept_for_the_workers_it_adds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The tuner keeps the main process (max_workers=0), so its settings drop the context;
+    # the workers the adaptive loader adds later must still be spawned, as the caller said.
+    loader = autotune_loader(
+        StartMethod(), 4, adapt=True, multiprocessing_context="spawn",
+        **quick(max_workers=0, budget_s=5.0),
+    )  # fmt: skip
+    assert isinstance(loader, AdaptiveDataLoader) and loader.num_workers == 0
+    _scripted(monkeypatch, [(1, 2)])
+    try:
+        epochs = [[m for _, methods in loader for m in methods] for _ in range(2)]
+    finally:
+        loader.close()
+    assert loader.num_workers == 1
+    assert loader.multiprocessing_context.get_start_method() == "spawn"
+    assert epochs[1] == ["spawn"] * 8  # loaded in a spawned worker
 
 
 def test_workers_that_did_not_raise_the_rate_are_not_added_again() -> None:

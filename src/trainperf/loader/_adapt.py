@@ -27,6 +27,7 @@ import dataclasses
 import inspect
 import logging
 import math
+import multiprocessing
 import time
 import warnings
 from collections.abc import Iterator
@@ -52,6 +53,7 @@ from trainperf.loader._adapt_rules import (
     increased,
 )
 from trainperf.loader._autotune import TunedDataLoader
+from trainperf.loader._faults import start_method
 from trainperf.loader._iterable import (
     ALIKE,
     PROBE_WORKERS,
@@ -231,7 +233,8 @@ class AdaptiveDataLoader(TunedDataLoader):
             (``persistent_workers`` becomes True then); False restarts them each epoch.
         mid_epoch: allow changes within an epoch (where the order can be kept); False:
             only at epoch boundaries.
-        **kwargs: DataLoader arguments.
+        **kwargs: DataLoader arguments; a ``multiprocessing_context`` with
+            ``num_workers=0`` (which DataLoader refuses) is kept for the workers it adds.
 
     Attributes:
         tuning_history: the :class:`TuningChange` records, oldest first.
@@ -241,7 +244,9 @@ class AdaptiveDataLoader(TunedDataLoader):
             it), or None when they may happen mid-epoch.
 
     Raises:
-        ValueError: ``max_workers`` is not None or an int >= 0 (and DataLoader's own).
+        ValueError: ``max_workers`` is not None or an int >= 0, or a
+            ``multiprocessing_context`` kept for later is no start method or context (and
+            DataLoader's own).
 
     Example:
         >>> loader = AdaptiveDataLoader(range(8), batch_size=4, max_workers=2)
@@ -262,7 +267,12 @@ class AdaptiveDataLoader(TunedDataLoader):
         **kwargs: Any,
     ) -> None:
         non_negative_int("max_workers", max_workers, none_ok=True)
+        kept = None
+        if kwargs.get("multiprocessing_context") is not None and not kwargs.get("num_workers"):
+            # DataLoader refuses a start method without workers: kept for those it adds.
+            kept = _checked_context(kwargs.pop("multiprocessing_context"))
         super().__init__(dataset, *args, **kwargs)
+        self._context_kept = kept
         self._keep_workers = keep_workers
         self._batch_bytes = 0  # of the latest window's first batch
         self._main = psutil.Process()
@@ -270,7 +280,10 @@ class AdaptiveDataLoader(TunedDataLoader):
         self._cpus = usable_cpus(local_world_size(), limits=limits)
         self._max_workers = adaptive_max_workers(self._cpus) if max_workers is None else max_workers
         self._tuner = tuner or memory_rules(
-            [], self._max_workers, int(self._main.memory_info().rss), "fork"
+            [],
+            self._max_workers,
+            int(self._main.memory_info().rss),
+            start_method({"multiprocessing_context": self._worker_context}),
         )
         self._epoch = 0
         self._yielded = 0  # batches yielded over all epochs
@@ -288,6 +301,12 @@ class AdaptiveDataLoader(TunedDataLoader):
         self.tuning_history = []
         self._why_not_mid_epoch = resumable(self) if mid_epoch else "mid_epoch=False"
         self._plan = None if self._why_not_mid_epoch else EpochPlan(self._real_index_sampler)
+
+    @property
+    def _worker_context(self) -> Any:
+        """The start method its workers use: the DataLoader's, or the caller's kept while
+        no workers ran (None: the default)."""
+        return self.multiprocessing_context or self._context_kept
 
     @property
     def epoch_boundaries_only(self) -> str | None:
@@ -426,7 +445,7 @@ class AdaptiveDataLoader(TunedDataLoader):
     def _check_sharding(self) -> bool:
         kwargs = {
             "worker_init_fn": self.worker_init_fn,
-            "multiprocessing_context": self.multiprocessing_context,
+            "multiprocessing_context": self._worker_context,
         }
         # No deadline of ours: the check's own limit per start method (spawned workers
         # import torch first).
@@ -488,6 +507,8 @@ class AdaptiveDataLoader(TunedDataLoader):
                 # DataLoader refuses this once built, to protect the pool it caches; this
                 # loader shuts that pool down itself before any change.
                 object.__setattr__(self, "persistent_workers", True)
+            if self.multiprocessing_context is None and self._context_kept is not None:
+                self.multiprocessing_context = self._context_kept
             if not isinstance(self.worker_init_fn, DieWithParent):
                 self.worker_init_fn = DieWithParent(self.worker_init_fn)
         record = TuningChange(
@@ -552,6 +573,25 @@ class AdaptiveDataLoader(TunedDataLoader):
             yield
         finally:
             self.generator = real
+
+
+def _checked_context(context: Any) -> Any:
+    """``context`` (a start method's name or a multiprocessing context), checked now rather
+    than when the first workers start.
+
+    Raises:
+        ValueError: it is neither.
+    """
+    if isinstance(context, multiprocessing.context.BaseContext):
+        return context
+    methods = torch.multiprocessing.get_all_start_methods()
+    if isinstance(context, str) and context in methods:
+        return context
+    raise ValueError(
+        f"multiprocessing_context={context!r} is neither a start method of this platform "
+        f"({', '.join(methods)}) nor a multiprocessing context: pass one of those names or "
+        "multiprocessing.get_context(name)"
+    )
 
 
 def _wraps_index_sampler(cls: type) -> bool:

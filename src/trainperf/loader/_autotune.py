@@ -100,7 +100,8 @@ def autotune_loader(
     if adapt:
         # Workers it starts are kept between epochs unless the caller said otherwise.
         keep = loader_kwargs.get("persistent_workers") is not False and epochs_hint != 1
-        loader = _adaptive(dataset, report, keep_workers=keep, bound=max_workers)
+        context = loader_kwargs.get("multiprocessing_context")
+        loader = _adaptive(dataset, report, keep_workers=keep, bound=max_workers, context=context)
     else:
         loader = TunedDataLoader(dataset, **report.best_kwargs)
     loader.tuning_report = report
@@ -108,10 +109,17 @@ def autotune_loader(
 
 
 def _adaptive(
-    dataset: Any, report: TuningReport, *, keep_workers: bool, bound: int | None
+    dataset: Any,
+    report: TuningReport,
+    *,
+    keep_workers: bool,
+    bound: int | None,
+    context: Any = None,
 ) -> TunedDataLoader:
     """The adaptive loader from the tuner's settings: within the caller's ``max_workers``
-    (``bound``), else the adaptive loader's own default bound, not the tuner's."""
+    (``bound``), else the adaptive loader's own default bound, not the tuner's; the
+    caller's ``multiprocessing_context`` (``context``), which the settings drop with
+    ``num_workers=0``, is kept for the workers it adds."""
     # Imported here: the adaptive loader is a TunedDataLoader, defined above.
     from trainperf.loader._adapt import AdaptiveDataLoader, memory_rules
     from trainperf.loader._faults import start_method
@@ -119,12 +127,10 @@ def _adaptive(
     from trainperf.loader._tune import main_rss
 
     most = adaptive_max_workers(report.cpus) if bound is None else bound
-    rules = memory_rules(
-        list(report.candidates),
-        most,
-        main_rss(),
-        start_method(report.best_kwargs),
-    )
+    kwargs = dict(report.best_kwargs)
+    if context is not None and kwargs.get("multiprocessing_context") is None:
+        kwargs["multiprocessing_context"] = context
+    rules = memory_rules(list(report.candidates), most, main_rss(), start_method(kwargs))
     unsharded = any(c.fault == "unsharded" for c in report.candidates)
     return AdaptiveDataLoader(
         dataset,
@@ -133,5 +139,5 @@ def _adaptive(
         max_workers=0 if unsharded else most,
         tuner=rules,
         keep_workers=keep_workers,
-        **report.best_kwargs,
+        **kwargs,
     )
