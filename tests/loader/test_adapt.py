@@ -345,6 +345,9 @@ def test_a_start_method_given_without_workers_is_checked_at_once() -> None:
     loader = AdaptiveDataLoader(range(4), batch_size=2, multiprocessing_context="spawn")
     assert loader.num_workers == 0 and loader.multiprocessing_context is None
     assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    # With workers given (here by position) it is DataLoader's own, as always.
+    loader = AdaptiveDataLoader(range(4), 2, False, None, None, 1, multiprocessing_context="spawn")
+    assert loader.multiprocessing_context.get_start_method() == "spawn"
 
 
 class StartMethod(Dataset[tuple[int, str]]):

@@ -268,7 +268,7 @@ class AdaptiveDataLoader(TunedDataLoader):
     ) -> None:
         non_negative_int("max_workers", max_workers, none_ok=True)
         kept = None
-        if kwargs.get("multiprocessing_context") is not None and not kwargs.get("num_workers"):
+        if kwargs.get("multiprocessing_context") is not None and not _workers_given(args, kwargs):
             # DataLoader refuses a start method without workers: kept for those it adds.
             kept = _checked_context(kwargs.pop("multiprocessing_context"))
         super().__init__(dataset, *args, **kwargs)
@@ -573,6 +573,12 @@ class AdaptiveDataLoader(TunedDataLoader):
             yield
         finally:
             self.generator = real
+
+
+def _workers_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The ``num_workers`` of DataLoader arguments (after ``dataset``), by name or position."""
+    bound = inspect.signature(DataLoader).bind_partial(None, *args, **kwargs).arguments
+    return int(bound.get("num_workers") or 0)
 
 
 def _checked_context(context: Any) -> Any:
