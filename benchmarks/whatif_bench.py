@@ -305,7 +305,8 @@ def sync_save(scale: float, budget: float) -> Scenario:
 
     def fixed(_: WatchReport) -> WatchReport:
         # The fix as the report names it: trainperf's own non-blocking save.
-        ckpt = trainperf.Checkpointer(folder / "runs", keep=1)
+        # A directory of its own each round: a run starts from step 0, as a new run would.
+        ckpt = trainperf.Checkpointer(tempfile.mkdtemp(dir=folder), keep=1)
 
         def step(i: int, batch: Any) -> None:
             time.sleep(0.010)

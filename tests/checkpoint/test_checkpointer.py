@@ -11,6 +11,7 @@ import random
 import signal
 import threading
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,26 @@ def test_keep_deletes_older_files_only_once_a_newer_one_is_written(tmp_path: Pat
         ckpt.wait()
     assert ckpt.steps() == [30, 40]  # nothing deleted for a write that never landed
     assert ckpt.latest() == tmp_path / "step-000000040.pt"
+
+
+def test_a_save_below_a_step_on_disk_warns_once_that_a_resume_would_take_that_one(
+    tmp_path: Path,
+) -> None:
+    with Checkpointer(tmp_path, keep=2) as old_run:
+        old_run.save({"step": 300}, step=300)
+    ckpt = Checkpointer(tmp_path, keep=2)  # a new run from scratch, the same directory
+    with pytest.warns(UserWarning, match=r"save\(step=10\): .* already holds step 300") as told:
+        ckpt.save({"step": 10}, step=10)
+    assert "a resume would continue from step 300" in str(told[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per Checkpointer
+        ckpt.save({"step": 20}, step=20)
+        ckpt.save({"step": 30}, step=30, blocking=False)
+        ckpt.wait()
+        assert ckpt.steps() == [30, 300] and ckpt.restore({}) == 300  # what it warned of
+        fresh = Checkpointer(tmp_path / "fresh")  # steps above all on disk: silent
+        fresh.save({"step": 1}, step=1)
+        fresh.save({"step": 1}, step=1)  # the same step again (a final save): silent
 
 
 def test_an_unpicklable_value_is_raised_by_the_next_save_chained_with_the_path(
@@ -248,8 +269,9 @@ def test_latest_skips_a_cut_short_file_and_restore_a_damaged_one(tmp_path: Path)
         ckpt.save({"w": torch.full((1000,), float(step))}, step=step)
     assert ckpt.steps() == [2, 3, 4, 5, 6]
     # Step 2 written again replaces the damaged file: it counts, and goes in its turn.
-    for step in (2, 7):
-        ckpt.save({"w": torch.full((1000,), float(step))}, step=step)
+    with pytest.warns(UserWarning, match="already holds step 6"):  # below the newest
+        ckpt.save({"w": torch.full((1000,), 2.0)}, step=2)
+    ckpt.save({"w": torch.full((1000,), 7.0)}, step=7)
     assert ckpt.steps() == [3, 5, 6, 7]
 
 

@@ -125,6 +125,7 @@ class Checkpointer:
         self._staging = Staging()
         self._stops: list[Preemption] = []  # every preemption() made, nested ones too
         self._damaged: set[int] = set()  # steps whose file restore found corrupt
+        self._behind_told = False  # warned once that a later step is already on disk
 
     def __repr__(self) -> str:
         every = "" if self.every is None else f", every={self.every}"
@@ -226,6 +227,7 @@ class Checkpointer:
             with saving(own):
                 write_now(rank_payload(state, step, rank, world), own)
             return SaveHandle.finished(step, path, "other rank")
+        self._warn_if_behind(step)
         payload = build_payload(state, step, rank, world)
         if not blocking:
             handle = self._start_background(payload, path, step)
@@ -235,6 +237,27 @@ class Checkpointer:
             write_now(payload, path)
         self._warn_notes(self._after(step))
         return SaveHandle.finished(step, path, "blocking")
+
+    def _warn_if_behind(self, step: int) -> None:
+        """Warn (once) when the directory already holds a later step than ``step``: an
+        earlier run's, or a step count that restarted. :meth:`latest` and :meth:`restore`
+        take the highest step, so a resume would continue from that one, not from this run."""
+        if self._behind_told:
+            return
+        ahead = [s for s in self.steps() if s > step]
+        if not ahead:
+            return
+        self._behind_told = True
+        warnings.warn(
+            f"Checkpointer.save(step={step}): {self.directory} already holds step "
+            f"{ahead[-1]}, a later one (an earlier run's, or this run's step count restarted). "
+            f"latest() and restore() take the highest step, so a resume would continue from "
+            f"step {ahead[-1]}, not from this run, and keep={self.keep} never deletes it. "
+            "Start a new run in a new directory, remove the later files, or continue that "
+            "run: step = ckpt.restore(state) before the loop",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _warn_notes(self, notes: list[str]) -> None:
         for note in notes:
