@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainperf._utils.format import format_bytes
+from trainperf._utils.stack import user_stacklevel
 from trainperf._utils.validate import choice, non_negative_int, positive_int
 from trainperf.checkpoint._files import load_checkpoint, saving
 from trainperf.checkpoint._loader_state import track
@@ -256,7 +257,7 @@ class Checkpointer:
             "Start a new run in a new directory, remove the later files, or continue that "
             "run: step = ckpt.restore(state) before the loop",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
     def _warn_notes(self, notes: list[str]) -> None:
@@ -264,7 +265,7 @@ class Checkpointer:
             warnings.warn(
                 f"Checkpointer: could not delete the retired checkpoint {note}",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
 
     def _start_background(self, payload: Any, path: Path, step: int) -> SaveHandle | None:
@@ -281,7 +282,7 @@ class Checkpointer:
                 f"{format_bytes(limits.memory_total)}, with a margin kept free): saving "
                 "synchronously instead",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
             return None
         handle = SaveHandle(step, path, "process" if forked else "thread")
@@ -337,7 +338,7 @@ class Checkpointer:
                 "random states and loader positions come from rank 0's file, so its random "
                 "numbers may differ from the interrupted run's",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
             return None
         return own if isinstance(own, Mapping) else None

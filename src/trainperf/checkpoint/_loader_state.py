@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from trainperf._utils.stack import user_stacklevel
 from trainperf.checkpoint._rng import as_python_state, numpy_state, set_numpy_state
 
 __all__ = ["loader_state", "restore_loader", "track"]
@@ -454,7 +455,7 @@ def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key
             "middle of a pass: pass the loader to Checkpointer.restore before the loop); it "
             "starts where it is",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
         return
     if not isinstance(saved, Mapping) or saved.get("version") != _VERSION:
@@ -474,7 +475,7 @@ def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key
         return
     note = _resume_note(loader, saved)
     if note is not None:
-        warnings.warn(f"loader {key!r}: {note}", UserWarning, stacklevel=3)
+        warnings.warn(f"loader {key!r}: {note}", UserWarning, stacklevel=user_stacklevel())
         return
     tracker.resume = _Resume(saved["passes"], saved["position"], _States.from_dict(saved["start"]))
     # Saved again before the loop starts, it must still say "in the middle of this pass".

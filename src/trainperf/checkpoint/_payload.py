@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 from torch.utils.data import DataLoader
 
+from trainperf._utils.stack import user_stacklevel
 from trainperf.checkpoint._files import _prepare
 from trainperf.checkpoint._loader_state import loader_state, restore_loader, track
 from trainperf.checkpoint._prefix import load_state_dict
@@ -54,7 +55,7 @@ def _loader_entry(key: str, loader: DataLoader[Any]) -> dict[str, Any] | None:
             "it starts after the restore; it is tracked from its next pass on (call "
             "ckpt.restore(state) before the loop, even on the first run)",
             UserWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
     return loader_state(loader)
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from trainperf._utils.serialize import result_dict
+from trainperf._utils.stack import user_stacklevel
 from trainperf._utils.validate import choice
 from trainperf.checkpoint._keys import (
     DEFAULT_PREFIXES,
@@ -246,7 +247,7 @@ def _warn_partial(target: Mapping[str, Any], result: LoadResult) -> None:
         f"{', '.join(parts)}; the returned LoadResult lists them all (missing keys keep their "
         "current values)",
         UserWarning,
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainperf._utils.stack import user_stacklevel
+
 __all__ = ["as_python_state", "numpy_state", "rng_state", "set_numpy_state", "set_rng_state"]
 
 
@@ -104,5 +106,5 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
             f"{here} are visible here: those of the others are not restored, so GPU random "
             "numbers (dropout on those devices) will differ from the interrupted run",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )

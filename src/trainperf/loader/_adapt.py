@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader
 
 from trainperf._utils.batches import batch_bytes, samples_in
 from trainperf._utils.lifetime import DieWithParent
+from trainperf._utils.stack import user_stacklevel
 from trainperf._utils.validate import non_negative_int
 from trainperf.limits import HostLimits, host_limits, local_world_size, usable_cpus
 from trainperf.loader._adapt_change import TuningChange
@@ -62,7 +63,7 @@ from trainperf.loader._iterable import (
     unsharded_warning,
 )
 from trainperf.loader._report import CandidateResult
-from trainperf.loader._search import Search, adaptive_max_workers, callers_stacklevel
+from trainperf.loader._search import Search, adaptive_max_workers
 from trainperf.loader._tune import rank_share
 
 __all__ = ["AdaptiveDataLoader", "TuningChange", "memory_rules"]
@@ -465,7 +466,7 @@ class AdaptiveDataLoader(TunedDataLoader):
                 "Give each worker its share in __iter__ with "
                 "torch.utils.data.get_worker_info(), then pass max_workers or tune again"
             )
-        warnings.warn(text, RuntimeWarning, stacklevel=callers_stacklevel())
+        warnings.warn(text, RuntimeWarning, stacklevel=user_stacklevel())
         return False
 
     def _retune(self, timed: _TimedIter) -> None:

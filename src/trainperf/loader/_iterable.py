@@ -41,9 +41,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainperf._utils.lifetime import DieWithParent
+from trainperf._utils.stack import user_stacklevel
 from trainperf.loader._faults import WorkerProcesses, close_iterator, start_method
 from trainperf.loader._report import CandidateResult
-from trainperf.loader._search import callers_stacklevel
 
 __all__ = [
     "PROBE_WORKERS",
@@ -346,5 +346,5 @@ def sharding_refusal(
     if not check.duplicated:
         return None
     warning = unsharded_warning(dataset, check)
-    warnings.warn(warning, RuntimeWarning, stacklevel=callers_stacklevel())
+    warnings.warn(warning, RuntimeWarning, stacklevel=user_stacklevel())
     return unsharded_result(dataset, check, pin)

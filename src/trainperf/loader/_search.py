@@ -20,12 +20,11 @@ Among the configurations within 2 % of the best, the one with fewest workers win
 from __future__ import annotations
 
 import math
-import os
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from trainperf._utils.stack import user_stacklevel
 from trainperf.loader._report import (
     CandidateResult,
     FaultKind,
@@ -33,7 +32,7 @@ from trainperf.loader._report import (
     main_process_share,
 )
 
-__all__ = ["GAIN", "TIE", "Search", "callers_stacklevel", "default_max_workers", "safety_margin"]
+__all__ = ["GAIN", "TIE", "Search", "default_max_workers", "safety_margin"]
 
 MiB = 1 << 20
 GAIN = 0.03
@@ -45,20 +44,6 @@ _TIMES = "\N{MULTIPLICATION SIGN}"
 
 MeasureFn = Callable[[int, "int | None", bool], CandidateResult]
 """``measure(num_workers, prefetch_factor, pin_memory) -> CandidateResult``."""
-
-
-def callers_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning raised where this is called name the first
-    line outside :mod:`trainperf.loader`: the caller's ``tune_loader(...)`` or
-    ``autotune_loader(...)``, however deep inside the tuner the warning starts."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(1), 1
-    while (
-        frame.f_back is not None
-        and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here
-    ):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def default_max_workers(cpus: int) -> int:
@@ -444,7 +429,7 @@ class Search:
         warnings.warn(
             f"tune_loader falls back to num_workers=0 because workers fail: {why}",
             RuntimeWarning,
-            stacklevel=callers_stacklevel(),
+            stacklevel=user_stacklevel(),
         )
         # The table's rows give each reason in full; the note only points at them.
         labels = ", ".join(c.label() for c in failed)
