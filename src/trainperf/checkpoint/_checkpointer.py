@@ -127,6 +127,7 @@ class Checkpointer:
         self._stops: list[Preemption] = []  # every preemption() made, nested ones too
         self._damaged: set[int] = set()  # steps whose file restore found corrupt
         self._behind_told = False  # warned once that a later step is already on disk
+        self._highest: int | None = None  # the highest step on disk or saved here, once read
 
     def __repr__(self) -> str:
         every = "" if self.every is None else f", every={self.every}"
@@ -243,17 +244,17 @@ class Checkpointer:
         """Warn (once) when the directory already holds a later step than ``step``: an
         earlier run's, or a step count that restarted. :meth:`latest` and :meth:`restore`
         take the highest step, so a resume would continue from that one, not from this run."""
-        if self._behind_told:
-            return
-        ahead = [s for s in self.steps() if s > step]
-        if not ahead:
+        if self._highest is None:  # the directory is read once; later saves are counted
+            self._highest = max(self.steps(), default=-1)
+        highest, self._highest = self._highest, max(self._highest, step)
+        if self._behind_told or step >= highest:
             return
         self._behind_told = True
         warnings.warn(
             f"Checkpointer.save(step={step}): {self.directory} already holds step "
-            f"{ahead[-1]}, a later one (an earlier run's, or this run's step count restarted). "
+            f"{highest}, a later one (an earlier run's, or this run's step count restarted). "
             f"latest() and restore() take the highest step, so a resume would continue from "
-            f"step {ahead[-1]}, not from this run, and keep={self.keep} never deletes it. "
+            f"step {highest}, not from this run, and keep={self.keep} never deletes it. "
             "Start a new run in a new directory, remove the later files, or continue that "
             "run: step = ckpt.restore(state) before the loop",
             UserWarning,
