@@ -13,7 +13,7 @@ import torch
 
 from tests.monitor._fakes import cpu_loop
 from trainperf.monitor import _crowding
-from trainperf.monitor._crowding import Crowding, measure_crowding, with_crowding
+from trainperf.monitor._crowding import Crowding, crowding_beside, measure_crowding, with_crowding
 from trainperf.monitor._setup import LoopSetup
 
 
@@ -103,13 +103,37 @@ def test_a_crowded_cpu_loop_gets_the_probe_of_its_thread_counts(
 
     def fake(threads: int, fit: int, busy: int, *, probe: bool = True) -> Crowding:
         calls.append((threads, fit, busy, probe))
-        return Crowding(threads, fit, busy, 1.73456, 4)
+        return Crowding(threads, fit, busy, 1.5 + busy * 0.12345, 4)
 
     monkeypatch.setattr(_crowding, "measure_crowding", fake)
     setup = with_crowding(_crowded(), probe=False)  # type: ignore[arg-type]
-    assert calls == [(16, 1, 1, False)]  # 1.2 worker cores: one spinner; 1 thread fits
+    # 1.2 worker cores: the figures beside one and two spinners, weighted 0.8 and 0.2;
+    # 1 thread fits.
+    assert calls == [(16, 1, 1, False), (16, 1, 2, False)]
     assert setup is not None and setup.torch_threads == 16
-    assert (setup.fewer_threads, setup.fewer_threads_speedup) == (1, 1.7346)
+    expected = 0.8 * (1.5 + 0.12345) + 0.2 * (1.5 + 2 * 0.12345)
+    assert (setup.fewer_threads, setup.fewer_threads_speedup) == (1, round(expected, 4))
+
+
+def test_a_fraction_of_a_core_is_weighed_between_the_whole_spinner_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    figures = {0: 1.2, 1: 2.2, 2: 3.0}
+    calls = []
+
+    def fake(threads: int, fit: int, busy: int, *, probe: bool = True) -> Crowding | None:
+        calls.append(busy)
+        return Crowding(threads, fit, busy, figures[busy], 4) if busy in figures else None
+
+    monkeypatch.setattr(_crowding, "measure_crowding", fake)
+    assert crowding_beside(16, 1, 0.5) == pytest.approx(1.7)
+    assert crowding_beside(16, 1, 0.25) == pytest.approx(0.75 * 1.2 + 0.25 * 2.2)
+    calls.clear()
+    assert crowding_beside(16, 1, 1.04) == pytest.approx(2.2)  # 0.04 of a core: not measured
+    assert crowding_beside(16, 1, 0.95) == pytest.approx(2.2)
+    assert calls == [1, 1]
+    assert crowding_beside(16, 1, 2.5) is None  # beside 3 not measured: no figure
+    assert crowding_beside(16, 1, -0.2) == pytest.approx(1.2)  # never below none
 
 
 def test_no_probe_for_a_gpu_loop_or_threads_that_fit(monkeypatch: pytest.MonkeyPatch) -> None:

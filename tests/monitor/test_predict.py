@@ -327,42 +327,62 @@ def test_moving_to_the_gpu_is_not_predicted() -> None:
 
 
 def test_fewer_threads_let_the_workers_keep_up() -> None:
-    # 20 ms steps, 6 ms waiting; 16 threads on 2 CPUs; the 2 workers use 1.2 cores (24 ms
-    # of CPU per step, 12 ms each) and other processes 0.1: 1 thread fits. The workers then
-    # keep up with the 14 ms step, whose own gain is not predicted: 20 ms -> 14 ms.
+    # 20 ms steps, 6 ms waiting; 16 threads on 2 CPUs; the 2 workers use 0.6 cores (12 ms
+    # of CPU per step, 6 ms each) and other processes 0.1: 1 thread fits. The workers then
+    # keep up with the 14 ms step, whose own gain is not predicted, and the 1.9 CPUs left
+    # hold its 14 ms and their 12 ms: 20 ms -> 14 ms.
     setup = LoopSetup(torch_threads=16, num_workers=2)
-    f = cpu_loop(process_cpu=180.0, workers_cpu=120.0, host_cpu=95.0, wait_fraction=0.3,
+    f = cpu_loop(process_cpu=180.0, workers_cpu=60.0, host_cpu=95.0, wait_fraction=0.3,
                  setup=setup)  # fmt: skip
     fix = threads_fix(f)
     assert fix is not None and fix.call == "torch.set_num_threads(1)"
     assert fix.predicted_speedup == pytest.approx(20 / 14)
     assert fix.basis.startswith("at least: torch runs 16 threads on 2 usable CPUs, 1 core left")
-    slow_workers = cpu_loop(process_cpu=180.0, workers_cpu=180.0, host_cpu=95.0,
-                            wait_fraction=0.3, setup=setup)  # fmt: skip
-    bounded = threads_fix(slow_workers)  # 18 ms of CPU per worker per step: the bound
+    # One worker needing 0.9 cores (18 ms of CPU per step): it is the bound.
+    one = dataclasses.replace(setup, num_workers=1)
+    slow_worker = cpu_loop(process_cpu=180.0, workers_cpu=90.0, host_cpu=95.0,
+                           wait_fraction=0.3, setup=one)  # fmt: skip
+    bounded = threads_fix(slow_worker)
     assert bounded is not None and bounded.predicted_speedup == pytest.approx(20 / 18)
+    # Workers needing 1.2 cores (24 ms): with the step's 14 ms the CPUs are full already.
+    full = threads_fix(dataclasses.replace(f, workers_cpu=120.0))
+    assert full is not None and full.predicted_speedup == pytest.approx(1.0)
     assert threads_fix(cpu_loop(process_cpu=180.0, host_cpu=95.0)) is None  # threads unknown
 
 
 def test_fewer_threads_shrink_the_step_by_what_the_crowding_probe_measured() -> None:
     # 20 ms steps, 6 ms waiting; the two workers keep 0.6 of a core busy (6 ms of CPU each
-    # per step). The probe found the workload 2x faster with 1 thread than with 16: the
-    # step's own 14 ms becomes 7 ms, which the workers keep up with: 20 -> 7 ms.
+    # per step, 12 ms together), other processes 0.1. The probe found the workload 2x
+    # faster with 1 thread than with 16: the step's own 14 ms becomes 7 ms, which the
+    # workers keep up with, but the 1.9 CPUs left hold its 7 ms and the workers' 12 ms in
+    # 10 ms: 20 -> 10 ms.
     setup = LoopSetup(torch_threads=16, num_workers=2, fewer_threads=1, fewer_threads_speedup=2.0)
     f = cpu_loop(process_cpu=180.0, workers_cpu=60.0, host_cpu=95.0, wait_fraction=0.3,
                  setup=setup)  # fmt: skip
     fix = threads_fix(f)
     assert fix is not None and fix.call == "torch.set_num_threads(1)"
-    assert fix.predicted_speedup == pytest.approx(20 / 7)
+    assert fix.predicted_speedup == pytest.approx(20 / 10)
     assert fix.basis.startswith("torch runs 16 threads on 2 usable CPUs, 1 core left")
     assert "runs 2.00x faster, as a parallel torch workload did with 1 thread instead of 16" in (
         fix.basis
     )
-    assert fix.basis.endswith("beside 1 busy process: 20.0 ms -> 7.0 ms per step")
-    # A step the probe found 4x faster (3.5 ms): the workers' 6 ms per step is the bound.
+    assert fix.basis.endswith(
+        "beside processes as busy as the workers, and the CPUs hold it and the workers' "
+        "12.0 ms of CPU in 10.0 ms: 20.0 ms -> 10.0 ms per step"
+    )
+    # A smaller gain (1.1x: 12.7 ms) and no other processes: the 2 CPUs hold the step and
+    # the workers' 12 ms in 12.4 ms, so the step itself binds.
+    small = dataclasses.replace(setup, fewer_threads_speedup=1.1)
+    alone = threads_fix(dataclasses.replace(f, setup=small, host_cpu=90.0))
+    assert alone is not None and alone.predicted_speedup == pytest.approx(20 / (14 / 1.1))
+    assert alone.basis.endswith("as busy as the workers: 20.0 ms -> 12.7 ms per step")
+    # A step the probe found 4x faster (3.5 ms): the CPUs, 15.5 ms / 1.9, are the bound.
     fast = dataclasses.replace(setup, fewer_threads_speedup=4.0)
     bound = threads_fix(dataclasses.replace(f, setup=fast))
-    assert bound is not None and bound.predicted_speedup == pytest.approx(20 / 6)
+    assert bound is not None and bound.predicted_speedup == pytest.approx(20 / (15.5 / 1.9))
+    # Other processes keeping a core busy leave the step and the workers one: 20 -> 15.5 ms.
+    crowded = threads_fix(dataclasses.replace(f, setup=fast, host_cpu=140.0))
+    assert crowded is not None and crowded.predicted_speedup == pytest.approx(20 / 15.5)
     # A probe that found fewer threads no faster: the step's own time kept, and said so.
     slower = dataclasses.replace(setup, fewer_threads_speedup=0.8)
     kept = threads_fix(dataclasses.replace(f, setup=slower))

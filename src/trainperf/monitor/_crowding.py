@@ -6,15 +6,17 @@ How much a step loses that way depends on the host, the BLAS and the OpenMP runt
 spinning, none of which the watch's CPU figures can tell from work. So the prediction for
 ``torch.set_num_threads(k)`` measures it: :func:`measure_crowding` runs a small parallel
 torch workload (a 256 x 256 matrix product and an element-wise pass over 256 K floats)
-with the loop's thread count and with ``k``, in alternating windows, while ``busy``
-spinning processes stand in for the workers, once, when the report is made (well under a
-second), and remembers it.
+with the loop's thread count and with ``k``, in alternating windows, while spinning
+processes stand in for the workers (the workers' 0.6 cores: the figures beside none and
+beside one spinner, weighted 0.4 and 0.6), once, when the report is made (under a second
+for each count of spinners), and remembers it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import statistics
 import subprocess
 import sys
@@ -29,11 +31,12 @@ from trainperf.limits import usable_cpus
 from trainperf.monitor._figures import Figures, oversubscribed, threads_that_fit, worker_cores
 from trainperf.monitor._setup import LoopSetup
 
-__all__ = ["Crowding", "measure_crowding", "with_crowding"]
+__all__ = ["Crowding", "crowding_beside", "measure_crowding", "with_crowding"]
 
 _ROUNDS = 4  # alternating rounds, the order reversed every other one
 _WINDOW_S = 0.05  # each window runs the workload at least this long
 _MAX_S = 1.0  # the whole probe stops after this long with two rounds
+_NEGLIGIBLE = 0.1  # a share of a core too small to measure beside
 _SPIN_START_S = 2.0  # the most the probe waits for its spinners to say they spin
 # A spinner says it started (a byte on stdout), burns a CPU and ends itself after 5 s,
 # whatever its parent does.
@@ -184,9 +187,26 @@ def with_crowding(f: Figures, *, probe: bool = True) -> LoopSetup | None:
     if f.cuda_used or threads is None or not oversubscribed(f):
         return None
     fit = threads_that_fit(f)
-    crowding = measure_crowding(threads, fit, round(worker_cores(f)), probe=probe)
-    if crowding is None:
+    speedup = crowding_beside(threads, fit, worker_cores(f), probe=probe)
+    if speedup is None:
         return None
-    return dataclasses.replace(
-        f.setup, fewer_threads=fit, fewer_threads_speedup=round(crowding.speedup, 4)
-    )
+    return dataclasses.replace(f.setup, fewer_threads=fit, fewer_threads_speedup=round(speedup, 4))
+
+
+def crowding_beside(threads: int, fit: int, cores: float, *, probe: bool = True) -> float | None:
+    """:func:`measure_crowding`'s speed-up beside processes that keep ``cores`` busy: a
+    whole number of spinners stands in for a fraction of a core by the figures beside the
+    whole counts on either side, weighted by how near each is (0.3 cores: 0.7 of the
+    figure beside none and 0.3 of the one beside one spinner; a share under
+    ``_NEGLIGIBLE`` is not measured). None where a figure was not measured."""
+    low = math.floor(max(0.0, cores))
+    share = max(0.0, cores) - low
+    figures = []
+    for busy, weight in ((low, 1.0 - share), (low + 1, share)):
+        if weight < _NEGLIGIBLE:
+            continue
+        crowding = measure_crowding(threads, fit, busy, probe=probe)
+        if crowding is None:
+            return None
+        figures.append((crowding.speedup, weight))
+    return sum(s * w for s, w in figures) / sum(w for _, w in figures)

@@ -39,9 +39,11 @@ rest ``c = T - w``:
   time per step and doubles the GPU's: ``min(2, 1 / g)``.
 - **Fewer threads** (:func:`threads_fix`): with torch's threads cut to the cores the
   workers and other processes leave, the workers keep up and the step's own time shrinks
-  by what the crowding probe measured (``_crowding``), ``s``: ``T / max(c / s, Lw / n)``
-  (``Lw``: the workers' CPU per step, ``n`` workers); without the probe (a GPU step)
-  ``s = 1``, a lower bound.
+  by what the crowding probe measured (``_crowding``), ``s``:
+  ``T / max(c / s, Lw / n, (c / s + Lw) / (N - o))`` (``Lw``: the workers' CPU per step,
+  ``n`` workers, ``N`` usable CPUs, ``o`` the cores other processes keep busy: the CPUs
+  must hold the step's thread and the workers); without the probe (a GPU step) ``s = 1``,
+  a lower bound.
 - **The host's CPUs back** (:func:`free_cpus_fix`): the step minus the time the loop's
   thread waited for a CPU.
 """
@@ -463,10 +465,12 @@ def threads_fix(f: Figures) -> Fix | None:
 
     The workers get the cores the surplus threads took, so the data wait goes where they
     can keep up (``max(c', what the workers deliver)``, as in :func:`loader_fix` with the
-    current workers). The step's own time ``c`` becomes ``c' = c / s``, ``s`` what the
-    crowding probe measured (``_crowding``: a parallel torch workload with ``k`` threads
-    against the loop's count, beside processes as busy as the workers); without that
-    figure (a GPU step, or not measured) ``c`` is kept, and the prediction is a lower bound.
+    current workers), and as far as the CPUs other processes leave hold the step's thread
+    and the workers' CPU together. The step's own time ``c`` becomes ``c' = c / s``, ``s``
+    what the crowding probe measured (``_crowding``: a parallel torch workload with ``k``
+    threads against the loop's count, beside processes as busy as the workers); without
+    that figure (a GPU step, or not measured) ``c`` is kept, and the prediction is a lower
+    bound.
     """
     threads = f.setup.torch_threads
     if not oversubscribed(f) or threads is None:
@@ -474,19 +478,21 @@ def threads_fix(f: Figures) -> Fix | None:
     k = threads_that_fit(f)
     step, work = mean_step_s(f), compute_s(f)
     workers = max(1, f.setup.num_workers or 0)
-    feed = (worker_cores(f) * step) / workers  # the workers' CPU per step, each on a core
+    fed = worker_cores(f) * step  # the workers' CPU per step
+    feed = fed / workers  # each on a core
     probed = f.setup.fewer_threads_speedup if f.setup.fewer_threads == k else None
     fewer = work if probed is None else work / max(probed, 1.0)  # never slower than now
-    after = min(step, max(fewer, feed))
+    # The CPUs other processes leave must hold the step's thread and the workers' CPU.
+    shared = (fewer + fed) / max(1.0, f.cpus - others_cores(f))
+    after = min(step, max(fewer, feed, shared))
     lead = (
         f"torch runs {threads} threads on {f.cpus} usable CPUs, {_cores(k)} left once the "
         f"workers ({worker_cores(f):.1f} cores) and other processes ({others_cores(f):.1f}) "
         f"have theirs; with {k} the workers keep up and the {_ms(wait_s(f))} data wait goes"
     )
     if probed is None:
-        basis = (
-            f"at least: {lead}, the step's own {_ms(work)} kept (fewer threads stop crowding "
-            f"it too, not predicted): {_ms(step)} -> {_ms(after)} per step"
+        step_s = (
+            f"the step's own {_ms(work)} kept (fewer threads stop crowding it too, not predicted)"
         )
     else:
         gain = (
@@ -494,11 +500,17 @@ def threads_fix(f: Figures) -> Fix | None:
             if probed > 1.0
             else f"is kept, as a parallel torch workload ran no faster ({probed:.2f}x)"
         )
-        spinners = plural(round(worker_cores(f)), "busy process", "busy processes")
-        basis = (
-            f"{lead}, and the step's own {_ms(work)} {gain} with {plural(k, 'thread')} "
-            f"instead of {threads} beside {spinners}: {_ms(step)} -> {_ms(after)} per step"
+        step_s = (
+            f"the step's own {_ms(work)} {gain} with {plural(k, 'thread')} instead of "
+            f"{threads} beside processes as busy as the workers"
         )
+    cpus = (
+        f", and the CPUs hold it and the workers' {_ms(fed)} of CPU in {_ms(shared)}"
+        if shared > max(fewer, feed) and shared < step
+        else ""
+    )
+    at_least = "at least: " if probed is None else ""
+    basis = f"{at_least}{lead}, {step_s}{cpus}: {_ms(step)} -> {_ms(after)} per step"
     return Fix("host-bound", f"torch.set_num_threads({k})", _speedup(step, after), basis)
 
 
