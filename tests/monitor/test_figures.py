@@ -68,6 +68,10 @@ def test_threads_that_fit_leave_the_workers_and_other_processes_their_cores() ->
         (16, 60.0, 20.0, 90.0, True),  # the host is busy: the edge
         (16, 60.0, 20.0, 89.9, False),
         (16, 160.0, 20.0, 80.0, True),  # this tree saturates its CPUs
+        (16, 130.0, 60.0, 77.0, True),  # 65 %: threads far above the CPUs idle at barriers
+        (4, 120.0, 60.0, 70.0, True),  # twice the CPUs: far enough
+        (3, 130.0, 60.0, 77.0, False),  # not twice the CPUs: 80 % it must be
+        (16, 110.0, 60.0, 60.0, False),  # 55 %
     ],
 )
 def test_oversubscribed_needs_surplus_threads_on_busy_cpus(

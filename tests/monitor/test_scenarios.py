@@ -82,9 +82,9 @@ def test_torch_threads_far_above_the_cpus_beside_busy_workers(bench: ModuleType)
     tree = (report.process_cpu_mean or 0.0) / (100 * report.cpus)
     if "host-bound" not in kinds:
         # Crowding shows only on busy CPUs: a run whose samples found neither this process
-        # tree at 80 % of its CPUs nor the host at 90 % (another job's burst took the
-        # workers' share, say) is rightly not called oversubscribed.
-        assert tree < 0.8 and (report.host_cpu_mean or 0.0) < 90, report
+        # tree at 60 % of its CPUs (threads far above them) nor the host at 90 % (another
+        # job's burst took the workers' share, say) is rightly not called oversubscribed.
+        assert tree < 0.6 and (report.host_cpu_mean or 0.0) < 90, report
         return
     threads = max(16, 4 * usable_cpus())
     assert report.setup.torch_threads == threads and report.setup.num_workers == 2

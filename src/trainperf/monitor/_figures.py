@@ -16,6 +16,8 @@ from trainperf.monitor._shift import Shift
 
 __all__ = [
     "CPU_SATURATED",
+    "CROWDED_SATURATED",
+    "CROWDED_THREADS",
     "HOST_SATURATED",
     "INPUT_BOUND_WAIT",
     "NVML_MIN_SAMPLES",
@@ -45,6 +47,12 @@ INPUT_BOUND_WAIT = 0.25  # share of step time spent waiting for data
 SAWTOOTH_WAIT = 0.10  # with a saw-tooth GPU utilisation, this much waiting is input-bound
 CPU_SATURATED = 0.8  # share of the usable CPUs this process and its workers use
 HOST_SATURATED = 90.0  # host CPU percent, with the process using at least half its share
+# torch threads this many times the usable CPUs or more wait for each other at every
+# parallel region, and that waiting shows as idle CPU: such a tree counts as busy from
+# this share of its CPUs (16 threads on 2 CPUs beside busy workers: 77-78 % under 13-16 %
+# steal, the step 2.2-2.5x faster with one thread).
+CROWDED_THREADS = 2
+CROWDED_SATURATED = 0.6
 NVML_MIN_WINDOW_S = 1.0  # NVML's utilisation averages over 1/6 s to 1 s, by product
 NVML_MIN_SAMPLES = 3  # fewer NVML samples mostly describe what came before the loop
 SAWTOOTH_MIN_SAMPLES = 5
@@ -242,13 +250,16 @@ def oversubscribed(f: Figures) -> bool:
     """torch runs more threads than the usable CPUs hold beside this process's workers
     (other processes aside: a host they keep busy is
     :func:`~trainperf.monitor._rules.cpus_held_by_others`'s case),
-    while the CPUs are busy: this process tree's (:func:`cpus_saturated`) or the host's
-    (``HOST_SATURATED``)."""
+    while the CPUs are busy: this process tree's (:func:`cpus_saturated`, or
+    ``CROWDED_SATURATED`` of them for ``CROWDED_THREADS`` times the CPUs' threads or more)
+    or the host's (``HOST_SATURATED``)."""
     threads = f.setup.torch_threads
     if threads is None or threads <= threads_that_fit(f, others=False):
         return False
     busy_host = f.host_cpu is not None and f.host_cpu >= HOST_SATURATED
-    return cpus_saturated(f) or busy_host
+    tree = cpu_share(f)
+    crowded = threads >= CROWDED_THREADS * f.cpus and tree is not None and tree >= CROWDED_SATURATED
+    return cpus_saturated(f) or busy_host or crowded
 
 
 # --------------------------------------------------------------------------- the data
