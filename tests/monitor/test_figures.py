@@ -46,6 +46,11 @@ def test_other_processes_cores_are_the_hosts_busy_cores_minus_this_trees() -> No
     assert others_cores(cpu_loop(process_cpu=190.0, host_cpu=90.0)) == 0.0  # all ours
     assert others_cores(cpu_loop(process_cpu=0.0, host_cpu=100.0)) == pytest.approx(2.0)
     assert others_cores(cpu_loop(host_cpu=90.0)) == 0.0  # no process samples
+    # The host's busy share counts stolen time (no process ran then): 95 % busy with 30 %
+    # stolen is 1.3 cores run, 0.7 of them this tree's.
+    stolen = cpu_loop(process_cpu=70.0, host_cpu=95.0, host_steal=30.0)
+    assert others_cores(stolen) == pytest.approx(0.6)
+    assert others_cores(cpu_loop(process_cpu=70.0, host_cpu=40.0, host_steal=30.0)) == 0.0
 
 
 def test_threads_that_fit_leave_the_workers_and_other_processes_their_cores() -> None:

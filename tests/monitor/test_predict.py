@@ -380,6 +380,12 @@ def test_fewer_threads_shrink_the_step_by_what_the_crowding_probe_measured() -> 
     fast = dataclasses.replace(setup, fewer_threads_speedup=4.0)
     bound = threads_fix(dataclasses.replace(f, setup=fast))
     assert bound is not None and bound.predicted_speedup == pytest.approx(20 / (15.5 / 1.9))
+    # A hypervisor withholding a quarter of the CPU time leaves 1.5 CPUs; the host's 85 %
+    # busy is that 25 % and this tree's 60 %, no other process: 15.5 ms of CPU in 10.3 ms.
+    stolen = threads_fix(
+        dataclasses.replace(f, setup=fast, process_cpu=120.0, host_cpu=85.0, host_steal=25.0)
+    )
+    assert stolen is not None and stolen.predicted_speedup == pytest.approx(20 / (15.5 / 1.5))
     # Other processes keeping a core busy leave the step and the workers one: 20 -> 15.5 ms.
     crowded = threads_fix(dataclasses.replace(f, setup=fast, host_cpu=140.0))
     assert crowded is not None and crowded.predicted_speedup == pytest.approx(20 / 15.5)
@@ -421,6 +427,14 @@ def test_cpu_bound_loading_gets_only_the_cores_other_processes_leave() -> None:
     assert fast is not None and fast.predicted_speedup == pytest.approx(20 / 7.5)
     assert slow is not None and slow.predicted_speedup == pytest.approx(20 / 15)
     assert "2 cores left to workers, 1.5 of them busy with other processes" in slow.basis
+    # A hypervisor stealing 25 % of the CPU time (the host's 40 % busy is that and this
+    # tree's 15 %): the two workers have 1.5 cores' worth, every 10 ms.
+    stolen = cpu_loop(
+        wait_fraction=0.75, wait_cpu_s=0.015, process_cpu=30.0, host_cpu=40.0, host_steal=25.0
+    )
+    robbed = loader_fix(stolen, "input-bound")
+    assert robbed is not None and robbed.predicted_speedup == pytest.approx(20 / 10)
+    assert "2 cores left to workers, 25% of their time stolen by the hypervisor" in robbed.basis
 
 
 def _resolve(expr: ast.expr) -> Any:

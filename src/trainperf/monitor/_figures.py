@@ -230,12 +230,15 @@ def others_cores(f: Figures) -> float:
 
     The host's busy cores (``host_cpu`` of ``setup.host_cpus``, or of ``cpus`` when the
     host's count is unknown) minus this process tree's, taken to be spread evenly over the
-    host: the share that falls on this process's ``cpus``.
+    host: the share that falls on this process's ``cpus``. The host's figure counts the
+    time the hypervisor stole as busy (``/proc/stat``'s steal is not idle); that share
+    (``host_steal``) is no process's and is left out.
     """
     if f.host_cpu is None or f.process_cpu is None:
         return 0.0
     host = max(f.setup.host_cpus or f.cpus, f.cpus)
-    others = f.host_cpu / 100 * host - f.process_cpu / 100
+    ran = max(0.0, f.host_cpu - (f.host_steal or 0.0))
+    others = ran / 100 * host - f.process_cpu / 100
     return min(float(f.cpus), max(0.0, others * f.cpus / host))
 
 

@@ -41,9 +41,9 @@ rest ``c = T - w``:
   workers and other processes leave, the workers keep up and the step's own time shrinks
   by what the crowding probe measured (``_crowding``), ``s``:
   ``T / max(c / s, Lw / n, (c / s + Lw) / (N - o))`` (``Lw``: the workers' CPU per step,
-  ``n`` workers, ``N`` usable CPUs, ``o`` the cores other processes keep busy: the CPUs
-  must hold the step's thread and the workers); without the probe (a GPU step) ``s = 1``,
-  a lower bound.
+  ``n`` workers, ``N`` the usable CPUs' worth of time the hypervisor leaves, ``o`` the
+  cores other processes keep busy: the CPUs must hold the step's thread and the workers);
+  without the probe (a GPU step) ``s = 1``, a lower bound.
 - **The host's CPUs back** (:func:`free_cpus_fix`): the step minus the time the loop's
   thread waited for a CPU.
 """
@@ -58,6 +58,7 @@ from trainperf._utils.format import plural
 from trainperf.loader._search import default_max_workers
 from trainperf.monitor._figures import (
     Figures,
+    capacity,
     compute_s,
     gpu_share,
     main_cores,
@@ -235,9 +236,11 @@ def loader_fix(f: Figures, finding: VerdictKind) -> Fix | None:
     cost = load_cost(f)
     k, w_cpus = tuner_workers(f, cost)
     step, work = mean_step_s(f), compute_s(f)
-    # The cores the workers get: those the tuner leaves them, less what other processes
-    # keep busy there (they keep their load; the tuner does not count it), at least one.
-    free = max(1.0, w_cpus - others_cores(f))
+    # The cores the workers get: those the tuner leaves them, less the share of their time
+    # the hypervisor steals and what other processes keep busy there (they keep their load;
+    # the tuner does not count it), at least one.
+    left = capacity(f) / f.cpus
+    free = max(1.0, w_cpus * left - others_cores(f))
     loader = max(cost.wall_s / k, cost.cpu_s / free)
     n = f.setup.num_workers or 0
     taking = min(f.wait_cpu_s or 0.0, wait_s(f)) if n else receive_s(f)
@@ -256,6 +259,8 @@ def loader_fix(f: Figures, finding: VerdictKind) -> Fix | None:
         )
     held = others_cores(f)
     others = f", {held:.1f} of them busy with other processes" if held >= 0.05 else ""
+    if left <= 0.95:
+        others += f", {1 - left:.0%} of their time stolen by the hypervisor"
     basis = (
         f"{cost.how}; {k} workers (the tuner's pick for {_cores(w_cpus)} left to workers"
         f"{others}, {cost.cores:.0%} of a core each) would deliver them every {_ms(loader)} "
@@ -482,8 +487,9 @@ def threads_fix(f: Figures) -> Fix | None:
     feed = fed / workers  # each on a core
     probed = f.setup.fewer_threads_speedup if f.setup.fewer_threads == k else None
     fewer = work if probed is None else work / max(probed, 1.0)  # never slower than now
-    # The CPUs other processes leave must hold the step's thread and the workers' CPU.
-    shared = (fewer + fed) / max(1.0, f.cpus - others_cores(f))
+    # The CPU time the hypervisor and other processes leave must hold the step's thread
+    # and the workers' CPU.
+    shared = (fewer + fed) / max(1.0, capacity(f) - others_cores(f))
     after = min(step, max(fewer, feed, shared))
     lead = (
         f"torch runs {threads} threads on {f.cpus} usable CPUs, {_cores(k)} left once the "
