@@ -28,6 +28,34 @@ def test_one_worker_is_measured_once_per_layout(monkeypatch: pytest.MonkeyPatch)
     assert measure_handover((8 * 4096,), 8) is first  # remembered, not measured again
 
 
+def test_pauses_alike_share_a_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_handover, "_CACHE", {})
+    monkeypatch.setattr(_handover, "_can_fork_a_worker", lambda: True)
+    pauses: list[float] = []
+
+    def fake(layout: tuple[int, ...], batch: int, pause_s: float = 0.0) -> Handover:
+        pauses.append(pause_s)
+        return Handover(0.001, 0.0, 8)
+
+    monkeypatch.setattr(_handover, "_probe", fake)
+    first = measure_handover((64,), 8, pause_s=0.003)
+    assert measure_handover((64,), 8, pause_s=0.0032) is first  # within sqrt(2)
+    assert measure_handover((64,), 8, pause_s=0.006) is not first
+    assert measure_handover((64,), 8, pause_s=0.00005) is measure_handover((64,), 8)  # none
+    assert measure_handover((64,), 8, pause_s=5.0) is not None
+    assert pauses == [0.003, 0.006, 0.00005, 0.02]  # a long step: 20 ms at most
+    assert measure_handover((64,), 8, pause_s=0.012, probe=False) is None  # not measured
+
+
+@pytest.mark.slow
+def test_a_pause_before_each_receive_is_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_handover, "_CACHE", {})
+    paused = measure_handover((8 * 4096,), 8, pause_s=0.005)
+    if paused is None:
+        pytest.skip("no /proc schedstat here")
+    assert paused.batches >= 8 and paused.receive_s > 0
+
+
 def test_nothing_to_measure_is_none() -> None:
     assert measure_handover((), 8) is None
     assert measure_handover((64,), 0) is None
@@ -36,7 +64,7 @@ def test_nothing_to_measure_is_none() -> None:
 def test_a_worker_that_fails_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_handover, "_CACHE", {})
 
-    def broken(layout: tuple[int, ...], batch: int) -> Handover:
+    def broken(layout: tuple[int, ...], batch: int, pause_s: float = 0.0) -> Handover:
         raise RuntimeError("DataLoader worker (pid 1) exited unexpectedly")
 
     monkeypatch.setattr(_handover, "_probe", broken)
@@ -50,5 +78,5 @@ def test_no_probe_in_a_daemonic_process(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(_handover, "_CACHE", {})
     monkeypatch.setattr(multiprocessing.current_process(), "daemon", True)
     called: list[int] = []
-    monkeypatch.setattr(_handover, "_probe", lambda layout, batch: called.append(1))
+    monkeypatch.setattr(_handover, "_probe", lambda *a: called.append(1))
     assert measure_handover((64,), 8) is None and not called

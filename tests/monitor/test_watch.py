@@ -47,9 +47,14 @@ def test_a_report_inside_the_loop_does_not_run_the_probe(monkeypatch: pytest.Mon
     from trainperf.monitor import _handover
 
     monkeypatch.setattr(_handover, "_CACHE", {})
-    probed: list[int] = []
+    probed: list[float] = []
     real = _handover._probe
-    monkeypatch.setattr(_handover, "_probe", lambda *a: probed.append(1) or real(*a))
+
+    def spy(layout: tuple[int, ...], batch: int, pause_s: float = 0.0) -> object:
+        probed.append(pause_s)
+        return real(layout, batch, pause_s)
+
+    monkeypatch.setattr(_handover, "_probe", spy)
     with watch(device="cpu") as w:
         for i, _ in enumerate(w.iter(sleepy_loader(12, 0.01))):
             burn(0.002)
@@ -60,6 +65,8 @@ def test_a_report_inside_the_loop_does_not_run_the_probe(monkeypatch: pytest.Mon
     after = w.report()
     assert len(probed) == (1 if _handover._can_fork_a_worker() else 0)
     assert (after.setup.handover_receive_s is not None) == bool(probed)
+    if probed:  # it paused before each receive for the loop's own 2 ms between batches
+        assert 0.0015 <= probed[0] <= 0.01
 
 
 def test_a_step_that_burns_cpu_is_compute_bound() -> None:

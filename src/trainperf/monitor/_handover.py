@@ -30,7 +30,8 @@ _MIN_BATCHES = 8
 _PROBE_S = 0.6  # the probe stops after this long once it has _MIN_BATCHES
 _MAX_PROBE_S = 1.0  # ... and after this long with any two
 _SHM_SHARE = 0.25  # the probe's batches in flight take at most this share of /dev/shm
-_CACHE: dict[tuple[int, int, int], Handover | None] = {}
+_MAX_PAUSE_S = 0.02  # the longest pause between two receives
+_CACHE: dict[tuple[int, int, int, int], Handover | None] = {}
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def _local_cost(data: _Samples, batch: int, count: int, until: float) -> float:
         torch.set_num_threads(threads)
 
 
-def _probe(layout: tuple[int, ...], batch: int) -> Handover | None:
+def _probe(layout: tuple[int, ...], batch: int, pause_s: float = 0.0) -> Handover | None:
     sample = tuple(-(-n // batch) for n in layout)
     data = _Samples(sample, batch * (_MAX_BATCHES + 2))
     loader = torch.utils.data.DataLoader(
@@ -137,6 +138,8 @@ def _probe(layout: tuple[int, ...], batch: int) -> Handover | None:
         while count < _MAX_BATCHES and (
             count < _MIN_BATCHES or time.perf_counter() - start < _PROBE_S
         ):
+            if pause_s > 0:
+                time.sleep(pause_s)  # the loop's step between two receives
             t = time.thread_time()
             next(it)
             receive += time.thread_time() - t
@@ -153,12 +156,20 @@ def _probe(layout: tuple[int, ...], batch: int) -> Handover | None:
     return Handover(receive / count, produce, count)
 
 
-def measure_handover(layout: tuple[int, ...], batch: int, *, probe: bool = True) -> Handover | None:
+def measure_handover(
+    layout: tuple[int, ...], batch: int, *, pause_s: float = 0.0, probe: bool = True
+) -> Handover | None:
     """What a one-worker DataLoader's hand-over costs per batch of this ``layout`` (the
     tensors' byte sizes, :func:`batch_layout`) and ``batch`` samples; None where it cannot
     be measured (no ``/proc``, a worker that will not start, no room in ``/dev/shm``).
-    Measured once per process for layouts alike (:func:`_key`), in about a second (up to
-    1.5 s for large batches), then remembered; ``probe=False`` only looks it up.
+    Measured once per process for layouts and pauses alike (:func:`_key`), in about a
+    second (up to 1.5 s for large batches or long pauses), then remembered;
+    ``probe=False`` only looks it up.
+
+    ``pause_s`` is the loop's own time between two receives (its step), at most 20 ms:
+    the probe waits that long before each. A receive after a pause costs more than one in
+    a tight loop, the caches and the scheduler's state gone cold: 1.1-1.4 ms of CPU against
+    0.6 ms for a 128-byte batch on a 2-core host, after a 3-10 ms pause.
 
     Example:
         >>> h = measure_handover((8 * 4096,), 8)
@@ -167,22 +178,25 @@ def measure_handover(layout: tuple[int, ...], batch: int, *, probe: bool = True)
     """
     if not layout or batch < 1 or not _can_fork_a_worker() or not _shm_holds(sum(layout)):
         return None
-    key = _key(layout, batch)
+    pause = min(_MAX_PAUSE_S, max(0.0, pause_s))
+    key = _key(layout, batch, pause)
     if key not in _CACHE and not probe:
         return None  # only what was measured before
     if key not in _CACHE:
         try:
-            _CACHE[key] = _probe(layout, batch)
+            _CACHE[key] = _probe(layout, batch, pause)
         except Exception:  # a worker that could not start, died or timed out: not measured
             _CACHE[key] = None
     return _CACHE[key]
 
 
-def _key(layout: tuple[int, ...], batch: int) -> tuple[int, int, int]:
-    """Layouts alike enough to share a measurement: the tensor count, the batch size and
-    the total bytes to within a factor of sqrt(2) (padding to each batch's longest
-    sequence changes the bytes, not the cost's size)."""
-    return len(layout), batch, round(2 * math.log2(max(1, sum(layout))))
+def _key(layout: tuple[int, ...], batch: int, pause_s: float) -> tuple[int, int, int, int]:
+    """Layouts alike enough to share a measurement: the tensor count, the batch size, the
+    total bytes to within a factor of sqrt(2) (padding to each batch's longest sequence
+    changes the bytes, not the cost's size) and the pause to within a factor of sqrt(2)
+    (any under 0.1 ms counts as none)."""
+    pause = round(2 * math.log2(pause_s / 1e-4)) if pause_s >= 1e-4 else -1
+    return len(layout), batch, round(2 * math.log2(max(1, sum(layout)))), pause
 
 
 def _shm_holds(batch_bytes: int) -> bool:

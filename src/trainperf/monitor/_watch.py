@@ -507,7 +507,13 @@ class Watch:
         waits = total > 0 and sum(s.wait for s in kept) >= SAWTOOTH_WAIT * total
         if waits and self._loads_in_thread(samples) and self._layout and self._layout_batch:
             probe = self._state != "running"
-            handover = measure_handover(self._layout, self._layout_batch, probe=probe)
+            # The loop's own time between two batches: the probe pauses that long before
+            # each receive (a receive after a step costs more than one in a tight loop).
+            own = (total - sum(s.wait for s in kept)) / len(kept)
+            pause = own / max(1.0, out["batches_per_step"] or 1.0)
+            handover = measure_handover(
+                self._layout, self._layout_batch, pause_s=pause, probe=probe
+            )
             if handover is not None:
                 out["handover_receive_s"] = handover.receive_s
                 out["handover_produce_s"] = handover.produce_s
