@@ -16,7 +16,8 @@ rest ``c = T - w``:
   cores, or what the tuner measured), at ``Lc / L`` of a core each, no more than keep up
   with the step (``1.1 L / c``), capped by its ``max_workers``; they deliver a step's
   batches every ``max(L / k, Lc / W')`` seconds (``W'``: ``W`` less the cores other
-  processes keep busy, at least 1; never slower than the loader's current workers), and
+  processes keep busy, at least 1, and with workers already less the share of the time the
+  hypervisor steals; never slower than the loader's current workers), and
   the loop then runs at ``max(c + h, that)``, ``h`` the loop's own cost of receiving a
   step's batches (measured when it has workers already; from the hand-over probe,
   ``_handover``, when it loads in its own thread, which also adds a worker's cost of
@@ -40,10 +41,12 @@ rest ``c = T - w``:
 - **Fewer threads** (:func:`threads_fix`): with torch's threads cut to the cores the
   workers and other processes leave, the workers keep up and the step's own time shrinks
   by what the crowding probe measured (``_crowding``), ``s``:
-  ``T / max(c / s, Lw / n, (c / s + Lw) / (N - o))`` (``Lw``: the workers' CPU per step,
-  ``n`` workers, ``N`` the usable CPUs' worth of time the hypervisor leaves, ``o`` the
-  cores other processes keep busy: the CPUs must hold the step's thread and the workers);
-  without the probe (a GPU step) ``s = 1``, a lower bound.
+  ``T / max(c / s, Lw / n, (m + Lw) / (N - o))`` (``Lw``: the workers' CPU per step,
+  ``n`` workers, ``m`` the step's CPU with ``k`` threads, ``k c / s`` but no more than the
+  loop's process uses now nor less than ``c / s``, ``N`` the usable CPUs' worth of time
+  the hypervisor leaves, ``o`` the cores other processes keep busy: the CPUs must hold
+  the step's threads and the workers); without the probe (a GPU step) ``s = 1``, a lower
+  bound.
 - **The host's CPUs back** (:func:`free_cpus_fix`): the step minus the time the loop's
   thread waited for a CPU.
 """
@@ -236,13 +239,14 @@ def loader_fix(f: Figures, finding: VerdictKind) -> Fix | None:
     cost = load_cost(f)
     k, w_cpus = tuner_workers(f, cost)
     step, work = mean_step_s(f), compute_s(f)
-    # The cores the workers get: those the tuner leaves them, less the share of their time
-    # the hypervisor steals and what other processes keep busy there (they keep their load;
-    # the tuner does not count it), at least one.
-    left = capacity(f) / f.cpus
-    free = max(1.0, w_cpus * left - others_cores(f))
-    loader = max(cost.wall_s / k, cost.cpu_s / free)
     n = f.setup.num_workers or 0
+    # The cores the workers get: those the tuner leaves them, less what other processes
+    # keep busy there (they keep their load; the tuner does not count it), at least one;
+    # with workers already, whose sampled CPU is what ran, also less the share of the time
+    # the hypervisor steals (the loop thread's demand, without workers, counts it already).
+    left = capacity(f) / f.cpus if n else 1.0
+    free = max(left, w_cpus * left - others_cores(f))
+    loader = max(cost.wall_s / k, cost.cpu_s / free)
     taking = min(f.wait_cpu_s or 0.0, wait_s(f)) if n else receive_s(f)
     if n:  # the tuner measures the loader's own setting too
         loader = min(loader, cost.wall_s / n)
@@ -487,9 +491,15 @@ def threads_fix(f: Figures) -> Fix | None:
     feed = fed / workers  # each on a core
     probed = f.setup.fewer_threads_speedup if f.setup.fewer_threads == k else None
     fewer = work if probed is None else work / max(probed, 1.0)  # never slower than now
-    # The CPU time the hypervisor and other processes leave must hold the step's thread
-    # and the workers' CPU.
-    shared = (fewer + fed) / max(1.0, capacity(f) - others_cores(f))
+    # The CPU time the hypervisor and other processes leave must hold the step's k threads
+    # (no more CPU than the loop's process uses now, nor less than one thread's) and the
+    # workers' CPU.
+    own = k * fewer
+    now = main_cores(f)
+    if now is not None:
+        own = min(own, max(fewer, now * step))
+    left = capacity(f) / f.cpus
+    shared = (own + fed) / max(left, capacity(f) - others_cores(f))
     after = min(step, max(fewer, feed, shared))
     lead = (
         f"torch runs {threads} threads on {f.cpus} usable CPUs, {_cores(k)} left once the "
@@ -508,13 +518,16 @@ def threads_fix(f: Figures) -> Fix | None:
         )
         step_s = (
             f"the step's own {_ms(work)} {gain} with {plural(k, 'thread')} instead of "
-            f"{threads} beside processes as busy as the workers"
+            f"{threads} beside processes as busy as the workers ({_ms(fewer)})"
         )
-    cpus = (
-        f", and the CPUs hold it and the workers' {_ms(fed)} of CPU in {_ms(shared)}"
-        if shared > max(fewer, feed) and shared < step
-        else ""
-    )
+    cpus = ""
+    if shared > max(fewer, feed):
+        held = f"the CPUs hold its {_ms(own)} of CPU and the workers' {_ms(fed)}"
+        cpus = (
+            f", and {held} in {_ms(shared)}"
+            if shared < step
+            else f", but {held} in no less than the step takes now"
+        )
     at_least = "at least: " if probed is None else ""
     basis = f"{at_least}{lead}, {step_s}{cpus}: {_ms(step)} -> {_ms(after)} per step"
     return Fix("host-bound", f"torch.set_num_threads({k})", _speedup(step, after), basis)

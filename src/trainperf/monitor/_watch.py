@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import statistics
 import threading
 import time
 import weakref
@@ -509,8 +510,8 @@ class Watch:
             probe = self._state != "running"
             # The loop's own time between two batches: the probe pauses that long before
             # each receive (a receive after a step costs more than one in a tight loop).
-            own = (total - sum(s.wait for s in kept)) / len(kept)
-            pause = own / max(1.0, out["batches_per_step"] or 1.0)
+            own = statistics.median(s.duration - s.wait for s in kept)
+            pause = max(0.0, own) / max(1.0, out["batches_per_step"] or 1.0)
             handover = measure_handover(
                 self._layout, self._layout_batch, pause_s=pause, probe=probe
             )
