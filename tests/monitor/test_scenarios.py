@@ -114,11 +114,15 @@ def test_a_per_sample_cost_that_doubles_halfway_is_judged_as_it_runs_now(
 ) -> None:
     report = bench.cost_doubles(1.0, 5).baseline()
     busy_host = report.host_cpu_mean is not None and report.host_cpu_mean >= 90
+    # A VM whose hypervisor withholds a tenth of the CPU time or more delays the workers'
+    # wake-ups as other jobs would (a CI run failed here with 20 % stolen, the host under 90 %).
+    stolen = report.host_steal_mean is not None and report.host_steal_mean >= 10
     if report.regime_start is None:
-        # A host that other jobs keep busy slows the first half's reads as much as the
-        # doubled cost slows the second's (the synthetic case is test_analysis's); the
-        # loop then waits for data throughout, and is judged on all of it.
-        assert busy_host, report
+        # A host that other jobs keep busy, or that the hypervisor steals from, slows the
+        # first half's reads as much as the doubled cost slows the second's (the synthetic
+        # case is test_analysis's); the loop then waits for data throughout, and is judged
+        # on all of it.
+        assert busy_host or stolen, report
     else:
         assert report.verdict.reasons[0].startswith("the step time "), report
     if held_by_others(report):
