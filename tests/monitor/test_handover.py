@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -50,10 +52,20 @@ def test_pauses_alike_share_a_measurement(monkeypatch: pytest.MonkeyPatch) -> No
 @pytest.mark.slow
 def test_a_pause_before_each_receive_is_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_handover, "_CACHE", {})
+    pauses: list[float] = []
+    sleep = time.sleep
+
+    def timed_sleep(seconds: float) -> None:
+        pauses.append(seconds)
+        sleep(seconds)
+
+    monkeypatch.setattr(_handover.time, "sleep", timed_sleep)
     paused = measure_handover((8 * 4096,), 8, pause_s=0.005)
     if paused is None:
         pytest.skip("no /proc schedstat here")
     assert paused.batches >= 8 and paused.receive_s > 0
+    # The probe paused before every receive it measured, for the loop's step.
+    assert pauses.count(0.005) >= paused.batches, pauses
 
 
 def test_nothing_to_measure_is_none() -> None:

@@ -384,11 +384,23 @@ def test_fewer_threads_shrink_the_step_by_what_the_crowding_probe_measured() -> 
     bound = threads_fix(dataclasses.replace(f, setup=fast))
     assert bound is not None and bound.predicted_speedup == pytest.approx(20 / (15.5 / 1.9))
     # A hypervisor withholding a quarter of the CPU time leaves 1.5 CPUs; the host's 85 %
-    # busy is that 25 % and this tree's 60 %, no other process: 15.5 ms of CPU in 10.3 ms.
+    # busy is that 25 % and this tree's 60 %, no other process. The step's 3.5 ms of wall
+    # time is 2.6 ms of CPU (the rest stolen): 14.6 ms of CPU in 9.75 ms. Each worker's
+    # 6 ms of CPU takes it 8 ms, still inside that.
     stolen = threads_fix(
         dataclasses.replace(f, setup=fast, process_cpu=120.0, host_cpu=85.0, host_steal=25.0)
     )
-    assert stolen is not None and stolen.predicted_speedup == pytest.approx(20 / (15.5 / 1.5))
+    assert stolen is not None
+    assert stolen.predicted_speedup == pytest.approx(20 / ((0.75 * 3.5 + 12) / 1.5))
+    assert "the CPUs hold its 2.6 ms of CPU and the workers' 12.0 ms in 9.8 ms" in stolen.basis
+    # One worker, with 10 ms of CPU per step: with a third of the time stolen it takes
+    # 15 ms on its core, longer than the 1.33 CPUs left need for its CPU and the step's.
+    one = dataclasses.replace(fast, num_workers=1)
+    slow = threads_fix(
+        dataclasses.replace(f, setup=one, workers_cpu=50.0, process_cpu=120.0,
+                            host_cpu=60 + 100 / 3, host_steal=100 / 3)
+    )  # fmt: skip
+    assert slow is not None and slow.predicted_speedup == pytest.approx(20 / 15)
     # Other processes keeping a core of these two busy (8 of the host's 16, 61.25 % busy
     # with this tree's 1.8) leave the step and the workers one: 20 -> 15.5 ms.
     spread = dataclasses.replace(fast, host_cpus=16)

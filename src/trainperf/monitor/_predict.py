@@ -16,8 +16,8 @@ rest ``c = T - w``:
   cores, or what the tuner measured), at ``Lc / L`` of a core each, no more than keep up
   with the step (``1.1 L / c``), capped by its ``max_workers``; they deliver a step's
   batches every ``max(L / k, Lc / W')`` seconds (``W'``: ``W`` less the cores other
-  processes keep busy, at least 1, and with workers already less the share of the time the
-  hypervisor steals; never slower than the loader's current workers), and
+  processes keep busy, and with workers already less the share of the time the hypervisor
+  steals, ``t``: at least ``1 - t``; never slower than the loader's current workers), and
   the loop then runs at ``max(c + h, that)``, ``h`` the loop's own cost of receiving a
   step's batches (measured when it has workers already; from the hand-over probe,
   ``_handover``, when it loads in its own thread, which also adds a worker's cost of
@@ -41,12 +41,12 @@ rest ``c = T - w``:
 - **Fewer threads** (:func:`threads_fix`): with torch's threads cut to the cores the
   workers and other processes leave, the workers keep up and the step's own time shrinks
   by what the crowding probe measured (``_crowding``), ``s``:
-  ``T / max(c / s, Lw / n, (m + Lw) / (N - o))`` (``Lw``: the workers' CPU per step,
-  ``n`` workers, ``m`` the step's CPU with ``k`` threads, ``k c / s`` but no more than the
-  loop's process uses now nor less than ``c / s``, ``N`` the usable CPUs' worth of time
-  the hypervisor leaves, ``o`` the cores other processes keep busy: the CPUs must hold
-  the step's threads and the workers); without the probe (a GPU step) ``s = 1``, a lower
-  bound.
+  ``T / max(c / s, Lw / (n (1 - t)), (m + Lw) / (N - o))`` (``Lw``: the workers' CPU per
+  step, ``n`` workers, ``t`` the share of the time the hypervisor steals, ``m`` the step's
+  CPU with ``k`` threads, ``(1 - t) k c / s`` but no more than the loop's process uses now
+  nor less than ``(1 - t) c / s``, ``N`` the usable CPUs' worth of time the hypervisor
+  leaves, ``o`` the cores other processes keep busy: the CPUs must hold the step's threads
+  and the workers); without the probe (a GPU step) ``s = 1``, a lower bound.
 - **The host's CPUs back** (:func:`free_cpus_fix`): the step minus the time the loop's
   thread waited for a CPU.
 """
@@ -493,14 +493,16 @@ def threads_fix(f: Figures) -> Fix | None:
     fewer = work if probed is None else work / max(probed, 1.0)  # never slower than now
     # The CPU time the hypervisor and other processes leave must hold the step's k threads
     # (no more CPU than the loop's process uses now, nor less than one thread's) and the
-    # workers' CPU.
-    own = k * fewer
+    # workers' CPU. The step's times are wall time, of which a thread runs the share the
+    # hypervisor leaves (``left``); the workers' figures are CPU time, which takes a worker
+    # 1 / left as long on its core.
+    left = capacity(f) / f.cpus
+    own = left * k * fewer
     now = main_cores(f)
     if now is not None:
-        own = min(own, max(fewer, now * step))
-    left = capacity(f) / f.cpus
+        own = min(own, max(left * fewer, now * step))
     shared = (own + fed) / max(left, capacity(f) - others_cores(f))
-    after = min(step, max(fewer, feed, shared))
+    after = min(step, max(fewer, feed / left, shared))
     lead = (
         f"torch runs {threads} threads on {f.cpus} usable CPUs, {_cores(k)} left once the "
         f"workers ({worker_cores(f):.1f} cores) and other processes ({others_cores(f):.1f}) "
