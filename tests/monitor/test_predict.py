@@ -353,6 +353,29 @@ def test_fewer_threads_let_the_workers_keep_up() -> None:
     assert threads_fix(cpu_loop(process_cpu=180.0, host_cpu=95.0)) is None  # threads unknown
 
 
+def test_fewer_threads_keep_the_loop_s_own_loading() -> None:
+    # The probe's 4x makes the 14 ms step 3.5 ms; the workers' 12 ms of CPU and the step's
+    # leave the CPUs the bound. Receiving the batches from the workers cost the loop's
+    # thread 1 ms of CPU while it waited: it stays, 16.5 ms of CPU in 8.7 ms.
+    fast = LoopSetup(torch_threads=16, num_workers=2, fewer_threads=1, fewer_threads_speedup=4.0)
+    loop = {"process_cpu": 180.0, "workers_cpu": 60.0, "host_cpu": 95.0, "wait_fraction": 0.3}
+    bare = threads_fix(cpu_loop(**loop, setup=fast))
+    receiving = threads_fix(cpu_loop(**loop, setup=fast, wait_cpu_s=0.001))
+    assert bare is not None and receiving is not None
+    assert bare.predicted_speedup == pytest.approx(20 / (15.5 / 1.9))
+    assert receiving.predicted_speedup == pytest.approx(20 / (16.5 / 1.9))
+    assert "data wait goes but for the 1.0 ms the loop takes to receive its batches" in (
+        receiving.basis
+    )
+    # Without workers the loop loads in its own thread: its 6 ms wait stays, and with the
+    # step's 3.5 ms that is the bound (9.5 ms), not the step alone.
+    alone = dataclasses.replace(fast, num_workers=0, fewer_threads=2)
+    own = threads_fix(cpu_loop(process_cpu=190.0, host_cpu=95.0, wait_fraction=0.3, setup=alone))
+    assert own is not None and own.call == "torch.set_num_threads(2)"
+    assert own.predicted_speedup == pytest.approx(20 / 9.5)
+    assert "the 6.0 ms the loop spends loading in its own thread stays" in own.basis
+
+
 def test_fewer_threads_shrink_the_step_by_what_the_crowding_probe_measured() -> None:
     # 20 ms steps, 6 ms waiting; the two workers keep 0.6 of a core busy (6 ms of CPU each
     # per step, 12 ms together), other processes 0.1. The probe found the workload 2x

@@ -41,12 +41,15 @@ rest ``c = T - w``:
 - **Fewer threads** (:func:`threads_fix`): with torch's threads cut to the cores the
   workers and other processes leave, the workers keep up and the step's own time shrinks
   by what the crowding probe measured (``_crowding``), ``s``:
-  ``T / max(c / s, Lw / (n (1 - t)), (m + Lw) / (N - o))`` (``Lw``: the workers' CPU per
-  step, ``n`` workers, ``t`` the share of the time the hypervisor steals, ``m`` the step's
-  CPU with ``k`` threads, ``(1 - t) k c / s`` but no more than the loop's process uses now
-  nor less than ``(1 - t) c / s``, ``N`` the usable CPUs' worth of time the hypervisor
-  leaves, ``o`` the cores other processes keep busy: the CPUs must hold the step's threads
-  and the workers); without the probe (a GPU step) ``s = 1``, a lower bound.
+  ``T / max(c / s + h, Lw / (n (1 - t)), (m + Lw) / (N - o))`` (``h``: the loop's own
+  time getting its batches, which fewer threads do not shorten: receiving them from
+  workers, or without workers the whole wait; ``Lw``: the workers' CPU per step, ``n``
+  workers, ``t`` the share of the time the hypervisor steals, ``m`` the loop's CPU with
+  ``k`` threads, ``(1 - t) (k c / s + h)`` but no more than the loop's process uses now
+  nor less than ``(1 - t) (c / s + h)``, ``N`` the usable CPUs' worth of time the
+  hypervisor leaves, ``o`` the cores other processes keep busy: the CPUs must hold the
+  step's threads and the workers); without the probe (a GPU step) ``s = 1``, a lower
+  bound.
 - **The host's CPUs back** (:func:`free_cpus_fix`): the step minus the time the loop's
   thread waited for a CPU.
 """
@@ -496,17 +499,26 @@ def threads_fix(f: Figures) -> Fix | None:
     # workers' CPU. The step's times are wall time, of which a thread runs the share the
     # hypervisor leaves (``left``); the workers' figures are CPU time, which takes a worker
     # 1 / left as long on its core.
+    # The loop's thread also keeps getting its batches (``taking``), which fewer threads
+    # do not shorten.
     left = capacity(f) / f.cpus
-    own = left * k * fewer
+    taking = kept_loading_s(f)
+    own = left * (k * fewer + taking)
     now = main_cores(f)
     if now is not None:
-        own = min(own, max(left * fewer, now * step))
+        own = min(own, max(left * (fewer + taking), now * step))
     shared = (own + fed) / max(left, capacity(f) - others_cores(f))
-    after = min(step, max(fewer, feed / left, shared))
+    after = min(step, max(fewer + taking, feed / left, shared))
     lead = (
         f"torch runs {threads} threads on {f.cpus} usable CPUs, {_cores(k)} left once the "
         f"workers ({worker_cores(f):.1f} cores) and other processes ({others_cores(f):.1f}) "
-        f"have theirs; with {k} the workers keep up and the {_ms(wait_s(f))} data wait goes"
+        f"have theirs; with {k} "
+        + (
+            f"the workers keep up and the {_ms(wait_s(f))} data wait goes but for the "
+            f"{_ms(taking)} the loop takes to receive its batches"
+            if f.setup.num_workers
+            else f"the {_ms(taking)} the loop spends loading in its own thread stays"
+        )
     )
     if probed is None:
         step_s = (
@@ -523,7 +535,7 @@ def threads_fix(f: Figures) -> Fix | None:
             f"{threads} beside processes as busy as the workers ({_ms(fewer)})"
         )
     cpus = ""
-    if shared > max(fewer, feed):
+    if shared > max(fewer + taking, feed / left):
         held = f"the CPUs hold its {_ms(own)} of CPU and the workers' {_ms(fed)}"
         cpus = (
             f", and {held} in {_ms(shared)}"
@@ -533,6 +545,15 @@ def threads_fix(f: Figures) -> Fix | None:
     at_least = "at least: " if probed is None else ""
     basis = f"{at_least}{lead}, {step_s}{cpus}: {_ms(step)} -> {_ms(after)} per step"
     return Fix("host-bound", f"torch.set_num_threads({k})", _speedup(step, after), basis)
+
+
+def kept_loading_s(f: Figures) -> float:
+    """Seconds per step the loop's thread spends getting its batches whatever its torch
+    threads: receiving them from workers (its CPU demand while it waited, at most the
+    wait), or, without workers, the whole wait (it loads them itself)."""
+    if not f.setup.num_workers:
+        return wait_s(f)
+    return min(f.wait_cpu_s or 0.0, wait_s(f))
 
 
 def free_cpus_fix(f: Figures) -> Fix:
