@@ -367,6 +367,13 @@ def test_fewer_threads_keep_the_loop_s_own_loading() -> None:
     assert "data wait goes but for the 1.0 ms the loop takes to receive its batches" in (
         receiving.basis
     )
+    # A wait that is all receiving stays whole: 21.5 ms of CPU in 11.3 ms.
+    all_receiving = threads_fix(cpu_loop(**loop, setup=fast, wait_cpu_s=0.008))
+    assert all_receiving is not None
+    assert all_receiving.predicted_speedup == pytest.approx(20 / (21.5 / 1.9))
+    assert "the workers keep up; the 6.0 ms data wait, the loop receiving its batches, stays" in (
+        all_receiving.basis
+    )
     # Without workers the loop loads in its own thread: its 6 ms wait stays, and with the
     # step's 3.5 ms that is the bound (9.5 ms), not the step alone.
     alone = dataclasses.replace(fast, num_workers=0, fewer_threads=2)

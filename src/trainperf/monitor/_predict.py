@@ -512,13 +512,7 @@ def threads_fix(f: Figures) -> Fix | None:
     lead = (
         f"torch runs {threads} threads on {f.cpus} usable CPUs, {_cores(k)} left once the "
         f"workers ({worker_cores(f):.1f} cores) and other processes ({others_cores(f):.1f}) "
-        f"have theirs; with {k} "
-        + (
-            f"the workers keep up and the {_ms(wait_s(f))} data wait goes but for the "
-            f"{_ms(taking)} the loop takes to receive its batches"
-            if f.setup.num_workers
-            else f"the {_ms(taking)} the loop spends loading in its own thread stays"
-        )
+        f"have theirs; with {k} {_wait_words(f, taking)}"
     )
     if probed is None:
         step_s = (
@@ -545,6 +539,24 @@ def threads_fix(f: Figures) -> Fix | None:
     at_least = "at least: " if probed is None else ""
     basis = f"{at_least}{lead}, {step_s}{cpus}: {_ms(step)} -> {_ms(after)} per step"
     return Fix("host-bound", f"torch.set_num_threads({k})", _speedup(step, after), basis)
+
+
+def _wait_words(f: Figures, taking: float) -> str:
+    """What becomes of the data wait with fewer threads: the workers keep up, and the loop
+    keeps its own ``taking`` of it."""
+    wait = wait_s(f)
+    if not f.setup.num_workers:
+        return f"the {_ms(taking)} the loop spends loading in its own thread stays"
+    if _ms(taking) == _ms(wait):
+        return (
+            f"the workers keep up; the {_ms(wait)} data wait, the loop receiving its batches, stays"
+        )
+    if taking <= 0:
+        return f"the workers keep up and the {_ms(wait)} data wait goes"
+    return (
+        f"the workers keep up and the {_ms(wait)} data wait goes but for the {_ms(taking)} "
+        "the loop takes to receive its batches"
+    )
 
 
 def kept_loading_s(f: Figures) -> float:
