@@ -381,6 +381,32 @@ def test_fewer_threads_keep_the_loop_s_own_loading() -> None:
     assert own is not None and own.call == "torch.set_num_threads(2)"
     assert own.predicted_speedup == pytest.approx(20 / 9.5)
     assert "the 6.0 ms the loop spends loading in its own thread stays" in own.basis
+    # Reads that sleep: the loop's thread demanded no CPU while it waited. Other processes
+    # keep 0.5 of the 2 CPUs busy; 2 threads make the step 7 ms (probed 2x), and the loop's
+    # own 13 ms bind. Had the 6 ms wait been CPU, the 1.5 CPUs would hold 20 ms of it in
+    # 13.3 ms, the bound instead.
+    shared = LoopSetup(torch_threads=16, num_workers=0, fewer_threads=2,
+                       fewer_threads_speedup=2.0, host_cpus=16)  # fmt: skip
+    sleepy = {"process_cpu": 190.0, "host_cpu": 36.875, "wait_fraction": 0.3, "setup": shared}
+    asleep = threads_fix(cpu_loop(**sleepy, wait_cpu_s=0.0))
+    computing = threads_fix(cpu_loop(**sleepy))  # its demand not measured: all of it
+    assert asleep is not None and computing is not None
+    assert asleep.predicted_speedup == pytest.approx(20 / 13)
+    assert computing.predicted_speedup == pytest.approx(20 / (20 / 1.5))
+    assert "the CPUs hold its 20.0 ms of CPU" in computing.basis
+    # Child processes behind an iterable that is not a DataLoader are workers too (their
+    # count unknown, only the CPUs bound them; here the CPUs bind anyway).
+    hidden = dataclasses.replace(fast, num_workers=None)
+    behind = threads_fix(cpu_loop(**loop, setup=hidden, wait_cpu_s=0.001))
+    assert behind is not None and behind.predicted_speedup == receiving.predicted_speedup
+    assert "data wait goes but for the 1.0 ms the loop takes to receive its batches" in (
+        behind.basis
+    )
+    # A loop whose wait was not measured: no wait to speak of.
+    unwatched = threads_fix(cpu_loop(**{**loop, "wait_fraction": 0.0}, setup=fast))
+    assert unwatched is not None and "with 1 the workers keep up, the step's own" in (
+        unwatched.basis
+    )
 
 
 def test_fewer_threads_shrink_the_step_by_what_the_crowding_probe_measured() -> None:
@@ -423,14 +449,20 @@ def test_fewer_threads_shrink_the_step_by_what_the_crowding_probe_measured() -> 
     assert stolen is not None
     assert stolen.predicted_speedup == pytest.approx(20 / ((0.75 * 3.5 + 12) / 1.5))
     assert "the CPUs hold its 2.6 ms of CPU and the workers' 12.0 ms in 9.8 ms" in stolen.basis
-    # One worker, with 10 ms of CPU per step: with a third of the time stolen it takes
-    # 15 ms on its core, longer than the 1.33 CPUs left need for its CPU and the step's.
+    # One worker, with 12 ms of CPU per step: with a third of the time stolen it takes
+    # 18 ms on its core, longer than the 1.33 CPUs left need for its CPU and the step's.
     one = dataclasses.replace(fast, num_workers=1)
     slow = threads_fix(
-        dataclasses.replace(f, setup=one, workers_cpu=50.0, process_cpu=120.0,
-                            host_cpu=60 + 100 / 3, host_steal=100 / 3)
+        dataclasses.replace(f, setup=one, workers_cpu=60.0, process_cpu=120.0, host_cpu=90.0,
+                            host_steal=100 / 3)
     )  # fmt: skip
-    assert slow is not None and slow.predicted_speedup == pytest.approx(20 / 15)
+    assert slow is not None and slow.call == "torch.set_num_threads(1)"
+    assert slow.predicted_speedup == pytest.approx(20 / 18)
+    assert "with 1 the workers get cores back and the 6.0 ms data wait goes" in slow.basis
+    assert slow.basis.endswith(
+        "(3.5 ms), but each worker takes 18.0 ms a step to deliver its share: "
+        "20.0 ms -> 18.0 ms per step"
+    )
     # Other processes keeping a core of these two busy (8 of the host's 16, 61.25 % busy
     # with this tree's 1.8) leave the step and the workers one: 20 -> 15.5 ms.
     spread = dataclasses.replace(fast, host_cpus=16)
