@@ -550,8 +550,10 @@ def _thread_bounds(f: Figures, k: int, fewer: float) -> _ThreadBounds:
     taking = kept_loading_s(f)
     # Without workers the loop loads in its own thread, for as much CPU as it demanded
     # while it waited (reads that sleep demand little), or the whole wait when unmeasured.
-    unmeasured = has_workers(f) or f.wait_cpu_s is None
-    loading_cpu = taking if unmeasured else min(f.wait_cpu_s or 0.0, taking)
+    if has_workers(f) or f.wait_cpu_s is None:
+        loading_cpu = taking
+    else:
+        loading_cpu = min(f.wait_cpu_s, taking)
     own = left * (k * fewer + loading_cpu)
     now = main_cores(f)
     if now is not None:
