@@ -550,10 +550,8 @@ def _thread_bounds(f: Figures, k: int, fewer: float) -> _ThreadBounds:
     taking = kept_loading_s(f)
     # Without workers the loop loads in its own thread, for as much CPU as it demanded
     # while it waited (reads that sleep demand little), or the whole wait when unmeasured.
-    if has_workers(f) or f.wait_cpu_s is None:
-        loading_cpu = taking
-    else:
-        loading_cpu = min(f.wait_cpu_s, taking)
+    demand = f.wait_cpu_s
+    loading_cpu = taking if has_workers(f) or demand is None else min(demand, taking)
     own = left * (k * fewer + loading_cpu)
     now = main_cores(f)
     if now is not None:
