@@ -25,12 +25,20 @@ def key(**kw: object) -> str:
     return entry_key(**fields)  # type: ignore[arg-type]
 
 
+def frozen(m: nn.Module) -> nn.Module:
+    m.weight.requires_grad_(False)
+    return m
+
+
 def test_the_key_changes_with_what_decides_the_answer() -> None:
     base = key()
     assert key() == base
     changed = [
         key(objects=[nn.Linear(4, 8)]),  # another parameter count
         key(objects=[nn.Linear(4, 4).double()]),  # another dtype
+        key(objects=[frozen(nn.Linear(4, 4))]),  # as many parameters, fewer trainable
+        key(objects=[nn.DataParallel(nn.Linear(4, 4))]),  # wrapped: another speed
+        key(objects=[nn.Linear(4, 4), torch.optim.SGD(nn.Linear(4, 4).parameters(), lr=0.1)]),
         key(step=len),
         key(first_batch=torch.zeros(1, 5)),
         key(first_batch=torch.zeros(1, 4, dtype=torch.float16)),
@@ -84,3 +92,8 @@ def test_an_entry_is_used_only_when_it_still_fits() -> None:
     assert "do not parse" in (cache_misfit(bad, space, None) or "")
     assert parsed_candidates(bad) is None
     assert parsed_candidates(entry(candidates=[{"batch_size": 8, "status": "ok"}])) is not None
+
+
+def test_wrappers_are_told_apart_by_the_model_inside() -> None:
+    a, b = nn.DataParallel(nn.Linear(4, 4)), nn.DataParallel(nn.Sequential(nn.Linear(4, 4)))
+    assert key(objects=[a]) != key(objects=[b])

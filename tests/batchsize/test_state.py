@@ -185,3 +185,37 @@ def test_a_loss_scaler_left_half_way_by_an_oom_is_put_back_ready(through: str) -
     moved = (model.weight.detach() - w0).abs().max().item()
     # The gradients were unscaled: a step of lr * grad, not 65536 times that.
     assert 0.0 < moved < 1.0, moved
+
+
+def test_parameters_frozen_by_a_step_that_stopped_half_way_are_unfrozen() -> None:
+    # A GAN step freezes the discriminator, and an OOM may stop it before it unfreezes.
+    t = Trainer()
+    saved = SavedState.save([t.model, t.opt])
+    for p in t.model.parameters():
+        p.requires_grad_(False)
+    saved.restore()
+    assert all(p.requires_grad for p in t.model.parameters())
+
+
+def test_parameters_only_an_optimizer_holds_are_put_back() -> None:
+    # optimizer= without model=: an optimizer's state_dict() holds no parameter values.
+    t = Trainer()
+    before = [p.detach().clone() for p in t.model.parameters()]
+    saved = SavedState.save(stateful_objects(None, t.opt))
+    t(sample(8))
+    assert not all(torch.equal(a, p) for a, p in zip(before, t.model.parameters(), strict=True))
+    saved.restore()
+    assert all(torch.equal(a, p) for a, p in zip(before, t.model.parameters(), strict=True))
+
+
+def test_optimizer_state_keeps_its_own_dtype() -> None:
+    # fp32 moments for bf16 parameters: load_state_dict would cast them to bf16.
+    w = nn.Parameter(torch.randn(4, dtype=torch.bfloat16))
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    opt.state[w]["momentum_buffer"] = torch.randn(4, dtype=torch.float32)
+    before = opt.state[w]["momentum_buffer"].clone()
+    saved = SavedState.save([opt])
+    opt.state[w]["momentum_buffer"].mul_(3)
+    saved.restore()
+    after = opt.state[w]["momentum_buffer"]
+    assert after.dtype == torch.float32 and torch.equal(after, before)

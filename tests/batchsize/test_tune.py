@@ -105,6 +105,18 @@ def test_when_no_size_fits_the_error_lists_what_was_tried() -> None:
         tune(t, max_size=8)
 
 
+def test_a_sample_that_runs_out_of_memory_is_an_oom_with_the_cache_on_too() -> None:
+    # The cache key is built from the first size's batch; building it may run out first.
+    def oom_sample(n: int) -> Any:
+        if n >= 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return sample(n)
+
+    t = Trainer()
+    with pytest.raises(RuntimeError, match=r"no batch size that fits: 2: oom \(CUDA out of"):
+        tune(t, max_size=8, sample=oom_sample, cache=True)
+
+
 @pytest.mark.slow
 def test_the_choice_is_cached_and_cache_false_tunes_again() -> None:
     t = Trainer()

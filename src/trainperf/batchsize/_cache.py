@@ -33,6 +33,7 @@ from trainperf.amp import MixedPrecision
 from trainperf.batchsize._report import BatchSizeCandidate
 from trainperf.batchsize._sizes import SizeSpace
 from trainperf.batchsize._state import is_scheduler
+from trainperf.checkpoint import unwrap_model
 
 __all__ = ["ENTRY_KEYS", "cache_misfit", "cache_path", "entry_key", "parsed_candidates"]
 
@@ -68,18 +69,25 @@ schedules change as training runs)."""
 
 
 def _describe(obj: Any) -> Any:
-    """What of ``obj`` decides the answer: a module's class, size and dtypes; an optimizer's
-    class and implementation flags; a MixedPrecision's precision (bf16 activations take half
-    the memory of fp32 ones); a GradScaler's being enabled; else the class."""
+    """What of ``obj`` decides the answer: a module's class (with the class inside a
+    ``torch.compile`` or DDP wrapper), size, trainable size and dtypes; an optimizer's class,
+    implementation flags and the size it steps; a MixedPrecision's precision (bf16
+    activations take half the memory of fp32 ones); a GradScaler's being enabled; else the
+    class."""
     name = qualname(type(obj))
     if isinstance(obj, nn.Module):
+        inner = unwrap_model(obj)
+        if inner is not obj:
+            name = f"{name}({qualname(type(inner))})"
         params = list(obj.parameters())
         dtypes = sorted({str(p.dtype) for p in params})
-        return [name, sum(p.numel() for p in params), dtypes]
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        return [name, sum(p.numel() for p in params), trainable, dtypes]
     if isinstance(obj, torch.optim.Optimizer):
         defaults = getattr(obj, "defaults", None) or {}
         flags = {k: defaults[k] for k in _OPTIMIZER_FLAGS if defaults.get(k) is not None}
-        return [name, sorted(flags.items())]
+        stepped = sum(p.numel() for g in obj.param_groups for p in g["params"])
+        return [name, sorted(flags.items()), stepped]
     if isinstance(obj, torch.amp.GradScaler):
         return [name, obj.is_enabled()]
     if isinstance(obj, MixedPrecision):

@@ -242,13 +242,64 @@ def _stages(objects: Iterable[Any]) -> list[Stages]:
     ]
 
 
+Loose = tuple[torch.Tensor, torch.Tensor]
+"""A parameter no module passed in owns (only an optimizer holds it), and a host copy."""
+
+
+def _loose_parameters(objects: Iterable[Any]) -> list[Loose]:
+    """Host copies of the parameters an optimizer steps that no module among ``objects``
+    owns: ``optimizer=`` passed without the model (an optimizer's ``state_dict()`` holds
+    no parameter values)."""
+    owned = {id(p) for m in objects if isinstance(m, nn.Module) for p in m.parameters()}
+    owned |= {id(b) for m in objects if isinstance(m, nn.Module) for b in m.buffers()}
+    return [
+        (p, p.detach().to("cpu", copy=True)) for p in _parameters(objects) if id(p) not in owned
+    ]
+
+
+Layout = dict[tuple[int, str], tuple[torch.dtype, torch.device]]
+"""An optimizer's state tensors by (parameter index, key): their dtype and device."""
+
+
+def _state_layout(obj: Any, state: Any) -> Layout | None:
+    """The dtype and device of each tensor in an optimizer's ``state_dict()["state"]``, which
+    ``load_state_dict`` casts to its parameter's (fp32 moments of bf16 parameters, a state
+    kept on the host beside parameters on the GPU); None for anything else."""
+    if not isinstance(obj, Optimizer):
+        return None
+    return {
+        (index, key): (value.dtype, value.device)
+        for index, per_param in state.get("state", {}).items()
+        for key, value in per_param.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def _restore_layout(obj: Optimizer, saved: Any, layout: Layout) -> None:
+    """Put back the dtype and device of each optimizer state tensor ``load_state_dict``
+    cast, from the host copy ``saved`` (which keeps the dtype)."""
+    params = [p for group in obj.param_groups for p in group["params"]]
+    for (index, key), (dtype, device) in layout.items():
+        if not isinstance(index, int) or index >= len(params):
+            continue
+        now = obj.state.get(params[index], {}).get(key)
+        if isinstance(now, torch.Tensor) and (now.dtype != dtype or now.device != device):
+            obj.state[params[index]][key] = saved["state"][index][key].to(
+                device=device, dtype=dtype, copy=True
+            )
+
+
 @dataclass
 class SavedState:
     """Host copies of the caller's state, and :meth:`restore` to load them back.
 
     Attributes:
-        states: ``(object, copy of its state_dict())`` for each object with a state.
+        states: ``(object, copy of its state_dict(), an optimizer's state layout)`` for
+            each object with a state.
         grads: ``(parameter, copy of its .grad or None)`` for every parameter.
+        flags: ``(parameter, its requires_grad)`` for every parameter (a step that freezes
+            part of the model, a GAN's discriminator, may stop half-way at an OOM).
+        loose: ``(parameter, copy)`` of every parameter only an optimizer holds.
         modes: ``(module, its .training flag)`` for every submodule.
         buffers: ``(module, name, copy, device)`` of every buffer ``state_dict()`` leaves out.
         pending: ``(MixedPrecision, (whether a backward waits for its step, whether it
@@ -257,8 +308,10 @@ class SavedState:
             of each MixedPrecision's.
     """
 
-    states: list[tuple[Any, Any]] = field(default_factory=list)
+    states: list[tuple[Any, Any, Layout | None]] = field(default_factory=list)
     grads: list[tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
+    flags: list[tuple[nn.Parameter, bool]] = field(default_factory=list)
+    loose: list[Loose] = field(default_factory=list)
     modes: list[tuple[nn.Module, bool]] = field(default_factory=list)
     buffers: list[Buffer] = field(default_factory=list)
     pending: list[tuple[MixedPrecision, tuple[bool, bool]]] = field(default_factory=list)
@@ -283,14 +336,20 @@ class SavedState:
         for obj in objects:
             state = obj.state_dict()
             if len(state):
-                states.append((obj, _to_host(state)))
+                states.append((obj, _to_host(state), _state_layout(obj, state)))
+        params = _parameters(objects)
         grads = [
-            (p, None if p.grad is None else p.grad.detach().to("cpu", copy=True))
-            for p in _parameters(objects)
+            (p, None if p.grad is None else p.grad.detach().to("cpu", copy=True)) for p in params
         ]
-        modes = [(m, m.training) for m in _modules(objects)]
         return cls(
-            states, grads, modes, _unsaved_buffers(objects), _pending(objects), _stages(objects)
+            states=states,
+            grads=grads,
+            flags=[(p, p.requires_grad) for p in params],
+            loose=_loose_parameters(objects),
+            modes=[(m, m.training) for m in _modules(objects)],
+            buffers=_unsaved_buffers(objects),
+            pending=_pending(objects),
+            stages=_stages(objects),
         )
 
     def restore(self) -> None:
@@ -300,9 +359,13 @@ class SavedState:
         is handed when they already have the right device and dtype, and its next step
         would then change the saved copy.
         """
-        for obj, state in self.states:
+        for obj, state, layout in self.states:
             obj.load_state_dict(copy.deepcopy(state))
+            if layout:
+                _restore_layout(obj, state, layout)
         with torch.no_grad():
+            for t, saved in self.loose:
+                t.copy_(saved)
             for p, g in self.grads:
                 if g is None:
                     p.grad = None
@@ -310,6 +373,8 @@ class SavedState:
                     p.grad.copy_(g)
                 else:
                     p.grad = g.to(device=p.device, copy=True)
+        for p, flag in self.flags:
+            p.requires_grad_(flag)
         for m, training in self.modes:
             m.train(training)
         for m, name, buffer, device in self.buffers:

@@ -25,7 +25,7 @@ from trainperf.batchsize import _cache
 from trainperf.batchsize._agree import Agreement
 from trainperf.batchsize._args import check_args, size_space
 from trainperf.batchsize._memory import HostMemory, MemoryReader, reader_for
-from trainperf.batchsize._probe import DEFAULT_PROBE, Prober
+from trainperf.batchsize._probe import DEFAULT_PROBE, Prober, is_out_of_memory
 from trainperf.batchsize._progress import BatchSizeBar
 from trainperf.batchsize._report import BatchSizeCandidate, BatchSizeReport, PipelineMemory
 from trainperf.batchsize._sample import checked_batch
@@ -227,20 +227,32 @@ def _search(call: _Call) -> BatchSizeReport:
     )
 
 
+def _cache_key(call: _Call) -> Any:
+    """The cache entry's key, from the first size's batch; None when building that batch
+    runs out of memory (the search then measures that size and marks it ``oom``)."""
+    first = call.space.first() or call.space.min_size  # size_space refused no sizes
+    try:
+        batch = checked_batch(call.sample, first)
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        return None
+    return _cache.entry_key(
+        step=call.step,
+        objects=call.objects,
+        device=call.device,
+        first_batch=batch,
+        space=call.space,
+        world_size=call.agree.world_size,
+        global_batch=call.global_batch,
+        headroom=call.headroom,
+    )
+
+
 def _tune(call: _Call) -> BatchSizeReport:
-    key = misfit = None
-    if call.cache:
-        first = call.space.first() or call.space.min_size  # size_space refused no sizes
-        key = _cache.entry_key(
-            step=call.step,
-            objects=call.objects,
-            device=call.device,
-            first_batch=checked_batch(call.sample, first),
-            space=call.space,
-            world_size=call.agree.world_size,
-            global_batch=call.global_batch,
-            headroom=call.headroom,
-        )
+    key = _cache_key(call) if call.cache else None
+    misfit = None
+    if key is not None:
         hit, misfit = _from_cache(call, key, host_limits())
         if hit is not None:
             return hit
