@@ -219,3 +219,14 @@ def test_optimizer_state_keeps_its_own_dtype() -> None:
     saved.restore()
     after = opt.state[w]["momentum_buffer"]
     assert after.dtype == torch.float32 and torch.equal(after, before)
+
+
+def test_an_optimizer_s_own_counter_in_its_state_is_kept() -> None:
+    # Some custom optimizers keep a value of their own in self.state, not per parameter.
+    w = nn.Parameter(torch.randn(4))
+    opt = torch.optim.SGD([w], lr=0.1)
+    opt.state["global_step"] = 7  # type: ignore[index]
+    saved = SavedState.save([opt])
+    opt.state["global_step"] = 9  # type: ignore[index]
+    saved.restore()
+    assert opt.state["global_step"] == 7  # type: ignore[index]

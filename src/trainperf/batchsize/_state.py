@@ -270,6 +270,7 @@ def _state_layout(obj: Any, state: Any) -> Layout | None:
     return {
         (index, key): (value.dtype, value.device)
         for index, per_param in state.get("state", {}).items()
+        if isinstance(per_param, dict)  # not a custom optimizer's own counter
         for key, value in per_param.items()
         if isinstance(value, torch.Tensor)
     }
