@@ -275,6 +275,51 @@ def test_latest_skips_a_cut_short_file_and_restore_a_damaged_one(tmp_path: Path)
     assert ckpt.steps() == [3, 5, 6, 7]
 
 
+def test_a_damaged_step_written_again_in_the_background_counts_and_goes(tmp_path: Path) -> None:
+    # A forked writer's own record of the replaced file stays in its copy of the
+    # Checkpointer: the parent must clear it too, or keep never counts nor deletes it.
+    ckpt = Checkpointer(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        ckpt.save({"w": torch.full((1000,), float(step))}, step=step)
+    newest = tmp_path / "step-000000003.pt"
+    data = bytearray(newest.read_bytes())
+    data[bytes(data).index(np.float32(3.0).tobytes() * 8)] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    resumed = Checkpointer(tmp_path, keep=2)
+    with pytest.warns(UserWarning, match="damaged"):
+        assert resumed.restore({"w": torch.zeros(1000)}) == 2
+    for step in (3, 4, 5, 6):
+        handle = resumed.save({"w": torch.full((1000,), float(step))}, step=step, blocking=False)
+        resumed.wait()
+    assert handle.writer == ("process" if writer_module.fork_writes() else "thread")
+    assert resumed.steps() == [5, 6]
+
+
+def test_state_over_shared_memory_is_copied_before_a_background_save_returns(
+    tmp_path: Path,
+) -> None:
+    # A fork shares a shared mapping's pages: the loop's next write would reach the file.
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(create=True, size=4 * 1024)
+    try:
+        array = np.ndarray((1024,), dtype=np.float32, buffer=shm.buf)
+        array[:] = 1.0
+        tensor = torch.from_numpy(np.ndarray((1024,), dtype=np.float32, buffer=shm.buf))
+        for name, value in (("array", array), ("tensor", tensor)):
+            array[:] = 1.0
+            ckpt = Checkpointer(tmp_path / name)
+            handle = ckpt.save({"x": value}, step=1, blocking=False)
+            array[:] = 2.0  # the next training step, right after save returned
+            ckpt.wait()
+            assert handle.writer == "thread", name
+            assert np.all(np.asarray(load_checkpoint(handle.path)["x"]) == 1.0), name
+        del array, tensor, value
+    finally:
+        shm.close()
+        shm.unlink()
+
+
 def test_a_killed_writers_temp_file_goes_when_the_directory_is_opened(tmp_path: Path) -> None:
     Checkpointer(tmp_path).save({"n": 1}, step=1)
     stale = temp_name(tmp_path / "step-000000002.pt", this_host(), 0)

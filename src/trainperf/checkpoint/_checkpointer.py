@@ -157,6 +157,9 @@ class Checkpointer:
         _finish(pending)
         self._warn_notes(pending.notes)
         pending.raise_failure()
+        # Written again: a damaged file of that step was replaced (a forked writer's own
+        # discard in _after stays in its copy of this object).
+        self._damaged.discard(pending.step)
 
     def _stopping(self) -> bool:
         """A stop was requested through any of this Checkpointer's :meth:`preemption`
