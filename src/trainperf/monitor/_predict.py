@@ -234,7 +234,7 @@ def loader_fix(f: Figures, finding: VerdictKind) -> Fix | None:
     """
     if not waits_for_data(f):
         return None
-    if f.setup.num_workers is None and worker_cores(f) >= HIDDEN_WORKERS:
+    if hidden_workers(f):
         basis = (
             f"not predicted: child processes of this loop use {worker_cores(f):.1f} cores, "
             "so workers load behind an iterable that is not a DataLoader, whose settings "
@@ -601,12 +601,16 @@ def _wait_words(f: Figures, b: _ThreadBounds) -> str:
     )
 
 
+def hidden_workers(f: Figures) -> bool:
+    """Child processes busy behind an iterable that is not a DataLoader: workers whose
+    settings the watch cannot see."""
+    return f.setup.num_workers is None and worker_cores(f) >= HIDDEN_WORKERS
+
+
 def has_workers(f: Figures) -> bool:
     """The loop takes its batches from worker processes: a DataLoader with workers, or
-    child processes busy behind an iterable that is not a DataLoader."""
-    if f.setup.num_workers is None:
-        return worker_cores(f) >= HIDDEN_WORKERS
-    return f.setup.num_workers > 0
+    hidden ones (:func:`hidden_workers`)."""
+    return bool(f.setup.num_workers) or hidden_workers(f)
 
 
 def kept_loading_s(f: Figures) -> float:
