@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+import torch
 
 from tests._utils._streams import Fresh, Resets, assert_refused_unread
-from trainperf._utils.validate import fresh_stream, non_negative_number, positive_number
+from trainperf._utils.validate import (
+    fresh_stream,
+    non_negative_int,
+    non_negative_number,
+    positive_int,
+    positive_number,
+)
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -1, 0, 0.0, True, "1", None])
@@ -46,3 +54,20 @@ def test_fresh_stream_refuses_only_a_dataset_that_is_its_own_iterator() -> None:
     fresh_stream(Resets(4), "tuning")  # rewinds itself on each iter(): starts afresh
     fresh_stream(Fresh(), "tuning")  # __next__ too, but iter() gives a new generator
     fresh_stream([1, 2, 3], "tuning")  # not an IterableDataset: a map-style list
+
+
+@pytest.mark.parametrize("value", [np.int64(5), np.int32(5), torch.tensor(5), 5.0])
+def test_an_int_check_names_the_fix_for_a_whole_number_of_another_type(value: object) -> None:
+    with pytest.raises(ValueError, match=r"^step must be an int >= 0, got .*5.*\(pass int\(step\)\)$"):
+        non_negative_int("step", value)
+
+
+@pytest.mark.parametrize("value", [True, np.bool_(True), torch.tensor(True), "5", 2.5, -1.0, np.int64(0)])
+def test_an_int_check_offers_no_cast_where_int_would_not_make_it_right(value: object) -> None:
+    with pytest.raises(ValueError, match=r"^batch_size must be an int >= 1, got ") as refused:
+        positive_int("batch_size", value)
+    assert "pass int" not in str(refused.value)
+
+
+def test_an_int_check_returns_a_python_int() -> None:
+    assert non_negative_int("step", 0) == 0 and positive_int("batch_size", 32) == 32

@@ -24,8 +24,23 @@ def _int_at_least(name: str, value: object, minimum: int, none_ok: bool) -> int:
         return value  # type: ignore[return-value]
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         allowed = f"an int >= {minimum}"
-        raise ValueError(f"{name} must be {'None or ' if none_ok else ''}{allowed}, got {value!r}")
+        hint = f" (pass int({name}))" if _int_like(value, minimum) else ""
+        raise ValueError(
+            f"{name} must be {'None or ' if none_ok else ''}{allowed}, got {value!r}{hint}"
+        )
     return value
+
+
+def _int_like(value: object, minimum: int) -> bool:
+    """Whether ``value`` is a whole number >= ``minimum`` of another type than int: NumPy's
+    integers, a one-element tensor, ``5.0`` (what ``int(value)`` would make right)."""
+    if isinstance(value, (str, bool)) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        return False
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return math.isfinite(number) and number.is_integer() and number >= minimum
 
 
 def positive_int(name: str, value: object, *, none_ok: bool = False) -> int:
