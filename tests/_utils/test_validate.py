@@ -58,11 +58,13 @@ def test_fresh_stream_refuses_only_a_dataset_that_is_its_own_iterator() -> None:
 
 @pytest.mark.parametrize("value", [np.int64(5), np.int32(5), torch.tensor(5), 5.0])
 def test_an_int_check_names_the_fix_for_a_whole_number_of_another_type(value: object) -> None:
-    with pytest.raises(ValueError, match=r"^step must be an int >= 0, got .*5.*\(pass int\(step\)\)$"):
+    with pytest.raises(ValueError, match=r"^step must be an int >= 0, got .*\(pass int\(step\)\)$"):
         non_negative_int("step", value)
 
 
-@pytest.mark.parametrize("value", [True, np.bool_(True), torch.tensor(True), "5", 2.5, -1.0, np.int64(0)])
+@pytest.mark.parametrize(
+    "value", [True, np.bool_(True), torch.tensor(True), "5", 2.5, -1.0, np.int64(0)]
+)
 def test_an_int_check_offers_no_cast_where_int_would_not_make_it_right(value: object) -> None:
     with pytest.raises(ValueError, match=r"^batch_size must be an int >= 1, got ") as refused:
         positive_int("batch_size", value)
