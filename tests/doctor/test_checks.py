@@ -154,6 +154,9 @@ def test_start_method() -> None:
         ("0,GPU-8d3b", "PCI_BUS_ID", 4, "fail", "so only 0 are visible"),
         ("GPU-8d3b,1", None, 4, "fail", "'1' is not a GPU- UUID"),
         ("abc", None, 2, "fail", "no GPU is visible"),
+        ("abc", None, 0, "ok", "hides every GPU"),  # no GPU to hide: CUDA sees none either way
+        ("NoDevFiles", None, 0, "ok", "hides every GPU"),  # SLURM's value for a GPU-less job
+        ("NoDevFiles", None, 2, "warn", "unset CUDA_VISIBLE_DEVICES"),
         ("abc", None, 2, "fail", "'abc' is neither an index nor a GPU- or MIG- UUID"),
         ("0,abc", None, 2, "fail", "'abc' is not an index, as the first entry sets:"),
         ("0,GPU-8d3b", None, 2, "fail", "entries cannot mix indices, GPU- and MIG- UUIDs"),
@@ -168,6 +171,26 @@ def test_visible_devices(
     check = check_visible_devices(visible, order, gpus)
     assert check.verdict == verdict
     assert needle in check.value + check.fix
+
+
+@pytest.mark.parametrize(
+    ("visible", "shown", "verdict"),
+    [
+        ("GPU-9999", 0, "fail"),  # matches no card
+        ("GPU-1111,GPU-1111aaaa", 0, "fail"),  # one card twice: CUDA shows none
+        ("GPU-1111,GPU-9999", 1, "fail"),  # CUDA stops at the second
+        ("GPU-1111,GPU-2222", 2, "ok"),
+        ("GPU-1111,GPU-2222", None, "ok"),  # the cards could not be listed: not judged
+        ("MIG-1111", 0, "fail"),
+    ],
+)
+def test_visible_devices_checks_uuids_against_the_gpus_they_make_visible(
+    visible: str, shown: int | None, verdict: str
+) -> None:
+    check = check_visible_devices(visible, None, 2, shown=shown)
+    assert check.verdict == verdict
+    if verdict == "fail":
+        assert f"only {shown} of its" in check.fix and "nvidia-smi -L" in check.fix
 
 
 def test_a_check_serialises_itself() -> None:

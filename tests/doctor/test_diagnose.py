@@ -75,6 +75,14 @@ def test_diagnose_says_cuda_visible_devices_hides_the_hosts_gpus(
     assert "hides all 2 GPU(s)" in gpus.value and "CPU-only" not in gpus.fix
 
 
+def test_diagnose_fails_a_uuid_that_makes_no_gpu_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(device_module, "gpus", lambda **_: [])
+    monkeypatch.setattr(doctor_module, "_nvml_system", lambda: ("550.54", 12040, 2))
+    report = diagnose(limits=limits(), env={"CUDA_VISIBLE_DEVICES": "GPU-9999"})
+    check = {c.name: c for c in report.checks}["visible_devices"]
+    assert check.verdict == "fail" and "only 0 of its 1 UUID(s)" in check.fix
+
+
 def fake_pynvml(driver_error: bool = False) -> types.ModuleType:
     nvml: Any = types.ModuleType("pynvml")
     nvml.NVMLError = type("NVMLError", (Exception,), {})

@@ -441,6 +441,12 @@ def check_start_method(method: str, platform: str = sys.platform) -> Check:
 _CUDA_ORDERS = ("FASTEST_FIRST", "PCI_BUS_ID")
 
 
+def _hides_all(first: str) -> bool:
+    """A first entry set to hide every GPU: empty, negative, or SLURM's ``NoDevFiles`` (a job
+    given no GPU)."""
+    return first == "" or first.startswith("-") or first == "NoDevFiles"
+
+
 def _unreadable_entry(bad: str, parsed: VisibleDevices) -> str:
     """Why CUDA cannot read ``bad``: junk, or an entry in another notation than the first's."""
     if not parsed.entries:  # the first entry itself
@@ -451,7 +457,9 @@ def _unreadable_entry(bad: str, parsed: VisibleDevices) -> str:
     return f"{bad!r} is not {kind}, as the first entry sets{mixing}"
 
 
-def check_visible_devices(visible: str | None, order: str | None, gpu_count: int) -> Check:
+def check_visible_devices(
+    visible: str | None, order: str | None, gpu_count: int, *, shown: int | None = None
+) -> Check:
     """``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` sanity.
 
     The list is read with :func:`trainperf.device.parse_visible_devices`, the rules
@@ -465,6 +473,8 @@ def check_visible_devices(visible: str | None, order: str | None, gpu_count: int
         visible: ``CUDA_VISIBLE_DEVICES``, None when unset.
         order: ``CUDA_DEVICE_ORDER``, None when unset.
         gpu_count: physical GPUs (NVML's count, which ignores ``CUDA_VISIBLE_DEVICES``).
+        shown: the GPUs :func:`trainperf.gpus` finds visible under it (None: not known):
+            UUIDs are checked against the cards only through it.
 
     Example:
         >>> check_visible_devices("1,3", None, gpu_count=4).verdict
@@ -481,7 +491,7 @@ def check_visible_devices(visible: str | None, order: str | None, gpu_count: int
     parsed = parse_visible_devices(visible)
     entries = parsed.entries
     bad = parsed.first_invalid
-    if not entries and bad is not None and (bad == "" or bad.startswith("-")):
+    if not entries and bad is not None and (_hides_all(bad) or not gpu_count):
         return Check(
             "visible_devices",
             "warn" if gpu_count else "ok",
@@ -503,6 +513,14 @@ def check_visible_devices(visible: str | None, order: str | None, gpu_count: int
             return Check("visible_devices", "fail", value, fix)
     if parsed.duplicates:
         fix = "a GPU is listed twice, and CUDA then makes no GPU visible: list each once"
+        return Check("visible_devices", "fail", value, fix)
+    if parsed.notation != "index" and gpu_count and shown is not None and shown < len(entries):
+        fix = (
+            f"only {shown} of its {len(entries)} UUID(s) make a GPU visible: CUDA stops at a "
+            "UUID that matches no card here or several (too short a prefix), and shows none "
+            "when one card is named twice (a prefix and a longer one); `nvidia-smi -L` lists "
+            "the UUIDs"
+        )
         return Check("visible_devices", "fail", value, fix)
     if parsed.notation == "index" and gpu_count > 1 and order != "PCI_BUS_ID":
         fix = (

@@ -205,7 +205,10 @@ def _host_checks(
         check_steal(boot_steal_share()),
         check_start_method(start_method({})),
         check_visible_devices(
-            environ.get("CUDA_VISIBLE_DEVICES"), environ.get("CUDA_DEVICE_ORDER"), physical
+            environ.get("CUDA_VISIBLE_DEVICES"),
+            environ.get("CUDA_DEVICE_ORDER"),
+            physical,
+            shown=None if gpu_error else len(gpus),
         ),
     ]
 
