@@ -288,6 +288,70 @@ def test_bench_json_prints_a_skipped_records_to_dict(
     assert document == {"command": "bench matmul", "results": [skipped.to_dict()]}
 
 
+def test_a_setting_that_runs_out_of_memory_is_skipped_the_others_run_and_the_exit_is_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.bench
+
+    fp32 = _fixed_results()["matmul"]
+    devices: list[object] = []
+
+    def bench_matmul(dtype: str, **kwargs: Any) -> Any:
+        devices.append(kwargs["device"])
+        if dtype == "bf16":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return fp32
+
+    monkeypatch.setattr(trainperf.bench, "bench_matmul", bench_matmul)
+    code, out, err = run(capsys, "bench", "matmul", "--dtype", "bf16", "fp32")
+    assert code == 1 and "Traceback" not in err
+    assert "bf16: skipped: out of memory (CUDA out of memory. Tried" in out
+    assert "try a smaller --size" in out and f"{fp32}" in out
+    assert devices == ["cpu", "cpu"]  # resolved once, the same device for every dtype
+
+
+def test_a_cpu_allocation_failure_is_out_of_memory_and_other_errors_still_raise(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.bench
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried 4 TB")
+
+    monkeypatch.setattr(trainperf.bench, "bench_model", refuse)
+    document = json.loads(run(capsys, "bench", "model", *TINY, "--json")[1])
+    assert document["results"][0]["reason"].startswith("out of memory (DefaultCPUAllocator")
+    assert "--batch-size or --image-size" in document["results"][0]["reason"]
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    monkeypatch.setattr(trainperf.bench, "bench_model", broken)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        main(["bench", "model", *TINY])
+
+
+def test_every_setting_of_a_command_runs_on_the_one_emptiest_gpu(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.bench
+    import trainperf.bench._common as common
+
+    picks = iter(["cuda:2", "cuda:0", "cuda:1"])  # the emptiest GPU changes as each one runs
+    monkeypatch.setattr(
+        common, "resolve_device", lambda device, allowed=(): torch.device(next(picks))
+    )
+    seen: list[object] = []
+
+    def bench_model(model: str, precision: str, **kwargs: Any) -> Any:
+        seen.append(kwargs["device"])
+        return _fixed_results()["model"]
+
+    monkeypatch.setattr(trainperf.bench, "bench_model", bench_model)
+    assert run(capsys, "bench", "model", "--precision", "all")[0] == 0
+    assert seen == ["cuda:2", "cuda:2", "cuda:2"]
+
+
 def test_doctor_json_prints_the_reports_to_dict(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO, cast
@@ -173,9 +174,61 @@ def _check_device(device: str | None, allowed: tuple[str, ...] = ("cpu", "cuda")
     resolve_device(device, allowed=allowed)
 
 
+def _one_device(device: str | None) -> str:
+    """``device`` checked (as :func:`_check_device`), and None resolved once to the emptiest
+    GPU (or the CPU): every setting of a command then runs on that one device, where each
+    would otherwise pick the emptiest GPU anew, which the settings before it just filled."""
+    from trainperf.bench._common import resolve_device
+
+    return str(resolve_device(device))
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """A CUDA out-of-memory error, or the CPU allocator's refusal."""
+    import torch
+
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+
+
+_OOM = "out of memory"
+
+
+def _status(results: Sequence[Any]) -> int:
+    """The exit status of a benchmark command: 1 when a setting ran out of memory (its
+    options were too large), else 0 (a setting the device cannot run is only skipped)."""
+    from trainperf.bench import Skipped
+
+    return int(any(isinstance(r, Skipped) and r.reason.startswith(_OOM) for r in results))
+
+
+def _skipped(bench: str, setting: str, e: Exception, smaller: str) -> Any:
+    """The Skipped record of a setting that could not run: the device lacks what it needs
+    (a ``DeviceError``, ``NotImplementedError``) or it ran out of memory (the cache emptied for
+    the next setting; ``smaller`` names the options that shrink it); None for any other
+    error, which the caller raises again."""
+    import torch
+
+    from trainperf.bench import Skipped
+    from trainperf.errors import DeviceError
+
+    if _out_of_memory(e):
+        # The traceback's frames hold the failed setting's tensors: free them first.
+        traceback.clear_frames(e.__traceback__)
+        e.__traceback__ = None
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        return Skipped(bench, setting, f"{_OOM} ({first}): try a smaller {smaller}")
+    if isinstance(e, (DeviceError, NotImplementedError)):
+        return Skipped(bench, setting, str(e))
+    return None
+
+
 def _bench_one_model(args: argparse.Namespace, precision: str, lines: TextIO) -> Any:
     """One ``bench model`` run: its result, or a Skipped record of why it could not run."""
-    from trainperf.bench import BenchPrecision, Skipped, bench_model, format_iteration
+    from trainperf.bench import BenchPrecision, bench_model, format_iteration
     from trainperf.errors import DeviceError
 
     def on_iteration(i: int, rate: float, seconds: float) -> None:
@@ -196,15 +249,18 @@ def _bench_one_model(args: argparse.Namespace, precision: str, lines: TextIO) ->
             device=args.device,
             on_iteration=on_iteration,
         )
-    except (DeviceError, NotImplementedError) as e:
-        print(f"Skipped {precision}: {e}", file=lines)
-        return Skipped("model", precision, str(e))
+    except (DeviceError, RuntimeError) as e:
+        skipped = _skipped("model", precision, e, "--batch-size or --image-size")
+        if skipped is None:
+            raise
+        print(f"Skipped {precision}: {skipped.reason}", file=lines)
+        return skipped
 
 
 def _run_bench_model(args: argparse.Namespace) -> int:
     from trainperf.bench import Skipped
 
-    _check_device(args.device)
+    args.device = _one_device(args.device)
     precisions = ["fp32", "fp16", "bf16"] if args.precision == "all" else [args.precision]
     out = sys.stdout
     # In JSON mode stdout carries only the document, so the iteration lines go to stderr.
@@ -218,14 +274,14 @@ def _run_bench_model(args: argparse.Namespace) -> int:
             print(result, file=out)
     if args.json:
         _emit_results("bench model", results, out)
-    return 0
+    return _status(results)
 
 
 def _run_bench_matmul(args: argparse.Namespace) -> int:
-    from trainperf.bench import MATMUL_DTYPES, MatmulDtype, Skipped, bench_matmul
+    from trainperf.bench import MATMUL_DTYPES, MatmulDtype, bench_matmul
     from trainperf.errors import DeviceError
 
-    _check_device(args.device)
+    device = _one_device(args.device)
     dtypes = list(MATMUL_DTYPES) if "all" in args.dtype else list(dict.fromkeys(args.dtype))
     results: list[Any] = []
     for dtype in dtypes:
@@ -235,23 +291,26 @@ def _run_bench_matmul(args: argparse.Namespace) -> int:
                 cast("MatmulDtype", dtype),
                 size=args.size,
                 iterations=args.iterations,
-                device=args.device,
+                device=device,
             )
-        except (DeviceError, NotImplementedError) as e:
-            results.append(Skipped("matmul", dtype, str(e)))
+        except (DeviceError, RuntimeError) as e:
+            skipped = _skipped("matmul", dtype, e, "--size")
+            if skipped is None:
+                raise
+            results.append(skipped)
             if not args.json:
-                print(f"{dtype:>4}: skipped: {e}")
+                print(f"{dtype:>4}: skipped: {skipped.reason}")
             continue
         results.append(result)
         if not args.json:
             print(result)
     if args.json:
         _emit_results("bench matmul", results, sys.stdout)
-    return 0
+    return _status(results)
 
 
 def _run_bench_h2d(args: argparse.Namespace) -> int:
-    from trainperf.bench import Skipped, bench_h2d
+    from trainperf.bench import bench_h2d
     from trainperf.errors import DeviceError
 
     # A device named on the command line must exist (cuda:3 on a 1-GPU host is an error, as
@@ -261,16 +320,18 @@ def _run_bench_h2d(args: argparse.Namespace) -> int:
     _progress(f"trainperf bench h2d: {args.size_mb} MiB copies, pageable then pinned...")
     try:
         result: Any = bench_h2d(size_bytes=size, iterations=args.iterations, device=args.device)
-    except DeviceError as e:
-        result = Skipped("h2d", "pageable+pinned", str(e))
+    except (DeviceError, RuntimeError) as e:
+        result = _skipped("h2d", "pageable+pinned", e, "--size-mb")
+        if result is None:
+            raise
         if not args.json:
-            print(f"bench h2d skipped: {e}")
+            print(f"bench h2d skipped: {result.reason}")
     else:
         if not args.json:
             print(result)
     if args.json:
         _emit_results("bench h2d", [result], sys.stdout)
-    return 0
+    return _status([result])
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
