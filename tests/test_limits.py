@@ -18,6 +18,8 @@ def test_cgroup_v2_quota_and_unlimited(tmp_path: Path) -> None:
     assert cgroup_cpu_quota(tmp_path, tmp_path / "none") == 4.0
     write(tmp_path / "cpu.max", "max 100000\n")
     assert cgroup_cpu_quota(tmp_path, tmp_path / "none") is None
+    write(tmp_path / "cpu.max", "50000 0\n")  # malformed: no limit, not a division by zero
+    assert cgroup_cpu_quota(tmp_path, tmp_path / "none") is None
 
 
 def test_cgroup_v2_nested_path_from_proc_self_cgroup(tmp_path: Path) -> None:

@@ -142,22 +142,26 @@ def cgroup_cpu_quota(
         v2 = _read(d / "cpu.max")
         if v2 is not None:
             quota, _, period = v2.partition(" ")
-            try:
-                if quota != "max":
-                    quotas.append(int(quota) / int(period or "100000"))
-            except ValueError:
-                pass
-            continue
-        quota_us, period_us = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
-        if quota_us is not None and period_us is not None:
-            try:
-                q, p = int(quota_us), int(period_us)
-            except ValueError:
-                continue
-            if q > 0 and p > 0:
-                quotas.append(q / p)
+            share = _cpu_share(quota, period or "100000")
+        else:
+            quota_us, period_us = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+            share = (
+                None if quota_us is None or period_us is None else _cpu_share(quota_us, period_us)
+            )
+        if share is not None:
+            quotas.append(share)
     # The tightest limit on the way up to the root is the one that binds.
     return min(quotas) if quotas else None
+
+
+def _cpu_share(quota: str, period: str) -> float | None:
+    """CPUs a quota allows per period; None for no limit ("max", v1's -1) or a malformed
+    figure (a zero period is no limit, not a division by zero)."""
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None
 
 
 def cgroup_memory_limit(

@@ -419,6 +419,7 @@ def test_select_gpus_unknown_free_memory_ranks_last(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1111")  # the P40 alone
     with pytest.raises(DeviceError, match=r"cuda:0 Tesla P40 .*free memory unknown"):
         select_gpus(1, min_free_memory=1)  # it cannot show it has even 1 byte free
+    assert select_gpus(1, min_free_memory=0) == [0]  # but 0 asks for nothing
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert select_gpus(1, min_free_memory=1) == [1]
 

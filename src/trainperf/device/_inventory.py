@@ -392,7 +392,8 @@ def select_gpus(n: int = 1, *, min_free_memory: int | None = None) -> list[int]:
 
     Args:
         n: how many GPUs to take (>= 1).
-        min_free_memory: bytes a card must have free to qualify; None takes any card.
+        min_free_memory: bytes a card must have free to qualify; None or 0 takes any card
+            (a card whose free memory NVML cannot report, unified memory, meets no other).
 
     Returns:
         The chosen cards' NVML (``nvidia-smi``) indices, in their new CUDA order.
@@ -420,7 +421,8 @@ def select_gpus(n: int = 1, *, min_free_memory: int | None = None) -> list[int]:
             "tensor or model is moved to 'cuda'."
         )
     cards = gpus()
-    qualified = [c for c in cards if min_free_memory is None or _free(c) >= min_free_memory]
+    # A card whose free memory NVML cannot tell (unified memory) meets a threshold of 0 only.
+    qualified = [c for c in cards if not min_free_memory or _free(c) >= min_free_memory]
     ranked = sorted(qualified, key=lambda c: (-_free(c), c.index))
     if len(ranked) < n:
         found = (
@@ -429,7 +431,7 @@ def select_gpus(n: int = 1, *, min_free_memory: int | None = None) -> list[int]:
             )
             or "no GPUs (no NVIDIA driver, or CUDA_VISIBLE_DEVICES hides them all)"
         )
-        need = "" if min_free_memory is None else f" with >= {format_bytes(min_free_memory)} free"
+        need = "" if not min_free_memory else f" with >= {format_bytes(min_free_memory)} free"
         raise DeviceError(f"select_gpus(n={n}) needs {n} GPU(s){need}; found: {found}")
     chosen = ranked[:n]
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(c.uuid for c in chosen)
