@@ -424,6 +424,33 @@ def test_restore_refuses_a_device_that_is_not_one_before_reading_any_file(
     assert ckpt.steps() == [1000, 2000]
 
 
+def test_a_plain_dict_gets_the_entries_it_lacks_and_a_tensor_is_copied_into(
+    tmp_path: Path,
+) -> None:
+    queue = torch.zeros(4, dtype=torch.float64)
+    state: dict[str, Any] = {"model": _model(), "meta": {}, "queue": torch.arange(4.0)}
+    state["meta"].update(best_acc=0.93, best_step=100)
+    Checkpointer(tmp_path).save(state, step=100)
+    meta: dict[str, Any] = {"tag": "kept"}  # a fresh run's dict, before training filled it
+    live: dict[str, Any] = {"model": _model(), "meta": meta, "queue": queue}
+    assert Checkpointer(tmp_path).restore(live) == 100
+    assert live["meta"] is meta and meta == {"tag": "kept", "best_acc": 0.93, "best_step": 100}
+    assert live["queue"] is queue and queue.dtype == torch.float64  # into the live tensor
+    assert torch.equal(queue, torch.arange(4.0, dtype=torch.float64))
+    live["queue"] = torch.zeros(3)  # another shape: replaced by the saved one
+    Checkpointer(tmp_path).restore(live)
+    assert torch.equal(live["queue"], torch.arange(4.0))
+
+
+def test_a_nested_state_dict_is_saved_with_its_keys_as_given(tmp_path: Path) -> None:
+    ema = nn.Sequential()
+    ema.add_module("module", nn.Linear(2, 2))  # timm's ModelEmaV2: its one child is `module`
+    Checkpointer(tmp_path).save({"ema_states": {"ema": ema.state_dict()}}, step=1)
+    saved = load_checkpoint(tmp_path / "step-000000001.pt")["ema_states"]["ema"]
+    assert sorted(saved) == ["module.bias", "module.weight"]
+    ema.load_state_dict(saved)  # as save_checkpoint keeps it
+
+
 Pair = collections.namedtuple("Pair", "gen disc")
 
 
@@ -510,6 +537,44 @@ def test_a_gpu_state_is_staged_into_pinned_buffers_and_saved_bit_for_bit(tmp_pat
     assert next(fresh.parameters()).device.type == "cuda"
     for a, b in zip(fresh.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.requires_cuda
+def test_restore_onto_a_gpu_sets_the_generators_and_the_loader_from_the_cpu(
+    tmp_path: Path,
+) -> None:
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, shuffle=True)
+    state: dict[str, Any] = {"model": nn.Linear(2, 2).cuda(), "loader": loader}
+    ckpt = Checkpointer(tmp_path)
+    ckpt.restore(state)
+    next(iter(loader))
+    ckpt.save(state, step=1)
+    expected = torch.rand(3)
+    torch.manual_seed(99)
+    assert ckpt.restore(state, device="cuda") == 1  # the file's tensors loaded onto the GPU
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_restore_hands_the_generator_and_loader_states_over_on_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.checkpoint._payload as payload
+
+    moved: list[str] = []
+    real = payload.to_device
+
+    def spy(obj: Any, device: Any) -> Any:
+        moved.append(str(device))
+        return real(obj, device)
+
+    monkeypatch.setattr(payload, "to_device", spy)
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, shuffle=True)
+    state: dict[str, Any] = {"model": _model(), "loader": loader}
+    ckpt = Checkpointer(tmp_path)
+    ckpt.restore(state)
+    ckpt.save(state, step=1)
+    assert ckpt.restore(state) == 1
+    assert moved == ["cpu", "cpu"]  # the loader's state, then the generators'
 
 
 def _epoch_loop(

@@ -13,14 +13,16 @@ import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
 from trainperf._utils.stack import user_stacklevel
-from trainperf.checkpoint._files import _prepare
+from trainperf.checkpoint._files import _plain
 from trainperf.checkpoint._loader_state import loader_state, restore_loader, track
 from trainperf.checkpoint._prefix import load_state_dict
 from trainperf.checkpoint._rng import rng_state, set_rng_state
+from trainperf.device import to_device
 
 __all__ = ["RESERVED", "build_payload", "rank_payload", "restore_into", "saved_step"]
 
@@ -85,7 +87,7 @@ def build_payload(
         if isinstance(value, DataLoader):
             out[key] = _loader_entry(key, value)
             continue
-        out[key] = _prepare(value)
+        out[key] = _plain(value)  # as save_checkpoint saves each entry
     out[RESERVED] = _meta(step, rank, world_size)
     return out
 
@@ -176,12 +178,22 @@ def _restore_value(live: Any, saved: Any, where: str) -> Any:
     if not isinstance(live, type) and callable(getattr(live, "load_state_dict", None)):
         live.load_state_dict(saved)
         return _KEEP
+    if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor):
+        if live.shape != saved.shape:
+            return saved
+        with torch.no_grad():  # as load_state_dict: into the live tensor, its dtype and device
+            live.copy_(saved)
+        return _KEEP
     if isinstance(live, MutableMapping) and isinstance(saved, Mapping):
         for k in list(live):
             if k in saved:  # a plain value the file lacks keeps its live value
                 new = _restore_value(live[k], saved[k], f"{where}[{k!r}]")
                 if new is not _KEEP:
                     live[k] = new
+        if not _holds_state(live):  # a dict of plain values gets the file's other entries too
+            for k in saved:
+                if k not in live:
+                    live[k] = saved[k]
         return _KEEP
     if isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
         if len(live) != len(saved):
@@ -244,9 +256,10 @@ def restore_into(
     mine = own if own is not None else saved
     for key, live in state.items():
         if isinstance(live, DataLoader):
-            restore_loader(live, mine.get(key, saved[key]), key)
+            # Generator states are CPU tensors, whatever device restore(device=) loaded onto.
+            restore_loader(live, to_device(mine.get(key, saved[key]), "cpu"), key)
             continue
         new = _restore_value(live, saved[key], key)
         if new is not _KEEP and isinstance(state, MutableMapping):
             state[key] = new
-    set_rng_state(mine[RESERVED]["rng"])
+    set_rng_state(to_device(mine[RESERVED]["rng"], "cpu"))
