@@ -80,6 +80,20 @@ def test_a_global_the_user_allowed_stays_allowed(tmp_path: Path) -> None:
         assert argparse.Namespace in safe_globals_now()
 
 
+def test_overlapping_loads_in_threads_keep_the_types_allowed_until_the_last_ends() -> None:
+    from trainperf.checkpoint._allow import allow_data_only
+
+    assert argparse.Namespace not in safe_globals_now()
+    first, second = allow_data_only(), allow_data_only()
+    first.__enter__()  # one thread's load starts
+    second.__enter__()  # another's, while the first is loading
+    first.__exit__(None, None, None)  # the first ends: the second still loads
+    assert argparse.Namespace in safe_globals_now()
+    assert isinstance(load_checkpoint(PEERS / "timm" / "checkpoint-0.pth.tar"), dict)
+    second.__exit__(None, None, None)
+    assert argparse.Namespace not in safe_globals_now()  # the user's list as it was
+
+
 class Odd(OrderedDict):  # type: ignore[type-arg]
     """An OrderedDict subclass: a class of the user's, so not data-only by default."""
 

@@ -17,6 +17,7 @@ import datetime
 import inspect
 import pathlib
 import sys
+import threading
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,21 +98,51 @@ def data_only_globals() -> list[Any]:
     return found + (_aliases() if _takes_aliases() else [])
 
 
+_lock = threading.Lock()
+_holders = 0  # blocks inside allow_data_only() now, in every thread
+_added: Any = None  # the safe_globals block that added what the user had not allowed
+
+
 @contextlib.contextmanager
 def allow_data_only() -> Iterator[None]:
     """Allow :func:`data_only_globals` for the duration of the block, and only then.
 
     Only entries not already in torch's allow-list are added, because leaving
     ``safe_globals`` removes what it added: an entry the user had allowed before would be
-    removed from their list on the way out.
+    removed from their list on the way out. The list is process-wide: blocks in several
+    threads (a thread pool loading checkpoints) share one addition, made by the first to
+    enter and taken back by the last to leave, so none removes what another still loads
+    with.
     """
     if not hasattr(torch.serialization, "safe_globals"):  # torch < 2.5: nothing to add to
         yield
         return
-    present = set(torch.serialization.get_safe_globals())
-    extra = [g for g in data_only_globals() if g not in present]
-    with torch.serialization.safe_globals(extra):
+    _enter()
+    try:
         yield
+    finally:
+        _leave()
+
+
+def _enter() -> None:
+    global _holders, _added
+    with _lock:
+        if _holders == 0:
+            present = set(torch.serialization.get_safe_globals())
+            _added = torch.serialization.safe_globals(
+                [g for g in data_only_globals() if g not in present]
+            )
+            _added.__enter__()
+        _holders += 1
+
+
+def _leave() -> None:
+    global _holders, _added
+    with _lock:
+        _holders -= 1
+        if _holders == 0:
+            _added.__exit__(None, None, None)
+            _added = None
 
 
 def blocked_globals(path: Path) -> list[str]:
