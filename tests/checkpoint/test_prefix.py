@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from trainperf.checkpoint import (
     LoadResult,
     load_checkpoint,
     load_state_dict,
+    save_checkpoint,
     strip_prefix,
     unwrap_model,
 )
@@ -366,3 +368,40 @@ def test_a_key_that_fits_as_it_is_is_not_stripped_into_another_parameter() -> No
         load_state_dict(model, {"module.weight": torch.ones(3)}, strict=False)
     assert torch.equal(model.module.weight, torch.ones(3))
     assert torch.equal(model.weight, torch.zeros(3))
+
+
+def _encoder_and_head(compiled: bool) -> nn.Module:
+    model = nn.Module()
+    model.encoder = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model.head = nn.Linear(4, 2)
+    if compiled:  # a compiled submodule, as scripts compile only the backbone
+        model.encoder = torch.compile(model.encoder)
+    return model
+
+
+@pytest.mark.parametrize(("saved_compiled", "live_compiled"), [(True, False), (False, True)])
+def test_a_compiled_submodules_weights_load_either_way(
+    saved_compiled: bool, live_compiled: bool
+) -> None:
+    saved = _encoder_and_head(saved_compiled)
+    live = _encoder_and_head(live_compiled)
+    state = saved.state_dict()  # as torch.save wrote it: encoder._orig_mod.* when compiled
+    assert load_state_dict(live, state).complete
+    for a, b in zip(live.state_dict().values(), saved.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_save_checkpoint_drops_a_compiled_submodules_layer(tmp_path: Path) -> None:
+    model = _encoder_and_head(compiled=True)
+    path = save_checkpoint({"model": model, "sd": model.state_dict()}, tmp_path / "c.pt")
+    loaded = torch.load(path, weights_only=True)
+    for entry in ("model", "sd"):
+        assert not [k for k in loaded[entry] if "_orig_mod" in k]
+        _encoder_and_head(compiled=False).load_state_dict(loaded[entry])  # plain torch loads it
+
+
+def test_a_state_dict_with_compiled_and_plain_copies_of_one_module_is_refused() -> None:
+    from trainperf.checkpoint._keys import drop_compile_layers
+
+    with pytest.raises(ValueError, match=r"mixes compiled and plain copies of one module"):
+        drop_compile_layers({"enc._orig_mod.w": torch.ones(1), "enc.w": torch.ones(1)})

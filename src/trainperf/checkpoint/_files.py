@@ -22,7 +22,12 @@ from trainperf.checkpoint._formats import (
     _open_zip,
     _torch_load,
 )
-from trainperf.checkpoint._keys import _same_type, is_extra_state, strip_wrapper_layers
+from trainperf.checkpoint._keys import (
+    _same_type,
+    drop_compile_layers,
+    is_extra_state,
+    strip_wrapper_layers,
+)
 from trainperf.checkpoint._prefix import unwrap_model
 from trainperf.checkpoint._write import write_checkpoint_file
 from trainperf.device import resolve_device
@@ -55,7 +60,7 @@ def _stateless(value: Any, active: set[int]) -> Any:
     dicts, lists and tuples, replaced by its state dict; containers without one are kept as
     they are (same object), so a file of plain data is saved exactly as given."""
     if isinstance(value, nn.Module):
-        return unwrap_model(value).state_dict()
+        return drop_compile_layers(unwrap_model(value).state_dict())
     if _has_state(value):
         return value.state_dict()
     if not isinstance(value, (Mapping, list, tuple)) or id(value) in active:

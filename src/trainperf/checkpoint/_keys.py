@@ -119,6 +119,74 @@ def strip_wrapper_layers(state_dict: M) -> M:
         if layer is None:
             break
         out = _strip(out, (layer,), 1)
+    return drop_compile_layers(out)
+
+
+_COMPILED = "_orig_mod"  # torch.compile's OptimizedModule keeps the module it wraps here
+
+
+def _uncompiled(key: str) -> str:
+    """``key`` without ``_orig_mod`` path components (a compiled submodule's layer)."""
+    parts = key.split(".")
+    return ".".join(p for p in parts if p != _COMPILED) if _COMPILED in parts else key
+
+
+def drop_compile_layers(state_dict: M) -> M:
+    """``state_dict`` without the ``_orig_mod.`` layers of compiled *submodules* (``model.
+    encoder = torch.compile(model.encoder)`` saves ``encoder._orig_mod.weight``), so the file
+    loads into the model compiled or not. No module has a submodule of that name but
+    ``torch.compile``'s wrapper.
+
+    Example:
+        >>> drop_compile_layers({"encoder._orig_mod.w": 1, "head.w": 2})
+        {'encoder.w': 1, 'head.w': 2}
+    """
+    if not any(isinstance(k, str) and _COMPILED in k.split(".") for k in state_dict):
+        return state_dict
+    return _renamed(state_dict, {k: _uncompiled(k) for k in state_dict if isinstance(k, str)})
+
+
+def fit_compile_layers(state_dict: M, target: Mapping[str, Any]) -> M:
+    """``state_dict``'s keys renamed to ``target``'s where the two differ only by compiled
+    submodules' ``_orig_mod.`` layers (either side), each to exactly one target key."""
+    by_plain: dict[str, list[str]] = {}
+    for k in target:
+        by_plain.setdefault(_uncompiled(k), []).append(k)
+    renames: dict[str, str] = {}
+    for k in state_dict:
+        if isinstance(k, str) and k not in target:
+            hits = by_plain.get(_uncompiled(k), [])
+            if len(hits) == 1 and hits[0] not in state_dict:
+                renames[k] = hits[0]
+    if not renames or len(set(renames.values())) != len(renames):
+        return state_dict
+    return _renamed(state_dict, renames, getattr(target, "_metadata", None))
+
+
+def _renamed(state_dict: M, renames: Mapping[str, str], target_meta: Any = None) -> M:
+    """``state_dict`` with keys renamed (its ``_metadata`` module paths too: to the target's
+    where given, else without compile layers).
+
+    Raises:
+        ValueError: two keys become one.
+    """
+    origin: dict[Any, Any] = {}
+    for key in state_dict:
+        new = renames.get(key, key)
+        if new in origin:
+            raise ValueError(
+                f"keys {origin[new]!r} and {key!r} both become {new!r} without the compiled "
+                "submodule's _orig_mod. layer: the state dict mixes compiled and plain copies "
+                "of one module; keep one of them"
+            )
+        origin[new] = key
+    out: M = _same_type(state_dict, ((renames.get(k, k), v) for k, v in state_dict.items()))
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None:
+        paths = {_uncompiled(m): m for m in (target_meta or {})}
+        moved = {paths.get(_uncompiled(m), _uncompiled(m)): v for m, v in dict(meta).items()}
+        with contextlib.suppress(AttributeError, TypeError):
+            out._metadata = _same_type(meta, moved.items())  # type: ignore[attr-defined]
     return out
 
 

@@ -27,6 +27,7 @@ from trainperf.checkpoint._keys import (
     _same_shape,
     _same_type,
     _strip,
+    fit_compile_layers,
     is_extra_state,
 )
 from trainperf.checkpoint._search import find_state_dict, nested_hint, under_prefix_code
@@ -333,7 +334,7 @@ def load_state_dict(
     inner = unwrap_model(model)
     target = inner.state_dict()
     found = find_state_dict(state_dict, target, ema)
-    best = found.state_dict
+    best = fit_compile_layers(found.state_dict, target)
     result = _compare(best, target, found.describe())
     hint = None if found.where else nested_hint(state_dict, target)
     fits = sum(k in best for k in target) - len(result.mismatched)
