@@ -194,6 +194,30 @@ def test_without_flock_the_temp_name_is_unique_and_nothing_is_left(
     assert re.fullmatch(rf"\.c\.pt\.tmp-{re.escape(HOST)}-{os.getpid()}-[0-9a-f]{{8}}", seen[0])
 
 
+@pytest.mark.parametrize("locks", [True, False])
+def test_a_name_as_long_as_a_path_component_may_be_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, locks: bool
+) -> None:
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    if not locks:
+        monkeypatch.setattr(fcntl, "flock", no_locks)
+    seen: list[str] = []
+    path = tmp_path / ("é" + "x" * 249 + ".pt")  # 255 bytes, as long as Linux allows
+    for data in (b"one", b"two"):  # the second save finds the first one's slot by its name
+        write_atomically(
+            path,
+            lambda f, d=data: (
+                seen.append(Path(os.readlink(f"/proc/self/fd/{f.fileno()}")).name),
+                f.write(d),
+            ),
+        )
+    assert path.read_bytes() == b"two" and _temps(tmp_path) == []
+    assert all(len(name.encode()) <= 255 for name in seen)
+    assert temp_name(path, HOST, 0) != temp_name(tmp_path / ("é" + "x" * 248 + "y.pt"), HOST, 0)
+
+
 def test_a_failed_write_removes_its_temp_and_keeps_the_old_file(tmp_path: Path) -> None:
     path = tmp_path / "c.pt"
     _put(path, b"old")

@@ -4,6 +4,7 @@ safetensors files, the GPU-saved fixtures, saving under torch.distributed)."""
 from __future__ import annotations
 
 import collections
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -119,8 +120,19 @@ def test_save_schedulers_scalers_and_mixed_precision_as_state_dicts(tmp_path: Pa
     assert state["more"]["pair"][0]["param_groups"][0]["lr"] == 0.05
     assert obj["scheduler"] is sched and obj["more"]["schedulers"][0] is sched  # not modified
     # A class has a state_dict attribute too, but is no stateful object: saved as given.
-    path = save_checkpoint({"cls": nn.Linear}, tmp_path / "cls.pt")
+    with pytest.warns(UserWarning, match=r"cls.pt, but load_checkpoint \(weights_only=True\) will"):
+        path = save_checkpoint({"cls": nn.Linear}, tmp_path / "cls.pt")
     assert load_checkpoint(path, weights_only=False)["cls"] is nn.Linear
+
+
+def test_save_warns_of_a_file_the_default_load_will_refuse(tmp_path: Path) -> None:
+    history = collections.defaultdict(list, {"val_acc": [0.9]})
+    with pytest.warns(UserWarning, match=r"collections.defaultdict.*Save plain data instead"):
+        path = save_checkpoint({"model": nn.Linear(2, 2), "history": history}, tmp_path / "h.pt")
+    assert load_checkpoint(path, weights_only=False)["history"] == history  # written all the same
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # plain data: no warning
+        save_checkpoint({"model": nn.Linear(2, 2), "history": dict(history)}, tmp_path / "p.pt")
 
 
 def test_save_strips_prefixes_of_a_top_level_state_dict(tmp_path: Path) -> None:
@@ -323,6 +335,12 @@ def test_missing_file(tmp_path: Path) -> None:
         load_checkpoint(tmp_path / "nope.pt")
     assert isinstance(info.value, FileNotFoundError)
     assert info.value.path == tmp_path / "nope.pt"
+
+
+def test_a_path_through_a_file_is_a_missing_checkpoint_naming_the_file(tmp_path: Path) -> None:
+    (tmp_path / "f.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointNotFoundError, match=r"f\.pt is a file, not a directory"):
+        load_checkpoint(tmp_path / "f.pt" / "x.pt")
 
 
 def test_directory(tmp_path: Path) -> None:

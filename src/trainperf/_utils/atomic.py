@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
 import re
 import secrets
@@ -131,7 +132,29 @@ def temp_name(path: Path, host: str, slot: int) -> Path:
         >>> temp_name(Path("runs/last.pt"), "node1", 0).as_posix()
         'runs/.last.pt.tmp-node1-0'
     """
-    return path.parent / f".{path.name}.tmp-{host}-{slot}"
+    return path.parent / f".{_short(path.name, host)}.tmp-{host}-{slot}"
+
+
+_NAME_MAX = 255  # bytes in one path component on Linux filesystems
+_TAIL = 40  # room kept for ".", ".tmp-", "-SLOT" or "-PID-RANDOM" (23 bytes) beside HOST
+
+
+def _short(name: str, host: str) -> str:
+    """``name`` as the temp file's stem: whole when the temp name fits in a path component,
+    else cut and ended with a hash of the whole name (still one name per path).
+
+    Example:
+        >>> _short("last.pt", "node1")
+        'last.pt'
+        >>> len(_short("x" * 250 + ".pt", "node1").encode())
+        210
+    """
+    room = _NAME_MAX - _TAIL - len(host.encode())
+    if len(name.encode()) <= room:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:12]
+    cut = name.encode()[: room - len(digest) - 1].decode(errors="ignore")
+    return f"{cut}~{digest}"
 
 
 class _NoLocks(Exception):
@@ -262,7 +285,8 @@ def _open_temp(path: Path, host: str) -> tuple[int, Path, bool]:
         fd, tmp = _claim_temp(path, host)
         return fd, tmp, True
     except _NoLocks:
-        tmp = path.parent / f".{path.name}.tmp-{host}-{os.getpid()}-{secrets.token_hex(4)}"
+        stem = _short(path.name, host)
+        tmp = path.parent / f".{stem}.tmp-{host}-{os.getpid()}-{secrets.token_hex(4)}"
         return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp, False
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from trainperf._utils.imports import require
+from trainperf._utils.stack import user_stacklevel
 from trainperf._utils.validate import choice
 from trainperf.checkpoint._dirs import directory_weights, load_sharded
 from trainperf.checkpoint._formats import (
@@ -21,6 +23,7 @@ from trainperf.checkpoint._formats import (
     _is_safetensors,
     _open_zip,
     _torch_load,
+    weights_only_refusal,
 )
 from trainperf.checkpoint._keys import (
     _same_type,
@@ -166,6 +169,21 @@ def _write(obj: Any, path: Path) -> None:
             write_checkpoint_file(path, write_bytes)
         else:
             write_checkpoint_file(path, lambda f: torch.save(prepared, f))
+            _warn_if_refused(prepared, path)
+
+
+def _warn_if_refused(prepared: Any, path: Path) -> None:
+    """Warn when ``load_checkpoint``'s default (``weights_only=True``) will refuse the file
+    just written: a class of the user's, a ``defaultdict``."""
+    why = weights_only_refusal(prepared)
+    if why is not None:
+        warnings.warn(
+            f"saved {path}, but load_checkpoint (weights_only=True) will refuse it: {why} "
+            "Save plain data instead (dict(history), a dataclass as asdict(...)), or load it "
+            "with load_checkpoint(path, weights_only=False) if you trust the file",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 def _group_rank() -> int | None:
@@ -348,6 +366,13 @@ def _load_file(path: Path, dev: torch.device, weights_only: bool, verify: bool) 
         raise CheckpointNotFoundError(
             f"checkpoint {path} does not exist (looked in {path.resolve().parent})", path
         ) from e
+    except NotADirectoryError as e:
+        file = next((p for p in path.parents if p.is_file()), path.parent)
+        raise CheckpointNotFoundError(
+            f"checkpoint {path} does not exist: {file} is a file, not a directory", path
+        ) from e
+    except OSError as e:  # no permission, a device error: still a checkpoint error
+        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}", path) from e
     if size == 0:
         raise CheckpointCorruptError(
             f"checkpoint {path} is empty (0 bytes): the save or copy that made it was "
