@@ -44,18 +44,25 @@ __all__ = [
     "sample_seed",
 ]
 
-_MIX = 1_000_003
 _RESERVED = ("sampler", "batch_sampler", "shuffle", "drop_last", "batch_size", "collate_fn")
 
 
+def _pair(a: int, b: int) -> int:
+    """Cantor's pairing: one distinct number for every pair of numbers >= 0."""
+    return (a + b) * (a + b + 1) // 2 + b
+
+
 def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """The seed of one image's augmentation in one epoch.
+    """The seed of one image's augmentation in one epoch: distinct for every
+    ``(seed, epoch, index)``, however many images (``random.Random`` takes any int).
 
     Example:
         >>> sample_seed(0, 1, 2) != sample_seed(0, 2, 1)
         True
+        >>> sample_seed(0, 0, 1_000_003) != sample_seed(0, 1, 0)
+        True
     """
-    return (seed * _MIX + epoch) * _MIX + index
+    return _pair(_pair(seed, epoch), index)
 
 
 _CLOSED = "this image loader was closed"
