@@ -146,6 +146,20 @@ class RunConfig:
     lr: float
 
 
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_a_file_pickled_with_protocol_4_names_the_protocol_not_an_allow_list(
+    tmp_path: Path, zip_format: bool
+) -> None:
+    path = tmp_path / "p4.pt"
+    torch.save(
+        {"w": torch.ones(3)}, path, pickle_protocol=4, _use_new_zipfile_serialization=zip_format
+    )
+    with pytest.raises(UnsafeCheckpointError, match=r"pickle_protocol=4") as refused:
+        load_checkpoint(path)
+    assert "add_safe_globals" not in str(refused.value)
+    assert torch.equal(load_checkpoint(path, weights_only=False)["w"], torch.ones(3))
+
+
 def test_trusted_classes_load_by_explicit_opt_in(tmp_path: Path) -> None:
     path = tmp_path / "trusted.pt"
     torch.save({"config": RunConfig(0.1), "w": torch.ones(1)}, path)

@@ -127,6 +127,13 @@ def _unsafe_message(path: Path, reason: str) -> str:
     them (torch's own error names only the first); for a pickled model, how to get its
     weights out instead."""
     names = blocked_globals(path)
+    if not names and "Unsupported operand" in reason:  # no global: the pickle's own opcodes
+        return (
+            f"{path} was pickled with an opcode that weights_only=True cannot read ({reason}),"
+            " whatever is allowed: torch.save(..., pickle_protocol=4) or higher writes such "
+            "files. If you trust the file, load it with weights_only=False and save it again "
+            "with save_checkpoint (the default protocol), which loads with weights_only=True"
+        )
     listed = f"{len(names)} global(s) not allowed: {', '.join(names)}" if names else reason
     head = (
         f"{path} contains objects that weights_only=True refuses to unpickle ({listed}). "
