@@ -45,6 +45,27 @@ def test_pil_to_rgb_scales_16_bit_grey(tmp_path: Path) -> None:
     assert set(np.asarray(rgb).ravel().tolist()) == {GREY8}
 
 
+def test_pil_to_rgb_takes_float_grey_as_0_to_1_as_dali_does() -> None:
+    values = np.array([[0.0, 0.25, 0.5, 1.0], [2.0, -1.0, 0.002, 0.998]], dtype=np.float32)
+    rgb = pil_to_rgb(PIL.fromarray(values, mode="F"))
+    # DALI's CPU decoder gives these levels for this float TIFF (round(v * 255), clipped).
+    assert np.asarray(rgb)[..., 0].tolist() == [[0, 64, 128, 255], [255, 0, 1, 254]]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_float_tiff_decodes_to_the_same_level_in_every_backend(
+    tmp_path: Path, backend: str
+) -> None:
+    (tmp_path / "grey").mkdir()
+    PIL.fromarray(np.full((40, 40), 0.5, dtype=np.float32), mode="F").save(
+        tmp_path / "grey" / "f.tiff"
+    )
+    loader = _loader(tmp_path, backend, batch_size=1, train=False, last_batch="keep")
+    [(images, _)] = list(loader)
+    levels = (_pixels(images) * 255).round()
+    assert levels.min().item() == levels.max().item() == 128  # it was black (0) with PIL
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("train", [False, True])
 def test_16_bit_grey_png_decodes_to_the_scaled_value(

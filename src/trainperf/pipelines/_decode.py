@@ -36,7 +36,8 @@ def _scale16(levels: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 
 def pil_to_rgb(im: Image) -> Image:
-    """``im`` as 8-bit RGB: ``im.convert("RGB")``, with 16-bit greyscale scaled, not clipped.
+    """``im`` as 8-bit RGB: ``im.convert("RGB")``, with 16-bit greyscale scaled, not clipped,
+    and floating-point greyscale (mode ``"F"``) taken as 0..1 (``round(v * 255)``, clipped).
 
     Mode ``"I"`` (32-bit integers) is treated as 16-bit only when it comes from a PNG, which
     has no deeper greyscale (older Pillows open 16-bit PNGs as ``"I"``); other ``"I"``
@@ -53,6 +54,9 @@ def pil_to_rgb(im: Image) -> Image:
     if im.mode in SIXTEEN_BIT_MODES or (im.mode == "I" and im.format == "PNG"):
         grey = PILImage.fromarray(_scale16(np.asarray(im)), mode="L")
         return grey.convert("RGB")
+    if im.mode == "F":  # floating point (TIFF): 0..1 to 0..255, as DALI decodes it
+        scaled = np.clip(np.rint(np.asarray(im, dtype=np.float64) * 255.0), 0, 255)
+        return PILImage.fromarray(scaled.astype(np.uint8), mode="L").convert("RGB")
     return im.convert("RGB")
 
 
