@@ -92,6 +92,15 @@ def add(a: int, b: int, *, scale: int = 1) -> int:
     return (a + b) * scale * (ddp.rank() + 1)
 
 
+def change_on_rank0(copied: torch.Tensor, shared: torch.Tensor) -> list[list[float]]:
+    """Rank 0 adds 100 to both arguments; every rank returns what it then sees of them."""
+    if dist.get_rank() == 0:
+        copied.add_(100)
+        shared.add_(100)
+    dist.barrier()
+    return [copied.tolist(), shared.tolist()]
+
+
 def backend_and_group() -> tuple[str, int]:
     return str(dist.get_backend()), dist.get_world_size()
 

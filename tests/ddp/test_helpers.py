@@ -111,6 +111,10 @@ def test_distributed_loader_shards_and_reshuffles(monkeypatch: pytest.MonkeyPatc
     # Padding: 5 samples over 2 ranks gives each rank 3 unless drop_last.
     assert len(list(ddp.distributed_loader(list(range(5)), 1, shuffle=False))) == 3
     assert len(list(ddp.distributed_loader(list(range(5)), 1, drop_last=True))) == 2
+    # drop_last drops a rank's short last batch too: 10 samples, 2 ranks, batches of 4.
+    sizes = [len(b) for b in ddp.distributed_loader(list(range(10)), 4, drop_last=True)]
+    assert sizes == [4]
+    assert [len(b) for b in ddp.distributed_loader(list(range(10)), 4)] == [4, 1]
 
     with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
         ddp.distributed_loader(data, 0)

@@ -104,6 +104,24 @@ def test_launch_returns_rank0_value_and_passes_args() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["spawn", FORK])
+def test_each_rank_gets_its_own_copy_of_a_tensor_argument_unless_it_was_shared(
+    start_method: str,
+) -> None:
+    copied, shared = torch.zeros(2), torch.zeros(2).share_memory_()
+    seen = ddp.launch_all(
+        workers.change_on_rank0, copied, shared, nprocs=2, backend="gloo", start_method=start_method
+    )
+    # Rank 0's change stays its own, as under torchrun (spawn shared every tensor: a model
+    # passed in had one set of parameters, stepped by every rank's optimizer).
+    assert [s[0] for s in seen] == [[100.0, 100.0], [0.0, 0.0]]
+    assert copied.tolist() == [0.0, 0.0]
+    # share_memory_() asked for one copy for all (forked ranks share its mapping too).
+    assert [s[1] for s in seen] == [[100.0, 100.0], [100.0, 100.0]]
+    assert shared.tolist() == [100.0, 100.0]
+
+
+@pytest.mark.timeout(60)
 def test_launch_binds_the_given_master_port_and_fails_fast_when_taken(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

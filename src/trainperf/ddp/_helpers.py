@@ -311,7 +311,9 @@ def distributed_loader(
         batch_size: samples per batch *per rank*.
         shuffle: shuffle (the same permutation on every rank, split between them).
         seed: base seed of the shuffle; must be the same on every rank.
-        drop_last: drop the tail that does not divide evenly among ranks.
+        drop_last: drop the samples that do not divide evenly among ranks, and each
+            rank's last batch when it is short (``DataLoader(drop_last=True)``: a batch of
+            one breaks BatchNorm); without it the sampler pads and the last batch may be short.
         **loader_kwargs: passed to ``DataLoader`` (``num_workers``, ``pin_memory``, ...);
             not ``sampler`` or ``batch_sampler``.
 
@@ -355,7 +357,9 @@ def distributed_loader(
     )
     if loader_kwargs.get("num_workers", 0) > 0 and sys.platform.startswith("linux"):
         loader_kwargs["worker_init_fn"] = DieWithParent(loader_kwargs.get("worker_init_fn"))
-    return DistributedLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_kwargs)
+    return DistributedLoader(
+        dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kwargs
+    )
 
 
 def data_parallel(model: nn.Module, device_ids: Sequence[int] | None = None) -> nn.Module:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import multiprocessing
 import os
 import pickle
@@ -90,9 +91,8 @@ class WorkerSpec:
     def __reduce__(self) -> tuple[Any, ...]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if fields["main"] is not None:
-            # ForkingPickler: tensors in args keep multiprocessing's shared-memory transfer.
             call = (fields.pop("main"), fields.pop("args"), fields.pop("kwargs"))
-            fields.update(main=None, args=(), kwargs={}, packed=bytes(ForkingPickler.dumps(call)))
+            fields.update(main=None, args=(), kwargs={}, packed=_pack(call))
         return (_rebuild_spec, (fields,))
 
     def load(self) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
@@ -101,6 +101,39 @@ class WorkerSpec:
             return cast(Callable[..., Any], self.main), self.args, self.kwargs
         call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] = pickle.loads(self.packed)
         return call
+
+
+class _CopyingPickler(ForkingPickler):
+    """multiprocessing's pickler (queues, pipes and locks travel as under spawn), except
+    that tensors are copied into each rank, as a forked rank or a torchrun rank has its own:
+    torch's reducers would move every tensor of ``args`` into shared memory, so a model passed
+    to ``main`` had one set of parameters for every rank (and the launcher), each rank's
+    optimizer step applied to it. A CPU tensor already in shared memory
+    (``tensor.share_memory_()``, ``model.share_memory()``) stays shared: that was asked for."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")  # not imported: there is no tensor to pickle
+        if torch is None:
+            return NotImplemented
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+        elif isinstance(obj, torch.TypedStorage):  # what a tensor's reduction holds
+            storage = obj._untyped_storage
+        elif isinstance(obj, torch.UntypedStorage):
+            storage = obj
+        else:
+            return NotImplemented
+        if storage.device.type == "cpu" and storage.is_shared():
+            return NotImplemented  # torch's reducer: shared, as the user made it
+        if isinstance(obj, torch.Tensor):
+            return obj.__reduce_ex__(2)  # by value; its storage comes back here
+        return obj.__reduce__()  # a storage by value (torch.save into bytes)
+
+
+def _pack(call: tuple[Any, ...]) -> bytes:
+    buf = io.BytesIO()
+    _CopyingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(call)
+    return buf.getvalue()
 
 
 def _rebuild_spec(fields: dict[str, Any]) -> WorkerSpec:
