@@ -217,7 +217,7 @@ def _skipped(bench: str, setting: str, e: Exception, smaller: str) -> Any:
         # The traceback's frames hold the failed setting's tensors: free them first.
         traceback.clear_frames(e.__traceback__)
         e.__traceback__ = None
-        if torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             torch.cuda.empty_cache()
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         return Skipped(bench, setting, f"{_OOM} ({first}): try a smaller {smaller}")
