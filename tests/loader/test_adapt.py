@@ -285,6 +285,51 @@ def test_keep_workers_false_restarts_them_each_epoch(monkeypatch: pytest.MonkeyP
     assert loader._iterator is None
 
 
+def test_persistent_workers_false_given_directly_means_fresh_workers_each_epoch() -> None:
+    assert (
+        AdaptiveDataLoader(range(8), batch_size=4, persistent_workers=False)._keep_workers is False
+    )
+    assert AdaptiveDataLoader(range(8), batch_size=4)._keep_workers is True
+    kept = AdaptiveDataLoader(range(8), batch_size=4, persistent_workers=False, keep_workers=True)
+    assert kept._keep_workers is True  # asked for by name
+
+
+def test_a_timeout_given_without_workers_waits_for_the_ones_it_adds() -> None:
+    loader = AdaptiveDataLoader(range(8), batch_size=4, timeout=5.0)
+    assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # it raised at iter()
+    assert loader.timeout == 0 and loader._timeout_kept == 5.0
+
+
+@pytest.mark.slow
+def test_autotune_loader_keeps_a_timeout_however_many_workers_it_chooses() -> None:
+    for adaptive in (False, True):
+        loader = autotune_loader(
+            Latency(8), 4, adapt=adaptive, timeout=5.0, **quick(max_workers=0, budget_s=5.0)
+        )
+        assert loader.num_workers == 0 and len(list(loader)) == 2  # it raised at iter()
+        assert getattr(loader, "_timeout_kept", None) == (5.0 if adaptive else None)
+        assert any("timeout dropped" in n for n in loader.tuning_report.notes)
+
+
+class FailsInWorkers(torch.utils.data.Dataset[int]):
+    """Loads in the main process; raises in a worker (a handle that does not survive a fork)."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> int:
+        if torch.utils.data.get_worker_info() is not None:
+            raise OSError("handle not valid after fork")
+        return i
+
+
+@pytest.mark.slow
+def test_the_adaptive_loader_never_adds_a_worker_count_the_tuner_saw_fail() -> None:
+    loader = autotune_loader(FailsInWorkers(), 4, adapt=True, **quick(budget_s=5.0))
+    assert [c.fault for c in loader.tuning_report.candidates if c.num_workers == 1] == ["error"]
+    assert loader.num_workers == 0 and loader._max_workers == 0  # it added 2 mid-epoch: raised
+
+
 @pytest.mark.slow
 def test_autotune_loader_keeps_the_callers_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
     loader = autotune_loader(

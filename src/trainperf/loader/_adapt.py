@@ -231,7 +231,8 @@ class AdaptiveDataLoader(TunedDataLoader):
             (:func:`memory_rules`); None: a worker's memory is assumed to be the whole
             main process's, the worst case.
         keep_workers: keep the workers it starts alive between epochs
-            (``persistent_workers`` becomes True then); False restarts them each epoch.
+            (``persistent_workers`` becomes True then); False restarts them each epoch;
+            None (the default): False when ``persistent_workers=False`` is passed, else True.
         mid_epoch: allow changes within an epoch (where the order can be kept); False:
             only at epoch boundaries.
         **kwargs: DataLoader arguments; a ``multiprocessing_context`` with
@@ -263,7 +264,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         *args: Any,
         max_workers: int | None = None,
         tuner: Search | None = None,
-        keep_workers: bool = True,
+        keep_workers: bool | None = None,
         mid_epoch: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -274,7 +275,11 @@ class AdaptiveDataLoader(TunedDataLoader):
             kept = _checked_context(kwargs.pop("multiprocessing_context"))
         super().__init__(dataset, *args, **kwargs)
         self._context_kept = kept
-        self._keep_workers = keep_workers
+        # Your persistent_workers=False holds for the pools it starts (a dataset changed
+        # between epochs, a curriculum, must reach fresh workers).
+        self._keep_workers = (
+            kwargs.get("persistent_workers") is not False if keep_workers is None else keep_workers
+        )
         self._batch_bytes = 0  # of the latest window's first batch
         self._main = psutil.Process()
         limits = host_limits()
@@ -302,6 +307,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         self.tuning_history = []
         self._why_not_mid_epoch = resumable(self) if mid_epoch else "mid_epoch=False"
         self._plan = None if self._why_not_mid_epoch else EpochPlan(self._real_index_sampler)
+        self._fit_timeout()  # a timeout given with no workers waits for the ones it adds
 
     @property
     def _worker_context(self) -> Any:

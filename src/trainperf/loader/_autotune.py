@@ -100,12 +100,25 @@ def autotune_loader(
     if adapt:
         # Workers it starts are kept between epochs unless the caller said otherwise.
         keep = loader_kwargs.get("persistent_workers") is not False and epochs_hint != 1
-        context = loader_kwargs.get("multiprocessing_context")
-        loader = _adaptive(dataset, report, keep_workers=keep, bound=max_workers, context=context)
+        loader = _adaptive(
+            dataset, report, keep_workers=keep, bound=max_workers, given=loader_kwargs
+        )
     else:
         loader = TunedDataLoader(dataset, **report.best_kwargs)
     loader.tuning_report = report
     return loader
+
+
+_BROKEN = ("crash", "hang", "pickle", "error", "unsharded")  # faults of the dataset, not the host
+
+
+def _below_failures(report: TuningReport) -> int:
+    """The most workers below every count the tuner saw fail for a reason of the dataset's
+    (a worker that crashed, hung, could not be pickled, raised; a stream that does not shard
+    across workers); the host's reasons (memory, ``/dev/shm``, CPUs) are the adaptive
+    loader's own rules to judge."""
+    failed = [c.num_workers for c in report.candidates if c.fault in _BROKEN]
+    return min(failed) - 1 if failed else 1 << 30
 
 
 def _adaptive(
@@ -114,12 +127,13 @@ def _adaptive(
     *,
     keep_workers: bool,
     bound: int | None,
-    context: Any = None,
+    given: dict[str, Any] | None = None,
 ) -> TunedDataLoader:
     """The adaptive loader from the tuner's settings: within the caller's ``max_workers``
     (``bound``), else the adaptive loader's own default bound, not the tuner's; the
-    caller's ``multiprocessing_context`` (``context``), which the settings drop with
-    ``num_workers=0``, is kept for the workers it adds."""
+    caller's ``multiprocessing_context`` and ``timeout`` (in ``given``, the caller's
+    DataLoader arguments), which the settings drop with ``num_workers=0``, are kept for the
+    workers it adds."""
     # Imported here: the adaptive loader is a TunedDataLoader, defined above.
     from trainperf.loader._adapt import AdaptiveDataLoader, memory_rules
     from trainperf.loader._faults import start_method
@@ -128,15 +142,16 @@ def _adaptive(
 
     most = adaptive_max_workers(report.cpus) if bound is None else bound
     kwargs = dict(report.best_kwargs)
-    if context is not None and kwargs.get("multiprocessing_context") is None:
-        kwargs["multiprocessing_context"] = context
+    given = given or {}
+    for kept in ("multiprocessing_context", "timeout"):  # dropped with num_workers=0
+        if given.get(kept) and not kwargs.get(kept):
+            kwargs[kept] = given[kept]
     rules = memory_rules(list(report.candidates), most, main_rss(), start_method(kwargs))
-    unsharded = any(c.fault == "unsharded" for c in report.candidates)
     return AdaptiveDataLoader(
         dataset,
-        # The caller's bound holds while adapting too; a stream that does not shard across
-        # workers (the tuner refused every worker count) stays in the main process.
-        max_workers=0 if unsharded else most,
+        # The caller's bound holds while adapting too, and below any worker count the tuner
+        # saw fail: adding it mid-epoch would raise in the training loop.
+        max_workers=min(most, _below_failures(report)),
         tuner=rules,
         keep_workers=keep_workers,
         **kwargs,

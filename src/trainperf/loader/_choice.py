@@ -139,6 +139,8 @@ def final_kwargs(
         out["persistent_workers"] = False
         if out.pop("multiprocessing_context", None) is not None:
             notes.append("multiprocessing_context dropped: it needs num_workers > 0")
+        if out.pop("timeout", 0):
+            notes.append("timeout dropped: it needs num_workers > 0")
     return out
 
 
