@@ -87,7 +87,8 @@ def test_sample_order_is_the_fixed_loaders_whatever_changes(
                 done._iterator._shutdown_workers()  # type: ignore[attr-defined]
     assert got == expected
     assert [c.new for c in loader.tuning_history] == [p for p in plan if p is not None]
-    assert loader.persistent_workers  # the workers it started were kept between epochs
+    # The workers it started were kept between epochs, unless persistent_workers=False.
+    assert loader.persistent_workers == persistent
     assert len({tuple(e) for e in got}) > 1  # the shuffle did shuffle
 
 
