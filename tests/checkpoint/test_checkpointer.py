@@ -427,7 +427,7 @@ def test_restore_refuses_a_device_that_is_not_one_before_reading_any_file(
 def test_a_plain_dict_gets_the_entries_it_lacks_and_a_tensor_is_copied_into(
     tmp_path: Path,
 ) -> None:
-    queue = torch.zeros(4, dtype=torch.float64)
+    queue = torch.zeros(4)
     state: dict[str, Any] = {"model": _model(), "meta": {}, "queue": torch.arange(4.0)}
     state["meta"].update(best_acc=0.93, best_step=100)
     Checkpointer(tmp_path).save(state, step=100)
@@ -435,11 +435,13 @@ def test_a_plain_dict_gets_the_entries_it_lacks_and_a_tensor_is_copied_into(
     live: dict[str, Any] = {"model": _model(), "meta": meta, "queue": queue}
     assert Checkpointer(tmp_path).restore(live) == 100
     assert live["meta"] is meta and meta == {"tag": "kept", "best_acc": 0.93, "best_step": 100}
-    assert live["queue"] is queue and queue.dtype == torch.float64  # into the live tensor
-    assert torch.equal(queue, torch.arange(4.0, dtype=torch.float64))
-    live["queue"] = torch.zeros(3)  # another shape: replaced by the saved one
-    Checkpointer(tmp_path).restore(live)
-    assert torch.equal(live["queue"], torch.arange(4.0))
+    assert live["queue"] is queue and torch.equal(queue, torch.arange(4.0))  # copied into
+    # Another shape, another dtype (never cast: 2.7 would become 2), or a tensor that cannot
+    # be written (expanded: one element in four places): replaced by the saved one.
+    for other in (torch.zeros(3), torch.zeros(4, dtype=torch.int64), torch.zeros(1).expand(4)):
+        live["queue"] = other
+        Checkpointer(tmp_path).restore(live)
+        assert live["queue"] is not other and torch.equal(live["queue"], torch.arange(4.0))
 
 
 def test_a_nested_state_dict_is_saved_with_its_keys_as_given(tmp_path: Path) -> None:

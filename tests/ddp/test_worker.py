@@ -79,3 +79,32 @@ def test_a_main_spawned_workers_cannot_import_is_named_with_the_import_error(
     assert "start_method='fork'" in text
     assert "Traceback from rank" in text and "ModuleNotFoundError" in text
     assert "without reporting an error" not in text
+
+
+def _round_trip(*args: object) -> tuple[object, ...]:
+    import pickle
+
+    from trainperf.ddp._worker import _pack
+
+    main, copied, kwargs = pickle.loads(_pack((workers.add, args, {})))
+    assert main is workers.add and kwargs == {}
+    return tuple(copied)
+
+
+def test_arguments_reach_a_rank_as_copies_with_their_views_and_parameters_intact() -> None:
+    flat = torch.zeros(1_000_000)
+    weight = torch.nn.Parameter(torch.ones(3))
+    sparse = torch.eye(3).to_sparse()
+    base, view, param, sparse_copy = _round_trip(flat, flat[:10], weight, sparse)
+    assert isinstance(base, torch.Tensor) and isinstance(view, torch.Tensor)
+    base[0] = 7.0  # a view of the same buffer in the rank, as in the launcher
+    assert view[0] == 7.0 and flat[0] == 0.0  # and a copy of the launcher's
+    assert isinstance(param, torch.nn.Parameter) and param.requires_grad
+    assert isinstance(sparse_copy, torch.Tensor) and torch.equal(
+        sparse_copy.to_dense(), torch.eye(3)
+    )
+
+    from trainperf.ddp._worker import _pack
+
+    one = len(_pack((workers.add, (flat,), {})))
+    assert len(_pack((workers.add, (flat, *[flat[i : i + 10] for i in range(5)]), {}))) < 1.1 * one

@@ -3,6 +3,7 @@ fewer when the usable CPUs halve, old pools shut down, every change recorded."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import multiprocessing
@@ -182,6 +183,30 @@ def test_an_abandoned_epochs_workers_stop_before_the_next_pool_starts() -> None:
         pass
     gone = [not psutil.pid_exists(p) or psutil.Process(p).status() == "zombie" for p in old]
     assert gone == [True, True]
+
+
+def _alive_children() -> set[int]:
+    children = psutil.Process().children(recursive=True)
+    return {c.pid for c in children if c.status() != psutil.STATUS_ZOMBIE}
+
+
+@pytest.mark.slow  # two workers start and stop: about a second
+def test_a_loader_let_go_of_after_a_full_epoch_stops_its_workers_at_once() -> None:
+    before = _alive_children()
+    gc_was = gc.isenabled()
+    gc.disable()  # freed by its reference count, as a plain DataLoader is
+    try:
+        loader = AdaptiveDataLoader(range(16), batch_size=4, num_workers=2, persistent_workers=True)
+        assert [len(b) for b in loader] == [4, 4, 4, 4]
+        assert _alive_children() - before  # the persistent pool
+        del loader
+        deadline = time.monotonic() + 10
+        while _alive_children() - before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive_children() - before  # it was a cycle: alive until gc.collect()
+    finally:
+        if gc_was:
+            gc.enable()
 
 
 def test_change_record_protocol() -> None:

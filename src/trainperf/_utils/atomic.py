@@ -149,7 +149,7 @@ def _short(name: str, host: str) -> str:
         >>> len(_short("x" * 250 + ".pt", "node1").encode())
         210
     """
-    room = _NAME_MAX - _TAIL - len(host.encode())
+    room = max(32, _NAME_MAX - _TAIL - len(host.encode()))
     if len(name.encode()) <= room:
         return name
     digest = hashlib.sha1(name.encode()).hexdigest()[:12]

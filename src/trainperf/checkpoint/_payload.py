@@ -179,11 +179,7 @@ def _restore_value(live: Any, saved: Any, where: str) -> Any:
         live.load_state_dict(saved)
         return _KEEP
     if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor):
-        if live.shape != saved.shape:
-            return saved
-        with torch.no_grad():  # as load_state_dict: into the live tensor, its dtype and device
-            live.copy_(saved)
-        return _KEEP
+        return _into_tensor(live, saved)
     if isinstance(live, MutableMapping) and isinstance(saved, Mapping):
         for k in list(live):
             if k in saved:  # a plain value the file lacks keeps its live value
@@ -209,6 +205,20 @@ def _restore_value(live: Any, saved: Any, where: str) -> Any:
             live, [a if v is _KEEP else v for a, v in zip(live, values, strict=True)]
         )
     return saved
+
+
+def _into_tensor(live: torch.Tensor, saved: torch.Tensor) -> Any:
+    """``saved`` copied into ``live`` (returns ``_KEEP``: other references see it, and it
+    keeps its device) when it has the same shape and dtype and can be written; else
+    ``saved``, which replaces it (another dtype is not cast: ``2.7`` never becomes ``2``)."""
+    if live.shape != saved.shape or live.dtype != saved.dtype or live.is_inference():
+        return saved
+    try:
+        with torch.no_grad():
+            live.copy_(saved)
+    except RuntimeError:  # an expanded tensor (one element in several places): not writable
+        return saved
+    return _KEEP
 
 
 def _same_tuple(live: tuple[Any, ...], values: list[Any]) -> tuple[Any, ...]:

@@ -92,6 +92,7 @@ class WorkerSpec:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if fields["main"] is not None:
             call = (fields.pop("main"), fields.pop("args"), fields.pop("kwargs"))
+            # Once per rank: queues and pipes travel as descriptors handed to that one child.
             fields.update(main=None, args=(), kwargs={}, packed=_pack(call))
         return (_rebuild_spec, (fields,))
 
@@ -111,12 +112,21 @@ class _CopyingPickler(ForkingPickler):
     optimizer step applied to it. A CPU tensor already in shared memory
     (``tensor.share_memory_()``, ``model.share_memory()``) stays shared: that was asked for."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # One storage object per storage, so pickle's memo writes it once and views of one
+        # buffer (parameters carved out of a flat one) stay views of one copy in the rank.
+        self._storages: dict[tuple[int, Any], Any] = {}
+
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")  # not imported: there is no tensor to pickle
         if torch is None:
             return NotImplemented
         if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
+            try:
+                storage = obj.untyped_storage()
+            except (NotImplementedError, RuntimeError):  # sparse and such: no one storage
+                return obj.__reduce_ex__(2)
         elif isinstance(obj, torch.TypedStorage):  # what a tensor's reduction holds
             storage = obj._untyped_storage
         elif isinstance(obj, torch.UntypedStorage):
@@ -125,9 +135,15 @@ class _CopyingPickler(ForkingPickler):
             return NotImplemented
         if storage.device.type == "cpu" and storage.is_shared():
             return NotImplemented  # torch's reducer: shared, as the user made it
-        if isinstance(obj, torch.Tensor):
-            return obj.__reduce_ex__(2)  # by value; its storage comes back here
-        return obj.__reduce__()  # a storage by value (torch.save into bytes)
+        if not isinstance(obj, torch.Tensor):
+            return obj.__reduce__()  # a storage by value (torch.save into bytes)
+        reduced = obj.__reduce_ex__(2)  # by value; its storage comes back here
+        args = reduced[1]
+        if args and isinstance(args[0], torch.TypedStorage):
+            key = (args[0]._untyped_storage._cdata, args[0].dtype)
+            same = self._storages.setdefault(key, args[0])
+            reduced = (reduced[0], (same, *args[1:]), *reduced[2:])
+        return reduced
 
 
 def _pack(call: tuple[Any, ...]) -> bytes:

@@ -84,7 +84,8 @@ class _TimedIter:
     """
 
     def __init__(self, it: Any, loader: AdaptiveDataLoader, plan: EpochPlan | None) -> None:
-        self.it, self.loader, self.plan = it, loader, plan
+        self.it, self.plan = it, plan
+        self._loader: AdaptiveDataLoader | None = loader  # None once the epoch has ended
         self.yielded = 0  # batches of this epoch yielded, whatever pools made them
         self.returned: float | None = None
         self.returned_cpu = 0.0
@@ -99,6 +100,12 @@ class _TimedIter:
         self.workers = Workers()
         self.cpu_mark = cpu_mark()
 
+    @property
+    def loader(self) -> AdaptiveDataLoader:
+        if self._loader is None:
+            raise RuntimeError("this epoch of the adaptive loader is over")
+        return self._loader
+
     def __iter__(self) -> _TimedIter:
         return self
 
@@ -106,6 +113,8 @@ class _TimedIter:
         return len(self.it)
 
     def __next__(self) -> Any:
+        if self._loader is None:
+            raise StopIteration
         t0, c0 = time.perf_counter(), time.process_time()
         if self.returned is not None:
             self.step_s += t0 - self.returned
@@ -118,6 +127,9 @@ class _TimedIter:
             batch = next(self.it)
         except StopIteration:
             self.loader._epoch_ended(self)
+            # Over: no reference back, so a loader let go of after a full epoch is freed at
+            # once, its workers with it (a cycle would keep them until the cyclic GC ran).
+            self._loader = None
             raise
         except Exception as e:
             if _timed_out(e):  # the DataLoader waits for the same batch on the next call

@@ -109,16 +109,18 @@ def autotune_loader(
     return loader
 
 
-_BROKEN = ("crash", "hang", "pickle", "error", "unsharded")  # faults of the dataset, not the host
+_BROKEN = ("crash", "hang", "pickle", "error")  # faults of the dataset's, not the host's
 
 
 def _below_failures(report: TuningReport) -> int:
     """The most workers below every count the tuner saw fail for a reason of the dataset's
-    (a worker that crashed, hung, could not be pickled, raised; a stream that does not shard
-    across workers); the host's reasons (memory, ``/dev/shm``, CPUs) are the adaptive
-    loader's own rules to judge."""
+    (a worker that crashed, hung, could not be pickled, raised), 0 for a stream that does
+    not shard across workers; the host's reasons (memory, ``/dev/shm``, CPUs) are the
+    adaptive loader's own rules to judge."""
+    if any(c.fault == "unsharded" for c in report.candidates):
+        return 0
     failed = [c.num_workers for c in report.candidates if c.fault in _BROKEN]
-    return min(failed) - 1 if failed else 1 << 30
+    return max(0, min(failed) - 1) if failed else 1 << 30
 
 
 def _adaptive(
