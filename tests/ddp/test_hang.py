@@ -149,6 +149,19 @@ def test_every_rank_in_the_same_collective_blames_nobody() -> None:
     assert "doctor --dist" in v.advice
 
 
+@pytest.mark.parametrize("op", ["recv", "send"])
+def test_every_rank_in_a_blocking_recv_is_an_ordering_deadlock_not_the_interconnect(
+    op: str,
+) -> None:
+    v = diagnose([_waits(0, _c(1, op, line=9)), _waits(1, _c(1, op, line=9))])
+    assert (v.kind, v.root) == ("mismatch", (0, 1))
+    assert f"every peer is in a {op} too (a send/recv ordering deadlock)" in v.headline
+    assert "isend" in v.advice and f"{F}:9" in v.advice and "doctor --dist" not in v.advice
+    # A send facing a recv that never completes is another story (other src/dst or tags).
+    mixed = diagnose([_waits(0, _c(1, "send")), _waits(1, _c(1, "recv"))])
+    assert "ordering deadlock" not in mixed.headline
+
+
 def test_ranks_all_stuck_outside_collectives_are_all_named() -> None:
     v = diagnose([_busy(0, "dataloader"), _busy(1, "dataloader")])
     assert (v.kind, v.root) == ("outside", (0, 1))

@@ -232,6 +232,12 @@ _ADVICE = {
         "shapes and dtypes: look for an `if` that depends on the rank or the data around "
         "{site}. TORCH_DISTRIBUTED_DEBUG=DETAIL checks every call as it is made."
     ),
+    "p2p": (
+        "Fix: order the point-to-point calls so that one side of each pair sends while the "
+        "other receives (even ranks send first, odd ranks receive first), or start both "
+        "without blocking (dist.isend / dist.irecv, or dist.batch_isend_irecv) and wait on "
+        "them; see {site}."
+    ),
     "stalled": (
         "Fix: no rank is missing from the collective, so the stall is below Python: the "
         "interconnect (run `trainperf doctor --dist`; NCCL_DEBUG=INFO names the transport), "
@@ -243,7 +249,7 @@ _ADVICE = {
 def _advice(kind: str, root: list[RankView]) -> str:
     first = root[0] if root else None
     site = first.where.site if first and first.where else "the call site"
-    if first and first.collective and kind in ("mismatch", "behind"):
+    if first and first.collective and kind in ("mismatch", "behind", "p2p"):
         site = first.collective.site
     who = _ranks([v.rank for v in root]) if root else "every rank"
     return _ADVICE[kind].format(who=who, site=site, cap=BUSY_CAP)
@@ -346,6 +352,18 @@ def _same_call(waiting: list[RankView]) -> Verdict:
             "collective calls, so one was skipped earlier"
         )
         return Verdict("behind", tuple(v.rank for v in root), headline, _advice("mismatch", root))
+    ops = {v.collective.op for v in waiting if v.collective is not None}
+    if len(ops) == 1 and ops <= {"send", "recv"} and all(v.collective for v in waiting):
+        # Each waits for a peer that is itself waiting in the same blocking call.
+        (op,) = ops
+        headline = (
+            f"every rank {waiting[0].doing()}: a blocking {op} returns only once its peer "
+            f"has {'sent' if op == 'recv' else 'received'}, and every peer is in a {op} too "
+            "(a send/recv ordering deadlock)"
+        )
+        return Verdict(
+            "mismatch", tuple(v.rank for v in waiting), headline, _advice("p2p", waiting)
+        )
     doing = waiting[0].doing() if waiting else "nothing"
     headline = f"every rank {doing}, and none is missing from it"
     return Verdict("stalled", (), headline, _advice("stalled", []))
