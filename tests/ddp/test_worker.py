@@ -108,3 +108,11 @@ def test_arguments_reach_a_rank_as_copies_with_their_views_and_parameters_intact
 
     one = len(_pack((workers.add, (flat,), {})))
     assert len(_pack((workers.add, (flat, *[flat[i : i + 10] for i in range(5)]), {}))) < 1.1 * one
+
+
+def test_an_exception_class_of_a_spawned_script_is_named_as_the_user_wrote_it() -> None:
+    from trainperf.ddp._worker import _describe
+
+    mp_main = type("MyErr", (Exception,), {"__module__": "__mp_main__"})
+    assert _describe(1, mp_main("boom")).type_name == "__main__.MyErr"
+    assert _describe(1, ValueError("x")).type_name == "ValueError"

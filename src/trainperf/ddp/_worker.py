@@ -238,9 +238,9 @@ def _user_frames(tb: TracebackType | None) -> TracebackType | None:
 
 def _describe(rank: int, exc: BaseException, stage: str = "main") -> Failure:
     cls = type(exc)
-    name = (
-        cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
-    )
+    # A spawned rank imports the script as __mp_main__: the user wrote it as __main__.
+    module = "__main__" if cls.__module__ == "__mp_main__" else cls.__module__
+    name = cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
     return Failure(
         rank=rank,
         pid=os.getpid(),
