@@ -9,6 +9,7 @@ and why. ``budget_s=3`` with 16 s batches took 16 s, silently; with a 2 s ``step
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from typing import Any
 
@@ -85,8 +86,11 @@ def test_a_batch_slower_than_the_budget_runs_once_and_is_reported(cache: bool) -
     (over,) = [n for n in report.notes if n.startswith("tuning took")]
     assert "over budget_s=1: work in this process cannot be cut short" in over
     assert "a budget_s of at least" in over
-    if not cache:
-        assert "(a batch loaded in this process, num_workers=0, took 1.5 s)" in over
+    if not cache:  # the 1.5 s batch, with what timing it adds (1.6 s on a busy host)
+        took = re.search(
+            r"\(a batch loaded in this process, num_workers=0, took (\d+\.\d) s\)", over
+        )
+        assert took is not None and float(took.group(1)) >= 1.5, over
 
 
 @pytest.mark.slow  # about 1.5 s: two 0.6 s batches
