@@ -113,8 +113,8 @@ class _TimedIter:
         return len(self.it)
 
     def __next__(self) -> Any:
-        if self._loader is None:
-            raise StopIteration
+        if self._loader is None:  # the epoch is over: its exhausted iterator says so again
+            return next(iter(()))
         t0, c0 = time.perf_counter(), time.process_time()
         if self.returned is not None:
             self.step_s += t0 - self.returned
