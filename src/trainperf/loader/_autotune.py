@@ -8,7 +8,7 @@ out-of-memory killer, ``kill -9``, a scheduler's hard stop) leaves no worker beh
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -129,7 +129,7 @@ def _adaptive(
     *,
     keep_workers: bool,
     bound: int | None,
-    given: dict[str, Any] | None = None,
+    given: Mapping[str, Any],
 ) -> TunedDataLoader:
     """The adaptive loader from the tuner's settings: within the caller's ``max_workers``
     (``bound``), else the adaptive loader's own default bound, not the tuner's; the
@@ -144,7 +144,6 @@ def _adaptive(
 
     most = adaptive_max_workers(report.cpus) if bound is None else bound
     kwargs = dict(report.best_kwargs)
-    given = given or {}
     for kept in ("multiprocessing_context", "timeout"):  # dropped with num_workers=0
         if given.get(kept) and not kwargs.get(kept):
             kwargs[kept] = given[kept]
