@@ -186,6 +186,46 @@ def test_an_abandoned_epochs_workers_stop_before_the_next_pool_starts() -> None:
     assert gone == [True, True]
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_iterators_at_once_raise_rather_than_split_or_lose_the_epoch(workers: int) -> None:
+    # They shared one sampler (without workers each got every other batch) or the first
+    # lost its workers (with them it ended at once, empty): silently short epochs.
+    loader = AdaptiveDataLoader(list(range(16)), batch_size=4, num_workers=workers)
+    with pytest.raises(RuntimeError, match=r"stopped before its epoch ended, by a newer iter"):
+        for _a, _b in zip(loader, loader, strict=True):
+            pass
+    loader.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_peek_then_a_full_epoch_still_works(workers: int) -> None:
+    loader = AdaptiveDataLoader(list(range(16)), batch_size=4, num_workers=workers)
+    first = next(iter(loader))  # the peek's iterator is never used again
+    assert first.tolist() == [0, 1, 2, 3]
+    assert [x for b in loader for x in b.tolist()] == list(range(16))
+    loader.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_iterator_used_after_close_raises_and_the_next_epoch_is_whole(workers: int) -> None:
+    loader = AdaptiveDataLoader(list(range(16)), batch_size=4, num_workers=workers)
+    it = iter(loader)
+    next(it)
+    loader.close()
+    with pytest.raises(RuntimeError, match=r"by close\(\).*once the loop is done"):
+        next(it)
+    assert [x for b in loader for x in b.tolist()] == list(range(16))
+    loader.close()
+
+
+def test_a_finished_epochs_iterator_stays_finished_after_close() -> None:
+    loader = AdaptiveDataLoader(list(range(8)), batch_size=4)
+    it = iter(loader)
+    assert len(list(it)) == 2
+    loader.close()
+    assert list(it) == []
+
+
 def _alive_children() -> set[int]:
     children = psutil.Process().children(recursive=True)
     return {c.pid for c in children if c.status() != psutil.STATUS_ZOMBIE}

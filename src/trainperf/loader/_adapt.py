@@ -90,6 +90,7 @@ class _TimedIter:
         self.returned: float | None = None
         self.returned_cpu = 0.0
         self.final: EpochFigures | None = None
+        self.cut_by: str | None = None  # what ended it before its epoch did (see cut)
         self.new_window()
 
     def new_window(self) -> None:
@@ -115,6 +116,8 @@ class _TimedIter:
     def __next__(self) -> Any:
         if self._loader is None:  # the epoch is over: its exhausted iterator says so again
             return next(iter(()))
+        if self.cut_by is not None:
+            raise RuntimeError(_cut_message(self.cut_by))
         t0, c0 = time.perf_counter(), time.process_time()
         if self.returned is not None:
             self.step_s += t0 - self.returned
@@ -155,6 +158,13 @@ class _TimedIter:
         self.workers.read(self.it, t1)
         self.returned, self.returned_cpu = time.perf_counter(), time.process_time()
         return batch
+
+    def cut(self, by: str) -> None:
+        """The epoch's workers or sampler are taken away by ``by`` (a newer ``iter()``,
+        ``close()``): an unfinished iterator refuses further batches from then on rather than
+        end early or share the next epoch's."""
+        if self._loader is not None and self.cut_by is None:
+            self.cut_by = by
 
     def _count(self) -> None:
         """One more batch of this epoch used up (yielded, or failed to load)."""
@@ -556,14 +566,17 @@ class AdaptiveDataLoader(TunedDataLoader):
         """Stop a finished or abandoned (``break``) epoch's own workers before a new pool
         starts; a persistent pool is the loader's and stays."""
         self._current = None
+        timed.cut(_BY_ITER)
         if timed.it is not self._iterator:
             _shut_down(timed.it)
 
     def close(self) -> None:
         """Stop the workers now (a persistent pool's otherwise live until the loader is
         garbage-collected, as with any DataLoader); the next ``iter()`` starts anew."""
-        if self._current is not None and self._current.it is not self._iterator:
-            _shut_down(self._current.it)
+        if self._current is not None:
+            self._current.cut(_BY_CLOSE)
+            if self._current.it is not self._iterator:
+                _shut_down(self._current.it)
         self._shut_down_pool()
 
     def _shut_down_pool(self) -> None:
@@ -623,6 +636,31 @@ def _wraps_index_sampler(cls: type) -> bool:
     """Whether a subclass of :class:`AdaptiveDataLoader` redefines ``_index_sampler``."""
     own = AdaptiveDataLoader.__dict__["_index_sampler"]
     return inspect.getattr_static(cls, "_index_sampler") is not own
+
+
+_BY_ITER, _BY_CLOSE = "a newer iter() of the same loader", "close()"
+_CUT_FIX = {
+    _BY_CLOSE: "call close() once the loop is done; a new iter(loader) starts a new epoch",
+    _BY_ITER: (
+        "take one iterator per epoch (not zip(loader, loader) or a loop over the loader "
+        "inside a loop over it); where two streams are needed, build two loaders"
+    ),
+}
+
+
+def _cut_message(by: str) -> str:
+    """Why an adaptive loader's iterator gives no more batches before its epoch ended.
+
+    Example:
+        >>> _cut_message("close()").split(":")[0]
+        'this AdaptiveDataLoader iterator was stopped before its epoch ended, by close()'
+    """
+    return (
+        f"this AdaptiveDataLoader iterator was stopped before its epoch ended, by {by}: an "
+        "adaptive loader runs one epoch at a time (its workers and its sampler's order are "
+        "shared), so the rest of this epoch is not given out rather than lost or split "
+        f"between two iterators. Fix: {_CUT_FIX[by]}"
+    )
 
 
 def _shut_down(it: Any) -> None:
