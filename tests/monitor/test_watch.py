@@ -528,3 +528,20 @@ def test_a_reading_after_old_steps_were_dropped_spreads_over_every_step_it_cover
         for _ in range(16):
             w.step()
     assert [s.cpu_delay for s in w.report().timeline] == pytest.approx([0.001] * 4)
+
+
+def test_w_iter_has_the_loaders_length_for_a_progress_bar() -> None:
+    loader = DataLoader(TensorDataset(torch.zeros(10, 2)), batch_size=3)
+    with watch(device="cpu") as w:
+        batches = w.iter(loader)
+        assert len(batches) == 4
+        assert sum(1 for _ in batches) == 4
+        assert len(batches) == 4  # the epoch's, as a DataLoader's len() is
+
+
+def test_w_iter_of_a_generator_has_no_length_and_still_lists() -> None:
+    with watch(device="cpu") as w:
+        batches = w.iter(x for x in range(3))
+        with pytest.raises(TypeError, match=r"the generator given to w.iter\(\) has no len"):
+            len(batches)
+        assert list(batches) == [0, 1, 2]

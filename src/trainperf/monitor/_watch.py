@@ -69,6 +69,25 @@ _SETTLE_EVERY = 16  # steps between reads of the loop thread's schedstat (see _s
 _RUN_IT = "inside `with trainperf.watch() as w:`, or between w.start() and w.stop()"
 
 
+class _Timed(Iterator[T]):
+    """What :meth:`Watch.iter` returns: the timed items, with the iterable's ``len()``."""
+
+    def __init__(self, items: Iterator[T], iterable: Iterable[T]) -> None:
+        self._items, self._iterable = items, iterable
+
+    def __iter__(self) -> _Timed[T]:
+        return self
+
+    def __next__(self) -> T:
+        return next(self._items)
+
+    def __len__(self) -> int:
+        if not hasattr(self._iterable, "__len__"):
+            name = type(self._iterable).__name__
+            raise TypeError(f"the {name} given to w.iter() has no len()")
+        return len(self._iterable)  # type: ignore[arg-type]
+
+
 class Watch:
     """Times a training loop and samples GPU and CPU use; see :func:`watch`.
 
@@ -272,12 +291,16 @@ class Watch:
             RuntimeError: the watch is not running (use it inside ``with``, or between
                 :meth:`start` and :meth:`stop`).
 
+        The iterator it returns has the length of ``iterable`` where that has one (a
+        DataLoader's batches per epoch: a progress bar's total).
+
         Example:
             >>> with watch(device="cpu") as w:
-            ...     for batch in w.iter([torch.zeros(4, 2)] * 3):
+            ...     batches = w.iter([torch.zeros(4, 2)] * 3)
+            ...     for batch in batches:
             ...         w.step()
-            >>> [s.samples for s in w.report().timeline]
-            [4, 4, 4]
+            >>> len(batches), [s.samples for s in w.report().timeline]
+            (3, [4, 4, 4])
         """
         if self._state != "running":
             raise RuntimeError(f"w.iter() needs a running watch: use it {_RUN_IT}")
@@ -292,7 +315,7 @@ class Watch:
         history = getattr(iterable, "tuning_history", None)
         history = history if isinstance(history, list) else None
         seen = len(history) if history is not None else 0
-        return self._iterate(iter(iterable), history, seen)
+        return _Timed(self._iterate(iter(iterable), history, seen), iterable)
 
     def _iterate(self, it: Iterator[T], history: list[Any] | None, seen: int) -> Iterator[T]:
         clock, cpu = time.perf_counter, time.thread_time
