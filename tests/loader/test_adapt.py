@@ -570,3 +570,17 @@ def test_an_increase_that_gained_a_little_is_held() -> None:
     held = figures(num_workers=first.num_workers, wait_s=0.396, step_s=0.99, **kw)
     assert loader._decide(held, limits) is None
     assert loader._decide(held, limits) is None
+
+
+def test_repr_shows_the_settings_it_runs_with_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    _scripted(monkeypatch, [(2, 3)])
+    loader = AdaptiveDataLoader(list(range(8)), batch_size=4)
+    assert repr(loader) == (
+        "AdaptiveDataLoader(batch_size=4, num_workers=0, pin_memory=False, changes=0)"
+    )
+    _epochs(loader, 2)
+    assert repr(loader) == (
+        "AdaptiveDataLoader(batch_size=4, num_workers=2, prefetch_factor=3, pin_memory=False, "
+        "persistent_workers=True, changes=1)"
+    )
+    loader.close()

@@ -346,6 +346,9 @@ class AdaptiveDataLoader(TunedDataLoader):
             return f"its index sampler is wrapped ({type(self).__name__})"
         return self._why_not_mid_epoch
 
+    def _repr_extra(self) -> dict[str, Any]:
+        return {"changes": len(self.tuning_history)}
+
     @property
     def _real_index_sampler(self) -> Any:
         return DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]

@@ -46,6 +46,26 @@ class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
         if self.num_workers > 0:
             self.worker_init_fn = DieWithParent(self.worker_init_fn)
 
+    def __repr__(self) -> str:
+        """The settings it runs with now (an adaptive loader's change them).
+
+        Example:
+            >>> TunedDataLoader(range(8), batch_size=4, pin_memory=True)
+            TunedDataLoader(batch_size=4, num_workers=0, pin_memory=True)
+        """
+        settings = {"batch_size": self.batch_size, "num_workers": self.num_workers}
+        if self.num_workers:
+            settings["prefetch_factor"] = self.prefetch_factor
+        settings["pin_memory"] = self.pin_memory
+        if self.num_workers:
+            settings["persistent_workers"] = self.persistent_workers
+        settings.update(self._repr_extra())
+        text = ", ".join(f"{k}={v!r}" for k, v in settings.items())
+        return f"{type(self).__name__}({text})"
+
+    def _repr_extra(self) -> dict[str, Any]:
+        return {}
+
 
 def autotune_loader(
     dataset: Any,
