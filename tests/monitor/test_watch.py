@@ -542,6 +542,7 @@ def test_w_iter_has_the_loaders_length_for_a_progress_bar() -> None:
 def test_w_iter_of_a_generator_has_no_length_and_still_lists() -> None:
     with watch(device="cpu") as w:
         batches = w.iter(x for x in range(3))
+        assert batches and w.iter([])  # true as any iterator, not by its len()
         with pytest.raises(TypeError, match=r"the generator given to w.iter\(\) has no len"):
             len(batches)
         assert list(batches) == [0, 1, 2]

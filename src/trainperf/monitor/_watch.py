@@ -81,6 +81,9 @@ class _Timed(Iterator[T]):
     def __next__(self) -> T:
         return next(self._items)
 
+    def __bool__(self) -> bool:  # an iterator is true, whatever its len() says
+        return True
+
     def __len__(self) -> int:
         if not hasattr(self._iterable, "__len__"):
             name = type(self._iterable).__name__
