@@ -517,8 +517,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         change = self._decide(f, limits)
         plan = timed.plan
         if change is not None and plan is not None:
-            if timed.it is not self._iterator:  # this epoch's own pool, not the loader's
-                _shut_down(timed.it)
+            self._shut_down_own(timed)
             self._apply(change, f, epoch=self._epoch - 1, epoch_batch=timed.yielded)
             plan.resume_at(timed.yielded)
             try:
@@ -570,6 +569,10 @@ class AdaptiveDataLoader(TunedDataLoader):
         starts; a persistent pool is the loader's and stays."""
         self._current = None
         timed.cut(_BY_ITER)
+        self._shut_down_own(timed)
+
+    def _shut_down_own(self, timed: _TimedIter) -> None:
+        """Stop the workers of an epoch's own pool (not the loader's persistent one)."""
         if timed.it is not self._iterator:
             _shut_down(timed.it)
 
@@ -578,8 +581,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         garbage-collected, as with any DataLoader); the next ``iter()`` starts anew."""
         if self._current is not None:
             self._current.cut(_BY_CLOSE)
-            if self._current.it is not self._iterator:
-                _shut_down(self._current.it)
+            self._shut_down_own(self._current)
         self._shut_down_pool()
 
     def _shut_down_pool(self) -> None:
