@@ -67,3 +67,34 @@ def test_sample_signature_describes_shapes_and_types_not_values() -> None:
         "id": "str",
     }
     assert sample_signature(torch.zeros(2, 4)) != sample_signature(torch.zeros(2, 3))
+
+
+def test_concurrent_writers_keep_each_other_s_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: each writer read the file, added its entry and replaced the file, so one
+    # that read before the other wrote dropped the other's entry (two ranks, two jobs).
+    import threading
+
+    path = tmp_path / "c.json"
+    read_done, go_on = threading.Event(), threading.Event()
+    load = cache._load
+
+    def slow_load(p: Path) -> dict[str, object]:
+        entries = load(p)
+        if threading.current_thread().name == "first":
+            read_done.set()
+            go_on.wait(10)
+        return entries
+
+    monkeypatch.setattr(cache, "_load", slow_load)
+    first = threading.Thread(target=write_entry, args=("a", {"x": 1}, path), name="first")
+    first.start()
+    assert read_done.wait(10)
+    second = threading.Thread(target=write_entry, args=("b", {"x": 2}, path), name="second")
+    second.start()
+    second.join(0.5)  # it waits for the lock the first writer holds
+    go_on.set()
+    first.join(10)
+    second.join(10)
+    assert read_entry("a", path) is not None and read_entry("b", path) is not None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from trainperf._utils.qualname import qualname
+from trainperf._utils.qualname import code_digest, qualname
 
 
 def _top_level(batch: object) -> None:
@@ -14,7 +14,7 @@ def _top_level(batch: object) -> None:
 def test_classes_functions_and_instances_are_named_by_module_and_qualname() -> None:
     assert qualname(dict) == "builtins.dict"
     assert qualname({}) == "builtins.dict"  # an instance counts by its type
-    assert qualname(_top_level) == f"{__name__}._top_level"
+    assert qualname(_top_level).split("#")[0] == f"{__name__}._top_level"
 
 
 def test_nested_functions_and_lambdas_add_where_they_are_defined() -> None:
@@ -32,4 +32,30 @@ def test_nested_functions_and_lambdas_add_where_they_are_defined() -> None:
 
 
 def test_a_partial_names_its_function() -> None:
-    assert qualname(functools.partial(_top_level, 1)) == f"functools.partial({__name__}._top_level)"
+    assert (
+        qualname(functools.partial(_top_level, 1)) == f"functools.partial({qualname(_top_level)})"
+    )
+
+
+def test_a_function_s_name_changes_with_its_body() -> None:
+    # Before: a module-level step was named only by module and qualname, so editing it (a
+    # bigger model built inside, another loss) kept the old cached batch size.
+    source = "def step(batch):\n    return batch{}\n"
+    first, edited, same = ({"__name__": "train"} for _ in range(3))
+    exec(source.format(" + 1"), first)
+    exec(source.format(" * 2"), edited)
+    exec(source.format(" + 1"), same)
+    assert qualname(first["step"]) != qualname(edited["step"])
+    assert qualname(first["step"]) == qualname(same["step"])
+    assert qualname(first["step"]).startswith("train.step#")
+
+
+def test_nested_functions_count_in_their_outer_function_s_digest() -> None:
+    def outer_a() -> object:
+        return lambda: 1
+
+    def outer_b() -> object:
+        return lambda: 2
+
+    assert code_digest(outer_a.__code__) != code_digest(outer_b.__code__)
+    assert code_digest(outer_a.__code__) == code_digest(outer_a.__code__)

@@ -85,3 +85,40 @@ def oom_on_rank_1(where: str) -> dict[str, Any]:
         "reasons": {c.batch_size: c.reason for c in report.candidates if c.status == "oom"},
         "notes": list(report.notes),
     }
+
+
+def cache_on_rank_0_only(cache_root: str) -> dict[str, Any]:
+    """Tune twice, each rank with its own cache directory; before the second call rank 1's
+    cache file is removed, so only rank 0 finds the stored choice."""
+    import os
+
+    import torch.distributed as dist
+
+    from trainperf.batchsize._cache import cache_path
+
+    torch.set_num_threads(1)
+    _tune.DEFAULT_PROBE = QUICK
+    rank = dist.get_rank()
+    os.environ["XDG_CACHE_HOME"] = os.path.join(cache_root, f"rank{rank}")
+
+    def step(x: torch.Tensor) -> None:
+        x.square().sum()
+
+    def tune() -> Any:
+        return tune_batch_size(
+            step, lambda n: torch.zeros(n, 4), device="cpu", max_size=8, budget_s=60,
+            progress=False,
+        )  # fmt: skip
+
+    first = tune()
+    stored = cache_path().exists()
+    dist.barrier()
+    if rank == 1:
+        cache_path().unlink()
+    dist.barrier()
+    second = tune()
+    return {
+        "stored": stored,
+        "from_cache": (first.from_cache, second.from_cache),
+        "batch_size": second.batch_size,
+    }

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.batchsize._workers import oom_on_rank_1, tune_ddp
+from tests.batchsize._workers import cache_on_rank_0_only, oom_on_rank_1, tune_ddp
 from tests.ddp._distributed import FORK, fast_start_method, spawn
 from trainperf.batchsize._agree import Agreement, world_size
 from trainperf.ddp import launch_all
@@ -69,3 +71,19 @@ def test_an_oom_on_one_rank_in_a_probe_stops_both_alike() -> None:
     assert oom and oom[0] >= 32 and r0["batch_size"] < 32, r0  # type: ignore[operator]
     assert all(r0["reasons"][n] == "out of memory on another rank" for n in oom)  # type: ignore[index]
     assert all(r1["reasons"][n].startswith("CUDA out of memory (simulated") for n in oom)  # type: ignore[index]
+
+
+@pytest.mark.slow  # two ranks started and tuned twice
+def test_a_cached_choice_on_one_rank_only_is_tuned_again_on_both_without_a_hang(
+    tmp_path: Path,
+) -> None:
+    # Before: the rank holding an entry checked its memory limit in an all-reduce the
+    # other rank never joined (it went straight to the search's own collectives).
+    results = launch_all(
+        cache_on_rank_0_only, str(tmp_path), nprocs=2, backend="gloo",
+        start_method=fast_start_method(), timeout=90.0, hang_timeout=15.0,
+    )  # fmt: skip
+    r0, r1 = results
+    assert r0["stored"] and r1["stored"]
+    assert r0["from_cache"] == r1["from_cache"] == (False, False)
+    assert r0["batch_size"] == r1["batch_size"]

@@ -56,6 +56,8 @@ def test_good_arguments_pass() -> None:
         ({"num_workers": -1}, r"num_workers must be an int >= 0, got -1"),
         ({"prefetch_factor": 0, "num_workers": 2}, r"prefetch_factor must be None or an int"),
         ({"prefetch_factor": 2}, r"prefetch_factor=2 needs num_workers > 0"),
+        ({"progress": "no"}, r"progress must be one of \(True, False\), got 'no'"),
+        ({"cache": None}, r"cache must be one of \(True, False\), got None"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(changes: dict[str, Any], message: str) -> None:

@@ -97,3 +97,16 @@ def test_an_entry_is_used_only_when_it_still_fits() -> None:
 def test_wrappers_are_told_apart_by_the_model_inside() -> None:
     a, b = nn.DataParallel(nn.Linear(4, 4)), nn.DataParallel(nn.Sequential(nn.Linear(4, 4)))
     assert key(objects=[a]) != key(objects=[b])
+
+
+def test_an_edited_entry_whose_report_fields_are_spoilt_is_not_used() -> None:
+    # Before: these passed the check and the hit crashed in str()/to_dict() of the report.
+    space = SizeSpace(1, None, per_rank=64)
+    for field, value in [("samples_per_s", "fast"), ("memory_limit", "lots"),
+                         ("batch_bytes", -3), ("memory_kind", 5)]:  # fmt: skip
+        why = cache_misfit(entry(**{field: value}), space, None) or ""
+        assert why.startswith(f"{field}={value!r} is not"), why
+    assert (
+        cache_misfit(entry(samples_per_s=12.5, memory_limit=None, batch_bytes=64), space, None)
+        is None
+    )

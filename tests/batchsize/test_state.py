@@ -230,3 +230,48 @@ def test_an_optimizer_s_own_counter_in_its_state_is_kept() -> None:
     opt.state["global_step"] = 9  # type: ignore[index]
     saved.restore()
     assert opt.state["global_step"] == 7  # type: ignore[index]
+
+
+class _GrowingCache(nn.Module):
+    """A persistent buffer the forward pass regrows to the batch (some positional caches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+        self.register_buffer("cache", torch.zeros(1, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cache.shape[0] < len(x):
+            self.cache = torch.zeros(len(x), 8)
+        return self.lin(x + self.cache[: len(x)])
+
+
+def test_a_persistent_buffer_that_changed_shape_is_put_back_with_everything_else() -> None:
+    # Before: load_state_dict refused the size mismatch, and the optimizer's moments and the
+    # gradients were left as the probe left them.
+    model = nn.Sequential(_GrowingCache())
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    before = state_of(model, opt)
+    saved = SavedState.save(stateful_objects(model, opt))
+    model(torch.randn(16, 8)).sum().backward()
+    opt.step()
+    assert model[0].cache.shape == (16, 8) and len(opt.state) == 2
+    saved.restore()
+    assert model[0].cache.shape == (1, 8)
+    assert same_state(before, state_of(model, opt)) and len(opt.state) == 0
+    assert model[0].lin.weight.grad is None
+
+
+def test_an_error_restoring_one_object_still_restores_the_rest_then_raises() -> None:
+    t = Trainer()
+    saved = SavedState.save(stateful_objects(t.model, t.opt))
+    t(sample(8))
+
+    def refuse(state: object) -> None:
+        raise RuntimeError("refused")
+
+    t.model.load_state_dict = refuse  # type: ignore[method-assign,assignment]
+    with pytest.raises(RuntimeError, match="refused"):
+        saved.restore()
+    assert len(t.opt.state) == 0  # the optimizer, after the model, was still put back
+    assert all(p.grad is None for p in t.model.parameters())

@@ -10,10 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from tests.batchsize._fakes import Trainer, same_state, sample, state_of
 from trainperf import BatchSizeReport, tune_batch_size
 from trainperf._utils.imports import is_available
+from trainperf.batchsize import _tune
 from trainperf.batchsize._cache import cache_path
 
 pytestmark = pytest.mark.usefixtures("quick")
@@ -206,3 +208,23 @@ def test_a_scheduler_the_step_advances_stands_still_and_need_not_be_passed() -> 
     assert "step" not in vars(sched)  # its own step() again
     sched.step()
     assert sched.last_epoch == before["last_epoch"] + 1
+
+
+@pytest.mark.slow
+def test_a_choice_cut_short_by_the_budget_is_not_cached() -> None:
+    # Before: a 0-second budget's choice (the first size) was stored, and a later call with
+    # a minute to spare reused it without measuring anything.
+    t = Trainer()
+    short = tune(t, max_size=8, budget_s=1e-9, cache=True)
+    assert any(c.status == "skipped" and "budget" in (c.reason or "") for c in short.candidates)
+    assert "the choice was not cached: budget_s cut the search short" in short.notes
+    assert not cache_path().exists()
+    assert not tune(t, max_size=8, cache=True).from_cache
+
+
+def test_the_device_defaults_to_where_the_optimizer_s_parameters_are() -> None:
+    # Before: optimizer= without model= fell back to the best device, not theirs.
+    weight = nn.Parameter(torch.zeros(2, device="meta"))
+    opt = torch.optim.SGD([weight], lr=0.1)
+    assert _tune._device(None, [opt]) == torch.device("meta")
+    assert _tune._device("cpu", [opt]) == torch.device("cpu")

@@ -8,17 +8,21 @@ hash of what decides the answer (:func:`make_key`; a batch's shape and types by
 :func:`sample_signature`). Writes are atomic (:func:`trainperf._utils.atomic.write_atomically`:
 a temporary file fsynced and renamed over the old one, then the directory fsynced), so an
 interrupted run or two ranks writing at once never leave half a file, and temp files of
-killed writers are cleaned up; a file that does not parse is ignored and replaced on the
-next write; old entries are dropped past :data:`MAX_ENTRIES`.
+killed writers are cleaned up; the read-add-write of an entry holds a lock on the
+directory so concurrent writers do not drop each other's entries; a file that does not
+parse is ignored and replaced on the next write; old entries are dropped past
+:data:`MAX_ENTRIES`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -123,14 +127,31 @@ def write_entry(key: str, entry: dict[str, Any], path: Path) -> None:
         >>> read_entry("k", p)["num_workers"]
         1
     """
-    entries = _load(path)
-    entries[key] = {**entry, "created": time.time()}
-    if len(entries) > MAX_ENTRIES:
-        newest = sorted(entries.items(), key=lambda kv: kv[1].get("created", 0), reverse=True)
-        entries = dict(newest[:MAX_ENTRIES])
-    data = json.dumps({"version": _VERSION, "entries": entries}, indent=1, sort_keys=True)
+    with _locked(path):
+        entries = _load(path)
+        entries[key] = {**entry, "created": time.time()}
+        if len(entries) > MAX_ENTRIES:
+            newest = sorted(entries.items(), key=lambda kv: kv[1].get("created", 0), reverse=True)
+            entries = dict(newest[:MAX_ENTRIES])
+        data = json.dumps({"version": _VERSION, "entries": entries}, indent=1, sort_keys=True)
 
-    def write(f: IO[bytes]) -> None:
-        f.write(data.encode())
+        def write(f: IO[bytes]) -> None:
+            f.write(data.encode())
 
-    write_atomically(path, write)
+        write_atomically(path, write)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path``'s directory while it is held, so that writers (the
+    ranks of one job, two jobs on one host) each add their entry to what the last one wrote
+    instead of all but one being lost. Where the filesystem refuses ``flock`` (some network
+    filesystems) the write goes ahead unlocked, still atomic."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock

@@ -9,15 +9,18 @@ cache (:mod:`trainperf.batchsize._cache`).
 from __future__ import annotations
 
 import functools
+import hashlib
+import types
 from typing import Any
 
-__all__ = ["qualname"]
+__all__ = ["code_digest", "qualname"]
 
 
 def qualname(obj: Any) -> str:
     """``module.qualname`` of a class or function (of the object's type otherwise); lambdas and
-    nested functions, whose names are not unique, add where they are defined, and a
-    ``functools.partial`` names its function.
+    nested functions, whose names are not unique, add where they are defined, functions
+    and methods add a hash of their body (:func:`code_digest`: a cached answer for an
+    edited step is not reused), and a ``functools.partial`` names its function.
 
     Example:
         >>> qualname(len), qualname(3)
@@ -36,5 +39,32 @@ def qualname(obj: Any) -> str:
     name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
     code = getattr(target, "__code__", None)
     if code is not None and ("<lambda>" in name or "<locals>" in name):
-        name += f"@{code.co_filename}:{code.co_firstlineno}:{code.co_code.hex()[:32]}"
+        name += f"@{code.co_filename}:{code.co_firstlineno}"
+    if isinstance(code, types.CodeType):
+        name += f"#{code_digest(code)}"
     return name
+
+
+def code_digest(code: types.CodeType) -> str:
+    """A hash of a function's body (its bytecode, constants and names, nested functions'
+    too): editing the function changes it, running it again does not.
+
+    Example:
+        >>> def f(x): return x + 1
+        >>> def g(x): return x + 2
+        >>> code_digest(f.__code__) == code_digest(g.__code__), len(code_digest(f.__code__))
+        (False, 16)
+    """
+    h = hashlib.sha256()
+    _feed(h, code)
+    return h.hexdigest()[:16]
+
+
+def _feed(h: Any, code: types.CodeType) -> None:
+    h.update(code.co_code)
+    h.update(repr(code.co_names).encode())
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _feed(h, const)  # a nested function: its body, not its repr (which has an address)
+        else:
+            h.update(repr(const).encode())

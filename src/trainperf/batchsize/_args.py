@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainperf._utils.validate import non_negative_int, positive_int, positive_number
+from trainperf._utils.validate import choice, non_negative_int, positive_int, positive_number
 from trainperf.batchsize._sizes import SizeSpace
 
 __all__ = ["check_args", "size_space"]
@@ -22,6 +22,8 @@ def check_args(
     headroom: object,
     num_workers: object,
     prefetch_factor: object,
+    progress: object = True,
+    cache: object = True,
 ) -> None:
     """Raise ``ValueError`` for the first argument ``tune_batch_size`` cannot take.
 
@@ -30,7 +32,8 @@ def check_args(
             ``global_batch`` is not a whole number >= 1 (``max_size`` and ``global_batch``
             may be None) or ``max_size < min_size``; ``budget_s`` is not a finite number of
             seconds > 0; ``headroom`` is not in ``[0, 1)``; ``num_workers`` or
-            ``prefetch_factor`` is out of range, or ``prefetch_factor`` comes without workers.
+            ``prefetch_factor`` is out of range, or ``prefetch_factor`` comes without workers;
+            ``progress`` or ``cache`` is not True or False.
 
     Example:
         >>> check_args(print, print, min_size=1, max_size=None, global_batch=256,
@@ -60,6 +63,8 @@ def check_args(
             f"headroom must be a fraction of the memory in [0, 1) (0.1 keeps 10 % free), "
             f"got {headroom!r}"
         )
+    choice("progress", progress, (True, False))
+    choice("cache", cache, (True, False))
     workers = non_negative_int("num_workers", num_workers)
     pf = positive_int("prefetch_factor", prefetch_factor, none_ok=True)
     if pf is not None and workers == 0:

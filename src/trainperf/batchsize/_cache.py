@@ -179,7 +179,7 @@ def cache_misfit(entry: Mapping[str, Any], space: SizeSpace, usable: float | Non
     )
     if not _is_int(size, 1) or not space.allowed(size):  # type: ignore[arg-type]
         return f"batch_size={size!r} is not a size this call allows"
-    expected = 1 if space.per_rank is None else space.per_rank // size  # type: ignore[operator]
+    expected = space.accumulation(size)  # type: ignore[arg-type]
     if accum != expected:
         return f"accumulation_steps={accum!r} does not make up the global batch ({expected})"
     if peak is not None and not _is_int(peak, 0):
@@ -188,4 +188,18 @@ def cache_misfit(entry: Mapping[str, Any], space: SizeSpace, usable: float | Non
         return f"it peaked at {format_bytes(peak)}, {format_bytes(usable)} is usable now"
     if parsed_candidates(entry) is None:
         return "the entry is malformed: its candidates do not parse"
+    return _malformed_field(entry)
+
+
+def _malformed_field(entry: Mapping[str, Any]) -> str | None:
+    """The first of the report's other fields an edited entry spoils, or None."""
+    rate = entry.get("samples_per_s")
+    if rate is not None and (not isinstance(rate, (int, float)) or isinstance(rate, bool)):
+        return f"samples_per_s={rate!r} is not None or a number"
+    for name in ("memory_limit", "batch_bytes"):
+        value = entry.get(name)
+        if value is not None and not _is_int(value, 0):
+            return f"{name}={value!r} is not None or an int >= 0"
+    if not isinstance(entry.get("memory_kind", "unmeasured"), str):
+        return f"memory_kind={entry.get('memory_kind')!r} is not a string"
     return None

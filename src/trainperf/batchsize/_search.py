@@ -167,7 +167,10 @@ class Search:
         if self.results:
             reason = self._skip(size)
             if reason is not None:
-                c = BatchSizeCandidate(size, "skipped", reason=reason)
+                c = BatchSizeCandidate(
+                    size, "skipped", accumulation_steps=self.space.accumulation(size),
+                    reason=reason,
+                )  # fmt: skip
                 self.results.append(c)
                 return c
         c = self.probe(size)

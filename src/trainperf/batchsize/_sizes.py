@@ -53,6 +53,15 @@ class SizeSpace:
             return None
         return [d for d in _divisors(self.per_rank) if self.allowed(d)]
 
+    def accumulation(self, n: int) -> int:
+        """The steps of size ``n`` that make up the per-rank batch (1 without one).
+
+        Example:
+            >>> SizeSpace(1, None, per_rank=64).accumulation(16), SizeSpace(1, 64).accumulation(16)
+            (4, 1)
+        """
+        return 1 if self.per_rank is None else self.per_rank // n
+
     def first(self) -> int | None:
         """The smallest allowed size (None when there is none)."""
         sizes = self._divisors()

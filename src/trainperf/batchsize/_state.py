@@ -204,6 +204,26 @@ def _unsaved_buffers(objects: Iterable[Any]) -> list[Buffer]:
     return out
 
 
+def _load_state(obj: Any, state: Any, layout: Layout | None) -> None:
+    if isinstance(obj, nn.Module):
+        _match_buffer_shapes(obj, state)
+    obj.load_state_dict(copy.deepcopy(state))
+    if layout:
+        _restore_layout(obj, state, layout)
+
+
+def _match_buffer_shapes(module: nn.Module, state: Any) -> None:
+    """Put back the saved tensor itself for each persistent buffer whose shape changed since
+    it was saved (a cache a step grows with the batch), which ``load_state_dict`` would
+    refuse as a size mismatch."""
+    for name, now in list(module.named_buffers()):
+        saved = state.get(name)
+        if isinstance(saved, torch.Tensor) and now.shape != saved.shape:
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            owner._buffers[leaf] = saved.to(device=now.device, copy=True)
+
+
 def _restore_buffer(m: nn.Module, name: str, saved: torch.Tensor | None, device: Any) -> None:
     now = m._buffers.get(name)
     if saved is None or now is None or now.shape != saved.shape or now.dtype != saved.dtype:
@@ -360,10 +380,18 @@ class SavedState:
         is handed when they already have the right device and dtype, and its next step
         would then change the saved copy.
         """
+        errors: list[BaseException] = []
         for obj, state, layout in self.states:
-            obj.load_state_dict(copy.deepcopy(state))
-            if layout:
-                _restore_layout(obj, state, layout)
+            try:
+                _load_state(obj, state, layout)
+            except Exception as e:  # the rest is still put back, then the first error raised
+                errors.append(e)
+        self._restore_tensors()
+        if errors:
+            raise errors[0]
+
+    def _restore_tensors(self) -> None:
+        """Gradients, flags, modes, unsaved buffers and MixedPrecision/GradScaler flags."""
         with torch.no_grad():
             for t, saved in self.loose:
                 t.copy_(saved)

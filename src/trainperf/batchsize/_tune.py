@@ -11,13 +11,15 @@ probes (:mod:`trainperf.batchsize._probe`) and puts the state back, however the 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from trainperf._utils.cache import read_entry, write_entry
 from trainperf._utils.rng import preserved_rng
@@ -58,11 +60,12 @@ class _Call:
     started: float
 
     def usable(self, memory: MemoryReader) -> float | None:
-        """``(1 - headroom)`` of the memory limit, the smallest over the ranks."""
-        if memory.limit is None:
-            return None
-        _, (low,) = self.agree.combine(minima=[(1.0 - self.headroom) * memory.limit])
-        return low
+        """``(1 - headroom)`` of the memory limit, the smallest over the ranks (None where
+        no rank measures one). Every rank takes part, limit or not: a collective some ranks
+        skip would leave the others waiting forever."""
+        mine = math.inf if memory.limit is None else (1.0 - self.headroom) * memory.limit
+        _, (low,) = self.agree.combine(minima=[mine])
+        return None if math.isinf(low) else low
 
     def report(self, limits: HostLimits, batch_bytes: int | None, **fields: Any) -> BatchSizeReport:
         pipeline = (
@@ -88,13 +91,21 @@ class _Call:
         )
 
 
+def _params(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, nn.Module):
+        yield from obj.parameters()
+    elif isinstance(obj, Optimizer):
+        for group in obj.param_groups:
+            yield from group["params"]
+
+
 def _device(device: str | int | torch.device | None, objects: Sequence[Any]) -> torch.device:
-    """``device`` parsed; None: where the model's parameters are, else the best device."""
+    """``device`` parsed; None: where the model's (or else the optimizer's) parameters are,
+    else the best device."""
     if device is None:
         for obj in objects:
-            if isinstance(obj, nn.Module):
-                for p in obj.parameters():
-                    return p.device
+            for p in _params(obj):
+                return p.device
     return resolve_device(device)
 
 
@@ -104,9 +115,8 @@ def _from_cache(
     """The stored choice (all ranks must hold the same one), or None and why not."""
     path = _cache.cache_path()
     entry = read_entry(key, path)
-    why = None
-    if entry is not None:
-        why = _cache.cache_misfit(entry, call.space, call.usable(reader_for(call.device)))
+    usable = call.usable(reader_for(call.device))  # on every rank, entry or not
+    why = None if entry is None else _cache.cache_misfit(entry, call.space, usable)
     size = float(entry["batch_size"]) if entry is not None and why is None else 0.0
     (high,), (low,) = call.agree.combine(maxima=[size], minima=[size])
     if entry is None or why is not None or high != low or low == 0:
@@ -130,7 +140,16 @@ def _from_cache(
     return report, None
 
 
+def _cut_by_budget(results: Sequence[BatchSizeCandidate]) -> bool:
+    return any(c.status == "skipped" and "budget" in (c.reason or "") for c in results)
+
+
 def _store(key: str, report: BatchSizeReport) -> BatchSizeReport:
+    """Cache the choice, unless ``budget_s`` cut the search short: a later call with more
+    time would reuse a choice it could have bettered."""
+    if _cut_by_budget(report.candidates):
+        note = "the choice was not cached: budget_s cut the search short"
+        return dataclasses.replace(report, notes=(*report.notes, note))
     data = report.to_dict()
     entry = {k: data[k] for k in _cache.ENTRY_KEYS if k != "batch_bytes"}
     entry["batch_bytes"] = None if report.pipeline is None else report.pipeline.batch_bytes
@@ -168,7 +187,7 @@ def _notes(
         notes.append(
             "the largest allowed size was chosen: a larger max_size (or global_batch) may be faster"
         )
-    if any(c.status == "skipped" and "budget" in (c.reason or "") for c in search.results):
+    if _cut_by_budget(search.results):
         notes.append(
             f"budget_s={call.budget_s:g} cut the search short: a larger budget may find a "
             f"faster size"
@@ -251,6 +270,8 @@ def _cache_key(call: _Call) -> Any:
 
 def _tune(call: _Call) -> BatchSizeReport:
     key = _cache_key(call) if call.cache else None
+    if call.agree.any(call.cache and key is None):
+        key = None  # a rank could not build its key: no rank reads the cache (collectives)
     misfit = None
     if key is not None:
         hit, misfit = _from_cache(call, key, host_limits())
@@ -367,7 +388,7 @@ def tune_batch_size(
     check_args(
         step, sample, min_size=min_size, max_size=max_size, global_batch=global_batch,
         budget_s=budget_s, headroom=headroom, num_workers=num_workers,
-        prefetch_factor=prefetch_factor,
+        prefetch_factor=prefetch_factor, progress=progress, cache=cache,
     )  # fmt: skip
     objects = stateful_objects(model, optimizer)
     agree = Agreement()
