@@ -546,3 +546,101 @@ def test_w_iter_of_a_generator_has_no_length_and_still_lists() -> None:
         with pytest.raises(TypeError, match=r"the generator given to w.iter\(\) has no len"):
             len(batches)
         assert list(batches) == [0, 1, 2]
+
+
+class _SlowStart:
+    """An iterable whose iter() takes ``start_s`` (a DataLoader starting its workers)."""
+
+    def __init__(self, n: int, start_s: float) -> None:
+        self.n, self.start_s = n, start_s
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        time.sleep(self.start_s)
+        return iter([torch.zeros(2, 1)] * self.n)
+
+
+def test_starting_the_iterable_is_a_wait_for_data_not_the_step() -> None:
+    # Before: iter(loader) ran in w.iter(), before the first timed next(), so starting the
+    # workers counted as the first step's compute: a "periodic stall" each epoch.
+    with watch(device="cpu", warmup_steps=0) as w:
+        for _ in range(2):
+            for _ in w.iter(_SlowStart(3, 0.2)):
+                w.step()
+    firsts = [s for i, s in enumerate(w.report().timeline) if i % 3 == 0]
+    assert all(s.wait >= 0.2 and s.compute < 0.2 for s in firsts), firsts
+
+
+class _BadBatch:
+    def __init__(self) -> None:
+        self.i = 0
+
+    def __iter__(self) -> _BadBatch:
+        return self
+
+    def __next__(self) -> int:
+        self.i += 1
+        if self.i > 5:
+            raise StopIteration
+        if self.i == 3:
+            raise ValueError("corrupt sample")
+        return self.i
+
+
+def test_an_exception_from_the_loader_passes_through_and_the_epoch_goes_on() -> None:
+    # Before: w.iter was a generator, which an exception ends: the rest of the epoch was lost.
+    seen: list[object] = []
+    with watch(device="cpu") as w:
+        it = w.iter(_BadBatch())
+        while True:
+            try:
+                seen.append(next(it))
+            except ValueError:
+                seen.append("skip")
+            except StopIteration:
+                break
+    assert seen == [1, 2, "skip", 4, 5]
+
+
+def test_one_w_iter_object_iterated_each_epoch_gives_every_epoch() -> None:
+    # Before: the second epoch of `for b in batches` was empty while len(batches) said 3.
+    loader = DataLoader(TensorDataset(torch.arange(12.0)), batch_size=4)
+    with watch(device="cpu") as w:
+        batches = w.iter(loader)
+        counts = [sum(1 for _ in batches) for _ in range(3)]
+    assert counts == [3, 3, 3]
+
+
+def test_a_batch_left_by_a_break_does_not_count_in_the_next_step() -> None:
+    loader = DataLoader(TensorDataset(torch.zeros(80, 3)), batch_size=8)
+    with watch(device="cpu", warmup_steps=0) as w:
+        for _ in range(3):
+            for i, _ in enumerate(w.iter(loader)):
+                if i == 5:
+                    break  # taken, not trained on
+                w.step()
+    assert [s.samples for s in w.report().timeline] == [8] * 15
+
+
+def test_the_previous_batch_is_not_held_while_the_next_one_loads() -> None:
+    import weakref
+
+    alive: list[bool] = []
+
+    class Tracked:
+        def __init__(self) -> None:
+            self.last: weakref.ref[torch.Tensor] | None = None
+
+        def __iter__(self) -> Iterator[torch.Tensor]:
+            for _ in range(3):
+                gc.collect()
+                alive.append(self.last is not None and self.last() is not None)
+                batch = torch.zeros(4)
+                self.last = weakref.ref(batch)
+                yield batch
+                del batch
+
+    with watch(device="cpu") as w:
+        for batch in w.iter(Tracked()):
+            del batch
+            w.step()
+    assert alive == [False, False, False]

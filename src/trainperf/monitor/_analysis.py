@@ -57,6 +57,19 @@ def _mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def _longest_period(steps: int, slow: int) -> int:
+    """The longest period worth trying: it must fit three stalls (p, p + N, p + 2N), and its
+    phase must have room for the 60 % of the ``slow`` steps a period has to explain
+    (``ceil(steps / N)`` slots), which keeps the search linear in ``steps``.
+
+    Example:
+        >>> _longest_period(100, 3), _longest_period(100_000, 5_000)
+        (49, 34)
+    """
+    need = max(3, math.ceil(0.6 * slow))
+    return min((steps - 1) // 2, steps // (need - 1) + 1)
+
+
 def _find_stalls(
     durations: Sequence[float], first: int, wall: float | None = None
 ) -> tuple[int | None, list[int], float]:
@@ -71,8 +84,7 @@ def _find_stalls(
     total = sum(durations) if wall is None else wall
     last = first + len(durations) - 1
     if len(slow) >= 3:
-        # Up to the longest period that fits three stalls: p, p + N, p + 2N.
-        for period in range(2, (len(durations) - 1) // 2 + 1):
+        for period in range(2, _longest_period(len(durations), len(slow)) + 1):
             phases: dict[int, int] = {}
             for i in slow:
                 phases[i % period] = phases.get(i % period, 0) + 1

@@ -57,6 +57,7 @@ from trainperf.monitor._probe import CpuClock, batch_size, loader_facts, loop_se
 from trainperf.monitor._probe import precision_in_use as _precision_in_use
 from trainperf.monitor._probe import rank_cpus as _rank_cpus
 from trainperf.monitor._report import LoaderChange, Sample, StepRecord, WatchReport
+from trainperf.monitor._rules import MIN_STEPS
 from trainperf.monitor._sampler import MAX_RECORDS, _Sampler
 from trainperf.monitor._save_cost import with_save_cost
 from trainperf.monitor._setup import LoopSetup
@@ -70,16 +71,57 @@ _RUN_IT = "inside `with trainperf.watch() as w:`, or between w.start() and w.sto
 
 
 class _Timed(Iterator[T]):
-    """What :meth:`Watch.iter` returns: the timed items, with the iterable's ``len()``."""
+    """What :meth:`Watch.iter` returns: the iterable's items, with the time spent getting
+    each one (``iter()`` of the iterable included: starting a DataLoader's workers is a wait
+    for data) added to the watch's pending data wait, and the iterable's ``len()``.
 
-    def __init__(self, items: Iterator[T], iterable: Iterable[T]) -> None:
-        self._items, self._iterable = items, iterable
+    The iterator holds no item between calls (a batch on the GPU is not kept alive while
+    the next one loads). An exception from the iterable passes through and the iterator
+    goes on (a loop that skips a bad batch keeps its epoch). Iterating it again once it is
+    exhausted starts a new pass over the iterable, as a DataLoader does each epoch.
+    """
+
+    def __init__(self, watch: Watch, iterable: Iterable[T]) -> None:
+        self._watch, self._iterable = watch, iterable
+        self._it: Iterator[T] | None = None  # iter(iterable), made (and timed) at first next()
+        self._done = False
+        history = getattr(iterable, "tuning_history", None)
+        # An AdaptiveDataLoader's changes (at iter(), or mid-epoch in next()) are read as
+        # its history grows: each is marked at the step that took its first batch.
+        self._history = history if isinstance(history, list) else None
+        self._seen = len(self._history) if self._history is not None else 0
 
     def __iter__(self) -> _Timed[T]:
+        if self._done:  # a new pass, like a DataLoader's next epoch
+            self._watch._new_pass()
+            self._it, self._done = None, False
         return self
 
     def __next__(self) -> T:
-        return next(self._items)
+        if self._done:
+            raise StopIteration
+        clock, cpu = time.perf_counter, time.thread_time
+        t, c = clock(), cpu()
+        try:
+            if self._it is None:
+                self._it = iter(self._iterable)
+            item = next(self._it)
+        except StopIteration:
+            self._done = True
+            self._watch._pass_ended()
+            raise
+        finally:
+            self._watch._add_wait(clock() - t, cpu() - c)
+        if self._history is not None and len(self._history) > self._seen:
+            self._watch._retuned(self._history[self._seen :])
+            self._seen = len(self._history)
+        self._watch._took(item)
+        return item
+
+    @property
+    def done(self) -> bool:
+        """True once the iterable is exhausted (until a new pass starts)."""
+        return self._done
 
     def __bool__(self) -> bool:  # an iterator is true, whatever its len() says
         return True
@@ -154,6 +196,7 @@ class Watch:
         self._layout: tuple[int, ...] | None = None  # the first batch's tensor sizes
         self._layout_batch: int | None = None  # and its samples
         self._iterated = False  # w.iter() was used: the data wait is measured
+        self._pass_open = False  # a w.iter() pass handed out batches and is not exhausted
         self._clock = CpuClock()
         # (run, delay, generation) at the last schedstat reading: see _settle().
         self._last_reading = (math.nan, math.nan, 0)
@@ -295,7 +338,11 @@ class Watch:
                 :meth:`start` and :meth:`stop`).
 
         The iterator it returns has the length of ``iterable`` where that has one (a
-        DataLoader's batches per epoch: a progress bar's total).
+        DataLoader's batches per epoch: a progress bar's total). Starting the iterable
+        (``iter(loader)``: its workers) is timed as a wait for data. An exception from the
+        iterable passes through and the iterator goes on; once exhausted, iterating it
+        again starts a new pass (an epoch). Batches taken but left without a
+        :meth:`step` (a ``break``) do not count in the next pass's first step.
 
         Example:
             >>> with watch(device="cpu") as w:
@@ -313,43 +360,42 @@ class Watch:
             self._loader_ref = weakref.ref(iterable)
         except TypeError:
             self._loader_ref = lambda: None
-        # An AdaptiveDataLoader's changes (at iter(), or mid-epoch in next()) are read as
-        # its history grows: each is marked at the step that took its first batch.
-        history = getattr(iterable, "tuning_history", None)
-        history = history if isinstance(history, list) else None
-        seen = len(history) if history is not None else 0
-        return _Timed(self._iterate(iter(iterable), history, seen), iterable)
+        self._new_pass()
+        return _Timed(self, iterable)
 
-    def _iterate(self, it: Iterator[T], history: list[Any] | None, seen: int) -> Iterator[T]:
-        clock, cpu = time.perf_counter, time.thread_time
-        while True:
-            t, c = clock(), cpu()
-            try:
-                item = next(it)
-            except StopIteration:
-                self._pending_wait_cpu += cpu() - c
-                self._pending_wait += clock() - t
-                return
-            self._pending_wait_cpu += cpu() - c
-            self._pending_wait += clock() - t
-            if history is not None and len(history) > seen:
-                step = self._first + len(self._ends)  # the step taking this batch
-                self._retunes.extend((step, change) for change in history[seen:])
-                seen = len(history)
-            n = batch_size(item)
-            self._items += 1
-            if self._layout is None:
-                self._layout, self._layout_batch = batch_layout(item), n
-            if n is None:
-                self._count_known = False
-            else:
-                self._pending_count += n
-            if self._cuda and self._step_start is None:
-                # With the stream idle this event completes at once, so the step's span is
-                # then host time; analyse() bounds it with NVML's utilisation.
-                self._step_start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                self._step_start.record(self._stream)
-            yield item
+    def _new_pass(self) -> None:
+        """A pass over an iterable starts: the batches a pass left without a ``w.step()``
+        (a ``break`` before it) were not trained on, so they do not count in the next step."""
+        if self._pass_open:
+            self._pending_count, self._count_known = 0, True
+        self._pass_open = True
+
+    def _pass_ended(self) -> None:
+        self._pass_open = False
+
+    def _add_wait(self, wall: float, cpu: float) -> None:
+        self._pending_wait += wall
+        self._pending_wait_cpu += cpu
+
+    def _retuned(self, changes: list[Any]) -> None:
+        step = self._first + len(self._ends)  # the step taking this batch
+        self._retunes.extend((step, change) for change in changes)
+
+    def _took(self, item: Any) -> None:
+        """Count a batch ``w.iter`` handed out (and, on CUDA, start its step's span)."""
+        n = batch_size(item)
+        self._items += 1
+        if self._layout is None:
+            self._layout, self._layout_batch = batch_layout(item), n
+        if n is None:
+            self._count_known = False
+        else:
+            self._pending_count += n
+        if self._cuda and self._step_start is None:
+            # With the stream idle this event completes at once, so the step's span is
+            # then host time; analyse() bounds it with NVML's utilisation.
+            self._step_start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            self._step_start.record(self._stream)
 
     def step(self, samples: int | None = None) -> None:
         """Mark the end of a training step.
@@ -594,7 +640,10 @@ def _probed(f: Figures, *, probe: bool) -> LoopSetup | None:
     """The judged figures' setup with what the predictions' probes measured (the crowding
     of torch's threads, bf16 on a CPU, a non-blocking save's), or None where none applies.
     ``probe=False`` (a report made inside the loop) only uses earlier measurements: a
-    probe's second would land in the loop's step."""
+    probe's second would land in the loop's step. Too few steps for a verdict: no probe
+    (there is nothing to predict)."""
+    if f.measured_steps < MIN_STEPS:
+        return None
     setup = None
     for measure in (with_crowding, with_cpu_bf16, with_save_cost):
         found = measure(f, probe=probe)
