@@ -345,7 +345,8 @@ def tune_batch_size(
             already holds; CPU: the host memory available, :func:`trainperf.host_limits`).
         progress: draw a progress bar on stderr.
         cache: reuse (and store) the choice in the user cache directory, keyed like the
-            DataLoader tuner's cache (model class and size, device, dtype, batch shape...).
+            DataLoader tuner's cache (model class and size, device, dtype, batch shape, the
+            step function's body...); a search ``budget_s`` cut short is not stored.
         num_workers: the DataLoader workers that will feed training, for the report's
             input-pipeline memory (``report.pipeline``).
         prefetch_factor: their prefetch factor (None: DataLoader's 2 with workers).
