@@ -332,3 +332,42 @@ def test_a_parent_that_is_a_dangling_link_is_named(tmp_path: Path) -> None:
     (tmp_path / "gone").symlink_to("nowhere")
     with pytest.raises(FileNotFoundError, match=r"/gone is a dangling symbolic link"):
         write_atomically(tmp_path / "gone" / "ck.pt", lambda f: f.write(b"x"))
+
+
+# ---------------------------------------------------------------- write-protected target
+
+
+def test_a_write_protected_file_is_not_replaced(tmp_path: Path) -> None:
+    path = tmp_path / "best.pt"
+    _put(path, b"keep me")
+    path.chmod(0o444)  # refused by its mode bits, so even under root (which os.access lets by)
+    with pytest.raises(PermissionError, match=r"best\.pt is write-protected.*chmod u\+w"):
+        write_atomically(path, lambda f: f.write(b"new"))
+    assert path.read_bytes() == b"keep me" and _temps(tmp_path) == []
+
+
+def test_a_link_to_a_write_protected_file_is_refused_by_the_targets_name(tmp_path: Path) -> None:
+    target = tmp_path / "step100.pt"
+    _put(target, b"keep me")
+    target.chmod(0o444)
+    (tmp_path / "latest.pt").symlink_to("step100.pt")
+    with pytest.raises(
+        PermissionError,
+        match=r"step100\.pt \(the target of the link .*latest\.pt\) is write-protected",
+    ):
+        write_atomically(tmp_path / "latest.pt", lambda f: f.write(b"new"))
+    assert target.read_bytes() == b"keep me"
+
+
+def test_a_file_this_user_may_not_write_is_not_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "theirs.pt"
+    _put(path, b"keep me")  # writable by its owner, but (as os.access says) not by this user
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: mode != os.W_OK)
+    with pytest.raises(PermissionError, match=r"theirs\.pt is write-protected"):
+        write_atomically(path, lambda f: f.write(b"new"))
+    monkeypatch.undo()
+    assert path.read_bytes() == b"keep me"
+    write_atomically(path, lambda f: f.write(b"new"))  # an ordinary file is replaced as ever
+    assert path.read_bytes() == b"new"

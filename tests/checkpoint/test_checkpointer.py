@@ -275,6 +275,25 @@ def test_latest_skips_a_cut_short_file_and_restore_a_damaged_one(tmp_path: Path)
     assert ckpt.steps() == [3, 5, 6, 7]
 
 
+def test_restore_out_of_memory_stops_rather_than_fall_back_to_an_older_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = Checkpointer(tmp_path)
+    for step in (1, 2):
+        ckpt.save({"w": torch.full((4,), float(step))}, step=step)
+
+    def allocation_fails(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "skipping checkpoint": the file is fine
+        monkeypatch.setattr(torch, "load", allocation_fails)
+        with pytest.raises(MemoryError, match=r"step-000000002\.pt .*not damaged"):
+            ckpt.restore({"w": torch.zeros(4)})
+    monkeypatch.undo()
+    assert ckpt.restore({"w": torch.zeros(4)}) == 2  # nothing was marked damaged
+
+
 def test_a_damaged_step_written_again_in_the_background_counts_and_goes(tmp_path: Path) -> None:
     # A forked writer's own record of the replaced file stays in its copy of the
     # Checkpointer: the parent must clear it too, or keep never counts nor deletes it.
@@ -335,6 +354,17 @@ def test_a_directory_that_is_a_file_is_refused(tmp_path: Path) -> None:
         Checkpointer(tmp_path / "runs")
     with pytest.raises(CheckpointError, match=r"exp1 is in .*runs, a file, not a directory"):
         Checkpointer(tmp_path / "runs" / "exp1")  # it raised a bare NotADirectoryError
+
+
+def test_a_directory_under_home_is_expanded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    ckpt = Checkpointer("~/runs")
+    ckpt.save({"x": torch.ones(1)}, step=1)
+    assert ckpt.directory == tmp_path / "home" / "runs" and ckpt.steps() == [1]
+    assert not (tmp_path / "~").exists()
 
 
 def test_arguments_are_checked(tmp_path: Path) -> None:

@@ -145,3 +145,24 @@ def test_an_index_naming_a_shard_outside_its_directory_is_refused(tmp_path: Path
     index.write_text(json.dumps({"weight_map": {"v": "a.bin", "w": "../outside.bin"}}))
     with pytest.raises(CheckpointCorruptError, match=r"names a shard outside its directory"):
         load_checkpoint(inner)
+
+
+def test_each_tensor_comes_from_the_shard_the_index_names(tmp_path: Path) -> None:
+    # a.bin still holds a stale copy of "b" from an earlier save; the index says b.bin has it.
+    torch.save({"a": torch.zeros(2), "b": torch.full((2,), 9.0)}, tmp_path / "a.bin")
+    torch.save({"b": torch.ones(2)}, tmp_path / "b.bin")
+    torch.save({"a": torch.full((2,), 9.0)}, tmp_path / "stray.bin")  # named by no index
+    (tmp_path / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"weight_map": {"b": "b.bin", "a": "a.bin"}})
+    )
+    sd = load_checkpoint(tmp_path)
+    assert sorted(sd) == ["a", "b"]
+    assert torch.equal(sd["a"], torch.zeros(2)) and torch.equal(sd["b"], torch.ones(2))
+
+
+def test_tensors_a_shard_holds_but_the_index_does_not_list_are_left_out(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(1), "old_head": torch.ones(1)}, tmp_path / "a.bin")
+    (tmp_path / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"weight_map": {"w": "a.bin"}})
+    )
+    assert list(load_checkpoint(tmp_path)) == ["w"]

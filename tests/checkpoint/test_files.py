@@ -405,6 +405,32 @@ def test_safetensors_with_tied_weights_names_them_and_the_fix(tmp_path: Path) ->
     assert save_checkpoint(untied, tmp_path / "tied.safetensors").exists()
 
 
+def _quantized() -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates quantize_per_tensor
+        return torch.quantize_per_tensor(torch.rand(3), 0.1, 0, torch.quint8)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda: torch.empty(2, device="meta"), r"a meta tensor, which holds no data"),
+        (lambda: torch.eye(3).to_sparse(), r"layout torch\.sparse_coo: save tensor\.to_dense"),
+        (_quantized, r"a quantized tensor \(torch\.quint8\): save tensor\.dequantize\(\)"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), r"tensor\.unbind"),
+    ],
+    ids=["meta", "sparse", "quantized", "nested"],
+)
+def test_safetensors_refuses_tensors_without_plain_data_by_key(
+    tmp_path: Path, make: Any, why: str
+) -> None:
+    pytest.importorskip("safetensors")
+    with pytest.raises(ValueError, match=rf"cannot hold key 'w': it is .*{why}"):
+        save_checkpoint({"ok": torch.ones(1), "w": make()}, tmp_path / "x.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_truncated_safetensors(tmp_path: Path) -> None:
     pytest.importorskip("safetensors")
     path = save_checkpoint({"w": torch.randn(1000)}, tmp_path / "w.safetensors")
@@ -435,3 +461,46 @@ def test_distributed_given_as_a_falsy_number_means_false(
     monkeypatch.setattr(_files, "_group_rank", lambda: 1)
     assert not save_checkpoint({"x": torch.ones(1)}, tmp_path / "none.pt").exists()
     assert save_checkpoint({"x": torch.ones(1)}, tmp_path / "zero.pt", distributed=0).exists()
+
+
+# ------------------------------------------------------------------------ paths
+
+
+def test_a_path_under_home_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    monkeypatch.chdir(tmp_path)
+    out = save_checkpoint({"x": 1}, "~/runs/x.pt")
+    assert out == tmp_path / "home" / "runs" / "x.pt" and out.is_file()
+    assert not (tmp_path / "~").exists()
+    assert load_checkpoint("~/runs/x.pt") == {"x": 1}
+
+
+@pytest.mark.parametrize("exists", [False, True])
+def test_a_path_ending_in_a_separator_names_the_fix(tmp_path: Path, exists: bool) -> None:
+    if exists:
+        (tmp_path / "ckpts").mkdir()
+    with pytest.raises(
+        ValueError, match=r"ckpts/' ends with '/'.*give a file name: .*ckpts/checkpoint\.pt"
+    ):
+        save_checkpoint({"x": 1}, f"{tmp_path / 'ckpts'}/")
+    assert [p.name for p in tmp_path.iterdir()] == (["ckpts"] if exists else [])
+    assert not (tmp_path / "ckpts").is_file()
+
+
+# ------------------------------------------------------------------ out of memory
+
+
+def test_running_out_of_memory_reading_safetensors_is_not_called_corrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    path = save_checkpoint({"w": torch.ones(1000)}, tmp_path / "c.safetensors")
+    size = f"{path.stat().st_size / 1024:.0f} KiB"
+
+    def no_memory(*args: Any, **kwargs: Any) -> None:
+        raise MemoryError("Cannot allocate memory (os error 12)")
+
+    monkeypatch.setattr(safetensors_torch, "load_file", no_memory)
+    with pytest.raises(MemoryError, match=rf"c\.safetensors \({size}\).*not damaged.*free memory"):
+        load_checkpoint(path)

@@ -40,6 +40,15 @@ def test_truncated_file(tmp_path: Path, good_bytes: bytes) -> None:
     assert isinstance(info.value.__cause__, zipfile.BadZipFile)
 
 
+@pytest.mark.parametrize("cut", [1, 10, 19, 21, 22, 100])
+def test_a_file_cut_inside_its_end_record_is_truncated(
+    tmp_path: Path, good_bytes: bytes, cut: int
+) -> None:
+    (tmp_path / "t.pt").write_bytes(good_bytes[:-cut])  # the last 22 bytes are the end record
+    with pytest.raises(CheckpointCorruptError, match=r"t\.pt is truncated.*cut short"):
+        load_checkpoint(tmp_path / "t.pt")
+
+
 def test_flipped_bytes_in_tensor_data_fail_the_crc(tmp_path: Path, good_bytes: bytes) -> None:
     data = bytearray(good_bytes)
     mid = len(data) // 2  # inside the 400 kB tensor record
@@ -193,6 +202,34 @@ def test_out_of_memory_is_not_rewrapped(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(torch, "load", oom)
     with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
         load_checkpoint(FIXTURES / GPU_FILES[0])
+
+
+def allocation_fails(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+        "memory: you tried to allocate 400000000 bytes. Error code 12 (Cannot allocate memory)"
+    )
+
+
+def no_memory(*args: Any, **kwargs: Any) -> None:
+    raise MemoryError("Cannot allocate memory (os error 12)")
+
+
+@pytest.mark.parametrize("fails", [allocation_fails, no_memory])
+def test_running_out_of_host_memory_is_not_called_corrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: Any
+) -> None:
+    path = save_checkpoint({"w": torch.ones(1000)}, tmp_path / "c.pt")
+    size = f"{path.stat().st_size / 1024:.0f} KiB"
+    monkeypatch.setattr(torch, "load", fails)
+    with pytest.raises(
+        MemoryError,
+        match=rf"not enough memory to load checkpoint .*c\.pt \({size}\).*not "
+        r"damaged.*free memory.*device='cuda'.*mmap=True",
+    ) as info:
+        load_checkpoint(path)
+    assert not isinstance(info.value, CheckpointError)
+    assert isinstance(info.value.__cause__, (RuntimeError, MemoryError))
 
 
 Pair = collections.namedtuple("Pair", "a b")

@@ -405,3 +405,48 @@ def test_a_state_dict_with_compiled_and_plain_copies_of_one_module_is_refused() 
 
     with pytest.raises(ValueError, match=r"mixes compiled and plain copies of one module"):
         drop_compile_layers({"enc._orig_mod.w": torch.ones(1), "enc.w": torch.ones(1)})
+
+
+def _quantized() -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates quantize_per_tensor
+        return torch.quantize_per_tensor(torch.rand(2, 2), 0.1, 0, torch.quint8)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (
+            lambda: torch.eye(2).to_sparse(),
+            r"a sparse tensor \(layout torch\.sparse_coo\).*to_dense",
+        ),
+        (lambda: torch.eye(2).to_sparse_csr(), r"a sparse tensor \(layout torch\.sparse_csr\)"),
+        (_quantized, r"a quantized tensor \(torch\.quint8\).*dequantize"),
+        (
+            lambda: torch.zeros(2, 2, dtype=torch.bits8),
+            r"of dtype torch\.bits8, which torch cannot copy",
+        ),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(2)]), r"a nested tensor"),
+    ],
+    ids=["sparse", "csr", "quantized", "bits8", "nested"],
+)
+def test_a_value_torch_cannot_copy_is_refused_before_anything_is_copied(
+    strict: bool, make: Any, why: str
+) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: torch.full_like(v, 7.0) for k, v in before.items()}
+    state["1.weight"] = make()
+    with pytest.raises(StateDictMismatchError, match=rf"'1\.weight': {why}.*nothing was loaded"):
+        load_state_dict(model, state, strict=strict)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # unchanged
+
+
+def test_values_torch_converts_on_copy_still_load() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    state = {"0.weight": torch.ones(2, 2, dtype=torch.int64), "0.bias": torch.ones(1).expand(2)}
+    assert load_state_dict(model, state).complete
+    assert torch.equal(model[0].weight, torch.ones(2, 2))

@@ -118,6 +118,19 @@ def test_permission_error_names_the_fix(old: Path, monkeypatch: pytest.MonkeyPat
     assert_old_intact(old)
 
 
+def test_a_write_protected_checkpoint_is_not_replaced(old: Path) -> None:
+    old.chmod(0o444)  # "never overwrite my best model"
+    with pytest.raises(
+        CheckpointError,
+        match=r"could not save checkpoint .*ckpt\.pt: .*write-protected.*chmod u\+w .*ckpt\.pt.*"
+        r"or save to another path; .*unchanged",
+    ) as info:
+        save_checkpoint({"gen": 1}, old)
+    assert isinstance(info.value.__cause__, PermissionError)
+    assert_old_intact(old)
+    assert stat.S_IMODE(old.stat().st_mode) == 0o444
+
+
 def test_keyboard_interrupt_propagates_and_removes_temp(
     old: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

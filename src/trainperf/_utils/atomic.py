@@ -19,6 +19,10 @@ the chain of links is followed to the file at its end, the temp file goes beside
 (same directory, so the rename stays atomic) and is renamed onto it, and the links stay
 links. A dangling link creates the file it points to. A parent path that is a regular file
 is reported as such (``NotADirectoryError`` naming it), not as ``File exists``.
+
+An existing file that is write-protected (no write bit, ``chmod 444``, or not writable by
+this user) is refused with ``PermissionError``: the rename needs only the directory's
+permission and would replace it silently, where ``open(path, "w")`` refuses.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -290,6 +295,33 @@ def _open_temp(path: Path, host: str) -> tuple[int, Path, bool]:
         return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp, False
 
 
+def _refuse_write_protected(path: Path, named: Path) -> None:
+    """Refuse to replace ``path``, an existing file its owner made read-only (``chmod 444``)
+    or that this user may not write: ``os.replace`` needs only the directory's permission,
+    so it would swap such a file silently where ``open(path, "w")`` fails. The mode bits are
+    checked as well as ``os.access``, which says yes to root whatever the bits say.
+
+    Raises:
+        PermissionError: ``EACCES``, naming ``path`` (and the link ``named``) and the fix.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # nothing there yet (a new file), or a parent that is not a directory: the
+        # write reports that itself
+    if not stat.S_ISREG(mode):
+        return  # not a regular file: left to the rename to take or refuse
+    if mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH) and os.access(path, os.W_OK):
+        return
+    via = f" (the target of the link {named})" if named != path else ""
+    raise PermissionError(
+        errno.EACCES,
+        f"{path}{via} is write-protected (mode {stat.filemode(mode)}), so it is not replaced: "
+        f"make it writable (chmod u+w {path}) if it may be overwritten, or save to another path",
+        str(path),
+    )
+
+
 def write_atomically(
     path: Path, write: Callable[[IO[bytes]], None], *, sync_directory: bool = True
 ) -> Path:
@@ -299,6 +331,7 @@ def write_atomically(
     fsynced and renamed over ``path``, then (with ``sync_directory``) the directory is
     fsynced so the rename survives a power loss. Missing parent directories are created
     (not those of a link's target).
+    An existing file that is write-protected is refused, not replaced.
     On any failure, or an interrupt, the temp file is removed and ``path`` is unchanged.
     Temp files of killed writers of ``path`` on this host are reused or removed, found by
     name: the directory is never listed (see the module docstring). A symbolic link is
@@ -315,6 +348,10 @@ def write_atomically(
 
     Raises:
         IsADirectoryError: ``path`` is a directory (or a link to one).
+        PermissionError: ``path`` (or the file a link leads to) exists and is write-protected:
+            no write bit in its mode (``chmod 444``; so also under root), or ``os.access``
+            says this user may not write it. ``os.replace`` would swap it anyway; it is left
+            unchanged, as ``open(path, "w")`` would leave it.
         NotADirectoryError: a path above it is a regular file (the message names it).
         FileNotFoundError: ``path`` is a symbolic link whose target's directory is missing
             (the message names the link and the target).
@@ -343,6 +380,7 @@ def write_atomically(
         )
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, f"{path} is a directory, not a file name", str(path))
+    _refuse_write_protected(path, link)
     host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
     _make_parents(path.parent)
     fd, tmp, locked = _open_temp(path, host)

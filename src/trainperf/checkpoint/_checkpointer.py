@@ -78,7 +78,8 @@ class Checkpointer:
     live objects.
 
     Args:
-        directory: where the files go (created on the first save).
+        directory: where the files go (created on the first save); a leading ``~`` is the
+            home directory.
         keep: how many of the newest checkpoints to keep; older ones are deleted only after
             a newer one is durable (fsynced and renamed), and the one just written never is.
         every: save only at steps that are multiples of ``every`` (other steps' ``save``
@@ -110,7 +111,7 @@ class Checkpointer:
     def __init__(
         self, directory: str | os.PathLike[str], *, keep: int = 3, every: int | None = None
     ) -> None:
-        self.directory = Path(os.fspath(directory))
+        self.directory = Path(os.fspath(directory)).expanduser()
         self.keep = positive_int("keep", keep)
         self.every: int | None = positive_int("every", every, none_ok=True)
         in_the_way = _file_in_the_way(self.directory)

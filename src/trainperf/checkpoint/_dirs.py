@@ -4,7 +4,9 @@ What other tools write as a directory, and what ``load_checkpoint(dir)`` makes o
 
 - ``*.safetensors.index.json`` / ``pytorch_model.bin.index.json`` (Accelerate ``save_model``,
   transformers ``save_pretrained`` with shards): every shard its ``weight_map`` names, loaded
-  as one state dict; safetensors is preferred when both are there, as transformers does;
+  as one state dict, each tensor from the shard the index names for it (the index decides:
+  copies in other shards, and tensors it does not list, are left out); safetensors is
+  preferred when both are there, as transformers does;
 - ``model.safetensors`` or ``pytorch_model.bin`` alone (Accelerate ``save_state``, an
   unsharded ``save_pretrained``): that file; ``save_state``'s ``optimizer.bin``,
   ``scheduler.bin`` and ``random_states_*.pkl`` are not loaded;
@@ -57,10 +59,14 @@ def _shard_map(index: Path) -> dict[str, str]:
 def load_sharded(index: Path, load_file: Callable[[Path], Any]) -> dict[str, Any]:
     """Every shard ``index`` lists, merged into one state dict; each shard is read with
     ``load_file`` (so with ``weights_only`` and the CRC check); every tensor the index names
-    must be in its shard."""
+    must be in its shard, and is taken from that shard only: a stale copy in another shard
+    (left by an earlier save), and tensors the index does not list, are left out."""
     weight_map = _shard_map(index)
+    keys_in: dict[str, list[str]] = {}
+    for key, file in weight_map.items():
+        keys_in.setdefault(file, []).append(key)
     merged: dict[str, Any] = {}
-    for name in dict.fromkeys(weight_map.values()):
+    for name, keys in keys_in.items():
         shard = index.parent / name
         if Path(name).name != name:
             raise CheckpointCorruptError(
@@ -74,7 +80,8 @@ def load_sharded(index: Path, load_file: Callable[[Path], Any]) -> dict[str, Any
                 "copied only in part; copy every shard the index lists",
                 shard,
             )
-        merged.update(load_file(shard))
+        tensors = load_file(shard)
+        merged.update((k, tensors[k]) for k in keys if k in tensors)
     absent = [k for k in weight_map if k not in merged]
     if absent:
         raise CheckpointCorruptError(

@@ -23,6 +23,8 @@ from trainperf.checkpoint._formats import (
     _is_safetensors,
     _open_zip,
     _torch_load,
+    memory_error,
+    out_of_memory,
     weights_only_refusal,
 )
 from trainperf.checkpoint._keys import (
@@ -124,6 +126,7 @@ def _safetensors_bytes(obj: Any) -> bytes:
             "state dict) alone to .safetensors and everything else (optimizer, epoch, ...) "
             "to a .pt file"
         )
+    _refuse_unstorable(obj)
     tensors = {k: v.contiguous() for k, v in obj.items()}
     try:
         return bytes(save(tensors))
@@ -143,6 +146,33 @@ def _safetensors_bytes(obj: Any) -> bytes:
             f"these do: {shared}; save to a .pt file instead, or clone the tied tensors first "
             "({k: v.clone() for k, v in state_dict.items()})"
         ) from e
+
+
+def _unstorable(tensor: torch.Tensor) -> str | None:
+    """Why safetensors cannot store ``tensor`` (it holds plain dense arrays), with the fix."""
+    if tensor.is_meta:
+        return (
+            "a meta tensor, which holds no data: save the model after its weights are "
+            "materialised (model.to_empty(device=...) and initialised, or loaded)"
+        )
+    if tensor.is_nested:
+        return "a nested tensor: save its parts (tensor.unbind()) under keys of their own"
+    if tensor.layout != torch.strided:
+        return f"a tensor of layout {tensor.layout}: save tensor.to_dense() instead"
+    if tensor.is_quantized:
+        return (
+            f"a quantized tensor ({tensor.dtype}): save tensor.dequantize() instead, or save "
+            "to a .pt file, which keeps the quantization"
+        )
+    return None
+
+
+def _refuse_unstorable(state: Mapping[str, torch.Tensor]) -> None:
+    """Name the first tensor safetensors cannot store, before its own bare error would."""
+    for key, tensor in state.items():
+        why = _unstorable(tensor)
+        if why is not None:
+            raise ValueError(f"a .safetensors file cannot hold key {key!r}: it is {why}")
 
 
 def saving(path: Path | None) -> contextlib.AbstractContextManager[None]:
@@ -218,6 +248,26 @@ def _write_collectively(obj: Any, path: Path, rank: int) -> None:
         raise CheckpointError(f"rank 0 could not save checkpoint {path}: {status[0]}", path)
 
 
+def _file_target(path: str | os.PathLike[str]) -> Path:
+    """``path`` as the file ``save_checkpoint`` writes, ``~`` expanded.
+
+    Raises:
+        ValueError: ``path`` ends in a separator (or ``.``/``..``): it names a directory,
+            and ``Path`` would drop the separator and write a file of that name.
+    """
+    raw = os.fspath(path)
+    seps = os.sep + (os.altsep or "")
+    tail = raw.rstrip(seps)
+    ending = raw[len(tail) :] or tail.rsplit(os.sep, 1)[-1]
+    if raw and (ending[:1] in tuple(seps) or ending in (".", "..")):
+        example = Path(raw).expanduser() / "checkpoint.pt"
+        raise ValueError(
+            f"save_checkpoint needs a file path, but {raw!r} ends with {ending!r}, so it names "
+            f"a directory; give a file name: save_checkpoint(obj, {str(example)!r})"
+        )
+    return Path(raw).expanduser()
+
+
 def save_checkpoint(
     obj: Any, path: str | os.PathLike[str], *, distributed: bool | None = None
 ) -> Path:
@@ -241,7 +291,8 @@ def save_checkpoint(
 
     Args:
         obj: A module, a state dict, or a dict of them and other picklable values.
-        path: Destination file (``str`` or path-like).
+        path: Destination file (``str`` or path-like); a leading ``~`` is the home
+            directory.
         distributed: What to do under an initialised ``torch.distributed`` process group.
             None (the default): rank 0 writes and every other rank returns at once without
             writing or serialising anything; no collective is involved, so calling it on
@@ -253,16 +304,19 @@ def save_checkpoint(
             every value writes.
 
     Returns:
-        ``path`` as a ``Path`` (on ranks other than 0 with the default, the file rank 0 is
-        writing, which may not exist yet).
+        ``path`` as a ``Path``, ``~`` expanded (on ranks other than 0 with the default,
+        the file rank 0 is writing, which may not exist yet).
 
     Raises:
         CheckpointError: The object could not be serialised or the file not written (disk
-            full, no permission, ``path`` is a directory, a parent path is a file), or with
+            full, no permission, ``path`` is a directory or an existing write-protected file
+            (``chmod 444``: not replaced), a parent path is a file), or with
             ``distributed=True`` rank 0 failed or another rank never joined; the cause is
             chained and any earlier file at ``path`` is left intact.
-        ValueError: A ``.safetensors`` path with something other than str -> tensor (or
-            tensors that share memory), or ``distributed`` not None, True or False.
+        ValueError: ``path`` ends in a separator (``"ckpts/"``: a directory, not a file
+            name), a ``.safetensors`` path with something other than str -> tensor (or
+            tensors that share memory, or a meta, sparse, nested or quantized tensor: the
+            message names the key and the fix), or ``distributed`` not None, True or False.
         ModuleNotFoundError: A ``.safetensors`` path without safetensors installed.
 
     Example:
@@ -275,7 +329,7 @@ def save_checkpoint(
     choice("distributed", distributed, (None, True, False))
     # choice() compares with ==: 0 or numpy's False pass it and must mean False below.
     distributed = None if distributed is None else bool(distributed)
-    path = Path(os.fspath(path))
+    path = _file_target(path)
     rank = None if distributed is False else _group_rank()
     if rank is None:
         _write(obj, path)
@@ -309,7 +363,8 @@ def load_checkpoint(
     ``optimizer.bin`` or random states).
 
     Args:
-        path: The file or directory (``str`` or path-like).
+        path: The file or directory (``str`` or path-like); a leading ``~`` is the home
+            directory.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (or the int ``N``), ``"mps"``, a
             ``torch.device`` of those types, or None / ``"auto"`` for
             ``trainperf.device.best_device()`` (as ``device=None`` means elsewhere in
@@ -336,6 +391,8 @@ def load_checkpoint(
             ``torch.distributed.checkpoint`` one: the message names the converter), or a file
             of another kind (text, JSON, image, ...).
         CheckpointCorruptError: An empty, truncated or damaged checkpoint.
+        MemoryError: Host memory ran out while loading (not a ``CheckpointError``: the file
+            is fine); the message gives the file's size and what to try instead.
         UnsafeCheckpointError: ``weights_only=True`` refused an object in the file.
         CheckpointError: Any other failure while loading (cause chained).
 
@@ -347,7 +404,7 @@ def load_checkpoint(
         {'step': 3, 'w': tensor([1., 1.])}
     """
     dev = resolve_device(device, allowed=("cpu", "cuda", "mps"))
-    path = Path(os.fspath(path))
+    path = Path(os.fspath(path)).expanduser()
     if not path.is_dir():
         return _load_file(path, dev, weights_only, verify)
     kind, found = directory_weights(path)
@@ -397,6 +454,9 @@ def _load_file(path: Path, dev: torch.device, weights_only: bool, verify: bool) 
         try:
             return load_file(path, device=str(dev))
         except Exception as e:
+            if out_of_memory(e):
+                hint = "or read a few tensors at a time with safetensors.safe_open(path, 'pt')"
+                raise memory_error(path, dev, e, hint) from e
             raise CheckpointCorruptError(
                 f"safetensors checkpoint {path} is truncated or damaged ({e}); re-copy it "
                 "or use an earlier checkpoint",

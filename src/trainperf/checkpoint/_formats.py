@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainperf._utils.format import format_bytes
 from trainperf.checkpoint._allow import (
     allow_data_only,
     allow_line,
@@ -72,6 +73,23 @@ def _is_torchscript(names: list[str]) -> bool:
     return any(n.split("/")[1:2] in (["code"], ["constants.pkl"]) for n in names)
 
 
+def _has_whole_end_record(tail: bytes) -> bool:
+    """Whether ``tail``, a zip file's last bytes, ends with its whole end-of-archive record
+    (22 bytes from ``PK\\x05\\x06``, then its comment): a file cut inside it still holds
+    the signature, and is truncated, not damaged.
+
+    Example:
+        >>> end = b"PK\\x05\\x06" + bytes(18)
+        >>> _has_whole_end_record(b"data" + end), _has_whole_end_record(b"data" + end[:-1])
+        (True, False)
+    """
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) < at + 22:
+        return False
+    comment = int.from_bytes(tail[at + 20 : at + 22], "little")
+    return len(tail) >= at + 22 + comment
+
+
 def _open_zip(path: Path, verify: bool) -> None:
     """Check the zip structure (and CRC-32s) in Python first: torch only says 'miniz error'."""
     try:
@@ -99,7 +117,7 @@ def _open_zip(path: Path, verify: bool) -> None:
     except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
         with open(path, "rb") as f:
             f.seek(max(0, path.stat().st_size - (1 << 16) - 22))
-            has_end = b"PK\x05\x06" in f.read()
+            has_end = _has_whole_end_record(f.read())
         cause = (
             "truncated: the end-of-archive record is missing, so the file was cut short "
             "(an interrupted save, copy or download)"
@@ -285,6 +303,45 @@ def weights_only_refusal(value: Any) -> str | None:
     return None
 
 
+# What torch's CPU allocator (POSIX, Windows) and the OS say when host memory runs out.
+_NO_MEMORY = ("can't allocate memory", "not enough memory", "cannot allocate memory")
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Host memory ran out: a ``MemoryError``, or torch's allocator failing (a RuntimeError,
+    which would otherwise read as a damaged file)."""
+    if isinstance(e, MemoryError):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in _NO_MEMORY)
+
+
+def memory_error(path: Path, dev: torch.device, e: BaseException, mmap_hint: str) -> MemoryError:
+    """The error to raise (from ``e``) when loading ``path`` ran out of host memory: its
+    size, that the file is fine, and what to try instead (``mmap_hint``: a format's own way
+    to read it piecemeal, or "")."""
+    try:
+        size = format_bytes(path.stat().st_size)
+    except OSError:
+        size = "size unknown"
+    msg = str(e).strip()
+    asked = re.search(r"tried to allocate (\d+) bytes", msg)
+    if asked:  # torch's allocator wraps this in "[enforce fail at alloc_cpu.cpp:...]" noise
+        detail = f"allocating {format_bytes(int(asked.group(1)))} for a tensor failed"
+    else:
+        detail = msg.splitlines()[-1] if msg else type(e).__name__
+    to_gpu = (
+        "load it straight onto the GPU with device='cuda' (tensors then pass through host "
+        "memory one at a time), "
+        if dev.type == "cpu"
+        else ""
+    )
+    return MemoryError(
+        f"not enough memory to load checkpoint {path} ({size}): {detail}. The file is not "
+        "damaged: free memory (stop other processes, drop references to checkpoints loaded "
+        f"earlier: del ckpt), {to_gpu}{mmap_hint or 'or load it on a machine with more memory'}"
+    )
+
+
 def _torch_load(path: Path, dev: torch.device, weights_only: bool) -> Any:
     try:
         with allow_data_only() if weights_only else contextlib.nullcontext():
@@ -292,6 +349,8 @@ def _torch_load(path: Path, dev: torch.device, weights_only: bool) -> Any:
     except torch.OutOfMemoryError:
         raise
     except Exception as e:
+        if out_of_memory(e):
+            raise memory_error(path, dev, e, _torch_mmap_hint(path)) from e
         msg = str(e)
         if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in msg:
             raise UnsafeCheckpointError(_unsafe_message(path, _refusal_reason(msg)), path) from e
@@ -305,3 +364,18 @@ def _torch_load(path: Path, dev: torch.device, weights_only: bool) -> Any:
         raise CheckpointError(
             f"could not load checkpoint {path}: {type(e).__name__}: {e}", path
         ) from e
+
+
+def _torch_mmap_hint(path: Path) -> str:
+    """For a torch zip file (not the legacy format, which torch cannot map): map it."""
+    try:
+        with open(path, "rb") as f:
+            zipped = f.read(4) == b"PK\x03\x04"
+    except OSError:
+        zipped = False
+    return (
+        "or memory-map it, so tensors are read from the file as they are used: "
+        f"torch.load({str(path)!r}, mmap=True, weights_only=True, map_location='cpu')"
+        if zipped
+        else ""
+    )

@@ -6,6 +6,7 @@ functions peel the wrappers off models and the prefixes off state dicts, in any 
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from collections.abc import Iterable, Mapping
@@ -358,14 +359,51 @@ def load_state_dict(
 
 
 def _no_data(value: Any, model_value: Any) -> str | None:
-    """Why ``value`` cannot be copied into the model's tensor ``model_value``, or None."""
+    """Why ``value`` cannot be copied into the model's tensor ``model_value``, or None.
+
+    Checks what torch's ``copy_`` refuses: another layout (sparse into dense), a quantized
+    value into a float tensor, a dtype it has no copy for; quantized models (whose modules
+    load their own way) are left to torch.
+    """
     if not isinstance(model_value, torch.Tensor):
         return None  # a module's extra state (get_extra_state) is any object
     if not isinstance(value, torch.Tensor):
         return f"a {type(value).__name__}, not a tensor"
     if value.is_meta and not model_value.is_meta:
         return "a meta tensor, which holds no data (saved before the weights were materialised)"
+    if model_value.is_quantized:
+        return None
+    if value.is_nested and not model_value.is_nested:
+        return "a nested tensor (a list of tensors of different shapes), not one tensor"
+    if value.layout != model_value.layout:
+        kind = "sparse" if "sparse" in str(value.layout) else "non-dense"
+        return (
+            f"a {kind} tensor (layout {value.layout}) but the model's is {model_value.layout}:"
+            " convert it with .to_dense() first"
+            if value.layout != torch.strided
+            else f"a dense tensor but the model's has layout {model_value.layout}"
+        )
+    if value.is_quantized:
+        return (
+            f"a quantized tensor ({value.dtype}) but the model's is {model_value.dtype}: "
+            "convert it with .dequantize() first, or load it into the quantized model"
+        )
+    if not _copies(value.dtype, model_value.dtype):
+        return f"of dtype {value.dtype}, which torch cannot copy into {model_value.dtype}"
     return None
+
+
+@functools.cache
+def _copies(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether torch can copy a tensor of dtype ``source`` into one of ``target``: tried on
+    one element, once per pair (bit dtypes, for one, have no copy at all)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # complex into real warns: torch's load will too
+            torch.empty(1, dtype=target).copy_(torch.empty(1, dtype=source))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
 
 
 def _refuse_no_data(best: Mapping[str, Any], target: Mapping[str, Any]) -> None:

@@ -52,6 +52,8 @@ def _reason(e: Exception) -> str:
     }.get(os_err.errno or 0, "")
     if "dangling symbolic link" in reason:
         hint = "fix or remove the link, or save somewhere else"
+    elif "write-protected" in reason:
+        hint = ""  # the reason names the file and the fix already
     reason += f" ({hint})" if hint else ""
     if os_err.errno not in _NO_PREVIOUS and not hint.startswith("fix or remove the link"):
         reason += "; any previous file there is unchanged"
@@ -69,10 +71,11 @@ def write_checkpoint_file(path: Path, write: Callable[[IO[bytes]], None]) -> Non
 
     Raises:
         CheckpointError: ``path`` is a directory, the write failed (disk full, no permission,
-            read-only filesystem: the message says which, and that any earlier file is
-            unchanged), a parent path is a file or a dangling link, ``path`` is a loop of
-            links, ``write`` raised (the object could not be serialised), or the directory
-            could not be flushed; the cause is chained.
+            read-only filesystem, an existing file at ``path`` that is write-protected: the
+            message says which, and that any earlier file is unchanged), a parent path is
+            a file or a dangling link, ``path`` is a loop of links, ``write`` raised (the
+            object could not be serialised), or the directory could not be flushed; the
+            cause is chained.
     """
     if path.is_dir():
         raise CheckpointError(
