@@ -5,6 +5,8 @@ python _script.py all_reduce OUTDIR
 python _script.py hang OUTDIR START_METHOD
     launch(main, nprocs=2): each rank starts 2 DataLoader workers, writes its pid and
     theirs to OUTDIR/pids<R>.json, then keeps iterating forever.
+python _script.py destroys OUTDIR
+    launch_all(main) whose main destroys the process group itself; prints every rank's value.
 """
 
 from __future__ import annotations
@@ -58,10 +60,18 @@ def hang_main(outdir: str) -> None:
         pass
 
 
+def destroys_main() -> int:
+    dist.all_reduce(torch.ones(1))
+    dist.destroy_process_group()
+    return ddp.rank() * 10
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
     if mode == "all_reduce":
         print("result", ddp.launch(all_reduce_main, out, nprocs=2, backend="gloo"), flush=True)
+    elif mode == "destroys":
+        print("results", ddp.launch_all(destroys_main, backend="gloo"), flush=True)
     elif mode == "hang":
         ddp.launch(hang_main, out, nprocs=2, backend="gloo", start_method=sys.argv[3])
     else:

@@ -190,6 +190,18 @@ def raise_unprintable_on_rank(bad_rank: int) -> None:
     time.sleep(2)
 
 
+class TwoPartError(Exception):
+    """Pickles, but does not unpickle: ``__init__`` takes other arguments than ``args``."""
+
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__(f"{a}/{b}")
+
+
+def put_rank(queue: Any) -> str:
+    queue.put(ddp.rank())
+    return "put"
+
+
 def unpicklable_result() -> Any:
     return lambda: None
 

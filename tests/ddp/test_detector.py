@@ -195,3 +195,62 @@ def test_torch_compile_counts_as_progress_only_up_to_the_cap(
     assert report is not None and report.verdict.root == (1,)
     assert "rank 1 is stuck in torch.compile's compilation" in report.verdict.headline
     assert "torch.compile's compiler" in report.verdict.advice
+
+
+def _last_calls(*calls: tuple[str, Any, bool]) -> HangDetector:
+    """A detector whose rank i last called ``calls[i]``: ``(op, first argument, still
+    inside it)``, the ranks' one collective so far (the same sequence number)."""
+    det = HangDetector(len(calls), 5.0)
+    for rank, (op, arg, inside) in enumerate(calls):
+        tracker = Tracker(det.slots, rank)
+        tracker.ready(armed=True)
+        tracker.enter(op, (arg,), {})
+        if not inside:
+            tracker.exit()
+    return det
+
+
+_OWN_ERROR = 'raised ValueError: bad batch at step 7\nTraceback ...\n  File "/home/me/train.py"'
+_C10D = f"{TORCH}/distributed/distributed_c10d.py"
+_IN_GLOO = f'raised RuntimeError: [gloo] Connection reset\n  File "{_C10D}", in all_reduce'
+
+
+@pytest.mark.parametrize(
+    ("calls", "failure", "note"),
+    [
+        # A send and the recv it matched, then a rank's own error: no mismatch (was one).
+        ([("send", torch.ones(4), False), ("recv", torch.ones(4), False)], _OWN_ERROR, False),
+        # Point-to-point calls pair unlike ops even while one of them still waits.
+        ([("isend", torch.ones(4), False), ("recv", torch.ones(4), True)], _IN_GLOO, False),
+        # Both calls returned and the failure came from the rank's own code (was one).
+        (
+            [("all_reduce", torch.ones(4), False), ("all_reduce", torch.ones(8), False)],
+            _OWN_ERROR,
+            False,
+        ),
+        # The same, but the failure was raised inside torch.distributed: a mismatch.
+        (
+            [("all_reduce", torch.ones(4), False), ("all_reduce", torch.ones(8), False)],
+            _IN_GLOO,
+            True,
+        ),
+        # gloo aborts on a size mismatch: the ranks died inside the collective.
+        ([("all_reduce", torch.ones(4), True), ("all_reduce", torch.ones(8), True)], "", True),
+        # One rank still waits in a call the other never made.
+        ([("barrier", None, True), ("all_reduce", torch.ones(4), False)], _OWN_ERROR, True),
+        # The same call on every rank is no mismatch.
+        ([("all_reduce", torch.ones(4), True), ("all_reduce", torch.ones(4), True)], "", False),
+    ],
+)
+def test_a_collective_mismatch_is_noted_only_on_evidence_of_one(
+    calls: list[tuple[str, Any, bool]], failure: str, note: bool
+) -> None:
+    det = _last_calls(*calls)
+    try:
+        lines = det.mismatch_note(failure)
+    finally:
+        det.close()
+    assert bool(lines) is note, lines
+    if note:
+        assert lines[1] == "The ranks called different collectives (a collective mismatch):"
+        assert lines[2].startswith(f"  rank 0: {calls[0][0]}")

@@ -21,7 +21,7 @@ from tests.ddp._distributed import LONG, launch_fork
 from trainperf.ddp import _group
 from trainperf.ddp._procs import SignalGuard
 from trainperf.ddp._worker import Failure, WorkerSpec
-from trainperf.errors import LaunchError
+from trainperf.errors import HangError, LaunchError
 
 
 @pytest.mark.timeout(60)
@@ -141,3 +141,56 @@ def test_the_earliest_failure_is_blamed_whatever_order_reports_arrive_in() -> No
     assert "Traceback from rank 2:\ntb2" in text
     assert "rank 0 raised RuntimeError: Connection closed by peer" in text
     assert "Stopped by the launcher: rank 1" in text
+
+
+class _SpawnContext:
+    """Only what the group asks a spawn context about when judging an exit."""
+
+    def get_start_method(self) -> str:
+        return "spawn"
+
+
+def test_exit_code_117_after_main_loaded_is_not_blamed_on_a_missing_main_guard() -> None:
+    # 117 is what a worker that re-imported an unguarded script exits with, but a rank that
+    # had loaded main and then called os._exit(117) itself imported nothing again.
+    group = _group.Group(_SpawnContext(), _make_group(2).spec, "", SignalGuard())  # type: ignore[arg-type]
+    group.loaded = {1}
+    late = group._no_report(1, 117, time.time())
+    assert late.summary.startswith("exited with code 117 without reporting an error"), late
+    assert "__main__" not in late.summary + late.advice
+    assert group.restartable
+    group.stop_codes, group.stopped = {1: 117}, [1]
+    assert group._ending(1) == (
+        "exited with code 117 (os._exit(), or a crash in native code)",
+        False,
+    )
+    # A rank that never loaded main: the missing guard, as before.
+    early = group._no_report(0, 117, time.time())
+    assert 'if __name__ == "__main__": guard' in early.summary
+    assert not group.restartable
+    group.stop_codes, group.stopped = {0: 117}, [0]
+    assert group._ending(0) == ("exited: it too imported a script with no main guard", True)
+
+
+def test_a_hang_in_a_restarted_group_names_its_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every other LaunchError of a group with restarts says which attempt failed.
+    from trainperf.ddp._detector import HangDetector
+    from trainperf.ddp._hang import HangReport, RankView, diagnose
+
+    views = (RankView(0, "running", "running"), RankView(1, "running", "running"))
+    report = HangReport(2.0, 2.5, 2, diagnose(list(views)), views)
+    detector = HangDetector(2, 2.0)
+    try:
+        group = _group.Group(
+            _SpawnContext(),  # type: ignore[arg-type]
+            _make_group(2).spec,
+            " (attempt 2 of 3)",
+            SignalGuard(),
+            detector=detector,
+        )
+        monkeypatch.setattr(group, "_start", lambda: None)
+        monkeypatch.setattr(group, "_watch", lambda: setattr(group, "hang", report))
+        with pytest.raises(HangError, match=r"^no progress on any of 2 ranks \(attempt 2 of 3\) "):
+            group.run()
+    finally:
+        detector.close()

@@ -227,6 +227,37 @@ def test_launch_rejects_what_spawn_cannot_send(monkeypatch: pytest.MonkeyPatch) 
         ddp.launch(_nested_main, nprocs=2, backend="gloo")
 
 
+def test_a_partial_main_is_checked_for_what_it_binds() -> None:
+    # A partial of a top-level function pickles by name: only its bound values can fail,
+    # and the error says so (it used to say "define main at module top level").
+    with pytest.raises(
+        ValueError,
+        match=r"main=functools\.partial\(add, \.\.\.\) binds arguments that cannot be pickled "
+        r"\((PicklingError|AttributeError): Can't pickle .*\): pass picklable values",
+    ):
+        ddp.launch(functools.partial(workers.add, lambda: 1), 2, nprocs=2, backend="gloo")
+    with pytest.raises(ValueError, match=r"<lambda>' cannot be pickled.*module top level"):
+        ddp.launch(functools.partial(lambda a: a, 1), nprocs=2, backend="gloo")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_partial_main_may_bind_a_queue_as_arguments_may() -> None:
+    # A Queue pickles only while a process starts: the check before starting refused it
+    # with multiprocessing's bare RuntimeError ("Queue objects should only be shared
+    # between processes through inheritance"), though the start itself sends it fine.
+    import multiprocessing
+
+    queue = multiprocessing.get_context("spawn").Queue()
+    try:
+        main = functools.partial(workers.put_rank, queue)
+        assert ddp.launch_all(main, nprocs=2, backend="gloo", start_method="spawn") == ["put"] * 2
+        assert sorted(queue.get(timeout=10) for _ in range(2)) == [0, 1]
+    finally:
+        queue.close()
+        queue.join_thread()
+
+
 def test_launch_refuses_nccl_without_enough_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ValueError, match=r"backend='nccl' needs CUDA GPUs.*backend='gloo'"):

@@ -5,15 +5,18 @@ the bootstrapping RuntimeError of a process started at import time."""
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.ddp.test_launch import _clean_env, _processes_with
-from trainperf.ddp._stderr import last_traceback, redirected_stderr
+from trainperf.ddp._stderr import last_traceback, redirected_stderr, unredirected_stderr
 
 _IMPORT_ERROR = """\
 Traceback (most recent call last):
@@ -65,6 +68,51 @@ def test_the_redirect_gives_fd_2_back_and_forwards_what_came_through(
     err = capfd.readouterr().err
     assert err.index("straight through") < err.index("after")
     assert "from the child" in err  # forwarded, not swallowed
+
+
+def _fd2() -> tuple[int, int, bool]:
+    st = os.fstat(2)
+    return st.st_dev, st.st_ino, stat.S_ISFIFO(st.st_mode)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("second", [redirected_stderr, unredirected_stderr])
+def test_concurrent_worker_starts_take_turns_with_fd_2(second: Any) -> None:
+    # Two launches in two threads: fd 2 is one per process, so a second redirect made while
+    # the first is open used to leave fd 2 on a closed pipe (and a forked worker started
+    # meanwhile would inherit the other worker's pipe as its stderr).
+    saved, before = os.dup(2), _fd2()
+    inside, release = threading.Event(), threading.Event()
+    entered: list[float] = []
+
+    def first() -> None:
+        with redirected_stderr():
+            inside.set()
+            release.wait(10)
+
+    def then() -> None:
+        inside.wait(10)
+        with second():
+            entered.append(time.monotonic())
+
+    threads = [threading.Thread(target=first), threading.Thread(target=then)]
+    try:
+        for t in threads:
+            t.start()
+        inside.wait(10)
+        time.sleep(0.3)
+        waited = not entered  # the second start waits for the first to finish
+        released = time.monotonic()
+        release.set()
+        for t in threads:
+            t.join(10)
+        assert waited, "a second worker start ran while fd 2 was redirected for the first"
+        assert entered and entered[0] >= released
+        assert _fd2() == before
+    finally:
+        release.set()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 _SET_START_METHOD = """\

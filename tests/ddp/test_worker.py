@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -13,7 +14,8 @@ import torch
 
 import trainperf.ddp as ddp
 from tests.ddp import _workers as workers
-from tests.ddp._distributed import fast_start_method, launch_fork
+from tests.ddp._distributed import LONG, fast_start_method, launch_fork
+from trainperf.ddp._worker import WorkerSpec
 from trainperf.errors import LaunchError
 
 
@@ -116,3 +118,62 @@ def test_an_exception_class_of_a_spawned_script_is_named_as_the_user_wrote_it() 
     mp_main = type("MyErr", (Exception,), {"__module__": "__mp_main__"})
     assert _describe(1, mp_main("boom")).type_name == "__main__.MyErr"
     assert _describe(1, ValueError("x")).type_name == "ValueError"
+
+
+def _as_a_worker_gets_it(spec: WorkerSpec) -> WorkerSpec:
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    rebuilt: WorkerSpec = pickle.loads(ForkingPickler.dumps(spec))
+    return rebuilt
+
+
+def _spec(main: object, args: tuple[object, ...], kwargs: dict[str, object]) -> WorkerSpec:
+    return WorkerSpec(
+        main,
+        args,
+        kwargs,
+        "gloo",
+        1,
+        "127.0.0.1",
+        1,
+        "p/",
+        LONG,
+        None,
+        os.getpid(),
+        False,  # type: ignore[arg-type]
+    )
+
+
+def test_an_argument_that_cannot_be_unpickled_in_the_worker_is_named() -> None:
+    # Was reported as "could not load main" with advice about importing main's module.
+    bad = workers.TwoPartError(1, 2)
+    positional = _as_a_worker_gets_it(_spec(workers.add, (1, bad), {"scale": 3}))
+    with pytest.raises(TypeError, match=r"missing 1 required positional argument: 'b'"):
+        positional.load()
+    assert positional.failed_argument() == "args[1] (tests.ddp._workers.TwoPartError)"
+    keyword = _as_a_worker_gets_it(_spec(workers.add, (1, 2), {"scale": bad}))
+    with pytest.raises(TypeError):
+        keyword.load()
+    assert keyword.failed_argument() == "kwargs['scale'] (tests.ddp._workers.TwoPartError)"
+    # main itself (here a partial holding the bad value) is still main's failure.
+    own = _as_a_worker_gets_it(_spec(functools.partial(workers.add, bad), (1,), {}))
+    with pytest.raises(TypeError):
+        own.load()
+    assert own.failed_argument() is None
+    good = _as_a_worker_gets_it(_spec(workers.add, (1, 2), {"scale": 3}))
+    assert good.load() == (workers.add, (1, 2), {"scale": 3})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_spawned_rank_names_the_argument_it_could_not_unpickle() -> None:
+    with pytest.raises(LaunchError) as info:
+        ddp.launch(workers.add, 1, workers.TwoPartError(1, 2), nprocs=1, backend="gloo")
+    text = str(info.value)
+    assert text.startswith(
+        "rank 0 of 1 could not unpickle main's args[1] (tests.ddp._workers.TwoPartError): "
+        "raised TypeError: TwoPartError.__init__() missing 1 required positional argument: 'b'"
+    ), text
+    assert "could not load main" not in text and "imports main's module" not in text
+    assert "Fix: each spawned worker unpickles main's arguments" in text

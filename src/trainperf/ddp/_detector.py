@@ -52,6 +52,12 @@ from trainperf.errors import HangError
 __all__ = ["HangDetector", "rank_view"]
 
 _DUMP_WAIT_S = 3.0
+# Paired with an unlike op on the peer (a send with its recv): no mismatch between them.
+_POINT_TO_POINT = frozenset(
+    ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list", "recv_object_list")
+)
+# In a traceback: the failure was raised inside one of torch.distributed's calls.
+_TORCH_DISTRIBUTED = os.path.join("torch", "distributed", "")
 
 
 _WATCHER_FILE = os.path.join("_utils", "lifetime.py")
@@ -228,21 +234,33 @@ class HangDetector:
         self,
         report: _hang.HangReport,
         endings: list[tuple[int, int | None, str, bool]] | None = None,
+        attempt: str = "",
     ) -> HangError:
         """The HangError for ``report``, with how each stopped rank ended (the group's
-        ``(rank, exit code, how, expected)``): a crash or an error code meanwhile is named."""
-        report = dataclasses.replace(report, endings=tuple(_hang.Ending(*e) for e in endings or []))
+        ``(rank, exit code, how, expected)``): a crash or an error code meanwhile is named.
+        ``attempt`` labels the attempt as the group's other errors do (" (attempt 2 of 3)")."""
+        ended = tuple(_hang.Ending(*e) for e in endings or [])
+        report = dataclasses.replace(report, endings=ended, attempt=attempt)
         stopped = "Every rank was stopped (SIGTERM, then SIGKILL after 3 s)."
         return HangError(f"{report}\n\n{stopped}", report=report)
 
-    def mismatch_note(self) -> list[str]:
+    def mismatch_note(self, failure: str = "") -> list[str]:
         """For a LaunchError: each rank's last collective, when they were the same call
-        (same count) but disagree on what it is: the crash was a collective mismatch (gloo
-        aborts on a size mismatch: "Received data size doesn't match expected size")."""
-        last = {r: s.history[-1] for r, s in enumerate(self._states()) if s.history}
+        (same count) but disagree on what it is, and the failure came from there: a rank
+        still inside its last collective (gloo aborts on a size mismatch: "Received data
+        size doesn't match expected size"), or ``failure`` (the first failure's summary and
+        traceback) raised inside torch.distributed. Calls that all returned before a rank's
+        own error matched, whatever they were; a send and its recv are no mismatch."""
+        states = self._states()
+        last = {r: s.history[-1] for r, s in enumerate(states) if s.history}
         if len(last) < 2 or len({c.seq for c in last.values()}) != 1:
             return []
         if len({(c.op, c.detail, c.site) for c in last.values()}) < 2:
+            return []
+        if all(c.op in _POINT_TO_POINT for c in last.values()):
+            return []  # a send pairs with a recv: unlike ops, one exchange
+        inside = any(states[r].current is not None for r in last)
+        if not inside and _TORCH_DISTRIBUTED not in failure:
             return []
         lines = ["", "The ranks called different collectives (a collective mismatch):"]
         lines += [f"  rank {r}: {c.describe()}" for r, c in sorted(last.items())]

@@ -1,19 +1,23 @@
 """What the launcher says about a rank that failed: its summary, and the advice for the
 failures whose cause is known without a traceback (a spawned worker that could not import
-the script or main's module). Used by :mod:`~trainperf.ddp._group`.
+the script or main's module, or unpickle one of main's arguments). Used by
+:mod:`~trainperf.ddp._group`.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from trainperf.ddp._stderr import last_traceback
-from trainperf.ddp._worker import Failure
+from trainperf.ddp._worker import Failure, called_function
 
 __all__ = [
     "DEATH_SLACK_S",
     "Problem",
+    "arguments_advice",
     "load_advice",
     "main_script",
     "startup_problem",
@@ -43,6 +47,8 @@ def summarize(failure: Failure) -> str:
     if len(first_line) > 300:
         first_line = first_line[:300] + "..."
     text = f"raised {failure.type_name}" + (f": {first_line}" if first_line else "")
+    if failure.stage == "args":
+        return f"could not unpickle main's {failure.argument}: {text}"
     return f"could not load main: {text}" if failure.stage == "load" else text
 
 
@@ -50,13 +56,24 @@ def main_script() -> str:
     return getattr(sys.modules.get("__main__"), "__file__", None) or "the main script"
 
 
-def load_advice(main: object) -> str:
-    module = getattr(main, "__module__", None) or "its module"
+def load_advice(main: Callable[..., Any] | None) -> str:
+    target = None if main is None else called_function(main)  # a partial: what it wraps
+    module = getattr(target, "__module__", None) or "its module"
     return (
         f"Fix: a spawned worker is a new interpreter that imports main's module ({module}) by "
         "name, so it must be importable there: installed, or in a directory on sys.path (a "
         "module loaded from a file path with importlib is not); or use start_method='fork' "
         "(Linux), which needs no import."
+    )
+
+
+def arguments_advice(argument: str) -> str:
+    return (
+        f"Fix: each spawned worker unpickles main's arguments, and {argument} could not be "
+        "rebuilt there: pickle.loads(pickle.dumps(value)) must work in a new interpreter (its "
+        "class importable by name, at module top level; an exception class must pass its "
+        "__init__ arguments on to super().__init__). Or build the object inside main, or use "
+        "start_method='fork' (Linux), which pickles nothing."
     )
 
 

@@ -35,6 +35,7 @@ from typing import Any
 from trainperf.ddp import _capacity
 from trainperf.ddp._failures import DEATH_SLACK_S as _DEATH_SLACK_S
 from trainperf.ddp._failures import Problem as _Problem
+from trainperf.ddp._failures import arguments_advice as _arguments_advice
 from trainperf.ddp._failures import load_advice as _load_advice
 from trainperf.ddp._failures import startup_problem as _startup_problem
 from trainperf.ddp._failures import summarize as _summary
@@ -46,7 +47,7 @@ from trainperf.ddp._procs import (
     signal_tree,
     stop_ending,
 )
-from trainperf.ddp._stderr import StartupStderr, redirected_stderr
+from trainperf.ddp._stderr import StartupStderr, redirected_stderr, unredirected_stderr
 from trainperf.ddp._worker import (
     REIMPORT_EXIT_CODE,
     WORKER_NAME_PREFIX,
@@ -127,7 +128,7 @@ class Group:
                 self._stop(0.0 if graceful else TERM_GRACE_S)
             self.guard.raise_pending()
         if self.hang is not None:
-            raise self.detector.error(self.hang, self.endings()) from None
+            raise self.detector.error(self.hang, self.endings(), self.attempt) from None
         if self.problems:
             raise LaunchError(self._message())
         return self.results
@@ -152,9 +153,7 @@ class Group:
     def _start_one(self, rank: int) -> None:
         reader, writer = self.ctx.Pipe(duplex=False)
         redirect = (
-            redirected_stderr()
-            if self.ctx.get_start_method() == "spawn"
-            else contextlib.nullcontext(None)
+            redirected_stderr() if self.ctx.get_start_method() == "spawn" else unredirected_stderr()
         )
         try:
             with redirect as captured:
@@ -231,9 +230,13 @@ class Group:
                 self.detector.returned(rank)
             return
         f: Failure = payload
-        advice = _load_advice(self.spec.main) if f.stage == "load" else ""
+        advice = ""
         if f.stage == "load":
-            self.restartable = False
+            advice = _load_advice(self.spec.main)
+        elif f.stage == "args":
+            advice = _arguments_advice(f.argument)
+        if f.stage in ("load", "args"):
+            self.restartable = False  # the same bytes fail the same way in the next attempt
         self.problems.append(_Problem(rank, f.time, _summary(f), f.traceback, advice))
 
     def _collect(self, rank: int) -> None:
@@ -271,7 +274,7 @@ class Group:
             return _Problem(
                 rank, seen_at, "exited with code 0 without returning from main (os._exit?)"
             )
-        if code == REIMPORT_EXIT_CODE and self.ctx.get_start_method() == "spawn":
+        if self._reimported(rank, code):
             self.restartable = False
             summary, advice = _unguarded_main()
             return _Problem(rank, seen_at, summary, advice=advice)
@@ -281,6 +284,16 @@ class Group:
                 self.restartable = False
                 return startup
         return _Problem(rank, seen_at - _DEATH_SLACK_S, death_summary(code))
+
+    def _reimported(self, rank: int, code: int) -> bool:
+        """Whether a rank exited because its import of the script called launch() again (no
+        main guard): a spawned rank that never loaded main, with that exit status. After
+        loading main, the same status is main's own (``os._exit(117)``)."""
+        return (
+            code == REIMPORT_EXIT_CODE
+            and self.ctx.get_start_method() == "spawn"
+            and rank not in self.loaded
+        )
 
     def _reap(self, rank: int) -> None:
         """Join a worker the launcher is stopping; keep its exit code and a report it
@@ -294,7 +307,7 @@ class Group:
         """How a rank that was being stopped ended (see :func:`_procs.stop_ending`)."""
         late = [p for p in self.problems if p.rank == rank and p.time >= self._stop_began]
         code = self.stop_codes.get(rank)
-        if code == REIMPORT_EXIT_CODE and self.ctx.get_start_method() == "spawn" and not late:
+        if code is not None and self._reimported(rank, code) and not late:
             # The missing main guard again (its own import of the script): already the cause.
             return "exited: it too imported a script with no main guard", True
         return stop_ending(
@@ -453,7 +466,7 @@ class Group:
                 + (why if _peer_gone(f"{first.summary}\n{first.detail}") else ""),
             ]
         if self.detector is not None:
-            lines += self.detector.mismatch_note()
+            lines += self.detector.mismatch_note(f"{first.summary}\n{first.detail}")
         stopped = [r for r in self.stopped if r != first.rank and r not in self.results]
         if stopped:
             lines += [

@@ -536,6 +536,7 @@ class HangReport:
     ranks: tuple[RankView, ...]
     option: str = "hang_timeout"  # how the caller named the timeout (watchdog: "timeout")
     endings: tuple[Ending, ...] = ()  # how each rank ended when stopped (the launcher's)
+    attempt: str = ""  # " (attempt 2 of 3)" when the launcher restarts failed groups
 
     def __str__(self) -> str:
         v = self.verdict
@@ -545,7 +546,8 @@ class HangReport:
             else "no rank is blamed"
         )
         lines = [
-            f"no progress on any of {self.world_size} ranks for {self.stalled_s:.0f} s "
+            f"no progress on any of {self.world_size} ranks{self.attempt} for "
+            f"{self.stalled_s:.0f} s "
             f"({self.option}={self.hang_timeout:g}): {cause}.",
             v.headline,
             "",

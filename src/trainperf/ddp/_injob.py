@@ -3,11 +3,13 @@
 The process group is initialised from the launcher's environment (``env://``) unless it
 already exists, ``main`` runs under :func:`~trainperf.ddp.watchdog` when ``hang_timeout`` is
 set (there is no launcher of ours to watch the ranks, so they watch each other), and the
-group is destroyed afterwards; the environment variables set here are put back.
+group is destroyed afterwards; the environment variables set here are put back. ``main`` may
+destroy the group itself: ``launch_all`` then gathers the values in a group made for that.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -55,28 +57,22 @@ def run_in_process(
     created = False
     try:
         if not dist.is_initialized():
-            resolved = resolve_backend(backend, torch.cuda.device_count())
             if "OMP_NUM_THREADS" not in os.environ:
                 torch.set_num_threads(usable_cpus(env.local_world_size))
-            device = None
-            if resolved == "nccl":
-                device = rank_device(env.local_rank)
-                torch.cuda.set_device(device)
-            dist.init_process_group(
-                resolved,
-                init_method="env://",
-                rank=env.rank,
-                world_size=env.world_size,
-                timeout=timeout,
-                device_id=device,
-            )
+            _init_group(env, backend, timeout)
             created = True
+        store = _default_store()  # kept: main may destroy the group, and the store with it
         # No launcher of ours to watch the ranks: they watch each other (a hang ends every
         # rank with status 124 and the verdict on stderr).
         with Watchdog(hang_timeout, None, option="hang_timeout").start():
             result = main(*args, **kwargs)
         if not all_ranks:
             return result
+        if not dist.is_initialized():
+            # main destroyed the group itself (allowed: launch destroys only one that is
+            # left). A new one carries the values, and is destroyed below.
+            _regroup(env, backend, timeout, store)
+            created = True
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
         return gathered
@@ -88,3 +84,58 @@ def run_in_process(
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _init_group(
+    env: _env.DistributedEnv, backend: str | None, timeout: timedelta, store: Any = None
+) -> None:
+    """The default process group: from the launcher's environment (``env://``), or on
+    ``store``."""
+    import torch
+    import torch.distributed as dist
+
+    resolved = resolve_backend(backend, torch.cuda.device_count())
+    device = None
+    if resolved == "nccl":
+        device = rank_device(env.local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        resolved,
+        init_method=None if store is not None else "env://",
+        store=store,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+        device_id=device,
+    )
+
+
+def _default_store() -> Any:
+    """The default group's store, or None where torch does not say (a private accessor)."""
+    from torch.distributed import distributed_c10d
+
+    try:
+        return distributed_c10d._get_default_store()
+    except (AttributeError, ValueError, KeyError, RuntimeError):
+        return None
+
+
+# How many groups this process made again; the same count on every rank (each runs the
+# same launch_all calls), so their keys agree.
+_regroups = itertools.count()
+
+
+def _regroup(env: _env.DistributedEnv, backend: str | None, timeout: timedelta, store: Any) -> None:
+    """A default group again, after main destroyed the first, to gather the values. On the
+    first group's store, under keys of its own: a group made again on the first one's keys
+    (``env://``) reads its stale addresses under torchrun (whose agent keeps the store) and
+    fails to connect."""
+    import torch.distributed as dist
+
+    if store is None:
+        # No store kept (torch no longer says which): from the environment, as at first.
+        _init_group(env, backend, timeout)
+        return
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"trainperf/launch_all/{restart}/{next(_regroups)}/"
+    _init_group(env, backend, timeout, dist.PrefixStore(prefix, store))  # type: ignore[attr-defined]

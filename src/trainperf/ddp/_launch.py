@@ -15,6 +15,7 @@ watches them: the first failure stops the rest within seconds and is raised as a
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import multiprocessing
 import os
@@ -38,7 +39,12 @@ from trainperf.ddp._injob import resolve_backend, run_in_process
 from trainperf.ddp._procs import Interrupted, SignalGuard
 from trainperf.ddp._store import LOCALHOST, StoreHost, listen
 from trainperf.ddp._worker import KEEP_START_METHOD as _KEEP
-from trainperf.ddp._worker import REIMPORT_EXIT_CODE, WorkerSpec, reimporting_main
+from trainperf.ddp._worker import (
+    REIMPORT_EXIT_CODE,
+    WorkerSpec,
+    called_function,
+    reimporting_main,
+)
 from trainperf.errors import DeviceError, LaunchError
 
 __all__ = ["Backend", "StartMethod", "launch", "launch_all"]
@@ -140,21 +146,55 @@ def _check_spawnable(main: Callable[..., Any], start_method: str, backend: str) 
                 "torch.cuda.is_available() from loading it), or use start_method='spawn'"
             )
         return
-    name = getattr(main, "__qualname__", repr(main))
-    try:
-        pickle.dumps(main)
-    except (pickle.PicklingError, AttributeError, TypeError) as e:
-        raise ValueError(
-            f"start_method='spawn' sends main to each worker by name, and {name!r} cannot be "
-            f"pickled ({e}): define main at module top level (not a lambda or nested "
-            "function), or use start_method='fork' (Linux, notebooks)"
-        ) from e
-    if getattr(main, "__module__", None) == "__main__" and not _main_is_a_file():
+    _check_picklable(main)
+    target = called_function(main)
+    name = getattr(target, "__qualname__", repr(target))
+    if getattr(target, "__module__", None) == "__main__" and not _main_is_a_file():
         raise ValueError(
             f"{name!r} is defined in an interactive session (notebook or REPL, or a script "
             "piped on stdin), which spawned workers cannot import: use start_method='fork', "
             "or move main into a .py module"
         )
+
+
+class _Probe(pickle.Pickler):
+    """Pickles what starting a spawned worker pickles, but leaves out multiprocessing's own
+    objects (queues, locks, pipes): they refuse to be pickled except while a process
+    starts, and then they travel to it (by inheritance) as arguments of main do."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj).__module__.startswith("multiprocessing."):
+            return (type(None), ())
+        return NotImplemented
+
+
+def _pickles(obj: object) -> None:
+    _Probe(io.BytesIO(), pickle.HIGHEST_PROTOCOL).dump(obj)
+
+
+def _check_picklable(main: Callable[..., Any]) -> None:
+    """Under spawn: main's function by name, then what a ``functools.partial`` binds."""
+    target = called_function(main)
+    name = getattr(target, "__qualname__", repr(target))
+    try:
+        _pickles(target)
+    except Exception as e:
+        raise ValueError(
+            f"start_method='spawn' sends main to each worker by name, and {name!r} cannot be "
+            f"pickled ({e}): define main at module top level (not a lambda or nested "
+            "function), or use start_method='fork' (Linux, notebooks)"
+        ) from e
+    if target is main:
+        return
+    try:
+        _pickles(main)
+    except Exception as e:
+        raise ValueError(
+            f"start_method='spawn' pickles main for every worker, and main=functools.partial("
+            f"{name}, ...) binds arguments that cannot be pickled ({type(e).__name__}: {e}): "
+            "pass picklable values (build unpicklable objects inside main), or use "
+            "start_method='fork' (Linux, notebooks)"
+        ) from e
 
 
 def _warn_if_unreachable(hang_timeout: float, timeout: timedelta) -> None:

@@ -7,6 +7,9 @@ a module only the launcher can import), Python prints the traceback on stderr an
 with status 1: the launcher would only see the status. So while a worker starts, its fd 2
 is a pipe to the launcher, which forwards every byte to its own stderr and keeps the tail;
 the worker's first act is to put the real stderr back, which closes the pipe.
+
+fd 2 is one per process: workers start one at a time (one lock, for every start method), so
+launches from several threads cannot redirect it over each other.
 """
 
 from __future__ import annotations
@@ -16,18 +19,35 @@ import contextlib
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
 from trainperf._utils.fds import readable
 
-__all__ = ["StartupStderr", "last_traceback", "redirected_stderr"]
+__all__ = ["StartupStderr", "last_traceback", "redirected_stderr", "unredirected_stderr"]
 
 # Enough for a long traceback; older output is dropped.
 _TAIL_BYTES = 16384
 _TRACEBACK = "Traceback (most recent call last):"
 # An exception line: "ValueError: ...", "pkg.mod.Error: ...", or a bare "KeyboardInterrupt".
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?::|$)")
+
+# Held while a worker starts. Without it a second launch's redirect, made while the first's
+# is open, saves the first's pipe as the "real" stderr and puts it back on leaving: fd 2
+# ends on a pipe nobody reads. A worker started meanwhile (forked or spawned) would inherit
+# the other worker's pipe as its stderr.
+_STARTING = threading.Lock()
+
+
+def _reset_lock() -> None:
+    # A forked worker copies the lock held by the thread that forks it: give it a free one.
+    global _STARTING
+    _STARTING = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock)
 
 
 class StartupStderr:
@@ -123,8 +143,22 @@ def redirected_stderr() -> Iterator[tuple[StartupStderr, int] | None]:
     Yields the launcher's end of the pipe and a duplicate of the real stderr, which the
     worker restores (multiprocessing passes it along while the worker starts), or None
     where this process has no usable fd 2. Both duplicates of the launcher's are closed on
-    leaving; so is the pipe when the body raised.
+    leaving; so is the pipe when the body raised. Other threads' worker starts wait
+    meanwhile.
     """
+    with _STARTING:
+        yield from _redirect()
+
+
+@contextlib.contextmanager
+def unredirected_stderr() -> Iterator[None]:
+    """Around starting one forked worker: fd 2 as it is, while no other thread's start
+    has it redirected (the worker inherits it)."""
+    with _STARTING:
+        yield None
+
+
+def _redirect() -> Iterator[tuple[StartupStderr, int] | None]:
     try:
         real = os.dup(2)
     except OSError:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import multiprocessing
 import os
@@ -44,6 +45,7 @@ __all__ = [
     "Failure",
     "InheritedFd",
     "WorkerSpec",
+    "called_function",
     "rank_device",
     "reimporting_main",
     "worker_main",
@@ -64,7 +66,8 @@ class WorkerSpec:
 
     ``main``, ``args`` and ``kwargs`` travel as one pickled blob (``packed``) that the
     worker loads inside its own error handling: a module the worker cannot import then
-    fails as a reported exception, not as a crash of multiprocessing's bootstrap.
+    fails as a reported exception, not as a crash of multiprocessing's bootstrap. Each of
+    them is labelled in the blob (``labels``), so a failure names the one being unpickled.
     """
 
     main: Callable[..., Any] | None
@@ -87,21 +90,75 @@ class WorkerSpec:
     grace_s: float | None = None
     hang: Any = None  # a _progress.ProgressSpec when hang detection is on
     packed: bytes | None = None
+    labels: tuple[str, ...] = ()  # main's arguments, in the order they are unpickled
 
     def __reduce__(self) -> tuple[Any, ...]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if fields["main"] is not None:
-            call = (fields.pop("main"), fields.pop("args"), fields.pop("kwargs"))
+            call, labels = _labelled(fields.pop("main"), fields.pop("args"), fields.pop("kwargs"))
             # Once per rank: queues and pipes travel as descriptors handed to that one child.
-            fields.update(main=None, args=(), kwargs={}, packed=_pack(call))
+            fields.update(main=None, args=(), kwargs={}, packed=_pack(call), labels=labels)
         return (_rebuild_spec, (fields,))
 
     def load(self) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
         """``(main, args, kwargs)``, unpickled here when they came packed."""
         if self.packed is None:
             return cast(Callable[..., Any], self.main), self.args, self.kwargs
+        _unpickled.clear()
         call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] = pickle.loads(self.packed)
         return call
+
+    def failed_argument(self) -> str | None:
+        """After :meth:`load` raised: the argument being unpickled (``"args[1] (pkg.Cls)"``),
+        or None when main itself failed."""
+        if _MAIN not in _unpickled:
+            return None
+        done = len(_unpickled) - 1
+        return self.labels[done] if done < len(self.labels) else "arguments"
+
+
+_MAIN = "main"
+# The labels of what this worker has unpickled so far, in order: the first one missing after
+# a failure is the one that failed.
+_unpickled: list[str] = []
+
+
+class _Labelled:
+    """One of ``main``, its arguments, on the way to a worker: unpickled, it is the value
+    itself, and its label is recorded once the value is built."""
+
+    def __init__(self, label: str, value: Any) -> None:
+        self.label = label
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_arrived, (self.label, self.value))
+
+
+def _labelled(
+    main: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], tuple[str, ...]]:
+    """``(main, args, kwargs)`` with each value labelled, and the labels in unpickling order."""
+    positional = [f"args[{i}] ({_class_name(type(a))})" for i, a in enumerate(args)]
+    keyword = {k: f"kwargs[{k!r}] ({_class_name(type(v))})" for k, v in kwargs.items()}
+    call = (
+        _Labelled(_MAIN, main),
+        tuple(_Labelled(label, a) for label, a in zip(positional, args, strict=True)),
+        {k: _Labelled(keyword[k], v) for k, v in kwargs.items()},
+    )
+    return call, (*positional, *keyword.values())
+
+
+def _arrived(label: str, value: Any) -> Any:
+    _unpickled.append(label)
+    return value
+
+
+def _class_name(cls: type) -> str:
+    """``pkg.mod.Name`` as the user wrote it (``Name`` for builtins; a spawned rank imports
+    the script as ``__mp_main__``: the user wrote ``__main__``)."""
+    module = "__main__" if cls.__module__ == "__mp_main__" else cls.__module__
+    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
 class _CopyingPickler(ForkingPickler):
@@ -186,9 +243,10 @@ class Failure:
     message: str
     traceback: str
     time: float
-    # "load": importing main's module (unpickling main and its arguments) failed;
-    # "main": the set-up or main itself raised.
+    # "load": importing main's module (unpickling main) failed; "args": unpickling one of
+    # main's arguments failed (``argument`` names it); "main": the set-up or main raised.
     stage: str = "main"
+    argument: str = ""
 
 
 def reimporting_main() -> bool:
@@ -206,6 +264,19 @@ def reimporting_main() -> bool:
     """
     me = multiprocessing.current_process()
     return me.name.startswith(WORKER_NAME_PREFIX) and multiprocessing.parent_process() is None
+
+
+def called_function(main: Callable[..., Any]) -> Callable[..., Any]:
+    """The function ``main`` calls: itself, or what a ``functools.partial`` wraps.
+
+    Example:
+        >>> import functools, operator
+        >>> called_function(functools.partial(functools.partial(operator.add, 1), 2))
+        <built-in function add>
+    """
+    while isinstance(main, functools.partial):
+        main = main.func
+    return main
 
 
 def rank_device(local_rank: int) -> Any:
@@ -236,19 +307,17 @@ def _user_frames(tb: TracebackType | None) -> TracebackType | None:
     return tb if tb is not None else start
 
 
-def _describe(rank: int, exc: BaseException, stage: str = "main") -> Failure:
+def _describe(rank: int, exc: BaseException, stage: str = "main", argument: str = "") -> Failure:
     cls = type(exc)
-    # A spawned rank imports the script as __mp_main__: the user wrote it as __main__.
-    module = "__main__" if cls.__module__ == "__mp_main__" else cls.__module__
-    name = cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
     return Failure(
         rank=rank,
         pid=os.getpid(),
-        type_name=name,
+        type_name=_class_name(cls),
         message=_text(exc),
         traceback="".join(traceback.format_exception(cls, exc, _user_frames(exc.__traceback__))),
         time=time.time(),
         stage=stage,
+        argument=argument,
     )
 
 
@@ -347,7 +416,11 @@ def _load(spec: WorkerSpec, rank: int, conn: Connection) -> Any:
     try:
         call = spec.load()
     except BaseException as exc:
-        _report_failure(conn, _describe(rank, exc, stage="load"))
+        argument = spec.failed_argument()
+        if argument is None:
+            _report_failure(conn, _describe(rank, exc, stage="load"))
+        else:
+            _report_failure(conn, _describe(rank, exc, stage="args", argument=argument))
         _exit_now(1)
     import torch  # noqa: F401  (what a rank costs is measured with torch imported)
 
