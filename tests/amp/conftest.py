@@ -5,15 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
+
+from trainperf.amp import _tf32
 
 
 @pytest.fixture
 def restore_tf32() -> Iterator[None]:
-    """TF32 flags are process-wide; put them back through the legacy setters, which leave
-    both the legacy and the new (torch >= 2.9) APIs readable."""
-    matmul = torch.get_float32_matmul_precision()
-    cudnn = torch.backends.cudnn.allow_tf32
+    """TF32 settings are process-wide: put back the legacy flags and every fp32_precision
+    setting (torch >= 2.9) as the test found them."""
+    saved = _tf32._snapshot()
     yield
-    torch.backends.cudnn.allow_tf32 = cudnn
-    torch.set_float32_matmul_precision(matmul)
+    _tf32._restore(saved)

@@ -110,3 +110,31 @@ def test_prepare_batch_converts_only_4d_float_tensors_in_containers() -> None:
     assert isinstance(out["od"], OrderedDict) and out["od"]["v"].is_contiguous()
     assert out["name"] == "x"
     assert torch.equal(out["pair"].image, batch["pair"].image)
+
+
+class TwoAndThreeD(nn.Module):
+    """A 2-D stem, then a 3-D convolution over a stack of its feature maps (5-D weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.temporal = nn.Conv3d(8, 8, (3, 3, 3), padding=1)
+        self.register_buffer("mask", torch.ones(1, 1, 2, 4, 4))  # a 5-D buffer too
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, time, 3, H, W)
+        b, t = x.shape[:2]
+        maps = self.stem(x.flatten(0, 1)).unflatten(0, (b, t)).transpose(1, 2)
+        return self.temporal(maps)
+
+
+def test_model_to_channels_last_converts_4d_tensors_and_leaves_5d_ones_alone() -> None:
+    model = TwoAndThreeD()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    assert _channels_last.model_to_channels_last(model) is model
+    assert model.stem.weight.is_contiguous(memory_format=torch.channels_last)
+    assert model.temporal.weight.is_contiguous()  # NCDHW, as before
+    assert model.mask.is_contiguous()
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, before[name])
+    out = model(torch.randn(2, 2, 3, 4, 4))  # still runs
+    assert out.shape == (2, 8, 2, 4, 4)

@@ -695,3 +695,140 @@ def test_fp16_on_cuda_skips_non_finite_steps_with_foreach_and_fused_optimizers(
 
     backward(None)
     assert mp.step(opt, max_grad_norm=max_grad_norm) is True
+
+
+# ----------------------------------------------------------------- prepare: 5-D weights
+
+
+def test_prepare_in_channels_last_leaves_conv3d_weights_alone_on_the_cpu() -> None:
+    mp = MixedPrecision("cpu", precision="fp32", channels_last=True)
+    model = mp.prepare(nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv3d(8, 8, (1, 3, 3))))
+    assert mp.uses_channels_last
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert model[1].weight.is_contiguous()
+
+
+def test_auto_channels_last_on_a_faked_h200_does_not_fail_on_conv3d(
+    monkeypatch: pytest.MonkeyPatch, restore_tf32: None
+) -> None:
+    fake_gpu(monkeypatch, (9, 0))
+    with _tf32.tf32(False):
+        mp = MixedPrecision("cuda")  # channels_last="auto"
+        model = mp.prepare(StaysOnCpu(nn.Conv2d(3, 8, 3), nn.Conv3d(8, 8, (1, 3, 3))))
+    assert mp.uses_channels_last
+    assert "channels_last: yes, 1 2-D convolution over feature maps" in mp.reason
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert model[1].weight.is_contiguous()
+
+
+# ----------------------------------------------------------------- autocast as a decorator
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"),
+    [
+        ("bf16", torch.bfloat16),
+        pytest.param("fp16", torch.float16, marks=needs_cpu_fp16),
+        ("fp32", torch.float32),
+    ],
+)
+def test_autocast_is_a_context_manager_and_a_decorator(precision: str, dtype: torch.dtype) -> None:
+    mp = MixedPrecision("cpu", precision=precision)  # type: ignore[arg-type]
+    linear = nn.Linear(4, 2)
+
+    @mp.autocast()
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        """Runs under autocast."""
+        return linear(x)
+
+    assert forward(torch.randn(3, 4)).dtype == dtype
+    assert forward(torch.randn(3, 4)).dtype == dtype  # the same decorator, entered again
+    assert forward.__doc__ == "Runs under autocast."
+    with mp.autocast():
+        assert linear(torch.randn(3, 4)).dtype == dtype
+    assert not torch.is_autocast_enabled("cpu")
+
+
+# ----------------------------------------------------------------- zero_grad per optimizer
+
+
+def gan(
+    mp: MixedPrecision,
+) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
+    """A generator and a discriminator, each with its optimizer, after the generator's
+    backward (which also fills the discriminator's gradients)."""
+    torch.manual_seed(0)
+    g, d = mp.prepare(nn.Linear(2, 2)), mp.prepare(nn.Linear(2, 1))
+    opt_g, opt_d = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (g, d))
+    mp.backward(d(g(torch.randn(4, 2))).mean())
+    return g, d, opt_g, opt_d
+
+
+def test_zero_grad_of_one_optimizer_keeps_the_backward_for_the_others() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    g, d, opt_g, opt_d = gan(mp)
+    mp.zero_grad(opt_d)  # the discriminator's gradients from the generator's loss: dropped
+    before = g.weight.detach().clone()
+    assert mp.step(opt_g)
+    assert not torch.equal(g.weight, before)
+    assert d.weight.grad is None
+
+
+def test_stepping_an_optimizer_zeroed_since_the_backward_is_an_error() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    g, d, opt_g, opt_d = gan(mp)
+    mp.zero_grad(opt_d)
+    with pytest.raises(RuntimeError, match=r"optimizer 2 of 2 .* mp\.zero_grad\(optimizer\)"):
+        mp.step(opt_g, opt_d)
+    with pytest.raises(RuntimeError, match=r"optimizer 1 of 1 .* since the last mp\.backward"):
+        mp.step(opt_d)
+    mp.backward(d(g(torch.randn(4, 2))).mean())  # a new backward: both may step again
+    assert mp.step(opt_g, opt_d)
+    mp.backward(d(g(torch.randn(4, 2))).mean())
+    mp.zero_grad()  # every prepared model: the backward is gone for every optimizer
+    with pytest.raises(RuntimeError, match="found no gradients"):
+        mp.step(opt_g)
+
+
+def test_zero_grad_after_the_step_does_not_mark_the_next_backward() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    _, _, opt_g, opt_d = gan(mp)
+    assert mp.step(opt_g, opt_d)
+    mp.zero_grad(opt_g)
+    mp.zero_grad(opt_d)
+    with pytest.raises(RuntimeError, match="found no gradients"):
+        mp.step(opt_g)
+
+
+# ----------------------------------------------------------------- backward's arguments
+
+
+def _backward_precisions() -> list[Any]:
+    return ["fp32", "bf16", pytest.param("fp16", marks=needs_cpu_fp16)]
+
+
+@pytest.mark.parametrize("precision", _backward_precisions())
+def test_backward_retain_graph_allows_a_second_backward_through_the_graph(precision: str) -> None:
+    mp = MixedPrecision("cpu", precision=precision)  # type: ignore[arg-type]
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    h = w * 3
+    mp.backward(h.sum(), retain_graph=True)
+    mp.backward((h * h).sum())  # through h's graph again
+    scale = mp.scaler.get_scale() if mp.scaler is not None else 1.0
+    assert w.grad is not None
+    torch.testing.assert_close(w.grad / scale, torch.tensor([3.0 + 18.0, 3.0 + 36.0]))
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("precision", _backward_precisions())
+def test_backward_create_graph_and_inputs_reach_loss_backward(precision: str) -> None:
+    mp = MixedPrecision("cpu", precision=precision)  # type: ignore[arg-type]
+    a, b = nn.Parameter(torch.tensor([2.0])), nn.Parameter(torch.tensor([5.0]))
+    mp.backward((a**3 * b).sum(), create_graph=True, inputs=[a])
+    scale = mp.scaler.get_scale() if mp.scaler is not None else 1.0
+    assert b.grad is None  # only the inputs asked for
+    assert a.grad is not None and a.grad.requires_grad  # a graph to differentiate again
+    torch.testing.assert_close(a.grad.detach() / scale, torch.tensor([3 * 4.0 * 5.0]))
+    opt = torch.optim.SGD([a], lr=0.0)
+    assert mp.step(opt)
+    a.grad = None  # create_graph ties the gradient to its parameter: break the cycle

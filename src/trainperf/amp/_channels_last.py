@@ -1,7 +1,8 @@
 """channels_last for :class:`trainperf.amp.MixedPrecision`: when to convert, and converting batches.
 
 channels_last (NHWC) lets convolutions run on tensor cores without layout transposes; it helps
-models that convolve over feature maps, so "auto" looks for such convolutions.
+models that convolve over feature maps, so "auto" looks for such convolutions. It is a 4-D
+memory format: 5-D weights and inputs (``Conv3d``, video) keep their layout.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ __all__ = [
     "conv_share",
     "feature_map_convs",
     "is_patch_embedding",
+    "model_to_channels_last",
     "to_channels_last",
 ]
 
 T = TypeVar("T")
+M = TypeVar("M", bound=nn.Module)
 
 
 def is_patch_embedding(conv: nn.Conv2d | nn.ConvTranspose2d) -> bool:
@@ -107,6 +110,30 @@ def channels_last_decision(
         f"channels_last: yes, {plural(convs, '2-D convolution')} over feature maps "
         f"({conv_share(model):.0%} of parameters in Conv2d/BatchNorm2d)"
     )
+
+
+def model_to_channels_last(model: M) -> M:
+    """``model``'s 4-D parameters and buffers -> channels_last, in place; others keep their layout.
+
+    ``model.to(memory_format=torch.channels_last)`` also converts 5-D tensors and fails on them
+    ("required rank 4 tensor to use channels_last format"), so a model with a ``Conv3d``
+    could not be converted at all; here its 5-D weights stay as they are (NCDHW).
+
+    Example:
+        >>> model = model_to_channels_last(torch.nn.Sequential(
+        ...     torch.nn.Conv2d(3, 8, 3), torch.nn.Conv3d(8, 8, 3)))
+        >>> model[0].weight.is_contiguous(memory_format=torch.channels_last)
+        True
+        >>> model[1].weight.is_contiguous()
+        True
+    """
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
+
+    # Module.to's own machinery (parameters, their gradients, buffers), with this conversion.
+    model._apply(convert)  # type: ignore[no-untyped-call]
+    return model
 
 
 def to_channels_last(obj: T) -> T:

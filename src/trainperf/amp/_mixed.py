@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Mapping
-from typing import Any, Literal, TypeVar, get_args
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, Protocol, TypeVar, get_args
 
 import torch
 from torch import nn
 
 from trainperf._utils.validate import choice
 from trainperf.amp import _precision
-from trainperf.amp._channels_last import channels_last_decision, to_channels_last
+from trainperf.amp._channels_last import (
+    channels_last_decision,
+    model_to_channels_last,
+    to_channels_last,
+)
 from trainperf.amp._tf32 import enable_tf32
 from trainperf.device import resolve_device, to_device
 
@@ -32,6 +36,28 @@ _PRECISIONS: tuple[str, ...] = get_args(Precision)
 _NAMES = _precision.NAMES
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class AutocastContext(Protocol):
+    """What :meth:`MixedPrecision.autocast` returns: a context manager that also decorates."""
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> Any: ...
+
+    def __call__(self, func: F) -> F: ...
+
+
+class _NoAutocast(contextlib.ContextDecorator):
+    """fp32's autocast: nothing to cast, usable as ``with`` and as ``@``, as torch.autocast is
+    (``contextlib.nullcontext`` is no decorator)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        return None
 
 
 def choose_precision(device: str | torch.device | None = None) -> torch.dtype:
@@ -90,7 +116,8 @@ class MixedPrecision:
         precision: "auto", "bf16", "fp16" or "fp32".
         channels_last: "auto" converts models with at least one 2-D convolution over
             feature maps (a patch embedding, as in a ViT, does not count), on CUDA, when
-            tensor cores are in use; True/False force it on/off.
+            tensor cores are in use; True/False force it on/off. Only 4-D weights are
+            converted: 5-D ones (``Conv3d``) keep their layout.
         tf32: allow TF32 for fp32 matmuls and convolutions on compute capability >= 8.0 when
             :meth:`prepare` runs. This is process-wide torch state. False leaves it as is.
 
@@ -142,6 +169,9 @@ class MixedPrecision:
         self._scaler: torch.amp.GradScaler | None = None
         self._backward_pending = False
         self._stepped = False  # a step since the last backward or zero_grad
+        # ids of the optimizers mp.zero_grad(optimizer) cleared while a backward was pending:
+        # that backward is gone for them only.
+        self._zeroed: set[int] = set()
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.uses_channels_last = False
         self.tf32_enabled = False
@@ -179,6 +209,8 @@ class MixedPrecision:
     def prepare(self, model: nn.Module) -> nn.Module:
         """Move ``model`` to the device, to channels_last where it helps, and enable TF32.
 
+        channels_last converts the 4-D parameters and buffers; 5-D ones (``Conv3d``) keep
+        their layout, where ``model.to(memory_format=torch.channels_last)`` would fail.
         Weights stay fp32 (autocast casts per op). TF32 is switched on process-wide (torch
         keeps it as global state) when ``tf32=True`` and the GPU has compute capability >= 8.0.
 
@@ -207,7 +239,7 @@ class MixedPrecision:
         )
         model.to(self.device)
         if use_cl:
-            model.to(memory_format=torch.channels_last)
+            model_to_channels_last(model)  # 5-D weights (Conv3d) keep their layout
             self.uses_channels_last = True
         if tf32_on:
             enable_tf32()
@@ -247,23 +279,46 @@ class MixedPrecision:
 
     # ----------------------------------------------------------------- the training step
 
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+    def autocast(self) -> AutocastContext:
         """The context for the forward pass: autocast to bf16/fp16, or nothing for fp32.
 
+        A context manager, and for every precision also a decorator (``@mp.autocast()``), as
+        ``torch.autocast`` is.
+
         Example:
-            >>> with MixedPrecision("cpu", precision="bf16").autocast():
+            >>> mp = MixedPrecision("cpu", precision="bf16")
+            >>> with mp.autocast():
             ...     torch.nn.Linear(4, 2)(torch.randn(3, 4)).dtype
             torch.bfloat16
+            >>> @MixedPrecision("cpu", precision="fp32").autocast()
+            ... def forward(x):
+            ...     return torch.nn.Linear(4, 2)(x)
+            >>> forward(torch.randn(3, 4)).dtype
+            torch.float32
         """
         if self.dtype == torch.float32:
-            return contextlib.nullcontext()
+            return _NoAutocast()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(
+        self,
+        loss: torch.Tensor,
+        *,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        inputs: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    ) -> None:
         """``loss.backward()``, through the loss scaler for fp16.
 
         Args:
             loss: the scalar loss of the forward pass.
+            retain_graph: keep the graph for another backward through it (two losses that
+                share a forward); None means ``create_graph``. Keyword only, as the two below,
+                and passed to ``loss.backward`` as they are.
+            create_graph: build a graph of the backward, for higher-order gradients (a
+                gradient penalty). With fp16 the gradients are those of the scaled loss, as
+                with ``GradScaler``: divide them by ``mp.scaler.get_scale()`` before using them.
+            inputs: accumulate gradients into these tensors only; None means every leaf.
 
         Raises:
             TypeError: ``loss`` is not a tensor.
@@ -271,19 +326,22 @@ class MixedPrecision:
         Example:
             >>> mp = MixedPrecision("cpu", precision="fp32")
             >>> w = torch.ones(2, requires_grad=True)
-            >>> mp.backward((w * 3).sum())
+            >>> h = w * 3
+            >>> mp.backward(h.sum(), retain_graph=True)
+            >>> mp.backward(h.sum())  # through h's graph again
             >>> w.grad.tolist()
-            [3.0, 3.0]
+            [6.0, 6.0]
         """
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"backward() takes the loss tensor, got {type(loss).__name__}")
         scaler = self.scaler
-        if scaler is not None:
-            scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
-        else:
-            loss.backward()  # type: ignore[no-untyped-call]
+        scaled = scaler.scale(loss) if scaler is not None else loss
+        scaled.backward(  # type: ignore[no-untyped-call]
+            retain_graph=retain_graph, create_graph=create_graph, inputs=inputs
+        )
         self._backward_pending = True
         self._stepped = False
+        self._zeroed.clear()
 
     def step(
         self,
@@ -321,7 +379,8 @@ class MixedPrecision:
 
         Raises:
             RuntimeError: no :meth:`backward` since the last step or :meth:`zero_grad`
-                (a second ``step`` after one backward says to pass all optimizers to one).
+                (a second ``step`` after one backward says to pass all optimizers to one),
+                or ``mp.zero_grad(optimizer)`` cleared one of ``optimizers`` since it.
             TypeError: no optimizer given, or something that is not one (a clip value
                 passed positionally: ``max_grad_norm`` is keyword-only).
             ValueError: ``max_grad_norm`` is not a positive number, or an optimizer is
@@ -340,6 +399,7 @@ class MixedPrecision:
         self._check_step(optimizers, max_grad_norm)
         self._backward_pending = False
         self._stepped = True
+        self._zeroed.clear()
         scaler = self.scaler
         if scaler is None:
             for opt in optimizers:
@@ -388,15 +448,31 @@ class MixedPrecision:
                 "step or zero_grad; call mp.backward(loss) instead of loss.backward(), so that "
                 "fp16 loss scaling and skipped steps work"
             )
+        self._check_not_zeroed(optimizers)
         if max_grad_norm is not None and not (
             isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0
         ):
             raise ValueError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
 
+    def _check_not_zeroed(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+        for i, o in enumerate(optimizers, 1):
+            if id(o) in self._zeroed:
+                raise RuntimeError(
+                    f"MixedPrecision.step() found no gradients for optimizer {i} of "
+                    f"{len(optimizers)} ({type(o).__name__}): mp.zero_grad(optimizer) cleared "
+                    "them since the last mp.backward(loss); step the other optimizers without "
+                    "it, or call mp.backward(loss) again first"
+                )
+
     def zero_grad(
         self, optimizer: torch.optim.Optimizer | None = None, *, set_to_none: bool = True
     ) -> None:
         """Clear gradients: the optimizer's, or every model :meth:`prepare` has seen.
+
+        ``mp.zero_grad(optimizer)`` between :meth:`backward` and :meth:`step` drops that
+        backward for this optimizer only: the others can still be stepped (a GAN step that
+        discards the discriminator's gradients from the generator's loss).
+        ``mp.zero_grad()`` drops it for all.
 
         Args:
             optimizer: whose parameters to clear; None clears the prepared models'.
@@ -415,15 +491,18 @@ class MixedPrecision:
         """
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=set_to_none)
-        else:
-            models = list(self._models)
-            if not models:
-                raise RuntimeError(
-                    "zero_grad() without an optimizer clears the models passed to "
-                    "mp.prepare(), but there are none; call mp.zero_grad(optimizer)"
-                )
-            for model in models:
-                model.zero_grad(set_to_none=set_to_none)
+            if self._backward_pending:  # after a step there is no backward left to drop
+                self._zeroed.add(id(optimizer))
+            self._stepped = False
+            return
+        models = list(self._models)
+        if not models:
+            raise RuntimeError(
+                "zero_grad() without an optimizer clears the models passed to "
+                "mp.prepare(), but there are none; call mp.zero_grad(optimizer)"
+            )
+        for model in models:
+            model.zero_grad(set_to_none=set_to_none)
         self._backward_pending = False
         self._stepped = False
 

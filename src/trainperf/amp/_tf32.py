@@ -1,20 +1,29 @@
 """TF32 for fp32 matmuls and cuDNN convolutions: read, switch and restore it safely.
 
 torch keeps TF32 as process-wide state behind two APIs: the legacy one
-(``torch.set_float32_matmul_precision``, ``torch.backends.cudnn.allow_tf32``) and, from torch
-2.9, a per-backend ``fp32_precision`` attribute. Once the new API has been used, reading a
-legacy getter can raise ``RuntimeError`` ("you have used mix of the legacy and new APIs").
-Everything here reads through whichever API answers and restores both, so a caller never
-trips over what another library (or the user) set before it. The flags exist without CUDA,
-so all of this works, and is tested, on a CPU-only build.
+(``torch.set_float32_matmul_precision``, ``torch.backends.cuda.matmul.allow_tf32``,
+``torch.backends.cudnn.allow_tf32``) and, from torch 2.9, a tree of ``fp32_precision``
+settings: ``torch.backends`` at the root, a backend's (``torch.backends.cudnn``, oneDNN's) below
+it, each operation's (``torch.backends.cuda.matmul``, ``torch.backends.cudnn.conv``) at the
+leaves; a setting at "none" follows its parent. The legacy getters raise ``RuntimeError`` ("mix
+of the legacy and new APIs") where the two disagree.
+
+:func:`tf32` switches both APIs together, so that inside the block every getter answers and
+agrees, and puts back on exit what each setting held itself (also "none", so a setting that
+followed its parent follows it again) and the legacy flags' own values, read without tripping
+over a mix. One thing cannot be put back: in a fresh process cuDNN's conv and rnn settings hold
+an internal start value (TF32, unless a parent setting says otherwise) that no API can set;
+:func:`tf32` leaves it alone where it can (``tf32(True)`` when cuDNN already agrees), and
+otherwise sets back the value it read. The settings exist without CUDA, so all of this works,
+and is tested, on a CPU-only build.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import NamedTuple
 
 import torch
 
@@ -34,23 +43,192 @@ class TF32State:
     cudnn: bool
 
 
-def _backend(*path: str) -> Any:
-    """``torch.backends.<path>``, or None where this torch build lacks it."""
-    obj: Any = torch.backends
-    for name in path:
-        obj = getattr(obj, name, None)
-        if obj is None:
-            return None
-    return obj
+# ----------------------------------------------------------------------- the fp32_precision tree
+
+Node = tuple[str, str]  # (backend, op), as torch._C names them
+_ROOT: Node = ("generic", "all")
+_PARENTS: tuple[Node, ...] = (("cuda", "all"), ("mkldnn", "all"))
+_LEAVES: tuple[Node, ...] = tuple((b, op) for b, _ in _PARENTS for op in ("matmul", "conv", "rnn"))
+_CUDNN: tuple[Node, ...] = (("cuda", "conv"), ("cuda", "rnn"))
+# cuDNN's conv and rnn start at an internal value no API can set (see the module docstring).
+_START = "start"
 
 
-# The new-API attributes a TF32 switch can change (set_float32_matmul_precision also sets
-# oneDNN's matmul precision), in the order they are restored.
-_NEW_API = (("cuda", "matmul"), ("mkldnn", "matmul"), ("cudnn", "conv"), ("cudnn", "rnn"))
+def _has_tree() -> bool:
+    """Whether this torch has the fp32_precision settings (torch >= 2.9)."""
+    try:  # private accessors: a torch whose signatures differ falls back to the legacy API
+        torch.backends.cudnn.conv.fp32_precision  # type: ignore[attr-defined]  # noqa: B018
+        _read(_ROOT)
+        _read(_CUDNN[0])
+    except (AttributeError, TypeError, RuntimeError):
+        return False
+    return True
+
+
+def _read(node: Node) -> str:
+    """What ``node`` reads (after following "none" to its parents), as its public getter says.
+
+    Through torch._C: the public ``torch.backends.mkldnn.fp32_precision`` setter writes the root.
+    """
+    return str(torch._C._get_fp32_precision_getter(*node))
+
+
+def _write(node: Node, value: str) -> None:
+    torch._C._set_fp32_precision_setter(*node, value)
+
+
+def _ancestors(node: Node, own: Mapping[Node, str]) -> dict[Node, str]:
+    """``node``'s parent settings (none for the root), with the value each holds itself."""
+    if node == _ROOT:
+        return {}
+    if node[1] == "all":
+        return {_ROOT: own[_ROOT]}
+    return {(node[0], "all"): own[(node[0], "all")], _ROOT: own[_ROOT]}
+
+
+def _reads_with(node: Node, ancestors: Mapping[Node, str], value: str) -> str:
+    """What ``node`` reads with every ancestor set to ``value``; the ancestors are put back."""
+    for ancestor in ancestors:
+        _write(ancestor, value)
+    try:
+        return _read(node)
+    finally:
+        for ancestor, own in ancestors.items():
+            _write(ancestor, own)
+
+
+def _own_value(node: Node, ancestors: Mapping[Node, str]) -> str:
+    """What ``node`` holds itself: a precision, "none" (follows its parent) or ``_START``.
+
+    torch's getter answers with the inherited value, so this asks again with the ancestors set
+    to something else (does it follow?) and to "none" (where "none" reads "none" and cuDNN's
+    start value reads TF32).
+    """
+    seen = _read(node)
+    probe = "tf32" if seen == "ieee" else "ieee"
+    if _reads_with(node, ancestors, probe) != probe:
+        return seen
+    return "none" if _reads_with(node, ancestors, "none") == "none" else _START
+
+
+class _Setting(NamedTuple):
+    node: Node
+    own: str  # what the setting holds itself
+    seen: str  # what it read: set back where ``own`` is the start value and was overwritten
+
+
+def _own_settings() -> tuple[_Setting, ...]:
+    own = {_ROOT: _read(_ROOT)}  # the root follows nothing: it reads what it holds
+    for node in (*_PARENTS, *_LEAVES):  # parents first: their leaves' probes put them back
+        own[node] = _own_value(node, _ancestors(node, own))
+    return tuple(_Setting(node, value, _read(node)) for node, value in own.items())
+
+
+def _write_settings(settings: Iterable[_Setting]) -> None:
+    for s in settings:
+        _write(s.node, s.seen if s.own == _START else s.own)
+
+
+def _starts_kept(settings: tuple[_Setting, ...]) -> set[Node]:
+    """The settings saved at cuDNN's start value that still hold it (the parents must be
+    back as saved)."""
+    own = {s.node: s.own for s in settings}
+    return {
+        s.node
+        for s in settings
+        if s.own == _START and _own_value(s.node, _ancestors(s.node, own)) == _START
+    }
+
+
+# ----------------------------------------------------------------------- the legacy flags
+
+
+def _legacy_matmul() -> str:
+    """The legacy matmul precision's own value. Its getter raises where the matmul leaves
+    disagree with it; with both at "ieee" nothing disagrees. Leaves them at "ieee"."""
+    _write(("cuda", "matmul"), "ieee")
+    _write(("mkldnn", "matmul"), "ieee")
+    return torch.get_float32_matmul_precision()
+
+
+def _legacy_cudnn(settings: tuple[_Setting, ...]) -> bool:
+    """The legacy cuDNN flag's own value. Its getter answers only where conv and rnn agree with
+    it: with both at "tf32", exactly when it is True. May leave conv and rnn at "tf32"."""
+    if any(s.own == _START for s in settings if s.node in _CUDNN):
+        return True  # the flag's own setter overwrites the start value: never set, so True
+    for node in _CUDNN:
+        _write(node, "tf32")
+    try:
+        return bool(torch.backends.cudnn.allow_tf32)
+    except RuntimeError:
+        return False
+
+
+# ----------------------------------------------------------------------- snapshot and restore
+
+
+@dataclass(frozen=True)
+class _Saved:
+    matmul: str  # the legacy matmul precision's own value
+    cudnn: bool  # the legacy cuDNN flag's own value
+    settings: tuple[_Setting, ...]  # the fp32_precision tree; () before torch 2.9
+
+
+def _snapshot() -> _Saved:
+    if not _has_tree():
+        cudnn = bool(torch.backends.cudnn.allow_tf32)
+        return _Saved(torch.get_float32_matmul_precision(), cudnn, ())
+    settings = _own_settings()
+    try:
+        return _Saved(_legacy_matmul(), _legacy_cudnn(settings), settings)
+    finally:
+        _write_settings(s for s in settings if s.own != _START)  # what the reads changed
+
+
+def _restore(saved: _Saved) -> None:
+    # Legacy setters first: they write leaves, which are then written back as they were.
+    torch.set_float32_matmul_precision(saved.matmul)
+    if not saved.settings:
+        torch.backends.cudnn.allow_tf32 = saved.cudnn
+        return
+    _write_settings(s for s in saved.settings if s.node[1] == "all")
+    kept = _starts_kept(saved.settings)
+    if not kept:  # a kept start value means the cuDNN flag was never set: it is as saved
+        torch.backends.cudnn.allow_tf32 = saved.cudnn
+    _write_settings(s for s in saved.settings if s.node[1] != "all" and s.node not in kept)
+
+
+def _cudnn_agrees(enabled: bool) -> bool:
+    """Whether the legacy cuDNN flag reads ``enabled`` (it raises unless conv and rnn agree)."""
+    try:
+        return bool(torch.backends.cudnn.allow_tf32) is enabled
+    except RuntimeError:
+        return False
+
+
+def _switch(enabled: bool) -> None:
+    """Set TF32 through both APIs so that every getter answers and agrees."""
+    # Both matmul leaves are set explicitly, as the legacy getter expects.
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    if _cudnn_agrees(enabled):
+        return  # nothing to do; and cuDNN's start value stays as it is
+    torch.backends.cudnn.allow_tf32 = enabled
+    if not enabled and _has_tree():
+        # The legacy setter leaves conv and rnn at "none", which would follow a "tf32" set on
+        # torch.backends or torch.backends.cudnn.
+        for node in _CUDNN:
+            _write(node, "ieee")
+
+
+# ----------------------------------------------------------------------- the public functions
 
 
 def tf32_state() -> TF32State:
     """Whether TF32 is on for fp32 matmuls and cuDNN convolutions, never raising.
+
+    Read from the fp32_precision settings where torch has them (they are what it applies;
+    the legacy getters can raise, or answer for a setting that was overridden since), else
+    from the legacy flags.
 
     Returns:
         A :class:`TF32State`.
@@ -60,65 +238,25 @@ def tf32_state() -> TF32State:
         ...     tf32_state()
         TF32State(matmul=False, cudnn=False)
     """
-    try:
-        matmul = torch.get_float32_matmul_precision() != "highest"
-    except RuntimeError:  # the new API was used: ask it instead
-        matmul = getattr(_backend("cuda", "matmul"), "fp32_precision", "ieee") == "tf32"
-    try:
-        cudnn = bool(torch.backends.cudnn.allow_tf32)
-    except RuntimeError:
-        cudnn = getattr(_backend("cudnn", "conv"), "fp32_precision", "ieee") == "tf32"
-    return TF32State(matmul=matmul, cudnn=cudnn)
-
-
-def _set(enabled: bool) -> None:
-    # The legacy matmul setter works whatever API was used before, and leaves both readable.
-    torch.set_float32_matmul_precision("high" if enabled else "highest")
-    try:
-        torch.backends.cudnn.allow_tf32  # noqa: B018  (raises when the APIs were mixed)
-    except RuntimeError:
-        conv = _backend("cudnn", "conv")
-        if conv is not None:
-            conv.fp32_precision = "tf32" if enabled else "ieee"
-    else:
-        torch.backends.cudnn.allow_tf32 = enabled
-
-
-def _snapshot() -> tuple[str | None, bool | None, list[tuple[Any, str]]]:
-    try:
-        matmul: str | None = torch.get_float32_matmul_precision()
-    except RuntimeError:
-        matmul = None
-    try:
-        cudnn: bool | None = bool(torch.backends.cudnn.allow_tf32)
-    except RuntimeError:
-        cudnn = None
-    raw = []
-    for path in _NEW_API:
-        backend = _backend(*path)
-        value = getattr(backend, "fp32_precision", None)
-        if value is not None:
-            raw.append((backend, str(value)))
-    return matmul, cudnn, raw
-
-
-def _restore(saved: tuple[str | None, bool | None, list[tuple[Any, str]]]) -> None:
-    matmul, cudnn, raw = saved
-    # The legacy values first (their setters also write the new attributes), then the new
-    # attributes exactly as they were.
-    if matmul is not None:
-        torch.set_float32_matmul_precision(matmul)
-    if cudnn is not None:
-        torch.backends.cudnn.allow_tf32 = cudnn
-    for backend, value in raw:
-        backend.fp32_precision = value
+    if _has_tree():
+        return TF32State(
+            matmul=_read(("cuda", "matmul")) == "tf32", cudnn=_read(("cuda", "conv")) == "tf32"
+        )
+    return TF32State(
+        matmul=torch.get_float32_matmul_precision() != "highest",
+        cudnn=bool(torch.backends.cudnn.allow_tf32),
+    )
 
 
 @contextlib.contextmanager
 def tf32(enabled: bool) -> Iterator[TF32State]:
     """Switch TF32 on or off for fp32 matmuls and cuDNN convolutions, then restore it.
 
-    Whatever was set before, through either API, is put back on exit, also after an error.
+    Inside the block both APIs agree: the legacy getters answer (``"high"``/``"highest"``,
+    ``allow_tf32``) and the matmul, conv and rnn ``fp32_precision`` settings say the same
+    (oneDNN's matmul setting follows the legacy matmul precision, as torch's own setter makes
+    it). On exit, also after an error, every setting is put back as it was, read through
+    either API; see the module docstring for the one value torch cannot take back.
 
     Args:
         enabled: allow TF32 (True) or force full fp32 (False) inside the block.
@@ -132,8 +270,8 @@ def tf32(enabled: bool) -> Iterator[TF32State]:
     Example:
         >>> before = tf32_state()
         >>> with tf32(True) as state:
-        ...     state.matmul, tf32_state().cudnn
-        (True, True)
+        ...     state.matmul, tf32_state().cudnn, torch.backends.cudnn.allow_tf32
+        (True, True, True)
         >>> tf32_state() == before
         True
     """
@@ -141,7 +279,7 @@ def tf32(enabled: bool) -> Iterator[TF32State]:
         raise TypeError(f"enabled must be True or False, got {enabled!r}")
     saved = _snapshot()
     try:
-        _set(enabled)
+        _switch(enabled)
         yield tf32_state()
     finally:
         _restore(saved)
@@ -151,7 +289,7 @@ def enable_tf32() -> None:
     """Allow TF32 for fp32 matmuls and cuDNN convolutions, process-wide (not restored).
 
     What :class:`trainperf.amp.MixedPrecision` does on compute capability >= 8.0. Safe after
-    either TF32 API was used: it never reads a legacy flag that would raise.
+    either TF32 API was used, and leaves both readable and in agreement.
 
     Example:
         >>> with tf32(False):  # only to leave this process's settings as they were
@@ -159,4 +297,4 @@ def enable_tf32() -> None:
         ...     tf32_state()
         TF32State(matmul=True, cudnn=True)
     """
-    _set(True)
+    _switch(True)

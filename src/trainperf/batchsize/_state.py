@@ -233,11 +233,18 @@ def _restore_buffer(m: nn.Module, name: str, saved: torch.Tensor | None, device:
             now.copy_(saved)
 
 
-def _pending(objects: Iterable[Any]) -> list[tuple[MixedPrecision, tuple[bool, bool]]]:
+Pending = tuple[MixedPrecision, tuple[bool, bool, frozenset[int]]]
+"""A MixedPrecision, whether a backward waits for its step, whether it was stepped since,
+and the optimizers ``zero_grad`` cleared since that backward."""
+
+
+def _pending(objects: Iterable[Any]) -> list[Pending]:
     """Each MixedPrecision's "a backward is waiting for its step" and "stepped since"
     flags (gradients accumulated before tuning must still be stepped after it)."""
     return [
-        (o, (o._backward_pending, o._stepped)) for o in objects if isinstance(o, MixedPrecision)
+        (o, (o._backward_pending, o._stepped, frozenset(o._zeroed)))
+        for o in objects
+        if isinstance(o, MixedPrecision)
     ]
 
 
@@ -324,7 +331,7 @@ class SavedState:
         modes: ``(module, its .training flag)`` for every submodule.
         buffers: ``(module, name, copy, device)`` of every buffer ``state_dict()`` leaves out.
         pending: ``(MixedPrecision, (whether a backward waits for its step, whether it
-            was stepped since))``.
+            was stepped since, the optimizers zeroed since))``.
         stages: ``(GradScaler, copy of its per-optimizer stages)``, of those passed in and
             of each MixedPrecision's.
     """
@@ -335,7 +342,7 @@ class SavedState:
     loose: list[Loose] = field(default_factory=list)
     modes: list[tuple[nn.Module, bool]] = field(default_factory=list)
     buffers: list[Buffer] = field(default_factory=list)
-    pending: list[tuple[MixedPrecision, tuple[bool, bool]]] = field(default_factory=list)
+    pending: list[Pending] = field(default_factory=list)
     stages: list[Stages] = field(default_factory=list)
 
     @classmethod
@@ -408,8 +415,8 @@ class SavedState:
             m.train(training)
         for m, name, buffer, device in self.buffers:
             _restore_buffer(m, name, buffer, device)
-        for mp, (pending, stepped) in self.pending:
-            mp._backward_pending, mp._stepped = pending, stepped
+        for mp, (pending, stepped, zeroed) in self.pending:
+            mp._backward_pending, mp._stepped, mp._zeroed = pending, stepped, set(zeroed)
         for scaler, stages in self.stages:
             scaler._per_optimizer_states = copy.deepcopy(stages)
 
