@@ -584,3 +584,79 @@ def test_repr_shows_the_settings_it_runs_with_now(monkeypatch: pytest.MonkeyPatc
         "persistent_workers=True, changes=1)"
     )
     loader.close()
+
+
+def _tuned_report(best: dict[str, Any], given: dict[str, Any] | None) -> Any:
+    """A tuning report that chose ``best`` (no run: the settings are what is tested)."""
+    from trainperf.loader import TuningReport
+    from trainperf.loader._report import UserSetting
+
+    limits = HostLimits(2, 2, None, 2, 2**33, None, 2**32, None, None)
+    user = None if given is None else UserSetting(given, 2, 2, False, True, None, "given")
+    return TuningReport(
+        best, None, None, None, (), 0.1, 1.0, limits, 2, 1, 2, "cpu", 4, user_setting=user
+    )
+
+
+@pytest.mark.slow  # two worker pools: about two seconds
+@pytest.mark.parametrize(
+    "given",
+    [None, {"num_workers": 2}, {"persistent_workers": True}],
+    ids=["nothing-given", "workers-given", "persistent-given"],
+)
+def test_persistent_workers_the_tuner_chose_keep_the_callers_order_every_epoch(
+    monkeypatch: pytest.MonkeyPatch, given: dict[str, Any] | None
+) -> None:
+    # The caller passed neither persistent_workers nor (but in the last case) num_workers:
+    # the tuner chose both; the epochs are those of the caller's own DataLoader.
+    import trainperf.loader._autotune as autotune
+
+    monkeypatch.setattr(adapt, "decide", lambda f, **kw: None)
+    if given is not None and given.get("persistent_workers"):
+        given = {"num_workers": 2, **given}  # the caller's own persistent pool: kept
+    plain = DataLoader(
+        range(24),
+        batch_size=4,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(3),
+        **(given or {}),
+    )
+    try:
+        expected = _epochs(plain, 3)
+    finally:
+        if plain._iterator is not None:
+            plain._iterator._shutdown_workers()  # type: ignore[attr-defined]
+    kw: dict[str, Any] = {"shuffle": True, "generator": torch.Generator().manual_seed(3)}
+    chosen = {"num_workers": 2, "prefetch_factor": 2, "pin_memory": False}
+    best = {"batch_size": 4, **kw, **chosen, "persistent_workers": True}
+    report = _tuned_report(best, given)
+    monkeypatch.setattr(autotune, "tune_loader", lambda *a, **k: report)
+    loader = autotune_loader(range(24), 4, adapt=True, **quick(), **kw, **(given or {}))
+    try:
+        got = _epochs(loader, 3)
+    finally:
+        loader.close()
+    assert loader.persistent_workers and loader.num_workers == 2
+    assert got == expected
+    assert len({tuple(e) for e in got}) == 3  # the shuffle did shuffle
+
+
+@pytest.mark.slow  # two workers start and stop: about a second
+@pytest.mark.parametrize("timeout", [0.0, 7.0])
+def test_a_pool_it_starts_has_a_bound_for_its_first_batch_unless_a_timeout_is_given(
+    monkeypatch: pytest.MonkeyPatch, timeout: float
+) -> None:
+    _scripted(monkeypatch, [(2, 2)])
+    monkeypatch.setattr(adapt, "hang_timeout", lambda *a, **k: 42.0)
+    loader = AdaptiveDataLoader(range(16), batch_size=4, timeout=timeout)
+    try:
+        _epochs(loader, 1)
+        it = iter(loader)  # the scripted change: two workers
+        assert loader.num_workers == 2
+        assert it.it._timeout == (timeout or 42.0)  # yours keeps its meaning: it raises
+        assert (it.trial is None) == bool(timeout)
+        assert next(it).tolist() == [0, 1, 2, 3]
+        assert it.trial is None and it.it._timeout == timeout  # the pool works: no bound
+        assert [b.tolist() for b in it] == [[4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    finally:
+        loader.close()

@@ -135,3 +135,39 @@ def test_a_stream_that_starts_afresh_on_each_iter_is_tuned(dataset: Any) -> None
     )
     measured = [c for c in report.candidates if c.batches]
     assert measured and all((c.samples_per_s or 0) > 0 for c in measured)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"multiprocessing_context": "sapwn"}, r"multiprocessing_context='sapwn' is neither a start"),
+        ({"worker_init_fn": 5}, r"worker_init_fn must be None or callable, got 5"),
+        ({"collate_fn": 5}, r"collate_fn must be None or callable, got 5"),
+        ({"generator": "x"}, r"generator must be None or a torch.Generator, got 'x'"),
+        ({"sampler": 5}, r"sampler must be None or an iterable of indices"),
+        ({"pin_memory": "no"}, r"pin_memory must be one of \(True, False\), got 'no'"),
+        ({"persistent_workers": "yes"}, r"persistent_workers must be one of \(True, False\)"),
+        ({"shuffle": "yes"}, r"shuffle must be one of \(None, True, False\), got 'yes'"),
+    ],
+)
+def test_arguments_of_the_wrong_kind_are_refused_by_name_before_measuring(
+    kwargs: dict[str, Any], match: str
+) -> None:
+    # Before: each failed inside the measurement and was blamed on the dataset ("the
+    # dataset raised in a worker", "the dataset fails in the main process"), or the tuner
+    # fell back to num_workers=0 with the bad setting dropped or kept.
+    ds = _CountsReads()
+    with pytest.raises(ValueError, match=match):
+        tune_loader(ds, 4, **quick(**kwargs))
+    assert ds.reads == 0
+
+
+def test_right_kinds_pass() -> None:
+    import multiprocessing
+
+    kinds = {
+        "multiprocessing_context": multiprocessing.get_context("fork"),
+        "worker_init_fn": print, "collate_fn": list, "generator": torch.Generator(),
+        "sampler": [0, 1], "pin_memory": False, "shuffle": None, "drop_last": True,
+    }  # fmt: skip
+    check_args(1, None, 30.0, None, None, kinds)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -130,3 +131,24 @@ def test_a_plain_dataloader_gets_the_same_with_die_with_parent() -> None:
     init = DieWithParent(record)
     loader = DataLoader(torch.arange(4), num_workers=2, worker_init_fn=init)
     assert loader.worker_init_fn is init and init.user_fn is record
+
+
+def test_workers_the_tuner_made_persistent_keep_the_plain_loaders_shuffle_every_epoch() -> None:
+    # Before: a reused pool skipped the draw a new pool makes from the generator, so from
+    # the second epoch on the order was the plain loader's previous epoch's, shifted.
+    from types import SimpleNamespace
+
+    from trainperf.loader._autotune import _tuned
+
+    def epochs(loader: Any) -> list[list[int]]:
+        torch.manual_seed(7)
+        return [[int(i) for b in loader for i in b] for _ in range(3)]
+
+    data = list(range(24))
+    plain = epochs(torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
+    chosen = {"batch_size": 4, "shuffle": True, "num_workers": 1, "persistent_workers": True}
+    report = SimpleNamespace(best_kwargs=chosen)
+    assert epochs(_tuned(data, report, asked=None)) == plain  # type: ignore[arg-type]
+    # Persistent workers the caller asked for behave as the plain loader with them does.
+    asked = epochs(torch.utils.data.DataLoader(data, **{**chosen, "num_workers": 1}))
+    assert epochs(_tuned(data, report, asked=True)) == asked  # type: ignore[arg-type]

@@ -267,3 +267,30 @@ def test_an_entry_in_the_earlier_format_is_still_a_hit(monkeypatch: pytest.Monke
     assert hit.candidates == (CandidateResult(0, None, False, "ok", 1234.5, 0.01),)
     assert (hit.main_cores, hit.worker_cpus) == (1.0, max(1, hit.cpus - 1))
     assert hit.notes[0] == "an old note" and "settings from the cache" in hit.notes[1]
+
+
+class _Configurable(Dataset[torch.Tensor]):
+    """Its cost is a setting (a transform, augmentation): the key cannot see it."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.delay_s:
+            import time
+
+            time.sleep(self.delay_s)
+        return torch.zeros(4)
+
+
+def test_a_hit_for_a_dataset_that_now_loads_far_slower_is_tuned_again() -> None:
+    # Before: the entry of the cheap dataset was reused for one a hundred times as costly,
+    # with the old samples/s in the report.
+    assert not tune(_Configurable(0.0)).from_cache
+    assert tune(_Configurable(0.0)).from_cache  # the same cost: a hit
+    report = tune(_Configurable(0.01))
+    assert not report.from_cache
+    assert report.notes[0].startswith("the cached settings were not used (the main process now")

@@ -351,3 +351,26 @@ def test_child_signals_are_quiet_while_a_failed_pool_is_stopped() -> None:
             time.sleep(0.05)
     finally:
         signal.signal(signal.SIGCHLD, previous)
+
+
+def test_a_process_the_program_starts_while_a_pool_runs_is_not_a_worker() -> None:
+    # Before: every new descendant counted as a worker, so closing the pool waited for a
+    # subprocess a thread had started meanwhile, then SIGKILLed it.
+    import subprocess
+
+    from torch.utils.data import DataLoader
+
+    from trainperf.loader._faults import WorkerProcesses, close_iterator
+
+    workers = WorkerProcesses()
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        it = iter(DataLoader(list(range(8)), batch_size=2, num_workers=1))
+        next(it)
+        tracked = {p.pid for p in workers.scan(it)}
+        assert tracked == {p.pid for p in it._workers}  # type: ignore[attr-defined]
+        close_iterator(it, workers, kill_first=True)
+        assert other.poll() is None  # still running
+    finally:
+        other.kill()
+        other.wait()

@@ -346,3 +346,23 @@ def test_the_adaptive_loader_adds_no_workers_when_the_probe_cannot_tell() -> Non
         loader.close()
     assert first == second == list(range(N))
     assert loader.num_workers == 0 and loader.tuning_history == []
+
+
+def test_a_sharded_stream_with_drop_last_keeps_the_callers_workers_and_says_why() -> None:
+    # Before: workers each dropped their own last partial batch: with 8 workers an epoch
+    # of 300 samples in batches of 16 lost 32 more samples than the caller's loader.
+    ds = Sharded(sleep_s=0.01)  # I/O-bound: without drop_last it would get workers
+    report = tune_loader(ds, 5, **quick(max_workers=2, drop_last=True))
+    assert report.num_workers == 0 and report.max_workers == 0
+    assert any(n.startswith("num_workers kept at your 0: with drop_last=True") for n in report.notes)
+    kept = tune_loader(ds, 5, **quick(max_workers=2, drop_last=True, num_workers=1))
+    assert kept.num_workers <= 1
+
+
+def test_tail_batches_bounds_only_an_iterable_dataset_with_drop_last() -> None:
+    from trainperf.loader._iterable import tail_batches
+
+    assert tail_batches(list(range(8)), {"drop_last": True}) == (None, None)
+    assert tail_batches(Sharded(), {"drop_last": True, "num_workers": 3})[0] == 3
+    cap, note = tail_batches(Sharded(), {})
+    assert cap is None and note is not None and "partial batch" in note

@@ -138,3 +138,32 @@ def test_the_cuda_generators_are_restored() -> None:
     tune_loader(Augments(), 4, **quick(device="cuda", cache=False, step_fn=step))
     after = torch.cuda.get_rng_state_all()
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+class _EpochShuffle(torch.utils.data.Sampler[int]):
+    """Reshuffles each epoch by counting its own iter() calls (a common pattern)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        g = torch.Generator().manual_seed(self.epoch)
+        self.epoch += 1
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+
+def test_a_sampler_that_keeps_state_across_epochs_starts_where_the_plain_loaders_does() -> None:
+    # Before: the measurements iterated the caller's sampler itself, so its first real
+    # epoch was its ninth or so.
+    ds = TensorDataset(torch.arange(32.0))
+    plain = [int(x) for (b,) in DataLoader(ds, batch_size=4, sampler=_EpochShuffle(32)) for x in b]
+    sampler = _EpochShuffle(32)
+    loader = autotune_loader(
+        ds, 4, sampler=sampler, device="cpu", max_workers=0, budget_s=3, cache=False,
+        progress=False,
+    )  # fmt: skip
+    assert sampler.epoch == 0 and loader.sampler is sampler
+    assert [int(x) for (b,) in loader for x in b] == plain

@@ -27,7 +27,6 @@ import dataclasses
 import inspect
 import logging
 import math
-import multiprocessing
 import time
 import warnings
 from collections.abc import Iterator
@@ -49,12 +48,20 @@ from trainperf.loader._adapt_rules import (
     DEEP_PREFETCH,
     Change,
     EpochFigures,
+    Reason,
     decide,
     increase_paid,
     increased,
 )
-from trainperf.loader._autotune import TunedDataLoader
-from trainperf.loader._faults import start_method
+from trainperf.loader._args import checked_context
+from trainperf.loader._autotune import _TOO_MANY, TunedDataLoader
+from trainperf.loader._faults import (
+    WorkerProcesses,
+    child_signals_held,
+    close_iterator,
+    hang_timeout,
+    start_method,
+)
 from trainperf.loader._iterable import (
     ALIKE,
     PROBE_WORKERS,
@@ -72,8 +79,17 @@ logger = logging.getLogger("trainperf.loader")
 
 _CHECK_EVERY_S = 2.0  # seconds of iteration between mid-epoch checks
 _CHECK_BATCHES = 4  # batches a mid-epoch check needs, the first of its window excluded
-_TOO_MANY = "This DataLoader will create"
 _SEED_OFFSET = 0x9E3779B97F4A7C15  # sets the private seed stream apart from the real one
+_HANG: Reason = "hang"  # a pool it started gave no first batch in time (not a rule's)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Trial:
+    """A worker pool the loader started itself, on trial until its first batch arrives:
+    ``previous`` is the setting to go back to, ``timeout_s`` the wait it is given."""
+
+    previous: tuple[int, int | None]
+    timeout_s: float
 
 
 class _TimedIter:
@@ -91,6 +107,7 @@ class _TimedIter:
         self.returned_cpu = 0.0
         self.final: EpochFigures | None = None
         self.cut_by: str | None = None  # what ended it before its epoch did (see cut)
+        self.trial: _Trial | None = None  # the pool's first batch is awaited within a bound
         self.new_window()
 
     def new_window(self) -> None:
@@ -135,6 +152,9 @@ class _TimedIter:
             self._loader = None
             raise
         except Exception as e:
+            if _timed_out(e) and self.trial is not None:  # the bound of a pool on trial
+                self.loader._pool_hung(self, self.trial)
+                return self.__next__()  # the same batch, from the setting before
             if _timed_out(e):  # the DataLoader waits for the same batch on the next call
                 if self.batches:  # the loop waited for data all that time
                     self.wait_s += time.perf_counter() - t0
@@ -146,6 +166,8 @@ class _TimedIter:
             self.returned, self.returned_cpu = time.perf_counter(), time.process_time()
             raise
         t1 = time.perf_counter()
+        if self.trial is not None:  # the pool works: the caller's timeout (none) from now on
+            self.trial, self.it._timeout = None, self.loader.timeout
         if self.batches == 0:
             self.startup_s = t1 - self.started
             self.loader._batch_bytes = batch_bytes(batch)
@@ -294,7 +316,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         kept = None
         if kwargs.get("multiprocessing_context") is not None and not _workers_given(args, kwargs):
             # DataLoader refuses a start method without workers: kept for those it adds.
-            kept = _checked_context(kwargs.pop("multiprocessing_context"))
+            kept = checked_context(kwargs.pop("multiprocessing_context"))
         super().__init__(dataset, *args, **kwargs)
         self._context_kept = kept
         # Your persistent_workers=False holds for the pools it starts (a dataset changed
@@ -323,9 +345,9 @@ class AdaptiveDataLoader(TunedDataLoader):
         self._fastest_step = float("inf")
         self._sharded: bool | None = None  # an IterableDataset's stream, once checked
         self._timeout_kept = 0.0  # the ``timeout`` set aside while no workers run
-        # A persistent pool draws from the generator once, when it starts: a pool rebuilt
-        # later must not draw again, or the order would differ from the fixed loader's.
-        self._draws_once = bool(self.persistent_workers and self.num_workers > 0)
+        # Whether these arguments ask for a persistent pool (see _draws_once).
+        self._persistent_asked = bool(self.persistent_workers and self.num_workers > 0)
+        self._trial: _Trial | None = None  # for the next pool it starts
         self.tuning_history = []
         self._why_not_mid_epoch = resumable(self) if mid_epoch else "mid_epoch=False"
         self._plan = None if self._why_not_mid_epoch else EpochPlan(self._real_index_sampler)
@@ -348,6 +370,18 @@ class AdaptiveDataLoader(TunedDataLoader):
 
     def _repr_extra(self) -> dict[str, Any]:
         return {"changes": len(self.tuning_history)}
+
+    @property
+    def _draws_once(self) -> bool:
+        """Whether the plain DataLoader whose order this one keeps has a persistent pool,
+        which draws its workers' base seed from the generator once, not at every epoch: a
+        pool rebuilt later must then not draw again, nor one kept draw less.
+
+        That loader is the one the caller's own arguments build: built directly, these
+        arguments; built by ``autotune_loader``, whether the caller asked for
+        ``persistent_workers`` (``_persistent_asked``, set by it), not the tuner's choice.
+        """
+        return self._persistent_asked
 
     @property
     def _real_index_sampler(self) -> Any:
@@ -381,6 +415,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         it = self._start(scratch)
         plan = None if self.epoch_boundaries_only else self._plan
         self._current = _TimedIter(it, self, plan)
+        self._current.trial = self._arm(it)
         self._epoch += 1
         return self._current
 
@@ -392,7 +427,9 @@ class AdaptiveDataLoader(TunedDataLoader):
                 # More workers than cores is this loader's measured choice (they wait on
                 # I/O), not the mistake DataLoader's check warns about.
                 warnings.filterwarnings("ignore", _TOO_MANY, UserWarning)
-            return super().__iter__()
+            # DataLoader's own: every draw from the generator is decided here (__iter__,
+            # _draws_once), none by a base class's per-epoch draw for a tuner's pool.
+            return DataLoader.__iter__(self)
 
     def _epoch_ended(self, timed: _TimedIter) -> None:
         """Read the epoch's figures as it ends (or, cut short, as the next one starts)."""
@@ -519,19 +556,76 @@ class AdaptiveDataLoader(TunedDataLoader):
         if change is not None and plan is not None:
             self._shut_down_own(timed)
             self._apply(change, f, epoch=self._epoch - 1, epoch_batch=timed.yielded)
-            plan.resume_at(timed.yielded)
-            try:
-                # The fixed loader starts no iterator mid-epoch: no draw from the generator.
-                timed.it = self._start(scratch=True)
-            finally:
-                plan.resumed()
+            timed.it = self._resume(timed)
+            timed.trial = self._arm(timed.it)
         timed.new_window()
+
+    def _resume(self, timed: _TimedIter) -> Any:
+        """A new iterator that goes on with ``timed``'s epoch after the batches it yielded;
+        without a plan (``epoch_boundaries_only``: pools start only as an epoch does), one
+        that starts the epoch again from the sampler."""
+        plan = timed.plan
+        if plan is not None:
+            plan.resume_at(timed.yielded)
+        try:
+            # The fixed loader starts no second iterator in an epoch: no draw from the
+            # generator.
+            return self._start(scratch=True)
+        finally:
+            if plan is not None:
+                plan.resumed()
+
+    def _arm(self, it: Any) -> _Trial | None:
+        """Give the pool just started (``it``) the bound of its trial, if it is on one: the
+        DataLoader's own wait for a batch (the iterator's copy of ``timeout``), until the
+        first batch arrives (``_TimedIter.__next__``)."""
+        trial, self._trial = self._trial, None
+        if trial is not None:
+            it._timeout = trial.timeout_s
+        return trial
+
+    def _pool_hung(self, timed: _TimedIter, trial: _Trial) -> None:
+        """The pool it started gave no batch within its trial's bound (workers blocked on
+        something inherited across fork, say): stop it, go back to the setting before it,
+        resumed where the epoch was, and try no more workers than that from now on (every
+        new worker would start as those did; fewer than a count that hung, after a
+        decrease)."""
+        hung = self.num_workers
+        timed.trial = None
+        self._stop_hung(timed.it)
+        back, _ = trial.previous
+        self._max_workers = min(self._max_workers, back if back < hung else hung - 1)
+        self._before = None  # no increase ran to be judged
+        why = f"no batch from the {hung} workers it started within {trial.timeout_s:.1f} s"
+        change = Change(back, trial.previous[1], _HANG, why)
+        f = timed.figures(_rank_limits())
+        self._apply(change, f, epoch=self._epoch - 1, epoch_batch=timed.yielded)
+        if self._trial is not None:  # back to workers, on trial too: then the main process
+            self._trial = dataclasses.replace(self._trial, previous=(0, None))
+        timed.it = self._resume(timed)
+        timed.trial = self._arm(timed.it)
+        timed.new_window()
+        timed.returned = None  # the wait was the hang's, not a step
+        text = _hang_warning(type(self).__name__, self.dataset, hung, trial, self._max_workers)
+        warnings.warn(text, RuntimeWarning, stacklevel=user_stacklevel())
+
+    def _stop_hung(self, it: Any) -> None:
+        """Stop a blocked pool's workers: killed first, so that no join waits on them."""
+        if self._iterator is it:
+            self._iterator = None
+        with child_signals_held():  # torch's handler would raise for the killed workers
+            close_iterator(it, WorkerProcesses(), kill_first=True)
 
     def _apply(self, change: Change, f: EpochFigures, *, epoch: int, epoch_batch: int) -> None:
         old = (self.num_workers, self.prefetch_factor if self.num_workers else None)
         self._shut_down_pool()
         self.num_workers = change.num_workers
         self._fit_timeout()
+        # A pool it starts, unless a timeout of the caller's bounds the wait (and raises,
+        # as it means), gets a bound for its first batch: the tuner's for a hang.
+        self._trial = None
+        if change.num_workers > 0 and not self.timeout:
+            self._trial = _Trial(old, self._hang_bound(change.num_workers, f))
         if change.num_workers > 0:
             self.prefetch_factor = change.prefetch_factor or 2
             if self._keep_workers and not self.persistent_workers:
@@ -555,6 +649,19 @@ class AdaptiveDataLoader(TunedDataLoader):
         )
         self.tuning_history.append(record)
         logger.info("loader retuned: %s", record)
+
+    def _hang_bound(self, n: int, f: EpochFigures) -> float:
+        """Seconds without a first batch from ``n`` new workers that count as a hang: the
+        one-off tuner's rule (:func:`~trainperf.loader._faults.hang_timeout`), from the
+        loop's time per batch in ``f``."""
+        batch_s = (f.wait_s + f.step_s + f.startup_s) / f.batches if f.batches else 1.0
+        return hang_timeout(
+            n,
+            user_timeout=0.0,
+            start_method=start_method({"multiprocessing_context": self._worker_context}),
+            batch_s=batch_s,
+            worker_cpus=max(1, f.cpus),
+        )
 
     def _fit_timeout(self) -> None:
         """A ``timeout`` waits for workers: set aside while none run (DataLoader refuses one
@@ -618,25 +725,6 @@ def _workers_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return int(bound.get("num_workers") or 0)
 
 
-def _checked_context(context: Any) -> Any:
-    """``context`` (a start method's name or a multiprocessing context), checked now rather
-    than when the first workers start.
-
-    Raises:
-        ValueError: it is neither.
-    """
-    if isinstance(context, multiprocessing.context.BaseContext):
-        return context
-    methods = torch.multiprocessing.get_all_start_methods()
-    if isinstance(context, str) and context in methods:
-        return context
-    raise ValueError(
-        f"multiprocessing_context={context!r} is neither a start method of this platform "
-        f"({', '.join(methods)}) nor a multiprocessing context: pass one of those names or "
-        "multiprocessing.get_context(name)"
-    )
-
-
 def _wraps_index_sampler(cls: type) -> bool:
     """Whether a subclass of :class:`AdaptiveDataLoader` redefines ``_index_sampler``."""
     own = AdaptiveDataLoader.__dict__["_index_sampler"]
@@ -665,6 +753,27 @@ def _cut_message(by: str) -> str:
         "adaptive loader runs one epoch at a time (its workers and its sampler's order are "
         "shared), so the rest of this epoch is not given out rather than lost or split "
         f"between two iterators. Fix: {_CUT_FIX[by]}"
+    )
+
+
+def _hang_warning(name: str, dataset: Any, hung: int, trial: _Trial, most: int) -> str:
+    """What a loader whose new pool of ``hung`` workers gave no batch says, and the fix.
+
+    Example:
+        >>> print(_hang_warning("AdaptiveDataLoader", range(4), 8, _Trial((0, None), 10.0), 0))
+        ... # doctest: +ELLIPSIS
+        AdaptiveDataLoader started 8 workers and got no batch from them within 10.0 s: ...
+    """
+    back = trial.previous[0]
+    return (
+        f"{name} started {hung} workers and got no batch from them within "
+        f"{trial.timeout_s:.1f} s: {type(dataset).__name__} blocks in worker processes (a "
+        "lock, thread pool or open handle inherited across fork, say). It stopped them, went "
+        f"back to num_workers={back} where the epoch was (no sample lost or repeated), and "
+        f"uses at most {most} workers from now on. Fix: make the dataset safe in worker "
+        "processes (open files and connections lazily, in __getitem__ or worker_init_fn), or "
+        "load in the main process (num_workers=0 with adapt=False, or max_workers=0); if its "
+        "workers only start slowly, a timeout= of yours longer than that replaces this bound"
     )
 
 

@@ -54,7 +54,7 @@ __all__ = [
     "worker_cores_left",
 ]
 
-Reason = Literal["memory", "cpus", "oversubscribed", "input-bound", "prefetch", "no-gain"]
+Reason = Literal["memory", "cpus", "oversubscribed", "input-bound", "prefetch", "no-gain", "hang"]
 
 INPUT_BOUND_SHARE = 0.10
 """Share of the loop's time spent waiting for data above which more workers are tried."""

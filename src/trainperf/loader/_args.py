@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import inspect
+import multiprocessing
+import multiprocessing.context
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 from trainperf._utils.validate import (
+    choice,
     non_negative_int,
     non_negative_number,
     positive_int,
     positive_number,
 )
 
-__all__ = ["check_args", "check_loader_kwargs"]
+__all__ = ["check_args", "check_loader_kwargs", "checked_context"]
 
 _ALLOWED = frozenset(inspect.signature(DataLoader.__init__).parameters) - {
     "self",
@@ -40,7 +44,12 @@ def check_args(
             a bad ``num_workers``, ``prefetch_factor`` or ``timeout`` (a finite number of
             seconds >= 0; DataLoader itself lets NaN and infinity through and refuses -1
             only when the final loader is built, after the tuning), or ``prefetch_factor``
-            without workers (DataLoader refuses it too).
+            without workers (DataLoader refuses it too); a ``collate_fn`` or
+            ``worker_init_fn`` that is not callable, a ``generator`` that is not a
+            ``torch.Generator``, a ``sampler`` that cannot be iterated, a
+            ``multiprocessing_context`` that is no start method, or ``pin_memory``,
+            ``persistent_workers``, ``drop_last`` or ``shuffle`` other than True/False
+            (these would otherwise fail inside the measurement, blamed on the dataset).
 
     Example:
         >>> check_args(32, None, 30.0, None, None, {"shuffle": True})
@@ -63,6 +72,7 @@ def check_args(
         raise ValueError(f"step_fn must be callable (it gets one batch), got {step_fn!r}")
     check_loader_kwargs(loader_kwargs)
     _check_callers_workers(loader_kwargs)
+    _check_kinds(loader_kwargs)
 
 
 def _check_callers_workers(loader_kwargs: Mapping[str, Any]) -> None:
@@ -77,6 +87,65 @@ def _check_callers_workers(loader_kwargs: Mapping[str, Any]) -> None:
             f"prefetch_factor={pf} needs num_workers > 0 (DataLoader refuses it without "
             f"workers): pass num_workers= with it, or leave prefetch_factor out"
         )
+
+
+_FLAGS = {
+    "pin_memory": (True, False),
+    "persistent_workers": (True, False),
+    "drop_last": (True, False),
+    "shuffle": (None, True, False),
+}
+
+
+def _check_kinds(loader_kwargs: Mapping[str, Any]) -> None:
+    """The caller's functions, generator, sampler, start method and flags, by kind."""
+    for name in ("collate_fn", "worker_init_fn"):
+        fn = loader_kwargs.get(name)
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name} must be None or callable, got {fn!r}")
+    generator = loader_kwargs.get("generator")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(
+            f"generator must be None or a torch.Generator, got {generator!r}: pass "
+            "torch.Generator().manual_seed(seed)"
+        )
+    sampler = loader_kwargs.get("sampler")
+    if sampler is not None and not hasattr(sampler, "__iter__"):
+        raise ValueError(
+            f"sampler must be None or an iterable of indices (a torch Sampler), got {sampler!r}"
+        )
+    if loader_kwargs.get("multiprocessing_context") is not None:
+        checked_context(loader_kwargs["multiprocessing_context"])
+    for name, allowed in _FLAGS.items():
+        if name in loader_kwargs:
+            choice(name, loader_kwargs[name], allowed)
+
+
+def checked_context(context: Any) -> Any:
+    """``context`` (a start method's name or a multiprocessing context), checked now rather
+    than when the first workers start.
+
+    Raises:
+        ValueError: it is neither.
+
+    Example:
+        >>> checked_context("fork")
+        'fork'
+        >>> checked_context("sapwn")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: multiprocessing_context='sapwn' is neither a start method of this platform ...
+    """
+    if isinstance(context, multiprocessing.context.BaseContext):
+        return context
+    methods = torch.multiprocessing.get_all_start_methods()
+    if isinstance(context, str) and context in methods:
+        return context
+    raise ValueError(
+        f"multiprocessing_context={context!r} is neither a start method of this platform "
+        f"({', '.join(methods)}) nor a multiprocessing context: pass one of those names or "
+        "multiprocessing.get_context(name)"
+    )
 
 
 def check_loader_kwargs(loader_kwargs: Mapping[str, Any]) -> None:

@@ -8,6 +8,7 @@ out-of-memory killer, ``kill -9``, a scheduler's hard stop) leaves no worker beh
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,10 +16,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainperf._utils.lifetime import DieWithParent
+from trainperf.loader._iterable import tail_batches
 from trainperf.loader._report import TuningReport
 from trainperf.loader._tune import tune_loader
 
 __all__ = ["TunedDataLoader", "autotune_loader"]
+
+_TOO_MANY = "This DataLoader will create"  # torch's "more workers than CPUs" warning
 
 
 class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
@@ -40,11 +44,31 @@ class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
     """
 
     tuning_report: TuningReport
+    # Set by autotune_loader: the worker count was measured here (torch's "more workers
+    # than cores" warning is its generic advice, not about this choice) and, where the
+    # tuner made the workers persistent without being asked, each epoch after the first
+    # makes the draw a new pool would (see __iter__).
+    _measured = False
+    _draw_per_epoch = False
 
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
         if self.num_workers > 0:
             self.worker_init_fn = DieWithParent(self.worker_init_fn)
+
+    def __iter__(self) -> Any:
+        """A new epoch's iterator. Where the tuner chose ``persistent_workers=True`` (the
+        caller did not), the reused pool skips the draw from the generator that the plain
+        DataLoader's new pool makes each epoch: the same draw is made here, so the sampler
+        shuffles every epoch as the plain DataLoader with the caller's arguments does."""
+        if self._draw_per_epoch and self._iterator is not None and self.num_workers > 0:
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        return super().__iter__()
+
+    def check_worker_number_rationality(self) -> None:
+        """torch's warning about more workers than CPUs, unless the count was measured."""
+        if not self._measured:
+            super().check_worker_number_rationality()
 
     def __repr__(self) -> str:
         """The settings it runs with now (an adaptive loader's change them).
@@ -120,12 +144,26 @@ def autotune_loader(
     if adapt:
         # Workers it starts are kept between epochs unless the caller said otherwise.
         keep = loader_kwargs.get("persistent_workers") is not False and epochs_hint != 1
-        loader = _adaptive(
-            dataset, report, keep_workers=keep, bound=max_workers, given=loader_kwargs
-        )
+        cap, _ = tail_batches(dataset, loader_kwargs)  # an IterableDataset with drop_last
+        bound = max_workers
+        if cap is not None and (max_workers is None or cap < max_workers):
+            bound = cap
+        loader = _adaptive(dataset, report, keep_workers=keep, bound=bound, given=loader_kwargs)
     else:
-        loader = TunedDataLoader(dataset, **report.best_kwargs)
+        loader = _tuned(dataset, report, asked=loader_kwargs.get("persistent_workers"))
     loader.tuning_report = report
+    return loader
+
+
+def _tuned(dataset: Any, report: TuningReport, *, asked: object) -> TunedDataLoader:
+    """The fixed loader from the tuner's settings; ``asked``: the caller's own
+    ``persistent_workers`` (None when not given)."""
+    kwargs = report.best_kwargs
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _TOO_MANY, UserWarning)
+        loader = TunedDataLoader(dataset, **kwargs)
+    loader._measured = True
+    loader._draw_per_epoch = bool(kwargs.get("persistent_workers")) and not asked
     return loader
 
 
@@ -168,7 +206,7 @@ def _adaptive(
         if given.get(kept) and not kwargs.get(kept):
             kwargs[kept] = given[kept]
     rules = memory_rules(list(report.candidates), most, main_rss(), start_method(kwargs))
-    return AdaptiveDataLoader(
+    loader = AdaptiveDataLoader(
         dataset,
         # The caller's bound holds while adapting too, and below any worker count the tuner
         # saw fail: adding it mid-epoch would raise in the training loop.
@@ -177,3 +215,7 @@ def _adaptive(
         keep_workers=keep_workers,
         **kwargs,
     )
+    # The order kept is the plain DataLoader's with the caller's arguments: its pool is
+    # persistent only where the caller asked (the tuner's choice draws as a new pool would).
+    loader._persistent_asked = bool(given.get("persistent_workers"))
+    return loader

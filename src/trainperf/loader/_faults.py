@@ -31,6 +31,7 @@ __all__ = [
     "classify_fault",
     "close_iterator",
     "hang_timeout",
+    "iterator_worker_pids",
     "main_private_bytes",
     "oom_figures",
     "sigkilled_workers",
@@ -45,17 +46,29 @@ USS_READ_LIMIT = 8
 
 
 class WorkerProcesses:
-    """The worker processes started since construction (multiprocessing helpers excluded)."""
+    """The worker processes of the DataLoader iterators it is shown (:meth:`scan`):
+    multiprocessing helpers excluded, and never another process this program starts
+    meanwhile (a subprocess a thread launches while a pool is measured is not killed)."""
 
     def __init__(self) -> None:
         self._me = psutil.Process()
-        self._before = {p.pid for p in self._me.children(recursive=True)}
+        self._before = {p.pid for p in self._me.children()}
         self._procs: dict[int, psutil.Process] = {}
         self._helpers: set[int] = set()
         self.peak_rss = 0
 
-    def scan(self) -> list[psutil.Process]:
-        for p in self._me.children(recursive=True):
+    def scan(self, it: Any = None) -> list[psutil.Process]:
+        """Track the workers of the DataLoader iterator ``it`` (from its own list of worker
+        processes); without one that lists them, this process's children started since
+        construction, less multiprocessing's helpers."""
+        pids = iterator_worker_pids(it)
+        if pids is not None:
+            for pid in pids:
+                if pid not in self._procs:
+                    with contextlib.suppress(psutil.Error):
+                        self._procs[pid] = psutil.Process(pid)
+            return list(self._procs.values())
+        for p in self._me.children():
             if p.pid in self._before or p.pid in self._procs or p.pid in self._helpers:
                 continue
             try:
@@ -407,8 +420,24 @@ def _ignore_signal(signum: int, frame: Any) -> None:
     """A Python-level handler that does nothing (not SIG_IGN: that would reap children)."""
 
 
+def iterator_worker_pids(it: Any) -> list[int] | None:
+    """The pids of a multi-process DataLoader iterator's workers (torch keeps them in
+    ``_workers``), or None where ``it`` does not list them.
+
+    Example:
+        >>> iterator_worker_pids(iter([1, 2])) is None
+        True
+    """
+    procs = getattr(it, "_workers", None)
+    if not isinstance(procs, list):
+        return None
+    pids = [getattr(p, "pid", None) for p in procs]
+    return [pid for pid in pids if isinstance(pid, int)]
+
+
 def close_iterator(it: Any, workers: WorkerProcesses, *, kill_first: bool) -> None:
     """Shut the iterator's workers down; kill hung ones first so the join does not wait."""
+    workers.scan(it)
     for _ in range(3):
         try:
             if kill_first:

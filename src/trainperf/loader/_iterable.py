@@ -56,6 +56,7 @@ __all__ = [
     "fingerprint",
     "is_iterable",
     "sharding_refusal",
+    "tail_batches",
     "unsharded_result",
     "unsharded_warning",
 ]
@@ -80,6 +81,37 @@ SHARDING_EXAMPLE = """\
 def is_iterable(dataset: Any) -> bool:
     """Whether DataLoader treats ``dataset`` as an iterable-style dataset."""
     return isinstance(dataset, IterableDataset)
+
+
+def tail_batches(dataset: Any, loader_kwargs: Mapping[str, Any]) -> tuple[int | None, str | None]:
+    """The most workers an ``IterableDataset`` may get without changing what an epoch
+    yields (None: no bound), and a note saying why.
+
+    Each worker batches its own share of the stream, so each ends the epoch with its own
+    partial batch: with ``drop_last=True`` each drops it (up to ``batch_size - 1`` samples
+    per worker lost per epoch, that the caller's loader keeps), so the workers stay at the
+    caller's own ``num_workers``; without it the samples are all there, in up to one
+    partial batch per worker.
+
+    Example:
+        >>> class Stream(IterableDataset):
+        ...     def __iter__(self): yield from range(4)
+        >>> tail_batches(Stream(), {"drop_last": True})[0], tail_batches(range(4), {})
+        (0, (None, None))
+    """
+    if not is_iterable(dataset):
+        return None, None
+    given = int(loader_kwargs.get("num_workers") or 0)
+    if loader_kwargs.get("drop_last"):
+        return given, (
+            f"num_workers kept at your {given}: with drop_last=True each worker of an "
+            f"IterableDataset drops its own last partial batch, so more workers would drop "
+            f"more samples per epoch than your loader does"
+        )
+    return None, (
+        "an IterableDataset's workers each end the epoch with their own partial batch: with "
+        "k workers an epoch may end in up to k partial batches (every sample is still there)"
+    )
 
 
 def _feed(h: Any, x: Any, depth: int = 0) -> None:
@@ -258,7 +290,7 @@ def check_sharding(
         why = f"its workers failed ({type(e).__name__})"
     finally:
         if it is not None:
-            workers.scan()
+            workers.scan(it)
             close_iterator(it, workers, kill_first=True)
     items = min(len(streams[0]), len(streams[1]))
     if verdict is None and why is None:

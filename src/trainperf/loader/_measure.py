@@ -126,7 +126,7 @@ def _first_batch(batches: Batches, readings: _Readings, t0: float) -> None:
     batches.samples = samples_in(first, batches.spec.batch_size)
     del first
     if readings.num_workers > 0:
-        readings.workers.scan()
+        readings.workers.scan(batches.it)
         readings.workers.sample_rss()
         # Before the skipped batches, which absorb the pause this reading causes.
         readings.first_uss = (batches.samples, readings.workers.uss_by_pid())
@@ -215,7 +215,7 @@ def _stop(
             samples_per_worker=length(spec.dataset),
         )
     if spec.num_workers > 0:
-        workers.scan()
+        workers.scan(batches.it)
         close_iterator(batches.it, workers, kill_first=_kill_first(spec, timing, fault))
     batches.release()
     return uss

@@ -14,6 +14,7 @@ arguments (:mod:`trainperf.loader._choice`). ``autotune_loader`` builds the load
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
@@ -22,7 +23,9 @@ from typing import Any
 
 import psutil
 import torch
+from torch.utils.data import DataLoader
 
+from trainperf._utils.batches import samples_in
 from trainperf._utils.validate import fresh_stream
 from trainperf.device import resolve_device
 from trainperf.limits import HostLimits, host_limits, local_world_size, usable_cpus
@@ -221,6 +224,9 @@ def _prepare(
     baseline = _measure_baseline(measurer)
     measurer = dataclasses.replace(measurer, batch_s=_main_batch_s(baseline, setup.batch_size))
     notes: list[str] = []
+    cap, tail = _iterable.tail_batches(dataset, loader_kwargs)
+    if tail is not None and (cap is not None or setup.max_workers > 0):
+        notes.append(tail)
     if setup.local_ranks > 1:
         notes.append(
             f"memory and /dev/shm: this rank's share, 1/{setup.local_ranks} of what the host "
@@ -346,11 +352,14 @@ def _tune_here(call: _Call, key: str | None) -> TuningReport:
             iterable=_iterable.is_iterable(call.dataset),
         )
         if hit is not None:
-            return hit
+            misfit = _changed_since(call, hit.baseline_samples_per_s)
+            if misfit is None:
+                return hit
     bar = ProgressBar(setup.budget_s, enabled=call.progress)
     try:
         deadline = call.started + setup.budget_s
-        prepared = _prepare(call.dataset, call.loader_kwargs, call.step_fn, setup, deadline, bar)
+        measured = _for_measuring(call.dataset, call.loader_kwargs)
+        prepared = _prepare(call.dataset, measured, call.step_fn, setup, deadline, bar)
         choice = prepared.search.run(prepared.baseline)
     finally:
         bar.close()
@@ -359,6 +368,68 @@ def _tune_here(call: _Call, key: str | None) -> TuningReport:
         return report
     # Added after _finish stored the entry: the note is about this call, not the next hit.
     return dataclasses.replace(report, notes=(misfit, *report.notes))
+
+
+STALE_FACTOR = 3.0
+"""A cached choice is tuned again when the main process now loads this many times faster or
+slower than when it was measured (a heavier transform, augmentation switched on: the key
+sees the dataset's class and size, not its settings)."""
+
+
+def _changed_since(call: _Call, cached_rate: float | None) -> str | None:
+    """Why a cache hit no longer describes the dataset, or None: the main process's
+    samples/s on a few batches now (the fastest of up to three, in at most a second)
+    against the rate the entry measured."""
+    if not cached_rate:
+        return None
+    now = _main_process_rate(call.dataset, call.setup.batch_size, call.loader_kwargs)
+    if now is None or 1 / STALE_FACTOR <= now / cached_rate <= STALE_FACTOR:
+        return None
+    return (
+        f"the cached settings were not used (the main process now loads "
+        f"{now:,.0f} samples/s, {cached_rate:,.0f} when they were tuned): tuned again"
+    )
+
+
+def _main_process_rate(
+    dataset: Any, batch_size: int, loader_kwargs: dict[str, Any]
+) -> float | None:
+    """Samples/s of the fastest of up to three batches loaded in this process, None when
+    none could be timed (an error is left to the tuning that follows)."""
+    kwargs = {k: v for k, v in _for_measuring(dataset, loader_kwargs).items() if k in _PLAIN}
+    best = None
+    try:
+        it = iter(DataLoader(dataset, batch_size=batch_size, num_workers=0, **kwargs))
+        end = time.perf_counter() + 1.0
+        for _ in range(3):
+            t = time.perf_counter()
+            batch = next(it)
+            rate = samples_in(batch, batch_size) / max(time.perf_counter() - t, 1e-9)
+            best = rate if best is None else max(best, rate)
+            if time.perf_counter() > end:
+                break
+    except Exception:
+        return best
+    return best
+
+
+_PLAIN = ("shuffle", "sampler", "collate_fn", "drop_last", "generator")
+"""The caller's DataLoader arguments a main-process read keeps (no worker settings)."""
+
+
+def _for_measuring(dataset: Any, loader_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The caller's arguments with a copy of their ``sampler``, which the measurements
+    iterate again and again: one that keeps state across ``iter()`` calls (an epoch counter
+    that reshuffles, its own generator) starts the first real epoch where the plain
+    DataLoader would. The copy shares the dataset (not copied)."""
+    sampler = loader_kwargs.get("sampler")
+    if sampler is None or isinstance(sampler, (range, list, tuple)):
+        return loader_kwargs
+    try:
+        copied = copy.deepcopy(sampler, memo={id(dataset): dataset})
+    except Exception:  # a sampler that cannot be copied is measured as it is
+        return loader_kwargs
+    return {**loader_kwargs, "sampler": copied}
 
 
 def _tuned(call: _Call) -> TuningReport:
@@ -505,6 +576,9 @@ def tune_loader(
     fresh_stream(dataset, "tuning")
     with preserved_rng(callers_generators(loader_kwargs)):
         setup = _set_up(batch_size, device, max_workers, budget_s, loader_kwargs)
+        cap, _ = _iterable.tail_batches(dataset, loader_kwargs)
+        if cap is not None and cap < setup.max_workers:
+            setup = dataclasses.replace(setup, max_workers=cap)
         call = _Call(
             dataset, dict(loader_kwargs), epochs_hint, step_fn, cache, progress, setup, started
         )

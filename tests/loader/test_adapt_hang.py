@@ -1,0 +1,117 @@
+"""The adaptive loader over a dataset that blocks in worker processes: a pool it started
+that gives no first batch is stopped, and the loop goes on with the previous setting.
+
+Each case runs in a child process (this file run as a script), so that the test itself
+cannot hang: without the bound, the child's loop would wait forever."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+_BOUND_S = 1.5  # the child's hang bound: its workers always block, so short is safe
+_CHILD_LIMIT_S = 180.0  # torch's import and two pools on a loaded 2-core host fit well within
+
+
+def _run_child(mode: str) -> dict[str, Any]:
+    """Run this file as a script in its own session; kill the whole group if it overruns."""
+    proc = subprocess.Popen(
+        [sys.executable, __file__, mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=_CHILD_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"the loop hung: no result within {_CHILD_LIMIT_S:.0f} s ({mode})")
+    assert proc.returncode == 0, err[-3000:]
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.slow  # a child process that imports torch, and one bound's wait: seconds
+@pytest.mark.parametrize("mode", ["mid-epoch", "epoch-boundary"])
+def test_a_pool_that_blocks_is_given_up_and_the_epoch_goes_on_where_it_was(mode: str) -> None:
+    got = _run_child(mode)
+    assert got["epochs"] == got["expected"]  # nothing lost, nothing twice, the same order
+    (hang,) = [c for c in got["history"] if c["reason"] == "hang"]
+    assert hang["old"] == [2, 2] and hang["new"] == [0, None]
+    assert hang["epoch_batch"] == (0 if mode == "epoch-boundary" else hang["epoch_batch"])
+    assert got["num_workers"] == 0 and got["max_workers"] == 0  # 2 workers never again
+    (warning,) = got["warnings"]
+    assert "no batch from them within 1.5 s" in warning
+    assert "blocks in worker processes" in warning and "Fix:" in warning
+    assert got["children_left"] == []
+
+
+class _BlocksInWorkers(Dataset[int]):
+    """Loads in the main process; blocks in a worker (a lock inherited across fork)."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> int:
+        if torch.utils.data.get_worker_info() is not None:
+            time.sleep(60)  # bounded, so that a worker left behind still ends
+        return i
+
+
+def _child(mode: str) -> None:
+    """The loop, with checks after every batch (mid-epoch) or only at epoch boundaries,
+    and rules that add two workers whenever ``max_workers`` allows."""
+    import psutil
+    from torch.utils.data import DataLoader
+
+    import trainperf.loader._adapt as adapt
+    from trainperf.loader import AdaptiveDataLoader
+    from trainperf.loader._adapt_rules import Change, EpochFigures
+
+    def decide(f: EpochFigures, **kw: Any) -> Change | None:
+        n = min(2, kw["max_workers"])
+        return Change(n, 2, "input-bound", "scripted") if n > f.num_workers else None
+
+    adapt.decide = decide  # type: ignore[attr-defined]
+    adapt.hang_timeout = lambda *a, **k: _BOUND_S  # type: ignore[attr-defined]
+    adapt._CHECK_BATCHES = 0
+    adapt._CHECK_EVERY_S = 0.0 if mode == "mid-epoch" else 1e9
+    ds = _BlocksInWorkers()
+    kw: dict[str, Any] = {"batch_size": 4, "shuffle": True}
+    plain = DataLoader(ds, generator=torch.Generator().manual_seed(5), **kw)
+    expected = [[int(x) for b in plain for x in b] for _ in range(2)]
+    loader = AdaptiveDataLoader(ds, generator=torch.Generator().manual_seed(5), **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        epochs = [[int(x) for b in loader for x in b] for _ in range(2)]
+    loader.close()
+    children = psutil.Process().children(recursive=True)
+    alive = [p.pid for p in children if p.status() != psutil.STATUS_ZOMBIE]
+    result = {
+        "epochs": epochs,
+        "expected": expected,
+        "history": [c.to_dict() | {"figures": None} for c in loader.tuning_history],
+        "num_workers": loader.num_workers,
+        "max_workers": loader._max_workers,
+        "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning],
+        "children_left": alive,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    _child(sys.argv[1])
