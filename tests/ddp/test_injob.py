@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import trainperf.ddp as ddp
 from tests.ddp._envs import TORCHRUN
-from tests.ddp.test_launch import SCRIPT, _clean_env, _free_port, _run_programs
+from tests.ddp.test_launch import SCRIPT, _clean_env, _free_port, _run_programs, slurm_envs
 
 
 def _destroys_group(value: str) -> str:
@@ -53,20 +53,7 @@ def test_every_rank_gathers_after_main_destroyed_the_group(launcher: str, tmp_pa
     if launcher == "torchrun":
         runs = _run_programs([_torchrun(port) + script], [_clean_env()], timeout=100)
     else:
-        envs = []
-        for task in range(2):
-            env = _clean_env()
-            env.update(
-                SLURM_PROCID=str(task),
-                SLURM_NTASKS="2",
-                SLURM_LOCALID=str(task),
-                SLURM_TASKS_PER_NODE="2",
-                SLURM_JOB_NODELIST="localhost",
-                SLURM_JOB_ID="99",
-                MASTER_PORT=str(port),
-            )
-            envs.append(env)
-        runs = _run_programs([[sys.executable, *script]] * 2, envs, timeout=100)
+        runs = _run_programs([[sys.executable, *script]] * 2, slurm_envs(port), timeout=100)
     for run in runs:
         assert run.returncode == 0, run.stdout
     printed = [line for run in runs for line in run.stdout.splitlines() if "results" in line]

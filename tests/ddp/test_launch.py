@@ -349,6 +349,24 @@ def _run_programs(
     return done
 
 
+def slurm_envs(port: int, tasks: int = 2) -> list[dict[str, str]]:
+    """The environments of a SLURM job step of ``tasks`` tasks on this host."""
+    envs = []
+    for task in range(tasks):
+        env = _clean_env()
+        env.update(
+            SLURM_PROCID=str(task),
+            SLURM_NTASKS=str(tasks),
+            SLURM_LOCALID=str(task),
+            SLURM_TASKS_PER_NODE=str(tasks),
+            SLURM_JOB_NODELIST="localhost",
+            SLURM_JOB_ID="99",
+            MASTER_PORT=str(port),
+        )
+        envs.append(env)
+    return envs
+
+
 def _clean_env() -> dict[str, str]:
     env = {
         k: v
@@ -384,20 +402,7 @@ def test_two_torchrun_nodes_on_loopback_with_c10d_rendezvous(tmp_path: Path) -> 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_slurm_job_step_simulated_by_two_programs(tmp_path: Path) -> None:
-    port = _free_port()
-    envs = []
-    for task in range(2):
-        env = _clean_env()
-        env.update(
-            SLURM_PROCID=str(task),
-            SLURM_NTASKS="2",
-            SLURM_LOCALID=str(task),
-            SLURM_TASKS_PER_NODE="2",
-            SLURM_JOB_NODELIST="localhost",
-            SLURM_JOB_ID="99",
-            MASTER_PORT=str(port),
-        )
-        envs.append(env)
+    envs = slurm_envs(_free_port())
     command = [sys.executable, str(SCRIPT), "all_reduce", str(tmp_path)]
     runs = _run_programs([command, command], envs, timeout=60)
     for run in runs:
