@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,3 +57,34 @@ def fresh_folder(folder: Path, tmp_path: Path) -> Path:
     import shutil
 
     return Path(shutil.copytree(folder, tmp_path / "fresh"))
+
+
+@pytest.fixture()
+def fifo_folder(folder: Path, tmp_path: Path) -> Iterator[Path]:
+    """``folder`` plus a named pipe, ``a_red/pipe.jpg``, and a link to a real image.
+
+    Opening a FIFO to read it blocks until a writer opens it. So that a regression fails
+    instead of hanging the suite, a thread keeps letting such a reader go (it then reads an
+    empty file), until the test ends.
+    """
+    import shutil
+
+    root = Path(shutil.copytree(folder, tmp_path / "fifo"))
+    pipe = root / "a_red" / "pipe.jpg"
+    os.mkfifo(pipe)
+    (root / "b_blue" / "link.jpg").symlink_to(root / "b_blue" / "00.jpg")
+    done = threading.Event()
+    thread = threading.Thread(target=_release_readers, args=(pipe, done), daemon=True)
+    thread.start()
+    yield root
+    done.set()
+    thread.join(timeout=10)
+
+
+def _release_readers(pipe: Path, done: threading.Event) -> None:
+    while not done.wait(0.2):
+        try:  # succeeds only while something has the FIFO open to read (or waits to)
+            fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            continue
+        os.close(fd)

@@ -144,3 +144,12 @@ def test_a_jpeg_of_endless_segments_is_given_up_on() -> None:
     # 70,000 empty APP0 segments: a walk that does not stop would take seconds per file.
     data = b"\xff\xd8" + b"\xff\xe0\x00\x02" * 70000
     assert "no frame header in its first 65536 segments" in (bytes_problem(data, None)[1] or "")
+
+
+@pytest.mark.parametrize("order", [b"II+\x00", b"MM\x00+"])
+def test_a_bigtiff_is_named_as_such_with_the_fix(order: bytes) -> None:
+    big = _encoded("RGB", "TIFF", big_tiff=True)
+    assert big[:4] == b"II+\x00"
+    fmt, problem = bytes_problem(order + big[4:], None)
+    assert fmt is None
+    assert problem == "BigTIFF is not supported; convert it to a classic TIFF"

@@ -151,6 +151,10 @@ def test_skip_leaves_bad_files_out_with_a_warning(bad_folder: Path, backend: str
         ({"mean": (0.5, 0.5)}, ValueError, "mean must be 3 numbers"),
         ({"mean": "abc"}, ValueError, "mean must be 3 numbers"),
         ({"std": (0.2, 0.0, 0.2)}, ValueError, "std must be 3 positive numbers"),
+        ({"mean": [float("nan")] * 3}, ValueError, r"mean must be finite, got \[nan, nan, nan\]"),
+        ({"std": (0.2, float("nan"), 0.2)}, ValueError, r"std must be finite, got \(0\.2, nan"),
+        ({"std": [float("inf")] * 3}, ValueError, r"^std must be finite, got \[inf, inf, inf\]$"),
+        ({"mean": (0, float("-inf"), 0)}, ValueError, r"^mean must be finite, got \(0, -inf, 0\)$"),
         (
             {"mean": (123.675, 116.28, 103.53)},
             ValueError,
@@ -254,3 +258,23 @@ def _limits_with_cpus(cpus: int) -> Any:
     from trainperf.limits import HostLimits
 
     return HostLimits(cpus, cpus, None, cpus, 1 << 34, None, 1 << 33, None, None)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_an_eval_loader_keeps_its_last_batch_by_default(folder: Path, backend: str) -> None:
+    evaluate = _loader(folder, backend, train=False, batch_size=5)
+    assert evaluate.config.last_batch == "keep" and len(evaluate) == 5
+    assert _indices(evaluate) == list(range(24))  # every image, once
+    train = _loader(folder, backend, batch_size=5)
+    assert train.config.last_batch == "drop" and len(train) == 4
+    dropped = _loader(folder, backend, train=False, batch_size=5, last_batch="drop")
+    assert _indices(dropped) == list(range(20))
+
+
+def test_an_eval_loader_keeps_its_last_batch_on_every_rank(folder: Path) -> None:
+    shards = [
+        _loader(folder, "torchvision", train=False, batch_size=5, shard=(rank, 2))
+        for rank in (0, 1)
+    ]
+    assert [len(s) for s in shards] == [3, 3]
+    assert sorted(i for s in shards for i in _indices(s)) == list(range(24))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from trainperf.pipelines._source import (
     epoch_indices,
     find_images,
     load_source,
+    read_checked,
     resolve_shard,
     shard_plan,
 )
@@ -263,10 +265,10 @@ def test_directory_links_are_followed_once_and_first_reached_wins(tmp_path: Path
     (root / "b" / "same").symlink_to(outside)  # the same directory again: skipped, named
     (root / "b" / "to_a").symlink_to(root / "a")  # another class folder: skipped, named
     with pytest.warns(UserWarning, match=r"skipped 2 directory link\(s\)") as caught:
-        items, classes = find_images(root)
+        items, classes, unlisted = find_images(root)
     message = str(caught[0].message)
     assert "b/same (= a/more)" in message and "b/to_a (= a)" in message
-    assert classes == ("a", "b")
+    assert classes == ("a", "b") and unlisted == []
     names = sorted((Path(p).relative_to(root).as_posix(), label) for p, label in items)
     assert names == [("a/more/x.png", 0), ("a/own.png", 0), ("b/own.png", 1)]
 
@@ -359,3 +361,112 @@ def test_a_name_that_is_not_utf8_is_shown_escaped(tmp_path: Path) -> None:
         pytest.skip("this file system takes only UTF-8 names")
     with pytest.raises(ValueError, match=r"caf\\xe9\.jpg: empty file"):
         load_source([(os.fsdecode(path), 0)], on_error="raise")
+
+
+# ------------------------------------------------------------- files and folders not readable
+
+FIFO_REASON = "not a regular file (a FIFO)"
+
+
+def test_a_fifo_with_an_image_suffix_is_refused_by_name(fifo_folder: Path) -> None:
+    with pytest.raises(ValueError, match=r"(?s)1 of 26 files.*pipe\.jpg: not a regular file"):
+        load_source(fifo_folder, on_error="raise")
+
+
+def test_a_fifo_with_an_image_suffix_is_skipped_and_a_file_link_still_read(
+    fifo_folder: Path,
+) -> None:
+    src = load_source(fifo_folder, on_error="skip")
+    assert [(Path(b.path).name, b.reason) for b in src.skipped] == [("pipe.jpg", FIFO_REASON)]
+    assert len(src.files) == 25 and str(fifo_folder / "b_blue" / "link.jpg") in src.files
+
+
+def test_a_file_that_became_a_fifo_is_not_read(fifo_folder: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"pipe\.jpg' not a regular file \(a FIFO\), so it"):
+        read_checked(str(fifo_folder / "a_red" / "pipe.jpg"), None)
+
+
+def _unlistable(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
+    """Make the folders called ``names`` unlistable, as without read permission (the tests may
+    run as root, whom permissions do not stop)."""
+    import errno
+
+    scandir = os.scandir
+
+    def refusing(path: Any = ".") -> Any:
+        if os.path.basename(os.fspath(path)) in names:
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+
+
+def _unlistable_folder(root: Path) -> Path:
+    for name in ("a", "b"):
+        (root / name / "sub").mkdir(parents=True)
+        _tiny_png(root / name / "1.png")
+        _tiny_png(root / name / "sub" / "2.png")
+    return root
+
+
+def test_an_unlistable_subfolder_is_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = _unlistable_folder(tmp_path / "data")
+    _unlistable(monkeypatch, "sub")
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)2 folders in .* cannot be listed.*a/sub: cannot be listed \(Permission "
+        r"denied\).*b/sub: cannot be listed.*on_error='skip'",
+    ):
+        load_source(root, on_error="raise")
+    src = load_source(root, on_error="skip")
+    assert [(Path(b.path).relative_to(root).as_posix(), b.reason) for b in src.skipped] == [
+        ("a/sub", "cannot be listed (Permission denied)"),
+        ("b/sub", "cannot be listed (Permission denied)"),
+    ]
+    assert [Path(f).relative_to(root).as_posix() for f in src.files] == ["a/1.png", "b/1.png"]
+
+
+def test_an_unlistable_class_folder_says_so_not_no_images(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import warnings
+
+    root = _unlistable_folder(tmp_path / "data")
+    _unlistable(monkeypatch, "b")
+    with pytest.raises(ValueError, match=r"(?s)1 folder in .*b: cannot be listed \(Permission"):
+        load_source(root, on_error="raise")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "class folder(s) with no images" warning
+        src = load_source(root, on_error="skip")
+    assert src.classes == ("a", "b") and src.labels == (0, 0)
+    assert [b.reason for b in src.skipped] == ["cannot be listed (Permission denied)"]
+    _unlistable(monkeypatch, "a", "b")
+    with pytest.raises(ValueError, match=r"(?s)none of .*a: cannot be listed.*b: cannot be"):
+        load_source(root, on_error="skip")
+
+
+def test_an_unlistable_subfolder_is_warned_about_under_skip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = _unlistable_folder(tmp_path / "data")
+    _unlistable(monkeypatch, "sub")
+    with pytest.warns(UserWarning, match=r"skipped 2 unreadable file\(s\) or folder\(s\).*a/sub"):
+        loader = _loader(root, "torchvision", on_error="skip", batch_size=1)
+    assert len(loader.skipped) == 2
+
+
+# ------------------------------------------------------------------------ labels of a list
+
+
+def test_a_label_far_beyond_the_labels_used_is_refused_not_materialised(folder: Path) -> None:
+    good = str(next(folder.glob("a_red/*.jpg")))
+    with pytest.raises(
+        ValueError,
+        match=r"source\[1\] label 2000000 would make 2,000,001 classes .* 2 distinct labels "
+        r"are used; re-index the labels to 0\.\.1",
+    ):
+        load_source([(good, 0), (good, 2_000_000)], on_error="raise")
+    dense = [(good, i) for i in range(0, 3000, 3)]  # sparse, but well under the bound
+    assert len(load_source(dense, on_error="raise").classes) == 2998

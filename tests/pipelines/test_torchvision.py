@@ -238,3 +238,38 @@ def test_every_image_of_every_epoch_draws_from_its_own_seed() -> None:
     assert len({sample_seed(*c) for c in cases}) == len(cases)
     grid = {(s, e, i) for s in range(4) for e in range(30) for i in range(300)}
     assert len({sample_seed(*c) for c in grid}) == len(grid)
+
+
+def test_a_file_that_became_a_fifo_is_not_opened_by_a_worker(fifo_folder: Path) -> None:
+    from trainperf.pipelines._torchvision import FileDataset
+
+    dataset = FileDataset([str(fifo_folder / "a_red" / "pipe.jpg")], train=False, size=SIZE, seed=0)
+    with pytest.raises(RuntimeError, match=r"pipe\.jpg' not a regular file \(a FIFO\), so it"):
+        dataset[0]
+
+
+@pytest.mark.slow  # about 2 s: two workers start
+def test_an_epoch_ended_by_a_decode_error_ends_its_workers(truncated_folder: Path) -> None:
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children()}
+    loader = _loader(
+        truncated_folder, "torchvision", train=False, batch_size=5, loader_kwargs={"num_workers": 2}
+    )
+    epoch = iter(loader)
+    next(epoch)
+    workers = [p.pid for p in psutil.Process().children() if p.pid not in before]
+    assert len(workers) == 2
+    with pytest.raises(RuntimeError, match=r"could not decode image .*truncated\.jpg"):
+        for _ in epoch:
+            pass
+    assert _gone(workers) == []  # the traceback kept the epoch's DataLoader iterator alive
+    loader.close()
+
+
+def _gone(pids: list[int], timeout: float = 10) -> list[int]:
+    """The pids still alive (not zombies) after up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _alive(pids)

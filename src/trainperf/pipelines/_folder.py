@@ -1,8 +1,9 @@
 """Finding the images of an ImageFolder-style directory: classes, files and directory links.
 
 ``root/<class>/**/<image>``, as torchvision's ImageFolder reads it, except that every real
-directory is read once (links to a directory already read are skipped, and named), and a
-class folder without images is kept as a class, with a warning.
+directory is read once (links to a directory already read are skipped, and named), a class
+folder without images is kept as a class, with a warning, and a folder that cannot be listed
+is reported by name (the caller treats it as it treats an unreadable file).
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["IMAGE_EXTENSIONS", "find_images"]
+__all__ = ["IMAGE_EXTENSIONS", "Unlisted", "find_images"]
 
 # The suffixes torchvision's ImageFolder takes, less the rare PPM/PGM/TIF-variants DALI and
 # torchvision.io do not all decode.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
+
+# (folder, why it cannot be listed), e.g. ("root/cat/sub", "cannot be listed (Permission denied)")
+Unlisted = list[tuple[str, str]]
 
 
 def _dir_key(path: str) -> tuple[int, int] | None:
@@ -28,16 +32,22 @@ def _dir_key(path: str) -> tuple[int, int] | None:
 
 
 def _walk_class(
-    top: str, seen: dict[tuple[int, int], str], repeats: list[tuple[str, str]]
+    top: str, seen: dict[tuple[int, int], str], repeats: list[tuple[str, str]], unlisted: Unlisted
 ) -> list[str]:
     """The image files under ``top``, each real directory read once across the whole folder.
 
     Directory links are followed, but a directory already read (``seen``: identity -> the path
     it was first read through) is not read again; ``(path, first path)`` goes to ``repeats``.
     Subfolders are walked in sorted order, so which path reaches a directory first is fixed.
+    A directory that cannot be listed (no read permission) goes to ``unlisted``: os.walk
+    would pass over it, and its images would vanish without a word.
     """
+
+    def refused(e: OSError) -> None:
+        unlisted.append((e.filename or top, f"cannot be listed ({e.strerror or e})"))
+
     found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+    for dirpath, dirnames, filenames in os.walk(top, onerror=refused, followlinks=True):
         kept = []
         for name in sorted(dirnames):
             sub = os.path.join(dirpath, name)
@@ -57,8 +67,8 @@ def _walk_class(
 
 def _scan_classes(
     path: Path, classes: Sequence[str]
-) -> tuple[list[list[str]], list[tuple[str, str]]]:
-    """Each class's files, and the directories skipped as already read.
+) -> tuple[list[list[str]], list[tuple[str, str]], Unlisted]:
+    """Each class's files, the directories skipped as already read, and those not listed.
 
     The root and every class folder are claimed before any is walked, so a link to the root
     (``up -> ..``) or to another class folder is a repeat, and a class folder is read as its
@@ -70,6 +80,7 @@ def _scan_classes(
         if key is not None:
             seen.setdefault(key, top)
     repeats: list[tuple[str, str]] = []
+    unlisted: Unlisted = []
     per_class: list[list[str]] = []
     for name in classes:
         top = os.path.join(path, name)
@@ -78,8 +89,8 @@ def _scan_classes(
             repeats.append((top, first))
             per_class.append([])
         else:
-            per_class.append(_walk_class(top, seen, repeats))
-    return per_class, repeats
+            per_class.append(_walk_class(top, seen, repeats, unlisted))
+    return per_class, repeats, unlisted
 
 
 def _listed(names: Sequence[str], limit: int = 5) -> str:
@@ -87,7 +98,9 @@ def _listed(names: Sequence[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
 
 
-def find_images(root: str | os.PathLike[str]) -> tuple[list[tuple[str, int]], tuple[str, ...]]:
+def find_images(
+    root: str | os.PathLike[str],
+) -> tuple[list[tuple[str, int]], tuple[str, ...], Unlisted]:
     """List ``root/<class>/**/<image>`` like torchvision's ImageFolder.
 
     Classes are the sorted subfolder names; files are those with an image suffix
@@ -102,18 +115,21 @@ def find_images(root: str | os.PathLike[str]) -> tuple[list[tuple[str, int]], tu
 
     A class folder without images stays a class (its index is kept, so every label still
     matches the sorted folder names), with a warning that names it; torchvision's
-    ImageFolder raises instead.
+    ImageFolder raises instead. A folder that cannot be listed (a class folder or one below
+    it) is returned, with the reason, for the caller to refuse or skip like an unreadable
+    file; it is not a class folder "with no images".
 
     Args:
         root: the dataset directory.
 
     Returns:
-        ``([(path, label), ...], classes)``.
+        ``([(path, label), ...], classes, [(folder, reason), ...])``.
 
     Raises:
         FileNotFoundError: ``root`` does not exist.
         NotADirectoryError: ``root`` is a file.
-        ValueError: ``root`` has no class subfolders, or no images in them.
+        ValueError: ``root`` has no class subfolders, or no images in them and no folder
+            that could not be listed.
 
     Example:
         >>> find_images("/no/such/dir")
@@ -135,9 +151,9 @@ def find_images(root: str | os.PathLike[str]) -> tuple[list[tuple[str, int]], tu
             f"image folder {str(root)!r} has no class subfolders; the layout is "
             "root/<class>/<image> (e.g. root/cat/1.jpg, root/dog/2.jpg)"
         )
-    per_class, repeats = _scan_classes(path, classes)
+    per_class, repeats, unlisted = _scan_classes(path, classes)
     items = [(f, label) for label, found in enumerate(per_class) for f in found]
-    if not items:
+    if not items and not unlisted:
         raise ValueError(
             f"image folder {str(root)!r} has class subfolders {list(classes)[:5]} but no "
             f"images in them (suffixes read: {', '.join(IMAGE_EXTENSIONS)})"
@@ -155,7 +171,12 @@ def find_images(root: str | os.PathLike[str]) -> tuple[list[tuple[str, int]], tu
             f"first reached from: {_listed(rel)}; remove the links to silence this",
             stacklevel=4,
         )
-    empty = [f"{name!r} (label {i})" for i, name in enumerate(classes) if not per_class[i]]
+    refused = {folder for folder, _ in unlisted}
+    empty = [
+        f"{name!r} (label {i})"
+        for i, name in enumerate(classes)
+        if not per_class[i] and os.path.join(path, name) not in refused
+    ]
     if empty:
         warnings.warn(
             f"image folder {str(root)!r} has {len(empty)} class folder(s) with no images: "
@@ -164,4 +185,4 @@ def find_images(root: str | os.PathLike[str]) -> tuple[list[tuple[str, int]], tu
             "or add its images",
             stacklevel=4,
         )
-    return items, classes
+    return items, classes, unlisted

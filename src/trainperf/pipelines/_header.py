@@ -10,11 +10,14 @@ The sizes are read here, from the bytes that hold them, without decoding anythin
 start-of-frame segment (found by walking the marker segments), the PNG ``IHDR`` chunk, the BMP
 info header, the first TIFF directory, the WebP ``VP8 ``/``VP8L``/``VP8X`` chunk. The same
 parser reads an open file (the up-front check) and bytes already in memory (the DALI and
-nvjpeg backends check what they are about to decode).
+nvjpeg backends check what they are about to decode). Files are opened with
+:func:`open_regular`, which refuses anything but a regular file without blocking on it.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 import struct
 from collections.abc import Callable
 from typing import Any, BinaryIO, Literal
@@ -27,6 +30,8 @@ __all__ = [
     "bytes_problem",
     "file_problem",
     "image_size",
+    "not_regular",
+    "open_regular",
     "pixel_problem",
     "sniff_format",
 ]
@@ -46,6 +51,15 @@ _SOS, _EOI = 0xDA, 0xD9
 _MAX_STEPS = 65536
 _MAX_TIFF_TAGS = 4096
 _TRUNCATED = "is truncated: its header ends before the image size"
+_BIGTIFF = (b"II+\x00", b"MM\x00+")
+# Opening a FIFO to read it waits for a writer, and a terminal may become the controlling one.
+_NO_WAIT = getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 # Reads up to n bytes at an offset.
 _At = Callable[[int, int], bytes]
@@ -69,6 +83,53 @@ def sniff_format(head: bytes) -> ImageFormat | None:
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return "webp"
     return None
+
+
+def not_regular(mode: int) -> str | None:
+    """Why a file of ``mode`` (its ``st_mode``) is not read as an image, or None for a regular
+    file.
+
+    Example:
+        >>> import stat
+        >>> print(not_regular(stat.S_IFIFO | 0o644))
+        not a regular file (a FIFO)
+        >>> not_regular(stat.S_IFREG | 0o644) is None
+        True
+    """
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a directory, not an image file"
+    kind = next((name for is_kind, name in _KINDS if is_kind(mode)), "of an unknown kind")
+    return f"not a regular file ({kind})"
+
+
+def open_regular(path: str) -> BinaryIO | str:
+    """``path`` opened to read, if it is a regular file (links followed), else why it is not.
+
+    A FIFO (named pipe) or a device with an image suffix would block its reader forever, so
+    the file is opened without waiting and its kind checked on the open descriptor: nothing
+    can swap it between the check and the read.
+
+    Raises:
+        OSError: it cannot be opened (missing, no permission, ...).
+
+    Example:
+        >>> open_regular("/")
+        'is a directory, not an image file'
+    """
+    fd = os.open(path, os.O_RDONLY | _NO_WAIT)
+    try:
+        problem = not_regular(os.fstat(fd).st_mode)
+        if problem is None and _NO_WAIT:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    if problem is not None:
+        os.close(fd)
+        return problem
+    return os.fdopen(fd, "rb")
 
 
 def _jpeg_size(at: _At) -> tuple[int, int] | str:
@@ -235,6 +296,8 @@ def _problem(
     if not head:
         return None, "empty file"
     fmt = sniff_format(head)
+    if fmt is None and head[:4] in _BIGTIFF:
+        return None, "BigTIFF is not supported; convert it to a classic TIFF"
     if fmt is None:
         return None, (
             f"not a supported image (starts with {head[:8]!r}; JPEG, PNG, BMP, TIFF and WebP "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -13,7 +14,7 @@ import torch
 from trainperf._utils.imports import is_available, require
 from trainperf._utils.validate import choice, non_negative_int, positive_int
 from trainperf.device import resolve_device
-from trainperf.pipelines._base import ImageBackend, ImageLoader, LoaderConfig
+from trainperf.pipelines._base import ImageBackend, ImageLoader, LastBatch, LoaderConfig
 from trainperf.pipelines._header import MAX_IMAGE_PIXELS
 from trainperf.pipelines._source import (
     ImageSource,
@@ -30,7 +31,7 @@ IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
 IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
 
 _BACKENDS = ("auto", "dali", "nvjpeg", "torchvision")
-_LAST_BATCH = ("drop", "keep")
+_LAST_BATCH = ("drop", "keep", None)
 _ON_ERROR = ("raise", "skip")
 _log = logging.getLogger(__name__)
 
@@ -127,6 +128,8 @@ def _channel_triple(
         triple = tuple(float(v) for v in value)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{name} must be 3 numbers (R, G, B), got {value!r}") from e
+    if not all(math.isfinite(v) for v in triple):  # NaN passes every comparison below
+        raise ValueError(f"{name} must be finite, got {value!r}")
     if len(triple) != 3 or (positive and min(triple) <= 0):
         need = "3 positive numbers" if positive else "3 numbers"
         raise ValueError(f"{name} must be {need} (R, G, B, in 0..1 units), got {value!r}")
@@ -191,9 +194,13 @@ def _warn_skipped(source: ImageSource) -> None:
 
     listed = ", ".join(f"{shown(b.path)} ({b.reason})" for b in source.skipped[:5])
     more = len(source.skipped) - 5
+    # A folder that cannot be listed is skipped too, with every image in it.
+    kind = (
+        "file(s) or folder(s)" if any(os.path.isdir(b.path) for b in source.skipped) else "file(s)"
+    )
     # stacklevel=3: the warning names the line that called image_loader.
     warnings.warn(
-        f"image_loader skipped {len(source.skipped)} unreadable file(s): {listed}"
+        f"image_loader skipped {len(source.skipped)} unreadable {kind}: {listed}"
         + (f" and {more} more" if more > 0 else "")
         + "; see loader.skipped",
         stacklevel=3,
@@ -233,7 +240,7 @@ def image_loader(
     num_threads: int | Literal["auto"] = "auto",
     shard: Literal["auto"] | tuple[int, int] | None = "auto",
     seed: int = 0,
-    last_batch: Literal["drop", "keep"] = "drop",
+    last_batch: Literal["drop", "keep"] | None = None,
     mean: Sequence[float] = IMAGENET_MEAN,
     std: Sequence[float] = IMAGENET_STD,
     on_error: Literal["raise", "skip"] = "raise",
@@ -284,14 +291,17 @@ def image_loader(
             ``0 <= seed < 2**64``.
         last_batch: ``"drop"`` the partial last batch (each rank's shard is trimmed to
             ``floor(N / world_size)``), or ``"keep"`` it (shards padded to
-            ``ceil(N / world_size)`` by repeating images).
+            ``ceil(N / world_size)`` by repeating images). None (the default): ``"drop"``
+            when ``train``, ``"keep"`` otherwise, so that evaluation sees every image.
         mean: per-channel mean, 0..1 units (not DALI's 0..255: a value over 1 is refused).
         std: per-channel standard deviation, 0..1 units (a value over 1 is refused).
-        on_error: ``"raise"``: a missing, empty or non-image file, or one over
-            ``max_pixels``, raises up front, naming it, and a file that fails to decode
-            raises when it is reached; ``"skip"``: every file is decoded once up front and
-            bad ones (those over ``max_pixels`` without decoding them) are left out with a
-            warning (listed in ``loader.skipped``). A file that goes bad after the loader is
+        on_error: ``"raise"``: a missing, empty or non-image file, one over
+            ``max_pixels``, one that is not a regular file (a FIFO, a device: never
+            opened to read, so it cannot block), or a folder that cannot be listed, raises
+            up front, naming it, and a file that fails to decode raises when it is reached;
+            ``"skip"``: every file is decoded once up front and bad ones (those over
+            ``max_pixels`` without decoding them) and unlistable folders are left out with
+            a warning (listed in ``loader.skipped``). A file that goes bad after the loader is
             built raises, naming it, whichever is chosen.
         loader_kwargs: torchvision backend only: keyword arguments for
             :func:`trainperf.loader.autotune_loader` (e.g. ``budget_s``, ``cache``,
@@ -308,9 +318,12 @@ def image_loader(
         An :class:`ImageLoader`.
 
     Raises:
-        ValueError: a bad argument; no images; a bad file (an image over ``max_pixels``
-            among them) under ``on_error="raise"``;
-            ``batch_size`` larger than a rank's share with ``last_batch="drop"``; with
+        ValueError: a bad argument (a NaN or infinite ``mean``/``std`` among them); no
+            images; a bad file (an image over ``max_pixels`` among them) or a folder that
+            cannot be listed under ``on_error="raise"``; a list's largest label far beyond
+            the labels used;
+            ``batch_size`` larger than a rank's share with ``last_batch="drop"`` (the
+            default when training); with
             ``num_threads="auto"``, a ``LOCAL_WORLD_SIZE``/``SLURM_NTASKS_PER_NODE`` that
             is not a whole number >= 1.
         FileNotFoundError: ``source`` does not exist.
@@ -354,7 +367,9 @@ def image_loader(
     _check_loader_kwargs(loader_kwargs, chosen, backend)
     source_files = load_source(source, on_error=on_error, max_pixels=max_pixels)
     _warn_skipped(source_files)
-    plan = shard_plan(len(source_files.files), batch_size, rank, world_size, last_batch)
+    # Training drops the ragged batch; evaluation keeps it, or the same images go unseen.
+    batch_rule: LastBatch = last_batch or ("drop" if train else "keep")
+    plan = shard_plan(len(source_files.files), batch_size, rank, world_size, batch_rule)
     config = LoaderConfig(
         batch_size=batch_size,
         train=train,
@@ -362,7 +377,7 @@ def image_loader(
         device=dev,
         num_threads=threads,
         seed=seed,
-        last_batch=last_batch,
+        last_batch=batch_rule,
         mean=mean3,
         std=std3,
         max_pixels=max_pixels,

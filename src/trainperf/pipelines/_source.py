@@ -1,10 +1,12 @@
-"""Where the images come from: the file list, its labels, its checks, and each rank's share.
+"""Where the images come from: the file list, its labels and its checks (each rank's share of
+it is :mod:`._shard`'s).
 
 A source is an ImageFolder-style directory (``root/<class>/<image>``, see :mod:`._folder`) or a
 list of ``(path, label)`` pairs. Every file is checked once, up front, in threads, so that a
 bad file is reported by name before training starts rather than crashing a decoder mid-epoch:
 
-- ``"header"`` (``on_error="raise"``): the file exists, is not empty, its first bytes are
+- ``"header"`` (``on_error="raise"``): the file exists, is a regular file (a FIFO with an
+  image suffix would block its reader forever), is not empty, its first bytes are
   those of a JPEG, PNG, BMP, TIFF or WebP image, and the image size in its header is within
   ``max_pixels`` (:mod:`._header`). Costs a small read or two per file; nothing is decoded,
   so a decompression bomb is refused without allocating its pixels.
@@ -16,7 +18,6 @@ bad file is reported by name before training starts rather than crashing a decod
 
 from __future__ import annotations
 
-import math
 import operator
 import os
 from collections.abc import Sequence
@@ -27,9 +28,21 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from trainperf._utils import launch_env
 from trainperf.pipelines._folder import IMAGE_EXTENSIONS, find_images
-from trainperf.pipelines._header import MAX_IMAGE_PIXELS, ImageFormat, bytes_problem, file_problem
+from trainperf.pipelines._header import (
+    MAX_IMAGE_PIXELS,
+    ImageFormat,
+    bytes_problem,
+    file_problem,
+    open_regular,
+)
+from trainperf.pipelines._shard import (
+    Shard,
+    epoch_batches,
+    epoch_indices,
+    resolve_shard,
+    shard_plan,
+)
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -50,6 +63,10 @@ __all__ = [
 Check = Literal["header", "decode"]
 # More threads than cores: the header check waits on the disk, not the CPU.
 _CHECK_THREADS = 16
+# A list's largest label is refused when it is at least this, and this many times the number
+# of labels used: the class names it would make could take gigabytes.
+_SPARSE_LABEL = 1_000_000
+_SPARSITY = 100
 
 
 def shown(path: str) -> str:
@@ -98,28 +115,12 @@ class ImageSource:
     skipped: tuple[BadFile, ...] = ()
 
 
-@dataclass(frozen=True)
-class Shard:
-    """One rank's share of an epoch, the same length on every rank.
-
-    Attributes:
-        rank: this process's index among ``world_size``.
-        world_size: number of processes reading disjoint shards.
-        samples: images this rank yields per epoch.
-        batches: batches this rank yields per epoch.
-        last_batch_size: size of the final batch (``batch_size`` unless it is partial).
-    """
-
-    rank: int
-    world_size: int
-    samples: int
-    batches: int
-    last_batch_size: int
-
-
 def _header_problem(path: str, max_pixels: int | None) -> tuple[ImageFormat | None, str | None]:
     try:
-        with open(path, "rb") as f:
+        f = open_regular(path)
+        if isinstance(f, str):  # a FIFO, a device, a directory: never read
+            return None, f
+        with f:
             return file_problem(f, max_pixels)
     except FileNotFoundError:
         return None, "file not found"
@@ -200,6 +201,21 @@ def _list_items(items: Sequence[object]) -> list[tuple[str, int]]:
     return out
 
 
+def _numbered_classes(items: Sequence[tuple[str, int]]) -> tuple[str, ...]:
+    """``"0"``, ``"1"``, ... up to a list's largest label. A largest label far beyond the
+    labels used (an id rather than an index) is refused: it would make that many classes."""
+    i, top = max(enumerate(label for _, label in items), key=operator.itemgetter(1))
+    used = len({label for _, label in items})
+    if top >= _SPARSE_LABEL and top >= _SPARSITY * used:
+        raise ValueError(
+            f"source[{i}] label {top} would make {top + 1:,} classes (a list's labels index "
+            f"loader.classes, '0' to '{top}'), but only {used} distinct labels are used; "
+            f"re-index the labels to 0..{used - 1}, e.g. with "
+            "{old: new for new, old in enumerate(sorted(set(labels)))}"
+        )
+    return tuple(str(k) for k in range(top + 1))
+
+
 def _is_bool(value: object) -> bool:
     if isinstance(value, torch.Tensor):
         return value.dtype == torch.bool
@@ -241,11 +257,16 @@ def read_checked(path: str, max_pixels: int | None) -> np.ndarray[Any, Any]:
     ``max_pixels``) on those very bytes, which are what a backend then decodes.
 
     Raises:
-        RuntimeError: the file is gone, or is no longer an image within the limit (it passed
-            the check when the loader was built, so it has changed since).
+        RuntimeError: the file is gone, is no longer a regular file, or is no longer an image
+            within the limit (it passed the check when the loader was built, so it has
+            changed since).
     """
     try:
-        data = np.fromfile(path, dtype=np.uint8)
+        f = open_regular(path)
+        if isinstance(f, str):
+            raise changed_file_error(path, f, max_pixels)
+        with f:
+            data = np.fromfile(f, dtype=np.uint8)
     except OSError as e:
         raise changed_file_error(path, f"cannot be read ({e.strerror or e})", max_pixels) from e
     _, problem = bytes_problem(data, max_pixels)
@@ -264,6 +285,37 @@ def changed_file_error(path: str, problem: str, max_pixels: int | None) -> Runti
         f"image '{shown(path)}' {problem}, so it is not decoded: it changed after the loader "
         f"checked it (on_error='skip' leaves out only files that are bad then); {fix}"
     )
+
+
+def _resolve(
+    source: str | os.PathLike[str] | Sequence[tuple[str | os.PathLike[str], int]],
+) -> tuple[list[tuple[str, int]], tuple[str, ...], list[BadFile], str]:
+    """``(items, classes, folders that cannot be listed, where)`` of a folder or a list."""
+    if isinstance(source, (str, os.PathLike)):
+        items, classes, unlisted = find_images(source)
+        bad_dirs = [BadFile(folder, why) for folder, why in unlisted]
+        return items, classes, bad_dirs, f"image folder {os.fspath(source)!r}"
+    if isinstance(source, Sequence):
+        items = _list_items(source)
+        return items, _numbered_classes(items), [], "the image list"
+    raise TypeError(
+        "source must be a folder path or a list of (path, label) pairs, "
+        f"got {type(source).__name__}"
+    )
+
+
+def _what_is_bad(bad_dirs: int, bad_files: int, files: int, where: str) -> str:
+    """E.g. ``"1 folder in image folder 'x' cannot be listed and 2 of 9 files found in it are
+    not readable images"``."""
+    said = []
+    if bad_dirs:
+        said.append(f"{bad_dirs} folder{'s' if bad_dirs > 1 else ''} in {where} cannot be listed")
+    if bad_files:
+        said.append(
+            f"{bad_files} of {files} files {'found in it' if bad_dirs else 'in ' + where} are "
+            "not readable images"
+        )
+    return " and ".join(said)
 
 
 def load_source(
@@ -289,7 +341,9 @@ def load_source(
     Raises:
         FileNotFoundError, NotADirectoryError: the folder is missing or is a file.
         TypeError: a list item is not a ``(path, label)`` pair.
-        ValueError: no images; a bad file under ``on_error="raise"``; every file bad.
+        ValueError: no images; a bad file or a folder that cannot be listed under
+            ``on_error="raise"``; every file bad; a list's largest label far beyond the
+            labels used (>= 1,000,000 and >= 100 times the number of distinct labels).
 
     Example:
         >>> load_source([], on_error="raise")
@@ -297,18 +351,7 @@ def load_source(
         ...
         ValueError: the list of (path, label) pairs is empty
     """
-    if isinstance(source, (str, os.PathLike)):
-        items, classes = find_images(source)
-        where = f"image folder {os.fspath(source)!r}"
-    elif isinstance(source, Sequence):
-        items = _list_items(source)
-        classes = tuple(str(i) for i in range(max(label for _, label in items) + 1))
-        where = "the image list"
-    else:
-        raise TypeError(
-            "source must be a folder path or a list of (path, label) pairs, "
-            f"got {type(source).__name__}"
-        )
+    items, classes, unlisted, where = _resolve(source)
     check: Check = "decode" if on_error == "skip" else "header"
     results = check_files([p for p, _ in items], check, threads=threads, max_pixels=max_pixels)
     good: list[tuple[str, int, ImageFormat]] = []
@@ -318,12 +361,12 @@ def load_source(
             good.append((p, label, fmt))
         else:
             bad.append(BadFile(p, problem or "unknown format"))
-    if bad and on_error == "raise":
+    if (bad or unlisted) and on_error == "raise":
         too_big = max_pixels is not None and any("max_pixels=" in b.reason for b in bad)
         raise ValueError(
-            f"{len(bad)} of {len(items)} files in {where} are not readable images:\n"
-            f"{_describe_bad(bad)}\nFix or remove them, or pass on_error='skip' to leave "
-            "them out"
+            f"{_what_is_bad(len(unlisted), len(bad), len(items), where)}:\n"
+            f"{_describe_bad(unlisted + bad)}\nFix or remove them, or pass on_error='skip' to "
+            "leave them out"
             + (
                 f"; for an image over max_pixels: {pixel_limit_fix(max_pixels)}"
                 if too_big and max_pixels is not None
@@ -331,168 +374,15 @@ def load_source(
             )
         )
     if not good:
+        also = f" ({len(unlisted)} folder(s) could not be listed)" if unlisted else ""
         raise ValueError(
-            f"none of the {len(items)} files in {where} is a readable image:\n{_describe_bad(bad)}"
+            f"none of the {len(items)} files found in {where} is a readable image{also}:\n"
+            f"{_describe_bad(unlisted + bad)}"
         )
     return ImageSource(
         files=tuple(p for p, _, _ in good),
         labels=tuple(label for _, label, _ in good),
         formats=tuple(fmt for _, _, fmt in good),
         classes=classes,
-        skipped=tuple(bad),
+        skipped=tuple(unlisted + bad),
     )
-
-
-# --------------------------------------------------------------------------- sharding
-
-
-def resolve_shard(shard: Literal["auto"] | tuple[int, int] | None) -> tuple[int, int]:
-    """``(rank, world_size)`` for ``shard``.
-
-    ``"auto"``: :func:`trainperf.ddp.rank` and :func:`trainperf.ddp.world_size` (the
-    process group's when one is initialised, else torchrun's ``RANK``/``WORLD_SIZE``
-    variables, so the process group may come later) when a process group exists or both
-    variables are set; else ``(0, 1)``. ``None`` means ``(0, 1)``: this process reads
-    everything.
-
-    Raises:
-        ValueError: a malformed tuple, or ``rank`` outside ``[0, world_size)`` (given, or
-            from the process group or the environment).
-
-    Example:
-        >>> resolve_shard((1, 4)), resolve_shard(None)
-        ((1, 4), (0, 1))
-    """
-    if shard is None:
-        return 0, 1
-    if isinstance(shard, str):
-        if shard != "auto":
-            raise ValueError(
-                f"shard must be 'auto', None or a (rank, world_size) tuple, got {shard!r}"
-            )
-        import torch.distributed as dist
-
-        import trainperf.ddp as ddp
-
-        grouped = dist.is_available() and dist.is_initialized()
-        # A lone RANK or WORLD_SIZE is not a launch (ddp.rank() would default the other one
-        # and give a shard that no other process reads alongside): read everything then.
-        if not grouped and not (launch_env.is_set("RANK") and launch_env.is_set("WORLD_SIZE")):
-            return 0, 1
-        return resolve_shard((ddp.rank(), ddp.world_size()))
-    if (
-        not isinstance(shard, tuple)
-        or len(shard) != 2
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in shard)
-    ):
-        raise ValueError(f"shard must be 'auto', None or a (rank, world_size) tuple, got {shard!r}")
-    rank, world = shard
-    if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"shard needs 0 <= rank < world_size, got rank={rank}, world_size={world}")
-    return rank, world
-
-
-def shard_plan(
-    num_files: int,
-    batch_size: int,
-    rank: int,
-    world_size: int,
-    last_batch: Literal["drop", "keep"],
-) -> Shard:
-    """How many samples and batches every rank yields per epoch.
-
-    ``"keep"`` pads each rank to ``ceil(N / world_size)`` samples by repeating some (as
-    ``DistributedSampler`` does) and keeps a partial last batch; ``"drop"`` trims each rank to
-    ``floor(N / world_size)`` samples and drops the partial batch. Either way every rank
-    yields the same number of batches, so no rank waits forever in a collective.
-
-    Raises:
-        ValueError: a rank would get no batch at all.
-
-    Example:
-        >>> shard_plan(25, 4, 0, 2, "keep")
-        Shard(rank=0, world_size=2, samples=13, batches=4, last_batch_size=1)
-        >>> shard_plan(25, 4, 1, 2, "drop").batches
-        3
-    """
-    if last_batch == "drop":
-        per_rank = num_files // world_size
-        batches = per_rank // batch_size
-        samples, last = batches * batch_size, batch_size
-    else:
-        per_rank = math.ceil(num_files / world_size)
-        batches = math.ceil(per_rank / batch_size)
-        samples, last = per_rank, per_rank - (batches - 1) * batch_size
-    if batches == 0:
-        raise ValueError(
-            f"batch_size={batch_size} is larger than the {per_rank} images each of "
-            f"{world_size} rank(s) gets from {num_files} images, so an epoch would be empty; "
-            "lower batch_size or pass last_batch='keep'"
-        )
-    return Shard(rank, world_size, samples, batches, last)
-
-
-def epoch_indices(
-    num_files: int,
-    rank: int,
-    world_size: int,
-    *,
-    shuffle: bool,
-    seed: int,
-    epoch: int,
-    last_batch: Literal["drop", "keep"],
-) -> list[int]:
-    """This rank's file indices for one epoch, exactly as ``DistributedSampler`` orders them.
-
-    A permutation from a generator seeded with ``seed + epoch`` (identity without shuffle),
-    padded by wrapping round (``"keep"``) or trimmed (``"drop"``) to a multiple of
-    ``world_size``, then every ``world_size``-th index from ``rank``.
-
-    Example:
-        >>> epoch_indices(5, 1, 2, shuffle=False, seed=0, epoch=0, last_batch="keep")
-        [1, 3, 0]
-    """
-    if shuffle:
-        g = torch.Generator()
-        g.manual_seed((seed + epoch) % 2**64)  # what DistributedSampler seeds, within 64 bits
-        order: list[int] = torch.randperm(num_files, generator=g).tolist()
-    else:
-        order = list(range(num_files))
-    if last_batch == "drop":
-        order = order[: (num_files // world_size) * world_size]
-    else:
-        total = math.ceil(num_files / world_size) * world_size
-        pad = total - num_files
-        order += (order * math.ceil(pad / num_files))[:pad] if pad else []
-    return order[rank::world_size]
-
-
-def epoch_batches(
-    num_files: int,
-    shard: Shard,
-    batch_size: int,
-    *,
-    shuffle: bool,
-    seed: int,
-    epoch: int,
-    last_batch: Literal["drop", "keep"],
-) -> list[list[int]]:
-    """This rank's batches of file indices for one epoch: :func:`epoch_indices` cut into
-    ``shard.batches`` batches of ``batch_size`` (the last one partial with ``"keep"``).
-
-    Example:
-        >>> epoch_batches(5, shard_plan(5, 2, 0, 1, "keep"), 2, shuffle=False, seed=0, epoch=0,
-        ...               last_batch="keep")
-        [[0, 1], [2, 3], [4]]
-    """
-    order = epoch_indices(
-        num_files,
-        shard.rank,
-        shard.world_size,
-        shuffle=shuffle,
-        seed=seed,
-        epoch=epoch,
-        last_batch=last_batch,
-    )
-    starts = range(0, len(order), batch_size)
-    return [order[i : i + batch_size] for i in starts][: shard.batches]

@@ -27,7 +27,12 @@ from trainperf._utils.lifetime import DieWithParent
 from trainperf.pipelines._augment import CROP_RATIO, normalize, sample_crop_box
 from trainperf.pipelines._base import ImageLoader, LoaderConfig, labels_tensor
 from trainperf.pipelines._decode import pil_failure, pil_to_rgb
-from trainperf.pipelines._header import MAX_IMAGE_PIXELS, file_problem, pixel_problem
+from trainperf.pipelines._header import (
+    MAX_IMAGE_PIXELS,
+    file_problem,
+    open_regular,
+    pixel_problem,
+)
 from trainperf.pipelines._source import (
     ImageSource,
     Shard,
@@ -104,10 +109,12 @@ class FileDataset(Dataset[tuple[torch.Tensor, int]]):
         refuses an image over twice its own limit itself, with advice to raise that limit,
         so a file replaced by a bomb must be refused before Pillow reads it."""
         try:
-            f = open(path, "rb")  # noqa: SIM115 - the caller closes it
+            f = open_regular(path)  # the caller closes it
         except OSError as e:
             unreadable = f"cannot be read ({e.strerror or e})"
             raise changed_file_error(path, unreadable, self.max_pixels) from e
+        if isinstance(f, str):  # a FIFO or a device now: reading it could block forever
+            raise changed_file_error(path, f, self.max_pixels)
         _, problem = file_problem(f, self.max_pixels)
         if problem is not None:
             f.close()
@@ -298,6 +305,18 @@ class TorchvisionLoader(ImageLoader):
         finally:
             if self._active is batches:
                 self._active = None
+            self._end_workers(batches)
+            del batches  # a traceback keeps this frame, and with it the iterator, alive
+
+    def _end_workers(self, batches: Iterator[Any]) -> None:
+        """End the workers of an epoch's iterator, however the epoch ended: an error's
+        traceback would keep the iterator, and so its workers, alive. Persistent workers
+        (the DataLoader's kept iterator) live on until :meth:`close`."""
+        if batches is getattr(self.dataloader, "_iterator", None):
+            return
+        shutdown = getattr(batches, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
 
     def close(self) -> None:
         self._closed = True
