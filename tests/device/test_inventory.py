@@ -518,6 +518,14 @@ def test_parse_visible_devices_reads_like_cuda() -> None:
     assert parse_visible_devices("GPU-aB,GPU-Ab").duplicates == ("GPU-Ab",)
 
 
+@pytest.mark.parametrize("value", ["\u0661", "\uff10,\uff11", "0\u0661"])
+def test_parse_visible_devices_reads_ascii_digits_only(value: str) -> None:
+    # strtoul reads 0-9 only: an Arabic-Indic or full-width digit is no ordinal for CUDA.
+    parsed = parse_visible_devices(value)
+    assert parsed.entries == (("0",) if value.startswith("0") else ())
+    assert parsed.first_invalid == (None if value.startswith("0") else value.split(",")[0])
+
+
 def test_gpus_reads_the_environment_it_is_given(fake_nvml: Any) -> None:
     env = {"CUDA_VISIBLE_DEVICES": "1,0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     assert [g.nvml_index for g in gpus(env=env)] == [1, 0]

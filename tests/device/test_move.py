@@ -1,4 +1,4 @@
-"""trainperf.device._move: to_device and check_same_device over nested batches."""
+"""trainperf.device._move: to_device over nested batches."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainperf.device import check_same_device, to_device
-from trainperf.errors import DeviceMismatchError
+from trainperf.device import to_device
 
 META = torch.device("meta")
 
@@ -404,125 +403,52 @@ def test_to_device_rejects_bad_skip_keys(bad: Any) -> None:
         to_device(float_cpu(1), "meta", skip_keys=bad)
 
 
-# --------------------------------------------------------------------------- check_same_device()
+# --------------------------------------------------------------------- what the batch shares
 
 
-def test_check_same_device_returns_the_common_device() -> None:
-    model = torch.nn.BatchNorm1d(2)  # parameters and buffers
-    assert check_same_device(model, torch.ones(3, 2), extra=[{"m": torch.ones(1)}]) == torch.device(
-        "cpu"
+def test_to_device_keeps_a_tensor_that_appears_twice_one_tensor() -> None:
+    weight = float_cpu(4)
+    for device, dtype in (("meta", None), ("cpu", torch.float16)):
+        tied = to_device(
+            {"enc": weight, "dec": weight, "both": [weight, (weight,)]}, device, dtype=dtype
+        )
+        assert tied["enc"] is tied["dec"] is tied["both"][0] is tied["both"][1][0]
+    param = torch.nn.Parameter(float_cpu(2))  # the slow path shares too
+    out = to_device([param, {"p": param}], "meta")
+    assert out[0] is out[1]["p"]
+    half = to_device((weight, weight), "cpu", dtype=torch.float16)
+    half[0][0] = 100  # one tensor: a write through one name shows through the other
+    assert half[1][0].item() == 100
+
+
+def test_to_device_keeps_a_shared_container_shared() -> None:
+    inner = [float_cpu(1)]
+    pair = (float_cpu(1), 1)
+    mapping = {"x": float_cpu(1)}
+    out = to_device(
+        {"p": inner, "q": inner, "t1": pair, "t2": pair, "m": [mapping, mapping]}, "meta"
     )
-    assert check_same_device(None, torch.ones(1, device="meta")) == META
+    assert out["p"] is out["q"] and out["t1"] is out["t2"] and out["m"][0] is out["m"][1]
+    out["p"].append("new")  # one list, as in the input
+    assert out["q"][-1] == "new"
 
 
-def test_check_same_device_names_parameters_and_inputs_per_device() -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).to("meta")
-    batch = {"ids": [torch.ones(1), torch.ones(1, device="meta")]}
-    with pytest.raises(DeviceMismatchError, match="on 2 devices") as info:
-        check_same_device(model, Pair(torch.ones(1), 0), x=batch)
-    message = str(info.value)
-    meta_line = next(line for line in message.splitlines() if line.strip().startswith("meta:"))
-    cpu_line = next(line for line in message.splitlines() if line.strip().startswith("cpu:"))
-    assert "parameter 0.weight" in meta_line and "parameter 0.bias" in meta_line
-    assert "more" in meta_line  # 4 parameters, 3 buffers, 1 input: only a few are listed
-    assert cpu_line.strip() == "cpu: input arg0.x, input x['ids'][0]"
-    assert "model.to('meta')" in message
+def test_to_device_moves_a_container_that_holds_itself() -> None:
+    looped: list[Any] = [float_cpu(1)]
+    looped.append(looped)
+    out = to_device(looped, "meta")
+    assert out[0].device == META and out[1] is out
+    mapping: dict[str, Any] = {"x": float_cpu(1)}
+    mapping["self"] = mapping
+    mapping["via_tuple"] = (mapping,)
+    moved = to_device(mapping, "meta", dtype=torch.float16)
+    assert moved["self"] is moved and moved["via_tuple"][0] is moved
+    assert moved["x"].device == META and looped[1] is looped  # the input is as it was
 
 
-def test_check_same_device_inputs_only_and_dataclasses() -> None:
-    item = Batch(torch.ones(1, device="meta"), ["a"])
-    with pytest.raises(
-        DeviceMismatchError, match=r"cpu: input arg0\[1\]\n  meta: input item\.images"
-    ):
-        check_same_device(None, ["no tensor", torch.ones(1)], item=item)
-
-
-@dataclasses.dataclass
-class MovableBatch:
-    """A user batch dataclass with its own .to, as training code often has."""
-
-    images: torch.Tensor
-    labels: torch.Tensor
-
-    def to(self, device: torch.device) -> MovableBatch:
-        return MovableBatch(self.images.to(device), self.labels.to(device))
-
-
-class Encoding(collections.UserDict):  # type: ignore[type-arg]
-    """A Mapping with .to, like Hugging Face's BatchEncoding."""
-
-    def to(self, device: torch.device) -> Encoding:
-        return Encoding({k: v.to(device) for k, v in self.items()})
-
-
-class Holder:
-    """Neither a mapping nor a dataclass: tensors kept as attributes, and a cycle."""
-
-    def __init__(self, x: torch.Tensor) -> None:
-        self.x = x
-        self.me = self
-
-    def to(self, device: torch.device) -> Holder:
-        return Holder(self.x.to(device))
-
-
-def test_check_same_device_looks_inside_objects_with_their_own_to() -> None:
-    batch = MovableBatch(torch.ones(2, device="meta"), torch.ones(2))
-    with pytest.raises(
-        DeviceMismatchError, match=r"meta: input batch\.images\n  cpu: input batch\.labels"
-    ):
-        check_same_device(None, batch=batch)
-    encoding = Encoding(input_ids=torch.ones(1), mask=torch.ones(1, device="meta"))
-    with pytest.raises(DeviceMismatchError, match=r"meta: input enc\['mask'\]"):
-        check_same_device(torch.nn.Linear(1, 1), enc=encoding)
-    with pytest.raises(DeviceMismatchError, match=r"meta: input h\.x\n"):
-        check_same_device(torch.nn.Linear(1, 1), h=Holder(torch.ones(1, device="meta")))
-    assert check_same_device(None, batch.to(torch.device("meta"))) == META
-
-
-class SlottedPair(tuple):  # type: ignore[type-arg]
-    """A tuple with .to and no __dict__ nor _fields: only its positions can be walked."""
-
-    __slots__ = ()
-
-    def to(self, device: torch.device) -> SlottedPair:
-        return SlottedPair(t.to(device) for t in self)
-
-
-def test_check_same_device_looks_inside_a_packed_sequence_by_field() -> None:
-    from torch.nn.utils.rnn import pack_padded_sequence
-
-    model = torch.nn.LSTM(3, 4).to("meta")
-    packed = pack_padded_sequence(torch.randn(5, 2, 3), torch.tensor([5, 3]))
-    with pytest.raises(DeviceMismatchError, match=r"cpu: input arg0\.data\n"):
-        check_same_device(model, packed)
-    # batch_sizes stays on the CPU (the RNNs want it there): not a mismatch.
-    assert check_same_device(model, to_device(packed, "meta")) == META
-
-
-class LengthsBatch(NamedTuple):
-    """A batch whose own .to keeps the lengths on the CPU, where pack_padded_sequence wants them."""
-
-    x: torch.Tensor
-    lengths: torch.Tensor
-
-    def to(self, device: torch.device | str) -> LengthsBatch:
-        return LengthsBatch(self.x.to(device), self.lengths)
-
-
-def test_check_same_device_leaves_a_namedtuples_own_to_to_place_its_fields() -> None:
-    model = torch.nn.LSTM(3, 4).to("meta")
-    batch = LengthsBatch(torch.randn(5, 2, 3), torch.tensor([5, 3])).to("meta")
-    assert batch.lengths.device.type == "cpu"
-    assert check_same_device(model, batch) == META
-
-
-def test_check_same_device_walks_a_slotted_tuple_with_to_by_position() -> None:
-    pair = SlottedPair((torch.ones(1), torch.ones(1, device="meta")))
-    with pytest.raises(DeviceMismatchError, match=r"cpu: input p\[0\]\n  meta: input p\[1\]"):
-        check_same_device(None, p=pair)
-
-
-def test_check_same_device_needs_a_tensor() -> None:
-    with pytest.raises(ValueError, match="found no tensors"):
-        check_same_device(torch.nn.ReLU(), "text", n=3)
+def test_to_device_moves_a_view_as_a_tensor_of_its_own() -> None:
+    # Documented: Tensor.to copies a view alone, so it no longer shares its base's memory.
+    base = torch.arange(4.0)
+    out = to_device({"base": base, "view": base[:2]}, "cpu", dtype=torch.float16)
+    out["base"][0] = 100
+    assert out["view"][0].item() == 0

@@ -33,7 +33,8 @@ def test_resolve_device_parses_strings_ints_and_devices(monkeypatch: pytest.Monk
     assert resolve_device(1) == torch.device("cuda", 1)  # an int means a CUDA index
     assert resolve_device(torch.device("cuda", 0), allowed=("cuda",)) == torch.device("cuda", 0)
     assert resolve_device("meta") == META
-    # allowed=None takes any type torch knows; only CUDA and MPS are checked for presence.
+    # allowed=None takes any type torch knows, where its backend is there.
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
     assert resolve_device(torch.device("xpu"), allowed=None) == torch.device("xpu")
 
 
@@ -138,3 +139,36 @@ def test_resolve_device_does_not_initialise_cuda() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert json.loads(out.stdout.strip().splitlines()[-1]) is False
+
+
+@pytest.mark.parametrize("device", ["xpu", "xpu:0", "hpu", "mtia", "privateuseone", "xla", "maia"])
+def test_resolve_device_checks_other_device_types_are_there(device: str) -> None:
+    kind = device.split(":")[0]
+    module = getattr(torch, kind, None)
+    if module is not None and module.is_available():
+        pytest.skip(f"this host has a {kind} device")
+    expected = rf"device '{device}' needs PyTorch's '{kind}' backend, but it is not available.*"
+    with pytest.raises(DeviceError, match=expected + "install and import.*device='cpu'"):
+        resolve_device(device, allowed=None, auto=False)
+
+
+def test_resolve_device_bounds_another_types_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
+    monkeypatch.setattr(torch.xpu, "device_count", lambda: 2)
+    assert resolve_device("xpu:1", allowed=None) == torch.device("xpu", 1)
+    with pytest.raises(DeviceError, match=r"'xpu:2' does not exist: only 2 xpu device\(s\)"):
+        resolve_device("xpu:2", allowed=None)
+
+
+def test_resolve_device_asks_a_type_without_a_module_to_make_a_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # XLA's plugin (torch_xla) adds no torch.xla: a tensor made there says it works.
+    from trainperf.device import _resolve
+
+    made: list[torch.device] = []
+    monkeypatch.setattr(_resolve, "_working", set())
+    monkeypatch.setattr(torch, "empty", lambda *a, device: made.append(device))
+    assert resolve_device("xla", allowed=None) == torch.device("xla")
+    assert resolve_device("xla", allowed=None) == torch.device("xla")
+    assert made == [torch.device("xla")]  # asked once

@@ -144,7 +144,8 @@ def _mig_instances(nvml: Any, handles: list[Any], cards: list[GpuInfo]) -> list[
     return found
 
 
-_ORDINAL = re.compile(r"\+?(\d+)")
+# [0-9], not \d: strtoul reads ASCII digits only, where \d also matches "\u0661" and the like.
+_ORDINAL = re.compile(r"\+?([0-9]+)")
 
 Notation = Literal["index", "GPU-", "MIG-"]
 

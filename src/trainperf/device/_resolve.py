@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import NoReturn
 
 import torch
 
@@ -59,8 +60,10 @@ def resolve_device(
         TypeError: ``device`` is not a str, int, torch.device (or None with ``auto``).
         ValueError: ``device`` is not a valid device, a negative index, or of a type not
             in ``allowed``; the message lists the choices.
-        DeviceError: CUDA asked for but not available, a CUDA index beyond
-            ``torch.cuda.device_count()``, or MPS asked for but not available.
+        DeviceError: the device's backend is not available here: CUDA (no GPU or driver),
+            MPS, or another type (``"xpu"``, ``"hpu"``, ``"xla"``...: no such device, or a
+            PyTorch build or plugin without it); or an index beyond the visible devices
+            (``torch.cuda.device_count()`` for CUDA).
 
     Example:
         >>> resolve_device("cpu")
@@ -98,22 +101,10 @@ def resolve_device(
         raise ValueError(
             f"device {str(dev)!r} is not supported here: expected {_choices(allowed, auto)}"
         )
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise DeviceError(
-                f"device {str(dev)!r} needs CUDA, but CUDA is not available here (no NVIDIA GPU "
-                f"or driver, or a CPU-only PyTorch build); "
-                + _instead(allowed, auto, "on a host with an NVIDIA GPU")
-            )
-        count = torch.cuda.device_count()
-        # torch's stubs type .index as int, but a bare "cuda" has none.
-        index: int | None = dev.index
-        if index is not None and index >= count:
-            raise DeviceError(
-                f"device {str(dev)!r} does not exist: only {count} GPU(s) are visible "
-                f"(cuda:0 to cuda:{count - 1}; CUDA_VISIBLE_DEVICES renumbers them from 0)"
-            )
-    elif dev.type == "mps":
+    kind = dev.type
+    if kind == "cuda":
+        _check_cuda(dev, allowed, auto)
+    elif kind == "mps":
         mps = getattr(torch.backends, "mps", None)
         if mps is None or not mps.is_available():
             raise DeviceError(
@@ -121,4 +112,71 @@ def resolve_device(
                 "(not a Mac with Apple silicon, or a PyTorch build without MPS); "
                 + _instead(allowed, auto, "on a Mac with Apple silicon")
             )
+    elif kind not in ("cpu", "meta"):
+        _check_backend(dev, allowed, auto)
     return dev
+
+
+def _check_cuda(dev: torch.device, allowed: Collection[str] | None, auto: bool) -> None:
+    if not torch.cuda.is_available():
+        raise DeviceError(
+            f"device {str(dev)!r} needs CUDA, but CUDA is not available here (no NVIDIA GPU "
+            f"or driver, or a CPU-only PyTorch build); "
+            + _instead(allowed, auto, "on a host with an NVIDIA GPU")
+        )
+    count = torch.cuda.device_count()
+    # torch's stubs type .index as int, but a bare "cuda" has none.
+    index: int | None = dev.index
+    if index is not None and index >= count:
+        raise DeviceError(
+            f"device {str(dev)!r} does not exist: only {count} GPU(s) are visible "
+            f"(cuda:0 to cuda:{count - 1}; CUDA_VISIBLE_DEVICES renumbers them from 0)"
+        )
+
+
+# Devices without a torch.<type> module that made a tensor once: not asked again.
+_working: set[torch.device] = set()
+
+
+def _check_backend(dev: torch.device, allowed: Collection[str] | None, auto: bool) -> None:
+    """Any other device type (XPU, MTIA, HPU, XLA, a PrivateUse1 plugin such as ``npu``).
+
+    Where PyTorch or a plugin provides ``torch.<type>`` with ``is_available()``, that module
+    says (and ``device_count()`` bounds the index); where there is none (XLA, whose plugin
+    registers no module), an empty tensor made there does.
+    """
+    module = getattr(torch, dev.type, None)
+    is_available = getattr(module, "is_available", None)
+    if callable(is_available):
+        if not is_available():
+            _unavailable(dev, allowed, auto, f"torch.{dev.type}.is_available() is False")
+        count = getattr(module, "device_count", None)
+        index: int | None = dev.index
+        if index is not None and callable(count) and index >= count():
+            raise DeviceError(
+                f"device {str(dev)!r} does not exist: only {count()} {dev.type} device(s) "
+                f"are visible ({dev.type}:0 to {dev.type}:{count() - 1})"
+            )
+        return
+    if dev in _working:
+        return
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, NotImplementedError, AssertionError, ImportError) as e:
+        _unavailable(dev, allowed, auto, f"{type(e).__name__}: {str(e).splitlines()[0]}", e)
+    _working.add(dev)
+
+
+def _unavailable(
+    dev: torch.device,
+    allowed: Collection[str] | None,
+    auto: bool,
+    why: str,
+    cause: BaseException | None = None,
+) -> NoReturn:
+    raise DeviceError(
+        f"device {str(dev)!r} needs PyTorch's {dev.type!r} backend, but it is not available "
+        f"here ({why}); install and import the PyTorch build or plugin that provides it "
+        f"(for 'xla', torch_xla), or "
+        + _instead(allowed, auto, f"on a host with a {dev.type} device")
+    ) from cause

@@ -1,0 +1,157 @@
+""":func:`check_same_device`: a model and its inputs on one device, or an error naming them.
+
+The inputs are walked like :func:`trainperf.device.to_device` walks a batch (the type table
+of :mod:`._containers`), and objects with their own ``.to`` are looked inside too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from trainperf.device._containers import (
+    DATACLASS,
+    HAS_TO,
+    LEAF,
+    MAPPING,
+    NAMEDTUPLE,
+    NAMESPACE,
+    SEQUENCE,
+    SET,
+    STORAGE,
+    TENSOR,
+    dataclass_items,
+    kind_of,
+)
+from trainperf.errors import DeviceMismatchError
+
+
+def _named_tensors(
+    obj: Any, path: str, out: list[tuple[str, torch.Tensor]], seen: dict[int, Any]
+) -> None:
+    kind = kind_of(type(obj))
+    if kind == TENSOR:
+        out.append((path, obj))
+        return
+    if kind in (LEAF, STORAGE) or id(obj) in seen:
+        return
+    seen[id(obj)] = obj  # stops reference cycles; holding obj keeps its id from being reused
+    if isinstance(obj, torch.nn.Module):
+        out += [(f"{path}.{name}", p) for name, p in obj.named_parameters()]
+        out += [(f"{path}.{name}", b) for name, b in obj.named_buffers()]
+        return
+    for where, value in _contents(obj, kind):
+        _named_tensors(value, path + where, out, seen)
+
+
+def _contents(obj: Any, kind: int) -> list[tuple[str, Any]]:
+    if kind == HAS_TO:
+        # to_device lets these move themselves, but checking must look inside: a Hugging Face
+        # BatchEncoding is a Mapping, a batch class is often a dataclass, others keep their
+        # tensors as attributes.
+        return _children(obj)
+    if kind == MAPPING:
+        return [(f"[{key!r}]", value) for key, value in obj.items()]
+    if kind == NAMEDTUPLE:
+        return [(f".{name}", getattr(obj, name)) for name in obj._fields]
+    if kind == DATACLASS:
+        return [(f".{name}", value) for name, value in dataclass_items(obj)]
+    if kind == NAMESPACE:
+        return [(f".{name}", value) for name, value in vars(obj).items()]
+    if kind in (SEQUENCE, SET):
+        return [(f"[{i}]", value) for i, value in enumerate(obj)]
+    return []
+
+
+def _children(obj: Any) -> list[tuple[str, Any]]:
+    """What an object with its own ``.to`` holds, each with its path suffix: a mapping by
+    item, a ``PackedSequence`` by field (``batch_sizes`` left out), a dataclass by field,
+    others by attribute, and a sequence or set without a ``__dict__`` by position. Other
+    namedtuples are not walked: their ``.to`` decides where each field goes."""
+    if isinstance(obj, Mapping):
+        return [(f"[{k!r}]", v) for k, v in obj.items()]
+    if isinstance(obj, torch.nn.utils.rnn.PackedSequence):
+        # batch_sizes stays on the CPU wherever the data is (its .to and the RNNs want it
+        # there): not a mismatch. sorted_indices and unsorted_indices move with the data.
+        return [(f".{name}", getattr(obj, name)) for name in obj._fields if name != "batch_sizes"]
+    if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
+        # A user's NamedTuple batch whose .to keeps some fields on the CPU on purpose (the
+        # lengths pack_padded_sequence wants there): its author decides placement.
+        return []
+    if dataclasses.is_dataclass(obj):
+        return [(f".{name}", value) for name, value in dataclass_items(obj)]
+    try:
+        return [(f".{k}", v) for k, v in vars(obj).items()]
+    except TypeError:  # no __dict__ (__slots__ or a C type)
+        pass
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [(f"[{i}]", v) for i, v in enumerate(obj)]
+    return []
+
+
+def check_same_device(
+    module: torch.nn.Module | None, *tensors: Any, **named_tensors: Any
+) -> torch.device:
+    """Check a module's parameters and buffers and the inputs share one device.
+
+    Call it before the forward pass to get an error naming the culprits instead of
+    PyTorch's "Expected all tensors to be on the same device".
+
+    Args:
+        module: the model (or None to check the inputs alone).
+        *tensors: inputs, possibly nested in containers (named ``arg0``, ``arg1``…).
+            Objects with their own ``.to`` are looked inside too: mappings (Hugging Face's
+            ``BatchEncoding``) by item, ``PackedSequence`` (whose ``batch_sizes`` stays
+            on the CPU by design) and dataclasses by field, others by attribute (or,
+            without a ``__dict__``, lists and tuples by position). Other namedtuples with
+            their own ``.to`` are not looked inside: their ``.to`` places each field.
+        **named_tensors: inputs by name, possibly nested.
+
+    Returns:
+        The one device they all live on.
+
+    Raises:
+        DeviceMismatchError: more than one device; the message lists, per device, a few of
+            the parameters, buffers and inputs found there.
+        ValueError: there is no tensor at all to check.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1)
+        >>> check_same_device(model, torch.ones(3, 2), batch={"x": torch.ones(3, 2)})
+        device(type='cpu')
+    """
+    found: list[tuple[str, torch.Tensor]] = []
+    if module is not None:
+        found += [(f"parameter {n}", p) for n, p in module.named_parameters()]
+        found += [(f"buffer {n}", b) for n, b in module.named_buffers()]
+    inputs: list[tuple[str, torch.Tensor]] = []
+    seen: dict[int, Any] = {}
+    for i, value in enumerate(tensors):
+        _named_tensors(value, f"arg{i}", inputs, seen)
+    for name, value in named_tensors.items():
+        _named_tensors(value, name, inputs, seen)
+    found += [(f"input {n}", t) for n, t in inputs]
+    if not found:
+        raise ValueError(
+            "check_same_device found no tensors: pass a module with parameters "
+            "or at least one tensor input"
+        )
+    by_device: dict[torch.device, list[str]] = {}
+    for name, t in found:
+        by_device.setdefault(t.device, []).append(name)
+    if len(by_device) == 1:
+        return next(iter(by_device))
+    lines = []
+    for dev, names in by_device.items():
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        lines.append(f"  {dev}: {shown}")
+    first = next(iter(by_device))
+    raise DeviceMismatchError(
+        f"tensors are on {len(by_device)} devices, but one forward pass needs them on one:\n"
+        + "\n".join(lines)
+        + f"\nFix: move both to one device, e.g. model.to({str(first)!r}) and "
+        f"batch = trainperf.to_device(batch, {str(first)!r})."
+    )

@@ -1,0 +1,191 @@
+"""trainperf.device._same_device: check_same_device over a model and nested inputs."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import types
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from trainperf.device import check_same_device, to_device
+from trainperf.errors import DeviceMismatchError
+
+META = torch.device("meta")
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    label: int
+
+
+@dataclasses.dataclass
+class Batch:
+    images: torch.Tensor
+    ids: list[str]
+
+
+def test_check_same_device_returns_the_common_device() -> None:
+    model = torch.nn.BatchNorm1d(2)  # parameters and buffers
+    assert check_same_device(model, torch.ones(3, 2), extra=[{"m": torch.ones(1)}]) == torch.device(
+        "cpu"
+    )
+    assert check_same_device(None, torch.ones(1, device="meta")) == META
+
+
+def test_check_same_device_names_parameters_and_inputs_per_device() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).to("meta")
+    batch = {"ids": [torch.ones(1), torch.ones(1, device="meta")]}
+    with pytest.raises(DeviceMismatchError, match="on 2 devices") as info:
+        check_same_device(model, Pair(torch.ones(1), 0), x=batch)
+    message = str(info.value)
+    meta_line = next(line for line in message.splitlines() if line.strip().startswith("meta:"))
+    cpu_line = next(line for line in message.splitlines() if line.strip().startswith("cpu:"))
+    assert "parameter 0.weight" in meta_line and "parameter 0.bias" in meta_line
+    assert "more" in meta_line  # 4 parameters, 3 buffers, 1 input: only a few are listed
+    assert cpu_line.strip() == "cpu: input arg0.x, input x['ids'][0]"
+    assert "model.to('meta')" in message
+
+
+def test_check_same_device_inputs_only_and_dataclasses() -> None:
+    item = Batch(torch.ones(1, device="meta"), ["a"])
+    with pytest.raises(
+        DeviceMismatchError, match=r"cpu: input arg0\[1\]\n  meta: input item\.images"
+    ):
+        check_same_device(None, ["no tensor", torch.ones(1)], item=item)
+
+
+@dataclasses.dataclass
+class MovableBatch:
+    """A user batch dataclass with its own .to, as training code often has."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+
+    def to(self, device: torch.device) -> MovableBatch:
+        return MovableBatch(self.images.to(device), self.labels.to(device))
+
+
+class Encoding(collections.UserDict):  # type: ignore[type-arg]
+    """A Mapping with .to, like Hugging Face's BatchEncoding."""
+
+    def to(self, device: torch.device) -> Encoding:
+        return Encoding({k: v.to(device) for k, v in self.items()})
+
+
+class Holder:
+    """Neither a mapping nor a dataclass: tensors kept as attributes, and a cycle."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+        self.me = self
+
+    def to(self, device: torch.device) -> Holder:
+        return Holder(self.x.to(device))
+
+
+def test_check_same_device_looks_inside_objects_with_their_own_to() -> None:
+    batch = MovableBatch(torch.ones(2, device="meta"), torch.ones(2))
+    with pytest.raises(
+        DeviceMismatchError, match=r"meta: input batch\.images\n  cpu: input batch\.labels"
+    ):
+        check_same_device(None, batch=batch)
+    encoding = Encoding(input_ids=torch.ones(1), mask=torch.ones(1, device="meta"))
+    with pytest.raises(DeviceMismatchError, match=r"meta: input enc\['mask'\]"):
+        check_same_device(torch.nn.Linear(1, 1), enc=encoding)
+    with pytest.raises(DeviceMismatchError, match=r"meta: input h\.x\n"):
+        check_same_device(torch.nn.Linear(1, 1), h=Holder(torch.ones(1, device="meta")))
+    assert check_same_device(None, batch.to(torch.device("meta"))) == META
+
+
+class SlottedPair(tuple):  # type: ignore[type-arg]
+    """A tuple with .to and no __dict__ nor _fields: only its positions can be walked."""
+
+    __slots__ = ()
+
+    def to(self, device: torch.device) -> SlottedPair:
+        return SlottedPair(t.to(device) for t in self)
+
+
+def test_check_same_device_looks_inside_a_packed_sequence_by_field() -> None:
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    model = torch.nn.LSTM(3, 4).to("meta")
+    packed = pack_padded_sequence(torch.randn(5, 2, 3), torch.tensor([5, 3]))
+    with pytest.raises(DeviceMismatchError, match=r"cpu: input arg0\.data\n"):
+        check_same_device(model, packed)
+    # batch_sizes stays on the CPU (the RNNs want it there): not a mismatch.
+    assert check_same_device(model, to_device(packed, "meta")) == META
+
+
+class LengthsBatch(NamedTuple):
+    """A batch whose own .to keeps the lengths on the CPU, where pack_padded_sequence wants them."""
+
+    x: torch.Tensor
+    lengths: torch.Tensor
+
+    def to(self, device: torch.device | str) -> LengthsBatch:
+        return LengthsBatch(self.x.to(device), self.lengths)
+
+
+def test_check_same_device_leaves_a_namedtuples_own_to_to_place_its_fields() -> None:
+    model = torch.nn.LSTM(3, 4).to("meta")
+    batch = LengthsBatch(torch.randn(5, 2, 3), torch.tensor([5, 3])).to("meta")
+    assert batch.lengths.device.type == "cpu"
+    assert check_same_device(model, batch) == META
+
+
+def test_check_same_device_walks_a_slotted_tuple_with_to_by_position() -> None:
+    pair = SlottedPair((torch.ones(1), torch.ones(1, device="meta")))
+    with pytest.raises(DeviceMismatchError, match=r"cpu: input p\[0\]\n  meta: input p\[1\]"):
+        check_same_device(None, p=pair)
+
+
+def test_check_same_device_needs_a_tensor() -> None:
+    with pytest.raises(ValueError, match="found no tensors"):
+        check_same_device(torch.nn.ReLU(), "text", n=3)
+
+
+# ------------------------------------------------------------------- containers to_device walks
+
+
+@dataclasses.dataclass
+class MaskedBatch:
+    x: torch.Tensor
+    later: torch.Tensor = dataclasses.field(init=False)  # set by a later collate step
+
+    def __post_init__(self) -> None:
+        self.mask = torch.ones(1, device="meta")  # not a field: an attribute all the same
+
+
+@pytest.mark.parametrize(
+    "holder",
+    [
+        lambda m: collections.deque([m]),
+        lambda m: collections.UserList([m]),
+        lambda m: types.SimpleNamespace(m=m),
+    ],
+    ids=["deque", "UserList", "SimpleNamespace"],
+)
+def test_check_same_device_looks_inside_deques_user_lists_and_namespaces(holder: object) -> None:
+    hidden = holder(torch.ones(1, device="meta"))  # type: ignore[operator]
+    with pytest.raises(DeviceMismatchError, match=r"cpu: input arg0\n  meta: input arg1"):
+        check_same_device(None, torch.ones(1), hidden)
+
+
+def test_check_same_device_sees_a_dataclass_attribute_that_is_no_field() -> None:
+    batch = MaskedBatch(torch.ones(1))  # `later` unset: skipped, not an AttributeError
+    with pytest.raises(DeviceMismatchError, match=r"cpu: input b\.x\n  meta: input b\.mask"):
+        check_same_device(None, b=batch)
+
+
+def test_check_same_device_stops_at_reference_cycles() -> None:
+    looped: list[object] = [torch.ones(1)]
+    looped.append(looped)
+    mapping: dict[str, object] = {"x": torch.ones(1, device="meta")}
+    mapping["self"] = mapping
+    assert check_same_device(None, looped) == torch.device("cpu")
+    with pytest.raises(DeviceMismatchError, match=r"cpu: input arg0\[0\]\n  meta: input m\['x'\]"):
+        check_same_device(None, looped, m=mapping)
