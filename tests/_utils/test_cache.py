@@ -98,3 +98,44 @@ def test_concurrent_writers_keep_each_other_s_entries(
     first.join(10)
     second.join(10)
     assert read_entry("a", path) is not None and read_entry("b", path) is not None
+
+
+def test_a_cache_file_a_umask_made_read_only_is_still_updated(tmp_path: Path) -> None:
+    # A umask without the owner's write bit makes the first write's file 0o444: the
+    # write-protection refusal meant for checkpoints must not stop every later entry.
+    import os
+
+    path = tmp_path / "c.json"
+    write_entry("a", {"x": 1}, path)
+    os.chmod(path, 0o444)
+    write_entry("b", {"x": 2}, path)
+    assert read_entry("a", path) is not None and read_entry("b", path) is not None
+
+
+def test_a_cache_directory_under_a_file_is_named_by_the_atomic_write(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(NotADirectoryError, match=str(blocker)):
+        write_entry("k", {}, blocker / "trainperf" / "c.json")
+
+
+def test_the_lock_is_released_even_if_a_process_forked_while_it_was_held(tmp_path: Path) -> None:
+    import fcntl
+    import os
+    import signal
+
+    path = tmp_path / "c.json"
+    with cache._locked(path):
+        child = os.fork()
+        if child == 0:  # holds a copy of the lock's descriptor for a while
+            signal.pause()
+            os._exit(0)
+    try:
+        fd = os.open(tmp_path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if still held
+        finally:
+            os.close(fd)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 from trainperf._utils.qualname import code_digest, qualname
 
@@ -59,3 +60,24 @@ def test_nested_functions_count_in_their_outer_function_s_digest() -> None:
 
     assert code_digest(outer_a.__code__) != code_digest(outer_b.__code__)
     assert code_digest(outer_a.__code__) == code_digest(outer_a.__code__)
+
+
+def test_a_function_s_name_is_the_same_in_every_process() -> None:
+    # Before: a set literal's constant (a frozenset of strings) was hashed by its repr,
+    # whose order follows PYTHONHASHSEED: every run (every DDP rank) keyed its own entry.
+    import subprocess
+    import sys
+
+    code = (
+        "from trainperf._utils.qualname import qualname\n"
+        "def step(batch):\n    return [k for k in batch if k in {'image', 'label', 'mask', 'x'}]\n"
+        "print(qualname(step))\n"
+    )
+
+    def name_in_a_process(seed: int) -> str:
+        env = {**os.environ, "PYTHONHASHSEED": str(seed)}
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True)
+        return run.stdout.decode()
+
+    names = {name_in_a_process(seed) for seed in (1, 2, 3, 4)}
+    assert len(names) == 1, names

@@ -218,13 +218,23 @@ def test_tf32_keeps_torch_s_start_value_for_cudnn_where_it_can() -> None:
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, True]
 
 
+@pytest.mark.usefixtures("restore_tf32")
 def test_a_torch_whose_private_accessors_differ_falls_back_to_the_legacy_api(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from trainperf.amp import _tf32
+
+    # A mix of the two APIs, where the legacy getters raise.
+    torch.backends.cuda.matmul.fp32_precision = "tf32"  # type: ignore[attr-defined]
+    torch.backends.cudnn.conv.fp32_precision = "ieee"  # type: ignore[attr-defined]
+    getter = torch._C._get_fp32_precision_getter
 
     def other_signature(*args: object) -> str:
         raise TypeError("_get_fp32_precision_getter(): incompatible function arguments")
 
     monkeypatch.setattr(torch._C, "_get_fp32_precision_getter", other_signature)
     assert not _tf32._has_tree()
+    assert isinstance(_tf32.tf32_state(), _tf32.TF32State)  # never raising, as documented
+    with _tf32.tf32(True) as state:
+        assert state == _tf32.TF32State(matmul=True, cudnn=True)
+    monkeypatch.setattr(torch._C, "_get_fp32_precision_getter", getter)

@@ -115,3 +115,19 @@ def _child(mode: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     _child(sys.argv[1])
+
+
+def test_the_first_batch_bound_allows_for_the_cost_per_worker_and_the_last_start_up() -> None:
+    # Before: the loop's time per batch (divided by the workers sharing the load) and the
+    # start-up averaged over the epoch kept the bound at its 10 s floor, so a pool that
+    # needs longer to start was killed as hung, and the loader capped for good.
+    from trainperf.loader._adapt import AdaptiveDataLoader
+    from trainperf.loader._adapt_rules import figures
+
+    loader = AdaptiveDataLoader(range(64), batch_size=4, num_workers=0)
+    slow_start = figures(num_workers=4, startup_s=15.0, batches=400, wait_s=1.0, step_s=40.0)
+    assert loader._hang_bound(6, slow_start) >= 45.0
+    heavy = figures(num_workers=32, batches=101, wait_s=0.0, step_s=37.5, cpus=16)  # 12 s each
+    assert loader._hang_bound(40, heavy) >= 20 * 12.0
+    quick = figures(num_workers=0, batches=101, wait_s=0.1, step_s=0.1)
+    assert loader._hang_bound(2, quick) == 10.0  # the floor

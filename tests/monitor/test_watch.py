@@ -644,3 +644,35 @@ def test_the_previous_batch_is_not_held_while_the_next_one_loads() -> None:
             del batch
             w.step()
     assert alive == [False, False, False]
+
+
+def test_a_second_loader_drawn_inside_a_step_does_not_wipe_its_count() -> None:
+    # A validation or auxiliary w.iter() inside the loop is another pass: the training
+    # batch's samples stay in the step, and a break in the training pass still drops only
+    # its own untrained batch.
+    train = DataLoader(TensorDataset(torch.zeros(48, 1)), batch_size=8)
+    val = DataLoader(TensorDataset(torch.zeros(2, 1)), batch_size=1)
+    with watch(device="cpu", warmup_steps=0) as w:
+        for _ in range(2):
+            for i, _ in enumerate(w.iter(train)):
+                if i == 3:
+                    break
+                if i == 1:
+                    for _ in w.iter(val):
+                        pass
+                w.step()
+    assert [s.samples for s in w.report().timeline] == [8, 10, 8] * 2
+
+
+def test_iterating_after_stop_leaves_the_report_as_it_was() -> None:
+    w = watch(device="cpu", warmup_steps=0)
+    w.start()
+    batches = w.iter([torch.zeros(4, 1)] * 8)
+    for _ in range(6):
+        next(batches)
+        w.step()
+    w.stop()
+    before = w.report().to_dict()
+    list(batches)
+    assert w.report().to_dict()["steps"] == before["steps"]
+    assert w._items == 6

@@ -323,7 +323,11 @@ def _refuse_write_protected(path: Path, named: Path) -> None:
 
 
 def write_atomically(
-    path: Path, write: Callable[[IO[bytes]], None], *, sync_directory: bool = True
+    path: Path,
+    write: Callable[[IO[bytes]], None],
+    *,
+    sync_directory: bool = True,
+    keep_write_protected: bool = True,
 ) -> Path:
     """Write ``path`` through ``write(f)`` so that it is either the old file or the new one.
 
@@ -342,13 +346,18 @@ def write_atomically(
         write: writes the content into the file it is given.
         sync_directory: fsync the directory after the rename; False leaves that to the
             caller (:func:`fsync_dir`), which may want to report it differently.
+        keep_write_protected: refuse to replace an existing write-protected file (what a
+            user saved and protected); False for files the library alone rewrites (a
+            cache, a report), which a umask without the owner's write bit makes read-only
+            from their first write.
 
     Returns:
         The file that was replaced: ``path``, or the target of the link ``path`` is.
 
     Raises:
         IsADirectoryError: ``path`` is a directory (or a link to one).
-        PermissionError: ``path`` (or the file a link leads to) exists and is write-protected:
+        PermissionError: with ``keep_write_protected``, ``path`` (or the file a link leads
+            to) exists and is write-protected:
             no write bit in its mode (``chmod 444``; so also under root), or ``os.access``
             says this user may not write it. ``os.replace`` would swap it anyway; it is left
             unchanged, as ``open(path, "w")`` would leave it.
@@ -380,7 +389,8 @@ def write_atomically(
         )
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, f"{path} is a directory, not a file name", str(path))
-    _refuse_write_protected(path, link)
+    if keep_write_protected:
+        _refuse_write_protected(path, link)
     host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
     _make_parents(path.parent)
     fd, tmp, locked = _open_temp(path, host)

@@ -138,20 +138,28 @@ def write_entry(key: str, entry: dict[str, Any], path: Path) -> None:
         def write(f: IO[bytes]) -> None:
             f.write(data.encode())
 
-        write_atomically(path, write)
+        write_atomically(path, write, keep_write_protected=False)
 
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """An exclusive ``flock`` on ``path``'s directory while it is held, so that writers (the
     ranks of one job, two jobs on one host) each add their entry to what the last one wrote
-    instead of all but one being lost. Where the filesystem refuses ``flock`` (some network
-    filesystems) the write goes ahead unlocked, still atomic."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path.parent, os.O_RDONLY)
+    instead of all but one being lost. Where the directory cannot be made or opened, or the
+    filesystem refuses ``flock`` (some network filesystems), the write goes ahead unlocked
+    (still atomic; :func:`write_atomically` reports a directory it cannot make). The lock
+    is released explicitly: a process forked meanwhile holds the descriptor too."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        yield
+        return
     try:
         with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)  # closing releases the lock
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

@@ -64,7 +64,24 @@ def _feed(h: Any, code: types.CodeType) -> None:
     h.update(code.co_code)
     h.update(repr(code.co_names).encode())
     for const in code.co_consts:
+        h.update(_canonical(const).encode())
         if isinstance(const, types.CodeType):
             _feed(h, const)  # a nested function: its body, not its repr (which has an address)
-        else:
-            h.update(repr(const).encode())
+
+
+def _canonical(const: object) -> str:
+    """A constant's text, the same in every process: a frozenset's order follows the
+    per-process string hash (``PYTHONHASHSEED``), so its items are sorted; a code object's
+    repr has an address, so it counts by its body (hashed by the caller).
+
+    Example:
+        >>> print(_canonical(frozenset({"b", "a"})), _canonical((1, frozenset({2, 1}))))
+        frozenset({'a', 'b'}) (1, frozenset({1, 2}))
+    """
+    if isinstance(const, types.CodeType):
+        return "<code>"
+    if isinstance(const, frozenset):
+        return "frozenset({" + ", ".join(sorted(_canonical(c) for c in const)) + "})"
+    if isinstance(const, tuple):
+        return "(" + ", ".join(_canonical(c) for c in const) + ")"
+    return repr(const)

@@ -174,10 +174,32 @@ class _Saved:
     settings: tuple[_Setting, ...]  # the fp32_precision tree; () before torch 2.9
 
 
+def _legacy_flags() -> tuple[str, bool]:
+    """The legacy matmul precision and cuDNN flag, never raising: where a legacy getter
+    refuses a mix of the two APIs (a torch whose private accessors this module cannot use),
+    the public ``fp32_precision`` attributes say it instead."""
+    try:
+        matmul = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        matmul = "high" if _public(torch.backends.cuda.matmul) == "tf32" else "highest"
+    try:
+        cudnn = bool(torch.backends.cudnn.allow_tf32)
+    except RuntimeError:
+        cudnn = _public(getattr(torch.backends.cudnn, "conv", None)) == "tf32"
+    return matmul, cudnn
+
+
+def _public(backend: object) -> str | None:
+    """A backend's public ``fp32_precision``, None where it has none or cannot say."""
+    try:
+        return str(backend.fp32_precision)  # type: ignore[attr-defined]
+    except Exception:
+        return None
+
+
 def _snapshot() -> _Saved:
     if not _has_tree():
-        cudnn = bool(torch.backends.cudnn.allow_tf32)
-        return _Saved(torch.get_float32_matmul_precision(), cudnn, ())
+        return _Saved(*_legacy_flags(), ())
     settings = _own_settings()
     try:
         return _Saved(_legacy_matmul(), _legacy_cudnn(settings), settings)
@@ -242,10 +264,8 @@ def tf32_state() -> TF32State:
         return TF32State(
             matmul=_read(("cuda", "matmul")) == "tf32", cudnn=_read(("cuda", "conv")) == "tf32"
         )
-    return TF32State(
-        matmul=torch.get_float32_matmul_precision() != "highest",
-        cudnn=bool(torch.backends.cudnn.allow_tf32),
-    )
+    matmul, cudnn = _legacy_flags()
+    return TF32State(matmul=matmul != "highest", cudnn=cudnn)
 
 
 @contextlib.contextmanager

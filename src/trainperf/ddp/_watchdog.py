@@ -394,7 +394,9 @@ class Watchdog:
         text = json.dumps({**record["report"], "message": record["message"]}, indent=2)
         payload = text.encode()
         with contextlib.suppress(OSError):
-            write_atomically(self.report_path, lambda f: _write(f, payload))
+            write_atomically(
+                self.report_path, lambda f: _write(f, payload), keep_write_protected=False
+            )
 
 
 def _kill_children() -> None:

@@ -652,16 +652,18 @@ class AdaptiveDataLoader(TunedDataLoader):
 
     def _hang_bound(self, n: int, f: EpochFigures) -> float:
         """Seconds without a first batch from ``n`` new workers that count as a hang: the
-        one-off tuner's rule (:func:`~trainperf.loader._faults.hang_timeout`), from the
-        loop's time per batch in ``f``."""
-        batch_s = (f.wait_s + f.step_s + f.startup_s) / f.batches if f.batches else 1.0
-        return hang_timeout(
+        one-off tuner's rule (:func:`~trainperf.loader._faults.hang_timeout`), from one
+        batch's cost in a single process (the loop's time per batch in ``f`` times the
+        workers that shared it), and at least three times the start-up ``f`` saw."""
+        per_batch = (f.wait_s + f.step_s) / f.timed if f.timed else 1.0
+        bound = hang_timeout(
             n,
             user_timeout=0.0,
             start_method=start_method({"multiprocessing_context": self._worker_context}),
-            batch_s=batch_s,
+            batch_s=per_batch * max(1, f.num_workers),
             worker_cpus=max(1, f.cpus),
         )
+        return max(bound, 3.0 * f.startup_s)
 
     def _fit_timeout(self) -> None:
         """A ``timeout`` waits for workers: set aside while none run (DataLoader refuses one

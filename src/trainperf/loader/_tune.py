@@ -377,11 +377,12 @@ sees the dataset's class and size, not its settings)."""
 
 
 def _changed_since(call: _Call, cached_rate: float | None) -> str | None:
-    """Why a cache hit no longer describes the dataset, or None: the main process's
-    samples/s on a few batches now (the fastest of up to three, in at most a second)
-    against the rate the entry measured."""
-    if not cached_rate:
-        return None
+    """Why a cache hit of a map-style dataset no longer describes it, or None: the main
+    process's samples/s on a few batches now (the fastest of up to three after the first, which
+    carries the start-up the entry's steady-state rate leaves out) against the rate the
+    entry measured."""
+    if not cached_rate or _iterable.is_iterable(call.dataset):
+        return None  # a stream pays its start-up (a shuffle buffer, a connection) first
     now = _main_process_rate(call.dataset, call.setup.batch_size, call.loader_kwargs)
     if now is None or 1 / STALE_FACTOR <= now / cached_rate <= STALE_FACTOR:
         return None
@@ -394,12 +395,14 @@ def _changed_since(call: _Call, cached_rate: float | None) -> str | None:
 def _main_process_rate(
     dataset: Any, batch_size: int, loader_kwargs: dict[str, Any]
 ) -> float | None:
-    """Samples/s of the fastest of up to three batches loaded in this process, None when
-    none could be timed (an error is left to the tuning that follows)."""
+    """Samples/s of the fastest of up to three batches loaded in this process after the
+    first (timed for at most a second), None when none could be timed (a loader of one
+    batch; an error is left to the tuning that follows)."""
     kwargs = {k: v for k, v in _for_measuring(dataset, loader_kwargs).items() if k in _PLAIN}
     best = None
     try:
         it = iter(DataLoader(dataset, batch_size=batch_size, num_workers=0, **kwargs))
+        next(it)  # start-up: a shuffle buffer, a connection, the first file's cold read
         end = time.perf_counter() + 1.0
         for _ in range(3):
             t = time.perf_counter()

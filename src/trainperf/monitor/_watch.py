@@ -41,6 +41,7 @@ import weakref
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -65,9 +66,20 @@ from trainperf.monitor._setup import LoopSetup
 __all__ = ["Watch", "watch"]
 
 T = TypeVar("T")
+_OPEN_PASSES = 64  # open w.iter() passes remembered (peeks that never finish are dropped)
 _RESOLVE_EVERY = 32  # steps between non-blocking reads of finished CUDA events
 _SETTLE_EVERY = 16  # steps between reads of the loop thread's schedstat (see _settle)
 _RUN_IT = "inside `with trainperf.watch() as w:`, or between w.start() and w.stop()"
+
+
+@dataclass
+class _Pass:
+    """One pass of a :meth:`Watch.iter` iterator over its iterable: which iterable, and the
+    samples it handed out since ``step`` (the watch's count of ``w.step()`` calls then)."""
+
+    iterable_id: int
+    step: int = 0
+    taken: int = 0
 
 
 class _Timed(Iterator[T]):
@@ -78,13 +90,15 @@ class _Timed(Iterator[T]):
     The iterator holds no item between calls (a batch on the GPU is not kept alive while
     the next one loads). An exception from the iterable passes through and the iterator
     goes on (a loop that skips a bad batch keeps its epoch). Iterating it again once it is
-    exhausted starts a new pass over the iterable, as a DataLoader does each epoch.
+    exhausted starts a new pass over the iterable, as a DataLoader does each epoch (before
+    that, iterating it again goes on with the pass it is in, as any iterator does).
     """
 
     def __init__(self, watch: Watch, iterable: Iterable[T]) -> None:
         self._watch, self._iterable = watch, iterable
         self._it: Iterator[T] | None = None  # iter(iterable), made (and timed) at first next()
         self._done = False
+        self._pass = watch._new_pass(iterable)
         history = getattr(iterable, "tuning_history", None)
         # An AdaptiveDataLoader's changes (at iter(), or mid-epoch in next()) are read as
         # its history grows: each is marked at the step that took its first batch.
@@ -93,7 +107,7 @@ class _Timed(Iterator[T]):
 
     def __iter__(self) -> _Timed[T]:
         if self._done:  # a new pass, like a DataLoader's next epoch
-            self._watch._new_pass()
+            self._pass = self._watch._new_pass(self._iterable)
             self._it, self._done = None, False
         return self
 
@@ -108,14 +122,14 @@ class _Timed(Iterator[T]):
             item = next(self._it)
         except StopIteration:
             self._done = True
-            self._watch._pass_ended()
+            self._watch._pass_ended(self._pass)
             raise
         finally:
             self._watch._add_wait(clock() - t, cpu() - c)
         if self._history is not None and len(self._history) > self._seen:
             self._watch._retuned(self._history[self._seen :])
             self._seen = len(self._history)
-        self._watch._took(item)
+        self._watch._took(item, self._pass)
         return item
 
     @property
@@ -196,7 +210,7 @@ class Watch:
         self._layout: tuple[int, ...] | None = None  # the first batch's tensor sizes
         self._layout_batch: int | None = None  # and its samples
         self._iterated = False  # w.iter() was used: the data wait is measured
-        self._pass_open = False  # a w.iter() pass handed out batches and is not exhausted
+        self._passes: list[_Pass] = []  # w.iter() passes not exhausted (the newest few)
         self._clock = CpuClock()
         # (run, delay, generation) at the last schedstat reading: see _settle().
         self._last_reading = (math.nan, math.nan, 0)
@@ -360,20 +374,30 @@ class Watch:
             self._loader_ref = weakref.ref(iterable)
         except TypeError:
             self._loader_ref = lambda: None
-        self._new_pass()
         return _Timed(self, iterable)
 
-    def _new_pass(self) -> None:
-        """A pass over an iterable starts: the batches a pass left without a ``w.step()``
-        (a ``break`` before it) were not trained on, so they do not count in the next step."""
-        if self._pass_open:
-            self._pending_count, self._count_known = 0, True
-        self._pass_open = True
+    def _new_pass(self, iterable: object) -> _Pass:
+        """A pass over ``iterable`` starts. A pass over the same iterable left open (a
+        ``break``) is over: the samples it handed out since the last ``w.step()`` were not
+        trained on, so they leave the next step's count. Passes over other iterables (a
+        validation loader inside the loop) are left alone."""
+        steps = self._first + len(self._ends)
+        for old in [p for p in self._passes if p.iterable_id == id(iterable)]:
+            if old.step == steps and self._count_known:
+                self._pending_count = max(0, self._pending_count - old.taken)
+            self._passes.remove(old)
+        new = _Pass(id(iterable), steps)
+        self._passes.append(new)
+        del self._passes[:-_OPEN_PASSES]
+        return new
 
-    def _pass_ended(self) -> None:
-        self._pass_open = False
+    def _pass_ended(self, done: _Pass) -> None:
+        if done in self._passes:
+            self._passes.remove(done)
 
     def _add_wait(self, wall: float, cpu: float) -> None:
+        if self._state != "running":
+            return
         self._pending_wait += wall
         self._pending_wait_cpu += cpu
 
@@ -381,9 +405,15 @@ class Watch:
         step = self._first + len(self._ends)  # the step taking this batch
         self._retunes.extend((step, change) for change in changes)
 
-    def _took(self, item: Any) -> None:
+    def _took(self, item: Any, now: _Pass) -> None:
         """Count a batch ``w.iter`` handed out (and, on CUDA, start its step's span)."""
+        if self._state != "running":
+            return  # iterated after stop(): the report stays as it was
         n = batch_size(item)
+        steps = self._first + len(self._ends)
+        if now.step != steps:
+            now.step, now.taken = steps, 0
+        now.taken += n or 0
         self._items += 1
         if self._layout is None:
             self._layout, self._layout_batch = batch_layout(item), n
