@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import re
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -89,7 +93,8 @@ def test_bench_matmul_on_missing_cuda_exits_1_instead_of_skipping_every_dtype(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     code, out, err = run(capsys, "bench", "matmul", "--device", "cuda", "--json")
-    assert code == 1 and "CUDA is not available" in err and out == ""
+    assert code == 1 and "CUDA is not available" in err
+    assert json.loads(out)["error"]["type"] == "DeviceError"  # no results: the error instead
 
 
 def test_bench_matmul_json_and_human(capsys: pytest.CaptureFixture[str]) -> None:
@@ -112,7 +117,8 @@ def test_bench_h2d_on_a_gpu_that_is_not_there_exits_1_like_matmul(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     code, out, err = run(capsys, "bench", "h2d", "--device", "cuda:3", "--size-mb", "1",
                          *json_flag)  # fmt: skip
-    assert code == 1 and out == "" and "device 'cuda:3' does not exist" in err
+    assert code == 1 and "device 'cuda:3' does not exist" in err
+    assert (json.loads(out)["command"] == "bench h2d") if json_flag else out == ""
 
 
 def test_bench_h2d_naming_cuda_on_a_cpu_only_host_exits_1_without_advising_the_cpu(
@@ -310,7 +316,7 @@ def test_a_setting_that_runs_out_of_memory_is_skipped_the_others_run_and_the_exi
     assert devices == ["cpu", "cpu"]  # resolved once, the same device for every dtype
 
 
-def test_a_cpu_allocation_failure_is_out_of_memory_and_other_errors_still_raise(
+def test_a_cpu_allocation_failure_is_out_of_memory_and_other_errors_exit_1_without_a_traceback(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import trainperf.bench
@@ -327,8 +333,16 @@ def test_a_cpu_allocation_failure_is_out_of_memory_and_other_errors_still_raise(
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
     monkeypatch.setattr(trainperf.bench, "bench_model", broken)
-    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
-        main(["bench", "model", *TINY])
+    code, out, err = run(capsys, "bench", "model", *TINY)
+    last = err.splitlines()[-1]
+    assert code == 1 and out == "" and "Traceback" not in err
+    assert last.startswith("trainperf: error: unexpected RuntimeError: mat1 and mat2 shapes "
+                           "cannot be multiplied (raised at ")  # fmt: skip
+    code, out, _ = run(capsys, "bench", "model", *TINY, "--json")
+    assert code == 1 and json.loads(out) == {
+        "command": "bench model",
+        "error": {"type": "RuntimeError", "message": last.removeprefix("trainperf: error: ")},
+    }
 
 
 def test_every_setting_of_a_command_runs_on_the_one_emptiest_gpu(
@@ -399,3 +413,78 @@ def test_doctor_dist_asks_for_the_multi_process_checks(
     assert "starting ranks" in err  # progress on stderr, the document alone on stdout
     code, out, _ = run(capsys, "doctor", "--dist")
     assert "all_reduce sweep: gloo, 2 ranks on cpu" in out and "bogus0" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "matmul", "--size", "3000000000"], "bench_matmul(size=3000000000): a "),
+        (["bench", "matmul", "--size", "99999999999999999999"], "more than a tensor can address"),
+        (["bench", "model", "--image-size", "4000000000"], "image_size=4000000000): its input"),
+        (["bench", "model", "--batch-size", "99999999999999999999"], "use a smaller batch_size"),
+    ],
+)
+def test_sizes_past_what_a_tensor_can_address_are_errors_not_tracebacks(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    code, out, err = run(capsys, *argv, "--device", "cpu", "--json")
+    assert code == 1 and "Traceback" not in err
+    assert err.splitlines()[-1].startswith("trainperf: error: ") and message in err
+    document = json.loads(out)
+    assert document["command"] == " ".join(argv[:2]) and document["error"]["type"] == "ValueError"
+    assert message in document["error"]["message"]
+
+
+class _FullDisk(io.StringIO):
+    """A stdout on a full disk (`> /dev/full`), whose file descriptor is a scratch file."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd = fd
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def flush(self) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def test_doctor_json_to_a_full_disk_says_so_without_a_traceback(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import trainperf.doctor
+    from trainperf.doctor import Check, DoctorReport
+
+    report = DoctorReport((Check("shm", "ok", "64 GiB"),))
+    monkeypatch.setattr(trainperf.doctor, "diagnose", lambda: report)
+    with open(tmp_path / "stdout", "w") as scratch:
+        monkeypatch.setattr(sys, "stdout", _FullDisk(scratch.fileno()))
+        code = main(["doctor", "--json"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert err == "trainperf: error: [Errno 28] No space left on device\n"
+
+
+def test_a_closed_stdout_is_an_error_before_any_work(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.doctor
+
+    monkeypatch.setattr(trainperf.doctor, "diagnose", lambda: pytest.fail("ran with no stdout"))
+    monkeypatch.setattr(sys, "stdout", None)  # what Python sets when started with `>&-`
+    code = main(["doctor", "--json"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("trainperf: error: stdout is closed")
+
+
+@pytest.mark.slow
+def test_the_command_on_a_full_disk_or_a_closed_stdout_exits_1_with_one_line() -> None:
+    for redirect in ("> /dev/full", ">&-"):
+        shell = f"{shlex.quote(sys.executable)} -m trainperf gpus --json {redirect}"
+        done = subprocess.run(shell, shell=True, capture_output=False, stderr=subprocess.PIPE,
+                              text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 1, (redirect, done.stderr)
+        assert done.stderr.startswith("trainperf: error: ") and done.stderr.count("\n") == 1

@@ -383,11 +383,47 @@ _HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _command_name(args: argparse.Namespace) -> str:
+    return f"bench {args.bench}" if args.command == "bench" else str(args.command)
+
+
+def _discard_stdout() -> None:
+    """Point stdout at devnull, so that the flush at exit does not fail again on what is
+    left in its buffer (Python's docs' recipe for a reader that went away)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _fail(args: argparse.Namespace, message: str, error: BaseException) -> int:
+    """Report an error as ``trainperf: error: ...`` on stderr and, with ``--json``, as a
+    JSON document on stdout too, so a pipeline reading it parses something; exit status 1.
+    Where stdout itself failed (a full disk), what is left for it is dropped."""
+    print(f"trainperf: error: {message}", file=sys.stderr)
+    try:
+        if getattr(args, "json", False):
+            error_info = {"type": type(error).__name__, "message": message}
+            _emit_json({"command": _command_name(args), "error": error_info}, sys.stdout)
+        sys.stdout.flush()
+    except OSError:
+        _discard_stdout()
+    return 1
+
+
+def _unexpected(error: Exception) -> str:
+    """An error no command expects (a bug here or in PyTorch): its type, the first line of
+    its message, and where it was raised, in place of the traceback."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" (raised at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"unexpected {type(error).__name__}: {first}{where}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``trainperf`` with ``argv`` (default: the command line) and return the exit status.
 
     Returns 0 on success, 1 when a command fails (or ``doctor`` finds a failing check), and
-    exits with 2 on a usage error (argparse's convention).
+    exits with 2 on a usage error (argparse's convention). An error is one line on stderr,
+    ``trainperf: error: ...``, never a traceback; with ``--json`` stdout also gets
+    ``{"command": ..., "error": {"type": ..., "message": ...}}``.
 
     Example:
         >>> main(["bench", "matmul", "--size", "32", "--dtype", "fp32", "--device", "cpu",
@@ -396,16 +432,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     args = build_parser().parse_args(argv)
+    if sys.stdout is None:  # started with stdout closed (`>&-`)
+        print(
+            "trainperf: error: stdout is closed, so the output has nowhere to go: redirect "
+            "it instead (> file, or > /dev/null)",
+            file=sys.stderr,
+        )
+        return 1
     handler = _HANDLERS[args.bench if args.command == "bench" else args.command]
     from trainperf.errors import TrainperfError
 
     try:
-        return handler(args)
-    except (ValueError, TrainperfError, ModuleNotFoundError) as e:
-        print(f"trainperf: error: {e}", file=sys.stderr)
-        return 1
+        status = handler(args)
+        sys.stdout.flush()  # a full disk shows here, not at exit as an ignored exception
     except BrokenPipeError:
-        # The reader (`| head`) went away: stop quietly, as Unix tools do. Python's docs
-        # recipe: point stdout at devnull so the flush at exit does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        # The reader (`| head`) went away: stop quietly, as Unix tools do.
+        _discard_stdout()
         return 1
+    except (OSError, ValueError, TrainperfError, ModuleNotFoundError) as e:
+        return _fail(args, str(e), e)
+    except Exception as e:  # the last resort: a message, never a raw traceback
+        return _fail(args, _unexpected(e), e)
+    return status

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import pytest
+import torch
+
 from trainperf.bench import Skipped
-from trainperf.bench._common import result_dict
+from trainperf.bench._common import check_tensor_bytes, result_dict
 
 
 def test_skipped_to_dict_is_json_safe_and_its_str_says_why() -> None:
@@ -32,3 +35,18 @@ def test_result_dict_turns_tuples_into_lists_at_every_depth() -> None:
         "table": {"k": [1, 2]},
     }
     assert json.loads(json.dumps(data)) == data
+
+
+def test_check_tensor_bytes_allows_up_to_int64_bytes_and_names_the_fix() -> None:
+    check_tensor_bytes("f(n=1)", "a tensor", 2**63 - 1, torch.uint8, "use a smaller n")
+    check_tensor_bytes("f(n=1)", "a tensor", 2**62 - 1, torch.float16, "use a smaller n")
+    expected = (
+        r"f\(n=2\): a 2\*\*62 x 2 bf16 tensor is 1.8e\+19 bytes, more than a tensor can "
+        r"address \(2\*\*63 - 1\): use a smaller n"
+    )
+    with pytest.raises(ValueError, match=expected):
+        check_tensor_bytes(
+            "f(n=2)", "a 2**62 x 2 bf16 tensor", 2**63, torch.bfloat16, "use a smaller n"
+        )
+    with pytest.raises(ValueError, match="more than a tensor can address"):
+        check_tensor_bytes("f(n=3)", "a tensor", 2**63, torch.uint8, "use a smaller n")

@@ -24,6 +24,8 @@ def test_bench_h2d_rejects_cpu_and_bad_sizes() -> None:
         bench_h2d(size_bytes=0)
     with pytest.raises(ValueError, match="iterations must be an int >= 1"):
         bench_h2d(iterations=0)
+    with pytest.raises(ValueError, match=r"size_bytes=9223372036854775808\): .* address"):
+        bench_h2d(size_bytes=2**63)
 
 
 def test_bench_h2d_on_a_cpu_only_host_does_not_advise_the_cpu(

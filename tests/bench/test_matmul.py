@@ -116,3 +116,11 @@ def test_emulated_half_precision_on_the_cpu_says_so(
     assert any("no native bf16" in n for n in bf16.notes) is not native_bf16
     fp32 = bench_matmul("fp32", size=32, iterations=1, warmup=1, device="cpu")
     assert not any("no native" in n for n in fp32.notes)
+
+
+@pytest.mark.parametrize("size", [3_000_000_000, 10**20])
+def test_bench_matmul_refuses_a_size_past_what_a_tensor_can_address(size: int) -> None:
+    # torch would raise "Storage size calculation overflowed" (or a TypeError past int64).
+    with pytest.raises(ValueError, match=rf"bench_matmul\(size={size}\): a {size}x{size} fp32 "
+                       r"matrix is .* bytes, more than a tensor can address"):  # fmt: skip
+        bench_matmul("fp32", size=size, iterations=1, device="cpu")

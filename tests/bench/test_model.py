@@ -76,6 +76,9 @@ def test_bench_model_restores_tf32_settings() -> None:
         ({"train": True}, "training needs batch_size >= 2"),
         ({"device": "tpu"}, "invalid device 'tpu': expected 'auto', 'cpu', 'cuda'"),
         ({"device": "meta"}, "device 'meta' is not supported here: expected 'auto', 'cpu'"),
+        # Past what a tensor can address: checked before torch overflows or a model is built.
+        ({"image_size": 4_000_000_000}, r"image_size=4000000000\): its input batch .* is "),
+        ({"batch_size": 10**20}, r"batch_size=100000000000000000000, .*smaller batch_size"),
     ],
 )
 def test_bench_model_rejects_bad_arguments(kwargs: dict[str, object], match: str) -> None:

@@ -4,6 +4,7 @@ failures raised at the next call, and restore into live objects."""
 from __future__ import annotations
 
 import collections
+import errno
 import http
 import json
 import os
@@ -21,8 +22,10 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
 
 import trainperf.checkpoint._checkpointer as checkpointer_module
+import trainperf.checkpoint._files as files_module
 import trainperf.checkpoint._writer as writer_module
 from tests.checkpoint import _agree
 from tests.ddp._distributed import FORK, spawn
@@ -240,6 +243,36 @@ def test_the_memory_check_falls_back_to_a_blocking_save_with_the_numbers(
     assert handle.writer == "blocking" and ckpt.steps() == [1]
 
 
+@pytest.mark.parametrize(
+    ("call", "code", "fix"),
+    [
+        ("fork", errno.EAGAIN, r"the limit on processes or threads is reached"),
+        ("fork", errno.ENOMEM, r"vm\.overcommit_memory"),
+        ("pipe", errno.EMFILE, r"ulimit -n"),
+    ],
+)
+def test_a_refused_fork_or_pipe_falls_back_to_a_blocking_save_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str, code: int, fix: str
+) -> None:
+    # os.fork's BlockingIOError (a pids limit) or os.pipe's EMFILE came out of save raw,
+    # and the step was not saved at all.
+    def refused(*args: Any) -> Any:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(writer_module.os, call, refused)
+    ckpt = Checkpointer(tmp_path)
+    with pytest.warns(
+        UserWarning,
+        match=rf"save\(step=1, blocking=False\): the system refused the forked writer .*{fix}"
+        r".*saving synchronously instead",
+    ):
+        handle = ckpt.save({"w": torch.arange(4.0)}, step=1, blocking=False)
+    monkeypatch.undo()
+    assert handle.writer == "blocking" and ckpt.steps() == [1]
+    w = torch.zeros(4)
+    assert ckpt.restore({"w": w}) == 1 and torch.equal(w, torch.arange(4.0))
+
+
 # ------------------------------------------------------------------- finding files
 
 
@@ -292,6 +325,44 @@ def test_restore_out_of_memory_stops_rather_than_fall_back_to_an_older_step(
             ckpt.restore({"w": torch.zeros(4)})
     monkeypatch.undo()
     assert ckpt.restore({"w": torch.zeros(4)}) == 2  # nothing was marked damaged
+
+
+@pytest.mark.parametrize(
+    ("code", "kind", "fix"),
+    [
+        (errno.EIO, OSError, r"check the storage and retry"),
+        (errno.EACCES, PermissionError, r"check its permissions"),
+        (errno.EMFILE, OSError, r"ulimit -n"),
+    ],
+)
+def test_restore_stops_on_a_file_it_cannot_read_rather_than_fall_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, kind: type, fix: str
+) -> None:
+    # An unreadable file was "damaged": restore warned, fell back to step 1 (or 0), and the
+    # run went on from there while the real newest checkpoint sat unread.
+    ckpt = Checkpointer(tmp_path)
+    for step in (1, 2):
+        ckpt.save({"w": torch.full((4,), float(step))}, step=step)
+    real_open = open
+
+    def failing_open(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(path).endswith("step-000000002.pt"):
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(files_module, "open", failing_open, raising=False)
+    w = torch.zeros(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "skipping checkpoint": the file may be fine
+        with pytest.raises(
+            kind,
+            match=rf"restore stops at step 2 .*cannot read checkpoint .*step-000000002\.pt.*{fix}",
+        ) as info:
+            ckpt.restore({"w": w})
+    assert info.value.errno == code and not isinstance(info.value, CheckpointError)
+    assert torch.equal(w, torch.zeros(4))  # nothing older was put in
+    monkeypatch.undo()
+    assert ckpt.restore({"w": w}) == 2 and torch.equal(w, torch.full((4,), 2.0))
 
 
 def test_a_damaged_step_written_again_in_the_background_counts_and_goes(tmp_path: Path) -> None:
@@ -610,48 +681,71 @@ def test_restore_hands_the_generator_and_loader_states_over_on_the_cpu(
 
 
 def _epoch_loop(
-    make: Any, epochs: int, folder: Path, stop: int | None = None
+    make: Any, shape: str, epochs: int, folder: Path, stop: int | None = None
 ) -> list[tuple[int, tuple[int, ...], float]]:
-    """An epoch loop as scripts write it (the epoch in the state, a save at step ``stop``,
-    then the run ends): (epoch, batch, a random draw) per step."""
+    """An epoch loop as scripts write it, a save at step ``stop`` then the run ends: (epoch,
+    batch, a random draw) per step. ``shape`` "epochs": ``for epoch in range(step //
+    len(loader), epochs)`` with ``set_epoch`` where the sampler has it; "while": ``while
+    step < total``, the loader iterated again and again."""
     loader = make()
-    state: dict[str, Any] = {"loader": loader, "epoch": 0}
+    sampler = loader.sampler
     ckpt = Checkpointer(folder, keep=2)
-    step = ckpt.restore(state)
-    seen = []
-    for epoch in range(state["epoch"], epochs):
-        state["epoch"] = epoch
+    step = ckpt.restore({"loader": loader})
+    total, seen = epochs * len(loader), []
+
+    def one_pass(epoch: int) -> bool:
+        nonlocal step
         for (batch,) in loader:
             seen.append((epoch, tuple(batch.tolist()), round(torch.rand(1).item(), 6)))
             step += 1
             if step == stop:
-                ckpt.save(state, step=step)
-                return seen
+                ckpt.save({"loader": loader}, step=step)
+                return True
+            if step == total:
+                break
+        return False
+
+    if shape == "epochs":
+        for epoch in range(step // len(loader), epochs):
+            if isinstance(sampler, DistributedSampler):
+                sampler.set_epoch(epoch)
+            if one_pass(epoch):
+                break
+    else:
+        while step < total and not one_pass(step // len(loader)):
+            pass
     return seen
 
 
+@pytest.mark.parametrize("shape", ["epochs", "while"])
+@pytest.mark.parametrize("sampler", ["shuffle", "distributed"])
 @pytest.mark.parametrize(
     "drop_last, stop",
     [(False, 7), (False, 10), (False, 11), (False, 20), (True, 13), (True, 26)],
 )
 def test_a_save_at_any_batch_resumes_the_epoch_loop_exactly(
-    tmp_path: Path, drop_last: bool, stop: int
+    tmp_path: Path, shape: str, sampler: str, drop_last: bool, stop: int
 ) -> None:
     # A save at an epoch's last batch (10 and 20 of 10-batch epochs; 13 and 26 with 13),
-    # taken before the loader's StopIteration, was marked a finished pass: the resumed run
-    # entered that epoch again and trained a whole extra pass.
+    # taken before the loader's StopIteration, was kept as an unfinished pass: the resumed
+    # `for epoch in range(step // len(loader), E)` spent its next epoch on that pass's empty
+    # tail and trained one epoch fewer, silently.
     data = TensorDataset(torch.arange(40))
+    batch_size = 3 if drop_last else 4
 
     def make() -> DataLoader[Any]:
-        return DataLoader(data, batch_size=3 if drop_last else 4, shuffle=True, drop_last=drop_last)
+        if sampler == "distributed":
+            order = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+            return DataLoader(data, batch_size=batch_size, sampler=order, drop_last=drop_last)
+        return DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=drop_last)
 
     torch.manual_seed(0)
-    straight = _epoch_loop(make, 3, tmp_path / "straight")
+    straight = _epoch_loop(make, shape, 3, tmp_path / "straight")
     torch.manual_seed(0)
-    first = _epoch_loop(make, 3, tmp_path / "run", stop=stop)
+    first = _epoch_loop(make, shape, 3, tmp_path / "run", stop=stop)
     torch.manual_seed(999)  # the resumed process starts from other random states
-    rest = _epoch_loop(make, 3, tmp_path / "run")
-    assert len(first) == stop
+    rest = _epoch_loop(make, shape, 3, tmp_path / "run")
+    assert len(first) == stop and len(straight) == 3 * len(make())
     assert first + rest == straight
 
 
@@ -732,6 +826,131 @@ def test_nested_entries_the_checkpoint_lacks_are_named(tmp_path: Path) -> None:
     assert Checkpointer(tmp_path).restore(plain) == 5  # a plain value the file lacks: kept
     assert torch.equal(plain["nets"]["gen"].weight, nets["gen"].weight)
     assert plain["nets"]["note"] == "new"
+
+
+def test_lists_and_arrays_in_state_are_updated_in_place(tmp_path: Path) -> None:
+    # A list of another length was replaced in state: the loop's own `history` went stale,
+    # and the next save lost what it appended after the restore.
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"history": [1.0, 2.0], "ema": np.arange(3.0), "ro": np.arange(2)}, step=1)
+    history: list[float] = []
+    ema = np.zeros(3)
+    read_only = np.zeros(2, dtype=np.int64)
+    read_only.flags.writeable = False
+    state: dict[str, Any] = {"history": history, "ema": ema, "ro": read_only}
+    assert Checkpointer(tmp_path).restore(state) == 1
+    assert state["history"] is history and history == [1.0, 2.0]
+    assert state["ema"] is ema and ema.tolist() == [0.0, 1.0, 2.0]
+    assert state["ro"] is not read_only and state["ro"].tolist() == [0, 1]  # replaced instead
+    history.append(3.0)
+    ckpt.save(state, step=2)
+    latest = ckpt.latest()
+    assert latest is not None and load_checkpoint(latest)["history"] == [1.0, 2.0, 3.0]
+
+
+class _Refuses:
+    """An object whose load_state_dict fails whatever it is given (after restore's checks)."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": 1}
+
+    def load_state_dict(self, state: Any) -> None:
+        raise KeyError("n_new")
+
+
+def _saved_pair(folder: Path) -> nn.Module:
+    model = nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optimizer": opt, "other": _Refuses(), "epoch": 3}
+    Checkpointer(folder).save(state, step=5)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("second", "error", "match"),
+    [
+        (
+            lambda m: torch.optim.SGD([{"params": [m.weight]}, {"params": [m.bias]}], lr=0.1),
+            ValueError,
+            r"state\['optimizer'\] cannot be restored: the optimizer has 2 parameter group\(s\) "
+            r"of \[1, 1\] parameters, the checkpoint's 1 of \[2\]",
+        ),
+        (
+            lambda m: nn.Linear(3, 3),
+            StateDictMismatchError,
+            r"state\['optimizer'\] does not fit its saved weights; nothing was loaded",
+        ),
+    ],
+    ids=["optimizer-groups", "module-for-optimizer"],
+)
+def test_an_entry_that_does_not_fit_is_found_before_anything_is_loaded(
+    tmp_path: Path, second: Any, error: type, match: str
+) -> None:
+    # The model was loaded, then the optimizer's load_state_dict raised torch's bare error:
+    # a half-restored state, and no word of which entry or file.
+    _saved_pair(tmp_path)
+    model = nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    with pytest.raises(error, match=rf"step-000000005\.pt \(step 5\): {match}"):
+        Checkpointer(tmp_path).restore({"model": model, "optimizer": second(model)})
+    assert torch.equal(model.weight, before)  # nothing loaded
+
+
+@pytest.mark.parametrize(
+    ("entry", "live", "match"),
+    [
+        (
+            "epoch",
+            lambda m: nn.Linear(2, 2),
+            r"state\['epoch'\] is a Linear, but the checkpoint holds an int",
+        ),
+        (
+            "other",
+            lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+            r"state\['other'\] cannot be restored: the checkpoint holds a dict there, not an "
+            r"optimizer's",
+        ),
+    ],
+    ids=["int-for-module", "dict-for-optimizer"],
+)
+def test_an_entry_given_the_wrong_object_is_named_before_anything_is_loaded(
+    tmp_path: Path, entry: str, live: Any, match: str
+) -> None:
+    # An int into a module was torch's TypeError; a dict into an optimizer a bare KeyError.
+    _saved_pair(tmp_path)
+    model = nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    with pytest.raises(ValueError, match=rf"step-000000005\.pt \(step 5\): {match}"):
+        Checkpointer(tmp_path).restore({"model": model, entry: live(model)})
+    assert torch.equal(model.weight, before)
+
+
+def test_a_load_that_fails_after_the_checks_names_the_entry_file_and_step(tmp_path: Path) -> None:
+    _saved_pair(tmp_path)
+    model = nn.Linear(2, 2)
+    state = {"model": model, "other": _Refuses()}
+    with pytest.raises(
+        CheckpointError,
+        match=r"step-000000005\.pt \(step 5\): state\['other'\]\.load_state_dict failed "
+        r"\(KeyError: 'n_new'\)\. Loaded before it: state\['model'\]",
+    ) as info:
+        Checkpointer(tmp_path).restore(state)
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_a_loader_entry_that_is_not_a_position_is_found_before_anything_is_loaded(
+    tmp_path: Path,
+) -> None:
+    model = nn.Linear(2, 2)
+    Checkpointer(tmp_path).save({"model": model, "loader": {"weight": 1}}, step=1)
+    fresh = nn.Linear(2, 2)
+    before = fresh.weight.detach().clone()
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)
+    with pytest.raises(ValueError, match=r"checkpoint entry 'loader' is not a DataLoader position"):
+        Checkpointer(tmp_path).restore({"model": fresh, "loader": loader})
+    assert torch.equal(fresh.weight, before)
 
 
 def _zip_loop(

@@ -4,6 +4,8 @@ safetensors files, the GPU-saved fixtures, saving under torch.distributed)."""
 from __future__ import annotations
 
 import collections
+import errno
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -14,12 +16,14 @@ import torch.distributed as dist
 from torch import nn
 
 import trainperf._utils.imports
+import trainperf.checkpoint._files as files_module
 from tests.checkpoint import _ranks
 from tests.checkpoint._common import FIXTURES, GPU_FILES, Net, assert_same, temps
 from tests.ddp._distributed import FORK, spawn
 from trainperf.checkpoint import load_checkpoint, load_state_dict, save_checkpoint, unwrap_model
 from trainperf.errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointNotFoundError,
     DeviceError,
     NotACheckpointError,
@@ -349,6 +353,22 @@ def test_directory(tmp_path: Path) -> None:
     (tmp_path / ".metadata").write_bytes(b"x")
     with pytest.raises(NotACheckpointError, match=r"torch\.distributed\.checkpoint"):
         load_checkpoint(tmp_path)
+
+
+def test_a_file_that_cannot_be_opened_is_an_os_error_not_a_damaged_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = save_checkpoint({"w": torch.ones(2)}, tmp_path / "c.pt")
+
+    def no_permission(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setattr(files_module, "open", no_permission, raising=False)
+    with pytest.raises(
+        PermissionError, match=r"cannot read checkpoint .*c\.pt: Permission denied.*ls -l"
+    ) as info:
+        load_checkpoint(path)
+    assert not isinstance(info.value, CheckpointError)
 
 
 def test_empty_file(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import http
 import os
 import pickle
@@ -193,6 +194,38 @@ def test_other_load_failures_are_checkpoint_errors(tmp_path: Path) -> None:
     module.unlink()
     with pytest.raises(CheckpointError, match=r"could not load.*No module named 'gone_module'"):
         load_checkpoint(tmp_path / "t.pt", weights_only=False)
+
+
+def test_an_io_error_while_checking_the_crcs_is_not_called_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # EIO in the CRC pass read as "bytes were changed after saving (bad disk or transfer)".
+    path = save_checkpoint({"w": torch.ones(1000)}, tmp_path / "c.pt")
+
+    def eio(*args: Any, **kwargs: Any) -> bytes:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(zipfile.ZipExtFile, "read", eio)
+    with pytest.raises(
+        OSError, match=r"cannot read checkpoint .*c\.pt: Input/output error.*may be fine"
+    ) as info:
+        load_checkpoint(path)
+    assert info.value.errno == errno.EIO and not isinstance(info.value, CheckpointError)
+
+
+def test_an_io_error_inside_torch_load_is_not_a_checkpoint_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = save_checkpoint({"w": torch.ones(1000)}, tmp_path / "c.pt")
+
+    def emfile(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), str(path))
+
+    monkeypatch.setattr(torch, "load", emfile)
+    with pytest.raises(
+        OSError, match=r"cannot read checkpoint .*c\.pt: Too many open files.*ulimit -n"
+    ):
+        load_checkpoint(path)
 
 
 def test_out_of_memory_is_not_rewrapped(monkeypatch: pytest.MonkeyPatch) -> None:

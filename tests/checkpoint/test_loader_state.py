@@ -129,6 +129,39 @@ def test_the_state_says_pass_position_and_whether_the_pass_ended() -> None:
     assert state is not None and (state["position"], state["length"], state["done"]) == (5, 5, True)
 
 
+def test_a_pass_whose_last_batch_was_taken_is_over_before_its_stop_iteration() -> None:
+    # Saved inside the loop at the last batch, it was an open pass: the resume replayed its
+    # empty tail, and `for epoch in range(step // len(loader), E)` lost an epoch.
+    torch.manual_seed(0)
+    loader = DataLoader(DATA, batch_size=8, shuffle=True)
+    track(loader)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    state = loader_state(loader)
+    assert state is not None and (state["passes"], state["position"], state["done"]) == (1, 5, True)
+    following = [_values(b) for b in loader]  # the uninterrupted run's next pass
+    fresh = DataLoader(DATA, batch_size=8, shuffle=True)
+    restore_loader(fresh, state, "loader")
+    assert [_values(b) for b in fresh] == following
+
+
+def test_an_older_file_with_a_finished_pass_marked_open_resumes_with_the_next_pass() -> None:
+    torch.manual_seed(0)
+    loader = DataLoader(DATA, batch_size=8, shuffle=True)
+    track(loader)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    state = loader_state(loader)
+    assert state is not None
+    state["done"] = False  # what the versions before this fix wrote
+    following = [_values(b) for b in loader]
+    fresh = DataLoader(DATA, batch_size=8, shuffle=True)
+    restore_loader(fresh, state, "loader")
+    assert [_values(b) for b in fresh] == following
+
+
 def test_saved_again_before_the_loop_it_still_resumes_mid_pass() -> None:
     torch.manual_seed(0)
     loader = DataLoader(DATA, batch_size=4, shuffle=True)

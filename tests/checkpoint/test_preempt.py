@@ -74,6 +74,38 @@ def test_a_signal_sets_the_flag_and_a_second_one_does_no_harm() -> None:
     assert "requested=True" in repr(stop)
 
 
+def test_nested_preemptions_all_see_the_signal() -> None:
+    # The inner one's handler replaced the outer one's: a SIGTERM inside two Checkpointers'
+    # blocks (a model's and an EMA's) stopped the inner loop only.
+    with Preemption(("SIGUSR1",)) as outer, Preemption(("SIGUSR1", "SIGUSR2")) as inner:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert inner.requested and outer.requested and outer.signal == "SIGUSR1"
+    with Preemption(("SIGUSR2",)) as outer:
+        with Preemption(("SIGUSR2",)):
+            pass
+        os.kill(os.getpid(), signal.SIGUSR2)  # after the inner block: the outer's again
+        time.sleep(0.05)
+        assert outer.requested and outer.signals_received == 1
+
+
+def test_a_handler_that_is_not_a_preemption_is_put_back_not_called() -> None:
+    # Calling it could raise (KeyboardInterrupt, SystemExit) in the middle of the final save.
+    called: list[int] = []
+    before = signal.signal(signal.SIGUSR1, lambda signum, frame: called.append(signum))
+    try:
+        with Preemption(("SIGUSR1",)) as stop:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.05)
+            assert stop.requested
+        assert called == []
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert called == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
 def test_it_must_be_entered_once_and_in_the_main_thread() -> None:
     stop = Preemption(("SIGUSR1",))
     errors: list[BaseException] = []

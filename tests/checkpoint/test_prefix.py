@@ -21,6 +21,7 @@ from trainperf.checkpoint import (
     strip_prefix,
     unwrap_model,
 )
+from trainperf.checkpoint._prefix import check_state_dict
 from trainperf.errors import StateDictMismatchError
 
 # -------------------------------------------------------------------- strip_prefix
@@ -172,6 +173,17 @@ def test_strict_false_loads_what_fits() -> None:
     assert torch.equal(net.fc.weight, fc_before)
     with pytest.raises(AttributeError):
         result.missing = ()  # type: ignore[misc]
+
+
+def test_check_state_dict_raises_what_the_load_would_and_changes_nothing() -> None:
+    model = nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    with pytest.raises(StateDictMismatchError, match=r"none of the state dict's 2 keys"):
+        check_state_dict(model, nn.Linear(3, 3).state_dict())
+    with pytest.raises(TypeError, match=r"state_dict must be a mapping"):
+        check_state_dict(model, 3)
+    check_state_dict(model, nn.DataParallel(nn.Linear(2, 2)).state_dict())  # it fits
+    assert torch.equal(model.weight, before)
 
 
 def test_load_state_dict_needs_a_mapping() -> None:

@@ -25,6 +25,7 @@ from trainperf.checkpoint._writer import (
     drop_cached,
     lower_priority,
     staging_fits,
+    start_process,
     tensor_bytes,
 )
 from trainperf.errors import CheckpointError
@@ -205,6 +206,20 @@ def test_a_copy_of_the_pipe_held_by_another_process_does_not_hold_the_save(
         for pid in holders:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+
+
+def test_a_refused_fork_leaves_no_pipe_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refused() -> int:
+        raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+
+    before = set(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(os, "fork", refused)
+    handle = SaveHandle(1, tmp_path / "step-000000001.pt", "process")
+    with pytest.raises(BlockingIOError):
+        start_process({"n": 1}, tmp_path / "step-000000001.pt", list, handle)
+    assert set(os.listdir("/proc/self/fd")) == before
 
 
 def test_a_background_save_finishes_in_a_process_with_more_than_1024_files_open(

@@ -173,6 +173,39 @@ def test_visible_devices(
     assert needle in check.value + check.fix
 
 
+@pytest.mark.parametrize("visible", ["0,-1", "0,0", "0,abc", "3", "GPU-8d3b,GPU-8d3b", "0,GPU-1"])
+def test_visible_devices_on_a_host_without_gpus_is_not_a_failure(visible: str) -> None:
+    # No GPU to show or hide: CUDA sees none whatever the list says, so doctor must not exit 1.
+    check = check_visible_devices(visible, None, gpu_count=0)
+    assert check.verdict == "ok" and "no GPU here" in check.value
+    assert "are visible" not in check.value + check.fix
+
+
+@pytest.mark.parametrize(
+    ("visible", "order", "verdict", "needle"),
+    [
+        ("0,-1", "PCI_BUS_ID", "ok", "the list ends at '-1'"),  # CUDA's documented terminator
+        ("0,2,-1,1", "PCI_BUS_ID", "ok", "CUDA ignores '1' after it"),  # CUDA's docs' example
+        ("1,-1", None, "warn", "CUDA_DEVICE_ORDER=PCI_BUS_ID"),  # the usual order advice
+        ("0,0,-1", "PCI_BUS_ID", "fail", "listed twice"),  # what precedes it still counts
+        ("0,7,-1", "PCI_BUS_ID", "fail", "index 7 does not exist"),
+        ("0,-x", "PCI_BUS_ID", "fail", "'-x' is not an index"),  # junk, not a terminator
+    ],
+)
+def test_visible_devices_a_negative_entry_ends_the_list_on_purpose(
+    visible: str, order: str, verdict: str, needle: str
+) -> None:
+    check = check_visible_devices(visible, order, gpu_count=4)
+    assert check.verdict == verdict
+    assert needle in check.value + check.fix
+
+
+def test_visible_devices_says_unset_for_an_unset_variable() -> None:
+    check = check_visible_devices(None, None, gpu_count=2)
+    assert "CUDA_VISIBLE_DEVICES=unset, CUDA_DEVICE_ORDER=unset" in check.value
+    assert "None" not in check.value
+
+
 @pytest.mark.parametrize(
     ("visible", "shown", "verdict"),
     [

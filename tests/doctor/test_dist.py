@@ -193,6 +193,22 @@ def test_gpu_host_where_p2p_hangs_but_works_without(
     assert len(done) == 1
 
 
+@pytest.mark.parametrize(
+    ("raw", "already_off"),
+    [("1", True), ("01", True), ("1abc", True), ("0x1", True), ("0", False), ("00", False),
+     ("abc", False), ("", False), ("99999999999999999999", False)],
+)  # fmt: skip
+def test_the_p2p_rerun_reads_nccl_p2p_disable_as_nccl_does(raw: str, already_off: bool) -> None:
+    overrides, other_is_off = dist._p2p_overrides({"NCCL_P2P_DISABLE": raw})
+    assert other_is_off is not already_off
+    assert overrides["NCCL_P2P_DISABLE"] == ("0" if already_off else "1")
+
+
+def test_the_p2p_rerun_reads_an_old_style_p2p_level_as_nccl_does() -> None:
+    assert dist._p2p_overrides({"NCCL_P2P_LEVEL": "00"})[1] is False  # level 0: LOC, P2P off
+    assert dist._p2p_overrides({"NCCL_P2P_LEVEL": "02"})[1] is True
+
+
 def test_gpu_host_with_p2p_already_off_compares_with_p2p_on(
     gpu_host: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

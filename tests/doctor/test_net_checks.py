@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import random
+import sys
+
 import pytest
 
 from trainperf.doctor import (
@@ -12,6 +16,7 @@ from trainperf.doctor import (
     nccl_default_interfaces,
     parse_nccl_ifname,
 )
+from trainperf.doctor._net_checks import c_strtoll
 
 HERE: dict[str, list[str]] = {
     "lo": ["127.0.0.1", "::1"],
@@ -144,9 +149,110 @@ def test_p2p_off_warns_and_p2p_plus_shm_off_fails() -> None:
     assert check_nccl_env({"NCCL_P2P_DISABLE": "0"}).verdict == "ok"
 
 
-def test_a_non_integer_flag_is_ignored_by_nccl_and_said_so() -> None:
+def test_a_flag_without_a_number_reads_as_0_and_says_so() -> None:
     check = check_nccl_env({"NCCL_P2P_DISABLE": "true"})
-    assert check.verdict == "warn" and "'true' is not an integer" in check.fix
+    assert check.verdict == "warn" and "'true' is not a number: NCCL reads it as 0" in check.fix
+    assert "host memory" not in check.fix  # NCCL keeps peer-to-peer on
+
+
+@pytest.mark.parametrize(
+    ("raw", "p2p_off", "note"),
+    [
+        ("01", True, ""),  # octal 1
+        ("0x1", True, ""),
+        (" 1", True, ""),
+        ("1abc", True, "NCCL reads it as 1"),  # strtoll stops at the first non-digit
+        ("1 ", True, ""),  # trailing blanks are not worth a word
+        ("00", False, ""),
+        ("08", False, "NCCL reads it as 0"),  # a leading 0 is octal: 8 is not a digit
+        ("abc", False, "not a number"),
+        ("", False, ""),
+        ("99999999999999999999", False, "out of range"),  # ERANGE: NCCL keeps its default
+    ],
+)
+def test_nccl_flags_are_read_as_nccls_strtoll_reads_them(
+    raw: str, p2p_off: bool, note: str
+) -> None:
+    check = check_nccl_env({"NCCL_P2P_DISABLE": raw})
+    assert ("host memory" in check.fix) is p2p_off
+    assert note in check.fix
+    if not p2p_off and not note:
+        assert check.verdict == "ok"
+
+
+def test_a_numeric_p2p_level_is_read_as_nccl_reads_it() -> None:
+    assert "never uses peer-to-peer" in check_nccl_env({"NCCL_P2P_LEVEL": "00"}).fix
+    assert check_nccl_env({"NCCL_P2P_LEVEL": "02"}).verdict == "ok"
+
+
+_C_STRTOLL_CASES = [
+    "",
+    " ",
+    "0",
+    "1",
+    "-1",
+    "+1",
+    "01",
+    "010",
+    "08",
+    "0x",
+    "0X1f",
+    "0xg",
+    "0x1g",
+    "-0x10",
+    "+-1",
+    "- 1",
+    " \t\n\v\f\r42",
+    "1abc",
+    "1 ",
+    "abc",
+    "00x1",
+    "0b1",
+    "1e3",
+    "1.5",
+    "\u0663",
+    "\uff11",
+    "1\u00a0",
+    "\u00a01",
+    "9223372036854775807",
+    "9223372036854775808",
+    "-9223372036854775808",
+    "-9223372036854775809",
+    "0x7fffffffffffffff",
+    "0x8000000000000000",
+    "-0x8000000000000000",
+    "0777777777777777777777",
+    "01777777777777777777777",
+    "99999999999999999999",
+    "0x" + "f" * 20,
+]
+
+
+def _libc_strtoll(text: str) -> tuple[int | None, int]:
+    """libc's own ``strtoll(text, &end, 0)``: the value (None on ERANGE) and bytes read."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    strtoll = libc.strtoll
+    strtoll.restype = ctypes.c_longlong
+    strtoll.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+    buffer = ctypes.create_string_buffer(text.encode())
+    end = ctypes.c_void_p()
+    ctypes.set_errno(0)
+    value = strtoll(ctypes.addressof(buffer), ctypes.byref(end), 0)
+    failed = ctypes.get_errno() != 0
+    return (None if failed else value), (end.value or 0) - ctypes.addressof(buffer)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="compares with the C library's strtoll")
+def test_c_strtoll_matches_the_c_librarys() -> None:
+    generated = random.Random(0)
+    alphabet = " \t+-0123456789abcdefxXg"
+    cases = _C_STRTOLL_CASES + [
+        "".join(generated.choice(alphabet) for _ in range(generated.randint(1, 8)))
+        for _ in range(2000)
+    ]
+    for text in cases:
+        value, end = c_strtoll(text)
+        assert (value, len(text[:end].encode())) == _libc_strtoll(text), repr(text)
 
 
 def test_infiniband_variables_against_the_devices_here() -> None:

@@ -140,7 +140,7 @@ def test_a_stream_that_starts_afresh_on_each_iter_is_tuned(dataset: Any) -> None
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"multiprocessing_context": "sapwn"}, r"multiprocessing_context='sapwn' is neither a start"),
+        ({"multiprocessing_context": "sapwn"}, r"multiprocessing_context='sapwn' is neither"),
         ({"worker_init_fn": 5}, r"worker_init_fn must be None or callable, got 5"),
         ({"collate_fn": 5}, r"collate_fn must be None or callable, got 5"),
         ({"generator": "x"}, r"generator must be None or a torch.Generator, got 'x'"),

@@ -354,7 +354,8 @@ def test_a_sharded_stream_with_drop_last_keeps_the_callers_workers_and_says_why(
     ds = Sharded(sleep_s=0.01)  # I/O-bound: without drop_last it would get workers
     report = tune_loader(ds, 5, **quick(max_workers=2, drop_last=True))
     assert report.num_workers == 0 and report.max_workers == 0
-    assert any(n.startswith("num_workers kept at your 0: with drop_last=True") for n in report.notes)
+    kept_note = "num_workers kept at your 0: with drop_last=True"
+    assert any(n.startswith(kept_note) for n in report.notes)
     kept = tune_loader(ds, 5, **quick(max_workers=2, drop_last=True, num_workers=1))
     assert kept.num_workers <= 1
 

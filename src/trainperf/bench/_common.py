@@ -17,7 +17,14 @@ import torch
 from trainperf._utils.serialize import result_dict
 from trainperf.device import resolve_device as _resolve
 
-__all__ = ["Skipped", "gpu_name", "resolve_device", "result_dict", "synchronize"]
+__all__ = [
+    "Skipped",
+    "check_tensor_bytes",
+    "gpu_name",
+    "resolve_device",
+    "result_dict",
+    "synchronize",
+]
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,37 @@ class Skipped:
     def to_dict(self) -> dict[str, Any]:
         """``{"benchmark", "setting", "reason"}``, JSON-safe."""
         return result_dict(self)
+
+
+# PyTorch counts a tensor's bytes in a signed 64-bit integer: past it, it raises "Storage size
+# calculation overflowed" (or a TypeError for a dimension past int64) instead of running out
+# of memory.
+_MAX_TENSOR_BYTES = 2**63 - 1
+
+
+def check_tensor_bytes(call: str, what: str, numel: int, dtype: torch.dtype, fix: str) -> None:
+    """Raise ``ValueError`` where ``numel`` elements of ``dtype`` are more bytes than a tensor
+    can address, before PyTorch fails on it with an error that names no argument.
+
+    Args:
+        call: the call and the value at fault, e.g. ``"bench_matmul(size=3000000000)"``.
+        what: the tensor, e.g. ``"a 3000000000x3000000000 fp32 matrix"``.
+        numel: its element count.
+        dtype: its dtype.
+        fix: what to do instead.
+
+    Raises:
+        ValueError: the tensor would need more than ``2**63 - 1`` bytes.
+
+    Example:
+        >>> check_tensor_bytes("f(n=4)", "a tensor", 4, torch.float32, "use a smaller n")
+    """
+    nbytes = numel * dtype.itemsize
+    if nbytes > _MAX_TENSOR_BYTES:
+        raise ValueError(
+            f"{call}: {what} is {nbytes:.2g} bytes, more than a tensor can address "
+            f"(2**63 - 1): {fix}"
+        )
 
 
 def resolve_device(

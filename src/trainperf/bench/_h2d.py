@@ -16,7 +16,13 @@ from typing import Any
 import torch
 
 from trainperf._utils.validate import positive_int
-from trainperf.bench._common import gpu_name, resolve_device, result_dict, synchronize
+from trainperf.bench._common import (
+    check_tensor_bytes,
+    gpu_name,
+    resolve_device,
+    result_dict,
+    synchronize,
+)
 from trainperf.errors import DeviceError
 
 __all__ = ["H2DResult", "bench_h2d"]
@@ -121,7 +127,8 @@ def bench_h2d(
         An :class:`H2DResult`.
 
     Raises:
-        ValueError: a count below 1, or a non-CUDA ``device``.
+        ValueError: a count below 1, a ``size_bytes`` past what a tensor can address
+            (``2**63 - 1``), or a non-CUDA ``device``.
         DeviceError: no CUDA GPU is available (host-to-device copies need one), or the CUDA
             device asked for does not exist.
 
@@ -137,6 +144,13 @@ def bench_h2d(
     """
     positive_int("size_bytes", size_bytes)
     positive_int("iterations", iterations)
+    check_tensor_bytes(
+        f"bench_h2d(size_bytes={size_bytes})",
+        "one copy",
+        size_bytes,
+        torch.uint8,
+        "use a smaller size_bytes",
+    )
     if device in (None, "auto") and not torch.cuda.is_available():
         raise DeviceError(
             "bench_h2d needs CUDA: it measures host-to-device copies, and no CUDA GPU is "

@@ -17,7 +17,13 @@ import torch
 from trainperf._utils.validate import choice, positive_int
 from trainperf.amp._precision import cpu_has_bf16_kernels
 from trainperf.amp._tf32 import tf32
-from trainperf.bench._common import gpu_name, resolve_device, result_dict, synchronize
+from trainperf.bench._common import (
+    check_tensor_bytes,
+    gpu_name,
+    resolve_device,
+    result_dict,
+    synchronize,
+)
 from trainperf.bench._reference import GpuSpec, find_gpu_spec
 from trainperf.errors import DeviceError
 
@@ -207,7 +213,8 @@ def bench_matmul(
         A :class:`MatmulResult`.
 
     Raises:
-        ValueError: an unknown dtype or a count below 1.
+        ValueError: an unknown dtype, a count below 1, or a size whose matrices are more
+            bytes than a tensor can address.
         DeviceError: a CUDA device was asked for but is not available, or the device lacks
             what ``dtype`` needs: ``"tf32"`` on the CPU (TF32 is a CUDA tensor-core mode),
             or bf16 on a GPU older than Ampere.
@@ -224,6 +231,13 @@ def bench_matmul(
     positive_int("size", size)
     positive_int("iterations", iterations)
     positive_int("warmup", warmup)
+    check_tensor_bytes(
+        f"bench_matmul(size={size})",
+        f"a {size}x{size} {dtype} matrix",
+        size * size,
+        _TORCH_DTYPES[dtype],
+        f"use a smaller size (the default is {CUDA_DEFAULT_SIZE} on a GPU)",
+    )
     notes = _check_dtype_on(dtype, dev)
     seconds = _seconds_per_product(dtype, size, iterations, warmup, dev)
     tflops = 2 * size**3 / seconds / 1e12

@@ -24,7 +24,13 @@ from trainperf._utils.imports import require
 from trainperf._utils.validate import choice, positive_int
 from trainperf.amp._tf32 import tf32 as tf32_mode
 from trainperf.amp._tf32 import tf32_state
-from trainperf.bench._common import gpu_name, resolve_device, result_dict, synchronize
+from trainperf.bench._common import (
+    check_tensor_bytes,
+    gpu_name,
+    resolve_device,
+    result_dict,
+    synchronize,
+)
 from trainperf.bench._reference import (
     BenchPrecision,
     ModelName,
@@ -215,8 +221,9 @@ def _settings(
     )
 
 
-def _check_model_input(model: str, settings: _Settings, *, train: bool) -> None:
+def _check_model_input(model: str, precision: str, settings: _Settings, *, train: bool) -> None:
     image_size, batch_size = settings.image_size, settings.batch_size
+    _check_input_bytes(precision, settings)
     if model == "vit_b_16" and image_size % 16:
         raise ValueError(
             f"vit_b_16 takes 16-pixel patches, so image_size must be a multiple of 16, "
@@ -229,6 +236,19 @@ def _check_model_input(model: str, settings: _Settings, *, train: bool) -> None:
             f"training needs batch_size >= 2 (BatchNorm cannot normalise one image), "
             f"got {batch_size!r}"
         )
+
+
+def _check_input_bytes(precision: str, settings: _Settings) -> None:
+    """Refuse a batch past what a tensor can address, before the model is built."""
+    batch, size = settings.batch_size, settings.image_size
+    check_tensor_bytes(
+        f"bench_model(batch_size={batch}, image_size={size})",
+        f"its input batch ({batch} x 3 x {size} x {size} {precision})",
+        batch * 3 * size * size,
+        PRECISIONS[precision],
+        f"use a smaller batch_size or image_size (the reference uses "
+        f"{CUDA_DEFAULTS['batch_size']} at {REFERENCE_IMAGE_SIZE} px)",
+    )
 
 
 def _batch_runner(
@@ -439,7 +459,8 @@ def bench_model(
 
     Raises:
         ValueError: an unknown model or precision, a count below 1, an image size the
-            model cannot take, or ``train`` with a batch of one.
+            model cannot take, ``train`` with a batch of one, or an input batch of more
+            bytes than a tensor can address.
         DeviceError: a CUDA device was asked for but is not available, or the GPU lacks
             what ``precision`` needs (bf16 on a GPU older than Ampere).
         NotImplementedError: this PyTorch build has no kernel for the model in
@@ -463,7 +484,7 @@ def bench_model(
         batches_per_iteration=batches_per_iteration,
         warmup_batches=warmup_batches,
     )
-    _check_model_input(model, settings, train=train)
+    _check_model_input(model, precision, settings, train=train)
     reason = _unsupported(precision, dev)
     if reason is not None:
         raise DeviceError(f"bench_model(precision={precision!r}) on {dev}: {reason}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import os
 import sys
 import threading
@@ -296,6 +297,10 @@ class Checkpointer:
         handle._track()
         try:
             (start_process if forked else start_thread)(staged, path, after, handle)
+        except OSError as e:  # fork or pipe refused: no writer started, the save still due
+            handle._untrack()
+            _warn_no_writer(step, "forked" if forked else "thread", e)
+            return None
         except BaseException:
             handle._untrack()  # nothing started: nothing for the exit hook to wait for
             raise
@@ -358,7 +363,8 @@ class Checkpointer:
         :func:`load_state_dict`, so wrapper prefixes fit either way, strictly; optimizers,
         schedulers, ``GradScaler``, ``MixedPrecision``), DataLoaders continue the pass they
         were saved in (the consumed batches are skipped at the sampler, never loaded),
-        plain values are replaced in ``state``, and the random generators are set. A file
+        plain values are replaced in ``state`` (dicts, lists, tensors and NumPy arrays are
+        updated in place where they can be), and the random generators are set. A file
         that fails to load (cut short, damaged) is skipped with a warning for the next
         older one. Loaders in ``state`` are tracked from here on, even when there is no
         checkpoint yet, so that a later save knows their position: call it before the loop.
@@ -376,10 +382,17 @@ class Checkpointer:
                 :meth:`wait`).
             TypeError: ``state`` is not a dict with string keys, or ``device`` not a str,
                 int or torch.device.
-            ValueError: ``state`` has an entry the checkpoint lacks, or ``device`` is not a
-                device (``"gpu"``): checked before any file is read.
+            ValueError: ``state`` has an entry the checkpoint lacks, or one whose saved value
+                does not fit it (an optimizer with other parameter groups, an int where a
+                module is), or ``device`` is not a device (``"gpu"``): checked before any
+                file is read, the rest before anything is loaded.
             DeviceError: ``device`` is a GPU this machine does not have.
-            StateDictMismatchError: a module's weights do not fit it.
+            StateDictMismatchError: a module's weights do not fit it (nothing is loaded).
+            CheckpointError: an object's ``load_state_dict`` failed even so (the message
+                names the entry, the file, the step and what was loaded before it).
+            OSError: the newest file could not be read (no permission, too many open
+                files, a disk or network-filesystem error): raised, not skipped, since the
+                file may be fine.
         """
         self._settle()
         if not isinstance(state, Mapping):
@@ -411,7 +424,15 @@ class Checkpointer:
                 warnings.warn(f"skipping checkpoint {path}: {e}", UserWarning, stacklevel=2)
                 self._damaged.add(step)  # kept, but not one of the ``keep`` newest
                 continue
-            restore_into(state, saved, self._own_part(step, rank), str(path))
+            except OSError as e:
+                # Not read (EIO, EACCES, EMFILE), not found damaged: an older file would
+                # silently lose the steps since, and the next saves would bury this one.
+                raise OSError(
+                    e.errno,
+                    f"Checkpointer.restore stops at step {step} rather than fall back to an "
+                    f"older checkpoint: {e.strerror}",
+                ) from e
+            restore_into(state, saved, self._own_part(step, rank), str(path), found)
             return found
         return 0
 
@@ -450,6 +471,29 @@ class Checkpointer:
         stop = Preemption(signals, grace_s, check_every)
         self._stops.append(stop)
         return stop
+
+
+# Why the system refuses a new process or pipe, and what lifts the limit.
+_NO_WRITER_FIXES = {
+    errno.EAGAIN: "the limit on processes or threads is reached (ulimit -u, a container's "
+    "pids.max)",
+    errno.ENOMEM: "the kernel would not commit memory for the fork (vm.overcommit_memory=2, "
+    "a tight memory limit)",
+    errno.EMFILE: "too many files are open in this process (ulimit -n)",
+    errno.ENFILE: "the system's open-file table is full (fs.file-max)",
+}
+
+
+def _warn_no_writer(step: int, kind: str, e: OSError) -> None:
+    """Warn that a background save could not start its writer and is made blocking."""
+    why = _NO_WRITER_FIXES.get(e.errno or 0, "see the error")
+    warnings.warn(
+        f"Checkpointer.save(step={step}, blocking=False): the system refused the {kind} "
+        f"writer ({type(e).__name__}: {e.strerror or e}; {why}): saving synchronously "
+        "instead. Raise that limit to get background saves back",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def _file_in_the_way(directory: Path) -> Path | None:

@@ -25,6 +25,8 @@ from trainperf.checkpoint._formats import (
     _torch_load,
     memory_error,
     out_of_memory,
+    read_error,
+    read_failure,
     weights_only_refusal,
 )
 from trainperf.checkpoint._keys import (
@@ -393,6 +395,9 @@ def load_checkpoint(
         CheckpointCorruptError: An empty, truncated or damaged checkpoint.
         MemoryError: Host memory ran out while loading (not a ``CheckpointError``: the file
             is fine); the message gives the file's size and what to try instead.
+        OSError: The file could not be read (no permission, too many open files, a disk or
+            network-filesystem error; ``PermissionError`` for EACCES): not a
+            ``CheckpointError``, the file may be fine; the message names it and what to check.
         UnsafeCheckpointError: ``weights_only=True`` refused an object in the file.
         CheckpointError: Any other failure while loading (cause chained).
 
@@ -428,8 +433,8 @@ def _load_file(path: Path, dev: torch.device, weights_only: bool, verify: bool) 
         raise CheckpointNotFoundError(
             f"checkpoint {path} does not exist: {file} is a file, not a directory", path
         ) from e
-    except OSError as e:  # no permission, a device error: still a checkpoint error
-        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}", path) from e
+    except OSError as e:  # no permission, a device error: the file may be fine
+        raise read_error(path, e) from e
     if size == 0:
         raise CheckpointCorruptError(
             f"checkpoint {path} is empty (0 bytes): the save or copy that made it was "
@@ -454,6 +459,8 @@ def _load_file(path: Path, dev: torch.device, weights_only: bool, verify: bool) 
         try:
             return load_file(path, device=str(dev))
         except Exception as e:
+            if read_failure(e):
+                raise read_error(path, e) from e
             if out_of_memory(e):
                 hint = "or read a few tensors at a time with safetensors.safe_open(path, 'pt')"
                 raise memory_error(path, dev, e, hint) from e

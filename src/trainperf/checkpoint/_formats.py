@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import io
 import pickle
 import re
 import struct
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -90,6 +91,53 @@ def _has_whole_end_record(tail: bytes) -> bool:
     return len(tail) >= at + 22 + comment
 
 
+# What to check when reading a file failed for a reason that is not its content.
+_READ_FIXES = {
+    errno.EACCES: "check its permissions (ls -l) and the user the run is started as",
+    errno.EPERM: "check its permissions (ls -l) and the user the run is started as",
+    errno.EMFILE: "too many files are open in this process: close some, or raise the limit "
+    "(ulimit -n)",
+    errno.ENFILE: "the system's open-file table is full: close files, or raise fs.file-max",
+}
+
+
+def read_failure(e: BaseException) -> TypeGuard[OSError]:
+    """Whether ``e`` is the system failing to read a file (EIO, EACCES, EMFILE, a stale
+    network mount), not a sign of what the file holds. EINVAL is what zipfile's seek gets
+    in a file too short for its end record: that one is the file's."""
+    return (
+        isinstance(e, OSError)
+        and e.errno is not None
+        and e.errno != errno.EINVAL
+        and not isinstance(e, (FileNotFoundError, NotADirectoryError))
+    )
+
+
+def read_error(path: Path, e: OSError) -> OSError:
+    """The error to raise (from ``e``) when ``path`` could not be read: an ``OSError`` of
+    the same errno (so the same subclass, ``PermissionError`` for EACCES), not a
+    ``CheckpointError``: the file may well be fine, and a caller that skips damaged files
+    (``Checkpointer.restore``) must not skip it."""
+    fix = _READ_FIXES.get(
+        e.errno or 0,
+        "a disk or filesystem error (a network mount that went away): check the storage and retry",
+    )
+    return OSError(
+        e.errno,
+        f"cannot read checkpoint {path}: {e.strerror or e}. The file itself may be fine: {fix}",
+    )
+
+
+def _has_end_record(path: Path) -> bool:
+    """Whether ``path`` ends in a whole zip end-of-archive record."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - (1 << 16) - 22))
+            return _has_whole_end_record(f.read())
+    except OSError as e:
+        raise read_error(path, e) from e
+
+
 def _open_zip(path: Path, verify: bool) -> None:
     """Check the zip structure (and CRC-32s) in Python first: torch only says 'miniz error'."""
     try:
@@ -115,13 +163,12 @@ def _open_zip(path: Path, verify: bool) -> None:
                     while member.read(1 << 24):
                         pass
     except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
-        with open(path, "rb") as f:
-            f.seek(max(0, path.stat().st_size - (1 << 16) - 22))
-            has_end = _has_whole_end_record(f.read())
+        if read_failure(e):  # EIO, EACCES, EMFILE: the file was not read, not found damaged
+            raise read_error(path, e) from e
         cause = (
             "truncated: the end-of-archive record is missing, so the file was cut short "
             "(an interrupted save, copy or download)"
-            if not has_end
+            if not _has_end_record(path)
             else f"damaged ({e}): bytes were changed after saving (bad disk or transfer)"
         )
         raise CheckpointCorruptError(
@@ -349,6 +396,8 @@ def _torch_load(path: Path, dev: torch.device, weights_only: bool) -> Any:
     except torch.OutOfMemoryError:
         raise
     except Exception as e:
+        if read_failure(e):
+            raise read_error(path, e) from e
         if out_of_memory(e):
             raise memory_error(path, dev, e, _torch_mmap_hint(path)) from e
         msg = str(e)

@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from trainperf._utils.stack import user_stacklevel
 from trainperf.checkpoint._rng import as_python_state, numpy_state, set_numpy_state
 
-__all__ = ["loader_state", "restore_loader", "track"]
+__all__ = ["check_position", "loader_state", "restore_loader", "track"]
 
 _VERSION = 1
 _CHAIN_DEPTH = 4  # loader -> BatchSampler -> sampler -> a sampler it wraps
@@ -179,7 +179,6 @@ class _Tracker:
     start: _States | None = None
     resume: _Resume | None = None
     pass_id: int = 0
-    current: Any = None  # a weak reference to the pass's iterator (_Counting)
     notes: list[str] = field(default_factory=list)
     # The next new iterator draws its workers' base seed from a scratch generator: a
     # restored loader whose uninterrupted twin reuses its persistent workers draws none.
@@ -296,9 +295,7 @@ def _tracked_iter(loader: Any, make: Callable[[], Iterator[Any]]) -> _Counting:
             it = make()
         tracker.passes, tracker.position = resume.passes, resume.position
         tracker.done, tracker.known = False, True
-    counting = _Counting(iter(it), tracker, tracker.pass_id)
-    tracker.current = weakref.ref(counting)
-    return counting
+    return _Counting(iter(it), tracker, tracker.pass_id)
 
 
 def _tracked_index_sampler(loader: Any, inner: Any) -> _IndexSampler:
@@ -388,30 +385,35 @@ def _shape(loader: DataLoader[Any]) -> dict[str, int | None]:
     }
 
 
+def _finished(done: bool, position: int, length: int | None) -> bool:
+    """Whether a pass is over: it raised StopIteration, or every batch of it was taken (a
+    save at its last batch must not resume into its empty tail, which would cost a loop
+    ``for epoch in range(step // len(loader), epochs)`` a whole epoch)."""
+    return done or (length is not None and position >= length)
+
+
 def loader_state(loader: DataLoader[Any]) -> dict[str, Any] | None:
     """The tracked ``loader``'s pass, position and generator states, as plain data; None
     when its position is unknown (tracking began mid-pass).
 
     A pass the loop broke out of before its end is resumed where it was left, whatever
-    stopped the loop (a time limit, ``max_steps``, a preemption): never a batch skipped. Every
-    batch taken but no StopIteration yet: inside the loop over this pass (a save at its last
-    batch), the pass goes on, empty, when resumed; once the loop let go of the pass's
-    iterator (``zip(range(n), loader)``, a break at the last batch), it is over.
+    stopped the loop (a time limit, ``max_steps``, a preemption): never a batch skipped. A
+    pass whose every batch was taken is over, StopIteration or not (a save at its last
+    batch, inside the loop): the resume starts the next pass, as a loop that derives its
+    epoch from the step (``step // len(loader)``) expects.
     """
     tracker: _Tracker = loader.__dict__[_TRACKER]
     if not tracker.known:
         return None
     length = _length(loader)
     chain = _chain(_own_index_sampler(loader))
-    open_pass = tracker.current is not None and tracker.current() is not None
     return {
         "version": _VERSION,
         "passes": tracker.passes,
         "position": tracker.position,
         "length": length,
         "shape": _shape(loader),
-        "done": tracker.done
-        or (length is not None and tracker.position >= length and not open_pass),
+        "done": _finished(tracker.done, tracker.position, length),
         "start": None if tracker.start is None else tracker.start.to_dict(),
         "now": _States.read(chain, loader.generator).to_dict(),
     }
@@ -442,6 +444,20 @@ def _resume_note(loader: DataLoader[Any], saved: Mapping[str, Any]) -> str | Non
     return None
 
 
+def check_position(saved: Any, key: str) -> None:
+    """Raise unless ``saved`` is what :func:`loader_state` returns (or None: a position
+    unknown when it was saved).
+
+    Raises:
+        ValueError: it is something else (another entry's value).
+    """
+    if saved is not None and (not isinstance(saved, Mapping) or saved.get("version") != _VERSION):
+        raise ValueError(
+            f"checkpoint entry {key!r} is not a DataLoader position saved by Checkpointer "
+            f"(got {type(saved).__name__}); restore it into the object it was saved from"
+        )
+
+
 def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key: str) -> None:
     """Track ``loader`` and make its next pass continue the one ``saved`` was taken in.
 
@@ -458,20 +474,18 @@ def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key
             stacklevel=user_stacklevel(),
         )
         return
-    if not isinstance(saved, Mapping) or saved.get("version") != _VERSION:
-        raise ValueError(
-            f"checkpoint entry {key!r} is not a DataLoader position saved by Checkpointer "
-            f"(got {type(saved).__name__}); restore it into the object it was saved from"
-        )
+    check_position(saved, key)
     tracker: _Tracker = loader.__dict__[_TRACKER]
     chain = _chain(_own_index_sampler(loader))
     _States.from_dict(saved["now"]).apply(chain, loader.generator)
     tracker.passes, tracker.position, tracker.known = saved["passes"], saved["position"], True
     tracker.done, tracker.resume = True, None
+    # Files from before a finished pass was always marked done say so by their position.
+    done = _finished(saved["done"], saved["position"], saved["length"])
     tracker.scratch_seed = bool(
-        saved["done"] and saved["passes"] >= 1 and loader.persistent_workers and loader.num_workers
+        done and saved["passes"] >= 1 and loader.persistent_workers and loader.num_workers
     )
-    if saved["done"] or saved["start"] is None:
+    if done or saved["start"] is None:
         return
     note = _resume_note(loader, saved)
     if note is not None:

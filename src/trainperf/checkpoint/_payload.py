@@ -13,16 +13,18 @@ import warnings
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
 from trainperf._utils.stack import user_stacklevel
 from trainperf.checkpoint._files import _plain
-from trainperf.checkpoint._loader_state import loader_state, restore_loader, track
-from trainperf.checkpoint._prefix import load_state_dict
+from trainperf.checkpoint._loader_state import check_position, loader_state, restore_loader, track
+from trainperf.checkpoint._prefix import check_state_dict, load_state_dict
 from trainperf.checkpoint._rng import rng_state, set_rng_state
 from trainperf.device import to_device
+from trainperf.errors import CheckpointError, StateDictMismatchError
 
 __all__ = ["RESERVED", "build_payload", "rank_payload", "restore_into", "saved_step"]
 
@@ -123,7 +125,12 @@ def saved_step(payload: Mapping[str, Any], where: str) -> int:
 def _loads_in_place(value: Any) -> bool:
     """``value`` is restored in place: a module, anything with ``load_state_dict``, a
     DataLoader."""
-    return isinstance(value, (nn.Module, DataLoader)) or (
+    return isinstance(value, DataLoader) or _has_load(value)
+
+
+def _has_load(value: Any) -> bool:
+    """``value`` takes its saved state through ``load_state_dict``."""
+    return isinstance(value, nn.Module) or (
         not isinstance(value, type) and callable(getattr(value, "load_state_dict", None))
     )
 
@@ -169,21 +176,130 @@ def _unfit(live: Any, saved: Any, where: str) -> str | None:
     return None
 
 
-def _restore_value(live: Any, saved: Any, where: str) -> Any:
-    """Load ``saved`` into ``live`` (returns ``_KEEP``), or return the plain value that
-    replaces ``live``."""
+def _kind(value: Any) -> str:
+    """``value``'s type, with its article: "an OrderedDict", "None"."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _optimizer_unfit(live: torch.optim.Optimizer, saved: Any) -> str | None:
+    """Why torch's ``Optimizer.load_state_dict`` would refuse ``saved``, or None."""
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not isinstance(groups, list) or not isinstance(saved.get("state"), Mapping):
+        return f"the checkpoint holds {_kind(saved)} there, not an optimizer's state dict"
+    sizes = [len(g["params"]) for g in live.param_groups]
+    were = [len(g["params"]) if isinstance(g, Mapping) else 0 for g in groups]
+    if sizes != were:
+        return (
+            f"the optimizer has {len(sizes)} parameter group(s) of {sizes} parameters, the "
+            f"checkpoint's {len(were)} of {were}: build it with the parameter groups it was "
+            "saved with, in the same order"
+        )
+    return None
+
+
+def _object_unfit(live: Any, saved: Any) -> str | None:
+    """Why ``live.load_state_dict(saved)`` would fail, where that can be told before."""
+    if isinstance(live, torch.optim.Optimizer):
+        return _optimizer_unfit(live, saved)
+    if isinstance(saved, Mapping):
+        return None
+    try:
+        own = live.state_dict()
+    except Exception:  # advisory: its load_state_dict will say what it needs
+        return None
+    if isinstance(own, Mapping):
+        return (
+            f"the checkpoint holds {_kind(saved)} there, but {type(live).__name__}."
+            "state_dict() is a dict: another entry's value, or state saved before the "
+            "object was"
+        )
+    return None
+
+
+def check_loads(live: Any, saved: Any, name: str, place: str) -> None:
+    """Before anything is loaded: each object in ``live`` that is restored in place takes
+    its saved state (a module its weights, an optimizer its parameter groups), so that a
+    misfit leaves every live object as it was. ``name`` is ``live``'s, ``state['model']``.
+
+    Raises:
+        StateDictMismatchError: a module's weights do not fit it.
+        ValueError: another object's saved state does not fit it.
+    """
     if isinstance(live, nn.Module):
-        load_state_dict(live, saved)
-        return _KEEP
-    if not isinstance(live, type) and callable(getattr(live, "load_state_dict", None)):
-        live.load_state_dict(saved)
+        _check_module(live, saved, name, place)
+    elif _has_load(live):
+        why = _object_unfit(live, saved)
+        if why is not None:
+            raise ValueError(
+                f"{place}: {name} cannot be restored: {why}; nothing was loaded (restore it "
+                "into the object it was saved from)"
+            )
+    elif isinstance(live, Mapping) and isinstance(saved, Mapping):
+        for k, v in live.items():
+            if k in saved:
+                check_loads(v, saved[k], f"{name}[{k!r}]", place)
+    elif (
+        isinstance(live, (list, tuple))
+        and isinstance(saved, (list, tuple))
+        and len(live) == len(saved)
+    ):
+        for i, (a, b) in enumerate(zip(live, saved, strict=True)):
+            check_loads(a, b, f"{name}[{i}]", place)
+
+
+def _check_module(live: nn.Module, saved: Any, name: str, place: str) -> None:
+    if not isinstance(saved, Mapping):
+        raise ValueError(
+            f"{place}: {name} is a {type(live).__name__}, but the checkpoint holds "
+            f"{_kind(saved)} there, not its weights; nothing was loaded (restore it into the "
+            "object it was saved from)"
+        )
+    try:
+        check_state_dict(live, saved)
+    except StateDictMismatchError as e:
+        raise StateDictMismatchError(
+            f"{place}: {name} does not fit its saved weights; nothing was loaded. {e}",
+            missing=e.missing,
+            unexpected=e.unexpected,
+            mismatched=e.mismatched,
+        ) from e
+
+
+def _load_into(live: Any, saved: Any, name: str, place: str, loaded: list[str]) -> None:
+    """``live.load_state_dict(saved)`` (modules through :func:`load_state_dict`), a
+    failure named with the entry, the file and what was loaded before it."""
+    try:
+        if isinstance(live, nn.Module):
+            load_state_dict(live, saved)
+        else:
+            live.load_state_dict(saved)
+    except Exception as e:
+        before = ", ".join(loaded) or "nothing"
+        raise CheckpointError(
+            f"{place}: {name}.load_state_dict failed ({type(e).__name__}: {e}). Loaded "
+            f"before it: {before}; {name} may be partly loaded. Build it as it was when "
+            "saved (the same class and arguments) and restore into fresh objects",
+            place,
+        ) from e
+    loaded.append(name)
+
+
+def _restore_value(live: Any, saved: Any, where: str, place: str, loaded: list[str]) -> Any:
+    """Load ``saved`` into ``live`` (returns ``_KEEP``), or return the plain value that
+    replaces ``live``. ``where`` names ``live`` (``state['model']``); ``place`` the file
+    and step; ``loaded`` collects what was loaded, for the error of a later failure."""
+    if _has_load(live):
+        _load_into(live, saved, where, place, loaded)
         return _KEEP
     if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor):
         return _into_tensor(live, saved)
     if isinstance(live, MutableMapping) and isinstance(saved, Mapping):
         for k in list(live):
             if k in saved:  # a plain value the file lacks keeps its live value
-                new = _restore_value(live[k], saved[k], f"{where}[{k!r}]")
+                new = _restore_value(live[k], saved[k], f"{where}[{k!r}]", place, loaded)
                 if new is not _KEEP:
                     live[k] = new
         if not _holds_state(live):  # a dict of plain values gets the file's other entries too
@@ -191,11 +307,18 @@ def _restore_value(live: Any, saved: Any, where: str) -> Any:
                 if k not in live:
                     live[k] = saved[k]
         return _KEEP
+    if isinstance(live, np.ndarray) and isinstance(saved, np.ndarray):
+        return _into_array(live, saved)
     if isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
         if len(live) != len(saved):
+            if isinstance(live, list):  # the loop's own reference to it must see the values
+                live[:] = saved
+                return _KEEP
             return saved
         pairs = list(zip(live, saved, strict=True))
-        values = [_restore_value(a, b, f"{where}[{i}]") for i, (a, b) in enumerate(pairs)]
+        values = [
+            _restore_value(a, b, f"{where}[{i}]", place, loaded) for i, (a, b) in enumerate(pairs)
+        ]
         if isinstance(live, list):
             for i, v in enumerate(values):
                 if v is not _KEEP:
@@ -221,6 +344,15 @@ def _into_tensor(live: torch.Tensor, saved: torch.Tensor) -> Any:
     return _KEEP
 
 
+def _into_array(live: np.ndarray[Any, Any], saved: np.ndarray[Any, Any]) -> Any:
+    """``saved`` copied into ``live`` (returns ``_KEEP``) when it has the same shape and
+    dtype and can be written (not a read-only view or memory map); else ``saved``."""
+    if live.shape != saved.shape or live.dtype != saved.dtype or not live.flags.writeable:
+        return saved
+    live[...] = saved
+    return _KEEP
+
+
 def _same_tuple(live: tuple[Any, ...], values: list[Any]) -> tuple[Any, ...]:
     """``values`` as a tuple of ``live``'s type: a namedtuple takes them as arguments; a
     tuple subclass whose constructor takes no iterable becomes a plain tuple."""
@@ -233,21 +365,32 @@ def _same_tuple(live: tuple[Any, ...], values: list[Any]) -> tuple[Any, ...]:
 
 
 def restore_into(
-    state: Mapping[str, Any], saved: Mapping[str, Any], own: Mapping[str, Any] | None, where: str
+    state: Mapping[str, Any],
+    saved: Mapping[str, Any],
+    own: Mapping[str, Any] | None,
+    where: str,
+    step: int,
 ) -> None:
-    """Load ``saved`` (a main file) into the live objects of ``state``; ``own`` is this
-    rank's own file (loader positions and generator states), None on rank 0.
+    """Load ``saved`` (a main file, ``where``, of step ``step``) into the live objects of
+    ``state``; ``own`` is this rank's own file (loader positions and generator states), None
+    on rank 0.
 
     Plain values in ``state`` are replaced by the saved ones (when ``state`` is a mutable
-    dict). Entries the file has and ``state`` lacks are ignored.
+    dict); dicts, lists, tensors and NumPy arrays are updated in place where they can be,
+    so other references to them see the saved values. Entries the file has and ``state``
+    lacks are ignored. Everything that can be checked is checked before anything is loaded.
 
     Raises:
         TypeError: ``state`` is not a dict with string keys.
         ValueError: ``state`` has entries the file lacks, a module or other object to
             load into that the file lacks at a deeper level of its dicts (a plain value
             the file lacks keeps its live value), a list or tuple of such objects whose
-            length the file's does not match, or the reserved key. Nothing is loaded then.
-        StateDictMismatchError: a module's weights do not fit it.
+            length the file's does not match, an optimizer whose parameter groups differ
+            from the saved ones, a loader whose entry is not a position, or the reserved
+            key. Nothing is loaded then.
+        StateDictMismatchError: a module's weights do not fit it; nothing is loaded then.
+        CheckpointError: an object's ``load_state_dict`` failed after the checks (the
+            message names it, the file and step, and what was loaded before it).
     """
     state = _check_state(state, "Checkpointer.restore")
     missing = [k for k in state if k not in saved]
@@ -257,19 +400,25 @@ def restore_into(
             f"{where} has no entry {', '.join(map(repr, missing))} (it holds {has}): give "
             "restore the keys the checkpoints were saved with"
         )
+    mine = own if own is not None else saved
+    place = f"{where} (step {step})"
     for key, live in state.items():
         why = _unfit(live, saved[key], key)
         if why is not None:
             raise ValueError(
                 f"{where}: {why}: give restore the objects the checkpoints were saved with"
             )
-    mine = own if own is not None else saved
+        if isinstance(live, DataLoader):
+            check_position(mine.get(key, saved[key]), key)
+        else:
+            check_loads(live, saved[key], f"state[{key!r}]", place)
+    loaded: list[str] = []
     for key, live in state.items():
         if isinstance(live, DataLoader):
             # Generator states are CPU tensors, whatever device restore(device=) loaded onto.
             restore_loader(live, to_device(mine.get(key, saved[key]), "cpu"), key)
             continue
-        new = _restore_value(live, saved[key], key)
+        new = _restore_value(live, saved[key], f"state[{key!r}]", place, loaded)
         if new is not _KEEP and isinstance(state, MutableMapping):
             state[key] = new
     set_rng_state(to_device(mine[RESERVED]["rng"], "cpu"))

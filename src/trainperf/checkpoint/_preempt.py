@@ -156,6 +156,12 @@ class Preemption:
         if self._at is None:
             self._at, self._signum = time.monotonic(), signum
         self._count += 1
+        # A Preemption entered outside this one (another Checkpointer's, an EMA's) is told
+        # too; any other handler is put back on exit, not called, so nothing can interrupt
+        # the final save.
+        previous = self._previous.get(signal.Signals(signum))
+        if previous is not None and isinstance(getattr(previous, "__self__", None), Preemption):
+            previous(signum, frame)
 
     def __enter__(self) -> Preemption:
         if self._active:

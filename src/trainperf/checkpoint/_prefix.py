@@ -327,11 +327,38 @@ def load_state_dict(
         >>> load_state_dict(net, ckpt).source
         "checkpoint['model']"
     """
+    choice("ema", ema, (False, True))
+    inner, target, best, result = _plan(model, state_dict, strict, ema)
+    if strict:
+        inner.load_state_dict(best, strict=True)
+        return result
+    result = _load_what_fits(inner, best, result)
+    if not result.complete:
+        _warn_partial(target, result)
+    return result
+
+
+def check_state_dict(model: nn.Module, state_dict: Any) -> None:
+    """Raise what ``load_state_dict(model, state_dict)`` (strict) would raise before it
+    loads anything, and change nothing: so a caller loading several objects can check them
+    all first.
+
+    Raises:
+        TypeError: ``state_dict`` is not a mapping.
+        StateDictMismatchError: it does not fit ``model``.
+    """
+    _plan(model, state_dict, True, False)
+
+
+def _plan(
+    model: nn.Module, state_dict: Any, strict: bool, ema: bool
+) -> tuple[nn.Module, Mapping[str, Any], Mapping[str, Any], LoadResult]:
+    """The module to load into, its own state dict, what to load and how it fits; raises
+    when it must not be loaded (nothing is changed)."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(
             f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}"
         )
-    choice("ema", ema, (False, True))
     inner = unwrap_model(model)
     target = inner.state_dict()
     found = find_state_dict(state_dict, target, ema)
@@ -349,13 +376,7 @@ def load_state_dict(
             mismatched=list(result.mismatched),
         )
     _refuse_no_data(best, target)
-    if strict:
-        inner.load_state_dict(best, strict=True)
-        return result
-    result = _load_what_fits(inner, best, result)
-    if not result.complete:
-        _warn_partial(target, result)
-    return result
+    return inner, target, best, result
 
 
 def _no_data(value: Any, model_value: Any) -> str | None:

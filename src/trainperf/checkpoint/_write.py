@@ -49,6 +49,9 @@ def _reason(e: Exception) -> str:
         errno.ENOTDIR: "every path above the checkpoint must be a directory: rename or "
         "remove that file, or save somewhere else",
         errno.ELOOP: "point the link at a file, or save to a plain path",
+        errno.EMFILE: "too many files are open in this process: close some, or raise the "
+        "limit (ulimit -n)",
+        errno.ENFILE: "the system's open-file table is full: close files, or raise fs.file-max",
     }.get(os_err.errno or 0, "")
     if "dangling symbolic link" in reason:
         hint = "fix or remove the link, or save somewhere else"

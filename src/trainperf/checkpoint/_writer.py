@@ -655,12 +655,22 @@ def start_process(
     """Fork a writer of ``payload`` (its copy-on-write snapshot) to ``path``; ``after`` runs
     in the writer once the file is durable and returns notes for the caller. A payload
     that :func:`refuse_unloadable` refuses fails ``handle`` without a fork (the check loads
-    with torch, which a child forked from a threaded process should not)."""
+    with torch, which a child forked from a threaded process should not).
+
+    Raises:
+        OSError: the pipe or the fork was refused (EMFILE, EAGAIN, ENOMEM); nothing was
+            started and nothing is left open.
+    """
     if _refused(payload, path, handle):
         return
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError:  # EAGAIN, ENOMEM: the caller saves another way; the pipe must not leak
+        os.close(read_fd)
+        os.close(write_fd)
+        raise
     if pid == 0:  # pragma: no cover - the child's coverage is not collected
         os.close(read_fd)
         _child(payload, path, after, write_fd, parent)

@@ -10,6 +10,7 @@ inputs and runs them all; import everything from :mod:`trainperf.doctor`.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -457,6 +458,23 @@ def _unreadable_entry(bad: str, parsed: VisibleDevices) -> str:
     return f"{bad!r} is not {kind}, as the first entry sets{mixing}"
 
 
+def _setting(value: str | None) -> str:
+    return "unset" if value is None else repr(value)
+
+
+def _list_end(visible: str, parsed: VisibleDevices) -> str | None:
+    """A note when the list stops at a negative index after readable entries: CUDA's
+    documented way to end it early (``0,2,-1,1`` shows 0 and 2), so meant, not a typo; None
+    when it stops anywhere else, or nowhere."""
+    bad = parsed.first_invalid
+    if bad is None or not parsed.entries or re.fullmatch(r"-[0-9]+", bad) is None:
+        return None
+    ignored = [e.strip() for e in visible.split(",")][len(parsed.entries) + 1 :]
+    after = [e for e in ignored if e]
+    tail = f"; CUDA ignores {', '.join(map(repr, after))} after it" if after else ""
+    return f" (the list ends at {bad!r}{tail})"
+
+
 def check_visible_devices(
     visible: str | None, order: str | None, gpu_count: int, *, shown: int | None = None
 ) -> Check:
@@ -467,7 +485,9 @@ def check_visible_devices(
     notation (indices or UUIDs); it stops at the first entry it cannot parse, in another
     notation, or that does not exist, shows nothing when an entry repeats, and numbers the
     GPUs fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, so on a multi-GPU host an
-    integer index need not be the GPU ``nvidia-smi`` shows under it.
+    integer index need not be the GPU ``nvidia-smi`` shows under it. A negative index after
+    readable entries ends the list on purpose (CUDA's docs: ``0,2,-1,1`` shows 0 and 2). On a
+    host without GPUs the list changes nothing, and is not judged.
 
     Args:
         visible: ``CUDA_VISIBLE_DEVICES``, None when unset.
@@ -482,7 +502,7 @@ def check_visible_devices(
         >>> check_visible_devices("1,3", "PCI_BUS_ID", gpu_count=4).verdict
         'ok'
     """
-    value = f"CUDA_VISIBLE_DEVICES={visible!r}, CUDA_DEVICE_ORDER={order!r}"
+    value = f"CUDA_VISIBLE_DEVICES={_setting(visible)}, CUDA_DEVICE_ORDER={_setting(order)}"
     if order is not None and order not in _CUDA_ORDERS:
         fix = f"CUDA ignores CUDA_DEVICE_ORDER={order!r}: use one of {list(_CUDA_ORDERS)}"
         return Check("visible_devices", "warn", value, fix)
@@ -498,12 +518,26 @@ def check_visible_devices(
             value + " (hides every GPU)",
             "unset CUDA_VISIBLE_DEVICES to use the GPUs" if gpu_count else "",
         )
-    if bad is not None:
+    if not gpu_count:
+        return Check("visible_devices", "ok", value + " (no GPU here: CUDA shows none either way)")
+    end = _list_end(visible, parsed)
+    if end is not None:
+        value += end
+    elif bad is not None:
         visible_part = f"only {', '.join(entries)} are visible" if entries else "no GPU is visible"
         why = _unreadable_entry(bad, parsed)
         fix = f"{why}: CUDA stops reading the list there, so {visible_part}"
         return Check("visible_devices", "fail", value, fix)
-    if parsed.notation == "index" and gpu_count:
+    return _check_entries(value, parsed, order, gpu_count, shown)
+
+
+def _check_entries(
+    value: str, parsed: VisibleDevices, order: str | None, gpu_count: int, shown: int | None
+) -> Check:
+    """The readable entries of a list on a host with GPUs: indices that exist, no repeats,
+    UUIDs that match, and the numbering they are read in."""
+    entries = parsed.entries
+    if parsed.notation == "index":
         missing = next((e for e in entries if int(e) >= gpu_count), None)
         if missing is not None:
             fix = (
@@ -514,7 +548,7 @@ def check_visible_devices(
     if parsed.duplicates:
         fix = "a GPU is listed twice, and CUDA then makes no GPU visible: list each once"
         return Check("visible_devices", "fail", value, fix)
-    if parsed.notation != "index" and gpu_count and shown is not None and shown < len(entries):
+    if parsed.notation != "index" and shown is not None and shown < len(entries):
         fix = (
             f"only {shown} of its {len(entries)} UUID(s) make a GPU visible: CUDA stops at a "
             "UUID that matches no card here or several (too short a prefix), and shows none "

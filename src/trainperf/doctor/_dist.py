@@ -35,7 +35,13 @@ from trainperf.doctor._interconnect import (
     read_gpu_links,
     read_p2p_blocked,
 )
-from trainperf.doctor._net_checks import check_hostname, check_nccl_env, check_socket_ifname
+from trainperf.doctor._net_checks import (
+    check_hostname,
+    check_nccl_env,
+    check_socket_ifname,
+    nccl_flag,
+    p2p_level_off,
+)
 from trainperf.doctor._sweep import NCCL_SIZES, AllReduceSweep, Backend, all_reduce_sweep
 from trainperf.errors import DeviceError, TrainperfError
 from trainperf.limits import HostLimits
@@ -226,8 +232,8 @@ def _gpu_link(gpus: Sequence[GpuInfo]) -> LinkEstimate:
 
 def _p2p_overrides(env: Mapping[str, str]) -> tuple[dict[str, str | None], bool]:
     """The run to compare with: P2P switched the other way; whether it is the P2P-off one."""
-    disabled = env.get("NCCL_P2P_DISABLE", "").strip() not in ("", "0")
-    if disabled or env.get("NCCL_P2P_LEVEL", "").strip().upper() in ("LOC", "0"):
+    # Read as NCCL reads them (C's strtoll: "01" and "1abc" are 1, "00" and "abc" are 0).
+    if nccl_flag(env.get("NCCL_P2P_DISABLE")) or p2p_level_off(env.get("NCCL_P2P_LEVEL")):
         return {"NCCL_P2P_DISABLE": "0", "NCCL_P2P_LEVEL": None}, False
     return {"NCCL_P2P_DISABLE": "1"}, True
 

@@ -26,14 +26,75 @@ __all__ = [
 _SEVERITY = {"ok": 0, "warn": 1, "fail": 2}
 
 
-def _nccl_int(text: str | None) -> int | None:
-    """An NCCL integer parameter as NCCL reads it (``strtoll``, base auto); None if not one."""
-    if text is None:
-        return None
-    try:
-        return int(text.strip(), 0)
-    except ValueError:
-        return None
+# What C's isspace() skips before a number in the "C" locale.
+_C_SPACE = " \t\n\v\f\r"
+_C_DIGITS = {8: "01234567", 10: "0123456789", 16: "0123456789abcdefABCDEF"}
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _c_base(text: str, i: int) -> tuple[int, int]:
+    """strtoll's base 0 at ``text[i]``: ``(base, where its digits start)``."""
+    if text[i : i + 1] != "0":
+        return 10, i
+    if text[i + 1 : i + 2] in ("x", "X") and text[i + 2 : i + 3] in tuple(_C_DIGITS[16]):
+        return 16, i + 2
+    return 8, i  # a lone "0", or "0x" with no hex digit after it, reads as 0
+
+
+def c_strtoll(text: str) -> tuple[int | None, int]:
+    """``text`` read as C's ``strtoll(text, &end, 0)`` reads it: how NCCL reads its integers.
+
+    Leading white space, an optional sign, then hex after ``0x``, octal after a leading
+    ``0``, or decimal, up to the first character that is not a digit of that base (``"1abc"``
+    is 1, ``"08"`` is 0); no digits at all read as 0.
+
+    Returns:
+        ``(value, end)``: the value, None where it overflows 64 bits (strtoll sets ``ERANGE``
+        and NCCL keeps its default); the characters read, 0 when there was no number.
+
+    Example:
+        >>> c_strtoll("01"), c_strtoll("0x1f"), c_strtoll("1abc"), c_strtoll("08")
+        ((1, 2), (31, 4), (1, 1), (0, 1))
+        >>> c_strtoll("abc"), c_strtoll("99999999999999999999")
+        ((0, 0), (None, 20))
+    """
+    i = len(text) - len(text.lstrip(_C_SPACE))
+    sign = -1 if text[i : i + 1] == "-" else 1
+    if text[i : i + 1] in ("+", "-"):
+        i += 1
+    base, start = _c_base(text, i)
+    end = start
+    while end < len(text) and text[end] in _C_DIGITS[base]:
+        end += 1
+    if end == start:
+        return 0, 0
+    value = sign * int(text[start:end], base)
+    return (value if _INT64[0] <= value <= _INT64[1] else None), end
+
+
+def nccl_flag(raw: str | None) -> bool:
+    """Whether NCCL reads ``raw`` as a non-zero integer (unset, empty, out of range: no).
+
+    Example:
+        >>> nccl_flag("01"), nccl_flag("1abc"), nccl_flag("00"), nccl_flag("abc")
+        (True, True, False, False)
+    """
+    value = c_strtoll(raw)[0] if raw else None
+    return value is not None and value != 0
+
+
+def p2p_level_off(raw: str | None) -> bool:
+    """Whether ``NCCL_P2P_LEVEL`` rules peer-to-peer out: ``LOC``, or an old-style number
+    (NCCL reads one with strtol when the value starts with a digit) that is 0.
+
+    Example:
+        >>> p2p_level_off("loc"), p2p_level_off("00"), p2p_level_off("NVL"), p2p_level_off(None)
+        (True, True, False, False)
+    """
+    level = (raw or "").strip().upper()
+    if level == "LOC":
+        return True
+    return level[:1] in tuple(_C_DIGITS[10]) and c_strtoll(level)[0] == 0
 
 
 class _Findings:
@@ -56,17 +117,25 @@ class _Findings:
 
 
 def _flag(env: Mapping[str, str], name: str, found: _Findings) -> bool:
-    """Whether ``name`` is set to a non-zero integer; a non-integer is a finding of its own."""
+    """Whether NCCL reads ``name`` as a non-zero integer; a value it reads otherwise than
+    written (no number, trailing characters, octal, out of range) is a finding of its own."""
     raw = env.get(name)
-    if raw is None:
+    if not raw:
         return False
-    value = _nccl_int(raw)
+    value, end = c_strtoll(raw)
     if value is None:
         found.warn(
-            f"{name}={raw!r} is not an integer: NCCL ignores it and keeps its default (use 0 or 1)"
+            f"{name}={raw!r} is out of range (64 bits): NCCL ignores it and keeps its default "
+            "(use 0 or 1)"
         )
-        return False
-    return value != 0
+    elif end == 0:
+        found.warn(f"{name}={raw!r} is not a number: NCCL reads it as 0 (use 0 or 1)")
+    elif raw[end:].strip(_C_SPACE):
+        found.warn(
+            f"{name}={raw!r}: NCCL reads it as {value} (C's strtoll: a leading 0 means octal, "
+            "and it stops at the first other character); use 0 or 1"
+        )
+    return nccl_flag(raw)
 
 
 def _p2p_off(env: Mapping[str, str], found: _Findings) -> bool:
@@ -78,10 +147,12 @@ def _p2p_off(env: Mapping[str, str], found: _Findings) -> bool:
             "NVLink/PCIe peer-to-peer, at a fraction of the bandwidth; keep it only "
             "where the p2p check shows P2P broken"
         )
-    level = env.get("NCCL_P2P_LEVEL", "").strip().upper()
-    if level in ("LOC", "0"):
-        found.warn(f"NCCL_P2P_LEVEL={level} never uses peer-to-peer")
-    return disabled or level in ("LOC", "0")
+    level_off = p2p_level_off(env.get("NCCL_P2P_LEVEL"))
+    if level_off:
+        found.warn(
+            f"NCCL_P2P_LEVEL={env['NCCL_P2P_LEVEL'].strip().upper()} never uses peer-to-peer"
+        )
+    return disabled or level_off
 
 
 def _network(env: Mapping[str, str], ib_devices: Sequence[str], found: _Findings) -> None:
