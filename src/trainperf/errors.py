@@ -62,8 +62,9 @@ Which condition maps to which type, everywhere in the package:
   base class.
 - ``FileNotFoundError`` / ``NotADirectoryError``: ``image_loader``'s folder is missing / is a
   file. ``OSError`` (``IsADirectoryError`` included): a file-system failure outside
-  checkpoints (the tuning cache; a write-protected cache file is ``PermissionError``, not
-  replaced), or the OS refusing to start a worker process.
+  checkpoints or a checkpoint file that cannot be read (the tuning cache; a write-protected
+  cache file is ``PermissionError``, not replaced), or the OS refusing to start a worker
+  process.
 - ``MemoryError``: host memory ran out while ``load_checkpoint`` (or ``Checkpointer.restore``)
   read a file: not the file's fault, so not a ``CheckpointCorruptError``.
 - ``KeyboardInterrupt`` / ``SystemExit``: SIGINT / SIGTERM reached ``launch`` (re-raised after
