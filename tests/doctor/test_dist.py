@@ -196,7 +196,7 @@ def test_gpu_host_where_p2p_hangs_but_works_without(
 @pytest.mark.parametrize(
     ("raw", "already_off"),
     [("1", True), ("01", True), ("1abc", True), ("0x1", True), ("0", False), ("00", False),
-     ("abc", False), ("", False), ("99999999999999999999", False)],
+     ("abc", False), ("", False), ("99999999999999999999", False), ("2", False), ("-1", False)],
 )  # fmt: skip
 def test_the_p2p_rerun_reads_nccl_p2p_disable_as_nccl_does(raw: str, already_off: bool) -> None:
     overrides, other_is_off = dist._p2p_overrides({"NCCL_P2P_DISABLE": raw})

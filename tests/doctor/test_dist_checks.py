@@ -70,6 +70,13 @@ def test_nccl_shm_with_shm_disabled_or_absent() -> None:
     off = check_nccl_shm(16 * MiB, 8, backend="nccl", env={"NCCL_SHM_DISABLE": "1"})
     assert off.verdict == "ok" and "NCCL_SHM_DISABLE=1" in off.value
     assert check_nccl_shm(None, 8, backend="nccl").verdict == "skip"
+    # Read as NCCL reads it: "01" and "0x1" are 1; 2 leaves shared memory on.
+    assert (
+        check_nccl_shm(16 * MiB, 8, backend="nccl", env={"NCCL_SHM_DISABLE": "0x1"}).verdict == "ok"
+    )
+    assert (
+        check_nccl_shm(16 * MiB, 8, backend="nccl", env={"NCCL_SHM_DISABLE": "2"}).verdict == "fail"
+    )
 
 
 # --------------------------------------------------------------------------- all_reduce

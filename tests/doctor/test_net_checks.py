@@ -180,6 +180,25 @@ def test_nccl_flags_are_read_as_nccls_strtoll_reads_them(
         assert check.verdict == "ok"
 
 
+@pytest.mark.parametrize("name", ["NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"])
+@pytest.mark.parametrize("raw", ["2", "-1", "0x10", "7abc"])
+def test_p2p_and_shm_are_switched_off_only_at_exactly_1(name: str, raw: str) -> None:
+    # NCCL: `if (disable == 1)` for P2P, `ncclParamShmDisable() == 1` for SHM.
+    check = check_nccl_env({name: raw, "NCCL_P2P_DISABLE": "1"} if "SHM" in name else {name: raw})
+    assert "host memory" not in check.fix if "P2P" in name else check.verdict != "fail"
+    assert "off only at 1" in check.fix
+
+
+def test_ib_is_switched_off_by_any_nonzero_value() -> None:
+    # NCCL: `if (ncclParamIbDisable()) return ncclInternalError;`
+    check = check_nccl_env({"NCCL_IB_DISABLE": "2"}, ib_devices=["mlx5_0"])
+    assert "traffic between nodes goes through TCP sockets" in check.fix
+
+
+def test_p2p_disable_is_read_into_a_c_int_as_nccl_does() -> None:
+    assert "host memory" in check_nccl_env({"NCCL_P2P_DISABLE": str(2**32 + 1)}).fix
+
+
 def test_a_numeric_p2p_level_is_read_as_nccl_reads_it() -> None:
     assert "never uses peer-to-peer" in check_nccl_env({"NCCL_P2P_LEVEL": "00"}).fix
     assert check_nccl_env({"NCCL_P2P_LEVEL": "02"}).verdict == "ok"

@@ -39,7 +39,7 @@ from trainperf.doctor._net_checks import (
     check_hostname,
     check_nccl_env,
     check_socket_ifname,
-    nccl_flag,
+    nccl_one,
     p2p_level_off,
 )
 from trainperf.doctor._sweep import NCCL_SIZES, AllReduceSweep, Backend, all_reduce_sweep
@@ -232,8 +232,11 @@ def _gpu_link(gpus: Sequence[GpuInfo]) -> LinkEstimate:
 
 def _p2p_overrides(env: Mapping[str, str]) -> tuple[dict[str, str | None], bool]:
     """The run to compare with: P2P switched the other way; whether it is the P2P-off one."""
-    # Read as NCCL reads them (C's strtoll: "01" and "1abc" are 1, "00" and "abc" are 0).
-    if nccl_flag(env.get("NCCL_P2P_DISABLE")) or p2p_level_off(env.get("NCCL_P2P_LEVEL")):
+    # Read as NCCL reads them (C's strtol: "01" and "1abc" are 1, "00" and "abc" are 0; only
+    # 1 switches P2P off).
+    if nccl_one(env.get("NCCL_P2P_DISABLE"), c_int=True) or p2p_level_off(
+        env.get("NCCL_P2P_LEVEL")
+    ):
         return {"NCCL_P2P_DISABLE": "0", "NCCL_P2P_LEVEL": None}, False
     return {"NCCL_P2P_DISABLE": "1"}, True
 

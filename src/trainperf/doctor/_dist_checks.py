@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from trainperf._utils.format import format_bytes
 from trainperf.doctor._checks import Check
 from trainperf.doctor._interconnect import LinkEstimate
+from trainperf.doctor._net_checks import nccl_one
 from trainperf.doctor._sweep import AllReduceSweep
 
 __all__ = [
@@ -131,7 +132,7 @@ def check_nccl_shm(
     env = env or {}
     if shm_free is None:
         return Check("nccl_shm", "skip", "no /dev/shm here", "")
-    if env.get("NCCL_SHM_DISABLE", "").strip() == "1":
+    if nccl_one(env.get("NCCL_SHM_DISABLE")):  # read as NCCL reads it: "01" and "0x1" too
         value = f"/dev/shm {format_bytes(shm_free)} free; NCCL_SHM_DISABLE=1: NCCL does not use it"
         return Check("nccl_shm", "ok", value)
     need, rule = nccl_shm_need(ranks, env)

@@ -73,7 +73,8 @@ def c_strtoll(text: str) -> tuple[int | None, int]:
 
 
 def nccl_flag(raw: str | None) -> bool:
-    """Whether NCCL reads ``raw`` as a non-zero integer (unset, empty, out of range: no).
+    """Whether NCCL reads ``raw`` as a non-zero integer (unset, empty, out of range: no):
+    how ``NCCL_IB_DISABLE`` switches InfiniBand off.
 
     Example:
         >>> nccl_flag("01"), nccl_flag("1abc"), nccl_flag("00"), nccl_flag("abc")
@@ -81,6 +82,25 @@ def nccl_flag(raw: str | None) -> bool:
     """
     value = c_strtoll(raw)[0] if raw else None
     return value is not None and value != 0
+
+
+def nccl_one(raw: str | None, *, c_int: bool = False) -> bool:
+    """Whether NCCL reads ``raw`` as exactly 1: how ``NCCL_P2P_DISABLE`` and
+    ``NCCL_SHM_DISABLE`` switch their transport off (``== 1`` in NCCL; 2 leaves it on).
+
+    ``c_int``: the value goes through C's ``strtol`` into an ``int``, as NCCL reads
+    ``NCCL_P2P_DISABLE``: kept to its low 32 bits, and an overflow (``LONG_MAX``) is -1.
+
+    Example:
+        >>> nccl_one("1"), nccl_one("0x1"), nccl_one("2"), nccl_one("-1"), nccl_one(None)
+        (True, True, False, False, False)
+        >>> nccl_one(str(2**32 + 1), c_int=True), nccl_one(str(2**32 + 1))
+        (True, False)
+    """
+    value = c_strtoll(raw)[0] if raw else None
+    if value is not None and c_int:
+        value = (value + 2**31) % 2**32 - 2**31
+    return value == 1
 
 
 def p2p_level_off(raw: str | None) -> bool:
@@ -116,9 +136,11 @@ class _Findings:
         return Check(name, worst, value, "; ".join(t for _, t in self.items) + fix_suffix)
 
 
-def _flag(env: Mapping[str, str], name: str, found: _Findings) -> bool:
-    """Whether NCCL reads ``name`` as a non-zero integer; a value it reads otherwise than
-    written (no number, trailing characters, octal, out of range) is a finding of its own."""
+def _flag(env: Mapping[str, str], name: str, found: _Findings, *, one: bool = False) -> bool:
+    """Whether NCCL reads ``name`` as switching its transport off: a non-zero integer, or
+    exactly 1 where ``one`` (``NCCL_P2P_DISABLE``, ``NCCL_SHM_DISABLE``). A value it reads
+    otherwise than written (no number, trailing characters, octal, out of range, another
+    number where only 1 counts) is a finding of its own."""
     raw = env.get(name)
     if not raw:
         return False
@@ -135,12 +157,17 @@ def _flag(env: Mapping[str, str], name: str, found: _Findings) -> bool:
             f"{name}={raw!r}: NCCL reads it as {value} (C's strtoll: a leading 0 means octal, "
             "and it stops at the first other character); use 0 or 1"
         )
-    return nccl_flag(raw)
+    if not one:
+        return nccl_flag(raw)
+    off = nccl_one(raw, c_int=name == "NCCL_P2P_DISABLE")
+    if value not in (None, 0, 1) and not off:
+        found.warn(f"{name}={raw!r}: NCCL switches the transport off only at 1 (use 0 or 1)")
+    return off
 
 
 def _p2p_off(env: Mapping[str, str], found: _Findings) -> bool:
     """Findings on the variables that turn peer-to-peer off; whether one of them does."""
-    disabled = _flag(env, "NCCL_P2P_DISABLE", found)
+    disabled = _flag(env, "NCCL_P2P_DISABLE", found, one=True)
     if disabled:
         found.warn(
             "NCCL_P2P_DISABLE=1: GPUs exchange data through host memory instead of "
@@ -191,7 +218,7 @@ def check_nccl_env(env: Mapping[str, str], ib_devices: Sequence[str] = ()) -> Ch
     """
     found = _Findings()
     p2p_off = _p2p_off(env, found)
-    if _flag(env, "NCCL_SHM_DISABLE", found):
+    if _flag(env, "NCCL_SHM_DISABLE", found, one=True):
         found.warn(
             "NCCL_SHM_DISABLE=1: without peer-to-peer, ranks on this host fall back to TCP sockets"
         )
