@@ -37,7 +37,7 @@ from trainperf.bench._reference import (
     ReferenceComparison,
     compare_to_reference,
 )
-from trainperf.doctor._checks import check_load, load_average
+from trainperf.doctor._cpu_checks import check_load, load_average
 from trainperf.errors import DeviceError
 from trainperf.limits import usable_cpus
 

@@ -21,15 +21,16 @@ from trainperf._utils.public import set_public_module
 from trainperf.doctor._checks import (
     Check,
     CheckStatus,
-    check_blas,
     check_cpus,
-    check_load,
     check_memory,
     check_shm,
     check_start_method,
+)
+from trainperf.doctor._cpu_checks import (
+    check_blas,
+    check_load,
     check_steal,
     check_threads,
-    check_visible_devices,
 )
 from trainperf.doctor._diagnose import DoctorReport, diagnose
 from trainperf.doctor._dist_checks import (
@@ -61,6 +62,9 @@ from trainperf.doctor._net_checks import (
     parse_nccl_ifname,
 )
 from trainperf.doctor._sweep import AllReduceSweep, SweepRow, all_reduce_sweep, bus_bandwidth
+from trainperf.doctor._visible_checks import (
+    check_visible_devices,
+)
 
 __all__ = [
     "AllReduceSweep",

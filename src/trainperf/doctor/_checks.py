@@ -2,35 +2,29 @@
 
 Each takes what it checks as arguments (a :class:`~trainperf.limits.HostLimits`, a version,
 an environment variable's value) and returns a :class:`Check`, so any environment can be
-tested without touching the real one. The GPU and PyTorch-build checks are in
-``_gpu``. :func:`trainperf.doctor.diagnose` gathers the real
+tested without touching the real one. This module holds :class:`Check` and the host's size
+checks (CPUs, memory, ``/dev/shm``, start method); the CPU-contention checks (BLAS, threads,
+load, steal) are in ``_cpu_checks``, ``CUDA_VISIBLE_DEVICES`` in ``_visible_checks``, the GPU
+and PyTorch-build checks in ``_gpu``. :func:`trainperf.doctor.diagnose` gathers the real
 inputs and runs them all; import everything from :mod:`trainperf.doctor`.
 """
 
 from __future__ import annotations
 
-import os
-import re
 import sys
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from trainperf._utils.format import format_bytes
-from trainperf.device import VisibleDevices, parse_visible_devices
 from trainperf.limits import HostLimits
 
 __all__ = [
     "Check",
     "CheckStatus",
-    "check_blas",
     "check_cpus",
-    "check_load",
     "check_memory",
     "check_shm",
     "check_start_method",
-    "check_threads",
-    "check_visible_devices",
 ]
 
 # A check's status, held in Check.verdict ("skip": could not be checked). Not to be confused
@@ -43,10 +37,6 @@ MIN_CPUS_PER_GPU = 4
 # One ImageNet-style fp32 batch (128 x 3 x 224 x 224), what a DataLoader worker puts in /dev/shm.
 DEFAULT_BATCH_BYTES = 128 * 3 * 224 * 224 * 4
 DEFAULT_PREFETCH_FACTOR = 2
-# A 1-minute load average above this many times the usable CPUs is oversubscription.
-OVERLOAD_FACTOR = 1.5
-# The share of the CPU time the CPUs wanted that the hypervisor may steal before it matters.
-STEAL_WARN = 0.1
 
 
 @dataclass(frozen=True)
@@ -198,223 +188,6 @@ def check_shm(
     return Check("shm", "ok", value)
 
 
-def check_blas(
-    pools: Sequence[Mapping[str, Any]] | None, cpu_vendor: str | None, cpus: int
-) -> Check:
-    """NumPy's BLAS (via threadpoolctl): OpenBLAS on an Intel CPU, or too many threads.
-
-    OpenBLAS on an Intel CPU is a warning only while it runs more than one thread and more
-    than a quarter of the usable CPUs: capped below that, it cannot peg the cores.
-
-    Args:
-        pools: ``threadpoolctl.threadpool_info()``; None when threadpoolctl is missing.
-        cpu_vendor: ``vendor_id`` from ``/proc/cpuinfo``, e.g. ``"GenuineIntel"``.
-        cpus: usable CPUs.
-
-    Example:
-        >>> pools = [{"user_api": "blas", "internal_api": "openblas", "num_threads": 4,
-        ...           "version": "0.3.27"}]
-        >>> check_blas(pools, "GenuineIntel", cpus=4).verdict
-        'warn'
-        >>> pools[0]["num_threads"] = 1  # OPENBLAS_NUM_THREADS=1: already capped
-        >>> check_blas(pools, "GenuineIntel", cpus=4).verdict
-        'ok'
-        >>> check_blas(None, "GenuineIntel", cpus=4).verdict
-        'skip'
-    """
-    if pools is None:
-        fix = "pip install threadpoolctl"
-        return Check(
-            "blas",
-            "skip",
-            "threadpoolctl is not installed, so NumPy's BLAS cannot be inspected",
-            fix,
-        )
-    blas = [p for p in pools if p.get("user_api") == "blas"]
-    if not blas:
-        return Check("blas", "skip", "NumPy loaded no BLAS that threadpoolctl recognises", "")
-    libs = [
-        f"{p.get('internal_api')} {p.get('version') or ''}".strip()
-        + f" ({p.get('num_threads')} threads)"
-        for p in blas
-    ]
-    value = ", ".join(libs) + (f"; CPU {cpu_vendor}" if cpu_vendor else "")
-    apis = {str(p.get("internal_api")) for p in blas}
-    openblas_threads = max(
-        (int(p.get("num_threads") or 0) for p in blas if p.get("internal_api") == "openblas"),
-        default=0,
-    )
-    # Capped to 1 thread (OPENBLAS_NUM_THREADS=1), or to a quarter of the CPUs or fewer, it
-    # cannot peg the cores: the cap this warning asks for is already in place.
-    capped = openblas_threads <= max(1, cpus // 4)
-    if "openblas" in apis and "mkl" not in apis and cpu_vendor == "GenuineIntel" and not capped:
-        fix = (
-            "on Intel CPUs an OpenBLAS NumPy can peg every core and starve the GPU's data "
-            "loading: use an MKL build (conda install numpy 'libblas=*=*mkl'), or cap its threads "
-            "(OPENBLAS_NUM_THREADS=1, or threadpoolctl.threadpool_limits(1, 'blas'))"
-        )
-        return Check("blas", "warn", value, fix)
-    threads = max(int(p.get("num_threads") or 0) for p in blas)
-    if threads > cpus:
-        fix = (
-            f"{threads} BLAS threads for {cpus} usable CPUs oversubscribes them: set "
-            f"OMP_NUM_THREADS={cpus} (or threadpoolctl.threadpool_limits({cpus}))"
-        )
-        return Check("blas", "warn", value, fix)
-    return Check("blas", "ok", value)
-
-
-def _omp_threads(text: str | None) -> int | None:
-    """The outermost thread count of ``OMP_NUM_THREADS``: an integer >= 1, or a list of them
-    (``"4,2"``, one per nesting level, as OpenMP accepts); None when unset or unreadable."""
-    if text is None:
-        return None
-    levels = []
-    for part in text.split(","):
-        try:
-            levels.append(int(part))
-        except ValueError:
-            return None
-    return levels[0] if all(n >= 1 for n in levels) else None
-
-
-def check_threads(
-    torch_threads: int, omp_num_threads: str | None, cpus: int, processes: int = 1
-) -> Check:
-    """torch's intra-op threads, ``OMP_NUM_THREADS`` and oversubscription of the CPUs.
-
-    Every PyTorch process starts one thread per core it sees; several training processes on
-    one host (several experiments, or DDP ranks) then thrash. The fix is
-    ``torch.set_num_threads(cpus // processes)`` in each.
-
-    Args:
-        torch_threads: ``torch.get_num_threads()``.
-        omp_num_threads: the ``OMP_NUM_THREADS`` variable, None when unset.
-        cpus: usable CPUs.
-        processes: training processes sharing the host (``LOCAL_WORLD_SIZE`` under torchrun).
-
-    Example:
-        >>> check_threads(16, None, cpus=16, processes=4).verdict
-        'warn'
-        >>> check_threads(4, "4", cpus=16, processes=4).verdict
-        'ok'
-        >>> check_threads(4, "0", cpus=16).verdict
-        'warn'
-    """
-    value = (
-        f"torch {torch_threads} threads, OMP_NUM_THREADS={omp_num_threads or 'unset'}, "
-        f"{cpus} usable CPUs, {processes} process(es)"
-    )
-    share = max(1, cpus // max(1, processes))
-    omp = _omp_threads(omp_num_threads)
-    if omp_num_threads is not None and omp is None:
-        # OpenMP ignores 0 or junk and starts one thread per core, the oversubscription the
-        # variable was meant to prevent.
-        fix = (
-            f"OMP_NUM_THREADS must be an integer >= 1 (or a comma-separated list of them, one "
-            f"per nesting level), got {omp_num_threads!r} (OpenMP then ignores it): set "
-            f"OMP_NUM_THREADS={share}"
-        )
-        return Check("threads", "warn", value, fix)
-    if omp is not None and omp * processes > cpus:
-        fix = (
-            f"OMP_NUM_THREADS={omp} x {processes} process(es) oversubscribes "
-            f"{cpus} usable CPUs: set OMP_NUM_THREADS={share}"
-        )
-        return Check("threads", "warn", value, fix)
-    if torch_threads * processes > cpus:
-        fix = (
-            f"{processes} x {torch_threads} threads oversubscribe {cpus} CPUs: call "
-            f"torch.set_num_threads({share}) in each process (or OMP_NUM_THREADS={share})"
-        )
-        return Check("threads", "warn", value, fix)
-    return Check("threads", "ok", value)
-
-
-def load_average() -> float | None:
-    """The host's 1-minute load average, None where the platform has none (Windows).
-
-    Example:
-        >>> value = load_average()
-        >>> value is None or value >= 0
-        True
-    """
-    getloadavg = getattr(os, "getloadavg", None)
-    if getloadavg is None:
-        return None
-    try:
-        return float(getloadavg()[0])
-    except OSError:  # the platform could not tell
-        return None
-
-
-def check_load(load_average: float | None, cpus: int) -> Check:
-    """The 1-minute load average against the usable CPUs: other jobs competing for them.
-
-    ``check_threads`` sees only this process's own settings; the load average counts every
-    runnable (or I/O-waiting) thread on the host, so several jobs, or a neighbour's, that
-    together want more cores than there are show up here. Data loading and kernel launches
-    then wait for a core.
-
-    Args:
-        load_average: ``os.getloadavg()[0]``; None where the platform has none (Windows).
-        cpus: usable CPUs.
-
-    Example:
-        >>> check_load(24.0, cpus=8).verdict
-        'warn'
-        >>> check_load(6.5, cpus=8).verdict, check_load(None, cpus=8).verdict
-        ('ok', 'skip')
-    """
-    if load_average is None:
-        return Check("load", "skip", "no load average on this platform", "")
-    value = f"1-minute load average {load_average:.1f} for {cpus} usable CPUs"
-    if load_average > OVERLOAD_FACTOR * cpus:
-        fix = (
-            f"a load of {load_average:.1f} is {load_average / cpus:.1f}x the {cpus} usable "
-            "CPUs, so threads wait for a core: run fewer jobs at once, lower each job's "
-            "threads so that together they fit (OMP_NUM_THREADS, torch.set_num_threads(), "
-            "DataLoader num_workers), or pin each job to cores of its own "
-            "(taskset -c <first>-<last> python train.py)"
-        )
-        return Check("load", "warn", value, fix)
-    return Check("load", "ok", value)
-
-
-def check_steal(share: float | None) -> Check:
-    """The CPU time the hypervisor withheld from this VM since boot (*steal*): a VM whose
-    physical CPUs other tenants share, or a burstable instance out of CPU credits.
-
-    Stolen time is in no process's CPU time: data loading, kernel launches and every CPU
-    figure measured here (tuning, ``trainperf.watch``) get that much less of a core.
-
-    Args:
-        share: the stolen share of the CPU time the CPUs wanted since boot (busy or
-            stolen, idle left out), ``trainperf._utils.steal.boot_steal_share()``; None
-            where the platform reports no steal (only Linux does).
-
-    Example:
-        >>> check_steal(0.25).verdict, check_steal(0.02).verdict, check_steal(None).verdict
-        ('warn', 'ok', 'skip')
-    """
-    if share is None:
-        return Check("steal", "skip", "no steal figure on this platform (Linux VMs report it)")
-    value = (
-        f"the hypervisor withheld {share:.1%} of the CPU time this machine's CPUs wanted "
-        "since boot (steal)"
-    )
-    if share >= STEAL_WARN:
-        fix = (
-            "other tenants share this VM's physical CPUs, or a burstable instance ran out of "
-            "CPU credits: data loading and every CPU figure lose that share. Rent an instance "
-            "type with dedicated cores (not shared-core or burstable), or move the job to "
-            "another host; trainperf.watch reports the steal during your own loop "
-            "(report.host_steal_mean)"
-        )
-        return Check("steal", "warn", value, fix)
-    return Check("steal", "ok", value)
-
-
 def check_start_method(method: str, platform: str = sys.platform) -> Check:
     """The multiprocessing start method DataLoader workers will use.
 
@@ -437,130 +210,3 @@ def check_start_method(method: str, platform: str = sys.platform) -> Check:
         "files or CUDA tensors); num_workers=0 avoids workers altogether"
     )
     return Check("start_method", "warn", value, fix)
-
-
-_CUDA_ORDERS = ("FASTEST_FIRST", "PCI_BUS_ID")
-
-
-def _hides_all(first: str) -> bool:
-    """A first entry set to hide every GPU: empty, negative, or SLURM's ``NoDevFiles`` (a job
-    given no GPU)."""
-    return first == "" or first.startswith("-") or first == "NoDevFiles"
-
-
-def _unreadable_entry(bad: str, parsed: VisibleDevices) -> str:
-    """Why CUDA cannot read ``bad``: junk, or an entry in another notation than the first's."""
-    if not parsed.entries:  # the first entry itself
-        return f"{bad!r} is neither an index nor a GPU- or MIG- UUID"
-    kind = "an index" if parsed.notation == "index" else f"a {parsed.notation} UUID"
-    other = bad.startswith(("GPU-", "MIG-")) or bad.lstrip("+").isdigit()
-    mixing = " (entries cannot mix indices, GPU- and MIG- UUIDs)" if other else ""
-    return f"{bad!r} is not {kind}, as the first entry sets{mixing}"
-
-
-def _setting(value: str | None) -> str:
-    return "unset" if value is None else repr(value)
-
-
-def _list_end(visible: str, parsed: VisibleDevices) -> str | None:
-    """A note when the list stops at a negative index after readable entries: CUDA's
-    documented way to end it early (``0,2,-1,1`` shows 0 and 2), so meant, not a typo; None
-    when it stops anywhere else, or nowhere."""
-    bad = parsed.first_invalid
-    if bad is None or not parsed.entries or re.fullmatch(r"-[0-9]+", bad) is None:
-        return None
-    ignored = [e.strip() for e in visible.split(",")][len(parsed.entries) + 1 :]
-    after = [e for e in ignored if e]
-    tail = f"; CUDA ignores {', '.join(map(repr, after))} after it" if after else ""
-    return f" (the list ends at {bad!r}{tail})"
-
-
-def check_visible_devices(
-    visible: str | None, order: str | None, gpu_count: int, *, shown: int | None = None
-) -> Check:
-    """``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` sanity.
-
-    The list is read with :func:`trainperf.device.parse_visible_devices`, the rules
-    :func:`trainperf.gpus` applies. CUDA reads it once, at start-up; the first entry sets the
-    notation (indices or UUIDs); it stops at the first entry it cannot parse, in another
-    notation, or that does not exist, shows nothing when an entry repeats, and numbers the
-    GPUs fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, so on a multi-GPU host an
-    integer index need not be the GPU ``nvidia-smi`` shows under it. A negative index after
-    readable entries ends the list on purpose (CUDA's docs: ``0,2,-1,1`` shows 0 and 2). On a
-    host without GPUs the list changes nothing, and is not judged.
-
-    Args:
-        visible: ``CUDA_VISIBLE_DEVICES``, None when unset.
-        order: ``CUDA_DEVICE_ORDER``, None when unset.
-        gpu_count: physical GPUs (NVML's count, which ignores ``CUDA_VISIBLE_DEVICES``).
-        shown: the GPUs :func:`trainperf.gpus` finds visible under it (None: not known):
-            UUIDs are checked against the cards only through it.
-
-    Example:
-        >>> check_visible_devices("1,3", None, gpu_count=4).verdict
-        'warn'
-        >>> check_visible_devices("1,3", "PCI_BUS_ID", gpu_count=4).verdict
-        'ok'
-    """
-    value = f"CUDA_VISIBLE_DEVICES={_setting(visible)}, CUDA_DEVICE_ORDER={_setting(order)}"
-    if order is not None and order not in _CUDA_ORDERS:
-        fix = f"CUDA ignores CUDA_DEVICE_ORDER={order!r}: use one of {list(_CUDA_ORDERS)}"
-        return Check("visible_devices", "warn", value, fix)
-    if visible is None:
-        return Check("visible_devices", "ok", value + f" (all {gpu_count} GPU(s) visible)")
-    parsed = parse_visible_devices(visible)
-    entries = parsed.entries
-    bad = parsed.first_invalid
-    if not entries and bad is not None and (_hides_all(bad) or not gpu_count):
-        return Check(
-            "visible_devices",
-            "warn" if gpu_count else "ok",
-            value + " (hides every GPU)",
-            "unset CUDA_VISIBLE_DEVICES to use the GPUs" if gpu_count else "",
-        )
-    if not gpu_count:
-        return Check("visible_devices", "ok", value + " (no GPU here: CUDA shows none either way)")
-    end = _list_end(visible, parsed)
-    if end is not None:
-        value += end
-    elif bad is not None:
-        visible_part = f"only {', '.join(entries)} are visible" if entries else "no GPU is visible"
-        why = _unreadable_entry(bad, parsed)
-        fix = f"{why}: CUDA stops reading the list there, so {visible_part}"
-        return Check("visible_devices", "fail", value, fix)
-    return _check_entries(value, parsed, order, gpu_count, shown)
-
-
-def _check_entries(
-    value: str, parsed: VisibleDevices, order: str | None, gpu_count: int, shown: int | None
-) -> Check:
-    """The readable entries of a list on a host with GPUs: indices that exist, no repeats,
-    UUIDs that match, and the numbering they are read in."""
-    entries = parsed.entries
-    if parsed.notation == "index":
-        missing = next((e for e in entries if int(e) >= gpu_count), None)
-        if missing is not None:
-            fix = (
-                f"index {missing} does not exist ({gpu_count} GPU(s)): CUDA stops reading the "
-                "list there; `nvidia-smi -L` lists the GPUs"
-            )
-            return Check("visible_devices", "fail", value, fix)
-    if parsed.duplicates:
-        fix = "a GPU is listed twice, and CUDA then makes no GPU visible: list each once"
-        return Check("visible_devices", "fail", value, fix)
-    if parsed.notation != "index" and shown is not None and shown < len(entries):
-        fix = (
-            f"only {shown} of its {len(entries)} UUID(s) make a GPU visible: CUDA stops at a "
-            "UUID that matches no card here or several (too short a prefix), and shows none "
-            "when one card is named twice (a prefix and a longer one); `nvidia-smi -L` lists "
-            "the UUIDs"
-        )
-        return Check("visible_devices", "fail", value, fix)
-    if parsed.notation == "index" and gpu_count > 1 and order != "PCI_BUS_ID":
-        fix = (
-            "CUDA numbers GPUs fastest-first, nvidia-smi by PCI bus: index "
-            f"{entries[0]} here need not be nvidia-smi's GPU {entries[0]}. Set "
-            "CUDA_DEVICE_ORDER=PCI_BUS_ID, or list UUIDs (trainperf.select_gpus() does)"
-        )
-        return Check("visible_devices", "warn", value, fix)
-    return Check("visible_devices", "ok", value)

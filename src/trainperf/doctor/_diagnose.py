@@ -30,20 +30,24 @@ from trainperf.device._inventory import nvml_session
 from trainperf.doctor._checks import (
     Check,
     CheckStatus,
-    check_blas,
     check_cpus,
-    check_load,
     check_memory,
     check_shm,
     check_start_method,
+)
+from trainperf.doctor._cpu_checks import (
+    check_blas,
+    check_load,
     check_steal,
     check_threads,
-    check_visible_devices,
     load_average,
 )
 from trainperf.doctor._dist import dist_checks
 from trainperf.doctor._gpu import check_cuda_arch, check_gpus, check_torch_build
 from trainperf.doctor._sweep import AllReduceSweep
+from trainperf.doctor._visible_checks import (
+    check_visible_devices,
+)
 from trainperf.errors import DeviceError
 from trainperf.limits import HostLimits, host_limits, local_world_size
 from trainperf.loader._faults import start_method

@@ -1,0 +1,236 @@
+"""The CPU-contention checks of ``trainperf doctor``: NumPy's BLAS, thread counts, the load
+average and hypervisor steal; pure functions of their inputs, like those in ``_checks``.
+Import everything from :mod:`trainperf.doctor`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from trainperf.doctor._checks import Check
+
+__all__ = ["check_blas", "check_load", "check_steal", "check_threads", "load_average"]
+
+# A 1-minute load average above this many times the usable CPUs is oversubscription.
+OVERLOAD_FACTOR = 1.5
+# The share of the CPU time the CPUs wanted that the hypervisor may steal before it matters.
+STEAL_WARN = 0.1
+
+
+def check_blas(
+    pools: Sequence[Mapping[str, Any]] | None, cpu_vendor: str | None, cpus: int
+) -> Check:
+    """NumPy's BLAS (via threadpoolctl): OpenBLAS on an Intel CPU, or too many threads.
+
+    OpenBLAS on an Intel CPU is a warning only while it runs more than one thread and more
+    than a quarter of the usable CPUs: capped below that, it cannot peg the cores.
+
+    Args:
+        pools: ``threadpoolctl.threadpool_info()``; None when threadpoolctl is missing.
+        cpu_vendor: ``vendor_id`` from ``/proc/cpuinfo``, e.g. ``"GenuineIntel"``.
+        cpus: usable CPUs.
+
+    Example:
+        >>> pools = [{"user_api": "blas", "internal_api": "openblas", "num_threads": 4,
+        ...           "version": "0.3.27"}]
+        >>> check_blas(pools, "GenuineIntel", cpus=4).verdict
+        'warn'
+        >>> pools[0]["num_threads"] = 1  # OPENBLAS_NUM_THREADS=1: already capped
+        >>> check_blas(pools, "GenuineIntel", cpus=4).verdict
+        'ok'
+        >>> check_blas(None, "GenuineIntel", cpus=4).verdict
+        'skip'
+    """
+    if pools is None:
+        fix = "pip install threadpoolctl"
+        return Check(
+            "blas",
+            "skip",
+            "threadpoolctl is not installed, so NumPy's BLAS cannot be inspected",
+            fix,
+        )
+    blas = [p for p in pools if p.get("user_api") == "blas"]
+    if not blas:
+        return Check("blas", "skip", "NumPy loaded no BLAS that threadpoolctl recognises", "")
+    libs = [
+        f"{p.get('internal_api')} {p.get('version') or ''}".strip()
+        + f" ({p.get('num_threads')} threads)"
+        for p in blas
+    ]
+    value = ", ".join(libs) + (f"; CPU {cpu_vendor}" if cpu_vendor else "")
+    apis = {str(p.get("internal_api")) for p in blas}
+    openblas_threads = max(
+        (int(p.get("num_threads") or 0) for p in blas if p.get("internal_api") == "openblas"),
+        default=0,
+    )
+    # Capped to 1 thread (OPENBLAS_NUM_THREADS=1), or to a quarter of the CPUs or fewer, it
+    # cannot peg the cores: the cap this warning asks for is already in place.
+    capped = openblas_threads <= max(1, cpus // 4)
+    if "openblas" in apis and "mkl" not in apis and cpu_vendor == "GenuineIntel" and not capped:
+        fix = (
+            "on Intel CPUs an OpenBLAS NumPy can peg every core and starve the GPU's data "
+            "loading: use an MKL build (conda install numpy 'libblas=*=*mkl'), or cap its threads "
+            "(OPENBLAS_NUM_THREADS=1, or threadpoolctl.threadpool_limits(1, 'blas'))"
+        )
+        return Check("blas", "warn", value, fix)
+    threads = max(int(p.get("num_threads") or 0) for p in blas)
+    if threads > cpus:
+        fix = (
+            f"{threads} BLAS threads for {cpus} usable CPUs oversubscribes them: set "
+            f"OMP_NUM_THREADS={cpus} (or threadpoolctl.threadpool_limits({cpus}))"
+        )
+        return Check("blas", "warn", value, fix)
+    return Check("blas", "ok", value)
+
+
+def _omp_threads(text: str | None) -> int | None:
+    """The outermost thread count of ``OMP_NUM_THREADS``: an integer >= 1, or a list of them
+    (``"4,2"``, one per nesting level, as OpenMP accepts); None when unset or unreadable."""
+    if text is None:
+        return None
+    levels = []
+    for part in text.split(","):
+        try:
+            levels.append(int(part))
+        except ValueError:
+            return None
+    return levels[0] if all(n >= 1 for n in levels) else None
+
+
+def check_threads(
+    torch_threads: int, omp_num_threads: str | None, cpus: int, processes: int = 1
+) -> Check:
+    """torch's intra-op threads, ``OMP_NUM_THREADS`` and oversubscription of the CPUs.
+
+    Every PyTorch process starts one thread per core it sees; several training processes on
+    one host (several experiments, or DDP ranks) then thrash. The fix is
+    ``torch.set_num_threads(cpus // processes)`` in each.
+
+    Args:
+        torch_threads: ``torch.get_num_threads()``.
+        omp_num_threads: the ``OMP_NUM_THREADS`` variable, None when unset.
+        cpus: usable CPUs.
+        processes: training processes sharing the host (``LOCAL_WORLD_SIZE`` under torchrun).
+
+    Example:
+        >>> check_threads(16, None, cpus=16, processes=4).verdict
+        'warn'
+        >>> check_threads(4, "4", cpus=16, processes=4).verdict
+        'ok'
+        >>> check_threads(4, "0", cpus=16).verdict
+        'warn'
+    """
+    value = (
+        f"torch {torch_threads} threads, OMP_NUM_THREADS={omp_num_threads or 'unset'}, "
+        f"{cpus} usable CPUs, {processes} process(es)"
+    )
+    share = max(1, cpus // max(1, processes))
+    omp = _omp_threads(omp_num_threads)
+    if omp_num_threads is not None and omp is None:
+        # OpenMP ignores 0 or junk and starts one thread per core, the oversubscription the
+        # variable was meant to prevent.
+        fix = (
+            f"OMP_NUM_THREADS must be an integer >= 1 (or a comma-separated list of them, one "
+            f"per nesting level), got {omp_num_threads!r} (OpenMP then ignores it): set "
+            f"OMP_NUM_THREADS={share}"
+        )
+        return Check("threads", "warn", value, fix)
+    if omp is not None and omp * processes > cpus:
+        fix = (
+            f"OMP_NUM_THREADS={omp} x {processes} process(es) oversubscribes "
+            f"{cpus} usable CPUs: set OMP_NUM_THREADS={share}"
+        )
+        return Check("threads", "warn", value, fix)
+    if torch_threads * processes > cpus:
+        fix = (
+            f"{processes} x {torch_threads} threads oversubscribe {cpus} CPUs: call "
+            f"torch.set_num_threads({share}) in each process (or OMP_NUM_THREADS={share})"
+        )
+        return Check("threads", "warn", value, fix)
+    return Check("threads", "ok", value)
+
+
+def load_average() -> float | None:
+    """The host's 1-minute load average, None where the platform has none (Windows).
+
+    Example:
+        >>> value = load_average()
+        >>> value is None or value >= 0
+        True
+    """
+    getloadavg = getattr(os, "getloadavg", None)
+    if getloadavg is None:
+        return None
+    try:
+        return float(getloadavg()[0])
+    except OSError:  # the platform could not tell
+        return None
+
+
+def check_load(load_average: float | None, cpus: int) -> Check:
+    """The 1-minute load average against the usable CPUs: other jobs competing for them.
+
+    ``check_threads`` sees only this process's own settings; the load average counts every
+    runnable (or I/O-waiting) thread on the host, so several jobs, or a neighbour's, that
+    together want more cores than there are show up here. Data loading and kernel launches
+    then wait for a core.
+
+    Args:
+        load_average: ``os.getloadavg()[0]``; None where the platform has none (Windows).
+        cpus: usable CPUs.
+
+    Example:
+        >>> check_load(24.0, cpus=8).verdict
+        'warn'
+        >>> check_load(6.5, cpus=8).verdict, check_load(None, cpus=8).verdict
+        ('ok', 'skip')
+    """
+    if load_average is None:
+        return Check("load", "skip", "no load average on this platform", "")
+    value = f"1-minute load average {load_average:.1f} for {cpus} usable CPUs"
+    if load_average > OVERLOAD_FACTOR * cpus:
+        fix = (
+            f"a load of {load_average:.1f} is {load_average / cpus:.1f}x the {cpus} usable "
+            "CPUs, so threads wait for a core: run fewer jobs at once, lower each job's "
+            "threads so that together they fit (OMP_NUM_THREADS, torch.set_num_threads(), "
+            "DataLoader num_workers), or pin each job to cores of its own "
+            "(taskset -c <first>-<last> python train.py)"
+        )
+        return Check("load", "warn", value, fix)
+    return Check("load", "ok", value)
+
+
+def check_steal(share: float | None) -> Check:
+    """The CPU time the hypervisor withheld from this VM since boot (*steal*): a VM whose
+    physical CPUs other tenants share, or a burstable instance out of CPU credits.
+
+    Stolen time is in no process's CPU time: data loading, kernel launches and every CPU
+    figure measured here (tuning, ``trainperf.watch``) get that much less of a core.
+
+    Args:
+        share: the stolen share of the CPU time the CPUs wanted since boot (busy or
+            stolen, idle left out), ``trainperf._utils.steal.boot_steal_share()``; None
+            where the platform reports no steal (only Linux does).
+
+    Example:
+        >>> check_steal(0.25).verdict, check_steal(0.02).verdict, check_steal(None).verdict
+        ('warn', 'ok', 'skip')
+    """
+    if share is None:
+        return Check("steal", "skip", "no steal figure on this platform (Linux VMs report it)")
+    value = (
+        f"the hypervisor withheld {share:.1%} of the CPU time this machine's CPUs wanted "
+        "since boot (steal)"
+    )
+    if share >= STEAL_WARN:
+        fix = (
+            "other tenants share this VM's physical CPUs, or a burstable instance ran out of "
+            "CPU credits: data loading and every CPU figure lose that share. Rent an instance "
+            "type with dedicated cores (not shared-core or burstable), or move the job to "
+            "another host; trainperf.watch reports the steal during your own loop "
+            "(report.host_steal_mean)"
+        )
+        return Check("steal", "warn", value, fix)
+    return Check("steal", "ok", value)

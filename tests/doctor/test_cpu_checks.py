@@ -1,0 +1,76 @@
+"""The CPU-contention checks (``doctor/_cpu_checks.py``): BLAS, threads, load."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.doctor._fakes import _pool
+from trainperf.doctor import (
+    check_blas,
+    check_load,
+    check_threads,
+)
+
+
+def test_blas_openblas_vs_mkl_on_intel_and_amd() -> None:
+    intel_openblas = check_blas([_pool("openblas")], "GenuineIntel", cpus=8)
+    assert intel_openblas.verdict == "warn" and "MKL" in intel_openblas.fix
+    assert check_blas([_pool("mkl")], "GenuineIntel", cpus=8).verdict == "ok"
+    assert check_blas([_pool("openblas")], "AuthenticAMD", cpus=8).verdict == "ok"
+    over = check_blas([_pool("mkl", threads=64)], "GenuineIntel", cpus=8)
+    assert over.verdict == "warn" and "64 BLAS threads" in over.fix
+    missing = check_blas(None, "GenuineIntel", cpus=8)
+    assert missing.verdict == "skip" and missing.fix == "pip install threadpoolctl"
+    openmp_only = [{"user_api": "openmp", "internal_api": "openmp", "num_threads": 8}]
+    assert check_blas(openmp_only, "GenuineIntel", cpus=8).verdict == "skip"
+
+
+@pytest.mark.parametrize(("threads", "cpus", "verdict"), [(1, 8, "ok"), (1, 1, "ok"),
+                                                         (2, 8, "ok"), (3, 8, "warn"),
+                                                         (8, 8, "warn")])  # fmt: skip
+def test_blas_openblas_on_intel_already_capped_is_not_a_warning(
+    threads: int, cpus: int, verdict: str
+) -> None:
+    # OPENBLAS_NUM_THREADS=1 (or a cap to a quarter of the CPUs) is the fix the warning gives.
+    check = check_blas([_pool("openblas", threads=threads)], "GenuineIntel", cpus=cpus)
+    assert check.verdict == verdict
+    assert f"({threads} threads)" in check.value
+
+
+def test_threads_oversubscription_and_bad_omp() -> None:
+    over = check_threads(32, None, cpus=32, processes=4)
+    assert over.verdict == "warn" and "torch.set_num_threads(8)" in over.fix
+    assert check_threads(8, "8", cpus=32, processes=4).verdict == "ok"
+    beyond_quota = check_threads(64, None, cpus=8)
+    assert beyond_quota.verdict == "warn" and "set_num_threads(8)" in beyond_quota.fix
+    omp = check_threads(2, "8", cpus=2)
+    assert omp.verdict == "warn" and "OMP_NUM_THREADS=2" in omp.fix
+    bad = check_threads(4, "four", cpus=8)
+    assert bad.verdict == "warn" and "'four'" in bad.fix
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "four", "", "1.5"])
+def test_threads_omp_must_be_an_integer_of_at_least_one(value: str) -> None:
+    check = check_threads(2, value, cpus=8, processes=2)
+    assert check.verdict == "warn"
+    assert f"got {value!r}" in check.fix and "set OMP_NUM_THREADS=4" in check.fix
+    assert check_threads(2, " 3 ", cpus=8).verdict == "ok"
+
+
+@pytest.mark.parametrize(("value", "verdict"), [("1,1", "ok"), ("4,2", "ok"), ("8,1", "warn")])
+def test_threads_omp_takes_a_list_per_nesting_level_as_openmp_does(
+    value: str, verdict: str
+) -> None:
+    check = check_threads(1, value, cpus=4)
+    assert check.verdict == verdict and "must be an integer" not in check.fix
+    bad = check_threads(1, "1,0", cpus=4)
+    assert bad.verdict == "warn" and "or a comma-separated list of them" in bad.fix
+
+
+def test_load_average_against_the_usable_cpus() -> None:
+    over = check_load(25.3, cpus=16)
+    assert over.verdict == "warn" and "25.3" in over.value and "16 usable CPUs" in over.value
+    assert "1.6x" in over.fix and "taskset" in over.fix and "OMP_NUM_THREADS" in over.fix
+    assert check_load(24.0, cpus=16).verdict == "ok"  # 1.5x: busy, not clearly over
+    assert check_load(0.3, cpus=2).verdict == "ok"
+    assert check_load(None, cpus=2).verdict == "skip"
