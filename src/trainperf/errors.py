@@ -33,7 +33,9 @@ Which condition maps to which type, everywhere in the package:
   rank and its traceback), the explicit ``MASTER_PORT`` cannot be bound, the rendezvous
   store cannot start, or, under spawn, the script calls ``launch`` without the
   ``if __name__ == "__main__":`` guard, its re-import in a worker fails, or the worker cannot
-  import ``main``'s module.
+  import ``main``'s module; under torchrun/SLURM, ``launch_all`` waited ``timeout`` for
+  another rank to return from ``main`` (the message names it) or lost the store that gathers
+  the values.
 - ``HangError``: ``launch(hang_timeout=...)`` saw no progress on any rank for
   ``hang_timeout`` seconds; the message names the rank(s) that caused it, their file:line,
   and what the others wait in (``.report`` holds it all).

@@ -7,6 +7,8 @@ python _script.py hang OUTDIR START_METHOD
     theirs to OUTDIR/pids<R>.json, then keeps iterating forever.
 python _script.py destroys OUTDIR
     launch_all(main) whose main destroys the process group itself; prints every rank's value.
+python _script.py destroys_on_rank0 OUTDIR
+    the same, but main destroys the group on rank 0 only (timeout=30 s, so a hang is bounded).
 """
 
 from __future__ import annotations
@@ -66,12 +68,24 @@ def destroys_main() -> int:
     return ddp.rank() * 10
 
 
+def destroys_on_rank0_main() -> int:
+    dist.all_reduce(torch.ones(1))
+    if ddp.rank() == 0:
+        dist.destroy_process_group()
+    return ddp.rank() * 10
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
     if mode == "all_reduce":
         print("result", ddp.launch(all_reduce_main, out, nprocs=2, backend="gloo"), flush=True)
     elif mode == "destroys":
         print("results", ddp.launch_all(destroys_main, backend="gloo"), flush=True)
+    elif mode == "destroys_on_rank0":
+        gathered = ddp.launch_all(
+            destroys_on_rank0_main, backend="gloo", timeout=30, hang_timeout=None
+        )
+        print("results", gathered, flush=True)
     elif mode == "hang":
         ddp.launch(hang_main, out, nprocs=2, backend="gloo", start_method=sys.argv[3])
     else:

@@ -3,7 +3,10 @@ test_launch.py)."""
 
 from __future__ import annotations
 
+import itertools
 import sys
+from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,10 @@ import torch.distributed as dist
 import trainperf.ddp as ddp
 from tests.ddp._envs import TORCHRUN
 from tests.ddp.test_launch import SCRIPT, _clean_env, _free_port, _run_programs, slurm_envs
+from trainperf.ddp import _injob
+from trainperf.ddp._env import DistributedEnv
+from trainperf.ddp._injob import _gather_store, _must_regroup
+from trainperf.errors import LaunchError
 
 
 def _destroys_group(value: str) -> str:
@@ -42,20 +49,126 @@ def _torchrun(port: int) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
-def test_every_rank_gathers_after_main_destroyed_the_group(launcher: str, tmp_path: Path) -> None:
-    # Under torchrun the agent keeps the store: a group made again on its first keys read
-    # the old group's addresses and failed to connect. Under SLURM rank 0 hosts the store.
+def _run_script(launcher: str, mode: str, tmp_path: Path) -> list[str]:
+    """Run ``_script.py MODE`` on 2 ranks under ``launcher``; the lines they printed."""
     port = _free_port()
-    script = [str(SCRIPT), "destroys", str(tmp_path)]
+    script = [str(SCRIPT), mode, str(tmp_path)]
     if launcher == "torchrun":
         runs = _run_programs([_torchrun(port) + script], [_clean_env()], timeout=100)
     else:
         runs = _run_programs([[sys.executable, *script]] * 2, slurm_envs(port), timeout=100)
     for run in runs:
         assert run.returncode == 0, run.stdout
-    printed = [line for run in runs for line in run.stdout.splitlines() if "results" in line]
-    assert len(printed) == 2, [run.stdout for run in runs]
+    return [line for run in runs for line in run.stdout.splitlines() if "results" in line]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_every_rank_gathers_after_main_destroyed_the_group(launcher: str, tmp_path: Path) -> None:
+    # Under torchrun the agent keeps the store: a group made again on its first keys read
+    # the old group's addresses and failed to connect. Under SLURM rank 0 hosts the store.
+    printed = _run_script(launcher, "destroys", tmp_path)
+    assert len(printed) == 2, printed
     assert all(line.endswith("results [0, 10]") for line in printed), printed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_every_rank_gathers_after_main_destroyed_the_group_on_rank_0_only(
+    launcher: str, tmp_path: Path
+) -> None:
+    # Rank 0 made a group again (waiting on the store for rank 1) while rank 1 gathered on
+    # the old group: rank 1 failed with "Connection reset by peer" and rank 0 waited for the
+    # whole timeout (30 minutes by default) before failing too.
+    printed = _run_script(launcher, "destroys_on_rank0", tmp_path)
+    assert len(printed) == 2, printed
+    assert all(line.endswith("results [0, 10]") for line in printed), printed
+
+
+# ------------------------------------------- _must_regroup: the ranks agree on the store
+
+RANK0_OF_2 = DistributedEnv("slurm", 0, 2, 0, 2, "127.0.0.1", 29500)
+
+
+@pytest.fixture
+def own_group() -> Iterator[None]:
+    """A one-rank gloo group standing for this rank's live group in a job of two."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _store_where_rank_1(destroyed: bool) -> dist.Store:
+    store = _gather_store(dist.HashStore())
+    if destroyed:
+        store.add("destroyed", 1)
+    store.set("reported/1", "1")
+    return store
+
+
+def test_a_rank_whose_group_main_destroyed_regroups() -> None:
+    assert not dist.is_initialized()
+    assert _must_regroup(RANK0_OF_2, timedelta(seconds=5), _store_where_rank_1(False))
+
+
+@pytest.mark.usefixtures("own_group")
+def test_a_live_group_is_destroyed_when_another_rank_destroyed_its_own() -> None:
+    assert _must_regroup(RANK0_OF_2, timedelta(seconds=5), _store_where_rank_1(True))
+    assert not dist.is_initialized()
+
+
+@pytest.mark.usefixtures("own_group")
+def test_live_groups_everywhere_gather_on_the_group_main_left() -> None:
+    assert not _must_regroup(RANK0_OF_2, timedelta(seconds=5), _store_where_rank_1(False))
+    assert dist.is_initialized()
+
+
+def test_a_rank_that_never_reports_is_named_after_the_timeout() -> None:
+    store = _gather_store(dist.HashStore())
+    with pytest.raises(LaunchError, match=r"rank 0 returned from main, but rank\(s\) \[1\] did"):
+        _must_regroup(RANK0_OF_2, timedelta(seconds=0.2), store)
+
+
+class _GoneStore:
+    """A store whose host exited: every call fails."""
+
+    def add(self, key: str, amount: int) -> int:
+        raise dist.DistNetworkError("Connection reset by peer")
+
+    def set(self, key: str, value: str) -> None:
+        raise dist.DistNetworkError("Connection reset by peer")
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        raise dist.DistNetworkError("Connection reset by peer")
+
+    def check(self, keys: list[str]) -> bool:
+        raise dist.DistNetworkError("Connection reset by peer")
+
+
+@pytest.mark.parametrize("live_group", [False, True])
+def test_an_unreachable_store_is_a_launch_error(
+    live_group: bool, request: pytest.FixtureRequest
+) -> None:
+    if live_group:
+        request.getfixturevalue("own_group")
+    with pytest.raises(LaunchError, match="store that gathers every rank's value became unr"):
+        _must_regroup(RANK0_OF_2, timedelta(seconds=5), _GoneStore())
+
+
+def test_each_gather_and_each_torchrun_restart_has_keys_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = dist.HashStore()  # torchrun's agent keeps its store across restarts
+    monkeypatch.setattr(_injob, "_gathers", itertools.count())  # a new worker process
+    _gather_store(store).set("reported/0", "1")
+    assert not _gather_store(store).check(["reported/0"])  # the next launch_all
+    monkeypatch.setattr(_injob, "_gathers", itertools.count())
+    assert _gather_store(store).check(["reported/0"])  # the same gather: the same keys
+    monkeypatch.setattr(_injob, "_gathers", itertools.count())
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert not _gather_store(store).check(["reported/0"])

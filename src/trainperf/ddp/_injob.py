@@ -4,7 +4,8 @@ The process group is initialised from the launcher's environment (``env://``) un
 already exists, ``main`` runs under :func:`~trainperf.ddp.watchdog` when ``hang_timeout`` is
 set (there is no launcher of ours to watch the ranks, so they watch each other), and the
 group is destroyed afterwards; the environment variables set here are put back. ``main`` may
-destroy the group itself: ``launch_all`` then gathers the values in a group made for that.
+destroy the group itself, on every rank or on some: ``launch_all``'s ranks then agree, on the
+store, to gather the values in a group made for that.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from trainperf.ddp import _env
 from trainperf.ddp._worker import rank_device
+from trainperf.errors import LaunchError
 
 __all__ = ["resolve_backend", "run_in_process"]
 
@@ -68,9 +70,11 @@ def run_in_process(
             result = main(*args, **kwargs)
         if not all_ranks:
             return result
-        if not dist.is_initialized():
-            # main destroyed the group itself (allowed: launch destroys only one that is
-            # left). A new one carries the values, and is destroyed below.
+        store = None if store is None else _gather_store(store)
+        if _must_regroup(env, timeout, store):
+            # main destroyed the group itself, here or on another rank (allowed: launch
+            # destroys only one that is left). A new one carries the values, and is
+            # destroyed below.
             _regroup(env, backend, timeout, store)
             created = True
         gathered: list[Any] = [None] * dist.get_world_size()
@@ -120,22 +124,79 @@ def _default_store() -> Any:
         return None
 
 
-# How many groups this process made again; the same count on every rank (each runs the
-# same launch_all calls), so their keys agree.
-_regroups = itertools.count()
+# How many in-job gathers (launch_all calls) this process made; the same count on every rank
+# (each runs the same launch_all calls), so their keys agree.
+_gathers = itertools.count()
+
+
+def _gather_store(store: Any) -> Any:
+    """This gather's own keys on the first group's store, apart from every earlier
+    gather's and earlier torchrun restart's (torchrun's agent keeps its store)."""
+    import torch.distributed as dist
+
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"trainperf/launch_all/{restart}/{next(_gathers)}/"
+    return dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
+
+
+def _must_regroup(env: _env.DistributedEnv, timeout: timedelta, store: Any) -> bool:
+    """Whether every rank makes a default group again to gather the values: yes if main
+    destroyed the group on any rank. The ranks agree on the store, not in a collective (the
+    group is gone on some); each waits at most ``timeout`` for the others to report.
+
+    Raises:
+        LaunchError: a rank did not report within ``timeout`` (still in main, or failed).
+    """
+    import torch.distributed as dist
+
+    alive = dist.is_initialized()
+    if store is None:
+        return not alive  # no store kept (torch no longer says which): nothing to agree on
+    keys = [f"reported/{rank}" for rank in range(env.world_size)]
+    try:
+        if not alive:
+            store.add("destroyed", 1)  # before "reported": who read every report sees it
+        store.set(keys[env.rank], "1")
+        store.wait(keys, timeout)
+    except RuntimeError as e:  # DistStoreError on a timeout, DistNetworkError if gone
+        raise LaunchError(_unreported_message(env, timeout, store, keys)) from e
+    regroup = int(store.add("destroyed", 0)) > 0
+    if regroup and alive:
+        dist.destroy_process_group()  # destroyed on another rank: cannot carry the values
+    return regroup
+
+
+def _unreported_message(
+    env: _env.DistributedEnv, timeout: timedelta, store: Any, keys: list[str]
+) -> str:
+    seconds = f"timeout={timeout.total_seconds():g} s"
+    try:
+        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+    except RuntimeError:
+        missing = []
+    if not missing:
+        return (
+            f"launch_all: rank {env.rank} returned from main, but the store that gathers "
+            f"every rank's value became unreachable within {seconds} (the rank that hosts "
+            "it, rank 0 unless the launcher hosts it, may have failed or exited); see the "
+            "other ranks' output"
+        )
+    return (
+        f"launch_all: rank {env.rank} returned from main, but rank(s) {missing} did not "
+        f"within {seconds}, so their values cannot be gathered; see their output for an "
+        "error, or pass a longer timeout if main takes that much longer on them"
+    )
 
 
 def _regroup(env: _env.DistributedEnv, backend: str | None, timeout: timedelta, store: Any) -> None:
     """A default group again, after main destroyed the first, to gather the values. On the
-    first group's store, under keys of its own: a group made again on the first one's keys
-    (``env://``) reads its stale addresses under torchrun (whose agent keeps the store) and
-    fails to connect."""
+    gather's own keys of the first group's store: a group made again on the first one's
+    keys (``env://``) reads its stale addresses under torchrun (whose agent keeps the store)
+    and fails to connect."""
     import torch.distributed as dist
 
     if store is None:
         # No store kept (torch no longer says which): from the environment, as at first.
         _init_group(env, backend, timeout)
         return
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefix = f"trainperf/launch_all/{restart}/{next(_regroups)}/"
-    _init_group(env, backend, timeout, dist.PrefixStore(prefix, store))  # type: ignore[attr-defined]
+    _init_group(env, backend, timeout, dist.PrefixStore("group/", store))  # type: ignore[attr-defined]

@@ -509,7 +509,9 @@ def launch_all(
     """Like :func:`launch`, but return every rank's value, indexed by rank.
 
     Under torchrun or SLURM the values are gathered with ``all_gather_object`` before the
-    process group is destroyed, so every process gets the whole list.
+    process group is destroyed, so every process gets the whole list. If ``main`` destroyed
+    the group, on every rank or on some, the ranks agree on the store to gather in a new
+    group instead, each waiting at most ``timeout`` for the others to return from ``main``.
 
     Args:
         main: as for :func:`launch`.
@@ -528,7 +530,9 @@ def launch_all(
 
     Raises:
         HangError: as for :func:`launch`.
-        LaunchError: as for :func:`launch`.
+        LaunchError: as for :func:`launch`; under torchrun or SLURM also when another rank
+            does not return from ``main`` within ``timeout`` of this one (the message names
+            it), or the store that gathers the values becomes unreachable.
         ValueError: as for :func:`launch`.
         DeviceError: as for :func:`launch`.
 
