@@ -189,3 +189,15 @@ def test_check_same_device_stops_at_reference_cycles() -> None:
     assert check_same_device(None, looped) == torch.device("cpu")
     with pytest.raises(DeviceMismatchError, match=r"cpu: input arg0\[0\]\n  meta: input m\['x'\]"):
         check_same_device(None, looped, m=mapping)
+
+
+def test_check_same_device_lets_a_cpu_scalar_go_with_any_device() -> None:
+    # PyTorch moves a 0-dim CPU tensor to the other operand's device: model(x) / temperature.
+    model = torch.nn.Linear(4, 2).to("meta")
+    temperature = torch.tensor(0.5)
+    assert check_same_device(model, torch.ones(3, 4, device="meta"), t=temperature) == META
+    assert check_same_device(None, temperature, step=torch.tensor(3)) == torch.device("cpu")
+    with pytest.raises(DeviceMismatchError) as info:  # a CPU tensor of one element is not one
+        check_same_device(model, torch.ones(1), t=temperature)
+    cpu_line = next(line for line in str(info.value).splitlines() if "cpu:" in line)
+    assert cpu_line.strip() == "cpu: input arg0, input t"

@@ -110,6 +110,9 @@ def check_same_device(
             their own ``.to`` are not looked inside: their ``.to`` places each field.
         **named_tensors: inputs by name, possibly nested.
 
+    A 0-dim tensor on the CPU (a scalar such as ``torch.tensor(0.5)``) goes with tensors
+    on any device, as PyTorch lets it: it is left out when others are elsewhere.
+
     Returns:
         The one device they all live on.
 
@@ -139,9 +142,7 @@ def check_same_device(
             "check_same_device found no tensors: pass a module with parameters "
             "or at least one tensor input"
         )
-    by_device: dict[torch.device, list[str]] = {}
-    for name, t in found:
-        by_device.setdefault(t.device, []).append(name)
+    by_device = _by_device(found)
     if len(by_device) == 1:
         return next(iter(by_device))
     lines = []
@@ -155,3 +156,21 @@ def check_same_device(
         + f"\nFix: move both to one device, e.g. model.to({str(first)!r}) and "
         f"batch = trainperf.to_device(batch, {str(first)!r})."
     )
+
+
+def _by_device(found: list[tuple[str, torch.Tensor]]) -> dict[torch.device, list[str]]:
+    """The names found on each device; 0-dim CPU tensors count only where every tensor is on
+    the CPU (PyTorch moves such scalars to the other operand's device)."""
+    by_device: dict[torch.device, list[str]] = {}
+    cpu_scalars: list[str] = []
+    for name, t in found:
+        if t.dim() == 0 and t.device.type == "cpu":
+            cpu_scalars.append(name)
+        else:
+            by_device.setdefault(t.device, []).append(name)
+    if not by_device:
+        return {torch.device("cpu"): cpu_scalars}
+    cpu = by_device.get(torch.device("cpu"))
+    if cpu is not None:
+        cpu += cpu_scalars
+    return by_device
