@@ -69,6 +69,8 @@ Which condition maps to which type, everywhere in the package:
   process.
 - ``MemoryError``: host memory ran out while ``load_checkpoint`` (or ``Checkpointer.restore``)
   read a file: not the file's fault, so not a ``CheckpointCorruptError``.
+- ``torch.OutOfMemoryError``: GPU memory ran out while ``load_checkpoint`` (or
+  ``Checkpointer.restore``) loaded a file onto a GPU; the message names the file and the fix.
 - ``KeyboardInterrupt`` / ``SystemExit``: SIGINT / SIGTERM reached ``launch`` (re-raised after
   every worker was stopped; ``SystemExit(143)`` for SIGTERM, once the ranks exited within
   ``grace_s`` or were killed). The CLI exits with

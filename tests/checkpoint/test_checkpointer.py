@@ -12,7 +12,9 @@ import random
 import signal
 import threading
 import time
+import types
 import warnings
+import zipfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import trainperf.checkpoint._checkpointer as checkpointer_module
 import trainperf.checkpoint._files as files_module
+import trainperf.checkpoint._steps as steps_module
 import trainperf.checkpoint._writer as writer_module
 from tests.checkpoint import _agree
 from tests.ddp._distributed import FORK, spawn
@@ -363,6 +366,57 @@ def test_restore_stops_on_a_file_it_cannot_read_rather_than_fall_back(
     assert torch.equal(w, torch.zeros(4))  # nothing older was put in
     monkeypatch.undo()
     assert ckpt.restore({"w": w}) == 2 and torch.equal(w, torch.full((4,), 2.0))
+
+
+@pytest.mark.parametrize(("code", "kind"), [(errno.EIO, OSError), (errno.EACCES, PermissionError)])
+def test_latest_stops_on_a_file_it_cannot_read_as_restore_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, kind: type
+) -> None:
+    # latest() warned "skipping checkpoint" and returned step 1: a resume from it lost the
+    # steps since, while restore() stopped on the same file.
+    ckpt = Checkpointer(tmp_path)
+    for step in (1, 2, 3):
+        ckpt.save({"w": torch.full((1000,), float(step))}, step=step)
+    newest = tmp_path / "step-000000003.pt"
+    newest.write_bytes(newest.read_bytes()[:500])  # cut short: still skipped
+    real_zip = zipfile.ZipFile
+
+    def failing_zip(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(path).endswith("step-000000002.pt"):
+            raise OSError(code, os.strerror(code), str(path))
+        return real_zip(path, *args, **kwargs)
+
+    fake = types.SimpleNamespace(ZipFile=failing_zip, BadZipFile=zipfile.BadZipFile)
+    monkeypatch.setattr(steps_module, "zipfile", fake)
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        pytest.raises(
+            kind,
+            match=r"latest stops at step 2 rather than fall back to an older checkpoint: "
+            r"cannot read checkpoint .*step-000000002\.pt",
+        ) as info,
+    ):
+        warnings.simplefilter("always")
+        ckpt.latest()
+    assert info.value.errno == code and not isinstance(info.value, CheckpointError)
+    assert [str(w.message).split(":")[0] for w in caught] == [f"skipping checkpoint {newest}"]
+    monkeypatch.undo()
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000003\.pt"):
+        assert ckpt.latest() == tmp_path / "step-000000002.pt"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its mode")
+def test_latest_stops_on_a_file_without_read_permission(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path)
+    for step in (1, 2):
+        ckpt.save({"w": torch.full((4,), float(step))}, step=step)
+    newest = tmp_path / "step-000000002.pt"
+    newest.chmod(0)
+    try:
+        with pytest.raises(PermissionError, match=r"latest stops at step 2 .*check its permis"):
+            ckpt.latest()
+    finally:
+        newest.chmod(0o644)
 
 
 def test_a_damaged_step_written_again_in_the_background_counts_and_goes(tmp_path: Path) -> None:
@@ -846,6 +900,25 @@ def test_lists_and_arrays_in_state_are_updated_in_place(tmp_path: Path) -> None:
     ckpt.save(state, step=2)
     latest = ckpt.latest()
     assert latest is not None and load_checkpoint(latest)["history"] == [1.0, 2.0, 3.0]
+
+
+def test_sets_and_dicts_in_state_are_updated_in_place(tmp_path: Path) -> None:
+    # A set was replaced by the loaded one: the loop's `seen` went stale, and the next save
+    # lost what it added after the restore.
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"seen": {1, 2}, "meta": {"tags": {"a"}, "best": 0.5}}, step=1)
+    seen: set[int] = set()
+    tags: set[str] = {"stale"}
+    meta: dict[str, Any] = {"tags": tags, "best": 0.0}
+    state: dict[str, Any] = {"seen": seen, "meta": meta}
+    assert Checkpointer(tmp_path).restore(state) == 1
+    assert state["seen"] is seen and seen == {1, 2}
+    assert state["meta"] is meta and meta["tags"] is tags and tags == {"a"}
+    assert meta["best"] == 0.5
+    seen.add(3)
+    ckpt.save(state, step=2)
+    latest = ckpt.latest()
+    assert latest is not None and load_checkpoint(latest)["seen"] == {1, 2, 3}
 
 
 class _Refuses:

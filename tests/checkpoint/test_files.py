@@ -524,3 +524,42 @@ def test_running_out_of_memory_reading_safetensors_is_not_called_corrupt(
     monkeypatch.setattr(safetensors_torch, "load_file", no_memory)
     with pytest.raises(MemoryError, match=rf"c\.safetensors \({size}\).*not damaged.*free memory"):
         load_checkpoint(path)
+
+
+_CUDA_OOM = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
+    "of which 1.06 GiB is free. Including non-PyTorch memory, this process has 78.12 GiB "
+    "memory in use."
+)
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (torch.OutOfMemoryError(_CUDA_OOM), r"allocating 2\.00 GiB for a tensor failed "
+         r"\(1\.06 GiB was free\)"),
+        (RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 7.79 GiB "
+                      "total capacity)"), r"allocating 20\.00 MiB for a tensor failed"),
+    ],
+)  # fmt: skip
+def test_running_out_of_gpu_memory_reading_safetensors_is_not_called_corrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception, said: str
+) -> None:
+    # It read "safetensors checkpoint ... is truncated or damaged": the user re-copied a
+    # good file, or deleted it, when a load onto the CPU would have worked.
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    path = save_checkpoint({"w": torch.ones(1000)}, tmp_path / "c.safetensors")
+    size = f"{path.stat().st_size / 1024:.0f} KiB"
+
+    def no_gpu_memory(*args: Any, **kwargs: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(safetensors_torch, "load_file", no_gpu_memory)
+    monkeypatch.setattr(files_module, "resolve_device", lambda *a, **k: torch.device("cuda:0"))
+    with pytest.raises(
+        torch.OutOfMemoryError,
+        match=rf"out of GPU memory loading checkpoint .*c\.safetensors \({size}\) onto cuda:0: "
+        rf"{said}\. The file is not damaged: load it with device='cpu'.*free GPU memory",
+    ) as info:
+        load_checkpoint(path, "cuda")
+    assert not isinstance(info.value, CheckpointError) and info.value.__cause__ is error

@@ -228,13 +228,27 @@ def test_an_io_error_inside_torch_load_is_not_a_checkpoint_error(
         load_checkpoint(path)
 
 
-def test_out_of_memory_is_not_rewrapped(monkeypatch: pytest.MonkeyPatch) -> None:
-    def oom(*args: Any, **kwargs: Any) -> None:
-        raise torch.OutOfMemoryError("CUDA out of memory")
+@pytest.mark.parametrize("kind", [torch.OutOfMemoryError, RuntimeError])
+def test_gpu_out_of_memory_stays_one_and_names_the_file(
+    monkeypatch: pytest.MonkeyPatch, kind: type[Exception]
+) -> None:
+    # A RuntimeError saying so (older torch, code that re-raises it) read as a damaged file;
+    # torch.OutOfMemoryError went through bare, without the file or the fix.
+    error = kind("CUDA out of memory. Tried to allocate 64.00 MiB (GPU 0; 1.00 GiB total)")
 
+    def oom(*args: Any, **kwargs: Any) -> None:
+        raise error
+
+    path = FIXTURES / GPU_FILES[0]
     monkeypatch.setattr(torch, "load", oom)
-    with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
-        load_checkpoint(FIXTURES / GPU_FILES[0])
+    with pytest.raises(
+        torch.OutOfMemoryError,
+        match=rf"out of GPU memory loading checkpoint .*{path.name} \(\d+ KiB\): allocating "
+        r"64\.00 MiB for a tensor failed\. The file is not damaged: load it with "
+        r"device='cpu'.*free GPU memory",
+    ) as info:
+        load_checkpoint(path)
+    assert not isinstance(info.value, CheckpointError) and info.value.__cause__ is error
 
 
 def allocation_fails(*args: Any, **kwargs: Any) -> None:

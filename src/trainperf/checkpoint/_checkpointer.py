@@ -324,13 +324,21 @@ class Checkpointer:
     def latest(self) -> Path | None:
         """The newest complete checkpoint file, or None when there is none.
 
-        A file that is not a complete ``torch.save`` archive (cut short, damaged,
-        unreadable) is skipped with a warning. This reads each file's zip directory only;
-        :meth:`restore` also checks every byte's CRC and falls back to an older file.
+        A file that is not a complete ``torch.save`` archive (cut short, damaged) is skipped
+        with a warning. This reads each file's zip directory only; :meth:`restore` also
+        checks every byte's CRC and falls back to an older file.
+
+        Raises:
+            OSError: a file it reaches could not be read (no permission, too many open
+                files, a disk or network-filesystem error): raised, as :meth:`restore`
+                raises it, not skipped for an older file, since the file may be fine.
         """
         for step in reversed(self.steps()):
             path = main_file(self.directory, step)
-            why = unloadable(path)
+            try:
+                why = unloadable(path, raise_read_errors=True)
+            except OSError as e:
+                raise _stops_at("latest", step, e) from e
             if why is None:
                 return path
             warnings.warn(f"skipping checkpoint {path}: {why}", UserWarning, stacklevel=2)
@@ -363,11 +371,12 @@ class Checkpointer:
         :func:`load_state_dict`, so wrapper prefixes fit either way, strictly; optimizers,
         schedulers, ``GradScaler``, ``MixedPrecision``), DataLoaders continue the pass they
         were saved in (the consumed batches are skipped at the sampler, never loaded),
-        plain values are replaced in ``state`` (dicts, lists, tensors and NumPy arrays are
-        updated in place where they can be), and the random generators are set. A file
-        that fails to load (cut short, damaged) is skipped with a warning for the next
-        older one. Loaders in ``state`` are tracked from here on, even when there is no
-        checkpoint yet, so that a later save knows their position: call it before the loop.
+        plain values are replaced in ``state`` (dicts, lists, sets, deques, tensors and NumPy
+        arrays are updated in place where they can be, so other references to them see the
+        saved values), and the random generators are set. A file that fails to load (cut
+        short, damaged) is skipped with a warning for the next older one. Loaders in
+        ``state`` are tracked from here on, even when there is no checkpoint yet, so that a
+        later save knows their position: call it before the loop.
 
         Args:
             state: the same keys ``save`` was given, holding the live objects.
@@ -393,6 +402,11 @@ class Checkpointer:
             OSError: the newest file could not be read (no permission, too many open
                 files, a disk or network-filesystem error): raised, not skipped, since the
                 file may be fine.
+            MemoryError: host memory ran out loading the newest file (raised, not skipped:
+                the file is fine).
+            torch.OutOfMemoryError: GPU memory ran out loading it onto ``device`` (raised,
+                not skipped); the message says to restore with ``device="cpu"`` (the
+                default) or free GPU memory.
         """
         self._settle()
         if not isinstance(state, Mapping):
@@ -425,13 +439,7 @@ class Checkpointer:
                 self._damaged.add(step)  # kept, but not one of the ``keep`` newest
                 continue
             except OSError as e:
-                # Not read (EIO, EACCES, EMFILE), not found damaged: an older file would
-                # silently lose the steps since, and the next saves would bury this one.
-                raise OSError(
-                    e.errno,
-                    f"Checkpointer.restore stops at step {step} rather than fall back to an "
-                    f"older checkpoint: {e.strerror}",
-                ) from e
+                raise _stops_at("restore", step, e) from e
             restore_into(state, saved, self._own_part(step, rank), str(path), found)
             return found
         return 0
@@ -493,6 +501,17 @@ def _warn_no_writer(step: int, kind: str, e: OSError) -> None:
         "instead. Raise that limit to get background saves back",
         UserWarning,
         stacklevel=user_stacklevel(),
+    )
+
+
+def _stops_at(method: str, step: int, e: OSError) -> OSError:
+    """The error ``Checkpointer.<method>`` raises when step ``step``'s file could not be read
+    (EIO, EACCES, EMFILE), not found damaged: an older file would silently lose the steps
+    since, and the next saves would bury this one. Same errno, so the same subclass."""
+    return OSError(
+        e.errno,
+        f"Checkpointer.{method} stops at step {step} rather than fall back to an older "
+        f"checkpoint: {e.strerror or e}",
     )
 
 

@@ -23,6 +23,8 @@ from trainperf.checkpoint._formats import (
     _is_safetensors,
     _open_zip,
     _torch_load,
+    device_memory_error,
+    device_out_of_memory,
     memory_error,
     out_of_memory,
     read_error,
@@ -395,6 +397,9 @@ def load_checkpoint(
         CheckpointCorruptError: An empty, truncated or damaged checkpoint.
         MemoryError: Host memory ran out while loading (not a ``CheckpointError``: the file
             is fine); the message gives the file's size and what to try instead.
+        torch.OutOfMemoryError: GPU memory ran out while loading onto ``device`` (not a
+            ``CheckpointError``: the file is fine); the message names the file, its size
+            and the fix (``device="cpu"``, or free GPU memory).
         OSError: The file could not be read (no permission, too many open files, a disk or
             network-filesystem error; ``PermissionError`` for EACCES): not a
             ``CheckpointError``, the file may be fine; the message names it and what to check.
@@ -461,6 +466,8 @@ def _load_file(path: Path, dev: torch.device, weights_only: bool, verify: bool) 
         except Exception as e:
             if read_failure(e):
                 raise read_error(path, e) from e
+            if device_out_of_memory(e):
+                raise device_memory_error(path, dev, e) from e
             if out_of_memory(e):
                 hint = "or read a few tensors at a time with safetensors.safe_open(path, 'pt')"
                 raise memory_error(path, dev, e, hint) from e

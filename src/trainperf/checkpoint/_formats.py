@@ -352,6 +352,9 @@ def weights_only_refusal(value: Any) -> str | None:
 
 # What torch's CPU allocator (POSIX, Windows) and the OS say when host memory runs out.
 _NO_MEMORY = ("can't allocate memory", "not enough memory", "cannot allocate memory")
+# What a GPU's allocator says (torch raises OutOfMemoryError for CUDA; older builds, MPS
+# and code that re-raises it give a plain RuntimeError with the same text).
+_NO_DEVICE_MEMORY = ("cuda out of memory", "hip out of memory", "mps backend out of memory")
 
 
 def out_of_memory(e: BaseException) -> bool:
@@ -362,20 +365,47 @@ def out_of_memory(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in _NO_MEMORY)
 
 
+def device_out_of_memory(e: BaseException) -> bool:
+    """GPU memory ran out: ``torch.OutOfMemoryError``, or a RuntimeError saying "CUDA out of
+    memory" (which would otherwise read as a damaged file).
+
+    Example:
+        >>> device_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+        True
+        >>> device_out_of_memory(RuntimeError("PytorchStreamReader failed reading zip archive"))
+        False
+    """
+    if isinstance(e, torch.cuda.OutOfMemoryError):  # torch.OutOfMemoryError since 2.5
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in _NO_DEVICE_MEMORY)
+
+
+def _file_size(path: Path) -> str:
+    try:
+        return format_bytes(path.stat().st_size)
+    except OSError:
+        return "size unknown"
+
+
+def _allocation(msg: str) -> str | None:
+    """What an allocator's message says failed, in a few words, or None."""
+    asked = re.search(r"tried to allocate (\d+) bytes", msg, re.IGNORECASE)
+    if asked:  # torch's CPU allocator wraps this in "[enforce fail at alloc_cpu.cpp:...]" noise
+        return f"allocating {format_bytes(int(asked.group(1)))} for a tensor failed"
+    asked = re.search(r"tried to allocate ([\d.]+ [KMGT]?i?B)", msg, re.IGNORECASE)
+    if asked:  # the CUDA caching allocator: sizes already in words, then a page of advice
+        free = re.search(r"of which ([\d.]+ [KMGT]?i?B) (?:is )?free", msg, re.IGNORECASE)
+        left = f" ({free.group(1)} was free)" if free else ""
+        return f"allocating {asked.group(1)} for a tensor failed{left}"
+    return None
+
+
 def memory_error(path: Path, dev: torch.device, e: BaseException, mmap_hint: str) -> MemoryError:
     """The error to raise (from ``e``) when loading ``path`` ran out of host memory: its
     size, that the file is fine, and what to try instead (``mmap_hint``: a format's own way
     to read it piecemeal, or "")."""
-    try:
-        size = format_bytes(path.stat().st_size)
-    except OSError:
-        size = "size unknown"
     msg = str(e).strip()
-    asked = re.search(r"tried to allocate (\d+) bytes", msg)
-    if asked:  # torch's allocator wraps this in "[enforce fail at alloc_cpu.cpp:...]" noise
-        detail = f"allocating {format_bytes(int(asked.group(1)))} for a tensor failed"
-    else:
-        detail = msg.splitlines()[-1] if msg else type(e).__name__
+    detail = _allocation(msg) or (msg.splitlines()[-1] if msg else type(e).__name__)
     to_gpu = (
         "load it straight onto the GPU with device='cuda' (tensors then pass through host "
         "memory one at a time), "
@@ -383,9 +413,26 @@ def memory_error(path: Path, dev: torch.device, e: BaseException, mmap_hint: str
         else ""
     )
     return MemoryError(
-        f"not enough memory to load checkpoint {path} ({size}): {detail}. The file is not "
-        "damaged: free memory (stop other processes, drop references to checkpoints loaded "
-        f"earlier: del ckpt), {to_gpu}{mmap_hint or 'or load it on a machine with more memory'}"
+        f"not enough memory to load checkpoint {path} ({_file_size(path)}): {detail}. The "
+        "file is not damaged: free memory (stop other processes, drop references to "
+        f"checkpoints loaded earlier: del ckpt), {to_gpu}"
+        f"{mmap_hint or 'or load it on a machine with more memory'}"
+    )
+
+
+def device_memory_error(path: Path, dev: torch.device, e: BaseException) -> torch.OutOfMemoryError:
+    """The error to raise (from ``e``) when loading ``path`` onto ``dev`` ran out of GPU
+    memory: still a ``torch.OutOfMemoryError`` (code that catches it keeps working), now
+    naming the file, its size, that the file is fine, and the fix."""
+    msg = str(e).strip()
+    detail = _allocation(msg) or (msg.splitlines()[0] if msg else type(e).__name__)
+    onto = f" onto {dev}" if dev.type != "cpu" else ""
+    return torch.cuda.OutOfMemoryError(
+        f"out of GPU memory loading checkpoint {path} ({_file_size(path)}){onto}: {detail}. "
+        "The file is not damaged: load it with device='cpu' (load_state_dict then copies "
+        "each tensor into the model on its GPU, without a second copy of the weights "
+        "there), or free GPU memory first (drop references to tensors and checkpoints "
+        "loaded earlier: del ckpt; torch.cuda.empty_cache())"
     )
 
 
@@ -393,11 +440,11 @@ def _torch_load(path: Path, dev: torch.device, weights_only: bool) -> Any:
     try:
         with allow_data_only() if weights_only else contextlib.nullcontext():
             return torch.load(path, map_location=dev, weights_only=weights_only)
-    except torch.OutOfMemoryError:
-        raise
     except Exception as e:
         if read_failure(e):
             raise read_error(path, e) from e
+        if device_out_of_memory(e):
+            raise device_memory_error(path, dev, e) from e
         if out_of_memory(e):
             raise memory_error(path, dev, e, _torch_mmap_hint(path)) from e
         msg = str(e)

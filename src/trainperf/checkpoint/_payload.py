@@ -9,8 +9,10 @@ format version and the generator states (:mod:`._rng`).
 
 from __future__ import annotations
 
+import collections
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, MutableSet
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -309,6 +311,12 @@ def _restore_value(live: Any, saved: Any, where: str, place: str, loaded: list[s
         return _KEEP
     if isinstance(live, np.ndarray) and isinstance(saved, np.ndarray):
         return _into_array(live, saved)
+    if isinstance(live, MutableSet) and isinstance(saved, AbstractSet):
+        live.clear()
+        live |= saved
+        return _KEEP
+    if isinstance(live, collections.deque) and isinstance(saved, collections.deque):
+        return _into_deque(live, saved)
     if isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
         if len(live) != len(saved):
             if isinstance(live, list):  # the loop's own reference to it must see the values
@@ -353,6 +361,17 @@ def _into_array(live: np.ndarray[Any, Any], saved: np.ndarray[Any, Any]) -> Any:
     return _KEEP
 
 
+def _into_deque(live: collections.deque[Any], saved: collections.deque[Any]) -> Any:
+    """``saved``'s items put into ``live`` (returns ``_KEEP``) when both have the same
+    ``maxlen``; else ``saved``, which replaces it (a deque's ``maxlen`` cannot change, and a
+    shorter one would drop saved items)."""
+    if live.maxlen != saved.maxlen:
+        return saved
+    live.clear()
+    live.extend(saved)
+    return _KEEP
+
+
 def _same_tuple(live: tuple[Any, ...], values: list[Any]) -> tuple[Any, ...]:
     """``values`` as a tuple of ``live``'s type: a namedtuple takes them as arguments; a
     tuple subclass whose constructor takes no iterable becomes a plain tuple."""
@@ -376,8 +395,10 @@ def restore_into(
     on rank 0.
 
     Plain values in ``state`` are replaced by the saved ones (when ``state`` is a mutable
-    dict); dicts, lists, tensors and NumPy arrays are updated in place where they can be,
-    so other references to them see the saved values. Entries the file has and ``state``
+    dict); dicts, lists, sets, deques, tensors and NumPy arrays are updated in place where
+    they can be, so other references to them see the saved values (a tensor or array of
+    another shape or dtype, a read-only array, a deque of another ``maxlen`` and a tuple,
+    frozenset or other immutable value are replaced instead). Entries the file has and ``state``
     lacks are ignored. Everything that can be checked is checked before anything is loaded.
 
     Raises:

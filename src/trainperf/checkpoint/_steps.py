@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from trainperf._utils.atomic import remove_dead_temp
+from trainperf.checkpoint._formats import read_error, read_failure
 
 __all__ = [
     "unloadable",
@@ -80,12 +81,23 @@ def to_retire(steps: list[int], keep: int, protect: int) -> list[int]:
     return sorted(s for s in steps if s not in kept and s < max(kept))
 
 
-def unloadable(path: Path) -> str | None:
-    """Why ``path`` is not a complete torch.save file (its zip directory), or None."""
+def unloadable(path: Path, *, raise_read_errors: bool = False) -> str | None:
+    """Why ``path`` is not a complete torch.save file (its zip directory), or None.
+
+    A file the system cannot read (EACCES, EIO, EMFILE: :func:`read_failure`) may be fine:
+    with ``raise_read_errors`` that is raised, as ``load_checkpoint`` raises it (an
+    ``OSError`` of the same errno naming the file and what to check), not reported.
+
+    Raises:
+        OSError: with ``raise_read_errors``, the file could not be read.
+    """
     try:
         with zipfile.ZipFile(path) as zf:
             names = zf.namelist()
     except (OSError, zipfile.BadZipFile, ValueError) as e:
+        # A directory with a step file's name is "not a checkpoint" to load_checkpoint too.
+        if raise_read_errors and read_failure(e) and not isinstance(e, IsADirectoryError):
+            raise read_error(path, e) from e
         return f"{type(e).__name__}: {e}"
     if not any(n.endswith("/data.pkl") for n in names):
         return "a zip archive without data.pkl, not a torch.save file"
