@@ -3,6 +3,7 @@ fewer when the usable CPUs halve, old pools shut down, every change recorded."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -165,25 +166,70 @@ def test_a_persistent_pool_is_shut_down_before_the_next(monkeypatch: pytest.Monk
     it = iter(loader)
     gone = [not psutil.pid_exists(p) or psutil.Process(p).status() == "zombie" for p in old]
     assert gone == [True, True]
-    assert len(it.it._workers) == 1  # type: ignore[attr-defined]
+    assert len(it._timed.it._workers) == 1  # type: ignore[attr-defined]
     for _ in it:
         pass
     loader.close()
     assert loader._iterator is None
 
 
-@pytest.mark.slow
-def test_an_abandoned_epochs_workers_stop_before_the_next_pool_starts() -> None:
-    loader = AdaptiveDataLoader(Latency(16), batch_size=4, num_workers=2)
-    it = iter(loader)
-    next(it)  # then `break`: the epoch is abandoned, its iterator still held by the loader
-    old = [w.pid for w in it.it._workers]  # type: ignore[attr-defined]
-    assert len(old) == 2
-    del it
-    for _ in loader:  # the next epoch
-        pass
-    gone = [not psutil.pid_exists(p) or psutil.Process(p).status() == "zombie" for p in old]
-    assert gone == [True, True]
+def _worker_pids(loader: AdaptiveDataLoader) -> list[int]:
+    """The pids of the workers of the loader's current epoch."""
+    assert loader._current is not None
+    return [w.pid for w in loader._current.it._workers]
+
+
+def _stopped(pids: list[int], within_s: float = 10.0) -> bool:
+    """Whether every process of ``pids`` has exited (or is a zombie) within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        running = [p for p in pids if psutil.pid_exists(p)]
+        with contextlib.suppress(psutil.NoSuchProcess):
+            running = [p for p in running if psutil.Process(p).status() != "zombie"]
+        if not running or time.monotonic() > deadline:
+            return not running
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("how", ["break", "del"])
+def test_an_abandoned_epochs_workers_stop_once_its_iterator_is_let_go_of(how: str) -> None:
+    # They ran on until the next iter(loader): the loader held the epoch's iterator. A
+    # plain DataLoader's stop as soon as its iterator is dropped.
+    loader = AdaptiveDataLoader(Latency(64), batch_size=4, num_workers=2)
+    try:
+        if how == "break":
+            for i, _ in enumerate(loader):
+                if i == 1:
+                    old = _worker_pids(loader)
+                    break
+        else:
+            it = iter(loader)
+            next(it)
+            old = _worker_pids(loader)
+            del it
+        assert len(old) == 2
+        gc.collect()
+        assert _stopped(old)
+        # Nothing else is lost: the next epoch is whole, with new workers.
+        assert [x for b in loader for x in b.tolist()] == list(range(64))
+        assert len(loader.tuning_history) <= 1 and loader._epoch == 2
+    finally:
+        loader.close()
+
+
+def test_a_persistent_pool_outlives_a_dropped_iterator_as_torchs_does() -> None:
+    loader = AdaptiveDataLoader(Latency(16), batch_size=4, num_workers=2, persistent_workers=True)
+    try:
+        it = iter(loader)
+        next(it)
+        pids = _worker_pids(loader)
+        del it
+        gc.collect()
+        assert all(psutil.pid_exists(p) for p in pids)
+        assert [w.pid for w in loader._iterator._workers] == pids  # type: ignore[union-attr]
+    finally:
+        loader.close()
+    assert _stopped(pids)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -653,10 +699,11 @@ def test_a_pool_it_starts_has_a_bound_for_its_first_batch_unless_a_timeout_is_gi
         _epochs(loader, 1)
         it = iter(loader)  # the scripted change: two workers
         assert loader.num_workers == 2
-        assert it.it._timeout == (timeout or 42.0)  # yours keeps its meaning: it raises
-        assert (it.trial is None) == bool(timeout)
+        timed = it._timed  # type: ignore[attr-defined]
+        assert timed.it._timeout == (timeout or 42.0)  # yours keeps its meaning: it raises
+        assert (timed.trial is None) == bool(timeout)
         assert next(it).tolist() == [0, 1, 2, 3]
-        assert it.trial is None and it.it._timeout == timeout  # the pool works: no bound
+        assert timed.trial is None and timed.it._timeout == timeout  # the pool works: no bound
         assert [b.tolist() for b in it] == [[4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     finally:
         loader.close()

@@ -1,8 +1,8 @@
 """trainperf.loader._rng: tuning leaves every random number generator as it found it.
 
 A seeded run trains the same without trainperf, with a fresh tuning and with an answer from
-the cache; the global generators (python, numpy, torch, CUDA) and the generators the caller
-hands in are restored whatever the tuner measured.
+the cache; the global generators (python, numpy, torch, CUDA), the generators the caller
+hands in and those the dataset owns are restored whatever the tuner measured.
 """
 
 from __future__ import annotations
@@ -15,10 +15,17 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
+from torch.utils.data import (
+    ConcatDataset,
+    DataLoader,
+    Dataset,
+    RandomSampler,
+    Subset,
+    TensorDataset,
+)
 
 from trainperf.loader import autotune_loader, tune_loader
-from trainperf.loader._rng import preserved_rng
+from trainperf.loader._rng import dataset_generators, preserved_generators, preserved_rng
 
 
 class Augments(Dataset[torch.Tensor]):
@@ -167,3 +174,69 @@ def test_a_sampler_that_keeps_state_across_epochs_starts_where_the_plain_loaders
     )  # fmt: skip
     assert sampler.epoch == 0 and loader.sampler is sampler
     assert [int(x) for (b,) in loader for x in b] == plain
+
+
+class OwnGenerators(Dataset[torch.Tensor]):
+    """Augments from generators of its own, one of each kind, as seeded datasets do."""
+
+    def __init__(self) -> None:
+        self.torch_rng = torch.Generator().manual_seed(1)
+        self.numpy_rng = np.random.default_rng(2)
+        self.legacy_rng = np.random.RandomState(3)
+        self.python_rng = random.Random(4)
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        drawn = [
+            torch.rand(1, generator=self.torch_rng).item(),
+            self.numpy_rng.random(),
+            self.legacy_rng.rand(),
+            self.python_rng.random(),
+        ]
+        return torch.tensor(drawn, dtype=torch.float64) + i
+
+
+def _samples(dataset: Any) -> list[list[float]]:
+    return [row.tolist() for b in DataLoader(dataset, batch_size=4) for row in b]
+
+
+@pytest.mark.parametrize("wrap", ["none", "subset"])
+def test_a_datasets_own_generators_give_the_same_samples_as_without_tuning(wrap: str) -> None:
+    # Before: the num_workers=0 measurement loaded samples here and advanced them, so a
+    # tuned run augmented differently from the same run untuned.
+    def build() -> Any:
+        ds = OwnGenerators()
+        return Subset(ds, range(32)) if wrap == "subset" else ds
+
+    tuned, untouched = build(), build()
+    loader = autotune_loader(tuned, 4, **quick(cache=False, budget_s=3.0))
+    assert loader.tuning_report.candidates[0].ok  # samples were loaded here
+    assert [row.tolist() for b in loader for row in b] == _samples(untouched)
+
+
+def test_a_datasets_own_generators_are_restored_when_tuning_raises() -> None:
+    ds, untouched = OwnGenerators(), OwnGenerators()
+    with pytest.raises(RuntimeError, match="step_fn"):
+        tune_loader(ds, 4, **quick(cache=False, budget_s=3.0, step_fn=lambda b: 1 / 0))
+    assert _samples(ds) == _samples(untouched)
+
+
+def test_dataset_generators_finds_one_level_deep_through_wrappers() -> None:
+    a, b = OwnGenerators(), OwnGenerators()
+    b.again = b.torch_rng  # type: ignore[attr-defined]  # the same generator twice
+    b.system = random.SystemRandom()  # type: ignore[attr-defined]  # no state to keep
+    b.nested = {"rng": random.Random(0)}  # type: ignore[attr-defined]  # not one level deep
+    found = dataset_generators(Subset(ConcatDataset([a, b]), [0]))
+    kinds = ("torch_rng", "numpy_rng", "legacy_rng", "python_rng")
+    assert [id(g) for g in found] == [id(getattr(d, k)) for d in (a, b) for k in kinds]
+    assert dataset_generators(TensorDataset(torch.zeros(2))) == []
+
+
+def test_preserved_generators_restores_each_kind_and_ignores_other_objects() -> None:
+    ds = OwnGenerators()
+    gens = dataset_generators(ds)
+    with preserved_generators([*gens, "not a generator", None]):
+        first = ds[0]
+    assert torch.equal(ds[0], first)

@@ -8,7 +8,8 @@ the process itself is killed.
 
 - :mod:`._tune`: the entry points; :mod:`._autotune`: ``autotune_loader`` and the loader
   it returns, whose workers die with their parent; :mod:`._adapt`: with ``adapt=True``, a
-  loader that retunes itself between epochs, by the rules of :mod:`._adapt_rules`;
+  loader that retunes itself between epochs, by the rules of :mod:`._adapt_rules`, and
+  whose iterators stop their workers once dropped (:mod:`._adapt_epoch`);
   :mod:`._args`: the argument checks; :mod:`._rng`: every random number generator left
   as the call found it; :mod:`._budget`: what ``budget_s`` guarantees;
 - :mod:`._iterable`: an ``IterableDataset`` that does not shard its stream across workers,

@@ -17,7 +17,9 @@ changes wait for the next epoch boundary. Either way the samples come in exactly
 the same loader gives without adapting: the sampler runs in this process whatever the
 worker count, and workers return batches in order. A worker pool is shut down before a new
 one starts, and the draws from the generator a new pool makes are those the fixed loader
-makes, so a ``persistent_workers=True`` loader also keeps its order.
+makes, so a ``persistent_workers=True`` loader also keeps its order. An epoch's own pool
+(not a persistent one) stops as soon as the caller lets go of its iterator (a ``break``),
+as a plain DataLoader's does (:mod:`trainperf.loader._adapt_epoch`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from trainperf._utils.stack import user_stacklevel
 from trainperf._utils.validate import non_negative_int
 from trainperf.limits import HostLimits, host_limits, local_world_size, usable_cpus
 from trainperf.loader._adapt_change import TuningChange
+from trainperf.loader._adapt_epoch import EpochIterator
 from trainperf.loader._adapt_measure import Workers, cpu_mark, host_busy
 from trainperf.loader._adapt_plan import EpochPlan, resumable
 from trainperf.loader._adapt_rules import (
@@ -181,6 +184,14 @@ class _TimedIter:
         self.returned, self.returned_cpu = time.perf_counter(), time.process_time()
         return batch
 
+    def abandon(self) -> None:
+        """The caller let go of this epoch's iterator (:class:`EpochIterator`): its own pool
+        stops now, as a plain DataLoader iterator's does when dropped; a persistent pool is
+        the loader's and stays. Its figures are read at the next ``iter()``, as for a
+        ``break``."""
+        if self._loader is not None:  # else the epoch ended, and its own pool with it
+            self._loader._shut_down_own(self)
+
     def cut(self, by: str) -> None:
         """The epoch's workers or sampler are taken away by ``by`` (a newer ``iter()``,
         ``close()``): an unfinished iterator refuses further batches from then on rather than
@@ -265,7 +276,8 @@ class AdaptiveDataLoader(TunedDataLoader):
     ``tuning_history``. A change is made mid-epoch, at a batch boundary, when the sample
     sequence can be kept exactly (a map-style dataset and torch's own samplers), else at the
     next epoch boundary; either way the samples and their order are those the same loader
-    gives without adapting.
+    gives without adapting. As with a plain DataLoader, an epoch's workers stop as soon as
+    its iterator is let go of (a ``break`` out of the loop), unless they are persistent.
 
     Args:
         dataset: as for DataLoader.
@@ -417,7 +429,8 @@ class AdaptiveDataLoader(TunedDataLoader):
         self._current = _TimedIter(it, self, plan)
         self._current.trial = self._arm(it)
         self._epoch += 1
-        return self._current
+        # Only the caller holds this: dropping it stops the epoch's own workers at once.
+        return EpochIterator(self._current)
 
     def _start(self, scratch: bool) -> Any:
         """A DataLoader iterator; ``scratch``: its draw from the generator is not the fixed

@@ -37,7 +37,12 @@ from trainperf.loader._faults import hang_timeout, start_method
 from trainperf.loader._measure import measure
 from trainperf.loader._progress import ProgressBar
 from trainperf.loader._report import CandidateResult, TuningReport
-from trainperf.loader._rng import callers_generators, preserved_rng
+from trainperf.loader._rng import (
+    callers_generators,
+    dataset_generators,
+    preserved_generators,
+    preserved_rng,
+)
 from trainperf.loader._search import Search, default_max_workers
 from trainperf.loader._step import Shares, cores_for_workers, main_process_cores, split_cores
 from trainperf.loader._user import given_settings, judge, user_config
@@ -504,9 +509,10 @@ def tune_loader(
     outlives the call, even if this process is killed.
 
     Every random number generator is left as the call found it (python's ``random``,
-    numpy's global generator, torch's CPU and CUDA generators, and the ``generator`` and
-    sampler generator passed in; :mod:`trainperf.loader._rng`), so a seeded run trains the
-    same whether the settings were measured, read from the cache, or not tuned at all.
+    numpy's global generator, torch's CPU and CUDA generators, the ``generator`` and
+    sampler generator passed in, and the generators the dataset owns as attributes, its
+    wrapped ``.dataset``'s included; :mod:`trainperf.loader._rng`), so a seeded run trains
+    the same whether the settings were measured, read from the cache, or not tuned at all.
 
     Under DDP (a process group initialised and several ranks on this host) local rank 0
     tunes and the host's other ranks receive its choice (``report.shared_from``); a rank
@@ -577,7 +583,8 @@ def tune_loader(
     started = time.perf_counter()
     check_args(batch_size, max_workers, budget_s, epochs_hint, step_fn, loader_kwargs)
     fresh_stream(dataset, "tuning")
-    with preserved_rng(callers_generators(loader_kwargs)):
+    owned = dataset_generators(dataset)
+    with preserved_rng(callers_generators(loader_kwargs)), preserved_generators(owned):
         setup = _set_up(batch_size, device, max_workers, budget_s, loader_kwargs)
         cap, _ = _iterable.tail_batches(dataset, loader_kwargs)
         if cap is not None and cap < setup.max_workers:
