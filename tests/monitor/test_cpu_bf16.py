@@ -78,10 +78,11 @@ def test_no_probe_for_a_report_with_too_few_steps_for_a_verdict(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Before: a second of probing for a report that is "inconclusive" and predicts nothing.
-    from trainperf.monitor import _watch
+    from trainperf.monitor import _watch_inputs
     from trainperf.monitor._rules import MIN_STEPS
 
     for name in ("with_crowding", "with_cpu_bf16", "with_save_cost"):
-        monkeypatch.setattr(_watch, name, pytest.fail)
+        monkeypatch.setattr(_watch_inputs, name, pytest.fail)
     f = cpu_loop(wait_fraction=0.1, setup=LoopSetup(cpu_native_bf16=True))
-    assert _watch._probed(dataclasses.replace(f, measured_steps=MIN_STEPS - 1), probe=True) is None
+    few = dataclasses.replace(f, measured_steps=MIN_STEPS - 1)
+    assert _watch_inputs.probed(few, probe=True) is None

@@ -72,7 +72,7 @@ def test_the_plot_marks_where_an_adaptive_loader_changed_its_settings(
     import dataclasses
     import json
 
-    from trainperf.monitor._report import LoaderChange
+    from trainperf.monitor import LoaderChange
 
     timeline = doubling_timeline()[60:]  # steady: no step-time change to mark
     plain = analyse(timeline, cpus=2)

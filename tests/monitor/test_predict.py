@@ -1,4 +1,4 @@
-"""The predicted gains (``monitor/_predict.py``): each model on hand-made figures.
+"""The predicted gains (``monitor/_predict*.py``): each model on hand-made figures.
 
 The figures are chosen so that each prediction can be worked out by hand; the comments
 give the arithmetic.
@@ -20,25 +20,24 @@ import pytest
 from tests.monitor._fakes import cpu_loop, figures
 from trainperf.bench import reference_throughput
 from trainperf.monitor import LoopSetup
-from trainperf.monitor._predict import (
-    ASYNC_SAVE_CALL,
-    BATCH_CALL,
+from trainperf.monitor._predict_cpus import free_cpus_fix, threads_fix
+from trainperf.monitor._predict_loader import (
     GPU_DECODE_CALL,
-    LESS_OFTEN,
     LOADER_CALL,
-    PRECISION_CALL,
-    batch_fix,
-    free_cpus_fix,
     gpu_decode_fix,
-    gpu_fix,
     load_cost,
     loader_fix,
+    step_cores,
+    tuner_workers,
+)
+from trainperf.monitor._predict_stalls import ASYNC_SAVE_CALL, LESS_OFTEN, stall_fixes
+from trainperf.monitor._predict_step import (
+    BATCH_CALL,
+    PRECISION_CALL,
+    batch_fix,
+    gpu_fix,
     precision_fix,
     reference_ratio,
-    stall_fixes,
-    step_cores,
-    threads_fix,
-    tuner_workers,
 )
 
 # --------------------------------------------------------------------------- the loader

@@ -1,4 +1,5 @@
-"""WatchReport and its parts (``monitor/_report.py``): the table, to_dict and plot."""
+"""WatchReport and its parts (``monitor/_report.py``, ``_records.py``, ``_verdict.py``): the table,
+to_dict and plot."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from trainperf.monitor import (
     analyse,
     watch,
 )
-from trainperf.monitor._report import rank_fixes, with_fixes
+from trainperf.monitor._verdict import rank_fixes, with_fixes
 
 
 def test_the_report_prints_serialises_and_can_be_taken_inside_the_loop() -> None:

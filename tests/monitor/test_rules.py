@@ -8,7 +8,7 @@ import pytest
 
 from tests.monitor._fakes import cpu_loop, figures
 from trainperf.monitor import LoopSetup, Verdict
-from trainperf.monitor._predict import BATCH_CALL
+from trainperf.monitor._predict_step import BATCH_CALL
 from trainperf.monitor._rules import (
     compute_bound,
     cpu_share,

@@ -28,17 +28,10 @@ from __future__ import annotations
 
 from trainperf._utils.public import set_public_module
 from trainperf.monitor._analysis import analyse
-from trainperf.monitor._report import (
-    Fix,
-    LoaderChange,
-    Sample,
-    StepRecord,
-    Verdict,
-    VerdictKind,
-    WatchReport,
-    WhatIf,
-)
+from trainperf.monitor._records import LoaderChange, Sample, StepRecord
+from trainperf.monitor._report import WatchReport
 from trainperf.monitor._setup import LoopSetup
+from trainperf.monitor._verdict import Fix, Verdict, VerdictKind, WhatIf
 from trainperf.monitor._watch import Watch, watch
 
 __all__ = [

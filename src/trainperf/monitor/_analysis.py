@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from trainperf._utils.steal import undo_steal
 from trainperf._utils.validate import non_negative_int, positive_int
 from trainperf.monitor._figures import Figures
-from trainperf.monitor._report import Sample, StepRecord, Verdict, VerdictKind, WatchReport
+from trainperf.monitor._records import Sample, StepRecord
+from trainperf.monitor._report import WatchReport
 from trainperf.monitor._rules import (
     MIN_STEPS,
     cuda_never_initialised,
@@ -34,6 +35,7 @@ from trainperf.monitor._rules import (
 )
 from trainperf.monitor._setup import LoopSetup
 from trainperf.monitor._shift import Shift, find_shift
+from trainperf.monitor._verdict import Verdict, VerdictKind
 
 __all__ = ["Sample", "StepRecord", "Verdict", "VerdictKind", "WatchReport", "analyse"]
 

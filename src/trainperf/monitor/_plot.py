@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainperf._utils.imports import require
-from trainperf.monitor._report import StepRecord
+from trainperf.monitor._records import StepRecord
 
 if TYPE_CHECKING:
     from trainperf.monitor._report import WatchReport

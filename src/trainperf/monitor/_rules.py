@@ -50,17 +50,11 @@ from trainperf.monitor._figures import (
     waits_for_data,
     worker_cores,
 )
-from trainperf.monitor._predict import (
-    batch_fix,
-    free_cpus_fix,
-    gpu_decode_fix,
-    gpu_fix,
-    loader_fix,
-    precision_fix,
-    stall_fixes,
-    threads_fix,
-)
-from trainperf.monitor._report import NOT_PREDICTED, Fix, Verdict, VerdictKind, with_fixes
+from trainperf.monitor._predict_cpus import free_cpus_fix, threads_fix
+from trainperf.monitor._predict_loader import gpu_decode_fix, loader_fix
+from trainperf.monitor._predict_stalls import stall_fixes
+from trainperf.monitor._predict_step import batch_fix, gpu_fix, precision_fix
+from trainperf.monitor._verdict import NOT_PREDICTED, Fix, Verdict, VerdictKind, with_fixes
 
 __all__ = [
     "CPU_SATURATED",

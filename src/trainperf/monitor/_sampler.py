@@ -19,7 +19,7 @@ import torch
 
 from trainperf._utils.steal import StealMeter
 from trainperf.errors import DeviceError
-from trainperf.monitor._report import Sample
+from trainperf.monitor._records import Sample
 
 __all__ = ["MAX_RECORDS"]
 

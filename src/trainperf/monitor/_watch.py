@@ -27,6 +27,10 @@ Memory stays bounded however long the loop runs: the watch keeps the most recent
 CUDA) and as many background samples (2.8
 hours at ten a second); older ones are dropped, the report counts them
 (``dropped_steps``, ``dropped_samples``) and its figures cover what was kept.
+
+The :class:`Watch` here holds the state and the public calls; the iterator ``w.iter()``
+returns is in ``_watch_iter``, the per-step log in ``_watch_steps``, and what the report
+gathers besides the timeline in ``_watch_inputs``.
 """
 
 from __future__ import annotations
@@ -34,14 +38,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import statistics
 import threading
 import time
 import weakref
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -50,101 +52,25 @@ import torch
 from trainperf._utils.validate import non_negative_int, positive_int, positive_number
 from trainperf.device import resolve_device
 from trainperf.monitor._analysis import analyse
-from trainperf.monitor._cpu_bf16 import with_cpu_bf16
-from trainperf.monitor._crowding import with_crowding
-from trainperf.monitor._figures import SAWTOOTH_WAIT, Figures
-from trainperf.monitor._handover import batch_layout, measure_handover
-from trainperf.monitor._probe import CpuClock, batch_size, loader_facts, loop_setup
+from trainperf.monitor._probe import CpuClock, loader_facts, loop_setup
 from trainperf.monitor._probe import precision_in_use as _precision_in_use
 from trainperf.monitor._probe import rank_cpus as _rank_cpus
-from trainperf.monitor._report import LoaderChange, Sample, StepRecord, WatchReport
-from trainperf.monitor._rules import MIN_STEPS
+from trainperf.monitor._report import WatchReport
 from trainperf.monitor._sampler import MAX_RECORDS, _Sampler
-from trainperf.monitor._save_cost import with_save_cost
-from trainperf.monitor._setup import LoopSetup
+from trainperf.monitor._watch_inputs import loader_changes, loader_now, measured, probed
+from trainperf.monitor._watch_iter import _Pass, _Timed
+from trainperf.monitor._watch_steps import (
+    cpu_reading,
+    record_step,
+    resolve,
+    settle,
+    step_records,
+)
 
 __all__ = ["Watch", "watch"]
 
 T = TypeVar("T")
-_OPEN_PASSES = 64  # open w.iter() passes remembered (peeks that never finish are dropped)
-_RESOLVE_EVERY = 32  # steps between non-blocking reads of finished CUDA events
-_SETTLE_EVERY = 16  # steps between reads of the loop thread's schedstat (see _settle)
 _RUN_IT = "inside `with trainperf.watch() as w:`, or between w.start() and w.stop()"
-
-
-@dataclass
-class _Pass:
-    """One pass of a :meth:`Watch.iter` iterator over its iterable: which iterable, and the
-    samples it handed out since ``step`` (the watch's count of ``w.step()`` calls then)."""
-
-    iterable_id: int
-    step: int = 0
-    taken: int = 0
-
-
-class _Timed(Iterator[T]):
-    """What :meth:`Watch.iter` returns: the iterable's items, with the time spent getting
-    each one (``iter()`` of the iterable included: starting a DataLoader's workers is a wait
-    for data) added to the watch's pending data wait, and the iterable's ``len()``.
-
-    The iterator holds no item between calls (a batch on the GPU is not kept alive while
-    the next one loads). An exception from the iterable passes through and the iterator
-    goes on (a loop that skips a bad batch keeps its epoch). Iterating it again once it is
-    exhausted starts a new pass over the iterable, as a DataLoader does each epoch (before
-    that, iterating it again goes on with the pass it is in, as any iterator does).
-    """
-
-    def __init__(self, watch: Watch, iterable: Iterable[T]) -> None:
-        self._watch, self._iterable = watch, iterable
-        self._it: Iterator[T] | None = None  # iter(iterable), made (and timed) at first next()
-        self._done = False
-        self._pass = watch._new_pass(iterable)
-        history = getattr(iterable, "tuning_history", None)
-        # An AdaptiveDataLoader's changes (at iter(), or mid-epoch in next()) are read as
-        # its history grows: each is marked at the step that took its first batch.
-        self._history = history if isinstance(history, list) else None
-        self._seen = len(self._history) if self._history is not None else 0
-
-    def __iter__(self) -> _Timed[T]:
-        if self._done:  # a new pass, like a DataLoader's next epoch
-            self._pass = self._watch._new_pass(self._iterable)
-            self._it, self._done = None, False
-        return self
-
-    def __next__(self) -> T:
-        if self._done:
-            raise StopIteration
-        clock, cpu = time.perf_counter, time.thread_time
-        t, c = clock(), cpu()
-        try:
-            if self._it is None:
-                self._it = iter(self._iterable)
-            item = next(self._it)
-        except StopIteration:
-            self._done = True
-            self._watch._pass_ended(self._pass)
-            raise
-        finally:
-            self._watch._add_wait(clock() - t, cpu() - c)
-        if self._history is not None and len(self._history) > self._seen:
-            self._watch._retuned(self._history[self._seen :])
-            self._seen = len(self._history)
-        self._watch._took(item, self._pass)
-        return item
-
-    @property
-    def done(self) -> bool:
-        """True once the iterable is exhausted (until a new pass starts)."""
-        return self._done
-
-    def __bool__(self) -> bool:  # an iterator is true, whatever its len() says
-        return True
-
-    def __len__(self) -> int:
-        if not hasattr(self._iterable, "__len__"):
-            name = type(self._iterable).__name__
-            raise TypeError(f"the {name} given to w.iter() has no len()")
-        return len(self._iterable)  # type: ignore[arg-type]
 
 
 class Watch:
@@ -199,7 +125,7 @@ class Watch:
         self._counts = array("q")
         self._wait_cpus = array("d")  # CPU the loop's thread demanded while waiting
         self._delays = array("d")  # time it waited for a CPU (NaN: not known)
-        self._unsettled = 0  # steps since the last schedstat reading (see _settle)
+        self._unsettled = 0  # steps since the last schedstat reading (see settle)
         self._first = 0  # the index of the step at self._ends[0]
         self._dropped_end = 0.0  # when the last dropped step ended
         self._pending_wait = 0.0
@@ -212,7 +138,7 @@ class Watch:
         self._iterated = False  # w.iter() was used: the data wait is measured
         self._passes: list[_Pass] = []  # w.iter() passes not exhausted (the newest few)
         self._clock = CpuClock()
-        # (run, delay, generation) at the last schedstat reading: see _settle().
+        # (run, delay, generation) at the last schedstat reading: see settle().
         self._last_reading = (math.nan, math.nan, 0)
         self._loader: dict[str, Any] = {}  # the loader's settings at w.iter()
         self._loader_ref: Callable[[], object | None] = lambda: None
@@ -308,7 +234,7 @@ class Watch:
         self._state = "running"
         self._cpus = _rank_cpus()
         weakref.finalize(self, self._clock.close)
-        self._last_reading = self._reading()
+        self._last_reading = cpu_reading(self)
         want_gpu = self._device is None or self._device.type == "cuda"
         sampler = _Sampler(self._interval, time.perf_counter(), gpu=want_gpu, max_samples=self._max)
         self._sampler = sampler
@@ -325,7 +251,7 @@ class Watch:
 
     def _end(self) -> None:
         self._state = "done"
-        self._settle()  # in the loop's thread, while its schedstat is still the one open
+        settle(self)  # in the loop's thread, while its schedstat is still the one open
         self._clock.close()
         if self._sampler is not None:
             self._sampler.stop()
@@ -376,57 +302,6 @@ class Watch:
             self._loader_ref = lambda: None
         return _Timed(self, iterable)
 
-    def _new_pass(self, iterable: object) -> _Pass:
-        """A pass over ``iterable`` starts. A pass over the same iterable left open (a
-        ``break``) is over: the samples it handed out since the last ``w.step()`` were not
-        trained on, so they leave the next step's count. Passes over other iterables (a
-        validation loader inside the loop) are left alone."""
-        steps = self._first + len(self._ends)
-        for old in [p for p in self._passes if p.iterable_id == id(iterable)]:
-            if old.step == steps and self._count_known:
-                self._pending_count = max(0, self._pending_count - old.taken)
-            self._passes.remove(old)
-        new = _Pass(id(iterable), steps)
-        self._passes.append(new)
-        del self._passes[:-_OPEN_PASSES]
-        return new
-
-    def _pass_ended(self, done: _Pass) -> None:
-        if done in self._passes:
-            self._passes.remove(done)
-
-    def _add_wait(self, wall: float, cpu: float) -> None:
-        if self._state != "running":
-            return
-        self._pending_wait += wall
-        self._pending_wait_cpu += cpu
-
-    def _retuned(self, changes: list[Any]) -> None:
-        step = self._first + len(self._ends)  # the step taking this batch
-        self._retunes.extend((step, change) for change in changes)
-
-    def _took(self, item: Any, now: _Pass) -> None:
-        """Count a batch ``w.iter`` handed out (and, on CUDA, start its step's span)."""
-        if self._state != "running":
-            return  # iterated after stop(): the report stays as it was
-        n = batch_size(item)
-        steps = self._first + len(self._ends)
-        if now.step != steps:
-            now.step, now.taken = steps, 0
-        now.taken += n or 0
-        self._items += 1
-        if self._layout is None:
-            self._layout, self._layout_batch = batch_layout(item), n
-        if n is None:
-            self._count_known = False
-        else:
-            self._pending_count += n
-        if self._cuda and self._step_start is None:
-            # With the stream idle this event completes at once, so the step's span is
-            # then host time; analyse() bounds it with NVML's utilisation.
-            self._step_start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            self._step_start.record(self._stream)
-
     def step(self, samples: int | None = None) -> None:
         """Mark the end of a training step.
 
@@ -454,79 +329,7 @@ class Watch:
             raise RuntimeError(f"w.step() needs a running watch: call it {_RUN_IT}")
         if samples is not None:
             non_negative_int("samples", samples)
-        self._ends.append(now - self._t0)
-        self._waits.append(self._pending_wait)
-        self._wait_cpus.append(self._pending_wait_cpu)
-        self._delays.append(math.nan)
-        if samples is not None:
-            self._counts.append(samples)
-        else:
-            self._counts.append(self._pending_count if self._count_known else -1)
-        self._unsettled += 1
-        if self._unsettled >= _SETTLE_EVERY:
-            self._settle()
-        self._pending_wait = 0.0
-        self._pending_wait_cpu = 0.0
-        self._pending_count = 0
-        self._count_known = True
-        if len(self._ends) >= 2 * self._max:
-            self._trim()
-        if not self._cuda:
-            self._maybe_start_cuda()
-            if not self._cuda:
-                return
-        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        end.record(self._stream)
-        self._pending.append((self._first + len(self._ends) - 1, self._step_start, end))
-        self._step_start = None
-        if len(self._ends) % _RESOLVE_EVERY == 0:
-            self._resolve(block=False)
-
-    def _reading(self) -> tuple[float, float, int]:
-        demand, delay = self._clock.read()
-        return demand - delay, delay, self._clock.generation
-
-    def _settle(self) -> None:
-        """Give the steps since the last schedstat reading their CPU figures.
-
-        One reading every ``_SETTLE_EVERY`` steps (a ``pread`` costs a few microseconds;
-        ``time.thread_time()`` around each batch costs less): the time the loop's thread
-        waited for a CPU in between is spread evenly over those steps, and the CPU time
-        each spent waiting for data is scaled by the interval's wait-for-a-CPU per second
-        run, into what it demanded (running, plus waiting for a CPU). Without schedstat, or
-        read from another thread, the delays stay unknown and the wait CPU is CPU time.
-        """
-        pending, self._unsettled = self._unsettled, 0
-        if pending <= 0:
-            return
-        run, delay, generation = reading = self._reading()
-        run0, delay0, generation0 = self._last_reading
-        self._last_reading = reading
-        if generation == generation0 and not math.isnan(delay + delay0):
-            per_step = max(0.0, delay - delay0) / pending
-            queued = max(0.0, delay - delay0) / (run - run0) if run > run0 else 0.0
-            # The interval's steps still held (a trim may have dropped its first ones).
-            for i in range(max(0, len(self._ends) - pending), len(self._ends)):
-                self._delays[i] = per_step
-                self._wait_cpus[i] *= 1 + queued
-
-    def _trim(self) -> None:
-        cut = len(self._ends) - self._max
-        self._dropped_end = self._ends[cut - 1]
-        del self._ends[:cut], self._waits[:cut], self._counts[:cut]
-        del self._wait_cpus[:cut], self._delays[:cut]
-        self._first += cut
-        busy = self._gpu_busy
-        while busy and (oldest := next(iter(busy))) < self._first:  # keys come in step order
-            del busy[oldest]
-
-    def _resolve(self, *, block: bool) -> None:
-        if block and self._pending:
-            self._pending[-1][2].synchronize()
-        while self._pending and self._pending[0][2].query():
-            index, start, end = self._pending.popleft()
-            if start is not None:
-                self._gpu_busy[index] = start.elapsed_time(end) / 1e3
+        record_step(self, now, samples)
 
     def report(self) -> WatchReport:
         """The verdict so far (while the watch runs) or on the whole loop (after it).
@@ -551,10 +354,10 @@ class Watch:
                 "w.start() before the loop and w.stop() after it"
             )
         if self._cuda:
-            self._resolve(block=True)
+            resolve(self, block=True)
         if self._state == "running":
-            self._settle()
-        first, timeline = self._timeline()
+            settle(self)
+        first, timeline = step_records(self)
         sampler = self._sampler
         if self._device is not None:
             device = str(self._device)
@@ -578,109 +381,10 @@ class Watch:
             dropped_samples=dropped_samples,
             wait_measured=self._iterated,
             precision=_precision_in_use(),
-            setup=loop_setup(self._loader_now(), cuda_index, **self._measured(timeline, samples)),
-            measure=functools.partial(_probed, probe=self._state != "running"),
+            setup=loop_setup(loader_now(self), cuda_index, **measured(self, timeline, samples)),
+            measure=functools.partial(probed, probe=self._state != "running"),
         )
-        return dataclasses.replace(report, loader_changes=self._loader_changes())
-
-    def _loader_changes(self) -> tuple[LoaderChange, ...]:
-        """The adaptive loader's changes, placed on the watch's clock."""
-        return tuple(
-            LoaderChange(
-                step=step,
-                time=max(0.0, float(c.time) - self._wall0),
-                old=(int(c.old[0]), c.old[1]),
-                new=(int(c.new[0]), c.new[1]),
-                reason=str(c.reason),
-                why=str(c.why),
-            )
-            for step, c in self._retunes
-        )
-
-    def _measured(self, timeline: list[StepRecord], samples: list[Sample]) -> dict[str, Any]:
-        """What the watch measures for the predictions beyond the timeline: batches per
-        step, and (once) what a worker hand-over would cost a loop that loads in its own
-        thread while it waits for data. The probe runs a worker for about a second, so
-        only once the watch has stopped: a report made inside the loop would put that
-        second into the loop's step (it uses a measurement made before, if any)."""
-        steps = self._first + len(self._ends)
-        out: dict[str, Any] = {"batches_per_step": self._items / steps if steps else None}
-        kept = timeline[max(0, self._warmup - self._first) :]
-        total = sum(s.duration for s in kept)
-        waits = total > 0 and sum(s.wait for s in kept) >= SAWTOOTH_WAIT * total
-        if waits and self._loads_in_thread(samples) and self._layout and self._layout_batch:
-            probe = self._state != "running"
-            # The loop's own time between two batches: the probe pauses that long before
-            # each receive (a receive after a step costs more than one in a tight loop).
-            own = statistics.median(s.duration - s.wait for s in kept)
-            pause = max(0.0, own) / max(1.0, out["batches_per_step"] or 1.0)
-            handover = measure_handover(
-                self._layout, self._layout_batch, pause_s=pause, probe=probe
-            )
-            if handover is not None:
-                out["handover_receive_s"] = handover.receive_s
-                out["handover_produce_s"] = handover.produce_s
-        return out
-
-    def _loader_now(self) -> dict[str, Any]:
-        """The settings of the loader ``w.iter()`` was given, as they are now (an adaptive
-        loader's change them while it runs), or as they were then if it is gone."""
-        loader = self._loader_ref()
-        return self._loader if loader is None else loader_facts(loader)
-
-    def _loads_in_thread(self, samples: list[Sample]) -> bool:
-        """The loop loads in its own thread: a DataLoader with ``num_workers=0``, or an
-        iterable of another kind while this process's children used under a tenth of a
-        core (more would be workers behind it: a prefetcher around a DataLoader, say)."""
-        facts = self._loader_now()
-        if "num_workers" in facts:
-            return not facts["num_workers"]
-        workers = [x.workers_cpu for x in samples if x.workers_cpu is not None]
-        return not workers or sum(workers) / len(workers) < 10.0
-
-    def _timeline(self) -> tuple[int, list[StepRecord]]:
-        """The number of the first step kept, and the kept steps as :class:`StepRecord` s."""
-        extra = max(0, len(self._ends) - self._max)  # held beyond max_records: not reported
-        first = self._first + extra
-        previous = self._ends[extra - 1] if extra else self._dropped_end
-        timeline = []
-        steps = zip(
-            self._ends[extra:], self._waits[extra:], self._counts[extra:],
-            self._wait_cpus[extra:], self._delays[extra:], strict=True,
-        )  # fmt: skip
-        for i, (end, wait_s, count, wait_cpu, delay) in enumerate(steps, start=first):
-            duration = end - previous
-            timeline.append(
-                StepRecord(
-                    index=i,
-                    start=previous,
-                    wait=min(wait_s, duration),
-                    compute=max(0.0, duration - wait_s),
-                    samples=None if count < 0 else count,
-                    gpu_busy=self._gpu_busy.get(i),
-                    wait_cpu=wait_cpu,
-                    cpu_delay=None if math.isnan(delay) else max(0.0, delay),
-                )
-            )
-            previous = end
-        return first, timeline
-
-
-def _probed(f: Figures, *, probe: bool) -> LoopSetup | None:
-    """The judged figures' setup with what the predictions' probes measured (the crowding
-    of torch's threads, bf16 on a CPU, a non-blocking save's), or None where none applies.
-    ``probe=False`` (a report made inside the loop) only uses earlier measurements: a
-    probe's second would land in the loop's step. Too few steps for a verdict: no probe
-    (there is nothing to predict)."""
-    if f.measured_steps < MIN_STEPS:
-        return None
-    setup = None
-    for measure in (with_crowding, with_cpu_bf16, with_save_cost):
-        found = measure(f, probe=probe)
-        if found is not None:
-            setup = found
-            f = dataclasses.replace(f, setup=found)
-    return setup
+        return dataclasses.replace(report, loader_changes=loader_changes(self))
 
 
 def watch(

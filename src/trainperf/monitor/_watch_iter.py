@@ -1,0 +1,153 @@
+"""What :meth:`Watch.iter` returns: the iterable's items, each timed as a wait for data,
+and the watch's accounting of each pass over the iterable (the samples a step took, an
+adaptive loader's changes).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from trainperf.monitor._handover import batch_layout
+from trainperf.monitor._probe import batch_size
+
+if TYPE_CHECKING:
+    from trainperf.monitor._watch import Watch
+
+T = TypeVar("T")
+_OPEN_PASSES = 64  # open w.iter() passes remembered (peeks that never finish are dropped)
+
+
+@dataclass
+class _Pass:
+    """One pass of a :meth:`Watch.iter` iterator over its iterable: which iterable, and the
+    samples it handed out since ``step`` (the watch's count of ``w.step()`` calls then)."""
+
+    iterable_id: int
+    step: int = 0
+    taken: int = 0
+
+
+class _Timed(Iterator[T]):
+    """What :meth:`Watch.iter` returns: the iterable's items, with the time spent getting
+    each one (``iter()`` of the iterable included: starting a DataLoader's workers is a wait
+    for data) added to the watch's pending data wait, and the iterable's ``len()``.
+
+    The iterator holds no item between calls (a batch on the GPU is not kept alive while
+    the next one loads). An exception from the iterable passes through and the iterator
+    goes on (a loop that skips a bad batch keeps its epoch). Iterating it again once it is
+    exhausted starts a new pass over the iterable, as a DataLoader does each epoch (before
+    that, iterating it again goes on with the pass it is in, as any iterator does).
+    """
+
+    def __init__(self, watch: Watch, iterable: Iterable[T]) -> None:
+        self._watch, self._iterable = watch, iterable
+        self._it: Iterator[T] | None = None  # iter(iterable), made (and timed) at first next()
+        self._done = False
+        self._pass = _new_pass(watch, iterable)
+        history = getattr(iterable, "tuning_history", None)
+        # An AdaptiveDataLoader's changes (at iter(), or mid-epoch in next()) are read as
+        # its history grows: each is marked at the step that took its first batch.
+        self._history = history if isinstance(history, list) else None
+        self._seen = len(self._history) if self._history is not None else 0
+
+    def __iter__(self) -> _Timed[T]:
+        if self._done:  # a new pass, like a DataLoader's next epoch
+            self._pass = _new_pass(self._watch, self._iterable)
+            self._it, self._done = None, False
+        return self
+
+    def __next__(self) -> T:
+        if self._done:
+            raise StopIteration
+        clock, cpu = time.perf_counter, time.thread_time
+        t, c = clock(), cpu()
+        try:
+            if self._it is None:
+                self._it = iter(self._iterable)
+            item = next(self._it)
+        except StopIteration:
+            self._done = True
+            _pass_ended(self._watch, self._pass)
+            raise
+        finally:
+            _add_wait(self._watch, clock() - t, cpu() - c)
+        if self._history is not None and len(self._history) > self._seen:
+            _retuned(self._watch, self._history[self._seen :])
+            self._seen = len(self._history)
+        _took(self._watch, item, self._pass)
+        return item
+
+    @property
+    def done(self) -> bool:
+        """True once the iterable is exhausted (until a new pass starts)."""
+        return self._done
+
+    def __bool__(self) -> bool:  # an iterator is true, whatever its len() says
+        return True
+
+    def __len__(self) -> int:
+        if not hasattr(self._iterable, "__len__"):
+            name = type(self._iterable).__name__
+            raise TypeError(f"the {name} given to w.iter() has no len()")
+        return len(self._iterable)  # type: ignore[arg-type]
+
+
+def _new_pass(w: Watch, iterable: object) -> _Pass:
+    """A pass over ``iterable`` starts. A pass over the same iterable left open (a
+    ``break``) is over: the samples it handed out since the last ``w.step()`` were not
+    trained on, so they leave the next step's count. Passes over other iterables (a
+    validation loader inside the loop) are left alone."""
+    steps = w._first + len(w._ends)
+    for old in [p for p in w._passes if p.iterable_id == id(iterable)]:
+        if old.step == steps and w._count_known:
+            w._pending_count = max(0, w._pending_count - old.taken)
+        w._passes.remove(old)
+    new = _Pass(id(iterable), steps)
+    w._passes.append(new)
+    del w._passes[:-_OPEN_PASSES]
+    return new
+
+
+def _pass_ended(w: Watch, done: _Pass) -> None:
+    if done in w._passes:
+        w._passes.remove(done)
+
+
+def _add_wait(w: Watch, wall: float, cpu: float) -> None:
+    if w._state != "running":
+        return
+    w._pending_wait += wall
+    w._pending_wait_cpu += cpu
+
+
+def _retuned(w: Watch, changes: list[Any]) -> None:
+    step = w._first + len(w._ends)  # the step taking this batch
+    w._retunes.extend((step, change) for change in changes)
+
+
+def _took(w: Watch, item: Any, now: _Pass) -> None:
+    """Count a batch ``w.iter`` handed out (and, on CUDA, start its step's span)."""
+    if w._state != "running":
+        return  # iterated after stop(): the report stays as it was
+    n = batch_size(item)
+    steps = w._first + len(w._ends)
+    if now.step != steps:
+        now.step, now.taken = steps, 0
+    now.taken += n or 0
+    w._items += 1
+    if w._layout is None:
+        w._layout, w._layout_batch = batch_layout(item), n
+    if n is None:
+        w._count_known = False
+    else:
+        w._pending_count += n
+    if w._cuda and w._step_start is None:
+        # With the stream idle this event completes at once, so the step's span is
+        # then host time; analyse() bounds it with NVML's utilisation.
+        w._step_start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        w._step_start.record(w._stream)

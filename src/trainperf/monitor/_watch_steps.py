@@ -1,0 +1,135 @@
+"""The per-step log of a :class:`Watch`: each ``w.step()`` appended to compact arrays,
+the CPU figures settled from the loop thread's ``schedstat``, the oldest steps trimmed past
+``max_records``, the CUDA events' spans read back, and the kept steps as
+:class:`StepRecord` s for the report.
+
+The arrays live on the watch (``Watch.__init__`` makes them); these functions are the
+only ones that write them after that.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from trainperf.monitor._records import StepRecord
+
+if TYPE_CHECKING:
+    from trainperf.monitor._watch import Watch
+
+__all__ = ["cpu_reading", "record_step", "resolve", "settle", "step_records"]
+
+_RESOLVE_EVERY = 32  # steps between non-blocking reads of finished CUDA events
+_SETTLE_EVERY = 16  # steps between reads of the loop thread's schedstat (see settle)
+
+
+def record_step(w: Watch, now: float, samples: int | None) -> None:
+    """Append the step that ended at ``now`` (``time.perf_counter()``), with ``samples``
+    samples if given, else those ``w.iter`` counted (see :meth:`Watch.step`)."""
+    w._ends.append(now - w._t0)
+    w._waits.append(w._pending_wait)
+    w._wait_cpus.append(w._pending_wait_cpu)
+    w._delays.append(math.nan)
+    if samples is not None:
+        w._counts.append(samples)
+    else:
+        w._counts.append(w._pending_count if w._count_known else -1)
+    w._unsettled += 1
+    if w._unsettled >= _SETTLE_EVERY:
+        settle(w)
+    w._pending_wait = 0.0
+    w._pending_wait_cpu = 0.0
+    w._pending_count = 0
+    w._count_known = True
+    if len(w._ends) >= 2 * w._max:
+        _trim(w)
+    if not w._cuda:
+        w._maybe_start_cuda()
+        if not w._cuda:
+            return
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end.record(w._stream)
+    w._pending.append((w._first + len(w._ends) - 1, w._step_start, end))
+    w._step_start = None
+    if len(w._ends) % _RESOLVE_EVERY == 0:
+        resolve(w, block=False)
+
+
+def cpu_reading(w: Watch) -> tuple[float, float, int]:
+    demand, delay = w._clock.read()
+    return demand - delay, delay, w._clock.generation
+
+
+def settle(w: Watch) -> None:
+    """Give the steps since the last schedstat reading their CPU figures.
+
+    One reading every ``_SETTLE_EVERY`` steps (a ``pread`` costs a few microseconds;
+    ``time.thread_time()`` around each batch costs less): the time the loop's thread
+    waited for a CPU in between is spread evenly over those steps, and the CPU time
+    each spent waiting for data is scaled by the interval's wait-for-a-CPU per second
+    run, into what it demanded (running, plus waiting for a CPU). Without schedstat, or
+    read from another thread, the delays stay unknown and the wait CPU is CPU time.
+    """
+    pending, w._unsettled = w._unsettled, 0
+    if pending <= 0:
+        return
+    run, delay, generation = reading = cpu_reading(w)
+    run0, delay0, generation0 = w._last_reading
+    w._last_reading = reading
+    if generation == generation0 and not math.isnan(delay + delay0):
+        per_step = max(0.0, delay - delay0) / pending
+        queued = max(0.0, delay - delay0) / (run - run0) if run > run0 else 0.0
+        # The interval's steps still held (a trim may have dropped its first ones).
+        for i in range(max(0, len(w._ends) - pending), len(w._ends)):
+            w._delays[i] = per_step
+            w._wait_cpus[i] *= 1 + queued
+
+
+def _trim(w: Watch) -> None:
+    cut = len(w._ends) - w._max
+    w._dropped_end = w._ends[cut - 1]
+    del w._ends[:cut], w._waits[:cut], w._counts[:cut]
+    del w._wait_cpus[:cut], w._delays[:cut]
+    w._first += cut
+    busy = w._gpu_busy
+    while busy and (oldest := next(iter(busy))) < w._first:  # keys come in step order
+        del busy[oldest]
+
+
+def resolve(w: Watch, *, block: bool) -> None:
+    if block and w._pending:
+        w._pending[-1][2].synchronize()
+    while w._pending and w._pending[0][2].query():
+        index, start, end = w._pending.popleft()
+        if start is not None:
+            w._gpu_busy[index] = start.elapsed_time(end) / 1e3
+
+
+def step_records(w: Watch) -> tuple[int, list[StepRecord]]:
+    """The number of the first step kept, and the kept steps as :class:`StepRecord` s."""
+    extra = max(0, len(w._ends) - w._max)  # held beyond max_records: not reported
+    first = w._first + extra
+    previous = w._ends[extra - 1] if extra else w._dropped_end
+    timeline = []
+    steps = zip(
+        w._ends[extra:], w._waits[extra:], w._counts[extra:],
+        w._wait_cpus[extra:], w._delays[extra:], strict=True,
+    )  # fmt: skip
+    for i, (end, wait_s, count, wait_cpu, delay) in enumerate(steps, start=first):
+        duration = end - previous
+        timeline.append(
+            StepRecord(
+                index=i,
+                start=previous,
+                wait=min(wait_s, duration),
+                compute=max(0.0, duration - wait_s),
+                samples=None if count < 0 else count,
+                gpu_busy=w._gpu_busy.get(i),
+                wait_cpu=wait_cpu,
+                cpu_delay=None if math.isnan(delay) else max(0.0, delay),
+            )
+        )
+        previous = end
+    return first, timeline
