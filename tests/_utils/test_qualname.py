@@ -51,6 +51,20 @@ def test_a_function_s_name_changes_with_its_body() -> None:
     assert qualname(first["step"]).startswith("train.step#")
 
 
+def test_a_step_object_s_name_changes_with_its_call_method() -> None:
+    # Before: an instance with __call__ counted by its class's name alone, so editing
+    # __call__ kept the old cached batch size.
+    source = "class Step:\n    def __call__(self, batch):\n        return batch{}\n"
+    first, edited, same = ({"__name__": "train"} for _ in range(3))
+    exec(source.format(" + 1"), first)
+    exec(source.format(" * 2"), edited)
+    exec(source.format(" + 1"), same)
+    assert qualname(first["Step"]()) != qualname(edited["Step"]())
+    assert qualname(first["Step"]()) == qualname(same["Step"]())
+    assert qualname(first["Step"]()).startswith("train.Step#")
+    assert qualname({}) == "builtins.dict"  # not callable: the type's name alone
+
+
 def test_nested_functions_count_in_their_outer_function_s_digest() -> None:
     def outer_a() -> object:
         return lambda: 1

@@ -18,9 +18,10 @@ __all__ = ["code_digest", "qualname"]
 
 def qualname(obj: Any) -> str:
     """``module.qualname`` of a class or function (of the object's type otherwise); lambdas and
-    nested functions, whose names are not unique, add where they are defined, functions
-    and methods add a hash of their body (:func:`code_digest`: a cached answer for an
-    edited step is not reused), and a ``functools.partial`` names its function.
+    nested functions, whose names are not unique, add where they are defined, functions,
+    methods and callable objects (their class's ``__call__``) add a hash of their body
+    (:func:`code_digest`: a cached answer for an edited step is not reused), and a
+    ``functools.partial`` names its function.
 
     Example:
         >>> qualname(len), qualname(3)
@@ -38,6 +39,8 @@ def qualname(obj: Any) -> str:
     )
     name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
     code = getattr(target, "__code__", None)
+    if code is None and target is type(obj) and callable(obj):  # a step object's __call__
+        code = getattr(target.__call__, "__code__", None)
     if code is not None and ("<lambda>" in name or "<locals>" in name):
         name += f"@{code.co_filename}:{code.co_firstlineno}"
     if isinstance(code, types.CodeType):
