@@ -150,6 +150,33 @@ def test_one_step_call_steps_several_optimizers_and_a_second_call_says_so() -> N
         mp.step(opts[1])
 
 
+def test_a_second_step_after_zero_grad_of_the_first_optimizer_says_to_pass_both() -> None:
+    # for opt in opts: mp.step(opt); mp.zero_grad(opt) -- the zero_grad used to erase the
+    # step, and the second step blamed a plain loss.backward() the caller never made.
+    mp = MixedPrecision("cpu", precision="fp32")
+    _, opts = two_optimizers(mp)
+    assert mp.step(opts[0])
+    mp.zero_grad(opts[0])
+    with pytest.raises(RuntimeError, match=r"pass them all to one call, mp\.step\(opt_a, opt_b\)"):
+        mp.step(opts[1])
+    mp.zero_grad()  # every prepared model: the backward and its step are forgotten
+    with pytest.raises(RuntimeError, match=r"call mp\.backward\(loss\) instead of loss\.backward"):
+        mp.step(opts[1])
+
+
+def test_a_plain_backward_after_a_step_and_zero_grad_still_says_to_use_mp_backward() -> None:
+    mp = MixedPrecision("cpu", precision="fp32")
+    model, opts = two_optimizers(mp)
+    assert mp.step(*opts)
+    for opt in opts:
+        mp.zero_grad(opt)
+    model(torch.randn(8, 4)).sum().backward()  # the mistake: not through mp
+    with pytest.raises(RuntimeError, match=r"call mp\.backward\(loss\) instead of loss\.backward"):
+        mp.step(opts[0])
+    mp.backward(model(torch.randn(8, 4)).sum())  # through mp: both step again
+    assert mp.step(*opts)
+
+
 def test_clipping_several_optimizers_clips_each_one_s_gradients() -> None:
     mp = MixedPrecision("cpu", precision="fp32")
     model, opts = two_optimizers(mp)

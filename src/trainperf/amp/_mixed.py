@@ -168,9 +168,11 @@ class MixedPrecision:
         )
         self._scaler: torch.amp.GradScaler | None = None
         self._backward_pending = False
-        self._stepped = False  # a step since the last backward or zero_grad
-        # ids of the optimizers mp.zero_grad(optimizer) cleared while a backward was pending:
-        # that backward is gone for them only.
+        # A step used the last backward (until the next backward or mp.zero_grad()): a
+        # second step is refused as such, even after mp.zero_grad(optimizer) in between.
+        self._stepped = False
+        # ids of the optimizers mp.zero_grad(optimizer) cleared since the last backward (that
+        # backward is gone for them only) or since the step that used it.
         self._zeroed: set[int] = set()
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.uses_channels_last = False
@@ -435,7 +437,13 @@ class MixedPrecision:
             raise ValueError(
                 "MixedPrecision.step() got the same optimizer twice; pass each optimizer once"
             )
-        if self._stepped and not self._backward_pending:
+        # An optimizer zeroed since the step has no gradients of that backward left: its
+        # new ones (if any) came from a plain loss.backward(), the error below.
+        if (
+            self._stepped
+            and not self._backward_pending
+            and self._zeroed.isdisjoint(map(id, optimizers))
+        ):
             raise RuntimeError(
                 "MixedPrecision.step() was already called since the last mp.backward(loss): "
                 "one backward, one step. To step several optimizers on one loss, pass them "
@@ -491,9 +499,10 @@ class MixedPrecision:
         """
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=set_to_none)
-            if self._backward_pending:  # after a step there is no backward left to drop
+            if self._backward_pending or self._stepped:
+                # Pending: that backward is dropped for this optimizer only. Stepped: a later
+                # step of another optimizer is still a second step on one backward.
                 self._zeroed.add(id(optimizer))
-            self._stepped = False
             return
         models = list(self._models)
         if not models:
