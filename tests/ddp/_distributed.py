@@ -27,7 +27,7 @@ def fast_start_method() -> str:
     """
     import torch
 
-    from trainperf.ddp._launch import cuda_driver_loaded
+    from trainperf.ddp._launch_checks import cuda_driver_loaded
 
     # Forked children of a process that loaded CUDA's driver (the conftest's
     # torch.cuda.is_available() does) are on shaky ground even without using the GPU.

@@ -12,7 +12,7 @@ import pytest
 import trainperf.ddp as ddp
 from tests.ddp import _workers as workers
 from tests.ddp._distributed import fast_start_method
-from trainperf.ddp import _capacity, _group, _launch
+from trainperf.ddp import _capacity, _group, _launch_spawn
 
 GIB = 2**30
 MIB = 2**20
@@ -98,7 +98,7 @@ def test_with_the_override_the_memory_projection_stops_them_after_rank_0(
 @pytest.mark.timeout(90)
 def test_a_measured_launch_that_fits_runs_normally(monkeypatch: pytest.MonkeyPatch) -> None:
     # The launcher looks huge, so rank 0 is measured first; the real rank fits easily.
-    monkeypatch.setattr(_launch, "_own_memory", lambda: 1 << 50)
+    monkeypatch.setattr(_launch_spawn, "_own_memory", lambda: 1 << 50)
     started = _counting_starts(monkeypatch)
     kw: dict[str, Any] = {"nprocs": 2, "backend": "gloo", "start_method": fast_start_method()}
     assert ddp.launch_all(workers.add, 2, 3, **kw) == [5, 10]

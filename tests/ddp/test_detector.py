@@ -14,7 +14,8 @@ import torch
 
 from trainperf.ddp import _detector
 from trainperf.ddp._detector import HangDetector
-from trainperf.ddp._progress import BUSY_CAP, Tracker
+from trainperf.ddp._progress_slots import BUSY_CAP
+from trainperf.ddp._progress_tracker import Tracker
 from trainperf.ddp._stacks import Frame, ThreadStack
 
 TORCH = os.path.dirname(torch.__file__)

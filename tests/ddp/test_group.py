@@ -175,7 +175,9 @@ def test_exit_code_117_after_main_loaded_is_not_blamed_on_a_missing_main_guard()
 def test_a_hang_in_a_restarted_group_names_its_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
     # Every other LaunchError of a group with restarts says which attempt failed.
     from trainperf.ddp._detector import HangDetector
-    from trainperf.ddp._hang import HangReport, RankView, diagnose
+    from trainperf.ddp._hang import diagnose
+    from trainperf.ddp._hang_report import HangReport
+    from trainperf.ddp._hang_view import RankView
 
     views = (RankView(0, "running", "running"), RankView(1, "running", "running"))
     report = HangReport(2.0, 2.5, 2, diagnose(list(views)), views)

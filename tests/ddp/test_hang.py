@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from trainperf.ddp._hang import HangReport, RankView, diagnose
-from trainperf.ddp._progress import Collective
+from trainperf.ddp._hang import diagnose
+from trainperf.ddp._hang_report import HangReport
+from trainperf.ddp._hang_view import RankView
+from trainperf.ddp._progress_slots import Collective
 from trainperf.ddp._stacks import Activity, Frame
 
 F = "/home/me/train.py"
@@ -200,7 +202,7 @@ def test_the_report_reads_and_serialises() -> None:
 
 
 def test_ranks_that_crashed_while_being_stopped_are_named_first() -> None:
-    from trainperf.ddp._hang import Ending
+    from trainperf.ddp._hang_report import Ending
 
     views = (_waits(0, _c(3)), _busy(1), _waits(2, _c(3)))
     endings = (
@@ -253,8 +255,9 @@ def test_the_rules_stay_linear_in_the_number_of_ranks(monkeypatch: pytest.Monkey
 
 
 def test_torch_compile_excuses_a_stall_only_up_to_the_cap() -> None:
-    from trainperf.ddp._hang import RankView, is_hang
-    from trainperf.ddp._progress import BUSY_CAP
+    from trainperf.ddp._hang import is_hang
+    from trainperf.ddp._hang_view import RankView
+    from trainperf.ddp._progress_slots import BUSY_CAP
 
     waits = RankView(0, "running", "collective")
     compiles = RankView(1, "running", "running", compiling=True)

@@ -19,7 +19,7 @@ import trainperf.ddp as ddp
 from tests.ddp import _hangs
 from tests.ddp._distributed import LONG, launch_fork
 from tests.ddp.test_launch import _clean_env, _processes_with
-from trainperf.ddp import _launch
+from trainperf.ddp import _launch_spawn
 from trainperf.errors import HangError, LaunchError
 
 HANG_S = 3.0
@@ -137,7 +137,7 @@ def test_hang_timeout_none_starts_no_detector(monkeypatch: pytest.MonkeyPatch) -
     def refuse(*args: Any) -> None:
         raise AssertionError("a detector was made with hang_timeout=None")
 
-    monkeypatch.setattr(_launch, "HangDetector", refuse)
+    monkeypatch.setattr(_launch_spawn, "HangDetector", refuse)
     assert launch_fork(_hangs.slow_steps, 1, 0.0, hang_timeout=None) == 1
 
 
@@ -340,12 +340,12 @@ def test_launch_inside_a_job_watches_through_the_watchdog_and_then_restores_torc
 def test_a_rank_that_cannot_open_its_progress_slot_still_runs(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    from trainperf.ddp import _progress
+    from trainperf.ddp import _progress_slots
 
     def full(path: str) -> Any:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_progress, "attach", full)  # forked ranks inherit the patch
+    monkeypatch.setattr(_progress_slots, "attach", full)  # forked ranks inherit the patch
     assert launch_fork(_hangs.slow_steps, 2, 0.0, hang_timeout=HANG_S) == 2
     assert (
         "hang detection is off (OSError(28, 'No space left on device'))" in capfd.readouterr().err

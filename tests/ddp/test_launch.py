@@ -30,7 +30,7 @@ import trainperf.ddp as ddp
 from tests.ddp import _workers as workers
 from tests.ddp._distributed import FORK, LONG, fast_start_method, launch_fork, spawn
 from tests.ddp._envs import TORCHRUN
-from trainperf.ddp import _env, _launch
+from trainperf.ddp import _env, _launch_checks
 from trainperf.errors import DeviceError, LaunchError
 from trainperf.limits import usable_cpus
 
@@ -279,7 +279,7 @@ def test_fork_refused_where_the_platform_has_none(monkeypatch: pytest.MonkeyPatc
 
 def test_fork_refused_once_cuda_is_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(_launch, "cuda_driver_loaded", lambda: True)
+    monkeypatch.setattr(_launch_checks, "cuda_driver_loaded", lambda: True)
     with pytest.raises(DeviceError, match=r"backend='nccl': CUDA's driver is already loaded"):
         ddp.launch(workers.add, 1, 2, nprocs=2, backend="nccl", start_method="fork")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)

@@ -19,7 +19,7 @@ import pytest
 
 from tests.ddp import _workers as workers
 from tests.ddp._distributed import LONG, fast_start_method, launch_fork
-from trainperf.ddp._worker import REIMPORT_EXIT_CODE
+from trainperf.ddp._worker_reimport import REIMPORT_EXIT_CODE
 from trainperf.errors import LaunchError
 
 SCRIPT = Path(__file__).parent / "_script.py"

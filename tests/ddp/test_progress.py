@@ -7,15 +7,15 @@ from typing import Any
 import pytest
 import torch
 
-from trainperf.ddp import _progress
-from trainperf.ddp._progress import (
+from trainperf.ddp import _progress, _progress_tracker
+from trainperf.ddp._progress_slots import (
     HISTORY,
     SLOT_SIZE,
     Collective,
     State,
-    Tracker,
     read_slot,
 )
+from trainperf.ddp._progress_tracker import Tracker
 
 
 def test_a_fresh_slot_reads_as_starting_with_no_history() -> None:
@@ -152,7 +152,7 @@ def test_busy_without_detection_does_nothing(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_busy_counts_up_to_the_cap() -> None:
-    from trainperf.ddp._progress import BUSY_CAP, SlotState, busy_counts
+    from trainperf.ddp._progress_slots import BUSY_CAP, SlotState, busy_counts
 
     inside = SlotState(1, 0, 0, 0.0, 0, State.RUNNING, True, (), 1000.0, "saving")
     assert busy_counts(inside, 1000.0 + BUSY_CAP * 2.0 - 0.1, 2.0)
@@ -177,7 +177,7 @@ def test_busy_in_a_forked_child_leaves_the_rank_s_slot_alone(
 def test_busy_does_not_count_while_the_rank_is_in_a_collective_inside_it() -> None:
     # A sharded state_dict() inside a save is a collective: the rank waits for the others,
     # so a hang there is a hang at once (was: hidden for BUSY_CAP x the timeout).
-    from trainperf.ddp._progress import SlotState, busy_counts
+    from trainperf.ddp._progress_slots import SlotState, busy_counts
 
     saving = SlotState(1, 1, 0, 0.0, 0, State.RUNNING, True, (), 1000.0, "saving")
     assert busy_counts(saving, 1001.0, 2.0)
@@ -224,7 +224,7 @@ def test_a_thread_s_write_never_clears_the_busy_mark(monkeypatch: pytest.MonkeyP
     buf = bytearray(SLOT_SIZE)
     tracker = Tracker(buf)
     packing, entered = threading.Event(), threading.Event()
-    real = _progress._HEADER
+    real = _progress_tracker._HEADER
 
     class SlowHeader:
         def pack_into(self, *args: Any) -> None:
@@ -236,7 +236,7 @@ def test_a_thread_s_write_never_clears_the_busy_mark(monkeypatch: pytest.MonkeyP
         def unpack_from(self, *args: Any) -> Any:
             return real.unpack_from(*args)
 
-    monkeypatch.setattr(_progress, "_HEADER", SlowHeader())
+    monkeypatch.setattr(_progress_tracker, "_HEADER", SlowHeader())
     writer = threading.Thread(target=tracker.batch, name="writer-b")
     writer.start()
     assert packing.wait(10)

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from trainperf.ddp import _progress, _watchdog
-from trainperf.ddp._progress import SLOT_SIZE, SlotState, State, Tracker
+from trainperf.ddp._progress_slots import SLOT_SIZE, SlotState, State
+from trainperf.ddp._progress_tracker import Tracker
 from trainperf.ddp._stacks import Frame, ThreadStack
 from trainperf.ddp._watchdog import Watchdog, judge, watchdog
 
@@ -186,7 +187,7 @@ def test_the_stall_reported_runs_from_the_last_real_progress_not_the_last_beat(
     real_time = time.time
     # busy() below the cap (10 x 0.1 s) for the first 0.8 s, then (skewed clock) past it.
     clock = {"skew": 0.0}
-    monkeypatch.setattr(_progress.time, "time", lambda: real_time() + clock["skew"])
+    monkeypatch.setattr(time, "time", lambda: real_time() + clock["skew"])
     seen: list[float] = []
 
     def collect(stalled_s: float) -> dict[str, Any]:

@@ -86,7 +86,7 @@ def test_a_main_spawned_workers_cannot_import_is_named_with_the_import_error(
 def _round_trip(*args: object) -> tuple[object, ...]:
     import pickle
 
-    from trainperf.ddp._worker import _pack
+    from trainperf.ddp._worker_pickle import _pack
 
     main, copied, kwargs = pickle.loads(_pack((workers.add, args, {})))
     assert main is workers.add and kwargs == {}
@@ -106,7 +106,7 @@ def test_arguments_reach_a_rank_as_copies_with_their_views_and_parameters_intact
         sparse_copy.to_dense(), torch.eye(3)
     )
 
-    from trainperf.ddp._worker import _pack
+    from trainperf.ddp._worker_pickle import _pack
 
     one = len(_pack((workers.add, (flat,), {})))
     assert len(_pack((workers.add, (flat, *[flat[i : i + 10] for i in range(5)]), {}))) < 1.1 * one

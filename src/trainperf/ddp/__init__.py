@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from trainperf._utils.public import set_public_module
 from trainperf.ddp._env import expand_nodelist
-from trainperf.ddp._hang import HangReport
+from trainperf.ddp._hang_report import HangReport
 from trainperf.ddp._helpers import (
     DistributedLoader,
     all_reduce_mean,

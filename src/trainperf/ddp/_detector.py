@@ -29,8 +29,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from trainperf.ddp import _hang, _rundir
-from trainperf.ddp._progress import (
+from trainperf.ddp import _hang, _hang_report, _hang_view, _rundir
+from trainperf.ddp._progress_slots import (
     ProgressSpec,
     SlotState,
     State,
@@ -75,11 +75,11 @@ def _base_dir() -> str | None:
 
 def rank_view(
     rank: int,
-    status: _hang.Status,
+    status: _hang_view.Status,
     slot: SlotState,
     threads: list[ThreadStack] | None,
     now: float | None = None,
-) -> _hang.RankView:
+) -> _hang_view.RankView:
     """One rank's view for the rules, from its slot and its parsed stack dump (``now``:
     ``time.time()``, for how long it has been inside ``busy()``)."""
     main = next((t for t in threads or [] if t.ident == slot.thread), None)
@@ -97,7 +97,7 @@ def rank_view(
         for t in threads or []
         if t is not main and t.frames and not _is_watcher(t)
     )
-    return _hang.RankView(
+    return _hang_view.RankView(
         rank=rank,
         status=status,
         activity=activity,
@@ -151,7 +151,7 @@ class HangDetector:
         return [read_slot(self.slots, r) for r in range(self.n)]
 
     def check(self, running: dict[int, BaseProcess], results: dict[int, Any]) -> Any:
-        """A :class:`~trainperf.ddp._hang.HangReport` once the job has hung, else None."""
+        """A :class:`~trainperf.ddp._hang_report.HangReport` once the job has hung, else None."""
         now = time.monotonic()
         states = self._states()
         ready = all(s.state != State.STARTING or r in results for r, s in enumerate(states))
@@ -218,28 +218,28 @@ class HangDetector:
         running: dict[int, BaseProcess],
         results: dict[int, Any],
         stalled_s: float,
-    ) -> _hang.HangReport:
+    ) -> _hang_report.HangReport:
         alive = [r for r in sorted(running) if r in self.pids and states[r].armed]
         stacks = self._dump(alive)
         views = []
         for rank, slot in enumerate(states):
-            status: _hang.Status = (
+            status: _hang_view.Status = (
                 "returned" if rank in results else "running" if rank in running else "gone"
             )
             views.append(rank_view(rank, status, slot, stacks.get(rank)))
         verdict = _hang.diagnose(views)
-        return _hang.HangReport(self.timeout, stalled_s, self.n, verdict, tuple(views))
+        return _hang_report.HangReport(self.timeout, stalled_s, self.n, verdict, tuple(views))
 
     def error(
         self,
-        report: _hang.HangReport,
+        report: _hang_report.HangReport,
         endings: list[tuple[int, int | None, str, bool]] | None = None,
         attempt: str = "",
     ) -> HangError:
         """The HangError for ``report``, with how each stopped rank ended (the group's
         ``(rank, exit code, how, expected)``): a crash or an error code meanwhile is named.
         ``attempt`` labels the attempt as the group's other errors do (" (attempt 2 of 3)")."""
-        ended = tuple(_hang.Ending(*e) for e in endings or [])
+        ended = tuple(_hang_report.Ending(*e) for e in endings or [])
         report = dataclasses.replace(report, endings=ended, attempt=attempt)
         stopped = "Every rank was stopped (SIGTERM, then SIGKILL after 3 s)."
         return HangError(f"{report}\n\n{stopped}", report=report)

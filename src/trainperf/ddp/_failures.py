@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainperf.ddp._stderr import last_traceback
-from trainperf.ddp._worker import Failure, called_function
+from trainperf.ddp._worker import Failure
+from trainperf.ddp._worker_pickle import called_function
 
 __all__ = [
     "DEATH_SLACK_S",

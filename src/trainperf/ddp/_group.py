@@ -48,14 +48,9 @@ from trainperf.ddp._procs import (
     stop_ending,
 )
 from trainperf.ddp._stderr import StartupStderr, redirected_stderr, unredirected_stderr
-from trainperf.ddp._worker import (
-    REIMPORT_EXIT_CODE,
-    WORKER_NAME_PREFIX,
-    Failure,
-    InheritedFd,
-    WorkerSpec,
-    worker_main,
-)
+from trainperf.ddp._worker import Failure, WorkerSpec, worker_main
+from trainperf.ddp._worker_pickle import InheritedFd
+from trainperf.ddp._worker_reimport import REIMPORT_EXIT_CODE, WORKER_NAME_PREFIX
 from trainperf.errors import LaunchError
 
 __all__ = ["EXIT_GRACE_S", "TERM_GRACE_S", "Group", "drain_ending"]

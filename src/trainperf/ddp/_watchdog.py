@@ -56,17 +56,17 @@ from typing import IO, Any, Literal
 
 from trainperf._utils.atomic import write_atomically
 from trainperf._utils.validate import positive_number
-from trainperf.ddp import _hang, _progress
+from trainperf.ddp import _hang, _hang_report, _hang_view, _progress
 from trainperf.ddp._detector import rank_view
-from trainperf.ddp._progress import (
+from trainperf.ddp._progress_slots import (
     BUSY_CAP,
     SLOT_SIZE,
     SlotState,
     State,
-    Tracker,
     busy_counts,
     read_slot,
 )
+from trainperf.ddp._progress_tracker import Tracker
 from trainperf.ddp._stacks import ThreadStack, classify, compiling_threads, parse_dump
 
 __all__ = ["COLLECT_S", "EXIT_CODE", "Watchdog", "judge", "watchdog"]
@@ -109,7 +109,7 @@ def judge(
     busy in its own code, so it waits for nobody: a waiting rank judges.
 
     Example:
-        >>> from trainperf.ddp._progress import SlotState, State
+        >>> from trainperf.ddp._progress_slots import SlotState, State
         >>> inside = SlotState(7, 3, 0, 0.0, 1, State.IN_COLLECTIVE, True, ())
         >>> judge(inside, [], seen_progress=7, ended=False, now=0.0, timeout=5.0)
         'hang'
@@ -310,7 +310,7 @@ class Watchdog:
         # The collector went silent: judge alone, and print it too.
         return {**_verdict_record(self._read_reports(stalled_s), self.rank), "speaker": self.rank}
 
-    def _read_reports(self, stalled_s: float) -> _hang.HangReport:
+    def _read_reports(self, stalled_s: float) -> _hang_report.HangReport:
         """Wait for every rank's report (one check of all keys per poll), read each once."""
         keys = [f"report/{r}" for r in range(self.world)]
         deadline = time.monotonic() + COLLECT_S
@@ -324,11 +324,11 @@ class Watchdog:
         views = []
         for rank, key in enumerate(keys):
             if key not in values:
-                views.append(_hang.RankView(rank, "running", "running", answered=False))
+                views.append(_hang_view.RankView(rank, "running", "running", answered=False))
                 continue
             views.append(_view(rank, json.loads(values[key])))
         verdict = _hang.diagnose(views)
-        return _hang.HangReport(
+        return _hang_report.HangReport(
             self.limit, stalled_s, self.world, verdict, tuple(views), option=self.option
         )
 
@@ -341,7 +341,7 @@ class Watchdog:
             time.sleep(0.1)
         return None
 
-    def _alone(self) -> _hang.HangReport | None:
+    def _alone(self) -> _hang_report.HangReport | None:
         """The store failed: watch this rank's own progress; the others cannot be asked."""
         progress, since = self.tracker.progress, time.monotonic()
         last = since  # the last real progress (busy() beats reset only the clock)
@@ -355,12 +355,14 @@ class Watchdog:
                 record = {"status": "running", "slot": bytes(self.buf).hex()}
                 record["dump"] = self._own_dump()
                 views = [
-                    _view(r, record) if r == self.rank else _hang.RankView(r, "unknown", "running")
+                    _view(r, record)
+                    if r == self.rank
+                    else _hang_view.RankView(r, "unknown", "running")
                     for r in range(self.world)
                 ]
                 stalled = time.monotonic() - last
                 verdict = _hang.diagnose(views)
-                return _hang.HangReport(
+                return _hang_report.HangReport(
                     self.limit, stalled, self.world, verdict, tuple(views), option=self.option
                 )
         return None
@@ -416,7 +418,7 @@ def _write(f: IO[bytes], data: bytes) -> None:
     f.write(data)
 
 
-def _speaker(report: _hang.HangReport, me: int) -> int:
+def _speaker(report: _hang_report.HangReport, me: int) -> int:
     """The lowest rank still running that answered prints the verdict (``me`` if none)."""
     for view in report.ranks:
         if view.status == "running" and view.answered:
@@ -424,7 +426,7 @@ def _speaker(report: _hang.HangReport, me: int) -> int:
     return me
 
 
-def _verdict_record(report: _hang.HangReport, me: int) -> dict[str, Any]:
+def _verdict_record(report: _hang_report.HangReport, me: int) -> dict[str, Any]:
     """What the collector posts (JSON): the message, the report's dict, who prints it, and
     how many ranks answered (they wait for each other before exiting)."""
     answering = sum(1 for v in report.ranks if v.status == "running" and v.answered)
@@ -436,10 +438,10 @@ def _verdict_record(report: _hang.HangReport, me: int) -> dict[str, Any]:
     }
 
 
-def _view(rank: int, record: dict[str, Any]) -> _hang.RankView:
+def _view(rank: int, record: dict[str, Any]) -> _hang_view.RankView:
     slot = read_slot(bytes.fromhex(record["slot"]))
     threads = parse_dump(record["dump"]) if record.get("dump") else None
-    status: _hang.Status = "running"
+    status: _hang_view.Status = "running"
     if record["status"] == "returned":
         status = "returned"
     elif record["status"] == "gone":

@@ -13,14 +13,16 @@ A spawned worker starts with its stderr on a pipe to the launcher, which keeps t
 Python prints when importing the script fails before any trainperf code runs (a
 bootstrapping ``RuntimeError``, an exception at import time) reaches the ``LaunchError``.
 The worker puts its real stderr back as its first act.
+
+Modules: ``_worker_pickle`` (how ``main``, its arguments and the launcher's descriptors
+travel to a spawned worker), ``_worker_reimport`` (a spawned worker that imports a script
+with no ``__main__`` guard), this one (the worker's spec and its life).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import io
 import multiprocessing
 import os
 import pickle
@@ -32,32 +34,23 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler
 from types import TracebackType
 from typing import Any, NoReturn, cast
 
 from trainperf._utils.lifetime import die_with_parent
+from trainperf.ddp._worker_pickle import (
+    _MAIN,
+    InheritedFd,
+    _class_name,
+    _labelled,
+    _pack,
+    _unpickled,
+)
 
-__all__ = [
-    "KEEP_START_METHOD",
-    "REIMPORT_EXIT_CODE",
-    "WORKER_NAME_PREFIX",
-    "Failure",
-    "InheritedFd",
-    "WorkerSpec",
-    "called_function",
-    "rank_device",
-    "reimporting_main",
-    "worker_main",
-]
+__all__ = ["KEEP_START_METHOD", "Failure", "WorkerSpec", "rank_device", "worker_main"]
 
-# Each worker process is named f"{WORKER_NAME_PREFIX}{rank}".
-WORKER_NAME_PREFIX = "trainperf-rank"
 KEEP_START_METHOD = "keep"
 """WorkerSpec.child_start_method: leave the rank's default start method as it is."""
-# The exit status of a spawned worker whose import of the script called launch() again (no
-# __main__ guard); the launcher turns it into the advice to add one.
-REIMPORT_EXIT_CODE = 117
 
 
 @dataclass(frozen=True)
@@ -88,7 +81,7 @@ class WorkerSpec:
     # rank; KEEP_START_METHOD: leave the rank's as it is (forked ranks).
     child_start_method: str | None = KEEP_START_METHOD
     grace_s: float | None = None
-    hang: Any = None  # a _progress.ProgressSpec when hang detection is on
+    hang: Any = None  # a _progress_slots.ProgressSpec when hang detection is on
     packed: bytes | None = None
     labels: tuple[str, ...] = ()  # main's arguments, in the order they are unpickled
 
@@ -117,120 +110,8 @@ class WorkerSpec:
         return self.labels[done] if done < len(self.labels) else "arguments"
 
 
-_MAIN = "main"
-# The labels of what this worker has unpickled so far, in order: the first one missing after
-# a failure is the one that failed.
-_unpickled: list[str] = []
-
-
-class _Labelled:
-    """One of ``main``, its arguments, on the way to a worker: unpickled, it is the value
-    itself, and its label is recorded once the value is built."""
-
-    def __init__(self, label: str, value: Any) -> None:
-        self.label = label
-        self.value = value
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_arrived, (self.label, self.value))
-
-
-def _labelled(
-    main: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], tuple[str, ...]]:
-    """``(main, args, kwargs)`` with each value labelled, and the labels in unpickling order."""
-    positional = [f"args[{i}] ({_class_name(type(a))})" for i, a in enumerate(args)]
-    keyword = {k: f"kwargs[{k!r}] ({_class_name(type(v))})" for k, v in kwargs.items()}
-    call = (
-        _Labelled(_MAIN, main),
-        tuple(_Labelled(label, a) for label, a in zip(positional, args, strict=True)),
-        {k: _Labelled(keyword[k], v) for k, v in kwargs.items()},
-    )
-    return call, (*positional, *keyword.values())
-
-
-def _arrived(label: str, value: Any) -> Any:
-    _unpickled.append(label)
-    return value
-
-
-def _class_name(cls: type) -> str:
-    """``pkg.mod.Name`` as the user wrote it (``Name`` for builtins; a spawned rank imports
-    the script as ``__mp_main__``: the user wrote ``__main__``)."""
-    module = "__main__" if cls.__module__ == "__mp_main__" else cls.__module__
-    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
-
-
-class _CopyingPickler(ForkingPickler):
-    """multiprocessing's pickler (queues, pipes and locks travel as under spawn), except
-    that tensors are copied into each rank, as a forked rank or a torchrun rank has its own:
-    torch's reducers would move every tensor of ``args`` into shared memory, so a model passed
-    to ``main`` had one set of parameters for every rank (and the launcher), each rank's
-    optimizer step applied to it. A CPU tensor already in shared memory
-    (``tensor.share_memory_()``, ``model.share_memory()``) stays shared: that was asked for."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # One storage object per storage, so pickle's memo writes it once and views of one
-        # buffer (parameters carved out of a flat one) stay views of one copy in the rank.
-        self._storages: dict[tuple[int, Any], Any] = {}
-
-    def reducer_override(self, obj: Any) -> Any:
-        torch = sys.modules.get("torch")  # not imported: there is no tensor to pickle
-        if torch is None:
-            return NotImplemented
-        if isinstance(obj, torch.Tensor):
-            try:
-                storage = obj.untyped_storage()
-            except (NotImplementedError, RuntimeError):  # sparse and such: no one storage
-                return obj.__reduce_ex__(2)
-        elif isinstance(obj, torch.TypedStorage):  # what a tensor's reduction holds
-            storage = obj._untyped_storage
-        elif isinstance(obj, torch.UntypedStorage):
-            storage = obj
-        else:
-            return NotImplemented
-        if storage.device.type == "cpu" and storage.is_shared():
-            return NotImplemented  # torch's reducer: shared, as the user made it
-        if not isinstance(obj, torch.Tensor):
-            return obj.__reduce__()  # a storage by value (torch.save into bytes)
-        reduced = obj.__reduce_ex__(2)  # by value; its storage comes back here
-        args = reduced[1]
-        if args and isinstance(args[0], torch.TypedStorage):
-            key = (args[0]._untyped_storage._cdata, args[0].dtype)
-            same = self._storages.setdefault(key, args[0])
-            reduced = (reduced[0], (same, *args[1:]), *reduced[2:])
-        return reduced
-
-
-def _pack(call: tuple[Any, ...]) -> bytes:
-    buf = io.BytesIO()
-    _CopyingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(call)
-    return buf.getvalue()
-
-
 def _rebuild_spec(fields: dict[str, Any]) -> WorkerSpec:
     return WorkerSpec(**fields)
-
-
-class InheritedFd:
-    """A file descriptor of the launcher handed to a spawned worker under the same number.
-
-    Pickled only while multiprocessing starts the worker (which passes the descriptor
-    along); a forked worker inherits every descriptor and needs none of this.
-    """
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        from multiprocessing import reduction
-
-        return (_rebuild_fd, (reduction.DupFd(self.fd),))
-
-
-def _rebuild_fd(dup: Any) -> InheritedFd:
-    return InheritedFd(dup.detach())
 
 
 @dataclass(frozen=True)
@@ -247,36 +128,6 @@ class Failure:
     # main's arguments failed (``argument`` names it); "main": the set-up or main raised.
     stage: str = "main"
     argument: str = ""
-
-
-def reimporting_main() -> bool:
-    """Whether this is a worker that ``launch`` spawned, still importing the main script.
-
-    Under spawn each worker first imports the script again (as ``__mp_main__``); a
-    ``launch()`` call that no ``if __name__ == "__main__":`` guard protects then runs in the
-    worker too, where Python refuses it with a long "bootstrapping phase" traceback. Until
-    that import is over, multiprocessing has not set the worker's parent process yet, while
-    the process already bears the name the launcher gave it.
-
-    Example:
-        >>> reimporting_main()  # the launching process itself
-        False
-    """
-    me = multiprocessing.current_process()
-    return me.name.startswith(WORKER_NAME_PREFIX) and multiprocessing.parent_process() is None
-
-
-def called_function(main: Callable[..., Any]) -> Callable[..., Any]:
-    """The function ``main`` calls: itself, or what a ``functools.partial`` wraps.
-
-    Example:
-        >>> import functools, operator
-        >>> called_function(functools.partial(functools.partial(operator.add, 1), 2))
-        <built-in function add>
-    """
-    while isinstance(main, functools.partial):
-        main = main.func
-    return main
 
 
 def rank_device(local_rank: int) -> Any:
@@ -442,10 +293,10 @@ def _track(spec: WorkerSpec, rank: int) -> Any:
         return None
     import faulthandler
 
-    from trainperf.ddp import _progress
+    from trainperf.ddp import _progress, _progress_slots, _progress_tracker
     from trainperf.ddp._stacks import DUMP_SIGNAL
 
-    tracker = _progress.Tracker(_progress.attach(spec.hang.path), rank)
+    tracker = _progress_tracker.Tracker(_progress_slots.attach(spec.hang.path), rank)
     _progress.install(tracker)
     _progress._launched.append(True)
     stacks = open(os.path.join(spec.hang.stacks_dir, f"rank{rank}.stacks"), "w")  # noqa: SIM115

@@ -1,0 +1,199 @@
+"""What ``launch`` refuses before any rank starts: bad options, a ``main`` that spawned
+workers cannot receive, ``fork`` after CUDA, more gloo ranks than the CPUs can run; and the
+warning for a ``hang_timeout`` the collectives' timeout comes before.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import pickle
+import sys
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from trainperf._utils.validate import choice, non_negative_int, positive_number
+from trainperf.ddp import _capacity
+from trainperf.ddp._worker_pickle import called_function
+from trainperf.errors import DeviceError
+
+__all__ = ["MAX_TIMEOUT", "cuda_driver_loaded"]
+
+_BACKENDS = ("nccl", "gloo")
+_START_METHODS = ("spawn", "fork")
+
+
+def _check_options(
+    main: Callable[..., Any],
+    backend: str | None,
+    start_method: str,
+    timeout: timedelta | float,
+    max_restarts: int,
+) -> timedelta:
+    if not callable(main):
+        raise TypeError(f"main must be callable, got {type(main).__name__}")
+    if backend is not None and backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS} or None (auto), got {backend!r}")
+    choice("start_method", start_method, _START_METHODS)
+    span = _timeout_span(timeout)
+    non_negative_int("max_restarts", max_restarts)
+    return span
+
+
+MAX_TIMEOUT = timedelta(days=365 * 100)
+"""The longest ``timeout``: torch.distributed keeps timeouts in milliseconds (and
+nanoseconds) in 64 bits; far beyond this, its store and barrier overflow (a start-up that
+hangs for ever, or fails at once with a negative timeout)."""
+
+
+def _timeout_span(timeout: object) -> timedelta:
+    """``timeout`` as a timedelta: a timedelta, or a finite number of seconds, in
+    ``(0, MAX_TIMEOUT]``."""
+    if isinstance(timeout, timedelta):
+        if timeout <= timedelta(0):
+            raise ValueError(
+                f"timeout must be a positive timedelta (or a positive number of seconds), "
+                f"got {timeout!r}"
+            )
+        span = timeout
+    else:
+        seconds = positive_number("timeout", timeout, unit="seconds (or a positive timedelta)")
+        try:
+            span = timedelta(seconds=seconds)
+        except OverflowError:
+            span = timedelta.max
+    if span > MAX_TIMEOUT:
+        raise ValueError(
+            f"timeout={timeout!r} is longer than torch.distributed can wait (at most "
+            f"{MAX_TIMEOUT.days} days); pass a shorter one, and hang_timeout=None if no "
+            "hang should ever be reported"
+        )
+    return span
+
+
+def cuda_driver_loaded(maps: Path = Path("/proc/self/maps")) -> bool:
+    """Whether this process has loaded CUDA's driver library (Linux; False elsewhere).
+
+    ``torch.cuda.is_available()`` loads and initialises it without counting as "CUDA
+    initialised" in torch, yet forked children can no longer use CUDA afterwards.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> maps = pathlib.Path(tempfile.mkdtemp()) / "maps"
+        >>> _ = maps.write_text("7f00-7f80 r-xp 00000000 08:01 42 /usr/lib/libcuda.so.1\\n")
+        >>> cuda_driver_loaded(maps), cuda_driver_loaded(maps.with_name("missing"))
+        (True, False)
+    """
+    try:
+        return "libcuda.so" in maps.read_text()
+    except OSError:
+        return False
+
+
+def _check_spawnable(main: Callable[..., Any], start_method: str, backend: str) -> None:
+    import torch
+
+    if start_method == "fork":
+        if "fork" not in multiprocessing.get_all_start_methods():
+            raise ValueError("start_method='fork' is not available on this platform; use 'spawn'")
+        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            raise DeviceError(
+                "start_method='fork' cannot be used once CUDA is initialised in this process: "
+                "forked workers cannot use CUDA then. Restart the kernel/interpreter and call "
+                "launch() before anything touches the GPU, or run a script with "
+                "start_method='spawn'"
+            )
+        if backend == "nccl" and cuda_driver_loaded():
+            raise DeviceError(
+                "start_method='fork' with backend='nccl': CUDA's driver is already loaded in "
+                "this process (torch.cuda.is_available() or another CUDA call ran), so forked "
+                "workers cannot use the GPU. Restart the kernel/interpreter and call launch() "
+                "before any CUDA call (export PYTORCH_NVML_BASED_CUDA_CHECK=1 keeps "
+                "torch.cuda.is_available() from loading it), or use start_method='spawn'"
+            )
+        return
+    _check_picklable(main)
+    target = called_function(main)
+    name = getattr(target, "__qualname__", repr(target))
+    if getattr(target, "__module__", None) == "__main__" and not _main_is_a_file():
+        raise ValueError(
+            f"{name!r} is defined in an interactive session (notebook or REPL, or a script "
+            "piped on stdin), which spawned workers cannot import: use start_method='fork', "
+            "or move main into a .py module"
+        )
+
+
+class _Probe(pickle.Pickler):
+    """Pickles what starting a spawned worker pickles, but leaves out multiprocessing's own
+    objects (queues, locks, pipes): they refuse to be pickled except while a process
+    starts, and then they travel to it (by inheritance) as arguments of main do."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj).__module__.startswith("multiprocessing."):
+            return (type(None), ())
+        return NotImplemented
+
+
+def _pickles(obj: object) -> None:
+    _Probe(io.BytesIO(), pickle.HIGHEST_PROTOCOL).dump(obj)
+
+
+def _check_picklable(main: Callable[..., Any]) -> None:
+    """Under spawn: main's function by name, then what a ``functools.partial`` binds."""
+    target = called_function(main)
+    name = getattr(target, "__qualname__", repr(target))
+    try:
+        _pickles(target)
+    except Exception as e:
+        raise ValueError(
+            f"start_method='spawn' sends main to each worker by name, and {name!r} cannot be "
+            f"pickled ({e}): define main at module top level (not a lambda or nested "
+            "function), or use start_method='fork' (Linux, notebooks)"
+        ) from e
+    if target is main:
+        return
+    try:
+        _pickles(main)
+    except Exception as e:
+        raise ValueError(
+            f"start_method='spawn' pickles main for every worker, and main=functools.partial("
+            f"{name}, ...) binds arguments that cannot be pickled ({type(e).__name__}: {e}): "
+            "pass picklable values (build unpicklable objects inside main), or use "
+            "start_method='fork' (Linux, notebooks)"
+        ) from e
+
+
+def _warn_if_unreachable(hang_timeout: float, timeout: timedelta) -> None:
+    """A collective times out after ``timeout``: a hang_timeout as long never fires, and
+    the timeout's error names the rank that waited, not the one it waited for."""
+    if hang_timeout >= timeout.total_seconds():
+        warnings.warn(
+            f"hang_timeout={hang_timeout:g} s is not below timeout={timeout.total_seconds():g} "
+            "s, after which a waiting collective fails on its own: hang detection cannot name "
+            "the rank that causes a hang first. Pass a hang_timeout below timeout (or a "
+            "longer timeout)",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _main_is_a_file() -> bool:
+    """Whether ``__main__`` was run from a file spawned workers can import again (not a
+    notebook, a REPL, ``python - < train.py`` or ``python -c``: ``<stdin>``, ``<string>``)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return bool(path) and not str(path).startswith("<") and os.path.exists(str(path))
+
+
+def _check_capacity(nprocs: int, backend: str) -> None:
+    """Refuse more gloo ranks than the CPUs can run (see ``_capacity``)."""
+    from trainperf.limits import host_limits
+
+    if backend != "gloo" or nprocs == 1 or _capacity.oversubscription_allowed():
+        return
+    refusal = _capacity.cpu_refusal(nprocs, host_limits().cpus)
+    if refusal is not None:
+        raise ValueError(refusal)

@@ -1,0 +1,144 @@
+"""How ``main``, its arguments and the launcher's file descriptors travel to a spawned worker.
+
+``main``, ``args`` and ``kwargs`` travel as one blob that the worker unpickles inside its
+own error handling (:meth:`~trainperf.ddp._worker.WorkerSpec.load`), each value labelled
+so that a failure names the one being unpickled; tensors are copied into each rank, as a
+forked or torchrun rank has its own. A descriptor (the launcher's stderr) travels as
+:class:`InheritedFd`.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import pickle
+import sys
+from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+__all__ = ["InheritedFd", "called_function"]
+
+_MAIN = "main"
+# The labels of what this worker has unpickled so far, in order: the first one missing after
+# a failure is the one that failed.
+_unpickled: list[str] = []
+
+
+class _Labelled:
+    """One of ``main``, its arguments, on the way to a worker: unpickled, it is the value
+    itself, and its label is recorded once the value is built."""
+
+    def __init__(self, label: str, value: Any) -> None:
+        self.label = label
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_arrived, (self.label, self.value))
+
+
+def _labelled(
+    main: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], tuple[str, ...]]:
+    """``(main, args, kwargs)`` with each value labelled, and the labels in unpickling order."""
+    positional = [f"args[{i}] ({_class_name(type(a))})" for i, a in enumerate(args)]
+    keyword = {k: f"kwargs[{k!r}] ({_class_name(type(v))})" for k, v in kwargs.items()}
+    call = (
+        _Labelled(_MAIN, main),
+        tuple(_Labelled(label, a) for label, a in zip(positional, args, strict=True)),
+        {k: _Labelled(keyword[k], v) for k, v in kwargs.items()},
+    )
+    return call, (*positional, *keyword.values())
+
+
+def _arrived(label: str, value: Any) -> Any:
+    _unpickled.append(label)
+    return value
+
+
+def _class_name(cls: type) -> str:
+    """``pkg.mod.Name`` as the user wrote it (``Name`` for builtins; a spawned rank imports
+    the script as ``__mp_main__``: the user wrote ``__main__``)."""
+    module = "__main__" if cls.__module__ == "__mp_main__" else cls.__module__
+    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
+
+
+class _CopyingPickler(ForkingPickler):
+    """multiprocessing's pickler (queues, pipes and locks travel as under spawn), except
+    that tensors are copied into each rank, as a forked rank or a torchrun rank has its own:
+    torch's reducers would move every tensor of ``args`` into shared memory, so a model passed
+    to ``main`` had one set of parameters for every rank (and the launcher), each rank's
+    optimizer step applied to it. A CPU tensor already in shared memory
+    (``tensor.share_memory_()``, ``model.share_memory()``) stays shared: that was asked for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # One storage object per storage, so pickle's memo writes it once and views of one
+        # buffer (parameters carved out of a flat one) stay views of one copy in the rank.
+        self._storages: dict[tuple[int, Any], Any] = {}
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")  # not imported: there is no tensor to pickle
+        if torch is None:
+            return NotImplemented
+        if isinstance(obj, torch.Tensor):
+            try:
+                storage = obj.untyped_storage()
+            except (NotImplementedError, RuntimeError):  # sparse and such: no one storage
+                return obj.__reduce_ex__(2)
+        elif isinstance(obj, torch.TypedStorage):  # what a tensor's reduction holds
+            storage = obj._untyped_storage
+        elif isinstance(obj, torch.UntypedStorage):
+            storage = obj
+        else:
+            return NotImplemented
+        if storage.device.type == "cpu" and storage.is_shared():
+            return NotImplemented  # torch's reducer: shared, as the user made it
+        if not isinstance(obj, torch.Tensor):
+            return obj.__reduce__()  # a storage by value (torch.save into bytes)
+        reduced = obj.__reduce_ex__(2)  # by value; its storage comes back here
+        args = reduced[1]
+        if args and isinstance(args[0], torch.TypedStorage):
+            key = (args[0]._untyped_storage._cdata, args[0].dtype)
+            same = self._storages.setdefault(key, args[0])
+            reduced = (reduced[0], (same, *args[1:]), *reduced[2:])
+        return reduced
+
+
+def _pack(call: tuple[Any, ...]) -> bytes:
+    buf = io.BytesIO()
+    _CopyingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(call)
+    return buf.getvalue()
+
+
+class InheritedFd:
+    """A file descriptor of the launcher handed to a spawned worker under the same number.
+
+    Pickled only while multiprocessing starts the worker (which passes the descriptor
+    along); a forked worker inherits every descriptor and needs none of this.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return (_rebuild_fd, (reduction.DupFd(self.fd),))
+
+
+def _rebuild_fd(dup: Any) -> InheritedFd:
+    return InheritedFd(dup.detach())
+
+
+def called_function(main: Callable[..., Any]) -> Callable[..., Any]:
+    """The function ``main`` calls: itself, or what a ``functools.partial`` wraps.
+
+    Example:
+        >>> import functools, operator
+        >>> called_function(functools.partial(functools.partial(operator.add, 1), 2))
+        <built-in function add>
+    """
+    while isinstance(main, functools.partial):
+        main = main.func
+    return main
