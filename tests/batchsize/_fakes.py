@@ -75,6 +75,20 @@ class Trainer:
         return float(loss.detach())
 
 
+class MeanOnFirstForward(nn.Module):
+    """A persistent buffer registered as None and set by the first forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.register_buffer("mean", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mean is None:
+            self.mean = x.mean(0).detach()
+        return self.lin(x - self.mean)
+
+
 @dataclass
 class Curve:
     """A synthetic ``probe`` for :class:`~trainperf.batchsize._search.Search`.

@@ -76,9 +76,9 @@ def oom_on_rank_1(where: str) -> dict[str, Any]:
         time.sleep(0.002 + n * 0.00005)  # throughput rises with the size all the way
 
     report = tune_batch_size(
-        step, lambda n: torch.zeros(n, 4), device="cpu", max_size=64, budget_s=60,
+        step, lambda n: torch.zeros(n, 4), model=(), device="cpu", max_size=64, budget_s=60,
         progress=False, cache=False,
-    )  # fmt: skip
+    )  # fmt: skip  # model=(): the step changes no state
     return {
         "batch_size": report.batch_size,
         "statuses": {c.batch_size: c.status for c in report.candidates},
@@ -106,9 +106,9 @@ def cache_on_rank_0_only(cache_root: str) -> dict[str, Any]:
 
     def tune() -> Any:
         return tune_batch_size(
-            step, lambda n: torch.zeros(n, 4), device="cpu", max_size=8, budget_s=60,
+            step, lambda n: torch.zeros(n, 4), model=(), device="cpu", max_size=8, budget_s=60,
             progress=False,
-        )  # fmt: skip
+        )  # fmt: skip  # model=(): the step changes no state
 
     first = tune()
     stored = cache_path().exists()

@@ -6,9 +6,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainperf.batchsize._args import check_args, size_space
+from trainperf.batchsize._args import check_args, check_state, size_space
 
 GOOD: dict[str, Any] = {
     "min_size": 1,
@@ -80,3 +81,25 @@ def test_a_global_batch_the_ranks_cannot_share_names_both() -> None:
 def test_a_range_without_a_divisor_is_refused() -> None:
     with pytest.raises(ValueError, match=r"no batch size in \[min_size=5, max_size=6\] divides"):
         size_space(5, 6, 64, 2)
+
+
+def test_neither_model_nor_optimizer_is_refused_with_the_fix() -> None:
+    # Before: the probes trained the caller's model and stepped its optimizer, silently.
+    fix = r"pass model=model, optimizer=optimizer .* or model=\(\) if step changes no state"
+    with pytest.raises(ValueError, match=r"got neither model= nor optimizer=: .*" + fix):
+        check_state(None, None)
+    check_state((), None)  # nothing to restore, said explicitly
+    check_state(None, torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+def test_a_lazy_module_not_yet_run_is_refused_by_name_with_the_fix() -> None:
+    # Before: torch's "Attempted to use an uninitialized parameter" from deep in the save.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.LazyLinear(2)))
+    fix = r"run one forward pass before tuning"
+    with pytest.raises(ValueError, match=r"model's submodule '1.0' \(LazyLinear\) .*" + fix):
+        check_state(model, None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"optimizer's SGD \(built over a lazy module\)"):
+        check_state(None, (opt,))
+    model(torch.zeros(1, 4))  # the forward pass gives the parameters their shape
+    check_state(model, opt)

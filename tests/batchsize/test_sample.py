@@ -83,18 +83,72 @@ def test_a_list_of_per_sample_tensors_holds_as_many_samples_as_items() -> None:
 
     images, _ = checked_batch(detection, 4)
     assert len(images) == 4
-    with pytest.raises(ValueError, match=r"batch of 3 samples \(.*, a list of 5 in it\)"):
+    with pytest.raises(ValueError, match=r"no size 4 in it: the lists .* hold 5 items and .* 3;"):
         checked_batch(lambda n: detection(n + 1), 4)  # 5 images, 3 channels: neither is 4
     # detectron2's inputs: a list of per-sample dicts.
     records = checked_batch(lambda n: [{"image": torch.zeros(3, 8, 8)} for _ in range(n)], 4)
     assert len(records) == 4
-    with pytest.raises(ValueError, match=r"sample\(4\) returned a batch of 3 samples"):
+    with pytest.raises(ValueError, match=r"sample\(4\) returned a batch with no size 4 in it"):
         checked_batch(lambda n: [{"image": torch.zeros(3, 8, 8)} for _ in range(5)], 4)
     # Two views of a batch: a list of 2 tensors, each with the batch's leading size.
     views = checked_batch(lambda n: ([torch.zeros(n, 8), torch.zeros(n, 8)], torch.zeros(n)), 4)
     assert views[0][0].shape[0] == 4
     with pytest.raises(ValueError, match=r"returned a list of 3 items"):
         checked_batch(lambda n: ["a", "b", "c"], 4)
+
+
+class Detection(Dataset[tuple[torch.Tensor, dict[str, torch.Tensor]]]):
+    """An image of 3 channels and its boxes per sample, as detection datasets return."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return torch.zeros(3, 16, 16), {"boxes": torch.zeros(2, 4), "labels": torch.ones(2)}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_a_list_of_per_sample_items_holds_as_many_samples_as_items(n: int) -> None:
+    # Before: collate_fn=list (n (image, target) tuples) and a list of n images were read
+    # by the first image's channel count, 3: only n == 3 (or 2, the tuple) was accepted.
+    pairs = checked_batch(batches_from(Detection(), collate_fn=list), n)
+    assert len(pairs) == n and batch_length(pairs) == n
+    images = checked_batch(lambda k: [torch.zeros(3, 16, 8 + k) for _ in range(k)], n)
+    assert len(images) == n and batch_length(images) == n
+
+
+def test_a_list_of_per_sample_items_of_the_wrong_length_is_refused_without_a_wrong_count() -> None:
+    with pytest.raises(ValueError, match=r"lists .* hold 5, 2 items and .* leading size is 3;"):
+        checked_batch(lambda n: batches_from(Detection(), collate_fn=list)(n + 1), 4)
+    with pytest.raises(ValueError, match=r"sample\(4\) returned a batch with no size 4"):
+        checked_batch(lambda n: [torch.zeros(3, 16, 16) for _ in range(5)], 4)
+
+
+def test_a_list_of_unlike_tensors_is_the_batch_s_fields() -> None:
+    # [x, y]: features and class indices, each with the batch's leading size.
+    def fields(k: int) -> list[torch.Tensor]:
+        return [torch.zeros(k, 8), torch.zeros(k, dtype=torch.long)]
+
+    x, y = checked_batch(fields, 4)
+    assert len(x) == len(y) == 4 and batch_length(fields(4)) == 4
+    with pytest.raises(ValueError, match=r"sample\(2\) returned a batch of 8 samples"):
+        checked_batch(lambda n: fields(8), 2)  # 2 fields are not 2 samples
+
+
+@pytest.mark.parametrize(
+    "make", [lambda n: (torch.zeros(1) for _ in range(n)), lambda n: map(torch.zeros, [n])]
+)
+def test_a_one_shot_iterator_is_refused(make: object) -> None:
+    # Before: accepted, and every step after the first got an exhausted iterator.
+    message = r"sample\(3\) returned a one-shot iterator \(.*did sample use yield\?\): return the"
+    with pytest.raises(ValueError, match=message):
+        checked_batch(make, 3)  # type: ignore[arg-type]
+
+    def sample(n: int) -> Iterator[torch.Tensor]:
+        yield torch.zeros(n)
+
+    with pytest.raises(ValueError, match=r"\(generator; did sample use yield\?\)"):
+        checked_batch(sample, 3)
 
 
 def test_a_dataloader_is_refused_with_the_fix() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.batchsize._fakes import Trainer, same_state, sample, state_of
+from tests.batchsize._fakes import MeanOnFirstForward, Trainer, same_state, sample, state_of
 from trainperf.amp import MixedPrecision
 from trainperf.batchsize._state import SavedState, stateful_objects
 
@@ -275,3 +275,63 @@ def test_an_error_restoring_one_object_still_restores_the_rest_then_raises() -> 
         saved.restore()
     assert len(t.opt.state) == 0  # the optimizer, after the model, was still put back
     assert all(p.grad is None for p in t.model.parameters())
+
+
+def test_an_optimizer_and_its_scheduler_not_passed_are_found_by_the_model_s_parameters() -> None:
+    # Before: model= alone saved the model only; the probes' Adam moments and step count
+    # stayed in the optimizer (step=3427 after one call).
+    t = Trainer()
+    sched = torch.optim.lr_scheduler.StepLR(t.opt, step_size=1)
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)  # another model's
+    found = stateful_objects(t.model)
+    assert found[0] is t.model and {id(o) for o in found[1:]} == {id(t.opt), id(sched)}
+    assert all(o is not other for o in found)
+    saved = SavedState.save(found)
+    t(sample(8))
+    sched.step()
+    saved.restore()
+    assert len(t.opt.state) == 0 and sched.last_epoch == 0
+
+
+def test_a_gan_s_second_optimizer_is_found_and_each_optimizer_only_once() -> None:
+    from trainperf.batchsize._state import holding_optimizers
+
+    gen, disc = nn.Linear(2, 2), nn.Linear(2, 1)
+    opt_g = torch.optim.Adam(gen.parameters())
+    opt_d = torch.optim.Adam(disc.parameters())
+    assert holding_optimizers([gen, disc, opt_g]) == [opt_d]
+    assert stateful_objects((gen, disc), (opt_g, opt_d)) == [gen, disc, opt_g, opt_d]
+    assert holding_optimizers([nn.Linear(2, 2)]) == []
+
+
+def test_a_mixed_precision_the_step_uses_but_not_passed_gets_its_loss_scale_back() -> None:
+    # Before: its loss scale came back at 8192 instead of 32768, its growth tracker moved.
+    from trainperf.batchsize._state import with_live_mixed_precision
+
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp = MixedPrecision("cpu", precision="fp16")
+    assert mp.scaler is not None
+    objects = with_live_mixed_precision(stateful_objects(model, opt))
+    assert objects[:2] == [model, opt] and sum(o is mp for o in objects) == 1
+    assert sum(o is mp for o in with_live_mixed_precision([model, mp])) == 1
+    saved = SavedState.save(objects)
+    before = mp.state_dict()
+    mp.backward(model(torch.ones(2, 4)).sum())  # a probe's backward, not yet stepped
+    mp.scaler.update(new_scale=8192.0)  # as an overflow would have backed it off
+    assert mp.state_dict() != before
+    saved.restore()
+    assert mp.state_dict() == before and not mp._backward_pending
+
+
+def test_a_buffer_that_was_none_is_none_again() -> None:
+    # Before: load_state_dict refused the restore ("Missing key(s) in state_dict: mean"),
+    # and the probe's tensor stayed in the buffer.
+    m = MeanOnFirstForward()
+    saved = SavedState.save(stateful_objects(m))
+    m(torch.randn(8, 4))
+    assert m.mean is not None
+    saved.restore()
+    assert m.mean is None and "mean" in m._buffers
+    m(torch.ones(2, 4))  # and the next forward fills it in again, from its own batch
+    assert torch.equal(m.mean, torch.ones(4))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.batchsize._fakes import Trainer, same_state, sample, state_of
+from tests.batchsize._fakes import MeanOnFirstForward, Trainer, same_state, sample, state_of
 from trainperf import BatchSizeReport, tune_batch_size
 from trainperf._utils.imports import is_available
 from trainperf.batchsize import _tune
@@ -228,3 +228,91 @@ def test_the_device_defaults_to_where_the_optimizer_s_parameters_are() -> None:
     opt = torch.optim.SGD([weight], lr=0.1)
     assert _tune._device(None, [opt]) == torch.device("meta")
     assert _tune._device("cpu", [opt]) == torch.device("cpu")
+
+
+def quiet(**kw: Any) -> dict[str, Any]:
+    return {"device": "cpu", "min_size": 2, "max_size": 4, "progress": False, "cache": False, **kw}
+
+
+def test_state_that_could_not_be_put_back_is_refused_before_any_step_runs() -> None:
+    # Before: without model=/optimizer= the probes trained the real weights (Adam's step
+    # count in the thousands); a lazy module crashed in torch; a generator `sample` trained
+    # every step after the first on nothing.
+    t = Trainer()
+    before = state_of(t.model, t.opt)
+    with pytest.raises(ValueError, match=r"neither model= nor optimizer="):
+        tune_batch_size(t, sample, **quiet())
+    lazy = nn.Sequential(nn.LazyLinear(1))
+    with pytest.raises(ValueError, match=r"submodule '0' \(LazyLinear\) .* forward pass"):
+        tune_batch_size(lambda b: lazy(b[0]), sample, model=lazy, **quiet())
+    with pytest.raises(ValueError, match=r"returned a one-shot iterator"):
+        tune_batch_size(t, lambda n: iter([sample(n)]), model=t.model, **quiet())
+    assert t.sizes == [] and same_state(before, state_of(t.model, t.opt))
+    tune_batch_size(lambda b: None, sample, model=(), **quiet(max_size=2))  # no state: fine
+
+
+def test_an_optimizer_and_a_mixed_precision_the_step_uses_come_back_unpassed() -> None:
+    # Before: model= alone left Adam with the probes' moments and step count, and an
+    # unpassed MixedPrecision's loss scale and growth tracker as the probes moved them.
+    from trainperf.amp import MixedPrecision
+
+    model = nn.Linear(8, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    mp = MixedPrecision("cpu", precision="fp16")
+
+    def step(batch: Any) -> None:
+        x, y = batch
+        with mp.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        mp.backward(loss)
+        mp.step(opt)
+        mp.zero_grad(opt)
+
+    step(sample(4))
+    before, scaler = state_of(model, opt), mp.state_dict()
+    tune_batch_size(step, sample, model=model, **quiet())
+    assert same_state(before, state_of(model, opt)) and mp.state_dict() == scaler
+
+
+def test_a_buffer_set_by_the_first_forward_pass_is_none_again_after_tuning() -> None:
+    # Before: every call failed restoring it ("Missing key(s) in state_dict: mean").
+    model = MeanOnFirstForward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(batch: Any) -> None:
+        x, _ = batch
+        model(x[:, :4]).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    tune_batch_size(step, sample, model=model, optimizer=opt, **quiet())
+    assert model.mean is None
+
+
+class _NoisyDataset(torch.utils.data.Dataset[torch.Tensor]):
+    """Augments each sample with noise from a generator of its own."""
+
+    def __init__(self) -> None:
+        self.rng = torch.Generator().manual_seed(7)
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((8,), float(i)) + torch.rand(8, generator=self.rng)
+
+
+def test_a_dataset_s_own_generator_draws_the_same_samples_after_tuning() -> None:
+    # Before: batches_from read samples in this process, and the dataset's generator came
+    # back advanced by every batch the probes built.
+    from trainperf import batches_from
+
+    ds, untouched = _NoisyDataset(), _NoisyDataset()
+    model = nn.Linear(8, 1)
+
+    def step(x: torch.Tensor) -> None:
+        model(x).sum().backward()
+        model.zero_grad()
+
+    tune_batch_size(step, batches_from(ds), model=model, **quiet())
+    assert all(torch.equal(ds[i], untouched[i]) for i in range(4))

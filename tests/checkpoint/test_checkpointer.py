@@ -30,6 +30,7 @@ import trainperf.checkpoint._checkpointer as checkpointer_module
 import trainperf.checkpoint._files as files_module
 import trainperf.checkpoint._steps as steps_module
 import trainperf.checkpoint._writer as writer_module
+import trainperf.checkpoint._writer_fork as writer_fork
 from tests.checkpoint import _agree
 from tests.ddp._distributed import FORK, spawn
 from trainperf import Checkpointer, MixedPrecision, host_limits, load_checkpoint
@@ -262,7 +263,7 @@ def test_a_refused_fork_or_pipe_falls_back_to_a_blocking_save_with_the_fix(
     def refused(*args: Any) -> Any:
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(writer_module.os, call, refused)
+    monkeypatch.setattr(writer_fork.os, call, refused)
     ckpt = Checkpointer(tmp_path)
     with pytest.warns(
         UserWarning,
@@ -435,7 +436,7 @@ def test_a_damaged_step_written_again_in_the_background_counts_and_goes(tmp_path
     for step in (3, 4, 5, 6):
         handle = resumed.save({"w": torch.full((1000,), float(step))}, step=step, blocking=False)
         resumed.wait()
-    assert handle.writer == ("process" if writer_module.fork_writes() else "thread")
+    assert handle.writer == ("process" if writer_fork.fork_writes() else "thread")
     assert resumed.steps() == [5, 6]
 
 

@@ -18,7 +18,9 @@ import torch
 
 import trainperf.checkpoint._checkpointer as checkpointer_module
 from trainperf.checkpoint import Checkpointer
-from trainperf.checkpoint._writer import SaveHandle, Staging, snapshot_safe
+from trainperf.checkpoint._writer import SaveHandle
+from trainperf.checkpoint._writer_snapshot import snapshot_safe
+from trainperf.checkpoint._writer_staging import Staging
 
 
 class Slow:

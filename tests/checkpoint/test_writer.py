@@ -1,5 +1,6 @@
-"""trainperf.checkpoint._writer: the memory rule, staging into reused buffers, and the
-handle that reports a background write (its failure raised once)."""
+"""trainperf.checkpoint._writer and its _writer_fork, _writer_snapshot and _writer_staging:
+the memory rule, staging into reused buffers, the forked writer, and the handle that reports
+a background write (its failure raised once)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,10 @@ import pytest
 import torch
 
 from trainperf import Checkpointer
-from trainperf.checkpoint._writer import (
-    _IOPRIO_SET,
-    SaveHandle,
-    Staging,
-    drop_cached,
-    lower_priority,
-    staging_fits,
-    start_process,
-    tensor_bytes,
-)
+from trainperf.checkpoint._writer import SaveHandle, drop_cached
+from trainperf.checkpoint._writer_fork import _IOPRIO_SET, lower_priority, start_process
+from trainperf.checkpoint._writer_snapshot import tensor_bytes
+from trainperf.checkpoint._writer_staging import Staging, staging_fits
 from trainperf.errors import CheckpointError
 
 GiB = 1 << 30

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from tests.loader._fakes import Waits
 from trainperf.loader import _share, tune_loader
-from trainperf.loader import _tune as tune_mod
+from trainperf.loader import _tune_prepare as tune_prepare
 
 
 def tune_and_count(
@@ -17,7 +17,7 @@ def tune_and_count(
 ) -> dict[str, Any]:
     """``tune_loader`` on the ranks in ``callers``; what it measured here and reported."""
     measured: list[int] = []
-    real = tune_mod.measure
+    real = tune_prepare.measure
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         measured.append(kwargs["num_workers"])
@@ -27,14 +27,14 @@ def tune_and_count(
         _share.GRACE_S = share_grace_s
     if dist.get_rank() not in callers:
         return {"called": False}
-    tune_mod.measure = counting  # type: ignore[assignment]
+    tune_prepare.measure = counting  # type: ignore[assignment]
     started = time.perf_counter()
     try:
         report = tune_loader(
             Waits(), 4, device="cpu", max_workers=0, budget_s=3.0, cache=cache, progress=False
         )
     finally:
-        tune_mod.measure = real
+        tune_prepare.measure = real
     return {
         "called": True,
         "measured": measured,

@@ -19,11 +19,16 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import trainperf.loader._adapt as adapt
+import trainperf.loader._adapt_pool as adapt_pool
+import trainperf.loader._adapt_retune as adapt_retune
 import trainperf.loader._adapt_rules as _adapt_rules
+import trainperf.loader._adapt_timed as adapt_timed
 from tests.loader._fakes import quick
 from trainperf.limits import HostLimits, usable_cpus
 from trainperf.loader import AdaptiveDataLoader, CandidateResult, TuningChange, autotune_loader
 from trainperf.loader._adapt import memory_rules
+from trainperf.loader._adapt_measure import cpu_mark, host_busy
+from trainperf.loader._adapt_retune import decide_change
 from trainperf.loader._adapt_rules import Change, EpochFigures
 from trainperf.loader._search import adaptive_max_workers, default_max_workers
 
@@ -56,7 +61,7 @@ def _scripted(
         step = next(script)
         return None if step is None else Change(step[0], step[1], "input-bound", "scripted")
 
-    monkeypatch.setattr(adapt, "decide", decide)
+    monkeypatch.setattr(adapt_retune, "decide", decide)
 
 
 def _seeded(own: bool) -> torch.Generator | None:
@@ -132,10 +137,11 @@ def test_a_waiting_loop_gets_workers_after_the_first_epoch(
 def test_halved_usable_cpus_mean_fewer_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     cpus = {"now": 8}
     monkeypatch.setattr(adapt, "usable_cpus", lambda *a, **kw: cpus["now"])
+    monkeypatch.setattr(adapt_timed, "usable_cpus", lambda *a, **kw: cpus["now"])
     # Busy workers (a core each) without burning this machine's two cores on it, and a
     # host whose other load is not counted: the rule under test is the CPUs' change.
-    monkeypatch.setattr(adapt.Workers, "cores", lambda self: float(len(self.procs)))
-    monkeypatch.setattr(adapt, "cpu_mark", lambda: None)
+    monkeypatch.setattr(adapt_timed.Workers, "cores", lambda self: float(len(self.procs)))
+    monkeypatch.setattr(adapt_timed, "cpu_mark", lambda: None)
     loader = AdaptiveDataLoader(Latency(24), batch_size=4, num_workers=6, max_workers=6)
 
     def epoch() -> list[int]:  # a step that sleeps: it leaves its core to the workers
@@ -326,13 +332,11 @@ def test_memory_rule_is_the_tuners() -> None:
 def test_under_ddp_the_limits_now_are_this_ranks_share(monkeypatch: pytest.MonkeyPatch) -> None:
     # 4 training processes on the host each start workers: 18 batches of 10 MiB in flight
     # fit 512 MiB of free /dev/shm, not the quarter of it that is this rank's.
-    from trainperf.loader import _adapt
-
     measured = CandidateResult(1, 2, False, "ok", 1.0, worker_uss=100 << 20, batch_bytes=10 << 20)
     tuned = AdaptiveDataLoader(
         range(8), batch_size=4, tuner=memory_rules([measured], 8, 1 << 30, "fork")
     )
-    monkeypatch.setattr(_adapt, "host_limits", lambda: _limits(64 << 30, 512 << 20))
+    monkeypatch.setattr(adapt_pool, "host_limits", lambda: _limits(64 << 30, 512 << 20))
     assert tuned.fits(8, 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert not tuned.fits(8, 2)
@@ -352,14 +356,14 @@ def test_the_memory_rules_measure_nothing() -> None:
 
 
 def test_host_busy_between_marks() -> None:
-    assert adapt.host_busy(None, {0: (1.0, 1.0)}) is None
-    assert adapt.host_busy({0: (0.0, 1.0)}, {0: (0.0, 1.0)}) is None  # no time passed
-    assert adapt.host_busy({0: (0.0, 1.0), 1: (0.0, 1.0)}, {0: (2.0, 3.0)}) == 1.0
-    before = adapt.cpu_mark()
+    assert host_busy(None, {0: (1.0, 1.0)}) is None
+    assert host_busy({0: (0.0, 1.0)}, {0: (0.0, 1.0)}) is None  # no time passed
+    assert host_busy({0: (0.0, 1.0), 1: (0.0, 1.0)}, {0: (2.0, 3.0)}) == 1.0
+    before = cpu_mark()
     spin = time.perf_counter() + 0.1
     while time.perf_counter() < spin:
         pass
-    busy = adapt.host_busy(before, adapt.cpu_mark())
+    busy = host_busy(before, cpu_mark())
     assert busy is not None and 0.0 < busy <= 1.0  # this process was busy meanwhile
 
 
@@ -461,8 +465,9 @@ def test_a_full_host_and_a_slowed_step_mean_fewer_workers(
 ) -> None:
     # A CPU hog lands: the CPUs read full and the step takes much longer.
     monkeypatch.setattr(adapt, "usable_cpus", lambda *a, **kw: 4)
-    monkeypatch.setattr(adapt.Workers, "cores", lambda self: float(len(self.procs)))
-    monkeypatch.setattr(adapt, "host_busy", lambda before, after: 1.0)
+    monkeypatch.setattr(adapt_timed, "usable_cpus", lambda *a, **kw: 4)
+    monkeypatch.setattr(adapt_timed.Workers, "cores", lambda self: float(len(self.procs)))
+    monkeypatch.setattr(adapt_timed, "host_busy", lambda before, after: 1.0)
     # On a loaded host the loop's own __next__ waits for a core, not for data: 4-9 % of
     # the step beside two CPU hogs on two cores, and over the 10 % that makes a loop
     # input-bound (which keeps its workers) in one CI run. The threshold itself is
@@ -547,7 +552,7 @@ def test_the_callers_start_method_is_kept_for_the_workers_it_adds(
 def test_workers_that_did_not_raise_the_rate_are_not_added_again() -> None:
     # Any wait left (the main process's own cost per batch) read as "workers cannot keep
     # up": 0 -> 2 -> 3 -> 5 -> 7 -> 10 -> 14 workers at the same ~620 samples/s.
-    from trainperf.loader._adapt import _rank_limits
+    from trainperf.loader._adapt_pool import _rank_limits
     from trainperf.loader._adapt_rules import figures
 
     loader = AdaptiveDataLoader(range(8), batch_size=4, max_workers=16)
@@ -559,26 +564,26 @@ def test_workers_that_did_not_raise_the_rate_are_not_added_again() -> None:
         return figures(num_workers=n, prefetch_factor=pf, wait_s=wait_s, step_s=step_s,
                        cpus=cpus, host_busy=0.1, worker_cores=0.05 * n)  # fmt: skip
 
-    first = loader._decide(measured(0, 3.0, 1.0), limits)
+    first = decide_change(loader, measured(0, 3.0, 1.0), limits)
     assert first is not None and first.reason == "input-bound" and first.num_workers > 0
     n = first.num_workers
     # It paid: the loop waits less, still 20 % of the time.
-    second = loader._decide(measured(n, 0.25, 1.0), limits)
+    second = decide_change(loader, measured(n, 0.25, 1.0), limits)
     assert second is not None and second.reason == "input-bound"
     m = second.num_workers
     assert m > n
     # The same rate and wait share with more workers: back to the count that was as fast.
-    back = loader._decide(measured(m, 0.25, 1.0), limits)
+    back = decide_change(loader, measured(m, 0.25, 1.0), limits)
     assert back is not None and back.reason == "no-gain"
     assert (back.num_workers, back.prefetch_factor) == (n, 2)
     assert f"{m} workers gave" in back.why
     # Still waiting 20 %: no more workers than that count now.
-    assert loader._decide(measured(n, 0.25, 1.0), limits) is None
-    assert loader._decide(measured(n, 0.25, 1.0), limits) is None
+    assert decide_change(loader, measured(n, 0.25, 1.0), limits) is None
+    assert decide_change(loader, measured(n, 0.25, 1.0), limits) is None
 
 
 def test_a_deeper_prefetch_is_tried_once_at_the_worker_bound() -> None:
-    from trainperf.loader._adapt import _rank_limits
+    from trainperf.loader._adapt_pool import _rank_limits
     from trainperf.loader._adapt_rules import figures
 
     loader = AdaptiveDataLoader(range(8), batch_size=4, num_workers=2, max_workers=2)
@@ -590,19 +595,19 @@ def test_a_deeper_prefetch_is_tried_once_at_the_worker_bound() -> None:
         return figures(num_workers=2, prefetch_factor=pf, wait_s=1.0, step_s=1.0,
                        cpus=cpus, host_busy=0.1, worker_cores=0.1)  # fmt: skip
 
-    deeper = loader._decide(measured(2), limits)  # waiting half the time, no worker to add
+    deeper = decide_change(loader, measured(2), limits)  # waiting half the time, no worker to add
     assert deeper is not None and deeper.reason == "prefetch"
     assert (deeper.num_workers, deeper.prefetch_factor) == (2, 4)
-    back = loader._decide(measured(4), limits)  # the same rate and wait: back to 2
+    back = decide_change(loader, measured(4), limits)  # the same rate and wait: back to 2
     assert back is not None and back.reason == "no-gain"
     assert (back.num_workers, back.prefetch_factor) == (2, 2)
-    assert loader._decide(measured(2), limits) is None  # not tried again
-    again = loader._decide(measured(2, cpus + 1), limits)  # the usable CPUs changed
+    assert decide_change(loader, measured(2), limits) is None  # not tried again
+    again = decide_change(loader, measured(2, cpus + 1), limits)  # the usable CPUs changed
     assert again is not None and again.reason == "prefetch"
 
 
 def test_an_increase_that_gained_a_little_is_held() -> None:
-    from trainperf.loader._adapt import _rank_limits
+    from trainperf.loader._adapt_pool import _rank_limits
     from trainperf.loader._adapt_rules import figures
 
     loader = AdaptiveDataLoader(range(8), batch_size=4, max_workers=16)
@@ -610,12 +615,12 @@ def test_an_increase_that_gained_a_little_is_held() -> None:
     cpus = loader._cpus
     kw: dict[str, Any] = {"cpus": cpus, "host_busy": 0.1, "prefetch_factor": 2}
     kw["worker_cores"] = 0.1  # the workers mostly wait (I/O): cores for many
-    first = loader._decide(figures(num_workers=2, wait_s=0.4, step_s=1.0, **kw), limits)
+    first = decide_change(loader, figures(num_workers=2, wait_s=0.4, step_s=1.0, **kw), limits)
     assert first is not None and first.reason == "input-bound"
     # 1 % faster, the same wait share: hold the count, add none.
     held = figures(num_workers=first.num_workers, wait_s=0.396, step_s=0.99, **kw)
-    assert loader._decide(held, limits) is None
-    assert loader._decide(held, limits) is None
+    assert decide_change(loader, held, limits) is None
+    assert decide_change(loader, held, limits) is None
 
 
 def test_repr_shows_the_settings_it_runs_with_now(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -657,7 +662,7 @@ def test_persistent_workers_the_tuner_chose_keep_the_callers_order_every_epoch(
     # the tuner chose both; the epochs are those of the caller's own DataLoader.
     import trainperf.loader._autotune as autotune
 
-    monkeypatch.setattr(adapt, "decide", lambda f, **kw: None)
+    monkeypatch.setattr(adapt_retune, "decide", lambda f, **kw: None)
     if given is not None and given.get("persistent_workers"):
         given = {"num_workers": 2, **given}  # the caller's own persistent pool: kept
     plain = DataLoader(
@@ -693,7 +698,7 @@ def test_a_pool_it_starts_has_a_bound_for_its_first_batch_unless_a_timeout_is_gi
     monkeypatch: pytest.MonkeyPatch, timeout: float
 ) -> None:
     _scripted(monkeypatch, [(2, 2)])
-    monkeypatch.setattr(adapt, "hang_timeout", lambda *a, **k: 42.0)
+    monkeypatch.setattr(adapt_pool, "hang_timeout", lambda *a, **k: 42.0)
     loader = AdaptiveDataLoader(range(16), batch_size=4, timeout=timeout)
     try:
         _epochs(loader, 1)

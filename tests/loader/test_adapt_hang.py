@@ -77,7 +77,9 @@ def _child(mode: str) -> None:
     import psutil
     from torch.utils.data import DataLoader
 
-    import trainperf.loader._adapt as adapt
+    import trainperf.loader._adapt_pool as adapt_pool
+    import trainperf.loader._adapt_retune as adapt_retune
+    import trainperf.loader._adapt_timed as adapt_timed
     from trainperf.loader import AdaptiveDataLoader
     from trainperf.loader._adapt_rules import Change, EpochFigures
 
@@ -85,10 +87,10 @@ def _child(mode: str) -> None:
         n = min(2, kw["max_workers"])
         return Change(n, 2, "input-bound", "scripted") if n > f.num_workers else None
 
-    adapt.decide = decide  # type: ignore[attr-defined]
-    adapt.hang_timeout = lambda *a, **k: _BOUND_S  # type: ignore[attr-defined]
-    adapt._CHECK_BATCHES = 0
-    adapt._CHECK_EVERY_S = 0.0 if mode == "mid-epoch" else 1e9
+    adapt_retune.decide = decide  # type: ignore[attr-defined]
+    adapt_pool.hang_timeout = lambda *a, **k: _BOUND_S  # type: ignore[attr-defined]
+    adapt_timed._CHECK_BATCHES = 0
+    adapt_timed._CHECK_EVERY_S = 0.0 if mode == "mid-epoch" else 1e9
     ds = _BlocksInWorkers()
     kw: dict[str, Any] = {"batch_size": 4, "shuffle": True}
     plain = DataLoader(ds, generator=torch.Generator().manual_seed(5), **kw)
@@ -122,12 +124,13 @@ def test_the_first_batch_bound_allows_for_the_cost_per_worker_and_the_last_start
     # start-up averaged over the epoch kept the bound at its 10 s floor, so a pool that
     # needs longer to start was killed as hung, and the loader capped for good.
     from trainperf.loader._adapt import AdaptiveDataLoader
+    from trainperf.loader._adapt_pool import hang_bound
     from trainperf.loader._adapt_rules import figures
 
     loader = AdaptiveDataLoader(range(64), batch_size=4, num_workers=0)
     slow_start = figures(num_workers=4, startup_s=15.0, batches=400, wait_s=1.0, step_s=40.0)
-    assert loader._hang_bound(6, slow_start) >= 45.0
+    assert hang_bound(loader, 6, slow_start) >= 45.0
     heavy = figures(num_workers=32, batches=101, wait_s=0.0, step_s=37.5, cpus=16)  # 12 s each
-    assert loader._hang_bound(40, heavy) >= 20 * 12.0
+    assert hang_bound(loader, 40, heavy) >= 20 * 12.0
     quick = figures(num_workers=0, batches=101, wait_s=0.1, step_s=0.1)
-    assert loader._hang_bound(2, quick) == 10.0  # the floor
+    assert hang_bound(loader, 2, quick) == 10.0  # the floor

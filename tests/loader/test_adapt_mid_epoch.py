@@ -23,7 +23,8 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-import trainperf.loader._adapt as adapt
+import trainperf.loader._adapt_retune as adapt_retune
+import trainperf.loader._adapt_timed as adapt_timed
 from trainperf.loader import AdaptiveDataLoader
 from trainperf.loader._adapt_rules import Change, EpochFigures
 
@@ -47,8 +48,8 @@ def _force_changes(
 ) -> list[int]:
     """Check after every batch and change the setting at every check (to each of ``cycle``
     in turn); returns the list the checks' worker counts are appended to."""
-    monkeypatch.setattr(adapt, "_CHECK_EVERY_S", 0.0)
-    monkeypatch.setattr(adapt, "_CHECK_BATCHES", 0)
+    monkeypatch.setattr(adapt_timed, "_CHECK_EVERY_S", 0.0)
+    monkeypatch.setattr(adapt_timed, "_CHECK_BATCHES", 0)
     settings: Iterator[tuple[int, int | None]] = itertools.cycle(cycle)
     seen: list[int] = []
 
@@ -57,7 +58,7 @@ def _force_changes(
         n, pf = next(settings)
         return Change(n, pf, "input-bound", "forced")
 
-    monkeypatch.setattr(adapt, "decide", decide)
+    monkeypatch.setattr(adapt_retune, "decide", decide)
     return seen
 
 
@@ -218,7 +219,7 @@ class Latency(Dataset[int]):
 def test_a_waiting_loop_gets_workers_within_its_first_epoch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(adapt, "_CHECK_EVERY_S", 0.3)
+    monkeypatch.setattr(adapt_timed, "_CHECK_EVERY_S", 0.3)
     loader = AdaptiveDataLoader(Latency(400), batch_size=4, max_workers=4)
     try:
         got = [x for b in loader for x in b.tolist()]
@@ -243,11 +244,11 @@ def test_fewer_usable_cpus_mid_epoch_mean_fewer_workers(
         pytest.skip("needs at least 2 usable CPUs to take some away")
     cpus = sorted(before)
     half = set(cpus[: len(cpus) // 2])
-    monkeypatch.setattr(adapt, "_CHECK_EVERY_S", 0.3)
+    monkeypatch.setattr(adapt_timed, "_CHECK_EVERY_S", 0.3)
     # Busy workers (a core each) without burning this machine's cores on it, and no other
     # load counted: the rule under test is the CPUs' change.
-    monkeypatch.setattr(adapt.Workers, "cores", lambda self: float(len(self.procs)))
-    monkeypatch.setattr(adapt, "cpu_mark", lambda: None)
+    monkeypatch.setattr(adapt_timed.Workers, "cores", lambda self: float(len(self.procs)))
+    monkeypatch.setattr(adapt_timed, "cpu_mark", lambda: None)
     n = len(cpus)
     loader = AdaptiveDataLoader(Latency(100_000), batch_size=2, num_workers=n, max_workers=n)
     deadline = time.monotonic() + 60.0
@@ -379,8 +380,8 @@ def _changes_after_batch_eight(monkeypatch: pytest.MonkeyPatch) -> None:
     """No change until the loop has batch 8, then one at every check: the first pool reads
     batch 4 and the loop waits for it (a change would shut that pool down, and a worker
     being shut down finishes its sample first)."""
-    monkeypatch.setattr(adapt, "_CHECK_EVERY_S", 0.0)
-    monkeypatch.setattr(adapt, "_CHECK_BATCHES", 0)
+    monkeypatch.setattr(adapt_timed, "_CHECK_EVERY_S", 0.0)
+    monkeypatch.setattr(adapt_timed, "_CHECK_BATCHES", 0)
     settings: Iterator[tuple[int, int | None]] = itertools.cycle([(2, 2), (3, 1), (1, 3)])
 
     def decide(f: EpochFigures, **kw: Any) -> Change | None:
@@ -389,7 +390,7 @@ def _changes_after_batch_eight(monkeypatch: pytest.MonkeyPatch) -> None:
         n, pf = next(settings)
         return Change(n, pf, "input-bound", "forced")
 
-    monkeypatch.setattr(adapt, "decide", decide)
+    monkeypatch.setattr(adapt_retune, "decide", decide)
 
 
 _WATCHED: list[AdaptiveDataLoader] = []  # the loader _changes_after_batch_eight reads
@@ -463,10 +464,12 @@ def _augmented(seed: int, adaptive: bool) -> tuple[list[int], list[float], list[
 def test_each_mid_epoch_pool_draws_new_worker_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
     # Pools in one epoch all used seed initial_seed() + epoch (0 + epoch without a
     # generator, whatever torch.manual_seed said): they replayed the same random streams.
-    monkeypatch.setattr(adapt, "_CHECK_EVERY_S", 0.0)
-    monkeypatch.setattr(adapt, "_CHECK_BATCHES", 2)
+    monkeypatch.setattr(adapt_timed, "_CHECK_EVERY_S", 0.0)
+    monkeypatch.setattr(adapt_timed, "_CHECK_BATCHES", 2)
     settings = itertools.cycle([(2, 2), (1, 2)])
-    monkeypatch.setattr(adapt, "decide", lambda f, **kw: Change(*next(settings), "cpus", "x"))
+    monkeypatch.setattr(
+        adapt_retune, "decide", lambda f, **kw: Change(*next(settings), "cpus", "x")
+    )
     plain_indices, _, _ = _augmented(5, adaptive=False)
     indices, values, starts = _augmented(5, adaptive=True)
     assert indices == plain_indices  # the sample sequence is untouched

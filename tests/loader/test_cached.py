@@ -18,7 +18,8 @@ from torch.utils.data import Dataset
 from tests.loader._fakes import tune_for_cache as tune
 from trainperf.limits import HostLimits, host_limits
 from trainperf.loader import CandidateResult, cache_file
-from trainperf.loader import _tune as tune_mod
+from trainperf.loader import _tune_prepare as tune_prepare
+from trainperf.loader import _tune_setup as tune_setup
 from trainperf.loader._cache import write_entry
 from trainperf.loader._cached import REPORT_KEYS
 
@@ -32,7 +33,7 @@ def test_second_call_is_a_cache_hit(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_measuring(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a cache hit must not measure anything")
 
-    monkeypatch.setattr(tune_mod, "measure", no_measuring)
+    monkeypatch.setattr(tune_prepare, "measure", no_measuring)
     second = tune(shuffle=True, max_workers=1)
     assert second.from_cache
     assert second.best_kwargs == first.best_kwargs
@@ -200,7 +201,7 @@ def test_limits_in_report_are_current_on_a_hit(monkeypatch: pytest.MonkeyPatch) 
     tune()
     real = host_limits()
     fake = HostLimits(**{**real.__dict__, "shm_free": real.shm_free})
-    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake)
+    monkeypatch.setattr(tune_setup, "host_limits", lambda: fake)
     assert tune().limits is fake
 
 
@@ -261,7 +262,7 @@ def test_an_entry_in_the_earlier_format_is_still_a_hit(monkeypatch: pytest.Monke
     def no_measuring(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a cache hit must not measure anything")
 
-    monkeypatch.setattr(tune_mod, "measure", no_measuring)
+    monkeypatch.setattr(tune_prepare, "measure", no_measuring)
     hit = tune()
     assert hit.from_cache and hit.samples_per_s == 1234.5
     assert hit.candidates == (CandidateResult(0, None, False, "ok", 1234.5, 0.01),)

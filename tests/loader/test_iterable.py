@@ -277,12 +277,12 @@ def test_the_adaptive_loader_keeps_a_replaying_stream_at_zero_workers() -> None:
 def test_the_adaptive_loader_probes_a_stream_only_when_the_probes_workers_fit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from trainperf.loader import AdaptiveDataLoader, _adapt
+    from trainperf.loader import AdaptiveDataLoader, _adapt_retune
 
     # Memory for one worker, not for the probe's two: no probe (and no increase) yet.
     monkeypatch.setattr(AdaptiveDataLoader, "fits", lambda self, n, pf, limits=None: n <= 1)
     probed: list[int] = []
-    monkeypatch.setattr(_adapt, "check_sharding", lambda *a, **k: probed.append(1))
+    monkeypatch.setattr(_adapt_retune, "check_sharding", lambda *a, **k: probed.append(1))
     loader = AdaptiveDataLoader(Replaying(sleep_s=0.003), batch_size=4, max_workers=4)
     try:
         with warnings.catch_warnings():

@@ -240,7 +240,8 @@ def test_workers_are_never_started_beyond_what_one_measured_worker_says_fits(
     monkeypatch: pytest.MonkeyPatch, ranks: int
 ) -> None:
     from tests.loader.test_search import fake_limits
-    from trainperf.loader import _tune as tune_mod
+    from trainperf.loader import _tune_prepare as tune_prepare
+    from trainperf.loader import _tune_setup as tune_setup
     from trainperf.loader._search import safety_margin
 
     # 1.5 GiB available, about 1 GiB after the margin: the prior for a lean script (128 MiB
@@ -254,16 +255,16 @@ def test_workers_are_never_started_beyond_what_one_measured_worker_says_fits(
         cpus_affinity=2 * ranks, shm_free=64 * 2**30 * ranks,
     )  # fmt: skip
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
-    monkeypatch.setattr(tune_mod, "host_limits", lambda: host)
-    monkeypatch.setattr(tune_mod, "main_rss", lambda: 100 * MiB)
+    monkeypatch.setattr(tune_setup, "host_limits", lambda: host)
+    monkeypatch.setattr(tune_prepare, "main_rss", lambda: 100 * MiB)
     started: list[int] = []
-    real = tune_mod.measure
+    real = tune_prepare.measure
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         started.append(kwargs["num_workers"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tune_mod, "measure", counting)
+    monkeypatch.setattr(tune_prepare, "measure", counting)
     report = tune_loader(Hog(), 4, **quick(max_workers=8, budget_s=20.0))
     one = next(c for c in report.candidates if c.num_workers == 1)
     assert one.ok and one.worker_uss is not None and one.worker_uss >= HOG

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 from tests.loader._fakes import search_over, tune_two_workers
 from trainperf.limits import HostLimits
 from trainperf.loader import CandidateResult
-from trainperf.loader import _tune as tune_mod
+from trainperf.loader import _tune_setup as tune_setup
 from trainperf.loader._search import (
     GAIN,
     Search,
@@ -324,7 +324,7 @@ class BigSamples(Dataset[torch.Tensor]):
 
 @pytest.mark.slow  # about 2 s: a tuning run
 def test_too_small_shm_is_predicted_and_never_tried(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(shm_free=2 << 20))
+    monkeypatch.setattr(tune_setup, "host_limits", lambda: fake_limits(shm_free=2 << 20))
     with pytest.warns(RuntimeWarning, match="shm-size"):
         report = tune_two_workers(BigSamples())
     assert report.best_kwargs["num_workers"] == 0
@@ -336,7 +336,7 @@ def test_too_small_shm_is_predicted_and_never_tried(monkeypatch: pytest.MonkeyPa
 def test_memory_limit_is_never_approached(monkeypatch: pytest.MonkeyPatch) -> None:
     # 600 MiB available: after the 512 MiB safety margin, not even one forked worker
     # (128 MiB assumed) plus its batches fits.
-    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(memory_available=600 << 20))
+    monkeypatch.setattr(tune_setup, "host_limits", lambda: fake_limits(memory_available=600 << 20))
     with pytest.warns(RuntimeWarning, match="memory"):
         report = tune_two_workers(BigSamples())
     assert report.best_kwargs["num_workers"] == 0

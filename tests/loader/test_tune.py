@@ -23,6 +23,9 @@ from trainperf.loader import (
     tune_loader,
 )
 from trainperf.loader import _tune as tune_mod
+from trainperf.loader import _tune_prepare as tune_prepare
+from trainperf.loader import _tune_setup as tune_setup
+from trainperf.loader import _tune_stale as tune_stale
 
 GiB = 1 << 30
 
@@ -104,8 +107,9 @@ def test_budget_is_a_hard_limit(monkeypatch: pytest.MonkeyPatch) -> None:
             elapsed_s=spent,
         )
 
-    monkeypatch.setattr(tune_mod, "time", clock)
-    monkeypatch.setattr(tune_mod, "measure", fake_measure)
+    for module in (tune_mod, tune_prepare, tune_stale):  # every clock the tuner reads
+        monkeypatch.setattr(module, "time", clock)
+    monkeypatch.setattr(tune_prepare, "measure", fake_measure)
     r = tune_loader(Waits(), 8, **quick(budget_s=2.0, max_workers=16))
     start = calls[0][1]
     assert {deadline for _, _, deadline in calls} == {start + 2.0}
@@ -179,7 +183,7 @@ def test_a_fallback_warning_names_the_callers_line(monkeypatch: pytest.MonkeyPat
             return CandidateResult(0, None, pin, "ok", samples_per_s=100.0, main_cpu=1.0)
         return CandidateResult(n, pf, pin, "failed", fault="crash", reason="a worker died")
 
-    monkeypatch.setattr(tune_mod, "measure", measure)
+    monkeypatch.setattr(tune_prepare, "measure", measure)
     with pytest.warns(RuntimeWarning, match="falls back to num_workers=0") as caught:
         r = tune_loader(Waits(), 8, **quick(max_workers=2))
     assert caught[0].filename == __file__
@@ -223,7 +227,7 @@ class BusyLoop(Dataset[torch.Tensor]):
 
 @pytest.mark.slow  # about 7 s: two tuning runs
 def test_worker_cap_follows_host_limits_and_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(3))
+    monkeypatch.setattr(tune_setup, "host_limits", lambda: fake_limits(3))
     report = tune_loader(BusyLoop(), 4, device="cpu", budget_s=10, cache=False, progress=False)
     assert (report.cpus, report.worker_cpus, report.max_workers) == (3, 2, 12)
     assert report.limits.cpu_quota == 3.0
@@ -235,7 +239,7 @@ def test_worker_cap_follows_host_limits_and_local_ranks(monkeypatch: pytest.Monk
     assert max(tried) <= 3, report
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(6))
+    monkeypatch.setattr(tune_setup, "host_limits", lambda: fake_limits(6))
     report = tune_loader(
         BusyLoop(), 4, device="cpu", budget_s=10, max_workers=0, cache=False, progress=False
     )
@@ -246,7 +250,7 @@ def test_worker_cap_follows_host_limits_and_local_ranks(monkeypatch: pytest.Monk
 def test_step_fn_replaces_the_kept_core_with_what_it_measured(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(3))
+    monkeypatch.setattr(tune_setup, "host_limits", lambda: fake_limits(3))
     # A step that does nothing: the main process only takes batches, so every core may
     # go to workers (the loader-alone case).
     idle = tune_loader(
@@ -297,7 +301,7 @@ def test_bad_local_world_size_raises(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_slurm_tasks_per_node_divide_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
-    monkeypatch.setattr(tune_mod, "host_limits", lambda: fake_limits(6))
+    monkeypatch.setattr(tune_setup, "host_limits", lambda: fake_limits(6))
     report = tune_loader(
         BusyLoop(), 4, device="cpu", budget_s=10, max_workers=0, cache=False, progress=False
     )

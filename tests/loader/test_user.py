@@ -15,7 +15,7 @@ import pytest
 
 from tests.loader._fakes import Waits, quick, tune_for_cache
 from trainperf.loader import CandidateResult, UserSetting, autotune_loader, tune_loader
-from trainperf.loader import _tune as tune_mod
+from trainperf.loader import _tune_prepare as tune_prepare
 from trainperf.loader._search import Search
 from trainperf.loader._user import judge, user_config
 
@@ -163,6 +163,6 @@ def test_the_callers_setting_is_part_of_the_cache_key(monkeypatch: pytest.Monkey
     def no_measuring(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a cache hit must not measure anything")
 
-    monkeypatch.setattr(tune_mod, "measure", no_measuring)
+    monkeypatch.setattr(tune_prepare, "measure", no_measuring)
     hit = tune_for_cache(num_workers=0)
     assert hit.from_cache and hit.user_setting == first.user_setting

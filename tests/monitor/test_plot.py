@@ -98,15 +98,16 @@ def test_the_plot_marks_where_an_adaptive_loader_changed_its_settings(
 def test_watch_reports_the_step_at_which_an_adaptive_loader_changed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import trainperf.loader._adapt as adapt
+    import trainperf.loader._adapt_retune as adapt_retune
+    import trainperf.loader._adapt_timed as adapt_timed
     from trainperf import watch
     from trainperf.loader import AdaptiveDataLoader
     from trainperf.loader._adapt_rules import Change
 
-    monkeypatch.setattr(adapt, "_CHECK_EVERY_S", 0.0)
-    monkeypatch.setattr(adapt, "_CHECK_BATCHES", 5)  # the first check after 6 batches
+    monkeypatch.setattr(adapt_timed, "_CHECK_EVERY_S", 0.0)
+    monkeypatch.setattr(adapt_timed, "_CHECK_BATCHES", 5)  # the first check after 6 batches
     script = iter([Change(1, 2, "input-bound", "forced")])
-    monkeypatch.setattr(adapt, "decide", lambda f, **kw: next(script, None))
+    monkeypatch.setattr(adapt_retune, "decide", lambda f, **kw: next(script, None))
     loader = AdaptiveDataLoader(range(64), batch_size=4)
     try:
         with watch(device="cpu", warmup_steps=0) as w:

@@ -3,12 +3,24 @@ sizes they allow (:func:`size_space`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parameter import is_lazy
 
 from trainperf._utils.validate import choice, non_negative_int, positive_int, positive_number
 from trainperf.batchsize._sizes import SizeSpace
 
-__all__ = ["check_args", "size_space"]
+__all__ = ["check_args", "check_state", "size_space"]
+
+_NO_STATE = (
+    "tune_batch_size got neither model= nor optimizer=: its probes run thousands of training "
+    "steps, which would leave the model trained and the optimizer stepped; pass "
+    "model=model, optimizer=optimizer (what step trains) so tuning can put them back, or "
+    "model=() if step changes no state"
+)
 
 
 def check_args(
@@ -72,6 +84,53 @@ def check_args(
             f"prefetch_factor={pf} needs num_workers > 0 (DataLoader refuses it without "
             f"workers): pass num_workers= with it, or leave prefetch_factor out"
         )
+
+
+def check_state(model: object, optimizer: object) -> None:
+    """Raise ``ValueError`` when ``tune_batch_size`` could not put the training state back.
+
+    Raises:
+        ValueError: neither ``model`` nor ``optimizer`` is given (``model=()`` says that
+            ``step`` changes no state), or a module or optimizer among them holds a lazy
+            module's uninitialized parameters (``nn.LazyLinear`` before its first forward
+            pass), which have no values to save.
+
+    Example:
+        >>> check_state(nn.Linear(2, 2), None)
+        >>> check_state(nn.Sequential(nn.LazyLinear(2)), None)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: model's submodule '0' (LazyLinear) has uninitialized parameters (...
+    """
+    if model is None and optimizer is None:
+        raise ValueError(_NO_STATE)
+    for name, group in (("model", model), ("optimizer", optimizer)):
+        for obj in group if isinstance(group, (tuple, list)) else (group,):
+            where = _lazy_part(obj)
+            if where is not None:
+                raise ValueError(
+                    f"{name}'s {where} has uninitialized parameters (a lazy module: their "
+                    f"shape comes from its first forward pass), which tune_batch_size cannot "
+                    f"save and put back; run one forward pass before tuning (e.g. "
+                    f"model(sample(1))), then call tune_batch_size"
+                )
+
+
+def _lazy_part(obj: object) -> str | None:
+    """Where ``obj`` (a module or an optimizer) holds an uninitialized parameter or buffer."""
+    if isinstance(obj, nn.Module):
+        for name, m in obj.named_modules():
+            own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+            if any(is_lazy(t) for t in own):
+                return f"submodule {name!r} ({type(m).__name__})" if name else type(m).__name__
+    elif isinstance(obj, torch.optim.Optimizer) and any(is_lazy(p) for p in _stepped(obj)):
+        return f"{type(obj).__name__} (built over a lazy module)"
+    return None
+
+
+def _stepped(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for group in optimizer.param_groups:
+        yield from group["params"]
 
 
 def size_space(

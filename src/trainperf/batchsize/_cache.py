@@ -37,7 +37,9 @@ from trainperf.checkpoint import unwrap_model
 
 __all__ = ["ENTRY_KEYS", "cache_misfit", "cache_path", "entry_key", "parsed_candidates"]
 
-_VERSION = 1
+# Part of every key: 2 since the optimizer step is charged once per accumulated batch
+# (choices cached before, with global_batch, leaned to large micro-batches).
+_VERSION = 2
 ENTRY_KEYS = (
     "batch_size",
     "accumulation_steps",

@@ -14,6 +14,9 @@ A probe of size ``n`` (:class:`Prober`):
    of a second each), synchronising CUDA once per window, not per step, until the last
    windows agree within 5 % (at most 5 windows), as the DataLoader tuner times its
    candidates (:class:`~trainperf._utils.windows.WindowPolicy`, median of the last three);
+   with accumulation ahead, the optimizers' steps are timed and charged once per
+   ``global_batch / world_size`` samples, as training runs them
+   (:mod:`trainperf.batchsize._accumulation`);
 5. reads the peak memory of the whole probe, warm-up included, then puts the training
    state back (:mod:`trainperf.batchsize._state`).
 
@@ -47,10 +50,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.optim import Optimizer
 
 from trainperf._utils.batches import batch_bytes
 from trainperf._utils.format import format_bytes
 from trainperf._utils.windows import WindowPolicy, WindowTiming, settled
+from trainperf.batchsize._accumulation import OptimizerClock, accumulated_seconds
 from trainperf.batchsize._agree import Agreement
 from trainperf.batchsize._compare import AlternationOOM, Comparison, round_order
 from trainperf.batchsize._memory import MemoryReader, Peak
@@ -219,6 +224,8 @@ class Prober:
         policy: the measurement's shape.
         on_update: progress text sink.
         batch_bytes: host bytes of the batch of each size run.
+        optimizers: the optimizers ``step`` steps, timed when ``per_rank`` is set.
+        optimizer_charged: a window charged the optimizers' time as accumulation will.
     """
 
     step: Callable[[Any], object]
@@ -233,6 +240,8 @@ class Prober:
     policy: ProbePolicy = DEFAULT_PROBE
     on_update: Callable[[str], None] = lambda text: None
     batch_bytes: dict[int, int] = field(default_factory=dict)
+    optimizers: Sequence[Optimizer] = ()
+    optimizer_charged: bool = False
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -296,12 +305,20 @@ class Prober:
                 return times[-1]
 
     def _window(self, batch: Any, size: int, k: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(k):
-            self.step(batch)
-            self.memory.after_step()
-        self._sync()
-        return size * k / max(time.perf_counter() - t0, 1e-9)
+        """Samples per second over ``k`` steps, synchronised once; with accumulation ahead,
+        the optimizers' steps counted once per ``per_rank`` samples, not once per step."""
+        per_rank = self.per_rank if self.per_rank is not None and self.per_rank > size else None
+        with OptimizerClock(self.optimizers if per_rank else (), self.device) as clock:
+            t0 = time.perf_counter()
+            for _ in range(k):
+                self.step(batch)
+                self.memory.after_step()
+            self._sync()
+            seconds = time.perf_counter() - t0
+        if per_rank is not None and clock.steps:
+            seconds = accumulated_seconds(seconds, clock.seconds(), size, per_rank)
+            self.optimizer_charged = True
+        return size * k / max(seconds, 1e-9)
 
     def _run(self, size: int, timed: _Timed) -> None:
         built, failed = self._guarded(self._batch, size)

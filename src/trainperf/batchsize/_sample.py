@@ -19,9 +19,16 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, default_collate
 
+from trainperf._utils.rng import dataset_generators
 from trainperf._utils.validate import fresh_stream, positive_int
 
-__all__ = ["DatasetBatches", "batch_length", "batches_from", "checked_batch"]
+__all__ = [
+    "DatasetBatches",
+    "batch_length",
+    "batches_from",
+    "checked_batch",
+    "sample_generators",
+]
 
 
 _LOADER_GIVEN = (
@@ -156,23 +163,47 @@ def _path_sizes(obj: Any, depth: int = 0) -> list[int]:
 
 def _per_sample(obj: Any, depth: int) -> bool:
     """A list or tuple whose length may be the batch's: below the top level (a list of
-    per-sample tensors), or at the top a list of per-sample dicts (detectron2's inputs);
-    a top-level tuple is the batch's fields, ``(x, y)``."""
+    per-sample tensors), or at the top a list of per-sample items: containers (dicts,
+    detectron2's inputs; ``(image, target)`` tuples, ``collate_fn=list``) or tensors alike
+    in dimensions and dtype (images, torchvision's detection input). A top-level tuple,
+    and a list of unlike tensors (``[x, y]``), is the batch's fields."""
     if not isinstance(obj, (list, tuple)):
         return False
-    return depth > 0 or (isinstance(obj, list) and all(isinstance(v, Mapping) for v in obj))
+    if depth > 0:
+        return True
+    if not isinstance(obj, list) or not obj:
+        return False
+    return all(isinstance(v, (Mapping, list, tuple)) for v in obj) or _alike_arrays(obj)
+
+
+def _alike_arrays(items: list[Any]) -> bool:
+    """Tensors (or arrays) with a dimension, all of one dtype and number of dimensions: the
+    samples of one input. A batch's fields (``x`` of floats, ``y`` of class indices) rarely
+    agree in both; where they do (two views ``[a, b]``) either reading is accepted, since
+    each field's leading size is checked too."""
+    first = items[0]
+    if not isinstance(first, (torch.Tensor, np.ndarray)) or first.ndim == 0:
+        return False
+    return all(
+        type(v) is type(first) and v.ndim == first.ndim and v.dtype == first.dtype for v in items
+    )
 
 
 def batch_length(batch: Any) -> int | None:
-    """Samples in a batch: the leading size of its first tensor (or array); a list of other
-    things counts its items; None when it cannot tell.
+    """Samples in a batch: the items of a top-level list of per-sample items, else the
+    leading size of its first tensor (or array); a list of other things counts its items;
+    None when it cannot tell.
 
     Example:
         >>> batch_length({"x": torch.zeros(5, 3), "y": torch.zeros(5)}), batch_length(["a", "b"])
         (5, 2)
+        >>> batch_length([torch.zeros(3, 8, 8) for _ in range(4)])  # 4 images of 3 channels
+        4
         >>> batch_length(torch.tensor(3.0)) is None
         True
     """
+    if _per_sample(batch, 0):
+        return len(batch)
     found = _first_leading_size(batch)
     if found is not None:
         return found
@@ -187,10 +218,12 @@ def checked_batch(sample: Callable[[int], Any], n: int) -> Any:
     A batch holds ``n`` samples when its first tensor's leading size is ``n``, or a list or
     tuple below the top level on the way to it has ``n`` items (per-sample tensors, as
     ``tuple(zip(*samples))`` collates them for detection models), or it is a list of ``n``
-    per-sample dicts.
+    per-sample items: containers (dicts, ``(image, target)`` tuples from
+    ``collate_fn=list``) or tensors alike in dimensions and dtype (images).
 
     Raises:
-        ValueError: the batch does not hold ``n`` samples, or it is a DataLoader.
+        ValueError: the batch does not hold ``n`` samples, it is a DataLoader, or it is a
+            one-shot iterator (a generator: every step after the first would get nothing).
 
     Example:
         >>> checked_batch(lambda n: torch.zeros(n, 2), 3).shape
@@ -203,15 +236,60 @@ def checked_batch(sample: Callable[[int], Any], n: int) -> Any:
     batch = sample(n)
     if isinstance(batch, torch.utils.data.DataLoader):
         raise ValueError(_LOADER_GIVEN.format(what=f"sample({n}) returned"))
+    if _one_shot(batch):
+        raise ValueError(
+            f"sample({n}) returned a one-shot iterator ({type(batch).__name__}; did sample "
+            f"use yield?): return the batch itself (a tensor, a tuple or list, a dict), "
+            f"which every step of that size reuses"
+        )
     sizes = _path_sizes(batch)
     if sizes and n not in sizes:
-        lists = "".join(f", a list of {k} in it" for k in sizes[:-1])
-        raise ValueError(
-            f"sample({n}) returned a batch of {sizes[-1]} samples (the leading size of its "
-            f"first tensor{lists}); sample(n) must return exactly n samples"
-        )
+        raise ValueError(_wrong_size(n, sizes))
     if not sizes and isinstance(batch, list) and len(batch) != n:  # a list of other things
         raise ValueError(
             f"sample({n}) returned a list of {len(batch)} items; it must return n samples"
         )
     return batch
+
+
+def _one_shot(batch: Any) -> bool:
+    """``batch`` is its own iterator (a generator, a ``map``): reading it once uses it up."""
+    if isinstance(batch, (torch.Tensor, np.ndarray, Mapping, list, tuple, str, bytes)):
+        return False
+    try:
+        return iter(batch) is batch
+    except Exception:  # not iterable: nothing to use up
+        return False
+
+
+def _wrong_size(n: int, sizes: list[int]) -> str:
+    """Why a batch whose sizes on the way to its first tensor are ``sizes`` (the lengths of
+    the lists that may be per-sample, then that tensor's leading size) holds no ``n``."""
+    if len(sizes) == 1:
+        return (
+            f"sample({n}) returned a batch of {sizes[0]} samples (the leading size of its "
+            f"first tensor); sample(n) must return exactly n samples"
+        )
+    lists = ", ".join(str(k) for k in sizes[:-1])
+    return (
+        f"sample({n}) returned a batch with no size {n} in it: the lists on the way to its "
+        f"first tensor hold {lists} items and that tensor's leading size is {sizes[-1]}; "
+        f"sample(n) must return exactly n samples"
+    )
+
+
+def sample_generators(sample: object) -> list[object]:
+    """The random generators a :func:`batches_from` sampler's dataset and ``collate_fn``
+    own (reading samples in this process advances them); none for any other ``sample``.
+
+    Example:
+        >>> class Noisy(torch.utils.data.Dataset):
+        ...     def __init__(self):
+        ...         self.rng = torch.Generator()
+        >>> ds = Noisy()
+        >>> [g is ds.rng for g in sample_generators(batches_from(ds))], sample_generators(print)
+        ([True], [])
+    """
+    if not isinstance(sample, DatasetBatches):
+        return []
+    return [*dataset_generators(sample.dataset), *dataset_generators(sample.collate_fn)]

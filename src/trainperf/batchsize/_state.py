@@ -4,8 +4,12 @@ Probing runs real training steps: the parameters move, the optimizer's moments f
 BatchNorm statistics drift, dropout draws random numbers. :class:`SavedState` copies what
 the caller handed in (``model``, ``optimizer``, and anything else with ``state_dict`` and
 ``load_state_dict``) to host memory once, with every parameter's gradient, every module's
-train/eval mode and the buffers ``state_dict()`` leaves out (``persistent=False``), and a
-MixedPrecision's pending backward, and :meth:`SavedState.restore` loads it back bit for bit.
+train/eval mode and the buffers ``state_dict()`` leaves out (``persistent=False``, and those
+that are None), and a MixedPrecision's pending backward, and :meth:`SavedState.restore`
+loads it back bit for bit. What ``step`` trains but the caller did not pass is found too:
+the optimizers stepping the passed parameters (:func:`holding_optimizers`), the LR
+schedulers driving those (:func:`attached_schedulers`) and every live MixedPrecision
+(:func:`with_live_mixed_precision`).
 
 Restoring *between* probes matters too: each batch size starts from the caller's state, so
 an optimizer that had no state yet allocates it inside the probe (its memory is part of that
@@ -33,18 +37,23 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from trainperf.amp import MixedPrecision
+from trainperf.amp._mixed import LIVE
 
 __all__ = [
     "SavedState",
     "attached_schedulers",
+    "holding_optimizers",
     "is_scheduler",
     "schedulers_held",
     "stateful_objects",
+    "with_live_mixed_precision",
 ]
 
 
 def stateful_objects(*groups: object) -> list[Any]:
-    """The objects whose state is saved: each argument, or each item of a tuple or list.
+    """The objects whose state is saved: each argument, or each item of a tuple or list;
+    then the optimizers that step their parameters and the LR schedulers of every optimizer
+    among them, found without being passed.
 
     Raises:
         TypeError: one of them has no ``state_dict``/``load_state_dict``.
@@ -71,10 +80,64 @@ def stateful_objects(*groups: object) -> list[Any]:
                 )
             if all(obj is not seen for seen in found):
                 found.append(obj)
+    found += holding_optimizers(found)
     for scheduler in attached_schedulers([o for o in found if isinstance(o, Optimizer)]):
         if all(scheduler is not seen for seen in found):
             found.append(scheduler)
     return found
+
+
+def holding_optimizers(objects: list[Any]) -> list[Optimizer]:
+    """The optimizers alive in this process, not among ``objects``, that step a parameter of
+    the modules or optimizers among them.
+
+    ``model=`` passed without its optimizer (or a GAN's second optimizer left out): each
+    probe step fills the optimizer's moments and step count, which would stay so. Found by
+    a scan of the objects the garbage collector tracks (one pass, however many parameters;
+    ``gc.get_referrers`` of every parameter would scan once per parameter).
+
+    Example:
+        >>> m = nn.Linear(2, 2)
+        >>> opt = torch.optim.Adam(m.parameters())
+        >>> holding_optimizers([m]) == [opt], holding_optimizers([m, opt])
+        (True, [])
+    """
+    ours = {id(p) for p in _parameters(objects)}
+    if not ours:
+        return []
+    # type(), not isinstance(): isinstance reads __class__, which some module proxies
+    # answer with a deprecation warning or an import.
+    return [
+        o
+        for o in gc.get_objects()
+        if issubclass(type(o), Optimizer)
+        and all(o is not seen for seen in objects)
+        and any(id(p) in ours for p in _stepped(o))
+    ]
+
+
+def _stepped(optimizer: Any) -> Iterator[Any]:
+    """The parameters an optimizer steps; none for a subclass that never set its groups."""
+    for group in getattr(optimizer, "param_groups", None) or ():
+        yield from group.get("params", ()) if isinstance(group, dict) else ()
+
+
+def with_live_mixed_precision(objects: Iterable[Any]) -> list[Any]:
+    """``objects``, then every live :class:`~trainperf.MixedPrecision` not among them.
+
+    A ``step`` that uses one moves its loss scale and growth tracker (an fp16 probe that
+    overflows halves the scale) and its pending-backward flags, passed or not. They are
+    kept out of :func:`stateful_objects` (the cache key): one alive for another model says
+    nothing about this step.
+
+    Example:
+        >>> mp = MixedPrecision("cpu", precision="fp32")
+        >>> any(o is mp for o in with_live_mixed_precision([]))
+        True
+    """
+    out = list(objects)
+    out += [mp for mp in list(LIVE) if all(mp is not o for o in out)]
+    return out
 
 
 def is_scheduler(obj: object) -> bool:
@@ -191,15 +254,17 @@ Buffer = tuple[nn.Module, str, torch.Tensor | None, torch.device | None]
 
 
 def _unsaved_buffers(objects: Iterable[Any]) -> list[Buffer]:
-    """Host copies of the buffers ``state_dict()`` leaves out (``persistent=False``: a
-    metric's running sums, a step counter, a grown rotary cache), with their modules."""
+    """Host copies of the buffers ``state_dict()`` leaves out, with their modules: those
+    registered with ``persistent=False`` (a metric's running sums, a step counter, a grown
+    rotary cache) and those that are None (``register_buffer("mean", None)``, filled in by
+    the first forward pass: ``load_state_dict`` would then miss its key)."""
     out: list[Buffer] = []
     for m in _modules(objects):
-        for name in sorted(getattr(m, "_non_persistent_buffers_set", ())):
-            b = m._buffers.get(name)
+        unsaved: set[str] = getattr(m, "_non_persistent_buffers_set", set())
+        for name, b in m._buffers.items():
             if b is None:
                 out.append((m, name, None, None))
-            else:
+            elif name in unsaved:
                 out.append((m, name, b.detach().to("cpu", copy=True), b.device))
     return out
 
@@ -329,7 +394,8 @@ class SavedState:
             part of the model, a GAN's discriminator, may stop half-way at an OOM).
         loose: ``(parameter, copy)`` of every parameter only an optimizer holds.
         modes: ``(module, its .training flag)`` for every submodule.
-        buffers: ``(module, name, copy, device)`` of every buffer ``state_dict()`` leaves out.
+        buffers: ``(module, name, copy, device)`` of every buffer ``state_dict()`` leaves
+            out (copy None: the buffer was None).
         pending: ``(MixedPrecision, (whether a backward waits for its step, whether it
             was stepped since, the optimizers zeroed since))``.
         stages: ``(GradScaler, copy of its per-optimizer stages)``, of those passed in and
@@ -388,6 +454,9 @@ class SavedState:
         would then change the saved copy.
         """
         errors: list[BaseException] = []
+        for m, name, buffer, _ in self.buffers:
+            if buffer is None:  # before load_state_dict, which would expect its key
+                m._buffers[name] = None
         for obj, state, layout in self.states:
             try:
                 _load_state(obj, state, layout)

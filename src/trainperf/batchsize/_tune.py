@@ -22,18 +22,24 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainperf._utils.cache import read_entry, write_entry
-from trainperf._utils.rng import preserved_rng
+from trainperf._utils.rng import preserved_generators, preserved_rng
 from trainperf.batchsize import _cache
+from trainperf.batchsize._accumulation import accumulation_notes, known_optimizers
 from trainperf.batchsize._agree import Agreement
-from trainperf.batchsize._args import check_args, size_space
+from trainperf.batchsize._args import check_args, check_state, size_space
 from trainperf.batchsize._memory import HostMemory, MemoryReader, reader_for
 from trainperf.batchsize._probe import DEFAULT_PROBE, Prober, is_out_of_memory
 from trainperf.batchsize._progress import BatchSizeBar
 from trainperf.batchsize._report import BatchSizeCandidate, BatchSizeReport, PipelineMemory
-from trainperf.batchsize._sample import checked_batch
+from trainperf.batchsize._sample import checked_batch, sample_generators
 from trainperf.batchsize._search import Search
 from trainperf.batchsize._sizes import SizeSpace
-from trainperf.batchsize._state import SavedState, schedulers_held, stateful_objects
+from trainperf.batchsize._state import (
+    SavedState,
+    schedulers_held,
+    stateful_objects,
+    with_live_mixed_precision,
+)
 from trainperf.device import resolve_device
 from trainperf.limits import HostLimits, host_limits
 
@@ -202,7 +208,7 @@ def _notes(
 
 def _search(call: _Call) -> BatchSizeReport:
     """Measure: save the state, grow and refine, put the state back."""
-    state = SavedState.save(call.objects)
+    state = SavedState.save(with_live_mixed_precision(call.objects))
     memory = reader_for(call.device)
     deadline = call.started + call.budget_s
     bar = BatchSizeBar(call.budget_s, enabled=call.progress)
@@ -210,7 +216,7 @@ def _search(call: _Call) -> BatchSizeReport:
     prober = Prober(
         call.step, call.sample, call.device, memory, state, call.agree, deadline,
         usable=lambda: call.usable(memory), per_rank=call.space.per_rank, policy=policy,
-        on_update=lambda text: bar.update(text),
+        on_update=lambda text: bar.update(text), optimizers=known_optimizers(call.objects),
     )  # fmt: skip
     search = Search(
         call.space,
@@ -242,7 +248,10 @@ def _search(call: _Call) -> BatchSizeReport:
         memory_limit=memory.limit,
         candidates=tuple(search.results),
         memory_kind=memory.kind,
-        notes=tuple(_notes(call, search, memory, choice)),
+        notes=(
+            *_notes(call, search, memory, choice),
+            *accumulation_notes(prober.per_rank, prober.optimizer_charged, search.results),
+        ),
     )
 
 
@@ -312,8 +321,11 @@ def tune_batch_size(
     runs warm-up steps and then timed windows until they agree, with its peak memory
     measured; the choice is always a size that ran. Tuning leaves training exactly where
     it was: the state of ``model`` and ``optimizer`` (parameters, gradients, optimizer
-    moments, BatchNorm statistics, train/eval modes) and every random number generator
-    (python, numpy, torch CPU and CUDA) are put back bit for bit, however the call ends.
+    moments, BatchNorm statistics, train/eval modes), of the optimizers, LR schedulers and
+    :class:`trainperf.MixedPrecision` objects found without being passed, every random
+    number generator (python, numpy, torch CPU and CUDA) and those a
+    :func:`trainperf.batches_from` dataset owns are put back bit for bit, however the call
+    ends.
 
     Under DDP (a process group initialised) call it on every rank with the same
     arguments: the ranks tune in lockstep and choose the same size
@@ -326,11 +338,13 @@ def tune_batch_size(
             size must be ``n``); :func:`trainperf.batches_from` builds one from a dataset.
             The batch is moved to ``device`` once per size (not timed) and reused.
         model: the module ``step`` trains, or a tuple of objects with ``state_dict`` and
-            ``load_state_dict``; saved before probing and restored after.
+            ``load_state_dict``; saved before probing and restored after. ``model=()``:
+            ``step`` changes no state. One of ``model`` and ``optimizer`` is required.
         optimizer: its optimizer, or a tuple (optimizer, scheduler, ``GradScaler``,
-            :class:`trainperf.MixedPrecision`, ...); saved and restored likewise. LR
-            schedulers whose ``.optimizer`` it is are found without being passed; while
-            tuning runs, their ``step()`` (and a passed scheduler's) does nothing.
+            :class:`trainperf.MixedPrecision`, ...); saved and restored likewise. The
+            optimizers stepping the model's parameters, the LR schedulers driving an
+            optimizer and every live MixedPrecision are found without being passed; while
+            tuning runs, every scheduler's ``step()``, passed or found, does nothing.
         device: where ``step`` runs; None: where the model's parameters are, else
             :func:`trainperf.best_device` (parsed by :func:`trainperf.device.resolve_device`).
         min_size: the smallest batch size tried.
@@ -355,9 +369,10 @@ def tune_batch_size(
         A :class:`BatchSizeReport`: ``batch_size`` per step and ``accumulation_steps``.
 
     Raises:
-        ValueError: a bad argument (see :mod:`trainperf.batchsize._args`), ``global_batch``
+        ValueError: a bad argument (see :mod:`trainperf.batchsize._args`): neither
+            ``model`` nor ``optimizer`` given, a lazy module not yet run; ``global_batch``
             not divisible by the world size, or ``sample(n)`` returning a batch of another
-            size.
+            size or a one-shot iterator (a generator).
         TypeError: ``model`` or ``optimizer`` holds an object without ``state_dict`` and
             ``load_state_dict``; ``device`` has the wrong type.
         DeviceError: the device asked for is not available.
@@ -391,6 +406,7 @@ def tune_batch_size(
         budget_s=budget_s, headroom=headroom, num_workers=num_workers,
         prefetch_factor=prefetch_factor, progress=progress, cache=cache,
     )  # fmt: skip
+    check_state(model, optimizer)
     objects = stateful_objects(model, optimizer)
     agree = Agreement()
     space = size_space(min_size, max_size, global_batch, agree.world_size)
@@ -399,5 +415,5 @@ def tune_batch_size(
         float(budget_s), float(headroom), progress, cache, num_workers, prefetch_factor,
         started,
     )  # fmt: skip
-    with preserved_rng():
+    with preserved_rng(), preserved_generators(sample_generators(sample)):
         return _tune(call)

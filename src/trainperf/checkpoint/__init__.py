@@ -24,7 +24,9 @@ DDP) and ``_orig_mod.`` (``torch.compile``) prefixes into wrapped or plain model
   (background saves, ``keep``, exact resume, preemption), built from :mod:`._steps` (file
   names, retention, stale temp files), :mod:`._payload` (what a file holds, and restoring
   it into live objects), :mod:`._writer` (the forked or threaded background writer and
-  :class:`SaveHandle`), :mod:`._preempt` (:class:`Preemption`, the signal flag every rank
+  :class:`SaveHandle`; :mod:`._writer_fork`, :mod:`._writer_snapshot`,
+  :mod:`._writer_staging`), :mod:`._checkpointer_wait`, :mod:`._checkpointer_warn`,
+  :mod:`._checkpointer_ranks`, :mod:`._preempt` (:class:`Preemption`, the signal flag every rank
   agrees on), :mod:`._loader_state` (a DataLoader's position mid-epoch) and :mod:`._rng`
   (the random generators' states).
 """

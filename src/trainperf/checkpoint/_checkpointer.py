@@ -2,17 +2,14 @@
 
 It ties the pieces together: the file names and retention (:mod:`._steps`), what a file holds
 and how it is put back (:mod:`._payload`), the writers (:mod:`._writer`) and the stop flag
-(:mod:`._preempt`).
+(:mod:`._preempt`). Waiting for its background writes, at the next save and at process exit,
+is in :mod:`._checkpointer_wait`; its warnings in :mod:`._checkpointer_warn`; the rank and
+world size, and a rank's own file read back, in :mod:`._checkpointer_ranks`.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import errno
 import os
-import sys
-import threading
 import warnings
 from collections.abc import Iterable, Mapping
 from functools import partial
@@ -26,6 +23,15 @@ from torch.utils.data import DataLoader
 from trainperf._utils.format import format_bytes
 from trainperf._utils.stack import user_stacklevel
 from trainperf._utils.validate import choice, non_negative_int, positive_int
+from trainperf.checkpoint._checkpointer_ranks import _group, own_part
+from trainperf.checkpoint._checkpointer_wait import _finish, settle
+from trainperf.checkpoint._checkpointer_wait import _wait_at_exit as _wait_at_exit
+from trainperf.checkpoint._checkpointer_warn import (
+    _stops_at,
+    _warn_no_writer,
+    warn_if_behind,
+    warn_notes,
+)
 from trainperf.checkpoint._files import load_checkpoint, saving
 from trainperf.checkpoint._loader_state import track
 from trainperf.checkpoint._payload import build_payload, rank_payload, restore_into, saved_step
@@ -38,32 +44,16 @@ from trainperf.checkpoint._steps import (
     steps_on_disk,
     unloadable,
 )
-from trainperf.checkpoint._writer import (
-    SaveHandle,
-    Staging,
-    fork_writes,
-    pending_handles,
-    snapshot_safe,
-    staging_fits,
-    start_process,
-    start_thread,
-    tensor_bytes,
-    unreported_failures,
-    write_now,
-)
+from trainperf.checkpoint._writer import SaveHandle, start_thread, write_now
+from trainperf.checkpoint._writer_fork import fork_writes, start_process
+from trainperf.checkpoint._writer_snapshot import snapshot_safe, tensor_bytes
+from trainperf.checkpoint._writer_staging import Staging, staging_fits
 from trainperf.device import resolve_device
 from trainperf.errors import CheckpointError, UnsafeCheckpointError
 from trainperf.limits import host_limits
 
+# _wait_at_exit: looked up here by trainperf.ddp._worker (sys.modules), so re-exported.
 __all__ = ["Checkpointer"]
-
-
-def _group() -> tuple[int, int]:
-    """``(rank, world size)`` of the default process group; ``(0, 1)`` without one."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank()), int(dist.get_world_size())
-    return 0, 1
 
 
 class Checkpointer:
@@ -151,18 +141,6 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ saving
 
-    def _settle(self) -> None:
-        """Wait for the write in flight; raise its failure; pass its notes on."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        _finish(pending)
-        self._warn_notes(pending.notes)
-        pending.raise_failure()
-        # Written again: a damaged file of that step was replaced (a forked writer's own
-        # discard in _after stays in its copy of this object).
-        self._damaged.discard(pending.step)
-
     def _stopping(self) -> bool:
         """A stop was requested through any of this Checkpointer's :meth:`preemption`
         objects (it stays requested: the final save may come after the ``with`` block)."""
@@ -224,9 +202,9 @@ class Checkpointer:
             # A skipped step must not wait for the write in flight (the loop calls save on
             # every step), but reports it once it has failed.
             if self._pending is not None and self._pending.done():
-                self._settle()
+                settle(self)
             return SaveHandle.finished(step, None, "skipped")
-        self._settle()
+        settle(self)
         path = main_file(self.directory, step)
         rank, world = _group()
         if rank > 0:
@@ -234,7 +212,7 @@ class Checkpointer:
             with saving(own):
                 write_now(rank_payload(state, step, rank, world), own)
             return SaveHandle.finished(step, path, "other rank")
-        self._warn_if_behind(step)
+        warn_if_behind(self, step)
         payload = build_payload(state, step, rank, world)
         if not blocking:
             handle = self._start_background(payload, path, step)
@@ -242,37 +220,8 @@ class Checkpointer:
                 return handle
         with saving(path):  # blocking: the other ranks may wait in a collective meanwhile
             write_now(payload, path)
-        self._warn_notes(self._after(step))
+        warn_notes(self._after(step))
         return SaveHandle.finished(step, path, "blocking")
-
-    def _warn_if_behind(self, step: int) -> None:
-        """Warn (once) when the directory already holds a later step than ``step``: an
-        earlier run's, or a step count that restarted. :meth:`latest` and :meth:`restore`
-        take the highest step, so a resume would continue from that one, not from this run."""
-        if self._highest is None:  # the directory is read once; later saves are counted
-            self._highest = max(self.steps(), default=-1)
-        highest, self._highest = self._highest, max(self._highest, step)
-        if self._behind_told or step >= highest:
-            return
-        self._behind_told = True
-        warnings.warn(
-            f"Checkpointer.save(step={step}): {self.directory} already holds step "
-            f"{highest}, a later one (an earlier run's, or this run's step count restarted). "
-            f"latest() and restore() take the highest step, so a resume would continue from "
-            f"step {highest}, not from this run, and keep={self.keep} never deletes it. "
-            "Start a new run in a new directory, remove the later files, or continue that "
-            "run: step = ckpt.restore(state) before the loop",
-            UserWarning,
-            stacklevel=user_stacklevel(),
-        )
-
-    def _warn_notes(self, notes: list[str]) -> None:
-        for note in notes:
-            warnings.warn(
-                f"Checkpointer: could not delete the retired checkpoint {note}",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
 
     def _start_background(self, payload: Any, path: Path, step: int) -> SaveHandle | None:
         """Start a background write; None when host memory cannot hold the snapshot."""
@@ -313,7 +262,7 @@ class Checkpointer:
         Raises:
             CheckpointError: it failed (chained, with its path); nothing older was deleted.
         """
-        self._settle()
+        settle(self)
 
     # ----------------------------------------------------------------- reading
 
@@ -343,23 +292,6 @@ class Checkpointer:
                 return path
             warnings.warn(f"skipping checkpoint {path}: {why}", UserWarning, stacklevel=2)
         return None
-
-    def _own_part(self, step: int, rank: int) -> Mapping[str, Any] | None:
-        if rank == 0:
-            return None
-        path = rank_file(self.directory, step, rank)
-        try:
-            own = load_checkpoint(path)
-        except CheckpointError as e:
-            warnings.warn(
-                f"rank {rank} has no readable file of its own for step {step} ({e}): its "
-                "random states and loader positions come from rank 0's file, so its random "
-                "numbers may differ from the interrupted run's",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
-            return None
-        return own if isinstance(own, Mapping) else None
 
     def restore(
         self, state: Mapping[str, Any], *, device: str | int | torch.device | None = None
@@ -408,7 +340,7 @@ class Checkpointer:
                 not skipped); the message says to restore with ``device="cpu"`` (the
                 default) or free GPU memory.
         """
-        self._settle()
+        settle(self)
         if not isinstance(state, Mapping):
             raise TypeError(
                 "Checkpointer.restore takes a dict of the live objects, such as {'model': "
@@ -440,7 +372,7 @@ class Checkpointer:
                 continue
             except OSError as e:
                 raise _stops_at("restore", step, e) from e
-            restore_into(state, saved, self._own_part(step, rank), str(path), found)
+            restore_into(state, saved, own_part(self, step, rank), str(path), found)
             return found
         return 0
 
@@ -481,40 +413,6 @@ class Checkpointer:
         return stop
 
 
-# Why the system refuses a new process or pipe, and what lifts the limit.
-_NO_WRITER_FIXES = {
-    errno.EAGAIN: "the limit on processes or threads is reached (ulimit -u, a container's "
-    "pids.max)",
-    errno.ENOMEM: "the kernel would not commit memory for the fork (vm.overcommit_memory=2, "
-    "a tight memory limit)",
-    errno.EMFILE: "too many files are open in this process (ulimit -n)",
-    errno.ENFILE: "the system's open-file table is full (fs.file-max)",
-}
-
-
-def _warn_no_writer(step: int, kind: str, e: OSError) -> None:
-    """Warn that a background save could not start its writer and is made blocking."""
-    why = _NO_WRITER_FIXES.get(e.errno or 0, "see the error")
-    warnings.warn(
-        f"Checkpointer.save(step={step}, blocking=False): the system refused the {kind} "
-        f"writer ({type(e).__name__}: {e.strerror or e}; {why}): saving synchronously "
-        "instead. Raise that limit to get background saves back",
-        UserWarning,
-        stacklevel=user_stacklevel(),
-    )
-
-
-def _stops_at(method: str, step: int, e: OSError) -> OSError:
-    """The error ``Checkpointer.<method>`` raises when step ``step``'s file could not be read
-    (EIO, EACCES, EMFILE), not found damaged: an older file would silently lose the steps
-    since, and the next saves would bury this one. Same errno, so the same subclass."""
-    return OSError(
-        e.errno,
-        f"Checkpointer.{method} stops at step {step} rather than fall back to an older "
-        f"checkpoint: {e.strerror or e}",
-    )
-
-
 def _file_in_the_way(directory: Path) -> Path | None:
     """``directory`` or the nearest of its parents that exists, when that is not a directory
     (a file: no step file could be written under it); else None."""
@@ -522,39 +420,3 @@ def _file_in_the_way(directory: Path) -> Path | None:
         if path.exists():
             return None if path.is_dir() else path
     return None
-
-
-def _finish(pending: SaveHandle) -> None:
-    """Wait for a background write, telling hang detection that this rank is waiting for
-    its own checkpoint (known slow work: the other ranks may wait in a collective, or have
-    returned, meanwhile), not hung."""
-    with saving(pending.path):
-        pending._event.wait()
-
-
-def _wait_at_exit() -> None:
-    """Finish every background write still running when the process exits (its Checkpointer
-    may be gone), then print each failed write that was never reported to stderr."""
-    for pending in pending_handles():
-        if not pending.done():
-            print(
-                f"trainperf: waiting for the background save of step {pending.step} to "
-                f"{pending.path} before exiting",
-                file=sys.stderr,
-            )
-            _finish(pending)
-    for failed in unreported_failures():
-        message, cause = failed._failure or ("unknown", None)
-        print(
-            f"trainperf: ERROR: the background save of step {failed.step} to {failed.path} "
-            f"failed: {message} ({type(cause).__name__}: {cause}); no older checkpoint was "
-            "deleted",
-            file=sys.stderr,
-        )
-
-
-atexit.register(_wait_at_exit)
-# Processes that end in os._exit (multiprocessing's fork children, fork-started ranks) skip
-# atexit but run threading's exit hooks (in multiprocessing's _bootstrap).
-with contextlib.suppress(AttributeError, RuntimeError):
-    threading._register_atexit(_wait_at_exit)  # type: ignore[attr-defined]

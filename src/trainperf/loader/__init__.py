@@ -6,10 +6,13 @@ budget and returns the fastest one that fits the CPUs, memory and ``/dev/shm`` o
 process, without leaving a worker behind when a configuration crashes or hangs, or when
 the process itself is killed.
 
-- :mod:`._tune`: the entry points; :mod:`._autotune`: ``autotune_loader`` and the loader
+- :mod:`._tune`: the entry points (with :mod:`._tune_setup`, :mod:`._tune_prepare`,
+  :mod:`._tune_stale`); :mod:`._autotune`: ``autotune_loader`` and the loader
   it returns, whose workers die with their parent; :mod:`._adapt`: with ``adapt=True``, a
-  loader that retunes itself between epochs, by the rules of :mod:`._adapt_rules`, and
-  whose iterators stop their workers once dropped (:mod:`._adapt_epoch`);
+  loader that retunes itself between epochs, by the rules of :mod:`._adapt_rules` (its
+  epoch timing :mod:`._adapt_timed`, decisions :mod:`._adapt_retune`, worker pools
+  :mod:`._adapt_pool`), and whose iterators stop their workers once dropped
+  (:mod:`._adapt_epoch`);
   :mod:`._args`: the argument checks; :mod:`._rng`: every random number generator left
   as the call found it; :mod:`._budget`: what ``budget_s`` guarantees;
 - :mod:`._iterable`: an ``IterableDataset`` that does not shard its stream across workers,

@@ -20,6 +20,11 @@ one starts, and the draws from the generator a new pool makes are those the fixe
 makes, so a ``persistent_workers=True`` loader also keeps its order. An epoch's own pool
 (not a persistent one) stops as soon as the caller lets go of its iterator (a ``break``),
 as a plain DataLoader's does (:mod:`trainperf.loader._adapt_epoch`).
+
+The class here holds the loader's state and its DataLoader surface; the epoch's timing
+state is in :mod:`trainperf.loader._adapt_timed`, the decisions in
+:mod:`trainperf.loader._adapt_retune`, and the worker pools it starts and stops in
+:mod:`trainperf.loader._adapt_pool`.
 """
 
 from __future__ import annotations
@@ -27,9 +32,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import logging
-import math
-import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -38,206 +40,30 @@ import psutil
 import torch
 from torch.utils.data import DataLoader
 
-from trainperf._utils.batches import batch_bytes, samples_in
-from trainperf._utils.lifetime import DieWithParent
-from trainperf._utils.stack import user_stacklevel
 from trainperf._utils.validate import non_negative_int
 from trainperf.limits import HostLimits, host_limits, local_world_size, usable_cpus
 from trainperf.loader._adapt_change import TuningChange
 from trainperf.loader._adapt_epoch import EpochIterator
-from trainperf.loader._adapt_measure import Workers, cpu_mark, host_busy
 from trainperf.loader._adapt_plan import EpochPlan, resumable
-from trainperf.loader._adapt_rules import (
-    DEEP_PREFETCH,
-    Change,
-    EpochFigures,
-    Reason,
-    decide,
-    increase_paid,
-    increased,
+from trainperf.loader._adapt_pool import (
+    _rank_limits,
+    _Trial,
+    arm,
+    fit_timeout,
+    no_extra_draw,
+    shut_down_own,
+    shut_down_pool,
 )
+from trainperf.loader._adapt_retune import retune
+from trainperf.loader._adapt_rules import EpochFigures
+from trainperf.loader._adapt_timed import _BY_CLOSE, _BY_ITER, _TimedIter
 from trainperf.loader._args import checked_context
 from trainperf.loader._autotune import _TOO_MANY, TunedDataLoader
-from trainperf.loader._faults import (
-    WorkerProcesses,
-    child_signals_held,
-    close_iterator,
-    hang_timeout,
-    start_method,
-)
-from trainperf.loader._iterable import (
-    ALIKE,
-    PROBE_WORKERS,
-    check_sharding,
-    is_iterable,
-    unsharded_warning,
-)
+from trainperf.loader._faults import start_method
 from trainperf.loader._report import CandidateResult
 from trainperf.loader._search import Search, adaptive_max_workers
-from trainperf.loader._tune import rank_share
 
 __all__ = ["AdaptiveDataLoader", "TuningChange", "memory_rules"]
-
-logger = logging.getLogger("trainperf.loader")
-
-_CHECK_EVERY_S = 2.0  # seconds of iteration between mid-epoch checks
-_CHECK_BATCHES = 4  # batches a mid-epoch check needs, the first of its window excluded
-_SEED_OFFSET = 0x9E3779B97F4A7C15  # sets the private seed stream apart from the real one
-_HANG: Reason = "hang"  # a pool it started gave no first batch in time (not a rule's)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Trial:
-    """A worker pool the loader started itself, on trial until its first batch arrives:
-    ``previous`` is the setting to go back to, ``timeout_s`` the wait it is given."""
-
-    previous: tuple[int, int | None]
-    timeout_s: float
-
-
-class _TimedIter:
-    """The DataLoader's iterator, timed: waits in ``__next__``, gaps between calls.
-
-    The figures cover a window: the epoch so far, or the time since the last mid-epoch
-    check; the first batch of a window counts as its start-up.
-    """
-
-    def __init__(self, it: Any, loader: AdaptiveDataLoader, plan: EpochPlan | None) -> None:
-        self.it, self.plan = it, plan
-        self._loader: AdaptiveDataLoader | None = loader  # None once the epoch has ended
-        self.yielded = 0  # batches of this epoch yielded, whatever pools made them
-        self.returned: float | None = None
-        self.returned_cpu = 0.0
-        self.final: EpochFigures | None = None
-        self.cut_by: str | None = None  # what ended it before its epoch did (see cut)
-        self.trial: _Trial | None = None  # the pool's first batch is awaited within a bound
-        self.new_window()
-
-    def new_window(self) -> None:
-        self.batches = self.samples = 0
-        self.wait_s = self.step_s = self.startup_s = 0.0
-        self.load_cpu_s = self.step_cpu_s = 0.0
-        self.started = time.perf_counter()
-        self.workers = Workers()
-        self.cpu_mark = cpu_mark()
-
-    @property
-    def loader(self) -> AdaptiveDataLoader:
-        if self._loader is None:
-            raise RuntimeError("this epoch of the adaptive loader is over")
-        return self._loader
-
-    def __iter__(self) -> _TimedIter:
-        return self
-
-    def __len__(self) -> int:
-        return len(self.it)
-
-    def __next__(self) -> Any:
-        if self._loader is None:  # the epoch is over: its exhausted iterator says so again
-            return next(iter(()))
-        if self.cut_by is not None:
-            raise RuntimeError(_cut_message(self.cut_by))
-        t0, c0 = time.perf_counter(), time.process_time()
-        if self.returned is not None:
-            self.step_s += t0 - self.returned
-            self.step_cpu_s += c0 - self.returned_cpu
-            due = t0 - self.started >= _CHECK_EVERY_S and self.batches > _CHECK_BATCHES
-            if due and self.plan is not None and self.final is None:
-                self.loader._check(self)  # a batch boundary: it may replace the pool
-                t0, c0 = time.perf_counter(), time.process_time()
-        try:
-            batch = next(self.it)
-        except StopIteration:
-            self.loader._epoch_ended(self)
-            # Over: no reference back, so a loader let go of after a full epoch is freed at
-            # once, its workers with it (a cycle would keep them until the cyclic GC ran).
-            self._loader = None
-            raise
-        except Exception as e:
-            if _timed_out(e) and self.trial is not None:  # the bound of a pool on trial
-                self.loader._pool_hung(self, self.trial)
-                return self.__next__()  # the same batch, from the setting before
-            if _timed_out(e):  # the DataLoader waits for the same batch on the next call
-                if self.batches:  # the loop waited for data all that time
-                    self.wait_s += time.perf_counter() - t0
-                self.returned, self.returned_cpu = time.perf_counter(), time.process_time()
-                raise
-            # A batch that failed to load (a corrupt sample the loop catches and goes on):
-            # the DataLoader used it up, so a pool started later must not replay it.
-            self._count()
-            self.returned, self.returned_cpu = time.perf_counter(), time.process_time()
-            raise
-        t1 = time.perf_counter()
-        if self.trial is not None:  # the pool works: the caller's timeout (none) from now on
-            self.trial, self.it._timeout = None, self.loader.timeout
-        if self.batches == 0:
-            self.startup_s = t1 - self.started
-            self.loader._batch_bytes = batch_bytes(batch)
-        else:
-            self.wait_s += t1 - t0
-            self.load_cpu_s += time.process_time() - c0
-        self.batches += 1
-        self._count()
-        self.samples += samples_in(batch, self.loader.batch_size or 1)
-        self.workers.read(self.it, t1)
-        self.returned, self.returned_cpu = time.perf_counter(), time.process_time()
-        return batch
-
-    def abandon(self) -> None:
-        """The caller let go of this epoch's iterator (:class:`EpochIterator`): its own pool
-        stops now, as a plain DataLoader iterator's does when dropped; a persistent pool is
-        the loader's and stays. Its figures are read at the next ``iter()``, as for a
-        ``break``."""
-        if self._loader is not None:  # else the epoch ended, and its own pool with it
-            self._loader._shut_down_own(self)
-
-    def cut(self, by: str) -> None:
-        """The epoch's workers or sampler are taken away by ``by`` (a newer ``iter()``,
-        ``close()``): an unfinished iterator refuses further batches from then on rather than
-        end early or share the next epoch's."""
-        if self._loader is not None and self.cut_by is None:
-            self.cut_by = by
-
-    def _count(self) -> None:
-        """One more batch of this epoch used up (yielded, or failed to load)."""
-        self.yielded += 1
-        self.loader._yielded += 1
-        if self.plan is not None:
-            self.plan.received(self.yielded)
-
-    def figures(self, limits: HostLimits) -> EpochFigures:
-        return EpochFigures(
-            num_workers=self.loader.num_workers,
-            prefetch_factor=self.loader.prefetch_factor if self.loader.num_workers else None,
-            batches=self.batches,
-            samples=self.samples,
-            wait_s=self.wait_s,
-            step_s=self.step_s,
-            startup_s=self.startup_s,
-            load_cpu_s=self.load_cpu_s,
-            step_cpu_s=self.step_cpu_s,
-            worker_cores=self.workers.cores(),
-            host_busy=host_busy(self.cpu_mark, cpu_mark()),
-            cpus=usable_cpus(local_world_size(), limits=limits),
-            memory_available=limits.memory_available,
-        )
-
-
-def _timed_out(e: Exception) -> bool:
-    """``e`` is the DataLoader's ``timeout`` expiring: no batch was used up by it.
-
-    Example:
-        >>> _timed_out(RuntimeError("DataLoader timed out after 5 seconds"))
-        True
-    """
-    return isinstance(e, RuntimeError) and str(e).startswith("DataLoader timed out after")
-
-
-def _rank_limits() -> HostLimits:
-    """The host's limits now, with the memory and ``/dev/shm`` this rank's loader may use
-    (the one-off tuner's share: each local rank starts its own workers)."""
-    return rank_share(host_limits(), local_world_size())
 
 
 def _not_measuring(n: int, pf: int | None, pin: bool) -> CandidateResult:
@@ -363,7 +189,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         self.tuning_history = []
         self._why_not_mid_epoch = resumable(self) if mid_epoch else "mid_epoch=False"
         self._plan = None if self._why_not_mid_epoch else EpochPlan(self._real_index_sampler)
-        self._fit_timeout()  # a timeout given with no workers waits for the ones it adds
+        fit_timeout(self)  # a timeout given with no workers waits for the ones it adds
 
     @property
     def _worker_context(self) -> Any:
@@ -414,7 +240,7 @@ class AdaptiveDataLoader(TunedDataLoader):
     def __iter__(self) -> Any:
         if self._current is not None:
             self._epoch_ended(self._current)
-            self._retune(self._current)
+            retune(self, self._current)
             self._release(self._current)
         reuse = bool(self.persistent_workers and self.num_workers > 0) and (
             self._iterator is not None
@@ -427,7 +253,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         it = self._start(scratch)
         plan = None if self.epoch_boundaries_only else self._plan
         self._current = _TimedIter(it, self, plan)
-        self._current.trial = self._arm(it)
+        self._current.trial = arm(self, it)
         self._epoch += 1
         # Only the caller holds this: dropping it stops the epoch's own workers at once.
         return EpochIterator(self._current)
@@ -435,7 +261,7 @@ class AdaptiveDataLoader(TunedDataLoader):
     def _start(self, scratch: bool) -> Any:
         """A DataLoader iterator; ``scratch``: its draw from the generator is not the fixed
         loader's (that one would start none here), so it draws from the private one."""
-        with self._no_extra_draw() if scratch else _nothing(), warnings.catch_warnings():
+        with no_extra_draw(self) if scratch else _nothing(), warnings.catch_warnings():
             if self.tuning_history:
                 # More workers than cores is this loader's measured choice (they wait on
                 # I/O), not the mistake DataLoader's check warns about.
@@ -466,272 +292,20 @@ class AdaptiveDataLoader(TunedDataLoader):
         )
         return search.memory_problem(n, pf, bool(self.pin_memory)) is None
 
-    def _decide(self, f: EpochFigures, limits: HostLimits) -> Change | None:
-        self._fastest_step = min(self._fastest_step, f.step_per_batch)
-        if f.cpus != self._cpus:
-            # What more workers (or prefetch) could not do may have changed.
-            self._ceiling = self._prefetch_ceiling = None
-        before, self._before = self._before, None
-        if before is not None:
-            self._judge(before, f)
-        ceiling = self._max_workers if self._ceiling is None else self._ceiling
-        change = decide(
-            f,
-            previous_cpus=self._cpus,
-            fastest_step_per_batch=self._fastest_step,
-            max_workers=min(self._max_workers, ceiling),
-            fits=lambda n, pf: self.fits(n, pf, limits),
-            before=before,
-            max_prefetch=self._prefetch_ceiling or DEEP_PREFETCH,
-        )
-        self._cpus = f.cpus
-        if change is not None and change.num_workers > f.num_workers:
-            probing = self._sharded is None and is_iterable(self.dataset)
-            if probing and not self.fits(
-                f.num_workers + PROBE_WORKERS, change.prefetch_factor, limits
-            ):
-                return None  # the probe's workers beside the running ones would not fit: later
-            if not self._shards():
-                return None
-        if change is not None and change.reason in ("input-bound", "prefetch"):
-            self._before = f
-        return change
-
-    def _judge(self, before: EpochFigures, f: EpochFigures) -> None:
-        """After an increase (``before`` led to it, ``f`` ran with it) that did not pay, no
-        later check goes beyond it: the wait left is not the workers' (the main process's
-        own cost, say); the rules hold or go back (no-gain)."""
-        if not increased(before, f) or (verdict := increase_paid(before, f)) == "paid":
-            return
-        kept = f if verdict == "hold" else before
-        if f.num_workers > before.num_workers:
-            self._ceiling = kept.num_workers
-        # No deeper prefetch either: the workers are not what the loop waits for.
-        self._prefetch_ceiling = kept.prefetch_factor or 2
-
-    def _shards(self) -> bool:
-        """Whether more workers keep the samples: an ``IterableDataset`` whose workers each
-        replay the whole stream would yield every sample once per worker. Checked once, on
-        two short-lived workers (:func:`~trainperf.loader._iterable.check_sharding`), before
-        the first increase; a stream that does not shard, or whose workers failed or were
-        too slow to tell, stays at the workers it has, with a ``RuntimeWarning``. A stream
-        whose first items are all alike cannot tell, and gets workers (as in the tuner).
-        The probe waits (no increase) while its two workers, beside the running ones, would
-        not fit the memory rules."""
-        if self._sharded is None:
-            self._sharded = True
-            if is_iterable(self.dataset):
-                self._sharded = self._check_sharding()
-        return self._sharded
-
-    def _check_sharding(self) -> bool:
-        kwargs = {
-            "worker_init_fn": self.worker_init_fn,
-            "multiprocessing_context": self._worker_context,
-        }
-        # No deadline of ours: the check's own limit per start method (spawned workers
-        # import torch first).
-        check = check_sharding(self.dataset, kwargs, math.inf)
-        undecided = check.duplicated is None and check.why != ALIKE
-        if not (check.duplicated or undecided):
-            return True
-        self._max_workers = min(self._max_workers, self.num_workers)
-        name = type(self).__name__
-        if check.duplicated:
-            text = unsharded_warning(self.dataset, check, name, self.num_workers)
-        else:
-            text = (
-                f"{name} keeps num_workers={self.num_workers}: could not tell whether "
-                f"{type(self.dataset).__name__}, an IterableDataset, shards its stream across "
-                f"workers ({check.why}); unless it does, every worker yields every sample. "
-                "Give each worker its share in __iter__ with "
-                "torch.utils.data.get_worker_info(), then pass max_workers or tune again"
-            )
-        warnings.warn(text, RuntimeWarning, stacklevel=user_stacklevel())
-        return False
-
-    def _retune(self, timed: _TimedIter) -> None:
-        limits = _rank_limits()  # memory and /dev/shm as this epoch starts
-        f = timed.final or timed.figures(limits)
-        if f.batches < 2:
-            return
-        change = self._decide(f, limits)
-        if change is not None:
-            self._apply(change, f, epoch=self._epoch, epoch_batch=0)
-
-    def _check(self, timed: _TimedIter) -> None:
-        """Mid-epoch, at a batch boundary: apply the rules to the window that ends here and,
-        on a change, hand the rest of the epoch to a new pool."""
-        limits = _rank_limits()
-        f = timed.figures(limits)
-        change = self._decide(f, limits)
-        plan = timed.plan
-        if change is not None and plan is not None:
-            self._shut_down_own(timed)
-            self._apply(change, f, epoch=self._epoch - 1, epoch_batch=timed.yielded)
-            timed.it = self._resume(timed)
-            timed.trial = self._arm(timed.it)
-        timed.new_window()
-
-    def _resume(self, timed: _TimedIter) -> Any:
-        """A new iterator that goes on with ``timed``'s epoch after the batches it yielded;
-        without a plan (``epoch_boundaries_only``: pools start only as an epoch does), one
-        that starts the epoch again from the sampler."""
-        plan = timed.plan
-        if plan is not None:
-            plan.resume_at(timed.yielded)
-        try:
-            # The fixed loader starts no second iterator in an epoch: no draw from the
-            # generator.
-            return self._start(scratch=True)
-        finally:
-            if plan is not None:
-                plan.resumed()
-
-    def _arm(self, it: Any) -> _Trial | None:
-        """Give the pool just started (``it``) the bound of its trial, if it is on one: the
-        DataLoader's own wait for a batch (the iterator's copy of ``timeout``), until the
-        first batch arrives (``_TimedIter.__next__``)."""
-        trial, self._trial = self._trial, None
-        if trial is not None:
-            it._timeout = trial.timeout_s
-        return trial
-
-    def _pool_hung(self, timed: _TimedIter, trial: _Trial) -> None:
-        """The pool it started gave no batch within its trial's bound (workers blocked on
-        something inherited across fork, say): stop it, go back to the setting before it,
-        resumed where the epoch was, and try no more workers than that from now on (every
-        new worker would start as those did; fewer than a count that hung, after a
-        decrease)."""
-        hung = self.num_workers
-        timed.trial = None
-        self._stop_hung(timed.it)
-        back, _ = trial.previous
-        self._max_workers = min(self._max_workers, back if back < hung else hung - 1)
-        self._before = None  # no increase ran to be judged
-        why = f"no batch from the {hung} workers it started within {trial.timeout_s:.1f} s"
-        change = Change(back, trial.previous[1], _HANG, why)
-        f = timed.figures(_rank_limits())
-        self._apply(change, f, epoch=self._epoch - 1, epoch_batch=timed.yielded)
-        if self._trial is not None:  # back to workers, on trial too: then the main process
-            self._trial = dataclasses.replace(self._trial, previous=(0, None))
-        timed.it = self._resume(timed)
-        timed.trial = self._arm(timed.it)
-        timed.new_window()
-        timed.returned = None  # the wait was the hang's, not a step
-        text = _hang_warning(type(self).__name__, self.dataset, hung, trial, self._max_workers)
-        warnings.warn(text, RuntimeWarning, stacklevel=user_stacklevel())
-
-    def _stop_hung(self, it: Any) -> None:
-        """Stop a blocked pool's workers: killed first, so that no join waits on them."""
-        if self._iterator is it:
-            self._iterator = None
-        with child_signals_held():  # torch's handler would raise for the killed workers
-            close_iterator(it, WorkerProcesses(), kill_first=True)
-
-    def _apply(self, change: Change, f: EpochFigures, *, epoch: int, epoch_batch: int) -> None:
-        old = (self.num_workers, self.prefetch_factor if self.num_workers else None)
-        self._shut_down_pool()
-        self.num_workers = change.num_workers
-        self._fit_timeout()
-        # A pool it starts, unless a timeout of the caller's bounds the wait (and raises,
-        # as it means), gets a bound for its first batch: the tuner's for a hang.
-        self._trial = None
-        if change.num_workers > 0 and not self.timeout:
-            self._trial = _Trial(old, self._hang_bound(change.num_workers, f))
-        if change.num_workers > 0:
-            self.prefetch_factor = change.prefetch_factor or 2
-            if self._keep_workers and not self.persistent_workers:
-                # DataLoader refuses this once built, to protect the pool it caches; this
-                # loader shuts that pool down itself before any change.
-                object.__setattr__(self, "persistent_workers", True)
-            if self.multiprocessing_context is None and self._context_kept is not None:
-                self.multiprocessing_context = self._context_kept
-            if not isinstance(self.worker_init_fn, DieWithParent):
-                self.worker_init_fn = DieWithParent(self.worker_init_fn)
-        record = TuningChange(
-            epoch=epoch,
-            time=time.time(),
-            old=old,
-            new=(change.num_workers, change.prefetch_factor if change.num_workers else None),
-            reason=change.reason,
-            why=change.why,
-            figures=f,
-            batch=self._yielded,
-            epoch_batch=epoch_batch,
-        )
-        self.tuning_history.append(record)
-        logger.info("loader retuned: %s", record)
-
-    def _hang_bound(self, n: int, f: EpochFigures) -> float:
-        """Seconds without a first batch from ``n`` new workers that count as a hang: the
-        one-off tuner's rule (:func:`~trainperf.loader._faults.hang_timeout`), from one
-        batch's cost in a single process (the loop's time per batch in ``f`` times the
-        workers that shared it), and at least three times the start-up ``f`` saw."""
-        per_batch = (f.wait_s + f.step_s) / f.timed if f.timed else 1.0
-        bound = hang_timeout(
-            n,
-            user_timeout=0.0,
-            start_method=start_method({"multiprocessing_context": self._worker_context}),
-            batch_s=per_batch * max(1, f.num_workers),
-            worker_cpus=max(1, f.cpus),
-        )
-        return max(bound, 3.0 * f.startup_s)
-
-    def _fit_timeout(self) -> None:
-        """A ``timeout`` waits for workers: set aside while none run (DataLoader refuses one
-        without workers), back when they do."""
-        if self.num_workers == 0 and self.timeout:
-            self._timeout_kept, self.timeout = self.timeout, 0
-        elif self.num_workers > 0 and self._timeout_kept:
-            self.timeout, self._timeout_kept = self._timeout_kept, 0.0
-
     def _release(self, timed: _TimedIter) -> None:
         """Stop a finished or abandoned (``break``) epoch's own workers before a new pool
         starts; a persistent pool is the loader's and stays."""
         self._current = None
         timed.cut(_BY_ITER)
-        self._shut_down_own(timed)
-
-    def _shut_down_own(self, timed: _TimedIter) -> None:
-        """Stop the workers of an epoch's own pool (not the loader's persistent one)."""
-        if timed.it is not self._iterator:
-            _shut_down(timed.it)
+        shut_down_own(self, timed)
 
     def close(self) -> None:
         """Stop the workers now (a persistent pool's otherwise live until the loader is
         garbage-collected, as with any DataLoader); the next ``iter()`` starts anew."""
         if self._current is not None:
             self._current.cut(_BY_CLOSE)
-            self._shut_down_own(self._current)
-        self._shut_down_pool()
-
-    def _shut_down_pool(self) -> None:
-        """Stop a persistent pool's workers now, so a new one never runs beside them."""
-        it = self._iterator
-        if it is None:
-            return
-        self._iterator = None
-        _shut_down(it)
-
-    @contextlib.contextmanager
-    def _no_extra_draw(self) -> Iterator[None]:
-        """A new iterator draws its workers' base seed from ``generator`` (or torch's
-        global generator) as it starts; the sampler holds its own reference, so the draw is
-        made from this loader's private generator instead and the sampler's sequence is
-        untouched. Each pool draws anew: no two replay the same worker random streams."""
-        real = self.generator
-        if self._seeds is None:
-            # Seeded once, from the real generator's seed or torch's (which follows
-            # torch.manual_seed, per rank where each rank seeds its own), offset so that
-            # its first draw is not the plain loader's first pool's.
-            seed = torch.initial_seed() if real is None else real.initial_seed()
-            self._seeds = torch.Generator().manual_seed((seed + _SEED_OFFSET) % 2**64)
-        self.generator = self._seeds
-        try:
-            yield
-        finally:
-            self.generator = real
+            shut_down_own(self, self._current)
+        shut_down_pool(self)
 
 
 def _workers_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -744,58 +318,6 @@ def _wraps_index_sampler(cls: type) -> bool:
     """Whether a subclass of :class:`AdaptiveDataLoader` redefines ``_index_sampler``."""
     own = AdaptiveDataLoader.__dict__["_index_sampler"]
     return inspect.getattr_static(cls, "_index_sampler") is not own
-
-
-_BY_ITER, _BY_CLOSE = "a newer iter() of the same loader", "close()"
-_CUT_FIX = {
-    _BY_CLOSE: "call close() once the loop is done; a new iter(loader) starts a new epoch",
-    _BY_ITER: (
-        "take one iterator per epoch (not zip(loader, loader) or a loop over the loader "
-        "inside a loop over it); where two streams are needed, build two loaders"
-    ),
-}
-
-
-def _cut_message(by: str) -> str:
-    """Why an adaptive loader's iterator gives no more batches before its epoch ended.
-
-    Example:
-        >>> _cut_message("close()").split(":")[0]
-        'this AdaptiveDataLoader iterator was stopped before its epoch ended, by close()'
-    """
-    return (
-        f"this AdaptiveDataLoader iterator was stopped before its epoch ended, by {by}: an "
-        "adaptive loader runs one epoch at a time (its workers and its sampler's order are "
-        "shared), so the rest of this epoch is not given out rather than lost or split "
-        f"between two iterators. Fix: {_CUT_FIX[by]}"
-    )
-
-
-def _hang_warning(name: str, dataset: Any, hung: int, trial: _Trial, most: int) -> str:
-    """What a loader whose new pool of ``hung`` workers gave no batch says, and the fix.
-
-    Example:
-        >>> print(_hang_warning("AdaptiveDataLoader", range(4), 8, _Trial((0, None), 10.0), 0))
-        ... # doctest: +ELLIPSIS
-        AdaptiveDataLoader started 8 workers and got no batch from them within 10.0 s: ...
-    """
-    back = trial.previous[0]
-    return (
-        f"{name} started {hung} workers and got no batch from them within "
-        f"{trial.timeout_s:.1f} s: {type(dataset).__name__} blocks in worker processes (a "
-        "lock, thread pool or open handle inherited across fork, say). It stopped them, went "
-        f"back to num_workers={back} where the epoch was (no sample lost or repeated), and "
-        f"uses at most {most} workers from now on. Fix: make the dataset safe in worker "
-        "processes (open files and connections lazily, in __getitem__ or worker_init_fn), or "
-        "load in the main process (num_workers=0 with adapt=False, or max_workers=0); if its "
-        "workers only start slowly, a timeout= of yours longer than that replaces this bound"
-    )
-
-
-def _shut_down(it: Any) -> None:
-    shutdown = getattr(it, "_shutdown_workers", None)
-    if shutdown is not None:
-        shutdown()
 
 
 @contextlib.contextmanager

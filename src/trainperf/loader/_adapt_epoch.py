@@ -1,7 +1,7 @@
 """What ``iter()`` of an :class:`~trainperf.loader.AdaptiveDataLoader` returns: an
 :class:`EpochIterator`, whose workers stop as soon as the caller lets go of it.
 
-The loader keeps each epoch's timing state (``_TimedIter`` in :mod:`trainperf.loader._adapt`),
+The loader keeps each epoch's timing state (``_TimedIter`` in :mod:`trainperf.loader._adapt_timed`),
 which it reads at the next ``iter()`` to retune; that state holds the epoch's DataLoader
 iterator, and with it the worker pool. Handed to the caller directly, it stayed referenced
 by the loader after a ``break``, so the workers ran on until the next ``iter()``. The caller

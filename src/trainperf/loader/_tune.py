@@ -9,32 +9,27 @@ in; under DDP only local rank 0 goes on, and the host's other ranks receive its 
 (:mod:`trainperf.loader._iterable`), searches (:mod:`trainperf.loader._search`) over
 measurements (:mod:`trainperf.loader._measure`) and turns the choice into DataLoader
 arguments (:mod:`trainperf.loader._choice`). ``autotune_loader`` builds the loader
-(:mod:`trainperf.loader._autotune`).
+(:mod:`trainperf.loader._autotune`). What a call settles first is in
+:mod:`trainperf.loader._tune_setup`, the measurements the search starts from in
+:mod:`trainperf.loader._tune_prepare`, and the check that a cache hit still describes the
+dataset in :mod:`trainperf.loader._tune_stale`.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import torch
-from torch.utils.data import DataLoader
 
-from trainperf._utils.batches import samples_in
 from trainperf._utils.validate import fresh_stream
-from trainperf.device import resolve_device
-from trainperf.limits import HostLimits, host_limits, local_world_size, usable_cpus
-from trainperf.loader import _cache, _cached, _iterable, _share, _user
+from trainperf.loader import _cache, _cached, _iterable, _share
 from trainperf.loader._args import check_args
 from trainperf.loader._budget import overrun_note
 from trainperf.loader._choice import NOT_CACHED, best_settings, final_kwargs, forced_fallback
-from trainperf.loader._faults import hang_timeout, start_method
-from trainperf.loader._measure import measure
 from trainperf.loader._progress import ProgressBar
 from trainperf.loader._report import CandidateResult, TuningReport
 from trainperf.loader._rng import (
@@ -43,88 +38,19 @@ from trainperf.loader._rng import (
     preserved_generators,
     preserved_rng,
 )
-from trainperf.loader._search import Search, default_max_workers
-from trainperf.loader._step import Shares, cores_for_workers, main_process_cores, split_cores
+from trainperf.loader._tune_prepare import (
+    _for_measuring,
+    _main_batch_s,
+    _prepare,
+    _Prepared,
+    main_rss,
+)
+from trainperf.loader._tune_setup import _set_up, _Setup
+from trainperf.loader._tune_stale import _changed_since
 from trainperf.loader._user import given_settings, judge, user_config
 
-__all__ = ["tune_loader"]
-
-
-def rank_share(limits: HostLimits, local_ranks: int) -> HostLimits:
-    """The memory and ``/dev/shm`` one of ``local_ranks`` training processes may give its
-    loader: each rank starts its own workers with the settings chosen (a host's ranks
-    share one tuning), so the available memory and the free ``/dev/shm`` are divided
-    between them. The CPUs are :func:`~trainperf.limits.usable_cpus`'s.
-
-    Example:
-        >>> limits = HostLimits(8, 8, None, 8, 2**35, None, 2**34, 2**33, 2**33)
-        >>> share = rank_share(limits, 4)
-        >>> share.memory_available == 2**32, share.shm_free == 2**31
-        (True, True)
-    """
-    if local_ranks <= 1:
-        return limits
-    shm = None if limits.shm_free is None else limits.shm_free // local_ranks
-    return dataclasses.replace(
-        limits, memory_available=limits.memory_available // local_ranks, shm_free=shm
-    )
-
-
-@dataclass(frozen=True)
-class _Setup:
-    """What a call settles before measuring: the device, the limits, the search's bounds."""
-
-    device: torch.device
-    limits: HostLimits
-    share: HostLimits  # the memory and /dev/shm this rank's loader may use
-    local_ranks: int
-    cpus: int
-    max_workers: int
-    start_method: str
-    pin_options: tuple[bool, ...]
-    budget_s: float
-    batch_size: int
-
-    def report_fields(self) -> dict[str, Any]:
-        """The :class:`TuningReport` fields known before anything is measured."""
-        return {
-            "budget_s": self.budget_s,
-            "limits": self.limits,
-            "cpus": self.cpus,
-            "max_workers": self.max_workers,
-            "device": str(self.device),
-            "batch_size": self.batch_size,
-        }
-
-
-def _set_up(
-    batch_size: int,
-    device: str | torch.device | None,
-    max_workers: int | None,
-    budget_s: float,
-    loader_kwargs: Mapping[str, Any],
-) -> _Setup:
-    dev = resolve_device(device)
-    limits = host_limits()
-    ranks = local_world_size()
-    cpus = usable_cpus(ranks, limits=limits)
-    user_pin = loader_kwargs.get("pin_memory")
-    if user_pin is not None:
-        pin_options: tuple[bool, ...] = (bool(user_pin),)
-    else:
-        pin_options = (True, False) if dev.type == "cuda" else (False,)
-    return _Setup(
-        device=dev,
-        limits=limits,
-        share=rank_share(limits, ranks),
-        local_ranks=ranks,
-        cpus=cpus,
-        max_workers=default_max_workers(cpus) if max_workers is None else max_workers,
-        start_method=start_method(loader_kwargs),
-        pin_options=pin_options,
-        budget_s=float(budget_s),
-        batch_size=batch_size,
-    )
+# main_rss: imported from here by trainperf.loader._autotune.
+__all__ = ["main_rss", "tune_loader"]
 
 
 @dataclass(frozen=True)
@@ -139,159 +65,6 @@ class _Call:
     progress: bool
     setup: _Setup
     started: float
-
-
-@dataclass(frozen=True)
-class _Measurer:
-    """The search's ``measure``: one candidate timed on the caller's dataset and arguments,
-    within the call's deadline, and shown on the progress bar."""
-
-    dataset: Any
-    batch_size: int
-    loader_kwargs: dict[str, Any]  # without pin_memory and persistent_workers: tuned here
-    setup: _Setup
-    deadline: float
-    bar: ProgressBar
-    user_timeout: float
-    worker_cpus: int
-    batch_s: float = 1.0  # seconds per batch in the main process, known after the baseline
-
-    def __call__(self, n: int, pf: int | None, pin: bool) -> CandidateResult:
-        setup = self.setup
-        self.bar.update(f"measuring workers={n} prefetch={pf or '-'}", force=True)
-        r = measure(
-            self.dataset,
-            self.batch_size,
-            self.loader_kwargs,
-            num_workers=n,
-            prefetch_factor=pf,
-            pin_memory=pin,
-            deadline=self.deadline,
-            hang_timeout_s=hang_timeout(
-                n,
-                user_timeout=self.user_timeout,
-                start_method=setup.start_method,
-                batch_s=self.batch_s,
-                worker_cpus=self.worker_cpus,
-            ),
-            device=setup.device if setup.device.type == "cuda" else None,
-            shm_free=setup.share.shm_free,
-            memory_available=setup.share.memory_available,
-            on_tick=self.bar.update,
-        )
-        done = "-" if r.samples_per_s is None else f"{r.samples_per_s:,.0f}/s"
-        self.bar.update(f"workers={n} prefetch={pf or '-'}: {done}", force=True)
-        return r
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    """What the search starts from."""
-
-    baseline: CandidateResult
-    shares: Shares
-    search: Search
-
-
-def _measure_baseline(measurer: _Measurer) -> CandidateResult:
-    try:
-        return measurer(0, None, measurer.setup.pin_options[0])
-    except ValueError:
-        raise
-    except Exception as e:
-        raise RuntimeError(
-            f"the dataset fails in the main process (num_workers=0), so there is nothing "
-            f"to tune: {e!r}"
-        ) from e
-
-
-def _prepare(
-    dataset: Any,
-    loader_kwargs: Mapping[str, Any],
-    step_fn: Callable[[Any], Any] | None,
-    setup: _Setup,
-    deadline: float,
-    bar: ProgressBar,
-) -> _Prepared:
-    """Measure ``num_workers=0`` and ``step_fn``, and set up the search from them."""
-    measurer = _Measurer(
-        dataset,
-        setup.batch_size,
-        # The four settings a candidate sets itself; the caller's are one candidate.
-        {k: v for k, v in loader_kwargs.items() if k not in _user.GIVEN},
-        setup,
-        deadline,
-        bar,
-        user_timeout=float(loader_kwargs.get("timeout") or 0.0),
-        # Until step_fn has been measured: one core kept for the main process.
-        worker_cpus=cores_for_workers(setup.cpus, main_process_cores(setup.cpus)),
-    )
-    baseline = _measure_baseline(measurer)
-    measurer = dataclasses.replace(measurer, batch_s=_main_batch_s(baseline, setup.batch_size))
-    notes: list[str] = []
-    cap, tail = _iterable.tail_batches(dataset, loader_kwargs)
-    if tail is not None and (cap is not None or setup.max_workers > 0):
-        notes.append(tail)
-    if setup.local_ranks > 1:
-        notes.append(
-            f"memory and /dev/shm: this rank's share, 1/{setup.local_ranks} of what the host "
-            f"has free ({setup.local_ranks} training processes on this host each start "
-            f"their own workers)"
-        )
-    shares = split_cores(
-        dataset,
-        setup.batch_size,
-        loader_kwargs,
-        step_fn,
-        device=setup.device,
-        cpus=setup.cpus,
-        baseline=baseline,
-        batch_s=measurer.batch_s,
-        deadline=deadline,
-        notes=notes,
-    )
-    refused = _iterable.sharding_refusal(
-        dataset,
-        loader_kwargs,
-        max_workers=setup.max_workers,
-        pin=setup.pin_options[0],
-        deadline=deadline,
-        notes=notes,
-    )
-    search = Search(
-        measure=dataclasses.replace(measurer, worker_cpus=shares.worker_cpus),
-        out_of_time=lambda: time.perf_counter() >= deadline - 0.05,
-        worker_cpus=shares.worker_cpus,
-        main_cores=shares.main_cores,
-        max_workers=setup.max_workers,
-        memory_available=setup.share.memory_available,
-        shm_free=setup.share.shm_free,
-        start_method=setup.start_method,
-        pin_options=setup.pin_options,
-        step_samples_per_s=shares.step_samples_per_s,
-        main_rss=main_rss(),
-        user=user_config(loader_kwargs),
-        # One worker's memory is measured before a pool of several is started.
-        probe_first=True,
-        refused=refused,
-        notes=notes,
-    )
-    return _Prepared(baseline, shares, search)
-
-
-def main_rss() -> int:
-    """This process's resident memory: what a forked worker is assumed to copy at worst,
-    until one worker has been measured."""
-    return int(psutil.Process().memory_info().rss)
-
-
-def _main_batch_s(baseline: CandidateResult, batch_size: int) -> float:
-    """Seconds one batch takes in the main process: the steady rate's, or the first batch's
-    when that is all there is (1 s when nothing is known)."""
-    rate = baseline.samples_per_s
-    if rate:
-        return batch_size / rate
-    return baseline.startup_s or 1.0
 
 
 def _finish(
@@ -373,71 +146,6 @@ def _tune_here(call: _Call, key: str | None) -> TuningReport:
         return report
     # Added after _finish stored the entry: the note is about this call, not the next hit.
     return dataclasses.replace(report, notes=(misfit, *report.notes))
-
-
-STALE_FACTOR = 3.0
-"""A cached choice is tuned again when the main process now loads this many times faster or
-slower than when it was measured (a heavier transform, augmentation switched on: the key
-sees the dataset's class and size, not its settings)."""
-
-
-def _changed_since(call: _Call, cached_rate: float | None) -> str | None:
-    """Why a cache hit of a map-style dataset no longer describes it, or None: the main
-    process's samples/s on a few batches now (the fastest of up to three after the first, which
-    carries the start-up the entry's steady-state rate leaves out) against the rate the
-    entry measured."""
-    if not cached_rate or _iterable.is_iterable(call.dataset):
-        return None  # a stream pays its start-up (a shuffle buffer, a connection) first
-    now = _main_process_rate(call.dataset, call.setup.batch_size, call.loader_kwargs)
-    if now is None or 1 / STALE_FACTOR <= now / cached_rate <= STALE_FACTOR:
-        return None
-    return (
-        f"the cached settings were not used (the main process now loads "
-        f"{now:,.0f} samples/s, {cached_rate:,.0f} when they were tuned): tuned again"
-    )
-
-
-def _main_process_rate(
-    dataset: Any, batch_size: int, loader_kwargs: dict[str, Any]
-) -> float | None:
-    """Samples/s of the fastest of up to three batches loaded in this process after the
-    first (timed for at most a second), None when none could be timed (a loader of one
-    batch; an error is left to the tuning that follows)."""
-    kwargs = {k: v for k, v in _for_measuring(dataset, loader_kwargs).items() if k in _PLAIN}
-    best = None
-    try:
-        it = iter(DataLoader(dataset, batch_size=batch_size, num_workers=0, **kwargs))
-        next(it)  # start-up: a shuffle buffer, a connection, the first file's cold read
-        end = time.perf_counter() + 1.0
-        for _ in range(3):
-            t = time.perf_counter()
-            batch = next(it)
-            rate = samples_in(batch, batch_size) / max(time.perf_counter() - t, 1e-9)
-            best = rate if best is None else max(best, rate)
-            if time.perf_counter() > end:
-                break
-    except Exception:
-        return best
-    return best
-
-
-_PLAIN = ("shuffle", "sampler", "collate_fn", "drop_last", "generator")
-"""The caller's DataLoader arguments a main-process read keeps (no worker settings)."""
-
-
-def _for_measuring(dataset: Any, loader_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The caller's arguments with a copy of their ``sampler``, which the measurements
-    iterate again and again: one that keeps state across ``iter()`` calls (an epoch counter
-    that reshuffles, its own generator) starts the first real epoch where the plain
-    DataLoader would. The copy shares the dataset (not copied)."""
-    sampler = loader_kwargs.get("sampler")
-    if sampler is None or isinstance(sampler, (range, list, tuple)):
-        return loader_kwargs
-    try:
-        copied = copy.deepcopy(sampler, memo={id(dataset): dataset})
-    except Exception:  # a sampler that cannot be copied is measured as it is
-        return loader_kwargs
-    return {**loader_kwargs, "sampler": copied}
 
 
 def _tuned(call: _Call) -> TuningReport:

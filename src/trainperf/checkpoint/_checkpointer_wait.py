@@ -1,0 +1,72 @@
+"""Waiting for a :class:`~trainperf.checkpoint.Checkpointer`'s background write: before the
+next save, ``wait`` or ``restore`` (:func:`settle`: its failure raised, its notes passed on),
+telling hang detection the rank is busy with its own checkpoint meanwhile (:func:`_finish`),
+and at process exit, for every write still running whether or not its Checkpointer is gone
+(:func:`_wait_at_exit`, registered on import).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import sys
+import threading
+from typing import TYPE_CHECKING
+
+from trainperf.checkpoint._checkpointer_warn import warn_notes
+from trainperf.checkpoint._files import saving
+from trainperf.checkpoint._writer import SaveHandle, pending_handles, unreported_failures
+
+if TYPE_CHECKING:
+    from trainperf.checkpoint._checkpointer import Checkpointer
+
+__all__ = ["settle"]
+
+
+def settle(ckpt: Checkpointer) -> None:
+    """Wait for the write in flight; raise its failure; pass its notes on."""
+    pending, ckpt._pending = ckpt._pending, None
+    if pending is None:
+        return
+    _finish(pending)
+    warn_notes(pending.notes)
+    pending.raise_failure()
+    # Written again: a damaged file of that step was replaced (a forked writer's own
+    # discard in _after stays in its copy of this object).
+    ckpt._damaged.discard(pending.step)
+
+
+def _finish(pending: SaveHandle) -> None:
+    """Wait for a background write, telling hang detection that this rank is waiting for
+    its own checkpoint (known slow work: the other ranks may wait in a collective, or have
+    returned, meanwhile), not hung."""
+    with saving(pending.path):
+        pending._event.wait()
+
+
+def _wait_at_exit() -> None:
+    """Finish every background write still running when the process exits (its Checkpointer
+    may be gone), then print each failed write that was never reported to stderr."""
+    for pending in pending_handles():
+        if not pending.done():
+            print(
+                f"trainperf: waiting for the background save of step {pending.step} to "
+                f"{pending.path} before exiting",
+                file=sys.stderr,
+            )
+            _finish(pending)
+    for failed in unreported_failures():
+        message, cause = failed._failure or ("unknown", None)
+        print(
+            f"trainperf: ERROR: the background save of step {failed.step} to {failed.path} "
+            f"failed: {message} ({type(cause).__name__}: {cause}); no older checkpoint was "
+            "deleted",
+            file=sys.stderr,
+        )
+
+
+atexit.register(_wait_at_exit)
+# Processes that end in os._exit (multiprocessing's fork children, fork-started ranks) skip
+# atexit but run threading's exit hooks (in multiprocessing's _bootstrap).
+with contextlib.suppress(AttributeError, RuntimeError):
+    threading._register_atexit(_wait_at_exit)  # type: ignore[attr-defined]

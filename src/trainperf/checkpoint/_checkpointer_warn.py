@@ -1,0 +1,83 @@
+"""What a :class:`~trainperf.checkpoint.Checkpointer` warns about, and the error it raises for
+a file it cannot read: a directory that already holds a later step, retired files it could
+not delete, a background writer the system refused (made a blocking save, with the limit to
+raise), and a file whose read failed (not skipped for an older one).
+"""
+
+from __future__ import annotations
+
+import errno
+import warnings
+from typing import TYPE_CHECKING
+
+from trainperf._utils.stack import user_stacklevel
+
+if TYPE_CHECKING:
+    from trainperf.checkpoint._checkpointer import Checkpointer
+
+__all__ = ["warn_if_behind", "warn_notes"]
+
+
+def warn_if_behind(ckpt: Checkpointer, step: int) -> None:
+    """Warn (once) when the directory already holds a later step than ``step``: an
+    earlier run's, or a step count that restarted. :meth:`latest` and :meth:`restore`
+    take the highest step, so a resume would continue from that one, not from this run."""
+    if ckpt._highest is None:  # the directory is read once; later saves are counted
+        ckpt._highest = max(ckpt.steps(), default=-1)
+    highest, ckpt._highest = ckpt._highest, max(ckpt._highest, step)
+    if ckpt._behind_told or step >= highest:
+        return
+    ckpt._behind_told = True
+    warnings.warn(
+        f"Checkpointer.save(step={step}): {ckpt.directory} already holds step "
+        f"{highest}, a later one (an earlier run's, or this run's step count restarted). "
+        f"latest() and restore() take the highest step, so a resume would continue from "
+        f"step {highest}, not from this run, and keep={ckpt.keep} never deletes it. "
+        "Start a new run in a new directory, remove the later files, or continue that "
+        "run: step = ckpt.restore(state) before the loop",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
+def warn_notes(notes: list[str]) -> None:
+    for note in notes:
+        warnings.warn(
+            f"Checkpointer: could not delete the retired checkpoint {note}",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+
+# Why the system refuses a new process or pipe, and what lifts the limit.
+_NO_WRITER_FIXES = {
+    errno.EAGAIN: "the limit on processes or threads is reached (ulimit -u, a container's "
+    "pids.max)",
+    errno.ENOMEM: "the kernel would not commit memory for the fork (vm.overcommit_memory=2, "
+    "a tight memory limit)",
+    errno.EMFILE: "too many files are open in this process (ulimit -n)",
+    errno.ENFILE: "the system's open-file table is full (fs.file-max)",
+}
+
+
+def _warn_no_writer(step: int, kind: str, e: OSError) -> None:
+    """Warn that a background save could not start its writer and is made blocking."""
+    why = _NO_WRITER_FIXES.get(e.errno or 0, "see the error")
+    warnings.warn(
+        f"Checkpointer.save(step={step}, blocking=False): the system refused the {kind} "
+        f"writer ({type(e).__name__}: {e.strerror or e}; {why}): saving synchronously "
+        "instead. Raise that limit to get background saves back",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
+def _stops_at(method: str, step: int, e: OSError) -> OSError:
+    """The error ``Checkpointer.<method>`` raises when step ``step``'s file could not be read
+    (EIO, EACCES, EMFILE), not found damaged: an older file would silently lose the steps
+    since, and the next saves would bury this one. Same errno, so the same subclass."""
+    return OSError(
+        e.errno,
+        f"Checkpointer.{method} stops at step {step} rather than fall back to an older "
+        f"checkpoint: {e.strerror or e}",
+    )

@@ -1,0 +1,253 @@
+"""The worker pools of an :class:`~trainperf.loader.AdaptiveDataLoader`: a change applied
+(:func:`apply_change`: the old pool shut down, the new setting recorded), the epoch
+resumed on the new pool where the old one left it (:func:`resume`), the bound a pool it
+started gets for its first batch (:func:`arm`, :func:`hang_bound`) and what happens when
+none comes (:func:`pool_hung`), and the draw of a new pool's worker seeds from a private
+generator, so that the sampler's sequence is the fixed loader's (:func:`no_extra_draw`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainperf._utils.lifetime import DieWithParent
+from trainperf._utils.stack import user_stacklevel
+from trainperf.limits import HostLimits, host_limits, local_world_size
+from trainperf.loader._adapt_change import TuningChange
+from trainperf.loader._adapt_rules import Change, EpochFigures, Reason
+from trainperf.loader._faults import (
+    WorkerProcesses,
+    child_signals_held,
+    close_iterator,
+    hang_timeout,
+    start_method,
+)
+from trainperf.loader._tune_setup import rank_share
+
+if TYPE_CHECKING:
+    from trainperf.loader._adapt import AdaptiveDataLoader
+    from trainperf.loader._adapt_timed import _TimedIter
+
+__all__ = [
+    "apply_change",
+    "arm",
+    "fit_timeout",
+    "hang_bound",
+    "no_extra_draw",
+    "pool_hung",
+    "resume",
+    "shut_down_own",
+    "shut_down_pool",
+]
+
+logger = logging.getLogger("trainperf.loader")
+
+_SEED_OFFSET = 0x9E3779B97F4A7C15  # sets the private seed stream apart from the real one
+_HANG: Reason = "hang"  # a pool it started gave no first batch in time (not a rule's)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Trial:
+    """A worker pool the loader started itself, on trial until its first batch arrives:
+    ``previous`` is the setting to go back to, ``timeout_s`` the wait it is given."""
+
+    previous: tuple[int, int | None]
+    timeout_s: float
+
+
+def _rank_limits() -> HostLimits:
+    """The host's limits now, with the memory and ``/dev/shm`` this rank's loader may use
+    (the one-off tuner's share: each local rank starts its own workers)."""
+    return rank_share(host_limits(), local_world_size())
+
+
+def resume(loader: AdaptiveDataLoader, timed: _TimedIter) -> Any:
+    """A new iterator that goes on with ``timed``'s epoch after the batches it yielded;
+    without a plan (``epoch_boundaries_only``: pools start only as an epoch does), one
+    that starts the epoch again from the sampler."""
+    plan = timed.plan
+    if plan is not None:
+        plan.resume_at(timed.yielded)
+    try:
+        # The fixed loader starts no second iterator in an epoch: no draw from the
+        # generator.
+        return loader._start(scratch=True)
+    finally:
+        if plan is not None:
+            plan.resumed()
+
+
+def arm(loader: AdaptiveDataLoader, it: Any) -> _Trial | None:
+    """Give the pool just started (``it``) the bound of its trial, if it is on one: the
+    DataLoader's own wait for a batch (the iterator's copy of ``timeout``), until the
+    first batch arrives (``_TimedIter.__next__``)."""
+    trial, loader._trial = loader._trial, None
+    if trial is not None:
+        it._timeout = trial.timeout_s
+    return trial
+
+
+def apply_change(
+    loader: AdaptiveDataLoader, change: Change, f: EpochFigures, *, epoch: int, epoch_batch: int
+) -> None:
+    old = (loader.num_workers, loader.prefetch_factor if loader.num_workers else None)
+    shut_down_pool(loader)
+    loader.num_workers = change.num_workers
+    fit_timeout(loader)
+    # A pool it starts, unless a timeout of the caller's bounds the wait (and raises,
+    # as it means), gets a bound for its first batch: the tuner's for a hang.
+    loader._trial = None
+    if change.num_workers > 0 and not loader.timeout:
+        loader._trial = _Trial(old, hang_bound(loader, change.num_workers, f))
+    if change.num_workers > 0:
+        loader.prefetch_factor = change.prefetch_factor or 2
+        if loader._keep_workers and not loader.persistent_workers:
+            # DataLoader refuses this once built, to protect the pool it caches; this
+            # loader shuts that pool down itself before any change.
+            object.__setattr__(loader, "persistent_workers", True)
+        if loader.multiprocessing_context is None and loader._context_kept is not None:
+            loader.multiprocessing_context = loader._context_kept
+        if not isinstance(loader.worker_init_fn, DieWithParent):
+            loader.worker_init_fn = DieWithParent(loader.worker_init_fn)
+    record = TuningChange(
+        epoch=epoch,
+        time=time.time(),
+        old=old,
+        new=(change.num_workers, change.prefetch_factor if change.num_workers else None),
+        reason=change.reason,
+        why=change.why,
+        figures=f,
+        batch=loader._yielded,
+        epoch_batch=epoch_batch,
+    )
+    loader.tuning_history.append(record)
+    logger.info("loader retuned: %s", record)
+
+
+def hang_bound(loader: AdaptiveDataLoader, n: int, f: EpochFigures) -> float:
+    """Seconds without a first batch from ``n`` new workers that count as a hang: the
+    one-off tuner's rule (:func:`~trainperf.loader._faults.hang_timeout`), from one
+    batch's cost in a single process (the loop's time per batch in ``f`` times the
+    workers that shared it), and at least three times the start-up ``f`` saw."""
+    per_batch = (f.wait_s + f.step_s) / f.timed if f.timed else 1.0
+    bound = hang_timeout(
+        n,
+        user_timeout=0.0,
+        start_method=start_method({"multiprocessing_context": loader._worker_context}),
+        batch_s=per_batch * max(1, f.num_workers),
+        worker_cpus=max(1, f.cpus),
+    )
+    return max(bound, 3.0 * f.startup_s)
+
+
+def fit_timeout(loader: AdaptiveDataLoader) -> None:
+    """A ``timeout`` waits for workers: set aside while none run (DataLoader refuses one
+    without workers), back when they do."""
+    if loader.num_workers == 0 and loader.timeout:
+        loader._timeout_kept, loader.timeout = loader.timeout, 0
+    elif loader.num_workers > 0 and loader._timeout_kept:
+        loader.timeout, loader._timeout_kept = loader._timeout_kept, 0.0
+
+
+def pool_hung(loader: AdaptiveDataLoader, timed: _TimedIter, trial: _Trial) -> None:
+    """The pool it started gave no batch within its trial's bound (workers blocked on
+    something inherited across fork, say): stop it, go back to the setting before it,
+    resumed where the epoch was, and try no more workers than that from now on (every
+    new worker would start as those did; fewer than a count that hung, after a
+    decrease)."""
+    hung = loader.num_workers
+    timed.trial = None
+    _stop_hung(loader, timed.it)
+    back, _ = trial.previous
+    loader._max_workers = min(loader._max_workers, back if back < hung else hung - 1)
+    loader._before = None  # no increase ran to be judged
+    why = f"no batch from the {hung} workers it started within {trial.timeout_s:.1f} s"
+    change = Change(back, trial.previous[1], _HANG, why)
+    f = timed.figures(_rank_limits())
+    apply_change(loader, change, f, epoch=loader._epoch - 1, epoch_batch=timed.yielded)
+    if loader._trial is not None:  # back to workers, on trial too: then the main process
+        loader._trial = dataclasses.replace(loader._trial, previous=(0, None))
+    timed.it = resume(loader, timed)
+    timed.trial = arm(loader, timed.it)
+    timed.new_window()
+    timed.returned = None  # the wait was the hang's, not a step
+    text = _hang_warning(type(loader).__name__, loader.dataset, hung, trial, loader._max_workers)
+    warnings.warn(text, RuntimeWarning, stacklevel=user_stacklevel())
+
+
+def _stop_hung(loader: AdaptiveDataLoader, it: Any) -> None:
+    """Stop a blocked pool's workers: killed first, so that no join waits on them."""
+    if loader._iterator is it:
+        loader._iterator = None
+    with child_signals_held():  # torch's handler would raise for the killed workers
+        close_iterator(it, WorkerProcesses(), kill_first=True)
+
+
+def shut_down_own(loader: AdaptiveDataLoader, timed: _TimedIter) -> None:
+    """Stop the workers of an epoch's own pool (not the loader's persistent one)."""
+    if timed.it is not loader._iterator:
+        _shut_down(timed.it)
+
+
+def shut_down_pool(loader: AdaptiveDataLoader) -> None:
+    """Stop a persistent pool's workers now, so a new one never runs beside them."""
+    it = loader._iterator
+    if it is None:
+        return
+    loader._iterator = None
+    _shut_down(it)
+
+
+@contextlib.contextmanager
+def no_extra_draw(loader: AdaptiveDataLoader) -> Iterator[None]:
+    """A new iterator draws its workers' base seed from ``generator`` (or torch's
+    global generator) as it starts; the sampler holds its own reference, so the draw is
+    made from this loader's private generator instead and the sampler's sequence is
+    untouched. Each pool draws anew: no two replay the same worker random streams."""
+    real = loader.generator
+    if loader._seeds is None:
+        # Seeded once, from the real generator's seed or torch's (which follows
+        # torch.manual_seed, per rank where each rank seeds its own), offset so that
+        # its first draw is not the plain loader's first pool's.
+        seed = torch.initial_seed() if real is None else real.initial_seed()
+        loader._seeds = torch.Generator().manual_seed((seed + _SEED_OFFSET) % 2**64)
+    loader.generator = loader._seeds
+    try:
+        yield
+    finally:
+        loader.generator = real
+
+
+def _hang_warning(name: str, dataset: Any, hung: int, trial: _Trial, most: int) -> str:
+    """What a loader whose new pool of ``hung`` workers gave no batch says, and the fix.
+
+    Example:
+        >>> print(_hang_warning("AdaptiveDataLoader", range(4), 8, _Trial((0, None), 10.0), 0))
+        ... # doctest: +ELLIPSIS
+        AdaptiveDataLoader started 8 workers and got no batch from them within 10.0 s: ...
+    """
+    back = trial.previous[0]
+    return (
+        f"{name} started {hung} workers and got no batch from them within "
+        f"{trial.timeout_s:.1f} s: {type(dataset).__name__} blocks in worker processes (a "
+        "lock, thread pool or open handle inherited across fork, say). It stopped them, went "
+        f"back to num_workers={back} where the epoch was (no sample lost or repeated), and "
+        f"uses at most {most} workers from now on. Fix: make the dataset safe in worker "
+        "processes (open files and connections lazily, in __getitem__ or worker_init_fn), or "
+        "load in the main process (num_workers=0 with adapt=False, or max_workers=0); if its "
+        "workers only start slowly, a timeout= of yours longer than that replaces this bound"
+    )
+
+
+def _shut_down(it: Any) -> None:
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()

@@ -1,0 +1,196 @@
+"""What the search of ``tune_loader`` starts from: ``num_workers=0`` and ``step_fn``
+measured (:func:`_prepare`), and the :class:`~trainperf.loader._search.Search` set up from
+them, whose ``measure`` times one candidate on the caller's dataset within the call's
+deadline (:class:`_Measurer`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from trainperf.loader import _iterable, _user
+from trainperf.loader._faults import hang_timeout
+from trainperf.loader._measure import measure
+from trainperf.loader._progress import ProgressBar
+from trainperf.loader._report import CandidateResult
+from trainperf.loader._search import Search
+from trainperf.loader._step import Shares, cores_for_workers, main_process_cores, split_cores
+from trainperf.loader._tune_setup import _Setup
+from trainperf.loader._user import user_config
+
+__all__ = ["main_rss"]
+
+
+@dataclass(frozen=True)
+class _Measurer:
+    """The search's ``measure``: one candidate timed on the caller's dataset and arguments,
+    within the call's deadline, and shown on the progress bar."""
+
+    dataset: Any
+    batch_size: int
+    loader_kwargs: dict[str, Any]  # without pin_memory and persistent_workers: tuned here
+    setup: _Setup
+    deadline: float
+    bar: ProgressBar
+    user_timeout: float
+    worker_cpus: int
+    batch_s: float = 1.0  # seconds per batch in the main process, known after the baseline
+
+    def __call__(self, n: int, pf: int | None, pin: bool) -> CandidateResult:
+        setup = self.setup
+        self.bar.update(f"measuring workers={n} prefetch={pf or '-'}", force=True)
+        r = measure(
+            self.dataset,
+            self.batch_size,
+            self.loader_kwargs,
+            num_workers=n,
+            prefetch_factor=pf,
+            pin_memory=pin,
+            deadline=self.deadline,
+            hang_timeout_s=hang_timeout(
+                n,
+                user_timeout=self.user_timeout,
+                start_method=setup.start_method,
+                batch_s=self.batch_s,
+                worker_cpus=self.worker_cpus,
+            ),
+            device=setup.device if setup.device.type == "cuda" else None,
+            shm_free=setup.share.shm_free,
+            memory_available=setup.share.memory_available,
+            on_tick=self.bar.update,
+        )
+        done = "-" if r.samples_per_s is None else f"{r.samples_per_s:,.0f}/s"
+        self.bar.update(f"workers={n} prefetch={pf or '-'}: {done}", force=True)
+        return r
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What the search starts from."""
+
+    baseline: CandidateResult
+    shares: Shares
+    search: Search
+
+
+def _measure_baseline(measurer: _Measurer) -> CandidateResult:
+    try:
+        return measurer(0, None, measurer.setup.pin_options[0])
+    except ValueError:
+        raise
+    except Exception as e:
+        raise RuntimeError(
+            f"the dataset fails in the main process (num_workers=0), so there is nothing "
+            f"to tune: {e!r}"
+        ) from e
+
+
+def _prepare(
+    dataset: Any,
+    loader_kwargs: Mapping[str, Any],
+    step_fn: Callable[[Any], Any] | None,
+    setup: _Setup,
+    deadline: float,
+    bar: ProgressBar,
+) -> _Prepared:
+    """Measure ``num_workers=0`` and ``step_fn``, and set up the search from them."""
+    measurer = _Measurer(
+        dataset,
+        setup.batch_size,
+        # The four settings a candidate sets itself; the caller's are one candidate.
+        {k: v for k, v in loader_kwargs.items() if k not in _user.GIVEN},
+        setup,
+        deadline,
+        bar,
+        user_timeout=float(loader_kwargs.get("timeout") or 0.0),
+        # Until step_fn has been measured: one core kept for the main process.
+        worker_cpus=cores_for_workers(setup.cpus, main_process_cores(setup.cpus)),
+    )
+    baseline = _measure_baseline(measurer)
+    measurer = dataclasses.replace(measurer, batch_s=_main_batch_s(baseline, setup.batch_size))
+    notes: list[str] = []
+    cap, tail = _iterable.tail_batches(dataset, loader_kwargs)
+    if tail is not None and (cap is not None or setup.max_workers > 0):
+        notes.append(tail)
+    if setup.local_ranks > 1:
+        notes.append(
+            f"memory and /dev/shm: this rank's share, 1/{setup.local_ranks} of what the host "
+            f"has free ({setup.local_ranks} training processes on this host each start "
+            f"their own workers)"
+        )
+    shares = split_cores(
+        dataset,
+        setup.batch_size,
+        loader_kwargs,
+        step_fn,
+        device=setup.device,
+        cpus=setup.cpus,
+        baseline=baseline,
+        batch_s=measurer.batch_s,
+        deadline=deadline,
+        notes=notes,
+    )
+    refused = _iterable.sharding_refusal(
+        dataset,
+        loader_kwargs,
+        max_workers=setup.max_workers,
+        pin=setup.pin_options[0],
+        deadline=deadline,
+        notes=notes,
+    )
+    search = Search(
+        measure=dataclasses.replace(measurer, worker_cpus=shares.worker_cpus),
+        out_of_time=lambda: time.perf_counter() >= deadline - 0.05,
+        worker_cpus=shares.worker_cpus,
+        main_cores=shares.main_cores,
+        max_workers=setup.max_workers,
+        memory_available=setup.share.memory_available,
+        shm_free=setup.share.shm_free,
+        start_method=setup.start_method,
+        pin_options=setup.pin_options,
+        step_samples_per_s=shares.step_samples_per_s,
+        main_rss=main_rss(),
+        user=user_config(loader_kwargs),
+        # One worker's memory is measured before a pool of several is started.
+        probe_first=True,
+        refused=refused,
+        notes=notes,
+    )
+    return _Prepared(baseline, shares, search)
+
+
+def main_rss() -> int:
+    """This process's resident memory: what a forked worker is assumed to copy at worst,
+    until one worker has been measured."""
+    return int(psutil.Process().memory_info().rss)
+
+
+def _main_batch_s(baseline: CandidateResult, batch_size: int) -> float:
+    """Seconds one batch takes in the main process: the steady rate's, or the first batch's
+    when that is all there is (1 s when nothing is known)."""
+    rate = baseline.samples_per_s
+    if rate:
+        return batch_size / rate
+    return baseline.startup_s or 1.0
+
+
+def _for_measuring(dataset: Any, loader_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The caller's arguments with a copy of their ``sampler``, which the measurements
+    iterate again and again: one that keeps state across ``iter()`` calls (an epoch counter
+    that reshuffles, its own generator) starts the first real epoch where the plain
+    DataLoader would. The copy shares the dataset (not copied)."""
+    sampler = loader_kwargs.get("sampler")
+    if sampler is None or isinstance(sampler, (range, list, tuple)):
+        return loader_kwargs
+    try:
+        copied = copy.deepcopy(sampler, memo={id(dataset): dataset})
+    except Exception:  # a sampler that cannot be copied is measured as it is
+        return loader_kwargs
+    return {**loader_kwargs, "sampler": copied}
