@@ -80,12 +80,12 @@ if __name__ == "__main__":
     if mode == "all_reduce":
         print("result", ddp.launch(all_reduce_main, out, nprocs=2, backend="gloo"), flush=True)
     elif mode == "destroys":
-        print("results", ddp.launch_all(destroys_main, backend="gloo"), flush=True)
+        print(f"results {ddp.launch_all(destroys_main, backend='gloo')}\n", end="", flush=True)
     elif mode == "destroys_on_rank0":
         gathered = ddp.launch_all(
             destroys_on_rank0_main, backend="gloo", timeout=30, hang_timeout=None
         )
-        print("results", gathered, flush=True)
+        print(f"results {gathered}\n", end="", flush=True)  # one write: ranks share a pipe
     elif mode == "hang":
         ddp.launch(hang_main, out, nprocs=2, backend="gloo", start_method=sys.argv[3])
     else:
