@@ -42,3 +42,25 @@ def test_sets_are_restored_in_place_and_frozensets_replaced() -> None:
     assert state["seen"] is seen and seen == {"a", "b"}
     assert state["by"]["ids"] is ids and ids == {1, 2}
     assert state["tags"] == {"y"}
+
+
+def test_a_set_is_filled_in_place_from_any_kind_of_set() -> None:
+    import collections.abc
+
+    class Frozen(collections.abc.Set):  # set.__ior__ returns NotImplemented for it
+        def __init__(self, items: set[int]) -> None:
+            self.items = items
+
+        def __contains__(self, x: object) -> bool:
+            return x in self.items
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(self.items)
+
+        def __len__(self) -> int:
+            return len(self.items)
+
+    live = {1, 2}
+    state = {"seen": live}
+    restore_into(state, _saved(seen=Frozen({3, 4})), None, "c.pt", 1)
+    assert state["seen"] is live and live == {3, 4}

@@ -313,7 +313,8 @@ def _restore_value(live: Any, saved: Any, where: str, place: str, loaded: list[s
         return _into_array(live, saved)
     if isinstance(live, MutableSet) and isinstance(saved, AbstractSet):
         live.clear()
-        live |= saved
+        for item in saved:  # not |=: a set's |= refuses other Sets and rebinds the name
+            live.add(item)
         return _KEEP
     if isinstance(live, collections.deque) and isinstance(saved, collections.deque):
         return _into_deque(live, saved)
