@@ -183,15 +183,6 @@ def _one_device(device: str | None) -> str:
     return str(resolve_device(device))
 
 
-def _out_of_memory(e: BaseException) -> bool:
-    """A CUDA out-of-memory error, or the CPU allocator's refusal."""
-    import torch
-
-    if isinstance(e, torch.OutOfMemoryError):
-        return True
-    return isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
-
-
 _OOM = "out of memory"
 
 
@@ -210,10 +201,11 @@ def _skipped(bench: str, setting: str, e: Exception, smaller: str) -> Any:
     error, which the caller raises again."""
     import torch
 
+    from trainperf._utils.oom import oom_kind
     from trainperf.bench import Skipped
     from trainperf.errors import DeviceError
 
-    if _out_of_memory(e):
+    if oom_kind(e) is not None:
         # The traceback's frames hold the failed setting's tensors: free them first.
         traceback.clear_frames(e.__traceback__)
         e.__traceback__ = None

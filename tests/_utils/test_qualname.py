@@ -65,6 +65,24 @@ def test_a_step_object_s_name_changes_with_its_call_method() -> None:
     assert qualname({}) == "builtins.dict"  # not callable: the type's name alone
 
 
+def test_a_module_used_as_the_step_counts_by_its_forward() -> None:
+    # Before: its class's __call__ is torch's Module.__call__, the same for every module,
+    # so editing forward kept the old cached batch size.
+    source = (
+        "import torch\n"
+        "class Step(torch.nn.Module):\n"
+        "    def forward(self, batch):\n"
+        "        return batch{}\n"
+    )
+    first, edited, same = ({"__name__": "train"} for _ in range(3))
+    exec(source.format(" + 1"), first)
+    exec(source.format(" * 2"), edited)
+    exec(source.format(" + 1"), same)
+    assert qualname(first["Step"]()) != qualname(edited["Step"]())
+    assert qualname(first["Step"]()) == qualname(same["Step"]())
+    assert qualname(first["Step"]()).startswith("train.Step#")
+
+
 def test_nested_functions_count_in_their_outer_function_s_digest() -> None:
     def outer_a() -> object:
         return lambda: 1

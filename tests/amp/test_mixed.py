@@ -159,6 +159,10 @@ def test_a_second_step_after_zero_grad_of_the_first_optimizer_says_to_pass_both(
     mp.zero_grad(opts[0])
     with pytest.raises(RuntimeError, match=r"pass them all to one call, mp\.step\(opt_a, opt_b\)"):
         mp.step(opts[1])
+    # Both together: the second still has that backward's gradients (before: blamed
+    # loss.backward(), because the first was zeroed).
+    with pytest.raises(RuntimeError, match=r"pass them all to one call, mp\.step\(opt_a, opt_b\)"):
+        mp.step(*opts)
     mp.zero_grad()  # every prepared model: the backward and its step are forgotten
     with pytest.raises(RuntimeError, match=r"call mp\.backward\(loss\) instead of loss\.backward"):
         mp.step(opts[1])

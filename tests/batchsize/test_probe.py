@@ -26,7 +26,10 @@ def test_out_of_memory_errors_are_recognised_and_others_are_not() -> None:
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried"))
     assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling"))
     assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-    assert not is_out_of_memory(MemoryError())  # Python's own: not the allocator's
+    # Before: Python's MemoryError (numpy building a batch) and "cannot allocate memory"
+    # escaped the tuner instead of marking the size oom.
+    assert is_out_of_memory(MemoryError())
+    assert is_out_of_memory(RuntimeError("[enforce fail] Cannot allocate memory"))
     assert not is_out_of_memory(ValueError("can't allocate memory"))  # only RuntimeError
 
 

@@ -316,3 +316,29 @@ def test_a_dataset_s_own_generator_draws_the_same_samples_after_tuning() -> None
 
     tune_batch_size(step, batches_from(ds), model=model, **quiet())
     assert all(torch.equal(ds[i], untouched[i]) for i in range(4))
+
+
+@pytest.mark.parametrize("passed", [False, True], ids=["found", "passed"])
+def test_a_zero_redundancy_optimizer_comes_back_passed_or_not(tmp_path: Path, passed: bool) -> None:
+    # Before: its state_dict() refuses until consolidate_state_dict() ran on every rank,
+    # so model= alone, with one alive over the model, made tuning fail.
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    try:
+        model = nn.Linear(8, 1)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam)
+
+        def step(batch: Any) -> None:
+            x, y = batch
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+        step(sample(4))
+        before = state_of(model, opt.optim)
+        tune_batch_size(step, sample, model=model, optimizer=opt if passed else None, **quiet())
+        assert same_state(before, state_of(model, opt.optim))
+    finally:
+        dist.destroy_process_group()

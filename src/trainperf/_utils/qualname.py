@@ -40,12 +40,24 @@ def qualname(obj: Any) -> str:
     name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
     code = getattr(target, "__code__", None)
     if code is None and target is type(obj) and callable(obj):  # a step object's __call__
-        code = getattr(target.__call__, "__code__", None)
+        code = getattr(_body(target), "__code__", None)
     if code is not None and ("<lambda>" in name or "<locals>" in name):
         name += f"@{code.co_filename}:{code.co_firstlineno}"
     if isinstance(code, types.CodeType):
         name += f"#{code_digest(code)}"
     return name
+
+
+def _body(cls: type) -> Any:
+    """The method a call of an instance of ``cls`` runs the caller's code in: its
+    ``__call__``, or an ``nn.Module``'s ``forward`` (``Module.__call__`` is torch's own,
+    the same for every module)."""
+    call = cls.__call__
+    if getattr(call, "__module__", "").startswith("torch.") and callable(
+        getattr(cls, "forward", None)
+    ):
+        return cls.forward  # type: ignore[attr-defined]
+    return call
 
 
 def code_digest(code: types.CodeType) -> str:

@@ -442,7 +442,7 @@ class MixedPrecision:
         if (
             self._stepped
             and not self._backward_pending
-            and self._zeroed.isdisjoint(map(id, optimizers))
+            and not self._zeroed.issuperset(map(id, optimizers))
         ):
             raise RuntimeError(
                 "MixedPrecision.step() was already called since the last mp.backward(loss): "

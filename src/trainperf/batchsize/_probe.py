@@ -54,6 +54,7 @@ from torch.optim import Optimizer
 
 from trainperf._utils.batches import batch_bytes
 from trainperf._utils.format import format_bytes
+from trainperf._utils.oom import oom_kind
 from trainperf._utils.windows import WindowPolicy, WindowTiming, settled
 from trainperf.batchsize._accumulation import OptimizerClock, accumulated_seconds
 from trainperf.batchsize._agree import Agreement
@@ -77,15 +78,6 @@ __all__ = [
 
 # Out-of-memory errors torch raises as plain RuntimeErrors: the CPU allocator's, MPS's in
 # older torch, and cuBLAS/cuDNN failing to allocate their workspaces on a full GPU.
-_OOM_TEXTS = (
-    "can't allocate memory",
-    "not enough memory",
-    "MPS backend out of memory",
-    "CUBLAS_STATUS_ALLOC_FAILED",
-    "CUDNN_STATUS_ALLOC_FAILED",
-)
-
-
 _ONE_PER_CHANNEL = "Expected more than 1 value per channel when training"
 """BatchNorm's error for a training batch of one sample."""
 
@@ -128,9 +120,7 @@ def is_out_of_memory(e: BaseException) -> bool:
         >>> is_out_of_memory(RuntimeError("shape mismatch"))
         False
     """
-    if isinstance(e, torch.cuda.OutOfMemoryError):  # torch.OutOfMemoryError since 2.5
-        return True
-    return isinstance(e, RuntimeError) and any(s in str(e) for s in _OOM_TEXTS)
+    return oom_kind(e) is not None
 
 
 def warmed_up(times: Sequence[float], policy: ProbePolicy = DEFAULT_PROBE) -> bool:

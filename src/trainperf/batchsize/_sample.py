@@ -179,8 +179,10 @@ def _per_sample(obj: Any, depth: int) -> bool:
 def _alike_arrays(items: list[Any]) -> bool:
     """Tensors (or arrays) with a dimension, all of one dtype and number of dimensions: the
     samples of one input. A batch's fields (``x`` of floats, ``y`` of class indices) rarely
-    agree in both; where they do (two views ``[a, b]``) either reading is accepted, since
-    each field's leading size is checked too."""
+    agree in both; where they do (two views ``[a, b]``, ``[x, y]`` of floats) one call
+    cannot tell them apart, and either reading is accepted. A sampler that returns the
+    wrong number of samples is then still refused at every size but the number of fields,
+    and the tuner tries several sizes."""
     first = items[0]
     if not isinstance(first, (torch.Tensor, np.ndarray)) or first.ndim == 0:
         return False

@@ -45,6 +45,7 @@ __all__ = [
     "holding_optimizers",
     "is_scheduler",
     "schedulers_held",
+    "state_holder",
     "stateful_objects",
     "with_live_mixed_precision",
 ]
@@ -210,6 +211,23 @@ def attached_schedulers(optimizers: list[Optimizer]) -> list[Any]:
         if any(opt is o for o in optimizers) and all(owner is not f for f in found):
             found.append(owner)
     return found
+
+
+def state_holder(obj: Any) -> Any:
+    """The object whose ``state_dict()`` holds ``obj``'s state in this process: a
+    ``ZeroRedundancyOptimizer``'s local optimizer (the moments of this rank's shard), since
+    its own ``state_dict()`` refuses until ``consolidate_state_dict()``, a collective, ran
+    on every rank; ``obj`` itself for anything else.
+
+    Example:
+        >>> opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        >>> state_holder(opt) is opt
+        True
+    """
+    inner = getattr(obj, "optim", None)
+    if callable(getattr(obj, "consolidate_state_dict", None)) and isinstance(inner, Optimizer):
+        return inner
+    return obj
 
 
 def _to_host(value: Any) -> Any:
@@ -428,9 +446,12 @@ class SavedState:
         objects = list(objects)
         states = []
         for obj in objects:
-            state = obj.state_dict()
+            holder = state_holder(obj)
+            if holder is not obj and any(holder is o for o in objects):
+                continue  # saved as itself
+            state = holder.state_dict()
             if len(state):
-                states.append((obj, _to_host(state), _state_layout(obj, state)))
+                states.append((holder, _to_host(state), _state_layout(holder, state)))
         params = _parameters(objects)
         grads = [
             (p, None if p.grad is None else p.grad.detach().to("cpu", copy=True)) for p in params

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from trainperf._utils.format import format_bytes
+from trainperf._utils.oom import oom_kind
 from trainperf.checkpoint._allow import (
     allow_data_only,
     allow_line,
@@ -351,18 +352,10 @@ def weights_only_refusal(value: Any) -> str | None:
 
 
 # What torch's CPU allocator (POSIX, Windows) and the OS say when host memory runs out.
-_NO_MEMORY = ("can't allocate memory", "not enough memory", "cannot allocate memory")
-# What a GPU's allocator says (torch raises OutOfMemoryError for CUDA; older builds, MPS
-# and code that re-raises it give a plain RuntimeError with the same text).
-_NO_DEVICE_MEMORY = ("cuda out of memory", "hip out of memory", "mps backend out of memory")
-
-
 def out_of_memory(e: BaseException) -> bool:
     """Host memory ran out: a ``MemoryError``, or torch's allocator failing (a RuntimeError,
     which would otherwise read as a damaged file)."""
-    if isinstance(e, MemoryError):
-        return True
-    return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in _NO_MEMORY)
+    return oom_kind(e) == "host"
 
 
 def device_out_of_memory(e: BaseException) -> bool:
@@ -375,9 +368,7 @@ def device_out_of_memory(e: BaseException) -> bool:
         >>> device_out_of_memory(RuntimeError("PytorchStreamReader failed reading zip archive"))
         False
     """
-    if isinstance(e, torch.cuda.OutOfMemoryError):  # torch.OutOfMemoryError since 2.5
-        return True
-    return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in _NO_DEVICE_MEMORY)
+    return oom_kind(e) == "device"
 
 
 def _file_size(path: Path) -> str:
