@@ -51,36 +51,37 @@ def test_a_function_s_name_changes_with_its_body() -> None:
     assert qualname(first["step"]).startswith("train.step#")
 
 
+def step_names(source: str) -> tuple[str, str, str]:
+    """The qualnames of a ``Step()`` defined by ``source`` with its body ending ``+ 1``,
+    ``* 2`` (edited) and ``+ 1`` again (the same code run anew)."""
+    names = []
+    for end in (" + 1", " * 2", " + 1"):
+        scope: dict[str, object] = {"__name__": "train"}
+        exec(source.format(end), scope)
+        names.append(qualname(scope["Step"]()))  # type: ignore[operator]
+    return names[0], names[1], names[2]
+
+
 def test_a_step_object_s_name_changes_with_its_call_method() -> None:
     # Before: an instance with __call__ counted by its class's name alone, so editing
     # __call__ kept the old cached batch size.
-    source = "class Step:\n    def __call__(self, batch):\n        return batch{}\n"
-    first, edited, same = ({"__name__": "train"} for _ in range(3))
-    exec(source.format(" + 1"), first)
-    exec(source.format(" * 2"), edited)
-    exec(source.format(" + 1"), same)
-    assert qualname(first["Step"]()) != qualname(edited["Step"]())
-    assert qualname(first["Step"]()) == qualname(same["Step"]())
-    assert qualname(first["Step"]()).startswith("train.Step#")
+    first, edited, same = step_names(
+        "class Step:\n    def __call__(self, batch):\n        return batch{}\n"
+    )
+    assert first != edited and first == same and first.startswith("train.Step#")
     assert qualname({}) == "builtins.dict"  # not callable: the type's name alone
 
 
 def test_a_module_used_as_the_step_counts_by_its_forward() -> None:
     # Before: its class's __call__ is torch's Module.__call__, the same for every module,
     # so editing forward kept the old cached batch size.
-    source = (
+    first, edited, same = step_names(
         "import torch\n"
         "class Step(torch.nn.Module):\n"
         "    def forward(self, batch):\n"
         "        return batch{}\n"
     )
-    first, edited, same = ({"__name__": "train"} for _ in range(3))
-    exec(source.format(" + 1"), first)
-    exec(source.format(" * 2"), edited)
-    exec(source.format(" + 1"), same)
-    assert qualname(first["Step"]()) != qualname(edited["Step"]())
-    assert qualname(first["Step"]()) == qualname(same["Step"]())
-    assert qualname(first["Step"]()).startswith("train.Step#")
+    assert first != edited and first == same and first.startswith("train.Step#")
 
 
 def test_nested_functions_count_in_their_outer_function_s_digest() -> None:
