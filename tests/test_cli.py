@@ -329,6 +329,13 @@ def test_a_cpu_allocation_failure_is_out_of_memory_and_other_errors_exit_1_witho
     assert document["results"][0]["reason"].startswith("out of memory (DefaultCPUAllocator")
     assert "--batch-size or --image-size" in document["results"][0]["reason"]
 
+    def python_refuses(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError  # Python's own (before: not caught, an unexpected error)
+
+    monkeypatch.setattr(trainperf.bench, "bench_model", python_refuses)
+    document = json.loads(run(capsys, "bench", "model", *TINY, "--json")[1])
+    assert document["results"][0]["reason"].startswith("out of memory (MemoryError)")
+
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 

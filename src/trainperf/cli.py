@@ -241,7 +241,7 @@ def _bench_one_model(args: argparse.Namespace, precision: str, lines: TextIO) ->
             device=args.device,
             on_iteration=on_iteration,
         )
-    except (DeviceError, RuntimeError) as e:
+    except (DeviceError, RuntimeError, MemoryError) as e:
         skipped = _skipped("model", precision, e, "--batch-size or --image-size")
         if skipped is None:
             raise
@@ -285,7 +285,7 @@ def _run_bench_matmul(args: argparse.Namespace) -> int:
                 iterations=args.iterations,
                 device=device,
             )
-        except (DeviceError, RuntimeError) as e:
+        except (DeviceError, RuntimeError, MemoryError) as e:
             skipped = _skipped("matmul", dtype, e, "--size")
             if skipped is None:
                 raise
@@ -312,7 +312,7 @@ def _run_bench_h2d(args: argparse.Namespace) -> int:
     _progress(f"trainperf bench h2d: {args.size_mb} MiB copies, pageable then pinned...")
     try:
         result: Any = bench_h2d(size_bytes=size, iterations=args.iterations, device=args.device)
-    except (DeviceError, RuntimeError) as e:
+    except (DeviceError, RuntimeError, MemoryError) as e:
         result = _skipped("h2d", "pageable+pinned", e, "--size-mb")
         if result is None:
             raise
