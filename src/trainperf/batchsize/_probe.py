@@ -76,8 +76,6 @@ __all__ = [
     "warmed_up",
 ]
 
-# Out-of-memory errors torch raises as plain RuntimeErrors: the CPU allocator's, MPS's in
-# older torch, and cuBLAS/cuDNN failing to allocate their workspaces on a full GPU.
 _ONE_PER_CHANNEL = "Expected more than 1 value per channel when training"
 """BatchNorm's error for a training batch of one sample."""
 

@@ -351,7 +351,6 @@ def weights_only_refusal(value: Any) -> str | None:
     return None
 
 
-# What torch's CPU allocator (POSIX, Windows) and the OS say when host memory runs out.
 def out_of_memory(e: BaseException) -> bool:
     """Host memory ran out: a ``MemoryError``, or torch's allocator failing (a RuntimeError,
     which would otherwise read as a damaged file)."""
