@@ -51,14 +51,14 @@ def test_a_function_s_name_changes_with_its_body() -> None:
     assert qualname(first["step"]).startswith("train.step#")
 
 
-def step_names(source: str) -> tuple[str, str, str]:
-    """The qualnames of a ``Step()`` defined by ``source`` with its body ending ``+ 1``,
-    ``* 2`` (edited) and ``+ 1`` again (the same code run anew)."""
+def step_names(source: str, build: str = "Step()") -> tuple[str, str, str]:
+    """The qualnames of the step ``build`` makes from ``source`` with its body ending
+    ``+ 1``, ``* 2`` (edited) and ``+ 1`` again (the same code run anew)."""
     names = []
     for end in (" + 1", " * 2", " + 1"):
         scope: dict[str, object] = {"__name__": "train"}
         exec(source.format(end), scope)
-        names.append(qualname(scope["Step"]()))  # type: ignore[operator]
+        names.append(qualname(eval(build, scope)))
     return names[0], names[1], names[2]
 
 
@@ -72,16 +72,54 @@ def test_a_step_object_s_name_changes_with_its_call_method() -> None:
     assert qualname({}) == "builtins.dict"  # not callable: the type's name alone
 
 
+MODULE_STEP = (
+    "import torch\n"
+    "class Step(torch.nn.Module):\n"
+    "    def forward(self, batch):\n"
+    "        return batch{}\n"
+)
+
+
 def test_a_module_used_as_the_step_counts_by_its_forward() -> None:
     # Before: its class's __call__ is torch's Module.__call__, the same for every module,
     # so editing forward kept the old cached batch size.
-    first, edited, same = step_names(
-        "import torch\n"
-        "class Step(torch.nn.Module):\n"
-        "    def forward(self, batch):\n"
-        "        return batch{}\n"
-    )
+    first, edited, same = step_names(MODULE_STEP)
     assert first != edited and first == same and first.startswith("train.Step#")
+
+
+def test_a_decorated_step_counts_by_the_body_it_wraps() -> None:
+    # Before: functools.wraps copies the name but the digest was the wrapper's body, the
+    # same whatever it wraps, so editing the step kept the old cached batch size.
+    first, edited, same = step_names(
+        "import functools\n"
+        "def deco(f):\n"
+        "    @functools.wraps(f)\n"
+        "    def wrapper(*args):\n"
+        "        return f(*args)\n"
+        "    return wrapper\n"
+        "@deco\n"
+        "def step(batch):\n"
+        "    return batch{}\n",
+        build="step",
+    )
+    assert first != edited and first == same and first.startswith("train.step#")
+
+
+def test_a_compiled_function_counts_by_the_body_it_compiled() -> None:
+    first, edited, same = step_names(
+        "def step(batch):\n    return batch{}\n", build="__import__('torch').compile(step)"
+    )
+    assert first != edited and first == same and first.startswith("train.step#")
+    plain, _, _ = step_names("def step(batch):\n    return batch{}\n", build="step")
+    assert first != plain  # compiled or not: another answer
+
+
+def test_a_compiled_module_names_the_module_it_compiled() -> None:
+    # Before: every compiled module was "torch._dynamo.eval_frame.OptimizedModule", one
+    # cache entry for all of them whatever their forward.
+    first, edited, same = step_names(MODULE_STEP, build="torch.compile(Step())")
+    assert first != edited and first == same
+    assert first.startswith("torch.compile(train.Step#")
 
 
 def test_nested_functions_count_in_their_outer_function_s_digest() -> None:

@@ -20,8 +20,9 @@ def qualname(obj: Any) -> str:
     """``module.qualname`` of a class or function (of the object's type otherwise); lambdas and
     nested functions, whose names are not unique, add where they are defined, functions,
     methods and callable objects (their class's ``__call__``) add a hash of their body
-    (:func:`code_digest`: a cached answer for an edited step is not reused), and a
-    ``functools.partial`` names its function.
+    (:func:`code_digest`: a cached answer for an edited step is not reused), bodies a
+    decorator wraps (``__wrapped__``) included, a ``functools.partial`` names its function
+    and a module ``torch.compile`` wrapped names the module it compiled.
 
     Example:
         >>> qualname(len), qualname(3)
@@ -32,6 +33,8 @@ def qualname(obj: Any) -> str:
     """
     if isinstance(obj, functools.partial):
         return f"functools.partial({qualname(obj.func)})"
+    if type(obj).__name__ == "OptimizedModule" and hasattr(obj, "_orig_mod"):
+        return f"torch.compile({qualname(obj._orig_mod)})"
     target = (
         obj
         if isinstance(obj, type) or (callable(obj) and hasattr(obj, "__qualname__"))
@@ -44,8 +47,24 @@ def qualname(obj: Any) -> str:
     if code is not None and ("<lambda>" in name or "<locals>" in name):
         name += f"@{code.co_filename}:{code.co_firstlineno}"
     if isinstance(code, types.CodeType):
-        name += f"#{code_digest(code)}"
+        name += f"#{code_digest(code, *_wrapped_codes(target))}"
     return name
+
+
+def _wrapped_codes(fn: Any) -> list[types.CodeType]:
+    """The bodies of the functions ``fn`` wraps (``functools.wraps`` sets ``__wrapped__``;
+    so does ``torch.compile`` of a function): the wrapper's own body is the decorator's, the
+    same whatever it wraps."""
+    codes: list[types.CodeType] = []
+    seen = {id(fn)}
+    while (fn := getattr(fn, "__wrapped__", None)) is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        code = getattr(fn, "__code__", None)
+        if code is None and callable(fn) and not isinstance(fn, type):
+            code = getattr(_body(type(fn)), "__code__", None)
+        if isinstance(code, types.CodeType):
+            codes.append(code)
+    return codes
 
 
 def _body(cls: type) -> Any:
@@ -60,9 +79,9 @@ def _body(cls: type) -> Any:
     return call
 
 
-def code_digest(code: types.CodeType) -> str:
-    """A hash of a function's body (its bytecode, constants and names, nested functions'
-    too): editing the function changes it, running it again does not.
+def code_digest(*codes: types.CodeType) -> str:
+    """A hash of functions' bodies (bytecode, constants and names, nested functions'
+    too): editing a function changes it, running it again does not.
 
     Example:
         >>> def f(x): return x + 1
@@ -71,7 +90,8 @@ def code_digest(code: types.CodeType) -> str:
         (False, 16)
     """
     h = hashlib.sha256()
-    _feed(h, code)
+    for code in codes:
+        _feed(h, code)
     return h.hexdigest()[:16]
 
 
