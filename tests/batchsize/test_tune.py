@@ -340,5 +340,17 @@ def test_a_zero_redundancy_optimizer_comes_back_passed_or_not(tmp_path: Path, pa
         before = state_of(model, opt.optim)
         tune_batch_size(step, sample, model=model, optimizer=opt if passed else None, **quiet())
         assert same_state(before, state_of(model, opt.optim))
+        assert [g["lr"] for g in opt.param_groups] == [0.001]
+
+        def warm_up(batch: Any) -> None:  # a step that sets the rate by hand
+            for group in opt.param_groups:
+                group["lr"] *= 0.5
+            step(batch)
+
+        tune_batch_size(warm_up, sample, model=model, optimizer=opt if passed else None, **quiet())
+        # Before: the local optimizer came back, but ZeRO's own groups, copied into it at
+        # its next step, kept the halved rate.
+        assert [g["lr"] for g in opt.param_groups] == [0.001]
+        assert same_state(before, state_of(model, opt.optim))
     finally:
         dist.destroy_process_group()

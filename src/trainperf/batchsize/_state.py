@@ -230,6 +230,14 @@ def state_holder(obj: Any) -> Any:
     return obj
 
 
+def _group_settings(optimizer: Any) -> list[dict[str, Any]]:
+    """A copy of each of ``optimizer``'s param groups, its parameters left out."""
+    return [
+        {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+        for group in optimizer.param_groups
+    ]
+
+
 def _to_host(value: Any) -> Any:
     """A deep copy of a state dict with every tensor copied to host memory."""
     if isinstance(value, torch.Tensor):
@@ -418,6 +426,10 @@ class SavedState:
             was stepped since, the optimizers zeroed since))``.
         stages: ``(GradScaler, copy of its per-optimizer stages)``, of those passed in and
             of each MixedPrecision's.
+        groups: ``(optimizer, copy of its param_groups' settings)`` of each optimizer whose
+            state another object holds (a ``ZeroRedundancyOptimizer``: a step that sets its
+            ``lr`` by hand changes its own groups, which it copies into its local
+            optimizer's at each step).
     """
 
     states: list[tuple[Any, Any, Layout | None]] = field(default_factory=list)
@@ -428,6 +440,7 @@ class SavedState:
     buffers: list[Buffer] = field(default_factory=list)
     pending: list[Pending] = field(default_factory=list)
     stages: list[Stages] = field(default_factory=list)
+    groups: list[tuple[Any, list[dict[str, Any]]]] = field(default_factory=list)
 
     @classmethod
     def save(cls, objects: Iterable[Any]) -> SavedState:
@@ -465,6 +478,7 @@ class SavedState:
             buffers=_unsaved_buffers(objects),
             pending=_pending(objects),
             stages=_stages(objects),
+            groups=[(obj, _group_settings(obj)) for obj in objects if state_holder(obj) is not obj],
         )
 
     def restore(self) -> None:
@@ -509,6 +523,9 @@ class SavedState:
             mp._backward_pending, mp._stepped, mp._zeroed = pending, stepped, set(zeroed)
         for scaler, stages in self.stages:
             scaler._per_optimizer_states = copy.deepcopy(stages)
+        for opt, settings in self.groups:
+            for group, saved in zip(opt.param_groups, settings, strict=False):
+                group.update(copy.deepcopy(saved))
 
     def drop_gradients(self) -> None:
         """Set every parameter's ``.grad`` to None (after an out-of-memory error, before the
