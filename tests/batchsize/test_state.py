@@ -8,7 +8,8 @@ from torch import nn
 
 from tests.batchsize._fakes import MeanOnFirstForward, Trainer, same_state, sample, state_of
 from trainperf.amp import MixedPrecision
-from trainperf.batchsize._state import SavedState, stateful_objects
+from trainperf.batchsize._holders import stateful_objects, with_live_mixed_precision
+from trainperf.batchsize._state import SavedState
 
 
 def test_restore_undoes_training_steps_exactly() -> None:
@@ -75,11 +76,6 @@ def test_schedulers_and_scalers_in_a_tuple_are_restored_and_empty_states_skipped
     assert sched.last_epoch == 0 and t.opt.param_groups[0]["lr"] == 0.01
 
 
-def test_an_object_without_state_dict_is_refused_by_name() -> None:
-    with pytest.raises(TypeError, match=r"str has no state_dict\(\)/load_state_dict\(\)"):
-        stateful_objects(nn.Linear(1, 1), ("not a state",))
-
-
 class Counting(nn.Module):
     """A layer with a buffer ``state_dict()`` leaves out: a count of samples seen, and a
     cache that grows with the longest input (as rotary caches do)."""
@@ -122,27 +118,6 @@ def test_a_backward_waiting_for_its_step_still_waits_after_tuning() -> None:
     before = model.weight.detach().clone()
     mp.step(opt)
     assert not torch.equal(model.weight.detach(), before)
-
-
-def test_schedulers_driving_a_given_optimizer_are_found_and_held_still() -> None:
-    from trainperf.batchsize._state import schedulers_held
-
-    model = nn.Linear(2, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
-    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
-    step_lr = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
-    torch.optim.lr_scheduler.StepLR(other, step_size=1)  # another optimizer's: not ours
-    found = stateful_objects(model, opt)
-    assert found[:2] == [model, opt] and {id(o) for o in found[2:]} == {id(plateau), id(step_lr)}
-    assert stateful_objects(model, (opt, step_lr)).count(step_lr) == 1
-    step_lr.step = step_lr.step  # an instance attribute of its own comes back as it was
-    own = vars(step_lr)["step"]
-    with schedulers_held(found):
-        step_lr.step()
-        plateau.step(1.0)
-    assert step_lr.last_epoch == 0 and vars(step_lr)["step"] is own
-    assert "step" not in vars(plateau)
 
 
 class _FailingStep(torch.optim.SGD):
@@ -293,21 +268,8 @@ def test_an_optimizer_and_its_scheduler_not_passed_are_found_by_the_model_s_para
     assert len(t.opt.state) == 0 and sched.last_epoch == 0
 
 
-def test_a_gan_s_second_optimizer_is_found_and_each_optimizer_only_once() -> None:
-    from trainperf.batchsize._state import holding_optimizers
-
-    gen, disc = nn.Linear(2, 2), nn.Linear(2, 1)
-    opt_g = torch.optim.Adam(gen.parameters())
-    opt_d = torch.optim.Adam(disc.parameters())
-    assert holding_optimizers([gen, disc, opt_g]) == [opt_d]
-    assert stateful_objects((gen, disc), (opt_g, opt_d)) == [gen, disc, opt_g, opt_d]
-    assert holding_optimizers([nn.Linear(2, 2)]) == []
-
-
 def test_a_mixed_precision_the_step_uses_but_not_passed_gets_its_loss_scale_back() -> None:
     # Before: its loss scale came back at 8192 instead of 32768, its growth tracker moved.
-    from trainperf.batchsize._state import with_live_mixed_precision
-
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mp = MixedPrecision("cpu", precision="fp16")

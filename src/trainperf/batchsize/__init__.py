@@ -11,7 +11,8 @@ your effective batch.
 - :mod:`._search`: the pure search rules (growth, refinement, memory prediction, choice);
 - :mod:`._probe`: one size run: warm-up, timed windows, out-of-memory recovery;
 - :mod:`._memory`: peak memory and its limit (CUDA allocator, host RSS);
-- :mod:`._state`: the model, optimizer and other state saved and restored;
+- :mod:`._state`: the model, optimizer and other state saved and restored, and
+  :mod:`._holders`: the optimizers, schedulers and MixedPrecisions found unpassed;
 - :mod:`._agree`: under DDP, every rank deciding alike;
 - :mod:`._sample`: :func:`batches_from` a dataset, and the check of ``sample(n)``;
 - :mod:`._report`: :class:`BatchSizeReport`, :class:`BatchSizeCandidate`,

@@ -30,9 +30,9 @@ from trainperf._utils.cache import cache_dir, make_key, sample_signature
 from trainperf._utils.format import format_bytes
 from trainperf._utils.qualname import qualname
 from trainperf.amp import MixedPrecision
+from trainperf.batchsize._holders import is_scheduler
 from trainperf.batchsize._report import BatchSizeCandidate
 from trainperf.batchsize._sizes import SizeSpace
-from trainperf.batchsize._state import is_scheduler
 from trainperf.checkpoint import unwrap_model
 
 __all__ = ["ENTRY_KEYS", "cache_misfit", "cache_path", "entry_key", "parsed_candidates"]

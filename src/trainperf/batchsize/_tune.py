@@ -27,6 +27,11 @@ from trainperf.batchsize import _cache
 from trainperf.batchsize._accumulation import accumulation_notes, known_optimizers
 from trainperf.batchsize._agree import Agreement
 from trainperf.batchsize._args import check_args, check_state, size_space
+from trainperf.batchsize._holders import (
+    schedulers_held,
+    stateful_objects,
+    with_live_mixed_precision,
+)
 from trainperf.batchsize._memory import HostMemory, MemoryReader, reader_for
 from trainperf.batchsize._probe import DEFAULT_PROBE, Prober, is_out_of_memory
 from trainperf.batchsize._progress import BatchSizeBar
@@ -34,12 +39,7 @@ from trainperf.batchsize._report import BatchSizeCandidate, BatchSizeReport, Pip
 from trainperf.batchsize._sample import checked_batch, sample_generators
 from trainperf.batchsize._search import Search
 from trainperf.batchsize._sizes import SizeSpace
-from trainperf.batchsize._state import (
-    SavedState,
-    schedulers_held,
-    stateful_objects,
-    with_live_mixed_precision,
-)
+from trainperf.batchsize._state import SavedState
 from trainperf.device import resolve_device
 from trainperf.limits import HostLimits, host_limits
 

@@ -1,0 +1,234 @@
+"""Which objects hold the training state a probe changes, beyond those passed in.
+
+``step`` trains what it closes over, not only what the caller handed to the tuner: the
+optimizers stepping the passed parameters (:func:`holding_optimizers`), the LR schedulers
+driving those (:func:`attached_schedulers`, held still while probing by
+:func:`schedulers_held`) and every live MixedPrecision (:func:`with_live_mixed_precision`)
+are found here; :func:`state_holder` says whose ``state_dict()`` holds an object's state in
+this process. :class:`trainperf.batchsize._state.SavedState` saves and restores them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from trainperf.amp import MixedPrecision  # noqa: F401  (the doctests')
+from trainperf.amp._mixed import LIVE
+
+__all__ = [
+    "attached_schedulers",
+    "holding_optimizers",
+    "is_scheduler",
+    "parameters_of",
+    "schedulers_held",
+    "state_holder",
+    "stateful_objects",
+    "with_live_mixed_precision",
+]
+
+
+def stateful_objects(*groups: object) -> list[Any]:
+    """The objects whose state is saved: each argument, or each item of a tuple or list;
+    then the optimizers that step their parameters and the LR schedulers of every optimizer
+    among them, found without being passed.
+
+    Raises:
+        TypeError: one of them has no ``state_dict``/``load_state_dict``.
+
+    Example:
+        >>> m = nn.Linear(2, 2)
+        >>> opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        >>> [type(o).__name__ for o in stateful_objects(m, (opt,), None)]
+        ['Linear', 'SGD']
+    """
+    found: list[Any] = []
+    for group in groups:
+        items = group if isinstance(group, (tuple, list)) else (group,)
+        for obj in items:
+            if obj is None:
+                continue
+            if not (callable(getattr(obj, "state_dict", None))) or not callable(
+                getattr(obj, "load_state_dict", None)
+            ):
+                raise TypeError(
+                    f"{type(obj).__name__} has no state_dict()/load_state_dict(), so "
+                    f"tune_batch_size cannot put it back after probing; pass modules, "
+                    f"optimizers, schedulers, GradScalers (anything with both methods)"
+                )
+            if all(obj is not seen for seen in found):
+                found.append(obj)
+    found += holding_optimizers(found)
+    for scheduler in attached_schedulers([o for o in found if isinstance(o, Optimizer)]):
+        if all(scheduler is not seen for seen in found):
+            found.append(scheduler)
+    return found
+
+
+def holding_optimizers(objects: list[Any]) -> list[Optimizer]:
+    """The optimizers alive in this process, not among ``objects``, that step a parameter of
+    the modules or optimizers among them.
+
+    ``model=`` passed without its optimizer (or a GAN's second optimizer left out): each
+    probe step fills the optimizer's moments and step count, which would stay so. Found by
+    a scan of the objects the garbage collector tracks (one pass, however many parameters;
+    ``gc.get_referrers`` of every parameter would scan once per parameter).
+
+    Example:
+        >>> m = nn.Linear(2, 2)
+        >>> opt = torch.optim.Adam(m.parameters())
+        >>> holding_optimizers([m]) == [opt], holding_optimizers([m, opt])
+        (True, [])
+    """
+    ours = {id(p) for p in parameters_of(objects)}
+    if not ours:
+        return []
+    # type(), not isinstance(): isinstance reads __class__, which some module proxies
+    # answer with a deprecation warning or an import.
+    return [
+        o
+        for o in gc.get_objects()
+        if issubclass(type(o), Optimizer)
+        and all(o is not seen for seen in objects)
+        and any(id(p) in ours for p in _stepped(o))
+    ]
+
+
+def _stepped(optimizer: Any) -> Iterator[Any]:
+    """The parameters an optimizer steps; none for a subclass that never set its groups."""
+    for group in getattr(optimizer, "param_groups", None) or ():
+        yield from group.get("params", ()) if isinstance(group, dict) else ()
+
+
+def with_live_mixed_precision(objects: Iterable[Any]) -> list[Any]:
+    """``objects``, then every live :class:`~trainperf.MixedPrecision` not among them.
+
+    A ``step`` that uses one moves its loss scale and growth tracker (an fp16 probe that
+    overflows halves the scale) and its pending-backward flags, passed or not. They are
+    kept out of :func:`stateful_objects` (the cache key): one alive for another model says
+    nothing about this step.
+
+    Example:
+        >>> mp = MixedPrecision("cpu", precision="fp32")
+        >>> any(o is mp for o in with_live_mixed_precision([]))
+        True
+    """
+    out = list(objects)
+    out += [mp for mp in list(LIVE) if all(mp is not o for o in out)]
+    return out
+
+
+def is_scheduler(obj: object) -> bool:
+    """``obj`` is an LR scheduler (``ReduceLROnPlateau`` included)."""
+    return isinstance(obj, (LRScheduler, ReduceLROnPlateau))
+
+
+_NOT_SET = object()
+
+
+@contextlib.contextmanager
+def schedulers_held(objects: Iterable[Any]) -> Iterator[None]:
+    """Every LR scheduler among ``objects`` stands still meanwhile: its ``step()`` does
+    nothing. Probing runs thousands of steps; a scheduler stepped by each would run out
+    (OneCycleLR raises past its ``total_steps``) and its learning rates are no part of what
+    a step costs.
+
+    Example:
+        >>> opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        >>> with schedulers_held([sched]):
+        ...     sched.step()
+        >>> sched.last_epoch, sched.step.__name__
+        (0, 'step')
+    """
+    held = [o for o in objects if is_scheduler(o)]
+    own = [o.__dict__.get("step", _NOT_SET) for o in held]
+    for scheduler in held:
+        scheduler.step = _standing_still
+    try:
+        yield
+    finally:
+        for scheduler, step in zip(held, own, strict=True):
+            if step is _NOT_SET:
+                del scheduler.step
+            else:
+                scheduler.step = step
+
+
+def _standing_still(*args: Any, **kwargs: Any) -> None:
+    """A held scheduler's ``step``: nothing."""
+
+
+def attached_schedulers(optimizers: list[Optimizer]) -> list[Any]:
+    """The LR schedulers alive in this process that drive one of ``optimizers``.
+
+    A ``step`` that also steps its scheduler advances it on every probe step: unless its
+    state is put back too, training resumes further along its schedule than it was (a
+    OneCycleLR's warm-up spent on probes, or run past its ``total_steps``). The schedulers
+    are found by who refers to each optimizer (``gc.get_referrers``), so the caller need
+    not pass them.
+
+    Example:
+        >>> opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+        >>> attached_schedulers([opt]) == [sched]
+        True
+    """
+    if not optimizers:
+        return []
+    # An instance's attributes refer to it from the instance itself (inline values) or
+    # from its __dict__, whose referrer is the instance: one more scan for all the dicts.
+    refs = gc.get_referrers(*optimizers)
+    dicts = [r for r in refs if isinstance(r, dict)]
+    owners = [r for r in refs if not isinstance(r, dict)]
+    owners += gc.get_referrers(*dicts) if dicts else []
+    found: list[Any] = []
+    for owner in owners:
+        opt = getattr(owner, "optimizer", None) if is_scheduler(owner) else None
+        if any(opt is o for o in optimizers) and all(owner is not f for f in found):
+            found.append(owner)
+    return found
+
+
+def state_holder(obj: Any) -> Any:
+    """The object whose ``state_dict()`` holds ``obj``'s state in this process: a
+    ``ZeroRedundancyOptimizer``'s local optimizer (the moments of this rank's shard), since
+    its own ``state_dict()`` refuses until ``consolidate_state_dict()``, a collective, ran
+    on every rank; ``obj`` itself for anything else.
+
+    Example:
+        >>> opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        >>> state_holder(opt) is opt
+        True
+    """
+    inner = getattr(obj, "optim", None)
+    if callable(getattr(obj, "consolidate_state_dict", None)) and isinstance(inner, Optimizer):
+        return inner
+    return obj
+
+
+def parameters_of(objects: Iterable[Any]) -> list[nn.Parameter]:
+    """Every parameter of the modules and optimizers among ``objects``, once."""
+    params: list[nn.Parameter] = []
+    seen: set[int] = set()
+
+    def add(ps: Iterable[Any]) -> None:
+        for p in ps:
+            if isinstance(p, torch.Tensor) and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)  # type: ignore[arg-type]
+
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            add(obj.parameters())
+        elif isinstance(obj, torch.optim.Optimizer):
+            for group in obj.param_groups:
+                add(group["params"])
+    return params
