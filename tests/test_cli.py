@@ -495,3 +495,42 @@ def test_the_command_on_a_full_disk_or_a_closed_stdout_exits_1_with_one_line() -
                               text=True, timeout=120)  # fmt: skip
         assert done.returncode == 1, (redirect, done.stderr)
         assert done.stderr.startswith("trainperf: error: ") and done.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_ctrl_c_mid_run_is_one_line_and_exit_130_not_a_traceback(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, json_flag: list[str]
+) -> None:
+    import trainperf.bench
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt  # what Python raises where Ctrl-C lands, deep inside torch
+
+    monkeypatch.setattr(trainperf.bench, "bench_model", interrupted)
+    message = "interrupted (Ctrl-C) before the command finished"
+    try:
+        code, out, err = run(capsys, "bench", "model", *TINY, *json_flag)
+    except KeyboardInterrupt:  # would stop pytest itself
+        pytest.fail("Ctrl-C escaped main(): Python prints its traceback")
+    assert code == 130 and "Traceback" not in err
+    assert err.splitlines()[-1] == f"trainperf: error: {message}"
+    if json_flag:
+        assert json.loads(out) == {
+            "command": "bench model",
+            "error": {"type": "KeyboardInterrupt", "message": message},
+        }
+    else:
+        assert out == ""
+
+
+def test_a_closed_stderr_keeps_progress_and_errors_out_of_the_json_on_stdout(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "stderr", None)  # what Python sets when started with `2>&-`
+    code, out, _ = run(capsys, "bench", "matmul", "--size", "16", "--dtype", "fp32",
+                       "--iterations", "1", "--device", "cpu", "--json")  # fmt: skip
+    assert code == 0 and json.loads(out)["results"][0]["dtype"] == "fp32"
+    code, out, _ = run(capsys, "bench", "model", *TINY, "--json")
+    assert code == 0 and json.loads(out)["results"][0]["model"] == "resnet50"
+    code, out, _ = run(capsys, "bench", "matmul", "--device", "tpu", "--json")
+    assert code == 1 and json.loads(out)["error"]["type"] == "ValueError"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import os
 import sys
@@ -157,8 +158,22 @@ def _emit_results(command: str, results: Sequence[Any], out: TextIO) -> None:
     _emit_json({"command": command, "results": [r.to_dict() for r in results]}, out)
 
 
+class _Discard(io.StringIO):
+    """Where stderr output goes when there is no stderr: nowhere."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+
+def _stderr() -> TextIO:
+    """``sys.stderr``, or a sink that drops what is written where the process was started
+    with stderr closed (``2>&-``): ``print(file=None)`` would write it to stdout, into the
+    ``--json`` document."""
+    return sys.stderr if sys.stderr is not None else _Discard()
+
+
 def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    print(message, file=_stderr(), flush=True)
 
 
 def _check_device(device: str | None, allowed: tuple[str, ...] = ("cpu", "cuda")) -> None:
@@ -256,7 +271,7 @@ def _run_bench_model(args: argparse.Namespace) -> int:
     precisions = ["fp32", "fp16", "bf16"] if args.precision == "all" else [args.precision]
     out = sys.stdout
     # In JSON mode stdout carries only the document, so the iteration lines go to stderr.
-    lines: TextIO = sys.stderr if args.json else out
+    lines: TextIO = _stderr() if args.json else out
     results: list[Any] = []
     for precision in precisions:
         _progress(f"trainperf bench model: {args.model} {precision}: building and warming up...")
@@ -366,6 +381,8 @@ def _run_gpus(args: argparse.Namespace) -> int:
     return 0
 
 
+_INTERRUPTED = 130
+
 _HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "model": _run_bench_model,
     "matmul": _run_bench_matmul,
@@ -389,7 +406,7 @@ def _fail(args: argparse.Namespace, message: str, error: BaseException) -> int:
     """Report an error as ``trainperf: error: ...`` on stderr and, with ``--json``, as a
     JSON document on stdout too, so a pipeline reading it parses something; exit status 1.
     Where stdout itself failed (a full disk), what is left for it is dropped."""
-    print(f"trainperf: error: {message}", file=sys.stderr)
+    print(f"trainperf: error: {message}", file=_stderr())
     try:
         if getattr(args, "json", False):
             error_info = {"type": type(error).__name__, "message": message}
@@ -412,10 +429,10 @@ def _unexpected(error: Exception) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``trainperf`` with ``argv`` (default: the command line) and return the exit status.
 
-    Returns 0 on success, 1 when a command fails (or ``doctor`` finds a failing check), and
-    exits with 2 on a usage error (argparse's convention). An error is one line on stderr,
-    ``trainperf: error: ...``, never a traceback; with ``--json`` stdout also gets
-    ``{"command": ..., "error": {"type": ..., "message": ...}}``.
+    Returns 0 on success, 1 when a command fails (or ``doctor`` finds a failing check), 130
+    when Ctrl-C stops it, and exits with 2 on a usage error (argparse's convention). An error
+    is one line on stderr, ``trainperf: error: ...``, never a traceback; with ``--json``
+    stdout also gets ``{"command": ..., "error": {"type": ..., "message": ...}}``.
 
     Example:
         >>> main(["bench", "matmul", "--size", "32", "--dtype", "fp32", "--device", "cpu",
@@ -428,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             "trainperf: error: stdout is closed, so the output has nowhere to go: redirect "
             "it instead (> file, or > /dev/null)",
-            file=sys.stderr,
+            file=_stderr(),
         )
         return 1
     handler = _HANDLERS[args.bench if args.command == "bench" else args.command]
@@ -441,6 +458,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader (`| head`) went away: stop quietly, as Unix tools do.
         _discard_stdout()
         return 1
+    except KeyboardInterrupt as e:
+        # Ctrl-C: one line (and the --json error document), not a traceback through torch;
+        # 130 = 128 + SIGINT, the status a shell gives a command stopped by Ctrl-C.
+        _fail(args, "interrupted (Ctrl-C) before the command finished", e)
+        return _INTERRUPTED
     except (OSError, ValueError, TrainperfError, ModuleNotFoundError) as e:
         return _fail(args, str(e), e)
     except Exception as e:  # the last resort: a message, never a raw traceback

@@ -20,6 +20,8 @@ from trainperf._utils.oom import oom_kind
             "device",
         ),
         (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), "device"),
+        # A CUDA call outside the caching allocator (pinned host memory in bench h2d)
+        (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be"), "device"),
         (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to"), "host"),
         (RuntimeError("[enforce fail at alloc_cpu.cpp:117] Cannot allocate memory"), "host"),
         (RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate"), "host"),

@@ -292,6 +292,27 @@ def test_a_failing_fp16_step_does_not_break_every_later_one() -> None:
     assert mp.step(*opts)  # "step() has already been called since the last update()" before
 
 
+@needs_cpu_fp16
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_fp16_step_on_a_half_model_names_the_cause_before_anything_steps(
+    max_grad_norm: float | None,
+) -> None:
+    mp = MixedPrecision("cpu", precision="fp16")
+    frozen = nn.Linear(4, 4).requires_grad_(False)  # no gradients: stepped plainly
+    model = mp.prepare(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))).half()
+    opts = [torch.optim.SGD(frozen.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), 0.1)]
+    before = [p.detach().clone() for p in model.parameters()]
+    with mp.autocast():
+        loss = model(torch.randn(8, 4).half()).float().mean()
+    mp.backward(loss)
+    # GradScaler's own error was a bare "Attempting to unscale FP16 gradients."
+    match = r"optimizer 2 of 2 \(SGD\): 4 of its 4 .* fp16 .*model\.half\(\).*model\.float\(\)"
+    for _ in range(2):  # refused before anything stepped: the same answer again
+        with pytest.raises(ValueError, match=match):
+            mp.step(*opts, max_grad_norm=max_grad_norm)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, "1.0"])
 def test_max_grad_norm_must_be_positive(bad: object) -> None:
     mp = MixedPrecision("cpu", precision="fp32")

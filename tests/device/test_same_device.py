@@ -148,6 +148,16 @@ def test_check_same_device_needs_a_tensor() -> None:
         check_same_device(torch.nn.ReLU(), "text", n=3)
 
 
+@pytest.mark.parametrize("first", [torch.ones(2), {"x": torch.ones(2)}, [torch.ones(2)]])
+def test_check_same_device_names_the_fix_for_inputs_passed_as_the_model(first: object) -> None:
+    # check_same_device(x, y) and check_same_device(batch) are easy slips; an AttributeError
+    # about named_parameters would not say that the first argument is the model.
+    with pytest.raises(
+        TypeError, match=r"module must be an nn\.Module or None.*check_same_device\(None"
+    ):
+        check_same_device(first, torch.ones(2))  # type: ignore[arg-type]
+
+
 # ------------------------------------------------------------------- containers to_device walks
 
 

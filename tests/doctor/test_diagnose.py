@@ -227,6 +227,34 @@ def test_diagnose_on_this_machine_never_initialises_cuda() -> None:
     assert torch.cuda.is_initialized() == was
 
 
+def test_diagnose_reads_the_cudnn_version_without_initialising_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch.backends.cudnn.version() checks every GPU's compute capability the first time it
+    # runs on a host with CUDA, and that initialises CUDA: a GPU host, in a fresh process.
+    cudnn: Any = torch.backends.cudnn
+    if not cudnn.is_available():
+        pytest.skip("this PyTorch build has no cuDNN")
+    if "__cudnn_version" in cudnn.version.__globals__:
+        monkeypatch.setitem(cudnn.version.__globals__, "__cudnn_version", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    def initialise_cuda() -> None:
+        raise AssertionError("diagnose() initialised CUDA")
+
+    monkeypatch.setattr(torch.cuda, "_lazy_init", initialise_cuda)
+    monkeypatch.setattr(device_module, "gpus", lambda **_: [gpu(0)])
+    checks = {c.name: c for c in diagnose(limits=limits(), env={}).checks}
+    assert "cuDNN " in checks["torch"].value
+    # Without the binding that reads the library's number, it is left out rather than asked.
+    monkeypatch.delattr(torch._C, "_cudnn", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert doctor_module._cudnn_version() is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert doctor_module._cudnn_version() == cudnn.version()
+
+
 def test_worst_orders_fail_warn_ok_skip() -> None:
     def report(*verdicts: str) -> DoctorReport:
         return DoctorReport(tuple(Check(f"c{i}", v, "x") for i, v in enumerate(verdicts)))  # type: ignore[arg-type]

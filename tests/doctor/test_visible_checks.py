@@ -98,3 +98,25 @@ def test_visible_devices_checks_uuids_against_the_gpus_they_make_visible(
     assert check.verdict == verdict
     if verdict == "fail":
         assert f"only {shown} of its" in check.fix and "nvidia-smi -L" in check.fix
+
+
+@pytest.mark.parametrize(
+    ("visible", "needle"),
+    [
+        ("5", "index 5 does not exist"),
+        ("0,0", "listed twice"),
+        ("0,x", "'x' is not an index"),
+    ],
+)
+def test_an_invalid_order_does_not_hide_a_list_that_fails(visible: str, needle: str) -> None:
+    # A typo in CUDA_DEVICE_ORDER (CUDA ignores it) must not turn a list that shows the wrong
+    # GPUs, or none, into a mere warning: doctor would exit 0 and never name the list's fault.
+    check = check_visible_devices(visible, "pci_bus_id", gpu_count=2, shown=0)
+    assert check.verdict == "fail"
+    assert needle in check.fix and "CUDA ignores CUDA_DEVICE_ORDER='pci_bus_id'" in check.fix
+
+
+def test_an_invalid_order_with_a_sound_list_warns_about_the_order() -> None:
+    check = check_visible_devices("1", "pci_bus_id", gpu_count=2, shown=1)
+    assert check.verdict == "warn" and "CUDA ignores CUDA_DEVICE_ORDER" in check.fix
+    assert "fastest-first" in check.fix  # CUDA then numbers them by its default

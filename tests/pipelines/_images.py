@@ -94,6 +94,36 @@ def bomb_jpeg(width: int = 30000, height: int = 30000) -> bytes:
     return bytes(data)
 
 
+def write_tiff(path: Path, kind: str) -> Path:
+    """A 48 x 32 TIFF that DALI's own decoder reads unlike PIL (and so unlike ImageFolder):
+    ``"turned"`` (Orientation 6) or ``"mirrored"`` (2) by its tag, which PIL applies,
+    ``"grey_alpha"`` (DALI takes the alpha for green), ``"premultiplied"`` (RGBA with
+    associated alpha, which PIL undoes and DALI does not) or ``"lab"`` (DALI takes it for RGB)."""
+    import struct
+
+    from PIL import Image
+
+    picture = _picture(48, 32, (200, 60, 40), np.random.default_rng(1))
+    if kind in ("turned", "mirrored"):
+        exif = Image.Exif()
+        exif[0x0112] = 6 if kind == "turned" else 2
+        picture.save(path, exif=exif)
+    elif kind == "premultiplied":  # PIL writes unassociated alpha: mark it associated
+        alpha = Image.linear_gradient("L").resize(picture.size).point(lambda v: 40 + v * 3 // 4)
+        picture.putalpha(alpha)
+        picture.save(path)
+        data = bytearray(path.read_bytes())
+        ifd = struct.unpack_from("<I", data, 4)[0]
+        count = struct.unpack_from("<H", data, ifd)[0]
+        tags = [struct.unpack_from("<H", data, ifd + 2 + 12 * i)[0] for i in range(count)]
+        extra = ifd + 2 + 12 * tags.index(338)  # ExtraSamples: 2 (unassociated) -> 1
+        data[extra + 8 : extra + 10] = struct.pack("<H", 1)
+        path.write_bytes(bytes(data))
+    else:
+        picture.convert("LA" if kind == "grey_alpha" else "LAB").save(path)
+    return path
+
+
 def _loader(source: Any, backend: str, **kw: Any) -> ImageLoader:
     kw.setdefault("size", SIZE)
     kw.setdefault("device", "cpu")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.pipelines._images import bomb_jpeg
+from tests.pipelines._images import bomb_jpeg, write_tiff
 from trainperf.pipelines._dali_feed import FedBatch, FileFeed, find_culprits
 from trainperf.pipelines._header import MAX_IMAGE_PIXELS
 from trainperf.pipelines._source import BadFile, epoch_batches, load_source, shard_plan
@@ -150,3 +150,27 @@ def test_culprits_without_a_sample_number_are_found_by_checking_every_pending_fi
     bad, suspects = find_culprits("nvImageCodec failure: '#3'", pending[:1], files, None)
     assert bad == [] and suspects == list(good[:2])
     assert find_culprits("anything", [], files, None) == ([], [])
+
+
+def test_feed_hands_over_a_tiff_dali_would_misread_as_pils_pixels(tmp_path: Path) -> None:
+    import io
+
+    turned = write_tiff(tmp_path / "turned.tif", "turned")
+    plain = tmp_path / "plain.tif"
+    PIL.new("RGB", (48, 32), (10, 20, 30)).save(plain)
+    cut = tmp_path / "cut.tif"
+    cut.write_bytes(turned.read_bytes()[:600])  # header intact, pixels cut short
+    files = [str(turned), str(plain), str(cut)]
+    feed = FileFeed(files, lambda epoch: [[0, 1], [2]], max_pixels=None, threads=2)
+    try:
+        (as_png, as_is), _ = feed()
+        assert as_is.tobytes() == plain.read_bytes()  # DALI decodes it as PIL does
+        with open(turned, "rb") as f, PIL.open(f) as im:  # as ImageFolder opens it
+            expected = np.asarray(im.convert("RGB"))
+        assert expected.shape == (48, 32, 3)  # turned by PIL: the file says 48 wide
+        with PIL.open(io.BytesIO(as_png.tobytes())) as im:
+            assert im.format == "PNG"
+            assert np.array_equal(np.asarray(im), expected)
+        assert "cut.tif' (OSError: image file is truncated" in _refused(feed, 2)
+    finally:
+        feed.close()

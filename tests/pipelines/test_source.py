@@ -129,6 +129,22 @@ def test_missing_path_empty_folder_and_wrong_layout(tmp_path: Path) -> None:
         image_loader(tmp_path / "empty", 4, device="cpu")
 
 
+def test_an_empty_folder_path_is_refused_not_read_as_the_current_directory(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # os.environ.get("DATA", "") unset: Path("") is ".", which holds a dataset here.
+    monkeypatch.chdir(folder)
+    with pytest.raises(FileNotFoundError, match=r"image folder path is empty \(''\).*'\.' for"):
+        image_loader("", 4, device="cpu", backend="torchvision", loader_kwargs=NO_TUNING)
+    assert len(load_source(".", on_error="raise").files) == 24  # "." says so: it is read
+
+
+def test_a_bytes_folder_path_is_refused_with_the_fix(folder: Path) -> None:
+    # bytes are a Sequence, of ints: this said "source[0] must be a (path, label) pair, got 47"
+    with pytest.raises(TypeError, match=r"got bytes b'/.*'; pass os\.fsdecode\(source\)"):
+        image_loader(os.fsencode(folder), 4, device="cpu", backend="torchvision")
+
+
 def test_non_image_and_empty_files_are_named_up_front(bad_folder: Path) -> None:
     with pytest.raises(
         ValueError,

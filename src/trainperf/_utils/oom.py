@@ -18,6 +18,7 @@ __all__ = ["oom_kind"]
 
 _DEVICE_TEXTS = (
     "cuda out of memory",
+    "cuda error: out of memory",  # a CUDA call outside the caching allocator (pinned memory)
     "hip out of memory",
     "mps backend out of memory",
     "cublas_status_alloc_failed",
@@ -34,6 +35,8 @@ def oom_kind(e: BaseException) -> Literal["device", "host"] | None:
         >>> oom_kind(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
         'device'
         >>> oom_kind(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling"))
+        'device'
+        >>> oom_kind(RuntimeError("CUDA error: out of memory (pinned memory)"))
         'device'
         >>> oom_kind(RuntimeError("DefaultCPUAllocator: can't allocate memory")), oom_kind(
         ...     MemoryError())

@@ -385,8 +385,9 @@ class MixedPrecision:
                 or ``mp.zero_grad(optimizer)`` cleared one of ``optimizers`` since it.
             TypeError: no optimizer given, or something that is not one (a clip value
                 passed positionally: ``max_grad_norm`` is keyword-only).
-            ValueError: ``max_grad_norm`` is not a positive number, or an optimizer is
-                given twice.
+            ValueError: ``max_grad_norm`` is not a positive number, an optimizer is given
+                twice, or (fp16) a gradient is fp16 itself: the model was cast to fp16
+                (``model.half()``), where loss scaling needs fp32 parameters.
 
         Example:
             >>> mp = MixedPrecision("cpu", precision="fp32")
@@ -399,10 +400,12 @@ class MixedPrecision:
         if optimizer is not None:
             optimizers = (*optimizers, optimizer)
         self._check_step(optimizers, max_grad_norm)
+        scaler = self.scaler
+        if scaler is not None and scaler.is_enabled():
+            _check_no_fp16_grads(optimizers)
         self._backward_pending = False
         self._stepped = True
         self._zeroed.clear()
-        scaler = self.scaler
         if scaler is None:
             for opt in optimizers:
                 if max_grad_norm is not None:
@@ -609,6 +612,23 @@ def _forget(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> N
     states = getattr(scaler, "_per_optimizer_states", None)
     if states is not None:
         states.pop(id(optimizer), None)
+
+
+def _check_no_fp16_grads(optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+    """Refuse fp16 gradients before anything steps: ``GradScaler`` cannot unscale them (its
+    bare "Attempting to unscale FP16 gradients." names neither the cause nor the fix)."""
+    for i, o in enumerate(optimizers, 1):
+        grads = [p.grad for p in _parameters(o) if p.grad is not None]
+        half = sum(g.dtype == torch.float16 for g in grads)
+        if half:
+            raise ValueError(
+                f"MixedPrecision.step() found fp16 gradients in optimizer {i} of "
+                f"{len(optimizers)} ({type(o).__name__}): {half} of its {len(grads)} "
+                "parameters with a gradient are fp16 (the model was cast with model.half() or "
+                ".to(torch.float16)), which the fp16 loss scaler cannot unscale; keep the "
+                "model in fp32 (mp.autocast() already runs its operations in fp16): "
+                "model.float(), then build the optimizer again"
+            )
 
 
 def _has_grads(optimizer: torch.optim.Optimizer) -> bool:

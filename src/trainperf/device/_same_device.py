@@ -119,6 +119,7 @@ def check_same_device(
     Raises:
         DeviceMismatchError: more than one device; the message lists, per device, a few of
             the parameters, buffers and inputs found there.
+        TypeError: ``module`` is neither a module nor None (inputs passed in its place).
         ValueError: there is no tensor at all to check.
 
     Example:
@@ -127,6 +128,12 @@ def check_same_device(
         device(type='cpu')
     """
     found: list[tuple[str, torch.Tensor]] = []
+    if module is not None and not callable(getattr(module, "named_parameters", None)):
+        raise TypeError(
+            f"module must be an nn.Module or None, got a {type(module).__qualname__}: the first "
+            "argument is the model; to check inputs alone, pass None first: "
+            "check_same_device(None, batch)"
+        )
     if module is not None:
         found += [(f"parameter {n}", p) for n, p in module.named_parameters()]
         found += [(f"buffer {n}", b) for n, b in module.named_buffers()]

@@ -159,9 +159,28 @@ def _cpu_vendor(cpuinfo: Path) -> str | None:
     return match.group(1) if match else None
 
 
-def _torch_versions() -> tuple[int | None, tuple[int, ...] | None]:
+def _cudnn_version() -> int | None:
+    """cuDNN's version number, read without initialising CUDA.
+
+    ``torch.backends.cudnn.version()`` checks every GPU's compute capability the first time it
+    runs where CUDA is available, which initialises CUDA (and it raises on a cuDNN that does
+    not match the build); the library's own number needs neither.
+    """
     cudnn_module: Any = torch.backends.cudnn  # its functions are untyped
-    cudnn = cudnn_module.version() if cudnn_module.is_available() else None
+    if not cudnn_module.is_available():
+        return None
+    get_version = getattr(getattr(torch._C, "_cudnn", None), "getVersionInt", None)
+    if callable(get_version):
+        return int(get_version())
+    # A PyTorch without that binding: only where asking cannot be what starts CUDA.
+    if torch.cuda.is_initialized() or not torch.cuda.is_available():  # type: ignore[no-untyped-call]
+        version = cudnn_module.version()
+        return None if version is None else int(version)
+    return None
+
+
+def _torch_versions() -> tuple[int | None, tuple[int, ...] | None]:
+    cudnn = _cudnn_version()
     nccl: tuple[int, ...] | None = None
     try:
         if torch.version.cuda is not None and torch.distributed.is_nccl_available():

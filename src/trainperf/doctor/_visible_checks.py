@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from trainperf.device import VisibleDevices, parse_visible_devices
-from trainperf.doctor._checks import Check
+from trainperf.doctor._checks import Check, CheckStatus
 
 __all__ = ["check_visible_devices"]
 
@@ -76,9 +76,20 @@ def check_visible_devices(
         'ok'
     """
     value = f"CUDA_VISIBLE_DEVICES={_setting(visible)}, CUDA_DEVICE_ORDER={_setting(order)}"
-    if order is not None and order not in _CUDA_ORDERS:
-        fix = f"CUDA ignores CUDA_DEVICE_ORDER={order!r}: use one of {list(_CUDA_ORDERS)}"
-        return Check("visible_devices", "warn", value, fix)
+    # The list is judged whatever the order says: CUDA ignores an order it does not know and
+    # numbers the GPUs fastest first, which _check_entries assumes for any order but PCI_BUS_ID.
+    check = _check_list(value, visible, order, gpu_count, shown)
+    if order is None or order in _CUDA_ORDERS:
+        return check
+    fix = f"CUDA ignores CUDA_DEVICE_ORDER={order!r}: use one of {list(_CUDA_ORDERS)}"
+    verdict: CheckStatus = "fail" if check.verdict == "fail" else "warn"
+    return Check("visible_devices", verdict, check.value, "; ".join(filter(None, (check.fix, fix))))
+
+
+def _check_list(
+    value: str, visible: str | None, order: str | None, gpu_count: int, shown: int | None
+) -> Check:
+    """``CUDA_VISIBLE_DEVICES`` itself: what it hides, where CUDA stops reading it."""
     if visible is None:
         return Check("visible_devices", "ok", value + f" (all {gpu_count} GPU(s) visible)")
     parsed = parse_visible_devices(visible)

@@ -18,6 +18,11 @@ name files``). So the pipeline's input is an ``external_source`` whose callback 
   pipeline, with the frames it passed through, in a reference cycle only the garbage
   collector frees, and it may free it in a forked DataLoader worker, where destroying a DALI
   pipeline crashes;
+- hands over a TIFF that DALI would decode unlike PIL (and so unlike torchvision's
+  ImageFolder and the other backends) as PNG, decoded by PIL: one whose Orientation tag
+  turns or mirrors it (PIL applies the tag, DALI's TIFF decoder ignores it), a grey one
+  with alpha (DALI reads the alpha as green), one with premultiplied alpha (PIL undoes it,
+  DALI does not) or a Lab one (:func:`read_for_dali`);
 - remembers which files went into the batches DALI has not given back yet
   (:attr:`FileFeed.pending`), so that a decoder error is traced to its file
   (:func:`find_culprits`).
@@ -36,9 +41,11 @@ from typing import Any
 
 import numpy as np
 
+from trainperf.pipelines._decode import pil_failure, pil_to_rgb
+from trainperf.pipelines._header import tiff_tags
 from trainperf.pipelines._source import BadFile, check_one, read_checked, shown
 
-__all__ = ["DALI_REFUSES", "FedBatch", "FileFeed", "find_culprits"]
+__all__ = ["DALI_REFUSES", "FedBatch", "FileFeed", "find_culprits", "read_for_dali"]
 
 # The reason given for a file DALI named in its error and PIL reads.
 DALI_REFUSES = "DALI's decoder refuses it (PIL reads it)"
@@ -50,6 +57,53 @@ _FAILED_SAMPLE = re.compile(r"Failed to decode sample #(\d+)")
 
 # What DALI gets instead of a file that failed the check: no decoder takes one zero byte.
 _PLACEHOLDER = np.zeros(1, dtype=np.uint8)
+
+_TIFF_MAGIC = (b"II*\x00", b"MM\x00*")
+_PHOTOMETRIC, _ORIENTATION, _SAMPLES_PER_PIXEL, _EXTRA_SAMPLES = 262, 274, 277, 338
+_LAB = (8, 9, 10)  # CIELab, ICCLab, ITULab
+_PREMULTIPLIED = 1  # ExtraSamples: associated alpha
+
+
+def _pil_decodes(data: np.ndarray[Any, Any]) -> bool:
+    """Whether DALI would decode these bytes unlike PIL: a TIFF whose Orientation tag (2-8)
+    turns or mirrors it, which PIL applies and DALI ignores, a grey TIFF with alpha, whose
+    alpha DALI takes for the green channel, a TIFF whose colours are premultiplied by its
+    alpha, which PIL undoes and DALI does not, or a Lab TIFF, which DALI reads as RGB."""
+    if data[:4].tobytes() not in _TIFF_MAGIC:
+        return False
+    tags = tiff_tags(data)
+    return (
+        tags.get(_ORIENTATION, 1) in range(2, 9)
+        or tags.get(_SAMPLES_PER_PIXEL) == 2
+        or tags.get(_EXTRA_SAMPLES) == _PREMULTIPLIED
+        or tags.get(_PHOTOMETRIC) in _LAB
+    )
+
+
+def read_for_dali(path: str, max_pixels: int | None) -> np.ndarray[Any, Any]:
+    """The bytes to hand DALI for ``path``: the file's, checked (:func:`read_checked`), or, for
+    a TIFF DALI would decode unlike PIL, PIL's 8-bit RGB decode of it as PNG, which DALI
+    decodes to exactly those pixels.
+
+    Raises:
+        RuntimeError: the file changed since the loader checked it, or PIL cannot decode it.
+    """
+    import io
+
+    data = read_checked(path, max_pixels)
+    if not _pil_decodes(data):
+        return data
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data.tobytes())) as im:
+            rgb = pil_to_rgb(im)  # applies the orientation (PIL's TIFF reader does)
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError...
+        raise RuntimeError(f"could not decode image '{shown(path)}' ({pil_failure(e)})") from e
+    png = io.BytesIO()
+    rgb.save(png, format="PNG", compress_level=1)  # fast: these files are rare, and lossless
+    encoded: np.ndarray[Any, Any] = np.frombuffer(png.getbuffer(), dtype=np.uint8).copy()
+    return encoded
 
 
 @dataclass(frozen=True)
@@ -119,7 +173,7 @@ class FileFeed:
 
     def _read(self, indices: Sequence[int]) -> list[Future[np.ndarray[Any, Any]]]:
         limit = self._max_pixels
-        return [self._pool.submit(read_checked, self._files[i], limit) for i in indices]
+        return [self._pool.submit(read_for_dali, self._files[i], limit) for i in indices]
 
     def __call__(self) -> tuple[list[np.ndarray[Any, Any]], np.ndarray[Any, Any]]:
         if self._next == len(self._batches):

@@ -7,7 +7,9 @@ resized crop + ``resize`` (train) or an exact torchvision-style resize + ``slice
 crop: torch finishes it (:class:`._dali.CpuTrainFinish`).
 
 EXIF orientation is ignored (``adjust_orientation=False``), as torchvision's ImageFolder
-ignores it, so every backend sees the same pixels.
+ignores it in JPEG, PNG and WebP files, so every backend sees the same pixels. PIL, and so
+ImageFolder, does apply a TIFF's Orientation tag: such TIFFs reach DALI already decoded by PIL,
+as PNGs (:func:`._dali_feed.read_for_dali`).
 """
 
 from __future__ import annotations

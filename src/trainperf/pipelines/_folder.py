@@ -126,7 +126,8 @@ def find_images(
         ``([(path, label), ...], classes, [(folder, reason), ...])``.
 
     Raises:
-        FileNotFoundError: ``root`` does not exist.
+        FileNotFoundError: ``root`` does not exist, or is ``""`` (which ``Path`` would take
+            for the current directory).
         NotADirectoryError: ``root`` is a file.
         ValueError: ``root`` has no class subfolders, or no images in them and no folder
             that could not be listed.
@@ -137,6 +138,12 @@ def find_images(
         ...
         FileNotFoundError: image folder '/no/such/dir' does not exist
     """
+    if isinstance(root, str) and not root:  # Path("") is ".": the whole working directory
+        raise FileNotFoundError(
+            "image folder path is empty (''), which would read the current directory as the "
+            "dataset; pass the dataset's folder (an unset environment variable?), or '.' for "
+            "the current directory"
+        )
     path = Path(root)
     if not path.exists():
         raise FileNotFoundError(f"image folder {str(root)!r} does not exist")

@@ -34,6 +34,7 @@ __all__ = [
     "open_regular",
     "pixel_problem",
     "sniff_format",
+    "tiff_tags",
 ]
 
 MAX_IMAGE_PIXELS = 89_478_485
@@ -185,7 +186,9 @@ def _bmp_size(at: _At) -> tuple[int, int] | str:
     return abs(width), abs(height)  # a negative height is a top-down bitmap
 
 
-def _tiff_size(at: _At) -> tuple[int, int] | str:
+def _tiff_tags(at: _At) -> tuple[dict[int, int], bool] | str:
+    """The first TIFF directory's SHORT and LONG values by tag (the first value of each), and
+    whether the directory was read to its end; or what is wrong with the header."""
     order = "<" if at(0, 2) == b"II" else ">"
     first = at(4, 4)
     if len(first) < 4:
@@ -196,18 +199,43 @@ def _tiff_size(at: _At) -> tuple[int, int] | str:
         return _TRUNCATED
     count = min(struct.unpack(order + "H", count_bytes)[0], _MAX_TIFF_TAGS)
     entries = at(ifd + 2, 12 * count)
-    size: dict[int, int] = {}
+    values: dict[int, int] = {}
     for i in range(len(entries) // 12):
         tag, kind = struct.unpack(order + "HH", entries[12 * i : 12 * i + 4])
-        if tag in (256, 257) and kind in (3, 4):  # ImageWidth, ImageLength: SHORT or LONG
+        if kind in (3, 4):  # SHORT or LONG
             value = entries[12 * i + 8 : 12 * i + 12]
             short = kind == 3  # a SHORT sits in the first two bytes of the value field
-            size[tag] = struct.unpack(
+            values[tag] = struct.unpack(
                 order + ("H" if short else "I"), value[:2] if short else value
             )[0]
-    if len(size) < 2:
-        return _TRUNCATED if len(entries) < 12 * count else "is a TIFF without its image size"
-    return size[256], size[257]
+    return values, len(entries) == 12 * count
+
+
+def _tiff_size(at: _At) -> tuple[int, int] | str:
+    tags = _tiff_tags(at)
+    if isinstance(tags, str):
+        return tags
+    values, complete = tags
+    if 256 not in values or 257 not in values:  # ImageWidth, ImageLength
+        return "is a TIFF without its image size" if complete else _TRUNCATED
+    return values[256], values[257]
+
+
+def tiff_tags(data: bytes | np.ndarray[Any, Any]) -> dict[int, int]:
+    """The SHORT and LONG values of a TIFF's first directory, by tag (``{}`` if unreadable).
+
+    Example:
+        >>> import struct
+        >>> ifd = struct.pack("<HHHII", 1, 274, 3, 1, 6)  # one entry: Orientation, SHORT, 6
+        >>> tiff_tags(b"II*\\x00" + struct.pack("<I", 8) + ifd)
+        {274: 6}
+    """
+    raw = data.data.cast("B") if isinstance(data, np.ndarray) else memoryview(data)
+    try:
+        tags = _tiff_tags(lambda offset, n: bytes(raw[offset : offset + n]))
+    except struct.error:
+        return {}
+    return {} if isinstance(tags, str) else tags[0]
 
 
 def _webp_size(at: _At) -> tuple[int, int] | str:

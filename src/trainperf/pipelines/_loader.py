@@ -266,8 +266,9 @@ def image_loader(
     Eval: resize the shorter side to ``int(size / 0.875)``, centre crop, normalise: the
     output of torchvision's ``Resize`` + ``CenterCrop`` + ``Normalize`` (exact for the
     torchvision backend; DALI within one grey level, see ``docs/pipelines.md``).
-    Grayscale, CMYK and PNG images are converted to RGB. EXIF orientation is ignored, as
-    torchvision's ImageFolder ignores it.
+    Grayscale, CMYK and PNG images are converted to RGB. The EXIF orientation of JPEG, PNG
+    and WebP files is ignored and a TIFF's Orientation tag applied, as torchvision's
+    ImageFolder (PIL) does.
 
     Args:
         source: an ImageFolder directory (``root/<class>/<image>``, classes sorted by
@@ -326,13 +327,15 @@ def image_loader(
             default when training); with
             ``num_threads="auto"``, a ``LOCAL_WORLD_SIZE``/``SLURM_NTASKS_PER_NODE`` that
             is not a whole number >= 1.
-        FileNotFoundError: ``source`` does not exist.
+        FileNotFoundError: ``source`` does not exist, or is ``""``.
         ModuleNotFoundError: the backend's package is not installed (the message names the
             ``pip install`` command).
         ImportError: ``backend="dali"`` and DALI is installed but does not import (e.g. a
             wheel for another CUDA version) or is older than 1.44; the message says why and
             how to reinstall it.
-        TypeError: ``device`` is not a str, int or torch.device.
+        TypeError: ``source`` is neither a folder path nor a list of ``(path, label)``
+            pairs (a ``bytes`` path among them); ``device`` is not a str, int or
+            torch.device.
         DeviceError: CUDA (or MPS) asked for but not available, or a CUDA index beyond the
             visible GPUs.
 

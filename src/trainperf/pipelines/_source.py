@@ -295,6 +295,12 @@ def _resolve(
         items, classes, unlisted = find_images(source)
         bad_dirs = [BadFile(folder, why) for folder, why in unlisted]
         return items, classes, bad_dirs, f"image folder {os.fspath(source)!r}"
+    given: object = source  # bytes are not in the signature, but callers pass them
+    if isinstance(given, (bytes, bytearray)):  # a Sequence too: of ints, not of pairs
+        raise TypeError(
+            f"source must be a folder path (str or os.PathLike) or a list of (path, label) "
+            f"pairs, got bytes {bytes(given)!r}; pass os.fsdecode(source)"
+        )
     if isinstance(source, Sequence):
         items = _list_items(source)
         return items, _numbered_classes(items), [], "the image list"
