@@ -255,6 +255,22 @@ def test_diagnose_reads_the_cudnn_version_without_initialising_cuda(
     assert doctor_module._cudnn_version() == cudnn.version()
 
 
+@pytest.mark.requires_cuda
+def test_diagnose_in_a_fresh_process_on_a_gpu_host_leaves_cuda_uninitialised() -> None:
+    # The test above fakes a GPU host; this one is the real thing, where CUDA was not yet
+    # started by anything else in the process (the test process may have started it).
+    import subprocess
+
+    code = (
+        "import torch, trainperf.doctor as d; d.diagnose(); "
+        "print('initialised' if torch.cuda.is_initialized() else 'untouched')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "untouched", out.stdout + out.stderr
+
+
 def test_worst_orders_fail_warn_ok_skip() -> None:
     def report(*verdicts: str) -> DoctorReport:
         return DoctorReport(tuple(Check(f"c{i}", v, "x") for i, v in enumerate(verdicts)))  # type: ignore[arg-type]
