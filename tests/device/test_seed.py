@@ -113,6 +113,28 @@ def test_worker_init_fn_gives_distinct_reproducible_worker_seeds() -> None:
         assert next(r for w, _, _, r in first if w == wid) == random.Random(seed).random()
 
 
+def test_worker_init_fn_gives_each_rank_s_workers_their_own_streams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: every rank seeds its loader's generator alike, so worker k of every rank drew
+    # the same torch, NumPy and random values (the same augmentations on every rank).
+    rank0 = run_loader(0)
+    monkeypatch.setenv("RANK", "0")
+    assert run_loader(0) == rank0  # rank 0 draws as a run without DDP always did
+    monkeypatch.setenv("RANK", "1")
+    rank1 = run_loader(0)
+    assert run_loader(0) == rank1  # reproducible
+    firsts = {}
+    for run, items in (("rank0", rank0), ("rank1", rank1)):
+        for wid, seed, draw, r in items:
+            firsts.setdefault((run, wid), (seed, draw, r))
+    for wid in (0, 1):
+        torch_0, numpy_0, random_0 = firsts[("rank0", wid)]
+        torch_1, numpy_1, random_1 = firsts[("rank1", wid)]
+        assert torch_0 != torch_1 and numpy_0 != numpy_1 and random_0 != random_1, wid
+    assert firsts[("rank1", 0)] != firsts[("rank1", 1)]
+
+
 def test_worker_init_fn_outside_a_worker(restore_determinism: None) -> None:
     torch.manual_seed(11)
     worker_init_fn(0)

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainperf._utils import launch_env
 from trainperf._utils.validate import non_negative_int
 
 
@@ -69,13 +70,19 @@ def _worker_seed_state(seed: int) -> np.ndarray[Any, Any]:
 
 
 def worker_init_fn(worker_id: int) -> None:
-    """Give each DataLoader worker its own reproducible ``random`` and NumPy seed.
+    """Give each DataLoader worker its own reproducible ``random`` and NumPy seed, and
+    under DDP each rank's workers their own streams.
 
     Inside a worker the seed comes from ``torch.initial_seed()``, which the DataLoader sets
     to ``base_seed + worker_id`` (``base_seed`` drawn from the loader's generator), so
     seeding that generator makes every worker's stream reproducible. Recent PyTorch seeds
     NumPy in workers itself; this function makes the scheme explicit and version-proof.
     Called outside a worker, it seeds from ``torch.initial_seed() + worker_id``.
+
+    Every rank seeds its generator alike (``seed_everything(42)`` on each), so worker ``k``
+    of every rank would draw the same augmentations; on a rank other than 0 (the process
+    group's, else ``RANK``) the rank is mixed into the seed, torch's included. Rank 0, and a
+    run without DDP, draw as they always did.
 
     Args:
         worker_id: the worker's number, as the DataLoader passes it.
@@ -92,5 +99,17 @@ def worker_init_fn(worker_id: int) -> None:
     non_negative_int("worker_id", worker_id)
     info = torch.utils.data.get_worker_info()
     seed = info.seed if info is not None else torch.initial_seed() + worker_id
+    rank = _global_rank()
+    if rank:
+        seed = int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0])
+        torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(_worker_seed_state(seed))
+
+
+def _global_rank() -> int:
+    """The process group's rank, else ``RANK`` (a worker of a rank inherits it), else 0."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return launch_env.read_int("RANK") or 0
