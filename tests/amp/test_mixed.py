@@ -274,6 +274,29 @@ def test_an_optimizer_whose_parameters_got_no_gradient_is_stepped_plainly(precis
 
 
 @needs_cpu_fp16
+def test_a_mixed_precision_pickles_whole_with_its_loss_scale(tmp_path: Path) -> None:
+    # Before: torch.save(mp) failed with "cannot pickle 'weakref.ReferenceType' object"
+    # (the prepared models are held weakly), though the docs say torch.save pickles it whole.
+    from trainperf.amp._mixed import LIVE
+
+    mp = MixedPrecision("cpu", precision="fp16")
+    model, opts = two_optimizers(mp)
+    with mp.autocast():
+        loss = model(torch.randn(8, 4)).float().mean()
+    mp.backward(loss)
+    mp.step(*opts)
+    mp.scaler.update(new_scale=1024.0)  # type: ignore[union-attr]
+    torch.save(mp, tmp_path / "mp.pt")
+    loaded = torch.load(tmp_path / "mp.pt", weights_only=False)
+    assert loaded.state_dict() == mp.state_dict() and loaded.state_dict()["scaler"]["scale"] == 1024
+    assert loaded in LIVE and copy.deepcopy(mp) in LIVE  # watch() and the tuner see copies
+    with pytest.raises(RuntimeError, match=r"call mp\.zero_grad\(optimizer\)"):
+        loaded.zero_grad()  # it knows no prepared model
+    mp.zero_grad()  # the original still does
+    assert all(p.grad is None for p in model.parameters())
+
+
+@needs_cpu_fp16
 def test_a_failing_fp16_step_does_not_break_every_later_one() -> None:
     mp = MixedPrecision("cpu", precision="fp16")
     model, opts = two_optimizers(mp)

@@ -520,6 +520,29 @@ class MixedPrecision:
 
     # ----------------------------------------------------------------- checkpoints
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling (``torch.save(mp)``, ``copy.deepcopy``, a spawned process's
+        argument) keeps: everything but the models :meth:`prepare` saw, which are held
+        weakly (a weak reference cannot be pickled; a strong one would pickle the model)."""
+        state = self.__dict__.copy()
+        del state["_models"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """The copy knows no prepared model (its ``zero_grad()`` needs an optimizer) and is
+        live, as a new instance is, for ``trainperf.watch()`` and ``tune_batch_size``.
+
+        Example:
+            >>> import pickle
+            >>> mp = MixedPrecision("cpu", precision="fp16")
+            >>> copy = pickle.loads(pickle.dumps(mp))
+            >>> copy.state_dict() == mp.state_dict(), copy in LIVE
+            (True, True)
+        """
+        self.__dict__.update(state)
+        self._models = weakref.WeakSet()
+        LIVE.add(self)
+
     def state_dict(self) -> dict[str, Any]:
         """The precision and the loss-scaler state (None without a scaler), for checkpoints.
 
