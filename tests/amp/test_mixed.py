@@ -336,7 +336,7 @@ def test_fp16_step_on_a_half_model_names_the_cause_before_anything_steps(
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, math.nan, "1.0"])
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, "1.0", True])  # True read as 1 before
 def test_max_grad_norm_must_be_positive(bad: object) -> None:
     mp = MixedPrecision("cpu", precision="fp32")
     w = nn.Parameter(torch.ones(2))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, TypeVar, get_args
 
 import torch
@@ -21,6 +21,15 @@ from trainperf.amp._channels_last import (
     channels_last_decision,
     model_to_channels_last,
     to_channels_last,
+)
+from trainperf.amp._precision import choose_precision
+from trainperf.amp._step import (
+    check_no_fp16_grads,
+    check_step,
+    forget,
+    has_grads,
+    parameters,
+    scaled_step,
 )
 from trainperf.amp._tf32 import enable_tf32
 from trainperf.device import resolve_device, to_device
@@ -58,33 +67,6 @@ class _NoAutocast(contextlib.ContextDecorator):
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
         return None
-
-
-def choose_precision(device: str | torch.device | None = None) -> torch.dtype:
-    """The precision the "auto" policy picks for ``device`` (the table in :mod:`trainperf.amp`).
-
-    CUDA compute capability >= 8.0 -> bf16; 7.x -> fp16 (with a loss scaler); < 7.0 -> fp32;
-    a CPU with native bf16 -> bf16, else fp32; MPS -> fp16. Override it with
-    ``MixedPrecision(precision=...)``.
-
-    Args:
-        device: the device to decide for; None or ``"auto"`` means
-            :func:`trainperf.best_device` (parsed by :func:`trainperf.device.resolve_device`).
-
-    Returns:
-        ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
-
-    Raises:
-        DeviceError: CUDA or MPS asked for but not available, or a CUDA index beyond the
-            visible GPUs.
-        ValueError: ``device`` is not a valid device string.
-        TypeError: ``device`` has the wrong type.
-
-    Example:
-        >>> choose_precision("cpu") in (torch.bfloat16, torch.float32)
-        True
-    """
-    return _precision.auto_precision(resolve_device(device, allowed=None))[0]
 
 
 # --------------------------------------------------------------------------- the class
@@ -399,81 +381,34 @@ class MixedPrecision:
         """
         if optimizer is not None:
             optimizers = (*optimizers, optimizer)
-        self._check_step(optimizers, max_grad_norm)
+        check_step(
+            optimizers,
+            max_grad_norm,
+            pending=self._backward_pending,
+            stepped=self._stepped,
+            zeroed=self._zeroed,
+        )
         scaler = self.scaler
         if scaler is not None and scaler.is_enabled():
-            _check_no_fp16_grads(optimizers)
+            check_no_fp16_grads(optimizers)
         self._backward_pending = False
         self._stepped = True
         self._zeroed.clear()
         if scaler is None:
             for opt in optimizers:
                 if max_grad_norm is not None:
-                    nn.utils.clip_grad_norm_(_parameters(opt), max_grad_norm)
+                    nn.utils.clip_grad_norm_(parameters(opt), max_grad_norm)
                 opt.step()
             return True
         # An optimizer none of whose parameters got a gradient (a frozen backbone) has
         # nothing to unscale nor to find inf in: GradScaler would assert on it, half-way
         # through the others. It is stepped plainly (its hooks and schedulers see a step).
-        scaled = tuple(o for o in optimizers if _has_grads(o))
+        scaled = tuple(o for o in optimizers if has_grads(o))
         for opt in optimizers:
             if opt not in scaled:
-                _forget(scaler, opt)
+                forget(scaler, opt)
                 opt.step()
-        return _scaled_step(scaler, scaled, max_grad_norm)
-
-    def _check_step(
-        self, optimizers: tuple[torch.optim.Optimizer, ...], max_grad_norm: float | None
-    ) -> None:
-        if not optimizers:
-            raise TypeError(
-                "MixedPrecision.step() takes the optimizer(s) to step, got none; call "
-                "mp.step(optimizer), or mp.step(opt_a, opt_b) for several"
-            )
-        for o in optimizers:
-            if not (callable(getattr(o, "step", None)) and hasattr(o, "param_groups")):
-                raise TypeError(
-                    f"MixedPrecision.step() takes optimizers, got {o!r}; max_grad_norm is "
-                    "keyword-only: mp.step(optimizer, max_grad_norm=1.0)"
-                )
-        if len({id(o) for o in optimizers}) < len(optimizers):
-            raise ValueError(
-                "MixedPrecision.step() got the same optimizer twice; pass each optimizer once"
-            )
-        # An optimizer zeroed since the step has no gradients of that backward left: its
-        # new ones (if any) came from a plain loss.backward(), the error below.
-        if (
-            self._stepped
-            and not self._backward_pending
-            and not self._zeroed.issuperset(map(id, optimizers))
-        ):
-            raise RuntimeError(
-                "MixedPrecision.step() was already called since the last mp.backward(loss): "
-                "one backward, one step. To step several optimizers on one loss, pass them "
-                "all to one call, mp.step(opt_a, opt_b), so that the fp16 loss scale is "
-                "updated once, after all of them"
-            )
-        if not self._backward_pending:
-            raise RuntimeError(
-                "MixedPrecision.step() found no gradients from mp.backward(loss) since the last "
-                "step or zero_grad; call mp.backward(loss) instead of loss.backward(), so that "
-                "fp16 loss scaling and skipped steps work"
-            )
-        self._check_not_zeroed(optimizers)
-        if max_grad_norm is not None and not (
-            isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0
-        ):
-            raise ValueError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
-
-    def _check_not_zeroed(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
-        for i, o in enumerate(optimizers, 1):
-            if id(o) in self._zeroed:
-                raise RuntimeError(
-                    f"MixedPrecision.step() found no gradients for optimizer {i} of "
-                    f"{len(optimizers)} ({type(o).__name__}): mp.zero_grad(optimizer) cleared "
-                    "them since the last mp.backward(loss); step the other optimizers without "
-                    "it, or call mp.backward(loss) again first"
-                )
+        return scaled_step(scaler, scaled, max_grad_norm)
 
     def zero_grad(
         self, optimizer: torch.optim.Optimizer | None = None, *, set_to_none: bool = True
@@ -593,70 +528,3 @@ class MixedPrecision:
                 )
             return
         scaler.load_state_dict(dict(saved))
-
-
-def _scaled_step(
-    scaler: torch.amp.GradScaler,
-    optimizers: tuple[torch.optim.Optimizer, ...],
-    max_grad_norm: float | None,
-) -> bool:
-    """Unscale, clip and step each optimizer through ``scaler``, then update it once. If
-    one raises, the scaler's record of this step is dropped, so that the next step works."""
-    if not optimizers:
-        return True  # no gradients anywhere: nothing stepped, nothing skipped
-    try:
-        for optimizer in optimizers:
-            if max_grad_norm is not None:
-                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-                nn.utils.clip_grad_norm_(_parameters(optimizer), max_grad_norm)
-            scaler.step(optimizer)
-    except BaseException:
-        # Stepped optimizers stay stepped (the loss scale is not updated for this step);
-        # without this every later step would fail with "step() has already been called
-        # since the last update()".
-        for optimizer in optimizers:
-            _forget(scaler, optimizer)
-        raise
-    if not scaler.is_enabled():
-        # A disabled scaler steps plainly and keeps no inf/NaN flags to read (nor the
-        # per-optimizer state they live in); update() would be a no-op.
-        return True
-    # The inf/NaN flags GradScaler.step decided on (torch's own test, in _maybe_opt_step);
-    # update() discards them, so read them first: one read per optimizer, instead of the
-    # loss scale before and after.
-    found_inf = sum(v.item() for o in optimizers for v in scaler._found_inf_per_device(o).values())
-    scaler.update()
-    return not found_inf
-
-
-def _forget(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
-    """Drop ``scaler``'s record of ``optimizer`` for this step (an ``unscale_`` the caller
-    made, a step that raised), so the next step starts clean. A disabled scaler keeps none."""
-    states = getattr(scaler, "_per_optimizer_states", None)
-    if states is not None:
-        states.pop(id(optimizer), None)
-
-
-def _check_no_fp16_grads(optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
-    """Refuse fp16 gradients before anything steps: ``GradScaler`` cannot unscale them (its
-    bare "Attempting to unscale FP16 gradients." names neither the cause nor the fix)."""
-    for i, o in enumerate(optimizers, 1):
-        grads = [p.grad for p in _parameters(o) if p.grad is not None]
-        half = sum(g.dtype == torch.float16 for g in grads)
-        if half:
-            raise ValueError(
-                f"MixedPrecision.step() found fp16 gradients in optimizer {i} of "
-                f"{len(optimizers)} ({type(o).__name__}): {half} of its {len(grads)} "
-                "parameters with a gradient are fp16 (the model was cast with model.half() or "
-                ".to(torch.float16)), which the fp16 loss scaler cannot unscale; keep the "
-                "model in fp32 (mp.autocast() already runs its operations in fp16): "
-                "model.float(), then build the optimizer again"
-            )
-
-
-def _has_grads(optimizer: torch.optim.Optimizer) -> bool:
-    return any(p.grad is not None for p in _parameters(optimizer))
-
-
-def _parameters(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]

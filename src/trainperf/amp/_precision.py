@@ -2,7 +2,8 @@
 
 The small functions that ask the device (:func:`cuda_capability`, :func:`cpu_has_bf16_kernels`,
 :func:`autocast_supports`) are the seams tests replace to fake a P40, V100, T4, A100 or H200;
-:func:`auto_precision` and :func:`resolve` turn their answers into a dtype and a reason.
+:func:`auto_precision` and :func:`resolve` turn their answers into a dtype and a reason, and
+:func:`choose_precision` is the public face of the "auto" policy.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import warnings
 
 import torch
 
+from trainperf.device import resolve_device
 from trainperf.errors import DeviceError
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "NAMES",
     "auto_precision",
     "autocast_supports",
+    "choose_precision",
     "cpu_has_bf16_kernels",
     "cuda_capability",
     "resolve",
@@ -162,3 +165,30 @@ def resolve(device: torch.device, precision: str) -> tuple[torch.dtype, str]:
         )
     scaled = " with loss scaling" if dtype == torch.float16 else ""
     return dtype, f"requested {precision}{scaled} on {device}"
+
+
+def choose_precision(device: str | torch.device | None = None) -> torch.dtype:
+    """The precision the "auto" policy picks for ``device`` (the table in :mod:`trainperf.amp`).
+
+    CUDA compute capability >= 8.0 -> bf16; 7.x -> fp16 (with a loss scaler); < 7.0 -> fp32;
+    a CPU with native bf16 -> bf16, else fp32; MPS -> fp16. Override it with
+    ``MixedPrecision(precision=...)``.
+
+    Args:
+        device: the device to decide for; None or ``"auto"`` means
+            :func:`trainperf.best_device` (parsed by :func:`trainperf.device.resolve_device`).
+
+    Returns:
+        ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
+
+    Raises:
+        DeviceError: CUDA or MPS asked for but not available, or a CUDA index beyond the
+            visible GPUs.
+        ValueError: ``device`` is not a valid device string.
+        TypeError: ``device`` has the wrong type.
+
+    Example:
+        >>> choose_precision("cpu") in (torch.bfloat16, torch.float32)
+        True
+    """
+    return auto_precision(resolve_device(device, allowed=None))[0]

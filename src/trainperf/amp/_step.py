@@ -1,0 +1,167 @@
+"""What :meth:`trainperf.MixedPrecision.step` checks and runs: the refusals of a call that
+cannot be right (:func:`check_step`, :func:`check_no_fp16_grads`) and the fp16 step through
+the loss scaler (:func:`scaled_step`), which steps each optimizer and updates the scale once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = [
+    "check_no_fp16_grads",
+    "check_not_zeroed",
+    "check_step",
+    "forget",
+    "has_grads",
+    "parameters",
+    "scaled_step",
+]
+
+
+def check_step(
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    max_grad_norm: float | None,
+    *,
+    pending: bool,
+    stepped: bool,
+    zeroed: set[int],
+) -> None:
+    """Refuse a :meth:`MixedPrecision.step` call that cannot be right: no optimizer or
+    something else, one given twice, no ``mp.backward`` since the last step, a backward that
+    ``mp.zero_grad(optimizer)`` dropped, or a bad ``max_grad_norm``.
+
+    Args:
+        optimizers: what the call got.
+        max_grad_norm: its clip value.
+        pending: a backward waits for its step.
+        stepped: a step used the last backward.
+        zeroed: ids of the optimizers ``mp.zero_grad(optimizer)`` cleared since.
+
+    Example:
+        >>> try:
+        ...     check_step((), None, pending=True, stepped=False, zeroed=set())
+        ... except TypeError as e:
+        ...     print(str(e).split(";")[0])
+        MixedPrecision.step() takes the optimizer(s) to step, got none
+    """
+    if not optimizers:
+        raise TypeError(
+            "MixedPrecision.step() takes the optimizer(s) to step, got none; call "
+            "mp.step(optimizer), or mp.step(opt_a, opt_b) for several"
+        )
+    for o in optimizers:
+        if not (callable(getattr(o, "step", None)) and hasattr(o, "param_groups")):
+            raise TypeError(
+                f"MixedPrecision.step() takes optimizers, got {o!r}; max_grad_norm is "
+                "keyword-only: mp.step(optimizer, max_grad_norm=1.0)"
+            )
+    if len({id(o) for o in optimizers}) < len(optimizers):
+        raise ValueError(
+            "MixedPrecision.step() got the same optimizer twice; pass each optimizer once"
+        )
+    # An optimizer zeroed since the step has no gradients of that backward left: its
+    # new ones (if any) came from a plain loss.backward(), the error below.
+    if stepped and not pending and not zeroed.issuperset(map(id, optimizers)):
+        raise RuntimeError(
+            "MixedPrecision.step() was already called since the last mp.backward(loss): "
+            "one backward, one step. To step several optimizers on one loss, pass them "
+            "all to one call, mp.step(opt_a, opt_b), so that the fp16 loss scale is "
+            "updated once, after all of them"
+        )
+    if not pending:
+        raise RuntimeError(
+            "MixedPrecision.step() found no gradients from mp.backward(loss) since the last "
+            "step or zero_grad; call mp.backward(loss) instead of loss.backward(), so that "
+            "fp16 loss scaling and skipped steps work"
+        )
+    check_not_zeroed(optimizers, zeroed)
+    if max_grad_norm is not None and not (
+        isinstance(max_grad_norm, (int, float))
+        and not isinstance(max_grad_norm, bool)
+        and max_grad_norm > 0
+    ):
+        raise ValueError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
+
+
+def check_not_zeroed(optimizers: tuple[torch.optim.Optimizer, ...], zeroed: set[int]) -> None:
+    """Refuse to step an optimizer ``mp.zero_grad(optimizer)`` cleared since the backward."""
+    for i, o in enumerate(optimizers, 1):
+        if id(o) in zeroed:
+            raise RuntimeError(
+                f"MixedPrecision.step() found no gradients for optimizer {i} of "
+                f"{len(optimizers)} ({type(o).__name__}): mp.zero_grad(optimizer) cleared "
+                "them since the last mp.backward(loss); step the other optimizers without "
+                "it, or call mp.backward(loss) again first"
+            )
+
+
+def scaled_step(
+    scaler: torch.amp.GradScaler,
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    max_grad_norm: float | None,
+) -> bool:
+    """Unscale, clip and step each optimizer through ``scaler``, then update it once. If
+    one raises, the scaler's record of this step is dropped, so that the next step works."""
+    if not optimizers:
+        return True  # no gradients anywhere: nothing stepped, nothing skipped
+    try:
+        for optimizer in optimizers:
+            if max_grad_norm is not None:
+                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+                nn.utils.clip_grad_norm_(parameters(optimizer), max_grad_norm)
+            scaler.step(optimizer)
+    except BaseException:
+        # Stepped optimizers stay stepped (the loss scale is not updated for this step);
+        # without this every later step would fail with "step() has already been called
+        # since the last update()".
+        for optimizer in optimizers:
+            forget(scaler, optimizer)
+        raise
+    if not scaler.is_enabled():
+        # A disabled scaler steps plainly and keeps no inf/NaN flags to read (nor the
+        # per-optimizer state they live in); update() would be a no-op.
+        return True
+    # The inf/NaN flags GradScaler.step decided on (torch's own test, in _maybe_opt_step);
+    # update() discards them, so read them first: one read per optimizer, instead of the
+    # loss scale before and after.
+    found_inf = sum(v.item() for o in optimizers for v in scaler._found_inf_per_device(o).values())
+    scaler.update()
+    return not found_inf
+
+
+def forget(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """Drop ``scaler``'s record of ``optimizer`` for this step (an ``unscale_`` the caller
+    made, a step that raised), so the next step starts clean. A disabled scaler keeps none."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states is not None:
+        states.pop(id(optimizer), None)
+
+
+def check_no_fp16_grads(optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+    """Refuse fp16 gradients before anything steps: ``GradScaler`` cannot unscale them (its
+    bare "Attempting to unscale FP16 gradients." names neither the cause nor the fix)."""
+    for i, o in enumerate(optimizers, 1):
+        grads = [p.grad for p in parameters(o) if p.grad is not None]
+        half = sum(g.dtype == torch.float16 for g in grads)
+        if half:
+            raise ValueError(
+                f"MixedPrecision.step() found fp16 gradients in optimizer {i} of "
+                f"{len(optimizers)} ({type(o).__name__}): {half} of its {len(grads)} "
+                "parameters with a gradient are fp16 (the model was cast with model.half() or "
+                ".to(torch.float16)), which the fp16 loss scaler cannot unscale; keep the "
+                "model in fp32 (mp.autocast() already runs its operations in fp16): "
+                "model.float(), then build the optimizer again"
+            )
+
+
+def has_grads(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether any of ``optimizer``'s parameters has a gradient."""
+    return any(p.grad is not None for p in parameters(optimizer))
+
+
+def parameters(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+    """Every parameter ``optimizer`` steps, group by group."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
