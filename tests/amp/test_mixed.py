@@ -345,6 +345,14 @@ def test_max_grad_norm_must_be_positive(bad: object) -> None:
         mp.step(torch.optim.SGD([w], lr=0.1), max_grad_norm=bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("bad", [True, []], ids=["set_to_none", "a-list"])
+def test_zero_grad_names_an_argument_that_is_not_an_optimizer(bad: object) -> None:
+    # Before: AttributeError: 'bool' object has no attribute 'zero_grad'.
+    mp = MixedPrecision("cpu", precision="fp32")
+    with pytest.raises(TypeError, match=r"takes one optimizer or none, got .*keyword-only"):
+        mp.zero_grad(bad)  # type: ignore[arg-type]
+
+
 def test_backward_and_prepare_check_their_argument() -> None:
     mp = MixedPrecision("cpu", precision="fp32")
     with pytest.raises(TypeError, match=r"backward\(\) takes the loss tensor, got float"):

@@ -87,6 +87,23 @@ def test_bench_model_rejects_bad_arguments(kwargs: dict[str, object], match: str
         bench_model(**args)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"train": "no"}, "train must be True or False, got 'no'"),
+        ({"channels_last": 1}, "channels_last must be True or False, got 1"),
+        ({"compare": "false"}, "compare must be True or False"),
+        ({"tf32": "off"}, "tf32 must be True, False or None, got 'off'"),
+    ],
+)
+def test_bench_model_refuses_a_flag_that_is_not_a_bool(
+    kwargs: dict[str, object], match: str
+) -> None:
+    # Before: train="no" was taken as true and trained.
+    with pytest.raises(TypeError, match=match):
+        bench_model(**{**TINY, **kwargs})  # type: ignore[arg-type]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
 def test_bench_model_on_missing_cuda_says_so() -> None:
     with pytest.raises(DeviceError, match="CUDA is not available"):

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "choice",
+    "flag",
     "fresh_stream",
     "non_negative_int",
     "non_negative_number",
@@ -159,6 +160,22 @@ def choice(name: str, value: object, choices: Sequence[object]) -> None:
     """
     if value not in choices:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def flag(name: str, value: object, *, none_ok: bool = False) -> None:
+    """Raise ``TypeError`` unless ``value`` is True or False (or None, with ``none_ok``):
+    a string such as ``"no"`` or ``"false"`` would otherwise read as true.
+
+    Example:
+        >>> flag("train", True)
+        >>> flag("train", "no")
+        Traceback (most recent call last):
+        ...
+        TypeError: train must be True or False, got 'no'
+    """
+    if not isinstance(value, bool) and not (none_ok and value is None):
+        allowed = "True, False or None" if none_ok else "True or False"
+        raise TypeError(f"{name} must be {allowed}, got {value!r}")
 
 
 def _returns_self(self: object) -> object:

@@ -15,7 +15,7 @@ from typing import Any, Literal, Protocol, TypeVar, get_args
 import torch
 from torch import nn
 
-from trainperf._utils.validate import choice
+from trainperf._utils.validate import choice, flag
 from trainperf.amp import _precision
 from trainperf.amp._channels_last import (
     channels_last_decision,
@@ -137,8 +137,7 @@ class MixedPrecision:
         choice("precision", precision, _PRECISIONS)
         if channels_last not in (True, False, "auto") or not isinstance(channels_last, (bool, str)):
             raise ValueError(f"channels_last must be 'auto', True or False, got {channels_last!r}")
-        if not isinstance(tf32, bool):
-            raise TypeError(f"tf32 must be True or False, got {tf32!r}")
+        flag("tf32", tf32)
         self.device: torch.device = resolve_device(device, allowed=None)
         self.precision: Precision = precision
         self.channels_last: bool | Literal["auto"] = channels_last
@@ -426,6 +425,8 @@ class MixedPrecision:
 
         Raises:
             RuntimeError: no optimizer was given and no model was prepared.
+            TypeError: ``optimizer`` is not an optimizer (``set_to_none`` passed positionally,
+                a list of optimizers).
 
         Example:
             >>> mp = MixedPrecision("cpu", precision="fp32")
@@ -435,6 +436,12 @@ class MixedPrecision:
             >>> model.weight.grad is None
             True
         """
+        if optimizer is not None and not callable(getattr(optimizer, "zero_grad", None)):
+            raise TypeError(
+                f"MixedPrecision.zero_grad() takes one optimizer or none, got {optimizer!r}; "
+                "set_to_none is keyword-only (mp.zero_grad(set_to_none=False)), and several "
+                "optimizers take one call each"
+            )
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=set_to_none)
             if self._backward_pending or self._stepped:

@@ -27,6 +27,8 @@ from typing import NamedTuple
 
 import torch
 
+from trainperf._utils.validate import flag
+
 __all__ = ["TF32State", "enable_tf32", "tf32", "tf32_state"]
 
 
@@ -295,8 +297,7 @@ def tf32(enabled: bool) -> Iterator[TF32State]:
         >>> tf32_state() == before
         True
     """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be True or False, got {enabled!r}")
+    flag("enabled", enabled)
     saved = _snapshot()
     try:
         _switch(enabled)

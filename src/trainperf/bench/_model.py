@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from trainperf._utils.imports import require
-from trainperf._utils.validate import choice, positive_int
+from trainperf._utils.validate import choice, flag, positive_int
 from trainperf.amp._tf32 import tf32 as tf32_mode
 from trainperf.amp._tf32 import tf32_state
 from trainperf.bench._common import (
@@ -458,6 +458,8 @@ def bench_model(
         A :class:`BenchResult`.
 
     Raises:
+        TypeError: ``train``, ``channels_last``, ``compare`` or ``tf32`` is not a bool (``tf32``
+            may be None).
         ValueError: an unknown model or precision, a count below 1, an image size the
             model cannot take, ``train`` with a batch of one, or an input batch of more
             bytes than a tensor can address.
@@ -475,6 +477,9 @@ def bench_model(
     """
     choice("model", model, MODELS)
     choice("precision", precision, tuple(PRECISIONS))
+    for name, value in (("train", train), ("channels_last", channels_last), ("compare", compare)):
+        flag(name, value)
+    flag("tf32", tf32, none_ok=True)
     dev = resolve_device(device)
     settings = _settings(
         dev,
