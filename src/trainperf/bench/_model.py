@@ -221,6 +221,11 @@ def _settings(
     )
 
 
+def _check_flags(**flags: object) -> None:
+    for name, value in flags.items():
+        flag(name, value, none_ok=name == "tf32")
+
+
 def _check_model_input(model: str, precision: str, settings: _Settings, *, train: bool) -> None:
     image_size, batch_size = settings.image_size, settings.batch_size
     _check_input_bytes(precision, settings)
@@ -477,9 +482,7 @@ def bench_model(
     """
     choice("model", model, MODELS)
     choice("precision", precision, tuple(PRECISIONS))
-    for name, value in (("train", train), ("channels_last", channels_last), ("compare", compare)):
-        flag(name, value)
-    flag("tf32", tf32, none_ok=True)
+    _check_flags(train=train, channels_last=channels_last, compare=compare, tf32=tf32)
     dev = resolve_device(device)
     settings = _settings(
         dev,
