@@ -221,7 +221,9 @@ def _settings(
     )
 
 
-def _check_flags(**flags: object) -> None:
+def _check_arguments(model: str, precision: str, **flags: object) -> None:
+    choice("model", model, MODELS)
+    choice("precision", precision, tuple(PRECISIONS))
     for name, value in flags.items():
         flag(name, value, none_ok=name == "tf32")
 
@@ -480,9 +482,9 @@ def bench_model(
         >>> r.model, r.precision, len(r.iteration_seconds), r.images_per_s > 0
         ('resnet50', 'fp32', 1, True)
     """
-    choice("model", model, MODELS)
-    choice("precision", precision, tuple(PRECISIONS))
-    _check_flags(train=train, channels_last=channels_last, compare=compare, tf32=tf32)
+    _check_arguments(
+        model, precision, train=train, channels_last=channels_last, compare=compare, tf32=tf32
+    )
     dev = resolve_device(device)
     settings = _settings(
         dev,
