@@ -221,6 +221,12 @@ def _settings(
     )
 
 
+def _check_supported(precision: str, dev: torch.device) -> None:
+    reason = _unsupported(precision, dev)
+    if reason is not None:
+        raise DeviceError(f"bench_model(precision={precision!r}) on {dev}: {reason}")
+
+
 def _check_arguments(model: str, precision: str, **flags: object) -> None:
     choice("model", model, MODELS)
     choice("precision", precision, tuple(PRECISIONS))
@@ -495,9 +501,7 @@ def bench_model(
         warmup_batches=warmup_batches,
     )
     _check_model_input(model, precision, settings, train=train)
-    reason = _unsupported(precision, dev)
-    if reason is not None:
-        raise DeviceError(f"bench_model(precision={precision!r}) on {dev}: {reason}")
+    _check_supported(precision, dev)
     run_batch = _batch_runner(
         model, precision, settings, dev, train=train, channels_last=channels_last
     )
