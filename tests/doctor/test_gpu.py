@@ -78,3 +78,12 @@ def test_cuda_arch_against_compute_capability(
 def test_cuda_arch_skips_without_gpus_or_arch_list() -> None:
     assert check_cuda_arch(["sm_80"], []).verdict == "skip"
     assert check_cuda_arch([], [("GPU", (8, 0))]).verdict == "skip"
+
+
+def test_cuda_arch_does_not_vouch_for_a_gpu_whose_capability_is_unknown() -> None:
+    # Before: "every GPU has native kernels", ok, though no GPU had been checked.
+    none_known = check_cuda_arch(["sm_80"], [("GPU 0", None)])
+    assert none_known.verdict == "skip" and "compute capability is known" in none_known.value
+    one_known = check_cuda_arch(["sm_80"], [("A100", (8, 0)), ("GPU 1", None)])
+    assert one_known.verdict == "ok" and "every GPU but GPU 1" in one_known.value
+    assert "every GPU has native kernels" not in none_known.value + one_known.value

@@ -189,6 +189,7 @@ def check_cuda_arch(
     parsed = [m for m in (_ARCH.match(a) for a in arch_list) if m]
     bad: list[str] = []
     jit: list[str] = []
+    unknown = [name for name, cc in capabilities if cc is None]
     for name, cc in capabilities:
         if cc is None:
             continue
@@ -222,4 +223,16 @@ def check_cuda_arch(
             "a build with native kernels for this GPU avoids it"
         )
         return Check("cuda_arch", "warn", value + "; only PTX for " + ", ".join(jit), fix)
+    if len(unknown) == len(capabilities):
+        return Check(
+            "cuda_arch", "skip", value + "; no GPU's compute capability is known", "see gpus"
+        )
+    if unknown:
+        return Check(
+            "cuda_arch",
+            "ok",
+            value + "; native kernels for every GPU but " + ", ".join(unknown) + " (compute "
+            "capability unknown)",
+            "",
+        )
     return Check("cuda_arch", "ok", value + "; every GPU has native kernels")
