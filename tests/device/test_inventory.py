@@ -481,6 +481,23 @@ def test_best_device_falls_back_to_cuda0(
     assert best_device() == torch.device("cuda", 0)
 
 
+def test_best_device_falls_back_to_cuda0_when_nvml_refuses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: NVML's refusal (a container without access to it) raised DeviceError out of
+    # best_device(), so MixedPrecision() and every device="auto" failed though CUDA worked.
+    import trainperf.device._inventory as inventory
+
+    def refuse(**_: Any) -> list[Any]:
+        raise DeviceError("NVML refused access while listing GPUs (insufficient permissions)")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(inventory, "gpus", refuse)
+    with pytest.warns(RuntimeWarning, match=r"insufficient permissions.*picks cuda:0"):
+        assert best_device() == torch.device("cuda", 0)
+
+
 def test_best_device_mps_then_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)

@@ -446,14 +446,24 @@ def best_device() -> torch.device:
     free memory comes from NVML).
 
     Returns:
-        ``cuda:<i>``; ``cuda:0`` when CUDA works but NVML is absent; ``mps``; or ``cpu``.
+        ``cuda:<i>``; ``cuda:0`` when CUDA works but NVML is absent, or refuses or fails
+        (with a warning); ``mps``; or ``cpu``.
 
     Example:
         >>> best_device().type in {"cuda", "mps", "cpu"}
         True
     """
     if torch.cuda.is_available():
-        cards = gpus()
+        try:
+            cards = gpus()
+        except DeviceError as e:  # NVML refuses or fails, while CUDA works
+            warnings.warn(
+                f"{e}; best_device() cannot compare the GPUs' free memory and picks cuda:0 "
+                "(pass a device, e.g. device='cuda:1', to choose another)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return torch.device("cuda", 0)
         count = torch.cuda.device_count()
         if cards:
             best = max(cards, key=lambda c: (_free(c), -c.index))
