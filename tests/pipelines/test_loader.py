@@ -150,6 +150,8 @@ def test_skip_leaves_bad_files_out_with_a_warning(bad_folder: Path, backend: str
         ({"seed": -1}, ValueError, "seed must be an int >= 0"),
         ({"mean": (0.5, 0.5)}, ValueError, "mean must be 3 numbers"),
         ({"mean": "abc"}, ValueError, "mean must be 3 numbers"),
+        # A set has no channel order: its items came out in hash order, silently.
+        ({"std": {0.2, 0.3, 0.4}}, ValueError, r"std must be 3 numbers in R, G, B order"),
         ({"std": (0.2, 0.0, 0.2)}, ValueError, "std must be 3 positive numbers"),
         ({"mean": [float("nan")] * 3}, ValueError, r"mean must be finite, got \[nan, nan, nan\]"),
         ({"std": (0.2, float("nan"), 0.2)}, ValueError, r"std must be finite, got \(0\.2, nan"),

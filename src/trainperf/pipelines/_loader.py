@@ -124,6 +124,10 @@ def _choose_backend(
 def _channel_triple(
     name: str, value: Sequence[float], *, positive: bool
 ) -> tuple[float, float, float]:
+    if isinstance(value, (set, frozenset, dict, str, bytes)):  # no channel order, or text
+        raise ValueError(
+            f"{name} must be 3 numbers in R, G, B order (a list or tuple), got {value!r}"
+        )
     try:
         triple = tuple(float(v) for v in value)
     except (TypeError, ValueError) as e:
