@@ -21,7 +21,7 @@ from trainperf._utils.public import set_public_module
 from trainperf.bench._common import Skipped
 from trainperf.bench._h2d import H2DResult, bench_h2d
 from trainperf.bench._matmul import MATMUL_DTYPES, MatmulDtype, MatmulResult, bench_matmul
-from trainperf.bench._model import BenchResult, bench_model, format_iteration
+from trainperf.bench._model import bench_model, format_iteration
 from trainperf.bench._reference import (
     BenchPrecision,
     GpuSpec,
@@ -34,6 +34,7 @@ from trainperf.bench._reference import (
     normalize_gpu_name,
     reference_throughput,
 )
+from trainperf.bench._result import BenchResult
 
 __all__ = [
     "MATMUL_DTYPES",
