@@ -172,6 +172,20 @@ def test_batches_arriving_in_bursts_are_not_periodic_stalls() -> None:
     assert "periodic-stalls" in {saves.verdict.kind, *(f.kind for f in saves.findings)}
 
 
+def test_a_stall_in_a_loop_that_waits_is_compared_as_a_whole_step() -> None:
+    # 100 ms steps, 95 ms of them waiting; every 5th step spends 30 ms more in the step
+    # itself: it takes 130 ms against the median 100 ms, not "35 ms instead of 100 ms"
+    # (its own time against a whole step's).
+    timeline, t = [], 0.0
+    for i in range(100):
+        own = 0.035 if i % 5 == 3 else 0.005
+        timeline.append(StepRecord(i, t, 0.095, own, 8, None, 0.001, 0.0))
+        t += 0.095 + own
+    report = analyse(timeline, cpus=2)
+    (stalls,) = [f for f in (report.verdict, *report.findings) if f.kind == "periodic-stalls"]
+    assert stalls.summary.startswith("every 5 steps one step takes 130 ms instead of 100.0 ms")
+
+
 def test_analyse_ignores_scattered_slow_steps() -> None:
     timeline = steps(60, 0.0, 0.01)
     for i in (5, 17, 18, 41):
@@ -195,6 +209,14 @@ def test_analyse_counts_dropped_steps_in_indices_and_warmup() -> None:
     assert report.wall_s == pytest.approx(20 * 0.02)  # the warm-up was among the dropped
     with pytest.raises(ValueError, match="dropped_steps must be an int >= 0, got -1"):
         analyse(steps, dropped_steps=-1)
+
+
+def test_analyse_takes_steps_of_no_time_with_gpu_spans() -> None:
+    # A made-up or re-analysed timeline whose steps took no time: no share of step time
+    # to give, not a ZeroDivisionError.
+    report = analyse(steps(10, 0.0, 0.0, gpu_busy=0.0), gpu_present=True, cuda_used=True)
+    assert report.wall_s == 0.0 and report.gpu_busy_fraction is None
+    assert report.to_dict()["gpu_busy_fraction"] is None
 
 
 def test_analyse_rejects_bad_arguments() -> None:

@@ -304,6 +304,23 @@ def test_bf16_on_a_cpu_speeds_up_the_share_not_waiting_by_what_the_probe_measure
     assert kept is not None and kept.predicted_speedup == 1.0
 
 
+def test_bf16_on_a_cpu_does_not_speed_up_a_step_that_does_not_compute() -> None:
+    # 20 ms steps, 4 ms waiting (0.2 ms of it on a CPU), the loop's process 6 % of a core:
+    # 1.2 ms of CPU a step, 1 ms outside the wait, so bf16 speeds up 5 % of the step, not
+    # the 80 % a step that sleeps (or waits on the network) spends outside the data wait.
+    setup = LoopSetup(cpu_native_bf16=True, cpu_bf16_speedup=1.6)
+    idle = cpu_loop(wait_fraction=0.2, wait_cpu_s=0.0002, process_cpu=6.0, setup=setup)
+    fix = precision_fix(idle)
+    assert fix is not None and fix.predicted_speedup == pytest.approx(1 / (0.95 + 0.05 / 1.6))
+    assert fix.basis.endswith(
+        "on the 5% of step time the loop's process computed (its sampled CPU)"
+    )
+    # A step that keeps a core busy: all of its 80 % counts, as before.
+    busy = precision_fix(dataclasses.replace(idle, process_cpu=100.0))
+    assert busy is not None and busy.predicted_speedup == pytest.approx(1 / 0.7)
+    assert busy.basis.endswith("on the 80% of step time not spent waiting for data")
+
+
 def test_a_larger_batch_fills_a_gpu_the_host_keeps_waiting() -> None:
     starved = batch_fix(figures(gpu_span=0.4))
     assert starved is not None and starved.predicted_speedup == 2.0  # doubled, capped at 2

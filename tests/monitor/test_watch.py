@@ -204,6 +204,15 @@ def test_samples_are_counted_from_batches_or_given() -> None:
     assert counts == [5, 3, None, 7]
 
 
+def test_a_sample_count_too_large_to_record_is_refused_and_the_log_stays_whole() -> None:
+    with watch(device="cpu") as w:
+        w.step(samples=2**63 - 1)
+        with pytest.raises(ValueError, match=r"samples=9223372036854775808 is more than a step"):
+            w.step(samples=2**63)
+        w.step(samples=1)
+    assert [s.samples for s in w.report().timeline] == [2**63 - 1, 1]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -218,6 +227,7 @@ def test_samples_are_counted_from_batches_or_given() -> None:
         ({"device": "meta"}, "device 'meta' is not supported here: expected 'cpu', 'cuda'"),
         ({"max_records": 0}, "max_records must be an int >= 1"),
         ({"max_records": 2.5}, "max_records must be an int >= 1"),
+        ({"max_records": 2**63}, r"max_records=9223372036854775808 is more than a watch can keep"),
     ],
 )
 def test_watch_rejects_bad_arguments(kwargs: dict[str, object], match: str) -> None:
@@ -662,6 +672,43 @@ def test_a_second_loader_drawn_inside_a_step_does_not_wipe_its_count() -> None:
                         pass
                 w.step()
     assert [s.samples for s in w.report().timeline] == [8, 10, 8] * 2
+
+
+@dataclass
+class _Retune:
+    """What an adaptive loader's ``tuning_history`` holds, as much as the watch reads."""
+
+    time: float
+    old: tuple[int, int | None] = (0, None)
+    new: tuple[int, int | None] = (1, 2)
+    reason: str = "input-bound"
+    why: str = "forced"
+
+
+class _RetuningLoader:
+    """Batches of 4, with a change to its history as its fourth batch is taken."""
+
+    def __init__(self) -> None:
+        self.tuning_history: list[_Retune] = []
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for i in range(6):
+            if i == 3:
+                self.tuning_history.append(_Retune(time.time()))
+            yield torch.zeros(4, 1)
+
+
+def test_an_adaptive_loaders_change_after_stop_is_not_the_watched_loops() -> None:
+    loader = _RetuningLoader()
+    w = watch(device="cpu", warmup_steps=0).start()
+    batches = w.iter(loader)
+    for _ in range(2):
+        next(batches)
+        w.step()
+    w.stop()
+    list(batches)  # the loop goes on unwatched, and the loader retunes
+    assert len(loader.tuning_history) == 1
+    assert w.report().loader_changes == ()
 
 
 def test_iterating_after_stop_leaves_the_report_as_it_was() -> None:

@@ -125,7 +125,10 @@ def _window(
 def _event_span(measured: Sequence[StepRecord], wall: float) -> float | None:
     """The CUDA-event span as a share of step time: an upper bound on the GPU's busy share."""
     busy = [s.gpu_busy for s in measured if s.gpu_busy is not None]
-    return min(1.0, sum(busy) / wall) if busy and len(busy) == len(measured) else None
+    # Steps of no time at all (a made-up or re-analysed timeline) have no share to give.
+    if wall <= 0 or not busy or len(busy) != len(measured):
+        return None
+    return min(1.0, sum(busy) / wall)
 
 
 def _per_step(values: Sequence[float | None]) -> float | None:
@@ -172,6 +175,9 @@ def _figures(
     # a batch that comes late (workers delivering in bursts) is the input-bound finding's.
     own = [s.compute for s in measured] if ctx.wait_measured else durations
     period, stalled, stall_fraction = _find_stalls(own, first, wall)
+    # The whole step, as the median step it is compared with: a stall is found in the
+    # loop's own time, but the step that stalls also waited for its batch.
+    stall_median = statistics.median(durations[i - first] for i in stalled) if stalled else None
     return Figures(
         measured_steps=len(measured),
         warmup_steps=ctx.warmup_steps,
@@ -189,7 +195,7 @@ def _figures(
         stall_period=period,
         stall_steps=tuple(stalled),
         stall_fraction=stall_fraction,
-        stall_median_s=statistics.median(own[i - first] for i in stalled) if stalled else None,
+        stall_median_s=stall_median,
         wait_measured=ctx.wait_measured,
         precision=ctx.precision,
         wait_cpu_s=_wait_cpu(measured, steal) if ctx.wait_measured else None,

@@ -7,7 +7,9 @@ Pure functions of the measured :class:`Figures` (see ``_predict``), on the mean 
   table's fp16/fp32 throughput ratio ``r`` for this GPU (or its tensor-core GPUs' median)
   on the share ``g`` of the step the GPU is busy: ``1 / ((1 - g) + g / r)``; on a CPU with
   native bf16, ``r`` is what a small MLP training step gained under bf16 autocast
-  (``_cpu_bf16``) and ``g`` the share of the step not spent waiting for data.
+  (``_cpu_bf16``) and ``g`` the share of the step not spent waiting for data, at most
+  the share the loop's process spent on a CPU outside that wait (a step that sleeps
+  gains nothing).
 - **A larger batch** (:func:`batch_fix`, ``tune_batch_size``): doubling it keeps the host's
   time per step and doubles the GPU's: ``min(2, 1 / g)``.
 - **The GPU** (:func:`gpu_fix`): a loop on the CPU says nothing of its speed on the GPU:
@@ -19,7 +21,14 @@ from __future__ import annotations
 import math
 import statistics
 
-from trainperf.monitor._figures import Figures, compute_s, gpu_share, mean_step_s
+from trainperf.monitor._figures import (
+    Figures,
+    capacity,
+    compute_s,
+    gpu_share,
+    main_cores,
+    mean_step_s,
+)
 from trainperf.monitor._verdict import NOT_PREDICTED, Fix
 
 __all__ = ["batch_fix", "gpu_fix", "precision_fix", "reference_ratio"]
@@ -91,11 +100,11 @@ def precision_fix(f: Figures) -> Fix | None:
                     f"fp32 on this CPU ({gain:.2f}x, measured by a probe): no gain"
                 )
                 return Fix("compute-bound", PRECISION_CALL, 1.0, basis)
-            g = compute_s(f) / mean_step_s(f) if mean_step_s(f) > 0 else 1.0
+            g, where = _cpu_step_share(f)
             basis = (
                 f"a small MLP training step ran {gain:.2f}x faster under bf16 autocast than "
                 f"in fp32 on this CPU (measured by a probe), on the {g:.0%} of step time "
-                "not spent waiting for data"
+                f"{where}"
             )
             return Fix("compute-bound", PRECISION_CALL, 1 / ((1 - g) + g / gain), basis)
         if f.setup.cpu_native_bf16:
@@ -117,6 +126,23 @@ def precision_fix(f: Figures) -> Fix | None:
     share = "all (not measured)" if busy is None else f"{g:.0%}"
     basis = f"{where}, on the {share} of step time the GPU is busy"
     return Fix("compute-bound", PRECISION_CALL, speedup, basis)
+
+
+def _cpu_step_share(f: Figures) -> tuple[float, str]:
+    """The share of a CPU loop's step time bf16 can speed up, and what it is: the share
+    not spent waiting for data, but no more than the CPU the loop's process used outside
+    that wait (its sampled CPU, the hypervisor's steal undone): a step that sleeps or waits
+    on the network computes in little of its time, and lower precision cannot shorten the
+    rest."""
+    step, work = mean_step_s(f), compute_s(f)
+    if step <= 0:
+        return 1.0, "not spent waiting for data"
+    own = main_cores(f)
+    if own is not None:
+        used = max(0.0, own / (capacity(f) / f.cpus) * step - (f.wait_cpu_s or 0.0))
+        if used < work:
+            return used / step, "the loop's process computed (its sampled CPU)"
+    return work / step, "not spent waiting for data"
 
 
 def batch_fix(f: Figures) -> Fix | None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 import threading
 import time
 import weakref
@@ -70,6 +71,7 @@ from trainperf.monitor._watch_steps import (
 __all__ = ["Watch", "watch"]
 
 T = TypeVar("T")
+_MAX_SAMPLES = 2**63 - 1  # the largest count the step log's int64 array holds
 _RUN_IT = "inside `with trainperf.watch() as w:`, or between w.start() and w.stop()"
 
 
@@ -83,7 +85,8 @@ class Watch:
     Raises:
         ValueError: ``interval`` is not a finite number > 0 (at most
             ``threading.TIMEOUT_MAX``), ``warmup_steps`` not an int >= 0,
-            ``max_records`` not an int >= 1, or ``device`` is invalid (not CPU or CUDA).
+            ``max_records`` not an int >= 1 (at most ``sys.maxsize``), or ``device`` is
+            invalid (not CPU or CUDA).
         TypeError: ``device`` is not a str, int, torch.device or None.
         DeviceError: a CUDA ``device`` without CUDA, or a CUDA index beyond the visible GPUs.
     """
@@ -97,6 +100,11 @@ class Watch:
         max_records: int = MAX_RECORDS,
     ) -> None:
         positive_int("max_records", max_records)
+        if max_records > sys.maxsize:  # the sampler's deque cannot be longer
+            raise ValueError(
+                f"max_records={max_records!r} is more than a watch can keep (at most "
+                f"sys.maxsize, {sys.maxsize}); pass a smaller count, e.g. 100_000"
+            )
         interval = positive_number("interval", interval, unit="seconds")
         if interval > threading.TIMEOUT_MAX:
             # The sampler thread waits `interval` between samples; past this, the wait itself
@@ -314,7 +322,7 @@ class Watch:
         Raises:
             RuntimeError: the watch is not running (use it inside ``with``, or between
                 :meth:`start` and :meth:`stop`).
-            ValueError: ``samples`` is not an int >= 0.
+            ValueError: ``samples`` is not an int >= 0 (and below 2**63).
 
         Example:
             >>> with watch(device="cpu") as w:
@@ -329,6 +337,11 @@ class Watch:
             raise RuntimeError(f"w.step() needs a running watch: call it {_RUN_IT}")
         if samples is not None:
             non_negative_int("samples", samples)
+            if samples > _MAX_SAMPLES:  # the step log keeps counts as int64
+                raise ValueError(
+                    f"samples={samples!r} is more than a step can hold (at most 2**63 - 1): "
+                    "pass the number of samples this step trained on"
+                )
         record_step(self, now, samples)
 
     def report(self) -> WatchReport:
@@ -414,7 +427,8 @@ def watch(
     Raises:
         ValueError: ``interval`` is not a finite number > 0 (at most
             ``threading.TIMEOUT_MAX``), ``warmup_steps`` not an int >= 0,
-            ``max_records`` not an int >= 1, or ``device`` is invalid (not CPU or CUDA).
+            ``max_records`` not an int >= 1 (at most ``sys.maxsize``), or ``device`` is
+            invalid (not CPU or CUDA).
         TypeError: ``device`` is not a str, int, torch.device or None.
         DeviceError: a CUDA ``device`` without CUDA, or a CUDA index beyond the visible GPUs.
 

@@ -126,6 +126,8 @@ def _add_wait(w: Watch, wall: float, cpu: float) -> None:
 
 
 def _retuned(w: Watch, changes: list[Any]) -> None:
+    if w._state != "running":
+        return  # a change made after stop() is not the watched loop's
     step = w._first + len(w._ends)  # the step taking this batch
     w._retunes.extend((step, change) for change in changes)
 
