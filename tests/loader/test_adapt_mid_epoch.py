@@ -192,6 +192,39 @@ def test_what_cannot_be_resumed_exactly_changes_at_epoch_boundaries_only(
     assert [c.epoch_batch for c in loader.tuning_history] == [0]
 
 
+class LongStream(IterableDataset[int]):
+    """30 items, sharded across workers: with batch_size=4 and drop_last=True one worker
+    drops 2 of them, three workers (10 items each) drop 6."""
+
+    def __iter__(self) -> Iterator[int]:
+        info = torch.utils.data.get_worker_info()
+        return iter(range(30) if info is None else range(info.id, 30, info.num_workers))
+
+
+def test_a_stream_with_drop_last_gets_no_more_workers_than_it_was_built_with(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: workers were added (each drops its own last partial batch), so an epoch gave
+    # 24 samples where the loader as built (and autotune_loader's) gives 28.
+    asked: list[int] = []
+
+    def decide(f: EpochFigures, **kw: Any) -> Change | None:  # as the rules: within the bound
+        asked.append(kw["max_workers"])
+        n = min(3, kw["max_workers"])
+        return None if n == f.num_workers else Change(n, 2, "input-bound", "forced")
+
+    monkeypatch.setattr(adapt_retune, "decide", decide)
+    plain = _epochs(DataLoader(LongStream(), batch_size=4, drop_last=True), 1)[0]
+    loader = AdaptiveDataLoader(LongStream(), batch_size=4, drop_last=True)
+    try:
+        got = _epochs(loader, 3)
+    finally:
+        loader.close()
+    assert len(plain) == 28
+    assert [len(e) for e in got] == [28, 28, 28]
+    assert asked and set(asked) == {0} and loader.tuning_history == []
+
+
 def test_a_mid_epoch_change_is_recorded_with_its_batch() -> None:
     from trainperf.loader import TuningChange
     from trainperf.loader._adapt_rules import figures

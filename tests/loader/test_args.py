@@ -162,6 +162,18 @@ def test_arguments_of_the_wrong_kind_are_refused_by_name_before_measuring(
     assert ds.reads == 0
 
 
+@pytest.mark.parametrize(
+    "make", [lambda: iter(range(16)), lambda: (i for i in range(16))], ids=["iter", "generator"]
+)
+def test_a_one_shot_sampler_is_refused_before_its_indices_are_used_up(make: Any) -> None:
+    # Before: the measurements used up its indices, then tuning failed with "the DataLoader
+    # yields no batch ... give a sampler with at least one batch of samples".
+    sampler = make()
+    with pytest.raises(ValueError, match=r"sampler=.* is a one-shot iterator: tuning reads"):
+        tune_loader(_CountsReads(), 4, **quick(sampler=sampler))
+    assert next(sampler) == 0  # nothing read
+
+
 def test_right_kinds_pass() -> None:
     import multiprocessing
 

@@ -152,3 +152,30 @@ def test_workers_the_tuner_made_persistent_keep_the_plain_loaders_shuffle_every_
     # Persistent workers the caller asked for behave as the plain loader with them does.
     asked = epochs(torch.utils.data.DataLoader(data, **{**chosen, "num_workers": 1}))
     assert epochs(_tuned(data, report, asked=True)) == asked  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("own_generator", [False, True])
+def test_a_persistent_pool_asked_for_but_not_chosen_keeps_the_plain_loaders_shuffle(
+    own_generator: bool,
+) -> None:
+    # Before: the caller's loader (persistent workers) draws its workers' base seed once,
+    # the tuned one (num_workers=0) at every epoch, so from the second epoch on the
+    # shuffle differed from the caller's own DataLoader with the same seed.
+    kw: dict[str, Any] = {"shuffle": True, "num_workers": 1, "persistent_workers": True}
+
+    def epochs(make: Any) -> list[list[int]]:
+        torch.manual_seed(7)
+        generator = torch.Generator().manual_seed(3) if own_generator else None
+        loader = make(generator)
+        try:
+            return [[int(i) for b in loader for i in b] for _ in range(3)]
+        finally:
+            if loader._iterator is not None:
+                loader._iterator._shutdown_workers()
+
+    data = list(range(24))
+    plain = epochs(lambda g: DataLoader(data, batch_size=4, generator=g, **kw))
+    quick = {"device": "cpu", "budget_s": 5.0, "cache": False, "progress": False}
+    tuned = epochs(lambda g: autotune_loader(data, 4, max_workers=0, generator=g, **quick, **kw))
+    assert tuned == plain
+    assert len({tuple(e) for e in plain}) == 3  # the shuffle did shuffle

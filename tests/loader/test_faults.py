@@ -72,6 +72,8 @@ class Faulty(Dataset[torch.Tensor]):
                 )
             if self.how == "raise":
                 raise ValueError(f"bad sample {i}")
+            if self.how == "timeout-error" and i >= 8:  # a network read's own error
+                raise RuntimeError(f"reading sample {i} timed out after 5 s")
             if self.how == "slow":
                 time.sleep(0.2)
         time.sleep(0.001)
@@ -243,6 +245,24 @@ def test_dataset_error_in_worker_is_reported() -> None:
     assert_no_workers_left()
 
 
+def test_a_dataset_error_that_says_timed_out_in_a_worker_is_the_datasets_error() -> None:
+    # Before: its words made it DataLoader's own timeout, so the measurement ended as if
+    # the budget had (or the fault read "no batch arrived within 30.0 s": a hang).
+    r = measure(
+        Faulty("timeout-error"),
+        4,
+        {},
+        num_workers=1,
+        prefetch_factor=2,
+        pin_memory=False,
+        deadline=time.perf_counter() + 20.0,
+        hang_timeout_s=30.0,
+    )
+    assert (r.status, r.fault) == ("failed", "error")
+    assert r.reason is not None and "timed out after 5 s" in r.reason
+    assert_no_workers_left()
+
+
 @pytest.mark.slow  # about 2-3 s: pools started and failed
 def test_shm_exhaustion_in_worker_says_how_to_fix_it() -> None:
     with pytest.warns(RuntimeWarning, match="shm-size"):
@@ -285,6 +305,28 @@ def test_shm_exhaustion_in_worker_says_how_to_fix_it() -> None:
             {},
             "error",
             "KeyError: 5",
+        ),
+        # The dataset's own errors, whatever their words: not a hang, not a pickling fault.
+        (
+            "Caught TimeoutError in DataLoader worker process 1.\nOriginal Traceback:\n"
+            "TimeoutError: reading sample 9 timed out after 5 s",
+            {},
+            "error",
+            "TimeoutError: reading sample 9 timed out after 5 s",
+        ),
+        (
+            "Caught UnpicklingError in DataLoader worker process 0.\nOriginal Traceback:\n"
+            "_pickle.UnpicklingError: invalid load key, 'x'.",
+            {"start_method": "spawn"},
+            "error",
+            "invalid load key",
+        ),
+        (
+            "Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback:\n"
+            "RuntimeError: unable to write to file </torch_1_2_3>: No space left on device (28)",
+            {},
+            "shm",
+            "--shm-size",
         ),
     ],
 )

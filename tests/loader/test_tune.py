@@ -146,6 +146,25 @@ def test_dataset_failing_in_the_main_process_raises() -> None:
         tune_loader(Broken(), 2, **quick())
 
 
+def test_a_dataset_raising_value_error_in_the_main_process_raises_runtime_error() -> None:
+    # Before: a ValueError of the dataset's own (a corrupt sample) came out bare, as if an
+    # argument were wrong, unlike every other error of the dataset's.
+    class Corrupt(Dataset[int]):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> int:
+            if i == 5:
+                raise ValueError("corrupt sample 5")
+            return i
+
+    with pytest.raises(RuntimeError, match=r"fails in the main process.*corrupt sample 5"):
+        tune_loader(Corrupt(), 2, **quick())
+    # DataLoader's own refusal of the arguments stays a ValueError.
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        tune_loader(range(8), 2, **quick(sampler=[0, 1], shuffle=True))
+
+
 def test_empty_loader_raises() -> None:
     with pytest.raises(ValueError, match=r"yields no batch .*: give a dataset with at least one"):
         tune_loader(Waits(), 100, **quick(drop_last=True))

@@ -60,6 +60,7 @@ from trainperf.loader._adapt_timed import _BY_CLOSE, _BY_ITER, _TimedIter
 from trainperf.loader._args import checked_context
 from trainperf.loader._autotune import _TOO_MANY, TunedDataLoader
 from trainperf.loader._faults import start_method
+from trainperf.loader._iterable import tail_batches
 from trainperf.loader._report import CandidateResult
 from trainperf.loader._search import Search, adaptive_max_workers
 
@@ -108,7 +109,9 @@ class AdaptiveDataLoader(TunedDataLoader):
     Args:
         dataset: as for DataLoader.
         max_workers: the most workers it will use (default: eight per usable CPU, 2 to
-            64: :func:`~trainperf.loader._search.adaptive_max_workers`).
+            64: :func:`~trainperf.loader._search.adaptive_max_workers`); an
+            ``IterableDataset`` with ``drop_last=True`` keeps at most the ``num_workers``
+            it is built with (each worker drops its own last partial batch).
         tuner: the one-off tuner's memory rules with what it measured
             (:func:`memory_rules`); None: a worker's memory is assumed to be the whole
             main process's, the worst case.
@@ -167,6 +170,12 @@ class AdaptiveDataLoader(TunedDataLoader):
         limits = host_limits()
         self._cpus = usable_cpus(local_world_size(), limits=limits)
         self._max_workers = adaptive_max_workers(self._cpus) if max_workers is None else max_workers
+        built = {"drop_last": self.drop_last, "num_workers": self.num_workers}
+        cap, _ = tail_batches(dataset, built)
+        if cap is not None:
+            # Each worker of an IterableDataset drops its own last partial batch: more
+            # workers than it was built with would drop samples that loader keeps.
+            self._max_workers = min(self._max_workers, cap)
         self._tuner = tuner or memory_rules(
             [],
             self._max_workers,
@@ -219,7 +228,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         arguments; built by ``autotune_loader``, whether the caller asked for
         ``persistent_workers`` (``_persistent_asked``, set by it), not the tuner's choice.
         """
-        return self._persistent_asked
+        return bool(self._persistent_asked)
 
     @property
     def _real_index_sampler(self) -> Any:

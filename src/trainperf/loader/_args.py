@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from trainperf._utils.validate import (
     choice,
+    fresh_stream,
     non_negative_int,
     non_negative_number,
     positive_int,
@@ -46,7 +47,8 @@ def check_args(
             only when the final loader is built, after the tuning), or ``prefetch_factor``
             without workers (DataLoader refuses it too); a ``collate_fn`` or
             ``worker_init_fn`` that is not callable, a ``generator`` that is not a
-            ``torch.Generator``, a ``sampler`` that cannot be iterated, a
+            ``torch.Generator``, a ``sampler`` that cannot be iterated or is a one-shot
+            iterator (the measurements would use up its indices), a
             ``multiprocessing_context`` that is no start method, or ``pin_memory``,
             ``persistent_workers``, ``drop_last`` or ``shuffle`` other than True/False
             (these would otherwise fail inside the measurement, blamed on the dataset).
@@ -114,11 +116,27 @@ def _check_kinds(loader_kwargs: Mapping[str, Any]) -> None:
         raise ValueError(
             f"sampler must be None or an iterable of indices (a torch Sampler), got {sampler!r}"
         )
+    if sampler is not None:
+        _fresh_sampler(sampler)
     if loader_kwargs.get("multiprocessing_context") is not None:
         checked_context(loader_kwargs["multiprocessing_context"])
     for name, allowed in _FLAGS.items():
         if name in loader_kwargs:
             choice(name, loader_kwargs[name], allowed)
+
+
+def _fresh_sampler(sampler: Any) -> None:
+    """Refuse a ``sampler`` that is a one-shot iterator (``iter(indices)``, a generator):
+    the measurements read it again and again, and would use up the indices the loader
+    then never gets."""
+    try:
+        fresh_stream(sampler, "tuning")
+    except ValueError as e:
+        raise ValueError(
+            f"sampler={sampler!r} is a one-shot iterator: tuning reads the sampler again and "
+            "again, and would use up the indices your loader then never gets; pass a list of "
+            "indices or a torch Sampler (they start afresh on each iter())"
+        ) from e
 
 
 def checked_context(context: Any) -> Any:

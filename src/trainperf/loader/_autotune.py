@@ -45,24 +45,51 @@ class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
 
     tuning_report: TuningReport
     # Set by autotune_loader: the worker count was measured here (torch's "more workers
-    # than cores" warning is its generic advice, not about this choice) and, where the
-    # tuner made the workers persistent without being asked, each epoch after the first
-    # makes the draw a new pool would (see __iter__).
+    # than cores" warning is its generic advice, not about this choice), and the caller's
+    # own persistent_workers (None: built directly, its own settings are the caller's), on
+    # which the draws from the generator at each epoch's start depend (see __iter__).
     _measured = False
-    _draw_per_epoch = False
+    _persistent_asked: bool | None = None
+    _iterated = False
 
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
         if self.num_workers > 0:
             self.worker_init_fn = DieWithParent(self.worker_init_fn)
 
+    @property
+    def _draws_once(self) -> bool:
+        """Whether the plain DataLoader of the caller's own arguments keeps a persistent
+        pool, which draws its workers' base seed from the generator at the first epoch only
+        (a new iterator draws at every epoch)."""
+        if self._persistent_asked is None:
+            return bool(self.persistent_workers and self.num_workers > 0)
+        return self._persistent_asked
+
     def __iter__(self) -> Any:
-        """A new epoch's iterator. Where the tuner chose ``persistent_workers=True`` (the
-        caller did not), the reused pool skips the draw from the generator that the plain
-        DataLoader's new pool makes each epoch: the same draw is made here, so the sampler
-        shuffles every epoch as the plain DataLoader with the caller's arguments does."""
-        if self._draw_per_epoch and self._iterator is not None and self.num_workers > 0:
+        """A new epoch's iterator, with the draws from the generator of the plain
+        DataLoader with the caller's arguments, so the sampler shuffles every epoch as that
+        one does. Where the tuner chose ``persistent_workers=True`` (the caller did not),
+        the reused pool skips the draw a new pool makes: the same draw is made here. Where
+        the caller asked for a persistent pool and the tuner chose no workers, the caller's
+        loader reuses its pool and draws nothing: the new iterator's draw is made from a
+        throwaway generator (the sampler holds its own reference to the real one)."""
+        reused = bool(self.persistent_workers and self.num_workers > 0) and (
+            self._iterator is not None
+        )
+        plain_reuses = self._draws_once and self._iterated
+        self._iterated = True
+        if reused and not plain_reuses:
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        if plain_reuses and not reused:
+            real = self.generator
+            # No workers here (the tuner keeps the caller's persistent pool otherwise):
+            # the seed this generator gives is not used.
+            self.generator = torch.Generator()
+            try:
+                return super().__iter__()
+            finally:
+                self.generator = real
         return super().__iter__()
 
     def check_worker_number_rationality(self) -> None:
@@ -163,7 +190,7 @@ def _tuned(dataset: Any, report: TuningReport, *, asked: object) -> TunedDataLoa
         warnings.filterwarnings("ignore", _TOO_MANY, UserWarning)
         loader = TunedDataLoader(dataset, **kwargs)
     loader._measured = True
-    loader._draw_per_epoch = bool(kwargs.get("persistent_workers")) and not asked
+    loader._persistent_asked = bool(asked)
     return loader
 
 

@@ -286,9 +286,16 @@ def classify_fault(
         >>> classify_fault(RuntimeError("DataLoader worker (pid(s) 12) exited unexpectedly"),
         ...                start_method="fork", timeout_s=10, sigkilled=True)[0]
         'memory'
+        >>> classify_fault(TimeoutError("Caught TimeoutError in DataLoader worker process 0."
+        ...                "\\nOriginal Traceback...\\nTimeoutError: read timed out after 5 s"),
+        ...                start_method="fork", timeout_s=10)
+        ('error', 'the dataset raised in a worker: TimeoutError: read timed out after 5 s')
     """
     msg = str(error)
     low = msg.lower()
+    # The dataset's own exception, raised in a worker and re-raised here by torch: its
+    # message is the dataset's ("timed out after", "pickle"), not a fault of the pool's.
+    caught = low.startswith("caught ") and " in dataloader worker process" in _first_line(low)
     if sigkilled or "killed by signal: killed" in low:
         figures = f": {memory_figures}" if memory_figures else ""
         return "memory", (
@@ -297,8 +304,10 @@ def classify_fault(
             f"whose workers hold less (open files lazily, keep big arrays in shared tensors), "
             f"or more memory for the job"
         )
-    if start_method != "fork" and (
-        isinstance(error, pickle.PicklingError) or "pickle" in low or "local object" in low
+    if (
+        start_method != "fork"
+        and not caught
+        and (isinstance(error, pickle.PicklingError) or "pickle" in low or "local object" in low)
     ):
         return "pickle", (
             f"the dataset, collate_fn or worker_init_fn cannot be pickled, which the "
@@ -324,6 +333,8 @@ def classify_fault(
             f"memory-backed emptyDir on Kubernetes), or use fewer workers or a smaller "
             f"prefetch_factor"
         )
+    if caught:
+        return "error", f"the dataset raised in a worker: {_last_line(msg)}"
     if "timed out after" in low:
         return "hang", (
             f"no batch arrived within {timeout_s:.1f} s: a worker hangs (a deadlock, blocking "

@@ -122,7 +122,8 @@ class Batches:
             return next(self.it)
         except RuntimeError as e:
             cut = (wait if settable else self.timeout_s) < spec.hang_timeout_s
-            if cut and "timed out after" in str(e).lower():
+            # DataLoader's own timeout; not a dataset's error that says "timed out after".
+            if cut and str(e).startswith("DataLoader timed out after"):
                 raise DeadlineReached from e
             raise
 

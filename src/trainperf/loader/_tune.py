@@ -270,8 +270,9 @@ def tune_loader(
     Raises:
         ValueError: a bad argument (an invalid ``device``, a negative ``num_workers``, a
             ``prefetch_factor`` without workers included), ``batch_sampler`` in
-            ``loader_kwargs``, an empty loader, a one-shot iterator (a generator, an
-            ``__iter__`` that only returns ``self``: tuning would use up its samples), or a bad
+            ``loader_kwargs``, an empty loader, a dataset or ``sampler`` that is a one-shot
+            iterator (a generator, an ``__iter__`` that only returns ``self``: tuning would
+            use up its samples), or a bad
             ``LOCAL_WORLD_SIZE``/``SLURM_NTASKS_PER_NODE``/``LOCAL_RANK``.
         TypeError: ``device`` is not a str, int, torch.device or None.
         DeviceError: CUDA (or MPS) asked for but not available, or a CUDA index beyond the

@@ -83,13 +83,44 @@ class _Prepared:
 def _measure_baseline(measurer: _Measurer) -> CandidateResult:
     try:
         return measurer(0, None, measurer.setup.pin_options[0])
-    except ValueError:
-        raise
+    except ValueError as e:
+        if not _raised_loading(e):  # an argument DataLoader refuses, or no batch at all
+            raise
+        raise RuntimeError(
+            f"the dataset fails in the main process (num_workers=0), so there is nothing "
+            f"to tune: {e!r}"
+        ) from e
     except Exception as e:
         raise RuntimeError(
             f"the dataset fails in the main process (num_workers=0), so there is nothing "
             f"to tune: {e!r}"
         ) from e
+
+
+def _raised_loading(error: BaseException) -> bool:
+    """Whether ``error`` came from loading a batch (the dataset or ``collate_fn``, called
+    by DataLoader's fetcher), not from DataLoader's checks of its arguments.
+
+    Example:
+        >>> from torch.utils.data import DataLoader
+        >>> def fail(batch): raise ValueError("a corrupt sample")
+        >>> try:
+        ...     next(iter(DataLoader(range(4), collate_fn=fail)))
+        ... except ValueError as e:
+        ...     _raised_loading(e)
+        True
+        >>> try:
+        ...     DataLoader(range(4), sampler=[0, 1], shuffle=True)
+        ... except ValueError as e:
+        ...     _raised_loading(e)
+        False
+    """
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__") == "torch.utils.data._utils.fetch":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _prepare(
