@@ -377,6 +377,33 @@ def test_autotune_loader_adapt_returns_an_adaptive_loader() -> None:
     assert not isinstance(plain, AdaptiveDataLoader)
 
 
+class _EpochStream(torch.utils.data.Dataset[int]):
+    """A dataset that reshuffles by epoch through set_epoch(), as Hugging Face's do."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> int:
+        return (i + self.epoch) % 16
+
+
+@pytest.mark.slow
+def test_an_adaptive_loader_over_a_dataset_with_set_epoch_does_not_keep_its_workers() -> None:
+    # Before: the workers it starts were kept between epochs, each with its own copy of the
+    # dataset, which the caller's dataset.set_epoch(e) never reached.
+    quiet = quick(max_workers=0, budget_s=3.0)
+    assert not autotune_loader(_EpochStream(), 4, adapt=True, **quiet)._keep_workers
+    kept = autotune_loader(_EpochStream(), 4, adapt=True, persistent_workers=True, **quiet)
+    assert kept._keep_workers  # asked for: kept
+    assert autotune_loader(Latency(16), 4, adapt=True, **quiet)._keep_workers
+
+
 @pytest.mark.slow  # about 3 s: one short tuning run
 def test_without_a_callers_bound_the_adaptive_loader_may_go_past_the_tuners() -> None:
     # The tuner tries up to four workers per CPU in its budget; the adaptive loader, which

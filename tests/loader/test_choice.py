@@ -7,6 +7,7 @@ from trainperf.loader._choice import (
     best_settings,
     final_kwargs,
     forced_fallback,
+    has_set_epoch,
     persistent_workers,
 )
 
@@ -21,6 +22,27 @@ def test_persistent_workers_decision() -> None:
         persistent_workers(CandidateResult(0, None, False, "ok", samples_per_s=1.0), None, 10, 1)[0]
         is False
     )
+
+
+def test_a_dataset_with_set_epoch_gets_no_persistent_workers_unless_asked() -> None:
+    # Before: kept workers hold their own copy of the dataset, so the caller's
+    # dataset.set_epoch(e) never reached them and every epoch shuffled alike.
+    c = CandidateResult(4, 2, False, "ok", samples_per_s=1000.0, startup_s=2.0)
+    keep, why = persistent_workers(c, None, 10_000, 10, set_epoch=True)
+    assert keep is False and why is not None and "set_epoch()" in why
+    notes: list[str] = []
+    assert (
+        best_settings(c, None, None, 10_000, 10, notes, set_epoch=True)["persistent_workers"]
+        is False
+    )
+    assert notes and "set_epoch()" in notes[0]
+    assert best_settings(c, True, None, 10_000, 10, [], set_epoch=True)["persistent_workers"]
+
+    class Stream:
+        def set_epoch(self, epoch: int) -> None:
+            pass
+
+    assert has_set_epoch(Stream()) and not has_set_epoch([1, 2])
 
 
 def test_best_settings_keep_the_callers_persistent_workers() -> None:

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainperf._utils.lifetime import DieWithParent
+from trainperf.loader._choice import has_set_epoch
 from trainperf.loader._iterable import tail_batches
 from trainperf.loader._report import TuningReport
 from trainperf.loader._tune import tune_loader
@@ -170,7 +171,9 @@ def autotune_loader(
     )
     if adapt:
         # Workers it starts are kept between epochs unless the caller said otherwise.
-        keep = loader_kwargs.get("persistent_workers") is not False and epochs_hint != 1
+        # Not for a dataset with set_epoch() unless asked: kept workers never see its calls.
+        asked = loader_kwargs.get("persistent_workers")
+        keep = asked is not False and epochs_hint != 1 and (asked or not has_set_epoch(dataset))
         cap, _ = tail_batches(dataset, loader_kwargs)  # an IterableDataset with drop_last
         bound = max_workers
         if cap is not None and (max_workers is None or cap < max_workers):

@@ -15,12 +15,19 @@ from trainperf.loader._report import CandidateResult
 
 __all__ = [
     "NOT_CACHED",
+    "SET_EPOCH",
     "best_settings",
     "final_kwargs",
     "forced_fallback",
+    "has_set_epoch",
     "persistent_workers",
 ]
 
+SET_EPOCH = (
+    "persistent_workers=False: the dataset has set_epoch(), and workers kept between epochs "
+    "hold their own copy of it, which dataset.set_epoch(e) never reaches; pass "
+    "persistent_workers=True to keep them anyway"
+)
 NOT_CACHED = (
     "not cached: workers failed or were refused (see the candidates), so the next call tunes again"
 )
@@ -31,12 +38,16 @@ def persistent_workers(
     epochs_hint: int | None,
     samples_per_epoch: int | None,
     batch_size: int,
+    *,
+    set_epoch: bool = False,
 ) -> tuple[bool, str | None]:
     """Whether to keep the workers between epochs, and the note that says why (or None).
 
     Kept when re-creating them each epoch (their start-up minus one batch's production)
     costs at least 1 % of an epoch, or when that cannot be told; never for one epoch or
-    without workers.
+    without workers, nor for a dataset with ``set_epoch`` (``set_epoch=True``): the
+    caller's ``dataset.set_epoch(e)`` changes the main process's copy, and workers kept
+    between epochs hold their own, so every epoch would shuffle alike.
 
     Example:
         >>> c = CandidateResult(4, 2, False, "ok", samples_per_s=1000.0, startup_s=2.0)
@@ -50,6 +61,8 @@ def persistent_workers(
         return False, None
     if epochs_hint == 1:
         return False, "persistent_workers=False: one epoch, so there is no restart to save"
+    if set_epoch:
+        return False, SET_EPOCH
     if rate is None or choice.startup_s is None:
         return True, None
     # Start-up minus one batch's production: what re-creating the workers each epoch costs.
@@ -68,6 +81,12 @@ def persistent_workers(
     )
 
 
+def has_set_epoch(dataset: object) -> bool:
+    """Whether ``dataset`` takes ``set_epoch(e)`` (Hugging Face and webdataset streams,
+    datasets that reshuffle or resample by epoch)."""
+    return callable(getattr(dataset, "set_epoch", None))
+
+
 def best_settings(
     choice: CandidateResult,
     user_persistent: object,
@@ -75,6 +94,8 @@ def best_settings(
     samples_per_epoch: int | None,
     batch_size: int,
     notes: list[str],
+    *,
+    set_epoch: bool = False,
 ) -> dict[str, Any]:
     """The four tuned settings of ``choice`` (the cache stores them as ``"best"``).
 
@@ -91,7 +112,9 @@ def best_settings(
     if user_persistent is not None:
         persistent = bool(user_persistent)
     else:
-        persistent, why = persistent_workers(choice, epochs_hint, samples_per_epoch, batch_size)
+        persistent, why = persistent_workers(
+            choice, epochs_hint, samples_per_epoch, batch_size, set_epoch=set_epoch
+        )
         if why:
             notes.append(why)
     if user_persistent and choice.num_workers == 0:

@@ -29,7 +29,13 @@ from trainperf._utils.validate import fresh_stream
 from trainperf.loader import _cache, _cached, _iterable, _share
 from trainperf.loader._args import check_args
 from trainperf.loader._budget import overrun_note
-from trainperf.loader._choice import NOT_CACHED, best_settings, final_kwargs, forced_fallback
+from trainperf.loader._choice import (
+    NOT_CACHED,
+    best_settings,
+    final_kwargs,
+    forced_fallback,
+    has_set_epoch,
+)
 from trainperf.loader._progress import ProgressBar
 from trainperf.loader._report import CandidateResult, TuningReport
 from trainperf.loader._rng import (
@@ -76,7 +82,13 @@ def _finish(
     samples_per_epoch = _cache.length(loader_kwargs.get("sampler", call.dataset))
     persistent = loader_kwargs.get("persistent_workers")
     best = best_settings(
-        choice, persistent, call.epochs_hint, samples_per_epoch, setup.batch_size, notes
+        choice,
+        persistent,
+        call.epochs_hint,
+        samples_per_epoch,
+        setup.batch_size,
+        notes,
+        set_epoch=has_set_epoch(call.dataset),
     )
     best_kwargs = final_kwargs(loader_kwargs, setup.batch_size, best, notes)
     forced = forced_fallback(choice, search.results)
