@@ -52,18 +52,18 @@ def _run(
     return seen, saved
 
 
-def _resume_matches(make: Callable[[], DataLoader[Any]]) -> None:
+def _resume_matches(make: Callable[[], DataLoader[Any]], stop: tuple[int, int] = (1, 3)) -> None:
     torch.manual_seed(0)
     loader = make()
     track(loader)
-    straight, saved = _run(loader, 3, stop=(1, 3))
+    straight, saved = _run(loader, 3, stop=stop)
     assert saved is not None
     state, torch_state, n = saved
     torch.manual_seed(12345)  # another process, seeded otherwise: restore must fix it all
     fresh = make()
     restore_loader(fresh, state, "loader")
     torch.set_rng_state(torch_state)  # Checkpointer.restore does this too
-    rest, _ = _run(fresh, 2, stop=None)
+    rest, _ = _run(fresh, 2 if stop[1] < len(DATA) // 4 - 1 else 3 - stop[0] - 1, stop=None)
     assert straight[:n] + rest == straight
     assert isinstance(fresh, type(make()))
 
@@ -95,6 +95,35 @@ def test_a_resumed_pass_continues_exactly(kind: str) -> None:
 @pytest.mark.parametrize("kind", sorted(SLOW_LOADERS))
 def test_a_resumed_pass_with_workers_continues_exactly(kind: str) -> None:
     _resume_matches(SLOW_LOADERS[kind])
+
+
+def _tuned(asked: bool, workers: int) -> Callable[[], DataLoader[Any]]:
+    """A TunedDataLoader as autotune_loader builds it: the caller asked for a persistent
+    pool (``asked``) or not, and the tuner chose ``workers`` (persistent when any)."""
+
+    def make() -> DataLoader[Any]:
+        loader = TunedDataLoader(
+            DATA,
+            batch_size=4,
+            shuffle=True,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+        )
+        loader._persistent_asked = asked
+        return loader
+
+    return make
+
+
+def test_a_tuned_loader_restored_at_an_epoch_s_end_draws_as_its_callers_loader() -> None:
+    # Before: restore decided from the tuner's persistent_workers whether the next pass
+    # draws, not from what the caller asked: a pool asked for but not chosen drew again.
+    _resume_matches(_tuned(asked=True, workers=0), stop=(1, len(DATA) // 4 - 1))
+
+
+@pytest.mark.slow  # DataLoader workers start
+def test_a_tuned_loader_made_persistent_restored_at_an_epoch_s_end_draws_as_its_callers() -> None:
+    _resume_matches(_tuned(asked=False, workers=1), stop=(1, len(DATA) // 4 - 1))
 
 
 def test_the_consumed_batches_are_skipped_at_the_sampler_never_loaded() -> None:

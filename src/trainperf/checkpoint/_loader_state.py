@@ -482,9 +482,12 @@ def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key
     tracker.done, tracker.resume = True, None
     # Files from before a finished pass was always marked done say so by their position.
     done = _finished(saved["done"], saved["position"], saved["length"])
-    tracker.scratch_seed = bool(
-        done and saved["passes"] >= 1 and loader.persistent_workers and loader.num_workers
-    )
+    # Whether the loader whose order this one keeps reuses a persistent pool (no draw at
+    # the next pass): a tuned loader's own rule (the caller's arguments, not the tuner's).
+    reuses = getattr(loader, "_draws_once", None)
+    if reuses is None:
+        reuses = loader.persistent_workers and loader.num_workers
+    tracker.scratch_seed = bool(done and saved["passes"] >= 1 and reuses)
     if done or saved["start"] is None:
         return
     note = _resume_note(loader, saved)
