@@ -9,6 +9,10 @@ python _script.py destroys OUTDIR
     launch_all(main) whose main destroys the process group itself; prints every rank's value.
 python _script.py destroys_on_rank0 OUTDIR
     the same, but main destroys the group on rank 0 only (timeout=30 s, so a hang is bounded).
+python _script.py fails_on_rank1 OUTDIR
+    launch_all(main) whose main raises on rank 1 only (timeout=60 s); prints each rank's error.
+python _script.py hangs_on_rank1 OUTDIR
+    the same, but main sleeps on rank 1 after rank 0 returned (hang_timeout=3 s).
 """
 
 from __future__ import annotations
@@ -75,6 +79,14 @@ def destroys_on_rank0_main() -> int:
     return ddp.rank() * 10
 
 
+def fails_on_rank1_main(mode: str) -> int:
+    if ddp.rank() == 1 and mode == "fails_on_rank1":
+        raise ValueError("rank 1's main broke")
+    if ddp.rank() == 1:
+        time.sleep(1000)
+    return ddp.rank()
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
     if mode == "all_reduce":
@@ -86,6 +98,11 @@ if __name__ == "__main__":
             destroys_on_rank0_main, backend="gloo", timeout=30, hang_timeout=None
         )
         print(f"results {gathered}\n", end="", flush=True)  # one write: ranks share a pipe
+    elif mode in ("fails_on_rank1", "hangs_on_rank1"):
+        try:
+            ddp.launch_all(fails_on_rank1_main, mode, backend="gloo", timeout=60, hang_timeout=3)
+        except Exception as e:
+            print(f"error on rank {os.environ['SLURM_PROCID']}: {e}\n", end="", flush=True)
     elif mode == "hang":
         ddp.launch(hang_main, out, nprocs=2, backend="gloo", start_method=sys.argv[3])
     else:

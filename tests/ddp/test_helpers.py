@@ -135,6 +135,21 @@ def test_distributed_loader_shards_and_reshuffles(monkeypatch: pytest.MonkeyPatc
         loader.set_epoch(-1)
 
 
+def test_a_stray_rank_without_a_world_size_is_refused_with_the_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # DistributedSampler said only "Invalid rank 1, rank should be in the interval [0, 0]".
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match=r"rank 1 is not below the world size 1: .*RANK='1', W"):
+        ddp.distributed_loader(list(range(4)), 2)
+    monkeypatch.delenv("RANK")
+    loader = ddp.distributed_loader(list(range(4)), 2)  # built as rank 0 of 1, then iterated
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"rank 2 is not below the world size 2: .*WORLD_SIZE='2'"):
+        list(loader)
+
+
 def test_a_loader_built_before_the_ranks_started_shards_in_each(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -42,6 +42,25 @@ def test_launch_all_gathers_even_when_main_destroyed_the_group(
     assert not dist.is_initialized()
 
 
+def _returns_a_lambda() -> object:
+    return lambda: 1
+
+
+@pytest.mark.timeout(60)
+def test_a_value_launch_all_cannot_gather_is_refused_on_its_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # all_gather_object failed inside the gather ("Can't pickle local object"), leaving the
+    # other ranks in it: gloo said "Connection reset by peer", NCCL waited for the timeout.
+    env = {**TORCHRUN, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="2")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(TypeError, match=r"main returned a value that cannot be pickled to gat"):
+        ddp.launch_all(_returns_a_lambda, backend="gloo")
+    assert not dist.is_initialized()
+
+
 def _torchrun(port: int) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -85,6 +104,35 @@ def test_every_rank_gathers_after_main_destroyed_the_group_on_rank_0_only(
     printed = _run_script(launcher, "destroys_on_rank0", tmp_path)
     assert len(printed) == 2, printed
     assert all(line.endswith("results [0, 10]") for line in printed), printed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("mode", "said"),
+    [
+        ("fails_on_rank1", "rank 1 raised ValueError: rank 1's main broke"),
+        ("hangs_on_rank1", "rank 1 was ended by a hang: no progress on any of 2 ranks for 3 s"),
+    ],
+)
+def test_the_ranks_that_returned_learn_at_once_that_main_failed_on_another(
+    mode: str, said: str, tmp_path: Path
+) -> None:
+    # Rank 0 waited for rank 1's value for the whole timeout (30 minutes by default; srun
+    # keeps the other tasks running), then said only that rank 1 "did not" return; after
+    # a hang too, though the verdict said every rank exits.
+    runs = _run_programs(
+        [[sys.executable, str(SCRIPT), mode, str(tmp_path)]] * 2,
+        slurm_envs(_free_port()),
+        timeout=50,  # below the script's timeout=60: a rank that waits it out fails here
+    )
+    rank0 = next(line for line in runs[0].stdout.splitlines() if "error on rank 0" in line)
+    assert "main failed on rank(s) [1]" in rank0, runs[0].stdout
+    assert said in runs[0].stdout, runs[0].stdout
+    if mode == "fails_on_rank1":
+        assert "error on rank 1: rank 1's main broke" in runs[1].stdout
+    else:
+        assert runs[1].returncode == 124, runs[1].stdout
 
 
 # ------------------------------------------- _must_regroup: the ranks agree on the store
@@ -132,6 +180,16 @@ def test_a_rank_that_never_reports_is_named_after_the_timeout() -> None:
     store = _gather_store(dist.HashStore())
     with pytest.raises(LaunchError, match=r"rank 0 returned from main, but rank\(s\) \[1\] did"):
         _must_regroup(RANK0_OF_2, timedelta(seconds=0.2), store)
+
+
+def test_a_rank_whose_main_failed_stops_the_others_waiting_and_is_named() -> None:
+    from trainperf.ddp._injob import _post_failure, _raised
+
+    store = _gather_store(dist.HashStore())
+    rank1 = DistributedEnv("slurm", 1, 2, 1, 2, "127.0.0.1", 29500)
+    _post_failure(rank1, store, _raised(ValueError("no data\nsecond line")))
+    with pytest.raises(LaunchError, match=r"(?s)failed on rank\(s\) \[1\].*rank 1 raised Value"):
+        _must_regroup(RANK0_OF_2, timedelta(minutes=30), store)
 
 
 class _GoneStore:

@@ -15,6 +15,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -225,6 +226,24 @@ def test_launch_rejects_what_spawn_cannot_send(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(main_module, "__file__", "<stdin>", raising=False)
     with pytest.raises(ValueError, match=r"piped on stdin.*start_method='fork'"):
         ddp.launch(_nested_main, nprocs=2, backend="gloo")
+
+
+class _Trainer:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def fit(self) -> int:
+        return 1
+
+
+def test_a_method_main_whose_object_cannot_be_pickled_is_named_as_such() -> None:
+    # The method is at module top level: the error told users to move it there.
+    with pytest.raises(
+        ValueError,
+        match=r"main='_Trainer\.fit' is a method of a _Trainer object that cannot be pickled "
+        r"\(TypeError: cannot pickle '_thread.lock' object\): make that object picklable",
+    ):
+        ddp.launch(_Trainer().fit, nprocs=2, backend="gloo")
 
 
 def test_a_partial_main_is_checked_for_what_it_binds() -> None:

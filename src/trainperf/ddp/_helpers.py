@@ -8,6 +8,7 @@ main process, collectives that return their input. So a training function writte
 from __future__ import annotations
 
 import math
+import os
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -87,6 +88,20 @@ def world_size() -> int:
         1
     """
     return dist.get_world_size() if _initialised() else _env_int("WORLD_SIZE", 1)
+
+
+def _layout() -> tuple[int, int]:
+    """``(world_size(), rank())`` for a sampler; a rank the world size cannot hold (a stray
+    ``RANK`` without ``WORLD_SIZE``) is refused with the variables that say so."""
+    replicas, here = world_size(), rank()
+    if here >= replicas:
+        raise ValueError(
+            f"rank {here} is not below the world size {replicas}: without a process group "
+            f"both come from the environment (RANK={os.environ.get('RANK')!r}, WORLD_SIZE="
+            f"{os.environ.get('WORLD_SIZE')!r}); set WORLD_SIZE to the number of ranks, or "
+            "unset RANK in a single process"
+        )
+    return replicas, here
 
 
 def is_main_process() -> bool:
@@ -221,7 +236,7 @@ class _AutoEpochSampler(DistributedSampler[T]):
 
     def _follow(self) -> None:
         """Take this process's rank and world size, if they changed since it was built."""
-        replicas, here = world_size(), rank()
+        replicas, here = _layout()
         if (replicas, here) == (self.num_replicas, self.rank):
             return
         self.num_replicas, self.rank = replicas, here
@@ -321,8 +336,9 @@ def distributed_loader(
         A :class:`DistributedLoader` (a ``DataLoader``).
 
     Raises:
-        ValueError: ``batch_size`` < 1, ``seed`` or ``num_workers`` not an int >= 0, or
-            ``loader_kwargs`` has ``sampler`` or ``batch_sampler``.
+        ValueError: ``batch_size`` < 1, ``seed`` or ``num_workers`` not an int >= 0,
+            ``loader_kwargs`` has ``sampler`` or ``batch_sampler``, or, without a process
+            group, ``RANK`` is not below ``WORLD_SIZE`` (or is set without it).
         TypeError: ``dataset`` is an ``IterableDataset``.
 
     Example:
@@ -347,10 +363,11 @@ def distributed_loader(
             f"distributed_loader chooses the sampler itself; remove {', '.join(clashing)} "
             "(use its shuffle= argument)"
         )
+    replicas, here = _layout()
     sampler: _AutoEpochSampler[T] = _AutoEpochSampler(
         dataset,
-        num_replicas=world_size(),
-        rank=rank(),
+        num_replicas=replicas,
+        rank=here,
         shuffle=shuffle,
         seed=seed,
         drop_last=drop_last,

@@ -5,13 +5,16 @@ already exists, ``main`` runs under :func:`~trainperf.ddp.watchdog` when ``hang_
 set (there is no launcher of ours to watch the ranks, so they watch each other), and the
 group is destroyed afterwards; the environment variables set here are put back. ``main`` may
 destroy the group itself, on every rank or on some: ``launch_all``'s ranks then agree, on the
-store, to gather the values in a group made for that.
+store, to gather the values in a group made for that. A rank whose ``main`` fails (or is
+ended by the watchdog) says so on that store first, so the others do not wait out ``timeout``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import pickle
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -64,13 +67,27 @@ def run_in_process(
             _init_group(env, backend, timeout)
             created = True
         store = _default_store()  # kept: main may destroy the group, and the store with it
+        # Taken before main, on every rank alike: a rank whose main fails posts it there.
+        store = None if store is None or not all_ranks else _gather_store(store)
         # No launcher of ours to watch the ranks: they watch each other (a hang ends every
         # rank with status 124 and the verdict on stderr).
-        with Watchdog(hang_timeout, None, option="hang_timeout").start():
-            result = main(*args, **kwargs)
+        watch = Watchdog(
+            hang_timeout,
+            None,
+            option="hang_timeout",
+            on_hang=lambda verdict: _post_failure(env, store, f"was ended by a hang: {verdict}"),
+        )
+        try:
+            with watch.start():
+                result = main(*args, **kwargs)
+            if all_ranks:
+                _check_gatherable(result)
+        except BaseException as e:
+            # The others wait for this rank's value: tell them now, not after timeout.
+            _post_failure(env, store, _raised(e))
+            raise
         if not all_ranks:
             return result
-        store = None if store is None else _gather_store(store)
         if _must_regroup(env, timeout, store):
             # main destroyed the group itself, here or on another rank (allowed: launch
             # destroys only one that is left). A new one carries the values, and is
@@ -124,6 +141,9 @@ def _default_store() -> Any:
         return None
 
 
+# The failed ranks a launch_all error lists one by one.
+_SHOWN_FAILURES = 4
+
 # How many in-job gathers (launch_all calls) this process made; the same count on every rank
 # (each runs the same launch_all calls), so their keys agree.
 _gathers = itertools.count()
@@ -145,7 +165,9 @@ def _must_regroup(env: _env.DistributedEnv, timeout: timedelta, store: Any) -> b
     group is gone on some); each waits at most ``timeout`` for the others to report.
 
     Raises:
-        LaunchError: a rank did not report within ``timeout`` (still in main, or failed).
+        LaunchError: main failed on another rank (it posts that at once: the message
+            names the rank and its exception), or a rank did not report within
+            ``timeout`` (still in main, or died).
     """
     import torch.distributed as dist
 
@@ -158,12 +180,70 @@ def _must_regroup(env: _env.DistributedEnv, timeout: timedelta, store: Any) -> b
             store.add("destroyed", 1)  # before "reported": who read every report sees it
         store.set(keys[env.rank], "1")
         store.wait(keys, timeout)
+        failed = _failures(env, store)
     except RuntimeError as e:  # DistStoreError on a timeout, DistNetworkError if gone
         raise LaunchError(_unreported_message(env, timeout, store, keys)) from e
+    if failed:
+        raise LaunchError(_failed_message(env, failed))
     regroup = int(store.add("destroyed", 0)) > 0
     if regroup and alive:
         dist.destroy_process_group()  # destroyed on another rank: cannot carry the values
     return regroup
+
+
+def _check_gatherable(result: Any) -> None:
+    """Refuse, on this rank, a value ``all_gather_object`` cannot pickle: failing inside the
+    gather would leave the other ranks in it (NCCL waits ``timeout``; gloo says only
+    "Connection reset by peer")."""
+    try:
+        pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        raise TypeError(
+            f"launch_all: main returned a value that cannot be pickled to gather it from "
+            f"every rank ({type(result).__name__}): {e}; return picklable CPU values (build "
+            "the rest from them after launch_all)"
+        ) from e
+
+
+def _raised(exc: BaseException) -> str:
+    """``"raised ValueError: its first line"``, whatever ``str(exc)`` does."""
+    try:
+        lines = str(exc).strip().splitlines()
+    except Exception:
+        lines = []
+    return f"raised {type(exc).__name__}" + (f": {lines[0]}" if lines else "")
+
+
+def _post_failure(env: _env.DistributedEnv, store: Any, what: str) -> None:
+    """This rank's main failed (``what``: how): say so on the gather's store, so that the
+    ranks waiting for its value in ``_must_regroup`` stop at once and name it."""
+    if store is None:
+        return
+    with contextlib.suppress(Exception):  # the store is gone: the others find out by timeout
+        store.set(f"failed/{env.rank}", what[:500])
+        store.add("failed", 1)
+        store.set(f"reported/{env.rank}", "failed")  # last: a waiter that sees it sees why
+
+
+def _failures(env: _env.DistributedEnv, store: Any) -> dict[int, str]:
+    """``{rank: "raised Type: message"}`` for the ranks whose main failed (one read if none
+    did)."""
+    if int(store.add("failed", 0)) == 0:
+        return {}
+    keys = [f"failed/{rank}" for rank in range(env.world_size)]
+    return {r: bytes(store.get(k)).decode() for r, k in enumerate(keys) if store.check([k])}
+
+
+def _failed_message(env: _env.DistributedEnv, failed: dict[int, str]) -> str:
+    shown = sorted(failed)[:_SHOWN_FAILURES]
+    lines = [f"  rank {rank} {failed[rank]}" for rank in shown]
+    if len(failed) > len(shown):
+        lines.append(f"  ... and {len(failed) - len(shown)} more")
+    return (
+        f"launch_all: rank {env.rank} returned from main, but main failed on rank(s) "
+        f"{sorted(failed)}, so their values cannot be gathered (see their output):\n"
+        + "\n".join(lines)
+    )
 
 
 def _unreported_message(
@@ -181,11 +261,16 @@ def _unreported_message(
             "it, rank 0 unless the launcher hosts it, may have failed or exited); see the "
             "other ranks' output"
         )
-    return (
+    message = (
         f"launch_all: rank {env.rank} returned from main, but rank(s) {missing} did not "
         f"within {seconds}, so their values cannot be gathered; see their output for an "
         "error, or pass a longer timeout if main takes that much longer on them"
     )
+    try:
+        failed = _failures(env, store)
+    except RuntimeError:
+        failed = {}
+    return message if not failed else f"{message}\n\n{_failed_message(env, failed)}"
 
 
 def _regroup(env: _env.DistributedEnv, backend: str | None, timeout: timedelta, store: Any) -> None:

@@ -246,9 +246,13 @@ def launch_all(
 
     Raises:
         HangError: as for :func:`launch`.
-        LaunchError: as for :func:`launch`; under torchrun or SLURM also when another rank
-            does not return from ``main`` within ``timeout`` of this one (the message names
-            it), or the store that gathers the values becomes unreachable.
+        LaunchError: as for :func:`launch`; under torchrun or SLURM also when ``main``
+            failed on another rank (at once: the message names the rank and its
+            exception), another rank does not return from ``main`` within ``timeout`` of
+            this one (the message names it), or the store that gathers the values becomes
+            unreachable.
+        TypeError: under torchrun or SLURM, ``main`` returned a value that cannot be
+            pickled to gather it (the other ranks are told, as for a failure).
         ValueError: as for :func:`launch`.
         DeviceError: as for :func:`launch`.
 

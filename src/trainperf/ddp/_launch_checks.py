@@ -5,6 +5,7 @@ warning for a ``hang_timeout`` the collectives' timeout comes before.
 
 from __future__ import annotations
 
+import inspect
 import io
 import multiprocessing
 import os
@@ -149,6 +150,15 @@ def _check_picklable(main: Callable[..., Any]) -> None:
     try:
         _pickles(target)
     except Exception as e:
+        owner = getattr(target, "__self__", None)
+        if inspect.ismethod(target) and not isinstance(owner, type):
+            raise ValueError(
+                f"start_method='spawn' pickles main for every worker, and main={name!r} is a "
+                f"method of a {type(owner).__name__} object that cannot be pickled "
+                f"({type(e).__name__}: {e}): make that object picklable (its class at module "
+                "top level; locks, open files and the like created inside the method), pass a "
+                "module-level function, or use start_method='fork' (Linux, notebooks)"
+            ) from e
         raise ValueError(
             f"start_method='spawn' sends main to each worker by name, and {name!r} cannot be "
             f"pickled ({e}): define main at module top level (not a lambda or nested "

@@ -50,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Literal
@@ -148,9 +149,13 @@ class Watchdog:
         timeout: float | None,
         report_path: str | os.PathLike[str] | None,
         option: str = "timeout",
+        on_hang: Callable[[str], None] | None = None,
     ) -> None:
         self.timeout = timeout
         self.option = option  # how the user named the timeout, for the report
+        # Called with the verdict's first line just before this rank exits on a hang
+        # (launch_all under torchrun/SLURM: a rank that returned waits for this one's value).
+        self.on_hang = on_hang
         self.report_path = None if report_path is None else Path(report_path)
         self.active = False
         self.limit = 0.0
@@ -380,6 +385,9 @@ class Watchdog:
                 and time.monotonic() < deadline
             ):
                 time.sleep(0.1)
+        if self.on_hang is not None:
+            with contextlib.suppress(Exception):
+                self.on_hang(record["message"].splitlines()[0])
         sys.stderr.flush()
         sys.stdout.flush()
         _kill_children()
