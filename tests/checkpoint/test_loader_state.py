@@ -126,6 +126,14 @@ def test_a_tuned_loader_made_persistent_restored_at_an_epoch_s_end_draws_as_its_
     _resume_matches(_tuned(asked=False, workers=1), stop=(1, len(DATA) // 4 - 1))
 
 
+@pytest.mark.parametrize("kind", ["own generator", "shuffle", "distributed_loader"])
+def test_a_pass_saved_at_its_last_batch_resumes_the_next_pass_exactly(kind: str) -> None:
+    # Before: RandomSampler(generator=g) draws one more permutation on its way to
+    # StopIteration, after the save at the last batch; the resumed run did not, so the
+    # next epoch shuffled otherwise than the uninterrupted run's.
+    _resume_matches(LOADERS[kind], stop=(1, len(DATA) // 4 - 1))
+
+
 def test_the_consumed_batches_are_skipped_at_the_sampler_never_loaded() -> None:
     torch.manual_seed(0)
     data = Recording()

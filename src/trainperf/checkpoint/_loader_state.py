@@ -414,6 +414,7 @@ def loader_state(loader: DataLoader[Any]) -> dict[str, Any] | None:
         "length": length,
         "shape": _shape(loader),
         "done": _finished(tracker.done, tracker.position, length),
+        "ended": tracker.done,  # the pass raised StopIteration: its sampler drew its tail
         "start": None if tracker.start is None else tracker.start.to_dict(),
         "now": _States.read(chain, loader.generator).to_dict(),
     }
@@ -442,6 +443,18 @@ def _resume_note(loader: DataLoader[Any], saved: Mapping[str, Any]) -> str | Non
             "batches per pass, but the consumed ones held other samples): the pass restarts"
         )
     return None
+
+
+def _draw_tail(chain: list[Any], gen: torch.Generator | None, start: _States) -> None:
+    """Draw what the sampler draws after its last index, as the uninterrupted run's did on
+    its way to StopIteration after the save at the pass's last batch: ``RandomSampler``
+    with a ``generator`` draws one more permutation there, so without it the next pass
+    would shuffle otherwise. The pass is replayed from its start to its end; only the
+    sampler chain's generators keep what it drew (:func:`_replaying`)."""
+    with _replaying(chain, gen):
+        start.apply(chain, gen)
+        for _ in chain[0]:
+            pass
 
 
 def check_position(saved: Any, key: str) -> None:
@@ -488,6 +501,8 @@ def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key
     if reuses is None:
         reuses = loader.persistent_workers and loader.num_workers
     tracker.scratch_seed = bool(done and saved["passes"] >= 1 and reuses)
+    if done and saved.get("ended") is False and saved["start"] is not None:
+        _draw_tail(chain, loader.generator, _States.from_dict(saved["start"]))
     if done or saved["start"] is None:
         return
     note = _resume_note(loader, saved)
