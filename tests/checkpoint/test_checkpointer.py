@@ -127,6 +127,26 @@ def test_a_save_below_a_step_on_disk_warns_once_that_a_resume_would_take_that_on
         fresh.save({"step": 1}, step=1)  # the same step again (a final save): silent
 
 
+def test_a_run_resumed_past_a_damaged_newest_file_saves_without_a_false_alarm(
+    tmp_path: Path,
+) -> None:
+    ckpt = Checkpointer(tmp_path)
+    for step in (10, 20, 30):
+        ckpt.save({"w": torch.full((1000,), float(step))}, step=step)
+    newest = tmp_path / "step-000000030.pt"
+    newest.write_bytes(newest.read_bytes()[:500])  # cut short
+    resumed = Checkpointer(tmp_path)
+    state = {"w": torch.zeros(1000)}
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000030\.pt"):
+        assert resumed.restore(state) == 20
+    with warnings.catch_warnings():
+        # Not "a resume would continue from step 30": restore skips that file, as it did.
+        warnings.simplefilter("error")
+        resumed.save(state, step=21)
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000030\.pt"):
+        assert Checkpointer(tmp_path).restore(state) == 21
+
+
 def test_an_unpicklable_value_is_raised_by_the_next_save_chained_with_the_path(
     tmp_path: Path,
 ) -> None:
@@ -491,6 +511,26 @@ def test_a_directory_under_home_is_expanded(
     ckpt.save({"x": torch.ones(1)}, step=1)
     assert ckpt.directory == tmp_path / "home" / "runs" and ckpt.steps() == [1]
     assert not (tmp_path / "~").exists()
+
+
+def test_a_relative_directory_stays_put_after_chdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    # Another run's checkpoints under the same relative name in the new working directory.
+    other = Checkpointer(elsewhere / "runs", keep=5)
+    for step in (1, 2, 3):
+        other.save({"x": torch.full((2,), -1.0)}, step=step)
+    here.mkdir()
+    monkeypatch.chdir(here)
+    ckpt = Checkpointer("runs", keep=1)
+    ckpt.save({"x": torch.ones(2)}, step=4)
+    monkeypatch.chdir(elsewhere)  # the script moves on; the checkpoints must not
+    ckpt.save({"x": torch.full((2,), 5.0)}, step=5)
+    assert ckpt.directory == here / "runs" and ckpt.steps() == [5]
+    assert other.steps() == [1, 2, 3]  # keep=1 deleted nothing of the other run
+    state = {"x": torch.zeros(2)}
+    assert ckpt.restore(state) == 5 and torch.equal(state["x"], torch.full((2,), 5.0))
 
 
 def test_arguments_are_checked(tmp_path: Path) -> None:

@@ -70,7 +70,8 @@ class Checkpointer:
 
     Args:
         directory: where the files go (created on the first save); a leading ``~`` is the
-            home directory.
+            home directory, and a relative path is taken from the working directory now
+            (an ``os.chdir`` later does not move the checkpoints).
         keep: how many of the newest checkpoints to keep; older ones are deleted only after
             a newer one is durable (fsynced and renamed), and the one just written never is.
         every: save only at steps that are multiples of ``every`` (other steps' ``save``
@@ -102,7 +103,9 @@ class Checkpointer:
     def __init__(
         self, directory: str | os.PathLike[str], *, keep: int = 3, every: int | None = None
     ) -> None:
-        self.directory = Path(os.fspath(directory)).expanduser()
+        # Absolute now: a later os.chdir must not send saves, the retention that deletes
+        # old steps, or restore to another directory (nor split a background write).
+        self.directory = Path(os.fspath(directory)).expanduser().absolute()
         self.keep = positive_int("keep", keep)
         self.every: int | None = positive_int("every", every, none_ok=True)
         in_the_way = _file_in_the_way(self.directory)

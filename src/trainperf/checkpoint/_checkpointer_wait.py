@@ -25,10 +25,14 @@ __all__ = ["settle"]
 
 def settle(ckpt: Checkpointer) -> None:
     """Wait for the write in flight; raise its failure; pass its notes on."""
-    pending, ckpt._pending = ckpt._pending, None
+    pending = ckpt._pending
     if pending is None:
         return
+    # Forgotten only once finished: a wait cut short (Ctrl-C in a notebook) must leave it
+    # pending, or the next save would start a second write while this one still reads the
+    # staging buffers that save refills, and this step's file would get the next one's values.
     _finish(pending)
+    ckpt._pending = None
     warn_notes(pending.notes)
     pending.raise_failure()
     # Written again: a damaged file of that step was replaced (a forked writer's own

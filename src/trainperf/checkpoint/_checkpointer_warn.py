@@ -23,7 +23,8 @@ def warn_if_behind(ckpt: Checkpointer, step: int) -> None:
     earlier run's, or a step count that restarted. :meth:`latest` and :meth:`restore`
     take the highest step, so a resume would continue from that one, not from this run."""
     if ckpt._highest is None:  # the directory is read once; later saves are counted
-        ckpt._highest = max(ckpt.steps(), default=-1)
+        # Not the files restore found damaged: it skips them, so a resume would too.
+        ckpt._highest = max((s for s in ckpt.steps() if s not in ckpt._damaged), default=-1)
     highest, ckpt._highest = ckpt._highest, max(ckpt._highest, step)
     if ckpt._behind_told or step >= highest:
         return

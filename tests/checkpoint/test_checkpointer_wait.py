@@ -1,0 +1,57 @@
+"""trainperf.checkpoint._checkpointer_wait: waiting for a Checkpointer's background write
+before the next save, however that wait ends."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import trainperf.checkpoint._checkpointer as checkpointer_module
+import trainperf.checkpoint._checkpointer_wait as wait_module
+import trainperf.checkpoint._writer as writer_module
+from trainperf import Checkpointer, load_checkpoint
+
+
+def test_a_wait_cut_short_by_ctrl_c_still_holds_the_next_save_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The thread writer (a GPU state's path) writes from staging buffers that the next save
+    # refills: a second write must not start while the first still reads them.
+    monkeypatch.setattr(checkpointer_module, "fork_writes", lambda: False)
+    release = threading.Event()
+    real_write = writer_module.write_now
+
+    def held(payload: Any, path: Path, **kw: Any) -> None:
+        release.wait(timeout=60)
+        real_write(payload, path, **kw)
+
+    monkeypatch.setattr(writer_module, "write_now", held)
+    real_finish = wait_module._finish
+    interrupts = [KeyboardInterrupt()]
+
+    def interrupted(pending: Any) -> None:
+        if interrupts:  # Ctrl-C while the next save waits for step 1's write
+            raise interrupts.pop()
+        real_finish(pending)
+
+    monkeypatch.setattr(wait_module, "_finish", interrupted)
+    ckpt = Checkpointer(tmp_path, keep=5)
+    w = torch.full((1024,), 1.0)
+    state = {"w": w}
+    first = ckpt.save(state, step=1, blocking=False)
+    w.fill_(2.0)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(state, step=2, blocking=False)
+    threading.Timer(0.2, release.set).start()
+    ckpt.save(state, step=2, blocking=False)  # the notebook goes on: waits for step 1
+    assert first.done()
+    w.fill_(3.0)
+    ckpt.wait()
+    assert ckpt.steps() == [1, 2]
+    for step, value in ((1, 1.0), (2, 2.0)):
+        saved = load_checkpoint(tmp_path / f"step-{step:09d}.pt")["w"]
+        assert torch.equal(saved, torch.full((1024,), value)), (step, saved[:3])
