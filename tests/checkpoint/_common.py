@@ -80,3 +80,23 @@ def assert_manifest(tensors: Mapping[str, torch.Tensor], fixture: str, name: str
         t = tensors[key]
         assert list(t.shape) == spec["shape"] and str(t.dtype) == f"torch.{spec['dtype']}", key
         assert sha256(t) == spec["sha256"], key
+
+
+def held_thread_writes(monkeypatch: Any) -> Any:
+    """Make Checkpointer's background saves use the thread writer and hold each write until
+    the returned ``threading.Event`` is set (at most 60 s)."""
+    import threading
+
+    import trainperf.checkpoint._checkpointer as checkpointer_module
+    import trainperf.checkpoint._writer as writer_module
+
+    monkeypatch.setattr(checkpointer_module, "fork_writes", lambda: False)
+    release = threading.Event()
+    real = writer_module.write_now
+
+    def held(payload: Any, path: Path, **kw: Any) -> None:
+        release.wait(timeout=60)
+        real(payload, path, **kw)
+
+    monkeypatch.setattr(writer_module, "write_now", held)
+    return release

@@ -32,6 +32,7 @@ import trainperf.checkpoint._steps as steps_module
 import trainperf.checkpoint._writer as writer_module
 import trainperf.checkpoint._writer_fork as writer_fork
 from tests.checkpoint import _agree
+from tests.checkpoint._common import held_thread_writes
 from tests.ddp._distributed import FORK, spawn
 from trainperf import Checkpointer, MixedPrecision, host_limits, load_checkpoint
 from trainperf._utils.atomic import temp_name
@@ -175,15 +176,7 @@ def test_a_blocking_save_that_fails_raises_at_once(tmp_path: Path) -> None:
 def test_a_second_save_waits_for_the_one_in_flight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(checkpointer_module, "fork_writes", lambda: False)
-    release = threading.Event()
-    real = writer_module.write_now
-
-    def slow(payload: Any, path: Path, **kw: Any) -> None:
-        release.wait(timeout=60)
-        real(payload, path, **kw)
-
-    monkeypatch.setattr(writer_module, "write_now", slow)
+    release = held_thread_writes(monkeypatch)
     ckpt = Checkpointer(tmp_path)
     first = ckpt.save({"n": 1}, step=1, blocking=False)
     assert first.wait(timeout=0.05) is False and not first.done()
@@ -207,15 +200,7 @@ def test_every_skips_other_steps_unless_forced(tmp_path: Path) -> None:
 def test_a_skipped_step_does_not_wait_for_the_write_in_flight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(checkpointer_module, "fork_writes", lambda: False)
-    release = threading.Event()
-    real = writer_module.write_now
-
-    def held(payload: Any, path: Path, **kw: Any) -> None:
-        release.wait(timeout=60)
-        real(payload, path, **kw)
-
-    monkeypatch.setattr(writer_module, "write_now", held)
+    release = held_thread_writes(monkeypatch)
     ckpt = Checkpointer(tmp_path, every=10)
     writing = ckpt.save({"n": 1}, step=10, blocking=False)
     for step in range(11, 15):  # the loop calls save every step: these return at once

@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-import trainperf.checkpoint._checkpointer as checkpointer_module
 import trainperf.checkpoint._checkpointer_wait as wait_module
-import trainperf.checkpoint._writer as writer_module
+from tests.checkpoint._common import held_thread_writes
 from trainperf import Checkpointer, load_checkpoint
 
 
@@ -21,15 +20,7 @@ def test_a_wait_cut_short_by_ctrl_c_still_holds_the_next_save_back(
 ) -> None:
     # The thread writer (a GPU state's path) writes from staging buffers that the next save
     # refills: a second write must not start while the first still reads them.
-    monkeypatch.setattr(checkpointer_module, "fork_writes", lambda: False)
-    release = threading.Event()
-    real_write = writer_module.write_now
-
-    def held(payload: Any, path: Path, **kw: Any) -> None:
-        release.wait(timeout=60)
-        real_write(payload, path, **kw)
-
-    monkeypatch.setattr(writer_module, "write_now", held)
+    release = held_thread_writes(monkeypatch)
     real_finish = wait_module._finish
     interrupts = [KeyboardInterrupt()]
 
