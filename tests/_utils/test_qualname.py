@@ -105,6 +105,19 @@ def test_a_decorated_step_counts_by_the_body_it_wraps() -> None:
     assert first != edited and first == same and first.startswith("train.step#")
 
 
+def test_a_module_whose_forward_is_decorated_counts_by_the_forward_it_wraps() -> None:
+    # Before: the digest was the decorator's body (torch.no_grad's), the same for every
+    # decorated forward, so editing it kept the old cached batch size.
+    first, edited, same = step_names(
+        "import torch\n"
+        "class Step(torch.nn.Module):\n"
+        "    @torch.no_grad()\n"
+        "    def forward(self, batch):\n"
+        "        return batch{}\n"
+    )
+    assert first != edited and first == same and first.startswith("train.Step#")
+
+
 def test_a_compiled_function_counts_by_the_body_it_compiled() -> None:
     first, edited, same = step_names(
         "def step(batch):\n    return batch{}\n", build="__import__('torch').compile(step)"

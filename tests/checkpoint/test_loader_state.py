@@ -4,6 +4,7 @@ what the uninterrupted one would have, without loading the batches it skips."""
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -132,6 +133,30 @@ def test_a_pass_saved_at_its_last_batch_resumes_the_next_pass_exactly(kind: str)
     # StopIteration, after the save at the last batch; the resumed run did not, so the
     # next epoch shuffled otherwise than the uninterrupted run's.
     _resume_matches(LOADERS[kind], stop=(1, len(DATA) // 4 - 1))
+
+
+class _Endless(torch.utils.data.Sampler[int]):
+    """A sampler with a length that never ends (mmengine's InfiniteSampler)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __iter__(self) -> Any:
+        while True:
+            yield from torch.randperm(8).tolist()
+
+
+def test_a_sampler_that_never_ends_restores_from_a_save_at_its_length() -> None:
+    # The tail drawn on restore is the one pull past the last batch, never the rest of a
+    # pass: replaying an endless sampler to its end hung.
+    loader = DataLoader(range(8), batch_size=4, sampler=_Endless())
+    track(loader)
+    it = iter(loader)
+    next(it), next(it)
+    state = copy.deepcopy(loader_state(loader))
+    fresh = DataLoader(range(8), batch_size=4, sampler=_Endless())
+    restore_loader(fresh, state, "loader")  # returns
+    assert sorted(x for b in itertools.islice(iter(fresh), 2) for x in b.tolist()) == list(range(8))
 
 
 def test_the_consumed_batches_are_skipped_at_the_sampler_never_loaded() -> None:

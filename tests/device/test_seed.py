@@ -135,6 +135,18 @@ def test_worker_init_fn_gives_each_rank_s_workers_their_own_streams(
     assert firsts[("rank1", 0)] != firsts[("rank1", 1)]
 
 
+def test_worker_init_fn_outside_a_worker_leaves_torch_alone_on_any_rank(
+    monkeypatch: pytest.MonkeyPatch, restore_determinism: None
+) -> None:
+    # Before: on a rank other than 0 it reseeded the main process's torch generators.
+    monkeypatch.setenv("RANK", "1")
+    torch.manual_seed(5)
+    expected = torch.rand(1)
+    torch.manual_seed(5)
+    worker_init_fn(0)
+    assert torch.equal(torch.rand(1), expected)
+
+
 def test_worker_init_fn_outside_a_worker(restore_determinism: None) -> None:
     torch.manual_seed(11)
     worker_init_fn(0)

@@ -225,6 +225,24 @@ def test_a_stream_with_drop_last_gets_no_more_workers_than_it_was_built_with(
     assert asked and set(asked) == {0} and loader.tuning_history == []
 
 
+def test_a_stream_with_drop_last_keeps_the_worker_count_it_was_built_with(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: only more workers were refused; fewer (3 -> 1) changed the samples an epoch
+    # drops too, [24, 28, 28] where the loader as built gives 24.
+    def decide(f: EpochFigures, **kw: Any) -> Change | None:
+        return None if f.num_workers == 1 else Change(1, 2, "cpu-bound", "forced")
+
+    monkeypatch.setattr(adapt_retune, "decide", decide)
+    plain = _epochs(DataLoader(LongStream(), batch_size=4, drop_last=True, num_workers=3), 1)
+    loader = AdaptiveDataLoader(LongStream(), batch_size=4, drop_last=True, num_workers=3)
+    try:
+        got = _epochs(loader, 3)
+    finally:
+        loader.close()
+    assert [len(e) for e in got] == [len(plain[0])] * 3 and loader.tuning_history == []
+
+
 def test_a_mid_epoch_change_is_recorded_with_its_batch() -> None:
     from trainperf.loader import TuningChange
     from trainperf.loader._adapt_rules import figures

@@ -41,13 +41,14 @@ def qualname(obj: Any) -> str:
         else type(obj)
     )
     name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
-    code = getattr(target, "__code__", None)
+    code, body = getattr(target, "__code__", None), target
     if code is None and target is type(obj) and callable(obj):  # a step object's __call__
-        code = getattr(_body(target), "__code__", None)
+        body = _body(target)
+        code = getattr(body, "__code__", None)
     if code is not None and ("<lambda>" in name or "<locals>" in name):
         name += f"@{code.co_filename}:{code.co_firstlineno}"
     if isinstance(code, types.CodeType):
-        name += f"#{code_digest(code, *_wrapped_codes(target))}"
+        name += f"#{code_digest(code, *_wrapped_codes(body))}"
     return name
 
 

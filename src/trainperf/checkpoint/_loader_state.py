@@ -24,6 +24,7 @@ an ``IterableDataset`` (no sampler to skip at: its pass restarts, with a warning
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import random
@@ -445,16 +446,20 @@ def _resume_note(loader: DataLoader[Any], saved: Mapping[str, Any]) -> str | Non
     return None
 
 
-def _draw_tail(chain: list[Any], gen: torch.Generator | None, start: _States) -> None:
+def _draw_tail(
+    chain: list[Any], gen: torch.Generator | None, start: _States, position: int
+) -> None:
     """Draw what the sampler draws after its last index, as the uninterrupted run's did on
     its way to StopIteration after the save at the pass's last batch: ``RandomSampler``
     with a ``generator`` draws one more permutation there, so without it the next pass
-    would shuffle otherwise. The pass is replayed from its start to its end; only the
-    sampler chain's generators keep what it drew (:func:`_replaying`)."""
+    would shuffle otherwise. The pass's ``position`` pulls are replayed from its start, then
+    the one that ended it; only the sampler chain's generators keep what it drew
+    (:func:`_replaying`)."""
     with _replaying(chain, gen):
         start.apply(chain, gen)
-        for _ in chain[0]:
-            pass
+        it = iter(chain[0])
+        collections.deque(itertools.islice(it, position), maxlen=0)
+        next(it, None)  # the pull that ended the pass (bounded: a sampler may never end)
 
 
 def check_position(saved: Any, key: str) -> None:
@@ -502,7 +507,7 @@ def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key
         reuses = loader.persistent_workers and loader.num_workers
     tracker.scratch_seed = bool(done and saved["passes"] >= 1 and reuses)
     if done and saved.get("ended") is False and saved["start"] is not None:
-        _draw_tail(chain, loader.generator, _States.from_dict(saved["start"]))
+        _draw_tail(chain, loader.generator, _States.from_dict(saved["start"]), saved["position"])
     if done or saved["start"] is None:
         return
     note = _resume_note(loader, saved)

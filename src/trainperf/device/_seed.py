@@ -102,7 +102,8 @@ def worker_init_fn(worker_id: int) -> None:
     rank = _global_rank()
     if rank:
         seed = int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0])
-        torch.manual_seed(seed)
+        if info is not None:  # a worker's own torch seed; never the main process's
+            torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(_worker_seed_state(seed))
 

@@ -172,9 +172,11 @@ class AdaptiveDataLoader(TunedDataLoader):
         self._max_workers = adaptive_max_workers(self._cpus) if max_workers is None else max_workers
         built = {"drop_last": self.drop_last, "num_workers": self.num_workers}
         cap, _ = tail_batches(dataset, built)
+        # Each worker of an IterableDataset with drop_last drops its own last partial batch:
+        # another worker count, more or fewer, would drop other samples than the loader as
+        # built, so the count stays as built (prefetch may still change).
+        self._pinned_workers = None if cap is None else self.num_workers
         if cap is not None:
-            # Each worker of an IterableDataset drops its own last partial batch: more
-            # workers than it was built with would drop samples that loader keeps.
             self._max_workers = min(self._max_workers, cap)
         self._tuner = tuner or memory_rules(
             [],

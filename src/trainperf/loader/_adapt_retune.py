@@ -84,6 +84,9 @@ def decide_change(loader: AdaptiveDataLoader, f: EpochFigures, limits: HostLimit
         max_prefetch=loader._prefetch_ceiling or DEEP_PREFETCH,
     )
     loader._cpus = f.cpus
+    pinned = loader._pinned_workers
+    if change is not None and pinned is not None and change.num_workers != pinned:
+        return None  # a stream with drop_last: another count drops other samples
     if change is not None and change.num_workers > f.num_workers:
         probing = loader._sharded is None and is_iterable(loader.dataset)
         if probing and not loader.fits(
