@@ -4,6 +4,7 @@ test_launch.py)."""
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 from collections.abc import Iterator
 from datetime import timedelta
@@ -111,8 +112,9 @@ def test_every_rank_gathers_after_main_destroyed_the_group_on_rank_0_only(
 @pytest.mark.parametrize(
     ("mode", "said"),
     [
-        ("fails_on_rank1", "rank 1 raised ValueError: rank 1's main broke"),
-        ("hangs_on_rank1", "rank 1 was ended by a hang: no progress on any of 2 ranks for 3 s"),
+        ("fails_on_rank1", r"rank 1 raised ValueError: rank 1's main broke"),
+        # the seconds as measured: more than the hang_timeout on a loaded machine
+        ("hangs_on_rank1", r"rank 1 was ended by a hang: no progress on any of 2 ranks for \d+ s"),
     ],
 )
 def test_the_ranks_that_returned_learn_at_once_that_main_failed_on_another(
@@ -128,7 +130,7 @@ def test_the_ranks_that_returned_learn_at_once_that_main_failed_on_another(
     )
     rank0 = next(line for line in runs[0].stdout.splitlines() if "error on rank 0" in line)
     assert "main failed on rank(s) [1]" in rank0, runs[0].stdout
-    assert said in runs[0].stdout, runs[0].stdout
+    assert re.search(said, runs[0].stdout), runs[0].stdout
     if mode == "fails_on_rank1":
         assert "error on rank 1: rank 1's main broke" in runs[1].stdout
     else:
