@@ -24,7 +24,7 @@ from trainperf._utils.format import format_bytes
 from trainperf._utils.stack import user_stacklevel
 from trainperf._utils.validate import choice, non_negative_int, positive_int
 from trainperf.checkpoint._checkpointer_ranks import _group, own_part
-from trainperf.checkpoint._checkpointer_wait import _finish, settle
+from trainperf.checkpoint._checkpointer_wait import _finish, failure_of_pending, settle
 from trainperf.checkpoint._checkpointer_wait import _wait_at_exit as _wait_at_exit
 from trainperf.checkpoint._checkpointer_warn import (
     _stops_at,
@@ -172,8 +172,10 @@ class Checkpointer:
         the host's available memory (:func:`trainperf.host_limits`) cannot hold one more
         copy of the state, the save is made blocking, with a warning giving both figures.
 
-        One write is in flight at most: a ``save`` while one is pending first waits for it,
-        and raises its failure if it failed (as :meth:`wait` does). Under a process group
+        One write is in flight at most: a ``save`` while one is pending first waits for it.
+        If that write failed, this save is made (blocking) before the failure is raised, so
+        a run that the error ends (a preemption's final save) still leaves its newest state
+        on disk. Under a process group
         rank 0 writes the step file and every other rank writes only its own small file
         (``step-….rank-0000R.pt``: its generators and loader positions) and returns; no
         collective is involved, so calling it on every rank and inside ``if rank == 0:``
@@ -192,8 +194,10 @@ class Checkpointer:
 
         Raises:
             CheckpointError: the previous background write failed (its error, chained,
-                with its path; this save is then not made: call it again), or this
-                blocking save failed; nothing older is deleted.
+                with its path; this save is made first, blocking, even at a step
+                ``every`` skips, and the error notes where it went), or this blocking save
+                failed (with a note of the earlier failure, if any); nothing older is
+                deleted.
             TypeError: ``state`` is not a dict with string keys.
             ValueError: ``step`` is not an int >= 0, or ``state`` uses the key
                 ``"trainperf"``.
@@ -201,13 +205,29 @@ class Checkpointer:
         step = non_negative_int("step", step)
         choice("blocking", blocking, (True, False))
         choice("force", force, (False, True))
-        if self._skips(step, bool(force)):
+        skipped = self._skips(step, bool(force))
+        if skipped and (self._pending is None or not self._pending.done()):
             # A skipped step must not wait for the write in flight (the loop calls save on
-            # every step), but reports it once it has failed.
-            if self._pending is not None and self._pending.done():
-                settle(self)
+            # every step), but reports it once it has failed (below).
             return SaveHandle.finished(step, None, "skipped")
-        settle(self)
+        earlier = failure_of_pending(self)
+        if earlier is None and skipped:
+            return SaveHandle.finished(step, None, "skipped")
+        if earlier is None:
+            return self._save(state, step, blocking)
+        # The earlier write failed: raising now could end the run with nothing saved since
+        # the last good file (a preemption's final save), so this state is saved first,
+        # blocking, even at a step ``every`` skips; then the failure is raised.
+        try:
+            handle = self._save(state, step, blocking=True)
+        except BaseException as e:
+            e.add_note(f"earlier, {earlier}")
+            raise
+        earlier.add_note(f"step {step} was saved to {handle.path} before this was raised")
+        raise earlier
+
+    def _save(self, state: Mapping[str, Any], step: int, blocking: bool) -> SaveHandle:
+        """Make the save (after the previous write has settled)."""
         path = main_file(self.directory, step)
         rank, world = _group()
         if rank > 0:

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 from trainperf.checkpoint._checkpointer_warn import warn_notes
 from trainperf.checkpoint._files import saving
 from trainperf.checkpoint._writer import SaveHandle, pending_handles, unreported_failures
+from trainperf.errors import CheckpointError
 
 if TYPE_CHECKING:
     from trainperf.checkpoint._checkpointer import Checkpointer
 
-__all__ = ["settle"]
+__all__ = ["settle", "failure_of_pending"]
 
 
 def settle(ckpt: Checkpointer) -> None:
@@ -38,6 +39,15 @@ def settle(ckpt: Checkpointer) -> None:
     # Written again: a damaged file of that step was replaced (a forked writer's own
     # discard in _after stays in its copy of this object).
     ckpt._damaged.discard(pending.step)
+
+
+def failure_of_pending(ckpt: Checkpointer) -> CheckpointError | None:
+    """:func:`settle`, returning the write's failure (marked reported) instead of raising it."""
+    try:
+        settle(ckpt)
+    except CheckpointError as e:
+        return e
+    return None
 
 
 def _finish(pending: SaveHandle) -> None:
