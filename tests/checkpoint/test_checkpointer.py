@@ -164,7 +164,7 @@ def test_an_unpicklable_value_is_raised_by_the_next_save_chained_with_the_path(
     # Step 3 was saved (blocking) before the failure was raised: an error that ends the run
     # does not cost the state it was given.
     saved = tmp_path / "step-000000003.pt"
-    assert info.value.__notes__ == [f"step 3 was saved to {saved} before this was raised"]
+    assert str(info.value).endswith(f"; step 3 was saved to {saved} before this was raised")
     assert handle.done() and ckpt.steps() == [1, 3]
     assert torch.equal(load_checkpoint(ckpt.latest())["w"], torch.full((2,), 3.0))
     ckpt.save({"w": torch.ones(2)}, step=4)  # raised once: the Checkpointer carries on
@@ -182,7 +182,7 @@ def test_a_save_every_skips_is_made_when_it_reports_a_failed_write(tmp_path: Pat
         time.sleep(0.01)
     with pytest.raises(CheckpointError, match=r"background save of step 20 failed") as info:
         ckpt.save({"w": torch.full((2,), 5.0)}, step=23)
-    assert "step 23 was saved to" in info.value.__notes__[0]
+    assert "step 23 was saved to" in str(info.value)
     assert ckpt.steps() == [10, 23]
     assert torch.equal(load_checkpoint(ckpt.latest())["w"], torch.full((2,), 5.0))
     assert ckpt.save({"w": torch.ones(2)}, step=24).writer == "skipped"  # told once
@@ -199,9 +199,18 @@ def test_a_save_that_fails_after_a_failed_write_notes_the_earlier_failure(
     ) as info:
         ckpt.save({"fn": lambda: 2}, step=3)
     assert info.value.path == tmp_path / "step-000000003.pt"
-    [note] = info.value.__notes__
-    assert note.startswith("earlier, the background save of step 2 failed: could not save")
+    assert "; earlier, the background save of step 2 failed: could not save" in str(info.value)
     assert ckpt.steps() == [1]
+
+
+def test_a_save_refused_after_a_failed_write_warns_the_earlier_failure(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"fn": lambda: 1}, step=2, blocking=False)
+    with (
+        pytest.warns(UserWarning, match=r"background save of step 2 failed"),
+        pytest.raises(ValueError, match=r"trainperf"),
+    ):
+        ckpt.save({"trainperf": 1}, step=3)
 
 
 def test_a_blocking_save_that_fails_raises_at_once(tmp_path: Path) -> None:

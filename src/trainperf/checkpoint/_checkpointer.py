@@ -24,7 +24,12 @@ from trainperf._utils.format import format_bytes
 from trainperf._utils.stack import user_stacklevel
 from trainperf._utils.validate import choice, non_negative_int, positive_int
 from trainperf.checkpoint._checkpointer_ranks import _group, own_part
-from trainperf.checkpoint._checkpointer_wait import _finish, failure_of_pending, settle
+from trainperf.checkpoint._checkpointer_wait import (
+    _finish,
+    failure_of_pending,
+    settle,
+    tell_earlier,
+)
 from trainperf.checkpoint._checkpointer_wait import _wait_at_exit as _wait_at_exit
 from trainperf.checkpoint._checkpointer_warn import (
     _stops_at,
@@ -195,9 +200,9 @@ class Checkpointer:
         Raises:
             CheckpointError: the previous background write failed (its error, chained,
                 with its path; this save is made first, blocking, even at a step
-                ``every`` skips, and the error notes where it went), or this blocking save
-                failed (with a note of the earlier failure, if any); nothing older is
-                deleted.
+                ``every`` skips, and the message says where it went), or this blocking
+                save failed (the message ends with the earlier failure, if any); nothing
+                older is deleted.
             TypeError: ``state`` is not a dict with string keys.
             ValueError: ``step`` is not an int >= 0, or ``state`` uses the key
                 ``"trainperf"``.
@@ -221,10 +226,12 @@ class Checkpointer:
         try:
             handle = self._save(state, step, blocking=True)
         except BaseException as e:
-            e.add_note(f"earlier, {earlier}")
+            tell_earlier(e, earlier)
             raise
-        earlier.add_note(f"step {step} was saved to {handle.path} before this was raised")
-        raise earlier
+        raise CheckpointError(
+            f"{earlier}; step {step} was saved to {handle.path} before this was raised",
+            earlier.path,
+        ) from earlier.__cause__
 
     def _save(self, state: Mapping[str, Any], step: int, blocking: bool) -> SaveHandle:
         """Make the save (after the previous write has settled)."""

@@ -11,8 +11,10 @@ import atexit
 import contextlib
 import sys
 import threading
+import warnings
 from typing import TYPE_CHECKING
 
+from trainperf._utils.stack import user_stacklevel
 from trainperf.checkpoint._checkpointer_warn import warn_notes
 from trainperf.checkpoint._files import saving
 from trainperf.checkpoint._writer import SaveHandle, pending_handles, unreported_failures
@@ -21,7 +23,7 @@ from trainperf.errors import CheckpointError
 if TYPE_CHECKING:
     from trainperf.checkpoint._checkpointer import Checkpointer
 
-__all__ = ["settle", "failure_of_pending"]
+__all__ = ["settle", "failure_of_pending", "tell_earlier"]
 
 
 def settle(ckpt: Checkpointer) -> None:
@@ -48,6 +50,16 @@ def failure_of_pending(ckpt: Checkpointer) -> CheckpointError | None:
     except CheckpointError as e:
         return e
     return None
+
+
+def tell_earlier(error: BaseException, earlier: CheckpointError) -> None:
+    """Make sure the earlier write's failure is not lost behind ``error``, the failure of the
+    save made before reporting it: appended to a :class:`CheckpointError`'s message (the
+    same object, its type and ``path`` kept), otherwise warned."""
+    if isinstance(error, CheckpointError) and len(error.args) == 1:
+        error.args = (f"{error.args[0]}; earlier, {earlier}",)
+        return
+    warnings.warn(str(earlier), UserWarning, stacklevel=user_stacklevel())
 
 
 def _finish(pending: SaveHandle) -> None:
