@@ -108,6 +108,17 @@ def test_keep_deletes_older_files_only_once_a_newer_one_is_written(tmp_path: Pat
     assert ckpt.latest() == tmp_path / "step-000000040.pt"
 
 
+def test_keep_leaves_a_step_the_user_write_protected(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt.save({"best": 1}, step=10)
+    ckpt.latest().chmod(0o444)  # keep this one
+    for step in (20, 30):
+        ckpt.save({"step": step}, step=step, blocking=step == 20)
+    ckpt.wait()
+    assert ckpt.steps() == [10, 30]
+    assert load_checkpoint(tmp_path / "step-000000010.pt")["best"] == 1
+
+
 def test_a_save_below_a_step_on_disk_warns_once_that_a_resume_would_take_that_one(
     tmp_path: Path,
 ) -> None:

@@ -12,6 +12,7 @@ import torch
 from trainperf._utils.atomic import temp_name
 from trainperf.checkpoint._steps import (
     main_file,
+    pinned,
     rank_file,
     remove_dead_temps,
     retire,
@@ -72,6 +73,26 @@ def test_retire_deletes_old_steps_with_their_rank_files(tmp_path: Path) -> None:
         "step-000000030.rank-00001.pt",
         "step-000000040.rank-00001.pt",
     ]
+
+
+def test_retire_keeps_a_write_protected_step_without_counting_it(tmp_path: Path) -> None:
+    # chmod a-w is how a user keeps a step (a best model) that keep= would delete.
+    for s in (10, 20, 30, 40):
+        torch.save({"step": s}, main_file(tmp_path, s))
+        rank_file(tmp_path, s, 1).write_bytes(b"r")
+    main_file(tmp_path, 10).chmod(0o444)
+    main_file(tmp_path, 30).chmod(0o444)
+    assert retire(tmp_path, keep=1, protect=40) == []
+    assert sorted(os.listdir(tmp_path)) == [
+        "step-000000010.pt",
+        "step-000000010.rank-00001.pt",
+        "step-000000030.pt",
+        "step-000000030.rank-00001.pt",
+        "step-000000040.pt",
+        "step-000000040.rank-00001.pt",
+    ]
+    assert pinned(main_file(tmp_path, 10)) and not pinned(main_file(tmp_path, 40))
+    assert not pinned(main_file(tmp_path, 99))  # missing: not pinned
 
 
 def test_dead_temps_go_live_and_other_hosts_stay(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from trainperf.checkpoint._formats import read_error, read_failure
 __all__ = [
     "unloadable",
     "main_file",
+    "pinned",
     "rank_file",
     "remove_dead_temps",
     "retire",
@@ -111,16 +112,18 @@ def retire(directory: Path, keep: int, protect: int, damaged: Iterable[int] = ()
     A main file that is not a complete archive (:func:`unloadable`: cut short by another
     tool), or whose step is in ``damaged`` (a restore found its data corrupt), neither counts
     toward ``keep`` nor is deleted: it would hold one of the ``keep`` places for good, above
-    the files that do load."""
+    the files that do load. Nor does a write-protected one (:func:`pinned`), nor its rank
+    files: the user kept it."""
     names = _names(directory)
     bad = set(damaged)
+    held = {int(m[1]) for name in names if (m := _MAIN.match(name)) and pinned(directory / name)}
     steps = [
         step
         for name in names
         if (m := _MAIN.match(name))
         and (
             (step := int(m[1])) == protect
-            or (step not in bad and unloadable(directory / name) is None)
+            or (step not in bad and step not in held and unloadable(directory / name) is None)
         )
     ]
     doomed = set(to_retire(steps, keep, protect))
@@ -128,9 +131,8 @@ def retire(directory: Path, keep: int, protect: int, damaged: Iterable[int] = ()
     failed = []
     for name in names:
         m = _ANY.match(name)
-        if m is None:
+        if m is None or (step := int(m[1])) in held:
             continue
-        step = int(m[1])
         if step in doomed or (step < oldest_kept and not _MAIN.match(name)):
             try:
                 os.unlink(directory / name)
@@ -139,6 +141,15 @@ def retire(directory: Path, keep: int, protect: int, damaged: Iterable[int] = ()
             except OSError as e:
                 failed.append(f"{directory / name}: {e.strerror or e}")
     return failed
+
+
+def pinned(path: Path) -> bool:
+    """Whether ``path`` is write-protected (no write bit for anyone, ``chmod a-w``): the way
+    to keep a step that ``keep=`` would delete (``rm`` asks before deleting one too)."""
+    try:
+        return not os.stat(path).st_mode & 0o222
+    except OSError:
+        return False
 
 
 def this_host() -> str:
