@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from trainperf._utils.format import format_bytes
 from trainperf._utils.stack import user_stacklevel
 from trainperf._utils.validate import choice, non_negative_int, positive_int
+from trainperf.checkpoint._checkpointer_lock import DirectoryClaim
 from trainperf.checkpoint._checkpointer_ranks import _group, own_part
 from trainperf.checkpoint._checkpointer_wait import (
     _finish,
@@ -128,6 +129,7 @@ class Checkpointer:
         self._damaged: set[int] = set()  # steps whose file restore found corrupt
         self._behind_told = False  # warned once that a later step is already on disk
         self._highest: int | None = None  # the highest step on disk or saved here, once read
+        self._claim = DirectoryClaim(self.directory)  # rank 0's writer lock, at its first save
 
     def __repr__(self) -> str:
         every = "" if self.every is None else f", every={self.every}"
@@ -142,10 +144,13 @@ class Checkpointer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc_type is None:
-            self.wait()
-        elif self._pending is not None:
-            _finish(self._pending)  # the write finishes; its error is not the news
+        try:
+            if exc_type is None:
+                self.wait()
+            elif self._pending is not None:
+                _finish(self._pending)  # the write finishes; its error is not the news
+        finally:
+            self._claim.release()  # the block was the writer's life; a later save claims again
 
     # ------------------------------------------------------------------ saving
 
@@ -242,6 +247,7 @@ class Checkpointer:
             with saving(own):
                 write_now(rank_payload(state, step, rank, world), own)
             return SaveHandle.finished(step, path, "other rank")
+        self._claim.claim()
         warn_if_behind(self, step)
         payload = build_payload(state, step, rank, world)
         if not blocking:
