@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -255,3 +256,72 @@ def test_a_collective_mismatch_is_noted_only_on_evidence_of_one(
     if note:
         assert lines[1] == "The ranks called different collectives (a collective mismatch):"
         assert lines[2].startswith(f"  rank 0: {calls[0][0]}")
+
+
+# ---------------------------------------------------------- before every rank joined
+
+
+@pytest.fixture
+def starting(monkeypatch: pytest.MonkeyPatch) -> Iterator[HangDetector]:
+    """Two ranks, neither has joined the process group yet."""
+    monkeypatch.setattr(_detector, "STARTUP_FLOOR_S", 0.0)
+    det = HangDetector(2, 0.15)
+    try:
+        for rank in (0, 1):
+            det.started(rank, os.getpid())
+        yield det
+    finally:
+        det.close()
+
+
+def test_a_rank_that_never_loads_main_while_another_waits_to_join_is_named(
+    starting: HangDetector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(starting, "_dump", lambda ranks: pytest.fail("no handler to signal"))
+    assert starting.check(RUNNING, {}, {0}) is None  # starts the clock
+    time.sleep(starting.timeout + 0.1)
+    report = starting.check(RUNNING, {}, {0})
+    assert report is not None and report.verdict.root == (1,)
+    assert [v.activity for v in report.ranks] == ["joining", "starting"]
+    assert "rank 1 has not joined the process group: it is still starting" in str(report)
+    assert "rank 0 waits for every rank to join the process group" in report.verdict.headline
+    assert "a line its stack could not show" in report.verdict.advice
+
+
+def test_a_starting_rank_with_its_handler_installed_is_named_at_its_line(
+    starting: HangDetector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    Tracker(starting.slots, 1)  # its worker code ran: the stack-dump handler is installed
+    asked: list[list[int]] = []
+
+    def dump(ranks: list[int]) -> dict[int, list[ThreadStack]]:
+        asked.append(ranks)
+        return {1: [ThreadStack(MAIN, False, (Frame(USER, 7, "<module>"),))]}
+
+    monkeypatch.setattr(starting, "_dump", dump)
+    later = types.SimpleNamespace(time=lambda: time.time() + 5.0, monotonic=time.monotonic)
+    monkeypatch.setattr(_detector, "time", later)  # its slot was written 5 s ago
+    assert starting.check(RUNNING, {}, {0}) is None
+    time.sleep(starting.timeout + 0.1)
+    report = starting.check(RUNNING, {}, {0})
+    assert asked == [[1]] and report is not None
+    assert f"still importing main's module or unpickling its arguments at {USER}:7" in str(report)
+
+
+def test_start_up_is_no_hang_while_ranks_load_or_before_the_floor(
+    starting: HangDetector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(starting, "_dump", lambda ranks: {})
+    for loaded in (set(), {0, 1}):  # nobody waits yet, or everybody is joining
+        assert starting.check(RUNNING, {}, loaded) is None
+        time.sleep(starting.timeout + 0.1)
+        assert starting.check(RUNNING, {}, loaded) is None
+    # Each rank that loads restarts the clock.
+    assert starting.check({**RUNNING, 2: object()}, {}, {0}) is None
+    time.sleep(starting.timeout + 0.1)
+    assert starting.check({**RUNNING, 2: object()}, {}, {0, 2}) is None
+    # Below the floor, a slow start is no hang however short hang_timeout is.
+    monkeypatch.setattr(_detector, "STARTUP_FLOOR_S", 60.0)
+    assert starting.check(RUNNING, {}, {0}) is None
+    time.sleep(starting.timeout + 0.1)
+    assert starting.check(RUNNING, {}, {0}) is None

@@ -350,3 +350,84 @@ def test_a_rank_that_cannot_open_its_progress_slot_still_runs(
     assert (
         "hang detection is off (OSError(28, 'No space left on device'))" in capfd.readouterr().err
     )
+
+
+# ----------------------------------------------------------------- before every rank joined
+
+_STUCK_MODULE = """
+import multiprocessing, threading
+LOCK = threading.Lock()
+if multiprocessing.current_process().name == "trainperf-rank1":
+    LOCK.acquire()
+    with LOCK:  # CAUSE: main's module blocks on rank 1 alone
+        pass
+
+
+def main():
+    import torch, torch.distributed as dist
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t)
+"""
+
+_STUCK_SCRIPT = """
+import multiprocessing, sys, time, uuid
+import trainperf.ddp as ddp
+import trainperf.ddp._detector as detector
+detector.STARTUP_FLOOR_S = 2.0
+{main}
+if __name__ == "__main__":
+    if "main" not in globals():  # imported here only: a spawned rank imports it in trainperf
+        from stuck_mod import main
+    t0 = time.monotonic()
+    try:
+        ddp.launch(main, nprocs=2, hang_timeout=2.0, timeout=300)
+    except ddp.HangError as e:
+        print(e)
+        print("KIND", e.report.verdict.kind, e.report.verdict.root)
+    print("ELAPSED", time.monotonic() - t0)
+"""
+
+
+def _run_stuck(tmp_path: Path, main: str) -> str:
+    (tmp_path / "stuck_mod.py").write_text(_STUCK_MODULE)
+    script = tmp_path / "train.py"
+    script.write_text(_STUCK_SCRIPT.format(main=main))
+    env = _clean_env() | {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.getcwd()}"}
+    marker = f"stuck-{os.getpid()}-{time.monotonic_ns()}"
+    env["TRAINPERF_TEST_MARKER"] = marker
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _processes_with(marker) == []  # every rank stopped
+    out = proc.stdout
+    assert "KIND outside (1,)" in out and "rank 1 is the cause." in out, out + proc.stderr
+    assert "rank 0 waits for every rank to join the process group (before main)" in out, out
+    assert "Fix: rank 1 never reached main" in out
+    # Named in seconds, not after timeout=300 (with a raw store timeout blamed on rank 0).
+    assert float(out.split("ELAPSED")[1]) < 120, out
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_stuck_importing_mains_module_is_named_with_its_line(tmp_path: Path) -> None:
+    out = _run_stuck(tmp_path, "")
+    line = next(i for i, t in enumerate(_STUCK_MODULE.splitlines(), 1) if "# CAUSE" in t)
+    assert "rank 1 has not joined the process group: it is still importing main's" in out, out
+    assert f"{tmp_path / 'stuck_mod.py'}:{line}" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_stuck_in_the_scripts_module_level_code_is_named(tmp_path: Path) -> None:
+    main = _STUCK_MODULE.split("\n\n\n", 1)[1]  # main defined in the script itself
+    block = (
+        'if multiprocessing.current_process().name == "trainperf-rank1" '
+        'and __name__ != "__main__":\n'
+        "    time.sleep(600)  # the script's own module-level code blocks on rank 1\n"
+    )
+    out = _run_stuck(tmp_path, main + block)
+    assert "rank 1 has not joined the process group: it is still starting" in out, out
+    assert "its module-level code runs there too" in out

@@ -52,6 +52,10 @@ from trainperf.errors import HangError
 __all__ = ["HangDetector", "rank_view"]
 
 _DUMP_WAIT_S = 3.0
+# A rank that has not loaded main while others wait for it to join the process group is
+# named after hang_timeout, but not before this: spawning a rank (importing torch and the
+# script again) can take tens of seconds more on one rank than another on a loaded host.
+STARTUP_FLOOR_S = 30.0
 # Paired with an unlike op on the peer (a send with its recv): no mismatch between them.
 _POINT_TO_POINT = frozenset(
     ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list", "recv_object_list")
@@ -131,6 +135,9 @@ class HangDetector:
         self._signature: Any = None
         self._since = time.monotonic()  # when the clock for hang_timeout last started
         self._moved = self._since  # the last change in any rank's progress
+        # Before every rank joined: which ranks have not loaded main and which wait, since when.
+        self._start_signature: Any = None
+        self._start_since = self._since
 
     def reset(self) -> None:
         """A new attempt: zero every slot, forget the pids and the clock."""
@@ -138,8 +145,8 @@ class HangDetector:
         for path in self.dir.glob("rank*.stacks"):
             path.unlink(missing_ok=True)
         self.pids.clear()
-        self._signature = None
-        self._since = self._moved = time.monotonic()
+        self._signature = self._start_signature = None
+        self._since = self._moved = self._start_since = time.monotonic()
 
     def started(self, rank: int, pid: int) -> None:
         self.pids[rank] = pid
@@ -150,15 +157,21 @@ class HangDetector:
     def _states(self) -> list[SlotState]:
         return [read_slot(self.slots, r) for r in range(self.n)]
 
-    def check(self, running: dict[int, BaseProcess], results: dict[int, Any]) -> Any:
-        """A :class:`~trainperf.ddp._hang_report.HangReport` once the job has hung, else None."""
+    def check(
+        self,
+        running: dict[int, BaseProcess],
+        results: dict[int, Any],
+        loaded: set[int] | frozenset[int] = frozenset(),
+    ) -> Any:
+        """A :class:`~trainperf.ddp._hang_report.HangReport` once the job has hung, else None.
+        ``loaded``: the ranks that have loaded main (the rest have not reached it yet)."""
         now = time.monotonic()
         states = self._states()
         ready = all(s.state != State.STARTING or r in results for r, s in enumerate(states))
         signature = (tuple(s.progress for s in states), len(results), len(running))
         if not ready or signature != self._signature:
             self._signature, self._since, self._moved = signature, now, now
-            return None
+            return None if ready else self._check_startup(states, running, loaded, now)
         if self._busy(states, running):
             self._since = now  # progress for the clock, not for how long the job stalls
             return None
@@ -176,6 +189,40 @@ class HangDetector:
             self._since = time.monotonic()
             return None
         return report
+
+    def _check_startup(
+        self,
+        states: list[SlotState],
+        running: dict[int, BaseProcess],
+        loaded: set[int] | frozenset[int],
+        now: float,
+    ) -> Any:
+        """Before every rank has joined: ranks that never loaded main while others wait for
+        them to join, unchanged for ``hang_timeout`` (:data:`STARTUP_FLOOR_S` at least)."""
+        starting = tuple(r for r in sorted(running) if r not in loaded)
+        joining = tuple(r for r in sorted(running) if r in loaded)
+        if not starting or not joining or (starting, joining) != self._start_signature:
+            self._start_signature, self._start_since = (starting, joining), now
+            return None
+        stalled_s = now - self._start_since
+        if stalled_s < max(self.timeout, STARTUP_FLOOR_S):
+            return None
+        # Only a rank whose worker code installed the stack-dump handler (its slot written
+        # over a second ago) is signalled: before that the signal would kill it.
+        wall = time.time()
+        handled = [r for r in starting if 0 < states[r].last < wall - 1.0]
+        stacks = self._dump(handled) if handled else {}
+        views = []
+        for rank, slot in enumerate(states):
+            if rank in joining:
+                views.append(_hang_view.RankView(rank, "running", "joining"))
+            elif rank in starting:
+                view = rank_view(rank, "running", slot, stacks.get(rank))
+                views.append(dataclasses.replace(view, activity="starting"))
+            else:
+                views.append(rank_view(rank, "gone", slot, None))
+        verdict = _hang.diagnose(views)
+        return _hang_report.HangReport(self.timeout, stalled_s, self.n, verdict, tuple(views))
 
     def _busy(self, states: list[SlotState], running: dict[int, BaseProcess]) -> bool:
         """A running rank is inside busy() (a blocking checkpoint save), below the cap."""

@@ -371,7 +371,7 @@ class Group:
                 return
             if self.detector is not None and len(self.results) < self.n:
                 with self.guard.deferred():
-                    self.hang = self.detector.check(self.running, self.results)
+                    self.hang = self.detector.check(self.running, self.results, self.loaded)
                 self.guard.raise_pending()
                 if self.hang is not None:
                     return

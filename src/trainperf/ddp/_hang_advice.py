@@ -31,6 +31,14 @@ _ADVICE = {
         "an endless loop, a sleep, or work only some ranks do. If that work is slow on "
         "purpose, raise hang_timeout (or pass hang_timeout=None)."
     ),
+    "starting": (
+        "Fix: {who} never reached main: code that runs before it blocks, at {site}: the "
+        "module-level code of your script (each spawned rank imports it again) or of main's "
+        "module, or unpickling launch()'s arguments. Move slow or blocking work (a download, "
+        "a wait for a file or a lock that another rank makes) into main, after the process "
+        "group exists (one rank does it, then dist.barrier()), or under "
+        '`if __name__ == "__main__":`.'
+    ),
     "dataloader": (
         "Fix: {who}'s DataLoader delivers no batch: a worker is stuck in __getitem__ (I/O, "
         "a lock, a deadlock after fork) or died. DataLoader(..., timeout=60) makes the wait "
@@ -108,7 +116,8 @@ _ADVICE = {
 
 def _advice(kind: str, root: list[RankView]) -> str:
     first = root[0] if root else None
-    site = first.where.site if first and first.where else "the call site"
+    unknown = "a line its stack could not show" if kind == "starting" else "the call site"
+    site = first.where.site if first and first.where else unknown
     if first and first.collective and kind in ("mismatch", "behind", "p2p"):
         site = first.collective.site
     who = _ranks([v.rank for v in root]) if root else "every rank"

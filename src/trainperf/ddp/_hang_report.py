@@ -33,6 +33,8 @@ def _from_user_code(stack: tuple[Frame, ...]) -> list[Frame]:
 
 
 def _stack_lines(view: RankView, limit: int = 12) -> list[str]:
+    if not view.answered and view.activity == "starting":
+        return []  # its line says why there is no stack
     if not view.answered:
         return [f"rank {view.rank} sent no stack (it may be stopped, or gone)"]
     lines = [f"Stack of rank {view.rank}, main thread (most recent call last):"]

@@ -40,7 +40,7 @@ class RankView:
 
     @property
     def waiting(self) -> bool:
-        return self.status == "running" and self.activity in ("collective", "backward")
+        return self.status == "running" and self.activity in ("collective", "backward", "joining")
 
     @property
     def busy(self) -> bool:
@@ -65,6 +65,10 @@ class RankView:
             return "could not be asked"
         if self.activity == "collective" and self.collective is not None:
             return f"waits in {self.collective.describe()}"
+        if self.activity == "joining":
+            return "waits for every rank to join the process group (before main)"
+        if self.activity == "starting":
+            return _starting(self, at, code)
         if self.stuck_in and self.activity != "backward":
             return f"is stuck in {self.stuck_in} for {self.stuck_s:.0f} s{at}{code}"
         if self.compiling and self.activity != "backward":
@@ -81,6 +85,20 @@ class RankView:
             what = "a multiprocessing queue, pipe or join, a subprocess"
             return f"waits for another process ({what}){at}{code}"
         return f"is busy outside any collective{at}{code}"
+
+
+def _starting(view: RankView, at: str, code: str) -> str:
+    """What a rank that never reached main is doing, in words."""
+    if view.answered and view.where is not None:
+        return (
+            "has not joined the process group: it is still importing main's module or "
+            f"unpickling its arguments{at}{code}"
+        )
+    return (
+        "has not joined the process group: it is still starting (a spawned rank imports your "
+        "script again, so its module-level code runs there too; its stack could not be read "
+        "before trainperf's worker code ran)"
+    )
 
 
 def _ranks(ranks: list[int] | tuple[int, ...]) -> str:

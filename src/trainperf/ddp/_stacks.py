@@ -50,8 +50,18 @@ __all__ = [
 # take SIGUSR1/SIGUSR2).
 DUMP_SIGNAL = signal.SIGRTMIN + 4
 
+# "starting" and "joining" are the launcher's own (a rank that has not reached main, and one
+# that waits for it to join the process group); classify never returns them.
 Activity = Literal[
-    "collective", "backward", "dataloader", "lock", "thread-wait", "process-wait", "running"
+    "collective",
+    "backward",
+    "dataloader",
+    "lock",
+    "thread-wait",
+    "process-wait",
+    "running",
+    "starting",
+    "joining",
 ]
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
