@@ -80,6 +80,16 @@ def test_a_dataloader_wait_a_lock_and_a_thread_wait_are_named_with_their_fix() -
     v = diagnose([_waits(0, _c(3)), _busy(1, "dataloader")])
     assert v.root == (1,) and "waits for a batch from its DataLoader" in v.headline
     assert "__getitem__" in v.advice and "timeout=" in v.advice
+    # num_workers=0: the dataset runs in the rank, DataLoader(timeout=) does not apply.
+    getitem = Frame("/home/me/data.py", 9, "__getitem__")
+    fetch = Frame("/torch/utils/data/_utils/fetch.py", 54, "<listcomp>")
+    inline = RankView(1, "running", "dataloader", where=getitem, stack=(getitem, fetch))
+    v = diagnose([_waits(0, _c(3)), inline])
+    assert "rank 1 loads a batch in the rank itself (num_workers=0), in its dataset at " in (
+        v.headline
+    )
+    assert "/home/me/data.py:9" in v.advice and "does not apply" in v.advice
+    assert "num_workers=0 runs __getitem__ in the rank" not in v.advice
     threads = ((0x7F, Frame(F, 9, "hold"), "time.sleep(1e9)"),)
     where = Frame(F, 30, "main")
     view = RankView(1, "running", "lock", where=where, line="with lock:", threads=threads)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from trainperf.ddp._hang_view import RankView, _ranks
 from trainperf.ddp._progress_slots import BUSY_CAP
+from trainperf.ddp._stacks import loads_in_process
 
 
 def _named_as(advice: str, option: str) -> str:
@@ -43,6 +44,12 @@ _ADVICE = {
         "Fix: {who}'s DataLoader delivers no batch: a worker is stuck in __getitem__ (I/O, "
         "a lock, a deadlock after fork) or died. DataLoader(..., timeout=60) makes the wait "
         "raise; num_workers=0 runs __getitem__ in the rank, so the next report shows its line."
+    ),
+    "dataloader-inline": (
+        "Fix: {who} loads its batches itself (num_workers=0, so DataLoader(timeout=...) does "
+        "not apply) and its dataset does not return, at {site}: an I/O call without a "
+        "timeout, a lock it cannot get, an endless loop. Give that call a timeout, or make "
+        "the dataset return on every rank."
     ),
     "busy": (
         "Fix: {who} spent more than {cap:g} x the timeout in that work, which counts as "
@@ -128,4 +135,6 @@ def _reason(view: RankView) -> str:
     """Which advice fits a rank stuck outside any collective."""
     if view.stuck_in:
         return "busy"
+    if view.activity == "dataloader" and loads_in_process(view.stack):
+        return "dataloader-inline"
     return "compiling" if view.compiling else view.activity

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainperf.ddp._progress_slots import Collective
-from trainperf.ddp._stacks import Activity, Frame
+from trainperf.ddp._stacks import Activity, Frame, loads_in_process
 
 __all__ = ["RankView", "Status"]
 
@@ -75,6 +75,8 @@ class RankView:
             return f"is stuck in torch.compile's compilation{at}{code}"
         if self.activity == "backward":
             return f"waits inside backward(){at} (DDP's gradient all-reduce runs there)"
+        if self.activity == "dataloader" and loads_in_process(self.stack):
+            return f"loads a batch in the rank itself (num_workers=0), in its dataset{at}{code}"
         if self.activity == "dataloader":
             return f"waits for a batch from its DataLoader{at}{code}"
         if self.activity == "lock":

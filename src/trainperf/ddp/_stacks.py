@@ -40,6 +40,7 @@ __all__ = [
     "compiling",
     "compiling_threads",
     "is_user_file",
+    "loads_in_process",
     "parse_dump",
     "source_line",
     "user_frame",
@@ -196,6 +197,20 @@ def source_line(frame: Frame | None) -> str:
 def _in(frames: tuple[Frame, ...], path_part: str, functions: tuple[str, ...]) -> bool:
     part = path_part.replace("/", os.sep)
     return any(part in f.file and f.function in functions for f in frames)
+
+
+def loads_in_process(frames: tuple[Frame, ...]) -> bool:
+    """Whether the DataLoader is running the dataset in this thread (``num_workers=0``):
+    its fetcher's frames are on the stack, not a wait for a worker's batch.
+
+    Example:
+        >>> inline = (Frame("/home/me/data.py", 9, "__getitem__"),
+        ...           Frame("/torch/utils/data/_utils/fetch.py", 54, "<listcomp>"),
+        ...           Frame("/torch/utils/data/dataloader.py", 700, "__next__"))
+        >>> loads_in_process(inline), loads_in_process(inline[2:])
+        (True, False)
+    """
+    return _in(frames, "torch/utils/data/_utils/fetch.py", ("fetch", "<listcomp>"))
 
 
 def classify(
