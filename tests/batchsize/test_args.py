@@ -66,6 +66,14 @@ def test_bad_arguments_are_refused_by_name(changes: dict[str, Any], message: str
         check(**changes)
 
 
+def test_a_list_dataset_passed_as_sample_is_named_in_a_short_message() -> None:
+    # Before: the message held the repr of all 10,000 samples (about 200,000 characters).
+    dataset = [(torch.zeros(3), i) for i in range(10_000)]
+    with pytest.raises(ValueError, match=r"got \[\(tensor.*\.\.\.\]; for a dataset") as e:
+        check(sample=dataset)
+    assert len(str(e.value)) < 400
+
+
 def test_the_global_batch_is_split_over_the_ranks() -> None:
     assert size_space(1, None, 256, 1).per_rank == 256
     assert size_space(1, None, 256, 2).per_rank == 128

@@ -6,7 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from trainperf.batchsize._holders import holding_optimizers, schedulers_held, stateful_objects
+from trainperf.batchsize._holders import (
+    holding_optimizers,
+    owning_modules,
+    schedulers_held,
+    stateful_objects,
+)
 
 
 def test_an_object_without_state_dict_is_refused_by_name() -> None:
@@ -40,3 +45,12 @@ def test_a_gan_s_second_optimizer_is_found_and_each_optimizer_only_once() -> Non
     assert holding_optimizers([gen, disc, opt_g]) == [opt_d]
     assert stateful_objects((gen, disc), (opt_g, opt_d)) == [gen, disc, opt_g, opt_d]
     assert holding_optimizers([nn.Linear(2, 2)]) == []
+
+
+def test_the_outermost_module_owning_an_optimizer_s_parameters_is_found() -> None:
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.BatchNorm1d(2, affine=False))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    loose = nn.Parameter(torch.zeros(2))  # no module holds it: saved by value instead
+    other = torch.optim.SGD([loose], lr=0.1)
+    assert owning_modules([opt]) == [model]
+    assert owning_modules([model, opt]) == [] and owning_modules([other]) == []

@@ -8,7 +8,7 @@ from torch import nn
 
 from tests.batchsize._fakes import MeanOnFirstForward, Trainer, same_state, sample, state_of
 from trainperf.amp import MixedPrecision
-from trainperf.batchsize._holders import stateful_objects, with_live_mixed_precision
+from trainperf.batchsize._holders import stateful_objects, with_live_amp_state
 from trainperf.batchsize._state import SavedState
 
 
@@ -274,9 +274,9 @@ def test_a_mixed_precision_the_step_uses_but_not_passed_gets_its_loss_scale_back
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mp = MixedPrecision("cpu", precision="fp16")
     assert mp.scaler is not None
-    objects = with_live_mixed_precision(stateful_objects(model, opt))
+    objects = with_live_amp_state(stateful_objects(model, opt))
     assert objects[:2] == [model, opt] and sum(o is mp for o in objects) == 1
-    assert sum(o is mp for o in with_live_mixed_precision([model, mp])) == 1
+    assert sum(o is mp for o in with_live_amp_state([model, mp])) == 1
     saved = SavedState.save(objects)
     before = mp.state_dict()
     mp.backward(model(torch.ones(2, 4)).sum())  # a probe's backward, not yet stepped
@@ -297,3 +297,68 @@ def test_a_buffer_that_was_none_is_none_again() -> None:
     assert m.mean is None and "mean" in m._buffers
     m(torch.ones(2, 4))  # and the next forward fills it in again, from its own batch
     assert torch.equal(m.mean, torch.ones(4))
+
+
+def test_optimizer_alone_puts_back_the_model_s_batchnorm_statistics_and_modes() -> None:
+    # Before: only the parameter values came back; running_mean and num_batches_tracked
+    # stayed drifted and the model stayed in train mode.
+    t = Trainer()
+    t.model.eval()
+    before = state_of(t.model, t.opt)
+    saved = SavedState.save(stateful_objects(None, t.opt))
+    t.model.train()
+    t(sample(8))
+    saved.restore()
+    assert same_state(before, state_of(t.model, t.opt)) and not t.model.training
+
+
+def test_a_gan_s_discriminator_passed_only_by_its_optimizer_is_put_back() -> None:
+    # model=G, optimizer=(optG, optD): D's BatchNorm statistics stayed drifted.
+    g = nn.Linear(4, 4)
+    d = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, affine=False), nn.Linear(4, 1))
+    opt_g = torch.optim.SGD(g.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(d.parameters(), lr=0.1)
+    before = {k: v.clone() for k, v in d.state_dict().items()}
+    saved = SavedState.save(stateful_objects(g, (opt_g, opt_d)))
+    opt_d.zero_grad()
+    d(g(torch.randn(8, 4))).sum().backward()
+    opt_d.step()
+    saved.restore()
+    after = d.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
+
+
+def test_a_grad_scaler_the_step_uses_but_not_passed_gets_its_scale_back() -> None:
+    # Before: a plain torch.amp.GradScaler was not found; its scale grew 1024x in tuning.
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=1)
+    saved = SavedState.save(with_live_amp_state(stateful_objects(model, opt)))
+    before = scaler.state_dict()
+    for _ in range(3):
+        scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() > before["scale"]
+    saved.restore()
+    assert scaler.state_dict() == before
+
+
+class _StatsOnFirstForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "stats"):
+            self.register_buffer("stats", x.mean(0).detach())
+        return self.lin(x)
+
+
+def test_a_buffer_registered_while_probing_is_removed_again() -> None:
+    # Before: load_state_dict raised "Missing key(s) in state_dict" and the buffer stayed.
+    m = _StatsOnFirstForward()
+    saved = SavedState.save(stateful_objects(m))
+    m(torch.randn(8, 4))
+    saved.restore()
+    assert not hasattr(m, "stats") and "stats" not in m.state_dict()

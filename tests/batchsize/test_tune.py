@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +221,33 @@ def test_a_choice_cut_short_by_the_budget_is_not_cached() -> None:
     assert "the choice was not cached: budget_s cut the search short" in short.notes
     assert not cache_path().exists()
     assert not tune(t, max_size=8, cache=True).from_cache
+
+
+def test_a_single_size_whose_timing_the_budget_cut_is_not_cached() -> None:
+    # Before: only a size skipped for the budget counted; one whose windows the deadline
+    # ended ("the budget cut the timing short") was stored.
+    short = tune(Trainer(), max_size=2, budget_s=1e-9, cache=True)
+    assert [c.reason for c in short.candidates] == ["the budget cut the timing short"]
+    assert "the choice was not cached: budget_s cut the search short" in short.notes
+    assert not cache_path().exists()
+
+
+def test_an_alternation_the_budget_left_no_time_for_keeps_the_choice_out_of_the_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: "no time left to measure 2, 4 in alternation" was a note, and the choice
+    # was stored anyway. Sizes 2 and 4 run at the same samples/s: they must alternate.
+    monkeypatch.setattr("trainperf.batchsize._search.compare_cost", lambda *a: 1e9)
+    m = Trainer().model
+
+    def step(batch: Any) -> None:
+        time.sleep(0.002 * len(batch[0]))
+        m(batch[0]).sum().backward()
+
+    report = tune_batch_size(step, sample, model=m, device="cpu", min_size=2, max_size=4,
+                             budget_s=30.0, progress=False, cache=True)  # fmt: skip
+    assert any(n.startswith("no time left to measure") for n in report.notes)
+    assert not cache_path().exists()
 
 
 def test_the_device_defaults_to_where_the_optimizer_s_parameters_are() -> None:

@@ -3,6 +3,7 @@ sizes they allow (:func:`size_space`)."""
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,7 +61,9 @@ def check_args(
     for name, fn, what in (("step", step, "one batch"), ("sample", sample, "a batch size n")):
         if not callable(fn):
             hint = _hint(fn) if name == "sample" else ""
-            raise ValueError(f"{name} must be callable (it gets {what}), got {fn!r}{hint}")
+            raise ValueError(
+                f"{name} must be callable (it gets {what}), got {_short_repr(fn)}{hint}"
+            )
     low = positive_int("min_size", min_size)
     high = positive_int("max_size", max_size, none_ok=True)
     if high is not None and high < low:
@@ -168,6 +171,22 @@ def size_space(
             f"lower min_size, or pass a global_batch with such a divisor"
         )
     return space
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 2, 2, 2, 2
+_REPR.maxstring, _REPR.maxother = 60, 100
+
+
+def _short_repr(value: object) -> str:
+    """``repr(value)`` cut to a line or two: a whole dataset passed by mistake would print
+    every sample (a list of 10,000 tensors: a 200,000-character message).
+
+    Example:
+        >>> _short_repr(list(range(10_000)))
+        '[0, 1, ...]'
+    """
+    return _REPR.repr(value)
 
 
 def _hint(value: object) -> str:

@@ -3,9 +3,11 @@
 ``step`` trains what it closes over, not only what the caller handed to the tuner: the
 optimizers stepping the passed parameters (:func:`holding_optimizers`), the LR schedulers
 driving those (:func:`attached_schedulers`, held still while probing by
-:func:`schedulers_held`) and every live MixedPrecision (:func:`with_live_mixed_precision`)
-are found here; :func:`state_holder` says whose ``state_dict()`` holds an object's state in
-this process. :class:`trainperf.batchsize._state.SavedState` saves and restores them.
+:func:`schedulers_held`), every live MixedPrecision and ``GradScaler``
+(:func:`with_live_amp_state`) and the model whose parameters only its optimizer was passed
+for (:func:`owning_modules`) are found here; :func:`state_holder` says whose
+``state_dict()`` holds an object's state in this process.
+:class:`trainperf.batchsize._state.SavedState` saves and restores them.
 """
 
 from __future__ import annotations
@@ -20,18 +22,19 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from trainperf.amp import MixedPrecision  # noqa: F401  (the doctests')
+from trainperf.amp import MixedPrecision
 from trainperf.amp._mixed import LIVE
 
 __all__ = [
     "attached_schedulers",
     "holding_optimizers",
     "is_scheduler",
+    "owning_modules",
     "parameters_of",
     "schedulers_held",
     "state_holder",
     "stateful_objects",
-    "with_live_mixed_precision",
+    "with_live_amp_state",
 ]
 
 
@@ -107,22 +110,82 @@ def _stepped(optimizer: Any) -> Iterator[Any]:
         yield from group.get("params", ()) if isinstance(group, dict) else ()
 
 
-def with_live_mixed_precision(objects: Iterable[Any]) -> list[Any]:
-    """``objects``, then every live :class:`~trainperf.MixedPrecision` not among them.
+def with_live_amp_state(objects: Iterable[Any]) -> list[Any]:
+    """``objects``, then every live :class:`~trainperf.MixedPrecision` and every live
+    ``torch.amp.GradScaler`` (``torch.cuda.amp.GradScaler`` included) not among them.
 
-    A ``step`` that uses one moves its loss scale and growth tracker (an fp16 probe that
-    overflows halves the scale) and its pending-backward flags, passed or not. They are
-    kept out of :func:`stateful_objects` (the cache key): one alive for another model says
-    nothing about this step.
+    A ``step`` that uses one moves its loss scale and growth tracker (each probe step that
+    does not overflow counts towards a doubling: a default scaler's scale grew 1024 times
+    over a tuning run) and a MixedPrecision's pending-backward flags, passed or not. A
+    MixedPrecision registers itself when made; a plain scaler is found by a scan of the
+    objects the garbage collector tracks. They are kept out of :func:`stateful_objects`
+    (the cache key): one alive for another model says nothing about this step.
 
     Example:
         >>> mp = MixedPrecision("cpu", precision="fp32")
-        >>> any(o is mp for o in with_live_mixed_precision([]))
-        True
+        >>> scaler = torch.amp.GradScaler("cpu")
+        >>> found = with_live_amp_state([])
+        >>> any(o is mp for o in found), any(o is scaler for o in found)
+        (True, True)
     """
     out = list(objects)
     out += [mp for mp in list(LIVE) if all(mp is not o for o in out)]
+    held = [getattr(o, "scaler", None) for o in out if isinstance(o, MixedPrecision)]
+    out += [
+        s
+        for s in gc.get_objects()
+        if issubclass(type(s), torch.amp.GradScaler) and all(s is not o for o in out + held)
+    ]
     return out
+
+
+def owning_modules(objects: Iterable[Any]) -> list[nn.Module]:
+    """The outermost live modules, not among ``objects``, that hold a parameter one of the
+    optimizers among ``objects`` steps but no module among them owns.
+
+    ``optimizer=`` passed without its model (or a GAN's ``model=G, optimizer=(optG,
+    optD)``): an optimizer's ``state_dict()`` holds no parameter values, nor the model's
+    BatchNorm statistics, ``num_batches_tracked`` or train/eval modes. Found by one scan of
+    the objects the garbage collector tracks: a module's own ``_parameters`` holds the
+    parameter and its parent's ``_modules`` the module, up to the model that no module
+    holds (whose buffers include those of submodules without parameters, a BatchNorm with
+    ``affine=False``). A parameter no module holds stays loose (saved by value).
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2, affine=False))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> owning_modules([opt]) == [model], owning_modules([model, opt])
+        (True, [])
+    """
+    objects = list(objects)
+    passed = [o for o in objects if isinstance(o, nn.Module)]
+    owned = {id(p) for m in passed for p in m.parameters()}
+    loose = {id(p) for p in parameters_of(objects)} - owned
+    if not loose:
+        return []
+    modules = [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]
+    parents: dict[int, list[nn.Module]] = {}
+    for m in modules:
+        for child in _own(m, "_modules").values():
+            parents.setdefault(id(child), []).append(m)
+    todo = [m for m in modules if any(id(p) in loose for p in _own(m, "_parameters").values())]
+    seen: set[int] = set()
+    roots: list[nn.Module] = []
+    while todo:
+        m = todo.pop()
+        if id(m) not in seen:
+            seen.add(id(m))
+            todo += parents.get(id(m), [])
+            if id(m) not in parents and all(m is not o for o in objects):
+                roots.append(m)
+    return roots
+
+
+def _own(module: nn.Module, name: str) -> dict[str, Any]:
+    """``module``'s own ``_parameters`` or ``_modules`` dict (empty while ``__init__`` has
+    not set it yet, or where a module keeps something else there)."""
+    value = vars(module).get(name)
+    return value if isinstance(value, dict) else {}
 
 
 def is_scheduler(obj: object) -> bool:

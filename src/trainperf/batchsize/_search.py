@@ -44,6 +44,7 @@ and memory curves (and drifting hosts).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -121,6 +122,8 @@ class Search:
         compare_rounds: rounds of a comparison.
         results: every size considered, in order.
         notes: why the growth stopped, what the budget cut.
+        budget_cut: the budget stopped something: a size not tried or not measured again,
+            an alternation not run or ended early (a probe's own cut is in its reason).
         measured_twice: the sizes measured a second time.
         compared: the sets of sizes measured in alternation.
         comparisons: their measurements (each size's figure was rescaled by them).
@@ -142,25 +145,26 @@ class Search:
     comparisons: list[Comparison] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     measured_twice: set[int] = field(default_factory=set)
+    budget_cut: bool = False
 
     def _last_measured(self) -> BatchSizeCandidate | None:
         measured = [c for c in self.results if c.samples_per_s]
         return max(measured, key=lambda c: c.batch_size, default=None)
 
     def _skip(self, size: int) -> str | None:
-        return skip_reason(
+        predicted = predicted_peak([c for c in self.results if c.probed], size, self.baseline)
+        usable = self.usable()
+        cost = probe_cost(
+            self._last_measured(),
             size,
-            predicted_peak([c for c in self.results if c.probed], size, self.baseline),
-            self.usable(),
-            probe_cost(
-                self._last_measured(),
-                size,
-                warmup_steps=self.warmup_steps,
-                min_windows=self.min_windows,
-                window_s=self.window_s,
-            ),
-            self.time_left(),
+            warmup_steps=self.warmup_steps,
+            min_windows=self.min_windows,
+            window_s=self.window_s,
         )
+        reason = skip_reason(size, predicted, usable, cost, self.time_left())
+        if reason is not None and skip_reason(size, predicted, usable, cost, math.inf) is None:
+            self.budget_cut = True  # the time left alone stopped it
+        return reason
 
     def attempt(self, size: int) -> BatchSizeCandidate:
         """Run ``size``, or record why not; the first size is always run."""
@@ -298,6 +302,7 @@ class Search:
             return None
         cost = compare_cost(sizes, self.compare_rounds, self.window_s)
         if cost > self.time_left():
+            self.budget_cut = True
             self.notes.append(
                 f"no time left to measure {', '.join(str(c.batch_size) for c in sizes)} in "
                 f"alternation (about {cost:.1f} s)"
@@ -310,6 +315,7 @@ class Search:
             return None
         if cmp is not None:
             self.comparisons.append(cmp)
+            self.budget_cut |= len(cmp.rounds) < self.compare_rounds  # the deadline ended it
         return cmp
 
     def _alternated_with(self, size: int) -> set[int]:

@@ -7,7 +7,9 @@ the caller handed in (``model``, ``optimizer``, and anything else with ``state_d
 train/eval mode and the buffers ``state_dict()`` leaves out (``persistent=False``, and those
 that are None), and a MixedPrecision's pending backward, and :meth:`SavedState.restore`
 loads it back bit for bit. What ``step`` trains but the caller did not pass is found too
-(:mod:`trainperf.batchsize._holders`).
+(:mod:`trainperf.batchsize._holders`): here, the model whose parameters only an optimizer
+was passed for. A buffer, parameter or submodule a module registers while probing (on its
+first forward pass) is removed again: the module is left as it was.
 
 Restoring *between* probes matters too: each batch size starts from the caller's state, so
 an optimizer that had no state yet allocates it inside the probe (its memory is part of that
@@ -32,7 +34,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainperf.amp import MixedPrecision
-from trainperf.batchsize._holders import parameters_of, state_holder
+from trainperf.batchsize._holders import owning_modules, parameters_of, state_holder
 
 __all__ = ["SavedState"]
 
@@ -80,6 +82,30 @@ def _unsaved_buffers(objects: Iterable[Any]) -> list[Buffer]:
             elif name in unsaved:
                 out.append((m, name, b.detach().to("cpu", copy=True), b.device))
     return out
+
+
+Entries = tuple[nn.Module, frozenset[str], frozenset[str], frozenset[str]]
+"""A module and the names of its own parameters, buffers and submodules."""
+
+
+def _entries(objects: Iterable[Any]) -> list[Entries]:
+    return [
+        (m, frozenset(m._parameters), frozenset(m._buffers), frozenset(m._modules))
+        for m in _modules(objects)
+    ]
+
+
+def _drop_new_entries(entries: list[Entries]) -> None:
+    """Remove what a module registered since it was saved (a buffer made on the first
+    forward pass: ``load_state_dict`` would miss its key in the saved state)."""
+    for m, params, buffers, children in entries:
+        for name in [n for n in m._parameters if n not in params]:
+            del m._parameters[name]
+        for name in [n for n in m._buffers if n not in buffers]:
+            del m._buffers[name]
+            m._non_persistent_buffers_set.discard(name)
+        for name in [n for n in m._modules if n not in children]:
+            del m._modules[name]
 
 
 def _load_state(obj: Any, state: Any, layout: Layout | None) -> None:
@@ -205,7 +231,7 @@ class SavedState:
         grads: ``(parameter, copy of its .grad or None)`` for every parameter.
         flags: ``(parameter, its requires_grad)`` for every parameter (a step that freezes
             part of the model, a GAN's discriminator, may stop half-way at an OOM).
-        loose: ``(parameter, copy)`` of every parameter only an optimizer holds.
+        loose: ``(parameter, copy)`` of every parameter only an optimizer holds, no module.
         modes: ``(module, its .training flag)`` for every submodule.
         buffers: ``(module, name, copy, device)`` of every buffer ``state_dict()`` leaves
             out (copy None: the buffer was None).
@@ -217,6 +243,8 @@ class SavedState:
             state another object holds (a ``ZeroRedundancyOptimizer``: a step that sets its
             ``lr`` by hand changes its own groups, which it copies into its local
             optimizer's at each step).
+        entries: ``(module, names of its parameters, buffers, submodules)`` for every
+            submodule (what a forward pass registers while probing is removed).
     """
 
     states: list[tuple[Any, Any, Layout | None]] = field(default_factory=list)
@@ -228,10 +256,13 @@ class SavedState:
     pending: list[Pending] = field(default_factory=list)
     stages: list[Stages] = field(default_factory=list)
     groups: list[tuple[Any, list[dict[str, Any]]]] = field(default_factory=list)
+    entries: list[Entries] = field(default_factory=list)
 
     @classmethod
     def save(cls, objects: Iterable[Any]) -> SavedState:
-        """Copy the state of ``objects`` (see :func:`stateful_objects`) to host memory.
+        """Copy the state of ``objects`` (see :func:`stateful_objects`) to host memory,
+        and of the modules that own the parameters of an optimizer among them
+        (:func:`~trainperf.batchsize._holders.owning_modules`).
 
         Example:
             >>> m = nn.Linear(2, 1)
@@ -244,6 +275,7 @@ class SavedState:
             True
         """
         objects = list(objects)
+        objects += owning_modules(objects)
         states = []
         for obj in objects:
             holder = state_holder(obj)
@@ -266,16 +298,19 @@ class SavedState:
             pending=_pending(objects),
             stages=_stages(objects),
             groups=[(obj, _group_settings(obj)) for obj in objects if state_holder(obj) is not obj],
+            entries=_entries(objects),
         )
 
     def restore(self) -> None:
-        """Load every saved state back, exactly: values, gradients and train/eval modes.
+        """Load every saved state back, exactly: values, gradients and train/eval modes;
+        what a module registered since is removed first.
 
         ``load_state_dict`` gets a fresh copy each time: an optimizer keeps the tensors it
         is handed when they already have the right device and dtype, and its next step
         would then change the saved copy.
         """
         errors: list[BaseException] = []
+        _drop_new_entries(self.entries)
         for m, name, buffer, _ in self.buffers:
             if buffer is None:  # before load_state_dict, which would expect its key
                 m._buffers[name] = None

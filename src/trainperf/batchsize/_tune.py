@@ -30,7 +30,7 @@ from trainperf.batchsize._args import check_args, check_state, size_space
 from trainperf.batchsize._holders import (
     schedulers_held,
     stateful_objects,
-    with_live_mixed_precision,
+    with_live_amp_state,
 )
 from trainperf.batchsize._memory import HostMemory, MemoryReader, reader_for
 from trainperf.batchsize._probe import DEFAULT_PROBE, Prober, is_out_of_memory
@@ -146,14 +146,16 @@ def _from_cache(
     return report, None
 
 
-def _cut_by_budget(results: Sequence[BatchSizeCandidate]) -> bool:
-    return any(c.status == "skipped" and "budget" in (c.reason or "") for c in results)
+def _cut_by_budget(search: Search) -> bool:
+    """``budget_s`` cut the search short: a size skipped or not measured again, an
+    alternation not run or ended early, or a probe's timing cut (its reason says so)."""
+    return search.budget_cut or any("budget" in (c.reason or "") for c in search.results)
 
 
-def _store(key: str, report: BatchSizeReport) -> BatchSizeReport:
-    """Cache the choice, unless ``budget_s`` cut the search short: a later call with more
-    time would reuse a choice it could have bettered."""
-    if _cut_by_budget(report.candidates):
+def _store(key: str, report: BatchSizeReport, cut: bool) -> BatchSizeReport:
+    """Cache the choice, unless ``budget_s`` cut the search short (``cut``): a later call
+    with more time would reuse a choice it could have bettered."""
+    if cut:
         note = "the choice was not cached: budget_s cut the search short"
         return dataclasses.replace(report, notes=(*report.notes, note))
     data = report.to_dict()
@@ -193,7 +195,7 @@ def _notes(
         notes.append(
             "the largest allowed size was chosen: a larger max_size (or global_batch) may be faster"
         )
-    if _cut_by_budget(search.results):
+    if _cut_by_budget(search):
         notes.append(
             f"budget_s={call.budget_s:g} cut the search short: a larger budget may find a "
             f"faster size"
@@ -206,9 +208,10 @@ def _notes(
     return notes
 
 
-def _search(call: _Call) -> BatchSizeReport:
-    """Measure: save the state, grow and refine, put the state back."""
-    state = SavedState.save(with_live_mixed_precision(call.objects))
+def _search(call: _Call) -> tuple[BatchSizeReport, bool]:
+    """Measure: save the state, grow and refine, put the state back. Also returns whether
+    ``budget_s`` cut the search short."""
+    state = SavedState.save(with_live_amp_state(call.objects))
     memory = reader_for(call.device)
     deadline = call.started + call.budget_s
     bar = BatchSizeBar(call.budget_s, enabled=call.progress)
@@ -233,12 +236,14 @@ def _search(call: _Call) -> BatchSizeReport:
     try:
         choice = search.run()
     finally:
-        state.restore()
-        memory.free()
-        bar.close()
+        try:
+            state.restore()
+        finally:  # a restore that raises still frees the memory and ends the bar's line
+            memory.free()
+            bar.close()
     if choice is None:
         raise _no_fit(call, search.results)
-    return call.report(
+    report = call.report(
         host_limits(),
         prober.batch_bytes.get(choice.batch_size),
         batch_size=choice.batch_size,
@@ -253,6 +258,7 @@ def _search(call: _Call) -> BatchSizeReport:
             *accumulation_notes(prober.per_rank, prober.optimizer_charged, search.results),
         ),
     )
+    return report, _cut_by_budget(search)
 
 
 def _cache_key(call: _Call) -> Any:
@@ -287,10 +293,10 @@ def _tune(call: _Call) -> BatchSizeReport:
         if hit is not None:
             return hit
     with schedulers_held(call.objects):
-        report = _search(call)
+        report, cut = _search(call)
     if misfit is not None:
         report = dataclasses.replace(report, notes=(misfit, *report.notes))
-    return report if key is None else _store(key, report)
+    return report if key is None else _store(key, report, cut)
 
 
 def tune_batch_size(
@@ -321,8 +327,9 @@ def tune_batch_size(
     runs warm-up steps and then timed windows until they agree, with its peak memory
     measured; the choice is always a size that ran. Tuning leaves training exactly where
     it was: the state of ``model`` and ``optimizer`` (parameters, gradients, optimizer
-    moments, BatchNorm statistics, train/eval modes), of the optimizers, LR schedulers and
-    :class:`trainperf.MixedPrecision` objects found without being passed, every random
+    moments, BatchNorm statistics, train/eval modes), of the optimizers, LR schedulers,
+    ``GradScaler`` and :class:`trainperf.MixedPrecision` objects found without being passed
+    and of the model an ``optimizer`` passed without it steps, every random
     number generator (python, numpy, torch CPU and CUDA) and those a
     :func:`trainperf.batches_from` dataset owns are put back bit for bit, however the call
     ends.
@@ -343,7 +350,8 @@ def tune_batch_size(
         optimizer: its optimizer, or a tuple (optimizer, scheduler, ``GradScaler``,
             :class:`trainperf.MixedPrecision`, ...); saved and restored likewise. The
             optimizers stepping the model's parameters, the LR schedulers driving an
-            optimizer and every live MixedPrecision are found without being passed; while
+            optimizer, every live MixedPrecision and ``GradScaler``, and the modules owning
+            the parameters of an optimizer passed without them are found; while
             tuning runs, every scheduler's ``step()``, passed or found, does nothing.
         device: where ``step`` runs; None: where the model's parameters are, else
             :func:`trainperf.best_device` (parsed by :func:`trainperf.device.resolve_device`).
