@@ -76,7 +76,7 @@ def test_a_skipped_candidate_shows_its_reason() -> None:
     assert "step_fn alone: 500.0 samples/s" in text
     assert "note: a note" in text
     assert r.chosen() is ok and r.speedup == 1.0
-    assert format_bytes(3 * GiB) == "3.0 GiB" and format_bytes(512) == "0 KiB"
+    assert format_bytes(3 * GiB) == "3.0 GiB" and format_bytes(512) == "512 B"
 
 
 @pytest.mark.slow  # the shared tuning run, and matplotlib (about 2 s)

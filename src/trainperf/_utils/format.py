@@ -8,7 +8,8 @@ __all__ = ["format_bytes", "plural"]
 def format_bytes(n: float | None) -> str:
     """``1536 * 2**20`` -> ``"1.5 GiB"``; None -> ``"-"``.
 
-    GiB with one decimal from 1 GiB up, whole MiB from 1 MiB, whole KiB below.
+    GiB with one decimal from 1 GiB up, whole MiB from 1 MiB, whole KiB from 1 KiB, bytes
+    below (not "0 KiB").
 
     Args:
         n: a number of bytes, or None when unknown.
@@ -19,6 +20,8 @@ def format_bytes(n: float | None) -> str:
     Example:
         >>> format_bytes(1536 * 2**20), format_bytes(300 * 2**20), format_bytes(None)
         ('1.5 GiB', '300 MiB', '-')
+        >>> format_bytes(2048), format_bytes(512)
+        ('2 KiB', '512 B')
     """
     if n is None:
         return "-"
@@ -26,7 +29,9 @@ def format_bytes(n: float | None) -> str:
         return f"{n / 2**30:.1f} GiB"
     if n >= 2**20:
         return f"{n / 2**20:.0f} MiB"
-    return f"{n / 2**10:.0f} KiB"
+    if n >= 2**10:
+        return f"{n / 2**10:.0f} KiB"
+    return f"{n:.0f} B"
 
 
 def plural(n: int, noun: str, many: str | None = None) -> str:
