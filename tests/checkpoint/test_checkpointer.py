@@ -167,8 +167,9 @@ def test_an_unpicklable_value_is_raised_by_the_next_save_chained_with_the_path(
     handle = ckpt.save({"w": torch.ones(2), "fn": lambda: 1}, step=2, blocking=False)
     with pytest.raises(
         CheckpointError,
-        match=r"background save of step 2 failed: could not save checkpoint .*step-000000002\.pt: "
-        r"the object could not be serialised: .*Can't pickle .*; no older checkpoint was deleted",
+        match=r"background save of step 2 failed: not saving .*step-000000002\.pt: "
+        r"state\['fn'\] holds a value that cannot be pickled \(.*Can't pickle .*; no older "
+        r"checkpoint was deleted",
     ) as info:
         ckpt.save({"w": torch.full((2,), 3.0)}, step=3, blocking=False)
     assert info.value.path == tmp_path / "step-000000002.pt" and info.value.__cause__ is not None
@@ -206,11 +207,12 @@ def test_a_save_that_fails_after_a_failed_write_notes_the_earlier_failure(
     ckpt.save({"w": torch.ones(2)}, step=1)
     ckpt.save({"fn": lambda: 1}, step=2, blocking=False)
     with pytest.raises(
-        CheckpointError, match=r"could not save checkpoint .*step-000000003"
+        CheckpointError,
+        match=r"not saving .*step-000000003\.pt: state\['fn'\] .* cannot be pickled",
     ) as info:
         ckpt.save({"fn": lambda: 2}, step=3)
     assert info.value.path == tmp_path / "step-000000003.pt"
-    assert "; earlier, the background save of step 2 failed: could not save" in str(info.value)
+    assert "; earlier, the background save of step 2 failed: not saving" in str(info.value)
     assert ckpt.steps() == [1]
 
 
@@ -226,7 +228,7 @@ def test_a_save_refused_after_a_failed_write_warns_the_earlier_failure(tmp_path:
 
 def test_a_blocking_save_that_fails_raises_at_once(tmp_path: Path) -> None:
     ckpt = Checkpointer(tmp_path)
-    with pytest.raises(CheckpointError, match=r"could not save checkpoint .*the object could not"):
+    with pytest.raises(CheckpointError, match=r"not saving .*: state\['fn'\] .* cannot be pickled"):
         ckpt.save({"fn": lambda: 1}, step=1)
     assert ckpt.steps() == [] and ckpt.latest() is None
 
@@ -918,13 +920,13 @@ def test_a_background_save_is_checked_in_the_callers_thread(
     # the training thread meanwhile saw it widened, or had its own entries taken away.
     if writer == "thread":
         monkeypatch.setattr(checkpointer_module, "fork_writes", lambda: False)
-    real, threads = writer_module.weights_only_refusal, []
+    real, threads = writer_module.save_refusal, []
 
-    def recorded(value: Any) -> str | None:
+    def recorded(value: Any) -> Any:
         threads.append(threading.current_thread())
         return real(value)
 
-    monkeypatch.setattr(writer_module, "weights_only_refusal", recorded)
+    monkeypatch.setattr(writer_module, "save_refusal", recorded)
     ckpt = Checkpointer(tmp_path)
     assert ckpt.save({"w": torch.ones(2), "n": 1}, step=1, blocking=False).writer == writer
     ckpt.wait()

@@ -298,3 +298,20 @@ def test_weights_only_refusal_checks_what_surrounds_tensors_as_the_load_will_see
 
     got = weights_only_refusal(value)
     assert got is None if refused is None else refused in str(got), got
+
+
+class NeedsItsTensors(dict):  # type: ignore[type-arg]
+    """Pickles only with its tensors in it (the check's skeleton has None there)."""
+
+    def __reduce__(self) -> Any:
+        return NeedsItsTensors, ({k: v.clone() for k, v in self.items()},)
+
+
+def test_save_refusal_does_not_call_unpicklable_what_pickles_with_its_tensors() -> None:
+    from trainperf.checkpoint._formats import save_refusal
+
+    refusal = save_refusal(NeedsItsTensors(w=torch.ones(2)))
+    assert refusal is not None and not refusal.unpicklable, refusal
+    assert "NeedsItsTensors" in refusal.reason
+    locked = save_refusal({"w": torch.ones(2), "fn": lambda: 1})
+    assert locked is not None and locked.unpicklable and "lambda" in locked.reason

@@ -12,11 +12,13 @@ import mmap
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from trainperf import Checkpointer
 from trainperf.checkpoint._writer import SaveHandle, drop_cached
@@ -242,3 +244,28 @@ def test_a_background_save_finishes_in_a_process_with_more_than_1024_files_open(
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        lambda x: x,
+        {"w": torch.ones(2), "lock": threading.Lock()},
+        [torch.ones(1), (i for i in range(2))],
+    ],
+    ids=["lambda", "lock-beside-tensors", "generator-in-a-list"],
+)
+def test_a_value_that_cannot_be_pickled_is_refused_by_its_key_before_anything_is_written(
+    tmp_path: Path, value: object
+) -> None:
+    # It failed in torch.save with a raw pickling error naming no entry, and a background
+    # save forked a writer that failed every time.
+    ckpt = Checkpointer(tmp_path)
+    refused = r"not saving .*step-000000001\.pt: state\['extra'\] holds a value that cannot be"
+    with pytest.raises(CheckpointError, match=rf"{refused} pickled \(.*\); save what rebuilds"):
+        ckpt.save({"model": nn.Linear(2, 2), "extra": value}, step=1)
+    handle = ckpt.save({"model": nn.Linear(2, 2), "extra": value}, step=1, blocking=False)
+    assert handle.done()  # refused before a writer started
+    with pytest.raises(CheckpointError, match=refused):
+        ckpt.wait()
+    assert ckpt.steps() == []

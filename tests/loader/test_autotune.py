@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import trainperf.loader._autotune as autotune
 from trainperf import DieWithParent
-from trainperf.loader import TunedDataLoader, autotune_loader
+from trainperf.limits import HostLimits
+from trainperf.loader import TunedDataLoader, TuningReport, autotune_loader
 
 ORPHANS = Path(__file__).with_name("_orphans.py")
 
@@ -179,3 +182,30 @@ def test_a_persistent_pool_asked_for_but_not_chosen_keeps_the_plain_loaders_shuf
     tuned = epochs(lambda g: autotune_loader(data, 4, max_workers=0, generator=g, **quick, **kw))
     assert tuned == plain
     assert len({tuple(e) for e in plain}) == 3  # the shuffle did shuffle
+
+
+def _suggested_workers() -> int:
+    """The most workers torch's DataLoader takes without its "more workers than CPUs"
+    warning (its own count: the CPUs this process may run on)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+@pytest.mark.parametrize("adapt", [False, True], ids=["tuned", "adaptive"])
+def test_a_measured_worker_count_above_the_cpus_brings_no_torch_warning(
+    monkeypatch: pytest.MonkeyPatch, adapt: bool
+) -> None:
+    # The adaptive loader was built without the tuned loader's silencing: torch's "This
+    # DataLoader will create N worker processes in total" came at build and at each pool.
+    many = _suggested_workers() + 1
+    best = {"batch_size": 4, "num_workers": many, "prefetch_factor": 2, "pin_memory": False}
+    limits = HostLimits(2, 2, None, 2, 2**33, None, 2**32, None, None)
+    report = TuningReport(best, None, None, None, (), 0.1, 1.0, limits, 2, 1, many, "cpu", 4)
+    monkeypatch.setattr(autotune, "tune_loader", lambda *a, **k: report)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = autotune_loader(range(16), 4, adapt=adapt, progress=False, cache=False)
+        loader.check_worker_number_rationality()  # what each pool it starts runs
+    assert loader.num_workers == many
+    assert [str(w.message) for w in caught if "worker processes in total" in str(w.message)] == []

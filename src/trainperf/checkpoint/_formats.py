@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import errno
 import io
 import pickle
@@ -313,12 +314,70 @@ def _same_container(value: Any, items: list[Any], plain: type, *, star: bool = F
         return plain(items)
 
 
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Why a value would not load back: ``reason``; ``unpicklable``: it cannot be pickled
+    at all (rather than pickled into something ``weights_only=True`` refuses)."""
+
+    reason: str
+    unpicklable: bool = False
+
+
+def save_refusal(value: Any) -> Refusal | None:
+    """Why ``value`` could not be saved and loaded back with ``weights_only=True``, or None:
+    a round trip in memory through ``torch.save`` of ``value`` less its tensors and numeric
+    numpy arrays (they load back), made only when it holds something other than numbers,
+    strings and such in plain containers, of up to 100,000 items (a long string counts a
+    hundredth of its length).
+
+    Example:
+        >>> import threading
+        >>> save_refusal({"epoch": 3, "w": torch.ones(2)}) is None
+        True
+        >>> refusal = save_refusal({"lock": threading.Lock()})
+        >>> refusal.unpicklable, "lock" in refusal.reason
+        (True, True)
+    """
+    try:
+        if not _holds_odd(value):
+            return None  # numbers, strings, tensors in plain containers: nothing to refuse
+        skeleton = _skeleton(value, [_CHECKED_ITEMS])
+    except _TooBig:
+        return None
+    buf = _pickled(skeleton, value)
+    if not isinstance(buf, io.BytesIO):
+        return buf
+    buf.seek(0)
+    try:
+        with allow_data_only():
+            torch.load(buf, weights_only=True)
+    except pickle.UnpicklingError as e:
+        return Refusal(_refusal_reason(str(e)))
+    except Exception:
+        return None  # an allowed class that fails to rebuild: for the load to say
+    return None
+
+
+def _pickled(skeleton: Any, value: Any) -> io.BytesIO | Refusal | None:
+    """``skeleton`` saved in memory, or ``value`` where that fails (a container subclass may
+    pickle only with its tensors in it; a value that fails too costs little, as torch.save
+    pickles everything before it copies any tensor's data); the refusal when both fail;
+    None when memory ran out, which says nothing about the value."""
+    for attempt in (skeleton, value):
+        buf = io.BytesIO()
+        try:
+            torch.save(attempt, buf)
+            return buf
+        except MemoryError:
+            return None
+        except Exception as e:
+            error = e
+    return Refusal(f"{type(error).__name__}: {error}", unpicklable=True)
+
+
 def weights_only_refusal(value: Any) -> str | None:
-    """Why ``load_checkpoint`` (``weights_only=True``, with the data types it allows) would
-    refuse ``value``, or None: a round trip through ``torch.save`` in memory of ``value``
-    with its tensors and numeric numpy arrays left out (they load back), made only when it
-    holds something other than numbers, strings and such in plain containers. A value with
-    more than 100,000 items (a long string counts a hundredth of its length) is not checked.
+    """Why ``load_checkpoint`` (``weights_only=True``) would refuse ``value``, or None (also
+    for a value that cannot be pickled, which the save reports): :func:`save_refusal`'s.
 
     Example:
         >>> import http
@@ -329,26 +388,8 @@ def weights_only_refusal(value: Any) -> str | None:
         >>> "HTTPStatus" in weights_only_refusal({"w": torch.ones(2), "s": http.HTTPStatus.OK})
         True
     """
-    try:
-        if not _holds_odd(value):
-            return None  # numbers, strings, tensors in plain containers: nothing to refuse
-        skeleton = _skeleton(value, [_CHECKED_ITEMS])
-    except _TooBig:
-        return None
-    buf = io.BytesIO()
-    try:
-        torch.save(skeleton, buf)
-    except Exception:
-        return None  # not picklable at all: the save itself says so
-    buf.seek(0)
-    try:
-        with allow_data_only():
-            torch.load(buf, weights_only=True)
-    except pickle.UnpicklingError as e:
-        return _refusal_reason(str(e))
-    except Exception:
-        return None  # an allowed class that fails to rebuild: for the load to say
-    return None
+    refusal = save_refusal(value)
+    return None if refusal is None or refusal.unpicklable else refusal.reason
 
 
 def out_of_memory(e: BaseException) -> bool:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from trainperf.checkpoint._formats import weights_only_refusal
+from trainperf.checkpoint._formats import save_refusal
 from trainperf.checkpoint._write import write_checkpoint_file
 from trainperf.errors import CheckpointError
 
@@ -105,21 +105,29 @@ def write_now(payload: Any, path: Path, *, checked: bool = False) -> None:
 
 def refuse_unloadable(payload: Any, path: Path) -> None:
     """Raise before anything is written when an entry of ``payload`` holds a plain value
-    that ``Checkpointer.restore`` (``weights_only=True``) would refuse: every checkpoint
-    would then be unloadable, and restore would have nothing to resume from.
+    that cannot be pickled, or that ``Checkpointer.restore`` (``weights_only=True``) would
+    refuse: every checkpoint would then fail or be unloadable, and restore would have
+    nothing to resume from.
 
     Raises:
         CheckpointError: which entry, why, and the fix.
     """
     for key, value in payload.items() if isinstance(payload, dict) else ():
-        refused = weights_only_refusal(value)
+        refused = save_refusal(value)
+        if refused is not None and refused.unpicklable:
+            raise CheckpointError(
+                f"not saving {path}: state[{key!r}] holds a value that cannot be pickled "
+                f"({refused.reason}); save what rebuilds it instead (numbers, strings, "
+                "tensors, its state_dict()) and build it again after restore",
+                path,
+            )
         if refused is not None:
             raise CheckpointError(
                 f"not saving {path}: state[{key!r}] holds a value that restore could never "
-                f"load (weights_only=True refuses it: {refused}); save a plain value instead "
-                "(an Enum's .value, a torch.Generator's get_state()), or allow its class "
-                "with torch.serialization.add_safe_globals([...]) in every run that saves "
-                "or restores",
+                f"load (weights_only=True refuses it: {refused.reason}); save a plain value "
+                "instead (an Enum's .value, a torch.Generator's get_state()), or allow its "
+                "class with torch.serialization.add_safe_globals([...]) in every run that "
+                "saves or restores",
                 path,
             )
 

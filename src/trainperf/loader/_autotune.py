@@ -138,7 +138,9 @@ def autotune_loader(
     The result is an ordinary ``DataLoader`` (a subclass that adds one attribute): the
     report is ``loader.tuning_report``. Its workers die with the process that iterates it
     (see :class:`TunedDataLoader`). Arguments, errors and warnings are those of
-    :func:`tune_loader`.
+    :func:`tune_loader`; as there, ``step_fn``'s calls (up to six, only when measuring, not
+    on a cache hit) are real steps that train the model unless you snapshot and restore
+    its and the optimizer's ``state_dict()`` around this call.
 
     With ``adapt=True`` the loader is an :class:`~trainperf.loader.AdaptiveDataLoader`: it
     keeps measuring while iterated and changes ``num_workers`` / ``prefetch_factor`` at a
@@ -236,15 +238,18 @@ def _adaptive(
         if given.get(kept) and not kwargs.get(kept):
             kwargs[kept] = given[kept]
     rules = memory_rules(list(report.candidates), most, main_rss(), start_method(kwargs))
-    loader = AdaptiveDataLoader(
-        dataset,
-        # The caller's bound holds while adapting too, and below any worker count the tuner
-        # saw fail: adding it mid-epoch would raise in the training loop.
-        max_workers=min(most, _below_failures(report)),
-        tuner=rules,
-        keep_workers=keep_workers,
-        **kwargs,
-    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _TOO_MANY, UserWarning)
+        loader = AdaptiveDataLoader(
+            dataset,
+            # The caller's bound holds while adapting too, and below any worker count the
+            # tuner saw fail: adding it mid-epoch would raise in the training loop.
+            max_workers=min(most, _below_failures(report)),
+            tuner=rules,
+            keep_workers=keep_workers,
+            **kwargs,
+        )
+    loader._measured = True  # as _tuned's: each pool it starts has a measured size too
     # The order kept is the plain DataLoader's with the caller's arguments: its pool is
     # persistent only where the caller asked (the tuner's choice draws as a new pool would).
     loader._persistent_asked = bool(given.get("persistent_workers"))

@@ -263,7 +263,12 @@ def tune_loader(
             ``step_fn=lambda batch: None`` says so. The batch is
             moved to ``device`` first (:func:`trainperf.device.to_device`, not timed), so a
             step written for GPU tensors works; on CUDA the device is synchronised around
-            each timed call.
+            each timed call. The calls (up to six) are real: a step that trains trains the
+            model, and only when measuring (a cached answer calls nothing), so a seeded
+            run starts from other weights on its first run than on later ones. To keep
+            them, ``saved = copy.deepcopy((model.state_dict(), opt.state_dict()))`` before
+            and ``model.load_state_dict(saved[0]); opt.load_state_dict(saved[1])`` after,
+            or tune before seeding and building the model you train.
         cache: reuse (and store) the choice in the user cache directory.
         progress: draw a progress bar on stderr.
         **loader_kwargs: other DataLoader arguments (``shuffle``, ``sampler``,
