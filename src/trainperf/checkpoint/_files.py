@@ -29,7 +29,6 @@ from trainperf.checkpoint._formats import (
     out_of_memory,
     read_error,
     read_failure,
-    weights_only_refusal,
 )
 from trainperf.checkpoint._keys import (
     _same_type,
@@ -38,6 +37,7 @@ from trainperf.checkpoint._keys import (
     strip_wrapper_layers,
 )
 from trainperf.checkpoint._prefix import unwrap_model
+from trainperf.checkpoint._refusal import weights_only_refusal
 from trainperf.checkpoint._write import write_checkpoint_file
 from trainperf.device import resolve_device
 from trainperf.errors import (

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from trainperf.checkpoint._formats import save_refusal
+from trainperf.checkpoint._refusal import save_refusal
 from trainperf.checkpoint._write import write_checkpoint_file
 from trainperf.errors import CheckpointError
 
