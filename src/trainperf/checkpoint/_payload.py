@@ -24,6 +24,7 @@ from trainperf._utils.stack import user_stacklevel
 from trainperf.checkpoint._files import _plain
 from trainperf.checkpoint._loader_state import check_position, loader_state, restore_loader, track
 from trainperf.checkpoint._prefix import check_state_dict, load_state_dict
+from trainperf.checkpoint._refusal import refuse_loaders
 from trainperf.checkpoint._rng import rng_state, set_rng_state
 from trainperf.device import to_device
 from trainperf.errors import CheckpointError, StateDictMismatchError
@@ -66,65 +67,6 @@ def _loader_entry(key: str, loader: DataLoader[Any]) -> dict[str, Any] | None:
     return loader_state(loader)
 
 
-_WALKED = 100_000  # items of an entry looked through for a loader; a bigger one is not
-_LEAVES = frozenset((torch.Tensor, nn.Parameter, int, float, str, bool, type(None)))
-
-
-def _find_loader(value: Any, kinds: tuple[type, ...]) -> tuple[str, Any] | None:
-    """The first object of one of ``kinds`` in ``value`` or its dicts, lists and tuples (up
-    to 8 deep), with its place (``"['train']"``), or None."""
-    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
-    left = _WALKED
-    while stack:
-        v, path = stack.pop()
-        if isinstance(v, kinds):
-            return "".join(f"[{k!r}]" for k in path), v
-        if isinstance(v, torch.Tensor) or not isinstance(v, (Mapping, list, tuple)):
-            continue
-        left -= len(v)
-        if len(path) >= 8 or left < 0:
-            continue
-        items = v.items() if isinstance(v, Mapping) else enumerate(v)
-        stack.extend((x, (*path, k)) for k, x in items if type(x) not in _LEAVES)
-    return None
-
-
-def _refuse_loaders(state: Mapping[str, Any]) -> None:
-    """Before anything is written: refuse a loader that a checkpoint cannot hold, a
-    ``trainperf.pipelines`` image loader anywhere in ``state`` or a DataLoader inside another
-    entry (only a top-level one is saved, as its position).
-
-    Raises:
-        CheckpointError: where it is, its class, and the fix.
-    """
-    from trainperf.pipelines._base import ImageLoader  # imports no decoding library
-
-    for key, value in state.items():
-        if isinstance(value, DataLoader):
-            continue
-        found = _find_loader(value, (DataLoader, ImageLoader))
-        if found is None:
-            continue
-        where, loader = f"state[{key!r}]{found[0]}", found[1]
-        kind = type(loader).__name__
-        if isinstance(loader, DataLoader):
-            raise CheckpointError(
-                f"Checkpointer.save: {where} is a {kind} inside another entry of state, and "
-                "a loader is saved (as its position in the epoch) only as a top-level entry "
-                "of state: give it a key of its own, state = {..., 'train_loader': loader}; "
-                "nothing was written"
-            )
-        raise CheckpointError(
-            f"Checkpointer.save: {where} is a trainperf.pipelines image loader ({kind}), "
-            "which a checkpoint cannot hold (its decoders and workers cannot be saved, "
-            "and its place in the epoch is not tracked); nothing was written. Save the "
-            "epoch number instead (state['epoch'] = epoch) and after restore build the "
-            "loader again, setting loader.epoch = state['epoch'] so its next pass is "
-            "shuffled as that epoch's. Exact mid-epoch resume is supported for torch "
-            "DataLoaders (top-level entries of state)"
-        )
-
-
 def _meta(step: int, rank: int, world_size: int) -> dict[str, Any]:
     return {
         "format": _FORMAT,
@@ -146,7 +88,7 @@ def build_payload(
         CheckpointError: ``state`` holds a loader a checkpoint cannot hold.
     """
     state = _check_state(state, "Checkpointer.save")
-    _refuse_loaders(state)
+    refuse_loaders(state)
     out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, DataLoader):
@@ -161,7 +103,7 @@ def rank_payload(state: Mapping[str, Any], step: int, rank: int, world_size: int
     """What rank ``rank > 0`` keeps of a step: its loaders' positions and generator states
     (the model and optimizer are rank 0's to write)."""
     state = _check_state(state, "Checkpointer.save")
-    _refuse_loaders(state)
+    refuse_loaders(state)
     out: dict[str, Any] = {
         key: _loader_entry(key, value)
         for key, value in state.items()

@@ -1,7 +1,8 @@
 """Before a save: would each value load back with ``weights_only=True``, and can it be
 pickled at all? A round trip in memory of the value less its tensors (:func:`save_refusal`),
 made only when it holds something beyond plain data; ``Checkpointer`` and
-``save_checkpoint`` refuse what fails before anything is written.
+``save_checkpoint`` refuse what fails before anything is written. And the loaders a
+``Checkpointer`` cannot hold (:func:`refuse_loaders`).
 """
 
 from __future__ import annotations
@@ -10,15 +11,19 @@ import collections
 import dataclasses
 import io
 import pickle
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
+from torch.utils.data import DataLoader
 
 from trainperf.checkpoint._allow import allow_data_only
 from trainperf.checkpoint._formats import refusal_reason
+from trainperf.errors import CheckpointError
 
-__all__ = ["Refusal", "save_refusal", "weights_only_refusal"]
+__all__ = ["Refusal", "refuse_loaders", "save_refusal", "weights_only_refusal"]
 
 _CHECKED_ITEMS = 100_000  # a value with more items than this is not checked
 
@@ -187,3 +192,62 @@ def weights_only_refusal(value: Any) -> str | None:
     """
     refusal = save_refusal(value)
     return None if refusal is None or refusal.unpicklable else refusal.reason
+
+
+_WALKED = 100_000  # items of an entry looked through for a loader; a bigger one is not
+_LEAVES = frozenset((torch.Tensor, nn.Parameter, int, float, str, bool, type(None)))
+
+
+def _find_loader(value: Any, kinds: tuple[type, ...]) -> tuple[str, Any] | None:
+    """The first object of one of ``kinds`` in ``value`` or its dicts, lists and tuples (up
+    to 8 deep), with its place (``"['train']"``), or None."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    left = _WALKED
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, kinds):
+            return "".join(f"[{k!r}]" for k in path), v
+        if isinstance(v, torch.Tensor) or not isinstance(v, (Mapping, list, tuple)):
+            continue
+        left -= len(v)
+        if len(path) >= 8 or left < 0:
+            continue
+        items = v.items() if isinstance(v, Mapping) else enumerate(v)
+        stack.extend((x, (*path, k)) for k, x in items if type(x) not in _LEAVES)
+    return None
+
+
+def refuse_loaders(state: Mapping[str, Any]) -> None:
+    """Before anything is written: refuse a loader that a checkpoint cannot hold, a
+    ``trainperf.pipelines`` image loader anywhere in ``state`` or a DataLoader inside another
+    entry (only a top-level one is saved, as its position).
+
+    Raises:
+        CheckpointError: where it is, its class, and the fix.
+    """
+    from trainperf.pipelines._base import ImageLoader  # imports no decoding library
+
+    for key, value in state.items():
+        if isinstance(value, DataLoader):
+            continue
+        found = _find_loader(value, (DataLoader, ImageLoader))
+        if found is None:
+            continue
+        where, loader = f"state[{key!r}]{found[0]}", found[1]
+        kind = type(loader).__name__
+        if isinstance(loader, DataLoader):
+            raise CheckpointError(
+                f"Checkpointer.save: {where} is a {kind} inside another entry of state, and "
+                "a loader is saved (as its position in the epoch) only as a top-level entry "
+                "of state: give it a key of its own, state = {..., 'train_loader': loader}; "
+                "nothing was written"
+            )
+        raise CheckpointError(
+            f"Checkpointer.save: {where} is a trainperf.pipelines image loader ({kind}), "
+            "which a checkpoint cannot hold (its decoders and workers cannot be saved, "
+            "and its place in the epoch is not tracked); nothing was written. Save the "
+            "epoch number instead (state['epoch'] = epoch) and after restore build the "
+            "loader again, setting loader.epoch = state['epoch'] so its next pass is "
+            "shuffled as that epoch's. Exact mid-epoch resume is supported for torch "
+            "DataLoaders (top-level entries of state)"
+        )
