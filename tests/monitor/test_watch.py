@@ -8,6 +8,7 @@ import itertools
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -324,7 +325,7 @@ def test_start_and_stop_in_the_wrong_order_are_errors() -> None:
     w.start()
     with pytest.raises(RuntimeError, match=r"w\.start\(\) on a watch that is already running"):
         w.start()
-    with pytest.raises(RuntimeError, match="entered once"), w:
+    with pytest.raises(RuntimeError, match=r"already started: use either `with"), w:
         pass
     w.step()
     w.stop()
@@ -723,3 +724,78 @@ def test_iterating_after_stop_leaves_the_report_as_it_was() -> None:
     list(batches)
     assert w.report().to_dict()["steps"] == before["steps"]
     assert w._items == 6
+
+
+def test_a_report_from_another_thread_while_the_loop_runs_reads_a_whole_log() -> None:
+    # The loop appends and trims the step log while a dashboard thread reports.
+    errors: list[BaseException] = []
+    done = threading.Event()
+    old = sys.getswitchinterval()
+
+    def poll(w: Watch) -> None:
+        while not done.is_set():
+            try:
+                r = w.report()
+                assert len(r.timeline) <= 64
+            except BaseException as e:
+                errors.append(e)
+                return
+
+    sys.setswitchinterval(1e-6)  # switch threads often: inside the log's updates too
+    try:
+        with watch(device="cpu", warmup_steps=0, max_records=32) as w:
+            reporter = threading.Thread(target=poll, args=(w,))
+            steps = 0
+            for _ in w.iter(itertools.repeat(torch.zeros(2, 1), 100_000)):
+                w.step()
+                steps += 1
+                if steps == 1:
+                    reporter.start()
+                if errors:
+                    break
+            done.set()
+            reporter.join(60)
+    finally:
+        sys.setswitchinterval(old)
+        done.set()
+    assert errors == []
+    assert w.report().steps == steps
+
+
+def test_a_report_inside_the_loop_is_not_the_steps_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainperf.monitor._watch as watch_module
+
+    real = watch_module.analyse
+
+    def slow(*args: object, **kwargs: object) -> WatchReport:
+        time.sleep(0.05)  # a report costs far more than one of these steps
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(watch_module, "analyse", slow)
+    with watch(device="cpu", warmup_steps=0) as w:
+        for i, _ in enumerate(w.iter([torch.zeros(2, 1)] * 40)):
+            if i % 10 == 5:
+                w.report()
+            w.step()
+    durations = [s.wait + s.compute for s in w.report().timeline]
+    # The steps that held a report are not 50 ms longer than the rest.
+    assert max(durations) < 0.05, durations
+    assert "periodic" not in str(w.report())
+
+
+def test_samples_are_unknown_without_w_iter_or_samples() -> None:
+    with watch(device="cpu", warmup_steps=0) as w:
+        for _ in range(5):
+            w.step()
+    r = w.report()
+    assert r.samples_per_s is None and {s.samples for s in r.timeline} == {None}
+    assert w.report().to_dict()["samples_per_s"] is None
+
+
+def test_with_on_a_started_watch_says_to_use_one_way_not_both() -> None:
+    w = watch(device="cpu").start()
+    try:
+        with pytest.raises(RuntimeError, match=r"w\.start\(\) already started: use either"), w:
+            pass
+    finally:
+        w.stop()

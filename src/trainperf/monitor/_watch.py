@@ -158,8 +158,20 @@ class Watch:
         self._step_start: Any = None
         self._pending: deque[tuple[int, Any, Any]] = deque()
         self._gpu_busy: dict[int, float] = {}
+        # The step log's writer (the loop's thread, at each w.step()) and a w.report() from
+        # any thread take turns; the loop's thread is the one that steps.
+        self._lock = threading.Lock()
+        self._loop_thread: int | None = None
+        # Seconds of in-loop w.report() calls, by the step they fell in: not the step's time.
+        self._excluded: dict[int, float] = {}
 
     def __enter__(self) -> Watch:
+        if self._state == "running":
+            raise RuntimeError(
+                "`with w:` on a watch that w.start() already started: use either `with "
+                "trainperf.watch() as w:` or w.start() before the loop and w.stop() after "
+                "it, not both"
+            )
         if self._state != "new":
             raise RuntimeError("a Watch can be entered once; make a new one with trainperf.watch()")
         self._begin()
@@ -366,11 +378,24 @@ class Watch:
                 "w.report() needs a watch that ran: use `with trainperf.watch() as w:`, or "
                 "w.start() before the loop and w.stop() after it"
             )
-        if self._cuda:
-            resolve(self, block=True)
-        if self._state == "running":
-            settle(self)
-        first, timeline = step_records(self)
+        began = time.perf_counter()
+        try:
+            return self._report()
+        finally:
+            if self._state == "running" and threading.get_ident() == self._loop_thread:
+                # Made inside the loop: its time is not the step's (nor a periodic stall).
+                with self._lock:
+                    index = self._first + len(self._ends)  # the step under way
+                    spent = time.perf_counter() - began
+                    self._excluded[index] = self._excluded.get(index, 0.0) + spent
+
+    def _report(self) -> WatchReport:
+        with self._lock:  # a report from another thread reads the log between two steps
+            if self._cuda:
+                resolve(self, block=True)
+            if self._state == "running" and threading.get_ident() == self._loop_thread:
+                settle(self)  # schedstat is read in the loop's own thread only
+            first, timeline = step_records(self)
         sampler = self._sampler
         if self._device is not None:
             device = str(self._device)

@@ -10,6 +10,7 @@ only ones that write them after that.
 from __future__ import annotations
 
 import math
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,7 +28,15 @@ _SETTLE_EVERY = 16  # steps between reads of the loop thread's schedstat (see se
 
 def record_step(w: Watch, now: float, samples: int | None) -> None:
     """Append the step that ended at ``now`` (``time.perf_counter()``), with ``samples``
-    samples if given, else those ``w.iter`` counted (see :meth:`Watch.step`)."""
+    samples if given, else those ``w.iter`` counted (see :meth:`Watch.step`): unknown
+    (None in the report) without ``w.iter``. Under the watch's lock, so that a report from
+    another thread reads the log between two steps."""
+    w._loop_thread = threading.get_ident()
+    with w._lock:
+        _append(w, now, samples)
+
+
+def _append(w: Watch, now: float, samples: int | None) -> None:
     w._ends.append(now - w._t0)
     w._waits.append(w._pending_wait)
     w._wait_cpus.append(w._pending_wait_cpu)
@@ -35,7 +44,7 @@ def record_step(w: Watch, now: float, samples: int | None) -> None:
     if samples is not None:
         w._counts.append(samples)
     else:
-        w._counts.append(w._pending_count if w._count_known else -1)
+        w._counts.append(w._pending_count if w._count_known and w._iterated else -1)
     w._unsettled += 1
     if w._unsettled >= _SETTLE_EVERY:
         settle(w)
@@ -96,6 +105,8 @@ def _trim(w: Watch) -> None:
     busy = w._gpu_busy
     while busy and (oldest := next(iter(busy))) < w._first:  # keys come in step order
         del busy[oldest]
+    for index in [i for i in w._excluded if i < w._first]:
+        del w._excluded[index]
 
 
 def resolve(w: Watch, *, block: bool) -> None:
@@ -118,7 +129,8 @@ def step_records(w: Watch) -> tuple[int, list[StepRecord]]:
         w._wait_cpus[extra:], w._delays[extra:], strict=True,
     )  # fmt: skip
     for i, (end, wait_s, count, wait_cpu, delay) in enumerate(steps, start=first):
-        duration = end - previous
+        # An in-loop w.report() is the watch's own time, not the step's.
+        duration = max(0.0, end - previous - w._excluded.get(i, 0.0))
         timeline.append(
             StepRecord(
                 index=i,
