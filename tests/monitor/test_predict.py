@@ -13,6 +13,7 @@ import importlib
 import inspect
 import math
 import statistics
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -228,6 +229,31 @@ def test_the_stalls_excess_goes_with_a_non_blocking_save() -> None:
     slow_fork = dataclasses.replace(f, setup=LoopSetup(save_block_s=0.05))  # longer than a stall
     assert stall_fixes(slow_fork)[0].predicted_speedup == 1.0
     assert stall_fixes(figures(stall_period=None, stall_steps=(3, 7), stall_fraction=0.2)) == ()
+
+
+def test_a_loop_already_saving_in_the_background_is_not_told_to() -> None:
+    f = figures(stall_period=10, stall_steps=(9, 19, 29), stall_fraction=0.2, stall_median_s=0.2)
+    already = dataclasses.replace(f, setup=LoopSetup(save_block_s=0.001, background_saves=3))
+    async_save, less_often = stall_fixes(already)
+    assert async_save.predicted_speedup == 1.0
+    assert async_save.basis.startswith("already in use: the loop started 3 background save(s)")
+    assert less_often.predicted_speedup > 1.0  # saving less often still helps
+
+
+def test_the_watch_counts_the_background_saves_its_loop_started(tmp_path: Path) -> None:
+    from trainperf import Checkpointer, watch
+
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"n": 0}, step=0, blocking=False)  # before the loop: not the loop's
+    with watch(device="cpu", warmup_steps=0) as w:
+        for step in range(1, 7):
+            if step % 3 == 0:
+                ckpt.save({"n": step}, step=step, blocking=False)
+            w.step()
+    ckpt.wait()
+    ckpt.save({"n": 9}, step=9, blocking=False)  # after it: not the loop's either
+    ckpt.wait()
+    assert w.report().setup.background_saves == 2
 
 
 # --------------------------------------------------------------------------- precision

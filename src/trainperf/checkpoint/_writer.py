@@ -47,6 +47,7 @@ from trainperf.errors import CheckpointError
 
 __all__ = [
     "SaveHandle",
+    "background_saves",
     "pending_handles",
     "unreported_failures",
     "drop_cached",
@@ -61,6 +62,7 @@ __all__ = [
 # held by a reaper thread at a fork would stay held in the child forever.
 _PENDING: set[SaveHandle] = set()
 _FAILED: list[SaveHandle] = []
+_STARTED = [0]  # background writes started in this process (trainperf.watch reads it)
 
 
 def _forget_parents_writes() -> None:
@@ -71,6 +73,12 @@ def _forget_parents_writes() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_parents_writes)
+
+
+def background_saves() -> int:
+    """How many background writes this process has started (``trainperf.watch`` tells a
+    loop that already saves in the background from one whose saves block)."""
+    return _STARTED[0]
 
 
 def pending_handles() -> list[SaveHandle]:
@@ -166,6 +174,7 @@ class SaveHandle:
     def _track(self) -> None:
         """Count this write as running until :meth:`_finish` (for the exit hook)."""
         _PENDING.add(self)
+        _STARTED[0] += 1
 
     def _untrack(self) -> None:
         _PENDING.discard(self)

@@ -41,6 +41,16 @@ def stall_fixes(f: Figures) -> tuple[Fix, ...]:
         f"median step, {lost:.0%} of {f.wall_s:.2f} s"
     )
     async_saved, async_basis = _async_save_gain(f, lost, each, figures)
+    if f.setup.background_saves:
+        async_saved, async_basis = (
+            0.0,
+            (
+                f"already in use: the loop started {f.setup.background_saves} background "
+                f"save(s) while watched ({figures}); what stalls is what stays in the step: "
+                "the snapshot (a fork, or the copy to host buffers) or a save that waits for "
+                "the previous write to finish (save less often)"
+            ),
+        )
     less = lost * (1 - 1 / LESS_OFTEN)
     less_basis = (
         f"the run with a tenth of the stalls' excess ({figures}): saving every "

@@ -21,7 +21,15 @@ import torch
 from trainperf.limits import local_world_size, usable_cpus
 from trainperf.monitor._setup import LoopSetup
 
-__all__ = ["CpuClock", "batch_size", "loader_facts", "loop_setup", "precision_in_use", "rank_cpus"]
+__all__ = [
+    "CpuClock",
+    "background_saves",
+    "batch_size",
+    "loader_facts",
+    "loop_setup",
+    "precision_in_use",
+    "rank_cpus",
+]
 
 _PRECISION_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -85,6 +93,16 @@ def batch_size(batch: object, depth: int = 0) -> int | None:
     if isinstance(batch, Mapping) and batch:
         return batch_size(next(iter(batch.values())), depth + 1)
     return None
+
+
+def background_saves() -> int:
+    """Background checkpoint writes this process has started
+    (``Checkpointer.save(..., blocking=False)``); 0 where trainperf.checkpoint was never
+    imported (read from ``sys.modules``, as :func:`precision_in_use` reads amp's registry).
+    """
+    writer = sys.modules.get("trainperf.checkpoint._writer")
+    count = getattr(writer, "background_saves", None)
+    return int(count()) if callable(count) else 0
 
 
 def precision_in_use() -> tuple[str, str] | None:

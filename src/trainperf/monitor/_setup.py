@@ -57,6 +57,8 @@ class LoopSetup:
             blocked this process for (``_save_cost``: its fork and bookkeeping), what it
             still adds to the step that saves, for a CPU loop with periodic stalls; None
             otherwise.
+        background_saves: the background checkpoint writes
+            (``Checkpointer.save(..., blocking=False)``) the loop started while watched.
 
     Example:
         >>> LoopSetup(num_workers=0, torch_threads=4).to_dict()["num_workers"]
@@ -82,6 +84,7 @@ class LoopSetup:
     fewer_threads_speedup: float | None = None
     cpu_bf16_speedup: float | None = None
     save_block_s: float | None = None
+    background_saves: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name, JSON-safe (the capability as a list)."""

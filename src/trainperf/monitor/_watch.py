@@ -54,6 +54,7 @@ from trainperf._utils.validate import non_negative_int, positive_int, positive_n
 from trainperf.device import resolve_device
 from trainperf.monitor._analysis import analyse
 from trainperf.monitor._probe import CpuClock, loader_facts, loop_setup
+from trainperf.monitor._probe import background_saves as _background_saves
 from trainperf.monitor._probe import precision_in_use as _precision_in_use
 from trainperf.monitor._probe import rank_cpus as _rank_cpus
 from trainperf.monitor._report import WatchReport
@@ -164,6 +165,9 @@ class Watch:
         self._loop_thread: int | None = None
         # Seconds of in-loop w.report() calls, by the step they fell in: not the step's time.
         self._excluded: dict[int, float] = {}
+        # Background checkpoint writes started before the loop and by its end (None: runs).
+        self._saves_before = 0
+        self._saves_after: int | None = None
 
     def __enter__(self) -> Watch:
         if self._state == "running":
@@ -253,6 +257,7 @@ class Watch:
     def _begin(self) -> None:
         self._state = "running"
         self._cpus = _rank_cpus()
+        self._saves_before = _background_saves()
         weakref.finalize(self, self._clock.close)
         self._last_reading = cpu_reading(self)
         want_gpu = self._device is None or self._device.type == "cuda"
@@ -271,7 +276,9 @@ class Watch:
 
     def _end(self) -> None:
         self._state = "done"
-        settle(self)  # in the loop's thread, while its schedstat is still the one open
+        self._saves_after = _background_saves()  # before a report's probe saves its own
+        with self._lock:
+            settle(self)  # in the loop's thread, while its schedstat is still the one open
         self._clock.close()
         if self._sampler is not None:
             self._sampler.stop()

@@ -13,7 +13,7 @@ from trainperf.monitor._cpu_bf16 import with_cpu_bf16
 from trainperf.monitor._crowding import with_crowding
 from trainperf.monitor._figures import SAWTOOTH_WAIT, Figures
 from trainperf.monitor._handover import measure_handover
-from trainperf.monitor._probe import loader_facts
+from trainperf.monitor._probe import background_saves, loader_facts
 from trainperf.monitor._records import LoaderChange, Sample, StepRecord
 from trainperf.monitor._rules import MIN_STEPS
 from trainperf.monitor._save_cost import with_save_cost
@@ -42,12 +42,15 @@ def loader_changes(w: Watch) -> tuple[LoaderChange, ...]:
 
 def measured(w: Watch, timeline: list[StepRecord], samples: list[Sample]) -> dict[str, Any]:
     """What the watch measures for the predictions beyond the timeline: batches per
-    step, and (once) what a worker hand-over would cost a loop that loads in its own
-    thread while it waits for data. The probe runs a worker for about a second, so
-    only once the watch has stopped: a report made inside the loop would put that
-    second into the loop's step (it uses a measurement made before, if any)."""
+    step, the background checkpoint writes the loop started, and (once) what a worker
+    hand-over would cost a loop that loads in its own thread while it waits for data.
+    The probe runs a worker for about a second, so only once the watch has stopped: a
+    report made inside the loop would put that second into the loop's step (it uses a
+    measurement made before, if any)."""
     steps = w._first + len(w._ends)
     out: dict[str, Any] = {"batches_per_step": w._items / steps if steps else None}
+    after = w._saves_after if w._saves_after is not None else background_saves()
+    out["background_saves"] = after - w._saves_before
     kept = timeline[max(0, w._warmup - w._first) :]
     total = sum(s.duration for s in kept)
     waits = total > 0 and sum(s.wait for s in kept) >= SAWTOOTH_WAIT * total
