@@ -317,7 +317,9 @@ def test_bf16_on_a_cpu_speeds_up_the_share_not_waiting_by_what_the_probe_measure
     assert fix.predicted_speedup == pytest.approx(1 / 0.7)
     assert fix.basis == (
         "a small MLP training step ran 1.60x faster under bf16 autocast than in fp32 on this "
-        "CPU (measured by a probe), on the 80% of step time not spent waiting for data"
+        "CPU (measured by a probe), on the 80% of step time not spent waiting for data (an "
+        "upper bound: the process's CPU was not sampled; a longer run, or a shorter "
+        "`interval`, measures it)"
     )
     # A probe that found bf16 no faster: no gain, the measurement named.
     slower = LoopSetup(cpu_native_bf16=True, cpu_bf16_speedup=0.9)

@@ -138,10 +138,16 @@ def _cpu_step_share(f: Figures) -> tuple[float, str]:
     if step <= 0:
         return 1.0, "not spent waiting for data"
     own = main_cores(f)
-    if own is not None:
-        used = max(0.0, own / (capacity(f) / f.cpus) * step - (f.wait_cpu_s or 0.0))
-        if used < work:
-            return used / step, "the loop's process computed (its sampled CPU)"
+    if own is None:
+        # No CPU sample (a run shorter than the sampling interval): a step that sleeps
+        # cannot be told from one that computes, so this is an upper bound.
+        return work / step, (
+            "not spent waiting for data (an upper bound: the process's CPU was not sampled; "
+            "a longer run, or a shorter `interval`, measures it)"
+        )
+    used = max(0.0, own / (capacity(f) / f.cpus) * step - (f.wait_cpu_s or 0.0))
+    if used < work:
+        return used / step, "the loop's process computed (its sampled CPU)"
     return work / step, "not spent waiting for data"
 
 
