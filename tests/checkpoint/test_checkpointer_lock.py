@@ -4,9 +4,11 @@ children and ended ``with`` blocks do not keep the claim."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import multiprocessing
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -136,3 +138,25 @@ def test_nothing_is_added_to_the_directory(tmp_path: Path) -> None:
     ckpt.save({"n": 1}, step=1)
     assert os.listdir(tmp_path / "run") == ["step-000000001.pt"]
     assert _held_elsewhere(tmp_path / "run")
+
+
+def test_a_copy_of_a_checkpointer_claims_afresh_and_closes_no_descriptor_of_another(
+    tmp_path: Path,
+) -> None:
+    ckpt = Checkpointer(tmp_path / "run")
+    ckpt.save({"n": 1}, step=1)
+    twin = copy.deepcopy(ckpt)
+    del twin
+    gc.collect()
+    with open(tmp_path / "other.txt", "w") as other:  # may reuse a freed descriptor number
+        del ckpt
+        gc.collect()  # closes its own descriptor only
+        other.write("still open")
+        other.flush()
+    assert (tmp_path / "other.txt").read_text() == "still open"
+    assert not _held_elsewhere(tmp_path / "run")
+    # An unpickled copy holds nothing, so it warns while the original holds the directory.
+    first = Checkpointer(tmp_path / "b")
+    first.save({"n": 1}, step=1)
+    copied = pickle.loads(pickle.dumps(first._claim))
+    assert copied._fd is None

@@ -42,8 +42,15 @@ class DirectoryClaim:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._fd: int | None = None
+        self._pid = os.getpid()  # the process whose descriptor _fd is
         self._told = False
         self._superseded = False  # a newer Checkpointer in this process took the claim over
+
+    def __reduce__(self) -> tuple[type[DirectoryClaim], tuple[Path]]:
+        # A copy (deepcopy, pickle into another process) claims nothing yet: the descriptor
+        # is this object's, and two owners would close it twice (the second time, whatever
+        # file had reused its number).
+        return DirectoryClaim, (self.directory,)
 
     def __del__(self) -> None:
         # At interpreter exit the modules it uses may be gone already.
@@ -85,14 +92,14 @@ class DirectoryClaim:
         except OSError:
             os.close(fd)
             return None
-        self._fd = fd
+        self._fd, self._pid = fd, os.getpid()
         _OPEN.add(self)
         return None
 
     def release(self) -> None:
         """Give the directory up (closing the descriptor drops the lock)."""
         fd, self._fd = self._fd, None
-        if fd is not None:
+        if fd is not None and self._pid == os.getpid():
             with contextlib.suppress(OSError):
                 os.close(fd)
 
@@ -134,7 +141,10 @@ def _holder(fd: int) -> str:
 def _close_in_child() -> None:
     """In a forked child: close the inherited descriptors (the parent keeps its claim)."""
     for claim in list(_OPEN):
-        claim.release()  # this process's copy only: the parent's still holds the lock
+        fd, claim._fd = claim._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)  # this process's copy only: the parent's still holds the lock
     _OPEN.clear()
 
 
