@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from tests.batchsize._fakes import MeanOnFirstForward, Trainer, same_state, sample, state_of
+from trainperf import tune_batch_size
 from trainperf.amp import MixedPrecision
 from trainperf.batchsize._holders import stateful_objects, with_live_amp_state
 from trainperf.batchsize._state import SavedState
@@ -362,3 +363,42 @@ def test_a_buffer_registered_while_probing_is_removed_again() -> None:
     m(torch.randn(8, 4))
     saved.restore()
     assert not hasattr(m, "stats") and "stats" not in m.state_dict()
+
+
+class _LazyHead(nn.Module):
+    """Builds its head on the first forward, in place of the ``None`` set in __init__."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.head is None:
+            self.head = nn.Linear(4, 1)
+        return self.head(self.body(x))
+
+
+def test_a_layer_built_on_the_first_forward_is_undone_to_the_attribute_it_replaced() -> None:
+    m = _LazyHead()
+    saved = SavedState.save(stateful_objects(m))
+    m(torch.randn(8, 4))
+    saved.restore()
+    assert m.head is None and "head.weight" not in m.state_dict()
+    assert m(torch.randn(2, 4)).shape == (2, 1)  # it builds the head again
+
+
+def test_tuning_a_model_that_builds_a_layer_on_its_first_forward_leaves_it_usable() -> None:
+    m = _LazyHead()
+    opt = torch.optim.SGD(m.body.parameters(), lr=0.1)
+
+    def step(batch: torch.Tensor) -> None:
+        opt.zero_grad()
+        m(batch).sum().backward()
+        opt.step()
+
+    report = tune_batch_size(
+        step, lambda n: torch.ones(n, 4), model=m, optimizer=opt, device="cpu",
+        max_size=4, budget_s=2.0, progress=False, cache=False,
+    )  # fmt: skip
+    assert report.batch_size >= 1 and m.head is None

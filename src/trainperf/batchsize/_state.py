@@ -84,28 +84,45 @@ def _unsaved_buffers(objects: Iterable[Any]) -> list[Buffer]:
     return out
 
 
-Entries = tuple[nn.Module, frozenset[str], frozenset[str], frozenset[str]]
-"""A module and the names of its own parameters, buffers and submodules."""
+# A module, the names of its own parameters, buffers and submodules when saved, and its
+# plain attributes then (one that a lazily built layer replaces: ``self.head = None``).
+Entries = tuple[nn.Module, frozenset[str], frozenset[str], frozenset[str], dict[str, Any]]
 
 
 def _entries(objects: Iterable[Any]) -> list[Entries]:
     return [
-        (m, frozenset(m._parameters), frozenset(m._buffers), frozenset(m._modules))
+        (
+            m,
+            frozenset(m._parameters),
+            frozenset(m._buffers),
+            frozenset(m._modules),
+            dict(vars(m)),
+        )
         for m in _modules(objects)
     ]
 
 
 def _drop_new_entries(entries: list[Entries]) -> None:
     """Remove what a module registered since it was saved (a buffer made on the first
-    forward pass: ``load_state_dict`` would miss its key in the saved state)."""
-    for m, params, buffers, children in entries:
+    forward pass: ``load_state_dict`` would miss its key in the saved state), putting back
+    the plain attribute a registration replaced (``self.head = None`` before the first
+    forward built the layer), so the module builds it again as it did the first time."""
+    for m, params, buffers, children, plain in entries:
         for name in [n for n in m._parameters if n not in params]:
             del m._parameters[name]
+            _put_back(m, name, plain)
         for name in [n for n in m._buffers if n not in buffers]:
             del m._buffers[name]
             m._non_persistent_buffers_set.discard(name)
+            _put_back(m, name, plain)
         for name in [n for n in m._modules if n not in children]:
             del m._modules[name]
+            _put_back(m, name, plain)
+
+
+def _put_back(m: nn.Module, name: str, plain: dict[str, Any]) -> None:
+    if name in plain:
+        object.__setattr__(m, name, plain[name])
 
 
 def _load_state(obj: Any, state: Any, layout: Layout | None) -> None:
