@@ -763,24 +763,55 @@ def test_a_report_from_another_thread_while_the_loop_runs_reads_a_whole_log() ->
 
 
 def test_a_report_inside_the_loop_is_not_the_steps_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
     import trainperf.monitor._watch as watch_module
 
+    clock = [1000.0]  # the watch's perf_counter: each step takes 1 ms, a report 50 ms
+    fake = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if k[0] != "_"})
+    fake.perf_counter = lambda: clock[0]
+    monkeypatch.setattr(watch_module, "time", fake)
     real = watch_module.analyse
 
     def slow(*args: object, **kwargs: object) -> WatchReport:
-        time.sleep(0.05)  # a report costs far more than one of these steps
+        clock[0] += 0.05
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(watch_module, "analyse", slow)
     with watch(device="cpu", warmup_steps=0) as w:
-        for i, _ in enumerate(w.iter([torch.zeros(2, 1)] * 40)):
+        for i in range(40):
+            clock[0] += 0.001
             if i % 10 == 5:
                 w.report()
-            w.step()
-    durations = [s.wait + s.compute for s in w.report().timeline]
-    # The steps that held a report are not 50 ms longer than the rest.
-    assert max(durations) < 0.05, durations
-    assert "periodic" not in str(w.report())
+            w.step(samples=1)
+    durations = [round(s.wait + s.compute, 6) for s in w.report().timeline]
+    assert durations == [0.001] * 40, durations  # the reports' 50 ms are in no step
+
+
+@pytest.mark.timeout(60, method="thread")  # a deadlock blocks signal-based timeouts too
+def test_a_report_from_a_signal_handler_inside_a_step_does_not_deadlock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import signal
+
+    import trainperf.monitor._watch_steps as steps_module
+
+    reports: list[int] = []
+    real = steps_module.settle
+
+    def interrupted(w: Watch) -> None:  # the signal comes while the step log is written
+        signal.raise_signal(signal.SIGUSR1)
+        real(w)
+
+    previous = signal.signal(signal.SIGUSR1, lambda *_: reports.append(w.report().steps))
+    monkeypatch.setattr(steps_module, "settle", interrupted)
+    try:
+        with watch(device="cpu", warmup_steps=0) as w:
+            for _ in range(40):
+                w.step(samples=1)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert reports and w.report().steps == 40
 
 
 def test_samples_are_unknown_without_w_iter_or_samples() -> None:

@@ -35,6 +35,7 @@ gathers besides the timeline in ``_watch_inputs``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -162,7 +163,7 @@ class Watch:
         # The step log's writer (the loop's thread, at each w.step()) and a w.report() from
         # any thread take turns; the loop's thread is the one that steps.
         self._lock = threading.Lock()
-        self._loop_thread: int | None = None
+        self._loop_thread: int | None = None  # set by start (and each step) to the caller's
         # Seconds of in-loop w.report() calls, by the step they fell in: not the step's time.
         self._excluded: dict[int, float] = {}
         # Background checkpoint writes started before the loop and by its end (None: runs).
@@ -256,6 +257,7 @@ class Watch:
 
     def _begin(self) -> None:
         self._state = "running"
+        self._loop_thread = threading.get_ident()  # until a step says otherwise
         self._cpus = _rank_cpus()
         self._saves_before = _background_saves()
         weakref.finalize(self, self._clock.close)
@@ -277,7 +279,7 @@ class Watch:
     def _end(self) -> None:
         self._state = "done"
         self._saves_after = _background_saves()  # before a report's probe saves its own
-        with self._lock:
+        with self._log_guard():
             settle(self)  # in the loop's thread, while its schedstat is still the one open
         self._clock.close()
         if self._sampler is not None:
@@ -391,13 +393,19 @@ class Watch:
         finally:
             if self._state == "running" and threading.get_ident() == self._loop_thread:
                 # Made inside the loop: its time is not the step's (nor a periodic stall).
-                with self._lock:
-                    index = self._first + len(self._ends)  # the step under way
-                    spent = time.perf_counter() - began
-                    self._excluded[index] = self._excluded.get(index, 0.0) + spent
+                index = self._first + len(self._ends)  # the step under way
+                spent = time.perf_counter() - began
+                self._excluded[index] = self._excluded.get(index, 0.0) + spent
+
+    def _log_guard(self) -> Any:
+        """The step log's lock for another thread; none for the loop's own thread, which
+        cannot race itself (and which a signal handler may interrupt while it holds it)."""
+        if threading.get_ident() == self._loop_thread:
+            return contextlib.nullcontext()
+        return self._lock
 
     def _report(self) -> WatchReport:
-        with self._lock:  # a report from another thread reads the log between two steps
+        with self._log_guard():  # another thread reads the log between two steps
             if self._cuda:
                 resolve(self, block=True)
             if self._state == "running" and threading.get_ident() == self._loop_thread:

@@ -30,7 +30,9 @@ def record_step(w: Watch, now: float, samples: int | None) -> None:
     """Append the step that ended at ``now`` (``time.perf_counter()``), with ``samples``
     samples if given, else those ``w.iter`` counted (see :meth:`Watch.step`): unknown
     (None in the report) without ``w.iter``. Under the watch's lock, so that a report from
-    another thread reads the log between two steps."""
+    another thread reads the log between two steps (a report in this thread takes no lock:
+    a signal handler's may come while the lock is held here, and :func:`step_records`
+    reads the arrays up to their shortest)."""
     w._loop_thread = threading.get_ident()
     with w._lock:
         _append(w, now, samples)
@@ -124,9 +126,12 @@ def step_records(w: Watch) -> tuple[int, list[StepRecord]]:
     first = w._first + extra
     previous = w._ends[extra - 1] if extra else w._dropped_end
     timeline = []
+    # Up to the shortest array: a report from a signal handler may come between two of a
+    # step's appends.
+    n = min(len(w._ends), len(w._waits), len(w._counts), len(w._wait_cpus), len(w._delays))
     steps = zip(
-        w._ends[extra:], w._waits[extra:], w._counts[extra:],
-        w._wait_cpus[extra:], w._delays[extra:], strict=True,
+        w._ends[extra:n], w._waits[extra:n], w._counts[extra:n],
+        w._wait_cpus[extra:n], w._delays[extra:n], strict=True,
     )  # fmt: skip
     for i, (end, wait_s, count, wait_cpu, delay) in enumerate(steps, start=first):
         # An in-loop w.report() is the watch's own time, not the step's.
