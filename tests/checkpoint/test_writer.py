@@ -269,3 +269,18 @@ def test_a_value_that_cannot_be_pickled_is_refused_by_its_key_before_anything_is
     with pytest.raises(CheckpointError, match=refused):
         ckpt.wait()
     assert ckpt.steps() == []
+
+
+def test_only_background_writers_that_started_are_counted(tmp_path: Path) -> None:
+    from trainperf.checkpoint._writer import background_saves
+
+    ckpt = Checkpointer(tmp_path)
+    before = background_saves()
+    ckpt.save({"n": 1}, step=1, blocking=False)
+    ckpt.wait()
+    ckpt.save({"n": 2}, step=2)  # blocking: not a background save
+    refused = ckpt.save({"fn": lambda: 1}, step=3, blocking=False)  # refused before writing
+    assert refused.done()
+    with pytest.raises(CheckpointError, match="cannot be pickled"):
+        ckpt.wait()
+    assert background_saves() - before == 1

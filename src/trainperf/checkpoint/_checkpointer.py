@@ -50,7 +50,12 @@ from trainperf.checkpoint._steps import (
     steps_on_disk,
     unloadable,
 )
-from trainperf.checkpoint._writer import SaveHandle, start_thread, write_now
+from trainperf.checkpoint._writer import (
+    SaveHandle,
+    count_background_save,
+    start_thread,
+    write_now,
+)
 from trainperf.checkpoint._writer_fork import fork_writes, start_process
 from trainperf.checkpoint._writer_snapshot import snapshot_safe, tensor_bytes
 from trainperf.checkpoint._writer_staging import Staging, staging_fits
@@ -206,8 +211,9 @@ class Checkpointer:
             CheckpointError: the previous background write failed (its error, chained,
                 with its path; this save is made first, blocking, even at a step
                 ``every`` skips, and the message says where it went), or this blocking
-                save failed (the message ends with the earlier failure, if any); nothing
-                older is deleted. Also, before anything is written: ``state`` holds a
+                save failed (the message ends with the earlier failure, if any); a failed
+                write deletes nothing (older files go only once a newer one is durable).
+                Also, before anything is written: ``state`` holds a
                 loader a checkpoint cannot hold (a ``trainperf.pipelines`` image loader, a
                 DataLoader inside another entry), or (blocking) a value that cannot be
                 pickled.
@@ -292,6 +298,8 @@ class Checkpointer:
         except BaseException:
             handle._untrack()  # nothing started: nothing for the exit hook to wait for
             raise
+        if handle._failure is None:  # refused before any writer started: not counted
+            count_background_save()
         self._pending = handle
         return handle
 

@@ -48,6 +48,7 @@ from trainperf.errors import CheckpointError
 __all__ = [
     "SaveHandle",
     "background_saves",
+    "count_background_save",
     "pending_handles",
     "unreported_failures",
     "drop_cached",
@@ -73,6 +74,11 @@ def _forget_parents_writes() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_parents_writes)
+
+
+def count_background_save() -> None:
+    """A background writer was started (its payload accepted, the fork or thread made)."""
+    _STARTED[0] += 1
 
 
 def background_saves() -> int:
@@ -174,7 +180,6 @@ class SaveHandle:
     def _track(self) -> None:
         """Count this write as running until :meth:`_finish` (for the exit hook)."""
         _PENDING.add(self)
-        _STARTED[0] += 1
 
     def _untrack(self) -> None:
         _PENDING.discard(self)
