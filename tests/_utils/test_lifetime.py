@@ -204,3 +204,40 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+class _Slow:
+    """A map dataset of 24 items, 20 ms each: the worker is still at work when signalled."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(0.02)
+        return i
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize("preempting", [True, False])
+def test_workers_ignore_the_signal_a_preemption_waits_for(tmp_path: Path, preempting: bool) -> None:
+    # torchrun and SLURM send SIGTERM to every process: a torch worker died of it, and the
+    # rank's next batch failed before the final save the preemption was waiting to make.
+    from trainperf import Checkpointer
+
+    ctx = multiprocessing.get_context("fork")
+    loader = DataLoader(
+        _Slow(), batch_size=2, num_workers=1, multiprocessing_context=ctx,
+        worker_init_fn=DieWithParent(None),
+    )  # fmt: skip
+    stop = Checkpointer(tmp_path).preemption(signals=("SIGTERM",))
+    with stop if preempting else contextlib.nullcontext():
+        it = iter(loader)
+        got = [next(it)]
+        worker = it._workers[0]  # type: ignore[attr-defined]
+        os.kill(worker.pid, signal.SIGTERM)
+        if preempting:
+            got += list(it)
+            assert sum(len(b) for b in got) == 24 and not stop.requested  # the rank decides
+        else:
+            with pytest.raises(RuntimeError, match=r"DataLoader worker .*(killed by signal|exited unexpectedly)"):
+                got += list(it)

@@ -18,7 +18,8 @@ Who uses what:
 - :mod:`~trainperf._utils.public`: sets each public object's ``__module__`` to the path users
   import it from, used by every package ``__init__``.
 - :mod:`~trainperf._utils.lifetime`: ``DieWithParent`` and ``die_with_parent``, used by the
-  ``loader``, ``pipelines``, ``ddp``'s ranks and the ``checkpoint`` writer.
+  ``loader``, ``pipelines``, ``ddp``'s ranks and the ``checkpoint`` writer (its workers ignore
+  the signals an active ``Checkpointer.preemption()`` waits for: ``preemption_signals``).
 - :mod:`~trainperf._utils.procfs`: ``/proc/<pid>/stat`` fields, used by ``lifetime`` and
   ``ddp``'s run directories.
 - :mod:`~trainperf._utils.cache` and :mod:`~trainperf._utils.qualname`: the JSON cache store

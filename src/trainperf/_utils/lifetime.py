@@ -23,6 +23,7 @@ started the worker, which ends with that process.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import os
@@ -40,6 +41,7 @@ __all__ = [
     "WATCH_INTERVAL_S",
     "DieWithParent",
     "die_with_parent",
+    "preemption_signals",
     "started_from_main",
 ]
 
@@ -132,6 +134,14 @@ def _watch(parent: int) -> None:
     os._exit(1)
 
 
+def preemption_signals() -> tuple[int, ...]:
+    """The signals an active ``Checkpointer.preemption()`` in this process waits for (read
+    from ``sys.modules``: none where trainperf.checkpoint was never imported)."""
+    preempt = sys.modules.get("trainperf.checkpoint._preempt")
+    active = getattr(preempt, "active_signals", None)
+    return tuple(active()) if callable(active) else ()
+
+
 class DieWithParent:
     """A DataLoader ``worker_init_fn`` that ties the worker's life to the process that built it.
 
@@ -155,10 +165,24 @@ class DieWithParent:
         # Pickled (spawn, forkserver) by the thread that starts the worker: record which,
         # and in which process, so that a copy made elsewhere (a loader pickled into a
         # rank, a deepcopy) does not pass the record on to workers started later.
-        return {**self.__dict__, "from_main": started_from_main(), "_pid": os.getpid()}
+        return {
+            **self.__dict__,
+            "from_main": started_from_main(),
+            "_pid": os.getpid(),
+            "_preempt_signals": preemption_signals(),
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+    def _preemption_signals(self) -> tuple[int, ...]:
+        """What the starting process's active preemptions wait for: recorded when this
+        copy was pickled for a spawned worker by that process, else (a forked worker)
+        read from the copy of its memory."""
+        parent = multiprocessing.parent_process()
+        if parent is not None and parent.pid == self.__dict__.get("_pid"):
+            return tuple(self.__dict__.get("_preempt_signals", ()))
+        return preemption_signals()
 
     def _starter_said(self) -> bool | None:
         """``from_main`` if this copy was pickled by the process that started this one."""
@@ -174,5 +198,11 @@ class DieWithParent:
             os.getppid() if parent is None or parent.pid is None else parent.pid,
             self._starter_said(),
         )
+        # The signals the rank's Checkpointer.preemption() waits for: torchrun and SLURM
+        # send them to every process, and a torch worker dies of SIGTERM (failing the
+        # rank's next batch before its final save). The rank decides; the worker dies with it.
+        for sig in self._preemption_signals():
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(sig, signal.SIG_IGN)
         if self.user_fn is not None:
             self.user_fn(worker_id)

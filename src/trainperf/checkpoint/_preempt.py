@@ -27,7 +27,18 @@ import torch
 
 from trainperf._utils.validate import positive_int, positive_number
 
-__all__ = ["Preemption", "agreement_interval", "signal_numbers"]
+__all__ = ["Preemption", "active_signals", "agreement_interval", "signal_numbers"]
+
+# How many active Preemptions wait for each signal number: DataLoader workers started with
+# trainperf.DieWithParent ignore those (torchrun and SLURM signal every process, and a
+# torch worker dies of SIGTERM, which fails the rank's next batch before its final save).
+_ACTIVE: dict[int, int] = {}
+
+
+def active_signals() -> tuple[int, ...]:
+    """The signal numbers an active :class:`Preemption` in this process waits for."""
+    return tuple(sorted(sig for sig, n in _ACTIVE.items() if n > 0))
+
 
 # A check may cost 50 us a step on average: 0.5 % of a 10 ms step, half the 1 % target,
 # because a check can cost twice what the one before it did on a busy machine.
@@ -176,6 +187,7 @@ class Preemption:
             self._calibrate()
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+            _ACTIVE[int(sig)] = _ACTIVE.get(int(sig), 0) + 1
         self._active = True
         self._checked = time.monotonic()
         return self
@@ -188,6 +200,7 @@ class Preemption:
     ) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+            _ACTIVE[int(sig)] = max(0, _ACTIVE.get(int(sig), 0) - 1)
         self._previous.clear()
         self._active = False
 
