@@ -264,3 +264,28 @@ def test_data_parallel_moves_the_model_to_the_first_device_and_warns_once() -> N
         ddp.data_parallel(nn.Linear(2, 2), device_ids=[])
     with pytest.raises(ValueError, match=r"are not visible GPUs"):
         ddp.data_parallel(nn.Linear(2, 2), device_ids=[last + 1])
+
+
+SRUN_TASK = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        (SRUN_TASK, (3, 1, 8, False)),  # one task of an srun step: SLURM's numbers
+        ({**SRUN_TASK, "RANK": "5", "LOCAL_RANK": "2", "WORLD_SIZE": "16"}, (5, 2, 16, False)),
+        ({**SRUN_TASK, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, (0, 0, 1, True)),  # sbatch
+        ({"SLURM_LOCALID": "1"}, (0, 0, 1, True)),  # not in an srun step
+    ],
+)
+def test_an_srun_task_knows_its_rank_before_any_process_group(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], expected: tuple[int, int, int, bool]
+) -> None:
+    # Under srun, torch.cuda.set_device(ddp.local_rank()) put every task on GPU 0, and
+    # `if ddp.is_main_process(): prepare()` ran on every task.
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("SLURM_LOCALID", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert (ddp.rank(), ddp.local_rank(), ddp.world_size(), ddp.is_main_process()) == expected

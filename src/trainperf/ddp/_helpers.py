@@ -45,49 +45,66 @@ def _initialised() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _env_int(name: str, default: int) -> int:
-    """``name`` from the environment, ``default`` when unset; a malformed value raises."""
+def _srun_task() -> bool:
+    """This process is one task of an ``srun`` step of several (``SLURM_PROCID`` set,
+    ``SLURM_NTASKS`` > 1): srun started one process per rank, as torchrun would."""
+    ntasks = launch_env.read_int("SLURM_NTASKS")
+    return ntasks is not None and ntasks > 1 and launch_env.read_int("SLURM_PROCID") is not None
+
+
+def _env_or_slurm(name: str, slurm: str, default: int) -> int:
+    """``name`` from the environment; else, in an srun task, ``slurm``; else ``default``."""
     value = launch_env.read_int(name)
+    if value is None and _srun_task():
+        value = launch_env.read_int(slurm)
     return default if value is None else value
 
 
 def rank() -> int:
-    """This process's global rank: from the process group, else ``RANK``, else 0.
+    """This process's global rank: from the process group, else ``RANK``, else (one task
+    of an ``srun`` step of several) ``SLURM_PROCID``, else 0.
 
     Raises:
-        ValueError: ``RANK`` is set but is not a whole number >= 0.
+        ValueError: ``RANK`` (or the SLURM variable read) is set but is not a whole number
+            >= 0.
 
     Example:
         >>> rank()
         0
     """
-    return dist.get_rank() if _initialised() else _env_int("RANK", 0)
+    return dist.get_rank() if _initialised() else _env_or_slurm("RANK", "SLURM_PROCID", 0)
 
 
 def local_rank() -> int:
-    """This process's rank on its node (its GPU index): ``LOCAL_RANK``, else 0.
+    """This process's rank on its node (its GPU index): ``LOCAL_RANK``, else (one task of
+    an ``srun`` step of several) ``SLURM_LOCALID``, else 0.
 
     Raises:
-        ValueError: ``LOCAL_RANK`` is set but is not a whole number >= 0.
+        ValueError: ``LOCAL_RANK`` (or ``SLURM_LOCALID``) is set but is not a whole number
+            >= 0.
 
     Example:
         >>> local_rank()
         0
     """
-    return _env_int("LOCAL_RANK", 0)
+    return _env_or_slurm("LOCAL_RANK", "SLURM_LOCALID", 0)
 
 
 def world_size() -> int:
-    """Number of ranks: from the process group, else ``WORLD_SIZE``, else 1.
+    """Number of ranks: from the process group, else ``WORLD_SIZE``, else (one task of an
+    ``srun`` step of several) ``SLURM_NTASKS``, else 1.
 
     Raises:
-        ValueError: ``WORLD_SIZE`` is set but is not a whole number >= 1.
+        ValueError: ``WORLD_SIZE`` (or ``SLURM_NTASKS``) is set but is not a whole number
+            >= 1.
 
     Example:
         >>> world_size()
         1
     """
-    return dist.get_world_size() if _initialised() else _env_int("WORLD_SIZE", 1)
+    if _initialised():
+        return dist.get_world_size()
+    return _env_or_slurm("WORLD_SIZE", "SLURM_NTASKS", 1)
 
 
 def _layout() -> tuple[int, int]:
