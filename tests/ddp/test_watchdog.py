@@ -10,6 +10,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -289,3 +290,18 @@ def test_a_nested_watchdog_leaves_the_outer_one_watching(one_rank_group: None) -
     with watchdog(30.0) as again:
         assert again.active
     assert not _watchdog._active and not _progress._installed
+
+
+def test_a_report_path_that_cannot_be_written_is_said_on_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trainperf.ddp._watchdog import Watchdog
+
+    blocker = tmp_path / "afile"
+    blocker.write_text("a file where a directory would be")
+    dog = Watchdog(3.0, blocker / "hang.json")
+    dog._publish({"message": "rank 1 is the cause.", "report": {"kind": "outside"}})
+    err = capsys.readouterr().err
+    assert "trainperf.ddp.watchdog: rank 1 is the cause." in err
+    assert f"could not write the report to {blocker / 'hang.json'}" in err
+    assert "pass a report_path in a writable directory" in err

@@ -403,9 +403,16 @@ class Watchdog:
             return
         text = json.dumps({**record["report"], "message": record["message"]}, indent=2)
         payload = text.encode()
-        with contextlib.suppress(OSError):
+        try:
             write_atomically(
                 self.report_path, lambda f: _write(f, payload), keep_write_protected=False
+            )
+        except OSError as e:  # the verdict above stands; say where the file did not go
+            print(
+                f"trainperf.ddp.watchdog: could not write the report to {self.report_path}: "
+                f"{e.strerror or e}; pass a report_path in a writable directory",
+                file=sys.stderr,
+                flush=True,
             )
 
 
