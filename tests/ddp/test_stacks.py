@@ -365,3 +365,16 @@ def test_a_thread_pool_is_threads_and_a_dataloader_s_workers_are_its_own() -> No
     join = _frames((popen_fork.__file__, 27, "poll"), (popen_fork.__file__, 43, "wait"),
                    (mp_process.__file__, 149, "join"), user)  # fmt: skip
     assert classify(join, in_collective=False) == "process-wait"
+
+
+def test_trainperf_ddp_imports_where_there_are_no_real_time_signals() -> None:
+    # macOS has no SIGRTMIN: `import trainperf.ddp` failed there with an AttributeError.
+    code = (
+        "import signal; del signal.SIGRTMIN; del signal.SIGRTMAX\n"
+        "import trainperf.ddp, trainperf.ddp._stacks as s\n"
+        "print(s.DUMP_SIGNAL == signal.SIGUSR2)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr

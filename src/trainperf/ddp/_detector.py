@@ -231,6 +231,8 @@ class HangDetector:
 
     def _dump(self, ranks: list[int]) -> dict[int, list[ThreadStack]]:
         """Ask each rank for its stacks; return what arrived within a few seconds."""
+        if DUMP_SIGNAL is None:
+            return {}
         before = {r: self._size(r) for r in ranks}
         for rank in ranks:
             with contextlib.suppress(ProcessLookupError, PermissionError):

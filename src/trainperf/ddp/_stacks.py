@@ -48,8 +48,11 @@ __all__ = [
 
 # The signal on which a rank's faulthandler dumps its stacks: a real-time signal, which no
 # program or batch system uses by default (SLURM's --signal and preemption handlers often
-# take SIGUSR1/SIGUSR2).
-DUMP_SIGNAL = signal.SIGRTMIN + 4
+# take SIGUSR1/SIGUSR2). macOS has no real-time signals: SIGUSR2 there; Windows has neither
+# (None: no stacks are asked for, and a rank's hang detection says it is off).
+DUMP_SIGNAL: int | None = (
+    signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else getattr(signal, "SIGUSR2", None)
+)
 
 # "starting" and "joining" are the launcher's own (a rank that has not reached main, and one
 # that waits for it to join the process group); classify never returns them.

@@ -296,6 +296,8 @@ def _track(spec: WorkerSpec, rank: int) -> Any:
     from trainperf.ddp import _progress, _progress_slots, _progress_tracker
     from trainperf.ddp._stacks import DUMP_SIGNAL
 
+    if DUMP_SIGNAL is None:
+        raise OSError("this platform has no signal to ask a rank for its stacks")
     tracker = _progress_tracker.Tracker(_progress_slots.attach(spec.hang.path), rank)
     _progress.install(tracker)
     _progress._launched.append(True)
