@@ -239,5 +239,6 @@ def test_workers_ignore_the_signal_a_preemption_waits_for(tmp_path: Path, preemp
             got += list(it)
             assert sum(len(b) for b in got) == 24 and not stop.requested  # the rank decides
         else:
-            with pytest.raises(RuntimeError, match=r"DataLoader worker .*(killed by signal|exited unexpectedly)"):
+            died = r"DataLoader worker .*(killed by signal|exited unexpectedly)"
+            with pytest.raises(RuntimeError, match=died):
                 got += list(it)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict, namedtuple
+import dataclasses
+from collections import OrderedDict, UserDict, namedtuple
 
 import pytest
 import torch
@@ -110,6 +111,75 @@ def test_prepare_batch_converts_only_4d_float_tensors_in_containers() -> None:
     assert isinstance(out["od"], OrderedDict) and out["od"]["v"].is_contiguous()
     assert out["name"] == "x"
     assert torch.equal(out["pair"].image, batch["pair"].image)
+
+
+def channels_last_mp() -> MixedPrecision:
+    mp = MixedPrecision("cpu", precision="fp32", channels_last=True)
+    mp.prepare(small_cnn())
+    return mp
+
+
+def is_cl(x: torch.Tensor) -> bool:
+    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
+def test_prepare_batch_takes_a_container_that_holds_itself() -> None:
+    # Before: RecursionError, where to_device documents "a container that holds itself is
+    # no error".
+    mp = channels_last_mp()
+    images = [torch.randn(2, 3, 4, 4)]
+    images.append(images)  # type: ignore[arg-type]
+    batch: dict[str, object] = {"images": images}
+    batch["self"] = batch
+    out = mp.prepare_batch(batch)
+    assert out["self"] is out and out["images"][1] is out["images"]  # type: ignore[index]
+    assert is_cl(out["images"][0])  # type: ignore[index]
+
+
+class TaggedList(list):  # type: ignore[type-arg]
+    pass
+
+
+@dataclasses.dataclass
+class Sample:
+    image: torch.Tensor
+    label: int
+
+
+def test_prepare_batch_keeps_types_and_parameters_as_to_device_does() -> None:
+    # Before: a list subclass came back a plain list without its attributes, a Parameter a
+    # non-leaf plain tensor, and a dataclass's image kept its layout.
+    mp = channels_last_mp()
+    image = torch.randn(2, 3, 4, 4)
+    tagged = TaggedList([image, torch.ones(2, 3)])
+    tagged.tag = "kept"  # type: ignore[attr-defined]
+    weight = nn.Parameter(torch.randn(4, 3, 2, 2))
+    batch = {"tagged": tagged, "weight": weight, "sample": Sample(image, 1), "again": image}
+    out = mp.prepare_batch(batch)
+    assert type(out["tagged"]) is TaggedList and out["tagged"].tag == "kept"
+    assert is_cl(out["tagged"][0]) and out["tagged"][1] is tagged[1]
+    moved = out["weight"]
+    assert isinstance(moved, nn.Parameter) and moved.is_leaf and moved.requires_grad
+    assert is_cl(moved) and torch.equal(moved, weight)
+    assert isinstance(out["sample"], Sample) and is_cl(out["sample"].image)
+    assert out["again"] is out["tagged"][0]  # one tensor in two places stays one
+    assert not is_cl(image) and type(batch["tagged"]) is TaggedList  # the input is unchanged
+
+
+class MovesItself(UserDict):  # type: ignore[type-arg]
+    """A mapping with its own .to, as Hugging Face's BatchFeature."""
+
+    def to(self, device: torch.device) -> MovesItself:
+        self.data = {k: v.to(device) for k, v in self.data.items()}
+        return self
+
+
+def test_prepare_batch_converts_the_images_of_a_mapping_that_moves_itself() -> None:
+    mp = channels_last_mp()
+    features = MovesItself(pixel_values=torch.randn(2, 3, 4, 4), ids=torch.tensor([1, 2]))
+    out = mp.prepare_batch(features)
+    assert isinstance(out, MovesItself) and is_cl(out["pixel_values"])
+    assert torch.equal(out["ids"], features["ids"])
 
 
 class TwoAndThreeD(nn.Module):

@@ -452,3 +452,23 @@ def test_to_device_moves_a_view_as_a_tensor_of_its_own() -> None:
     out = to_device({"base": base, "view": base[:2]}, "cpu", dtype=torch.float16)
     out["base"][0] = 100
     assert out["view"][0].item() == 0
+
+
+# --------------------------------------------------------------------------- channels_last
+
+
+def test_to_device_channels_last_moves_and_converts_4d_float_tensors_in_one_walk() -> None:
+    from trainperf.device._move import to_device_channels_last
+
+    image = torch.randn(2, 3, 4, 4)
+    weight = torch.nn.Parameter(torch.randn(4, 3, 2, 2))
+    batch = TaggedList([image, weight, torch.ones(2, 3, 4, 4, dtype=torch.int64), image])
+    out = to_device_channels_last(batch, "meta")
+    cl = torch.channels_last
+    assert type(out) is TaggedList and all(t.device == META for t in out)
+    assert out[0].is_contiguous(memory_format=cl) and out[3] is out[0]
+    assert isinstance(out[1], torch.nn.Parameter) and out[1].is_contiguous(memory_format=cl)
+    assert out[2].is_contiguous()  # integer tensors keep their layout
+    # to_device itself keeps every layout.
+    assert to_device(image.contiguous(memory_format=cl), "meta").is_contiguous(memory_format=cl)
+    assert to_device(image, "meta").is_contiguous()

@@ -51,6 +51,26 @@ def test_resolve_device_none_and_auto_mean_best_device(monkeypatch: pytest.Monke
     assert resolve_device(None, allowed=("cpu", "cuda")) == torch.device("cpu")
 
 
+@pytest.mark.parametrize("device", [None, "auto"])
+@pytest.mark.parametrize("best", ["cpu", "mps"])
+def test_resolve_device_auto_without_an_allowed_device_and_no_cpu_fallback_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, device: str | None, best: str
+) -> None:
+    # Before: the CPU, a type outside allowed=("cuda",), came back.
+    import trainperf.device
+
+    monkeypatch.setattr(trainperf.device, "best_device", lambda: torch.device(best))
+    message = (
+        rf"device={device!r} picks the best device available, but no 'cuda' device is "
+        rf"available here \(the best is '{best}'\); this has no CPU fallback: run it on a "
+        "host with an NVIDIA GPU"
+    )
+    with pytest.raises(DeviceError, match=message):
+        resolve_device(device, allowed=("cuda",))
+    with pytest.raises(DeviceError, match=r"no 'xpu' or 'hpu' device .* where 'xpu' or 'hpu'"):
+        resolve_device(device, allowed=("xpu", "hpu"))
+
+
 def test_resolve_device_without_auto_refuses_none_and_auto() -> None:
     with pytest.raises(TypeError, match=r"device must be a str, int or torch\.device, got None"):
         resolve_device(None, auto=False)

@@ -7,9 +7,7 @@ memory format: 5-D weights and inputs (``Conv3d``, video) keep their layout.
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Mapping, MutableMapping
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
 import torch
 from torch import nn
@@ -22,10 +20,8 @@ __all__ = [
     "feature_map_convs",
     "is_patch_embedding",
     "model_to_channels_last",
-    "to_channels_last",
 ]
 
-T = TypeVar("T")
 M = TypeVar("M", bound=nn.Module)
 
 
@@ -134,27 +130,3 @@ def model_to_channels_last(model: M) -> M:
     # Module.to's own machinery (parameters, their gradients, buffers), with this conversion.
     model._apply(convert)  # type: ignore[no-untyped-call]
     return model
-
-
-def to_channels_last(obj: T) -> T:
-    """4-D floating tensors inside dicts, lists, tuples and namedtuples -> channels_last."""
-    out: Any
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() == 4 and obj.is_floating_point():
-            out = obj.contiguous(memory_format=torch.channels_last)
-            return out  # type: ignore[no-any-return]
-        return obj
-    if isinstance(obj, tuple):
-        items = [to_channels_last(v) for v in obj]
-        out = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-        return out  # type: ignore[no-any-return]
-    if isinstance(obj, list):
-        return [to_channels_last(v) for v in obj]  # type: ignore[return-value]
-    if isinstance(obj, MutableMapping):
-        new = copy.copy(obj)  # keeps the subclass and its state (defaultdict's factory)
-        for key, value in obj.items():
-            new[key] = to_channels_last(value)
-        return new
-    if isinstance(obj, Mapping):
-        return {k: to_channels_last(v) for k, v in obj.items()}  # type: ignore[return-value]
-    return obj

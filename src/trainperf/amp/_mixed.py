@@ -17,11 +17,7 @@ from torch import nn
 
 from trainperf._utils.validate import choice, flag
 from trainperf.amp import _precision
-from trainperf.amp._channels_last import (
-    channels_last_decision,
-    model_to_channels_last,
-    to_channels_last,
-)
+from trainperf.amp._channels_last import channels_last_decision, model_to_channels_last
 from trainperf.amp._precision import choose_precision
 from trainperf.amp._step import (
     check_no_fp16_grads,
@@ -29,10 +25,12 @@ from trainperf.amp._step import (
     forget,
     has_grads,
     parameters,
+    pickled_state,
     scaled_step,
 )
 from trainperf.amp._tf32 import enable_tf32
 from trainperf.device import resolve_device, to_device
+from trainperf.device._move import to_device_channels_last
 
 __all__ = ["MixedPrecision", "Precision", "choose_precision"]
 
@@ -241,8 +239,8 @@ class MixedPrecision:
     def prepare_batch(self, batch: T) -> T:
         """Move ``batch`` to the device; 4-D float tensors go channels_last if a model did.
 
-        Containers are walked as :func:`trainperf.to_device` does; the memory-format
-        conversion reaches tensors inside dicts, lists, tuples and namedtuples.
+        One walk, as :func:`trainperf.to_device`'s (containers and Parameters keep their
+        types); each 4-D image changes device and layout in one copy.
 
         Args:
             batch: a tensor or a nesting of containers holding tensors.
@@ -257,8 +255,9 @@ class MixedPrecision:
             >>> x.is_contiguous(memory_format=torch.channels_last), y.tolist()
             (True, [0, 1])
         """
-        moved = to_device(batch, self.device, non_blocking=True)
-        return to_channels_last(moved) if self.uses_channels_last else moved
+        if self.uses_channels_last:
+            return to_device_channels_last(batch, self.device)
+        return to_device(batch, self.device, non_blocking=True)
 
     # ----------------------------------------------------------------- the training step
 
@@ -329,7 +328,7 @@ class MixedPrecision:
     def step(
         self,
         *optimizers: torch.optim.Optimizer,
-        max_grad_norm: float | None = None,
+        max_grad_norm: float | torch.Tensor | None = None,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> bool:
         """Clip (after unscaling), then step; for fp16, skip the step on inf/NaN gradients.
@@ -351,7 +350,8 @@ class MixedPrecision:
             *optimizers: the optimizers whose parameters got gradients from :meth:`backward`
                 (one or more).
             max_grad_norm: clip each optimizer's total gradient norm (over its parameters)
-                to this value; None does not clip. Keyword only.
+                to this finite value > 0 (a NumPy scalar, a 0-dim tensor too); None does not
+                clip. Keyword only.
             optimizer: one optimizer by keyword, as ``mp.step(optimizer=opt)`` (the
                 signature before several could be passed).
 
@@ -396,7 +396,7 @@ class MixedPrecision:
         if scaler is None:
             for opt in optimizers:
                 if max_grad_norm is not None:
-                    nn.utils.clip_grad_norm_(parameters(opt), max_grad_norm)
+                    nn.utils.clip_grad_norm_(parameters(opt), max_grad_norm)  # type: ignore[arg-type]
                 opt.step()
             return True
         # An optimizer none of whose parameters got a gradient (a frozen backbone) has
@@ -463,12 +463,9 @@ class MixedPrecision:
     # ----------------------------------------------------------------- checkpoints
 
     def __getstate__(self) -> dict[str, Any]:
-        """What pickling (``torch.save(mp)``, ``copy.deepcopy``, a spawned process's
-        argument) keeps: everything but the models :meth:`prepare` saw, which are held
-        weakly (a weak reference cannot be pickled; a strong one would pickle the model)."""
-        state = self.__dict__.copy()
-        del state["_models"]
-        return state
+        """What pickling keeps: all but the models :meth:`prepare` saw (held weakly) and a
+        backward waiting for its step (see :func:`~trainperf.amp._step.pickled_state`)."""
+        return pickled_state(self.__dict__)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """The copy knows no prepared model (its ``zero_grad()`` needs an optimizer) and is

@@ -5,25 +5,30 @@ the loss scaler (:func:`scaled_step`), which steps each optimizer and updates th
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = [
+    "check_max_grad_norm",
     "check_no_fp16_grads",
     "check_not_zeroed",
     "check_step",
     "forget",
     "has_grads",
     "parameters",
+    "pickled_state",
     "scaled_step",
 ]
 
 
 def check_step(
     optimizers: tuple[torch.optim.Optimizer, ...],
-    max_grad_norm: float | None,
+    max_grad_norm: object,
     *,
     pending: bool,
     stepped: bool,
@@ -78,12 +83,41 @@ def check_step(
             "fp16 loss scaling and skipped steps work"
         )
     check_not_zeroed(optimizers, zeroed)
-    if max_grad_norm is not None and not (
-        isinstance(max_grad_norm, (int, float))
-        and not isinstance(max_grad_norm, bool)
-        and max_grad_norm > 0
-    ):
-        raise ValueError(f"max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
+    check_max_grad_norm(max_grad_norm)
+
+
+def check_max_grad_norm(value: object) -> None:
+    """Refuse a clip value that is not a finite number > 0 (None: no clipping).
+
+    What ``torch.nn.utils.clip_grad_norm_`` takes is accepted: an int or float, a NumPy
+    scalar (``np.float32(1.0)``), or a 0-dim real tensor. A bool is refused (``True`` is no
+    clip value). A tensor on an accelerator is checked for its shape and dtype only:
+    reading its value would synchronise with the device at every step.
+
+    Example:
+        >>> check_max_grad_norm(torch.tensor(0.5))
+        >>> try:
+        ...     check_max_grad_norm(float("inf"))
+        ... except ValueError as e:
+        ...     print(str(e).split(" (")[0])
+        max_grad_norm must be a number > 0
+    """
+    if value is None:
+        return
+    number = math.nan  # refused unless a number is found below
+    if isinstance(value, torch.Tensor):
+        real = value.dtype != torch.bool and not value.is_complex()
+        if real and value.dim() == 0:
+            if value.device.type != "cpu":
+                return
+            number = float(value.item())
+    elif not isinstance(value, bool) and isinstance(value, numbers.Real):
+        number = float(value)
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(
+            "max_grad_norm must be a number > 0 (a finite int, float, NumPy scalar or 0-dim "
+            f"tensor), or None not to clip, got {value!r}"
+        )
 
 
 def check_not_zeroed(optimizers: tuple[torch.optim.Optimizer, ...], zeroed: set[int]) -> None:
@@ -101,7 +135,7 @@ def check_not_zeroed(optimizers: tuple[torch.optim.Optimizer, ...], zeroed: set[
 def scaled_step(
     scaler: torch.amp.GradScaler,
     optimizers: tuple[torch.optim.Optimizer, ...],
-    max_grad_norm: float | None,
+    max_grad_norm: float | torch.Tensor | None,
 ) -> bool:
     """Unscale, clip and step each optimizer through ``scaler``, then update it once. If
     one raises, the scaler's record of this step is dropped, so that the next step works."""
@@ -111,7 +145,7 @@ def scaled_step(
         for optimizer in optimizers:
             if max_grad_norm is not None:
                 scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-                nn.utils.clip_grad_norm_(parameters(optimizer), max_grad_norm)
+                nn.utils.clip_grad_norm_(parameters(optimizer), max_grad_norm)  # type: ignore[arg-type]
             scaler.step(optimizer)
     except BaseException:
         # Stepped optimizers stay stepped (the loss scale is not updated for this step);
@@ -165,3 +199,20 @@ def has_grads(optimizer: torch.optim.Optimizer) -> bool:
 def parameters(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
     """Every parameter ``optimizer`` steps, group by group."""
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def pickled_state(state: dict[str, Any]) -> dict[str, Any]:
+    """What pickling a :class:`~trainperf.MixedPrecision` keeps (``torch.save(mp)``,
+    ``copy.deepcopy``, a spawned process's argument), from its ``__dict__``.
+
+    Everything but the models ``prepare`` saw, which are held weakly (a weak reference
+    cannot be pickled; a strong one would pickle the model), and but a backward waiting for
+    its step: a copy made between ``mp.backward(loss)`` and ``mp.step`` has no backward of
+    its own (those gradients are in the original's models, and the loss scale they were
+    scaled by is not pickled, as ``GradScaler`` pickles none), so its ``step`` without a
+    backward is refused, as a new instance's would be.
+    """
+    kept = dict(state)
+    del kept["_models"]
+    kept.update(_backward_pending=False, _stepped=False, _zeroed=set())
+    return kept

@@ -110,12 +110,18 @@ def rebuild(
     return obj
 
 
-def move_tensor(x: torch.Tensor, device: torch.device, dtype: Any, nb: bool) -> Any:
+def move_tensor(
+    x: torch.Tensor,
+    device: torch.device,
+    dtype: Any,
+    nb: bool,
+    memory_format: torch.memory_format = torch.preserve_format,
+) -> Any:
     """A tensor subclass; a Parameter stays one, a leaf (as ``Module.to`` leaves it)."""
     if not isinstance(x, torch.nn.Parameter):
-        return x.to(device, dtype, non_blocking=nb)
+        return x.to(device, dtype, non_blocking=nb, memory_format=memory_format)
     with torch.no_grad():
-        moved = x.to(device, dtype, non_blocking=nb)
+        moved = x.to(device, dtype, non_blocking=nb, memory_format=memory_format)
     if type(moved) is not torch.Tensor:  # x itself, or what a subclass's own .to made
         return moved
     return torch.nn.Parameter(moved, requires_grad=x.requires_grad)

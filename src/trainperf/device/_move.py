@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import torch
 
 from trainperf.device._containers import (
     ATOMS,
+    HAS_TO,
+    KEEP_ALIVE,
     KINDS,
     LEAF,
+    MAPPING,
     PENDING,
     TENSOR,
     Memo,
@@ -72,7 +75,11 @@ _HOST = torch.device("cpu")
 
 @functools.lru_cache(maxsize=64)
 def _mover(
-    dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip: frozenset[Any]
+    dev: torch.device,
+    non_blocking: bool,
+    dtype: torch.dtype | None,
+    skip: frozenset[Any],
+    channels_last: bool = False,
 ) -> Callable[[Any, Memo], Any]:
     nb = non_blocking and copies_async(_HOST, True, dev)  # here, so once per device
     # ``nb`` is True only where a pinned host tensor would copy asynchronously to ``dev``
@@ -80,6 +87,7 @@ def _mover(
     # can be, so ``nb and x.is_pinned()`` is copies_async(x.device, x.is_pinned(), dev).
     # dtype None: keep every dtype; else source dtype -> new dtype, None for ints and bools.
     cast = _keep_dtype if dtype is None else dict.fromkeys(_FLOAT_DTYPES, dtype).get
+    layout = _channels_last_format if channels_last else _keep_format
     walk: list[Callable[[Any, Memo], Any]] = []
 
     def other(x: Any, cls: type, memo: Memo) -> Any:
@@ -95,19 +103,41 @@ def _mover(
                 done = memo[key] = copy.copy(x)
             return done
         if kind == TENSOR:
-            result = move_tensor(x, dev, cast(x.dtype), nb and x.is_pinned())
+            result = move_tensor(x, dev, cast(x.dtype), nb and x.is_pinned(), layout(x))
         else:
             result = rebuild(x, kind, walk[0], memo, dev, skip)
+            if kind == HAS_TO and channels_last and isinstance(result, Mapping):
+                # A mapping that moved itself (Hugging Face's BatchFeature) still holds its
+                # images in their old layout: walk the moved copy as a mapping.
+                memo.setdefault(KEEP_ALIVE, []).append(result)
+                result = rebuild(result, MAPPING, walk[0], memo, dev, skip)
         # A tuple is built after its contents: a cycle through it may have built it first.
         return memo.setdefault(key, result)
 
     build = _walker if dtype is None else _casting_walker
-    walk.append(build(dev, nb, cast, not skip, other))
+    # With channels_last every tensor takes ``other``'s path, which sets its layout.
+    inline = _NoTensor if channels_last else torch.Tensor
+    walk.append(build(dev, nb, cast, not skip, other, inline))
     return walk[0]
 
 
 def _keep_dtype(_: torch.dtype) -> None:
     return None
+
+
+def _keep_format(_: torch.Tensor) -> torch.memory_format:
+    return torch.preserve_format
+
+
+def _channels_last_format(x: torch.Tensor) -> torch.memory_format:
+    """channels_last for 4-D dense floating tensors (images); the others keep their layout."""
+    if x.dim() == 4 and x.is_floating_point() and x.layout == torch.strided:
+        return torch.channels_last
+    return torch.preserve_format
+
+
+class _NoTensor(torch.Tensor):
+    """A tensor type never made: a walker given it moves no tensor inline."""
 
 
 def _walker(
@@ -116,6 +146,7 @@ def _walker(
     cast: Callable[[torch.dtype], torch.dtype | None],
     plain_dicts: bool,
     other: Callable[[Any, type, Memo], Any],
+    tensor: type[torch.Tensor],
 ) -> Callable[[Any, Memo], Any]:
     # Exact-type tests come first, so plain batches (dicts of lists of tensors) never reach
     # the kind table, and tensors inside containers move inline, without a Python call each:
@@ -126,7 +157,7 @@ def _walker(
     # itself wherever it appears, so it is shared already, at no cost. A tensor met again is
     # moved again and that copy dropped for the first: a look-up before each move would
     # cost every tensor of every batch for the rare one that appears twice.
-    tensor = torch.Tensor
+    # ``tensor`` is torch.Tensor, or a type nothing has (every tensor then goes to ``other``).
 
     def move(x: Any, memo: Memo) -> Any:
         cls = type(x)
@@ -195,8 +226,8 @@ def _casting_walker(
     cast: Callable[[torch.dtype], torch.dtype | None],
     plain_dicts: bool,
     other: Callable[[Any, type, Memo], Any],
+    tensor: type[torch.Tensor],
 ) -> Callable[[Any, Memo], Any]:
-    tensor = torch.Tensor
 
     def move(x: Any, memo: Memo) -> Any:
         cls = type(x)
@@ -352,5 +383,27 @@ def to_device(
             f"torch.bfloat16, got {dtype!r}"
         )
     move = _mover(dev, bool(non_blocking), dtype, _skip_set(skip_keys))
+    result: T = move(obj, {})
+    return result
+
+
+def to_device_channels_last(obj: T, device: str | int | torch.device) -> T:
+    """:func:`to_device`, with every 4-D floating-point tensor also made channels_last.
+
+    What :meth:`trainperf.MixedPrecision.prepare_batch` does for a channels_last model: the
+    same walk as :func:`to_device` (containers keep their types, a Parameter stays one, what
+    the batch shares stays shared, a container may hold itself), and each image changes
+    device and layout in one copy. Other tensors (integer ones, other shapes) keep their
+    layout. A mapping with its own ``.to`` (Hugging Face's ``BatchFeature``) moves itself,
+    then its images are converted in a copy of it.
+
+    Example:
+        >>> batch = [torch.ones(2, 3, 4, 4), torch.ones(2, 3)]
+        >>> images, rows = to_device_channels_last(batch, "cpu")
+        >>> images.is_contiguous(memory_format=torch.channels_last), rows is batch[1]
+        (True, True)
+    """
+    dev = resolve_device(device, allowed=None, auto=False)
+    move = _mover(dev, True, None, frozenset(), True)
     result: T = move(obj, {})
     return result

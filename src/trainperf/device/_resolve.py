@@ -49,7 +49,8 @@ def resolve_device(
             :class:`torch.device`.
         allowed: the device types the caller accepts; None accepts every type
             :class:`torch.device` knows. When ``"auto"`` picks a type outside it (MPS for
-            a CPU-or-CUDA caller), the CPU is used instead.
+            a CPU-or-CUDA caller), the CPU is used instead if it is allowed; if not, that
+            is a :class:`DeviceError` (``allowed=("cuda",)`` on a host without CUDA).
         auto: whether None and ``"auto"`` mean the best device; if False, None is a
             :class:`TypeError` and ``"auto"`` a :class:`ValueError`.
 
@@ -62,8 +63,9 @@ def resolve_device(
             in ``allowed``; the message lists the choices.
         DeviceError: the device's backend is not available here: CUDA (no GPU or driver),
             MPS, or another type (``"xpu"``, ``"hpu"``, ``"xla"``...: no such device, or a
-            PyTorch build or plugin without it); or an index beyond the visible devices
-            (``torch.cuda.device_count()`` for CUDA).
+            PyTorch build or plugin without it); an index beyond the visible devices
+            (``torch.cuda.device_count()`` for CUDA); or, for None and ``"auto"``, no
+            device of an ``allowed`` type when the CPU is not one of them.
 
     Example:
         >>> resolve_device("cpu")
@@ -80,6 +82,8 @@ def resolve_device(
 
         best = package.best_device()
         if allowed is not None and best.type not in allowed:
+            if "cpu" not in allowed:
+                raise _no_allowed_device(device, best, allowed)
             return torch.device("cpu")
         return best
     if isinstance(device, torch.device):
@@ -115,6 +119,18 @@ def resolve_device(
     elif kind not in ("cpu", "meta"):
         _check_backend(dev, allowed, auto)
     return dev
+
+
+def _no_allowed_device(
+    device: str | None, best: torch.device, allowed: Collection[str]
+) -> DeviceError:
+    """``"auto"`` found no device the caller takes, and the CPU is not one of them."""
+    kinds = " or ".join(repr(kind) for kind in allowed) or "allowed"
+    where = "on a host with an NVIDIA GPU" if "cuda" in allowed else f"where {kinds} is available"
+    return DeviceError(
+        f"device={device!r} picks the best device available, but no {kinds} device is "
+        f"available here (the best is {str(best)!r}); " + _instead(allowed, True, where)
+    )
 
 
 def _check_cuda(dev: torch.device, allowed: Collection[str] | None, auto: bool) -> None:
