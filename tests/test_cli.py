@@ -180,11 +180,49 @@ def test_gpus_lists_what_nvml_sees(capsys: pytest.CaptureFixture[str]) -> None:
         ["bench", "matmul", "--dtype", "int8"],
     ],
 )
-def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+def test_usage_errors_exit_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
-    assert "usage: trainperf" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert re.fullmatch(r"trainperf: error: .+; see trainperf( \w+)* --help\n", err), err
+
+
+@pytest.mark.parametrize(
+    ("argv", "command", "message"),
+    [
+        (["bench", "matmul", "--size", "0"], "bench matmul",
+         "argument --size: expected an integer >= 1, got '0'; see trainperf bench matmul --help"),
+        (["bench", "matmul", "--size", "abc"], "bench matmul",
+         "argument --size: expected an integer >= 1, got 'abc'; see trainperf bench matmul --help"),
+        (["bench", "nope"], "bench", "argument BENCHMARK: invalid choice: 'nope'"),
+        (["nope"], None, "argument COMMAND: invalid choice: 'nope'"),
+        (["doctor", "--verbose"], None, "unrecognized arguments: --verbose"),
+    ],
+)  # fmt: skip
+def test_a_usage_error_with_json_prints_the_error_document(
+    capsys: pytest.CaptureFixture[str], argv: list[str], command: str | None, message: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--json"])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    document = json.loads(out)
+    assert document["command"] == command and document["error"]["type"] == "UsageError"
+    assert document["error"]["message"].startswith(message)
+    assert err == f"trainperf: error: {document['error']['message']}\n"
+
+
+def test_a_usage_error_with_stderr_closed_writes_nothing_to_stdout(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "stderr", None)  # what Python sets when started with `2>&-`
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "matmul", "--size", "0"])
+    assert exc.value.code == 2 and capsys.readouterr().out == ""
 
 
 def test_build_parser_defaults() -> None:
@@ -472,7 +510,28 @@ def test_doctor_json_to_a_full_disk_says_so_without_a_traceback(
         code = main(["doctor", "--json"])
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err
-    assert err == "trainperf: error: [Errno 28] No space left on device\n"
+    assert err == (
+        "trainperf: error: could not write the output to stdout: No space left on device; "
+        "free space there, or redirect stdout elsewhere\n"
+    )
+    assert isinstance(sys.stdout, _FullDisk)  # main's own stdout wrapper is gone again
+
+
+def test_doctor_prints_what_stdouts_encoding_lacks_escaped(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.doctor
+    from trainperf.doctor import Check, DoctorReport
+
+    report = DoctorReport((Check("threads", "warn", "OMP_NUM_THREADS=4\u00e9"),))
+    monkeypatch.setattr(trainperf.doctor, "diagnose", lambda: report)
+    ascii_out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")  # PYTHONIOENCODING=ascii
+    monkeypatch.setattr(sys, "stdout", ascii_out)
+    code = main(["doctor"])
+    ascii_out.flush()
+    out = ascii_out.buffer.getvalue().decode("ascii")  # type: ignore[attr-defined]
+    assert code == 0 and capsys.readouterr().err == ""
+    assert "OMP_NUM_THREADS=4\\xe9" in out and out.splitlines()[0].split()[0] == "check"
 
 
 def test_a_closed_stdout_is_an_error_before_any_work(

@@ -11,15 +11,17 @@ can be piped as it is.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import io
 import json
 import os
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
-from typing import Any, TextIO, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn, TextIO, cast
 
 from trainperf._utils.validate import positive_int
 
@@ -102,6 +104,24 @@ def _add_h2d_parser(benches: Any) -> None:
     _add_json(h2d)
 
 
+class _UsageError(Exception):
+    """A command line that does not parse: ``prog`` is the (sub)command that refused it."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+        self.message = message
+
+
+class _Parser(argparse.ArgumentParser):
+    """The parser :func:`main` uses: a usage error is raised as :class:`_UsageError`, for
+    main to report in one line (and as JSON with ``--json``), where argparse would print the
+    usage text, to stdout when stderr is closed, and exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(self.prog, message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``trainperf`` argument parser.
 
@@ -110,7 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
         >>> args.command, args.bench, args.size, args.json
         ('bench', 'matmul', 64, True)
     """
-    parser = argparse.ArgumentParser(
+    return _build_parser(argparse.ArgumentParser)
+
+
+def _build_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    # Subparsers are made of the same class (argparse's default parser_class).
+    parser = parser_class(
         prog="trainperf",
         description="Say why PyTorch training is slow: benchmark the GPU, check the "
         "environment, list GPUs.",
@@ -156,6 +181,50 @@ def _emit_json(document: dict[str, Any], out: TextIO) -> None:
 def _emit_results(command: str, results: Sequence[Any], out: TextIO) -> None:
     """The ``--json`` document of a benchmark: its name and each result's ``to_dict()``."""
     _emit_json({"command": command, "results": [r.to_dict() for r in results]}, out)
+
+
+class _OutputError(Exception):
+    """Writing the output to stdout failed (a full disk): ``error`` is the OSError."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+class _Output:
+    """``sys.stdout`` while a command runs: a failed write raises :class:`_OutputError`, so
+    the error can say that writing the output failed (BrokenPipeError stays itself: a reader
+    that went away is no error), and text the stream cannot encode (``PYTHONIOENCODING=ascii``
+    and a value such as ``OMP_NUM_THREADS='4\u00e9'`` in the doctor table) is written with
+    ``\\xNN`` escapes instead of losing the whole report."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    @contextlib.contextmanager
+    def _blamed(self) -> Iterator[None]:
+        try:
+            yield
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise _OutputError(e) from e
+
+    def write(self, text: str) -> int:
+        with self._blamed():
+            try:
+                return self._stream.write(text)
+            except UnicodeEncodeError:
+                encoding = getattr(self._stream, "encoding", None) or "utf-8"
+                self._stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
+                return len(text)
+
+    def flush(self) -> None:
+        with self._blamed():
+            self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # fileno, encoding, isatty, ...
+        return getattr(self._stream, name)
 
 
 class _Discard(io.StringIO):
@@ -321,8 +390,10 @@ def _run_bench_h2d(args: argparse.Namespace) -> int:
     from trainperf.errors import DeviceError
 
     # A device named on the command line must exist (cuda:3 on a 1-GPU host is an error, as
-    # for matmul); with none named, a host without CUDA is a skipped record.
-    _check_device(args.device, allowed=("cuda",))
+    # for matmul); with none named, a host without CUDA is a skipped record (bench_h2d's
+    # "needs CUDA"), so None is not checked here.
+    if args.device is not None:
+        _check_device(args.device, allowed=("cuda",))
     size = args.size_mb * _MiB
     _progress(f"trainperf bench h2d: {args.size_mb} MiB copies, pageable then pinned...")
     try:
@@ -402,19 +473,56 @@ def _discard_stdout() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def _fail(args: argparse.Namespace, message: str, error: BaseException) -> int:
+def _report(message: str, command: str | None, error_type: str, as_json: bool) -> None:
     """Report an error as ``trainperf: error: ...`` on stderr and, with ``--json``, as a
-    JSON document on stdout too, so a pipeline reading it parses something; exit status 1.
-    Where stdout itself failed (a full disk), what is left for it is dropped."""
+    JSON document on stdout too, so a pipeline reading it parses something. Where stdout
+    itself failed (a full disk), what is left for it is dropped."""
     print(f"trainperf: error: {message}", file=_stderr())
+    if sys.stdout is None:  # closed (`>&-`): the line on stderr is all there is
+        return
     try:
-        if getattr(args, "json", False):
-            error_info = {"type": type(error).__name__, "message": message}
-            _emit_json({"command": _command_name(args), "error": error_info}, sys.stdout)
+        if as_json:
+            error_info = {"type": error_type, "message": message}
+            _emit_json({"command": command, "error": error_info}, sys.stdout)
         sys.stdout.flush()
-    except OSError:
+    except (OSError, _OutputError):
         _discard_stdout()
+
+
+def _fail(args: argparse.Namespace, message: str, error: BaseException) -> int:
+    """:func:`_report` the error of a command that parsed; exit status 1."""
+    _report(message, _command_name(args), type(error).__name__, getattr(args, "json", False))
     return 1
+
+
+_USAGE = 2  # argparse's exit status for a command line that does not parse
+
+
+def _asks_json(argv: Sequence[str]) -> bool:
+    """Whether ``argv``, which did not parse, asks for ``--json`` (or an abbreviation of it,
+    as argparse takes them) before any ``--``."""
+    for arg in argv:
+        if arg == "--":
+            return False
+        if len(arg) > 2 and "--json".startswith(arg):
+            return True
+    return False
+
+
+def _usage_error(argv: Sequence[str], error: _UsageError) -> int:
+    """:func:`_report` a command line that does not parse, pointing at the ``--help`` of the
+    (sub)command that refused it; the JSON document's ``command`` is that (sub)command
+    (``"bench matmul"``), or None where the command itself is missing or unknown."""
+    message = f"{error.message}; see {error.prog} --help"
+    command = error.prog.removeprefix("trainperf").strip() or None
+    _report(message, command, "UsageError", _asks_json(argv))
+    return _USAGE
+
+
+def _write_failed(error: OSError) -> str:
+    reason = error.strerror or str(error)
+    fix = "free space there, or redirect" if error.errno == errno.ENOSPC else "redirect"
+    return f"could not write the output to stdout: {reason}; {fix} stdout elsewhere"
 
 
 def _unexpected(error: Exception) -> str:
@@ -432,7 +540,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns 0 on success, 1 when a command fails (or ``doctor`` finds a failing check), 130
     when Ctrl-C stops it, and exits with 2 on a usage error (argparse's convention). An error
     is one line on stderr, ``trainperf: error: ...``, never a traceback; with ``--json``
-    stdout also gets ``{"command": ..., "error": {"type": ..., "message": ...}}``.
+    stdout also gets ``{"command": ..., "error": {"type": ..., "message": ...}}`` (a usage
+    error's type is ``"UsageError"``; its command is None where the command itself is
+    missing or unknown). Output that stdout's encoding cannot hold is written escaped.
 
     Example:
         >>> main(["bench", "matmul", "--size", "32", "--dtype", "fp32", "--device", "cpu",
@@ -440,7 +550,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         {...}
         0
     """
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = _build_parser(_Parser).parse_args(argv)
+    except _UsageError as e:
+        raise SystemExit(_usage_error(argv, e)) from None
     if sys.stdout is None:  # started with stdout closed (`>&-`)
         print(
             "trainperf: error: stdout is closed, so the output has nowhere to go: redirect "
@@ -449,11 +563,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     handler = _HANDLERS[args.bench if args.command == "bench" else args.command]
+    stdout = sys.stdout
+    sys.stdout = cast("TextIO", _Output(stdout))
+    try:
+        return _run(handler, args)
+    finally:
+        sys.stdout = stdout
+
+
+def _run(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a command's ``handler``, its errors reported as :func:`main` says."""
     from trainperf.errors import TrainperfError
 
     try:
         status = handler(args)
         sys.stdout.flush()  # a full disk shows here, not at exit as an ignored exception
+    except _OutputError as e:
+        return _fail(args, _write_failed(e.error), e.error)
     except BrokenPipeError:
         # The reader (`| head`) went away: stop quietly, as Unix tools do.
         _discard_stdout()

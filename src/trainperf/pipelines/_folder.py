@@ -39,6 +39,7 @@ def _walk_class(
     Directory links are followed, but a directory already read (``seen``: identity -> the path
     it was first read through) is not read again; ``(path, first path)`` goes to ``repeats``.
     Subfolders are walked in sorted order, so which path reaches a directory first is fixed.
+    Files come in ImageFolder's order: folders sorted by path, files by name within each.
     A directory that cannot be listed (no read permission) goes to ``unlisted``: os.walk
     would pass over it, and its images would vanish without a word.
     """
@@ -46,7 +47,7 @@ def _walk_class(
     def refused(e: OSError) -> None:
         unlisted.append((e.filename or top, f"cannot be listed ({e.strerror or e})"))
 
-    found: list[str] = []
+    per_dir: list[tuple[str, list[str]]] = []
     for dirpath, dirnames, filenames in os.walk(top, onerror=refused, followlinks=True):
         kept = []
         for name in sorted(dirnames):
@@ -59,10 +60,12 @@ def _walk_class(
                 seen[key] = sub
             kept.append(name)
         dirnames[:] = kept  # os.walk descends only into what is left here
-        found.extend(
-            os.path.join(dirpath, f) for f in filenames if f.lower().endswith(IMAGE_EXTENSIONS)
-        )
-    return sorted(found)
+        images = sorted(f for f in filenames if f.lower().endswith(IMAGE_EXTENSIONS))
+        per_dir.append((dirpath, images))
+    # ImageFolder's order (torchvision's make_dataset: sorted(os.walk(...)), then sorted
+    # file names): folders by their path, each folder's files by name. Sorting whole file
+    # paths instead would put a/sub/x.jpg before a/sub0.jpg ('/' < '0'), not after a/z.jpg.
+    return [os.path.join(d, f) for d, images in sorted(per_dir) for f in images]
 
 
 def _scan_classes(
@@ -104,7 +107,9 @@ def find_images(
     """List ``root/<class>/**/<image>`` like torchvision's ImageFolder.
 
     Classes are the sorted subfolder names; files are those with an image suffix
-    (case-insensitive), sorted, searched recursively. Other files are ignored.
+    (case-insensitive), searched recursively, in ImageFolder's order: by class, then by
+    folder path, then by file name within each folder (``a/z.jpg`` before ``a/sub/b.jpg``).
+    Other files are ignored.
 
     Directory links are followed, but every real directory is read once: a link to a
     directory already read (``loop -> .``, ``up -> ..``, a second link to the same place, a
@@ -169,8 +174,13 @@ def find_images(
 
     # stacklevel=4: find_images <- load_source <- image_loader <- the caller's line.
     if repeats:
+        # shown(): a name that is not UTF-8 would reach the warning as lone surrogates, which
+        # logging handlers (logging.captureWarnings) refuse to write, dropping the warning.
+        from trainperf.pipelines._source import shown  # not at the top: _source imports this
+
         rel = [
-            f"{os.path.relpath(p, path)} (= {os.path.relpath(first, path)})" for p, first in repeats
+            f"{shown(os.path.relpath(p, path))} (= {shown(os.path.relpath(first, path))})"
+            for p, first in repeats
         ]
         warnings.warn(
             f"image folder {str(root)!r}: skipped {len(repeats)} directory link(s) to folders "

@@ -1,0 +1,68 @@
+"""trainperf.pipelines._folder: the order of an image folder's files, and the link warning."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.pipelines._images import CPU_BACKENDS, _loader
+from trainperf.pipelines._folder import find_images
+
+PIL = pytest.importorskip("PIL.Image")
+torchvision = pytest.importorskip("torchvision")
+
+# One class with files beside its subfolders, which whole-path sorting puts out of
+# ImageFolder's order ('/' sorts before digits and letters): upper-case suffixes, digits,
+# underscores, and subfolder names that are prefixes of each other and of file names.
+_NAMES = [
+    "a/x1.JPG", "a/sub0.jpg", "a/sub/deep.PNG", "a/sub/inner/w.jpg", "a/sub_1/y.jpeg",
+    "a/sub-x/z.png", "a/Sub/big.jpg", "a/10.jpg", "a/9.jpg", "a/a_2.png", "a/A.PNG",
+    "a/sub.jpg", "b_2/1.jpg", "b_2/n/0.png", "b10/only.bmp",
+]  # fmt: skip
+
+
+def _mixed_folder(root: Path) -> Path:
+    for name in _NAMES:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        image = PIL.new("RGB", (8, 8), (10, 20, 30))
+        image.save(root / name, format="PNG" if name.lower().endswith(".png") else None)
+    return root
+
+
+def _imagefolder_samples(root: Path) -> list[tuple[str, int]]:
+    samples: list[tuple[str, int]] = torchvision.datasets.ImageFolder(str(root)).samples
+    return samples
+
+
+def test_files_come_in_imagefolders_exact_order(tmp_path: Path) -> None:
+    root = _mixed_folder(tmp_path / "data")
+    items, classes, unlisted = find_images(root)
+    assert classes == ("a", "b10", "b_2") and unlisted == []
+    assert items == _imagefolder_samples(root)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_both_backends_read_the_files_in_imagefolders_order(tmp_path: Path, backend: str) -> None:
+    root = _mixed_folder(tmp_path / "data")
+    loader = _loader(root, backend, train=False, size=8, batch_size=1, last_batch="keep")
+    expected = _imagefolder_samples(root)
+    assert list(zip(loader.files, loader.source.labels, strict=True)) == expected
+    labels = [int(label) for _, batch_labels in loader for label in batch_labels]
+    assert labels == [label for _, label in expected]
+
+
+def test_a_link_warning_shows_a_name_that_is_not_utf8_escaped(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    (root / "b").mkdir(parents=True)
+    PIL.new("RGB", (4, 4)).save(root / "b" / "b.png")
+    try:
+        os.symlink(".", os.path.join(os.fsencode(root / "b"), b"loop\xe9"))
+    except (OSError, UnicodeError):
+        pytest.skip("this file system takes only UTF-8 names")
+    with pytest.warns(UserWarning, match=r"skipped 1 directory link") as caught:
+        find_images(root)
+    message = str(caught[0].message)
+    assert "b/loop\\xe9 (= b)" in message
+    message.encode("utf-8")  # lone surrogates here are what logging handlers refuse to write
