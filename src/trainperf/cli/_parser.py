@@ -1,0 +1,145 @@
+"""The ``trainperf`` command's arguments: :func:`build_parser`, and the parser ``main`` uses,
+whose usage errors raise instead of printing argparse's usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, NoReturn
+
+from trainperf._utils.validate import positive_int
+
+_MiB = 2**20
+_DEVICE_HELP = "cpu, cuda or cuda:<i> (default: the best available)"
+
+
+def _positive(text: str) -> int:
+    # argparse's type=int accepts 0 and negatives; a count below 1 is an argument error, by
+    # the library's own rule (trainperf._utils.validate.positive_int).
+    try:
+        return positive_int("count", int(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from e
+
+
+def _add_json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON document on stdout instead"
+    )
+
+
+def _add_model_parser(benches: Any) -> None:
+    model = benches.add_parser(
+        "model",
+        help="ResNet-50 / ViT-B/16 throughput on synthetic data, vs the reference GPUs",
+        description="The reference table's benchmark (a GPU cloud provider's published "
+        "figures, PyTorch 1.9): a torchvision model with random weights, "
+        "synthetic input on the device, weights cast to the precision. Defaults: batch 128 at "
+        "224 px and 15 batches per iteration on a GPU; batch 2 at 64 px on the CPU.",
+    )
+    model.add_argument("--model", choices=["resnet50", "vit_b_16"], default="resnet50")
+    model.add_argument(
+        "--precision", choices=["fp32", "fp16", "bf16", "all"], default="fp32", help="or all"
+    )
+    model.add_argument("--batch-size", type=_positive)
+    model.add_argument("--image-size", type=_positive)
+    model.add_argument("--iterations", type=_positive, help="timed iterations (GPU 5, CPU 2)")
+    model.add_argument("--batches-per-iteration", type=_positive)
+    model.add_argument("--warmup-batches", type=_positive, help="untimed batches first")
+    model.add_argument("--train", action="store_true", help="time forward+backward+SGD step")
+    model.add_argument("--channels-last", action="store_true")
+    model.add_argument(
+        "--tf32",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="allow TF32 for fp32 (default: PyTorch's current setting)",
+    )
+    model.add_argument("--device", help=_DEVICE_HELP)
+    _add_json(model)
+
+
+def _add_matmul_parser(benches: Any) -> None:
+    matmul = benches.add_parser(
+        "matmul",
+        help="matrix-product TFLOP/s per dtype, vs the datasheet",
+        description="Square matrix products on random data: fp32 (TF32 off), tf32, bf16, fp16.",
+    )
+    matmul.add_argument("--size", type=_positive, help="matrix side (8192 on a GPU, 256 on CPU)")
+    matmul.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=["fp32", "tf32", "bf16", "fp16", "all"],
+        default=["all"],
+    )
+    matmul.add_argument("--iterations", type=_positive)
+    matmul.add_argument("--device", help=_DEVICE_HELP)
+    _add_json(matmul)
+
+
+def _add_h2d_parser(benches: Any) -> None:
+    h2d = benches.add_parser(
+        "h2d", help="host-to-device GB/s, pageable vs pinned memory (needs CUDA)"
+    )
+    h2d.add_argument("--size-mb", type=_positive, default=512, help="MiB per copy (512)")
+    h2d.add_argument("--iterations", type=_positive, default=5)
+    h2d.add_argument("--device", help="cuda or cuda:<i> (default: the best available)")
+    _add_json(h2d)
+
+
+class _UsageError(Exception):
+    """A command line that does not parse: ``prog`` is the (sub)command that refused it."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+        self.message = message
+
+
+class _Parser(argparse.ArgumentParser):
+    """The parser :func:`main` uses: a usage error is raised as :class:`_UsageError`, for
+    main to report in one line (and as JSON with ``--json``), where argparse would print the
+    usage text, to stdout when stderr is closed, and exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(self.prog, message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``trainperf`` argument parser.
+
+    Example:
+        >>> args = build_parser().parse_args(["bench", "matmul", "--size", "64", "--json"])
+        >>> args.command, args.bench, args.size, args.json
+        ('bench', 'matmul', 64, True)
+    """
+    return _build_parser(argparse.ArgumentParser)
+
+
+def _build_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    # Subparsers are made of the same class (argparse's default parser_class).
+    parser = parser_class(
+        prog="trainperf",
+        description="Say why PyTorch training is slow: benchmark the GPU, check the "
+        "environment, list GPUs.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    bench = commands.add_parser("bench", help="benchmark the GPU (model, matmul, h2d)")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    _add_model_parser(benches)
+    _add_matmul_parser(benches)
+    _add_h2d_parser(benches)
+    doctor = commands.add_parser(
+        "doctor",
+        help="check GPUs, drivers, CPUs, memory, /dev/shm, BLAS, threads; exit 1 on a fail",
+    )
+    doctor.add_argument(
+        "--dist",
+        action="store_true",
+        help="also the multi-process pre-flight (5-30 s): start one rank per GPU (2 CPU "
+        "ranks with gloo without 2 GPUs), time an all_reduce sweep against the link, check "
+        "/dev/shm for NCCL, NCCL_*/GLOO_* variables, interfaces, IOMMU/ACS, P2P on vs off",
+    )
+    _add_json(doctor)
+    gpus = commands.add_parser("gpus", help="list the GPUs this process can see (NVML)")
+    _add_json(gpus)
+    return parser
