@@ -17,9 +17,11 @@ built-in exception whose message names the value and the fix. The tree::
 
 Which condition maps to which type, everywhere in the package:
 
-- ``DeviceError``: CUDA or MPS asked for but not available, a CUDA index past the visible
-  GPUs, fewer GPUs than asked for (``select_gpus``), CUDA already initialised where it must
-  not be (``select_gpus``, ``launch(start_method="fork")``), NVML refusing access or failing,
+- ``DeviceError``: CUDA or MPS asked for but not available (or ``resolve_device(None,
+  allowed=...)`` finding no allowed device where the CPU is not allowed), a CUDA index past
+  the visible GPUs, fewer GPUs than asked for (``select_gpus``), CUDA already initialised
+  where it must not be (``select_gpus``, ``launch(start_method="fork")``), NVML refusing
+  access or failing,
   a function that needs a CUDA GPU run without one (``bench_h2d``,
   ``bench_matmul(dtype="tf32")``), bf16 on a GPU below compute capability 8.0 (``amp``,
   ``bench_matmul``), a precision the device cannot run (``bench_model``).
