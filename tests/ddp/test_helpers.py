@@ -266,7 +266,8 @@ def test_data_parallel_moves_the_model_to_the_first_device_and_warns_once() -> N
         ddp.data_parallel(nn.Linear(2, 2), device_ids=[last + 1])
 
 
-SRUN_TASK = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}
+SRUN_TASK = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0"}
+BATCH_SCRIPT = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"}
 
 
 @pytest.mark.parametrize(
@@ -276,6 +277,9 @@ SRUN_TASK = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}
         ({**SRUN_TASK, "RANK": "5", "LOCAL_RANK": "2", "WORLD_SIZE": "16"}, (5, 2, 16, False)),
         ({**SRUN_TASK, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, (0, 0, 1, True)),  # sbatch
         ({"SLURM_LOCALID": "1"}, (0, 0, 1, True)),  # not in an srun step
+        # A script the batch script of a --ntasks=4 job runs directly is one process.
+        (BATCH_SCRIPT, (0, 0, 1, True)),
+        ({**BATCH_SCRIPT, "SLURM_STEP_ID": "4294967294"}, (0, 0, 1, True)),
     ],
 )
 def test_an_srun_task_knows_its_rank_before_any_process_group(
@@ -283,7 +287,8 @@ def test_an_srun_task_knows_its_rank_before_any_process_group(
 ) -> None:
     # Under srun, torch.cuda.set_device(ddp.local_rank()) put every task on GPU 0, and
     # `if ddp.is_main_process(): prepare()` ran on every task.
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEPID")
+    for name in (*names, "SLURM_STEP_ID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("SLURM_LOCALID", raising=False)
     for name, value in env.items():
