@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -829,4 +830,77 @@ def test_with_on_a_started_watch_says_to_use_one_way_not_both() -> None:
         with pytest.raises(RuntimeError, match=r"w\.start\(\) already started: use either"), w:
             pass
     finally:
+        w.stop()
+
+
+class _ReportsOnce(list):  # type: ignore[type-arg]
+    """A step-log array whose append (or trim) a "signal handler" interrupts with a report."""
+
+    def __init__(self, w: Watch, at: int, seen: list[Any], on: str) -> None:
+        super().__init__()
+        self.w, self.at, self.seen, self.on = w, at, seen, on
+
+    def _interrupt(self) -> None:
+        if len(self) >= self.at and not self.seen:
+            self.seen.append(self.w.report().timeline)
+
+    def append(self, value: Any) -> None:
+        super().append(value)
+        if self.on == "append":
+            self._interrupt()
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        if self.on == "trim":
+            self._interrupt()
+
+
+@pytest.mark.timeout(60, method="thread")
+@pytest.mark.parametrize("on", ["append", "trim"])
+def test_a_report_that_interrupts_a_step_being_written_reads_only_whole_steps(on: str) -> None:
+    seen: list[Any] = []
+    with watch(device="cpu", warmup_steps=0, max_records=4) as w:
+        w._ends = _ReportsOnce(w, 3, seen, on)  # type: ignore[assignment]
+        for i in range(12):
+            w.step(samples=i + 1)  # step i trains on i + 1 samples: its mark
+    [timeline] = seen
+    # Mid-append: the whole steps, none half-written; mid-trim: none rather than mismatched.
+    assert all(s.samples == s.index + 1 for s in timeline), timeline
+    assert len(timeline) == (2 if on == "append" else 0)
+    final = w.report().timeline
+    assert [(s.index, s.samples) for s in final] == [(8, 9), (9, 10), (10, 11), (11, 12)]
+
+
+@pytest.mark.timeout(60, method="thread")  # a deadlock blocks signal-based timeouts too
+def test_a_report_re_entered_in_a_thread_already_reporting_does_not_deadlock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The loop runs in a thread; the main thread reports, and a signal handler in the main
+    # thread reports again from inside that report.
+    import trainperf.monitor._watch as watch_module
+
+    real, nested = watch_module.step_records, []
+
+    def interrupted(w: Watch) -> Any:
+        if not nested:
+            nested.append(-1)
+            nested[0] = w.report().steps  # the "handler", inside the lock
+        return real(w)
+
+    monkeypatch.setattr(watch_module, "step_records", interrupted)
+    w = watch(device="cpu", warmup_steps=0).start()
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.is_set():
+            w.step(samples=1)
+
+    runner = threading.Thread(target=loop)
+    runner.start()
+    try:
+        time.sleep(0.05)
+        assert w.report().steps >= nested[0] >= 0
+    finally:
+        done.set()
+        runner.join(30)
         w.stop()

@@ -35,7 +35,6 @@ gathers besides the timeline in ``_watch_inputs``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -162,7 +161,10 @@ class Watch:
         self._gpu_busy: dict[int, float] = {}
         # The step log's writer (the loop's thread, at each w.step()) and a w.report() from
         # any thread take turns; the loop's thread is the one that steps.
-        self._lock = threading.Lock()
+        # Re-entrant: a signal handler's w.report() may interrupt this thread inside either.
+        self._lock = threading.RLock()
+        self._writing = False  # a step is being appended (a report then reads what is whole)
+        self._trimming = False  # the oldest steps are being dropped (a report reads none)
         self._loop_thread: int | None = None  # set by start (and each step) to the caller's
         # Seconds of in-loop w.report() calls, by the step they fell in: not the step's time.
         self._excluded: dict[int, float] = {}
@@ -279,7 +281,7 @@ class Watch:
     def _end(self) -> None:
         self._state = "done"
         self._saves_after = _background_saves()  # before a report's probe saves its own
-        with self._log_guard():
+        with self._lock:
             settle(self)  # in the loop's thread, while its schedstat is still the one open
         self._clock.close()
         if self._sampler is not None:
@@ -397,18 +399,15 @@ class Watch:
                 spent = time.perf_counter() - began
                 self._excluded[index] = self._excluded.get(index, 0.0) + spent
 
-    def _log_guard(self) -> Any:
-        """The step log's lock for another thread; none for the loop's own thread, which
-        cannot race itself (and which a signal handler may interrupt while it holds it)."""
-        if threading.get_ident() == self._loop_thread:
-            return contextlib.nullcontext()
-        return self._lock
-
     def _report(self) -> WatchReport:
-        with self._log_guard():  # another thread reads the log between two steps
-            if self._cuda:
+        with self._lock:  # another thread reads the log between two steps
+            # Re-entered by a signal handler while this thread appends a step: the steps
+            # before it are whole; the rest is left for the next report.
+            whole = not self._writing
+            if self._cuda and whole:
                 resolve(self, block=True)
-            if self._state == "running" and threading.get_ident() == self._loop_thread:
+            running_here = threading.get_ident() == self._loop_thread
+            if self._state == "running" and running_here and whole:
                 settle(self)  # schedstat is read in the loop's own thread only
             first, timeline = step_records(self)
         sampler = self._sampler

@@ -29,13 +29,16 @@ _SETTLE_EVERY = 16  # steps between reads of the loop thread's schedstat (see se
 def record_step(w: Watch, now: float, samples: int | None) -> None:
     """Append the step that ended at ``now`` (``time.perf_counter()``), with ``samples``
     samples if given, else those ``w.iter`` counted (see :meth:`Watch.step`): unknown
-    (None in the report) without ``w.iter``. Under the watch's lock, so that a report from
-    another thread reads the log between two steps (a report in this thread takes no lock:
-    a signal handler's may come while the lock is held here, and :func:`step_records`
-    reads the arrays up to their shortest)."""
+    (None in the report) without ``w.iter``. Under the watch's (re-entrant) lock, so that a
+    report from another thread reads the log between two steps; a signal handler's report
+    in this thread sees ``_writing`` and reads only the whole steps (:func:`step_records`)."""
     w._loop_thread = threading.get_ident()
     with w._lock:
-        _append(w, now, samples)
+        w._writing = True
+        try:
+            _append(w, now, samples)
+        finally:
+            w._writing = False
 
 
 def _append(w: Watch, now: float, samples: int | None) -> None:
@@ -99,6 +102,14 @@ def settle(w: Watch) -> None:
 
 
 def _trim(w: Watch) -> None:
+    w._trimming = True  # the arrays lose their fronts one by one: no report reads them now
+    try:
+        _cut(w)
+    finally:
+        w._trimming = False
+
+
+def _cut(w: Watch) -> None:
     cut = len(w._ends) - w._max
     w._dropped_end = w._ends[cut - 1]
     del w._ends[:cut], w._waits[:cut], w._counts[:cut]
@@ -121,7 +132,10 @@ def resolve(w: Watch, *, block: bool) -> None:
 
 
 def step_records(w: Watch) -> tuple[int, list[StepRecord]]:
-    """The number of the first step kept, and the kept steps as :class:`StepRecord` s."""
+    """The number of the first step kept, and the kept steps as :class:`StepRecord` s (none
+    while a trim is half done: a signal handler's report that interrupted it)."""
+    if w._trimming:
+        return w._first, []
     extra = max(0, len(w._ends) - w._max)  # held beyond max_records: not reported
     first = w._first + extra
     previous = w._ends[extra - 1] if extra else w._dropped_end
