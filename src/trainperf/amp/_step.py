@@ -91,8 +91,9 @@ def check_max_grad_norm(value: object) -> None:
 
     What ``torch.nn.utils.clip_grad_norm_`` takes is accepted: an int or float, a NumPy
     scalar (``np.float32(1.0)``), or a 0-dim real tensor. A bool is refused (``True`` is no
-    clip value). A tensor on an accelerator is checked for its shape and dtype only:
-    reading its value would synchronise with the device at every step.
+    clip value). A tensor on a GPU is read (one synchronisation, which ``clip_grad_norm_``
+    makes anyway when it reads it); a ``meta`` tensor, which has no value, is checked for
+    its shape and dtype only.
 
     Example:
         >>> check_max_grad_norm(torch.tensor(0.5))
@@ -108,8 +109,9 @@ def check_max_grad_norm(value: object) -> None:
     if isinstance(value, torch.Tensor):
         real = value.dtype != torch.bool and not value.is_complex()
         if real and value.dim() == 0:
-            if value.device.type != "cpu":
-                return
+            if value.device.type == "meta":
+                return  # no value to read
+            # Read even on a GPU: clip_grad_norm_ reads it too (float(max_norm)).
             number = float(value.item())
     elif not isinstance(value, bool) and isinstance(value, numbers.Real):
         number = float(value)

@@ -96,7 +96,9 @@ def _entries(objects: Iterable[Any]) -> list[Entries]:
             frozenset(m._parameters),
             frozenset(m._buffers),
             frozenset(m._modules),
-            dict(vars(m)),
+            # Not tensors (a plain-attribute cache would be held for the whole tuning, and
+            # a tensor attribute cannot be registered over anyway).
+            {k: v for k, v in vars(m).items() if not isinstance(v, torch.Tensor)},
         )
         for m in _modules(objects)
     ]

@@ -290,7 +290,7 @@ class Checkpointer:
         staged = payload if forked else self._staging.stage(payload)
         handle._track()
         try:
-            (start_process if forked else start_thread)(staged, path, after, handle)
+            started = (start_process if forked else start_thread)(staged, path, after, handle)
         except OSError as e:  # fork or pipe refused: no writer started, the save still due
             handle._untrack()
             _warn_no_writer(step, "forked" if forked else "thread", e)
@@ -298,7 +298,7 @@ class Checkpointer:
         except BaseException:
             handle._untrack()  # nothing started: nothing for the exit hook to wait for
             raise
-        if handle._failure is None:  # refused before any writer started: not counted
+        if started:  # not when the payload was refused before any writer started
             count_background_save()
         self._pending = handle
         return handle

@@ -247,12 +247,13 @@ def _refused(payload: Any, path: Path, handle: SaveHandle) -> bool:
 
 def start_thread(
     payload: Any, path: Path, after: Callable[[], list[str]], handle: SaveHandle
-) -> None:
+) -> bool:
     """Write the (staged) ``payload`` to ``path`` from a thread; ``after`` as for
     :func:`start_process`. The payload is checked here, in the caller's thread: the check
-    widens torch's allow-list while it loads, which another thread's load would see."""
+    widens torch's allow-list while it loads, which another thread's load would see.
+    Returns whether a writer started (False: the payload was refused; ``handle`` failed)."""
     if _refused(payload, path, handle):
-        return
+        return False
 
     def run() -> None:
         try:
@@ -263,3 +264,4 @@ def start_thread(
             handle._finish((str(e), e), [])
 
     threading.Thread(target=run, name="trainperf-checkpoint-writer", daemon=True).start()
+    return True

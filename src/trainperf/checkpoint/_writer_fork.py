@@ -205,18 +205,19 @@ def _reap_writer(pid: int, fd: int, handle: SaveHandle, pidfd: int | None) -> No
 
 def start_process(
     payload: Any, path: Path, after: Callable[[], list[str]], handle: SaveHandle
-) -> None:
+) -> bool:
     """Fork a writer of ``payload`` (its copy-on-write snapshot) to ``path``; ``after`` runs
     in the writer once the file is durable and returns notes for the caller. A payload
     that :func:`refuse_unloadable` refuses fails ``handle`` without a fork (the check loads
-    with torch, which a child forked from a threaded process should not).
+    with torch, which a child forked from a threaded process should not). Returns whether
+    a writer started.
 
     Raises:
         OSError: the pipe or the fork was refused (EMFILE, EAGAIN, ENOMEM); nothing was
             started and nothing is left open.
     """
     if _refused(payload, path, handle):
-        return
+        return False
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
     try:
@@ -235,3 +236,4 @@ def start_process(
         name="trainperf-checkpoint-reaper",
         daemon=True,
     ).start()
+    return True
