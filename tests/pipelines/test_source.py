@@ -60,6 +60,19 @@ def test_shard_auto_reads_torchrun_variables_before_init(monkeypatch: pytest.Mon
     assert resolve_shard("auto") == (0, 1)
 
 
+def test_shard_auto_reads_an_srun_tasks_variables_before_init(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_STEPID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert resolve_shard("auto") == (2, 4)
+    monkeypatch.delenv("SLURM_STEP_ID")  # the batch script itself: one process
+    assert resolve_shard("auto") == (0, 1)
+
+
 def test_shard_auto_uses_trainperf_ddp_rank_and_world_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

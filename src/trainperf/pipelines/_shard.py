@@ -41,9 +41,10 @@ def resolve_shard(shard: Literal["auto"] | tuple[int, int] | None) -> tuple[int,
 
     ``"auto"``: :func:`trainperf.ddp.rank` and :func:`trainperf.ddp.world_size` (the
     process group's when one is initialised, else torchrun's ``RANK``/``WORLD_SIZE``
-    variables, so the process group may come later) when a process group exists or both
-    variables are set; else ``(0, 1)``. ``None`` means ``(0, 1)``: this process reads
-    everything.
+    variables, or in a task of an ``srun`` step of several SLURM's ``SLURM_PROCID`` and
+    ``SLURM_NTASKS``, so the process group may come later) when a process group exists or
+    the variables say which rank this is; else ``(0, 1)``. ``None`` means ``(0, 1)``: this
+    process reads everything.
 
     Raises:
         ValueError: a malformed tuple, or ``rank`` outside ``[0, world_size)`` (given, or
@@ -63,11 +64,13 @@ def resolve_shard(shard: Literal["auto"] | tuple[int, int] | None) -> tuple[int,
         import torch.distributed as dist
 
         import trainperf.ddp as ddp
+        from trainperf.ddp._helpers import _srun_task
 
         grouped = dist.is_available() and dist.is_initialized()
         # A lone RANK or WORLD_SIZE is not a launch (ddp.rank() would default the other one
         # and give a shard that no other process reads alongside): read everything then.
-        if not grouped and not (launch_env.is_set("RANK") and launch_env.is_set("WORLD_SIZE")):
+        launched = launch_env.is_set("RANK") and launch_env.is_set("WORLD_SIZE")
+        if not grouped and not launched and not _srun_task():
             return 0, 1
         return resolve_shard((ddp.rank(), ddp.world_size()))
     if (
