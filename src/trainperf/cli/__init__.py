@@ -8,7 +8,10 @@ Progress (warm-up, per-iteration lines in JSON mode) goes to stderr, so ``--json
 can be piped as it is.
 """
 
+from trainperf._utils.public import set_public_module
 from trainperf.cli._main import main
 from trainperf.cli._parser import build_parser
 
 __all__ = ["build_parser", "main"]
+
+set_public_module(globals(), __all__, __name__)
