@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 from torch.utils.data import DataLoader
 
 from trainperf.checkpoint._allow import allow_data_only
@@ -194,15 +193,11 @@ def weights_only_refusal(value: Any) -> str | None:
     return None if refusal is None or refusal.unpicklable else refusal.reason
 
 
-_WALKED = 100_000  # items of an entry looked through for a loader; a bigger one is not
-_LEAVES = frozenset((torch.Tensor, nn.Parameter, int, float, str, bool, type(None)))
-
-
 def _find_loader(value: Any, kinds: tuple[type, ...]) -> tuple[str, Any] | None:
     """The first object of one of ``kinds`` in ``value`` or its dicts, lists and tuples (up
     to 8 deep), with its place (``"['train']"``), or None."""
     stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
-    left = _WALKED
+    left = _CHECKED_ITEMS  # a bigger entry is not looked through
     while stack:
         v, path = stack.pop()
         if isinstance(v, kinds):
@@ -213,7 +208,7 @@ def _find_loader(value: Any, kinds: tuple[type, ...]) -> tuple[str, Any] | None:
         if len(path) >= 8 or left < 0:
             continue
         items = v.items() if isinstance(v, Mapping) else enumerate(v)
-        stack.extend((x, (*path, k)) for k, x in items if type(x) not in _LEAVES)
+        stack.extend((x, (*path, k)) for k, x in items if type(x) not in _PLAIN_LEAVES)
     return None
 
 
