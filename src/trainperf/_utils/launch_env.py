@@ -41,6 +41,7 @@ from collections.abc import Mapping
 __all__ = [
     "environ",
     "expand_nodelist",
+    "in_srun_step",
     "is_set",
     "local_world_size",
     "nodelist",
@@ -98,6 +99,28 @@ def is_set(name: str, env: Mapping[str, str] | None = None) -> bool:
         (True, False)
     """
     return text(name, env) is not None
+
+
+# SLURM's step ids from here up are not srun steps: the batch script (4294967294), the
+# extern step (4294967295), an interactive step.
+_SPECIAL_STEPS = 4294967290
+
+
+def in_srun_step(env: Mapping[str, str] | None = None) -> bool:
+    """This process is one task of an ``srun`` step of several (``SLURM_PROCID`` set,
+    ``SLURM_NTASKS`` > 1, and a step id: the batch script itself has the first two too, and
+    a script it runs directly is one process, not task 0 of N).
+
+    Example:
+        >>> task = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}
+        >>> in_srun_step(task), in_srun_step({**task, "SLURM_STEP_ID": "4294967294"})
+        (True, False)
+    """
+    ntasks = read_int("SLURM_NTASKS", env)
+    if ntasks is None or ntasks <= 1 or read_int("SLURM_PROCID", env) is None:
+        return False
+    step = text("SLURM_STEP_ID", env) or text("SLURM_STEPID", env) or ""
+    return step.isdigit() and int(step) < _SPECIAL_STEPS
 
 
 def parse_int(name: str, raw: str) -> int:

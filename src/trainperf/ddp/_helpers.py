@@ -45,27 +45,10 @@ def _initialised() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-# SLURM's step ids from here up are not srun steps: the batch script (4294967294), the
-# extern step (4294967295), an interactive step.
-_SPECIAL_STEPS = 4294967290
-
-
-def _srun_task() -> bool:
-    """This process is one task of an ``srun`` step of several (``SLURM_PROCID`` set,
-    ``SLURM_NTASKS`` > 1, and a step id: the batch script itself has the first two too, and
-    a script it runs directly is one process, not task 0 of N): srun started one process
-    per rank, as torchrun would."""
-    ntasks = launch_env.read_int("SLURM_NTASKS")
-    if ntasks is None or ntasks <= 1 or launch_env.read_int("SLURM_PROCID") is None:
-        return False
-    step = os.environ.get("SLURM_STEP_ID", os.environ.get("SLURM_STEPID", "")).strip()
-    return step.isdigit() and int(step) < _SPECIAL_STEPS
-
-
 def _env_or_slurm(name: str, slurm: str, default: int) -> int:
     """``name`` from the environment; else, in an srun task, ``slurm``; else ``default``."""
     value = launch_env.read_int(name)
-    if value is None and _srun_task():
+    if value is None and launch_env.in_srun_step():
         value = launch_env.read_int(slurm)
     return default if value is None else value
 

@@ -64,13 +64,12 @@ def resolve_shard(shard: Literal["auto"] | tuple[int, int] | None) -> tuple[int,
         import torch.distributed as dist
 
         import trainperf.ddp as ddp
-        from trainperf.ddp._helpers import _srun_task
 
         grouped = dist.is_available() and dist.is_initialized()
         # A lone RANK or WORLD_SIZE is not a launch (ddp.rank() would default the other one
         # and give a shard that no other process reads alongside): read everything then.
         launched = launch_env.is_set("RANK") and launch_env.is_set("WORLD_SIZE")
-        if not grouped and not launched and not _srun_task():
+        if not grouped and not launched and not launch_env.in_srun_step():
             return 0, 1
         return resolve_shard((ddp.rank(), ddp.world_size()))
     if (
