@@ -213,10 +213,9 @@ class Checkpointer:
                 ``every`` skips, and the message says where it went), or this blocking
                 save failed (the message ends with the earlier failure, if any); a failed
                 write deletes nothing (older files go only once a newer one is durable).
-                Also, before anything is written: ``state`` holds a
-                loader a checkpoint cannot hold (a ``trainperf.pipelines`` image loader, a
-                DataLoader inside another entry), or (blocking) a value that cannot be
-                pickled.
+                Also, before anything is written: ``state`` holds a loader a checkpoint
+                cannot hold (a ``trainperf.pipelines`` image loader, a DataLoader inside
+                another entry), or (blocking) a value that cannot be pickled.
             TypeError: ``state`` is not a dict with string keys.
             ValueError: ``step`` is not an int >= 0, or ``state`` uses the key
                 ``"trainperf"``.
