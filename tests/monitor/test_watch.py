@@ -904,3 +904,50 @@ def test_a_report_re_entered_in_a_thread_already_reporting_does_not_deadlock(
         done.set()
         runner.join(30)
         w.stop()
+
+
+def test_a_report_from_another_thread_lets_the_loop_step_while_the_gpu_catches_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A dashboard thread's report waits for the GPU queue: the loop's w.step() must not
+    # wait with it (it did: the report synchronised while holding the step log's lock).
+    gate, waiting = threading.Event(), threading.Event()
+
+    class FakeEvent:  # a CUDA event whose work ends when the gate opens
+        def __init__(self, enable_timing: bool = False) -> None:
+            pass
+
+        def record(self, stream: object = None) -> None:
+            pass
+
+        def query(self) -> bool:
+            return gate.is_set()
+
+        def synchronize(self) -> None:
+            waiting.set()
+            gate.wait(60)
+
+        def elapsed_time(self, end: object) -> float:
+            return 1.0
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    opener = threading.Timer(20, gate.set)  # opens the gate if the loop is stuck
+    reports: list[WatchReport] = []
+    try:
+        with watch(device="cpu", warmup_steps=0) as w:
+            w._cuda = True  # the loop runs on a (fake) GPU
+            w.step()
+            reporter = threading.Thread(target=lambda: reports.append(w.report()))
+            opener.start()
+            reporter.start()
+            assert waiting.wait(30)
+            w.step()
+            stepped_while_waiting = not gate.is_set()
+            gate.set()
+            reporter.join(60)
+    finally:
+        gate.set()
+        opener.cancel()
+    assert stepped_while_waiting
+    assert len(reports) == 1 and reports[0].steps >= 1
+    assert w.report().steps == 2

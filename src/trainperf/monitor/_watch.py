@@ -67,6 +67,7 @@ from trainperf.monitor._watch_steps import (
     resolve,
     settle,
     step_records,
+    wait_for_logged,
 )
 
 __all__ = ["Watch", "watch"]
@@ -400,13 +401,16 @@ class Watch:
                 self._excluded[index] = self._excluded.get(index, 0.0) + spent
 
     def _report(self) -> WatchReport:
+        running_here = threading.get_ident() == self._loop_thread
+        elsewhere = self._state == "running" and not running_here
+        if self._cuda and elsewhere:
+            wait_for_logged(self)  # outside the lock: the loop steps on meanwhile
         with self._lock:  # another thread reads the log between two steps
             # Re-entered by a signal handler while this thread appends a step: the steps
             # before it are whole; the rest is left for the next report.
             whole = not self._writing
             if self._cuda and whole:
-                resolve(self, block=True)
-            running_here = threading.get_ident() == self._loop_thread
+                resolve(self, block=not elsewhere)
             if self._state == "running" and running_here and whole:
                 settle(self)  # schedstat is read in the loop's own thread only
             first, timeline = step_records(self)

@@ -20,7 +20,9 @@ from trainperf.monitor._records import StepRecord
 if TYPE_CHECKING:
     from trainperf.monitor._watch import Watch
 
-__all__ = ["cpu_reading", "record_step", "resolve", "settle", "step_records"]
+__all__ = [
+    "cpu_reading", "record_step", "resolve", "settle", "step_records", "wait_for_logged",
+]  # fmt: skip
 
 _RESOLVE_EVERY = 32  # steps between non-blocking reads of finished CUDA events
 _SETTLE_EVERY = 16  # steps between reads of the loop thread's schedstat (see settle)
@@ -120,6 +122,16 @@ def _cut(w: Watch) -> None:
         del busy[oldest]
     for index in [i for i in w._excluded if i < w._first]:
         del w._excluded[index]
+
+
+def wait_for_logged(w: Watch) -> None:
+    """Wait until the GPU has run the steps logged so far, without holding the watch's lock:
+    a report from another thread lets the loop go on stepping meanwhile (its next
+    ``w.step()`` would otherwise wait for the whole GPU queue)."""
+    with w._lock:
+        newest = w._pending[-1][2] if w._pending else None
+    if newest is not None:
+        newest.synchronize()
 
 
 def resolve(w: Watch, *, block: bool) -> None:
