@@ -334,10 +334,11 @@ def _bound_per_task(local_ranks: int, limits: HostLimits, env: Mapping[str, str]
 
 
 def local_world_size(env: Mapping[str, str] | None = None) -> int:
-    """Training processes sharing this host: ``LOCAL_WORLD_SIZE`` (torchrun), else
-    ``WORLD_SIZE``, else SLURM's tasks on this node (``SLURM_NTASKS_PER_NODE``, else
-    ``SLURM_TASKS_PER_NODE``; of ``"4(x2),3"`` the entry of node ``SLURM_NODEID``, or the
-    first without it), else 1.
+    """Training processes sharing this host: ``LOCAL_WORLD_SIZE`` (torchrun), else SLURM's
+    tasks on this node (``SLURM_NTASKS_PER_NODE``, else ``SLURM_TASKS_PER_NODE``; of
+    ``"4(x2),3"`` the entry of node ``SLURM_NODEID``, or the first without it), else
+    ``WORLD_SIZE``, else 1. SLURM's count comes before ``WORLD_SIZE`` because job scripts
+    often export ``WORLD_SIZE=$SLURM_NTASKS``, the whole job's size, not this node's.
 
     The same rule as ``trainperf.ddp`` uses, from :mod:`trainperf._utils.launch_env`.
 
@@ -353,6 +354,8 @@ def local_world_size(env: Mapping[str, str] | None = None) -> int:
         4
         >>> local_world_size({"SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"})
         3
+        >>> local_world_size({"WORLD_SIZE": "16", "SLURM_NTASKS_PER_NODE": "8"})
+        8
         >>> local_world_size({})
         1
     """

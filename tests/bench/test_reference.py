@@ -195,6 +195,8 @@ def test_fp32_resnet50_goes_by_the_cudnn_tf32_flag_not_the_matmul_one() -> None:
         ({"model": "resnet18"}, "model must be one of"),
         ({"precision": "fp8"}, "precision must be"),
         ({"images_per_s": 0.0}, "images_per_s must be > 0"),
+        ({"images_per_s": float("inf")}, r"images_per_s must be > 0 and finite, got inf"),
+        ({"images_per_s": float("nan")}, "images_per_s must be > 0 and finite, got nan"),
     ],
 )
 def test_compare_to_reference_rejects_bad_arguments(kwargs: dict[str, object], match: str) -> None:

@@ -52,7 +52,8 @@ def test_shm_tiny_small_enough_and_missing() -> None:
     small = check_shm(limits(shm_total=GiB, shm_free=GiB), workers=8)
     assert small.verdict == "warn"  # 8 workers x 2 batches x 74 MiB > 1 GiB
     assert check_shm(limits(), workers=8).verdict == "ok"
-    assert check_shm(limits(shm_total=None, shm_free=None), workers=8).verdict == "skip"
+    none = limits(shm_total=None, shm_free=None)
+    assert check_shm(none, workers=8, platform="darwin").verdict == "skip"
     assert (
         check_shm(limits(shm_total=GiB, shm_free=GiB), workers=1, batch_bytes=MiB).verdict == "ok"
     )
@@ -71,3 +72,11 @@ def test_a_check_serialises_itself() -> None:
         "name": "shm", "verdict": "warn", "value": "64 MiB", "fix": "enlarge /dev/shm"
     }  # fmt: skip
     assert Check("load", "ok", "fine").to_dict()["fix"] == ""
+
+
+def test_shm_missing_on_linux_fails() -> None:
+    # torch hands worker batches over as shm_open() files, which glibc keeps in /dev/shm:
+    # without it every worker batch fails ("unable to open shared memory object").
+    check = check_shm(limits(shm_total=None, shm_free=None), workers=8, platform="linux")
+    assert check.verdict == "fail" and "no /dev/shm" in check.value
+    assert "mount a tmpfs at /dev/shm" in check.fix and "num_workers=0" in check.fix

@@ -57,6 +57,24 @@ def test_threads_omp_must_be_an_integer_of_at_least_one(value: str) -> None:
     assert check_threads(2, " 3 ", cpus=8).verdict == "ok"
 
 
+@pytest.mark.parametrize("value", ["1_0", "\u0664", "0x4", "4e0", "2,1_0"])
+def test_threads_omp_is_read_as_libgomp_reads_it(value: str) -> None:
+    # Python's int() takes "1_0" (10) and an Arabic-Indic digit (4); libgomp's strtoul takes
+    # neither, says "Invalid value" and starts a thread per core.
+    check = check_threads(1, value, cpus=64)
+    assert check.verdict == "warn" and f"got {value!r}" in check.fix
+    for fine in ("+2", "\t2 ", "02", "2 , 1"):
+        assert check_threads(1, fine, cpus=64).verdict == "ok", fine
+
+
+def test_threads_value_shows_an_empty_omp_num_threads_as_set() -> None:
+    # OMP_NUM_THREADS= (set, empty) is not unset: libgomp rejects it.
+    check = check_threads(2, "", cpus=8)
+    assert "OMP_NUM_THREADS=''" in check.value and "unset" not in check.value
+    assert "OMP_NUM_THREADS=unset" in check_threads(2, None, cpus=8).value
+    assert "OMP_NUM_THREADS=4," in check_threads(2, "4", cpus=8).value
+
+
 @pytest.mark.parametrize(("value", "verdict"), [("1,1", "ok"), ("4,2", "ok"), ("8,1", "warn")])
 def test_threads_omp_takes_a_list_per_nesting_level_as_openmp_does(
     value: str, verdict: str

@@ -288,3 +288,13 @@ def test_debugging_variables_are_named() -> None:
     check = check_nccl_env({"NCCL_ALGO": "Ring", "NCCL_DEBUG": "INFO"})
     assert check.verdict == "warn" and "NCCL_ALGO='Ring' is a debugging setting" in check.fix
     assert "NCCL_DEBUG=INFO" in check.value
+
+
+def test_hostname_on_another_loopback_address_is_this_host() -> None:
+    # Debian and Ubuntu map the hostname to 127.0.1.1, which lo does not list but serves:
+    # gloo binds to it, as to 127.0.0.1.
+    check = check_hostname("vm", ["127.0.1.1"], {"lo": ["127.0.0.1", "::1"], "eth0": ["10.0.0.2"]})
+    assert check.verdict == "ok"
+    assert "127.0.1.1 (lo)" in check.value and "loopback only" in check.value
+    elsewhere = check_hostname("vm", ["10.9.9.9"], {"lo": ["127.0.0.1"], "eth0": ["10.0.0.2"]})
+    assert elsewhere.verdict == "warn" and "no address of this host" in elsewhere.fix

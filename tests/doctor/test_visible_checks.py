@@ -47,6 +47,21 @@ def test_visible_devices(
     assert needle in check.value + check.fix
 
 
+@pytest.mark.parametrize(
+    ("visible", "needle"),
+    [("0 1", "'0 1' as 0"), ("0;1", "'0;1' as 0"), ("2,1gpu", "'1gpu' as 1"), ("1.5", "as 1")],
+)
+def test_visible_devices_warns_of_an_index_with_more_after_it(visible: str, needle: str) -> None:
+    # CUDA reads an index like strtoul: "0 1" (spaces for commas) shows GPU 0 alone.
+    check = check_visible_devices(visible, "PCI_BUS_ID", gpu_count=4)
+    assert check.verdict == "warn"
+    assert needle in check.fix and "separate GPUs with commas" in check.fix
+    both = check_visible_devices(visible, None, gpu_count=4)  # with the numbering warning
+    assert needle in both.fix and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in both.fix
+    for plain in ("+1", " 2 ,03", "0,1"):
+        assert check_visible_devices(plain, "PCI_BUS_ID", gpu_count=4).verdict == "ok", plain
+
+
 @pytest.mark.parametrize("visible", ["0,-1", "0,0", "0,abc", "3", "GPU-8d3b,GPU-8d3b", "0,GPU-1"])
 def test_visible_devices_on_a_host_without_gpus_is_not_a_failure(visible: str) -> None:
     # No GPU to show or hide: CUDA sees none whatever the list says, so doctor must not exit 1.

@@ -7,13 +7,15 @@ Two tables ship as package data (``trainperf/bench/data``): ``seed_gpu_throughpu
 (datasheet TFLOP/s). GPUs report themselves by long marketing names (``"NVIDIA GeForce
 RTX 3090"``, ``"Tesla V100-SXM2-32GB"``) while the tables use short ones (``"3090"``,
 ``"V100"``); :func:`normalize_gpu_name` maps both onto one key by explicit rules, so a
-lookup is exact: a different card (``"RTX 3090 Ti"``, ``"A10G"``, ``"L40S"``) never matches.
+lookup is exact: ``"RTX 3090 Ti"`` finds its own row, and a card without one (``"RTX 3060
+Ti"``, ``"A10G"``, ``"L40S"``) never borrows another's.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import math
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -299,7 +301,8 @@ def compare_to_reference(
         A :class:`ReferenceComparison`.
 
     Raises:
-        ValueError: unknown ``model`` or ``precision``, or ``images_per_s`` <= 0.
+        ValueError: unknown ``model`` or ``precision``, or ``images_per_s`` not a finite
+            number > 0.
 
     Example:
         >>> c = compare_to_reference("NVIDIA GeForce RTX 3090", "resnet50", "fp16", 1800.0)
@@ -310,8 +313,9 @@ def compare_to_reference(
     """
     choice("model", model, sorted(MODEL_COLUMNS))
     choice("precision", precision, ("fp32", "fp16", "bf16"))
-    if not images_per_s > 0:
-        raise ValueError(f"images_per_s must be > 0, got {images_per_s!r}")
+    # Finite too: an infinite rate ranks and divides, but its ratio is no JSON number.
+    if not (images_per_s > 0 and math.isfinite(images_per_s)):
+        raise ValueError(f"images_per_s must be > 0 and finite, got {images_per_s!r}")
     notes: list[str] = []
     table_precision = "fp16" if precision == "bf16" else precision
     if precision == "bf16":

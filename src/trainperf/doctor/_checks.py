@@ -147,6 +147,7 @@ def check_shm(
     *,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     prefetch_factor: int = DEFAULT_PREFETCH_FACTOR,
+    platform: str = sys.platform,
 ) -> Check:
     """``/dev/shm`` vs what DataLoader workers need to hand batches to the main process.
 
@@ -160,6 +161,8 @@ def check_shm(
             typical, and every rank's workers share the one ``/dev/shm``.
         batch_bytes: bytes of one batch (default: 128 x 3 x 224 x 224 fp32, 77 MB).
         prefetch_factor: batches each worker keeps ready.
+        platform: ``sys.platform``: on Linux, where torch's shared memory is ``shm_open``'s
+            files in ``/dev/shm``, a missing ``/dev/shm`` fails; elsewhere it is not used.
 
     Example:
         >>> from trainperf.limits import HostLimits
@@ -167,6 +170,20 @@ def check_shm(
         >>> check_shm(tiny, workers=8).verdict
         'fail'
     """
+    fix = (
+        "enlarge /dev/shm: docker run --shm-size=16g (or --ipc=host); on Kubernetes mount an "
+        "emptyDir with medium: Memory at /dev/shm"
+    )
+    if limits.shm_total is None and platform.startswith("linux"):
+        # torch's tensors from workers are shm_open() files, which glibc puts in /dev/shm.
+        fix = fix.replace("enlarge /dev/shm", "mount a tmpfs at /dev/shm", 1)
+        return Check(
+            "shm",
+            "fail",
+            "no /dev/shm here: DataLoader workers pass batches through it",
+            f"DataLoader workers will crash (unable to open shared memory object): {fix}; "
+            "or use num_workers=0",
+        )
     if limits.shm_total is None:
         return Check(
             "shm", "skip", "no /dev/shm here", "DataLoader workers share memory another way"
@@ -176,10 +193,6 @@ def check_shm(
     value = (
         f"{format_bytes(limits.shm_total)} ({format_bytes(free)} free); {workers} workers x "
         f"{prefetch_factor} batches of {format_bytes(batch_bytes)} need ~{format_bytes(need)}"
-    )
-    fix = (
-        "enlarge /dev/shm: docker run --shm-size=16g (or --ipc=host); on Kubernetes mount an "
-        "emptyDir with medium: Memory at /dev/shm"
     )
     if free < batch_bytes:
         return Check("shm", "fail", value, "DataLoader workers will crash: " + fix)

@@ -6,6 +6,7 @@ Import everything from :mod:`trainperf.doctor`.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -85,18 +86,29 @@ def check_blas(
     return Check("blas", "ok", value)
 
 
+# One level of OMP_NUM_THREADS as libgomp reads it (strtoul, C whitespace around it): ASCII
+# digits only, where Python's int() also takes "1_0" and "\u0664", which libgomp rejects.
+_OMP_LEVEL = re.compile(r"[ \t\n\v\f\r]*\+?([0-9]+)[ \t\n\v\f\r]*")
+
+
 def _omp_threads(text: str | None) -> int | None:
     """The outermost thread count of ``OMP_NUM_THREADS``: an integer >= 1, or a list of them
     (``"4,2"``, one per nesting level, as OpenMP accepts); None when unset or unreadable."""
     if text is None:
         return None
-    levels = []
-    for part in text.split(","):
-        try:
-            levels.append(int(part))
-        except ValueError:
-            return None
-    return levels[0] if all(n >= 1 for n in levels) else None
+    matches = [_OMP_LEVEL.fullmatch(part) for part in text.split(",")]
+    levels = [int(m.group(1)) for m in matches if m is not None]
+    if len(levels) != len(matches) or not all(n >= 1 for n in levels):
+        return None
+    return levels[0]
+
+
+def _omp_setting(text: str | None) -> str:
+    """The variable as the value shows it: ``unset``, or as written (quoted when it is empty
+    or has spaces at either end, which would otherwise not show)."""
+    if text is None:
+        return "unset"
+    return text if text and text == text.strip() else repr(text)
 
 
 def check_threads(
@@ -123,7 +135,7 @@ def check_threads(
         'warn'
     """
     value = (
-        f"torch {torch_threads} threads, OMP_NUM_THREADS={omp_num_threads or 'unset'}, "
+        f"torch {torch_threads} threads, OMP_NUM_THREADS={_omp_setting(omp_num_threads)}, "
         f"{cpus} usable CPUs, {processes} process(es)"
     )
     share = max(1, cpus // max(1, processes))

@@ -441,6 +441,10 @@ def check_hostname(
         'fail'
     """
     owner = {a: n for n, addresses in interfaces.items() for a in addresses}
+    # Linux routes all of 127.0.0.0/8 to the loopback interface, which lists only 127.0.0.1:
+    # Debian's and Ubuntu's /etc/hosts give the hostname 127.0.1.1, and gloo binds to it.
+    lo = next((n for a, n in owner.items() if _is_loopback(a)), "lo")
+    owner.update({a: lo for a in resolved or () if a not in owner and _is_loopback(a)})
     found = _Findings()
     if resolved is None:
         value = f"{hostname!r} does not resolve"

@@ -13,6 +13,8 @@ __all__ = ["check_visible_devices"]
 
 
 _CUDA_ORDERS = ("FASTEST_FIRST", "PCI_BUS_ID")
+# An index entry with nothing after its number (a sign and leading zeros are read as numbers).
+_NUMBER = re.compile(r"\+?[0-9]+")
 
 
 def _hides_all(first: str) -> bool:
@@ -112,11 +114,16 @@ def _check_list(
         why = _unreadable_entry(bad, parsed)
         fix = f"{why}: CUDA stops reading the list there, so {visible_part}"
         return Check("visible_devices", "fail", value, fix)
-    return _check_entries(value, parsed, order, gpu_count, shown)
+    return _check_entries(value, visible, parsed, order, gpu_count, shown)
 
 
 def _check_entries(
-    value: str, parsed: VisibleDevices, order: str | None, gpu_count: int, shown: int | None
+    value: str,
+    visible: str,
+    parsed: VisibleDevices,
+    order: str | None,
+    gpu_count: int,
+    shown: int | None,
 ) -> Check:
     """The readable entries of a list on a host with GPUs: indices that exist, no repeats,
     UUIDs that match, and the numbering they are read in."""
@@ -140,11 +147,26 @@ def _check_entries(
             "the UUIDs"
         )
         return Check("visible_devices", "fail", value, fix)
+    warnings = [_index_tails(visible, parsed)] if parsed.notation == "index" else []
     if parsed.notation == "index" and gpu_count > 1 and order != "PCI_BUS_ID":
-        fix = (
+        warnings.append(
             "CUDA numbers GPUs fastest-first, nvidia-smi by PCI bus: index "
             f"{entries[0]} here need not be nvidia-smi's GPU {entries[0]}. Set "
             "CUDA_DEVICE_ORDER=PCI_BUS_ID, or list UUIDs (trainperf.select_gpus() does)"
         )
-        return Check("visible_devices", "warn", value, fix)
-    return Check("visible_devices", "ok", value)
+    fix = "; ".join(filter(None, warnings))
+    return Check("visible_devices", "warn" if fix else "ok", value, fix)
+
+
+def _index_tails(visible: str, parsed: VisibleDevices) -> str:
+    """What CUDA drops from index entries with more after the number (``"0 1"`` or ``"0;1"``
+    reads as GPU 0 alone, like C's ``strtoul``), as a fix; "" when every entry is a number."""
+    raw = [e.strip() for e in visible.split(",")][: len(parsed.entries)]
+    tails = [(e, n) for e, n in zip(raw, parsed.entries, strict=True) if not _NUMBER.fullmatch(e)]
+    if not tails:
+        return ""
+    read = ", ".join(f"{e!r} as {n}" for e, n in tails)
+    return (
+        f"CUDA reads {read}: an index ends at its first non-digit, and the rest of the entry "
+        "is ignored; separate GPUs with commas (CUDA_VISIBLE_DEVICES=0,1)"
+    )
