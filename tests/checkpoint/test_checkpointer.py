@@ -665,6 +665,18 @@ def test_restore_refuses_a_device_that_is_not_one_before_reading_any_file(
     assert ckpt.steps() == [1000, 2000]
 
 
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu", 0)])
+def test_restore_onto_cpu_with_an_index_restores_the_newest_step(
+    tmp_path: Path, device: Any, recwarn: pytest.WarningsRecorder
+) -> None:
+    # Before: torch.load cannot map onto "cpu:0", every file was skipped as damaged, and the
+    # run restarted from step 0.
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"model": _model()}, step=1000)
+    assert ckpt.restore({"model": _model()}, device=device) == 1000
+    assert not [w for w in recwarn if "skipping checkpoint" in str(w.message)]
+
+
 def test_a_plain_dict_gets_the_entries_it_lacks_and_a_tensor_is_copied_into(
     tmp_path: Path,
 ) -> None:

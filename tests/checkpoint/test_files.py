@@ -257,7 +257,9 @@ def test_distributed_true_on_one_rank_names_the_fix(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", GPU_FILES)
-@pytest.mark.parametrize("device", ["cpu", "auto", torch.device("cpu")])
+@pytest.mark.parametrize(
+    "device", ["cpu", "auto", torch.device("cpu"), "cpu:0", torch.device("cpu", 0)]
+)
 def test_gpu_saved_fixtures_load_on_cpu(name: str, device: Any) -> None:
     from trainperf.device import best_device
 

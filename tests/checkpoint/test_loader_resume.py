@@ -208,3 +208,59 @@ def test_a_dataset_whose_len_raises_still_saves_and_resumes(tmp_path: Path) -> N
     resumed = DataLoader(_NoLength(), batch_size=2, sampler=list(range(10)))
     assert Checkpointer(tmp_path).restore({"loader": resumed}) == 2
     assert first + _batches(resumed) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+
+
+class _OwnGenerators(Sampler[int]):
+    """A sampler a user wrote, shuffling with generators of its own under its own names."""
+
+    def __init__(self, n: int, kind: str) -> None:
+        self.n, self.kind = n, kind
+        self.rng: Any = {
+            "torch": torch.Generator().manual_seed(0),
+            "numpy Generator": np.random.default_rng(0),
+            "numpy RandomState": np.random.RandomState(0),
+            "random.Random": random.Random(0),
+        }[kind]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        if isinstance(self.rng, torch.Generator):
+            return iter(torch.randperm(self.n, generator=self.rng).tolist())
+        if isinstance(self.rng, random.Random):
+            order = list(range(self.n))
+            self.rng.shuffle(order)
+            return iter(order)
+        return iter(self.rng.permutation(self.n).tolist())
+
+
+def _own_shuffled(directory: Path, kind: str, *, stop: int | None = None) -> list[list[int]]:
+    """12 batches (over 3 passes of 5) of a loader with an :class:`_OwnGenerators`
+    sampler, or those until a save at ``stop``."""
+    loader = DataLoader(list(range(20)), batch_size=4, sampler=_OwnGenerators(20, kind))
+    ck = Checkpointer(directory)
+    step = ck.restore({"loader": loader})
+    out: list[list[int]] = []
+    while step < 12:
+        for batch in loader:
+            out.append(batch.tolist())
+            step += 1
+            if step in (stop, 12):
+                if step == stop:
+                    ck.save({"loader": loader}, step=step)
+                return out
+    return out
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy Generator", "numpy RandomState", "random.Random"])
+@pytest.mark.parametrize("stop", [5, 7])  # at a pass's end, and in the middle of the second
+def test_a_sampler_shuffling_with_generators_of_its_own_resumes_exactly(
+    tmp_path: Path, kind: str, stop: int
+) -> None:
+    # Before: only an attribute called ``generator`` holding a torch.Generator was recorded,
+    # so a resumed pass (and every later one) took the order of the sampler's first pass.
+    reference = _own_shuffled(tmp_path / "ref", kind)
+    got = _own_shuffled(tmp_path / "run", kind, stop=stop)
+    got += _own_shuffled(tmp_path / "run", kind)
+    assert got == reference

@@ -414,6 +414,10 @@ def load_checkpoint(
         {'step': 3, 'w': tensor([1., 1.])}
     """
     dev = resolve_device(device, allowed=("cpu", "cuda", "mps"))
+    if dev.type == "cpu":
+        # torch.load maps onto exactly "cpu": "cpu:0" (a valid torch.device) fails inside
+        # the unpickler, which read as a damaged file (and made restore skip every step).
+        dev = torch.device("cpu")
     path = Path(os.fspath(path)).expanduser()
     if not path.is_dir():
         return _load_file(path, dev, weights_only, verify)

@@ -6,8 +6,9 @@ so ``isinstance`` checks, ``TunedDataLoader.tuning_report`` and
 ``DistributedLoader.set_epoch`` still work) and counts two things: the passes (epochs)
 started and the batches handed out in the current pass. When a pass's sampler starts
 drawing, the states it draws from are recorded: torch's global generator (``RandomSampler``
-without a generator seeds itself from it), every ``torch.Generator`` and ``epoch`` attribute
-along the sampler chain (``BatchSampler.sampler``, ``DistributedSampler.epoch``).
+without a generator seeds itself from it), every generator (torch, NumPy, ``random.Random``)
+and ``epoch`` attribute along the sampler chain (``BatchSampler.sampler``,
+``DistributedSampler.epoch``).
 
 On restore, the next pass replays the interrupted one: the recorded states are put back just
 while its sampler draws, so it yields the same order, and the first ``position`` batches of
@@ -38,7 +39,14 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from trainperf._utils.stack import user_stacklevel
-from trainperf.checkpoint._rng import as_python_state, numpy_state, set_numpy_state
+from trainperf.checkpoint._rng import (
+    as_python_state,
+    attribute_generators,
+    generator_state,
+    numpy_state,
+    set_generator_state,
+    set_numpy_state,
+)
 
 __all__ = ["check_position", "loader_state", "restore_loader", "track"]
 
@@ -62,6 +70,20 @@ def _generators(chain: list[Any]) -> list[torch.Generator | None]:
     ]
 
 
+def _others(chain: list[Any]) -> list[dict[str, Any]]:
+    """The generators each sampler keeps under other names (a sampler a user wrote:
+    ``self.rng = np.random.default_rng(seed)``), by attribute; its torch ``generator`` is
+    :func:`_generators`'."""
+    return [
+        {
+            k: g
+            for k, g in attribute_generators(s).items()
+            if not (k == "generator" and isinstance(g, torch.Generator))
+        }
+        for s in chain
+    ]
+
+
 def _epochs(chain: list[Any]) -> list[int | None]:
     return [e if isinstance(e := getattr(s, "epoch", None), int) else None for s in chain]
 
@@ -78,6 +100,7 @@ class _States:
     loader_generator: torch.Tensor | None = None
     numpy_state: dict[str, Any] | None = None  # None: a checkpoint from before they were kept
     python_state: Any = None
+    others: list[dict[str, Any]] | None = None  # None: a checkpoint from before they were kept
 
     @classmethod
     def read(cls, chain: list[Any], loader_gen: torch.Generator | None) -> _States:
@@ -88,6 +111,7 @@ class _States:
             None if loader_gen is None else loader_gen.get_state(),
             numpy_state(),
             random.getstate(),
+            [{k: generator_state(g) for k, g in d.items()} for d in _others(chain)],
         )
 
     def apply_globals(self) -> None:
@@ -103,6 +127,10 @@ class _States:
         for g, state in zip(_generators(chain), self.generators, strict=False):
             if g is not None and state is not None:
                 g.set_state(state)
+        for gens, states in zip(_others(chain), self.others or [], strict=False):
+            for name, g in gens.items():
+                if name in states:
+                    set_generator_state(g, states[name])
         for sampler, epoch in zip(chain, self.epochs, strict=False):
             if epoch is not None and isinstance(getattr(sampler, "epoch", None), int):
                 sampler.epoch = epoch
@@ -117,6 +145,7 @@ class _States:
             "loader_generator": self.loader_generator,
             "numpy": self.numpy_state,
             "python": self.python_state,
+            "others": self.others,
         }
 
     @classmethod
@@ -128,6 +157,7 @@ class _States:
             d["loader_generator"],
             d.get("numpy"),
             d.get("python"),
+            d.get("others"),
         )
 
 
@@ -157,7 +187,9 @@ def _replaying(chain: list[Any], loader_gen: torch.Generator | None) -> Iterator
         for sampler, epoch in zip(chain, before.epochs, strict=False):
             if epoch is not None and isinstance(getattr(sampler, "epoch", None), int):
                 sampler.epoch = epoch
-        drawn = any(g is loader_gen for g in _generators(chain))
+        drawn = any(g is loader_gen for g in _generators(chain)) or any(
+            g is loader_gen for gens in _others(chain) for g in gens.values()
+        )
         if loader_gen is not None and before.loader_generator is not None and not drawn:
             loader_gen.set_state(before.loader_generator)
 

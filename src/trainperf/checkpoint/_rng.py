@@ -19,7 +19,17 @@ import torch
 
 from trainperf._utils.stack import user_stacklevel
 
-__all__ = ["as_python_state", "numpy_state", "rng_state", "set_numpy_state", "set_rng_state"]
+__all__ = [
+    "as_python_state",
+    "attribute_generators",
+    "generator_state",
+    "is_generator",
+    "numpy_state",
+    "rng_state",
+    "set_generator_state",
+    "set_numpy_state",
+    "set_rng_state",
+]
 
 
 def numpy_state() -> dict[str, Any]:
@@ -108,3 +118,74 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
             UserWarning,
             stacklevel=user_stacklevel(),
         )
+
+
+_GENERATOR_TYPES = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
+
+
+def is_generator(value: Any) -> bool:
+    """``value`` is a random generator object whose state :func:`generator_state` reads
+    (``random.SystemRandom`` has none: it reads the operating system's entropy)."""
+    return isinstance(value, _GENERATOR_TYPES) and not isinstance(value, random.SystemRandom)
+
+
+def attribute_generators(obj: Any) -> dict[str, Any]:
+    """``obj``'s attributes that hold generator objects (:func:`is_generator`), by name: a
+    sampler a user wrote may shuffle with any of them."""
+    attrs = getattr(obj, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return {}
+    return {k: v for k, v in attrs.items() if is_generator(v)}
+
+
+def _plain_arrays(value: Any) -> Any:
+    """A NumPy bit generator's state with its arrays as uint8 tensors of their bytes (a
+    plain tensor type every loader reads; uint64 keys would not fit int64 otherwise)."""
+    if isinstance(value, np.ndarray):
+        raw = torch.from_numpy(np.frombuffer(value.tobytes(), dtype=np.uint8).copy())
+        return {"ndarray": value.dtype.str, "shape": list(value.shape), "bytes": raw}
+    if isinstance(value, dict):
+        return {k: _plain_arrays(v) for k, v in value.items()}
+    return value
+
+
+def _numpy_arrays(value: Any) -> Any:
+    """:func:`_plain_arrays` undone."""
+    if isinstance(value, Mapping) and "ndarray" in value and "bytes" in value:
+        data = value["bytes"].numpy().tobytes()
+        return np.frombuffer(data, dtype=np.dtype(value["ndarray"])).reshape(value["shape"]).copy()
+    if isinstance(value, Mapping):
+        return {k: _numpy_arrays(v) for k, v in value.items()}
+    return value
+
+
+def generator_state(gen: Any) -> Any:
+    """The state of a generator object (:func:`is_generator`) as plain data.
+
+    Example:
+        >>> g = np.random.default_rng(0)
+        >>> saved = generator_state(g)
+        >>> a = g.random()
+        >>> set_generator_state(g, saved)
+        >>> g.random() == a
+        True
+    """
+    if isinstance(gen, torch.Generator):
+        return gen.get_state()
+    if isinstance(gen, np.random.Generator):
+        return _plain_arrays(gen.bit_generator.state)
+    if isinstance(gen, np.random.RandomState):
+        return _plain_arrays(gen.get_state(legacy=False))
+    return gen.getstate()
+
+
+def set_generator_state(gen: Any, state: Any) -> None:
+    """Put back what :func:`generator_state` read from ``gen``."""
+    if isinstance(gen, torch.Generator):
+        gen.set_state(state)
+    elif isinstance(gen, np.random.Generator):
+        gen.bit_generator.state = _numpy_arrays(state)
+    elif isinstance(gen, np.random.RandomState):
+        gen.set_state(_numpy_arrays(state))
+    else:
+        gen.setstate(as_python_state(state))
