@@ -550,3 +550,33 @@ def test_a_wrapped_index_sampler_gets_the_real_sampler_and_keeps_nothing() -> No
     plan = loader._plan
     assert plan is None or len(plan._pending) == 0
     assert loader._index_sampler is loader._real_index_sampler
+
+
+class SlowStart(Dataset[int]):
+    """A first batch that takes long, as a new pool's start-up does (16 spawn workers:
+    13 s on 2 cores), then quick ones."""
+
+    def __len__(self) -> int:
+        return 400
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(0.4 if i == 0 else 0.001)
+        return i
+
+
+def test_a_check_judges_the_window_after_its_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: a check was due 2 s after the window began, start-up included, so a pool
+    # slow to start was judged on the 4 batches after it (16 spawn workers "gave 99
+    # samples/s" against 4,000) and the no-gain rule took them away for good.
+    monkeypatch.setattr(adapt_timed, "_CHECK_EVERY_S", 0.2)
+    running: list[float] = []
+
+    def check(loader: Any, it: Any) -> None:
+        running.append(time.perf_counter() - it.started - it.startup_s)
+        it.new_window()
+
+    monkeypatch.setattr(adapt_timed, "check", check)
+    loader = AdaptiveDataLoader(SlowStart(), batch_size=1, max_workers=0)
+    for _ in loader:
+        pass
+    assert running and min(running) >= 0.2

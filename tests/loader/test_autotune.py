@@ -27,7 +27,8 @@ from torch.utils.data import DataLoader
 import trainperf.loader._autotune as autotune
 from trainperf import DieWithParent
 from trainperf.limits import HostLimits
-from trainperf.loader import TunedDataLoader, TuningReport, autotune_loader
+from trainperf.loader import CandidateResult, TunedDataLoader, TuningReport, autotune_loader
+from trainperf.loader._faults import budget_cut_reason
 
 ORPHANS = Path(__file__).with_name("_orphans.py")
 
@@ -209,3 +210,21 @@ def test_a_measured_worker_count_above_the_cpus_brings_no_torch_warning(
         loader.check_worker_number_rationality()  # what each pool it starts runs
     assert loader.num_workers == many
     assert [str(w.message) for w in caught if "worker processes in total" in str(w.message)] == []
+
+
+def test_a_pool_the_budget_cut_short_does_not_cap_the_adaptive_loader() -> None:
+    # Before: spawn workers too slow to start within a short budget_s were failed as a
+    # "hang", read as the dataset's fault, and the adaptive loader got max_workers=0 for
+    # good (an I/O-bound dataset never got the workers that made it 7x faster).
+    zero = CandidateResult(0, None, False, "ok", samples_per_s=100.0)
+    cut = CandidateResult(1, 2, False, "failed", fault="hang", reason=budget_cut_reason(1.3))
+    hung = CandidateResult(4, 2, False, "failed", fault="hang", reason="no batch arrived")
+    limits = HostLimits(2, 2, None, 2, 2**33, None, 2**32, None, None)
+
+    def report(*candidates: CandidateResult) -> TuningReport:
+        return TuningReport(
+            {"num_workers": 0}, 100.0, 100.0, None, candidates, 1.0, 2.0, limits, 2, 1, 8, "cpu", 8
+        )
+
+    assert autotune._below_failures(report(zero, cut)) > 64
+    assert autotune._below_failures(report(zero, cut, hung)) == 3

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
+
 from trainperf.loader import CandidateResult
 from trainperf.loader._choice import (
     best_settings,
@@ -98,3 +101,22 @@ def test_forced_fallback() -> None:
     too_few_cores = CandidateResult(2, 2, False, "skipped", fault="cpu")
     assert not forced_fallback(zero, [zero, too_few_cores])
     assert not forced_fallback(zero, [zero])
+
+
+def test_a_dataset_wrapping_one_with_set_epoch_counts_as_having_it() -> None:
+    # Before: only the outer dataset was looked at, so Subset(hf_stream) or
+    # ConcatDataset([...]) got persistent workers that never saw inner.set_epoch(e).
+    class Stream(Dataset[int]):
+        def set_epoch(self, epoch: int) -> None:
+            pass
+
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> int:
+            return i
+
+    assert has_set_epoch(Subset(Stream(), [0, 1]))
+    assert has_set_epoch(ConcatDataset([TensorDataset(torch.zeros(2)), Stream()]))
+    assert has_set_epoch(Subset(Subset(Stream(), [0, 1]), [0]))
+    assert not has_set_epoch(Subset(TensorDataset(torch.zeros(2)), [0]))

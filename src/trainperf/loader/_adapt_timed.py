@@ -2,7 +2,8 @@
 
 :class:`_TimedIter` wraps the epoch's DataLoader iterator: it times every ``__next__`` (the
 loop waiting for data) and the gaps between them (the step), reads the workers' CPU, and
-every ``_CHECK_EVERY_S`` seconds of iteration hands the window that ends at that batch
+every ``_CHECK_EVERY_S`` seconds of iteration (after the window's first batch, so not
+within a new pool's start-up) hands the window that ends at that batch
 boundary to the loader's mid-epoch check (:func:`trainperf.loader._adapt_retune.check`). A
 pool on trial that gives no first batch in time goes to
 :func:`trainperf.loader._adapt_pool.pool_hung`. What the caller holds is the
@@ -77,7 +78,10 @@ class _TimedIter:
         if self.returned is not None:
             self.step_s += t0 - self.returned
             self.step_cpu_s += c0 - self.returned_cpu
-            due = t0 - self.started >= _CHECK_EVERY_S and self.batches > _CHECK_BATCHES
+            # Seconds after the window's first batch: a new pool's start-up (13 s for 16
+            # spawn workers on 2 cores) is no time a rule can judge the running pool by.
+            running = t0 - self.started - self.startup_s
+            due = running >= _CHECK_EVERY_S and self.batches > _CHECK_BATCHES
             if due and self.plan is not None and self.final is None:
                 check(self.loader, self)  # a batch boundary: it may replace the pool
                 t0, c0 = time.perf_counter(), time.process_time()

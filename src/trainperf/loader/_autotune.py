@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from trainperf._utils.lifetime import DieWithParent
 from trainperf.loader._choice import has_set_epoch
+from trainperf.loader._faults import budget_cut
 from trainperf.loader._iterable import tail_batches
 from trainperf.loader._report import TuningReport
 from trainperf.loader._tune import tune_loader
@@ -206,10 +207,16 @@ def _below_failures(report: TuningReport) -> int:
     """The most workers below every count the tuner saw fail for a reason of the dataset's
     (a worker that crashed, hung, could not be pickled, raised), 0 for a stream that does
     not shard across workers; the host's reasons (memory, ``/dev/shm``, CPUs) are the
-    adaptive loader's own rules to judge."""
+    adaptive loader's own rules to judge, and so is a pool the budget cut short before its
+    first batch (too short a budget for ``spawn`` workers to start is not a hang of the
+    dataset's; the adaptive loader's own hang rule steps back from a real one)."""
     if any(c.fault == "unsharded" for c in report.candidates):
         return 0
-    failed = [c.num_workers for c in report.candidates if c.fault in _BROKEN]
+    failed = [
+        c.num_workers
+        for c in report.candidates
+        if c.fault in _BROKEN and not budget_cut(c.fault, c.reason)
+    ]
     return max(0, min(failed) - 1) if failed else 1 << 30
 
 

@@ -35,7 +35,7 @@ __all__ = [
     "write_entry",
 ]
 
-_VERSION = 2  # 2: a dataset with set_epoch() gets no persistent workers
+_VERSION = 3  # 2: a dataset with set_epoch() gets no persistent workers; 3: a wrapped one too
 # Arguments that change the work per batch or the answer; the rest (timeout, generator)
 # do not belong in the key. Callables count by name: their identity changes every run. The
 # caller's own num_workers and prefetch_factor are in it: that setting is measured as one

@@ -24,8 +24,8 @@ __all__ = [
 ]
 
 SET_EPOCH = (
-    "persistent_workers=False: the dataset has set_epoch(), and workers kept between epochs "
-    "hold their own copy of it, which dataset.set_epoch(e) never reaches; pass "
+    "persistent_workers=False: the dataset (or one it wraps) has set_epoch(), and workers kept "
+    "between epochs hold their own copy of it, which dataset.set_epoch(e) never reaches; pass "
     "persistent_workers=True to keep them anyway"
 )
 NOT_CACHED = (
@@ -81,10 +81,30 @@ def persistent_workers(
     )
 
 
-def has_set_epoch(dataset: object) -> bool:
-    """Whether ``dataset`` takes ``set_epoch(e)`` (Hugging Face and webdataset streams,
-    datasets that reshuffle or resample by epoch)."""
-    return callable(getattr(dataset, "set_epoch", None))
+def has_set_epoch(dataset: object, depth: int = 0) -> bool:
+    """Whether ``dataset``, or a dataset it wraps (a ``Subset``'s or ``random_split``'s
+    ``.dataset``, a ``ConcatDataset``'s ``.datasets``), takes ``set_epoch(e)`` (Hugging Face
+    and webdataset streams, datasets that reshuffle or resample by epoch): the caller calls
+    it on the dataset they hold, which may be the wrapped one.
+
+    Example:
+        >>> from torch.utils.data import Subset
+        >>> class Epoched:
+        ...     def set_epoch(self, epoch): ...
+        >>> has_set_epoch(Epoched()), has_set_epoch(Subset(Epoched(), [0])), has_set_epoch([])
+        (True, True, False)
+    """
+    if callable(getattr(dataset, "set_epoch", None)):
+        return True
+    if depth >= 4:
+        return False
+    inner = getattr(dataset, "dataset", None)
+    if inner is not None and not isinstance(inner, (str, bytes)):
+        return has_set_epoch(inner, depth + 1)
+    parts = getattr(dataset, "datasets", None)
+    if isinstance(parts, (list, tuple)):
+        return any(has_set_epoch(d, depth + 1) for d in parts[:16])
+    return False
 
 
 def best_settings(

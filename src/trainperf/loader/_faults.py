@@ -26,6 +26,7 @@ from trainperf.loader._report import FaultKind, format_bytes
 
 __all__ = [
     "WorkerProcesses",
+    "budget_cut",
     "budget_cut_reason",
     "child_signals_held",
     "classify_fault",
@@ -352,6 +353,22 @@ def classify_fault(
     return "error", f"the dataset raised in a worker: {_last_line(msg)}"
 
 
+_BUDGET_CUT = " left of the time budget: a worker may hang, or the budget is too short"
+
+
+def budget_cut(fault: str | None, reason: str | None) -> bool:
+    """Whether a candidate's ``hang`` is one the budget cut short (:func:`budget_cut_reason`):
+    a pool that may only have been slow to start (``spawn`` workers import torch again), not
+    a dataset seen to hang. The reason is matched as text since reports come back from the
+    cache and from other ranks as text.
+
+    Example:
+        >>> budget_cut("hang", budget_cut_reason(0.5)), budget_cut("hang", "no batch arrived")
+        (True, False)
+    """
+    return fault == "hang" and reason is not None and _BUDGET_CUT in reason
+
+
 def budget_cut_reason(seconds_left: float) -> str:
     """Why a candidate whose hang timeout the budget cut short delivered no batch.
 
@@ -363,10 +380,9 @@ def budget_cut_reason(seconds_left: float) -> str:
         'no batch within the 2.5 s left of the time budget'
     """
     return (
-        f"no batch within the {seconds_left:.1f} s left of the time budget: a worker may hang, "
-        f"or the budget is too short for the workers to start and deliver one batch; fix: a "
-        f"larger budget_s, or a DataLoader timeout= shorter than the budget so that a hang "
-        f"is reported as one"
+        f"no batch within the {seconds_left:.1f} s{_BUDGET_CUT} for the workers to start and "
+        f"deliver one batch; fix: a larger budget_s, or a DataLoader timeout= shorter than the "
+        f"budget so that a hang is reported as one"
     )
 
 
