@@ -150,12 +150,42 @@ def test_to_device_calls_to_on_objects_and_modules(monkeypatch: pytest.MonkeyPat
     rec = Recorder()
     model = torch.nn.Linear(2, 2)
     out = to_device({"rec": rec, "model": [model]}, "meta")
-    assert out["rec"] is rec and rec.moved_to == META
+    assert out["rec"].moved_to == META and rec.moved_to is None  # .to ran on a copy
     assert out["model"][0] is model and model.weight.device == META  # modules move in place
-    to_device(rec, 1)
-    assert rec.moved_to == torch.device("cuda", 1)  # an int means a CUDA index
-    to_device(rec, torch.device("cpu"))
-    assert rec.moved_to == torch.device("cpu")
+    assert to_device(rec, 1).moved_to == torch.device("cuda", 1)  # an int: a CUDA index
+    assert to_device(rec, torch.device("cpu")).moved_to == torch.device("cpu")
+
+
+class InPlaceEncoding(dict):  # type: ignore[type-arg]
+    """Hugging Face's BatchEncoding: a mapping whose .to replaces its data in place."""
+
+    def __init__(self, data: dict[str, torch.Tensor]) -> None:
+        super().__init__(data)
+        self.data = data
+
+    def to(self, device: torch.device) -> InPlaceEncoding:
+        self.data = {k: v.to(device) for k, v in self.data.items()}
+        return self
+
+
+def test_to_device_leaves_a_batch_whose_to_moves_in_place_where_it_was() -> None:
+    batch = InPlaceEncoding({"input_ids": torch.tensor([1, 2])})
+    out = to_device({"enc": batch}, "meta")
+    assert out["enc"].data["input_ids"].device == META
+    assert batch.data["input_ids"].device == torch.device("cpu")  # the caller's is kept
+
+
+class Uncopyable:
+    def __copy__(self) -> Uncopyable:
+        raise RuntimeError("holds a lock")
+
+    def to(self, device: torch.device) -> None:
+        self.moved_to = device
+
+
+def test_to_device_moves_an_object_that_cannot_be_copied_itself() -> None:
+    obj = Uncopyable()
+    assert to_device(obj, "meta") is obj and obj.moved_to == META
 
 
 def test_to_device_moves_tensor_subclasses() -> None:
@@ -288,8 +318,11 @@ class _Forgetful:
 @pytest.mark.parametrize("should_return", [False, True])
 def test_to_device_keeps_an_object_whose_to_returns_none(should_return: bool) -> None:
     obj = _Forgetful(float_cpu(1), should_return)
-    assert to_device(obj, "meta") is obj and obj.tensor.device == META
-    assert to_device({"o": [obj]}, torch.device("meta"))["o"][0] is obj
+    out = to_device(obj, "meta")
+    assert isinstance(out, _Forgetful) and out.tensor.device == META
+    assert obj.tensor.device == torch.device("cpu")  # the copy moved, not the caller's
+    nested = to_device({"o": [obj]}, torch.device("meta"))["o"][0]
+    assert isinstance(nested, _Forgetful) and nested.tensor.device == META
 
 
 class AttributeStore(MutableMapping):  # type: ignore[type-arg]

@@ -89,10 +89,11 @@ def rebuild(
 ) -> Any:
     """Everything but tensors, dicts, lists and tuples of exact types (the hot path's)."""
     if kind == HAS_TO:
-        moved = obj.to(device)
+        target = _own_copy(obj)
+        moved = target.to(device)
         # A .to that moves in place and forgets to return self must not turn the batch into
         # None (Lightning keeps the object too).
-        return obj if moved is None else moved
+        return target if moved is None else moved
     if kind == STORAGE:
         return _move_storage(obj, device)
     if kind == NAMEDTUPLE:
@@ -108,6 +109,19 @@ def rebuild(
     if kind == NAMESPACE:
         return _move_attributes(obj, list(vars(obj).items()), move, memo)
     return obj
+
+
+def _own_copy(obj: Any) -> Any:
+    """A shallow copy for an object's own ``.to`` to work on: Hugging Face's
+    ``BatchEncoding.to`` replaces its ``data`` in place, which would move the caller's batch
+    too. A module is its own (``Module.to`` moves it in place, as torch does); an object that
+    cannot be copied is moved itself."""
+    if isinstance(obj, torch.nn.Module):
+        return obj
+    try:
+        return copy.copy(obj)
+    except Exception:  # any failure of a user's __copy__ or __reduce__
+        return obj
 
 
 def move_tensor(
