@@ -12,9 +12,7 @@ import random
 import signal
 import threading
 import time
-import types
 import warnings
-import zipfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import trainperf.checkpoint._checkpointer as checkpointer_module
-import trainperf.checkpoint._files as files_module
+import trainperf.checkpoint._read as read_module
 import trainperf.checkpoint._steps as steps_module
 import trainperf.checkpoint._writer as writer_module
 import trainperf.checkpoint._writer_fork as writer_fork
@@ -117,6 +115,56 @@ def test_keep_leaves_a_step_the_user_write_protected(tmp_path: Path) -> None:
     ckpt.wait()
     assert ckpt.steps() == [10, 30]
     assert load_checkpoint(tmp_path / "step-000000010.pt")["best"] == 1
+
+
+def test_keep_counts_no_foreign_file_and_deletes_no_real_step_for_it(tmp_path: Path) -> None:
+    # A file with a step file's name but not Checkpointer's contents (copied in from
+    # elsewhere) held one of the keep= places, so the real step 20 was deleted.
+    ckpt = Checkpointer(tmp_path, keep=2)
+    ckpt.save({"w": torch.ones(1)}, step=10)
+    foreign = tmp_path / "step-000000999.pt"
+    torch.save({"other": "run"}, foreign)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not "already holds step 999": a resume skips it
+        for step in (20, 30):
+            ckpt.save({"w": torch.full((1,), float(step))}, step=step)
+    assert ckpt.steps() == [20, 30, 999]
+    assert torch.load(foreign) == {"other": "run"}  # nor is the foreign file deleted
+    w = torch.zeros(1)
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000999\.pt: .*not "):
+        assert ckpt.latest() == tmp_path / "step-000000030.pt"
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000999\.pt: .*not "):
+        assert ckpt.restore({"w": w}) == 30
+
+
+def test_latest_names_a_legacy_format_file_as_restore_loads_it(tmp_path: Path) -> None:
+    # latest() read only zip directories, so it skipped the newest file restore() loads.
+    ckpt = Checkpointer(tmp_path)
+    for step in (10, 20):
+        ckpt.save({"w": torch.full((2,), float(step))}, step=step)
+    newest = tmp_path / "step-000000020.pt"
+    legacy = torch.load(newest, weights_only=False)
+    torch.save(legacy, newest, _use_new_zipfile_serialization=False)
+    w = torch.zeros(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ckpt.latest() == newest
+        assert ckpt.restore({"w": w}) == 20
+    assert torch.equal(w, torch.full((2,), 20.0))
+
+
+def test_a_name_with_extra_leading_zeros_is_no_step_to_any_method(tmp_path: Path) -> None:
+    # steps() listed step 50 from step-0000000050.pt, and latest() and restore() then looked
+    # for step-000000050.pt: "No such file" warnings, and nothing restored.
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save({"w": torch.ones(1)}, step=50)
+    odd = tmp_path / "step-0000000050.pt"
+    (tmp_path / "step-000000050.pt").rename(odd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ckpt.steps() == [] and ckpt.latest() is None and ckpt.restore({}) == 0
+    ckpt.save({"w": torch.ones(1)}, step=60)
+    assert odd.exists()
 
 
 def test_a_save_below_a_step_on_disk_warns_once_that_a_resume_would_take_that_one(
@@ -419,7 +467,7 @@ def test_restore_stops_on_a_file_it_cannot_read_rather_than_fall_back(
             raise OSError(code, os.strerror(code), str(path))
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(files_module, "open", failing_open, raising=False)
+    monkeypatch.setattr(read_module, "open", failing_open, raising=False)
     w = torch.zeros(4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "skipping checkpoint": the file may be fine
@@ -445,15 +493,14 @@ def test_latest_stops_on_a_file_it_cannot_read_as_restore_does(
         ckpt.save({"w": torch.full((1000,), float(step))}, step=step)
     newest = tmp_path / "step-000000003.pt"
     newest.write_bytes(newest.read_bytes()[:500])  # cut short: still skipped
-    real_zip = zipfile.ZipFile
+    real_skim = steps_module.skim
 
-    def failing_zip(path: Any, *args: Any, **kwargs: Any) -> Any:
-        if str(path).endswith("step-000000002.pt"):
+    def failing_skim(path: Path) -> Any:
+        if path.name == "step-000000002.pt":
             raise OSError(code, os.strerror(code), str(path))
-        return real_zip(path, *args, **kwargs)
+        return real_skim(path)
 
-    fake = types.SimpleNamespace(ZipFile=failing_zip, BadZipFile=zipfile.BadZipFile)
-    monkeypatch.setattr(steps_module, "zipfile", fake)
+    monkeypatch.setattr(steps_module, "skim", failing_skim)
     with (
         warnings.catch_warnings(record=True) as caught,
         pytest.raises(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import io
 import os
 import warnings
 from pathlib import Path
@@ -17,6 +18,7 @@ from torch import nn
 
 import trainperf._utils.imports
 import trainperf.checkpoint._files as files_module
+import trainperf.checkpoint._read as read_module
 from tests.checkpoint import _ranks
 from tests.checkpoint._common import FIXTURES, GPU_FILES, Net, assert_same, temps
 from tests.ddp._distributed import FORK, spawn
@@ -27,6 +29,7 @@ from trainperf.errors import (
     CheckpointNotFoundError,
     DeviceError,
     NotACheckpointError,
+    UnsafeCheckpointError,
 )
 
 # --------------------------------------------------------------------------- save
@@ -365,7 +368,7 @@ def test_a_file_that_cannot_be_opened_is_an_os_error_not_a_damaged_checkpoint(
     def no_permission(*args: Any, **kwargs: Any) -> None:
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
 
-    monkeypatch.setattr(files_module, "open", no_permission, raising=False)
+    monkeypatch.setattr(read_module, "open", no_permission, raising=False)
     with pytest.raises(
         PermissionError, match=r"cannot read checkpoint .*c\.pt: Permission denied.*ls -l"
     ) as info:
@@ -377,6 +380,85 @@ def test_empty_file(tmp_path: Path) -> None:
     (tmp_path / "e.pt").write_bytes(b"")
     with pytest.raises(CheckpointCorruptError, match=r"e\.pt is empty \(0 bytes\)"):
         load_checkpoint(tmp_path / "e.pt")
+
+
+# -------------------------------------------------------------------- file objects
+
+
+class _Marker:
+    """Unpickling this would create the marker file: what a malicious checkpoint does."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_an_open_binary_file_object_loads_as_its_file_does(
+    tmp_path: Path, zip_format: bool
+) -> None:
+    # It was a bare TypeError from path handling; torch.load takes file objects.
+    path = tmp_path / "c.pt"
+    torch.save({"w": torch.arange(4.0)}, path, _use_new_zipfile_serialization=zip_format)
+    with open(path, "rb") as f:
+        assert torch.equal(load_checkpoint(f)["w"], torch.arange(4.0))
+    data = b"junk" + path.read_bytes()
+    buffer = io.BytesIO(data)
+    buffer.seek(4)  # read from where it stands, as torch.load does
+    assert torch.equal(load_checkpoint(buffer)["w"], torch.arange(4.0))
+
+
+def test_a_file_object_gets_the_same_safe_load_and_checks(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    evil = io.BytesIO()
+    torch.save({"w": torch.ones(2), "x": _Marker(marker)}, evil)
+    evil.seek(0)
+    with pytest.raises(UnsafeCheckpointError, match=r"BytesIO object given contains .*system"):
+        load_checkpoint(evil)
+    assert not marker.exists()
+    good = io.BytesIO()
+    torch.save({"w": torch.full((1000,), 2.0)}, good)
+    with pytest.raises(CheckpointCorruptError, match=r"BytesIO object given is truncated"):
+        load_checkpoint(io.BytesIO(good.getvalue()[:500]))
+    flipped = bytearray(good.getvalue())
+    flipped[bytes(flipped).index(torch.full((8,), 2.0).numpy().tobytes())] ^= 0xFF
+    with pytest.raises(CheckpointCorruptError, match=r"damaged"):
+        load_checkpoint(io.BytesIO(bytes(flipped)))
+    with pytest.raises(CheckpointCorruptError, match=r"empty \(0 bytes\)"):
+        load_checkpoint(io.BytesIO())
+    with pytest.raises(NotACheckpointError, match=r"looks like JSON text"):
+        load_checkpoint(io.BytesIO(b'{"a": 1}'))
+
+
+def test_a_safetensors_file_object_loads_onto_the_device(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    path = save_checkpoint({"a": torch.arange(3.0)}, tmp_path / "w.safetensors")
+    with open(path, "rb") as f:
+        assert torch.equal(load_checkpoint(f, "cpu")["a"], torch.arange(3.0))
+
+
+def test_what_is_not_a_readable_binary_file_object_is_refused_with_the_fix(
+    tmp_path: Path,
+) -> None:
+    path = save_checkpoint({"w": torch.ones(1)}, tmp_path / "c.pt")
+    with pytest.raises(TypeError, match=r"got bytes \(\d+ bytes\).*io\.BytesIO\(data\)"):
+        load_checkpoint(path.read_bytes())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got int: pass the checkpoint's path"):
+        load_checkpoint(3)  # type: ignore[arg-type]
+    with open(path) as text, pytest.raises(TypeError, match=r"text one .*open\(path, 'rb'\)"):
+        load_checkpoint(text)  # type: ignore[arg-type]
+    with open(path, "rb") as closed:
+        pass
+    with pytest.raises(ValueError, match=r"closed file .*c\.pt"):
+        load_checkpoint(closed)
+    with open(tmp_path / "w.pt", "wb") as written, pytest.raises(ValueError, match=r"not open"):
+        load_checkpoint(written)
+    r, w = os.pipe()
+    os.close(w)
+    with open(r, "rb") as pipe, pytest.raises(ValueError, match=r"io\.BytesIO\(f\.read\(\)\)"):
+        load_checkpoint(pipe)
 
 
 # --------------------------------------------------------------------- safetensors

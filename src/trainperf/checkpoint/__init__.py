@@ -11,7 +11,8 @@ DDP) and ``_orig_mod.`` (``torch.compile``) prefixes into wrapped or plain model
 - :mod:`._keys`: the key helpers behind them (removing prefix layers, matching shapes);
 - :mod:`._search`: finding the model's state dict inside a whole checkpoint (timm,
   Lightning, Fabric), by keys and shapes;
-- :mod:`._files`: :func:`save_checkpoint` and :func:`load_checkpoint`;
+- :mod:`._files`: :func:`save_checkpoint` and :func:`load_checkpoint`, which reads one file
+  or open file object through :mod:`._read`;
 - :mod:`._write`: ``write_checkpoint_file``, the temp-file, fsync and ``os.replace`` write
   behind ``save_checkpoint`` (:mod:`trainperf._utils.atomic`), its failures as
   ``CheckpointError``;
@@ -22,7 +23,8 @@ DDP) and ``_orig_mod.`` (``torch.compile``) prefixes into wrapped or plain model
   ``save_state``, DCP);
 - :mod:`._checkpointer`: :class:`Checkpointer`, a directory of step-numbered checkpoints
   (background saves, ``keep``, exact resume, preemption), built from :mod:`._steps` (file
-  names, retention, stale temp files), :mod:`._payload` (what a file holds, and restoring
+  names, which files are step files (their pickle read by :mod:`._skim`), retention, stale
+  temp files), :mod:`._payload` (what a file holds, and restoring
   it into live objects), :mod:`._writer` (the forked or threaded background writer and
   :class:`SaveHandle`; :mod:`._writer_fork`, :mod:`._writer_snapshot`,
   :mod:`._writer_staging`), :mod:`._checkpointer_wait`, :mod:`._checkpointer_warn`,

@@ -21,7 +21,7 @@ import threading
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -145,7 +145,7 @@ def _leave() -> None:
             _added = None
 
 
-def blocked_globals(path: Path) -> list[str]:
+def blocked_globals(path: Path | IO[bytes]) -> list[str]:
     """Every global in the file that ``weights_only=True`` refuses (the ones allowed here and
     by the user excepted); empty when torch cannot say (legacy files, torch < 2.5)."""
     find = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
@@ -189,7 +189,7 @@ def allow_line(names: list[str]) -> str:
     return f"{imports}torch.serialization.add_safe_globals([{', '.join(exprs)}])"
 
 
-def holds_whole_module(path: Path, names: list[str]) -> bool:
+def holds_whole_module(path: Path | IO[bytes], names: list[str]) -> bool:
     """The file is a pickled ``nn.Module`` (``torch.save(model)``), not a state dict: it names
     a torch.nn module class, or its pickle holds a module's ``_parameters`` and ``_modules``."""
     if any(n.startswith("torch.nn.modules.") for n in names):

@@ -44,11 +44,11 @@ from trainperf.checkpoint._payload import build_payload, rank_payload, restore_i
 from trainperf.checkpoint._preempt import Preemption
 from trainperf.checkpoint._steps import (
     main_file,
+    not_a_step_file,
     rank_file,
     remove_dead_temps,
     retire,
     steps_on_disk,
-    unloadable,
 )
 from trainperf.checkpoint._writer import (
     SaveHandle,
@@ -313,15 +313,19 @@ class Checkpointer:
     # ----------------------------------------------------------------- reading
 
     def steps(self) -> list[int]:
-        """The steps whose files are in the directory, oldest first."""
+        """The steps whose files are in the directory, oldest first: by name (a file cut
+        short, or a foreign one, is listed; :meth:`latest` and :meth:`restore` skip it)."""
         return steps_on_disk(self.directory)
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint file, or None when there is none.
+        """The newest complete checkpoint file, the one :meth:`restore` would load, or None
+        when there is none.
 
-        A file that is not a complete ``torch.save`` archive (cut short, damaged) is skipped
-        with a warning. This reads each file's zip directory only; :meth:`restore` also
-        checks every byte's CRC and falls back to an older file.
+        A file that is not a complete ``torch.save`` file (cut short, damaged), or holds no
+        step (a foreign file with a step file's name), is skipped with a warning, as
+        :meth:`restore` skips it; a legacy-format (non-zip) file counts, as it loads. This
+        reads each file's pickle only, not its tensor data; :meth:`restore` also checks
+        every byte's CRC and falls back to an older file.
 
         Raises:
             OSError: a file it reaches could not be read (no permission, too many open
@@ -331,7 +335,7 @@ class Checkpointer:
         for step in reversed(self.steps()):
             path = main_file(self.directory, step)
             try:
-                why = unloadable(path, raise_read_errors=True)
+                why = not_a_step_file(path, raise_read_errors=True)
             except OSError as e:
                 raise _stops_at("latest", step, e) from e
             if why is None:

@@ -11,6 +11,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from trainperf._utils.stack import user_stacklevel
+from trainperf.checkpoint._steps import main_file, not_a_step_file
 
 if TYPE_CHECKING:
     from trainperf.checkpoint._checkpointer import Checkpointer
@@ -23,8 +24,7 @@ def warn_if_behind(ckpt: Checkpointer, step: int) -> None:
     earlier run's, or a step count that restarted. :meth:`latest` and :meth:`restore`
     take the highest step, so a resume would continue from that one, not from this run."""
     if ckpt._highest is None:  # the directory is read once; later saves are counted
-        # Not the files restore found damaged: it skips them, so a resume would too.
-        ckpt._highest = max((s for s in ckpt.steps() if s not in ckpt._damaged), default=-1)
+        ckpt._highest = _highest_loadable(ckpt)
     highest, ckpt._highest = ckpt._highest, max(ckpt._highest, step)
     if ckpt._behind_told or step >= highest:
         return
@@ -39,6 +39,15 @@ def warn_if_behind(ckpt: Checkpointer, step: int) -> None:
         UserWarning,
         stacklevel=user_stacklevel(),
     )
+
+
+def _highest_loadable(ckpt: Checkpointer) -> int:
+    """The highest step on disk that a resume would take, or -1: not the files restore found
+    damaged, nor those it would skip (cut short, foreign), as a resume skips them too."""
+    for step in reversed(ckpt.steps()):
+        if step not in ckpt._damaged and not_a_step_file(main_file(ckpt.directory, step)) is None:
+            return step
+    return -1
 
 
 def warn_notes(notes: list[str]) -> None:

@@ -17,19 +17,6 @@ from trainperf._utils.imports import require
 from trainperf._utils.stack import user_stacklevel
 from trainperf._utils.validate import choice
 from trainperf.checkpoint._dirs import directory_weights, load_sharded
-from trainperf.checkpoint._formats import (
-    _LEGACY_MAGIC,
-    _describe,
-    _is_safetensors,
-    _open_zip,
-    _torch_load,
-    device_memory_error,
-    device_out_of_memory,
-    memory_error,
-    out_of_memory,
-    read_error,
-    read_failure,
-)
 from trainperf.checkpoint._keys import (
     _same_type,
     drop_compile_layers,
@@ -37,15 +24,11 @@ from trainperf.checkpoint._keys import (
     strip_wrapper_layers,
 )
 from trainperf.checkpoint._prefix import unwrap_model
+from trainperf.checkpoint._read import load_file, load_stream
 from trainperf.checkpoint._refusal import weights_only_refusal
 from trainperf.checkpoint._write import write_checkpoint_file
 from trainperf.device import resolve_device
-from trainperf.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointNotFoundError,
-    NotACheckpointError,
-)
+from trainperf.errors import CheckpointError
 
 
 def _is_tensor_state_dict(obj: object) -> bool:
@@ -345,7 +328,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | IO[bytes],
     device: str | int | torch.device | None = "cpu",
     *,
     weights_only: bool = True,
@@ -366,9 +349,13 @@ def load_checkpoint(
     ``pytorch_model.bin`` (Accelerate ``save_state``: the model only, not its
     ``optimizer.bin`` or random states).
 
+    An open binary file object (``open(path, "rb")``, ``io.BytesIO``), as ``torch.load``
+    takes, is read from its current position, with the same checks and the same
+    ``weights_only`` load.
+
     Args:
-        path: The file or directory (``str`` or path-like); a leading ``~`` is the home
-            directory.
+        path: The file or directory (``str`` or path-like; a leading ``~`` is the home
+            directory), or a seekable binary file object open for reading.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (or the int ``N``), ``"mps"``, a
             ``torch.device`` of those types, or None / ``"auto"`` for
             ``trainperf.device.best_device()`` (as ``device=None`` means elsewhere in
@@ -387,8 +374,11 @@ def load_checkpoint(
         The saved object, with every tensor on ``device``.
 
     Raises:
-        ValueError: ``device`` is not one of the forms above.
-        TypeError: ``device`` is not a str, int or torch.device.
+        ValueError: ``device`` is not one of the forms above, or a file object given is
+            closed, not open for reading, or cannot seek (read it into ``io.BytesIO``).
+        TypeError: ``device`` is not a str, int or torch.device, or ``path`` is not a path
+            or binary file object (``bytes`` holding a checkpoint: pass
+            ``io.BytesIO(data)``; a file opened in text mode: open it with ``"rb"``).
         DeviceError: CUDA or MPS asked for but not available, or fewer GPUs than the index.
         CheckpointNotFoundError: No file at ``path``.
         NotACheckpointError: A directory without weights trainperf recognises (or a
@@ -411,77 +401,44 @@ def load_checkpoint(
         >>> with tempfile.TemporaryDirectory() as d:
         ...     p = save_checkpoint({"step": 3, "w": torch.ones(2)}, Path(d, "c.pt"))
         ...     load_checkpoint(p, "cpu")
+        ...     with open(p, "rb") as f:
+        ...         load_checkpoint(f)["step"]
         {'step': 3, 'w': tensor([1., 1.])}
+        3
     """
     dev = resolve_device(device, allowed=("cpu", "cuda", "mps"))
     if dev.type == "cpu":
         # torch.load maps onto exactly "cpu": "cpu:0" (a valid torch.device) fails inside
         # the unpickler, which read as a damaged file (and made restore skip every step).
         dev = torch.device("cpu")
+    if not isinstance(path, (str, os.PathLike)):
+        return load_stream(_file_object(path), dev, weights_only, verify)
     path = Path(os.fspath(path)).expanduser()
     if not path.is_dir():
-        return _load_file(path, dev, weights_only, verify)
+        return load_file(path, dev, weights_only, verify)
     kind, found = directory_weights(path)
     if kind == "index":
-        return load_sharded(found, lambda shard: _load_file(shard, dev, weights_only, verify))
-    return _load_file(found, dev, weights_only, verify)
+        return load_sharded(found, lambda shard: load_file(shard, dev, weights_only, verify))
+    return load_file(found, dev, weights_only, verify)
 
 
-def _load_file(path: Path, dev: torch.device, weights_only: bool, verify: bool) -> Any:
-    """One checkpoint file, whatever its format (read from its first bytes)."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(64)
-    except FileNotFoundError as e:
-        raise CheckpointNotFoundError(
-            f"checkpoint {path} does not exist (looked in {path.resolve().parent})", path
-        ) from e
-    except NotADirectoryError as e:
-        file = next((p for p in path.parents if p.is_file()), path.parent)
-        raise CheckpointNotFoundError(
-            f"checkpoint {path} does not exist: {file} is a file, not a directory", path
-        ) from e
-    except OSError as e:  # no permission, a device error: the file may be fine
-        raise read_error(path, e) from e
-    if size == 0:
-        raise CheckpointCorruptError(
-            f"checkpoint {path} is empty (0 bytes): the save or copy that made it was "
-            "interrupted; use an earlier checkpoint",
-            path,
+def _file_object(path: object) -> IO[Any]:
+    """``path``, given to ``load_checkpoint`` as neither a str nor path-like, as the file
+    object it must then be.
+
+    Raises:
+        TypeError: it is not one (``bytes`` holding the checkpoint itself: the message says
+            to wrap them in ``io.BytesIO``).
+    """
+    if isinstance(path, (bytes, bytearray, memoryview)):
+        raise TypeError(
+            f"load_checkpoint takes a path or a binary file object, got {type(path).__name__} "
+            f"({len(path)} bytes): for a checkpoint's contents, pass io.BytesIO(data); for "
+            "a path held as bytes, pass os.fsdecode(path)"
         )
-    if head.startswith(b"PK\x03\x04"):
-        _open_zip(path, verify)
-        return _torch_load(path, dev, weights_only)
-    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
-        if _LEGACY_MAGIC not in head[:32]:
-            raise NotACheckpointError(
-                f"{path} is a Python pickle but not a torch.save file; if you trust it, "
-                "read it with pickle.load",
-                path,
-            )
-        return _torch_load(path, dev, weights_only)
-    if _is_safetensors(head):
-        require("safetensors", "load_checkpoint(... .safetensors)")
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(path, device=str(dev))
-        except Exception as e:
-            if read_failure(e):
-                raise read_error(path, e) from e
-            if device_out_of_memory(e):
-                raise device_memory_error(path, dev, e) from e
-            if out_of_memory(e):
-                hint = "or read a few tensors at a time with safetensors.safe_open(path, 'pt')"
-                raise memory_error(path, dev, e, hint) from e
-            raise CheckpointCorruptError(
-                f"safetensors checkpoint {path} is truncated or damaged ({e}); re-copy it "
-                "or use an earlier checkpoint",
-                path,
-            ) from e
-    raise NotACheckpointError(
-        f"{path} is not a checkpoint: it looks like {_describe(head)} (a checkpoint starts "
-        "like a zip archive, a torch pickle or a safetensors header)",
-        path,
-    )
+    if not callable(getattr(path, "read", None)):
+        raise TypeError(
+            "load_checkpoint takes a path (str or os.PathLike) or a binary file object open "
+            f"for reading, got {type(path).__name__}: pass the checkpoint's path"
+        )
+    return path  # type: ignore[return-value]

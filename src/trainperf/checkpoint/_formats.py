@@ -13,7 +13,7 @@ import re
 import struct
 import zipfile
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import IO, Any, TypeAlias, TypeGuard
 
 import torch
 
@@ -34,6 +34,39 @@ from trainperf.errors import (
 
 # torch.save's legacy (non-zip) format starts with this pickled long (torch/serialization.py).
 _LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+# Where a checkpoint is read from: a file, or the seekable binary file object given to
+# load_checkpoint (positioned at the checkpoint's first byte).
+Source: TypeAlias = Path | IO[bytes]
+
+
+def shown(src: Source) -> str:
+    """``src`` as error messages name it: the path, or what the file object is.
+
+    Example:
+        >>> import io
+        >>> shown(Path("runs/c.pt")), shown(io.BytesIO())
+        ('runs/c.pt', 'the BytesIO object given')
+    """
+    if isinstance(src, Path):
+        return str(src)
+    name = getattr(src, "name", None)
+    return (
+        f"{name} (the file object given)"
+        if isinstance(name, str)
+        else (f"the {type(src).__name__} object given")
+    )
+
+
+def _size(src: Source) -> int:
+    """The file's size in bytes (a file object's: from its current position to its end)."""
+    if isinstance(src, Path):
+        return src.stat().st_size
+    at = src.tell()
+    try:
+        return src.seek(0, 2) - at
+    finally:
+        src.seek(at)
 
 
 def _describe(head: bytes) -> str:
@@ -111,7 +144,7 @@ def read_failure(e: BaseException) -> TypeGuard[OSError]:
     )
 
 
-def read_error(path: Path, e: OSError) -> OSError:
+def read_error(path: Source, e: OSError) -> OSError:
     """The error to raise (from ``e``) when ``path`` could not be read: an ``OSError`` of
     the same errno (so the same subclass, ``PermissionError`` for EACCES), not a
     ``CheckpointError``: the file may well be fine, and a caller that skips damaged files
@@ -122,35 +155,38 @@ def read_error(path: Path, e: OSError) -> OSError:
     )
     return OSError(
         e.errno,
-        f"cannot read checkpoint {path}: {e.strerror or e}. The file itself may be fine: {fix}",
+        f"cannot read checkpoint {shown(path)}: {e.strerror or e}. The file itself may be "
+        f"fine: {fix}",
     )
 
 
-def _has_end_record(path: Path) -> bool:
+def _has_end_record(path: Source) -> bool:
     """Whether ``path`` ends in a whole zip end-of-archive record."""
     try:
-        with open(path, "rb") as f:
-            f.seek(max(0, path.stat().st_size - (1 << 16) - 22))
+        with open(path, "rb") if isinstance(path, Path) else contextlib.nullcontext(path) as f:
+            f.seek(max(0, f.seek(0, 2) - (1 << 16) - 22))
             return _has_whole_end_record(f.read())
     except OSError as e:
         raise read_error(path, e) from e
 
 
-def _open_zip(path: Path, verify: bool) -> None:
+def _open_zip(path: Source, verify: bool) -> None:
     """Check the zip structure (and CRC-32s) in Python first: torch only says 'miniz error'."""
+    name = shown(path)
+    arg = repr(str(path)) if isinstance(path, Path) else "f"
     try:
         with zipfile.ZipFile(path) as zf:
             names = zf.namelist()
             if _is_torchscript(names):
                 raise NotACheckpointError(
-                    f"{path} is a TorchScript program (saved with torch.jit.save), not a "
-                    f"checkpoint: load it with torch.jit.load({str(path)!r}), and its weights "
+                    f"{name} is a TorchScript program (saved with torch.jit.save), not a "
+                    f"checkpoint: load it with torch.jit.load({arg}), and its weights "
                     "with torch.jit.load(...).state_dict()",
                     path,
                 )
             if not any(n.endswith("/data.pkl") and n.count("/") == 1 for n in names):
                 raise NotACheckpointError(
-                    f"{path} is a zip archive but not one torch.save writes (no data.pkl); "
+                    f"{name} is a zip archive but not one torch.save writes (no data.pkl); "
                     "unpack it or point to the .pt file inside",
                     path,
                 )
@@ -170,7 +206,7 @@ def _open_zip(path: Path, verify: bool) -> None:
             else f"damaged ({e}): bytes were changed after saving (bad disk or transfer)"
         )
         raise CheckpointCorruptError(
-            f"checkpoint {path} is {cause}; re-copy it or use an earlier checkpoint", path
+            f"checkpoint {name} is {cause}; re-copy it or use an earlier checkpoint", path
         ) from e
 
 
@@ -185,21 +221,22 @@ def refusal_reason(msg: str) -> str:
     return " ".join(middle) or "see the chained error"
 
 
-def _unsafe_message(path: Path, reason: str) -> str:
+def _unsafe_message(path: Source, reason: str) -> str:
     """Every global the file needs beyond the allowed ones, at once, and the line that allows
     them (torch's own error names only the first); for a pickled model, how to get its
     weights out instead."""
     names = blocked_globals(path)
+    name = shown(path)
     if not names and "Unsupported operand" in reason:  # no global: the pickle's own opcodes
         return (
-            f"{path} was pickled with an opcode that weights_only=True cannot read ({reason}),"
+            f"{name} was pickled with an opcode that weights_only=True cannot read ({reason}),"
             " whatever is allowed: torch.save(..., pickle_protocol=4) or higher writes such "
             "files. If you trust the file, load it with weights_only=False and save it again "
             "with save_checkpoint (the default protocol), which loads with weights_only=True"
         )
     listed = f"{len(names)} global(s) not allowed: {', '.join(names)}" if names else reason
     head = (
-        f"{path} contains objects that weights_only=True refuses to unpickle ({listed}). "
+        f"{name} contains objects that weights_only=True refuses to unpickle ({listed}). "
         "Unpickling can run arbitrary code."
     )
     if holds_whole_module(path, names):
@@ -238,9 +275,9 @@ def device_out_of_memory(e: BaseException) -> bool:
     return oom_kind(e) == "device"
 
 
-def _file_size(path: Path) -> str:
+def _file_size(path: Source) -> str:
     try:
-        return format_bytes(path.stat().st_size)
+        return format_bytes(_size(path))
     except OSError:
         return "size unknown"
 
@@ -258,7 +295,7 @@ def _allocation(msg: str) -> str | None:
     return None
 
 
-def memory_error(path: Path, dev: torch.device, e: BaseException, mmap_hint: str) -> MemoryError:
+def memory_error(path: Source, dev: torch.device, e: BaseException, mmap_hint: str) -> MemoryError:
     """The error to raise (from ``e``) when loading ``path`` ran out of host memory: its
     size, that the file is fine, and what to try instead (``mmap_hint``: a format's own way
     to read it piecemeal, or "")."""
@@ -271,14 +308,16 @@ def memory_error(path: Path, dev: torch.device, e: BaseException, mmap_hint: str
         else ""
     )
     return MemoryError(
-        f"not enough memory to load checkpoint {path} ({_file_size(path)}): {detail}. The "
+        f"not enough memory to load checkpoint {shown(path)} ({_file_size(path)}): {detail}. The "
         "file is not damaged: free memory (stop other processes, drop references to "
         f"checkpoints loaded earlier: del ckpt), {to_gpu}"
         f"{mmap_hint or 'or load it on a machine with more memory'}"
     )
 
 
-def device_memory_error(path: Path, dev: torch.device, e: BaseException) -> torch.OutOfMemoryError:
+def device_memory_error(
+    path: Source, dev: torch.device, e: BaseException
+) -> torch.OutOfMemoryError:
     """The error to raise (from ``e``) when loading ``path`` onto ``dev`` ran out of GPU
     memory: still a ``torch.OutOfMemoryError`` (code that catches it keeps working), now
     naming the file, its size, that the file is fine, and the fix."""
@@ -286,7 +325,7 @@ def device_memory_error(path: Path, dev: torch.device, e: BaseException) -> torc
     detail = _allocation(msg) or (msg.splitlines()[0] if msg else type(e).__name__)
     onto = f" onto {dev}" if dev.type != "cpu" else ""
     return torch.cuda.OutOfMemoryError(
-        f"out of GPU memory loading checkpoint {path} ({_file_size(path)}){onto}: {detail}. "
+        f"out of GPU memory loading checkpoint {shown(path)} ({_file_size(path)}){onto}: {detail}. "
         "The file is not damaged: load it with device='cpu' (load_state_dict then copies "
         "each tensor into the model on its GPU, without a second copy of the weights "
         "there), or free GPU memory first (drop references to tensors and checkpoints "
@@ -294,7 +333,8 @@ def device_memory_error(path: Path, dev: torch.device, e: BaseException) -> torc
     )
 
 
-def _torch_load(path: Path, dev: torch.device, weights_only: bool) -> Any:
+def _torch_load(path: Source, dev: torch.device, weights_only: bool) -> Any:
+    start = 0 if isinstance(path, Path) else path.tell()
     try:
         with allow_data_only() if weights_only else contextlib.nullcontext():
             return torch.load(path, map_location=dev, weights_only=weights_only)
@@ -306,22 +346,26 @@ def _torch_load(path: Path, dev: torch.device, weights_only: bool) -> Any:
         if out_of_memory(e):
             raise memory_error(path, dev, e, _torch_mmap_hint(path)) from e
         msg = str(e)
+        if not isinstance(path, Path):  # torch read part of it: the refusal reads it again
+            path.seek(start)
         if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in msg:
             raise UnsafeCheckpointError(_unsafe_message(path, refusal_reason(msg)), path) from e
         if isinstance(e, (RuntimeError, EOFError, pickle.UnpicklingError, KeyError, ValueError)):
             raise CheckpointCorruptError(
-                f"checkpoint {path} is damaged or truncated ({type(e).__name__}: "
+                f"checkpoint {shown(path)} is damaged or truncated ({type(e).__name__}: "
                 f"{msg.splitlines()[0] if msg else 'no detail'}); re-copy it or use an "
                 "earlier checkpoint",
                 path,
             ) from e
         raise CheckpointError(
-            f"could not load checkpoint {path}: {type(e).__name__}: {e}", path
+            f"could not load checkpoint {shown(path)}: {type(e).__name__}: {e}", path
         ) from e
 
 
-def _torch_mmap_hint(path: Path) -> str:
+def _torch_mmap_hint(path: Source) -> str:
     """For a torch zip file (not the legacy format, which torch cannot map): map it."""
+    if not isinstance(path, Path):  # only a file on disk can be mapped
+        return ""
     try:
         with open(path, "rb") as f:
             zipped = f.read(4) == b"PK\x03\x04"

@@ -3,6 +3,9 @@
 Names sort by step under ``ls``: ``step-000000030.pt`` (nine digits, zero-padded; a step past
 999,999,999 gets more digits and still parses). Under a process group, rank ``r > 0`` keeps
 its own generator states and loader position beside it in ``step-000000030.rank-00001.pt``.
+Only the names :func:`main_file` and :func:`rank_file` write are step files: one with more
+leading zeros (``step-0000000030.pt``) would name a step whose file is looked up under
+another name, so it is nobody's, and is neither listed, loaded, counted nor deleted.
 """
 
 from __future__ import annotations
@@ -10,16 +13,17 @@ from __future__ import annotations
 import os
 import re
 import socket
-import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from trainperf._utils.atomic import remove_dead_temp
 from trainperf.checkpoint._formats import read_error, read_failure
+from trainperf.checkpoint._payload import saved_step
+from trainperf.checkpoint._skim import skim
 
 __all__ = [
-    "unloadable",
     "main_file",
+    "not_a_step_file",
     "pinned",
     "rank_file",
     "remove_dead_temps",
@@ -29,10 +33,14 @@ __all__ = [
     "to_retire",
 ]
 
-_MAIN = re.compile(r"^step-(\d{9,})\.pt$")
-_ANY = re.compile(r"^step-(\d{9,})\.(?:rank-\d{5,}\.)?pt$")
+# The names main_file and rank_file write: zero-padded to 9 (5) digits, a leading zero only
+# within that width (f"{step:09d}" of 1234567890 is "1234567890", never "01234567890").
+_STEP = r"(?:\d{9}|[1-9]\d{9,})"
+_RANK = r"(?:\d{5}|[1-9]\d{5,})"
+_MAIN = re.compile(rf"^step-({_STEP})\.pt$")
+_ANY = re.compile(rf"^step-({_STEP})\.(?:rank-{_RANK}\.)?pt$")
 # write_atomically's temp names: .NAME.tmp-HOST-SLOT (HOST sanitised as it does).
-_TEMP = re.compile(r"^\.(step-\d{9,}\.(?:rank-\d{5,}\.)?pt)\.tmp-(.+)-(\d+)$")
+_TEMP = re.compile(rf"^\.(step-{_STEP}\.(?:rank-{_RANK}\.)?pt)\.tmp-(.+)-(\d+)$")
 
 
 def main_file(directory: Path, step: int) -> Path:
@@ -82,8 +90,13 @@ def to_retire(steps: list[int], keep: int, protect: int) -> list[int]:
     return sorted(s for s in steps if s not in kept and s < max(kept))
 
 
-def unloadable(path: Path, *, raise_read_errors: bool = False) -> str | None:
-    """Why ``path`` is not a complete torch.save file (its zip directory), or None.
+def not_a_step_file(path: Path, *, raise_read_errors: bool = False) -> str | None:
+    """Why ``path`` is not a file ``Checkpointer.restore`` would load, or None: it must be a
+    complete torch.save file (a zip archive with its directory, or the legacy format) whose
+    pickle holds the ``"trainperf"`` entry with the step. Only the pickle is read, with every
+    class and tensor stubbed (:func:`~trainperf.checkpoint._skim.skim`): nothing is run, no
+    tensor data read, so a byte changed in tensor data (a CRC mismatch) or a legacy file cut
+    inside its tensor data passes here, and ``restore`` finds it.
 
     A file the system cannot read (EACCES, EIO, EMFILE: :func:`read_failure`) may be fine:
     with ``raise_read_errors`` that is raised, as ``load_checkpoint`` raises it (an
@@ -93,15 +106,16 @@ def unloadable(path: Path, *, raise_read_errors: bool = False) -> str | None:
         OSError: with ``raise_read_errors``, the file could not be read.
     """
     try:
-        with zipfile.ZipFile(path) as zf:
-            names = zf.namelist()
-    except (OSError, zipfile.BadZipFile, ValueError) as e:
+        held = skim(path)
+    except Exception as e:
         # A directory with a step file's name is "not a checkpoint" to load_checkpoint too.
         if raise_read_errors and read_failure(e) and not isinstance(e, IsADirectoryError):
             raise read_error(path, e) from e
         return f"{type(e).__name__}: {e}"
-    if not any(n.endswith("/data.pkl") for n in names):
-        return "a zip archive without data.pkl, not a torch.save file"
+    try:
+        saved_step(held, str(path))
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -109,31 +123,26 @@ def retire(directory: Path, keep: int, protect: int, damaged: Iterable[int] = ()
     """Delete the main and rank files of the steps :func:`to_retire` names, and rank files
     of older steps whose main file never appeared; return what could not be deleted.
 
-    A main file that is not a complete archive (:func:`unloadable`: cut short by another
-    tool), or whose step is in ``damaged`` (a restore found its data corrupt), neither counts
-    toward ``keep`` nor is deleted: it would hold one of the ``keep`` places for good, above
-    the files that do load. Nor does a write-protected one (:func:`pinned`), nor its rank
-    files: the user kept it."""
+    Only step files (:func:`not_a_step_file`: what ``restore`` would load) count toward
+    ``keep`` and are deleted. Any other file with a step file's name (cut short by another
+    tool, or a foreign file: one from another tool, ``torch.save`` of something else), or
+    whose step is in ``damaged`` (a restore found its data corrupt), neither counts nor is
+    deleted, nor are its rank files: it would hold one of the ``keep`` places for good,
+    above the files that do load, and it may be all that is left of something. Nor does a
+    write-protected one (:func:`pinned`), nor its rank files: the user kept it."""
     names = _names(directory)
+    mains = {int(m[1]): name for name in names if (m := _MAIN.match(name))}
     bad = set(damaged)
-    held = {int(m[1]) for name in names if (m := _MAIN.match(name)) and pinned(directory / name)}
-    steps = [
-        step
-        for name in names
-        if (m := _MAIN.match(name))
-        and (
-            (step := int(m[1])) == protect
-            or (step not in bad and step not in held and unloadable(directory / name) is None)
-        )
-    ]
+    steps = [step for step, name in mains.items() if _counts(directory / name, step, protect, bad)]
     doomed = set(to_retire(steps, keep, protect))
     oldest_kept = min((s for s in steps if s not in doomed), default=protect)
     failed = []
     for name in names:
         m = _ANY.match(name)
-        if m is None or (step := int(m[1])) in held:
+        if m is None:
             continue
-        if step in doomed or (step < oldest_kept and not _MAIN.match(name)):
+        step = int(m[1])
+        if step in doomed or (step < oldest_kept and step not in mains):
             try:
                 os.unlink(directory / name)
             except FileNotFoundError:
@@ -141,6 +150,14 @@ def retire(directory: Path, keep: int, protect: int, damaged: Iterable[int] = ()
             except OSError as e:
                 failed.append(f"{directory / name}: {e.strerror or e}")
     return failed
+
+
+def _counts(path: Path, step: int, protect: int, damaged: set[int]) -> bool:
+    """Whether the main file ``path`` of ``step`` counts toward ``keep`` (and may go): the one
+    just written does; a damaged, write-protected or foreign one does not."""
+    if step == protect:
+        return True
+    return step not in damaged and not pinned(path) and not_a_step_file(path) is None
 
 
 def pinned(path: Path) -> bool:
