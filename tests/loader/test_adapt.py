@@ -4,10 +4,13 @@ fewer when the usable CPUs halve, old pools shut down, every change recorded."""
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import gc
 import json
 import logging
 import multiprocessing
+import pickle
 import time
 import warnings
 from collections.abc import Iterator
@@ -739,3 +742,68 @@ def test_a_pool_it_starts_has_a_bound_for_its_first_batch_unless_a_timeout_is_gi
         assert [b.tolist() for b in it] == [[4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     finally:
         loader.close()
+
+
+def _copied(how: str, loader: Any) -> Any:
+    if how == "deepcopy":
+        return copy.deepcopy(loader)
+    return pickle.loads(pickle.dumps(loader))
+
+
+def _shuffled(cls: Any = AdaptiveDataLoader, **kw: Any) -> Any:
+    return cls(
+        range(12), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3), **kw
+    )
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_an_adaptive_loader_copies_at_any_time_as_a_plain_dataloader_does(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    # Before: its psutil.Process and its memory rules' lambda made every copy raise
+    # "cannot pickle '_thread.RLock' object".
+    monkeypatch.setattr(adapt_retune, "decide", lambda f, **kw: None)
+    # A tuning run's rules hold its clock (a lambda, here) and measurer: not kept.
+    rules = dataclasses.replace(memory_rules([], 4, 2**30, "fork"), out_of_time=lambda: False)
+    loader = _shuffled(tuner=rules)
+    plain = _shuffled(DataLoader)
+    assert _epochs(_copied(how, loader), 2) == _epochs(_copied(how, plain), 2)  # fresh
+    it, plain_it = iter(loader), iter(plain)
+    assert next(it).tolist() == next(plain_it).tolist()
+    mid = _copied(how, loader)  # mid-epoch: the copy has no epoch in progress
+    assert mid._current is None and mid._iterator is None
+    # Its epochs are a plain DataLoader copy's at the same point (the generator's state).
+    assert _epochs(mid, 2) == _epochs(_copied(how, plain), 2)
+    # The original's epoch goes on untouched, and so do the epochs after it.
+    assert [b.tolist() for b in it] == [b.tolist() for b in plain_it]
+    assert _epochs(loader, 2) == _epochs(plain, 2)
+
+
+@pytest.mark.slow  # a tuning run: a second or two
+def test_the_loader_autotune_loader_adapts_with_copies() -> None:
+    loader = autotune_loader(range(12), 4, adapt=True, **quick(max_workers=0))
+    assert isinstance(loader, AdaptiveDataLoader)
+    copied = copy.deepcopy(loader)
+    assert copied.tuning_report == loader.tuning_report
+    assert _epochs(pickle.loads(pickle.dumps(loader)), 1) == [list(range(12))]
+
+
+@pytest.mark.slow  # two pools of two workers: about a second
+def test_a_copy_of_an_adaptive_loader_leaves_its_persistent_pool_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(adapt_retune, "decide", lambda f, **kw: None)
+    loader = _shuffled(num_workers=2, persistent_workers=True)
+    copied: Any = None
+    try:
+        _epochs(loader, 1)
+        pool = loader._iterator
+        assert pool is not None  # live workers, which a plain DataLoader refuses to copy
+        copied = copy.deepcopy(loader)
+        assert copied._iterator is None and copied.num_workers == 2
+        assert _epochs(copied, 1) == _epochs(loader, 1)
+        assert loader._iterator is pool and copied._iterator is not pool
+    finally:
+        loader.close()
+        if copied is not None:
+            copied.close()

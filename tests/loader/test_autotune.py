@@ -9,6 +9,7 @@ the process that iterates it.
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import signal
@@ -228,3 +229,31 @@ def test_a_pool_the_budget_cut_short_does_not_cap_the_adaptive_loader() -> None:
 
     assert autotune._below_failures(report(zero, cut)) > 64
     assert autotune._below_failures(report(zero, cut, hung)) == 3
+
+
+@pytest.mark.slow  # two pools of two workers: about a second
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_tuned_loader_copies_with_its_persistent_pool_live(how: str) -> None:
+    # Before: a live persistent pool made copying raise NotImplementedError (the iterator's).
+    loader = TunedDataLoader(
+        range(12),
+        batch_size=4,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(3),
+        num_workers=2,
+        persistent_workers=True,
+    )
+    copied: Any = None
+    try:
+        first = [b.tolist() for b in loader]
+        pool = loader._iterator
+        assert pool is not None
+        copied = copy.deepcopy(loader) if how == "deepcopy" else pickle.loads(pickle.dumps(loader))
+        assert copied._iterator is None and loader._iterator is pool
+        # The copy's epoch is the one the original gives next, from workers of its own.
+        assert [b.tolist() for b in copied] == [b.tolist() for b in loader] != first
+        assert copied._iterator is not pool
+    finally:
+        for each in (loader, copied):
+            if each is not None and each._iterator is not None:
+                each._iterator._shutdown_workers()  # type: ignore[union-attr]

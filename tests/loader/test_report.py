@@ -178,3 +178,48 @@ def test_a_report_without_candidates_prints_no_empty_table(report: TuningReport)
     bare = dataclasses.replace(report, candidates=())
     assert "workers RSS" not in str(bare) and "num_workers=" in str(bare)
     assert "workers RSS" in str(report)
+
+
+def _limits_line(cpus: int, worker_cpus: int, main_cores: float, measured: bool) -> str:
+    limits = HostLimits(cpus, cpus, None, cpus, 8 * GiB, None, 4 * GiB, None, None)
+    r = TuningReport(
+        {"num_workers": 0},
+        None,
+        None,
+        500.0 if measured else None,
+        (),
+        0.1,
+        1.0,
+        limits,
+        cpus,
+        worker_cpus,
+        8,
+        "cpu",
+        16,
+        main_cores=main_cores,
+    )
+    return str(r).splitlines()[1]
+
+
+@pytest.mark.parametrize(
+    ("cpus", "worker_cpus", "main_cores", "measured", "words"),
+    [
+        (1, 1, 1.0, False, "1 usable CPU (1 for workers, shared with the main process)"),
+        (4, 3, 1.0, False, "4 usable CPUs (3 for workers, one kept for the main process)"),
+        (2, 2, 0.04, True, "2 usable CPUs (2 for workers, 0.04 kept for the main process, as"),
+        (
+            2,
+            1,
+            1.8,
+            True,
+            "2 usable CPUs (1 for workers, shared with the main process, which step_fn "
+            "measured at 1.80 cores)",
+        ),
+    ],
+    ids=["one-cpu", "several-cpus", "measured-kept", "measured-shared"],
+)
+def test_the_limits_line_words_the_cpu_split(
+    cpus: int, worker_cpus: int, main_cores: float, measured: bool, words: str
+) -> None:
+    # One CPU leaves none to keep for the main process: the workers share its core.
+    assert _limits_line(cpus, worker_cpus, main_cores, measured).startswith(f"limits: {words}")

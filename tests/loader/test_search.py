@@ -125,6 +125,16 @@ def test_cpu_skip_names_a_measured_main_process_share() -> None:
     )
 
 
+def test_cpu_skip_on_one_cpu_says_the_workers_share_the_main_process_core() -> None:
+    pool = Pool(linear(), demand=1.0)
+    s = search(pool, worker_cpus=1, main_cores=1.0, cpus=1)
+    s.run(pool.baseline())
+    cpu_skips = [c for c in s.results if c.fault == "cpu"]
+    assert cpu_skips and (cpu_skips[0].reason or "").endswith(
+        "only 1 is left for workers (shared with the main process)"
+    )
+
+
 def test_io_bound_pool_goes_past_the_core_count() -> None:
     pool = Pool(linear(), demand=0.05)
     s = search(pool, worker_cpus=1, max_workers=8)

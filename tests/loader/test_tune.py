@@ -308,6 +308,23 @@ def test_step_fn_replaces_the_kept_core_with_what_it_measured(
     assert "(2 for workers, one kept for the main process)" in str(unknown)
 
 
+@pytest.mark.slow  # about 4 s: a tuning run with a worker
+def test_one_usable_cpu_is_worded_as_shared_with_the_main_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One CPU leaves none to keep for the main process: its core is the workers' too.
+    monkeypatch.setattr(tune_setup, "host_limits", lambda: fake_limits(1))
+    report = tune_loader(
+        BusyLoop(), 4, device="cpu", budget_s=10, max_workers=2, cache=False, progress=False
+    )
+    text = str(report)
+    assert "limits: 1 usable CPU (1 for workers, shared with the main process)," in text
+    # A CPU skip (two workers of a compute-bound dataset, as measured) words it the same.
+    for c in report.candidates:
+        if c.fault == "cpu":
+            assert (c.reason or "").endswith("1 is left for workers (shared with the main process)")
+
+
 def test_bad_local_world_size_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "zero")
     with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE must be a whole number >= 1.*'zero'"):

@@ -71,6 +71,11 @@ def _not_measuring(n: int, pf: int | None, pin: bool) -> CandidateResult:
     raise RuntimeError("the adaptive loader measures while it is iterated, not by a search")
 
 
+def _out_of_time() -> bool:
+    """No search runs (module level, not a lambda: the loader is picklable)."""
+    return True
+
+
 def memory_rules(
     candidates: list[CandidateResult], max_workers: int, main_rss: int, start_method: str
 ) -> Search:
@@ -84,7 +89,7 @@ def memory_rules(
     """
     return Search(
         measure=_not_measuring,
-        out_of_time=lambda: True,
+        out_of_time=_out_of_time,
         worker_cpus=1,
         max_workers=max_workers,
         memory_available=0,
@@ -105,6 +110,9 @@ class AdaptiveDataLoader(TunedDataLoader):
     next epoch boundary; either way the samples and their order are those the same loader
     gives without adapting. As with a plain DataLoader, an epoch's workers stop as soon as
     its iterator is let go of (a ``break`` out of the loop), unless they are persistent.
+    ``copy.deepcopy`` and ``pickle`` work at any time: the copy has the settings, the
+    tuning history and what was learnt, and starts its own workers and epoch at its first
+    ``iter()``; the epoch in progress and its workers stay with this loader.
 
     Args:
         dataset: as for DataLoader.
@@ -166,7 +174,6 @@ class AdaptiveDataLoader(TunedDataLoader):
             kwargs.get("persistent_workers") is not False if keep_workers is None else keep_workers
         )
         self._batch_bytes = 0  # of the latest window's first batch
-        self._main = psutil.Process()
         limits = host_limits()
         self._cpus = usable_cpus(local_world_size(), limits=limits)
         self._max_workers = adaptive_max_workers(self._cpus) if max_workers is None else max_workers
@@ -178,12 +185,14 @@ class AdaptiveDataLoader(TunedDataLoader):
         self._pinned_workers = None if cap is None else self.num_workers
         if cap is not None:
             self._max_workers = min(self._max_workers, cap)
-        self._tuner = tuner or memory_rules(
-            [],
-            self._max_workers,
-            int(self._main.memory_info().rss),
-            start_method({"multiprocessing_context": self._worker_context}),
-        )
+        if tuner is None:
+            tuner = memory_rules(
+                [],
+                self._max_workers,
+                int(psutil.Process().memory_info().rss),
+                start_method({"multiprocessing_context": self._worker_context}),
+            )
+        self._tuner = _rules_only(tuner)
         self._epoch = 0
         self._yielded = 0  # batches yielded over all epochs
         self._current: _TimedIter | None = None
@@ -310,6 +319,21 @@ class AdaptiveDataLoader(TunedDataLoader):
         timed.cut(_BY_ITER)
         shut_down_own(self, timed)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy`` and ``pickle`` take: the settings, the tuning history and
+        what it learnt, not the epoch in progress nor its workers: the copy starts a new
+        epoch and its own workers at its first ``iter()``, as a plain DataLoader's copy
+        would, and this loader's epoch goes on untouched."""
+        state = super().__getstate__()
+        state["_current"] = None
+        state["_plan"] = None  # holds the epoch's draw from the sampler: rebuilt on load
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self._why_not_mid_epoch is None:
+            self._plan = EpochPlan(self._real_index_sampler)
+
     def close(self) -> None:
         """Stop the workers now (a persistent pool's otherwise live until the loader is
         garbage-collected, as with any DataLoader); the next ``iter()`` starts anew."""
@@ -317,6 +341,13 @@ class AdaptiveDataLoader(TunedDataLoader):
             self._current.cut(_BY_CLOSE)
             shut_down_own(self, self._current)
         shut_down_pool(self)
+
+
+def _rules_only(tuner: Search) -> Search:
+    """The memory rules of a one-off tuner's :class:`Search` (all the loader uses), without
+    its measuring and its clock, which hold the tuning run's dataset and deadline and would
+    keep the loader from being copied or pickled."""
+    return dataclasses.replace(tuner, measure=_not_measuring, out_of_time=_out_of_time)
 
 
 def _workers_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from trainperf._utils.format import format_bytes
+from trainperf._utils.format import format_bytes, plural
 from trainperf._utils.imports import require
 from trainperf.limits import HostLimits
 
@@ -202,17 +202,35 @@ def _json_value(value: Any) -> Any:
     return repr(value)
 
 
-def main_process_share(main_cores: float, measured: bool = False) -> str:
+def main_process_share(main_cores: float, measured: bool = False, shared: bool = False) -> str:
     """How the report words the cores kept for the main process (``measured``: from
-    ``step_fn``, else the one core kept when the step is unknown).
+    ``step_fn``, else the one core kept when the step is unknown; ``shared``: none is left
+    over for it, the workers share its core: :func:`shares_main_core`).
 
     Example:
         >>> main_process_share(1.0), main_process_share(0.04, measured=True)
         ('one kept for the main process', '0.04 kept for the main process, as step_fn measured')
+        >>> main_process_share(1.0, shared=True)
+        'shared with the main process'
     """
+    if shared:
+        if not measured:
+            return "shared with the main process"
+        return f"shared with the main process, which step_fn measured at {main_cores:.2f} cores"
     if not measured:
         return "one kept for the main process"
     return f"{main_cores:.2f} kept for the main process, as step_fn measured"
+
+
+def shares_main_core(cpus: int, worker_cpus: int, main_cores: float) -> bool:
+    """Whether the workers' whole cores (at least 1) leave the main process less than its
+    share of ``cpus``: on one CPU, say, none is kept for it.
+
+    Example:
+        >>> shares_main_core(1, 1, 1.0), shares_main_core(4, 3, 1.0), shares_main_core(2, 1, 1.8)
+        (True, False, True)
+    """
+    return worker_cpus + main_cores > cpus + 0.5
 
 
 @dataclass(frozen=True)
@@ -356,6 +374,14 @@ class TuningReport:
             return "from cache"
         return f"{self.elapsed_s:.1f} s of {self.budget_s:g} s"
 
+    def _main_share(self) -> str:
+        """The main process's share of the CPUs, for the limits line."""
+        return main_process_share(
+            self.main_cores,
+            self.step_samples_per_s is not None,
+            shares_main_core(self.cpus, self.worker_cpus, self.main_cores),
+        )
+
     def __str__(self) -> str:
         lim = self.limits
         shm = (
@@ -364,8 +390,8 @@ class TuningReport:
         lines = [
             f"DataLoader tuning: batch_size={self.batch_size}, device {self.device}, "
             f"{self._source()}",
-            f"limits: {self.cpus} usable CPUs ({self.worker_cpus} for workers, "
-            f"{main_process_share(self.main_cores, self.step_samples_per_s is not None)}), "
+            f"limits: {plural(self.cpus, 'usable CPU')} ({self.worker_cpus} for workers, "
+            f"{self._main_share()}), "
             f"{format_bytes(lim.memory_available)} memory available, {shm}",
         ]
         header = (

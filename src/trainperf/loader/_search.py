@@ -30,6 +30,7 @@ from trainperf.loader._report import (
     FaultKind,
     format_bytes,
     main_process_share,
+    shares_main_core,
 )
 
 __all__ = ["GAIN", "TIE", "Search", "default_max_workers", "safety_margin"]
@@ -120,6 +121,7 @@ class Search:
     step_samples_per_s: float | None = None
     main_rss: int = 0
     main_cores: float = 1.0
+    cpus: int | None = None  # the usable CPUs, for the words of a CPU skip; None: not known
     user: tuple[int, int | None, bool] | None = None
     probe_first: bool = False
     refused: CandidateResult | None = None
@@ -189,9 +191,16 @@ class Search:
             return "cpu", (
                 f"{n} workers would keep about {cores:.1f} cores busy but only "
                 f"{_cores(self.worker_cpus)} left for workers "
-                f"({main_process_share(self.main_cores, self.step_samples_per_s is not None)})"
+                f"({self._main_share()})"
             )
         return self.memory_problem(n, pf, pin)
+
+    def _main_share(self) -> str:
+        """The main process's share of the CPUs, as a CPU skip words it."""
+        shared = self.cpus is not None and shares_main_core(
+            self.cpus, self.worker_cpus, self.main_cores
+        )
+        return main_process_share(self.main_cores, self.step_samples_per_s is not None, shared)
 
     def _worker_measured(self) -> bool:
         return any(c.worker_uss for c in self.results)

@@ -146,16 +146,7 @@ def _prepare(
     )
     baseline = _measure_baseline(measurer)
     measurer = dataclasses.replace(measurer, batch_s=_main_batch_s(baseline, setup.batch_size))
-    notes: list[str] = []
-    cap, tail = _iterable.tail_batches(dataset, loader_kwargs)
-    if tail is not None and (cap is not None or setup.max_workers > 0):
-        notes.append(tail)
-    if setup.local_ranks > 1:
-        notes.append(
-            f"memory and /dev/shm: this rank's share, 1/{setup.local_ranks} of what the host "
-            f"has free ({setup.local_ranks} training processes on this host each start "
-            f"their own workers)"
-        )
+    notes = _first_notes(dataset, loader_kwargs, setup)
     shares = split_cores(
         dataset,
         setup.batch_size,
@@ -181,6 +172,7 @@ def _prepare(
         out_of_time=lambda: time.perf_counter() >= deadline - 0.05,
         worker_cpus=shares.worker_cpus,
         main_cores=shares.main_cores,
+        cpus=setup.cpus,
         max_workers=setup.max_workers,
         memory_available=setup.share.memory_available,
         shm_free=setup.share.shm_free,
@@ -195,6 +187,21 @@ def _prepare(
         notes=notes,
     )
     return _Prepared(baseline, shares, search)
+
+
+def _first_notes(dataset: Any, loader_kwargs: Mapping[str, Any], setup: _Setup) -> list[str]:
+    """The report's notes known before the search: a stream's tail batches, a rank's share."""
+    notes: list[str] = []
+    cap, tail = _iterable.tail_batches(dataset, loader_kwargs)
+    if tail is not None and (cap is not None or setup.max_workers > 0):
+        notes.append(tail)
+    if setup.local_ranks > 1:
+        notes.append(
+            f"memory and /dev/shm: this rank's share, 1/{setup.local_ranks} of what the host "
+            f"has free ({setup.local_ranks} training processes on this host each start "
+            f"their own workers)"
+        )
+    return notes
 
 
 def main_rss() -> int:
