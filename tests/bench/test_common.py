@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainperf.bench import Skipped
-from trainperf.bench._common import check_tensor_bytes, result_dict
+from trainperf.bench._common import check_tensor_bytes, resolve_device, result_dict
 
 
 def test_skipped_to_dict_is_json_safe_and_its_str_says_why() -> None:
@@ -50,3 +50,15 @@ def test_check_tensor_bytes_allows_up_to_int64_bytes_and_names_the_fix() -> None
         )
     with pytest.raises(ValueError, match="more than a tensor can address"):
         check_tensor_bytes("f(n=3)", "a tensor", 2**63, torch.uint8, "use a smaller n")
+
+
+@pytest.mark.parametrize("device", [f"cuda:{2**70}", "cuda:256"])
+def test_resolve_device_refuses_an_index_past_what_torch_holds(
+    monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    # Before: "cuda:256" became cuda:0 (torch wraps the index), "cuda:<2**70>" an "invalid
+    # device" error listing 'cuda:<i>', the form it had.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    with pytest.raises(ValueError, match=r"a device index must be <= 127 .*device_count\(\) - 1$"):
+        resolve_device(device)

@@ -105,6 +105,48 @@ def test_resolve_device_rejects_invalid_and_disallowed_devices() -> None:
         resolve_device("mps", allowed=("cpu", "cuda"))
 
 
+@pytest.mark.parametrize("device", [128, 256, 2**31, 2**70, "cuda:128", "cuda:255", "cuda:2**70"])
+def test_resolve_device_refuses_an_index_torch_would_wrap_or_overflow(
+    monkeypatch: pytest.MonkeyPatch, device: int | str
+) -> None:
+    # Before: torch keeps a device index in 8 bits, so 256 and "cuda:256" came back as
+    # cuda:0, 128 as cuda:-128 and "cuda:255" as a bare "cuda", all passing the GPU-count
+    # check; 2**70 raised torch's "Overflow when unpacking long long".
+    fake_cuda(monkeypatch, 200)
+    device = device.replace("2**70", str(2**70)) if isinstance(device, str) else device
+    index = device if isinstance(device, int) else int(device.split(":")[1])
+    where = "" if isinstance(device, int) else rf" in '{device}'"
+    with pytest.raises(
+        ValueError,
+        match=rf"a device index must be <= 127 \(PyTorch keeps it in 8 bits.*\), got "
+        rf"{index}{where}: use the index of a visible device, 0 to "
+        r"torch\.cuda\.device_count\(\) - 1$",
+    ):
+        resolve_device(device)
+    assert resolve_device(127) == torch.device("cuda", 127)
+    assert resolve_device("cuda:127") == torch.device("cuda", 127)
+
+
+def test_resolve_device_refuses_a_torch_device_whose_index_wrapped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake_cuda(monkeypatch, 2)
+    wrapped = torch.device("cuda", 128)  # torch makes this cuda:-128
+    with pytest.raises(
+        ValueError, match=r"device 'cuda:-128' has a negative index: .* index past 127"
+    ):
+        resolve_device(wrapped)
+
+
+@pytest.mark.parametrize(
+    "device", ["cuda:01", "cuda:+1", "cuda: 1", "cuda:1:2", "cuda:", "gpu:999"]
+)
+def test_resolve_device_refuses_an_index_torch_cannot_parse(device: str) -> None:
+    expected = rf"invalid device {re.escape(repr(device))}: expected 'auto'"
+    with pytest.raises(ValueError, match=expected):
+        resolve_device(device)
+
+
 def test_resolve_device_checks_cuda_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_cuda(monkeypatch, 0)
     for device in ("cuda", 0, torch.device("cuda", 0)):

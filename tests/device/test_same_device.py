@@ -158,6 +158,18 @@ def test_check_same_device_names_the_fix_for_inputs_passed_as_the_model(first: o
         check_same_device(first, torch.ones(2))  # type: ignore[arg-type]
 
 
+def test_check_same_device_takes_an_input_named_like_its_parameters() -> None:
+    # Before: module=... and tensors=... clashed with the parameters' names ("got multiple
+    # values for argument 'module'"); an input may be called anything.
+    model = torch.nn.Linear(2, 2).to("meta")
+    on_meta = torch.ones(1, device="meta")
+    assert check_same_device(model, module=on_meta, tensors=on_meta) == META
+    with pytest.raises(DeviceMismatchError, match=r"input module\.weight"):
+        check_same_device(model, module=torch.nn.Linear(1, 1))
+    with pytest.raises(DeviceMismatchError, match=r"input named_tensors"):
+        check_same_device(None, on_meta, named_tensors=torch.ones(1, 1))
+
+
 # ------------------------------------------------------------------- containers to_device walks
 
 

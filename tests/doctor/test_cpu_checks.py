@@ -92,3 +92,22 @@ def test_load_average_against_the_usable_cpus() -> None:
     assert check_load(24.0, cpus=16).verdict == "ok"  # 1.5x: busy, not clearly over
     assert check_load(0.3, cpus=2).verdict == "ok"
     assert check_load(None, cpus=2).verdict == "skip"
+
+
+@pytest.mark.parametrize("cpus", [0, -2, 1.5, True])
+def test_cpu_checks_refuse_a_cpu_count_below_one(cpus: object) -> None:
+    # Before: check_load(3.0, cpus=0) raised ZeroDivisionError; check_threads and check_blas
+    # judged against "0 usable CPUs".
+    message = rf"cpus must be an int >= 1, got {cpus!r}"
+    with pytest.raises(ValueError, match=message):
+        check_load(3.0, cpus=cpus)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=message):
+        check_threads(4, None, cpus=cpus)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=message):
+        check_blas([_pool("openblas")], "GenuineIntel", cpus=cpus)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("load", [-1.0, float("nan"), float("inf")])
+def test_load_refuses_a_load_average_that_is_no_measurement(load: float) -> None:
+    with pytest.raises(ValueError, match=rf"load_average must be a finite number >= 0, got {load}"):
+        check_load(load, cpus=4)

@@ -69,7 +69,6 @@ def test_a_small_shm_under_gloo_is_a_warning_naming_nccl() -> None:
 def test_nccl_shm_with_shm_disabled_or_absent() -> None:
     off = check_nccl_shm(16 * MiB, 8, backend="nccl", env={"NCCL_SHM_DISABLE": "1"})
     assert off.verdict == "ok" and "NCCL_SHM_DISABLE=1" in off.value
-    assert check_nccl_shm(None, 8, backend="nccl").verdict == "skip"
     # Read as NCCL reads it: "01" and "0x1" are 1; 2 leaves shared memory on.
     assert (
         check_nccl_shm(16 * MiB, 8, backend="nccl", env={"NCCL_SHM_DISABLE": "0x1"}).verdict == "ok"
@@ -77,6 +76,27 @@ def test_nccl_shm_with_shm_disabled_or_absent() -> None:
     assert (
         check_nccl_shm(16 * MiB, 8, backend="nccl", env={"NCCL_SHM_DISABLE": "2"}).verdict == "fail"
     )
+
+
+def test_no_dev_shm_on_linux_fails_nccl_as_a_small_one_does() -> None:
+    # Before: a skip, "no /dev/shm here", where check_shm fails and NCCL's SHM transport
+    # (and its proxy's segments) cannot open a file there.
+    missing = check_nccl_shm(None, 8, backend="nccl", platform="linux")
+    assert missing.verdict == "fail"
+    assert "no /dev/shm here" in missing.value and "294 MiB" in missing.value
+    assert missing.fix.startswith("NCCL fails at start-up")
+    assert "mount a tmpfs at /dev/shm" in missing.fix and "enlarge" not in missing.fix
+    gloo = check_nccl_shm(None, 8, backend="gloo", platform="linux")
+    assert gloo.verdict == "warn" and "mount a tmpfs at /dev/shm" in gloo.fix
+    # One rank has no peer to share memory with; NCCL_SHM_DISABLE=1 turns the transport off.
+    assert check_nccl_shm(None, 1, backend="nccl", platform="linux").verdict == "ok"
+    off = check_nccl_shm(None, 8, backend="nccl", env={"NCCL_SHM_DISABLE": "1"}, platform="linux")
+    assert off.verdict == "ok" and off.value.startswith("no /dev/shm here; NCCL_SHM_DISABLE=1")
+
+
+def test_no_dev_shm_off_linux_is_a_skip() -> None:
+    check = check_nccl_shm(None, 8, backend="nccl", platform="win32")
+    assert check.verdict == "skip" and "NCCL runs on Linux only" in check.value
 
 
 # --------------------------------------------------------------------------- all_reduce

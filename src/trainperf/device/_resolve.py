@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
-from typing import NoReturn
+from typing import NoReturn, cast
 
 import torch
 
@@ -12,6 +13,13 @@ from trainperf.errors import DeviceError
 __all__ = ["resolve_device"]
 
 _DEFAULT_ALLOWED = ("cpu", "cuda", "mps", "meta")
+
+# torch keeps a device index in 8 bits (c10::DeviceIndex): torch.device("cuda", 256) is cuda:0
+# and 128 is cuda:-128, without a word, and past 64 bits it fails with an overflow error that
+# names no argument.
+MAX_DEVICE_INDEX = 127
+# An index as torch's device-string parser takes it: ASCII digits, no sign, no leading zero.
+_INDEX = re.compile(r"0|[1-9][0-9]*")
 
 
 def _choices(allowed: Collection[str] | None, auto: bool) -> str:
@@ -59,8 +67,9 @@ def resolve_device(
 
     Raises:
         TypeError: ``device`` is not a str, int, torch.device (or None with ``auto``).
-        ValueError: ``device`` is not a valid device, a negative index, or of a type not
-            in ``allowed``; the message lists the choices.
+        ValueError: ``device`` is not a valid device, has an index below 0 or above 127
+            (the most torch can hold: it wraps larger ones onto other devices), or is of a
+            type not in ``allowed``; the message lists the choices.
         DeviceError: the device's backend is not available here: CUDA (no GPU or driver),
             MPS, or another type (``"xpu"``, ``"hpu"``, ``"xla"``...: no such device, or a
             PyTorch build or plugin without it); an index beyond the visible devices
@@ -87,20 +96,14 @@ def resolve_device(
             return torch.device("cpu")
         return best
     if isinstance(device, torch.device):
-        dev = device
+        dev = _unwrapped(device)
     elif isinstance(device, bool) or not isinstance(device, (str, int)):
         kinds = "a str, int, torch.device or None" if auto else "a str, int or torch.device"
         raise TypeError(f"device must be {kinds}, got {device!r}")
     elif isinstance(device, int):
-        if device < 0:
-            raise ValueError(f"a device index must be >= 0, got {device!r}")
-        dev = torch.device("cuda", device)
+        dev = _indexed("cuda", device, device)
     else:
-        try:
-            dev = torch.device(device)
-        except RuntimeError as e:
-            choices = _choices(allowed, auto)
-            raise ValueError(f"invalid device {device!r}: expected {choices}") from e
+        dev = _parse(device, allowed, auto)
     if allowed is not None and dev.type not in allowed:
         raise ValueError(
             f"device {str(dev)!r} is not supported here: expected {_choices(allowed, auto)}"
@@ -118,6 +121,47 @@ def resolve_device(
             )
     elif kind not in ("cpu", "meta"):
         _check_backend(dev, allowed, auto)
+    return dev
+
+
+def _parse(device: str, allowed: Collection[str] | None, auto: bool) -> torch.device:
+    """A device string, its index checked before torch would wrap it (``"cuda:256"``)."""
+    kind, colon, number = device.partition(":")
+    try:
+        dev = torch.device(kind)
+    except RuntimeError as e:
+        raise ValueError(f"invalid device {device!r}: expected {_choices(allowed, auto)}") from e
+    if not colon:
+        return dev
+    if _INDEX.fullmatch(number) is None:
+        raise ValueError(f"invalid device {device!r}: expected {_choices(allowed, auto)}")
+    return _indexed(dev.type, int(number), device)
+
+
+def _indexed(kind: str, index: int, device: str | int) -> torch.device:
+    """``torch.device(kind, index)``, with an index torch cannot hold refused, not wrapped."""
+    if index < 0:
+        raise ValueError(f"a device index must be >= 0, got {device!r}")
+    if index > MAX_DEVICE_INDEX:
+        where = "" if isinstance(device, int) else f" in {device!r}"
+        raise ValueError(
+            f"a device index must be <= {MAX_DEVICE_INDEX} (PyTorch keeps it in 8 bits and "
+            f"wraps larger ones onto other devices), got {index}{where}: use the index of a "
+            f"visible device, 0 to torch.{kind}.device_count() - 1"
+        )
+    return torch.device(kind, index)
+
+
+def _unwrapped(dev: torch.device) -> torch.device:
+    """``dev``, unless torch wrapped its index below 0 (``torch.device("cuda", 128)``)."""
+    # torch's stubs type .index as int, but a bare "cuda" has none.
+    index = cast("int | None", dev.index)
+    if index is not None and index < 0:
+        raise ValueError(
+            f"device {str(dev)!r} has a negative index: torch.device() wraps an index past "
+            f"{MAX_DEVICE_INDEX} (torch.device('cuda', 128) is cuda:-128): use the index of a "
+            f"visible device, 0 to torch.{dev.type}.device_count() - 1"
+        )
     return dev
 
 

@@ -93,7 +93,7 @@ def _children(obj: Any) -> list[tuple[str, Any]]:
 
 
 def check_same_device(
-    module: torch.nn.Module | None, *tensors: Any, **named_tensors: Any
+    module: torch.nn.Module | None, /, *tensors: Any, **named_tensors: Any
 ) -> torch.device:
     """Check a module's parameters and buffers and the inputs share one device.
 
@@ -101,7 +101,8 @@ def check_same_device(
     PyTorch's "Expected all tensors to be on the same device".
 
     Args:
-        module: the model (or None to check the inputs alone).
+        module: the model (or None to check the inputs alone); positional only, so an
+            input may be named anything, ``module=`` included.
         *tensors: inputs, possibly nested in containers (named ``arg0``, ``arg1``…).
             Objects with their own ``.to`` are looked inside too: mappings (Hugging Face's
             ``BatchEncoding``) by item, ``PackedSequence`` (whose ``batch_sizes`` stays

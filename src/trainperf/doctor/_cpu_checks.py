@@ -10,6 +10,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from trainperf._utils.validate import non_negative_number, positive_int
 from trainperf.doctor._checks import Check
 
 __all__ = ["check_blas", "check_load", "check_steal", "check_threads", "load_average"]
@@ -33,6 +34,9 @@ def check_blas(
         cpu_vendor: ``vendor_id`` from ``/proc/cpuinfo``, e.g. ``"GenuineIntel"``.
         cpus: usable CPUs.
 
+    Raises:
+        ValueError: ``cpus`` is not an int >= 1.
+
     Example:
         >>> pools = [{"user_api": "blas", "internal_api": "openblas", "num_threads": 4,
         ...           "version": "0.3.27"}]
@@ -44,6 +48,7 @@ def check_blas(
         >>> check_blas(None, "GenuineIntel", cpus=4).verdict
         'skip'
     """
+    positive_int("cpus", cpus)
     if pools is None:
         fix = "pip install threadpoolctl"
         return Check(
@@ -126,6 +131,9 @@ def check_threads(
         cpus: usable CPUs.
         processes: training processes sharing the host (``LOCAL_WORLD_SIZE`` under torchrun).
 
+    Raises:
+        ValueError: ``cpus`` is not an int >= 1.
+
     Example:
         >>> check_threads(16, None, cpus=16, processes=4).verdict
         'warn'
@@ -134,6 +142,7 @@ def check_threads(
         >>> check_threads(4, "0", cpus=16).verdict
         'warn'
     """
+    positive_int("cpus", cpus)
     value = (
         f"torch {torch_threads} threads, OMP_NUM_THREADS={_omp_setting(omp_num_threads)}, "
         f"{cpus} usable CPUs, {processes} process(es)"
@@ -193,14 +202,20 @@ def check_load(load_average: float | None, cpus: int) -> Check:
         load_average: ``os.getloadavg()[0]``; None where the platform has none (Windows).
         cpus: usable CPUs.
 
+    Raises:
+        ValueError: ``cpus`` is not an int >= 1, or ``load_average`` not a finite number
+            >= 0.
+
     Example:
         >>> check_load(24.0, cpus=8).verdict
         'warn'
         >>> check_load(6.5, cpus=8).verdict, check_load(None, cpus=8).verdict
         ('ok', 'skip')
     """
+    positive_int("cpus", cpus)
     if load_average is None:
         return Check("load", "skip", "no load average on this platform", "")
+    non_negative_number("load_average", load_average)
     value = f"1-minute load average {load_average:.1f} for {cpus} usable CPUs"
     if load_average > OVERLOAD_FACTOR * cpus:
         fix = (

@@ -11,6 +11,7 @@ from :mod:`trainperf.doctor`.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -108,13 +109,15 @@ def check_nccl_shm(
     *,
     backend: str,
     env: Mapping[str, str] | None = None,
+    platform: str = sys.platform,
 ) -> Check:
     """``/dev/shm`` against what NCCL's shared-memory transport needs for ``ranks`` ranks.
 
     NCCL falls back to shared memory between GPUs that cannot reach each other
     peer-to-peer (or with ``NCCL_P2P_DISABLE=1``); a ``/dev/shm`` too small for its
-    segments fails the job at start-up with "unhandled system error" (torchtitan#853,
-    nccl#342). Docker's default is 64 MB. See :func:`nccl_shm_need` for the rule.
+    segments, or none at all, fails the job at start-up with "unhandled system error"
+    (torchtitan#853, nccl#342). Docker's default is 64 MB. See :func:`nccl_shm_need` for
+    the rule.
 
     Args:
         shm_free: free bytes in ``/dev/shm``; None where there is none.
@@ -122,31 +125,35 @@ def check_nccl_shm(
         backend: the backend the job uses: a too-small ``/dev/shm`` fails NCCL; gloo does
             not use it (a warning, since the same machine may run NCCL later).
         env: the environment (``NCCL_SHM_DISABLE``, buffer sizes).
+        platform: ``sys.platform``: on Linux, where NCCL makes its segments as files in
+            ``/dev/shm``, a missing ``/dev/shm`` counts as one with nothing free; NCCL
+            runs nowhere else, so elsewhere it is a skip.
 
     Example:
         >>> check_nccl_shm(64 * 2**20, 8, backend="nccl").verdict
         'fail'
         >>> check_nccl_shm(16 * 2**30, 8, backend="nccl").verdict
         'ok'
+        >>> check_nccl_shm(None, 8, backend="nccl", platform="linux").verdict
+        'fail'
     """
     env = env or {}
-    if shm_free is None:
-        return Check("nccl_shm", "skip", "no /dev/shm here", "")
+    shm = "no /dev/shm here" if shm_free is None else f"/dev/shm {format_bytes(shm_free)} free"
     if nccl_one(env.get("NCCL_SHM_DISABLE")):  # read as NCCL reads it: "01" and "0x1" too
-        value = f"/dev/shm {format_bytes(shm_free)} free; NCCL_SHM_DISABLE=1: NCCL does not use it"
-        return Check("nccl_shm", "ok", value)
+        return Check("nccl_shm", "ok", f"{shm}; NCCL_SHM_DISABLE=1: NCCL does not use it")
+    if shm_free is None and not platform.startswith("linux"):
+        return Check("nccl_shm", "skip", "no /dev/shm here (NCCL runs on Linux only)", "")
     need, rule = nccl_shm_need(ranks, env)
-    value = (
-        f"/dev/shm {format_bytes(shm_free)} free; NCCL's shared-memory transport needs "
-        f"~{format_bytes(need)} for {rule}"
-    )
-    if shm_free >= need:
+    value = f"{shm}; NCCL's shared-memory transport needs ~{format_bytes(need)} for {rule}"
+    if (shm_free or 0) >= need:
         return Check("nccl_shm", "ok", value)
     fix = (
         "enlarge /dev/shm: docker run --shm-size=1g (or --ipc=host); on Kubernetes mount an "
         "emptyDir with medium: Memory at /dev/shm; NCCL_SHM_DISABLE=1 avoids it at the cost "
         "of slower transfers where peer-to-peer is unavailable"
     )
+    if shm_free is None:
+        fix = fix.replace("enlarge /dev/shm", "mount a tmpfs at /dev/shm", 1)
     if backend == "nccl":
         lead = "NCCL fails at start-up with 'unhandled system error' when it uses it: "
         return Check("nccl_shm", "fail", value, lead + fix)
