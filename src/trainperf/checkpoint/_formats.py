@@ -333,18 +333,24 @@ def device_memory_error(
     )
 
 
+def raise_resource_error(path: Source, dev: torch.device, e: Exception, mmap_hint: str) -> None:
+    """Raise the clear error for a load that failed for want of a resource (the file could
+    not be read, device or host memory ran out); return when ``e`` is none of those."""
+    if read_failure(e):
+        raise read_error(path, e) from e
+    if device_out_of_memory(e):
+        raise device_memory_error(path, dev, e) from e
+    if out_of_memory(e):
+        raise memory_error(path, dev, e, mmap_hint) from e
+
+
 def _torch_load(path: Source, dev: torch.device, weights_only: bool) -> Any:
     start = 0 if isinstance(path, Path) else path.tell()
     try:
         with allow_data_only() if weights_only else contextlib.nullcontext():
             return torch.load(path, map_location=dev, weights_only=weights_only)
     except Exception as e:
-        if read_failure(e):
-            raise read_error(path, e) from e
-        if device_out_of_memory(e):
-            raise device_memory_error(path, dev, e) from e
-        if out_of_memory(e):
-            raise memory_error(path, dev, e, _torch_mmap_hint(path)) from e
+        raise_resource_error(path, dev, e, _torch_mmap_hint(path))
         msg = str(e)
         if not isinstance(path, Path):  # torch read part of it: the refusal reads it again
             path.seek(start)

@@ -21,12 +21,8 @@ from trainperf.checkpoint._formats import (
     _open_zip,
     _size,
     _torch_load,
-    device_memory_error,
-    device_out_of_memory,
-    memory_error,
-    out_of_memory,
+    raise_resource_error,
     read_error,
-    read_failure,
     shown,
 )
 from trainperf.errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError
@@ -144,13 +140,8 @@ def _load_safetensors(src: Source, dev: torch.device) -> Any:
             return load_file(src, device=str(dev))
         return {k: v.to(dev) for k, v in load(src.read()).items()}
     except Exception as e:
-        if read_failure(e):
-            raise read_error(src, e) from e
-        if device_out_of_memory(e):
-            raise device_memory_error(src, dev, e) from e
-        if out_of_memory(e):
-            hint = "or read a few tensors at a time with safetensors.safe_open(path, 'pt')"
-            raise memory_error(src, dev, e, hint) from e
+        hint = "or read a few tensors at a time with safetensors.safe_open(path, 'pt')"
+        raise_resource_error(src, dev, e, hint)
         raise CheckpointCorruptError(
             f"safetensors checkpoint {shown(src)} is truncated or damaged ({e}); re-copy it "
             "or use an earlier checkpoint",
