@@ -147,3 +147,15 @@ def test_a_dataloader_inside_another_entry_is_refused_saying_loaders_go_at_the_t
     assert ckpt.restore(top) == 0
     ckpt.save(top, step=2)  # at the top it is saved
     assert ckpt.steps() == [2]
+
+
+def test_a_file_without_generator_states_is_refused_before_anything_loads() -> None:
+    # A file with the reserved entry but no "rng" (not one Checkpointer.save wrote) raised a
+    # bare KeyError after the model had been loaded already.
+    model = torch.nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    saved = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    saved["trainperf"] = {"step": 3}
+    with pytest.raises(ValueError, match=r"c\.pt \(step 3\) has no random-generator states"):
+        restore_into({"model": model}, saved, None, "c.pt", 3)
+    assert torch.equal(model.weight, before)

@@ -412,8 +412,9 @@ def restore_into(
             load into that the file lacks at a deeper level of its dicts (a plain value
             the file lacks keeps its live value), a list or tuple of such objects whose
             length the file's does not match, an optimizer whose parameter groups differ
-            from the saved ones, a loader whose entry is not a position, or the reserved
-            key. Nothing is loaded then.
+            from the saved ones, a loader whose entry is not a position, the reserved
+            key, or a file without the generator states ``Checkpointer.save`` writes.
+            Nothing is loaded then.
         StateDictMismatchError: a module's weights do not fit it; nothing is loaded then.
         CheckpointError: an object's ``load_state_dict`` failed after the checks (the
             message names it, the file and step, and what was loaded before it).
@@ -427,6 +428,12 @@ def restore_into(
             "restore the keys the checkpoints were saved with"
         )
     mine = own if own is not None else saved
+    if not isinstance(mine.get(RESERVED), Mapping) or "rng" not in mine[RESERVED]:
+        raise ValueError(
+            f"{where} (step {step}) has no random-generator states under {RESERVED!r}, so "
+            "Checkpointer.save did not write it: load it with trainperf.load_checkpoint, "
+            "or move it out of the checkpoint directory"
+        )
     place = f"{where} (step {step})"
     for key, live in state.items():
         why = _unfit(live, saved[key], key)
