@@ -8,6 +8,7 @@ from tests.doctor._fakes import _pool
 from trainperf.doctor import (
     check_blas,
     check_load,
+    check_steal,
     check_threads,
 )
 
@@ -105,6 +106,21 @@ def test_cpu_checks_refuse_a_cpu_count_below_one(cpus: object) -> None:
         check_threads(4, None, cpus=cpus)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=message):
         check_blas([_pool("openblas")], "GenuineIntel", cpus=cpus)  # type: ignore[arg-type]
+
+
+def test_threads_refuses_a_process_or_thread_count_below_one() -> None:
+    # Before: processes=0 was silently read as 1, and its value said "0 process(es)".
+    with pytest.raises(ValueError, match=r"processes must be an int >= 1, got 0"):
+        check_threads(4, None, cpus=4, processes=0)
+    with pytest.raises(ValueError, match=r"torch_threads must be an int >= 1, got 0"):
+        check_threads(0, None, cpus=4)
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, float("nan")])
+def test_steal_refuses_a_share_that_is_no_fraction(share: float) -> None:
+    # Before: NaN was "ok" and showed "nan%".
+    with pytest.raises(ValueError, match=r"share must be a fraction from 0 to 1"):
+        check_steal(share)
 
 
 @pytest.mark.parametrize("load", [-1.0, float("nan"), float("inf")])

@@ -228,3 +228,14 @@ def test_p2p_skips_without_two_gpus_or_measurements() -> None:
 @pytest.mark.parametrize("without", [0.0])
 def test_p2p_against_a_zero_baseline_is_not_a_division_error(without: float) -> None:
     assert check_p2p(2, with_p2p=1.0, without_p2p=without).verdict == "ok"
+
+
+@pytest.mark.parametrize("backend", ["NCCL", "cpu:gloo,cuda:nccl"])
+def test_nccl_shm_fails_nccl_however_the_backend_names_it(backend: str) -> None:
+    # Before: anything but exactly "nccl" was judged as gloo, a warning.
+    assert check_nccl_shm(64 * 2**20, 8, backend=backend).verdict == "fail"
+
+
+def test_nccl_shm_refuses_a_backend_that_is_no_string() -> None:
+    with pytest.raises(TypeError, match=r"backend must be a str such as 'nccl'"):
+        check_nccl_shm(64 * 2**20, 8, backend=None)  # type: ignore[arg-type]

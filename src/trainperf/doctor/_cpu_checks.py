@@ -132,7 +132,7 @@ def check_threads(
         processes: training processes sharing the host (``LOCAL_WORLD_SIZE`` under torchrun).
 
     Raises:
-        ValueError: ``cpus`` is not an int >= 1.
+        ValueError: ``cpus``, ``processes`` or ``torch_threads`` is not an int >= 1.
 
     Example:
         >>> check_threads(16, None, cpus=16, processes=4).verdict
@@ -143,6 +143,8 @@ def check_threads(
         'warn'
     """
     positive_int("cpus", cpus)
+    positive_int("processes", processes)
+    positive_int("torch_threads", torch_threads)
     value = (
         f"torch {torch_threads} threads, OMP_NUM_THREADS={_omp_setting(omp_num_threads)}, "
         f"{cpus} usable CPUs, {processes} process(es)"
@@ -241,12 +243,20 @@ def check_steal(share: float | None) -> Check:
             stolen, idle left out), ``trainperf._utils.steal.boot_steal_share()``; None
             where the platform reports no steal (only Linux does).
 
+    Raises:
+        ValueError: ``share`` is not a fraction from 0 to 1 (NaN included).
+
     Example:
         >>> check_steal(0.25).verdict, check_steal(0.02).verdict, check_steal(None).verdict
         ('warn', 'ok', 'skip')
     """
     if share is None:
         return Check("steal", "skip", "no steal figure on this platform (Linux VMs report it)")
+    if not 0.0 <= share <= 1.0:  # NaN too
+        raise ValueError(
+            f"share must be a fraction from 0 to 1 of the CPU time (boot_steal_share()), "
+            f"got {share!r}"
+        )
     value = (
         f"the hypervisor withheld {share:.1%} of the CPU time this machine's CPUs wanted "
         "since boot (steal)"

@@ -122,8 +122,10 @@ def check_nccl_shm(
     Args:
         shm_free: free bytes in ``/dev/shm``; None where there is none.
         ranks: ranks on this host.
-        backend: the backend the job uses: a too-small ``/dev/shm`` fails NCCL; gloo does
-            not use it (a warning, since the same machine may run NCCL later).
+        backend: the backend the job uses (``"nccl"`` in any case, or a per-device string
+            that names it, such as ``"cpu:gloo,cuda:nccl"``): a too-small ``/dev/shm`` fails
+            NCCL; gloo does not use it (a warning, since the same machine may run NCCL
+            later).
         env: the environment (``NCCL_SHM_DISABLE``, buffer sizes).
         platform: ``sys.platform``: on Linux, where NCCL makes its segments as files in
             ``/dev/shm``, a missing ``/dev/shm`` counts as one with nothing free; NCCL
@@ -154,11 +156,19 @@ def check_nccl_shm(
     )
     if shm_free is None:
         fix = fix.replace("enlarge /dev/shm", "mount a tmpfs at /dev/shm", 1)
-    if backend == "nccl":
+    if _uses_nccl(backend):
         lead = "NCCL fails at start-up with 'unhandled system error' when it uses it: "
         return Check("nccl_shm", "fail", value, lead + fix)
     lead = f"gloo does not use /dev/shm, but NCCL with {ranks} ranks on this host would fail: "
     return Check("nccl_shm", "warn", value, lead + fix)
+
+
+def _uses_nccl(backend: str) -> bool:
+    """Whether a ``torch.distributed`` backend string runs NCCL: ``"nccl"`` in any case, or a
+    per-device one such as ``"cpu:gloo,cuda:nccl"``."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str such as 'nccl' or 'gloo', got {backend!r}")
+    return "nccl" in backend.lower()
 
 
 def check_all_reduce(
