@@ -403,8 +403,8 @@ class Watch:
     def _report(self) -> WatchReport:
         running_here = threading.get_ident() == self._loop_thread
         elsewhere = self._state == "running" and not running_here
-        if self._cuda and elsewhere:
-            wait_for_logged(self)  # outside the lock: the loop steps on meanwhile
+        # Outside the lock: the loop steps on meanwhile; the report ends where the wait began.
+        limit = wait_for_logged(self) if self._cuda and elsewhere else None
         with self._lock:  # another thread reads the log between two steps
             # Re-entered by a signal handler while this thread appends a step: the steps
             # before it are whole; the rest is left for the next report.
@@ -414,6 +414,8 @@ class Watch:
             if self._state == "running" and running_here and whole:
                 settle(self)  # schedstat is read in the loop's own thread only
             first, timeline = step_records(self)
+        if limit is not None:
+            timeline = [s for s in timeline if s.index < limit]
         sampler = self._sampler
         if self._device is not None:
             device = str(self._device)

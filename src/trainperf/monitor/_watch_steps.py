@@ -124,14 +124,18 @@ def _cut(w: Watch) -> None:
         del w._excluded[index]
 
 
-def wait_for_logged(w: Watch) -> None:
+def wait_for_logged(w: Watch) -> int:
     """Wait until the GPU has run the steps logged so far, without holding the watch's lock:
     a report from another thread lets the loop go on stepping meanwhile (its next
-    ``w.step()`` would otherwise wait for the whole GPU queue)."""
+    ``w.step()`` would otherwise wait for the whole GPU queue). Returns the number of the
+    first step logged after the wait began: the report covers the steps before it, whose
+    GPU time is known (a later one's may not be, which would void the GPU figures)."""
     with w._lock:
         newest = w._pending[-1][2] if w._pending else None
+        logged = w._first + len(w._ends)
     if newest is not None:
         newest.synchronize()
+    return logged
 
 
 def resolve(w: Watch, *, block: bool) -> None:
