@@ -461,6 +461,32 @@ def test_what_is_not_a_readable_binary_file_object_is_refused_with_the_fix(
         load_checkpoint(pipe)
 
 
+def test_a_buffer_left_at_its_end_is_refused_with_seek_0() -> None:
+    # torch.save(obj, buf) leaves buf at its end; it was reported as an interrupted save.
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(1)}, buf)
+    with pytest.raises(ValueError, match=r"at its end .*position \d+.*f\.seek\(0\)"):
+        load_checkpoint(buf)
+    buf.seek(0)
+    assert torch.equal(load_checkpoint(buf)["w"], torch.ones(1))
+
+
+class _BareStream:
+    """A file-like object with read/seek/tell only, which torch.load reads."""
+
+    def __init__(self, data: bytes) -> None:
+        self._f = io.BytesIO(data)
+        self.read, self.seek, self.tell = self._f.read, self._f.seek, self._f.tell
+        self.readline = self._f.readline
+
+
+def test_a_file_like_object_without_seekable_loads() -> None:
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, buf)
+    loaded = load_checkpoint(_BareStream(buf.getvalue()))  # type: ignore[arg-type]
+    assert torch.equal(loaded["w"], torch.ones(2))
+
+
 # --------------------------------------------------------------------- safetensors
 
 

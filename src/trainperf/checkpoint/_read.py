@@ -56,8 +56,10 @@ def load_stream(f: IO[Any], dev: torch.device, weights_only: bool, verify: bool)
 
     Raises:
         TypeError: ``f`` is open in text mode.
-        ValueError: ``f`` is closed, not open for reading, or cannot seek.
+        ValueError: ``f`` is closed, not open for reading, cannot seek, or is at its end.
     """
+    if not callable(getattr(f, "seekable", None)) and callable(getattr(f, "read", None)):
+        f = io.BytesIO(f.read())  # a bare file-like object: zipfile asks seekable()
     _check_stream(f)
     try:
         start = f.tell()
@@ -71,6 +73,12 @@ def load_stream(f: IO[Any], dev: torch.device, weights_only: bool, verify: bool)
         size = _size(f)
     except OSError as e:
         raise read_error(f, e) from e
+    if size == 0 and start > 0:
+        raise ValueError(
+            f"load_checkpoint was given a file object at its end ({shown(f)}, position "
+            f"{start}): nothing is left to read; rewind it first, f.seek(0) (torch.save(obj, "
+            "buffer) leaves the buffer at its end)"
+        )
     return _load(f, head, size, dev, weights_only, verify)
 
 
