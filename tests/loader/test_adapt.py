@@ -407,6 +407,30 @@ def test_an_adaptive_loader_over_a_dataset_with_set_epoch_does_not_keep_its_work
     assert autotune_loader(Latency(16), 4, adapt=True, **quiet)._keep_workers
 
 
+@pytest.mark.slow  # a worker pool started: about a second
+def test_an_adaptive_loader_built_directly_over_a_set_epoch_dataset_reaches_its_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: built directly (not by autotune_loader), it kept the workers it added between
+    # epochs, so dataset.set_epoch(e) never reached them: epoch 3 repeated epoch 2's
+    # samples, where the plain DataLoader with the same arguments follows set_epoch.
+    _scripted(monkeypatch, [(2, 2), None, None])
+    ds = _EpochStream()
+    loader = AdaptiveDataLoader(ds, batch_size=4)
+    firsts = []
+    try:
+        for epoch in range(3):
+            ds.set_epoch(epoch)
+            epoch_batches = [b.tolist() for b in loader]  # a whole epoch
+            firsts.append(epoch_batches[0][0])
+    finally:
+        loader.close()
+    assert loader.num_workers == 2  # epochs 2 and 3 ran in workers
+    assert firsts == [0, 1, 2]  # each epoch as set_epoch made it
+    asked = AdaptiveDataLoader(ds, batch_size=4, persistent_workers=True, num_workers=1)
+    assert asked._keep_workers  # asked for: kept
+
+
 @pytest.mark.slow  # about 3 s: one short tuning run
 def test_without_a_callers_bound_the_adaptive_loader_may_go_past_the_tuners() -> None:
     # The tuner tries up to four workers per CPU in its budget; the adaptive loader, which

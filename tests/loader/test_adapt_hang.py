@@ -134,3 +134,23 @@ def test_the_first_batch_bound_allows_for_the_cost_per_worker_and_the_last_start
     assert hang_bound(loader, 40, heavy) >= 20 * 12.0
     quick = figures(num_workers=0, batches=101, wait_s=0.1, step_s=0.1)
     assert hang_bound(loader, 2, quick) == 10.0  # the floor
+
+
+def test_the_first_batch_bound_counts_the_cores_the_step_keeps_as_the_tuner_does() -> None:
+    # Before: every usable CPU counted as the new workers' (max(1, f.cpus)), where the
+    # one-off tuner counts those left beside the main process's step: on 2 CPUs with a
+    # step that keeps one busy, 4 new workers got half the tuner's bound (40 s, not 80 s).
+    from trainperf.loader._adapt import AdaptiveDataLoader
+    from trainperf.loader._adapt_pool import hang_bound
+    from trainperf.loader._adapt_rules import figures
+    from trainperf.loader._faults import hang_timeout
+
+    loader = AdaptiveDataLoader(range(64), batch_size=4, multiprocessing_context="fork")
+    # 1 s per batch in this process, half of it the step, on one of the two cores.
+    f = figures(num_workers=0, batches=101, wait_s=50.0, step_s=50.0, step_cpu_s=50.0, cpus=2)
+    assert f.step_cores == 1.0
+    assert hang_bound(loader, 4, f) == 80.0  # 20 x 1 s x 4 workers on the 1 core left
+    tuner = hang_timeout(
+        4, user_timeout=0.0, start_method="fork", batch_s=1.0, cpus=2, main_cores=1.0
+    )
+    assert hang_bound(loader, 4, f) == tuner

@@ -346,10 +346,16 @@ def test_main_private_bytes_counts_this_processes_memory() -> None:
 
 
 def test_hang_timeout() -> None:
-    fork: dict[str, Any] = {"user_timeout": 0.0, "start_method": "fork", "worker_cpus": 4}
+    fork: dict[str, Any] = {
+        "user_timeout": 0.0,
+        "start_method": "fork",
+        "cpus": 5,
+        "main_cores": 1.0,
+    }
     assert hang_timeout(2, batch_s=0.01, **fork) == 10.0  # at least 10 s
     assert hang_timeout(2, batch_s=1.0, **fork) == 20.0  # 20 batches
     assert hang_timeout(8, batch_s=1.0, **fork) == 40.0  # twice as many workers as cores
+    assert hang_timeout(8, batch_s=1.0, **{**fork, "main_cores": 3.0}) == 80.0  # 2 cores left
     assert hang_timeout(8, batch_s=1.0, **{**fork, "start_method": "spawn"}) == 60.0
     assert hang_timeout(8, batch_s=1.0, **{**fork, "user_timeout": 2.5}) == 2.5
 

@@ -59,6 +59,7 @@ from trainperf.loader._adapt_rules import EpochFigures
 from trainperf.loader._adapt_timed import _BY_CLOSE, _BY_ITER, _TimedIter
 from trainperf.loader._args import checked_context
 from trainperf.loader._autotune import _TOO_MANY, TunedDataLoader
+from trainperf.loader._choice import has_set_epoch
 from trainperf.loader._faults import start_method
 from trainperf.loader._iterable import tail_batches
 from trainperf.loader._report import CandidateResult
@@ -125,7 +126,8 @@ class AdaptiveDataLoader(TunedDataLoader):
             main process's, the worst case.
         keep_workers: keep the workers it starts alive between epochs
             (``persistent_workers`` becomes True then); False restarts them each epoch;
-            None (the default): False when ``persistent_workers=False`` is passed, else True.
+            None (the default): your ``persistent_workers`` when passed, else True, except
+            for a dataset with ``set_epoch`` (kept workers never see its calls).
         mid_epoch: allow changes within an epoch (where the order can be kept); False:
             only at epoch boundaries.
         **kwargs: DataLoader arguments; a ``multiprocessing_context`` with
@@ -168,11 +170,9 @@ class AdaptiveDataLoader(TunedDataLoader):
             kept = checked_context(kwargs.pop("multiprocessing_context"))
         super().__init__(dataset, *args, **kwargs)
         self._context_kept = kept
-        # Your persistent_workers=False holds for the pools it starts (a dataset changed
-        # between epochs, a curriculum, must reach fresh workers).
-        self._keep_workers = (
-            kwargs.get("persistent_workers") is not False if keep_workers is None else keep_workers
-        )
+        if keep_workers is None:
+            keep_workers = _keeps_workers(dataset, kwargs.get("persistent_workers"))
+        self._keep_workers = keep_workers
         self._batch_bytes = 0  # of the latest window's first batch
         limits = host_limits()
         self._cpus = usable_cpus(local_world_size(), limits=limits)
@@ -348,6 +348,26 @@ def _rules_only(tuner: Search) -> Search:
     its measuring and its clock, which hold the tuning run's dataset and deadline and would
     keep the loader from being copied or pickled."""
     return dataclasses.replace(tuner, measure=_not_measuring, out_of_time=_out_of_time)
+
+
+def _keeps_workers(dataset: Any, asked: Any) -> bool:
+    """Whether the pools it starts are kept between epochs, given the caller's
+    ``persistent_workers`` (``asked``; None: not passed): not when it is False (a dataset
+    changed between epochs, a curriculum, must reach fresh workers), nor, unless it is
+    True, for a dataset with ``set_epoch`` (kept workers hold their own copy, which
+    ``dataset.set_epoch(e)`` never reaches): the rule of ``autotune_loader(adapt=True)``.
+
+    Example:
+        >>> class Epoched:
+        ...     def set_epoch(self, epoch): ...
+        >>> _keeps_workers(range(4), None), _keeps_workers(range(4), False)
+        (True, False)
+        >>> _keeps_workers(Epoched(), None), _keeps_workers(Epoched(), True)
+        (False, True)
+    """
+    if asked is not None:
+        return bool(asked)
+    return not has_set_epoch(dataset)
 
 
 def _workers_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

@@ -136,14 +136,16 @@ def hang_bound(loader: AdaptiveDataLoader, n: int, f: EpochFigures) -> float:
     """Seconds without a first batch from ``n`` new workers that count as a hang: the
     one-off tuner's rule (:func:`~trainperf.loader._faults.hang_timeout`), from one
     batch's cost in a single process (the loop's time per batch in ``f`` times the
-    workers that shared it), and at least three times the start-up ``f`` saw."""
+    workers that shared it) and the cores the step keeps (``f.step_cores``, as the tuner
+    keeps its ``step_fn``'s), and at least three times the start-up ``f`` saw."""
     per_batch = (f.wait_s + f.step_s) / f.timed if f.timed else 1.0
     bound = hang_timeout(
         n,
         user_timeout=0.0,
         start_method=start_method({"multiprocessing_context": loader._worker_context}),
         batch_s=per_batch * max(1, f.num_workers),
-        worker_cpus=max(1, f.cpus),
+        cpus=f.cpus,
+        main_cores=f.step_cores,
     )
     return max(bound, 3.0 * f.startup_s)
 

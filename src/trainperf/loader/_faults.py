@@ -23,6 +23,7 @@ from typing import Any
 import psutil
 
 from trainperf.loader._report import FaultKind, format_bytes
+from trainperf.loader._step import cores_for_workers
 
 __all__ = [
     "WorkerProcesses",
@@ -487,23 +488,45 @@ def close_iterator(it: Any, workers: WorkerProcesses, *, kill_first: bool) -> No
 
 
 def hang_timeout(
-    num_workers: int, *, user_timeout: float, start_method: str, batch_s: float, worker_cpus: int
+    num_workers: int,
+    *,
+    user_timeout: float,
+    start_method: str,
+    batch_s: float,
+    cpus: int,
+    main_cores: float,
 ) -> float:
-    """Seconds without a batch that count as a hang while measuring ``num_workers`` workers.
+    """Seconds without a batch that count as a hang for a pool of ``num_workers`` workers:
+    the one rule of the one-off tuner's measurements and of the pools the adaptive loader
+    starts.
 
     The caller's ``timeout`` when given; else twenty times the main process's time per
-    batch, times how far the workers outnumber their cores, at least 10 s; plus 20 s for
-    workers that import torch again as they start (``spawn``, ``forkserver``).
+    batch, times how far the workers outnumber the cores left to them beside the main
+    process (:func:`~trainperf.loader._step.cores_for_workers` of ``cpus`` and
+    ``main_cores``), at least 10 s; plus 20 s for workers that import torch again as they
+    start (``spawn``, ``forkserver``).
+
+    Args:
+        num_workers: the pool's workers.
+        user_timeout: the caller's DataLoader ``timeout`` (0: none).
+        start_method: the workers' start method.
+        batch_s: seconds one batch takes in a single process.
+        cpus: usable CPUs (:func:`~trainperf.limits.usable_cpus`).
+        main_cores: cores the main process keeps (its training step's).
 
     Example:
-        >>> hang_timeout(4, user_timeout=0.0, start_method="fork", batch_s=0.01, worker_cpus=2)
+        >>> hang_timeout(4, user_timeout=0.0, start_method="fork", batch_s=0.01, cpus=3,
+        ...              main_cores=1.0)
         10.0
-        >>> hang_timeout(4, user_timeout=0.0, start_method="spawn", batch_s=1.0, worker_cpus=2)
+        >>> hang_timeout(4, user_timeout=0.0, start_method="spawn", batch_s=1.0, cpus=3,
+        ...              main_cores=1.0)
         60.0
-        >>> hang_timeout(4, user_timeout=3.0, start_method="spawn", batch_s=1.0, worker_cpus=2)
+        >>> hang_timeout(4, user_timeout=3.0, start_method="spawn", batch_s=1.0, cpus=3,
+        ...              main_cores=1.0)
         3.0
     """
     if user_timeout > 0:
         return user_timeout
+    worker_cpus = cores_for_workers(cpus, main_cores)
     spawn_extra = 0.0 if start_method == "fork" else 20.0
     return max(10.0, 20.0 * batch_s * max(1.0, num_workers / worker_cpus)) + spawn_extra

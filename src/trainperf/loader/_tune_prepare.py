@@ -21,7 +21,7 @@ from trainperf.loader._measure import measure
 from trainperf.loader._progress import ProgressBar
 from trainperf.loader._report import CandidateResult
 from trainperf.loader._search import Search
-from trainperf.loader._step import Shares, cores_for_workers, main_process_cores, split_cores
+from trainperf.loader._step import Shares, main_process_cores, split_cores
 from trainperf.loader._tune_setup import _Setup
 from trainperf.loader._user import user_config
 
@@ -40,7 +40,7 @@ class _Measurer:
     deadline: float
     bar: ProgressBar
     user_timeout: float
-    worker_cpus: int
+    main_cores: float  # cores the main process keeps: the workers' hang bound counts the rest
     batch_s: float = 1.0  # seconds per batch in the main process, known after the baseline
 
     def __call__(self, n: int, pf: int | None, pin: bool) -> CandidateResult:
@@ -59,7 +59,8 @@ class _Measurer:
                 user_timeout=self.user_timeout,
                 start_method=setup.start_method,
                 batch_s=self.batch_s,
-                worker_cpus=self.worker_cpus,
+                cpus=setup.cpus,
+                main_cores=self.main_cores,
             ),
             device=setup.device if setup.device.type == "cuda" else None,
             shm_free=setup.share.shm_free,
@@ -142,7 +143,7 @@ def _prepare(
         bar,
         user_timeout=float(loader_kwargs.get("timeout") or 0.0),
         # Until step_fn has been measured: one core kept for the main process.
-        worker_cpus=cores_for_workers(setup.cpus, main_process_cores(setup.cpus)),
+        main_cores=main_process_cores(setup.cpus),
     )
     baseline = _measure_baseline(measurer)
     measurer = dataclasses.replace(measurer, batch_s=_main_batch_s(baseline, setup.batch_size))
@@ -168,7 +169,7 @@ def _prepare(
         notes=notes,
     )
     search = Search(
-        measure=dataclasses.replace(measurer, worker_cpus=shares.worker_cpus),
+        measure=dataclasses.replace(measurer, main_cores=shares.main_cores),
         out_of_time=lambda: time.perf_counter() >= deadline - 0.05,
         worker_cpus=shares.worker_cpus,
         main_cores=shares.main_cores,
