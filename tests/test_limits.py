@@ -198,3 +198,21 @@ def test_local_world_size_takes_world_size_without_local_world_size() -> None:
     # A job script's WORLD_SIZE=$SLURM_NTASKS is the whole job: SLURM's per-node count wins.
     assert local_world_size({"WORLD_SIZE": "16", "SLURM_NTASKS_PER_NODE": "8"}) == 8
     assert local_world_size({"SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}) == 3
+
+
+def test_an_unreadable_shm_says_why_and_a_missing_one_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def denied(path: object) -> object:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(limits.shutil, "disk_usage", denied)
+    got = host_limits(cgroup_root=tmp_path, proc_cgroup=tmp_path / "x", shm_path=tmp_path)
+    assert got.shm_total is None and got.shm_free is None
+    assert got.shm_error is not None and "EACCES" in got.shm_error
+    assert "Permission denied" in got.shm_error
+    assert "unreadable" in str(got) and "EACCES" in str(got)
+    monkeypatch.undo()
+    none = tmp_path / "no"
+    missing = host_limits(cgroup_root=tmp_path, proc_cgroup=tmp_path / "x", shm_path=none)
+    assert missing.shm_error is None and "/dev/shm: none" in str(missing)

@@ -10,6 +10,7 @@ from :func:`host_limits`, which reads the CPU affinity mask, the cgroup CPU quot
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import shutil
@@ -55,8 +56,12 @@ class HostLimits:
         memory_limit: the cgroup memory limit in bytes, or None when unlimited.
         memory_available: bytes that can still be allocated before hitting the host's or
             the cgroup's limit, whichever is nearer.
-        shm_total: size of ``/dev/shm`` in bytes (None where there is none).
-        shm_free: free bytes in ``/dev/shm`` (None where there is none).
+        shm_total: size of ``/dev/shm`` in bytes (None where there is none, or it could
+            not be read).
+        shm_free: free bytes in ``/dev/shm`` (None where there is none, or it could not be
+            read).
+        shm_error: why ``/dev/shm`` could not be read, e.g. ``"EACCES: Permission denied"``;
+            None where it was read or does not exist (a missing ``/dev/shm`` is no error).
     """
 
     cpus_host: int
@@ -68,15 +73,19 @@ class HostLimits:
     memory_available: int
     shm_total: int | None
     shm_free: int | None
+    shm_error: str | None = None
 
     def __str__(self) -> str:
         quota = "" if self.cpu_quota is None else f", cgroup quota {self.cpu_quota:g}"
         cpus = f"{self.cpus_affinity} in the affinity mask of {self.cpus_host}{quota}"
         limit = "" if self.memory_limit is None else f", cgroup limit {fb(self.memory_limit)}"
         memory = f"{fb(self.memory_available)} available of {fb(self.memory_total)}{limit}"
-        shm = (
-            "none" if self.shm_free is None else f"{fb(self.shm_free)} free of {fb(self.shm_total)}"
-        )
+        if self.shm_error is not None:
+            shm = f"unreadable ({self.shm_error})"
+        elif self.shm_free is None:
+            shm = "none"
+        else:
+            shm = f"{fb(self.shm_free)} free of {fb(self.shm_total)}"
         return f"CPUs: {self.cpus} usable ({cpus})\nmemory: {memory}\n/dev/shm: {shm}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -265,13 +274,7 @@ def host_limits(
         headroom = mem_limit - (mem_usage or 0)
         available = max(0, min(available, headroom))
 
-    try:
-        shm = shutil.disk_usage(shm_path)
-        shm_total: int | None = shm.total
-        shm_free: int | None = shm.free
-    except OSError:
-        shm_total = shm_free = None
-
+    shm_total, shm_free, shm_error = _shm_usage(shm_path)
     return HostLimits(
         cpus_host=cpus_host,
         cpus_affinity=cpus_affinity,
@@ -282,7 +285,22 @@ def host_limits(
         memory_available=available,
         shm_total=shm_total,
         shm_free=shm_free,
+        shm_error=shm_error,
     )
+
+
+def _shm_usage(path: Path) -> tuple[int | None, int | None, str | None]:
+    """``(total, free, error)`` bytes of the file system at ``path``: sizes None and no error
+    where it does not exist; sizes None and the reason (``"EACCES: Permission denied"``)
+    where it exists but could not be read, which says nothing about its size."""
+    try:
+        usage = shutil.disk_usage(path)
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectory: a parent is a file
+        return None, None, None
+    except OSError as e:
+        name = errno.errorcode.get(e.errno, f"errno {e.errno}") if e.errno else type(e).__name__
+        return None, None, f"{name}: {e.strerror or e}"
+    return usage.total, usage.free, None
 
 
 def usable_cpus(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib
 import io
 import json
 from importlib.resources import files
@@ -218,3 +219,27 @@ def test_comparison_to_dict_is_json_safe_and_its_str_is_the_report() -> None:
     assert data["reference_gpu"] == "3090" and data["warning"] == c.warning
     assert data["next_faster"] == list(c.next_faster or []) and isinstance(data["notes"], list)
     assert str(c).startswith("Reference: 3090 resnet50_fp16") and "WARNING: " in str(c)
+
+
+def test_a_row_without_the_compared_column_is_left_out_not_a_key_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The loader skips empty cells (a card measured on one model only); the comparison then
+    # raised KeyError for the card's own row, or for any other row, missing the column.
+    reference = importlib.import_module("trainperf.bench._reference")
+    header = "gpu,resnet50_fp16,resnet50_fp32,vit_base_patch16_224_fp16,vit_base_patch16_224_fp32"
+    rows = [header, "3090,2395.3,1492.8,1045.5,598.4", "A10,1754.7,1035.7,,"]
+    monkeypatch.setattr(
+        reference, "_read_csv", lambda _: list(csv.DictReader(io.StringIO("\n".join(rows))))
+    )
+    reference._throughput_rows.cache_clear()
+    try:
+        other = compare_to_reference("NVIDIA GeForce RTX 3090", "vit_b_16", "fp16", 1000.0)
+        own = compare_to_reference("NVIDIA A10", "vit_b_16", "fp16", 800.0)
+    finally:
+        monkeypatch.undo()
+        reference._throughput_rows.cache_clear()
+    assert other.reference_gpu == "3090" and other.out_of == 1  # A10 has no ViT figure
+    assert own.ratio is None and own.reference_images_per_s is None and own.warning is None
+    assert own.out_of == 2 and own.next_faster == ("3090", 1045.5)
+    assert any("no vit_base_patch16_224_fp16 figure for A10" in n for n in own.notes)

@@ -80,3 +80,24 @@ def test_shm_missing_on_linux_fails() -> None:
     check = check_shm(limits(shm_total=None, shm_free=None), workers=8, platform="linux")
     assert check.verdict == "fail" and "no /dev/shm" in check.value
     assert "mount a tmpfs at /dev/shm" in check.fix and "num_workers=0" in check.fix
+
+
+def test_an_unreadable_shm_on_linux_warns_and_names_the_error() -> None:
+    # statvfs('/dev/shm') refused (EACCES under a strict seccomp/AppArmor profile) is not a
+    # missing /dev/shm: it is probably there, only its size is unknown.
+    unreadable = limits(shm_total=None, shm_free=None, shm_error="EACCES: Permission denied")
+    check = check_shm(unreadable, workers=8, platform="linux")
+    assert check.verdict == "warn"
+    assert "could not read /dev/shm" in check.value and "EACCES" in check.value
+    assert "df -h /dev/shm" in check.fix
+    missing = check_shm(limits(shm_total=None, shm_free=None), workers=8, platform="linux")
+    assert missing.verdict == "fail" and "no /dev/shm" in missing.value
+
+
+def test_a_cgroup_limit_above_the_hosts_memory_is_not_called_no_limit() -> None:
+    # memory.max of 512 GiB on a 256 GiB host: the host's memory binds first, but a limit
+    # is set, and "no cgroup limit" misreported it.
+    check = check_memory(limits(memory_limit=512 * GiB))
+    assert check.verdict == "ok" and "no cgroup limit" not in check.value
+    assert "cgroup limit 512.0 GiB, above the host's 256.0 GiB" in check.value
+    assert "no cgroup limit" in check_memory(limits()).value

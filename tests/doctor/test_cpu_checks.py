@@ -127,3 +127,23 @@ def test_steal_refuses_a_share_that_is_no_fraction(share: float) -> None:
 def test_load_refuses_a_load_average_that_is_no_measurement(load: float) -> None:
     with pytest.raises(ValueError, match=rf"load_average must be a finite number >= 0, got {load}"):
         check_load(load, cpus=4)
+
+
+def test_load_of_a_shared_host_is_judged_against_the_hosts_cpus() -> None:
+    # A pod given 8 of a 96-core node's CPUs: the load average is the node's (/proc/loadavg
+    # is not namespaced), so a load of 50 is other tenants on other cores, not contention.
+    shared = check_load(50.0, cpus=8, host_cpus=96)
+    assert shared.verdict == "ok"
+    assert "96 CPUs of the host" in shared.value and "8 usable" in shared.value
+    over = check_load(150.0, cpus=8, host_cpus=96)
+    assert over.verdict == "warn" and "1.6x the host's 96 CPUs" in over.fix
+    # Without host_cpus (or with the whole host usable) the rule is the old one.
+    assert check_load(50.0, cpus=8).verdict == "warn"
+    assert check_load(50.0, cpus=8, host_cpus=8).value == check_load(50.0, cpus=8).value
+
+
+@pytest.mark.parametrize("host_cpus", [0, 4, 2.5])
+def test_load_refuses_fewer_host_cpus_than_usable_ones(host_cpus: object) -> None:
+    message = rf"host_cpus must be an int >= cpus \(8\), got {host_cpus!r}"
+    with pytest.raises(ValueError, match=message):
+        check_load(3.0, cpus=8, host_cpus=host_cpus)  # type: ignore[arg-type]

@@ -166,7 +166,8 @@ def test_diagnose_counts_torchrun_ranks_as_processes(monkeypatch: pytest.MonkeyP
 
 def test_diagnose_reads_the_load_average(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "getloadavg", lambda: (48.0, 30.0, 12.0), raising=False)
-    load = {c.name: c for c in diagnose(limits=limits(cpus=16), env={}).checks}["load"]
+    whole = limits(cpus_host=16, cpus_affinity=16, cpus=16)
+    load = {c.name: c for c in diagnose(limits=whole, env={}).checks}["load"]
     assert load.verdict == "warn" and "load average 48.0 for 16 usable CPUs" in load.value
     monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 2.0, 1.0))
     assert {c.name: c for c in diagnose(limits=limits(cpus=16), env={}).checks}[
@@ -175,6 +176,17 @@ def test_diagnose_reads_the_load_average(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.delattr(os, "getloadavg")  # Windows has none
     load = {c.name: c for c in diagnose(limits=limits(cpus=16), env={}).checks}["load"]
     assert load.verdict == "skip"
+
+
+def test_diagnose_judges_the_host_wide_load_against_the_hosts_cpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A container with a 4-CPU quota on a busy but not overloaded 64-core host: the load
+    # average counts the host's threads, which run on the other cores.
+    monkeypatch.setattr(os, "getloadavg", lambda: (40.0, 30.0, 12.0), raising=False)
+    pod = limits(cpus_host=64, cpus_affinity=64, cpu_quota=4.0, cpus=4)
+    load = {c.name: c for c in diagnose(limits=pod, env={}).checks}["load"]
+    assert load.verdict == "ok" and "64 CPUs of the host" in load.value
 
 
 def test_diagnose_reads_the_steal_since_boot(monkeypatch: pytest.MonkeyPatch) -> None:

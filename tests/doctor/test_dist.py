@@ -316,3 +316,13 @@ def test_inside_a_launched_job_the_sweep_is_skipped(
     )
     assert "outside torchrun/srun" in checks["all_reduce"].fix
     assert checks["p2p"].verdict == "skip"
+
+
+def test_host_checks_pass_on_why_dev_shm_could_not_be_read() -> None:
+    unreadable = limits(shm_total=None, shm_free=None, shm_error="EACCES: Permission denied")
+    checks = dist.host_dist_checks(
+        env={}, limits=unreadable, gpus=[gpu(i) for i in range(8)], ranks=8, backend="nccl",
+        read_lspci=False,
+    )  # fmt: skip
+    shm = by_name(checks)["nccl_shm"]
+    assert shm.verdict == "warn" and "EACCES" in shm.value

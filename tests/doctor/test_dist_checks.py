@@ -239,3 +239,13 @@ def test_nccl_shm_fails_nccl_however_the_backend_names_it(backend: str) -> None:
 def test_nccl_shm_refuses_a_backend_that_is_no_string() -> None:
     with pytest.raises(TypeError, match=r"backend must be a str such as 'nccl'"):
         check_nccl_shm(64 * 2**20, 8, backend=None)  # type: ignore[arg-type]
+
+
+def test_an_unreadable_shm_is_unknown_to_nccl_not_missing() -> None:
+    check = check_nccl_shm(
+        None, 8, backend="nccl", platform="linux", shm_error="EACCES: Permission denied"
+    )
+    assert check.verdict == "warn"
+    assert "could not read /dev/shm" in check.value and "EACCES" in check.value
+    assert "294 MiB" in check.value and "df -h /dev/shm" in check.fix
+    assert check_nccl_shm(None, 8, backend="nccl", platform="linux").verdict == "fail"

@@ -38,7 +38,7 @@ from trainperf.bench._reference import (
 from trainperf.bench._result import BenchResult
 from trainperf.doctor._cpu_checks import check_load, load_average
 from trainperf.errors import DeviceError
-from trainperf.limits import usable_cpus
+from trainperf.limits import host_limits
 
 __all__ = ["BenchPrecision", "ModelName", "bench_model", "format_iteration"]
 
@@ -275,16 +275,19 @@ def _measure(
     return _Timing(seconds, rates, tf32_matmul=state.matmul, tf32_cudnn=state.cudnn)
 
 
-def _busy_host_notes(load: float | None, cpus: int) -> tuple[str, ...]:
-    """A note when other work crowded the host while measuring (doctor's ``load`` check).
+def _busy_host_notes(
+    load: float | None, cpus: int, host_cpus: int | None = None
+) -> tuple[str, ...]:
+    """A note when other work crowded the host while measuring (doctor's ``load`` check:
+    the host-wide load against the host's CPUs where this process may use fewer).
 
     Example:
         >>> _busy_host_notes(12.0, 2)[0].startswith("the host was busy")
         True
-        >>> _busy_host_notes(1.0, 2)
-        ()
+        >>> _busy_host_notes(1.0, 2), _busy_host_notes(12.0, 2, host_cpus=64)
+        ((), ())
     """
-    check = check_load(load, cpus)
+    check = check_load(load, cpus, host_cpus=host_cpus)
     if check.verdict != "warn":
         return ()
     return (
@@ -415,7 +418,8 @@ def bench_model(
     )
     what = f"{model} in {precision} is not supported on {dev}"
     # Read before the run: the 1-minute average would otherwise count the bench's own threads.
-    notes = _busy_host_notes(load_average(), usable_cpus())
+    limits = host_limits()
+    notes = _busy_host_notes(load_average(), limits.cpus, max(limits.cpus, limits.cpus_host))
     timing = _measure(
         run_batch, settings, dev, what=what, train=train, tf32=tf32, on_iteration=on_iteration
     )

@@ -205,7 +205,8 @@ class ReferenceComparison:
         column: the table column compared against, e.g. ``"resnet50_fp16"``.
         images_per_s: the measured throughput.
         reference_gpu: the table's row for this very card, or None when it is not listed.
-        reference_images_per_s: that row's figure (None when unlisted).
+        reference_images_per_s: that row's figure (None when unlisted, or when the row has
+            no figure for ``column``).
         ratio: measured / reference (None when unlisted).
         rank: this GPU's place among the other reference GPUs, 1 = fastest.
         out_of: how many GPUs were ranked (the reference rows plus this one).
@@ -331,10 +332,14 @@ def compare_to_reference(
         notes.append(TF32_CAVEAT)
 
     own = find_reference_gpu(gpu_name)
-    others = [(gpu, dict(values)[column]) for gpu, values in _throughput_rows() if gpu != own]
+    # A row with an empty cell has no figure for that column: it is left out of the ranking.
+    figures = {gpu: dict(values).get(column) for gpu, values in _throughput_rows()}
+    others = [(g, v) for g, v in figures.items() if g != own and v is not None]
     faster = sorted((v, g) for g, v in others if v > images_per_s)
     slower = sorted(((v, g) for g, v in others if v <= images_per_s), reverse=True)
-    reference = None if own is None else dict(dict(_throughput_rows())[own])[column]
+    reference = None if own is None else figures[own]
+    if own is not None and reference is None:
+        notes.append(f"the reference table has no {column} figure for {own}")
     ratio = None if reference is None else images_per_s / reference
     warning = None
     if ratio is not None and ratio < SLOW_RATIO:

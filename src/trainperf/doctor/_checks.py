@@ -121,6 +121,9 @@ def check_memory(limits: HostLimits) -> Check:
         ceiling = limits.memory_limit
         limit, host = format_bytes(limits.memory_limit), format_bytes(limits.memory_total)
         value = f"cgroup limit {limit} of host {host}"
+    elif limits.memory_limit is not None:
+        limit, host = format_bytes(limits.memory_limit), format_bytes(limits.memory_total)
+        value = f"cgroup limit {limit}, above the host's {host} (the host's memory binds)"
     else:
         value = f"host {format_bytes(limits.memory_total)}, no cgroup limit"
     value += f", {format_bytes(limits.memory_available)} available"
@@ -156,7 +159,9 @@ def check_shm(
     error" or "No space left on device".
 
     Args:
-        limits: the host limits (``shm_total``/``shm_free`` are used).
+        limits: the host limits (``shm_total``/``shm_free``/``shm_error`` are used): a
+            ``/dev/shm`` that could not be read (``shm_error``) is a warning, since it is
+            there but its size is unknown.
         workers: DataLoader workers expected on the whole host: one per usable CPU is
             typical, and every rank's workers share the one ``/dev/shm``.
         batch_bytes: bytes of one batch (default: 128 x 3 x 224 x 224 fp32, 77 MB).
@@ -174,6 +179,13 @@ def check_shm(
         "enlarge /dev/shm: docker run --shm-size=16g (or --ipc=host); on Kubernetes mount an "
         "emptyDir with medium: Memory at /dev/shm"
     )
+    if limits.shm_total is None and limits.shm_error is not None:
+        return Check(
+            "shm",
+            "warn",
+            f"could not read /dev/shm ({limits.shm_error}), so its size is unknown",
+            f"run `df -h /dev/shm` as this user to see its size; if it is small, {fix}",
+        )
     if limits.shm_total is None and platform.startswith("linux"):
         # torch's tensors from workers are shm_open() files, which glibc puts in /dev/shm.
         fix = fix.replace("enlarge /dev/shm", "mount a tmpfs at /dev/shm", 1)

@@ -192,43 +192,72 @@ def load_average() -> float | None:
         return None
 
 
-def check_load(load_average: float | None, cpus: int) -> Check:
-    """The 1-minute load average against the usable CPUs: other jobs competing for them.
+def check_load(load_average: float | None, cpus: int, *, host_cpus: int | None = None) -> Check:
+    """The 1-minute load average against the CPUs: other jobs competing for them.
 
     ``check_threads`` sees only this process's own settings; the load average counts every
     runnable (or I/O-waiting) thread on the host, so several jobs, or a neighbour's, that
     together want more cores than there are show up here. Data loading and kernel launches
     then wait for a core.
 
+    The load average is the whole host's, even inside a container (``/proc/loadavg`` is not
+    namespaced), so where this process may use fewer CPUs than the host has (a cgroup quota
+    or an affinity mask) it is judged against ``host_cpus``: a pod given 8 CPUs of a busy
+    96-core node sees the node's load, spread over cores it does not use.
+
     Args:
         load_average: ``os.getloadavg()[0]``; None where the platform has none (Windows).
         cpus: usable CPUs.
+        host_cpus: logical CPUs of the host (``HostLimits.cpus_host``); None: ``cpus``.
 
     Raises:
-        ValueError: ``cpus`` is not an int >= 1, or ``load_average`` not a finite number
-            >= 0.
+        ValueError: ``cpus`` is not an int >= 1, ``host_cpus`` not an int >= ``cpus``, or
+            ``load_average`` not a finite number >= 0.
 
     Example:
         >>> check_load(24.0, cpus=8).verdict
         'warn'
         >>> check_load(6.5, cpus=8).verdict, check_load(None, cpus=8).verdict
         ('ok', 'skip')
+        >>> check_load(24.0, cpus=8, host_cpus=64).verdict  # the host's other cores
+        'ok'
     """
     positive_int("cpus", cpus)
+    host = _host_cpus(cpus, host_cpus)
     if load_average is None:
         return Check("load", "skip", "no load average on this platform", "")
     non_negative_number("load_average", load_average)
-    value = f"1-minute load average {load_average:.1f} for {cpus} usable CPUs"
-    if load_average > OVERLOAD_FACTOR * cpus:
+    if host == cpus:
+        value = f"1-minute load average {load_average:.1f} for {cpus} usable CPUs"
+        over = f"the {cpus} usable CPUs"
+    else:
+        value = (
+            f"1-minute load average {load_average:.1f} (host-wide) for the {host} CPUs of the "
+            f"host, {cpus} usable here"
+        )
+        over = f"the host's {host} CPUs"
+    if load_average > OVERLOAD_FACTOR * host:
         fix = (
-            f"a load of {load_average:.1f} is {load_average / cpus:.1f}x the {cpus} usable "
-            "CPUs, so threads wait for a core: run fewer jobs at once, lower each job's "
-            "threads so that together they fit (OMP_NUM_THREADS, torch.set_num_threads(), "
-            "DataLoader num_workers), or pin each job to cores of its own "
+            f"a load of {load_average:.1f} is {load_average / host:.1f}x {over}, so threads "
+            "wait for a core: run fewer jobs at once, lower each job's threads so that "
+            "together they fit (OMP_NUM_THREADS, torch.set_num_threads(), DataLoader "
+            "num_workers), or pin each job to cores of its own "
             "(taskset -c <first>-<last> python train.py)"
         )
         return Check("load", "warn", value, fix)
     return Check("load", "ok", value)
+
+
+def _host_cpus(cpus: int, host_cpus: int | None) -> int:
+    """``host_cpus`` checked against ``cpus`` (a host has at least the CPUs one may use)."""
+    if host_cpus is None:
+        return cpus
+    if isinstance(host_cpus, bool) or not isinstance(host_cpus, int) or host_cpus < cpus:
+        raise ValueError(
+            f"host_cpus must be an int >= cpus ({cpus}), got {host_cpus!r}: pass the host's "
+            "logical CPUs (HostLimits.cpus_host), or None to judge the load by cpus alone"
+        )
+    return host_cpus
 
 
 def check_steal(share: float | None) -> Check:

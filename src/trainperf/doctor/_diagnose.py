@@ -224,7 +224,7 @@ def _host_checks(
         check_threads(
             torch.get_num_threads(), environ.get("OMP_NUM_THREADS"), limits.cpus, processes
         ),
-        check_load(load_average(), limits.cpus),
+        check_load(load_average(), limits.cpus, host_cpus=max(limits.cpus, limits.cpus_host)),
         check_steal(boot_steal_share()),
         check_start_method(start_method({})),
         check_visible_devices(

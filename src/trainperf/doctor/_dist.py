@@ -189,7 +189,9 @@ def host_dist_checks(
     master = env.get("MASTER_ADDR")
     acs, acs_note = read_acs(read_lspci and len(gpus) >= 2)
     return [
-        check_nccl_shm(limits.shm_free, ranks, backend=backend, env=env),
+        check_nccl_shm(
+            limits.shm_free, ranks, backend=backend, env=env, shm_error=limits.shm_error
+        ),
         check_nccl_env(env, _infiniband()),
         check_socket_ifname(
             env.get("NCCL_SOCKET_IFNAME"), env.get("GLOO_SOCKET_IFNAME"), interfaces

@@ -110,6 +110,7 @@ def check_nccl_shm(
     backend: str,
     env: Mapping[str, str] | None = None,
     platform: str = sys.platform,
+    shm_error: str | None = None,
 ) -> Check:
     """``/dev/shm`` against what NCCL's shared-memory transport needs for ``ranks`` ranks.
 
@@ -130,6 +131,8 @@ def check_nccl_shm(
         platform: ``sys.platform``: on Linux, where NCCL makes its segments as files in
             ``/dev/shm``, a missing ``/dev/shm`` counts as one with nothing free; NCCL
             runs nowhere else, so elsewhere it is a skip.
+        shm_error: why ``/dev/shm`` could not be read (``HostLimits.shm_error``): its size
+            is unknown, not zero, so a need above nothing is a warning, not a fail.
 
     Example:
         >>> check_nccl_shm(64 * 2**20, 8, backend="nccl").verdict
@@ -141,9 +144,11 @@ def check_nccl_shm(
     """
     env = env or {}
     shm = "no /dev/shm here" if shm_free is None else f"/dev/shm {format_bytes(shm_free)} free"
+    if shm_free is None and shm_error is not None:
+        shm = f"could not read /dev/shm ({shm_error})"
     if nccl_one(env.get("NCCL_SHM_DISABLE")):  # read as NCCL reads it: "01" and "0x1" too
         return Check("nccl_shm", "ok", f"{shm}; NCCL_SHM_DISABLE=1: NCCL does not use it")
-    if shm_free is None and not platform.startswith("linux"):
+    if shm_free is None and shm_error is None and not platform.startswith("linux"):
         return Check("nccl_shm", "skip", "no /dev/shm here (NCCL runs on Linux only)", "")
     need, rule = nccl_shm_need(ranks, env)
     value = f"{shm}; NCCL's shared-memory transport needs ~{format_bytes(need)} for {rule}"
@@ -154,6 +159,8 @@ def check_nccl_shm(
         "emptyDir with medium: Memory at /dev/shm; NCCL_SHM_DISABLE=1 avoids it at the cost "
         "of slower transfers where peer-to-peer is unavailable"
     )
+    if shm_free is None and shm_error is not None:
+        return Check("nccl_shm", "warn", value, f"run `df -h /dev/shm` to see its size; {fix}")
     if shm_free is None:
         fix = fix.replace("enlarge /dev/shm", "mount a tmpfs at /dev/shm", 1)
     if _uses_nccl(backend):
