@@ -110,3 +110,15 @@ def test_an_edited_entry_whose_report_fields_are_spoilt_is_not_used() -> None:
         cache_misfit(entry(samples_per_s=12.5, memory_limit=None, batch_bytes=64), space, None)
         is None
     )
+
+
+def test_models_of_one_class_and_size_but_other_shapes_have_other_keys() -> None:
+    # Before: keyed by class and parameter count only, an MLP 8-64-4-1 answered for an
+    # MLP 8-1-277-1 (841 parameters each), whose activations and speed differ.
+    def mlp(a: int, b: int) -> nn.Module:
+        return nn.Sequential(nn.Linear(8, a), nn.Linear(a, b), nn.Linear(b, 1))
+
+    wide, narrow = mlp(64, 4), mlp(1, 277)
+    assert sum(p.numel() for p in wide.parameters()) == sum(p.numel() for p in narrow.parameters())
+    assert key(objects=[wide]) != key(objects=[narrow])
+    assert key(objects=[mlp(64, 4)]) == key(objects=[wide])  # same shapes: the same key

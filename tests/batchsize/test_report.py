@@ -101,3 +101,19 @@ def test_plot_draws_throughput_memory_and_the_choice(tmp_path: Path) -> None:
     out = report().plot(tmp_path / "bs.svg")
     svg = out.read_text()
     assert "chosen: 64" in svg and "peak memory" in svg and "usable" in svg
+
+
+@pytest.mark.slow  # importing matplotlib: seconds on a busy host
+@pytest.mark.parametrize(
+    "candidates",
+    [(), (BatchSizeCandidate(128, "skipped", reason="no time left in the budget"),)],
+    ids=["none", "skipped"],
+)
+def test_plot_of_a_report_with_nothing_measured_draws_empty_axes(
+    tmp_path: Path, candidates: tuple[BatchSizeCandidate, ...]
+) -> None:
+    # Before: a log-scaled axis without data raised "Data cannot be log-scaled" (a report
+    # read from a cache entry with no candidates, say).
+    pytest.importorskip("matplotlib")
+    r = report(candidates=candidates, samples_per_s=None, peak_memory=None)
+    assert "Batch size on cuda:0" in r.plot(tmp_path / "bs.svg").read_text()

@@ -402,3 +402,24 @@ def test_tuning_a_model_that_builds_a_layer_on_its_first_forward_leaves_it_usabl
         max_size=4, budget_s=2.0, progress=False, cache=False,
     )  # fmt: skip
     assert report.batch_size >= 1 and m.head is None
+
+
+def test_param_groups_a_step_added_are_removed_and_the_rest_put_back() -> None:
+    # Progressive unfreezing: the step adds the backbone's group on the way. Before:
+    # load_state_dict refused ("a different number of parameter groups") and the optimizer
+    # kept the probe's group, moments and all.
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    backbone, head = model
+    opt = torch.optim.Adam(head.parameters(), lr=0.01)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    before = state_of(model, opt)
+    saved = SavedState.save(stateful_objects(model, opt))
+    opt.add_param_group({"params": backbone.parameters(), "lr": 1e-3})
+    opt.param_groups[0]["params"].append(nn.Parameter(torch.zeros(3)))  # one more, by hand
+    model(torch.randn(4, 4)).sum().backward()
+    opt.step()
+    saved.restore()
+    assert len(opt.param_groups) == 1 and len(opt.param_groups[0]["params"]) == 2
+    assert all(backbone.weight is not p for p in opt.state)
+    assert same_state(before, state_of(model, opt))

@@ -382,3 +382,43 @@ def test_a_zero_redundancy_optimizer_comes_back_passed_or_not(tmp_path: Path, pa
         assert same_state(before, state_of(model, opt.optim))
     finally:
         dist.destroy_process_group()
+
+
+_DATA_RNG = np.random.default_rng(0)  # a module-level generator a sample function draws from
+
+
+def test_generators_that_step_and_sample_draw_from_come_back_unadvanced() -> None:
+    # Before: only a batches_from dataset's generators were put back; a seeded generator a
+    # sample or step closes over (or reads as a global) came back advanced by every probe,
+    # and the training run that followed drew other batches and other noise.
+    g = torch.Generator().manual_seed(0)
+    noise = random.Random(0)
+    model = nn.Linear(8, 1)
+
+    def sample_fn(n: int) -> torch.Tensor:
+        return torch.randn(n, 8, generator=g) + float(_DATA_RNG.random())
+
+    class Step:
+        def __init__(self) -> None:
+            self.noise = noise
+
+        def __call__(self, x: torch.Tensor) -> None:
+            (model(x).sum() * self.noise.random()).backward()
+            model.zero_grad()
+
+    before = g.get_state(), _DATA_RNG.bit_generator.state, noise.getstate()
+    tune_batch_size(Step(), sample_fn, model=model, **quiet())
+    assert torch.equal(g.get_state(), before[0])
+    assert _DATA_RNG.bit_generator.state == before[1] and noise.getstate() == before[2]
+
+
+def test_when_even_one_sample_runs_out_of_memory_the_error_suggests_no_lower_min_size() -> None:
+    # Before: "Lower min_size (now 1) or headroom (now 0.1)": neither can help an OOM at 1.
+    model = nn.Linear(8, 1)
+
+    def step(x: torch.Tensor) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    with pytest.raises(RuntimeError, match=r"1: oom \(CUDA out of memory.*\)\. Free") as e:
+        tune_batch_size(step, lambda n: torch.zeros(n, 8), model=model, **quiet(min_size=1))
+    assert "min_size" not in str(e.value) and "headroom" not in str(e.value)

@@ -4,12 +4,12 @@
 unset), written and read with the tuners' shared store (:mod:`trainperf._utils.cache`:
 atomic writes, a corrupt file ignored and replaced, old entries dropped), as the DataLoader
 tuner's ``loader.json`` is. Entries are keyed the same way, by a hash of what decides the
-answer: the model's class, parameter count and dtype, the optimizer's class and
-implementation flags (``fused``, ``foreach``, ``capturable``, ``differentiable``), a
-MixedPrecision's precision, a GradScaler's being enabled, the device (for
-CUDA its name and memory), the host, the torch version, the step function, the batch's shape
-and types (:func:`~trainperf._utils.cache.sample_signature` of the first size's batch), the
-sizes allowed, the world size, ``global_batch`` and ``headroom``.
+answer: the model's class, parameter count, dtype and the shape of each parameter and
+buffer, the optimizer's class and implementation flags (``fused``, ``foreach``,
+``capturable``, ``differentiable``), a MixedPrecision's precision, a GradScaler's being
+enabled, the device (for CUDA its name and memory), the host, the torch version, the step
+function, the batch's shape and types (:func:`~trainperf._utils.cache.sample_signature` of
+the first size's batch), the sizes allowed, the world size, ``global_batch`` and ``headroom``.
 
 Nothing in an entry is trusted: before a hit is used, :func:`cache_misfit` checks that its
 size is one this call allows and that its peak memory still fits the memory usable now;
@@ -72,7 +72,8 @@ schedules change as training runs)."""
 
 def _describe(obj: Any) -> Any:
     """What of ``obj`` decides the answer: a module's class (with the class inside a
-    ``torch.compile`` or DDP wrapper), size, trainable size and dtypes; an optimizer's class,
+    ``torch.compile`` or DDP wrapper), size, trainable size, dtypes and the shapes of its
+    parameters and buffers; an optimizer's class,
     implementation flags and the size it steps; a MixedPrecision's precision (bf16
     activations take half the memory of fp32 ones); a GradScaler's being enabled; else the
     class."""
@@ -84,7 +85,7 @@ def _describe(obj: Any) -> Any:
         params = list(obj.parameters())
         dtypes = sorted({str(p.dtype) for p in params})
         trainable = sum(p.numel() for p in params if p.requires_grad)
-        return [name, sum(p.numel() for p in params), trainable, dtypes]
+        return [name, sum(p.numel() for p in params), trainable, dtypes, _shapes(obj)]
     if isinstance(obj, torch.optim.Optimizer):
         defaults = getattr(obj, "defaults", None) or {}
         flags = {k: defaults[k] for k in _OPTIMIZER_FLAGS if defaults.get(k) is not None}
@@ -95,6 +96,13 @@ def _describe(obj: Any) -> Any:
     if isinstance(obj, MixedPrecision):
         return [name, str(obj.dtype)]
     return name
+
+
+def _shapes(module: nn.Module) -> str:
+    """A digest of the name and shape of each parameter and buffer: two models of one class
+    and parameter count (an MLP 8-64-4-1 and 8-1-277-1) differ in activations and speed."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return make_key({"shapes": [[n, list(t.shape)] for n, t in named]})
 
 
 def _model_fields(objects: Sequence[Any]) -> list[Any]:

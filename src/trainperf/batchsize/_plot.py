@@ -16,7 +16,8 @@ GiB = float(2**30)
 
 
 def plot_report(report: BatchSizeReport, out: Path) -> Path:
-    """Samples/s (left) and peak memory (right) against batch size; the choice starred."""
+    """Samples/s (left) and peak memory (right) against batch size; the choice starred.
+    A report with no size measured (none, or only skipped ones) gets empty axes."""
     require("matplotlib", "BatchSizeReport.plot()")
     # Figure without pyplot: no global backend switch, works on headless hosts.
     from matplotlib.figure import Figure
@@ -55,11 +56,12 @@ def plot_report(report: BatchSizeReport, out: Path) -> Path:
     )
     if report.usable_memory is not None:
         mem.axhline(report.usable_memory / GiB, linestyle="--", color="tab:red", label="usable")
-    for c in report.candidates:
-        if c.status == "oom":
-            ax.axvline(c.batch_size, color="tab:red", alpha=0.4, linestyle=":")
-            ax.plot([c.batch_size], [0.0], marker="x", color="tab:red", linestyle="none")
-    ax.set_xscale("log", base=2)
+    oom = [c for c in report.candidates if c.status == "oom"]
+    for c in oom:
+        ax.axvline(c.batch_size, color="tab:red", alpha=0.4, linestyle=":")
+        ax.plot([c.batch_size], [0.0], marker="x", color="tab:red", linestyle="none")
+    if ok or measured or oom:  # a log scale with no size on it raises
+        ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (per step)")
     ax.set_ylabel("samples/s (steady state)")
     mem.set_ylabel("peak memory (GiB)")

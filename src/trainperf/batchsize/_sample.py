@@ -12,6 +12,8 @@ the wrong thing.
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -27,6 +29,7 @@ __all__ = [
     "batch_length",
     "batches_from",
     "checked_batch",
+    "referenced_generators",
     "sample_generators",
 ]
 
@@ -295,3 +298,52 @@ def sample_generators(sample: object) -> list[object]:
     if not isinstance(sample, DatasetBatches):
         return []
     return [*dataset_generators(sample.dataset), *dataset_generators(sample.collate_fn)]
+
+
+def _referenced(fn: object) -> list[object]:
+    """What ``fn`` reads besides its arguments: a function's closure cells, the globals its
+    body names and the instance it is bound to; a ``functools.partial``'s function and
+    arguments; any other callable object itself (its attributes are then scanned)."""
+    if isinstance(fn, functools.partial):
+        return [*_referenced(fn.func), *fn.args, *fn.keywords.values()]
+    code = getattr(fn, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return [fn]
+    cells = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:  # a cell not yet filled
+            continue
+    names = getattr(fn, "__globals__", {})
+    bound = getattr(fn, "__self__", None)
+    return [*cells, *(names[n] for n in code.co_names if n in names), bound]
+
+
+def referenced_generators(*fns: object) -> list[object]:
+    """The random generators ``fns`` (``step`` and ``sample``) draw from in this process: a
+    ``torch.Generator``, numpy ``Generator`` or ``RandomState``, or ``random.Random`` that a
+    function closes over or reads as a global, or that an object it reads (a callable
+    object, the instance of a bound method, a dataset) holds among its attributes. Each
+    probe advances them: unless they are put back, training draws other batches than a
+    run that was not tuned.
+
+    Example:
+        >>> g = torch.Generator()
+        >>> sample = lambda n: torch.randn(n, 2, generator=g)
+        >>> [x is g for x in referenced_generators(sample)], referenced_generators(print)
+        ([True], [])
+    """
+    found: list[object] = []
+    for fn in fns:
+        values = _referenced(fn)
+        # A namespace of the values themselves: dataset_generators scans attributes.
+        among = dataset_generators(
+            types.SimpleNamespace(**{f"v{i}": v for i, v in enumerate(values)})
+        )
+        # Not a module's: torch, numpy and random hold the global generators, which
+        # preserved_rng puts back (and scanning a module's names costs thousands of checks).
+        owners = [v for v in values if v is not None and not isinstance(v, types.ModuleType)]
+        owned = [g for v in owners for g in dataset_generators(v)]
+        found += [g for g in (*among, *owned) if all(g is not f for f in found)]
+    return found

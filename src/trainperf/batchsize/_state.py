@@ -207,6 +207,29 @@ def _looseparameters_of(objects: Iterable[Any]) -> list[Loose]:
     ]
 
 
+Groups = tuple[Optimizer, list[tuple[dict[str, Any], list[Any]]]]
+"""An optimizer, and each of its param groups with the parameters it held when saved."""
+
+
+def _groups_of(holders: Iterable[Any]) -> list[Groups]:
+    """The param groups of each optimizer among ``holders``, with their parameters."""
+    return [
+        (o, [(group, list(group["params"])) for group in o.param_groups])
+        for o in holders
+        if isinstance(o, Optimizer)
+    ]
+
+
+def _put_back_groups(groups: list[Groups]) -> None:
+    """Give each optimizer back the param groups and parameters it had when saved: a step
+    that added a group (progressive unfreezing) or a parameter would otherwise have
+    ``load_state_dict`` refuse the saved state, leaving the probe's group and moments."""
+    for opt, saved in groups:
+        opt.param_groups[:] = [group for group, _ in saved]
+        for group, params in saved:
+            group["params"][:] = params
+
+
 Layout = dict[tuple[int, str], tuple[torch.dtype, torch.device]]
 """An optimizer's state tensors by (parameter index, key): their dtype and device."""
 
@@ -264,6 +287,9 @@ class SavedState:
             optimizer's at each step).
         entries: ``(module, names of its parameters, buffers, submodules)`` for every
             submodule (what a forward pass registers while probing is removed).
+        param_groups: ``(optimizer, [(param group, its parameters)])`` of each optimizer
+            whose state is loaded back (a group or parameter added while probing is
+            removed).
     """
 
     states: list[tuple[Any, Any, Layout | None]] = field(default_factory=list)
@@ -276,6 +302,7 @@ class SavedState:
     stages: list[Stages] = field(default_factory=list)
     groups: list[tuple[Any, list[dict[str, Any]]]] = field(default_factory=list)
     entries: list[Entries] = field(default_factory=list)
+    param_groups: list[Groups] = field(default_factory=list)
 
     @classmethod
     def save(cls, objects: Iterable[Any]) -> SavedState:
@@ -318,11 +345,13 @@ class SavedState:
             stages=_stages(objects),
             groups=[(obj, _group_settings(obj)) for obj in objects if state_holder(obj) is not obj],
             entries=_entries(objects),
+            param_groups=_groups_of(holder for holder, _, _ in states),
         )
 
     def restore(self) -> None:
         """Load every saved state back, exactly: values, gradients and train/eval modes;
-        what a module registered since is removed first.
+        what a module registered since, and a param group or parameter an optimizer was
+        given since, is removed first.
 
         ``load_state_dict`` gets a fresh copy each time: an optimizer keeps the tensors it
         is handed when they already have the right device and dtype, and its next step
@@ -330,6 +359,7 @@ class SavedState:
         """
         errors: list[BaseException] = []
         _drop_new_entries(self.entries)
+        _put_back_groups(self.param_groups)
         for m, name, buffer, _ in self.buffers:
             if buffer is None:  # before load_state_dict, which would expect its key
                 m._buffers[name] = None

@@ -36,7 +36,7 @@ from trainperf.batchsize._memory import HostMemory, MemoryReader, reader_for
 from trainperf.batchsize._probe import DEFAULT_PROBE, Prober, is_out_of_memory
 from trainperf.batchsize._progress import BatchSizeBar
 from trainperf.batchsize._report import BatchSizeCandidate, BatchSizeReport, PipelineMemory
-from trainperf.batchsize._sample import checked_batch, sample_generators
+from trainperf.batchsize._sample import checked_batch, referenced_generators, sample_generators
 from trainperf.batchsize._search import Search
 from trainperf.batchsize._sizes import SizeSpace
 from trainperf.batchsize._state import SavedState
@@ -170,11 +170,18 @@ def _store(key: str, report: BatchSizeReport, cut: bool) -> BatchSizeReport:
 
 
 def _no_fit(call: _Call, results: Sequence[BatchSizeCandidate]) -> RuntimeError:
+    """The error when no size fits; it suggests only the fixes that can help: a lower
+    ``min_size`` above 1, a lower ``headroom`` when a size peaked past it."""
     tried = "; ".join(f"{c.batch_size}: {c.status} ({c.reason})" for c in results) or "none"
+    fixes = [f"free memory on {call.device}"]
+    if call.headroom > 0 and any(c.status == "over-headroom" for c in results):
+        fixes.insert(0, f"lower headroom (now {call.headroom:g})")
+    if call.space.min_size > 1:
+        fixes.insert(0, f"lower min_size (now {call.space.min_size})")
+    fixes.append("make the step use less (trainperf.MixedPrecision, a smaller model)")
+    advice = ", ".join(fixes[:-1]) + f", or {fixes[-1]}"
     return RuntimeError(
-        f"tune_batch_size found no batch size that fits: {tried}. Lower min_size (now "
-        f"{call.space.min_size}) or headroom (now {call.headroom:g}), free memory on "
-        f"{call.device}, or make the step use less (trainperf.MixedPrecision, a smaller model)"
+        f"tune_batch_size found no batch size that fits: {tried}. {advice[0].upper()}{advice[1:]}"
     )
 
 
@@ -330,8 +337,9 @@ def tune_batch_size(
     moments, BatchNorm statistics, train/eval modes), of the optimizers, LR schedulers,
     ``GradScaler`` and :class:`trainperf.MixedPrecision` objects found without being passed
     and of the model an ``optimizer`` passed without it steps, every random
-    number generator (python, numpy, torch CPU and CUDA) and those a
-    :func:`trainperf.batches_from` dataset owns are put back bit for bit, however the call
+    number generator (python, numpy, torch CPU and CUDA), those a
+    :func:`trainperf.batches_from` dataset owns and those ``step`` and ``sample`` close
+    over, read as globals or hold as attributes are put back bit for bit, however the call
     ends.
 
     Under DDP (a process group initialised) call it on every rank with the same
@@ -423,5 +431,6 @@ def tune_batch_size(
         float(budget_s), float(headroom), progress, cache, num_workers, prefetch_factor,
         started,
     )  # fmt: skip
-    with preserved_rng(), preserved_generators(sample_generators(sample)):
+    generators = [*sample_generators(sample), *referenced_generators(step, sample)]
+    with preserved_rng(), preserved_generators(generators):
         return _tune(call)
