@@ -208,3 +208,27 @@ def test_model_to_channels_last_converts_4d_tensors_and_leaves_5d_ones_alone() -
         assert torch.equal(t, before[name])
     out = model(torch.randn(2, 2, 3, 4, 4))  # still runs
     assert out.shape == (2, 8, 2, 4, 4)
+
+
+@pytest.mark.parametrize(
+    ("model", "kinds"),
+    [
+        (nn.Sequential(nn.Conv3d(3, 8, 3), nn.ReLU(), nn.Conv3d(8, 8, 3)), "2 Conv3d"),
+        (
+            nn.Sequential(nn.Conv1d(3, 8, 3), nn.ConvTranspose1d(8, 3, 3)),
+            "1 Conv1d, 1 ConvTranspose1d",
+        ),
+    ],
+)
+def test_auto_names_the_convolutions_channels_last_does_not_cover(
+    model: nn.Module, kinds: str
+) -> None:
+    # A video or audio network was called "not a convolutional model".
+    use, why = _channels_last.channels_last_decision(
+        model, "auto", device=torch.device("cuda", 0), tensor_cores=True
+    )
+    assert not use
+    assert why == (
+        f"channels_last: no, no 2-D convolution over feature maps, only {kinds}: "
+        "channels_last is a layout of 4-D tensors"
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -98,6 +99,29 @@ def test_bad_arguments(kwargs: dict[str, object], exc: type[Exception], match: s
     kwargs.setdefault("device", "cpu")
     with pytest.raises(exc, match=match):
         MixedPrecision(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("given", "name"),
+    [
+        (torch.bfloat16, "bf16"),
+        (torch.float16, "fp16"),
+        (torch.float32, "fp32"),
+        ("bfloat16", "bf16"),
+        ("float16", "fp16"),
+        ("half", "fp16"),
+        ("float32", "fp32"),
+        ("BF16", "bf16"),
+    ],
+)
+def test_a_dtype_or_another_name_for_a_precision_is_told_the_name_to_pass(
+    given: object, name: str
+) -> None:
+    # The error listed the choices but left the user to map torch.bfloat16 onto one.
+    with pytest.raises(ValueError, match=rf"got {re.escape(repr(given))}; pass precision='{name}'"):
+        MixedPrecision("cpu", precision=given)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"got 'fp8'$"):  # no name to suggest
+        MixedPrecision("cpu", precision="fp8")  # type: ignore[arg-type]
 
 
 def test_step_without_backward_through_mp_is_an_error() -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.amp._helpers import needs_cpu_fp16
 from trainperf.amp import MixedPrecision
 
 
@@ -90,3 +91,19 @@ def test_a_copy_made_between_backward_and_step_has_no_backward_pending(
         loss = model(torch.randn(3, 4) * 0.01).float().mean()
     copied.backward(loss)
     assert copied.step(optimizer)
+
+
+@needs_cpu_fp16
+def test_gradients_unscaled_by_hand_are_clipped_without_a_second_unscale() -> None:
+    # GradScaler's own pattern reads the true gradients (to log their norm) with
+    # scaler.unscale_(optimizer); mp.step(max_grad_norm=...) unscaled them a second time,
+    # and torch raised "unscale_() has already been called on this optimizer".
+    mp = MixedPrecision("cpu", precision="fp16")
+    w = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([w], lr=1.0)
+    mp.backward((w * 10).sum())
+    assert mp.scaler is not None
+    mp.scaler.unscale_(optimizer)
+    assert w.grad is not None and w.grad.tolist() == [10.0, 10.0]
+    assert mp.step(optimizer, max_grad_norm=1.0)
+    assert [round(v, 4) for v in w.tolist()] == [0.2929, 0.2929]  # clipped once, to norm 1

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+
 import pytest
 
 from tests.monitor._fakes import doubling_timeline, samples, steps
@@ -219,6 +223,12 @@ def test_analyse_takes_steps_of_no_time_with_gpu_spans() -> None:
     assert report.to_dict()["gpu_busy_fraction"] is None
 
 
+def test_analyse_calls_steps_of_no_time_inconclusive() -> None:
+    report = analyse(steps(10, 0.0, 0.0))
+    assert report.verdict.kind == "inconclusive" and report.what_if().fixes == ()
+    assert "no measurable time" in str(report)
+
+
 def test_analyse_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="cpus must be an int >= 1, got 0"):
         analyse([], cpus=0)
@@ -228,6 +238,37 @@ def test_analyse_rejects_bad_arguments() -> None:
         analyse([], dropped_samples=-3)
     with pytest.raises(ValueError, match=r"cpus must be an int >= 1, got 2\.0"):
         analyse([], cpus=2.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"wait": math.nan}, r"timeline\[3\] \(step 3\) has wait=nan"),
+        ({"compute": math.inf}, r"timeline\[3\] \(step 3\) has compute=inf"),
+        ({"wait": -0.01}, r"timeline\[3\] \(step 3\) has wait=-0\.01"),
+        ({"start": math.nan}, r"has start=nan"),
+        ({"gpu_busy": math.nan}, r"has gpu_busy=nan"),
+        ({"cpu_delay": math.inf}, r"has cpu_delay=inf"),
+    ],
+)
+def test_analyse_refuses_step_times_that_are_no_times(bad: dict[str, float], match: str) -> None:
+    # A NaN step made a compute-bound verdict with a NaN median (and a to_dict() that
+    # strict JSON refuses); a negative wait a negative share of time waiting.
+    timeline = steps(10, 0.005, 0.01)
+    timeline[3] = dataclasses.replace(timeline[3], **bad)
+    with pytest.raises(ValueError, match=match):
+        analyse(timeline)
+
+
+def test_analyse_refuses_samples_that_are_not_finite() -> None:
+    bad = [*samples(4, None, 50.0, 20.0), Sample(0.5, None, None, math.nan, 20.0)]
+    with pytest.raises(ValueError, match=r"samples\[4\] has process_cpu=nan"):
+        analyse(steps(10, 0.0, 0.01), bad)
+
+
+def test_a_report_of_real_figures_is_strict_json() -> None:
+    report = analyse(steps(10, 0.005, 0.01), samples(5, None, 50.0, 20.0))
+    json.dumps(report.to_dict(timeline=True), allow_nan=False)
 
 
 def test_analyse_without_a_measured_wait_says_so() -> None:

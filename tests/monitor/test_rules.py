@@ -153,6 +153,16 @@ def test_too_few_steps_below_five() -> None:
     assert too_few_steps(figures(measured_steps=5)) is None
 
 
+@pytest.mark.parametrize("wall", [0.0, float("nan")])
+def test_too_few_steps_when_the_steps_took_no_measurable_time(wall: float) -> None:
+    # A clock that did not advance (frozen by a test library) measured nothing to judge:
+    # "compute-bound, 0% waiting" would be made up.
+    verdict = too_few_steps(figures(wall_s=wall, wait_fraction=0.0))
+    assert verdict is not None and verdict.kind == "inconclusive"
+    assert verdict.summary.startswith("the 20 measured steps took no measurable time")
+    assert verdict.basis == "not predicted: steps of no time say nothing"
+
+
 def test_cuda_never_initialised_with_a_gpu_present() -> None:
     verdict = cuda_never_initialised(figures(cuda_used=False))
     assert verdict is not None and verdict.kind == "gpu-unused"

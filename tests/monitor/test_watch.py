@@ -953,3 +953,40 @@ def test_a_report_from_another_thread_lets_the_loop_step_while_the_gpu_catches_u
     # no GPU time yet, which would void the report's GPU figures.
     assert len(reports) == 1 and [s.index for s in reports[0].timeline] == [0]
     assert w.report().steps == 2
+
+
+def _clock_module(perf_counter: Any) -> Any:
+    import types
+
+    fake = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if k[0] != "_"})
+    fake.perf_counter = perf_counter
+    return fake
+
+
+def test_a_clock_that_steps_back_during_a_wait_gives_no_negative_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import trainperf.monitor._watch_iter as iter_module
+
+    ticks = itertools.count()  # w.iter's clock: every reading 10 ms before the last
+    monkeypatch.setattr(iter_module, "time", _clock_module(lambda: -0.01 * next(ticks)))
+    with watch(device="cpu", warmup_steps=0) as w:
+        for _ in w.iter([torch.zeros(4, 2)] * 8):
+            burn(0.001)
+            w.step()
+    report = w.report()
+    assert [s.wait for s in report.timeline] == [0.0] * 8
+    assert report.wait_fraction == 0.0
+
+
+def test_a_frozen_clock_is_inconclusive_not_compute_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainperf.monitor._watch as watch_module
+    import trainperf.monitor._watch_iter as iter_module
+
+    frozen = _clock_module(lambda: 1000.0)  # what a time-freezing test library does
+    monkeypatch.setattr(watch_module, "time", frozen)
+    monkeypatch.setattr(iter_module, "time", frozen)
+    with watch(device="cpu", warmup_steps=0) as w:
+        for _ in w.iter([torch.zeros(4, 2)] * 8):
+            w.step()
+    assert w.report().verdict.kind == "inconclusive"

@@ -95,6 +95,12 @@ def channels_last_decision(
         return False, f"channels_last: not on {device.type} ('auto' converts on CUDA only)"
     convs, patches = feature_map_convs(model)
     if not convs:
+        others = _other_convs(model)
+        if others:
+            return False, (
+                f"channels_last: no, no 2-D convolution over feature maps, only {others}: "
+                "channels_last is a layout of 4-D tensors"
+            )
         only = f", only {plural(patches, 'patch embedding')}" if patches else ""
         return False, (
             f"channels_last: no, no 2-D convolution over feature maps{only}: "
@@ -106,6 +112,24 @@ def channels_last_decision(
         f"channels_last: yes, {plural(convs, '2-D convolution')} over feature maps "
         f"({conv_share(model):.0%} of parameters in Conv2d/BatchNorm2d)"
     )
+
+
+_OTHER_CONVS = (nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose3d)
+
+
+def _other_convs(model: nn.Module) -> str:
+    """``model``'s 1-D and 3-D convolutions, counted by class ("2 Conv3d"), "" without any.
+
+    Example:
+        >>> _other_convs(torch.nn.Sequential(torch.nn.Conv3d(3, 8, 3), torch.nn.Conv1d(3, 8, 3)))
+        '1 Conv3d, 1 Conv1d'
+    """
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, _OTHER_CONVS):
+            name = type(module).__name__
+            counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{n} {name}" for name, n in counts.items())
 
 
 def model_to_channels_last(model: M) -> M:

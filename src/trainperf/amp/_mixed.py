@@ -15,7 +15,7 @@ from typing import Any, Literal, Protocol, TypeVar, get_args
 import torch
 from torch import nn
 
-from trainperf._utils.validate import choice, flag
+from trainperf._utils.validate import flag
 from trainperf.amp import _precision
 from trainperf.amp._channels_last import channels_last_decision, model_to_channels_last
 from trainperf.amp._precision import choose_precision
@@ -132,7 +132,7 @@ class MixedPrecision:
         channels_last: bool | Literal["auto"] = "auto",
         tf32: bool = True,
     ) -> None:
-        choice("precision", precision, _PRECISIONS)
+        _precision.check_precision(precision, _PRECISIONS)
         if channels_last not in (True, False, "auto") or not isinstance(channels_last, (bool, str)):
             raise ValueError(f"channels_last must be 'auto', True or False, got {channels_last!r}")
         flag("tf32", tf32)
@@ -351,7 +351,8 @@ class MixedPrecision:
                 (one or more).
             max_grad_norm: clip each optimizer's total gradient norm (over its parameters)
                 to this finite value > 0 (a NumPy scalar, a 0-dim tensor too); None does not
-                clip. Keyword only.
+                clip. Keyword only. fp16 gradients are unscaled first, unless
+                ``mp.scaler.unscale_(optimizer)`` already did (to read their norm).
             optimizer: one optimizer by keyword, as ``mp.step(optimizer=opt)`` (the
                 signature before several could be passed).
 

@@ -21,6 +21,7 @@ __all__ = [
     "NAMES",
     "auto_precision",
     "autocast_supports",
+    "check_precision",
     "choose_precision",
     "cpu_has_bf16_kernels",
     "cuda_capability",
@@ -33,6 +34,45 @@ DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
 }
 NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
+# torch's dtypes and other names for the precisions: only to name the one to pass instead.
+_OTHER_NAMES: dict[object, str] = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float32": "fp32",
+    "float": "fp32",
+}
+
+
+def check_precision(precision: object, choices: tuple[str, ...]) -> None:
+    """Refuse a precision not among ``choices``, naming the one to pass where it is another
+    name for one (``torch.bfloat16``, ``"float16"``, ``"BF16"``).
+
+    Raises:
+        ValueError: ``precision`` is not one of ``choices``.
+
+    Example:
+        >>> try:
+        ...     check_precision(torch.bfloat16, ("auto", "bf16", "fp16", "fp32"))
+        ... except ValueError as e:
+        ...     print(str(e).split(", got ")[1])
+        torch.bfloat16; pass precision='bf16'
+    """
+    if isinstance(precision, str) and precision in choices:
+        return
+    name = None
+    if isinstance(precision, str):
+        lower = precision.lower()
+        name = lower if lower in choices else _OTHER_NAMES.get(lower)
+    elif isinstance(precision, torch.dtype):
+        name = _OTHER_NAMES.get(precision)
+    hint = f"; pass precision={name!r}" if name in choices else ""
+    raise ValueError(f"precision must be one of {choices}, got {precision!r}{hint}")
 
 
 def cuda_capability(device: torch.device) -> tuple[int, int]:

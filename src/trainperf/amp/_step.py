@@ -23,6 +23,7 @@ __all__ = [
     "parameters",
     "pickled_state",
     "scaled_step",
+    "unscaled",
 ]
 
 
@@ -146,7 +147,8 @@ def scaled_step(
     try:
         for optimizer in optimizers:
             if max_grad_norm is not None:
-                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+                if not unscaled(scaler, optimizer):  # the caller's unscale_ is not repeated
+                    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
                 nn.utils.clip_grad_norm_(parameters(optimizer), max_grad_norm)  # type: ignore[arg-type]
             scaler.step(optimizer)
     except BaseException:
@@ -166,6 +168,16 @@ def scaled_step(
     found_inf = sum(v.item() for o in optimizers for v in scaler._found_inf_per_device(o).values())
     scaler.update()
     return not found_inf
+
+
+def unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` ran since the last update: the caller's own,
+    to read the true gradients (GradScaler refuses a second one before ``update()``)."""
+    from torch.amp.grad_scaler import OptState
+
+    states = getattr(scaler, "_per_optimizer_states", None)
+    state = states.get(id(optimizer)) if states is not None else None
+    return state is not None and state.get("stage") is OptState.UNSCALED
 
 
 def forget(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:

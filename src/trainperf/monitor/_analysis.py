@@ -55,6 +55,36 @@ _CANDIDATES: tuple[Callable[[Figures], Verdict | None], ...] = (
 )
 
 
+_STEP_FIGURES = ("start", "wait", "compute", "gpu_busy", "wait_cpu", "cpu_delay")
+_SAMPLE_FIGURES = (
+    "time", "gpu_utilization", "process_cpu", "host_cpu", "workers_cpu", "host_steal",
+)  # fmt: skip
+
+
+def _check_records(timeline: Sequence[StepRecord], samples: Sequence[Sample]) -> None:
+    """Refuse figures that are no measurements: a NaN or infinite time or share (it would
+    make a verdict of NaN, and a ``to_dict()`` strict JSON refuses), or a negative wait or
+    compute time."""
+    for i, step in enumerate(timeline):
+        for name in _STEP_FIGURES:
+            value = getattr(step, name)
+            negative = name in ("wait", "compute") and value < 0
+            if value is not None and (negative or not math.isfinite(value)):
+                raise ValueError(
+                    f"analyse() needs finite step times, wait and compute >= 0, but "
+                    f"timeline[{i}] (step {step.index}) has {name}={value!r}; drop or repair "
+                    "that step"
+                )
+    for i, sample in enumerate(samples):
+        for name in _SAMPLE_FIGURES:
+            value = getattr(sample, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(
+                    f"analyse() needs finite sample figures, but samples[{i}] has "
+                    f"{name}={value!r}; drop or repair that sample"
+                )
+
+
 def _mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
@@ -320,8 +350,9 @@ def analyse(
         figures cover every measured step.
 
     Raises:
-        ValueError: ``cpus`` is not an int >= 1, or ``warmup_steps``, ``dropped_steps`` or
-            ``dropped_samples`` is not an int >= 0.
+        ValueError: ``cpus`` is not an int >= 1; ``warmup_steps``, ``dropped_steps`` or
+            ``dropped_samples`` is not an int >= 0; a step has a NaN or infinite figure, or
+            a negative ``wait`` or ``compute``; or a sample has a NaN or infinite figure.
 
     Example:
         >>> steps = [StepRecord(i, i * 0.02, 0.015, 0.005, 32, None) for i in range(20)]
@@ -329,6 +360,7 @@ def analyse(
         'input-bound'
     """
     positive_int("cpus", cpus)
+    _check_records(timeline, samples)
     non_negative_int("warmup_steps", warmup_steps)
     non_negative_int("dropped_steps", dropped_steps)
     non_negative_int("dropped_samples", dropped_samples)

@@ -187,15 +187,24 @@ def _wait_reason(f: Figures) -> str:
 
 
 def too_few_steps(f: Figures) -> Verdict | None:
-    """inconclusive: fewer than ``MIN_STEPS`` measured steps."""
-    if f.measured_steps >= MIN_STEPS:
+    """inconclusive: fewer than ``MIN_STEPS`` measured steps, or steps that took no
+    measurable time (a clock that did not advance: every share of step time is 0/0)."""
+    if f.measured_steps < MIN_STEPS:
+        verdict = _verdict(
+            "inconclusive",
+            f"{f.measured_steps} measured step(s) after {f.warmup_steps} warm-up; a verdict "
+            f"needs at least {MIN_STEPS}",
+        )
+        return replace(verdict, basis=f"{NOT_PREDICTED}: {f.measured_steps} step(s) say too little")
+    if f.wall_s > 0:  # NaN too is no time to judge
         return None
     verdict = _verdict(
         "inconclusive",
-        f"{f.measured_steps} measured step(s) after {f.warmup_steps} warm-up; a verdict "
-        f"needs at least {MIN_STEPS}",
+        f"the {f.measured_steps} measured steps took no measurable time: the clock "
+        "(time.perf_counter) did not advance between w.step() calls, as under a test "
+        "library that freezes time; watch the loop with a running clock",
     )
-    return replace(verdict, basis=f"{NOT_PREDICTED}: {f.measured_steps} step(s) say too little")
+    return replace(verdict, basis=f"{NOT_PREDICTED}: steps of no time say nothing")
 
 
 def cuda_never_initialised(f: Figures) -> Verdict | None:

@@ -121,8 +121,9 @@ def _pass_ended(w: Watch, done: _Pass) -> None:
 def _add_wait(w: Watch, wall: float, cpu: float) -> None:
     if w._state != "running":
         return
-    w._pending_wait += wall
-    w._pending_wait_cpu += cpu
+    # A clock that stepped back (one a test replaced) measured no wait, not a negative one.
+    w._pending_wait += max(0.0, wall)
+    w._pending_wait_cpu += max(0.0, cpu)
 
 
 def _retuned(w: Watch, changes: list[Any]) -> None:
