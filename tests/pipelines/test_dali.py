@@ -259,6 +259,23 @@ def test_dali_orders_files_as_the_other_backends(folder: Path, train: bool) -> N
 
 
 @needs_dali
+def test_dali_reads_the_epoch_set_in_loader_epoch_even_an_earlier_one(folder: Path) -> None:
+    # Resuming (or replaying) sets loader.epoch; the DALI feed only ever moved forward, so an
+    # earlier epoch, or one left part-way, came out in another epoch's order, batches short.
+    kw: dict[str, Any] = {"batch_size": 5, "seed": 4, "last_batch": "keep"}
+    dali, torchvision_ = _loader(folder, "dali", **kw), _loader(folder, "torchvision", **kw)
+    expected = [_indices(torchvision_) for _ in range(2)]
+    assert [_indices(dali) for _ in range(2)] == expected
+    dali.epoch = 0
+    assert _indices(dali) == expected[0]
+    it = dali.iter_with_indices()  # epoch 1, left after one batch
+    next(it)
+    it.close()
+    dali.epoch = 1
+    assert _indices(dali) == expected[1]
+
+
+@needs_dali
 def test_dali_epoch_left_part_way_costs_only_the_batches_read_ahead(
     folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

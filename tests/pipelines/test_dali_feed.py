@@ -61,6 +61,29 @@ def test_starting_a_later_epoch_abandons_the_rest_of_this_one(folder: Path) -> N
         feed.close()
 
 
+def test_starting_an_earlier_epoch_or_one_begun_starts_it_afresh(folder: Path) -> None:
+    files = load_source(folder, on_error="raise").files
+    plan = _plan(len(files), 4)
+    feed = FileFeed(files, plan, max_pixels=None, threads=2)  # type: ignore[arg-type]
+    try:
+        first = feed.start(0)
+        feed(), feed()
+        feed.pending.popleft()  # the loader took epoch 0's first batch: 0 is begun
+        again = feed.start(0)
+        assert again != first
+        assert feed()[1].tolist() == plan(0)[0]  # type: ignore[operator]
+        assert [(b.generation, b.epoch, b.batch) for b in feed.pending] == [
+            (first, 0, 1),
+            (again, 0, 0),
+        ]
+        feed.start(1)
+        feed.start(0)  # backwards: afresh too
+        assert feed()[1].tolist() == plan(0)[0]  # type: ignore[operator]
+        assert feed.start(0) == feed.pending[-1].generation  # begun, not taken: goes on
+    finally:
+        feed.close()
+
+
 def _refused(feed: FileFeed, bad: int) -> str:
     """Call the feed once; check that file ``bad`` was replaced by the placeholder byte."""
     datas, indices = feed()

@@ -66,3 +66,34 @@ def test_a_link_warning_shows_a_name_that_is_not_utf8_escaped(tmp_path: Path) ->
     message = str(caught[0].message)
     assert "b/loop\\xe9 (= b)" in message
     message.encode("utf-8")  # lone surrogates here are what logging handlers refuse to write
+
+
+@pytest.mark.parametrize("layout", ["empty_class", "link"])
+def test_folder_warnings_name_the_line_that_called_image_loader(
+    tmp_path: Path, layout: str
+) -> None:
+    root = tmp_path / "data"
+    (root / "a").mkdir(parents=True)
+    PIL.new("RGB", (4, 4)).save(root / "a" / "0.png")
+    if layout == "empty_class":
+        (root / "b").mkdir()
+    else:
+        (root / "a" / "loop").symlink_to(".")
+    with pytest.warns(UserWarning, match=r"class folder\(s\) with no images|directory link") as w:
+        _loader(root, "torchvision", batch_size=1)
+    assert [os.path.basename(r.filename) for r in w] == ["_images.py"]  # _loader's line
+
+
+def test_a_class_folder_linked_to_another_does_not_take_its_images(tmp_path: Path) -> None:
+    # "Z -> cat" sorts before "cat": the link was read first and took cat's images, and the
+    # real folder was reported as a class with no images.
+    root = tmp_path / "data"
+    (root / "cat").mkdir(parents=True)
+    PIL.new("RGB", (4, 4)).save(root / "cat" / "0.png")
+    (root / "Z").symlink_to(root / "cat")
+    with pytest.warns(UserWarning) as caught:
+        items, classes, _ = find_images(root)
+    assert classes == ("Z", "cat")
+    assert items == [(str(root / "cat" / "0.png"), 1)]
+    messages = " ".join(str(w.message) for w in caught)
+    assert "Z (= cat)" in messages and "no images: 'Z' (label 0)" in messages

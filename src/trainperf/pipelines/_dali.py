@@ -344,12 +344,12 @@ class DaliLoader(ImageLoader):
         return self._finish(out["crops"], out["flips"].reshape(-1).tolist())
 
     def _epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        self._feed.start(epoch)
+        generation = self._feed.start(epoch)
         device, last = self.config.device, self.shard.batches - 1
         while True:
             out, fed = self._next()
-            if fed.epoch < epoch:
-                continue  # read ahead for an epoch left part-way: dropped
+            if (fed.generation, fed.epoch) != (generation, epoch):
+                continue  # read ahead for an epoch left part-way, or before a restart: dropped
             images = self._images(out)
             indices = out["indices"].reshape(-1).to("cpu", torch.int64)
             labels = self._labels[indices].to(device, non_blocking=True)

@@ -108,13 +108,15 @@ def read_for_dali(path: str, max_pixels: int | None) -> np.ndarray[Any, Any]:
 
 @dataclass(frozen=True)
 class FedBatch:
-    """A batch handed to DALI: its epoch, its number in the epoch, its file indices, and why
-    a file in it was not handed over (None when all were)."""
+    """A batch handed to DALI: its epoch, its number in the epoch, its file indices, why a
+    file in it was not handed over (None when all were), and the feed's generation (how many
+    times :meth:`FileFeed.start` had started an epoch afresh) when it was fed."""
 
     epoch: int
     batch: int
     indices: tuple[int, ...]
     problem: str | None = None
+    generation: int = 0
 
 
 class FileFeed:
@@ -148,21 +150,37 @@ class FileFeed:
             thread_name_prefix="trainperf-dali-read",
         )
         self._epoch = 0
+        self._generation = 0
         self._batches = plan(0)
         self._next = 0
         self._ahead: tuple[int, int, list[Future[np.ndarray[Any, Any]]]] | None = None
         self.pending: deque[FedBatch] = deque()
         self.error: str | None = None
 
-    def start(self, epoch: int) -> None:
-        """Make ``epoch`` the next one fed, unless the feed has reached it already.
+    def start(self, epoch: int) -> int:
+        """Make ``epoch`` the next one fed, from its first batch; return the generation
+        whose batches of ``epoch`` are this pass's.
 
-        An epoch left part-way is abandoned here: the rest of it is never read, and the few
-        of its batches already in DALI's queue come out first (the loader drops them, by
-        :attr:`FedBatch.epoch`).
+        The feed goes on as it is when it is about to begin ``epoch``, or has begun it (read
+        ahead into it) and none of its batches has been taken off :attr:`pending`. Otherwise
+        (the epoch before left part-way, a later epoch, or one begun or run already, as when
+        ``loader.epoch`` is set back) ``epoch`` starts afresh, in a new generation: the rest
+        of what was being fed is never read, and the few of its batches already in DALI's
+        queue come out first (the loader drops them, by :attr:`FedBatch.generation`).
         """
-        if epoch > self._epoch:
+        if not self._reaches(epoch):
             self._go_to(epoch)
+            self._generation += 1
+        return self._generation
+
+    def _reaches(self, epoch: int) -> bool:
+        """Whether the feed goes on into ``epoch``'s first batch, none of it taken yet."""
+        if self._epoch == epoch - 1:
+            return self._next == len(self._batches)
+        first = (self._generation, epoch, 0)
+        return self._epoch == epoch and (
+            self._next == 0 or any((b.generation, b.epoch, b.batch) == first for b in self.pending)
+        )
 
     def _go_to(self, epoch: int) -> None:
         self._epoch, self._batches, self._next = epoch, self._plan(epoch), 0
@@ -206,7 +224,7 @@ class FileFeed:
                 )
             problem = problem or str(error)
         self.error = self.error or problem
-        self.pending.append(FedBatch(epoch, number, tuple(indices), problem))
+        self.pending.append(FedBatch(epoch, number, tuple(indices), problem, self._generation))
         return datas, np.asarray(indices, dtype=np.int64)
 
     def close(self) -> None:

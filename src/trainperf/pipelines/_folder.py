@@ -75,10 +75,13 @@ def _scan_classes(
 
     The root and every class folder are claimed before any is walked, so a link to the root
     (``up -> ..``) or to another class folder is a repeat, and a class folder is read as its
-    own class even when a link in an earlier class leads to it.
+    own class even when a link in an earlier class leads to it. Real class folders are
+    claimed before links to them: a class folder that is a link to another (``Z -> cat``)
+    is the repeat, even when it sorts first.
     """
     seen: dict[tuple[int, int], str] = {}
-    for top in (str(path), *(os.path.join(path, name) for name in classes)):
+    tops = sorted((os.path.join(path, name) for name in classes), key=os.path.islink)
+    for top in (str(path), *tops):
         key = _dir_key(top)
         if key is not None:
             seen.setdefault(key, top)
@@ -115,8 +118,9 @@ def find_images(
     directory already read (``loop -> .``, ``up -> ..``, a second link to the same place, a
     link to another class folder) is skipped, with a warning that names it, so each file is
     counted once, under the class folder it is first reached from (classes in sorted order,
-    subfolders sorted). File links are files: two links to one image are two samples, as in
-    ImageFolder.
+    subfolders sorted); a class folder that is a link to another one (``Z -> cat``) is the
+    skipped one, whatever the sort order. File links are files: two links to one image are
+    two samples, as in ImageFolder.
 
     A class folder without images stays a class (its index is kept, so every label still
     matches the sorted folder names), with a warning that names it; torchvision's
@@ -172,7 +176,7 @@ def find_images(
         )
     import warnings
 
-    # stacklevel=4: find_images <- load_source <- image_loader <- the caller's line.
+    # stacklevel=5: find_images <- _resolve <- load_source <- image_loader <- the caller's line.
     if repeats:
         # shown(): a name that is not UTF-8 would reach the warning as lone surrogates, which
         # logging handlers (logging.captureWarnings) refuse to write, dropping the warning.
@@ -186,7 +190,7 @@ def find_images(
             f"image folder {str(root)!r}: skipped {len(repeats)} directory link(s) to folders "
             f"already read, so that each file is counted once, under the class folder it is "
             f"first reached from: {_listed(rel)}; remove the links to silence this",
-            stacklevel=4,
+            stacklevel=5,
         )
     refused = {folder for folder, _ in unlisted}
     empty = [
@@ -200,6 +204,6 @@ def find_images(
             f"{_listed(empty)}; kept as classes so that every label matches the sorted folder "
             "names (torchvision's ImageFolder would raise); remove the folder to drop the class, "
             "or add its images",
-            stacklevel=4,
+            stacklevel=5,
         )
     return items, classes, unlisted
