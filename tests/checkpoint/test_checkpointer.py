@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import trainperf.checkpoint._checkpointer as checkpointer_module
+import trainperf.checkpoint._held as held_module
 import trainperf.checkpoint._read as read_module
-import trainperf.checkpoint._steps as steps_module
 import trainperf.checkpoint._writer as writer_module
 import trainperf.checkpoint._writer_fork as writer_fork
 from tests.checkpoint import _agree
@@ -135,6 +135,39 @@ def test_keep_counts_no_foreign_file_and_deletes_no_real_step_for_it(tmp_path: P
         assert ckpt.latest() == tmp_path / "step-000000030.pt"
     with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000999\.pt: .*not "):
         assert ckpt.restore({"w": w}) == 30
+
+
+def test_restore_refuses_a_step_file_copied_to_another_steps_name(tmp_path: Path) -> None:
+    # step-000000007.pt, a copy of step 3's file, restored step 3 under step 7's name: the
+    # loop resumed at step 3 while latest() named step 7 and keep= counted it as step 7.
+    ckpt = Checkpointer(tmp_path, keep=5)
+    for step in (1, 2, 3):
+        ckpt.save({"w": torch.full((2,), float(step))}, step=step)
+    copy = tmp_path / "step-000000007.pt"
+    copy.write_bytes((tmp_path / "step-000000003.pt").read_bytes())
+    w = torch.zeros(2)
+    why = (
+        r"stops at step 7: .*step-000000007\.pt holds step 3, but its name says step 7 "
+        r"\(copied or renamed .*wrong step; step-000000003\.pt is there too, so this is a "
+        r"copy: move it out of "
+    )
+    with pytest.raises(CheckpointError, match="restore " + why) as info:
+        ckpt.restore({"w": w})
+    assert info.value.path == copy and torch.equal(w, torch.zeros(2))  # nothing loaded
+    with pytest.raises(CheckpointError, match="latest " + why):
+        ckpt.latest()
+    copy.unlink()
+    assert ckpt.restore({"w": w}) == 3 and torch.equal(w, torch.full((2,), 3.0))
+
+
+def test_restore_refuses_a_step_file_renamed_and_names_its_right_name(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"w": torch.ones(1)}, step=100)
+    (tmp_path / "step-000000100.pt").rename(tmp_path / "step-000000200.pt")
+    with pytest.raises(
+        CheckpointError, match=r"holds step 100, .*; rename it to step-000000100\.pt if it is"
+    ):
+        ckpt.restore({"w": torch.zeros(1)})
 
 
 def test_latest_names_a_legacy_format_file_as_restore_loads_it(tmp_path: Path) -> None:
@@ -493,14 +526,15 @@ def test_latest_stops_on_a_file_it_cannot_read_as_restore_does(
         ckpt.save({"w": torch.full((1000,), float(step))}, step=step)
     newest = tmp_path / "step-000000003.pt"
     newest.write_bytes(newest.read_bytes()[:500])  # cut short: still skipped
-    real_skim = steps_module.skim
+    real_skim = held_module.skim
 
     def failing_skim(path: Path) -> Any:
         if path.name == "step-000000002.pt":
             raise OSError(code, os.strerror(code), str(path))
         return real_skim(path)
 
-    monkeypatch.setattr(steps_module, "skim", failing_skim)
+    monkeypatch.setattr(held_module, "skim", failing_skim)
+    monkeypatch.setattr(held_module, "_HELD", {})  # as a new process: nothing read yet
     with (
         warnings.catch_warnings(record=True) as caught,
         pytest.raises(

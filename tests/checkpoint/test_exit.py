@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import trainperf.checkpoint._checkpointer as checkpointer_module
+import trainperf.checkpoint._checkpointer_wait as wait_module
 from trainperf.checkpoint import Checkpointer
 from trainperf.checkpoint._writer import SaveHandle
 from trainperf.checkpoint._writer_snapshot import snapshot_safe
@@ -80,6 +81,62 @@ def test_exit_prints_a_failed_background_save_nobody_was_told_of(tmp_path: Path)
     assert "step-000000005.pt failed" in done.stderr
     assert "no older checkpoint was deleted" in done.stderr
     assert not (tmp_path / "ck" / "step-000000005.pt").exists()
+
+
+_ATEXIT_SCRIPT = """
+import atexit, collections, os, sys, time
+
+PARENT = os.getpid()
+
+class SlowInTheWriter:  # a forked writer takes long enough to outlive its parent
+    def __reduce__(self):
+        if os.getpid() != PARENT:
+            time.sleep(3)
+        return (collections.OrderedDict, ())
+
+def final_save():
+    import torch
+    import trainperf.checkpoint._checkpointer as checkpointer_module
+    if sys.argv[2] == "thread":
+        checkpointer_module.fork_writes = lambda: False
+    ck = checkpointer_module.Checkpointer(sys.argv[1])
+    ck.save({"w": torch.arange(4.0), "slow": SlowInTheWriter()}, step=5, blocking=False)
+
+atexit.register(final_save)  # before trainperf's exit hook: it runs after that hook
+import trainperf
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_background_save_made_as_the_process_exits_is_written(
+    tmp_path: Path, writer: str
+) -> None:
+    # Started after trainperf's exit hook had waited, the writer died with the process: the
+    # forked one left only its temp file, and the thread aborted the interpreter.
+    script = tmp_path / "train.py"
+    script.write_text(_ATEXIT_SCRIPT)
+    out = tmp_path / "ck"
+    done = subprocess.run(
+        [sys.executable, str(script), str(out), writer],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert [p.name for p in out.iterdir()] == ["step-000000005.pt"]
+    saved = torch.load(out / "step-000000005.pt", weights_only=True)
+    assert saved["w"].tolist() == [0.0, 1.0, 2.0, 3.0] and saved["slow"] == {}
+
+
+def test_a_background_save_after_the_exit_hook_is_made_blocking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wait_module, "_EXITED", [False])
+    wait_module._wait_at_exit()  # the process is exiting: nothing waits for writers now
+    handle = Checkpointer(tmp_path).save({"w": torch.ones(2)}, step=1, blocking=False)
+    assert handle.writer == "blocking" and handle.done()
+    assert torch.load(tmp_path / "step-000000001.pt")["w"].tolist() == [1.0, 1.0]
 
 
 def _fork_rank(directory: str) -> None:

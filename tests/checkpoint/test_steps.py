@@ -165,3 +165,17 @@ def test_a_step_file_is_what_restore_would_load(tmp_path: Path) -> None:
     assert not_a_step_file(cut) is not None
     main_file(tmp_path, 50).write_bytes(b"not an archive")
     assert not_a_step_file(main_file(tmp_path, 50)) is not None
+
+
+def test_a_step_file_under_another_steps_name_is_neither_counted_nor_deleted(
+    tmp_path: Path,
+) -> None:
+    # A copy of step 10's file named step 40 held a keep= place as step 40, so the real
+    # step 20 was deleted, and it would itself have been deleted as "step 40" later.
+    for s in (10, 20, 30):
+        _step_file(tmp_path, s)
+    misnamed_copy = main_file(tmp_path, 40)
+    misnamed_copy.write_bytes(main_file(tmp_path, 10).read_bytes())
+    assert "holds step 10, but its name says step 40" in (not_a_step_file(misnamed_copy) or "")
+    assert retire(tmp_path, keep=2, protect=30) == []
+    assert steps_on_disk(tmp_path) == [20, 30, 40]

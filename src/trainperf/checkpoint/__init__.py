@@ -23,10 +23,10 @@ DDP) and ``_orig_mod.`` (``torch.compile``) prefixes into wrapped or plain model
   ``save_state``, DCP);
 - :mod:`._checkpointer`: :class:`Checkpointer`, a directory of step-numbered checkpoints
   (background saves, ``keep``, exact resume, preemption), built from :mod:`._steps` (file
-  names, which files are step files (their pickle read by :mod:`._skim`), retention, stale
-  temp files), :mod:`._payload` (what a file holds, and restoring
-  it into live objects), :mod:`._writer` (the forked or threaded background writer and
-  :class:`SaveHandle`; :mod:`._writer_fork`, :mod:`._writer_snapshot`,
+  names, which files are step files (their pickle read by :mod:`._skim`, once per version
+  of the file: :mod:`._held`), retention, stale temp files), :mod:`._payload` (what a file
+  holds, and restoring it into live objects), :mod:`._writer` (the forked or threaded
+  background writer and :class:`SaveHandle`; :mod:`._writer_fork`, :mod:`._writer_snapshot`,
   :mod:`._writer_staging`), :mod:`._checkpointer_wait`, :mod:`._checkpointer_warn`,
   :mod:`._checkpointer_ranks`, :mod:`._preempt` (:class:`Preemption`, the signal flag every rank
   agrees on), :mod:`._loader_state` (a DataLoader's position mid-epoch) and :mod:`._rng`

@@ -27,6 +27,7 @@ from trainperf.checkpoint._checkpointer_lock import DirectoryClaim
 from trainperf.checkpoint._checkpointer_ranks import _group, own_part
 from trainperf.checkpoint._checkpointer_wait import (
     _finish,
+    exiting,
     failure_of_pending,
     settle,
     tell_earlier,
@@ -39,12 +40,13 @@ from trainperf.checkpoint._checkpointer_warn import (
     warn_notes,
 )
 from trainperf.checkpoint._files import load_checkpoint, saving
+from trainperf.checkpoint._held import held_step, vouch
 from trainperf.checkpoint._loader_state import track
 from trainperf.checkpoint._payload import build_payload, rank_payload, restore_into, saved_step
 from trainperf.checkpoint._preempt import Preemption
 from trainperf.checkpoint._steps import (
     main_file,
-    not_a_step_file,
+    misnamed,
     rank_file,
     remove_dead_temps,
     retire,
@@ -171,6 +173,7 @@ class Checkpointer:
 
     def _after(self, step: int) -> list[str]:
         self._damaged.discard(step)  # written again: the damaged file was replaced
+        vouch(main_file(self.directory, step), step)  # retention need not read it back
         return retire(self.directory, self.keep, step, self._damaged)
 
     def save(
@@ -186,6 +189,9 @@ class Checkpointer:
         the model right after ``save`` returns: the file holds step ``step``'s values. If
         the host's available memory (:func:`trainperf.host_limits`) cannot hold one more
         copy of the state, the save is made blocking, with a warning giving both figures.
+        So is a save made while the process exits, after trainperf's exit hook has waited
+        for the background writes (from an ``atexit`` handler registered before trainperf
+        was imported): the process would end under a background writer.
 
         One write is in flight at most: a ``save`` while one is pending first waits for it.
         If that write failed, this save is made (blocking) before the failure is raised, so
@@ -258,7 +264,7 @@ class Checkpointer:
         self._claim.claim()
         warn_if_behind(self, step)
         payload = build_payload(state, step, rank, world)
-        if not blocking:
+        if not blocking and not exiting():
             handle = self._start_background(payload, path, step)
             if handle is not None:
                 return handle
@@ -331,16 +337,19 @@ class Checkpointer:
             OSError: a file it reaches could not be read (no permission, too many open
                 files, a disk or network-filesystem error): raised, as :meth:`restore`
                 raises it, not skipped for an older file, since the file may be fine.
+            CheckpointError: the newest step file holds another step than its name says
+                (copied or renamed from another step's file), as :meth:`restore` raises.
         """
         for step in reversed(self.steps()):
             path = main_file(self.directory, step)
             try:
-                why = not_a_step_file(path, raise_read_errors=True)
+                held = held_step(path, raise_read_errors=True)
             except OSError as e:
                 raise _stops_at("latest", step, e) from e
-            if why is None:
+            if isinstance(held, int):
+                _refuse_misnamed("latest", path, step, held)
                 return path
-            warnings.warn(f"skipping checkpoint {path}: {why}", UserWarning, stacklevel=2)
+            warnings.warn(f"skipping checkpoint {path}: {held}", UserWarning, stacklevel=2)
         return None
 
     def restore(
@@ -381,6 +390,10 @@ class Checkpointer:
             StateDictMismatchError: a module's weights do not fit it (nothing is loaded).
             CheckpointError: an object's ``load_state_dict`` failed even so (the message
                 names the entry, the file, the step and what was loaded before it).
+            CheckpointError: the newest step file holds another step than its name says
+                (copied or renamed from another step's file: ``step-000000200.pt`` holding
+                step 100): not loaded, nor skipped for an older one; the message names the
+                file, both steps and the fix.
             OSError: the newest file could not be read (no permission, too many open
                 files, a disk or network-filesystem error): raised, not skipped, since the
                 file may be fine.
@@ -422,6 +435,7 @@ class Checkpointer:
                 continue
             except OSError as e:
                 raise _stops_at("restore", step, e) from e
+            _refuse_misnamed("restore", path, step, found)
             restore_into(state, saved, own_part(self, step, rank), str(path), found)
             return found
         return 0
@@ -461,6 +475,15 @@ class Checkpointer:
         stop = Preemption(signals, grace_s, check_every)
         self._stops.append(stop)
         return stop
+
+
+def _refuse_misnamed(method: str, path: Path, named: int, held: int) -> None:
+    """Raise when the file of step ``named`` holds another step (a copy or rename): falling
+    back to an older file would lose the steps since, and loading it would resume at the
+    wrong step while ``latest()``, ``steps()`` and ``keep=`` go by the name."""
+    if held != named:
+        e = misnamed(path, named, held)
+        raise CheckpointError(f"Checkpointer.{method} stops at step {named}: {e}", path)
 
 
 def _file_in_the_way(directory: Path) -> Path | None:

@@ -23,7 +23,7 @@ from trainperf.errors import CheckpointError
 if TYPE_CHECKING:
     from trainperf.checkpoint._checkpointer import Checkpointer
 
-__all__ = ["settle", "failure_of_pending", "tell_earlier"]
+__all__ = ["exiting", "failure_of_pending", "settle", "tell_earlier"]
 
 
 def settle(ckpt: Checkpointer) -> None:
@@ -70,9 +70,21 @@ def _finish(pending: SaveHandle) -> None:
         pending._event.wait()
 
 
+# Set once the exit hook has run: a save after it (from an atexit handler registered before
+# trainperf was imported, or a finaliser) is made blocking, since nothing would wait for a
+# background writer: the process would exit under it, leaving only its temp file.
+_EXITED = [False]
+
+
+def exiting() -> bool:
+    """Whether the process is exiting: :func:`_wait_at_exit` has run."""
+    return _EXITED[0]
+
+
 def _wait_at_exit() -> None:
     """Finish every background write still running when the process exits (its Checkpointer
     may be gone), then print each failed write that was never reported to stderr."""
+    _EXITED[0] = True
     for pending in pending_handles():
         if not pending.done():
             print(

@@ -17,12 +17,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from trainperf._utils.atomic import remove_dead_temp
-from trainperf.checkpoint._formats import read_error, read_failure
-from trainperf.checkpoint._payload import saved_step
-from trainperf.checkpoint._skim import skim
+from trainperf.checkpoint._held import held_step
+from trainperf.errors import CheckpointError
 
 __all__ = [
     "main_file",
+    "misnamed",
     "not_a_step_file",
     "pinned",
     "rank_file",
@@ -93,30 +93,49 @@ def to_retire(steps: list[int], keep: int, protect: int) -> list[int]:
 def not_a_step_file(path: Path, *, raise_read_errors: bool = False) -> str | None:
     """Why ``path`` is not a file ``Checkpointer.restore`` would load, or None: it must be a
     complete torch.save file (a zip archive with its directory, or the legacy format) whose
-    pickle holds the ``"trainperf"`` entry with the step. Only the pickle is read, with every
-    class and tensor stubbed (:func:`~trainperf.checkpoint._skim.skim`): nothing is run, no
-    tensor data read, so a byte changed in tensor data (a CRC mismatch) or a legacy file cut
-    inside its tensor data passes here, and ``restore`` finds it.
+    pickle holds the ``"trainperf"`` entry with the step its name says (a step file copied or
+    renamed to another step's name is not: :func:`misnamed`). Only the pickle is read, with
+    every class and tensor stubbed (:func:`~trainperf.checkpoint._held.held_step`, once per
+    version of the file): nothing is run, no tensor data read, so a byte changed in tensor
+    data (a CRC mismatch) or a legacy file cut inside its tensor data passes here, and
+    ``restore`` finds it.
 
-    A file the system cannot read (EACCES, EIO, EMFILE: :func:`read_failure`) may be fine:
-    with ``raise_read_errors`` that is raised, as ``load_checkpoint`` raises it (an
-    ``OSError`` of the same errno naming the file and what to check), not reported.
+    A file the system cannot read (EACCES, EIO, EMFILE) may be fine: with
+    ``raise_read_errors`` that is raised, as ``load_checkpoint`` raises it (an ``OSError``
+    of the same errno naming the file and what to check), not reported.
 
     Raises:
         OSError: with ``raise_read_errors``, the file could not be read.
     """
-    try:
-        held = skim(path)
-    except Exception as e:
-        # A directory with a step file's name is "not a checkpoint" to load_checkpoint too.
-        if raise_read_errors and read_failure(e) and not isinstance(e, IsADirectoryError):
-            raise read_error(path, e) from e
-        return f"{type(e).__name__}: {e}"
-    try:
-        saved_step(held, str(path))
-    except ValueError as e:
-        return str(e)
+    held = held_step(path, raise_read_errors=raise_read_errors)
+    if isinstance(held, str):
+        return held
+    m = _MAIN.match(path.name)
+    if m is not None and int(m[1]) != held:
+        return str(misnamed(path, int(m[1]), held))
     return None
+
+
+def misnamed(path: Path, named: int, held: int) -> CheckpointError:
+    """The error for the step file ``path`` whose name says step ``named`` but which holds
+    step ``held`` (a copy or a rename): loading it would resume at the wrong step.
+
+    Example:
+        >>> print(misnamed(Path("runs/step-000000200.pt"), 200, 100))  # doctest: +ELLIPSIS
+        runs/step-000000200.pt holds step 100, but its name says step 200 (copied or ...
+    """
+    right = main_file(path.parent, held)
+    fix = (
+        f"{right.name} is there too, so this is a copy: move it out of {path.parent}"
+        if os.path.lexists(right)
+        else f"rename it to {right.name} if it is step {held}'s checkpoint, or move it out "
+        f"of {path.parent}"
+    )
+    return CheckpointError(
+        f"{path} holds step {held}, but its name says step {named} (copied or renamed from "
+        f"another step's file): resuming from it would continue at the wrong step; {fix}",
+        path,
+    )
 
 
 def retire(directory: Path, keep: int, protect: int, damaged: Iterable[int] = ()) -> list[str]:
@@ -125,11 +144,12 @@ def retire(directory: Path, keep: int, protect: int, damaged: Iterable[int] = ()
 
     Only step files (:func:`not_a_step_file`: what ``restore`` would load) count toward
     ``keep`` and are deleted. Any other file with a step file's name (cut short by another
-    tool, or a foreign file: one from another tool, ``torch.save`` of something else), or
-    whose step is in ``damaged`` (a restore found its data corrupt), neither counts nor is
-    deleted, nor are its rank files: it would hold one of the ``keep`` places for good,
-    above the files that do load, and it may be all that is left of something. Nor does a
-    write-protected one (:func:`pinned`), nor its rank files: the user kept it."""
+    tool, a foreign file: one from another tool, ``torch.save`` of something else, or
+    another step's file copied or renamed to this name), or whose step is in ``damaged``
+    (a restore found its data corrupt), neither counts nor is deleted, nor are its rank
+    files: it would hold one of the ``keep`` places for good, above the files that do load,
+    and it may be all that is left of something. Nor does a write-protected one
+    (:func:`pinned`), nor its rank files: the user kept it."""
     names = _names(directory)
     mains = {int(m[1]): name for name in names if (m := _MAIN.match(name))}
     bad = set(damaged)

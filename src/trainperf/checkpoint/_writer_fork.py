@@ -2,7 +2,8 @@
 the payload (:func:`start_process`), at a lower CPU and I/O priority in a session of its own
 (:func:`lower_priority`), deaf to the signals that stop training and killed if the training
 process dies; it reports through a pipe that a reaper thread reads (:func:`_reap`), and a
-failure comes back as its message and root cause (:func:`_failure_record`).
+failure comes back as its message and root cause (:func:`_failure_record`), success as the
+notes of retention and what it read of the step files (:mod:`._held`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from trainperf._utils.fds import readable
 from trainperf._utils.lifetime import die_with_parent
+from trainperf.checkpoint._held import known, learn
 from trainperf.checkpoint._writer import SaveHandle, _refused, drop_cached, write_now
 
 __all__ = ["fork_writes", "lower_priority", "start_process"]
@@ -111,7 +113,9 @@ def _child(payload: Any, path: Path, after: Callable[[], list[str]], fd: int, pa
         lower_priority()
         write_now(payload, path, checked=True)  # by the parent: no torch.load in a fork
         drop_cached(path)
-        _send(fd, {"ok": True, "notes": after()})
+        notes = after()
+        # What retention read of the step files dies with this process: the parent keeps it.
+        _send(fd, {"ok": True, "notes": notes, "held": known(path.parent)})
         code = 0
     except BaseException as e:
         _send(fd, _failure_record(e))
@@ -198,6 +202,7 @@ def _reap_writer(pid: int, fd: int, handle: SaveHandle, pidfd: int | None) -> No
         death = _death(status)
         handle._finish((death, OSError(errno.ECHILD, death)), [])
     elif record["ok"]:
+        learn(record.get("held", []))
         handle._finish(None, list(record["notes"]))
     else:
         handle._finish((record["message"], _cause(record)), [])
