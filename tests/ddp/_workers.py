@@ -127,6 +127,36 @@ def exit_on_rank(bad_rank: int, code: int) -> None:
     _all_reduce()
 
 
+def _keep_pipes_without_sockets(ready: int) -> None:
+    """In a forked child: close every socket (the rank's gloo connections), keep the pipes
+    (the launcher's view of the rank's exit), say so on ``ready``, then wait to be stopped."""
+    import stat
+
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.close(fd)
+        except OSError:
+            continue
+    os.write(ready, b"x")
+    time.sleep(60)
+    os._exit(0)
+
+
+def exit_on_rank_seen_late(bad_rank: int, code: int) -> None:
+    """Rank ``bad_rank`` calls ``os._exit(code)``, but a child it forked keeps its end of
+    the launcher's pipes open: the peers lose it at once, while the launcher sees the exit
+    only from its exit status (a process tears down slowly, or a helper holds the pipes)."""
+    if ddp.rank() == bad_rank:
+        r, w = os.pipe()
+        if os.fork() == 0:
+            _keep_pipes_without_sockets(w)
+        os.read(r, 1)
+        os._exit(code)
+    _all_reduce()
+
+
 def sys_exit_on_rank(bad_rank: int, code: int) -> int:
     if ddp.rank() == bad_rank:
         sys.exit(code)

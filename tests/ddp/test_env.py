@@ -56,3 +56,18 @@ def test_detect_torchrun_and_slurm() -> None:
 def test_detect_rejects_inconsistent_environments(env: dict[str, str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         _env.detect(env)
+
+
+@pytest.mark.parametrize("step", ["4294967294", "4294967290"])
+def test_a_batch_script_of_several_tasks_outside_srun_is_refused_at_once(step: str) -> None:
+    # The batch script (and salloc's interactive step) has SLURM_PROCID=0 and SLURM_NTASKS=8
+    # too, but the other 7 tasks never start: the rendezvous waited out the whole timeout.
+    with pytest.raises(
+        ValueError, match=rf"not in an srun step \(SLURM_STEP_ID={step}:.*`srun python"
+    ):
+        _env.detect({**SLURM, "SLURM_PROCID": "0", "SLURM_STEP_ID": step})
+
+
+def test_a_task_of_an_srun_step_is_one_rank_of_the_job() -> None:
+    env = _env.detect({**SLURM, "SLURM_STEP_ID": "0"})
+    assert env is not None and (env.rank, env.world_size) == (5, 8)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.ddp import _workers as workers
-from tests.ddp._distributed import LONG, launch_fork
+from tests.ddp._distributed import LONG, fast_start_method, launch_fork
 from trainperf.ddp import _group
 from trainperf.ddp._procs import SignalGuard
 from trainperf.ddp._worker import Failure, WorkerSpec
@@ -69,6 +69,35 @@ def test_a_peer_that_returned_is_named_and_blamed_only_for_a_peer_gone_failure(
     assert text.startswith(first)
     assert "Already returned from main: rank 1" in text
     assert ("(a collective that not every rank calls" in text) is hint
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_rank_that_left_is_blamed_even_when_its_exit_is_seen_after_the_peers_report(
+    code: int,
+) -> None:
+    # Rank 1 leaves (os._exit) and rank 0's all_reduce fails with "Connection closed by
+    # peer" before the launcher sees rank 1's exit: rank 0 was blamed, and rank 1 listed as
+    # "Stopped by the launcher" (its exit status read as the stop's own doing).
+    if fast_start_method() != "fork":
+        pytest.skip("the rank forks a child that keeps the launcher's pipes open")
+    with pytest.raises(LaunchError) as info:
+        launch_fork(workers.exit_on_rank_seen_late, 1, code, timeout=LONG)
+    text = str(info.value)
+    assert text.startswith(f"rank 1 of 2 exited with code {code} without"), text
+    assert "Stopped by the launcher: rank 1" not in text
+
+
+def test_a_rank_that_exited_with_code_0_is_blamed_over_the_peer_it_left_behind() -> None:
+    # Both seen in one wake-up: the peer's report is stamped when it raised, the exit when
+    # the launcher woke up, later; a code-0 exit was not dated back as other deaths are.
+    group = _make_group(2)
+    victim = Failure(0, 11, "RuntimeError", "Connection closed by peer", "tb0", time=100.2)
+    group.problems.append(_group._Problem(0, victim.time, _group._summary(victim), "tb0"))
+    group.problems.append(group._no_report(1, 0, 100.5))
+    text = group._message()
+    assert text.startswith("rank 1 of 2 exited with code 0 without returning from main"), text
+    assert "rank 0 raised RuntimeError: Connection closed by peer" in text
 
 
 def _make_group(n: int = 3) -> _group.Group:

@@ -4,8 +4,11 @@ nesting, and busy() beats (the multi-process torchrun cases are in test_hang_cas
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -305,3 +308,91 @@ def test_a_report_path_that_cannot_be_written_is_said_on_stderr(
     assert "trainperf.ddp.watchdog: rank 1 is the cause." in err
     assert f"could not write the report to {blocker / 'hang.json'}" in err
     assert "pass a report_path in a writable directory" in err
+
+
+def _closed_stream() -> io.StringIO:
+    stream = io.StringIO()
+    stream.close()
+    return stream
+
+
+@pytest.mark.parametrize("stderr", [_closed_stream, lambda: None], ids=["closed", "none"])
+def test_the_verdict_reaches_fd_2_and_the_report_file_when_sys_stderr_is_unusable(
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    stderr: Any,
+) -> None:
+    # A script that closed sys.stderr (or a daemon without one): printing the verdict
+    # raised, or went to stdout, and report_path was never written.
+    monkeypatch.setattr(sys, "stderr", stderr())
+    dog = Watchdog(3.0, tmp_path / "hang.json")
+    dog._publish({"message": "rank 1 is the cause.", "report": {"kind": "outside"}})
+    assert "trainperf.ddp.watchdog: rank 1 is the cause." in capfd.readouterr().err
+    assert json.loads((tmp_path / "hang.json").read_text())["message"] == "rank 1 is the cause."
+
+
+class _Exited(BaseException):
+    """What the stand-in for ``os._exit`` raises, so the test process lives on."""
+
+
+@pytest.mark.parametrize("stderr", [_closed_stream, lambda: None], ids=["closed", "none"])
+def test_a_rank_still_exits_with_124_after_a_hang_when_sys_stderr_is_unusable(
+    monkeypatch: pytest.MonkeyPatch, stderr: Any
+) -> None:
+    # The watchdog thread died on sys.stderr.flush() before os._exit: the rank stayed in its
+    # collective, so the job hung after the verdict, for the collectives' whole timeout.
+    codes: list[int] = []
+
+    def fake_exit(code: int) -> None:
+        codes.append(code)
+        raise _Exited
+
+    monkeypatch.setattr(_watchdog.os, "_exit", fake_exit)
+    monkeypatch.setattr(_watchdog, "_kill_children", lambda: None)
+    monkeypatch.setattr(sys, "stderr", stderr())
+    dog = _watchdog_on(FakeStore(), 0, 1)
+    record = {"speaker": 0, "answering": 1, "message": "rank 0 is the cause.", "report": {}}
+    with pytest.raises(_Exited):
+        dog._finish(record)
+    assert codes == [_watchdog.EXIT_CODE]
+
+
+_STDERR_GONE = """
+import faulthandler, io, socket, sys
+import torch.distributed as dist
+from trainperf.ddp import _progress, _watchdog, watchdog
+
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+port = sock.getsockname()[1]
+sock.close()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+closed = io.StringIO()
+closed.close()
+for stream in (None, closed):
+    sys.stderr = stream
+    try:
+        with watchdog(30.0) as dog:
+            print("ACTIVE", dog.active, faulthandler.is_enabled())
+    except Exception as e:
+        print("RAISED", repr(e))
+    print("AFTER", bool(_watchdog._active), bool(_progress._installed), faulthandler.is_enabled())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_watchdog_starts_and_ends_cleanly_without_a_usable_sys_stderr() -> None:
+    # faulthandler.enable() on a None (or closed) sys.stderr raised out of start(), after
+    # the watchdog had registered itself: every later watchdog then did nothing ("nested").
+    # A fresh interpreter: pytest keeps faulthandler on, and start() leaves it alone then.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), "src"])}
+    proc = subprocess.run(
+        [sys.executable, "-c", _STDERR_GONE], env=env, capture_output=True, text=True, timeout=100
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == ["ACTIVE True True", "AFTER False False False"] * 2, (
+        proc.stdout + proc.stderr
+    )

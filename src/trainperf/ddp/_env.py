@@ -139,6 +139,22 @@ def _slurm_master_port(env: Mapping[str, str]) -> int:
     return slurm_default_port(job_id)
 
 
+def _refuse_outside_srun(ntasks: int, env: Mapping[str, str]) -> None:
+    """The batch script (or salloc's interactive step) has SLURM_PROCID=0 and SLURM_NTASKS=N
+    too, but it is one process: the other N-1 ranks never start, and the rendezvous would
+    wait out the whole timeout. Its step id says so (an srun step's is a small number)."""
+    step = launch_env.text("SLURM_STEP_ID", env) or launch_env.text("SLURM_STEPID", env)
+    if step is None or launch_env.in_srun_step(env):
+        return  # an srun task, or a SLURM too old to tell: trust SLURM_PROCID
+    raise ValueError(
+        f"launch() runs in a SLURM job of SLURM_NTASKS={ntasks} tasks, but not in an srun "
+        f"step (SLURM_STEP_ID={step}: the batch script or an interactive step), so the other "
+        f"{ntasks - 1} ranks never start and the rendezvous would wait for them until timeout; "
+        "run the script through srun (`srun python train.py`), or unset SLURM_PROCID to let "
+        "launch() spawn the workers on this node itself"
+    )
+
+
 def _slurm(env: Mapping[str, str]) -> DistributedEnv | None:
     ntasks = _required("SLURM_NTASKS", env)
     rank = _required("SLURM_PROCID", env)
@@ -147,6 +163,7 @@ def _slurm(env: Mapping[str, str]) -> DistributedEnv | None:
     if ntasks == 1:
         # A one-task job (or `srun --pty bash`) is a workstation: launch() spawns locally.
         return None
+    _refuse_outside_srun(ntasks, env)
     local_rank = _required("SLURM_LOCALID", env)
     # Without SLURM_NODEID the first node's count stands for this node's; a task numbered
     # past it shows this node has more.
@@ -175,8 +192,9 @@ def detect(environ: Mapping[str, str] | None = None) -> DistributedEnv | None:
         The layout, or None outside a multi-process job.
 
     Raises:
-        ValueError: the variables are incomplete or contradict each other; the message
-            names the variable.
+        ValueError: the variables are incomplete or contradict each other, or a SLURM job
+            of several tasks runs outside an ``srun`` step (the batch script itself); the
+            message names the variable.
 
     Example:
         >>> detect({}) is None

@@ -267,7 +267,9 @@ class Group:
         """What to blame for a worker that exited with ``code`` and sent nothing."""
         if code == 0:
             return _Problem(
-                rank, seen_at, "exited with code 0 without returning from main (os._exit?)"
+                rank,
+                seen_at - _DEATH_SLACK_S,
+                "exited with code 0 without returning from main (os._exit?)",
             )
         if self._reimported(rank, code):
             self.restartable = False
@@ -375,6 +377,32 @@ class Group:
                 self.guard.raise_pending()
                 if self.hang is not None:
                     return
+        self._await_lost_peer()
+
+    def _await_lost_peer(self) -> None:
+        """The failures so far read like a lost peer ("Connection closed by peer"): give the
+        rank that left up to ``DEATH_SLACK_S`` to be seen gone, so that it is blamed, not
+        the ranks it left behind. Its exit status comes first: its end of the pipes can
+        close later than its sockets (a slow teardown, a child that holds them), and the
+        stop would then read its exit as the stop's own doing."""
+        deadline = time.monotonic() + _DEATH_SLACK_S
+        while self._only_lost_peers():
+            with self.guard.deferred():
+                seen_at = time.time()
+                for rank in [r for r, p in self.running.items() if p.exitcode is not None]:
+                    self._exited(rank, seen_at)
+            self.guard.raise_pending()
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
+
+    def _only_lost_peers(self) -> bool:
+        """Every failure so far reads like a lost peer, and no rank returned to explain it."""
+        return (
+            bool(self.problems)
+            and not self.results
+            and all(_peer_gone(f"{p.summary}\n{p.detail}") for p in self.problems)
+        )
 
     def _drain(self, grace_s: float) -> None:
         """SIGTERM reached the launcher: pass it on to each rank and wait up to ``grace_s``.

@@ -189,9 +189,7 @@ class Watchdog:
         _active.append(self)
         # A rank that crashes (gloo aborts on a collective whose sizes differ between ranks:
         # a crash, not a hang) prints its Python stack, with the call site, on its way out.
-        self._faulthandler = not faulthandler.is_enabled()
-        if self._faulthandler:
-            faulthandler.enable(all_threads=True)
+        self._faulthandler = not faulthandler.is_enabled() and _enable_faulthandler()
         self._thread = threading.Thread(target=self._run, name="trainperf-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self.stop)
@@ -373,32 +371,37 @@ class Watchdog:
         return None
 
     def _finish(self, record: dict[str, Any]) -> None:
-        if record["speaker"] == self.rank:
-            self._publish(record)
-        # Every answering rank counts itself out, and waits (briefly) for the others, so that
-        # no process (perhaps the store's host) exits while another still reads the store.
-        with contextlib.suppress(Exception):
-            self.store.add("finished", 1)
-            deadline = time.monotonic() + 3.0
-            while (
-                int(self.store.add("finished", 0)) < record["answering"]
-                and time.monotonic() < deadline
-            ):
-                time.sleep(0.1)
-        if self.on_hang is not None:
+        """Print the verdict (the speaker), then exit with :data:`EXIT_CODE`, whatever fails
+        on the way: a rank left in its collective would hang the job after the verdict."""
+        try:
+            if record["speaker"] == self.rank:
+                self._publish(record)
+            # Every answering rank counts itself out, and waits (briefly) for the others, so
+            # that no process (perhaps the store's host) exits while another still reads it.
             with contextlib.suppress(Exception):
-                self.on_hang(record["message"].splitlines()[0])
-        sys.stderr.flush()
-        sys.stdout.flush()
-        _kill_children()
-        os._exit(EXIT_CODE)
+                self.store.add("finished", 1)
+                deadline = time.monotonic() + 3.0
+                while (
+                    int(self.store.add("finished", 0)) < record["answering"]
+                    and time.monotonic() < deadline
+                ):
+                    time.sleep(0.1)
+            if self.on_hang is not None:
+                with contextlib.suppress(Exception):
+                    self.on_hang(record["message"].splitlines()[0])
+            for stream in (sys.stderr, sys.stdout):
+                with contextlib.suppress(Exception):  # closed by the script, or None
+                    stream.flush()
+            _kill_children()
+        finally:
+            os._exit(EXIT_CODE)
 
     def _publish(self, record: dict[str, Any]) -> None:
         text = (
             f"trainperf.ddp.watchdog: {record['message']}\n\n"
             f"Every rank exits with status {EXIT_CODE}."
         )
-        print(text, file=sys.stderr, flush=True)
+        _say(text)
         if self.report_path is None:
             return
         text = json.dumps({**record["report"], "message": record["message"]}, indent=2)
@@ -408,12 +411,38 @@ class Watchdog:
                 self.report_path, lambda f: _write(f, payload), keep_write_protected=False
             )
         except OSError as e:  # the verdict above stands; say where the file did not go
-            print(
+            _say(
                 f"trainperf.ddp.watchdog: could not write the report to {self.report_path}: "
-                f"{e.strerror or e}; pass a report_path in a writable directory",
-                file=sys.stderr,
-                flush=True,
+                f"{e.strerror or e}; pass a report_path in a writable directory"
             )
+
+
+def _say(text: str) -> None:
+    """Print ``text`` on stderr: through ``sys.stderr``, or straight to fd 2 when the script
+    closed it (or has none); nowhere if fd 2 is gone too. The report file and the exit that
+    follow must happen whatever becomes of this."""
+    stream = sys.stderr
+    if stream is not None:
+        try:
+            print(text, file=stream, flush=True)
+            return
+        except Exception:  # closed (ValueError), or a broken pipe
+            pass
+    with contextlib.suppress(OSError):
+        os.write(2, f"{text}\n".encode(errors="replace"))
+
+
+def _enable_faulthandler() -> bool:
+    """Turn ``faulthandler`` on: on ``sys.stderr``, or on fd 2 when the script closed it (or
+    has none); False if neither takes it. Never raises: start() must not fail halfway, with
+    this watchdog registered as active (every later one would then do nothing)."""
+    for target in (sys.stderr, 2):
+        try:
+            faulthandler.enable(file=target, all_threads=True)
+            return True
+        except (AttributeError, OSError, RuntimeError, ValueError):
+            continue
+    return False
 
 
 def _kill_children() -> None:
