@@ -142,6 +142,38 @@ def test_memory_level_with_the_least_room_binds_not_the_smallest_limit(tmp_path:
     assert cgroup_memory_limit(root, tmp_path / "proc_cgroup") == (8 * 2**30, 5 * 2**30)
 
 
+@pytest.mark.parametrize("path", ["/../../user.slice/session-1.scope", "/..", "/a/../../b"])
+def test_a_cgroup_outside_the_namespace_root_reads_no_other_cgroups_limit(
+    tmp_path: Path, path: str
+) -> None:
+    # The mount shows the namespace's root (another cgroup: this process sits beside or
+    # above it), so its limits are not this process's: unknown counts as none.
+    write(tmp_path / "proc_cgroup", f"0::{path}\n")
+    root = tmp_path / "sys" / "fs" / "cgroup"
+    write(root / "cpu.max", "100000 100000\n")
+    write(root / "memory.max", str(2**30))
+    write(root / "memory.current", str(2**29))
+    write(tmp_path / "sys" / "fs" / "cpu.max", "50000 100000\n")  # what root/.. would read
+    assert cgroup_cpu_quota(root, tmp_path / "proc_cgroup") is None
+    assert cgroup_memory_limit(root, tmp_path / "proc_cgroup") == (None, None)
+
+
+def test_a_cgroup_path_with_dot_dot_inside_the_namespace_is_normalised(tmp_path: Path) -> None:
+    write(tmp_path / "proc_cgroup", "0::/job/../job/step0\n")
+    root = tmp_path / "root"
+    write(root / "job" / "cpu.max", "200000 100000\n")
+    assert cgroup_cpu_quota(root, tmp_path / "proc_cgroup") == 2.0
+
+
+def test_a_v1_cpu_line_inside_the_namespace_is_read_when_the_v2_line_is_not(
+    tmp_path: Path,
+) -> None:
+    write(tmp_path / "proc_cgroup", "3:cpu,cpuacct:/docker/abc\n0::/../elsewhere\n")
+    write(tmp_path / "root" / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us", "300000\n")
+    write(tmp_path / "root" / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_period_us", "100000\n")
+    assert cgroup_cpu_quota(tmp_path / "root", tmp_path / "proc_cgroup") == 3.0
+
+
 def test_tightest_of_nested_limits_wins(tmp_path: Path) -> None:
     write(tmp_path / "proc_cgroup", "0::/a/b\n")
     root = tmp_path / "root"

@@ -16,7 +16,7 @@ import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import psutil
@@ -100,6 +100,28 @@ def _read(path: Path) -> str | None:
         return None
 
 
+def _in_namespace(rel: str) -> PurePosixPath | None:
+    """A ``/proc/self/cgroup`` path relative to the cgroup namespace's root, None where it
+    leads out of it.
+
+    A process whose cgroup lies outside its cgroup namespace's root (moved there after the
+    namespace was made, or entered with ``nsenter``) sees its path climb out with ``..``:
+    ``0::/../../user.slice``. The mount shows only the namespace's root and below, so no
+    directory in it is that cgroup or one of its ancestors.
+    """
+    parts: list[str] = []
+    for part in PurePosixPath(rel.strip()).parts:
+        if part in ("/", "."):
+            continue
+        if part != "..":
+            parts.append(part)
+        elif not parts:
+            return None
+        else:
+            parts.pop()
+    return PurePosixPath(*parts)
+
+
 def _cgroup_dirs(controller: str, root: Path, proc_cgroup: Path) -> list[Path]:
     """Directories whose limits bind this process for ``controller``, leaf first.
 
@@ -107,19 +129,27 @@ def _cgroup_dirs(controller: str, root: Path, proc_cgroup: Path) -> list[Path]:
     so every directory from the process's own cgroup up to the mount point is returned.
     Inside a container the cgroup namespace usually makes the mount point itself the
     process's own cgroup; on a host the process's path must be appended. Only existing
-    directories are returned.
+    directories are returned. Where the process's cgroup lies outside its namespace's root
+    (a path with ``..``), that hierarchy's mount point is no ancestor of it: the mount
+    point is not tried, and a limit that cannot be read counts as none, rather than
+    another cgroup's limit being read as binding.
     """
     text = _read(proc_cgroup) or ""
     leaves: list[Path] = []
+    outside = False
     for line in text.splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
-        _, controllers, rel = parts
-        rel = rel.strip().lstrip("/")
-        if controllers == "":  # cgroup v2 unified hierarchy
+        _, controllers, raw = parts
+        if controllers != "" and controller not in controllers.split(","):
+            continue
+        rel = _in_namespace(raw)
+        if rel is None:
+            outside = True
+        elif controllers == "":  # cgroup v2 unified hierarchy
             leaves.append(root / rel)
-        elif controller in controllers.split(","):
+        else:
             leaves.extend(root / name / rel for name in (controllers, controller))
     out: list[Path] = []
     for leaf in leaves:
@@ -128,6 +158,8 @@ def _cgroup_dirs(controller: str, root: Path, proc_cgroup: Path) -> list[Path]:
                 break
             if d not in out and d.is_dir():
                 out.append(d)
+    if outside:  # the mount shows another cgroup, none of this process's
+        return out
     for d in (root / controller, root):
         if d not in out and d.is_dir():
             out.append(d)
@@ -137,7 +169,9 @@ def _cgroup_dirs(controller: str, root: Path, proc_cgroup: Path) -> list[Path]:
 def cgroup_cpu_quota(
     root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP
 ) -> float | None:
-    """CPUs' worth of time the cgroup quota allows, or None when there is no quota.
+    """CPUs' worth of time the cgroup quota allows, or None when there is no quota (or none
+    that can be read: a process whose cgroup lies outside its cgroup namespace's root, a
+    ``/proc/self/cgroup`` path with ``..``, cannot see its own cgroup).
 
     Example:
         >>> import tempfile, pathlib

@@ -302,17 +302,26 @@ def test_the_report_is_a_table_and_its_dict_is_json_safe() -> None:
     report = DoctorReport(checks)
     assert str(report).splitlines() == [
         "check  verdict  value",
-        "shm   fail     16 MiB",
-        "               fix: enlarge /dev/shm",
-        "load  ok       load 0.5",
-        "blas  skip     no threadpoolctl",
-        "               fix: pip install threadpoolctl",
+        "shm    fail     16 MiB",
+        "                fix: enlarge /dev/shm",
+        "load   ok       load 0.5",
+        "blas   skip     no threadpoolctl",
+        "                fix: pip install threadpoolctl",
     ]
     data = report.to_dict()
     # Only str, int, float, bool, None, lists and dicts survive a JSON round trip unchanged.
     assert json.loads(json.dumps(data)) == data
     assert data == {"worst": "fail", "checks": [c.to_dict() for c in checks]}
     assert json.loads(json.dumps(DoctorReport(()).to_dict())) == {"worst": "skip", "checks": []}
+
+
+def test_the_table_columns_line_up_under_the_header_with_short_or_long_names() -> None:
+    for name in ("io", "gpus", "start_method"):
+        lines = str(DoctorReport((Check(name, "warn", "v", "do x"),))).splitlines()
+        header, row, fix = lines
+        assert row.index("warn") == header.index("verdict")
+        assert row[header.index("value") :] == "v"
+        assert fix.index("fix:") == header.index("value")
 
 
 def test_report_with_sweeps_prints_them_after_the_table_and_adds_them_to_json() -> None:

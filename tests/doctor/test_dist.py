@@ -230,6 +230,18 @@ def test_one_gpu_runs_two_gloo_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert checks["p2p"].verdict == "skip"
 
 
+@pytest.mark.parametrize("count", [0, 1])
+def test_nccl_shm_is_a_skip_on_a_host_with_fewer_than_two_gpus(count: int) -> None:
+    # The 2 gloo ranks are CPU ranks; NCCL runs one rank per GPU, so at most one here.
+    checks = dist.host_dist_checks(
+        env={}, limits=limits(shm_free=16 * MiB), gpus=[gpu(i) for i in range(count)],
+        ranks=2, backend="gloo", read_lspci=False,
+    )  # fmt: skip
+    shm = by_name(checks)["nccl_shm"]
+    assert shm.verdict == "skip" and "NCCL with 2 ranks" not in shm.fix
+    assert f"{count} GPU" in shm.value and "/dev/shm 16 MiB free" in shm.value
+
+
 # --------------------------------------------------------------------------- for real, on gloo
 
 
@@ -285,9 +297,9 @@ def test_a_small_dev_shm_is_detected_in_a_private_mount_namespace() -> None:
     )  # fmt: skip
     document = json.loads(done.stdout)
     checks = {c["name"]: c for c in document["checks"]}
-    assert checks["nccl_shm"]["verdict"] == "warn", checks["nccl_shm"]
+    # No GPU: NCCL would run no two ranks here, so its shared memory is not judged.
+    assert checks["nccl_shm"]["verdict"] == "skip", checks["nccl_shm"]
     assert "/dev/shm 16 MiB free" in checks["nccl_shm"]["value"]
-    assert "~37 MiB for 2 ranks" in checks["nccl_shm"]["value"]
     assert checks["shm"]["verdict"] == "fail"  # DataLoader workers: under one batch
     assert done.returncode == 1
     assert host_limits().shm_total != 16 * MiB  # outside, /dev/shm is as it was

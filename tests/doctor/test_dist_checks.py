@@ -48,8 +48,65 @@ def test_nccl_shm_need_is_ranks_channels_peers_segments() -> None:
 def test_nccl_shm_need_follows_the_buffer_variables() -> None:
     env = {"NCCL_BUFFSIZE": str(MiB), "NCCL_MIN_NCHANNELS": "4"}
     assert nccl_shm_need(8, env)[0] == 8 * 4 * 2 * (SEGMENT - 3 * MiB)
-    junk = {"NCCL_BUFFSIZE": "lots", "NCCL_MIN_NCHANNELS": "1"}  # ignored, as NCCL would
+    # NCCL reads "lots" as a 0-byte buffer (no use: the default counts) and 1 channel as 1.
+    junk = {"NCCL_BUFFSIZE": "lots", "NCCL_MIN_NCHANNELS": "1"}
     assert nccl_shm_need(8, junk)[0] == nccl_shm_need(8)[0]
+
+
+@pytest.mark.parametrize(
+    ("raw", "simple"),
+    [("16k", 16), ("1_000", 1), ("010", 8), ("0x10", 16), (" 16", 16), ("\t16\n", 16),
+     ("08", 4 * MiB), ("0b100", 4 * MiB), ("0o10", 4 * MiB), ("-2", 4 * MiB),
+     ("99999999999999999999", 4 * MiB), (str(2**32 + 16), 16), (str(2**32), 4 * MiB)],
+)  # fmt: skip
+def test_nccl_shm_need_reads_nccl_buffsize_with_strtoll_as_nccl_does(raw: str, simple: int) -> None:
+    # NCCL: strtoll(value, NULL, 0), its default only on overflow or -2, stored in an int; a
+    # size of 0 or less cannot work, so the estimate keeps the default for it.
+    need = nccl_shm_need(2, {"NCCL_BUFFSIZE": raw})[0]
+    assert need == 2 * 2 * 1 * (SEGMENT - 4 * MiB + simple)
+
+
+def test_nccl_shm_need_clamps_min_nchannels_as_nccl_does() -> None:
+    assert nccl_shm_need(2, {"NCCL_MIN_NCHANNELS": "1000"})[0] == 2 * 64 * 1 * SEGMENT
+    assert nccl_shm_need(2, {"NCCL_MIN_NCHANNELS": "010"})[0] == 2 * 8 * 1 * SEGMENT
+    assert nccl_shm_need(2, {"NCCL_MIN_NCHANNELS": "-5"})[0] == 2 * 2 * 1 * SEGMENT
+
+
+@pytest.mark.parametrize("raw", ["16M", "1_000", "010", "lots", "0", "99999999999999999999"])
+def test_nccl_shm_names_a_buffer_size_nccl_misreads(raw: str) -> None:
+    check = check_nccl_shm(16 * GiB, 8, backend="nccl", env={"NCCL_BUFFSIZE": raw})
+    assert check.verdict == "warn" and f"NCCL_BUFFSIZE={raw!r}" in check.value
+    assert "NCCL_BUFFSIZE=4194304" in check.fix
+    small = check_nccl_shm(64 * MiB, 8, backend="nccl", env={"NCCL_BUFFSIZE": raw})
+    assert small.verdict == "fail" and "--shm-size" in small.fix and "plain decimal" in small.fix
+
+
+@pytest.mark.parametrize("raw", ["4194304", "0x400000", " 4194304", "+4194304"])
+def test_nccl_shm_is_quiet_about_a_buffer_size_read_as_written(raw: str) -> None:
+    check = check_nccl_shm(16 * GiB, 8, backend="nccl", env={"NCCL_BUFFSIZE": raw})
+    assert check.verdict == "ok" and check.fix == ""
+
+
+@pytest.mark.parametrize("ranks", [0, -1, 2.0, True, "8"])
+def test_nccl_shm_refuses_a_rank_count_that_is_not_a_positive_int(ranks: object) -> None:
+    with pytest.raises(ValueError, match=r"ranks must be an int >= 1, got "):
+        check_nccl_shm(16 * GiB, ranks, backend="nccl")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"ranks must be an int >= 1, got "):
+        nccl_shm_need(ranks)  # type: ignore[arg-type]
+
+
+def test_nccl_shm_refuses_a_negative_gpu_count() -> None:
+    with pytest.raises(ValueError, match=r"gpus must be None or an int >= 0, got -1"):
+        check_nccl_shm(16 * GiB, 2, backend="gloo", gpus=-1)
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_nccl_shm_is_a_skip_with_fewer_than_two_gpus(gpus: int) -> None:
+    # One NCCL rank per GPU: with 0 or 1 there are no two ranks on this host to share memory.
+    check = check_nccl_shm(16 * MiB, 2, backend="gloo", gpus=gpus)
+    assert check.verdict == "skip" and check.fix == ""
+    assert f"{gpus} GPU" in check.value and "one rank per GPU" in check.value
+    assert check_nccl_shm(16 * MiB, 2, backend="gloo", gpus=2).verdict == "warn"
 
 
 def test_dockers_64_mb_fails_eight_nccl_ranks_but_not_two() -> None:

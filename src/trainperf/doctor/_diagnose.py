@@ -98,7 +98,8 @@ class DoctorReport:
         return data
 
     def __str__(self) -> str:
-        width = max((len(c.name) for c in self.checks), default=4)
+        width = max((len(c.name) for c in self.checks), default=0)
+        width = max(width, len("check"))  # the header's own word sets the least width
         lines = [f"{'check':<{width}}  verdict  value"]
         for c in self.checks:
             lines.append(f"{c.name:<{width}}  {c.verdict:<7}  {c.value}")

@@ -174,7 +174,8 @@ def host_dist_checks(
     read_lspci: bool = True,
 ) -> list[Check]:
     """The checks that need no rank: ``nccl_shm``, ``nccl_env``, ``ifname``, ``hostname``,
-    ``iommu``.
+    ``iommu``. ``nccl_shm`` and ``iommu`` are skips with fewer than 2 GPUs: NCCL runs one
+    rank per GPU, so such a host has no two NCCL ranks to share memory or peer-to-peer.
 
     Example:
         >>> from trainperf.limits import host_limits
@@ -190,7 +191,12 @@ def host_dist_checks(
     acs, acs_note = read_acs(read_lspci and len(gpus) >= 2)
     return [
         check_nccl_shm(
-            limits.shm_free, ranks, backend=backend, env=env, shm_error=limits.shm_error
+            limits.shm_free,
+            ranks,
+            backend=backend,
+            env=env,
+            shm_error=limits.shm_error,
+            gpus=len(gpus),
         ),
         check_nccl_env(env, _infiniband()),
         check_socket_ifname(
