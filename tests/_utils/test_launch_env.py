@@ -398,5 +398,31 @@ def test_expand_nodelist() -> None:
         ddp.expand_nodelist("node1-2]")
     with pytest.raises(ValueError, match=r"bad range 'a-b'"):
         ddp.expand_nodelist("node[a-b]")
-    with pytest.raises(ValueError, match="SLURM node list is empty"):
+    with pytest.raises(ValueError, match=r"SLURM node list . , . is malformed \(no host names\)"):
         ddp.expand_nodelist(" , ")
+
+
+@pytest.mark.parametrize("name", ["SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST"])
+@pytest.mark.parametrize(
+    ("raw", "problem"),
+    [
+        ("n[1-", r"unbalanced '\['"),
+        ("n1-2]", r"unbalanced '\]'"),
+        ("n[a-b]", r"bad range 'a-b'"),
+        (" , ", "no host names"),
+    ],
+)
+def test_a_malformed_node_list_names_its_variable_the_value_and_the_fix(
+    name: str, raw: str, problem: str
+) -> None:
+    # "unbalanced '[' in SLURM node list 'n[1-'" did not say which variable held it.
+    with pytest.raises(ValueError, match=rf"^environment variable {name}=") as info:
+        launch_env.nodelist({name: raw})
+    text = str(info.value)
+    assert repr(raw) in text and re.search(problem, text), text
+    assert text.endswith("unset it or fix the launcher that set it"), text
+
+
+def test_a_malformed_node_list_passed_directly_says_how_to_write_one() -> None:
+    with pytest.raises(ValueError, match=r"such as 'node\[01-03,07\],gpu3'"):
+        ddp.expand_nodelist("n[1-")

@@ -172,6 +172,29 @@ def test_the_earliest_failure_is_blamed_whatever_order_reports_arrive_in() -> No
     assert "Stopped by the launcher: rank 1" in text
 
 
+def test_each_rank_is_named_once_under_later_failures_or_under_stopped_by_the_launcher() -> None:
+    # A rank that reported its failure and was still exiting when the stop began, and one
+    # that reported while being stopped, were each listed under both headings.
+    group = _make_group(4)
+    cause = Failure(0, 10, "ValueError", "bad batch", "tb0", time=100.0)
+    before = Failure(1, 11, "RuntimeError", "Connection closed by peer", "tb1", time=100.5)
+    during = Failure(2, 12, "RuntimeError", "Connection reset by peer", "tb2", time=102.0)
+    for f in (cause, before, during):
+        group.problems.append(_group._Problem(f.rank, f.time, _group._summary(f), f.traceback))
+    group._stop_began = 101.0
+    group.stopped = [1, 2, 3]
+    group.stop_codes = {1: 1, 2: 1, 3: -15}
+    text = group._message()
+    later, _, stopped = text.partition("Stopped by the launcher:")
+    assert "  rank 1 raised RuntimeError: Connection closed by peer" in later, text
+    assert "rank 2" not in later and "rank 1" not in stopped, text
+    assert stopped.splitlines()[0] == " ranks 2, 3", text
+    assert (
+        "  rank 2 raised RuntimeError: Connection reset by peer (exit code 1) while being stopped"
+        in stopped
+    ), text
+
+
 class _SpawnContext:
     """Only what the group asks a spawn context about when judging an exit."""
 

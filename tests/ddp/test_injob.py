@@ -4,8 +4,10 @@ test_launch.py)."""
 from __future__ import annotations
 
 import itertools
+import operator
 import re
 import sys
+import warnings
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -16,7 +18,7 @@ import torch.distributed as dist
 import trainperf.ddp as ddp
 from tests.ddp._envs import TORCHRUN
 from tests.ddp.test_launch import SCRIPT, _clean_env, _free_port, _run_programs, slurm_envs
-from trainperf.ddp import _injob
+from trainperf.ddp import _injob, _launch_checks
 from trainperf.ddp._env import DistributedEnv
 from trainperf.ddp._injob import _gather_store, _must_regroup
 from trainperf.errors import LaunchError
@@ -232,3 +234,32 @@ def test_each_gather_and_each_torchrun_restart_has_keys_of_its_own(
     monkeypatch.setattr(_injob, "_gathers", itertools.count())
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert not _gather_store(store).check(["reported/0"])
+
+
+@pytest.mark.timeout(60)
+def test_an_nprocs_the_running_job_ignores_is_warned_about_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A launch() inside a launched rank (or under torchrun) runs main in this process: an
+    # explicit nprocs=3 was silently ignored, and the caller believed 3 ranks had run.
+    env = {**TORCHRUN, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="2")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(_launch_checks, "_warned_ignored_nprocs", [False])
+    with pytest.warns(UserWarning) as caught:
+        assert ddp.launch(operator.add, 2, 3, nprocs=3, backend="gloo") == 5
+        assert ddp.launch(operator.add, 2, 3, nprocs=3, backend="gloo") == 5
+    ignored = [str(w.message) for w in caught if "nprocs" in str(w.message)]
+    assert len(ignored) == 1, ignored
+    assert re.match(
+        r"launch\(\) ignores nprocs=3: this process is rank 0 of a job already "
+        r"running 1 process on this node",
+        ignored[0],
+    ), ignored[0]
+    monkeypatch.setattr(_launch_checks, "_warned_ignored_nprocs", [False])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the running job's own size, or none: no warning
+        assert ddp.launch(operator.add, 2, 3, nprocs=1, backend="gloo") == 5
+        assert ddp.launch(operator.add, 2, 3, backend="gloo") == 5
+    assert not dist.is_initialized()

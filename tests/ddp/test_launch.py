@@ -325,7 +325,9 @@ def test_launch_inside_a_job_runs_main_in_this_process(monkeypatch: pytest.Monke
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    result = ddp.launch(_in_process_main, "t", nprocs=8, backend="gloo")
+    monkeypatch.setattr(_launch_checks, "_warned_ignored_nprocs", [False])
+    with pytest.warns(UserWarning, match=r"launch\(\) ignores nprocs=8"):
+        result = ddp.launch(_in_process_main, "t", nprocs=8, backend="gloo")
     assert result == {
         "tag": "t",
         "pid": os.getpid(),

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import io
 import os
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -177,3 +179,35 @@ def test_a_spawned_rank_names_the_argument_it_could_not_unpickle() -> None:
     ), text
     assert "could not load main" not in text and "imports main's module" not in text
     assert "Fix: each spawned worker unpickles main's arguments" in text
+
+
+class _Exited(BaseException):
+    """What the stand-in for ``os._exit`` raises, so the test process lives on."""
+
+
+def _closed_stream() -> io.TextIOWrapper:
+    # A real file, as sys.stderr is: a closed StringIO's flush() does not raise.
+    stream = open(os.devnull, "w")  # noqa: SIM115
+    stream.close()
+    return stream
+
+
+@pytest.mark.parametrize("stderr", [_closed_stream, lambda: None], ids=["closed", "none"])
+def test_a_failed_rank_still_leaves_through_os_exit_when_main_closed_sys_stderr(
+    monkeypatch: pytest.MonkeyPatch, stderr: Any
+) -> None:
+    # sys.stderr.flush() raised before os._exit: the rank went through a normal interpreter
+    # shutdown instead, which can hang (atexit, NCCL teardown) until the launcher kills it.
+    from trainperf.ddp import _worker
+
+    codes: list[int] = []
+
+    def fake_exit(code: int) -> None:
+        codes.append(code)
+        raise _Exited
+
+    monkeypatch.setattr(_worker.os, "_exit", fake_exit)
+    monkeypatch.setattr(sys, "stderr", stderr())
+    with pytest.raises(_Exited):
+        _worker._exit_now(1)
+    assert codes == [1]

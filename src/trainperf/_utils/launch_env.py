@@ -278,6 +278,10 @@ def local_world_size(env: Mapping[str, str] | None = None) -> int:
     return 1 if world is None else world
 
 
+# How a node list is written, for the errors.
+_NODELIST_FORM = "host names with bracketed ranges, such as 'node[01-03,07],gpu3'"
+
+
 def _split_top_level(nodes: str) -> list[str]:
     """Split on commas outside brackets: "a[1,2],b" -> ["a[1,2]", "b"]."""
     parts: list[str] = []
@@ -288,28 +292,43 @@ def _split_top_level(nodes: str) -> list[str]:
         elif ch == "]":
             depth -= 1
             if depth < 0:
-                raise ValueError(f"unbalanced ']' in SLURM node list {nodes!r}")
+                raise ValueError("unbalanced ']'")
         elif ch == "," and depth == 0:
             parts.append(nodes[start:i])
             start = i + 1
     if depth != 0:
-        raise ValueError(f"unbalanced '[' in SLURM node list {nodes!r}")
+        raise ValueError("unbalanced '['")
     parts.append(nodes[start:])
     return [p.strip() for p in parts if p.strip()]
 
 
-def _expand_range(spec: str, nodelist: str) -> list[str]:
+def _expand_range(spec: str) -> list[str]:
     out: list[str] = []
     for item in spec.split(","):
         lo, sep, hi = item.strip().partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"bad range {item!r} in SLURM node list {nodelist!r}")
+            raise ValueError(f"bad range {item!r}")
         if not sep:
             out.append(lo)
             continue
         width = len(lo)  # "01-04" keeps its zero padding
         out.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
     return out
+
+
+def _hosts(nodelist: str) -> list[str]:
+    """The host names; a ValueError that says only what is wrong (the callers add whose
+    value it is and the fix)."""
+    hosts: list[str] = []
+    for part in _split_top_level(nodelist):
+        names = [""]
+        for literal, bracket in re.findall(r"([^\[\]]*)(?:\[([^\]]*)\])?", part):
+            suffixes = _expand_range(bracket) if bracket else [""]
+            names = [n + literal + s for n in names for s in suffixes]
+        hosts.extend(names)
+    if not hosts:
+        raise ValueError("no host names")
+    return hosts
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -333,16 +352,12 @@ def expand_nodelist(nodelist: str) -> list[str]:
         >>> expand_nodelist("rack[1-2]-n[8-9]")
         ['rack1-n8', 'rack1-n9', 'rack2-n8', 'rack2-n9']
     """
-    hosts: list[str] = []
-    for part in _split_top_level(nodelist):
-        names = [""]
-        for literal, bracket in re.findall(r"([^\[\]]*)(?:\[([^\]]*)\])?", part):
-            suffixes = _expand_range(bracket, nodelist) if bracket else [""]
-            names = [n + literal + s for n in names for s in suffixes]
-        hosts.extend(names)
-    if not hosts:
-        raise ValueError(f"SLURM node list is empty: {nodelist!r}")
-    return hosts
+    try:
+        return _hosts(nodelist)
+    except ValueError as e:
+        raise ValueError(
+            f"SLURM node list {nodelist!r} is malformed ({e}): write it as {_NODELIST_FORM}"
+        ) from e
 
 
 def nodelist(env: Mapping[str, str] | None = None) -> list[str] | None:
@@ -350,11 +365,21 @@ def nodelist(env: Mapping[str, str] | None = None) -> list[str] | None:
     or None when neither is set.
 
     Raises:
-        ValueError: the list is malformed (see :func:`expand_nodelist`).
+        ValueError: the list is malformed (see :func:`expand_nodelist`); the message names
+            the variable it came from.
 
     Example:
         >>> nodelist({"SLURM_JOB_NODELIST": "gpu[1-2]"}), nodelist({})
         (['gpu1', 'gpu2'], None)
     """
-    raw = text("SLURM_STEP_NODELIST", env) or text("SLURM_JOB_NODELIST", env)
-    return None if raw is None else expand_nodelist(raw)
+    name = "SLURM_STEP_NODELIST" if is_set("SLURM_STEP_NODELIST", env) else "SLURM_JOB_NODELIST"
+    raw = text(name, env)
+    if raw is None:
+        return None
+    try:
+        return _hosts(raw)
+    except ValueError as e:
+        raise ValueError(
+            f"environment variable {name}={environ(env)[name]!r} is not a SLURM node list "
+            f"({e}; expected {_NODELIST_FORM}); {_FIX}"
+        ) from e

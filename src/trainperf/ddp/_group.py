@@ -4,7 +4,8 @@ Each worker sends ``loaded`` once ``main`` is imported, then one final message (
 or its exception stamped with the time it was raised). The group waits on those pipes, on
 the process sentinels and on the spawned workers' start-up stderr together; the first
 failure ends the watch, every worker's process tree is stopped (SIGTERM, then SIGKILL), and
-the earliest failure is reported with its traceback.
+the earliest failure is reported with its traceback (:mod:`~trainperf.ddp._group_report`
+words it).
 
 Signals: SIGINT/SIGTERM raise :class:`~trainperf.ddp._procs.Interrupted` only while the
 group waits. Starting a worker and handling what it sent run with signals held back: an
@@ -40,6 +41,8 @@ from trainperf.ddp._failures import load_advice as _load_advice
 from trainperf.ddp._failures import startup_problem as _startup_problem
 from trainperf.ddp._failures import summarize as _summary
 from trainperf.ddp._failures import unguarded_main as _unguarded_main
+from trainperf.ddp._group_report import Outcome, drain_ending, failure_message
+from trainperf.ddp._group_report import peer_gone as _peer_gone
 from trainperf.ddp._procs import (
     Interrupted,
     SignalGuard,
@@ -53,7 +56,7 @@ from trainperf.ddp._worker_pickle import InheritedFd
 from trainperf.ddp._worker_reimport import REIMPORT_EXIT_CODE, WORKER_NAME_PREFIX
 from trainperf.errors import LaunchError
 
-__all__ = ["EXIT_GRACE_S", "TERM_GRACE_S", "Group", "drain_ending"]
+__all__ = ["EXIT_GRACE_S", "TERM_GRACE_S", "Group"]
 
 logger = logging.getLogger("trainperf.ddp")
 
@@ -469,74 +472,14 @@ class Group:
             captured.close()
 
     def _message(self) -> str:
-        first = min(self.problems, key=lambda p: p.time)
-        lines = [f"rank {first.rank} of {self.n}{self.attempt} {first.summary}"]
-        if first.detail:
-            lines += ["", f"Traceback from rank {first.rank}:", first.detail.rstrip()]
-        if first.advice:
-            lines += ["", first.advice]
-        later = sorted((p for p in self.problems if p is not first), key=lambda p: p.time)
-        if later:
-            lines += ["", "Later failures (often a consequence of the first):"]
-            lines += [f"  rank {p.rank} {p.summary}" for p in later]
-        returned = sorted(r for r in self.results if r != first.rank)
-        if returned and first.rank not in self.results:
-            why = " (a collective that not every rank calls fails like this)"
-            lines += [
-                "",
-                f"Already returned from main: rank{'s' if len(returned) > 1 else ''} "
-                + ", ".join(map(str, returned))
-                + (why if _peer_gone(f"{first.summary}\n{first.detail}") else ""),
-            ]
-        if self.detector is not None:
-            lines += self.detector.mismatch_note(f"{first.summary}\n{first.detail}")
-        stopped = [r for r in self.stopped if r != first.rank and r not in self.results]
-        if stopped:
-            lines += [
-                "",
-                f"Stopped by the launcher: rank{'s' if len(stopped) > 1 else ''} "
-                + ", ".join(map(str, stopped)),
-            ]
-        odd = [
-            (rank, text)
-            for rank, _, text, expected in self.endings()
-            if not expected and not any(p.rank == rank for p in self.problems)
-        ]
-        lines += [f"  rank {rank} {text} while being stopped" for rank, text in odd]
-        return "\n".join(lines)
-
-
-_PEER_GONE = ("closed by peer", "reset by peer", "connection closed", "broken pipe")
-
-
-def _peer_gone(text: str) -> bool:
-    """Whether a failure reads like a collective whose peer had gone (gloo's "Connection
-    closed by peer"), not a rank's own error.
-
-    Example:
-        >>> _peer_gone("raised RuntimeError: [gloo] Connection closed by peer"), _peer_gone("x")
-        (True, False)
-    """
-    low = text.lower()
-    return any(s in low for s in _PEER_GONE)
-
-
-def drain_ending(ranks: list[int], text: str, code: int | None) -> str:
-    """One line for the ranks that ended the same way after the passed-on SIGTERM; for ranks
-    the signal itself ended, the line says how to let a rank save first.
-
-    Example:
-        >>> drain_ending([0, 1], "stopped by SIGTERM", -15)[:63]
-        'ranks 0, 1 were ended by the passed-on SIGTERM (exit code -15: '
-        >>> drain_ending([1], "exited with code 3", 3)
-        'rank 1 exited with code 3 (exit code 3)'
-    """
-    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-    if code == -signal.SIGTERM:
-        return (
-            f"{who} {'were' if len(ranks) > 1 else 'was'} ended by the passed-on SIGTERM "
-            f"(exit code {code}: the signal's default action, with no handler or one that "
-            "re-raised it); to finish the step and save first, use "
-            "trainperf.Checkpointer.preemption() (or a handler of your own) and return"
+        outcome = Outcome(
+            self.n,
+            self.attempt,
+            tuple(self.problems),
+            frozenset(self.results),
+            tuple(self.stopped),
+            tuple(self.endings()),
+            self._stop_began,
         )
-    return f"{who} {text} (exit code {code})"
+        note = None if self.detector is None else self.detector.mismatch_note
+        return failure_message(outcome, note)

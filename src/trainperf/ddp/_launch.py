@@ -3,8 +3,10 @@
 Modules: ``_launch_checks`` (what is refused before any rank starts), ``_launch_spawn``
 (starting the ranks and restarting failed groups), ``_store`` (the rendezvous store),
 ``_injob`` (inside torchrun/SLURM), ``_capacity`` (how many ranks fit), ``_group`` (starting
-and watching one attempt) and ``_failures`` (what it says about a failed rank), ``_worker``
-(inside each rank), ``_detector``/``_progress``/``_stacks``/``_hang``/``_rundir`` (hangs).
+and watching one attempt), ``_failures`` (what it says about a failed rank) and
+``_group_report`` (the error's message), ``_worker`` (inside each rank) and ``_rank_exit``
+(how a rank leaves after a fault), ``_detector``/``_progress``/``_stacks``/``_hang``/
+``_rundir`` (hangs).
 
 Inside a torchrun or SLURM job, ``main`` runs in this process after the process group is
 initialised from the environment. Otherwise the launcher hosts a ``TCPStore`` on a port the
@@ -29,6 +31,7 @@ from trainperf.ddp._launch_checks import (
     _check_capacity,
     _check_options,
     _check_spawnable,
+    _warn_if_nprocs_ignored,
     _warn_if_unreachable,
 )
 from trainperf.ddp._launch_spawn import _spawn
@@ -77,6 +80,7 @@ def _launch(
             stacklevel=3,
         )
     if env is not None:
+        _warn_if_nprocs_ignored(nprocs, env)
         return run_in_process(
             env,
             main,
@@ -136,7 +140,10 @@ def launch(
     step (``RANK``/``WORLD_SIZE``/... or ``SLURM_PROCID``/``SLURM_NTASKS``/... set) starts
     nothing: initialises the process group from the environment and runs ``main`` here,
     returning this process's own value; ``nprocs``, ``start_method`` and ``max_restarts``
-    are then ignored (the launcher owns them). The process group is always destroyed.
+    are then ignored (the launcher owns them), and an explicit ``nprocs`` other than the
+    processes running on this node is warned about (once, on rank 0). The same goes for a
+    ``launch`` called inside a rank that ``launch`` started. The process group is always
+    destroyed.
 
     Each worker gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
     ``MASTER_PORT``, ``torch.cuda.set_device(local_rank)`` under NCCL, and a share of the

@@ -1,6 +1,7 @@
 """What ``launch`` refuses before any rank starts: bad options, a ``main`` that spawned
 workers cannot receive, ``fork`` after CUDA, more gloo ranks than the CPUs can run; and the
-warning for a ``hang_timeout`` the collectives' timeout comes before.
+warnings for a ``hang_timeout`` the collectives' timeout comes before, and for an ``nprocs``
+that a job already running (torchrun, SLURM, an outer ``launch``) ignores.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from trainperf._utils.validate import choice, non_negative_int, positive_number
 from trainperf.ddp import _capacity
+from trainperf.ddp._env import DistributedEnv
 from trainperf.ddp._worker_pickle import called_function
 from trainperf.errors import DeviceError
 
@@ -189,6 +191,37 @@ def _warn_if_unreachable(hang_timeout: float, timeout: timedelta) -> None:
             UserWarning,
             stacklevel=4,
         )
+
+
+# Whether this process has warned about an ignored nprocs: once is enough (a loop of
+# launches, or one per epoch, would repeat it).
+_warned_ignored_nprocs = [False]
+
+_STARTED_BY = {
+    "torchrun": "RANK and WORLD_SIZE set by torchrun or an outer launch()",
+    "slurm": "SLURM_PROCID and SLURM_NTASKS set by srun",
+}
+
+
+def _warn_if_nprocs_ignored(nprocs: int | None, env: DistributedEnv) -> None:
+    """Inside a running job ``main`` runs in this process and ``nprocs`` is ignored: say so
+    when the caller asked for another number of processes on this node than are running
+    (rank 0 only, once per process)."""
+    if nprocs is None or nprocs == env.local_world_size or env.rank != 0:
+        return
+    if _warned_ignored_nprocs[0]:
+        return
+    _warned_ignored_nprocs[0] = True
+    running = env.local_world_size
+    warnings.warn(
+        f"launch() ignores nprocs={nprocs}: this process is rank {env.rank} of a job "
+        f"already running {running} process{'es' if running != 1 else ''} on this node "
+        f"({_STARTED_BY[env.source]}), so main runs here, in this process, as under "
+        f"torchrun. Leave nprocs out (or pass {running}) where launch() runs inside a "
+        "launched rank, or start the job with the number of processes you want",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _main_is_a_file() -> bool:

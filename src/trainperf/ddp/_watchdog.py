@@ -46,7 +46,6 @@ import contextlib
 import faulthandler
 import json
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -68,6 +67,10 @@ from trainperf.ddp._progress_slots import (
     read_slot,
 )
 from trainperf.ddp._progress_tracker import Tracker
+from trainperf.ddp._rank_exit import enable_faulthandler as _enable_faulthandler
+from trainperf.ddp._rank_exit import flush_std_streams
+from trainperf.ddp._rank_exit import kill_children as _kill_children
+from trainperf.ddp._rank_exit import say as _say
 from trainperf.ddp._stacks import ThreadStack, classify, compiling_threads, parse_dump
 
 __all__ = ["COLLECT_S", "EXIT_CODE", "Watchdog", "judge", "watchdog"]
@@ -389,9 +392,7 @@ class Watchdog:
             if self.on_hang is not None:
                 with contextlib.suppress(Exception):
                     self.on_hang(record["message"].splitlines()[0])
-            for stream in (sys.stderr, sys.stdout):
-                with contextlib.suppress(Exception):  # closed by the script, or None
-                    stream.flush()
+            flush_std_streams()
             _kill_children()
         finally:
             os._exit(EXIT_CODE)
@@ -415,47 +416,6 @@ class Watchdog:
                 f"trainperf.ddp.watchdog: could not write the report to {self.report_path}: "
                 f"{e.strerror or e}; pass a report_path in a writable directory"
             )
-
-
-def _say(text: str) -> None:
-    """Print ``text`` on stderr: through ``sys.stderr``, or straight to fd 2 when the script
-    closed it (or has none); nowhere if fd 2 is gone too. The report file and the exit that
-    follow must happen whatever becomes of this."""
-    stream = sys.stderr
-    if stream is not None:
-        try:
-            print(text, file=stream, flush=True)
-            return
-        except Exception:  # closed (ValueError), or a broken pipe
-            pass
-    with contextlib.suppress(OSError):
-        os.write(2, f"{text}\n".encode(errors="replace"))
-
-
-def _enable_faulthandler() -> bool:
-    """Turn ``faulthandler`` on: on ``sys.stderr``, or on fd 2 when the script closed it (or
-    has none); False if neither takes it. Never raises: start() must not fail halfway, with
-    this watchdog registered as active (every later one would then do nothing)."""
-    for target in (sys.stderr, 2):
-        try:
-            faulthandler.enable(file=target, all_threads=True)
-            return True
-        except (AttributeError, OSError, RuntimeError, ValueError):
-            continue
-    return False
-
-
-def _kill_children() -> None:
-    """Stop this rank's own processes (DataLoader workers, perhaps the one stuck in
-    ``__getitem__``): exiting does not end them, and they would hold the job's pipes."""
-    import psutil
-
-    with contextlib.suppress(psutil.Error):
-        children = psutil.Process().children(recursive=True)
-        for child in children:
-            with contextlib.suppress(psutil.Error):
-                child.kill()
-        psutil.wait_procs(children, timeout=5)
 
 
 def _write(f: IO[bytes], data: bytes) -> None:

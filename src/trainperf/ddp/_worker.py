@@ -38,6 +38,7 @@ from types import TracebackType
 from typing import Any, NoReturn, cast
 
 from trainperf._utils.lifetime import die_with_parent
+from trainperf.ddp._rank_exit import flush_std_streams
 from trainperf.ddp._worker_pickle import (
     _MAIN,
     InheritedFd,
@@ -392,9 +393,11 @@ def worker_main(
 
 
 def _exit_now(code: int) -> NoReturn:
-    """Leave without interpreter shutdown: after a fault it can block (threads, NCCL)."""
-    with contextlib.suppress(Exception):
-        _destroy()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """Leave without interpreter shutdown: after a fault it can block (threads, NCCL).
+    Nothing on the way raises (``main`` may have closed ``sys.stderr``): the exit happens."""
+    try:
+        with contextlib.suppress(Exception):
+            _destroy()
+        flush_std_streams()
+    finally:
+        os._exit(code)

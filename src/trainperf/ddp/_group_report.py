@@ -1,0 +1,162 @@
+"""What the single-node spawner says when a group of workers fails: the first failure with
+its traceback, then each other rank once (a later failure, returned from main, or stopped by
+the launcher and how it ended), and the line for ranks that ended the same way after a
+passed-on SIGTERM. Pure functions of what :class:`~trainperf.ddp._group.Group` recorded.
+
+A rank the stop reached is placed by when it failed: one that reported a failure before the
+stop began (and was still exiting) is a later failure; one that reported while being stopped
+is listed as stopped, with what it reported as how it ended.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from trainperf.ddp._failures import Problem
+
+__all__ = ["Ending", "Outcome", "drain_ending", "failure_message", "peer_gone"]
+
+# (rank, exit code, how it ended, whether that is the ending the stop itself causes)
+Ending = tuple[int, int | None, str, bool]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a failed group left behind, for its ``LaunchError``.
+
+    Attributes:
+        n: ranks in the group.
+        attempt: the attempt's suffix for the first line (``" (attempt 2 of 3)"``), or "".
+        problems: every failure reported or seen, in the order they arrived.
+        returned: the ranks that returned from main.
+        stopped: the ranks still running when the launcher began stopping them.
+        endings: how each stopped rank ended (see ``Group.endings``).
+        stop_began: ``time.time()`` when the launcher began stopping the ranks.
+    """
+
+    n: int
+    attempt: str
+    problems: tuple[Problem, ...]
+    returned: frozenset[int]
+    stopped: tuple[int, ...]
+    endings: tuple[Ending, ...] = ()
+    stop_began: float = float("inf")
+
+    def failed_while_stopped(self, problem: Problem) -> bool:
+        """Whether ``problem`` came from a rank the stop reached, once it had begun."""
+        return problem.rank in self.stopped and problem.time >= self.stop_began
+
+
+def failure_message(outcome: Outcome, mismatch_note: Callable[[str], list[str]] | None) -> str:
+    """The ``LaunchError``'s message: the earliest failure first, with its traceback.
+
+    Args:
+        outcome: what the group recorded; it has at least one problem.
+        mismatch_note: the hang detector's note on a collective mismatch, given the first
+            failure's summary and traceback; None when hang detection is off.
+
+    Example:
+        >>> bad = Problem(1, 100.0, "raised ValueError: bad batch", "Traceback ...")
+        >>> print(failure_message(Outcome(2, "", (bad,), frozenset(), (0,)), None))
+        rank 1 of 2 raised ValueError: bad batch
+        <BLANKLINE>
+        Traceback from rank 1:
+        Traceback ...
+        <BLANKLINE>
+        Stopped by the launcher: rank 0
+    """
+    first = min(outcome.problems, key=lambda p: p.time)
+    lines = [f"rank {first.rank} of {outcome.n}{outcome.attempt} {first.summary}"]
+    if first.detail:
+        lines += ["", f"Traceback from rank {first.rank}:", first.detail.rstrip()]
+    if first.advice:
+        lines += ["", first.advice]
+    lines += _later(outcome, first)
+    lines += _returned(outcome, first)
+    if mismatch_note is not None:
+        lines += mismatch_note(f"{first.summary}\n{first.detail}")
+    lines += _stopped(outcome, first)
+    return "\n".join(lines)
+
+
+def _later(outcome: Outcome, first: Problem) -> list[str]:
+    later = sorted(
+        (p for p in outcome.problems if p is not first and not outcome.failed_while_stopped(p)),
+        key=lambda p: p.time,
+    )
+    if not later:
+        return []
+    lines = ["", "Later failures (often a consequence of the first):"]
+    return lines + [f"  rank {p.rank} {p.summary}" for p in later]
+
+
+def _returned(outcome: Outcome, first: Problem) -> list[str]:
+    returned = sorted(r for r in outcome.returned if r != first.rank)
+    if not returned or first.rank in outcome.returned:
+        return []
+    why = " (a collective that not every rank calls fails like this)"
+    return [
+        "",
+        f"Already returned from main: rank{'s' if len(returned) > 1 else ''} "
+        + ", ".join(map(str, returned))
+        + (why if peer_gone(f"{first.summary}\n{first.detail}") else ""),
+    ]
+
+
+def _stopped(outcome: Outcome, first: Problem) -> list[str]:
+    # Ranks that failed before the stop began are among the later failures already.
+    failed = {p.rank for p in outcome.problems if not outcome.failed_while_stopped(p)}
+    stopped = [
+        r
+        for r in outcome.stopped
+        if r != first.rank and r not in outcome.returned and r not in failed
+    ]
+    lines = []
+    if stopped:
+        lines += [
+            "",
+            f"Stopped by the launcher: rank{'s' if len(stopped) > 1 else ''} "
+            + ", ".join(map(str, stopped)),
+        ]
+    odd = [
+        (r, text) for r, _, text, expected in outcome.endings if not expected and r not in failed
+    ]
+    return lines + [f"  rank {rank} {text} while being stopped" for rank, text in odd]
+
+
+_PEER_GONE = ("closed by peer", "reset by peer", "connection closed", "broken pipe")
+
+
+def peer_gone(text: str) -> bool:
+    """Whether a failure reads like a collective whose peer had gone (gloo's "Connection
+    closed by peer"), not a rank's own error.
+
+    Example:
+        >>> peer_gone("raised RuntimeError: [gloo] Connection closed by peer"), peer_gone("x")
+        (True, False)
+    """
+    low = text.lower()
+    return any(s in low for s in _PEER_GONE)
+
+
+def drain_ending(ranks: list[int], text: str, code: int | None) -> str:
+    """One line for the ranks that ended the same way after the passed-on SIGTERM; for ranks
+    the signal itself ended, the line says how to let a rank save first.
+
+    Example:
+        >>> drain_ending([0, 1], "stopped by SIGTERM", -15)[:63]
+        'ranks 0, 1 were ended by the passed-on SIGTERM (exit code -15: '
+        >>> drain_ending([1], "exited with code 3", 3)
+        'rank 1 exited with code 3 (exit code 3)'
+    """
+    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    if code == -signal.SIGTERM:
+        return (
+            f"{who} {'were' if len(ranks) > 1 else 'was'} ended by the passed-on SIGTERM "
+            f"(exit code {code}: the signal's default action, with no handler or one that "
+            "re-raised it); to finish the step and save first, use "
+            "trainperf.Checkpointer.preemption() (or a handler of your own) and return"
+        )
+    return f"{who} {text} (exit code {code})"
