@@ -939,3 +939,19 @@ def test_backward_create_graph_and_inputs_reach_loss_backward(precision: str) ->
     opt = torch.optim.SGD([a], lr=0.0)
     assert mp.step(opt)
     a.grad = None  # create_graph ties the gradient to its parameter: break the cycle
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize(
+    ("scaler", "lacks"),
+    [({"scale": 3.0}, "_growth_tracker"), ({}, "_growth_tracker"), (3.0, "_growth_tracker")],
+    ids=["partial", "empty", "not-a-dict"],
+)
+def test_loading_an_incomplete_loss_scale_changes_nothing(scaler: object, lacks: str) -> None:
+    # Before: a bare KeyError 'growth_factor', after GradScaler had already set the scale
+    # to 3.0 (a RuntimeError, or a TypeError, for the other two).
+    mp = MixedPrecision("cpu", precision="fp16")
+    before = mp.state_dict()
+    with pytest.raises(ValueError, match=rf"state\['scaler'\]\) lacks \[.*'{lacks}'.*\]"):
+        mp.load_state_dict({"precision": "fp16", "scaler": scaler})
+    assert mp.state_dict() == before

@@ -6,6 +6,7 @@ import copy
 import math
 import pickle
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from tests.amp._helpers import needs_cpu_fp16
-from trainperf.amp import MixedPrecision
+from trainperf.amp import MixedPrecision, Precision
 
 
 def clipped(max_grad_norm: object) -> list[float]:
@@ -107,3 +108,149 @@ def test_gradients_unscaled_by_hand_are_clipped_without_a_second_unscale() -> No
     assert w.grad is not None and w.grad.tolist() == [10.0, 10.0]
     assert mp.step(optimizer, max_grad_norm=1.0)
     assert [round(v, 4) for v in w.tolist()] == [0.2929, 0.2929]  # clipped once, to norm 1
+
+
+# ----------------------------------------------------------------- a step that raises
+
+
+class Flaky(torch.optim.SGD):
+    """SGD whose first ``fails`` steps raise (a check in a custom optimizer, a step hook)."""
+
+    def __init__(self, params: Any, lr: float, fails: int = 1) -> None:
+        super().__init__(params, lr=lr)
+        self.fails = fails
+
+    def step(self, closure: Any = None) -> Any:
+        if self.fails:
+            self.fails -= 1
+            raise OSError("the optimizer failed")
+        return super().step(closure)
+
+
+PRECISIONS = ["fp32", "bf16", pytest.param("fp16", marks=needs_cpu_fp16)]
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 100.0])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_step_that_raised_can_be_retried_on_the_same_backward(
+    precision: Precision, max_grad_norm: float | None
+) -> None:
+    # Before: the retry was refused ("already called since the last mp.backward(loss)"), as
+    # if the step had happened; and for fp16 the gradients the failed step had unscaled
+    # would have been unscaled again.
+    mp = MixedPrecision("cpu", precision=precision)
+    w = nn.Parameter(torch.ones(2))
+    optimizer = Flaky([w], lr=0.01)
+    mp.backward((w * 10).sum())
+    with pytest.raises(OSError, match="the optimizer failed"):
+        mp.step(optimizer, max_grad_norm=max_grad_norm)
+    assert w.tolist() == [1.0, 1.0]
+    assert mp.step(optimizer, max_grad_norm=max_grad_norm)
+    assert w.tolist() == pytest.approx([0.9, 0.9])  # one step on the true gradients
+    if precision == "fp16":
+        assert mp.state_dict()["scaler"]["_growth_tracker"] == 1  # one update, not zero
+    with pytest.raises(RuntimeError, match=r"already called since the last mp\.backward"):
+        mp.step(optimizer)  # the retry used the backward
+
+
+@needs_cpu_fp16
+def test_fp16_gradients_the_caller_unscaled_stay_unscaled_through_a_failed_step() -> None:
+    mp = MixedPrecision("cpu", precision="fp16")
+    w = nn.Parameter(torch.ones(2))
+    optimizer = Flaky([w], lr=0.01)
+    mp.backward((w * 10).sum())
+    assert mp.scaler is not None
+    mp.scaler.unscale_(optimizer)  # to read their norm, as GradScaler's docs do
+    with pytest.raises(OSError, match="the optimizer failed"):
+        mp.step(optimizer, max_grad_norm=100.0)
+    assert w.grad is not None and w.grad.tolist() == [10.0, 10.0]
+    assert mp.step(optimizer, max_grad_norm=100.0)
+    assert w.tolist() == pytest.approx([0.9, 0.9])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_step_that_raised_can_be_skipped_with_a_plain_zero_grad(precision: Precision) -> None:
+    # optimizer.zero_grad() instead of mp.zero_grad(): for fp16 the failed step leaves the
+    # scaler no record of gradients it unscaled, which would keep the next ones scaled.
+    mp = MixedPrecision("cpu", precision=precision)
+    w = nn.Parameter(torch.ones(2))
+    optimizer = Flaky([w], lr=0.01)
+    mp.backward((w * 10).sum())
+    with pytest.raises(OSError, match="the optimizer failed"):
+        mp.step(optimizer)
+    optimizer.zero_grad()
+    mp.backward((w * 10).sum())
+    assert mp.step(optimizer)
+    assert w.tolist() == pytest.approx([0.9, 0.9])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_retry_refuses_the_optimizers_that_stepped_before_the_error(
+    precision: Precision,
+) -> None:
+    mp = MixedPrecision("cpu", precision=precision)
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    opt_a, opt_b = torch.optim.SGD([a], lr=0.01), Flaky([b], lr=0.01)
+    mp.backward((a * 10).sum() + (b * 10).sum())
+    with pytest.raises(OSError, match="the optimizer failed"):
+        mp.step(opt_a, opt_b)
+    assert a.tolist() == pytest.approx([0.9, 0.9]) and b.tolist() == [1.0, 1.0]
+    with pytest.raises(RuntimeError, match=r"optimizer 1 of 2 \(SGD\), which already stepped"):
+        mp.step(opt_a, opt_b)  # a would step twice on one backward
+    assert mp.step(opt_b)
+    assert a.tolist() == pytest.approx([0.9, 0.9]) and b.tolist() == pytest.approx([0.9, 0.9])
+    mp.zero_grad(opt_a)
+    mp.zero_grad(opt_b)
+    mp.backward((a * 10).sum() + (b * 10).sum())
+    assert mp.step(opt_a, opt_b)  # the next backward steps both again
+    assert a.tolist() == pytest.approx([0.8, 0.8]) and b.tolist() == pytest.approx([0.8, 0.8])
+
+
+def test_a_step_that_raised_keeps_what_zero_grad_dropped() -> None:
+    # Before: the failed step forgot mp.zero_grad(d_optimizer), so nothing stopped a later
+    # step of d_optimizer on the gradients that zero_grad cleared.
+    mp = MixedPrecision("cpu", precision="fp32")
+    g, d = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    g_optimizer, d_optimizer = Flaky([g], lr=0.01), torch.optim.SGD([d], lr=0.01)
+    mp.backward((g * d * 10).sum())
+    mp.zero_grad(d_optimizer)
+    with pytest.raises(OSError, match="the optimizer failed"):
+        mp.step(g_optimizer)
+    with pytest.raises(RuntimeError, match=r"mp\.zero_grad\(optimizer\) cleared them"):
+        mp.step(d_optimizer)
+    assert mp.step(g_optimizer)
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("one", [True, False], ids=["zero_grad(optimizer)", "zero_grad()"])
+def test_fp16_a_step_skipped_after_unscale_unscales_the_next_gradients(one: bool) -> None:
+    # GradScaler's pattern: unscale_ to read the norm, then skip the step when it is too
+    # large. The scaler kept its record of that unscale_, and the next step applied the next
+    # backward's gradients still scaled: 65536 times too large.
+    mp = MixedPrecision("cpu", precision="fp16")
+    model = nn.Linear(2, 1, bias=False)
+    mp.prepare(model)
+    nn.init.ones_(model.weight)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    mp.backward(model(torch.ones(1, 2)).sum() * 10)
+    assert mp.scaler is not None
+    mp.scaler.unscale_(optimizer)
+    if one:  # skip this step
+        mp.zero_grad(optimizer)
+    else:
+        mp.zero_grad()
+    mp.backward(model(torch.ones(1, 2)).sum() * 10)
+    assert mp.step(optimizer)
+    assert model.weight.flatten().tolist() == pytest.approx([0.9, 0.9])
+
+
+def test_a_mixed_precision_pickled_without_the_retry_record_still_steps() -> None:
+    # A torch.save(mp) from trainperf 0.1.0 has no record of a failed step's optimizers.
+    state = MixedPrecision("cpu", precision="fp32").__getstate__()
+    del state["_already_stepped"]
+    mp = MixedPrecision.__new__(MixedPrecision)
+    mp.__setstate__(state)
+    w = nn.Parameter(torch.ones(2))
+    mp.backward((w * 10).sum())
+    assert mp.step(torch.optim.SGD([w], lr=0.01))
+    assert w.tolist() == pytest.approx([0.9, 0.9])

@@ -18,14 +18,17 @@ from torch import nn
 from trainperf._utils.validate import flag
 from trainperf.amp import _precision
 from trainperf.amp._channels_last import channels_last_decision, model_to_channels_last
+from trainperf.amp._closure import check_closure
 from trainperf.amp._precision import choose_precision
+from trainperf.amp._state import check_scaler_state, check_state
 from trainperf.amp._step import (
     check_no_fp16_grads,
+    check_optimizers,
     check_step,
     forget,
     has_grads,
-    parameters,
     pickled_state,
+    plain_step,
     scaled_step,
 )
 from trainperf.amp._tf32 import enable_tf32
@@ -153,6 +156,9 @@ class MixedPrecision:
         # ids of the optimizers mp.zero_grad(optimizer) cleared since the last backward (that
         # backward is gone for them only) or since the step that used it.
         self._zeroed: set[int] = set()
+        # ids of the optimizers that a step which raised had stepped on the last backward:
+        # its retry must leave them out (until the next backward or mp.zero_grad()).
+        self._already_stepped: set[int] = set()
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.uses_channels_last = False
         self.tf32_enabled = False
@@ -324,12 +330,14 @@ class MixedPrecision:
         self._backward_pending = True
         self._stepped = False
         self._zeroed.clear()
+        self._already_stepped.clear()
 
     def step(
         self,
         *optimizers: torch.optim.Optimizer,
         max_grad_norm: float | torch.Tensor | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        closure: Callable[[], Any] | None = None,
     ) -> bool:
         """Clip (after unscaling), then step; for fp16, skip the step on inf/NaN gradients.
 
@@ -346,6 +354,11 @@ class MixedPrecision:
         more after the steps to say whether they stepped: at most two synchronisations per
         optimizer. bf16 and fp32 never skip and never synchronise here.
 
+        A step that raises (an optimizer's own error) leaves ``mp`` as it was before it, fp16
+        gradients scaled again included: catch the error, then call ``step`` again (a retry)
+        or ``mp.zero_grad()`` and go on to the next ``backward`` (a skip). Optimizers of the
+        same call that stepped before the error are refused by the retry.
+
         Args:
             *optimizers: the optimizers whose parameters got gradients from :meth:`backward`
                 (one or more).
@@ -355,6 +368,11 @@ class MixedPrecision:
                 ``mp.scaler.unscale_(optimizer)`` already did (to read their norm).
             optimizer: one optimizer by keyword, as ``mp.step(optimizer=opt)`` (the
                 signature before several could be passed).
+            closure: for an optimizer that re-evaluates the loss in its step
+                (``torch.optim.LBFGS``): a function that runs the forward under
+                :meth:`autocast`, calls :meth:`backward` and returns the loss, passed on to
+                ``optimizer.step(closure)``. No :meth:`backward` is needed before such a
+                step. bf16 and fp32 only: ``GradScaler`` cannot step with a closure.
 
         Returns:
             True if every optimizer stepped, False if an fp16 step was skipped (an
@@ -364,12 +382,15 @@ class MixedPrecision:
         Raises:
             RuntimeError: no :meth:`backward` since the last step or :meth:`zero_grad`
                 (a second ``step`` after one backward says to pass all optimizers to one),
-                or ``mp.zero_grad(optimizer)`` cleared one of ``optimizers`` since it.
+                ``mp.zero_grad(optimizer)`` cleared one of ``optimizers`` since it, or one
+                already stepped on it before a step raised.
             TypeError: no optimizer given, or something that is not one (a clip value
-                passed positionally: ``max_grad_norm`` is keyword-only).
+                passed positionally: ``max_grad_norm`` is keyword-only); an optimizer that
+                needs a closure (LBFGS) got none; ``closure`` is not callable.
             ValueError: ``max_grad_norm`` is not a positive number, an optimizer is given
-                twice, or (fp16) a gradient is fp16 itself: the model was cast to fp16
-                (``model.half()``), where loss scaling needs fp32 parameters.
+                twice, (fp16) a gradient is fp16 itself: the model was cast to fp16
+                (``model.half()``), where loss scaling needs fp32 parameters; a closure (or
+                an optimizer that needs one) with fp16, or with ``max_grad_norm``.
 
         Example:
             >>> mp = MixedPrecision("cpu", precision="fp32")
@@ -378,28 +399,70 @@ class MixedPrecision:
             >>> mp.backward((w * 10).sum())
             >>> mp.step(opt, max_grad_norm=1.0), [round(v, 4) for v in w.tolist()]
             (True, [0.2929, 0.2929])
+            >>> lbfgs = torch.optim.LBFGS([w])
+            >>> def closure():
+            ...     lbfgs.zero_grad()
+            ...     loss = ((w - 3) ** 2).sum()
+            ...     mp.backward(loss)
+            ...     return loss
+            >>> mp.step(lbfgs, closure=closure), [round(v, 4) for v in w.tolist()]
+            (True, [3.0, 3.0])
         """
         if optimizer is not None:
             optimizers = (*optimizers, optimizer)
-        check_step(
-            optimizers,
-            max_grad_norm,
-            pending=self._backward_pending,
-            stepped=self._stepped,
-            zeroed=self._zeroed,
-        )
         scaler = self.scaler
-        if scaler is not None and scaler.is_enabled():
-            check_no_fp16_grads(optimizers)
+        scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self._check_step(optimizers, max_grad_norm, closure, scaling=scaler is not None)
+        before = (self._backward_pending, self._stepped, set(self._zeroed))
+        stepped: list[torch.optim.Optimizer] = []
+        try:
+            if scaler is None:
+                result = plain_step(optimizers, max_grad_norm, stepped, closure)
+            else:
+                result = self._scaled_step(scaler, optimizers, max_grad_norm, stepped)
+        except BaseException:
+            # As before the step (a closure's mp.backward included), for a retry or a skip.
+            self._backward_pending, self._stepped, self._zeroed = before
+            self._already_stepped.update(id(o) for o in stepped)
+            raise
         self._backward_pending = False
         self._stepped = True
         self._zeroed.clear()
-        if scaler is None:
-            for opt in optimizers:
-                if max_grad_norm is not None:
-                    nn.utils.clip_grad_norm_(parameters(opt), max_grad_norm)  # type: ignore[arg-type]
-                opt.step()
-            return True
+        self._already_stepped.clear()
+        return result
+
+    def _check_step(
+        self,
+        optimizers: tuple[torch.optim.Optimizer, ...],
+        max_grad_norm: object,
+        closure: Callable[[], Any] | None,
+        *,
+        scaling: bool,
+    ) -> None:
+        """:meth:`step`'s refusals, before anything steps."""
+        if closure is not None:
+            check_optimizers(optimizers)  # the closure makes the gradients: no backward needed
+        else:
+            check_step(
+                optimizers,
+                max_grad_norm,
+                pending=self._backward_pending,
+                stepped=self._stepped,
+                zeroed=self._zeroed,
+                already_stepped=self._already_stepped,
+            )
+        check_closure(optimizers, closure, max_grad_norm, scaling=scaling)
+        if scaling:
+            check_no_fp16_grads(optimizers)
+
+    @staticmethod
+    def _scaled_step(
+        scaler: torch.amp.GradScaler,
+        optimizers: tuple[torch.optim.Optimizer, ...],
+        max_grad_norm: float | torch.Tensor | None,
+        stepped: list[torch.optim.Optimizer],
+    ) -> bool:
+        """The fp16 step: optimizers with gradients through ``scaler``, the others plainly."""
         # An optimizer none of whose parameters got a gradient (a frozen backbone) has
         # nothing to unscale nor to find inf in: GradScaler would assert on it, half-way
         # through the others. It is stepped plainly (its hooks and schedulers see a step).
@@ -408,7 +471,8 @@ class MixedPrecision:
             if opt not in scaled:
                 forget(scaler, opt)
                 opt.step()
-        return scaled_step(scaler, scaled, max_grad_norm)
+                stepped.append(opt)
+        return scaled_step(scaler, scaled, max_grad_norm, stepped)
 
     def zero_grad(
         self, optimizer: torch.optim.Optimizer | None = None, *, set_to_none: bool = True
@@ -418,7 +482,9 @@ class MixedPrecision:
         ``mp.zero_grad(optimizer)`` between :meth:`backward` and :meth:`step` drops that
         backward for this optimizer only: the others can still be stepped (a GAN step that
         discards the discriminator's gradients from the generator's loss).
-        ``mp.zero_grad()`` drops it for all.
+        ``mp.zero_grad()`` drops it for all. With fp16 it also drops the loss scaler's record
+        of an ``mp.scaler.unscale_(optimizer)`` made since that backward, so that the next
+        backward's gradients are unscaled in their turn.
 
         Args:
             optimizer: whose parameters to clear; None clears the prepared models'.
@@ -445,6 +511,8 @@ class MixedPrecision:
             )
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=set_to_none)
+            if self._scaler is not None:  # its unscale_ was of the gradients just cleared
+                forget(self._scaler, optimizer)
             if self._backward_pending or self._stepped:
                 # Pending: that backward is dropped for this optimizer only. Stepped: a later
                 # step of another optimizer is still a second step on one backward.
@@ -458,8 +526,11 @@ class MixedPrecision:
             )
         for model in models:
             model.zero_grad(set_to_none=set_to_none)
+        if self._scaler is not None:
+            forget(self._scaler)
         self._backward_pending = False
         self._stepped = False
+        self._already_stepped.clear()
 
     # ----------------------------------------------------------------- checkpoints
 
@@ -481,6 +552,7 @@ class MixedPrecision:
         """
         self.__dict__.update(state)
         self._models = weakref.WeakSet()
+        self._already_stepped = set()  # absent from the pickles of trainperf 0.1.0
         LIVE.add(self)
 
     def state_dict(self) -> dict[str, Any]:
@@ -507,19 +579,15 @@ class MixedPrecision:
                 (an fp16 run resumed as bf16 or fp32); False drops it.
 
         Raises:
-            ValueError: ``state`` is not a MixedPrecision state dict, or (``strict``) it
-                carries a loss scale that this precision cannot use.
+            ValueError: ``state`` is not a MixedPrecision state dict, its loss scale lacks
+                a key of ``GradScaler.state_dict()`` (nothing is loaded then), or
+                (``strict``) it carries a loss scale that this precision cannot use.
 
         Example:
             >>> mp = MixedPrecision("cpu", precision="fp32")
             >>> mp.load_state_dict({"precision": "fp32", "scaler": None})
         """
-        if not isinstance(state, Mapping) or set(state) != {"precision", "scaler"}:
-            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(
-                "not a MixedPrecision state dict: expected the keys ['precision', 'scaler'] "
-                f"from mp.state_dict(), got {got!r}"
-            )
+        check_state(state)
         saved = state["scaler"]
         if saved is None:
             return  # nothing to restore; an fp16 run resumed from bf16 starts a fresh scale
@@ -532,4 +600,4 @@ class MixedPrecision:
                     "strict=False to drop it, or precision='fp16' to keep using it"
                 )
             return
-        scaler.load_state_dict(dict(saved))
+        scaler.load_state_dict(check_scaler_state(saved, scaler))

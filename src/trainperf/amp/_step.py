@@ -1,13 +1,15 @@
 """What :meth:`trainperf.MixedPrecision.step` checks and runs: the refusals of a call that
-cannot be right (:func:`check_step`, :func:`check_no_fp16_grads`) and the fp16 step through
-the loss scaler (:func:`scaled_step`), which steps each optimizer and updates the scale once.
+cannot be right (:func:`check_step`, :func:`check_no_fp16_grads`), the plain step
+(:func:`plain_step`) and the fp16 step through the loss scaler (:func:`scaled_step`), which
+steps each optimizer and updates the scale once. Both record the optimizers that stepped, so
+that a step that raises can be retried without stepping them twice.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -16,12 +18,15 @@ from torch import nn
 __all__ = [
     "check_max_grad_norm",
     "check_no_fp16_grads",
+    "check_not_already_stepped",
     "check_not_zeroed",
+    "check_optimizers",
     "check_step",
     "forget",
     "has_grads",
     "parameters",
     "pickled_state",
+    "plain_step",
     "scaled_step",
     "unscaled",
 ]
@@ -34,10 +39,12 @@ def check_step(
     pending: bool,
     stepped: bool,
     zeroed: set[int],
+    already_stepped: set[int],
 ) -> None:
     """Refuse a :meth:`MixedPrecision.step` call that cannot be right: no optimizer or
     something else, one given twice, no ``mp.backward`` since the last step, a backward that
-    ``mp.zero_grad(optimizer)`` dropped, or a bad ``max_grad_norm``.
+    ``mp.zero_grad(optimizer)`` dropped, an optimizer that a step which raised had already
+    stepped on this backward, or a bad ``max_grad_norm``.
 
     Args:
         optimizers: what the call got.
@@ -45,29 +52,18 @@ def check_step(
         pending: a backward waits for its step.
         stepped: a step used the last backward.
         zeroed: ids of the optimizers ``mp.zero_grad(optimizer)`` cleared since.
+        already_stepped: ids of the optimizers a step that raised had stepped on it.
 
     Example:
         >>> try:
-        ...     check_step((), None, pending=True, stepped=False, zeroed=set())
+        ...     check_step(
+        ...         (), None, pending=True, stepped=False, zeroed=set(), already_stepped=set()
+        ...     )
         ... except TypeError as e:
         ...     print(str(e).split(";")[0])
         MixedPrecision.step() takes the optimizer(s) to step, got none
     """
-    if not optimizers:
-        raise TypeError(
-            "MixedPrecision.step() takes the optimizer(s) to step, got none; call "
-            "mp.step(optimizer), or mp.step(opt_a, opt_b) for several"
-        )
-    for o in optimizers:
-        if not (callable(getattr(o, "step", None)) and hasattr(o, "param_groups")):
-            raise TypeError(
-                f"MixedPrecision.step() takes optimizers, got {o!r}; max_grad_norm is "
-                "keyword-only: mp.step(optimizer, max_grad_norm=1.0)"
-            )
-    if len({id(o) for o in optimizers}) < len(optimizers):
-        raise ValueError(
-            "MixedPrecision.step() got the same optimizer twice; pass each optimizer once"
-        )
+    check_optimizers(optimizers)
     # An optimizer zeroed since the step has no gradients of that backward left: its
     # new ones (if any) came from a plain loss.backward(), the error below.
     if stepped and not pending and not zeroed.issuperset(map(id, optimizers)):
@@ -84,7 +80,27 @@ def check_step(
             "fp16 loss scaling and skipped steps work"
         )
     check_not_zeroed(optimizers, zeroed)
+    check_not_already_stepped(optimizers, already_stepped)
     check_max_grad_norm(max_grad_norm)
+
+
+def check_optimizers(optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+    """Refuse a call without optimizers, with something that is not one, or with one twice."""
+    if not optimizers:
+        raise TypeError(
+            "MixedPrecision.step() takes the optimizer(s) to step, got none; call "
+            "mp.step(optimizer), or mp.step(opt_a, opt_b) for several"
+        )
+    for o in optimizers:
+        if not (callable(getattr(o, "step", None)) and hasattr(o, "param_groups")):
+            raise TypeError(
+                f"MixedPrecision.step() takes optimizers, got {o!r}; max_grad_norm is "
+                "keyword-only: mp.step(optimizer, max_grad_norm=1.0)"
+            )
+    if len({id(o) for o in optimizers}) < len(optimizers):
+        raise ValueError(
+            "MixedPrecision.step() got the same optimizer twice; pass each optimizer once"
+        )
 
 
 def check_max_grad_norm(value: object) -> None:
@@ -135,28 +151,65 @@ def check_not_zeroed(optimizers: tuple[torch.optim.Optimizer, ...], zeroed: set[
             )
 
 
+def check_not_already_stepped(
+    optimizers: tuple[torch.optim.Optimizer, ...], already_stepped: set[int]
+) -> None:
+    """Refuse to step again an optimizer that a step which raised had already stepped on
+    this backward (a retry of the whole call would step it twice on the same gradients)."""
+    for i, o in enumerate(optimizers, 1):
+        if id(o) in already_stepped:
+            raise RuntimeError(
+                f"MixedPrecision.step() got optimizer {i} of {len(optimizers)} "
+                f"({type(o).__name__}), which already stepped on this mp.backward(loss) "
+                "before a later optimizer of the same step raised; retry only the "
+                "optimizers that did not step, or skip them: mp.zero_grad(), then the next "
+                "mp.backward(loss)"
+            )
+
+
+def plain_step(
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    max_grad_norm: float | torch.Tensor | None,
+    stepped: list[torch.optim.Optimizer],
+    closure: Callable[[], Any] | None = None,
+) -> bool:
+    """Clip and step each optimizer (bf16, fp32), passing ``closure`` on; each optimizer
+    that stepped is appended to ``stepped``. Never skips: returns True."""
+    for optimizer in optimizers:
+        if max_grad_norm is not None:
+            nn.utils.clip_grad_norm_(parameters(optimizer), max_grad_norm)  # type: ignore[arg-type]
+        if closure is None:
+            optimizer.step()
+        else:
+            optimizer.step(closure)
+        stepped.append(optimizer)
+    return True
+
+
 def scaled_step(
     scaler: torch.amp.GradScaler,
     optimizers: tuple[torch.optim.Optimizer, ...],
     max_grad_norm: float | torch.Tensor | None,
+    stepped: list[torch.optim.Optimizer],
 ) -> bool:
-    """Unscale, clip and step each optimizer through ``scaler``, then update it once. If
-    one raises, the scaler's record of this step is dropped, so that the next step works."""
+    """Unscale, clip and step each optimizer through ``scaler``, then update it once; each
+    optimizer that stepped (or skipped on inf/NaN) is appended to ``stepped``.
+
+    If one raises, the scaler is left as it was before the call for the optimizers that did
+    not step (see :func:`_undo`), so that the step can be retried or skipped."""
     if not optimizers:
         return True  # no gradients anywhere: nothing stepped, nothing skipped
+    by_caller = {id(o) for o in optimizers if unscaled(scaler, o)}
     try:
         for optimizer in optimizers:
             if max_grad_norm is not None:
-                if not unscaled(scaler, optimizer):  # the caller's unscale_ is not repeated
+                if id(optimizer) not in by_caller:  # the caller's unscale_ is not repeated
                     scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
                 nn.utils.clip_grad_norm_(parameters(optimizer), max_grad_norm)  # type: ignore[arg-type]
             scaler.step(optimizer)
+            stepped.append(optimizer)
     except BaseException:
-        # Stepped optimizers stay stepped (the loss scale is not updated for this step);
-        # without this every later step would fail with "step() has already been called
-        # since the last update()".
-        for optimizer in optimizers:
-            forget(scaler, optimizer)
+        _undo(scaler, optimizers, stepped, by_caller)
         raise
     if not scaler.is_enabled():
         # A disabled scaler steps plainly and keeps no inf/NaN flags to read (nor the
@@ -170,6 +223,32 @@ def scaled_step(
     return not found_inf
 
 
+def _undo(
+    scaler: torch.amp.GradScaler,
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    stepped: list[torch.optim.Optimizer],
+    by_caller: set[int],
+) -> None:
+    """After a scaled step raised: put back the scale of the gradients this step unscaled
+    but did not step with, and drop the scaler's record of them and of the optimizers that
+    stepped; the caller's own ``unscale_`` is kept.
+
+    Without this a retry would unscale those gradients a second time (a step 65536 times
+    too small), and every later step of an optimizer that stepped would fail with "step()
+    has already been called since the last update()" (its loss scale is not updated).
+    """
+    done = {id(o) for o in stepped}
+    for optimizer in optimizers:
+        if id(optimizer) in by_caller and id(optimizer) not in done:
+            continue  # unscaled by the caller before the step, as it still is
+        if id(optimizer) not in done and unscaled(scaler, optimizer):
+            scale = scaler.get_scale()  # a power of 2 unless set by hand: exact
+            for p in parameters(optimizer):
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        forget(scaler, optimizer)
+
+
 def unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``scaler.unscale_(optimizer)`` ran since the last update: the caller's own,
     to read the true gradients (GradScaler refuses a second one before ``update()``)."""
@@ -180,11 +259,16 @@ def unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> 
     return state is not None and state.get("stage") is OptState.UNSCALED
 
 
-def forget(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
-    """Drop ``scaler``'s record of ``optimizer`` for this step (an ``unscale_`` the caller
-    made, a step that raised), so the next step starts clean. A disabled scaler keeps none."""
+def forget(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Drop ``scaler``'s record of ``optimizer`` (None: of every optimizer) for this step (an
+    ``unscale_`` the caller made, a step that raised), so the next step starts clean. A
+    disabled scaler keeps none."""
     states = getattr(scaler, "_per_optimizer_states", None)
-    if states is not None:
+    if states is None:
+        return
+    if optimizer is None:
+        states.clear()
+    else:
         states.pop(id(optimizer), None)
 
 
@@ -228,5 +312,5 @@ def pickled_state(state: dict[str, Any]) -> dict[str, Any]:
     """
     kept = dict(state)
     del kept["_models"]
-    kept.update(_backward_pending=False, _stepped=False, _zeroed=set())
+    kept.update(_backward_pending=False, _stepped=False, _zeroed=set(), _already_stepped=set())
     return kept
