@@ -10,6 +10,7 @@ import torch
 
 from tests._utils._streams import Fresh, Resets, assert_refused_unread
 from trainperf._utils.validate import (
+    as_real_number,
     fresh_stream,
     non_negative_int,
     non_negative_number,
@@ -56,14 +57,15 @@ def test_fresh_stream_refuses_only_a_dataset_that_is_its_own_iterator() -> None:
     fresh_stream([1, 2, 3], "tuning")  # not an IterableDataset: a map-style list
 
 
-@pytest.mark.parametrize("value", [np.int64(5), np.int32(5), torch.tensor(5), 5.0])
+@pytest.mark.parametrize("value", [torch.tensor(5), 5.0, np.float32(5.0), np.float64(5.0)])
 def test_an_int_check_names_the_fix_for_a_whole_number_of_another_type(value: object) -> None:
     with pytest.raises(ValueError, match=r"^step must be an int >= 0, got .*\(pass int\(step\)\)$"):
         non_negative_int("step", value)
 
 
 @pytest.mark.parametrize(
-    "value", [True, np.bool_(True), torch.tensor(True), "5", 2.5, -1.0, np.int64(0)]
+    "value",
+    [True, np.bool_(True), torch.tensor(True), "5", 2.5, -1.0, np.int64(0), np.timedelta64(5, "s")],
 )
 def test_an_int_check_offers_no_cast_where_int_would_not_make_it_right(value: object) -> None:
     with pytest.raises(ValueError, match=r"^batch_size must be an int >= 1, got ") as refused:
@@ -73,3 +75,41 @@ def test_an_int_check_offers_no_cast_where_int_would_not_make_it_right(value: ob
 
 def test_an_int_check_returns_a_python_int() -> None:
     assert non_negative_int("step", 0) == 0 and positive_int("batch_size", 32) == 32
+
+
+@pytest.mark.parametrize("value", [np.int64(5), np.int32(5), np.uint8(5), np.int16(5)])
+def test_an_int_check_takes_numpy_integers_as_python_ints(value: object) -> None:
+    # Before: refused ("got np.int64(5) (pass int(step))"), as if the value were wrong.
+    for check in (positive_int, non_negative_int):
+        checked = check("step", value)
+        assert checked == 5 and type(checked) is int
+    assert type(positive_int("every", np.int64(3), none_ok=True)) is int
+
+
+@pytest.mark.parametrize("value", [np.float32(0.5), np.float16(0.5), np.float64(0.5), np.int64(2)])
+def test_a_number_check_takes_numpy_scalars_as_python_floats(value: object) -> None:
+    # Before: np.float32(0.5) was refused ("budget_s must be a positive number, got ...").
+    for check in (positive_number, non_negative_number):
+        checked = check("budget_s", value)
+        assert checked == float(value) and type(checked) is float
+    assert type(non_negative_number("timeout", np.float32(0))) is float
+
+
+@pytest.mark.parametrize(
+    "value",
+    [np.bool_(True), np.float32("nan"), np.float32("inf"), np.timedelta64(5, "ms"), np.int8(-1)],
+)
+def test_a_number_check_refuses_numpy_bools_timedeltas_and_non_finite_values(
+    value: object,
+) -> None:
+    with pytest.raises(ValueError, match=r"^budget_s must be a positive number of seconds, got "):
+        positive_number("budget_s", value, unit="seconds")
+    with pytest.raises(ValueError, match=r"^timeout must be a finite number >= 0, got "):
+        non_negative_number("timeout", value)
+
+
+def test_as_real_number_converts_numpy_scalars_and_refuses_the_rest() -> None:
+    assert type(as_real_number(np.int64(3))) is int and type(as_real_number(np.float32(1))) is float
+    assert as_real_number(2) == 2 and as_real_number(0.25) == 0.25
+    refused = [True, np.bool_(False), np.timedelta64(1), torch.tensor(1.0), "1", None, 1j]
+    assert [as_real_number(v) for v in refused] == [None] * len(refused)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -64,6 +65,22 @@ def test_good_arguments_pass() -> None:
 def test_bad_arguments_are_refused_by_name(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check(**changes)
+
+
+def test_numpy_numbers_are_taken_and_handed_on_as_python_numbers() -> None:
+    # Before: headroom=np.float32(0.1) was refused as "must be a fraction ... got
+    # np.float32(0.1)", budget_s=np.float32(5) and np.int64 sizes likewise, blaming the value.
+    checked = check_args(
+        print, print, min_size=np.int64(2), max_size=np.int32(64), global_batch=np.int64(128),
+        budget_s=np.float32(5), headroom=np.float32(0.25), num_workers=np.int64(2),
+        prefetch_factor=np.int8(4),
+    )  # fmt: skip
+    assert (checked.min_size, checked.max_size, checked.global_batch) == (2, 64, 128)
+    assert (checked.budget_s, checked.headroom) == (5.0, 0.25)
+    assert (checked.num_workers, checked.prefetch_factor) == (2, 4)
+    assert all(type(v) in (int, float) for v in vars(checked).values())
+    with pytest.raises(ValueError, match=r"headroom must be a fraction .* got (np\.False_|False)$"):
+        check(headroom=np.bool_(False))
 
 
 def test_a_list_dataset_passed_as_sample_is_named_in_a_short_message() -> None:

@@ -67,6 +67,15 @@ def test_a_cached_unmeasured_report_says_so() -> None:
     assert "input pipeline" not in text
 
 
+def test_a_choice_without_a_measured_rate_says_samples_per_s_not_measured() -> None:
+    text = str(report(samples_per_s=None, from_cache=True))
+    chosen = next(line for line in text.splitlines() if line.startswith("chosen:"))
+    assert chosen.endswith(
+        "samples per update): samples/s not measured, peak 3.0 GiB of 7.2 GiB usable"
+    )
+    assert "not measured samples/s" not in text
+
+
 def test_to_dict_is_json_safe_and_complete() -> None:
     r = report()
     data = json.loads(json.dumps(r.to_dict()))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -423,3 +426,48 @@ def test_param_groups_a_step_added_are_removed_and_the_rest_put_back() -> None:
     assert len(opt.param_groups) == 1 and len(opt.param_groups[0]["params"]) == 2
     assert all(backbone.weight is not p for p in opt.state)
     assert same_state(before, state_of(model, opt))
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    """A gloo process group of this process alone (a ZeroRedundancyOptimizer needs one)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("buckets", [False, True], ids=["tensors", "bucket-views"])
+def test_a_group_a_step_added_to_a_zero_redundancy_optimizer_leaves_both_its_levels(
+    buckets: bool,
+) -> None:
+    # Before: only the local optimizer's groups were put back; ZeRO kept the added group
+    # (and its partition), and its next step failed: "Mismatch between number of source
+    # and destination parameter groups".
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    backbone, head = model
+    opt = ZeroRedundancyOptimizer(head.parameters(), optimizer_class=torch.optim.Adam,
+                                  lr=0.01, parameters_as_bucket_view=buckets)  # fmt: skip
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    before = state_of(model, opt.optim)
+    saved = SavedState.save(stateful_objects(model, opt))
+    opt.add_param_group({"params": backbone.parameters(), "lr": 1e-3})
+    model(torch.randn(4, 4)).sum().backward()
+    opt.step()
+    saved.restore()
+    assert len(opt.param_groups) == len(opt.optim.param_groups) == 1
+    assert [len(g["params"]) for g in opt.param_groups] == [2]
+    assert same_state(before, state_of(model, opt.optim))
+    frozen = backbone.weight.detach().clone()
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()  # ZeRO's own step: its groups and its partition agree with the local ones
+    assert torch.equal(frozen, backbone.weight) and len(opt.optim.state) == 2
+    opt.consolidate_state_dict()  # its partition, cached, holds the head alone again
+    assert [len(g["params"]) for g in opt.state_dict()["param_groups"]] == [2]

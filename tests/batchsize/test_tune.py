@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ from torch import nn
 from tests.batchsize._fakes import MeanOnFirstForward, Trainer, same_state, sample, state_of
 from trainperf import BatchSizeReport, tune_batch_size
 from trainperf._utils.imports import is_available
-from trainperf.batchsize import _tune
+from trainperf.batchsize import _accumulation, _probe, _tune
 from trainperf.batchsize._cache import cache_path
 
 pytestmark = pytest.mark.usefixtures("quick")
@@ -99,6 +98,18 @@ def test_the_global_batch_is_kept_with_accumulation() -> None:
     assert report.batch_size * report.accumulation_steps == 48 == report.effective_batch
     assert all(48 % c.batch_size == 0 and c.batch_size <= 16 for c in report.candidates)
     assert all(c.accumulation_steps == 48 // c.batch_size for c in report.candidates)
+
+
+def test_numpy_arguments_tune_and_leave_a_json_safe_report() -> None:
+    # Before: headroom=np.float32(0.1) and budget_s=np.float32(30) were refused on entry.
+    report = tune(
+        Trainer(), min_size=np.int64(2), max_size=np.int64(4), global_batch=np.int64(8),
+        budget_s=np.float32(30), headroom=np.float32(0.1), num_workers=np.int64(1),
+    )  # fmt: skip
+    assert report.global_batch == 8 and type(report.global_batch) is int
+    assert type(report.headroom) is float and type(report.budget_s) is float
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["pipeline"]["num_workers"] == 1 and data["effective_batch"] == 8
 
 
 @pytest.mark.slow
@@ -232,21 +243,39 @@ def test_a_single_size_whose_timing_the_budget_cut_is_not_cached() -> None:
     assert not cache_path().exists()
 
 
+class VirtualClock:
+    """A ``time`` module whose ``perf_counter`` only the step moves: every figure the tuner
+    times is exact, however loaded the host is."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
 def test_an_alternation_the_budget_left_no_time_for_keeps_the_choice_out_of_the_cache(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Before: "no time left to measure 2, 4 in alternation" was a note, and the choice
-    # was stored anyway. Sizes 2 and 4 run at the same samples/s: they must alternate.
+    # was stored anyway. Every size runs at exactly 500 samples/s on the virtual clock, so
+    # the fastest sizes always make the final shortlist and must alternate (on the real
+    # clock a loaded host could put one 40 % behind, and no alternation was attempted).
+    clock = VirtualClock()
+    for module in (_tune, _probe, _accumulation):
+        monkeypatch.setattr(module, "time", clock)
     monkeypatch.setattr("trainperf.batchsize._search.compare_cost", lambda *a: 1e9)
     m = Trainer().model
 
     def step(batch: Any) -> None:
-        time.sleep(0.002 * len(batch[0]))
+        clock.now += 0.002 * len(batch[0])
         m(batch[0]).sum().backward()
 
     report = tune_batch_size(step, sample, model=m, device="cpu", min_size=2, max_size=4,
                              budget_s=30.0, progress=False, cache=True)  # fmt: skip
-    assert any(n.startswith("no time left to measure") for n in report.notes)
+    assert all(c.ok and c.samples_per_s == pytest.approx(500.0) for c in report.candidates)
+    assert any(n.startswith("no time left to measure 2, ") for n in report.notes)
+    assert "the choice was not cached: budget_s cut the search short" in report.notes
     assert not cache_path().exists()
 
 

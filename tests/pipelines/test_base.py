@@ -221,3 +221,37 @@ def test_a_file_replaced_after_the_check_is_refused_before_it_is_decoded(
     assert (300, 200) not in decoded and (10000, 10000) not in decoded
     if backend == "dali":  # refused by trainperf's feed: DALI never had the bytes
         assert "03.jpg' has" in (loader._feed.error or "")  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_set_epoch_picks_the_next_passs_order_like_a_distributed_sampler(
+    folder: Path, backend: str
+) -> None:
+    loader = _loader(folder, backend, batch_size=6, seed=3)
+    reference = _loader(folder, backend, batch_size=6, seed=3)
+    orders = [_indices(reference) for _ in range(3)]
+    for epoch in (2, 0, 2):  # forward, back, and a sampler-style loop's own epoch
+        loader.set_epoch(epoch)
+        assert loader.epoch == epoch
+        assert _indices(loader) == orders[epoch]
+    assert loader.epoch == 3
+
+
+@pytest.mark.parametrize("epoch", [-1, 1.0, True, "2", None])
+def test_set_epoch_and_assigning_epoch_refuse_what_is_not_an_int_at_least_0(
+    folder: Path, epoch: object
+) -> None:
+    loader = _loader(folder, "torchvision", batch_size=6)
+    with pytest.raises(ValueError, match=r"epoch must be an int >= 0, got"):
+        loader.set_epoch(epoch)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"epoch must be an int >= 0, got"):
+        loader.epoch = epoch  # type: ignore[assignment]
+    assert loader.epoch == 0
+
+
+def test_set_epoch_takes_a_numpy_integer_and_keeps_a_python_int(folder: Path) -> None:
+    import numpy as np
+
+    loader = _loader(folder, "torchvision", batch_size=6)
+    loader.set_epoch(np.int64(4))
+    assert loader.epoch == 4 and type(loader.epoch) is int

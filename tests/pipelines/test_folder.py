@@ -97,3 +97,24 @@ def test_a_class_folder_linked_to_another_does_not_take_its_images(tmp_path: Pat
     assert items == [(str(root / "cat" / "0.png"), 1)]
     messages = " ".join(str(w.message) for w in caught)
     assert "Z (= cat)" in messages and "no images: 'Z' (label 0)" in messages
+
+
+def test_a_relative_root_gives_absolute_paths_and_messages_quote_it_as_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = _mixed_folder(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    items, _, _ = find_images("./data")
+    assert [p for p, _ in items] == [str(root / name) for name in _order(root)]
+    monkeypatch.chdir(root / "a")
+    nested = [p for p, _ in find_images(Path("..", "..", "data"))[0]]
+    assert nested == [str(tmp_path / "data" / "a" / ".." / ".." / "data" / n) for n in _order(root)]
+    assert all(os.path.exists(p) for p in nested)  # ".." is kept: links stay followed as given
+    (tmp_path / "empty" / "c").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"image folder 'empty' has class subfolders"):
+        find_images("empty")
+
+
+def _order(root: Path) -> list[str]:
+    return [os.path.relpath(p, root) for p, _ in _imagefolder_samples(root)]

@@ -328,3 +328,12 @@ def test_nvjpeg_code_checks_the_bytes_it_decodes(
     with pytest.raises(RuntimeError, match=rf"03\.jpg' {said}.*changed after the loader checked"):
         _epoch(loader)
     assert victim.stat().st_size not in decoded  # refused before any decoder saw it
+
+
+def test_nvjpeg_reads_a_relative_folder_after_the_working_directory_changes(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(folder.parent)
+    loader = _nvjpeg_on_cpu(folder.name, train=False, batch_size=6)
+    monkeypatch.chdir(tmp_path)
+    assert sorted(_indices(loader)) == list(range(24))

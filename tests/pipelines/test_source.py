@@ -499,3 +499,33 @@ def test_a_label_far_beyond_the_labels_used_is_refused_not_materialised(folder: 
         load_source([(good, 0), (good, 2_000_000)], on_error="raise")
     dense = [(good, i) for i in range(0, 3000, 3)]  # sparse, but well under the bound
     assert len(load_source(dense, on_error="raise").classes) == 2998
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("kind", ["folder", "list"])
+def test_relative_paths_are_still_read_after_the_working_directory_changes(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, kind: str
+) -> None:
+    monkeypatch.chdir(folder.parent)
+    given = load_source(folder, on_error="raise")
+    relative = [
+        (os.path.relpath(p, folder.parent), label)
+        for p, label in zip(given.files, given.labels, strict=True)
+    ]
+    source: Any = folder.name if kind == "folder" else relative
+    loader = _loader(source, backend, batch_size=6, train=False)
+    assert list(loader.files) == list(given.files)  # absolute, as the folder's own paths
+    monkeypatch.chdir(tmp_path)  # e.g. a training script that moves into its run directory
+    assert sorted(_indices(loader)) == list(range(24))
+
+
+def test_a_relative_list_path_is_named_as_absolute_and_an_empty_one_stays_empty(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(folder)
+    source = load_source([("a_red/00.jpg", 0), ("./missing.jpg", 1), ("", 1)], on_error="skip")
+    assert source.files == (str(folder / "a_red" / "00.jpg"),)
+    assert [(b.path, b.reason) for b in source.skipped] == [
+        (str(folder / "missing.jpg"), "file not found"),
+        ("", "file not found"),
+    ]

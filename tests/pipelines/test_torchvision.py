@@ -273,3 +273,17 @@ def _gone(pids: list[int], timeout: float = 10) -> list[int]:
     while _alive(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     return _alive(pids)
+
+
+def test_sampler_set_epoch_as_lightning_calls_it_sets_the_loaders_epoch(folder: Path) -> None:
+    # Lightning (and scripts written for a DataLoader) call loader.sampler.set_epoch(e) at
+    # each epoch's start, with e the epoch resumed from a checkpoint.
+    loader = _loader(folder, "torchvision", batch_size=6, seed=5)
+    reference = _loader(folder, "torchvision", batch_size=6, seed=5)
+    orders = [_indices(reference) for _ in range(4)]
+    loader.sampler.set_epoch(3)  # type: ignore[attr-defined]
+    assert loader.epoch == 3 and _indices(loader) == orders[3]
+    loader.dataloader.sampler.set_epoch(1)  # type: ignore[attr-defined]
+    assert _indices(loader) == orders[1] and loader.epoch == 2
+    with pytest.raises(ValueError, match=r"epoch must be an int >= 0, got -1"):
+        loader.sampler.set_epoch(-1)  # type: ignore[attr-defined]

@@ -1,15 +1,21 @@
 """Argument checks shared by every package: one rule, one message per kind of value.
 
 Each check returns the value it accepted, so a call site reads
-``batch_size = positive_int("batch_size", batch_size)``.
+``batch_size = positive_int("batch_size", batch_size)``. Where a Python number is accepted,
+so is a NumPy scalar of an integer or floating dtype (a value read from a NumPy config or
+array), and the check returns it as a Python ``int`` or ``float``: a caller that keeps the
+returned value never holds a NumPy scalar (which ``json.dumps`` and ``DataLoader`` refuse).
+A bool (``np.bool_`` too) is never a number here.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 __all__ = [
+    "as_real_number",
     "choice",
     "flag",
     "fresh_stream",
@@ -20,22 +26,44 @@ __all__ = [
 ]
 
 
+def as_real_number(value: object) -> int | float | None:
+    """``value`` as a Python ``int`` or ``float`` if it is a real number: an int, a float, or
+    a NumPy scalar of an integer or floating dtype; else None. A bool (``np.bool_`` too), a
+    ``timedelta64`` (NumPy counts it an integer), a tensor or a string is not a number here.
+
+    Example:
+        >>> import numpy as np
+        >>> as_real_number(np.float32(0.5)), as_real_number(np.int64(3)), as_real_number(True)
+        (0.5, 3, None)
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and getattr(dtype, "kind", "") not in ("i", "u", "f"):
+        return None  # np.timedelta64 registers as an integer
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
 def _int_at_least(name: str, value: object, minimum: int, none_ok: bool) -> int:
     if none_ok and value is None:
         return value  # type: ignore[return-value]
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    number = as_real_number(value)
+    if not isinstance(number, int) or number < minimum:
         allowed = f"an int >= {minimum}"
         hint = f" (pass int({name}))" if _int_like(value, minimum) else ""
         raise ValueError(
             f"{name} must be {'None or ' if none_ok else ''}{allowed}, got {value!r}{hint}"
         )
-    return value
+    return number
 
 
 def _int_like(value: object, minimum: int) -> bool:
-    """Whether ``value`` is a whole number >= ``minimum`` of another type than int: NumPy's
-    integers, a one-element tensor, ``5.0`` (what ``int(value)`` would make right)."""
-    if isinstance(value, (str, bool)) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+    """Whether ``value`` is a whole number >= ``minimum`` of a type the check refuses: a
+    one-element tensor, ``5.0`` (what ``int(value)`` would make right)."""
+    dtype = str(getattr(value, "dtype", ""))
+    if isinstance(value, (str, bool)) or dtype in ("bool", "torch.bool"):
+        return False
+    if dtype.startswith("timedelta64"):  # int() drops its unit
         return False
     try:
         number = float(value)  # type: ignore[arg-type]
@@ -45,7 +73,8 @@ def _int_like(value: object, minimum: int) -> bool:
 
 
 def positive_int(name: str, value: object, *, none_ok: bool = False) -> int:
-    """``value`` if it is an int >= 1 (``True`` is not), else ``ValueError`` naming ``name``.
+    """``value`` as an int if it is an int >= 1 (NumPy's integers too; ``True`` is not),
+    else ``ValueError`` naming ``name``.
 
     Args:
         name: the argument's name, as the caller wrote it.
@@ -67,7 +96,8 @@ def positive_int(name: str, value: object, *, none_ok: bool = False) -> int:
 
 
 def non_negative_int(name: str, value: object, *, none_ok: bool = False) -> int:
-    """``value`` if it is an int >= 0 (``True`` is not), else ``ValueError`` naming ``name``.
+    """``value`` as an int if it is an int >= 0 (NumPy's integers too; ``True`` is not),
+    else ``ValueError`` naming ``name``.
 
     Args:
         name: the argument's name.
@@ -89,7 +119,8 @@ def non_negative_int(name: str, value: object, *, none_ok: bool = False) -> int:
 
 
 def positive_number(name: str, value: object, *, unit: str = "") -> float:
-    """``value`` as a float if it is a finite number > 0, else ``ValueError`` naming ``name``.
+    """``value`` as a float if it is a finite number > 0 (an int, a float or a NumPy
+    scalar of either), else ``ValueError`` naming ``name``.
 
     Args:
         name: the argument's name.
@@ -107,15 +138,16 @@ def positive_number(name: str, value: object, *, unit: str = "") -> float:
         ...
         ValueError: budget_s must be a positive number of seconds, got -1
     """
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type, operator]
+    number = as_real_number(value)
+    if number is None or not math.isfinite(number) or number <= 0:
         what = f"a positive number of {unit}" if unit else "a positive number"
         raise ValueError(f"{name} must be {what}, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+    return float(number)
 
 
 def non_negative_number(name: str, value: object, *, unit: str = "", zero: str = "") -> float:
-    """``value`` as a float if it is a finite number >= 0, else ``ValueError`` naming ``name``.
+    """``value`` as a float if it is a finite number >= 0 (an int, a float or a NumPy
+    scalar of either), else ``ValueError`` naming ``name``.
 
     For options where 0 is meaningful (DataLoader's ``timeout=0``: no timeout), unlike
     :func:`positive_number`. NaN and infinity are refused, as there.
@@ -137,12 +169,12 @@ def non_negative_number(name: str, value: object, *, unit: str = "", zero: str =
         ...
         ValueError: timeout must be a finite number of seconds >= 0 (0: no timeout), got nan
     """
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value < 0:  # type: ignore[arg-type, operator]
+    number = as_real_number(value)
+    if number is None or not math.isfinite(number) or number < 0:
         what = f"a finite number of {unit} >= 0" if unit else "a finite number >= 0"
         meaning = f" (0: {zero})" if zero else ""
         raise ValueError(f"{name} must be {what}{meaning}, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+    return float(number)
 
 
 def choice(name: str, value: object, choices: Sequence[object]) -> None:

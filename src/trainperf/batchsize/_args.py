@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import reprlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from trainperf._utils.validate import choice, non_negative_int, positive_int, positive_number
+from trainperf._utils.validate import (
+    as_real_number,
+    choice,
+    non_negative_int,
+    positive_int,
+    positive_number,
+)
 from trainperf.batchsize._sizes import SizeSpace
 
-__all__ = ["check_args", "check_state", "size_space"]
+__all__ = ["CheckedArgs", "check_args", "check_state", "size_space"]
 
 _NO_STATE = (
     "tune_batch_size got neither model= nor optimizer=: its probes run thousands of training "
@@ -22,6 +29,20 @@ _NO_STATE = (
     "model=model, optimizer=optimizer (what step trains) so tuning can put them back, or "
     "model=() if step changes no state"
 )
+
+
+@dataclass(frozen=True)
+class CheckedArgs:
+    """The numeric arguments as :func:`check_args` accepted them, as Python ints and floats
+    (a NumPy scalar passed in is converted: the report must stay JSON-safe)."""
+
+    min_size: int
+    max_size: int | None
+    global_batch: int | None
+    budget_s: float
+    headroom: float
+    num_workers: int
+    prefetch_factor: int | None
 
 
 def check_args(
@@ -37,8 +58,13 @@ def check_args(
     prefetch_factor: object,
     progress: object = True,
     cache: object = True,
-) -> None:
-    """Raise ``ValueError`` for the first argument ``tune_batch_size`` cannot take.
+) -> CheckedArgs:
+    """The numeric arguments as Python numbers, or ``ValueError`` for the first argument
+    ``tune_batch_size`` cannot take. NumPy integers and floats are taken where Python's are.
+
+    Returns:
+        :class:`CheckedArgs`: the sizes, budget, headroom and worker settings as ``int`` and
+        ``float``.
 
     Raises:
         ValueError: ``step`` or ``sample`` is not callable; ``min_size``, ``max_size`` or
@@ -49,8 +75,11 @@ def check_args(
             ``progress`` or ``cache`` is not True or False.
 
     Example:
+        >>> import numpy as np
         >>> check_args(print, print, min_size=1, max_size=None, global_batch=256,
-        ...            budget_s=60.0, headroom=0.1, num_workers=4, prefetch_factor=2)
+        ...            budget_s=60.0, headroom=np.float32(0.25), num_workers=4,
+        ...            prefetch_factor=2).headroom
+        0.25
         >>> check_args(print, print, min_size=1, max_size=None, global_batch=None,
         ...            budget_s=60.0, headroom=1.0, num_workers=0, prefetch_factor=None)
         ... # doctest: +ELLIPSIS
@@ -70,10 +99,10 @@ def check_args(
         raise ValueError(
             f"max_size={high} is below min_size={low}: pass max_size >= min_size, or None"
         )
-    positive_int("global_batch", global_batch, none_ok=True)
-    positive_number("budget_s", budget_s, unit="seconds")
-    number = isinstance(headroom, (int, float)) and not isinstance(headroom, bool)
-    if not number or not 0.0 <= headroom < 1.0:  # type: ignore[operator]  # NaN fails too
+    keep = positive_int("global_batch", global_batch, none_ok=True)
+    budget = positive_number("budget_s", budget_s, unit="seconds")
+    fraction = as_real_number(headroom)
+    if fraction is None or not 0.0 <= fraction < 1.0:  # NaN fails too
         raise ValueError(
             f"headroom must be a fraction of the memory in [0, 1) (0.1 keeps 10 % free), "
             f"got {headroom!r}"
@@ -87,6 +116,7 @@ def check_args(
             f"prefetch_factor={pf} needs num_workers > 0 (DataLoader refuses it without "
             f"workers): pass num_workers= with it, or leave prefetch_factor out"
         )
+    return CheckedArgs(low, high, keep, budget, float(fraction), workers, pf)
 
 
 def check_state(model: object, optimizer: object) -> None:

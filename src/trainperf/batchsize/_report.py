@@ -351,7 +351,11 @@ class BatchSizeReport:
     def __str__(self) -> str:
         """The table a person reads: every size tried, the choice, the input pipeline."""
         lines = self._head() + self._rows()
-        speed = "not measured" if self.samples_per_s is None else f"{self.samples_per_s:,.1f}"
+        speed = (
+            "samples/s not measured"
+            if self.samples_per_s is None
+            else f"{self.samples_per_s:,.1f} samples/s"
+        )
         peak = ""
         if self.peak_memory is not None:
             peak = f", peak {format_bytes(self.peak_memory)}"
@@ -360,7 +364,7 @@ class BatchSizeReport:
         lines.append(
             f"chosen: batch_size={self.batch_size}, accumulation_steps={self.accumulation_steps} "
             f"({self.batch_size} x {self.accumulation_steps} x {self.world_size} = "
-            f"{self.effective_batch} samples per update): {speed} samples/s{peak}"
+            f"{self.effective_batch} samples per update): {speed}{peak}"
         )
         if self.pipeline is not None:
             lines.append(str(self.pipeline))

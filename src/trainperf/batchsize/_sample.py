@@ -97,7 +97,7 @@ class DatasetBatches:
         Raises:
             ValueError: ``n`` is not an int >= 1, or the dataset is empty.
         """
-        positive_int("n", n)
+        n = positive_int("n", n)
         return self.collate_fn(self._samples(n))
 
     def __repr__(self) -> str:

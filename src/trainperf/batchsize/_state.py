@@ -223,11 +223,41 @@ def _groups_of(holders: Iterable[Any]) -> list[Groups]:
 def _put_back_groups(groups: list[Groups]) -> None:
     """Give each optimizer back the param groups and parameters it had when saved: a step
     that added a group (progressive unfreezing) or a parameter would otherwise have
-    ``load_state_dict`` refuse the saved state, leaving the probe's group and moments."""
+    ``load_state_dict`` refuse the saved state, leaving the probe's group and moments.
+
+    A ``ZeroRedundancyOptimizer`` is among them beside its local optimizer: its
+    ``add_param_group`` adds the group to both, and the next step refuses groups that
+    differ in number. Its partition of the parameters over the ranks, cached, is then
+    worked out again (:func:`_repartition`)."""
     for opt, saved in groups:
+        changed = len(opt.param_groups) != len(saved) or any(
+            a is not group or list(map(id, a["params"])) != list(map(id, params))
+            for a, (group, params) in zip(opt.param_groups, saved, strict=False)
+        )
         opt.param_groups[:] = [group for group, _ in saved]
         for group, params in saved:
             group["params"][:] = params
+        if changed:
+            _repartition(opt)
+
+
+def _repartition(opt: Optimizer) -> None:
+    """Drop a ``ZeroRedundancyOptimizer``'s cached partition (which rank steps which
+    parameter, its buckets) after its groups changed, as its own ``add_param_group``
+    does; nothing for another optimizer."""
+    if state_holder(opt) is opt or not callable(getattr(opt, "_clear_cache", None)):
+        return
+    opt._clear_cache()  # type: ignore[attr-defined]
+    opt._build_param_buckets()  # type: ignore[attr-defined]  # without bucket views: a no-op
+
+
+def _wrappers(objects: Iterable[Any]) -> list[Any]:
+    """The objects whose state another holds (a ``ZeroRedundancyOptimizer``), once each."""
+    found: list[Any] = []
+    for obj in objects:
+        if state_holder(obj) is not obj and all(obj is not f for f in found):
+            found.append(obj)
+    return found
 
 
 Layout = dict[tuple[int, str], tuple[torch.dtype, torch.device]]
@@ -288,8 +318,8 @@ class SavedState:
         entries: ``(module, names of its parameters, buffers, submodules)`` for every
             submodule (what a forward pass registers while probing is removed).
         param_groups: ``(optimizer, [(param group, its parameters)])`` of each optimizer
-            whose state is loaded back (a group or parameter added while probing is
-            removed).
+            whose state is loaded back, and of each ``ZeroRedundancyOptimizer`` over one
+            (a group or parameter added while probing is removed from both).
     """
 
     states: list[tuple[Any, Any, Layout | None]] = field(default_factory=list)
@@ -345,7 +375,7 @@ class SavedState:
             stages=_stages(objects),
             groups=[(obj, _group_settings(obj)) for obj in objects if state_holder(obj) is not obj],
             entries=_entries(objects),
-            param_groups=_groups_of(holder for holder, _, _ in states),
+            param_groups=_groups_of([*(holder for holder, _, _ in states), *_wrappers(objects)]),
         )
 
     def restore(self) -> None:

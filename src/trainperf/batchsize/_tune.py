@@ -417,7 +417,7 @@ def tune_batch_size(
         0
     """
     started = time.perf_counter()
-    check_args(
+    args = check_args(
         step, sample, min_size=min_size, max_size=max_size, global_batch=global_batch,
         budget_s=budget_s, headroom=headroom, num_workers=num_workers,
         prefetch_factor=prefetch_factor, progress=progress, cache=cache,
@@ -425,10 +425,10 @@ def tune_batch_size(
     check_state(model, optimizer)
     objects = stateful_objects(model, optimizer)
     agree = Agreement()
-    space = size_space(min_size, max_size, global_batch, agree.world_size)
+    space = size_space(args.min_size, args.max_size, args.global_batch, agree.world_size)
     call = _Call(
-        step, sample, objects, _device(device, objects), space, agree, global_batch,
-        float(budget_s), float(headroom), progress, cache, num_workers, prefetch_factor,
+        step, sample, objects, _device(device, objects), space, agree, args.global_batch,
+        args.budget_s, args.headroom, progress, cache, args.num_workers, args.prefetch_factor,
         started,
     )  # fmt: skip
     generators = [*sample_generators(sample), *referenced_generators(step, sample)]

@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from trainperf._utils.validate import non_negative_int
 from trainperf.pipelines._header import MAX_IMAGE_PIXELS
 from trainperf.pipelines._source import BadFile, ImageSource, Shard
 
@@ -63,7 +64,6 @@ class ImageLoader:
         config: the resolved settings.
         source: the files, labels and classes read.
         shard: this rank's share: rank, world size, samples and batches per epoch.
-        epoch: epochs started so far.
     """
 
     backend: ImageBackend
@@ -75,9 +75,60 @@ class ImageLoader:
         self.shard = shard
         self.config = config
         self.backend_reason = backend_reason
-        self.epoch = 0
+        self._epoch_next = 0
 
     # ----------------------------------------------------------------- the contract
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next pass reads: epochs started so far, unless set (an int >= 0;
+        assigning it is :meth:`set_epoch`)."""
+        return self._epoch_next
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self._epoch_next = non_negative_int("epoch", epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass read ``epoch``: its files, in its order (``seed + epoch``), as
+        ``DistributedSampler.set_epoch`` does, so a loop written for one runs unchanged.
+
+        Passes go on from there (``epoch + 1``, ...). Setting the epoch a pass would read
+        anyway changes nothing; setting another one (to resume, or to run an epoch again)
+        works in every backend.
+
+        Args:
+            epoch: the epoch to read next, an int >= 0 (NumPy's integers too).
+
+        Raises:
+            ValueError: ``epoch`` is not an int >= 0.
+
+        Example:
+            >>> import os, tempfile
+            >>> from PIL import Image
+            >>> from trainperf.pipelines import image_loader
+            >>> root = tempfile.mkdtemp()
+            >>> os.makedirs(f"{root}/cat")
+            >>> for i in range(4):
+            ...     Image.new("RGB", (40, 30)).save(f"{root}/cat/{i}.jpg")
+            >>> loader = image_loader(root, 4, size=16, backend="torchvision", device="cpu",
+            ...                       shard=None, loader_kwargs={"num_workers": 0})
+            >>> def order():
+            ...     return [i for _, _, indices in loader.iter_with_indices()
+            ...             for i in indices.tolist()]
+            >>> loader.set_epoch(5)
+            >>> fifth = order()
+            >>> loader.epoch
+            6
+            >>> loader.set_epoch(5)  # the same epoch again: the same order
+            >>> order() == fifth
+            True
+            >>> loader.set_epoch(-1)
+            Traceback (most recent call last):
+            ...
+            ValueError: epoch must be an int >= 0, got -1
+        """
+        self.epoch = epoch
 
     @property
     def device(self) -> torch.device:
@@ -130,8 +181,8 @@ class ImageLoader:
             ...     print(names, labels.tolist())
             ['cat/0.jpg', 'dog/0.jpg'] [0, 1]
         """
-        epoch = self.epoch
-        self.epoch += 1
+        epoch = self._epoch_next
+        self._epoch_next += 1
         return self._epoch(epoch)
 
     def _epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -132,7 +132,9 @@ def find_images(
         root: the dataset directory.
 
     Returns:
-        ``([(path, label), ...], classes, [(folder, reason), ...])``.
+        ``([(path, label), ...], classes, [(folder, reason), ...])``; the paths are absolute
+        (a relative ``root`` is taken from the current directory, once), so a later
+        ``os.chdir`` does not change which files they name.
 
     Raises:
         FileNotFoundError: ``root`` does not exist, or is ``""`` (which ``Path`` would take
@@ -153,7 +155,9 @@ def find_images(
             "dataset; pass the dataset's folder (an unset environment variable?), or '.' for "
             "the current directory"
         )
-    path = Path(root)
+    # Absolute, so that the files are still found after an os.chdir; ".." kept as given
+    # (collapsing it would change where a path through a directory link leads).
+    path = Path(root).absolute()
     if not path.exists():
         raise FileNotFoundError(f"image folder {str(root)!r} does not exist")
     if not path.is_dir():

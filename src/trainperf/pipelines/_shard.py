@@ -7,9 +7,11 @@ collective), in exactly ``DistributedSampler``'s order.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from trainperf._utils import launch_env
@@ -44,15 +46,17 @@ def resolve_shard(shard: Literal["auto"] | tuple[int, int] | None) -> tuple[int,
     variables, or in a task of an ``srun`` step of several SLURM's ``SLURM_PROCID`` and
     ``SLURM_NTASKS``, so the process group may come later) when a process group exists or
     the variables say which rank this is; else ``(0, 1)``. ``None`` means ``(0, 1)``: this
-    process reads everything.
+    process reads everything. A tuple's integers may be NumPy's (or one-element torch
+    integers); they come back as Python ints. A bool is refused.
 
     Raises:
         ValueError: a malformed tuple, or ``rank`` outside ``[0, world_size)`` (given, or
             from the process group or the environment).
 
     Example:
-        >>> resolve_shard((1, 4)), resolve_shard(None)
-        ((1, 4), (0, 1))
+        >>> import numpy as np
+        >>> resolve_shard((1, 4)), resolve_shard(None), resolve_shard((np.int64(0), 2))
+        ((1, 4), (0, 1), (0, 2))
     """
     if shard is None:
         return 0, 1
@@ -72,16 +76,31 @@ def resolve_shard(shard: Literal["auto"] | tuple[int, int] | None) -> tuple[int,
         if not grouped and not launched and not launch_env.in_srun_step():
             return 0, 1
         return resolve_shard((ddp.rank(), ddp.world_size()))
-    if (
-        not isinstance(shard, tuple)
-        or len(shard) != 2
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in shard)
-    ):
-        raise ValueError(f"shard must be 'auto', None or a (rank, world_size) tuple, got {shard!r}")
-    rank, world = shard
+    pair = _int_pair(shard)
+    if pair is None:
+        raise ValueError(
+            f"shard must be 'auto', None or a (rank, world_size) tuple of ints, got {shard!r}"
+        )
+    rank, world = pair
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"shard needs 0 <= rank < world_size, got rank={rank}, world_size={world}")
     return rank, world
+
+
+def _int_pair(shard: object) -> tuple[int, int] | None:
+    """``shard`` as two Python ints if it is a 2-tuple of integers (NumPy's and one-element
+    torch integers too, as in a config read from an array), else None. A bool is not a rank."""
+    if not isinstance(shard, tuple) or len(shard) != 2:
+        return None
+    pair = []
+    for value in shard:
+        if isinstance(value, (bool, np.bool_)) or getattr(value, "dtype", None) == torch.bool:
+            return None
+        try:
+            pair.append(operator.index(value))
+        except TypeError:  # a float, a string, a float tensor...
+            return None
+    return pair[0], pair[1]
 
 
 def shard_plan(

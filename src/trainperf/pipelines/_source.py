@@ -23,6 +23,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -101,7 +102,8 @@ class ImageSource:
     """The checked file list.
 
     Attributes:
-        files: image paths, in a fixed order (sorted within each class for a directory).
+        files: image paths, absolute (read from the directory current when the source was
+            loaded), in a fixed order (ImageFolder's, for a directory).
         labels: class index of each file.
         formats: the format each file's first bytes announce.
         classes: class names, index = label (folder names, or ``"0"``, ``"1"``, … for a list).
@@ -197,8 +199,21 @@ def _list_items(items: Sequence[object]) -> list[tuple[str, int]]:
         p, label = item
         if not isinstance(p, (str, os.PathLike)):
             raise TypeError(f"source[{i}] path must be a str or os.PathLike, got {p!r}")
-        out.append((os.fspath(p), _label(i, label)))
+        out.append((_absolute(os.fspath(p)), _label(i, label)))
     return out
+
+
+def _absolute(path: str) -> str:
+    """``path`` made absolute from the current directory, so that a later ``os.chdir`` does
+    not change which file it names; ``.`` segments dropped, ``..`` kept (collapsing it would
+    change where a path through a directory link leads). ``""`` stays ``""``: no file.
+
+    Example:
+        >>> import os
+        >>> _absolute("./cat/../1.jpg") == os.path.join(os.getcwd(), "cat", "..", "1.jpg")
+        True
+    """
+    return str(Path(path).absolute()) if path else path
 
 
 def _numbered_classes(items: Sequence[tuple[str, int]]) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ picks. The crop follows ``RandomResizedCrop`` exactly (:func:`sample_crop_box`).
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, BinaryIO
 
@@ -186,22 +187,45 @@ class NormalizingCollate:
 
 
 class EpochSampler(Sampler[tuple[int, int]]):
-    """This rank's ``(index, epoch)`` keys for the epoch set by :meth:`set_epoch`.
+    """This rank's ``(index, epoch)`` keys for the epoch in :attr:`epoch`.
 
     The order is :func:`trainperf.pipelines._source.epoch_indices`, i.e. exactly
     ``DistributedSampler``'s.
+
+    Args:
+        owner: the loader whose ``set_epoch`` :meth:`set_epoch` calls instead (it sets
+            :attr:`epoch` at each pass); held weakly, so that the two do not form a cycle
+            that keeps the DataLoader's worker processes alive until the garbage collector
+            runs.
     """
 
-    def __init__(self, num_files: int, shard: Shard, *, shuffle: bool, seed: int, drop: bool):
+    def __init__(
+        self,
+        num_files: int,
+        shard: Shard,
+        *,
+        shuffle: bool,
+        seed: int,
+        drop: bool,
+        owner: ImageLoader | None = None,
+    ):
         self.num_files = num_files
         self.shard = shard
         self.shuffle = shuffle
         self.seed = seed
         self.drop = drop
         self.epoch = 0
+        self._owner = None if owner is None else weakref.ref(owner)
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        """Use ``epoch``'s order next. Lightning and scripts written for a DataLoader call
+        ``loader.sampler.set_epoch(e)``: on a loader's sampler this is the loader's
+        ``set_epoch``, which would otherwise overwrite it at the next pass."""
+        owner = None if self._owner is None else self._owner()
+        if owner is not None:
+            owner.set_epoch(epoch)
+        else:
+            self.epoch = epoch
 
     def __len__(self) -> int:
         return self.shard.samples if not self.drop else self.num_files // self.shard.world_size
@@ -242,7 +266,12 @@ class TorchvisionLoader(ImageLoader):
             max_pixels=config.max_pixels,
         )
         self.sampler = EpochSampler(
-            len(source.files), shard, shuffle=config.train, seed=config.seed, drop=drop
+            len(source.files),
+            shard,
+            shuffle=config.train,
+            seed=config.seed,
+            drop=drop,
+            owner=self,
         )
         kwargs: dict[str, Any] = dict(loader_kwargs or {})
         for reserved in _RESERVED:
@@ -289,7 +318,7 @@ class TorchvisionLoader(ImageLoader):
     def _epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         if self._closed:
             raise RuntimeError(_CLOSED)
-        self.sampler.set_epoch(epoch)
+        self.sampler.epoch = epoch
         device, c = self.config.device, self.config
         batches = iter(self.dataloader)
         self._active = batches
