@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.doctor._fakes import GiB, MiB, limits, write
 from trainperf.doctor import (
     Check,
@@ -101,3 +103,21 @@ def test_a_cgroup_limit_above_the_hosts_memory_is_not_called_no_limit() -> None:
     assert check.verdict == "ok" and "no cgroup limit" not in check.value
     assert "cgroup limit 512.0 GiB, above the host's 256.0 GiB" in check.value
     assert "no cgroup limit" in check_memory(limits()).value
+
+
+def test_shm_with_no_workers_needs_no_shared_memory() -> None:
+    # Before: 0 workers counted one worker's batches ("0 workers x 2 batches ... need ~147
+    # MiB") and failed a 64 MiB /dev/shm; with num_workers=0 the main process loads batches.
+    tiny = check_shm(limits(shm_total=64 * MiB, shm_free=64 * MiB), workers=0)
+    assert tiny.verdict == "ok" and tiny.fix == ""
+    assert "64 MiB (64 MiB free)" in tiny.value and "0 workers" in tiny.value
+    assert "need ~" not in tiny.value
+    missing = check_shm(limits(shm_total=None, shm_free=None), workers=0, platform="linux")
+    assert missing.verdict == "ok" and "no /dev/shm here" in missing.value
+    assert check_shm(limits(shm_total=64 * MiB, shm_free=64 * MiB), workers=1).verdict == "fail"
+
+
+@pytest.mark.parametrize("workers", [-1, 2.0, True, None])
+def test_shm_refuses_a_worker_count_that_is_not_a_non_negative_int(workers: object) -> None:
+    with pytest.raises(ValueError, match=r"workers must be an int >= 0, got "):
+        check_shm(limits(), workers=workers)  # type: ignore[arg-type]

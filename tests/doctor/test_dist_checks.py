@@ -12,14 +12,10 @@ from trainperf.doctor import (
     acs_redirecting_bridges,
     check_all_reduce,
     check_iommu,
-    check_nccl_shm,
     check_p2p,
-    nccl_shm_need,
 )
 
 MiB = 2**20
-GiB = 2**30
-SEGMENT = 4096 + 524288 + 4915200 + 4 * MiB  # the 9,637,888 bytes of nccl#342
 
 
 def sweep(busbw: float, ranks: int = 8, backend: str = "nccl") -> AllReduceSweep:
@@ -32,129 +28,6 @@ def sweep(busbw: float, ranks: int = 8, backend: str = "nccl") -> AllReduceSweep
 
 NVLINK = LinkEstimate("nvlink", 450.0, "NVLink 18 links x 25 GB/s = 450.0 GB/s")
 LOOPBACK = LinkEstimate("loopback", 1.0, "loopback TCP 1.00 GB/s")
-
-# --------------------------------------------------------------------------- nccl_shm
-
-
-def test_nccl_shm_need_is_ranks_channels_peers_segments() -> None:
-    assert SEGMENT == 9637888
-    assert nccl_shm_need(8)[0] == 8 * 2 * 2 * SEGMENT
-    assert nccl_shm_need(2)[0] == 2 * 2 * 1 * SEGMENT  # one peer only
-    assert nccl_shm_need(1)[0] == 0
-    _, rule = nccl_shm_need(4)
-    assert rule == "4 ranks x 2 channels x 2 peers x 9.2 MiB segments"
-
-
-def test_nccl_shm_need_follows_the_buffer_variables() -> None:
-    env = {"NCCL_BUFFSIZE": str(MiB), "NCCL_MIN_NCHANNELS": "4"}
-    assert nccl_shm_need(8, env)[0] == 8 * 4 * 2 * (SEGMENT - 3 * MiB)
-    # NCCL reads "lots" as a 0-byte buffer (no use: the default counts) and 1 channel as 1.
-    junk = {"NCCL_BUFFSIZE": "lots", "NCCL_MIN_NCHANNELS": "1"}
-    assert nccl_shm_need(8, junk)[0] == nccl_shm_need(8)[0]
-
-
-@pytest.mark.parametrize(
-    ("raw", "simple"),
-    [("16k", 16), ("1_000", 1), ("010", 8), ("0x10", 16), (" 16", 16), ("\t16\n", 16),
-     ("08", 4 * MiB), ("0b100", 4 * MiB), ("0o10", 4 * MiB), ("-2", 4 * MiB),
-     ("99999999999999999999", 4 * MiB), (str(2**32 + 16), 16), (str(2**32), 4 * MiB)],
-)  # fmt: skip
-def test_nccl_shm_need_reads_nccl_buffsize_with_strtoll_as_nccl_does(raw: str, simple: int) -> None:
-    # NCCL: strtoll(value, NULL, 0), its default only on overflow or -2, stored in an int; a
-    # size of 0 or less cannot work, so the estimate keeps the default for it.
-    need = nccl_shm_need(2, {"NCCL_BUFFSIZE": raw})[0]
-    assert need == 2 * 2 * 1 * (SEGMENT - 4 * MiB + simple)
-
-
-def test_nccl_shm_need_clamps_min_nchannels_as_nccl_does() -> None:
-    assert nccl_shm_need(2, {"NCCL_MIN_NCHANNELS": "1000"})[0] == 2 * 64 * 1 * SEGMENT
-    assert nccl_shm_need(2, {"NCCL_MIN_NCHANNELS": "010"})[0] == 2 * 8 * 1 * SEGMENT
-    assert nccl_shm_need(2, {"NCCL_MIN_NCHANNELS": "-5"})[0] == 2 * 2 * 1 * SEGMENT
-
-
-@pytest.mark.parametrize("raw", ["16M", "1_000", "010", "lots", "0", "99999999999999999999"])
-def test_nccl_shm_names_a_buffer_size_nccl_misreads(raw: str) -> None:
-    check = check_nccl_shm(16 * GiB, 8, backend="nccl", env={"NCCL_BUFFSIZE": raw})
-    assert check.verdict == "warn" and f"NCCL_BUFFSIZE={raw!r}" in check.value
-    assert "NCCL_BUFFSIZE=4194304" in check.fix
-    small = check_nccl_shm(64 * MiB, 8, backend="nccl", env={"NCCL_BUFFSIZE": raw})
-    assert small.verdict == "fail" and "--shm-size" in small.fix and "plain decimal" in small.fix
-
-
-@pytest.mark.parametrize("raw", ["4194304", "0x400000", " 4194304", "+4194304"])
-def test_nccl_shm_is_quiet_about_a_buffer_size_read_as_written(raw: str) -> None:
-    check = check_nccl_shm(16 * GiB, 8, backend="nccl", env={"NCCL_BUFFSIZE": raw})
-    assert check.verdict == "ok" and check.fix == ""
-
-
-@pytest.mark.parametrize("ranks", [0, -1, 2.0, True, "8"])
-def test_nccl_shm_refuses_a_rank_count_that_is_not_a_positive_int(ranks: object) -> None:
-    with pytest.raises(ValueError, match=r"ranks must be an int >= 1, got "):
-        check_nccl_shm(16 * GiB, ranks, backend="nccl")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"ranks must be an int >= 1, got "):
-        nccl_shm_need(ranks)  # type: ignore[arg-type]
-
-
-def test_nccl_shm_refuses_a_negative_gpu_count() -> None:
-    with pytest.raises(ValueError, match=r"gpus must be None or an int >= 0, got -1"):
-        check_nccl_shm(16 * GiB, 2, backend="gloo", gpus=-1)
-
-
-@pytest.mark.parametrize("gpus", [0, 1])
-def test_nccl_shm_is_a_skip_with_fewer_than_two_gpus(gpus: int) -> None:
-    # One NCCL rank per GPU: with 0 or 1 there are no two ranks on this host to share memory.
-    check = check_nccl_shm(16 * MiB, 2, backend="gloo", gpus=gpus)
-    assert check.verdict == "skip" and check.fix == ""
-    assert f"{gpus} GPU" in check.value and "one rank per GPU" in check.value
-    assert check_nccl_shm(16 * MiB, 2, backend="gloo", gpus=2).verdict == "warn"
-
-
-def test_dockers_64_mb_fails_eight_nccl_ranks_but_not_two() -> None:
-    small = check_nccl_shm(64 * MiB, 8, backend="nccl")
-    assert small.verdict == "fail"
-    assert "294 MiB" in small.value and "8 ranks" in small.value
-    assert "--shm-size" in small.fix and "unhandled system error" in small.fix
-    assert check_nccl_shm(64 * MiB, 2, backend="nccl").verdict == "ok"  # ~37 MiB
-    assert check_nccl_shm(16 * GiB, 8, backend="nccl").verdict == "ok"
-
-
-def test_a_small_shm_under_gloo_is_a_warning_naming_nccl() -> None:
-    check = check_nccl_shm(16 * MiB, 2, backend="gloo")
-    assert check.verdict == "warn" and "gloo does not use /dev/shm" in check.fix
-
-
-def test_nccl_shm_with_shm_disabled_or_absent() -> None:
-    off = check_nccl_shm(16 * MiB, 8, backend="nccl", env={"NCCL_SHM_DISABLE": "1"})
-    assert off.verdict == "ok" and "NCCL_SHM_DISABLE=1" in off.value
-    # Read as NCCL reads it: "01" and "0x1" are 1; 2 leaves shared memory on.
-    assert (
-        check_nccl_shm(16 * MiB, 8, backend="nccl", env={"NCCL_SHM_DISABLE": "0x1"}).verdict == "ok"
-    )
-    assert (
-        check_nccl_shm(16 * MiB, 8, backend="nccl", env={"NCCL_SHM_DISABLE": "2"}).verdict == "fail"
-    )
-
-
-def test_no_dev_shm_on_linux_fails_nccl_as_a_small_one_does() -> None:
-    # Before: a skip, "no /dev/shm here", where check_shm fails and NCCL's SHM transport
-    # (and its proxy's segments) cannot open a file there.
-    missing = check_nccl_shm(None, 8, backend="nccl", platform="linux")
-    assert missing.verdict == "fail"
-    assert "no /dev/shm here" in missing.value and "294 MiB" in missing.value
-    assert missing.fix.startswith("NCCL fails at start-up")
-    assert "mount a tmpfs at /dev/shm" in missing.fix and "enlarge" not in missing.fix
-    gloo = check_nccl_shm(None, 8, backend="gloo", platform="linux")
-    assert gloo.verdict == "warn" and "mount a tmpfs at /dev/shm" in gloo.fix
-    # One rank has no peer to share memory with; NCCL_SHM_DISABLE=1 turns the transport off.
-    assert check_nccl_shm(None, 1, backend="nccl", platform="linux").verdict == "ok"
-    off = check_nccl_shm(None, 8, backend="nccl", env={"NCCL_SHM_DISABLE": "1"}, platform="linux")
-    assert off.verdict == "ok" and off.value.startswith("no /dev/shm here; NCCL_SHM_DISABLE=1")
-
-
-def test_no_dev_shm_off_linux_is_a_skip() -> None:
-    check = check_nccl_shm(None, 8, backend="nccl", platform="win32")
-    assert check.verdict == "skip" and "NCCL runs on Linux only" in check.value
-
 
 # --------------------------------------------------------------------------- all_reduce
 
@@ -287,22 +160,59 @@ def test_p2p_against_a_zero_baseline_is_not_a_division_error(without: float) -> 
     assert check_p2p(2, with_p2p=1.0, without_p2p=without).verdict == "ok"
 
 
-@pytest.mark.parametrize("backend", ["NCCL", "cpu:gloo,cuda:nccl"])
-def test_nccl_shm_fails_nccl_however_the_backend_names_it(backend: str) -> None:
-    # Before: anything but exactly "nccl" was judged as gloo, a warning.
-    assert check_nccl_shm(64 * 2**20, 8, backend=backend).verdict == "fail"
+@pytest.mark.parametrize("gpu_count", [-1, 2.0, True, "8", None])
+def test_iommu_and_p2p_refuse_a_gpu_count_that_is_not_a_non_negative_int(gpu_count: object) -> None:
+    # Before: a negative count was a silent skip ("peer-to-peer needs 2+ GPUs").
+    with pytest.raises(ValueError, match=r"gpu_count must be an int >= 0, got "):
+        check_iommu("", [], [], gpu_count)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"gpu_count must be an int >= 0, got "):
+        check_p2p(gpu_count)  # type: ignore[arg-type]
 
 
-def test_nccl_shm_refuses_a_backend_that_is_no_string() -> None:
-    with pytest.raises(TypeError, match=r"backend must be a str such as 'nccl'"):
-        check_nccl_shm(64 * 2**20, 8, backend=None)  # type: ignore[arg-type]
+GPU_GROUPS = [IommuGroup("3", None, ("0000:17:00.0",))]  # a kernel without the type file
 
 
-def test_an_unreadable_shm_is_unknown_to_nccl_not_missing() -> None:
-    check = check_nccl_shm(
-        None, 8, backend="nccl", platform="linux", shm_error="EACCES: Permission denied"
-    )
-    assert check.verdict == "warn"
-    assert "could not read /dev/shm" in check.value and "EACCES" in check.value
-    assert "294 MiB" in check.value and "df -h /dev/shm" in check.fix
-    assert check_nccl_shm(None, 8, backend="nccl", platform="linux").verdict == "fail"
+@pytest.mark.parametrize(
+    "cmdline",
+    [
+        "intel_iommu=on iommu.passthrough=1",
+        "amd_iommu=on iommu.passthrough=on",
+        "intel_iommu=on iommu.passthrough=y",
+        "intel_iommu=on iommu=soft,pt",
+        "intel_iommu=on,igfx_off iommu=pt",
+        "intel_iommu=on intel_iommu=off",
+        "intel_iommu=off",
+        "amd_iommu=off",
+        "amd_iommu=fullflush,off",
+        "intel_iommu=on iommu=off",
+        "iommu.passthrough=0 iommu=pt",  # the last setting wins
+        "intel_iommu=on iommu.passthrough=0 iommu.passthrough=1",
+    ],
+)
+def test_iommu_reads_passthrough_from_the_command_line_as_the_kernel_does(cmdline: str) -> None:
+    # Before: only iommu=pt, alone and exactly so, was passthrough; iommu.passthrough=1 was not.
+    check = check_iommu(cmdline, GPU_GROUPS, [], 8)
+    assert check.verdict == "ok", check
+
+
+@pytest.mark.parametrize(
+    "cmdline",
+    [
+        "iommu.passthrough=0",
+        "iommu.passthrough=off",
+        "iommu=nopt",
+        "iommu=pt iommu.passthrough=0",  # the last setting wins
+        "intel_iommu=on iommu=pt iommu=nopt",
+        "intel_iommu=on,igfx_off",
+        "intel_iommu=off intel_iommu=on",
+        "intel_iommu=on iommu.passthrough=bogus",  # a value the kernel refuses changes nothing
+    ],
+)
+def test_iommu_reads_translation_from_the_command_line_as_the_kernel_does(cmdline: str) -> None:
+    check = check_iommu(cmdline, GPU_GROUPS, [], 8)
+    assert check.verdict == "warn" and "translates GPU DMA" in check.fix, check
+
+
+def test_iommu_names_the_passthrough_parameter_it_read() -> None:
+    check = check_iommu("iommu.passthrough=1", GPU_GROUPS, [], 8)
+    assert "iommu.passthrough=1" in check.value

@@ -141,3 +141,12 @@ def test_sweep_hang_timeout_is_below_its_timeout_so_launch_does_not_warn(
         warnings.simplefilter("error")
         sweep = all_reduce_sweep(backend="gloo", sizes=[2**16], timeout=20.0)
     assert seen["hang_timeout"] == 10.0 and len(sweep.rows) == 1
+
+
+@pytest.mark.parametrize("ranks", [0, -2, 2.0, True, "8"])
+def test_bus_bandwidth_refuses_a_rank_count_that_is_not_a_positive_int(ranks: object) -> None:
+    # Before: ranks=0 raised ZeroDivisionError, and -2 gave a bandwidth of 3x algbw.
+    with pytest.raises(ValueError, match=r"ranks must be an int >= 1, got "):
+        bus_bandwidth(1.0, ranks)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"ranks must be an int >= 1, got "):
+        SweepRow.from_timing(2**20, 3, 0.01, ranks)  # type: ignore[arg-type]

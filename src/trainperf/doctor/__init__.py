@@ -38,9 +38,7 @@ from trainperf.doctor._dist_checks import (
     acs_redirecting_bridges,
     check_all_reduce,
     check_iommu,
-    check_nccl_shm,
     check_p2p,
-    nccl_shm_need,
 )
 from trainperf.doctor._gpu import check_cuda_arch, check_gpus, check_torch_build
 from trainperf.doctor._interconnect import (
@@ -53,6 +51,7 @@ from trainperf.doctor._interconnect import (
     pcie_gb_per_s,
     read_gpu_links,
 )
+from trainperf.doctor._nccl_shm import check_nccl_shm, nccl_shm_need
 from trainperf.doctor._net_checks import (
     IfnameFilter,
     check_hostname,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainperf._utils.format import format_bytes
+from trainperf._utils.validate import non_negative_int
 from trainperf.limits import HostLimits
 
 __all__ = [
@@ -163,18 +164,32 @@ def check_shm(
             ``/dev/shm`` that could not be read (``shm_error``) is a warning, since it is
             there but its size is unknown.
         workers: DataLoader workers expected on the whole host: one per usable CPU is
-            typical, and every rank's workers share the one ``/dev/shm``.
+            typical, and every rank's workers share the one ``/dev/shm``. 0 (DataLoader's
+            ``num_workers=0``: the main process loads every batch) needs no shared memory,
+            whatever ``/dev/shm`` holds or whether there is one.
         batch_bytes: bytes of one batch (default: 128 x 3 x 224 x 224 fp32, 77 MB).
         prefetch_factor: batches each worker keeps ready.
         platform: ``sys.platform``: on Linux, where torch's shared memory is ``shm_open``'s
             files in ``/dev/shm``, a missing ``/dev/shm`` fails; elsewhere it is not used.
+
+    Raises:
+        ValueError: ``workers`` is not an int >= 0.
 
     Example:
         >>> from trainperf.limits import HostLimits
         >>> tiny = HostLimits(8, 8, None, 8, 2**34, None, 2**33, 64 * 2**20, 64 * 2**20)
         >>> check_shm(tiny, workers=8).verdict
         'fail'
+        >>> check_shm(tiny, workers=0).verdict
+        'ok'
     """
+    workers = non_negative_int("workers", workers)
+    if workers == 0:
+        value = (
+            f"{_shm_words(limits)}; 0 workers: the main process loads every batch and needs no "
+            "shared memory for them"
+        )
+        return Check("shm", "ok", value)
     fix = (
         "enlarge /dev/shm: docker run --shm-size=16g (or --ipc=host); on Kubernetes mount an "
         "emptyDir with medium: Memory at /dev/shm"
@@ -200,17 +215,28 @@ def check_shm(
         return Check(
             "shm", "skip", "no /dev/shm here", "DataLoader workers share memory another way"
         )
-    need = max(1, workers) * prefetch_factor * batch_bytes
+    need = workers * prefetch_factor * batch_bytes
     free = limits.shm_free if limits.shm_free is not None else limits.shm_total
     value = (
-        f"{format_bytes(limits.shm_total)} ({format_bytes(free)} free); {workers} workers x "
-        f"{prefetch_factor} batches of {format_bytes(batch_bytes)} need ~{format_bytes(need)}"
+        f"{_shm_words(limits)}; {workers} workers x {prefetch_factor} batches of "
+        f"{format_bytes(batch_bytes)} need ~{format_bytes(need)}"
     )
     if free < batch_bytes:
         return Check("shm", "fail", value, "DataLoader workers will crash: " + fix)
     if free < need:
         return Check("shm", "warn", value, fix + "; or use fewer workers / a smaller batch")
     return Check("shm", "ok", value)
+
+
+def _shm_words(limits: HostLimits) -> str:
+    """``/dev/shm`` in words: its size and free space, that there is none, or why it could not
+    be read."""
+    if limits.shm_total is None and limits.shm_error is not None:
+        return f"could not read /dev/shm ({limits.shm_error})"
+    if limits.shm_total is None:
+        return "no /dev/shm here"
+    free = limits.shm_free if limits.shm_free is not None else limits.shm_total
+    return f"{format_bytes(limits.shm_total)} ({format_bytes(free)} free)"
 
 
 def check_start_method(method: str, platform: str = sys.platform) -> Check:

@@ -5,7 +5,8 @@ the all_reduce sweep (and, with 2+ GPUs, the same with peer-to-peer switched the
 measures or reads the link it should reach, and reads ``/dev/shm``, the ``NCCL_*`` and
 ``GLOO_*`` variables, the network interfaces and names, the IOMMU groups, the kernel
 command line and ``lspci -vvv``. The checks themselves are pure functions in
-``_dist_checks`` and ``_net_checks``. :func:`diagnose` calls this with ``dist=True``.
+``_dist_checks``, ``_nccl_shm`` and ``_net_checks``. :func:`diagnose` calls this with
+``dist=True``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from trainperf.doctor._dist_checks import (
     acs_redirecting_bridges,
     check_all_reduce,
     check_iommu,
-    check_nccl_shm,
     check_p2p,
 )
 from trainperf.doctor._interconnect import (
@@ -35,6 +35,7 @@ from trainperf.doctor._interconnect import (
     read_gpu_links,
     read_p2p_blocked,
 )
+from trainperf.doctor._nccl_shm import check_nccl_shm
 from trainperf.doctor._net_checks import (
     check_hostname,
     check_nccl_env,

@@ -48,10 +48,18 @@ DEFAULT_TIMEOUT = 20.0
 def bus_bandwidth(algbw: float, ranks: int) -> float:
     """Bus bandwidth of a ring all_reduce: ``algbw x 2(n-1)/n`` (nccl-tests' definition).
 
+    Args:
+        algbw: algorithm bandwidth (bytes / time), in any unit; the result is in the same.
+        ranks: ranks taking part (``n``, at least 1; one rank moves nothing over a link).
+
+    Raises:
+        ValueError: ``ranks`` is not an int >= 1.
+
     Example:
         >>> bus_bandwidth(100.0, 8), bus_bandwidth(1.0, 2)
         (175.0, 1.0)
     """
+    ranks = positive_int("ranks", ranks)
     return algbw * 2 * (ranks - 1) / ranks
 
 
@@ -76,6 +84,9 @@ class SweepRow:
     @classmethod
     def from_timing(cls, size: int, iterations: int, seconds: float, ranks: int) -> SweepRow:
         """A row from the slowest rank's time per call.
+
+        Raises:
+            ValueError: ``ranks`` is not an int >= 1 (:func:`bus_bandwidth`).
 
         Example:
             >>> SweepRow.from_timing(2**26, 10, 0.1, ranks=2).busbw_gb_per_s
