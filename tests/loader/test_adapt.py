@@ -559,6 +559,35 @@ def test_max_workers_is_checked() -> None:
         AdaptiveDataLoader(range(4), max_workers=-1)
 
 
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        ((), {"num_workers": "2"}, r"num_workers must be an int >= 0, got '2'"),
+        ((), {"num_workers": 2.0}, r"num_workers must be an int >= 0, got 2.0 \(pass int"),
+        ((2, False, None, None, "2"), {}, r"num_workers must be an int >= 0, got '2'"),
+        ((), {"num_workers": "x", "multiprocessing_context": "fork"}, "num_workers must be"),
+        ((), {"batch_size": "4"}, r"batch_size must be None or an int >= 1, got '4'"),
+        ((), {"num_workers": 2, "prefetch_factor": "2"}, "prefetch_factor must be None or an"),
+        ((), {"num_workers": 2, "prefetch_factor": 0}, "prefetch_factor must be None or an"),
+        ((), {"prefetch_factor": 2}, r"prefetch_factor=2 needs num_workers > 0"),
+        ((), {"max_workers": "3"}, r"max_workers must be None or an int >= 0, got '3'"),
+    ],
+)
+def test_bad_sizes_raise_the_tuners_errors_not_dataloaders_type_error(
+    args: tuple[Any, ...], kwargs: dict[str, Any], match: str
+) -> None:
+    # DataLoader itself raises a bare TypeError ('<' not supported between 'str' and
+    # 'int') for num_workers="2", and takes num_workers=2.0 or prefetch_factor=0 only to
+    # fail later, in the training loop.
+    with pytest.raises(ValueError, match=match):
+        AdaptiveDataLoader(range(4), *args, **kwargs)
+
+
+def test_batch_size_none_is_still_dataloaders_no_automatic_batching() -> None:
+    loader = AdaptiveDataLoader(range(3), batch_size=None)
+    assert [int(x) for x in loader] == [0, 1, 2]
+
+
 def test_a_start_method_given_without_workers_is_checked_at_once() -> None:
     # DataLoader refuses any multiprocessing_context with num_workers=0; the adaptive
     # loader keeps it for the workers it adds, so a wrong one fails here, not mid-training.

@@ -28,7 +28,13 @@ from torch.utils.data import DataLoader
 import trainperf.loader._autotune as autotune
 from trainperf import DieWithParent
 from trainperf.limits import HostLimits
-from trainperf.loader import CandidateResult, TunedDataLoader, TuningReport, autotune_loader
+from trainperf.loader import (
+    AdaptiveDataLoader,
+    CandidateResult,
+    TunedDataLoader,
+    TuningReport,
+    autotune_loader,
+)
 from trainperf.loader._faults import budget_cut_reason
 
 ORPHANS = Path(__file__).with_name("_orphans.py")
@@ -49,6 +55,15 @@ def test_the_tuned_loader_wraps_the_callers_worker_init_fn() -> None:
 
 
 @pytest.mark.slow  # about 1 s: two workers started
+@pytest.mark.parametrize("cls", [TunedDataLoader, AdaptiveDataLoader])
+def test_a_tuned_loader_built_directly_names_a_bad_worker_count(cls: type) -> None:
+    # DataLoader's own: TypeError: '<' not supported between instances of 'str' and 'int'.
+    with pytest.raises(ValueError, match=r"num_workers must be an int >= 0, got '2'"):
+        cls(range(8), batch_size=4, num_workers="2")
+    with pytest.raises(ValueError, match=r"prefetch_factor must be None or an int >= 1, got 0"):
+        cls(range(8), 4, False, None, None, 2, prefetch_factor=0)  # num_workers by position
+
+
 def test_the_tuned_loaders_workers_run_the_callers_worker_init_fn() -> None:
     seen = []
     loader = TunedDataLoader(

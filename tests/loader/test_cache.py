@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import errno
 import fcntl
 import json
@@ -29,6 +30,17 @@ def test_cache_file_follows_xdg_and_home(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_file() == tmp_path / "home" / ".cache" / "trainperf" / "loader.json"
+
+
+def test_cache_files_example_leaves_the_environment_as_it_found_it() -> None:
+    # The doctest runs in the same process as every other doctest and test: a variable it
+    # set and left would move their cache to /tmp/xdg.
+    before = dict(os.environ)
+    (example,) = doctest.DocTestFinder().find(cache_file)
+    runner = doctest.DocTestRunner()
+    runner.run(example, out=lambda _: None)
+    assert runner.summarize(verbose=False) == (0, len(example.examples))
+    assert dict(os.environ) == before
 
 
 @pytest.mark.slow  # about 3-4 s: five tuning runs

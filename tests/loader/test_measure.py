@@ -150,18 +150,22 @@ def test_measure_skips_when_the_deadline_has_passed() -> None:
 
 
 class SlowInWorkers(Dataset[torch.Tensor]):
-    """Each sample takes ``sample_s`` in a worker (forever when None); instant in the main
-    process."""
+    """Each sample takes ``sample_s`` in a worker (forever when None), after the worker's
+    first ``fast`` samples; instant in the main process."""
 
-    def __init__(self, sample_s: float | None) -> None:
+    def __init__(self, sample_s: float | None, fast: int = 0) -> None:
         self.sample_s = sample_s
+        self.fast = fast  # each worker counts its own calls
+        self.calls = 0
 
     def __len__(self) -> int:
         return 256
 
     def __getitem__(self, i: int) -> torch.Tensor:
         if get_worker_info() is not None:
-            time.sleep(120 if self.sample_s is None else self.sample_s)
+            self.calls += 1
+            if self.calls > self.fast:
+                time.sleep(120 if self.sample_s is None else self.sample_s)
         return torch.zeros(4)
 
 
@@ -200,11 +204,14 @@ def test_deadline_cuts_the_hang_timeout_and_a_silent_pool_is_a_possible_hang(
 def test_deadline_during_slow_batches_is_the_budget_not_a_hang(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # 0.4 s per batch per worker: the first batch arrives, the skipped ones do not all.
-    r, closes = measure_until(SlowInWorkers(0.05), 1.5, monkeypatch)
+    # 0.4 s per batch per worker after its first: the first batch arrives, but not the
+    # 6 skipped and 16 timed ones (4.4 s). It comes at once and the deadline leaves over
+    # 2 s for it, so a busy host's slow worker start (about 1 s on 2 loaded cores) is not
+    # a pool cut off before its first batch, which reads as a possible hang.
+    r, closes = measure_until(SlowInWorkers(0.05, fast=BS), 3.0, monkeypatch)
     assert (r.status, r.fault) == ("failed", "budget")
     assert r.startup_s is not None
-    assert r.elapsed_s <= 1.5 + 1.0
+    assert r.elapsed_s <= 3.0 + 1.0
     # A graceful stop would wait for each worker's batch in hand, past the deadline.
     assert closes == [True]
 

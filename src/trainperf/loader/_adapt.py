@@ -57,7 +57,7 @@ from trainperf.loader._adapt_pool import (
 from trainperf.loader._adapt_retune import retune
 from trainperf.loader._adapt_rules import EpochFigures
 from trainperf.loader._adapt_timed import _BY_CLOSE, _BY_ITER, _TimedIter
-from trainperf.loader._args import checked_context
+from trainperf.loader._args import checked_context, loader_args
 from trainperf.loader._autotune import _TOO_MANY, TunedDataLoader
 from trainperf.loader._choice import has_set_epoch
 from trainperf.loader._faults import start_method
@@ -141,9 +141,10 @@ class AdaptiveDataLoader(TunedDataLoader):
             it), or None when they may happen mid-epoch.
 
     Raises:
-        ValueError: ``max_workers`` is not None or an int >= 0, or a
-            ``multiprocessing_context`` kept for later is no start method or context (and
-            DataLoader's own).
+        ValueError: ``max_workers`` is not None or an int >= 0; a ``batch_size``,
+            ``num_workers``, ``prefetch_factor`` or ``timeout`` that
+            :class:`TunedDataLoader` refuses; a ``multiprocessing_context`` kept for later
+            is no start method or context (and DataLoader's own).
 
     Example:
         >>> loader = AdaptiveDataLoader(range(8), batch_size=4, max_workers=2)
@@ -164,8 +165,9 @@ class AdaptiveDataLoader(TunedDataLoader):
         **kwargs: Any,
     ) -> None:
         non_negative_int("max_workers", max_workers, none_ok=True)
-        kept = None
-        if kwargs.get("multiprocessing_context") is not None and not _workers_given(args, kwargs):
+        kept = None  # DataLoader's arguments are checked by TunedDataLoader's __init__
+        workers = loader_args(args, kwargs).get("num_workers")
+        if kwargs.get("multiprocessing_context") is not None and not workers:
             # DataLoader refuses a start method without workers: kept for those it adds.
             kept = checked_context(kwargs.pop("multiprocessing_context"))
         super().__init__(dataset, *args, **kwargs)
@@ -368,12 +370,6 @@ def _keeps_workers(dataset: Any, asked: Any) -> bool:
     if asked is not None:
         return bool(asked)
     return not has_set_epoch(dataset)
-
-
-def _workers_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """The ``num_workers`` of DataLoader arguments (after ``dataset``), by name or position."""
-    bound = inspect.signature(DataLoader).bind_partial(None, *args, **kwargs).arguments
-    return int(bound.get("num_workers") or 0)
 
 
 def _wraps_index_sampler(cls: type) -> bool:

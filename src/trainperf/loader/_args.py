@@ -20,7 +20,7 @@ from trainperf._utils.validate import (
     positive_number,
 )
 
-__all__ = ["check_args", "check_loader_kwargs", "checked_context"]
+__all__ = ["check_args", "check_loader_kwargs", "check_sizes", "checked_context", "loader_args"]
 
 _ALLOWED = frozenset(inspect.signature(DataLoader.__init__).parameters) - {
     "self",
@@ -67,14 +67,48 @@ def check_args(
             "that batches"
         )
     positive_int("batch_size", batch_size)
-    non_negative_int("max_workers", max_workers, none_ok=True)  # None: the default
+    check_loader_kwargs(loader_kwargs)
+    check_sizes(max_workers, loader_kwargs)
     positive_number("budget_s", budget_s, unit="seconds")
     positive_int("epochs_hint", epochs_hint, none_ok=True)
     if step_fn is not None and not callable(step_fn):
         raise ValueError(f"step_fn must be callable (it gets one batch), got {step_fn!r}")
-    check_loader_kwargs(loader_kwargs)
-    _check_callers_workers(loader_kwargs)
     _check_kinds(loader_kwargs)
+
+
+def check_sizes(max_workers: object, loader_args: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` for a bad ``max_workers`` (None: the default) or a bad
+    ``batch_size`` (None: no automatic batching, as DataLoader takes it), ``num_workers``,
+    ``prefetch_factor`` or ``timeout`` among DataLoader's arguments (``loader_args``, by
+    name): the checks of ``tune_loader`` and of an
+    :class:`~trainperf.loader.AdaptiveDataLoader` built directly, where DataLoader's own
+    would raise a bare ``TypeError`` (``'<' not supported between instances of 'str' and
+    'int'``) or take a ``prefetch_factor`` of 0.
+
+    Example:
+        >>> check_sizes(None, {"batch_size": 8, "num_workers": 2, "prefetch_factor": 4})
+        >>> check_sizes(None, {"num_workers": "2"})
+        Traceback (most recent call last):
+        ...
+        ValueError: num_workers must be an int >= 0, got '2'
+    """
+    non_negative_int("max_workers", max_workers, none_ok=True)
+    positive_int("batch_size", loader_args.get("batch_size", 1), none_ok=True)
+    _check_callers_workers(loader_args)
+
+
+def loader_args(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """DataLoader's arguments after ``dataset``, by name, whether given by name or position.
+
+    Raises:
+        TypeError: one DataLoader does not take (as DataLoader itself would).
+
+    Example:
+        >>> loader_args((4, True), {"num_workers": 2})
+        {'batch_size': 4, 'shuffle': True, 'num_workers': 2}
+    """
+    bound = inspect.signature(DataLoader).bind_partial(None, *args, **kwargs).arguments
+    return {name: value for name, value in bound.items() if name != "dataset"}
 
 
 def _check_callers_workers(loader_kwargs: Mapping[str, Any]) -> None:

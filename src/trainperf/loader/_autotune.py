@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainperf._utils.lifetime import DieWithParent
+from trainperf.loader._args import check_sizes, loader_args
 from trainperf.loader._choice import has_set_epoch
 from trainperf.loader._faults import budget_cut
 from trainperf.loader._iterable import tail_batches
@@ -39,6 +40,11 @@ class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
     Attributes:
         tuning_report: the :class:`TuningReport` its settings came from.
 
+    Raises:
+        ValueError: ``batch_size`` is not None or an int >= 1, or ``num_workers``,
+            ``prefetch_factor`` or ``timeout`` is one ``tune_loader`` refuses
+            (:func:`~trainperf.loader._args.check_sizes`), and DataLoader's own.
+
     Example:
         >>> from trainperf import DieWithParent
         >>> loader = TunedDataLoader(range(8), batch_size=4, num_workers=2, worker_init_fn=print)
@@ -56,6 +62,9 @@ class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
     _iterated = False
 
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
+        # Before DataLoader's own checks, which raise a bare TypeError for num_workers="2"
+        # and take num_workers=2.0 or prefetch_factor=0 only to fail in the training loop.
+        check_sizes(None, loader_args(args, kwargs))
         super().__init__(dataset, *args, **kwargs)
         if self.num_workers > 0:
             self.worker_init_fn = DieWithParent(self.worker_init_fn)

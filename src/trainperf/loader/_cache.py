@@ -60,8 +60,9 @@ def cache_file() -> Path:
 
     Example:
         >>> import os
-        >>> os.environ["XDG_CACHE_HOME"] = "/tmp/xdg"
-        >>> str(cache_file())
+        >>> from unittest import mock
+        >>> with mock.patch.dict(os.environ, {"XDG_CACHE_HOME": "/tmp/xdg"}):  # then restored
+        ...     str(cache_file())
         '/tmp/xdg/trainperf/loader.json'
     """
     return cache.cache_dir() / "loader.json"

@@ -1,6 +1,7 @@
 """Whether a cached ``tune_loader`` choice still describes the dataset: the main process's
-rate now, on a few batches, against the rate the entry measured (:data:`STALE_FACTOR`).
-The cache key sees the dataset's class and size, not its settings.
+rate now, on a few batches, against the rate the entry measured (:data:`STALE_FACTOR`,
+beyond :data:`NOISE_FLOOR_S` a batch). The cache key sees the dataset's class and size, not
+its settings.
 """
 
 from __future__ import annotations
@@ -17,28 +18,52 @@ from trainperf.loader._tune_prepare import _for_measuring
 if TYPE_CHECKING:
     from trainperf.loader._tune import _Call
 
-__all__ = ["STALE_FACTOR"]
+__all__ = ["NOISE_FLOOR_S", "STALE_FACTOR"]
 
 STALE_FACTOR = 3.0
 """A cached choice is tuned again when the main process now loads this many times faster or
 slower than when it was measured (a heavier transform, augmentation switched on: the key
 sees the dataset's class and size, not its settings)."""
 
+NOISE_FLOOR_S = 0.001
+"""Nor is it tuned again when its time per batch changed by less than this: batches that
+take microseconds are timed within a busy host's scheduling noise (one reading of a
+near-free dataset's rate differs several-fold from the next), and no training step feels
+such a change."""
+
 
 def _changed_since(call: _Call, cached_rate: float | None) -> str | None:
     """Why a cache hit of a map-style dataset no longer describes it, or None: the main
     process's samples/s on a few batches now (the fastest of up to three after the first, which
     carries the start-up the entry's steady-state rate leaves out) against the rate the
-    entry measured."""
+    entry measured (:func:`_differs`)."""
     if not cached_rate or _iterable.is_iterable(call.dataset):
         return None  # a stream pays its start-up (a shuffle buffer, a connection) first
     now = _main_process_rate(call.dataset, call.setup.batch_size, call.loader_kwargs)
-    if now is None or 1 / STALE_FACTOR <= now / cached_rate <= STALE_FACTOR:
+    if now is None or not _differs(now, cached_rate, call.setup.batch_size):
         return None
     return (
         f"the cached settings were not used (the main process now loads "
         f"{now:,.0f} samples/s, {cached_rate:,.0f} when they were tuned): tuned again"
     )
+
+
+def _differs(now: float, then: float, batch_size: int) -> bool:
+    """Whether the main process's samples/s ``now`` differs from ``then`` by more than
+    :data:`STALE_FACTOR` either way and its time per batch by more than
+    :data:`NOISE_FLOOR_S`.
+
+    Example:
+        >>> _differs(300_000.0, 60_000.0, 8)  # 5x faster, but 0.03 ms a batch against 0.13
+        False
+        >>> _differs(100.0, 100_000.0, 8)  # 80 ms a batch now, 0.08 ms then
+        True
+        >>> _differs(800.0, 200.0, 8)  # 4x faster: 10 ms a batch now, 40 ms then
+        True
+    """
+    if 1 / STALE_FACTOR <= now / then <= STALE_FACTOR:
+        return False
+    return abs(batch_size / now - batch_size / then) > NOISE_FLOOR_S
 
 
 def _main_process_rate(
