@@ -462,3 +462,15 @@ def test_values_torch_converts_on_copy_still_load() -> None:
     state = {"0.weight": torch.ones(2, 2, dtype=torch.int64), "0.bias": torch.ones(1).expand(2)}
     assert load_state_dict(model, state).complete
     assert torch.equal(model[0].weight, torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("strict", [None, "false", "False", 0.5])
+def test_load_state_dict_strict_must_be_a_bool(strict: Any) -> None:
+    # strict=None loaded part of the state dict (as strict=False), and strict="false" was
+    # strict: both read as the other setting, with no error.
+    model, before = Net(), Net().state_dict()
+    model.load_state_dict(before)
+    partial = {k: v for k, v in before.items() if not k.endswith("bias")}
+    with pytest.raises(ValueError, match=rf"strict must be one of \(True, False\), got {strict!r}"):
+        load_state_dict(model, partial, strict=strict)
+    assert_same(model.state_dict(), before)

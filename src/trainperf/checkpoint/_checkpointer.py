@@ -46,8 +46,8 @@ from trainperf.checkpoint._payload import build_payload, rank_payload, restore_i
 from trainperf.checkpoint._preempt import Preemption
 from trainperf.checkpoint._steps import (
     main_file,
-    misnamed,
     rank_file,
+    refuse_misnamed,
     remove_dead_temps,
     retire,
     steps_on_disk,
@@ -134,8 +134,8 @@ class Checkpointer:
         self._staging = Staging()
         self._stops: list[Preemption] = []  # every preemption() made, nested ones too
         self._damaged: set[int] = set()  # steps whose file restore found corrupt
-        self._behind_told = False  # warned once that a later step is already on disk
-        self._highest: int | None = None  # the highest step on disk or saved here, once read
+        self._behind_told = -1  # the highest later step on disk warned of so far
+        self._highest = -1  # the highest step on disk or saved here, as far as seen
         self._claim = DirectoryClaim(self.directory)  # rank 0's writer lock, at its first save
 
     def __repr__(self) -> str:
@@ -347,7 +347,7 @@ class Checkpointer:
             except OSError as e:
                 raise _stops_at("latest", step, e) from e
             if isinstance(held, int):
-                _refuse_misnamed("latest", path, step, held)
+                refuse_misnamed("latest", path, step, held)
                 return path
             warnings.warn(f"skipping checkpoint {path}: {held}", UserWarning, stacklevel=2)
         return None
@@ -435,7 +435,7 @@ class Checkpointer:
                 continue
             except OSError as e:
                 raise _stops_at("restore", step, e) from e
-            _refuse_misnamed("restore", path, step, found)
+            refuse_misnamed("restore", path, step, found)
             restore_into(state, saved, own_part(self, step, rank), str(path), found)
             return found
         return 0
@@ -475,15 +475,6 @@ class Checkpointer:
         stop = Preemption(signals, grace_s, check_every)
         self._stops.append(stop)
         return stop
-
-
-def _refuse_misnamed(method: str, path: Path, named: int, held: int) -> None:
-    """Raise when the file of step ``named`` holds another step (a copy or rename): falling
-    back to an older file would lose the steps since, and loading it would resume at the
-    wrong step while ``latest()``, ``steps()`` and ``keep=`` go by the name."""
-    if held != named:
-        e = misnamed(path, named, held)
-        raise CheckpointError(f"Checkpointer.{method} stops at step {named}: {e}", path)
 
 
 def _file_in_the_way(directory: Path) -> Path | None:

@@ -20,34 +20,40 @@ __all__ = ["warn_if_behind", "warn_notes"]
 
 
 def warn_if_behind(ckpt: Checkpointer, step: int) -> None:
-    """Warn (once) when the directory already holds a later step than ``step``: an
-    earlier run's, or a step count that restarted. :meth:`latest` and :meth:`restore`
-    take the highest step, so a resume would continue from that one, not from this run."""
-    if ckpt._highest is None:  # the directory is read once; later saves are counted
-        ckpt._highest = _highest_loadable(ckpt)
-    highest, ckpt._highest = ckpt._highest, max(ckpt._highest, step)
-    if ckpt._behind_told or step >= highest:
+    """Warn when the directory holds a later step than ``step``: an earlier run's, another
+    process's written since, or a step count that restarted. :meth:`latest` and
+    :meth:`restore` take the highest step, so a resume would continue from that one, not
+    from this run. Once per later step seen: the directory's names are listed at each save,
+    and only a file named above every step known (on disk or saved here) is read, once.
+    """
+    highest = _highest_loadable(ckpt, ckpt._highest)
+    ckpt._highest = max(highest, step)
+    if step >= highest or highest <= ckpt._behind_told:
         return
-    ckpt._behind_told = True
+    ckpt._behind_told = highest
     warnings.warn(
         f"Checkpointer.save(step={step}): {ckpt.directory} already holds step "
-        f"{highest}, a later one (an earlier run's, or this run's step count restarted). "
-        f"latest() and restore() take the highest step, so a resume would continue from "
-        f"step {highest}, not from this run, and keep={ckpt.keep} never deletes it. "
-        "Start a new run in a new directory, remove the later files, or continue that "
-        "run: step = ckpt.restore(state) before the loop",
+        f"{highest}, a later one (an earlier run's, another process's, or this run's step "
+        f"count restarted). latest() and restore() take the highest step, so a resume would "
+        f"continue from step {highest}, not from this run, and keep={ckpt.keep} never "
+        "deletes it. Start a new run in a new directory, remove the later files, or continue "
+        "that run: step = ckpt.restore(state) before the loop",
         UserWarning,
         stacklevel=user_stacklevel(),
     )
 
 
-def _highest_loadable(ckpt: Checkpointer) -> int:
-    """The highest step on disk that a resume would take, or -1: not the files restore found
-    damaged, nor those it would skip (cut short, foreign), as a resume skips them too."""
+def _highest_loadable(ckpt: Checkpointer, known: int) -> int:
+    """The highest step on disk above ``known`` that a resume would take, else ``known``:
+    not the files restore found damaged, nor those it would skip (cut short, foreign), as
+    a resume skips them too. Names at or below ``known`` are not looked at, and a file is
+    read once per version (:func:`~trainperf.checkpoint._held.held_step`)."""
     for step in reversed(ckpt.steps()):
+        if step <= known:
+            break
         if step not in ckpt._damaged and not_a_step_file(main_file(ckpt.directory, step)) is None:
             return step
-    return -1
+    return known
 
 
 def warn_notes(notes: list[str]) -> None:

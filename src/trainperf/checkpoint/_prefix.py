@@ -315,6 +315,8 @@ def load_state_dict(
 
     Raises:
         TypeError: ``state_dict`` is not a mapping.
+        ValueError: ``strict`` or ``ema`` is not True or False (``None`` or ``"false"``
+            would otherwise read as the other setting); nothing is loaded.
         StateDictMismatchError: No key fits (whatever ``strict`` says), ``strict=True`` and
             keys or shapes differ, two parts of a checkpoint fit equally well, or ``ema=True``
             and no EMA copy fits; the model is unchanged.
@@ -327,6 +329,9 @@ def load_state_dict(
         >>> load_state_dict(net, ckpt).source
         "checkpoint['model']"
     """
+    # Checked, not read as truthy: strict=None would load part of the state dict quietly,
+    # and strict="false" would be strict.
+    choice("strict", strict, (True, False))
     choice("ema", ema, (False, True))
     inner, target, best, result = _plan(model, state_dict, strict, ema)
     if strict:

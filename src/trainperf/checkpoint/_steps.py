@@ -26,6 +26,7 @@ __all__ = [
     "not_a_step_file",
     "pinned",
     "rank_file",
+    "refuse_misnamed",
     "remove_dead_temps",
     "retire",
     "steps_on_disk",
@@ -116,26 +117,66 @@ def not_a_step_file(path: Path, *, raise_read_errors: bool = False) -> str | Non
     return None
 
 
-def misnamed(path: Path, named: int, held: int) -> CheckpointError:
-    """The error for the step file ``path`` whose name says step ``named`` but which holds
-    step ``held`` (a copy or a rename): loading it would resume at the wrong step.
+def misnamed(
+    path: Path, named: int, held: int, *, named_rank: int = 0, held_rank: int = 0
+) -> CheckpointError:
+    """The error for the step file ``path`` whose name says step ``named`` (of rank
+    ``named_rank``'s file; 0: the main file) but which holds step ``held`` of rank
+    ``held_rank`` (a copy or a rename): loading it would resume at the wrong step, or give
+    a rank another step's (another rank's) random states and loader positions.
 
     Example:
         >>> print(misnamed(Path("runs/step-000000200.pt"), 200, 100))  # doctest: +ELLIPSIS
         runs/step-000000200.pt holds step 100, but its name says step 200 (copied or ...
+        >>> print(misnamed(Path("runs/step-000000200.rank-00001.pt"), 200, 200,
+        ...                named_rank=1, held_rank=2))  # doctest: +ELLIPSIS
+        runs/step-000000200.rank-00001.pt holds rank 2's part of step 200, but its name ...
     """
-    right = main_file(path.parent, held)
+    right = _file_of(path.parent, held, held_rank)
+    whose = _part(held, held_rank) if held_rank else f"step {held}'s checkpoint"
     fix = (
         f"{right.name} is there too, so this is a copy: move it out of {path.parent}"
         if os.path.lexists(right)
-        else f"rename it to {right.name} if it is step {held}'s checkpoint, or move it out "
-        f"of {path.parent}"
+        else f"rename it to {right.name} if it is {whose}, or move it out of {path.parent}"
     )
+    if named_rank == 0:
+        source, harm = "another step's file", "continue at the wrong step"
+    else:
+        source = "another file"
+        harm = (
+            f"give rank {named_rank} the random states and loader positions of "
+            f"{_part(held, held_rank)}"
+        )
     return CheckpointError(
-        f"{path} holds step {held}, but its name says step {named} (copied or renamed from "
-        f"another step's file): resuming from it would continue at the wrong step; {fix}",
+        f"{path} holds {_part(held, held_rank)}, but its name says "
+        f"{_part(named, named_rank)} (copied or renamed from {source}): resuming from it "
+        f"would {harm}; {fix}",
         path,
     )
+
+
+def refuse_misnamed(
+    method: str, path: Path, named: int, held: int, *, named_rank: int = 0, held_rank: int = 0
+) -> None:
+    """Raise :func:`misnamed`'s error, as ``Checkpointer.<method>``'s, when the step file
+    ``path`` holds another step (or rank) than its name says: falling back to an older file
+    would lose the steps since, and loading it would resume wrongly while ``latest()``,
+    ``steps()`` and ``keep=`` go by the name.
+
+    Raises:
+        CheckpointError: ``(held, held_rank)`` is not ``(named, named_rank)``.
+    """
+    if (held, held_rank) != (named, named_rank):
+        e = misnamed(path, named, held, named_rank=named_rank, held_rank=held_rank)
+        raise CheckpointError(f"Checkpointer.{method} stops at step {named}: {e}", path)
+
+
+def _file_of(directory: Path, step: int, rank: int) -> Path:
+    return main_file(directory, step) if rank == 0 else rank_file(directory, step, rank)
+
+
+def _part(step: int, rank: int) -> str:
+    return f"step {step}" if rank == 0 else f"rank {rank}'s part of step {step}"
 
 
 def retire(directory: Path, keep: int, protect: int, damaged: Iterable[int] = ()) -> list[str]:
