@@ -328,3 +328,16 @@ def raise_while_peer_exits_on_sigterm(bad_rank: int, code: int) -> None:
         raise ValueError("deliberate failure")
     signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(code))
     time.sleep(120)
+
+
+def close_stderr_and_break_teardown(value: int) -> int:
+    """Return ``value`` after closing ``sys.stderr``, with the rank's own
+    ``destroy_process_group`` made to fail once ``main`` has returned."""
+    from trainperf.ddp import _worker
+
+    def broken() -> None:
+        raise RuntimeError("destroy_process_group broke")
+
+    _worker._destroy = broken
+    sys.stderr.close()
+    return value

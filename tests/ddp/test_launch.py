@@ -31,7 +31,7 @@ import trainperf.ddp as ddp
 from tests.ddp import _workers as workers
 from tests.ddp._distributed import FORK, LONG, fast_start_method, launch_fork, spawn
 from tests.ddp._envs import TORCHRUN
-from trainperf.ddp import _env, _launch_checks
+from trainperf.ddp import _env, _launch, _launch_checks
 from trainperf.errors import DeviceError, LaunchError
 from trainperf.limits import usable_cpus
 
@@ -168,6 +168,23 @@ def _nested_main() -> None:
 def test_launch_rejects_bad_options(kwargs: dict[str, Any], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         ddp.launch(workers.add, 1, 2, **{"start_method": "fork", "backend": "gloo", **kwargs})
+
+
+@pytest.mark.parametrize("nprocs", [0, -2, "2", True, 1.5])
+def test_launch_inside_a_job_rejects_a_bad_nprocs_before_ignoring_it(
+    monkeypatch: pytest.MonkeyPatch, nprocs: object
+) -> None:
+    # Inside a running job nprocs is ignored, but it was never checked either: nprocs=0 or
+    # "2" only got the "ignores nprocs" warning, and main ran.
+    env = {**TORCHRUN, "RANK": "0", "LOCAL_RANK": "0"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(_launch_checks, "_warned_ignored_nprocs", [False])
+    monkeypatch.setattr(_launch, "run_in_process", lambda *a, **k: "main ran")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused outright: no "ignores nprocs" warning first
+        with pytest.raises(ValueError, match=rf"nprocs must be an int >= 1, got {nprocs!r}"):
+            ddp.launch(workers.add, 1, 2, nprocs=nprocs, backend="gloo")  # type: ignore[arg-type]
 
 
 _NUMERIC_TIMEOUT = r"timeout must be a positive number of seconds \(or a positive timedelta\)"

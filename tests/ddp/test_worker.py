@@ -211,3 +211,37 @@ def test_a_failed_rank_still_leaves_through_os_exit_when_main_closed_sys_stderr(
     with pytest.raises(_Exited):
         _worker._exit_now(1)
     assert codes == [1]
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_whose_main_closed_sys_stderr_still_exits_0_when_teardown_fails(
+    caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The warning about a failed destroy_process_group was print()ed to the closed
+    # sys.stderr, which raised: a rank whose main had returned exited with code 1.
+    with caplog.at_level("WARNING", logger="trainperf.ddp"):
+        assert launch_fork(workers.close_stderr_and_break_teardown, 7, nprocs=1) == 7
+    assert "returned from main, then" not in caplog.text
+    err = capfd.readouterr().err
+    assert "rank 0: destroy_process_group failed after main returned" in err
+    assert "RuntimeError: destroy_process_group broke" in err
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_without_hang_detection_still_runs_main_when_sys_stderr_is_closed(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The "hang detection is off" notice was print()ed to sys.stderr: a forked rank that
+    # inherited a closed one raised there and exited before main ran.
+    from trainperf.ddp import _worker
+
+    def no_tracker(spec: WorkerSpec, rank: int) -> None:
+        raise OSError("no stacks signal here")
+
+    if fast_start_method() != "fork":
+        pytest.skip("needs fork: the rank must inherit this process's stand-ins")
+    monkeypatch.setattr(_worker, "_track", no_tracker)
+    monkeypatch.setattr(sys, "stderr", _closed_stream())
+    assert launch_fork(workers.add, 3, 4, nprocs=1) == 7
+    err = capfd.readouterr().err
+    assert "rank 0: hang detection is off (OSError('no stacks signal here'))" in err

@@ -65,6 +65,10 @@ def _launch(
     import torch
 
     span = _check_options(main, backend, start_method, timeout, max_restarts)
+    if nprocs is not None:
+        # Checked here, before a running job decides to ignore it: nprocs=0 or "2" is a
+        # mistake wherever launch() runs.
+        nprocs = positive_int("nprocs", nprocs)
     grace = positive_number("grace_s", grace_s, unit="seconds")
     hang = None
     if hang_timeout is not None:
@@ -95,7 +99,6 @@ def _launch(
     resolved = resolve_backend(backend, gpu_count)
     if nprocs is None:
         nprocs = max(gpu_count, 1)
-    positive_int("nprocs", nprocs)
     if resolved == "nccl" and nprocs > gpu_count:
         raise ValueError(
             f"nprocs={nprocs} with backend='nccl' needs {nprocs} GPUs, but {gpu_count} "
@@ -154,7 +157,8 @@ def launch(
     Args:
         main: the training function; a module-level function under ``"spawn"``.
         *args: positional arguments for ``main``.
-        nprocs: number of workers on this machine.
+        nprocs: number of workers on this machine: an int >= 1, or None (the default above);
+            checked inside a running job too, where it is then ignored.
         backend: ``"nccl"`` or ``"gloo"``; None picks NCCL with GPUs, gloo without.
         start_method: ``"spawn"`` (scripts, with an ``if __name__ == "__main__":`` guard)
             or ``"fork"`` (notebooks and REPLs, Linux, before CUDA is initialised).

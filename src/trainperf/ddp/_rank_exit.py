@@ -4,8 +4,9 @@ flushed, stop its own child processes. None of it raises: the ``os._exit`` that 
 must happen, or the rank goes through a normal interpreter shutdown, which can block
 (threads, NCCL teardown) until its launcher kills it.
 
-Used by :mod:`~trainperf.ddp._worker` (a spawned rank that failed) and
-:mod:`~trainperf.ddp._watchdog` (every rank after a hang).
+Used by :mod:`~trainperf.ddp._worker` (a spawned rank that failed, and its notices before
+and after ``main``, which must not fail a rank either) and :mod:`~trainperf.ddp._watchdog`
+(every rank after a hang).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ agent hosts it). Each rank runs one daemon thread that, every ``timeout / 20`` s
    low bits; a rank in a collective inside ``busy()`` sends no beat: it waits for the
    others). ``timeout`` seconds without
    the total changing may be a hang: the rank decides on one snapshot of its own state
-   (its slot and one dump of all its threads; :func:`judge`), and a rank that waits for
+   (its slot and one dump of all its threads;
+   :func:`~trainperf.ddp._watchdog_verdict.judge`), and a rank that waits for
    another sets the ``hang`` key.
 2. once ``hang`` is set, writes its own stacks (``faulthandler.dump_traceback``, all
    threads) and its progress slot to the store. One rank (the first to claim the
@@ -52,26 +53,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Literal
+from typing import IO, Any
 
 from trainperf._utils.atomic import write_atomically
 from trainperf._utils.validate import positive_number
 from trainperf.ddp import _hang, _hang_report, _hang_view, _progress
-from trainperf.ddp._detector import rank_view
-from trainperf.ddp._progress_slots import (
-    BUSY_CAP,
-    SLOT_SIZE,
-    SlotState,
-    State,
-    busy_counts,
-    read_slot,
-)
+from trainperf.ddp._progress_slots import SLOT_SIZE, SlotState, busy_counts, read_slot
 from trainperf.ddp._progress_tracker import Tracker
 from trainperf.ddp._rank_exit import enable_faulthandler as _enable_faulthandler
 from trainperf.ddp._rank_exit import flush_std_streams
 from trainperf.ddp._rank_exit import kill_children as _kill_children
 from trainperf.ddp._rank_exit import say as _say
-from trainperf.ddp._stacks import ThreadStack, classify, compiling_threads, parse_dump
+from trainperf.ddp._stacks import parse_dump
+from trainperf.ddp._watchdog_verdict import Decision, judge
+from trainperf.ddp._watchdog_verdict import verdict_record as _verdict_record
+from trainperf.ddp._watchdog_verdict import view as _view
 
 __all__ = ["COLLECT_S", "EXIT_CODE", "Watchdog", "judge", "watchdog"]
 
@@ -88,50 +84,6 @@ _BEAT = 1 << 32
 # many were started here, which keys each one's store entries (every rank starts as many).
 _active: list[Watchdog] = []
 _started = [0]
-
-Decision = Literal["progress", "hang", "wait"]
-
-
-def judge(
-    slot: SlotState,
-    threads: list[ThreadStack],
-    *,
-    seen_progress: int,
-    ended: bool,
-    now: float,
-    timeout: float,
-    stalled_s: float = 0.0,
-) -> Decision:
-    """What a rank makes of a stall, from one snapshot of itself: its slot and one dump of
-    all its threads.
-
-    ``"progress"``: it moved since the stall was measured, it is inside ``torch.compile``'s
-    compiler (on any thread) and the job has been stalled (``stalled_s``, since the last
-    real progress) for less than ``BUSY_CAP`` times the timeout, or it is inside ``busy()``
-    below the cap and not in a collective there. ``"hang"``: it waits (in a
-    collective, or in DDP's ``backward()``), or another rank has ended. ``"wait"``: it is
-    busy in its own code, so it waits for nobody: a waiting rank judges.
-
-    Example:
-        >>> from trainperf.ddp._progress_slots import SlotState, State
-        >>> inside = SlotState(7, 3, 0, 0.0, 1, State.IN_COLLECTIVE, True, ())
-        >>> judge(inside, [], seen_progress=7, ended=False, now=0.0, timeout=5.0)
-        'hang'
-        >>> judge(inside, [], seen_progress=6, ended=False, now=0.0, timeout=5.0)
-        'progress'
-    """
-    if slot.progress != seen_progress:
-        return "progress"
-    if busy_counts(slot, now, timeout):
-        return "progress"
-    if compiling_threads(threads) and stalled_s < BUSY_CAP * timeout:
-        return "progress"
-    if slot.state == State.IN_COLLECTIVE or ended:
-        return "hang"
-    main = [t for t in threads if t.ident == slot.thread]
-    if main and classify(main[0].frames, in_collective=False) == "backward":
-        return "hang"
-    return "wait"
 
 
 def _store(rank_prefix: str) -> Any:
@@ -420,37 +372,6 @@ class Watchdog:
 
 def _write(f: IO[bytes], data: bytes) -> None:
     f.write(data)
-
-
-def _speaker(report: _hang_report.HangReport, me: int) -> int:
-    """The lowest rank still running that answered prints the verdict (``me`` if none)."""
-    for view in report.ranks:
-        if view.status == "running" and view.answered:
-            return view.rank
-    return me
-
-
-def _verdict_record(report: _hang_report.HangReport, me: int) -> dict[str, Any]:
-    """What the collector posts (JSON): the message, the report's dict, who prints it, and
-    how many ranks answered (they wait for each other before exiting)."""
-    answering = sum(1 for v in report.ranks if v.status == "running" and v.answered)
-    return {
-        "message": str(report),
-        "report": report.to_dict(),
-        "speaker": _speaker(report, me),
-        "answering": answering,
-    }
-
-
-def _view(rank: int, record: dict[str, Any]) -> _hang_view.RankView:
-    slot = read_slot(bytes.fromhex(record["slot"]))
-    threads = parse_dump(record["dump"]) if record.get("dump") else None
-    status: _hang_view.Status = "running"
-    if record["status"] == "returned":
-        status = "returned"
-    elif record["status"] == "gone":
-        status = "gone"
-    return rank_view(rank, status, slot, threads if status == "running" else [])
 
 
 def watchdog(

@@ -38,7 +38,7 @@ from types import TracebackType
 from typing import Any, NoReturn, cast
 
 from trainperf._utils.lifetime import die_with_parent
-from trainperf.ddp._rank_exit import flush_std_streams
+from trainperf.ddp._rank_exit import flush_std_streams, say
 from trainperf.ddp._worker_pickle import (
     _MAIN,
     InheritedFd,
@@ -341,12 +341,9 @@ def worker_main(
         tracker = _track(spec, rank)
     except Exception as e:
         # Hang detection is a help, not a condition to run: without it this rank's slot
-        # never says "ready", so the launcher's hang clock does not start.
-        print(
-            f"trainperf.ddp: rank {rank}: hang detection is off ({e!r})",
-            file=sys.stderr,
-            flush=True,
-        )
+        # never says "ready", so the launcher's hang clock does not start. say(): a forked
+        # rank may have inherited a closed sys.stderr, and a notice must not stop main.
+        say(f"trainperf.ddp: rank {rank}: hang detection is off ({e!r})")
         tracker = None
     main, args, kwargs = _load(spec, rank, conn)
 
@@ -383,12 +380,11 @@ def worker_main(
         _destroy()
     except Exception:
         # main succeeded and its result is already with the launcher: a failed clean-up
-        # is worth a warning, not the run.
-        print(
+        # is worth a warning, not the run (say() never raises, even where main closed
+        # sys.stderr).
+        say(
             f"trainperf.ddp: rank {rank}: destroy_process_group failed after main returned:\n"
-            + traceback.format_exc(),
-            file=sys.stderr,
-            flush=True,
+            + traceback.format_exc().rstrip("\n")
         )
 
 
