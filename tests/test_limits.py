@@ -248,3 +248,12 @@ def test_an_unreadable_shm_says_why_and_a_missing_one_does_not(
     none = tmp_path / "no"
     missing = host_limits(cgroup_root=tmp_path, proc_cgroup=tmp_path / "x", shm_path=none)
     assert missing.shm_error is None and "/dev/shm: none" in str(missing)
+
+
+def test_usable_cpus_of_a_numpy_count_is_a_python_int() -> None:
+    # Before: usable_cpus(np.int64(2)) returned an np.int64 (32 // np.int64(2)).
+    np = pytest.importorskip("numpy")
+    whole = HostLimits(32, 32, None, 32, 2**34, None, 2**33, None, None)
+    for count in (1, 2):
+        cpus = limits.usable_cpus(np.int64(count), limits=whole, env={})
+        assert type(cpus) is int and cpus == limits.usable_cpus(count, limits=whole, env={})

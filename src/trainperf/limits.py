@@ -370,7 +370,7 @@ def usable_cpus(
         ...                                   "SLURM_CPUS_PER_TASK": "8"})
         8
     """
-    positive_int("local_ranks", local_ranks)
+    local_ranks = positive_int("local_ranks", local_ranks)
     limits = limits or host_limits()
     if local_ranks > 1 and _bound_per_task(local_ranks, limits, env):
         return max(1, limits.cpus)

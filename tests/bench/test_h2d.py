@@ -65,3 +65,13 @@ def test_h2d_result_to_dict_is_json_safe_and_its_str_is_the_report() -> None:
     assert str(r) == f"host -> NVIDIA H200, 512 MiB per copy:\n{r.summary()}"
     odd = H2DResult("cuda:1", None, 1000, 1, 1.0, 2.0, 2.0)
     assert str(odd).splitlines()[0] == "host -> cuda:1, 1000 bytes per copy:"
+
+
+@pytest.mark.requires_cuda
+def test_bench_h2d_takes_numpy_counts_and_its_result_is_json_safe() -> None:
+    # Before: the result held the np.int64 size_bytes and iterations (json.dumps refuses).
+    np = pytest.importorskip("numpy")
+    r = bench_h2d(size_bytes=np.int64(2**20), iterations=np.int64(1))
+    data = r.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert type(r.size_bytes) is int and type(r.iterations) is int

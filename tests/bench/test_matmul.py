@@ -124,3 +124,14 @@ def test_bench_matmul_refuses_a_size_past_what_a_tensor_can_address(size: int) -
     with pytest.raises(ValueError, match=rf"bench_matmul\(size={size}\): a {size}x{size} fp32 "
                        r"matrix is .* bytes, more than a tensor can address"):  # fmt: skip
         bench_matmul("fp32", size=size, iterations=1, device="cpu")
+
+
+def test_bench_matmul_takes_numpy_counts_and_its_result_is_json_safe() -> None:
+    # Before: the result held the np.int64 size and iterations, which json.dumps refuses.
+    np = pytest.importorskip("numpy")
+    counts = {"size": np.int64(32), "iterations": np.int64(2), "warmup": np.int64(1)}
+    r = bench_matmul("fp32", device="cpu", **counts)
+    data = r.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert type(r.size) is int and type(r.iterations) is int
+    assert (r.size, r.iterations) == (32, 2)

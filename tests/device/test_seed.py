@@ -157,3 +157,17 @@ def test_worker_init_fn_outside_a_worker(restore_determinism: None) -> None:
     assert draws()[:2] == a != b
     with pytest.raises(ValueError, match="worker_id must be an int >= 0, got -1"):
         worker_init_fn(-1)
+
+
+@pytest.mark.parametrize("initial_seed", [11, 2**64 - 1])
+def test_worker_init_fn_takes_a_numpy_worker_id(
+    initial_seed: int, restore_determinism: None
+) -> None:
+    # Before: the NumPy id reached random.seed (TypeError), or overflowed when added to a
+    # 64-bit initial seed (OverflowError).
+    torch.manual_seed(initial_seed)
+    worker_init_fn(1)
+    expected = draws()[:2]
+    torch.manual_seed(initial_seed)
+    worker_init_fn(np.int64(1))
+    assert draws()[:2] == expected

@@ -121,3 +121,38 @@ def test_shm_with_no_workers_needs_no_shared_memory() -> None:
 def test_shm_refuses_a_worker_count_that_is_not_a_non_negative_int(workers: object) -> None:
     with pytest.raises(ValueError, match=r"workers must be an int >= 0, got "):
         check_shm(limits(), workers=workers)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"prefetch_factor": 0}, r"prefetch_factor must be an int >= 1, got 0"),
+        ({"prefetch_factor": 2.5}, r"prefetch_factor must be an int >= 1, got 2\.5"),
+        ({"prefetch_factor": None}, r"prefetch_factor must be an int >= 1, got None"),
+        ({"batch_bytes": -1}, r"batch_bytes must be an int >= 0, got -1"),
+        ({"batch_bytes": "77MB"}, r"batch_bytes must be an int >= 0, got '77MB'"),
+    ],
+)
+def test_shm_refuses_a_prefetch_factor_or_batch_size_out_of_range(
+    kwargs: dict[str, object], match: str
+) -> None:
+    # Before: prefetch_factor=0 made the need 0, so a 64 MiB /dev/shm was called ok for
+    # 8 workers of 74 MiB batches.
+    tiny = limits(shm_total=64 * MiB, shm_free=64 * MiB)
+    with pytest.raises(ValueError, match=match):
+        check_shm(tiny, workers=8, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("gpu_count", [-2, 1.5, True, None])
+def test_cpus_refuses_a_gpu_count_that_is_not_a_non_negative_int(gpu_count: object) -> None:
+    # Before: gpu_count=-2 gave "-16 per GPU (-2 GPU(s))" and a warning to rent more cores.
+    with pytest.raises(ValueError, match=rf"gpu_count must be an int >= 0, got {gpu_count!r}"):
+        check_cpus(limits(), gpu_count=gpu_count)  # type: ignore[arg-type]
+
+
+def test_host_checks_take_numpy_counts_as_python_ones() -> None:
+    np = pytest.importorskip("numpy")
+    tiny = limits(shm_total=GiB, shm_free=GiB)
+    numpy = check_shm(tiny, np.int64(8), batch_bytes=np.int64(MiB), prefetch_factor=np.int64(4))
+    assert numpy == check_shm(tiny, 8, batch_bytes=MiB, prefetch_factor=4)
+    assert check_cpus(limits(), gpu_count=np.int64(16)) == check_cpus(limits(), gpu_count=16)

@@ -147,3 +147,10 @@ def test_load_refuses_fewer_host_cpus_than_usable_ones(host_cpus: object) -> Non
     message = rf"host_cpus must be an int >= cpus \(8\), got {host_cpus!r}"
     with pytest.raises(ValueError, match=message):
         check_load(3.0, cpus=8, host_cpus=host_cpus)  # type: ignore[arg-type]
+
+
+def test_load_takes_a_numpy_host_cpu_count() -> None:
+    # Before: host_cpus=np.int64(96) was refused as not an int.
+    np = pytest.importorskip("numpy")
+    numpy = check_load(np.float64(50.0), cpus=np.int64(8), host_cpus=np.int64(96))
+    assert numpy == check_load(50.0, cpus=8, host_cpus=96)

@@ -150,3 +150,27 @@ def test_bus_bandwidth_refuses_a_rank_count_that_is_not_a_positive_int(ranks: ob
         bus_bandwidth(1.0, ranks)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"ranks must be an int >= 1, got "):
         SweepRow.from_timing(2**20, 3, 0.01, ranks)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seconds", [0, -0.5, float("nan"), float("inf")])
+def test_a_row_refuses_a_time_per_call_that_is_no_time(seconds: float) -> None:
+    # Before: seconds=0 raised ZeroDivisionError, and NaN or inf made NaN/0 bandwidths.
+    message = rf"seconds must be a positive number of seconds per call, got {seconds}"
+    with pytest.raises(ValueError, match=message):
+        SweepRow.from_timing(2**20, 5, seconds, ranks=2)
+
+
+@pytest.mark.parametrize(("field", "value"), [("size", 0), ("iterations", 2.0)])
+def test_a_row_refuses_a_size_or_count_below_one(field: str, value: object) -> None:
+    args: dict[str, object] = {"size": 2**20, "iterations": 5, field: value}
+    with pytest.raises(ValueError, match=rf"{field} must be an int >= 1, got {value!r}"):
+        SweepRow.from_timing(seconds=0.01, ranks=2, **args)  # type: ignore[arg-type]
+
+
+def test_a_row_from_numpy_figures_is_json_safe() -> None:
+    np = pytest.importorskip("numpy")
+    # Before: the row kept the NumPy size and count, which json.dumps refuses.
+    row = SweepRow.from_timing(np.int64(2**20), np.int64(5), np.float64(0.01), np.int64(2))
+    assert row == SweepRow.from_timing(2**20, 5, 0.01, ranks=2)
+    data = AllReduceSweep("gloo", 2, "cpu", (row,)).to_dict()
+    assert json.loads(json.dumps(data)) == data

@@ -409,3 +409,21 @@ def test_the_bounded_period_search_finds_what_trying_every_period_finds() -> Non
         assert (found, slow) == _stalls_over_every_period(durations, 2)
         periodic += found is not None
     assert periodic > 50  # the cases include periodic stalls that are found
+
+
+def test_analyse_takes_numpy_counts_and_reports_python_ints() -> None:
+    # Before: the checks accepted NumPy integers and passed them on, so the report held
+    # np.int64 figures that json.dumps refuses.
+    np = pytest.importorskip("numpy")
+    timeline = [StepRecord(100 + i, i * 0.02, 0.015, 0.005, 32, None) for i in range(20)]
+    plain = analyse(timeline, cpus=4, warmup_steps=2, dropped_steps=100, dropped_samples=3)
+    numpy = analyse(
+        timeline,
+        cpus=np.int64(4),
+        warmup_steps=np.int64(2),
+        dropped_steps=np.int64(100),
+        dropped_samples=np.int64(3),
+    )
+    data = numpy.to_dict()
+    assert json.loads(json.dumps(data)) == data == plain.to_dict()
+    assert type(numpy.cpus) is int and type(numpy.warmup_steps) is int

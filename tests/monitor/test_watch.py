@@ -990,3 +990,19 @@ def test_a_frozen_clock_is_inconclusive_not_compute_bound(monkeypatch: pytest.Mo
         for _ in w.iter([torch.zeros(4, 2)] * 8):
             w.step()
     assert w.report().verdict.kind == "inconclusive"
+
+
+def test_watch_takes_numpy_counts_and_reports_python_ints() -> None:
+    # Before: max_records=np.int64(...) reached deque(maxlen=...), a TypeError, and
+    # warmup_steps=np.int64(...) made a report json.dumps refuses.
+    np = pytest.importorskip("numpy")
+    import json
+
+    with watch(device="cpu", warmup_steps=np.int64(1), max_records=np.int64(100)) as w:
+        for _ in range(4):
+            w.step(samples=np.int64(8))
+    report = w.report()
+    data = report.to_dict(timeline=True)
+    assert json.loads(json.dumps(data)) == data
+    assert type(report.warmup_steps) is int and report.warmup_steps == 1
+    assert [type(s.samples) for s in report.timeline] == [int] * 4

@@ -142,8 +142,8 @@ def bench_h2d(
         ...     print(r.pinned_gb_per_s > 0)
         True
     """
-    positive_int("size_bytes", size_bytes)
-    positive_int("iterations", iterations)
+    size_bytes = positive_int("size_bytes", size_bytes)
+    iterations = positive_int("iterations", iterations)
     check_tensor_bytes(
         f"bench_h2d(size_bytes={size_bytes})",
         "one copy",

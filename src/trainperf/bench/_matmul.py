@@ -228,9 +228,9 @@ def bench_matmul(
     dev = resolve_device(device)
     size = (CUDA_DEFAULT_SIZE if dev.type == "cuda" else CPU_DEFAULT_SIZE) if size is None else size
     iterations = (20 if dev.type == "cuda" else 10) if iterations is None else iterations
-    positive_int("size", size)
-    positive_int("iterations", iterations)
-    positive_int("warmup", warmup)
+    size = positive_int("size", size)
+    iterations = positive_int("iterations", iterations)
+    warmup = positive_int("warmup", warmup)
     check_tensor_bytes(
         f"bench_matmul(size={size})",
         f"a {size}x{size} {dtype} matrix",

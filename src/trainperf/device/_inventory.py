@@ -411,7 +411,7 @@ def select_gpus(n: int = 1, *, min_free_memory: int | None = None) -> list[int]:
         >>> len(chosen) <= 1
         True
     """
-    positive_int("n", n)
+    n = positive_int("n", n)
     if min_free_memory is not None and min_free_memory < 0:
         raise ValueError(f"min_free_memory must be >= 0 bytes or None, got {min_free_memory!r}")
     if _cuda_initialized():

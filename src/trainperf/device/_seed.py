@@ -96,7 +96,7 @@ def worker_init_fn(worker_id: int) -> None:
         ...                     generator=torch.Generator().manual_seed(0))
         >>> worker_init_fn(0)
     """
-    non_negative_int("worker_id", worker_id)
+    worker_id = non_negative_int("worker_id", worker_id)
     info = torch.utils.data.get_worker_info()
     seed = info.seed if info is not None else torch.initial_seed() + worker_id
     rank = _global_rank()

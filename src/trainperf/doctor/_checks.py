@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainperf._utils.format import format_bytes
-from trainperf._utils.validate import non_negative_int
+from trainperf._utils.validate import non_negative_int, positive_int
 from trainperf.limits import HostLimits
 
 __all__ = [
@@ -74,12 +74,20 @@ class Check:
 def check_cpus(limits: HostLimits, gpu_count: int) -> Check:
     """CPU count vs affinity vs cgroup quota, and the share per GPU (4-8 is the usual advice).
 
+    Args:
+        limits: the host limits (the CPU counts and the cgroup quota are used).
+        gpu_count: GPUs on this host that the CPUs feed; 0 judges the CPUs alone.
+
+    Raises:
+        ValueError: ``gpu_count`` is not an int >= 0.
+
     Example:
         >>> from trainperf.limits import HostLimits
         >>> limits = HostLimits(64, 64, 4.0, 4, 2**36, None, 2**35, None, None)
         >>> check_cpus(limits, gpu_count=2).verdict
         'warn'
     """
+    gpu_count = non_negative_int("gpu_count", gpu_count)
     parts = [f"{limits.cpus} usable"]
     if limits.cpus_affinity != limits.cpus_host:
         parts.append(f"affinity {limits.cpus_affinity} of {limits.cpus_host}")
@@ -168,12 +176,13 @@ def check_shm(
             ``num_workers=0``: the main process loads every batch) needs no shared memory,
             whatever ``/dev/shm`` holds or whether there is one.
         batch_bytes: bytes of one batch (default: 128 x 3 x 224 x 224 fp32, 77 MB).
-        prefetch_factor: batches each worker keeps ready.
+        prefetch_factor: batches each worker keeps ready (DataLoader's default is 2).
         platform: ``sys.platform``: on Linux, where torch's shared memory is ``shm_open``'s
             files in ``/dev/shm``, a missing ``/dev/shm`` fails; elsewhere it is not used.
 
     Raises:
-        ValueError: ``workers`` is not an int >= 0.
+        ValueError: ``workers`` or ``batch_bytes`` is not an int >= 0, or
+            ``prefetch_factor`` not an int >= 1.
 
     Example:
         >>> from trainperf.limits import HostLimits
@@ -184,6 +193,8 @@ def check_shm(
         'ok'
     """
     workers = non_negative_int("workers", workers)
+    batch_bytes = non_negative_int("batch_bytes", batch_bytes)
+    prefetch_factor = positive_int("prefetch_factor", prefetch_factor)
     if workers == 0:
         value = (
             f"{_shm_words(limits)}; 0 workers: the main process loads every batch and needs no "

@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trainperf._utils.validate import non_negative_number, positive_int
+from trainperf._utils.validate import as_real_number, non_negative_number, positive_int
 from trainperf.doctor._checks import Check
 
 __all__ = ["check_blas", "check_load", "check_steal", "check_threads", "load_average"]
@@ -48,7 +48,7 @@ def check_blas(
         >>> check_blas(None, "GenuineIntel", cpus=4).verdict
         'skip'
     """
-    positive_int("cpus", cpus)
+    cpus = positive_int("cpus", cpus)
     if pools is None:
         fix = "pip install threadpoolctl"
         return Check(
@@ -142,9 +142,9 @@ def check_threads(
         >>> check_threads(4, "0", cpus=16).verdict
         'warn'
     """
-    positive_int("cpus", cpus)
-    positive_int("processes", processes)
-    positive_int("torch_threads", torch_threads)
+    cpus = positive_int("cpus", cpus)
+    processes = positive_int("processes", processes)
+    torch_threads = positive_int("torch_threads", torch_threads)
     value = (
         f"torch {torch_threads} threads, OMP_NUM_THREADS={_omp_setting(omp_num_threads)}, "
         f"{cpus} usable CPUs, {processes} process(es)"
@@ -222,11 +222,11 @@ def check_load(load_average: float | None, cpus: int, *, host_cpus: int | None =
         >>> check_load(24.0, cpus=8, host_cpus=64).verdict  # the host's other cores
         'ok'
     """
-    positive_int("cpus", cpus)
+    cpus = positive_int("cpus", cpus)
     host = _host_cpus(cpus, host_cpus)
     if load_average is None:
         return Check("load", "skip", "no load average on this platform", "")
-    non_negative_number("load_average", load_average)
+    load_average = non_negative_number("load_average", load_average)
     if host == cpus:
         value = f"1-minute load average {load_average:.1f} for {cpus} usable CPUs"
         over = f"the {cpus} usable CPUs"
@@ -252,12 +252,13 @@ def _host_cpus(cpus: int, host_cpus: int | None) -> int:
     """``host_cpus`` checked against ``cpus`` (a host has at least the CPUs one may use)."""
     if host_cpus is None:
         return cpus
-    if isinstance(host_cpus, bool) or not isinstance(host_cpus, int) or host_cpus < cpus:
+    host = as_real_number(host_cpus)  # a NumPy integer too, as a Python int
+    if not isinstance(host, int) or host < cpus:
         raise ValueError(
             f"host_cpus must be an int >= cpus ({cpus}), got {host_cpus!r}: pass the host's "
             "logical CPUs (HostLimits.cpus_host), or None to judge the load by cpus alone"
         )
-    return host_cpus
+    return host
 
 
 def check_steal(share: float | None) -> Check:

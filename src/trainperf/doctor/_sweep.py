@@ -86,12 +86,16 @@ class SweepRow:
         """A row from the slowest rank's time per call.
 
         Raises:
-            ValueError: ``ranks`` is not an int >= 1 (:func:`bus_bandwidth`).
+            ValueError: ``size`` or ``iterations`` is not an int >= 1, ``seconds`` not a
+                finite number > 0, or ``ranks`` not an int >= 1 (:func:`bus_bandwidth`).
 
         Example:
             >>> SweepRow.from_timing(2**26, 10, 0.1, ranks=2).busbw_gb_per_s
             0.671
         """
+        size = positive_int("size", size)
+        iterations = positive_int("iterations", iterations)
+        seconds = positive_number("seconds", seconds, unit="seconds per call")
         algbw = size / seconds / 1e9
         busbw = bus_bandwidth(algbw, ranks)
         return cls(size, iterations, seconds, round(algbw, 3), round(busbw, 3))
@@ -355,8 +359,8 @@ def all_reduce_sweep(
     nprocs = positive_int("nprocs", default_ranks if nprocs is None else nprocs)
     if nprocs < 2:
         raise ValueError(f"all_reduce_sweep needs nprocs >= 2 ranks to all-reduce, got {nprocs}")
-    positive_number("timeout", timeout, unit="s")
-    positive_number("target_seconds", target_seconds, unit="s")
+    timeout = positive_number("timeout", timeout, unit="s")
+    target_seconds = positive_number("target_seconds", target_seconds, unit="s")
     default_sizes = NCCL_SIZES if backend == "nccl" else GLOO_SIZES
     chosen = _check_sizes(default_sizes if sizes is None else sizes)
     method = start_method_for(backend)

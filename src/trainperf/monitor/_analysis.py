@@ -359,11 +359,11 @@ def analyse(
         >>> analyse(steps).verdict.kind
         'input-bound'
     """
-    positive_int("cpus", cpus)
+    cpus = positive_int("cpus", cpus)
     _check_records(timeline, samples)
-    non_negative_int("warmup_steps", warmup_steps)
-    non_negative_int("dropped_steps", dropped_steps)
-    non_negative_int("dropped_samples", dropped_samples)
+    warmup_steps = non_negative_int("warmup_steps", warmup_steps)
+    dropped_steps = non_negative_int("dropped_steps", dropped_steps)
+    dropped_samples = non_negative_int("dropped_samples", dropped_samples)
     skip = max(0, warmup_steps - dropped_steps)  # warm-up steps still in the timeline
     first = dropped_steps + skip  # the number of the first measured step
     measured = list(timeline[skip:])

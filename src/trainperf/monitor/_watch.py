@@ -101,7 +101,7 @@ class Watch:
         warmup_steps: int = 2,
         max_records: int = MAX_RECORDS,
     ) -> None:
-        positive_int("max_records", max_records)
+        max_records = positive_int("max_records", max_records)
         if max_records > sys.maxsize:  # the sampler's deque cannot be longer
             raise ValueError(
                 f"max_records={max_records!r} is more than a watch can keep (at most "
@@ -115,7 +115,7 @@ class Watch:
                 f"interval={interval!r} s is longer than a timer can wait (at most "
                 f"{threading.TIMEOUT_MAX:.0f} s); pass a shorter interval, e.g. 0.1"
             )
-        non_negative_int("warmup_steps", warmup_steps)
+        warmup_steps = non_negative_int("warmup_steps", warmup_steps)
         # None is not "the best device" here but "follow whatever the loop uses".
         self._device = (
             None if device is None else resolve_device(device, allowed=("cpu", "cuda"), auto=False)
@@ -360,7 +360,7 @@ class Watch:
         if self._state != "running":
             raise RuntimeError(f"w.step() needs a running watch: call it {_RUN_IT}")
         if samples is not None:
-            non_negative_int("samples", samples)
+            samples = non_negative_int("samples", samples)
             if samples > _MAX_SAMPLES:  # the step log keeps counts as int64
                 raise ValueError(
                     f"samples={samples!r} is more than a step can hold (at most 2**63 - 1): "
