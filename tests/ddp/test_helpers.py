@@ -8,6 +8,7 @@ import pickle
 import sys
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -133,6 +134,22 @@ def test_distributed_loader_shards_and_reshuffles(monkeypatch: pytest.MonkeyPatc
         ddp.distributed_loader(data, 2, sampler=None, batch_sampler=None)
     with pytest.raises(ValueError, match="epoch must be an int >= 0, got -1"):
         loader.set_epoch(-1)
+
+
+@pytest.mark.parametrize("number", [np.int64, np.uint8, int])
+def test_distributed_loader_takes_numpy_integers_as_python_ints(number: type) -> None:
+    # The checks accepted a NumPy batch_size, then BatchSampler refused it ("batch_size
+    # should be a positive integer value"); seed and set_epoch's epoch were kept as NumPy.
+    data = list(range(12))
+    loader = ddp.distributed_loader(data, number(4), seed=number(3), num_workers=number(0))
+    loader.set_epoch(number(2))
+    sampler = loader.distributed_sampler
+    assert [type(v) for v in (loader.batch_size, loader.num_workers, sampler.seed)] == [int] * 3
+    assert type(sampler.epoch) is int and loader.epoch == 2
+    reference = ddp.distributed_loader(data, 4, seed=3)
+    reference.set_epoch(2)
+    assert [b.tolist() for b in loader] == [b.tolist() for b in reference]
+    assert type(sampler.epoch) is int and loader.epoch == 3
 
 
 def test_a_stray_rank_without_a_world_size_is_refused_with_the_variables(

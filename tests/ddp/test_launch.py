@@ -22,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -168,6 +169,34 @@ def _nested_main() -> None:
 def test_launch_rejects_bad_options(kwargs: dict[str, Any], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         ddp.launch(workers.add, 1, 2, **{"start_method": "fork", "backend": "gloo", **kwargs})
+
+
+@pytest.mark.parametrize("number", [np.int64, int])
+def test_launch_hands_numpy_options_to_the_ranks_as_python_numbers(
+    monkeypatch: pytest.MonkeyPatch, number: type
+) -> None:
+    # max_restarts passed its check as a NumPy integer and went on to the ranks as one.
+    handed: dict[str, Any] = {}
+
+    def record(*args: Any, **kwargs: Any) -> dict[int, str]:
+        handed.update(kwargs)
+        return {0: "ran"}
+
+    monkeypatch.setattr(_launch, "_spawn", record)
+    options = {"nprocs": 1, "max_restarts": 2, "timeout": 60, "grace_s": 5, "hang_timeout": 30}
+    result = ddp.launch(
+        workers.add,
+        1,
+        2,
+        backend="gloo",
+        start_method="fork",
+        **{name: number(value) for name, value in options.items()},
+    )
+    assert result == "ran"
+    assert handed["max_restarts"] == 2 and type(handed["max_restarts"]) is int
+    assert (handed["nprocs"], handed["timeout"]) == (1, timedelta(seconds=60))
+    assert type(handed["nprocs"]) is int
+    assert [type(handed[name]) for name in ("grace_s", "hang_timeout")] == [float, float]
 
 
 @pytest.mark.parametrize("nprocs", [0, -2, "2", True, 1.5])

@@ -70,6 +70,27 @@ def test_the_redirect_gives_fd_2_back_and_forwards_what_came_through(
     assert "from the child" in err  # forwarded, not swallowed
 
 
+def test_a_launcher_without_sys_stderr_still_redirects_and_forwards_to_fd_2(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # pythonw and some embedders set sys.stderr to None: flushing it before the redirect
+    # raised AttributeError, and so did forwarding what the worker printed.
+    saved = os.dup(2)
+    try:
+        monkeypatch.setattr(sys, "stderr", None)
+        with redirected_stderr() as captured:
+            assert captured is not None
+            reader, _ = captured
+            os.write(2, b"from the child\n")
+        reader.drain(2.0)
+        monkeypatch.undo()
+        assert reader.fd is None and reader.text() == "from the child\n"
+        assert capfd.readouterr().err == "from the child\n"  # forwarded once, to fd 2
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _fd2() -> tuple[int, int, bool]:
     st = os.fstat(2)
     return st.st_dev, st.st_ino, stat.S_ISFIFO(st.st_mode)

@@ -306,8 +306,7 @@ class DistributedLoader(DataLoader[T]):
             >>> next(iter(loader)).tolist() == first
             True
         """
-        non_negative_int("epoch", epoch)
-        self.distributed_sampler.set_epoch(epoch)
+        self.distributed_sampler.set_epoch(non_negative_int("epoch", epoch))
 
 
 def distributed_loader(
@@ -356,9 +355,11 @@ def distributed_loader(
         >>> [batch.tolist() for batch in loader]
         [[0, 1, 2], [3, 4, 5]]
     """
-    positive_int("batch_size", batch_size)
-    non_negative_int("seed", seed)
-    non_negative_int("num_workers", loader_kwargs.get("num_workers", 0))
+    # Kept as Python ints: BatchSampler refuses a NumPy batch_size the check accepts.
+    batch_size = positive_int("batch_size", batch_size)
+    seed = non_negative_int("seed", seed)
+    workers = non_negative_int("num_workers", loader_kwargs.get("num_workers", 0))
+    loader_kwargs["num_workers"] = workers
     if isinstance(dataset, torch.utils.data.IterableDataset):
         raise TypeError(
             f"distributed_loader needs a map-style dataset (__len__ and __getitem__), got "
@@ -382,7 +383,7 @@ def distributed_loader(
         seed=seed,
         drop_last=drop_last,
     )
-    if loader_kwargs.get("num_workers", 0) > 0 and sys.platform.startswith("linux"):
+    if workers > 0 and sys.platform.startswith("linux"):
         loader_kwargs["worker_init_fn"] = DieWithParent(loader_kwargs.get("worker_init_fn"))
     return DistributedLoader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kwargs

@@ -64,7 +64,7 @@ def _launch(
         raise SystemExit(REIMPORT_EXIT_CODE)
     import torch
 
-    span = _check_options(main, backend, start_method, timeout, max_restarts)
+    span, max_restarts = _check_options(main, backend, start_method, timeout, max_restarts)
     if nprocs is not None:
         # Checked here, before a running job decides to ignore it: nprocs=0 or "2" is a
         # mistake wherever launch() runs.

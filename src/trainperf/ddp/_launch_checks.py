@@ -36,15 +36,15 @@ def _check_options(
     start_method: str,
     timeout: timedelta | float,
     max_restarts: int,
-) -> timedelta:
+) -> tuple[timedelta, int]:
+    """``timeout`` as a timedelta and ``max_restarts`` as a Python int, once both pass."""
     if not callable(main):
         raise TypeError(f"main must be callable, got {type(main).__name__}")
     if backend is not None and backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS} or None (auto), got {backend!r}")
     choice("start_method", start_method, _START_METHODS)
     span = _timeout_span(timeout)
-    non_negative_int("max_restarts", max_restarts)
-    return span
+    return span, non_negative_int("max_restarts", max_restarts)
 
 
 MAX_TIMEOUT = timedelta(days=365 * 100)

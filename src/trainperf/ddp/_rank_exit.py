@@ -5,8 +5,9 @@ must happen, or the rank goes through a normal interpreter shutdown, which can b
 (threads, NCCL teardown) until its launcher kills it.
 
 Used by :mod:`~trainperf.ddp._worker` (a spawned rank that failed, and its notices before
-and after ``main``, which must not fail a rank either) and :mod:`~trainperf.ddp._watchdog`
-(every rank after a hang).
+and after ``main``, which must not fail a rank either), :mod:`~trainperf.ddp._watchdog`
+(every rank after a hang) and :mod:`~trainperf.ddp._stderr` (the launcher forwarding what a
+starting worker printed, which must not fail the launch).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import sys
 __all__ = ["enable_faulthandler", "flush_std_streams", "kill_children", "say"]
 
 
-def say(text: str) -> None:
-    """Print ``text`` on stderr: through ``sys.stderr``, or straight to fd 2 when the script
-    closed it (or has none); nowhere if fd 2 is gone too. What follows (a report file, the
-    exit) must happen whatever becomes of this.
+def say(text: str, end: str = "\n") -> None:
+    """Print ``text`` and ``end`` on stderr: through ``sys.stderr``, or straight to fd 2
+    when the script closed it (or has none, as under pythonw); nowhere if fd 2 is gone too.
+    What follows (a report file, the exit) must happen whatever becomes of this.
 
     Example:
         >>> say("trainperf.ddp: a line on stderr")
@@ -30,17 +31,17 @@ def say(text: str) -> None:
     stream = sys.stderr
     if stream is not None:
         try:
-            print(text, file=stream, flush=True)
+            print(text, end=end, file=stream, flush=True)
             return
         except Exception:  # closed (ValueError), or a broken pipe
             pass
     with contextlib.suppress(OSError):
-        os.write(2, f"{text}\n".encode(errors="replace"))
+        os.write(2, f"{text}{end}".encode(errors="replace"))
 
 
 def flush_std_streams() -> None:
-    """Flush ``sys.stderr`` and ``sys.stdout`` before ``os._exit`` (which does not); one
-    the script closed, replaced or set to None is skipped.
+    """Flush ``sys.stderr`` and ``sys.stdout`` before ``os._exit`` (which does not) or
+    before fd 2 is redirected; one the script closed, replaced or set to None is skipped.
 
     Example:
         >>> flush_std_streams()

@@ -18,12 +18,12 @@ import codecs
 import contextlib
 import os
 import re
-import sys
 import threading
 import time
 from collections.abc import Iterator
 
 from trainperf._utils.fds import readable
+from trainperf.ddp._rank_exit import flush_std_streams, say
 
 __all__ = ["StartupStderr", "last_traceback", "redirected_stderr", "unredirected_stderr"]
 
@@ -80,9 +80,7 @@ class StartupStderr:
                 return False
             self.tail += data
             del self.tail[:-_TAIL_BYTES]
-            with contextlib.suppress(OSError, ValueError):
-                sys.stderr.write(self._decoder.decode(data))
-                sys.stderr.flush()
+            say(self._decoder.decode(data), end="")
 
     def drain(self, timeout: float) -> None:
         """Read until the worker's end closes, or ``timeout`` seconds (a grandchild may hold
@@ -166,8 +164,7 @@ def _redirect() -> Iterator[tuple[StartupStderr, int] | None]:
         return
     read_end, write_end = os.pipe()
     reader = StartupStderr(read_end)
-    with contextlib.suppress(OSError, ValueError):
-        sys.stderr.flush()
+    flush_std_streams()
     os.dup2(write_end, 2)
     try:
         yield reader, real
@@ -175,8 +172,7 @@ def _redirect() -> Iterator[tuple[StartupStderr, int] | None]:
         reader.close()
         raise
     finally:
-        with contextlib.suppress(OSError, ValueError):
-            sys.stderr.flush()
+        flush_std_streams()
         os.dup2(real, 2)
         os.close(write_end)
         os.close(real)
