@@ -656,6 +656,30 @@ def test_load_state_dict_rejects_other_dicts(bad: object) -> None:
         MixedPrecision("cpu", precision="fp32").load_state_dict(bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "bad", ["garbage", "auto", "float16", "FP16", torch.float16, None, ["fp16"]]
+)
+def test_load_state_dict_refuses_a_precision_state_dict_never_writes(bad: object) -> None:
+    # Before: any value was taken ("garbage" loaded without a word).
+    mp = MixedPrecision("cpu", precision="fp32")
+    with pytest.raises(ValueError, match=r"state\['precision'\] must be one of \['bf16', 'fp16'"):
+        mp.load_state_dict({"precision": bad, "scaler": None})
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_load_state_dict_refuses_a_loss_scale_saved_with_a_precision_without_one(
+    precision: str,
+) -> None:
+    # Before: a "bf16" state with a loss scale was loaded into an fp16 MixedPrecision.
+    mp = MixedPrecision("cpu", precision="fp16")
+    before = mp.state_dict()
+    scale = {**before["scaler"], "scale": 1024.0}
+    with pytest.raises(ValueError, match=rf"loss scale .* its precision is '{precision}'"):
+        mp.load_state_dict({"precision": precision, "scaler": scale})
+    assert mp.state_dict() == before
+
+
 # ----------------------------------------------------------------- prepare: channels_last, TF32
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import pickle
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -254,3 +255,72 @@ def test_a_mixed_precision_pickled_without_the_retry_record_still_steps() -> Non
     mp.backward((w * 10).sum())
     assert mp.step(torch.optim.SGD([w], lr=0.01))
     assert w.tolist() == pytest.approx([0.9, 0.9])
+
+
+# ----------------------------------------------------------------- fp16 records across calls
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("clear", [False, True], ids=["retry", "retry-after-zero_grad"])
+def test_fp16_a_retry_counts_an_optimizer_that_skipped_before_the_error(clear: bool) -> None:
+    # Before: the retry updated the loss scale with the retried optimizers' inf/NaN flags
+    # only: opt_a, which skipped on inf in the failed call, did not lower the scale, and
+    # the retry said True (a scheduler stepped on a skipped step).
+    mp = MixedPrecision("cpu", precision="fp16")
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    opt_a, opt_b = torch.optim.SGD([a], lr=0.01), Flaky([b], lr=0.01)
+    mp.backward((a * 10).sum() + (b * 10).sum())
+    assert a.grad is not None and mp.scaler is not None
+    a.grad[0] = math.inf
+    scale = mp.scaler.get_scale()
+    with pytest.raises(OSError, match="the optimizer failed"):
+        mp.step(opt_a, opt_b)
+    if clear:  # opt_b is then stepped plainly, with no gradient to find inf in
+        opt_b.zero_grad()
+    assert not mp.step(opt_b)
+    assert a.tolist() == [1.0, 1.0]
+    assert b.tolist() == ([1.0, 1.0] if clear else pytest.approx([0.9, 0.9]))
+    assert mp.scaler.get_scale() == scale / 2
+    assert mp.state_dict()["scaler"]["_growth_tracker"] == 0
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("accumulate", [False, True], ids=["optimizer.zero_grad", "no-zero_grad"])
+def test_fp16_a_backward_after_unscale_drops_its_record_and_warns(accumulate: bool) -> None:
+    # GradScaler's pattern, unscale_ to read the norm, then skipping the step with a plain
+    # optimizer.zero_grad() (not mp.zero_grad): the scaler kept its record of the unscale_,
+    # and the next step applied the new gradients still scaled, 65536 times too large.
+    mp = MixedPrecision("cpu", precision="fp16")
+    w = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([w], lr=0.01)
+    mp.backward((w * 10).sum())
+    assert mp.scaler is not None
+    mp.scaler.unscale_(optimizer)
+    if not accumulate:
+        optimizer.zero_grad()
+    with pytest.warns(UserWarning, match=r"mp\.zero_grad\(optimizer\), not optimizer\.zero_grad"):
+        mp.backward((w * 10).sum())
+    assert mp.step(optimizer)
+    # Accumulating onto unscaled gradients, those are unscaled twice (almost nothing): the
+    # step is that of the new gradients, never one 65536 times too large.
+    assert w.tolist() == pytest.approx([0.9, 0.9], abs=1e-4)
+
+
+@needs_cpu_fp16
+def test_fp16_unscale_then_step_or_mp_zero_grad_then_backward_warns_nothing() -> None:
+    mp = MixedPrecision("cpu", precision="fp16")
+    w = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([w], lr=0.01)
+    assert mp.scaler is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.backward((w * 10).sum())
+        mp.scaler.unscale_(optimizer)
+        assert mp.step(optimizer)
+        mp.zero_grad(optimizer)
+        mp.backward((w * 10).sum())
+        mp.scaler.unscale_(optimizer)
+        mp.zero_grad(optimizer)
+        mp.backward((w * 10).sum())
+        assert mp.step(optimizer)
+    assert w.tolist() == pytest.approx([0.8, 0.8])

@@ -7,30 +7,19 @@ The policy table is in :mod:`trainperf.amp`'s docstring and the per-device rules
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol, TypeVar, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import torch
 from torch import nn
 
 from trainperf._utils.validate import flag
-from trainperf.amp import _precision
+from trainperf.amp import _bookkeeping, _precision
+from trainperf.amp._autocast import AutocastContext, NoAutocast
 from trainperf.amp._channels_last import channels_last_decision, model_to_channels_last
-from trainperf.amp._closure import check_closure
 from trainperf.amp._precision import choose_precision
-from trainperf.amp._state import check_scaler_state, check_state
-from trainperf.amp._step import (
-    check_no_fp16_grads,
-    check_optimizers,
-    check_step,
-    forget,
-    has_grads,
-    pickled_state,
-    plain_step,
-    scaled_step,
-)
+from trainperf.amp._state import load_state
 from trainperf.amp._tf32 import enable_tf32
 from trainperf.device import resolve_device, to_device
 from trainperf.device._move import to_device_channels_last
@@ -46,28 +35,6 @@ _PRECISIONS: tuple[str, ...] = get_args(Precision)
 _NAMES = _precision.NAMES
 
 T = TypeVar("T")
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class AutocastContext(Protocol):
-    """What :meth:`MixedPrecision.autocast` returns: a context manager that also decorates."""
-
-    def __enter__(self) -> Any: ...
-
-    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> Any: ...
-
-    def __call__(self, func: F) -> F: ...
-
-
-class _NoAutocast(contextlib.ContextDecorator):
-    """fp32's autocast: nothing to cast, usable as ``with`` and as ``@``, as torch.autocast is
-    (``contextlib.nullcontext`` is no decorator)."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
-        return None
 
 
 # --------------------------------------------------------------------------- the class
@@ -149,16 +116,13 @@ class MixedPrecision:
             _precision.cuda_capability(self.device) if self.device.type == "cuda" else None
         )
         self._scaler: torch.amp.GradScaler | None = None
-        self._backward_pending = False
-        # A step used the last backward (until the next backward or mp.zero_grad()): a
-        # second step is refused as such, even after mp.zero_grad(optimizer) in between.
-        self._stepped = False
-        # ids of the optimizers mp.zero_grad(optimizer) cleared since the last backward (that
-        # backward is gone for them only) or since the step that used it.
-        self._zeroed: set[int] = set()
-        # ids of the optimizers that a step which raised had stepped on the last backward:
-        # its retry must leave them out (until the next backward or mp.zero_grad()).
-        self._already_stepped: set[int] = set()
+        # What backward, step and zero_grad remember: see trainperf.amp._bookkeeping.
+        self._backward_pending: bool
+        self._stepped: bool
+        self._zeroed: set[int]
+        self._already_stepped: set[int]
+        self._skip_flags: list[torch.Tensor]
+        self.__dict__.update(_bookkeeping.fresh())
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.uses_channels_last = False
         self.tf32_enabled = False
@@ -285,7 +249,7 @@ class MixedPrecision:
             torch.float32
         """
         if self.dtype == torch.float32:
-            return _NoAutocast()
+            return NoAutocast()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def backward(
@@ -297,6 +261,12 @@ class MixedPrecision:
         inputs: torch.Tensor | Sequence[torch.Tensor] | None = None,
     ) -> None:
         """``loss.backward()``, through the loss scaler for fp16.
+
+        With fp16, a backward after ``mp.scaler.unscale_(optimizer)`` with no :meth:`step`
+        or :meth:`zero_grad` in between (the gradients cleared with a plain
+        ``optimizer.zero_grad()``, or accumulated onto) drops the scaler's record of that
+        ``unscale_``, so that the next step unscales the new gradients instead of applying
+        them 65536 times too large, and warns.
 
         Args:
             loss: the scalar loss of the forward pass.
@@ -310,6 +280,11 @@ class MixedPrecision:
 
         Raises:
             TypeError: ``loss`` is not a tensor.
+
+        Warns:
+            UserWarning: (fp16) it came after an ``unscale_`` as above; the fix is
+                ``mp.zero_grad(optimizer)`` to skip such a step, or ``unscale_`` after the
+                last backward of an accumulation.
 
         Example:
             >>> mp = MixedPrecision("cpu", precision="fp32")
@@ -327,10 +302,7 @@ class MixedPrecision:
         scaled.backward(  # type: ignore[no-untyped-call]
             retain_graph=retain_graph, create_graph=create_graph, inputs=inputs
         )
-        self._backward_pending = True
-        self._stepped = False
-        self._zeroed.clear()
-        self._already_stepped.clear()
+        _bookkeeping.after_backward(self, scaler)
 
     def step(
         self,
@@ -357,7 +329,9 @@ class MixedPrecision:
         A step that raises (an optimizer's own error) leaves ``mp`` as it was before it, fp16
         gradients scaled again included: catch the error, then call ``step`` again (a retry)
         or ``mp.zero_grad()`` and go on to the next ``backward`` (a skip). Optimizers of the
-        same call that stepped before the error are refused by the retry.
+        same call that stepped before the error are refused by the retry; with fp16, one
+        of them that skipped on inf/NaN still counts: the retry returns False and the loss
+        scale is lowered.
 
         Args:
             *optimizers: the optimizers whose parameters got gradients from :meth:`backward`
@@ -412,67 +386,10 @@ class MixedPrecision:
             optimizers = (*optimizers, optimizer)
         scaler = self.scaler
         scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self._check_step(optimizers, max_grad_norm, closure, scaling=scaler is not None)
-        before = (self._backward_pending, self._stepped, set(self._zeroed))
-        stepped: list[torch.optim.Optimizer] = []
-        try:
-            if scaler is None:
-                result = plain_step(optimizers, max_grad_norm, stepped, closure)
-            else:
-                result = self._scaled_step(scaler, optimizers, max_grad_norm, stepped)
-        except BaseException:
-            # As before the step (a closure's mp.backward included), for a retry or a skip.
-            self._backward_pending, self._stepped, self._zeroed = before
-            self._already_stepped.update(id(o) for o in stepped)
-            raise
-        self._backward_pending = False
-        self._stepped = True
-        self._zeroed.clear()
-        self._already_stepped.clear()
-        return result
-
-    def _check_step(
-        self,
-        optimizers: tuple[torch.optim.Optimizer, ...],
-        max_grad_norm: object,
-        closure: Callable[[], Any] | None,
-        *,
-        scaling: bool,
-    ) -> None:
-        """:meth:`step`'s refusals, before anything steps."""
-        if closure is not None:
-            check_optimizers(optimizers)  # the closure makes the gradients: no backward needed
-        else:
-            check_step(
-                optimizers,
-                max_grad_norm,
-                pending=self._backward_pending,
-                stepped=self._stepped,
-                zeroed=self._zeroed,
-                already_stepped=self._already_stepped,
-            )
-        check_closure(optimizers, closure, max_grad_norm, scaling=scaling)
-        if scaling:
-            check_no_fp16_grads(optimizers)
-
-    @staticmethod
-    def _scaled_step(
-        scaler: torch.amp.GradScaler,
-        optimizers: tuple[torch.optim.Optimizer, ...],
-        max_grad_norm: float | torch.Tensor | None,
-        stepped: list[torch.optim.Optimizer],
-    ) -> bool:
-        """The fp16 step: optimizers with gradients through ``scaler``, the others plainly."""
-        # An optimizer none of whose parameters got a gradient (a frozen backbone) has
-        # nothing to unscale nor to find inf in: GradScaler would assert on it, half-way
-        # through the others. It is stepped plainly (its hooks and schedulers see a step).
-        scaled = tuple(o for o in optimizers if has_grads(o))
-        for opt in optimizers:
-            if opt not in scaled:
-                forget(scaler, opt)
-                opt.step()
-                stepped.append(opt)
-        return scaled_step(scaler, scaled, max_grad_norm, stepped)
+        _bookkeeping.check_step_call(
+            self, optimizers, max_grad_norm, closure, scaling=scaler is not None
+        )
+        return _bookkeeping.run_step(self, scaler, optimizers, max_grad_norm, closure)
 
     def zero_grad(
         self, optimizer: torch.optim.Optimizer | None = None, *, set_to_none: bool = True
@@ -503,41 +420,14 @@ class MixedPrecision:
             >>> model.weight.grad is None
             True
         """
-        if optimizer is not None and not callable(getattr(optimizer, "zero_grad", None)):
-            raise TypeError(
-                f"MixedPrecision.zero_grad() takes one optimizer or none, got {optimizer!r}; "
-                "set_to_none is keyword-only (mp.zero_grad(set_to_none=False)), and several "
-                "optimizers take one call each"
-            )
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=set_to_none)
-            if self._scaler is not None:  # its unscale_ was of the gradients just cleared
-                forget(self._scaler, optimizer)
-            if self._backward_pending or self._stepped:
-                # Pending: that backward is dropped for this optimizer only. Stepped: a later
-                # step of another optimizer is still a second step on one backward.
-                self._zeroed.add(id(optimizer))
-            return
-        models = list(self._models)
-        if not models:
-            raise RuntimeError(
-                "zero_grad() without an optimizer clears the models passed to "
-                "mp.prepare(), but there are none; call mp.zero_grad(optimizer)"
-            )
-        for model in models:
-            model.zero_grad(set_to_none=set_to_none)
-        if self._scaler is not None:
-            forget(self._scaler)
-        self._backward_pending = False
-        self._stepped = False
-        self._already_stepped.clear()
+        _bookkeeping.zero_grad(self, self._scaler, optimizer, self._models, set_to_none=set_to_none)
 
     # ----------------------------------------------------------------- checkpoints
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickling keeps: all but the models :meth:`prepare` saw (held weakly) and a
-        backward waiting for its step (see :func:`~trainperf.amp._step.pickled_state`)."""
-        return pickled_state(self.__dict__)
+        backward waiting for its step (see :func:`~trainperf.amp._bookkeeping.pickled_state`)."""
+        return _bookkeeping.pickled_state(self.__dict__)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """The copy knows no prepared model (its ``zero_grad()`` needs an optimizer) and is
@@ -550,9 +440,9 @@ class MixedPrecision:
             >>> copy.state_dict() == mp.state_dict(), copy in LIVE
             (True, True)
         """
-        self.__dict__.update(state)
+        # The record of a failed step is absent from older pickles (trainperf 0.1.0).
+        self.__dict__.update({**_bookkeeping.fresh(), **state})
         self._models = weakref.WeakSet()
-        self._already_stepped = set()  # absent from the pickles of trainperf 0.1.0
         LIVE.add(self)
 
     def state_dict(self) -> dict[str, Any]:
@@ -573,31 +463,25 @@ class MixedPrecision:
     def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
         """Restore the loss scale of a resumed fp16 run.
 
+        The precision is not restored: this instance keeps its own, so a run may resume on
+        another GPU ("auto": bf16 on an A100, fp16 on a V100). A state without a loss scale
+        (bf16, fp32) leaves an fp16 instance a fresh scale; an fp16 state's loss scale
+        loaded into bf16 or fp32, which have no scaler, is refused unless ``strict=False``.
+
         Args:
             state: what :meth:`state_dict` returned.
             strict: raise when ``state`` holds a loss scale this instance has no scaler for
                 (an fp16 run resumed as bf16 or fp32); False drops it.
 
         Raises:
-            ValueError: ``state`` is not a MixedPrecision state dict, its loss scale lacks
-                a key of ``GradScaler.state_dict()`` (nothing is loaded then), or
-                (``strict``) it carries a loss scale that this precision cannot use.
+            ValueError: ``state`` is not a MixedPrecision state dict (other keys, a
+                precision other than "bf16", "fp16" or "fp32", a loss scale saved with a
+                precision other than fp16), its loss scale lacks a key of
+                ``GradScaler.state_dict()`` (nothing is loaded then), or (``strict``) it
+                carries a loss scale that this precision cannot use.
 
         Example:
             >>> mp = MixedPrecision("cpu", precision="fp32")
             >>> mp.load_state_dict({"precision": "fp32", "scaler": None})
         """
-        check_state(state)
-        saved = state["scaler"]
-        if saved is None:
-            return  # nothing to restore; an fp16 run resumed from bf16 starts a fresh scale
-        scaler = self.scaler
-        if scaler is None:
-            if strict:
-                raise ValueError(
-                    f"the state holds a loss scale from a {state['precision']} run, but this "
-                    f"MixedPrecision uses {_NAMES[self.dtype]}, which has no scaler; pass "
-                    "strict=False to drop it, or precision='fp16' to keep using it"
-                )
-            return
-        scaler.load_state_dict(check_scaler_state(saved, scaler))
+        load_state(state, self.scaler, _NAMES[self.dtype], strict=strict)

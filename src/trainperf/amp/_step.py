@@ -1,8 +1,9 @@
 """What :meth:`trainperf.MixedPrecision.step` checks and runs: the refusals of a call that
 cannot be right (:func:`check_step`, :func:`check_no_fp16_grads`), the plain step
 (:func:`plain_step`) and the fp16 step through the loss scaler (:func:`scaled_step`), which
-steps each optimizer and updates the scale once. Both record the optimizers that stepped, so
-that a step that raises can be retried without stepping them twice.
+steps each optimizer and updates the scale once. Both record the optimizers that stepped (and
+the fp16 one their inf/NaN flags), so that a step that raises can be retried without stepping
+them twice, and without forgetting that one of them skipped.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ __all__ = [
     "check_not_zeroed",
     "check_optimizers",
     "check_step",
+    "drop_unscaled",
     "forget",
     "has_grads",
     "parameters",
-    "pickled_state",
     "plain_step",
     "scaled_step",
     "unscaled",
@@ -191,13 +192,20 @@ def scaled_step(
     optimizers: tuple[torch.optim.Optimizer, ...],
     max_grad_norm: float | torch.Tensor | None,
     stepped: list[torch.optim.Optimizer],
+    flags: list[torch.Tensor],
 ) -> bool:
     """Unscale, clip and step each optimizer through ``scaler``, then update it once; each
-    optimizer that stepped (or skipped on inf/NaN) is appended to ``stepped``.
+    optimizer that stepped (or skipped on inf/NaN) is appended to ``stepped``, and its
+    inf/NaN flags to ``flags``.
+
+    ``flags`` holds on entry the flags of the optimizers that earlier calls, which raised,
+    stepped on the same backward: the scale update and the result count them too, so an
+    optimizer that skipped before the error still lowers the scale.
 
     If one raises, the scaler is left as it was before the call for the optimizers that did
     not step (see :func:`_undo`), so that the step can be retried or skipped."""
-    if not optimizers:
+    earlier = list(flags)
+    if not optimizers and not earlier:
         return True  # no gradients anywhere: nothing stepped, nothing skipped
     by_caller = {id(o) for o in optimizers if unscaled(scaler, o)}
     try:
@@ -208,19 +216,31 @@ def scaled_step(
                 nn.utils.clip_grad_norm_(parameters(optimizer), max_grad_norm)  # type: ignore[arg-type]
             scaler.step(optimizer)
             stepped.append(optimizer)
+            if scaler.is_enabled():  # a disabled scaler keeps no flags (nor their state)
+                # The inf/NaN flags GradScaler.step decided on (torch's own test, in
+                # _maybe_opt_step); update() discards them, so keep them to read below.
+                flags.extend(scaler._found_inf_per_device(optimizer).values())
     except BaseException:
         _undo(scaler, optimizers, stepped, by_caller)
         raise
     if not scaler.is_enabled():
-        # A disabled scaler steps plainly and keeps no inf/NaN flags to read (nor the
-        # per-optimizer state they live in); update() would be a no-op.
-        return True
-    # The inf/NaN flags GradScaler.step decided on (torch's own test, in _maybe_opt_step);
-    # update() discards them, so read them first: one read per optimizer, instead of the
-    # loss scale before and after.
-    found_inf = sum(v.item() for o in optimizers for v in scaler._found_inf_per_device(o).values())
+        return True  # it stepped plainly; update() would be a no-op
+    # One read per flag, instead of the loss scale before and after.
+    found_inf = sum(v.item() for v in flags)
+    _record_earlier(scaler, earlier)
     scaler.update()
     return not found_inf
+
+
+def _record_earlier(scaler: torch.amp.GradScaler, earlier: list[torch.Tensor]) -> None:
+    """Give ``scaler.update()`` the inf/NaN flags of the optimizers that a call which raised
+    stepped (their own records were dropped then, see :func:`_undo`): ``update()`` lowers
+    the scale if any of the flags it finds among its records is set."""
+    if earlier:
+        # update() reads every record's flags and then starts afresh; the key only has to
+        # differ from the ids of the optimizers this call stepped.
+        states = scaler._per_optimizer_states
+        states[id(earlier)]["found_inf_per_device"] = dict(enumerate(earlier))
 
 
 def _undo(
@@ -257,6 +277,20 @@ def unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> 
     states = getattr(scaler, "_per_optimizer_states", None)
     state = states.get(id(optimizer)) if states is not None else None
     return state is not None and state.get("stage") is OptState.UNSCALED
+
+
+def drop_unscaled(scaler: torch.amp.GradScaler) -> bool:
+    """Drop ``scaler``'s records of every ``unscale_`` made since the last update; returns
+    whether there was one. A disabled scaler keeps none."""
+    from torch.amp.grad_scaler import OptState
+
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if not states:
+        return False
+    ids = [key for key, state in states.items() if state.get("stage") is OptState.UNSCALED]
+    for key in ids:
+        del states[key]
+    return bool(ids)
 
 
 def forget(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -297,20 +331,3 @@ def has_grads(optimizer: torch.optim.Optimizer) -> bool:
 def parameters(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
     """Every parameter ``optimizer`` steps, group by group."""
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def pickled_state(state: dict[str, Any]) -> dict[str, Any]:
-    """What pickling a :class:`~trainperf.MixedPrecision` keeps (``torch.save(mp)``,
-    ``copy.deepcopy``, a spawned process's argument), from its ``__dict__``.
-
-    Everything but the models ``prepare`` saw, which are held weakly (a weak reference
-    cannot be pickled; a strong one would pickle the model), and but a backward waiting for
-    its step: a copy made between ``mp.backward(loss)`` and ``mp.step`` has no backward of
-    its own (those gradients are in the original's models, and the loss scale they were
-    scaled by is not pickled, as ``GradScaler`` pickles none), so its ``step`` without a
-    backward is refused, as a new instance's would be.
-    """
-    kept = dict(state)
-    del kept["_models"]
-    kept.update(_backward_pending=False, _stepped=False, _zeroed=set(), _already_stepped=set())
-    return kept
