@@ -448,9 +448,18 @@ def test_select_gpus_rejects_bad_n(fake_nvml: Any, n: Any) -> None:
         select_gpus(n)
 
 
-def test_select_gpus_rejects_negative_memory(fake_nvml: Any) -> None:
-    with pytest.raises(ValueError, match="min_free_memory must be >= 0"):
-        select_gpus(1, min_free_memory=-1)
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "20GB", True])
+def test_select_gpus_rejects_bad_min_free_memory(fake_nvml: Any, bad: Any) -> None:
+    import os
+
+    with pytest.raises(ValueError, match=r"min_free_memory must be .*bytes >= 0.*got"):
+        select_gpus(1, min_free_memory=bad)
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_select_gpus_accepts_numpy_min_free_memory(fake_nvml: Any) -> None:
+    np = pytest.importorskip("numpy")
+    assert select_gpus(1, min_free_memory=np.int64(25 * GiB)) == [2]
 
 
 # --------------------------------------------------------------------------- best_device()

@@ -119,8 +119,21 @@ def test_threads_refuses_a_process_or_thread_count_below_one() -> None:
 @pytest.mark.parametrize("share", [-0.1, 1.5, float("nan")])
 def test_steal_refuses_a_share_that_is_no_fraction(share: float) -> None:
     # Before: NaN was "ok" and showed "nan%".
-    with pytest.raises(ValueError, match=r"share must be a fraction from 0 to 1"):
+    with pytest.raises(ValueError, match=r"share must be None or a fraction from 0 to 1"):
         check_steal(share)
+
+
+@pytest.mark.parametrize("share", ["0.2", True, [0.2]])
+def test_steal_refuses_a_share_that_is_no_number(share: object) -> None:
+    # Before: a string or list raised a bare TypeError from the comparison; True was 100%.
+    with pytest.raises(ValueError, match=r"share must be None or a fraction from 0 to 1.*got"):
+        check_steal(share)  # type: ignore[arg-type]
+
+
+def test_steal_reads_a_numpy_share_as_a_python_float() -> None:
+    np = pytest.importorskip("numpy")
+    check = check_steal(np.float32(0.25))
+    assert check.verdict == "warn" and "25.0%" in check.value
 
 
 @pytest.mark.parametrize("load", [-1.0, float("nan"), float("inf")])

@@ -169,6 +169,21 @@ def test_iommu_and_p2p_refuse_a_gpu_count_that_is_not_a_non_negative_int(gpu_cou
         check_p2p(gpu_count)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("bandwidth", [float("nan"), float("inf"), -1.0, "40", True])
+def test_p2p_refuses_a_bandwidth_that_is_no_measurement(bandwidth: object) -> None:
+    # Before: NaN was "ok" ("nan GB/s"), and a string raised a bare TypeError.
+    with pytest.raises(ValueError, match=r"with_p2p must be .*GB/s >= 0.*got "):
+        check_p2p(8, with_p2p=bandwidth, without_p2p=18.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"without_p2p must be .*GB/s >= 0.*got "):
+        check_p2p(8, with_p2p=40.0, without_p2p=bandwidth)  # type: ignore[arg-type]
+
+
+def test_p2p_reads_numpy_bandwidths() -> None:
+    np = pytest.importorskip("numpy")
+    check = check_p2p(8, with_p2p=np.float32(3.0), without_p2p=np.float64(18.0))
+    assert check.verdict == "warn" and "3.0 GB/s" in check.value
+
+
 GPU_GROUPS = [IommuGroup("3", None, ("0000:17:00.0",))]  # a kernel without the type file
 
 

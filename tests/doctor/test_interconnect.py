@@ -125,6 +125,22 @@ def test_measure_loopback_reports_a_failed_socket_as_unknown(
     assert baseline.socket_gb_per_s is None and baseline.memcpy_gb_per_s > 0
 
 
+@pytest.mark.parametrize("total_bytes", [0, -1, "8MiB", 2.0**20, float("nan"), True])
+def test_measure_loopback_refuses_a_size_that_is_not_a_positive_int(total_bytes: object) -> None:
+    # Before: a string or NaN raised a bare TypeError, and 0 a ZeroDivisionError.
+    with pytest.raises(ValueError, match=r"total_bytes must be an int >= 1, got "):
+        measure_loopback(total_bytes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("repeats", [0, "2", 1.5])
+def test_measure_loopback_refuses_a_repeat_count_that_is_no_positive_int(
+    repeats: object,
+) -> None:
+    # Before: 0 raised "max() arg is an empty sequence", and a string a bare TypeError.
+    with pytest.raises(ValueError, match=r"repeats must be an int >= 1, got "):
+        measure_loopback(2**20, repeats=repeats)  # type: ignore[arg-type]
+
+
 @pytest.mark.requires_cuda
 def test_real_gpu_links_are_read_from_nvml() -> None:
     import trainperf

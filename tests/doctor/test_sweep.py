@@ -152,6 +152,13 @@ def test_bus_bandwidth_refuses_a_rank_count_that_is_not_a_positive_int(ranks: ob
         SweepRow.from_timing(2**20, 3, 0.01, ranks)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("algbw", [float("nan"), float("inf"), -1.0, "100", None, True])
+def test_bus_bandwidth_refuses_an_algbw_that_is_no_measurement(algbw: object) -> None:
+    # Before: NaN came back as NaN, "100" raised a bare TypeError, -1.0 gave a negative figure.
+    with pytest.raises(ValueError, match=r"algbw must be a finite number >= 0, got "):
+        bus_bandwidth(algbw, 8)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("seconds", [0, -0.5, float("nan"), float("inf")])
 def test_a_row_refuses_a_time_per_call_that_is_no_time(seconds: float) -> None:
     # Before: seconds=0 raised ZeroDivisionError, and NaN or inf made NaN/0 bandwidths.

@@ -100,6 +100,28 @@ def test_loader_facts_read_a_dataloader_and_nothing_else() -> None:
     assert loader_facts(iter(range(3))) == {}
 
 
+def test_loader_facts_read_numpy_settings_as_python_ints() -> None:
+    np = pytest.importorskip("numpy")
+    data = TensorDataset(torch.zeros(16, 2))
+    loader = DataLoader(data, batch_size=8, num_workers=np.int64(2), prefetch_factor=np.int32(3))
+    facts = loader_facts(loader)
+    assert facts == {"num_workers": 2, "prefetch_factor": 3, "batch_size": 8}
+    assert all(type(value) is int for value in facts.values())  # JSON-safe, not np.int64
+
+
+def test_loader_facts_do_not_count_bools_or_floats_as_settings() -> None:
+    np = pytest.importorskip("numpy")
+    loader = DataLoader(TensorDataset(torch.zeros(16, 2)), batch_size=4)
+    loader.tuning_report = _Report()  # type: ignore[attr-defined]
+    loader.tuning_report.num_workers = np.bool_(True)  # type: ignore[attr-defined]
+    loader.tuning_report.worker_cpus = np.float64(5.0)  # type: ignore[attr-defined]
+    loader.tuning_report.samples_per_s = np.float32(1234.5)  # type: ignore[attr-defined]
+    facts = loader_facts(loader)
+    assert facts["tuned_num_workers"] is None and facts["tuned_worker_cpus"] is None
+    assert facts["tuned_samples_per_s"] == 1234.5
+    assert type(facts["tuned_samples_per_s"]) is float
+
+
 class _Report:
     """What loader_facts reads of a TuningReport."""
 

@@ -26,7 +26,7 @@ import torch
 
 from trainperf._utils.format import format_bytes
 from trainperf._utils.serialize import result_dict
-from trainperf._utils.validate import positive_int
+from trainperf._utils.validate import non_negative_number, positive_int
 from trainperf.errors import DeviceError
 
 T = TypeVar("T")
@@ -400,7 +400,8 @@ def select_gpus(n: int = 1, *, min_free_memory: int | None = None) -> list[int]:
         The chosen cards' NVML (``nvidia-smi``) indices, in their new CUDA order.
 
     Raises:
-        ValueError: ``n`` < 1 or ``min_free_memory`` < 0.
+        ValueError: ``n`` is not an int >= 1, or ``min_free_memory`` is neither None nor
+            a finite number >= 0 (a string, NaN).
         DeviceError: CUDA is already initialised, or fewer than ``n`` cards qualify.
 
     Example:
@@ -412,8 +413,11 @@ def select_gpus(n: int = 1, *, min_free_memory: int | None = None) -> list[int]:
         True
     """
     n = positive_int("n", n)
-    if min_free_memory is not None and min_free_memory < 0:
-        raise ValueError(f"min_free_memory must be >= 0 bytes or None, got {min_free_memory!r}")
+    threshold = 0.0
+    if min_free_memory is not None:
+        threshold = non_negative_number(
+            "min_free_memory", min_free_memory, unit="bytes", zero="any card"
+        )
     if _cuda_initialized():
         raise DeviceError(
             "select_gpus() must run before CUDA is initialised in this process: "
@@ -423,7 +427,7 @@ def select_gpus(n: int = 1, *, min_free_memory: int | None = None) -> list[int]:
         )
     cards = gpus()
     # A card whose free memory NVML cannot tell (unified memory) meets a threshold of 0 only.
-    qualified = [c for c in cards if not min_free_memory or _free(c) >= min_free_memory]
+    qualified = [c for c in cards if not threshold or _free(c) >= threshold]
     ranked = sorted(qualified, key=lambda c: (-_free(c), c.index))
     if len(ranked) < n:
         found = (
@@ -432,7 +436,7 @@ def select_gpus(n: int = 1, *, min_free_memory: int | None = None) -> list[int]:
             )
             or "no GPUs (no NVIDIA driver, or CUDA_VISIBLE_DEVICES hides them all)"
         )
-        need = "" if not min_free_memory else f" with >= {format_bytes(min_free_memory)} free"
+        need = "" if not threshold else f" with >= {format_bytes(threshold)} free"
         raise DeviceError(f"select_gpus(n={n}) needs {n} GPU(s){need}; found: {found}")
     chosen = ranked[:n]
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(c.uuid for c in chosen)

@@ -261,6 +261,18 @@ def _host_cpus(cpus: int, host_cpus: int | None) -> int:
     return host
 
 
+def _fraction(share: object) -> float:
+    """``share`` as a Python float if it is a number from 0 to 1 (NumPy's too), else
+    ``ValueError``: a string or a bool is no share of the CPU time, and NaN is none either."""
+    number = as_real_number(share)
+    if number is None or not 0.0 <= number <= 1.0:  # NaN too
+        raise ValueError(
+            f"share must be None or a fraction from 0 to 1 of the CPU time "
+            f"(boot_steal_share()), got {share!r}"
+        )
+    return float(number)
+
+
 def check_steal(share: float | None) -> Check:
     """The CPU time the hypervisor withheld from this VM since boot (*steal*): a VM whose
     physical CPUs other tenants share, or a burstable instance out of CPU credits.
@@ -274,7 +286,8 @@ def check_steal(share: float | None) -> Check:
             where the platform reports no steal (only Linux does).
 
     Raises:
-        ValueError: ``share`` is not a fraction from 0 to 1 (NaN included).
+        ValueError: ``share`` is neither None nor a number from 0 to 1 (a string, a
+            bool, NaN).
 
     Example:
         >>> check_steal(0.25).verdict, check_steal(0.02).verdict, check_steal(None).verdict
@@ -282,11 +295,7 @@ def check_steal(share: float | None) -> Check:
     """
     if share is None:
         return Check("steal", "skip", "no steal figure on this platform (Linux VMs report it)")
-    if not 0.0 <= share <= 1.0:  # NaN too
-        raise ValueError(
-            f"share must be a fraction from 0 to 1 of the CPU time (boot_steal_share()), "
-            f"got {share!r}"
-        )
+    share = _fraction(share)
     value = (
         f"the hypervisor withheld {share:.1%} of the CPU time this machine's CPUs wanted "
         "since boot (steal)"

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trainperf._utils.format import format_bytes
-from trainperf._utils.validate import non_negative_int
+from trainperf._utils.validate import non_negative_int, non_negative_number
 from trainperf.doctor._checks import Check
 from trainperf.doctor._interconnect import LinkEstimate
 from trainperf.doctor._sweep import AllReduceSweep
@@ -289,6 +289,11 @@ def check_iommu(
 P2P_SLOWER_FRACTION = 0.9
 
 
+def _bandwidth(name: str, value: float | None) -> float | None:
+    """A measured bus bandwidth as a Python float, None (not measured) kept."""
+    return None if value is None else non_negative_number(name, value, unit="GB/s")
+
+
 def check_p2p(
     gpu_count: int,
     *,
@@ -309,7 +314,8 @@ def check_p2p(
         nvml_blocked: GPU pairs NVML reports as unable to use P2P, with the reason.
 
     Raises:
-        ValueError: ``gpu_count`` is not an int >= 0.
+        ValueError: ``gpu_count`` is not an int >= 0, or ``with_p2p`` or ``without_p2p`` is
+            neither None nor a finite number >= 0 (a string, NaN).
 
     Example:
         >>> check_p2p(8, with_p2p=40.0, without_p2p=18.0).verdict
@@ -319,6 +325,8 @@ def check_p2p(
         >>> check_p2p(8, with_error="timed out", without_p2p=18.0).verdict
         'fail'
     """
+    with_p2p = _bandwidth("with_p2p", with_p2p)
+    without_p2p = _bandwidth("without_p2p", without_p2p)
     if non_negative_int("gpu_count", gpu_count) < 2:
         return Check("p2p", "skip", "peer-to-peer needs 2+ GPUs", "")
     nvml = f"; NVML: no P2P for {', '.join(nvml_blocked)}" if nvml_blocked else ""

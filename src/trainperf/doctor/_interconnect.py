@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 
 from trainperf._utils.serialize import result_dict
+from trainperf._utils.validate import positive_int
 from trainperf.device import GpuInfo
 from trainperf.device._inventory import nvml_session
 from trainperf.errors import DeviceError
@@ -342,11 +343,20 @@ def _memcpy_gb_per_s(size: int, repeats: int) -> float:
 def measure_loopback(total_bytes: int = 128 * _MiB, *, repeats: int = 2) -> LoopbackBaseline:
     """Measure the loopback socket (both directions at once) and a memory copy; best of runs.
 
+    Args:
+        total_bytes: bytes sent each way per run (the memory copy takes up to 64 MiB of it).
+        repeats: runs of each measurement; the best counts.
+
+    Raises:
+        ValueError: ``total_bytes`` or ``repeats`` is not an int >= 1.
+
     Example:
         >>> baseline = measure_loopback(8 * 2**20, repeats=1)
         >>> baseline.memcpy_gb_per_s > 0
         True
     """
+    total_bytes = positive_int("total_bytes", total_bytes)
+    repeats = positive_int("repeats", repeats)
     chunk = min(4 * _MiB, total_bytes)
     total = max(1, total_bytes // chunk) * chunk
     best: float | None = None

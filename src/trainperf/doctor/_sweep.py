@@ -26,7 +26,7 @@ import torch
 
 from trainperf._utils.imports import require
 from trainperf._utils.serialize import result_dict
-from trainperf._utils.validate import choice, positive_int, positive_number
+from trainperf._utils.validate import choice, non_negative_number, positive_int, positive_number
 
 __all__ = ["AllReduceSweep", "SweepRow", "all_reduce_sweep", "bus_bandwidth"]
 
@@ -53,12 +53,14 @@ def bus_bandwidth(algbw: float, ranks: int) -> float:
         ranks: ranks taking part (``n``, at least 1; one rank moves nothing over a link).
 
     Raises:
-        ValueError: ``ranks`` is not an int >= 1.
+        ValueError: ``algbw`` is not a finite number >= 0 (a string, NaN), or ``ranks`` is
+            not an int >= 1.
 
     Example:
         >>> bus_bandwidth(100.0, 8), bus_bandwidth(1.0, 2)
         (175.0, 1.0)
     """
+    algbw = non_negative_number("algbw", algbw)
     ranks = positive_int("ranks", ranks)
     return algbw * 2 * (ranks - 1) / ranks
 

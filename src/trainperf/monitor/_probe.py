@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from trainperf._utils.validate import as_real_number
 from trainperf.limits import local_world_size, usable_cpus
 from trainperf.monitor._setup import LoopSetup
 
@@ -138,7 +139,15 @@ def rank_cpus() -> int:
 
 
 def _int_or_none(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """``value`` as a Python int if it is a whole number (NumPy's integers too: a setting
+    read from a NumPy config), else None; a bool is not a setting's number."""
+    number = as_real_number(value)
+    return number if isinstance(number, int) else None
+
+
+def _float_or_none(value: object) -> float | None:
+    number = as_real_number(value)
+    return None if number is None else float(number)
 
 
 def loader_facts(iterable: object) -> dict[str, Any]:
@@ -162,8 +171,7 @@ def loader_facts(iterable: object) -> dict[str, Any]:
         facts["tuned_num_workers"] = _int_or_none(getattr(report, "num_workers", None))
         facts["tuned_worker_cpus"] = _int_or_none(getattr(report, "worker_cpus", None))
         facts["tuned_max_workers"] = _int_or_none(getattr(report, "max_workers", None))
-        rate = getattr(report, "samples_per_s", None)
-        facts["tuned_samples_per_s"] = float(rate) if isinstance(rate, (int, float)) else None
+        facts["tuned_samples_per_s"] = _float_or_none(getattr(report, "samples_per_s", None))
     return facts
 
 
