@@ -1,9 +1,10 @@
 """Functions the checkpoint tests run on every rank of a 2-rank gloo group (module level, so
 spawned workers can import them): saving from rank 0 only, from every rank, and the
-``distributed=True`` collective."""
+``distributed=True`` collective; ``Checkpointer.restore``'s agreement between the ranks."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import trainperf.checkpoint._files as files
-from trainperf.checkpoint import load_checkpoint, save_checkpoint
+from trainperf.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from trainperf.errors import CheckpointError
 
 
@@ -84,6 +85,55 @@ def collective_on_rank0_only(tmp: Path) -> str:
         with pytest.raises(CheckpointError, match=r"distributed=True.*every rank") as e:
             save_checkpoint({"w": torch.ones(1)}, tmp / "lone.pt", distributed=True)
         return str(e.value)
+    try:
+        dist.barrier()  # where the other rank's training loop has got to
+    except Exception as e:  # the barrier fails once rank 0 gives up: expected here
+        return type(e).__name__
+    return "barrier returned"
+
+
+def _saved_steps_1_and_2(tmp: Path) -> Checkpointer:
+    """Steps 1 and 2 saved by both ranks (rank 0's main files, rank 1's own files)."""
+    ckpt = Checkpointer(tmp, keep=5)
+    for step in (1, 2):
+        ckpt.save({"w": torch.full((2,), float(step))}, step=step)
+    dist.barrier()  # every file is durable before anyone touches or reads one
+    return ckpt
+
+
+def _restored(ckpt: Checkpointer) -> str:
+    """What ``restore`` gave this rank: the step, or the error it raised."""
+    try:
+        return f"step {ckpt.restore({'w': torch.zeros(2)})}"
+    except CheckpointError as e:
+        return f"{type(e).__name__}: {e} [path {Path(str(e.path)).name}]"
+
+
+def restore_with_rank1_file_copied_from_step_1(tmp: Path) -> str:
+    """Rank 1's file of step 2 is a copy of its file of step 1: both ranks restore."""
+    ckpt = _saved_steps_1_and_2(tmp)
+    if dist.get_rank() == 0:
+        shutil.copyfile(tmp / "step-000000001.rank-00001.pt", tmp / "step-000000002.rank-00001.pt")
+    dist.barrier()
+    return _restored(ckpt)
+
+
+def restore_from_directories_with_other_steps(tmp: Path) -> str:
+    """Rank 1 restores from a directory holding only step 1 (not the one rank 0 sees)."""
+    ckpt = _saved_steps_1_and_2(tmp / "shared")
+    if dist.get_rank() == 1:
+        (tmp / "own").mkdir()
+        for name in ("step-000000001.pt", "step-000000001.rank-00001.pt"):
+            shutil.copyfile(tmp / "shared" / name, tmp / "own" / name)
+        ckpt = Checkpointer(tmp / "own")
+    return _restored(ckpt)
+
+
+def restore_on_rank0_only(tmp: Path) -> str:
+    """``restore`` inside ``if rank == 0:``: a clear error once the group's timeout passes."""
+    ckpt = _saved_steps_1_and_2(tmp)
+    if dist.get_rank() == 0:
+        return _restored(ckpt)
     try:
         dist.barrier()  # where the other rank's training loop has got to
     except Exception as e:  # the barrier fails once rank 0 gives up: expected here

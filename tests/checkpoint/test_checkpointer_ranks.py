@@ -1,17 +1,22 @@
 """trainperf.checkpoint._checkpointer_ranks: a rank's own file (``step-….rank-0000R.pt``:
 its generators and loader positions) read back on restore, in one process posing as each
-rank in turn."""
+rank in turn; and the ranks' agreement on restore, on two gloo ranks."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 import trainperf.checkpoint._checkpointer as checkpointer_module
+from tests.checkpoint import _ranks
+from tests.ddp._distributed import FORK, spawn
 from trainperf import Checkpointer
+from trainperf.checkpoint._loader_state import track
 from trainperf.errors import CheckpointError
 
 
@@ -96,3 +101,68 @@ def test_a_foreign_rank_file_is_not_used_and_says_so(
     ):
         assert ckpt.restore({"w": torch.zeros(2)}) == 2
     assert torch.equal(torch.rand(4), _draws_after_seed(20))  # rank 0's, as the warning says
+
+
+# Two gloo ranks, forked where that is safe, with a short group timeout: a rank left waiting
+# for the other fails the test in seconds instead of hanging it.
+def _two_ranks(fn: Any, tmp_path: Path, timeout_s: float = 10.0) -> dict[int, Any]:
+    return spawn(fn, 2, "gloo", args=(tmp_path,), start_method=FORK, timeout_s=timeout_s)
+
+
+@pytest.mark.slow  # two forked gloo ranks
+def test_a_refused_rank_file_makes_every_rank_raise(tmp_path: Path) -> None:
+    # Only rank 1 raised; rank 0 restored step 2 and went on to its next collective, where
+    # it waited for rank 1 until the group's timeout, with no error of its own.
+    r0, r1 = _two_ranks(_ranks.restore_with_rank1_file_copied_from_step_1, tmp_path).values()
+    assert r1.startswith("CheckpointError: Checkpointer.restore stops at step 2: "), r1
+    assert "holds rank 1's part of step 1" in r1
+    assert r0.startswith(
+        "CheckpointError: Checkpointer.restore stops at step 2 on rank 0: another rank could "
+        "not restore its own part: rank 1 (CheckpointError: Checkpointer.restore stops at "
+        "step 2: "
+    ), r0
+    assert "holds rank 1's part of step 1" in r0
+    assert r0.endswith("[path step-000000002.rank-00001.pt]"), r0
+
+
+@pytest.mark.slow  # two forked gloo ranks
+def test_ranks_that_find_different_steps_all_raise(tmp_path: Path) -> None:
+    results = _two_ranks(_ranks.restore_from_directories_with_other_steps, tmp_path)
+    for message in results.values():
+        assert message.startswith(
+            "CheckpointError: Checkpointer.restore: the ranks found different newest steps "
+        ), message
+        assert "(rank 0: 2, rank 1: 1)" in message and "a filesystem every rank sees" in message
+
+
+@pytest.mark.slow  # two forked gloo ranks, one waiting out a 3 s group timeout
+def test_restore_on_one_rank_only_names_the_fix(tmp_path: Path) -> None:
+    results = _two_ranks(_ranks.restore_on_rank0_only, tmp_path, timeout_s=3.0)
+    assert results[0].startswith(
+        "CheckpointError: Checkpointer.restore is a collective under a process group, but "
+        "rank 0 waited for the other ranks in vain"
+    ), results[0]
+    assert "call restore on every rank" in results[0]
+
+
+def test_a_loader_missing_from_a_rank_file_takes_rank_0s_position_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 1 saved its state without the loader: it took rank 0's position without a word.
+    loader = DataLoader(list(range(8)), batch_size=2)
+    track(loader)
+    it = iter(loader)
+    next(it)
+    ckpt = Checkpointer(tmp_path)
+    _as_rank(monkeypatch, 0)
+    ckpt.save({"w": torch.ones(2), "loader": loader}, step=1)
+    _as_rank(monkeypatch, 1)
+    ckpt.save({"w": torch.ones(2)}, step=1)
+    fresh = DataLoader(list(range(8)), batch_size=2)
+    with pytest.warns(
+        UserWarning,
+        match=r"rank 1's own file of step 1 has no position for loader 'loader' .*rank 0's "
+        r"position stands in.*give Checkpointer\.save the same loaders on every rank",
+    ):
+        assert ckpt.restore({"w": torch.zeros(2), "loader": fresh}) == 1
+    assert next(iter(fresh)).tolist() == [2, 3]  # rank 0's position: one batch taken

@@ -29,7 +29,8 @@ DDP) and ``_orig_mod.`` (``torch.compile``) prefixes into wrapped or plain model
   background writer and :class:`SaveHandle`; :mod:`._writer_fork`, :mod:`._writer_snapshot`,
   :mod:`._writer_staging`), :mod:`._checkpointer_wait`, :mod:`._checkpointer_warn`,
   :mod:`._checkpointer_ranks`, :mod:`._preempt` (:class:`Preemption`, the signal flag every rank
-  agrees on), :mod:`._loader_state` (a DataLoader's position mid-epoch) and :mod:`._rng`
+  agrees on), :mod:`._loader_state` (a DataLoader's position mid-epoch; the states its
+  sampler draws from: :mod:`._sampler_states`) and :mod:`._rng`
   (the random generators' states).
 """
 

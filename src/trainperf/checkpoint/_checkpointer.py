@@ -4,7 +4,8 @@ It ties the pieces together: the file names and retention (:mod:`._steps`), what
 and how it is put back (:mod:`._payload`), the writers (:mod:`._writer`) and the stop flag
 (:mod:`._preempt`). Waiting for its background writes, at the next save and at process exit,
 is in :mod:`._checkpointer_wait`; its warnings in :mod:`._checkpointer_warn`; the rank and
-world size, and a rank's own file read back, in :mod:`._checkpointer_ranks`.
+world size, a rank's own file read back, and the ranks' agreement on restore, in
+:mod:`._checkpointer_ranks`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from trainperf._utils.format import format_bytes
 from trainperf._utils.stack import user_stacklevel
 from trainperf._utils.validate import choice, non_negative_int, positive_int
 from trainperf.checkpoint._checkpointer_lock import DirectoryClaim
-from trainperf.checkpoint._checkpointer_ranks import _group, own_part
+from trainperf.checkpoint._checkpointer_ranks import _group, agree, agreed_own_part
 from trainperf.checkpoint._checkpointer_wait import (
     _finish,
     exiting,
@@ -367,7 +368,10 @@ class Checkpointer:
         saved values), and the random generators are set. A file that fails to load (cut
         short, damaged) is skipped with a warning for the next older one. Loaders in
         ``state`` are tracked from here on, even when there is no checkpoint yet, so that a
-        later save knows their position: call it before the loop.
+        later save knows their position: call it before the loop. Under a process group of
+        two or more ranks it is a collective (one small ``all_gather_object``, before
+        anything is loaded): call it on every rank; a rank that cannot restore its own part
+        makes every rank raise.
 
         Args:
             state: the same keys ``save`` was given, holding the live objects.
@@ -394,6 +398,11 @@ class Checkpointer:
                 (copied or renamed from another step's file: ``step-000000200.pt`` holding
                 step 100): not loaded, nor skipped for an older one; the message names the
                 file, both steps and the fix.
+            CheckpointError: under a process group, another rank could not restore its own
+                part (its rank file holds another step or rank than its name says; the
+                message names the rank and why), the ranks found different newest steps,
+                or the other ranks did not call ``restore`` within the group's timeout;
+                nothing is loaded then.
             OSError: the newest file could not be read (no permission, too many open
                 files, a disk or network-filesystem error): raised, not skipped, since the
                 file may be fine.
@@ -436,8 +445,9 @@ class Checkpointer:
             except OSError as e:
                 raise _stops_at("restore", step, e) from e
             refuse_misnamed("restore", path, step, found)
-            restore_into(state, saved, own_part(self, step, rank), str(path), found)
+            restore_into(state, saved, agreed_own_part(self, step, rank), str(path), found)
             return found
+        agree(self.directory, 0)
         return 0
 
     # -------------------------------------------------------------- preemption

@@ -1,13 +1,17 @@
 """A :class:`~trainperf.checkpoint.Checkpointer` under a process group: this process's rank
 and the world size (:func:`_group`), and, on restore, the small file of a rank other than 0
 (its generators and loader positions: :func:`own_part`), refused when it holds another step
-or rank than its name says.
+or rank than its name says, and the ranks' agreement on what they restore (:func:`agree`):
+one ``all_gather_object`` per restore, so that a rank that refuses its file, or finds
+another step, makes every rank raise instead of leaving the others waiting in their next
+collective.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,13 +19,13 @@ import torch
 from trainperf._utils.stack import user_stacklevel
 from trainperf.checkpoint._files import load_checkpoint
 from trainperf.checkpoint._payload import RESERVED, saved_step
-from trainperf.checkpoint._steps import rank_file, refuse_misnamed
+from trainperf.checkpoint._steps import main_file, rank_file, refuse_misnamed
 from trainperf.errors import CheckpointError
 
 if TYPE_CHECKING:
     from trainperf.checkpoint._checkpointer import Checkpointer
 
-__all__ = ["own_part"]
+__all__ = ["agree", "agreed_own_part", "own_part"]
 
 
 def _group() -> tuple[int, int]:
@@ -65,3 +69,76 @@ def _saved_rank(own: Mapping[str, Any], named: int) -> int:
     none)."""
     said = own[RESERVED].get("rank")
     return said if type(said) is int else named
+
+
+def agreed_own_part(ckpt: Checkpointer, step: int, rank: int) -> Mapping[str, Any] | None:
+    """:func:`own_part`, then :func:`agree` on step ``step`` with the other ranks (its
+    failure, if any, is shared with them first, then raised here).
+
+    Raises:
+        CheckpointError: as :func:`own_part`, or as :func:`agree`.
+    """
+    try:
+        own = own_part(ckpt, step, rank)
+    except Exception as e:
+        agree(ckpt.directory, step, failure=e)
+        raise
+    agree(ckpt.directory, step)
+    return own
+
+
+def agree(directory: Path, step: int, failure: Exception | None = None) -> None:
+    """Under a process group of two or more ranks, tell every rank which step this rank
+    restores (0: none) and whether its own part failed (``failure``), and raise unless all
+    of them restore the same step without a failure; without one, do nothing. With a
+    ``failure`` of its own, this rank returns (its caller raises that) whatever the others
+    said.
+
+    Raises:
+        CheckpointError: another rank failed to read its own part (the message names the
+            rank(s) and why), the ranks found different newest steps (the directory is not
+            the same for every rank), or the other ranks never came (``restore`` was not
+            called on every rank: the group's timeout passed).
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    rank, world = int(dist.get_rank()), int(dist.get_world_size())
+    said: list[Any] = [None] * world
+    mine = (step, None if failure is None else f"{type(failure).__name__}: {failure}")
+    try:
+        dist.all_gather_object(said, mine)
+    except Exception as e:
+        if failure is not None:
+            return  # this rank's own failure is the news
+        raise CheckpointError(
+            "Checkpointer.restore is a collective under a process group, but rank "
+            f"{rank} waited for the other ranks in vain ({type(e).__name__}: {e}): call "
+            "restore on every rank (before the training loop)",
+            directory,
+        ) from e
+    if failure is None:
+        _refuse_disagreement(directory, step, rank, said)
+
+
+def _refuse_disagreement(directory: Path, step: int, rank: int, said: list[Any]) -> None:
+    """Raise when another rank failed to read its own part of a step, or restores another
+    step than ``step`` (what this rank, ``rank``, restores); ``said[r]`` is rank ``r``'s
+    ``(step, failure or None)``."""
+    failed = [(r, why) for r, (_, why) in enumerate(said) if why is not None]
+    if failed:
+        whose = ", ".join(f"rank {r} ({why})" for r, why in failed)
+        raise CheckpointError(
+            f"Checkpointer.restore stops at step {step} on rank {rank}: another rank could "
+            f"not restore its own part: {whose}; nothing was loaded on this rank",
+            rank_file(directory, step, failed[0][0]),
+        )
+    steps = [s for s, _ in said]
+    if len(set(steps)) > 1:
+        found = ", ".join(f"rank {r}: {s or 'none'}" for r, s in enumerate(steps))
+        raise CheckpointError(
+            f"Checkpointer.restore: the ranks found different newest steps in {directory} "
+            f"({found}), so they would resume from different states; put the directory "
+            "on a filesystem every rank sees, with the same files for each",
+            main_file(directory, max(steps)),
+        )

@@ -8,7 +8,7 @@ started and the batches handed out in the current pass. When a pass's sampler st
 drawing, the states it draws from are recorded: torch's global generator (``RandomSampler``
 without a generator seeds itself from it), every generator (torch, NumPy, ``random.Random``)
 and ``epoch`` attribute along the sampler chain (``BatchSampler.sampler``,
-``DistributedSampler.epoch``).
+``DistributedSampler.epoch``); :mod:`._sampler_states` reads and puts them back.
 
 On restore, the next pass replays the interrupted one: the recorded states are put back just
 while its sampler draws, so it yields the same order, and the first ``position`` batches of
@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-import random
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -39,166 +38,24 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from trainperf._utils.stack import user_stacklevel
-from trainperf.checkpoint._rng import (
-    as_python_state,
-    attribute_generators,
-    generator_state,
-    numpy_state,
-    set_generator_state,
-    set_numpy_state,
+from trainperf.checkpoint._sampler_states import (
+    SamplerStates,
+    replaying,
+    sampler_chain,
+    sandbox,
 )
 
 __all__ = ["check_position", "loader_state", "restore_loader", "track"]
 
 _VERSION = 1
-_CHAIN_DEPTH = 4  # loader -> BatchSampler -> sampler -> a sampler it wraps
 _TRACKER = "_trainperf_tracker"
-
-
-def _chain(index_sampler: Any) -> list[Any]:
-    """The index sampler and the samplers it wraps (``.sampler``), outermost first."""
-    out = [index_sampler]
-    while len(out) < _CHAIN_DEPTH and getattr(out[-1], "sampler", None) is not None:
-        out.append(out[-1].sampler)
-    return out
-
-
-def _generators(chain: list[Any]) -> list[torch.Generator | None]:
-    return [
-        g if isinstance(g := getattr(s, "generator", None), torch.Generator) else None
-        for s in chain
-    ]
-
-
-def _others(chain: list[Any]) -> list[dict[str, Any]]:
-    """The generators each sampler keeps under other names (a sampler a user wrote:
-    ``self.rng = np.random.default_rng(seed)``), by attribute; its torch ``generator`` is
-    :func:`_generators`'."""
-    return [
-        {
-            k: g
-            for k, g in attribute_generators(s).items()
-            if not (k == "generator" and isinstance(g, torch.Generator))
-        }
-        for s in chain
-    ]
-
-
-def _epochs(chain: list[Any]) -> list[int | None]:
-    return [e if isinstance(e := getattr(s, "epoch", None), int) else None for s in chain]
-
-
-@dataclass
-class _States:
-    """The generator states and epochs a pass's sampler draws from: torch's, NumPy's and
-    Python's global generators (a custom sampler may shuffle with any of them), the
-    sampler chain's own generators and epochs, and the loader's ``generator``."""
-
-    torch_state: torch.Tensor
-    generators: list[torch.Tensor | None]
-    epochs: list[int | None]
-    loader_generator: torch.Tensor | None = None
-    numpy_state: dict[str, Any] | None = None  # None: a checkpoint from before they were kept
-    python_state: Any = None
-    others: list[dict[str, Any]] | None = None  # None: a checkpoint from before they were kept
-
-    @classmethod
-    def read(cls, chain: list[Any], loader_gen: torch.Generator | None) -> _States:
-        return cls(
-            torch.get_rng_state(),
-            [None if g is None else g.get_state() for g in _generators(chain)],
-            _epochs(chain),
-            None if loader_gen is None else loader_gen.get_state(),
-            numpy_state(),
-            random.getstate(),
-            [{k: generator_state(g) for k, g in d.items()} for d in _others(chain)],
-        )
-
-    def apply_globals(self) -> None:
-        """torch's, NumPy's and Python's global generators."""
-        torch.set_rng_state(self.torch_state)
-        if self.numpy_state is not None:
-            set_numpy_state(self.numpy_state)
-        if self.python_state is not None:
-            random.setstate(as_python_state(self.python_state))
-
-    def apply(self, chain: list[Any], loader_gen: torch.Generator | None) -> None:
-        self.apply_globals()
-        for g, state in zip(_generators(chain), self.generators, strict=False):
-            if g is not None and state is not None:
-                g.set_state(state)
-        for gens, states in zip(_others(chain), self.others or [], strict=False):
-            for name, g in gens.items():
-                if name in states:
-                    set_generator_state(g, states[name])
-        for sampler, epoch in zip(chain, self.epochs, strict=False):
-            if epoch is not None and isinstance(getattr(sampler, "epoch", None), int):
-                sampler.epoch = epoch
-        if loader_gen is not None and self.loader_generator is not None:
-            loader_gen.set_state(self.loader_generator)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "torch": self.torch_state,
-            "generators": self.generators,
-            "epochs": self.epochs,
-            "loader_generator": self.loader_generator,
-            "numpy": self.numpy_state,
-            "python": self.python_state,
-            "others": self.others,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> _States:
-        return cls(
-            d["torch"],
-            list(d["generators"]),
-            list(d["epochs"]),
-            d["loader_generator"],
-            d.get("numpy"),
-            d.get("python"),
-            d.get("others"),
-        )
-
-
-@contextlib.contextmanager
-def _sandbox(chain: list[Any], loader_gen: torch.Generator | None) -> Iterator[None]:
-    """Whatever is drawn inside leaves every generator (and epoch) as it found them."""
-    before = _States.read(chain, loader_gen)
-    try:
-        yield
-    finally:
-        before.apply(chain, loader_gen)
-
-
-@contextlib.contextmanager
-def _replaying(chain: list[Any], loader_gen: torch.Generator | None) -> Iterator[None]:
-    """Like :func:`_sandbox`, but the sampler chain's generators stay where the replay left
-    them: a sampler that draws lazily from one (``RandomSampler(replacement=True)``, 32
-    indices at a time) goes on from there. torch's global generator, the epochs and a loader
-    ``generator`` the samplers do not draw from are put back (and NumPy's and Python's global
-    generators: a custom sampler that shuffles with them replays its order, and the loop's
-    own draws from them go on from the checkpoint's states)."""
-    before = _States.read(chain, loader_gen)
-    try:
-        yield
-    finally:
-        before.apply_globals()
-        for sampler, epoch in zip(chain, before.epochs, strict=False):
-            if epoch is not None and isinstance(getattr(sampler, "epoch", None), int):
-                sampler.epoch = epoch
-        drawn = any(g is loader_gen for g in _generators(chain)) or any(
-            g is loader_gen for gens in _others(chain) for g in gens.values()
-        )
-        if loader_gen is not None and before.loader_generator is not None and not drawn:
-            loader_gen.set_state(before.loader_generator)
 
 
 @dataclass
 class _Resume:
     passes: int
     position: int
-    start: _States
+    start: SamplerStates
 
 
 @dataclass
@@ -209,7 +66,7 @@ class _Tracker:
     position: int = 0
     done: bool = False
     known: bool = True  # False: tracking began mid-pass, so the position is unknown
-    start: _States | None = None
+    start: SamplerStates | None = None
     resume: _Resume | None = None
     pass_id: int = 0
     notes: list[str] = field(default_factory=list)
@@ -237,16 +94,16 @@ class _IndexSampler:
             yield from self.inner
             return
         tracker: _Tracker = loader.__dict__[_TRACKER]
-        chain = _chain(self.inner)
+        chain = sampler_chain(self.inner)
         gen = loader.generator
         del loader
         resume, tracker.resume = tracker.resume, None
         if resume is None:
             # Read now, at the first pull, the moment the inner sampler draws its order.
-            tracker.start = _States.read(chain, gen)
+            tracker.start = SamplerStates.read(chain, gen)
             yield from self.inner
             return
-        with _replaying(chain, gen):
+        with replaying(chain, gen):
             resume.start.apply(chain, gen)
             it = iter(self.inner)
             skipped = sum(1 for _ in itertools.islice(it, resume.position))
@@ -324,7 +181,7 @@ def _tracked_iter(loader: Any, make: Callable[[], Iterator[Any]]) -> _Counting:
         resume = tracker.resume
         # The interrupted run made this pass's start-up draws (the workers' base seed)
         # before the checkpoint: undo them here.
-        with _sandbox([], loader.generator):
+        with sandbox([], loader.generator):
             it = make()
         tracker.passes, tracker.position = resume.passes, resume.position
         tracker.done, tracker.known = False, True
@@ -439,7 +296,7 @@ def loader_state(loader: DataLoader[Any]) -> dict[str, Any] | None:
     if not tracker.known:
         return None
     length = _length(loader)
-    chain = _chain(_own_index_sampler(loader))
+    chain = sampler_chain(_own_index_sampler(loader))
     return {
         "version": _VERSION,
         "passes": tracker.passes,
@@ -449,7 +306,7 @@ def loader_state(loader: DataLoader[Any]) -> dict[str, Any] | None:
         "done": _finished(tracker.done, tracker.position, length),
         "ended": tracker.done,  # the pass raised StopIteration: its sampler drew its tail
         "start": None if tracker.start is None else tracker.start.to_dict(),
-        "now": _States.read(chain, loader.generator).to_dict(),
+        "now": SamplerStates.read(chain, loader.generator).to_dict(),
     }
 
 
@@ -479,15 +336,15 @@ def _resume_note(loader: DataLoader[Any], saved: Mapping[str, Any]) -> str | Non
 
 
 def _draw_tail(
-    chain: list[Any], gen: torch.Generator | None, start: _States, position: int
+    chain: list[Any], gen: torch.Generator | None, start: SamplerStates, position: int
 ) -> None:
     """Draw what the sampler draws after its last index, as the uninterrupted run's did on
     its way to StopIteration after the save at the pass's last batch: ``RandomSampler``
     with a ``generator`` draws one more permutation there, so without it the next pass
     would shuffle otherwise. The pass's ``position`` pulls are replayed from its start, then
     the one that ended it; only the sampler chain's generators keep what it drew
-    (:func:`_replaying`)."""
-    with _replaying(chain, gen):
+    (:func:`._sampler_states.replaying`)."""
+    with replaying(chain, gen):
         start.apply(chain, gen)
         it = iter(chain[0])
         collections.deque(itertools.islice(it, position), maxlen=0)
@@ -526,8 +383,8 @@ def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key
         return
     check_position(saved, key)
     tracker: _Tracker = loader.__dict__[_TRACKER]
-    chain = _chain(_own_index_sampler(loader))
-    _States.from_dict(saved["now"]).apply(chain, loader.generator)
+    chain = sampler_chain(_own_index_sampler(loader))
+    SamplerStates.from_dict(saved["now"]).apply(chain, loader.generator)
     tracker.passes, tracker.position, tracker.known = saved["passes"], saved["position"], True
     tracker.done, tracker.resume = True, None
     # Files from before a finished pass was always marked done say so by their position.
@@ -539,13 +396,17 @@ def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key
         reuses = loader.persistent_workers and loader.num_workers
     tracker.scratch_seed = bool(done and saved["passes"] >= 1 and reuses)
     if done and saved.get("ended") is False and saved["start"] is not None:
-        _draw_tail(chain, loader.generator, _States.from_dict(saved["start"]), saved["position"])
+        _draw_tail(
+            chain, loader.generator, SamplerStates.from_dict(saved["start"]), saved["position"]
+        )
     if done or saved["start"] is None:
         return
     note = _resume_note(loader, saved)
     if note is not None:
         warnings.warn(f"loader {key!r}: {note}", UserWarning, stacklevel=user_stacklevel())
         return
-    tracker.resume = _Resume(saved["passes"], saved["position"], _States.from_dict(saved["start"]))
+    tracker.resume = _Resume(
+        saved["passes"], saved["position"], SamplerStates.from_dict(saved["start"])
+    )
     # Saved again before the loop starts, it must still say "in the middle of this pass".
     tracker.done, tracker.start = False, tracker.resume.start

@@ -397,7 +397,8 @@ def restore_into(
 ) -> None:
     """Load ``saved`` (a main file, ``where``, of step ``step``) into the live objects of
     ``state``; ``own`` is this rank's own file (loader positions and generator states), None
-    on rank 0.
+    on rank 0. A loader that ``own`` lacks (the rank saved a state without it) gets rank 0's
+    position, with a warning naming the loader and the rank.
 
     Plain values in ``state`` are replaced by the saved ones (when ``state`` is a mutable
     dict); dicts, lists, sets, deques, tensors and NumPy arrays are updated in place where
@@ -435,6 +436,7 @@ def restore_into(
             "or move it out of the checkpoint directory"
         )
     place = f"{where} (step {step})"
+    positions = _positions(state, saved, own, step)
     for key, live in state.items():
         why = _unfit(live, saved[key], key)
         if why is not None:
@@ -442,16 +444,43 @@ def restore_into(
                 f"{where}: {why}: give restore the objects the checkpoints were saved with"
             )
         if isinstance(live, DataLoader):
-            check_position(mine.get(key, saved[key]), key)
+            check_position(positions[key], key)
         else:
             check_loads(live, saved[key], f"state[{key!r}]", place)
     loaded: list[str] = []
     for key, live in state.items():
         if isinstance(live, DataLoader):
             # Generator states are CPU tensors, whatever device restore(device=) loaded onto.
-            restore_loader(live, to_device(mine.get(key, saved[key]), "cpu"), key)
+            restore_loader(live, to_device(positions[key], "cpu"), key)
             continue
         new = _restore_value(live, saved[key], f"state[{key!r}]", place, loaded)
         if new is not _KEEP and isinstance(state, MutableMapping):
             state[key] = new
     set_rng_state(to_device(mine[RESERVED]["rng"], "cpu"))
+
+
+def _positions(
+    state: Mapping[str, Any], saved: Mapping[str, Any], own: Mapping[str, Any] | None, step: int
+) -> dict[str, Any]:
+    """The saved position of each loader in ``state``: this rank's own (from ``own``, its
+    file; rank 0's from ``saved``, the main file, when ``own`` is None), or rank 0's with a
+    warning where this rank's file lacks the loader (it saved a state without it)."""
+    out: dict[str, Any] = {}
+    for key, live in state.items():
+        if not isinstance(live, DataLoader):
+            continue
+        if own is None or key in own:
+            out[key] = (saved if own is None else own)[key]
+            continue
+        rank = own[RESERVED].get("rank", "?")
+        warnings.warn(
+            f"rank {rank}'s own file of step {step} has no position for loader {key!r} (that "
+            "rank saved a state without it): rank 0's position stands in, so if this rank's "
+            "loader had taken another number of batches, or draws from generators of its own "
+            "(a sampler seeded per rank, the workers' seeds), its next batches differ from "
+            "the interrupted run's; give Checkpointer.save the same loaders on every rank",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+        out[key] = saved[key]
+    return out
