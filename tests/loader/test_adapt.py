@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -860,3 +861,15 @@ def test_a_copy_of_an_adaptive_loader_leaves_its_persistent_pool_behind(
         loader.close()
         if copied is not None:
             copied.close()
+
+
+def test_an_adaptive_loader_takes_numpy_numbers_as_python_ones() -> None:
+    # Before: np.int64(4) passed its checks and then DataLoader refused it, and a NumPy
+    # max_workers stayed the bound it adapts within.
+    loader = AdaptiveDataLoader(
+        range(8), batch_size=np.int64(4), max_workers=np.int64(2), timeout=np.int64(3)
+    )
+    assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert (loader.batch_size, loader._max_workers, loader._timeout_kept) == (4, 2, 3)
+    assert [type(loader.batch_size), type(loader._max_workers)] == [int, int]
+    assert type(loader._timeout_kept) is int

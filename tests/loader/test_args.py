@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from tests._utils._streams import Fresh, Resets, assert_refused_unread
 from tests.loader._fakes import Waits, quick
 from trainperf.errors import DeviceError
 from trainperf.loader import tune_loader
-from trainperf.loader._args import check_args
+from trainperf.loader._args import CheckedArgs, check_args, check_sizes
 
 # DataLoader's own timeout: 0 (its default) means "wait for ever", so 0 is allowed.
 _LOADER_TIMEOUT = r"timeout must be a finite number of seconds >= 0 \(0: no timeout\)"
@@ -183,3 +185,45 @@ def test_right_kinds_pass() -> None:
         "sampler": [0, 1], "pin_memory": False, "shuffle": None, "drop_last": True,
     }  # fmt: skip
     check_args(1, None, 30.0, None, None, kinds)
+
+
+def _same_numbers(got: Any, want: Any) -> bool:
+    """``got == want`` with each number of the same Python type (``np.int64(8) == 8``)."""
+    if isinstance(want, dict):
+        return got.keys() == want.keys() and all(_same_numbers(got[k], want[k]) for k in want)
+    return type(got) is type(want) and got == want
+
+
+def test_check_args_returns_numpy_numbers_as_python_ones() -> None:
+    # Before: check_args took np.int64(8) and returned nothing, so tune_loader went on with
+    # the NumPy scalar, which DataLoader refuses ("batch_size should be a positive integer
+    # value") and json.dumps too (report.to_dict(), the cache key).
+    kwargs = {"num_workers": 2, "prefetch_factor": 4, "timeout": 5, "shuffle": True}
+    given = {"num_workers": np.int64(2), "prefetch_factor": np.int32(4), "timeout": np.int64(5)}
+    numpy_args = check_args(
+        np.int64(8), np.uint8(3), np.float32(2.5), np.int16(2), None, {**kwargs, **given}
+    )
+    python_args = check_args(8, 3, 2.5, 2, None, kwargs)
+    assert numpy_args == python_args == CheckedArgs(8, 3, 2.5, 2, kwargs)
+    assert _same_numbers(dataclasses.asdict(numpy_args), dataclasses.asdict(python_args))
+
+
+@pytest.mark.parametrize(
+    ("given", "want"),
+    [
+        ({}, {}),  # nothing added: an absent prefetch_factor is not None
+        ({"batch_size": np.int64(8), "timeout": np.float64(2.5)},
+         {"batch_size": 8, "timeout": 2.5}),
+        ({"batch_size": None, "timeout": np.int64(5)}, {"batch_size": None, "timeout": 5}),
+        ({"timeout": 5, "num_workers": np.int8(1)}, {"timeout": 5, "num_workers": 1}),
+        ({"num_workers": 0, "prefetch_factor": None}, {"num_workers": 0, "prefetch_factor": None}),
+    ],
+)  # fmt: skip
+def test_check_sizes_converts_numpy_numbers_and_keeps_the_rest(
+    given: dict[str, Any], want: dict[str, Any]
+) -> None:
+    extra = {"shuffle": True, "generator": torch.Generator()}
+    got = check_sizes({**given, **extra})
+    assert _same_numbers({k: got[k] for k in want}, want)
+    assert got.keys() == {**given, **extra}.keys()
+    assert all(got[k] is v for k, v in extra.items())

@@ -10,6 +10,7 @@ the process that iterates it.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import pickle
 import signal
@@ -20,10 +21,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 import trainperf.loader._autotune as autotune
 from trainperf import DieWithParent
@@ -272,3 +274,43 @@ def test_a_tuned_loader_copies_with_its_persistent_pool_live(how: str) -> None:
         for each in (loader, copied):
             if each is not None and each._iterator is not None:
                 each._iterator._shutdown_workers()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("positional", [False, True], ids=["by-name", "by-position"])
+def test_a_tuned_loader_takes_numpy_numbers_as_python_ones(positional: bool) -> None:
+    # Before: check_sizes took np.int64(4), then DataLoader refused it ("batch_size should
+    # be a positive integer value, but got batch_size=4").
+    numbers = {"num_workers": np.int64(1), "prefetch_factor": np.int32(2), "timeout": np.float64(5)}
+    if positional:
+        loader = TunedDataLoader(range(8), np.int64(4), False, **numbers)
+    else:
+        loader = TunedDataLoader(range(8), batch_size=np.int64(4), shuffle=False, **numbers)
+    got = {k: getattr(loader, k) for k in ("batch_size", *numbers)}
+    assert got == {"batch_size": 4, "num_workers": 1, "prefetch_factor": 2, "timeout": 5.0}
+    assert [type(v) for v in got.values()] == [int, int, int, float]
+    assert isinstance(loader.worker_init_fn, DieWithParent)  # as for num_workers=1
+
+
+@pytest.mark.parametrize("adapt", [False, True], ids=["tuned", "adaptive"])
+def test_autotune_loader_takes_numpy_numbers_as_python_ones(adapt: bool) -> None:
+    # Before: np.int64(8) failed in DataLoader; with adapt=True a NumPy max_workers and
+    # timeout went on into the adaptive loader's bound and the timeout it keeps for later.
+    loader = autotune_loader(
+        TensorDataset(torch.zeros(32, 2)),
+        np.int64(8),
+        device="cpu",
+        max_workers=np.int64(0),
+        budget_s=np.float64(1.0),
+        epochs_hint=np.int64(2),
+        timeout=np.float64(5.0),
+        cache=False,
+        progress=False,
+        adapt=adapt,
+    )
+    assert type(loader.batch_size) is int and len(list(loader)) == 4
+    report = loader.tuning_report
+    assert (type(report.batch_size), type(report.max_workers)) == (int, int)
+    json.dumps(report.to_dict())
+    if adapt:
+        assert type(loader._max_workers) is int  # type: ignore[attr-defined]
+        assert type(loader._timeout_kept) is float  # type: ignore[attr-defined]

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import ConcatDataset, Dataset, TensorDataset, random_split
@@ -203,3 +204,19 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temp(
 def test_write_entry_to_a_directory_raises(tmp_path: Path) -> None:
     with pytest.raises(IsADirectoryError, match="is a directory, not a file name"):
         write_entry("k", {}, tmp_path)
+
+
+def test_numpy_numbers_hit_the_entry_of_the_python_ones() -> None:
+    # Before: np.int64(8) failed in DataLoader; a NumPy max_workers made a key json.dumps
+    # refused. The same numbers are the same call, whichever type holds them.
+    assert not tune().from_cache
+    again = tune_loader(
+        Slowish(),
+        np.int64(8),
+        device="cpu",
+        max_workers=np.int64(0),
+        budget_s=np.float64(8.0),
+        progress=False,
+    )
+    assert again.from_cache
+    assert (type(again.batch_size), type(again.max_workers)) == (int, int)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset, SubsetRandomSampler, TensorDataset, get_worker_info
@@ -243,3 +245,46 @@ def test_cpu_demand_counts_the_time_the_hypervisor_stole(monkeypatch: pytest.Mon
     readings.windows_end()
     assert readings.worker_cpu == pytest.approx(2.0)
     assert readings.main_cpu == pytest.approx(0.5)
+
+
+def test_measure_takes_numpy_numbers_as_python_ones() -> None:
+    # Before: np.int64(8) reached DataLoader, which refused it, and a NumPy num_workers or
+    # prefetch_factor reached the result, whose to_dict() json.dumps then refused.
+    r = measure(
+        TensorDataset(torch.zeros(32, 2)),
+        np.int64(8),
+        {},
+        num_workers=np.int64(1),
+        prefetch_factor=np.int64(2),
+        pin_memory=False,
+        deadline=time.perf_counter() + 3.0,
+        hang_timeout_s=np.float64(10.0),
+    )
+    assert r.status == "ok", r.reason
+    assert (r.num_workers, r.prefetch_factor) == (1, 2)
+    assert (type(r.num_workers), type(r.prefetch_factor)) == (int, int)
+    json.dumps(r.to_dict())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"batch_size": 0}, "batch_size must be an int >= 1, got 0"),
+        ({"batch_size": np.float64(8)}, r"batch_size must be an int >= 1, got .*8\.0"),
+        ({"num_workers": -1}, "num_workers must be an int >= 0, got -1"),
+        ({"prefetch_factor": 0}, "prefetch_factor must be None or an int >= 1, got 0"),
+        ({"hang_timeout_s": math.nan}, "hang_timeout_s must be a positive number of seconds"),
+    ],
+)
+def test_measure_refuses_bad_numbers_before_starting(kwargs: dict[str, Any], match: str) -> None:
+    args = {"batch_size": 8, "num_workers": 1, "prefetch_factor": 2, **kwargs}
+    batch_size = args.pop("batch_size")
+    with pytest.raises(ValueError, match=match):
+        measure(
+            TensorDataset(torch.zeros(32, 2)),
+            batch_size,
+            {},
+            pin_memory=False,
+            deadline=time.perf_counter() + 5,
+            **args,
+        )

@@ -6,12 +6,14 @@ ranks, errors from the dataset, and one real search over an I/O-bound dataset.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, SequentialSampler, TensorDataset
 
 from tests.loader._fakes import Waits, collate_ids, quick
 from trainperf.limits import HostLimits
@@ -370,3 +372,40 @@ def test_io_bound_dataset_gets_workers_end_to_end() -> None:
     assert chosen.samples_per_s is not None and chosen.samples_per_s >= 0.98 * best
     baseline = report.candidates[0].samples_per_s
     assert report.speedup == pytest.approx(chosen.samples_per_s / baseline)  # type: ignore[operator]
+
+
+def _python_numbers(data: Any) -> list[Any]:
+    """Every number in ``data`` (dicts and lists, as ``to_dict()`` gives) not of a Python
+    number type (a NumPy scalar)."""
+    if isinstance(data, dict):
+        return [x for v in data.values() for x in _python_numbers(v)]
+    if isinstance(data, (list, tuple)):
+        return [x for v in data for x in _python_numbers(v)]
+    plain = data is None or type(data) in (bool, int, float, str)
+    return [] if plain else [data]
+
+
+# On a busy host the worker may miss the short budget: the fallback is not what is tested.
+@pytest.mark.filterwarnings("ignore:tune_loader falls back:RuntimeWarning")
+def test_numpy_numbers_tune_as_python_ones() -> None:
+    # Before: np.int64(8) passed the checks and then failed in DataLoader ("batch_size
+    # should be a positive integer value"), and a NumPy max_workers, budget_s or num_workers
+    # reached the report, whose to_dict() json.dumps then refused.
+    numbers = {
+        "max_workers": np.int64(1),
+        "budget_s": np.float64(1.5),
+        "epochs_hint": np.int64(2),
+        "num_workers": np.int64(1),
+        "prefetch_factor": np.int64(2),
+        "timeout": np.float64(20.0),
+    }
+    r = tune_loader(TensorDataset(torch.zeros(64, 2)), np.int64(8), **quick(**numbers))
+    assert (type(r.batch_size), type(r.max_workers), type(r.budget_s)) == (int, int, float)
+    assert (r.batch_size, r.max_workers, r.budget_s) == (8, 1, 1.5)
+    assert r.user_setting is not None
+    assert r.user_setting.given == {"num_workers": 1, "prefetch_factor": 2}
+    assert _python_numbers(r.best_kwargs) == _python_numbers(r.user_setting.given) == []
+    data = r.to_dict()
+    assert _python_numbers(data) == []
+    json.dumps(data)
+    assert type(r.best_kwargs["batch_size"]) is int

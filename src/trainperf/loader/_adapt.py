@@ -132,6 +132,8 @@ class AdaptiveDataLoader(TunedDataLoader):
             only at epoch boundaries.
         **kwargs: DataLoader arguments; a ``multiprocessing_context`` with
             ``num_workers=0`` (which DataLoader refuses) is kept for the workers it adds.
+            As for :class:`TunedDataLoader`, and for ``max_workers``, a NumPy integer or
+            float is taken as the Python number it equals.
 
     Attributes:
         tuning_history: the :class:`TuningChange` records, oldest first.
@@ -164,7 +166,7 @@ class AdaptiveDataLoader(TunedDataLoader):
         mid_epoch: bool = True,
         **kwargs: Any,
     ) -> None:
-        non_negative_int("max_workers", max_workers, none_ok=True)
+        max_workers = non_negative_int("max_workers", max_workers, none_ok=True)
         kept = None  # DataLoader's arguments are checked by TunedDataLoader's __init__
         workers = loader_args(args, kwargs).get("num_workers")
         if kwargs.get("multiprocessing_context") is not None and not workers:

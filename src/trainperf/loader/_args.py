@@ -1,4 +1,6 @@
-"""The argument checks of :func:`trainperf.loader.tune_loader`, done once on entry."""
+"""The argument checks of :func:`trainperf.loader.tune_loader` and of the loaders it builds,
+done once on entry: what they return holds the numbers as Python ``int`` and ``float`` (a
+NumPy scalar passed in converted), which is all the code behind them sees."""
 
 from __future__ import annotations
 
@@ -6,12 +8,14 @@ import inspect
 import multiprocessing
 import multiprocessing.context
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from trainperf._utils.validate import (
+    as_real_number,
     choice,
     fresh_stream,
     non_negative_int,
@@ -20,7 +24,14 @@ from trainperf._utils.validate import (
     positive_number,
 )
 
-__all__ = ["check_args", "check_loader_kwargs", "check_sizes", "checked_context", "loader_args"]
+__all__ = [
+    "CheckedArgs",
+    "check_args",
+    "check_loader_kwargs",
+    "check_sizes",
+    "checked_context",
+    "loader_args",
+]
 
 _ALLOWED = frozenset(inspect.signature(DataLoader.__init__).parameters) - {
     "self",
@@ -29,15 +40,34 @@ _ALLOWED = frozenset(inspect.signature(DataLoader.__init__).parameters) - {
 }
 
 
+@dataclass(frozen=True)
+class CheckedArgs:
+    """``tune_loader``'s arguments as :func:`check_args` accepted them: the numbers as Python
+    ints and floats, a NumPy scalar passed in converted (DataLoader refuses a NumPy
+    ``batch_size``, ``json.dumps`` a NumPy number in the report, and the cache key must not
+    depend on which of the two was given)."""
+
+    batch_size: int
+    max_workers: int | None
+    budget_s: float
+    epochs_hint: int | None
+    loader_kwargs: dict[str, Any]  # a new dict: see check_sizes
+
+
 def check_args(
-    batch_size: int,
-    max_workers: int | None,
-    budget_s: float,
-    epochs_hint: int | None,
+    batch_size: object,
+    max_workers: object,
+    budget_s: object,
+    epochs_hint: object,
     step_fn: Callable[[Any], Any] | None,
     loader_kwargs: Mapping[str, Any],
-) -> None:
-    """Raise ``ValueError`` for the first argument ``tune_loader`` cannot take.
+) -> CheckedArgs:
+    """The arguments as ``tune_loader`` works with them, or ``ValueError`` for the first
+    one it cannot take. NumPy integers and floats are taken where Python's are.
+
+    Returns:
+        :class:`CheckedArgs`: the numbers as ``int`` and ``float``, with ``loader_kwargs``'s
+        own (see :func:`check_sizes`).
 
     Raises:
         ValueError: a bad ``batch_size``, ``max_workers``, ``budget_s``, ``epochs_hint`` or
@@ -54,7 +84,10 @@ def check_args(
             (these would otherwise fail inside the measurement, blamed on the dataset).
 
     Example:
-        >>> check_args(32, None, 30.0, None, None, {"shuffle": True})
+        >>> import numpy as np
+        >>> checked = check_args(np.int64(32), None, 30, None, None, {"num_workers": np.int64(2)})
+        >>> checked.batch_size, checked.budget_s, checked.loader_kwargs
+        (32, 30.0, {'num_workers': 2})
         >>> check_args(32, None, float("inf"), None, None, {})
         Traceback (most recent call last):
         ...
@@ -66,35 +99,46 @@ def check_args(
             "samples per batch; pass the batch size your loop uses, or tune a DataLoader "
             "that batches"
         )
-    positive_int("batch_size", batch_size)
+    size = positive_int("batch_size", batch_size)
     check_loader_kwargs(loader_kwargs)
-    check_sizes(max_workers, loader_kwargs)
-    positive_number("budget_s", budget_s, unit="seconds")
-    positive_int("epochs_hint", epochs_hint, none_ok=True)
+    most = non_negative_int("max_workers", max_workers, none_ok=True)
+    kwargs = check_sizes(loader_kwargs)
+    budget = positive_number("budget_s", budget_s, unit="seconds")
+    epochs = positive_int("epochs_hint", epochs_hint, none_ok=True)
     if step_fn is not None and not callable(step_fn):
         raise ValueError(f"step_fn must be callable (it gets one batch), got {step_fn!r}")
-    _check_kinds(loader_kwargs)
+    _check_kinds(kwargs)
+    return CheckedArgs(size, most, budget, epochs, kwargs)
 
 
-def check_sizes(max_workers: object, loader_args: Mapping[str, Any]) -> None:
-    """Raise ``ValueError`` for a bad ``max_workers`` (None: the default) or a bad
-    ``batch_size`` (None: no automatic batching, as DataLoader takes it), ``num_workers``,
-    ``prefetch_factor`` or ``timeout`` among DataLoader's arguments (``loader_args``, by
-    name): the checks of ``tune_loader`` and of an
+def check_sizes(loader_args: Mapping[str, Any]) -> dict[str, Any]:
+    """``loader_args`` (DataLoader's arguments, by name) with its ``batch_size`` (None: no
+    automatic batching, as DataLoader takes it), ``num_workers``, ``prefetch_factor`` and
+    ``timeout`` as Python numbers, or ``ValueError`` for a bad one: the checks of
+    ``tune_loader`` and of a :class:`~trainperf.loader.TunedDataLoader` or
     :class:`~trainperf.loader.AdaptiveDataLoader` built directly, where DataLoader's own
     would raise a bare ``TypeError`` (``'<' not supported between instances of 'str' and
-    'int'``) or take a ``prefetch_factor`` of 0.
+    'int'``), take a ``prefetch_factor`` of 0, or refuse a NumPy ``batch_size``.
+
+    Returns:
+        A new dict with the same keys: a NumPy integer or float among those four converted
+        (a ``timeout`` keeps its kind: ``np.int64(5)`` becomes ``5``, ``np.float64(5)``
+        ``5.0``), every other value as given.
 
     Example:
-        >>> check_sizes(None, {"batch_size": 8, "num_workers": 2, "prefetch_factor": 4})
-        >>> check_sizes(None, {"num_workers": "2"})
+        >>> import numpy as np
+        >>> check_sizes({"batch_size": np.int64(8), "num_workers": 2, "shuffle": True})
+        {'batch_size': 8, 'num_workers': 2, 'shuffle': True}
+        >>> check_sizes({"num_workers": "2"})
         Traceback (most recent call last):
         ...
         ValueError: num_workers must be an int >= 0, got '2'
     """
-    non_negative_int("max_workers", max_workers, none_ok=True)
-    positive_int("batch_size", loader_args.get("batch_size", 1), none_ok=True)
-    _check_callers_workers(loader_args)
+    checked = dict(loader_args)
+    if "batch_size" in checked:
+        checked["batch_size"] = positive_int("batch_size", checked["batch_size"], none_ok=True)
+    checked.update(_callers_workers(checked))
+    return checked
 
 
 def loader_args(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -111,11 +155,15 @@ def loader_args(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, A
     return {name: value for name, value in bound.items() if name != "dataset"}
 
 
-def _check_callers_workers(loader_kwargs: Mapping[str, Any]) -> None:
-    """The caller's own ``num_workers``, ``prefetch_factor`` and ``timeout``, as DataLoader
-    checks them (and, for ``timeout``, NaN and infinity too, which DataLoader lets through)."""
+def _callers_workers(loader_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The caller's own ``num_workers``, ``prefetch_factor`` and ``timeout`` (those given),
+    as Python numbers, checked as DataLoader checks them (and, for ``timeout``, NaN and
+    infinity too, which DataLoader lets through)."""
+    given: dict[str, Any] = {}
     if "timeout" in loader_kwargs:
-        non_negative_number("timeout", loader_kwargs["timeout"], unit="seconds", zero="no timeout")
+        timeout = loader_kwargs["timeout"]
+        non_negative_number("timeout", timeout, unit="seconds", zero="no timeout")
+        given["timeout"] = as_real_number(timeout)
     n = non_negative_int("num_workers", loader_kwargs.get("num_workers", 0))
     pf = positive_int("prefetch_factor", loader_kwargs.get("prefetch_factor"), none_ok=True)
     if pf is not None and n == 0:
@@ -123,6 +171,11 @@ def _check_callers_workers(loader_kwargs: Mapping[str, Any]) -> None:
             f"prefetch_factor={pf} needs num_workers > 0 (DataLoader refuses it without "
             f"workers): pass num_workers= with it, or leave prefetch_factor out"
         )
+    if "num_workers" in loader_kwargs:
+        given["num_workers"] = n
+    if "prefetch_factor" in loader_kwargs:
+        given["prefetch_factor"] = pf
+    return given
 
 
 _FLAGS = {

@@ -9,14 +9,14 @@ out-of-memory killer, ``kill -9``, a scheduler's hard stop) leaves no worker beh
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from trainperf._utils.lifetime import DieWithParent
-from trainperf.loader._args import check_sizes, loader_args
+from trainperf.loader._args import CheckedArgs, check_args, check_sizes, loader_args
 from trainperf.loader._choice import has_set_epoch
 from trainperf.loader._faults import budget_cut
 from trainperf.loader._iterable import tail_batches
@@ -36,6 +36,9 @@ class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
     each ``iter()`` ties the new workers to the process that starts them (a loader built in
     one process and iterated in another still works). ``copy.deepcopy`` and ``pickle``
     work at any time: the copy leaves a live persistent pool behind and starts its own.
+
+    ``batch_size``, ``num_workers``, ``prefetch_factor`` and ``timeout`` may be NumPy
+    integers or floats: they are kept as the Python numbers they equal.
 
     Attributes:
         tuning_report: the :class:`TuningReport` its settings came from.
@@ -64,8 +67,8 @@ class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
         # Before DataLoader's own checks, which raise a bare TypeError for num_workers="2"
         # and take num_workers=2.0 or prefetch_factor=0 only to fail in the training loop.
-        check_sizes(None, loader_args(args, kwargs))
-        super().__init__(dataset, *args, **kwargs)
+        # By name, with NumPy numbers converted: DataLoader refuses a NumPy batch_size.
+        super().__init__(dataset, **check_sizes(loader_args(args, kwargs)))
         if self.num_workers > 0:
             self.worker_init_fn = DieWithParent(self.worker_init_fn)
 
@@ -185,30 +188,25 @@ def autotune_loader(
         >>> loader.num_workers, loader.tuning_report.num_workers, len(loader)
         (0, 0, 8)
     """
+    # Checked here too: the loader is built from these numbers, as Python's (a NumPy
+    # scalar passed in is converted); tune_loader's own check then finds nothing to change.
+    args = check_args(batch_size, max_workers, budget_s, epochs_hint, step_fn, loader_kwargs)
     report = tune_loader(
         dataset,
-        batch_size,
+        args.batch_size,
         device=device,
-        max_workers=max_workers,
-        budget_s=budget_s,
-        epochs_hint=epochs_hint,
+        max_workers=args.max_workers,
+        budget_s=args.budget_s,
+        epochs_hint=args.epochs_hint,
         step_fn=step_fn,
         cache=cache,
         progress=progress,
-        **loader_kwargs,
+        **args.loader_kwargs,
     )
     if adapt:
-        # Workers it starts are kept between epochs unless the caller said otherwise.
-        # Not for a dataset with set_epoch() unless asked: kept workers never see its calls.
-        asked = loader_kwargs.get("persistent_workers")
-        keep = asked is not False and epochs_hint != 1 and (asked or not has_set_epoch(dataset))
-        cap, _ = tail_batches(dataset, loader_kwargs)  # an IterableDataset with drop_last
-        bound = max_workers
-        if cap is not None and (max_workers is None or cap < max_workers):
-            bound = cap
-        loader = _adaptive(dataset, report, keep_workers=keep, bound=bound, given=loader_kwargs)
+        loader = _adaptive(dataset, report, args)
     else:
-        loader = _tuned(dataset, report, asked=loader_kwargs.get("persistent_workers"))
+        loader = _tuned(dataset, report, asked=args.loader_kwargs.get("persistent_workers"))
     loader.tuning_report = report
     return loader
 
@@ -245,25 +243,34 @@ def _below_failures(report: TuningReport) -> int:
     return max(0, min(failed) - 1) if failed else 1 << 30
 
 
-def _adaptive(
-    dataset: Any,
-    report: TuningReport,
-    *,
-    keep_workers: bool,
-    bound: int | None,
-    given: Mapping[str, Any],
-) -> TunedDataLoader:
+def _bounds(dataset: Any, args: CheckedArgs) -> tuple[bool, int | None]:
+    """Whether the adaptive loader keeps the workers it starts between epochs, and the most
+    it may start (None: its own default), for the caller's ``args``."""
+    # Kept unless the caller said otherwise; not for a dataset with set_epoch() unless
+    # asked: kept workers never see its calls.
+    asked = args.loader_kwargs.get("persistent_workers")
+    keep = asked is not False and args.epochs_hint != 1 and (asked or not has_set_epoch(dataset))
+    cap, _ = tail_batches(dataset, args.loader_kwargs)  # an IterableDataset with drop_last
+    bound = args.max_workers
+    if cap is not None and (bound is None or cap < bound):
+        bound = cap
+    return bool(keep), bound
+
+
+def _adaptive(dataset: Any, report: TuningReport, args: CheckedArgs) -> TunedDataLoader:
     """The adaptive loader from the tuner's settings: within the caller's ``max_workers``
-    (``bound``), else the adaptive loader's own default bound, not the tuner's; the
-    caller's ``multiprocessing_context`` and ``timeout`` (in ``given``, the caller's
-    DataLoader arguments), which the settings drop with ``num_workers=0``, are kept for the
-    workers it adds."""
+    (see :func:`_bounds`), else the adaptive loader's own default bound, not the tuner's;
+    the caller's ``multiprocessing_context`` and ``timeout`` (among ``args.loader_kwargs``,
+    the caller's DataLoader arguments), which the settings drop with ``num_workers=0``, are
+    kept for the workers it adds."""
     # Imported here: the adaptive loader is a TunedDataLoader, defined above.
     from trainperf.loader._adapt import AdaptiveDataLoader, memory_rules
     from trainperf.loader._faults import start_method
     from trainperf.loader._search import adaptive_max_workers
     from trainperf.loader._tune import main_rss
 
+    keep_workers, bound = _bounds(dataset, args)
+    given = args.loader_kwargs
     most = adaptive_max_workers(report.cpus) if bound is None else bound
     kwargs = dict(report.best_kwargs)
     for kept in ("multiprocessing_context", "timeout"):  # dropped with num_workers=0

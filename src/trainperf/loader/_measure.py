@@ -46,6 +46,7 @@ import torch
 
 from trainperf._utils.batches import batch_bytes, samples_in
 from trainperf._utils.steal import StealMeter, undo_steal
+from trainperf._utils.validate import non_negative_int, positive_int, positive_number
 from trainperf.loader._cache import length
 from trainperf.loader._faults import (
     WorkerProcesses,
@@ -310,7 +311,10 @@ def measure(
         :func:`~trainperf.loader._memory.project_worker_uss`).
 
     Raises:
-        ValueError: the loader yields no batch at all.
+        ValueError: the loader yields no batch at all; ``batch_size`` or ``prefetch_factor``
+            (None allowed) is not an int >= 1, ``num_workers`` not an int >= 0, or
+            ``hang_timeout_s`` not a positive number of seconds (NumPy's integers and
+            floats are taken, as the Python numbers they equal).
 
     Example:
         >>> import time
@@ -323,12 +327,14 @@ def measure(
     t0 = time.perf_counter()
     spec = Spec(
         dataset,
-        batch_size,
-        num_workers,
-        prefetch_factor,
+        # As Python numbers (a NumPy scalar converted): DataLoader refuses a NumPy
+        # batch_size, and the result's to_dict() must stay JSON-safe.
+        positive_int("batch_size", batch_size),
+        non_negative_int("num_workers", num_workers),
+        positive_int("prefetch_factor", prefetch_factor, none_ok=True),
         pin_memory,
         deadline,
-        hang_timeout_s,
+        positive_number("hang_timeout_s", hang_timeout_s, unit="seconds"),
         cuda_device=device if device is not None and device.type == "cuda" else None,
         shm_free=shm_free,
         memory_available=memory_available,
@@ -342,7 +348,7 @@ def measure(
             reason="the time budget ran out before it could start",
         )
     batches = Batches(spec, *loader_kwargs_for(loader_kwargs, spec, remaining))
-    readings = _Readings(WorkerProcesses(), num_workers, on_tick, last_tick=t0)
+    readings = _Readings(WorkerProcesses(), spec.num_workers, on_tick, last_tick=t0)
     timing: WindowTiming | None = None
     fault: tuple[FaultKind, str] | None = None
     try:
@@ -360,7 +366,7 @@ def measure(
         fault = ("hang", budget_cut_reason(remaining))
         traceback.clear_frames(e.__traceback__)
     except Exception as e:
-        if num_workers == 0 or (isinstance(e, ValueError) and "yields no batch" in str(e)):
+        if spec.num_workers == 0 or (isinstance(e, ValueError) and "yields no batch" in str(e)):
             raise
         with child_signals_held():  # other workers may die while this one is looked at
             fault = _worker_fault(e, batches, readings, loader_kwargs)

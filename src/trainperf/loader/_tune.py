@@ -239,6 +239,10 @@ def tune_loader(
     that gets nothing within ``budget_s`` + 30 s tunes on its own
     (:mod:`trainperf.loader._share`). Call it on every rank with the same arguments.
 
+    Any number below (``loader_kwargs``' ``num_workers``, ``prefetch_factor`` and ``timeout``
+    too) may be a NumPy integer or float, as read from an array or a config: it is taken as
+    the Python number it equals, so the report, the loader and the cache entry are the same.
+
     Args:
         dataset: a map-style or iterable dataset.
         batch_size: samples per batch.
@@ -307,15 +311,15 @@ def tune_loader(
         (0, True)
     """
     started = time.perf_counter()
-    check_args(batch_size, max_workers, budget_s, epochs_hint, step_fn, loader_kwargs)
+    # From here on the numbers are Python's (a NumPy scalar passed in is converted).
+    args = check_args(batch_size, max_workers, budget_s, epochs_hint, step_fn, loader_kwargs)
     fresh_stream(dataset, "tuning")
     owned = dataset_generators(dataset)
-    with preserved_rng(callers_generators(loader_kwargs)), preserved_generators(owned):
-        setup = _set_up(batch_size, device, max_workers, budget_s, loader_kwargs)
-        cap, _ = _iterable.tail_batches(dataset, loader_kwargs)
+    kwargs = args.loader_kwargs
+    with preserved_rng(callers_generators(kwargs)), preserved_generators(owned):
+        setup = _set_up(args.batch_size, device, args.max_workers, args.budget_s, kwargs)
+        cap, _ = _iterable.tail_batches(dataset, kwargs)
         if cap is not None and cap < setup.max_workers:
             setup = dataclasses.replace(setup, max_workers=cap)
-        call = _Call(
-            dataset, dict(loader_kwargs), epochs_hint, step_fn, cache, progress, setup, started
-        )
+        call = _Call(dataset, kwargs, args.epochs_hint, step_fn, cache, progress, setup, started)
         return _tuned(call)
