@@ -471,3 +471,120 @@ def test_a_group_a_step_added_to_a_zero_redundancy_optimizer_leaves_both_its_lev
     assert torch.equal(frozen, backbone.weight) and len(opt.optim.state) == 2
     opt.consolidate_state_dict()  # its partition, cached, holds the head alone again
     assert [len(g["params"]) for g in opt.state_dict()["param_groups"]] == [2]
+
+
+def _same_value(a: object, b: object) -> bool:
+    """Equal, tensors (and lists of them) compared by value."""
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)
+    return a is b or a == b
+
+
+def _a_step_that_raised_half_way() -> tuple[MixedPrecision, nn.Sequential, list[torch.optim.SGD]]:
+    """An fp16 MixedPrecision whose ``mp.step(first, second)`` stepped ``first`` and ran out
+    of memory in ``second``: its retry record holds ``first`` and ``first``'s inf/NaN flags."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    second = _FailingStep(model[1].parameters(), lr=0.1)
+    mp = MixedPrecision("cpu", precision="fp16")
+    mp.backward(model(torch.ones(2, 4)).sum())
+    second.fail = True
+    with pytest.raises(torch.OutOfMemoryError):
+        mp.step(first, second)
+    second.fail = False
+    assert mp._already_stepped == {id(first)} and len(mp._skip_flags) == 1
+    return mp, model, [first, second]
+
+
+@pytest.mark.usefixtures("quick")
+def test_a_step_s_retry_record_survives_tuning_and_the_retry_steps_each_optimizer_once() -> None:
+    # Before: a probe's mp.backward cleared _already_stepped and _skip_flags, which tuning
+    # did not put back, so the retry stepped the first optimizer a second time.
+    mp, model, (first, second) = _a_step_that_raised_half_way()
+    # Copies of the containers: the probes' steps clear and fill the same set objects.
+    before = {k: v.copy() if isinstance(v, (set, list)) else v for k, v in vars(mp).items()}
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        mp.backward(nn.functional.mse_loss(model(batch[0]).float(), batch[1]))
+        mp.step(first, second)
+        mp.zero_grad(first)
+        mp.zero_grad(second)
+
+    tune_batch_size(
+        step, lambda n: (torch.ones(n, 4), torch.ones(n, 1)), model=model, optimizer=first,
+        device="cpu", max_size=4, budget_s=2.0, progress=False, cache=False,
+    )  # fmt: skip
+    # Every attribute, not a list of them: one MixedPrecision gains is checked too.
+    changed = sorted(k for k in before.keys() | vars(mp).keys()
+                     if not _same_value(before.get(k), vars(mp).get(k)))  # fmt: skip
+    assert changed == []
+    w_first, w_second = model[0].weight.detach().clone(), model[1].weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"optimizer 1 of 2 \(SGD\), which already stepped"):
+        mp.step(first, second)  # the first optimizer would step twice on one backward
+    mp.step(second)  # the retry
+    assert torch.equal(model[0].weight.detach(), w_first)
+    assert not torch.equal(model[1].weight.detach(), w_second)
+
+
+@pytest.mark.usefixtures("quick")
+def test_tuning_between_unscale_and_step_warns_nothing_and_leaves_the_unscale(
+    recwarn: pytest.WarningsRecorder,
+) -> None:
+    # Before: each probe's mp.backward found the caller's unscale_ record and warned that
+    # a backward came after unscale_, though tuning puts that record back afterwards.
+    from trainperf.amp._bookkeeping import UNSCALED_BACKWARD
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp = MixedPrecision("cpu", precision="fp16")
+    assert mp.scaler is not None
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        mp.backward(nn.functional.mse_loss(model(batch[0]).float(), batch[1]))
+        mp.step(opt)
+        mp.zero_grad(opt)
+
+    mp.backward(nn.functional.mse_loss(model(torch.ones(2, 4)), torch.zeros(2, 1)))
+    mp.scaler.unscale_(opt)  # to clip the gradients; then tuning, then mp.step(opt)
+    unscaled = model.weight.grad.clone()  # type: ignore[union-attr]
+    tune_batch_size(
+        step, lambda n: (torch.ones(n, 4), torch.zeros(n, 1)), model=model, optimizer=opt,
+        device="cpu", max_size=4, budget_s=2.0, progress=False, cache=False,
+    )  # fmt: skip
+    assert [str(w.message) for w in recwarn if UNSCALED_BACKWARD in str(w.message)] == []
+    before = model.weight.detach().clone()
+    mp.step(opt)  # applies the gradients unscaled before tuning, not unscaled again
+    assert torch.allclose(model.weight.detach(), before - 0.1 * unscaled)
+
+
+@pytest.mark.usefixtures("quick")
+def test_a_plain_scaler_s_unscale_before_tuning_neither_breaks_the_probes_nor_is_lost() -> None:
+    # Before: each probe's own scaler.unscale_ raised "unscale_() has already been called
+    # on this optimizer since the last update()", and tune_batch_size with it.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        scaler.scale(nn.functional.mse_loss(model(batch[0]), batch[1])).backward()
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    scaler.scale(nn.functional.mse_loss(model(torch.ones(2, 4)), torch.zeros(2, 1))).backward()
+    scaler.unscale_(opt)
+    unscaled = model.weight.grad.clone()  # type: ignore[union-attr]
+    tune_batch_size(
+        step, lambda n: (torch.ones(n, 4), torch.zeros(n, 1)), model=model, optimizer=opt,
+        device="cpu", max_size=4, budget_s=2.0, progress=False, cache=False,
+    )  # fmt: skip
+    before = model.weight.detach().clone()
+    scaler.step(opt)  # the caller's step: its gradients unscaled once, before tuning
+    assert torch.allclose(model.weight.detach(), before - 0.1 * unscaled)

@@ -2,7 +2,7 @@
 ``zero_grad``, and the moves that change it.
 
 The record (:class:`StepBook`) lives on the instance as plain attributes (a pickle of
-trainperf 0.1.0 holds them so, and ``tune_batch_size`` saves and restores three of them):
+trainperf 0.1.0 holds them so, and ``tune_batch_size`` saves and restores all of them):
 
 - ``_backward_pending``: a backward waits for its step;
 - ``_stepped``: a step used the last backward (until the next backward or

@@ -116,7 +116,7 @@ def with_live_amp_state(objects: Iterable[Any]) -> list[Any]:
 
     A ``step`` that uses one moves its loss scale and growth tracker (each probe step that
     does not overflow counts towards a doubling: a default scaler's scale grew 1024 times
-    over a tuning run) and a MixedPrecision's pending-backward flags, passed or not. A
+    over a tuning run) and a MixedPrecision's record of its backward, passed or not. A
     MixedPrecision registers itself when made; a plain scaler is found by a scan of the
     objects the garbage collector tracks. They are kept out of :func:`stateful_objects`
     (the cache key): one alive for another model says nothing about this step.

@@ -3,7 +3,8 @@
 A probe of size ``n`` (:class:`Prober`):
 
 1. hands back the previous probe's memory and resets the peak
-   (:mod:`trainperf.batchsize._memory`);
+   (:mod:`trainperf.batchsize._memory`), and sets aside the loss scalers' records of the
+   caller's step (:meth:`~trainperf.batchsize._state.SavedState.set_aside`);
 2. builds the batch once (``sample(n)``, checked to hold ``n`` samples) and moves it to the
    device; it is reused for every step, so loading is not timed;
 3. warms up: steps, each synchronised, until two in a row agree within 25 %
@@ -204,7 +205,7 @@ class Prober:
         sample: the caller's batch builder.
         device: where the batch is moved and the work synchronised.
         memory: the device's memory reader.
-        state: the caller's saved state, restored after each probe.
+        state: the caller's saved state, set aside before each probe, restored after it.
         agree: how ranks agree (no-op with one).
         deadline: ``time.perf_counter()`` value at which the budget ends.
         usable: the most a size may peak at (``(1 - headroom) * limit``), None unknown.
@@ -353,6 +354,7 @@ class Prober:
         self.memory.start_probe()
         oom_message = None
         try:
+            self.state.set_aside()
             timed, oom_message = self._measure(size)
             peak = self.memory.peak()
         finally:
@@ -392,6 +394,7 @@ class Prober:
         done: list[tuple[float, ...]] = []
         oom: AlternationOOM | None = None
         try:
+            self.state.set_aside()
             done = self._alternate(order, k, rounds)
         except _AgreedOOM as e:
             oom = AlternationOOM(e.size, e.reason)

@@ -5,16 +5,19 @@ BatchNorm statistics drift, dropout draws random numbers. :class:`SavedState` co
 the caller handed in (``model``, ``optimizer``, and anything else with ``state_dict`` and
 ``load_state_dict``) to host memory once, with every parameter's gradient, every module's
 train/eval mode and the buffers ``state_dict()`` leaves out (``persistent=False``, and those
-that are None), and a MixedPrecision's pending backward, and :meth:`SavedState.restore`
-loads it back bit for bit. What ``step`` trains but the caller did not pass is found too
-(:mod:`trainperf.batchsize._holders`): here, the model whose parameters only an optimizer
-was passed for. A buffer, parameter or submodule a module registers while probing (on its
-first forward pass) is removed again: the module is left as it was.
+that are None), and a MixedPrecision's record of its backward and steps, and
+:meth:`SavedState.restore` loads it back bit for bit. What ``step`` trains but the caller
+did not pass is found too (:mod:`trainperf.batchsize._holders`): here, the model whose
+parameters only an optimizer was passed for. A buffer, parameter or submodule a module
+registers while probing (on its first forward pass) is removed again: the module is left as
+it was.
 
 Restoring *between* probes matters too: each batch size starts from the caller's state, so
 an optimizer that had no state yet allocates it inside the probe (its memory is part of that
 size's peak, as in training) and drops it afterwards, and a probe's diverging steps never
-leak into the next. Random number generators are restored by
+leak into the next. A probe also starts with no loss scaler record of the caller's step (an
+``unscale_`` made before tuning, which :meth:`SavedState.set_aside` sets aside): each probe
+trains as a fresh step would. Random number generators are restored by
 :func:`trainperf._utils.rng.preserved_rng` around the whole call.
 
 Copies go to host memory: a copy on the GPU would take the memory being measured. A state
@@ -34,6 +37,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from trainperf.amp import MixedPrecision
+from trainperf.amp._bookkeeping import fresh
 from trainperf.batchsize._holders import owning_modules, parameters_of, state_holder
 
 __all__ = ["SavedState"]
@@ -156,19 +160,24 @@ def _restore_buffer(m: nn.Module, name: str, saved: torch.Tensor | None, device:
             now.copy_(saved)
 
 
-Pending = tuple[MixedPrecision, tuple[bool, bool, frozenset[int]]]
-"""A MixedPrecision, whether a backward waits for its step, whether it was stepped since,
-and the optimizers ``zero_grad`` cleared since that backward."""
+Book = tuple[MixedPrecision, dict[str, Any]]
+"""A MixedPrecision and a copy of its record of its backward and steps, by attribute."""
 
 
-def _pending(objects: Iterable[Any]) -> list[Pending]:
-    """Each MixedPrecision's "a backward is waiting for its step" and "stepped since"
-    flags (gradients accumulated before tuning must still be stepped after it)."""
-    return [
-        (o, (o._backward_pending, o._stepped, frozenset(o._zeroed)))
-        for o in objects
-        if isinstance(o, MixedPrecision)
-    ]
+def _books(objects: Iterable[Any]) -> list[Book]:
+    """Each MixedPrecision's record of its backward and steps
+    (:mod:`trainperf.amp._bookkeeping`): gradients accumulated before tuning must still be
+    stepped after it, and the retry of a step that raised must still leave out the
+    optimizers it stepped. Its fields are those of a fresh instance's record, so one that
+    amp adds is saved too."""
+    return [(o, _book_copy(vars(o))) for o in objects if isinstance(o, MixedPrecision)]
+
+
+def _book_copy(attributes: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the record's fields in ``attributes``: new sets and lists, which the
+    probes' steps clear and fill in place, of the same items (the inf/NaN flags are tensors
+    on the device that no step writes to again: copies would take the memory measured)."""
+    return {name: copy.copy(attributes[name]) for name in fresh()}
 
 
 Stages = tuple[torch.amp.GradScaler, Any]
@@ -307,8 +316,9 @@ class SavedState:
         modes: ``(module, its .training flag)`` for every submodule.
         buffers: ``(module, name, copy, device)`` of every buffer ``state_dict()`` leaves
             out (copy None: the buffer was None).
-        pending: ``(MixedPrecision, (whether a backward waits for its step, whether it
-            was stepped since, the optimizers zeroed since))``.
+        books: ``(MixedPrecision, copy of its record of its backward and steps)``: whether a
+            backward waits for its step, whether it was stepped since, the optimizers zeroed
+            since, and those a step that raised had stepped, with their inf/NaN flags.
         stages: ``(GradScaler, copy of its per-optimizer stages)``, of those passed in and
             of each MixedPrecision's.
         groups: ``(optimizer, copy of its param_groups' settings)`` of each optimizer whose
@@ -328,7 +338,7 @@ class SavedState:
     loose: list[Loose] = field(default_factory=list)
     modes: list[tuple[nn.Module, bool]] = field(default_factory=list)
     buffers: list[Buffer] = field(default_factory=list)
-    pending: list[Pending] = field(default_factory=list)
+    books: list[Book] = field(default_factory=list)
     stages: list[Stages] = field(default_factory=list)
     groups: list[tuple[Any, list[dict[str, Any]]]] = field(default_factory=list)
     entries: list[Entries] = field(default_factory=list)
@@ -371,7 +381,7 @@ class SavedState:
             loose=_looseparameters_of(objects),
             modes=[(m, m.training) for m in _modules(objects)],
             buffers=_unsaved_buffers(objects),
-            pending=_pending(objects),
+            books=_books(objects),
             stages=_stages(objects),
             groups=[(obj, _group_settings(obj)) for obj in objects if state_holder(obj) is not obj],
             entries=_entries(objects),
@@ -420,13 +430,22 @@ class SavedState:
             m.train(training)
         for m, name, buffer, device in self.buffers:
             _restore_buffer(m, name, buffer, device)
-        for mp, (pending, stepped, zeroed) in self.pending:
-            mp._backward_pending, mp._stepped, mp._zeroed = pending, stepped, set(zeroed)
+        for mp, book in self.books:
+            mp.__dict__.update(_book_copy(book))
         for scaler, stages in self.stages:
             scaler._per_optimizer_states = copy.deepcopy(stages)
         for opt, settings in self.groups:
             for group, setting in zip(opt.param_groups, settings, strict=False):
                 group.update(copy.deepcopy(setting))
+
+    def set_aside(self) -> None:
+        """Clear each saved loss scaler's per-optimizer records (an ``unscale_`` the caller
+        made before tuning) before a probe: its first ``mp.backward`` would drop them with
+        a warning meant for the caller, its own ``scaler.unscale_`` would raise "already
+        called", and a plain ``scaler.step`` would apply its gradients still scaled.
+        :meth:`restore` puts them back."""
+        for scaler, _ in self.stages:
+            scaler._per_optimizer_states.clear()  # keeps its defaultdict's factory
 
     def drop_gradients(self) -> None:
         """Set every parameter's ``.grad`` to None (after an out-of-memory error, before the
