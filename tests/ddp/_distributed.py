@@ -43,8 +43,16 @@ def spawn(
     kwargs: dict[str, Any] | None = None,
     start_method: str = "spawn",
     timeout_s: float = 60.0,
+    hang_timeout_s: float | None = None,
 ) -> dict[int, Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return ``{rank: result}``."""
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return ``{rank: result}``.
+
+    Hang detection is off unless ``hang_timeout_s`` (below ``timeout_s``) turns it on. The
+    tests read what a waiting collective does at ``timeout_s`` (a 3 s group timeout, then
+    the rank's own error), or let one rank work alone while the other waits (a tuner
+    measuring on local rank 0): a detector firing first would make those a ``HangError``.
+    Launch's default, 300 s, never fired before these timeouts and warned that it could not.
+    """
     if start_method == FORK:
         start_method = fast_start_method()
     results = launch_all(
@@ -54,6 +62,7 @@ def spawn(
         backend=backend,  # type: ignore[arg-type]
         start_method=start_method,  # type: ignore[arg-type]
         timeout=timedelta(seconds=timeout_s),
+        hang_timeout=hang_timeout_s,
         **(kwargs or {}),
     )
     return dict(enumerate(results))

@@ -152,6 +152,54 @@ def test_distributed_loader_takes_numpy_integers_as_python_ints(number: type) ->
     assert type(sampler.epoch) is int and loader.epoch == 3
 
 
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [
+        ({"prefetch_factor": np.int64(3), "timeout": np.float64(1.5)}, (3, 1.5)),
+        ({"prefetch_factor": np.uint8(3), "timeout": np.int64(5)}, (3, 5)),
+    ],
+)
+def test_distributed_loader_takes_numpy_prefetch_factor_and_timeout_as_python_numbers(
+    given: dict[str, object], kept: tuple[int, float]
+) -> None:
+    # batch_size, seed and num_workers were converted, but prefetch_factor and timeout went to
+    # DataLoader as NumPy scalars (loader.timeout an np.float64 that json.dumps refuses).
+    loader = ddp.distributed_loader(list(range(4)), 2, num_workers=np.int64(1), **given)
+    assert (loader.prefetch_factor, loader.timeout) == kept
+    assert (type(loader.prefetch_factor), type(loader.timeout)) == tuple(type(v) for v in kept)
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"num_workers": 1, "prefetch_factor": 0}, "prefetch_factor must be None or an int >= 1"),
+        ({"prefetch_factor": "2"}, r"prefetch_factor must be None or an int >= 1, got '2'"),
+        ({"timeout": float("nan")}, r"timeout must be a finite number of seconds >= 0 \(0: no"),
+        ({"timeout": -1}, r"timeout must be a finite number of seconds >= 0 .*, got -1"),
+    ],
+)
+def test_distributed_loader_refuses_a_bad_prefetch_factor_or_timeout(
+    given: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        ddp.distributed_loader(list(range(4)), 2, **given)
+
+
+@pytest.mark.parametrize("through", ["sampler", "distributed_sampler"])
+def test_the_samplers_own_set_epoch_checks_and_converts_the_epoch(through: str) -> None:
+    # loader.sampler.set_epoch(e) (the usual DistributedSampler call) skipped
+    # DistributedLoader.set_epoch's check: a NumPy epoch was stored as given, -1 accepted.
+    loader = ddp.distributed_loader(list(range(8)), 4, seed=1)
+    sampler = getattr(loader, through)
+    sampler.set_epoch(np.int64(2))
+    assert type(sampler.epoch) is int and loader.epoch == 2
+    with pytest.raises(ValueError, match="epoch must be an int >= 0, got -1"):
+        sampler.set_epoch(-1)
+    with pytest.raises(ValueError, match=r"epoch must be an int >= 0, got 1\.0 \(pass int"):
+        sampler.set_epoch(1.0)
+    assert loader.epoch == 2
+
+
 def test_a_stray_rank_without_a_world_size_is_refused_with_the_variables(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

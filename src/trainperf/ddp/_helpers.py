@@ -21,7 +21,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from trainperf._utils import launch_env
 from trainperf._utils.lifetime import DieWithParent
-from trainperf._utils.validate import non_negative_int, positive_int
+from trainperf._utils.validate import (
+    as_real_number,
+    non_negative_int,
+    non_negative_number,
+    positive_int,
+)
 
 __all__ = [
     "DistributedLoader",
@@ -98,6 +103,18 @@ def world_size() -> int:
     if _initialised():
         return dist.get_world_size()
     return _env_or_slurm("WORLD_SIZE", "SLURM_NTASKS", 1)
+
+
+def _checked_epoch(epoch: object) -> int:
+    """``epoch`` as a Python int, the one check of every ``set_epoch`` here (a NumPy epoch
+    kept as given would reach the shuffle's seed and a checkpoint as NumPy).
+
+    Example:
+        >>> import numpy as np
+        >>> type(_checked_epoch(np.int64(2)))
+        <class 'int'>
+    """
+    return non_negative_int("epoch", epoch)
 
 
 def _layout() -> tuple[int, int]:
@@ -267,6 +284,16 @@ class _AutoEpochSampler(DistributedSampler[T]):
         self._follow()
         return super().__len__()
 
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch``'s shuffle for the next pass, as ``DistributedSampler.set_epoch``,
+        but checked: ``loader.sampler.set_epoch(e)`` is the usual call, and skips the
+        loader's own.
+
+        Raises:
+            ValueError: ``epoch`` is not an integer >= 0.
+        """
+        super().set_epoch(_checked_epoch(epoch))
+
 
 class DistributedLoader(DataLoader[T]):
     """A DataLoader over this rank's shard; the shuffle changes every epoch.
@@ -306,7 +333,8 @@ class DistributedLoader(DataLoader[T]):
             >>> next(iter(loader)).tolist() == first
             True
         """
-        self.distributed_sampler.set_epoch(non_negative_int("epoch", epoch))
+        # Checked here too: distributed_sampler may be a plain DistributedSampler.
+        self.distributed_sampler.set_epoch(_checked_epoch(epoch))
 
 
 def distributed_loader(
@@ -338,16 +366,19 @@ def distributed_loader(
         drop_last: drop the samples that do not divide evenly among ranks, and each
             rank's last batch when it is short (``DataLoader(drop_last=True)``: a batch of
             one breaks BatchNorm); without it the sampler pads and the last batch may be short.
-        **loader_kwargs: passed to ``DataLoader`` (``num_workers``, ``pin_memory``, ...);
-            not ``sampler`` or ``batch_sampler``.
+        **loader_kwargs: passed to ``DataLoader`` (``num_workers``, ``pin_memory``, ...),
+            ``num_workers``, ``prefetch_factor`` and ``timeout`` as Python numbers (a NumPy
+            one converted); not ``sampler`` or ``batch_sampler``.
 
     Returns:
         A :class:`DistributedLoader` (a ``DataLoader``).
 
     Raises:
         ValueError: ``batch_size`` < 1, ``seed`` or ``num_workers`` not an int >= 0,
-            ``loader_kwargs`` has ``sampler`` or ``batch_sampler``, or, without a process
-            group, ``RANK`` is not below ``WORLD_SIZE`` (or is set without it).
+            ``prefetch_factor`` not None or an int >= 1 (or given without workers: DataLoader
+            refuses it), ``timeout`` not a finite number of seconds >= 0, ``loader_kwargs``
+            has ``sampler`` or ``batch_sampler``, or, without a process group, ``RANK`` is
+            not below ``WORLD_SIZE`` (or is set without it).
         TypeError: ``dataset`` is an ``IterableDataset``.
 
     Example:
@@ -358,8 +389,8 @@ def distributed_loader(
     # Kept as Python ints: BatchSampler refuses a NumPy batch_size the check accepts.
     batch_size = positive_int("batch_size", batch_size)
     seed = non_negative_int("seed", seed)
-    workers = non_negative_int("num_workers", loader_kwargs.get("num_workers", 0))
-    loader_kwargs["num_workers"] = workers
+    loader_kwargs.update(_worker_numbers(loader_kwargs))
+    workers = loader_kwargs["num_workers"]
     if isinstance(dataset, torch.utils.data.IterableDataset):
         raise TypeError(
             f"distributed_loader needs a map-style dataset (__len__ and __getitem__), got "
@@ -388,6 +419,31 @@ def distributed_loader(
     return DistributedLoader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kwargs
     )
+
+
+def _worker_numbers(loader_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``num_workers`` (0 if not given), and ``prefetch_factor`` and ``timeout`` where given,
+    as Python numbers: DataLoader keeps a NumPy one as given (``json.dumps`` refuses it), lets
+    a NaN or infinite ``timeout`` through, and says only "should be non-negative" for -1.
+    A ``timeout`` keeps its kind (``np.int64(5)`` becomes ``5``, ``np.float64(5)`` ``5.0``).
+
+    Example:
+        >>> import numpy as np
+        >>> given = {"num_workers": 2, "prefetch_factor": np.int64(4), "timeout": np.float64(2)}
+        >>> _worker_numbers(given)
+        {'num_workers': 2, 'prefetch_factor': 4, 'timeout': 2.0}
+    """
+    given: dict[str, Any] = {
+        "num_workers": non_negative_int("num_workers", loader_kwargs.get("num_workers", 0))
+    }
+    if "prefetch_factor" in loader_kwargs:
+        pf = loader_kwargs["prefetch_factor"]
+        given["prefetch_factor"] = positive_int("prefetch_factor", pf, none_ok=True)
+    if "timeout" in loader_kwargs:
+        timeout = loader_kwargs["timeout"]
+        non_negative_number("timeout", timeout, unit="seconds", zero="no timeout")
+        given["timeout"] = as_real_number(timeout)
+    return given
 
 
 def data_parallel(model: nn.Module, device_ids: Sequence[int] | None = None) -> nn.Module:
