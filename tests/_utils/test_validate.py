@@ -16,6 +16,7 @@ from trainperf._utils.validate import (
     non_negative_number,
     positive_int,
     positive_number,
+    worker_numbers,
 )
 
 
@@ -113,3 +114,30 @@ def test_as_real_number_converts_numpy_scalars_and_refuses_the_rest() -> None:
     assert as_real_number(2) == 2 and as_real_number(0.25) == 0.25
     refused = [True, np.bool_(False), np.timedelta64(1), torch.tensor(1.0), "1", None, 1j]
     assert [as_real_number(v) for v in refused] == [None] * len(refused)
+
+
+def test_worker_numbers_converts_those_given_and_leaves_the_rest_out() -> None:
+    given = {"num_workers": np.int64(2), "prefetch_factor": np.uint8(3), "timeout": np.int64(5)}
+    checked = worker_numbers({**given, "shuffle": True})
+    assert checked == {"num_workers": 2, "prefetch_factor": 3, "timeout": 5}
+    assert [type(v) for v in checked.values()] == [int, int, int]
+    assert worker_numbers({"timeout": np.float64(5)}) == {"timeout": 5.0}
+    assert worker_numbers({"prefetch_factor": None}) == {"prefetch_factor": None}
+    assert worker_numbers({}) == {}
+
+
+@pytest.mark.parametrize(
+    ("given", "match"),
+    [
+        ({"prefetch_factor": 2}, r"^prefetch_factor=2 needs num_workers > 0 \(DataLoader refuses"),
+        ({"num_workers": 0, "prefetch_factor": np.int64(4)}, r"^prefetch_factor=4 needs num_"),
+        ({"num_workers": "2"}, r"^num_workers must be an int >= 0, got '2'$"),
+        ({"num_workers": 1, "prefetch_factor": 0}, r"^prefetch_factor must be None or an int >= 1"),
+        ({"timeout": math.inf}, r"^timeout must be a finite number of seconds >= 0 .*, got inf$"),
+    ],
+)
+def test_worker_numbers_names_the_bad_value_and_prefetch_factor_without_workers(
+    given: dict[str, object], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        worker_numbers(given)

@@ -185,6 +185,19 @@ def test_distributed_loader_refuses_a_bad_prefetch_factor_or_timeout(
         ddp.distributed_loader(list(range(4)), 2, **given)
 
 
+@pytest.mark.parametrize(
+    "given", [{"prefetch_factor": 2}, {"num_workers": 0, "prefetch_factor": 2}]
+)
+def test_distributed_loader_says_prefetch_factor_needs_workers(given: dict[str, object]) -> None:
+    # DataLoader's own: "prefetch_factor option could only be specified in
+    # multiprocessing.let num_workers > 0 to enable multiprocessing, ...".
+    match = r"prefetch_factor=2 needs num_workers > 0 .*: pass num_workers= with it, or leave"
+    with pytest.raises(ValueError, match=match):
+        ddp.distributed_loader(list(range(4)), 2, **given)
+    loader = ddp.distributed_loader(list(range(4)), 2, prefetch_factor=None)  # None: fine
+    assert loader.num_workers == 0 and loader.prefetch_factor is None
+
+
 @pytest.mark.parametrize("through", ["sampler", "distributed_sampler"])
 def test_the_samplers_own_set_epoch_checks_and_converts_the_epoch(through: str) -> None:
     # loader.sampler.set_epoch(e) (the usual DistributedSampler call) skipped

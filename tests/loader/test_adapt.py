@@ -602,6 +602,18 @@ def test_a_start_method_given_without_workers_is_checked_at_once() -> None:
     assert loader.multiprocessing_context.get_start_method() == "spawn"
 
 
+def test_a_start_method_given_by_position_without_workers_is_kept_as_by_name() -> None:
+    # DataLoader's 12th parameter; given by position it was not set aside, and DataLoader
+    # refused it ("can only be used with multi-process loading").
+    position = (2, False, None, None, 0, None, False, False, 0, None, "spawn")
+    loader = AdaptiveDataLoader(range(4), *position)
+    assert loader.num_workers == 0 and loader.multiprocessing_context is None
+    assert loader._worker_context == "spawn"
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="multiprocessing_context='spwan' is neither"):
+        AdaptiveDataLoader(range(4), *position[:-1], "spwan")
+
+
 class StartMethod(Dataset[tuple[int, str]]):
     """Each sample with the start method of the process that loaded it."""
 

@@ -56,7 +56,6 @@ def test_the_tuned_loader_wraps_the_callers_worker_init_fn() -> None:
     assert TunedDataLoader(range(8)).worker_init_fn is None
 
 
-@pytest.mark.slow  # about 1 s: two workers started
 @pytest.mark.parametrize("cls", [TunedDataLoader, AdaptiveDataLoader])
 def test_a_tuned_loader_built_directly_names_a_bad_worker_count(cls: type) -> None:
     # DataLoader's own: TypeError: '<' not supported between instances of 'str' and 'int'.
@@ -66,6 +65,7 @@ def test_a_tuned_loader_built_directly_names_a_bad_worker_count(cls: type) -> No
         cls(range(8), 4, False, None, None, 2, prefetch_factor=0)  # num_workers by position
 
 
+@pytest.mark.slow  # about 1 s: two workers started
 def test_the_tuned_loaders_workers_run_the_callers_worker_init_fn() -> None:
     seen = []
     loader = TunedDataLoader(

@@ -6,13 +6,19 @@ so is a NumPy scalar of an integer or floating dtype (a value read from a NumPy 
 array), and the check returns it as a Python ``int`` or ``float``: a caller that keeps the
 returned value never holds a NumPy scalar (which ``json.dumps`` and ``DataLoader`` refuse).
 A bool (``np.bool_`` too) is never a number here.
+
+:func:`worker_numbers` checks DataLoader's ``num_workers``, ``prefetch_factor`` and
+``timeout`` together, with one message for ``prefetch_factor`` without workers; it is the
+one check of those arguments for ``loader`` (``tune_loader`` and the loaders it builds) and
+``ddp`` (``distributed_loader``).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 __all__ = [
     "as_real_number",
@@ -23,6 +29,7 @@ __all__ = [
     "non_negative_number",
     "positive_int",
     "positive_number",
+    "worker_numbers",
 ]
 
 
@@ -208,6 +215,46 @@ def flag(name: str, value: object, *, none_ok: bool = False) -> None:
     if not isinstance(value, bool) and not (none_ok and value is None):
         allowed = "True, False or None" if none_ok else "True or False"
         raise TypeError(f"{name} must be {allowed}, got {value!r}")
+
+
+def worker_numbers(loader_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """DataLoader's ``num_workers``, ``prefetch_factor`` and ``timeout`` among
+    ``loader_kwargs`` (those given), as Python numbers, checked as DataLoader checks them and
+    more: DataLoader raises a bare ``TypeError`` for ``num_workers="2"``, takes
+    ``num_workers=2.0`` or ``prefetch_factor=0`` only to fail in the training loop, keeps a
+    NumPy number as given (``json.dumps`` refuses it) and lets a NaN or infinite ``timeout``
+    through. A ``timeout`` keeps its kind (``np.int64(5)`` becomes ``5``, ``np.float64(5)``
+    ``5.0``).
+
+    Returns:
+        A new dict holding those of the three that ``loader_kwargs`` has.
+
+    Raises:
+        ValueError: ``num_workers`` not an int >= 0, ``prefetch_factor`` not None or an
+            int >= 1, or given without workers (DataLoader refuses it), ``timeout`` not a
+            finite number of seconds >= 0.
+
+    Example:
+        >>> import numpy as np
+        >>> given = {"num_workers": 2, "prefetch_factor": np.int64(4), "timeout": np.float64(2)}
+        >>> worker_numbers(given)
+        {'num_workers': 2, 'prefetch_factor': 4, 'timeout': 2.0}
+        >>> worker_numbers({"prefetch_factor": 2, "shuffle": True})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: prefetch_factor=2 needs num_workers > 0 (DataLoader refuses it ...
+    """
+    timeout = loader_kwargs.get("timeout", 0)
+    non_negative_number("timeout", timeout, unit="seconds", zero="no timeout")
+    n = non_negative_int("num_workers", loader_kwargs.get("num_workers", 0))
+    pf = positive_int("prefetch_factor", loader_kwargs.get("prefetch_factor"), none_ok=True)
+    if pf is not None and n == 0:
+        raise ValueError(
+            f"prefetch_factor={pf} needs num_workers > 0 (DataLoader refuses it without "
+            f"workers): pass num_workers= with it, or leave prefetch_factor out"
+        )
+    checked = {"num_workers": n, "prefetch_factor": pf, "timeout": as_real_number(timeout)}
+    return {name: value for name, value in checked.items() if name in loader_kwargs}
 
 
 def _returns_self(self: object) -> object:

@@ -21,12 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from trainperf._utils import launch_env
 from trainperf._utils.lifetime import DieWithParent
-from trainperf._utils.validate import (
-    as_real_number,
-    non_negative_int,
-    non_negative_number,
-    positive_int,
-)
+from trainperf._utils.validate import non_negative_int, positive_int, worker_numbers
 
 __all__ = [
     "DistributedLoader",
@@ -389,8 +384,8 @@ def distributed_loader(
     # Kept as Python ints: BatchSampler refuses a NumPy batch_size the check accepts.
     batch_size = positive_int("batch_size", batch_size)
     seed = non_negative_int("seed", seed)
-    loader_kwargs.update(_worker_numbers(loader_kwargs))
-    workers = loader_kwargs["num_workers"]
+    loader_kwargs.update(worker_numbers(loader_kwargs))
+    workers = loader_kwargs.get("num_workers", 0)
     if isinstance(dataset, torch.utils.data.IterableDataset):
         raise TypeError(
             f"distributed_loader needs a map-style dataset (__len__ and __getitem__), got "
@@ -419,31 +414,6 @@ def distributed_loader(
     return DistributedLoader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kwargs
     )
-
-
-def _worker_numbers(loader_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``num_workers`` (0 if not given), and ``prefetch_factor`` and ``timeout`` where given,
-    as Python numbers: DataLoader keeps a NumPy one as given (``json.dumps`` refuses it), lets
-    a NaN or infinite ``timeout`` through, and says only "should be non-negative" for -1.
-    A ``timeout`` keeps its kind (``np.int64(5)`` becomes ``5``, ``np.float64(5)`` ``5.0``).
-
-    Example:
-        >>> import numpy as np
-        >>> given = {"num_workers": 2, "prefetch_factor": np.int64(4), "timeout": np.float64(2)}
-        >>> _worker_numbers(given)
-        {'num_workers': 2, 'prefetch_factor': 4, 'timeout': 2.0}
-    """
-    given: dict[str, Any] = {
-        "num_workers": non_negative_int("num_workers", loader_kwargs.get("num_workers", 0))
-    }
-    if "prefetch_factor" in loader_kwargs:
-        pf = loader_kwargs["prefetch_factor"]
-        given["prefetch_factor"] = positive_int("prefetch_factor", pf, none_ok=True)
-    if "timeout" in loader_kwargs:
-        timeout = loader_kwargs["timeout"]
-        non_negative_number("timeout", timeout, unit="seconds", zero="no timeout")
-        given["timeout"] = as_real_number(timeout)
-    return given
 
 
 def data_parallel(model: nn.Module, device_ids: Sequence[int] | None = None) -> nn.Module:

@@ -168,14 +168,14 @@ class AdaptiveDataLoader(TunedDataLoader):
     ) -> None:
         max_workers = non_negative_int("max_workers", max_workers, none_ok=True)
         kept = None  # DataLoader's arguments are checked by TunedDataLoader's __init__
-        workers = loader_args(args, kwargs).get("num_workers")
-        if kwargs.get("multiprocessing_context") is not None and not workers:
+        given = loader_args(args, kwargs)  # by name, whether passed by name or position
+        if given.get("multiprocessing_context") is not None and not given.get("num_workers"):
             # DataLoader refuses a start method without workers: kept for those it adds.
-            kept = checked_context(kwargs.pop("multiprocessing_context"))
-        super().__init__(dataset, *args, **kwargs)
+            kept = checked_context(given.pop("multiprocessing_context"))
+        super().__init__(dataset, **given)
         self._context_kept = kept
         if keep_workers is None:
-            keep_workers = _keeps_workers(dataset, kwargs.get("persistent_workers"))
+            keep_workers = _keeps_workers(dataset, given.get("persistent_workers"))
         self._keep_workers = keep_workers
         self._batch_bytes = 0  # of the latest window's first batch
         limits = host_limits()

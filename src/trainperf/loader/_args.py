@@ -15,13 +15,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainperf._utils.validate import (
-    as_real_number,
     choice,
     fresh_stream,
     non_negative_int,
-    non_negative_number,
     positive_int,
     positive_number,
+    worker_numbers,
 )
 
 __all__ = [
@@ -137,7 +136,7 @@ def check_sizes(loader_args: Mapping[str, Any]) -> dict[str, Any]:
     checked = dict(loader_args)
     if "batch_size" in checked:
         checked["batch_size"] = positive_int("batch_size", checked["batch_size"], none_ok=True)
-    checked.update(_callers_workers(checked))
+    checked.update(worker_numbers(checked))
     return checked
 
 
@@ -153,29 +152,6 @@ def loader_args(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, A
     """
     bound = inspect.signature(DataLoader).bind_partial(None, *args, **kwargs).arguments
     return {name: value for name, value in bound.items() if name != "dataset"}
-
-
-def _callers_workers(loader_kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The caller's own ``num_workers``, ``prefetch_factor`` and ``timeout`` (those given),
-    as Python numbers, checked as DataLoader checks them (and, for ``timeout``, NaN and
-    infinity too, which DataLoader lets through)."""
-    given: dict[str, Any] = {}
-    if "timeout" in loader_kwargs:
-        timeout = loader_kwargs["timeout"]
-        non_negative_number("timeout", timeout, unit="seconds", zero="no timeout")
-        given["timeout"] = as_real_number(timeout)
-    n = non_negative_int("num_workers", loader_kwargs.get("num_workers", 0))
-    pf = positive_int("prefetch_factor", loader_kwargs.get("prefetch_factor"), none_ok=True)
-    if pf is not None and n == 0:
-        raise ValueError(
-            f"prefetch_factor={pf} needs num_workers > 0 (DataLoader refuses it without "
-            f"workers): pass num_workers= with it, or leave prefetch_factor out"
-        )
-    if "num_workers" in loader_kwargs:
-        given["num_workers"] = n
-    if "prefetch_factor" in loader_kwargs:
-        given["prefetch_factor"] = pf
-    return given
 
 
 _FLAGS = {
