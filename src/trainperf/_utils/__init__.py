@@ -12,7 +12,8 @@ Who uses what:
   WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_PORT, SLURM_*), read and parsed with one rule each;
   used by ``limits``, ``ddp``, ``doctor`` (through ``limits``) and ``pipelines``.
 - :mod:`~trainperf._utils.validate`: the argument checks (``positive_int``, ``choice``, ...)
-  every package uses, one message per kind of value.
+  every package uses, one message per kind of value; ``worker_numbers``, DataLoader's worker
+  settings checked once for ``loader``, ``ddp`` and ``batchsize``.
 - :mod:`~trainperf._utils.serialize`: ``result_dict``, the ``to_dict()`` of result dataclasses
   in ``bench``, ``checkpoint``, ``device`` and ``limits``.
 - :mod:`~trainperf._utils.public`: sets each public object's ``__module__`` to the path users

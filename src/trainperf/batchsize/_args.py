@@ -15,9 +15,9 @@ from torch.nn.parameter import is_lazy
 from trainperf._utils.validate import (
     as_real_number,
     choice,
-    non_negative_int,
     positive_int,
     positive_number,
+    worker_numbers,
 )
 from trainperf.batchsize._sizes import SizeSpace
 
@@ -109,14 +109,10 @@ def check_args(
         )
     choice("progress", progress, (True, False))
     choice("cache", cache, (True, False))
-    workers = non_negative_int("num_workers", num_workers)
-    pf = positive_int("prefetch_factor", prefetch_factor, none_ok=True)
-    if pf is not None and workers == 0:
-        raise ValueError(
-            f"prefetch_factor={pf} needs num_workers > 0 (DataLoader refuses it without "
-            f"workers): pass num_workers= with it, or leave prefetch_factor out"
-        )
-    return CheckedArgs(low, high, keep, budget, float(fraction), workers, pf)
+    pool = worker_numbers({"num_workers": num_workers, "prefetch_factor": prefetch_factor})
+    return CheckedArgs(
+        low, high, keep, budget, float(fraction), pool["num_workers"], pool["prefetch_factor"]
+    )
 
 
 def check_state(model: object, optimizer: object) -> None:
