@@ -1,6 +1,9 @@
-"""Shared by the amp tests: a faked GPU, small models, and the fp16-on-the-CPU skip."""
+"""Shared by the amp tests: a faked GPU, small models, an optimizer that fails, and the
+fp16-on-the-CPU skip."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -55,6 +58,20 @@ class TinyViT(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = self.patch(x).flatten(2).transpose(1, 2)
         return self.head(self.encoder(tokens).mean(1))
+
+
+class Flaky(torch.optim.SGD):
+    """SGD whose first ``fails`` steps raise (a check in a custom optimizer, a step hook)."""
+
+    def __init__(self, params: Any, lr: float, fails: int = 1) -> None:
+        super().__init__(params, lr=lr)
+        self.fails = fails
+
+    def step(self, closure: Any = None) -> Any:
+        if self.fails:
+            self.fails -= 1
+            raise OSError("the optimizer failed")
+        return super().step(closure)
 
 
 # --------------------------------------------------------------------------- TF32 settings

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.amp._helpers import needs_cpu_fp16
+from tests.amp._helpers import Flaky, needs_cpu_fp16
 from trainperf.amp import MixedPrecision, Precision
 
 
@@ -87,3 +87,46 @@ def test_a_closure_that_raises_leaves_mp_as_it_was() -> None:
         mp.step(sgd, closure=closure)
     with pytest.raises(RuntimeError, match=r"found no gradients from mp\.backward\(loss\)"):
         mp.step(sgd)  # the closure's backward was not a backward of the loop's
+
+
+class StepAttribute:
+    """An optimizer wrapper whose ``step`` is an instance attribute, not a method."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.param_groups = optimizer.param_groups
+        self.step = optimizer.step
+        self.zero_grad = optimizer.zero_grad
+
+
+def test_an_optimizer_whose_step_is_an_instance_attribute_steps() -> None:
+    # Before: AttributeError "type object 'StepAttribute' has no attribute 'step'".
+    mp, w, lbfgs = quadratic("fp32")
+    sgd = StepAttribute(torch.optim.SGD([w], lr=0.1))
+    mp.backward((w * 10).sum())
+    assert mp.step(sgd)  # type: ignore[arg-type]
+    assert w.tolist() == pytest.approx([-1.0, -1.0, -1.0])
+    mp.backward((w * 10).sum())
+    with pytest.raises(TypeError, match=r"\(StepAttribute\), whose step\(\) needs a closure"):
+        mp.step(StepAttribute(lbfgs))  # type: ignore[arg-type]
+
+
+def test_a_failed_closure_step_keeps_the_record_of_an_earlier_failed_step() -> None:
+    # Before: the closure's mp.backward cleared the record that opt_a had stepped in the
+    # failed step before it, and the failure did not put it back: opt_a stepped twice.
+    mp = MixedPrecision("cpu", precision="fp32")
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    opt_a, opt_b = torch.optim.SGD([a], lr=0.01), Flaky([b], lr=0.01)
+    mp.backward((a * 10).sum() + (b * 10).sum())
+    with pytest.raises(OSError, match="the optimizer failed"):
+        mp.step(opt_a, opt_b)
+
+    def closure() -> torch.Tensor:
+        loss = (b * 10).sum()
+        mp.backward(loss)
+        raise OSError("the data went away")
+
+    with pytest.raises(OSError, match="the data went away"):
+        mp.step(torch.optim.SGD([b], lr=0.01), closure=closure)
+    with pytest.raises(RuntimeError, match=r"optimizer 1 of 2 \(SGD\), which already stepped"):
+        mp.step(opt_a, opt_b)
+    assert a.tolist() == pytest.approx([0.9, 0.9])

@@ -7,14 +7,13 @@ import math
 import pickle
 import warnings
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from tests.amp._helpers import needs_cpu_fp16
+from tests.amp._helpers import Flaky, needs_cpu_fp16
 from trainperf.amp import MixedPrecision, Precision
 
 
@@ -112,20 +111,6 @@ def test_gradients_unscaled_by_hand_are_clipped_without_a_second_unscale() -> No
 
 
 # ----------------------------------------------------------------- a step that raises
-
-
-class Flaky(torch.optim.SGD):
-    """SGD whose first ``fails`` steps raise (a check in a custom optimizer, a step hook)."""
-
-    def __init__(self, params: Any, lr: float, fails: int = 1) -> None:
-        super().__init__(params, lr=lr)
-        self.fails = fails
-
-    def step(self, closure: Any = None) -> Any:
-        if self.fails:
-            self.fails -= 1
-            raise OSError("the optimizer failed")
-        return super().step(closure)
 
 
 PRECISIONS = ["fp32", "bf16", pytest.param("fp16", marks=needs_cpu_fp16)]
@@ -324,3 +309,85 @@ def test_fp16_unscale_then_step_or_mp_zero_grad_then_backward_warns_nothing() ->
         mp.backward((w * 10).sum())
         assert mp.step(optimizer)
     assert w.tolist() == pytest.approx([0.8, 0.8])
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("inputs", [False, True], ids=["disjoint-losses", "backward-inputs"])
+def test_fp16_a_backward_keeps_the_unscale_of_an_optimizer_it_did_not_touch(inputs: bool) -> None:
+    # One loss per optimizer, a's unscaled (to read its norm) before b's backward. Before:
+    # that backward dropped the scaler's record of a's unscale_ too, with a warning whose
+    # advice did not fit, and the step unscaled a's gradients again: a ended at 0.99999845.
+    mp = MixedPrecision("cpu", precision="fp16")
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    opt_a, opt_b = torch.optim.SGD([a], lr=0.01), torch.optim.SGD([b], lr=0.01)
+    assert mp.scaler is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.backward((a * 10).sum())
+        mp.scaler.unscale_(opt_a)
+        if inputs:  # one loss over both, its gradients kept from a
+            mp.backward((a * 10).sum() + (b * 10).sum(), inputs=[b])
+        else:
+            mp.backward((b * 10).sum())
+        assert mp.step(opt_a, opt_b)
+    assert a.tolist() == pytest.approx([0.9, 0.9]) and b.tolist() == pytest.approx([0.9, 0.9])
+    assert mp.state_dict()["scaler"]["_growth_tracker"] == 1
+
+
+@needs_cpu_fp16
+def test_fp16_a_backward_drops_only_the_unscale_of_the_optimizer_it_touched() -> None:
+    mp = MixedPrecision("cpu", precision="fp16")
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    opt_a, opt_b = torch.optim.SGD([a], lr=0.01), torch.optim.SGD([b], lr=0.01)
+    assert mp.scaler is not None
+    mp.backward((a * 10).sum() + (b * 10).sum())
+    mp.scaler.unscale_(opt_a)
+    mp.scaler.unscale_(opt_b)
+    opt_b.zero_grad()  # skipping b's step the plain way, then a new loss for b
+    with pytest.warns(UserWarning, match=r"mp\.zero_grad\(optimizer\), not optimizer\.zero_grad"):
+        mp.backward((b * 10).sum())
+    assert mp.step(opt_a, opt_b)
+    assert a.tolist() == pytest.approx([0.9, 0.9]) and b.tolist() == pytest.approx([0.9, 0.9])
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("make_copy", [copy.deepcopy, pickle_copy], ids=["deepcopy", "pickle"])
+def test_fp16_a_copy_after_an_unscale_keeps_the_unscale_of_an_untouched_optimizer(
+    make_copy: Callable[[MixedPrecision], MixedPrecision],
+) -> None:
+    # The scaler remembers the optimizers unscale_ saw by weak reference, which cannot be
+    # pickled: the copy starts with none, and learns its own.
+    mp = MixedPrecision("cpu", precision="fp16")
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    opt_a, opt_b = torch.optim.SGD([a], lr=0.01), torch.optim.SGD([b], lr=0.01)
+    assert mp.scaler is not None
+    mp.backward((a * 10).sum())
+    mp.scaler.unscale_(opt_a)
+    assert mp.step(opt_a)
+    mp.zero_grad(opt_a)
+    copied = make_copy(mp)
+    assert copied.scaler is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        copied.backward((a * 10).sum())
+        copied.scaler.unscale_(opt_a)
+        copied.backward((b * 10).sum())
+        assert copied.step(opt_a, opt_b)
+    assert a.tolist() == pytest.approx([0.8, 0.8]) and b.tolist() == pytest.approx([0.9, 0.9])
+
+
+@needs_cpu_fp16
+def test_fp16_a_plain_grad_scaler_drops_every_unscale_at_a_backward() -> None:
+    # A scaler that does not know the optimizers (an mp pickled by trainperf 0.1.0 holds a
+    # plain GradScaler) cannot tell which gradients a backward touched: it drops them all.
+    mp = MixedPrecision("cpu", precision="fp16")
+    mp._scaler = torch.amp.GradScaler("cpu")
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    opt_a, opt_b = torch.optim.SGD([a], lr=0.01), torch.optim.SGD([b], lr=0.01)
+    mp.backward((a * 10).sum())
+    mp._scaler.unscale_(opt_a)
+    opt_a.zero_grad()
+    with pytest.warns(UserWarning, match=r"gave new gradients to an optimizer after"):
+        mp.backward((a * 10).sum() + (b * 10).sum())
+    assert mp.step(opt_a, opt_b)
+    assert a.tolist() == pytest.approx([0.9, 0.9]) and b.tolist() == pytest.approx([0.9, 0.9])

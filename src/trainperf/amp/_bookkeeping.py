@@ -20,6 +20,7 @@ The last two last until the next backward, ``mp.zero_grad()``, or a step that su
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
@@ -28,11 +29,11 @@ import torch
 from torch import nn
 
 from trainperf.amp._closure import check_closure
+from trainperf.amp._scaler import GradRecord, drop_unscaled
 from trainperf.amp._step import (
     check_no_fp16_grads,
     check_optimizers,
     check_step,
-    drop_unscaled,
     forget,
     has_grads,
     plain_step,
@@ -51,8 +52,9 @@ __all__ = [
 ]
 
 UNSCALED_BACKWARD = (
-    "mp.backward(loss) came after mp.scaler.unscale_(optimizer) with no mp.step() or "
-    "mp.zero_grad() in between: the loss scaler's record of that unscale_ is dropped, so the "
+    "mp.backward(loss) gave new gradients to an optimizer after "
+    "mp.scaler.unscale_(optimizer) with no mp.step() or mp.zero_grad() in between: the "
+    "loss scaler's record of that unscale_ is dropped, so the "
     "next step unscales the new (scaled) gradients, and gradients kept from before the "
     "unscale_ would be unscaled twice. To skip a step after unscale_, clear the gradients "
     "with mp.zero_grad(optimizer), not optimizer.zero_grad(); to accumulate gradients, "
@@ -105,11 +107,15 @@ def pickled_state(state: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
-def after_backward(book: StepBook, scaler: torch.amp.GradScaler | None) -> None:
+def after_backward(
+    book: StepBook, scaler: torch.amp.GradScaler | None, unscaled: GradRecord
+) -> None:
     """Record a backward: it waits for its step. With fp16, drop the scaler's record of an
-    ``unscale_`` made since the last step, with a warning (:data:`UNSCALED_BACKWARD`): the
-    gradients of this backward are scaled, and a step would apply them as they are."""
-    if scaler is not None and drop_unscaled(scaler):
+    ``unscale_`` made since the last step of an optimizer whose gradients this backward
+    changed (``unscaled``: taken before it, by :func:`~trainperf.amp._scaler.unscaled_grads`),
+    with a warning (:data:`UNSCALED_BACKWARD`): its new gradients are scaled, and a step
+    would apply them as they are. Another optimizer's ``unscale_`` is kept."""
+    if scaler is not None and drop_unscaled(scaler, unscaled):
         # stacklevel: the caller of mp.backward, so the default filter warns once per line.
         warnings.warn(UNSCALED_BACKWARD, UserWarning, stacklevel=3)
     book._backward_pending = True
@@ -152,10 +158,10 @@ def run_step(
     closure: Callable[[], Any] | None,
 ) -> bool:
     """Step ``optimizers`` (through ``scaler``, an enabled fp16 one, if not None) and record
-    it. A step that raises leaves the record as it was before it (a closure's
-    ``mp.backward`` included), plus the optimizers that stepped and their inf/NaN flags,
-    for a retry or a skip."""
-    before = (book._backward_pending, book._stepped, set(book._zeroed))
+    it. A step that raises leaves every field of the record as it was before it (a
+    closure's ``mp.backward`` included), plus the optimizers that stepped and their inf/NaN
+    flags, for a retry or a skip."""
+    before = _copy(book)
     stepped: list[torch.optim.Optimizer] = []
     flags = list(book._skip_flags)
     try:
@@ -164,7 +170,7 @@ def run_step(
         else:
             result = _scaled_step(scaler, optimizers, max_grad_norm, stepped, flags)
     except BaseException:
-        book._backward_pending, book._stepped, book._zeroed = before
+        vars(book).update(before)
         book._already_stepped.update(id(o) for o in stepped)
         book._skip_flags = flags
         raise
@@ -174,6 +180,12 @@ def run_step(
     book._already_stepped.clear()
     book._skip_flags = []
     return result
+
+
+def _copy(book: StepBook) -> dict[str, Any]:
+    """Every field of ``book``'s record (those of :func:`fresh`), its sets and lists copied:
+    a closure's ``mp.backward`` clears them in place."""
+    return {name: copy.copy(getattr(book, name)) for name in fresh()}
 
 
 def _scaled_step(

@@ -26,27 +26,37 @@ _FP16 = (
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` cannot be called without an argument (a closure).
 
-    Read from the class: an LR scheduler replaces ``optimizer.step`` on the instance with a
-    wrapper whose signature is the unbound method's, ``self`` included.
+    Read from the class where it has a ``step`` method: an LR scheduler replaces
+    ``optimizer.step`` on the instance with a wrapper whose signature is the unbound
+    method's, ``self`` included. A ``step`` that only the instance has (a wrapper that sets
+    ``self.step = optimizer.step``) is read as it is, bound.
 
     Example:
         >>> w = torch.nn.Parameter(torch.ones(1))
         >>> needs_closure(torch.optim.LBFGS([w])), needs_closure(torch.optim.SGD([w], lr=1.0))
         (True, False)
     """
-    return _needs_argument(type(optimizer).step)
+    method = getattr(type(optimizer), "step", None)
+    if method is not None:
+        return _method_needs_argument(method)
+    return _needs_argument(optimizer.step, after=0)  # not cached: it holds the instance
 
 
 @functools.cache
-def _needs_argument(step: Callable[..., Any]) -> bool:
-    """Whether the method ``step`` has a required positional parameter after ``self``."""
+def _method_needs_argument(method: Callable[..., Any]) -> bool:
+    """:func:`_needs_argument` of a method read from its class, past ``self``."""
+    return _needs_argument(method, after=1)
+
+
+def _needs_argument(step: Callable[..., Any], *, after: int) -> bool:
+    """Whether ``step`` has a required positional parameter past its first ``after`` ones."""
     try:
         signature = inspect.signature(step)
     except (TypeError, ValueError):  # no signature to read (a builtin): assume none needed
         return False
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    after_self = list(signature.parameters.values())[1:]
-    return any(p.kind in positional and p.default is inspect.Parameter.empty for p in after_self)
+    rest = list(signature.parameters.values())[after:]
+    return any(p.kind in positional and p.default is inspect.Parameter.empty for p in rest)
 
 
 def check_closure(

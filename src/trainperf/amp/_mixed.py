@@ -19,6 +19,7 @@ from trainperf.amp import _bookkeeping, _precision
 from trainperf.amp._autocast import AutocastContext, NoAutocast
 from trainperf.amp._channels_last import channels_last_decision, model_to_channels_last
 from trainperf.amp._precision import choose_precision
+from trainperf.amp._scaler import LossScaler, unscaled_grads
 from trainperf.amp._state import load_state
 from trainperf.amp._tf32 import enable_tf32
 from trainperf.device import resolve_device, to_device
@@ -138,9 +139,12 @@ class MixedPrecision:
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
-        """The fp16 loss scaler (created on first use), or None: bf16 and fp32 never have one."""
+        """The fp16 loss scaler (created on first use), or None: bf16 and fp32 never have one.
+
+        A ``torch.amp.GradScaler`` that also remembers which optimizers ``unscale_`` saw, so
+        that :meth:`backward` keeps the ``unscale_`` of gradients it does not touch."""
         if self.uses_scaler and self._scaler is None:
-            self._scaler = torch.amp.GradScaler(self.device.type)
+            self._scaler = LossScaler(self.device.type)
         return self._scaler
 
     @property
@@ -262,11 +266,13 @@ class MixedPrecision:
     ) -> None:
         """``loss.backward()``, through the loss scaler for fp16.
 
-        With fp16, a backward after ``mp.scaler.unscale_(optimizer)`` with no :meth:`step`
-        or :meth:`zero_grad` in between (the gradients cleared with a plain
-        ``optimizer.zero_grad()``, or accumulated onto) drops the scaler's record of that
-        ``unscale_``, so that the next step unscales the new gradients instead of applying
-        them 65536 times too large, and warns.
+        With fp16, a backward that gives new gradients to an optimizer after
+        ``mp.scaler.unscale_(optimizer)``, with no :meth:`step` or :meth:`zero_grad` in
+        between (the gradients cleared with a plain ``optimizer.zero_grad()``, or
+        accumulated onto), drops the scaler's record of that ``unscale_``, so that the next
+        step unscales the new gradients instead of applying them 65536 times too large, and
+        warns. The ``unscale_`` of an optimizer whose gradients it leaves as they are (one
+        loss per optimizer) is kept.
 
         Args:
             loss: the scalar loss of the forward pass.
@@ -299,10 +305,11 @@ class MixedPrecision:
             raise TypeError(f"backward() takes the loss tensor, got {type(loss).__name__}")
         scaler = self.scaler
         scaled = scaler.scale(loss) if scaler is not None else loss
+        unscaled = unscaled_grads(scaler) if scaler is not None else {}
         scaled.backward(  # type: ignore[no-untyped-call]
             retain_graph=retain_graph, create_graph=create_graph, inputs=inputs
         )
-        _bookkeeping.after_backward(self, scaler)
+        _bookkeeping.after_backward(self, scaler, unscaled)
 
     def step(
         self,

@@ -23,7 +23,6 @@ __all__ = [
     "check_not_zeroed",
     "check_optimizers",
     "check_step",
-    "drop_unscaled",
     "forget",
     "has_grads",
     "parameters",
@@ -277,20 +276,6 @@ def unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> 
     states = getattr(scaler, "_per_optimizer_states", None)
     state = states.get(id(optimizer)) if states is not None else None
     return state is not None and state.get("stage") is OptState.UNSCALED
-
-
-def drop_unscaled(scaler: torch.amp.GradScaler) -> bool:
-    """Drop ``scaler``'s records of every ``unscale_`` made since the last update; returns
-    whether there was one. A disabled scaler keeps none."""
-    from torch.amp.grad_scaler import OptState
-
-    states = getattr(scaler, "_per_optimizer_states", None)
-    if not states:
-        return False
-    ids = [key for key, state in states.items() if state.get("stage") is OptState.UNSCALED]
-    for key in ids:
-        del states[key]
-    return bool(ids)
 
 
 def forget(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer | None = None) -> None:

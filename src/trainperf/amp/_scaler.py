@@ -1,0 +1,95 @@
+"""The fp16 loss scaler of :class:`trainperf.MixedPrecision`, and what ``mp.backward`` does
+with the ``unscale_`` records it finds there.
+
+``torch.amp.GradScaler`` keys its record of an ``unscale_`` by ``id(optimizer)`` only;
+:class:`LossScaler` also keeps the optimizer (weakly), so that a backward can tell the
+``unscale_`` of gradients it adds to (dropped, with a warning: the step must unscale the new
+ones) from the ``unscale_`` of another optimizer's, which it leaves alone (one loss per
+optimizer, the first one unscaled to read its norm before the second backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any
+
+import torch
+
+from trainperf.amp._step import parameters
+
+__all__ = ["GradRecord", "LossScaler", "drop_unscaled", "unscaled_grads"]
+
+GradRecord = dict[int, list[tuple[torch.Tensor, torch.Tensor | None, int]] | None]
+"""By optimizer id, with an ``unscale_`` recorded: each parameter, its gradient and that
+gradient's version counter (None where the optimizer is unknown)."""
+
+
+class LossScaler(torch.amp.GradScaler):
+    """A ``torch.amp.GradScaler`` that remembers, weakly, the optimizers ``unscale_`` saw.
+
+    Example:
+        >>> scaler = LossScaler("cpu", enabled=False)
+        >>> isinstance(scaler, torch.amp.GradScaler), scaler.get_scale()
+        (True, 1.0)
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._unscaled_optimizers: weakref.WeakValueDictionary[int, torch.optim.Optimizer]
+        self._unscaled_optimizers = weakref.WeakValueDictionary()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """``GradScaler.unscale_``, remembering ``optimizer`` (if it can be weakly referenced)."""
+        super().unscale_(optimizer)
+        # No weak reference to it (__slots__): any backward drops its record, as before.
+        with contextlib.suppress(TypeError):
+            self._unscaled_optimizers[id(optimizer)] = optimizer
+
+    def __getstate__(self) -> dict[str, Any]:
+        """GradScaler's state, without the weak references (which cannot be pickled)."""
+        state = super().__getstate__()
+        state.pop("_unscaled_optimizers", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._unscaled_optimizers = weakref.WeakValueDictionary()
+
+
+def unscaled_grads(scaler: torch.amp.GradScaler) -> GradRecord:
+    """The gradients, now, of each optimizer whose ``unscale_`` ``scaler`` records since its
+    last update (see :data:`GradRecord`). Empty for a disabled scaler, which keeps none."""
+    from torch.amp.grad_scaler import OptState
+
+    states = getattr(scaler, "_per_optimizer_states", None) or {}
+    known = getattr(scaler, "_unscaled_optimizers", {})  # a plain GradScaler knows none
+    record: GradRecord = {}
+    for key, state in states.items():
+        if state.get("stage") is OptState.UNSCALED:
+            optimizer = known.get(key)
+            record[key] = None if optimizer is None else _grads(optimizer)
+    return record
+
+
+def _grads(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
+    """Each parameter of ``optimizer``, its gradient, and that gradient's version counter."""
+    return [(p, p.grad, -1 if p.grad is None else p.grad._version) for p in parameters(optimizer)]
+
+
+def drop_unscaled(scaler: torch.amp.GradScaler, before: GradRecord) -> bool:
+    """Drop ``scaler``'s record of each ``unscale_`` in ``before`` (taken just before a
+    backward) whose optimizer's gradients that backward changed (a new gradient, or one
+    added to in place) or whose optimizer is unknown; returns whether one was dropped."""
+    dropped = [key for key, grads in before.items() if grads is None or _changed(grads)]
+    for key in dropped:  # a disabled scaler has no records, and no _per_optimizer_states
+        del scaler._per_optimizer_states[key]
+    return bool(dropped)
+
+
+def _changed(grads: list[tuple[torch.Tensor, torch.Tensor | None, int]]) -> bool:
+    """Whether a gradient of :func:`_grads`'s list is no longer as it was then."""
+    return any(
+        p.grad is not grad or (grad is not None and grad._version != version)
+        for p, grad, version in grads
+    )
