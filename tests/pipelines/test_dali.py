@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.pipelines._images import _epoch, _indices, _loader, _pixels, needs_dali, write_tiff
+from trainperf.pipelines._source import load_source
 
 PIL = pytest.importorskip("PIL.Image")
 torchvision = pytest.importorskip("torchvision")
@@ -297,6 +298,33 @@ def test_dali_epoch_left_part_way_costs_only_the_batches_read_ahead(
     # One batch taken and a few read ahead, then a whole epoch (and a few of the next): not
     # the 24 + 24 of a reader that must run the abandoned epoch to its end.
     assert len(reads) <= 1 + 4 + 24 + 4, len(reads)
+
+
+@needs_dali
+@pytest.mark.parametrize("batch_size", [64, 4, 2])
+def test_dali_reads_each_epoch_once_when_an_epoch_is_one_batch(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, batch_size: int
+) -> None:
+    # DALI runs two batches ahead: with one batch an epoch, the feed was an epoch or two on
+    # when each pass started, and started it afresh, reading every file again (126 reads of
+    # 7 files in 6 passes, not 56).
+    import trainperf.pipelines._dali_feed as feed_module
+
+    reads: list[str] = []
+    real = feed_module.read_for_dali
+
+    def counting(path: str, max_pixels: int | None) -> Any:
+        reads.append(path)
+        return real(path, max_pixels)
+
+    monkeypatch.setattr(feed_module, "read_for_dali", counting)
+    source = load_source(folder, on_error="raise")
+    seven = list(zip(source.files[::3], source.labels[::3], strict=True))[:7]  # both classes
+    kw: dict[str, Any] = {"batch_size": batch_size, "seed": 5, "last_batch": "keep"}
+    dali, torchvision_ = _loader(seven, "dali", **kw), _loader(seven, "torchvision", **kw)
+    assert [_indices(dali) for _ in range(6)] == [_indices(torchvision_) for _ in range(6)]
+    # Each epoch read once, and at most two epochs' files read ahead.
+    assert len(reads) <= (6 + 2) * 7, len(reads)
 
 
 @needs_dali

@@ -6,6 +6,7 @@ The feed is plain Python (DALI only calls it), so these tests run without DALI.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -82,6 +83,58 @@ def test_starting_an_earlier_epoch_or_one_begun_starts_it_afresh(folder: Path) -
         assert feed.start(0) == feed.pending[-1].generation  # begun, not taken: goes on
     finally:
         feed.close()
+
+
+def _passes_as_dali_runs_them(feed: FileFeed, passes: int, last: int) -> list[list[int]]:
+    """Each pass's file indices, taken as ``DaliLoader`` takes them, while DALI keeps two
+    batches queued ahead (``prefetch_queue_depth=2``); ``last`` is an epoch's last batch."""
+    feed(), feed()
+    orders: list[list[int]] = []
+    for epoch in range(passes):
+        generation = feed.start(epoch)
+        order: list[int] = []
+        while True:
+            fed = feed.pending.popleft()
+            feed()  # DALI asks for the batch after the two queued
+            if (fed.generation, fed.epoch) != (generation, epoch):
+                continue
+            order += fed.indices
+            if fed.batch == last:
+                break
+        orders.append(order)
+    return orders
+
+
+@pytest.mark.parametrize("batch_size", [64, 4, 2])
+def test_feed_goes_on_when_dali_has_read_ahead_past_an_epoch_of_one_batch(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, batch_size: int
+) -> None:
+    # With one batch an epoch, DALI's two batches ahead took the feed into the next two
+    # epochs before the loader's start(): each pass began a new generation and read its
+    # epoch again (126 reads of 7 files in 6 passes, not 56).
+    import trainperf.pipelines._dali_feed as feed_module
+
+    reads: list[str] = []
+    real = feed_module.read_for_dali
+
+    def counting(path: str, max_pixels: int | None) -> Any:
+        reads.append(path)
+        return real(path, max_pixels)
+
+    monkeypatch.setattr(feed_module, "read_for_dali", counting)
+    files = load_source(folder, on_error="raise").files[:7]
+    plan = _plan(len(files), batch_size)
+    last = len(plan(0)) - 1  # type: ignore[operator]
+    feed = FileFeed(files, plan, max_pixels=None, threads=2)  # type: ignore[arg-type]
+    try:
+        orders = _passes_as_dali_runs_them(feed, 6, last)
+    finally:
+        feed.close()
+    expected = [[i for batch in plan(e) for i in batch] for e in range(6)]  # type: ignore[operator]
+    assert orders == expected
+    # Each epoch read once, and at most two epochs' files read ahead.
+    assert len(reads) <= (6 + 2) * len(files), len(reads)
+    assert feed.pending[0].generation == 0
 
 
 def _refused(feed: FileFeed, bad: int) -> str:

@@ -287,3 +287,73 @@ def test_sampler_set_epoch_as_lightning_calls_it_sets_the_loaders_epoch(folder: 
     assert _indices(loader) == orders[1] and loader.epoch == 2
     with pytest.raises(ValueError, match=r"epoch must be an int >= 0, got -1"):
         loader.sampler.set_epoch(-1)  # type: ignore[attr-defined]
+
+
+def _orders(folder: Path, epochs: int) -> list[list[int]]:
+    """The first ``epochs`` passes' file indices of a fresh loader built as ``_seeded``."""
+    reference = _seeded(folder)
+    return [_indices(reference) for _ in range(epochs)]
+
+
+def _seeded(folder: Path, **kw: Any) -> Any:
+    return _loader(folder, "torchvision", batch_size=6, seed=5, **kw)
+
+
+def test_loader_survives_a_pickle_round_trip(folder: Path) -> None:
+    # The sampler held a weak reference to its loader, which pickle refuses: a loader could
+    # not be passed to a spawned process (trainperf.ddp.launch).
+    import pickle
+
+    orders = _orders(folder, 4)
+    loader = _seeded(folder)
+    restored = pickle.loads(pickle.dumps(loader))
+    assert [_indices(restored) for _ in range(2)] == orders[:2]
+    restored.sampler.set_epoch(3)
+    assert restored.epoch == 3 and _indices(restored) == orders[3]
+    assert loader.epoch == 0 and _indices(loader) == orders[0]
+
+
+def test_a_deep_copy_sets_its_own_epoch_not_the_originals(folder: Path) -> None:
+    # The copy's sampler kept the original's weak reference: its set_epoch set the original.
+    import copy
+
+    orders = _orders(folder, 4)
+    loader = _seeded(folder)
+    twin = copy.deepcopy(loader)
+    twin.sampler.set_epoch(3)
+    assert (loader.epoch, twin.epoch) == (0, 3)
+    assert _indices(twin) == orders[3] and _indices(loader) == orders[0]
+
+
+def test_iterating_the_dataloader_itself_draws_the_epoch_the_sampler_was_set_to(
+    folder: Path,
+) -> None:
+    # sampler.set_epoch(e) set the loader's epoch but not the sampler's own, so a loop over
+    # loader.dataloader drew the same order every epoch.
+    orders = _orders(folder, 4)
+    loader = _seeded(folder)
+    dataloader = loader.dataloader
+    for epoch in (2, 3, 2):
+        loader.sampler.set_epoch(epoch)
+        drawn = [i for _, indices in dataloader for i in indices.tolist()]
+        assert drawn == orders[epoch]
+    assert loader.epoch == 2 and _indices(loader) == orders[2]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_each_pass_draws_its_own_epoch_and_sampler_set_epoch_sets_the_next(
+    folder: Path, workers: int
+) -> None:
+    orders = _orders(folder, 6)
+    loader = _seeded(folder, loader_kwargs={"num_workers": workers})
+    sampler: Any = loader.sampler
+    first, second = loader.iter_with_indices(), loader.iter_with_indices()
+    assert loader.epoch == sampler.epoch == 2
+    assert [i for _, _, idx in second for i in idx.tolist()] == orders[1]
+    batches = iter(first)  # begun after a later pass: still epoch 0's order
+    order = next(batches)[2].tolist()
+    sampler.set_epoch(5)  # during a pass: the next one's
+    order += [i for _, _, idx in batches for i in idx.tolist()]
+    assert order == orders[0] and _indices(loader) == orders[5]
+    sampler.set_epoch(5)  # an epoch read already: read again
+    assert _indices(loader) == orders[5] and loader.epoch == 6

@@ -67,6 +67,9 @@ class ImageLoader:
     """
 
     backend: ImageBackend
+    # The epoch the next pass reads (a backend may keep it elsewhere: then it overrides
+    # ``epoch``, which is all that reads or writes this).
+    _epoch_next = 0
 
     def __init__(
         self, source: ImageSource, shard: Shard, config: LoaderConfig, backend_reason: str
@@ -75,7 +78,6 @@ class ImageLoader:
         self.shard = shard
         self.config = config
         self.backend_reason = backend_reason
-        self._epoch_next = 0
 
     # ----------------------------------------------------------------- the contract
 
@@ -181,8 +183,8 @@ class ImageLoader:
             ...     print(names, labels.tolist())
             ['cat/0.jpg', 'dog/0.jpg'] [0, 1]
         """
-        epoch = self._epoch_next
-        self._epoch_next += 1
+        epoch = self.epoch
+        self.epoch = epoch + 1
         return self._epoch(epoch)
 
     def _epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -161,9 +161,11 @@ class FileFeed:
         """Make ``epoch`` the next one fed, from its first batch; return the generation
         whose batches of ``epoch`` are this pass's.
 
-        The feed goes on as it is when it is about to begin ``epoch``, or has begun it (read
-        ahead into it) and none of its batches has been taken off :attr:`pending`. Otherwise
-        (the epoch before left part-way, a later epoch, or one begun or run already, as when
+        The feed goes on as it is when it is about to begin ``epoch``, or has read ahead into
+        it, or past it (DALI asks for two batches ahead, so when an epoch is a single batch
+        the feed is already one or two epochs on), and ``epoch``'s first batch is still in
+        :attr:`pending` (the loader drops the batches queued before it). Otherwise (the
+        epoch before left part-way, a later epoch, or one begun or run already, as when
         ``loader.epoch`` is set back) ``epoch`` starts afresh, in a new generation: the rest
         of what was being fed is never read, and the few of its batches already in DALI's
         queue come out first (the loader drops them, by :attr:`FedBatch.generation`).
@@ -174,12 +176,17 @@ class FileFeed:
         return self._generation
 
     def _reaches(self, epoch: int) -> bool:
-        """Whether the feed goes on into ``epoch``'s first batch, none of it taken yet."""
+        """Whether the feed goes on into, or has fed, ``epoch``'s first batch, none of
+        ``epoch`` taken yet."""
         if self._epoch == epoch - 1:
             return self._next == len(self._batches)
+        if self._epoch == epoch and self._next == 0:
+            return True
+        # DALI reads ahead (two batches): the feed may be a batch or two into epoch, or, when
+        # an epoch is one batch, already past it; it goes on while epoch's first batch is queued.
         first = (self._generation, epoch, 0)
-        return self._epoch == epoch and (
-            self._next == 0 or any((b.generation, b.epoch, b.batch) == first for b in self.pending)
+        return self._epoch >= epoch and any(
+            (b.generation, b.epoch, b.batch) == first for b in self.pending
         )
 
     def _go_to(self, epoch: int) -> None:

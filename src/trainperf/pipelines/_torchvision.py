@@ -15,8 +15,9 @@ picks. The crop follows ``RandomResizedCrop`` exactly (:func:`sample_crop_box`).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import random
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, BinaryIO
 
@@ -25,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from trainperf._utils.lifetime import DieWithParent
+from trainperf._utils.validate import non_negative_int
 from trainperf.pipelines._augment import CROP_RATIO, normalize, sample_crop_box
 from trainperf.pipelines._base import ImageLoader, LoaderConfig, labels_tensor
 from trainperf.pipelines._decode import pil_failure, pil_to_rgb
@@ -192,40 +194,39 @@ class EpochSampler(Sampler[tuple[int, int]]):
     The order is :func:`trainperf.pipelines._source.epoch_indices`, i.e. exactly
     ``DistributedSampler``'s.
 
-    Args:
-        owner: the loader whose ``set_epoch`` :meth:`set_epoch` calls instead (it sets
-            :attr:`epoch` at each pass); held weakly, so that the two do not form a cycle
-            that keeps the DataLoader's worker processes alive until the garbage collector
-            runs.
+    Attributes:
+        epoch: the epoch the next iteration draws, set by :meth:`set_epoch` as in
+            ``DistributedSampler``. On a loader's sampler it is the loader's
+            :attr:`~trainperf.pipelines.ImageLoader.epoch`, the epoch of its next pass (each
+            pass draws its own epoch's order), so ``loader.sampler.set_epoch(e)``, which
+            Lightning calls, sets the loader's next pass, and iterating ``loader.dataloader``
+            itself draws ``e``'s order.
     """
 
-    def __init__(
-        self,
-        num_files: int,
-        shard: Shard,
-        *,
-        shuffle: bool,
-        seed: int,
-        drop: bool,
-        owner: ImageLoader | None = None,
-    ):
+    def __init__(self, num_files: int, shard: Shard, *, shuffle: bool, seed: int, drop: bool):
         self.num_files = num_files
         self.shard = shard
         self.shuffle = shuffle
         self.seed = seed
         self.drop = drop
         self.epoch = 0
-        self._owner = None if owner is None else weakref.ref(owner)
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch``'s order next. Lightning and scripts written for a DataLoader call
-        ``loader.sampler.set_epoch(e)``: on a loader's sampler this is the loader's
-        ``set_epoch``, which would otherwise overwrite it at the next pass."""
-        owner = None if self._owner is None else self._owner()
-        if owner is not None:
-            owner.set_epoch(epoch)
-        else:
-            self.epoch = epoch
+        """Draw ``epoch``'s order next (an int >= 0; NumPy's integers too).
+
+        Raises:
+            ValueError: ``epoch`` is not an int >= 0.
+        """
+        self.epoch = non_negative_int("epoch", epoch)
+
+    @contextlib.contextmanager
+    def drawing(self, epoch: int) -> Iterator[None]:
+        """Draw ``epoch``'s order within the block, and :attr:`epoch`'s again after it."""
+        following, self.epoch = self.epoch, epoch
+        try:
+            yield
+        finally:
+            self.epoch = following
 
     def __len__(self) -> int:
         return self.shard.samples if not self.drop else self.num_files // self.shard.world_size
@@ -271,7 +272,6 @@ class TorchvisionLoader(ImageLoader):
             shuffle=config.train,
             seed=config.seed,
             drop=drop,
-            owner=self,
         )
         kwargs: dict[str, Any] = dict(loader_kwargs or {})
         for reserved in _RESERVED:
@@ -315,15 +315,32 @@ class TorchvisionLoader(ImageLoader):
         self._closed = False
         self._active: Iterator[Any] | None = None  # the running epoch's DataLoader iterator
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the next pass reads: epochs started so far, unless set (an int >= 0;
+        assigning it is :meth:`set_epoch`). Kept in :attr:`sampler`, so that
+        ``loader.sampler.set_epoch(e)`` sets it too."""
+        return self.sampler.epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
     def _epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         if self._closed:
             raise RuntimeError(_CLOSED)
-        self.sampler.epoch = epoch
         device, c = self.config.device, self.config
-        batches = iter(self.dataloader)
-        self._active = batches
+        batches: Iterator[Any] = iter(())
+        handed = batches
         try:
-            for images, indices in batches:
+            # The sampler draws this pass's order by its first batch (workers get their first
+            # indices as the iterator starts, a single process as it fetches the batch), and
+            # keeps the next pass's epoch.
+            with self.sampler.drawing(epoch):
+                batches = iter(self.dataloader)
+                self._active = batches
+                handed = itertools.chain(list(itertools.islice(batches, 1)), batches)
+            for images, indices in handed:
                 if not self._normalise_in_workers:
                     nchw = images.to(device, non_blocking=True).permute(0, 3, 1, 2)
                     images = normalize(nchw, c.mean, c.std).contiguous()
@@ -335,7 +352,7 @@ class TorchvisionLoader(ImageLoader):
             if self._active is batches:
                 self._active = None
             self._end_workers(batches)
-            del batches  # a traceback keeps this frame, and with it the iterator, alive
+            del batches, handed  # a traceback keeps this frame, and with it the iterator, alive
 
     def _end_workers(self, batches: Iterator[Any]) -> None:
         """End the workers of an epoch's iterator, however the epoch ended: an error's
