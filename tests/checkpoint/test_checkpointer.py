@@ -160,6 +160,29 @@ def test_restore_refuses_a_step_file_copied_to_another_steps_name(tmp_path: Path
     assert ckpt.restore({"w": w}) == 3 and torch.equal(w, torch.full((2,), 3.0))
 
 
+def test_restore_refuses_a_misnamed_step_file_before_loading_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The whole file was loaded (onto the GPU with device="cuda") and only then refused.
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"w": torch.ones(2)}, step=3)
+    (tmp_path / "step-000000007.pt").write_bytes((tmp_path / "step-000000003.pt").read_bytes())
+    monkeypatch.setattr(held_module, "_HELD", {})  # as a new process: nothing read yet
+    loads: list[Path] = []
+    real = checkpointer_module.load_checkpoint
+
+    def counted(path: Path, *args: Any, **kwargs: Any) -> Any:
+        loads.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointer_module, "load_checkpoint", counted)
+    with pytest.raises(CheckpointError, match=r"restore stops at step 7: .* holds step 3"):
+        ckpt.restore({"w": torch.zeros(2)})
+    assert loads == []
+    (tmp_path / "step-000000007.pt").unlink()
+    assert ckpt.restore({"w": torch.zeros(2)}) == 3 and loads == [tmp_path / "step-000000003.pt"]
+
+
 def test_restore_refuses_a_step_file_renamed_and_names_its_right_name(tmp_path: Path) -> None:
     ckpt = Checkpointer(tmp_path)
     ckpt.save({"w": torch.ones(1)}, step=100)

@@ -14,6 +14,7 @@ import torch
 
 import trainperf.checkpoint._held as held_module
 from trainperf import Checkpointer
+from trainperf.errors import CheckpointError
 
 
 def _arrives(run: Path, elsewhere: Path, step: int) -> None:
@@ -72,3 +73,26 @@ def test_a_later_step_this_run_has_passed_is_not_warned_of(tmp_path: Path) -> No
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ckpt.save({"w": torch.ones(1)}, step=710)
+
+
+def test_a_later_misnamed_copy_that_every_resume_would_refuse_is_warned_of(
+    tmp_path: Path,
+) -> None:
+    # A copy of step 10 named step 900 was left out as a file restore would skip: no
+    # warning, though restore and latest raise at it, so every resume of this run failed.
+    ckpt = Checkpointer(tmp_path, keep=2)
+    ten = ckpt.save({"w": torch.ones(1)}, step=10).path
+    assert ten is not None
+    (tmp_path / "step-000000900.pt").write_bytes(ten.read_bytes())
+    with pytest.warns(UserWarning) as caught:
+        ckpt.save({"w": torch.ones(1)}, step=20)
+    (message,) = [str(w.message) for w in caught]
+    assert "save(step=20): latest() and restore() will raise CheckpointError" in message
+    assert "step-000000900.pt holds step 10, but its name says step 900" in message
+    assert "move it out of" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once, not at every save
+        for step in (30, 40, 50):
+            ckpt.save({"w": torch.ones(1)}, step=step)
+    with pytest.raises(CheckpointError, match=r"restore stops at step 900"):
+        ckpt.restore({"w": torch.zeros(1)})

@@ -100,30 +100,41 @@ def final_save():
     if sys.argv[2] == "thread":
         checkpointer_module.fork_writes = lambda: False
     ck = checkpointer_module.Checkpointer(sys.argv[1])
-    ck.save({"w": torch.arange(4.0), "slow": SlowInTheWriter()}, step=5, blocking=False)
+    h = ck.save({"w": torch.arange(4.0), "slow": SlowInTheWriter()}, step=5, blocking=False)
+    print(h.writer)
 
-atexit.register(final_save)  # before trainperf's exit hook: it runs after that hook
+# trainperf's exit hook also runs from threading's exit hooks, before every atexit handler,
+# so a handler registered before or after the import runs after it.
+if sys.argv[3] == "before":
+    atexit.register(final_save)
 import trainperf
+if sys.argv[3] == "after":
+    atexit.register(final_save)
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("writer", ["process", "thread"])
+@pytest.mark.parametrize(
+    ("writer", "registered"), [("process", "before"), ("thread", "before"), ("process", "after")]
+)
 def test_a_background_save_made_as_the_process_exits_is_written(
-    tmp_path: Path, writer: str
+    tmp_path: Path, writer: str, registered: str
 ) -> None:
     # Started after trainperf's exit hook had waited, the writer died with the process: the
-    # forked one left only its temp file, and the thread aborted the interpreter.
+    # forked one left only its temp file, and the thread aborted the interpreter. The hook
+    # runs before every atexit handler (from threading's exit hooks), so a save in one
+    # registered after trainperf's import is made blocking too, as the docs now say.
     script = tmp_path / "train.py"
     script.write_text(_ATEXIT_SCRIPT)
     out = tmp_path / "ck"
     done = subprocess.run(
-        [sys.executable, str(script), str(out), writer],
+        [sys.executable, str(script), str(out), writer, registered],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["blocking"]
     assert [p.name for p in out.iterdir()] == ["step-000000005.pt"]
     saved = torch.load(out / "step-000000005.pt", weights_only=True)
     assert saved["w"].tolist() == [0.0, 1.0, 2.0, 3.0] and saved["slow"] == {}

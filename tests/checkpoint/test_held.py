@@ -14,6 +14,7 @@ import torch
 
 import trainperf.checkpoint._checkpointer as checkpointer_module
 import trainperf.checkpoint._held as held_module
+import trainperf.checkpoint._writer_fork as writer_fork_module
 from trainperf import Checkpointer
 from trainperf.checkpoint._held import held_step, known, learn
 from trainperf.checkpoint._steps import main_file
@@ -123,8 +124,10 @@ def test_learn_keeps_what_known_gave_and_ignores_anything_else(
     sent = known(tmp_path)
     assert known(tmp_path / "elsewhere") == []
     monkeypatch.setattr(held_module, "_HELD", {})
-    learn([*sent, ["short"], [str(path), 1, 2, 3, 4, 5, True], "junk"])
-    assert {tuple(sent[0][:6]): 10} == held_module._HELD
+    elsewhere = os.fspath(tmp_path / "elsewhere" / "step-000000010.pt")
+    junk = [["short"], [str(path), 1, 2, 3, 4, 5, True], [elsewhere, *sent[0][1:]], "junk"]
+    learn(tmp_path, [*sent, *junk])
+    assert {str(path): (tuple(sent[0][:6]), 10)} == held_module._HELD
     assert held_step(path) == 10 and _skims(log) == {path.name: 1}
 
 
@@ -135,4 +138,72 @@ def test_the_answers_kept_are_bounded(tmp_path: Path, monkeypatch: pytest.Monkey
     for path in paths:
         path.write_bytes(b"not a checkpoint")
         held_step(path)
-    assert [key[0] for key in held_module._HELD] == [os.fspath(p) for p in paths[1:]]
+    assert list(held_module._HELD) == [os.fspath(p) for p in paths[1:]]
+
+
+def test_the_answers_kept_follow_the_files_retention_keeps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The answers for the files keep= deleted stayed: one more per save, for good.
+    monkeypatch.setattr(held_module, "_HELD", {})
+    ckpt = Checkpointer(tmp_path, keep=2)
+    for step in range(1, 31):
+        ckpt.save({"w": torch.ones(1)}, step=step)
+    assert ckpt.steps() == [29, 30]
+    assert len(held_module._HELD) == 2
+    assert held_module.known(tmp_path) == [
+        [*held_module._key(main_file(tmp_path, s)), s] for s in (29, 30)
+    ]
+
+
+@pytest.mark.skipif(not fork_writes(), reason="the forked writer needs fork (Linux)")
+def test_the_forked_writer_sends_back_only_the_answers_for_files_still_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The child sent every answer it had for the directory, deleted files' too, and the
+    # parent kept them all: the message and the cache grew by one entry per save.
+    monkeypatch.setattr(held_module, "_HELD", {})
+    monkeypatch.setattr(checkpointer_module, "fork_writes", lambda: True)
+    sent: list[int] = []
+    real = writer_fork_module.learn
+
+    def counted(*args: Any) -> None:
+        sent.append(len(args[-1]))
+        real(*args)
+
+    monkeypatch.setattr(writer_fork_module, "learn", counted)
+    torch.save({"other": "run"}, main_file(tmp_path, 999))
+    ckpt = Checkpointer(tmp_path, keep=2)
+    for step in range(1, 16):
+        assert ckpt.save({"w": torch.ones(1)}, step=step, blocking=False).writer == "process"
+        ckpt.wait()
+    assert ckpt.steps() == [14, 15, 999]
+    assert len(sent) == 15 and max(sent) <= 3  # the two kept and the foreign file
+    assert len(held_module._HELD) <= 3
+
+
+class _CountingDict(dict[str, Any]):
+    """Counts the keys handed out by iterating it."""
+
+    handed_out = 0
+
+    def __iter__(self) -> Any:
+        for key in list(super().__iter__()):
+            _CountingDict.handed_out += 1
+            yield key
+
+
+def test_dropping_the_oldest_answers_does_not_copy_the_whole_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each answer kept past the limit copied the whole key list: learning 4096 answers
+    # took 0.19 s of the reaper thread, holding the GIL, at every save.
+    monkeypatch.setattr(_CountingDict, "handed_out", 0)
+    monkeypatch.setattr(held_module, "_HELD", _CountingDict())
+    monkeypatch.setattr(held_module, "_LIMIT", 8)
+    paths = [os.fspath(main_file(tmp_path, s)) for s in range(200)]
+    for step, path in enumerate(paths):
+        held_module._remember((path, 1, step, 1, 1, 1), step)
+    # One key looked at per answer dropped (192), not the whole cache at each answer kept.
+    assert _CountingDict.handed_out <= len(paths)
+    assert list(dict.keys(held_module._HELD)) == paths[-8:]

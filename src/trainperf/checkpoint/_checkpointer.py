@@ -190,9 +190,10 @@ class Checkpointer:
         the model right after ``save`` returns: the file holds step ``step``'s values. If
         the host's available memory (:func:`trainperf.host_limits`) cannot hold one more
         copy of the state, the save is made blocking, with a warning giving both figures.
-        So is a save made while the process exits, after trainperf's exit hook has waited
-        for the background writes (from an ``atexit`` handler registered before trainperf
-        was imported): the process would end under a background writer.
+        So is a save made while the process exits, once trainperf's exit hook has waited
+        for the background writes: that hook runs from Python's thread shutdown, before
+        every ``atexit`` handler, so this is any save from an ``atexit`` handler (whenever
+        registered) or a finaliser at exit; the process would end under a background writer.
 
         One write is in flight at most: a ``save`` while one is pending first waits for it.
         If that write failed, this save is made (blocking) before the failure is raised, so
@@ -427,6 +428,7 @@ class Checkpointer:
         rank, _ = _group()
         for step in reversed(self.steps()):
             path = main_file(self.directory, step)
+            _refuse_misnamed_unloaded(path, step)
             try:
                 saved = load_checkpoint(path, dev)
                 found = saved_step(saved, str(path))
@@ -485,6 +487,16 @@ class Checkpointer:
         stop = Preemption(signals, grace_s, check_every)
         self._stops.append(stop)
         return stop
+
+
+def _refuse_misnamed_unloaded(path: Path, step: int) -> None:
+    """Refuse the step file ``path`` when its pickle alone shows it holds another step than
+    ``step`` (its name), before a full load that may fill host or GPU memory for nothing.
+    Only the pickle is read, once per version of the file; a file it cannot tell about (cut
+    short, unreadable) is left to the full load, which skips or raises as it should."""
+    held = held_step(path)
+    if isinstance(held, int):
+        refuse_misnamed("restore", path, step, held)
 
 
 def _file_in_the_way(directory: Path) -> Path | None:

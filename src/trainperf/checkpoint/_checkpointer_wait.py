@@ -70,9 +70,10 @@ def _finish(pending: SaveHandle) -> None:
         pending._event.wait()
 
 
-# Set once the exit hook has run: a save after it (from an atexit handler registered before
-# trainperf was imported, or a finaliser) is made blocking, since nothing would wait for a
-# background writer: the process would exit under it, leaving only its temp file.
+# Set once the exit hook has run: a save after it is made blocking, since nothing would wait
+# for a background writer: the process would exit under it, leaving only its temp file. The
+# hook runs first from threading's exit hooks, before every atexit handler, so that is any
+# save from an atexit handler, whenever registered, or from a finaliser at exit.
 _EXITED = [False]
 
 

@@ -1,5 +1,6 @@
 """What a :class:`~trainperf.checkpoint.Checkpointer` warns about, and the error it raises for
-a file it cannot read: a directory that already holds a later step, retired files it could
+a file it cannot read: a directory that already holds a later step (or, under a later
+step's name, a copy of another step that makes every resume raise), retired files it could
 not delete, a background writer the system refused (made a blocking save, with the limit to
 raise), and a file whose read failed (not skipped for an older one).
 """
@@ -11,7 +12,8 @@ import warnings
 from typing import TYPE_CHECKING
 
 from trainperf._utils.stack import user_stacklevel
-from trainperf.checkpoint._steps import main_file, not_a_step_file
+from trainperf.checkpoint._held import held_step
+from trainperf.checkpoint._steps import main_file, misnamed
 
 if TYPE_CHECKING:
     from trainperf.checkpoint._checkpointer import Checkpointer
@@ -23,14 +25,19 @@ def warn_if_behind(ckpt: Checkpointer, step: int) -> None:
     """Warn when the directory holds a later step than ``step``: an earlier run's, another
     process's written since, or a step count that restarted. :meth:`latest` and
     :meth:`restore` take the highest step, so a resume would continue from that one, not
-    from this run. Once per later step seen: the directory's names are listed at each save,
-    and only a file named above every step known (on disk or saved here) is read, once.
+    from this run; if that file holds another step than its name says (a copy), they raise
+    instead, so every resume fails until it is moved. Once per later step seen: the
+    directory's names are listed at each save, and only a file named above every step known
+    (on disk or saved here) is read, once.
     """
-    highest = _highest_loadable(ckpt, ckpt._highest)
+    highest, held = _highest_resumed(ckpt, ckpt._highest)
     ckpt._highest = max(highest, step)
     if step >= highest or highest <= ckpt._behind_told:
         return
     ckpt._behind_told = highest
+    if held != highest:
+        _warn_misnamed(ckpt, step, highest, held)
+        return
     warnings.warn(
         f"Checkpointer.save(step={step}): {ckpt.directory} already holds step "
         f"{highest}, a later one (an earlier run's, another process's, or this run's step "
@@ -43,17 +50,33 @@ def warn_if_behind(ckpt: Checkpointer, step: int) -> None:
     )
 
 
-def _highest_loadable(ckpt: Checkpointer, known: int) -> int:
-    """The highest step on disk above ``known`` that a resume would take, else ``known``:
-    not the files restore found damaged, nor those it would skip (cut short, foreign), as
-    a resume skips them too. Names at or below ``known`` are not looked at, and a file is
-    read once per version (:func:`~trainperf.checkpoint._held.held_step`)."""
+def _warn_misnamed(ckpt: Checkpointer, step: int, named: int, held: int) -> None:
+    """Warn that the newest step file, named ``named``, holds step ``held``: restore and
+    latest refuse it (neither loads nor skips it), so no resume from this run can work."""
+    e = misnamed(main_file(ckpt.directory, named), named, held)
+    warnings.warn(
+        f"Checkpointer.save(step={step}): latest() and restore() will raise CheckpointError "
+        f"at the newest step file of {ckpt.directory} instead of resuming from this run, "
+        f"and keep={ckpt.keep} never deletes it: {e}",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
+def _highest_resumed(ckpt: Checkpointer, known: int) -> tuple[int, int]:
+    """The highest step on disk above ``known`` whose file a resume would stop at, and the
+    step that file holds (another one: a misnamed copy, which restore raises for); else
+    ``(known, known)``. Not the files restore found damaged, nor those it would skip (cut
+    short, foreign), as a resume skips them too. Names at or below ``known`` are not looked
+    at, and a file is read once per version
+    (:func:`~trainperf.checkpoint._held.held_step`)."""
     for step in reversed(ckpt.steps()):
         if step <= known:
             break
-        if step not in ckpt._damaged and not_a_step_file(main_file(ckpt.directory, step)) is None:
-            return step
-    return known
+        held = None if step in ckpt._damaged else held_step(main_file(ckpt.directory, step))
+        if isinstance(held, int):
+            return step, held
+    return known, known
 
 
 def warn_notes(notes: list[str]) -> None:

@@ -6,10 +6,14 @@ Retention (``keep=``) asks of every step file in the directory, at every save, w
 remembers the answer under the file's path, device, inode, size, mtime and ctime, so an
 unchanged file is read once, and a file rewritten, replaced or renamed is read again.
 
+One answer is kept per path (its newest version), and retention drops the answers for the
+files it deletes (:func:`forget`), so a long run keeps about ``keep`` answers per directory,
+not one per save.
+
 The forked background writer runs retention in a child process, whose answers die with it:
-it sends them back through its pipe (:func:`known`), and the parent keeps them
-(:func:`learn`). A read the system refused (EIO, EACCES: the file may be fine) is not
-remembered.
+it sends back through its pipe the answers for the files still in the directory
+(:func:`known`), and the parent takes them as that directory's (:func:`learn`). A read the
+system refused (EIO, EACCES: the file may be fine) is not remembered.
 """
 
 from __future__ import annotations
@@ -23,15 +27,15 @@ from trainperf.checkpoint._formats import read_error, read_failure
 from trainperf.checkpoint._payload import saved_step
 from trainperf.checkpoint._skim import skim
 
-__all__ = ["held_step", "known", "learn", "vouch"]
+__all__ = ["forget", "held_step", "known", "learn", "vouch"]
 
 # (path, st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns): ctime too, which no tool can
 # set back, so a file rewritten in place with its mtime restored is read again.
 _Key: TypeAlias = tuple[str, int, int, int, int, int]
-# The answer: the step the file holds, or why it is not a step file. Bounded (a long run
-# with keep=None-like huge keep, many directories): the oldest answers go first. No lock: a
+# Per path, the version read and the answer: the step the file holds, or why it is not a
+# step file. Bounded (a huge keep, many directories): the oldest answers go first. No lock: a
 # lock a writer thread held at a fork would stay held in the child.
-_HELD: dict[_Key, int | str] = {}
+_HELD: dict[str, tuple[_Key, int | str]] = {}
 _LIMIT = 4096
 
 
@@ -47,9 +51,12 @@ def _key(path: Path) -> _Key | None:
 
 
 def _remember(key: _Key, held: int | str) -> None:
-    _HELD[key] = held
-    for old in list(_HELD)[: max(0, len(_HELD) - _LIMIT)]:
-        _HELD.pop(old, None)
+    """Keep ``held`` for this version of its path, in place of any older version's answer;
+    past the limit, drop the oldest answers (one at a time: no copy of the whole cache)."""
+    _HELD.pop(key[0], None)  # re-inserted last: the newest answer
+    _HELD[key[0]] = (key, held)
+    while len(_HELD) > _LIMIT:
+        _HELD.pop(next(iter(_HELD)), None)
 
 
 def held_step(path: Path, *, raise_read_errors: bool = False) -> int | str:
@@ -63,8 +70,9 @@ def held_step(path: Path, *, raise_read_errors: bool = False) -> int | str:
             file and what to check); without it, that is returned as the reason.
     """
     key = _key(path)
-    if key is not None and key in _HELD:
-        return _HELD[key]
+    kept = _HELD.get(os.fspath(path))
+    if key is not None and kept is not None and kept[0] == key:
+        return kept[1]
     try:
         skimmed = skim(path)
     except Exception as e:
@@ -97,20 +105,40 @@ def vouch(path: Path, step: int) -> None:
         _remember(key, step)
 
 
+def forget(path: Path) -> None:
+    """Drop the answer for ``path`` (retention deleted it)."""
+    _HELD.pop(os.fspath(path), None)
+
+
 def known(directory: Path) -> list[list[Any]]:
-    """The remembered answers for files in ``directory``, JSON-safe (for :func:`learn`)."""
+    """The remembered answers for the files now in ``directory``, JSON-safe (for
+    :func:`learn`): those for files deleted since are not sent."""
+    try:
+        names = set(os.listdir(directory))
+    except OSError:
+        return []
     where = os.fspath(directory)
-    return [[*key, held] for key, held in list(_HELD.items()) if os.path.dirname(key[0]) == where]
+    return [
+        [*key, held]
+        for path, (key, held) in list(_HELD.items())
+        if os.path.dirname(path) == where and os.path.basename(path) in names
+    ]
 
 
-def learn(entries: Iterable[Any]) -> None:
-    """Keep the answers :func:`known` gave in another process (the forked writer); entries
-    of another shape are ignored."""
+def learn(directory: Path, entries: Iterable[Any]) -> None:
+    """Take the answers :func:`known` gave in another process (the forked writer, after its
+    retention) as ``directory``'s: this process's answers for files there are dropped first
+    (retention there may have deleted them); entries of another shape are ignored."""
+    where = os.fspath(directory)
+    # list(): a snapshot taken at once, as held_step may add answers from another thread.
+    for path in [p for p in list(_HELD) if os.path.dirname(p) == where]:
+        _HELD.pop(path, None)
     for entry in entries:
         if (
             isinstance(entry, list)
             and len(entry) == 7
             and isinstance(entry[0], str)
+            and os.path.dirname(entry[0]) == where
             and all(type(n) is int for n in entry[1:6])
             and type(entry[6]) in (int, str)
         ):

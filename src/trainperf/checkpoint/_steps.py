@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from trainperf._utils.atomic import remove_dead_temp
-from trainperf.checkpoint._held import held_step
+from trainperf.checkpoint._held import forget, held_step
 from trainperf.errors import CheckpointError
 
 __all__ = [
@@ -210,6 +210,8 @@ def retire(directory: Path, keep: int, protect: int, damaged: Iterable[int] = ()
                 pass
             except OSError as e:
                 failed.append(f"{directory / name}: {e.strerror or e}")
+                continue
+            forget(directory / name)  # or the answers kept would grow by one per save
     return failed
 
 

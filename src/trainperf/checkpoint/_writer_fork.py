@@ -174,17 +174,17 @@ def _read_report(fd: int, pidfd: int | None) -> list[bytes]:
     return chunks
 
 
-def _reap(pid: int, fd: int, handle: SaveHandle, pidfd: int | None = None) -> None:
+def _reap(pid: int, fd: int, handle: SaveHandle, directory: Path, pidfd: int | None) -> None:
     """The reaper thread: the handle finishes however this goes (a wait on it would
     otherwise never return)."""
     try:
-        _reap_writer(pid, fd, handle, pidfd)
+        _reap_writer(pid, fd, handle, directory, pidfd)
     except BaseException as e:
         if not handle.done():
             handle._finish((f"reading the writer process's report failed: {e!r}", e), [])
 
 
-def _reap_writer(pid: int, fd: int, handle: SaveHandle, pidfd: int | None) -> None:
+def _reap_writer(pid: int, fd: int, handle: SaveHandle, directory: Path, pidfd: int | None) -> None:
     try:
         chunks = _read_report(fd, pidfd)
     finally:
@@ -202,7 +202,7 @@ def _reap_writer(pid: int, fd: int, handle: SaveHandle, pidfd: int | None) -> No
         death = _death(status)
         handle._finish((death, OSError(errno.ECHILD, death)), [])
     elif record["ok"]:
-        learn(record.get("held", []))
+        learn(directory, record.get("held", []))
         handle._finish(None, list(record["notes"]))
     else:
         handle._finish((record["message"], _cause(record)), [])
@@ -237,7 +237,7 @@ def start_process(
     os.close(write_fd)
     threading.Thread(
         target=_reap,
-        args=(pid, read_fd, handle, _exit_watch(pid)),
+        args=(pid, read_fd, handle, path.parent, _exit_watch(pid)),
         name="trainperf-checkpoint-reaper",
         daemon=True,
     ).start()
