@@ -5,7 +5,13 @@ from pathlib import Path
 import pytest
 
 from trainperf import limits
-from trainperf.limits import HostLimits, cgroup_cpu_quota, cgroup_memory_limit, host_limits
+from trainperf.limits import (
+    HostLimits,
+    cgroup_cpu_pressure,
+    cgroup_cpu_quota,
+    cgroup_memory_limit,
+    host_limits,
+)
 
 
 def write(path: Path, text: str) -> None:
@@ -257,3 +263,57 @@ def test_usable_cpus_of_a_numpy_count_is_a_python_int() -> None:
     for count in (1, 2):
         cpus = limits.usable_cpus(np.int64(count), limits=whole, env={})
         assert type(cpus) is int and cpus == limits.usable_cpus(count, limits=whole, env={})
+
+
+def psi(avg60: float) -> str:
+    """A PSI file's text (``/proc/pressure/cpu``, a cgroup's ``cpu.pressure``)."""
+    return (
+        f"some avg10={avg60:.2f} avg60={avg60:.2f} avg300={avg60:.2f} total=1234\n"
+        "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+    )
+
+
+def write_psi(path: Path, avg60: float) -> Path:
+    write(path, psi(avg60))
+    return path
+
+
+def test_cpu_pressure_is_the_cgroup_whose_cpu_limit_binds(tmp_path: Path) -> None:
+    # A SLURM job given 8 CPUs: the quota is on the job, doctor runs in an idle step of its
+    # own while the training step waits for cores. The job's pressure counts both steps.
+    root = tmp_path / "root"
+    write(tmp_path / "pc", "0::/job/step0\n")
+    write(root / "job" / "cpu.max", "800000 100000\n")
+    write_psi(root / "job" / "cpu.pressure", 45.0)
+    write_psi(root / "job" / "step0" / "cpu.pressure", 0.5)
+    write_psi(root / "cpu.pressure", 90.0)  # the host's root: other jobs too
+    host = write_psi(tmp_path / "host", 90.0)
+    assert cgroup_cpu_pressure(root, tmp_path / "pc", host) == (0.45, "cgroup")
+    # A CPU set binds as a quota does, the outermost of equal ones (job and step both 8 CPUs).
+    (root / "job" / "cpu.max").write_text("max 100000\n")
+    write(root / "job" / "cpuset.cpus", "0-3,8-11\n")
+    write(root / "job" / "step0" / "cpuset.cpus", "0-3,8-11\n")
+    assert cgroup_cpu_pressure(root, tmp_path / "pc", host) == (0.45, "cgroup")
+    # Without any limit the process's own cgroup is read.
+    (root / "job" / "cpuset.cpus").write_text("\n")
+    (root / "job" / "step0" / "cpuset.cpus").write_text("\n")
+    assert cgroup_cpu_pressure(root, tmp_path / "pc", host) == (0.005, "cgroup")
+
+
+def test_cpu_pressure_falls_back_to_the_hosts_then_to_none(tmp_path: Path) -> None:
+    write(tmp_path / "pc", "0::/pod\n")
+    (tmp_path / "root" / "pod").mkdir(parents=True)  # no PSI in the cgroup (cgroup v1, psi=0)
+    host = write_psi(tmp_path / "pressure_cpu", 12.5)
+    assert cgroup_cpu_pressure(tmp_path / "root", tmp_path / "pc", host) == (0.125, "host")
+    missing = tmp_path / "missing"
+    assert cgroup_cpu_pressure(tmp_path / "root", tmp_path / "pc", missing) is None
+    write(host, "some avg10=1.00 avg60=junk avg300=1.00 total=1\n")  # malformed: unknown
+    assert cgroup_cpu_pressure(tmp_path / "root", tmp_path / "pc", host) is None
+
+
+def test_cpu_pressure_reads_the_unified_hierarchy_of_a_hybrid_host(tmp_path: Path) -> None:
+    write(tmp_path / "pc", "4:cpu,cpuacct:/docker/abc\n0::/docker/abc\n")
+    write(tmp_path / "root" / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us", "-1\n")
+    write_psi(tmp_path / "root" / "unified" / "docker" / "abc" / "cpu.pressure", 30.0)
+    got = cgroup_cpu_pressure(tmp_path / "root", tmp_path / "pc", tmp_path / "missing")
+    assert got == (0.3, "cgroup")

@@ -6,6 +6,8 @@ DataLoader autotuner, ``ddp.launch`` (threads per rank) and ``doctor`` all size 
 from :func:`host_limits`, which reads the CPU affinity mask, the cgroup CPU quota
 (v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us``), the cgroup memory limit
 (v2 ``memory.max`` or v1 ``memory.limit_in_bytes``) and ``/dev/shm``.
+:func:`cgroup_cpu_pressure` reads how long threads under this process's CPU limit waited
+for a core (Linux PSI), which ``doctor``'s ``load`` check judges.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 
@@ -28,6 +30,7 @@ from trainperf._utils.validate import positive_int
 
 __all__ = [
     "HostLimits",
+    "cgroup_cpu_pressure",
     "cgroup_cpu_quota",
     "cgroup_memory_limit",
     "host_limits",
@@ -38,6 +41,10 @@ __all__ = [
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 SHM_PATH = Path("/dev/shm")
+PROC_PRESSURE_CPU = Path("/proc/pressure/cpu")
+
+# Where a CPU pressure figure comes from: this process's cgroup, or the whole host.
+PressureScope = Literal["cgroup", "host"]
 
 # cgroup v1 reports "no limit" as a huge page-aligned number rather than "max".
 _V1_UNLIMITED = 1 << 60
@@ -205,6 +212,86 @@ def _cpu_share(quota: str, period: str) -> float | None:
     except ValueError:
         return None
     return q / p if q > 0 and p > 0 else None
+
+
+def cgroup_cpu_pressure(
+    root: Path = CGROUP_ROOT,
+    proc_cgroup: Path = PROC_SELF_CGROUP,
+    proc_pressure: Path = PROC_PRESSURE_CPU,
+) -> tuple[float, PressureScope] | None:
+    """The share of the last minute in which threads under this process's CPU limit waited
+    for a core (Linux PSI ``some avg60`` of ``cpu.pressure``, as a fraction), and its scope.
+
+    The cgroup read is the level whose CPU limit binds (the smallest ``cpu.max`` quota or
+    ``cpuset.cpus`` set, the outermost of equals, so a SLURM job's limit counts all its
+    steps), else this process's own; cgroup v2 only (``/sys/fs/cgroup/unified`` on hybrid
+    hosts). Unlike the load average, that figure counts only the threads sharing this
+    process's CPUs: neighbours on other cores do not raise it. Where no cgroup has a
+    readable ``cpu.pressure``, the host-wide ``proc_pressure`` is read (scope ``"host"``);
+    None where neither is (no PSI: not Linux, a kernel before 4.20, or ``psi=0``).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (d / "cpu.pressure").write_text("some avg10=41.00 avg60=35.50 avg300=9.10 "
+        ...                                     "total=123\\n")
+        >>> cgroup_cpu_pressure(d, d / "missing", d / "missing")
+        (0.355, 'cgroup')
+        >>> cgroup_cpu_pressure(d / "missing", d / "missing", d / "cpu.pressure")
+        (0.355, 'host')
+    """
+    dirs = _cgroup_dirs("cpu", root, proc_cgroup)
+    if (root / "unified").is_dir():  # hybrid layout: the v2 hierarchy is mounted there
+        dirs += _cgroup_dirs("cpu", root / "unified", proc_cgroup)
+    binding = _cpu_limit_dir(dirs)
+    for d in ([binding] if binding is not None else []) + dirs:
+        share = _some_avg60(d / "cpu.pressure")
+        if share is not None:
+            return share, "cgroup"
+    share = _some_avg60(proc_pressure)
+    return None if share is None else (share, "host")
+
+
+def _some_avg60(path: Path) -> float | None:
+    """``avg60`` of the ``some`` line of a PSI file as a fraction; None if unreadable."""
+    for line in (_read(path) or "").splitlines():
+        kind, *fields = line.split()
+        if kind != "some":
+            continue
+        for field in fields:
+            name, _, value = field.partition("=")
+            if name == "avg60":
+                try:
+                    share = float(value) / 100
+                except ValueError:
+                    return None
+                return share if 0.0 <= share <= 1.0 else None
+    return None
+
+
+def _cpu_limit_dir(dirs: list[Path]) -> Path | None:
+    """Of ``dirs`` (leaf first), the one whose CPU limit binds: the fewest CPUs by quota or
+    CPU set, the outermost of equals; None where none sets a limit."""
+    best: tuple[float, Path] | None = None
+    for d in dirs:
+        quota_text, _, period = (_read(d / "cpu.max") or "max").partition(" ")
+        quota = _cpu_share(quota_text, period or "100000")
+        cpuset = _cpuset_size(_read(d / "cpuset.cpus"))
+        limits = [x for x in (quota, cpuset) if x is not None]
+        if limits and (best is None or min(limits) <= best[0]):
+            best = min(limits), d
+    return None if best is None else best[1]
+
+
+def _cpuset_size(text: str | None) -> int | None:
+    """CPUs in a cpuset list (``"0-3,8"`` is 5); None if empty (v2: not set) or malformed."""
+    count = 0
+    for part in (text or "").split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or not (last or first).isdigit() or int(last or first) < int(first):
+            return None
+        count += int(last or first) - int(first) + 1
+    return count or None
 
 
 def cgroup_memory_limit(

@@ -262,6 +262,7 @@ def test_bench_result_to_dict_is_json_safe_and_its_str_is_the_report(fake_a100: 
 
 @pytest.mark.slow
 def test_a_busy_host_is_noted_with_doctors_load_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_module, "cgroup_cpu_pressure", lambda: None)
     monkeypatch.setattr(model_module, "load_average", lambda: 40.0)
     result = bench_model("resnet50", "fp32", device="cpu", warmup_batches=1)
     busy = [n for n in result.notes if n.startswith("the host was busy while measuring")]
@@ -276,9 +277,24 @@ def test_a_shared_hosts_load_is_not_read_as_a_busy_host(monkeypatch: pytest.Monk
     # A container allowed 2 of a 64-core host's CPUs: a host-wide load of 40 is other tenants
     # on other cores, not contention for this run's (before: noted as "the host was busy").
     monkeypatch.setattr(model_module, "load_average", lambda: 40.0)
+    monkeypatch.setattr(model_module, "cgroup_cpu_pressure", lambda: (0.01, "cgroup"))
     pod = HostLimits(64, 64, 2.0, 2, 2**36, None, 2**35, None, None)
     monkeypatch.setattr(model_module, "host_limits", lambda: pod)
     result = bench_model(
         "resnet50", device="cpu", batch_size=1, image_size=32, iterations=1, warmup_batches=1
     )
     assert not any(n.startswith("the host was busy") for n in result.notes)
+
+
+def test_a_quota_job_crowding_its_own_cpus_is_noted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A container allowed 2 of a 64-core host's CPUs whose own threads waited for them 60 %
+    # of the last minute: a host-wide load of 40 is under 1.5 x 64 (before: no note).
+    monkeypatch.setattr(model_module, "load_average", lambda: 40.0)
+    monkeypatch.setattr(model_module, "cgroup_cpu_pressure", lambda: (0.6, "cgroup"))
+    pod = HostLimits(64, 64, 2.0, 2, 2**36, None, 2**35, None, None)
+    monkeypatch.setattr(model_module, "host_limits", lambda: pod)
+    result = bench_model(
+        "resnet50", device="cpu", batch_size=1, image_size=32, iterations=1, warmup_batches=1
+    )
+    busy = [n for n in result.notes if n.startswith("the host was busy while measuring")]
+    assert busy and "CPU pressure 60%" in busy[0] and "(2 CPUs) waited" in busy[0]

@@ -167,3 +167,57 @@ def test_load_takes_a_numpy_host_cpu_count() -> None:
     np = pytest.importorskip("numpy")
     numpy = check_load(np.float64(50.0), cpus=np.int64(8), host_cpus=np.int64(96))
     assert numpy == check_load(50.0, cpus=8, host_cpus=96)
+
+
+def test_load_warns_a_quota_job_overloaded_by_its_own_threads() -> None:
+    # A job in an 8-CPU quota (or SLURM-bound to 8 of 128 cores) loading them with 40
+    # threads: 40 is under 1.5 x 128, so the host-wide load alone said ok (before: ok).
+    own = check_load(40.0, cpus=8, host_cpus=128, cpu_pressure=0.65)
+    assert own.verdict == "warn"
+    assert "CPU pressure 65% (this cgroup's PSI some avg60)" in own.value
+    assert "40.0" in own.value and "(8 CPUs) waited for a core 65%" in own.fix
+    assert "cpu.max" in own.fix and "OMP_NUM_THREADS" in own.fix
+    # A cgroup without a CPU limit is told to run fewer jobs, not to ask for more CPUs.
+    free = check_load(4.0, cpus=8, cpu_pressure=0.65)
+    assert free.verdict == "warn" and "run fewer jobs" in free.fix and "cpu.max" not in free.fix
+
+
+def test_load_of_a_pod_on_a_busy_host_whose_cgroup_is_not_stalled_is_ok() -> None:
+    pod = check_load(50.0, cpus=8, host_cpus=96, cpu_pressure=0.03)
+    assert pod.verdict == "ok" and "CPU pressure 3%" in pod.value
+    assert check_load(50.0, cpus=8, host_cpus=96, cpu_pressure=0.2).verdict == "ok"  # at 20 %
+
+
+def test_load_without_cpu_pressure_keeps_the_load_average_rule() -> None:
+    for load, cpus, host in ((40.0, 8, 128), (40.0, 8, None), (3.0, 2, None)):
+        old = check_load(load, cpus=cpus, host_cpus=host)
+        assert check_load(load, cpus, host_cpus=host, cpu_pressure=None) == old
+    assert check_load(40.0, cpus=8, host_cpus=128).verdict == "ok"
+    assert check_load(40.0, cpus=8).verdict == "warn"
+    # The load average still warns when the whole host is overloaded, pressure or not.
+    assert check_load(200.0, cpus=8, host_cpus=128, cpu_pressure=0.0).verdict == "warn"
+
+
+def test_load_names_a_host_wide_pressure_as_such() -> None:
+    host = check_load(40.0, cpus=8, host_cpus=128, cpu_pressure=0.5, pressure_scope="host")
+    assert host.verdict == "warn" and "host-wide, no cgroup figure" in host.value
+    assert "other jobs' threads count too" in host.fix
+    # Without a load average (not that Linux lacks one) the pressure alone is judged.
+    assert check_load(None, cpus=8, cpu_pressure=0.5).verdict == "warn"
+    assert check_load(None, cpus=8, cpu_pressure=0.05).verdict == "ok"
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, float("nan"), "0.3", True])
+def test_load_refuses_a_cpu_pressure_that_is_no_fraction(share: object) -> None:
+    with pytest.raises(ValueError, match=r"cpu_pressure must be None or a fraction from 0 to 1"):
+        check_load(3.0, cpus=8, cpu_pressure=share)  # type: ignore[arg-type]
+
+
+def test_load_refuses_an_unknown_pressure_scope() -> None:
+    with pytest.raises(ValueError, match=r"pressure_scope must be 'cgroup' or 'host', got 'pod'"):
+        check_load(3.0, cpus=8, cpu_pressure=0.1, pressure_scope="pod")  # type: ignore[arg-type]
+
+
+def test_load_takes_a_numpy_cpu_pressure() -> None:
+    np = pytest.importorskip("numpy")
+    assert check_load(3.0, 8, cpu_pressure=np.float32(0.5)) == check_load(3.0, 8, cpu_pressure=0.5)

@@ -20,7 +20,7 @@ from trainperf._utils import imports as _imports
 from trainperf.device import GpuInfo
 from trainperf.doctor import Check, DoctorReport, check_shm, diagnose
 from trainperf.errors import DeviceError
-from trainperf.limits import host_limits
+from trainperf.limits import cgroup_cpu_pressure, host_limits
 
 doctor_module = importlib.import_module("trainperf.doctor._diagnose")
 device_module = importlib.import_module("trainperf.device")
@@ -29,6 +29,12 @@ NAMES = [
     "gpus", "torch", "cuda_arch", "cpus", "memory", "shm", "blas", "threads", "load",
     "steal", "start_method", "visible_devices",
 ]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def no_cpu_pressure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No PSI figure unless a test gives one: the machine's own would decide ``load``."""
+    monkeypatch.setattr(doctor_module, "cgroup_cpu_pressure", lambda: None)
 
 
 def test_diagnose_reports_an_arch_mismatch_from_mocked_torch_and_gpu(
@@ -187,6 +193,42 @@ def test_diagnose_judges_the_host_wide_load_against_the_hosts_cpus(
     pod = limits(cpus_host=64, cpus_affinity=64, cpu_quota=4.0, cpus=4)
     load = {c.name: c for c in diagnose(limits=pod, env={}).checks}["load"]
     assert load.verdict == "ok" and "64 CPUs of the host" in load.value
+
+
+@pytest.mark.parametrize(
+    ("job", "host", "verdict"),
+    [
+        (65.0, 10.0, "warn"),  # the job's own threads wait for its 8 CPUs
+        (1.0, 80.0, "ok"),  # the host is busy, the job's cgroup is not stalled
+        (None, None, "ok"),  # no PSI: the load average against the host's 128 CPUs
+        (None, 65.0, "warn"),  # no cgroup figure: the host-wide one
+    ],
+)
+def test_diagnose_judges_a_quota_jobs_load_by_its_cgroups_cpu_pressure(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    job: float | None,
+    host: float | None,
+    verdict: str,
+) -> None:
+    # A job in an 8-CPU quota on a 128-core host, host-wide load 40 (< 1.5 x 128); before:
+    # ok whatever its own cgroup's threads went through.
+    root, proc_pressure = tmp_path / "cgroup", tmp_path / "pressure_cpu"
+    write(tmp_path / "proc_cgroup", "0::/job\n")
+    write(root / "job" / "cpu.max", "800000 100000\n")
+    for path, avg60 in ((root / "job" / "cpu.pressure", job), (proc_pressure, host)):
+        if avg60 is not None:
+            write(path, f"some avg10=0.00 avg60={avg60:.2f} avg300=0.00 total=1\n")
+    monkeypatch.setattr(
+        doctor_module,
+        "cgroup_cpu_pressure",
+        lambda: cgroup_cpu_pressure(root, tmp_path / "proc_cgroup", proc_pressure),
+    )
+    monkeypatch.setattr(os, "getloadavg", lambda: (40.0, 30.0, 12.0), raising=False)
+    job_limits = limits(cpus_host=128, cpus_affinity=128, cpu_quota=8.0, cpus=8)
+    load = {c.name: c for c in diagnose(limits=job_limits, env={}).checks}["load"]
+    assert load.verdict == verdict
+    assert ("CPU pressure" in load.value) == (job is not None or host is not None)
 
 
 def test_diagnose_reads_the_steal_since_boot(monkeypatch: pytest.MonkeyPatch) -> None:

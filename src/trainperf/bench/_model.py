@@ -38,7 +38,7 @@ from trainperf.bench._reference import (
 from trainperf.bench._result import BenchResult
 from trainperf.doctor._cpu_checks import check_load, load_average
 from trainperf.errors import DeviceError
-from trainperf.limits import host_limits
+from trainperf.limits import PressureScope, cgroup_cpu_pressure, host_limits
 
 __all__ = ["BenchPrecision", "ModelName", "bench_model", "format_iteration"]
 
@@ -276,18 +276,28 @@ def _measure(
 
 
 def _busy_host_notes(
-    load: float | None, cpus: int, host_cpus: int | None = None
+    load: float | None,
+    cpus: int,
+    host_cpus: int | None = None,
+    pressure: tuple[float, PressureScope] | None = None,
 ) -> tuple[str, ...]:
     """A note when other work crowded the host while measuring (doctor's ``load`` check:
-    the host-wide load against the host's CPUs where this process may use fewer).
+    the host-wide load against the host's CPUs where this process may use fewer, and the
+    CPU pressure of its cgroup, ``cgroup_cpu_pressure()``, where Linux reports one).
 
     Example:
         >>> _busy_host_notes(12.0, 2)[0].startswith("the host was busy")
         True
         >>> _busy_host_notes(1.0, 2), _busy_host_notes(12.0, 2, host_cpus=64)
         ((), ())
+        >>> len(_busy_host_notes(12.0, 2, host_cpus=64, pressure=(0.5, "cgroup")))
+        1
     """
-    check = check_load(load, cpus, host_cpus=host_cpus)
+    share: float | None = None
+    scope: PressureScope = "cgroup"
+    if pressure is not None:
+        share, scope = pressure
+    check = check_load(load, cpus, host_cpus=host_cpus, cpu_pressure=share, pressure_scope=scope)
     if check.verdict != "warn":
         return ()
     return (
@@ -419,7 +429,12 @@ def bench_model(
     what = f"{model} in {precision} is not supported on {dev}"
     # Read before the run: the 1-minute average would otherwise count the bench's own threads.
     limits = host_limits()
-    notes = _busy_host_notes(load_average(), limits.cpus, max(limits.cpus, limits.cpus_host))
+    notes = _busy_host_notes(
+        load_average(),
+        limits.cpus,
+        max(limits.cpus, limits.cpus_host),
+        cgroup_cpu_pressure(),
+    )
     timing = _measure(
         run_batch, settings, dev, what=what, train=train, tf32=tf32, on_iteration=on_iteration
     )

@@ -12,11 +12,15 @@ from typing import Any
 
 from trainperf._utils.validate import as_real_number, non_negative_number, positive_int
 from trainperf.doctor._checks import Check
+from trainperf.limits import PressureScope
 
 __all__ = ["check_blas", "check_load", "check_steal", "check_threads", "load_average"]
 
 # A 1-minute load average above this many times the usable CPUs is oversubscription.
 OVERLOAD_FACTOR = 1.5
+# The share of the last minute in which threads under this process's CPU limit may wait for
+# a core (PSI "some avg60") before it is contention.
+PRESSURE_WARN = 0.2
 # The share of the CPU time the CPUs wanted that the hypervisor may steal before it matters.
 STEAL_WARN = 0.1
 
@@ -192,27 +196,48 @@ def load_average() -> float | None:
         return None
 
 
-def check_load(load_average: float | None, cpus: int, *, host_cpus: int | None = None) -> Check:
-    """The 1-minute load average against the CPUs: other jobs competing for them.
+def check_load(
+    load_average: float | None,
+    cpus: int,
+    *,
+    host_cpus: int | None = None,
+    cpu_pressure: float | None = None,
+    pressure_scope: PressureScope = "cgroup",
+) -> Check:
+    """Other jobs, or too many threads, competing for this process's CPUs: the 1-minute load
+    average, and where Linux reports it the CPU pressure (PSI) of this process's cgroup.
 
     ``check_threads`` sees only this process's own settings; the load average counts every
-    runnable (or I/O-waiting) thread on the host, so several jobs, or a neighbour's, that
-    together want more cores than there are show up here. Data loading and kernel launches
-    then wait for a core.
+    runnable (or I/O-waiting) thread on the host, so several jobs that together want more
+    cores than there are show up here. Data loading and kernel launches then wait for a core.
 
     The load average is the whole host's, even inside a container (``/proc/loadavg`` is not
     namespaced), so where this process may use fewer CPUs than the host has (a cgroup quota
     or an affinity mask) it is judged against ``host_cpus``: a pod given 8 CPUs of a busy
-    96-core node sees the node's load, spread over cores it does not use.
+    96-core node sees the node's load, spread over cores it does not use. That alone would
+    miss a job overloading its own 8 CPUs (a load of 40 is under 1.5 x 96), which the CPU
+    pressure of its cgroup catches: the share of the last minute in which its threads
+    waited for a core, neighbours on other cores left out.
+
+    The rule: warn when the load average is over 1.5 x the CPUs it is judged against, or
+    the CPU pressure is over 20 %; ok otherwise. Without a pressure figure (no PSI) the load
+    average alone decides, as before.
 
     Args:
         load_average: ``os.getloadavg()[0]``; None where the platform has none (Windows).
         cpus: usable CPUs.
         host_cpus: logical CPUs of the host (``HostLimits.cpus_host``); None: ``cpus``.
+        cpu_pressure: the share (0 to 1) of the last minute in which threads under this
+            process's CPU limit waited for a core, PSI ``some avg60``
+            (``trainperf.limits.cgroup_cpu_pressure()``); None where unknown.
+        pressure_scope: whose threads ``cpu_pressure`` counts: ``"cgroup"``, those under
+            this process's CPU limit, or ``"host"``, the whole host's (``/proc/pressure/cpu``,
+            read where no cgroup reports one).
 
     Raises:
-        ValueError: ``cpus`` is not an int >= 1, ``host_cpus`` not an int >= ``cpus``, or
-            ``load_average`` not a finite number >= 0.
+        ValueError: ``cpus`` is not an int >= 1, ``host_cpus`` not an int >= ``cpus``,
+            ``load_average`` not a finite number >= 0, ``cpu_pressure`` not a number from 0
+            to 1, or ``pressure_scope`` neither ``"cgroup"`` nor ``"host"``.
 
     Example:
         >>> check_load(24.0, cpus=8).verdict
@@ -221,31 +246,104 @@ def check_load(load_average: float | None, cpus: int, *, host_cpus: int | None =
         ('ok', 'skip')
         >>> check_load(24.0, cpus=8, host_cpus=64).verdict  # the host's other cores
         'ok'
+        >>> check_load(24.0, cpus=8, host_cpus=64, cpu_pressure=0.6).verdict  # its own
+        'warn'
     """
     cpus = positive_int("cpus", cpus)
     host = _host_cpus(cpus, host_cpus)
-    if load_average is None:
+    pressure = _pressure(cpu_pressure, pressure_scope)
+    if load_average is not None:
+        load_average = non_negative_number("load_average", load_average)
+    if load_average is None and pressure is None:
         return Check("load", "skip", "no load average on this platform", "")
-    load_average = non_negative_number("load_average", load_average)
+    value = "; ".join(
+        part
+        for part in (_load_value(load_average, cpus, host), _pressure_value(pressure, cpus))
+        if part
+    )
+    fix = _load_fix(load_average, cpus, host) or _pressure_fix(pressure, cpus, host)
+    return Check("load", "warn", value, fix) if fix else Check("load", "ok", value)
+
+
+def _pressure(share: object, scope: object) -> tuple[float, PressureScope] | None:
+    """``(share, scope)`` checked: a fraction from 0 to 1 and ``"cgroup"`` or ``"host"``."""
+    if scope not in ("cgroup", "host"):
+        raise ValueError(
+            f"pressure_scope must be 'cgroup' or 'host', got {scope!r}: pass the scope "
+            "trainperf.limits.cgroup_cpu_pressure() returned with the share"
+        )
+    if share is None:
+        return None
+    number = as_real_number(share)
+    if number is None or not 0.0 <= number <= 1.0:  # NaN too
+        raise ValueError(
+            f"cpu_pressure must be None or a fraction from 0 to 1 of the last minute (PSI "
+            f"some avg60 / 100, trainperf.limits.cgroup_cpu_pressure()), got {share!r}"
+        )
+    return float(number), "host" if scope == "host" else "cgroup"
+
+
+def _load_value(load: float | None, cpus: int, host: int) -> str:
+    """The load average as the value shows it ('' without one)."""
+    if load is None:
+        return ""
     if host == cpus:
-        value = f"1-minute load average {load_average:.1f} for {cpus} usable CPUs"
-        over = f"the {cpus} usable CPUs"
-    else:
-        value = (
-            f"1-minute load average {load_average:.1f} (host-wide) for the {host} CPUs of the "
-            f"host, {cpus} usable here"
+        return f"1-minute load average {load:.1f} for {cpus} usable CPUs"
+    return (
+        f"1-minute load average {load:.1f} (host-wide) for the {host} CPUs of the host, "
+        f"{cpus} usable here"
+    )
+
+
+def _pressure_value(pressure: tuple[float, PressureScope] | None, cpus: int) -> str:
+    """The CPU pressure as the value shows it ('' without one)."""
+    if pressure is None:
+        return ""
+    share, scope = pressure
+    whose = "this cgroup's" if scope == "cgroup" else "the host's (host-wide, no cgroup figure)"
+    return f"CPU pressure {share:.0%} ({whose} PSI some avg60)"
+
+
+_FEWER_THREADS = (
+    "lower each job's threads so that together they fit (OMP_NUM_THREADS, "
+    "torch.set_num_threads(), DataLoader num_workers)"
+)
+
+
+def _load_fix(load: float | None, cpus: int, host: int) -> str:
+    """The fix when the load average is over 1.5x the CPUs it is judged against, else ''."""
+    if load is None or load <= OVERLOAD_FACTOR * host:
+        return ""
+    over = f"the {cpus} usable CPUs" if host == cpus else f"the host's {host} CPUs"
+    return (
+        f"a load of {load:.1f} is {load / host:.1f}x {over}, so threads wait for a core: run "
+        f"fewer jobs at once, {_FEWER_THREADS}, or pin each job to cores of its own "
+        "(taskset -c <first>-<last> python train.py)"
+    )
+
+
+def _pressure_fix(pressure: tuple[float, PressureScope] | None, cpus: int, host: int) -> str:
+    """The fix when the CPU pressure is over ``PRESSURE_WARN``, else ''."""
+    if pressure is None or pressure[0] <= PRESSURE_WARN:
+        return ""
+    share, scope = pressure
+    if scope == "host":
+        return (
+            f"threads on this host waited for a core {share:.0%} of the last minute (a "
+            "host-wide figure: with fewer CPUs usable here, other jobs' threads count too): "
+            f"run fewer jobs at once, {_FEWER_THREADS}, or pin each job to cores of its own"
         )
-        over = f"the host's {host} CPUs"
-    if load_average > OVERLOAD_FACTOR * host:
-        fix = (
-            f"a load of {load_average:.1f} is {load_average / host:.1f}x {over}, so threads "
-            "wait for a core: run fewer jobs at once, lower each job's threads so that "
-            "together they fit (OMP_NUM_THREADS, torch.set_num_threads(), DataLoader "
-            "num_workers), or pin each job to cores of its own "
-            "(taskset -c <first>-<last> python train.py)"
+    if cpus == host:
+        return (
+            f"this cgroup's threads waited for a core {share:.0%} of the last minute: run "
+            f"fewer jobs at once, {_FEWER_THREADS}, or pin each job to cores of its own"
         )
-        return Check("load", "warn", value, fix)
-    return Check("load", "ok", value)
+    return (
+        f"threads under this process's CPU limit ({cpus} CPUs) waited for a core {share:.0%} "
+        f"of the last minute: the job runs more threads than its {cpus} CPUs. Lower them so "
+        "that together they fit (OMP_NUM_THREADS, torch.set_num_threads(), DataLoader "
+        "num_workers), or ask for more CPUs (a larger cgroup quota, cpu.max, or CPU set)"
+    )
 
 
 def _host_cpus(cpus: int, host_cpus: int | None) -> int:

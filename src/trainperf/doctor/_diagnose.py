@@ -49,7 +49,13 @@ from trainperf.doctor._visible_checks import (
     check_visible_devices,
 )
 from trainperf.errors import DeviceError
-from trainperf.limits import HostLimits, host_limits, local_world_size
+from trainperf.limits import (
+    HostLimits,
+    PressureScope,
+    cgroup_cpu_pressure,
+    host_limits,
+    local_world_size,
+)
 from trainperf.loader._faults import start_method
 
 __all__ = ["DoctorReport", "diagnose"]
@@ -225,7 +231,7 @@ def _host_checks(
         check_threads(
             torch.get_num_threads(), environ.get("OMP_NUM_THREADS"), limits.cpus, processes
         ),
-        check_load(load_average(), limits.cpus, host_cpus=max(limits.cpus, limits.cpus_host)),
+        _load_check(limits),
         check_steal(boot_steal_share()),
         check_start_method(start_method({})),
         check_visible_devices(
@@ -235,6 +241,19 @@ def _host_checks(
             shown=None if gpu_error else len(gpus),
         ),
     ]
+
+
+def _load_check(limits: HostLimits) -> Check:
+    """The ``load`` check on this host's load average and its cgroup's CPU pressure."""
+    pressure = cgroup_cpu_pressure()
+    share: float | None = None
+    scope: PressureScope = "cgroup"
+    if pressure is not None:
+        share, scope = pressure
+    host = max(limits.cpus, limits.cpus_host)
+    return check_load(
+        load_average(), limits.cpus, host_cpus=host, cpu_pressure=share, pressure_scope=scope
+    )
 
 
 def diagnose(
