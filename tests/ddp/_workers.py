@@ -341,3 +341,14 @@ def close_stderr_and_break_teardown(value: int) -> int:
     _worker._destroy = broken
     sys.stderr.close()
     return value
+
+
+def raise_then_peers_exit_cleanly(bad_rank: int) -> None:
+    """``bad_rank`` raises; the others see their collective break and call ``os._exit(0)``
+    (a script that treats a broken collective as the end of the job)."""
+    if ddp.rank() == bad_rank:
+        raise ValueError("its own failure")
+    try:
+        _all_reduce()
+    except RuntimeError:
+        os._exit(0)

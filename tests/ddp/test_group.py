@@ -100,6 +100,100 @@ def test_a_rank_that_exited_with_code_0_is_blamed_over_the_peer_it_left_behind()
     assert "rank 0 raised RuntimeError: Connection closed by peer" in text
 
 
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_real_error_is_blamed_over_an_exit_seen_after_it(code: int) -> None:
+    # Rank 1 raises; rank 0 catches its broken collective and calls os._exit, and the
+    # launcher sees that exit 0.5 s after rank 1 raised: dated 1 s back, the exit was blamed.
+    group = _make_group(2)
+    cause = Failure(1, 11, "ValueError", "bad batch", "tb1", time=100.0)
+    group.problems.append(_group._Problem(1, cause.time, _group._summary(cause), "tb1"))
+    group.problems.append(group._no_report(0, code, 100.5))
+    text = group._message()
+    assert text.startswith("rank 1 of 2 raised ValueError: bad batch"), text
+    assert f"  rank 0 exited with code {code} without" in text, text
+
+
+@pytest.mark.parametrize(
+    ("reports", "seen_at", "first"),
+    [
+        # A lost-peer error before the exit was seen: the exit explains it.
+        ([(1, "RuntimeError", "Connection closed by peer", 100.2)], 100.5, 0),
+        # Its own error first, a lost peer after it, then the clean exit: the error.
+        (
+            [(1, "ValueError", "bad batch", 100.0), (2, "RuntimeError", "Broken pipe", 100.1)],
+            100.5,
+            1,
+        ),
+        # A lost peer before the other rank's own error: someone had left already.
+        (
+            [(1, "RuntimeError", "Connection closed by peer", 100.0), (2, "KeyError", "x", 100.2)],
+            100.5,
+            0,
+        ),
+        # An error raised more than the slack before the exit was seen.
+        ([(1, "ValueError", "bad batch", 99.0)], 100.5, 1),
+    ],
+)
+def test_an_exit_seen_without_a_report_is_dated_back_only_before_lost_peer_errors(
+    reports: list[tuple[int, str, str, float]], seen_at: float, first: int
+) -> None:
+    group = _make_group(3)
+    for rank, kind, message, at in reports:
+        f = Failure(rank, 10 + rank, kind, message, f"tb{rank}", time=at)
+        group.problems.append(_group._Problem(rank, f.time, _group._summary(f), f.traceback))
+    group.problems.append(group._no_report(0, 0, seen_at))
+    assert group._message().startswith(f"rank {first} of 3 "), group._message()
+
+
+@pytest.mark.timeout(60)
+def test_a_raising_rank_is_blamed_over_a_peer_that_then_exits_cleanly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A busy launcher wakes up only once both ranks are gone: rank 1's report and rank 0's
+    # os._exit(0) (it caught the broken all_reduce) are read in one go.
+    real_wait = _group.wait
+
+    def wake_once_all_exited(waitables: list[Any], timeout: float | None = None) -> Any:
+        sentinels = [w for w in waitables if isinstance(w, int)]
+        deadline = time.monotonic() + 30
+        while sentinels and time.monotonic() < deadline:
+            done = real_wait(sentinels, deadline - time.monotonic())
+            sentinels = [s for s in sentinels if s not in done]
+        return real_wait(waitables, timeout)
+
+    monkeypatch.setattr(_group, "wait", wake_once_all_exited)
+    with pytest.raises(LaunchError) as info:
+        launch_fork(workers.raise_then_peers_exit_cleanly, 1, timeout=LONG)
+    text = str(info.value)
+    assert text.startswith("rank 1 of 2 raised ValueError: its own failure"), text
+    assert "  rank 0 exited with code 0 without returning from main" in text, text
+
+
+class _Running:
+    """A process that has not exited (as far as its exit status says)."""
+
+    exitcode = None
+
+
+def test_waiting_for_a_lost_peer_ends_once_its_result_has_arrived() -> None:
+    # Rank 1 returned (its result is in the pipe) but has not exited yet: the wait for the
+    # peer that left polled exit statuses only, so the result was read only by the stop.
+    group = _group.Group(_SpawnContext(), _make_group(2).spec, "", SignalGuard())  # type: ignore[arg-type]
+    victim = Failure(0, 10, "RuntimeError", "Connection closed by peer", "tb0", time=100.0)
+    group.problems.append(_group._Problem(0, victim.time, _group._summary(victim), "tb0"))
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    writer.send_bytes(pickle.dumps(("loaded", 1, None)))
+    writer.send_bytes(pickle.dumps(("ok", 1, "left")))
+    group.readers, group.running = {1: reader}, {1: _Running()}  # type: ignore[dict-item]
+    try:
+        group._await_lost_peer()
+        assert group.results == {1: "left"}
+        assert 1 in group.loaded and 1 not in group.readers
+    finally:
+        reader.close()
+        writer.close()
+
+
 def _make_group(n: int = 3) -> _group.Group:
     spec = WorkerSpec(
         workers.add, (), {}, "gloo", n, "127.0.0.1", 1, "p/", LONG, None, os.getpid(), False

@@ -39,6 +39,9 @@ class Problem:
     summary: str
     detail: str = ""  # the rank's traceback
     advice: str = ""  # what to do, when the cause is known without a traceback
+    # How much earlier than ``time`` it may have happened: a death the launcher saw (at
+    # ``time``) without a report carries DEATH_SLACK_S; a report, stamped when raised, 0.
+    slack: float = 0.0
 
 
 def summarize(failure: Failure) -> str:
@@ -104,7 +107,7 @@ def startup_problem(rank: int, seen_at: float, text: str) -> Problem | None:
             'if __name__ == "__main__": guard (or into main), or use start_method="fork" '
             "(Linux), which imports nothing again."
         )
-    return Problem(rank, seen_at - DEATH_SLACK_S, summary, tb, advice)
+    return Problem(rank, seen_at, summary, tb, advice, slack=DEATH_SLACK_S)
 
 
 def unguarded_main() -> tuple[str, str]:

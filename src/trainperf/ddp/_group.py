@@ -237,10 +237,14 @@ class Group:
             self.restartable = False  # the same bytes fail the same way in the next attempt
         self.problems.append(_Problem(rank, f.time, _summary(f), f.traceback, advice))
 
-    def _collect(self, rank: int) -> None:
-        """Read whatever an exited worker still has in its pipes."""
+    def _receive_sent(self, rank: int) -> None:
+        """Read every message ``rank`` has sent so far."""
         while rank in self.readers and self.readers[rank].poll(0):
             self._receive(rank)
+
+    def _collect(self, rank: int) -> None:
+        """Read whatever an exited worker still has in its pipes."""
+        self._receive_sent(rank)
         if rank in self.readers:
             self.readers.pop(rank).close()
         if rank in self.stderr:
@@ -271,8 +275,9 @@ class Group:
         if code == 0:
             return _Problem(
                 rank,
-                seen_at - _DEATH_SLACK_S,
+                seen_at,
                 "exited with code 0 without returning from main (os._exit?)",
+                slack=_DEATH_SLACK_S,
             )
         if self._reimported(rank, code):
             self.restartable = False
@@ -283,7 +288,7 @@ class Group:
             if startup is not None:
                 self.restartable = False
                 return startup
-        return _Problem(rank, seen_at - _DEATH_SLACK_S, death_summary(code))
+        return _Problem(rank, seen_at, death_summary(code), slack=_DEATH_SLACK_S)
 
     def _reimported(self, rank: int, code: int) -> bool:
         """Whether a rank exited because its import of the script called launch() again (no
@@ -387,10 +392,14 @@ class Group:
         rank that left up to ``DEATH_SLACK_S`` to be seen gone, so that it is blamed, not
         the ranks it left behind. Its exit status comes first: its end of the pipes can
         close later than its sockets (a slow teardown, a child that holds them), and the
-        stop would then read its exit as the stop's own doing."""
+        stop would then read its exit as the stop's own doing. What the running ranks sent
+        meanwhile is read too: a result (the rank that left had returned from main, and is
+        still exiting) or an error of a rank's own explains the failures, and ends the wait."""
         deadline = time.monotonic() + _DEATH_SLACK_S
         while self._only_lost_peers():
             with self.guard.deferred():
+                for rank in list(self.running):
+                    self._receive_sent(rank)
                 seen_at = time.time()
                 for rank in [r for r, p in self.running.items() if p.exitcode is not None]:
                     self._exited(rank, seen_at)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from trainperf.ddp._failures import Problem
 
-__all__ = ["Ending", "Outcome", "drain_ending", "failure_message", "peer_gone"]
+__all__ = ["Ending", "Outcome", "drain_ending", "failure_message", "first_failure", "peer_gone"]
 
 # (rank, exit code, how it ended, whether that is the ending the stop itself causes)
 Ending = tuple[int, int | None, str, bool]
@@ -67,7 +67,7 @@ def failure_message(outcome: Outcome, mismatch_note: Callable[[str], list[str]] 
         <BLANKLINE>
         Stopped by the launcher: rank 0
     """
-    first = min(outcome.problems, key=lambda p: p.time)
+    first = first_failure(outcome.problems)
     lines = [f"rank {first.rank} of {outcome.n}{outcome.attempt} {first.summary}"]
     if first.detail:
         lines += ["", f"Traceback from rank {first.rank}:", first.detail.rstrip()]
@@ -81,10 +81,41 @@ def failure_message(outcome: Outcome, mismatch_note: Callable[[str], list[str]] 
     return "\n".join(lines)
 
 
+def first_failure(problems: tuple[Problem, ...]) -> Problem:
+    """The failure to blame: the earliest. A death seen without a report is dated up to its
+    ``slack`` before it was seen, ahead of the lost-peer errors ("Connection closed by
+    peer") it causes; but an error of a rank's own (a report that does not read like a lost
+    peer) raised before the death was seen, and before any lost-peer error, comes first: a
+    rank that catches that error's fallout and exits (``os._exit(0)``) did not cause it.
+
+    Example:
+        >>> own = Problem(1, 100.0, "raised ValueError: bad batch")
+        >>> lost = Problem(2, 100.1, "raised RuntimeError: Connection closed by peer")
+        >>> gone = Problem(0, 100.5, "exited with code 0", slack=1.0)
+        >>> first_failure((own, lost, gone)).rank, first_failure((lost, gone)).rank
+        (1, 0)
+    """
+    earliest = min(problems, key=_dated)
+    if not earliest.slack:
+        return earliest
+    lost = [p.time for p in problems if not p.slack and _lost_peer(p)]
+    bound = min([earliest.time, *lost])
+    own = [p for p in problems if not p.slack and not _lost_peer(p) and p.time < bound]
+    return min(own, key=_dated, default=earliest)
+
+
+def _dated(problem: Problem) -> float:
+    return problem.time - problem.slack
+
+
+def _lost_peer(problem: Problem) -> bool:
+    return peer_gone(f"{problem.summary}\n{problem.detail}")
+
+
 def _later(outcome: Outcome, first: Problem) -> list[str]:
     later = sorted(
         (p for p in outcome.problems if p is not first and not outcome.failed_while_stopped(p)),
-        key=lambda p: p.time,
+        key=_dated,
     )
     if not later:
         return []
