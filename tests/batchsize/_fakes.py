@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from trainperf.batchsize import BatchSizeCandidate
-from trainperf.batchsize._probe import ProbePolicy
+from trainperf.batchsize._probe_rules import ProbePolicy
 from trainperf.loader import WindowPolicy
 
 QUICK = ProbePolicy(

@@ -11,8 +11,8 @@ import torch
 from tests.batchsize._fakes import QUICK, Trainer, same_state, sample, state_of
 from trainperf.batchsize._agree import Agreement
 from trainperf.batchsize._memory import HostMemory, MemoryReader
-from trainperf.batchsize._probe import (
-    Prober,
+from trainperf.batchsize._probe import Prober
+from trainperf.batchsize._probe_rules import (
     is_out_of_memory,
     status_of,
     steps_per_window,

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import trainperf.checkpoint._checkpointer as checkpointer_module
+import trainperf.checkpoint._checkpointer_restore as restore_module
 import trainperf.checkpoint._held as held_module
 import trainperf.checkpoint._read as read_module
 import trainperf.checkpoint._writer as writer_module
@@ -137,6 +138,19 @@ def test_keep_counts_no_foreign_file_and_deletes_no_real_step_for_it(tmp_path: P
         assert ckpt.restore({"w": w}) == 30
 
 
+def test_the_skip_warnings_of_latest_and_restore_name_the_callers_line(tmp_path: Path) -> None:
+    # Their loops live in _checkpointer_restore, a frame below the methods: the warning
+    # must still point at the script's call, not at trainperf.
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"w": torch.ones(1)}, step=1)
+    (tmp_path / "step-000000002.pt").write_bytes(b"not a checkpoint")
+    with pytest.warns(UserWarning, match="skipping checkpoint") as latest:
+        ckpt.latest()
+    with pytest.warns(UserWarning, match="skipping checkpoint") as restore:
+        ckpt.restore({"w": torch.zeros(1)})
+    assert [w.filename for w in (*latest, *restore)] == [__file__, __file__]
+
+
 def test_restore_refuses_a_step_file_copied_to_another_steps_name(tmp_path: Path) -> None:
     # step-000000007.pt, a copy of step 3's file, restored step 3 under step 7's name: the
     # loop resumed at step 3 while latest() named step 7 and keep= counted it as step 7.
@@ -169,13 +183,13 @@ def test_restore_refuses_a_misnamed_step_file_before_loading_it(
     (tmp_path / "step-000000007.pt").write_bytes((tmp_path / "step-000000003.pt").read_bytes())
     monkeypatch.setattr(held_module, "_HELD", {})  # as a new process: nothing read yet
     loads: list[Path] = []
-    real = checkpointer_module.load_checkpoint
+    real = restore_module.load_checkpoint
 
     def counted(path: Path, *args: Any, **kwargs: Any) -> Any:
         loads.append(path)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpointer_module, "load_checkpoint", counted)
+    monkeypatch.setattr(restore_module, "load_checkpoint", counted)
     with pytest.raises(CheckpointError, match=r"restore stops at step 7: .* holds step 3"):
         ckpt.restore({"w": torch.zeros(2)})
     assert loads == []

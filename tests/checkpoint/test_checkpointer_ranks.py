@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import trainperf.checkpoint._checkpointer as checkpointer_module
+import trainperf.checkpoint._checkpointer_restore as restore_module
 from tests.checkpoint import _ranks
 from tests.ddp._distributed import FORK, spawn
 from trainperf import Checkpointer
@@ -21,7 +22,8 @@ from trainperf.errors import CheckpointError
 
 
 def _as_rank(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
-    monkeypatch.setattr(checkpointer_module, "_group", lambda: (rank, 3))
+    for module in (checkpointer_module, restore_module):  # save, restore
+        monkeypatch.setattr(module, "_group", lambda: (rank, 3))
 
 
 def _saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Checkpointer:

@@ -13,7 +13,6 @@ import re
 import signal
 import time
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -24,15 +23,7 @@ from torch.utils.data import Dataset, get_worker_info
 from tests.loader._fakes import tune_two_workers as tune
 from tests.loader._spies import record_closes
 from trainperf.loader import TuningReport, measure
-from trainperf.loader._faults import (
-    child_signals_held,
-    classify_fault,
-    hang_timeout,
-    main_private_bytes,
-    sigkilled_workers,
-)
-
-MiB = 1 << 20
+from trainperf.loader._faults import classify_fault, hang_timeout
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -341,13 +332,6 @@ def test_classify_fault(message: str, kwargs: dict[str, Any], kind: str, words: 
     assert words in reason
 
 
-def test_main_private_bytes_counts_this_processes_memory() -> None:
-    before = main_private_bytes()
-    block = torch.ones(64 * MiB // 4)  # 64 MiB, every page written
-    assert main_private_bytes() >= before + 48 * MiB
-    del block
-
-
 def test_hang_timeout() -> None:
     fork: dict[str, Any] = {
         "user_timeout": 0.0,
@@ -361,67 +345,3 @@ def test_hang_timeout() -> None:
     assert hang_timeout(8, batch_s=1.0, **{**fork, "main_cores": 3.0}) == 80.0  # 2 cores left
     assert hang_timeout(8, batch_s=1.0, **{**fork, "start_method": "spawn"}) == 60.0
     assert hang_timeout(8, batch_s=1.0, **{**fork, "user_timeout": 2.5}) == 2.5
-
-
-class DyingWorker:
-    """A worker process as DataLoader holds it, that is SIGKILLed ``after_s`` from now."""
-
-    def __init__(self, pid: int, after_s: float) -> None:
-        self.pid = pid
-        self.dies_at = time.monotonic() + after_s
-
-    @property
-    def exitcode(self) -> int | None:
-        return -signal.SIGKILL if time.monotonic() >= self.dies_at else None
-
-
-def test_a_worker_still_dying_when_its_socket_resets_is_waited_for() -> None:
-    # The main process may see the connection reset before the worker can be waited for.
-    it = SimpleNamespace(_workers=[DyingWorker(11, 0.0), DyingWorker(12, 0.2)])
-    assert sigkilled_workers(it) == [11]
-    it = SimpleNamespace(_workers=[DyingWorker(12, 0.2), DyingWorker(13, 60.0)])
-    assert sigkilled_workers(it) == []  # no symptom of a death: no wait
-    assert sigkilled_workers(it, ConnectionResetError(104, "reset")) == [12]
-    assert sigkilled_workers(SimpleNamespace(), EOFError()) == []  # no workers to wait for
-
-
-def test_child_signals_are_quiet_while_a_failed_pool_is_stopped() -> None:
-    # torch's SIGCHLD handler raises for each worker that dies; while a failed pool is
-    # looked at and stopped, more die, and none of that may escape from measure().
-    def raising(signum: int, frame: Any) -> None:
-        raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
-
-    previous = signal.signal(signal.SIGCHLD, raising)
-    try:
-        with child_signals_held():
-            os.kill(os.getpid(), signal.SIGCHLD)
-            time.sleep(0.05)  # the handler would run here
-        assert signal.getsignal(signal.SIGCHLD) is raising  # put back
-        with pytest.raises(RuntimeError, match="killed by signal"):
-            os.kill(os.getpid(), signal.SIGCHLD)
-            time.sleep(0.05)
-    finally:
-        signal.signal(signal.SIGCHLD, previous)
-
-
-def test_a_process_the_program_starts_while_a_pool_runs_is_not_a_worker() -> None:
-    # Before: every new descendant counted as a worker, so closing the pool waited for a
-    # subprocess a thread had started meanwhile, then SIGKILLed it.
-    import subprocess
-
-    from torch.utils.data import DataLoader
-
-    from trainperf.loader._faults import WorkerProcesses, close_iterator
-
-    workers = WorkerProcesses()
-    other = subprocess.Popen(["sleep", "60"])
-    try:
-        it = iter(DataLoader(list(range(8)), batch_size=2, num_workers=1))
-        next(it)
-        tracked = {p.pid for p in workers.scan(it)}
-        assert tracked == {p.pid for p in it._workers}  # type: ignore[attr-defined]
-        close_iterator(it, workers, kill_first=True)
-        assert other.poll() is None  # still running
-    finally:
-        other.kill()
-        other.wait()

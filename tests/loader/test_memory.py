@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from tests.loader._fakes import quick, search_over
 from trainperf.loader import _memory as memory_mod
 from trainperf.loader import measure, tune_loader
-from trainperf.loader._faults import WorkerProcesses, main_private_bytes
 from trainperf.loader._memory import CollectFirst, project_worker_uss, projected_uss
+from trainperf.loader._workers import WorkerProcesses, main_private_bytes
 
 MiB = 1 << 20
 

@@ -40,6 +40,9 @@ once, one at a time, and kept in host memory; each window moves it to the device
 drops it after, with the gradients (and the CUDA allocator's cache), so one size's memory
 at a time is held. A size that runs out of memory there is returned as an
 :class:`~trainperf.batchsize._compare.AlternationOOM`, which the search marks ``oom``.
+
+The rules a probe applies (warm-up settled, steps per window, out-of-memory errors, status),
+each a pure function, are in :mod:`trainperf.batchsize._probe_rules`.
 """
 
 from __future__ import annotations
@@ -55,126 +58,29 @@ from torch.optim import Optimizer
 
 from trainperf._utils.batches import batch_bytes
 from trainperf._utils.format import format_bytes
-from trainperf._utils.oom import oom_kind
-from trainperf._utils.windows import WindowPolicy, WindowTiming, settled
+from trainperf._utils.windows import WindowTiming, settled
 from trainperf.batchsize._accumulation import OptimizerClock, accumulated_seconds
 from trainperf.batchsize._agree import Agreement
 from trainperf.batchsize._compare import AlternationOOM, Comparison, round_order
 from trainperf.batchsize._memory import MemoryReader, Peak
-from trainperf.batchsize._report import BatchSizeCandidate, CandidateStatus
+from trainperf.batchsize._probe_rules import (
+    DEFAULT_PROBE,
+    OTHER_RANK,
+    ProbePolicy,
+    is_out_of_memory,
+    oom_text,
+    status_of,
+    steps_per_window,
+    warmed_up,
+)
+from trainperf.batchsize._report import BatchSizeCandidate
 from trainperf.batchsize._sample import checked_batch
 from trainperf.batchsize._state import SavedState
 
-__all__ = [
-    "DEFAULT_PROBE",
-    "OTHER_RANK",
-    "ProbePolicy",
-    "Prober",
-    "is_out_of_memory",
-    "oom_text",
-    "status_of",
-    "steps_per_window",
-    "warmed_up",
-]
+__all__ = ["Prober"]
 
 _ONE_PER_CHANNEL = "Expected more than 1 value per channel when training"
 """BatchNorm's error for a training batch of one sample."""
-
-
-@dataclass(frozen=True)
-class ProbePolicy:
-    """How one batch size is measured (see the module docstring for why).
-
-    Attributes:
-        min_warmup: warm-up steps at least.
-        max_warmup: warm-up steps at most.
-        warmup_tolerance: warm-up ends when two steps in a row differ by at most this.
-        windows: the timed windows (``min_window_s``, ``min_windows``, ``max_windows``,
-            ``target_spread``; ``min_window_batches`` is the fewest steps per window).
-    """
-
-    min_warmup: int = 2
-    max_warmup: int = 8
-    warmup_tolerance: float = 0.25
-    windows: WindowPolicy = field(
-        default_factory=lambda: WindowPolicy(
-            min_window_batches=1, min_window_s=0.25, min_windows=2, max_windows=5
-        )
-    )
-
-
-DEFAULT_PROBE = ProbePolicy()
-
-
-def is_out_of_memory(e: BaseException) -> bool:
-    """True for an out-of-memory error: ``torch.OutOfMemoryError`` (CUDA and other
-    accelerators), or a ``RuntimeError`` saying so: the CPU allocator's (it raises no such
-    class), or cuBLAS/cuDNN failing to allocate a workspace.
-
-    Example:
-        >>> is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory"))
-        True
-        >>> is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory"))
-        True
-        >>> is_out_of_memory(RuntimeError("shape mismatch"))
-        False
-    """
-    return oom_kind(e) is not None
-
-
-def warmed_up(times: Sequence[float], policy: ProbePolicy = DEFAULT_PROBE) -> bool:
-    """True once the warm-up steps (their seconds, in order) have settled.
-
-    Example:
-        >>> warmed_up([3.0, 0.1]), warmed_up([3.0, 0.1, 0.11]), warmed_up([0.1] * 8)
-        (False, True, True)
-    """
-    if len(times) >= policy.max_warmup:
-        return True
-    if len(times) < max(2, policy.min_warmup):
-        return False
-    prev, last = times[-2], times[-1]
-    return abs(last - prev) <= policy.warmup_tolerance * max(prev, last, 1e-9)
-
-
-def steps_per_window(step_s: float, policy: ProbePolicy = DEFAULT_PROBE) -> int:
-    """Steps in one timed window: enough for ``min_window_s`` at ``step_s`` per step.
-
-    Example:
-        >>> steps_per_window(0.01), steps_per_window(2.0)
-        (25, 1)
-    """
-    w = policy.windows
-    want = math.ceil(w.min_window_s / max(step_s, 1e-6) - 1e-9)
-    return int(min(100_000, max(w.min_window_batches, want)))
-
-
-def status_of(oom: bool, peak: int | None, usable: float | None) -> CandidateStatus:
-    """``oom``, ``over-headroom`` (the peak is past ``usable``) or ``ok``.
-
-    Example:
-        >>> status_of(False, 9 * 2**30, 8 * 2**30), status_of(False, None, 1.0)
-        ('over-headroom', 'ok')
-    """
-    if oom:
-        return "oom"
-    if peak is not None and usable is not None and peak > usable:
-        return "over-headroom"
-    return "ok"
-
-
-OTHER_RANK = "out of memory on another rank"
-
-
-def oom_text(e: BaseException) -> str:
-    """The first line of an out-of-memory error (200 characters at most), or its class.
-
-    Example:
-        >>> oom_text(RuntimeError("DefaultCPUAllocator: can't allocate memory\\nmore"))
-        "DefaultCPUAllocator: can't allocate memory"
-    """
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 class _AgreedOOM(Exception):

@@ -33,7 +33,8 @@ from trainperf.batchsize._holders import (
     with_live_amp_state,
 )
 from trainperf.batchsize._memory import HostMemory, MemoryReader, reader_for
-from trainperf.batchsize._probe import DEFAULT_PROBE, Prober, is_out_of_memory
+from trainperf.batchsize._probe import Prober
+from trainperf.batchsize._probe_rules import DEFAULT_PROBE, is_out_of_memory
 from trainperf.batchsize._progress import BatchSizeBar
 from trainperf.batchsize._report import BatchSizeCandidate, BatchSizeReport, PipelineMemory
 from trainperf.batchsize._sample import checked_batch, referenced_generators, sample_generators

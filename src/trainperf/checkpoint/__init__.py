@@ -28,10 +28,10 @@ DDP) and ``_orig_mod.`` (``torch.compile``) prefixes into wrapped or plain model
   holds, and restoring it into live objects), :mod:`._writer` (the forked or threaded
   background writer and :class:`SaveHandle`; :mod:`._writer_fork`, :mod:`._writer_snapshot`,
   :mod:`._writer_staging`), :mod:`._checkpointer_wait`, :mod:`._checkpointer_warn`,
-  :mod:`._checkpointer_ranks`, :mod:`._preempt` (:class:`Preemption`, the signal flag every rank
-  agrees on), :mod:`._loader_state` (a DataLoader's position mid-epoch; the states its
-  sampler draws from: :mod:`._sampler_states`) and :mod:`._rng`
-  (the random generators' states).
+  :mod:`._checkpointer_ranks`, :mod:`._checkpointer_restore`, :mod:`._preempt`
+  (:class:`Preemption`, the signal flag every rank agrees on), :mod:`._loader_state` (a
+  DataLoader's position mid-epoch; the states its sampler draws from:
+  :mod:`._sampler_states`) and :mod:`._rng` (the random generators' states).
 """
 
 from __future__ import annotations

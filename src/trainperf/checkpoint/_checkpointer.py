@@ -5,7 +5,8 @@ and how it is put back (:mod:`._payload`), the writers (:mod:`._writer`) and the
 (:mod:`._preempt`). Waiting for its background writes, at the next save and at process exit,
 is in :mod:`._checkpointer_wait`; its warnings in :mod:`._checkpointer_warn`; the rank and
 world size, a rank's own file read back, and the ranks' agreement on restore, in
-:mod:`._checkpointer_ranks`.
+:mod:`._checkpointer_ranks`; finding the newest complete file and restoring it, in
+:mod:`._checkpointer_restore`.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from trainperf._utils.format import format_bytes
 from trainperf._utils.stack import user_stacklevel
 from trainperf._utils.validate import choice, non_negative_int, positive_int
 from trainperf.checkpoint._checkpointer_lock import DirectoryClaim
-from trainperf.checkpoint._checkpointer_ranks import _group, agree, agreed_own_part
+from trainperf.checkpoint._checkpointer_ranks import _group
+from trainperf.checkpoint._checkpointer_restore import newest_complete, restore_newest
 from trainperf.checkpoint._checkpointer_wait import (
     _finish,
     exiting,
@@ -35,20 +36,17 @@ from trainperf.checkpoint._checkpointer_wait import (
 )
 from trainperf.checkpoint._checkpointer_wait import _wait_at_exit as _wait_at_exit
 from trainperf.checkpoint._checkpointer_warn import (
-    _stops_at,
     _warn_no_writer,
     warn_if_behind,
     warn_notes,
 )
-from trainperf.checkpoint._files import load_checkpoint, saving
-from trainperf.checkpoint._held import held_step, vouch
-from trainperf.checkpoint._loader_state import track
-from trainperf.checkpoint._payload import build_payload, rank_payload, restore_into, saved_step
+from trainperf.checkpoint._files import saving
+from trainperf.checkpoint._held import vouch
+from trainperf.checkpoint._payload import build_payload, rank_payload
 from trainperf.checkpoint._preempt import Preemption
 from trainperf.checkpoint._steps import (
     main_file,
     rank_file,
-    refuse_misnamed,
     remove_dead_temps,
     retire,
     steps_on_disk,
@@ -62,8 +60,7 @@ from trainperf.checkpoint._writer import (
 from trainperf.checkpoint._writer_fork import fork_writes, start_process
 from trainperf.checkpoint._writer_snapshot import snapshot_safe, tensor_bytes
 from trainperf.checkpoint._writer_staging import Staging, staging_fits
-from trainperf.device import resolve_device
-from trainperf.errors import CheckpointError, UnsafeCheckpointError
+from trainperf.errors import CheckpointError
 from trainperf.limits import host_limits
 
 # _wait_at_exit: looked up here by trainperf.ddp._worker (sys.modules), so re-exported.
@@ -342,17 +339,7 @@ class Checkpointer:
             CheckpointError: the newest step file holds another step than its name says
                 (copied or renamed from another step's file), as :meth:`restore` raises.
         """
-        for step in reversed(self.steps()):
-            path = main_file(self.directory, step)
-            try:
-                held = held_step(path, raise_read_errors=True)
-            except OSError as e:
-                raise _stops_at("latest", step, e) from e
-            if isinstance(held, int):
-                refuse_misnamed("latest", path, step, held)
-                return path
-            warnings.warn(f"skipping checkpoint {path}: {held}", UserWarning, stacklevel=2)
-        return None
+        return newest_complete(self)
 
     def restore(
         self, state: Mapping[str, Any], *, device: str | int | torch.device | None = None
@@ -413,44 +400,7 @@ class Checkpointer:
                 not skipped); the message says to restore with ``device="cpu"`` (the
                 default) or free GPU memory.
         """
-        settle(self)
-        if not isinstance(state, Mapping):
-            raise TypeError(
-                "Checkpointer.restore takes a dict of the live objects, such as {'model': "
-                f"model, 'optimizer': opt}}, got {type(state).__name__}"
-            )
-        # Checked once, before any file: a bad device is the caller's error, not a file's
-        # (skipping every file for it would restart the run from step 0).
-        dev = resolve_device("cpu" if device is None else device, allowed=("cpu", "cuda", "mps"))
-        for value in state.values():
-            if isinstance(value, DataLoader):
-                track(value)
-        rank, _ = _group()
-        for step in reversed(self.steps()):
-            path = main_file(self.directory, step)
-            _refuse_misnamed_unloaded(path, step)
-            try:
-                saved = load_checkpoint(path, dev)
-                found = saved_step(saved, str(path))
-            except UnsafeCheckpointError as e:
-                # Complete, but it holds values weights_only refuses: falling back to an
-                # older file would silently lose the steps since (they all hold them).
-                raise UnsafeCheckpointError(
-                    f"Checkpointer.restore stops at step {step} rather than fall back to an "
-                    f"older checkpoint: {e}",
-                    path,
-                ) from e
-            except (CheckpointError, ValueError) as e:
-                warnings.warn(f"skipping checkpoint {path}: {e}", UserWarning, stacklevel=2)
-                self._damaged.add(step)  # kept, but not one of the ``keep`` newest
-                continue
-            except OSError as e:
-                raise _stops_at("restore", step, e) from e
-            refuse_misnamed("restore", path, step, found)
-            restore_into(state, saved, agreed_own_part(self, step, rank), str(path), found)
-            return found
-        agree(self.directory, 0)
-        return 0
+        return restore_newest(self, state, device)
 
     # -------------------------------------------------------------- preemption
 
@@ -487,16 +437,6 @@ class Checkpointer:
         stop = Preemption(signals, grace_s, check_every)
         self._stops.append(stop)
         return stop
-
-
-def _refuse_misnamed_unloaded(path: Path, step: int) -> None:
-    """Refuse the step file ``path`` when its pickle alone shows it holds another step than
-    ``step`` (its name), before a full load that may fill host or GPU memory for nothing.
-    Only the pickle is read, once per version of the file; a file it cannot tell about (cut
-    short, unreadable) is left to the full load, which skips or raises as it should."""
-    held = held_step(path)
-    if isinstance(held, int):
-        refuse_misnamed("restore", path, step, held)
 
 
 def _file_in_the_way(directory: Path) -> Path | None:

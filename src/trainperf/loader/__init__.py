@@ -18,14 +18,16 @@ the process itself is killed.
 - :mod:`._iterable`: an ``IterableDataset`` that does not shard its stream across workers,
   found on a short probe and kept at ``num_workers=0``;
 - :mod:`._measure`: timing one configuration and catching worker faults (:mod:`._faults`),
-  with :mod:`._fetch` (its DataLoader, every wait cut to the deadline), :mod:`._windows`
-  (start-up and prefetch buffer excluded, repeated windows until they agree),
+  with :mod:`._workers` (the pool's processes: watched, measured, stopped), :mod:`._fetch`
+  (its DataLoader, every wait cut to the deadline), :mod:`._windows` (start-up and prefetch
+  buffer excluded, repeated windows until they agree),
   :mod:`._memory` (worker memory projected over the run) and :mod:`._batches`;
 - :mod:`._step`: ``step_fn`` timed alone, and the cores it leaves to workers;
 - :mod:`._search`: prediction from the single-process cost, then a short climb;
 - :mod:`._user`: the caller's own ``num_workers`` measured as one candidate, and judged;
 - :mod:`._choice`: ``persistent_workers`` and the DataLoader arguments of the choice;
-- :mod:`._report`: :class:`TuningReport`, :class:`CandidateResult` and :class:`UserSetting`;
+- :mod:`._report`: :class:`TuningReport`, :class:`CandidateResult` and :class:`UserSetting`
+  (their table :mod:`._report_table`, chart :mod:`._report_plot`);
 - :mod:`._cache`: the JSON cache under the user cache directory; :mod:`._cached`: the
   entries ``tune_loader`` reads and writes there (and hands to other local ranks);
 - :mod:`._share`: under DDP, tuning once per host on local rank 0;

@@ -23,14 +23,9 @@ from trainperf._utils.stack import user_stacklevel
 from trainperf.limits import HostLimits, host_limits, local_world_size
 from trainperf.loader._adapt_change import TuningChange
 from trainperf.loader._adapt_rules import Change, EpochFigures, Reason
-from trainperf.loader._faults import (
-    WorkerProcesses,
-    child_signals_held,
-    close_iterator,
-    hang_timeout,
-    start_method,
-)
+from trainperf.loader._faults import hang_timeout, start_method
 from trainperf.loader._tune_setup import rank_share
+from trainperf.loader._workers import WorkerProcesses, child_signals_held, close_iterator
 
 if TYPE_CHECKING:
     from trainperf.loader._adapt import AdaptiveDataLoader

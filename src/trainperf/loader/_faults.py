@@ -1,195 +1,31 @@
-"""Worker faults: which process is a worker, what an exception means, and a clean stop.
+"""Worker faults: what a DataLoader exception means, and when a wait counts as a hang.
 
 A DataLoader's failures arrive as exceptions in the main process: ``RuntimeError``s for a
 worker that died ("exited unexpectedly", "killed by signal"), for a hang ("timed out
 after"), re-raised dataset errors ("Caught ValueError in DataLoader worker process 0"),
 pickling errors under ``spawn``. :func:`classify_fault` turns each into a
-:data:`~trainperf.loader.FaultKind` and a sentence with the fix; :func:`close_iterator`
-stops the workers without the multi-second joins a hung worker would otherwise cost;
+:data:`~trainperf.loader.FaultKind` and a sentence with the fix;
 :func:`hang_timeout` says how long a wait for a batch may last before it counts as a hang.
+The worker processes themselves (found, measured, stopped) are :mod:`._workers`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import pickle
-import signal
-import threading
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
-
-import psutil
 
 from trainperf.loader._report import FaultKind, format_bytes
 from trainperf.loader._step import cores_for_workers
 
 __all__ = [
-    "WorkerProcesses",
     "budget_cut",
     "budget_cut_reason",
-    "child_signals_held",
     "classify_fault",
-    "close_iterator",
     "hang_timeout",
-    "iterator_worker_pids",
-    "main_private_bytes",
     "oom_figures",
-    "sigkilled_workers",
     "start_method",
-    "thread_busy_seconds",
 ]
-
-_HELPER_MARKERS = ("resource_tracker", "forkserver", "semaphore_tracker")
-USS_READ_LIMIT = 8
-"""Workers whose private memory is read: reading one costs a walk of its page tables
-(milliseconds for a process holding torch), and the workers of one pool are alike."""
-
-
-class WorkerProcesses:
-    """The worker processes of the DataLoader iterators it is shown (:meth:`scan`):
-    multiprocessing helpers excluded, and never another process this program starts
-    meanwhile (a subprocess a thread launches while a pool is measured is not killed)."""
-
-    def __init__(self) -> None:
-        self._me = psutil.Process()
-        self._before = {p.pid for p in self._me.children()}
-        self._procs: dict[int, psutil.Process] = {}
-        self._helpers: set[int] = set()
-        self.peak_rss = 0
-
-    def scan(self, it: Any = None) -> list[psutil.Process]:
-        """Track the workers of the DataLoader iterator ``it`` (from its own list of worker
-        processes); without one that lists them, this process's children started since
-        construction, less multiprocessing's helpers."""
-        pids = iterator_worker_pids(it)
-        if pids is not None:
-            for pid in pids:
-                if pid not in self._procs:
-                    with contextlib.suppress(psutil.Error):
-                        self._procs[pid] = psutil.Process(pid)
-            return list(self._procs.values())
-        for p in self._me.children():
-            if p.pid in self._before or p.pid in self._procs or p.pid in self._helpers:
-                continue
-            try:
-                cmd = " ".join(p.cmdline())
-            except psutil.Error:
-                continue
-            if any(m in cmd for m in _HELPER_MARKERS):
-                self._helpers.add(p.pid)
-            else:
-                self._procs[p.pid] = p
-        return list(self._procs.values())
-
-    def alive(self) -> list[psutil.Process]:
-        out = []
-        for p in self._procs.values():
-            try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except psutil.Error:
-                continue
-        return out
-
-    def busy_seconds(self) -> float:
-        """CPU demand of all workers' threads so far (see :func:`thread_busy_seconds`)."""
-        total = 0.0
-        for p in self._procs.values():
-            busy = _schedstat_seconds(f"/proc/{p.pid}/task")
-            if busy is None:
-                with contextlib.suppress(psutil.Error):
-                    t = p.cpu_times()
-                    busy = t.user + t.system
-            total += busy or 0.0
-        return total
-
-    def sample_rss(self) -> None:
-        total = 0
-        for p in self._procs.values():
-            with contextlib.suppress(psutil.Error):
-                total += p.memory_info().rss
-        self.peak_rss = max(self.peak_rss, total)
-
-    def uss_by_pid(self, limit: int = USS_READ_LIMIT) -> dict[int, int]:
-        """Private (unshared) memory of up to ``limit`` workers, in bytes, by pid."""
-        out: dict[int, int] = {}
-        for p in list(self._procs.values())[:limit]:
-            with contextlib.suppress(psutil.Error, AttributeError):
-                out[p.pid] = int(p.memory_full_info().uss)
-        return out
-
-    def kill(self) -> None:
-        for p in self.alive():
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-
-    def wait_exited(self, timeout: float) -> list[psutil.Process]:
-        """Wait (without reaping: multiprocessing does that) until the workers have exited."""
-        end = time.monotonic() + timeout
-        alive = self.alive()
-        while alive and time.monotonic() < end:
-            time.sleep(0.02)
-            alive = self.alive()
-        return alive
-
-
-def _read_schedstat(path: str) -> float | None:
-    try:
-        with open(path) as f:
-            run_ns, wait_ns, _ = f.read().split()
-        return (int(run_ns) + int(wait_ns)) / 1e9
-    except (OSError, ValueError):
-        return None
-
-
-def _schedstat_seconds(task_dir: str) -> float | None:
-    try:
-        tids = os.listdir(task_dir)
-    except OSError:
-        return None
-    found = [_read_schedstat(f"{task_dir}/{tid}/schedstat") for tid in tids]
-    values = [v for v in found if v is not None]
-    return sum(values) if values else None
-
-
-def thread_busy_seconds() -> float:
-    """CPU demand of the calling thread so far: seconds running plus seconds runnable but
-    waiting for a CPU (Linux ``schedstat``; CPU time elsewhere).
-
-    Counting the wait keeps the estimate honest on a busy host: a compute-bound loop that
-    other processes crowd off the CPU still demands a whole core, while a loop that sleeps
-    on I/O does not.
-
-    Example:
-        >>> thread_busy_seconds() >= 0
-        True
-    """
-    busy = _read_schedstat(f"/proc/self/task/{threading.get_native_id()}/schedstat")
-    return time.thread_time() if busy is None else busy
-
-
-def main_private_bytes() -> int:
-    """Private anonymous memory of this process, in bytes: the most a forked worker can
-    copy from it (``RssAnon`` on Linux, else the unique set size, else the RSS).
-
-    Example:
-        >>> main_private_bytes() > 0
-        True
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    me = psutil.Process()
-    try:
-        return int(me.memory_full_info().uss)
-    except (psutil.Error, AttributeError):
-        return int(me.memory_info().rss)
 
 
 def _first_line(text: str) -> str:
@@ -199,35 +35,6 @@ def _first_line(text: str) -> str:
 def _last_line(text: str) -> str:
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1].strip() if lines else text
-
-
-_DEATH_SYMPTOMS = (ConnectionError, EOFError)
-"""What the main process may see first when a worker dies while sending a batch (the
-socket that passes the batch's shared memory closes), before the worker can be waited
-for."""
-
-
-def sigkilled_workers(it: Any, error: BaseException | None = None) -> list[int]:
-    """Pids of the DataLoader iterator's workers that ended with SIGKILL (exit code -9).
-
-    When ``error`` is what a worker's death looks like from the main process (a
-    connection reset, an end of file: see :data:`_DEATH_SYMPTOMS`), the worker may still
-    be dying, so this waits for its exit code for up to a second. Reading ``exitcode``
-    reaps a dead worker, which torch's shutdown handles.
-    """
-    workers = list(getattr(it, "_workers", None) or ())
-    end = time.monotonic() + (1.0 if isinstance(error, _DEATH_SYMPTOMS) else 0.0)
-    while True:
-        out, running = [], 0
-        for w in workers:
-            with contextlib.suppress(Exception):
-                code = w.exitcode
-                running += code is None
-                if code == -signal.SIGKILL:
-                    out.append(int(w.pid))
-        if out or not running or time.monotonic() >= end:
-            return out
-        time.sleep(0.02)
 
 
 def oom_figures(
@@ -419,72 +226,6 @@ def start_method(loader_kwargs: Mapping[str, Any]) -> str:
     # allow_none=True reads the default without fixing it for the rest of the program.
     method = multiprocessing.get_start_method(allow_none=True)
     return method or multiprocessing.get_all_start_methods()[0]
-
-
-@contextlib.contextmanager
-def child_signals_held() -> Iterator[None]:
-    """Keep torch's SIGCHLD handler quiet while a failed pool is looked at and stopped.
-
-    That handler raises ``RuntimeError`` in the main thread, at any line, for every worker
-    that dies with a failure; after the first (already caught) more follow: the
-    out-of-memory killer takes workers one by one, and stopping the pool kills the rest.
-    Blocking the signal would not do (another thread of this process takes it, and the
-    handler still runs in the main thread), so a handler that does nothing stands in until
-    the iterator is shut down; torch's, put back, then finds no worker registered and
-    raises nothing. Only the main thread has signal handlers; elsewhere this does nothing.
-    """
-    if not hasattr(signal, "SIGCHLD") or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGCHLD)
-    signal.signal(signal.SIGCHLD, _ignore_signal)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL if previous is None else previous)
-
-
-def _ignore_signal(signum: int, frame: Any) -> None:
-    """A Python-level handler that does nothing (not SIG_IGN: that would reap children)."""
-
-
-def iterator_worker_pids(it: Any) -> list[int] | None:
-    """The pids of a multi-process DataLoader iterator's workers (torch keeps them in
-    ``_workers``), or None where ``it`` does not list them.
-
-    Example:
-        >>> iterator_worker_pids(iter([1, 2])) is None
-        True
-    """
-    procs = getattr(it, "_workers", None)
-    if not isinstance(procs, list):
-        return None
-    pids = [getattr(p, "pid", None) for p in procs]
-    return [pid for pid in pids if isinstance(pid, int)]
-
-
-def close_iterator(it: Any, workers: WorkerProcesses, *, kill_first: bool) -> None:
-    """Shut the iterator's workers down; kill hung ones first so the join does not wait."""
-    workers.scan(it)
-    for _ in range(3):
-        try:
-            if kill_first:
-                workers.kill()
-                workers.wait_exited(2.0)
-                # torch's SIGCHLD handler raises RuntimeError for the killed workers; let it
-                # fire here, inside the try, rather than later in the caller's code.
-                time.sleep(0.02)
-            shutdown = getattr(it, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
-            break
-        except RuntimeError:
-            continue
-    # Workers normally exit within milliseconds of the shutdown; anything left is killed
-    # (its pids are no longer watched by torch, so this raises nothing).
-    if workers.wait_exited(3.0):
-        workers.kill()
-        workers.wait_exited(2.0)
 
 
 def hang_timeout(

@@ -42,8 +42,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainperf._utils.lifetime import DieWithParent
 from trainperf._utils.stack import user_stacklevel
-from trainperf.loader._faults import WorkerProcesses, close_iterator, start_method
+from trainperf.loader._faults import start_method
 from trainperf.loader._report import CandidateResult
+from trainperf.loader._workers import WorkerProcesses, close_iterator
 
 __all__ = [
     "PROBE_WORKERS",

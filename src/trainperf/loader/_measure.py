@@ -49,15 +49,10 @@ from trainperf._utils.steal import StealMeter, undo_steal
 from trainperf._utils.validate import non_negative_int, positive_int, positive_number
 from trainperf.loader._cache import length
 from trainperf.loader._faults import (
-    WorkerProcesses,
     budget_cut_reason,
-    child_signals_held,
     classify_fault,
-    close_iterator,
     oom_figures,
-    sigkilled_workers,
     start_method,
-    thread_busy_seconds,
 )
 from trainperf.loader._fetch import Batches, Spec, loader_kwargs_for
 from trainperf.loader._memory import UssReading, projected_uss
@@ -68,6 +63,13 @@ from trainperf.loader._windows import (
     WindowPolicy,
     WindowTiming,
     time_windows,
+)
+from trainperf.loader._workers import (
+    WorkerProcesses,
+    child_signals_held,
+    close_iterator,
+    sigkilled_workers,
+    thread_busy_seconds,
 )
 
 __all__ = ["measure"]

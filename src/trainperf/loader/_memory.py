@@ -18,7 +18,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 
-from trainperf.loader._faults import main_private_bytes
+from trainperf.loader._workers import main_private_bytes
 
 __all__ = ["MiB", "CollectFirst", "UssReading", "project_worker_uss", "projected_uss"]
 

@@ -1,4 +1,8 @@
-"""What the DataLoader tuner measured and chose: :class:`CandidateResult`, :class:`TuningReport`."""
+"""What the DataLoader tuner measured and chose: :class:`CandidateResult`, :class:`TuningReport`.
+
+The table ``str(report)`` prints is drawn in :mod:`._report_table`, the chart of
+:meth:`TuningReport.plot` in :mod:`._report_plot`.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from trainperf._utils.format import format_bytes, plural
-from trainperf._utils.imports import require
+from trainperf._utils.format import format_bytes
 from trainperf.limits import HostLimits
+from trainperf.loader._report_table import report_table
 
 __all__ = ["CandidateResult", "FaultKind", "Status", "TuningReport", "UserSetting", "format_bytes"]
 
@@ -170,16 +174,6 @@ class UserSetting:
         return f"your setting {given}: {'kept' if self.kept else 'replaced'}: {self.verdict}"
 
 
-def _num(x: float | None, fmt: str) -> str:
-    """Format ``x`` with ``fmt`` plus an optional unit after a space or %: ``".1f%"``."""
-    if x is None:
-        return "-"
-    spec, _, unit = fmt.partition(" ")
-    if spec.endswith("%"):
-        return format(x, spec[:-1]) + "%"
-    return format(x, spec) + unit
-
-
 def _json_value(value: Any) -> Any:
     """``value`` if JSON holds it, else a description: a function or class by its qualified
     name, a multiprocessing context by its start method, anything else by its repr.
@@ -200,37 +194,6 @@ def _json_value(value: Any) -> Any:
     if callable(value) and isinstance(name, str):
         return f"{getattr(value, '__module__', None) or '?'}.{name}"
     return repr(value)
-
-
-def main_process_share(main_cores: float, measured: bool = False, shared: bool = False) -> str:
-    """How the report words the cores kept for the main process (``measured``: from
-    ``step_fn``, else the one core kept when the step is unknown; ``shared``: none is left
-    over for it, the workers share its core: :func:`shares_main_core`).
-
-    Example:
-        >>> main_process_share(1.0), main_process_share(0.04, measured=True)
-        ('one kept for the main process', '0.04 kept for the main process, as step_fn measured')
-        >>> main_process_share(1.0, shared=True)
-        'shared with the main process'
-    """
-    if shared:
-        if not measured:
-            return "shared with the main process"
-        return f"shared with the main process, which step_fn measured at {main_cores:.2f} cores"
-    if not measured:
-        return "one kept for the main process"
-    return f"{main_cores:.2f} kept for the main process, as step_fn measured"
-
-
-def shares_main_core(cpus: int, worker_cpus: int, main_cores: float) -> bool:
-    """Whether the workers' whole cores (at least 1) leave the main process less than its
-    share of ``cpus``: on one CPU, say, none is kept for it.
-
-    Example:
-        >>> shares_main_core(1, 1, 1.0), shares_main_core(4, 3, 1.0), shares_main_core(2, 1, 1.8)
-        (True, False, True)
-    """
-    return worker_cpus + main_cores > cpus + 0.5
 
 
 @dataclass(frozen=True)
@@ -366,67 +329,8 @@ class TuningReport:
             "shared_from": self.shared_from,
         }
 
-    def _source(self) -> str:
-        """Where the settings came from, for the first line of the table."""
-        if self.shared_from is not None:
-            return f"tuned on local rank 0 (rank {self.shared_from}) and shared"
-        if self.from_cache:
-            return "from cache"
-        return f"{self.elapsed_s:.1f} s of {self.budget_s:g} s"
-
-    def _main_share(self) -> str:
-        """The main process's share of the CPUs, for the limits line."""
-        return main_process_share(
-            self.main_cores,
-            self.step_samples_per_s is not None,
-            shares_main_core(self.cpus, self.worker_cpus, self.main_cores),
-        )
-
     def __str__(self) -> str:
-        lim = self.limits
-        shm = (
-            "no /dev/shm" if lim.shm_free is None else f"/dev/shm {format_bytes(lim.shm_free)} free"
-        )
-        lines = [
-            f"DataLoader tuning: batch_size={self.batch_size}, device {self.device}, "
-            f"{self._source()}",
-            f"limits: {plural(self.cpus, 'usable CPU')} ({self.worker_cpus} for workers, "
-            f"{self._main_share()}), "
-            f"{format_bytes(lim.memory_available)} memory available, {shm}",
-        ]
-        header = (
-            f"{'workers':>7} {'prefetch':>8} {'pin':>3} {'samples/s':>10} {'spread':>6} "
-            f"{'start-up':>8} {'workers RSS':>11} {'cores':>5}  status"
-        )
-        if self.candidates:  # a cached report holds only the choice, not the table
-            lines.append(header)
-        for c in self.candidates:
-            cores = c.main_cpu if c.num_workers == 0 else c.worker_cpu
-            status = c.status if c.reason is None else f"{c.status} ({c.fault}): {c.reason}"
-            lines.append(
-                f"{c.num_workers:>7} {_num(c.prefetch_factor, 'd'):>8} "
-                f"{'yes' if c.pin_memory else 'no':>3} {_num(c.samples_per_s, ',.1f'):>10} "
-                f"{_num(None if c.spread is None else 100 * c.spread, '.1f%'):>6} "
-                f"{_num(c.startup_s, '.2f s'):>8} {format_bytes(c.worker_peak_rss):>11} "
-                f"{_num(cores, '.2f'):>5}  {status}"
-            )
-        chosen = ", ".join(
-            f"{k}={self.best_kwargs[k]!r}"
-            for k in ("num_workers", "prefetch_factor", "pin_memory", "persistent_workers")
-            if k in self.best_kwargs
-        )
-        speed = (
-            "not measured" if self.samples_per_s is None else f"{self.samples_per_s:,.1f} samples/s"
-        )
-        if self.speedup is not None:
-            speed += f" ({self.speedup:.2f}x num_workers=0)"
-        lines.append(f"chosen: {chosen}: {speed}")
-        if self.user_setting is not None:
-            lines.append(str(self.user_setting))
-        if self.step_samples_per_s is not None:
-            lines.append(f"step_fn alone: {self.step_samples_per_s:,.1f} samples/s")
-        lines.extend(f"note: {n}" for n in self.notes)
-        return "\n".join(lines)
+        return report_table(self)
 
     def plot(self, path: str | os.PathLike[str]) -> Path:
         """Save a chart of throughput against ``num_workers`` to ``path`` (PNG, SVG, PDF...).
@@ -456,48 +360,6 @@ class TuningReport:
             ...     print(True)
             True
         """
-        require("matplotlib", "TuningReport.plot()")
-        # Figure without pyplot: no global backend switch, works on headless hosts.
-        from matplotlib.figure import Figure
+        from trainperf.loader._report_plot import plot_report
 
-        out = Path(path)
-        fig = Figure(figsize=(7, 4.5))
-        ax = fig.add_subplot()
-        groups: dict[tuple[int | None, bool], list[CandidateResult]] = {}
-        for c in self.candidates:
-            if c.ok:
-                key = (c.prefetch_factor or 2, c.pin_memory)
-                groups.setdefault(key, []).append(c)
-        zero = [c for c in self.candidates if c.ok and c.num_workers == 0]
-        for (pf, pin), cs in sorted(groups.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1])):
-            pts = sorted(
-                {c.num_workers: c for c in cs + zero}.values(), key=lambda c: c.num_workers
-            )
-            ax.plot(
-                [c.num_workers for c in pts],
-                [c.samples_per_s or 0.0 for c in pts],
-                marker="o",
-                label=f"prefetch_factor={pf}, pin_memory={pin}",
-            )
-        best = self.chosen()
-        if best is not None:
-            ax.plot(
-                [best.num_workers],
-                [best.samples_per_s or 0.0],
-                marker="*",
-                markersize=16,
-                linestyle="none",
-                color="black",
-                label="chosen",
-            )
-        if self.step_samples_per_s is not None:
-            ax.axhline(self.step_samples_per_s, linestyle="--", color="grey", label="step_fn")
-        ax.set_xlabel("num_workers")
-        ax.set_ylabel("samples/s (steady state)")
-        ax.set_title(f"DataLoader throughput, batch_size={self.batch_size}")
-        ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="small")
-        fig.tight_layout()
-        fig.savefig(out)
-        return out
+        return plot_report(self, path)

@@ -25,13 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trainperf._utils.stack import user_stacklevel
-from trainperf.loader._report import (
-    CandidateResult,
-    FaultKind,
-    format_bytes,
-    main_process_share,
-    shares_main_core,
-)
+from trainperf.loader._report import CandidateResult, FaultKind, format_bytes
+from trainperf.loader._report_table import main_process_share, shares_main_core
 
 __all__ = ["GAIN", "TIE", "Search", "default_max_workers", "safety_margin"]
 

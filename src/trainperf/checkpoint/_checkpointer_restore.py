@@ -1,0 +1,102 @@
+"""Reading a :class:`~trainperf.checkpoint.Checkpointer`'s directory back: the newest complete
+step file (:func:`newest_complete`, what ``latest`` returns) and loading it into the live
+objects (:func:`restore_newest`, what ``restore`` does), a damaged file skipped for an older
+one, a misnamed one refused before it is loaded.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from trainperf.checkpoint._checkpointer_ranks import _group, agree, agreed_own_part
+from trainperf.checkpoint._checkpointer_wait import settle
+from trainperf.checkpoint._checkpointer_warn import _stops_at
+from trainperf.checkpoint._files import load_checkpoint
+from trainperf.checkpoint._held import held_step
+from trainperf.checkpoint._loader_state import track
+from trainperf.checkpoint._payload import restore_into, saved_step
+from trainperf.checkpoint._steps import main_file, refuse_misnamed
+from trainperf.device import resolve_device
+from trainperf.errors import CheckpointError, UnsafeCheckpointError
+
+if TYPE_CHECKING:
+    from trainperf.checkpoint._checkpointer import Checkpointer
+
+__all__ = ["newest_complete", "restore_newest"]
+
+
+def newest_complete(ckpt: Checkpointer) -> Path | None:
+    """:meth:`Checkpointer.latest <trainperf.checkpoint.Checkpointer.latest>`: the newest
+    step file whose pickle holds its step, the others skipped with a warning."""
+    for step in reversed(ckpt.steps()):
+        path = main_file(ckpt.directory, step)
+        try:
+            held = held_step(path, raise_read_errors=True)
+        except OSError as e:
+            raise _stops_at("latest", step, e) from e
+        if isinstance(held, int):
+            refuse_misnamed("latest", path, step, held)
+            return path
+        warnings.warn(f"skipping checkpoint {path}: {held}", UserWarning, stacklevel=3)
+    return None
+
+
+def restore_newest(
+    ckpt: Checkpointer, state: Mapping[str, Any], device: str | int | torch.device | None
+) -> int:
+    """:meth:`Checkpointer.restore <trainperf.checkpoint.Checkpointer.restore>`: the newest
+    file that loads, put into ``state``; its step, or 0."""
+    settle(ckpt)
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            "Checkpointer.restore takes a dict of the live objects, such as {'model': "
+            f"model, 'optimizer': opt}}, got {type(state).__name__}"
+        )
+    # Checked once, before any file: a bad device is the caller's error, not a file's
+    # (skipping every file for it would restart the run from step 0).
+    dev = resolve_device("cpu" if device is None else device, allowed=("cpu", "cuda", "mps"))
+    for value in state.values():
+        if isinstance(value, DataLoader):
+            track(value)
+    rank, _ = _group()
+    for step in reversed(ckpt.steps()):
+        path = main_file(ckpt.directory, step)
+        _refuse_misnamed_unloaded(path, step)
+        try:
+            saved = load_checkpoint(path, dev)
+            found = saved_step(saved, str(path))
+        except UnsafeCheckpointError as e:
+            # Complete, but it holds values weights_only refuses: falling back to an
+            # older file would silently lose the steps since (they all hold them).
+            raise UnsafeCheckpointError(
+                f"Checkpointer.restore stops at step {step} rather than fall back to an "
+                f"older checkpoint: {e}",
+                path,
+            ) from e
+        except (CheckpointError, ValueError) as e:
+            warnings.warn(f"skipping checkpoint {path}: {e}", UserWarning, stacklevel=3)
+            ckpt._damaged.add(step)  # kept, but not one of the ``keep`` newest
+            continue
+        except OSError as e:
+            raise _stops_at("restore", step, e) from e
+        refuse_misnamed("restore", path, step, found)
+        restore_into(state, saved, agreed_own_part(ckpt, step, rank), str(path), found)
+        return found
+    agree(ckpt.directory, 0)
+    return 0
+
+
+def _refuse_misnamed_unloaded(path: Path, step: int) -> None:
+    """Refuse the step file ``path`` when its pickle alone shows it holds another step than
+    ``step`` (its name), before a full load that may fill host or GPU memory for nothing.
+    Only the pickle is read, once per version of the file; a file it cannot tell about (cut
+    short, unreadable) is left to the full load, which skips or raises as it should."""
+    held = held_step(path)
+    if isinstance(held, int):
+        refuse_misnamed("restore", path, step, held)
