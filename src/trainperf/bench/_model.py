@@ -345,6 +345,18 @@ def _comparison(
     return comparison, tuple(notes)
 
 
+def _host_notes_now() -> tuple[str, ...]:
+    """:func:`_busy_host_notes` from this host's load average, CPUs and CPU pressure now (read
+    before a run: the 1-minute average would otherwise count the bench's own threads)."""
+    limits = host_limits()
+    return _busy_host_notes(
+        load_average(),
+        limits.cpus,
+        max(limits.cpus, limits.cpus_host),
+        cgroup_cpu_pressure(),
+    )
+
+
 def bench_model(
     model: ModelName = "resnet50",
     precision: BenchPrecision = "fp32",
@@ -427,14 +439,7 @@ def bench_model(
         model, precision, settings, dev, train=train, channels_last=channels_last
     )
     what = f"{model} in {precision} is not supported on {dev}"
-    # Read before the run: the 1-minute average would otherwise count the bench's own threads.
-    limits = host_limits()
-    notes = _busy_host_notes(
-        load_average(),
-        limits.cpus,
-        max(limits.cpus, limits.cpus_host),
-        cgroup_cpu_pressure(),
-    )
+    notes = _host_notes_now()  # before the run, which would count its own threads
     timing = _measure(
         run_batch, settings, dev, what=what, train=train, tf32=tf32, on_iteration=on_iteration
     )
