@@ -21,7 +21,8 @@ the process itself is killed.
   with :mod:`._workers` (the pool's processes: watched, measured, stopped), :mod:`._fetch`
   (its DataLoader, every wait cut to the deadline), :mod:`._windows` (start-up and prefetch
   buffer excluded, repeated windows until they agree),
-  :mod:`._memory` (worker memory projected over the run) and :mod:`._batches`;
+  :mod:`._memory` (worker memory projected over the run) and
+  :mod:`trainperf._utils.batches`;
 - :mod:`._step`: ``step_fn`` timed alone, and the cores it leaves to workers;
 - :mod:`._search`: prediction from the single-process cost, then a short climb;
 - :mod:`._user`: the caller's own ``num_workers`` measured as one candidate, and judged;
