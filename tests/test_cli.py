@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -200,7 +201,8 @@ def test_usage_errors_exit_2_with_one_line(
          "argument --size: expected an integer >= 1, got 'abc'; see trainperf bench matmul --help"),
         (["bench", "nope"], "bench", "argument BENCHMARK: invalid choice: 'nope'"),
         (["nope"], None, "argument COMMAND: invalid choice: 'nope'"),
-        (["doctor", "--verbose"], None, "unrecognized arguments: --verbose"),
+        (["doctor", "--verbose"], "doctor",
+         "unrecognized arguments: --verbose; see trainperf doctor --help"),
     ],
 )  # fmt: skip
 def test_a_usage_error_with_json_prints_the_error_document(
@@ -214,6 +216,26 @@ def test_a_usage_error_with_json_prints_the_error_document(
     assert document["command"] == command and document["error"]["type"] == "UsageError"
     assert document["error"]["message"].startswith(message)
     assert err == f"trainperf: error: {document['error']['message']}\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "prog"),
+    [
+        (["bench", "matmul", "--sise", "64"], "trainperf bench matmul"),
+        (["bench", "--dry-run", "matmul"], "trainperf bench matmul"),
+        (["gpus", "--all"], "trainperf gpus"),
+    ],
+)
+def test_an_unknown_option_points_at_the_help_of_the_subcommand_given_it(
+    capsys: pytest.CaptureFixture[str], argv: list[str], prog: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    unknown = " ".join(a for a in argv if a.startswith("-") or a.isdigit())
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        f"error: unrecognized arguments: {unknown}; see {prog} --help\n"
+    )
 
 
 def test_a_usage_error_with_stderr_closed_writes_nothing_to_stdout(
@@ -480,6 +502,20 @@ def test_sizes_past_what_a_tensor_can_address_are_errors_not_tracebacks(
     assert message in document["error"]["message"]
 
 
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_bench_h2d_past_what_a_tensor_can_address_names_the_value_and_option_given(
+    capsys: pytest.CaptureFixture[str], json_flag: list[str]
+) -> None:
+    code, out, err = run(capsys, "bench", "h2d", "--size-mb", str(2**43), *json_flag)
+    message = (
+        f"--size-mb {2**43}: one copy is 9.2e+18 bytes, more than a tensor can address "
+        "(2**63 - 1): use a smaller --size-mb"
+    )
+    assert code == 1 and err == f"trainperf: error: {message}\n"
+    if json_flag:
+        assert json.loads(out)["error"]["message"] == message
+
+
 class _FullDisk(io.StringIO):
     """A stdout on a full disk (`> /dev/full`), whose file descriptor is a scratch file."""
 
@@ -593,3 +629,61 @@ def test_a_closed_stderr_keeps_progress_and_errors_out_of_the_json_on_stdout(
     assert code == 0 and json.loads(out)["results"][0]["model"] == "resnet50"
     code, out, _ = run(capsys, "bench", "matmul", "--device", "tpu", "--json")
     assert code == 1 and json.loads(out)["error"]["type"] == "ValueError"
+
+
+class _GoneReader(io.StringIO):
+    """A stderr whose reader went away (`2>&1 | head -1`), its file descriptor a scratch file."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd = fd
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def test_a_stderr_whose_reader_went_away_loses_progress_not_the_results(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with open(tmp_path / "stderr", "w") as scratch:
+        monkeypatch.setattr(sys, "stderr", _GoneReader(scratch.fileno()))
+        code, out, _ = run(capsys, "bench", "model", *TINY, "--json")
+        assert code == 0 and json.loads(out)["results"][0]["model"] == "resnet50"
+        code, out, _ = run(capsys, "bench", "matmul", "--size", "16", "--dtype", "fp32",
+                           "--iterations", "1", "--device", "cpu")  # fmt: skip
+    assert code == 0 and out.startswith("fp32: ")
+
+
+def test_a_stderr_whose_reader_went_away_keeps_the_error_document_and_status(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with open(tmp_path / "stderr", "w") as scratch:
+        monkeypatch.setattr(sys, "stderr", _GoneReader(scratch.fileno()))
+        with pytest.raises(SystemExit) as usage:
+            main(["bench", "matmul", "--size", "0", "--json"])
+        assert usage.value.code == 2
+        assert json.loads(capsys.readouterr().out)["error"]["type"] == "UsageError"
+        code, out, _ = run(capsys, "bench", "matmul", "--device", "tpu", "--json")
+    assert code == 1 and json.loads(out)["error"]["type"] == "ValueError"
+
+
+@pytest.mark.slow
+def test_the_command_with_its_stderr_reader_gone_exits_with_its_own_status() -> None:
+    # Python's exit code is 120 where flushing stderr fails at exit: what failed to go to
+    # stderr must not stay in its buffer.
+    command = [sys.executable, "-m", "trainperf", "bench", "matmul", "--size", "16",
+               "--dtype", "fp32", "--iterations", "1", "--device", "cpu", "--json"]  # fmt: skip
+    for argv, status in ((command, 0), ([*command[:5], "--size", "0", "--json"], 2)):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader of stderr is gone before the first line
+        done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=write_end, text=True,
+                              timeout=120)  # fmt: skip
+        os.close(write_end)
+        assert done.returncode == status, argv
+        assert json.loads(done.stdout)["command"] == "bench matmul"

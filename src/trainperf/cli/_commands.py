@@ -156,7 +156,10 @@ def _run_bench_matmul(args: argparse.Namespace) -> int:
 
 
 def _run_bench_h2d(args: argparse.Namespace) -> int:
+    import torch
+
     from trainperf.bench import bench_h2d
+    from trainperf.bench._common import check_tensor_bytes
     from trainperf.errors import DeviceError
 
     # A device named on the command line must exist (cuda:3 on a 1-GPU host is an error, as
@@ -165,6 +168,11 @@ def _run_bench_h2d(args: argparse.Namespace) -> int:
     if args.device is not None:
         _check_device(args.device, allowed=("cuda",))
     size = args.size_mb * _MiB
+    # Checked here too, so that the error names the option and the value as typed, where
+    # bench_h2d's names its size_bytes.
+    check_tensor_bytes(
+        f"--size-mb {args.size_mb}", "one copy", size, torch.uint8, "use a smaller --size-mb"
+    )
     _progress(f"trainperf bench h2d: {args.size_mb} MiB copies, pageable then pinned...")
     try:
         result: Any = bench_h2d(size_bytes=size, iterations=args.iterations, device=args.device)

@@ -18,7 +18,7 @@ from trainperf.cli._output import (
     _usage_error,
     _write_failed,
 )
-from trainperf.cli._parser import _build_parser, _Parser, _UsageError
+from trainperf.cli._parser import _parse, _UsageError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = _build_parser(_Parser).parse_args(argv)
+        args = _parse(argv)
     except _UsageError as e:
         raise SystemExit(_usage_error(argv, e)) from None
     if sys.stdout is None:  # started with stdout closed (`>&-`)

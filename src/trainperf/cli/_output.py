@@ -14,7 +14,7 @@ import os
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from trainperf.cli._parser import _UsageError
 
@@ -90,11 +90,47 @@ class _Discard(io.StringIO):
         return len(text)
 
 
+class _Stderr:
+    """``sys.stderr`` for progress and error lines, whose failed write (the reader of
+    ``2>&1 | head -1`` went away, a full disk) is dropped and points stderr at devnull: losing
+    the side channel must lose neither the results on stdout nor the exit status (Python
+    exits 120 where flushing what is left in stderr's buffer fails at exit)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError:
+            self._discard()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError:
+            self._discard()
+
+    def _discard(self) -> None:
+        with contextlib.suppress(OSError, ValueError):  # ValueError: no file descriptor
+            _to_devnull(self._stream.fileno())
+
+
+def _to_devnull(fd: int) -> None:
+    """Point file descriptor ``fd`` at devnull."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
 def _stderr() -> TextIO:
-    """``sys.stderr``, or a sink that drops what is written where the process was started
-    with stderr closed (``2>&-``): ``print(file=None)`` would write it to stdout, into the
-    ``--json`` document."""
-    return sys.stderr if sys.stderr is not None else _Discard()
+    """``sys.stderr`` as :class:`_Stderr`, or a sink that drops what is written where the
+    process was started with stderr closed (``2>&-``): ``print(file=None)`` would write it to
+    stdout, into the ``--json`` document."""
+    return cast("TextIO", _Stderr(sys.stderr)) if sys.stderr is not None else _Discard()
 
 
 def _progress(message: str) -> None:
@@ -108,7 +144,7 @@ def _command_name(args: argparse.Namespace) -> str:
 def _discard_stdout() -> None:
     """Point stdout at devnull, so that the flush at exit does not fail again on what is
     left in its buffer (Python's docs' recipe for a reader that went away)."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    _to_devnull(sys.stdout.fileno())
 
 
 def _report(message: str, command: str | None, error_type: str, as_json: bool) -> None:

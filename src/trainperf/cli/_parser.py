@@ -5,6 +5,7 @@ whose usage errors raise instead of printing argparse's usage.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from trainperf._utils.validate import positive_int
@@ -102,6 +103,18 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise _UsageError(self.prog, message)
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    """``argv`` parsed by :func:`main`'s parser; an option no parser knows is a usage error of
+    the (sub)command it was given to, whose ``--help`` lists what that one takes (argparse
+    would blame, and point at the help of, the top-level ``trainperf``)."""
+    args, unknown = _build_parser(_Parser).parse_known_args(argv)
+    if unknown:
+        names = (args.command, getattr(args, "bench", None))
+        prog = " ".join(["trainperf", *(name for name in names if name)])
+        raise _UsageError(prog, f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def build_parser() -> argparse.ArgumentParser:
