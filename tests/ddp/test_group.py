@@ -145,6 +145,53 @@ def test_an_exit_seen_without_a_report_is_dated_back_only_before_lost_peer_error
     assert group._message().startswith(f"rank {first} of 3 "), group._message()
 
 
+@pytest.mark.parametrize(
+    ("kind", "message", "lost"),
+    [
+        (
+            "torch.distributed.DistBackendError",
+            "NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:317, remote process "
+            "exited or there was a network error, NCCL version 2.20.5",
+            True,
+        ),
+        (
+            "torch.distributed.DistBackendError",
+            "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, "
+            "OpType=ALLREDUCE, NumelIn=4, NumelOut=4, Timeout(ms)=600000) ran for 600017 "
+            "milliseconds before timing out.",
+            True,
+        ),
+        ("torch.distributed.DistBackendError", "NCCL communicator was aborted on rank 1. ", True),
+        (
+            "torch.distributed.DistNetworkError",
+            "Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server "
+            "shutdown or crash?",
+            True,
+        ),
+        # NCCL's word for a mistake of the rank's own: that rank is blamed.
+        (
+            "torch.distributed.DistBackendError",
+            "NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1691, invalid "
+            "usage (run with NCCL_DEBUG=WARN for details), NCCL version 2.21.5",
+            False,
+        ),
+    ],
+)
+def test_a_rank_that_left_is_blamed_over_the_nccl_and_store_errors_it_causes(
+    kind: str, message: str, lost: bool
+) -> None:
+    # Rank 0 leaves; rank 1's NCCL collective (or the TCPStore rank 0 served) fails before
+    # the launcher sees rank 0 gone. Only gloo's wording read as a lost peer: rank 1 was
+    # blamed for the NCCL error, and the launcher did not wait for rank 0 to be seen gone.
+    group = _make_group(2)
+    f = Failure(1, 11, kind, message, "tb1", time=100.2)
+    group.problems.append(_group._Problem(1, f.time, _group._summary(f), f.traceback))
+    assert group._only_lost_peers() is lost
+    group.problems.append(group._no_report(0, 0, 100.5))
+    blamed = 0 if lost else 1
+    assert group._message().startswith(f"rank {blamed} of 2 "), group._message()
+
+
 @pytest.mark.timeout(60)
 def test_a_raising_rank_is_blamed_over_a_peer_that_then_exits_cleanly(
     monkeypatch: pytest.MonkeyPatch,

@@ -42,7 +42,7 @@ from trainperf.ddp._failures import startup_problem as _startup_problem
 from trainperf.ddp._failures import summarize as _summary
 from trainperf.ddp._failures import unguarded_main as _unguarded_main
 from trainperf.ddp._group_report import Outcome, drain_ending, failure_message
-from trainperf.ddp._group_report import peer_gone as _peer_gone
+from trainperf.ddp._group_report import lost_peer as _lost_peer
 from trainperf.ddp._procs import (
     Interrupted,
     SignalGuard,
@@ -411,9 +411,7 @@ class Group:
     def _only_lost_peers(self) -> bool:
         """Every failure so far reads like a lost peer, and no rank returned to explain it."""
         return (
-            bool(self.problems)
-            and not self.results
-            and all(_peer_gone(f"{p.summary}\n{p.detail}") for p in self.problems)
+            bool(self.problems) and not self.results and all(_lost_peer(p) for p in self.problems)
         )
 
     def _drain(self, grace_s: float) -> None:

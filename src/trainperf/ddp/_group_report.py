@@ -16,7 +16,15 @@ from dataclasses import dataclass
 
 from trainperf.ddp._failures import Problem
 
-__all__ = ["Ending", "Outcome", "drain_ending", "failure_message", "first_failure", "peer_gone"]
+__all__ = [
+    "Ending",
+    "Outcome",
+    "drain_ending",
+    "failure_message",
+    "first_failure",
+    "lost_peer",
+    "peer_gone",
+]
 
 # (rank, exit code, how it ended, whether that is the ending the stop itself causes)
 Ending = tuple[int, int | None, str, bool]
@@ -98,18 +106,14 @@ def first_failure(problems: tuple[Problem, ...]) -> Problem:
     earliest = min(problems, key=_dated)
     if not earliest.slack:
         return earliest
-    lost = [p.time for p in problems if not p.slack and _lost_peer(p)]
+    lost = [p.time for p in problems if not p.slack and lost_peer(p)]
     bound = min([earliest.time, *lost])
-    own = [p for p in problems if not p.slack and not _lost_peer(p) and p.time < bound]
+    own = [p for p in problems if not p.slack and not lost_peer(p) and p.time < bound]
     return min(own, key=_dated, default=earliest)
 
 
 def _dated(problem: Problem) -> float:
     return problem.time - problem.slack
-
-
-def _lost_peer(problem: Problem) -> bool:
-    return peer_gone(f"{problem.summary}\n{problem.detail}")
 
 
 def _later(outcome: Outcome, first: Problem) -> list[str]:
@@ -132,7 +136,7 @@ def _returned(outcome: Outcome, first: Problem) -> list[str]:
         "",
         f"Already returned from main: rank{'s' if len(returned) > 1 else ''} "
         + ", ".join(map(str, returned))
-        + (why if peer_gone(f"{first.summary}\n{first.detail}") else ""),
+        + (why if lost_peer(first) else ""),
     ]
 
 
@@ -157,19 +161,78 @@ def _stopped(outcome: Outcome, first: Problem) -> list[str]:
     return lines + [f"  rank {rank} {text} while being stopped" for rank, text in odd]
 
 
-_PEER_GONE = ("closed by peer", "reset by peer", "connection closed", "broken pipe")
+# What a rank raises when another rank went away (or the link to it broke), as the sources
+# word it; matched lowercased. A message NCCL or PyTorch also gives for a rank's own
+# mistake ("invalid usage", "unhandled cuda error", "unhandled system error", "CUDA out of
+# memory") is not here: that rank is to blame.
+_PEER_GONE = (
+    # gloo's tcp transport (third_party/gloo/gloo/transport/tcp/pair.cc): "Connection closed
+    # by peer", and a read error's strerror(ECONNRESET) "Connection reset by peer"; the
+    # same strerror texts (and EPIPE's "Broken pipe") come from PyTorch's TCPStore sockets
+    # (torch/csrc/distributed/c10d/Utils.hpp, SYSCHECK).
+    "closed by peer",
+    "reset by peer",
+    "connection closed",
+    "broken pipe",
+    # NCCL's ncclGetErrorString(ncclRemoteError) (src/init.cc, NCCL >= 2.13), which
+    # PyTorch's C10D_NCCL_CHECK and watchdog put in "NCCL error in: <file>:<line>, remote
+    # process exited or there was a network error, NCCL version ..." and "NCCL error:
+    # remote process exited ...", followed by "ncclRemoteError: A call failed possibly due
+    # to a network error or a remote process exiting prematurely."
+    "remote process exited or there was a network error",
+    # ProcessGroupNCCL's WorkNCCL::checkTimeout (torch/csrc/distributed/c10d/
+    # ProcessGroupNCCL.cpp): "[Rank 1] Watchdog caught collective operation timeout:
+    # WorkNCCL(SeqNum=1, OpType=ALLREDUCE, ...) ran for 600017 milliseconds before timing
+    # out." NCCL does not notice a peer that has gone; the survivors wait until this.
+    "watchdog caught collective operation timeout",
+    # NCCLComm::getNcclComm (torch/csrc/distributed/c10d/NCCLUtils.cpp): "NCCL communicator
+    # was aborted on rank 1. Original reason for failure was: ..." (see _ABORT_REASON).
+    "nccl communicator was aborted",
+    # TCPStore's tcputil::recvBytes / sendBytes (torch/csrc/distributed/c10d/Utils.hpp):
+    # "Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server
+    # shutdown or crash?" (older releases: "failed to recv, got 0 bytes"), and SYSCHECK's
+    # DistNetworkError "Socket Timeout", alone or in ProcessGroupNCCL's "... but
+    # store->get('0') got error: Socket Timeout"; a bare "socket timeout" may be anyone's.
+    "failed to recv, got 0 bytes",
+    "failed to send, sent 0 bytes",
+    "distnetworkerror: socket timeout",
+    "got error: socket timeout",
+)
+# An aborted NCCL communicator may say why it was aborted: that reason, not the abort,
+# tells whose error it was (a timeout waiting for a peer, or this rank's own CUDA error).
+_ABORT_REASON = "original reason for failure was:"
 
 
 def peer_gone(text: str) -> bool:
-    """Whether a failure reads like a collective whose peer had gone (gloo's "Connection
-    closed by peer"), not a rank's own error.
+    """Whether a failure reads like a collective whose peer had gone, not a rank's own
+    error: gloo's "Connection closed by peer", NCCL's "remote process exited or there was a
+    network error", ProcessGroupNCCL's watchdog timeout or aborted communicator, or a
+    TCPStore connection that closed.
 
     Example:
         >>> peer_gone("raised RuntimeError: [gloo] Connection closed by peer"), peer_gone("x")
         (True, False)
+        >>> peer_gone("NCCL error in: pg.cpp:1, invalid usage (run with NCCL_DEBUG=WARN)")
+        False
+        >>> aborted = "NCCL communicator was aborted on rank 1.  Original reason for failure was: "
+        >>> peer_gone(aborted + "CUDA error: an illegal memory access was encountered")
+        False
     """
     low = text.lower()
+    head, marked, reason = low.partition(_ABORT_REASON)
+    if marked and "nccl communicator was aborted" in head:
+        return peer_gone(reason)
     return any(s in low for s in _PEER_GONE)
+
+
+def lost_peer(problem: Problem) -> bool:
+    """Whether ``problem``'s summary or traceback reads like a lost peer (:func:`peer_gone`).
+
+    Example:
+        >>> lost_peer(Problem(0, 1.0, "raised RuntimeError: Connection closed by peer"))
+        True
+    """
+    return peer_gone(f"{problem.summary}\n{problem.detail}")
 
 
 def drain_ending(ranks: list[int], text: str, code: int | None) -> str:

@@ -1,0 +1,87 @@
+"""trainperf.ddp._group_report: which failures read like a peer that went away.
+
+The messages are the ones gloo, NCCL and PyTorch raise, as their sources word them (see
+``_PEER_GONE``) and as they reach users (ranks, file:line and sizes vary).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from trainperf.ddp._group_report import peer_gone
+
+_ABORTED = "NCCL communicator was aborted on rank 1.  Original reason for failure was: "
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # gloo
+        "raised RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+        "Connection closed by peer [127.0.0.1]:43617",
+        "raised RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error "
+        "[127.0.0.1]:20373: Connection reset by peer",
+        # NCCL's ncclRemoteError, synchronous (C10D_NCCL_CHECK) and from the watchdog
+        "raised torch.distributed.DistBackendError: NCCL error in: "
+        "../torch/csrc/distributed/c10d/NCCLUtils.hpp:317, remote process exited or there "
+        "was a network error, NCCL version 2.20.5\nncclRemoteError: A call failed possibly "
+        "due to a network error or a remote process exiting prematurely.",
+        "raised torch.distributed.DistBackendError: NCCL error: remote process exited or there "
+        "was a network error, NCCL version 2.19.3",
+        # ProcessGroupNCCL's watchdog, waiting for a peer that never joined the collective
+        "raised torch.distributed.DistBackendError: [Rank 1] Watchdog caught collective "
+        "operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE, NumelIn=1048576, "
+        "NumelOut=1048576, Timeout(ms)=120000) ran for 120092 milliseconds before timing out.",
+        # An aborted communicator: with no reason, or a reason that is itself a lost peer
+        "raised torch.distributed.DistBackendError: NCCL communicator was aborted on rank 12. ",
+        _ABORTED + "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=78, "
+        "OpType=BROADCAST, NumelIn=80, NumelOut=80, Timeout(ms)=600000) ran for 600096 "
+        "milliseconds before timing out.",
+        # TCPStore, whose server (a rank) went away
+        "raised torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was "
+        "likely closed. Did the remote server shutdown or crash?",
+        "raised torch.distributed.DistNetworkError: Failed to send, sent 0 bytes. Connection was "
+        "likely closed. Did the remote server shutdown or crash?",
+        "raised torch.distributed.DistBackendError: [3] is setting up NCCL communicator and "
+        "retrieving ncclUniqueId from [0] via c10d key-value store by key '0', but "
+        "store->get('0') got error: failed to recv, got 0 bytes",
+        "raised torch.distributed.DistNetworkError: Connection reset by peer",
+        "raised torch.distributed.DistNetworkError: Broken pipe",
+        "raised torch.distributed.DistNetworkError: Socket Timeout",
+        "raised torch.distributed.DistBackendError: [1] is setting up NCCL communicator and "
+        "retrieving ncclUniqueId from [0] via c10d key-value store by key '0', but "
+        "store->get('0') got error: Socket Timeout",
+    ],
+)
+def test_errors_raised_because_another_rank_went_away_read_as_a_lost_peer(text: str) -> None:
+    assert peer_gone(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "raised ValueError: bad batch",
+        # NCCL errors of the rank's own making
+        "raised torch.distributed.DistBackendError: NCCL error in: "
+        "../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1691, invalid usage (run with "
+        "NCCL_DEBUG=WARN for details), NCCL version 2.21.5\nncclInvalidUsage: This usually "
+        "reflects invalid usage of NCCL library.\nLast error:\nDuplicate GPU detected : rank 1 "
+        "and rank 0 both on CUDA device 1000",
+        "raised torch.distributed.DistBackendError: NCCL error in: "
+        "../torch/csrc/distributed/c10d/NCCLUtils.hpp:317, unhandled cuda error (run with "
+        "NCCL_DEBUG=INFO for details), NCCL version 2.20.5\nncclUnhandledCudaError: Call to "
+        "CUDA function failed.",
+        # ncclSystemError says a remote exit is one possible cause among many (NCCL < 2.13)
+        "raised RuntimeError: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:219, "
+        "unhandled system error, NCCL version 2.10.3\nncclSystemError: System call (e.g. "
+        "socket, malloc) or external library call failed or device error. It can be also "
+        "caused by unexpected exit of a remote peer.",
+        "raised torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB",
+        # An aborted communicator whose reason is the rank's own
+        _ABORTED + "CUDA error: an illegal memory access was encountered",
+        # A timeout of the user's own code is not the store's
+        "raised TimeoutError: socket timeout while fetching https://example.com/shard-3",
+    ],
+)
+def test_a_ranks_own_errors_including_nccl_ones_do_not_read_as_a_lost_peer(text: str) -> None:
+    assert not peer_gone(text)
