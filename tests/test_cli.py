@@ -485,10 +485,10 @@ def test_doctor_dist_asks_for_the_multi_process_checks(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["bench", "matmul", "--size", "3000000000"], "bench_matmul(size=3000000000): a "),
+        (["bench", "matmul", "--size", "3000000000"], "--size 3000000000: a "),
         (["bench", "matmul", "--size", "99999999999999999999"], "more than a tensor can address"),
-        (["bench", "model", "--image-size", "4000000000"], "image_size=4000000000): its input"),
-        (["bench", "model", "--batch-size", "99999999999999999999"], "use a smaller batch_size"),
+        (["bench", "model", "--image-size", "4000000000"], "--image-size 4000000000: its input"),
+        (["bench", "model", "--batch-size", "99999999999999999999"], "use a smaller --batch-size"),
     ],
 )
 def test_sizes_past_what_a_tensor_can_address_are_errors_not_tracebacks(
@@ -687,3 +687,97 @@ def test_the_command_with_its_stderr_reader_gone_exits_with_its_own_status() -> 
         os.close(write_end)
         assert done.returncode == status, argv
         assert json.loads(done.stdout)["command"] == "bench matmul"
+
+
+# ------------------------------------------------ strict JSON; errors in the command line's words
+
+
+def _strict_loads(text: str) -> Any:
+    """``json.loads`` as a strict parser (jq, JavaScript) reads it: NaN and Infinity refused."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+class _Measured:
+    """A result whose ``to_dict()`` holds values no measurement should give, but might."""
+
+    def to_dict(self) -> dict[str, Any]:
+        nan, inf = float("nan"), float("inf")
+        return {"tflops": nan, "ratio": inf, "seconds": [1.0, -inf], "nested": {"x": (nan,)}}
+
+
+def test_json_writes_a_non_finite_number_as_null(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.bench
+
+    monkeypatch.setattr(trainperf.bench, "bench_matmul", lambda *a, **k: _Measured())
+    code, out, _ = run(capsys, "bench", "matmul", "--dtype", "fp32", "--device", "cpu", "--json")
+    assert code == 0
+    (result,) = _strict_loads(out)["results"]
+    assert result == {
+        "tflops": None,
+        "ratio": None,
+        "seconds": [1.0, None],
+        "nested": {"x": [None]},
+    }
+
+
+class _Broken:
+    def to_dict(self) -> dict[str, Any]:
+        raise ValueError("to_dict failed half-way")
+
+
+def test_a_to_dict_that_fails_mid_document_leaves_only_the_error_document(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainperf import device
+    from trainperf.device import GpuInfo
+
+    card = GpuInfo(0, 0, "GPU-1", "NVIDIA A100", 80 * 2**30, 2**29, 80 * 2**30 - 2**29, 3,
+                   (8, 0), "00000000:01:00.0")  # fmt: skip
+    # The first GPU is written fine; the second fails once the document is under way.
+    monkeypatch.setattr(device, "gpus", lambda: [card, _Broken()])
+    code, out, err = run(capsys, "gpus", "--json")
+    assert code == 1 and err == "trainperf: error: to_dict failed half-way\n"
+    assert _strict_loads(out) == {
+        "command": "gpus",
+        "error": {"type": "ValueError", "message": "to_dict failed half-way"},
+    }
+
+
+def test_a_missing_cuda_device_is_refused_in_the_options_words(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = run(capsys, "bench", "matmul", "--device", "cuda", "--json")
+    assert code == 1 and "CUDA is not available" in err
+    assert err.endswith("; use --device cpu or --device auto instead\n")
+    assert "device=" not in err and "device=" not in json.loads(out)["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--train", "--batch-size", "1"],
+            "training needs --batch-size >= 2 (BatchNorm cannot normalise one image), got 1",
+        ),
+        (["--image-size", "8"], "resnet50 needs --image-size >= 32, got 8"),
+        (
+            ["--batch-size", "3000000000", "--image-size", "3000000"],
+            "--batch-size 3000000000 --image-size 3000000: its input batch (3000000000 x 3 x "
+            "3000000 x 3000000 fp32) is 3.2e+23 bytes, more than a tensor can address "
+            "(2**63 - 1): use a smaller --batch-size or --image-size (the reference uses 128 "
+            "at 224 px)",
+        ),
+    ],
+)
+def test_bench_model_errors_name_the_options_not_the_parameters(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    code, _, err = run(capsys, "bench", "model", *argv, "--device", "cpu")
+    assert code == 1 and err.splitlines()[-1] == f"trainperf: error: {message}"

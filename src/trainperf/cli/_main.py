@@ -18,7 +18,7 @@ from trainperf.cli._output import (
     _usage_error,
     _write_failed,
 )
-from trainperf.cli._parser import _parse, _UsageError
+from trainperf.cli._parser import _as_typed, _parse, _UsageError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -26,7 +26,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns 0 on success, 1 when a command fails (or ``doctor`` finds a failing check), 130
     when Ctrl-C stops it, and exits with 2 on a usage error (argparse's convention). An error
-    is one line on stderr, ``trainperf: error: ...``, never a traceback; with ``--json``
+    is one line on stderr, ``trainperf: error: ...``, never a traceback, naming the options
+    as typed (``--batch-size``, not the library's ``batch_size``); with ``--json``
     stdout also gets ``{"command": ..., "error": {"type": ..., "message": ...}}`` (a usage
     error's type is ``"UsageError"``; its command is None where the command itself is
     missing or unknown). Output that stdout's encoding cannot hold is written escaped.
@@ -76,7 +77,11 @@ def _run(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace)
         # 130 = 128 + SIGINT, the status a shell gives a command stopped by Ctrl-C.
         _fail(args, "interrupted (Ctrl-C) before the command finished", e)
         return _INTERRUPTED
-    except (OSError, ValueError, TrainperfError, ModuleNotFoundError) as e:
+    except (ValueError, TrainperfError) as e:
+        # The library's messages name its parameters (batch_size=, device='cpu'): say the
+        # options the user typed instead.
+        return _fail(args, _as_typed(str(e), args), e)
+    except (OSError, ModuleNotFoundError) as e:
         return _fail(args, str(e), e)
     except Exception as e:  # the last resort: a message, never a raw traceback
         return _fail(args, _unexpected(e), e)

@@ -10,6 +10,7 @@ import dataclasses
 import errno
 import io
 import json
+import math
 import os
 import sys
 import traceback
@@ -20,23 +21,34 @@ from trainperf.cli._parser import _UsageError
 
 
 def _jsonable(obj: Any) -> Any:
-    # Every result type has to_dict(); a plain dataclass (GpuInfo) is written field by field.
+    """``obj`` as plain JSON values: a result by its ``to_dict()``, a plain dataclass
+    (GpuInfo) field by field, and a NaN or infinite float as None (``null``), which strict
+    JSON readers (jq, JavaScript's ``JSON.parse``) take where they refuse ``NaN``."""
     to_dict = getattr(obj, "to_dict", None)
     if callable(to_dict):
-        return to_dict()
+        return _jsonable(to_dict())
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.asdict(obj)
+        return _jsonable(dataclasses.asdict(obj))
+    if isinstance(obj, dict):
+        return {key: _jsonable(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(value) for value in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
     return obj
 
 
 def _emit_json(document: dict[str, Any], out: TextIO) -> None:
-    json.dump(document, out, indent=2, default=_jsonable)
-    out.write("\n")
+    """Write ``document`` to ``out`` as strict JSON, encoded whole before the first write:
+    an error while encoding it (a failing ``to_dict()``) leaves nothing half-written, so
+    the error document that follows is all stdout holds."""
+    text = json.dumps(_jsonable(document), indent=2, allow_nan=False)
+    out.write(text + "\n")
 
 
 def _emit_results(command: str, results: Sequence[Any], out: TextIO) -> None:
     """The ``--json`` document of a benchmark: its name and each result's ``to_dict()``."""
-    _emit_json({"command": command, "results": [r.to_dict() for r in results]}, out)
+    _emit_json({"command": command, "results": list(results)}, out)
 
 
 class _OutputError(Exception):

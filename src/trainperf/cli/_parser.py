@@ -5,6 +5,7 @@ whose usage errors raise instead of printing argparse's usage.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -156,3 +157,53 @@ def _build_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.Argum
     gpus = commands.add_parser("gpus", help="list the GPUs this process can see (NVML)")
     _add_json(gpus)
     return parser
+
+
+# The library's words for an argument, in its error messages: `bench_model(batch_size=1, ...)`
+# (a call), `device='cpu'` (a keyword) and `batch_size` (a name).
+_CALL = re.compile(r"\b[a-z_]\w*\(([^()]*)\)")
+_KEYWORD = re.compile(r"\b([a-z_]\w*)=('[^']*'|[^\s,()]+)")
+_QUOTE = "'"  # around a string value, as repr() writes it
+_NAME = re.compile(r"(?<![\w-])[a-z]\w*_\w+\b")
+
+
+def _options(args: argparse.Namespace) -> dict[str, str]:
+    """The options of the (sub)command ``args`` ran, by parameter name: ``{"batch_size":
+    "--batch-size", ...}`` (each option's dest is the library parameter it is passed to)."""
+    parser: argparse.ArgumentParser = build_parser()
+    for name in (args.command, getattr(args, "bench", None)):
+        subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if name is None or not subparsers:
+            break
+        parser = subparsers[0].choices[name]
+    return {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+
+
+def _as_typed(message: str, args: argparse.Namespace) -> str:
+    """A library error ``message`` in the words of the command line ``args`` came from: the
+    parameters the command exposes named by their options, ``device='cpu'`` as ``--device
+    cpu``, and a call ``bench_model(batch_size=1, image_size=8)`` as the options that gave
+    it, ``--batch-size 1 --image-size 8``. Other words (English "size") are left alone.
+
+    Example:
+        >>> args = build_parser().parse_args(["bench", "model"])
+        >>> _as_typed("bench_model(image_size=8): image_size too small; use device='cpu'", args)
+        '--image-size 8: --image-size too small; use --device cpu'
+    """
+    options = _options(args)
+
+    def keyword(match: re.Match[str]) -> str:
+        name, value = match.groups()
+        if name not in options or value in ("True", "False", "None"):
+            return match.group()
+        return f"{options[name]} {value.strip(_QUOTE)}"
+
+    def call(match: re.Match[str]) -> str:
+        given = [_KEYWORD.fullmatch(part) for part in match.group(1).split(", ")]
+        if not all(m and keyword(m) != m.group() for m in given):
+            return match.group()  # an argument the command line has no option for
+        return " ".join(keyword(m) for m in given if m)
+
+    message = _CALL.sub(call, message)
+    message = _KEYWORD.sub(keyword, message)
+    return _NAME.sub(lambda m: options.get(m.group(), m.group()), message)
