@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from trainperf.cli import build_parser, main
+from trainperf.cli._parser import _as_typed
 
 ITERATION = re.compile(r"^Iteration \d+, \d+\.\d images/s in \d+\.\d{3} s\.$")
 # One image of 32 px, one timed batch: each model run takes about a second on a CPU.
@@ -781,3 +782,49 @@ def test_bench_model_errors_name_the_options_not_the_parameters(
 ) -> None:
     code, _, err = run(capsys, "bench", "model", *argv, "--device", "cpu")
     assert code == 1 and err.splitlines()[-1] == f"trainperf: error: {message}"
+
+
+def test_a_device_value_naming_a_parameter_is_quoted_as_typed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = run(capsys, "bench", "model", "--device", "cpu:batch_size")
+    assert code == 1 and "invalid device 'cpu:batch_size'" in err
+
+
+@pytest.mark.parametrize(
+    ("bench", "message", "typed"),
+    [
+        # The user's own values, paths and dotted names keep their words.
+        ("model", "invalid device 'cpu:batch_size'", "invalid device 'cpu:batch_size'"),
+        ("model", 'invalid device "cpu:batch_size"', 'invalid device "cpu:batch_size"'),
+        ("model", "could not open /data/batch_size/img.jpg", None),
+        ("model", "could not open batch_size/img.jpg", None),
+        ("model", "could not open batch_size.pt", None),
+        ("model", "memory_format=torch.channels_last", None),
+        ("model", "use torch.channels_last", None),
+        # A flag is an option without a value: True is the flag given, False is left alone.
+        ("model", "channels_last=True", "--channels-last"),
+        ("model", "channels_last=False", None),
+        (
+            "model",
+            "bench_model(channels_last=True, batch_size=3)",
+            "--channels-last --batch-size 3",
+        ),
+        # A call with an argument the command has no option for is left whole.
+        ("matmul", "bench_matmul(size=64, dtypes=['fp16', 'bf16'])", None),
+        # What the command line gave stays in its options' words.
+        ("model", "use device='cpu'", "use --device cpu"),
+        ("model", "bench_model(batch_size=3, image_size=4)", "--batch-size 3 --image-size 4"),
+        ("model", "batch_size too large.", "--batch-size too large."),
+        (
+            "model",
+            "use a smaller batch_size or image_size",
+            "use a smaller --batch-size or --image-size",
+        ),
+    ],
+)
+def test_library_errors_name_options_only_where_the_library_names_a_parameter(
+    bench: str, message: str, typed: str | None
+) -> None:
+    args = build_parser().parse_args(["bench", bench])
+    assert _as_typed(message, args) == (message if typed is None else typed)

@@ -160,50 +160,81 @@ def _build_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.Argum
 
 
 # The library's words for an argument, in its error messages: `bench_model(batch_size=1, ...)`
-# (a call), `device='cpu'` (a keyword) and `batch_size` (a name).
-_CALL = re.compile(r"\b[a-z_]\w*\(([^()]*)\)")
-_KEYWORD = re.compile(r"\b([a-z_]\w*)=('[^']*'|[^\s,()]+)")
-_QUOTE = "'"  # around a string value, as repr() writes it
-_NAME = re.compile(r"(?<![\w-])[a-z]\w*_\w+\b")
+# (a call), `device='cpu'` (a keyword) and `batch_size` (a name); never inside a quoted value,
+# a path, a dotted name or `a:b` (`'cpu:batch_size'`, `/data/batch_size/`, `torch.channels_last`),
+# which are the user's or PyTorch's words.
+_START = r"(?<![\w./:'\"-])"
+_QUOTES = "'\""  # around a string value, as repr() writes it
+_QUOTED = r"(?<!\w)(?:'[^']*'|\"[^\"]*\")(?!\w)"  # not an apostrophe: PyTorch's
+_CALL = rf"{_START}[a-z_]\w*\([^()]*\)"
+_KEYWORD = re.compile(rf"{_START}([a-z_]\w*)=('[^']*'|\"[^\"]*\"|[^\s,()]+)")
+_NAME = rf"{_START}[a-z]\w*_\w+\b(?!/|\.\w)"
+# One scan, so that what one term matched (a quoted span, a call left whole, a keyword's
+# value) is never rewritten by another.
+_TERM = re.compile(
+    rf"(?P<quoted>{_QUOTED})|(?P<call>{_CALL})|(?P<keyword>{_KEYWORD.pattern})|(?P<name>{_NAME})"
+)
 
 
-def _options(args: argparse.Namespace) -> dict[str, str]:
+def _options(args: argparse.Namespace) -> dict[str, argparse.Action]:
     """The options of the (sub)command ``args`` ran, by parameter name: ``{"batch_size":
-    "--batch-size", ...}`` (each option's dest is the library parameter it is passed to)."""
+    <--batch-size>, ...}`` (each option's dest is the library parameter it is passed to)."""
     parser: argparse.ArgumentParser = build_parser()
     for name in (args.command, getattr(args, "bench", None)):
         subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
         if name is None or not subparsers:
             break
         parser = subparsers[0].choices[name]
-    return {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    return {a.dest: a for a in parser._actions if a.option_strings}
 
 
 def _as_typed(message: str, args: argparse.Namespace) -> str:
     """A library error ``message`` in the words of the command line ``args`` came from: the
     parameters the command exposes named by their options, ``device='cpu'`` as ``--device
-    cpu``, and a call ``bench_model(batch_size=1, image_size=8)`` as the options that gave
-    it, ``--batch-size 1 --image-size 8``. Other words (English "size") are left alone.
+    cpu``, ``channels_last=True`` as ``--channels-last``, and a call ``bench_model(batch_size=1,
+    image_size=8)`` as the options that gave it, ``--batch-size 1 --image-size 8``. Other
+    words (English "size"), quoted values, paths, dotted names, a flag set to False or None,
+    and a call with an argument the command has no option for are left alone.
 
     Example:
         >>> args = build_parser().parse_args(["bench", "model"])
         >>> _as_typed("bench_model(image_size=8): image_size too small; use device='cpu'", args)
         '--image-size 8: --image-size too small; use --device cpu'
+        >>> _as_typed("invalid device 'cpu:batch_size'", args)
+        "invalid device 'cpu:batch_size'"
     """
     options = _options(args)
 
-    def keyword(match: re.Match[str]) -> str:
-        name, value = match.groups()
-        if name not in options or value in ("True", "False", "None"):
-            return match.group()
-        return f"{options[name]} {value.strip(_QUOTE)}"
+    def term(match: re.Match[str]) -> str:
+        text = match.group()
+        if match.lastgroup == "call":
+            return _call_as_typed(text, options)
+        if match.lastgroup == "keyword":
+            return _keyword_as_typed(text, options) or text
+        option = options.get(text) if match.lastgroup == "name" else None
+        return option.option_strings[0] if option else text
 
-    def call(match: re.Match[str]) -> str:
-        given = [_KEYWORD.fullmatch(part) for part in match.group(1).split(", ")]
-        if not all(m and keyword(m) != m.group() for m in given):
-            return match.group()  # an argument the command line has no option for
-        return " ".join(keyword(m) for m in given if m)
+    return _TERM.sub(term, message)
 
-    message = _CALL.sub(call, message)
-    message = _KEYWORD.sub(keyword, message)
-    return _NAME.sub(lambda m: options.get(m.group(), m.group()), message)
+
+def _keyword_as_typed(text: str, options: dict[str, argparse.Action]) -> str | None:
+    """``name=value`` as the option that gives it (``--device cpu``, a flag ``--train`` for
+    True); None where no option gives it (a flag False or None, or no such option)."""
+    match = _KEYWORD.fullmatch(text)
+    option = options.get(match.group(1)) if match else None
+    if match is None or option is None:
+        return None
+    value = match.group(2)
+    if option.nargs == 0:  # a flag: True is the flag given; False and None are no option
+        return option.option_strings[0] if value == "True" else None
+    if value in ("True", "False", "None"):
+        return None
+    return f"{option.option_strings[0]} {value.strip(_QUOTES)}"
+
+
+def _call_as_typed(text: str, options: dict[str, argparse.Action]) -> str:
+    """A call ``f(a=1, b=2)`` as the options that gave its arguments, or left whole where one
+    has no option."""
+    arguments = text[text.index("(") + 1 : -1].split(", ")
+    typed = [_keyword_as_typed(argument, options) for argument in arguments]
+    return text if None in typed else " ".join(t for t in typed if t)
