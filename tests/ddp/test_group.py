@@ -113,6 +113,36 @@ def test_a_real_error_is_blamed_over_an_exit_seen_after_it(code: int) -> None:
     assert f"  rank 0 exited with code {code} without" in text, text
 
 
+_SYSTEM_ERROR = (
+    "NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:219, unhandled system error, "
+    "NCCL version 2.10.3"
+)
+
+
+@pytest.mark.parametrize(
+    ("code", "kind", "message", "blamed"),
+    [
+        # Killed (the OOM killer's SIGKILL, a crash's SIGSEGV): a survivor's error within the
+        # slack, own-looking or not (NCCL < 2.13 says "unhandled system error" when a peer
+        # dies), is its fallout; the dead rank could not have caught it and exited.
+        (-9, "RuntimeError", _SYSTEM_ERROR, 0),
+        (-9, "ValueError", "bad batch", 0),
+        (-11, "torch.OutOfMemoryError", "CUDA out of memory", 0),
+        # Exited through its own exit path: the error it may have caught comes first.
+        (0, "RuntimeError", _SYSTEM_ERROR, 1),
+        (3, "ValueError", "bad batch", 1),
+    ],
+)
+def test_a_rank_killed_by_a_signal_is_blamed_over_errors_within_its_slack(
+    code: int, kind: str, message: str, blamed: int
+) -> None:
+    group = _make_group(2)
+    f = Failure(1, 11, kind, message, "tb1", time=100.2)
+    group.problems.append(_group._Problem(1, f.time, _group._summary(f), f.traceback))
+    group.problems.append(group._no_report(0, code, 100.5))
+    assert group._message().startswith(f"rank {blamed} of 2 "), group._message()
+
+
 @pytest.mark.parametrize(
     ("reports", "seen_at", "first"),
     [

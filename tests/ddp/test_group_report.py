@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainperf.ddp._group_report import peer_gone
+from trainperf.ddp._failures import Problem
+from trainperf.ddp._group_report import first_failure, peer_gone
 
 _ABORTED = "NCCL communicator was aborted on rank 1.  Original reason for failure was: "
 
@@ -85,3 +86,29 @@ def test_errors_raised_because_another_rank_went_away_read_as_a_lost_peer(text: 
 )
 def test_a_ranks_own_errors_including_nccl_ones_do_not_read_as_a_lost_peer(text: str) -> None:
     assert not peer_gone(text)
+
+
+_SYSTEM_ERROR = (
+    "raised RuntimeError: NCCL error in: NCCLUtils.hpp:219, unhandled system error, NCCL "
+    "version 2.10.3"
+)
+
+
+def test_a_death_by_signal_is_dated_back_over_an_own_looking_error_within_its_slack() -> None:
+    killed = Problem(0, 100.5, "died from signal SIGKILL ...", slack=1.0, by_signal=True)
+    survivor = Problem(1, 100.2, _SYSTEM_ERROR)
+    assert first_failure((survivor, killed)).rank == 0
+    # Beyond the slack the error came first.
+    assert first_failure((Problem(1, 99.2, _SYSTEM_ERROR), killed)).rank == 1
+
+
+def test_an_own_error_beats_a_clean_exit_but_not_a_signal_death_before_it() -> None:
+    own = Problem(1, 100.2, "raised ValueError: bad batch")
+    exited = Problem(0, 100.5, "exited with code 0 ...", slack=1.0)
+    assert first_failure((own, exited)).rank == 1
+    # A rank killed before that error was raised (dated back) is blamed over both.
+    killed = Problem(2, 100.6, "died from signal SIGKILL ...", slack=1.0, by_signal=True)
+    assert first_failure((own, exited, killed)).rank == 2
+    # One killed after the error is not.
+    late = Problem(2, 101.3, "died from signal SIGKILL ...", slack=1.0, by_signal=True)
+    assert first_failure((own, exited, late)).rank == 1

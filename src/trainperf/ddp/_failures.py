@@ -42,6 +42,10 @@ class Problem:
     # How much earlier than ``time`` it may have happened: a death the launcher saw (at
     # ``time``) without a report carries DEATH_SLACK_S; a report, stamped when raised, 0.
     slack: float = 0.0
+    # Whether a signal ended it (a negative exit code: the OOM killer's SIGKILL, a crash),
+    # not its own exit path (``os._exit(n)``, ``sys.exit``): such a rank did not catch
+    # another rank's error and exit, so no error within its slack is blamed over it.
+    by_signal: bool = False
 
 
 def summarize(failure: Failure) -> str:
@@ -81,8 +85,9 @@ def arguments_advice(argument: str) -> str:
     )
 
 
-def startup_problem(rank: int, seen_at: float, text: str) -> Problem | None:
-    """The failure Python printed while a spawned worker imported the script, if any."""
+def startup_problem(rank: int, seen_at: float, text: str, code: int) -> Problem | None:
+    """The failure Python printed while a spawned worker imported the script, if any; the
+    worker ended with exit code ``code``."""
     found = last_traceback(text)
     if found is None:
         return None
@@ -107,7 +112,7 @@ def startup_problem(rank: int, seen_at: float, text: str) -> Problem | None:
             'if __name__ == "__main__": guard (or into main), or use start_method="fork" '
             "(Linux), which imports nothing again."
         )
-    return Problem(rank, seen_at, summary, tb, advice, slack=DEATH_SLACK_S)
+    return Problem(rank, seen_at, summary, tb, advice, DEATH_SLACK_S, by_signal=code < 0)
 
 
 def unguarded_main() -> tuple[str, str]:

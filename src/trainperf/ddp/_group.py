@@ -284,11 +284,13 @@ class Group:
             summary, advice = _unguarded_main()
             return _Problem(rank, seen_at, summary, advice=advice)
         if rank in self.stderr and rank not in self.loaded:
-            startup = _startup_problem(rank, seen_at, self.stderr[rank].text())
+            startup = _startup_problem(rank, seen_at, self.stderr[rank].text(), code)
             if startup is not None:
                 self.restartable = False
                 return startup
-        return _Problem(rank, seen_at, death_summary(code), slack=_DEATH_SLACK_S)
+        return _Problem(
+            rank, seen_at, death_summary(code), slack=_DEATH_SLACK_S, by_signal=code < 0
+        )
 
     def _reimported(self, rank: int, code: int) -> bool:
         """Whether a rank exited because its import of the script called launch() again (no

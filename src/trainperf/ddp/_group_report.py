@@ -92,24 +92,31 @@ def failure_message(outcome: Outcome, mismatch_note: Callable[[str], list[str]] 
 def first_failure(problems: tuple[Problem, ...]) -> Problem:
     """The failure to blame: the earliest. A death seen without a report is dated up to its
     ``slack`` before it was seen, ahead of the lost-peer errors ("Connection closed by
-    peer") it causes; but an error of a rank's own (a report that does not read like a lost
-    peer) raised before the death was seen, and before any lost-peer error, comes first: a
-    rank that catches that error's fallout and exits (``os._exit(0)``) did not cause it.
+    peer") it causes. A rank that exited through its own exit path (``os._exit(0)``,
+    ``sys.exit``) may have caught another rank's error and left, so an error of a rank's own
+    (a report that does not read like a lost peer) raised before that exit was seen, and
+    before any lost-peer error, comes first. A rank killed by a signal (the OOM killer's
+    SIGKILL, a crash) caught nothing: it stays dated back, ahead of any error in its slack
+    (NCCL < 2.13 survivors raise an own-looking "unhandled system error").
 
     Example:
         >>> own = Problem(1, 100.0, "raised ValueError: bad batch")
         >>> lost = Problem(2, 100.1, "raised RuntimeError: Connection closed by peer")
         >>> gone = Problem(0, 100.5, "exited with code 0", slack=1.0)
-        >>> first_failure((own, lost, gone)).rank, first_failure((lost, gone)).rank
-        (1, 0)
+        >>> killed = Problem(0, 100.5, "died from signal SIGKILL", slack=1.0, by_signal=True)
+        >>> [first_failure(p).rank for p in [(own, lost, gone), (lost, gone), (own, killed)]]
+        [1, 0, 0]
     """
     earliest = min(problems, key=_dated)
-    if not earliest.slack:
+    if not earliest.slack or earliest.by_signal:
         return earliest
     lost = [p.time for p in problems if not p.slack and lost_peer(p)]
     bound = min([earliest.time, *lost])
     own = [p for p in problems if not p.slack and not lost_peer(p) and p.time < bound]
-    return min(own, key=_dated, default=earliest)
+    if not own:
+        return earliest
+    # A rank killed before that own error was raised is still blamed over it.
+    return min(own + [p for p in problems if p.by_signal], key=_dated)
 
 
 def _dated(problem: Problem) -> float:
