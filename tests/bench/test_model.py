@@ -298,3 +298,18 @@ def test_a_quota_job_crowding_its_own_cpus_is_noted(monkeypatch: pytest.MonkeyPa
     )
     busy = [n for n in result.notes if n.startswith("the host was busy while measuring")]
     assert busy and "CPU pressure 60%" in busy[0] and "(2 CPUs) waited" in busy[0]
+
+
+def test_a_pods_note_ignores_the_host_wide_cpu_pressure(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A container allowed 2 of a 64-core host's CPUs whose cgroup reports no PSI: the
+    # host-wide pressure counts other tenants' threads on other cores (before: noted).
+    monkeypatch.setattr(model_module, "load_average", lambda: 1.0)
+    monkeypatch.setattr(model_module, "cgroup_cpu_pressure", lambda: (0.6, "host"))
+    pod = HostLimits(64, 64, 2.0, 2, 2**36, None, 2**35, None, None)
+    monkeypatch.setattr(model_module, "host_limits", lambda: pod)
+    assert model_module._host_notes_now() == ()
+    # With all the host's CPUs usable, the host's threads are this run's neighbours.
+    whole = HostLimits(64, 64, None, 64, 2**36, None, 2**35, None, None)
+    monkeypatch.setattr(model_module, "host_limits", lambda: whole)
+    (note,) = model_module._host_notes_now()
+    assert note.startswith("the host was busy") and "threads on this host waited" in note

@@ -207,3 +207,35 @@ def test_dropping_the_oldest_answers_does_not_copy_the_whole_cache(
     # One key looked at per answer dropped (192), not the whole cache at each answer kept.
     assert _CountingDict.handed_out <= len(paths)
     assert list(dict.keys(held_module._HELD)) == paths[-8:]
+
+
+class _Forgetting:
+    """A dict's key iterator, before whose first key another thread forgets ``other``."""
+
+    def __init__(self, held: dict[str, Any], other: str) -> None:
+        self.held, self.other, self.keys = held, other, dict.__iter__(held)
+
+    def __next__(self) -> str:
+        self.held.pop(self.other, None)  # forget(): the dict changes size mid-iteration
+        return next(self.keys)
+
+
+class _RacedDict(dict[str, Any]):
+    """A dict that another thread (the reaper's ``learn``/``forget``) changes between
+    ``iter()`` and ``next()`` while this one drops the oldest answer."""
+
+    def __iter__(self) -> Any:
+        return _Forgetting(self, list(dict.keys(self))[1])
+
+
+def test_another_thread_changing_the_answers_while_dropping_the_oldest_is_no_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # next(iter(_HELD)) raised "RuntimeError: dictionary changed size during iteration"
+    # out of save/restore/latest when the reaper thread changed it in between.
+    first, second, third = (os.fspath(main_file(tmp_path, s)) for s in (1, 2, 3))
+    raced = _RacedDict({first: ((first, 1, 1, 1, 1, 1), 1), second: ((second, 1, 2, 1, 1, 1), 2)})
+    monkeypatch.setattr(held_module, "_HELD", raced)
+    monkeypatch.setattr(held_module, "_LIMIT", 2)
+    held_module._remember((third, 1, 3, 1, 1, 1), 3)
+    assert list(dict.keys(raced)) == [first, third]  # the newest answer kept, the bound held

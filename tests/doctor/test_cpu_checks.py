@@ -199,12 +199,25 @@ def test_load_without_cpu_pressure_keeps_the_load_average_rule() -> None:
 
 
 def test_load_names_a_host_wide_pressure_as_such() -> None:
-    host = check_load(40.0, cpus=8, host_cpus=128, cpu_pressure=0.5, pressure_scope="host")
+    host = check_load(4.0, cpus=8, pressure_scope="host", cpu_pressure=0.5)
     assert host.verdict == "warn" and "host-wide, no cgroup figure" in host.value
-    assert "other jobs' threads count too" in host.fix
+    assert "threads on this host waited for a core 50%" in host.fix
+    whole = check_load(40.0, cpus=128, host_cpus=128, cpu_pressure=0.5, pressure_scope="host")
+    assert whole.verdict == "warn" and "run fewer jobs at once" in whole.fix
     # Without a load average (not that Linux lacks one) the pressure alone is judged.
     assert check_load(None, cpus=8, cpu_pressure=0.5).verdict == "warn"
     assert check_load(None, cpus=8, cpu_pressure=0.05).verdict == "ok"
+
+
+def test_load_of_a_pod_is_not_warned_on_the_hosts_pressure() -> None:
+    # A pod allowed 8 of 128 CPUs whose cgroup reports no PSI (cgroup v1 on a PSI kernel):
+    # the host-wide figure counts its neighbours' threads on other cores (before: warn).
+    pod = check_load(40.0, cpus=8, host_cpus=128, cpu_pressure=0.5, pressure_scope="host")
+    assert pod.verdict == "ok" and pod.fix == ""
+    assert "CPU pressure 50% (the host's (host-wide, no cgroup figure) PSI" in pod.value
+    assert "not judged: 8 of the host's 128 CPUs usable here" in pod.value
+    # A host overloaded as a whole still warns, by its load average.
+    assert check_load(200.0, 8, host_cpus=128, cpu_pressure=0.5, pressure_scope="host").fix
 
 
 @pytest.mark.parametrize("share", [-0.1, 1.5, float("nan"), "0.3", True])

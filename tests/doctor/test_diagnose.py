@@ -196,12 +196,13 @@ def test_diagnose_judges_the_host_wide_load_against_the_hosts_cpus(
 
 
 @pytest.mark.parametrize(
-    ("job", "host", "verdict"),
+    ("job", "host", "cpus", "verdict"),
     [
-        (65.0, 10.0, "warn"),  # the job's own threads wait for its 8 CPUs
-        (1.0, 80.0, "ok"),  # the host is busy, the job's cgroup is not stalled
-        (None, None, "ok"),  # no PSI: the load average against the host's 128 CPUs
-        (None, 65.0, "warn"),  # no cgroup figure: the host-wide one
+        (65.0, 10.0, 8, "warn"),  # the job's own threads wait for its 8 CPUs
+        (1.0, 80.0, 8, "ok"),  # the host is busy, the job's cgroup is not stalled
+        (None, None, 8, "ok"),  # no PSI: the load average against the host's 128 CPUs
+        (None, 65.0, 8, "ok"),  # no cgroup figure: the host-wide one counts the neighbours
+        (None, 65.0, 128, "warn"),  # no cgroup figure, no limit: the host's threads are its own
     ],
 )
 def test_diagnose_judges_a_quota_jobs_load_by_its_cgroups_cpu_pressure(
@@ -209,13 +210,16 @@ def test_diagnose_judges_a_quota_jobs_load_by_its_cgroups_cpu_pressure(
     tmp_path: Path,
     job: float | None,
     host: float | None,
+    cpus: int,
     verdict: str,
 ) -> None:
-    # A job in an 8-CPU quota on a 128-core host, host-wide load 40 (< 1.5 x 128); before:
-    # ok whatever its own cgroup's threads went through.
+    # A job in an 8-CPU quota (or none) on a 128-core host, host-wide load 40 (< 1.5 x 128);
+    # before: ok whatever its own cgroup's threads went through, and warned on the host-wide
+    # pressure though 8 CPUs were its own.
     root, proc_pressure = tmp_path / "cgroup", tmp_path / "pressure_cpu"
     write(tmp_path / "proc_cgroup", "0::/job\n")
-    write(root / "job" / "cpu.max", "800000 100000\n")
+    if cpus < 128:
+        write(root / "job" / "cpu.max", f"{cpus * 100000} 100000\n")
     for path, avg60 in ((root / "job" / "cpu.pressure", job), (proc_pressure, host)):
         if avg60 is not None:
             write(path, f"some avg10=0.00 avg60={avg60:.2f} avg300=0.00 total=1\n")
@@ -225,7 +229,8 @@ def test_diagnose_judges_a_quota_jobs_load_by_its_cgroups_cpu_pressure(
         lambda: cgroup_cpu_pressure(root, tmp_path / "proc_cgroup", proc_pressure),
     )
     monkeypatch.setattr(os, "getloadavg", lambda: (40.0, 30.0, 12.0), raising=False)
-    job_limits = limits(cpus_host=128, cpus_affinity=128, cpu_quota=8.0, cpus=8)
+    quota = float(cpus) if cpus < 128 else None
+    job_limits = limits(cpus_host=128, cpus_affinity=128, cpu_quota=quota, cpus=cpus)
     load = {c.name: c for c in diagnose(limits=job_limits, env={}).checks}["load"]
     assert load.verdict == verdict
     assert ("CPU pressure" in load.value) == (job is not None or host is not None)

@@ -283,7 +283,8 @@ def _busy_host_notes(
 ) -> tuple[str, ...]:
     """A note when other work crowded the host while measuring (doctor's ``load`` check:
     the host-wide load against the host's CPUs where this process may use fewer, and the
-    CPU pressure of its cgroup, ``cgroup_cpu_pressure()``, where Linux reports one).
+    CPU pressure of its cgroup, ``cgroup_cpu_pressure()``, where Linux reports one; a
+    host-wide pressure only where this process may use all the host's CPUs).
 
     Example:
         >>> _busy_host_notes(12.0, 2)[0].startswith("the host was busy")

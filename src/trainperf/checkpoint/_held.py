@@ -56,7 +56,15 @@ def _remember(key: _Key, held: int | str) -> None:
     _HELD.pop(key[0], None)  # re-inserted last: the newest answer
     _HELD[key[0]] = (key, held)
     while len(_HELD) > _LIMIT:
-        _HELD.pop(next(iter(_HELD)), None)
+        try:
+            oldest = next(iter(_HELD), None)
+        except RuntimeError:
+            # Another thread (the forked writer's reaper: learn, forget) changed the cache
+            # between iter() and next(); the next answer kept trims what is left over.
+            break
+        if oldest is None:
+            break
+        _HELD.pop(oldest, None)
 
 
 def held_step(path: Path, *, raise_read_errors: bool = False) -> int | str:

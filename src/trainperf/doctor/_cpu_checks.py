@@ -220,8 +220,10 @@ def check_load(
     waited for a core, neighbours on other cores left out.
 
     The rule: warn when the load average is over 1.5 x the CPUs it is judged against, or
-    the CPU pressure is over 20 %; ok otherwise. Without a pressure figure (no PSI) the load
-    average alone decides, as before.
+    the CPU pressure is over 20 %; ok otherwise. A host-wide pressure (``pressure_scope=
+    "host"``: no cgroup reports one) is shown but judged only where ``cpus`` is all the
+    host's: with fewer it counts the neighbours too. Without a pressure figure (no PSI) the
+    load average alone decides, as before.
 
     Args:
         load_average: ``os.getloadavg()[0]``; None where the platform has none (Windows).
@@ -232,7 +234,7 @@ def check_load(
             (``trainperf.limits.cgroup_cpu_pressure()``); None where unknown.
         pressure_scope: whose threads ``cpu_pressure`` counts: ``"cgroup"``, those under
             this process's CPU limit, or ``"host"``, the whole host's (``/proc/pressure/cpu``,
-            read where no cgroup reports one).
+            read where no cgroup reports one; not judged where ``cpus < host_cpus``).
 
     Raises:
         ValueError: ``cpus`` is not an int >= 1, ``host_cpus`` not an int >= ``cpus``,
@@ -248,6 +250,8 @@ def check_load(
         'ok'
         >>> check_load(24.0, cpus=8, host_cpus=64, cpu_pressure=0.6).verdict  # its own
         'warn'
+        >>> check_load(24.0, 8, host_cpus=64, cpu_pressure=0.6, pressure_scope="host").verdict
+        'ok'
     """
     cpus = positive_int("cpus", cpus)
     host = _host_cpus(cpus, host_cpus)
@@ -258,7 +262,7 @@ def check_load(
         return Check("load", "skip", "no load average on this platform", "")
     value = "; ".join(
         part
-        for part in (_load_value(load_average, cpus, host), _pressure_value(pressure, cpus))
+        for part in (_load_value(load_average, cpus, host), _pressure_value(pressure, cpus, host))
         if part
     )
     fix = _load_fix(load_average, cpus, host) or _pressure_fix(pressure, cpus, host)
@@ -295,13 +299,19 @@ def _load_value(load: float | None, cpus: int, host: int) -> str:
     )
 
 
-def _pressure_value(pressure: tuple[float, PressureScope] | None, cpus: int) -> str:
+def _pressure_value(pressure: tuple[float, PressureScope] | None, cpus: int, host: int) -> str:
     """The CPU pressure as the value shows it ('' without one)."""
     if pressure is None:
         return ""
     share, scope = pressure
     whose = "this cgroup's" if scope == "cgroup" else "the host's (host-wide, no cgroup figure)"
-    return f"CPU pressure {share:.0%} ({whose} PSI some avg60)"
+    value = f"CPU pressure {share:.0%} ({whose} PSI some avg60)"
+    if scope == "host" and cpus < host:
+        value += (
+            f", not judged: {cpus} of the host's {host} CPUs usable here, so other jobs' "
+            "threads on other cores count too"
+        )
+    return value
 
 
 _FEWER_THREADS = (
@@ -323,15 +333,19 @@ def _load_fix(load: float | None, cpus: int, host: int) -> str:
 
 
 def _pressure_fix(pressure: tuple[float, PressureScope] | None, cpus: int, host: int) -> str:
-    """The fix when the CPU pressure is over ``PRESSURE_WARN``, else ''."""
+    """The fix when the CPU pressure is over ``PRESSURE_WARN``, else ''. A host-wide figure
+    is judged only where this process may use all the host's CPUs: with fewer, it counts the
+    neighbours' threads on other cores, which the load average is not judged on either."""
     if pressure is None or pressure[0] <= PRESSURE_WARN:
         return ""
     share, scope = pressure
     if scope == "host":
+        if cpus < host:
+            return ""
         return (
             f"threads on this host waited for a core {share:.0%} of the last minute (a "
-            "host-wide figure: with fewer CPUs usable here, other jobs' threads count too): "
-            f"run fewer jobs at once, {_FEWER_THREADS}, or pin each job to cores of its own"
+            f"host-wide figure, no cgroup one): run fewer jobs at once, {_FEWER_THREADS}, or "
+            "pin each job to cores of its own"
         )
     if cpus == host:
         return (
