@@ -317,8 +317,19 @@ def test_fp16_a_backward_keeps_the_unscale_of_an_optimizer_it_did_not_touch(inpu
     # One loss per optimizer, a's unscaled (to read its norm) before b's backward. Before:
     # that backward dropped the scaler's record of a's unscale_ too, with a warning whose
     # advice did not fit, and the step unscaled a's gradients again: a ended at 0.99999845.
-    mp = MixedPrecision("cpu", precision="fp16")
-    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    _one_loss_per_optimizer_after_an_unscale("cpu", inputs)
+
+
+@pytest.mark.requires_cuda
+def test_fp16_on_cuda_a_backward_keeps_the_unscale_of_an_optimizer_it_did_not_touch() -> None:
+    # The same on the GPU, where LossScaler's gradient versions come from CUDA tensors.
+    _one_loss_per_optimizer_after_an_unscale("cuda", inputs=False)
+
+
+def _one_loss_per_optimizer_after_an_unscale(device: str, inputs: bool) -> None:
+    mp = MixedPrecision(device, precision="fp16")
+    a = nn.Parameter(torch.ones(2, device=device))
+    b = nn.Parameter(torch.ones(2, device=device))
     opt_a, opt_b = torch.optim.SGD([a], lr=0.01), torch.optim.SGD([b], lr=0.01)
     assert mp.scaler is not None
     with warnings.catch_warnings():
