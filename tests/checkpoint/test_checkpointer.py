@@ -31,7 +31,7 @@ import trainperf.checkpoint._read as read_module
 import trainperf.checkpoint._writer as writer_module
 import trainperf.checkpoint._writer_fork as writer_fork
 from tests.checkpoint import _agree
-from tests.checkpoint._common import held_thread_writes
+from tests.checkpoint._common import as_if_from_newer_torch, held_thread_writes
 from tests.ddp._distributed import FORK, spawn
 from trainperf import Checkpointer, MixedPrecision, host_limits, load_checkpoint
 from trainperf._utils.atomic import temp_name
@@ -125,10 +125,14 @@ def test_keep_counts_no_foreign_file_and_deletes_no_real_step_for_it(tmp_path: P
     ckpt.save({"w": torch.ones(1)}, step=10)
     foreign = tmp_path / "step-000000999.pt"
     torch.save({"other": "run"}, foreign)
+    # Not "already holds step 999" (a resume skips it): that it is not one restore loads.
+    with pytest.warns(UserWarning) as caught:
+        ckpt.save({"w": torch.full((1,), 20.0)}, step=20)
+    (message,) = [str(w.message) for w in caught]
+    assert "step-000000999.pt (step 999, later than this save) is not a checkpoint" in message
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # not "already holds step 999": a resume skips it
-        for step in (20, 30):
-            ckpt.save({"w": torch.full((1,), float(step))}, step=step)
+        warnings.simplefilter("error")  # once
+        ckpt.save({"w": torch.full((1,), 30.0)}, step=30)
     assert ckpt.steps() == [20, 30, 999]
     assert torch.load(foreign) == {"other": "run"}  # nor is the foreign file deleted
     w = torch.zeros(1)
@@ -136,6 +140,20 @@ def test_keep_counts_no_foreign_file_and_deletes_no_real_step_for_it(tmp_path: P
         assert ckpt.latest() == tmp_path / "step-000000030.pt"
     with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000999\.pt: .*not "):
         assert ckpt.restore({"w": w}) == 30
+
+
+@pytest.mark.timeout(20)
+def test_a_named_pipe_with_a_step_files_name_is_skipped_not_waited_on(tmp_path: Path) -> None:
+    # Reading its pickle opened it, which waits for a writer: save, latest and restore hung.
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"w": torch.ones(1)}, step=1)
+    os.mkfifo(tmp_path / "step-000000009.pt")
+    with pytest.warns(UserWarning, match=r"step-000000009\.pt .*a named pipe \(FIFO\)"):
+        ckpt.save({"w": torch.ones(1)}, step=2)
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*a named pipe \(FIFO\)"):
+        assert ckpt.latest() == tmp_path / "step-000000002.pt"
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*a named pipe \(FIFO\)"):
+        assert ckpt.restore({"w": torch.zeros(1)}) == 2
 
 
 def test_the_skip_warnings_of_latest_and_restore_name_the_callers_line(tmp_path: Path) -> None:
@@ -1076,6 +1094,21 @@ def test_a_complete_checkpoint_that_weights_only_refuses_stops_restore(tmp_path:
         state: dict[str, Any] = {"model": nn.Linear(2, 2), "status": None}
         assert Checkpointer(tmp_path).restore(state) == 2
     assert state["status"] is http.HTTPStatus.OK
+
+
+def test_a_step_file_from_a_newer_torch_stops_restore(tmp_path: Path) -> None:
+    # It was skipped as damaged for step 1 (and left out of keep=), losing the steps since,
+    # on a machine whose torch is older than the one that saved it.
+    ckpt = Checkpointer(tmp_path)
+    for step in (1, 2):
+        ckpt.save({"w": torch.full((1,), float(step))}, step=step)
+    as_if_from_newer_torch(tmp_path / "step-000000002.pt")
+    w = torch.zeros(1)
+    with pytest.raises(
+        CheckpointError, match=r"restore stops at step 2 rather than fall back .*newer PyTorch"
+    ):
+        Checkpointer(tmp_path).restore({"w": w})
+    assert torch.equal(w, torch.zeros(1))  # step 1 was not loaded instead
 
 
 def test_nested_entries_the_checkpoint_lacks_are_named(tmp_path: Path) -> None:

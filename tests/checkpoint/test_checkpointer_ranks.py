@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import trainperf.checkpoint._checkpointer as checkpointer_module
+import trainperf.checkpoint._checkpointer_ranks as ranks_module
 import trainperf.checkpoint._checkpointer_restore as restore_module
 from tests.checkpoint import _ranks
 from tests.ddp._distributed import FORK, spawn
@@ -85,6 +86,28 @@ def test_restore_refuses_another_ranks_file_and_names_its_right_name(
         match=r"holds rank 2's part of step 2, but its name says rank 1's part of step 2 .*"
         r"rename it to step-000000002\.rank-00002\.pt if it is",
     ):
+        ckpt.restore({"w": torch.zeros(2)})
+
+
+def test_a_misnamed_rank_file_is_refused_before_it_is_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The rank file was loaded whole (all its tensors) before its name was checked, where the
+    # main file's pickle alone is read first.
+    ckpt = _saved(tmp_path, monkeypatch)
+    shutil.copyfile(
+        tmp_path / "step-000000001.rank-00001.pt", tmp_path / "step-000000002.rank-00001.pt"
+    )
+    real = ranks_module.load_checkpoint
+
+    def main_file_only(path: Path, *args: Any, **kwargs: Any) -> Any:
+        assert ".rank-" not in path.name, f"loaded {path.name} before checking its name"
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(ranks_module, "load_checkpoint", main_file_only)
+    monkeypatch.setattr(restore_module, "load_checkpoint", main_file_only)
+    _as_rank(monkeypatch, 1)
+    with pytest.raises(CheckpointError, match=r"rank-00001\.pt holds rank 1's part of step 1"):
         ckpt.restore({"w": torch.zeros(2)})
 
 

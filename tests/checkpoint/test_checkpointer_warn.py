@@ -4,6 +4,7 @@ later (another process's)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import warnings
 from pathlib import Path
@@ -52,17 +53,65 @@ def test_a_later_step_written_by_another_process_is_warned_of_once_per_new_step(
         ckpt.save({"w": torch.ones(1)}, step=40)
 
 
-def test_a_later_file_that_a_resume_would_skip_is_not_warned_of(tmp_path: Path) -> None:
-    ckpt = Checkpointer(tmp_path)
+def test_a_later_file_that_a_resume_would_skip_is_warned_of_once(tmp_path: Path) -> None:
+    # A later step file cut short (or foreign) was passed over without a word: it sits above
+    # every step this run saves, keep= never deletes it, and only a resume's warning named it.
+    ckpt = Checkpointer(tmp_path, keep=1)
     ckpt.save({"w": torch.ones(1)}, step=10)
-    torch.save({"other": "tool"}, tmp_path / "step-000000900.pt")  # foreign: restore skips it
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    cut = tmp_path / "step-000000950.pt"
+    cut.write_bytes(b"cut short")
+    with pytest.warns(UserWarning) as caught:
         ckpt.save({"w": torch.ones(1)}, step=20)
-    (tmp_path / "step-000000950.pt").write_bytes(b"cut short")
+    (message,) = [str(w.message) for w in caught]
+    assert f"save(step=20): {cut} (step 950, later than this save) is not a checkpoint" in message
+    assert "latest() and restore() skip it" in message and "keep=1 never deletes it" in message
+    assert f"copy it again; otherwise move it out of {tmp_path}" in message
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error")  # once per version of the file, not at every save
         ckpt.save({"w": torch.ones(1)}, step=30)
+    torch.save({"other": "tool"}, cut)  # another version: foreign, skipped too
+    with pytest.warns(UserWarning, match=r"step-000000950\.pt \(step 950.*not written by"):
+        ckpt.save({"w": torch.ones(1)}, step=40)
+    assert ckpt.steps() == [40, 950]  # kept: it may be all that is left of something
+
+
+def test_a_later_file_that_cannot_be_read_is_warned_of_and_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A later step file the disk would not read (EIO) was skipped in silence at every save,
+    # while every resume raised at it.
+    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt.save({"w": torch.ones(1)}, step=10)
+    _arrives(tmp_path, tmp_path / "other", 900)
+    real = held_module.skim
+
+    def eio_at_900(path: Path) -> Any:
+        if path.name == "step-000000900.pt":
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path)
+
+    monkeypatch.setattr(held_module, "skim", eio_at_900)
+    with pytest.warns(UserWarning) as caught:
+        ckpt.save({"w": torch.ones(1)}, step=20)
+    (message,) = [str(w.message) for w in caught]
+    assert "save(step=20): step 900, later than this save, could not be read" in message
+    assert "latest() and restore() will raise OSError at it" in message
+    assert "keep=1 never deletes it" in message
+    assert "cannot read checkpoint" in message and "Input/output error" in message
+    assert "check the storage and retry" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per version of the file
+        ckpt.save({"w": torch.ones(1)}, step=30)
+    assert ckpt.steps() == [30, 900]
+
+
+def test_an_unreadable_file_below_the_newest_readable_one_is_not_warned_of(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "step-000000005.pt").write_bytes(b"cut short")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a resume takes step 10: nothing newer is hidden
+        Checkpointer(tmp_path).save({"w": torch.ones(1)}, step=10)
 
 
 def test_a_later_step_this_run_has_passed_is_not_warned_of(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.checkpoint._common import FIXTURES, GPU_FILES
+from tests.checkpoint._common import FIXTURES, GPU_FILES, as_if_from_newer_torch
 from trainperf.checkpoint import load_checkpoint, save_checkpoint
 from trainperf.errors import (
     CheckpointCorruptError,
@@ -191,6 +191,30 @@ def test_other_load_failures_are_checkpoint_errors(tmp_path: Path) -> None:
     module.unlink()
     with pytest.raises(CheckpointError, match=r"could not load.*No module named 'gone_module'"):
         load_checkpoint(tmp_path / "t.pt", weights_only=False)
+
+
+@pytest.mark.timeout(20)
+def test_a_named_pipe_is_not_a_checkpoint_and_does_not_hang(tmp_path: Path) -> None:
+    # open() of a FIFO waits for a writer: load_checkpoint hung for good.
+    os.mkfifo(tmp_path / "c.pt")
+    with pytest.raises(NotACheckpointError, match=r"c\.pt is a named pipe \(FIFO\), not a"):
+        load_checkpoint(tmp_path / "c.pt")
+
+
+def test_a_file_from_a_newer_torch_says_to_upgrade_not_that_it_is_damaged(
+    tmp_path: Path,
+) -> None:
+    # It said "damaged or truncated ...; re-copy it or use an earlier checkpoint".
+    path = save_checkpoint({"w": torch.ones(3)}, tmp_path / "c.pt")
+    as_if_from_newer_torch(path)
+    with pytest.raises(
+        CheckpointError,
+        match=r"c\.pt was saved by a newer PyTorch: it is file format version 99, and torch "
+        r"\S+ here reads versions up to \d+\. The file is not damaged: load it with a newer "
+        r"torch \(pip install -U torch\)",
+    ) as info:
+        load_checkpoint(path)
+    assert not isinstance(info.value, CheckpointCorruptError)
 
 
 def test_an_io_error_while_checking_the_crcs_is_not_called_damaged(

@@ -152,7 +152,7 @@ def test_the_answers_kept_follow_the_files_retention_keeps(
     assert ckpt.steps() == [29, 30]
     assert len(held_module._HELD) == 2
     assert held_module.known(tmp_path) == [
-        [*held_module._key(main_file(tmp_path, s)), s] for s in (29, 30)
+        [*held_module.version(main_file(tmp_path, s)), s] for s in (29, 30)
     ]
 
 

@@ -133,6 +133,7 @@ class Checkpointer:
         self._stops: list[Preemption] = []  # every preemption() made, nested ones too
         self._damaged: set[int] = set()  # steps whose file restore found corrupt
         self._behind_told = -1  # the highest later step on disk warned of so far
+        self._unusable_told: set[tuple[object, ...]] = set()  # later files warned unusable
         self._highest = -1  # the highest step on disk or saved here, as far as seen
         self._claim = DirectoryClaim(self.directory)  # rank 0's writer lock, at its first save
 
@@ -386,6 +387,10 @@ class Checkpointer:
                 (copied or renamed from another step's file: ``step-000000200.pt`` holding
                 step 100): not loaded, nor skipped for an older one; the message names the
                 file, both steps and the fix.
+            CheckpointError: the newest step file was saved by a newer PyTorch (not
+                skipped for an older one: the message says to upgrade torch).
+            UnsafeCheckpointError: the newest step file holds values ``weights_only=True``
+                refuses (not skipped for an older one).
             CheckpointError: under a process group, another rank could not restore its own
                 part (its rank file holds another step or rank than its name says; the
                 message names the rank and why), the ranks found different newest steps,

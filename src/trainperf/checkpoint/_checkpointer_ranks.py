@@ -19,6 +19,7 @@ import torch
 from trainperf._utils.stack import user_stacklevel
 from trainperf.checkpoint._files import load_checkpoint
 from trainperf.checkpoint._payload import RESERVED, saved_step
+from trainperf.checkpoint._skim import skim
 from trainperf.checkpoint._steps import main_file, rank_file, refuse_misnamed
 from trainperf.errors import CheckpointError
 
@@ -48,6 +49,7 @@ def own_part(ckpt: Checkpointer, step: int, rank: int) -> Mapping[str, Any] | No
     if rank == 0:
         return None
     path = rank_file(ckpt.directory, step, rank)
+    _refuse_misnamed_unloaded(path, step, rank)
     try:
         own: Mapping[str, Any] = load_checkpoint(path)  # saved_step checks it is one
         held = saved_step(own, str(path))
@@ -62,6 +64,20 @@ def own_part(ckpt: Checkpointer, step: int, rank: int) -> Mapping[str, Any] | No
         return None
     refuse_misnamed("restore", path, step, held, named_rank=rank, held_rank=_saved_rank(own, rank))
     return own
+
+
+def _refuse_misnamed_unloaded(path: Path, step: int, rank: int) -> None:
+    """Refuse rank ``rank``'s file ``path`` of step ``step`` when its pickle alone shows it
+    holds another step or rank, before the full load reads its tensors (as the main file is
+    refused). A file it cannot tell about (cut short, unreadable, foreign) is left to the
+    full load, which warns or raises as it should."""
+    try:
+        skimmed = skim(path)
+        held = saved_step(skimmed, str(path))
+    except Exception:
+        return
+    held_rank = _saved_rank(skimmed, rank)
+    refuse_misnamed("restore", path, step, held, named_rank=rank, held_rank=held_rank)
 
 
 def _saved_rank(own: Mapping[str, Any], named: int) -> int:

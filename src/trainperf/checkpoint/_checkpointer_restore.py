@@ -1,7 +1,8 @@
 """Reading a :class:`~trainperf.checkpoint.Checkpointer`'s directory back: the newest complete
 step file (:func:`newest_complete`, what ``latest`` returns) and loading it into the live
 objects (:func:`restore_newest`, what ``restore`` does), a damaged file skipped for an older
-one, a misnamed one refused before it is loaded.
+one, a misnamed one refused before it is loaded, and one this process cannot load though it
+is complete (``weights_only`` refuses it, a newer PyTorch wrote it) stopping the restore.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from trainperf.checkpoint._checkpointer_ranks import _group, agree, agreed_own_p
 from trainperf.checkpoint._checkpointer_wait import settle
 from trainperf.checkpoint._checkpointer_warn import _stops_at
 from trainperf.checkpoint._files import load_checkpoint
+from trainperf.checkpoint._formats import newer_format
 from trainperf.checkpoint._held import held_step
 from trainperf.checkpoint._loader_state import track
 from trainperf.checkpoint._payload import restore_into, saved_step
@@ -71,15 +73,10 @@ def restore_newest(
         try:
             saved = load_checkpoint(path, dev)
             found = saved_step(saved, str(path))
-        except UnsafeCheckpointError as e:
-            # Complete, but it holds values weights_only refuses: falling back to an
-            # older file would silently lose the steps since (they all hold them).
-            raise UnsafeCheckpointError(
-                f"Checkpointer.restore stops at step {step} rather than fall back to an "
-                f"older checkpoint: {e}",
-                path,
-            ) from e
         except (CheckpointError, ValueError) as e:
+            stop = _stop_at(e, step, path)
+            if stop is not None:
+                raise stop from e
             warnings.warn(f"skipping checkpoint {path}: {e}", UserWarning, stacklevel=3)
             ckpt._damaged.add(step)  # kept, but not one of the ``keep`` newest
             continue
@@ -90,6 +87,21 @@ def restore_newest(
         return found
     agree(ckpt.directory, 0)
     return 0
+
+
+def _stop_at(e: Exception, step: int, path: Path) -> CheckpointError | None:
+    """The error that stops restore at step ``step``, whose file ``path`` failed to load
+    with ``e``, when the file is complete but this process cannot load it: it holds values
+    weights_only refuses, or it was saved by a newer PyTorch. Falling back to an older
+    file would silently lose the steps since (they are all likely alike). None: skip it."""
+    if not isinstance(e, UnsafeCheckpointError) and newer_format(e.__cause__) is None:
+        return None
+    kind = UnsafeCheckpointError if isinstance(e, UnsafeCheckpointError) else CheckpointError
+    return kind(
+        f"Checkpointer.restore stops at step {step} rather than fall back to an older "
+        f"checkpoint: {e}",
+        path,
+    )
 
 
 def _refuse_misnamed_unloaded(path: Path, step: int) -> None:

@@ -1,18 +1,21 @@
 """What a :class:`~trainperf.checkpoint.Checkpointer` warns about, and the error it raises for
 a file it cannot read: a directory that already holds a later step (or, under a later
-step's name, a copy of another step that makes every resume raise), retired files it could
-not delete, a background writer the system refused (made a blocking save, with the limit to
-raise), and a file whose read failed (not skipped for an older one).
+step's name, a copy of another step that makes every resume raise, or a file a resume
+cannot use: unreadable, cut short, foreign), retired files it could not delete, a
+background writer the system refused (made a blocking save, with the limit to raise), and a
+file whose read failed (not skipped for an older one).
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainperf._utils.stack import user_stacklevel
-from trainperf.checkpoint._held import held_step
+from trainperf.checkpoint._held import held_step, version
 from trainperf.checkpoint._steps import main_file, misnamed
 
 if TYPE_CHECKING:
@@ -26,12 +29,17 @@ def warn_if_behind(ckpt: Checkpointer, step: int) -> None:
     process's written since, or a step count that restarted. :meth:`latest` and
     :meth:`restore` take the highest step, so a resume would continue from that one, not
     from this run; if that file holds another step than its name says (a copy), they raise
-    instead, so every resume fails until it is moved. Once per later step seen: the
-    directory's names are listed at each save, and only a file named above every step known
-    (on disk or saved here) is read, once.
+    instead, so every resume fails until it is moved. Also warn of each file above both
+    ``step`` and that later step that a resume cannot use (unreadable, cut short, foreign:
+    :func:`_warn_unusable`). Once per later step seen, and per version of an unusable file:
+    the directory's names are listed at each save, and only a file named above every step
+    known (on disk or saved here) is read, once (an unreadable one at each save).
     """
-    highest, held = _highest_resumed(ckpt, ckpt._highest)
+    highest, held, unusable = _highest_resumed(ckpt, ckpt._highest)
     ckpt._highest = max(highest, step)
+    for later, path, why in unusable:
+        if later > step:
+            _warn_unusable(ckpt, step, later, path, why)
     if step >= highest or highest <= ckpt._behind_told:
         return
     ckpt._behind_told = highest
@@ -63,20 +71,61 @@ def _warn_misnamed(ckpt: Checkpointer, step: int, named: int, held: int) -> None
     )
 
 
-def _highest_resumed(ckpt: Checkpointer, known: int) -> tuple[int, int]:
-    """The highest step on disk above ``known`` whose file a resume would stop at, and the
-    step that file holds (another one: a misnamed copy, which restore raises for); else
-    ``(known, known)``. Not the files restore found damaged, nor those it would skip (cut
-    short, foreign), as a resume skips them too. Names at or below ``known`` are not looked
-    at, and a file is read once per version
-    (:func:`~trainperf.checkpoint._held.held_step`)."""
+def _warn_unusable(
+    ckpt: Checkpointer, step: int, later: int, path: Path, why: str | OSError
+) -> None:
+    """Warn, once per version of the file, that ``path`` (of step ``later``, above ``step``)
+    is not one a resume can use: unreadable (``why`` an ``OSError``: latest and restore raise
+    at it, as the file may be fine) or not a loadable step file (``why`` says why: they skip
+    it for an older one). ``keep=`` never deletes it either way."""
+    told = version(path) or (os.fspath(path),)
+    if told in ckpt._unusable_told:
+        return
+    ckpt._unusable_told.add(told)
+    if isinstance(why, OSError):
+        text = (
+            f"Checkpointer.save(step={step}): step {later}, later than this save, could not "
+            f"be read, so latest() and restore() will raise OSError at it instead of "
+            f"resuming from this run, and keep={ckpt.keep} never deletes it: {why}. If it "
+            f"is damaged for good, move it out of {ckpt.directory}"
+        )
+    else:
+        text = (
+            f"Checkpointer.save(step={step}): {path} (step {later}, later than this save) "
+            f"is not a checkpoint restore can load ({why}): latest() and restore() skip it "
+            f"for an older step, and keep={ckpt.keep} never deletes it. If it is a "
+            f"checkpoint cut short or damaged in a copy, copy it again; otherwise move it "
+            f"out of {ckpt.directory}"
+        )
+    warnings.warn(text, UserWarning, stacklevel=user_stacklevel())
+
+
+def _highest_resumed(
+    ckpt: Checkpointer, known: int
+) -> tuple[int, int, list[tuple[int, Path, str | OSError]]]:
+    """The highest step on disk above ``known`` whose file a resume would stop at, the
+    step that file holds (another one: a misnamed copy, which restore raises for), and the
+    files above it that a resume cannot use: ``(step, path, why)``, ``why`` the read error
+    (restore raises it) or why the file is not a step file (cut short, foreign: restore
+    skips it); ``(known, known, those files)`` when there is no such step. The files
+    restore found damaged are passed over (it warned of them). Names at or below ``known``
+    are not looked at, and a file is read once per version
+    (:func:`~trainperf.checkpoint._held.held_step`; an unreadable one at every call)."""
+    unusable: list[tuple[int, Path, str | OSError]] = []
     for step in reversed(ckpt.steps()):
         if step <= known:
             break
-        held = None if step in ckpt._damaged else held_step(main_file(ckpt.directory, step))
+        if step in ckpt._damaged:
+            continue
+        path = main_file(ckpt.directory, step)
+        try:
+            held: int | str | OSError = held_step(path, raise_read_errors=True)
+        except OSError as e:
+            held = e
         if isinstance(held, int):
-            return step, held
-    return known, known
+            return step, held, unusable
+        unusable.append((step, path, held))
+    return known, known, unusable
 
 
 def warn_notes(notes: list[str]) -> None:

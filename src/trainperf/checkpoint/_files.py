@@ -382,8 +382,9 @@ def load_checkpoint(
         DeviceError: CUDA or MPS asked for but not available, or fewer GPUs than the index.
         CheckpointNotFoundError: No file at ``path``.
         NotACheckpointError: A directory without weights trainperf recognises (or a
-            ``torch.distributed.checkpoint`` one: the message names the converter), or a file
-            of another kind (text, JSON, image, ...).
+            ``torch.distributed.checkpoint`` one: the message names the converter), a file
+            of another kind (text, JSON, image, ...), or a named pipe, socket or device
+            (refused before it is opened: reading a pipe would wait for a writer).
         CheckpointCorruptError: An empty, truncated or damaged checkpoint.
         MemoryError: Host memory ran out while loading (not a ``CheckpointError``: the file
             is fine); the message gives the file's size and what to try instead.
@@ -394,7 +395,9 @@ def load_checkpoint(
             network-filesystem error; ``PermissionError`` for EACCES): not a
             ``CheckpointError``, the file may be fine; the message names it and what to check.
         UnsafeCheckpointError: ``weights_only=True`` refused an object in the file.
-        CheckpointError: Any other failure while loading (cause chained).
+        CheckpointError: A file saved by a newer PyTorch than this one (the message says
+            to upgrade torch; the file is not damaged), or any other failure while loading
+            (cause chained).
 
     Example:
         >>> import tempfile

@@ -10,6 +10,7 @@ import contextlib
 import errno
 import pickle
 import re
+import stat
 import struct
 import zipfile
 from pathlib import Path
@@ -90,6 +91,27 @@ def _describe(head: bytes) -> str:
     except UnicodeDecodeError:
         return "unrecognised binary data"
     return "a text file"
+
+
+# Files whose open() or read() waits on another process or reads a device, never a checkpoint.
+_SPECIAL = (
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def special_file(mode: int) -> str | None:
+    """What a file of ``st_mode`` ``mode`` is, when opening it to read a checkpoint would
+    wait for a writer (a named pipe) or read a device: never a checkpoint. None for a
+    regular file, a directory or a link.
+
+    Example:
+        >>> special_file(stat.S_IFIFO | 0o644), special_file(stat.S_IFREG | 0o644)
+        ('a named pipe (FIFO)', None)
+    """
+    return next((what for test, what in _SPECIAL if test(mode)), None)
 
 
 def _is_safetensors(head: bytes) -> bool:
@@ -356,6 +378,9 @@ def _torch_load(path: Source, dev: torch.device, weights_only: bool) -> Any:
             path.seek(start)
         if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in msg:
             raise UnsafeCheckpointError(_unsafe_message(path, refusal_reason(msg)), path) from e
+        newer = newer_format(e)
+        if newer is not None:
+            raise CheckpointError(_newer_message(path, *newer), path) from e
         if isinstance(e, (RuntimeError, EOFError, pickle.UnpicklingError, KeyError, ValueError)):
             raise CheckpointCorruptError(
                 f"checkpoint {shown(path)} is damaged or truncated ({type(e).__name__}: "
@@ -366,6 +391,35 @@ def _torch_load(path: Source, dev: torch.device, weights_only: bool) -> Any:
         raise CheckpointError(
             f"could not load checkpoint {shown(path)}: {type(e).__name__}: {e}", path
         ) from e
+
+
+def newer_format(e: BaseException | None) -> tuple[int, int] | None:
+    """``(the file's format version, the newest this torch reads)`` when ``e`` is torch
+    refusing a file saved by a newer PyTorch; else None.
+
+    Example:
+        >>> newer_format(RuntimeError("[enforce fail at inline_container.cc:230] . Attempted "
+        ...     "to read a PyTorch file with version 11, but the maximum supported version "
+        ...     "for reading is 10."))
+        (11, 10)
+        >>> newer_format(RuntimeError("PytorchStreamReader failed reading zip archive"))
+    """
+    m = _NEWER.search(str(e)) if isinstance(e, RuntimeError) else None
+    return None if m is None else (int(m[1]), int(m[2]))
+
+
+_NEWER = re.compile(
+    r"PyTorch file with version (\d+), but the maximum supported version for reading is (\d+)"
+)
+
+
+def _newer_message(path: Source, found: int, newest: int) -> str:
+    return (
+        f"checkpoint {shown(path)} was saved by a newer PyTorch: it is file format version "
+        f"{found}, and torch {torch.__version__} here reads versions up to {newest}. The file "
+        "is not damaged: load it with a newer torch (pip install -U torch), or where it was "
+        "saved"
+    )
 
 
 def _torch_mmap_hint(path: Source) -> str:

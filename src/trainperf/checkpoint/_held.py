@@ -27,7 +27,7 @@ from trainperf.checkpoint._formats import read_error, read_failure
 from trainperf.checkpoint._payload import saved_step
 from trainperf.checkpoint._skim import skim
 
-__all__ = ["forget", "held_step", "known", "learn", "vouch"]
+__all__ = ["forget", "held_step", "known", "learn", "version", "vouch"]
 
 # (path, st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns): ctime too, which no tool can
 # set back, so a file rewritten in place with its mtime restored is read again.
@@ -39,7 +39,7 @@ _HELD: dict[str, tuple[_Key, int | str]] = {}
 _LIMIT = 4096
 
 
-def _key(path: Path) -> _Key | None:
+def version(path: Path) -> _Key | None:
     """The version of ``path`` now (taken before reading it: a change after this gets a
     new key, so an answer is never kept for a version it was not read from); None when it
     cannot be stat'ed."""
@@ -77,7 +77,7 @@ def held_step(path: Path, *, raise_read_errors: bool = False) -> int | str:
             ``load_checkpoint`` raises it: an ``OSError`` of the same errno naming the
             file and what to check); without it, that is returned as the reason.
     """
-    key = _key(path)
+    key = version(path)
     kept = _HELD.get(os.fspath(path))
     if key is not None and kept is not None and kept[0] == key:
         return kept[1]
@@ -108,7 +108,7 @@ def _step_in(skimmed: Any, path: Path) -> int | str:
 
 def vouch(path: Path, step: int) -> None:
     """Remember that ``path``, just written by ``Checkpointer.save``, holds ``step``."""
-    key = _key(path)
+    key = version(path)
     if key is not None:
         _remember(key, step)
 

@@ -24,6 +24,7 @@ from trainperf.checkpoint._formats import (
     raise_resource_error,
     read_error,
     shown,
+    special_file,
 )
 from trainperf.errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError
 
@@ -33,7 +34,11 @@ __all__ = ["load_file", "load_stream"]
 def load_file(path: Path, dev: torch.device, weights_only: bool, verify: bool) -> Any:
     """One checkpoint file, whatever its format (read from its first bytes)."""
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        special = special_file(st.st_mode)
+        if special is not None:  # open() would wait for a writer, or read a device
+            raise NotACheckpointError(f"{path} is {special}, not a checkpoint file", path)
+        size = st.st_size
         with open(path, "rb") as f:
             head = f.read(64)
     except FileNotFoundError as e:

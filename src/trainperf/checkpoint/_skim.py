@@ -7,12 +7,13 @@ that ``Checkpointer.restore`` needs) from a foreign file that only has a step fi
 
 from __future__ import annotations
 
+import os
 import pickle
 import zipfile
 from pathlib import Path
 from typing import IO, Any
 
-from trainperf.checkpoint._formats import _LEGACY_MAGIC
+from trainperf.checkpoint._formats import _LEGACY_MAGIC, special_file
 
 __all__ = ["skim"]
 
@@ -65,7 +66,8 @@ def skim(path: Path) -> Any:
     Raises:
         OSError: the file could not be read.
         zipfile.BadZipFile: a zip file whose directory is missing or damaged.
-        ValueError: not a torch.save file (the message says why).
+        ValueError: not a torch.save file (the message says why; a named pipe, socket or
+            device is refused before it is opened).
         pickle.UnpicklingError, EOFError: its pickle is cut short or damaged.
 
     Example:
@@ -76,6 +78,9 @@ def skim(path: Path) -> Any:
         >>> held["step"], type(held["w"]).__name__
         (3, '_Stub')
     """
+    special = special_file(os.stat(path).st_mode)
+    if special is not None:  # open() would wait for a writer, or read a device
+        raise ValueError(f"{path} is {special}, not a checkpoint file")
     with open(path, "rb") as f:
         head = f.read(4)
         f.seek(0)
