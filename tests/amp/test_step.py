@@ -15,6 +15,7 @@ from torch import nn
 
 from tests.amp._helpers import Flaky, needs_cpu_fp16
 from trainperf.amp import MixedPrecision, Precision
+from trainperf.amp._scaler import LossScaler
 
 
 def clipped(max_grad_norm: object) -> list[float]:
@@ -401,4 +402,32 @@ def test_fp16_a_plain_grad_scaler_drops_every_unscale_at_a_backward() -> None:
     with pytest.warns(UserWarning, match=r"gave new gradients to an optimizer after"):
         mp.backward((a * 10).sum() + (b * 10).sum())
     assert mp.step(opt_a, opt_b)
+    assert a.tolist() == pytest.approx([0.9, 0.9]) and b.tolist() == pytest.approx([0.9, 0.9])
+
+
+def _pickled_by_0_1_0(scale: float) -> bytes:
+    """The pickled state of an fp16 MixedPrecision as trainperf 0.1.0 wrote it: its
+    ``_scaler`` a plain ``torch.amp.GradScaler`` at ``scale``, no record of a failed step."""
+    state = MixedPrecision("cpu", precision="fp16").__getstate__()
+    state["_scaler"] = torch.amp.GradScaler("cpu", init_scale=scale)
+    del state["_already_stepped"], state["_skip_flags"]
+    return pickle.dumps(state)
+
+
+@needs_cpu_fp16
+def test_fp16_a_mixed_precision_pickled_by_0_1_0_tracks_the_unscale_of_each_optimizer() -> None:
+    # Before: the unpickled mp kept 0.1.0's plain GradScaler, which knows no optimizer: b's
+    # backward dropped a's unscale_ (with advice that did not fit) and a's gradients were
+    # unscaled twice (a ended at 0.99999845 instead of 0.9).
+    mp = MixedPrecision.__new__(MixedPrecision)
+    mp.__setstate__(pickle.loads(_pickled_by_0_1_0(scale=1024.0)))
+    assert isinstance(mp.scaler, LossScaler) and mp.scaler.get_scale() == 1024.0
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    opt_a, opt_b = torch.optim.SGD([a], lr=0.01), torch.optim.SGD([b], lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.backward((a * 10).sum())
+        mp.scaler.unscale_(opt_a)
+        mp.backward((b * 10).sum())
+        assert mp.step(opt_a, opt_b)
     assert a.tolist() == pytest.approx([0.9, 0.9]) and b.tolist() == pytest.approx([0.9, 0.9])

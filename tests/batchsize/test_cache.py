@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 from torch import nn
 
-from trainperf.amp import MixedPrecision
+from trainperf.amp import MixedPrecision, Precision
+from trainperf.amp._tf32 import tf32
 from trainperf.batchsize._cache import cache_misfit, cache_path, entry_key, parsed_candidates
 from trainperf.batchsize._search import SizeSpace
 
@@ -122,3 +126,97 @@ def test_models_of_one_class_and_size_but_other_shapes_have_other_keys() -> None
     assert sum(p.numel() for p in wide.parameters()) == sum(p.numel() for p in narrow.parameters())
     assert key(objects=[wide]) != key(objects=[narrow])
     assert key(objects=[mlp(64, 4)]) == key(objects=[wide])  # same shapes: the same key
+
+
+class Checkpointed(nn.Module):
+    """A module with Hugging Face's flag for recomputing activations in the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.gradient_checkpointing = False
+
+
+def stepping(model: object, mp: object = None) -> object:
+    """A step whose body is always the same, reading ``model`` and ``mp`` from its closure."""
+
+    def step(batch: object) -> object:
+        return model, mp, batch
+
+    return step
+
+
+def test_the_key_changes_with_modes_and_layouts_the_shapes_do_not_show() -> None:
+    # Before: a model tuned in eval mode, with gradient checkpointing, or with
+    # channels_last weights answered for the same model without: the cached size of a
+    # checkpointed model runs out of memory once checkpointing is off.
+    base = key(objects=[Checkpointed()])
+    evaluating, checkpointing = Checkpointed().eval(), Checkpointed()
+    checkpointing.gradient_checkpointing = True
+    conv = nn.Conv2d(3, 8, 3)
+    changed = [
+        key(objects=[evaluating]),
+        key(objects=[checkpointing]),
+        key(objects=[conv]),
+        key(objects=[conv.to(memory_format=torch.channels_last)]),
+    ]
+    assert base not in changed and len(set(changed)) == len(changed)
+    assert key(objects=[Checkpointed()]) == base
+
+
+def test_the_key_changes_with_what_the_step_reads_unpassed() -> None:
+    # Before: only the step's own body counted: a step using a MixedPrecision or a
+    # torch.compile'd model it was not passed got a size tuned for another precision.
+    model = nn.Linear(4, 4)
+    base = key(step=stepping(model))
+    assert key(step=stepping(model)) == base  # another step object, the same code and reads
+    changed = [
+        key(step=stepping(torch.compile(model))),
+        key(step=stepping(model, MixedPrecision("cpu", precision="bf16"))),
+        key(step=stepping(model, MixedPrecision("cpu", precision="fp32"))),
+        key(step=stepping(model.eval())),
+    ]
+    assert base not in changed and len(set(changed)) == len(changed)
+
+
+def test_the_key_reads_a_trainer_s_attributes_and_the_functions_a_step_calls() -> None:
+    class Trainer:
+        def __init__(self, precision: Precision) -> None:
+            self.mp = MixedPrecision("cpu", precision=precision)
+
+        def step(self, batch: object) -> object:
+            return self.mp, batch
+
+    assert key(step=Trainer("bf16").step) != key(step=Trainer("fp32").step)
+
+    def with_helper(mp: MixedPrecision) -> object:
+        helper = stepping(None, mp)
+        return stepping(helper)  # the step calls a helper that reads mp
+
+    bf16, fp32 = MixedPrecision("cpu", precision="bf16"), MixedPrecision("cpu", precision="fp32")
+    assert key(step=with_helper(bf16)) != key(step=with_helper(fp32))
+
+
+def test_the_key_of_a_gpu_changes_with_tf32_and_cudnn_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # TF32 matmuls, cuDNN's autotuner and deterministic algorithms change the speed (and
+    # cuDNN's workspace) of every size: a size cached with them off was not measured so.
+    card = SimpleNamespace(name="Fake GPU", total_memory=2**34)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: card)
+    gpu = torch.device("cuda", 0)
+    with tf32(False):
+        off = key(device=gpu)
+        assert key(device=gpu) == off
+    with tf32(True):
+        on = key(device=gpu)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", not torch.backends.cudnn.benchmark)
+    with tf32(False):
+        benchmarked = key(device=gpu)
+    assert len({off, on, benchmarked}) == 3
+
+
+def test_a_lazy_module_the_step_reads_keys_by_its_class() -> None:
+    # Its parameters have no size yet: describing it must not fail the key.
+    assert key(step=stepping(nn.LazyLinear(3))) == key(step=stepping(nn.LazyLinear(3)))
+    assert key(step=stepping(nn.LazyLinear(3))) != key(step=stepping(nn.Linear(2, 3)))

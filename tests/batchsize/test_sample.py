@@ -75,6 +75,27 @@ def test_checked_batch_names_the_size_asked_for_and_the_size_returned() -> None:
     assert checked_batch(lambda n: "opaque", 4) == "opaque"  # nothing to check
 
 
+def test_a_sequence_first_batch_is_refused_with_the_batch_dim_to_pass() -> None:
+    # Before: only "returned a batch of 12 samples": nothing said how an nn.LSTM's
+    # (seq_len, n, features) batch could be tuned at all.
+    seq_first = lambda n: {"x": torch.zeros(12, n, 8), "y": torch.zeros(n)}  # noqa: E731
+    with pytest.raises(ValueError, match=r"of 12 samples .* along dimension 1: .* batch_dim=1"):
+        checked_batch(seq_first, 4)
+    # No other dimension of size n: no hint (a sampler that ignores n).
+    with pytest.raises(ValueError, match=r"exactly n samples$"):
+        checked_batch(lambda n: torch.zeros(12, 3, 8), 4)
+
+
+def test_batch_dim_reads_the_first_tensor_with_that_dimension() -> None:
+    # A 1-D tensor (lengths) has no dimension 1: the sequence-first tensor after it counts.
+    batch = (torch.zeros(4, dtype=torch.int64), torch.zeros(12, 4, 8), torch.zeros(9, 4, 8))
+    assert checked_batch(lambda n: batch, 4, batch_dim=1) is batch
+    with pytest.raises(ValueError, match=r"of 12 samples \(the size along batch_dim=1 of"):
+        checked_batch(lambda n: torch.zeros(3, 12, 4), 3, batch_dim=1)
+    with pytest.raises(ValueError, match=r"of 4 samples .* pass batch_dim=0$"):
+        checked_batch(lambda n: torch.zeros(3, 4), 3, batch_dim=1)
+
+
 def test_a_list_of_per_sample_tensors_holds_as_many_samples_as_items() -> None:
     # Detection models take tuple(zip(*samples)): images of 3 channels each, n of them. The
     # first tensor's leading size (3) is not the batch's; the list's length is.

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tests.batchsize._fakes import MeanOnFirstForward, Trainer, same_state, sample, state_of
-from trainperf import BatchSizeReport, tune_batch_size
+from trainperf import BatchSizeReport, MixedPrecision, tune_batch_size
 from trainperf._utils.imports import is_available
 from trainperf.batchsize import _accumulation, _probe, _tune
 from trainperf.batchsize._cache import cache_path
@@ -90,6 +90,36 @@ def test_a_sample_of_the_wrong_size_is_a_clear_error() -> None:
         tune(t, sample=lambda n: sample(n + 1), max_size=8)
 
 
+def test_a_sequence_first_batch_tunes_with_batch_dim() -> None:
+    # Before: an nn.LSTM without batch_first could not be tuned: its (seq_len, n, features)
+    # batch was refused as one of seq_len samples, and there was no way to say otherwise.
+    lstm, head = nn.LSTM(8, 4), nn.Linear(4, 1)
+    model = nn.ModuleDict({"lstm": lstm, "head": head})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sizes: list[int] = []
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        x, y = batch
+        sizes.append(x.shape[1])
+        opt.zero_grad()
+        nn.functional.mse_loss(head(lstm(x)[0][-1]), y).backward()
+        opt.step()
+
+    def seq_first(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(5, n, 8), torch.randn(n, 1)
+
+    kw: dict[str, Any] = {"device": "cpu", "min_size": 2, "max_size": 4, "progress": False}
+    with pytest.raises(ValueError, match=r"along dimension 1: .* pass batch_dim=1"):
+        tune_batch_size(step, seq_first, model=model, optimizer=opt, **kw)
+    report = tune_batch_size(step, seq_first, model=model, optimizer=opt, batch_dim=1, **kw)
+    assert report.batch_size in (2, 3, 4) and set(sizes) <= {2, 3, 4}
+    assert report.pipeline is not None and report.pipeline.batch_bytes == 4 * (
+        5 * report.batch_size * 8 + report.batch_size
+    )
+    with pytest.raises(ValueError, match=r"batch_dim must be .*, got -1"):
+        tune_batch_size(step, seq_first, model=model, optimizer=opt, batch_dim=-1, **kw)
+
+
 @pytest.mark.slow
 def test_the_global_batch_is_kept_with_accumulation() -> None:
     t = Trainer()
@@ -148,6 +178,22 @@ def test_the_choice_is_cached_and_cache_false_tunes_again() -> None:
     assert not other.from_cache
     again = tune(t, max_size=8, cache=False)
     assert not again.from_cache and len(t.sizes) > steps
+
+
+@pytest.mark.slow
+def test_a_mixed_precision_or_checkpointing_the_step_reads_unpassed_misses_the_cache() -> None:
+    # Before: the key held the step's body and the objects passed only: a step switched to
+    # another precision (a MixedPrecision it reads, not passed), or a model whose gradient
+    # checkpointing was turned off, got the size cached for the other setting.
+    t = Trainer()
+    t.mp = MixedPrecision("cpu", precision="bf16")  # type: ignore[attr-defined]
+    assert not tune(t, max_size=2, cache=True).from_cache
+    assert tune(t, max_size=2, cache=True).from_cache
+    t.mp = MixedPrecision("cpu", precision="fp32")  # type: ignore[attr-defined]
+    assert not tune(t, max_size=2, cache=True).from_cache
+    t.model[0].gradient_checkpointing = True  # Hugging Face's flag
+    assert not tune(t, max_size=2, cache=True).from_cache
+    assert tune(t, max_size=2, cache=True).from_cache
 
 
 @pytest.mark.slow

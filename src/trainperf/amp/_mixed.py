@@ -19,7 +19,7 @@ from trainperf.amp import _bookkeeping, _precision
 from trainperf.amp._autocast import AutocastContext, NoAutocast
 from trainperf.amp._channels_last import channels_last_decision, model_to_channels_last
 from trainperf.amp._precision import choose_precision
-from trainperf.amp._scaler import LossScaler, unscaled_grads
+from trainperf.amp._scaler import LossScaler, as_loss_scaler, unscaled_grads
 from trainperf.amp._state import load_state
 from trainperf.amp._tf32 import enable_tf32
 from trainperf.device import resolve_device, to_device
@@ -447,8 +447,11 @@ class MixedPrecision:
             >>> copy.state_dict() == mp.state_dict(), copy in LIVE
             (True, True)
         """
-        # The record of a failed step is absent from older pickles (trainperf 0.1.0).
+        # The record of a failed step is absent from older pickles (trainperf 0.1.0), and
+        # their loss scaler is a plain GradScaler, which cannot tell one optimizer's
+        # unscale_ from another's: it becomes a LossScaler with the same scale.
         self.__dict__.update({**_bookkeeping.fresh(), **state})
+        self._scaler = as_loss_scaler(self.__dict__.get("_scaler"))
         self._models = weakref.WeakSet()
         LIVE.add(self)
 

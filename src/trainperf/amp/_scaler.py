@@ -18,7 +18,7 @@ import torch
 
 from trainperf.amp._step import parameters
 
-__all__ = ["GradRecord", "LossScaler", "drop_unscaled", "unscaled_grads"]
+__all__ = ["GradRecord", "LossScaler", "as_loss_scaler", "drop_unscaled", "unscaled_grads"]
 
 GradRecord = dict[int, list[tuple[torch.Tensor, torch.Tensor | None, int]] | None]
 """By optimizer id, with an ``unscale_`` recorded: each parameter, its gradient and that
@@ -55,6 +55,24 @@ class LossScaler(torch.amp.GradScaler):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._unscaled_optimizers = weakref.WeakValueDictionary()
+
+
+def as_loss_scaler(scaler: torch.amp.GradScaler | None) -> torch.amp.GradScaler | None:
+    """``scaler`` as a :class:`LossScaler`, its state (scale, growth tracker, settings)
+    kept: a MixedPrecision pickled by trainperf 0.1.0 holds a plain ``torch.amp.GradScaler``,
+    which cannot tell one optimizer's ``unscale_`` from another's. None stays None.
+
+    Example:
+        >>> old = torch.amp.GradScaler("cpu", init_scale=128.0, enabled=False)
+        >>> new = as_loss_scaler(old)
+        >>> type(new).__name__, new.get_scale() == old.get_scale(), new.is_enabled()
+        ('LossScaler', True, False)
+    """
+    if scaler is None or isinstance(scaler, LossScaler):
+        return scaler
+    upgraded = LossScaler.__new__(LossScaler)
+    upgraded.__setstate__(dict(vars(scaler)))
+    return upgraded
 
 
 def unscaled_grads(scaler: torch.amp.GradScaler) -> GradRecord:

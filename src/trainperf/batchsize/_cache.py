@@ -5,11 +5,15 @@ unset), written and read with the tuners' shared store (:mod:`trainperf._utils.c
 atomic writes, a corrupt file ignored and replaced, old entries dropped), as the DataLoader
 tuner's ``loader.json`` is. Entries are keyed the same way, by a hash of what decides the
 answer: the model's class, parameter count, dtype and the shape of each parameter and
-buffer, the optimizer's class and implementation flags (``fused``, ``foreach``,
-``capturable``, ``differentiable``), a MixedPrecision's precision, a GradScaler's being
-enabled, the device (for CUDA its name and memory), the host, the torch version, the step
-function, the batch's shape and types (:func:`~trainperf._utils.cache.sample_signature` of
-the first size's batch), the sizes allowed, the world size, ``global_batch`` and ``headroom``.
+buffer, its submodules in training mode, with gradient checkpointing on, and its
+channels_last weights, the optimizer's class and implementation flags (``fused``,
+``foreach``, ``capturable``, ``differentiable``), a MixedPrecision's precision, a
+GradScaler's being enabled, the device (for CUDA its name and memory, and the process-wide
+TF32 and cuDNN settings), the host, the torch version, the step function, the modules,
+MixedPrecisions, GradScalers and functions it reads (a ``torch.compile`` wrapper, a
+MixedPrecision not passed), the batch's shape and types
+(:func:`~trainperf._utils.cache.sample_signature` of the first size's batch), the sizes
+allowed, the world size, ``global_batch`` and ``headroom``.
 
 Nothing in an entry is trusted: before a hit is used, :func:`cache_misfit` checks that its
 size is one this call allows and that its peak memory still fits the memory usable now;
@@ -19,6 +23,7 @@ otherwise the call tunes again, with a note saying why.
 from __future__ import annotations
 
 import socket
+import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,8 +35,10 @@ from trainperf._utils.cache import cache_dir, make_key, sample_signature
 from trainperf._utils.format import format_bytes
 from trainperf._utils.qualname import qualname
 from trainperf.amp import MixedPrecision
+from trainperf.amp._tf32 import tf32_state
 from trainperf.batchsize._holders import is_scheduler
 from trainperf.batchsize._report import BatchSizeCandidate
+from trainperf.batchsize._sample import referenced_values
 from trainperf.batchsize._sizes import SizeSpace
 from trainperf.checkpoint import unwrap_model
 
@@ -40,6 +47,9 @@ __all__ = ["ENTRY_KEYS", "cache_misfit", "cache_path", "entry_key", "parsed_cand
 # Part of every key: 2 since the optimizer step is charged once per accumulated batch
 # (choices cached before, with global_batch, leaned to large micro-batches).
 _VERSION = 2
+_CHECKPOINTING = ("gradient_checkpointing", "grad_checkpointing")
+"""The flags by which Hugging Face's and timm's modules say their forward recomputes
+activations in the backward: far less memory, so a larger size fits."""
 ENTRY_KEYS = (
     "batch_size",
     "accumulation_steps",
@@ -85,7 +95,8 @@ def _describe(obj: Any) -> Any:
         params = list(obj.parameters())
         dtypes = sorted({str(p.dtype) for p in params})
         trainable = sum(p.numel() for p in params if p.requires_grad)
-        return [name, sum(p.numel() for p in params), trainable, dtypes, _shapes(obj)]
+        sizes = [sum(p.numel() for p in params), trainable]
+        return [name, *sizes, dtypes, _shapes(obj), *_module_modes(obj)]
     if isinstance(obj, torch.optim.Optimizer):
         defaults = getattr(obj, "defaults", None) or {}
         flags = {k: defaults[k] for k in _OPTIMIZER_FLAGS if defaults.get(k) is not None}
@@ -94,8 +105,26 @@ def _describe(obj: Any) -> Any:
     if isinstance(obj, torch.amp.GradScaler):
         return [name, obj.is_enabled()]
     if isinstance(obj, MixedPrecision):
-        return [name, str(obj.dtype)]
+        return [name, str(obj.dtype), obj.uses_channels_last]
+    if isinstance(obj, types.FunctionType):
+        return qualname(obj)  # its body: a helper the step calls, edited
     return name
+
+
+def _module_modes(module: nn.Module) -> list[int]:
+    """What changes a module's memory and speed but not its shapes: how many submodules
+    are in training mode (dropout masks, BatchNorm statistics kept for the backward), have
+    gradient checkpointing on, and how many 4-D weights are channels_last."""
+    modules = list(module.modules())
+    training = sum(m.training for m in modules)
+    checkpointing = sum(any(getattr(m, f, False) is True for f in _CHECKPOINTING) for m in modules)
+    channels_last = sum(
+        t.dim() == 4
+        and not t.is_contiguous()
+        and t.is_contiguous(memory_format=torch.channels_last)
+        for t in (*module.parameters(), *module.buffers())
+    )
+    return [training, checkpointing, channels_last]
 
 
 def _shapes(module: nn.Module) -> str:
@@ -111,11 +140,64 @@ def _model_fields(objects: Sequence[Any]) -> list[Any]:
     return [_describe(obj) for obj in objects if not is_scheduler(obj)]
 
 
+def _step_fields(step: Any) -> list[Any]:
+    """What of the objects ``step`` reads decides the answer: the modules (a
+    ``torch.compile`` or DDP wrapper of the model passed), MixedPrecisions and GradScalers
+    among its closure cells, the globals it names, the instance it is bound to (or it is)
+    and those objects' attributes, and the bodies of the functions among them, one level
+    down (``step`` calling ``train_one(batch)``)."""
+    values = _read_by(step)
+    values += [v for f in values if type(f) is types.FunctionType for v in _read_by(f)]
+    found: list[Any] = []
+    for value in values:
+        if issubclass(type(value), _DESCRIBED) and all(value is not f for f in found):
+            found.append(value)
+    return [_described(v) for v in found]
+
+
+def _described(obj: Any) -> Any:
+    """:func:`_describe`, or the class where that fails (a lazy module not yet run, which
+    the tuner does not save, has no size to read)."""
+    try:
+        return _describe(obj)
+    except Exception:
+        return qualname(type(obj))
+
+
+_DESCRIBED = (nn.Module, MixedPrecision, torch.amp.GradScaler, types.FunctionType)
+"""What of the values a step reads counts in the key."""
+
+
+def _read_by(fn: Any) -> list[Any]:
+    """The values ``fn`` reads (:func:`~trainperf.batchsize._sample.referenced_values`) and
+    the attributes of those that are plain objects (a trainer ``step`` is a method of)."""
+    values = referenced_values(fn)  # a callable object: itself, whose attributes are read
+    # type(), not isinstance(): isinstance reads __class__, which some proxies answer with
+    # a warning or an import.
+    owners = [v for v in values if not issubclass(type(v), _NOT_OWNERS)]
+    return [*values, *(a for o in owners for a in _attributes(o))]
+
+
+def _attributes(obj: Any) -> list[Any]:
+    """The values of ``obj``'s instance attributes; none where it has no ``__dict__``."""
+    try:
+        return list(vars(obj).values())
+    except Exception:  # no __dict__ (slots, builtins), or a proxy that refuses
+        return []
+
+
+_NOT_OWNERS = (types.ModuleType, type, *_DESCRIBED)
+"""Values whose attributes are not read: a module's names are thousands, a class's are
+its methods, and the others are described whole."""
+
+
 def _device_fields(device: torch.device) -> list[Any]:
     if device.type != "cuda":
         return [device.type]
     props = torch.cuda.get_device_properties(device)
-    return [device.type, props.name, int(props.total_memory)]
+    tf32 = tf32_state()
+    cudnn = [torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic]
+    return [device.type, props.name, int(props.total_memory), tf32.matmul, tf32.cudnn, *cudnn]
 
 
 def entry_key(
@@ -145,6 +227,7 @@ def entry_key(
         "host": socket.gethostname(),
         "torch": torch.__version__,
         "step": qualname(step),
+        "step_reads": _step_fields(step),
         "sample": sample_signature(first_batch),
         "sizes": [space.min_size, space.max_size, space.per_rank],
         "world_size": world_size,

@@ -119,7 +119,8 @@ def with_live_amp_state(objects: Iterable[Any]) -> list[Any]:
     over a tuning run) and a MixedPrecision's record of its backward, passed or not. A
     MixedPrecision registers itself when made; a plain scaler is found by a scan of the
     objects the garbage collector tracks. They are kept out of :func:`stateful_objects`
-    (the cache key): one alive for another model says nothing about this step.
+    (the cache key): one alive for another model says nothing about this step (the key
+    counts those the step reads).
 
     Example:
         >>> mp = MixedPrecision("cpu", precision="fp32")

@@ -121,6 +121,7 @@ class Prober:
         batch_bytes: host bytes of the batch of each size run.
         optimizers: the optimizers ``step`` steps, timed when ``per_rank`` is set.
         optimizer_charged: a window charged the optimizers' time as accumulation will.
+        batch_dim: the dimension of the batch's first tensor that holds the samples.
     """
 
     step: Callable[[Any], object]
@@ -137,6 +138,7 @@ class Prober:
     batch_bytes: dict[int, int] = field(default_factory=dict)
     optimizers: Sequence[Optimizer] = ()
     optimizer_charged: bool = False
+    batch_dim: int = 0
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -145,7 +147,7 @@ class Prober:
     def _batch(self, size: int) -> tuple[Any, int]:
         from trainperf.device import to_device
 
-        host = checked_batch(self.sample, size)
+        host = checked_batch(self.sample, size, self.batch_dim)
         return to_device(host, self.device), batch_bytes(host)
 
     def _guarded(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
@@ -350,7 +352,7 @@ class Prober:
         device is copied out, so the shortlist's batches are not all there at once)."""
         from trainperf.device import to_device
 
-        return to_device(checked_batch(self.sample, size), "cpu")
+        return to_device(checked_batch(self.sample, size, self.batch_dim), "cpu")
 
     def _untimed_step(self, host: Any) -> None:
         try:

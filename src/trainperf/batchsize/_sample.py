@@ -30,6 +30,7 @@ __all__ = [
     "batches_from",
     "checked_batch",
     "referenced_generators",
+    "referenced_values",
     "sample_generators",
 ]
 
@@ -148,20 +149,34 @@ def _first_leading_size(obj: Any, depth: int = 0) -> int | None:
     return sizes[-1] if sizes else None
 
 
-def _path_sizes(obj: Any, depth: int = 0) -> list[int]:
-    """On the way down to the first tensor or array with a dimension: the lengths of the
-    lists and tuples below the top level (a list of per-sample tensors, as detection
-    models take), then that tensor's leading size; empty when there is no such tensor."""
+def _path_sizes(obj: Any, depth: int = 0, batch_dim: int = 0) -> list[int]:
+    """On the way down to the first tensor or array with a dimension ``batch_dim``: the
+    lengths of the lists and tuples below the top level (a list of per-sample tensors, as
+    detection models take), then that tensor's size along ``batch_dim``; empty when there
+    is no such tensor."""
     if isinstance(obj, (torch.Tensor, np.ndarray)):
-        return [int(obj.shape[0])] if obj.ndim >= 1 else []
+        return [int(obj.shape[batch_dim])] if obj.ndim > batch_dim else []
     if depth > 8 or isinstance(obj, (str, bytes)) or not isinstance(obj, (Mapping, list, tuple)):
         return []
     values = obj.values() if isinstance(obj, Mapping) else obj
     for v in values:
-        found = _path_sizes(v, depth + 1)
+        found = _path_sizes(v, depth + 1, batch_dim)
         if found:
             return ([len(obj)] if _per_sample(obj, depth) else []) + found
     return []
+
+
+def _first_shape(obj: Any, batch_dim: int, depth: int = 0) -> tuple[int, ...] | None:
+    """The shape of the tensor (or array) :func:`_path_sizes` reads, or None."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return tuple(int(k) for k in obj.shape) if obj.ndim > batch_dim else None
+    if depth > 8 or isinstance(obj, (str, bytes)) or not isinstance(obj, (Mapping, list, tuple)):
+        return None
+    for v in obj.values() if isinstance(obj, Mapping) else obj:
+        found = _first_shape(v, batch_dim, depth + 1)
+        if found is not None:
+            return found
+    return None
 
 
 def _per_sample(obj: Any, depth: int) -> bool:
@@ -217,22 +232,28 @@ def batch_length(batch: Any) -> int | None:
     return None
 
 
-def checked_batch(sample: Callable[[int], Any], n: int) -> Any:
+def checked_batch(sample: Callable[[int], Any], n: int, batch_dim: int = 0) -> Any:
     """``sample(n)``, refused when it does not hold ``n`` samples.
 
-    A batch holds ``n`` samples when its first tensor's leading size is ``n``, or a list or
-    tuple below the top level on the way to it has ``n`` items (per-sample tensors, as
-    ``tuple(zip(*samples))`` collates them for detection models), or it is a list of ``n``
-    per-sample items: containers (dicts, ``(image, target)`` tuples from
-    ``collate_fn=list``) or tensors alike in dimensions and dtype (images).
+    A batch holds ``n`` samples when its first tensor's size along ``batch_dim`` is ``n``
+    (its leading size by default; 1 for a sequence-first ``(seq_len, n, features)`` batch,
+    and the first tensor with that dimension counts), or a list or tuple below the top
+    level on the way to it has ``n`` items (per-sample tensors, as ``tuple(zip(*samples))``
+    collates them for detection models), or it is a list of ``n`` per-sample items:
+    containers (dicts, ``(image, target)`` tuples from ``collate_fn=list``) or tensors
+    alike in dimensions and dtype (images).
 
     Raises:
-        ValueError: the batch does not hold ``n`` samples, it is a DataLoader, or it is a
-            one-shot iterator (a generator: every step after the first would get nothing).
+        ValueError: the batch does not hold ``n`` samples (the message names another
+            dimension of size ``n``, and the ``batch_dim`` to pass, where there is one), it
+            is a DataLoader, or it is a one-shot iterator (a generator: every step after
+            the first would get nothing).
 
     Example:
         >>> checked_batch(lambda n: torch.zeros(n, 2), 3).shape
         torch.Size([3, 2])
+        >>> checked_batch(lambda n: torch.zeros(7, n, 2), 3, batch_dim=1).shape  # sequence-first
+        torch.Size([7, 3, 2])
         >>> checked_batch(lambda n: torch.zeros(8, 2), 3)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -247,9 +268,9 @@ def checked_batch(sample: Callable[[int], Any], n: int) -> Any:
             f"use yield?): return the batch itself (a tensor, a tuple or list, a dict), "
             f"which every step of that size reuses"
         )
-    sizes = _path_sizes(batch)
+    sizes = _path_sizes(batch, batch_dim=batch_dim)
     if sizes and n not in sizes:
-        raise ValueError(_wrong_size(n, sizes))
+        raise ValueError(_wrong_size(n, sizes, batch_dim) + _other_dims(batch, n, batch_dim))
     if not sizes and isinstance(batch, list) and len(batch) != n:  # a list of other things
         raise ValueError(
             f"sample({n}) returned a list of {len(batch)} items; it must return n samples"
@@ -267,19 +288,36 @@ def _one_shot(batch: Any) -> bool:
         return False
 
 
-def _wrong_size(n: int, sizes: list[int]) -> str:
+def _wrong_size(n: int, sizes: list[int], batch_dim: int = 0) -> str:
     """Why a batch whose sizes on the way to its first tensor are ``sizes`` (the lengths of
-    the lists that may be per-sample, then that tensor's leading size) holds no ``n``."""
+    the lists that may be per-sample, then that tensor's size along ``batch_dim``) holds
+    no ``n``."""
+    along = "leading size" if batch_dim == 0 else f"size along batch_dim={batch_dim}"
     if len(sizes) == 1:
         return (
-            f"sample({n}) returned a batch of {sizes[0]} samples (the leading size of its "
+            f"sample({n}) returned a batch of {sizes[0]} samples (the {along} of its "
             f"first tensor); sample(n) must return exactly n samples"
         )
     lists = ", ".join(str(k) for k in sizes[:-1])
     return (
         f"sample({n}) returned a batch with no size {n} in it: the lists on the way to its "
-        f"first tensor hold {lists} items and that tensor's leading size is {sizes[-1]}; "
+        f"first tensor hold {lists} items and that tensor's {along} is {sizes[-1]}; "
         f"sample(n) must return exactly n samples"
+    )
+
+
+def _other_dims(batch: Any, n: int, batch_dim: int) -> str:
+    """The fix when the first tensor has size ``n`` along another dimension: a
+    sequence-first batch (``(seq_len, n, features)``) names its batch dimension. Only a
+    hint: a sampler that ignores ``n`` may match a feature size by chance."""
+    shape = _first_shape(batch, batch_dim)
+    dims = [d for d, k in enumerate(shape or ()) if k == n and d != batch_dim]
+    if not dims:
+        return ""
+    return (
+        f". Its first tensor has shape {list(shape or ())}, size {n} along dimension "
+        f"{dims[0]}: if that is the batch dimension (a sequence-first batch, as nn.LSTM and "
+        f"nn.Transformer take without batch_first=True), pass batch_dim={dims[0]}"
     )
 
 
@@ -300,12 +338,12 @@ def sample_generators(sample: object) -> list[object]:
     return [*dataset_generators(sample.dataset), *dataset_generators(sample.collate_fn)]
 
 
-def _referenced(fn: object) -> list[object]:
+def referenced_values(fn: object) -> list[object]:
     """What ``fn`` reads besides its arguments: a function's closure cells, the globals its
     body names and the instance it is bound to; a ``functools.partial``'s function and
     arguments; any other callable object itself (its attributes are then scanned)."""
     if isinstance(fn, functools.partial):
-        return [*_referenced(fn.func), *fn.args, *fn.keywords.values()]
+        return [*referenced_values(fn.func), *fn.args, *fn.keywords.values()]
     code = getattr(fn, "__code__", None)
     if not isinstance(code, types.CodeType):
         return [fn]
@@ -336,7 +374,7 @@ def referenced_generators(*fns: object) -> list[object]:
     """
     found: list[object] = []
     for fn in fns:
-        values = _referenced(fn)
+        values = referenced_values(fn)
         # A namespace of the values themselves: dataset_generators scans attributes.
         among = dataset_generators(
             types.SimpleNamespace(**{f"v{i}": v for i, v in enumerate(values)})

@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 
 from trainperf._utils.cache import read_entry, write_entry
 from trainperf._utils.rng import preserved_generators, preserved_rng
+from trainperf._utils.validate import non_negative_int
 from trainperf.batchsize import _cache
 from trainperf.batchsize._accumulation import accumulation_notes, known_optimizers
 from trainperf.batchsize._agree import Agreement
@@ -65,6 +66,7 @@ class _Call:
     num_workers: int
     prefetch_factor: int | None
     started: float
+    batch_dim: int = 0
 
     def usable(self, memory: MemoryReader) -> float | None:
         """``(1 - headroom)`` of the memory limit, the smallest over the ranks (None where
@@ -228,6 +230,7 @@ def _search(call: _Call) -> tuple[BatchSizeReport, bool]:
         call.step, call.sample, call.device, memory, state, call.agree, deadline,
         usable=lambda: call.usable(memory), per_rank=call.space.per_rank, policy=policy,
         on_update=lambda text: bar.update(text), optimizers=known_optimizers(call.objects),
+        batch_dim=call.batch_dim,
     )  # fmt: skip
     search = Search(
         call.space,
@@ -274,7 +277,7 @@ def _cache_key(call: _Call) -> Any:
     runs out of memory (the search then measures that size and marks it ``oom``)."""
     first = call.space.first() or call.space.min_size  # size_space refused no sizes
     try:
-        batch = checked_batch(call.sample, first)
+        batch = checked_batch(call.sample, first, call.batch_dim)
     except Exception as e:
         if not is_out_of_memory(e):
             raise
@@ -323,6 +326,7 @@ def tune_batch_size(
     cache: bool = True,
     num_workers: int = 0,
     prefetch_factor: int | None = None,
+    batch_dim: int = 0,
 ) -> BatchSizeReport:
     """The batch size that trains fastest here, found by measuring your own training step.
 
@@ -350,9 +354,10 @@ def tune_batch_size(
     Args:
         step: your training step on one batch: forward, backward, optimizer step
             (``step(batch)``; what it returns is ignored).
-        sample: ``sample(n)`` returns a batch of ``n`` samples (its first tensor's leading
-            size must be ``n``); :func:`trainperf.batches_from` builds one from a dataset.
-            The batch is moved to ``device`` once per size (not timed) and reused.
+        sample: ``sample(n)`` returns a batch of ``n`` samples (its first tensor's size
+            along ``batch_dim`` must be ``n``); :func:`trainperf.batches_from` builds one
+            from a dataset. The batch is moved to ``device`` once per size (not timed) and
+            reused.
         model: the module ``step`` trains, or a tuple of objects with ``state_dict`` and
             ``load_state_dict``; saved before probing and restored after. ``model=()``:
             ``step`` changes no state. One of ``model`` and ``optimizer`` is required.
@@ -381,6 +386,11 @@ def tune_batch_size(
         num_workers: the DataLoader workers that will feed training, for the report's
             input-pipeline memory (``report.pipeline``).
         prefetch_factor: their prefetch factor (None: DataLoader's 2 with workers).
+        batch_dim: the dimension of the batch's first tensor that holds the samples: 0
+            (the leading one), or 1 for a sequence-first ``(seq_len, n, features)`` batch
+            (``nn.LSTM``, ``nn.Transformer`` without ``batch_first=True``). The first tensor
+            with that dimension is checked. Never guessed: a batch refused at 0 whose first
+            tensor has size ``n`` along another dimension names it in the error.
 
     Returns:
         A :class:`BatchSizeReport`: ``batch_size`` per step and ``accumulation_steps``.
@@ -388,8 +398,9 @@ def tune_batch_size(
     Raises:
         ValueError: a bad argument (see :mod:`trainperf.batchsize._args`): neither
             ``model`` nor ``optimizer`` given, a lazy module not yet run; ``global_batch``
-            not divisible by the world size, or ``sample(n)`` returning a batch of another
-            size or a one-shot iterator (a generator).
+            not divisible by the world size, ``batch_dim`` not an int >= 0, or
+            ``sample(n)`` returning a batch of another size or a one-shot iterator (a
+            generator).
         TypeError: ``model`` or ``optimizer`` holds an object without ``state_dict`` and
             ``load_state_dict``; ``device`` has the wrong type.
         DeviceError: the device asked for is not available.
@@ -423,6 +434,7 @@ def tune_batch_size(
         budget_s=budget_s, headroom=headroom, num_workers=num_workers,
         prefetch_factor=prefetch_factor, progress=progress, cache=cache,
     )  # fmt: skip
+    batch_dim = non_negative_int("batch_dim", batch_dim)
     check_state(model, optimizer)
     objects = stateful_objects(model, optimizer)
     agree = Agreement()
@@ -430,7 +442,7 @@ def tune_batch_size(
     call = _Call(
         step, sample, objects, _device(device, objects), space, agree, args.global_batch,
         args.budget_s, args.headroom, progress, cache, args.num_workers, args.prefetch_factor,
-        started,
+        started, batch_dim,
     )  # fmt: skip
     generators = [*sample_generators(sample), *referenced_generators(step, sample)]
     with preserved_rng(), preserved_generators(generators):
