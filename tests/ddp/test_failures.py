@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainperf.ddp._failures import DEATH_SLACK_S, startup_problem
+from trainperf.ddp._failures import DEATH_SLACK_S, load_advice, startup_problem
 
 _IMPORT_ERROR = """\
 Traceback (most recent call last):
@@ -23,3 +23,18 @@ def test_a_start_up_failure_records_whether_a_signal_ended_the_worker(
     assert problem.slack == DEATH_SLACK_S
     assert problem.by_signal is by_signal
     assert "No module named 'missing_package'" in problem.summary
+
+
+def test_a_main_the_script_defines_under_its_main_guard_is_named_with_the_fix() -> None:
+    # Under spawn the worker's import of the script skips the guarded block, so a main
+    # defined there is missing ("Can't get attribute 'train' on <module '__mp_main__'>");
+    # the advice spoke only of installing the module or putting it on sys.path.
+    def train() -> None: ...
+
+    # As the script's guarded block defines it: in __main__, at its top level.
+    train.__module__, train.__qualname__ = "__main__", "train"
+    advice = load_advice(train)
+    assert "define train at the script's top level" in advice
+    assert 'outside the if __name__ == "__main__": block' in advice
+    # A module of its own keeps the import advice.
+    assert "installed, or in a directory on sys.path" in load_advice(load_advice)

@@ -128,8 +128,9 @@ _SYSTEM_ERROR = (
         (-9, "RuntimeError", _SYSTEM_ERROR, 0),
         (-9, "ValueError", "bad batch", 0),
         (-11, "torch.OutOfMemoryError", "CUDA out of memory", 0),
-        # Exited through its own exit path: the error it may have caught comes first.
-        (0, "RuntimeError", _SYSTEM_ERROR, 1),
+        # Exited through its own exit path: the error it may have caught comes first, unless
+        # that error may as well be the exit's fallout (NCCL < 2.13's system error).
+        (0, "RuntimeError", _SYSTEM_ERROR, 0),
         (3, "ValueError", "bad batch", 1),
     ],
 )
@@ -220,6 +221,104 @@ def test_a_rank_that_left_is_blamed_over_the_nccl_and_store_errors_it_causes(
     group.problems.append(group._no_report(0, 0, 100.5))
     blamed = 0 if lost else 1
     assert group._message().startswith(f"rank {blamed} of 2 "), group._message()
+
+
+# What a survivor raises, with NCCL before 2.13 (PyTorch 1.10-1.12's NCCL 2.10.3), when its
+# peer's process exits; the "Connection closed by remote peer" is only in NCCL's WARN lines.
+_NCCL_SYSTEM_ERROR = (
+    "NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1191, unhandled "
+    "system error, NCCL version 2.10.3\nncclSystemError: System call (e.g. socket, malloc) or "
+    "external library call failed or device error. It can be also caused by unexpected exit "
+    "of a remote peer, you can check NCCL warnings for failure reason and see if there is "
+    "connection closure by a peer."
+)
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("RuntimeError", _NCCL_SYSTEM_ERROR),
+        ("RuntimeError", "NCCL error: unhandled system error, NCCL version 2.10.3"),
+        # The store's host (rank 0 under srun, or a torch that connects once) had gone.
+        ("RuntimeError", "Connection refused"),
+        (
+            "torch.distributed.DistNetworkError",
+            "The client socket has failed to connect to [localhost]:29500 (errno: 111 - "
+            "Connection refused).",
+        ),
+    ],
+    ids=["nccl-2.10", "nccl-watchdog", "refused", "store-refused"],
+)
+@pytest.mark.parametrize("code", [0, 1, -9])
+def test_a_rank_that_died_is_blamed_over_the_system_error_or_refusal_it_causes(
+    kind: str, message: str, code: int
+) -> None:
+    # Rank 0 dies; rank 1's error comes in before the launcher sees rank 0 gone. It was
+    # taken for rank 1's own: the launcher did not wait for rank 0, and rank 1 was blamed
+    # over a rank 0 that left through its own exit path.
+    group = _make_group(2)
+    f = Failure(1, 11, kind, message, "tb1", time=100.2)
+    group.problems.append(_group._Problem(1, f.time, _group._summary(f), f.traceback))
+    assert group._only_lost_peers()
+    group.problems.append(group._no_report(0, code, 100.5))
+    assert group._message().startswith("rank 0 of 2 "), group._message()
+
+
+@pytest.mark.parametrize(
+    "message", [_NCCL_SYSTEM_ERROR, "Connection refused"], ids=["nccl-2.10", "refused"]
+)
+def test_a_system_error_or_refusal_with_no_death_before_it_is_the_ranks_own(
+    message: str,
+) -> None:
+    group = _make_group(3)
+    f = Failure(1, 11, "RuntimeError", message, "tb1", time=99.0)
+    group.problems.append(_group._Problem(1, f.time, _group._summary(f), f.traceback))
+    # Rank 0 exits (having caught the broken collective) more than the slack later, and
+    # rank 2 reports a lost peer: rank 1's error came first.
+    lost = Failure(2, 12, "RuntimeError", "Connection closed by peer", "tb2", time=99.5)
+    group.problems.append(_group._Problem(2, lost.time, _group._summary(lost), "tb2"))
+    group.problems.append(group._no_report(0, 1, 100.5))
+    assert group._message().startswith("rank 1 of 3 raised RuntimeError: "), group._message()
+
+
+@pytest.mark.parametrize(
+    ("records", "first"),
+    [
+        # (rank, exit code, seen at; or rank, an error, raised at), in the order they arrived
+        # The watchdog aborts rank 1 before the launcher sees rank 0's SIGKILL, or together.
+        ([(1, -6, 100.3), (0, -9, 100.5)], 0),
+        ([(1, -6, 100.5), (2, -6, 100.5), (0, -9, 100.5)], 0),
+        # Or after rank 0 raised, or left through its own exit path.
+        ([(0, "bad batch", 100.0), (1, -6, 100.3)], 0),
+        ([(1, -6, 100.3), (0, 1, 100.6)], 0),
+        # A rank aborted well before any other failure crashed of its own accord.
+        ([(1, -6, 100.3), (0, -9, 101.5)], 1),
+        ([(1, -6, 100.3), (0, "bad batch", 101.0)], 1),
+        # gloo's SIGABRT on a size mismatch: the peer only loses its connection.
+        ([(0, "Connection closed by peer", 100.2), (1, -6, 100.3)], 1),
+    ],
+)
+def test_a_rank_the_nccl_watchdog_aborted_does_not_take_the_blame_from_the_first_failure(
+    records: list[tuple[int, int | str, float]], first: int
+) -> None:
+    group = _make_group(3)
+    for rank, what, at in records:
+        if isinstance(what, int):
+            group.problems.append(group._no_report(rank, what, at))
+        else:
+            f = Failure(rank, 10 + rank, "RuntimeError", what, f"tb{rank}", time=at)
+            group.problems.append(_group._Problem(rank, at, _group._summary(f), f.traceback))
+    assert group._message().startswith(f"rank {first} of 3 "), group._message()
+
+
+def test_the_launcher_waits_for_the_rank_whose_loss_a_sigabrt_may_be() -> None:
+    # A rank SIGABRT ended is seen first: the launcher gives a rank that died the slack to
+    # be seen gone, as it does after a lost-peer error.
+    group = _make_group(2)
+    group.problems.append(group._no_report(1, -6, 100.3))
+    assert group._only_lost_peers()
+    group.problems.append(group._no_report(0, -9, 100.5))
+    assert not group._only_lost_peers()
 
 
 @pytest.mark.timeout(60)

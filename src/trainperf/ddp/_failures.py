@@ -46,6 +46,10 @@ class Problem:
     # not its own exit path (``os._exit(n)``, ``sys.exit``): such a rank did not catch
     # another rank's error and exit, so no error within its slack is blamed over it.
     by_signal: bool = False
+    # Whether SIGABRT ended it: a crash of its own, or NCCL's watchdog
+    # (TORCH_NCCL_ASYNC_ERROR_HANDLING) ending a rank whose peer had gone, so a death or an
+    # error of a rank's own dated before it is blamed over it.
+    aborted: bool = False
 
 
 def summarize(failure: Failure) -> str:
@@ -65,8 +69,27 @@ def main_script() -> str:
 
 
 def load_advice(main: Callable[..., Any] | None) -> str:
+    """What to do when a spawned worker could not load ``main``.
+
+    Example:
+        >>> def train(): ...
+        >>> train.__module__ = "__main__"
+        >>> "outside the" in load_advice(train)
+        True
+    """
     target = None if main is None else called_function(main)  # a partial: what it wraps
     module = getattr(target, "__module__", None) or "its module"
+    if module == "__main__":
+        # The worker imports the script without running its main-guarded block: a function
+        # defined there (or assigned at run time) is missing from that import.
+        name = getattr(target, "__qualname__", "main")
+        return (
+            f"Fix: a spawned worker imports {main_script()} again, without running its "
+            'if __name__ == "__main__": block, and looks main up there by name: define '
+            f"{name} at the script's top level, outside the "
+            'if __name__ == "__main__": block (not inside it, nor assigned at run time); or '
+            "use start_method='fork' (Linux), which needs no import."
+        )
     return (
         f"Fix: a spawned worker is a new interpreter that imports main's module ({module}) by "
         "name, so it must be importable there: installed, or in a directory on sys.path (a "

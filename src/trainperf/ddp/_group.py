@@ -43,6 +43,7 @@ from trainperf.ddp._failures import summarize as _summary
 from trainperf.ddp._failures import unguarded_main as _unguarded_main
 from trainperf.ddp._group_report import Outcome, drain_ending, failure_message
 from trainperf.ddp._group_report import lost_peer as _lost_peer
+from trainperf.ddp._group_report import maybe_lost_peer as _maybe_lost_peer
 from trainperf.ddp._procs import (
     Interrupted,
     SignalGuard,
@@ -289,7 +290,12 @@ class Group:
                 self.restartable = False
                 return startup
         return _Problem(
-            rank, seen_at, death_summary(code), slack=_DEATH_SLACK_S, by_signal=code < 0
+            rank,
+            seen_at,
+            death_summary(code),
+            slack=_DEATH_SLACK_S,
+            by_signal=code < 0,
+            aborted=code == -signal.SIGABRT,
         )
 
     def _reimported(self, rank: int, code: int) -> bool:
@@ -390,7 +396,8 @@ class Group:
         self._await_lost_peer()
 
     def _await_lost_peer(self) -> None:
-        """The failures so far read like a lost peer ("Connection closed by peer"): give the
+        """The failures so far read like a lost peer ("Connection closed by peer"), or may be
+        one (see :func:`~trainperf.ddp._group_report.maybe_lost_peer`): give the
         rank that left up to ``DEATH_SLACK_S`` to be seen gone, so that it is blamed, not
         the ranks it left behind. Its exit status comes first: its end of the pipes can
         close later than its sockets (a slow teardown, a child that holds them), and the
@@ -411,9 +418,12 @@ class Group:
             time.sleep(0.01)
 
     def _only_lost_peers(self) -> bool:
-        """Every failure so far reads like a lost peer, and no rank returned to explain it."""
+        """Every failure so far reads like a lost peer, or may be one (NCCL < 2.13's
+        "unhandled system error", a death by SIGABRT), and no rank returned to explain it."""
         return (
-            bool(self.problems) and not self.results and all(_lost_peer(p) for p in self.problems)
+            bool(self.problems)
+            and not self.results
+            and all(_lost_peer(p) or _maybe_lost_peer(p) for p in self.problems)
         )
 
     def _drain(self, grace_s: float) -> None:

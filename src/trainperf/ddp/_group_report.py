@@ -23,6 +23,8 @@ __all__ = [
     "failure_message",
     "first_failure",
     "lost_peer",
+    "maybe_lost_peer",
+    "maybe_peer_gone",
     "peer_gone",
 ]
 
@@ -96,17 +98,35 @@ def first_failure(problems: tuple[Problem, ...]) -> Problem:
     ``sys.exit``) may have caught another rank's error and left, so an error of a rank's own
     (a report that does not read like a lost peer) raised before that exit was seen, and
     before any lost-peer error, comes first. A rank killed by a signal (the OOM killer's
-    SIGKILL, a crash) caught nothing: it stays dated back, ahead of any error in its slack
-    (NCCL < 2.13 survivors raise an own-looking "unhandled system error").
+    SIGKILL, a crash) caught nothing: it stays dated back, ahead of any error in its slack.
+    A failure that may be a lost peer's (:func:`maybe_lost_peer`: NCCL < 2.13's "unhandled
+    system error", a death by SIGABRT) is blamed only when no death or error of a rank's own
+    may have come before it.
 
     Example:
         >>> own = Problem(1, 100.0, "raised ValueError: bad batch")
         >>> lost = Problem(2, 100.1, "raised RuntimeError: Connection closed by peer")
         >>> gone = Problem(0, 100.5, "exited with code 0", slack=1.0)
         >>> killed = Problem(0, 100.5, "died from signal SIGKILL", slack=1.0, by_signal=True)
-        >>> [first_failure(p).rank for p in [(own, lost, gone), (lost, gone), (own, killed)]]
-        [1, 0, 0]
+        >>> aborted = Problem(3, 100.4, "died from signal SIGABRT", slack=1.0, aborted=True)
+        >>> cases = [(own, lost, gone), (lost, gone), (own, killed), (aborted, own)]
+        >>> [first_failure(p).rank for p in cases]
+        [1, 0, 0, 1]
     """
+    return _earliest_cause(tuple(p for p in problems if not _explained(p, problems)))
+
+
+def _explained(problem: Problem, problems: tuple[Problem, ...]) -> bool:
+    """Whether ``problem`` may be a lost peer's, and a death or an error of a rank's own
+    (neither a lost peer nor a maybe) may have come before it, to cause it."""
+    if not maybe_lost_peer(problem):
+        return False
+    return any(
+        _dated(q) <= problem.time and not lost_peer(q) and not maybe_lost_peer(q) for q in problems
+    )
+
+
+def _earliest_cause(problems: tuple[Problem, ...]) -> Problem:
     earliest = min(problems, key=_dated)
     if not earliest.slack or earliest.by_signal:
         return earliest
@@ -143,7 +163,7 @@ def _returned(outcome: Outcome, first: Problem) -> list[str]:
         "",
         f"Already returned from main: rank{'s' if len(returned) > 1 else ''} "
         + ", ".join(map(str, returned))
-        + (why if lost_peer(first) else ""),
+        + (why if lost_peer(first) or maybe_lost_peer(first) else ""),
     ]
 
 
@@ -205,6 +225,20 @@ _PEER_GONE = (
     "distnetworkerror: socket timeout",
     "got error: socket timeout",
 )
+# What a rank raises when another rank went away, and also for faults of its own; matched
+# lowercased. Such an error is blamed unless a death or an error of a rank's own came first.
+_MAYBE_PEER_GONE = (
+    # ncclGetErrorString(ncclSystemError): before NCCL 2.13 (no ncclRemoteError) the error a
+    # rank gets when its peer's process exits, "NCCL error in: <file>:<line>, unhandled
+    # system error, NCCL version 2.10.3\nncclSystemError: System call (e.g. socket, malloc)
+    # or external library call failed or device error. It can be also caused by unexpected
+    # exit of a remote peer, ..."; the "Connection closed by remote peer" that says so is
+    # only in the NCCL WARN lines (stdout, with NCCL_DEBUG set), which the launcher never sees.
+    "unhandled system error",
+    # ECONNREFUSED: a TCPStore (or gloo) client connecting once the rank that listened for
+    # it is gone; also a service of the user's own that is down.
+    "connection refused",
+)
 # An aborted NCCL communicator may say why it was aborted: that reason, not the abort,
 # tells whose error it was (a timeout waiting for a peer, or this rank's own CUDA error).
 _ABORT_REASON = "original reason for failure was:"
@@ -230,6 +264,38 @@ def peer_gone(text: str) -> bool:
     if marked and "nccl communicator was aborted" in head:
         return peer_gone(reason)
     return any(s in low for s in _PEER_GONE)
+
+
+def maybe_peer_gone(text: str) -> bool:
+    """Whether a failure may be a lost peer's but may as well be a rank's own: NCCL < 2.13's
+    "unhandled system error", or "Connection refused"; one that reads like a lost peer
+    (:func:`peer_gone`) is not a maybe.
+
+    Example:
+        >>> maybe_peer_gone("NCCL error in: pg.cpp:1, unhandled system error, NCCL version 2.10.3")
+        True
+        >>> maybe_peer_gone("unhandled system error, Last error: Connection closed by peer")
+        False
+    """
+    low = text.lower()
+    return any(s in low for s in _MAYBE_PEER_GONE) and not peer_gone(text)
+
+
+def maybe_lost_peer(problem: Problem) -> bool:
+    """Whether ``problem`` may be a consequence of another rank's failure as much as its own
+    fault: a death by SIGABRT (how NCCL's watchdog ends the ranks whose peer went away, as
+    well as a crash), or an error :func:`maybe_peer_gone` says so of.
+
+    Example:
+        >>> abort = Problem(0, 1.0, "died from signal SIGABRT", slack=1.0, aborted=True)
+        >>> maybe_lost_peer(abort)
+        True
+        >>> maybe_lost_peer(Problem(0, 1.0, "raised ValueError: bad batch"))
+        False
+    """
+    if problem.slack:
+        return problem.aborted
+    return maybe_peer_gone(f"{problem.summary}\n{problem.detail}")
 
 
 def lost_peer(problem: Problem) -> bool:
