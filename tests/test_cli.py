@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -104,7 +105,8 @@ def test_bench_matmul_json_and_human(capsys: pytest.CaptureFixture[str]) -> None
                         "--device", "cpu")  # fmt: skip
     results = {r.get("dtype", r.get("setting")): r for r in document["results"]}
     assert list(results) == ["fp32", "tf32", "bf16", "fp16"]
-    assert results["tf32"]["reason"].startswith("bench_matmul(dtype='tf32') needs a CUDA GPU")
+    # In the command line's words: the user typed --dtype, not bench_matmul(dtype=...).
+    assert results["tf32"]["reason"].startswith("--dtype tf32 needs a CUDA GPU")
     assert all(results[d]["tflops"] > 0 and results[d]["size"] == 32 for d in ("fp32", "fp16"))
     code, out, _ = run(capsys, "bench", "matmul", "--size", "32", "--dtype", "fp32", "fp32",
                        "--device", "cpu")  # fmt: skip
@@ -351,8 +353,10 @@ def test_bench_json_prints_a_skipped_records_to_dict(
 
     monkeypatch.setattr(trainperf.bench, "bench_matmul", bench_matmul)
     document = run_json(capsys, "bench", "matmul", "--dtype", "bf16", "--device", "cpu")
-    skipped = Skipped("matmul", "bf16", "bench_matmul(dtype='bf16') needs what this GPU lacks")
+    skipped = Skipped("matmul", "bf16", "--dtype bf16 needs what this GPU lacks")
     assert document == {"command": "bench matmul", "results": [skipped.to_dict()]}
+    code, out, _ = run(capsys, "bench", "matmul", "--dtype", "bf16", "--device", "cpu")
+    assert code == 0 and out == "bf16: skipped: --dtype bf16 needs what this GPU lacks\n"
 
 
 def test_a_setting_that_runs_out_of_memory_is_skipped_the_others_run_and_the_exit_is_1(
@@ -828,3 +832,168 @@ def test_library_errors_name_options_only_where_the_library_names_a_parameter(
 ) -> None:
     args = build_parser().parse_args(["bench", bench])
     assert _as_typed(message, args) == (message if typed is None else typed)
+
+
+def test_a_skipped_precision_and_a_results_notes_name_the_options_typed(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
+    import trainperf.bench
+    from trainperf.errors import DeviceError
+
+    fp16 = dataclasses.replace(
+        _fixed_results()["model"],
+        notes=("channels_last is faster than the reference's default layout",),
+    )
+
+    def bench_model(model: str, precision: str, **kwargs: Any) -> Any:
+        if precision == "bf16":
+            raise DeviceError("bench_model(precision='bf16') on cpu: no bf16 kernels")
+        return fp16
+
+    monkeypatch.setattr(trainperf.bench, "bench_model", bench_model)
+    code, out, _ = run(capsys, "bench", "model", "--precision", "all", "--channels-last", *TINY)
+    assert code == 0
+    assert "Skipped bf16: --precision bf16 on cpu: no bf16 kernels" in out.splitlines()
+    assert "Note: --channels-last is faster than the reference's default layout" in out
+    assert "bench_model(" not in out and "channels_last" not in out
+    document = run_json(capsys, "bench", "model", "--precision", "bf16", *TINY)
+    assert document["results"][0]["reason"] == "--precision bf16 on cpu: no bf16 kernels"
+
+
+# ---------------------------------------------- starting light; Ctrl-C and a reader that went away
+
+
+def test_help_imports_no_torch() -> None:
+    # A fresh interpreter: `trainperf --help` and each command's --help parse and print
+    # without the seconds of `import torch` (that waits for a command that runs).
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from trainperf.cli import main\n"
+        "for argv in (['--help'], ['bench', '--help'], ['bench', 'model', '--help'],\n"
+        "             ['bench', 'matmul', '--help'], ['bench', 'h2d', '--help'],\n"
+        "             ['doctor', '--help'], ['gpus', '--help'], ['bench', 'matmul', '-h']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "print(json.dumps('torch' in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)  # fmt: skip
+    assert json.loads(done.stdout) is False, done.stderr
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_ctrl_c_before_the_command_runs_is_one_line_and_exit_130(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, json_flag: list[str]
+) -> None:
+    import trainperf.cli._main
+
+    def interrupted(argv: list[str]) -> Any:
+        raise KeyboardInterrupt  # Ctrl-C while the command line is read
+
+    monkeypatch.setattr(trainperf.cli._main, "_parse", interrupted)
+    try:
+        code, out, err = run(capsys, "gpus", *json_flag)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped main(): Python prints its traceback")
+    message = "interrupted (Ctrl-C) before the command finished"
+    assert code == 130 and err == f"trainperf: error: {message}\n"
+    if json_flag:
+        assert json.loads(out) == {
+            "command": None,
+            "error": {"type": "KeyboardInterrupt", "message": message},
+        }
+    else:
+        assert out == ""
+
+
+def test_ctrl_c_while_a_command_imports_torch_exits_130_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    # A stand-in torch whose import waits, so Ctrl-C lands inside it, as it would in the
+    # seconds the real one takes.
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(
+        "import sys, time\nprint('importing torch', file=sys.stderr, flush=True)\ntime.sleep(60)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    argv = [sys.executable, "-m", "trainperf", "bench", "matmul", "--device", "cpu", "--json"]
+    with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as process:  # fmt: skip
+        try:
+            assert process.stderr is not None
+            first = process.stderr.readline()
+            assert first == "importing torch\n", first + process.stderr.read()
+            process.send_signal(signal.SIGINT)
+            out, err = process.communicate(timeout=60)
+        finally:
+            process.kill()
+    message = "interrupted (Ctrl-C) before the command finished"
+    assert process.returncode == 130 and err == f"trainperf: error: {message}\n"
+    assert json.loads(out)["error"] == {"type": "KeyboardInterrupt", "message": message}
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_stdouts_reader_gone_exits_141_quietly(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    json_flag: list[str],
+) -> None:
+    import trainperf.doctor
+    from trainperf.doctor import Check, DoctorReport
+
+    report = DoctorReport((Check("shm", "fail", "64 MiB"),))  # a failing check: still 141
+    monkeypatch.setattr(trainperf.doctor, "diagnose", lambda: report)
+    with open(tmp_path / "stdout", "w") as scratch:
+        monkeypatch.setattr(sys, "stdout", _GoneReader(scratch.fileno()))  # `| head -0`
+        code = main(["doctor", *json_flag])
+    assert code == 141 and capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+def test_the_command_with_its_stdout_reader_gone_exits_141_with_nothing_on_stderr() -> None:
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `trainperf gpus | head -0`: the reader is gone before the output
+    done = subprocess.run([sys.executable, "-m", "trainperf", "gpus"], stdout=write_end,
+                          stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+    os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_dtype_given_twice_runs_both_lists(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.bench
+
+    ran: list[str] = []
+
+    def bench_matmul(dtype: str, **kwargs: Any) -> Any:
+        ran.append(dtype)
+        return _fixed_results()["matmul"]
+
+    monkeypatch.setattr(trainperf.bench, "bench_matmul", bench_matmul)
+    code, _, _ = run(capsys, "bench", "matmul", "--dtype", "fp32", "--dtype", "fp16", "fp32",
+                     "--device", "cpu")  # fmt: skip
+    assert code == 0 and ran == ["fp32", "fp16"]  # not only the last --dtype's
+    ran.clear()
+    run(capsys, "bench", "matmul", "--device", "cpu")
+    assert ran == ["fp32", "tf32", "bf16", "fp16"]  # none given: all of them
+
+
+class _GoneReaderWithoutFd(io.StringIO):
+    """A stdout object (a notebook's, a test's) whose reader went away and that has no
+    file descriptor to point elsewhere."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+
+def test_a_gone_reader_without_a_file_descriptor_still_exits_141(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "stdout", _GoneReaderWithoutFd())
+    code = main(["bench", "matmul", "--size", "8", "--dtype", "fp32", "--iterations", "1",
+                 "--device", "cpu"])  # fmt: skip
+    assert code == 141 and "Traceback" not in capsys.readouterr().err

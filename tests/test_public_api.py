@@ -10,6 +10,7 @@ import pkgutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,18 +24,26 @@ def test_all_is_sorted_and_unique() -> None:
     assert len(set(trainperf.__all__)) == len(trainperf.__all__)
 
 
-def test_all_matches_the_names_imported_in_init() -> None:
+def _type_checking_imports() -> dict[str, str]:
+    """The names ``trainperf/__init__.py`` imports under ``if TYPE_CHECKING:``, by module."""
     tree = ast.parse(INIT.read_text())
-    imported = {
-        alias.asname or alias.name
+    (block,) = [
+        node
         for node in tree.body
-        if isinstance(node, ast.ImportFrom)
-        and node.module
-        and node.module.startswith("trainperf")
-        and not node.module.startswith("trainperf._utils")
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    ]
+    return {
+        alias.asname or alias.name: node.module
+        for node in block.body
+        if isinstance(node, ast.ImportFrom) and node.module
         for alias in node.names
     }
-    assert imported | {"__version__"} == set(trainperf.__all__)
+
+
+def test_all_matches_the_names_imported_for_type_checkers_and_loaded_lazily() -> None:
+    imported = _type_checking_imports()
+    assert set(imported) | {"__version__"} == set(trainperf.__all__)
+    assert imported == trainperf._EXPORTS  # what mypy sees is what __getattr__ loads
     for name in trainperf.__all__:
         assert hasattr(trainperf, name), name
 
@@ -55,6 +64,7 @@ def test_import_is_light_and_never_initialises_cuda() -> None:
         "heavy = ['pynvml', 'torchvision', 'nvidia.dali', 'matplotlib', 'safetensors']\n"
         "before = {m for m in heavy if m in sys.modules}\n"
         "import trainperf\n"
+        "loaded = [getattr(trainperf, name) for name in trainperf.__all__]  # each subpackage\n"
         "added = [m for m in heavy if m in sys.modules and m not in before]\n"
         "print(json.dumps({'added': added, 'cuda_initialised': torch.cuda.is_initialized()}))\n"
     )
@@ -127,3 +137,62 @@ def _hints_resolve(cls: type) -> bool:
     except NameError:
         return False
     return True
+
+
+def _fresh_python(code: str) -> Any:
+    """What ``code`` prints as its last line, as JSON, run in a new interpreter."""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_import_trainperf_imports_no_subpackage_and_not_torch() -> None:
+    # Each name loads its subpackage on first use: `import trainperf.ddp` in every spawned
+    # rank, and `trainperf --help`, pay only for what they use.
+    result = _fresh_python(
+        "import json, sys, trainperf\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('trainperf.'))\n"
+        "version = trainperf.__version__\n"
+        "print(json.dumps({'torch': 'torch' in sys.modules, 'loaded': loaded,\n"
+        "                  'metadata_ok': isinstance(version, str)}))\n"
+    )
+    assert result == {
+        "torch": False,
+        "loaded": ["trainperf._utils", "trainperf._utils.public"],
+        "metadata_ok": True,
+    }
+
+
+@pytest.mark.slow
+def test_public_module_does_not_depend_on_which_path_is_used_first() -> None:
+    result = _fresh_python(
+        "import json\n"
+        "from trainperf.loader import TuningReport\n"
+        "from trainperf.errors import HangError\n"
+        "import trainperf\n"
+        "print(json.dumps([TuningReport.__module__, HangError.__module__,\n"
+        "                  trainperf.TuningReport is TuningReport]))\n"
+    )
+    assert result == ["trainperf", "trainperf", True]
+
+
+def test_an_unknown_attribute_is_an_attribute_error_naming_it() -> None:
+    with pytest.raises(AttributeError, match=r"^module 'trainperf' has no attribute 'nope'$"):
+        trainperf.nope  # type: ignore[attr-defined]  # noqa: B018
+    assert not hasattr(trainperf, "_private_nothing")
+
+
+def test_dir_lists_every_public_name_and_subpackage() -> None:
+    listed = dir(trainperf)
+    assert set(trainperf.__all__) <= set(listed)
+    assert {"ddp", "bench", "pipelines", "cli", "loader"} <= set(listed)
+    assert listed == sorted(listed)
+
+
+def test_every_public_subpackage_is_an_attribute_without_an_import() -> None:
+    public = sorted(m.name for m in pkgutil.iter_modules(trainperf.__path__) if m.name[0] != "_")
+    assert list(trainperf._SUBMODULES) == public
+    for name in public:
+        assert getattr(trainperf, name) is importlib.import_module(f"trainperf.{name}")

@@ -52,6 +52,8 @@ Which condition maps to which type, everywhere in the package:
 - ``TypeError``: an argument of the wrong type (``device=None`` where there is no default
   device, a non-module to ``unwrap_model``, a non-callable ``main``), or a container
   ``to_device`` cannot rebuild.
+- ``AttributeError``: ``trainperf.<name>`` for a name the package does not export (as for
+  any module; each name it does export loads its subpackage on first use).
 - ``ModuleNotFoundError``: an optional extra is not installed; the message names the function
   and the ``pip install`` that fixes it. ``ImportError``: it is installed but cannot be used
   (DALI that fails to import or is too old).

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO, cast
 
 from trainperf.cli._output import _emit_json, _emit_results, _progress, _stderr
-from trainperf.cli._parser import _MiB
+from trainperf.cli._parser import _as_typed, _MiB
 
 
 def _check_device(device: str | None, allowed: tuple[str, ...] = ("cpu", "cuda")) -> None:
@@ -48,11 +48,12 @@ def _status(results: Sequence[Any]) -> int:
     return int(any(isinstance(r, Skipped) and r.reason.startswith(_OOM) for r in results))
 
 
-def _skipped(bench: str, setting: str, e: Exception, smaller: str) -> Any:
-    """The Skipped record of a setting that could not run: the device lacks what it needs
-    (a ``DeviceError``, ``NotImplementedError``) or it ran out of memory (the cache emptied for
-    the next setting; ``smaller`` names the options that shrink it); None for any other
-    error, which the caller raises again."""
+def _skipped(args: argparse.Namespace, setting: str, e: Exception, smaller: str) -> Any:
+    """The Skipped record of a setting of the benchmark ``args`` ran that could not run: the
+    device lacks what it needs (a ``DeviceError``, ``NotImplementedError``: the reason in the
+    words of the command line, ``--dtype tf32`` where the library says ``dtype='tf32'``) or it
+    ran out of memory (the cache emptied for the next setting; ``smaller`` names the options
+    that shrink it); None for any other error, which the caller raises again."""
     import torch
 
     from trainperf._utils.oom import oom_kind
@@ -66,9 +67,9 @@ def _skipped(bench: str, setting: str, e: Exception, smaller: str) -> Any:
         if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             torch.cuda.empty_cache()
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        return Skipped(bench, setting, f"{_OOM} ({first}): try a smaller {smaller}")
+        return Skipped(args.bench, setting, f"{_OOM} ({first}): try a smaller {smaller}")
     if isinstance(e, (DeviceError, NotImplementedError)):
-        return Skipped(bench, setting, str(e))
+        return Skipped(args.bench, setting, _as_typed(str(e), args))
     return None
 
 
@@ -96,7 +97,7 @@ def _bench_one_model(args: argparse.Namespace, precision: str, lines: TextIO) ->
             on_iteration=on_iteration,
         )
     except (DeviceError, RuntimeError, MemoryError) as e:
-        skipped = _skipped("model", precision, e, "--batch-size or --image-size")
+        skipped = _skipped(args, precision, e, "--batch-size or --image-size")
         if skipped is None:
             raise
         print(f"Skipped {precision}: {skipped.reason}", file=lines)
@@ -117,7 +118,7 @@ def _run_bench_model(args: argparse.Namespace) -> int:
         result = _bench_one_model(args, precision, lines)
         results.append(result)
         if not args.json and not isinstance(result, Skipped):
-            print(result, file=out)
+            print(_as_typed(str(result), args), file=out)
     if args.json:
         _emit_results("bench model", results, out)
     return _status(results)
@@ -128,7 +129,8 @@ def _run_bench_matmul(args: argparse.Namespace) -> int:
     from trainperf.errors import DeviceError
 
     device = _one_device(args.device)
-    dtypes = list(MATMUL_DTYPES) if "all" in args.dtype else list(dict.fromkeys(args.dtype))
+    every = args.dtype is None or "all" in args.dtype
+    dtypes = list(MATMUL_DTYPES) if every else list(dict.fromkeys(args.dtype))
     results: list[Any] = []
     for dtype in dtypes:
         _progress(f"trainperf bench matmul: {dtype}...")
@@ -140,7 +142,7 @@ def _run_bench_matmul(args: argparse.Namespace) -> int:
                 device=device,
             )
         except (DeviceError, RuntimeError, MemoryError) as e:
-            skipped = _skipped("matmul", dtype, e, "--size")
+            skipped = _skipped(args, dtype, e, "--size")
             if skipped is None:
                 raise
             results.append(skipped)
@@ -149,7 +151,7 @@ def _run_bench_matmul(args: argparse.Namespace) -> int:
             continue
         results.append(result)
         if not args.json:
-            print(result)
+            print(_as_typed(str(result), args))
     if args.json:
         _emit_results("bench matmul", results, sys.stdout)
     return _status(results)
@@ -177,14 +179,14 @@ def _run_bench_h2d(args: argparse.Namespace) -> int:
     try:
         result: Any = bench_h2d(size_bytes=size, iterations=args.iterations, device=args.device)
     except (DeviceError, RuntimeError, MemoryError) as e:
-        result = _skipped("h2d", "pageable+pinned", e, "--size-mb")
+        result = _skipped(args, "pageable+pinned", e, "--size-mb")
         if result is None:
             raise
         if not args.json:
             print(f"bench h2d skipped: {result.reason}")
     else:
         if not args.json:
-            print(result)
+            print(_as_typed(str(result), args))
     if args.json:
         _emit_results("bench h2d", [result], sys.stdout)
     return _status([result])
@@ -201,7 +203,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json({"command": "doctor", **report.to_dict()}, sys.stdout)
     else:
-        print(report)
+        print(_as_typed(str(report), args))
     return 1 if report.worst == "fail" else 0
 
 
@@ -229,8 +231,6 @@ def _run_gpus(args: argparse.Namespace) -> int:
         print(f"{g.index:>4}  {g.nvml_index:>3}  {g.name:<28}  {memory:>20}  {util:>4}  {cc}")
     return 0
 
-
-_INTERRUPTED = 130
 
 _HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "model": _run_bench_model,

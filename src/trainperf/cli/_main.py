@@ -7,12 +7,14 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TextIO, cast
 
-from trainperf.cli._commands import _HANDLERS, _INTERRUPTED
+from trainperf.cli._commands import _HANDLERS
 from trainperf.cli._output import (
+    _asks_json,
     _discard_stdout,
     _fail,
     _Output,
     _OutputError,
+    _report,
     _stderr,
     _unexpected,
     _usage_error,
@@ -20,17 +22,25 @@ from trainperf.cli._output import (
 )
 from trainperf.cli._parser import _as_typed, _parse, _UsageError
 
+# 128 + the signal: the status a shell gives a command stopped by SIGINT (Ctrl-C) or SIGPIPE.
+_INTERRUPTED = 130
+_BROKEN_PIPE = 141
+_INTERRUPTED_MESSAGE = "interrupted (Ctrl-C) before the command finished"
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``trainperf`` with ``argv`` (default: the command line) and return the exit status.
 
     Returns 0 on success, 1 when a command fails (or ``doctor`` finds a failing check), 130
-    when Ctrl-C stops it, and exits with 2 on a usage error (argparse's convention). An error
-    is one line on stderr, ``trainperf: error: ...``, never a traceback, naming the options
-    as typed (``--batch-size``, not the library's ``batch_size``); with ``--json``
-    stdout also gets ``{"command": ..., "error": {"type": ..., "message": ...}}`` (a usage
-    error's type is ``"UsageError"``; its command is None where the command itself is
-    missing or unknown). Output that stdout's encoding cannot hold is written escaped.
+    when Ctrl-C stops it (at any point, the imports a command starts with included), 141
+    when stdout's reader goes away first (``trainperf doctor | head -1``: what a shell
+    reports for a command stopped by SIGPIPE, with nothing on stderr), and exits with 2 on a
+    usage error (argparse's convention). An error is one line on stderr, ``trainperf:
+    error: ...``, never a traceback, naming the options as typed (``--batch-size``, not the
+    library's ``batch_size``), as do the reports and skipped settings it prints; with
+    ``--json`` stdout also gets ``{"command": ..., "error": {"type": ..., "message": ...}}``
+    (a usage error's type is ``"UsageError"``; its command is None where the command itself
+    is missing or unknown). Output that stdout's encoding cannot hold is written escaped.
 
     Example:
         >>> main(["bench", "matmul", "--size", "32", "--dtype", "fp32", "--device", "cpu",
@@ -39,6 +49,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C before a command ran (while parsing, or starting): the same one line as
+        # during one, where Python would print a traceback.
+        _report(_INTERRUPTED_MESSAGE, None, "KeyboardInterrupt", _asks_json(argv))
+        return _INTERRUPTED
+
+
+def _main(argv: list[str]) -> int:
+    """:func:`main` but for a Ctrl-C outside the command's own run."""
     try:
         args = _parse(argv)
     except _UsageError as e:
@@ -69,13 +90,13 @@ def _run(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace)
     except _OutputError as e:
         return _fail(args, _write_failed(e.error), e.error)
     except BrokenPipeError:
-        # The reader (`| head`) went away: stop quietly, as Unix tools do.
+        # The reader (`| head`) went away: stop quietly, with the status of a Unix tool that
+        # SIGPIPE stopped (so `set -o pipefail` still sees the output was cut short).
         _discard_stdout()
-        return 1
+        return _BROKEN_PIPE
     except KeyboardInterrupt as e:
-        # Ctrl-C: one line (and the --json error document), not a traceback through torch;
-        # 130 = 128 + SIGINT, the status a shell gives a command stopped by Ctrl-C.
-        _fail(args, "interrupted (Ctrl-C) before the command finished", e)
+        # Ctrl-C: one line (and the --json error document), not a traceback through torch.
+        _fail(args, _INTERRUPTED_MESSAGE, e)
         return _INTERRUPTED
     except (ValueError, TrainperfError) as e:
         # The library's messages name its parameters (batch_size=, device='cpu'): say the

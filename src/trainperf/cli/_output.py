@@ -155,8 +155,10 @@ def _command_name(args: argparse.Namespace) -> str:
 
 def _discard_stdout() -> None:
     """Point stdout at devnull, so that the flush at exit does not fail again on what is
-    left in its buffer (Python's docs' recipe for a reader that went away)."""
-    _to_devnull(sys.stdout.fileno())
+    left in its buffer (Python's docs' recipe for a reader that went away); a stdout without
+    a file descriptor (``main`` called with an ``io.StringIO`` in place) is left as it is."""
+    with contextlib.suppress(OSError, ValueError):  # io.UnsupportedOperation: no descriptor
+        _to_devnull(sys.stdout.fileno())
 
 
 def _report(message: str, command: str | None, error_type: str, as_json: bool) -> None:

@@ -70,8 +70,9 @@ def _add_matmul_parser(benches: Any) -> None:
     matmul.add_argument(
         "--dtype",
         nargs="+",
+        action="extend",  # `--dtype fp32 --dtype fp16` runs both, not only the last
         choices=["fp32", "tf32", "bf16", "fp16", "all"],
-        default=["all"],
+        help="one or more (default: all)",
     )
     matmul.add_argument("--iterations", type=_positive)
     matmul.add_argument("--device", help=_DEVICE_HELP)
