@@ -164,3 +164,39 @@ def _reference_eval(path: str, size: int) -> torch.Tensor:
     with Image.open(path) as im:
         out: torch.Tensor = transform(im.convert("RGB"))
     return out
+
+
+# What macOS leaves in a folder it copies or zips: AppleDouble files (metadata, not images,
+# named like the image they describe), .DS_Store, and the zip's __MACOSX/ folder of them.
+_APPLE_DOUBLE = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(64)
+
+
+def add_macos_litter(root: Path, where: str) -> None:
+    """Put macOS's litter, and other hidden files and folders, into the image folder ``root``
+    (two or more classes): at its top (``"root"``: hidden and ``__MACOSX`` folders that would
+    be classes), in its class folders (``"class"``: ``._<image>`` and ``.DS_Store`` beside the
+    images) or in a folder below a class (``"subfolder"``: hidden and ``__MACOSX`` folders
+    holding files with image suffixes, real images among them)."""
+    from PIL import Image
+
+    classes = sorted(p for p in root.iterdir() if p.is_dir())
+    if where == "root":
+        for name in ("__MACOSX", ".ipynb_checkpoints", ".Trashes"):
+            (root / name / classes[0].name).mkdir(parents=True)
+            (root / name / classes[0].name / "._00.jpg").write_bytes(_APPLE_DOUBLE)
+            Image.new("RGB", (8, 8)).save(root / name / "real.png")
+        (root / ".DS_Store").write_bytes(bytes(16))
+    elif where == "class":
+        for folder in classes:
+            for image in sorted(folder.iterdir()):
+                (folder / f"._{image.name}").write_bytes(_APPLE_DOUBLE)
+            (folder / ".DS_Store").write_bytes(bytes(16))
+            Image.new("RGB", (8, 8)).save(folder / ".hidden.png")
+    else:
+        for name in ("__MACOSX", ".thumbnails"):
+            sub = classes[-1] / name
+            sub.mkdir()
+            (sub / "._00.jpg").write_bytes(_APPLE_DOUBLE)
+            Image.new("RGB", (8, 8)).save(sub / "thumb.jpg")
+            (sub / ".nested").mkdir()
+            Image.new("RGB", (8, 8)).save(sub / ".nested" / "x.jpg")

@@ -14,6 +14,7 @@ from trainperf.pipelines._augment import (
     normalize,
     random_flip,
     sample_crop_box,
+    sample_seed,
 )
 
 PIL = pytest.importorskip("PIL.Image")
@@ -61,3 +62,13 @@ def test_random_flip_and_center_crop() -> None:
     img = torch.randint(0, 256, (3, 90, 120), dtype=torch.uint8)
     out = center_resize_crop(img, 48)
     assert out.shape == (3, 48, 48) and torch.equal(out, out.round())
+
+
+def test_every_image_of_every_epoch_draws_from_its_own_seed() -> None:
+    # ImageNet-scale: image i + 1,000,003 of one epoch met image i of the next (a product
+    # mix with that modulus), so a fifth of ImageNet-1k replayed another image's crops.
+    big = 1_000_003
+    cases = [(0, 0, big), (0, 1, 0), (0, 0, 2 * big), (0, 2, 0), (1, 0, 0), (0, big, 0)]
+    assert len({sample_seed(*c) for c in cases}) == len(cases)
+    grid = {(s, e, i) for s in range(4) for e in range(30) for i in range(300)}
+    assert len({sample_seed(*c) for c in grid}) == len(grid)

@@ -234,11 +234,12 @@ def test_dali_error_on_a_non_utf8_name_shows_it_escaped(fresh_folder: Path) -> N
 
 
 @needs_dali
+@pytest.mark.parametrize("train", [True, False])
 @pytest.mark.parametrize("how", ["cut", "text"])
 def test_dali_names_a_file_overwritten_after_the_loader_was_built(
-    fresh_folder: Path, how: str
+    fresh_folder: Path, how: str, train: bool
 ) -> None:
-    loader = _loader(fresh_folder, "dali", batch_size=8, train=False, last_batch="keep")
+    loader = _loader(fresh_folder, "dali", batch_size=8, train=train, last_batch="keep")
     victim = fresh_folder / "a_red" / "03.jpg"
     if how == "cut":  # the header still passes: DALI's decoder fails, the file is found
         _cut(victim)
@@ -380,3 +381,39 @@ def test_dali_decodes_a_tiff_as_pil_and_the_other_backends_do(tmp_path: Path, ki
     # DALI resamples within one grey level of PIL; turned, mirrored or miscoloured, the image
     # was off by up to 200 levels.
     assert (_pixels(dali) - _pixels(torchvision_)).abs().max() <= 1.01 / 255
+
+
+def _by_index(loader: Any) -> dict[int, torch.Tensor]:
+    """One epoch's images, by file index."""
+    epoch = _epoch(loader)
+    return {i: img for images, _, idx in epoch for i, img in zip(idx.tolist(), images, strict=True)}
+
+
+@needs_dali
+def test_dali_replays_an_epochs_crops_and_flips_and_draws_new_ones_each_epoch(
+    folder: Path,
+) -> None:
+    # DALI drew crops and flips from generators seeded once per pipeline: an epoch run again,
+    # or resumed on a new loader, got other crops than the first time.
+    kw: dict[str, Any] = {"batch_size": 4, "seed": 5, "num_threads": 2}
+    dali = _loader(folder, "dali", **kw)
+    first, second = _by_index(dali), _by_index(dali)
+    dali.set_epoch(0)
+    replayed = _by_index(dali)
+    assert all(torch.equal(replayed[i], first[i]) for i in first)
+    resumed = _loader(folder, "dali", **{**kw, "num_threads": 1})
+    resumed.set_epoch(1)  # a new loader, another thread count: the same crops
+    assert all(torch.equal(img, second[i]) for i, img in _by_index(resumed).items())
+    both = first.keys() & second.keys()
+    assert sum(torch.equal(first[i], second[i]) for i in both) == 0
+
+
+@needs_dali
+def test_dali_cuts_the_torchvision_backends_crops_and_flips(folder: Path) -> None:
+    kw: dict[str, Any] = {"batch_size": 4, "seed": 3}
+    dali, torchvision_ = _loader(folder, "dali", **kw), _loader(folder, "torchvision", **kw)
+    for _ in range(2):
+        ours, theirs = _by_index(dali), _by_index(torchvision_)
+        assert ours.keys() == theirs.keys()
+        for i, img in ours.items():  # other boxes or flips differ by tens of levels
+            assert (_pixels(img[None]) - _pixels(theirs[i][None])).abs().mean() < 2 / 255

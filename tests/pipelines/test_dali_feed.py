@@ -47,6 +47,47 @@ def test_feed_yields_each_epochs_batches_in_order_and_reads_the_bytes(folder: Pa
         feed.close()
 
 
+def test_training_feed_gives_each_image_the_crop_and_flip_every_backend_draws(
+    folder: Path, tmp_path: Path
+) -> None:
+    from trainperf.pipelines._augment import train_params
+
+    # A TIFF turned by its tag reaches DALI as PIL's upright decode: its crop is drawn from
+    # that size (48 wide, 32 high, turned: 32 x 48), not the file's header's.
+    turned = str(write_tiff(tmp_path / "turned.tif", "turned"))
+    files = [*load_source(folder, on_error="raise").files[:5], turned]
+    plan = _plan(len(files), 3)
+    feed = FileFeed(files, plan, max_pixels=None, threads=2, augment_seed=7)  # type: ignore[arg-type]
+    try:
+        for epoch in (0, 1):
+            for _ in plan(epoch):  # type: ignore[operator]
+                _, indices, anchors, shapes, flips = feed()
+                for k, i in enumerate(indices.tolist()):
+                    with PIL.open(files[i]) as im:
+                        width, height = im.size if i != 5 else (32, 48)
+                    (top, left, h, w), flip = train_params(7, epoch, i, height, width)
+                    assert anchors[k].tolist() == [top, left] and shapes[k].tolist() == [h, w]
+                    assert flips[k] == flip
+    finally:
+        feed.close()
+
+
+def test_training_feed_refuses_bytes_without_an_image_size(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.pipelines._dali_feed as feed_module
+
+    monkeypatch.setattr(feed_module, "read_for_dali", lambda path, limit: np.zeros(4, np.uint8))
+    files = load_source(folder, on_error="raise").files[:2]
+    feed = FileFeed(files, lambda epoch: [[0, 1]], max_pixels=None, threads=1, augment_seed=0)
+    try:
+        datas, _, _, shapes, _ = feed()
+    finally:
+        feed.close()
+    assert [d.tolist() for d in datas] == [[0], [0]] and shapes.tolist() == [[1, 1], [1, 1]]
+    assert feed.error is not None and feed.error.endswith("has no image size, so it is not decoded")
+
+
 def test_starting_a_later_epoch_abandons_the_rest_of_this_one(folder: Path) -> None:
     files = load_source(folder, on_error="raise").files
     plan = _plan(len(files), 4)

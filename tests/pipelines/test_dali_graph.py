@@ -24,7 +24,7 @@ def _graph_ops(pipe: Any) -> list[tuple[str, str, str]]:
 
 def _dali_graph(**kw: Any) -> Any:
     """A DALI pipeline, defined without a GPU (``device_id=None``), batches of 2, one thread,
-    seed 0, rank 0 unless ``kw`` says otherwise. Its input is never called: it is not built."""
+    unless ``kw`` says otherwise. Its input is never called: it is not built."""
     from trainperf.pipelines._dali_graph import build_pipeline
 
     def never() -> Any:
@@ -35,8 +35,6 @@ def _dali_graph(**kw: Any) -> Any:
         "device_id": None,
         "batch_size": 2,
         "num_threads": 1,
-        "seed": 0,
-        "rank": 0,
         "mean": IMAGENET_MEAN,
         "std": IMAGENET_STD,
         **kw,
@@ -48,13 +46,13 @@ def _dali_graph(**kw: Any) -> Any:
 @pytest.mark.parametrize("train", [True, False])
 def test_dali_gpu_graph_decodes_mixed_and_augments_on_the_gpu(train: bool) -> None:
     # device_id=None lets the graph be defined without a GPU; gpu=True picks the GPU operators.
-    pipe = _dali_graph(gpu=True, rank=1, train=train, size=224)
+    pipe = _dali_graph(gpu=True, train=train, size=224)
     ops = _graph_ops(pipe)
     devices = {name: device for name, device, _ in ops}
     # The files come from trainperf's feed (sharded and shuffled there, see test_dali_feed.py),
     # never from DALI's file reader, so DALI is given no file name at all.
     assert devices["ExternalSource"] == "cpu" and "readers__File" not in devices
-    decoder = "decoders__ImageRandomCrop" if train else "decoders__Image"
+    decoder = "decoders__ImageSlice" if train else "decoders__Image"
     assert devices[decoder] == "mixed"
     assert devices["Resize"] == "gpu" and devices["CropMirrorNormalize"] == "gpu"
     if not train:
@@ -75,8 +73,17 @@ def test_dali_train_graph_resizes_antialiased_on_the_gpu_and_leaves_the_cpu_crop
 ) -> None:
     pipe = _dali_graph(gpu=gpu, train=True, size=32)
     ops = {name: spec for name, _, spec in _graph_ops(pipe)}
-    assert "decoders__ImageRandomCrop" in ops
+    assert "decoders__ImageSlice" in ops
     if gpu:
         assert "antialias: True" in ops["Resize"] and "CropMirrorNormalize" in ops
     else:  # CpuTrainFinish resizes (antialiased), mirrors and normalises in torch
         assert "Resize" not in ops and "CropMirrorNormalize" not in ops
+
+
+@needs_dali
+@pytest.mark.parametrize("gpu", [False, True])
+def test_dali_train_graph_draws_nothing_at_random(gpu: bool) -> None:
+    # DALI's random operators are seeded once per pipeline: an epoch run again got other
+    # crops. The feed hands over each image's crop box and flip instead.
+    ops = _graph_ops(_dali_graph(gpu=gpu, train=True, size=32))
+    assert not [name for name, _, _ in ops if "random" in name.lower()]

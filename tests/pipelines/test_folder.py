@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.pipelines._images import CPU_BACKENDS, _loader
+from tests.pipelines._images import CPU_BACKENDS, _loader, add_macos_litter
 from trainperf.pipelines._folder import find_images
 
 PIL = pytest.importorskip("PIL.Image")
@@ -118,3 +118,39 @@ def test_a_relative_root_gives_absolute_paths_and_messages_quote_it_as_given(
 
 def _order(root: Path) -> list[str]:
     return [os.path.relpath(p, root) for p, _ in _imagefolder_samples(root)]
+
+
+@pytest.mark.parametrize("where", ["root", "class", "subfolder"])
+def test_hidden_files_and_macos_folders_are_not_read(tmp_path: Path, where: str) -> None:
+    # AppleDouble files ("._x.jpg") failed the header check; "__MACOSX" became class 0.
+    root = _mixed_folder(tmp_path / "data")
+    expected = find_images(root)
+    add_macos_litter(root, where)
+    assert find_images(root) == expected
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_every_backend_reads_a_folder_copied_from_macos(
+    folder: Path, tmp_path: Path, backend: str
+) -> None:
+    import shutil
+
+    root = Path(shutil.copytree(folder, tmp_path / "copied"))
+    for where in ("root", "class", "subfolder"):
+        add_macos_litter(root, where)
+    loader = _loader(root, backend, train=False, batch_size=4, last_batch="keep")
+    assert loader.classes == ("a_red", "b_blue") and not loader.skipped
+    original = [os.path.relpath(p, folder) for p, _ in find_images(folder)[0]]
+    assert [os.path.relpath(p, root) for p in loader.files] == original
+    assert sum(len(labels) for _, labels in loader) == len(loader.files)
+
+
+def test_a_folder_with_only_hidden_folders_names_them(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    (root / "__MACOSX" / "cat").mkdir(parents=True)
+    (root / ".git").mkdir()
+    PIL.new("RGB", (4, 4)).save(root / "__MACOSX" / "cat" / "0.png")
+    with pytest.raises(
+        ValueError, match=r"has no class subfolders \(only '.git', '__MACOSX', not read\)"
+    ):
+        find_images(root)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from tests.pipelines._images import (
     _loader,
     _pixels,
     _reference_eval,
+    add_macos_litter,
     big_image,
     bomb_jpeg,
     requires_cuda,
@@ -29,6 +31,7 @@ from trainperf.pipelines import (
     LoaderConfig,
     image_loader,
 )
+from trainperf.pipelines._folder import find_images
 from trainperf.pipelines._source import load_source, shard_plan
 
 PIL = pytest.importorskip("PIL.Image")
@@ -66,6 +69,20 @@ def _nvjpeg_on_cpu(
         max_pixels,
     )  # type: ignore[arg-type]
     return NvjpegLoader(src, plan, config, "test: CPU stand-in")
+
+
+def test_nvjpeg_reads_a_folder_copied_from_macos(folder: Path, tmp_path: Path) -> None:
+    # AppleDouble files ("._x.jpg") failed the header check; "__MACOSX" became a class.
+    import shutil
+
+    root = Path(shutil.copytree(folder, tmp_path / "copied"))
+    for where in ("root", "class", "subfolder"):
+        add_macos_litter(root, where)
+    loader = _nvjpeg_on_cpu(root, train=False, batch_size=4)
+    assert loader.classes == ("a_red", "b_blue") and not loader.skipped
+    original = [os.path.relpath(p, folder) for p, _ in find_images(folder)[0]]
+    assert [os.path.relpath(p, root) for p in loader.files] == original
+    assert sum(len(labels) for _, labels in loader) == len(loader.files)
 
 
 def test_nvjpeg_code_on_cpu_has_the_contract_and_torchvisions_crops(folder: Path) -> None:

@@ -228,18 +228,6 @@ def test_a_file_gone_since_the_check_is_named_as_changed(fresh_folder: Path) -> 
         dataset[2]
 
 
-def test_every_image_of_every_epoch_draws_from_its_own_seed() -> None:
-    from trainperf.pipelines._torchvision import sample_seed
-
-    # ImageNet-scale: image i + 1,000,003 of one epoch met image i of the next (a product
-    # mix with that modulus), so a fifth of ImageNet-1k replayed another image's crops.
-    big = 1_000_003
-    cases = [(0, 0, big), (0, 1, 0), (0, 0, 2 * big), (0, 2, 0), (1, 0, 0), (0, big, 0)]
-    assert len({sample_seed(*c) for c in cases}) == len(cases)
-    grid = {(s, e, i) for s in range(4) for e in range(30) for i in range(300)}
-    assert len({sample_seed(*c) for c in grid}) == len(grid)
-
-
 def test_a_file_that_became_a_fifo_is_not_opened_by_a_worker(fifo_folder: Path) -> None:
     from trainperf.pipelines._torchvision import FileDataset
 

@@ -4,6 +4,11 @@ The nvjpeg backend runs these on the GPU after decoding there; the torchvision b
 :func:`normalize` on whole batches. They are plain tensor code, so the CPU tests exercise
 the very functions the GPU runs.
 
+Every backend draws an image's crop box and flip with :func:`train_params`, from a generator
+seeded with ``(seed, epoch, index)`` (:func:`sample_seed`): the same image in the same epoch
+gets the same augmentation in every backend, however many workers or threads run, and when
+an epoch is run again or resumed on a new loader.
+
 The geometry follows torchvision: :func:`sample_crop_box` is
 ``RandomResizedCrop.get_params`` drawing from a seeded ``random.Random`` instead of torch's
 global generator, and :func:`eval_geometry` reproduces ``Resize(int(size / 0.875))`` (shorter
@@ -28,6 +33,8 @@ __all__ = [
     "random_flip",
     "resized_crop",
     "sample_crop_box",
+    "sample_seed",
+    "train_params",
 ]
 
 # Eval images are resized so that the centre crop keeps 87.5 % of the shorter side (224/256),
@@ -70,6 +77,42 @@ def sample_crop_box(
     else:
         h, w = height, width
     return (height - h) // 2, (width - w) // 2, h, w
+
+
+def _pair(a: int, b: int) -> int:
+    """Cantor's pairing: one distinct number for every pair of numbers >= 0."""
+    return (a + b) * (a + b + 1) // 2 + b
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one image's augmentation in one epoch: distinct for every
+    ``(seed, epoch, index)``, however many images (``random.Random`` takes any int).
+
+    Example:
+        >>> sample_seed(0, 1, 2) != sample_seed(0, 2, 1)
+        True
+        >>> sample_seed(0, 0, 1_000_003) != sample_seed(0, 1, 0)
+        True
+    """
+    return _pair(_pair(seed, epoch), index)
+
+
+def train_params(
+    seed: int, epoch: int, index: int, height: int, width: int
+) -> tuple[tuple[int, int, int, int], bool]:
+    """The training crop box ``(top, left, h, w)`` and flip of image ``index`` (``height x
+    width``) in ``epoch``: a function of its arguments alone, the same in every backend.
+
+    Example:
+        >>> train_params(0, 3, 7, 375, 500) == train_params(0, 3, 7, 375, 500)
+        True
+        >>> box, flip = train_params(0, 0, 0, 375, 500)
+        >>> box[0] + box[2] <= 375 and box[1] + box[3] <= 500 and isinstance(flip, bool)
+        True
+    """
+    rng = random.Random(sample_seed(seed, epoch, index))
+    box = sample_crop_box(height, width, rng)
+    return box, rng.random() < 0.5
 
 
 def eval_geometry(height: int, width: int, size: int) -> tuple[int, int, int, int]:

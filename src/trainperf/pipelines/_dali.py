@@ -9,10 +9,12 @@ need not be UTF-8, and a decompression bomb never reaches DALI's decoder.
 Graph (:mod:`._dali_graph`): ``decoders.image`` (``"mixed"``: nvJPEG on the GPU; ``"cpu"``:
 libjpeg-turbo, when there is no GPU) -> random resized crop + ``resize`` (train) or an exact
 torchvision-style resize + ``slice`` (eval) -> ``crop_mirror_normalize`` (random mirror when
-training) -> DALI's PyTorch iterator.
+training) -> DALI's PyTorch iterator. The crop boxes and flips come with the files, drawn as
+in every backend from ``(seed, epoch, index)``: an epoch set again (``set_epoch``) or
+resumed on a new loader gets the same ones, and they are the other backends'.
 
 Training on the CPU ends differently. DALI decodes only the random crop's region
-(``decoders.image_random_crop``) and hands the uint8 crops over without a copy (its dynamic
+(``decoders.image_slice``) and hands the uint8 crops over without a copy (its dynamic
 executor, DALI >= 1.44). torch then resizes each crop (bilinear, antialiased: the torchvision
 backend's work), mirrors it and normalises it into a reused batch buffer
 (:class:`CpuTrainFinish`). Measured on 500x375 JPEGs, DALI's own linear resize cost 0.8 ms per
@@ -273,6 +275,7 @@ class DaliLoader(ImageLoader):
             _epoch_plan(len(source.files), shard, config),
             max_pixels=config.max_pixels,
             threads=config.num_threads,
+            augment_seed=config.seed if config.train else None,
         )
         pipe = build_pipeline(
             self._feed,
@@ -280,8 +283,6 @@ class DaliLoader(ImageLoader):
             device_id=device_id,
             batch_size=config.batch_size,
             num_threads=config.num_threads,
-            seed=config.seed,
-            rank=shard.rank,
             train=config.train,
             size=config.size,
             mean=config.mean,

@@ -23,6 +23,11 @@ name files``). So the pipeline's input is an ``external_source`` whose callback 
   turns or mirrors it (PIL applies the tag, DALI's TIFF decoder ignores it), a grey one
   with alpha (DALI reads the alpha as green), one with premultiplied alpha (PIL undoes it,
   DALI does not) or a Lab one (:func:`read_for_dali`);
+- when training, gives each image its crop box and flip (:func:`._augment.train_params` of
+  ``(seed, epoch, index)`` and the image's size, read from the bytes handed over), which DALI
+  then cuts and mirrors: DALI's own random operators draw from generators seeded once per
+  pipeline, so an epoch run again, or resumed on a new loader, would get other crops, and no
+  crop would match the other backends';
 - remembers which files went into the batches DALI has not given back yet
   (:attr:`FileFeed.pending`), so that a decoder error is traced to its file
   (:func:`find_culprits`).
@@ -41,11 +46,19 @@ from typing import Any
 
 import numpy as np
 
+from trainperf.pipelines._augment import train_params
 from trainperf.pipelines._decode import pil_failure, pil_to_rgb
-from trainperf.pipelines._header import tiff_tags
+from trainperf.pipelines._header import image_size, sniff_format, tiff_tags
 from trainperf.pipelines._source import BadFile, check_one, read_checked, shown
 
-__all__ = ["DALI_REFUSES", "FedBatch", "FileFeed", "find_culprits", "read_for_dali"]
+__all__ = [
+    "DALI_REFUSES",
+    "FedBatch",
+    "FileFeed",
+    "crop_inputs",
+    "find_culprits",
+    "read_for_dali",
+]
 
 # The reason given for a file DALI named in its error and PIL reads.
 DALI_REFUSES = "DALI's decoder refuses it (PIL reads it)"
@@ -57,6 +70,9 @@ _FAILED_SAMPLE = re.compile(r"Failed to decode sample #(\d+)")
 
 # What DALI gets instead of a file that failed the check: no decoder takes one zero byte.
 _PLACEHOLDER = np.zeros(1, dtype=np.uint8)
+
+# A file's bytes and the (height, width) DALI decodes them to.
+_Sized = tuple[np.ndarray[Any, Any], tuple[int, int]]
 
 _TIFF_MAGIC = (b"II*\x00", b"MM\x00*")
 _PHOTOMETRIC, _ORIENTATION, _SAMPLES_PER_PIXEL, _EXTRA_SAMPLES = 262, 274, 277, 338
@@ -106,6 +122,40 @@ def read_for_dali(path: str, max_pixels: int | None) -> np.ndarray[Any, Any]:
     return encoded
 
 
+def _read_sized(path: str, max_pixels: int | None) -> _Sized:
+    """:func:`read_for_dali`'s bytes and the ``(height, width)`` their header gives, which is
+    what DALI decodes them to (EXIF orientation is ignored; a TIFF's is applied in the PNG).
+
+    Raises:
+        RuntimeError: as :func:`read_for_dali`, or its bytes have no image size (it checked
+            that very header, so only a fault in it would lead here).
+    """
+    data = read_for_dali(path, max_pixels)
+    fmt = sniff_format(data[:16].tobytes())
+    size = "has no image size" if fmt is None else image_size(fmt, data.data.cast("B"))
+    if isinstance(size, str):
+        raise RuntimeError(f"image '{shown(path)}' {size}, so it is not decoded")
+    return data, (size[1], size[0])
+
+
+def crop_inputs(
+    seed: int, epoch: int, indices: Sequence[int], sizes: Sequence[tuple[int, int]]
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """The training crops of a batch as the DALI graph takes them: int32 ``(top, left)``
+    ``[N, 2]``, ``(height, width)`` ``[N, 2]`` and flips ``[N]``, each image's
+    :func:`._augment.train_params` for ``(seed, epoch, index)`` and its ``(height, width)``.
+
+    Example:
+        >>> anchors, shapes, flips = crop_inputs(0, 0, [3], [(375, 500)])
+        >>> (anchors + shapes <= [375, 500]).all(), flips.dtype.name
+        (np.True_, 'int32')
+    """
+    params = [train_params(seed, epoch, i, h, w) for i, (h, w) in zip(indices, sizes, strict=True)]
+    boxes = np.array([box for box, _ in params], dtype=np.int32).reshape(-1, 4)
+    flips = np.array([flip for _, flip in params], dtype=np.int32)
+    return np.ascontiguousarray(boxes[:, :2]), np.ascontiguousarray(boxes[:, 2:]), flips
+
+
 @dataclass(frozen=True)
 class FedBatch:
     """A batch handed to DALI: its epoch, its number in the epoch, its file indices, why a
@@ -127,6 +177,10 @@ class FileFeed:
         plan: epoch -> this rank's batches of file indices for that epoch.
         max_pixels: the image size limit of the header check; None: no limit.
         threads: reader threads.
+        augment_seed: when training, the ``seed`` of the crops and flips: each batch then
+            also holds every image's crop ``(top, left)``, ``(height, width)`` and flip
+            (0/1), int32, for ``(augment_seed, epoch, index)``; None (eval): files and
+            indices only.
 
     Attributes:
         pending: the batches handed to DALI and not given back yet, oldest first; the loader
@@ -141,8 +195,10 @@ class FileFeed:
         *,
         max_pixels: int | None,
         threads: int,
+        augment_seed: int | None = None,
     ) -> None:
         self._files = files
+        self._augment_seed = augment_seed
         self._plan = plan
         self._max_pixels = max_pixels
         self._pool = ThreadPoolExecutor(
@@ -153,7 +209,7 @@ class FileFeed:
         self._generation = 0
         self._batches = plan(0)
         self._next = 0
-        self._ahead: tuple[int, int, list[Future[np.ndarray[Any, Any]]]] | None = None
+        self._ahead: tuple[int, int, list[Future[_Sized]]] | None = None
         self.pending: deque[FedBatch] = deque()
         self.error: str | None = None
 
@@ -196,11 +252,11 @@ class FileFeed:
                 future.cancel()
             self._ahead = None
 
-    def _read(self, indices: Sequence[int]) -> list[Future[np.ndarray[Any, Any]]]:
+    def _read(self, indices: Sequence[int]) -> list[Future[_Sized]]:
         limit = self._max_pixels
-        return [self._pool.submit(read_for_dali, self._files[i], limit) for i in indices]
+        return [self._pool.submit(_read_sized, self._files[i], limit) for i in indices]
 
-    def __call__(self) -> tuple[list[np.ndarray[Any, Any]], np.ndarray[Any, Any]]:
+    def __call__(self) -> tuple[Any, ...]:
         if self._next == len(self._batches):
             self._go_to(self._epoch + 1)
         epoch, number = self._epoch, self._next
@@ -216,15 +272,18 @@ class FileFeed:
             self._ahead = (epoch, following, self._read(self._batches[following]))
         else:
             self._ahead = None
-        datas, problem = [], None
+        datas, sizes, problem = [], [], None
         for i, future in zip(indices, futures, strict=True):
             # Not future.result(): re-raised here, the error's traceback would hold this frame
             # (and the loader's, above it), which holds the future that holds the error: a cycle.
             error = future.exception()
             if error is None:
-                datas.append(future.result())
+                data, size = future.result()
+                datas.append(data)
+                sizes.append(size)
                 continue
             datas.append(_PLACEHOLDER)
+            sizes.append((1, 1))  # the placeholder fails to decode: its crop is never cut
             if not isinstance(error, RuntimeError):  # not the check's: say what it was
                 error = RuntimeError(
                     f"reading '{shown(self._files[i])}' failed ({type(error).__name__}: {error})"
@@ -232,7 +291,10 @@ class FileFeed:
             problem = problem or str(error)
         self.error = self.error or problem
         self.pending.append(FedBatch(epoch, number, tuple(indices), problem, self._generation))
-        return datas, np.asarray(indices, dtype=np.int64)
+        fed = (datas, np.asarray(indices, dtype=np.int64))
+        if self._augment_seed is None:
+            return fed
+        return (*fed, *crop_inputs(self._augment_seed, epoch, indices, sizes))
 
     def close(self) -> None:
         """Stop the reader threads (reads not started are dropped)."""

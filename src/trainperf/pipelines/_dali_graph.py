@@ -6,6 +6,11 @@ resized crop + ``resize`` (train) or an exact torchvision-style resize + ``slice
 ``crop_mirror_normalize`` (random mirror when training). Training on the CPU stops after the
 crop: torch finishes it (:class:`._dali.CpuTrainFinish`).
 
+The graph draws nothing at random: the feed hands it each image's crop box and flip
+(:func:`._dali_feed.crop_inputs`), drawn as every backend draws them, from ``(seed, epoch,
+index)``. DALI's random operators are seeded once per pipeline and never reset, so with them
+an epoch run again (``loader.set_epoch``) or resumed on a new loader got other crops.
+
 EXIF orientation is ignored (``adjust_orientation=False``), as torchvision's ImageFolder
 ignores it in JPEG, PNG and WebP files, so every backend sees the same pixels. PIL, and so
 ImageFolder, does apply a TIFF's Orientation tag: such TIFFs reach DALI already decoded by PIL,
@@ -22,9 +27,6 @@ from trainperf.pipelines._augment import CROP_RATIO
 
 __all__ = ["build_pipeline"]
 
-# Different augmentation streams per rank.
-_RANK_SEED_STRIDE = 7919
-
 
 def _dali_ops() -> tuple[Any, Any]:
     """DALI's ``fn`` and ``types`` modules, as Any: its partial stubs disagree with its runtime
@@ -32,27 +34,31 @@ def _dali_ops() -> tuple[Any, Any]:
     return importlib.import_module("nvidia.dali.fn"), importlib.import_module("nvidia.dali.types")
 
 
-def _encoded(source: Callable[[], tuple[list[Any], Any]]) -> tuple[Any, Any]:
-    """The pipeline's input, ``(encoded file, file index)`` per sample, from ``source``."""
+def _inputs(source: Callable[[], tuple[Any, ...]], train: bool) -> tuple[Any, ...]:
+    """The pipeline's inputs from ``source``, per sample: ``(encoded file, file index)``, and
+    when training the crop's ``(top, left)``, its ``(height, width)`` and the flip (0/1)."""
     fn, types = _dali_ops()
+    crops = [types.INT32] * 3 if train else []
     return fn.external_source(  # type: ignore[no-any-return]
         source=source,
-        num_outputs=2,
+        num_outputs=2 + len(crops),
         batch=True,
-        dtype=[types.UINT8, types.INT64],
+        dtype=[types.UINT8, types.INT64, *crops],
     )
 
 
-def _random_crops(encoded: Any, decoder: str) -> Any:
-    """Decode only each image's random resized crop box (area 8-100 %, aspect 3/4-4/3)."""
+def _crops(encoded: Any, anchor: Any, shape: Any, decoder: str) -> Any:
+    """Decode only each image's crop box: ``anchor`` ``(top, left)``, ``shape`` ``(h, w)``."""
     fn, types = _dali_ops()
-    return fn.decoders.image_random_crop(
+    return fn.decoders.image_slice(
         encoded,
+        anchor,
+        shape,
         device=decoder,
         output_type=types.RGB,
-        random_area=[0.08, 1.0],
-        random_aspect_ratio=[3 / 4, 4 / 3],
-        num_attempts=10,
+        axis_names="HW",
+        normalized_anchor=False,
+        normalized_shape=False,
         adjust_orientation=False,
     )
 
@@ -108,14 +114,12 @@ def _normalize(images: Any, mean: Sequence[float], std: Sequence[float], mirror:
 
 
 def build_pipeline(
-    source: Callable[[], tuple[list[Any], Any]],
+    source: Callable[[], tuple[Any, ...]],
     *,
     gpu: bool,
     device_id: int | None,
     batch_size: int,
     num_threads: int,
-    seed: int,
-    rank: int,
     train: bool,
     size: int,
     mean: Sequence[float],
@@ -125,14 +129,13 @@ def build_pipeline(
 
     Args:
         source: the external source's callback: each call returns the next batch, a list of
-            encoded files (uint8 arrays) and their file indices (:class:`._dali_feed.FileFeed`).
+            encoded files (uint8 arrays) and their file indices, and when training their crop
+            anchors, shapes and flips (:class:`._dali_feed.FileFeed`).
         gpu: decode with ``"mixed"`` and augment on the GPU; else everything on the CPU.
         device_id: the CUDA device, or None for DALI's CPU-only mode.
         batch_size: the most samples per batch.
         num_threads: DALI CPU threads.
-        seed: base of the augmentation seed.
-        rank: this shard (each rank augments with its own random streams).
-        train: random resized crop + mirror; else eval resize + crop.
+        train: the fed crop + mirror; else eval resize + crop.
         size: output height and width.
         mean: per-channel mean in 0..1 units.
         std: per-channel std in 0..1 units.
@@ -146,13 +149,10 @@ def build_pipeline(
     fn, types = _dali_ops()
     decoder = "mixed" if gpu else "cpu"
 
-    # The helpers create the operators in a fixed order (input, decoder, resize, coin flip,
-    # normalise); random operators are seeded from the pipeline seed as they are added.
     @pipeline_def(  # type: ignore[untyped-decorator]
         batch_size=batch_size,
         num_threads=num_threads,
         device_id=device_id,
-        seed=(seed + _RANK_SEED_STRIDE * rank) % (2**31),
         prefetch_queue_depth=2,
         # On the CPU, DALI's dynamic executor (DALI >= 1.44) hands its output buffers to
         # torch without a copy: copying the eval graph's float batches was 12-15 % of the CPU
@@ -162,13 +162,14 @@ def build_pipeline(
         exec_dynamic=not gpu,
     )
     def graph() -> tuple[Any, ...]:
-        encoded, index = _encoded(source)
         if not train:
+            encoded, index = _inputs(source, train)
             images = _eval_resize_crop(encoded, decoder, size)
             return _normalize(images, mean, std, mirror=None), index
-        crops = _random_crops(encoded, decoder)
+        encoded, index, anchor, shape, flip = _inputs(source, train)
+        crops = _crops(encoded, anchor, shape, decoder)
         if not gpu:  # torch resizes, mirrors and normalises (CpuTrainFinish)
-            return crops, fn.random.coin_flip(probability=0.5, dtype=types.UINT8), index
+            return crops, flip, index
         images = fn.resize(
             crops,
             resize_x=float(size),
@@ -176,6 +177,6 @@ def build_pipeline(
             interp_type=types.INTERP_LINEAR,
             antialias=True,
         )
-        return _normalize(images, mean, std, mirror=fn.random.coin_flip(probability=0.5)), index
+        return _normalize(images, mean, std, mirror=flip), index
 
     return graph()

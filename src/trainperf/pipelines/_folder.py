@@ -3,7 +3,11 @@
 ``root/<class>/**/<image>``, as torchvision's ImageFolder reads it, except that every real
 directory is read once (links to a directory already read are skipped, and named), a class
 folder without images is kept as a class, with a warning, and a folder that cannot be listed
-is reported by name (the caller treats it as it treats an unreadable file).
+is reported by name (the caller treats it as it treats an unreadable file), and hidden files
+and folders (names starting with ".") and ``__MACOSX`` folders are not read: macOS leaves
+AppleDouble files (``._photo.jpg``: metadata, not an image) and ``.DS_Store`` in folders it
+copies, and ``__MACOSX/`` in the zip files it makes, which ImageFolder would take for images
+and a class.
 """
 
 from __future__ import annotations
@@ -12,14 +16,28 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["IMAGE_EXTENSIONS", "Unlisted", "find_images"]
+__all__ = ["IMAGE_EXTENSIONS", "Unlisted", "find_images", "is_ignored"]
 
 # The suffixes torchvision's ImageFolder takes, less the rare PPM/PGM/TIF-variants DALI and
 # torchvision.io do not all decode.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 
+# The folder macOS's Archive Utility puts the AppleDouble files of a zip's contents in.
+_MACOS_ARCHIVE_FOLDER = "__MACOSX"
+
 # (folder, why it cannot be listed), e.g. ("root/cat/sub", "cannot be listed (Permission denied)")
 Unlisted = list[tuple[str, str]]
+
+
+def is_ignored(name: str) -> bool:
+    """Whether a file or folder named ``name`` is passed over when a folder is read: hidden
+    (``.DS_Store``, ``._photo.jpg``, ``.git``) or macOS's ``__MACOSX``.
+
+    Example:
+        >>> [is_ignored(n) for n in ("._photo.jpg", "__MACOSX", ".cache", "photo.jpg", "_a")]
+        [True, True, True, False, False]
+    """
+    return name.startswith(".") or name == _MACOS_ARCHIVE_FOLDER
 
 
 def _dir_key(path: str) -> tuple[int, int] | None:
@@ -50,7 +68,7 @@ def _walk_class(
     per_dir: list[tuple[str, list[str]]] = []
     for dirpath, dirnames, filenames in os.walk(top, onerror=refused, followlinks=True):
         kept = []
-        for name in sorted(dirnames):
+        for name in sorted(n for n in dirnames if not is_ignored(n)):
             sub = os.path.join(dirpath, name)
             key = _dir_key(sub)
             if key is not None and key in seen:
@@ -60,7 +78,9 @@ def _walk_class(
                 seen[key] = sub
             kept.append(name)
         dirnames[:] = kept  # os.walk descends only into what is left here
-        images = sorted(f for f in filenames if f.lower().endswith(IMAGE_EXTENSIONS))
+        images = sorted(
+            f for f in filenames if f.lower().endswith(IMAGE_EXTENSIONS) and not is_ignored(f)
+        )
         per_dir.append((dirpath, images))
     # ImageFolder's order (torchvision's make_dataset: sorted(os.walk(...)), then sorted
     # file names): folders by their path, each folder's files by name. Sorting whole file
@@ -104,6 +124,20 @@ def _listed(names: Sequence[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
 
 
+def _class_names(path: Path, root: str | os.PathLike[str]) -> tuple[str, ...]:
+    """The sorted class folder names of ``path`` (``root`` as given, for the error)."""
+    folders = [e.name for e in os.scandir(path) if e.is_dir()]
+    classes = tuple(sorted(name for name in folders if not is_ignored(name)))
+    if not classes:
+        passed_over = [repr(name) for name in sorted(set(folders) - set(classes))]
+        raise ValueError(
+            f"image folder {str(root)!r} has no class subfolders"
+            + (f" (only {_listed(passed_over)}, not read)" if passed_over else "")
+            + "; the layout is root/<class>/<image> (e.g. root/cat/1.jpg, root/dog/2.jpg)"
+        )
+    return classes
+
+
 def find_images(
     root: str | os.PathLike[str],
 ) -> tuple[list[tuple[str, int]], tuple[str, ...], Unlisted]:
@@ -112,7 +146,9 @@ def find_images(
     Classes are the sorted subfolder names; files are those with an image suffix
     (case-insensitive), searched recursively, in ImageFolder's order: by class, then by
     folder path, then by file name within each folder (``a/z.jpg`` before ``a/sub/b.jpg``).
-    Other files are ignored.
+    Other files are ignored, and so are hidden files and folders (names starting with
+    ``"."``, such as macOS's AppleDouble ``._photo.jpg``) and ``__MACOSX`` folders, at every
+    level: neither is a class, and nothing in them is read (ImageFolder reads them).
 
     Directory links are followed, but every real directory is read once: a link to a
     directory already read (``loop -> .``, ``up -> ..``, a second link to the same place, a
@@ -140,8 +176,8 @@ def find_images(
         FileNotFoundError: ``root`` does not exist, or is ``""`` (which ``Path`` would take
             for the current directory).
         NotADirectoryError: ``root`` is a file.
-        ValueError: ``root`` has no class subfolders, or no images in them and no folder
-            that could not be listed.
+        ValueError: ``root`` has no class subfolders (hidden ones and ``__MACOSX`` do not
+            count), or no images in them and no folder that could not be listed.
 
     Example:
         >>> find_images("/no/such/dir")
@@ -165,12 +201,7 @@ def find_images(
             f"image source {str(root)!r} is a file; pass a folder laid out as "
             "root/<class>/<image>, or a list of (path, label) pairs"
         )
-    classes = tuple(sorted(e.name for e in os.scandir(path) if e.is_dir()))
-    if not classes:
-        raise ValueError(
-            f"image folder {str(root)!r} has no class subfolders; the layout is "
-            "root/<class>/<image> (e.g. root/cat/1.jpg, root/dog/2.jpg)"
-        )
+    classes = _class_names(path, root)
     per_class, repeats, unlisted = _scan_classes(path, classes)
     items = [(f, label) for label, found in enumerate(per_class) for f in found]
     if not items and not unlisted:

@@ -10,17 +10,16 @@ so are JPEGs that do not end with the end-of-image marker (truncated ones among 
 may decode those without an error, the CPU decoder raises naming the file). Each file's bytes
 pass the header check (format, image size within ``max_pixels``) before any decoder sees them.
 
-Crops and flips use the same per-sample seeds as the torchvision backend, so both backends
-cut the same boxes out of the same images. The device may also be the CPU, which the CPU
-test suite uses to run this very code; :func:`trainperf.pipelines.image_loader` offers this
-backend only for CUDA devices.
+Crops and flips are :func:`._augment.train_params`' for ``(seed, epoch, index)``, as in every
+backend, so all cut the same boxes out of the same images. The device may also be the CPU,
+which the CPU test suite uses to run this very code; :func:`trainperf.pipelines.image_loader`
+offers this backend only for CUDA devices.
 """
 
 from __future__ import annotations
 
 import contextlib
 import queue
-import random
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,12 +28,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainperf.pipelines._augment import center_resize_crop, normalize, random_flip, resized_crop
-from trainperf.pipelines._augment import sample_crop_box as _sample_crop_box
+from trainperf.pipelines._augment import (
+    center_resize_crop,
+    normalize,
+    random_flip,
+    resized_crop,
+    train_params,
+)
 from trainperf.pipelines._base import ImageLoader, LoaderConfig, labels_tensor
 from trainperf.pipelines._decode import pil_failure, pil_to_rgb, to_uint8
 from trainperf.pipelines._source import ImageSource, Shard, epoch_batches, read_checked, shown
-from trainperf.pipelines._torchvision import sample_seed
 
 __all__ = ["NvjpegLoader", "augment_batch", "jpeg_frame"]
 
@@ -117,10 +120,9 @@ def augment_batch(
     flips: list[bool] = []
     for img, index in zip(images, indices, strict=True):
         if train:
-            rng = random.Random(sample_seed(seed, epoch, index))
-            box = _sample_crop_box(img.shape[-2], img.shape[-1], rng)
+            box, flip = train_params(seed, epoch, index, img.shape[-2], img.shape[-1])
             out.append(resized_crop(img, box, size))
-            flips.append(rng.random() < 0.5)
+            flips.append(flip)
         else:
             out.append(center_resize_crop(img, size))
     batch = torch.stack(out)

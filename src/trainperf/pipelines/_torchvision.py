@@ -10,14 +10,13 @@ of ``ToTensor`` + ``Normalize``, so results are bit-identical to torchvision's.
 
 Randomness is per sample: each image's crop and flip come from a generator seeded with
 ``(seed, epoch, index)``, so a run is reproducible whatever number of workers the autotuner
-picks. The crop follows ``RandomResizedCrop`` exactly (:func:`sample_crop_box`).
+picks. The crop follows ``RandomResizedCrop`` exactly (:func:`._augment.train_params`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, BinaryIO
 
@@ -27,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from trainperf._utils.lifetime import DieWithParent
 from trainperf._utils.validate import non_negative_int
-from trainperf.pipelines._augment import CROP_RATIO, normalize, sample_crop_box
+from trainperf.pipelines._augment import CROP_RATIO, normalize, train_params
 from trainperf.pipelines._base import ImageLoader, LoaderConfig, labels_tensor
 from trainperf.pipelines._decode import pil_failure, pil_to_rgb
 from trainperf.pipelines._header import (
@@ -49,28 +48,9 @@ __all__ = [
     "FileDataset",
     "NormalizingCollate",
     "TorchvisionLoader",
-    "sample_seed",
 ]
 
 _RESERVED = ("sampler", "batch_sampler", "shuffle", "drop_last", "batch_size", "collate_fn")
-
-
-def _pair(a: int, b: int) -> int:
-    """Cantor's pairing: one distinct number for every pair of numbers >= 0."""
-    return (a + b) * (a + b + 1) // 2 + b
-
-
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """The seed of one image's augmentation in one epoch: distinct for every
-    ``(seed, epoch, index)``, however many images (``random.Random`` takes any int).
-
-    Example:
-        >>> sample_seed(0, 1, 2) != sample_seed(0, 2, 1)
-        True
-        >>> sample_seed(0, 0, 1_000_003) != sample_seed(0, 1, 0)
-        True
-    """
-    return _pair(_pair(seed, epoch), index)
 
 
 _CLOSED = "this image loader was closed"
@@ -156,12 +136,11 @@ class FileDataset(Dataset[tuple[torch.Tensor, int]]):
         img = self._decode(self.files[index])
         size = self.size
         if self.train:
-            rng = random.Random(sample_seed(self.seed, epoch, index))
-            top, left, h, w = sample_crop_box(img.height, img.width, rng)
+            (top, left, h, w), flip = train_params(self.seed, epoch, index, img.height, img.width)
             img = TF.resized_crop(
                 img, top, left, h, w, [size, size], InterpolationMode.BILINEAR, antialias=True
             )
-            if rng.random() < 0.5:
+            if flip:
                 img = TF.hflip(img)
         else:
             img = TF.resize(img, int(size / CROP_RATIO), InterpolationMode.BILINEAR, antialias=True)
