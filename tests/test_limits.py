@@ -311,6 +311,32 @@ def test_cpu_pressure_falls_back_to_the_hosts_then_to_none(tmp_path: Path) -> No
     assert cgroup_cpu_pressure(tmp_path / "root", tmp_path / "pc", host) is None
 
 
+def test_cpu_pressure_of_the_root_cgroup_is_host_wide(tmp_path: Path) -> None:
+    # No container: /proc/self/cgroup is "0::/", so the cgroup read is the host's root, whose
+    # cpu.pressure counts every thread on the host. Before: labelled "cgroup".
+    write(tmp_path / "pc", "0::/\n")
+    write(tmp_path / "root" / "cgroup.controllers", "cpu memory\n")
+    write_psi(tmp_path / "root" / "cpu.pressure", 40.0)
+    got = cgroup_cpu_pressure(tmp_path / "root", tmp_path / "pc", tmp_path / "missing")
+    assert got == (0.4, "host")
+    # The same on a hybrid host, where the v2 root is mounted at unified/.
+    write(tmp_path / "pc", "1:cpu,cpuacct:/\n0::/\n")
+    (tmp_path / "root" / "cpu.pressure").unlink()
+    write_psi(tmp_path / "root" / "unified" / "cpu.pressure", 40.0)
+    got = cgroup_cpu_pressure(tmp_path / "root", tmp_path / "pc", tmp_path / "missing")
+    assert got == (0.4, "host")
+
+
+def test_cpu_pressure_of_a_namespaced_containers_top_cgroup_is_its_own(tmp_path: Path) -> None:
+    # Docker's private cgroup namespace also shows "0::/", but the mount is the container's
+    # cgroup, which (not being the real root) has a cgroup.type file.
+    write(tmp_path / "pc", "0::/\n")
+    write(tmp_path / "root" / "cgroup.type", "domain\n")
+    write_psi(tmp_path / "root" / "cpu.pressure", 40.0)
+    got = cgroup_cpu_pressure(tmp_path / "root", tmp_path / "pc", tmp_path / "missing")
+    assert got == (0.4, "cgroup")
+
+
 def test_cpu_pressure_reads_the_unified_hierarchy_of_a_hybrid_host(tmp_path: Path) -> None:
     write(tmp_path / "pc", "4:cpu,cpuacct:/docker/abc\n0::/docker/abc\n")
     write(tmp_path / "root" / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us", "-1\n")

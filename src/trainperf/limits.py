@@ -228,7 +228,9 @@ def cgroup_cpu_pressure(
     hosts). Unlike the load average, that figure counts only the threads sharing this
     process's CPUs: neighbours on other cores do not raise it. Where no cgroup has a
     readable ``cpu.pressure``, the host-wide ``proc_pressure`` is read (scope ``"host"``);
-    None where neither is (no PSI: not Linux, a kernel before 4.20, or ``psi=0``).
+    None where neither is (no PSI: not Linux, a kernel before 4.20, or ``psi=0``). A process
+    in the host's root cgroup (no container: ``/proc/self/cgroup`` is ``0::/``) reads the
+    root's ``cpu.pressure``, which counts every thread on the host: scope ``"host"`` too.
 
     Example:
         >>> import tempfile, pathlib
@@ -244,12 +246,28 @@ def cgroup_cpu_pressure(
     if (root / "unified").is_dir():  # hybrid layout: the v2 hierarchy is mounted there
         dirs += _cgroup_dirs("cpu", root / "unified", proc_cgroup)
     binding = _cpu_limit_dir(dirs)
+    in_root = _in_root_cgroup(proc_cgroup)
     for d in ([binding] if binding is not None else []) + dirs:
         share = _some_avg60(d / "cpu.pressure")
         if share is not None:
-            return share, "cgroup"
+            host_wide = in_root and d in (root, root / "unified") and _is_root_cgroup(d)
+            return share, "host" if host_wide else "cgroup"
     share = _some_avg60(proc_pressure)
     return None if share is None else (share, "host")
+
+
+def _in_root_cgroup(proc_cgroup: Path) -> bool:
+    """Whether ``proc_cgroup`` puts this process in its v2 hierarchy's top cgroup (``0::/``):
+    the host's root cgroup, or a container's own where a cgroup namespace hides the rest."""
+    lines = (_read(proc_cgroup) or "").splitlines()
+    return any(line.partition("::")[::2] == ("0", "/") for line in lines)
+
+
+def _is_root_cgroup(d: Path) -> bool:
+    """Whether ``d``, a mounted cgroup v2 directory, is the hierarchy's real root: the kernel
+    gives every other cgroup a ``cgroup.type`` file, a namespaced container's top one too.
+    The root's ``cpu.pressure`` counts every thread on the host."""
+    return not (d / "cgroup.type").exists()
 
 
 def _some_avg60(path: Path) -> float | None:

@@ -236,6 +236,26 @@ def test_diagnose_judges_a_quota_jobs_load_by_its_cgroups_cpu_pressure(
     assert ("CPU pressure" in load.value) == (job is not None or host is not None)
 
 
+def test_diagnose_names_the_root_cgroups_pressure_host_wide(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # No container ("0::/"): /sys/fs/cgroup/cpu.pressure is the whole host's. Before: the
+    # finding called it "this cgroup's" and warned a job pinned to 8 of 128 cores about it.
+    root = tmp_path / "cgroup"
+    write(tmp_path / "proc_cgroup", "0::/\n")
+    write(root / "cpu.pressure", "some avg10=0.00 avg60=65.00 avg300=0.00 total=1\n")
+    monkeypatch.setattr(
+        doctor_module,
+        "cgroup_cpu_pressure",
+        lambda: cgroup_cpu_pressure(root, tmp_path / "proc_cgroup", tmp_path / "missing"),
+    )
+    monkeypatch.setattr(os, "getloadavg", lambda: (40.0, 30.0, 12.0), raising=False)
+    pinned = limits(cpus_host=128, cpus_affinity=8, cpu_quota=None, cpus=8)
+    load = {c.name: c for c in diagnose(limits=pinned, env={}).checks}["load"]
+    assert "host-wide" in load.value and "this cgroup's" not in load.value
+    assert load.verdict == "ok"
+
+
 def test_diagnose_reads_the_steal_since_boot(monkeypatch: pytest.MonkeyPatch) -> None:
     from trainperf._utils import steal
 

@@ -10,9 +10,12 @@ import pytest
 
 from tests.doctor._fakes import gpu, link_nvml
 from trainperf.doctor import (
+    AllReduceSweep,
     GpuLink,
     LinkEstimate,
     LoopbackBaseline,
+    SweepRow,
+    check_all_reduce,
     link_estimate,
     loopback_estimate,
     measure_loopback,
@@ -56,6 +59,34 @@ def test_pcie_when_any_gpu_lacks_nvlink_and_the_slowest_link_counts() -> None:
 def test_pcie_without_generation_and_no_gpus_give_no_figure() -> None:
     assert link_estimate([GpuLink(0, 0, None, None, 16)]).gb_per_s is None
     assert link_estimate([]) == LinkEstimate("unknown", None, "no GPU links to read")
+
+
+@pytest.mark.parametrize("width", [0, -1, 0xFFFFFFFF, 3])
+def test_pcie_width_that_is_no_lane_count_gives_no_figure(width: int) -> None:
+    # Before: -1 gave -1.969 GB/s and NVML's 0xFFFFFFFF ("not available") 8.5 PB/s, so the
+    # all_reduce check failed a healthy link against a bogus figure.
+    assert pcie_gb_per_s(4, width) is None
+    estimate = link_estimate([GpuLink(0, 0, None, 4, 16), GpuLink(1, 0, None, 4, width)])
+    assert (estimate.kind, estimate.gb_per_s) == ("pcie", None)
+    assert f"cuda:1's PCIe width reported as {width}, no lane count" in estimate.detail
+
+
+def test_pcie_width_nvml_gives_0_for_reads_as_unknown_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A virtualised GPU whose NVML reports a link width of 0, next to one that cannot say.
+    cards: list[dict[str, object]] = [
+        {"links": [], "gen": 4, "width": 0},
+        {"links": [], "gen": None, "width": None},
+    ]
+    monkeypatch.setitem(sys.modules, "pynvml", link_nvml(cards))
+    estimate = link_estimate(read_gpu_links([gpu(0), gpu(1)]))
+    assert estimate.gb_per_s is None
+    assert "cuda:0's PCIe width reported as 0" in estimate.detail
+    assert "cuda:1's PCIe generation not reported by NVML" in estimate.detail
+    sweep = AllReduceSweep("nccl", 2, "cuda", (SweepRow(2**26, 10, 0.01, 12.0, 12.0),))
+    check = check_all_reduce(sweep, estimate)
+    assert check.verdict == "ok" and "nothing to compare with" in check.value
 
 
 def test_loopback_estimate_uses_the_measured_socket() -> None:

@@ -227,3 +227,10 @@ def test_check_sizes_converts_numpy_numbers_and_keeps_the_rest(
     assert _same_numbers({k: got[k] for k in want}, want)
     assert got.keys() == {**given, **extra}.keys()
     assert all(got[k] is v for k, v in extra.items())
+
+
+def test_a_sampler_with_shuffle_is_refused_before_tuning_with_the_fix() -> None:
+    # Before: DataLoader's bare "sampler option is mutually exclusive with shuffle", raised
+    # from inside the first measurement, with no word of what to do.
+    with pytest.raises(ValueError, match=r"sampler=\[0, 1\] with shuffle=True.*RandomSampler"):
+        tune_loader(range(8), 2, **quick(sampler=[0, 1], shuffle=True))

@@ -167,6 +167,42 @@ def test_a_dataset_raising_value_error_in_the_main_process_raises_runtime_error(
         tune_loader(range(8), 2, **quick(sampler=[0, 1], shuffle=True))
 
 
+def test_dataset_failing_in_the_main_process_names_the_index() -> None:
+    # Before: "...nothing to tune: KeyError('missing label')", with no word of which sample.
+    class OneBad(Dataset[int]):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, idx: int) -> int:
+            if idx == 5:
+                raise KeyError("missing label")
+            return idx
+
+    with pytest.raises(RuntimeError, match=r"at dataset\[5\], so .*missing label"):
+        tune_loader(OneBad(), 2, **quick())
+
+
+def test_dataset_whose_len_lies_is_named_as_such() -> None:
+    # __len__ says 8, __getitem__ serves 4: the IndexError is explained by the length.
+    class Short(Dataset[int]):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> int:
+            return list(range(4))[i]
+
+    with pytest.raises(RuntimeError, match=r"at dataset\[4\].*len\(dataset\) is 8.*__len__"):
+        tune_loader(Short(), 2, **quick())
+
+
+def test_a_failing_collate_fn_names_no_index() -> None:
+    def refuse(batch: list[int]) -> Any:
+        raise TypeError("cannot collate")
+
+    with pytest.raises(RuntimeError, match=r"main process \(num_workers=0\), so .*cannot"):
+        tune_loader(range(8), 2, **quick(collate_fn=refuse))
+
+
 def test_empty_loader_raises() -> None:
     with pytest.raises(ValueError, match=r"yields no batch .*: give a dataset with at least one"):
         tune_loader(Waits(), 100, **quick(drop_last=True))

@@ -234,7 +234,8 @@ def check_load(
             (``trainperf.limits.cgroup_cpu_pressure()``); None where unknown.
         pressure_scope: whose threads ``cpu_pressure`` counts: ``"cgroup"``, those under
             this process's CPU limit, or ``"host"``, the whole host's (``/proc/pressure/cpu``,
-            read where no cgroup reports one; not judged where ``cpus < host_cpus``).
+            read where no cgroup reports one, or the root cgroup's, read where the process
+            is in no container; not judged where ``cpus < host_cpus``).
 
     Raises:
         ValueError: ``cpus`` is not an int >= 1, ``host_cpus`` not an int >= ``cpus``,

@@ -42,6 +42,9 @@ _MiB = 2**20
 # GB/s per lane and direction after line encoding (8b/10b up to Gen2, 128b/130b from Gen3,
 # FLIT from Gen6): the PCI-SIG transfer rates 2.5, 5, 8, 16, 32 and 64 GT/s.
 PCIE_LANE_GB_PER_S: dict[int, float] = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+# Link widths the PCIe specification defines. NVML gives 0 on some virtualised GPUs, and an
+# "N/A" sentinel (0xFFFFFFFF) elsewhere: neither is a lane count.
+PCIE_WIDTHS = frozenset({1, 2, 4, 8, 12, 16, 32})
 # NVML field ids (nvml.h): per-link NVLink speed in MB/s common to the active links.
 _FI_NVLINK_SPEED_MBPS_COMMON = 90
 _FIELD_ATTRS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal"}
@@ -110,16 +113,37 @@ class LoopbackBaseline:
 
 
 def pcie_gb_per_s(generation: int | None, width: int | None) -> float | None:
-    """GB/s per direction of a PCIe link, after line encoding; None when unknown.
+    """GB/s per direction of a PCIe link, after line encoding; None when unknown: a
+    generation past Gen6, or a width that is no PCIe lane count (0, as NVML reports on some
+    virtualised GPUs, or its 0xFFFFFFFF "not available").
 
     Example:
         >>> pcie_gb_per_s(4, 16), pcie_gb_per_s(3, 8), pcie_gb_per_s(None, 16)
         (31.504, 7.88, None)
+        >>> pcie_gb_per_s(4, 0), pcie_gb_per_s(4, 0xFFFFFFFF)
+        (None, None)
     """
     lane = PCIE_LANE_GB_PER_S.get(generation or 0)
-    if lane is None or not width:
+    if lane is None or width not in PCIE_WIDTHS:
         return None
     return round(lane * width, 3)
+
+
+def _pcie_unknown(link: GpuLink) -> str:
+    """Why ``link``'s PCIe bandwidth is unknown, in words ('' where it is known)."""
+    gpu = f"cuda:{link.index}"
+    if link.pcie_generation is None:
+        return f"{gpu}'s PCIe generation not reported by NVML"
+    if link.pcie_generation not in PCIE_LANE_GB_PER_S:
+        return f"{gpu}'s PCIe generation {link.pcie_generation} is not one trainperf knows"
+    if link.pcie_width is None:
+        return f"{gpu}'s PCIe width not reported by NVML"
+    if link.pcie_width not in PCIE_WIDTHS:
+        return (
+            f"{gpu}'s PCIe width reported as {link.pcie_width}, no lane count (NVML gives "
+            "this on some virtualised GPUs)"
+        )
+    return ""
 
 
 def link_estimate(links: Sequence[GpuLink]) -> LinkEstimate:
@@ -150,11 +174,13 @@ def link_estimate(links: Sequence[GpuLink]) -> LinkEstimate:
             f"{total:.1f} GB/s" + f" (the slowest of {n} GPUs)" * (n > 1)
         )
         return LinkEstimate("nvlink", total, detail)
-    rates = [(pcie_gb_per_s(link.pcie_generation, link.pcie_width), link) for link in links]
-    known = [(rate, link) for rate, link in rates if rate is not None]
-    if len(known) < n:
-        return LinkEstimate("pcie", None, "no NVLink; PCIe generation or width not reported")
-    rate, slowest = min(known, key=lambda pair: pair[0])
+    unknown = [reason for reason in map(_pcie_unknown, links) if reason]
+    if unknown:
+        return LinkEstimate(
+            "pcie", None, f"no NVLink; PCIe bandwidth unknown: {'; '.join(unknown)}"
+        )
+    rates = [(pcie_gb_per_s(link.pcie_generation, link.pcie_width) or 0.0, link) for link in links]
+    rate, slowest = min(rates, key=lambda pair: pair[0])
     detail = f"PCIe Gen{slowest.pcie_generation} x{slowest.pcie_width} = {rate:.1f} GB/s"
     detail += f" (the slowest of {n} GPUs)" * (n > 1)
     partial = [link.index for link in links if link.nvlink_links]

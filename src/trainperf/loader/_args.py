@@ -78,7 +78,8 @@ def check_args(
             ``worker_init_fn`` that is not callable, a ``generator`` that is not a
             ``torch.Generator``, a ``sampler`` that cannot be iterated or is a one-shot
             iterator (the measurements would use up its indices), a
-            ``multiprocessing_context`` that is no start method, or ``pin_memory``,
+            ``multiprocessing_context`` that is no start method, a ``sampler`` with
+            ``shuffle=True`` (DataLoader takes one or the other), or ``pin_memory``,
             ``persistent_workers``, ``drop_last`` or ``shuffle`` other than True/False
             (these would otherwise fail inside the measurement, blamed on the dataset).
 
@@ -181,6 +182,12 @@ def _check_kinds(loader_kwargs: Mapping[str, Any]) -> None:
         )
     if sampler is not None:
         _fresh_sampler(sampler)
+        if loader_kwargs.get("shuffle"):
+            raise ValueError(
+                f"sampler={sampler!r} with shuffle=True: DataLoader takes one or the other "
+                "(they are mutually exclusive); drop shuffle=True and shuffle in the "
+                "sampler (torch.utils.data.RandomSampler(dataset))"
+            )
     if loader_kwargs.get("multiprocessing_context") is not None:
         checked_context(loader_kwargs["multiprocessing_context"])
     for name, allowed in _FLAGS.items():

@@ -87,15 +87,52 @@ def _measure_baseline(measurer: _Measurer) -> CandidateResult:
     except ValueError as e:
         if not _raised_loading(e):  # an argument DataLoader refuses, or no batch at all
             raise
-        raise RuntimeError(
-            f"the dataset fails in the main process (num_workers=0), so there is nothing "
-            f"to tune: {e!r}"
-        ) from e
+        raise RuntimeError(_main_failure(measurer.dataset, e)) from e
     except Exception as e:
-        raise RuntimeError(
-            f"the dataset fails in the main process (num_workers=0), so there is nothing "
-            f"to tune: {e!r}"
-        ) from e
+        raise RuntimeError(_main_failure(measurer.dataset, e)) from e
+
+
+def _main_failure(dataset: Any, error: BaseException) -> str:
+    """Why tuning cannot start, naming the index whose ``dataset[index]`` raised where the
+    traceback shows it, and a ``__len__`` that counts past the samples served."""
+    index = _failed_index(error)
+    where = "" if index is _UNKNOWN else f" at dataset[{index!r}]"
+    message = (
+        f"the dataset fails in the main process (num_workers=0){where}, so there is nothing "
+        f"to tune: {error!r}"
+    )
+    if isinstance(error, IndexError) and isinstance(index, int):
+        try:
+            length = len(dataset)
+        except Exception:  # no length to blame
+            return message
+        message += (
+            f"; len(dataset) is {length}: if dataset[{index}] should exist, the dataset is "
+            "broken there; if not, __len__ counts more samples than __getitem__ serves"
+        )
+    return message
+
+
+_UNKNOWN = object()
+
+
+def _failed_index(error: BaseException) -> Any:
+    """The index DataLoader's fetcher passed to the ``__getitem__`` that raised ``error``
+    (the first argument of the first frame past the fetcher), or ``_UNKNOWN``: the error
+    came from ``collate_fn`` or a batched ``__getitems__``."""
+    tb = error.__traceback__
+    past_fetcher = False
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_globals.get("__name__") == "torch.utils.data._utils.fetch":
+            past_fetcher = True
+        elif past_fetcher:
+            code = frame.f_code
+            if code.co_name != "__getitem__" or code.co_argcount < 2:
+                return _UNKNOWN
+            return frame.f_locals.get(code.co_varnames[1], _UNKNOWN)
+        tb = tb.tb_next
+    return _UNKNOWN
 
 
 def _raised_loading(error: BaseException) -> bool:
