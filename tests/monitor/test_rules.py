@@ -163,6 +163,31 @@ def test_too_few_steps_when_the_steps_took_no_measurable_time(wall: float) -> No
     assert verdict.basis == "not predicted: steps of no time say nothing"
 
 
+def test_too_few_steps_when_most_steps_took_no_time_on_a_coarse_clock() -> None:
+    # Before: a clock that ticks every 15 ms under 1 ms steps puts the run's time on every
+    # 15th step, and the verdict was "periodic-stalls, costing 100% of the run" (or
+    # compute-bound, 0% waiting): the median step of 0 measured nothing to judge.
+    verdict = too_few_steps(figures(wall_s=0.15, median_step_s=0.0))
+    assert verdict is not None and verdict.kind == "inconclusive"
+    assert verdict.summary.startswith("most of the 20 measured steps took no measurable time")
+    assert "ticks longer than a step" in verdict.summary
+    assert verdict.basis == "not predicted: steps of no time say nothing"
+
+
+def test_analyse_on_a_coarse_clock_is_inconclusive_not_periodic_stalls() -> None:
+    from trainperf.monitor import StepRecord, analyse
+
+    # 1 ms steps timed by a clock that ticks every 15 ms: 14 steps of 0, then one of 15 ms.
+    timeline = [
+        StepRecord(i, start=0.015 * (i // 15), wait=0.0,
+                   compute=0.015 if i % 15 == 0 else 0.0, samples=4, gpu_busy=None)
+        for i in range(150)
+    ]  # fmt: skip
+    report = analyse(timeline)
+    assert report.verdict.kind == "inconclusive", report
+    assert report.findings == () and report.what_if().fixes == ()
+
+
 def test_cuda_never_initialised_with_a_gpu_present() -> None:
     verdict = cuda_never_initialised(figures(cuda_used=False))
     assert verdict is not None and verdict.kind == "gpu-unused"

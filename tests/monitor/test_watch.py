@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -789,6 +790,41 @@ def test_a_report_inside_the_loop_is_not_the_steps_time(monkeypatch: pytest.Monk
     assert durations == [0.001] * 40, durations  # the reports' 50 ms are in no step
 
 
+def test_the_watchs_own_bookkeeping_every_16_steps_is_no_periodic_stall(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: the schedstat reading every 16th w.step() ran after the step's end was read,
+    # so it landed in the next step: a loop of short steps got "periodic-stalls: every 16
+    # steps one step takes 0 ms instead of 0.0 ms" and advice to save checkpoints less often.
+    import types
+
+    import trainperf.monitor._watch as watch_module
+    import trainperf.monitor._watch_steps as steps_module
+
+    clock = [1000.0]  # each step takes 1 ms, each settle of the watch's 20 ms
+    fake = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if k[0] != "_"})
+    fake.perf_counter = lambda: clock[0]
+    monkeypatch.setattr(watch_module, "time", fake)
+    monkeypatch.setattr(steps_module, "time", fake)
+    real = steps_module.settle
+
+    def slow(w: Watch) -> None:
+        clock[0] += 0.02
+        real(w)
+
+    monkeypatch.setattr(steps_module, "settle", slow)
+    with watch(device="cpu", warmup_steps=0) as w:
+        for _ in range(64):
+            clock[0] += 0.001
+            w.step(samples=1)
+    report = w.report()
+    durations = [round(s.wait + s.compute, 6) for s in report.timeline]
+    assert durations == [0.001] * 64, durations
+    assert report.stall_period is None
+    kinds = [report.verdict.kind, *(f.kind for f in report.findings)]
+    assert "periodic-stalls" not in kinds
+
+
 @pytest.mark.timeout(60, method="thread")  # a deadlock blocks signal-based timeouts too
 def test_a_report_from_a_signal_handler_inside_a_step_does_not_deadlock(
     monkeypatch: pytest.MonkeyPatch,
@@ -1006,3 +1042,87 @@ def test_watch_takes_numpy_counts_and_reports_python_ints() -> None:
     assert json.loads(json.dumps(data)) == data
     assert type(report.warmup_steps) is int and report.warmup_steps == 1
     assert [type(s.samples) for s in report.timeline] == [int] * 4
+
+
+# --------------------------------------------------------------------------- threads
+
+
+def _in_thread(fn: Any, name: str) -> BaseException | None:
+    """Run ``fn`` in a thread called ``name``; what it raised, or None."""
+    raised: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=target, name=name)
+    thread.start()
+    thread.join(60)
+    return raised[0] if raised else None
+
+
+def test_steps_from_a_second_thread_are_refused_not_merged_into_one_timeline() -> None:
+    # Before: both threads' steps went into one timeline, each step the time since the other
+    # thread's last one (400 steps of 0.8 ms for two loops of 1 ms steps), silently.
+    with watch(device="cpu", warmup_steps=0) as w:
+        for _ in range(3):
+            w.step(samples=1)
+        raised = _in_thread(lambda: w.step(samples=1), "other-loop")
+    assert isinstance(raised, RuntimeError)
+    with pytest.raises(RuntimeError, match="'other-loop', but thread 'MainThread' steps"):
+        raise raised
+    assert "give each thread its own trainperf.watch()" in str(raised)
+    assert w.report().steps == 3
+
+
+def test_a_watch_started_in_one_thread_is_stepped_and_iterated_in_another() -> None:
+    w = watch(device="cpu", warmup_steps=0).start()
+
+    def loop() -> None:
+        for _ in w.iter([torch.zeros(2, 1)] * 6):
+            w.step()
+
+    assert _in_thread(loop, "trainer") is None
+    report = w.stop()  # stopped, and reported on, from the starting thread
+    assert report.steps == 6
+    assert [s.samples for s in report.timeline] == [2] * 6
+
+
+def test_a_thread_takes_over_the_steps_once_the_stepping_thread_has_ended() -> None:
+    with watch(device="cpu", warmup_steps=0) as w:
+        for epoch in range(2):  # a thread per epoch: each ends before the next steps
+            assert _in_thread(lambda: [w.step(samples=1) for _ in range(3)], f"e{epoch}") is None
+    assert w.report().steps == 6
+
+
+def _host_bound_report(*args: object, **kwargs: object) -> WatchReport:
+    from tests.monitor._fakes import samples, steps
+    from trainperf.monitor import analyse
+
+    return analyse(steps(60, 0.015, 0.005), samples(15, 40.0, 780, 99), cpus=8)
+
+
+def test_two_watches_at_once_warn_and_their_host_bound_verdicts_say_the_cpu_is_shared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: each watch's process CPU silently held the other loop's work too, so a loop
+    # could be called host-bound because of the other thread's loop.
+    import trainperf.monitor._watch as watch_module
+
+    monkeypatch.setattr(watch_module, "analyse", _host_bound_report)
+    with watch(device="cpu") as first:
+        with pytest.warns(RuntimeWarning, match="two trainperf.watch.. run at once in this"):
+            second = watch(device="cpu")
+            assert _in_thread(lambda: second.start() and None, "second-loop") is None
+        second.stop()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one at a time again: no warning
+        with watch(device="cpu") as alone:
+            pass
+    for w in (first, second):
+        verdict = w.report().verdict
+        assert verdict.kind == "host-bound"
+        assert "another trainperf.watch() ran in this process meanwhile" in verdict.reasons[-1]
+    assert not any("another trainperf.watch()" in r for r in alone.report().verdict.reasons)

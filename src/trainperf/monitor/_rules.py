@@ -188,7 +188,8 @@ def _wait_reason(f: Figures) -> str:
 
 def too_few_steps(f: Figures) -> Verdict | None:
     """inconclusive: fewer than ``MIN_STEPS`` measured steps, or steps that took no
-    measurable time (a clock that did not advance: every share of step time is 0/0)."""
+    measurable time: a clock that did not advance (every share of step time is 0/0), or
+    one too coarse for the steps (most took none, a few every tick: not periodic stalls)."""
     if f.measured_steps < MIN_STEPS:
         verdict = _verdict(
             "inconclusive",
@@ -196,14 +197,22 @@ def too_few_steps(f: Figures) -> Verdict | None:
             f"needs at least {MIN_STEPS}",
         )
         return replace(verdict, basis=f"{NOT_PREDICTED}: {f.measured_steps} step(s) say too little")
-    if f.wall_s > 0:  # NaN too is no time to judge
+    if f.wall_s > 0 and f.median_step_s > 0:  # NaN too is no time to judge
         return None
-    verdict = _verdict(
-        "inconclusive",
-        f"the {f.measured_steps} measured steps took no measurable time: the clock "
-        "(time.perf_counter) did not advance between w.step() calls, as under a test "
-        "library that freezes time; watch the loop with a running clock",
-    )
+    if f.wall_s > 0:
+        summary = (
+            f"most of the {f.measured_steps} measured steps took no measurable time (the "
+            f"median is 0 of {f.wall_s:.3g} s in all): the clock (time.perf_counter) "
+            "advanced in ticks longer than a step, so the time fell on a few steps; watch "
+            "the loop with a finer clock"
+        )
+    else:
+        summary = (
+            f"the {f.measured_steps} measured steps took no measurable time: the clock "
+            "(time.perf_counter) did not advance between w.step() calls, as under a test "
+            "library that freezes time; watch the loop with a running clock"
+        )
+    verdict = _verdict("inconclusive", summary)
     return replace(verdict, basis=f"{NOT_PREDICTED}: steps of no time say nothing")
 
 

@@ -2,6 +2,8 @@
 
 One daemon thread per watch keeps one NVML session open and samples every ``interval``
 seconds; it keeps the most recent ``max_samples`` samples and counts the ones it dropped.
+The process CPU it samples is the whole process's: a sampler started while another runs
+warns, and marks both ``shared`` (their reports say the CPU figures cover both loops).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import contextlib
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ from typing import Any
 import psutil
 import torch
 
+from trainperf._utils.stack import user_stacklevel
 from trainperf._utils.steal import StealMeter
 from trainperf.errors import DeviceError
 from trainperf.monitor._records import Sample
@@ -27,6 +31,13 @@ MAX_RECORDS = 100_000  # steps, and background samples, a watch keeps by default
 # Samples between reads of this process's children: DataLoader workers start when the loop
 # first iterates, and their CPU (the predictions' per-worker cost) counts from the next read.
 _REFRESH_EVERY = 5
+SHARED_CPU = (
+    "two trainperf.watch() run at once in this process, and the process CPU each samples "
+    "(psutil's, for the whole process) covers both loops: a CPU-based verdict (host-bound) "
+    "may be the other loop's doing; watch one loop at a time for CPU figures of its own"
+)
+_running: weakref.WeakSet[_Sampler] = weakref.WeakSet()  # samplers started, not stopped
+_running_lock = threading.Lock()
 
 
 def _child_pids() -> set[int]:
@@ -58,6 +69,7 @@ class _Sampler(threading.Thread):
         # The most recent samples only; the watching thread copies them under the lock.
         self.samples: deque[Sample] = deque(maxlen=max_samples)
         self.dropped = 0
+        self.shared = False  # another sampler ran in this process meanwhile (see start)
         self._lock = threading.Lock()
         self.ready = threading.Event()
         # Set once the watch has moved t0 to after start-up: no sample is timed from the
@@ -71,14 +83,25 @@ class _Sampler(threading.Thread):
         self._steal: StealMeter | None = None
         self._children: dict[int, psutil.Process] = {}
 
+    def start(self) -> None:
+        """Start sampling; with another sampler running in this process, warn and mark both
+        ``shared``: each one's process CPU then includes the other loop's."""
+        with _running_lock:
+            others = [s for s in _running if not s._stop_event.is_set()]
+            _running.add(self)
+            for sampler in [*others, self] if others else []:
+                sampler.shared = True
+        if others:
+            warnings.warn(SHARED_CPU, RuntimeWarning, stacklevel=user_stacklevel())
+        super().start()
+
     def request_stop(self) -> None:
         """Ask the thread to end, without waiting for it (a dropped watch's finaliser)."""
         self._stop_event.set()
         self.go.set()
 
     def stop(self) -> None:
-        self._stop_event.set()
-        self.go.set()
+        self.request_stop()
         # Bounded: a hung driver call must not hang the training script's exit with it.
         self.join(timeout=10)
 

@@ -59,7 +59,13 @@ from trainperf.monitor._probe import precision_in_use as _precision_in_use
 from trainperf.monitor._probe import rank_cpus as _rank_cpus
 from trainperf.monitor._report import WatchReport
 from trainperf.monitor._sampler import MAX_RECORDS, _Sampler
-from trainperf.monitor._watch_inputs import loader_changes, loader_now, measured, probed
+from trainperf.monitor._watch_inputs import (
+    loader_changes,
+    loader_now,
+    measured,
+    probed,
+    shared_cpu_noted,
+)
 from trainperf.monitor._watch_iter import _Pass, _Timed
 from trainperf.monitor._watch_steps import (
     cpu_reading,
@@ -166,7 +172,8 @@ class Watch:
         self._lock = threading.RLock()
         self._writing = False  # a step is being appended (a report then reads what is whole)
         self._trimming = False  # the oldest steps are being dropped (a report reads none)
-        self._loop_thread: int | None = None  # set by start (and each step) to the caller's
+        self._loop_thread: int | None = None  # the starting thread's, then the stepper's
+        self._stepper: threading.Thread | None = None  # the thread that steps (claim_steps)
         # Seconds of in-loop w.report() calls, by the step they fell in: not the step's time.
         self._excluded: dict[int, float] = {}
         # Background checkpoint writes started before the loop and by its end (None: runs).
@@ -343,9 +350,13 @@ class Watch:
         Args:
             samples: samples in this step, overriding what ``w.iter`` counted.
 
+        The first thread to call it steps the watch (any thread may start, stop or report
+        on it): one watch times one loop.
+
         Raises:
             RuntimeError: the watch is not running (use it inside ``with``, or between
-                :meth:`start` and :meth:`stop`).
+                :meth:`start` and :meth:`stop`), or another thread, still running, stepped
+                it first (give each thread its own watch).
             ValueError: ``samples`` is not an int >= 0 (and below 2**63).
 
         Example:
@@ -442,7 +453,8 @@ class Watch:
             setup=loop_setup(loader_now(self), cuda_index, **measured(self, timeline, samples)),
             measure=functools.partial(probed, probe=self._state != "running"),
         )
-        return dataclasses.replace(report, loader_changes=loader_changes(self))
+        report = dataclasses.replace(report, loader_changes=loader_changes(self))
+        return shared_cpu_noted(report) if sampler is not None and sampler.shared else report
 
 
 def watch(

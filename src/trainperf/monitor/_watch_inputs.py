@@ -1,6 +1,7 @@
 """What :meth:`Watch.report` passes :func:`analyse` besides the timeline and the
 samples: the loader's settings and an adaptive loader's changes, what a worker hand-over
-would cost, and the setup the predictions' probes measure.
+would cost, and the setup the predictions' probes measure; and what it adds to the report
+afterwards (:func:`shared_cpu_noted`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,32 @@ from trainperf.monitor._records import LoaderChange, Sample, StepRecord
 from trainperf.monitor._rules import MIN_STEPS
 from trainperf.monitor._save_cost import with_save_cost
 from trainperf.monitor._setup import LoopSetup
+from trainperf.monitor._verdict import Verdict
 
 if TYPE_CHECKING:
+    from trainperf.monitor._report import WatchReport
     from trainperf.monitor._watch import Watch
 
-__all__ = ["loader_changes", "loader_now", "measured", "probed"]
+__all__ = ["loader_changes", "loader_now", "measured", "probed", "shared_cpu_noted"]
+
+SHARED_CPU_REASON = (
+    "another trainperf.watch() ran in this process meanwhile: the process CPU figures "
+    "cover both loops, so the CPUs may be busy with the other loop's work, not this one's"
+)
+
+
+def shared_cpu_noted(report: WatchReport) -> WatchReport:
+    """``report`` with its host-bound verdict and findings (judged on the process's CPU)
+    saying that another watch's loop ran in this process meanwhile, and used that CPU."""
+
+    def noted(v: Verdict) -> Verdict:
+        if v.kind != "host-bound":
+            return v
+        return dataclasses.replace(v, reasons=(*v.reasons, SHARED_CPU_REASON))
+
+    return dataclasses.replace(
+        report, verdict=noted(report.verdict), findings=tuple(map(noted, report.findings))
+    )
 
 
 def loader_changes(w: Watch) -> tuple[LoaderChange, ...]:

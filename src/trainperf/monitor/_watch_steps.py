@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
     from trainperf.monitor._watch import Watch
 
 __all__ = [
-    "cpu_reading", "record_step", "resolve", "settle", "step_records", "wait_for_logged",
+    "claim_steps", "cpu_reading", "record_step", "resolve", "settle", "step_records",
+    "wait_for_logged",
 ]  # fmt: skip
 
 _RESOLVE_EVERY = 32  # steps between non-blocking reads of finished CUDA events
@@ -33,14 +35,44 @@ def record_step(w: Watch, now: float, samples: int | None) -> None:
     samples if given, else those ``w.iter`` counted (see :meth:`Watch.step`): unknown
     (None in the report) without ``w.iter``. Under the watch's (re-entrant) lock, so that a
     report from another thread reads the log between two steps; a signal handler's report
-    in this thread sees ``_writing`` and reads only the whole steps (:func:`step_records`)."""
-    w._loop_thread = threading.get_ident()
+    in this thread sees ``_writing`` and reads only the whole steps (:func:`step_records`).
+
+    Raises:
+        RuntimeError: another thread, still alive, stepped this watch first (see
+            :func:`claim_steps`).
+    """
+    if threading.get_ident() != w._loop_thread or w._stepper is None:
+        claim_steps(w)
     with w._lock:
         w._writing = True
         try:
             _append(w, now, samples)
         finally:
             w._writing = False
+
+
+def claim_steps(w: Watch) -> None:
+    """Make the calling thread the one that steps ``w``: the first to call ``w.step()``,
+    or one taking over from a stepping thread that has ended (a thread per epoch).
+
+    One watch times one loop: steps from two threads would merge into one timeline of
+    interleaved steps, each the time since the other thread's last one.
+
+    Raises:
+        RuntimeError: another thread, still alive, stepped this watch first.
+    """
+    me = threading.current_thread()
+    with w._lock:  # two threads' first steps at once: one of them claims the watch
+        owner = w._stepper
+        if owner is not None and owner is not me and owner.is_alive():
+            raise RuntimeError(
+                f"w.step() from thread {me.name!r}, but thread {owner.name!r} steps this "
+                "watch: a watch times one loop, and steps from two threads would interleave "
+                "into one wrong timeline; call w.step() from the training loop's thread "
+                "only, or give each thread its own trainperf.watch()"
+            )
+        w._stepper = me
+        w._loop_thread = me.ident
 
 
 def _append(w: Watch, now: float, samples: int | None) -> None:
@@ -54,7 +86,9 @@ def _append(w: Watch, now: float, samples: int | None) -> None:
         w._counts.append(w._pending_count if w._count_known and w._iterated else -1)
     w._unsettled += 1
     if w._unsettled >= _SETTLE_EVERY:
+        began = time.perf_counter()
         settle(w)
+        _exclude_from_next(w, began)
     w._pending_wait = 0.0
     w._pending_wait_cpu = 0.0
     w._pending_count = 0
@@ -70,7 +104,17 @@ def _append(w: Watch, now: float, samples: int | None) -> None:
     w._pending.append((w._first + len(w._ends) - 1, w._step_start, end))
     w._step_start = None
     if len(w._ends) % _RESOLVE_EVERY == 0:
+        began = time.perf_counter()
         resolve(w, block=False)
+        _exclude_from_next(w, began)
+
+
+def _exclude_from_next(w: Watch, began: float) -> None:
+    """Leave the watch's own bookkeeping since ``began`` out of the step under way (it runs
+    after the step's end was read): done every N steps, it would look like the loop's own
+    periodic stall, and in a loop of very short steps make one."""
+    index = w._first + len(w._ends)
+    w._excluded[index] = w._excluded.get(index, 0.0) + time.perf_counter() - began
 
 
 def cpu_reading(w: Watch) -> tuple[float, float, int]:
