@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.pipelines._images import CPU_BACKENDS, _loader, add_macos_litter
 from trainperf.pipelines._folder import find_images
@@ -153,4 +154,70 @@ def test_a_folder_with_only_hidden_folders_names_them(tmp_path: Path) -> None:
     with pytest.raises(
         ValueError, match=r"has no class subfolders \(only '.git', '__MACOSX', not read\)"
     ):
+        find_images(root)
+
+
+@pytest.mark.parametrize(
+    "name", ["@eaDir", "#recycle", "#snapshot", "$RECYCLE.BIN", "System Volume Information",
+             "lost+found"],
+)  # fmt: skip
+def test_nas_and_system_folders_are_neither_classes_nor_read(tmp_path: Path, name: str) -> None:
+    # A Synology NAS puts "@eaDir/<image>/SYNOPHOTO_THUMB_XL.jpg" (real JPEGs) beside every
+    # image: at the top it became a class, inside a class it added each image's thumbnails.
+    root = _mixed_folder(tmp_path / "data")
+    expected = find_images(root)
+    for parent in (root, root / "a", root / "a" / "sub"):
+        litter = parent / name / "x.jpg"
+        litter.mkdir(parents=True)
+        PIL.new("RGB", (8, 8)).save(litter / "SYNOPHOTO_THUMB_XL.jpg")
+    assert find_images(root) == expected
+
+
+def test_images_directly_in_the_root_are_counted_with_the_fix(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    root.mkdir()
+    for name in ("b.jpg", "a.png", "notes.txt"):
+        PIL.new("RGB", (4, 4)).save(root / name, format="PNG")
+    with pytest.raises(
+        ValueError,
+        match=r"has no class subfolders, but 2 images directly in it \('a.png', 'b.jpg'\).*"
+        r"one folder per class.*list of \(path, label\) pairs",
+    ):
+        find_images(root)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_jfif_and_jpe_files_are_read_by_every_backend(tmp_path: Path, backend: str) -> None:
+    root = tmp_path / "data"
+    (root / "a").mkdir(parents=True)
+    for name in ("0.jpg", "1.jfif", "2.JPE"):
+        PIL.new("RGB", (8, 8), (200, 10, 10)).save(root / "a" / name, format="JPEG")
+    loader = _loader(root, backend, train=False, size=8, batch_size=3, last_batch="keep")
+    assert [os.path.basename(p) for p in loader.files] == ["0.jpg", "1.jfif", "2.JPE"]
+    images = torch.cat([batch for batch, _ in loader])
+    assert images.shape[0] == 3 and bool(torch.equal(images[0], images[1]))
+
+
+def test_image_files_left_out_are_counted_in_one_warning(tmp_path: Path) -> None:
+    root = _mixed_folder(tmp_path / "data")
+    for name in ("a/0.heic", "a/sub/1.HEIC", "b10/2.gif", "b10/labels.txt", "b10/.x.heic"):
+        (root / name).write_bytes(b"not read")
+    PIL.new("RGB", (4, 4)).save(root / "stray.jpg")
+    with pytest.warns(UserWarning) as caught:
+        items, _, _ = find_images(root)
+    assert items == _imagefolder_samples(root)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "3 image file(s) with a suffix that is not read (.heic: 2, .gif: 1)" in message
+    assert "1 image file(s) directly in the folder, outside every class folder" in message
+    assert "convert" in message and "labels.txt" not in message
+
+
+def test_a_folder_without_left_out_files_does_not_warn(tmp_path: Path) -> None:
+    import warnings
+
+    root = _mixed_folder(tmp_path / "data")
+    (root / "a" / "labels.txt").write_text("cat")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         find_images(root)

@@ -529,3 +529,58 @@ def test_a_relative_list_path_is_named_as_absolute_and_an_empty_one_stays_empty(
         (str(folder / "missing.jpg"), "file not found"),
         ("", "file not found"),
     ]
+
+
+_SUFFIX = {"JPEG": "jpg", "PNG": "png", "BMP": "bmp"}
+
+
+def _complete_and_cut(root: Path, fmt: str, **save: Any) -> None:
+    """``root/a/``: a whole image, the same with bytes after its end, and one cut in half."""
+    (root / "a").mkdir(parents=True)
+    pixels = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    whole = root / "a" / f"whole.{_SUFFIX[fmt]}"
+    PIL.fromarray(pixels).save(whole, format=fmt, **save)
+    data = whole.read_bytes()
+    (root / "a" / f"trailer.{_SUFFIX[fmt]}").write_bytes(data + b"\x00" * 64 + b"camera data")
+    (root / "a" / f"cut.{_SUFFIX[fmt]}").write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize(
+    ("fmt", "save"),
+    [("JPEG", {}), ("JPEG", {"progressive": True}), ("PNG", {}), ("BMP", {})],
+    ids=["jpeg", "progressive-jpeg", "png", "bmp"],
+)
+def test_a_truncated_file_is_left_out_even_with_pils_load_truncated_images(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, save: dict[str, Any]
+) -> None:
+    # A user script that sets this Pillow global made the decode check pass truncated
+    # files, which then decoded half grey (torchvision) or stopped DALI mid-epoch.
+    from PIL import ImageFile
+
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    _complete_and_cut(tmp_path / "data", fmt, **save)
+    source = load_source(tmp_path / "data", on_error="skip")
+    assert [Path(p).stem for p in source.files] == ["trailer", "whole"]
+    assert [Path(b.path).stem for b in source.skipped] == ["cut"]
+    assert source.skipped[0].reason.startswith("is truncated: ")
+
+
+def test_load_truncated_images_set_by_the_user_is_kept_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import warnings
+
+    from PIL import ImageFile
+
+    _complete_and_cut(tmp_path / "data", "JPEG")
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    with pytest.warns(
+        UserWarning, match=r"LOAD_TRUNCATED_IMAGES is True.*on_error='skip'"
+    ) as caught:
+        loader = _loader(tmp_path / "data", "torchvision", train=False, batch_size=3)
+    assert [os.path.basename(w.filename) for w in caught] == ["_images.py"]  # _loader
+    assert len(loader.files) == 3 and ImageFile.LOAD_TRUNCATED_IMAGES is True
+    assert sum(len(labels) for _, labels in loader) == 3  # the cut file decodes, as asked
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "skip" finds truncation itself: nothing to warn of
+        load_source(tmp_path / "data", on_error="skip")

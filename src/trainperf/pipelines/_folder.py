@@ -4,26 +4,46 @@
 directory is read once (links to a directory already read are skipped, and named), a class
 folder without images is kept as a class, with a warning, and a folder that cannot be listed
 is reported by name (the caller treats it as it treats an unreadable file), and hidden files
-and folders (names starting with ".") and ``__MACOSX`` folders are not read: macOS leaves
-AppleDouble files (``._photo.jpg``: metadata, not an image) and ``.DS_Store`` in folders it
-copies, and ``__MACOSX/`` in the zip files it makes, which ImageFolder would take for images
-and a class.
+and folders (names starting with ".") and the folders operating systems and NAS boxes leave
+behind are not read: macOS leaves AppleDouble files (``._photo.jpg``: metadata, not an image)
+and ``.DS_Store`` in folders it copies, and ``__MACOSX/`` in the zip files it makes; a
+Synology NAS puts real thumbnail JPEGs in an ``@eaDir/`` beside every image; Windows drives
+have ``$RECYCLE.BIN/`` (deleted files, suffixes kept) and ``System Volume Information/``, and
+ext file systems ``lost+found/``. ImageFolder would take all of them for images and classes.
+Image files that are not read (a suffix no backend decodes, such as ``.heic``, or an image
+directly in the root, outside every class folder) are counted in one warning.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["IMAGE_EXTENSIONS", "Unlisted", "find_images", "is_ignored"]
 
 # The suffixes torchvision's ImageFolder takes, less the rare PPM/PGM/TIF-variants DALI and
-# torchvision.io do not all decode.
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
+# torchvision.io do not all decode, plus JPEG's other suffixes (.jfif, .jpe): every backend
+# finds the format from the bytes (trainperf hands DALI and nvJPEG bytes, never a file name).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jfif", ".jpe", ".png", ".bmp", ".tif", ".tiff", ".webp")
 
-# The folder macOS's Archive Utility puts the AppleDouble files of a zip's contents in.
-_MACOS_ARCHIVE_FOLDER = "__MACOSX"
+# Image formats no backend here decodes: files with these suffixes are left out, and counted
+# in a warning (other files, such as labels.txt, are left out without a word).
+_UNREAD_IMAGE_SUFFIXES = frozenset(
+    (".heic", ".heif", ".avif", ".gif", ".ppm", ".pgm", ".pbm", ".pnm", ".jp2", ".j2k", ".jxl",
+     ".tga", ".ico", ".dng", ".cr2", ".nef", ".arw")
+)  # fmt: skip
+
+# Folders, compared in lower case, that systems make and no dataset means: macOS's Archive
+# Utility's AppleDouble files of a zip (__MACOSX); a Synology NAS's thumbnails (@eaDir), recycle
+# bin and snapshots (full copies of the share); a Windows drive's recycle bin ($RECYCLE.BIN:
+# deleted files, suffixes kept) and System Volume Information; an ext file system's
+# lost+found.
+_SYSTEM_FOLDERS = frozenset(
+    ("__macosx", "@eadir", "#recycle", "#snapshot", "$recycle.bin", "system volume information",
+     "lost+found")
+)  # fmt: skip
 
 # (folder, why it cannot be listed), e.g. ("root/cat/sub", "cannot be listed (Permission denied)")
 Unlisted = list[tuple[str, str]]
@@ -31,13 +51,25 @@ Unlisted = list[tuple[str, str]]
 
 def is_ignored(name: str) -> bool:
     """Whether a file or folder named ``name`` is passed over when a folder is read: hidden
-    (``.DS_Store``, ``._photo.jpg``, ``.git``) or macOS's ``__MACOSX``.
+    (``.DS_Store``, ``._photo.jpg``, ``.git``) or a system's folder (``__MACOSX``,
+    Synology's ``@eaDir``, ``#recycle`` and ``#snapshot``, ``$RECYCLE.BIN``, ``System Volume
+    Information``, ``lost+found``; in any case).
 
     Example:
-        >>> [is_ignored(n) for n in ("._photo.jpg", "__MACOSX", ".cache", "photo.jpg", "_a")]
+        >>> [is_ignored(n) for n in ("._photo.jpg", "__MACOSX", "@eaDir", "photo.jpg", "_a")]
         [True, True, True, False, False]
     """
-    return name.startswith(".") or name == _MACOS_ARCHIVE_FOLDER
+    return name.startswith(".") or name.lower() in _SYSTEM_FOLDERS
+
+
+def _is_image(name: str) -> bool:
+    return name.lower().endswith(IMAGE_EXTENSIONS) and not is_ignored(name)
+
+
+def _unread_suffix(name: str) -> str | None:
+    """The suffix of an image file that is not read (``".heic"``), or None."""
+    suffix = os.path.splitext(name)[1].lower()
+    return suffix if suffix in _UNREAD_IMAGE_SUFFIXES and not is_ignored(name) else None
 
 
 def _dir_key(path: str) -> tuple[int, int] | None:
@@ -50,7 +82,11 @@ def _dir_key(path: str) -> tuple[int, int] | None:
 
 
 def _walk_class(
-    top: str, seen: dict[tuple[int, int], str], repeats: list[tuple[str, str]], unlisted: Unlisted
+    top: str,
+    seen: dict[tuple[int, int], str],
+    repeats: list[tuple[str, str]],
+    unlisted: Unlisted,
+    unread: Counter[str],
 ) -> list[str]:
     """The image files under ``top``, each real directory read once across the whole folder.
 
@@ -59,7 +95,8 @@ def _walk_class(
     Subfolders are walked in sorted order, so which path reaches a directory first is fixed.
     Files come in ImageFolder's order: folders sorted by path, files by name within each.
     A directory that cannot be listed (no read permission) goes to ``unlisted``: os.walk
-    would pass over it, and its images would vanish without a word.
+    would pass over it, and its images would vanish without a word. Image files with a suffix
+    that is not read are counted, by suffix, in ``unread``.
     """
 
     def refused(e: OSError) -> None:
@@ -78,9 +115,8 @@ def _walk_class(
                 seen[key] = sub
             kept.append(name)
         dirnames[:] = kept  # os.walk descends only into what is left here
-        images = sorted(
-            f for f in filenames if f.lower().endswith(IMAGE_EXTENSIONS) and not is_ignored(f)
-        )
+        images = sorted(f for f in filenames if _is_image(f))
+        unread.update(s for s in map(_unread_suffix, filenames) if s is not None)
         per_dir.append((dirpath, images))
     # ImageFolder's order (torchvision's make_dataset: sorted(os.walk(...)), then sorted
     # file names): folders by their path, each folder's files by name. Sorting whole file
@@ -90,8 +126,9 @@ def _walk_class(
 
 def _scan_classes(
     path: Path, classes: Sequence[str]
-) -> tuple[list[list[str]], list[tuple[str, str]], Unlisted]:
-    """Each class's files, the directories skipped as already read, and those not listed.
+) -> tuple[list[list[str]], list[tuple[str, str]], Unlisted, Counter[str]]:
+    """Each class's files, the directories skipped as already read, those not listed, and
+    the image files not read, by suffix.
 
     The root and every class folder are claimed before any is walked, so a link to the root
     (``up -> ..``) or to another class folder is a repeat, and a class folder is read as its
@@ -107,6 +144,7 @@ def _scan_classes(
             seen.setdefault(key, top)
     repeats: list[tuple[str, str]] = []
     unlisted: Unlisted = []
+    unread: Counter[str] = Counter()
     per_class: list[list[str]] = []
     for name in classes:
         top = os.path.join(path, name)
@@ -115,8 +153,8 @@ def _scan_classes(
             repeats.append((top, first))
             per_class.append([])
         else:
-            per_class.append(_walk_class(top, seen, repeats, unlisted))
-    return per_class, repeats, unlisted
+            per_class.append(_walk_class(top, seen, repeats, unlisted, unread))
+    return per_class, repeats, unlisted, unread
 
 
 def _listed(names: Sequence[str], limit: int = 5) -> str:
@@ -124,18 +162,28 @@ def _listed(names: Sequence[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
 
 
-def _class_names(path: Path, root: str | os.PathLike[str]) -> tuple[str, ...]:
-    """The sorted class folder names of ``path`` (``root`` as given, for the error)."""
-    folders = [e.name for e in os.scandir(path) if e.is_dir()]
+def _class_names(path: Path, root: str | os.PathLike[str]) -> tuple[tuple[str, ...], int]:
+    """The sorted class folder names of ``path`` (``root`` as given, for the error), and the
+    number of image files directly in it (which no class folder holds, so are not read)."""
+    folders: list[str] = []
+    loose: list[str] = []
+    for entry in os.scandir(path):
+        if entry.is_dir():
+            folders.append(entry.name)
+        elif _is_image(entry.name):
+            loose.append(entry.name)
     classes = tuple(sorted(name for name in folders if not is_ignored(name)))
     if not classes:
         passed_over = [repr(name) for name in sorted(set(folders) - set(classes))]
+        images = [repr(name) for name in sorted(loose)]
         raise ValueError(
             f"image folder {str(root)!r} has no class subfolders"
             + (f" (only {_listed(passed_over)}, not read)" if passed_over else "")
-            + "; the layout is root/<class>/<image> (e.g. root/cat/1.jpg, root/dog/2.jpg)"
+            + (f", but {len(loose)} images directly in it ({_listed(images)})" if loose else "")
+            + "; the layout is root/<class>/<image> (e.g. root/cat/1.jpg, root/dog/2.jpg): "
+            "put the images in one folder per class, or pass a list of (path, label) pairs"
         )
-    return classes
+    return classes, len(loose)
 
 
 def find_images(
@@ -144,11 +192,15 @@ def find_images(
     """List ``root/<class>/**/<image>`` like torchvision's ImageFolder.
 
     Classes are the sorted subfolder names; files are those with an image suffix
-    (case-insensitive), searched recursively, in ImageFolder's order: by class, then by
-    folder path, then by file name within each folder (``a/z.jpg`` before ``a/sub/b.jpg``).
-    Other files are ignored, and so are hidden files and folders (names starting with
-    ``"."``, such as macOS's AppleDouble ``._photo.jpg``) and ``__MACOSX`` folders, at every
-    level: neither is a class, and nothing in them is read (ImageFolder reads them).
+    (:data:`IMAGE_EXTENSIONS`, case-insensitive; ImageFolder's, plus JPEG's ``.jfif`` and
+    ``.jpe``), searched recursively, in ImageFolder's order: by class, then by folder path,
+    then by file name within each folder (``a/z.jpg`` before ``a/sub/b.jpg``). Other files are
+    ignored, and so are hidden files and folders (names starting with ``"."``, such as macOS's
+    AppleDouble ``._photo.jpg``) and systems' folders (:func:`is_ignored`: ``__MACOSX``,
+    Synology's ``@eaDir`` thumbnails, ``$RECYCLE.BIN``, ``lost+found``, ...), at every level:
+    neither is a class, and nothing in them is read (ImageFolder reads them). Image files left
+    out (a suffix no backend decodes, such as ``.heic`` or ``.gif``; an image directly in
+    ``root``) are counted in one warning.
 
     Directory links are followed, but every real directory is read once: a link to a
     directory already read (``loop -> .``, ``up -> ..``, a second link to the same place, a
@@ -176,8 +228,9 @@ def find_images(
         FileNotFoundError: ``root`` does not exist, or is ``""`` (which ``Path`` would take
             for the current directory).
         NotADirectoryError: ``root`` is a file.
-        ValueError: ``root`` has no class subfolders (hidden ones and ``__MACOSX`` do not
-            count), or no images in them and no folder that could not be listed.
+        ValueError: ``root`` has no class subfolders (hidden and systems' folders do not
+            count; the message counts the images directly in ``root``), or no images in them
+            and no folder that could not be listed.
 
     Example:
         >>> find_images("/no/such/dir")
@@ -201,32 +254,36 @@ def find_images(
             f"image source {str(root)!r} is a file; pass a folder laid out as "
             "root/<class>/<image>, or a list of (path, label) pairs"
         )
-    classes = _class_names(path, root)
-    per_class, repeats, unlisted = _scan_classes(path, classes)
+    classes, loose = _class_names(path, root)
+    per_class, repeats, unlisted, unread = _scan_classes(path, classes)
     items = [(f, label) for label, found in enumerate(per_class) for f in found]
     if not items and not unlisted:
         raise ValueError(
             f"image folder {str(root)!r} has class subfolders {list(classes)[:5]} but no "
             f"images in them (suffixes read: {', '.join(IMAGE_EXTENSIONS)})"
         )
+    _warn_repeats(path, root, repeats)
+    _warn_empty(path, root, classes, per_class, unlisted)
+    _warn_left_out(root, unread, loose)
+    return items, classes, unlisted
+
+
+def _warn(message: str) -> None:
     import warnings
 
-    # stacklevel=5: find_images <- _resolve <- load_source <- image_loader <- the caller's line.
-    if repeats:
-        # shown(): a name that is not UTF-8 would reach the warning as lone surrogates, which
-        # logging handlers (logging.captureWarnings) refuse to write, dropping the warning.
-        from trainperf.pipelines._source import shown  # not at the top: _source imports this
+    # stacklevel=7: _warn <- a _warn_* helper <- find_images <- _resolve <- load_source <-
+    # image_loader <- the caller's line.
+    warnings.warn(message, stacklevel=7)
 
-        rel = [
-            f"{shown(os.path.relpath(p, path))} (= {shown(os.path.relpath(first, path))})"
-            for p, first in repeats
-        ]
-        warnings.warn(
-            f"image folder {str(root)!r}: skipped {len(repeats)} directory link(s) to folders "
-            f"already read, so that each file is counted once, under the class folder it is "
-            f"first reached from: {_listed(rel)}; remove the links to silence this",
-            stacklevel=5,
-        )
+
+def _warn_empty(
+    path: Path,
+    root: str | os.PathLike[str],
+    classes: Sequence[str],
+    per_class: list[list[str]],
+    unlisted: Unlisted,
+) -> None:
+    """Warn of the class folders with no images (not those that cannot be listed), if any."""
     refused = {folder for folder, _ in unlisted}
     empty = [
         f"{name!r} (label {i})"
@@ -234,11 +291,46 @@ def find_images(
         if not per_class[i] and os.path.join(path, name) not in refused
     ]
     if empty:
-        warnings.warn(
+        _warn(
             f"image folder {str(root)!r} has {len(empty)} class folder(s) with no images: "
             f"{_listed(empty)}; kept as classes so that every label matches the sorted folder "
             "names (torchvision's ImageFolder would raise); remove the folder to drop the class, "
-            "or add its images",
-            stacklevel=5,
+            "or add its images"
         )
-    return items, classes, unlisted
+
+
+def _warn_repeats(path: Path, root: str | os.PathLike[str], repeats: list[tuple[str, str]]) -> None:
+    """Warn of the directory links skipped, if any."""
+    if not repeats:
+        return
+    # shown(): a name that is not UTF-8 would reach the warning as lone surrogates, which
+    # logging handlers (logging.captureWarnings) refuse to write, dropping the warning.
+    from trainperf.pipelines._source import shown  # not at the top: _source imports this
+
+    rel = [
+        f"{shown(os.path.relpath(p, path))} (= {shown(os.path.relpath(first, path))})"
+        for p, first in repeats
+    ]
+    _warn(
+        f"image folder {str(root)!r}: skipped {len(repeats)} directory link(s) to folders "
+        f"already read, so that each file is counted once, under the class folder it is "
+        f"first reached from: {_listed(rel)}; remove the links to silence this"
+    )
+
+
+def _warn_left_out(root: str | os.PathLike[str], unread: Counter[str], loose: int) -> None:
+    """Warn, once, of the image files not read: by suffix, and those outside the classes."""
+    said = []
+    if unread:
+        by_suffix = ", ".join(f"{suffix}: {n}" for suffix, n in unread.most_common())
+        said.append(
+            f"{sum(unread.values())} image file(s) with a suffix that is not read ({by_suffix}); "
+            "convert them to JPEG or PNG to use them"
+        )
+    if loose:
+        said.append(
+            f"{loose} image file(s) directly in the folder, outside every class folder, so "
+            "without a label; move them into their class folder to use them"
+        )
+    if said:
+        _warn(f"image folder {str(root)!r}: left out " + "; and ".join(said))

@@ -12,19 +12,25 @@ bad file is reported by name before training starts rather than crashing a decod
   so a decompression bomb is refused without allocating its pixels.
 - ``"decode"`` (``on_error="skip"``): the header check, then a full decode with PIL (JPEGs
   in draft mode, at 1/8 scale, which still reads every byte of the compressed stream), so
-  truncated and corrupt files are found and left out. A file that fails the header check
-  (a bomb among them) is never decoded.
+  truncated and corrupt files are found and left out; JPEG, PNG and BMP files are also
+  checked for truncation from their own structure (:mod:`._truncation`), which
+  ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES = True`` does not turn off. A file that fails the
+  header check (a bomb among them) is never decoded.
+
+With ``on_error="raise"`` that Pillow setting is the user's and is kept, with a warning: it
+makes the backends that decode with Pillow train on truncated images, half grey.
 """
 
 from __future__ import annotations
 
 import operator
 import os
+import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 import torch
@@ -36,6 +42,7 @@ from trainperf.pipelines._header import (
     bytes_problem,
     file_problem,
     open_regular,
+    sniff_format,
 )
 from trainperf.pipelines._shard import (
     Shard,
@@ -133,21 +140,32 @@ def _header_problem(path: str, max_pixels: int | None) -> tuple[ImageFormat | No
 
 
 def decode_problem(path: str) -> str | None:
-    """Why PIL cannot decode ``path`` (draft mode for JPEGs), or None. Check the header first:
-    this allocates the image."""
+    """Why PIL cannot decode ``path`` (draft mode for JPEGs), or why it is truncated (JPEG,
+    PNG, BMP: :mod:`._truncation`, which ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES`` does not
+    turn off), or None. Check the header first: this allocates the image."""
     from PIL import Image
 
     from trainperf.pipelines._decode import pil_failure
+    from trainperf.pipelines._truncation import truncation
 
     try:
-        with Image.open(path) as im:
+        f = open_regular(path)
+        if isinstance(f, str):  # no longer a regular file since the header check
+            return f
+        with f, Image.open(f) as im:
             # Draft mode makes libjpeg decode at 1/8 scale: the entropy-coded data is still
             # read to the end, so truncation and corruption surface, at a fraction of the cost.
             im.draft("RGB", (1, 1))
             im.convert("RGB").load()
+            fmt = sniff_format(_at_start(f))
+            return None if fmt is None else truncation(fmt, f)
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, struct.error...
         return f"cannot be decoded ({pil_failure(e)})"
-    return None
+
+
+def _at_start(f: BinaryIO) -> bytes:
+    f.seek(0)
+    return f.read(16)
 
 
 def check_one(
@@ -339,6 +357,26 @@ def _what_is_bad(bad_dirs: int, bad_files: int, files: int, where: str) -> str:
     return " and ".join(said)
 
 
+def _warn_if_pillow_keeps_truncated_files() -> None:
+    """Warn that ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES`` is set: it is the user's setting, and
+    kept, but it turns truncated files into half-grey training images without a word."""
+    image_file = sys.modules.get("PIL.ImageFile")  # set only if imported: no import here
+    if not getattr(image_file, "LOAD_TRUNCATED_IMAGES", False):
+        return
+    import warnings
+
+    # stacklevel=4: this <- load_source <- image_loader <- the caller's line.
+    warnings.warn(
+        "PIL.ImageFile.LOAD_TRUNCATED_IMAGES is True, so Pillow decodes a truncated image "
+        "without an error, its missing part grey: the torchvision backend (and the nvjpeg "
+        "backend, for the files it decodes on the CPU) will train on such images, and the DALI "
+        "backend stops when it reaches one. To find truncated files up front and leave them "
+        "out, pass on_error='skip' (its check finds truncated JPEG, PNG and BMP files whatever "
+        "this setting)",
+        stacklevel=4,
+    )
+
+
 def load_source(
     source: str | os.PathLike[str] | Sequence[tuple[str | os.PathLike[str], int]],
     *,
@@ -373,6 +411,8 @@ def load_source(
         ValueError: the list of (path, label) pairs is empty
     """
     items, classes, unlisted, where = _resolve(source)
+    if on_error == "raise":
+        _warn_if_pillow_keeps_truncated_files()
     check: Check = "decode" if on_error == "skip" else "header"
     results = check_files([p for p, _ in items], check, threads=threads, max_pixels=max_pixels)
     good: list[tuple[str, int, ImageFormat]] = []

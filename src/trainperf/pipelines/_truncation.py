@@ -1,0 +1,125 @@
+"""Whether an image file reaches its end, read from its structure, whatever Pillow is told.
+
+``PIL.ImageFile.LOAD_TRUNCATED_IMAGES = True`` (a common fix for "image file is truncated",
+set by many training scripts) makes Pillow decode a truncated file without an error, its
+missing part grey. The ``on_error="skip"`` check decodes with Pillow, so this reads the
+file's own structure instead, and finds the same files Pillow refuses by default:
+
+- JPEG: an end-of-image marker (``FF D9``) after the start of the image data (the first
+  start-of-scan segment). Bytes after it (camera trailers, padding) are allowed; an EXIF
+  thumbnail's marker, which comes before the image data, does not count.
+- PNG: the chunks, walked by their lengths from the signature, reach ``IEND``.
+- BMP (uncompressed): the file holds every row the header announces.
+
+Other formats (TIFF, WebP) are left to the decoder: Pillow's WebP decoder refuses a
+truncated file whatever the setting.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import BinaryIO
+
+from trainperf.pipelines._header import ImageFormat
+
+__all__ = ["truncation"]
+
+_SOS, _EOI = 0xDA, 0xD9
+# Markers without a length: TEM, RSTn and a repeated SOI.
+_STANDALONE = frozenset({0x01, 0xD8, *range(0xD0, 0xD8)})
+_MAX_STEPS = 65536  # as the header check: a real file reaches its image data in far fewer
+_CHUNK = 1 << 20
+_UNCOMPRESSED_BMP = (0, 3, 6)  # BI_RGB, BI_BITFIELDS, BI_ALPHABITFIELDS
+
+
+def _at(f: BinaryIO, offset: int, n: int) -> bytes:
+    f.seek(offset)
+    return f.read(n)
+
+
+def _jpeg_scan_start(f: BinaryIO) -> int | None:
+    """Where the first start-of-scan marker is, walking the segments; None if not reached."""
+    pos = 2
+    for _ in range(_MAX_STEPS):
+        head = _at(f, pos, 4)
+        if len(head) < 4:
+            return None
+        if head[0] != 0xFF or head[1] == 0xFF:  # a stray byte (skipped, as the header check
+            pos += 1  # does) or a fill byte before a marker
+        elif head[1] == _SOS:
+            return pos
+        elif head[1] in _STANDALONE:
+            pos += 2
+        else:
+            pos += 2 + struct.unpack(">H", head[2:4])[0]
+    return None
+
+
+def _jpeg_truncation(f: BinaryIO, size: int) -> str | None:
+    scan = _jpeg_scan_start(f)
+    if scan is None:
+        return "is truncated: it ends before its image data"
+    if _at(f, size - 2, 2) == b"\xff\xd9":  # nearly every file: nothing after the image
+        return None
+    f.seek(scan)
+    tail = b""
+    while block := f.read(_CHUNK):
+        if b"\xff\xd9" in tail + block:  # the byte before carried over: a marker across blocks
+            return None
+        tail = block[-1:]
+    return "is truncated: its image data ends without the JPEG end-of-image marker"
+
+
+def _png_truncation(f: BinaryIO, size: int) -> str | None:
+    pos = 8
+    for _ in range(_MAX_STEPS):
+        head = _at(f, pos, 8)
+        if len(head) < 8:
+            break
+        length, kind = struct.unpack(">I4s", head)
+        if kind == b"IEND":
+            return None
+        pos += 12 + length  # length, type, data, CRC
+    return "is truncated: it ends before its IEND chunk"
+
+
+def _bmp_truncation(f: BinaryIO, size: int) -> str | None:
+    head = _at(f, 10, 20)  # pixel data offset, info header size, width, height, planes, bits
+    offset, info = struct.unpack("<II", head[:8])
+    if len(head) < (16 if info == 12 else 20):
+        return "is truncated: it ends inside its header"
+    if info == 12:  # OS/2 BITMAPCOREHEADER: 16-bit sizes, never compressed
+        width, height, _, bits = struct.unpack("<HHHH", head[8:16])
+        compression = 0
+    else:
+        width, height, _, bits = struct.unpack("<iiHH", head[8:20])
+        compression = struct.unpack("<I", _at(f, 30, 4).ljust(4, b"\x00"))[0]
+    if compression not in _UNCOMPRESSED_BMP:
+        return None  # run-length coded: its length is not fixed by the header
+    needed = offset + (abs(width) * bits + 31) // 32 * 4 * abs(height)
+    if size < needed:
+        return f"is truncated: {size:,} bytes, but its header announces {needed:,}"
+    return None
+
+
+_CHECKS = {"jpeg": _jpeg_truncation, "png": _png_truncation, "bmp": _bmp_truncation}
+
+
+def truncation(fmt: ImageFormat, f: BinaryIO) -> str | None:
+    """Why the open image file ``f`` (of format ``fmt``) is truncated, or None: it reaches
+    its end (or is of a format left to the decoder, TIFF and WebP).
+
+    Example:
+        >>> import io
+        >>> print(truncation("png", io.BytesIO(b"\\x89PNG\\r\\n\\x1a\\n" + bytes(8))))
+        is truncated: it ends before its IEND chunk
+    """
+    check = _CHECKS.get(fmt)
+    if check is None:
+        return None
+    size = f.seek(0, os.SEEK_END)
+    try:
+        return check(f, size)
+    except (struct.error, OSError) as e:
+        return f"is truncated ({e})"
