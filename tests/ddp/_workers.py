@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +163,44 @@ def sys_exit_on_rank(bad_rank: int, code: int) -> int:
     if ddp.rank() == bad_rank:
         sys.exit(code)
     return ddp.rank()
+
+
+def sys_exit_early_on_rank(bad_rank: int) -> str:
+    """``bad_rank`` calls ``sys.exit(0)`` while the others wait in a collective for it."""
+    if ddp.rank() == bad_rank:
+        sys.exit(0)
+    _all_reduce()
+    return "stayed"
+
+
+def _supplies_the_rank(fn: Any) -> Any:
+    """A decorator that passes ``fn`` what its caller does not (as Hydra's passes the
+    config): the wrapper's signature, not ``fn``'s, is what callers must match."""
+
+    @functools.wraps(fn)
+    def wrapper() -> Any:
+        return fn(ddp.rank())
+
+    return wrapper
+
+
+@_supplies_the_rank
+def decorated_rank(rank: int) -> int:
+    return rank
+
+
+def sys_exit_with_a_save_running(outdir: str) -> None:
+    """Leave a background checkpoint write unfinished and call ``sys.exit(0)``: a stand-in
+    for trainperf.checkpoint's wait at exit writes this rank's file when it is called."""
+
+    def wait_at_exit() -> None:
+        time.sleep(0.2)
+        (Path(outdir) / f"saved{ddp.rank()}").write_text("saved")
+
+    stand_in = types.ModuleType("trainperf.checkpoint._checkpointer")
+    stand_in._wait_at_exit = wait_at_exit  # type: ignore[attr-defined]
+    sys.modules[stand_in.__name__] = stand_in
+    sys.exit(0)
 
 
 def signal_on_rank(bad_rank: int, signum: int) -> None:

@@ -19,6 +19,7 @@ import pytest
 from tests.ddp import _workers as workers
 from tests.ddp._distributed import LONG, fast_start_method, launch_fork
 from trainperf.ddp import _group
+from trainperf.ddp._failures import Problem, summarize
 from trainperf.ddp._procs import SignalGuard
 from trainperf.ddp._worker import Failure, WorkerSpec
 from trainperf.errors import HangError, LaunchError
@@ -93,7 +94,7 @@ def test_a_rank_that_exited_with_code_0_is_blamed_over_the_peer_it_left_behind()
     # the launcher woke up, later; a code-0 exit was not dated back as other deaths are.
     group = _make_group(2)
     victim = Failure(0, 11, "RuntimeError", "Connection closed by peer", "tb0", time=100.2)
-    group.problems.append(_group._Problem(0, victim.time, _group._summary(victim), "tb0"))
+    group.problems.append(Problem(0, victim.time, summarize(victim), "tb0"))
     group.problems.append(group._no_report(1, 0, 100.5))
     text = group._message()
     assert text.startswith("rank 1 of 2 exited with code 0 without returning from main"), text
@@ -106,7 +107,7 @@ def test_a_real_error_is_blamed_over_an_exit_seen_after_it(code: int) -> None:
     # launcher sees that exit 0.5 s after rank 1 raised: dated 1 s back, the exit was blamed.
     group = _make_group(2)
     cause = Failure(1, 11, "ValueError", "bad batch", "tb1", time=100.0)
-    group.problems.append(_group._Problem(1, cause.time, _group._summary(cause), "tb1"))
+    group.problems.append(Problem(1, cause.time, summarize(cause), "tb1"))
     group.problems.append(group._no_report(0, code, 100.5))
     text = group._message()
     assert text.startswith("rank 1 of 2 raised ValueError: bad batch"), text
@@ -139,7 +140,7 @@ def test_a_rank_killed_by_a_signal_is_blamed_over_errors_within_its_slack(
 ) -> None:
     group = _make_group(2)
     f = Failure(1, 11, kind, message, "tb1", time=100.2)
-    group.problems.append(_group._Problem(1, f.time, _group._summary(f), f.traceback))
+    group.problems.append(Problem(1, f.time, summarize(f), f.traceback))
     group.problems.append(group._no_report(0, code, 100.5))
     assert group._message().startswith(f"rank {blamed} of 2 "), group._message()
 
@@ -171,7 +172,7 @@ def test_an_exit_seen_without_a_report_is_dated_back_only_before_lost_peer_error
     group = _make_group(3)
     for rank, kind, message, at in reports:
         f = Failure(rank, 10 + rank, kind, message, f"tb{rank}", time=at)
-        group.problems.append(_group._Problem(rank, f.time, _group._summary(f), f.traceback))
+        group.problems.append(Problem(rank, f.time, summarize(f), f.traceback))
     group.problems.append(group._no_report(0, 0, seen_at))
     assert group._message().startswith(f"rank {first} of 3 "), group._message()
 
@@ -216,7 +217,7 @@ def test_a_rank_that_left_is_blamed_over_the_nccl_and_store_errors_it_causes(
     # blamed for the NCCL error, and the launcher did not wait for rank 0 to be seen gone.
     group = _make_group(2)
     f = Failure(1, 11, kind, message, "tb1", time=100.2)
-    group.problems.append(_group._Problem(1, f.time, _group._summary(f), f.traceback))
+    group.problems.append(Problem(1, f.time, summarize(f), f.traceback))
     assert group._only_lost_peers() is lost
     group.problems.append(group._no_report(0, 0, 100.5))
     blamed = 0 if lost else 1
@@ -258,7 +259,7 @@ def test_a_rank_that_died_is_blamed_over_the_system_error_or_refusal_it_causes(
     # over a rank 0 that left through its own exit path.
     group = _make_group(2)
     f = Failure(1, 11, kind, message, "tb1", time=100.2)
-    group.problems.append(_group._Problem(1, f.time, _group._summary(f), f.traceback))
+    group.problems.append(Problem(1, f.time, summarize(f), f.traceback))
     assert group._only_lost_peers()
     group.problems.append(group._no_report(0, code, 100.5))
     assert group._message().startswith("rank 0 of 2 "), group._message()
@@ -272,11 +273,11 @@ def test_a_system_error_or_refusal_with_no_death_before_it_is_the_ranks_own(
 ) -> None:
     group = _make_group(3)
     f = Failure(1, 11, "RuntimeError", message, "tb1", time=99.0)
-    group.problems.append(_group._Problem(1, f.time, _group._summary(f), f.traceback))
+    group.problems.append(Problem(1, f.time, summarize(f), f.traceback))
     # Rank 0 exits (having caught the broken collective) more than the slack later, and
     # rank 2 reports a lost peer: rank 1's error came first.
     lost = Failure(2, 12, "RuntimeError", "Connection closed by peer", "tb2", time=99.5)
-    group.problems.append(_group._Problem(2, lost.time, _group._summary(lost), "tb2"))
+    group.problems.append(Problem(2, lost.time, summarize(lost), "tb2"))
     group.problems.append(group._no_report(0, 1, 100.5))
     assert group._message().startswith("rank 1 of 3 raised RuntimeError: "), group._message()
 
@@ -307,7 +308,7 @@ def test_a_rank_the_nccl_watchdog_aborted_does_not_take_the_blame_from_the_first
             group.problems.append(group._no_report(rank, what, at))
         else:
             f = Failure(rank, 10 + rank, "RuntimeError", what, f"tb{rank}", time=at)
-            group.problems.append(_group._Problem(rank, at, _group._summary(f), f.traceback))
+            group.problems.append(Problem(rank, at, summarize(f), f.traceback))
     assert group._message().startswith(f"rank {first} of 3 "), group._message()
 
 
@@ -356,7 +357,7 @@ def test_waiting_for_a_lost_peer_ends_once_its_result_has_arrived() -> None:
     # peer that left polled exit statuses only, so the result was read only by the stop.
     group = _group.Group(_SpawnContext(), _make_group(2).spec, "", SignalGuard())  # type: ignore[arg-type]
     victim = Failure(0, 10, "RuntimeError", "Connection closed by peer", "tb0", time=100.0)
-    group.problems.append(_group._Problem(0, victim.time, _group._summary(victim), "tb0"))
+    group.problems.append(Problem(0, victim.time, summarize(victim), "tb0"))
     reader, writer = multiprocessing.Pipe(duplex=False)
     writer.send_bytes(pickle.dumps(("loaded", 1, None)))
     writer.send_bytes(pickle.dumps(("ok", 1, "left")))
@@ -433,7 +434,7 @@ def test_the_earliest_failure_is_blamed_whatever_order_reports_arrive_in() -> No
     victim = Failure(0, 11, "RuntimeError", "Connection closed by peer", "tb0", time=105.0)
     cause = Failure(2, 12, "ValueError", "bad batch\nmore", "tb2", time=100.0)
     for f in (victim, cause):  # the victim's report arrives first
-        group.problems.append(_group._Problem(f.rank, f.time, _group._summary(f), f.traceback))
+        group.problems.append(Problem(f.rank, f.time, summarize(f), f.traceback))
     group.stopped = [1]
     text = group._message()
     assert text.splitlines()[0] == "rank 2 of 3 raised ValueError: bad batch"
@@ -450,7 +451,7 @@ def test_each_rank_is_named_once_under_later_failures_or_under_stopped_by_the_la
     before = Failure(1, 11, "RuntimeError", "Connection closed by peer", "tb1", time=100.5)
     during = Failure(2, 12, "RuntimeError", "Connection reset by peer", "tb2", time=102.0)
     for f in (cause, before, during):
-        group.problems.append(_group._Problem(f.rank, f.time, _group._summary(f), f.traceback))
+        group.problems.append(Problem(f.rank, f.time, summarize(f), f.traceback))
     group._stop_began = 101.0
     group.stopped = [1, 2, 3]
     group.stop_codes = {1: 1, 2: 1, 3: -15}

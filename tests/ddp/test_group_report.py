@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from trainperf.ddp._failures import Problem
-from trainperf.ddp._group_report import first_failure, peer_gone
+from trainperf.ddp._group_report import Outcome, failure_message, first_failure, peer_gone
 
 _ABORTED = "NCCL communicator was aborted on rank 1.  Original reason for failure was: "
 
@@ -112,3 +112,31 @@ def test_an_own_error_beats_a_clean_exit_but_not_a_signal_death_before_it() -> N
     # One killed after the error is not.
     late = Problem(2, 101.3, "died from signal SIGKILL ...", slack=1.0, by_signal=True)
     assert first_failure((own, exited, late)).rank == 1
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_deaths_seen_in_one_wakeup_blame_the_lower_rank_whatever_order_wait_returned(
+    order: tuple[int, int],
+) -> None:
+    # Two ranks SIGABRT ended, seen at the same moment: neither death explains the other,
+    # and the blame went to whichever sentinel wait() listed first.
+    aborted = {
+        r: Problem(r, 100.5, "died from signal SIGABRT", slack=1.0, by_signal=True, aborted=True)
+        for r in (2, 1)
+    }
+    deaths = tuple(aborted[r + 1] for r in order)
+    assert first_failure(deaths).rank == 1
+    text = failure_message(Outcome(3, "", deaths, frozenset(), ()), None)
+    assert text.splitlines()[0] == "rank 1 of 3 died from signal SIGABRT", text
+    assert text.splitlines()[-1] == "  rank 2 died from signal SIGABRT", text
+
+
+def test_ranks_that_called_sys_exit_0_are_listed_apart_from_those_that_returned() -> None:
+    lost = Problem(0, 100.0, "raised RuntimeError: Connection closed by peer")
+    outcome = Outcome(4, "", (lost,), frozenset({1, 2, 3}), (), exit_calls=((2, "sys.exit(0)"),))
+    text = failure_message(outcome, None)
+    assert "\nAlready returned from main: ranks 1, 3\n" in text, text
+    assert text.endswith(
+        "\nCalled sys.exit(0) in main: rank 2 (a collective that not every rank "
+        "calls fails like this)"
+    ), text

@@ -274,6 +274,49 @@ def test_launch_rejects_what_spawn_cannot_send(monkeypatch: pytest.MonkeyPatch) 
         ddp.launch(_nested_main, nprocs=2, backend="gloo")
 
 
+def _mp_spawn_style(rank: int, cfg: dict[str, int]) -> None:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("main", "args", "kwargs", "match"),
+    [
+        # torch.multiprocessing.spawn's habit: args=(...) went to main as a keyword, and each
+        # rank, once started, failed with "got an unexpected keyword argument 'args'".
+        (
+            _mp_spawn_style,
+            (),
+            {"args": ({"lr": 1},)},
+            r"launch\(\) cannot call _mp_spawn_style\(rank, cfg\) with these arguments "
+            r"\(missing a required argument: 'rank'\): .*launch\(main, cfg, nprocs=2\), "
+            r"not args=\(cfg,\).*ddp\.rank\(\)",
+        ),
+        (
+            workers.add,
+            (1, 2, 3),
+            {},
+            r"cannot call add\(a, b, \*, scale=1\) with these arguments \(too many positional "
+            r"arguments\): pass main's arguments after it",
+        ),
+    ],
+)
+def test_arguments_main_cannot_take_are_refused_before_any_rank_starts(
+    main: Any, args: tuple[Any, ...], kwargs: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(TypeError, match=match) as info:
+        ddp.launch(main, *args, nprocs=2, backend="gloo", start_method="fork", **kwargs)
+    assert isinstance(info.value.__cause__, TypeError)
+
+
+@pytest.mark.timeout(60)
+def test_a_decorated_main_is_called_as_its_wrapper_takes_arguments() -> None:
+    # functools.wraps makes inspect.signature report the wrapped function's parameters:
+    # a wrapper that supplies them itself must not be refused for lacking them.
+    assert ddp.launch_all(
+        workers.decorated_rank, nprocs=2, backend="gloo", start_method=fast_start_method()
+    ) == [0, 1]
+
+
 class _Trainer:
     def __init__(self) -> None:
         self.lock = threading.Lock()

@@ -39,6 +39,27 @@ def test_sys_exit_zero_counts_as_returning_none() -> None:
     ) == [0, None]
 
 
+@pytest.mark.timeout(60)
+def test_a_peer_that_called_sys_exit_0_is_named_as_such_not_as_returned_from_main() -> None:
+    # Rank 1 calls sys.exit(0) while rank 0 waits in an all_reduce: the LaunchError said
+    # rank 1 had "already returned from main", which its code never did.
+    with pytest.raises(LaunchError, match=r"^rank 0 of 2 raised RuntimeError") as info:
+        launch_fork(workers.sys_exit_early_on_rank, 1, timeout=LONG)
+    text = str(info.value)
+    assert "Already returned from main" not in text, text
+    assert "Called sys.exit(0) in main: rank 1 (a collective that not every rank" in text, text
+
+
+@pytest.mark.timeout(60)
+def test_sys_exit_0_finishes_the_background_saves_before_the_rank_reports(
+    tmp_path: Path,
+) -> None:
+    # Returning from main waits for them; sys.exit(0) reported at once, and the launcher,
+    # with every result in, gives a rank seconds to exit before it kills the writer.
+    assert launch_fork(workers.sys_exit_with_a_save_running, str(tmp_path), timeout=LONG) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saved0", "saved1"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_rank_stuck_in_a_collective_fails_within_the_timeout() -> None:

@@ -1,11 +1,12 @@
 """The single-node spawner's watch over one group of workers: start, collect, stop, report.
 
 Each worker sends ``loaded`` once ``main`` is imported, then one final message (its result,
-or its exception stamped with the time it was raised). The group waits on those pipes, on
-the process sentinels and on the spawned workers' start-up stderr together; the first
-failure ends the watch, every worker's process tree is stopped (SIGTERM, then SIGKILL), and
-the earliest failure is reported with its traceback (:mod:`~trainperf.ddp._group_report`
-words it).
+the ``sys.exit(0)`` that ended main instead, or its exception stamped with the time it was
+raised). The group waits on those pipes, on the process sentinels and on the spawned
+workers' start-up stderr together; the first failure ends the watch, every worker's
+process tree is stopped (SIGTERM, then SIGKILL), and the earliest failure is reported with
+its traceback (:mod:`~trainperf.ddp._group_exits` reads each report and exit,
+:mod:`~trainperf.ddp._group_report` words the error).
 
 Signals: SIGINT/SIGTERM raise :class:`~trainperf.ddp._procs.Interrupted` only while the
 group waits. Starting a worker and handling what it sent run with signals held back: an
@@ -33,28 +34,17 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from trainperf.ddp import _capacity
+from trainperf.ddp import _capacity, _group_exits
 from trainperf.ddp._failures import DEATH_SLACK_S as _DEATH_SLACK_S
 from trainperf.ddp._failures import Problem as _Problem
-from trainperf.ddp._failures import arguments_advice as _arguments_advice
-from trainperf.ddp._failures import load_advice as _load_advice
-from trainperf.ddp._failures import startup_problem as _startup_problem
-from trainperf.ddp._failures import summarize as _summary
-from trainperf.ddp._failures import unguarded_main as _unguarded_main
 from trainperf.ddp._group_report import Outcome, drain_ending, failure_message
 from trainperf.ddp._group_report import lost_peer as _lost_peer
 from trainperf.ddp._group_report import maybe_lost_peer as _maybe_lost_peer
-from trainperf.ddp._procs import (
-    Interrupted,
-    SignalGuard,
-    death_summary,
-    signal_tree,
-    stop_ending,
-)
+from trainperf.ddp._procs import Interrupted, SignalGuard, signal_tree, stop_ending
 from trainperf.ddp._stderr import StartupStderr, redirected_stderr, unredirected_stderr
-from trainperf.ddp._worker import Failure, WorkerSpec, worker_main
+from trainperf.ddp._worker import WorkerSpec, worker_main
 from trainperf.ddp._worker_pickle import InheritedFd
-from trainperf.ddp._worker_reimport import REIMPORT_EXIT_CODE, WORKER_NAME_PREFIX
+from trainperf.ddp._worker_reimport import WORKER_NAME_PREFIX
 from trainperf.errors import LaunchError
 
 __all__ = ["EXIT_GRACE_S", "TERM_GRACE_S", "Group"]
@@ -97,6 +87,8 @@ class Group:
         self.running: dict[int, BaseProcess] = {}
         self.loaded: set[int] = set()
         self.results: dict[int, Any] = {}
+        # The ranks whose main called sys.exit(0) (or sys.exit()): the call, for the report.
+        self.exit_calls: dict[int, str] = {}
         self.problems: list[_Problem] = []
         self.stopped: list[int] = []
         # Exit codes of the ranks reaped while being stopped, and those SIGKILL reached.
@@ -223,20 +215,17 @@ class Group:
             self.loaded.add(rank)
             return
         self.readers.pop(rank).close()
-        if kind == "ok":
-            self.results[rank] = payload
+        if kind in ("ok", "exit"):
+            # "exit": main called sys.exit(0) (or sys.exit()), which counts as returning None.
+            self.results[rank] = payload if kind == "ok" else None
+            if kind == "exit":
+                self.exit_calls[rank] = payload
             if self.detector is not None:
                 self.detector.returned(rank)
             return
-        f: Failure = payload
-        advice = ""
-        if f.stage == "load":
-            advice = _load_advice(self.spec.main)
-        elif f.stage == "args":
-            advice = _arguments_advice(f.argument)
-        if f.stage in ("load", "args"):
-            self.restartable = False  # the same bytes fail the same way in the next attempt
-        self.problems.append(_Problem(rank, f.time, _summary(f), f.traceback, advice))
+        problem, repeats = _group_exits.reported(payload, self.spec.main)
+        self.restartable = self.restartable and not repeats
+        self.problems.append(problem)
 
     def _receive_sent(self, rank: int) -> None:
         """Read every message ``rank`` has sent so far."""
@@ -263,50 +252,24 @@ class Group:
         if rank in self.results:
             # The result is complete; losing it to a crash at interpreter exit (some native
             # libraries do that) would help no one, but it must not pass silently either.
-            logger.warning(
-                "rank %d returned from main, then %s",
-                rank,
-                death_summary(code).replace(" without reporting an error", " while shutting down"),
-            )
+            logger.warning(_group_exits.returned_then_died(rank, self.exit_calls.get(rank), code))
             return
         self.problems.append(self._no_report(rank, code, seen_at))
 
     def _no_report(self, rank: int, code: int, seen_at: float) -> _Problem:
         """What to blame for a worker that exited with ``code`` and sent nothing."""
-        if code == 0:
-            return _Problem(
-                rank,
-                seen_at,
-                "exited with code 0 without returning from main (os._exit?)",
-                slack=_DEATH_SLACK_S,
-            )
-        if self._reimported(rank, code):
-            self.restartable = False
-            summary, advice = _unguarded_main()
-            return _Problem(rank, seen_at, summary, advice=advice)
+        startup = None
         if rank in self.stderr and rank not in self.loaded:
-            startup = _startup_problem(rank, seen_at, self.stderr[rank].text(), code)
-            if startup is not None:
-                self.restartable = False
-                return startup
-        return _Problem(
-            rank,
-            seen_at,
-            death_summary(code),
-            slack=_DEATH_SLACK_S,
-            by_signal=code < 0,
-            aborted=code == -signal.SIGABRT,
+            startup = self.stderr[rank].text()
+        problem, repeats = _group_exits.unreported(
+            rank, code, seen_at, reimport=self._reimported(rank, code), startup_text=startup
         )
+        self.restartable = self.restartable and not repeats
+        return problem
 
     def _reimported(self, rank: int, code: int) -> bool:
-        """Whether a rank exited because its import of the script called launch() again (no
-        main guard): a spawned rank that never loaded main, with that exit status. After
-        loading main, the same status is main's own (``os._exit(117)``)."""
-        return (
-            code == REIMPORT_EXIT_CODE
-            and self.ctx.get_start_method() == "spawn"
-            and rank not in self.loaded
-        )
+        """See :func:`~trainperf.ddp._group_exits.reimported`."""
+        return _group_exits.reimported(code, self.ctx, rank in self.loaded)
 
     def _reap(self, rank: int) -> None:
         """Join a worker the launcher is stopping; keep its exit code and a report it
@@ -499,6 +462,7 @@ class Group:
             tuple(self.stopped),
             tuple(self.endings()),
             self._stop_began,
+            tuple(sorted(self.exit_calls.items())),
         )
         note = None if self.detector is None else self.detector.mismatch_note
         return failure_message(outcome, note)

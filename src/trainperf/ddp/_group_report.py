@@ -44,6 +44,8 @@ class Outcome:
         stopped: the ranks still running when the launcher began stopping them.
         endings: how each stopped rank ended (see ``Group.endings``).
         stop_began: ``time.time()`` when the launcher began stopping the ranks.
+        exit_calls: ``(rank, "sys.exit(0)")`` for each rank among ``returned`` whose main
+            called ``sys.exit(0)`` (or ``sys.exit()``) instead of returning.
     """
 
     n: int
@@ -53,6 +55,7 @@ class Outcome:
     stopped: tuple[int, ...]
     endings: tuple[Ending, ...] = ()
     stop_began: float = float("inf")
+    exit_calls: tuple[tuple[int, str], ...] = ()
 
     def failed_while_stopped(self, problem: Problem) -> bool:
         """Whether ``problem`` came from a rank the stop reached, once it had begun."""
@@ -101,7 +104,8 @@ def first_failure(problems: tuple[Problem, ...]) -> Problem:
     SIGKILL, a crash) caught nothing: it stays dated back, ahead of any error in its slack.
     A failure that may be a lost peer's (:func:`maybe_lost_peer`: NCCL < 2.13's "unhandled
     system error", a death by SIGABRT) is blamed only when no death or error of a rank's own
-    may have come before it.
+    may have come before it. Failures dated alike (deaths seen in the same wake-up) blame the
+    lower rank.
 
     Example:
         >>> own = Problem(1, 100.0, "raised ValueError: bad batch")
@@ -127,7 +131,7 @@ def _explained(problem: Problem, problems: tuple[Problem, ...]) -> bool:
 
 
 def _earliest_cause(problems: tuple[Problem, ...]) -> Problem:
-    earliest = min(problems, key=_dated)
+    earliest = min(problems, key=_order)
     if not earliest.slack or earliest.by_signal:
         return earliest
     lost = [p.time for p in problems if not p.slack and lost_peer(p)]
@@ -136,17 +140,24 @@ def _earliest_cause(problems: tuple[Problem, ...]) -> Problem:
     if not own:
         return earliest
     # A rank killed before that own error was raised is still blamed over it.
-    return min(own + [p for p in problems if p.by_signal], key=_dated)
+    return min(own + [p for p in problems if p.by_signal], key=_order)
 
 
 def _dated(problem: Problem) -> float:
     return problem.time - problem.slack
 
 
+def _order(problem: Problem) -> tuple[float, int]:
+    """Earliest first; between failures dated alike (deaths seen in one wake-up get the same
+    time, in whatever order ``wait()`` listed them) the lower rank, so the blame does not
+    depend on that order."""
+    return _dated(problem), problem.rank
+
+
 def _later(outcome: Outcome, first: Problem) -> list[str]:
     later = sorted(
         (p for p in outcome.problems if p is not first and not outcome.failed_while_stopped(p)),
-        key=_dated,
+        key=_order,
     )
     if not later:
         return []
@@ -155,16 +166,22 @@ def _later(outcome: Outcome, first: Problem) -> list[str]:
 
 
 def _returned(outcome: Outcome, first: Problem) -> list[str]:
+    """The ranks that finished main, grouped by how: returned, or called ``sys.exit(0)``."""
     returned = sorted(r for r in outcome.returned if r != first.rank)
     if not returned or first.rank in outcome.returned:
         return []
-    why = " (a collective that not every rank calls fails like this)"
-    return [
-        "",
-        f"Already returned from main: rank{'s' if len(returned) > 1 else ''} "
-        + ", ".join(map(str, returned))
-        + (why if lost_peer(first) or maybe_lost_peer(first) else ""),
+    calls = dict(outcome.exit_calls)
+    groups: dict[str, list[int]] = {}
+    for r in returned:
+        head = f"Called {calls[r]} in main" if r in calls else "Already returned from main"
+        groups.setdefault(head, []).append(r)
+    lines = [
+        f"{head}: rank{'s' if len(ranks) > 1 else ''} " + ", ".join(map(str, ranks))
+        for head, ranks in groups.items()
     ]
+    if lost_peer(first) or maybe_lost_peer(first):
+        lines[-1] += " (a collective that not every rank calls fails like this)"
+    return ["", *lines]
 
 
 def _stopped(outcome: Outcome, first: Problem) -> list[str]:

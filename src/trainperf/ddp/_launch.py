@@ -3,10 +3,10 @@
 Modules: ``_launch_checks`` (what is refused before any rank starts), ``_launch_spawn``
 (starting the ranks and restarting failed groups), ``_store`` (the rendezvous store),
 ``_injob`` (inside torchrun/SLURM), ``_capacity`` (how many ranks fit), ``_group`` (starting
-and watching one attempt), ``_failures`` (what it says about a failed rank) and
-``_group_report`` (the error's message), ``_worker`` (inside each rank) and ``_rank_exit``
-(how a rank leaves after a fault), ``_detector``/``_progress``/``_stacks``/``_hang``/
-``_rundir`` (hangs).
+and watching one attempt), ``_group_exits`` (what each report or exit it sees means),
+``_failures`` (what it says about a failed rank) and ``_group_report`` (the error's
+message), ``_worker`` (inside each rank) and ``_rank_exit`` (how a rank leaves after a
+fault), ``_detector``/``_progress``/``_stacks``/``_hang``/``_rundir`` (hangs).
 
 Inside a torchrun or SLURM job, ``main`` runs in this process after the process group is
 initialised from the environment. Otherwise the launcher hosts a ``TCPStore`` on a port the
@@ -28,6 +28,7 @@ from trainperf._utils.validate import positive_int, positive_number
 from trainperf.ddp import _env
 from trainperf.ddp._injob import resolve_backend, run_in_process
 from trainperf.ddp._launch_checks import (
+    _check_call,
     _check_capacity,
     _check_options,
     _check_spawnable,
@@ -65,6 +66,7 @@ def _launch(
     import torch
 
     span, max_restarts = _check_options(main, backend, start_method, timeout, max_restarts)
+    _check_call(main, args, kwargs)
     if nprocs is not None:
         # Checked here, before a running job decides to ignore it: nprocs=0 or "2" is a
         # mistake wherever launch() runs.
@@ -199,6 +201,9 @@ def launch(
         KeyboardInterrupt: SIGINT reached the launcher (after stopping every worker).
         SystemExit: SIGTERM reached the launcher; exit status 143, once every rank exited
             (within ``grace_s``) or was killed.
+        TypeError: ``main`` is not callable, or cannot take ``*args`` and ``**kwargs`` (as
+            its signature says; ``args=(...)`` in the style of
+            ``torch.multiprocessing.spawn`` is named), before any rank starts.
 
     Example:
         >>> import operator, torch

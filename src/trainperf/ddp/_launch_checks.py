@@ -179,6 +179,47 @@ def _check_picklable(main: Callable[..., Any]) -> None:
         ) from e
 
 
+def _check_call(main: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse arguments ``main`` cannot take before any rank starts: each rank would start,
+    join the group, and only then fail with the same ``TypeError``. A callable with no
+    signature to read (some builtins) is left to the ranks. A decorated ``main`` is read as
+    its wrapper (not what ``functools.wraps`` says it wraps), which may supply arguments."""
+    try:
+        signature = inspect.signature(main, follow_wrapped=False)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(
+            f"launch() cannot call {_call_shape(main, signature)} with these arguments ({e}): "
+            + _call_advice(signature, kwargs)
+        ) from e
+
+
+def _call_shape(main: Callable[..., Any], signature: inspect.Signature) -> str:
+    """``name(a, b, *, scale=1)``: main's parameters without their annotations."""
+    name = getattr(main, "__qualname__", None) or getattr(
+        called_function(main), "__qualname__", "main"
+    )
+    plain = [p.replace(annotation=p.empty) for p in signature.parameters.values()]
+    return f"{name}{signature.replace(parameters=plain, return_annotation=signature.empty)}"
+
+
+def _call_advice(signature: inspect.Signature, kwargs: dict[str, Any]) -> str:
+    spawn_style = [k for k in ("args", "kwargs") if k in kwargs and k not in signature.parameters]
+    if spawn_style:
+        return (
+            "launch() passes main's arguments as they are, as main(*args, **kwargs) takes "
+            "them: launch(main, cfg, nprocs=2), not args=(cfg,) as "
+            "torch.multiprocessing.spawn takes them; nor does main get its rank as its first "
+            "argument (call trainperf.ddp.rank() inside main)"
+        )
+    return (
+        "pass main's arguments after it, as main takes them: launch(main, arg, key=value, nprocs=2)"
+    )
+
+
 def _warn_if_unreachable(hang_timeout: float, timeout: timedelta) -> None:
     """A collective times out after ``timeout``: a hang_timeout as long never fires, and
     the timeout's error names the rank that waited, not the one it waited for."""

@@ -5,9 +5,11 @@ the parent-death signal, or a watcher thread), takes its own process group
 so the parent can stop it together with its DataLoader workers, loads ``main`` (under spawn:
 imports its module, inside the worker's own error handling, so an import that fails is
 reported like any exception), joins the process group through the parent's store, runs
-``main`` and sends its messages back: ``loaded`` once ``main`` is imported, then its result,
-or the exception it died of, stamped with the time it was raised so the parent can tell the
-first failure from the ranks that failed because a peer had gone.
+``main`` and sends its messages back: ``loaded`` once ``main`` is imported, then its result
+(with the background checkpoint writes it left finished first; ``sys.exit(0)`` counts as
+returning None, and is named), or the exception it died of, stamped with the time it was
+raised so the parent can tell the first failure from the ranks that failed because a peer
+had gone.
 
 A spawned worker starts with its stderr on a pipe to the launcher, which keeps the tail: what
 Python prints when importing the script fails before any trainperf code runs (a
@@ -237,8 +239,47 @@ def _destroy() -> None:
         dist.destroy_process_group()
 
 
-def _is_clean_exit(exc: BaseException) -> bool:
-    return isinstance(exc, SystemExit) and exc.code in (None, 0)
+def _clean_exit_call(exc: BaseException) -> str | None:
+    """``"sys.exit(0)"`` (or ``"sys.exit()"``) when ``exc`` is the ``SystemExit`` of a call
+    that ends a rank cleanly, as returning None does; None for any other exception.
+
+    Example:
+        >>> _clean_exit_call(SystemExit(0)), _clean_exit_call(SystemExit())
+        ('sys.exit(0)', 'sys.exit()')
+        >>> _clean_exit_call(SystemExit(3)) is None, _clean_exit_call(ValueError()) is None
+        (True, True)
+    """
+    if not isinstance(exc, SystemExit) or exc.code not in (None, 0):
+        return None
+    return "sys.exit()" if exc.code is None else f"sys.exit({exc.code!r})"
+
+
+def _call_main(
+    main: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, str | None]:
+    """What ``main`` returned, and the ``sys.exit(0)`` call that ended it instead (it counts
+    as returning None), if any; any other exception, ``sys.exit(n)`` included, propagates."""
+    try:
+        return main(*args, **kwargs), None
+    except SystemExit as exc:
+        call = _clean_exit_call(exc)
+        if call is None:
+            raise
+        return None, call
+
+
+def _send_result(conn: Connection, rank: int, payload: Any, call: str | None) -> None:
+    """``("ok", rank, payload)``, or ``("exit", rank, call)`` after ``sys.exit(0)``."""
+    if call is not None:
+        _send(conn, ("exit", rank, call))
+        return
+    try:
+        _send(conn, ("ok", rank, payload))
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        raise TypeError(
+            f"main returned a value that cannot be pickled back to the launcher "
+            f"({type(payload).__name__}): {e}"
+        ) from e
 
 
 def _send(conn: Connection, message: tuple[str, int, Any]) -> None:
@@ -352,29 +393,20 @@ def worker_main(
             _setup(spec, rank)
         if tracker is not None:
             tracker.ready(armed=True)
-        result = main(*args, **kwargs)
+        result, call = _call_main(main, args, kwargs)
         _finish_background_saves()
         if tracker is not None:
             tracker.returned()
         payload = result if (rank == 0 or spec.send_result_from_all) else None
-        try:
-            # The result goes out before the group is torn down: a peer still inside a
-            # collective fails as soon as this rank disconnects, and the launcher must by
-            # then know that this rank had returned.
-            _send(conn, ("ok", rank, payload))
-        except (pickle.PicklingError, TypeError, AttributeError) as e:
-            raise TypeError(
-                f"main returned a value that cannot be pickled back to the launcher "
-                f"({type(result).__name__}): {e}"
-            ) from e
+        # The result goes out before the group is torn down: a peer still inside a
+        # collective fails as soon as this rank disconnects, and the launcher must by then
+        # know that this rank had returned (or called sys.exit(0), which it names as such).
+        _send_result(conn, rank, payload, call)
     except BaseException as exc:
-        if _is_clean_exit(exc):
-            _send(conn, ("ok", rank, None))
-        else:
-            # Report before tearing the group down: destroying it can block after a fault,
-            # and the time stamp must precede the errors this exit causes in the peers.
-            _report_failure(conn, _describe(rank, exc))
-            _exit_now(1)
+        # Report before tearing the group down: destroying it can block after a fault, and
+        # the time stamp must precede the errors this exit causes in the peers.
+        _report_failure(conn, _describe(rank, exc))
+        _exit_now(1)
     conn.close()
     try:
         _destroy()

@@ -1,0 +1,42 @@
+"""trainperf.ddp._group_exits: what a rank's report or exit without one records."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+from trainperf.ddp._group_exits import reimported, reported, returned_then_died, unreported
+from trainperf.ddp._worker import Failure
+from trainperf.ddp._worker_reimport import REIMPORT_EXIT_CODE
+
+
+def test_a_main_or_argument_that_cannot_be_loaded_would_fail_a_restart_the_same_way() -> None:
+    load = Failure(0, 10, "ModuleNotFoundError", "No module named 'x'", "tb", 1.0, "load")
+    args = Failure(1, 11, "AttributeError", "no Cfg", "tb", 1.0, "args", "args[0] (m.Cfg)")
+    own = Failure(1, 11, "ValueError", "bad batch", "tb", 1.0)
+    load_problem, load_repeats = reported(load, None)
+    args_problem, args_repeats = reported(args, None)
+    assert load_repeats and load_problem.advice.startswith("Fix: ")
+    assert args_repeats and "args[0] (m.Cfg)" in args_problem.advice
+    problem, repeats = reported(own, None)
+    assert not repeats and problem.advice == "" and problem.detail == "tb"
+
+
+def test_an_exit_without_a_report_is_dated_back_unless_it_is_the_missing_main_guard() -> None:
+    exited, repeats = unreported(0, 0, 100.0, reimport=False, startup_text=None)
+    assert exited.slack and not exited.by_signal and not repeats
+    aborted, _ = unreported(1, -6, 100.0, reimport=False, startup_text=None)
+    assert aborted.aborted and aborted.by_signal
+    guard, repeats = unreported(1, REIMPORT_EXIT_CODE, 100.0, reimport=True, startup_text=None)
+    assert 'if __name__ == "__main__": guard' in guard.summary and repeats and not guard.slack
+
+
+def test_the_main_guard_exit_status_means_a_reimport_only_before_main_loaded() -> None:
+    spawn, fork = multiprocessing.get_context("spawn"), multiprocessing.get_context("fork")
+    assert reimported(REIMPORT_EXIT_CODE, spawn, loaded=False)
+    assert not reimported(REIMPORT_EXIT_CODE, spawn, loaded=True)
+    assert not reimported(REIMPORT_EXIT_CODE, fork, loaded=False)
+
+
+def test_a_rank_that_finished_then_died_is_named_by_how_it_finished() -> None:
+    assert returned_then_died(0, None, -11).startswith("rank 0 returned from main, then died")
+    assert returned_then_died(1, "sys.exit()", 3).startswith("rank 1 called sys.exit(), then")
