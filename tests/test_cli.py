@@ -417,6 +417,48 @@ def test_a_cpu_allocation_failure_is_out_of_memory_and_other_errors_exit_1_witho
     }
 
 
+def _host_memory(monkeypatch: pytest.MonkeyPatch, available: int) -> None:
+    import dataclasses
+    import importlib
+
+    common = importlib.import_module("trainperf.bench._common")
+    limits = dataclasses.replace(common.host_limits(), memory_available=available)
+    monkeypatch.setattr(common, "host_limits", lambda: limits)
+
+
+def test_a_cpu_matmul_past_the_free_host_memory_is_skipped_in_the_options_words(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: the matrices were filled until the kernel killed the process, with no message.
+    _host_memory(monkeypatch, 8 * 2**20)
+    code, out, err = run(capsys, "bench", "matmul", "--dtype", "fp32", "--size", "1024",
+                         "--device", "cpu")  # fmt: skip
+    reason = (
+        "out of memory: --size 1024: three 1024x1024 fp32 matrices need 12 MiB of host memory, "
+        "and 8 MiB is available (it would swap, or the kernel would kill the process): use a "
+        "smaller size"
+    )
+    assert code == 1 and "Traceback" not in err and out == f"fp32: skipped: {reason}\n"
+
+
+def test_h2d_copies_past_the_free_host_memory_are_skipped_in_the_options_words(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainperf.bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(trainperf.bench, "bench_h2d", lambda **kwargs: pytest.fail("ran"))
+    _host_memory(monkeypatch, 3 * 2**20)
+    code, out, err = run(capsys, "bench", "h2d", "--size-mb", "2", "--json")
+    assert code == 1 and "Traceback" not in err
+    (skipped,) = json.loads(out)["results"]
+    assert skipped["reason"] == (
+        "out of memory: --size-mb 2: a pageable and a pinned copy need 4 MiB of host memory, "
+        "and 3 MiB is available (it would swap, or the kernel would kill the process): use a "
+        "smaller --size-mb"
+    )
+
+
 def test_every_setting_of_a_command_runs_on_the_one_emptiest_gpu(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -860,6 +902,54 @@ def test_a_skipped_precision_and_a_results_notes_name_the_options_typed(
     assert "bench_model(" not in out and "channels_last" not in out
     document = run_json(capsys, "bench", "model", "--precision", "bf16", *TINY)
     assert document["results"][0]["reason"] == "--precision bf16 on cpu: no bf16 kernels"
+
+
+def test_a_results_tf32_note_names_the_option_in_text_and_in_json(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The library's note says tf32=True (bench_model's parameter); the command's, --tf32.
+    import dataclasses
+
+    import trainperf.bench
+    from trainperf.bench import compare_to_reference
+
+    comparison = compare_to_reference(
+        "NVIDIA A100-SXM4-80GB", "vit_b_16", "fp32", 100.0,
+        compute_capability=(8, 0), tf32_matmul=False,
+    )  # fmt: skip
+    result = dataclasses.replace(
+        _fixed_results()["model"], precision="fp32", comparison=comparison, notes=("tf32=True",)
+    )
+    monkeypatch.setattr(trainperf.bench, "bench_model", lambda *args, **kwargs: result)
+    code, out, _ = run(capsys, "bench", "model", "--device", "cpu", "--no-tf32")
+    assert code == 0 and "tf32=True" not in out
+    assert "reference did not: run with --tf32 for a like-for-like comparison" in out
+    document = run_json(capsys, "bench", "model", "--device", "cpu", "--no-tf32")
+    (typed,) = document["results"]
+    assert typed["notes"] == ["--tf32"]
+    assert any("run with --tf32 for a like" in n for n in typed["comparison"]["notes"])
+    assert typed["comparison"]["column"] == "vit_base_patch16_224_fp32"  # not a note: as it is
+
+
+def test_tf32_on_the_cpu_is_noted_in_the_options_words(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: `bench model --device cpu --tf32` was taken without a word (matmul's tf32 is
+    # skipped on the CPU with its reason).
+    import importlib
+
+    model_module = importlib.import_module("trainperf.bench._model")
+    monkeypatch.setattr(model_module, "_build", lambda model, size: torch.nn.Conv2d(3, 1, 1))
+    note = (
+        "--tf32 has no effect on cpu: TF32 is a tensor-core mode of CUDA GPUs (compute "
+        "capability 8.0, Ampere, and newer)"
+    )
+    code, out, _ = run(capsys, "bench", "model", *TINY, "--tf32")
+    assert code == 0 and f"Note: {note}" in out.splitlines()
+    document = run_json(capsys, "bench", "model", *TINY, "--tf32")
+    assert note in document["results"][0]["notes"]
+    code, out, _ = run(capsys, "bench", "model", *TINY, "--no-tf32")
+    assert code == 0 and "TF32" not in out
 
 
 # ---------------------------------------------- starting light; Ctrl-C and a reader that went away

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 from dataclasses import dataclass
 
@@ -9,7 +11,14 @@ import pytest
 import torch
 
 from trainperf.bench import Skipped
-from trainperf.bench._common import check_tensor_bytes, resolve_device, result_dict
+from trainperf.bench._common import (
+    check_host_memory,
+    check_tensor_bytes,
+    resolve_device,
+    result_dict,
+)
+
+common_module = importlib.import_module("trainperf.bench._common")
 
 
 def test_skipped_to_dict_is_json_safe_and_its_str_says_why() -> None:
@@ -50,6 +59,26 @@ def test_check_tensor_bytes_allows_up_to_int64_bytes_and_names_the_fix() -> None
         )
     with pytest.raises(ValueError, match="more than a tensor can address"):
         check_tensor_bytes("f(n=3)", "a tensor", 2**63, torch.uint8, "use a smaller n")
+
+
+def _limited(monkeypatch: pytest.MonkeyPatch, available: int) -> None:
+    limits = common_module.host_limits()
+    monkeypatch.setattr(
+        common_module,
+        "host_limits",
+        lambda: dataclasses.replace(limits, memory_available=available),
+    )
+
+
+def test_check_host_memory_refuses_more_than_is_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    _limited(monkeypatch, 3 * 2**20)
+    check_host_memory("f(n=3)", "three tensors", 3 * 2**20, "use a smaller n")
+    with pytest.raises(
+        MemoryError,
+        match=r"^f\(n=4\): three tensors need 4 MiB of host memory, and 3 MiB is available "
+        r"\(it would swap, or the kernel would kill the process\): use a smaller n$",
+    ):
+        check_host_memory("f(n=4)", "three tensors", 4 * 2**20, "use a smaller n")
 
 
 @pytest.mark.parametrize("device", [f"cuda:{2**70}", "cuda:256"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 
 import pytest
@@ -9,6 +11,9 @@ import torch
 
 from trainperf.bench import H2DResult, bench_h2d
 from trainperf.errors import DeviceError
+
+h2d_module = importlib.import_module("trainperf.bench._h2d")
+common_module = importlib.import_module("trainperf.bench._common")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
@@ -24,8 +29,12 @@ def test_bench_h2d_rejects_cpu_and_bad_sizes() -> None:
         bench_h2d(size_bytes=0)
     with pytest.raises(ValueError, match="iterations must be an int >= 1"):
         bench_h2d(iterations=0)
-    with pytest.raises(ValueError, match=r"size_bytes=9223372036854775808\): .* address"):
+    with pytest.raises(ValueError, match=r"size_bytes=9223372036854775808\): .* address") as e:
         bench_h2d(size_bytes=2**63)
+    # The fix names the parameter with a value to pass, as bench_matmul's does.
+    assert str(e.value).endswith(
+        ": use a smaller size_bytes (e.g. size_bytes=536870912, the default: 512 MiB)"
+    )
 
 
 def test_bench_h2d_on_a_cpu_only_host_does_not_advise_the_cpu(
@@ -35,6 +44,24 @@ def test_bench_h2d_on_a_cpu_only_host_does_not_advise_the_cpu(
     with pytest.raises(DeviceError, match="needs CUDA") as caught:
         bench_h2d(size_bytes=1024, device="cuda")
     assert "device='cpu'" not in str(caught.value) and "no CPU fallback" in str(caught.value)
+
+
+def test_copies_past_the_free_host_memory_are_refused_before_filling_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: the pageable and the pinned buffer were filled until the kernel's OOM killer
+    # ended the process with no message. Two 2 MiB buffers are 4 MiB of host memory.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setattr(h2d_module, "resolve_device", lambda device, allowed: cuda0)
+    limits = dataclasses.replace(common_module.host_limits(), memory_available=3 * 2**20)
+    monkeypatch.setattr(common_module, "host_limits", lambda: limits)
+    expected = (
+        r"^bench_h2d\(size_bytes=2097152\): a pageable and a pinned copy need 4 MiB of host "
+        r"memory, and 3 MiB is available"
+    )
+    with pytest.raises(MemoryError, match=expected):
+        bench_h2d(size_bytes=2 * 2**20, iterations=1)
 
 
 @pytest.mark.requires_cuda

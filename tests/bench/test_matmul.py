@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 
@@ -13,6 +14,7 @@ from trainperf.bench import MatmulResult, bench_matmul
 from trainperf.errors import DeviceError
 
 matmul_module = importlib.import_module("trainperf.bench._matmul")
+common_module = importlib.import_module("trainperf.bench._common")
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
@@ -124,6 +126,27 @@ def test_bench_matmul_refuses_a_size_past_what_a_tensor_can_address(size: int) -
     with pytest.raises(ValueError, match=rf"bench_matmul\(size={size}\): a {size}x{size} fp32 "
                        r"matrix is .* bytes, more than a tensor can address"):  # fmt: skip
         bench_matmul("fp32", size=size, iterations=1, device="cpu")
+
+
+def test_a_size_too_large_names_the_parameter_and_a_size_to_use() -> None:
+    # Before: "use a smaller size", a word the command line could not turn into --size.
+    with pytest.raises(ValueError) as caught:
+        bench_matmul("fp32", size=3_000_000_000, device="cpu")
+    assert str(caught.value).endswith(": use a smaller size (e.g. size=8192, the default on a GPU)")
+
+
+def test_a_cpu_run_past_the_free_host_memory_is_refused_before_filling_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: torch.randn filled the matrices until the kernel's OOM killer ended the process
+    # (no message) or the host swapped. Three 1024x1024 fp32 matrices are 12 MiB.
+    limits = common_module.host_limits()
+    small = dataclasses.replace(limits, memory_available=8 * 2**20)
+    monkeypatch.setattr(common_module, "host_limits", lambda: small)
+    with pytest.raises(MemoryError, match=r"^bench_matmul\(size=1024\): three 1024x1024 fp32 "
+                       r"matrices need 12 MiB of host memory, and 8 MiB is available"):  # fmt: skip
+        bench_matmul("fp32", size=1024, iterations=1, device="cpu")
+    assert bench_matmul("fp32", size=512, iterations=1, device="cpu").size == 512
 
 
 def test_bench_matmul_takes_numpy_counts_and_its_result_is_json_safe() -> None:

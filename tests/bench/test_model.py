@@ -105,6 +105,36 @@ def test_bench_model_refuses_a_flag_that_is_not_a_bool(
         bench_model(**{**TINY, **kwargs})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("tf32", [True, False, None])
+def test_tf32_on_the_cpu_is_noted_as_having_no_effect(
+    monkeypatch: pytest.MonkeyPatch, tf32: bool | None
+) -> None:
+    # Before: tf32=True on the CPU ran silently as if it had done something (bench_matmul
+    # skips its tf32 there with the reason).
+    monkeypatch.setattr(model_module, "_build", lambda model, size: torch.nn.Conv2d(3, 1, 1))
+    r = bench_model("resnet50", "fp32", tf32=tf32, **TINY)
+    noted = [n for n in r.notes if "tf32" in n.lower()]
+    if tf32:
+        assert noted == [
+            "tf32=True has no effect on cpu: TF32 is a tensor-core mode of CUDA GPUs "
+            "(compute capability 8.0, Ampere, and newer)"
+        ]
+    else:
+        assert noted == []
+
+
+@pytest.mark.parametrize(("capability", "noted"), [((7, 0), True), ((8, 0), False)])
+def test_tf32_on_a_pre_ampere_gpu_is_noted_as_having_no_effect(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], noted: bool
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    notes = model_module._tf32_notes(True, torch.device("cuda", 0))
+    assert notes == (
+        ("tf32=True has no effect on cuda:0: TF32 needs compute capability 8.0 (Ampere) or "
+         "newer, and it has 7.0",) if noted else ()
+    )  # fmt: skip
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
 def test_bench_model_on_missing_cuda_says_so() -> None:
     with pytest.raises(DeviceError, match="CUDA is not available"):

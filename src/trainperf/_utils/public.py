@@ -2,8 +2,10 @@
 
 A class defined in ``trainperf.loader._report`` and imported as ``trainperf.TuningReport``
 should say so in reprs, tracebacks and the API reference. Each package ``__init__`` calls
-:func:`set_public_module` on what it exports; the top-level package runs last, so a name it
-exports ends up as ``trainperf.<name>``.
+:func:`set_public_module` on what it exports (``trainperf.loader.TuningReport``); the
+top-level package, which imports nothing itself, calls it again on the names it re-exports as
+soon as each subpackage is imported, by whatever path (``_Package.__setattr__`` in
+``trainperf/__init__.py``), so such a name ends up as ``trainperf.<name>``.
 """
 
 from __future__ import annotations

@@ -14,11 +14,14 @@ from typing import Any, cast
 
 import torch
 
+from trainperf._utils.format import format_bytes
 from trainperf._utils.serialize import result_dict
 from trainperf.device import resolve_device as _resolve
+from trainperf.limits import host_limits
 
 __all__ = [
     "Skipped",
+    "check_host_memory",
     "check_tensor_bytes",
     "gpu_name",
     "resolve_device",
@@ -81,6 +84,32 @@ def check_tensor_bytes(call: str, what: str, numel: int, dtype: torch.dtype, fix
         raise ValueError(
             f"{call}: {what} is {nbytes:.2g} bytes, more than a tensor can address "
             f"(2**63 - 1): {fix}"
+        )
+
+
+def check_host_memory(call: str, what: str, nbytes: int, fix: str) -> None:
+    """Raise ``MemoryError`` where ``nbytes`` of host memory are more than this process can
+    still allocate (``host_limits().memory_available``, a cgroup limit included), before
+    filling them swaps the host or gets the process killed by the kernel, without a message.
+
+    Args:
+        call: the call and the value at fault, e.g. ``"bench_matmul(size=100000)"``.
+        what: the buffers, e.g. ``"three 100000x100000 fp32 matrices"``.
+        nbytes: their bytes.
+        fix: what to do instead.
+
+    Raises:
+        MemoryError: ``nbytes`` is more than the memory available.
+
+    Example:
+        >>> check_host_memory("f(n=1)", "one byte", 1, "use a smaller n")
+    """
+    available = host_limits().memory_available
+    if nbytes > available:
+        raise MemoryError(
+            f"{call}: {what} need {format_bytes(nbytes)} of host memory, and "
+            f"{format_bytes(available)} is available (it would swap, or the kernel would kill "
+            f"the process): {fix}"
         )
 
 

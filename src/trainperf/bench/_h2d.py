@@ -17,6 +17,7 @@ import torch
 
 from trainperf._utils.validate import positive_int
 from trainperf.bench._common import (
+    check_host_memory,
     check_tensor_bytes,
     gpu_name,
     resolve_device,
@@ -131,6 +132,8 @@ def bench_h2d(
             (``2**63 - 1``), or a non-CUDA ``device``.
         DeviceError: no CUDA GPU is available (host-to-device copies need one), or the CUDA
             device asked for does not exist.
+        MemoryError: the pageable and the pinned buffer need more host memory than is
+            available (checked before they are filled).
 
     Example:
         >>> from trainperf.errors import DeviceError
@@ -149,7 +152,8 @@ def bench_h2d(
         "one copy",
         size_bytes,
         torch.uint8,
-        "use a smaller size_bytes",
+        f"use a smaller size_bytes (e.g. size_bytes={DEFAULT_SIZE_BYTES}, the default: "
+        f"{DEFAULT_SIZE_BYTES // 2**20} MiB)",
     )
     if device in (None, "auto") and not torch.cuda.is_available():
         raise DeviceError(
@@ -162,6 +166,9 @@ def bench_h2d(
         raise ValueError(
             f"bench_h2d needs a CUDA device ('cuda' or 'cuda:<i>'), got {device!r}"
         ) from e
+    what = "a pageable and a pinned copy"
+    fix = "use a smaller size_bytes"
+    check_host_memory(f"bench_h2d(size_bytes={size_bytes})", what, 2 * size_bytes, fix)
     pageable = torch.empty(size_bytes, dtype=torch.uint8)
     pageable.fill_(1)  # touch every page, so first-touch faults are not timed
     pinned = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=True)

@@ -18,6 +18,7 @@ from trainperf._utils.validate import choice, positive_int
 from trainperf.amp._precision import cpu_has_bf16_kernels
 from trainperf.amp._tf32 import tf32
 from trainperf.bench._common import (
+    check_host_memory,
     check_tensor_bytes,
     gpu_name,
     resolve_device,
@@ -218,6 +219,8 @@ def bench_matmul(
         DeviceError: a CUDA device was asked for but is not available, or the device lacks
             what ``dtype`` needs: ``"tf32"`` on the CPU (TF32 is a CUDA tensor-core mode),
             or bf16 on a GPU older than Ampere.
+        MemoryError: on the CPU, the three matrices need more host memory than is available
+            (checked before they are filled).
 
     Example:
         >>> r = bench_matmul("fp32", size=64, iterations=2, device="cpu")
@@ -236,9 +239,14 @@ def bench_matmul(
         f"a {size}x{size} {dtype} matrix",
         size * size,
         _TORCH_DTYPES[dtype],
-        f"use a smaller size (the default is {CUDA_DEFAULT_SIZE} on a GPU)",
+        # size=<n> is what trainperf.cli rewrites as --size <n>.
+        f"use a smaller size (e.g. size={CUDA_DEFAULT_SIZE}, the default on a GPU)",
     )
     notes = _check_dtype_on(dtype, dev)
+    if dev.type == "cpu":  # a, b and out
+        nbytes = 3 * size * size * _TORCH_DTYPES[dtype].itemsize
+        what = f"three {size}x{size} {dtype} matrices"
+        check_host_memory(f"bench_matmul(size={size})", what, nbytes, "use a smaller size")
     seconds = _seconds_per_product(dtype, size, iterations, warmup, dev)
     tflops = 2 * size**3 / seconds / 1e12
     name = gpu_name(dev)

@@ -135,6 +135,24 @@ def _check_supported(precision: str, dev: torch.device) -> None:
         raise DeviceError(f"bench_model(precision={precision!r}) on {dev}: {reason}")
 
 
+def _tf32_notes(tf32: bool | None, dev: torch.device) -> tuple[str, ...]:
+    """A note where ``tf32=True`` changes nothing (``bench_matmul`` skips its tf32 there)."""
+    if not tf32:
+        return ()
+    if dev.type != "cuda":
+        return (
+            f"tf32=True has no effect on {dev}: TF32 is a tensor-core mode of CUDA GPUs "
+            "(compute capability 8.0, Ampere, and newer)",
+        )
+    major, minor = torch.cuda.get_device_capability(dev)
+    if (major, minor) >= (8, 0):
+        return ()
+    return (
+        f"tf32=True has no effect on {dev}: TF32 needs compute capability 8.0 (Ampere) or "
+        f"newer, and it has {major}.{minor}",
+    )
+
+
 def _check_arguments(model: str, precision: str, **flags: object) -> None:
     choice("model", model, MODELS)
     choice("precision", precision, tuple(PRECISIONS))
@@ -392,7 +410,8 @@ def bench_model(
         train: time forward + backward + an SGD step instead of inference.
         channels_last: use the NHWC memory format (faster convolutions on tensor cores).
         tf32: allow TF32 for fp32 matmuls and convolutions during the run; None keeps
-            PyTorch's current settings. The previous settings are restored afterwards.
+            PyTorch's current settings. The previous settings are restored afterwards. On
+            the CPU or a GPU older than Ampere True changes nothing, and a note says so.
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``; None or ``"auto"`` is the best
             available device (:func:`trainperf.best_device`: the GPU with the most free
             memory), except that where that is MPS the CPU is used: the benchmarks run on
@@ -440,7 +459,8 @@ def bench_model(
         model, precision, settings, dev, train=train, channels_last=channels_last
     )
     what = f"{model} in {precision} is not supported on {dev}"
-    notes = _host_notes_now()  # before the run, which would count its own threads
+    # The load before the run, which would count its own threads.
+    notes = _host_notes_now() + _tf32_notes(tf32, dev)
     timing = _measure(
         run_batch, settings, dev, what=what, train=train, tf32=tf32, on_iteration=on_iteration
     )

@@ -346,7 +346,8 @@ def compare_to_reference(
         if tf32_differs:
             notes.append(
                 f"{ratio:.2f}x the reference, but this run kept fp32 {work} off TF32 and the "
-                "reference did not: run with --tf32 for a like-for-like comparison"
+                # tf32=True is bench_model's; trainperf.cli rewrites it as --tf32.
+                "reference did not: run with tf32=True for a like-for-like comparison"
             )
         else:
             warning = (

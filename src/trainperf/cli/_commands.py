@@ -67,6 +67,8 @@ def _skipped(args: argparse.Namespace, setting: str, e: Exception, smaller: str)
         if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             torch.cuda.empty_cache()
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if isinstance(e, MemoryError) and str(e):  # the library's host-memory check: its fix
+            return Skipped(args.bench, setting, f"{_OOM}: {_as_typed(first, args)}")
         return Skipped(args.bench, setting, f"{_OOM} ({first}): try a smaller {smaller}")
     if isinstance(e, (DeviceError, NotImplementedError)):
         return Skipped(args.bench, setting, _as_typed(str(e), args))
@@ -120,7 +122,7 @@ def _run_bench_model(args: argparse.Namespace) -> int:
         if not args.json and not isinstance(result, Skipped):
             print(_as_typed(str(result), args), file=out)
     if args.json:
-        _emit_results("bench model", results, out)
+        _emit_results(args, results, out)
     return _status(results)
 
 
@@ -153,7 +155,7 @@ def _run_bench_matmul(args: argparse.Namespace) -> int:
         if not args.json:
             print(_as_typed(str(result), args))
     if args.json:
-        _emit_results("bench matmul", results, sys.stdout)
+        _emit_results(args, results, sys.stdout)
     return _status(results)
 
 
@@ -161,7 +163,7 @@ def _run_bench_h2d(args: argparse.Namespace) -> int:
     import torch
 
     from trainperf.bench import bench_h2d
-    from trainperf.bench._common import check_tensor_bytes
+    from trainperf.bench._common import check_host_memory, check_tensor_bytes
     from trainperf.errors import DeviceError
 
     # A device named on the command line must exist (cuda:3 on a 1-GPU host is an error, as
@@ -172,11 +174,12 @@ def _run_bench_h2d(args: argparse.Namespace) -> int:
     size = args.size_mb * _MiB
     # Checked here too, so that the error names the option and the value as typed, where
     # bench_h2d's names its size_bytes.
-    check_tensor_bytes(
-        f"--size-mb {args.size_mb}", "one copy", size, torch.uint8, "use a smaller --size-mb"
-    )
+    typed, fix = f"--size-mb {args.size_mb}", "use a smaller --size-mb"
+    check_tensor_bytes(typed, "one copy", size, torch.uint8, fix)
     _progress(f"trainperf bench h2d: {args.size_mb} MiB copies, pageable then pinned...")
     try:
+        if torch.cuda.is_available():  # else bench_h2d's "needs CUDA" says more
+            check_host_memory(typed, "a pageable and a pinned copy", 2 * size, fix)
         result: Any = bench_h2d(size_bytes=size, iterations=args.iterations, device=args.device)
     except (DeviceError, RuntimeError, MemoryError) as e:
         result = _skipped(args, "pageable+pinned", e, "--size-mb")
@@ -188,7 +191,7 @@ def _run_bench_h2d(args: argparse.Namespace) -> int:
         if not args.json:
             print(_as_typed(str(result), args))
     if args.json:
-        _emit_results("bench h2d", [result], sys.stdout)
+        _emit_results(args, [result], sys.stdout)
     return _status([result])
 
 

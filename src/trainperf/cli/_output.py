@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO, cast
 
-from trainperf.cli._parser import _UsageError
+from trainperf.cli._parser import _as_typed, _UsageError
 
 
 def _jsonable(obj: Any) -> Any:
@@ -46,9 +46,26 @@ def _emit_json(document: dict[str, Any], out: TextIO) -> None:
     out.write(text + "\n")
 
 
-def _emit_results(command: str, results: Sequence[Any], out: TextIO) -> None:
-    """The ``--json`` document of a benchmark: its name and each result's ``to_dict()``."""
-    _emit_json({"command": command, "results": list(results)}, out)
+def _emit_results(args: argparse.Namespace, results: Sequence[Any], out: TextIO) -> None:
+    """The ``--json`` document of the benchmark ``args`` ran: its name and each result's
+    ``to_dict()``, whose notes, warning and skip reason name the options typed, as its
+    ``str()`` printed in text mode does (``--tf32`` where the library says ``tf32=True``)."""
+    document = _jsonable({"command": _command_name(args), "results": list(results)})
+    _emit_json(_typed_prose(document, args), out)
+
+
+# The keys of a result's to_dict() whose values are sentences for a person to read.
+_PROSE_KEYS = frozenset({"notes", "warning", "reason"})
+
+
+def _typed_prose(value: Any, args: argparse.Namespace, prose: bool = False) -> Any:
+    """``value``, plain JSON values, with the strings under :data:`_PROSE_KEYS` rewritten by
+    :func:`~trainperf.cli._parser._as_typed`; names, columns and other values as they are."""
+    if isinstance(value, dict):
+        return {key: _typed_prose(item, args, key in _PROSE_KEYS) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_typed_prose(item, args, prose) for item in value]
+    return _as_typed(value, args) if prose and isinstance(value, str) else value
 
 
 class _OutputError(Exception):
