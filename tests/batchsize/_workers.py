@@ -122,3 +122,31 @@ def cache_on_rank_0_only(cache_root: str) -> dict[str, Any]:
         "from_cache": (first.from_cache, second.from_cache),
         "batch_size": second.batch_size,
     }
+
+
+def untrained_on_rank_1() -> str:
+    """Tune a step that trains its model on rank 0 and only runs it forward on rank 1;
+    the error's text, or "no error"."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    _tune.DEFAULT_PROBE = QUICK
+    trains = dist.get_rank() == 0
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(x: torch.Tensor) -> None:
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        if trains:
+            loss.backward()
+            opt.step()
+
+    try:
+        tune_batch_size(
+            step, lambda n: torch.randn(n, 8), model=model, optimizer=opt, device="cpu",
+            max_size=8, budget_s=30, progress=False, cache=False,
+        )  # fmt: skip
+    except ValueError as e:
+        return str(e)
+    return "no error"

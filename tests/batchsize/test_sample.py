@@ -96,6 +96,13 @@ def test_batch_dim_reads_the_first_tensor_with_that_dimension() -> None:
         checked_batch(lambda n: torch.zeros(3, 4), 3, batch_dim=1)
 
 
+def test_batch_dim_reads_only_the_first_tensor_so_a_batch_first_mask_is_accepted() -> None:
+    # nn.Transformer without batch_first takes (S, N, E) inputs but (N, S) padding masks:
+    # checking every tensor along batch_dim=1 would refuse this batch.
+    batch = {"src": torch.zeros(12, 4, 8), "src_key_padding_mask": torch.zeros(4, 12).bool()}
+    assert checked_batch(lambda n: batch, 4, batch_dim=1) is batch
+
+
 def test_a_list_of_per_sample_tensors_holds_as_many_samples_as_items() -> None:
     # Detection models take tuple(zip(*samples)): images of 3 channels each, n of them. The
     # first tensor's leading size (3) is not the batch's; the list's length is.

@@ -300,6 +300,7 @@ class VirtualClock:
         return self.now
 
 
+@pytest.mark.filterwarnings("ignore:tune_batch_size. step made gradients")  # never stepped
 def test_an_alternation_the_budget_left_no_time_for_keeps_the_choice_out_of_the_cache(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -405,6 +406,7 @@ class _NoisyDataset(torch.utils.data.Dataset[torch.Tensor]):
         return torch.full((8,), float(i)) + torch.rand(8, generator=self.rng)
 
 
+@pytest.mark.filterwarnings("ignore:tune_batch_size. step made gradients")  # never stepped
 def test_a_dataset_s_own_generator_draws_the_same_samples_after_tuning() -> None:
     # Before: batches_from read samples in this process, and the dataset's generator came
     # back advanced by every batch the probes built.
@@ -462,6 +464,7 @@ def test_a_zero_redundancy_optimizer_comes_back_passed_or_not(tmp_path: Path, pa
 _DATA_RNG = np.random.default_rng(0)  # a module-level generator a sample function draws from
 
 
+@pytest.mark.filterwarnings("ignore:tune_batch_size. step made gradients")  # never stepped
 def test_generators_that_step_and_sample_draw_from_come_back_unadvanced() -> None:
     # Before: only a batches_from dataset's generators were put back; a seeded generator a
     # sample or step closes over (or reads as a global) came back advanced by every probe,

@@ -10,7 +10,7 @@ your effective batch.
 - :mod:`._tune`: the entry point; :mod:`._args`: its argument checks;
 - :mod:`._search`: the pure search rules (growth, refinement, memory prediction, choice);
 - :mod:`._probe`: one size run: warm-up, timed windows, out-of-memory recovery (its rules
-  in :mod:`._probe_rules`);
+  in :mod:`._probe_rules`), and :mod:`._trained`: whether ``step`` trained;
 - :mod:`._memory`: peak memory and its limit (CUDA allocator, host RSS);
 - :mod:`._state`: the model, optimizer and other state saved and restored, and
   :mod:`._holders`: the optimizers, schedulers and MixedPrecisions found unpassed;

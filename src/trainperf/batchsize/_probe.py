@@ -18,8 +18,11 @@ A probe of size ``n`` (:class:`Prober`):
    with accumulation ahead, the optimizers' steps are timed and charged once per
    ``global_batch / world_size`` samples, as training runs them
    (:mod:`trainperf.batchsize._accumulation`);
-5. reads the peak memory of the whole probe, warm-up included, then puts the training
-   state back (:mod:`trainperf.batchsize._state`).
+5. reads the peak memory of the whole probe, warm-up included, and, until a probe has
+   moved a parameter, whether its steps trained what was saved
+   (:mod:`trainperf.batchsize._trained`: a probe that made no gradient and changed
+   nothing, on any rank, raises ``ValueError``), then puts the training state back
+   (:mod:`trainperf.batchsize._state`).
 
 ``torch.OutOfMemoryError`` (or the CPU allocator's "can't allocate memory") anywhere in the
 probe, building the batch included, is caught (:func:`is_out_of_memory`): the exception and
@@ -47,6 +50,7 @@ each a pure function, are in :mod:`trainperf.batchsize._probe_rules`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -76,6 +80,7 @@ from trainperf.batchsize._probe_rules import (
 from trainperf.batchsize._report import BatchSizeCandidate
 from trainperf.batchsize._sample import checked_batch
 from trainperf.batchsize._state import SavedState
+from trainperf.batchsize._trained import Marks, TrainingCheck, untrained_error
 
 __all__ = ["Prober"]
 
@@ -102,6 +107,11 @@ class _Timed:
     batch_bytes: int = 0
 
 
+def _steps(timed: _Timed) -> int:
+    """The steps a probe ran, warm-up included."""
+    return timed.warmup + (0 if timed.timing is None else timed.timing.batches)
+
+
 @dataclass
 class Prober:
     """The search's ``probe``: one batch size run and measured (see the module docstring).
@@ -122,6 +132,8 @@ class Prober:
         optimizers: the optimizers ``step`` steps, timed when ``per_rank`` is set.
         optimizer_charged: a window charged the optimizers' time as accumulation will.
         batch_dim: the dimension of the batch's first tensor that holds the samples.
+        check: what the steps did to the saved parameters, marked around each probe until
+            one moved a parameter (:mod:`trainperf.batchsize._trained`); None: unchecked.
     """
 
     step: Callable[[Any], object]
@@ -139,6 +151,7 @@ class Prober:
     optimizers: Sequence[Optimizer] = ()
     optimizer_charged: bool = False
     batch_dim: int = 0
+    check: TrainingCheck | None = None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -217,12 +230,13 @@ class Prober:
             self.optimizer_charged = True
         return size * k / max(seconds, 1e-9)
 
-    def _run(self, size: int, timed: _Timed) -> None:
+    def _run(self, size: int, timed: _Timed, marks: Marks | None) -> None:
         built, failed = self._guarded(self._batch, size)
         self._agreed(failed)
         batch, timed.batch_bytes = built
         self.on_update(f"batch {size}: warming up")
-        step_s = self._warm_up(batch, timed)
+        with self.check.hooked(marks) if self.check is not None else contextlib.nullcontext():
+            step_s = self._warm_up(batch, timed)
         (k_agreed,), _ = self.agree.combine(maxima=[steps_per_window(step_s, self.policy)])
         k = int(k_agreed)
         rates: list[float] = []
@@ -243,12 +257,12 @@ class Prober:
                 timed.budget_cut = True
                 return
 
-    def _measure(self, size: int) -> tuple[_Timed, str | None]:
+    def _measure(self, size: int, marks: Marks | None) -> tuple[_Timed, str | None]:
         """Run the steps; an out-of-memory error (on any rank) is returned as its message,
         anything else raised."""
         timed = _Timed()
         try:
-            self._run(size, timed)
+            self._run(size, timed, marks)
         except _AgreedOOM as e:
             return timed, e.reason
         except Exception as e:
@@ -263,18 +277,30 @@ class Prober:
         oom_message = None
         try:
             self.state.set_aside()
-            timed, oom_message = self._measure(size)
+            marks = None if self.check is None else self.check.mark()
+            timed, oom_message = self._measure(size, marks)
             peak = self.memory.peak()
+            idle = oom_message is None and self._untrained(marks, timed)
         finally:
             # The probe's gradients, optimizer state and BatchNorm statistics go; the
             # caller's come back. Then the memory they held is handed back.
             self.state.restore()
             self.memory.free(collect=oom_message is not None)
-        (oom_any, peak_max), _ = self.agree.combine(
-            maxima=[float(oom_message is not None), float(peak.memory or 0)]
+        (oom_any, peak_max, idle_any), _ = self.agree.combine(
+            maxima=[float(oom_message is not None), float(peak.memory or 0), float(idle)]
         )
+        if idle_any and not oom_any:
+            raise untrained_error(size, _steps(timed))
         agreed = Peak(None if peak.memory is None else int(peak_max), peak.allocated)
         return self._candidate(size, timed, agreed, bool(oom_any), oom_message, started)
+
+    def _untrained(self, marks: Marks | None, timed: _Timed) -> bool:
+        """No step of this probe, nor of any before it, trained what was saved
+        (:func:`~trainperf.batchsize._trained.untrained_error`)."""
+        if self.check is None:
+            return False
+        self.check.record(marks, _steps(timed))
+        return not (self.check.settled or self.check.backward_seen)
 
     def compare(
         self, sizes: Sequence[BatchSizeCandidate], rounds: int

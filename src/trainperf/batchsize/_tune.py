@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ from trainperf.batchsize._sample import checked_batch, referenced_generators, sa
 from trainperf.batchsize._search import Search
 from trainperf.batchsize._sizes import SizeSpace
 from trainperf.batchsize._state import SavedState
+from trainperf.batchsize._trained import TrainingCheck, unstepped_note
 from trainperf.device import resolve_device
 from trainperf.limits import HostLimits, host_limits
 
@@ -218,6 +220,11 @@ def _notes(
     return notes
 
 
+def _training_check(state: SavedState) -> TrainingCheck:
+    """What the probes' steps do to the saved parameters."""
+    return TrainingCheck([p for p, _ in state.flags])
+
+
 def _search(call: _Call) -> tuple[BatchSizeReport, bool]:
     """Measure: save the state, grow and refine, put the state back. Also returns whether
     ``budget_s`` cut the search short."""
@@ -230,7 +237,7 @@ def _search(call: _Call) -> tuple[BatchSizeReport, bool]:
         call.step, call.sample, call.device, memory, state, call.agree, deadline,
         usable=lambda: call.usable(memory), per_rank=call.space.per_rank, policy=policy,
         on_update=lambda text: bar.update(text), optimizers=known_optimizers(call.objects),
-        batch_dim=call.batch_dim,
+        batch_dim=call.batch_dim, check=_training_check(state),
     )  # fmt: skip
     search = Search(
         call.space,
@@ -254,6 +261,9 @@ def _search(call: _Call) -> tuple[BatchSizeReport, bool]:
             bar.close()
     if choice is None:
         raise _no_fit(call, search.results)
+    unstepped = None if prober.check is None else unstepped_note(prober.check)
+    if unstepped is not None:
+        warnings.warn(f"tune_batch_size: {unstepped}", UserWarning, stacklevel=4)
     report = call.report(
         host_limits(),
         prober.batch_bytes.get(choice.batch_size),
@@ -267,6 +277,7 @@ def _search(call: _Call) -> tuple[BatchSizeReport, bool]:
         notes=(
             *_notes(call, search, memory, choice),
             *accumulation_notes(prober.per_rank, prober.optimizer_charged, search.results),
+            *(() if unstepped is None else (unstepped,)),
         ),
     )
     return report, _cut_by_budget(search)
@@ -353,7 +364,10 @@ def tune_batch_size(
 
     Args:
         step: your training step on one batch: forward, backward, optimizer step
-            (``step(batch)``; what it returns is ignored).
+            (``step(batch)``; what it returns is ignored). It must train what ``model``
+            and ``optimizer`` hold: a step that makes no gradient and changes no parameter
+            of theirs is refused, one that never changes a parameter is warned about
+            (:mod:`trainperf.batchsize._trained`).
         sample: ``sample(n)`` returns a batch of ``n`` samples (its first tensor's size
             along ``batch_dim`` must be ``n``); :func:`trainperf.batches_from` builds one
             from a dataset. The batch is moved to ``device`` once per size (not timed) and
@@ -389,8 +403,10 @@ def tune_batch_size(
         batch_dim: the dimension of the batch's first tensor that holds the samples: 0
             (the leading one), or 1 for a sequence-first ``(seq_len, n, features)`` batch
             (``nn.LSTM``, ``nn.Transformer`` without ``batch_first=True``). The first tensor
-            with that dimension is checked. Never guessed: a batch refused at 0 whose first
-            tensor has size ``n`` along another dimension names it in the error.
+            with that dimension is checked, and only it (a later tensor may hold the
+            samples along another dimension: a ``(n, seq_len)`` padding mask). Never
+            guessed: a batch refused at 0 whose first tensor has size ``n`` along another
+            dimension names it in the error.
 
     Returns:
         A :class:`BatchSizeReport`: ``batch_size`` per step and ``accumulation_steps``.
@@ -400,7 +416,8 @@ def tune_batch_size(
             ``model`` nor ``optimizer`` given, a lazy module not yet run; ``global_batch``
             not divisible by the world size, ``batch_dim`` not an int >= 0, or
             ``sample(n)`` returning a batch of another size or a one-shot iterator (a
-            generator).
+            generator); ``step`` trained nothing it was given (no gradient made, no
+            parameter of ``model`` or ``optimizer`` changed, in a whole probe).
         TypeError: ``model`` or ``optimizer`` holds an object without ``state_dict`` and
             ``load_state_dict``; ``device`` has the wrong type.
         DeviceError: the device asked for is not available.
@@ -408,6 +425,10 @@ def tune_batch_size(
             headroom).
         Exception: whatever ``step`` or ``sample`` raises other than an out-of-memory
             error, after the state is restored.
+
+    Warns:
+        UserWarning: ``step`` made gradients but changed no parameter in all the steps
+            tuning ran (no ``optimizer.step()``?); the report's notes say so too.
 
     Example:
         >>> import torch
