@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from trainperf._utils.atomic import temp_name, write_atomically
+from trainperf._utils.atomic import remove_dead_temp, temp_name, write_atomically
 
 HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
 
@@ -121,6 +121,20 @@ def test_dead_writers_temp_files_go_and_a_live_writers_stays(tmp_path: Path) -> 
         assert not any(d.exists() for d in dead)
         assert other_host.exists()  # its lock, if any, is on another host
     assert _temps(tmp_path) == sorted([live.name, other_host.name])
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("slot", [0, 1])
+def test_a_named_pipe_with_a_temp_name_is_never_opened(tmp_path: Path, slot: int) -> None:
+    # Opened write-only to take its lock, a named pipe waits for a reader: the save hung
+    # (slot 0: taking the first slot; slot 1: removing dead writers' files above it), and
+    # so did remove_dead_temp.
+    path = tmp_path / "ckpt.pt"
+    fifo = temp_name(path, HOST, slot)
+    os.mkfifo(fifo)
+    assert remove_dead_temp(fifo) is False and fifo.is_fifo()
+    _put(path, b"mine")
+    assert path.read_bytes() == b"mine" and fifo.is_fifo()  # not ours: left alone
 
 
 def test_a_save_never_lists_the_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -332,6 +346,22 @@ def test_a_parent_that_is_a_dangling_link_is_named(tmp_path: Path) -> None:
     (tmp_path / "gone").symlink_to("nowhere")
     with pytest.raises(FileNotFoundError, match=r"/gone is a dangling symbolic link"):
         write_atomically(tmp_path / "gone" / "ck.pt", lambda f: f.write(b"x"))
+
+
+# -------------------------------------------------------------- not a regular file
+
+
+def test_a_named_pipe_at_the_path_is_not_replaced(tmp_path: Path) -> None:
+    # The rename replaced it silently with a regular file (as root, a device node too:
+    # write_atomically(Path("/dev/null"), ...) replaced /dev/null).
+    fifo = tmp_path / "out.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(FileExistsError, match=r"out\.pt is a named pipe \(FIFO\), not a regular"):
+        write_atomically(fifo, lambda f: f.write(b"x"))
+    (tmp_path / "link.pt").symlink_to("out.pt")
+    with pytest.raises(FileExistsError, match=r"out\.pt \(the target of the link .*link\.pt\)"):
+        write_atomically(tmp_path / "link.pt", lambda f: f.write(b"x"))
+    assert fifo.is_fifo() and _temps(tmp_path) == []
 
 
 # ---------------------------------------------------------------- write-protected target

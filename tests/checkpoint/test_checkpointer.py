@@ -683,6 +683,118 @@ def test_a_directory_that_is_a_file_is_refused(tmp_path: Path) -> None:
         Checkpointer(tmp_path / "runs" / "exp1")  # it raised a bare NotADirectoryError
 
 
+def test_a_directory_replaced_by_a_file_is_named_not_a_bare_traceback(tmp_path: Path) -> None:
+    # steps(), latest(), restore() and save() raised os.listdir's bare NotADirectoryError.
+    ckpt = Checkpointer(tmp_path / "runs")
+    ckpt.save({"w": torch.ones(1)}, step=1)
+    for name in os.listdir(tmp_path / "runs"):
+        os.unlink(tmp_path / "runs" / name)
+    os.rmdir(tmp_path / "runs")
+    (tmp_path / "runs").write_text("a log")
+    calls = {
+        "steps": ckpt.steps,
+        "latest": ckpt.latest,
+        "restore": lambda: ckpt.restore({"w": torch.zeros(1)}),
+        "save": lambda: ckpt.save({"w": torch.ones(1)}, step=2),
+    }
+    for method, call in calls.items():
+        with pytest.raises(
+            CheckpointError, match=r"runs is a file, not a directory: give a directory"
+        ):
+            call()
+        assert (tmp_path / "runs").read_text() == "a log", method
+
+
+def _listdir_refused(monkeypatch: pytest.MonkeyPatch, directory: Path) -> None:
+    """os.listdir of ``directory`` fails with EACCES, as for a mode-0 directory (whose mode
+    root ignores)."""
+    real = os.listdir
+
+    def listdir(path: Any = ".") -> list[str]:
+        if os.fspath(path) == os.fspath(directory):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+
+
+def test_a_directory_that_cannot_be_listed_is_named_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Checkpointer(), steps(), latest() and restore() raised a bare PermissionError from
+    # os.listdir, naming neither the Checkpointer nor what to check.
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"w": torch.ones(1)}, step=1)
+    _listdir_refused(monkeypatch, tmp_path)
+    calls = {
+        "Checkpointer": lambda: Checkpointer(tmp_path),
+        "steps": ckpt.steps,
+        "latest": ckpt.latest,
+        "restore": lambda: ckpt.restore({"w": torch.zeros(1)}),
+    }
+    for method, call in calls.items():
+        with pytest.raises(
+            PermissionError,
+            match=rf"cannot list the Checkpointer directory {tmp_path}: Permission denied\. "
+            r"The step files in it may be fine: check the permissions of it and the "
+            r"directories above it \(ls -ld",
+        ) as info:
+            call()
+        assert info.value.errno == errno.EACCES, method
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root lists a directory whatever its mode")
+def test_a_directory_without_read_permission_is_named_with_the_fix(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    Checkpointer(runs).save({"w": torch.ones(1)}, step=1)
+    runs.chmod(0)
+    try:
+        with pytest.raises(PermissionError, match=r"cannot list the Checkpointer directory"):
+            Checkpointer(runs)
+    finally:
+        runs.chmod(0o755)
+
+
+def test_a_directory_with_a_step_files_name_names_a_checkpointers_fix(tmp_path: Path) -> None:
+    # It said to "give a file path such as .../step-000000009.pt/checkpoint.pt": a
+    # Checkpointer names its files itself.
+    (tmp_path / "step-000000009.pt").mkdir()
+    with pytest.raises(
+        CheckpointError,
+        match=r"step-000000009\.pt: it is a directory.* a Checkpointer names its step files "
+        r"itself: remove that directory, or rename it",
+    ) as info:
+        Checkpointer(tmp_path).save({"w": torch.ones(1)}, step=9)
+    assert "give a file path" not in str(info.value)
+
+
+def test_an_empty_step_file_is_called_empty_in_every_warning(tmp_path: Path) -> None:
+    # Save, latest and restore said "neither a torch zip archive nor a legacy torch.save
+    # file" of a zero-byte file: a save or copy cut off, not a foreign file.
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"w": torch.ones(1)}, step=1)
+    (tmp_path / "step-000000009.pt").write_bytes(b"")
+    empty = r"step-000000009\.pt.* empty \(0 bytes\)"
+    with pytest.warns(UserWarning, match=rf"{empty}: a save or copy that was cut off"):
+        ckpt.save({"w": torch.ones(1)}, step=2)
+    with pytest.warns(UserWarning, match=rf"skipping checkpoint .*{empty}"):
+        assert ckpt.latest() == tmp_path / "step-000000002.pt"
+    with pytest.warns(UserWarning, match=rf"skipping checkpoint .*{empty}"):
+        assert Checkpointer(tmp_path).restore({"w": torch.zeros(1)}) == 2
+
+
+@pytest.mark.timeout(20)
+def test_a_named_pipe_with_a_temp_files_name_is_not_opened(tmp_path: Path) -> None:
+    # Removing dead writers' temp files opened it write-only, which waits for a reader:
+    # Checkpointer() hung.
+    fifo = temp_name(tmp_path / "step-000000002.pt", this_host(), 0)
+    os.mkfifo(fifo)
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.removed_temps == [] and fifo.is_fifo()
+    ckpt.save({"w": torch.ones(1)}, step=2)  # its first slot taken: the next one is used
+    assert ckpt.steps() == [2] and fifo.is_fifo()
+
+
 def test_a_directory_under_home_is_expanded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

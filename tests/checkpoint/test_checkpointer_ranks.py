@@ -16,6 +16,7 @@ import trainperf.checkpoint._checkpointer as checkpointer_module
 import trainperf.checkpoint._checkpointer_ranks as ranks_module
 import trainperf.checkpoint._checkpointer_restore as restore_module
 from tests.checkpoint import _ranks
+from tests.checkpoint._common import as_if_from_newer_torch
 from tests.ddp._distributed import FORK, spawn
 from trainperf import Checkpointer
 from trainperf.checkpoint._loader_state import track
@@ -109,6 +110,25 @@ def test_a_misnamed_rank_file_is_refused_before_it_is_loaded(
     _as_rank(monkeypatch, 1)
     with pytest.raises(CheckpointError, match=r"rank-00001\.pt holds rank 1's part of step 1"):
         ckpt.restore({"w": torch.zeros(2)})
+
+
+def test_a_rank_file_from_a_newer_torch_stops_restore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It fell back to rank 0's random states with a warning, where the main file from a
+    # newer torch stops restore: the run resumed with rank 1's random numbers changed.
+    ckpt = _saved(tmp_path, monkeypatch)
+    as_if_from_newer_torch(tmp_path / "step-000000002.rank-00001.pt")
+    _as_rank(monkeypatch, 1)
+    w = torch.zeros(2)
+    with pytest.raises(
+        CheckpointError,
+        match=r"restore stops at step 2 rather than fall back .*rank-00001\.pt was saved by "
+        r"a newer PyTorch",
+    ) as info:
+        ckpt.restore({"w": w})
+    assert info.value.path == tmp_path / "step-000000002.rank-00001.pt"
+    assert torch.equal(w, torch.zeros(2))  # nothing loaded
 
 
 def test_a_foreign_rank_file_is_not_used_and_says_so(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -92,6 +93,45 @@ def test_an_index_naming_absent_tensors_is_corrupt(tmp_path: Path) -> None:
     index.write_text(json.dumps({"weight_map": ["w"]}))
     with pytest.raises(CheckpointCorruptError, match=r"weight_map is a list"):
         load_checkpoint(tmp_path)
+
+
+def _refused(monkeypatch: pytest.MonkeyPatch, method: str, refused: Path) -> None:
+    """``Path.<method>`` of ``refused`` fails with EACCES (no permission), as under a mode
+    root would ignore."""
+    real = getattr(Path, method)
+
+    def failing(self: Path, *args: Any, **kwargs: Any) -> Any:
+        if self == refused:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, method, failing)
+
+
+def test_a_directory_that_cannot_be_listed_is_a_read_error_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # os.scandir's bare PermissionError, naming neither load_checkpoint nor what to check.
+    bin_shards(tmp_path, {"a.bin": {"w": torch.ones(1)}})
+    _refused(monkeypatch, "iterdir", tmp_path)
+    with pytest.raises(
+        PermissionError,
+        match=rf"cannot read checkpoint {tmp_path}: Permission denied\. .*check its permissions",
+    ):
+        load_checkpoint(tmp_path)
+
+
+def test_an_index_that_cannot_be_read_is_a_read_error_not_corrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It was "not a valid index ... re-copy the directory": the file may be fine.
+    index = bin_shards(tmp_path, {"a.bin": {"w": torch.ones(1)}})
+    _refused(monkeypatch, "read_text", index)
+    with pytest.raises(
+        PermissionError, match=r"cannot read checkpoint .*index\.json: Permission denied\. "
+    ) as info:
+        load_checkpoint(tmp_path)
+    assert not isinstance(info.value, CheckpointCorruptError)
 
 
 def test_two_indexes_ask_which(tmp_path: Path) -> None:

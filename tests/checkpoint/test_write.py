@@ -31,6 +31,19 @@ def test_save_to_a_directory_is_a_clear_error(tmp_path: Path) -> None:
         save_checkpoint({"x": 1}, tmp_path)
 
 
+def test_save_onto_a_named_pipe_is_a_clear_error(tmp_path: Path) -> None:
+    # It replaced the pipe with a regular file (and, as root, a device such as /dev/null).
+    fifo = tmp_path / "ck.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(
+        CheckpointError,
+        match=r"could not save checkpoint .*ck\.pt: .*ck\.pt is a named pipe \(FIFO\), not a "
+        r"regular file, so it is not replaced: save to a regular file's path",
+    ):
+        save_checkpoint({"x": 1}, fifo)
+    assert fifo.is_fifo()
+
+
 class Unpicklable:
     def __reduce__(self) -> Any:
         raise RuntimeError("refuses to be pickled")

@@ -22,7 +22,10 @@ is reported as such (``NotADirectoryError`` naming it), not as ``File exists``.
 
 An existing file that is write-protected (no write bit, ``chmod 444``, or not writable by
 this user) is refused with ``PermissionError``: the rename needs only the directory's
-permission and would replace it silently, where ``open(path, "w")`` refuses.
+permission and would replace it silently, where ``open(path, "w")`` refuses. So is a named
+pipe, socket or device at the path (``FileExistsError``), which ``open`` would write into.
+Nothing that is not a regular file is ever opened by its temp name either (a named pipe
+opened to be written waits for a reader).
 """
 
 from __future__ import annotations
@@ -175,7 +178,12 @@ def _names_it(fd: int, name: Path) -> bool:
 
 
 def _open_existing(name: Path) -> int | None:
+    """An fd on the existing regular file ``name``, or None. Anything else with a temp
+    name is not ours and is never opened: a named pipe opened write-only would wait for a
+    reader, a device would be written."""
     try:
+        if not stat.S_ISREG(os.lstat(name).st_mode):
+            return None
         return os.open(name, os.O_WRONLY | os.O_NOFOLLOW)
     except OSError:  # gone, another user's, or a planted symlink (ELOOP): not ours
         return None
@@ -227,8 +235,9 @@ def remove_dead_temp(name: Path) -> bool:
     """Remove ``name``, a temp file of :func:`write_atomically`, if its writer is dead (nobody
     holds its lock); True if it was removed.
 
-    A live writer's file (locked), a file that is gone, not ours to open, or on a filesystem
-    without ``flock`` is left alone (False). Only call it on temp files of this host: a lock
+    A live writer's file (locked), a file that is gone, not ours to open, not a regular file
+    (a named pipe, a socket, a device: never opened), or on a filesystem without ``flock``
+    is left alone (False). Only call it on temp files of this host: a lock
     held on another host may not be visible here.
 
     Example:
@@ -322,6 +331,38 @@ def _refuse_write_protected(path: Path, named: Path) -> None:
     )
 
 
+# What a path that is neither a regular file nor a directory is: never replaced.
+_SPECIAL = {
+    stat.S_IFIFO: "a named pipe (FIFO)",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+def _refuse_special(path: Path, named: Path) -> None:
+    """Refuse to replace ``path`` when it is a named pipe, socket or device: the rename would
+    swap it for a regular file without a word (as root, ``/dev/null`` itself), where
+    ``open(path, "w")`` writes into it.
+
+    Raises:
+        FileExistsError: ``EEXIST``, naming ``path`` (and the link ``named``), what it is
+            and the fix.
+    """
+    try:
+        kind = _SPECIAL.get(stat.S_IFMT(os.stat(path).st_mode))
+    except OSError:
+        return  # nothing there yet, or a parent that is not a directory: the write says so
+    if kind is not None:
+        via = f" (the target of the link {named})" if named != path else ""
+        raise FileExistsError(
+            errno.EEXIST,
+            f"{path}{via} is {kind}, not a regular file, so it is not replaced: save to a "
+            "regular file's path",
+            str(path),
+        )
+
+
 def write_atomically(
     path: Path,
     write: Callable[[IO[bytes]], None],
@@ -356,6 +397,9 @@ def write_atomically(
 
     Raises:
         IsADirectoryError: ``path`` is a directory (or a link to one).
+        FileExistsError: ``path`` (or the file a link leads to) is a named pipe, a socket or
+            a device: the rename would replace it with a regular file, so it is left as it
+            is.
         PermissionError: with ``keep_write_protected``, ``path`` (or the file a link leads
             to) exists and is write-protected:
             no write bit in its mode (``chmod 444``; so also under root), or ``os.access``
@@ -389,6 +433,7 @@ def write_atomically(
         )
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, f"{path} is a directory, not a file name", str(path))
+    _refuse_special(path, link)
     if keep_write_protected:
         _refuse_write_protected(path, link)
     host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())

@@ -46,6 +46,7 @@ from trainperf.checkpoint._payload import build_payload, rank_payload
 from trainperf.checkpoint._preempt import Preemption
 from trainperf.checkpoint._steps import (
     main_file,
+    not_a_directory,
     rank_file,
     remove_dead_temps,
     retire,
@@ -92,7 +93,11 @@ class Checkpointer:
 
     Raises:
         ValueError: ``keep`` or ``every`` is not an int >= 1.
-        CheckpointError: ``directory`` exists and is not a directory.
+        CheckpointError: ``directory`` exists and is not a directory (or is under a file).
+        OSError: ``directory`` exists but cannot be listed (no permission: a
+            ``PermissionError``; a disk or network-filesystem error): the message names it
+            and what to check. :meth:`save`, :meth:`steps`, :meth:`latest` and
+            :meth:`restore` raise the same, and ``CheckpointError`` if it has become a file.
 
     Example:
         >>> import tempfile
@@ -119,14 +124,9 @@ class Checkpointer:
         self.directory = Path(os.fspath(directory)).expanduser().absolute()
         self.keep = positive_int("keep", keep)
         self.every: int | None = positive_int("every", every, none_ok=True)
-        in_the_way = _file_in_the_way(self.directory)
+        in_the_way = not_a_directory(self.directory)
         if in_the_way is not None:
-            what = "is a file" if in_the_way == self.directory else f"is in {in_the_way}, a file"
-            raise CheckpointError(
-                f"Checkpointer directory {self.directory} {what}, not a directory: give "
-                "a directory for the step files (it is created if missing)",
-                self.directory,
-            )
+            raise in_the_way
         self.removed_temps = remove_dead_temps(self.directory)
         self._pending: SaveHandle | None = None
         self._staging = Staging()
@@ -221,10 +221,13 @@ class Checkpointer:
                 write deletes nothing (older files go only once a newer one is durable).
                 Also, before anything is written: ``state`` holds a loader a checkpoint
                 cannot hold (a ``trainperf.pipelines`` image loader, a DataLoader inside
-                another entry), or (blocking) a value that cannot be pickled.
+                another entry), or (blocking) a value that cannot be pickled. A directory
+                in the step file's place is refused, naming it (remove or rename it).
             TypeError: ``state`` is not a dict with string keys.
             ValueError: ``step`` is not an int >= 0, or ``state`` uses the key
                 ``"trainperf"``.
+            OSError: rank 0 cannot list the directory (as :meth:`steps`), before anything
+                is written.
         """
         step = non_negative_int("step", step)
         choice("blocking", blocking, (True, False))
@@ -320,7 +323,12 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """The steps whose files are in the directory, oldest first: by name (a file cut
-        short, or a foreign one, is listed; :meth:`latest` and :meth:`restore` skip it)."""
+        short, or a foreign one, is listed; :meth:`latest` and :meth:`restore` skip it).
+
+        Raises:
+            CheckpointError: the directory has become a file.
+            OSError: the directory cannot be listed (no permission, a disk error).
+        """
         return steps_on_disk(self.directory)
 
     def latest(self) -> Path | None:
@@ -336,9 +344,11 @@ class Checkpointer:
         Raises:
             OSError: a file it reaches could not be read (no permission, too many open
                 files, a disk or network-filesystem error): raised, as :meth:`restore`
-                raises it, not skipped for an older file, since the file may be fine.
+                raises it, not skipped for an older file, since the file may be fine; or
+                the directory cannot be listed (as :meth:`steps`).
             CheckpointError: the newest step file holds another step than its name says
-                (copied or renamed from another step's file), as :meth:`restore` raises.
+                (copied or renamed from another step's file), as :meth:`restore` raises;
+                or the directory has become a file.
         """
         return newest_complete(self)
 
@@ -387,18 +397,20 @@ class Checkpointer:
                 (copied or renamed from another step's file: ``step-000000200.pt`` holding
                 step 100): not loaded, nor skipped for an older one; the message names the
                 file, both steps and the fix.
-            CheckpointError: the newest step file was saved by a newer PyTorch (not
-                skipped for an older one: the message says to upgrade torch).
-            UnsafeCheckpointError: the newest step file holds values ``weights_only=True``
-                refuses (not skipped for an older one).
+            CheckpointError: the newest step file, or this rank's own file of that step,
+                was saved by a newer PyTorch (not skipped for an older one, nor this rank's
+                for rank 0's random states: the message says to upgrade torch).
+            UnsafeCheckpointError: the newest step file (or this rank's own file of it)
+                holds values ``weights_only=True`` refuses (not skipped for an older one).
             CheckpointError: under a process group, another rank could not restore its own
-                part (its rank file holds another step or rank than its name says; the
-                message names the rank and why), the ranks found different newest steps,
-                or the other ranks did not call ``restore`` within the group's timeout;
-                nothing is loaded then.
+                part (its rank file holds another step or rank than its name says, or was
+                saved by a newer PyTorch; the message names the rank and why), the ranks
+                found different newest steps, or the other ranks did not call ``restore``
+                within the group's timeout; nothing is loaded then.
             OSError: the newest file could not be read (no permission, too many open
                 files, a disk or network-filesystem error): raised, not skipped, since the
-                file may be fine.
+                file may be fine; or the directory cannot be listed (as :meth:`steps`;
+                ``CheckpointError`` if it has become a file).
             MemoryError: host memory ran out loading the newest file (raised, not skipped:
                 the file is fine).
             torch.OutOfMemoryError: GPU memory ran out loading it onto ``device`` (raised,
@@ -442,12 +454,3 @@ class Checkpointer:
         stop = Preemption(signals, grace_s, check_every)
         self._stops.append(stop)
         return stop
-
-
-def _file_in_the_way(directory: Path) -> Path | None:
-    """``directory`` or the nearest of its parents that exists, when that is not a directory
-    (a file: no step file could be written under it); else None."""
-    for path in (directory, *directory.parents):
-        if path.exists():
-            return None if path.is_dir() else path
-    return None

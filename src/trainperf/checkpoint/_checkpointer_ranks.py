@@ -1,10 +1,10 @@
 """A :class:`~trainperf.checkpoint.Checkpointer` under a process group: this process's rank
 and the world size (:func:`_group`), and, on restore, the small file of a rank other than 0
 (its generators and loader positions: :func:`own_part`), refused when it holds another step
-or rank than its name says, and the ranks' agreement on what they restore (:func:`agree`):
-one ``all_gather_object`` per restore, so that a rank that refuses its file, or finds
-another step, makes every rank raise instead of leaving the others waiting in their next
-collective.
+or rank than its name says, or is complete but unloadable here (a newer PyTorch's), and the
+ranks' agreement on what they restore (:func:`agree`): one ``all_gather_object`` per
+restore, so that a rank that refuses its file, or finds another step, makes every rank
+raise instead of leaving the others waiting in their next collective.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainperf._utils.stack import user_stacklevel
+from trainperf.checkpoint._checkpointer_warn import stop_at
 from trainperf.checkpoint._files import load_checkpoint
 from trainperf.checkpoint._payload import RESERVED, saved_step
 from trainperf.checkpoint._skim import skim
@@ -44,7 +45,10 @@ def own_part(ckpt: Checkpointer, step: int, rank: int) -> Mapping[str, Any] | No
 
     Raises:
         CheckpointError: the file holds another step or rank than its name says (copied or
-            renamed from another step's or rank's file), as for the main file.
+            renamed from another step's or rank's file), or it was saved by a newer
+            PyTorch, as for the main file.
+        UnsafeCheckpointError: it holds values ``weights_only=True`` refuses, as for the
+            main file.
     """
     if rank == 0:
         return None
@@ -54,6 +58,9 @@ def own_part(ckpt: Checkpointer, step: int, rank: int) -> Mapping[str, Any] | No
         own: Mapping[str, Any] = load_checkpoint(path)  # saved_step checks it is one
         held = saved_step(own, str(path))
     except (CheckpointError, ValueError) as e:
+        stop = stop_at(e, step, path, instead="rank 0's random states")
+        if stop is not None:
+            raise stop from e
         warnings.warn(
             f"rank {rank} has no readable file of its own for step {step} ({e}): its "
             "random states and loader positions come from rank 0's file, so its random "

@@ -17,15 +17,14 @@ from torch.utils.data import DataLoader
 
 from trainperf.checkpoint._checkpointer_ranks import _group, agree, agreed_own_part
 from trainperf.checkpoint._checkpointer_wait import settle
-from trainperf.checkpoint._checkpointer_warn import _stops_at
+from trainperf.checkpoint._checkpointer_warn import _stops_at, stop_at
 from trainperf.checkpoint._files import load_checkpoint
-from trainperf.checkpoint._formats import newer_format
 from trainperf.checkpoint._held import held_step
 from trainperf.checkpoint._loader_state import track
 from trainperf.checkpoint._payload import restore_into, saved_step
 from trainperf.checkpoint._steps import main_file, refuse_misnamed
 from trainperf.device import resolve_device
-from trainperf.errors import CheckpointError, UnsafeCheckpointError
+from trainperf.errors import CheckpointError
 
 if TYPE_CHECKING:
     from trainperf.checkpoint._checkpointer import Checkpointer
@@ -74,7 +73,7 @@ def restore_newest(
             saved = load_checkpoint(path, dev)
             found = saved_step(saved, str(path))
         except (CheckpointError, ValueError) as e:
-            stop = _stop_at(e, step, path)
+            stop = stop_at(e, step, path, instead="an older checkpoint")
             if stop is not None:
                 raise stop from e
             warnings.warn(f"skipping checkpoint {path}: {e}", UserWarning, stacklevel=3)
@@ -87,21 +86,6 @@ def restore_newest(
         return found
     agree(ckpt.directory, 0)
     return 0
-
-
-def _stop_at(e: Exception, step: int, path: Path) -> CheckpointError | None:
-    """The error that stops restore at step ``step``, whose file ``path`` failed to load
-    with ``e``, when the file is complete but this process cannot load it: it holds values
-    weights_only refuses, or it was saved by a newer PyTorch. Falling back to an older
-    file would silently lose the steps since (they are all likely alike). None: skip it."""
-    if not isinstance(e, UnsafeCheckpointError) and newer_format(e.__cause__) is None:
-        return None
-    kind = UnsafeCheckpointError if isinstance(e, UnsafeCheckpointError) else CheckpointError
-    return kind(
-        f"Checkpointer.restore stops at step {step} rather than fall back to an older "
-        f"checkpoint: {e}",
-        path,
-    )
 
 
 def _refuse_misnamed_unloaded(path: Path, step: int) -> None:

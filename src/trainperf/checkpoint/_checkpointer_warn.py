@@ -2,8 +2,9 @@
 a file it cannot read: a directory that already holds a later step (or, under a later
 step's name, a copy of another step that makes every resume raise, or a file a resume
 cannot use: unreadable, cut short, foreign), retired files it could not delete, a
-background writer the system refused (made a blocking save, with the limit to raise), and a
-file whose read failed (not skipped for an older one).
+background writer the system refused (made a blocking save, with the limit to raise), a
+file whose read failed (not skipped for an older one), and a complete file this process
+cannot load (a newer PyTorch's, one ``weights_only`` refuses: not skipped either).
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainperf._utils.stack import user_stacklevel
+from trainperf.checkpoint._formats import newer_format
 from trainperf.checkpoint._held import held_step, version
 from trainperf.checkpoint._steps import main_file, misnamed
+from trainperf.errors import CheckpointError, UnsafeCheckpointError
 
 if TYPE_CHECKING:
     from trainperf.checkpoint._checkpointer import Checkpointer
 
-__all__ = ["warn_if_behind", "warn_notes"]
+__all__ = ["stop_at", "warn_if_behind", "warn_notes"]
 
 
 def warn_if_behind(ckpt: Checkpointer, step: int) -> None:
@@ -168,4 +171,20 @@ def _stops_at(method: str, step: int, e: OSError) -> OSError:
         e.errno,
         f"Checkpointer.{method} stops at step {step} rather than fall back to an older "
         f"checkpoint: {e.strerror or e}",
+    )
+
+
+def stop_at(e: Exception, step: int, path: Path, *, instead: str) -> CheckpointError | None:
+    """The error that stops restore at step ``step``, whose file ``path`` (the main file or
+    a rank's own) failed to load with ``e``, when the file is complete but this process
+    cannot load it: it holds values weights_only refuses, or it was saved by a newer
+    PyTorch. Falling back to ``instead`` (an older checkpoint, rank 0's random states)
+    would silently lose the steps since, or change the rank's random numbers, and the other
+    files are likely alike. None: a file to skip."""
+    if not isinstance(e, UnsafeCheckpointError) and newer_format(e.__cause__) is None:
+        return None
+    kind = UnsafeCheckpointError if isinstance(e, UnsafeCheckpointError) else CheckpointError
+    return kind(
+        f"Checkpointer.restore stops at step {step} rather than fall back to {instead}: {e}",
+        path,
     )

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainperf.checkpoint._formats import read_error, read_failure
 from trainperf.errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError
 
 # In the order they are preferred: safetensors first, as transformers and Accelerate do.
@@ -27,9 +28,23 @@ _INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
 _SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
+def _listed(path: Path) -> list[Path]:
+    """What the directory ``path`` holds, sorted.
+
+    Raises:
+        OSError: it cannot be listed (no permission, a disk error): as ``load_checkpoint``
+            raises a file it cannot read, naming it and what to check.
+    """
+    try:
+        return sorted(path.iterdir())
+    except OSError as e:
+        raise read_error(path, e) from e
+
+
 def _index_file(path: Path) -> Path | None:
+    inside = _listed(path)
     for suffix in _INDEX_SUFFIXES:
-        found = sorted(p for p in path.iterdir() if p.name.endswith(suffix))
+        found = [p for p in inside if p.name.endswith(suffix)]
         if len(found) > 1:
             raise NotACheckpointError(
                 f"{path} holds {len(found)} shard indexes ({', '.join(p.name for p in found)}); "
@@ -47,20 +62,35 @@ def _shard_map(index: Path) -> dict[str, str]:
         weight_map = json.loads(index.read_text())["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError(f"weight_map is a {type(weight_map).__name__}, not a dict")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointCorruptError(
-            f"shard index {index} is not a valid index ({type(e).__name__}: {e}); it should "
-            'be JSON with a "weight_map" of tensor name -> shard file: re-copy the directory',
-            index,
-        ) from e
+    except OSError as e:
+        if read_failure(e) and not isinstance(e, IsADirectoryError):  # it may be fine
+            raise read_error(index, e) from e
+        raise _bad_index(index, e) from e
+    except (ValueError, KeyError, TypeError) as e:
+        raise _bad_index(index, e) from e
     return {str(k): str(v) for k, v in weight_map.items()}
+
+
+def _bad_index(index: Path, e: Exception) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"shard index {index} is not a valid index ({type(e).__name__}: {e}); it should "
+        'be JSON with a "weight_map" of tensor name -> shard file: re-copy the directory',
+        index,
+    )
 
 
 def load_sharded(index: Path, load_file: Callable[[Path], Any]) -> dict[str, Any]:
     """Every shard ``index`` lists, merged into one state dict; each shard is read with
     ``load_file`` (so with ``weights_only`` and the CRC check); every tensor the index names
     must be in its shard, and is taken from that shard only: a stale copy in another shard
-    (left by an earlier save), and tensors the index does not list, are left out."""
+    (left by an earlier save), and tensors the index does not list, are left out.
+
+    Raises:
+        CheckpointCorruptError: the index is not valid JSON with a ``weight_map``, names a
+            shard outside its directory, or lists tensors its shards lack.
+        CheckpointNotFoundError: a shard it lists is missing.
+        OSError: the index could not be read (no permission, a disk error): it may be fine.
+    """
     weight_map = _shard_map(index)
     keys_in: dict[str, list[str]] = {}
     for key, file in weight_map.items():
@@ -100,6 +130,8 @@ def directory_weights(path: Path) -> tuple[str, Path]:
     Raises:
         NotACheckpointError: A ``torch.distributed.checkpoint`` directory, several indexes,
             or no weights file trainperf recognises (the message lists what is there).
+        OSError: the directory cannot be listed (no permission, a disk error): the message
+            names it and what to check.
     """
     if (path / ".metadata").exists():
         raise NotACheckpointError(
@@ -116,7 +148,7 @@ def directory_weights(path: Path) -> tuple[str, Path]:
     for name in _SINGLE_FILES:
         if (path / name).is_file():
             return "file", path / name
-    inside = sorted(p.name for p in path.iterdir())
+    inside = [p.name for p in _listed(path)]
     shown = ", ".join(inside[:8]) + (", ..." if len(inside) > 8 else "") if inside else "nothing"
     raise NotACheckpointError(
         f"{path} is a directory, not a checkpoint file, and holds no shard index "

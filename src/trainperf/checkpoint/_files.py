@@ -296,8 +296,9 @@ def save_checkpoint(
 
     Raises:
         CheckpointError: The object could not be serialised or the file not written (disk
-            full, no permission, ``path`` is a directory or an existing write-protected file
-            (``chmod 444``: not replaced), a parent path is a file), or with
+            full, no permission, ``path`` is a directory, a named pipe, socket or device, or
+            an existing write-protected file (``chmod 444``: not replaced), a parent path is
+            a file), or with
             ``distributed=True`` rank 0 failed or another rank never joined; the cause is
             chained and any earlier file at ``path`` is left intact.
         ValueError: ``path`` ends in a separator (``"ckpts/"``: a directory, not a file
@@ -391,8 +392,9 @@ def load_checkpoint(
         torch.OutOfMemoryError: GPU memory ran out while loading onto ``device`` (not a
             ``CheckpointError``: the file is fine); the message names the file, its size
             and the fix (``device="cpu"``, or free GPU memory).
-        OSError: The file could not be read (no permission, too many open files, a disk or
-            network-filesystem error; ``PermissionError`` for EACCES): not a
+        OSError: The file (or a directory's listing, or its shard index) could not be
+            read (no permission, too many open files, a disk or network-filesystem error;
+            ``PermissionError`` for EACCES): not a
             ``CheckpointError``, the file may be fine; the message names it and what to check.
         UnsafeCheckpointError: ``weights_only=True`` refused an object in the file.
         CheckpointError: A file saved by a newer PyTorch than this one (the message says

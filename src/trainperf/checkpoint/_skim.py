@@ -66,8 +66,8 @@ def skim(path: Path) -> Any:
     Raises:
         OSError: the file could not be read.
         zipfile.BadZipFile: a zip file whose directory is missing or damaged.
-        ValueError: not a torch.save file (the message says why; a named pipe, socket or
-            device is refused before it is opened).
+        ValueError: not a torch.save file (the message says why: empty, a named pipe,
+            socket or device, refused before it is opened, or another kind of file).
         pickle.UnpicklingError, EOFError: its pickle is cut short or damaged.
 
     Example:
@@ -83,6 +83,10 @@ def skim(path: Path) -> Any:
         raise ValueError(f"{path} is {special}, not a checkpoint file")
     with open(path, "rb") as f:
         head = f.read(4)
+        if not head:
+            raise ValueError(
+                "empty (0 bytes): a save or copy that was cut off before it wrote anything"
+            )
         f.seek(0)
         if head == b"PK\x03\x04":
             with zipfile.ZipFile(f) as zf:

@@ -10,6 +10,7 @@ another name, so it is nobody's, and is neither listed, loaded, counted nor dele
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import socket
@@ -23,6 +24,7 @@ from trainperf.errors import CheckpointError
 __all__ = [
     "main_file",
     "misnamed",
+    "not_a_directory",
     "not_a_step_file",
     "pinned",
     "rank_file",
@@ -65,10 +67,77 @@ def rank_file(directory: Path, step: int, rank: int) -> Path:
 
 
 def _names(directory: Path) -> list[str]:
+    """The names in the Checkpointer directory ``directory``; none while it does not exist.
+
+    Raises:
+        CheckpointError: it, or the nearest path above it that exists, is a file.
+        OSError: it could not be listed (:func:`_unlisted`).
+    """
     try:
         return os.listdir(directory)
     except FileNotFoundError:
         return []
+    except OSError as e:
+        raise (not_a_directory(directory) or _unlisted(directory, e)) from e
+
+
+# What to check when a Checkpointer directory cannot be listed.
+_LIST_FIXES = {
+    errno.EACCES: "check the permissions of it and the directories above it (ls -ld {}) and "
+    "the user the run is started as",
+    errno.EMFILE: "too many files are open in this process: close some, or raise the limit "
+    "(ulimit -n)",
+    errno.ENFILE: "the system's open-file table is full: close files, or raise fs.file-max",
+}
+_LIST_FIXES[errno.EPERM] = _LIST_FIXES[errno.EACCES]
+
+
+def _unlisted(directory: Path, e: OSError) -> OSError:
+    """The error (same errno, so the same subclass: ``PermissionError`` for EACCES) for the
+    Checkpointer directory ``directory`` that ``os.listdir`` failed on with ``e``: its step
+    files may be fine, so not a ``CheckpointError``, as for a step file that cannot be read.
+
+    Example:
+        >>> e = PermissionError(errno.EACCES, "Permission denied")
+        >>> print(_unlisted(Path("runs"), e))  # doctest: +ELLIPSIS
+        [Errno 13] cannot list the Checkpointer directory runs: Permission denied. The step ...
+    """
+    fix = _LIST_FIXES.get(
+        e.errno or 0,
+        "a disk or filesystem error (a network mount that went away): check the storage and retry",
+    )
+    return OSError(
+        e.errno,
+        f"cannot list the Checkpointer directory {directory}: {e.strerror or e}. The step "
+        f"files in it may be fine: {fix.format(directory)}",
+    )
+
+
+def not_a_directory(directory: Path) -> CheckpointError | None:
+    """The error for a Checkpointer directory that is a file, or under one (no step file
+    could be written there); None when it, or the nearest path above it that exists, is a
+    directory.
+
+    Example:
+        >>> import tempfile
+        >>> log = Path(tempfile.mkdtemp(), "runs")
+        >>> _ = log.write_text("a log")
+        >>> print(not_a_directory(log / "exp1"))  # doctest: +ELLIPSIS
+        Checkpointer directory .../runs/exp1 is in .../runs, a file, not a directory: give ...
+        >>> not_a_directory(log.parent) is None
+        True
+    """
+    for path in (directory, *directory.parents):
+        if os.path.exists(path):  # False, not an error, where a parent may not be searched
+            if os.path.isdir(path):
+                return None
+            what = "is a file" if path == directory else f"is in {path}, a file"
+            return CheckpointError(
+                f"Checkpointer directory {directory} {what}, not a directory: give a "
+                "directory for the step files (it is created if missing)",
+                directory,
+            )
+    return None
 
 
 def steps_on_disk(directory: Path) -> list[int]:

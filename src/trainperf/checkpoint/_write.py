@@ -63,7 +63,19 @@ def _reason(e: Exception) -> str:
     return reason
 
 
-def write_checkpoint_file(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+def _is_dir(path: Path, step_file: bool) -> str:
+    """Why ``path``, a directory (or a link to one), cannot be written, and the fix."""
+    if step_file:
+        return (
+            "it is a directory, and a Checkpointer names its step files itself: remove that "
+            "directory, or rename it (nothing was written)"
+        )
+    return f"it is a directory; give a file path such as {path / 'checkpoint.pt'}"
+
+
+def write_checkpoint_file(
+    path: Path, write: Callable[[IO[bytes]], None], *, step_file: bool = False
+) -> None:
     """Write ``path`` atomically through ``write(f)``, then flush its directory.
 
     A symbolic link is written through (its target is replaced; the link stays).
@@ -71,21 +83,20 @@ def write_checkpoint_file(path: Path, write: Callable[[IO[bytes]], None]) -> Non
     Args:
         path: the checkpoint file.
         write: writes the serialised checkpoint into the binary file it is given.
+        step_file: ``path`` is a Checkpointer's step file, named by the Checkpointer, not
+            by the user: a directory in its place is to be moved, not the path changed.
 
     Raises:
         CheckpointError: ``path`` is a directory, the write failed (disk full, no permission,
-            read-only filesystem, an existing file at ``path`` that is write-protected: the
-            message says which, and that any earlier file is unchanged), a parent path is
+            read-only filesystem, an existing file at ``path`` that is write-protected, or a
+            named pipe, socket or device there, left as it is: the message says which, and
+            that any earlier file is unchanged), a parent path is
             a file or a dangling link, ``path`` is a loop of links, ``write`` raised (the
             object could not be serialised), or the directory could not be flushed; the
             cause is chained.
     """
     if path.is_dir():
-        raise CheckpointError(
-            f"cannot save checkpoint to {path}: it is a directory; give a file path such as "
-            f"{path / 'checkpoint.pt'}",
-            path,
-        )
+        raise CheckpointError(f"cannot save checkpoint to {path}: {_is_dir(path, step_file)}", path)
     try:
         written = write_atomically(path, write, sync_directory=False)
     except Exception as e:

@@ -104,9 +104,9 @@ def unreported_failures() -> list[SaveHandle]:
 
 
 def write_now(payload: Any, path: Path, *, checked: bool = False) -> None:
-    """Write ``payload`` to ``path`` atomically (temp file, fsync, rename, fsync dir), once
-    its plain values are known to load back (:func:`refuse_unloadable`; ``checked``: the
-    caller did that already).
+    """Write ``payload`` to the Checkpointer step file ``path`` atomically (temp file,
+    fsync, rename, fsync dir), once its plain values are known to load back
+    (:func:`refuse_unloadable`; ``checked``: the caller did that already).
 
     Raises:
         CheckpointError: it could not be serialised or written (the cause chained), or a
@@ -114,7 +114,7 @@ def write_now(payload: Any, path: Path, *, checked: bool = False) -> None:
     """
     if not checked:
         refuse_unloadable(payload, path)
-    write_checkpoint_file(path, lambda f: torch.save(payload, f))
+    write_checkpoint_file(path, lambda f: torch.save(payload, f), step_file=True)
 
 
 def refuse_unloadable(payload: Any, path: Path) -> None:
