@@ -1,4 +1,5 @@
-"""trainperf.watch (``monitor/_watch.py``): the Watch class on synthetic and GPU loops."""
+"""trainperf.watch (``monitor/_watch.py`` and its ``_watch_*`` modules): the Watch class on
+synthetic and GPU loops."""
 
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ def _compute_bound_loop() -> WatchReport:
 def test_watch_does_not_advise_the_mixed_precision_already_in_use(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from trainperf.monitor._watch import _precision_in_use
+    from trainperf.monitor._watch_report import _precision_in_use
 
     amp = sys.modules["trainperf.amp._mixed"]
     why = "auto: the CPU has no native bf16 (emulated bf16 is slower) -> fp32"
@@ -161,7 +162,7 @@ def test_watch_does_not_advise_the_mixed_precision_already_in_use(
 
 def test_watch_sees_a_real_mixed_precision() -> None:
     from trainperf.amp import _mixed
-    from trainperf.monitor._watch import _precision_in_use
+    from trainperf.monitor._watch_report import _precision_in_use
 
     mp = _mixed.MixedPrecision("cpu", precision="fp32")
     # What the report hands to the rules, whatever else the host is doing.
@@ -349,6 +350,67 @@ def test_stop_inside_a_with_block_ends_the_watch_there() -> None:
         report = w.stop()
         assert sampler_threads() == before
     assert report.steps == w.report().steps == 1
+
+
+class _Broken(Exception):
+    """What a monkeypatched step of the watch's start or end raises."""
+
+
+def _broken(*args: object) -> None:
+    raise _Broken("stand-in failure")
+
+
+@pytest.mark.parametrize("fails", ["settle", "_background_saves"])
+def test_a_failure_while_stopping_still_stops_the_sampler_thread(
+    monkeypatch: pytest.MonkeyPatch, fails: str
+) -> None:
+    # Before: the sampler was stopped last, so an error before it (counting background saves,
+    # settling the CPU figures) left the thread sampling while the watch stayed referenced.
+    import trainperf.monitor._watch as watch_module
+
+    before = sampler_threads()
+    w = watch(device="cpu", interval=0.01).start()
+    (thread,) = set(sampler_threads()) - set(before)
+    w.step()
+    monkeypatch.setattr(watch_module, fails, _broken)
+    with pytest.raises(_Broken, match="stand-in failure"):
+        w.stop()
+    assert not thread.is_alive()
+    with pytest.raises(RuntimeError, match=r"already stopped"):
+        w.stop()
+
+
+def test_a_failure_while_starting_stops_the_sampler_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: an error (or a Ctrl-C) after the sampler started left it running with the
+    # watch marked running, and the next watch warned that two ran at once.
+    before = sampler_threads()
+    w = watch(device="cpu", interval=0.01)
+    monkeypatch.setattr(w, "_maybe_start_cuda", _broken)
+    with pytest.raises(_Broken, match="stand-in failure"), w:
+        pass
+    assert sampler_threads() == before
+    with pytest.raises(RuntimeError, match=r"w\.start\(\) on a watch that already ran"):
+        w.start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no other watch runs: no "two at once" warning
+        with watch(device="cpu"):
+            pass
+
+
+def test_leaving_a_with_block_after_stop_keeps_what_stop_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: `with` ended the watch a second time on exit, recounting the background saves
+    # after stop()'s report (whose save probe makes some): the loop was said to make them.
+    import trainperf.monitor._watch as watch_module
+
+    saves = [0]
+    monkeypatch.setattr(watch_module, "_background_saves", lambda: saves[0])
+    with watch(device="cpu") as w:
+        w.step()
+        w.stop()
+        saves[0] = 4  # saves made after the loop, by the report's probe
+    assert w.report().setup.background_saves == 0
 
 
 def test_a_started_watch_that_is_dropped_stops_its_thread() -> None:
@@ -541,6 +603,35 @@ def test_a_reading_after_old_steps_were_dropped_spreads_over_every_step_it_cover
         for _ in range(16):
             w.step()
     assert [s.cpu_delay for s in w.report().timeline] == pytest.approx([0.001] * 4)
+
+
+class _OldSequence:
+    """Iterable the old way: ``__getitem__`` until IndexError, no ``__iter__``."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i >= 3:
+            raise IndexError(i)
+        return torch.zeros(2, 1)
+
+
+class _NotIterable:
+    __iter__ = None  # what Python's data model says for "deliberately not iterable"
+
+
+@pytest.mark.parametrize(
+    ("given", "name"), [(5, "int"), (None, "NoneType"), (_NotIterable(), "_NotIterable")]
+)
+def test_w_iter_of_something_not_iterable_fails_at_the_call_naming_it(
+    given: object, name: str
+) -> None:
+    # Before: w.iter(5) returned an iterator, and the loop's first next() failed with
+    # Python's own "'int' object is not iterable", naming neither w.iter nor the fix.
+    with watch(device="cpu") as w:
+        with pytest.raises(TypeError, match=rf"w\.iter\(\) needs an iterable .*, got {name}") as e:
+            w.iter(given)  # type: ignore[arg-type]
+        assert "pass what the loop iterates: `for batch in w.iter(loader):`" in str(e.value)
+        assert ("w.iter(range(n))" in str(e.value)) == (name == "int")
+        assert len(list(w.iter(_OldSequence()))) == 3  # type: ignore[arg-type]
 
 
 def test_w_iter_has_the_loaders_length_for_a_progress_bar() -> None:
@@ -768,18 +859,19 @@ def test_a_report_inside_the_loop_is_not_the_steps_time(monkeypatch: pytest.Monk
     import types
 
     import trainperf.monitor._watch as watch_module
+    import trainperf.monitor._watch_report as report_module
 
     clock = [1000.0]  # the watch's perf_counter: each step takes 1 ms, a report 50 ms
     fake = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if k[0] != "_"})
     fake.perf_counter = lambda: clock[0]
     monkeypatch.setattr(watch_module, "time", fake)
-    real = watch_module.analyse
+    real = report_module.analyse
 
     def slow(*args: object, **kwargs: object) -> WatchReport:
         clock[0] += 0.05
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(watch_module, "analyse", slow)
+    monkeypatch.setattr(report_module, "analyse", slow)
     with watch(device="cpu", warmup_steps=0) as w:
         for i in range(40):
             clock[0] += 0.001
@@ -913,9 +1005,9 @@ def test_a_report_re_entered_in_a_thread_already_reporting_does_not_deadlock(
 ) -> None:
     # The loop runs in a thread; the main thread reports, and a signal handler in the main
     # thread reports again from inside that report.
-    import trainperf.monitor._watch as watch_module
+    import trainperf.monitor._watch_report as report_module
 
-    real, nested = watch_module.step_records, []
+    real, nested = report_module.step_records, []
 
     def interrupted(w: Watch) -> Any:
         if not nested:
@@ -923,7 +1015,7 @@ def test_a_report_re_entered_in_a_thread_already_reporting_does_not_deadlock(
             nested[0] = w.report().steps  # the "handler", inside the lock
         return real(w)
 
-    monkeypatch.setattr(watch_module, "step_records", interrupted)
+    monkeypatch.setattr(report_module, "step_records", interrupted)
     w = watch(device="cpu", warmup_steps=0).start()
     done = threading.Event()
 
@@ -1097,6 +1189,64 @@ def test_a_thread_takes_over_the_steps_once_the_stepping_thread_has_ended() -> N
     assert w.report().steps == 6
 
 
+def _prefetched_loop(w: Watch, *, first_step_before: bool) -> None:
+    """A loop fed through a queue by a prefetch thread that iterates ``w.iter(loader)``."""
+    import queue
+
+    batches: queue.Queue[torch.Tensor | None] = queue.Queue()
+
+    def prefetch() -> None:
+        for batch in w.iter(sleepy_loader(12, 0.002, batch=4)):
+            batches.put(batch)
+        batches.put(None)
+
+    if first_step_before:
+        w.step(samples=4)  # the loop's thread steps first: the next() calls come after
+    fetcher = threading.Thread(target=prefetch, name="prefetch")
+    fetcher.start()
+    if not first_step_before:
+        fetcher.join(30)  # every batch taken before the loop's first step
+    while batches.get(timeout=30) is not None:
+        burn(0.001)
+        w.step()
+    fetcher.join(30)
+
+
+@pytest.mark.parametrize("first_step_before", [True, False])
+def test_batches_taken_in_a_prefetch_thread_warn_once_and_leave_the_wait_unmeasured(
+    first_step_before: bool,
+) -> None:
+    # Before: the prefetch thread's time in next() (overlapping the steps) was added to the
+    # loop's steps as their wait for data, silently: a loop that never waits for a batch
+    # could be called input-bound.
+    with watch(device="cpu", warmup_steps=0) as w, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _prefetched_loop(w, first_step_before=first_step_before)
+    mine = [str(x.message) for x in caught if "w.iter()" in str(x.message)]
+    assert len(mine) == 1, mine  # once, however many batches
+    assert "thread 'prefetch' while thread 'MainThread' steps the watch" in mine[0]
+    assert "the report leaves the data wait unmeasured" in mine[0]
+    report = w.report()
+    assert report.wait_fraction is None
+    assert report.verdict.kind != "input-bound"
+    assert "w.iter() ran in thread 'prefetch'" in report.verdict.reasons[-1]
+    assert sum(s.samples or 0 for s in report.timeline) == 4 * (12 + first_step_before)
+
+
+def test_a_loop_iterated_and_stepped_in_one_other_thread_does_not_warn() -> None:
+    w = watch(device="cpu", warmup_steps=0).start()
+
+    def epoch() -> None:
+        for _ in w.iter([torch.zeros(2, 1)] * 3):
+            w.step()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n in range(2):  # a thread per epoch, each iterating and stepping
+            assert _in_thread(epoch, f"epoch-{n}") is None
+    assert w.stop().wait_fraction is not None
+
+
 def _host_bound_report(*args: object, **kwargs: object) -> WatchReport:
     from tests.monitor._fakes import samples, steps
     from trainperf.monitor import analyse
@@ -1109,9 +1259,9 @@ def test_two_watches_at_once_warn_and_their_host_bound_verdicts_say_the_cpu_is_s
 ) -> None:
     # Before: each watch's process CPU silently held the other loop's work too, so a loop
     # could be called host-bound because of the other thread's loop.
-    import trainperf.monitor._watch as watch_module
+    import trainperf.monitor._watch_report as report_module
 
-    monkeypatch.setattr(watch_module, "analyse", _host_bound_report)
+    monkeypatch.setattr(report_module, "analyse", _host_bound_report)
     with watch(device="cpu") as first:
         with pytest.warns(RuntimeWarning, match="two trainperf.watch.. run at once in this"):
             second = watch(device="cpu")

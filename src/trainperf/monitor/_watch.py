@@ -29,14 +29,12 @@ hours at ten a second); older ones are dropped, the report counts them
 (``dropped_steps``, ``dropped_samples``) and its figures cover what was kept.
 
 The :class:`Watch` here holds the state and the public calls; the iterator ``w.iter()``
-returns is in ``_watch_iter``, the per-step log in ``_watch_steps``, and what the report
-gathers besides the timeline in ``_watch_inputs``.
+returns is in ``_watch_iter``, the per-step log in ``_watch_steps``, how the report is made
+in ``_watch_report``, and what it gathers besides the timeline in ``_watch_inputs``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 import sys
 import threading
@@ -52,29 +50,14 @@ import torch
 
 from trainperf._utils.validate import non_negative_int, positive_int, positive_number
 from trainperf.device import resolve_device
-from trainperf.monitor._analysis import analyse
-from trainperf.monitor._probe import CpuClock, loader_facts, loop_setup
+from trainperf.monitor._probe import CpuClock, loader_facts
 from trainperf.monitor._probe import background_saves as _background_saves
-from trainperf.monitor._probe import precision_in_use as _precision_in_use
 from trainperf.monitor._probe import rank_cpus as _rank_cpus
 from trainperf.monitor._report import WatchReport
 from trainperf.monitor._sampler import MAX_RECORDS, _Sampler
-from trainperf.monitor._watch_inputs import (
-    loader_changes,
-    loader_now,
-    measured,
-    probed,
-    shared_cpu_noted,
-)
-from trainperf.monitor._watch_iter import _Pass, _Timed
-from trainperf.monitor._watch_steps import (
-    cpu_reading,
-    record_step,
-    resolve,
-    settle,
-    step_records,
-    wait_for_logged,
-)
+from trainperf.monitor._watch_iter import _Pass, _Timed, check_iterable
+from trainperf.monitor._watch_report import build_report
+from trainperf.monitor._watch_steps import cpu_reading, record_step, settle
 
 __all__ = ["Watch", "watch"]
 
@@ -107,20 +90,7 @@ class Watch:
         warmup_steps: int = 2,
         max_records: int = MAX_RECORDS,
     ) -> None:
-        max_records = positive_int("max_records", max_records)
-        if max_records > sys.maxsize:  # the sampler's deque cannot be longer
-            raise ValueError(
-                f"max_records={max_records!r} is more than a watch can keep (at most "
-                f"sys.maxsize, {sys.maxsize}); pass a smaller count, e.g. 100_000"
-            )
-        interval = positive_number("interval", interval, unit="seconds")
-        if interval > threading.TIMEOUT_MAX:
-            # The sampler thread waits `interval` between samples; past this, the wait itself
-            # raises OverflowError inside the thread.
-            raise ValueError(
-                f"interval={interval!r} s is longer than a timer can wait (at most "
-                f"{threading.TIMEOUT_MAX:.0f} s); pass a shorter interval, e.g. 0.1"
-            )
+        max_records, interval = _checked_limits(max_records, interval)
         warmup_steps = non_negative_int("warmup_steps", warmup_steps)
         # None is not "the best device" here but "follow whatever the loop uses".
         self._device = (
@@ -174,6 +144,9 @@ class Watch:
         self._trimming = False  # the oldest steps are being dropped (a report reads none)
         self._loop_thread: int | None = None  # the starting thread's, then the stepper's
         self._stepper: threading.Thread | None = None  # the thread that steps (claim_steps)
+        self._fetcher: threading.Thread | None = None  # another that took batches before it
+        # (thread iterating w.iter(), thread stepping) once they differ: see wait_elsewhere.
+        self._wait_elsewhere: tuple[str, str] | None = None
         # Seconds of in-loop w.report() calls, by the step they fell in: not the step's time.
         self._excluded: dict[int, float] = {}
         # Background checkpoint writes started before the loop and by its end (None: runs).
@@ -198,7 +171,8 @@ class Watch:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._end()
+        if self._state == "running":  # w.stop() inside the block already ended it
+            self._end()
 
     def start(self) -> Watch:
         """Start watching without a ``with`` block: the loop keeps its indentation.
@@ -267,6 +241,16 @@ class Watch:
 
     def _begin(self) -> None:
         self._state = "running"
+        try:
+            self._start_sampling()
+        except BaseException:
+            # An error (or a Ctrl-C in NVML's start-up) must not leave the sampler running,
+            # nor the watch marked running: it ran, and failed.
+            self._state = "done"
+            self._stop_sampling()
+            raise
+
+    def _start_sampling(self) -> None:
         self._loop_thread = threading.get_ident()  # until a step says otherwise
         self._cpus = _rank_cpus()
         self._saves_before = _background_saves()
@@ -288,12 +272,19 @@ class Watch:
 
     def _end(self) -> None:
         self._state = "done"
-        self._saves_after = _background_saves()  # before a report's probe saves its own
-        with self._lock:
-            settle(self)  # in the loop's thread, while its schedstat is still the one open
-        self._clock.close()
-        if self._sampler is not None:
-            self._sampler.stop()
+        try:
+            self._saves_after = _background_saves()  # before a report's probe saves its own
+            with self._lock:
+                settle(self)  # in the loop's thread, while its schedstat is still the one open
+        finally:  # whatever failed above, the sampler thread ends here
+            self._stop_sampling()
+
+    def _stop_sampling(self) -> None:
+        try:
+            self._clock.close()
+        finally:
+            if self._sampler is not None:
+                self._sampler.stop()
 
     def _maybe_start_cuda(self) -> None:
         # Never initialise CUDA ourselves: only follow a loop that already uses it.
@@ -315,13 +306,16 @@ class Watch:
         Raises:
             RuntimeError: the watch is not running (use it inside ``with``, or between
                 :meth:`start` and :meth:`stop`).
+            TypeError: ``iterable`` is not iterable (``w.iter(5)``).
 
         The iterator it returns has the length of ``iterable`` where that has one (a
         DataLoader's batches per epoch: a progress bar's total). Starting the iterable
         (``iter(loader)``: its workers) is timed as a wait for data. An exception from the
         iterable passes through and the iterator goes on; once exhausted, iterating it
         again starts a new pass (an epoch). Batches taken but left without a
-        :meth:`step` (a ``break``) do not count in the next pass's first step.
+        :meth:`step` (a ``break``) do not count in the next pass's first step. Iterated in a
+        thread other than the one that steps (a prefetch thread), its waits are not the
+        loop's: the watch warns once and reports the data wait as not measured.
 
         Example:
             >>> with watch(device="cpu") as w:
@@ -333,6 +327,7 @@ class Watch:
         """
         if self._state != "running":
             raise RuntimeError(f"w.iter() needs a running watch: use it {_RUN_IT}")
+        check_iterable(iterable)
         self._iterated = True
         self._loader = loader_facts(iterable)  # what the predictions need of the loader
         try:  # read again for the report: an adaptive loader changes its settings meanwhile
@@ -403,7 +398,7 @@ class Watch:
             )
         began = time.perf_counter()
         try:
-            return self._report()
+            return build_report(self)
         finally:
             if self._state == "running" and threading.get_ident() == self._loop_thread:
                 # Made inside the loop: its time is not the step's (nor a periodic stall).
@@ -411,50 +406,28 @@ class Watch:
                 spent = time.perf_counter() - began
                 self._excluded[index] = self._excluded.get(index, 0.0) + spent
 
-    def _report(self) -> WatchReport:
-        running_here = threading.get_ident() == self._loop_thread
-        elsewhere = self._state == "running" and not running_here
-        # Outside the lock: the loop steps on meanwhile; the report ends where the wait began.
-        limit = wait_for_logged(self) if self._cuda and elsewhere else None
-        with self._lock:  # another thread reads the log between two steps
-            # Re-entered by a signal handler while this thread appends a step: the steps
-            # before it are whole; the rest is left for the next report.
-            whole = not self._writing
-            if self._cuda and whole:
-                resolve(self, block=not elsewhere)
-            if self._state == "running" and running_here and whole:
-                settle(self)  # schedstat is read in the loop's own thread only
-            first, timeline = step_records(self)
-        if limit is not None:
-            timeline = [s for s in timeline if s.index < limit]
-        sampler = self._sampler
-        if self._device is not None:
-            device = str(self._device)
-        else:
-            device = (
-                f"cuda:{sampler.device_index}"
-                if sampler and sampler.device_index is not None
-                else "auto"
-            )
-        samples, dropped_samples = sampler.snapshot() if sampler else ([], 0)
-        cuda_index = sampler.device_index if self._cuda and sampler else None
-        report = analyse(
-            timeline,
-            samples,
-            device=device,
-            gpu_present=bool(sampler and sampler.gpu_present),
-            cuda_used=self._cuda,
-            cpus=self._cpus,
-            warmup_steps=self._warmup,
-            dropped_steps=first,
-            dropped_samples=dropped_samples,
-            wait_measured=self._iterated,
-            precision=_precision_in_use(),
-            setup=loop_setup(loader_now(self), cuda_index, **measured(self, timeline, samples)),
-            measure=functools.partial(probed, probe=self._state != "running"),
+
+def _checked_limits(max_records: int, interval: float) -> tuple[int, float]:
+    """``max_records`` and ``interval`` checked: within what the sampler can keep and wait.
+
+    Raises:
+        ValueError: either is not a positive number, or is past what the sampler can do.
+    """
+    max_records = positive_int("max_records", max_records)
+    if max_records > sys.maxsize:  # the sampler's deque cannot be longer
+        raise ValueError(
+            f"max_records={max_records!r} is more than a watch can keep (at most "
+            f"sys.maxsize, {sys.maxsize}); pass a smaller count, e.g. 100_000"
         )
-        report = dataclasses.replace(report, loader_changes=loader_changes(self))
-        return shared_cpu_noted(report) if sampler is not None and sampler.shared else report
+    interval = positive_number("interval", interval, unit="seconds")
+    if interval > threading.TIMEOUT_MAX:
+        # The sampler thread waits `interval` between samples; past this, the wait itself
+        # raises OverflowError inside the thread.
+        raise ValueError(
+            f"interval={interval!r} s is longer than a timer can wait (at most "
+            f"{threading.TIMEOUT_MAX:.0f} s); pass a shorter interval, e.g. 0.1"
+        )
+    return max_records, interval
 
 
 def watch(

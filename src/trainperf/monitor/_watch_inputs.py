@@ -1,7 +1,7 @@
 """What :meth:`Watch.report` passes :func:`analyse` besides the timeline and the
 samples: the loader's settings and an adaptive loader's changes, what a worker hand-over
 would cost, and the setup the predictions' probes measure; and what it adds to the report
-afterwards (:func:`shared_cpu_noted`).
+afterwards (:func:`shared_cpu_noted`, :func:`wait_elsewhere_noted`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ if TYPE_CHECKING:
     from trainperf.monitor._report import WatchReport
     from trainperf.monitor._watch import Watch
 
-__all__ = ["loader_changes", "loader_now", "measured", "probed", "shared_cpu_noted"]
+__all__ = [
+    "loader_changes", "loader_now", "measured", "probed", "shared_cpu_noted",
+    "wait_elsewhere_noted",
+]  # fmt: skip
 
 SHARED_CPU_REASON = (
     "another trainperf.watch() ran in this process meanwhile: the process CPU figures "
@@ -45,6 +48,18 @@ def shared_cpu_noted(report: WatchReport) -> WatchReport:
     return dataclasses.replace(
         report, verdict=noted(report.verdict), findings=tuple(map(noted, report.findings))
     )
+
+
+def wait_elsewhere_noted(report: WatchReport, fetcher: str, stepper: str) -> WatchReport:
+    """``report`` with its verdict saying why the data wait was not measured although the
+    loop used ``w.iter()``: thread ``fetcher`` iterated it while ``stepper`` stepped."""
+    why = (
+        f"w.iter() ran in thread {fetcher!r}, not in {stepper!r} that steps the watch (a "
+        f"prefetch thread): its wait for each batch overlapped the steps, so the loop's own "
+        f"wait was not measured; wrap what {stepper!r} iterates: for batch in w.iter(prefetcher)"
+    )
+    v = report.verdict
+    return dataclasses.replace(report, verdict=dataclasses.replace(v, reasons=(*v.reasons, why)))
 
 
 def loader_changes(w: Watch) -> tuple[LoaderChange, ...]:

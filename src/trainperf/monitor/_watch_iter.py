@@ -1,17 +1,22 @@
-"""What :meth:`Watch.iter` returns: the iterable's items, each timed as a wait for data,
-and the watch's accounting of each pass over the iterable (the samples a step took, an
-adaptive loader's changes).
+"""What :meth:`Watch.iter` accepts (:func:`check_iterable`) and returns: the iterable's
+items, each timed as a wait for data unless another thread than the loop's takes them
+(:func:`wait_elsewhere`), and the watch's accounting of each pass over the iterable (the
+samples a step took, an adaptive loader's changes).
 """
 
 from __future__ import annotations
 
+import reprlib
+import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from trainperf._utils.stack import user_stacklevel
 from trainperf.monitor._handover import batch_layout
 from trainperf.monitor._probe import batch_size
 
@@ -42,6 +47,9 @@ class _Timed(Iterator[T]):
     goes on (a loop that skips a bad batch keeps its epoch). Iterating it again once it is
     exhausted starts a new pass over the iterable, as a DataLoader does each epoch (before
     that, iterating it again goes on with the pass it is in, as any iterator does).
+    Iterated in a thread other than the one that steps the watch (a prefetch thread feeding
+    the loop through a queue), its waits are not the loop's: they are left out, and the
+    watch warns once (see :func:`wait_elsewhere`).
     """
 
     def __init__(self, watch: Watch, iterable: Iterable[T]) -> None:
@@ -64,6 +72,12 @@ class _Timed(Iterator[T]):
     def __next__(self) -> T:
         if self._done:
             raise StopIteration
+        w = self._watch
+        own = (
+            w._state != "running"
+            or threading.get_ident() == w._loop_thread
+            or not _taken_elsewhere(w)
+        )
         clock, cpu = time.perf_counter, time.thread_time
         t, c = clock(), cpu()
         try:
@@ -72,10 +86,11 @@ class _Timed(Iterator[T]):
             item = next(self._it)
         except StopIteration:
             self._done = True
-            _pass_ended(self._watch, self._pass)
+            _pass_ended(w, self._pass)
             raise
         finally:
-            _add_wait(self._watch, clock() - t, cpu() - c)
+            if own:
+                _add_wait(w, clock() - t, cpu() - c)
         if self._history is not None and len(self._history) > self._seen:
             _retuned(self._watch, self._history[self._seen :])
             self._seen = len(self._history)
@@ -97,6 +112,24 @@ class _Timed(Iterator[T]):
         return len(self._iterable)  # type: ignore[arg-type]
 
 
+def check_iterable(iterable: object) -> None:
+    """Refuse what ``iter()`` would refuse, at the ``w.iter()`` call and without calling it
+    (``iter(loader)`` starts a DataLoader's workers: that is timed at the first batch).
+
+    Raises:
+        TypeError: ``iterable`` has neither ``__iter__`` nor ``__getitem__``.
+    """
+    kind = type(iterable)
+    if getattr(kind, "__iter__", None) is not None or hasattr(kind, "__getitem__"):
+        return
+    hint = "; to count n steps without a loader, w.iter(range(n))" if kind is int else ""
+    raise TypeError(
+        f"w.iter() needs an iterable (a DataLoader, a list of batches), got "
+        f"{kind.__name__}: {reprlib.repr(iterable)}; pass what the loop iterates: "
+        f"`for batch in w.iter(loader):`{hint}"
+    )
+
+
 def _new_pass(w: Watch, iterable: object) -> _Pass:
     """A pass over ``iterable`` starts. A pass over the same iterable left open (a
     ``break``) is over: the samples it handed out since the last ``w.step()`` were not
@@ -111,6 +144,41 @@ def _new_pass(w: Watch, iterable: object) -> _Pass:
     w._passes.append(new)
     del w._passes[:-_OPEN_PASSES]
     return new
+
+
+def _taken_elsewhere(w: Watch) -> bool:
+    """Whether this ``next()`` runs in a thread other than the one that steps ``w``, while
+    that one is alive (a prefetch thread; a thread that takes over from an ended one is
+    the loop's). Before the first step no thread steps yet: it notes this one, for the
+    first ``w.step()`` to judge (``claim_steps``)."""
+    me, stepper = threading.current_thread(), w._stepper
+    if stepper is None:
+        w._fetcher = me
+        return False
+    if stepper is me or not stepper.is_alive():
+        return False
+    wait_elsewhere(w, me, stepper)
+    return True
+
+
+def wait_elsewhere(w: Watch, fetcher: threading.Thread, stepper: threading.Thread) -> None:
+    """Note that ``fetcher`` takes the batches ``w.iter()`` times while ``stepper`` steps
+    ``w``, and warn (once per watch): ``fetcher`` waits for each batch while the loop's
+    steps run, so that wait is no wait of the loop's, and the loop's own (taking a batch
+    from the queue) is part of its step. The report then leaves the data wait unmeasured."""
+    if w._wait_elsewhere is not None:
+        return
+    w._wait_elsewhere = (fetcher.name, stepper.name)
+    warnings.warn(
+        f"w.iter() is iterated in thread {fetcher.name!r} while thread {stepper.name!r} "
+        "steps the watch (a prefetch thread?): the time it waits for each batch overlaps "
+        "the training steps and is no wait of the loop's, so the report leaves the data "
+        "wait unmeasured (wait_fraction None, nothing called input-bound) and counts each "
+        "batch's samples in the step under way when it was taken; to measure the loop's "
+        f"wait, wrap what {stepper.name!r} iterates: for batch in w.iter(prefetcher)",
+        RuntimeWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def _pass_ended(w: Watch, done: _Pass) -> None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from trainperf.monitor._records import StepRecord
+from trainperf.monitor._watch_iter import wait_elsewhere
 
 if TYPE_CHECKING:
     from trainperf.monitor._watch import Watch
@@ -58,6 +59,9 @@ def claim_steps(w: Watch) -> None:
     One watch times one loop: steps from two threads would merge into one timeline of
     interleaved steps, each the time since the other thread's last one.
 
+    The first to claim also judges the thread that took ``w.iter()``'s batches before it
+    (see :func:`wait_elsewhere`).
+
     Raises:
         RuntimeError: another thread, still alive, stepped this watch first.
     """
@@ -73,6 +77,10 @@ def claim_steps(w: Watch) -> None:
             )
         w._stepper = me
         w._loop_thread = me.ident
+        fetcher, w._fetcher = w._fetcher, None
+    if owner is None and fetcher is not None and fetcher is not me:
+        # Batches w.iter() timed before this first step were taken in another thread.
+        wait_elsewhere(w, fetcher, me)
 
 
 def _append(w: Watch, now: float, samples: int | None) -> None:
