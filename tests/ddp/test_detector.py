@@ -62,6 +62,21 @@ def test_a_stall_with_one_rank_waiting_is_a_hang(
     assert report is not None and report.verdict.root == (1,)
 
 
+def test_a_rank_whose_main_called_sys_exit_is_named_so_in_the_report(
+    detector: HangDetector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(detector, "_dump", lambda ranks: _stacks())
+    detector.trackers[0].returned()  # type: ignore[attr-defined]
+    detector.returned(0, "sys.exit(0)")
+    report = detector.report(detector._states(), {1: object()}, {0: None}, 1.0)  # type: ignore[dict-item]
+    assert report.ranks[0].doing() == "called sys.exit(0) in main"
+    detector.reset()  # a new attempt: rank 0 may return this time
+    detector.trackers[0].returned()  # type: ignore[attr-defined]
+    detector.returned(0)
+    report = detector.report(detector._states(), {1: object()}, {0: None}, 1.0)  # type: ignore[dict-item]
+    assert report.ranks[0].doing() == "returned from main"
+
+
 def test_torch_compile_on_a_rank_s_other_thread_is_not_a_hang(
     detector: HangDetector, monkeypatch: pytest.MonkeyPatch
 ) -> None:

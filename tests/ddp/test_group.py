@@ -409,6 +409,20 @@ class _RecordingContext:
         return _Unstartable(self.error)
 
 
+def test_the_exit_grace_warning_names_a_rank_that_called_sys_exit_as_such(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # It said "ranks [0, 1] returned from main" of a rank whose main called sys.exit(0).
+    monkeypatch.setattr(_group, "EXIT_GRACE_S", 0.0)
+    group = _make_group(2)
+    group.results = {0: 3, 1: None}
+    group.exit_calls = {1: "sys.exit(0)"}
+    group.running = {0: object(), 1: object()}  # type: ignore[dict-item]
+    with caplog.at_level("WARNING", logger="trainperf.ddp"):
+        group._watch()
+    assert "rank 0 returned from main and rank 1 called sys.exit(0) in main, but" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("error", "raised", "match"),
     [

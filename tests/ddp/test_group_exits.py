@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import multiprocessing
 
-from trainperf.ddp._group_exits import reimported, reported, returned_then_died, unreported
+from trainperf.ddp._group_exits import (
+    not_exited,
+    reimported,
+    reported,
+    returned_then_died,
+    unreported,
+)
 from trainperf.ddp._worker import Failure
 from trainperf.ddp._worker_reimport import REIMPORT_EXIT_CODE
 
@@ -40,3 +46,13 @@ def test_the_main_guard_exit_status_means_a_reimport_only_before_main_loaded() -
 def test_a_rank_that_finished_then_died_is_named_by_how_it_finished() -> None:
     assert returned_then_died(0, None, -11).startswith("rank 0 returned from main, then died")
     assert returned_then_died(1, "sys.exit()", 3).startswith("rank 1 called sys.exit(), then")
+
+
+def test_ranks_that_did_not_exit_are_named_by_how_they_finished_main() -> None:
+    # Ranks whose main called sys.exit(0) were said to have "returned from main".
+    text = not_exited([2, 0, 1], {1: "sys.exit(0)"}, 10.0)
+    assert text.startswith(
+        "ranks 0, 2 returned from main and rank 1 called sys.exit(0) in main, but did not "
+        "exit within 10 s"
+    ), text
+    assert not_exited([1], {1: "sys.exit()"}, 10.0).startswith("rank 1 called sys.exit() in main,")

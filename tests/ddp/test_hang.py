@@ -116,6 +116,16 @@ def test_a_rank_busy_after_the_others_returned_is_the_cause() -> None:
     assert v.headline.endswith("after rank 0 returned from main")
 
 
+def test_a_rank_that_called_sys_exit_is_not_said_to_have_returned_from_main() -> None:
+    # Its slot says returned; the report said "returned from main" of a sys.exit(0).
+    done = RankView(0, "returned", "running", exit_call="sys.exit(0)")
+    v = diagnose([done, _busy(1)])
+    assert (v.kind, v.root) == ("returned", (1,))
+    assert v.headline.endswith("after rank 0 called sys.exit(0) in main"), v.headline
+    both = [done, RankView(2, "returned", "running", exit_call="sys.exit(0)"), _busy(1)]
+    assert diagnose(both).headline.endswith("after ranks 0, 2 called sys.exit(0) in main")
+
+
 def test_a_rank_past_the_ddp_backward_others_wait_in_is_the_cause() -> None:
     stuck = RankView(0, "running", "backward", where=Frame(F, 95, "main"), steps=2)
     ahead = _waits(1, _c(9, "barrier", 98, ""), steps=3)

@@ -274,6 +274,20 @@ def test_launch_rejects_what_spawn_cannot_send(monkeypatch: pytest.MonkeyPatch) 
         ddp.launch(_nested_main, nprocs=2, backend="gloo")
 
 
+def test_an_argument_spawn_cannot_pickle_is_named_with_its_type() -> None:
+    # The error said "they cannot be pickled", leaving the user to find which one.
+    with pytest.raises(
+        ValueError,
+        match=r"and args\[1\] \(function\) cannot be pickled \(\w+Error: .*lambda.*\): "
+        r"pass a picklable value .*start_method='fork'",
+    ):
+        ddp.launch(workers.add, 1, lambda: 2, nprocs=1, backend="gloo")
+    with pytest.raises(
+        ValueError, match=r"and kwargs\['scale'\] \(_thread\.lock\) cannot be pickled \(TypeError"
+    ):
+        ddp.launch(workers.add, 1, 2, scale=threading.Lock(), nprocs=1, backend="gloo")
+
+
 def _mp_spawn_style(rank: int, cfg: dict[str, int]) -> None:
     pass
 

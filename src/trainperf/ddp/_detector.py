@@ -132,6 +132,9 @@ class HangDetector:
         self.slots = open_slots(self.dir / "progress", nprocs)
         self.spec = ProgressSpec(str(self.dir / "progress"), str(self.dir))
         self.pids: dict[int, int] = {}
+        # The ranks whose main called sys.exit(0) (or sys.exit()), and the call: the report
+        # names it, as the LaunchError does (their slots say returned, as for a return).
+        self.exit_calls: dict[int, str] = {}
         self._signature: Any = None
         self._since = time.monotonic()  # when the clock for hang_timeout last started
         self._moved = self._since  # the last change in any rank's progress
@@ -145,14 +148,18 @@ class HangDetector:
         for path in self.dir.glob("rank*.stacks"):
             path.unlink(missing_ok=True)
         self.pids.clear()
+        self.exit_calls.clear()
         self._signature = self._start_signature = None
         self._since = self._moved = self._start_since = time.monotonic()
 
     def started(self, rank: int, pid: int) -> None:
         self.pids[rank] = pid
 
-    def returned(self, rank: int) -> None:
-        """A rank returned from main: progress (the signature counts results too)."""
+    def returned(self, rank: int, exit_call: str | None = None) -> None:
+        """A rank returned from main, or ended it with ``exit_call`` (``"sys.exit(0)"``):
+        progress (the signature counts results too)."""
+        if exit_call is not None:
+            self.exit_calls[rank] = exit_call
 
     def _states(self) -> list[SlotState]:
         return [read_slot(self.slots, r) for r in range(self.n)]
@@ -275,7 +282,10 @@ class HangDetector:
             status: _hang_view.Status = (
                 "returned" if rank in results else "running" if rank in running else "gone"
             )
-            views.append(rank_view(rank, status, slot, stacks.get(rank)))
+            view = rank_view(rank, status, slot, stacks.get(rank))
+            if status == "returned" and rank in self.exit_calls:
+                view = dataclasses.replace(view, exit_call=self.exit_calls[rank])
+            views.append(view)
         verdict = _hang.diagnose(views)
         return _hang_report.HangReport(self.timeout, stalled_s, self.n, verdict, tuple(views))
 

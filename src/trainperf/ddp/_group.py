@@ -43,7 +43,7 @@ from trainperf.ddp._group_report import maybe_lost_peer as _maybe_lost_peer
 from trainperf.ddp._procs import Interrupted, SignalGuard, signal_tree, stop_ending
 from trainperf.ddp._stderr import StartupStderr, redirected_stderr, unredirected_stderr
 from trainperf.ddp._worker import WorkerSpec, worker_main
-from trainperf.ddp._worker_pickle import InheritedFd
+from trainperf.ddp._worker_pickle import InheritedFd, UnpicklableArgument
 from trainperf.ddp._worker_reimport import WORKER_NAME_PREFIX
 from trainperf.errors import LaunchError
 
@@ -55,6 +55,23 @@ logger = logging.getLogger("trainperf.ddp")
 TERM_GRACE_S = 3.0
 # After every rank has reported its result, how long the processes get to exit on their own.
 EXIT_GRACE_S = 10.0
+
+
+def _unpicklable(e: BaseException) -> str:
+    """The error for main or an argument that spawn cannot pickle: which one, and its type."""
+    if not isinstance(e, UnpicklableArgument):
+        return (
+            "start_method='spawn' pickles main's args and kwargs for every worker, "
+            f"and they cannot be pickled: {e}; pass picklable values (build "
+            "unpicklable objects inside main), or use start_method='fork'"
+        )
+    cause = e.__cause__
+    return (
+        "start_method='spawn' pickles main and its args and kwargs for every worker, and "
+        f"{e.label} cannot be pickled ({type(cause).__name__}: {cause}): pass a picklable "
+        "value (build unpicklable objects such as locks, open files and sockets inside main), "
+        "or use start_method='fork'"
+    )
 
 
 class Group:
@@ -163,11 +180,7 @@ class Group:
             writer.close()
             if not isinstance(e, (pickle.PicklingError, AttributeError, TypeError)):
                 raise
-            raise ValueError(
-                "start_method='spawn' pickles main's args and kwargs for every worker, "
-                f"and they cannot be pickled: {e}; pass picklable values (build "
-                "unpicklable objects inside main), or use start_method='fork'"
-            ) from e
+            raise ValueError(_unpicklable(e)) from e
         # Closing our copy now keeps later forked workers from inheriting it.
         writer.close()
         with contextlib.suppress(OSError):  # the worker does it too; the first one wins
@@ -221,7 +234,7 @@ class Group:
             if kind == "exit":
                 self.exit_calls[rank] = payload
             if self.detector is not None:
-                self.detector.returned(rank)
+                self.detector.returned(rank, self.exit_calls.get(rank))
             return
         problem, repeats = _group_exits.reported(payload, self.spec.main)
         self.restartable = self.restartable and not repeats
@@ -341,11 +354,9 @@ class Group:
                     exit_deadline = time.monotonic() + EXIT_GRACE_S
                 timeout = exit_deadline - time.monotonic()
                 if timeout <= 0:
+                    ranks = list(self.running)
                     logger.warning(
-                        "ranks %s returned from main but did not exit within %.0f s "
-                        "(a non-daemon thread?); stopping them",
-                        sorted(self.running),
-                        EXIT_GRACE_S,
+                        "%s", _group_exits.not_exited(ranks, self.exit_calls, EXIT_GRACE_S)
                     )
                     return
             if not self._wait_once(timeout):

@@ -20,7 +20,7 @@ from trainperf.ddp._procs import death_summary
 from trainperf.ddp._worker import Failure
 from trainperf.ddp._worker_reimport import REIMPORT_EXIT_CODE
 
-__all__ = ["finished", "reimported", "reported", "returned_then_died", "unreported"]
+__all__ = ["finished", "not_exited", "reimported", "reported", "returned_then_died", "unreported"]
 
 
 def reported(failure: Failure, main: Callable[..., Any] | None) -> tuple[Problem, bool]:
@@ -122,3 +122,27 @@ def returned_then_died(rank: int, call: str | None, code: int) -> str:
     """
     how = death_summary(code).replace(" without reporting an error", " while shutting down")
     return f"rank {rank} {finished(call)}, then {how}"
+
+
+def not_exited(ranks: list[int], exit_calls: dict[int, str], grace_s: float) -> str:
+    """The warning for ranks that finished main but had not exited ``grace_s`` later, named
+    by how they finished it (``exit_calls``: rank -> ``"sys.exit(0)"``), as the
+    ``LaunchError`` names them.
+
+    Example:
+        >>> not_exited([0, 1, 2], {1: "sys.exit(0)"}, 10.0)[:75]
+        'ranks 0, 2 returned from main and rank 1 called sys.exit(0) in main, but di'
+    """
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(ranks):
+        call = exit_calls.get(rank)
+        how = "returned from main" if call is None else f"called {call} in main"
+        groups.setdefault(how, []).append(rank)
+    who = " and ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} {how}"
+        for how, rs in groups.items()
+    )
+    return (
+        f"{who}, but did not exit within {grace_s:.0f} s (a non-daemon thread?); stopping "
+        f"{'it' if len(ranks) == 1 else 'them'}"
+    )

@@ -37,6 +37,7 @@ class RankView:
     compiling: bool = False  # torch.compile's compiler on one of its threads
     stuck_in: str = ""  # the known slow work (busy()) it has been in past the cap
     stuck_s: float = 0.0  # for how long
+    exit_call: str = ""  # returned: the call that ended main instead ("sys.exit(0)"), if any
 
     @property
     def waiting(self) -> bool:
@@ -58,7 +59,7 @@ class RankView:
         at = f" at {self.where}" if self.where else ""
         code = f" (`{self.line}`)" if self.line else ""
         if self.status == "returned":
-            return "returned from main"
+            return f"called {self.exit_call} in main" if self.exit_call else "returned from main"
         if self.status == "gone":
             return "has exited"
         if self.status == "unknown":

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-__all__ = ["InheritedFd", "called_function"]
+__all__ = ["InheritedFd", "UnpicklableArgument", "called_function"]
 
 _MAIN = "main"
 # The labels of what this worker has unpickled so far, in order: the first one missing after
@@ -63,6 +63,15 @@ def _class_name(cls: type) -> str:
     return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
+class UnpicklableArgument(pickle.PicklingError):
+    """Packing ``(main, args, kwargs)`` failed on the value ``label`` names (``"main"``,
+    ``"args[1] (pkg.Cls)"``); the pickler's own error is its ``__cause__``."""
+
+    def __init__(self, label: str, error: BaseException) -> None:
+        super().__init__(f"{label}: {type(error).__name__}: {error}")
+        self.label = label
+
+
 class _CopyingPickler(ForkingPickler):
     """multiprocessing's pickler (queues, pipes and locks travel as under spawn), except
     that tensors are copied into each rank, as a forked rank or a torchrun rank has its own:
@@ -76,8 +85,14 @@ class _CopyingPickler(ForkingPickler):
         # One storage object per storage, so pickle's memo writes it once and views of one
         # buffer (parameters carved out of a flat one) stay views of one copy in the rank.
         self._storages: dict[tuple[int, Any], Any] = {}
+        # The label of the value being pickled: pickling is depth first, so the last one
+        # reached when pickling fails is the one that failed.
+        self.label = _MAIN
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, _Labelled):
+            self.label = obj.label
+            return NotImplemented
         torch = sys.modules.get("torch")  # not imported: there is no tensor to pickle
         if torch is None:
             return NotImplemented
@@ -106,8 +121,24 @@ class _CopyingPickler(ForkingPickler):
 
 
 def _pack(call: tuple[Any, ...]) -> bytes:
+    """``call`` (from :func:`_labelled`) pickled; a value that cannot be pickled raises
+    :class:`UnpicklableArgument` naming it.
+
+    Example:
+        >>> import threading
+        >>> call, _ = _labelled(print, (1, threading.Lock()), {})
+        >>> try:
+        ...     _pack(call)
+        ... except UnpicklableArgument as e:
+        ...     print(e.label)
+        args[1] (_thread.lock)
+    """
     buf = io.BytesIO()
-    _CopyingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(call)
+    pickler = _CopyingPickler(buf, pickle.HIGHEST_PROTOCOL)
+    try:
+        pickler.dump(call)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise UnpicklableArgument(pickler.label, e) from e
     return buf.getvalue()
 
 
