@@ -14,6 +14,7 @@ from trainperf.bench import MatmulResult, bench_matmul
 from trainperf.errors import DeviceError
 
 matmul_module = importlib.import_module("trainperf.bench._matmul")
+host_notes_module = importlib.import_module("trainperf.bench._host_notes")
 common_module = importlib.import_module("trainperf.bench._common")
 
 
@@ -111,9 +112,9 @@ def test_matmul_result_to_dict_is_json_safe_and_its_str_is_the_report(
 def test_emulated_half_precision_on_the_cpu_says_so(
     monkeypatch: pytest.MonkeyPatch, native_bf16: bool
 ) -> None:
-    monkeypatch.setattr(matmul_module, "cpu_has_bf16_kernels", lambda: native_bf16)
+    monkeypatch.setattr(host_notes_module, "cpu_has_bf16_kernels", lambda: native_bf16)
     fp16 = bench_matmul("fp16", size=32, iterations=1, warmup=1, device="cpu")
-    assert any("no native fp16 matrix product" in n for n in fp16.notes), fp16.notes
+    assert any("no native fp16 arithmetic" in n for n in fp16.notes), fp16.notes
     bf16 = bench_matmul("bf16", size=32, iterations=1, warmup=1, device="cpu")
     assert any("no native bf16" in n for n in bf16.notes) is not native_bf16
     fp32 = bench_matmul("fp32", size=32, iterations=1, warmup=1, device="cpu")

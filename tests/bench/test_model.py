@@ -20,6 +20,7 @@ from trainperf.errors import DeviceError
 from trainperf.limits import HostLimits
 
 model_module = importlib.import_module("trainperf.bench._model")
+host_notes_module = importlib.import_module("trainperf.bench._host_notes")
 
 # One warm-up batch and one timed batch of one small image: each CPU run takes about a second.
 TINY = {"device": "cpu", "batch_size": 1, "image_size": 32, "iterations": 1, "warmup_batches": 1}
@@ -103,6 +104,23 @@ def test_bench_model_refuses_a_flag_that_is_not_a_bool(
     # Before: train="no" was taken as true and trained.
     with pytest.raises(TypeError, match=match):
         bench_model(**{**TINY, **kwargs})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("precision", "native_bf16", "noted"),
+                         [("fp16", True, True), ("bf16", False, True), ("bf16", True, False),
+                          ("fp32", False, False)])  # fmt: skip
+def test_emulated_half_precision_on_the_cpu_is_noted_as_bench_matmul_does(
+    monkeypatch: pytest.MonkeyPatch, precision: str, native_bf16: bool, noted: bool
+) -> None:
+    # Before: bench model in fp16 on a CPU without fp16 kernels gave a figure with no note
+    # that torch emulated it, where bench matmul said so.
+    monkeypatch.setattr(model_module, "_build", lambda model, size: torch.nn.Conv2d(3, 1, 1))
+    monkeypatch.setattr(host_notes_module, "cpu_has_bf16_kernels", lambda: native_bf16)
+    r = bench_model("resnet50", precision, **TINY)  # type: ignore[arg-type]
+    emulated = [n for n in r.notes if "torch emulates it" in n]
+    matmul = bench_matmul(precision, size=8, iterations=1, warmup=1, device="cpu")  # type: ignore[arg-type]
+    assert emulated == [n for n in matmul.notes if "torch emulates it" in n]
+    assert bool(emulated) is noted
 
 
 @pytest.mark.parametrize("tf32", [True, False, None])
@@ -292,13 +310,13 @@ def test_bench_result_to_dict_is_json_safe_and_its_str_is_the_report(fake_a100: 
 
 @pytest.mark.slow
 def test_a_busy_host_is_noted_with_doctors_load_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_module, "cgroup_cpu_pressure", lambda: None)
-    monkeypatch.setattr(model_module, "load_average", lambda: 40.0)
+    monkeypatch.setattr(host_notes_module, "cgroup_cpu_pressure", lambda: None)
+    monkeypatch.setattr(host_notes_module, "load_average", lambda: 40.0)
     result = bench_model("resnet50", "fp32", device="cpu", warmup_batches=1)
     busy = [n for n in result.notes if n.startswith("the host was busy while measuring")]
     assert busy and "40.0" in busy[0] and "run fewer jobs at once" in busy[0]
     assert "Note: the host was busy" in str(result)
-    monkeypatch.setattr(model_module, "load_average", lambda: 0.0)
+    monkeypatch.setattr(host_notes_module, "load_average", lambda: 0.0)
     quiet = bench_model("resnet50", "fp32", device="cpu", warmup_batches=1)
     assert not any("busy" in n for n in quiet.notes)
 
@@ -306,10 +324,10 @@ def test_a_busy_host_is_noted_with_doctors_load_check(monkeypatch: pytest.Monkey
 def test_a_shared_hosts_load_is_not_read_as_a_busy_host(monkeypatch: pytest.MonkeyPatch) -> None:
     # A container allowed 2 of a 64-core host's CPUs: a host-wide load of 40 is other tenants
     # on other cores, not contention for this run's (before: noted as "the host was busy").
-    monkeypatch.setattr(model_module, "load_average", lambda: 40.0)
-    monkeypatch.setattr(model_module, "cgroup_cpu_pressure", lambda: (0.01, "cgroup"))
+    monkeypatch.setattr(host_notes_module, "load_average", lambda: 40.0)
+    monkeypatch.setattr(host_notes_module, "cgroup_cpu_pressure", lambda: (0.01, "cgroup"))
     pod = HostLimits(64, 64, 2.0, 2, 2**36, None, 2**35, None, None)
-    monkeypatch.setattr(model_module, "host_limits", lambda: pod)
+    monkeypatch.setattr(host_notes_module, "host_limits", lambda: pod)
     result = bench_model(
         "resnet50", device="cpu", batch_size=1, image_size=32, iterations=1, warmup_batches=1
     )
@@ -319,27 +337,12 @@ def test_a_shared_hosts_load_is_not_read_as_a_busy_host(monkeypatch: pytest.Monk
 def test_a_quota_job_crowding_its_own_cpus_is_noted(monkeypatch: pytest.MonkeyPatch) -> None:
     # A container allowed 2 of a 64-core host's CPUs whose own threads waited for them 60 %
     # of the last minute: a host-wide load of 40 is under 1.5 x 64 (before: no note).
-    monkeypatch.setattr(model_module, "load_average", lambda: 40.0)
-    monkeypatch.setattr(model_module, "cgroup_cpu_pressure", lambda: (0.6, "cgroup"))
+    monkeypatch.setattr(host_notes_module, "load_average", lambda: 40.0)
+    monkeypatch.setattr(host_notes_module, "cgroup_cpu_pressure", lambda: (0.6, "cgroup"))
     pod = HostLimits(64, 64, 2.0, 2, 2**36, None, 2**35, None, None)
-    monkeypatch.setattr(model_module, "host_limits", lambda: pod)
+    monkeypatch.setattr(host_notes_module, "host_limits", lambda: pod)
     result = bench_model(
         "resnet50", device="cpu", batch_size=1, image_size=32, iterations=1, warmup_batches=1
     )
     busy = [n for n in result.notes if n.startswith("the host was busy while measuring")]
     assert busy and "CPU pressure 60%" in busy[0] and "(2 CPUs) waited" in busy[0]
-
-
-def test_a_pods_note_ignores_the_host_wide_cpu_pressure(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A container allowed 2 of a 64-core host's CPUs whose cgroup reports no PSI: the
-    # host-wide pressure counts other tenants' threads on other cores (before: noted).
-    monkeypatch.setattr(model_module, "load_average", lambda: 1.0)
-    monkeypatch.setattr(model_module, "cgroup_cpu_pressure", lambda: (0.6, "host"))
-    pod = HostLimits(64, 64, 2.0, 2, 2**36, None, 2**35, None, None)
-    monkeypatch.setattr(model_module, "host_limits", lambda: pod)
-    assert model_module._host_notes_now() == ()
-    # With all the host's CPUs usable, the host's threads are this run's neighbours.
-    whole = HostLimits(64, 64, None, 64, 2**36, None, 2**35, None, None)
-    monkeypatch.setattr(model_module, "host_limits", lambda: whole)
-    (note,) = model_module._host_notes_now()
-    assert note.startswith("the host was busy") and "threads on this host waited" in note

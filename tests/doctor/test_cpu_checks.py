@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.doctor._fakes import _pool
@@ -11,6 +13,7 @@ from trainperf.doctor import (
     check_steal,
     check_threads,
 )
+from trainperf.limits import PressureScope, cgroup_cpu_pressure
 
 
 def test_blas_openblas_vs_mkl_on_intel_and_amd() -> None:
@@ -84,6 +87,47 @@ def test_threads_omp_takes_a_list_per_nesting_level_as_openmp_does(
     assert check.verdict == verdict and "must be an integer" not in check.fix
     bad = check_threads(1, "1,0", cpus=4)
     assert bad.verdict == "warn" and "or a comma-separated list of them" in bad.fix
+
+
+@pytest.mark.parametrize("name", ["MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"])
+@pytest.mark.parametrize("value", ["-3", "abc", "0", "", "2,1", "1_0"])
+def test_threads_flags_an_invalid_mkl_or_openblas_thread_count(name: str, value: str) -> None:
+    # Before: OMP_NUM_THREADS=0 was flagged, MKL_NUM_THREADS=-3 not, though MKL, OpenBLAS
+    # and torch ignore it just the same and start one thread per core.
+    check = check_threads(2, "2", cpus=8, processes=2, env={name: value})
+    if name == "MKL_NUM_THREADS":
+        reader = "MKL and torch then ignore it and start"
+    else:
+        reader = "OpenBLAS then ignores it and starts"
+    assert check.verdict == "warn"
+    assert f"{name}={value!r}" in check.value or f"{name}={value}," in check.value
+    assert check.fix == (
+        f"{name} must be an integer >= 1, got {value!r} ({reader} one thread per core): set "
+        f"{name}=4"
+    )
+
+
+def test_threads_takes_a_valid_mkl_and_openblas_thread_count() -> None:
+    env = {"MKL_NUM_THREADS": "4", "OPENBLAS_NUM_THREADS": " 1 ", "PATH": "/bin"}
+    check = check_threads(2, None, cpus=8, env=env)
+    assert check.verdict == "ok"
+    assert check.value == (
+        "torch 2 threads, OMP_NUM_THREADS=unset, MKL_NUM_THREADS=4, "
+        "OPENBLAS_NUM_THREADS=' 1 ', 8 usable CPUs, 1 process(es)"
+    )
+    # Unset, they are not shown: the value reads as before.
+    assert check_threads(2, None, cpus=8, env={}) == check_threads(2, None, cpus=8)
+
+
+def test_threads_names_every_invalid_thread_variable() -> None:
+    env = {"MKL_NUM_THREADS": "0", "OPENBLAS_NUM_THREADS": "x"}
+    check = check_threads(2, "0", cpus=8, env=env)
+    assert check.verdict == "warn"
+    assert [part.split(" must ")[0] for part in check.fix.split("; ")] == [
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+    ]
 
 
 def test_load_average_against_the_usable_cpus() -> None:
@@ -200,7 +244,7 @@ def test_load_without_cpu_pressure_keeps_the_load_average_rule() -> None:
 
 def test_load_names_a_host_wide_pressure_as_such() -> None:
     host = check_load(4.0, cpus=8, pressure_scope="host", cpu_pressure=0.5)
-    assert host.verdict == "warn" and "host-wide, no cgroup figure" in host.value
+    assert host.verdict == "warn" and "host-wide PSI" in host.value
     assert "threads on this host waited for a core 50%" in host.fix
     whole = check_load(40.0, cpus=128, host_cpus=128, cpu_pressure=0.5, pressure_scope="host")
     assert whole.verdict == "warn" and "run fewer jobs at once" in whole.fix
@@ -214,10 +258,71 @@ def test_load_of_a_pod_is_not_warned_on_the_hosts_pressure() -> None:
     # the host-wide figure counts its neighbours' threads on other cores (before: warn).
     pod = check_load(40.0, cpus=8, host_cpus=128, cpu_pressure=0.5, pressure_scope="host")
     assert pod.verdict == "ok" and pod.fix == ""
-    assert "CPU pressure 50% (the host's (host-wide, no cgroup figure) PSI" in pod.value
+    assert "CPU pressure 50% (host-wide PSI" in pod.value
     assert "not judged: 8 of the host's 128 CPUs usable here" in pod.value
     # A host overloaded as a whole still warns, by its load average.
     assert check_load(200.0, 8, host_cpus=128, cpu_pressure=0.5, pressure_scope="host").fix
+
+
+def _psi(path: Path, avg60: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"some avg10=0.00 avg60={avg60:.2f} avg300=0.00 total=1\n")
+
+
+def _pressure_of(tmp_path: Path, source: str) -> tuple[float, PressureScope] | None:
+    """``cgroup_cpu_pressure()`` of a fake host whose 62 % figure comes from ``source``."""
+    root, proc_cgroup, proc_pressure = tmp_path / "cg", tmp_path / "self", tmp_path / "psi"
+    if source == "cgroup":  # a container's own cgroup
+        proc_cgroup.write_text("0::/job\n")
+        _psi(root / "job" / "cpu.pressure", 62.0)
+        (root / "job" / "cgroup.type").write_text("domain\n")
+    elif source == "root cgroup":  # no container: the root's cpu.pressure is the host's
+        proc_cgroup.write_text("0::/\n")
+        _psi(root / "cpu.pressure", 62.0)
+    else:  # no cgroup figure (cgroup v1): /proc/pressure/cpu
+        proc_cgroup.write_text("")
+        _psi(proc_pressure, 62.0)
+    return cgroup_cpu_pressure(root, proc_cgroup, proc_pressure)
+
+
+@pytest.mark.parametrize(
+    ("source", "value", "fix"),
+    [
+        (
+            "cgroup",
+            "CPU pressure 62% (this cgroup's PSI some avg60)",
+            "this cgroup's threads waited for a core 62% of the last minute: run fewer jobs",
+        ),
+        (
+            "root cgroup",
+            "CPU pressure 62% (host-wide PSI some avg60)",
+            "threads on this host waited for a core 62% of the last minute (a host-wide "
+            "figure): run fewer jobs",
+        ),
+        (
+            "/proc/pressure",
+            "CPU pressure 62% (host-wide PSI some avg60)",
+            "threads on this host waited for a core 62% of the last minute (a host-wide "
+            "figure): run fewer jobs",
+        ),
+    ],
+)
+def test_load_words_each_pressure_source_in_one_bracket(
+    tmp_path: Path, source: str, value: str, fix: str
+) -> None:
+    # Before: "CPU pressure 62% (the host's (host-wide, no cgroup figure) PSI some avg60)",
+    # brackets in brackets, and "no cgroup figure" where the root cgroup's was read.
+    pressure = _pressure_of(tmp_path, source)
+    assert pressure is not None
+    check = check_load(None, cpus=8, cpu_pressure=pressure[0], pressure_scope=pressure[1])
+    assert check.verdict == "warn" and check.value == value
+    assert check.fix.startswith(fix)
+    pod = check_load(None, 8, host_cpus=64, cpu_pressure=pressure[0], pressure_scope=pressure[1])
+    if pressure[1] == "host":
+        assert pod.value == (
+            f"{value}, not judged: 8 of the host's 64 CPUs usable here, so other jobs' threads "
+            "on other cores count too"
+        )
 
 
 @pytest.mark.parametrize("share", [-0.1, 1.5, float("nan"), "0.3", True])

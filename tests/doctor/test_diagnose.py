@@ -275,6 +275,14 @@ def test_diagnose_reads_the_steal_since_boot(monkeypatch: pytest.MonkeyPatch) ->
     assert {c.name: c for c in diagnose(limits=limits(), env={}).checks}["steal"].verdict == "ok"
 
 
+@pytest.mark.parametrize("name", ["MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"])
+def test_diagnose_flags_an_invalid_blas_thread_variable(name: str) -> None:
+    # Before: OMP_NUM_THREADS=abc was flagged, MKL_NUM_THREADS=-3 passed as ok.
+    threads = {c.name: c for c in diagnose(limits=limits(), env={name: "-3"}).checks}["threads"]
+    assert threads.verdict == "warn" and f"{name}=-3" in threads.value
+    assert threads.fix.startswith(f"{name} must be an integer >= 1, got '-3'")
+
+
 def test_diagnose_against_a_faked_host(tmp_path: Path) -> None:
     write(tmp_path / "cpu.max", "100000 100000\n")
     faked = host_limits(cgroup_root=tmp_path, proc_cgroup=tmp_path / "none", shm_path=tmp_path)

@@ -15,7 +15,6 @@ from typing import Any, Literal
 import torch
 
 from trainperf._utils.validate import choice, positive_int
-from trainperf.amp._precision import cpu_has_bf16_kernels
 from trainperf.amp._tf32 import tf32
 from trainperf.bench._common import (
     check_host_memory,
@@ -25,6 +24,7 @@ from trainperf.bench._common import (
     result_dict,
     synchronize,
 )
+from trainperf.bench._host_notes import cpu_emulation_notes
 from trainperf.bench._reference import GpuSpec, find_gpu_spec
 from trainperf.errors import DeviceError
 
@@ -110,7 +110,7 @@ def _check_dtype_on(dtype: str, device: torch.device) -> tuple[str, ...]:
             "Ampere and newer GPUs; on the CPU fp32 matmuls ignore it"
         )
     if device.type != "cuda":
-        return _cpu_notes(dtype)
+        return cpu_emulation_notes(dtype)
     capability = torch.cuda.get_device_capability(device)
     # The device asked for, not the current one (which is_bf16_supported() looks at).
     if dtype == "bf16" and capability < (8, 0):
@@ -121,17 +121,6 @@ def _check_dtype_on(dtype: str, device: torch.device) -> tuple[str, ...]:
     if dtype == "tf32" and capability < (8, 0):
         return ("this GPU predates TF32 (Ampere): tf32 runs as plain fp32",)
     return ()
-
-
-def _cpu_notes(dtype: str) -> tuple[str, ...]:
-    """Half precision this CPU does not compute natively: torch emulates it, slowly."""
-    emulated = dtype == "fp16" or (dtype == "bf16" and not cpu_has_bf16_kernels())
-    if not emulated:
-        return ()
-    return (
-        f"this CPU has no native {dtype} matrix product: torch emulates it, so this is not a "
-        "hardware rate; compare fp32 (bench matmul on a GPU measures the tensor cores)",
-    )
 
 
 def _seconds_per_product(

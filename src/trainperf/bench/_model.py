@@ -29,6 +29,7 @@ from trainperf.bench._common import (
     resolve_device,
     synchronize,
 )
+from trainperf.bench._host_notes import cpu_emulation_notes, host_notes_now
 from trainperf.bench._reference import (
     BenchPrecision,
     ModelName,
@@ -36,9 +37,7 @@ from trainperf.bench._reference import (
     compare_to_reference,
 )
 from trainperf.bench._result import BenchResult
-from trainperf.doctor._cpu_checks import check_load, load_average
 from trainperf.errors import DeviceError
-from trainperf.limits import PressureScope, cgroup_cpu_pressure, host_limits
 
 __all__ = ["BenchPrecision", "ModelName", "bench_model", "format_iteration"]
 
@@ -151,6 +150,14 @@ def _tf32_notes(tf32: bool | None, dev: torch.device) -> tuple[str, ...]:
         f"tf32=True has no effect on {dev}: TF32 needs compute capability 8.0 (Ampere) or "
         f"newer, and it has {major}.{minor}",
     )
+
+
+def _notes_before(precision: str, tf32: bool | None, dev: torch.device) -> tuple[str, ...]:
+    """The notes known before the run: a busy host (its load read now, as the run's own
+    threads would count in it later), ``tf32=True`` with no effect, a precision the CPU
+    only emulates."""
+    emulated = cpu_emulation_notes(precision) if dev.type == "cpu" else ()
+    return host_notes_now() + _tf32_notes(tf32, dev) + emulated
 
 
 def _check_arguments(model: str, precision: str, **flags: object) -> None:
@@ -293,37 +300,6 @@ def _measure(
     return _Timing(seconds, rates, tf32_matmul=state.matmul, tf32_cudnn=state.cudnn)
 
 
-def _busy_host_notes(
-    load: float | None,
-    cpus: int,
-    host_cpus: int | None = None,
-    pressure: tuple[float, PressureScope] | None = None,
-) -> tuple[str, ...]:
-    """A note when other work crowded the host while measuring (doctor's ``load`` check:
-    the host-wide load against the host's CPUs where this process may use fewer, and the
-    CPU pressure of its cgroup, ``cgroup_cpu_pressure()``, where Linux reports one; a
-    host-wide pressure only where this process may use all the host's CPUs).
-
-    Example:
-        >>> _busy_host_notes(12.0, 2)[0].startswith("the host was busy")
-        True
-        >>> _busy_host_notes(1.0, 2), _busy_host_notes(12.0, 2, host_cpus=64)
-        ((), ())
-        >>> len(_busy_host_notes(12.0, 2, host_cpus=64, pressure=(0.5, "cgroup")))
-        1
-    """
-    share: float | None = None
-    scope: PressureScope = "cgroup"
-    if pressure is not None:
-        share, scope = pressure
-    check = check_load(load, cpus, host_cpus=host_cpus, cpu_pressure=share, pressure_scope=scope)
-    if check.verdict != "warn":
-        return ()
-    return (
-        f"the host was busy while measuring ({check.value}), so the figure may be low: {check.fix}",
-    )
-
-
 def _comparison(
     device: torch.device,
     device_name: str,
@@ -362,18 +338,6 @@ def _comparison(
     if channels_last:
         notes.append("channels_last is faster than the reference's default layout")
     return comparison, tuple(notes)
-
-
-def _host_notes_now() -> tuple[str, ...]:
-    """:func:`_busy_host_notes` from this host's load average, CPUs and CPU pressure now (read
-    before a run: the 1-minute average would otherwise count the bench's own threads)."""
-    limits = host_limits()
-    return _busy_host_notes(
-        load_average(),
-        limits.cpus,
-        max(limits.cpus, limits.cpus_host),
-        cgroup_cpu_pressure(),
-    )
 
 
 def bench_model(
@@ -459,8 +423,7 @@ def bench_model(
         model, precision, settings, dev, train=train, channels_last=channels_last
     )
     what = f"{model} in {precision} is not supported on {dev}"
-    # The load before the run, which would count its own threads.
-    notes = _host_notes_now() + _tf32_notes(tf32, dev)
+    notes = _notes_before(precision, tf32, dev)
     timing = _measure(
         run_batch, settings, dev, what=what, train=train, tf32=tf32, on_iteration=on_iteration
     )

@@ -159,6 +159,18 @@ def _run_bench_matmul(args: argparse.Namespace) -> int:
     return _status(results)
 
 
+def _check_h2d_device(device: str) -> None:
+    """:func:`_check_device` for ``bench h2d``, whose error for a device other than CUDA
+    says why it takes only CUDA: it copies host memory to a GPU."""
+    try:
+        _check_device(device, allowed=("cuda",))
+    except ValueError as e:
+        raise ValueError(
+            "bench h2d measures host-to-GPU copies, so it needs a CUDA device (--device cuda "
+            f"or --device cuda:<i>, or no --device for the best one), got --device {device}"
+        ) from e
+
+
 def _run_bench_h2d(args: argparse.Namespace) -> int:
     import torch
 
@@ -167,10 +179,10 @@ def _run_bench_h2d(args: argparse.Namespace) -> int:
     from trainperf.errors import DeviceError
 
     # A device named on the command line must exist (cuda:3 on a 1-GPU host is an error, as
-    # for matmul); with none named, a host without CUDA is a skipped record (bench_h2d's
-    # "needs CUDA"), so None is not checked here.
-    if args.device is not None:
-        _check_device(args.device, allowed=("cuda",))
+    # for matmul); with none named (or "auto", which bench_h2d reads as none), a host without
+    # CUDA is a skipped record (bench_h2d's "needs CUDA"), so those are not checked here.
+    if args.device not in (None, "auto"):
+        _check_h2d_device(args.device)
     size = args.size_mb * _MiB
     # Checked here too, so that the error names the option and the value as typed, where
     # bench_h2d's names its size_bytes.

@@ -95,45 +95,76 @@ def check_blas(
     return Check("blas", "ok", value)
 
 
-# One level of OMP_NUM_THREADS as libgomp reads it (strtoul, C whitespace around it): ASCII
+# One thread count as libgomp reads OMP_NUM_THREADS (strtoul, C whitespace around it): ASCII
 # digits only, where Python's int() also takes "1_0" and "\u0664", which libgomp rejects.
-_OMP_LEVEL = re.compile(r"[ \t\n\v\f\r]*\+?([0-9]+)[ \t\n\v\f\r]*")
+_THREAD_COUNT = re.compile(r"[ \t\n\v\f\r]*\+?([0-9]+)[ \t\n\v\f\r]*")
+
+# The thread-count variables torch and NumPy's BLAS read, and what a bad value leads to.
+_THREAD_VARIABLES = {
+    "OMP_NUM_THREADS": "OpenMP then ignores it and starts one thread per core",
+    "MKL_NUM_THREADS": "MKL and torch then ignore it and start one thread per core",
+    "OPENBLAS_NUM_THREADS": "OpenBLAS then ignores it and starts one thread per core",
+}
 
 
-def _omp_threads(text: str | None) -> int | None:
-    """The outermost thread count of ``OMP_NUM_THREADS``: an integer >= 1, or a list of them
-    (``"4,2"``, one per nesting level, as OpenMP accepts); None when unset or unreadable."""
+def _thread_count(text: str | None, *, nested: bool = False) -> int | None:
+    """The (outermost) thread count of a thread-count variable: an integer >= 1, or with
+    ``nested`` (``OMP_NUM_THREADS``) a list of them (``"4,2"``, one per nesting level, as
+    OpenMP accepts); None when unset or unreadable."""
     if text is None:
         return None
-    matches = [_OMP_LEVEL.fullmatch(part) for part in text.split(",")]
+    matches = [_THREAD_COUNT.fullmatch(part) for part in (text.split(",") if nested else [text])]
     levels = [int(m.group(1)) for m in matches if m is not None]
     if len(levels) != len(matches) or not all(n >= 1 for n in levels):
         return None
     return levels[0]
 
 
-def _omp_setting(text: str | None) -> str:
-    """The variable as the value shows it: ``unset``, or as written (quoted when it is empty
+def _setting(text: str | None) -> str:
+    """A variable as the value shows it: ``unset``, or as written (quoted when it is empty
     or has spaces at either end, which would otherwise not show)."""
     if text is None:
         return "unset"
     return text if text and text == text.strip() else repr(text)
 
 
+def _invalid_thread_variable(name: str, text: str | None, share: int) -> str:
+    """The fix where thread-count variable ``name`` is set to what its readers ignore (0,
+    a negative number, junk), else ''."""
+    nested = name == "OMP_NUM_THREADS"
+    if text is None or _thread_count(text, nested=nested) is not None:
+        return ""
+    lists = " (or a comma-separated list of them, one per nesting level)" if nested else ""
+    return (
+        f"{name} must be an integer >= 1{lists}, got {text!r} ({_THREAD_VARIABLES[name]}): "
+        f"set {name}={share}"
+    )
+
+
 def check_threads(
-    torch_threads: int, omp_num_threads: str | None, cpus: int, processes: int = 1
+    torch_threads: int,
+    omp_num_threads: str | None,
+    cpus: int,
+    processes: int = 1,
+    *,
+    env: Mapping[str, str] | None = None,
 ) -> Check:
-    """torch's intra-op threads, ``OMP_NUM_THREADS`` and oversubscription of the CPUs.
+    """torch's intra-op threads, the thread-count variables and oversubscription of the CPUs.
 
     Every PyTorch process starts one thread per core it sees; several training processes on
     one host (several experiments, or DDP ranks) then thrash. The fix is
-    ``torch.set_num_threads(cpus // processes)`` in each.
+    ``torch.set_num_threads(cpus // processes)`` in each. ``OMP_NUM_THREADS``,
+    ``MKL_NUM_THREADS`` and ``OPENBLAS_NUM_THREADS`` set to 0, a negative number or junk are
+    ignored by what reads them (OpenMP, MKL and torch, OpenBLAS), which then start one
+    thread per core: a warning too.
 
     Args:
         torch_threads: ``torch.get_num_threads()``.
         omp_num_threads: the ``OMP_NUM_THREADS`` variable, None when unset.
         cpus: usable CPUs.
         processes: training processes sharing the host (``LOCAL_WORLD_SIZE`` under torchrun).
+        env: the environment (``os.environ``), read for ``MKL_NUM_THREADS`` and
+            ``OPENBLAS_NUM_THREADS`` (shown where set); None: neither is set.
 
     Raises:
         ValueError: ``cpus``, ``processes`` or ``torch_threads`` is not an int >= 1.
@@ -145,25 +176,23 @@ def check_threads(
         'ok'
         >>> check_threads(4, "0", cpus=16).verdict
         'warn'
+        >>> check_threads(4, "4", cpus=16, processes=4, env={"MKL_NUM_THREADS": "-3"}).verdict
+        'warn'
     """
     cpus = positive_int("cpus", cpus)
     processes = positive_int("processes", processes)
     torch_threads = positive_int("torch_threads", torch_threads)
+    variables = {"OMP_NUM_THREADS": omp_num_threads}
+    variables.update({name: env[name] for name in _THREAD_VARIABLES if env and name in env})
+    settings = ", ".join(f"{name}={_setting(text)}" for name, text in variables.items())
     value = (
-        f"torch {torch_threads} threads, OMP_NUM_THREADS={_omp_setting(omp_num_threads)}, "
-        f"{cpus} usable CPUs, {processes} process(es)"
+        f"torch {torch_threads} threads, {settings}, {cpus} usable CPUs, {processes} process(es)"
     )
     share = max(1, cpus // max(1, processes))
-    omp = _omp_threads(omp_num_threads)
-    if omp_num_threads is not None and omp is None:
-        # OpenMP ignores 0 or junk and starts one thread per core, the oversubscription the
-        # variable was meant to prevent.
-        fix = (
-            f"OMP_NUM_THREADS must be an integer >= 1 (or a comma-separated list of them, one "
-            f"per nesting level), got {omp_num_threads!r} (OpenMP then ignores it): set "
-            f"OMP_NUM_THREADS={share}"
-        )
-        return Check("threads", "warn", value, fix)
+    invalid = [_invalid_thread_variable(name, text, share) for name, text in variables.items()]
+    if any(invalid):
+        return Check("threads", "warn", value, "; ".join(fix for fix in invalid if fix))
+    omp = _thread_count(omp_num_threads, nested=True)
     if omp is not None and omp * processes > cpus:
         fix = (
             f"OMP_NUM_THREADS={omp} x {processes} process(es) oversubscribes "
@@ -305,7 +334,8 @@ def _pressure_value(pressure: tuple[float, PressureScope] | None, cpus: int, hos
     if pressure is None:
         return ""
     share, scope = pressure
-    whose = "this cgroup's" if scope == "cgroup" else "the host's (host-wide, no cgroup figure)"
+    # A host-wide figure is the root cgroup's or /proc/pressure/cpu: the same threads.
+    whose = "this cgroup's" if scope == "cgroup" else "host-wide"
     value = f"CPU pressure {share:.0%} ({whose} PSI some avg60)"
     if scope == "host" and cpus < host:
         value += (
@@ -345,8 +375,8 @@ def _pressure_fix(pressure: tuple[float, PressureScope] | None, cpus: int, host:
             return ""
         return (
             f"threads on this host waited for a core {share:.0%} of the last minute (a "
-            f"host-wide figure, no cgroup one): run fewer jobs at once, {_FEWER_THREADS}, or "
-            "pin each job to cores of its own"
+            f"host-wide figure): run fewer jobs at once, {_FEWER_THREADS}, or pin each job to "
+            "cores of its own"
         )
     if cpus == host:
         return (

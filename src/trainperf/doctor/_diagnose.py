@@ -229,7 +229,11 @@ def _host_checks(
         check_shm(limits, workers=max(1, limits.cpus)),
         check_blas(_blas_pools(), _cpu_vendor(cpuinfo), limits.cpus),
         check_threads(
-            torch.get_num_threads(), environ.get("OMP_NUM_THREADS"), limits.cpus, processes
+            torch.get_num_threads(),
+            environ.get("OMP_NUM_THREADS"),
+            limits.cpus,
+            processes,
+            env=environ,
         ),
         _load_check(limits),
         check_steal(boot_steal_share()),
@@ -269,7 +273,8 @@ def diagnose(
         limits: host limits to use instead of reading them (tests pass fake cgroups here).
         env: environment variables to use instead of ``os.environ``, for every check that
             reads one: ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` (also for the GPU
-            list, :func:`trainperf.gpus`), ``OMP_NUM_THREADS`` and ``LOCAL_WORLD_SIZE``, and
+            list, :func:`trainperf.gpus`), ``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``,
+            ``OPENBLAS_NUM_THREADS`` and ``LOCAL_WORLD_SIZE``, and
             with ``dist=True`` the ``NCCL_*``/``GLOO_*`` variables and ``MASTER_ADDR``. The
             ranks of the all_reduce sweep run in this process's own environment.
         cpuinfo: where to read the CPU vendor from.
