@@ -67,10 +67,11 @@ Which condition maps to which type, everywhere in the package:
   half-precision kernel on the CPU in some builds); the abstract methods of the image-loader
   base class.
 - ``FileNotFoundError`` / ``NotADirectoryError``: ``image_loader``'s folder is missing / is a
-  file. ``OSError`` (``IsADirectoryError`` included): a file-system failure outside
-  checkpoints or a checkpoint file that cannot be read (the tuning cache; a write-protected
-  cache file is ``PermissionError``, not replaced), or the OS refusing to start a worker
-  process.
+  file. ``OSError`` (``IsADirectoryError`` and ``FileExistsError`` included): a
+  file-system failure outside checkpoints (the tuning cache: a write-protected cache file is
+  ``PermissionError``, not replaced; a named pipe or device at its path is
+  ``FileExistsError``), a checkpoint file that cannot be read, a ``Checkpointer`` directory
+  that cannot be listed, or the OS refusing to start a worker process.
 - ``MemoryError``: host memory ran out while ``load_checkpoint`` (or ``Checkpointer.restore``)
   read a file: not the file's fault, so not a ``CheckpointCorruptError``.
 - ``torch.OutOfMemoryError``: GPU memory ran out while ``load_checkpoint`` (or

@@ -4,6 +4,8 @@ spawned workers can import them): saving from rank 0 only, from every rank, and 
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 import time
 from pathlib import Path
@@ -139,3 +141,23 @@ def restore_on_rank0_only(tmp: Path) -> str:
     except Exception as e:  # the barrier fails once rank 0 gives up: expected here
         return type(e).__name__
     return "barrier returned"
+
+
+def restore_with_rank1_directory_unlistable(tmp: Path) -> str:
+    """Rank 1 cannot list the directory (no permission there): it fails before the ranks
+    agree on a step. What ``restore`` gave each rank: the step, or any error it raised."""
+    ckpt = _saved_steps_1_and_2(tmp)
+    with pytest.MonkeyPatch.context() as mp:
+        if dist.get_rank() == 1:
+            real = os.listdir
+
+            def refused(path: Any = ".") -> list[str]:
+                if Path(path) == tmp:
+                    raise PermissionError(errno.EACCES, "Permission denied", str(path))
+                return real(path)
+
+            mp.setattr(os, "listdir", refused)
+        try:
+            return f"step {ckpt.restore({'w': torch.zeros(2)})}"
+        except Exception as e:
+            return f"{type(e).__name__}: {e} [path {Path(str(getattr(e, 'path', ''))).name}]"

@@ -768,6 +768,20 @@ def test_a_directory_with_a_step_files_name_names_a_checkpointers_fix(tmp_path: 
     assert "give a file path" not in str(info.value)
 
 
+@pytest.mark.timeout(20)
+def test_a_named_pipe_at_a_step_files_name_names_a_checkpointers_fix(tmp_path: Path) -> None:
+    # It said to "save to a regular file's path": a Checkpointer names its files itself.
+    fifo = tmp_path / "step-000000009.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(
+        CheckpointError,
+        match=r"step-000000009\.pt: it is a named pipe \(FIFO\), not a regular file, and a "
+        r"Checkpointer names its step files itself: remove that file, or rename it",
+    ) as info:
+        Checkpointer(tmp_path).save({"w": torch.ones(1)}, step=9)
+    assert "regular file's path" not in str(info.value) and fifo.is_fifo()
+
+
 def test_an_empty_step_file_is_called_empty_in_every_warning(tmp_path: Path) -> None:
     # Save, latest and restore said "neither a torch zip archive nor a legacy torch.save
     # file" of a zero-byte file: a save or copy cut off, not a foreign file.

@@ -180,6 +180,24 @@ def test_ranks_that_find_different_steps_all_raise(tmp_path: Path) -> None:
         assert "(rank 0: 2, rank 1: 1)" in message and "a filesystem every rank sees" in message
 
 
+@pytest.mark.slow  # two forked gloo ranks
+@pytest.mark.timeout(60)
+def test_a_rank_that_fails_before_the_agreement_makes_every_rank_raise_its_cause(
+    tmp_path: Path,
+) -> None:
+    # Rank 1 raised before the agreement: rank 0 waited for it until the group's timeout
+    # (30 min by default; 10 s here), then said only that it "waited in vain".
+    r0, r1 = _two_ranks(_ranks.restore_with_rank1_directory_unlistable, tmp_path).values()
+    assert r1.startswith("PermissionError: [Errno 13] cannot list the Checkpointer "), r1
+    assert r0.startswith(
+        "CheckpointError: Checkpointer.restore stops on rank 0: rank 1 failed before the "
+        "ranks agreed on a step (PermissionError: [Errno 13] cannot list the Checkpointer "
+        f"directory {tmp_path}: Permission denied."
+    ), r0
+    assert "nothing was loaded on this rank" in r0 and "waited" not in r0, r0
+    assert r0.endswith(f"[path {tmp_path.name}]"), r0
+
+
 @pytest.mark.slow  # two forked gloo ranks, one waiting out a 3 s group timeout
 def test_restore_on_one_rank_only_names_the_fix(tmp_path: Path) -> None:
     results = _two_ranks(_ranks.restore_on_rank0_only, tmp_path, timeout_s=3.0)

@@ -134,6 +134,18 @@ def test_an_index_that_cannot_be_read_is_a_read_error_not_corrupt(
     assert not isinstance(info.value, CheckpointCorruptError)
 
 
+@pytest.mark.timeout(20)
+def test_a_named_pipe_named_as_an_index_is_refused_not_waited_on(tmp_path: Path) -> None:
+    # Reading it opened it, which waits for a writer: load_checkpoint(dir) hung for good.
+    os.mkfifo(tmp_path / "pytorch_model.bin.index.json")
+    with pytest.raises(
+        NotACheckpointError,
+        match=r"shard index .*pytorch_model\.bin\.index\.json is a named pipe \(FIFO\), not a "
+        r"regular file: remove or rename it",
+    ):
+        load_checkpoint(tmp_path)
+
+
 def test_two_indexes_ask_which(tmp_path: Path) -> None:
     bin_shards(tmp_path, {"a.bin": {"w": torch.ones(1)}})
     shutil.copy(tmp_path / "pytorch_model.bin.index.json", tmp_path / "other.bin.index.json")

@@ -44,6 +44,29 @@ def test_save_onto_a_named_pipe_is_a_clear_error(tmp_path: Path) -> None:
     assert fifo.is_fifo()
 
 
+def test_a_path_under_a_directory_that_cannot_be_searched_gets_the_write_advice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Path.is_dir() raised stat's bare PermissionError (Python < 3.14; root never sees it),
+    # so the user got no CheckpointError and no "pick a writable directory".
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = os.stat
+
+    def stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if os.fspath(path).startswith(str(locked)):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    with pytest.raises(
+        CheckpointError,
+        match=r"could not save checkpoint .*ck\.pt: Permission denied \(no permission to "
+        r"write there: pick a writable directory\)",
+    ):
+        save_checkpoint({"x": 1}, locked / "ck.pt")
+
+
 class Unpicklable:
     def __reduce__(self) -> Any:
         raise RuntimeError("refuses to be pickled")

@@ -369,7 +369,8 @@ class Checkpointer:
         ``state`` are tracked from here on, even when there is no checkpoint yet, so that a
         later save knows their position: call it before the loop. Under a process group of
         two or more ranks it is a collective (one small ``all_gather_object``, before
-        anything is loaded): call it on every rank; a rank that cannot restore its own part
+        anything is loaded): call it on every rank; a rank that fails before it (the
+        directory cannot be listed, a file cannot be read) or cannot restore its own part
         makes every rank raise.
 
         Args:
@@ -402,11 +403,12 @@ class Checkpointer:
                 for rank 0's random states: the message says to upgrade torch).
             UnsafeCheckpointError: the newest step file (or this rank's own file of it)
                 holds values ``weights_only=True`` refuses (not skipped for an older one).
-            CheckpointError: under a process group, another rank could not restore its own
-                part (its rank file holds another step or rank than its name says, or was
-                saved by a newer PyTorch; the message names the rank and why), the ranks
-                found different newest steps, or the other ranks did not call ``restore``
-                within the group's timeout; nothing is loaded then.
+            CheckpointError: under a process group, another rank failed before the ranks
+                agreed (with any error this list names, such as an ``OSError``), or could
+                not restore its own part (its rank file holds another step or rank than its
+                name says, or was saved by a newer PyTorch): the message names the rank and
+                its error; or the ranks found different newest steps, or the other ranks
+                did not call ``restore`` within the group's timeout; nothing is loaded then.
             OSError: the newest file could not be read (no permission, too many open
                 files, a disk or network-filesystem error): raised, not skipped, since the
                 file may be fine; or the directory cannot be listed (as :meth:`steps`;

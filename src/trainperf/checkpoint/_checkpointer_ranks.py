@@ -3,8 +3,10 @@ and the world size (:func:`_group`), and, on restore, the small file of a rank o
 (its generators and loader positions: :func:`own_part`), refused when it holds another step
 or rank than its name says, or is complete but unloadable here (a newer PyTorch's), and the
 ranks' agreement on what they restore (:func:`agree`): one ``all_gather_object`` per
-restore, so that a rank that refuses its file, or finds another step, makes every rank
-raise instead of leaving the others waiting in their next collective.
+restore, reached by every rank even after a failure of its own, so that a rank that fails
+before it (cannot list the directory or read a file), refuses its file, or finds another
+step, makes every rank raise instead of leaving the others waiting for the group's timeout
+or in their next collective.
 """
 
 from __future__ import annotations
@@ -110,18 +112,18 @@ def agreed_own_part(ckpt: Checkpointer, step: int, rank: int) -> Mapping[str, An
     return own
 
 
-def agree(directory: Path, step: int, failure: Exception | None = None) -> None:
+def agree(directory: Path, step: int | None, failure: Exception | None = None) -> None:
     """Under a process group of two or more ranks, tell every rank which step this rank
-    restores (0: none) and whether its own part failed (``failure``), and raise unless all
-    of them restore the same step without a failure; without one, do nothing. With a
-    ``failure`` of its own, this rank returns (its caller raises that) whatever the others
-    said.
+    restores (0: none; None: it failed before it found one) and whether it failed
+    (``failure``: its own part, or anything before), and raise unless all of them restore
+    the same step without a failure; without one, do nothing. With a ``failure`` of its
+    own, this rank returns (its caller raises that) whatever the others said.
 
     Raises:
-        CheckpointError: another rank failed to read its own part (the message names the
-            rank(s) and why), the ranks found different newest steps (the directory is not
-            the same for every rank), or the other ranks never came (``restore`` was not
-            called on every rank: the group's timeout passed).
+        CheckpointError: another rank failed before the agreement or to read its own part
+            (the message names the rank(s) and why), the ranks found different newest steps
+            (the directory is not the same for every rank), or the other ranks never came
+            (``restore`` was not called on every rank: the group's timeout passed).
     """
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
@@ -144,17 +146,27 @@ def agree(directory: Path, step: int, failure: Exception | None = None) -> None:
         _refuse_disagreement(directory, step, rank, said)
 
 
-def _refuse_disagreement(directory: Path, step: int, rank: int, said: list[Any]) -> None:
-    """Raise when another rank failed to read its own part of a step, or restores another
-    step than ``step`` (what this rank, ``rank``, restores); ``said[r]`` is rank ``r``'s
-    ``(step, failure or None)``."""
-    failed = [(r, why) for r, (_, why) in enumerate(said) if why is not None]
+def _refuse_disagreement(directory: Path, step: int | None, rank: int, said: list[Any]) -> None:
+    """Raise when another rank failed before the agreement or to read its own part of a
+    step, or restores another step than ``step`` (what this rank, ``rank``, restores);
+    ``said[r]`` is rank ``r``'s ``(step or None, failure or None)``."""
+    early = [(r, why) for r, (s, why) in enumerate(said) if s is None and why is not None]
+    if early:
+        whose = "; ".join(
+            f"rank {r} failed before the ranks agreed on a step ({why})" for r, why in early
+        )
+        raise CheckpointError(
+            f"Checkpointer.restore stops on rank {rank}: {whose}; nothing was loaded on this "
+            "rank: see that rank's error for the fix",
+            directory,
+        )
+    failed = [(r, s, why) for r, (s, why) in enumerate(said) if why is not None]
     if failed:
-        whose = ", ".join(f"rank {r} ({why})" for r, why in failed)
+        whose = ", ".join(f"rank {r} ({why})" for r, _, why in failed)
         raise CheckpointError(
             f"Checkpointer.restore stops at step {step} on rank {rank}: another rank could "
             f"not restore its own part: {whose}; nothing was loaded on this rank",
-            rank_file(directory, step, failed[0][0]),
+            rank_file(directory, failed[0][1], failed[0][0]),
         )
     steps = [s for s, _ in said]
     if len(set(steps)) > 1:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
+from trainperf._utils.stack import user_stacklevel
 from trainperf.checkpoint._checkpointer_ranks import _group, agree, agreed_own_part
 from trainperf.checkpoint._checkpointer_wait import settle
 from trainperf.checkpoint._checkpointer_warn import _stops_at, stop_at
@@ -52,7 +53,31 @@ def restore_newest(
     ckpt: Checkpointer, state: Mapping[str, Any], device: str | int | torch.device | None
 ) -> int:
     """:meth:`Checkpointer.restore <trainperf.checkpoint.Checkpointer.restore>`: the newest
-    file that loads, put into ``state``; its step, or 0."""
+    file that loads, put into ``state``; its step, or 0.
+
+    Under a process group every rank reaches :func:`agree`, even one that failed before it
+    (the directory cannot be listed, a file is unreadable or from a newer PyTorch): that
+    rank raises its own error, the others one naming it, instead of their waiting out the
+    group's timeout."""
+    rank, _ = _group()
+    try:
+        found = _newest_loaded(ckpt, state, device)
+    except Exception as e:
+        agree(ckpt.directory, None, failure=e)
+        raise
+    if found is None:
+        agree(ckpt.directory, 0)
+        return 0
+    step, saved, path = found
+    restore_into(state, saved, agreed_own_part(ckpt, step, rank), str(path), step)
+    return step
+
+
+def _newest_loaded(
+    ckpt: Checkpointer, state: Mapping[str, Any], device: str | int | torch.device | None
+) -> tuple[int, Any, Path] | None:
+    """``(step, saved object, path)`` of the newest step file that loads, or None; the
+    checks before any file is read (the write in flight, ``state``, ``device``) first."""
     settle(ckpt)
     if not isinstance(state, Mapping):
         raise TypeError(
@@ -65,7 +90,6 @@ def restore_newest(
     for value in state.values():
         if isinstance(value, DataLoader):
             track(value)
-    rank, _ = _group()
     for step in reversed(ckpt.steps()):
         path = main_file(ckpt.directory, step)
         _refuse_misnamed_unloaded(path, step)
@@ -76,16 +100,16 @@ def restore_newest(
             stop = stop_at(e, step, path, instead="an older checkpoint")
             if stop is not None:
                 raise stop from e
-            warnings.warn(f"skipping checkpoint {path}: {e}", UserWarning, stacklevel=3)
+            warnings.warn(
+                f"skipping checkpoint {path}: {e}", UserWarning, stacklevel=user_stacklevel()
+            )
             ckpt._damaged.add(step)  # kept, but not one of the ``keep`` newest
             continue
         except OSError as e:
             raise _stops_at("restore", step, e) from e
         refuse_misnamed("restore", path, step, found)
-        restore_into(state, saved, agreed_own_part(ckpt, step, rank), str(path), found)
-        return found
-    agree(ckpt.directory, 0)
-    return 0
+        return step, saved, path
+    return None
 
 
 def _refuse_misnamed_unloaded(path: Path, step: int) -> None:

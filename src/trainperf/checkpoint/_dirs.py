@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainperf.checkpoint._formats import read_error, read_failure
+from trainperf.checkpoint._formats import read_error, read_failure, special_file
 from trainperf.errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError
 
 # In the order they are preferred: safetensors first, as transformers and Accelerate do.
@@ -59,6 +59,7 @@ def _index_file(path: Path) -> Path | None:
 
 def _shard_map(index: Path) -> dict[str, str]:
     try:
+        _refuse_special(index)
         weight_map = json.loads(index.read_text())["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError(f"weight_map is a {type(weight_map).__name__}, not a dict")
@@ -69,6 +70,23 @@ def _shard_map(index: Path) -> dict[str, str]:
     except (ValueError, KeyError, TypeError) as e:
         raise _bad_index(index, e) from e
     return {str(k): str(v) for k, v in weight_map.items()}
+
+
+def _refuse_special(index: Path) -> None:
+    """Refuse the shard index ``index`` when it is a named pipe, socket or device: reading
+    it would wait for a writer (a pipe) or read a device, as for a checkpoint file.
+
+    Raises:
+        NotACheckpointError: it is one (the message says which, and the fix).
+        OSError: it cannot be looked at (as for reading it).
+    """
+    special = special_file(index.stat().st_mode)
+    if special is not None:
+        raise NotACheckpointError(
+            f"shard index {index} is {special}, not a regular file: remove or rename it, "
+            f"or give the checkpoint file inside {index.parent}",
+            index,
+        )
 
 
 def _bad_index(index: Path, e: Exception) -> CheckpointCorruptError:
@@ -88,6 +106,7 @@ def load_sharded(index: Path, load_file: Callable[[Path], Any]) -> dict[str, Any
     Raises:
         CheckpointCorruptError: the index is not valid JSON with a ``weight_map``, names a
             shard outside its directory, or lists tensors its shards lack.
+        NotACheckpointError: the index is a named pipe, socket or device (never opened).
         CheckpointNotFoundError: a shard it lists is missing.
         OSError: the index could not be read (no permission, a disk error): it may be fine.
     """

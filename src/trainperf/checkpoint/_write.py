@@ -9,11 +9,13 @@ killed writers on this host are removed on the next write to the same path.
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
 from trainperf._utils.atomic import fsync_dir, write_atomically
+from trainperf.checkpoint._formats import special_file
 from trainperf.errors import CheckpointError
 
 __all__ = ["write_checkpoint_file"]
@@ -73,6 +75,27 @@ def _is_dir(path: Path, step_file: bool) -> str:
     return f"it is a directory; give a file path such as {path / 'checkpoint.pt'}"
 
 
+def _refuse_special_step_file(path: Path) -> None:
+    """Refuse a named pipe, socket or device at the step file ``path`` (or at its link's
+    target) with a Checkpointer's fix: its user cannot pick another path, as
+    ``write_atomically``'s refusal of it says to.
+
+    Raises:
+        CheckpointError: it is one; it is left as it is.
+    """
+    try:
+        kind = special_file(os.stat(path).st_mode)
+    except OSError:
+        return  # nothing there, or a path above it that is no directory: the write says so
+    if kind is not None:
+        raise CheckpointError(
+            f"cannot save checkpoint to {path}: it is {kind}, not a regular file, and a "
+            "Checkpointer names its step files itself: remove that file, or rename it "
+            "(nothing was written, and it is left as it is)",
+            path,
+        )
+
+
 def write_checkpoint_file(
     path: Path, write: Callable[[IO[bytes]], None], *, step_file: bool = False
 ) -> None:
@@ -84,7 +107,8 @@ def write_checkpoint_file(
         path: the checkpoint file.
         write: writes the serialised checkpoint into the binary file it is given.
         step_file: ``path`` is a Checkpointer's step file, named by the Checkpointer, not
-            by the user: a directory in its place is to be moved, not the path changed.
+            by the user: a directory, named pipe, socket or device in its place is to be
+            moved, not the path changed.
 
     Raises:
         CheckpointError: ``path`` is a directory, the write failed (disk full, no permission,
@@ -95,8 +119,12 @@ def write_checkpoint_file(
             object could not be serialised), or the directory could not be flushed; the
             cause is chained.
     """
-    if path.is_dir():
+    # Not path.is_dir(): it raises a bare PermissionError where a directory above cannot be
+    # searched, which the write below reports with the fix.
+    if os.path.isdir(path):
         raise CheckpointError(f"cannot save checkpoint to {path}: {_is_dir(path, step_file)}", path)
+    if step_file:
+        _refuse_special_step_file(path)
     try:
         written = write_atomically(path, write, sync_directory=False)
     except Exception as e:
