@@ -87,6 +87,13 @@ def fails_on_rank1_main(mode: str) -> int:
     return ddp.rank()
 
 
+def exits_on_rank1_main() -> int:
+    dist.all_reduce(torch.ones(1))
+    if ddp.rank() == 1:
+        sys.exit(0)  # counts as returning None, as under launch's own spawner
+    return ddp.rank()
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
     if mode == "all_reduce":
@@ -98,6 +105,9 @@ if __name__ == "__main__":
             destroys_on_rank0_main, backend="gloo", timeout=30, hang_timeout=None
         )
         print(f"results {gathered}\n", end="", flush=True)  # one write: ranks share a pipe
+    elif mode == "exits_on_rank1":
+        gathered = ddp.launch_all(exits_on_rank1_main, backend="gloo", timeout=30, hang_timeout=10)
+        print(f"results {gathered}\n", end="", flush=True)
     elif mode in ("fails_on_rank1", "hangs_on_rank1"):
         try:
             ddp.launch_all(fails_on_rank1_main, mode, backend="gloo", timeout=60, hang_timeout=3)

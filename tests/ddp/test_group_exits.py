@@ -36,6 +36,14 @@ def test_an_exit_without_a_report_is_dated_back_unless_it_is_the_missing_main_gu
     assert 'if __name__ == "__main__": guard' in guard.summary and repeats and not guard.slack
 
 
+def test_an_exit_with_code_0_without_a_result_says_how_to_end_main() -> None:
+    # It said only "exited with code 0 without returning from main (os._exit?)".
+    exited, _ = unreported(1, 0, 100.0, reimport=False, startup_text=None)
+    assert exited.summary.startswith("exited with code 0 without returning from main")
+    assert exited.advice.startswith("Fix: return from main (or call sys.exit(0))"), exited.advice
+    assert "background checkpoint saves" in exited.advice
+
+
 def test_the_main_guard_exit_status_means_a_reimport_only_before_main_loaded() -> None:
     spawn, fork = multiprocessing.get_context("spawn"), multiprocessing.get_context("fork")
     assert reimported(REIMPORT_EXIT_CODE, spawn, loaded=False)

@@ -126,6 +126,20 @@ def test_a_rank_that_called_sys_exit_is_not_said_to_have_returned_from_main() ->
     assert diagnose(both).headline.endswith("after ranks 0, 2 called sys.exit(0) in main")
 
 
+def test_a_rank_that_said_how_it_ended_is_named_so() -> None:
+    # Under watchdog() there is no main: a rank that left the block, or raised in it, says
+    # so itself; the report said "returned from main" or "exited without returning from
+    # main (an error or a crash)".
+    left = RankView(0, "returned", "running", finished="left the watchdog() block")
+    assert diagnose([left, _busy(1)]).headline.endswith("after rank 0 left the watchdog() block")
+    raised = RankView(1, "gone", "running", finished="raised ValueError in the watchdog() block")
+    v = diagnose([_waits(0, _c(2)), raised])
+    assert (v.kind, v.root) == ("gone", (1,))
+    assert v.headline.startswith(
+        "rank 1 raised ValueError in the watchdog() block, while rank 0"
+    ), v.headline
+
+
 def test_a_rank_past_the_ddp_backward_others_wait_in_is_the_cause() -> None:
     stuck = RankView(0, "running", "backward", where=Frame(F, 95, "main"), steps=2)
     ahead = _waits(1, _c(9, "barrier", 98, ""), steps=3)

@@ -216,6 +216,8 @@ def test_the_torchrun_variant_gives_the_same_verdict(
     verdict = out[out.index("trainperf.ddp.watchdog: ") :]
     assert f"rank {_hangs.BAD} is the cause." in verdict.splitlines()[0], verdict
     assert f"rank {_hangs.BAD} {cause}" in verdict and f"{HANGS}:{CAUSE[case]}" in verdict, verdict
+    if kind == "returned":  # no main under watchdog(): it said "after rank 0 returned from main"
+        assert "after rank 0 left the watchdog() block" in verdict, verdict
     report = json.loads(report_path.read_text())
     assert report["kind"] == kind and report["root_ranks"] == [_hangs.BAD], report
     assert report["message"] in verdict and report["world_size"] == nprocs

@@ -326,6 +326,26 @@ def test_data_parallel_without_gpus() -> None:
         ddp.data_parallel(model, device_ids=[0])
 
 
+def test_data_parallel_names_the_renumbering_of_cuda_visible_devices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It said only "device_ids [3] are not visible GPUs (0..1)": a user who set
+    # CUDA_VISIBLE_DEVICES=2,3 and passed the physical number 3 got no fix.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    with pytest.raises(
+        ValueError,
+        match=r"device_ids \[3\] are not visible GPUs: 2 visible, numbered 0\.\.1 "
+        r"\(CUDA_VISIBLE_DEVICES='2,3' renumbers the cards it shows from cuda:0\); pass "
+        r"numbers in 0\.\.1",
+    ):
+        ddp.data_parallel(nn.Linear(2, 2), device_ids=[0, 3])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(ValueError, match=r"\(CUDA_VISIBLE_DEVICES is unset: all of the mach"):
+        ddp.data_parallel(nn.Linear(2, 2), device_ids=[2])
+
+
 @pytest.mark.requires_cuda
 def test_data_parallel_moves_the_model_to_the_first_device_and_warns_once() -> None:
     import trainperf.ddp._helpers as helpers

@@ -64,6 +64,29 @@ def test_a_value_launch_all_cannot_gather_is_refused_on_its_rank(
     assert not dist.is_initialized()
 
 
+def _exits(code: object) -> int:
+    sys.exit(code)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("code", [0, None])
+def test_a_clean_sys_exit_in_main_counts_as_returning_none_inside_a_job(
+    code: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # launch's own spawner counts sys.exit(0) as returning None; inside a job it was a
+    # failure: SystemExit left launch_all, and the other ranks said "main failed on rank(s)
+    # [1] ... raised SystemExit: 0".
+    env = {**TORCHRUN, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="2")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert ddp.launch_all(_exits, code, backend="gloo") == [None]
+    assert ddp.launch(_exits, code, backend="gloo") is None
+    with pytest.raises(SystemExit, match=r"^3$"):
+        ddp.launch_all(_exits, 3, backend="gloo")  # a failure, as before
+    assert not dist.is_initialized()
+
+
 def _torchrun(port: int) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -107,6 +130,17 @@ def test_every_rank_gathers_after_main_destroyed_the_group_on_rank_0_only(
     printed = _run_script(launcher, "destroys_on_rank0", tmp_path)
     assert len(printed) == 2, printed
     assert all(line.endswith("results [0, 10]") for line in printed), printed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_every_rank_gathers_none_from_a_rank_whose_main_called_sys_exit_0(
+    tmp_path: Path,
+) -> None:
+    # Rank 0 failed with "main failed on rank(s) [1] ... raised SystemExit: 0".
+    printed = _run_script("slurm", "exits_on_rank1", tmp_path)
+    assert len(printed) == 2, printed  # rank 1 too: launch_all returned there
+    assert all(line.endswith("results [0, None]") for line in printed), printed
 
 
 @pytest.mark.slow
@@ -194,6 +228,24 @@ def test_a_rank_whose_main_failed_stops_the_others_waiting_and_is_named() -> Non
     _post_failure(rank1, store, _raised(ValueError("no data\nsecond line")))
     with pytest.raises(LaunchError, match=r"(?s)failed on rank\(s\) \[1\].*rank 1 raised Value"):
         _must_regroup(RANK0_OF_2, timedelta(minutes=30), store)
+
+
+def test_a_rank_that_called_sys_exit_is_named_so_and_a_failing_exit_as_a_call() -> None:
+    from trainperf.ddp._injob import _post_failure, _raised
+
+    store = _gather_store(dist.HashStore())
+    rank1 = DistributedEnv("slurm", 1, 2, 1, 2, "127.0.0.1", 29500)
+    _post_failure(rank1, store, _raised(SystemExit("no data")))
+    with pytest.raises(
+        LaunchError,
+        match=r"(?s)rank 0 called sys.exit\(0\), but main failed on rank\(s\) \[1\].*"
+        r"rank 1 called sys.exit\('no data'\)",
+    ):
+        _must_regroup(RANK0_OF_2, timedelta(minutes=30), store, "called sys.exit(0)")
+    with pytest.raises(LaunchError, match=r"rank 0 called sys.exit\(\), but rank\(s\) \[1\] did"):
+        _must_regroup(
+            RANK0_OF_2, timedelta(seconds=0.2), _gather_store(dist.HashStore()), "called sys.exit()"
+        )
 
 
 class _GoneStore:

@@ -3,7 +3,9 @@ nesting, and busy() beats (the multi-process torchrun cases are in test_hang_cas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import io
 import json
 import os
@@ -11,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -259,6 +262,64 @@ def test_a_silent_collector_leaves_each_rank_to_judge(monkeypatch: pytest.Monkey
     assert record["speaker"] == 0 and "rank 1" in record["message"]  # rank 1 never answered
 
 
+@pytest.mark.parametrize(
+    ("exc", "scope", "status", "said"),
+    [
+        (None, "the watchdog() block", "returned", "left the watchdog() block"),
+        (SystemExit(0), "the watchdog() block", "returned", "called sys.exit(0) in the watch"),
+        (SystemExit(), "main", "returned", "called sys.exit() in main"),  # launch in a job
+        (None, "main", "returned", "returned from main"),
+        (ValueError("x"), "the watchdog() block", "gone", "raised ValueError in the watchdog"),
+        (SystemExit(1), "main", "gone", "called sys.exit(1) in main"),
+    ],
+)
+def test_a_rank_that_left_says_how_and_a_clean_sys_exit_is_not_a_crash(
+    exc: BaseException | None, scope: str, status: str, said: str
+) -> None:
+    # sys.exit(0) inside the block counted as "gone": the report said the rank "has exited
+    # without returning from main (an error or a crash)" and blamed it; and a rank that left
+    # a watchdog() block was said to have "returned from main", though there is no main.
+    store = FakeStore()
+    dog = _watchdog_on(store, 1, 2)
+    dog.scope, dog.active = scope, True
+    dog.__exit__(None if exc is None else type(exc), exc, None)
+    record = json.loads(store.data["report/1"])
+    assert record["status"] == status
+    assert _watchdog._view(1, record).doing().startswith(said)
+
+
+def test_the_ranks_waiting_for_one_that_called_sys_exit_0_are_blamed_not_it() -> None:
+    store = FakeStore()
+    left = _watchdog_on(store, 1, 2)
+    left.active = True
+    with contextlib.suppress(SystemExit), left:
+        sys.exit(0)
+    waits = _watchdog_on(store, 0, 2)
+    waits.tracker.enter("all_reduce", (torch.ones(4),), {})
+    store.set("hang", "0")
+    message = _message(waits._collect(3.0))
+    assert "has exited without returning from main" not in message, message
+    assert "after rank 1 called sys.exit(0) in the watchdog() block" in message, message
+    assert "rank 0 waits in all_reduce" in message, message
+
+
+@pytest.mark.parametrize(
+    ("uncaught", "status", "said"),
+    [(None, "returned", "finished its script"), (ValueError("x"), "gone", "raised ValueError")],
+)
+def test_a_single_watchdog_call_says_at_exit_whether_the_script_failed(
+    uncaught: BaseException | None, status: str, said: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The interpreter's exit after an uncaught exception was reported as a return.
+    monkeypatch.setattr(sys, "last_value", uncaught, raising=False)
+    store = FakeStore()
+    dog = _watchdog_on(store, 1, 2)
+    dog.active = True
+    dog._at_exit()
+    record = json.loads(store.data["report/1"])
+    assert (record["status"], record["how"][: len(said)]) == (status, said)
+
+
 @pytest.fixture
 def one_rank_group() -> Iterator[None]:
     import torch.distributed as dist
@@ -293,6 +354,18 @@ def test_a_nested_watchdog_leaves_the_outer_one_watching(one_rank_group: None) -
     with watchdog(30.0) as again:
         assert again.active
     assert not _watchdog._active and not _progress._installed
+
+
+@pytest.mark.timeout(60)
+def test_a_watchdog_that_ended_is_not_kept_until_the_process_exits(one_rank_group: None) -> None:
+    # Each start registered an atexit callback that was never removed: a script with one
+    # `with watchdog():` per epoch kept every one of them (and its tracker) alive.
+    with watchdog(30.0) as dog:
+        assert dog.active
+    ended = weakref.ref(dog)
+    del dog
+    gc.collect()
+    assert ended() is None
 
 
 def test_a_report_path_that_cannot_be_written_is_said_on_stderr(

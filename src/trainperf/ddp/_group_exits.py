@@ -61,6 +61,14 @@ def reimported(code: int, ctx: BaseContext, loaded: bool) -> bool:
     return code == REIMPORT_EXIT_CODE and ctx.get_start_method() == "spawn" and not loaded
 
 
+# For a rank that ended its process itself (os._exit(0), or a library calling exit(0)).
+_EXITED_ADVICE = (
+    "Fix: return from main (or call sys.exit(0)) instead of ending the process (os._exit(0), "
+    "or a library that calls exit()): only then does the launcher get the rank's result, "
+    "and the rank's background checkpoint saves finish before it exits."
+)
+
+
 def unreported(
     rank: int, code: int, seen_at: float, *, reimport: bool, startup_text: str | None
 ) -> tuple[Problem, bool]:
@@ -83,7 +91,7 @@ def unreported(
     """
     if code == 0:
         summary = "exited with code 0 without returning from main (os._exit?)"
-        return Problem(rank, seen_at, summary, slack=DEATH_SLACK_S), False
+        return Problem(rank, seen_at, summary, advice=_EXITED_ADVICE, slack=DEATH_SLACK_S), False
     if reimport:
         summary, advice = unguarded_main()
         return Problem(rank, seen_at, summary, advice=advice), True

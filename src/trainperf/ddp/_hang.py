@@ -263,10 +263,13 @@ def _waiting_for_gone(
 ) -> Verdict:
     """Some ranks exited without returning from main (an exception, a crash) and the others
     wait in a collective: the ones that exited are the cause."""
-    who = _ranks([v.rank for v in gone])
-    verb = "have" if len(gone) > 1 else "has"
-    headline = f"{who} {verb} exited without returning from main (an error or a crash), while "
-    headline += _what_others_do(waiting)
+    if all(v.finished for v in gone):  # the watchdog's ranks said how they ended
+        headline = f"{_describe_root(gone)}, while {_what_others_do(waiting)}"
+    else:
+        who = _ranks([v.rank for v in gone])
+        verb = "have" if len(gone) > 1 else "has"
+        headline = f"{who} {verb} exited without returning from main (an error or a crash), "
+        headline += f"while {_what_others_do(waiting)}"
     if returned:
         headline += f"; {_what_others_do(returned)}"
     return Verdict("gone", tuple(v.rank for v in gone), headline, _advice("gone", gone))

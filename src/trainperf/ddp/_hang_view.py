@@ -38,6 +38,9 @@ class RankView:
     stuck_in: str = ""  # the known slow work (busy()) it has been in past the cap
     stuck_s: float = 0.0  # for how long
     exit_call: str = ""  # returned: the call that ended main instead ("sys.exit(0)"), if any
+    # returned or gone: how it finished, in words, where the rank said so itself (under
+    # watchdog(): "left the watchdog() block", "raised ValueError in the watchdog() block")
+    finished: str = ""
 
     @property
     def waiting(self) -> bool:
@@ -58,6 +61,8 @@ class RankView:
         """What this rank does, in words."""
         at = f" at {self.where}" if self.where else ""
         code = f" (`{self.line}`)" if self.line else ""
+        if self.finished and self.status in ("returned", "gone"):
+            return self.finished
         if self.status == "returned":
             return f"called {self.exit_call} in main" if self.exit_call else "returned from main"
         if self.status == "gone":

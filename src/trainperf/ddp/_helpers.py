@@ -453,7 +453,17 @@ def data_parallel(model: nn.Module, device_ids: Sequence[int] | None = None) -> 
     ids = list(range(count)) if device_ids is None else [int(i) for i in device_ids]
     bad = [i for i in ids if not 0 <= i < count]
     if bad:
-        raise ValueError(f"device_ids {bad} are not visible GPUs (0..{count - 1})")
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        numbering = (
+            "CUDA_VISIBLE_DEVICES is unset: all of the machine's GPUs"
+            if shown is None
+            else f"CUDA_VISIBLE_DEVICES={shown!r} renumbers the cards it shows from cuda:0"
+        )
+        raise ValueError(
+            f"device_ids {bad} are not visible GPUs: {count} visible, numbered "
+            f"0..{count - 1} ({numbering}); pass numbers in 0..{count - 1}, or None for "
+            "every visible GPU"
+        )
     if not _dp_warned:
         _dp_warned = True
         warnings.warn(

@@ -3,7 +3,9 @@
 The process group is initialised from the launcher's environment (``env://``) unless it
 already exists, ``main`` runs under :func:`~trainperf.ddp.watchdog` when ``hang_timeout`` is
 set (there is no launcher of ours to watch the ranks, so they watch each other), and the
-group is destroyed afterwards; the environment variables set here are put back. ``main`` may
+group is destroyed afterwards; the environment variables set here are put back.
+``sys.exit(0)`` (or ``sys.exit()``) in ``main`` counts as returning None, as under ``launch``'s
+own ranks, and is named in the errors; ``sys.exit(n)`` with another value fails. ``main`` may
 destroy the group itself, on every rank or on some: ``launch_all``'s ranks then agree, on the
 store, to gather the values in a group made for that. A rank whose ``main`` fails (or is
 ended by the watchdog) says so on that store first, so the others do not wait out ``timeout``.
@@ -12,6 +14,7 @@ ended by the watchdog) says so on that store first, so the others do not wait ou
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import pickle
@@ -20,7 +23,8 @@ from datetime import timedelta
 from typing import Any
 
 from trainperf.ddp import _env
-from trainperf.ddp._worker import rank_device
+from trainperf.ddp._group_exits import finished
+from trainperf.ddp._worker import call_main, rank_device
 from trainperf.errors import LaunchError
 
 __all__ = ["resolve_backend", "run_in_process"]
@@ -76,10 +80,12 @@ def run_in_process(
             None,
             option="hang_timeout",
             on_hang=lambda verdict: _post_failure(env, store, f"was ended by a hang: {verdict}"),
+            scope="main",
         )
         try:
-            with watch.start():
-                result = main(*args, **kwargs)
+            # sys.exit(0) (or sys.exit()) in main counts as returning None, as under
+            # launch's own spawner; ``call`` names it in the errors below.
+            result, call = call_main(functools.partial(_watched, watch, main), args, kwargs)
             if all_ranks:
                 _check_gatherable(result)
         except BaseException as e:
@@ -88,7 +94,7 @@ def run_in_process(
             raise
         if not all_ranks:
             return result
-        if _must_regroup(env, timeout, store):
+        if _must_regroup(env, timeout, store, finished(call)):
             # main destroyed the group itself, here or on another rank (allowed: launch
             # destroys only one that is left). A new one carries the values, and is
             # destroyed below.
@@ -105,6 +111,13 @@ def run_in_process(
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _watched(watch: Any, main: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``main`` under ``watch`` (a :class:`~trainperf.ddp._watchdog.Watchdog`), which sees
+    how it ended: a ``sys.exit(0)`` leaves its block as the clean exit it is."""
+    with watch.start():
+        return main(*args, **kwargs)
 
 
 def _init_group(
@@ -159,10 +172,13 @@ def _gather_store(store: Any) -> Any:
     return dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
 
 
-def _must_regroup(env: _env.DistributedEnv, timeout: timedelta, store: Any) -> bool:
+def _must_regroup(
+    env: _env.DistributedEnv, timeout: timedelta, store: Any, how: str = "returned from main"
+) -> bool:
     """Whether every rank makes a default group again to gather the values: yes if main
     destroyed the group on any rank. The ranks agree on the store, not in a collective (the
-    group is gone on some); each waits at most ``timeout`` for the others to report.
+    group is gone on some); each waits at most ``timeout`` for the others to report. ``how``:
+    how this rank finished main, for the errors (``"called sys.exit(0)"``).
 
     Raises:
         LaunchError: main failed on another rank (it posts that at once: the message
@@ -182,9 +198,9 @@ def _must_regroup(env: _env.DistributedEnv, timeout: timedelta, store: Any) -> b
         store.wait(keys, timeout)
         failed = _failures(env, store)
     except RuntimeError as e:  # DistStoreError on a timeout, DistNetworkError if gone
-        raise LaunchError(_unreported_message(env, timeout, store, keys)) from e
+        raise LaunchError(_unreported_message(env, timeout, store, keys, how)) from e
     if failed:
-        raise LaunchError(_failed_message(env, failed))
+        raise LaunchError(_failed_message(env, failed, how))
     regroup = int(store.add("destroyed", 0)) > 0
     if regroup and alive:
         dist.destroy_process_group()  # destroyed on another rank: cannot carry the values
@@ -206,7 +222,15 @@ def _check_gatherable(result: Any) -> None:
 
 
 def _raised(exc: BaseException) -> str:
-    """``"raised ValueError: its first line"``, whatever ``str(exc)`` does."""
+    """``"raised ValueError: its first line"``, whatever ``str(exc)`` does; ``"called
+    sys.exit(3)"`` for a ``SystemExit``, as launch's own spawner says.
+
+    Example:
+        >>> _raised(ValueError("bad batch\\nmore")), _raised(SystemExit("no data"))
+        ('raised ValueError: bad batch', "called sys.exit('no data')")
+    """
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r})"
     try:
         lines = str(exc).strip().splitlines()
     except Exception:
@@ -234,20 +258,22 @@ def _failures(env: _env.DistributedEnv, store: Any) -> dict[int, str]:
     return {r: bytes(store.get(k)).decode() for r, k in enumerate(keys) if store.check([k])}
 
 
-def _failed_message(env: _env.DistributedEnv, failed: dict[int, str]) -> str:
+def _failed_message(
+    env: _env.DistributedEnv, failed: dict[int, str], how: str = "returned from main"
+) -> str:
     shown = sorted(failed)[:_SHOWN_FAILURES]
     lines = [f"  rank {rank} {failed[rank]}" for rank in shown]
     if len(failed) > len(shown):
         lines.append(f"  ... and {len(failed) - len(shown)} more")
     return (
-        f"launch_all: rank {env.rank} returned from main, but main failed on rank(s) "
+        f"launch_all: rank {env.rank} {how}, but main failed on rank(s) "
         f"{sorted(failed)}, so their values cannot be gathered (see their output):\n"
         + "\n".join(lines)
     )
 
 
 def _unreported_message(
-    env: _env.DistributedEnv, timeout: timedelta, store: Any, keys: list[str]
+    env: _env.DistributedEnv, timeout: timedelta, store: Any, keys: list[str], how: str
 ) -> str:
     seconds = f"timeout={timeout.total_seconds():g} s"
     try:
@@ -256,13 +282,13 @@ def _unreported_message(
         missing = []
     if not missing:
         return (
-            f"launch_all: rank {env.rank} returned from main, but the store that gathers "
+            f"launch_all: rank {env.rank} {how}, but the store that gathers "
             f"every rank's value became unreachable within {seconds} (the rank that hosts "
             "it, rank 0 unless the launcher hosts it, may have failed or exited); see the "
             "other ranks' output"
         )
     message = (
-        f"launch_all: rank {env.rank} returned from main, but rank(s) {missing} did not "
+        f"launch_all: rank {env.rank} {how}, but rank(s) {missing} did not finish main "
         f"within {seconds}, so their values cannot be gathered; see their output for an "
         "error, or pass a longer timeout if main takes that much longer on them"
     )
@@ -270,7 +296,7 @@ def _unreported_message(
         failed = _failures(env, store)
     except RuntimeError:
         failed = {}
-    return message if not failed else f"{message}\n\n{_failed_message(env, failed)}"
+    return message if not failed else f"{message}\n\n{_failed_message(env, failed, how)}"
 
 
 def _regroup(env: _env.DistributedEnv, backend: str | None, timeout: timedelta, store: Any) -> None:

@@ -24,8 +24,9 @@ agent hosts it). Each rank runs one daemon thread that, every ``timeout / 20`` s
    for itself. Then every rank exits with status :data:`EXIT_CODE`, so torchrun's restart
    policy acts.
 
-A rank that returned (left the ``with`` block, or its interpreter exited) posts that first
-and counts itself in one ``ended`` counter, so the others can say so. A rank whose thread
+A rank that returned (left the ``with`` block, or its interpreter exited) posts that first,
+with how (``sys.exit(0)`` inside the block is a clean exit, named; an exception leaving it
+is not), and counts itself in one ``ended`` counter, so the others can say so. A rank whose thread
 cannot run (stuck in C code that holds the GIL) sends nothing and is named as not
 answering. If the store itself is gone (srun, rank 0 hosted it and exited), the rank judges
 from its own state alone.
@@ -47,6 +48,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -68,6 +70,7 @@ from trainperf.ddp._stacks import parse_dump
 from trainperf.ddp._watchdog_verdict import Decision, judge
 from trainperf.ddp._watchdog_verdict import verdict_record as _verdict_record
 from trainperf.ddp._watchdog_verdict import view as _view
+from trainperf.ddp._worker import clean_exit_call
 
 __all__ = ["COLLECT_S", "EXIT_CODE", "Watchdog", "judge", "watchdog"]
 
@@ -105,9 +108,12 @@ class Watchdog:
         report_path: str | os.PathLike[str] | None,
         option: str = "timeout",
         on_hang: Callable[[str], None] | None = None,
+        scope: str = "the watchdog() block",
     ) -> None:
         self.timeout = timeout
         self.option = option  # how the user named the timeout, for the report
+        # What the rank runs under it, for the others' report: "main" under launch in a job.
+        self.scope = scope
         # Called with the verdict's first line just before this rank exits on a hang
         # (launch_all under torchrun/SLURM: a rank that returned waits for this one's value).
         self.on_hang = on_hang
@@ -147,7 +153,7 @@ class Watchdog:
         self._faulthandler = not faulthandler.is_enabled() and _enable_faulthandler()
         self._thread = threading.Thread(target=self._run, name="trainperf-watchdog", daemon=True)
         self._thread.start()
-        atexit.register(self.stop)
+        atexit.register(self._at_exit)
         return self
 
     def __enter__(self) -> Watchdog:
@@ -159,13 +165,29 @@ class Watchdog:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.stop("returned" if exc_type is None else "gone")
+        if exc is None:
+            self.stop()
+        elif clean_exit_call(exc) is not None:  # sys.exit(0): a clean exit, as a return
+            self.stop("returned", f"called {clean_exit_call(exc)} in {self.scope}")
+        else:
+            self.stop("gone", f"{_raised(exc)} in {self.scope}")
 
-    def stop(self, status: str = "returned") -> None:
-        """This rank is done: say so to the others, and stop the thread."""
+    def _at_exit(self) -> None:
+        """The interpreter exits with this watchdog still on (a single ``watchdog()`` call):
+        after an uncaught exception the rank is gone, else it finished its script."""
+        uncaught = getattr(sys, "last_value", None)
+        if isinstance(uncaught, BaseException):
+            self.stop("gone", f"{_raised(uncaught)} (uncaught) and exited")
+        else:
+            self.stop("returned", "finished its script")
+
+    def stop(self, status: str = "returned", how: str = "") -> None:
+        """This rank is done: say so to the others (``how``: how it finished, in words; by
+        default by leaving :attr:`scope`), and stop the thread."""
         if not self.active:
             return
         self.active = False
+        atexit.unregister(self._at_exit)  # else it keeps every ended watchdog alive
         with contextlib.suppress(ValueError):
             _active.remove(self)
         self._stop.set()
@@ -176,7 +198,7 @@ class Watchdog:
         if getattr(self, "_faulthandler", False):
             faulthandler.disable()
         with contextlib.suppress(Exception):
-            self._post(status, "")
+            self._post(status, "", how or self._left())
             self.store.add("ended", 1)
             self.store.add("progress", 1)
 
@@ -240,8 +262,12 @@ class Watchdog:
             stalled_s=time.monotonic() - self._moved,
         )
 
-    def _post(self, status: str, dump: str) -> None:
-        record = {"status": status, "slot": bytes(self.buf).hex(), "dump": dump}
+    def _left(self) -> str:
+        """How a rank that left :attr:`scope` normally finished, in words."""
+        return "returned from main" if self.scope == "main" else f"left {self.scope}"
+
+    def _post(self, status: str, dump: str, how: str = "") -> None:
+        record = {"status": status, "slot": bytes(self.buf).hex(), "dump": dump, "how": how}
         self.store.set(f"report/{self.rank}", json.dumps(record))
 
     def _own_dump(self) -> str:
@@ -370,6 +396,18 @@ class Watchdog:
             )
 
 
+def _raised(exc: BaseException) -> str:
+    """``"raised ValueError"``, or ``"called sys.exit(1)"`` for a ``SystemExit``.
+
+    Example:
+        >>> _raised(ValueError("bad")), _raised(SystemExit(1))
+        ('raised ValueError', 'called sys.exit(1)')
+    """
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r})"
+    return f"raised {type(exc).__name__}"
+
+
 def _write(f: IO[bytes], data: bytes) -> None:
     f.write(data)
 
@@ -397,7 +435,8 @@ def watchdog(
 
     Returns:
         The running :class:`Watchdog` (a context manager; leaving it tells the other ranks
-        this one returned).
+        how this one finished: it left the block, called ``sys.exit(0)`` there, a clean
+        exit, or raised).
 
     Raises:
         ValueError: ``timeout`` is not None or a finite number > 0.

@@ -8,6 +8,7 @@ nothing here does any of that.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from trainperf.ddp import _hang_report, _hang_view
@@ -84,8 +85,9 @@ def verdict_record(report: _hang_report.HangReport, me: int) -> dict[str, Any]:
 
 def view(rank: int, record: dict[str, Any]) -> _hang_view.RankView:
     """One rank's view for the rules, from the report it posted (``status``: "running",
-    "returned" or "gone"; ``slot``: its progress slot in hex; ``dump``: its stacks, if any).
-    Only a running rank's stacks count: one that returned or exited waits in nothing."""
+    "returned" or "gone"; ``slot``: its progress slot in hex; ``dump``: its stacks, if any;
+    ``how``: how a rank that returned or exited finished, in words). Only a running rank's
+    stacks count: one that returned or exited waits in nothing."""
     slot = read_slot(bytes.fromhex(record["slot"]))
     threads = parse_dump(record["dump"]) if record.get("dump") else None
     status: _hang_view.Status = "running"
@@ -93,4 +95,7 @@ def view(rank: int, record: dict[str, Any]) -> _hang_view.RankView:
         status = "returned"
     elif record["status"] == "gone":
         status = "gone"
-    return rank_view(rank, status, slot, threads if status == "running" else [])
+    found = rank_view(rank, status, slot, threads if status == "running" else [])
+    if status != "running" and record.get("how"):
+        found = dataclasses.replace(found, finished=record["how"])
+    return found

@@ -50,7 +50,15 @@ from trainperf.ddp._worker_pickle import (
     _unpickled,
 )
 
-__all__ = ["KEEP_START_METHOD", "Failure", "WorkerSpec", "rank_device", "worker_main"]
+__all__ = [
+    "KEEP_START_METHOD",
+    "Failure",
+    "WorkerSpec",
+    "call_main",
+    "clean_exit_call",
+    "rank_device",
+    "worker_main",
+]
 
 KEEP_START_METHOD = "keep"
 """WorkerSpec.child_start_method: leave the rank's default start method as it is."""
@@ -239,14 +247,14 @@ def _destroy() -> None:
         dist.destroy_process_group()
 
 
-def _clean_exit_call(exc: BaseException) -> str | None:
+def clean_exit_call(exc: BaseException) -> str | None:
     """``"sys.exit(0)"`` (or ``"sys.exit()"``) when ``exc`` is the ``SystemExit`` of a call
     that ends a rank cleanly, as returning None does; None for any other exception.
 
     Example:
-        >>> _clean_exit_call(SystemExit(0)), _clean_exit_call(SystemExit())
+        >>> clean_exit_call(SystemExit(0)), clean_exit_call(SystemExit())
         ('sys.exit(0)', 'sys.exit()')
-        >>> _clean_exit_call(SystemExit(3)) is None, _clean_exit_call(ValueError()) is None
+        >>> clean_exit_call(SystemExit(3)) is None, clean_exit_call(ValueError()) is None
         (True, True)
     """
     if not isinstance(exc, SystemExit) or exc.code not in (None, 0):
@@ -254,7 +262,7 @@ def _clean_exit_call(exc: BaseException) -> str | None:
     return "sys.exit()" if exc.code is None else f"sys.exit({exc.code!r})"
 
 
-def _call_main(
+def call_main(
     main: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, str | None]:
     """What ``main`` returned, and the ``sys.exit(0)`` call that ended it instead (it counts
@@ -262,7 +270,7 @@ def _call_main(
     try:
         return main(*args, **kwargs), None
     except SystemExit as exc:
-        call = _clean_exit_call(exc)
+        call = clean_exit_call(exc)
         if call is None:
             raise
         return None, call
@@ -393,7 +401,7 @@ def worker_main(
             _setup(spec, rank)
         if tracker is not None:
             tracker.ready(armed=True)
-        result, call = _call_main(main, args, kwargs)
+        result, call = call_main(main, args, kwargs)
         _finish_background_saves()
         if tracker is not None:
             tracker.returned()
