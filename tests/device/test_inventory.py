@@ -145,6 +145,7 @@ def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
     # On a GPU machine an earlier test may have started CUDA; the fake cards are not torch's.
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(inventory_mod, "_cuda_driver_started", lambda: False)
     return nvml
 
 
@@ -427,6 +428,7 @@ def test_select_gpus_unknown_free_memory_ranks_last(monkeypatch: pytest.MonkeyPa
 def test_select_gpus_without_gpus(monkeypatch: pytest.MonkeyPatch, fresh_warning: None) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(inventory_mod, "_cuda_driver_started", lambda: False)
     with pytest.warns(RuntimeWarning), pytest.raises(DeviceError, match="found: no GPUs"):
         select_gpus(1)
 
@@ -440,6 +442,51 @@ def test_select_gpus_refuses_after_cuda_init(
     with pytest.raises(DeviceError, match=r"before CUDA is initialised.*no effect"):
         select_gpus(1)
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_select_gpus_refuses_once_the_cuda_driver_started(
+    fake_nvml: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch.cuda.is_available() (best_device() calls it) starts the driver, which reads
+    # CUDA_VISIBLE_DEVICES then, while torch.cuda.is_initialized() stays False: select_gpus()
+    # set the variable and returned cards CUDA would never use.
+    import os
+
+    monkeypatch.setattr(inventory_mod, "_cuda_driver_started", lambda: True)
+    with pytest.raises(DeviceError, match=r"no effect.*before torch\.cuda\.is_available\(\)"):
+        select_gpus(1)
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+class FakeLibcuda:
+    """libcuda as ctypes would open it: ``cuDeviceGetCount`` answers ``status``."""
+
+    def __init__(self, status: int | None) -> None:
+        self.status = status
+        self.modes: list[int] = []
+
+    def __call__(self, name: str, mode: int = 0) -> Any:
+        self.modes.append(mode)
+        if self.status is None:
+            raise OSError(f"{name}: cannot open shared object file")
+        return types.SimpleNamespace(cuDeviceGetCount=lambda _: self.status)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="asks libcuda on Linux only")
+@pytest.mark.parametrize(
+    ("status", "started"),
+    [(None, False), (3, False), (0, True)],  # not loaded; CUDA_ERROR_NOT_INITIALIZED; cuInit ran
+)
+def test_cuda_driver_started_asks_a_loaded_libcuda_only(
+    monkeypatch: pytest.MonkeyPatch, status: int | None, started: bool
+) -> None:
+    import ctypes
+    import os
+
+    libcuda = FakeLibcuda(status)
+    monkeypatch.setattr(ctypes, "CDLL", libcuda)
+    assert inventory_mod._cuda_driver_started() is started
+    assert libcuda.modes and all(mode & os.RTLD_NOLOAD for mode in libcuda.modes)  # never loads
 
 
 @pytest.mark.parametrize("n", [0, -1, True, 1.0])

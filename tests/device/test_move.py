@@ -175,6 +175,28 @@ def test_to_device_leaves_a_batch_whose_to_moves_in_place_where_it_was() -> None
     assert batch.data["input_ids"].device == torch.device("cpu")  # the caller's is kept
 
 
+class DictBatch:
+    """A batch class whose .to moves the tensors inside its dict and list in place."""
+
+    def __init__(self) -> None:
+        self.tensors = {"x": float_cpu(1)}
+        self.masks = [torch.ones(1, dtype=torch.bool)]
+
+    def to(self, device: torch.device) -> DictBatch:
+        for key, value in self.tensors.items():
+            self.tensors[key] = value.to(device)
+        self.masks[:] = [mask.to(device) for mask in self.masks]
+        return self
+
+
+def test_to_device_leaves_the_callers_dicts_and_lists_inside_a_to_object_alone() -> None:
+    batch = DictBatch()
+    out = to_device(batch, "meta")
+    assert out.tensors["x"].device == META and out.masks[0].device == META
+    assert batch.tensors["x"].device == torch.device("cpu")  # was moved with the copy
+    assert batch.masks[0].device == torch.device("cpu")
+
+
 class Uncopyable:
     def __copy__(self) -> Uncopyable:
         raise RuntimeError("holds a lock")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import types
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -223,3 +223,35 @@ def test_check_same_device_lets_a_cpu_scalar_go_with_any_device() -> None:
         check_same_device(model, torch.ones(1), t=temperature)
     cpu_line = next(line for line in str(info.value).splitlines() if "cpu:" in line)
     assert cpu_line.strip() == "cpu: input arg0, input t"
+
+
+def _data_parallel(model: torch.nn.Module, device_ids: list[int], source: str) -> Any:
+    """An nn.DataParallel as built on a GPU host (on this CPU one it gets no devices)."""
+    wrapped = torch.nn.DataParallel(model)
+    wrapped.device_ids = device_ids
+    wrapped.src_device_obj = torch.device(source)
+    return wrapped
+
+
+def test_check_same_device_wants_a_data_parallel_module_on_device_ids_0() -> None:
+    # Both on one device, but DataParallel(device_ids=[1, 0]) wants the module on cuda:1.
+    wrapped = _data_parallel(torch.nn.Linear(2, 2), [1, 0], "cuda:1")
+    with pytest.raises(DeviceMismatchError, match=r"device_ids\[0\], cuda:1") as info:
+        check_same_device(wrapped, torch.ones(3, 2))
+    message = str(info.value)
+    assert "cpu: parameter module.weight, parameter module.bias" in message
+    assert "model.to('cuda:1')" in message
+
+
+def test_check_same_device_lets_data_parallel_scatter_inputs_from_anywhere() -> None:
+    wrapped = _data_parallel(torch.nn.Linear(2, 2).to("meta"), [0], "meta")
+    assert check_same_device(wrapped, torch.ones(3, 2), x={"a": torch.ones(1)}) == META
+
+
+def test_check_same_device_fix_names_no_model_where_there_is_none() -> None:
+    with pytest.raises(DeviceMismatchError) as info:
+        check_same_device(None, torch.ones(1), torch.ones(1, device="meta"))
+    assert "Fix: move them to one device, e.g. batch = trainperf.to_device(batch, 'cpu')." in str(
+        info.value
+    )
+    assert "model.to" not in str(info.value)

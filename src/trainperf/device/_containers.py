@@ -114,14 +114,17 @@ def rebuild(
 def _own_copy(obj: Any) -> Any:
     """A shallow copy for an object's own ``.to`` to work on: Hugging Face's
     ``BatchEncoding.to`` replaces its ``data`` in place, which would move the caller's batch
-    too. A module is its own (``Module.to`` moves it in place, as torch does); an object that
-    cannot be copied is moved itself."""
+    too. The copy gets its own dicts, lists and sets, for a ``.to`` that moves the tensors
+    inside those in place. A module is its own (``Module.to`` moves it in place, as torch
+    does); an object that cannot be copied is moved itself."""
     if isinstance(obj, torch.nn.Module):
         return obj
     try:
-        return copy.copy(obj)
+        new = copy.copy(obj)
     except Exception:  # any failure of a user's __copy__ or __reduce__
         return obj
+    _unshare(new, obj)
+    return new
 
 
 def move_tensor(

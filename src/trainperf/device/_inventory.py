@@ -14,9 +14,11 @@ reports are used instead, which is exact.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import os
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -252,6 +254,28 @@ def _cuda_initialized() -> bool:
     return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
 
 
+_CUDA_SUCCESS = 0
+
+
+def _cuda_driver_started() -> bool:
+    """Whether this process's CUDA driver has started (``cuInit`` ran), torch's CUDA aside.
+
+    The driver reads ``CUDA_VISIBLE_DEVICES`` in ``cuInit``, which
+    ``torch.cuda.is_available()`` runs while ``torch.cuda.is_initialized()`` stays False
+    (pytorch#40618). libcuda is asked only if something loaded it already (``RTLD_NOLOAD``),
+    and ``cuDeviceGetCount`` answers ``CUDA_ERROR_NOT_INITIALIZED`` until ``cuInit`` ran, so
+    asking starts nothing.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_LAZY | os.RTLD_NOLOAD)
+        count = ctypes.c_int(0)
+        return int(libcuda.cuDeviceGetCount(ctypes.byref(count))) == _CUDA_SUCCESS
+    except (OSError, AttributeError):  # not loaded: nothing in this process started CUDA
+        return False
+
+
 def _torch_order(found: Callable[[], list[GpuInfo]]) -> list[GpuInfo] | None:
     # Only when CUDA is already initialised: asking torch otherwise would initialise it.
     cuda = torch.cuda
@@ -402,7 +426,10 @@ def select_gpus(n: int = 1, *, min_free_memory: int | None = None) -> list[int]:
     Raises:
         ValueError: ``n`` is not an int >= 1, or ``min_free_memory`` is neither None nor
             a finite number >= 0 (a string, NaN).
-        DeviceError: CUDA is already initialised, or fewer than ``n`` cards qualify.
+        DeviceError: CUDA is already initialised, or its driver started (by
+            ``torch.cuda.is_available()``, :func:`best_device` or another CUDA library),
+            either of which read ``CUDA_VISIBLE_DEVICES`` already; or fewer than ``n``
+            cards qualify.
 
     Example:
         >>> try:
@@ -418,12 +445,13 @@ def select_gpus(n: int = 1, *, min_free_memory: int | None = None) -> list[int]:
         threshold = non_negative_number(
             "min_free_memory", min_free_memory, unit="bytes", zero="any card"
         )
-    if _cuda_initialized():
+    if _cuda_initialized() or _cuda_driver_started():
         raise DeviceError(
             "select_gpus() must run before CUDA is initialised in this process: "
-            "CUDA_VISIBLE_DEVICES is read only once, when CUDA starts, so setting it now "
-            "has no effect. Call select_gpus() first thing in your script, before any "
-            "tensor or model is moved to 'cuda'."
+            "CUDA_VISIBLE_DEVICES is read only once, when CUDA's driver starts, so setting it "
+            "now has no effect. Call select_gpus() first thing in your script, before any "
+            "tensor or model is moved to 'cuda' and before torch.cuda.is_available() or "
+            "best_device(), which start the driver."
         )
     cards = gpus()
     # A card whose free memory NVML cannot tell (unified memory) meets a threshold of 0 only.
@@ -447,7 +475,8 @@ def best_device() -> torch.device:
     """The device to train on: the visible GPU with most free memory, else MPS, else CPU.
 
     Does not initialise CUDA (``torch.cuda.is_available()`` creates no context, and the
-    free memory comes from NVML).
+    free memory comes from NVML); but ``torch.cuda.is_available()`` starts CUDA's driver,
+    which reads ``CUDA_VISIBLE_DEVICES`` then, so call :func:`select_gpus` before this.
 
     Returns:
         ``cuda:<i>``; ``cuda:0`` when CUDA works but NVML is absent, or refuses or fails

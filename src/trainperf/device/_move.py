@@ -323,11 +323,11 @@ def to_device(
     Walks dicts (``OrderedDict``, ``defaultdict`` and other mappings keep their type),
     lists, tuples, namedtuples, deques and other mutable sequences (``UserList``), sets,
     dataclasses (frozen ones too; their fields and the other attributes they hold) and
-    ``SimpleNamespace``; calls ``.to(device)`` on a shallow copy of an object that has a
-    ``.to`` method (custom batch classes, Hugging Face's ``BatchEncoding``, whose ``.to``
-    moves in place), keeping that copy if ``.to`` returns None, and on a module itself
-    (``Module.to`` moves it in place, as torch does); leaves everything else (str, int,
-    None, NumPy arrays…) untouched. A tensor already on
+    ``SimpleNamespace``; calls ``.to(device)`` on a shallow copy (with its own dicts, lists
+    and sets) of an object that has a ``.to`` method (custom batch classes, Hugging Face's
+    ``BatchEncoding``, whose ``.to`` moves in place), keeping that copy if ``.to`` returns
+    None, and on a module itself (``Module.to`` moves it in place, as torch does); leaves
+    everything else (str, int, None, NumPy arrays…) untouched. A tensor already on
     ``device`` with the right dtype is returned as is, not copied; an ``nn.Parameter``
     comes back as a Parameter (a leaf, with its ``requires_grad``). ``obj`` itself is never
     changed (a module in it excepted): containers are copied, also a mapping that keeps its

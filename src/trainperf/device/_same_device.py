@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -114,12 +114,17 @@ def check_same_device(
     A 0-dim tensor on the CPU (a scalar such as ``torch.tensor(0.5)``) goes with tensors
     on any device, as PyTorch lets it: it is left out when others are elsewhere.
 
+    An ``nn.DataParallel`` with devices is checked as its forward pass checks it: every
+    parameter and buffer must be on ``device_ids[0]`` (not merely on one device), and the
+    inputs may be anywhere, since it scatters them onto its devices itself.
+
     Returns:
-        The one device they all live on.
+        The one device they all live on (``device_ids[0]`` for a ``DataParallel``).
 
     Raises:
-        DeviceMismatchError: more than one device; the message lists, per device, a few of
-            the parameters, buffers and inputs found there.
+        DeviceMismatchError: more than one device, or a ``DataParallel`` whose module is
+            not on ``device_ids[0]``; the message lists, per device, a few of the
+            parameters, buffers and inputs found there.
         TypeError: ``module`` is neither a module nor None (inputs passed in its place).
         ValueError: there is no tensor at all to check.
 
@@ -135,9 +140,13 @@ def check_same_device(
             "argument is the model; to check inputs alone, pass None first: "
             "check_same_device(None, batch)"
         )
+    source = _data_parallel_source(module)
+    if source is not None:
+        return _check_data_parallel(cast(torch.nn.DataParallel[Any], module), source)
     if module is not None:
         found += [(f"parameter {n}", p) for n, p in module.named_parameters()]
         found += [(f"buffer {n}", b) for n, b in module.named_buffers()]
+    has_model = bool(found)  # a model with tensors of its own to move
     inputs: list[tuple[str, torch.Tensor]] = []
     seen: dict[int, Any] = {}
     for i, value in enumerate(tensors):
@@ -153,16 +162,52 @@ def check_same_device(
     by_device = _by_device(found)
     if len(by_device) == 1:
         return next(iter(by_device))
+    first = next(iter(by_device))
+    fix = (
+        f"move both to one device, e.g. model.to({str(first)!r}) and "
+        if has_model
+        else "move them to one device, e.g. "
+    )
+    raise DeviceMismatchError(
+        f"tensors are on {len(by_device)} devices, but one forward pass needs them on one:\n"
+        + _listing(by_device)
+        + f"\nFix: {fix}batch = trainperf.to_device(batch, {str(first)!r})."
+    )
+
+
+def _listing(by_device: dict[torch.device, list[str]]) -> str:
+    """One line per device naming a few of the tensors found there."""
     lines = []
     for dev, names in by_device.items():
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         lines.append(f"  {dev}: {shown}")
-    first = next(iter(by_device))
+    return "\n".join(lines)
+
+
+def _data_parallel_source(module: object) -> torch.device | None:
+    """``device_ids[0]`` of an ``nn.DataParallel`` that has devices (None otherwise: without
+    devices it only calls its module)."""
+    if isinstance(module, torch.nn.DataParallel) and module.device_ids:
+        return module.src_device_obj
+    return None
+
+
+def _check_data_parallel(model: torch.nn.DataParallel[Any], source: torch.device) -> torch.device:
+    """What ``DataParallel.forward`` demands: the module on ``device_ids[0]``. It scatters the
+    inputs from wherever they are, so they are not checked."""
+    elsewhere: dict[torch.device, list[str]] = {}
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.device != source:
+                elsewhere.setdefault(t.device, []).append(f"{kind} {name}")
+    if not elsewhere:
+        return source
     raise DeviceMismatchError(
-        f"tensors are on {len(by_device)} devices, but one forward pass needs them on one:\n"
-        + "\n".join(lines)
-        + f"\nFix: move both to one device, e.g. model.to({str(first)!r}) and "
-        f"batch = trainperf.to_device(batch, {str(first)!r})."
+        f"nn.DataParallel(device_ids={model.device_ids}) needs its module's parameters and "
+        f"buffers on device_ids[0], {source}, but found:\n"
+        + _listing(elsewhere)
+        + f"\nFix: move the model there before wrapping it, model.to({str(source)!r}), or "
+        "put the model's own device first in device_ids."
     )
 
 
