@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import types
@@ -628,3 +629,38 @@ def test_nvml_session_without_a_driver_yields_none(monkeypatch: pytest.MonkeyPat
     monkeypatch.setitem(sys.modules, "pynvml", make_fake_nvml([], "NoPermission"))
     with pytest.raises(DeviceError, match="refused access"), inventory_mod.nvml_session():
         pass
+
+
+@pytest.mark.slow
+@pytest.mark.requires_cuda
+def test_the_driver_probe_sees_the_start_torch_cuda_is_available_makes() -> None:
+    # On a GPU: importing torch starts no driver; torch.cuda.is_available() does (without
+    # initialising torch's CUDA), and from then select_gpus() refuses.
+    code = (
+        "import json, torch\n"
+        "import trainperf.device._inventory as inv\n"
+        "from trainperf.device import select_gpus\n"
+        "from trainperf.errors import DeviceError\n"
+        "before = inv._cuda_driver_started()\n"
+        "available = torch.cuda.is_available()\n"
+        "after = inv._cuda_driver_started()\n"
+        "try:\n"
+        "    select_gpus(1); refused = False\n"
+        "except DeviceError:\n"
+        "    refused = True\n"
+        "print(json.dumps({'before': before, 'available': available, 'after': after,\n"
+        "                  'initialised': torch.cuda.is_initialized(), 'refused': refused}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {
+        "before": False,
+        "available": True,
+        "after": True,
+        "initialised": False,
+        "refused": True,
+    }
