@@ -431,3 +431,26 @@ def test_fp16_a_mixed_precision_pickled_by_0_1_0_tracks_the_unscale_of_each_opti
         mp.backward((b * 10).sum())
         assert mp.step(opt_a, opt_b)
     assert a.tolist() == pytest.approx([0.9, 0.9]) and b.tolist() == pytest.approx([0.9, 0.9])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", pytest.param("fp16", marks=needs_cpu_fp16)])
+def test_backward_of_a_loss_that_is_not_a_scalar_says_to_reduce_it(precision: Precision) -> None:
+    # Before: torch's bare "grad can be implicitly created only for scalar outputs".
+    mp = MixedPrecision("cpu", precision=precision)
+    model = nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=r"shape \(3, 2\); reduce it first: loss.mean\(\)"):
+        mp.backward(model(torch.randn(3, 4)))
+    with pytest.raises(RuntimeError, match="found no gradients"):  # nothing was recorded
+        mp.step(torch.optim.SGD(model.parameters(), lr=0.1))
+    mp.backward(model(torch.randn(3, 4)).sum().reshape(1, 1))  # one element is a scalar
+    assert model.weight.grad is not None
+
+
+def test_backward_of_a_loss_without_a_graph_names_the_likely_causes() -> None:
+    # Before: torch's "element 0 of tensors does not require grad and does not have a grad_fn".
+    mp = MixedPrecision("cpu", precision="fp32")
+    model = nn.Linear(4, 2)
+    with torch.no_grad():
+        loss = model(torch.randn(3, 4)).sum()
+    with pytest.raises(ValueError, match=r"does not require grad.*torch.no_grad\(\)"):
+        mp.backward(loss)

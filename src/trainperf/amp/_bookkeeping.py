@@ -13,9 +13,12 @@ trainperf 0.1.0 holds them so, and ``tune_batch_size`` saves and restores all of
 - ``_already_stepped``: ids of the optimizers that a step which raised had stepped on the
   last backward: its retry must leave them out;
 - ``_skip_flags``: the fp16 inf/NaN flags of those optimizers, so that the retry's
-  loss-scale update and its result count an optimizer that skipped before the error.
+  loss-scale update and its result count an optimizer that skipped before the error;
+- ``_skipped_in_a_row``: how many fp16 steps in a row were skipped on inf/NaN gradients
+  (:data:`SKIPS_BEFORE_WARNING` of them warn once): only a step that succeeds changes it.
 
-The last two last until the next backward, ``mp.zero_grad()``, or a step that succeeds.
+``_already_stepped`` and ``_skip_flags`` last until the next backward, ``mp.zero_grad()``,
+or a step that succeeds.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from trainperf.amp._step import (
 )
 
 __all__ = [
+    "SKIPPED_STEPS",
+    "SKIPS_BEFORE_WARNING",
     "UNSCALED_BACKWARD",
     "StepBook",
     "after_backward",
@@ -48,6 +53,7 @@ __all__ = [
     "fresh",
     "pickled_state",
     "run_step",
+    "unscale",
     "zero_grad",
 ]
 
@@ -62,6 +68,21 @@ UNSCALED_BACKWARD = (
 )
 """The warning of a backward that finds the scaler's record of an ``unscale_``."""
 
+SKIPS_BEFORE_WARNING = 20
+"""fp16 steps skipped in a row before :data:`SKIPPED_STEPS` warns: the loss scale is then
+2**20 times lower than when they began. Finding the scale at the start of a run skips a
+few steps; this many means that no scale makes the gradients finite."""
+
+SKIPPED_STEPS = (
+    "the last {count} fp16 steps were all skipped on inf/NaN gradients, and the loss "
+    "scale is down to {scale:g}: lowering it has not made the gradients finite, so the "
+    "loss itself is probably inf/NaN (the model's weights or the batch hold inf/NaN, or "
+    "the forward overflows). Check torch.isfinite(loss) before mp.backward(loss), and the "
+    "inputs and the learning rate; skipped steps leave the weights as they are, and once "
+    "the scale reaches 0 no step can succeed again"
+)
+"""The warning of :data:`SKIPS_BEFORE_WARNING` skipped fp16 steps in a row."""
+
 
 class StepBook(Protocol):
     """The attributes of :class:`~trainperf.MixedPrecision` these functions read and set."""
@@ -71,6 +92,7 @@ class StepBook(Protocol):
     _zeroed: set[int]
     _already_stepped: set[int]
     _skip_flags: list[torch.Tensor]
+    _skipped_in_a_row: int
 
 
 def fresh() -> dict[str, Any]:
@@ -86,6 +108,7 @@ def fresh() -> dict[str, Any]:
         "_zeroed": set(),
         "_already_stepped": set(),
         "_skip_flags": [],
+        "_skipped_in_a_row": 0,
     }
 
 
@@ -179,7 +202,38 @@ def run_step(
     book._zeroed.clear()
     book._already_stepped.clear()
     book._skip_flags = []
+    if scaler is not None:
+        _count_skips(book, scaler, stepped=result)
     return result
+
+
+def _count_skips(book: StepBook, scaler: torch.amp.GradScaler, *, stepped: bool) -> None:
+    """Count an fp16 step skipped on inf/NaN (a step that succeeds ends the run), and warn
+    once when :data:`SKIPS_BEFORE_WARNING` were skipped in a row: ``GradScaler`` halves the
+    scale at each and says nothing, down to 0, from where nothing can step again."""
+    book._skipped_in_a_row = 0 if stepped else book._skipped_in_a_row + 1
+    if book._skipped_in_a_row == SKIPS_BEFORE_WARNING:
+        message = SKIPPED_STEPS.format(count=SKIPS_BEFORE_WARNING, scale=scaler.get_scale())
+        # stacklevel: the caller of mp.step (through run_step).
+        warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def unscale(
+    book: StepBook, scaler: torch.amp.GradScaler | None, optimizer: torch.optim.Optimizer
+) -> None:
+    """``mp.unscale_(optimizer)``: ``scaler.unscale_(optimizer)`` (``scaler``: an enabled
+    fp16 one, or None, which leaves the gradients as they are), once the gradients are
+    known to come from the backward that waits for its step."""
+    if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
+        raise TypeError(f"MixedPrecision.unscale_() takes one optimizer, got {optimizer!r}")
+    if not book._backward_pending or id(optimizer) in book._zeroed:
+        raise RuntimeError(
+            "MixedPrecision.unscale_() found no gradients from mp.backward(loss) since the "
+            "last step or zero_grad; call it between mp.backward(loss) and mp.step(optimizer)"
+        )
+    if scaler is not None:
+        check_no_fp16_grads((optimizer,), caller="unscale_")
+        scaler.unscale_(optimizer)
 
 
 def _copy(book: StepBook) -> dict[str, Any]:

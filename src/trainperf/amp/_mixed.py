@@ -21,6 +21,7 @@ from trainperf.amp._channels_last import channels_last_decision, model_to_channe
 from trainperf.amp._precision import choose_precision
 from trainperf.amp._scaler import LossScaler, as_loss_scaler, unscaled_grads
 from trainperf.amp._state import load_state
+from trainperf.amp._step import check_loss
 from trainperf.amp._tf32 import enable_tf32
 from trainperf.device import resolve_device, to_device
 from trainperf.device._move import to_device_channels_last
@@ -123,6 +124,7 @@ class MixedPrecision:
         self._zeroed: set[int]
         self._already_stepped: set[int]
         self._skip_flags: list[torch.Tensor]
+        self._skipped_in_a_row: int
         self.__dict__.update(_bookkeeping.fresh())
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.uses_channels_last = False
@@ -286,6 +288,8 @@ class MixedPrecision:
 
         Raises:
             TypeError: ``loss`` is not a tensor.
+            ValueError: ``loss`` has more than one element (reduce it: ``loss.mean()``), or
+                does not require grad (computed under ``torch.no_grad()``, or detached).
 
         Warns:
             UserWarning: (fp16) it came after an ``unscale_`` as above; the fix is
@@ -301,8 +305,7 @@ class MixedPrecision:
             >>> w.grad.tolist()
             [6.0, 6.0]
         """
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"backward() takes the loss tensor, got {type(loss).__name__}")
+        check_loss(loss)
         scaler = self.scaler
         scaled = scaler.scale(loss) if scaler is not None else loss
         unscaled = unscaled_grads(scaler) if scaler is not None else {}
@@ -346,7 +349,7 @@ class MixedPrecision:
             max_grad_norm: clip each optimizer's total gradient norm (over its parameters)
                 to this finite value > 0 (a NumPy scalar, a 0-dim tensor too); None does not
                 clip. Keyword only. fp16 gradients are unscaled first, unless
-                ``mp.scaler.unscale_(optimizer)`` already did (to read their norm).
+                :meth:`unscale_` (or ``mp.scaler.unscale_``) already did (to read their norm).
             optimizer: one optimizer by keyword, as ``mp.step(optimizer=opt)`` (the
                 signature before several could be passed).
             closure: for an optimizer that re-evaluates the loss in its step
@@ -373,6 +376,11 @@ class MixedPrecision:
                 (``model.half()``), where loss scaling needs fp32 parameters; a closure (or
                 an optimizer that needs one) with fp16, or with ``max_grad_norm``.
 
+        Warns:
+            UserWarning: (fp16) once, when this is the 20th step in a row skipped on
+                inf/NaN gradients: lowering the loss scale did not help, so the loss itself
+                is probably inf/NaN.
+
         Example:
             >>> mp = MixedPrecision("cpu", precision="fp32")
             >>> w = torch.nn.Parameter(torch.ones(2))
@@ -397,6 +405,39 @@ class MixedPrecision:
             self, optimizers, max_grad_norm, closure, scaling=scaler is not None
         )
         return _bookkeeping.run_step(self, scaler, optimizers, max_grad_norm, closure)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s fp16 gradients by the loss scale now, to clip or log them
+        before :meth:`step`; bf16 and fp32 gradients have no scale and stay as they are.
+
+        For fp16 this is ``mp.scaler.unscale_(optimizer)``, which :meth:`step` does not
+        repeat; unlike ``mp.scaler`` (None for bf16 and fp32) it works for every precision,
+        so one loop runs under any. After the last :meth:`backward` of an accumulation.
+
+        Args:
+            optimizer: whose gradients to unscale.
+
+        Raises:
+            TypeError: ``optimizer`` is not an optimizer.
+            RuntimeError: no :meth:`backward` since the last step or :meth:`zero_grad` (of
+                this optimizer); (fp16) already unscaled since the last step.
+            ValueError: (fp16) a gradient is fp16 itself (the model was cast with
+                ``model.half()``), which the loss scaler cannot unscale.
+
+        Example:
+            >>> mp = MixedPrecision("cpu", precision="bf16")
+            >>> w = torch.nn.Parameter(torch.ones(2))
+            >>> opt = torch.optim.SGD([w], lr=0.1)
+            >>> mp.backward((w * 3).sum())
+            >>> mp.unscale_(opt)
+            >>> round(float(torch.nn.utils.clip_grad_norm_([w], max_norm=1.0)), 2)
+            4.24
+            >>> mp.step(opt)
+            True
+        """
+        scaler = self.scaler
+        scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        _bookkeeping.unscale(self, scaler, optimizer)
 
     def zero_grad(
         self, optimizer: torch.optim.Optimizer | None = None, *, set_to_none: bool = True

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "check_loss",
     "check_max_grad_norm",
     "check_no_fp16_grads",
     "check_not_already_stepped",
@@ -82,6 +83,38 @@ def check_step(
     check_not_zeroed(optimizers, zeroed)
     check_not_already_stepped(optimizers, already_stepped)
     check_max_grad_norm(max_grad_norm)
+
+
+def check_loss(loss: object) -> None:
+    """Refuse what ``mp.backward`` cannot take as a loss, before anything is recorded:
+    torch's own errors ("grad can be implicitly created only for scalar outputs", "element 0
+    of tensors does not require grad") name neither the shape nor the usual cause.
+
+    Raises:
+        TypeError: ``loss`` is not a tensor.
+        ValueError: it has more than one element, or no graph to run backward through.
+
+    Example:
+        >>> try:
+        ...     check_loss(torch.ones(2, 3, requires_grad=True))
+        ... except ValueError as e:
+        ...     print(str(e).split(";")[0])
+        MixedPrecision.backward() takes a scalar loss, got a tensor of shape (2, 3)
+    """
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"backward() takes the loss tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError(
+            "MixedPrecision.backward() takes a scalar loss, got a tensor of shape "
+            f"{tuple(loss.shape)}; reduce it first: loss.mean() or loss.sum()"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "MixedPrecision.backward() got a loss that does not require grad, so there is "
+            "nothing to run backward through: it was computed under torch.no_grad() or "
+            "torch.inference_mode(), detached (.detach(), .item()), or from parameters that "
+            "all have requires_grad=False; compute it from the model's output with grad enabled"
+        )
 
 
 def check_optimizers(optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
@@ -291,15 +324,18 @@ def forget(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer | None
         states.pop(id(optimizer), None)
 
 
-def check_no_fp16_grads(optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
-    """Refuse fp16 gradients before anything steps: ``GradScaler`` cannot unscale them (its
-    bare "Attempting to unscale FP16 gradients." names neither the cause nor the fix)."""
+def check_no_fp16_grads(
+    optimizers: tuple[torch.optim.Optimizer, ...], *, caller: str = "step"
+) -> None:
+    """Refuse fp16 gradients before anything steps or is unscaled (``caller``: the
+    ``MixedPrecision`` method that asks): ``GradScaler`` cannot unscale them (its bare
+    "Attempting to unscale FP16 gradients." names neither the cause nor the fix)."""
     for i, o in enumerate(optimizers, 1):
         grads = [p.grad for p in parameters(o) if p.grad is not None]
         half = sum(g.dtype == torch.float16 for g in grads)
         if half:
             raise ValueError(
-                f"MixedPrecision.step() found fp16 gradients in optimizer {i} of "
+                f"MixedPrecision.{caller}() found fp16 gradients in optimizer {i} of "
                 f"{len(optimizers)} ({type(o).__name__}): {half} of its {len(grads)} "
                 "parameters with a gradient are fp16 (the model was cast with model.half() or "
                 ".to(torch.float16)), which the fp16 loss scaler cannot unscale; keep the "
