@@ -285,6 +285,17 @@ def test_analyse_without_a_measured_wait_says_so() -> None:
     assert analyse(unmeasured).wait_fraction == 0.0  # measured: a real 0
 
 
+def test_a_wait_unmeasured_for_a_prefetch_thread_names_it_in_the_report() -> None:
+    # Before: the report's rate line said "wrap the loader" of a loop that had wrapped it,
+    # in a prefetch thread.
+    setup = LoopSetup(prefetch_thread="prefetch")
+    report = analyse(steps(60, 0.0, 0.02), wait_measured=False, setup=setup)
+    line = str(report).splitlines()[1]
+    assert line.endswith("data wait not measured (w.iter() ran in prefetch thread 'prefetch')")
+    assert "never was" not in report.verdict.reasons[0]
+    assert report.to_dict()["setup"]["prefetch_thread"] == "prefetch"
+
+
 def test_analyse_on_a_host_other_processes_keep_busy() -> None:
     busy_host = samples(15, None, 20, 99)  # this process: a fifth of one of 4 CPUs
     report = analyse(steps(60, 0.0, 0.02), busy_host, cpus=4)

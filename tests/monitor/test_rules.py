@@ -335,6 +335,31 @@ def test_cpus_held_by_others_at_the_edges(
         assert "trainperf doctor" in verdict.fix and "MixedPrecision" not in verdict.fix
 
 
+def test_a_wait_unmeasured_for_a_prefetch_thread_is_said_so_not_w_iter_never_called() -> None:
+    # Before: the reason said "w.iter() never was" and the held-CPUs reason "wrap the
+    # loader" although the loop wrapped it, in a prefetch thread: the watch's own note
+    # (appended after) contradicted them.
+    prefetched = LoopSetup(prefetch_thread="prefetch")
+    unmeasured = figures(cuda_used=False, gpu_present=False, wait_measured=False)
+    cpu = compute_bound(dataclasses.replace(unmeasured, setup=prefetched))
+    assert cpu.reasons[0] == (
+        "data waiting was not measured: w.iter() ran in thread 'prefetch' (a prefetch "
+        "thread), not in the loop's, so the loop's own wait for each batch counts as step time"
+    )
+    assert cpu.fix.startswith(
+        "measure the data wait first: wrap what the loop itself iterates, for batch in "
+        "w.iter(prefetcher): ... w.step(), and watch again; if the step is still the limit"
+    )
+    assert not any("never was" in r or "w.iter(loader)" in r for r in cpu.reasons)
+    held = cpus_held_by_others(cpu_loop(process_cpu=20.0, host_cpu=99.0, wait_measured=False,
+                                        setup=prefetched))  # fmt: skip
+    assert held is not None
+    assert held.reasons[0] == (
+        "data waiting was not measured: w.iter() ran in prefetch thread 'prefetch'; wrap what "
+        "the loop itself iterates, for batch in w.iter(prefetcher)"
+    )
+
+
 def test_compute_bound_does_not_advise_mixed_precision_already_in_use() -> None:
     why = "auto: the CPU has no native bf16 (emulated bf16 is slower) -> fp32"
     fp32 = compute_bound(figures(cuda_used=False, precision=("fp32", why)))

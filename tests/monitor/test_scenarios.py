@@ -16,6 +16,7 @@ import pytest
 from tests.benchmarks._scripts import script_module
 from trainperf.limits import usable_cpus
 from trainperf.monitor import Fix, WatchReport
+from trainperf.monitor._predict_stalls import MAX_SAVE_SHARE
 
 # Each scenario runs a loop of a second or so, some with DataLoader workers.
 pytestmark = pytest.mark.slow
@@ -73,13 +74,20 @@ def test_a_blocking_save_every_ten_steps_is_a_periodic_stall(bench: ModuleType) 
     assert report.stall_period == 10, report
     fix = the_fix(report, "trainperf.Checkpointer(")
     assert "blocking=False" in fix.call
+    less_often = [f for f in report.what_if().fixes if f.call.startswith("trainperf.save_")]
+    if fix.basis.startswith("not predicted: a stall every 10 steps"):
+        # On a busy host the saves slow down far more than the sleeps between them, and
+        # the stalls grow past a save's share of the run: the rules then take them for the
+        # loop's own cadence (test_predict covers that rule), predict no gain, and advise
+        # no "save less often" either.
+        assert fix.predicted_speedup == 1.0 and not less_often, report
+        if report.regime_start is None:  # the run's share is the one judged
+            assert report.stall_fraction > MAX_SAVE_SHARE, report
+        return
     if fix.predicted_speedup == 1.0:
         # Under a full test run's load the non-blocking save's own fork can block as long
-        # as the save's excess (measured), or the stalls grow past a save's share: the
-        # rules then predict no gain, and the basis must say which.
-        assert fix.basis.startswith("not predicted: a stall every 10 steps") or (
-            report.setup.save_block_s is not None and "blocked this process for" in fix.basis
-        ), fix
+        # as the save's excess (measured): the rules then predict no gain, and say so.
+        assert report.setup.save_block_s is not None and "blocked this process for" in fix.basis
     the_fix(report, "trainperf.save_checkpoint(")
 
 

@@ -173,12 +173,24 @@ def test_watch_sees_a_real_mixed_precision() -> None:
 
 
 @pytest.mark.slow
-def test_a_stall_every_tenth_step_is_found_with_its_period() -> None:
-    with watch(device="cpu") as w:
+def test_a_stall_every_tenth_step_is_found_with_its_period(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On the watch's own clock, and with no CPU samples (an interval longer than the loop):
+    # on a busy host, real sleeps overran and other processes' load made the verdict theirs.
+    import trainperf.monitor._watch as watch_module
+    import trainperf.monitor._watch_iter as iter_module
+    import trainperf.monitor._watch_steps as steps_module
+
+    clock = [1000.0]
+    for module in (watch_module, iter_module, steps_module):
+        monkeypatch.setattr(module, "time", _clock_module(lambda: clock[0]))
+    with watch(device="cpu", interval=3600) as w:
         for i, _ in enumerate(w.iter([torch.zeros(4)] * 50)):
-            time.sleep(0.08 if i % 10 == 9 else 0.005)
+            clock[0] += 0.08 if i % 10 == 9 else 0.005
             w.step()
     report = w.report()
+    assert report.samples == ()
     assert report.verdict.kind == "periodic-stalls", report
     assert report.stall_period == 10
     assert report.stall_steps == (9, 19, 29, 39, 49)
@@ -397,6 +409,24 @@ def test_a_failure_while_starting_stops_the_sampler_thread(monkeypatch: pytest.M
             pass
 
 
+def test_a_sampler_thread_the_os_cannot_start_raises_its_own_error_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: stopping the sampler joined a thread that never started, and that second
+    # RuntimeError ("cannot join thread before it is started") hid the OS's.
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    w = watch(device="cpu")
+    with monkeypatch.context() as patched:
+        patched.setattr(threading.Thread, "start", no_thread)
+        with pytest.raises(RuntimeError, match="can't start new thread") as raised:
+            w.start()
+    assert raised.value.__context__ is None  # nothing raised while handling it
+    with pytest.raises(RuntimeError, match=r"w\.start\(\) on a watch that already ran"):
+        w.start()
+
+
 def test_leaving_a_with_block_after_stop_keeps_what_stop_counted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -508,10 +538,14 @@ def test_the_watch_tells_loading_that_computes_from_loading_that_waits() -> None
     assert sum(c for c in cpu["sleeps"] if c is not None) < 0.5 * sum(
         c for c in cpu["computes"] if c is not None
     )
-    delays = [s.cpu_delay for s in reports["computes"].timeline]
+    timeline = reports["computes"].timeline
+    delays = [s.cpu_delay for s in timeline]
     if Path("/proc/thread-self/schedstat").exists():
-        assert all(d is not None and 0 <= d <= s.duration + 1e-3
-                   for d, s in zip(delays, reports["computes"].timeline, strict=True))  # fmt: skip
+        assert all(d is not None and d >= 0 for d in delays), delays
+        # A reading's delay is spread evenly over its steps, so on a busy host one short
+        # step's share may pass its own duration; their sum cannot pass the steps' time.
+        total = sum(d for d in delays if d is not None)
+        assert total <= sum(s.duration for s in timeline) + 1e-3, timeline
 
 
 def test_the_watch_reads_the_loaders_settings_and_torch_threads() -> None:
@@ -579,6 +613,35 @@ def test_schedstat_is_read_every_16_steps_and_spread_over_them(
     # Waiting for a CPU half as long as running, then as long: the waits' CPU time (1 ms
     # each) is scaled into demand by 1.5, then by 2.
     assert [s.wait_cpu for s in steps] == pytest.approx([0.0015] * 16 + [0.002] * 4)
+
+
+def test_waiting_for_a_cpu_while_the_watch_starts_is_no_steps_delay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: the first schedstat reading came before the sampler thread started, so the
+    # loop's thread's wait for a CPU meanwhile (long on a busy host) was spread over the
+    # first steps, and a step could show more delay than it lasted.
+    from trainperf.monitor import _sampler
+
+    waited = [0.0]  # the loop's thread's delay so far
+    real_start = _sampler._Sampler.start
+
+    def slow_start(self: _sampler._Sampler) -> None:
+        waited[0] += 0.05  # 50 ms runnable, waiting for a CPU, while the sampler starts
+        real_start(self)
+
+    class _Clock(_ScriptedClock):
+        def read(self) -> tuple[float, float]:
+            self.calls += 1
+            return 1.0 + waited[0], waited[0]
+
+    monkeypatch.setattr(_sampler._Sampler, "start", slow_start)
+    w = Watch(device="cpu", warmup_steps=0)
+    w._clock = _Clock([])  # type: ignore[assignment]
+    with w:
+        for _ in range(4):
+            w.step(samples=1)
+    assert [s.cpu_delay for s in w.report().timeline] == [0.0] * 4
 
 
 def test_without_schedstat_the_delays_are_unknown_and_the_wait_is_cpu_time(
@@ -1231,6 +1294,61 @@ def test_batches_taken_in_a_prefetch_thread_warn_once_and_leave_the_wait_unmeasu
     assert report.verdict.kind != "input-bound"
     assert "w.iter() ran in thread 'prefetch'" in report.verdict.reasons[-1]
     assert sum(s.samples or 0 for s in report.timeline) == 4 * (12 + first_step_before)
+    # Every text gives the cause that applies: not "wrap the loader", never "never was".
+    assert report.setup.prefetch_thread == "prefetch"
+    text = str(report)
+    assert "data wait not measured (w.iter() ran in prefetch thread 'prefetch')" in text
+    assert "never was" not in text and "w.iter(loader)" not in text, text
+
+
+class _StepsMidCount(Watch):
+    """A watch whose loop steps while the prefetch thread updates the samples pending for
+    the step (``_pending_count += n``): between that update's read and its write."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.read = threading.Event()  # the prefetch thread read the count for batch 2
+        self.stepped = threading.Event()  # the loop's w.step() has returned
+        self._reads = 0
+        super().__init__(**kwargs)
+
+    @property
+    def _pending_count(self) -> int:
+        value: int = self.__dict__["_pending_count"]
+        if threading.current_thread().name == "prefetch":
+            self._reads += 1
+            if self._reads == 2:
+                self.read.set()
+                # The loop steps now, unless the watch keeps it out until the write: then
+                # this wait ends unanswered and the step comes after.
+                self.stepped.wait(1.0)
+        return value
+
+    @_pending_count.setter
+    def _pending_count(self, value: int) -> None:
+        self.__dict__["_pending_count"] = value
+
+
+def test_a_step_during_a_prefetch_threads_count_neither_loses_nor_repeats_samples() -> None:
+    # Before: w.step() reset the pending count between the prefetch thread's read and its
+    # write of `+= n`, which then wrote back the old count plus n: the samples counted in
+    # the step that ended were counted again in the next one.
+    w = _StepsMidCount(device="cpu", warmup_steps=0)
+    with w, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "w.iter() is iterated in thread"
+        w.step(samples=0)  # the loop's thread steps: the batches are taken elsewhere
+
+        def prefetch() -> None:
+            for _ in w.iter([torch.zeros(4, 1)] * 2):
+                pass
+
+        fetcher = threading.Thread(target=prefetch, name="prefetch")
+        fetcher.start()
+        assert w.read.wait(30)
+        w.step()
+        w.stepped.set()
+        fetcher.join(30)
+        w.step()
+    assert [s.samples for s in w.report().timeline] == [0, 8, 0]
 
 
 def test_a_loop_iterated_and_stepped_in_one_other_thread_does_not_warn() -> None:

@@ -41,8 +41,9 @@ class WatchReport:
         samples_per_s: samples per second, None when batch sizes are unknown.
         median_step_s: the median step time.
         wait_fraction: share of step time spent waiting for data; None when it was not
-            measured (the loop called ``w.step()`` but never ``w.iter()``, so the time spent
-            fetching batches is in the step time).
+            measured (the loop called ``w.step()`` but never ``w.iter()``, or a prefetch
+            thread iterated it: ``setup.prefetch_thread``), so the time spent fetching
+            batches is in the step time.
         gpu_busy_fraction: the steps' CUDA-event span as a share of step time (the sum of
             ``StepRecord.gpu_busy`` over the step time), None without CUDA. An upper bound
             on how busy the GPU was, not the busy share itself: a loop that launches kernels
@@ -193,11 +194,13 @@ class WatchReport:
     def _rate_line(self) -> str:
         rate = f", {self.samples_per_s:.1f} samples/s" if self.samples_per_s else ""
         kept = f", figures over the last {len(self.timeline)}" if self.dropped_steps else ""
-        wait = (
-            "data wait not measured (wrap the loader: w.iter(loader))"
-            if self.wait_fraction is None
-            else f"{self.wait_fraction:.0%} of it waiting for data"
-        )
+        thread = self.setup.prefetch_thread
+        if self.wait_fraction is not None:
+            wait = f"{self.wait_fraction:.0%} of it waiting for data"
+        elif thread is None:
+            wait = "data wait not measured (wrap the loader: w.iter(loader))"
+        else:
+            wait = f"data wait not measured (w.iter() ran in prefetch thread {thread!r})"
         return (
             f"  {self.steps} steps ({self.warmup_steps} warm-up left out{kept}), "
             f"{self.steps_per_s:.2f} steps/s{rate}; median step {self.median_step_s * 1e3:.1f}"

@@ -11,9 +11,10 @@ host busy) leads if it applies and the GPU is not shown busy, else :func:`comput
 Each rule returns its :class:`Verdict`, or None where it does not apply, so each can be
 tested on figures alone.
 
-Two inputs change what the rules may say. Without ``w.iter()`` the time spent fetching a
-batch is step time (``Figures.wait_measured`` is False): nothing is input-bound then, and
-compute-bound says that the data wait was not measured instead of "data arrives in time".
+Two inputs change what the rules may say. Without ``w.iter()``, or with ``w.iter()`` in a
+prefetch thread (``LoopSetup.prefetch_thread``), the time spent fetching a batch is step
+time (``Figures.wait_measured`` is False): nothing is input-bound then, and compute-bound
+says that the data wait was not measured, and why, instead of "data arrives in time".
 A :class:`trainperf.amp.MixedPrecision` in use (``Figures.precision``) is not advised again.
 
 Every verdict carries the fixes that apply to it, each with the gain predicted for it by
@@ -129,9 +130,6 @@ _HELD_CPUS_FIX = (
     "these cores are yours, then watch again"
 )
 _STEP_FIXES = "use channels_last for convolutional models, and a larger batch if memory allows"
-_MEASURE_WAIT = (
-    "measure the data wait first: for batch in w.iter(loader): ... w.step(), and watch again; "
-)
 
 
 def _verdict(
@@ -181,6 +179,41 @@ def _cpu_reason(f: Figures) -> str:
 
 def _wait_reason(f: Figures) -> str:
     return f"{f.wait_fraction:.0%} of step time is spent waiting for the next batch"
+
+
+def _unmeasured_reason(f: Figures) -> str:
+    """Why the data wait was not measured: no ``w.iter()``, or one a prefetch thread ran."""
+    thread = f.setup.prefetch_thread
+    if thread is None:
+        return (
+            "data waiting was not measured: w.step() was called but w.iter() never was, so "
+            "the time spent fetching each batch counts as step time"
+        )
+    return (
+        f"data waiting was not measured: w.iter() ran in thread {thread!r} (a prefetch "
+        "thread), not in the loop's, so the loop's own wait for each batch counts as step time"
+    )
+
+
+def _how(f: Figures) -> str:
+    """How to measure the data wait: wrap the loader, or, where a prefetch thread iterated
+    ``w.iter()``, what the loop itself iterates (the loop's own wait is for the prefetcher)."""
+    if f.setup.prefetch_thread is None:
+        return "wrap the loader, for batch in w.iter(loader)"
+    return (
+        f"w.iter() ran in prefetch thread {f.setup.prefetch_thread!r}; wrap what the loop "
+        "itself iterates, for batch in w.iter(prefetcher)"
+    )
+
+
+def _measure_wait(f: Figures) -> str:
+    """The first step of a fix where the data wait was not measured."""
+    loop = (
+        "for batch in w.iter(loader)"
+        if f.setup.prefetch_thread is None
+        else "wrap what the loop itself iterates, for batch in w.iter(prefetcher)"
+    )
+    return f"measure the data wait first: {loop}: ... w.step(), and watch again; "
 
 
 # --------------------------------------------------------------------------- decisive rules
@@ -365,11 +398,8 @@ def compute_bound(f: Figures) -> Verdict:
             f"the training step on {where}, or the data loading inside it, is the limit: "
             "data waiting was not measured"
         )
-        wait_reason = (
-            "data waiting was not measured: w.step() was called but w.iter() never was, so "
-            "the time spent fetching each batch counts as step time"
-        )
-        fix = _MEASURE_WAIT + "if the step is still the limit, " + _compute_fix(f)
+        wait_reason = _unmeasured_reason(f)
+        fix = _measure_wait(f) + "if the step is still the limit, " + _compute_fix(f)
     reasons = tuple(r for r in (wait_reason, busy_reason) if r)
     fixes = [x for x in (precision_fix(f), batch_fix(f)) if x is not None]
     return with_fixes(Verdict("compute-bound", summary, reasons, fix), fixes)
@@ -394,9 +424,7 @@ def cpus_held_by_others(f: Figures) -> Verdict | None:
         f"other processes hold the host's CPUs: the host is {f.host_cpu:.0f}% busy while "
         f"this process and its workers use {tree:.0%} of the {f.cpus} usable CPUs",
         (
-            _wait_reason(f)
-            if f.wait_measured
-            else "data waiting was not measured: wrap the loader, for batch in w.iter(loader)",
+            _wait_reason(f) if f.wait_measured else "data waiting was not measured: " + _how(f),
             "on a saturated host a step slowed by other processes cannot be told from a "
             "compute-bound one",
         ),

@@ -101,7 +101,11 @@ class _Sampler(threading.Thread):
         self.go.set()
 
     def stop(self) -> None:
+        """Ask the thread to end and wait for it (10 s at most); a thread that never
+        started (``start()`` failed: the OS had no thread to give) has nothing to wait for."""
         self.request_stop()
+        if self.ident is None:  # joining it would raise a second RuntimeError over the first
+            return
         # Bounded: a hung driver call must not hang the training script's exit with it.
         self.join(timeout=10)
 

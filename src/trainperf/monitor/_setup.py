@@ -59,6 +59,9 @@ class LoopSetup:
             otherwise.
         background_saves: the background checkpoint writes
             (``Checkpointer.save(..., blocking=False)``) the loop started while watched.
+        prefetch_thread: the name of the thread that iterated ``w.iter()`` while another
+            stepped the watch (a prefetch thread feeding the loop through a queue): the
+            data wait was then not measured; None otherwise.
 
     Example:
         >>> LoopSetup(num_workers=0, torch_threads=4).to_dict()["num_workers"]
@@ -85,6 +88,7 @@ class LoopSetup:
     cpu_bf16_speedup: float | None = None
     save_block_s: float | None = None
     background_saves: int = 0
+    prefetch_thread: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name, JSON-safe (the capability as a list)."""

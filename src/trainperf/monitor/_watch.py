@@ -255,7 +255,6 @@ class Watch:
         self._cpus = _rank_cpus()
         self._saves_before = _background_saves()
         weakref.finalize(self, self._clock.close)
-        self._last_reading = cpu_reading(self)
         want_gpu = self._device is None or self._device.type == "cuda"
         sampler = _Sampler(self._interval, time.perf_counter(), gpu=want_gpu, max_samples=self._max)
         self._sampler = sampler
@@ -265,7 +264,9 @@ class Watch:
         sampler.ready.wait(timeout=10)
         self._maybe_start_cuda()
         # The clock starts once the sampler is up (NVML start-up is not the loop's time); the
-        # sampler takes its first sample an interval after it is told to go.
+        # sampler takes its first sample an interval after it is told to go. So does the
+        # schedstat count: waiting for a CPU while the sampler started is no step's delay.
+        self._last_reading = cpu_reading(self)
         self._t0 = sampler.t0 = time.perf_counter()
         self._wall0 = time.time()
         sampler.go.set()

@@ -79,7 +79,8 @@ def loader_changes(w: Watch) -> tuple[LoaderChange, ...]:
 
 def measured(w: Watch, timeline: list[StepRecord], samples: list[Sample]) -> dict[str, Any]:
     """What the watch measures for the predictions beyond the timeline: batches per
-    step, the background checkpoint writes the loop started, and (once) what a worker
+    step, the background checkpoint writes the loop started, the prefetch thread that took
+    the batches (the reason the data wait went unmeasured), and (once) what a worker
     hand-over would cost a loop that loads in its own thread while it waits for data.
     The probe runs a worker for about a second, so only once the watch has stopped: a
     report made inside the loop would put that second into the loop's step (it uses a
@@ -88,6 +89,7 @@ def measured(w: Watch, timeline: list[StepRecord], samples: list[Sample]) -> dic
     out: dict[str, Any] = {"batches_per_step": w._items / steps if steps else None}
     after = w._saves_after if w._saves_after is not None else background_saves()
     out["background_saves"] = after - w._saves_before
+    out["prefetch_thread"] = None if w._wait_elsewhere is None else w._wait_elsewhere[0]
     kept = timeline[max(0, w._warmup - w._first) :]
     total = sum(s.duration for s in kept)
     waits = total > 0 and sum(s.wait for s in kept) >= SAWTOOTH_WAIT * total

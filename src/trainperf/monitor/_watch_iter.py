@@ -137,8 +137,9 @@ def _new_pass(w: Watch, iterable: object) -> _Pass:
     validation loader inside the loop) are left alone."""
     steps = w._first + len(w._ends)
     for old in [p for p in w._passes if p.iterable_id == id(iterable)]:
-        if old.step == steps and w._count_known:
-            w._pending_count = max(0, w._pending_count - old.taken)
+        with w._lock:  # as in _took: w.step() may reset the count meanwhile
+            if old.step == steps and w._count_known:
+                w._pending_count = max(0, w._pending_count - old.taken)
         w._passes.remove(old)
     new = _Pass(id(iterable), steps)
     w._passes.append(new)
@@ -213,10 +214,11 @@ def _took(w: Watch, item: Any, now: _Pass) -> None:
     w._items += 1
     if w._layout is None:
         w._layout, w._layout_batch = batch_layout(item), n
-    if n is None:
-        w._count_known = False
-    else:
-        w._pending_count += n
+    with w._lock:  # a prefetch thread's count, and the loop's w.step() that resets it
+        if n is None:
+            w._count_known = False
+        else:
+            w._pending_count += n
     if w._cuda and w._step_start is None:
         # With the stream idle this event completes at once, so the step's span is
         # then host time; analyse() bounds it with NVML's utilisation.
