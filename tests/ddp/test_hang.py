@@ -222,6 +222,21 @@ def test_the_advice_names_the_limit_as_the_caller_named_it() -> None:
     assert "raise hang_timeout (or pass hang_timeout=None)" in str(launched)
 
 
+def test_the_returned_advice_under_watchdog_names_no_main() -> None:
+    # watchdog() (torchrun, SLURM) has no main: its advice said "the other ranks finished
+    # main ... otherwise make it return".
+    left = RankView(0, "returned", "running", finished="left the watchdog() block")
+    views = (left, _busy(1))
+    report = HangReport(3.0, 3.4, 2, diagnose(list(views)), views, option="timeout")
+    advice = report.to_dict()["advice"]
+    assert "main" not in advice and "return" not in advice, advice
+    assert "the other ranks left the watchdog() block (or ended their script)" in advice
+    assert "raise the watchdog's timeout; otherwise make it finish too" in advice
+    assert advice in str(report)
+    launched = HangReport(3.0, 3.4, 2, diagnose(list(views)), views)
+    assert "the other ranks finished main while rank 1" in launched.to_dict()["advice"]
+
+
 def test_the_report_reads_and_serialises() -> None:
     views = (_waits(0, _c(3), steps=2), _busy(1))
     report = HangReport(3.0, 3.4, 2, diagnose(list(views)), views)

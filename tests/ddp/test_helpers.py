@@ -1,5 +1,5 @@
 """trainperf.ddp._helpers: rank(), world_size(), reductions, wrap_model, distributed_loader,
-data_parallel, with and without a process group."""
+with and without a process group."""
 
 from __future__ import annotations
 
@@ -308,60 +308,6 @@ def test_distributed_loader_workers_keep_the_users_worker_init_fn() -> None:
     assert [b.tolist() for b in loader] == [[0, 100, 400, 900]]
     assert loader.worker_init_fn is not _record_worker  # wrapped to die with the rank
     assert pickle.loads(pickle.dumps(loader.worker_init_fn)).user_fn is _record_worker
-
-
-def test_data_parallel_rejects_an_empty_device_list_with_or_without_cuda() -> None:
-    model = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match=r"device_ids must name at least one GPU, got \[\]"):
-        ddp.data_parallel(model, device_ids=[])
-    with pytest.raises(ValueError, match=r"must name at least one GPU.*pass None"):
-        ddp.data_parallel(model, device_ids=())
-
-
-@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks the behaviour without GPUs")
-def test_data_parallel_without_gpus() -> None:
-    model = nn.Linear(2, 2)
-    assert ddp.data_parallel(model) is model
-    with pytest.raises(ValueError, match=r"device_ids=\[0\] given, but no CUDA GPU is visible"):
-        ddp.data_parallel(model, device_ids=[0])
-
-
-def test_data_parallel_names_the_renumbering_of_cuda_visible_devices(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # It said only "device_ids [3] are not visible GPUs (0..1)": a user who set
-    # CUDA_VISIBLE_DEVICES=2,3 and passed the physical number 3 got no fix.
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    with pytest.raises(
-        ValueError,
-        match=r"device_ids \[3\] are not visible GPUs: 2 visible, numbered 0\.\.1 "
-        r"\(CUDA_VISIBLE_DEVICES='2,3' renumbers the cards it shows from cuda:0\); pass "
-        r"numbers in 0\.\.1",
-    ):
-        ddp.data_parallel(nn.Linear(2, 2), device_ids=[0, 3])
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    with pytest.raises(ValueError, match=r"\(CUDA_VISIBLE_DEVICES is unset: all of the mach"):
-        ddp.data_parallel(nn.Linear(2, 2), device_ids=[2])
-
-
-@pytest.mark.requires_cuda
-def test_data_parallel_moves_the_model_to_the_first_device_and_warns_once() -> None:
-    import trainperf.ddp._helpers as helpers
-
-    helpers._dp_warned = False
-    last = torch.cuda.device_count() - 1
-    with pytest.warns(UserWarning, match="DistributedDataParallel is faster"):
-        dp = ddp.data_parallel(nn.Linear(2, 2), device_ids=[last])
-    assert isinstance(dp, nn.DataParallel)
-    assert next(dp.parameters()).device == torch.device("cuda", last)
-    out = dp(torch.randn(4, 2, device=f"cuda:{last}"))
-    assert out.shape == (4, 2)
-    with pytest.raises(ValueError, match="must name at least one GPU"):
-        ddp.data_parallel(nn.Linear(2, 2), device_ids=[])
-    with pytest.raises(ValueError, match=r"are not visible GPUs"):
-        ddp.data_parallel(nn.Linear(2, 2), device_ids=[last + 1])
 
 
 SRUN_TASK = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0"}

@@ -21,7 +21,7 @@ from tests.ddp.test_launch import SCRIPT, _clean_env, _free_port, _run_programs,
 from trainperf.ddp import _injob, _launch_checks
 from trainperf.ddp._env import DistributedEnv
 from trainperf.ddp._injob import _gather_store, _must_regroup
-from trainperf.errors import LaunchError
+from trainperf.errors import DeviceError, LaunchError
 
 
 def _destroys_group(value: str) -> str:
@@ -315,3 +315,74 @@ def test_an_nprocs_the_running_job_ignores_is_warned_about_once(
         assert ddp.launch(operator.add, 2, 3, nprocs=1, backend="gloo") == 5
         assert ddp.launch(operator.add, 2, 3, backend="gloo") == 5
     assert not dist.is_initialized()
+
+
+# ------------------------------------------------ NCCL ranks of one node on one visible GPU
+
+
+def _one_gpu_each(
+    monkeypatch: pytest.MonkeyPatch, peer_uuid: str, visible: int = 1
+) -> list[object]:
+    """``visible`` GPUs (this rank's is "GPU-a"); NCCL's group stood for by gloo, where local
+    rank 1 of 2 says its card is ``peer_uuid``. Returns the device_id the group was asked
+    for."""
+    import socket
+    import types
+
+    import torch
+
+    asked: list[object] = []
+    real_init = dist.init_process_group
+
+    def init(backend: str, **kwargs: object) -> None:
+        asked.append(kwargs["device_id"])
+        real_init("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        key = f"trainperf/gpu/0/{socket.gethostname()}/1"
+        _injob._default_store().set(key, peer_uuid)
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    props = types.SimpleNamespace(uuid="GPU-a")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(dist, "init_process_group", init)
+    return asked
+
+
+def test_nccl_ranks_sharing_the_one_gpu_each_sees_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torchrun --nproc-per-node=2 with CUDA_VISIBLE_DEVICES=0: both ranks went to cuda:0.
+    asked = _one_gpu_each(monkeypatch, "GPU-a")
+    with pytest.raises(DeviceError, match=r"local ranks 0, 1 on .* share one GPU: 2 ranks"):
+        _injob._init_group(RANK0_OF_2, "nccl", timedelta(seconds=5))
+    assert asked == [None]  # NCCL's eager start would fail first, without the fix
+    assert not dist.is_initialized()  # the group it made is destroyed
+
+
+def test_ranks_that_see_several_gpus_post_their_card_too_and_start_eagerly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A rank seeing 2 GPUs beside one seeing 1 (mixed CUDA_VISIBLE_DEVICES on a node) must
+    # post its card, or the other would wait for it until the store's timeout.
+    import socket
+
+    import torch
+
+    asked = _one_gpu_each(monkeypatch, "GPU-b", visible=2)
+    try:
+        _injob._init_group(RANK0_OF_2, "nccl", timedelta(seconds=5))
+        key = f"trainperf/gpu/0/{socket.gethostname()}/0"
+        assert _injob._default_store().get(key) == b"GPU-a"
+        assert asked == [torch.device("cuda", 0)]  # NCCL's eager start kept
+    finally:
+        dist.destroy_process_group()
+
+
+def test_nccl_ranks_with_a_bound_gpu_each_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    _one_gpu_each(monkeypatch, "GPU-b")  # the scheduler gave each task its own card
+    try:
+        _injob._init_group(RANK0_OF_2, "nccl", timedelta(seconds=5))
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()

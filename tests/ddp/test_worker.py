@@ -26,10 +26,29 @@ def test_a_local_rank_without_its_gpu_is_refused(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert rank_device(1) == torch.device("cuda", 1)
-    with pytest.raises(ValueError, match=r"local rank 2 has no GPU: only 2 visible"):
+    with pytest.raises(ValueError, match=r"3 ranks run on this node \(this is local rank 2\)"):
         rank_device(2)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # one GPU bound per task
     assert rank_device(3) == torch.device("cuda", 0)
+
+
+def test_more_local_ranks_than_gpus_are_refused_on_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torchrun --nproc-per-node=3 on 2 GPUs: ranks 0 and 1 took their GPUs and waited for
+    # rank 2, which alone said it had none.
+    from trainperf.ddp._worker import rank_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    with pytest.raises(
+        ValueError,
+        match=r"3 ranks run on this node \(this is local rank 0\) but only 2 GPUs are "
+        r"visible \(CUDA_VISIBLE_DEVICES='4,5'\).*at most 2 processes per node.*or use "
+        r"backend='gloo'",
+    ):
+        rank_device(0, local_world_size=3)
+    assert rank_device(1, local_world_size=2) == torch.device("cuda", 1)
 
 
 @pytest.mark.timeout(60)

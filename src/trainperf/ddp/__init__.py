@@ -17,13 +17,13 @@ Example:
 from __future__ import annotations
 
 from trainperf._utils.public import set_public_module
+from trainperf.ddp._data_parallel import data_parallel
 from trainperf.ddp._env import expand_nodelist
 from trainperf.ddp._hang_report import HangReport
 from trainperf.ddp._helpers import (
     DistributedLoader,
     all_reduce_mean,
     barrier,
-    data_parallel,
     distributed_loader,
     is_main_process,
     local_rank,

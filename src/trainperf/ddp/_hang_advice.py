@@ -10,17 +10,28 @@ from trainperf.ddp._hang_view import RankView, _ranks
 from trainperf.ddp._progress_slots import BUSY_CAP
 from trainperf.ddp._stacks import loads_in_process
 
+# What launch()'s advice says of main, as watchdog() words it: it has no main, its ranks
+# leave a ``with watchdog():`` block or end their script.
+_NO_MAIN = {
+    "finished main": "left the watchdog() block (or ended their script)",
+    "make it return": "make it finish too",
+}
+
 
 def _named_as(advice: str, option: str) -> str:
     """``advice`` for a caller that names the limit ``option``: ``watchdog(timeout=...)``
-    has no ``hang_timeout``.
+    has no ``hang_timeout``, and no ``main``.
 
     Example:
         >>> _named_as("raise hang_timeout (or pass hang_timeout=None).", "timeout")
         "raise the watchdog's timeout (or pass timeout=None)."
+        >>> _named_as("otherwise make it return.", "timeout")
+        'otherwise make it finish too.'
     """
     if option == "hang_timeout":
         return advice
+    for launched, watched in _NO_MAIN.items():
+        advice = advice.replace(launched, watched)
     return advice.replace("hang_timeout=None", f"{option}=None").replace(
         "hang_timeout", f"the watchdog's {option}"
     )

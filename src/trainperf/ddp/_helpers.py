@@ -10,8 +10,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -27,7 +26,6 @@ __all__ = [
     "DistributedLoader",
     "all_reduce_mean",
     "barrier",
-    "data_parallel",
     "distributed_loader",
     "is_main_process",
     "local_rank",
@@ -38,7 +36,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-_dp_warned = False
 
 
 def _initialised() -> bool:
@@ -414,62 +411,3 @@ def distributed_loader(
     return DistributedLoader(
         dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kwargs
     )
-
-
-def data_parallel(model: nn.Module, device_ids: Sequence[int] | None = None) -> nn.Module:
-    """Wrap ``model`` in ``nn.DataParallel``, first moving it to ``device_ids[0]``.
-
-    DataParallel gathers on ``device_ids[0]`` and insists that the module already lives
-    there ("module must have its parameters and buffers on device cuda:1 ... but found one
-    of them on device: cuda:0"); this moves it. Says once that DistributedDataParallel
-    (:func:`launch` + :func:`wrap_model`) is faster: one process per GPU, no per-step
-    scatter/gather and no GIL contention. Without CUDA the model is returned unwrapped.
-
-    Args:
-        model: a plain module.
-        device_ids: GPUs to use; None means all visible.
-
-    Returns:
-        The DataParallel-wrapped model (or ``model`` itself without CUDA).
-
-    Raises:
-        ValueError: ``device_ids`` is empty or names a GPU that is not visible.
-
-    Example:
-        >>> net = data_parallel(torch.nn.Linear(2, 1))  # no GPU here: returned as is
-        >>> type(net).__name__
-        'Linear'
-    """
-    global _dp_warned
-    if device_ids is not None and len(device_ids) == 0:
-        raise ValueError(
-            "device_ids must name at least one GPU, got []; pass None to use every visible GPU"
-        )
-    if not torch.cuda.is_available():
-        if device_ids:
-            raise ValueError(f"device_ids={list(device_ids)!r} given, but no CUDA GPU is visible")
-        return model
-    count = torch.cuda.device_count()
-    ids = list(range(count)) if device_ids is None else [int(i) for i in device_ids]
-    bad = [i for i in ids if not 0 <= i < count]
-    if bad:
-        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
-        numbering = (
-            "CUDA_VISIBLE_DEVICES is unset: all of the machine's GPUs"
-            if shown is None
-            else f"CUDA_VISIBLE_DEVICES={shown!r} renumbers the cards it shows from cuda:0"
-        )
-        raise ValueError(
-            f"device_ids {bad} are not visible GPUs: {count} visible, numbered "
-            f"0..{count - 1} ({numbering}); pass numbers in 0..{count - 1}, or None for "
-            "every visible GPU"
-        )
-    if not _dp_warned:
-        _dp_warned = True
-        warnings.warn(
-            "nn.DataParallel runs every GPU from one process; DistributedDataParallel is "
-            "faster (trainperf.ddp.launch(main) with wrap_model(model) inside main)",
-            stacklevel=2,
-        )
-    model.to(torch.device("cuda", ids[0]))
-    return nn.DataParallel(model, device_ids=ids)

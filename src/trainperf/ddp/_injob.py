@@ -24,6 +24,7 @@ from typing import Any
 
 from trainperf.ddp import _env
 from trainperf.ddp._group_exits import finished
+from trainperf.ddp._shared_gpu import refuse_shared_gpu
 from trainperf.ddp._worker import call_main, rank_device
 from trainperf.errors import LaunchError
 
@@ -124,15 +125,26 @@ def _init_group(
     env: _env.DistributedEnv, backend: str | None, timeout: timedelta, store: Any = None
 ) -> None:
     """The default process group: from the launcher's environment (``env://``), or on
-    ``store``."""
+    ``store``. Under NCCL each rank takes its node-local GPU; where each sees one, the local
+    ranks check on the store that they are not all on the same card.
+
+    Raises:
+        ValueError: more ranks on this node than visible GPUs (several visible).
+        DeviceError: ranks of this node share the one GPU each sees.
+    """
     import torch
     import torch.distributed as dist
 
     resolved = resolve_backend(backend, torch.cuda.device_count())
     device = None
     if resolved == "nccl":
-        device = rank_device(env.local_rank)
+        device = rank_device(env.local_rank, env.local_world_size)
         torch.cuda.set_device(device)
+    # Every local rank posts its card (a rank that did not would leave the others waiting);
+    # where each sees one GPU (one bound card each, or one card for all), NCCL's eager start
+    # (device_id=) would fail on the latter before the check below, so it starts lazily.
+    ask = resolved == "nccl" and store is None and env.local_world_size > 1
+    lazy = ask and torch.cuda.device_count() == 1
     dist.init_process_group(
         resolved,
         init_method=None if store is not None else "env://",
@@ -140,8 +152,16 @@ def _init_group(
         rank=env.rank,
         world_size=env.world_size,
         timeout=timeout,
-        device_id=device,
+        device_id=None if lazy else device,
     )
+    shared = _default_store() if ask else None
+    if shared is not None:
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        try:
+            refuse_shared_gpu(shared, env.local_rank, env.local_world_size, uuid)
+        except BaseException:
+            dist.destroy_process_group()  # the caller destroys only groups it was given
+            raise
 
 
 def _default_store() -> Any:

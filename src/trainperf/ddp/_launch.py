@@ -2,11 +2,12 @@
 
 Modules: ``_launch_checks`` (what is refused before any rank starts), ``_launch_spawn``
 (starting the ranks and restarting failed groups), ``_store`` (the rendezvous store),
-``_injob`` (inside torchrun/SLURM), ``_capacity`` (how many ranks fit), ``_group`` (starting
-and watching one attempt), ``_group_exits`` (what each report or exit it sees means),
-``_failures`` (what it says about a failed rank) and ``_group_report`` (the error's
-message), ``_worker`` (inside each rank) and ``_rank_exit`` (how a rank leaves after a
-fault), ``_detector``/``_progress``/``_stacks``/``_hang``/``_rundir`` (hangs).
+``_injob`` (inside torchrun/SLURM; ``_shared_gpu``: its NCCL ranks on one card),
+``_capacity`` (how many ranks fit), ``_group`` (starting and watching one attempt),
+``_group_exits`` (what each report or exit it sees means), ``_failures`` (what it says
+about a failed rank) and ``_group_report`` (the error's message), ``_worker`` (inside each
+rank) and ``_rank_exit`` (how a rank leaves after a fault),
+``_detector``/``_progress``/``_stacks``/``_hang``/``_rundir`` (hangs).
 
 Inside a torchrun or SLURM job, ``main`` runs in this process after the process group is
 initialised from the environment. Otherwise the launcher hosts a ``TCPStore`` on a port the

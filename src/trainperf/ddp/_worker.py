@@ -141,22 +141,31 @@ class Failure:
     argument: str = ""
 
 
-def rank_device(local_rank: int) -> Any:
+def rank_device(local_rank: int, local_world_size: int = 1) -> Any:
     """The CUDA device a rank with this local rank uses (one process per GPU).
 
-    A job whose scheduler binds one GPU per task shows each task a single device; any
-    other layout needs ``local_rank < device_count``.
+    A job whose scheduler binds one GPU per task shows each task a single device (whether
+    the tasks of a node share it is checked on the store: :mod:`._shared_gpu`); any other
+    layout needs a GPU for each of the node's ``local_world_size`` ranks, refused on every
+    rank otherwise (not only on those past the last GPU, which would leave the others
+    waiting for them).
+
+    Raises:
+        ValueError: more ranks on this node than visible GPUs (more than one visible).
     """
     import torch
 
     count = torch.cuda.device_count()
     if count == 1:
         return torch.device("cuda", 0)
-    if local_rank >= count:
+    if local_rank >= count or local_world_size > count:
+        ranks = max(local_rank + 1, local_world_size)
         raise ValueError(
-            f"local rank {local_rank} has no GPU: only {count} visible "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); start at most "
-            f"{count} processes per node, or use backend='gloo'"
+            f"{ranks} ranks run on this node (this is local rank {local_rank}) but only "
+            f"{count} GPUs are visible (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}), and backend='nccl' needs one per "
+            f"rank; start at most {count} processes per node (torchrun --nproc-per-node, srun "
+            "--ntasks-per-node), or use backend='gloo'"
         )
     return torch.device("cuda", local_rank)
 
@@ -207,7 +216,7 @@ def _setup(spec: WorkerSpec, rank: int) -> None:
         torch.set_num_threads(spec.threads)
     device = None
     if spec.backend == "nccl":
-        device = rank_device(rank)
+        device = rank_device(rank, spec.world_size)
         torch.cuda.set_device(device)
     client = dist.TCPStore(  # type: ignore[attr-defined]
         spec.master_addr, spec.master_port, is_master=False, timeout=spec.timeout
