@@ -802,7 +802,8 @@ def test_a_pool_it_starts_has_a_bound_for_its_first_batch_unless_a_timeout_is_gi
         assert loader.num_workers == 2
         timed = it._timed  # type: ignore[attr-defined]
         assert timed.it._timeout == (timeout or 42.0)  # yours keeps its meaning: it raises
-        assert (timed.trial is None) == bool(timeout)
+        assert timed.trial is not None  # on trial: given up if it breaks first
+        assert (timed.trial.timeout_s is None) == bool(timeout)
         assert next(it).tolist() == [0, 1, 2, 3]
         assert timed.trial is None and timed.it._timeout == timeout  # the pool works: no bound
         assert [b.tolist() for b in it] == [[4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]

@@ -154,3 +154,101 @@ def test_the_first_batch_bound_counts_the_cores_the_step_keeps_as_the_tuner_does
         4, user_timeout=0.0, start_method="fork", batch_s=1.0, cpus=2, main_cores=1.0
     )
     assert hang_bound(loader, 4, f) == tuner
+
+
+class _Unpicklable(Dataset[int]):
+    """Loads in the main process; holds a lambda, which ``spawn`` cannot send to workers."""
+
+    def __init__(self) -> None:
+        self.load = lambda i: i
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> int:
+        return int(self.load(i))
+
+
+class _DiesInWorkers(Dataset[int]):
+    """Loads in the main process; a worker process dies on its first sample."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> int:
+        if torch.utils.data.get_worker_info() is not None:
+            os._exit(3)
+        return i
+
+
+def _adds_two_workers(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Rules that add two workers whenever ``max_workers`` allows, checked after every
+    batch (mid-epoch) or only at epoch boundaries."""
+    import trainperf.loader._adapt_retune as adapt_retune
+    import trainperf.loader._adapt_timed as adapt_timed
+    from trainperf.loader._adapt_rules import Change, EpochFigures
+
+    def decide(f: EpochFigures, **kw: Any) -> Change | None:
+        n = min(2, kw["max_workers"])
+        return Change(n, 2, "input-bound", "scripted") if n > f.num_workers else None
+
+    monkeypatch.setattr(adapt_retune, "decide", decide)
+    monkeypatch.setattr(adapt_timed, "_CHECK_BATCHES", 0)
+    monkeypatch.setattr(adapt_timed, "_CHECK_EVERY_S", 0.0 if mode == "mid-epoch" else 1e9)
+
+
+@pytest.mark.parametrize("timeout", [0.0, 30.0])
+@pytest.mark.parametrize("mode", ["mid-epoch", "epoch-boundary"])
+def test_a_pool_that_cannot_start_is_given_up_and_the_epoch_goes_on_where_it_was(
+    monkeypatch: pytest.MonkeyPatch, mode: str, timeout: float
+) -> None:
+    # Before: the spawn pickling error of the pool it started itself was raised in the
+    # training loop, although the loader, built without workers, had been working.
+    from torch.utils.data import DataLoader
+
+    from trainperf.loader import AdaptiveDataLoader
+
+    _adds_two_workers(monkeypatch, mode)
+    ds = _Unpicklable()
+    kw: dict[str, Any] = {"batch_size": 4, "shuffle": True}
+    plain = DataLoader(ds, generator=torch.Generator().manual_seed(5), **kw)
+    expected = [[int(x) for b in plain for x in b] for _ in range(2)]
+    loader = AdaptiveDataLoader(
+        ds,
+        generator=torch.Generator().manual_seed(5),
+        multiprocessing_context="spawn",
+        timeout=timeout,
+        **kw,
+    )
+    with pytest.warns(RuntimeWarning, match="cannot be pickled.*went back to num_workers=0"):
+        epochs = [[int(x) for b in loader for x in b] for _ in range(2)]
+        it = iter(loader)  # max_workers=0 now: no change, the length of the epoch
+        assert len(it) == 6 and len(list(it)) == 6
+    loader.close()
+    assert epochs == expected  # nothing lost, nothing twice, the same order
+    (failed,) = loader.tuning_history[1:]
+    assert (failed.reason, failed.old, failed.new) == ("failed", (2, 2), (0, None))
+    assert loader.num_workers == 0 and loader._max_workers == 0  # never tried again
+    assert loader.timeout == 0 and loader._timeout_kept == timeout  # yours, for later
+
+
+@pytest.mark.slow  # two forked workers start and die: about a second
+@pytest.mark.parametrize("mode", ["mid-epoch", "epoch-boundary"])
+def test_a_pool_whose_workers_die_before_a_batch_is_given_up(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    # Before: "DataLoader worker (pid(s) ...) exited unexpectedly" in the training loop.
+    import psutil
+
+    from trainperf.loader import AdaptiveDataLoader
+
+    _adds_two_workers(monkeypatch, mode)
+    loader = AdaptiveDataLoader(_DiesInWorkers(), batch_size=4, multiprocessing_context="fork")
+    with pytest.warns(RuntimeWarning, match="a worker died.*went back to num_workers=0"):
+        epochs = [[int(x) for b in loader for x in b] for _ in range(2)]
+    loader.close()
+    assert epochs == [list(range(24))] * 2
+    assert [c.reason for c in loader.tuning_history[1:]] == ["failed"]
+    children = psutil.Process().children(recursive=True)
+    alive = [p for p in children if p.status() != psutil.STATUS_ZOMBIE]
+    assert [p.pid for p in alive if "resource_tracker" not in " ".join(p.cmdline())] == []

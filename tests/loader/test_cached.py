@@ -81,6 +81,36 @@ def test_malformed_entry_is_ignored() -> None:
     assert not tune().from_cache
 
 
+@pytest.mark.slow  # about 3 s: three tuning runs with max_workers=0
+@pytest.mark.parametrize(
+    ("where", "field", "value"),
+    [
+        ("candidate", "samples_per_s", "fast"),
+        ("candidate", "status", 3),
+        ("entry", "baseline_samples_per_s", [1]),
+        ("user_setting", "kept", "yes"),
+    ],
+)
+def test_an_entry_whose_figures_have_the_wrong_types_is_re_tuned(
+    where: str, field: str, value: Any
+) -> None:
+    # Before: the hit was used, and print(report) raised "Unknown format code 'f' for
+    # object of type 'str'" (or formatted nonsense) in the caller's script.
+    tune()
+    data = json.loads(cache_file().read_text())
+    for entry in data["entries"].values():
+        user = {"given": {}, "num_workers": 0, "prefetch_factor": None, "pin_memory": False}
+        user |= {"kept": True, "samples_per_s": 1.0, "verdict": "kept"}
+        entry["user_setting"] = user
+        target = {"candidate": entry["candidates"][0], "entry": entry, "user_setting": user}
+        target[where][field] = value
+    cache_file().write_text(json.dumps(data))
+    report = tune()
+    assert not report.from_cache
+    assert "the entry is malformed" in " | ".join(report.notes)
+    assert str(report)  # the table a person reads, from the re-tuned figures
+
+
 @pytest.mark.slow
 def test_cached_choice_that_no_longer_fits_memory_is_re_tuned(
     monkeypatch: pytest.MonkeyPatch,

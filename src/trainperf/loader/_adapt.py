@@ -46,6 +46,7 @@ from trainperf.loader._adapt_change import TuningChange
 from trainperf.loader._adapt_epoch import EpochIterator
 from trainperf.loader._adapt_plan import EpochPlan, resumable
 from trainperf.loader._adapt_pool import (
+    FailedStart,
     _rank_limits,
     _Trial,
     arm,
@@ -53,6 +54,7 @@ from trainperf.loader._adapt_pool import (
     no_extra_draw,
     shut_down_own,
     shut_down_pool,
+    start_failure,
 )
 from trainperf.loader._adapt_retune import retune
 from trainperf.loader._adapt_rules import EpochFigures
@@ -66,6 +68,9 @@ from trainperf.loader._report import CandidateResult
 from trainperf.loader._search import Search, adaptive_max_workers
 
 __all__ = ["AdaptiveDataLoader", "TuningChange", "memory_rules"]
+
+
+_PICKLE_ADVICE = "Got pickle error when attempting to start a worker"  # torch's warning
 
 
 def _not_measuring(n: int, pf: int | None, pin: bool) -> CandidateResult:
@@ -290,9 +295,19 @@ class AdaptiveDataLoader(TunedDataLoader):
                 # More workers than cores is this loader's measured choice (they wait on
                 # I/O), not the mistake DataLoader's check warns about.
                 warnings.filterwarnings("ignore", _TOO_MANY, UserWarning)
-            # DataLoader's own: every draw from the generator is decided here (__iter__,
-            # _draws_once), none by a base class's per-epoch draw for a tuner's pool.
-            return DataLoader.__iter__(self)
+            if self._trial is not None:  # its failure is this loader's to report
+                warnings.filterwarnings("ignore", _PICKLE_ADVICE, UserWarning)
+            try:
+                # DataLoader's own: every draw from the generator is decided here
+                # (__iter__, _draws_once), none by a base class's per-epoch draw.
+                return DataLoader.__iter__(self)
+            except Exception as e:
+                # A pool it started itself that cannot start: given up at the epoch's next
+                # batch (_TimedIter), which goes back to the setting before.
+                why = None if self._trial is None else start_failure(self, e)
+                if why is None:
+                    raise
+                return FailedStart(e, why, len(self))  # its len() is the epoch's
 
     def _epoch_ended(self, timed: _TimedIter) -> None:
         """Read the epoch's figures as it ends (or, cut short, as the next one starts)."""

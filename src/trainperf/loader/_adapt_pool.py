@@ -2,8 +2,10 @@
 (:func:`apply_change`: the old pool shut down, the new setting recorded), the epoch
 resumed on the new pool where the old one left it (:func:`resume`), the bound a pool it
 started gets for its first batch (:func:`arm`, :func:`hang_bound`) and what happens when
-none comes (:func:`pool_hung`), and the draw of a new pool's worker seeds from a private
-generator, so that the sampler's sequence is the fixed loader's (:func:`no_extra_draw`).
+none comes (:func:`pool_hung`) or the pool breaks first (:func:`pool_broke`,
+:func:`pool_failed`: it cannot start, a worker dies), and the draw of a new pool's worker
+seeds from a private generator, so that the sampler's sequence is the fixed loader's
+(:func:`no_extra_draw`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from trainperf._utils.stack import user_stacklevel
 from trainperf.limits import HostLimits, host_limits, local_world_size
 from trainperf.loader._adapt_change import TuningChange
 from trainperf.loader._adapt_rules import Change, EpochFigures, Reason
-from trainperf.loader._faults import hang_timeout, start_method
+from trainperf.loader._faults import classify_fault, hang_timeout, start_method
 from trainperf.loader._tune_setup import rank_share
 from trainperf.loader._workers import WorkerProcesses, child_signals_held, close_iterator
 
@@ -32,30 +34,39 @@ if TYPE_CHECKING:
     from trainperf.loader._adapt_timed import _TimedIter
 
 __all__ = [
+    "FailedStart",
     "apply_change",
     "arm",
     "fit_timeout",
     "hang_bound",
     "no_extra_draw",
+    "pool_broke",
+    "pool_failed",
     "pool_hung",
     "resume",
     "shut_down_own",
     "shut_down_pool",
+    "start_failure",
 ]
 
 logger = logging.getLogger("trainperf.loader")
 
 _SEED_OFFSET = 0x9E3779B97F4A7C15  # sets the private seed stream apart from the real one
 _HANG: Reason = "hang"  # a pool it started gave no first batch in time (not a rule's)
+_FAILED: Reason = "failed"  # a pool it started broke before its first batch (not a rule's)
+# Faults of the pool's own, not the dataset's: a dataset that raises in a worker ("error")
+# raises in the main process too, and is the caller's to see, as with any DataLoader.
+_POOL_FAULTS = ("crash", "pickle", "memory", "shm")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Trial:
     """A worker pool the loader started itself, on trial until its first batch arrives:
-    ``previous`` is the setting to go back to, ``timeout_s`` the wait it is given."""
+    ``previous`` is the setting to go back to, ``timeout_s`` the wait it is given (None:
+    the caller's ``timeout`` bounds it, and a hang raises, as it means)."""
 
     previous: tuple[int, int | None]
-    timeout_s: float
+    timeout_s: float | None
 
 
 def _rank_limits() -> HostLimits:
@@ -85,7 +96,7 @@ def arm(loader: AdaptiveDataLoader, it: Any) -> _Trial | None:
     DataLoader's own wait for a batch (the iterator's copy of ``timeout``), until the
     first batch arrives (``_TimedIter.__next__``)."""
     trial, loader._trial = loader._trial, None
-    if trial is not None:
+    if trial is not None and trial.timeout_s is not None:
         it._timeout = trial.timeout_s
     return trial
 
@@ -97,11 +108,13 @@ def apply_change(
     shut_down_pool(loader)
     loader.num_workers = change.num_workers
     fit_timeout(loader)
-    # A pool it starts, unless a timeout of the caller's bounds the wait (and raises,
-    # as it means), gets a bound for its first batch: the tuner's for a hang.
+    # A pool it starts is on trial until its first batch: given up if it breaks, and,
+    # unless a timeout of the caller's bounds the wait (and raises, as it means), if no
+    # batch comes within the tuner's bound for a hang.
     loader._trial = None
-    if change.num_workers > 0 and not loader.timeout:
-        loader._trial = _Trial(old, hang_bound(loader, change.num_workers, f))
+    if change.num_workers > 0:
+        bound = None if loader.timeout else hang_bound(loader, change.num_workers, f)
+        loader._trial = _Trial(old, bound)
     if change.num_workers > 0:
         loader.prefetch_factor = change.prefetch_factor or 2
         if loader._keep_workers and not loader.persistent_workers:
@@ -161,13 +174,46 @@ def pool_hung(loader: AdaptiveDataLoader, timed: _TimedIter, trial: _Trial) -> N
     new worker would start as those did; fewer than a count that hung, after a
     decrease)."""
     hung = loader.num_workers
+    why = f"no batch from the {hung} workers it started within {trial.timeout_s or 0:.1f} s"
+    _step_back(loader, timed, trial, _HANG, why)
+    text = _hang_warning(type(loader).__name__, loader.dataset, hung, trial, loader._max_workers)
+    warnings.warn(text, RuntimeWarning, stacklevel=user_stacklevel())
+
+
+def pool_broke(loader: AdaptiveDataLoader, it: Any, error: BaseException) -> str | None:
+    """Why ``error``, raised by the pool ``it`` on trial before its first batch, is the
+    pool's own failure (it could not start: its arguments cannot be pickled for
+    ``spawn``, no process could be started; or a worker died), or None when it is not
+    (the dataset raised in a worker: the caller's error, as with any DataLoader)."""
+    if isinstance(it, FailedStart):
+        return it.why
+    method = start_method({"multiprocessing_context": loader._worker_context})
+    fault, why = classify_fault(error, start_method=method, timeout_s=0.0)
+    return why if fault in _POOL_FAULTS else None
+
+
+def pool_failed(loader: AdaptiveDataLoader, timed: _TimedIter, trial: _Trial, why: str) -> None:
+    """The pool it started broke before its first batch (``why``, :func:`pool_broke`): stop
+    what is left of it, go back to the setting before it, resumed where the epoch was, and
+    try no more workers than that from now on, as for a hang (:func:`pool_hung`)."""
+    failed = loader.num_workers
+    _step_back(loader, timed, trial, _FAILED, f"the {failed} workers it started failed: {why}")
+    text = _failed_warning(type(loader).__name__, failed, why, trial, loader._max_workers)
+    warnings.warn(text, RuntimeWarning, stacklevel=user_stacklevel())
+
+
+def _step_back(
+    loader: AdaptiveDataLoader, timed: _TimedIter, trial: _Trial, reason: Reason, why: str
+) -> None:
+    """Stop the pool on trial, go back to ``trial.previous`` where the epoch was, and cap
+    the workers below the count given up (at the previous count after an increase)."""
+    given_up = loader.num_workers
     timed.trial = None
     _stop_hung(loader, timed.it)
     back, _ = trial.previous
-    loader._max_workers = min(loader._max_workers, back if back < hung else hung - 1)
+    loader._max_workers = min(loader._max_workers, back if back < given_up else given_up - 1)
     loader._before = None  # no increase ran to be judged
-    why = f"no batch from the {hung} workers it started within {trial.timeout_s:.1f} s"
-    change = Change(back, trial.previous[1], _HANG, why)
+    change = Change(back, trial.previous[1], reason, why)
     f = timed.figures(_rank_limits())
     apply_change(loader, change, f, epoch=loader._epoch - 1, epoch_batch=timed.yielded)
     if loader._trial is not None:  # back to workers, on trial too: then the main process
@@ -175,13 +221,48 @@ def pool_hung(loader: AdaptiveDataLoader, timed: _TimedIter, trial: _Trial) -> N
     timed.it = resume(loader, timed)
     timed.trial = arm(loader, timed.it)
     timed.new_window()
-    timed.returned = None  # the wait was the hang's, not a step
-    text = _hang_warning(type(loader).__name__, loader.dataset, hung, trial, loader._max_workers)
-    warnings.warn(text, RuntimeWarning, stacklevel=user_stacklevel())
+    timed.returned = None  # the wait was the failed pool's, not a step
+
+
+class FailedStart:
+    """A pool on trial that could not start (``error`` raised as DataLoader started its
+    workers), in place of its iterator: its first ``next()`` raises ``error``, where the
+    epoch's timing state gives the pool up (:func:`pool_failed`) as for a worker that died.
+
+    Example:
+        >>> it = FailedStart(OSError("[Errno 11] Resource temporarily unavailable"), "no fork")
+        >>> next(it)
+        Traceback (most recent call last):
+        ...
+        OSError: [Errno 11] Resource temporarily unavailable
+    """
+
+    def __init__(self, error: Exception, why: str, length: int = 0) -> None:
+        self.error, self.why, self.length = error, why, length
+        self._timeout = 0.0  # set by arm, as on a DataLoader iterator
+
+    def __iter__(self) -> FailedStart:
+        return self
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __next__(self) -> Any:
+        raise self.error
+
+
+def start_failure(loader: AdaptiveDataLoader, error: Exception) -> str | None:
+    """Why ``error``, raised while DataLoader started a pool on trial, is the pool's own
+    failure (:func:`pool_broke`; an ``OSError`` such as a refused fork too), or None."""
+    if isinstance(error, OSError):
+        return f"its workers could not be started ({type(error).__name__}: {error})"
+    return pool_broke(loader, None, error)
 
 
 def _stop_hung(loader: AdaptiveDataLoader, it: Any) -> None:
     """Stop a blocked pool's workers: killed first, so that no join waits on them."""
+    if isinstance(it, FailedStart):
+        return  # none started
     if loader._iterator is it:
         loader._iterator = None
     with child_signals_held():  # torch's handler would raise for the killed workers
@@ -241,6 +322,23 @@ def _hang_warning(name: str, dataset: Any, hung: int, trial: _Trial, most: int) 
         "processes (open files and connections lazily, in __getitem__ or worker_init_fn), or "
         "load in the main process (num_workers=0 with adapt=False, or max_workers=0); if its "
         "workers only start slowly, a timeout= of yours longer than that replaces this bound"
+    )
+
+
+def _failed_warning(name: str, failed: int, why: str, trial: _Trial, most: int) -> str:
+    """What a loader whose new pool of ``failed`` workers broke before its first batch says.
+
+    Example:
+        >>> trial = _Trial((0, None), 9.0)
+        >>> print(_failed_warning("AdaptiveDataLoader", 2, "a worker died", trial, 0))
+        ... # doctest: +ELLIPSIS
+        AdaptiveDataLoader started 2 workers and they failed before their first batch: a ...
+    """
+    return (
+        f"{name} started {failed} workers and they failed before their first batch: {why}. "
+        f"It went back to num_workers={trial.previous[0]} where the epoch was (no sample lost "
+        f"or repeated) and uses at most {most} workers from now on; to keep it loading in the "
+        "main process from the start, pass max_workers=0 (or adapt=False with num_workers=0)"
     )
 
 

@@ -54,7 +54,9 @@ __all__ = [
     "worker_cores_left",
 ]
 
-Reason = Literal["memory", "cpus", "oversubscribed", "input-bound", "prefetch", "no-gain", "hang"]
+Reason = Literal[
+    "memory", "cpus", "oversubscribed", "input-bound", "prefetch", "no-gain", "hang", "failed"
+]
 
 INPUT_BOUND_SHARE = 0.10
 """Share of the loop's time spent waiting for data above which more workers are tried."""

@@ -6,7 +6,8 @@ every ``_CHECK_EVERY_S`` seconds of iteration (after the window's first batch, s
 within a new pool's start-up) hands the window that ends at that batch
 boundary to the loader's mid-epoch check (:func:`trainperf.loader._adapt_retune.check`). A
 pool on trial that gives no first batch in time goes to
-:func:`trainperf.loader._adapt_pool.pool_hung`. What the caller holds is the
+:func:`trainperf.loader._adapt_pool.pool_hung`, one that breaks first (it could not start, a
+worker died) to :func:`~trainperf.loader._adapt_pool.pool_failed`. What the caller holds is the
 :class:`~trainperf.loader._adapt_epoch.EpochIterator` around it.
 """
 
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from trainperf._utils.batches import batch_bytes, samples_in
 from trainperf.limits import HostLimits, local_world_size, usable_cpus
 from trainperf.loader._adapt_measure import Workers, cpu_mark, host_busy
-from trainperf.loader._adapt_pool import pool_hung, shut_down_own
+from trainperf.loader._adapt_pool import pool_broke, pool_failed, pool_hung, shut_down_own
 from trainperf.loader._adapt_retune import check
 from trainperf.loader._adapt_rules import EpochFigures
 
@@ -94,9 +95,13 @@ class _TimedIter:
             self._loader = None
             raise
         except Exception as e:
-            if _timed_out(e) and self.trial is not None:  # the bound of a pool on trial
-                pool_hung(self.loader, self, self.trial)
+            trial = self.trial
+            if _timed_out(e) and trial is not None and trial.timeout_s is not None:
+                pool_hung(self.loader, self, trial)  # the bound of a pool on trial
                 return self.__next__()  # the same batch, from the setting before
+            if trial is not None and (why := pool_broke(self.loader, self.it, e)) is not None:
+                pool_failed(self.loader, self, trial, why)  # it could not start, or died
+                return self.__next__()
             if _timed_out(e):  # the DataLoader waits for the same batch on the next call
                 if self.batches:  # the loop waited for data all that time
                     self.wait_s += time.perf_counter() - t0

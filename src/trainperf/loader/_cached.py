@@ -98,11 +98,56 @@ def store(
 
 
 def _user_setting(data: Any) -> UserSetting | None:
-    return None if data is None else UserSetting(**data)
+    return None if data is None else _typed(UserSetting(**data))
+
+
+_KINDS: dict[str, tuple[type, ...]] = {
+    "int": (int, float),  # figures: a float passes too (the settings are checked apart)
+    "float": (int, float),
+    "bool": (bool,),
+    "str": (str,),
+    "Status": (str,),
+    "FaultKind": (str,),
+    "dict[str, Any]": (dict,),
+}
+
+
+def _typed(record: Any) -> Any:
+    """``record`` (a :class:`CandidateResult` or :class:`UserSetting` read back), when each
+    field has its declared type; a figure of another type (a hand-edited ``"fast"``) would
+    reach the report's table and raise there, in the caller's ``print(report)``.
+
+    Raises:
+        TypeError: a field of another type than declared.
+
+    Example:
+        >>> _typed(CandidateResult(0, None, False, "ok", samples_per_s="fast"))
+        Traceback (most recent call last):
+        ...
+        TypeError: samples_per_s='fast' is not float | None
+    """
+    for field in dataclasses.fields(record):
+        value, declared = getattr(record, field.name), str(field.type)
+        parts = declared.split(" | ")
+        if value is None and "None" in parts:
+            continue
+        kinds = tuple(k for part in parts if part != "None" for k in _KINDS.get(part, (object,)))
+        wrong_bool = isinstance(value, bool) and bool not in kinds
+        if wrong_bool or not isinstance(value, kinds):
+            raise TypeError(f"{field.name}={value!r} is not {declared}")
+    return record
+
+
+def _figure(value: Any) -> float | None:
+    """A report figure read back: None or a number (not a bool)."""
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return value
+    raise TypeError(f"{value!r} is not a number")
 
 
 def _parsed(entry: Mapping[str, Any], cpus: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """The tuned settings and the report fields an entry holds; None when it is malformed.
+    """The tuned settings and the report fields an entry holds; None when it is malformed
+    (a field missing, or a figure of another type than the report's: :func:`_typed`).
 
     The main process's share is the entry's (measured with ``step_fn``); an entry without
     one kept the default core.
@@ -112,10 +157,10 @@ def _parsed(entry: Mapping[str, Any], cpus: int) -> tuple[dict[str, Any], dict[s
         int(best["num_workers"])
         main_cores = float(entry.get("main_cores", main_process_cores(cpus)))
         fields = {
-            "samples_per_s": entry.get("samples_per_s"),
-            "baseline_samples_per_s": entry.get("baseline_samples_per_s"),
-            "step_samples_per_s": entry.get("step_samples_per_s"),
-            "candidates": tuple(CandidateResult(**c) for c in entry["candidates"]),
+            "samples_per_s": _figure(entry.get("samples_per_s")),
+            "baseline_samples_per_s": _figure(entry.get("baseline_samples_per_s")),
+            "step_samples_per_s": _figure(entry.get("step_samples_per_s")),
+            "candidates": tuple(_typed(CandidateResult(**c)) for c in entry["candidates"]),
             "notes": [str(n) for n in entry.get("notes", [])],
             "main_cores": main_cores,
             "worker_cpus": int(entry.get("worker_cpus", cores_for_workers(cpus, main_cores))),
