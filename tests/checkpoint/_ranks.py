@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import trainperf.checkpoint._checkpointer_restore as restore
 import trainperf.checkpoint._files as files
 from trainperf.checkpoint import Checkpointer, load_checkpoint, save_checkpoint
 from trainperf.errors import CheckpointError
@@ -161,3 +162,45 @@ def restore_with_rank1_directory_unlistable(tmp: Path) -> str:
             return f"step {ckpt.restore({'w': torch.zeros(2)})}"
         except Exception as e:
             return f"{type(e).__name__}: {e} [path {Path(str(getattr(e, 'path', ''))).name}]"
+
+
+def _saved_model_steps_1_and_2(tmp: Path) -> Checkpointer:
+    """Steps 1 and 2 of a ``torch.nn.Linear(2, 2)`` saved by both ranks."""
+    ckpt = Checkpointer(tmp, keep=5)
+    model = torch.nn.Linear(2, 2)
+    for step in (1, 2):
+        ckpt.save({"model": model}, step=step)
+    dist.barrier()  # every file is durable before anyone reads one
+    return ckpt
+
+
+def _restored_any(ckpt: Checkpointer, state: dict[str, Any]) -> str:
+    """What ``restore`` gave this rank: the step, or any error it raised (with its path)."""
+    try:
+        return f"step {ckpt.restore(state)}"
+    except Exception as e:
+        return f"{type(e).__name__}: {e} [path {Path(str(getattr(e, 'path', ''))).name}]"
+
+
+def restore_with_rank1_model_of_another_shape(tmp: Path) -> str:
+    """Rank 1's model is built with another shape than the saved one: it cannot load step 2,
+    after the ranks agreed on it."""
+    ckpt = _saved_model_steps_1_and_2(tmp)
+    model = torch.nn.Linear(2, 2) if dist.get_rank() == 0 else torch.nn.Linear(3, 2)
+    return _restored_any(ckpt, {"model": model})
+
+
+def restore_with_rank1_stuck_loading(tmp: Path) -> str:
+    """Rank 1 takes longer to load its objects than the group's timeout (3 s): rank 0 must
+    not return as if the ranks were in step."""
+    ckpt = _saved_model_steps_1_and_2(tmp)
+    with pytest.MonkeyPatch.context() as mp:
+        if dist.get_rank() == 1:
+            real = restore.restore_into
+
+            def slow(*args: Any) -> None:
+                time.sleep(6.0)
+                real(*args)
+
+            mp.setattr(restore, "restore_into", slow)
+        return _restored_any(ckpt, {"model": torch.nn.Linear(2, 2)})

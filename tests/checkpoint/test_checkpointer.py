@@ -914,6 +914,21 @@ def test_restore_says_which_entries_the_checkpoint_lacks(tmp_path: Path) -> None
         ckpt.restore({"model": nn.Linear(4, 8)})
 
 
+def test_a_model_that_does_not_fit_names_a_fix_restore_takes(tmp_path: Path) -> None:
+    # The message said "pass strict=False", which restore has no parameter for.
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"model": nn.Linear(2, 2)}, step=1)
+    with pytest.raises(StateDictMismatchError, match=r"1 shape mismatch") as info:
+        ckpt.restore({"model": nn.Linear(3, 2)})  # the bias fits, the weight does not
+    text = str(info.value)
+    assert "pass strict=False" not in text, text
+    assert (
+        "or restore without it (Checkpointer.restore loads modules strictly), then pass "
+        "trainperf.load_checkpoint(path)['model'] to trainperf.load_state_dict(module, ..., "
+        "strict=False) to load only the keys that fit."
+    ) in text, text
+
+
 @pytest.mark.parametrize("device", ["gpu", "CPU"])
 def test_restore_refuses_a_device_that_is_not_one_before_reading_any_file(
     tmp_path: Path, device: str, recwarn: pytest.WarningsRecorder

@@ -198,6 +198,33 @@ def test_a_rank_that_fails_before_the_agreement_makes_every_rank_raise_its_cause
     assert r0.endswith(f"[path {tmp_path.name}]"), r0
 
 
+@pytest.mark.slow  # two forked gloo ranks
+@pytest.mark.timeout(60)
+def test_a_rank_that_cannot_load_the_agreed_step_makes_every_rank_raise(tmp_path: Path) -> None:
+    # Rank 1's model had another shape: it raised, and rank 0 returned step 2 and went on
+    # to its next collective (DDP's first all-reduce), where it waited for rank 1 until the
+    # group's timeout with a message that said nothing about the checkpoint.
+    r0, r1 = _two_ranks(_ranks.restore_with_rank1_model_of_another_shape, tmp_path).values()
+    assert r1.startswith("StateDictMismatchError: "), r1
+    assert r0.startswith(
+        "CheckpointError: Checkpointer.restore stops on rank 0: another rank could not load "
+        "step 2 into its objects: rank 1 (StateDictMismatchError: "
+    ), r0
+    assert "this rank's state was loaded, but training must not go on" in r0, r0
+    assert r0.endswith("[path step-000000002.pt]"), r0
+
+
+@pytest.mark.slow  # two forked gloo ranks, one waiting out a 3 s group timeout
+@pytest.mark.timeout(60)
+def test_a_rank_stuck_loading_the_agreed_step_makes_the_others_raise(tmp_path: Path) -> None:
+    results = _two_ranks(_ranks.restore_with_rank1_stuck_loading, tmp_path, timeout_s=3.0)
+    assert results[0].startswith(
+        "CheckpointError: Checkpointer.restore loaded step 2 on rank 0, then waited in vain "
+        "for the other ranks to say they had loaded it too "
+    ), results[0]
+    assert "do not go on training with ranks out of step" in results[0], results[0]
+
+
 @pytest.mark.slow  # two forked gloo ranks, one waiting out a 3 s group timeout
 def test_restore_on_one_rank_only_names_the_fix(tmp_path: Path) -> None:
     results = _two_ranks(_ranks.restore_on_rank0_only, tmp_path, timeout_s=3.0)

@@ -368,10 +368,10 @@ class Checkpointer:
         short, damaged) is skipped with a warning for the next older one. Loaders in
         ``state`` are tracked from here on, even when there is no checkpoint yet, so that a
         later save knows their position: call it before the loop. Under a process group of
-        two or more ranks it is a collective (one small ``all_gather_object``, before
-        anything is loaded): call it on every rank; a rank that fails before it (the
-        directory cannot be listed, a file cannot be read) or cannot restore its own part
-        makes every rank raise.
+        two or more ranks it is a collective (two small ``all_gather_object`` calls, one
+        before anything is loaded, one after): call it on every rank; a rank that fails
+        before it (the directory cannot be listed, a file cannot be read), cannot restore
+        its own part, or cannot load the step into its objects makes every rank raise.
 
         Args:
             state: the same keys ``save`` was given, holding the live objects.
@@ -409,6 +409,12 @@ class Checkpointer:
                 name says, or was saved by a newer PyTorch): the message names the rank and
                 its error; or the ranks found different newest steps, or the other ranks
                 did not call ``restore`` within the group's timeout; nothing is loaded then.
+            CheckpointError: under a process group, another rank could not load the step
+                the ranks agreed on into its own objects (any error this list names for
+                that, such as a ``StateDictMismatchError`` from a model built with other
+                sizes on that rank; the message names the rank and its error), or did not
+                say within the group's timeout that it had: this rank's state *was* loaded,
+                but training must not go on with the ranks out of step.
             OSError: the newest file could not be read (no permission, too many open
                 files, a disk or network-filesystem error): raised, not skipped, since the
                 file may be fine; or the directory cannot be listed (as :meth:`steps`;

@@ -2,11 +2,13 @@
 and the world size (:func:`_group`), and, on restore, the small file of a rank other than 0
 (its generators and loader positions: :func:`own_part`), refused when it holds another step
 or rank than its name says, or is complete but unloadable here (a newer PyTorch's), and the
-ranks' agreement on what they restore (:func:`agree`): one ``all_gather_object`` per
-restore, reached by every rank even after a failure of its own, so that a rank that fails
-before it (cannot list the directory or read a file), refuses its file, or finds another
-step, makes every rank raise instead of leaving the others waiting for the group's timeout
-or in their next collective.
+ranks' agreement on what they restore (:func:`agree`): one ``all_gather_object``, reached
+by every rank even after a failure of its own, so that a rank that fails before it (cannot
+list the directory or read a file), refuses its file, or finds another step, makes every
+rank raise instead of leaving the others waiting for the group's timeout or in their next
+collective; and a second one once each rank has loaded that step into its objects, or
+failed to (:func:`agree_loaded`), so that a rank whose objects do not match the file makes
+every rank raise too.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from trainperf.errors import CheckpointError
 if TYPE_CHECKING:
     from trainperf.checkpoint._checkpointer import Checkpointer
 
-__all__ = ["agree", "agreed_own_part", "own_part"]
+__all__ = ["agree", "agree_loaded", "agreed_own_part", "own_part"]
 
 
 def _group() -> tuple[int, int]:
@@ -125,14 +127,11 @@ def agree(directory: Path, step: int | None, failure: Exception | None = None) -
             (the directory is not the same for every rank), or the other ranks never came
             (``restore`` was not called on every rank: the group's timeout passed).
     """
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if not _in_group():
         return
-    rank, world = int(dist.get_rank()), int(dist.get_world_size())
-    said: list[Any] = [None] * world
-    mine = (step, None if failure is None else f"{type(failure).__name__}: {failure}")
+    rank, _ = _group()
     try:
-        dist.all_gather_object(said, mine)
+        said = _gathered((step, _said(failure)))
     except Exception as e:
         if failure is not None:
             return  # this rank's own failure is the news
@@ -177,3 +176,60 @@ def _refuse_disagreement(directory: Path, step: int | None, rank: int, said: lis
             "on a filesystem every rank sees, with the same files for each",
             main_file(directory, max(steps)),
         )
+
+
+def agree_loaded(directory: Path, step: int, failure: Exception | None = None) -> None:
+    """Under a process group of two or more ranks, once every rank has put step ``step`` into
+    its live objects, tell every rank whether this rank failed to (``failure``), and raise on
+    the ranks that did not fail when another did, so that none goes on to its next collective
+    and waits there for the failed one until the group's timeout; without one, do nothing.
+    With a ``failure`` of its own, this rank returns (its caller raises that).
+
+    Raises:
+        CheckpointError: another rank could not load its state (the message names the
+            rank(s) and their errors), or the other ranks never came (one died or is stuck
+            loading: the group's timeout passed); this rank's state was loaded either way.
+    """
+    if not _in_group():
+        return
+    rank, _ = _group()
+    try:
+        said = _gathered(_said(failure))
+    except Exception as e:
+        if failure is not None:
+            return  # this rank's own failure is the news
+        raise CheckpointError(
+            f"Checkpointer.restore loaded step {step} on rank {rank}, then waited in vain for "
+            f"the other ranks to say they had loaded it too ({type(e).__name__}: {e}): one "
+            "may have died or be stuck loading; do not go on training with ranks out of step",
+            main_file(directory, step),
+        ) from e
+    failed = [(r, why) for r, why in enumerate(said) if why is not None]
+    if failure is None and failed:
+        whose = "; ".join(f"rank {r} ({why})" for r, why in failed)
+        raise CheckpointError(
+            f"Checkpointer.restore stops on rank {rank}: another rank could not load step "
+            f"{step} into its objects: {whose}; this rank's state was loaded, but training "
+            "must not go on with the ranks out of step: fix that rank's error (its objects "
+            "must match the ones the checkpoint was saved from) and restore again",
+            main_file(directory, step),
+        )
+
+
+def _in_group() -> bool:
+    """Whether a default process group of two or more ranks is up."""
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() >= 2)
+
+
+def _gathered(mine: Any) -> list[Any]:
+    """Every rank's ``mine``, in rank order (one ``all_gather_object``); raises what it
+    raises (the group's timeout passed)."""
+    said: list[Any] = [None] * _group()[1]
+    torch.distributed.all_gather_object(said, mine)
+    return said
+
+
+def _said(failure: Exception | None) -> str | None:
+    """What the other ranks are told of this rank's ``failure``: its type and message."""
+    return None if failure is None else f"{type(failure).__name__}: {failure}"

@@ -16,7 +16,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainperf._utils.stack import user_stacklevel
-from trainperf.checkpoint._checkpointer_ranks import _group, agree, agreed_own_part
+from trainperf.checkpoint._checkpointer_ranks import (
+    _group,
+    agree,
+    agree_loaded,
+    agreed_own_part,
+)
 from trainperf.checkpoint._checkpointer_wait import settle
 from trainperf.checkpoint._checkpointer_warn import _stops_at, stop_at
 from trainperf.checkpoint._files import load_checkpoint
@@ -58,7 +63,10 @@ def restore_newest(
     Under a process group every rank reaches :func:`agree`, even one that failed before it
     (the directory cannot be listed, a file is unreadable or from a newer PyTorch): that
     rank raises its own error, the others one naming it, instead of their waiting out the
-    group's timeout."""
+    group's timeout. Every rank reaches :func:`agree_loaded` too, once it has loaded the
+    agreed step or failed to (its objects do not match the file's): a rank that failed
+    raises its own error, the others one naming it, instead of their going on to wait for it
+    in their next collective."""
     rank, _ = _group()
     try:
         found = _newest_loaded(ckpt, state, device)
@@ -69,7 +77,13 @@ def restore_newest(
         agree(ckpt.directory, 0)
         return 0
     step, saved, path = found
-    restore_into(state, saved, agreed_own_part(ckpt, step, rank), str(path), step)
+    own = agreed_own_part(ckpt, step, rank)
+    try:
+        restore_into(state, saved, own, str(path), step)
+    except Exception as e:
+        agree_loaded(ckpt.directory, step, failure=e)
+        raise
+    agree_loaded(ckpt.directory, step)
     return step
 
 

@@ -264,7 +264,7 @@ def _check_module(live: nn.Module, saved: Any, name: str, place: str) -> None:
             "object it was saved from)"
         )
     try:
-        check_state_dict(live, saved)
+        check_state_dict(live, saved, _partial(name))
     except StateDictMismatchError as e:
         raise StateDictMismatchError(
             f"{place}: {name} does not fit its saved weights; nothing was loaded. {e}",
@@ -272,6 +272,16 @@ def _check_module(live: nn.Module, saved: Any, name: str, place: str) -> None:
             unexpected=e.unexpected,
             mismatched=e.mismatched,
         ) from e
+
+
+def _partial(name: str) -> str:
+    """How to load only the keys that fit into the module at ``name`` (``state['model']``),
+    which restore, loading modules strictly, does not do itself."""
+    saved = "trainperf.load_checkpoint(path)" + name.removeprefix("state")
+    return (
+        "restore without it (Checkpointer.restore loads modules strictly), then pass "
+        f"{saved} to trainperf.load_state_dict(module, ..., strict=False)"
+    )
 
 
 def _load_into(live: Any, saved: Any, name: str, place: str, loaded: list[str]) -> None:

@@ -145,11 +145,18 @@ class LoadResult:
         return {**result_dict(self), "complete": self.complete}
 
 
+_STRICT_FALSE = "pass strict=False"  # load_state_dict's way to load only the keys that fit
+
+
 def _subject(result: LoadResult) -> str:
     return f"state dict {result.source}" if result.source else "state dict"
 
 
-def _mismatch_message(model: nn.Module, result: LoadResult, hint: str | None) -> str:
+def _mismatch_message(
+    model: nn.Module, result: LoadResult, hint: str | None, partial: str = _STRICT_FALSE
+) -> str:
+    """Why ``result`` is refused, and the fixes; ``partial`` says how to load only the keys
+    that fit (the caller's own way: ``restore`` has no ``strict``)."""
     lines = [f"{_subject(result)} does not fit {type(model).__name__}:"]
     if result.missing:
         n = len(result.missing)
@@ -166,12 +173,12 @@ def _mismatch_message(model: nn.Module, result: LoadResult, hint: str | None) ->
     if "n_averaged" in result.unexpected:
         lines.append(
             "  n_averaged is the update counter of torch.optim.swa_utils.AveragedModel: load "
-            "into AveragedModel(model) as it was saved, or pass strict=False to load the "
-            "averaged network alone."
+            f"into AveragedModel(model) as it was saved, or {partial} to load the averaged "
+            "network alone."
         )
     lines.append(
         "  Check that the checkpoint was saved from this architecture with the same sizes, "
-        "or pass strict=False to load only the keys that fit."
+        f"or {partial} to load only the keys that fit."
     )
     return "\n".join(lines)
 
@@ -343,20 +350,21 @@ def load_state_dict(
     return result
 
 
-def check_state_dict(model: nn.Module, state_dict: Any) -> None:
+def check_state_dict(model: nn.Module, state_dict: Any, partial: str = _STRICT_FALSE) -> None:
     """Raise what ``load_state_dict(model, state_dict)`` (strict) would raise before it
     loads anything, and change nothing: so a caller loading several objects can check them
-    all first.
+    all first. ``partial`` is the caller's way to load only the keys that fit, which the
+    message suggests (``"pass strict=False"``: ``load_state_dict``'s).
 
     Raises:
         TypeError: ``state_dict`` is not a mapping.
         StateDictMismatchError: it does not fit ``model``.
     """
-    _plan(model, state_dict, True, False)
+    _plan(model, state_dict, True, False, partial)
 
 
 def _plan(
-    model: nn.Module, state_dict: Any, strict: bool, ema: bool
+    model: nn.Module, state_dict: Any, strict: bool, ema: bool, partial: str = _STRICT_FALSE
 ) -> tuple[nn.Module, Mapping[str, Any], Mapping[str, Any], LoadResult]:
     """The module to load into, its own state dict, what to load and how it fits; raises
     when it must not be loaded (nothing is changed)."""
@@ -375,7 +383,7 @@ def _plan(
         raise StateDictMismatchError(
             _nothing_fits_message(inner, target, best, result, strict, hint)
             if fits == 0
-            else _mismatch_message(inner, result, hint),
+            else _mismatch_message(inner, result, hint, partial),
             missing=list(result.missing),
             unexpected=list(result.unexpected),
             mismatched=list(result.mismatched),
