@@ -321,6 +321,25 @@ def test_a_mixed_precision_pickles_whole_with_its_loss_scale(tmp_path: Path) -> 
 
 
 @needs_cpu_fp16
+def test_a_mixed_precision_pickles_between_unscale_and_step() -> None:
+    # Before: a bare AssertionError from GradScaler ("may only be pickled at the beginning
+    # of an iteration"), though a copy made between backward and step is documented to work.
+    mp = MixedPrecision("cpu", precision="fp16")
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=1.0)
+    mp.backward(w.sum())
+    mp.unscale_(opt)
+    copied = copy.deepcopy(mp)
+    assert copied.state_dict() == mp.state_dict()
+    with pytest.raises(RuntimeError, match=r"found no gradients from mp\.backward"):
+        copied.step(opt)  # the copy has no backward of its own
+    assert mp.step(opt) and w.tolist() == [0.0, 0.0]  # the original's unscale_ is kept
+    copied.zero_grad(opt)
+    copied.backward(w.sum())
+    assert copied.step(opt) and w.tolist() == [-1.0, -1.0]  # and the copy's own is fresh
+
+
+@needs_cpu_fp16
 def test_a_failing_fp16_step_does_not_break_every_later_one() -> None:
     mp = MixedPrecision("cpu", precision="fp16")
     model, opts = two_optimizers(mp)
@@ -678,6 +697,49 @@ def test_load_state_dict_refuses_a_loss_scale_saved_with_a_precision_without_one
     with pytest.raises(ValueError, match=rf"loss scale .* its precision is '{precision}'"):
         mp.load_state_dict({"precision": precision, "scaler": scale})
     assert mp.state_dict() == before
+
+
+@needs_cpu_fp16
+def test_loading_a_loss_scale_between_backward_and_step_is_refused_and_loads_nothing() -> None:
+    # Before: the scale was loaded, and the step unscaled the gradients scaled by 65536 by
+    # the loaded 2.0: a step 32768 times too large, without a word.
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=1.0)
+    mp = MixedPrecision("cpu", precision="fp16")
+    saved = {"precision": "fp16", "scaler": {**mp.state_dict()["scaler"], "scale": 2.0}}
+    before = mp.state_dict()
+    mp.backward(w.sum())
+    with pytest.raises(RuntimeError, match=r"between mp.backward\(loss\) and mp.step.*65536.*"
+                       r"load the state before mp.backward\(loss\) or after mp.step"):  # fmt: skip
+        mp.load_state_dict(saved)
+    assert mp.state_dict() == before
+    assert mp.step(opt) and w.tolist() == [0.0, 0.0]  # lr 1.0 times the unscaled gradient 1.0
+    mp.load_state_dict(saved)  # after the step
+    mp.zero_grad(opt)
+    mp.backward(w.sum())
+    assert mp.step(opt) and w.tolist() == [-1.0, -1.0]  # scaled and unscaled by 2.0
+
+
+@needs_cpu_fp16
+def test_a_state_without_a_loss_scale_loads_between_backward_and_step() -> None:
+    # Nothing is loaded that the waiting gradients depend on: no refusal.
+    mp = MixedPrecision("cpu", precision="fp16")
+    w = nn.Parameter(torch.ones(2))
+    mp.backward(w.sum())
+    mp.load_state_dict({"precision": "bf16", "scaler": None})
+    assert mp.step(torch.optim.SGD([w], lr=1.0)) and w.tolist() == [0.0, 0.0]
+
+
+@needs_cpu_fp16
+def test_replace_state_loads_between_backward_and_step_for_tuning() -> None:
+    # tune_batch_size's restore puts back the scale and the record of the backward together.
+    from trainperf.amp._state import replace_state
+
+    mp = MixedPrecision("cpu", precision="fp16")
+    saved = {"precision": "fp16", "scaler": {**mp.state_dict()["scaler"], "scale": 2.0}}
+    mp.backward(nn.Parameter(torch.ones(2)).sum())
+    replace_state(mp, saved)
+    assert mp.state_dict() == saved
 
 
 # ----------------------------------------------------------------- prepare: channels_last, TF32

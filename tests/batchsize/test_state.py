@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.amp._helpers import needs_cpu_fp16
 from tests.batchsize._fakes import MeanOnFirstForward, Trainer, same_state, sample, state_of
 from trainperf import tune_batch_size
 from trainperf.amp import MixedPrecision
@@ -588,3 +591,80 @@ def test_a_plain_scaler_s_unscale_before_tuning_neither_breaks_the_probes_nor_is
     before = model.weight.detach().clone()
     scaler.step(opt)  # the caller's step: its gradients unscaled once, before tuning
     assert torch.allclose(model.weight.detach(), before - 0.1 * unscaled)
+
+
+def _fp16_caller_mid_accumulation() -> tuple[MixedPrecision, nn.Linear, torch.optim.SGD]:
+    """An fp16 MixedPrecision whose caller tunes between ``mp.backward`` and ``mp.step``,
+    with a loss scale of 1024 (not the initial one)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp = MixedPrecision("cpu", precision="fp16")
+    assert mp.scaler is not None
+    scale = {**mp.state_dict()["scaler"], "scale": 1024.0}
+    mp.load_state_dict({"precision": "fp16", "scaler": scale})
+    mp.backward(nn.functional.mse_loss(model(torch.ones(2, 4)), torch.zeros(2, 1)))
+    return mp, model, opt
+
+
+@needs_cpu_fp16
+@pytest.mark.usefixtures("quick")
+def test_tuning_whose_probe_runs_out_of_memory_mid_step_restores_the_loss_scale() -> None:
+    # With mp.load_state_dict refused between mp.backward and mp.step, the restore after a
+    # probe whose step ran out of memory there failed; the loss scale, the gradients and the
+    # backward waiting for its step must all come back as they were, bit for bit.
+    mp, model, opt = _fp16_caller_mid_accumulation()
+    state, grad = mp.state_dict(), model.weight.grad.clone()  # type: ignore[union-attr]
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        mp.backward(nn.functional.mse_loss(model(batch[0]), batch[1]))
+        if len(batch[0]) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        mp.step(opt)
+        mp.zero_grad(opt)
+
+    report = tune_batch_size(
+        step, lambda n: (torch.ones(n, 4), torch.zeros(n, 1)), model=model, optimizer=opt,
+        device="cpu", min_size=2, max_size=4, budget_s=2.0, progress=False, cache=False,
+    )  # fmt: skip
+    assert report.batch_size == 2
+    assert mp.state_dict() == state and torch.equal(model.weight.grad, grad)
+    before = model.weight.detach().clone()
+    mp.step(opt)  # the caller's step: its gradients unscaled by 1024, as they were scaled
+    assert torch.allclose(model.weight.detach(), before - 0.1 * grad / 1024.0)
+
+
+@needs_cpu_fp16
+@pytest.mark.usefixtures("quick")
+def test_a_probe_s_skipped_step_neither_warns_nor_counts_toward_the_caller_s_run() -> None:
+    # Before: the caller had 19 fp16 steps in a row skipped; a probe's first step, skipped
+    # too, was the 20th and warned that the loss is probably inf/NaN, during tuning.
+    from trainperf.amp._bookkeeping import SKIPPED_STEPS, SKIPS_BEFORE_WARNING
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp = MixedPrecision("cpu", precision="fp16")
+    for _ in range(SKIPS_BEFORE_WARNING - 1):
+        mp.backward(model(torch.ones(2, 4)).sum() * math.nan)
+        assert not mp.step(opt)
+        mp.zero_grad(opt)
+    first_of_probe = [True]
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        nan = math.nan if first_of_probe[0] else 1.0  # the probe's first step skips
+        first_of_probe[0] = False
+        mp.backward(nn.functional.mse_loss(model(batch[0]), batch[1]) * nan)
+        mp.step(opt)
+        mp.zero_grad(opt)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tune_batch_size(
+            step, lambda n: (torch.ones(n, 4), torch.zeros(n, 1)), model=model, optimizer=opt,
+            device="cpu", min_size=2, max_size=2, budget_s=2.0, progress=False, cache=False,
+        )  # fmt: skip
+    assert not first_of_probe[0]  # a probe's step was skipped
+    skipped = SKIPPED_STEPS.split("{")[0]
+    assert [str(w.message) for w in caught if skipped in str(w.message)] == []
+    assert mp._skipped_in_a_row == SKIPS_BEFORE_WARNING - 1  # the caller's run, restored

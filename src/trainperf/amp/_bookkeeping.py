@@ -51,7 +51,6 @@ __all__ = [
     "after_backward",
     "check_step_call",
     "fresh",
-    "pickled_state",
     "run_step",
     "unscale",
     "zero_grad",
@@ -110,24 +109,6 @@ def fresh() -> dict[str, Any]:
         "_skip_flags": [],
         "_skipped_in_a_row": 0,
     }
-
-
-def pickled_state(state: dict[str, Any]) -> dict[str, Any]:
-    """What pickling a :class:`~trainperf.MixedPrecision` keeps (``torch.save(mp)``,
-    ``copy.deepcopy``, a spawned process's argument), from its ``__dict__``.
-
-    Everything but the models ``prepare`` saw, which are held weakly (a weak reference
-    cannot be pickled; a strong one would pickle the model), and but the record of a
-    backward waiting for its step (:func:`fresh` instead): a copy made between
-    ``mp.backward(loss)`` and ``mp.step`` has no backward of its own (those gradients are in
-    the original's models, and the loss scale they were scaled by is not pickled, as
-    ``GradScaler`` pickles none), so its ``step`` without a backward is refused, as a new
-    instance's would be.
-    """
-    kept = dict(state)
-    del kept["_models"]
-    kept.update(fresh())
-    return kept
 
 
 def after_backward(

@@ -15,14 +15,13 @@ import torch
 from torch import nn
 
 from trainperf._utils.validate import flag
-from trainperf.amp import _bookkeeping, _precision
+from trainperf.amp import _bookkeeping, _precision, _state
 from trainperf.amp._autocast import AutocastContext, NoAutocast
 from trainperf.amp._channels_last import channels_last_decision, model_to_channels_last
 from trainperf.amp._precision import choose_precision
-from trainperf.amp._scaler import LossScaler, as_loss_scaler, unscaled_grads
-from trainperf.amp._state import load_state
+from trainperf.amp._scaler import LossScaler, unscaled_grads
 from trainperf.amp._step import check_loss
-from trainperf.amp._tf32 import enable_tf32
+from trainperf.amp._tf32 import enable_tf32, tf32_decision
 from trainperf.device import resolve_device, to_device
 from trainperf.device._move import to_device_channels_last
 
@@ -188,11 +187,13 @@ class MixedPrecision:
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"prepare() takes an nn.Module, got {type(model).__name__}")
-        cc = self._capability or (0, 0)
-        tf32_on = self.tf32 and cc >= (8, 0)
-        tensor_cores = cc >= (7, 0) and (self.dtype != torch.float32 or tf32_on)
+        tf32_on, why_tf32 = tf32_decision(self.tf32, self._capability)
+        tensor_cores = (self._capability or (0, 0)) >= (7, 0)
         use_cl, why_cl = channels_last_decision(
-            model, self.channels_last, device=self.device, tensor_cores=tensor_cores
+            model,
+            self.channels_last,
+            device=self.device,
+            tensor_cores=tensor_cores and (self.dtype != torch.float32 or tf32_on),
         )
         model.to(self.device)
         if use_cl:
@@ -201,13 +202,6 @@ class MixedPrecision:
         if tf32_on:
             enable_tf32()
             self.tf32_enabled = True
-        why_tf32 = (
-            "TF32: enabled process-wide"
-            if tf32_on
-            else "TF32: off (tf32=False)"
-            if not self.tf32
-            else "TF32: not applicable (needs CUDA compute capability >= 8.0)"
-        )
         self._prepare_reasons = [why_cl, why_tf32]
         self._models.add(model)
         return model
@@ -474,8 +468,8 @@ class MixedPrecision:
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickling keeps: all but the models :meth:`prepare` saw (held weakly) and a
-        backward waiting for its step (see :func:`~trainperf.amp._bookkeeping.pickled_state`)."""
-        return _bookkeeping.pickled_state(self.__dict__)
+        backward waiting for its step (see :func:`~trainperf.amp._state.pickled`)."""
+        return _state.pickled(self.__dict__)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """The copy knows no prepared model (its ``zero_grad()`` needs an optimizer) and is
@@ -488,12 +482,7 @@ class MixedPrecision:
             >>> copy.state_dict() == mp.state_dict(), copy in LIVE
             (True, True)
         """
-        # The record of a failed step is absent from older pickles (trainperf 0.1.0), and
-        # their loss scaler is a plain GradScaler, which cannot tell one optimizer's
-        # unscale_ from another's: it becomes a LossScaler with the same scale.
-        self.__dict__.update({**_bookkeeping.fresh(), **state})
-        self._scaler = as_loss_scaler(self.__dict__.get("_scaler"))
-        self._models = weakref.WeakSet()
+        _state.unpickled(self.__dict__, state)  # older pickles too: see there
         LIVE.add(self)
 
     def state_dict(self) -> dict[str, Any]:
@@ -505,11 +494,7 @@ class MixedPrecision:
             >>> MixedPrecision("cpu", precision="fp32").state_dict()
             {'precision': 'fp32', 'scaler': None}
         """
-        scaler = self.scaler
-        return {
-            "precision": _NAMES[self.dtype],
-            "scaler": dict(scaler.state_dict()) if scaler is not None else None,
-        }
+        return _state.state_of(self)
 
     def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
         """Restore the loss scale of a resumed fp16 run.
@@ -530,9 +515,12 @@ class MixedPrecision:
                 precision other than fp16), its loss scale lacks a key of
                 ``GradScaler.state_dict()`` (nothing is loaded then), or (``strict``) it
                 carries a loss scale that this precision cannot use.
+            RuntimeError: (fp16) a loss scale loaded between :meth:`backward` and
+                :meth:`step`: the step would unscale the waiting gradients by it, not by
+                the scale they were scaled with. Load before the backward or after the step.
 
         Example:
             >>> mp = MixedPrecision("cpu", precision="fp32")
             >>> mp.load_state_dict({"precision": "fp32", "scaler": None})
         """
-        load_state(state, self.scaler, _NAMES[self.dtype], strict=strict)
+        _state.load_into(self, state, strict=strict)

@@ -11,6 +11,7 @@ optimizer, the first one unscaled to read its norm before the second backward).
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from typing import Any
 
@@ -47,8 +48,19 @@ class LossScaler(torch.amp.GradScaler):
             self._unscaled_optimizers[id(optimizer)] = optimizer
 
     def __getstate__(self) -> dict[str, Any]:
-        """GradScaler's state, without the weak references (which cannot be pickled)."""
-        state = super().__getstate__()
+        """GradScaler's state, without the weak references (which cannot be pickled) and
+        without the records of this step's ``unscale_`` (keyed by the original's optimizers,
+        as a pickled MixedPrecision has no backward waiting for its step), which
+        ``GradScaler`` refuses to pickle with a bare ``AssertionError``."""
+        states = getattr(self, "_per_optimizer_states", None)
+        if states:
+            self._per_optimizer_states = copy.copy(states)
+            self._per_optimizer_states.clear()  # keeps its defaultdict's factory
+        try:
+            state = super().__getstate__()
+        finally:
+            if states:
+                self._per_optimizer_states = states
         state.pop("_unscaled_optimizers", None)
         return state
 

@@ -1,19 +1,66 @@
-"""What :meth:`trainperf.MixedPrecision.load_state_dict` checks before it changes anything:
-a state dict that is not one (its keys, its precision, a loss scale from a run that had no
-scaler), and a loss-scaler state that ``GradScaler.load_state_dict`` would load only half of
-(it sets the scale, then fails on the first missing key).
+"""What a :class:`trainperf.MixedPrecision` saves and loads: its ``state_dict`` (the
+precision and the fp16 loss scale) and its pickle (everything but the models it saw).
+
+:func:`load_into` checks what ``load_state_dict`` is handed before it changes anything: a
+state dict that is not one (its keys, its precision, a loss scale from a run that had no
+scaler), a loss-scaler state that ``GradScaler.load_state_dict`` would load only half of (it
+sets the scale, then fails on the first missing key), and a loss scale loaded between
+``mp.backward`` and ``mp.step``, whose step would unscale the waiting gradients by the new
+scale instead of the one they were scaled by. :func:`replace_state` loads without that last
+refusal, for a caller that puts back the record of that backward too (``tune_batch_size``
+between its probes).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainperf.amp._precision import DTYPES
+from trainperf.amp import _bookkeeping
+from trainperf.amp._precision import DTYPES, NAMES
+from trainperf.amp._scaler import as_loss_scaler
 
-__all__ = ["check_scaler_state", "check_state", "load_state"]
+if TYPE_CHECKING:
+    from trainperf.amp._mixed import MixedPrecision
+
+__all__ = [
+    "check_scaler_state",
+    "check_state",
+    "load_into",
+    "load_state",
+    "pickled",
+    "replace_state",
+    "state_of",
+    "unpickled",
+]
+
+
+def state_of(mp: MixedPrecision) -> dict[str, Any]:
+    """:meth:`~trainperf.MixedPrecision.state_dict`: the precision in use and the loss
+    scaler's state (None without one), as plain Python values."""
+    scaler = mp.scaler
+    return {
+        "precision": NAMES[mp.dtype],
+        "scaler": dict(scaler.state_dict()) if scaler is not None else None,
+    }
+
+
+def load_into(mp: MixedPrecision, state: Mapping[str, Any], *, strict: bool) -> None:
+    """:meth:`~trainperf.MixedPrecision.load_state_dict`: :func:`load_state`, refused
+    between ``mp.backward`` and ``mp.step``."""
+    load_state(state, mp.scaler, NAMES[mp.dtype], strict=strict, pending=mp._backward_pending)
+
+
+def replace_state(mp: MixedPrecision, state: Mapping[str, Any]) -> None:
+    """Load ``state`` (what :func:`state_of` returned for ``mp``) even between
+    ``mp.backward`` and ``mp.step``: for a caller that puts back ``mp``'s record of its
+    backward and steps, and the scaler's per-optimizer records, with it (``tune_batch_size``
+    restoring the state it saved before a probe), so that the scale and the gradients it
+    scaled come back together."""
+    load_state(state, mp.scaler, NAMES[mp.dtype], strict=True, pending=False)
 
 
 def load_state(
@@ -22,10 +69,12 @@ def load_state(
     in_use: str,
     *,
     strict: bool,
+    pending: bool = False,
 ) -> None:
     """Load ``state``'s loss scale into ``scaler`` (None: the precision ``in_use`` has
     none), after the checks of :func:`check_state` and :func:`check_scaler_state`; see
-    :meth:`trainperf.MixedPrecision.load_state_dict`."""
+    :meth:`trainperf.MixedPrecision.load_state_dict`. ``pending``: a backward, scaled by
+    ``scaler``'s scale now, waits for its step (a scale is then refused)."""
     check_state(state)
     saved = state["scaler"]
     if saved is None:
@@ -38,7 +87,49 @@ def load_state(
                 "drop it, or precision='fp16' to keep using it"
             )
         return
-    scaler.load_state_dict(check_scaler_state(saved, scaler))
+    checked = check_scaler_state(saved, scaler)
+    if pending and scaler.is_enabled():
+        raise RuntimeError(
+            "MixedPrecision.load_state_dict() was called between mp.backward(loss) and "
+            f"mp.step(optimizer): the waiting gradients are scaled by {scaler.get_scale()!r}, "
+            f"and the step would unscale them by the loaded scale "
+            f"({checked.get('scale')!r}) instead; load the state before "
+            "mp.backward(loss) or after mp.step(optimizer) (or drop the gradients first: "
+            "mp.zero_grad())"
+        )
+    scaler.load_state_dict(checked)
+
+
+def pickled(attributes: dict[str, Any]) -> dict[str, Any]:
+    """What pickling a :class:`~trainperf.MixedPrecision` keeps (``torch.save(mp)``,
+    ``copy.deepcopy``, a spawned process's argument), from its ``__dict__``.
+
+    Everything but the models ``prepare`` saw, which are held weakly (a weak reference
+    cannot be pickled; a strong one would pickle the model), and but the record of a
+    backward waiting for its step (:func:`~trainperf.amp._bookkeeping.fresh` instead): a
+    copy made between ``mp.backward(loss)`` and ``mp.step`` has no backward of its own
+    (those gradients are in the original's models, and the loss scale they were scaled by
+    is not pickled, as ``GradScaler`` pickles none), so its ``step`` without a backward is
+    refused, as a new instance's would be.
+    """
+    kept = dict(attributes)
+    del kept["_models"]
+    kept.update(_bookkeeping.fresh())
+    return kept
+
+
+def unpickled(attributes: dict[str, Any], state: dict[str, Any]) -> None:
+    """Fill in ``attributes`` (a new instance's ``__dict__``) from ``state``: it knows no
+    prepared model (a fresh ``WeakSet``).
+
+    The record of a failed step is absent from older pickles (trainperf 0.1.0), and their
+    loss scaler is a plain ``GradScaler``, which cannot tell one optimizer's ``unscale_``
+    from another's: it becomes a :class:`~trainperf.amp._scaler.LossScaler` with the same
+    scale.
+    """
+    attributes.update({**_bookkeeping.fresh(), **state})
+    attributes["_scaler"] = as_loss_scaler(attributes.get("_scaler"))
+    attributes["_models"] = weakref.WeakSet()
 
 
 def check_state(state: object) -> None:

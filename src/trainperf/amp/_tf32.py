@@ -29,7 +29,7 @@ import torch
 
 from trainperf._utils.validate import flag
 
-__all__ = ["TF32State", "enable_tf32", "tf32", "tf32_state"]
+__all__ = ["TF32State", "enable_tf32", "tf32", "tf32_decision", "tf32_state"]
 
 
 @dataclass(frozen=True)
@@ -319,3 +319,21 @@ def enable_tf32() -> None:
         TF32State(matmul=True, cudnn=True)
     """
     _switch(True)
+
+
+def tf32_decision(setting: bool, capability: tuple[int, int] | None) -> tuple[bool, str]:
+    """Whether :meth:`trainperf.MixedPrecision.prepare` enables TF32, and why (pure: reads
+    no device): ``tf32=True`` (``setting``) on CUDA compute capability >= 8.0
+    (``capability``; None: not CUDA).
+
+    Example:
+        >>> tf32_decision(True, (8, 0))
+        (True, 'TF32: enabled process-wide')
+        >>> tf32_decision(True, None)[1]
+        'TF32: not applicable (needs CUDA compute capability >= 8.0)'
+    """
+    if not setting:
+        return False, "TF32: off (tf32=False)"
+    if (capability or (0, 0)) < (8, 0):
+        return False, "TF32: not applicable (needs CUDA compute capability >= 8.0)"
+    return True, "TF32: enabled process-wide"

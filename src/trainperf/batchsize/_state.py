@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 
 from trainperf.amp import MixedPrecision
 from trainperf.amp._bookkeeping import fresh
+from trainperf.amp._state import replace_state
 from trainperf.batchsize._holders import owning_modules, parameters_of, state_holder
 
 __all__ = ["SavedState"]
@@ -134,7 +135,12 @@ def _put_back(m: nn.Module, name: str, plain: dict[str, Any]) -> None:
 def _load_state(obj: Any, state: Any, layout: Layout | None) -> None:
     if isinstance(obj, nn.Module):
         _match_buffer_shapes(obj, state)
-    obj.load_state_dict(copy.deepcopy(state))
+    if isinstance(obj, MixedPrecision):
+        # Its load_state_dict refuses a loss scale while a backward waits for its step (a
+        # probe's, stopped by an OOM): the record of that backward is put back after.
+        replace_state(obj, copy.deepcopy(state))
+    else:
+        obj.load_state_dict(copy.deepcopy(state))
     if layout:
         _restore_layout(obj, state, layout)
 
@@ -442,10 +448,14 @@ class SavedState:
         """Clear each saved loss scaler's per-optimizer records (an ``unscale_`` the caller
         made before tuning) before a probe: its first ``mp.backward`` would drop them with
         a warning meant for the caller, its own ``scaler.unscale_`` would raise "already
-        called", and a plain ``scaler.step`` would apply its gradients still scaled.
-        :meth:`restore` puts them back."""
+        called", and a plain ``scaler.step`` would apply its gradients still scaled. Each
+        MixedPrecision's count of fp16 steps skipped in a row starts again at 0: a probe's
+        skipped step is not one more of the caller's run (whose 20th warns that the loss
+        is inf/NaN). :meth:`restore` puts both back."""
         for scaler, _ in self.stages:
             scaler._per_optimizer_states.clear()  # keeps its defaultdict's factory
+        for mp, _ in self.books:
+            mp._skipped_in_a_row = 0
 
     def drop_gradients(self) -> None:
         """Set every parameter's ``.grad`` to None (after an out-of-memory error, before the
