@@ -242,3 +242,21 @@ def test_workers_ignore_the_signal_a_preemption_waits_for(tmp_path: Path, preemp
             died = r"DataLoader worker .*(killed by signal|exited unexpectedly)"
             with pytest.raises(RuntimeError, match=died):
                 got += list(it)
+
+
+def test_called_in_the_main_process_it_only_calls_the_function_it_wraps(tmp_path: Path) -> None:
+    # Before: it started a watcher that ended this process when the shell died, and with a
+    # preemption active set SIGTERM to ignored in the training process itself.
+    from trainperf import Checkpointer
+
+    assert multiprocessing.parent_process() is None
+    called: list[int] = []
+    before = signal.getsignal(signal.SIGTERM)
+    with Checkpointer(tmp_path).preemption(signals=("SIGTERM",)):
+        inside = signal.getsignal(signal.SIGTERM)
+        with pytest.warns(RuntimeWarning, match="DieWithParent was called in a main process"):
+            DieWithParent(called.append)(3)
+        assert signal.getsignal(signal.SIGTERM) == inside != signal.SIG_IGN
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert called == [3]
+    assert not any(t.name == WATCHER_NAME for t in threading.enumerate())

@@ -163,3 +163,32 @@ def test_values_a_mapping_makes_on_the_fly_are_not_mistaken_for_one_another(kind
 
     out = to_device(Fresh(), "cpu", dtype=torch.float16)
     assert [out[k][0].item() for k in range(50)] == [float(k) for k in range(50)]
+
+
+def test_a_container_without_tensors_that_cannot_be_rebuilt_passes_through() -> None:
+    # Before: sys.version_info in a batch was a TypeError ("cannot rebuild a version_info"),
+    # and os.stat_result and time.struct_time came back without their extra fields.
+    import os
+    import sys
+    import time
+
+    stat, local = os.stat("."), time.localtime(0)
+    batch = {"x": torch.ones(1), "v": sys.version_info, "stat": stat, "time": local}
+    out = to_device(batch, "meta")
+    assert out["x"].device == META
+    assert out["v"] is sys.version_info and out["stat"] is stat and out["time"] is local
+    assert out["stat"].st_mtime_ns == stat.st_mtime_ns and out["time"].tm_zone == local.tm_zone
+
+
+def test_a_chain_map_moves_every_map() -> None:
+    # Before: the moved values went into a copy of maps[0], while maps[1:] (shared with the
+    # caller) kept the old tensors, shadowed ones included.
+    shown, hidden, other = torch.ones(1), torch.zeros(1), torch.ones(2)
+    first, second = {"a": shown}, {"a": hidden, "b": other}
+    chain = collections.ChainMap(first, second)
+    out = to_device(chain, "meta")
+    assert type(out) is collections.ChainMap and len(out.maps) == 2
+    assert out.maps[0].keys() == {"a"} and out.maps[1].keys() == {"a", "b"}
+    assert all(t.device == META for m in out.maps for t in m.values())
+    assert chain.maps == [first, second] and first["a"] is shown and second["a"] is hidden
+    assert to_device(chain, "meta", skip_keys="b").maps[1]["b"] is other

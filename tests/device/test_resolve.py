@@ -78,6 +78,21 @@ def test_resolve_device_without_auto_refuses_none_and_auto() -> None:
         resolve_device("auto", auto=False)
 
 
+def test_resolve_device_takes_a_numpy_integer_as_an_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: np.int64(0) (an index read from a NumPy config or array) was a TypeError.
+    import numpy as np
+
+    fake_cuda(monkeypatch, 2)
+    assert resolve_device(np.int64(1)) == torch.device("cuda", 1)
+    got = resolve_device(np.uint8(0), allowed=None, auto=False)
+    assert got == torch.device("cuda", 0) and type(got.index) is int
+    with pytest.raises(ValueError, match="a device index must be >= 0, got -1"):
+        resolve_device(np.int32(-1))
+    for bad in (np.float64(1.0), np.bool_(True)):
+        with pytest.raises(TypeError, match=r"a str, int, torch\.device or None, got"):
+            resolve_device(bad)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("bad", [1.5, True, [0]])
 def test_resolve_device_rejects_wrong_types(bad: Any) -> None:
     got = re.escape(repr(bad))

@@ -255,3 +255,57 @@ def test_check_same_device_fix_names_no_model_where_there_is_none() -> None:
         info.value
     )
     assert "model.to" not in str(info.value)
+
+
+@pytest.fixture
+def fake_group() -> Any:
+    """A process group of two ranks in this one process (DistributedDataParallel needs one)."""
+    dist = pytest.importorskip("torch.distributed")
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    dist.init_process_group("fake", rank=0, world_size=2, store=fake_pg.FakeStore())
+    yield
+    dist.destroy_process_group()
+
+
+def _ddp(model: torch.nn.Module, device_ids: list[int] | None, device_type: str) -> Any:
+    """A DistributedDataParallel as built on a GPU host (on this CPU one it gets no
+    device_ids: it keeps them only for a module on one GPU)."""
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    wrapped.device_ids = device_ids
+    wrapped.device_type = device_type
+    return wrapped
+
+
+def test_check_same_device_lets_ddp_with_device_ids_move_inputs(fake_group: None) -> None:
+    # Before: DistributedDataParallel(device_ids=[i]) moves its inputs to cuda:i in forward,
+    # yet a CPU batch was reported as a mismatch.
+    wrapped = _ddp(torch.nn.Linear(2, 2), [0], "cpu")
+    got = check_same_device(wrapped, torch.ones(3, 2, device="meta"), x={"a": torch.ones(1)})
+    assert got == torch.device("cpu", 0)
+
+
+def test_check_same_device_sees_through_torch_compile(fake_group: None) -> None:
+    # torch.compile(model) wraps the DDP or DataParallel model, whose forward still moves the
+    # inputs: a CPU batch was reported as a mismatch.
+    ddp = torch.compile(_ddp(torch.nn.Linear(2, 2), [0], "cpu"))
+    assert check_same_device(ddp, torch.ones(3, 2, device="meta")) == torch.device("cpu", 0)
+    dp = torch.compile(_data_parallel(torch.nn.Linear(2, 2), [1, 0], "cuda:1"))
+    with pytest.raises(DeviceMismatchError, match=r"DataParallel\(device_ids=\[1, 0\]\)"):
+        check_same_device(dp, torch.ones(3, 2))
+
+
+def test_check_same_device_wants_a_ddp_module_on_device_ids_0(fake_group: None) -> None:
+    wrapped = _ddp(torch.nn.Linear(2, 2), [1], "cuda")
+    with pytest.raises(DeviceMismatchError, match=r"device_ids\[0\], cuda:1") as info:
+        check_same_device(wrapped, torch.ones(3, 2))
+    assert "DistributedDataParallel(device_ids=[1]) needs" in str(info.value)
+    assert "cpu: parameter module.weight, parameter module.bias" in str(info.value)
+
+
+def test_check_same_device_checks_the_inputs_of_ddp_without_device_ids(fake_group: None) -> None:
+    # Without device_ids (a CPU or multi-device module) DDP moves nothing.
+    wrapped = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    assert wrapped.device_ids is None
+    assert check_same_device(wrapped, torch.ones(3, 2)) == torch.device("cpu")
+    with pytest.raises(DeviceMismatchError, match="input arg0"):
+        check_same_device(wrapped, torch.ones(3, 2, device="meta"))

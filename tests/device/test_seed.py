@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -171,3 +172,52 @@ def test_worker_init_fn_takes_a_numpy_worker_id(
     torch.manual_seed(initial_seed)
     worker_init_fn(np.int64(1))
     assert draws()[:2] == expected
+
+
+def _first_draws(context: str) -> dict[int, tuple[int, int, float]]:
+    """Each worker's first torch seed, NumPy draw and ``random`` draw."""
+    loader = DataLoader(
+        WorkerDraws(), batch_size=None, num_workers=1, worker_init_fn=worker_init_fn,
+        generator=torch.Generator().manual_seed(0), multiprocessing_context=context,
+    )  # fmt: skip
+    firsts: dict[int, tuple[int, int, float]] = {}
+    for wid, seed, draw, r in loader:
+        firsts.setdefault(int(wid), (int(seed), int(draw), float(r)))
+    return firsts
+
+
+@pytest.mark.slow  # about 5 s: a spawned worker imports torch
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the expected draws come from fork")
+def test_spawned_workers_of_a_rank_without_rank_variable_draw_as_that_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: a rank set up with init_process_group(rank=...) and no RANK variable started
+    # spawned workers that saw no process group and read rank 0, so every rank's workers drew
+    # the same augmentations.
+    dist = pytest.importorskip("torch.distributed")
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    monkeypatch.delenv("RANK", raising=False)
+    rank0 = _first_draws("fork")
+    monkeypatch.setenv("RANK", "1")
+    rank1 = _first_draws("fork")
+    assert rank1 != rank0
+    monkeypatch.delenv("RANK")
+    dist.init_process_group("fake", rank=1, world_size=2, store=fake_pg.FakeStore())
+    try:
+        assert _first_draws("fork") == rank1  # a copy of the rank's group in the worker
+        assert _first_draws("spawn") == rank1  # the rank recorded when pickled for it
+    finally:
+        dist.destroy_process_group()
+
+
+def test_worker_init_fn_pickled_elsewhere_does_not_pass_on_that_rank(
+    monkeypatch: pytest.MonkeyPatch, restore_determinism: None
+) -> None:
+    # A copy pickled by another process (a loader sent to a rank) is no record of this one's.
+    import pickle
+
+    monkeypatch.setenv("RANK", "3")
+    elsewhere = pickle.loads(pickle.dumps(worker_init_fn))
+    assert repr(elsewhere) == repr(worker_init_fn) == "<function trainperf.worker_init_fn>"
+    monkeypatch.setenv("RANK", "1")
+    assert elsewhere._rank_here() == 1  # pickled in this process, which is not a worker's parent

@@ -10,6 +10,7 @@ else to :func:`rebuild`; :mod:`._same_device` reads the same table.
 from __future__ import annotations
 
 import array
+import collections
 import copy
 import dataclasses
 import functools
@@ -205,11 +206,14 @@ def _move_mapping(
     memo: Memo,
     skip: frozenset[Any],
 ) -> Any:
+    if isinstance(obj, collections.ChainMap):
+        return _move_chain_map(obj, move, memo)
     before = list(obj.items())
     memo.setdefault(KEEP_ALIVE, []).append(before)
     if not isinstance(obj, MutableMapping):
         after = [(k, v if k in skip else move(v, memo)) for k, v in before]
-        return _construct(type(obj), dict(after))
+        unchanged = all(new is old for (_, new), (_, old) in zip(after, before, strict=True))
+        return _construct(obj, dict(after), unchanged)
     # A shallow copy keeps the subclass and its state (defaultdict's factory, attributes).
     new = memo[id(obj)] = copy.copy(obj)
     _unshare(new, obj)
@@ -226,15 +230,33 @@ def _move_mapping(
         # put the caller's values back and build a fresh mapping from the moved items.
         for key, old, _ in changed:
             obj[key] = old
-        new = memo[id(obj)] = _construct(type(obj), dict(after))
+        new = memo[id(obj)] = _construct(obj, dict(after), False)
         return new
+    _forget_cached(new)
+    return new
+
+
+def _move_chain_map(
+    obj: collections.ChainMap[Any, Any], move: Callable[[Any, Memo], Any], memo: Memo
+) -> Any:
+    """Every map of a ``ChainMap`` moved, the shadowed values too: moving only what it shows
+    into ``maps[0]`` would keep the old tensors alive in ``maps[1:]``."""
+    new = memo[id(obj)] = copy.copy(obj)  # keeps a subclass and its attributes
+    _unshare(new, obj)
+    new.maps = [move(m, memo) for m in obj.maps]
     _forget_cached(new)
     return new
 
 
 def _move_sequence(obj: Any, move: Callable[[Any, Memo], Any], memo: Memo) -> Any:
     if isinstance(obj, tuple):
-        return _with_state(obj, _construct(type(obj), [move(v, memo) for v in obj]))
+        moved_items = [move(v, memo) for v in obj]
+        unchanged = all(now is was for now, was in zip(moved_items, obj, strict=True))
+        if unchanged and hasattr(type(obj), "n_sequence_fields"):
+            # A struct sequence (os.stat_result, time.struct_time) rebuilt from its items
+            # alone would lose the fields it keeps outside them (st_mtime_ns, tm_zone).
+            return obj
+        return _with_state(obj, _construct(obj, moved_items, unchanged))
     if isinstance(obj, list):
         new_list = memo[id(obj)] = copy.copy(obj)
         new_list[:] = [move(v, memo) for v in obj]
@@ -252,7 +274,7 @@ def _move_sequence(obj: Any, move: Callable[[Any, Memo], Any], memo: Memo) -> An
         # The copy shares the caller's storage (a slot): restore it, build a fresh one.
         obj.clear()
         obj.extend(before)
-        new = memo[id(obj)] = _construct(type(obj), moved)
+        new = memo[id(obj)] = _construct(obj, moved, False)
     _forget_cached(new)
     return new
 
@@ -304,10 +326,15 @@ def _forget_cached(obj: Any) -> None:
             state.pop(name, None)
 
 
-def _construct(cls: type, contents: Any) -> Any:
+def _construct(obj: Any, contents: Any, unchanged: bool) -> Any:
+    """``type(obj)`` built from ``contents``; ``obj`` itself where that type cannot be built
+    so and nothing in it moved (``sys.version_info``, a read-only mapping proxy)."""
+    cls = type(obj)
     try:
         return cls(contents)
     except TypeError as e:
+        if unchanged:
+            return obj
         raise TypeError(
             f"to_device cannot rebuild a {cls.__qualname__} from its moved contents ({e}); "
             "give the class a .to(device) method"

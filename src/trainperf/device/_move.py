@@ -332,7 +332,11 @@ def to_device(
     comes back as a Parameter (a leaf, with its ``requires_grad``). ``obj`` itself is never
     changed (a module in it excepted): containers are copied, also a mapping that keeps its
     items in an attribute, and values of ``functools.cached_property`` are dropped from the
-    copies (they were computed on the old device).
+    copies (they were computed on the old device). A ``ChainMap`` has each of its maps
+    moved. A container without a tensor to move that cannot be rebuilt from its items
+    (``sys.version_info``) comes back as it is, and so does a struct sequence
+    (``os.stat_result``, ``time.struct_time``: rebuilding one drops its extra fields).
+    Keys are never moved: a tensor used as a dict key stays where it is.
 
     What ``obj`` holds twice comes back once: a tensor under two keys (tied weights) gives
     one moved tensor, a list in two places one new list, and a container that holds itself

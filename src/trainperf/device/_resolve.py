@@ -8,6 +8,7 @@ from typing import NoReturn, cast
 
 import torch
 
+from trainperf._utils.validate import as_real_number
 from trainperf.errors import DeviceError
 
 __all__ = ["resolve_device"]
@@ -53,7 +54,7 @@ def resolve_device(
     Args:
         device: ``None`` or ``"auto"`` for :func:`trainperf.device.best_device` (when
             ``auto`` is True); a string such as ``"cpu"``, ``"cuda"``, ``"cuda:1"``,
-            ``"mps"`` or ``"meta"``; an int ``i``, meaning ``cuda:<i>``; or a
+            ``"mps"`` or ``"meta"``; an int ``i`` (a NumPy integer too), meaning ``cuda:<i>``; or a
             :class:`torch.device`.
         allowed: the device types the caller accepts; None accepts every type
             :class:`torch.device` knows. When ``"auto"`` picks a type outside it (MPS for
@@ -95,6 +96,9 @@ def resolve_device(
                 raise _no_allowed_device(device, best, allowed)
             return torch.device("cpu")
         return best
+    number = as_real_number(device)
+    if isinstance(number, int):
+        device = number  # NumPy's integers too (an index read from a config or an array)
     if isinstance(device, torch.device):
         dev = _unwrapped(device)
     elif isinstance(device, bool) or not isinstance(device, (str, int)):

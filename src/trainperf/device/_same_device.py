@@ -114,17 +114,23 @@ def check_same_device(
     A 0-dim tensor on the CPU (a scalar such as ``torch.tensor(0.5)``) goes with tensors
     on any device, as PyTorch lets it: it is left out when others are elsewhere.
 
-    An ``nn.DataParallel`` with devices is checked as its forward pass checks it: every
+    An ``nn.DataParallel`` with devices, and a ``DistributedDataParallel`` with
+    ``device_ids`` (a module on one GPU), are checked as their forward passes work: every
     parameter and buffer must be on ``device_ids[0]`` (not merely on one device), and the
-    inputs may be anywhere, since it scatters them onto its devices itself.
+    inputs may be anywhere, since they move them there themselves. A
+    ``DistributedDataParallel`` without ``device_ids`` (a CPU or multi-device module) moves
+    nothing: its inputs are checked like any module's. Both are recognised inside
+    ``torch.compile(model)`` too.
 
     Returns:
-        The one device they all live on (``device_ids[0]`` for a ``DataParallel``).
+        The one device they all live on (``device_ids[0]`` for a ``DataParallel`` or a
+        ``DistributedDataParallel`` with ``device_ids``).
 
     Raises:
-        DeviceMismatchError: more than one device, or a ``DataParallel`` whose module is
-            not on ``device_ids[0]``; the message lists, per device, a few of the
-            parameters, buffers and inputs found there.
+        DeviceMismatchError: more than one device, or a ``DataParallel`` or
+            ``DistributedDataParallel`` whose module is not on ``device_ids[0]``; the
+            message lists, per device, a few of the parameters, buffers and inputs found
+            there.
         TypeError: ``module`` is neither a module nor None (inputs passed in its place).
         ValueError: there is no tensor at all to check.
 
@@ -140,9 +146,9 @@ def check_same_device(
             "argument is the model; to check inputs alone, pass None first: "
             "check_same_device(None, batch)"
         )
-    source = _data_parallel_source(module)
+    source = _input_mover_source(module)
     if source is not None:
-        return _check_data_parallel(cast(torch.nn.DataParallel[Any], module), source)
+        return _check_input_mover(cast(torch.nn.Module, module), source)
     if module is not None:
         found += [(f"parameter {n}", p) for n, p in module.named_parameters()]
         found += [(f"buffer {n}", b) for n, b in module.named_buffers()]
@@ -184,31 +190,50 @@ def _listing(by_device: dict[torch.device, list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _data_parallel_source(module: object) -> torch.device | None:
-    """``device_ids[0]`` of an ``nn.DataParallel`` that has devices (None otherwise: without
-    devices it only calls its module)."""
+def _input_mover_source(module: object) -> torch.device | None:
+    """Where a wrapper that moves its inputs itself wants its module: ``device_ids[0]`` of
+    an ``nn.DataParallel`` with devices (without, it only calls its module) or of a
+    ``DistributedDataParallel`` with ``device_ids``, whose forward moves every input there
+    (without, it moves nothing), also under ``torch.compile``. None for any other module."""
+    # torch.compile's wrapper (an OptimizedModule) calls the module it wraps, as it is.
+    module = getattr(module, "_orig_mod", module)
     if isinstance(module, torch.nn.DataParallel) and module.device_ids:
         return module.src_device_obj
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if isinstance(module, ddp) and module.device_ids:
+        # Its forward returns the inputs unmoved under these two private modes.
+        if getattr(module, "_use_python_reducer", False):
+            return None
+        if getattr(module, "_delay_all_reduce_all_params", False):
+            return None
+        return torch.device(module.device_type, module.device_ids[0])
     return None
 
 
-def _check_data_parallel(model: torch.nn.DataParallel[Any], source: torch.device) -> torch.device:
-    """What ``DataParallel.forward`` demands: the module on ``device_ids[0]``. It scatters the
-    inputs from wherever they are, so they are not checked."""
+def _check_input_mover(model: torch.nn.Module, source: torch.device) -> torch.device:
+    """What ``DataParallel``'s and ``DistributedDataParallel``'s forward demand: the module
+    on ``device_ids[0]``. They move the inputs from wherever they are, so those are not
+    checked."""
+    wrapper = getattr(model, "_orig_mod", model)
     elsewhere: dict[torch.device, list[str]] = {}
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, t in named:
-            if t.device != source:
+            if not _is_on(t.device, source):
                 elsewhere.setdefault(t.device, []).append(f"{kind} {name}")
     if not elsewhere:
         return source
     raise DeviceMismatchError(
-        f"nn.DataParallel(device_ids={model.device_ids}) needs its module's parameters and "
-        f"buffers on device_ids[0], {source}, but found:\n"
+        f"{type(wrapper).__name__}(device_ids={wrapper.device_ids}) needs its module's "
+        f"parameters and buffers on device_ids[0], {source}, but found:\n"
         + _listing(elsewhere)
         + f"\nFix: move the model there before wrapping it, model.to({str(source)!r}), or "
         "put the model's own device first in device_ids."
     )
+
+
+def _is_on(where: torch.device, source: torch.device) -> bool:
+    """``where`` is ``source``; a tensor of a type without indices (CPU, meta) reports none."""
+    return where == source or (where.type == source.type and where.index is None)
 
 
 def _by_device(found: list[tuple[str, torch.Tensor]]) -> dict[torch.device, list[str]]:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
 import operator
 import os
 import random
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -69,6 +72,46 @@ def _worker_seed_state(seed: int) -> np.ndarray[Any, Any]:
     return np.random.SeedSequence(seed).generate_state(4)
 
 
+class _CarriesRank:
+    """:func:`worker_init_fn` as the DataLoader gets it: an object that, pickled for a
+    ``spawn`` or ``forkserver`` worker, records the rank of the process that pickles it. A
+    function pickles as its name alone, and such a worker has no process group to ask (nor
+    a ``RANK`` variable, where the rank came from ``init_process_group(rank=...)``)."""
+
+    def __init__(
+        self, fn: Callable[[int], None], rank: int | None = None, pid: int | None = None
+    ) -> None:
+        functools.update_wrapper(self, fn)  # its name, docstring and signature
+        self._fn = fn
+        self._rank = rank  # the rank of the process that pickled this copy, and its pid
+        self._pid = pid
+
+    def __reduce__(self) -> tuple[Callable[[int, int], _CarriesRank], tuple[int, int]]:
+        return (_recorded, (_global_rank(), os.getpid()))
+
+    def __repr__(self) -> str:
+        return "<function trainperf.worker_init_fn>"
+
+    def __call__(self, worker_id: int) -> None:
+        _seed_worker(worker_id, self._rank_here())
+
+    def _rank_here(self) -> int:
+        """This process's rank; in a spawned worker, the one its starter recorded."""
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())  # a forked worker has a copy of its rank's group
+        parent = multiprocessing.parent_process()
+        if self._rank is not None and parent is not None and parent.pid == self._pid:
+            return self._rank
+        return _global_rank()
+
+
+def _recorded(rank: int, pid: int) -> _CarriesRank:
+    """:func:`worker_init_fn` as unpickled in a worker: with its starter's rank."""
+    return _CarriesRank(worker_init_fn._fn, rank, pid)
+
+
+@_CarriesRank
 def worker_init_fn(worker_id: int) -> None:
     """Give each DataLoader worker its own reproducible ``random`` and NumPy seed, and
     under DDP each rank's workers their own streams.
@@ -82,7 +125,10 @@ def worker_init_fn(worker_id: int) -> None:
     Every rank seeds its generator alike (``seed_everything(42)`` on each), so worker ``k``
     of every rank would draw the same augmentations; on a rank other than 0 (the process
     group's, else ``RANK``) the rank is mixed into the seed, torch's included. Rank 0, and a
-    run without DDP, draw as they always did.
+    run without DDP, draw as they always did. A ``spawn`` or ``forkserver`` worker has no
+    process group of its own: the rank is recorded when the rank pickles this function for
+    the worker, so a rank set up with ``init_process_group(rank=...)`` and no ``RANK``
+    variable seeds its workers as that rank too.
 
     Args:
         worker_id: the worker's number, as the DataLoader passes it.
@@ -96,10 +142,13 @@ def worker_init_fn(worker_id: int) -> None:
         ...                     generator=torch.Generator().manual_seed(0))
         >>> worker_init_fn(0)
     """
+    _seed_worker(worker_id, _global_rank())
+
+
+def _seed_worker(worker_id: int, rank: int) -> None:
     worker_id = non_negative_int("worker_id", worker_id)
     info = torch.utils.data.get_worker_info()
     seed = info.seed if info is not None else torch.initial_seed() + worker_id
-    rank = _global_rank()
     if rank:
         seed = int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0])
         if info is not None:  # a worker's own torch seed; never the main process's
