@@ -929,6 +929,23 @@ def test_a_model_that_does_not_fit_names_a_fix_restore_takes(tmp_path: Path) -> 
     ) in text, text
 
 
+def test_a_nested_model_that_does_not_fit_names_the_top_level_entry_to_leave_out(
+    tmp_path: Path,
+) -> None:
+    # "restore without it" named state['nets'][0], but restore takes top-level entries only.
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"nets": [nn.Linear(2, 2), nn.Linear(2, 2)]}, step=1)
+    with pytest.raises(StateDictMismatchError, match=r"1 shape mismatch") as info:
+        ckpt.restore({"nets": [nn.Linear(3, 2), nn.Linear(2, 2)]})
+    text = str(info.value)
+    assert (
+        "or restore without the entry 'nets' that holds it (Checkpointer.restore takes "
+        "top-level entries whole and loads modules strictly; load its other objects from the "
+        "file yourself), then pass trainperf.load_checkpoint(path)['nets'][0] to "
+        "trainperf.load_state_dict(module, ..., strict=False) to load only the keys that fit."
+    ) in text, text
+
+
 @pytest.mark.parametrize("device", ["gpu", "CPU"])
 def test_restore_refuses_a_device_that_is_not_one_before_reading_any_file(
     tmp_path: Path, device: str, recwarn: pytest.WarningsRecorder

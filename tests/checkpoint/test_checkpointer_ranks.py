@@ -17,6 +17,7 @@ import trainperf.checkpoint._checkpointer_ranks as ranks_module
 import trainperf.checkpoint._checkpointer_restore as restore_module
 from tests.checkpoint import _ranks
 from tests.checkpoint._common import as_if_from_newer_torch
+from tests.checkpoint._fake_nccl import FakeNccl
 from tests.ddp._distributed import FORK, spawn
 from trainperf import Checkpointer
 from trainperf.checkpoint._loader_state import track
@@ -256,3 +257,16 @@ def test_a_loader_missing_from_a_rank_file_takes_rank_0s_position_with_a_warning
     ):
         assert ckpt.restore({"w": torch.zeros(2), "loader": fresh}) == 1
     assert next(iter(fresh)).tolist() == [2, 3]  # rank 0's position: one batch taken
+
+
+def test_restore_agrees_on_the_ranks_own_gpu_under_nccl(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A torchrun script that never calls torch.cuda.set_device had every rank gather on
+    # cuda:0, where NCCL hangs or fails ("Duplicate GPU detected").
+    fake = FakeNccl(monkeypatch, rank=1, gpus=2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert Checkpointer(tmp_path).restore({"w": torch.zeros(2)}) == 0
+    ranks_module.agree_loaded(tmp_path, 3)
+    assert fake.used == [1, 1]  # both agreements
+    assert fake.current == 0  # the script's current device is left as it was

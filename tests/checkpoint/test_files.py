@@ -21,6 +21,7 @@ import trainperf.checkpoint._files as files_module
 import trainperf.checkpoint._read as read_module
 from tests.checkpoint import _ranks
 from tests.checkpoint._common import FIXTURES, GPU_FILES, Net, assert_same, temps
+from tests.checkpoint._fake_nccl import FakeNccl
 from tests.ddp._distributed import FORK, spawn
 from trainperf.checkpoint import load_checkpoint, load_state_dict, save_checkpoint, unwrap_model
 from trainperf.errors import (
@@ -673,3 +674,12 @@ def test_running_out_of_gpu_memory_reading_safetensors_is_not_called_corrupt(
     ) as info:
         load_checkpoint(path, "cuda")
     assert not isinstance(info.value, CheckpointError) and info.value.__cause__ is error
+
+
+def test_a_distributed_save_broadcasts_on_the_ranks_own_gpu_under_nccl(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeNccl(monkeypatch, rank=1, gpus=2)  # set_device never called: cuda:0 current
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    save_checkpoint({"w": torch.ones(1)}, tmp_path / "c.pt", distributed=True)
+    assert fake.used == [1] and fake.current == 0

@@ -25,9 +25,9 @@ SAVE_S = 6.0
 
 
 def _slowed(write: Any, seconds: float = SAVE_S) -> Any:
-    def slow(path: Path, body: Any) -> Any:
+    def slow(path: Path, body: Any, **options: Any) -> Any:
         time.sleep(seconds)
-        return write(path, body)
+        return write(path, body, **options)
 
     return slow
 

@@ -9,8 +9,11 @@ import threading
 import time
 
 import pytest
+import torch
 
+import trainperf.checkpoint._preempt as preempt_module
 from tests.checkpoint import _agree
+from tests.checkpoint._fake_nccl import FakeNccl
 from tests.ddp._distributed import FORK, spawn
 from trainperf.checkpoint import Preemption
 from trainperf.checkpoint._preempt import agreement_interval, signal_numbers
@@ -138,3 +141,11 @@ def test_every_rank_stops_at_the_same_step_when_one_is_signalled(check_every: in
         assert r0["every"] == r1["every"] >= 1 and r0["cost"] == r1["cost"] > 0
     assert r0["signal"] == r1["signal"] == "SIGUSR1"  # rank 0 learns which signal it was
     assert 0 < r0["deadline"] <= 30 and 0 < r1["deadline"] <= 30
+
+
+def test_the_flags_are_compared_on_the_ranks_own_gpu_under_nccl(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    FakeNccl(monkeypatch, rank=1, gpus=2)  # set_device never called: cuda:0 current
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert preempt_module._group() == (2, torch.device("cuda", 1))

@@ -369,9 +369,11 @@ class Checkpointer:
         ``state`` are tracked from here on, even when there is no checkpoint yet, so that a
         later save knows their position: call it before the loop. Under a process group of
         two or more ranks it is a collective (two small ``all_gather_object`` calls, one
-        before anything is loaded, one after): call it on every rank; a rank that fails
-        before it (the directory cannot be listed, a file cannot be read), cannot restore
-        its own part, or cannot load the step into its objects makes every rank raise.
+        before anything is loaded, one after; under NCCL on the rank's own GPU, even when
+        ``torch.cuda.set_device`` was never called, the current device put back after):
+        call it on every rank; a rank that fails before it (the directory cannot be
+        listed, a file cannot be read), cannot restore its own part, or cannot load the
+        step into its objects makes every rank raise.
 
         Args:
             state: the same keys ``save`` was given, holding the live objects.

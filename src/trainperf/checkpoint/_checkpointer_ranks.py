@@ -24,6 +24,7 @@ from trainperf._utils.stack import user_stacklevel
 from trainperf.checkpoint._checkpointer_warn import stop_at
 from trainperf.checkpoint._files import load_checkpoint
 from trainperf.checkpoint._payload import RESERVED, saved_step
+from trainperf.checkpoint._rank_gpu import on_rank_gpu
 from trainperf.checkpoint._skim import skim
 from trainperf.checkpoint._steps import main_file, rank_file, refuse_misnamed
 from trainperf.errors import CheckpointError
@@ -223,10 +224,12 @@ def _in_group() -> bool:
 
 
 def _gathered(mine: Any) -> list[Any]:
-    """Every rank's ``mine``, in rank order (one ``all_gather_object``); raises what it
-    raises (the group's timeout passed)."""
+    """Every rank's ``mine``, in rank order (one ``all_gather_object``, under NCCL on this
+    rank's GPU: :func:`~._rank_gpu.on_rank_gpu`); raises what it raises (the group's timeout
+    passed)."""
     said: list[Any] = [None] * _group()[1]
-    torch.distributed.all_gather_object(said, mine)
+    with on_rank_gpu():
+        torch.distributed.all_gather_object(said, mine)
     return said
 
 

@@ -24,6 +24,7 @@ from trainperf.checkpoint._keys import (
     strip_wrapper_layers,
 )
 from trainperf.checkpoint._prefix import unwrap_model
+from trainperf.checkpoint._rank_gpu import on_rank_gpu
 from trainperf.checkpoint._read import load_file, load_stream
 from trainperf.checkpoint._refusal import weights_only_refusal
 from trainperf.checkpoint._write import write_checkpoint_file
@@ -211,7 +212,8 @@ def _group_rank() -> int | None:
 
 
 def _write_collectively(obj: Any, path: Path, rank: int) -> None:
-    """Rank 0 writes, then broadcasts success or its error, so every rank returns or raises."""
+    """Rank 0 writes, then broadcasts success or its error (under NCCL on each rank's GPU:
+    :func:`~._rank_gpu.on_rank_gpu`), so every rank returns or raises."""
     failure: Exception | None = None
     if rank == 0:
         try:
@@ -220,7 +222,8 @@ def _write_collectively(obj: Any, path: Path, rank: int) -> None:
             failure = e
     status = [None if failure is None else f"{type(failure).__name__}: {failure}"]
     try:
-        torch.distributed.broadcast_object_list(status, src=0)
+        with on_rank_gpu():
+            torch.distributed.broadcast_object_list(status, src=0)
     except Exception as e:
         done = f"{path} was written" if rank == 0 and failure is None else f"{path} may not exist"
         raise CheckpointError(
@@ -286,7 +289,9 @@ def save_checkpoint(
             every rank and calling it inside ``if rank == 0:`` both work (other ranks that
             must read the file wait for it themselves, e.g. with a barrier). True: a
             collective, to be called on every rank: rank 0 writes and every rank returns
-            once the file exists, or raises if rank 0 failed. False: ignore the process
+            once the file exists, or raises if rank 0 failed (under NCCL the broadcast
+            runs on the rank's own GPU, even when ``torch.cuda.set_device`` was never
+            called; the current device is put back after). False: ignore the process
             group and write from this process (per-rank files). Without a process group
             every value writes.
 

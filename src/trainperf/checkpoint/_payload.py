@@ -225,17 +225,18 @@ def _object_unfit(live: Any, saved: Any) -> str | None:
     return None
 
 
-def check_loads(live: Any, saved: Any, name: str, place: str) -> None:
+def check_loads(live: Any, saved: Any, name: str, place: str, entry: str) -> None:
     """Before anything is loaded: each object in ``live`` that is restored in place takes
     its saved state (a module its weights, an optimizer its parameter groups), so that a
-    misfit leaves every live object as it was. ``name`` is ``live``'s, ``state['model']``.
+    misfit leaves every live object as it was. ``name`` is ``live``'s, ``state['model']``;
+    ``entry`` the top-level entry of ``state`` that holds it, ``'model'``.
 
     Raises:
         StateDictMismatchError: a module's weights do not fit it.
         ValueError: another object's saved state does not fit it.
     """
     if isinstance(live, nn.Module):
-        _check_module(live, saved, name, place)
+        _check_module(live, saved, name, place, entry)
     elif _has_load(live):
         why = _object_unfit(live, saved)
         if why is not None:
@@ -246,17 +247,17 @@ def check_loads(live: Any, saved: Any, name: str, place: str) -> None:
     elif isinstance(live, Mapping) and isinstance(saved, Mapping):
         for k, v in live.items():
             if k in saved:
-                check_loads(v, saved[k], f"{name}[{k!r}]", place)
+                check_loads(v, saved[k], f"{name}[{k!r}]", place, entry)
     elif (
         isinstance(live, (list, tuple))
         and isinstance(saved, (list, tuple))
         and len(live) == len(saved)
     ):
         for i, (a, b) in enumerate(zip(live, saved, strict=True)):
-            check_loads(a, b, f"{name}[{i}]", place)
+            check_loads(a, b, f"{name}[{i}]", place, entry)
 
 
-def _check_module(live: nn.Module, saved: Any, name: str, place: str) -> None:
+def _check_module(live: nn.Module, saved: Any, name: str, place: str, entry: str) -> None:
     if not isinstance(saved, Mapping):
         raise ValueError(
             f"{place}: {name} is a {type(live).__name__}, but the checkpoint holds "
@@ -264,7 +265,7 @@ def _check_module(live: nn.Module, saved: Any, name: str, place: str) -> None:
             "object it was saved from)"
         )
     try:
-        check_state_dict(live, saved, _partial(name))
+        check_state_dict(live, saved, _partial(name, entry))
     except StateDictMismatchError as e:
         raise StateDictMismatchError(
             f"{place}: {name} does not fit its saved weights; nothing was loaded. {e}",
@@ -274,14 +275,21 @@ def _check_module(live: nn.Module, saved: Any, name: str, place: str) -> None:
         ) from e
 
 
-def _partial(name: str) -> str:
-    """How to load only the keys that fit into the module at ``name`` (``state['model']``),
-    which restore, loading modules strictly, does not do itself."""
+def _partial(name: str, entry: str) -> str:
+    """How to load only the keys that fit into the module at ``name`` (``state['model']``,
+    ``state['nets'][0]``), which restore, loading modules strictly, does not do itself; a
+    module nested in the top-level entry ``entry`` is left out with the whole entry."""
     saved = "trainperf.load_checkpoint(path)" + name.removeprefix("state")
-    return (
-        "restore without it (Checkpointer.restore loads modules strictly), then pass "
-        f"{saved} to trainperf.load_state_dict(module, ..., strict=False)"
-    )
+    if name == f"state[{entry!r}]":
+        without = "without it (Checkpointer.restore loads modules strictly)"
+    else:
+        without = (
+            f"without the entry {entry!r} that holds it (Checkpointer.restore takes top-level "
+            "entries whole and loads modules strictly; load its other objects from the file "
+            "yourself)"
+        )
+    load = "trainperf.load_state_dict(module, ..., strict=False)"
+    return f"restore {without}, then pass {saved} to {load}"
 
 
 def _load_into(live: Any, saved: Any, name: str, place: str, loaded: list[str]) -> None:
@@ -456,7 +464,7 @@ def restore_into(
         if isinstance(live, DataLoader):
             check_position(positions[key], key)
         else:
-            check_loads(live, saved[key], f"state[{key!r}]", place)
+            check_loads(live, saved[key], f"state[{key!r}]", place, key)
     loaded: list[str] = []
     for key, live in state.items():
         if isinstance(live, DataLoader):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from trainperf._utils.validate import positive_int, positive_number
+from trainperf.checkpoint._rank_gpu import rank_gpu
 
 __all__ = ["Preemption", "active_signals", "agreement_interval", "signal_numbers"]
 
@@ -107,13 +108,12 @@ def signal_numbers(signals: Iterable[str | int] | str | int) -> tuple[signal.Sig
 
 
 def _group() -> tuple[int, torch.device] | None:
-    """``(world size, device for collectives)`` under a process group of 2 or more."""
+    """``(world size, device for collectives)`` under a process group of 2 or more: under
+    NCCL this rank's GPU (:func:`~._rank_gpu.rank_gpu`), else the CPU."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
-    on_cuda = dist.get_backend() == "nccl"
-    dev = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
-    return dist.get_world_size(), dev
+    return dist.get_world_size(), rank_gpu() or torch.device("cpu")
 
 
 class Preemption:

@@ -1,0 +1,66 @@
+"""The GPU a rank's collectives in this package run on under NCCL (:func:`on_rank_gpu`):
+the restore's agreements, ``save_checkpoint(..., distributed=True)``'s broadcast and
+``Checkpointer.preemption()``'s flag comparison.
+
+NCCL's object collectives (``all_gather_object``, ``broadcast_object_list``) move the
+pickled object to ``torch.cuda.current_device()``, which is ``cuda:0`` on every rank of a
+script that never calls ``torch.cuda.set_device`` (one that writes
+``model.to(f"cuda:{local_rank}")`` instead): the ranks of a host then share one GPU, and
+NCCL hangs or fails ("Duplicate GPU detected"). The rank's GPU is, in order:
+
+- the group's bound device (``init_process_group(..., device_id=...)``);
+- the current device, when the script chose one other than ``cuda:0``;
+- ``LOCAL_RANK``'s GPU, when that variable is a whole number below the visible GPUs' count
+  (a rank that sees one GPU only, under ``CUDA_VISIBLE_DEVICES`` per rank, keeps ``cuda:0``);
+- the current device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from trainperf._utils import launch_env
+
+__all__ = ["on_rank_gpu", "rank_gpu"]
+
+
+def rank_gpu() -> torch.device | None:
+    """This rank's GPU (the rule is in the module docstring) under an NCCL process group;
+    None under another backend, without a group or without CUDA."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or not torch.cuda.is_available():
+        return None
+    if dist.get_backend() != dist.Backend.NCCL:
+        return None
+    bound = getattr(dist.group.WORLD, "bound_device_id", None)
+    if bound is not None and bound.index is not None:
+        return torch.device("cuda", bound.index)
+    current = torch.cuda.current_device()
+    local = _local_rank()
+    if current == 0 and local is not None and local < torch.cuda.device_count():
+        return torch.device("cuda", local)
+    return torch.device("cuda", current)
+
+
+def _local_rank() -> int | None:
+    """``LOCAL_RANK``, or None when unset or not a whole number: raising here, inside a
+    collective, would leave the other ranks waiting for this one."""
+    try:
+        return launch_env.read_int("LOCAL_RANK")
+    except ValueError:
+        return None
+
+
+@contextlib.contextmanager
+def on_rank_gpu() -> Iterator[torch.device | None]:
+    """Make :func:`rank_gpu` the current CUDA device for the block (the caller's current
+    device is back after it); nothing changes where it is None. Yields it."""
+    gpu = rank_gpu()
+    if gpu is None:
+        yield None
+        return
+    with torch.cuda.device(gpu):
+        yield gpu
