@@ -17,8 +17,9 @@ from torch import nn
 from trainperf._utils.validate import flag
 from trainperf.amp import _bookkeeping, _precision, _state
 from trainperf.amp._autocast import AutocastContext, NoAutocast
-from trainperf.amp._channels_last import channels_last_decision, model_to_channels_last
+from trainperf.amp._channels_last import channels_last_decision
 from trainperf.amp._precision import choose_precision
+from trainperf.amp._prepare import move_model
 from trainperf.amp._scaler import LossScaler, unscaled_grads
 from trainperf.amp._step import check_loss
 from trainperf.amp._tf32 import enable_tf32, tf32_decision
@@ -169,6 +170,8 @@ class MixedPrecision:
         their layout, where ``model.to(memory_format=torch.channels_last)`` would fail.
         Weights stay fp32 (autocast casts per op). TF32 is switched on process-wide (torch
         keeps it as global state) when ``tf32=True`` and the GPU has compute capability >= 8.0.
+        The parameters are moved in place, so an optimizer built before still holds them
+        (build it after, though: its state, if any, is not moved).
 
         Args:
             model: the module to train.
@@ -178,6 +181,11 @@ class MixedPrecision:
 
         Raises:
             TypeError: ``model`` is not an ``nn.Module``.
+
+        Warns:
+            UserWarning: moving replaced parameters with new objects (torch's
+                ``set_overwrite_module_params_on_conversion(True)``) that something else
+                still holds: an optimizer built before ``prepare``, which would train nothing.
 
         Example:
             >>> mp = MixedPrecision("cpu", precision="fp32", channels_last=True)
@@ -195,9 +203,8 @@ class MixedPrecision:
             device=self.device,
             tensor_cores=tensor_cores and (self.dtype != torch.float32 or tf32_on),
         )
-        model.to(self.device)
+        move_model(model, self.device, channels_last=use_cl)
         if use_cl:
-            model_to_channels_last(model)  # 5-D weights (Conv3d) keep their layout
             self.uses_channels_last = True
         if tf32_on:
             enable_tf32()
@@ -513,8 +520,10 @@ class MixedPrecision:
             ValueError: ``state`` is not a MixedPrecision state dict (other keys, a
                 precision other than "bf16", "fp16" or "fp32", a loss scale saved with a
                 precision other than fp16), its loss scale lacks a key of
-                ``GradScaler.state_dict()`` (nothing is loaded then), or (``strict``) it
-                carries a loss scale that this precision cannot use.
+                ``GradScaler.state_dict()`` or (fp16) is not a finite number > 0 (0, from a
+                run whose losses stayed inf/NaN, would skip every step: load
+                ``{**state, "scaler": None}`` to keep this one's scale), nothing loaded then,
+                or (``strict``) it carries a loss scale that this precision cannot use.
             RuntimeError: (fp16) a loss scale loaded between :meth:`backward` and
                 :meth:`step`: the step would unscale the waiting gradients by it, not by
                 the scale they were scaled with. Load before the backward or after the step.

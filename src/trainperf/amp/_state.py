@@ -6,13 +6,16 @@ state dict that is not one (its keys, its precision, a loss scale from a run tha
 scaler), a loss-scaler state that ``GradScaler.load_state_dict`` would load only half of (it
 sets the scale, then fails on the first missing key), and a loss scale loaded between
 ``mp.backward`` and ``mp.step``, whose step would unscale the waiting gradients by the new
-scale instead of the one they were scaled by. :func:`replace_state` loads without that last
-refusal, for a caller that puts back the record of that backward too (``tune_batch_size``
-between its probes).
+scale instead of the one they were scaled by, and a loss scale no step can recover from (0,
+negative, inf or NaN: :func:`check_scale`). :func:`replace_state` loads without those last two
+refusals, for a caller that puts back the record of that backward too and the caller's own
+scale, however low it fell (``tune_batch_size`` between its probes).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from trainperf.amp._mixed import MixedPrecision
 
 __all__ = [
+    "check_scale",
     "check_scaler_state",
     "check_state",
     "load_into",
@@ -59,8 +63,12 @@ def replace_state(mp: MixedPrecision, state: Mapping[str, Any]) -> None:
     ``mp.backward`` and ``mp.step``: for a caller that puts back ``mp``'s record of its
     backward and steps, and the scaler's per-optimizer records, with it (``tune_batch_size``
     restoring the state it saved before a probe), so that the scale and the gradients it
-    scaled come back together."""
-    load_state(state, mp.scaler, NAMES[mp.dtype], strict=True, pending=False)
+    scaled come back together.
+
+    Any scale is put back, 0 too: ``state`` is the caller's own, saved before the probes,
+    and a run whose losses stayed inf/NaN halves its scale down to 0 (in about 165
+    skipped steps); tuning leaves it as it found it."""
+    load_state(state, mp.scaler, NAMES[mp.dtype], strict=True, pending=False, any_scale=True)
 
 
 def load_state(
@@ -70,11 +78,13 @@ def load_state(
     *,
     strict: bool,
     pending: bool = False,
+    any_scale: bool = False,
 ) -> None:
     """Load ``state``'s loss scale into ``scaler`` (None: the precision ``in_use`` has
-    none), after the checks of :func:`check_state` and :func:`check_scaler_state`; see
-    :meth:`trainperf.MixedPrecision.load_state_dict`. ``pending``: a backward, scaled by
-    ``scaler``'s scale now, waits for its step (a scale is then refused)."""
+    none), after the checks of :func:`check_state`, :func:`check_scaler_state` and (unless
+    ``any_scale``) :func:`check_scale`; see :meth:`trainperf.MixedPrecision.load_state_dict`.
+    ``pending``: a backward, scaled by ``scaler``'s scale now, waits for its step (a scale
+    is then refused)."""
     check_state(state)
     saved = state["scaler"]
     if saved is None:
@@ -88,6 +98,8 @@ def load_state(
             )
         return
     checked = check_scaler_state(saved, scaler)
+    if scaler.is_enabled() and not any_scale:
+        check_scale(checked["scale"])
     if pending and scaler.is_enabled():
         raise RuntimeError(
             "MixedPrecision.load_state_dict() was called between mp.backward(loss) and "
@@ -182,4 +194,32 @@ def check_scaler_state(saved: object, scaler: torch.amp.GradScaler) -> dict[str,
         f"the state's loss scale (state['scaler']) lacks {missing}: expected the keys "
         f"{sorted(expected)} of mp.state_dict()['scaler'], got {got!r}; pass the state "
         "mp.state_dict() returned"
+    )
+
+
+def check_scale(scale: object) -> None:
+    """Refuse a loss scale that is not a finite number > 0. At 0, inf or NaN every fp16 step
+    is skipped (the gradients are NaN or inf), and halving or doubling the scale keeps it
+    there; a negative one is never written by ``GradScaler``, whose factors are positive.
+    Such a scale comes from a corrupt checkpoint, or one saved after the losses stayed
+    inf/NaN long enough to halve the scale down to 0 (about 165 skipped steps from 65536).
+
+    Example:
+        >>> check_scale(65536.0)
+        >>> try:
+        ...     check_scale(0.0)
+        ... except ValueError as e:
+        ...     print(str(e).split(":")[0])
+        the state's loss scale (state['scaler']['scale']) is 0.0
+    """
+    number = isinstance(scale, numbers.Real) and not isinstance(scale, bool)
+    if number and math.isfinite(scale) and scale > 0:  # type: ignore[arg-type,operator]
+        return
+    raise ValueError(
+        f"the state's loss scale (state['scaler']['scale']) is {scale!r}: it must be a finite "
+        "number > 0 (at 0, inf or NaN every fp16 step would be skipped; it comes from a "
+        "corrupt checkpoint, or one saved after the losses stayed inf/NaN); load the state "
+        "without it, "
+        "keeping this MixedPrecision's own scale (a new one starts at 65536.0): "
+        "mp.load_state_dict({**state, 'scaler': None}), and find why the losses were inf/NaN"
     )
