@@ -929,6 +929,24 @@ def test_a_model_that_does_not_fit_names_a_fix_restore_takes(tmp_path: Path) -> 
     ) in text, text
 
 
+def test_a_value_that_cannot_be_loaded_names_a_fix_restore_takes(tmp_path: Path) -> None:
+    # The refusal of values without data (a sparse buffer into a dense one) still said
+    # "pass strict=False", which restore has no parameter for.
+    class Buffered(nn.Module):
+        def __init__(self, sparse: bool) -> None:
+            super().__init__()
+            eye = torch.eye(3)
+            self.register_buffer("b", eye.to_sparse() if sparse else eye)
+
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"model": Buffered(sparse=True)}, step=1)
+    with pytest.raises(StateDictMismatchError, match=r"cannot be loaded into the model") as info:
+        ckpt.restore({"model": Buffered(sparse=False)})
+    text = str(info.value)
+    assert "pass strict=False" not in text, text
+    assert "drop those keys and restore without it" in text, text
+
+
 def test_a_nested_model_that_does_not_fit_names_the_top_level_entry_to_leave_out(
     tmp_path: Path,
 ) -> None:

@@ -30,11 +30,27 @@ def test_the_ranks_gpu_under_nccl(
     expected: int,
 ) -> None:
     FakeNccl(monkeypatch, gpus=gpus, current=current, bound=bound)
+    for name in ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)
     if local_rank is None:
         monkeypatch.delenv("LOCAL_RANK", raising=False)
     else:
         monkeypatch.setenv("LOCAL_RANK", local_rank)
     assert rank_gpu() == torch.device("cuda", expected)
+
+
+def test_inside_an_srun_step_the_local_rank_is_slurm_localid(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As trainperf.ddp.local_rank() reads it: a script started by srun has no LOCAL_RANK.
+    FakeNccl(monkeypatch, gpus=2, current=0)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    task = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "1"}
+    for name, value in task.items():
+        monkeypatch.setenv(name, value)
+    assert rank_gpu() == torch.device("cuda", 1)
+    monkeypatch.setenv("SLURM_STEP_ID", "4294967294")  # the batch script, not an srun task
+    assert rank_gpu() == torch.device("cuda", 0)
 
 
 def test_no_gpu_is_entered_under_gloo_or_without_a_group(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -388,7 +388,7 @@ def _plan(
             unexpected=list(result.unexpected),
             mismatched=list(result.mismatched),
         )
-    _refuse_no_data(best, target)
+    _refuse_no_data(best, target, partial)
     return inner, target, best, result
 
 
@@ -440,9 +440,11 @@ def _copies(source: torch.dtype, target: torch.dtype) -> bool:
     return True
 
 
-def _refuse_no_data(best: Mapping[str, Any], target: Mapping[str, Any]) -> None:
+def _refuse_no_data(
+    best: Mapping[str, Any], target: Mapping[str, Any], partial: str = _STRICT_FALSE
+) -> None:
     """Before anything is copied: values that cannot be (torch would raise half-way, leaving
-    the model partly loaded)."""
+    the model partly loaded); ``partial`` is the caller's way to load only some keys."""
     bad = [
         (k, why)
         for k, v in best.items()
@@ -456,7 +458,7 @@ def _refuse_no_data(best: Mapping[str, Any], target: Mapping[str, Any]) -> None:
         raise StateDictMismatchError(
             f"the state dict holds {len(bad)} value(s) that cannot be loaded into the model: "
             f"{listed}{more}; nothing was loaded. Save the checkpoint again from a model with "
-            "real weights, or drop those keys and pass strict=False",
+            f"real weights, or drop those keys and {partial}",
             missing=[],
             unexpected=[],
             mismatched=[],

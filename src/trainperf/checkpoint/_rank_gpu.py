@@ -10,9 +10,16 @@ NCCL hangs or fails ("Duplicate GPU detected"). The rank's GPU is, in order:
 
 - the group's bound device (``init_process_group(..., device_id=...)``);
 - the current device, when the script chose one other than ``cuda:0``;
-- ``LOCAL_RANK``'s GPU, when that variable is a whole number below the visible GPUs' count
-  (a rank that sees one GPU only, under ``CUDA_VISIBLE_DEVICES`` per rank, keeps ``cuda:0``);
+- the local rank's GPU (``LOCAL_RANK``, or ``SLURM_LOCALID`` inside an ``srun`` step, as
+  :func:`trainperf.ddp.local_rank` reads it), when that is a whole number below the visible
+  GPUs' count (a rank that sees one GPU only, under ``CUDA_VISIBLE_DEVICES`` per rank, keeps
+  ``cuda:0``);
 - the current device.
+
+A current device of ``cuda:0`` cannot be told from one never chosen: a rank whose local
+rank is not 0 but that pinned itself to ``cuda:0`` on purpose (``set_device(0)``, a topology
+map) gathers on its local rank's GPU instead; bind the group to the device
+(``init_process_group(..., device_id=...)``), which comes first, for such a layout.
 """
 
 from __future__ import annotations
@@ -46,12 +53,16 @@ def rank_gpu() -> torch.device | None:
 
 
 def _local_rank() -> int | None:
-    """``LOCAL_RANK``, or None when unset or not a whole number: raising here, inside a
-    collective, would leave the other ranks waiting for this one."""
+    """``LOCAL_RANK`` (``SLURM_LOCALID`` inside an ``srun`` step), or None when unset or not a
+    whole number: raising here, inside a collective, would leave the other ranks waiting for
+    this one."""
     try:
-        return launch_env.read_int("LOCAL_RANK")
+        local = launch_env.read_int("LOCAL_RANK")
+        if local is None and launch_env.in_srun_step():
+            local = launch_env.read_int("SLURM_LOCALID")
     except ValueError:
         return None
+    return local
 
 
 @contextlib.contextmanager
