@@ -886,3 +886,30 @@ def test_an_adaptive_loader_takes_numpy_numbers_as_python_ones() -> None:
     assert (loader.batch_size, loader._max_workers, loader._timeout_kept) == (4, 2, 3)
     assert [type(loader.batch_size), type(loader._max_workers)] == [int, int]
     assert type(loader._timeout_kept) is int
+
+
+def _no_pinning_warnings(loader: Any, epochs: int) -> int:
+    """How many of torch's "pin_memory ... but no accelerator" warnings ``epochs`` epochs
+    of ``loader`` give under an "always" filter."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _epochs(loader, epochs)
+    return sum("'pin_memory' argument is set as true" in str(w.message) for w in seen)
+
+
+def test_the_pools_it_starts_do_not_repeat_torchs_pin_memory_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: every iterator it started (each change, mid-epoch too) warned again: 42 times
+    # in two short epochs.
+    plain = DataLoader(range(16), batch_size=2, pin_memory=True)
+    if _no_pinning_warnings(plain, 2) != 2:
+        pytest.skip("this torch pins for an accelerator here, or says nothing without one")
+    monkeypatch.setattr(adapt_timed, "_CHECK_EVERY_S", 0.0)
+    monkeypatch.setattr(adapt_timed, "_CHECK_BATCHES", 0)
+    monkeypatch.setattr(
+        adapt_retune, "decide", lambda f, **kw: Change(0, None, "input-bound", "forced")
+    )
+    loader = AdaptiveDataLoader(range(16), batch_size=2, pin_memory=True)
+    assert _no_pinning_warnings(loader, 2) == 1  # its first iterator's, the loader as built
+    assert len(loader.tuning_history) > 4

@@ -170,13 +170,18 @@ class _Unpicklable(Dataset[int]):
 
 
 class _DiesInWorkers(Dataset[int]):
-    """Loads in the main process; a worker process dies on its first sample."""
+    """Loads in the main process; a worker process dies on its first sample (``after_s``
+    seconds into it)."""
+
+    def __init__(self, after_s: float = 0.0) -> None:
+        self.after_s = after_s
 
     def __len__(self) -> int:
         return 24
 
     def __getitem__(self, i: int) -> int:
         if torch.utils.data.get_worker_info() is not None:
+            time.sleep(self.after_s)
             os._exit(3)
         return i
 
@@ -252,3 +257,108 @@ def test_a_pool_whose_workers_die_before_a_batch_is_given_up(
     children = psutil.Process().children(recursive=True)
     alive = [p for p in children if p.status() != psutil.STATUS_ZOMBIE]
     assert [p.pid for p in alive if "resource_tracker" not in " ".join(p.cmdline())] == []
+
+
+def _until_a_worker_died(it: Any, within_s: float = 10.0) -> None:
+    """Wait until a worker of the DataLoader iterator ``it`` has exited (without reaping
+    it, and in no ``try`` that could swallow torch's SIGCHLD error)."""
+    from trainperf.loader._workers import iterator_worker_pids
+
+    pids = iterator_worker_pids(it) or []
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if any(os.waitid(os.P_PID, p, os.WEXITED | os.WNOHANG | os.WNOWAIT) for p in pids):
+            return
+        time.sleep(0.01)
+
+
+@pytest.mark.slow  # two forked workers start and die: about a second
+@pytest.mark.parametrize("mode", ["mid-epoch", "epoch-boundary"])
+def test_a_new_pool_whose_workers_die_outside_next_is_still_given_up(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    # Before: torch's SIGCHLD handler raised "DataLoader worker ... exited unexpectedly"
+    # between the pool's start and the next() that judges it (here: held open until the
+    # workers died), outside the trial's reach, and so in the training loop.
+    import trainperf.loader._adapt as adapt
+    import trainperf.loader._adapt_retune as adapt_retune
+    from trainperf.loader import AdaptiveDataLoader
+
+    _adds_two_workers(monkeypatch, mode)
+    module = adapt_retune if mode == "mid-epoch" else adapt
+    real_arm = module.arm
+
+    def slow_arm(loader: Any, it: Any) -> Any:
+        _until_a_worker_died(it)
+        return real_arm(loader, it)
+
+    monkeypatch.setattr(module, "arm", slow_arm)
+    ds = _DiesInWorkers(after_s=0.3)  # once DataLoader has started the pool and returned
+    loader = AdaptiveDataLoader(ds, batch_size=4, multiprocessing_context="fork")
+    with pytest.warns(RuntimeWarning, match="a worker died.*went back to num_workers=0"):
+        epochs = [[int(x) for b in loader for x in b] for _ in range(2)]
+    loader.close()
+    assert epochs == [list(range(24))] * 2
+    assert [c.reason for c in loader.tuning_history[1:]] == ["failed"]
+
+
+def failing_init(worker_id: int) -> None:
+    """A caller's worker_init_fn that raises (module level: picklable)."""
+    raise ValueError(f"no shard for worker {worker_id}")
+
+
+@pytest.mark.slow  # two forked workers start: about a second
+@pytest.mark.parametrize("mode", ["mid-epoch", "epoch-boundary"])
+def test_a_worker_init_fn_that_raises_in_a_pool_it_started_says_so(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    # Before: torch's "Caught ValueError in DataLoader worker process 0", although the
+    # loader, built with num_workers=0, had never run the function.
+    from trainperf.loader import AdaptiveDataLoader
+
+    _adds_two_workers(monkeypatch, mode)
+    loader = AdaptiveDataLoader(
+        range(24), batch_size=4, worker_init_fn=failing_init, multiprocessing_context="fork"
+    )
+    match = (
+        r"worker_init_fn failing_init raised in a worker of the pool AdaptiveDataLoader "
+        r"started itself \(num_workers=2; built with num_workers=0\): ValueError: no shard "
+        r"for worker \d.*Fix: .*adapt=False.*max_workers=0"
+    )
+    try:
+        with pytest.raises(RuntimeError, match=match) as caught:
+            for _ in range(2):
+                list(loader)
+    finally:
+        loader.close()
+    assert "Caught" in str(caught.value.__cause__)  # torch's, with the worker's traceback
+    assert loader.worker_init_fn.user_fn is failing_init  # the loader's own is untouched
+
+
+def test_a_dataset_error_in_a_pool_it_started_is_still_torchs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from trainperf.loader import AdaptiveDataLoader
+
+    _adds_two_workers(monkeypatch, "epoch-boundary")
+    loader = AdaptiveDataLoader(
+        FailsInWorkersAfterInit(), batch_size=4, multiprocessing_context="fork"
+    )
+    try:
+        with pytest.raises(KeyError, match="Caught KeyError in DataLoader worker process"):
+            for _ in range(2):
+                list(loader)
+    finally:
+        loader.close()
+
+
+class FailsInWorkersAfterInit(Dataset[int]):
+    """Loads in the main process; raises KeyError in a worker (the dataset's own error)."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> int:
+        if torch.utils.data.get_worker_info() is not None:
+            raise KeyError(i)
+        return i

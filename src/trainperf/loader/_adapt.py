@@ -23,8 +23,9 @@ as a plain DataLoader's does (:mod:`trainperf.loader._adapt_epoch`).
 
 The class here holds the loader's state and its DataLoader surface; the epoch's timing
 state is in :mod:`trainperf.loader._adapt_timed`, the decisions in
-:mod:`trainperf.loader._adapt_retune`, and the worker pools it starts and stops in
-:mod:`trainperf.loader._adapt_pool`.
+:mod:`trainperf.loader._adapt_retune`, the worker pools it starts and stops in
+:mod:`trainperf.loader._adapt_pool`, and your ``worker_init_fn`` in those pools in
+:mod:`trainperf.loader._adapt_init`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from trainperf._utils.validate import non_negative_int
 from trainperf.limits import HostLimits, host_limits, local_world_size, usable_cpus
 from trainperf.loader._adapt_change import TuningChange
 from trainperf.loader._adapt_epoch import EpochIterator
+from trainperf.loader._adapt_init import pool_init_fn
 from trainperf.loader._adapt_plan import EpochPlan, resumable
 from trainperf.loader._adapt_pool import (
     FailedStart,
@@ -66,11 +68,14 @@ from trainperf.loader._faults import start_method
 from trainperf.loader._iterable import tail_batches
 from trainperf.loader._report import CandidateResult
 from trainperf.loader._search import Search, adaptive_max_workers
+from trainperf.loader._workers import pool_start_held
 
 __all__ = ["AdaptiveDataLoader", "TuningChange", "memory_rules"]
 
 
 _PICKLE_ADVICE = "Got pickle error when attempting to start a worker"  # torch's warning
+# torch's, at every iterator's start with pin_memory=True and no accelerator to pin for.
+_NO_PINNING = "'pin_memory' argument is set as true but"
 
 
 def _not_measuring(n: int, pf: int | None, pin: bool) -> CandidateResult:
@@ -279,10 +284,13 @@ class AdaptiveDataLoader(TunedDataLoader):
             # seed from the generator: the same draw keeps the sampler's sequence.
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         scratch = self._draws_once and self._epoch > 0 and not reuse
-        it = self._start(scratch)
-        plan = None if self.epoch_boundaries_only else self._plan
-        self._current = _TimedIter(it, self, plan)
-        self._current.trial = arm(self, it)
+        # A pool on trial is judged by its first next(): a worker that dies before that is
+        # found there (pool_start_held, _TimedIter), not raised here by torch's handler.
+        with pool_start_held() if self._trial is not None else _nothing():
+            it = self._start(scratch)
+            plan = None if self.epoch_boundaries_only else self._plan
+            self._current = _TimedIter(it, self, plan)
+            self._current.trial = arm(self, it)
         self._epoch += 1
         # Only the caller holds this: dropping it stops the epoch's own workers at once.
         return EpochIterator(self._current)
@@ -290,11 +298,18 @@ class AdaptiveDataLoader(TunedDataLoader):
     def _start(self, scratch: bool) -> Any:
         """A DataLoader iterator; ``scratch``: its draw from the generator is not the fixed
         loader's (that one would start none here), so it draws from the private one."""
-        with no_extra_draw(self) if scratch else _nothing(), warnings.catch_warnings():
+        with (
+            no_extra_draw(self) if scratch else _nothing(),
+            pool_init_fn(self),
+            warnings.catch_warnings(),
+        ):
             if self.tuning_history:
                 # More workers than cores is this loader's measured choice (they wait on
-                # I/O), not the mistake DataLoader's check warns about.
+                # I/O), not the mistake DataLoader's check warns about; and the pools it
+                # starts itself do not repeat what its first said of pin_memory (the
+                # one-off tuner's measurements do not either).
                 warnings.filterwarnings("ignore", _TOO_MANY, UserWarning)
+                warnings.filterwarnings("ignore", _NO_PINNING, UserWarning)
             if self._trial is not None:  # its failure is this loader's to report
                 warnings.filterwarnings("ignore", _PICKLE_ADVICE, UserWarning)
             try:

@@ -24,6 +24,7 @@ from trainperf._utils.lifetime import DieWithParent
 from trainperf._utils.stack import user_stacklevel
 from trainperf.limits import HostLimits, host_limits, local_world_size
 from trainperf.loader._adapt_change import TuningChange
+from trainperf.loader._adapt_init import InitFailed
 from trainperf.loader._adapt_rules import Change, EpochFigures, Reason
 from trainperf.loader._faults import classify_fault, hang_timeout, start_method
 from trainperf.loader._tune_setup import rank_share
@@ -187,6 +188,8 @@ def pool_broke(loader: AdaptiveDataLoader, it: Any, error: BaseException) -> str
     (the dataset raised in a worker: the caller's error, as with any DataLoader)."""
     if isinstance(it, FailedStart):
         return it.why
+    if isinstance(error, InitFailed):
+        return None  # the caller's worker_init_fn raised: its error (_adapt_init)
     method = start_method({"multiprocessing_context": loader._worker_context})
     fault, why = classify_fault(error, start_method=method, timeout_s=0.0)
     return why if fault in _POOL_FAULTS else None

@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from trainperf._utils.batches import batch_bytes, samples_in
 from trainperf.limits import HostLimits, local_world_size, usable_cpus
+from trainperf.loader._adapt_init import init_failure
 from trainperf.loader._adapt_measure import Workers, cpu_mark, host_busy
 from trainperf.loader._adapt_pool import pool_broke, pool_failed, pool_hung, shut_down_own
 from trainperf.loader._adapt_retune import check
 from trainperf.loader._adapt_rules import EpochFigures
+from trainperf.loader._workers import pool_start_held, worker_failures
 
 if TYPE_CHECKING:
     from trainperf.loader._adapt import AdaptiveDataLoader
@@ -84,9 +86,14 @@ class _TimedIter:
             running = t0 - self.started - self.startup_s
             due = running >= _CHECK_EVERY_S and self.batches > _CHECK_BATCHES
             if due and self.plan is not None and self.final is None:
-                check(self.loader, self)  # a batch boundary: it may replace the pool
-                t0, c0 = time.perf_counter(), time.process_time()
+                with pool_start_held():  # a pool it starts is judged in the try below
+                    check(self.loader, self)  # a batch boundary: it may replace the pool
+                    t0, c0 = time.perf_counter(), time.process_time()
         try:
+            if self.trial is not None:
+                # A worker of the pool on trial that died while torch's SIGCHLD handler
+                # was held (as the pool started) is reported here, where it is judged.
+                worker_failures()
             batch = next(self.it)
         except StopIteration:
             self.loader._epoch_ended(self)
@@ -97,10 +104,12 @@ class _TimedIter:
         except Exception as e:
             trial = self.trial
             if _timed_out(e) and trial is not None and trial.timeout_s is not None:
-                pool_hung(self.loader, self, trial)  # the bound of a pool on trial
+                with pool_start_held():  # the pool it goes back to is on trial too
+                    pool_hung(self.loader, self, trial)  # the bound of a pool on trial
                 return self.__next__()  # the same batch, from the setting before
             if trial is not None and (why := pool_broke(self.loader, self.it, e)) is not None:
-                pool_failed(self.loader, self, trial, why)  # it could not start, or died
+                with pool_start_held():
+                    pool_failed(self.loader, self, trial, why)  # it could not start, or died
                 return self.__next__()
             if _timed_out(e):  # the DataLoader waits for the same batch on the next call
                 if self.batches:  # the loop waited for data all that time
@@ -111,6 +120,8 @@ class _TimedIter:
             # the DataLoader used it up, so a pool started later must not replay it.
             self._count()
             self.returned, self.returned_cpu = time.perf_counter(), time.process_time()
+            if (failed := init_failure(self.loader, e)) is not None:
+                raise failed from e
             raise
         t1 = time.perf_counter()
         if self.trial is not None:  # the pool works: the caller's timeout (none) from now on

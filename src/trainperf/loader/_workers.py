@@ -4,9 +4,11 @@
 process this program starts meanwhile) and reads their CPU demand and memory;
 :func:`sigkilled_workers` names those the kernel killed; :func:`child_signals_held` and
 :func:`close_iterator` stop a failed pool without torch's SIGCHLD handler raising at any line,
-and without the multi-second joins a hung worker would otherwise cost. Also the CPU demand of
-the calling thread (:func:`thread_busy_seconds`) and the private memory of this process
-(:func:`main_private_bytes`). What a worker's failure means is :mod:`._faults`.
+and without the multi-second joins a hung worker would otherwise cost; :func:`pool_start_held`
+holds it while a pool starts and :func:`worker_failures` asks later what it would have
+raised. Also the CPU demand of the calling thread (:func:`thread_busy_seconds`) and the
+private memory of this process (:func:`main_private_bytes`). What a worker's failure means is
+:mod:`._faults`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import psutil
+import torch
+from torch.utils.data._utils import signal_handling
 
 __all__ = [
     "WorkerProcesses",
@@ -27,8 +31,10 @@ __all__ = [
     "close_iterator",
     "iterator_worker_pids",
     "main_private_bytes",
+    "pool_start_held",
     "sigkilled_workers",
     "thread_busy_seconds",
+    "worker_failures",
 ]
 
 _HELPER_MARKERS = ("resource_tracker", "forkserver", "semaphore_tracker")
@@ -232,6 +238,32 @@ def child_signals_held() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL if previous is None else previous)
+
+
+@contextlib.contextmanager
+def pool_start_held() -> Iterator[None]:
+    """:func:`child_signals_held` while a pool starts (the adaptive loader's on trial, whose
+    dead workers it asks about later: :func:`worker_failures`). Torch's handler is set
+    first: torch sets it once, as its first pool starts, and one set in the hold would
+    replace the quiet handler, then not come back after it."""
+    if threading.current_thread() is threading.main_thread():
+        signal_handling._set_SIGCHLD_handler()
+    with child_signals_held():
+        yield
+
+
+def worker_failures() -> None:
+    """Raise torch's "DataLoader worker ... exited unexpectedly" ``RuntimeError`` now for a
+    worker that died with a failure, as torch's SIGCHLD handler would have (one held by
+    :func:`child_signals_held` did not); nothing where none did, or where torch has no such
+    check (Windows).
+
+    Example:
+        >>> worker_failures()  # no DataLoader workers at all
+    """
+    check = getattr(torch._C, "_error_if_any_worker_fails", None)
+    if check is not None and hasattr(signal, "SIGCHLD"):
+        check()
 
 
 def _ignore_signal(signum: int, frame: Any) -> None:
