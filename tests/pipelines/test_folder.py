@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -127,7 +128,11 @@ def test_hidden_files_and_macos_folders_are_not_read(tmp_path: Path, where: str)
     root = _mixed_folder(tmp_path / "data")
     expected = find_images(root)
     add_macos_litter(root, where)
-    assert find_images(root) == expected
+    if where == "root":  # its hidden folders hold real images: ImageFolder reads them
+        with pytest.warns(UserWarning, match=r"3 top-level folder\(s\) holding images"):
+            assert find_images(root) == expected
+    else:
+        assert find_images(root) == expected
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -139,7 +144,8 @@ def test_every_backend_reads_a_folder_copied_from_macos(
     root = Path(shutil.copytree(folder, tmp_path / "copied"))
     for where in ("root", "class", "subfolder"):
         add_macos_litter(root, where)
-    loader = _loader(root, backend, train=False, batch_size=4, last_batch="keep")
+    with pytest.warns(UserWarning, match=r"top-level folder\(s\) holding images"):
+        loader = _loader(root, backend, train=False, batch_size=4, last_batch="keep")
     assert loader.classes == ("a_red", "b_blue") and not loader.skipped
     original = [os.path.relpath(p, folder) for p, _ in find_images(folder)[0]]
     assert [os.path.relpath(p, root) for p in loader.files] == original
@@ -170,7 +176,8 @@ def test_nas_and_system_folders_are_neither_classes_nor_read(tmp_path: Path, nam
         litter = parent / name / "x.jpg"
         litter.mkdir(parents=True)
         PIL.new("RGB", (8, 8)).save(litter / "SYNOPHOTO_THUMB_XL.jpg")
-    assert find_images(root) == expected
+    with pytest.warns(UserWarning, match=rf"holding images .*{re.escape(repr(name))}"):
+        assert find_images(root) == expected  # named, as ImageFolder reads it as a class
 
 
 def test_images_directly_in_the_root_are_counted_with_the_fix(tmp_path: Path) -> None:
@@ -221,3 +228,52 @@ def test_a_folder_without_left_out_files_does_not_warn(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         find_images(root)
+
+
+@pytest.mark.parametrize("name", [".cats", "lost+found", "#recycle", "@eaDir"])
+def test_a_passed_over_top_level_folder_holding_images_is_named_once(
+    tmp_path: Path, name: str
+) -> None:
+    # A real class folder with such a name was dropped without a word, so every label after
+    # it differed from ImageFolder's.
+    root = _mixed_folder(tmp_path / "data")
+    (root / name / "deep").mkdir(parents=True)
+    PIL.new("RGB", (4, 4)).save(root / name / "deep" / "0.jpg")
+    (root / ".empty").mkdir()
+    with pytest.warns(UserWarning) as caught:
+        _, classes, _ = find_images(root)
+    assert name not in classes
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "1 top-level folder(s) holding images not read as classes" in message
+    assert repr(name) in message and "'.empty'" not in message
+    assert "ImageFolder" in message and "rename it" in message
+    assert "list of (path, label) pairs" in message
+
+
+def test_passed_over_top_level_folders_without_images_do_not_warn(tmp_path: Path) -> None:
+    import warnings
+
+    root = _mixed_folder(tmp_path / "data")
+    add_macos_litter(root, "class")
+    (root / "__MACOSX" / "a").mkdir(parents=True)  # what a macOS zip holds: AppleDouble only
+    (root / "__MACOSX" / "a" / "._x1.JPG").write_bytes(b"\x00\x05\x16\x07")
+    (root / ".git" / "objects").mkdir(parents=True)
+    (root / ".git" / "objects" / "ab12").write_bytes(b"not an image")
+    (root / "lost+found").mkdir()
+    (root / ".DS_Store").write_bytes(bytes(16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        find_images(root)
+
+
+def test_folder_warnings_name_the_line_that_called_find_images(tmp_path: Path) -> None:
+    # stacklevel=7 counted the frames from image_loader: called any other way, the warning
+    # named a line inside pytest or the standard library.
+    root = tmp_path / "data"
+    (root / "a").mkdir(parents=True)
+    (root / "b").mkdir()
+    PIL.new("RGB", (4, 4)).save(root / "a" / "0.png")
+    with pytest.warns(UserWarning, match=r"class folder\(s\) with no images") as caught:
+        find_images(root)
+    assert [r.filename for r in caught] == [__file__]

@@ -565,6 +565,28 @@ def test_a_truncated_file_is_left_out_even_with_pils_load_truncated_images(
     assert source.skipped[0].reason.startswith("is truncated: ")
 
 
+def test_files_pillow_decodes_whole_are_kept_by_the_skip_check(tmp_path: Path) -> None:
+    # A PNG that stops after its image data (no IEND) and a BMP without its last row's
+    # padding decode to every pixel, but on_error="skip" left them out as truncated.
+    (tmp_path / "a").mkdir()
+    pixels = np.random.default_rng(0).integers(0, 256, (6, 5, 3), dtype=np.uint8)
+    for fmt, cut in (("PNG", 12), ("BMP", 1)):  # 5 RGB pixels: 15 bytes a row, 1 of padding
+        whole = tmp_path / "a" / f"whole.{_SUFFIX[fmt]}"
+        PIL.fromarray(pixels).save(whole, format=fmt)
+        (tmp_path / "a" / f"short.{_SUFFIX[fmt]}").write_bytes(whole.read_bytes()[:-cut])
+    source = load_source(tmp_path, on_error="skip")
+    assert source.skipped == ()
+    assert sorted(Path(p).name for p in source.files) == [
+        "short.bmp",
+        "short.png",
+        "whole.bmp",
+        "whole.png",
+    ]
+    for path in source.files:
+        with PIL.open(path) as im:
+            assert np.array_equal(np.asarray(im.convert("RGB")), pixels), path
+
+
 def test_load_truncated_images_set_by_the_user_is_kept_with_one_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -584,3 +606,17 @@ def test_load_truncated_images_set_by_the_user_is_kept_with_one_warning(
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "skip" finds truncation itself: nothing to warn of
         load_source(tmp_path / "data", on_error="skip")
+
+
+def test_the_load_truncated_images_warning_names_the_line_that_called_load_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # stacklevel=4 counted the frames from image_loader: called directly, load_source's
+    # warning named a line inside pytest.
+    from PIL import ImageFile
+
+    _complete_and_cut(tmp_path / "data", "JPEG")
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    with pytest.warns(UserWarning, match=r"LOAD_TRUNCATED_IMAGES is True") as caught:
+        load_source(tmp_path / "data", on_error="raise")
+    assert [w.filename for w in caught] == [__file__]

@@ -3,8 +3,8 @@
 A warning raised deep inside trainperf (a loader position found stale while
 ``Checkpointer.restore`` reads a file, a tuner refusing a worker count) is most useful
 pointing at the user's own call, however many private functions lie between; counting
-levels by hand goes wrong as soon as a helper moves. Used by the ``loader`` and
-``checkpoint`` packages.
+levels by hand goes wrong as soon as a helper moves. Used by the ``loader``,
+``checkpoint``, ``monitor`` and ``pipelines`` packages.
 """
 
 from __future__ import annotations

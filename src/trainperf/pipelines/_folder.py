@@ -11,7 +11,9 @@ Synology NAS puts real thumbnail JPEGs in an ``@eaDir/`` beside every image; Win
 have ``$RECYCLE.BIN/`` (deleted files, suffixes kept) and ``System Volume Information/``, and
 ext file systems ``lost+found/``. ImageFolder would take all of them for images and classes.
 Image files that are not read (a suffix no backend decodes, such as ``.heic``, or an image
-directly in the root, outside every class folder) are counted in one warning.
+directly in the root, outside every class folder) are counted in one warning, and a top-level
+folder passed over that holds images (a real class named ``.cats`` or ``lost+found``: every
+later label would differ from ImageFolder's) is named in another.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import os
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+
+from trainperf._utils.stack import user_stacklevel
 
 __all__ = ["IMAGE_EXTENSIONS", "Unlisted", "find_images", "is_ignored"]
 
@@ -162,9 +166,12 @@ def _listed(names: Sequence[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
 
 
-def _class_names(path: Path, root: str | os.PathLike[str]) -> tuple[tuple[str, ...], int]:
-    """The sorted class folder names of ``path`` (``root`` as given, for the error), and the
-    number of image files directly in it (which no class folder holds, so are not read)."""
+def _class_names(
+    path: Path, root: str | os.PathLike[str]
+) -> tuple[tuple[str, ...], int, list[str]]:
+    """The sorted class folder names of ``path`` (``root`` as given, for the error), the
+    number of image files directly in it (which no class folder holds, so are not read), and
+    the sorted names of the folders passed over (hidden or a system's)."""
     folders: list[str] = []
     loose: list[str] = []
     for entry in os.scandir(path):
@@ -173,17 +180,18 @@ def _class_names(path: Path, root: str | os.PathLike[str]) -> tuple[tuple[str, .
         elif _is_image(entry.name):
             loose.append(entry.name)
     classes = tuple(sorted(name for name in folders if not is_ignored(name)))
+    passed_over = sorted(set(folders) - set(classes))
     if not classes:
-        passed_over = [repr(name) for name in sorted(set(folders) - set(classes))]
         images = [repr(name) for name in sorted(loose)]
+        not_read = [repr(name) for name in passed_over]
         raise ValueError(
             f"image folder {str(root)!r} has no class subfolders"
-            + (f" (only {_listed(passed_over)}, not read)" if passed_over else "")
+            + (f" (only {_listed(not_read)}, not read)" if passed_over else "")
             + (f", but {len(loose)} images directly in it ({_listed(images)})" if loose else "")
             + "; the layout is root/<class>/<image> (e.g. root/cat/1.jpg, root/dog/2.jpg): "
             "put the images in one folder per class, or pass a list of (path, label) pairs"
         )
-    return classes, len(loose)
+    return classes, len(loose), passed_over
 
 
 def find_images(
@@ -200,7 +208,9 @@ def find_images(
     Synology's ``@eaDir`` thumbnails, ``$RECYCLE.BIN``, ``lost+found``, ...), at every level:
     neither is a class, and nothing in them is read (ImageFolder reads them). Image files left
     out (a suffix no backend decodes, such as ``.heic`` or ``.gif``; an image directly in
-    ``root``) are counted in one warning.
+    ``root``) are counted in one warning. A hidden or system's folder directly in ``root``
+    that holds image files (not only AppleDouble ``._*`` ones) is named in a warning: ImageFolder
+    reads it as a class, so its classes and labels differ from these.
 
     Directory links are followed, but every real directory is read once: a link to a
     directory already read (``loop -> .``, ``up -> ..``, a second link to the same place, a
@@ -254,7 +264,7 @@ def find_images(
             f"image source {str(root)!r} is a file; pass a folder laid out as "
             "root/<class>/<image>, or a list of (path, label) pairs"
         )
-    classes, loose = _class_names(path, root)
+    classes, loose, passed_over = _class_names(path, root)
     per_class, repeats, unlisted, unread = _scan_classes(path, classes)
     items = [(f, label) for label, found in enumerate(per_class) for f in found]
     if not items and not unlisted:
@@ -265,15 +275,14 @@ def find_images(
     _warn_repeats(path, root, repeats)
     _warn_empty(path, root, classes, per_class, unlisted)
     _warn_left_out(root, unread, loose)
+    _warn_passed_over(path, root, passed_over)
     return items, classes, unlisted
 
 
 def _warn(message: str) -> None:
     import warnings
 
-    # stacklevel=7: _warn <- a _warn_* helper <- find_images <- _resolve <- load_source <-
-    # image_loader <- the caller's line.
-    warnings.warn(message, stacklevel=7)
+    warnings.warn(message, stacklevel=user_stacklevel())  # the caller's image_loader(...)
 
 
 def _warn_empty(
@@ -334,3 +343,30 @@ def _warn_left_out(root: str | os.PathLike[str], unread: Counter[str], loose: in
         )
     if said:
         _warn(f"image folder {str(root)!r}: left out " + "; and ".join(said))
+
+
+def _holds_images(folder: str) -> bool:
+    """Whether ``folder`` holds, at any depth (links to folders not followed), a file with an
+    image suffix that is not macOS's AppleDouble metadata (``._photo.jpg``, all that a
+    ``__MACOSX`` folder holds). Stops at the first."""
+    for _, _, filenames in os.walk(folder):
+        if any(n.lower().endswith(IMAGE_EXTENSIONS) and not n.startswith("._") for n in filenames):
+            return True
+    return False
+
+
+def _warn_passed_over(path: Path, root: str | os.PathLike[str], passed_over: list[str]) -> None:
+    """Warn, once, of the top-level folders passed over (hidden or a system's) that hold
+    images: ImageFolder reads each as a class, so its classes and labels differ from these."""
+    from trainperf.pipelines._source import shown  # not at the top: _source imports this
+
+    with_images = [f"'{shown(n)}'" for n in passed_over if _holds_images(os.path.join(path, n))]
+    if with_images:
+        _warn(
+            f"image folder {str(root)!r}: {len(with_images)} top-level folder(s) holding images "
+            f"not read as classes, being hidden or a system's folder: {_listed(with_images)}; "
+            "torchvision's ImageFolder reads each as a class, so its classes and labels differ "
+            "from these. To keep such a folder as a class, rename it (no leading '.', not a "
+            "system's folder name) or pass a list of (path, label) pairs; if it is not a class, "
+            "move it out of the image folder to silence this"
+        )

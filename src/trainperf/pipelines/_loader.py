@@ -12,6 +12,7 @@ from typing import Any, Literal
 import torch
 
 from trainperf._utils.imports import is_available, require
+from trainperf._utils.stack import user_stacklevel
 from trainperf._utils.validate import choice, non_negative_int, positive_int
 from trainperf.device import resolve_device
 from trainperf.pipelines._base import ImageBackend, ImageLoader, LastBatch, LoaderConfig
@@ -202,12 +203,11 @@ def _warn_skipped(source: ImageSource) -> None:
     kind = (
         "file(s) or folder(s)" if any(os.path.isdir(b.path) for b in source.skipped) else "file(s)"
     )
-    # stacklevel=3: the warning names the line that called image_loader.
     warnings.warn(
         f"image_loader skipped {len(source.skipped)} unreadable {kind}: {listed}"
         + (f" and {more} more" if more > 0 else "")
         + "; see loader.skipped",
-        stacklevel=3,
+        stacklevel=user_stacklevel(),  # the line that called image_loader
     )
 
 

@@ -35,6 +35,7 @@ from typing import Any, BinaryIO, Literal
 import numpy as np
 import torch
 
+from trainperf._utils.stack import user_stacklevel
 from trainperf.pipelines._folder import IMAGE_EXTENSIONS, find_images
 from trainperf.pipelines._header import (
     MAX_IMAGE_PIXELS,
@@ -365,7 +366,6 @@ def _warn_if_pillow_keeps_truncated_files() -> None:
         return
     import warnings
 
-    # stacklevel=4: this <- load_source <- image_loader <- the caller's line.
     warnings.warn(
         "PIL.ImageFile.LOAD_TRUNCATED_IMAGES is True, so Pillow decodes a truncated image "
         "without an error, its missing part grey: the torchvision backend (and the nvjpeg "
@@ -373,7 +373,7 @@ def _warn_if_pillow_keeps_truncated_files() -> None:
         "backend stops when it reaches one. To find truncated files up front and leave them "
         "out, pass on_error='skip' (its check finds truncated JPEG, PNG and BMP files whatever "
         "this setting)",
-        stacklevel=4,
+        stacklevel=user_stacklevel(),  # the caller's image_loader(...) or load_source(...)
     )
 
 

@@ -8,8 +8,12 @@ file's own structure instead, and finds the same files Pillow refuses by default
 - JPEG: an end-of-image marker (``FF D9``) after the start of the image data (the first
   start-of-scan segment). Bytes after it (camera trailers, padding) are allowed; an EXIF
   thumbnail's marker, which comes before the image data, does not count.
-- PNG: the chunks, walked by their lengths from the signature, reach ``IEND``.
-- BMP (uncompressed): the file holds every row the header announces.
+- PNG: the chunks, walked by their lengths from the signature, reach ``IEND``, or another
+  chunk after the image data (``IDAT`` chunks, each with its data and CRC), or the file ends
+  right after an ``IDAT`` chunk whose compressed stream is complete: Pillow decodes a file
+  that stops after its image data, without ``IEND``, to all its pixels.
+- BMP (uncompressed): the file holds every row the header announces; the last row needs
+  only its pixels, not the padding to 4 bytes after them (Pillow does not read it).
 
 Other formats (TIFF, WebP) are left to the decoder: Pillow's WebP decoder refuses a
 truncated file whatever the setting.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import os
 import struct
+import zlib
 from typing import BinaryIO
 
 from trainperf.pipelines._header import ImageFormat
@@ -73,15 +78,44 @@ def _jpeg_truncation(f: BinaryIO, size: int) -> str | None:
 
 def _png_truncation(f: BinaryIO, size: int) -> str | None:
     pos = 8
-    for _ in range(_MAX_STEPS):
+    idat: list[tuple[int, int]] = []  # (offset, length) of each IDAT chunk's data
+    # No step limit: each step moves on 12 bytes or more, and a limit would cut off a large
+    # PNG (libpng writes 8 KiB IDAT chunks: 65,536 of them fill 512 MiB).
+    while True:
         head = _at(f, pos, 8)
         if len(head) < 8:
             break
         length, kind = struct.unpack(">I4s", head)
-        if kind == b"IEND":
+        if kind == b"IEND" or (idat and kind != b"IDAT"):  # past the image data: whole
             return None
-        pos += 12 + length  # length, type, data, CRC
+        end = pos + 12 + length  # length, type, data, CRC
+        if kind == b"IDAT" and end > size:
+            return "is truncated: it ends inside its image data (an IDAT chunk)"
+        if kind == b"IDAT":
+            idat.append((pos + 8, length))
+        pos = end
+    if idat and _zlib_stream_ends(f, idat):  # stops after its last IDAT, without IEND
+        return None
     return "is truncated: it ends before its IEND chunk"
+
+
+def _zlib_stream_ends(f: BinaryIO, chunks: list[tuple[int, int]]) -> bool:
+    """Whether the compressed stream split over ``chunks`` (offset, length) is complete: a
+    file cut between two IDAT chunks ends at a chunk boundary, but not at the stream's end.
+    Inflated ``_CHUNK`` bytes at a time: a decompression bomb allocates no more."""
+    stream = zlib.decompressobj()
+    for offset, length in chunks:
+        f.seek(offset)
+        while length > 0 and not stream.eof:
+            data = f.read(min(length, _CHUNK))
+            length -= len(data)
+            while data and not stream.eof:
+                try:
+                    stream.decompress(data, _CHUNK)
+                except zlib.error:  # corrupt, not cut: Pillow's decode has its say on that
+                    return False
+                data = stream.unconsumed_tail
+    return stream.eof
 
 
 def _bmp_truncation(f: BinaryIO, size: int) -> str | None:
@@ -97,10 +131,24 @@ def _bmp_truncation(f: BinaryIO, size: int) -> str | None:
         compression = struct.unpack("<I", _at(f, 30, 4).ljust(4, b"\x00"))[0]
     if compression not in _UNCOMPRESSED_BMP:
         return None  # run-length coded: its length is not fixed by the header
-    needed = offset + (abs(width) * bits + 31) // 32 * 4 * abs(height)
+    needed = offset + _bmp_pixel_bytes(abs(width), abs(height), bits)
     if size < needed:
         return f"is truncated: {size:,} bytes, but its header announces {needed:,}"
     return None
+
+
+def _bmp_pixel_bytes(width: int, height: int, bits: int) -> int:
+    """The bytes of a BMP's rows that Pillow reads: each row padded to 4 bytes but the last,
+    whose padding it does not read (a file without it decodes to the same pixels).
+
+    Example:
+        >>> _bmp_pixel_bytes(5, 5, 24)  # 4 rows of 15 + 1 padding, then 15
+        79
+    """
+    if width == 0 or height == 0:
+        return 0
+    stride = (width * bits + 31) // 32 * 4
+    return stride * (height - 1) + (width * bits + 7) // 8
 
 
 _CHECKS = {"jpeg": _jpeg_truncation, "png": _png_truncation, "bmp": _bmp_truncation}
