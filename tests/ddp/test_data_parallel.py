@@ -76,12 +76,45 @@ def test_data_parallel_takes_devices_as_nn_data_parallel_does(
         ddp.data_parallel(model, device_ids=["cuda:3"])
 
 
+def test_data_parallel_takes_gpu_numbers_written_as_digits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # os.environ["GPUS"].split(",") gives "0", "1": int() took them before device_ids were
+    # checked, then they were refused as "not a device name".
+    import trainperf.ddp._data_parallel as dp_module
+
+    wrapped: list[list[int]] = []
+    monkeypatch.setattr(dp_module, "_dp_warned", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(nn, "DataParallel", lambda model, device_ids: wrapped.append(device_ids))
+    model = _Placed(2, 2)
+    ddp.data_parallel(model, device_ids=["1", " 0"])  # "1, 0".split(",")
+    assert wrapped == [[1, 0]] and model.placed == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize(
+    ("device_ids", "match"),
+    [
+        ("0,1", r"device_ids must be a sequence of GPUs, got '0,1' \(str\): pass \[0, 1\]"),
+        ("01", r"got '01' \(str\)"),  # was taken as GPUs 0 and 1, one per character
+        (1, r"got 1 \(int\): pass \[1\]"),  # was "object of type 'int' has no len()"
+        (torch.device("cuda", 1), r"got device\(type='cuda', index=1\) \(device\)"),
+    ],
+)
+def test_data_parallel_refuses_one_value_for_device_ids_with_the_list_to_pass(
+    device_ids: object, match: str
+) -> None:
+    with pytest.raises(TypeError, match=match):
+        ddp.data_parallel(nn.Linear(2, 2), device_ids=device_ids)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("entry", "error", "match"),
     [
         ("cpu", ValueError, r"device_ids must name CUDA GPUs, got 'cpu' \(a cpu device\)"),
         (torch.device("meta"), ValueError, r"got device\(type='meta'\) \(a meta device\)"),
         ("gpu1", ValueError, r"device_ids entry 'gpu1' is not a device name: .* 'cuda:1'"),
+        ("1.5", ValueError, r"device_ids entry '1\.5' is not a device name"),
+        ("-1", ValueError, r"device_ids entry '-1' is not a device name"),
         (1.5, TypeError, r"device_ids entries must be GPU numbers.*: got 1\.5 \(float\)"),
         (True, TypeError, r"got True \(bool\)"),
     ],

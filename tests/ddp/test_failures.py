@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from trainperf.ddp._failures import DEATH_SLACK_S, load_advice, startup_problem
+from trainperf.ddp import _injob, _watchdog
+from trainperf.ddp._failures import DEATH_SLACK_S, load_advice, startup_problem, summarize
+from trainperf.ddp._worker import _describe
 
 _IMPORT_ERROR = """\
 Traceback (most recent call last):
@@ -38,3 +40,16 @@ def test_a_main_the_script_defines_under_its_main_guard_is_named_with_the_fix() 
     assert 'outside the if __name__ == "__main__": block' in advice
     # A module of its own keeps the import advice.
     assert "installed, or in a directory on sys.path" in load_advice(load_advice)
+
+
+@pytest.mark.parametrize(
+    ("code", "call"),
+    [("no data", "sys.exit('no data')"), (3, "sys.exit(3)"), ("3", "sys.exit('3')")],
+)
+def test_a_sys_exit_is_named_alike_by_launch_and_inside_a_job(code: object, call: str) -> None:
+    # launch's spawner said "called sys.exit(no data)" (str of the code), the in-job errors
+    # "called sys.exit('no data')"; sys.exit(3) and sys.exit("3") read the same.
+    exc = SystemExit(code)
+    assert summarize(_describe(1, exc)) == f"called {call}"
+    assert _injob._raised(exc) == f"called {call}"
+    assert _watchdog._raised(exc) == f"called {call}"

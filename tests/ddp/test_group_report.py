@@ -131,6 +131,28 @@ def test_deaths_seen_in_one_wakeup_blame_the_lower_rank_whatever_order_wait_retu
     assert text.splitlines()[-1] == "  rank 2 died from signal SIGABRT", text
 
 
+@pytest.mark.parametrize(
+    ("exit_code", "signal_code", "blamed"),
+    # SIGABRT after the peer went is NCCL's watchdog ending rank 1: the exit is blamed.
+    [(0, -11, 1), (1, -9, 1), (3, -6, 0)],
+)
+def test_a_signal_death_seen_with_a_lower_ranks_exit_is_blamed_over_it(
+    exit_code: int, signal_code: int, blamed: int
+) -> None:
+    # Rank 0 exited (code 0 or 1: it may have caught rank 1's fault and left) and rank 1
+    # died by a signal, seen in one wake-up: the lower rank was blamed, though a signal
+    # death caught nothing.
+    from trainperf.ddp._group_exits import unreported
+
+    deaths = tuple(
+        unreported(r, c, 100.5, reimport=False, startup_text=None)[0]
+        for r, c in ((0, exit_code), (1, signal_code))
+    )
+    assert first_failure(deaths).rank == blamed
+    text = failure_message(Outcome(2, "", deaths, frozenset(), ()), None)
+    assert text.startswith(f"rank {blamed} of 2 "), text
+
+
 def test_ranks_that_called_sys_exit_0_are_listed_apart_from_those_that_returned() -> None:
     lost = Problem(0, 100.0, "raised RuntimeError: Connection closed by peer")
     outcome = Outcome(4, "", (lost,), frozenset({1, 2, 3}), (), exit_calls=((2, "sys.exit(0)"),))

@@ -87,6 +87,29 @@ def test_a_clean_sys_exit_in_main_counts_as_returning_none_inside_a_job(
     assert not dist.is_initialized()
 
 
+def _keywords(
+    watch: object = None, main: object = None, fn: object = None, args: object = None
+) -> dict[str, object]:
+    return {"watch": watch, "main": main, "fn": fn, "args": args}
+
+
+@pytest.mark.timeout(60)
+def test_main_takes_keywords_named_like_the_wrappers_parameters_inside_a_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # launch(train, watch=True) failed with "_watched() got multiple values for argument
+    # 'watch'" (main ran under functools.partial(_watched, watch, main)), and main= with
+    # "launch() got multiple values for argument 'main'".
+    env = {**TORCHRUN, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="2")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    given = {"watch": True, "main": 1, "fn": 2, "args": 3}
+    assert ddp.launch(_keywords, backend="gloo", **given) == given
+    assert ddp.launch_all(_keywords, backend="gloo", **given) == [given]
+    assert not dist.is_initialized()
+
+
 def _torchrun(port: int) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -360,11 +383,11 @@ def test_nccl_ranks_sharing_the_one_gpu_each_sees_are_refused(
     assert not dist.is_initialized()  # the group it made is destroyed
 
 
-def test_ranks_that_see_several_gpus_post_their_card_too_and_start_eagerly(
+def test_ranks_that_see_several_gpus_start_eagerly_and_post_no_card(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # A rank seeing 2 GPUs beside one seeing 1 (mixed CUDA_VISIBLE_DEVICES on a node) must
-    # post its card, or the other would wait for it until the store's timeout.
+    # The usual node (8 ranks, 8 visible GPUs, a distinct cuda:<local rank> each) keeps
+    # NCCL's eager start; no card check runs there (rank_device gives each its own).
     import socket
 
     import torch
@@ -372,9 +395,35 @@ def test_ranks_that_see_several_gpus_post_their_card_too_and_start_eagerly(
     asked = _one_gpu_each(monkeypatch, "GPU-b", visible=2)
     try:
         _injob._init_group(RANK0_OF_2, "nccl", timedelta(seconds=5))
+        assert asked == [torch.device("cuda", 0)]
         key = f"trainperf/gpu/0/{socket.gethostname()}/0"
-        assert _injob._default_store().get(key) == b"GPU-a"
-        assert asked == [torch.device("cuda", 0)]  # NCCL's eager start kept
+        assert not _injob._default_store().check([key])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_card_check_gives_up_on_a_rank_that_posts_no_card() -> None:
+    # A rank that sees several GPUs beside one that sees one (CUDA_VISIBLE_DEVICES differs
+    # on the node) posts nothing: the one-GPU rank's wait is bounded, not the store's
+    # timeout (it would deadlock with the other's eager NCCL start until then).
+    from trainperf.ddp._shared_gpu import refuse_shared_gpu
+
+    store = dist.HashStore()
+    refuse_shared_gpu(store, 0, 2, "GPU-a", host="h", wait=timedelta(milliseconds=50))
+    assert store.get("trainperf/gpu/0/h/0") == b"GPU-a"
+
+
+@pytest.mark.parametrize("visible", [1, 2])
+def test_a_lone_rank_on_its_node_starts_nccl_eagerly(
+    visible: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    asked = _one_gpu_each(monkeypatch, "GPU-b", visible=visible)
+    alone = DistributedEnv("slurm", 0, 2, 0, 1, "127.0.0.1", 29500)  # one rank per node
+    try:
+        _injob._init_group(alone, "nccl", timedelta(seconds=5))
+        assert asked == [torch.device("cuda", 0)]  # no store check: NCCL's eager start kept
     finally:
         dist.destroy_process_group()
 

@@ -85,6 +85,7 @@ def _watchdog_on(store: FakeStore, rank: int, world: int, limit: float = 0.3) ->
     wd.tracker = Tracker(wd.buf)
     wd.tracker.ready(armed=True)
     wd.limit, wd.poll_s = limit, 0.02
+    wd._error_at_start = getattr(sys, "last_value", None)
     return wd
 
 
@@ -303,21 +304,47 @@ def test_the_ranks_waiting_for_one_that_called_sys_exit_0_are_blamed_not_it() ->
     assert "rank 0 waits in all_reduce" in message, message
 
 
+_ENDED = "ended its script (exit status unknown to the watchdog; use `with watchdog():`"
+
+
 @pytest.mark.parametrize(
     ("uncaught", "status", "said"),
-    [(None, "returned", "finished its script"), (ValueError("x"), "gone", "raised ValueError")],
+    [(None, "returned", _ENDED), (ValueError("x"), "gone", "raised ValueError (uncaught)")],
 )
 def test_a_single_watchdog_call_says_at_exit_whether_the_script_failed(
     uncaught: BaseException | None, status: str, said: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The interpreter's exit after an uncaught exception was reported as a return.
-    monkeypatch.setattr(sys, "last_value", uncaught, raising=False)
+    monkeypatch.setattr(sys, "last_value", None, raising=False)
     store = FakeStore()
     dog = _watchdog_on(store, 1, 2)
     dog.active = True
+    monkeypatch.setattr(sys, "last_value", uncaught)  # Python sets it on the way out
     dog._at_exit()
     record = json.loads(store.data["report/1"])
     assert (record["status"], record["how"][: len(said)]) == (status, said)
+
+
+@pytest.mark.parametrize("interactive", [False, True])
+def test_an_exit_the_watchdog_cannot_read_is_not_blamed_nor_said_to_be_clean(
+    interactive: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # sys.exit(3) or sys.exit("msg") after a single watchdog() call sets no sys.last_value:
+    # it was "finished its script". And a sys.last_value left by an error handled before
+    # the watchdog started (pytest, code.interact), or by any error in an interactive
+    # session, made a clean end "gone": "raised ValueError (uncaught) and exited".
+    monkeypatch.setattr(sys, "last_value", ValueError("handled earlier"), raising=False)
+    store = FakeStore()
+    dog = _watchdog_on(store, 1, 2)
+    dog.active = True
+    if interactive:
+        monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
+        monkeypatch.setattr(sys, "last_value", ValueError("shown at the prompt"))
+    dog._at_exit()
+    record = json.loads(store.data["report/1"])
+    assert record["status"] == "returned", record
+    assert record["how"].startswith(_ENDED), record
+    assert "finished" not in _watchdog._view(1, record).doing()
 
 
 @pytest.fixture

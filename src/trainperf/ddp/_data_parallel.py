@@ -1,5 +1,6 @@
 """``data_parallel``: ``nn.DataParallel`` with the model moved to its first GPU first, and
-``device_ids`` taken as ``nn.DataParallel`` takes them (numbers, ``torch.device``, ``"cuda:1"``).
+``device_ids`` taken as ``nn.DataParallel`` takes them (numbers, ``torch.device``, ``"cuda:1"``),
+and as numbers written in digits (``"1"``).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ def data_parallel(model: nn.Module, device_ids: Sequence[GpuId] | None = None) -
 
     Args:
         model: a plain module.
-        device_ids: GPUs to use, as ``nn.DataParallel`` takes them: numbers (``1``),
-            ``torch.device("cuda", 1)`` or ``"cuda:1"`` (``"cuda"``: the current GPU);
-            None means all visible.
+        device_ids: GPUs to use, as ``nn.DataParallel`` takes them: numbers (``1``, or
+            digits: ``"1"``), ``torch.device("cuda", 1)`` or ``"cuda:1"`` (``"cuda"``: the
+            current GPU); None means all visible.
 
     Returns:
         The DataParallel-wrapped model (or ``model`` itself without CUDA).
@@ -41,7 +42,8 @@ def data_parallel(model: nn.Module, device_ids: Sequence[GpuId] | None = None) -
     Raises:
         ValueError: ``device_ids`` is empty, names a device that is not a CUDA GPU, or a
             GPU that is not visible.
-        TypeError: an entry of ``device_ids`` is neither a number nor a device.
+        TypeError: ``device_ids`` is one value (``"0,1"``, ``1``), not a sequence of them,
+            or an entry of it is neither a number nor a device.
 
     Example:
         >>> net = data_parallel(torch.nn.Linear(2, 1))  # no GPU here: returned as is
@@ -49,6 +51,7 @@ def data_parallel(model: nn.Module, device_ids: Sequence[GpuId] | None = None) -
         'Linear'
     """
     global _dp_warned
+    _refuse_one_value(device_ids)
     if device_ids is not None and len(device_ids) == 0:
         raise ValueError(
             "device_ids must name at least one GPU, got []; pass None to use every visible GPU"
@@ -70,8 +73,27 @@ def data_parallel(model: nn.Module, device_ids: Sequence[GpuId] | None = None) -
     return nn.DataParallel(model, device_ids=ids)
 
 
+def _refuse_one_value(device_ids: object) -> None:
+    """A string would be read one character per GPU (``"01"`` as GPUs 0 and 1), and a
+    number or a device has no length: refused with the list to pass."""
+    if not isinstance(device_ids, str | int | torch.device):
+        return
+    shown = f"[{device_ids!r}]"
+    if isinstance(device_ids, str):
+        parts = [part.strip() for part in device_ids.split(",")]
+        if all(part.isascii() and part.isdigit() for part in parts):
+            shown = f"[{', '.join(str(int(part)) for part in parts)}]"
+    raise TypeError(
+        f"device_ids must be a sequence of GPUs, got {device_ids!r} "
+        f"({type(device_ids).__name__}): pass {shown}"
+    )
+
+
 def _as_gpu(entry: object) -> int | torch.device:
-    """One ``device_ids`` entry, checked: a GPU number, or a CUDA device (maybe no index)."""
+    """One ``device_ids`` entry, checked: a GPU number (digits too: ``"1"``, as from
+    ``os.environ[...].split(",")``), or a CUDA device (maybe no index)."""
+    if isinstance(entry, str) and entry.strip().isascii() and entry.strip().isdigit():
+        return int(entry)
     if isinstance(entry, str | torch.device):
         try:
             device = torch.device(entry)

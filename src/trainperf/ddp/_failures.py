@@ -54,7 +54,7 @@ class Problem:
 
 def summarize(failure: Failure) -> str:
     if failure.type_name == "SystemExit":
-        return f"called sys.exit({failure.message})"
+        return f"called {failure.message}"  # the call itself: ``_worker.exit_call``
     first_line = failure.message.strip().splitlines()[0] if failure.message.strip() else ""
     if len(first_line) > 300:
         first_line = first_line[:300] + "..."

@@ -104,8 +104,8 @@ def first_failure(problems: tuple[Problem, ...]) -> Problem:
     SIGKILL, a crash) caught nothing: it stays dated back, ahead of any error in its slack.
     A failure that may be a lost peer's (:func:`maybe_lost_peer`: NCCL < 2.13's "unhandled
     system error", a death by SIGABRT) is blamed only when no death or error of a rank's own
-    may have come before it. Failures dated alike (deaths seen in the same wake-up) blame the
-    lower rank.
+    may have come before it. Failures dated alike (deaths seen in the same wake-up) blame a
+    death by a signal over an exit, then the lower rank.
 
     Example:
         >>> own = Problem(1, 100.0, "raised ValueError: bad batch")
@@ -147,11 +147,12 @@ def _dated(problem: Problem) -> float:
     return problem.time - problem.slack
 
 
-def _order(problem: Problem) -> tuple[float, int]:
+def _order(problem: Problem) -> tuple[float, bool, int]:
     """Earliest first; between failures dated alike (deaths seen in one wake-up get the same
-    time, in whatever order ``wait()`` listed them) the lower rank, so the blame does not
-    depend on that order."""
-    return _dated(problem), problem.rank
+    time, in whatever order ``wait()`` listed them) a death by a signal, which caught nothing,
+    before an exit a rank made itself (it may have caught the other's fault and left), then
+    the lower rank, so the blame does not depend on that order."""
+    return _dated(problem), not problem.by_signal, problem.rank
 
 
 def _later(outcome: Outcome, first: Problem) -> list[str]:

@@ -25,7 +25,7 @@ from typing import Any
 from trainperf.ddp import _env
 from trainperf.ddp._group_exits import finished
 from trainperf.ddp._shared_gpu import refuse_shared_gpu
-from trainperf.ddp._worker import call_main, rank_device
+from trainperf.ddp._worker import call_main, exit_call, rank_device
 from trainperf.errors import LaunchError
 
 __all__ = ["resolve_backend", "run_in_process"]
@@ -114,9 +114,10 @@ def run_in_process(
                 os.environ[name] = value
 
 
-def _watched(watch: Any, main: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _watched(watch: Any, main: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """``main`` under ``watch`` (a :class:`~trainperf.ddp._watchdog.Watchdog`), which sees
-    how it ended: a ``sys.exit(0)`` leaves its block as the clean exit it is."""
+    how it ended: a ``sys.exit(0)`` leaves its block as the clean exit it is. Its own
+    parameters are positional-only: ``main``'s keywords may be named ``watch`` or ``main``."""
     with watch.start():
         return main(*args, **kwargs)
 
@@ -125,8 +126,9 @@ def _init_group(
     env: _env.DistributedEnv, backend: str | None, timeout: timedelta, store: Any = None
 ) -> None:
     """The default process group: from the launcher's environment (``env://``), or on
-    ``store``. Under NCCL each rank takes its node-local GPU; where each sees one, the local
-    ranks check on the store that they are not all on the same card.
+    ``store``. Under NCCL each rank takes its node-local GPU; where each of the node's ranks
+    sees one GPU, they check on the store that no two are on the same card, and NCCL starts
+    lazily (its eager start, ``device_id=``, would fail on a shared card before the check).
 
     Raises:
         ValueError: more ranks on this node than visible GPUs (several visible).
@@ -140,11 +142,11 @@ def _init_group(
     if resolved == "nccl":
         device = rank_device(env.local_rank, env.local_world_size)
         torch.cuda.set_device(device)
-    # Every local rank posts its card (a rank that did not would leave the others waiting);
-    # where each sees one GPU (one bound card each, or one card for all), NCCL's eager start
-    # (device_id=) would fail on the latter before the check below, so it starts lazily.
+    # One visible GPU for several local ranks: one bound card each, or one card for all. A
+    # rank that sees several (CUDA_VISIBLE_DEVICES differs on the node) posts nothing and
+    # starts NCCL eagerly; the check's wait for its card is bounded (refuse_shared_gpu).
     ask = resolved == "nccl" and store is None and env.local_world_size > 1
-    lazy = ask and torch.cuda.device_count() == 1
+    ask = ask and torch.cuda.device_count() == 1
     dist.init_process_group(
         resolved,
         init_method=None if store is not None else "env://",
@@ -152,7 +154,7 @@ def _init_group(
         rank=env.rank,
         world_size=env.world_size,
         timeout=timeout,
-        device_id=None if lazy else device,
+        device_id=None if ask else device,
     )
     shared = _default_store() if ask else None
     if shared is not None:
@@ -243,14 +245,14 @@ def _check_gatherable(result: Any) -> None:
 
 def _raised(exc: BaseException) -> str:
     """``"raised ValueError: its first line"``, whatever ``str(exc)`` does; ``"called
-    sys.exit(3)"`` for a ``SystemExit``, as launch's own spawner says.
+    sys.exit(3)"`` for a ``SystemExit``, as launch's own spawner says (:func:`exit_call`).
 
     Example:
         >>> _raised(ValueError("bad batch\\nmore")), _raised(SystemExit("no data"))
         ('raised ValueError: bad batch', "called sys.exit('no data')")
     """
     if isinstance(exc, SystemExit):
-        return f"called sys.exit({exc.code!r})"
+        return f"called {exit_call(exc.code)}"
     try:
         lines = str(exc).strip().splitlines()
     except Exception:

@@ -129,6 +129,7 @@ def _launch(
 
 def launch(
     main: Callable[..., Any],
+    /,
     *args: Any,
     nprocs: int | None = None,
     backend: Backend | None = None,
@@ -155,7 +156,8 @@ def launch(
     ``MASTER_PORT``, ``torch.cuda.set_device(local_rank)`` under NCCL, and a share of the
     CPUs as ``torch.set_num_threads`` (unless ``OMP_NUM_THREADS`` is set). For every rank's
     value use :func:`launch_all`. Keyword arguments named like the options above go to
-    ``launch``, not ``main``: wrap ``main`` in ``functools.partial`` for those.
+    ``launch``, not ``main``: wrap ``main`` in ``functools.partial`` for those (``main``
+    itself is positional only, so ``main=`` is one of ``main``'s keywords).
 
     Args:
         main: the training function; a module-level function under ``"spawn"``.
@@ -229,6 +231,7 @@ def launch(
 
 def launch_all(
     main: Callable[..., Any],
+    /,
     *args: Any,
     nprocs: int | None = None,
     backend: Backend | None = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 from typing import Any
 
 from trainperf.errors import DeviceError
@@ -28,11 +29,24 @@ def sharing_ranks(uuids: list[str]) -> list[int]:
     return [r for r, uuid in enumerate(uuids) if uuids.count(uuid) > 1]
 
 
+_WAIT = timedelta(seconds=30)
+"""How long a rank waits for the other local ranks' cards: they all joined the group just
+before, so they post at once, except a rank that sees several GPUs (``CUDA_VISIBLE_DEVICES``
+differs on the node), which posts nothing; without a bound this rank would wait for it until
+the store's timeout while it waits in NCCL's eager start for this one."""
+
+
 def refuse_shared_gpu(
-    store: Any, local_rank: int, local_world_size: int, uuid: str, host: str | None = None
+    store: Any,
+    local_rank: int,
+    local_world_size: int,
+    uuid: str,
+    host: str | None = None,
+    wait: timedelta = _WAIT,
 ) -> None:
     """Post this rank's GPU (``uuid``) on ``store``, read every local rank's, and raise if
-    this rank shares its card with another.
+    this rank shares its card with another; no check where a local rank posts nothing
+    within ``wait`` (one that sees several GPUs).
 
     Raises:
         DeviceError: another rank on this node uses the same GPU.
@@ -42,7 +56,10 @@ def refuse_shared_gpu(
     prefix = f"trainperf/gpu/{restart}/{host}/"
     store.set(f"{prefix}{local_rank}", uuid)
     keys = [f"{prefix}{r}" for r in range(local_world_size)]
-    store.wait(keys)
+    try:
+        store.wait(keys, wait)
+    except RuntimeError:  # DistStoreError: a rank that sees several GPUs posts no card
+        return
     shared = sharing_ranks([store.get(key).decode() for key in keys])
     if local_rank in shared:
         raise DeviceError(_message(shared, local_world_size, host))

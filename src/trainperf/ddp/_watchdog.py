@@ -26,7 +26,9 @@ agent hosts it). Each rank runs one daemon thread that, every ``timeout / 20`` s
 
 A rank that returned (left the ``with`` block, or its interpreter exited) posts that first,
 with how (``sys.exit(0)`` inside the block is a clean exit, named; an exception leaving it
-is not), and counts itself in one ``ended`` counter, so the others can say so. A rank whose thread
+is not; at the interpreter's exit, after a single call, only an uncaught exception other
+than ``SystemExit`` can be told, and the exit status is said to be unknown), and counts
+itself in one ``ended`` counter, so the others can say so. A rank whose thread
 cannot run (stuck in C code that holds the GIL) sends nothing and is named as not
 answering. If the store itself is gone (srun, rank 0 hosted it and exited), the rank judges
 from its own state alone.
@@ -70,7 +72,7 @@ from trainperf.ddp._stacks import parse_dump
 from trainperf.ddp._watchdog_verdict import Decision, judge
 from trainperf.ddp._watchdog_verdict import verdict_record as _verdict_record
 from trainperf.ddp._watchdog_verdict import view as _view
-from trainperf.ddp._worker import clean_exit_call
+from trainperf.ddp._worker import clean_exit_call, exit_call
 
 __all__ = ["COLLECT_S", "EXIT_CODE", "Watchdog", "judge", "watchdog"]
 
@@ -123,6 +125,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._moved = time.monotonic()  # the last real progress _watch saw
+        self._error_at_start: object = None  # sys.last_value when it started
 
     def start(self) -> Watchdog:
         import torch.distributed as dist
@@ -138,6 +141,8 @@ class Watchdog:
                 "whose hang_timeout= does the same)"
             )
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # An error already handled (pytest, code.interact keep it): not how this rank ends.
+        self._error_at_start = getattr(sys, "last_value", None)
         _started[0] += 1
         self.store = _store(f"{dist.get_world_size()}/{_started[0]}/")
         self.buf = bytearray(SLOT_SIZE)
@@ -173,13 +178,16 @@ class Watchdog:
             self.stop("gone", f"{_raised(exc)} in {self.scope}")
 
     def _at_exit(self) -> None:
-        """The interpreter exits with this watchdog still on (a single ``watchdog()`` call):
-        after an uncaught exception the rank is gone, else it finished its script."""
-        uncaught = getattr(sys, "last_value", None)
-        if isinstance(uncaught, BaseException):
+        """The interpreter exits with this watchdog still on (a single ``watchdog()`` call).
+        After an exception left uncaught since :meth:`start` the rank is gone; otherwise it
+        ended its script, at its end or through ``sys.exit`` with a status that atexit cannot
+        read (an uncaught ``SystemExit`` leaves no trace): counted as ended, not blamed as a
+        crash, and the report says that the status is unknown."""
+        uncaught = _uncaught_since(self._error_at_start)
+        if uncaught is not None:
             self.stop("gone", f"{_raised(uncaught)} (uncaught) and exited")
         else:
-            self.stop("returned", "finished its script")
+            self.stop("returned", _ENDED)
 
     def stop(self, status: str = "returned", how: str = "") -> None:
         """This rank is done: say so to the others (``how``: how it finished, in words; by
@@ -396,6 +404,28 @@ class Watchdog:
             )
 
 
+# How a rank that ended with a single watchdog() still on finished, as far as it can tell.
+_ENDED = (
+    "ended its script (exit status unknown to the watchdog; use `with watchdog():` to tell "
+    "a clean end from sys.exit(n))"
+)
+
+
+def _uncaught_since(before: object) -> BaseException | None:
+    """The exception that ended the script, if Python kept one (``sys.last_value``, set for
+    an uncaught exception other than ``SystemExit``) since ``before`` was its value; None in
+    an interactive session, where every error shown at the prompt sets it.
+
+    Example:
+        >>> _uncaught_since(getattr(sys, "last_value", None)) is None
+        True
+    """
+    value = getattr(sys, "last_value", None)
+    if not isinstance(value, BaseException) or value is before:
+        return None
+    return None if sys.flags.interactive or hasattr(sys, "ps1") else value
+
+
 def _raised(exc: BaseException) -> str:
     """``"raised ValueError"``, or ``"called sys.exit(1)"`` for a ``SystemExit``.
 
@@ -404,7 +434,7 @@ def _raised(exc: BaseException) -> str:
         ('raised ValueError', 'called sys.exit(1)')
     """
     if isinstance(exc, SystemExit):
-        return f"called sys.exit({exc.code!r})"
+        return f"called {exit_call(exc.code)}"
     return f"raised {type(exc).__name__}"
 
 
@@ -436,7 +466,8 @@ def watchdog(
     Returns:
         The running :class:`Watchdog` (a context manager; leaving it tells the other ranks
         how this one finished: it left the block, called ``sys.exit(0)`` there, a clean
-        exit, or raised).
+        exit, or raised. After a single call, only an uncaught exception is told apart at
+        the interpreter's exit: ``sys.exit(n)`` reads as the script's end, status unknown).
 
     Raises:
         ValueError: ``timeout`` is not None or a finite number > 0.

@@ -56,6 +56,7 @@ __all__ = [
     "WorkerSpec",
     "call_main",
     "clean_exit_call",
+    "exit_call",
     "rank_device",
     "worker_main",
 ]
@@ -179,12 +180,13 @@ def _user_frames(tb: TracebackType | None) -> TracebackType | None:
 
 
 def _describe(rank: int, exc: BaseException, stage: str = "main", argument: str = "") -> Failure:
+    """``exc`` as plain strings; a ``SystemExit``'s message is its call (:func:`exit_call`)."""
     cls = type(exc)
     return Failure(
         rank=rank,
         pid=os.getpid(),
         type_name=_class_name(cls),
-        message=_text(exc),
+        message=exit_call(exc.code) if isinstance(exc, SystemExit) else _text(exc),
         traceback="".join(traceback.format_exception(cls, exc, _user_frames(exc.__traceback__))),
         time=time.time(),
         stage=stage,
@@ -256,6 +258,23 @@ def _destroy() -> None:
         dist.destroy_process_group()
 
 
+def exit_call(code: object) -> str:
+    """The ``sys.exit`` call that raises ``SystemExit(code)``, as every ddp message names it
+    (the code's ``repr``: ``sys.exit(3)`` and ``sys.exit('3')`` differ).
+
+    Example:
+        >>> exit_call(None), exit_call(3), exit_call("no data")
+        ('sys.exit()', 'sys.exit(3)', "sys.exit('no data')")
+    """
+    if code is None:
+        return "sys.exit()"
+    try:
+        shown = repr(code)
+    except Exception:  # the message must still go out
+        shown = f"<{type(code).__name__}>"
+    return f"sys.exit({shown})"
+
+
 def clean_exit_call(exc: BaseException) -> str | None:
     """``"sys.exit(0)"`` (or ``"sys.exit()"``) when ``exc`` is the ``SystemExit`` of a call
     that ends a rank cleanly, as returning None does; None for any other exception.
@@ -268,7 +287,7 @@ def clean_exit_call(exc: BaseException) -> str | None:
     """
     if not isinstance(exc, SystemExit) or exc.code not in (None, 0):
         return None
-    return "sys.exit()" if exc.code is None else f"sys.exit({exc.code!r})"
+    return exit_call(exc.code)
 
 
 def call_main(
