@@ -254,9 +254,49 @@ def test_called_in_the_main_process_it_only_calls_the_function_it_wraps(tmp_path
     before = signal.getsignal(signal.SIGTERM)
     with Checkpointer(tmp_path).preemption(signals=("SIGTERM",)):
         inside = signal.getsignal(signal.SIGTERM)
-        with pytest.warns(RuntimeWarning, match="DieWithParent was called in a main process"):
+        with pytest.warns(RuntimeWarning, match="called outside a DataLoader worker"):
             DieWithParent(called.append)(3)
         assert signal.getsignal(signal.SIGTERM) == inside != signal.SIG_IGN
     assert signal.getsignal(signal.SIGTERM) == before
     assert called == [3]
     assert not any(t.name == WATCHER_NAME for t in threading.enumerate())
+
+
+def _call_in_a_rank(tmp_path: Path, queue: multiprocessing.Queue[tuple[Any, ...]]) -> None:
+    """A training process started by multiprocessing (as mp.spawn or ddp.launch start ranks)
+    that calls DieWithParent itself, with a preemption active; reports what it did."""
+    import warnings
+
+    from trainperf import Checkpointer
+
+    called: list[int] = []
+    with Checkpointer(tmp_path).preemption(signals=("SIGTERM",)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            DieWithParent(called.append)(3)
+        ignored = signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    watching = any(t.name == WATCHER_NAME for t in threading.enumerate())
+    tied = watching or _death_signal() != 0
+    queue.put((called, ignored, tied, [str(w.message)[:45] for w in caught]))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and prctl are Linux's")
+def test_called_in_a_multiprocessing_child_that_is_no_worker_only_calls_its_function(
+    tmp_path: Path,
+) -> None:
+    # Before: a process started by multiprocessing (parent_process() is not None) was taken
+    # for a DataLoader worker: a rank calling it tied itself to its launcher and set its
+    # preemption's SIGTERM to ignored.
+    ctx = multiprocessing.get_context("fork")
+    queue: multiprocessing.Queue[tuple[Any, ...]] = ctx.Queue()
+    child = ctx.Process(target=_call_in_a_rank, args=(tmp_path, queue))
+    child.start()
+    try:
+        called, ignored, tied, warned = queue.get(timeout=60)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    assert (called, ignored, tied) == ([3], False, False)
+    assert warned == ["DieWithParent was called outside a DataLoader"]

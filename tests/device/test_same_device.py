@@ -309,3 +309,57 @@ def test_check_same_device_checks_the_inputs_of_ddp_without_device_ids(fake_grou
     assert check_same_device(wrapped, torch.ones(3, 2)) == torch.device("cpu")
     with pytest.raises(DeviceMismatchError, match="input arg0"):
         check_same_device(wrapped, torch.ones(3, 2, device="meta"))
+
+
+@dataclasses.dataclass
+class _Held:
+    x: torch.Tensor
+
+
+class _OwnTo:
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def to(self, device: object) -> _OwnTo:
+        return _OwnTo(self.x.to(device))  # type: ignore[call-overload]
+
+
+UNMOVED_HOLDERS = {  # DDP and DataParallel move tensors only through tuples, lists and dicts
+    "dataclass": _Held,
+    "namespace": lambda x: types.SimpleNamespace(x=x),
+    "user_dict": lambda x: collections.UserDict(x=x),  # a Hugging Face BatchEncoding's base
+    "own_to": _OwnTo,
+    "inside_moved_containers": lambda x: [{"a": (_Held(x),)}],
+}
+
+
+@pytest.mark.parametrize("make", UNMOVED_HOLDERS.values(), ids=UNMOVED_HOLDERS.keys())
+def test_check_same_device_checks_inputs_ddp_does_not_move(fake_group: None, make: Any) -> None:
+    # Before: every input of a DDP with device_ids went unchecked, yet its forward hands a
+    # dataclass, SimpleNamespace, UserDict or object with its own .to to the module unmoved.
+    wrapped = _ddp(torch.nn.Linear(2, 2), [0], "cpu")
+    with pytest.raises(DeviceMismatchError, match=r"meta: input arg0") as info:
+        check_same_device(wrapped, make(torch.ones(1, 2, device="meta")))
+    assert "trainperf.to_device(batch, 'cpu:0')" in str(info.value)
+    assert "model.to" not in str(info.value)
+    assert check_same_device(wrapped, make(torch.ones(1, 2))) == torch.device("cpu", 0)
+
+
+def test_check_same_device_checks_inputs_data_parallel_does_not_move() -> None:
+    wrapped = _data_parallel(torch.nn.Linear(2, 2).to("meta"), [0], "meta")
+    with pytest.raises(DeviceMismatchError, match=r"cpu: input batch\.x"):
+        check_same_device(wrapped, batch=_Held(torch.ones(3, 2)))
+    # Tensors reached through tuples, lists, dicts (subclasses too) and PackedSequence move.
+    packed = torch.nn.utils.rnn.pack_sequence([torch.ones(2, 2), torch.ones(1, 2)])
+    moved = (Pair(torch.ones(1), 0), [collections.OrderedDict(p=packed)], {"t": torch.ones(2)})
+    assert check_same_device(wrapped, *moved, scalar=_Held(torch.tensor(0.5))) == META
+
+
+def test_check_same_device_needs_a_tensor_under_data_parallel() -> None:
+    # Before: a DataParallel wrapping a module without parameters, given no tensor input,
+    # returned device_ids[0] instead of the documented ValueError. (DDP refuses such a
+    # module when it is built.)
+    wrapped = _data_parallel(torch.nn.ReLU(), [0], "meta")
+    with pytest.raises(ValueError, match="found no tensors"):
+        check_same_device(wrapped, [{"ids": [1, 2]}])
+    assert check_same_device(wrapped, [torch.ones(1)]) == META

@@ -144,21 +144,31 @@ def preemption_signals() -> tuple[int, ...]:
 
 
 _NOT_A_WORKER = (
-    "DieWithParent was called in a main process, which is no DataLoader worker: it is a "
-    "worker_init_fn that ties each worker a DataLoader starts to the process that started "
-    "it, and here it would end this process with its own parent (the shell) and ignore the "
-    "signals an active preemption waits for. It only called the function it wraps; pass it "
-    "as DataLoader(..., worker_init_fn=DieWithParent(fn)) instead of calling it."
+    "DieWithParent was called outside a DataLoader worker (torch.utils.data.get_worker_info() "
+    "is None, as in a main process or a rank): it is a worker_init_fn that ties each worker a "
+    "DataLoader starts to the process that started it, and here it would end this process "
+    "with its own parent (a shell or launcher) and ignore the signals an active preemption "
+    "waits for. It only called the function it wraps; pass it as "
+    "DataLoader(..., worker_init_fn=DieWithParent(fn)) instead of calling it."
 )
+
+
+def _in_a_dataloader_worker() -> bool:
+    """Whether this process is a DataLoader worker: torch sets the worker's info before it
+    calls ``worker_init_fn``. ``multiprocessing.parent_process()`` cannot tell: a rank
+    started by ``mp.spawn`` or ``ddp.launch`` has a parent too. A worker has torch loaded."""
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and data.get_worker_info() is not None
 
 
 class DieWithParent:
     """A DataLoader ``worker_init_fn`` that ties the worker's life to the process that built it.
 
     It then calls the ``worker_init_fn`` it wraps (if any). Wrapping twice is harmless.
-    Called in a main process (no worker: ``multiprocessing.parent_process()`` is None), it
-    only calls the function it wraps, with a warning: tying that process to its own parent
-    (the shell) and ignoring its preemption signals would end or deafen the training run.
+    Called outside a DataLoader worker (a main process, or a rank that ``mp.spawn`` or
+    ``ddp.launch`` started: ``torch.utils.data.get_worker_info()`` is None), it only calls
+    the function it wraps, with a warning: tying that process to its own parent (a shell or
+    launcher) and ignoring its preemption signals would end or deafen the training run.
 
     Example:
         >>> from torch.utils.data import DataLoader
@@ -206,13 +216,16 @@ class DieWithParent:
     def __call__(self, worker_id: int) -> None:
         # The parent is whichever process started this worker (the loader may have been built
         # in another one), as multiprocessing recorded it before the parent could die.
-        parent = multiprocessing.parent_process()
-        if parent is None:
+        if not _in_a_dataloader_worker():
             warnings.warn(_NOT_A_WORKER, RuntimeWarning, stacklevel=2)
             if self.user_fn is not None:
                 self.user_fn(worker_id)
             return
-        die_with_parent(os.getppid() if parent.pid is None else parent.pid, self._starter_said())
+        parent = multiprocessing.parent_process()
+        die_with_parent(
+            os.getppid() if parent is None or parent.pid is None else parent.pid,
+            self._starter_said(),
+        )
         # The signals the rank's Checkpointer.preemption() waits for: torchrun and SLURM
         # send them to every process, and a torch worker dies of SIGTERM (failing the
         # rank's next batch before its final save). The rank decides; the worker dies with it.

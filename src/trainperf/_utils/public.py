@@ -18,9 +18,12 @@ __all__ = ["set_public_module"]
 
 
 def set_public_module(namespace: Mapping[str, object], names: Iterable[str], module: str) -> None:
-    """Set ``__module__`` to ``module`` on every trainperf class and function in ``names``.
+    """Set ``__module__`` to ``module`` on every trainperf class and function in ``names``,
+    and on every callable object standing for a function (one with ``__wrapped__``, as
+    ``functools.update_wrapper`` leaves it, such as ``trainperf.worker_init_fn``).
 
-    Objects from other packages (torch, typing aliases) are left alone.
+    Objects from other packages (torch, typing aliases) are left alone, and so is the
+    function such an object wraps (it pickles by its defining module).
 
     Args:
         namespace: the package's ``globals()``.
@@ -36,12 +39,16 @@ def set_public_module(namespace: Mapping[str, object], names: Iterable[str], mod
     """
     for name in names:
         obj = namespace[name]
-        if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+        if not (inspect.isclass(obj) or inspect.isfunction(obj) or _wraps_a_function(obj)):
             continue
         if str(getattr(obj, "__module__", "")).startswith("trainperf."):
             if inspect.isclass(obj):
                 _resolve_annotations(obj)
             obj.__module__ = module
+
+
+def _wraps_a_function(obj: object) -> bool:
+    return callable(obj) and hasattr(obj, "__wrapped__")
 
 
 def _resolve_annotations(cls: type) -> None:

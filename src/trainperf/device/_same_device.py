@@ -116,11 +116,14 @@ def check_same_device(
 
     An ``nn.DataParallel`` with devices, and a ``DistributedDataParallel`` with
     ``device_ids`` (a module on one GPU), are checked as their forward passes work: every
-    parameter and buffer must be on ``device_ids[0]`` (not merely on one device), and the
-    inputs may be anywhere, since they move them there themselves. A
-    ``DistributedDataParallel`` without ``device_ids`` (a CPU or multi-device module) moves
-    nothing: its inputs are checked like any module's. Both are recognised inside
-    ``torch.compile(model)`` too.
+    parameter and buffer must be on ``device_ids[0]`` (not merely on one device), and so
+    must every input tensor they do not move. They move tensors (and ``PackedSequence``)
+    in tuples, lists and dicts (namedtuples and subclasses included), so those may be
+    anywhere; a tensor in anything else (a dataclass, ``SimpleNamespace``, ``UserDict``
+    such as Hugging Face's ``BatchEncoding``, an object with its own ``.to``) reaches the
+    module as it is. A ``DistributedDataParallel`` without ``device_ids`` (a CPU or
+    multi-device module) moves nothing: its inputs are checked like any module's. Both are
+    recognised inside ``torch.compile(model)`` too.
 
     Returns:
         The one device they all live on (``device_ids[0]`` for a ``DataParallel`` or a
@@ -128,9 +131,9 @@ def check_same_device(
 
     Raises:
         DeviceMismatchError: more than one device, or a ``DataParallel`` or
-            ``DistributedDataParallel`` whose module is not on ``device_ids[0]``; the
-            message lists, per device, a few of the parameters, buffers and inputs found
-            there.
+            ``DistributedDataParallel`` whose module, or an input it does not move, is not
+            on ``device_ids[0]``; the message lists, per device, a few of the parameters,
+            buffers and inputs found there.
         TypeError: ``module`` is neither a module nor None (inputs passed in its place).
         ValueError: there is no tensor at all to check.
 
@@ -148,7 +151,7 @@ def check_same_device(
         )
     source = _input_mover_source(module)
     if source is not None:
-        return _check_input_mover(cast(torch.nn.Module, module), source)
+        return _check_input_mover(cast(torch.nn.Module, module), source, tensors, named_tensors)
     if module is not None:
         found += [(f"parameter {n}", p) for n, p in module.named_parameters()]
         found += [(f"buffer {n}", b) for n, b in module.named_buffers()]
@@ -161,10 +164,7 @@ def check_same_device(
         _named_tensors(value, name, inputs, seen)
     found += [(f"input {n}", t) for n, t in inputs]
     if not found:
-        raise ValueError(
-            "check_same_device found no tensors: pass a module with parameters "
-            "or at least one tensor input"
-        )
+        raise _no_tensors()
     by_device = _by_device(found)
     if len(by_device) == 1:
         return next(iter(by_device))
@@ -210,25 +210,96 @@ def _input_mover_source(module: object) -> torch.device | None:
     return None
 
 
-def _check_input_mover(model: torch.nn.Module, source: torch.device) -> torch.device:
-    """What ``DataParallel``'s and ``DistributedDataParallel``'s forward demand: the module
-    on ``device_ids[0]``. They move the inputs from wherever they are, so those are not
-    checked."""
+def _no_tensors() -> ValueError:
+    return ValueError(
+        "check_same_device found no tensors: pass a module with parameters "
+        "or at least one tensor input"
+    )
+
+
+def _check_input_mover(
+    model: torch.nn.Module,
+    source: torch.device,
+    tensors: tuple[Any, ...],
+    named_tensors: dict[str, Any],
+) -> torch.device:
+    """What ``DataParallel``'s and ``DistributedDataParallel``'s forward demand: the module,
+    and every input tensor they do not move, on ``device_ids[0]``."""
     wrapper = getattr(model, "_orig_mod", model)
+    found: list[tuple[str, torch.Tensor]] = []
+    found += [(f"parameter {n}", p) for n, p in model.named_parameters()]
+    found += [(f"buffer {n}", b) for n, b in model.named_buffers()]
+    moved: list[torch.Tensor] = []
+    unmoved: list[tuple[str, torch.Tensor]] = []
+    inputs = [(f"arg{i}", value) for i, value in enumerate(tensors)] + list(named_tensors.items())
+    for path, value in inputs:
+        _split_moved(value, path, moved, unmoved, {})
+    if not found and not moved and not unmoved:
+        raise _no_tensors()
+    # A 0-dim CPU tensor goes with any device, as in check_same_device.
+    found += [(f"input {n}", t) for n, t in unmoved if t.dim() > 0 or t.device.type != "cpu"]
     elsewhere: dict[torch.device, list[str]] = {}
-    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, t in named:
-            if not _is_on(t.device, source):
-                elsewhere.setdefault(t.device, []).append(f"{kind} {name}")
+    for name, t in found:
+        if not _is_on(t.device, source):
+            elsewhere.setdefault(t.device, []).append(name)
     if not elsewhere:
         return source
     raise DeviceMismatchError(
         f"{type(wrapper).__name__}(device_ids={wrapper.device_ids}) needs its module's "
-        f"parameters and buffers on device_ids[0], {source}, but found:\n"
+        "parameters and buffers, and the input tensors it does not move (those outside "
+        f"tuples, lists and dicts), on device_ids[0], {source}, but found:\n"
         + _listing(elsewhere)
-        + f"\nFix: move the model there before wrapping it, model.to({str(source)!r}), or "
-        "put the model's own device first in device_ids."
+        + f"\nFix: {_mover_fix(elsewhere, source)}."
     )
+
+
+def _split_moved(
+    obj: Any,
+    path: str,
+    moved: list[torch.Tensor],
+    unmoved: list[tuple[str, torch.Tensor]],
+    seen: dict[int, Any],
+) -> None:
+    """Sort the tensors in ``obj`` by whether ``DataParallel``'s ``scatter`` and
+    ``DistributedDataParallel``'s ``_recursive_to`` move them: both move tensors found
+    through tuples, lists and dicts (namedtuples, ``PackedSequence`` and subclasses
+    included) and hand anything else to the module as it is."""
+    if isinstance(obj, torch.Tensor):
+        moved.append(obj)
+        return
+    if isinstance(obj, (tuple, list, dict)):
+        if id(obj) in seen:  # a container holding itself, which they would recurse into
+            return
+        seen[id(obj)] = obj
+        for where, value in _moved_items(obj):
+            _split_moved(value, path + where, moved, unmoved, seen)
+        return
+    _named_tensors(obj, path, unmoved, {})
+
+
+def _moved_items(obj: tuple[Any, ...] | list[Any] | dict[Any, Any]) -> list[tuple[str, Any]]:
+    if isinstance(obj, dict):  # they move the values; keys stay as they are
+        return [(f"[{key!r}]", value) for key, value in obj.items()]
+    fields = getattr(obj, "_fields", None)
+    if isinstance(obj, tuple) and isinstance(fields, tuple) and len(fields) == len(obj):
+        return [(f".{name}", value) for name, value in zip(fields, obj, strict=True)]
+    return [(f"[{i}]", value) for i, value in enumerate(obj)]
+
+
+def _mover_fix(elsewhere: dict[torch.device, list[str]], source: torch.device) -> str:
+    names = [name for names in elsewhere.values() for name in names]
+    fixes = []
+    if any(not name.startswith("input ") for name in names):
+        fixes.append(
+            f"move the model there before wrapping it, model.to({str(source)!r}), or put the "
+            "model's own device first in device_ids"
+        )
+    if any(name.startswith("input ") for name in names):
+        fixes.append(
+            f"move the inputs there, batch = trainperf.to_device(batch, {str(source)!r}), or "
+            "pass their tensors in tuples, lists or dicts, which it moves itself"
+        )
+    return "; ".join(fixes)
 
 
 def _is_on(where: torch.device, source: torch.device) -> bool:

@@ -108,7 +108,9 @@ class _CarriesRank:
 
 def _recorded(rank: int, pid: int) -> _CarriesRank:
     """:func:`worker_init_fn` as unpickled in a worker: with its starter's rank."""
-    return _CarriesRank(worker_init_fn._fn, rank, pid)
+    copy = _CarriesRank(worker_init_fn._fn, rank, pid)
+    copy.__module__ = worker_init_fn.__module__  # its public path, set by the package
+    return copy
 
 
 @_CarriesRank
