@@ -730,18 +730,6 @@ def test_a_state_without_a_loss_scale_loads_between_backward_and_step() -> None:
     assert mp.step(torch.optim.SGD([w], lr=1.0)) and w.tolist() == [0.0, 0.0]
 
 
-@needs_cpu_fp16
-def test_replace_state_loads_between_backward_and_step_for_tuning() -> None:
-    # tune_batch_size's restore puts back the scale and the record of the backward together.
-    from trainperf.amp._state import replace_state
-
-    mp = MixedPrecision("cpu", precision="fp16")
-    saved = {"precision": "fp16", "scaler": {**mp.state_dict()["scaler"], "scale": 2.0}}
-    mp.backward(nn.Parameter(torch.ones(2)).sum())
-    replace_state(mp, saved)
-    assert mp.state_dict() == saved
-
-
 # ----------------------------------------------------------------- prepare: channels_last, TF32
 
 

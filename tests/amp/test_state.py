@@ -12,7 +12,7 @@ from torch import nn
 
 from tests.amp._helpers import needs_cpu_fp16
 from trainperf.amp import MixedPrecision
-from trainperf.amp._state import replace_state
+from trainperf.amp._state import restoring
 
 
 def _collapsed(mp: MixedPrecision) -> None:
@@ -83,14 +83,71 @@ def test_the_fix_the_refusal_names_loads_a_fresh_scale() -> None:
 
 
 @needs_cpu_fp16
-def test_replace_state_puts_back_a_scale_that_collapsed_before_tuning() -> None:
+def test_restoring_puts_back_a_scale_that_collapsed_before_tuning() -> None:
     # tune_batch_size saves the caller's state before its probes and puts it back after:
     # a scale that reached 0 in the caller's own run is theirs, and comes back as it was.
     mp = MixedPrecision("cpu", precision="fp16")
     _collapsed(mp)
     saved = mp.state_dict()
     mp.load_state_dict({**saved, "scaler": None})  # what a probe may leave: another scale
-    fresh = MixedPrecision("cpu", precision="fp16").state_dict()
-    replace_state(mp, {**fresh, "scaler": {**fresh["scaler"], "scale": 1.0}})
-    replace_state(mp, saved)
+    with restoring():
+        mp.load_state_dict(saved)
     assert mp.state_dict() == saved
+    with pytest.raises(ValueError, match=r"is 0\.0"):  # outside tuning's restore: refused
+        mp.load_state_dict(saved)
+
+
+# ------------------------------------------------- a loss scale between backward and step
+
+
+@needs_cpu_fp16
+def test_the_loss_scale_in_use_loads_between_backward_and_step() -> None:
+    # Before: refused with "scaled by 65536.0 ... unscale them by the loaded scale (65536.0)
+    # instead": nothing the waiting gradients depend on changes.
+    mp = MixedPrecision("cpu", precision="fp16")
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=1.0)
+    saved = mp.state_dict()
+    mp.backward(w.sum())
+    mp.load_state_dict(saved)
+    assert mp.step(opt) and w.tolist() == [0.0, 0.0]  # lr 1.0 times the unscaled gradient 1.0
+
+
+@needs_cpu_fp16
+def test_the_fix_the_mid_step_refusal_names_works_without_prepared_models() -> None:
+    # Before: the refusal said "mp.zero_grad()", which raises for a MixedPrecision that
+    # prepared no model, and mp.zero_grad(optimizer) still left the load refused.
+    mp = MixedPrecision("cpu", precision="fp16")
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=1.0)
+    saved = {"precision": "fp16", "scaler": {**mp.state_dict()["scaler"], "scale": 2.0}}
+    mp.backward(w.sum())
+    scales = r"another loss scale: .* 65536\.0, .* loaded 2\.0 .* "
+    fix = r"or drop the waiting gradients first with mp.zero_grad\(optimizer\)"
+    with pytest.raises(RuntimeError, match=scales + fix):
+        mp.load_state_dict(saved)
+    mp.zero_grad(opt)
+    mp.load_state_dict(saved)
+    assert mp.state_dict() == saved and w.grad is None
+    mp.backward(w.sum())
+    assert mp.step(opt) and w.tolist() == [0.0, 0.0]  # scaled and unscaled by 2.0
+
+
+@needs_cpu_fp16
+def test_another_scale_loaded_after_zero_grad_of_one_optimizer_ends_the_backward_for_all() -> None:
+    # The other optimizer's gradients were scaled by 65536: stepping them after the load
+    # would unscale them by 2.0 (a step 32768 times too large). It is refused instead.
+    mp = MixedPrecision("cpu", precision="fp16")
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    opt_a, opt_b = torch.optim.SGD([a], lr=1.0), torch.optim.SGD([b], lr=1.0)
+    saved = {"precision": "fp16", "scaler": {**mp.state_dict()["scaler"], "scale": 2.0}}
+    mp.backward((a + b).sum())
+    mp.scaler.unscale_(opt_b)  # type: ignore[union-attr]  # its record goes with the backward
+    mp.zero_grad(opt_a)
+    mp.load_state_dict(saved)
+    with pytest.raises(RuntimeError, match=r"found no gradients from mp.backward"):
+        mp.step(opt_b)
+    assert b.tolist() == [1.0, 1.0]
+    mp.zero_grad(opt_b)
+    mp.backward((a + b).sum())
+    assert mp.step(opt_a, opt_b) and a.tolist() == b.tolist() == [0.0, 0.0]

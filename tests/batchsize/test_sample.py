@@ -96,6 +96,19 @@ def test_batch_dim_reads_the_first_tensor_with_that_dimension() -> None:
         checked_batch(lambda n: torch.zeros(3, 4), 3, batch_dim=1)
 
 
+def test_a_batch_dim_no_tensor_has_is_refused_naming_the_shapes() -> None:
+    # Before: no tensor had dimension 2, so nothing was checked: a sampler that ignores n
+    # passed at every size, and the tuner timed one batch size under many names.
+    batch = {"x": torch.zeros(7, 8), "y": torch.zeros(7)}
+    with pytest.raises(
+        ValueError,
+        match=r"batch_dim=2, but no tensor in sample\(4\)'s batch has dimension 2 "
+        r"\(shapes \[7, 8\], \[7\]\): pass the dimension that holds the samples",
+    ):
+        checked_batch(lambda n: batch, 4, batch_dim=2)
+    assert checked_batch(lambda n: ["a", "b"], 2, batch_dim=2) == ["a", "b"]  # no tensor
+
+
 def test_batch_dim_reads_only_the_first_tensor_so_a_batch_first_mask_is_accepted() -> None:
     # nn.Transformer without batch_first takes (S, N, E) inputs but (N, S) padding masks:
     # checking every tensor along batch_dim=1 would refuse this batch.

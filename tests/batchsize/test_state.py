@@ -6,6 +6,7 @@ import math
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -668,3 +669,72 @@ def test_a_probe_s_skipped_step_neither_warns_nor_counts_toward_the_caller_s_run
     skipped = SKIPPED_STEPS.split("{")[0]
     assert [str(w.message) for w in caught if skipped in str(w.message)] == []
     assert mp._skipped_in_a_row == SKIPS_BEFORE_WARNING - 1  # the caller's run, restored
+
+
+class _TrainState:
+    """A caller's bundle passed as one of ``model=(...)``: its ``load_state_dict`` loads
+    the MixedPrecision it holds."""
+
+    def __init__(self, mp: MixedPrecision) -> None:
+        self.mp = mp
+        self.epoch = 3
+
+    def state_dict(self) -> dict[str, object]:
+        return {"epoch": self.epoch, "amp": self.mp.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = state["epoch"]
+        self.mp.load_state_dict(state["amp"])
+
+
+@needs_cpu_fp16
+def test_a_mixed_precision_a_passed_object_loads_comes_back_after_a_probe_s_backward() -> None:
+    # Before: the bundle's load_state_dict reached mp.load_state_dict while the probe's
+    # backward still waited for its step: RuntimeError, instead of the state put back.
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp = MixedPrecision("cpu", precision="fp16")
+    assert mp.scaler is not None
+    bundle = _TrainState(mp)
+    saved = SavedState.save(with_live_amp_state(stateful_objects((model, bundle), opt)))
+    before = mp.state_dict()
+    mp.backward(model(torch.ones(2, 4)).sum())  # a probe's backward, stopped by an OOM
+    mp.scaler.update(new_scale=8192.0)  # another scale than the caller's
+    bundle.epoch = 4
+    saved.restore()
+    assert mp.state_dict() == before and not mp._backward_pending and bundle.epoch == 3
+
+
+@needs_cpu_fp16
+@pytest.mark.usefixtures("quick")
+@pytest.mark.parametrize("scale", [1024.0, 0.0])
+def test_a_probe_out_of_memory_mid_step_is_oom_with_the_mixed_precision_in_a_bundle(
+    scale: float,
+) -> None:
+    # Before: tune_batch_size raised RuntimeError ("load_state_dict() was called between
+    # mp.backward(loss) and mp.step") instead of marking the size oom, or, with the caller's
+    # loss scale already down to 0, ValueError ("the state's loss scale ... is 0.0").
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp = MixedPrecision("cpu", precision="fp16")
+    assert mp.scaler is not None
+    mp.scaler.load_state_dict({**mp.scaler.state_dict(), "scale": scale})
+    state = mp.state_dict()
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        mp.backward(nn.functional.mse_loss(model(batch[0]), batch[1]))
+        if len(batch[0]) > 2:  # Adam's first step allocating its moments, say
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        mp.step(opt)
+        mp.zero_grad(opt)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # at scale 0 every step skips: the tuner says so
+        report = tune_batch_size(
+            step, lambda n: (torch.ones(n, 4), torch.zeros(n, 1)), model=(model, _TrainState(mp)),
+            optimizer=opt, device="cpu", min_size=2, max_size=4, budget_s=2.0, progress=False,
+            cache=False,
+        )  # fmt: skip
+    assert report.batch_size == 2
+    assert [c.status for c in report.candidates if c.batch_size == 4] == ["oom"]
+    assert mp.state_dict() == state and not mp._backward_pending

@@ -150,6 +150,41 @@ def test_a_step_without_an_optimizer_step_is_warned_about_in_the_report() -> Non
     assert any(n.startswith("step made gradients but changed no") for n in report.notes)
 
 
+@pytest.mark.parametrize("impl", ["fused", "foreach", "for-loop"])
+def test_a_step_whose_learning_rate_warms_up_from_0_is_not_warned_about(impl: str) -> None:
+    # Before (fused): "step made gradients but changed no parameter": at lr 0 (a linear
+    # warm-up's first value, held still while tuning) a fused step changes no value and
+    # bumps no version counter, though the optimizer stepped.
+    torch.manual_seed(0)
+    model = small_model()
+    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **flags[impl])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 100))
+
+    def step(batch: Any) -> None:
+        x, y = batch
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        sched.step()
+
+    report = no_warnings_tune(step, model=model, optimizer=opt)
+    assert opt.param_groups[0]["lr"] == 0.0 and not any("changed no" in n for n in report.notes)
+
+
+def test_an_optimizer_s_step_hook_is_removed_after_the_warm_up() -> None:
+    w = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.0)
+    check = TrainingCheck([w], [opt])
+    marks = check.mark()
+    with check.hooked(marks):
+        (w * 2).sum().backward()
+        opt.step()
+    assert marks is not None and marks.stepped and not opt._optimizer_step_post_hooks
+    assert check.record(marks, steps=1) and check.stepped_seen and check.settled
+    assert unstepped_note(check) is None
+
+
 # ------------------------------------------------------------------------ the marks
 
 

@@ -15,7 +15,8 @@ trainperf 0.1.0 holds them so, and ``tune_batch_size`` saves and restores all of
 - ``_skip_flags``: the fp16 inf/NaN flags of those optimizers, so that the retry's
   loss-scale update and its result count an optimizer that skipped before the error;
 - ``_skipped_in_a_row``: how many fp16 steps in a row were skipped on inf/NaN gradients
-  (:data:`SKIPS_BEFORE_WARNING` of them warn once): only a step that succeeds changes it.
+  (:data:`SKIPS_BEFORE_WARNING` of them warn once): each skipped step adds 1, a step that
+  succeeds sets it back to 0, and nothing else changes it (a step that raises neither).
 
 ``_already_stepped`` and ``_skip_flags`` last until the next backward, ``mp.zero_grad()``,
 or a step that succeeds.
@@ -50,6 +51,7 @@ __all__ = [
     "StepBook",
     "after_backward",
     "check_step_call",
+    "end_backward",
     "fresh",
     "run_step",
     "unscale",
@@ -276,9 +278,19 @@ def zero_grad(
         )
     for model in models:
         model.zero_grad(set_to_none=set_to_none)
+    end_backward(book, scaler)
+
+
+def end_backward(book: StepBook, scaler: torch.amp.GradScaler | None) -> None:
+    """Drop the backward for every optimizer, as ``mp.zero_grad()`` does once it cleared the
+    gradients: no step may use it, and the scaler forgets every ``unscale_`` since it. Also
+    what loading another loss scale after ``mp.zero_grad(optimizer)`` does
+    (:func:`~trainperf.amp._state.load_into`): the gradients still held were scaled by the
+    old scale."""
     if scaler is not None:
         forget(scaler)
     book._backward_pending = False
     book._stepped = False
+    book._zeroed.clear()
     book._already_stepped.clear()
     book._skip_flags = []

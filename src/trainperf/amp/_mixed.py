@@ -524,9 +524,12 @@ class MixedPrecision:
                 run whose losses stayed inf/NaN, would skip every step: load
                 ``{**state, "scaler": None}`` to keep this one's scale), nothing loaded then,
                 or (``strict``) it carries a loss scale that this precision cannot use.
-            RuntimeError: (fp16) a loss scale loaded between :meth:`backward` and
-                :meth:`step`: the step would unscale the waiting gradients by it, not by
-                the scale they were scaled with. Load before the backward or after the step.
+            RuntimeError: (fp16) another loss scale than the one in use loaded between
+                :meth:`backward` and :meth:`step`: the step would unscale the waiting
+                gradients by it, not by the scale they were scaled with. Load before the
+                backward or after the step, or drop the waiting gradients first with
+                ``mp.zero_grad(optimizer)``: the load then ends that backward for every
+                optimizer (step none on it; clear the others' gradients too).
 
         Example:
             >>> mp = MixedPrecision("cpu", precision="fp32")

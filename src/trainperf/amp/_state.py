@@ -4,20 +4,25 @@ precision and the fp16 loss scale) and its pickle (everything but the models it 
 :func:`load_into` checks what ``load_state_dict`` is handed before it changes anything: a
 state dict that is not one (its keys, its precision, a loss scale from a run that had no
 scaler), a loss-scaler state that ``GradScaler.load_state_dict`` would load only half of (it
-sets the scale, then fails on the first missing key), and a loss scale loaded between
-``mp.backward`` and ``mp.step``, whose step would unscale the waiting gradients by the new
-scale instead of the one they were scaled by, and a loss scale no step can recover from (0,
-negative, inf or NaN: :func:`check_scale`). :func:`replace_state` loads without those last two
-refusals, for a caller that puts back the record of that backward too and the caller's own
-scale, however low it fell (``tune_batch_size`` between its probes).
+sets the scale, then fails on the first missing key), a loss scale no step can recover from
+(0, negative, inf or NaN: :func:`check_scale`), and another loss scale than the one in use
+loaded between ``mp.backward`` and ``mp.step``, whose step would unscale the waiting
+gradients by the new scale instead of the one they were scaled by (after
+``mp.zero_grad(optimizer)`` it loads, and ends that backward for every optimizer).
+
+While :func:`restoring` is entered (``tune_batch_size`` putting back the state it saved
+before its probes, after it reset each MixedPrecision's record of its backward, and before
+it puts that record back), any scale loads, however low the caller's own run let it fall.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,10 +38,10 @@ __all__ = [
     "check_scale",
     "check_scaler_state",
     "check_state",
+    "checked_state",
     "load_into",
-    "load_state",
     "pickled",
-    "replace_state",
+    "restoring",
     "state_of",
     "unpickled",
 ]
@@ -52,43 +57,83 @@ def state_of(mp: MixedPrecision) -> dict[str, Any]:
     }
 
 
+_RESTORING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "trainperf_amp_restoring", default=False
+)
+
+
+@contextlib.contextmanager
+def restoring() -> Iterator[None]:
+    """While the block runs, ``load_state_dict`` loads any loss scale, 0 too: for
+    ``tune_batch_size`` putting back the caller's own state, saved before its probes (a run
+    whose losses stayed inf/NaN halves its scale down to 0, in about 165 skipped steps),
+    through the MixedPrecision itself or an object of the caller's whose
+    ``load_state_dict`` loads it (``model=(model, train_state)``).
+
+    Example:
+        >>> scaler = torch.amp.GradScaler("cpu")
+        >>> state = {"precision": "fp16", "scaler": {**scaler.state_dict(), "scale": 0.0}}
+        >>> with restoring():
+        ...     checked_state(state, scaler, "fp16", strict=True)["scale"]
+        0.0
+    """
+    token = _RESTORING.set(True)
+    try:
+        yield
+    finally:
+        _RESTORING.reset(token)
+
+
+_MID_STEP = (
+    "MixedPrecision.load_state_dict() was called between mp.backward(loss) and "
+    "mp.step(optimizer) with another loss scale: the waiting gradients are scaled by "
+    "{now!r}, and the step would unscale them by the loaded {loaded!r} instead; load the "
+    "state before mp.backward(loss) or after mp.step(optimizer), or drop the waiting "
+    "gradients first with mp.zero_grad(optimizer) (each optimizer that backward gave "
+    "gradients to)"
+)
+"""The refusal of another loss scale between ``mp.backward`` and ``mp.step``."""
+
+
 def load_into(mp: MixedPrecision, state: Mapping[str, Any], *, strict: bool) -> None:
-    """:meth:`~trainperf.MixedPrecision.load_state_dict`: :func:`load_state`, refused
-    between ``mp.backward`` and ``mp.step``."""
-    load_state(state, mp.scaler, NAMES[mp.dtype], strict=strict, pending=mp._backward_pending)
+    """:meth:`~trainperf.MixedPrecision.load_state_dict`: :func:`checked_state`, then the
+    scale is loaded, unless it differs from the one in use while a backward waits for its
+    step: refused, or, once ``mp.zero_grad(optimizer)`` dropped that backward for an
+    optimizer, loaded and that backward ended for all
+    (:func:`~trainperf.amp._bookkeeping.end_backward`: its gradients still held were scaled
+    by the old scale)."""
+    scaler = mp.scaler
+    checked = checked_state(state, scaler, NAMES[mp.dtype], strict=strict)
+    if checked is None or scaler is None:
+        return
+    if mp._backward_pending and scaler.is_enabled() and _changes_scale(scaler, checked):
+        if not mp._zeroed:
+            raise RuntimeError(_MID_STEP.format(now=scaler.get_scale(), loaded=checked["scale"]))
+        _bookkeeping.end_backward(mp, scaler)
+    scaler.load_state_dict(checked)
 
 
-def replace_state(mp: MixedPrecision, state: Mapping[str, Any]) -> None:
-    """Load ``state`` (what :func:`state_of` returned for ``mp``) even between
-    ``mp.backward`` and ``mp.step``: for a caller that puts back ``mp``'s record of its
-    backward and steps, and the scaler's per-optimizer records, with it (``tune_batch_size``
-    restoring the state it saved before a probe), so that the scale and the gradients it
-    scaled come back together.
-
-    Any scale is put back, 0 too: ``state`` is the caller's own, saved before the probes,
-    and a run whose losses stayed inf/NaN halves its scale down to 0 (in about 165
-    skipped steps); tuning leaves it as it found it."""
-    load_state(state, mp.scaler, NAMES[mp.dtype], strict=True, pending=False, any_scale=True)
+def _changes_scale(scaler: torch.amp.GradScaler, checked: Mapping[str, Any]) -> bool:
+    """Loading ``checked`` would give ``scaler`` another loss scale than its own now."""
+    scale = checked["scale"]
+    number = isinstance(scale, numbers.Real) and not isinstance(scale, bool)
+    return not (number and float(scale) == scaler.get_scale())
 
 
-def load_state(
+def checked_state(
     state: Mapping[str, Any],
     scaler: torch.amp.GradScaler | None,
     in_use: str,
     *,
     strict: bool,
-    pending: bool = False,
-    any_scale: bool = False,
-) -> None:
-    """Load ``state``'s loss scale into ``scaler`` (None: the precision ``in_use`` has
-    none), after the checks of :func:`check_state`, :func:`check_scaler_state` and (unless
-    ``any_scale``) :func:`check_scale`; see :meth:`trainperf.MixedPrecision.load_state_dict`.
-    ``pending``: a backward, scaled by ``scaler``'s scale now, waits for its step (a scale
-    is then refused)."""
+) -> dict[str, Any] | None:
+    """The loss-scaler state in ``state`` to load into ``scaler`` (None: the precision
+    ``in_use`` has none), after :func:`check_state`, :func:`check_scaler_state` and (unless
+    :func:`restoring`) :func:`check_scale`; None when there is nothing to load."""
     check_state(state)
     saved = state["scaler"]
     if saved is None:
-        return  # nothing to restore; an fp16 run resumed from bf16 starts a fresh scale
+        return None  # nothing to restore; an fp16 run resumed from bf16 starts a fresh scale
     if scaler is None:
         if strict:
             raise ValueError(
@@ -96,20 +141,11 @@ def load_state(
                 f"MixedPrecision uses {in_use}, which has no scaler; pass strict=False to "
                 "drop it, or precision='fp16' to keep using it"
             )
-        return
+        return None
     checked = check_scaler_state(saved, scaler)
-    if scaler.is_enabled() and not any_scale:
+    if scaler.is_enabled() and not _RESTORING.get():
         check_scale(checked["scale"])
-    if pending and scaler.is_enabled():
-        raise RuntimeError(
-            "MixedPrecision.load_state_dict() was called between mp.backward(loss) and "
-            f"mp.step(optimizer): the waiting gradients are scaled by {scaler.get_scale()!r}, "
-            f"and the step would unscale them by the loaded scale "
-            f"({checked.get('scale')!r}) instead; load the state before "
-            "mp.backward(loss) or after mp.step(optimizer) (or drop the gradients first: "
-            "mp.zero_grad())"
-        )
-    scaler.load_state_dict(checked)
+    return checked
 
 
 def pickled(attributes: dict[str, Any]) -> dict[str, Any]:

@@ -246,8 +246,9 @@ def checked_batch(sample: Callable[[int], Any], n: int, batch_dim: int = 0) -> A
     Raises:
         ValueError: the batch does not hold ``n`` samples (the message names another
             dimension of size ``n``, and the ``batch_dim`` to pass, where there is one), it
-            is a DataLoader, or it is a one-shot iterator (a generator: every step after
-            the first would get nothing).
+            holds tensors but none with dimension ``batch_dim``, it is a DataLoader, or it
+            is a one-shot iterator (a generator: every step after the first would get
+            nothing).
 
     Example:
         >>> checked_batch(lambda n: torch.zeros(n, 2), 3).shape
@@ -269,6 +270,8 @@ def checked_batch(sample: Callable[[int], Any], n: int, batch_dim: int = 0) -> A
             f"which every step of that size reuses"
         )
     sizes = _path_sizes(batch, batch_dim=batch_dim)
+    if not sizes and batch_dim > 0:
+        _check_has_batch_dim(batch, n, batch_dim)
     if sizes and n not in sizes:
         raise ValueError(_wrong_size(n, sizes, batch_dim) + _other_dims(batch, n, batch_dim))
     if not sizes and isinstance(batch, list) and len(batch) != n:  # a list of other things
@@ -276,6 +279,30 @@ def checked_batch(sample: Callable[[int], Any], n: int, batch_dim: int = 0) -> A
             f"sample({n}) returned a list of {len(batch)} items; it must return n samples"
         )
     return batch
+
+
+def _check_has_batch_dim(batch: Any, n: int, batch_dim: int) -> None:
+    """Refuse a batch that holds tensors (or arrays) none of which has dimension
+    ``batch_dim``: its number of samples could not be checked at any size."""
+    shapes = _shapes(batch)
+    if shapes:
+        seen = ", ".join(str(list(shape)) for shape in shapes[:4])
+        raise ValueError(
+            f"batch_dim={batch_dim}, but no tensor in sample({n})'s batch has dimension "
+            f"{batch_dim} (shapes {seen}{', ...' if len(shapes) > 4 else ''}): pass the "
+            f"dimension that holds the samples (batch_dim=0 for (n, ...) tensors, 1 for "
+            f"sequence-first (seq_len, n, ...) ones)"
+        )
+
+
+def _shapes(obj: Any, depth: int = 0) -> list[tuple[int, ...]]:
+    """The shape of each tensor (or array) in a nested batch, in order."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return [tuple(int(k) for k in obj.shape)]
+    if depth > 8 or isinstance(obj, (str, bytes)) or not isinstance(obj, (Mapping, list, tuple)):
+        return []
+    values = obj.values() if isinstance(obj, Mapping) else obj
+    return [shape for v in values for shape in _shapes(v, depth + 1)]
 
 
 def _one_shot(batch: Any) -> bool:

@@ -38,7 +38,7 @@ from torch.optim import Optimizer
 
 from trainperf.amp import MixedPrecision
 from trainperf.amp._bookkeeping import fresh
-from trainperf.amp._state import replace_state
+from trainperf.amp._state import restoring
 from trainperf.batchsize._holders import owning_modules, parameters_of, state_holder
 
 __all__ = ["SavedState"]
@@ -135,12 +135,7 @@ def _put_back(m: nn.Module, name: str, plain: dict[str, Any]) -> None:
 def _load_state(obj: Any, state: Any, layout: Layout | None) -> None:
     if isinstance(obj, nn.Module):
         _match_buffer_shapes(obj, state)
-    if isinstance(obj, MixedPrecision):
-        # Its load_state_dict refuses a loss scale while a backward waits for its step (a
-        # probe's, stopped by an OOM): the record of that backward is put back after.
-        replace_state(obj, copy.deepcopy(state))
-    else:
-        obj.load_state_dict(copy.deepcopy(state))
+    obj.load_state_dict(copy.deepcopy(state))
     if layout:
         _restore_layout(obj, state, layout)
 
@@ -409,14 +404,26 @@ class SavedState:
         for m, name, buffer, _ in self.buffers:
             if buffer is None:  # before load_state_dict, which would expect its key
                 m._buffers[name] = None
-        for obj, state, layout in self.states:
-            try:
-                _load_state(obj, state, layout)
-            except Exception as e:  # the rest is still put back, then the first error raised
-                errors.append(e)
+        self._forget_probe_backwards()
+        with restoring():  # the caller's own loss scale comes back, 0 included
+            for obj, state, layout in self.states:
+                try:
+                    _load_state(obj, state, layout)
+                except Exception as e:  # the rest is still put back, then the first raised
+                    errors.append(e)
         self._restore_tensors()
         if errors:
             raise errors[0]
+
+    def _forget_probe_backwards(self) -> None:
+        """Give each saved MixedPrecision a fresh record, before any state is loaded: a
+        probe stopped by an out-of-memory error between ``mp.backward`` and ``mp.step``
+        (Adam allocating its moments in its first step) leaves a backward waiting, and
+        ``load_state_dict`` refuses another loss scale then, whether the MixedPrecision's
+        own or that of an object holding it (``model=(model, train_state)``). The saved
+        records are put back after the states (:meth:`_restore_tensors`)."""
+        for mp, _ in self.books:
+            mp.__dict__.update(fresh())
 
     def _restore_tensors(self) -> None:
         """Gradients, flags, modes, unsaved buffers and MixedPrecision/GradScaler flags."""

@@ -7,7 +7,10 @@ until a probe has seen a parameter move, :class:`TrainingCheck` watches each pro
 
 - during its warm-up steps (untimed), a hook on every parameter that requires a gradient
   says whether ``backward()`` computed one (a step that zeroes the gradients at its end
-  leaves none to see after it); the hooks are removed before the timed windows;
+  leaves none to see after it), and a step post-hook on every optimizer of the saved state
+  whether one stepped (at a learning rate of 0, a warm-up schedule's first value, a fused
+  optimizer's step changes no value and bumps no counter); the hooks are removed before
+  the timed windows;
 - around all its steps (:class:`Marks`, read once before and once after), each parameter's
   ``_version`` counter, which every in-place write bumps (an optimizer's update); its
   gradient, made or written to since (held by weak reference: the mark keeps no memory
@@ -22,10 +25,10 @@ What it concludes:
   once per few calls) or whose loss scaler skipped the optimizer step (inf gradients at the
   first, large scales) still makes gradients, and a frozen backbone still leaves its
   head's: none of them is refused;
-- gradients, but not one parameter moved over the whole search: the optimizer never
-  stepped (:func:`unstepped_note`). A warning and a note, not an error: a step that
-  accumulates over more calls than tuning ran, or whose loss scaler skipped every step,
-  would be refused wrongly.
+- gradients, but not one parameter moved nor one optimizer stepped over the whole search:
+  the optimizer never stepped (:func:`unstepped_note`). A warning and a note, not an error:
+  a step that accumulates over more calls than tuning ran, or whose loss scaler skipped
+  every step, would be refused wrongly.
 """
 
 from __future__ import annotations
@@ -95,12 +98,14 @@ class Marks:
             ``_version``.
         values: a few parameters, each with a host copy of a few of its values.
         hooked: a hook saw ``backward()`` compute a gradient.
+        stepped: a hook saw an optimizer's ``step`` end.
     """
 
     versions: list[int]
     grads: list[tuple[Any, int]]
     values: list[tuple[torch.Tensor, torch.Tensor]]
     hooked: bool = False
+    stepped: bool = False
 
 
 @dataclass
@@ -109,8 +114,11 @@ class TrainingCheck:
 
     Attributes:
         params: every parameter of the saved state.
+        optimizers: every optimizer of the saved state.
         backward_seen: a probe's steps made a gradient (or moved a parameter).
         moved_seen: a probe's steps moved a parameter: nothing is watched any more.
+        stepped_seen: a probe's steps stepped an optimizer (with gradients seen too,
+            nothing is watched any more).
         steps: the steps of the probes watched.
 
     Example:
@@ -129,8 +137,10 @@ class TrainingCheck:
     """
 
     params: Sequence[torch.Tensor]
+    optimizers: Sequence[torch.optim.Optimizer] = ()
     backward_seen: bool = False
     moved_seen: bool = False
+    stepped_seen: bool = False
     steps: int = 0
     _values_of: list[torch.Tensor] = field(default_factory=list, repr=False)
 
@@ -141,8 +151,9 @@ class TrainingCheck:
 
     @property
     def settled(self) -> bool:
-        """Nothing more to learn: no parameter to watch, or one moved already."""
-        return not self.params or self.moved_seen
+        """Nothing more to learn: no parameter to watch, or one moved already, or an
+        optimizer stepped and a gradient was made."""
+        return not self.params or self.moved_seen or (self.stepped_seen and self.backward_seen)
 
     def mark(self) -> Marks | None:
         """The marks before a probe; None once :attr:`settled`."""
@@ -157,7 +168,8 @@ class TrainingCheck:
     @contextlib.contextmanager
     def hooked(self, marks: Marks | None) -> Iterator[None]:
         """While the block runs, a gradient computed for any parameter that requires one
-        sets ``marks.hooked``; nothing is hooked once ``marks`` is None (settled)."""
+        sets ``marks.hooked``, and a step of any of :attr:`optimizers` ``marks.stepped``;
+        nothing is hooked once ``marks`` is None (settled)."""
         handles: list[RemovableHandle] = []
         try:
             if marks is not None and not marks.hooked:
@@ -166,6 +178,9 @@ class TrainingCheck:
                     if p.requires_grad:
                         with contextlib.suppress(RuntimeError):  # unhookable: other signs
                             handles.append(p.register_hook(seen))  # type: ignore[no-untyped-call]
+            if marks is not None:
+                stepped = functools.partial(_set_stepped, marks)
+                handles += [o.register_step_post_hook(stepped) for o in self.optimizers]
             yield
         finally:
             for handle in handles:
@@ -186,12 +201,18 @@ class TrainingCheck:
         self.steps += steps
         self.backward_seen = self.backward_seen or trained
         self.moved_seen = self.moved_seen or moved
+        self.stepped_seen = self.stepped_seen or marks.stepped
         return trained
 
 
 def _set_hooked(marks: Marks, grad: torch.Tensor) -> None:
     """A parameter's gradient hook: it leaves the gradient as it is."""
     marks.hooked = True
+
+
+def _set_stepped(marks: Marks, optimizer: Any, args: Any, kwargs: Any) -> None:
+    """An optimizer's step post-hook."""
+    marks.stepped = True
 
 
 def untrained_error(size: int, steps: int) -> ValueError:
@@ -213,19 +234,20 @@ def untrained_error(size: int, steps: int) -> ValueError:
 
 
 def unstepped_note(check: TrainingCheck) -> str | None:
-    """What the report says when the probes made gradients but never moved a parameter;
-    None otherwise.
+    """What the report says when the probes made gradients but never moved a parameter
+    nor stepped an optimizer; None otherwise.
 
     Example:
         >>> w = torch.nn.Parameter(torch.ones(3))
         >>> check = TrainingCheck([w], backward_seen=True, steps=40)
-        >>> unstepped_note(check)[:53]
-        'step made gradients but changed no parameter in the 4'
+        >>> unstepped_note(check)[:44]
+        'step made gradients but changed no parameter'
     """
     if check.settled or not check.backward_seen:
         return None
     return (
-        f"step made gradients but changed no parameter in the {check.steps} steps tuning ran: "
+        f"step made gradients but changed no parameter and stepped no optimizer in the "
+        f"{check.steps} steps tuning ran: "
         f"if it never calls optimizer.step(), the size chosen is too large (training also "
         f"holds the optimizer's state and runs its step); a step that accumulates gradients "
         f"over more calls, or whose loss scaler skipped every step, can ignore this"

@@ -221,8 +221,9 @@ def _notes(
 
 
 def _training_check(state: SavedState) -> TrainingCheck:
-    """What the probes' steps do to the saved parameters."""
-    return TrainingCheck([p for p, _ in state.flags])
+    """What the probes' steps do to the saved parameters and optimizers."""
+    optimizers = [o for o, _ in state.param_groups if isinstance(o, Optimizer)]
+    return TrainingCheck([p for p, _ in state.flags], optimizers)
 
 
 def _search(call: _Call) -> tuple[BatchSizeReport, bool]:
@@ -415,9 +416,10 @@ def tune_batch_size(
         ValueError: a bad argument (see :mod:`trainperf.batchsize._args`): neither
             ``model`` nor ``optimizer`` given, a lazy module not yet run; ``global_batch``
             not divisible by the world size, ``batch_dim`` not an int >= 0, or
-            ``sample(n)`` returning a batch of another size or a one-shot iterator (a
-            generator); ``step`` trained nothing it was given (no gradient made, no
-            parameter of ``model`` or ``optimizer`` changed, in a whole probe).
+            ``sample(n)`` returning a batch of another size, one whose tensors have no
+            dimension ``batch_dim``, or a one-shot iterator (a generator); ``step``
+            trained nothing it was given (no gradient made, no parameter of ``model`` or
+            ``optimizer`` changed, in a whole probe).
         TypeError: ``model`` or ``optimizer`` holds an object without ``state_dict`` and
             ``load_state_dict``; ``device`` has the wrong type.
         DeviceError: the device asked for is not available.
@@ -427,8 +429,9 @@ def tune_batch_size(
             error, after the state is restored.
 
     Warns:
-        UserWarning: ``step`` made gradients but changed no parameter in all the steps
-            tuning ran (no ``optimizer.step()``?); the report's notes say so too.
+        UserWarning: ``step`` made gradients but changed no parameter and stepped no
+            optimizer in all the steps tuning ran (no ``optimizer.step()``?); the report's
+            notes say so too.
 
     Example:
         >>> import torch
