@@ -45,6 +45,14 @@ def test_launch_all_gathers_even_when_main_destroyed_the_group(
     assert not dist.is_initialized()
 
 
+def _one_rank_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The variables torchrun gives the one rank of a one-process job."""
+    env = {**TORCHRUN, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="2")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
 def _returns_a_lambda() -> object:
     return lambda: 1
 
@@ -55,10 +63,7 @@ def test_a_value_launch_all_cannot_gather_is_refused_on_its_rank(
 ) -> None:
     # all_gather_object failed inside the gather ("Can't pickle local object"), leaving the
     # other ranks in it: gloo said "Connection reset by peer", NCCL waited for the timeout.
-    env = {**TORCHRUN, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="2")
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    _one_rank_job(monkeypatch)
     with pytest.raises(TypeError, match=r"main returned a value that cannot be pickled to gat"):
         ddp.launch_all(_returns_a_lambda, backend="gloo")
     assert not dist.is_initialized()
@@ -76,10 +81,7 @@ def test_a_clean_sys_exit_in_main_counts_as_returning_none_inside_a_job(
     # launch's own spawner counts sys.exit(0) as returning None; inside a job it was a
     # failure: SystemExit left launch_all, and the other ranks said "main failed on rank(s)
     # [1] ... raised SystemExit: 0".
-    env = {**TORCHRUN, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="2")
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    _one_rank_job(monkeypatch)
     assert ddp.launch_all(_exits, code, backend="gloo") == [None]
     assert ddp.launch(_exits, code, backend="gloo") is None
     with pytest.raises(SystemExit, match=r"^3$"):
@@ -100,10 +102,7 @@ def test_main_takes_keywords_named_like_the_wrappers_parameters_inside_a_job(
     # launch(train, watch=True) failed with "_watched() got multiple values for argument
     # 'watch'" (main ran under functools.partial(_watched, watch, main)), and main= with
     # "launch() got multiple values for argument 'main'".
-    env = {**TORCHRUN, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="2")
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    _one_rank_job(monkeypatch)
     given = {"watch": True, "main": 1, "fn": 2, "args": 3}
     assert ddp.launch(_keywords, backend="gloo", **given) == given
     assert ddp.launch_all(_keywords, backend="gloo", **given) == [given]
@@ -317,10 +316,7 @@ def test_an_nprocs_the_running_job_ignores_is_warned_about_once(
 ) -> None:
     # A launch() inside a launched rank (or under torchrun) runs main in this process: an
     # explicit nprocs=3 was silently ignored, and the caller believed 3 ranks had run.
-    env = {**TORCHRUN, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="2")
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    _one_rank_job(monkeypatch)
     monkeypatch.setattr(_launch_checks, "_warned_ignored_nprocs", [False])
     with pytest.warns(UserWarning) as caught:
         assert ddp.launch(operator.add, 2, 3, nprocs=3, backend="gloo") == 5
