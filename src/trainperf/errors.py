@@ -19,50 +19,60 @@ Which condition maps to which type, everywhere in the package:
 
 - ``DeviceError``: CUDA or MPS asked for but not available (or ``resolve_device(None,
   allowed=...)`` finding no allowed device where the CPU is not allowed), a CUDA index past
-  the visible GPUs, fewer GPUs than asked for (``select_gpus``), CUDA already initialised
-  where it must not be (``select_gpus``, ``launch(start_method="fork")``), NVML refusing
-  access or failing,
-  a function that needs a CUDA GPU run without one (``bench_h2d``,
-  ``bench_matmul(dtype="tf32")``), bf16 on a GPU below compute capability 8.0 (``amp``,
-  ``bench_matmul``), a precision the device cannot run (``bench_model``).
+  the visible GPUs, fewer GPUs than asked for (``select_gpus``), CUDA or its driver already
+  started where it must not be (``select_gpus`` after ``torch.cuda.is_available()`` too,
+  ``launch(start_method="fork")``), ranks of one node sharing the single GPU each sees under
+  torchrun/SLURM with NCCL, NVML refusing access or failing, a function that needs a CUDA GPU
+  run without one (``bench_h2d``, ``bench_matmul(dtype="tf32")``), bf16 on a GPU below
+  compute capability 8.0 (``MixedPrecision``, ``bench_matmul``), a precision the device
+  cannot run (``bench_model``).
 - ``DeviceMismatchError``: ``check_same_device`` found more than one device.
 - ``CheckpointError``: a save failed (the object cannot be serialised, disk full, no
   permission, ``path`` is a directory, a path component is a file or a dangling link, a loop
   of symbolic links, the directory cannot be flushed), a ``Checkpointer``'s background write
-  failed (raised by the next ``save``/``wait``/``restore``), rank 0 failed a collective save,
-  or a load failed in a way none of the subclasses names.
+  failed (raised by the next ``save``/``wait``/``restore``), rank 0 failed a
+  ``distributed=True`` save or a rank never joined one, a load failed in a way none of the
+  subclasses names (the cause is chained), or, under a process group, ``Checkpointer.restore``
+  on every other rank when one rank cannot list, read or load the agreed step (naming that
+  rank and its error), or on some ranks only once the group's timeout passes.
 - ``LaunchError``: a worker raised, exited non-zero or died by a signal (the first failing
-  rank and its traceback), the explicit ``MASTER_PORT`` cannot be bound, the rendezvous
-  store cannot start, or, under spawn, the script calls ``launch`` without the
-  ``if __name__ == "__main__":`` guard, its re-import in a worker fails, or the worker cannot
-  import ``main``'s module; under torchrun/SLURM, ``launch_all`` waited ``timeout`` for
-  another rank to return from ``main`` (the message names it) or lost the store that gathers
-  the values.
+  rank and its traceback; ranks that called different collectives are named), the explicit
+  ``MASTER_PORT`` cannot be bound, the rendezvous store cannot start, or, under spawn, a
+  worker could not start (no ``if __name__ == "__main__":`` guard, the script's top level
+  failing when a worker imports it again, ``main``'s module not importable in a new
+  interpreter: the worker's own traceback is in the message); under torchrun/SLURM,
+  ``launch_all`` waited ``timeout`` for another rank to return from ``main`` (the message
+  names it) or lost the store that gathers the values.
 - ``HangError``: ``launch(hang_timeout=...)`` saw no progress on any rank for
   ``hang_timeout`` seconds; the message names the rank(s) that caused it, their file:line,
-  and what the others wait in (``.report`` holds it all).
+  and what the others wait in (``.report`` holds it all; its ``to_dict()`` is JSON).
 - ``ValueError``: an argument's value is out of range or not one of the choices (every
   "must be an int >= 1" check, device strings, option names); a launcher environment variable
   that is malformed or contradicts another (``RANK`` >= ``WORLD_SIZE``, ``SLURM_NODEID`` past
   ``SLURM_TASKS_PER_NODE``); inputs that do not fit together (a ``.safetensors`` path with
   non-tensor values, state-dict keys that collide once prefixes are removed, no tensor to
-  check, a ``main`` that spawned workers cannot import); an ``nprocs`` the host cannot hold
-  (more than 4 gloo ranks per usable CPU, or ranks whose projected memory does not fit); a
-  signal name ``preemption()`` does not know or cannot catch.
+  check, a ``main`` that spawned workers cannot import, a ``tune_batch_size`` step that trains
+  nothing or a ``batch_dim`` no tensor in the batch has, a loss ``mp.backward`` cannot take, a
+  saved fp16 loss scale that is 0, negative, inf or NaN); an ``nprocs`` the host cannot hold
+  (more than 4 gloo ranks per usable CPU, or ranks whose projected memory does not fit; under
+  torchrun/SLURM with NCCL, more ranks on a node than visible GPUs); a signal name
+  ``preemption()`` does not know or cannot catch.
 - ``TypeError``: an argument of the wrong type (``device=None`` where there is no default
-  device, a non-module to ``unwrap_model``, a non-callable ``main``), or a container
-  ``to_device`` cannot rebuild.
+  device, a non-module to ``unwrap_model``, a non-callable ``main``, arguments ``main``'s
+  signature cannot take in ``launch``, a non-iterable ``w.iter()``), or a container holding
+  tensors to move that ``to_device`` cannot rebuild.
 - ``AttributeError``: ``trainperf.<name>`` for a name the package does not export (as for
   any module; each name it does export loads its subpackage on first use).
 - ``ModuleNotFoundError``: an optional extra is not installed; the message names the function
   and the ``pip install`` that fixes it. ``ImportError``: it is installed but cannot be used
   (DALI that fails to import or is too old).
 - ``RuntimeError``: an object used out of order (a ``Watch`` entered twice or used outside its
-  ``with``, a closed image loader, ``MixedPrecision.step()`` without ``mp.backward``,
-  ``ddp.watchdog()`` before ``init_process_group``, ``Checkpointer.preemption()`` entered
-  twice or outside the main thread), or the user's data or code failing
-  inside a trainperf run (the dataset or ``step_fn`` raising in ``tune_loader``, an image
-  that cannot be decoded, a DALI pipeline that failed).
+  ``with``, a closed image loader, ``MixedPrecision.step()`` or ``unscale_()`` without
+  ``mp.backward``, ``MixedPrecision.load_state_dict`` of another fp16 loss scale between
+  ``mp.backward`` and ``mp.step``, ``ddp.watchdog()`` before ``init_process_group``,
+  ``Checkpointer.preemption()`` entered twice or outside the main thread), or the user's data
+  or code failing inside a trainperf run (the dataset or ``step_fn`` raising in
+  ``tune_loader``, an image that cannot be decoded, a DALI pipeline that failed).
 - ``NotImplementedError``: this PyTorch build lacks a kernel ``bench_model`` needs (a
   half-precision kernel on the CPU in some builds); the abstract methods of the image-loader
   base class.
@@ -70,16 +80,22 @@ Which condition maps to which type, everywhere in the package:
   file. ``OSError`` (``IsADirectoryError`` and ``FileExistsError`` included): a
   file-system failure outside checkpoints (the tuning cache: a write-protected cache file is
   ``PermissionError``, not replaced; a named pipe or device at its path is
-  ``FileExistsError``), a checkpoint file that cannot be read, a ``Checkpointer`` directory
-  that cannot be listed, or the OS refusing to start a worker process.
+  ``FileExistsError``), a checkpoint file that cannot be read (EIO, EACCES: the file may be
+  fine; ``Checkpointer.restore`` stops rather than fall back), a ``Checkpointer`` directory
+  that cannot be listed (EACCES, EMFILE, EIO; the message names it and what to check), or the
+  OS refusing to start a worker process.
 - ``MemoryError``: host memory ran out while ``load_checkpoint`` (or ``Checkpointer.restore``)
-  read a file: not the file's fault, so not a ``CheckpointCorruptError``.
+  read a file: not the file's fault, so not a ``CheckpointCorruptError``; the message gives
+  the file's size and what to try.
 - ``torch.OutOfMemoryError``: GPU memory ran out while ``load_checkpoint`` (or
-  ``Checkpointer.restore``) loaded a file onto a GPU; the message names the file and the fix.
+  ``Checkpointer.restore``) loaded a file onto a GPU: not the file's fault, so not a
+  ``CheckpointCorruptError``; the message names the file, its size and the fix
+  (``device="cpu"``, or free GPU memory).
 - ``KeyboardInterrupt`` / ``SystemExit``: SIGINT / SIGTERM reached ``launch`` (re-raised after
   every worker was stopped; ``SystemExit(143)`` for SIGTERM, once the ranks exited within
-  ``grace_s`` or were killed). The CLI exits with
-  ``SystemExit`` (status 2 for a bad command line, as argparse does).
+  ``grace_s`` or were killed). The CLI exits with ``SystemExit`` (status 2 for a bad command
+  line, as argparse does); Ctrl-C in the CLI is one line and status 130, a closed output pipe
+  status 141, not a traceback.
 
 The list is checked against the source by ``tests/test_errors.py``; ``docs/errors.md`` holds
 the same table.
