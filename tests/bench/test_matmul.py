@@ -144,9 +144,13 @@ def test_a_cpu_run_past_the_free_host_memory_is_refused_before_filling_it(
     limits = common_module.host_limits()
     small = dataclasses.replace(limits, memory_available=8 * 2**20)
     monkeypatch.setattr(common_module, "host_limits", lambda: small)
-    with pytest.raises(MemoryError, match=r"^bench_matmul\(size=1024\): three 1024x1024 fp32 "
-                       r"matrices need 12 MiB of host memory, and 8 MiB is available"):  # fmt: skip
+    needs = r"matrices need 12 MiB of host memory, and 8 MiB is available"
+    with pytest.raises(
+        MemoryError, match=rf"^bench_matmul\(size=1024\): three 1024x1024 fp32 {needs}"
+    ) as caught:
         bench_matmul("fp32", size=1024, iterations=1, device="cpu")
+    # Before: "use a smaller size", which the CLI could not turn into its --size option.
+    assert str(caught.value).endswith("): use a smaller size (e.g. size=512)")
     assert bench_matmul("fp32", size=512, iterations=1, device="cpu").size == 512
 
 

@@ -324,7 +324,7 @@ def test_a_cpu_matmul_past_the_free_host_memory_is_skipped_in_the_options_words(
     reason = (
         "out of memory: --size 1024: three 1024x1024 fp32 matrices need 12 MiB of host memory, "
         "and 8 MiB is available (it would swap, or the kernel would kill the process): use a "
-        "smaller size"
+        "smaller size (e.g. --size 512)"  # before: "a smaller size", not the option to set
     )
     assert code == 1 and "Traceback" not in err and out == f"fp32: skipped: {reason}\n"
 

@@ -1252,6 +1252,62 @@ def test_a_thread_takes_over_the_steps_once_the_stepping_thread_has_ended() -> N
     assert w.report().steps == 6
 
 
+class _ReusedIdents:
+    """``threading`` as the watch's modules see it, with Python reusing an ended thread's
+    ``get_ident()`` for the next thread started (as it often does): ``"epoch-2"`` gets
+    ``first``, the ident ``"epoch-1"`` had."""
+
+    def __init__(self) -> None:
+        self.first: int | None = None
+
+    def get_ident(self) -> int:
+        reused = threading.current_thread().name == "epoch-2" and self.first is not None
+        return self.first if reused else threading.get_ident()  # type: ignore[return-value]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(threading, name)
+
+
+def test_a_thread_reusing_an_ended_steppers_ident_still_takes_over_the_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: the watch told threads apart by get_ident(), which Python reuses once a thread
+    # has ended: epoch 2's thread, given epoch 1's ident, never took the steps over, so its
+    # prefetch thread's waits went unnoticed into the report's data wait.
+    import trainperf.monitor._watch as watch_module
+    import trainperf.monitor._watch_iter as iter_module
+    import trainperf.monitor._watch_report as report_module
+    import trainperf.monitor._watch_steps as steps_module
+
+    idents = _ReusedIdents()
+    for module in (watch_module, iter_module, report_module, steps_module):
+        monkeypatch.setattr(module, "threading", idents)
+
+    def epoch_2() -> None:
+        w.step(samples=1)  # this thread now steps the watch
+        prefetch = threading.Thread(target=lambda: list(w.iter([torch.zeros(2, 1)] * 3)))
+        prefetch.name = "prefetch"
+        prefetch.start()
+        prefetch.join(30)
+        w.step()
+
+    def epoch_1() -> None:
+        idents.first = threading.get_ident()
+        for _ in range(2):
+            w.step(samples=1)
+
+    w = watch(device="cpu", warmup_steps=0).start()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _in_thread(epoch_1, "epoch-1") is None
+        assert _in_thread(epoch_2, "epoch-2") is None
+    report = w.stop()
+    mine = [str(x.message) for x in caught if "w.iter()" in str(x.message)]
+    assert len(mine) == 1 and "thread 'prefetch' while thread 'epoch-2' steps" in mine[0]
+    assert report.wait_fraction is None
+    assert report.setup.prefetch_thread == "prefetch"
+
+
 def _prefetched_loop(w: Watch, *, first_step_before: bool) -> None:
     """A loop fed through a queue by a prefetch thread that iterates ``w.iter(loader)``."""
     import queue
@@ -1293,6 +1349,7 @@ def test_batches_taken_in_a_prefetch_thread_warn_once_and_leave_the_wait_unmeasu
     assert report.wait_fraction is None
     assert report.verdict.kind != "input-bound"
     assert "w.iter() ran in thread 'prefetch'" in report.verdict.reasons[-1]
+    assert sum("'prefetch'" in r for r in report.verdict.reasons) == 1  # said once
     assert sum(s.samples or 0 for s in report.timeline) == 4 * (12 + first_step_before)
     # Every text gives the cause that applies: not "wrap the loader", never "never was".
     assert report.setup.prefetch_thread == "prefetch"

@@ -9,6 +9,7 @@ prints.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -87,7 +88,7 @@ def check_tensor_bytes(call: str, what: str, numel: int, dtype: torch.dtype, fix
         )
 
 
-def check_host_memory(call: str, what: str, nbytes: int, fix: str) -> None:
+def check_host_memory(call: str, what: str, nbytes: int, fix: str | Callable[[int], str]) -> None:
     """Raise ``MemoryError`` where ``nbytes`` of host memory are more than this process can
     still allocate (``host_limits().memory_available``, a cgroup limit included), before
     filling them swaps the host or gets the process killed by the kernel, without a message.
@@ -96,7 +97,8 @@ def check_host_memory(call: str, what: str, nbytes: int, fix: str) -> None:
         call: the call and the value at fault, e.g. ``"bench_matmul(size=100000)"``.
         what: the buffers, e.g. ``"three 100000x100000 fp32 matrices"``.
         nbytes: their bytes.
-        fix: what to do instead.
+        fix: what to do instead, or a function of the bytes available that says it (a
+            size that fits).
 
     Raises:
         MemoryError: ``nbytes`` is more than the memory available.
@@ -106,6 +108,7 @@ def check_host_memory(call: str, what: str, nbytes: int, fix: str) -> None:
     """
     available = host_limits().memory_available
     if nbytes > available:
+        fix = fix(available) if callable(fix) else fix
         raise MemoryError(
             f"{call}: {what} need {format_bytes(nbytes)} of host memory, and "
             f"{format_bytes(available)} is available (it would swap, or the kernel would kill "

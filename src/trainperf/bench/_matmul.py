@@ -8,6 +8,7 @@ restored after each run.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -100,6 +101,35 @@ class MatmulResult:
             ('fp32', True)
         """
         return result_dict(self)
+
+
+def _check_host_memory_for(dtype: str, size: int) -> None:
+    """Refuse a CPU run whose three matrices (a, b and out) need more host memory than is
+    available, naming a size that fits.
+
+    Raises:
+        MemoryError: they do not fit.
+    """
+    per_element = 3 * _TORCH_DTYPES[dtype].itemsize
+
+    def fix(available: int) -> str:
+        # size=<n> is what trainperf.cli rewrites as --size <n>.
+        return f"use a smaller size (e.g. size={_size_that_fits(available, per_element)})"
+
+    what = f"three {size}x{size} {dtype} matrices"
+    check_host_memory(f"bench_matmul(size={size})", what, size * size * per_element, fix)
+
+
+def _size_that_fits(available: int, per_element: int) -> int:
+    """The largest power of two ``n`` whose ``n*n`` elements of ``per_element`` bytes fit in
+    ``available`` bytes (1 where none does).
+
+    Example:
+        >>> _size_that_fits(8 * 2**20, 12)  # three fp32 matrices in 8 MiB: 836x836 at most
+        512
+    """
+    largest = math.isqrt(available // per_element)
+    return 1 << max(0, largest.bit_length() - 1)
 
 
 def _check_dtype_on(dtype: str, device: torch.device) -> tuple[str, ...]:
@@ -232,10 +262,8 @@ def bench_matmul(
         f"use a smaller size (e.g. size={CUDA_DEFAULT_SIZE}, the default on a GPU)",
     )
     notes = _check_dtype_on(dtype, dev)
-    if dev.type == "cpu":  # a, b and out
-        nbytes = 3 * size * size * _TORCH_DTYPES[dtype].itemsize
-        what = f"three {size}x{size} {dtype} matrices"
-        check_host_memory(f"bench_matmul(size={size})", what, nbytes, "use a smaller size")
+    if dev.type == "cpu":
+        _check_host_memory_for(dtype, size)
     seconds = _seconds_per_product(dtype, size, iterations, warmup, dev)
     tflops = 2 * size**3 / seconds / 1e12
     name = gpu_name(dev)

@@ -71,6 +71,7 @@ __all__ = [
     "SAWTOOTH_MIN_STDEV",
     "SAWTOOTH_WAIT",
     "STALL_SHARE",
+    "UNMEASURED",
     "Figures",
     "compute_bound",
     "cpu_share",
@@ -95,6 +96,8 @@ MIN_STEPS = 5  # measured steps needed for a verdict
 GPU_IDLE_UTIL = 5.0  # percent
 GPU_STARVED = 0.5  # busy share under which saturated CPUs make the loop host-bound
 STALL_SHARE = 0.1  # share of run time lost to periodic stalls that makes them the verdict
+# How a reason that explains an unmeasured data wait begins (the watch adds none then).
+UNMEASURED = "data waiting was not measured"
 
 _FIXES: dict[str, str] = {
     "input-bound": (
@@ -186,11 +189,11 @@ def _unmeasured_reason(f: Figures) -> str:
     thread = f.setup.prefetch_thread
     if thread is None:
         return (
-            "data waiting was not measured: w.step() was called but w.iter() never was, so "
-            "the time spent fetching each batch counts as step time"
+            f"{UNMEASURED}: w.step() was called but w.iter() never was, so the time spent "
+            "fetching each batch counts as step time"
         )
     return (
-        f"data waiting was not measured: w.iter() ran in thread {thread!r} (a prefetch "
+        f"{UNMEASURED}: w.iter() ran in thread {thread!r} (a prefetch "
         "thread), not in the loop's, so the loop's own wait for each batch counts as step time"
     )
 
@@ -424,7 +427,7 @@ def cpus_held_by_others(f: Figures) -> Verdict | None:
         f"other processes hold the host's CPUs: the host is {f.host_cpu:.0f}% busy while "
         f"this process and its workers use {tree:.0%} of the {f.cpus} usable CPUs",
         (
-            _wait_reason(f) if f.wait_measured else "data waiting was not measured: " + _how(f),
+            _wait_reason(f) if f.wait_measured else f"{UNMEASURED}: {_how(f)}",
             "on a saturated host a step slowed by other processes cannot be told from a "
             "compute-bound one",
         ),

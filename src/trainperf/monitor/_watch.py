@@ -142,7 +142,9 @@ class Watch:
         self._lock = threading.RLock()
         self._writing = False  # a step is being appended (a report then reads what is whole)
         self._trimming = False  # the oldest steps are being dropped (a report reads none)
-        self._loop_thread: int | None = None  # the starting thread's, then the stepper's
+        # Threads are told apart as objects (`is`), never by get_ident(): Python gives an
+        # ended thread's ident to the next one, and a thread per epoch would then look like one.
+        self._loop_thread: threading.Thread | None = None  # the starting thread, then the stepper
         self._stepper: threading.Thread | None = None  # the thread that steps (claim_steps)
         self._fetcher: threading.Thread | None = None  # another that took batches before it
         # (thread iterating w.iter(), thread stepping) once they differ: see wait_elsewhere.
@@ -251,7 +253,7 @@ class Watch:
             raise
 
     def _start_sampling(self) -> None:
-        self._loop_thread = threading.get_ident()  # until a step says otherwise
+        self._loop_thread = threading.current_thread()  # until a step says otherwise
         self._cpus = _rank_cpus()
         self._saves_before = _background_saves()
         weakref.finalize(self, self._clock.close)
@@ -401,7 +403,7 @@ class Watch:
         try:
             return build_report(self)
         finally:
-            if self._state == "running" and threading.get_ident() == self._loop_thread:
+            if self._state == "running" and threading.current_thread() is self._loop_thread:
                 # Made inside the loop: its time is not the step's (nor a periodic stall).
                 index = self._first + len(self._ends)  # the step under way
                 spent = time.perf_counter() - began

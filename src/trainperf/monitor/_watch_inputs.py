@@ -16,7 +16,7 @@ from trainperf.monitor._figures import SAWTOOTH_WAIT, Figures
 from trainperf.monitor._handover import measure_handover
 from trainperf.monitor._probe import background_saves, loader_facts
 from trainperf.monitor._records import LoaderChange, Sample, StepRecord
-from trainperf.monitor._rules import MIN_STEPS
+from trainperf.monitor._rules import MIN_STEPS, UNMEASURED
 from trainperf.monitor._save_cost import with_save_cost
 from trainperf.monitor._setup import LoopSetup
 from trainperf.monitor._verdict import Verdict
@@ -52,13 +52,17 @@ def shared_cpu_noted(report: WatchReport) -> WatchReport:
 
 def wait_elsewhere_noted(report: WatchReport, fetcher: str, stepper: str) -> WatchReport:
     """``report`` with its verdict saying why the data wait was not measured although the
-    loop used ``w.iter()``: thread ``fetcher`` iterated it while ``stepper`` stepped."""
+    loop used ``w.iter()``: thread ``fetcher`` iterated it while ``stepper`` stepped. A
+    verdict whose reasons already say why (compute-bound, held CPUs: they name the prefetch
+    thread from ``LoopSetup.prefetch_thread``) is left as it is: one explanation, not two."""
+    v = report.verdict
+    if any(r.startswith(UNMEASURED) for r in v.reasons):
+        return report
     why = (
         f"w.iter() ran in thread {fetcher!r}, not in {stepper!r} that steps the watch (a "
         f"prefetch thread): its wait for each batch overlapped the steps, so the loop's own "
         f"wait was not measured; wrap what {stepper!r} iterates: for batch in w.iter(prefetcher)"
     )
-    v = report.verdict
     return dataclasses.replace(report, verdict=dataclasses.replace(v, reasons=(*v.reasons, why)))
 
 

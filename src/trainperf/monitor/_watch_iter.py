@@ -75,7 +75,7 @@ class _Timed(Iterator[T]):
         w = self._watch
         own = (
             w._state != "running"
-            or threading.get_ident() == w._loop_thread
+            or threading.current_thread() is w._loop_thread
             or not _taken_elsewhere(w)
         )
         clock, cpu = time.perf_counter, time.thread_time

@@ -32,7 +32,7 @@ __all__ = ["build_report"]
 
 def build_report(w: Watch) -> WatchReport:
     """The report on the steps ``w`` logged so far (see :meth:`Watch.report`)."""
-    running_here = threading.get_ident() == w._loop_thread
+    running_here = threading.current_thread() is w._loop_thread
     elsewhere = w._state == "running" and not running_here
     # Outside the lock: the loop steps on meanwhile; the report ends where the wait began.
     limit = wait_for_logged(w) if w._cuda and elsewhere else None

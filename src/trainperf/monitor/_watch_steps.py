@@ -42,7 +42,7 @@ def record_step(w: Watch, now: float, samples: int | None) -> None:
         RuntimeError: another thread, still alive, stepped this watch first (see
             :func:`claim_steps`).
     """
-    if threading.get_ident() != w._loop_thread or w._stepper is None:
+    if threading.current_thread() is not w._loop_thread or w._stepper is None:
         claim_steps(w)
     with w._lock:
         w._writing = True
@@ -76,7 +76,7 @@ def claim_steps(w: Watch) -> None:
                 "only, or give each thread its own trainperf.watch()"
             )
         w._stepper = me
-        w._loop_thread = me.ident
+        w._loop_thread = me
         fetcher, w._fetcher = w._fetcher, None
     if owner is None and fetcher is not None and fetcher is not me:
         # Batches w.iter() timed before this first step were taken in another thread.
