@@ -264,3 +264,104 @@ def test_a_sampler_shuffling_with_generators_of_its_own_resumes_exactly(
     got = _own_shuffled(tmp_path / "run", kind, stop=stop)
     got += _own_shuffled(tmp_path / "run", kind)
     assert got == reference
+
+
+class _Augmenting(torch.utils.data.Dataset[tuple[int, float]]):
+    """A dataset that augments from a generator of its own, in ``__getitem__``."""
+
+    def __init__(self, kind: str) -> None:
+        self.rng: Any = {
+            "torch": torch.Generator().manual_seed(0),
+            "numpy Generator": np.random.default_rng(0),
+            "numpy RandomState": np.random.RandomState(0),
+            "random.Random": random.Random(0),
+        }[kind]
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> tuple[int, float]:
+        if isinstance(self.rng, torch.Generator):
+            return i, float(torch.rand(1, generator=self.rng))
+        return i, float(self.rng.random())
+
+
+def _augmented(directory: Path, kind: str, *, stop: int | None = None) -> list[Any]:
+    """12 batches (3 passes of 5, 4 samples each) of indices and augmentations from an
+    :class:`_Augmenting` dataset loaded in this process, or those until a save at ``stop``."""
+    loader = DataLoader(_Augmenting(kind), batch_size=4, shuffle=True)
+    ck = Checkpointer(directory)
+    step = ck.restore({"loader": loader})
+    out: list[Any] = []
+    while step < 12:
+        for index, noise in loader:
+            out.append((index.tolist(), noise.tolist()))
+            step += 1
+            if step == stop:
+                ck.save({"loader": loader}, step=step)
+                return out
+            if step == 12:
+                return out
+    return out
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy Generator", "numpy RandomState", "random.Random"])
+@pytest.mark.parametrize("stop", [3, 5])  # in the middle of the first pass, and at its end
+def test_a_dataset_augmenting_with_generators_of_its_own_resumes_exactly(
+    tmp_path: Path, kind: str, stop: int
+) -> None:
+    # Before: only the global generators and the sampler's were saved, so a dataset that
+    # augments from its own generator started it again from its seed after a resume.
+    torch.manual_seed(0)
+    reference = _augmented(tmp_path / "ref", kind)
+    torch.manual_seed(0)
+    got = _augmented(tmp_path / "run", kind, stop=stop)
+    got += _augmented(tmp_path / "run", kind)
+    assert got == reference
+
+
+@pytest.mark.parametrize("owns", ["none", "another kind"])
+def test_a_dataset_with_other_generators_than_the_saved_ones_warns(
+    tmp_path: Path, owns: str
+) -> None:
+    loader = DataLoader(_Augmenting("torch"), batch_size=4)
+    ck = Checkpointer(tmp_path)
+    ck.restore({"loader": loader})
+    ck.save({"loader": loader}, step=1)
+    dataset: Any = list(range(20)) if owns == "none" else _Augmenting("numpy Generator")
+    resumed = DataLoader(dataset, batch_size=4)
+    with pytest.warns(UserWarning, match=r"dataset owns [01] random generators, the checkpoint 1"):
+        ck.restore({"loader": resumed})
+    if owns == "another kind":  # left as it was
+        assert dataset.rng.random() == np.random.default_rng(0).random()
+    first = next(iter(resumed))
+    assert (first if owns == "none" else first[0]).tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("generator", [False, True])
+def test_a_pass_saved_before_its_first_batch_resumes_with_that_pass(
+    tmp_path: Path, generator: bool
+) -> None:
+    # Before: the pass's iterator had drawn its workers' base seed before the save, but its
+    # sampler had not drawn yet, so the resumed run drew the seed again and shuffled otherwise.
+    def make() -> DataLoader[Any]:
+        gen = torch.Generator().manual_seed(3) if generator else None
+        return DataLoader(list(range(20)), batch_size=4, shuffle=True, generator=gen)
+
+    torch.manual_seed(0)
+    straight = make()
+    Checkpointer(tmp_path / "ref").restore({"loader": straight})
+    reference = [_batches(straight) for _ in range(3)]
+    torch.manual_seed(0)
+    first = make()
+    ck = Checkpointer(tmp_path / "run")
+    ck.restore({"loader": first})
+    got = [_batches(first)]
+    it = iter(first)  # the second pass begins: nothing taken from it yet
+    ck.save({"loader": first}, step=5)
+    del it
+    torch.manual_seed(99)
+    resumed = make()
+    assert Checkpointer(tmp_path / "run").restore({"loader": resumed}) == 5
+    got += [_batches(resumed) for _ in range(2)]
+    assert got == reference

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -288,3 +289,23 @@ def test_tracking_keeps_the_loaders_own_class_and_attributes() -> None:
     loader.set_epoch(2)
     assert loader.epoch == 2 and len(loader) == 10
     assert [len(_values(b)) for b in loader] == [4] * 10
+
+
+@pytest.mark.parametrize("cls", [DataLoader, TunedDataLoader])
+def test_a_tracked_loader_pickles_and_its_copy_is_tracked_on_its_own(cls: type) -> None:
+    # Before: pickle refused the tracked class ("not the same object as DataLoader"), and a
+    # deepcopy's sampler wrapper still pointed at the original, so iterating the copy took
+    # the original's pending resume and overwrote its record of the pass.
+    torch.manual_seed(0)
+    loader = cls(DATA, batch_size=4, shuffle=True)
+    track(loader)
+    it = iter(loader)
+    next(it), next(it)
+    state = copy.deepcopy(loader_state(loader))
+    del it
+    restore_loader(loader, state, "loader")
+    for twin in (pickle.loads(pickle.dumps(loader)), copy.deepcopy(loader)):
+        assert type(twin) is type(loader)
+        rest = [_values(b) for b in twin]
+        assert len(rest) == 8  # the copy resumes the pass too
+    assert [_values(b) for b in loader] == rest  # the original's resume is still its own

@@ -8,7 +8,10 @@ started and the batches handed out in the current pass. When a pass's sampler st
 drawing, the states it draws from are recorded: torch's global generator (``RandomSampler``
 without a generator seeds itself from it), every generator (torch, NumPy, ``random.Random``)
 and ``epoch`` attribute along the sampler chain (``BatchSampler.sampler``,
-``DistributedSampler.epoch``); :mod:`._sampler_states` reads and puts them back.
+``DistributedSampler.epoch``); :mod:`._sampler_states` reads and puts them back. The
+generators the loader's dataset owns (``self.rng``, found as the tuner finds them:
+:func:`trainperf._utils.rng.dataset_generators`) are saved as they are at the checkpoint and
+put back, so augmentation drawn from them in this process goes on as it would have.
 
 On restore, the next pass replays the interrupted one: the recorded states are put back just
 while its sampler draws, so it yields the same order, and the first ``position`` batches of
@@ -37,7 +40,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from trainperf._utils.rng import dataset_generators
 from trainperf._utils.stack import user_stacklevel
+from trainperf.checkpoint._rng import generator_state, set_generator_state
 from trainperf.checkpoint._sampler_states import (
     SamplerStates,
     replaying,
@@ -55,7 +60,7 @@ _TRACKER = "_trainperf_tracker"
 class _Resume:
     passes: int
     position: int
-    start: SamplerStates
+    start: SamplerStates | None  # None: the pass's sampler had not drawn yet
 
 
 @dataclass
@@ -98,7 +103,7 @@ class _IndexSampler:
         gen = loader.generator
         del loader
         resume, tracker.resume = tracker.resume, None
-        if resume is None:
+        if resume is None or resume.start is None:
             # Read now, at the first pull, the moment the inner sampler draws its order.
             tracker.start = SamplerStates.read(chain, gen)
             yield from self.inner
@@ -219,6 +224,9 @@ def _tracked_class(cls: type) -> type:
         def _index_sampler(self: Any) -> _IndexSampler:
             return _tracked_index_sampler(self, base._index_sampler.__get__(self, base))
 
+        def __reduce_ex__(self: Any, protocol: Any) -> tuple[Any, ...]:
+            return _reduce_tracked(self, base)
+
         new = type(
             cls.__name__,
             (cls,),
@@ -227,10 +235,29 @@ def _tracked_class(cls: type) -> type:
                 "__qualname__": cls.__qualname__,
                 "__iter__": __iter__,
                 "_index_sampler": property(_index_sampler),
+                "__reduce_ex__": __reduce_ex__,
             },
         )
         _CLASSES[cls] = new
     return _CLASSES[cls]
+
+
+def _reduce_tracked(loader: Any, base: type) -> tuple[Any, ...]:
+    """What ``pickle`` and ``copy.deepcopy`` take of a tracked loader: its own state (its
+    class's ``__getstate__``: a ``TunedDataLoader`` leaves its live pool behind), rebuilt as
+    a tracked ``base``. The tracked class is made at run time, so pickle cannot name it; and
+    the sampler wrapper, which refers to the original loader, is left out: the copy makes
+    its own, so iterating it never touches the original's pass."""
+    getstate = getattr(loader, "__getstate__", None)  # object has one from Python 3.11
+    state = loader.__dict__ if getstate is None else getstate()
+    if isinstance(state, dict):
+        state = {k: v for k, v in state.items() if k != "_trainperf_index_sampler"}
+    return (_new_tracked, (base,), state)
+
+
+def _new_tracked(base: type) -> Any:
+    """An empty instance of the tracked ``base`` (its state is set after), for unpickling."""
+    return object.__new__(_tracked_class(base))
 
 
 def track(loader: DataLoader[Any], *, known: bool = True) -> None:
@@ -307,6 +334,7 @@ def loader_state(loader: DataLoader[Any]) -> dict[str, Any] | None:
         "ended": tracker.done,  # the pass raised StopIteration: its sampler drew its tail
         "start": None if tracker.start is None else tracker.start.to_dict(),
         "now": SamplerStates.read(chain, loader.generator).to_dict(),
+        "dataset": [generator_state(g) for g in dataset_generators(loader.dataset)],
     }
 
 
@@ -385,6 +413,7 @@ def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key
     tracker: _Tracker = loader.__dict__[_TRACKER]
     chain = sampler_chain(_own_index_sampler(loader))
     SamplerStates.from_dict(saved["now"]).apply(chain, loader.generator)
+    _restore_dataset_generators(loader, saved.get("dataset"), key)
     tracker.passes, tracker.position, tracker.known = saved["passes"], saved["position"], True
     tracker.done, tracker.resume = True, None
     # Files from before a finished pass was always marked done say so by their position.
@@ -399,14 +428,46 @@ def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key
         _draw_tail(
             chain, loader.generator, SamplerStates.from_dict(saved["start"]), saved["position"]
         )
-    if done or saved["start"] is None:
+    if done or (saved["start"] is None and not _begun(saved)):
         return
     note = _resume_note(loader, saved)
     if note is not None:
         warnings.warn(f"loader {key!r}: {note}", UserWarning, stacklevel=user_stacklevel())
         return
-    tracker.resume = _Resume(
-        saved["passes"], saved["position"], SamplerStates.from_dict(saved["start"])
-    )
+    start = None if saved["start"] is None else SamplerStates.from_dict(saved["start"])
+    tracker.resume = _Resume(saved["passes"], saved["position"], start)
     # Saved again before the loop starts, it must still say "in the middle of this pass".
-    tracker.done, tracker.start = False, tracker.resume.start
+    tracker.done, tracker.start = False, start
+
+
+def _begun(saved: Mapping[str, Any]) -> bool:
+    """Whether ``saved`` is a pass whose iterator was made (it drew its workers' base seed)
+    but whose sampler had not drawn yet: resumed, that iterator's draws are undone and the
+    sampler draws as the uninterrupted run's did after the save."""
+    return bool(saved["passes"] >= 1 and saved["position"] == 0)
+
+
+def _restore_dataset_generators(loader: DataLoader[Any], saved: Any, key: str) -> None:
+    """Put back the generators ``loader``'s dataset owns, as :func:`loader_state` saved
+    them (None: a file from before they were kept); a warning, and every one left as it
+    was, when the dataset owns other generators than were saved."""
+    if saved is None:
+        return
+    gens = dataset_generators(loader.dataset)
+    before = [generator_state(g) for g in gens]
+    try:
+        if len(gens) != len(saved):
+            raise ValueError("another number of generators")
+        for g, state in zip(gens, saved, strict=True):
+            set_generator_state(g, state)
+    except (TypeError, ValueError, KeyError, IndexError, RuntimeError):
+        for g, state in zip(gens, before, strict=True):
+            set_generator_state(g, state)
+        warnings.warn(
+            f"loader {key!r}: its dataset owns {len(gens)} random generators, the checkpoint "
+            f"{len(saved)} (or of other kinds), so none is restored and augmentation drawn "
+            "from them differs from the interrupted run's; give restore the dataset the "
+            "checkpoint was saved with",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
