@@ -109,6 +109,17 @@ def test_a_batch_dim_no_tensor_has_is_refused_naming_the_shapes() -> None:
     assert checked_batch(lambda n: ["a", "b"], 2, batch_dim=2) == ["a", "b"]  # no tensor
 
 
+def test_a_list_of_variable_length_samples_is_counted_under_batch_dim() -> None:
+    # A sequence-first LSTM whose step pads the samples itself (pad_sequence -> (L, n)):
+    # the check for a tensor with dimension batch_dim refused the list it used to count.
+    def sample(n: int) -> list[torch.Tensor]:
+        return [torch.zeros(5 + i) for i in range(n)]
+
+    assert len(checked_batch(sample, 3, batch_dim=1)) == 3
+    with pytest.raises(ValueError, match=r"returned a list of 4 items; it must return n samples"):
+        checked_batch(lambda n: sample(n + 1), 3, batch_dim=1)
+
+
 def test_batch_dim_reads_only_the_first_tensor_so_a_batch_first_mask_is_accepted() -> None:
     # nn.Transformer without batch_first takes (S, N, E) inputs but (N, S) padding masks:
     # checking every tensor along batch_dim=1 would refuse this batch.

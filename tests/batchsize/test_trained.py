@@ -188,6 +188,44 @@ def test_an_optimizer_s_step_hook_is_removed_after_the_warm_up() -> None:
 # ------------------------------------------------------------------------ the marks
 
 
+class _Lookahead(torch.optim.Optimizer):
+    """timm's Lookahead shape: an Optimizer that skips Optimizer.__init__ on purpose."""
+
+    def __init__(self, base: torch.optim.Optimizer) -> None:
+        self.base = base
+        self.param_groups = base.param_groups
+        self.defaults = base.defaults
+        self.state = base.state
+
+    def step(self, closure: Any = None) -> Any:
+        return self.base.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.base.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:  # timm's has its own, too
+        return self.base.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.base.load_state_dict(state_dict)
+
+
+def test_an_optimizer_that_skipped_optimizer_init_is_not_hooked_and_tunes() -> None:
+    # Before: AttributeError '_Lookahead' object has no attribute
+    # '_optimizer_step_post_hooks' from the warm-up's step hook, which stopped tuning.
+    torch.manual_seed(0)
+    model = small_model()
+    opt = _Lookahead(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def step(batch: Any) -> None:
+        x, y = batch
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    assert no_warnings_tune(step, model=model, optimizer=opt).batch_size in (2, 3, 4)
+
+
 def test_a_fused_optimizer_s_update_counts_as_a_move_though_it_bumps_no_version() -> None:
     model = nn.Linear(8, 4)
     opt = torch.optim.Adam(model.parameters(), fused=True)

@@ -270,14 +270,15 @@ def checked_batch(sample: Callable[[int], Any], n: int, batch_dim: int = 0) -> A
             f"which every step of that size reuses"
         )
     sizes = _path_sizes(batch, batch_dim=batch_dim)
-    if not sizes and batch_dim > 0:
-        _check_has_batch_dim(batch, n, batch_dim)
     if sizes and n not in sizes:
         raise ValueError(_wrong_size(n, sizes, batch_dim) + _other_dims(batch, n, batch_dim))
-    if not sizes and isinstance(batch, list) and len(batch) != n:  # a list of other things
-        raise ValueError(
-            f"sample({n}) returned a list of {len(batch)} items; it must return n samples"
-        )
+    if not sizes and isinstance(batch, list):  # n samples of other shapes (lengths vary)
+        if len(batch) != n:
+            raise ValueError(
+                f"sample({n}) returned a list of {len(batch)} items; it must return n samples"
+            )
+    elif not sizes and batch_dim > 0:
+        _check_has_batch_dim(batch, n, batch_dim)
     return batch
 
 

@@ -180,7 +180,9 @@ class TrainingCheck:
                             handles.append(p.register_hook(seen))  # type: ignore[no-untyped-call]
             if marks is not None:
                 stepped = functools.partial(_set_stepped, marks)
-                handles += [o.register_step_post_hook(stepped) for o in self.optimizers]
+                for o in self.optimizers:  # a wrapper that skipped Optimizer.__init__
+                    with contextlib.suppress(AttributeError, RuntimeError):  # (timm's
+                        handles.append(o.register_step_post_hook(stepped))  # Lookahead)
             yield
         finally:
             for handle in handles:
