@@ -97,6 +97,7 @@ def test_data_parallel_takes_gpu_numbers_written_as_digits(monkeypatch: pytest.M
         ("0,1", r"device_ids must be a sequence of GPUs, got '0,1' \(str\): pass \[0, 1\]"),
         ("01", r"got '01' \(str\)"),  # was taken as GPUs 0 and 1, one per character
         (1, r"got 1 \(int\): pass \[1\]"),  # was "object of type 'int' has no len()"
+        (True, r"got True \(bool\): pass a list of GPU numbers such as \[0, 1\]"),  # not [True]
         (torch.device("cuda", 1), r"got device\(type='cuda', index=1\) \(device\)"),
     ],
 )

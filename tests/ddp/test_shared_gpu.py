@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch.distributed as dist
 
 from trainperf.ddp._shared_gpu import refuse_shared_gpu
-from trainperf.errors import DeviceError
+from trainperf.errors import DeviceError, LaunchError
+
+WAIT = timedelta(seconds=5)
 
 
 def test_ranks_of_one_node_on_one_card_are_refused_with_the_fix(
@@ -25,9 +29,9 @@ def test_ranks_of_one_node_on_one_card_are_refused_with_the_fix(
         r"sees 1 GPU \(CUDA_VISIBLE_DEVICES='0'\).*torchrun --nproc-per-node.*"
         r"srun --gpus-per-task=1.*backend='gloo'",
     ):
-        refuse_shared_gpu(store, 0, 3, "GPU-a", host="node1")
+        refuse_shared_gpu(store, 0, 3, "GPU-a", WAIT, host="node1")
     # A rank on a card of its own goes on; a card per task (bound by the scheduler) passes.
-    refuse_shared_gpu(store, 2, 3, "GPU-b", host="node1")
+    refuse_shared_gpu(store, 2, 3, "GPU-b", WAIT, host="node1")
     assert store.get("trainperf/gpu/0/node1/0") == b"GPU-a"
 
 
@@ -39,5 +43,15 @@ def test_each_node_and_each_torchrun_restart_has_keys_of_its_own(
     store.set("trainperf/gpu/1/node2/1", "GPU-a")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     store.set("trainperf/gpu/1/node1/1", "GPU-b")
-    refuse_shared_gpu(store, 0, 2, "GPU-a", host="node1")
+    refuse_shared_gpu(store, 0, 2, "GPU-a", WAIT, host="node1")
     assert store.get("trainperf/gpu/1/node1/0") == b"GPU-a"
+
+
+def test_a_rank_that_posts_no_card_within_the_timeout_is_named() -> None:
+    # A bounded wait that gave up quietly skipped the check when a rank was slow to start
+    # (nothing lines the ranks up before it): the check waits the group's timeout, then
+    # names the ranks that never came.
+    store = dist.HashStore()
+    store.set("trainperf/gpu/0/h/2", "GPU-c")
+    with pytest.raises(LaunchError, match=r"local ranks \[1\] on h did not reach the GPU check"):
+        refuse_shared_gpu(store, 0, 3, "GPU-a", timedelta(milliseconds=50), host="h")

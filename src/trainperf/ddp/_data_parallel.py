@@ -79,7 +79,9 @@ def _refuse_one_value(device_ids: object) -> None:
     if not isinstance(device_ids, str | int | torch.device):
         return
     shown = f"[{device_ids!r}]"
-    if isinstance(device_ids, str):
+    if isinstance(device_ids, bool):  # [True] is refused too: no GPU number
+        shown = "a list of GPU numbers such as [0, 1]"
+    elif isinstance(device_ids, str):
         parts = [part.strip() for part in device_ids.split(",")]
         if all(part.isascii() and part.isdigit() for part in parts):
             shown = f"[{', '.join(str(int(part)) for part in parts)}]"

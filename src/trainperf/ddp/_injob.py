@@ -126,13 +126,14 @@ def _init_group(
     env: _env.DistributedEnv, backend: str | None, timeout: timedelta, store: Any = None
 ) -> None:
     """The default process group: from the launcher's environment (``env://``), or on
-    ``store``. Under NCCL each rank takes its node-local GPU; where each of the node's ranks
-    sees one GPU, they check on the store that no two are on the same card, and NCCL starts
-    lazily (its eager start, ``device_id=``, would fail on a shared card before the check).
+    ``store``. Under NCCL each rank takes its node-local GPU; where a node runs several ranks,
+    they check on the store that no two are on the same card, and NCCL starts lazily (its
+    eager start, ``device_id=``, would fail on a shared card before the check).
 
     Raises:
         ValueError: more ranks on this node than visible GPUs (several visible).
-        DeviceError: ranks of this node share the one GPU each sees.
+        DeviceError: ranks of this node share a GPU.
+        LaunchError: a rank of this node did not post its card within ``timeout``.
     """
     import torch
     import torch.distributed as dist
@@ -142,11 +143,10 @@ def _init_group(
     if resolved == "nccl":
         device = rank_device(env.local_rank, env.local_world_size)
         torch.cuda.set_device(device)
-    # One visible GPU for several local ranks: one bound card each, or one card for all. A
-    # rank that sees several (CUDA_VISIBLE_DEVICES differs on the node) posts nothing and
-    # starts NCCL eagerly; the check's wait for its card is bounded (refuse_shared_gpu).
+    # Every rank of a node with several posts its card and starts NCCL lazily: the eager
+    # start (device_id=) fails on a shared card before the check, and it waits for every
+    # rank to join NCCL while another may still wait on the store for this one's card.
     ask = resolved == "nccl" and store is None and env.local_world_size > 1
-    ask = ask and torch.cuda.device_count() == 1
     dist.init_process_group(
         resolved,
         init_method=None if store is not None else "env://",
@@ -160,7 +160,7 @@ def _init_group(
     if shared is not None:
         uuid = str(torch.cuda.get_device_properties(device).uuid)
         try:
-            refuse_shared_gpu(shared, env.local_rank, env.local_world_size, uuid)
+            refuse_shared_gpu(shared, env.local_rank, env.local_world_size, uuid, wait=timeout)
         except BaseException:
             dist.destroy_process_group()  # the caller destroys only groups it was given
             raise

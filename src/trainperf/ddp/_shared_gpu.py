@@ -14,7 +14,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from trainperf.errors import DeviceError
+from trainperf.errors import DeviceError, LaunchError
 
 __all__ = ["refuse_shared_gpu", "sharing_ranks"]
 
@@ -29,27 +29,21 @@ def sharing_ranks(uuids: list[str]) -> list[int]:
     return [r for r, uuid in enumerate(uuids) if uuids.count(uuid) > 1]
 
 
-_WAIT = timedelta(seconds=30)
-"""How long a rank waits for the other local ranks' cards: they all joined the group just
-before, so they post at once, except a rank that sees several GPUs (``CUDA_VISIBLE_DEVICES``
-differs on the node), which posts nothing; without a bound this rank would wait for it until
-the store's timeout while it waits in NCCL's eager start for this one."""
-
-
 def refuse_shared_gpu(
     store: Any,
     local_rank: int,
     local_world_size: int,
     uuid: str,
+    wait: timedelta,
     host: str | None = None,
-    wait: timedelta = _WAIT,
 ) -> None:
-    """Post this rank's GPU (``uuid``) on ``store``, read every local rank's, and raise if
-    this rank shares its card with another; no check where a local rank posts nothing
-    within ``wait`` (one that sees several GPUs).
+    """Post this rank's GPU (``uuid``) on ``store``, read every local rank's (waiting up to
+    ``wait``, the group's timeout: nothing lines the ranks up before this), and raise if
+    this rank shares its card with another.
 
     Raises:
         DeviceError: another rank on this node uses the same GPU.
+        LaunchError: a local rank posted no card within ``wait``.
     """
     host = socket.gethostname() if host is None else host
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -58,8 +52,13 @@ def refuse_shared_gpu(
     keys = [f"{prefix}{r}" for r in range(local_world_size)]
     try:
         store.wait(keys, wait)
-    except RuntimeError:  # DistStoreError: a rank that sees several GPUs posts no card
-        return
+    except RuntimeError as e:  # DistStoreError: a rank failed or never got this far
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise LaunchError(
+            f"local ranks {missing} on {host} did not reach the GPU check within {wait} "
+            f"(this is local rank {local_rank}): they failed or are still starting; their "
+            "own errors name the cause"
+        ) from e
     shared = sharing_ranks([store.get(key).decode() for key in keys])
     if local_rank in shared:
         raise DeviceError(_message(shared, local_world_size, host))
