@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from trainperf.ddp._shared_gpu import refuse_shared_gpu
@@ -20,13 +21,15 @@ def test_ranks_of_one_node_on_one_card_are_refused_with_the_fix(
     # later with its obscure "Duplicate GPU detected".
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     store = dist.HashStore()
     store.set("trainperf/gpu/0/node1/1", "GPU-a")
     store.set("trainperf/gpu/0/node1/2", "GPU-b")
     with pytest.raises(
         DeviceError,
-        match=r"local ranks 0, 1 on node1 share one GPU: 3 ranks run on this node and each "
-        r"sees 1 GPU \(CUDA_VISIBLE_DEVICES='0'\).*torchrun --nproc-per-node.*"
+        match=r"local ranks 0, 1 on node1 share one GPU: 3 ranks run on this node and use "
+        r"the same card \(this rank sees 1 GPU, CUDA_VISIBLE_DEVICES='0'\).*"
+        r"torchrun --nproc-per-node.*"
         r"srun --gpus-per-task=1.*backend='gloo'",
     ):
         refuse_shared_gpu(store, 0, 3, "GPU-a", WAIT, host="node1")
@@ -55,3 +58,17 @@ def test_a_rank_that_posts_no_card_within_the_timeout_is_named() -> None:
     store.set("trainperf/gpu/0/h/2", "GPU-c")
     with pytest.raises(LaunchError, match=r"local ranks \[1\] on h did not reach the GPU check"):
         refuse_shared_gpu(store, 0, 3, "GPU-a", timedelta(milliseconds=50), host="h")
+
+
+def test_a_rank_that_sees_several_gpus_is_not_said_to_see_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # CUDA_VISIBLE_DEVICES differs on the node: this rank sees 0,1 and took cuda:0, the
+    # card another rank sees alone; the message said "each sees 1 GPU".
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    store = dist.HashStore()
+    store.set("trainperf/gpu/0/h/1", "GPU-a")
+    with pytest.raises(DeviceError, match=r"\(this rank sees 2 GPUs, CUDA_VISIBLE_DEVICES='0,1'\)"):
+        refuse_shared_gpu(store, 0, 2, "GPU-a", WAIT, host="h")

@@ -61,17 +61,23 @@ def refuse_shared_gpu(
         ) from e
     shared = sharing_ranks([store.get(key).decode() for key in keys])
     if local_rank in shared:
-        raise DeviceError(_message(shared, local_world_size, host))
+        raise DeviceError(_message(shared, local_world_size, host, _visible_count()))
 
 
-def _message(shared: list[int], local_world_size: int, host: str) -> str:
+def _visible_count() -> int:
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+def _message(shared: list[int], local_world_size: int, host: str, visible: int) -> str:
     shown = os.environ.get("CUDA_VISIBLE_DEVICES")
     return (
         f"local ranks {', '.join(map(str, shared))} on {host} share one GPU: "
-        f"{local_world_size} ranks run on this node and each sees 1 GPU "
-        f"(CUDA_VISIBLE_DEVICES={shown!r}), the same card; backend='nccl' needs a GPU of "
-        "its own for every rank (NCCL fails with 'Duplicate GPU detected'). Start at most as "
-        "many ranks per node as it has GPUs (torchrun --nproc-per-node, srun "
-        "--ntasks-per-node), give each task its own card (srun --gpus-per-task=1), or use "
-        "backend='gloo' to test on CPU"
+        f"{local_world_size} ranks run on this node and use the same card (this rank sees "
+        f"{visible} GPU{'s' if visible != 1 else ''}, CUDA_VISIBLE_DEVICES={shown!r}); "
+        "backend='nccl' needs a GPU of its own for every rank (NCCL fails with 'Duplicate "
+        "GPU detected'). Start at most as many ranks per node as it has GPUs (torchrun "
+        "--nproc-per-node, srun --ntasks-per-node), give each task its own card (srun "
+        "--gpus-per-task=1), or use backend='gloo' to test on CPU"
     )
