@@ -195,7 +195,7 @@ def test_import_trainperf_imports_no_subpackage_and_not_torch() -> None:
     )
     assert result == {
         "torch": False,
-        "loaded": ["trainperf._utils", "trainperf._utils.public"],
+        "loaded": ["trainperf._utils", "trainperf._utils.exiting", "trainperf._utils.public"],
         "metadata_ok": True,
     }
 

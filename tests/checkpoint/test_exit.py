@@ -85,6 +85,7 @@ def test_exit_prints_a_failed_background_save_nobody_was_told_of(tmp_path: Path)
 
 _ATEXIT_SCRIPT = """
 import atexit, collections, os, sys, time
+import torch  # as a training script does: importing it inside an atexit handler fails
 
 PARENT = os.getpid()
 
@@ -95,7 +96,6 @@ class SlowInTheWriter:  # a forked writer takes long enough to outlive its paren
         return (collections.OrderedDict, ())
 
 def final_save():
-    import torch
     import trainperf.checkpoint._checkpointer as checkpointer_module
     if sys.argv[2] == "thread":
         checkpointer_module.fork_writes = lambda: False
@@ -103,8 +103,9 @@ def final_save():
     h = ck.save({"w": torch.arange(4.0), "slow": SlowInTheWriter()}, step=5, blocking=False)
     print(h.writer)
 
-# trainperf's exit hook also runs from threading's exit hooks, before every atexit handler,
-# so a handler registered before or after the import runs after it.
+# trainperf's exit mark runs from threading's exit hooks, before every atexit handler, so a
+# handler registered before or after the import runs after it; the checkpoint package is
+# first imported in the handler (import trainperf imports no subpackage).
 if sys.argv[3] == "before":
     atexit.register(final_save)
 import trainperf

@@ -33,5 +33,7 @@ Who uses what:
   memory ran out; used by ``checkpoint``, ``batchsize`` and the ``bench`` command.
 - :mod:`~trainperf._utils.batches` and :mod:`~trainperf._utils.rng`: a batch's bytes and
   samples, and every random generator restored after a block; used by the ``loader``
-  tuner and ``tune_batch_size``.
+  tuner, ``tune_batch_size`` and ``checkpoint``'s exact resume.
+- :mod:`~trainperf._utils.exiting`: whether the interpreter's exit has begun, marked from
+  threading's exit hooks by ``import trainperf``; used by ``checkpoint``.
 """

@@ -14,6 +14,7 @@ import threading
 import warnings
 from typing import TYPE_CHECKING
 
+from trainperf._utils.exiting import exiting as process_exiting
 from trainperf._utils.stack import user_stacklevel
 from trainperf.checkpoint._checkpointer_warn import warn_notes
 from trainperf.checkpoint._files import saving
@@ -78,8 +79,10 @@ _EXITED = [False]
 
 
 def exiting() -> bool:
-    """Whether the process is exiting: :func:`_wait_at_exit` has run."""
-    return _EXITED[0]
+    """Whether the process is exiting: :func:`_wait_at_exit` has run, or the interpreter's
+    exit began before this module was imported (first imported in an ``atexit`` handler:
+    :mod:`trainperf._utils.exiting`, registered by ``import trainperf``)."""
+    return _EXITED[0] or process_exiting()
 
 
 def _wait_at_exit() -> None:
