@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from trainperf._utils import rng
 from trainperf.loader import _rng as loader_rng
@@ -38,3 +38,23 @@ def test_the_generators_a_dataset_owns_come_back_and_the_loader_shares_the_helpe
     assert ds.python_rng.random() == again.python_rng.random()
     assert loader_rng.dataset_generators is rng.dataset_generators
     assert loader_rng.preserved_generators is rng.preserved_generators
+
+
+class _Shard(Dataset[int]):
+    def __init__(self, rng: object) -> None:
+        self.rng, self.same = rng, rng
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> int:
+        return 0
+
+
+def test_each_generator_is_found_once_in_order_across_many_shards() -> None:
+    own = [np.random.default_rng(i) for i in range(2000)]
+    shared = random.Random(0)
+    shards = [_Shard(g) for g in own] + [_Shard(shared), _Shard(shared)]
+    found = rng.dataset_generators(Subset(ConcatDataset(shards), [0]))
+    assert len(found) == len(own) + 1
+    assert all(f is g for f, g in zip(found, [*own, shared], strict=True))

@@ -7,7 +7,7 @@ import os
 import random
 import signal
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -286,21 +286,27 @@ class _Augmenting(torch.utils.data.Dataset[tuple[int, float]]):
         return i, float(self.rng.random())
 
 
-def _augmented(directory: Path, kind: str, *, stop: int | None = None) -> list[Any]:
-    """12 batches (3 passes of 5, 4 samples each) of indices and augmentations from an
-    :class:`_Augmenting` dataset loaded in this process, or those until a save at ``stop``."""
-    loader = DataLoader(_Augmenting(kind), batch_size=4, shuffle=True)
+def _augmented(
+    directory: Path,
+    make: Callable[[], DataLoader[Any]],
+    *,
+    stop: int | None = None,
+    total: int = 12,
+) -> list[Any]:
+    """``total`` batches of indices and augmentations from ``make()``'s loader (an
+    :class:`_Augmenting` dataset loaded in this process), or those until a save at ``stop``."""
+    loader = make()
     ck = Checkpointer(directory)
     step = ck.restore({"loader": loader})
     out: list[Any] = []
-    while step < 12:
+    while step < total:
         for index, noise in loader:
             out.append((index.tolist(), noise.tolist()))
             step += 1
             if step == stop:
                 ck.save({"loader": loader}, step=step)
                 return out
-            if step == 12:
+            if step == total:
                 return out
     return out
 
@@ -312,11 +318,49 @@ def test_a_dataset_augmenting_with_generators_of_its_own_resumes_exactly(
 ) -> None:
     # Before: only the global generators and the sampler's were saved, so a dataset that
     # augments from its own generator started it again from its seed after a resume.
+    def make() -> DataLoader[Any]:
+        return DataLoader(_Augmenting(kind), batch_size=4, shuffle=True)
+
     torch.manual_seed(0)
-    reference = _augmented(tmp_path / "ref", kind)
+    reference = _augmented(tmp_path / "ref", make)
     torch.manual_seed(0)
-    got = _augmented(tmp_path / "run", kind, stop=stop)
-    got += _augmented(tmp_path / "run", kind)
+    got = _augmented(tmp_path / "run", make, stop=stop)
+    got += _augmented(tmp_path / "run", make)
+    assert got == reference
+
+
+def _sharing_loader() -> DataLoader[Any]:
+    dataset = _Augmenting("torch")
+    return DataLoader(dataset, batch_size=4, shuffle=True, generator=dataset.rng)
+
+
+def _sharing_lazy_sampler() -> DataLoader[Any]:
+    # RandomSampler(replacement=True) draws 32 indices at a time: 40 a pass are drawn at
+    # its first pull and at its ninth (after 8 batches of 4).
+    dataset = _Augmenting("torch")
+    sampler = RandomSampler(dataset, replacement=True, num_samples=40, generator=dataset.rng)
+    return DataLoader(dataset, batch_size=4, sampler=sampler)
+
+
+@pytest.mark.parametrize(
+    ("make", "stop", "total"),
+    [
+        (_sharing_loader, 2, 12),  # in the middle of the first pass
+        (_sharing_loader, 5, 12),  # at its last batch: the sampler's tail draw comes after
+        (_sharing_lazy_sampler, 8, 25),  # the next pull draws from the shared generator
+        (_sharing_lazy_sampler, 10, 25),
+    ],
+)
+def test_a_dataset_generator_the_sampler_shuffles_with_too_resumes_exactly(
+    tmp_path: Path, make: Callable[[], DataLoader[Any]], stop: int, total: int
+) -> None:
+    # Before: the resumed pass's replay of the sampler left the shared generator where the
+    # sampler's draws alone put it, discarding the dataset's draws restored with it.
+    torch.manual_seed(0)
+    reference = _augmented(tmp_path / "ref", make, total=total)
+    torch.manual_seed(0)
+    got = _augmented(tmp_path / "run", make, stop=stop, total=total)
+    got += _augmented(tmp_path / "run", make, total=total)
     assert got == reference
 
 

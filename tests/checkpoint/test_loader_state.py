@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 import pickle
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -274,6 +275,33 @@ def test_a_loader_of_another_length_restarts_its_pass_with_a_warning() -> None:
     state = loader_state(loader)
     with pytest.warns(UserWarning, match=r"it has 5 batches per pass, but 10 when the checkpoint"):
         restore_loader(DataLoader(DATA, batch_size=8), state, "loader")
+
+
+@pytest.mark.parametrize(
+    ("saved_from", "restored_into"),
+    [
+        (lambda: DataLoader(_Stream(), batch_size=4), lambda: DataLoader(_Stream(), batch_size=4)),
+        (lambda: DataLoader(DATA, batch_size=4), lambda: DataLoader(DATA, batch_size=8)),
+    ],
+    ids=["iterable dataset", "another length"],
+)
+def test_a_pass_saved_before_its_first_batch_restores_without_a_restart_warning(
+    saved_from: Callable[[], DataLoader[Any]], restored_into: Callable[[], DataLoader[Any]]
+) -> None:
+    # Before: a save after iter() but before the first batch warned that the pass restarts,
+    # having "consumed 0 batches of it": nothing is lost by starting it here.
+    loader = saved_from()
+    track(loader)
+    for _ in loader:
+        pass
+    it = iter(loader)  # the second pass begins: nothing taken from it yet
+    state = loader_state(loader)
+    del it
+    fresh = restored_into()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        restore_loader(fresh, state, "loader")
+    assert next(_values(b) for b in fresh)[:4] == [0, 1, 2, 3]
 
 
 def test_an_entry_that_is_not_a_position_is_refused() -> None:

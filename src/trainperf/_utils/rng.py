@@ -111,11 +111,13 @@ def dataset_generators(dataset: object) -> list[object]:
         (True, True, 2)
     """
     found: list[object] = []
+    found_ids: set[int] = set()  # a ConcatDataset of thousands of shards: no quadratic scan
     level, seen = [dataset], {id(dataset)}
     for _ in range(_WRAPPED_DEPTH):
         for ds in level:
             for value in getattr(ds, "__dict__", {}).values():
-                if _is_generator(value) and all(value is not f for f in found):
+                if _is_generator(value) and id(value) not in found_ids:
+                    found_ids.add(id(value))
                     found.append(value)
         level = [w for ds in level for w in _wrapped(ds) if id(w) not in seen]
         seen.update(id(w) for w in level)

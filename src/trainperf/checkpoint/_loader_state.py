@@ -11,7 +11,8 @@ and ``epoch`` attribute along the sampler chain (``BatchSampler.sampler``,
 ``DistributedSampler.epoch``); :mod:`._sampler_states` reads and puts them back. The
 generators the loader's dataset owns (``self.rng``, found as the tuner finds them:
 :func:`trainperf._utils.rng.dataset_generators`) are saved as they are at the checkpoint and
-put back, so augmentation drawn from them in this process goes on as it would have.
+put back, so augmentation drawn from them in this process goes on as it would have; one the
+sampler draws from too is put back again once the replay below has drawn the pass's order.
 
 On restore, the next pass replays the interrupted one: the recorded states are put back just
 while its sampler draws, so it yields the same order, and the first ``position`` batches of
@@ -45,6 +46,8 @@ from trainperf._utils.stack import user_stacklevel
 from trainperf.checkpoint._rng import generator_state, set_generator_state
 from trainperf.checkpoint._sampler_states import (
     SamplerStates,
+    chain_generators,
+    chain_others,
     replaying,
     sampler_chain,
     sandbox,
@@ -61,6 +64,8 @@ class _Resume:
     passes: int
     position: int
     start: SamplerStates | None  # None: the pass's sampler had not drawn yet
+    # The dataset's generators the sampler draws from too, with their states at the save.
+    shared: list[tuple[Any, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -112,6 +117,7 @@ class _IndexSampler:
             resume.start.apply(chain, gen)
             it = iter(self.inner)
             skipped = sum(1 for _ in itertools.islice(it, resume.position))
+            _put_back(resume.shared)
             first = list(itertools.islice(it, 1))
         tracker.start = resume.start
         if skipped < resume.position:
@@ -364,18 +370,24 @@ def _resume_note(loader: DataLoader[Any], saved: Mapping[str, Any]) -> str | Non
 
 
 def _draw_tail(
-    chain: list[Any], gen: torch.Generator | None, start: SamplerStates, position: int
+    chain: list[Any],
+    gen: torch.Generator | None,
+    start: SamplerStates,
+    position: int,
+    shared: list[tuple[Any, Any]],
 ) -> None:
     """Draw what the sampler draws after its last index, as the uninterrupted run's did on
     its way to StopIteration after the save at the pass's last batch: ``RandomSampler``
     with a ``generator`` draws one more permutation there, so without it the next pass
     would shuffle otherwise. The pass's ``position`` pulls are replayed from its start, then
-    the one that ended it; only the sampler chain's generators keep what it drew
+    the one that ended it, from the saved states of the dataset's generators it ``shared``;
+    only the sampler chain's generators keep what it drew
     (:func:`._sampler_states.replaying`)."""
     with replaying(chain, gen):
         start.apply(chain, gen)
         it = iter(chain[0])
         collections.deque(itertools.islice(it, position), maxlen=0)
+        _put_back(shared)
         next(it, None)  # the pull that ended the pass (bounded: a sampler may never end)
 
 
@@ -413,7 +425,8 @@ def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key
     tracker: _Tracker = loader.__dict__[_TRACKER]
     chain = sampler_chain(_own_index_sampler(loader))
     SamplerStates.from_dict(saved["now"]).apply(chain, loader.generator)
-    _restore_dataset_generators(loader, saved.get("dataset"), key)
+    restored = _restore_dataset_generators(loader, saved.get("dataset"), key)
+    shared = _shared_with_sampler(loader, chain, restored)
     tracker.passes, tracker.position, tracker.known = saved["passes"], saved["position"], True
     tracker.done, tracker.resume = True, None
     # Files from before a finished pass was always marked done say so by their position.
@@ -425,17 +438,17 @@ def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key
         reuses = loader.persistent_workers and loader.num_workers
     tracker.scratch_seed = bool(done and saved["passes"] >= 1 and reuses)
     if done and saved.get("ended") is False and saved["start"] is not None:
-        _draw_tail(
-            chain, loader.generator, SamplerStates.from_dict(saved["start"]), saved["position"]
-        )
+        pass_start = SamplerStates.from_dict(saved["start"])
+        _draw_tail(chain, loader.generator, pass_start, saved["position"], shared)
     if done or (saved["start"] is None and not _begun(saved)):
         return
-    note = _resume_note(loader, saved)
+    # Nothing consumed (a pass saved before its first batch): any order continues it.
+    note = _resume_note(loader, saved) if saved["position"] > 0 else None
     if note is not None:
         warnings.warn(f"loader {key!r}: {note}", UserWarning, stacklevel=user_stacklevel())
         return
     start = None if saved["start"] is None else SamplerStates.from_dict(saved["start"])
-    tracker.resume = _Resume(saved["passes"], saved["position"], start)
+    tracker.resume = _Resume(saved["passes"], saved["position"], start, shared)
     # Saved again before the loop starts, it must still say "in the middle of this pass".
     tracker.done, tracker.start = False, start
 
@@ -447,12 +460,18 @@ def _begun(saved: Mapping[str, Any]) -> bool:
     return bool(saved["passes"] >= 1 and saved["position"] == 0)
 
 
-def _restore_dataset_generators(loader: DataLoader[Any], saved: Any, key: str) -> None:
+def _restore_dataset_generators(
+    loader: DataLoader[Any], saved: Any, key: str
+) -> list[tuple[Any, Any]]:
     """Put back the generators ``loader``'s dataset owns, as :func:`loader_state` saved
     them (None: a file from before they were kept); a warning, and every one left as it
-    was, when the dataset owns other generators than were saved."""
+    was, when the dataset owns other generators than were saved.
+
+    Returns:
+        Each generator put back, with its saved state (none when none was).
+    """
     if saved is None:
-        return
+        return []
     gens = dataset_generators(loader.dataset)
     before = [generator_state(g) for g in gens]
     try:
@@ -471,3 +490,29 @@ def _restore_dataset_generators(loader: DataLoader[Any], saved: Any, key: str) -
             UserWarning,
             stacklevel=user_stacklevel(),
         )
+        return []
+    return list(zip(gens, saved, strict=True))
+
+
+def _shared_with_sampler(
+    loader: DataLoader[Any], chain: list[Any], restored: list[tuple[Any, Any]]
+) -> list[tuple[Any, Any]]:
+    """Those of the ``restored`` dataset generators the sampler chain or the loader draws
+    from too. Their saved state is theirs at the save, the sampler's draws and the
+    dataset's together, so the pass's replay puts it back once it has replayed the batches
+    the interrupted run took. Only a loader that loads in this process (``num_workers=0``)
+    draws from its dataset's generators here: with workers, the replay's state is the saved
+    one."""
+    if loader.num_workers:
+        return []
+    drawn = [g for g in chain_generators(chain) if g is not None]
+    drawn += [g for gens in chain_others(chain) for g in gens.values()]
+    if loader.generator is not None:
+        drawn.append(loader.generator)
+    ids = {id(g) for g in drawn}
+    return [(g, state) for g, state in restored if id(g) in ids]
+
+
+def _put_back(shared: list[tuple[Any, Any]]) -> None:
+    for g, state in shared:
+        set_generator_state(g, state)
