@@ -31,7 +31,8 @@ DDP) and ``_orig_mod.`` (``torch.compile``) prefixes into wrapped or plain model
   :mod:`._checkpointer_ranks`, :mod:`._checkpointer_restore`, :mod:`._preempt`
   (:class:`Preemption`, the signal flag every rank agrees on), :mod:`._loader_state` (a
   DataLoader's position mid-epoch; the states its sampler draws from:
-  :mod:`._sampler_states`) and :mod:`._rng` (the random generators' states).
+  :mod:`._sampler_states`; those of the generators its dataset owns:
+  :mod:`._dataset_states`) and :mod:`._rng` (the random generators' states).
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ drawing, the states it draws from are recorded: torch's global generator (``Rand
 without a generator seeds itself from it), every generator (torch, NumPy, ``random.Random``)
 and ``epoch`` attribute along the sampler chain (``BatchSampler.sampler``,
 ``DistributedSampler.epoch``); :mod:`._sampler_states` reads and puts them back. The
-generators the loader's dataset owns (``self.rng``, found as the tuner finds them:
-:func:`trainperf._utils.rng.dataset_generators`) are saved as they are at the checkpoint and
+generators the loader's dataset owns (``self.rng``) are saved as they are at the checkpoint and
 put back, so augmentation drawn from them in this process goes on as it would have; one the
-sampler draws from too is put back again once the replay below has drawn the pass's order.
+sampler draws from too is put back again once the replay below has drawn the pass's order
+(:mod:`._dataset_states`).
 
 On restore, the next pass replays the interrupted one: the recorded states are put back just
 while its sampler draws, so it yields the same order, and the first ``position`` batches of
@@ -41,17 +41,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from trainperf._utils.rng import dataset_generators
 from trainperf._utils.stack import user_stacklevel
-from trainperf.checkpoint._rng import generator_state, set_generator_state
-from trainperf.checkpoint._sampler_states import (
-    SamplerStates,
-    chain_generators,
-    chain_others,
-    replaying,
-    sampler_chain,
-    sandbox,
+from trainperf.checkpoint._dataset_states import (
+    dataset_states,
+    put_back,
+    restore_dataset_generators,
+    shared_with_sampler,
 )
+from trainperf.checkpoint._sampler_states import SamplerStates, replaying, sampler_chain, sandbox
 
 __all__ = ["check_position", "loader_state", "restore_loader", "track"]
 
@@ -117,7 +114,7 @@ class _IndexSampler:
             resume.start.apply(chain, gen)
             it = iter(self.inner)
             skipped = sum(1 for _ in itertools.islice(it, resume.position))
-            _put_back(resume.shared)
+            put_back(resume.shared)
             first = list(itertools.islice(it, 1))
         tracker.start = resume.start
         if skipped < resume.position:
@@ -340,7 +337,7 @@ def loader_state(loader: DataLoader[Any]) -> dict[str, Any] | None:
         "ended": tracker.done,  # the pass raised StopIteration: its sampler drew its tail
         "start": None if tracker.start is None else tracker.start.to_dict(),
         "now": SamplerStates.read(chain, loader.generator).to_dict(),
-        "dataset": [generator_state(g) for g in dataset_generators(loader.dataset)],
+        "dataset": dataset_states(loader),
     }
 
 
@@ -387,7 +384,7 @@ def _draw_tail(
         start.apply(chain, gen)
         it = iter(chain[0])
         collections.deque(itertools.islice(it, position), maxlen=0)
-        _put_back(shared)
+        put_back(shared)
         next(it, None)  # the pull that ended the pass (bounded: a sampler may never end)
 
 
@@ -425,8 +422,8 @@ def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key
     tracker: _Tracker = loader.__dict__[_TRACKER]
     chain = sampler_chain(_own_index_sampler(loader))
     SamplerStates.from_dict(saved["now"]).apply(chain, loader.generator)
-    restored = _restore_dataset_generators(loader, saved.get("dataset"), key)
-    shared = _shared_with_sampler(loader, chain, restored)
+    restored = restore_dataset_generators(loader, saved.get("dataset"), key)
+    shared = shared_with_sampler(loader, chain, restored)
     tracker.passes, tracker.position, tracker.known = saved["passes"], saved["position"], True
     tracker.done, tracker.resume = True, None
     # Files from before a finished pass was always marked done say so by their position.
@@ -458,61 +455,3 @@ def _begun(saved: Mapping[str, Any]) -> bool:
     but whose sampler had not drawn yet: resumed, that iterator's draws are undone and the
     sampler draws as the uninterrupted run's did after the save."""
     return bool(saved["passes"] >= 1 and saved["position"] == 0)
-
-
-def _restore_dataset_generators(
-    loader: DataLoader[Any], saved: Any, key: str
-) -> list[tuple[Any, Any]]:
-    """Put back the generators ``loader``'s dataset owns, as :func:`loader_state` saved
-    them (None: a file from before they were kept); a warning, and every one left as it
-    was, when the dataset owns other generators than were saved.
-
-    Returns:
-        Each generator put back, with its saved state (none when none was).
-    """
-    if saved is None:
-        return []
-    gens = dataset_generators(loader.dataset)
-    before = [generator_state(g) for g in gens]
-    try:
-        if len(gens) != len(saved):
-            raise ValueError("another number of generators")
-        for g, state in zip(gens, saved, strict=True):
-            set_generator_state(g, state)
-    except (TypeError, ValueError, KeyError, IndexError, RuntimeError):
-        for g, state in zip(gens, before, strict=True):
-            set_generator_state(g, state)
-        warnings.warn(
-            f"loader {key!r}: its dataset owns {len(gens)} random generators, the checkpoint "
-            f"{len(saved)} (or of other kinds), so none is restored and augmentation drawn "
-            "from them differs from the interrupted run's; give restore the dataset the "
-            "checkpoint was saved with",
-            UserWarning,
-            stacklevel=user_stacklevel(),
-        )
-        return []
-    return list(zip(gens, saved, strict=True))
-
-
-def _shared_with_sampler(
-    loader: DataLoader[Any], chain: list[Any], restored: list[tuple[Any, Any]]
-) -> list[tuple[Any, Any]]:
-    """Those of the ``restored`` dataset generators the sampler chain or the loader draws
-    from too. Their saved state is theirs at the save, the sampler's draws and the
-    dataset's together, so the pass's replay puts it back once it has replayed the batches
-    the interrupted run took. Only a loader that loads in this process (``num_workers=0``)
-    draws from its dataset's generators here: with workers, the replay's state is the saved
-    one."""
-    if loader.num_workers:
-        return []
-    drawn = [g for g in chain_generators(chain) if g is not None]
-    drawn += [g for gens in chain_others(chain) for g in gens.values()]
-    if loader.generator is not None:
-        drawn.append(loader.generator)
-    ids = {id(g) for g in drawn}
-    return [(g, state) for g, state in restored if id(g) in ids]
-
-
-def _put_back(shared: list[tuple[Any, Any]]) -> None:
-    for g, state in shared:
-        set_generator_state(g, state)
