@@ -25,7 +25,7 @@ def exiting() -> bool:
         >>> exiting()
         False
     """
-    return _EXITED[0]
+    return _EXITED[0] or bool(getattr(threading, "_SHUTTING_DOWN", False))  # imported late
 
 
 def _mark() -> None:
