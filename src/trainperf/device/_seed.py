@@ -139,6 +139,7 @@ def worker_init_fn(worker_id: int) -> None:
         ValueError: ``worker_id`` is not an int >= 0.
 
     Example:
+        >>> import torch
         >>> from torch.utils.data import DataLoader
         >>> loader = DataLoader(range(4), num_workers=0, worker_init_fn=worker_init_fn,
         ...                     generator=torch.Generator().manual_seed(0))
