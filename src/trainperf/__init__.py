@@ -20,7 +20,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from trainperf._utils import exiting as _exiting  # noqa: F401  (registers its exit mark)
+from trainperf._utils import exiting as _exiting  # noqa: F401  (imports threading: see there)
 from trainperf._utils.public import set_public_module
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs; loaded by __getattr__

@@ -45,6 +45,11 @@ class FakeNccl:
         monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
         monkeypatch.setattr(torch.cuda, "device", self._device)
+        # A switch that is never put back (set_device) shows in `current` after the call.
+        monkeypatch.setattr(torch.cuda, "set_device", self._set_device)
+
+    def _set_device(self, device: torch.device | int) -> None:
+        self.current = device if isinstance(device, int) else int(device.index or 0)
 
     @contextlib.contextmanager
     def _device(self, device: torch.device | int) -> Iterator[None]:

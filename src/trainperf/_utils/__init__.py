@@ -34,6 +34,6 @@ Who uses what:
 - :mod:`~trainperf._utils.batches` and :mod:`~trainperf._utils.rng`: a batch's bytes and
   samples, and every random generator restored after a block; used by the ``loader``
   tuner, ``tune_batch_size`` and ``checkpoint``'s exact resume.
-- :mod:`~trainperf._utils.exiting`: whether the interpreter's exit has begun, marked from
-  threading's exit hooks by ``import trainperf``; used by ``checkpoint``.
+- :mod:`~trainperf._utils.exiting`: whether the interpreter's exit has begun (Python's
+  thread shutdown, which ``import trainperf`` makes sure runs); used by ``checkpoint``.
 """

@@ -81,7 +81,7 @@ _EXITED = [False]
 def exiting() -> bool:
     """Whether the process is exiting: :func:`_wait_at_exit` has run, or the interpreter's
     exit began before this module was imported (first imported in an ``atexit`` handler:
-    :mod:`trainperf._utils.exiting`, registered by ``import trainperf``)."""
+    :mod:`trainperf._utils.exiting`, which ``import trainperf`` imports)."""
     return _EXITED[0] or process_exiting()
 
 
