@@ -43,7 +43,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-__all__ = ["fsync_dir", "link_target", "remove_dead_temp", "temp_name", "write_atomically"]
+__all__ = [
+    "fsync_dir",
+    "link_target",
+    "remove_dead_temp",
+    "special_kind",
+    "special_kind_at",
+    "temp_name",
+    "write_atomically",
+]
 
 # After the slot a writer takes, slots are probed for dead writers' temp files until this
 # many in a row are absent: a gap this long needs that many writers of one path at once.
@@ -340,6 +348,33 @@ _SPECIAL = {
 }
 
 
+def special_kind(mode: int) -> str | None:
+    """What a file of ``st_mode`` ``mode`` is when it is a named pipe, socket or device
+    (opening it waits on another process or reads a device); None for a regular file, a
+    directory or a link.
+
+    Example:
+        >>> special_kind(stat.S_IFIFO | 0o644), special_kind(stat.S_IFREG | 0o644)
+        ('a named pipe (FIFO)', None)
+    """
+    return _SPECIAL.get(stat.S_IFMT(mode))
+
+
+def special_kind_at(path: Path) -> str | None:
+    """:func:`special_kind` of the file at ``path`` (a link followed); None when ``path``
+    cannot be stat'ed (nothing there yet, or a parent that is not a directory: the write
+    that follows says so).
+
+    Example:
+        >>> special_kind_at(Path("/no/such/file")) is None
+        True
+    """
+    try:
+        return special_kind(os.stat(path).st_mode)
+    except OSError:
+        return None
+
+
 def _refuse_special(path: Path, named: Path) -> None:
     """Refuse to replace ``path`` when it is a named pipe, socket or device: the rename would
     swap it for a regular file without a word (as root, ``/dev/null`` itself), where
@@ -349,10 +384,7 @@ def _refuse_special(path: Path, named: Path) -> None:
         FileExistsError: ``EEXIST``, naming ``path`` (and the link ``named``), what it is
             and the fix.
     """
-    try:
-        kind = _SPECIAL.get(stat.S_IFMT(os.stat(path).st_mode))
-    except OSError:
-        return  # nothing there yet, or a parent that is not a directory: the write says so
+    kind = special_kind_at(path)
     if kind is not None:
         via = f" (the target of the link {named})" if named != path else ""
         raise FileExistsError(

@@ -48,6 +48,7 @@ __all__ = [
     "parse_int",
     "parse_tasks_per_node",
     "read_int",
+    "read_int_or_srun",
     "read_port",
     "tasks_on_this_node",
     "text",
@@ -162,6 +163,26 @@ def read_int(name: str, env: Mapping[str, str] | None = None) -> int | None:
     if raw is None or not raw.strip():
         return None
     return parse_int(name, raw)
+
+
+def read_int_or_srun(name: str, slurm: str, env: Mapping[str, str] | None = None) -> int | None:
+    """The whole-number variable ``name``; else, inside an ``srun`` step (see
+    :func:`in_srun_step`), SLURM's ``slurm``; else None.
+
+    Raises:
+        ValueError: the variable read is set but breaks its rule (see :func:`parse_int`).
+
+    Example:
+        >>> task = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}
+        >>> read_int_or_srun("LOCAL_RANK", "SLURM_LOCALID", {**task, "SLURM_LOCALID": "1"})
+        1
+        >>> read_int_or_srun("LOCAL_RANK", "SLURM_LOCALID", {"SLURM_LOCALID": "1"}) is None
+        True
+    """
+    value = read_int(name, env)
+    if value is None and in_srun_step(env):
+        value = read_int(slurm, env)
+    return value
 
 
 def read_port(env: Mapping[str, str] | None = None) -> int | None:

@@ -10,7 +10,6 @@ import contextlib
 import errno
 import pickle
 import re
-import stat
 import struct
 import zipfile
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import IO, Any, TypeAlias, TypeGuard
 
 import torch
 
+from trainperf._utils.atomic import special_kind
 from trainperf._utils.format import format_bytes
 from trainperf._utils.oom import oom_kind
 from trainperf.checkpoint._allow import (
@@ -93,25 +93,17 @@ def _describe(head: bytes) -> str:
     return "a text file"
 
 
-# Files whose open() or read() waits on another process or reads a device, never a checkpoint.
-_SPECIAL = (
-    (stat.S_ISFIFO, "a named pipe (FIFO)"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-)
-
-
 def special_file(mode: int) -> str | None:
     """What a file of ``st_mode`` ``mode`` is, when opening it to read a checkpoint would
     wait for a writer (a named pipe) or read a device: never a checkpoint. None for a
     regular file, a directory or a link.
 
     Example:
+        >>> import stat
         >>> special_file(stat.S_IFIFO | 0o644), special_file(stat.S_IFREG | 0o644)
         ('a named pipe (FIFO)', None)
     """
-    return next((what for test, what in _SPECIAL if test(mode)), None)
+    return special_kind(mode)
 
 
 def _is_safetensors(head: bytes) -> bool:

@@ -57,12 +57,9 @@ def _local_rank() -> int | None:
     whole number: raising here, inside a collective, would leave the other ranks waiting for
     this one."""
     try:
-        local = launch_env.read_int("LOCAL_RANK")
-        if local is None and launch_env.in_srun_step():
-            local = launch_env.read_int("SLURM_LOCALID")
+        return launch_env.read_int_or_srun("LOCAL_RANK", "SLURM_LOCALID")
     except ValueError:
         return None
-    return local
 
 
 @contextlib.contextmanager

@@ -14,8 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from trainperf._utils.atomic import fsync_dir, write_atomically
-from trainperf.checkpoint._formats import special_file
+from trainperf._utils.atomic import fsync_dir, special_kind_at, write_atomically
 from trainperf.errors import CheckpointError
 
 __all__ = ["write_checkpoint_file"]
@@ -83,10 +82,7 @@ def _refuse_special_step_file(path: Path) -> None:
     Raises:
         CheckpointError: it is one; it is left as it is.
     """
-    try:
-        kind = special_file(os.stat(path).st_mode)
-    except OSError:
-        return  # nothing there, or a path above it that is no directory: the write says so
+    kind = special_kind_at(path)  # None also when nothing is there: the write says so
     if kind is not None:
         raise CheckpointError(
             f"cannot save checkpoint to {path}: it is {kind}, not a regular file, and a "

@@ -44,9 +44,7 @@ def _initialised() -> bool:
 
 def _env_or_slurm(name: str, slurm: str, default: int) -> int:
     """``name`` from the environment; else, in an srun task, ``slurm``; else ``default``."""
-    value = launch_env.read_int(name)
-    if value is None and launch_env.in_srun_step():
-        value = launch_env.read_int(slurm)
+    value = launch_env.read_int_or_srun(name, slurm)
     return default if value is None else value
 
 
