@@ -27,13 +27,27 @@ def test_data_parallel_without_gpus() -> None:
         ddp.data_parallel(model, device_ids=[0])
 
 
+@pytest.fixture
+def two_fake_gpus(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Two visible GPUs (no CUDA here), and ``nn.DataParallel`` stubbed out: the returned
+    list records the ``device_ids`` each wrap was given. The warning is taken as given."""
+    import trainperf.ddp._data_parallel as dp_module
+
+    wrapped: list[list[int]] = []
+    monkeypatch.setattr(dp_module, "_dp_warned", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(nn, "DataParallel", lambda model, device_ids: wrapped.append(device_ids))
+    return wrapped
+
+
+@pytest.mark.usefixtures("two_fake_gpus")
 def test_data_parallel_names_the_renumbering_of_cuda_visible_devices(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # It said only "device_ids [3] are not visible GPUs (0..1)": a user who set
     # CUDA_VISIBLE_DEVICES=2,3 and passed the physical number 3 got no fix.
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     with pytest.raises(
         ValueError,
@@ -58,17 +72,10 @@ class _Placed(nn.Linear):
 
 
 def test_data_parallel_takes_devices_as_nn_data_parallel_does(
-    monkeypatch: pytest.MonkeyPatch,
+    two_fake_gpus: list[list[int]],
 ) -> None:
     # torch.device("cuda:1") and "cuda:1" failed with a bare TypeError from int().
-    import trainperf.ddp._data_parallel as dp_module
-
-    wrapped: list[list[int]] = []
-    monkeypatch.setattr(dp_module, "_dp_warned", True)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(nn, "DataParallel", lambda model, device_ids: wrapped.append(device_ids))
+    wrapped = two_fake_gpus
     model = _Placed(2, 2)
     ddp.data_parallel(model, device_ids=[torch.device("cuda:1"), "cuda:0", 0, "cuda"])
     assert wrapped == [[1, 0, 0, 0]] and model.placed == torch.device("cuda", 1)
@@ -76,16 +83,10 @@ def test_data_parallel_takes_devices_as_nn_data_parallel_does(
         ddp.data_parallel(model, device_ids=["cuda:3"])
 
 
-def test_data_parallel_takes_gpu_numbers_written_as_digits(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_data_parallel_takes_gpu_numbers_written_as_digits(two_fake_gpus: list[list[int]]) -> None:
     # os.environ["GPUS"].split(",") gives "0", "1": int() took them before device_ids were
     # checked, then they were refused as "not a device name".
-    import trainperf.ddp._data_parallel as dp_module
-
-    wrapped: list[list[int]] = []
-    monkeypatch.setattr(dp_module, "_dp_warned", True)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(nn, "DataParallel", lambda model, device_ids: wrapped.append(device_ids))
+    wrapped = two_fake_gpus
     model = _Placed(2, 2)
     ddp.data_parallel(model, device_ids=["1", " 0"])  # "1, 0".split(",")
     assert wrapped == [[1, 0]] and model.placed == torch.device("cuda", 1)

@@ -110,14 +110,17 @@ def unreported(
     return problem, False
 
 
-def finished(call: str | None) -> str:
-    """How a rank that finished main did so: returned, or ``call`` (``"sys.exit(0)"``).
+def finished(call: str | None, *, in_main: bool = False) -> str:
+    """How a rank that finished main did so: returned, or ``call`` (``"sys.exit(0)"``),
+    said to be ``in main`` where ``in_main``.
 
     Example:
-        >>> finished(None), finished("sys.exit(0)")
-        ('returned from main', 'called sys.exit(0)')
+        >>> finished(None), finished("sys.exit(0)"), finished("sys.exit(0)", in_main=True)
+        ('returned from main', 'called sys.exit(0)', 'called sys.exit(0) in main')
     """
-    return "returned from main" if call is None else f"called {call}"
+    if call is None:
+        return "returned from main"
+    return f"called {call} in main" if in_main else f"called {call}"
 
 
 def returned_then_died(rank: int, call: str | None, code: int) -> str:
@@ -143,8 +146,7 @@ def not_exited(ranks: list[int], exit_calls: dict[int, str], grace_s: float) -> 
     """
     groups: dict[str, list[int]] = {}
     for rank in sorted(ranks):
-        call = exit_calls.get(rank)
-        how = "returned from main" if call is None else f"called {call} in main"
+        how = finished(exit_calls.get(rank), in_main=True)
         groups.setdefault(how, []).append(rank)
     who = " and ".join(
         f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} {how}"

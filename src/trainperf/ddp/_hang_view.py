@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal
 
+from trainperf.ddp._group_exits import finished as finished_main
 from trainperf.ddp._progress_slots import Collective
 from trainperf.ddp._stacks import Activity, Frame, loads_in_process
 
@@ -64,7 +65,7 @@ class RankView:
         if self.finished and self.status in ("returned", "gone"):
             return self.finished
         if self.status == "returned":
-            return f"called {self.exit_call} in main" if self.exit_call else "returned from main"
+            return finished_main(self.exit_call or None, in_main=True)
         if self.status == "gone":
             return "has exited"
         if self.status == "unknown":

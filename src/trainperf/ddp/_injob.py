@@ -25,7 +25,7 @@ from typing import Any
 from trainperf.ddp import _env
 from trainperf.ddp._group_exits import finished
 from trainperf.ddp._shared_gpu import refuse_shared_gpu
-from trainperf.ddp._worker import call_main, exit_call, rank_device
+from trainperf.ddp._worker import call_main, called, rank_device
 from trainperf.errors import LaunchError
 
 __all__ = ["resolve_backend", "run_in_process"]
@@ -245,14 +245,14 @@ def _check_gatherable(result: Any) -> None:
 
 def _raised(exc: BaseException) -> str:
     """``"raised ValueError: its first line"``, whatever ``str(exc)`` does; ``"called
-    sys.exit(3)"`` for a ``SystemExit``, as launch's own spawner says (:func:`exit_call`).
+    sys.exit(3)"`` for a ``SystemExit``, as launch's own spawner says (:func:`called`).
 
     Example:
         >>> _raised(ValueError("bad batch\\nmore")), _raised(SystemExit("no data"))
         ('raised ValueError: bad batch', "called sys.exit('no data')")
     """
-    if isinstance(exc, SystemExit):
-        return f"called {exit_call(exc.code)}"
+    if (call := called(exc)) is not None:
+        return call
     try:
         lines = str(exc).strip().splitlines()
     except Exception:

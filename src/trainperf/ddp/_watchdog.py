@@ -72,7 +72,7 @@ from trainperf.ddp._stacks import parse_dump
 from trainperf.ddp._watchdog_verdict import Decision, judge
 from trainperf.ddp._watchdog_verdict import verdict_record as _verdict_record
 from trainperf.ddp._watchdog_verdict import view as _view
-from trainperf.ddp._worker import clean_exit_call, exit_call
+from trainperf.ddp._worker import called, clean_exit_call
 
 __all__ = ["COLLECT_S", "EXIT_CODE", "Watchdog", "judge", "watchdog"]
 
@@ -172,8 +172,8 @@ class Watchdog:
     ) -> None:
         if exc is None:
             self.stop()
-        elif clean_exit_call(exc) is not None:  # sys.exit(0): a clean exit, as a return
-            self.stop("returned", f"called {clean_exit_call(exc)} in {self.scope}")
+        elif (call := clean_exit_call(exc)) is not None:  # sys.exit(0): a clean exit, as a return
+            self.stop("returned", f"called {call} in {self.scope}")
         else:
             self.stop("gone", f"{_raised(exc)} in {self.scope}")
 
@@ -433,9 +433,7 @@ def _raised(exc: BaseException) -> str:
         >>> _raised(ValueError("bad")), _raised(SystemExit(1))
         ('raised ValueError', 'called sys.exit(1)')
     """
-    if isinstance(exc, SystemExit):
-        return f"called {exit_call(exc.code)}"
-    return f"raised {type(exc).__name__}"
+    return called(exc) or f"raised {type(exc).__name__}"
 
 
 def _write(f: IO[bytes], data: bytes) -> None:

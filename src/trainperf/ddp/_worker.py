@@ -55,6 +55,7 @@ __all__ = [
     "Failure",
     "WorkerSpec",
     "call_main",
+    "called",
     "clean_exit_call",
     "exit_call",
     "rank_device",
@@ -273,6 +274,17 @@ def exit_call(code: object) -> str:
     except Exception:  # the message must still go out
         shown = f"<{type(code).__name__}>"
     return f"sys.exit({shown})"
+
+
+def called(exc: BaseException) -> str | None:
+    """``"called sys.exit(1)"`` when ``exc`` is a ``SystemExit`` (its :func:`exit_call`);
+    None for any other exception.
+
+    Example:
+        >>> called(SystemExit(1)), called(ValueError("bad")) is None
+        ('called sys.exit(1)', True)
+    """
+    return f"called {exit_call(exc.code)}" if isinstance(exc, SystemExit) else None
 
 
 def clean_exit_call(exc: BaseException) -> str | None:

@@ -149,12 +149,14 @@ def check_same_device(
             "argument is the model; to check inputs alone, pass None first: "
             "check_same_device(None, batch)"
         )
-    source = _input_mover_source(module)
+    # torch.compile's wrapper (an OptimizedModule) calls the module it wraps, as it is.
+    wrapper = getattr(module, "_orig_mod", module)
+    source = _input_mover_source(wrapper)
     if source is not None:
-        return _check_input_mover(cast(torch.nn.Module, module), source, tensors, named_tensors)
+        model = _model_tensors(cast(torch.nn.Module, module))
+        return _check_input_mover(wrapper, model, source, tensors, named_tensors)
     if module is not None:
-        found += [(f"parameter {n}", p) for n, p in module.named_parameters()]
-        found += [(f"buffer {n}", b) for n, b in module.named_buffers()]
+        found += _model_tensors(module)
     has_model = bool(found)  # a model with tensors of its own to move
     inputs: list[tuple[str, torch.Tensor]] = []
     seen: dict[int, Any] = {}
@@ -194,9 +196,8 @@ def _input_mover_source(module: object) -> torch.device | None:
     """Where a wrapper that moves its inputs itself wants its module: ``device_ids[0]`` of
     an ``nn.DataParallel`` with devices (without, it only calls its module) or of a
     ``DistributedDataParallel`` with ``device_ids``, whose forward moves every input there
-    (without, it moves nothing), also under ``torch.compile``. None for any other module."""
-    # torch.compile's wrapper (an OptimizedModule) calls the module it wraps, as it is.
-    module = getattr(module, "_orig_mod", module)
+    (without, it moves nothing). None for any other module. ``module`` comes already taken
+    out of ``torch.compile``'s wrapper, if it had one."""
     if isinstance(module, torch.nn.DataParallel) and module.device_ids:
         return module.src_device_obj
     ddp = torch.nn.parallel.DistributedDataParallel
@@ -217,18 +218,23 @@ def _no_tensors() -> ValueError:
     )
 
 
+def _model_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s parameters and buffers, each named as the messages name it."""
+    found = [(f"parameter {n}", p) for n, p in module.named_parameters()]
+    return found + [(f"buffer {n}", b) for n, b in module.named_buffers()]
+
+
 def _check_input_mover(
-    model: torch.nn.Module,
+    wrapper: Any,
+    found: list[tuple[str, torch.Tensor]],
     source: torch.device,
     tensors: tuple[Any, ...],
     named_tensors: dict[str, Any],
 ) -> torch.device:
-    """What ``DataParallel``'s and ``DistributedDataParallel``'s forward demand: the module,
-    and every input tensor they do not move, on ``device_ids[0]``."""
-    wrapper = getattr(model, "_orig_mod", model)
-    found: list[tuple[str, torch.Tensor]] = []
-    found += [(f"parameter {n}", p) for n, p in model.named_parameters()]
-    found += [(f"buffer {n}", b) for n, b in model.named_buffers()]
+    """What ``DataParallel``'s and ``DistributedDataParallel``'s forward demand: the module
+    (``found``: the model's parameters and buffers, :func:`_model_tensors`), and every input
+    tensor they do not move, on ``device_ids[0]``. ``wrapper`` is the ``DataParallel`` or
+    ``DistributedDataParallel`` itself (the one inside ``torch.compile``'s wrapper, if any)."""
     moved: list[torch.Tensor] = []
     unmoved: list[tuple[str, torch.Tensor]] = []
     inputs = [(f"arg{i}", value) for i, value in enumerate(tensors)] + list(named_tensors.items())
