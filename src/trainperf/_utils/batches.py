@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["batch_bytes", "samples_in"]
+__all__ = ["batch_bytes", "samples_in", "tensor_leaves"]
 
 
 def _leaves(obj: Any, depth: int = 0) -> list[Any]:
@@ -26,6 +26,18 @@ def _leaves(obj: Any, depth: int = 0) -> list[Any]:
     if isinstance(obj, (list, tuple)):
         return [x for v in obj for x in _leaves(v, depth + 1)]
     return []
+
+
+def tensor_leaves(batch: Any) -> list[Any]:
+    """The tensors and arrays in a (nested) batch, in order; strings and other values are
+    skipped, and nothing below eight levels of nesting is read.
+
+    Example:
+        >>> batch = {"x": torch.zeros(4, 3), "y": ["id", np.zeros(2)]}
+        >>> [tuple(t.shape) for t in tensor_leaves(batch)]
+        [(4, 3), (2,)]
+    """
+    return _leaves(batch)
 
 
 def batch_bytes(batch: Any) -> int:

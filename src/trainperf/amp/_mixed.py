@@ -150,6 +150,13 @@ class MixedPrecision:
         return self._scaler
 
     @property
+    def _enabled_scaler(self) -> torch.amp.GradScaler | None:
+        """:attr:`scaler` when it is enabled; None for bf16 and fp32 and for a disabled
+        scaler, for :meth:`step` and :meth:`unscale_`."""
+        scaler = self.scaler
+        return scaler if scaler is not None and scaler.is_enabled() else None
+
+    @property
     def reason(self) -> str:
         """Why the precision (and, after :meth:`prepare`, channels_last and TF32) were chosen."""
         return "; ".join([self._precision_reason, *self._prepare_reasons])
@@ -400,8 +407,7 @@ class MixedPrecision:
         """
         if optimizer is not None:
             optimizers = (*optimizers, optimizer)
-        scaler = self.scaler
-        scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        scaler = self._enabled_scaler
         _bookkeeping.check_step_call(
             self, optimizers, max_grad_norm, closure, scaling=scaler is not None
         )
@@ -436,9 +442,7 @@ class MixedPrecision:
             >>> mp.step(opt)
             True
         """
-        scaler = self.scaler
-        scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        _bookkeeping.unscale(self, scaler, optimizer)
+        _bookkeeping.unscale(self, self._enabled_scaler, optimizer)
 
     def zero_grad(
         self, optimizer: torch.optim.Optimizer | None = None, *, set_to_none: bool = True

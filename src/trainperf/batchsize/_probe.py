@@ -50,7 +50,6 @@ each a pure function, are in :mod:`trainperf.batchsize._probe_rules`.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -133,7 +132,8 @@ class Prober:
         optimizer_charged: a window charged the optimizers' time as accumulation will.
         batch_dim: the dimension of the batch's first tensor that holds the samples.
         check: what the steps did to the saved parameters, marked around each probe until
-            one moved a parameter (:mod:`trainperf.batchsize._trained`); None: unchecked.
+            one moved a parameter (:mod:`trainperf.batchsize._trained`); the default,
+            watching nothing, checks nothing.
     """
 
     step: Callable[[Any], object]
@@ -151,7 +151,7 @@ class Prober:
     optimizers: Sequence[Optimizer] = ()
     optimizer_charged: bool = False
     batch_dim: int = 0
-    check: TrainingCheck | None = None
+    check: TrainingCheck = field(default_factory=lambda: TrainingCheck(()))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -235,7 +235,7 @@ class Prober:
         self._agreed(failed)
         batch, timed.batch_bytes = built
         self.on_update(f"batch {size}: warming up")
-        with self.check.hooked(marks) if self.check is not None else contextlib.nullcontext():
+        with self.check.hooked(marks):
             step_s = self._warm_up(batch, timed)
         (k_agreed,), _ = self.agree.combine(maxima=[steps_per_window(step_s, self.policy)])
         k = int(k_agreed)
@@ -277,7 +277,7 @@ class Prober:
         oom_message = None
         try:
             self.state.set_aside()
-            marks = None if self.check is None else self.check.mark()
+            marks = self.check.mark()
             timed, oom_message = self._measure(size, marks)
             peak = self.memory.peak()
             idle = oom_message is None and self._untrained(marks, timed)
@@ -297,8 +297,6 @@ class Prober:
     def _untrained(self, marks: Marks | None, timed: _Timed) -> bool:
         """No step of this probe, nor of any before it, trained what was saved
         (:func:`~trainperf.batchsize._trained.untrained_error`)."""
-        if self.check is None:
-            return False
         self.check.record(marks, _steps(timed))
         return not (self.check.settled or self.check.backward_seen)
 

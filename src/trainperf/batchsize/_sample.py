@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, default_collate
 
+from trainperf._utils.batches import tensor_leaves
 from trainperf._utils.rng import dataset_generators
 from trainperf._utils.validate import fresh_stream, positive_int
 
@@ -166,17 +167,9 @@ def _path_sizes(obj: Any, depth: int = 0, batch_dim: int = 0) -> list[int]:
     return []
 
 
-def _first_shape(obj: Any, batch_dim: int, depth: int = 0) -> tuple[int, ...] | None:
+def _first_shape(batch: Any, batch_dim: int) -> tuple[int, ...] | None:
     """The shape of the tensor (or array) :func:`_path_sizes` reads, or None."""
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
-        return tuple(int(k) for k in obj.shape) if obj.ndim > batch_dim else None
-    if depth > 8 or isinstance(obj, (str, bytes)) or not isinstance(obj, (Mapping, list, tuple)):
-        return None
-    for v in obj.values() if isinstance(obj, Mapping) else obj:
-        found = _first_shape(v, batch_dim, depth + 1)
-        if found is not None:
-            return found
-    return None
+    return next((shape for shape in _shapes(batch) if len(shape) > batch_dim), None)
 
 
 def _per_sample(obj: Any, depth: int) -> bool:
@@ -296,14 +289,9 @@ def _check_has_batch_dim(batch: Any, n: int, batch_dim: int) -> None:
         )
 
 
-def _shapes(obj: Any, depth: int = 0) -> list[tuple[int, ...]]:
+def _shapes(batch: Any) -> list[tuple[int, ...]]:
     """The shape of each tensor (or array) in a nested batch, in order."""
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
-        return [tuple(int(k) for k in obj.shape)]
-    if depth > 8 or isinstance(obj, (str, bytes)) or not isinstance(obj, (Mapping, list, tuple)):
-        return []
-    values = obj.values() if isinstance(obj, Mapping) else obj
-    return [shape for v in values for shape in _shapes(v, depth + 1)]
+    return [tuple(int(k) for k in t.shape) for t in tensor_leaves(batch)]
 
 
 def _one_shot(batch: Any) -> bool:

@@ -262,7 +262,7 @@ def _search(call: _Call) -> tuple[BatchSizeReport, bool]:
             bar.close()
     if choice is None:
         raise _no_fit(call, search.results)
-    unstepped = None if prober.check is None else unstepped_note(prober.check)
+    unstepped = unstepped_note(prober.check)
     if unstepped is not None:
         warnings.warn(f"tune_batch_size: {unstepped}", UserWarning, stacklevel=4)
     report = call.report(
