@@ -191,8 +191,7 @@ def cgroup_cpu_quota(
     for d in _cgroup_dirs("cpu", root, proc_cgroup):
         v2 = _read(d / "cpu.max")
         if v2 is not None:
-            quota, _, period = v2.partition(" ")
-            share = _cpu_share(quota, period or "100000")
+            share = _v2_cpu_share(v2)
         else:
             quota_us, period_us = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
             share = (
@@ -202,6 +201,13 @@ def cgroup_cpu_quota(
             quotas.append(share)
     # The tightest limit on the way up to the root is the one that binds.
     return min(quotas) if quotas else None
+
+
+def _v2_cpu_share(cpu_max: str) -> float | None:
+    """CPUs a v2 ``cpu.max`` (``"<quota> <period>"``, the period 100000 when left out)
+    allows; None for no limit or a malformed figure."""
+    quota, _, period = cpu_max.partition(" ")
+    return _cpu_share(quota, period or "100000")
 
 
 def _cpu_share(quota: str, period: str) -> float | None:
@@ -292,8 +298,7 @@ def _cpu_limit_dir(dirs: list[Path]) -> Path | None:
     CPU set, the outermost of equals; None where none sets a limit."""
     best: tuple[float, Path] | None = None
     for d in dirs:
-        quota_text, _, period = (_read(d / "cpu.max") or "max").partition(" ")
-        quota = _cpu_share(quota_text, period or "100000")
+        quota = _v2_cpu_share(_read(d / "cpu.max") or "max")
         cpuset = _cpuset_size(_read(d / "cpuset.cpus"))
         limits = [x for x in (quota, cpuset) if x is not None]
         if limits and (best is None or min(limits) <= best[0]):

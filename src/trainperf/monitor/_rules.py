@@ -198,25 +198,25 @@ def _unmeasured_reason(f: Figures) -> str:
     )
 
 
-def _how(f: Figures) -> str:
-    """How to measure the data wait: wrap the loader, or, where a prefetch thread iterated
-    ``w.iter()``, what the loop itself iterates (the loop's own wait is for the prefetcher)."""
+def _wrap(f: Figures) -> str:
+    """The loop that measures the data wait: over the loader, or, where a prefetch thread
+    iterated ``w.iter()``, over what the loop itself iterates (its own wait is for the
+    prefetcher)."""
     if f.setup.prefetch_thread is None:
-        return "wrap the loader, for batch in w.iter(loader)"
-    return (
-        f"w.iter() ran in prefetch thread {f.setup.prefetch_thread!r}; wrap what the loop "
-        "itself iterates, for batch in w.iter(prefetcher)"
-    )
+        return "for batch in w.iter(loader)"
+    return "wrap what the loop itself iterates, for batch in w.iter(prefetcher)"
+
+
+def _how(f: Figures) -> str:
+    """How to measure the data wait, naming the prefetch thread where one iterated it."""
+    if f.setup.prefetch_thread is None:
+        return f"wrap the loader, {_wrap(f)}"
+    return f"w.iter() ran in prefetch thread {f.setup.prefetch_thread!r}; {_wrap(f)}"
 
 
 def _measure_wait(f: Figures) -> str:
     """The first step of a fix where the data wait was not measured."""
-    loop = (
-        "for batch in w.iter(loader)"
-        if f.setup.prefetch_thread is None
-        else "wrap what the loop itself iterates, for batch in w.iter(prefetcher)"
-    )
-    return f"measure the data wait first: {loop}: ... w.step(), and watch again; "
+    return f"measure the data wait first: {_wrap(f)}: ... w.step(), and watch again; "
 
 
 # --------------------------------------------------------------------------- decisive rules

@@ -57,7 +57,7 @@ from trainperf.monitor._report import WatchReport
 from trainperf.monitor._sampler import MAX_RECORDS, _Sampler
 from trainperf.monitor._watch_iter import _Pass, _Timed, check_iterable
 from trainperf.monitor._watch_report import build_report
-from trainperf.monitor._watch_steps import cpu_reading, record_step, settle
+from trainperf.monitor._watch_steps import cpu_reading, exclude_from_next, record_step, settle
 
 __all__ = ["Watch", "watch"]
 
@@ -405,9 +405,7 @@ class Watch:
         finally:
             if self._state == "running" and threading.current_thread() is self._loop_thread:
                 # Made inside the loop: its time is not the step's (nor a periodic stall).
-                index = self._first + len(self._ends)  # the step under way
-                spent = time.perf_counter() - began
-                self._excluded[index] = self._excluded.get(index, 0.0) + spent
+                exclude_from_next(self, time.perf_counter() - began)
 
 
 def _checked_limits(max_records: int, interval: float) -> tuple[int, float]:

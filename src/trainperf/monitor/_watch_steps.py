@@ -96,7 +96,7 @@ def _append(w: Watch, now: float, samples: int | None) -> None:
     if w._unsettled >= _SETTLE_EVERY:
         began = time.perf_counter()
         settle(w)
-        _exclude_from_next(w, began)
+        exclude_from_next(w, time.perf_counter() - began)
     w._pending_wait = 0.0
     w._pending_wait_cpu = 0.0
     w._pending_count = 0
@@ -114,15 +114,15 @@ def _append(w: Watch, now: float, samples: int | None) -> None:
     if len(w._ends) % _RESOLVE_EVERY == 0:
         began = time.perf_counter()
         resolve(w, block=False)
-        _exclude_from_next(w, began)
+        exclude_from_next(w, time.perf_counter() - began)
 
 
-def _exclude_from_next(w: Watch, began: float) -> None:
-    """Leave the watch's own bookkeeping since ``began`` out of the step under way (it runs
-    after the step's end was read): done every N steps, it would look like the loop's own
-    periodic stall, and in a loop of very short steps make one."""
+def exclude_from_next(w: Watch, spent: float) -> None:
+    """Leave ``spent`` seconds of the watch's own bookkeeping out of the step under way (it
+    runs after the step's end was read): done every N steps, it would look like the loop's
+    own periodic stall, and in a loop of very short steps make one."""
     index = w._first + len(w._ends)
-    w._excluded[index] = w._excluded.get(index, 0.0) + time.perf_counter() - began
+    w._excluded[index] = w._excluded.get(index, 0.0) + spent
 
 
 def cpu_reading(w: Watch) -> tuple[float, float, int]:
