@@ -32,8 +32,9 @@ Who uses what:
 - :mod:`~trainperf._utils.oom`: ``oom_kind``, whether an error means device or host
   memory ran out; used by ``checkpoint``, ``batchsize`` and the ``bench`` command.
 - :mod:`~trainperf._utils.batches` and :mod:`~trainperf._utils.rng`: a batch's bytes and
-  samples, and every random generator restored after a block; used by the ``loader``
-  tuner, ``tune_batch_size`` and ``checkpoint``'s exact resume.
+  samples (and the tensors in it: ``tensor_leaves``), and every random generator restored
+  after a block; used by the ``loader`` tuner, ``tune_batch_size`` and ``checkpoint``'s
+  exact resume.
 - :mod:`~trainperf._utils.exiting`: whether the interpreter's exit has begun (Python's
   thread shutdown, which ``import trainperf`` makes sure runs); used by ``checkpoint``.
 """
