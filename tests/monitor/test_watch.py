@@ -575,6 +575,21 @@ def test_the_report_has_the_loaders_settings_as_they_are_now() -> None:
     assert (setup.num_workers, setup.prefetch_factor) == (2, 3)
 
 
+def _fake_perf_counter(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Make the watch's ``time.perf_counter()`` read a list the test moves on."""
+    import types
+
+    import trainperf.monitor._watch as watch_module
+    import trainperf.monitor._watch_steps as steps_module
+
+    clock = [1000.0]
+    fake = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if k[0] != "_"})
+    fake.perf_counter = lambda: clock[0]
+    monkeypatch.setattr(watch_module, "time", fake)
+    monkeypatch.setattr(steps_module, "time", fake)
+    return clock
+
+
 class _ScriptedClock:
     """Stands in for the schedstat clock: returns (demand, delay) readings from a script."""
 
@@ -602,10 +617,12 @@ def test_schedstat_is_read_every_16_steps_and_spread_over_them(
         (1.048, 0.016),  # after 16 steps: 32 ms run, 16 ms waiting for a CPU
         (1.056, 0.020),  # at the end, 4 steps later: 4 ms run, 4 ms waiting
     ])  # fmt: skip
+    now = _fake_perf_counter(monkeypatch)  # the steps take all the time the readings span
     w = Watch(device="cpu", warmup_steps=0)
     w._clock = clock  # type: ignore[assignment]
     with w:
         for _ in w.iter([torch.zeros(2)] * 20):
+            now[0] += 0.002
             w.step()
     assert clock.calls == 3  # not one a step
     steps = w.report().timeline
@@ -642,6 +659,28 @@ def test_waiting_for_a_cpu_while_the_watch_starts_is_no_steps_delay(
         for _ in range(4):
             w.step(samples=1)
     assert [s.cpu_delay for s in w.report().timeline] == [0.0] * 4
+
+
+def test_waiting_for_a_cpu_after_the_last_step_is_no_steps_delay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: the reading at the watch's end also held what the loop's thread waited for a
+    # CPU after its last step (validation or a save inside the `with` block, the loader's
+    # shutdown) and spread it over the last steps: 4 steps of 1 ms got 13 ms of delay each,
+    # and the report predicted 80x "without the other processes".
+    clock = _fake_perf_counter(monkeypatch)
+    w = Watch(device="cpu", warmup_steps=0)
+    w._clock = _ScriptedClock([  # type: ignore[assignment]
+        (1.000, 0.000),  # at the start
+        (1.156, 0.052),  # at the end: 104 ms run, 52 ms waiting for a CPU, half the time
+    ])  # fmt: skip
+    with w:
+        for _ in range(4):
+            clock[0] += 0.001
+            w.step(samples=1)
+        clock[0] += 0.1  # 100 ms of work after the loop, inside the block
+    steps = w.report().timeline
+    assert [s.cpu_delay for s in steps] == pytest.approx([0.0005] * 4)
 
 
 def test_without_schedstat_the_delays_are_unknown_and_the_wait_is_cpu_time(

@@ -126,6 +126,7 @@ class Watch:
         self._clock = CpuClock()
         # (run, delay, generation) at the last schedstat reading: see settle().
         self._last_reading = (math.nan, math.nan, 0)
+        self._reading_at = 0.0  # when it was made: seconds from _t0
         self._loader: dict[str, Any] = {}  # the loader's settings at w.iter()
         self._loader_ref: Callable[[], object | None] = lambda: None
         self._sampler: _Sampler | None = None
