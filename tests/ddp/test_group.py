@@ -19,7 +19,7 @@ import pytest
 from tests.ddp import _workers as workers
 from tests.ddp._distributed import LONG, fast_start_method, launch_fork
 from trainperf.ddp import _group
-from trainperf.ddp._failures import Problem, summarize
+from trainperf.ddp._failures import DEATH_SLACK_S, Problem, summarize
 from trainperf.ddp._procs import SignalGuard
 from trainperf.ddp._worker import Failure, WorkerSpec
 from trainperf.errors import HangError, LaunchError
@@ -369,6 +369,89 @@ def test_waiting_for_a_lost_peer_ends_once_its_result_has_arrived() -> None:
     finally:
         reader.close()
         writer.close()
+
+
+class _Clock:
+    """``time`` for the group: it moves only when the group sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return 100.0 + self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class _ExitsLater:
+    """A process whose exit status reads ``code`` from its ``polls``-th read on."""
+
+    def __init__(self, code: int, polls: int) -> None:
+        self.code, self.polls, self.reads = code, polls, 0
+
+    @property
+    def exitcode(self) -> int | None:
+        self.reads += 1
+        return self.code if self.reads >= self.polls else None
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def _exited_first(monkeypatch: pytest.MonkeyPatch, first: Any, other: Any) -> tuple[Any, Any]:
+    """A group of 2 whose rank 0 (main loaded) was just seen gone, ``first`` its problem
+    (an exit code, or a Failure); rank 1 is ``other``. The group and its clock."""
+    clock = _Clock()
+    monkeypatch.setattr(_group, "time", clock)
+    group = _group.Group(None, _make_group(2).spec, "", SignalGuard())  # type: ignore[arg-type]
+    group.loaded = {0, 1}
+    if isinstance(first, Failure):
+        group.problems.append(Problem(0, first.time, summarize(first), first.traceback))
+    else:
+        group.problems.append(group._no_report(0, first, clock.time()))
+    group.running = {1: other}
+    return group, clock
+
+
+@pytest.mark.parametrize("code", [0, 1])
+def test_a_rank_killed_by_a_signal_is_blamed_when_seen_a_wakeup_after_the_exit_it_caused(
+    code: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 1 is SIGKILLed; rank 0 catches its broken collective and calls os._exit, and the
+    # launcher sees rank 0 gone one wake-up before rank 1: it stopped at once and blamed
+    # rank 0, with rank 1's SIGKILL read as the stop's own doing.
+    killed = _ExitsLater(-9, polls=3)
+    group, clock = _exited_first(monkeypatch, code, killed)
+    group._await_lost_peer()
+    assert not group.running and clock.now < DEATH_SLACK_S
+    text = group._message()
+    assert text.startswith("rank 1 of 2 died from signal SIGKILL"), text
+    assert f"  rank 0 exited with code {code} without" in text, text
+
+
+def test_the_wait_after_an_exit_is_bounded_and_none_follows_an_error_of_a_ranks_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Nobody else dies: the exit is blamed once the slack has passed.
+    group, clock = _exited_first(monkeypatch, 3, _Running())
+    group._await_lost_peer()
+    assert DEATH_SLACK_S <= clock.now < DEATH_SLACK_S + 0.1
+    assert group._message().startswith("rank 0 of 2 exited with code 3"), group._message()
+    # An error of a rank's own is reported at once: no rank is polled, no time passes.
+    own = Failure(0, 10, "ValueError", "bad batch", "tb0", time=100.0)
+    quiet = _ExitsLater(-9, polls=1)
+    group, clock = _exited_first(monkeypatch, own, quiet)
+    group._await_lost_peer()
+    assert clock.now == 0.0 and quiet.reads == 0
+    # Nor does the launcher wait once no rank is left running.
+    group, clock = _exited_first(monkeypatch, 1, _Running())
+    group.running = {}
+    group._await_lost_peer()
+    assert clock.now == 0.0
 
 
 def _make_group(n: int = 3) -> _group.Group:

@@ -153,6 +153,34 @@ def test_a_signal_death_seen_with_a_lower_ranks_exit_is_blamed_over_it(
     assert text.startswith(f"rank {blamed} of 2 "), text
 
 
+@pytest.mark.parametrize(
+    ("exit_code", "signal_code", "seen_later", "blamed"),
+    [
+        # Rank 1's death is seen one wake-up after rank 0's exit: it may have come first (it
+        # is dated up to the slack before it was seen), and a signal death caught nothing.
+        (1, -9, 0.05, 1),
+        (0, -11, 0.9, 1),
+        # Seen more than the slack after the exit: it died after rank 0 had left.
+        (1, -9, 1.5, 0),
+        # SIGABRT may be NCCL's watchdog ending rank 1 because rank 0 had gone.
+        (1, -6, 0.05, 0),
+    ],
+)
+def test_a_signal_death_seen_a_wakeup_after_a_lower_ranks_exit_is_blamed_over_it(
+    exit_code: int, signal_code: int, seen_later: float, blamed: int
+) -> None:
+    # Seen in one wake-up, the signal death was blamed; seen in the next, the exit was,
+    # though it may have been rank 0 catching the broken collective and leaving.
+    from trainperf.ddp._group_exits import unreported
+
+    exited = unreported(0, exit_code, 100.3, reimport=False, startup_text=None)[0]
+    died = unreported(1, signal_code, 100.3 + seen_later, reimport=False, startup_text=None)[0]
+    assert first_failure((exited, died)).rank == blamed
+    # A lost-peer error in between changes nothing: both deaths explain it.
+    lost = Problem(2, 100.32, "raised RuntimeError: Connection reset by peer")
+    assert first_failure((exited, lost, died)).rank == blamed
+
+
 def test_ranks_that_called_sys_exit_0_are_listed_apart_from_those_that_returned() -> None:
     lost = Problem(0, 100.0, "raised RuntimeError: Connection closed by peer")
     outcome = Outcome(4, "", (lost,), frozenset({1, 2, 3}), (), exit_calls=((2, "sys.exit(0)"),))

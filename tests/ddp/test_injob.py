@@ -89,6 +89,16 @@ def test_a_clean_sys_exit_in_main_counts_as_returning_none_inside_a_job(
     assert not dist.is_initialized()
 
 
+@pytest.mark.timeout(60)
+def test_sys_exit_0_0_in_main_is_a_failure_inside_a_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 0.0 == 0, so it counted as returning None; Python itself exits 1 for sys.exit(0.0).
+    _one_rank_job(monkeypatch)
+    with pytest.raises(SystemExit, match=r"^0\.0$"):
+        ddp.launch_all(_exits, 0.0, backend="gloo")
+    assert ddp.launch_all(_exits, False, backend="gloo") == [None]
+    assert not dist.is_initialized()
+
+
 def _keywords(
     watch: object = None, main: object = None, fn: object = None, args: object = None
 ) -> dict[str, object]:

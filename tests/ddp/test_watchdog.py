@@ -272,6 +272,9 @@ def test_a_silent_collector_leaves_each_rank_to_judge(monkeypatch: pytest.Monkey
         (None, "main", "returned", "returned from main"),
         (ValueError("x"), "the watchdog() block", "gone", "raised ValueError in the watchdog"),
         (SystemExit(1), "main", "gone", "called sys.exit(1) in main"),
+        # Python exits 1 for sys.exit(0.0): it was counted as a clean exit.
+        (SystemExit(0.0), "main", "gone", "called sys.exit(0.0) in main"),
+        (SystemExit(False), "main", "returned", "called sys.exit(False) in main"),
     ],
 )
 def test_a_rank_that_left_says_how_and_a_clean_sys_exit_is_not_a_crash(

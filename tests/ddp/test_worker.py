@@ -6,6 +6,7 @@ import functools
 import importlib.util
 import io
 import os
+import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -56,6 +57,39 @@ def test_sys_exit_zero_counts_as_returning_none() -> None:
     assert ddp.launch_all(
         workers.sys_exit_on_rank, 1, 0, nprocs=2, backend="gloo", start_method=fast_start_method()
     ) == [0, None]
+
+
+@pytest.mark.parametrize("code", [None, 0, False, 0.0, -0.0, 0j, "0", "", 1, True, 3])
+def test_a_sys_exit_is_clean_exactly_when_python_would_exit_0(code: object) -> None:
+    # sys.exit(0.0) counted as returning None (0.0 == 0), though Python exits 1 for it:
+    # only None and an int equal to 0 (False included) end a process with status 0.
+    from trainperf.ddp._worker import clean_exit_call
+
+    python = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.exit({code!r})"], capture_output=True, check=False
+    )
+    assert (clean_exit_call(SystemExit(code)) is not None) is (python.returncode == 0)
+
+
+def test_main_that_calls_sys_exit_0_0_fails_and_one_that_calls_sys_exit_false_returns() -> None:
+    from trainperf.ddp._worker import call_main
+
+    with pytest.raises(SystemExit, match=r"^0\.0$"):
+        call_main(sys.exit, (0.0,), {})
+    assert call_main(sys.exit, (False,), {}) == (None, "sys.exit(False)")
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_calls_sys_exit_0_0_is_a_failure_as_python_says() -> None:
+    with pytest.raises(LaunchError, match=r"^rank 1 of 2 called sys\.exit\(0\.0\)"):
+        ddp.launch_all(
+            workers.sys_exit_on_rank,
+            1,
+            0.0,
+            nprocs=2,
+            backend="gloo",
+            start_method=fast_start_method(),
+        )
 
 
 @pytest.mark.timeout(60)

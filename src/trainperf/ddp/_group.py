@@ -377,9 +377,11 @@ class Group:
         close later than its sockets (a slow teardown, a child that holds them), and the
         stop would then read its exit as the stop's own doing. What the running ranks sent
         meanwhile is read too: a result (the rank that left had returned from main, and is
-        still exiting) or an error of a rank's own explains the failures, and ends the wait."""
+        still exiting) or an error of a rank's own explains the failures, and ends the wait.
+        So too after an exit a rank made itself, with no report: it may have caught the
+        broken collective of a rank killed by a signal, to be seen gone a wake-up later."""
         deadline = time.monotonic() + _DEATH_SLACK_S
-        while self._only_lost_peers():
+        while self.running and self._only_lost_peers():
             with self.guard.deferred():
                 for rank in list(self.running):
                     self._receive_sent(rank)
@@ -393,12 +395,21 @@ class Group:
 
     def _only_lost_peers(self) -> bool:
         """Every failure so far reads like a lost peer, or may be one (NCCL < 2.13's
-        "unhandled system error", a death by SIGABRT), and no rank returned to explain it."""
+        "unhandled system error", a death by SIGABRT, an exit a rank that had loaded main
+        made itself), and no rank returned to explain it."""
         return (
             bool(self.problems)
             and not self.results
-            and all(_lost_peer(p) or _maybe_lost_peer(p) for p in self.problems)
+            and all(
+                _lost_peer(p) or _maybe_lost_peer(p) or self._left_itself(p) for p in self.problems
+            )
         )
+
+    def _left_itself(self, problem: _Problem) -> bool:
+        """Whether ``problem`` is an exit without a report that a rank made through its own
+        exit path (``os._exit(n)``, not a signal) after loading main: it may have caught a
+        collective that a peer's death broke. One before loading main joined no group."""
+        return bool(problem.slack) and not problem.by_signal and problem.rank in self.loaded
 
     def _drain(self, grace_s: float) -> None:
         """SIGTERM reached the launcher: pass it on to each rank and wait up to ``grace_s``.

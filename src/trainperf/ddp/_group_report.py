@@ -105,7 +105,8 @@ def first_failure(problems: tuple[Problem, ...]) -> Problem:
     A failure that may be a lost peer's (:func:`maybe_lost_peer`: NCCL < 2.13's "unhandled
     system error", a death by SIGABRT) is blamed only when no death or error of a rank's own
     may have come before it. Failures dated alike (deaths seen in the same wake-up) blame a
-    death by a signal over an exit, then the lower rank.
+    death by a signal over an exit, then the lower rank; so does a death by a signal seen
+    within its slack after that exit (a wake-up later), unless SIGABRT ended it.
 
     Example:
         >>> own = Problem(1, 100.0, "raised ValueError: bad batch")
@@ -138,7 +139,13 @@ def _earliest_cause(problems: tuple[Problem, ...]) -> Problem:
     bound = min([earliest.time, *lost])
     own = [p for p in problems if not p.slack and not lost_peer(p) and p.time < bound]
     if not own:
-        return earliest
+        # A rank killed by a signal (not SIGABRT, which may be NCCL's watchdog ending it
+        # for the exit) that may have died before that exit was seen is blamed over it, as
+        # in one wake-up: seen a wake-up later, it is dated later, yet caught nothing.
+        killed = [
+            p for p in problems if p.by_signal and not p.aborted and _dated(p) <= earliest.time
+        ]
+        return min(killed, key=_order) if killed else earliest
     # A rank killed before that own error was raised is still blamed over it.
     return min(own + [p for p in problems if p.by_signal], key=_order)
 

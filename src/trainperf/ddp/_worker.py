@@ -289,17 +289,26 @@ def called(exc: BaseException) -> str | None:
 
 def clean_exit_call(exc: BaseException) -> str | None:
     """``"sys.exit(0)"`` (or ``"sys.exit()"``) when ``exc`` is the ``SystemExit`` of a call
-    that ends a rank cleanly, as returning None does; None for any other exception.
+    that ends a rank cleanly, as returning None does; None for any other exception. The one
+    place every ddp path (launch's workers, a launch inside a job, the watchdog) decides it.
+
+    Clean is what Python itself exits 0 for: a code of None or an int equal to 0 (``False``
+    too). Any other object, ``0.0`` or ``"0"`` included, is printed and exits 1.
 
     Example:
         >>> clean_exit_call(SystemExit(0)), clean_exit_call(SystemExit())
         ('sys.exit(0)', 'sys.exit()')
         >>> clean_exit_call(SystemExit(3)) is None, clean_exit_call(ValueError()) is None
         (True, True)
+        >>> clean_exit_call(SystemExit(0.0)) is None, clean_exit_call(SystemExit(False))
+        (True, 'sys.exit(False)')
     """
-    if not isinstance(exc, SystemExit) or exc.code not in (None, 0):
+    if not isinstance(exc, SystemExit):
         return None
-    return exit_call(exc.code)
+    code = exc.code
+    if code is not None and not (isinstance(code, int) and code == 0):
+        return None
+    return exit_call(code)
 
 
 def call_main(
