@@ -1,10 +1,12 @@
 """A fake NCCL process group of two ranks on a fake host of GPUs, for checking on CPU which
-GPU the checkpoint package's collectives run on (``_rank_gpu``)."""
+GPU the checkpoint package's collectives run on (``_rank_gpu``), and :func:`map_locations`,
+which records the device each load asked ``torch.load`` for."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -69,3 +71,17 @@ class FakeNccl:
 
     def _all_reduce(self, tensor: torch.Tensor, op: Any = None, group: Any = None) -> None:
         self.used.append(tensor.device.index)
+
+
+def map_locations(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """Where each ``torch.load`` was asked to map the file's tensors (``(file name,
+    map_location)``); the load itself maps onto the CPU, there being no GPU here."""
+    asked: list[tuple[str, Any]] = []
+    real_load = torch.load
+
+    def load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
+        asked.append((Path(f).name if isinstance(f, (str, Path)) else "", map_location))
+        return real_load(f, map_location="cpu", **kwargs)
+
+    monkeypatch.setattr(torch, "load", load)
+    return asked

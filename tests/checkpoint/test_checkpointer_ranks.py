@@ -17,7 +17,7 @@ import trainperf.checkpoint._checkpointer_ranks as ranks_module
 import trainperf.checkpoint._checkpointer_restore as restore_module
 from tests.checkpoint import _ranks
 from tests.checkpoint._common import as_if_from_newer_torch
-from tests.checkpoint._fake_nccl import FakeNccl
+from tests.checkpoint._fake_nccl import FakeNccl, map_locations
 from tests.ddp._distributed import FORK, spawn
 from trainperf import Checkpointer
 from trainperf.checkpoint._loader_state import track
@@ -270,3 +270,20 @@ def test_restore_agrees_on_the_ranks_own_gpu_under_nccl(
     ranks_module.agree_loaded(tmp_path, 3)
     assert fake.used == [1, 1]  # both agreements
     assert fake.current == 0  # the script's current device is left as it was
+
+
+@pytest.mark.parametrize(("device", "expected"), [("cuda", "cuda:1"), ("cuda:0", "cuda:0")])
+def test_restore_onto_cuda_loads_onto_the_ranks_own_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str, expected: str
+) -> None:
+    # Before: restore(device="cuda") loaded every rank's copy of the step onto cuda:0 (the
+    # current device of a script that never calls torch.cuda.set_device).
+    ckpt = _saved(tmp_path, monkeypatch)
+    _as_rank(monkeypatch, 1)
+    FakeNccl(monkeypatch, rank=1, gpus=2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    asked = map_locations(monkeypatch)
+    w = torch.zeros(2)
+    assert ckpt.restore({"w": w}, device=device) == 2
+    assert w.tolist() == [2.0, 2.0]
+    assert ("step-000000002.pt", torch.device(expected)) in asked

@@ -21,7 +21,7 @@ import trainperf.checkpoint._files as files_module
 import trainperf.checkpoint._read as read_module
 from tests.checkpoint import _ranks
 from tests.checkpoint._common import FIXTURES, GPU_FILES, Net, assert_same, temps
-from tests.checkpoint._fake_nccl import FakeNccl
+from tests.checkpoint._fake_nccl import FakeNccl, map_locations
 from tests.ddp._distributed import FORK, spawn
 from trainperf.checkpoint import load_checkpoint, load_state_dict, save_checkpoint, unwrap_model
 from trainperf.errors import (
@@ -683,3 +683,44 @@ def test_a_distributed_save_broadcasts_on_the_ranks_own_gpu_under_nccl(
     monkeypatch.setenv("LOCAL_RANK", "1")
     save_checkpoint({"w": torch.ones(1)}, tmp_path / "c.pt", distributed=True)
     assert fake.used == [1] and fake.current == 0
+
+
+@pytest.mark.parametrize(
+    ("device", "backend", "expected"),
+    [
+        ("cuda", "nccl", "cuda:1"),  # set_device never called: LOCAL_RANK's GPU, not cuda:0
+        (torch.device("cuda"), "nccl", "cuda:1"),
+        ("cuda", "gloo", "cuda:1"),  # a gloo group training on GPUs: the same convention
+        ("auto", "nccl", "cuda:1"),  # not the GPU with most free memory, the same on every rank
+        ("cuda:0", "nccl", "cuda:0"),  # an explicit index is kept
+        (0, "nccl", "cuda:0"),
+    ],
+)
+def test_cuda_without_an_index_under_a_group_loads_onto_the_ranks_own_gpu(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    device: str | int | torch.device,
+    backend: str,
+    expected: str,
+) -> None:
+    # Before: torch.load(map_location="cuda") put every rank's tensors on the current
+    # device, cuda:0 on each rank of a script that never calls torch.cuda.set_device.
+    path = save_checkpoint({"w": torch.ones(2)}, tmp_path / "c.pt")
+    FakeNccl(monkeypatch, rank=1, gpus=2, backend=backend)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr("trainperf.device.best_device", lambda: torch.device("cuda", 0))
+    asked = map_locations(monkeypatch)
+    assert load_checkpoint(path, device)["w"].tolist() == [1.0, 1.0]
+    assert asked == [("c.pt", torch.device(expected))]
+
+
+def test_cuda_without_an_index_and_without_a_group_is_left_to_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = save_checkpoint({"w": torch.ones(2)}, tmp_path / "c.pt")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    asked = map_locations(monkeypatch)
+    load_checkpoint(path, "cuda")
+    assert asked == [("c.pt", torch.device("cuda"))]  # the current device, as torch.load's

@@ -171,21 +171,26 @@ def test_a_sampler_shuffling_with_a_global_generator_resumes_exactly(
     assert got == reference  # the order, and the loop's own draws after the resume
 
 
-def test_another_batch_size_with_as_many_batches_restarts_the_pass_with_a_warning(
+def test_another_batch_size_resumes_the_saved_order_at_the_consumed_samples(
     tmp_path: Path,
 ) -> None:
+    # Before: the pass restarted in a fresh order ("its batch_size 6 -> 5 changed"), so the
+    # saved pass's unseen samples were never seen.
     torch.manual_seed(0)
     saved = DataLoader(list(range(20)), batch_size=6, shuffle=True)  # 4 batches per pass
     ck = Checkpointer(tmp_path)
     ck.restore({"loader": saved})
     it = iter(saved)
-    next(it), next(it)
+    order = [x for _ in range(2) for x in next(it).tolist()]
     ck.save({"loader": saved}, step=2)
+    order += [x for b in it for x in b.tolist()]
     resumed = DataLoader(list(range(20)), batch_size=5, shuffle=True)  # 4 batches too
-    with pytest.warns(UserWarning, match=r"its batch_size 6 -> 5 changed since the checkpoint"):
+    with pytest.warns(
+        UserWarning, match=r"batch size changed from 6 to 5 .*after 2 batches of 5 \(sample 10\)"
+    ):
         ck.restore({"loader": resumed})
     rest = _batches(resumed)
-    assert len(rest) == 4 and sorted(x for b in rest for x in b) == list(range(20))
+    assert [x for b in rest for x in b] == order[10:]  # 12 consumed: the last 2 seen again
 
 
 class _NoLength(torch.utils.data.Dataset[int]):

@@ -274,7 +274,17 @@ def test_a_loader_of_another_length_restarts_its_pass_with_a_warning() -> None:
     next(it)
     state = loader_state(loader)
     with pytest.warns(UserWarning, match=r"it has 5 batches per pass, but 10 when the checkpoint"):
-        restore_loader(DataLoader(DATA, batch_size=8), state, "loader")
+        restore_loader(DataLoader(TensorDataset(torch.arange(20)), batch_size=4), state, "loader")
+
+
+def test_another_batch_size_with_another_dataset_restarts_its_pass_with_a_warning() -> None:
+    loader = DataLoader(DATA, batch_size=4)
+    track(loader)
+    it = iter(loader)
+    next(it)
+    state = loader_state(loader)
+    with pytest.warns(UserWarning, match=r"it has 3 batches per pass, but 10 when the checkpoint"):
+        restore_loader(DataLoader(TensorDataset(torch.arange(20)), batch_size=8), state, "loader")
 
 
 @pytest.mark.parametrize(
@@ -337,3 +347,73 @@ def test_a_tracked_loader_pickles_and_its_copy_is_tracked_on_its_own(cls: type) 
         rest = [_values(b) for b in twin]
         assert len(rest) == 8  # the copy resumes the pass too
     assert [_values(b) for b in loader] == rest  # the original's resume is still its own
+
+
+@pytest.mark.parametrize("cls", [DataLoader, TunedDataLoader])
+@pytest.mark.parametrize("make_copy", [copy.copy, copy.deepcopy], ids=["copy", "deepcopy"])
+def test_a_copy_of_a_tracked_loader_keeps_its_own_position(
+    cls: type, make_copy: Callable[[Any], Any]
+) -> None:
+    # Before: copy.copy shared the tracker, so iterating the copy moved the position the
+    # original would save (and the original's batches moved the copy's).
+    torch.manual_seed(0)
+    loader = cls(DATA, batch_size=4, shuffle=True)
+    track(loader)
+    it = iter(loader)
+    next(it), next(it)
+    twin = make_copy(loader)
+    assert [len(_values(b)) for b in twin] == [4] * 10
+    state = loader_state(loader)
+    assert state is not None and (state["passes"], state["position"]) == (1, 2)
+    next(it)
+    twin_state = loader_state(twin)
+    assert twin_state is not None and (twin_state["passes"], twin_state["position"]) == (2, 10)
+    state = loader_state(loader)
+    assert state is not None and (state["passes"], state["position"]) == (1, 3)
+
+
+def _saved_mid_pass(batch_size: int, taken: int) -> tuple[dict[str, Any], list[int]]:
+    """A shuffled loader's state after ``taken`` batches of ``batch_size``, and its pass's
+    whole order (the samples, flat)."""
+    torch.manual_seed(0)
+    loader = DataLoader(DATA, batch_size=batch_size, shuffle=True)
+    track(loader)
+    it = iter(loader)
+    order = [i for _ in range(taken) for i in _values(next(it))]
+    state = copy.deepcopy(loader_state(loader))
+    assert state is not None
+    order += [i for b in it for i in _values(b)]
+    return state, order
+
+
+@pytest.mark.parametrize(("old", "taken", "new"), [(4, 3, 6), (8, 2, 4), (4, 4, 16)])
+def test_another_batch_size_resumes_the_saved_order_at_the_consumed_samples(
+    old: int, taken: int, new: int
+) -> None:
+    # Before: the pass restarted with a fresh permutation, the saved one's unseen samples lost.
+    state, order = _saved_mid_pass(old, taken)
+    fresh = DataLoader(DATA, batch_size=new, shuffle=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        restore_loader(fresh, state, "loader")
+        batches = [_values(b) for b in fresh]
+    assert [i for b in batches for i in b] == order[old * taken :]
+    assert [len(b) for b in batches[:-1]] == [new] * (len(batches) - 1)
+    again = loader_state(fresh)
+    assert again is not None and (again["passes"], again["position"]) == (1, len(fresh))
+
+
+def test_a_batch_size_that_does_not_divide_the_consumed_samples_repeats_a_few_with_a_warning() -> (
+    None
+):
+    state, order = _saved_mid_pass(4, 3)  # 12 samples consumed: 2 batches of 5, and 2 more
+    fresh = DataLoader(DATA, batch_size=5, shuffle=True)
+    with pytest.warns(
+        UserWarning,
+        match=r"loader 'loader': its batch size changed from 4 to 5 since the checkpoint was "
+        r"saved: the pass resumes in the saved order after 2 batches of 5 \(sample 10\), "
+        r"so the last 2 samples of the 12 consumed \(3 batches of 4\) are seen again "
+        r"\(a batch size that divides 12 resumes exactly\)",
+    ):
+        restore_loader(fresh, state, "loader")
+    assert [i for b in fresh for i in _values(b)] == order[10:]

@@ -24,7 +24,7 @@ from trainperf.checkpoint._keys import (
     strip_wrapper_layers,
 )
 from trainperf.checkpoint._prefix import unwrap_model
-from trainperf.checkpoint._rank_gpu import on_rank_gpu
+from trainperf.checkpoint._rank_gpu import on_rank_gpu, own_gpu
 from trainperf.checkpoint._read import load_file, load_stream
 from trainperf.checkpoint._refusal import weights_only_refusal
 from trainperf.checkpoint._write import write_checkpoint_file
@@ -365,12 +365,14 @@ def load_checkpoint(
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (or the int ``N``), ``"mps"``, a
             ``torch.device`` of those types, or None / ``"auto"`` for
             ``trainperf.device.best_device()`` (as ``device=None`` means elsewhere in
-            trainperf), parsed by :func:`trainperf.device.resolve_device`. The device is
-            checked before the file is read. The default is ``"cpu"``, not the best device,
-            because ``model.load_state_dict`` copies the tensors into the model wherever its
-            parameters live: loading onto a GPU first would hold a second copy of the weights
-            (and optimizer state) in GPU memory, and the load works the same on a machine
-            without the GPU the file was saved on.
+            trainperf), parsed by :func:`trainperf.device.resolve_device`. Under a process
+            group, a GPU without an index (``"cuda"``, ``"auto"``) is the rank's own
+            (``LOCAL_RANK``'s, as DDP has it), not the current device; ``"cuda:N"`` stays
+            GPU ``N``. The device is checked before the file is read. The default is
+            ``"cpu"``, not the best device, because ``model.load_state_dict`` copies the
+            tensors into the model wherever its parameters live: loading onto a GPU first
+            would hold a second copy of the weights (and optimizer state) in GPU memory, and
+            the load works the same on a machine without the GPU the file was saved on.
         weights_only: Refuse pickled code (the default). ``False`` runs whatever the file
             contains: only for files you trust.
         verify: Check every CRC-32 of a torch zip file first, so flipped bytes in tensor
@@ -421,6 +423,11 @@ def load_checkpoint(
         # torch.load maps onto exactly "cpu": "cpu:0" (a valid torch.device) fails inside
         # the unpickler, which read as a damaged file (and made restore skip every step).
         dev = torch.device("cpu")
+    elif dev.type == "cuda" and (dev.index is None or device is None or device == "auto"):
+        # Under a process group, "cuda" is the rank's own GPU (DDP's convention), not the
+        # current device (cuda:0 on every rank of a script that never calls set_device),
+        # nor the GPU with most free memory (the same one on every rank of a host).
+        dev = own_gpu() or dev
     if not isinstance(path, (str, os.PathLike)):
         return load_stream(_file_object(path), dev, weights_only, verify)
     path = Path(os.fspath(path)).expanduser()

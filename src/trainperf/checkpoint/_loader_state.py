@@ -19,7 +19,9 @@ while its sampler draws, so it yields the same order, and the first ``position``
 indices are dropped at the sampler, so their samples are never loaded. Every random draw the
 DataLoader makes while starting that pass (the workers' base seed) is undone, because the
 interrupted run had made it before the checkpoint, and the generators stay where the
-checkpoint left them.
+checkpoint left them. A batch size changed alone keeps the saved order too: the pass resumes
+after the samples consumed, or the whole batches of the new size below them
+(:func:`_rebatched`).
 
 Not exact, and documented: random augmentation done *inside* DataLoader workers (each worker's
 generator has advanced through the batches it loaded, which the resumed pass does not replay),
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import warnings
 import weakref
@@ -41,6 +44,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from trainperf._utils.format import plural
 from trainperf._utils.stack import user_stacklevel
 from trainperf.checkpoint._dataset_states import (
     dataset_states,
@@ -248,13 +252,17 @@ def _tracked_class(cls: type) -> type:
 def _reduce_tracked(loader: Any, base: type) -> tuple[Any, ...]:
     """What ``pickle`` and ``copy.deepcopy`` take of a tracked loader: its own state (its
     class's ``__getstate__``: a ``TunedDataLoader`` leaves its live pool behind), rebuilt as
-    a tracked ``base``. The tracked class is made at run time, so pickle cannot name it; and
-    the sampler wrapper, which refers to the original loader, is left out: the copy makes
-    its own, so iterating it never touches the original's pass."""
+    a tracked ``base``. The tracked class is made at run time, so pickle cannot name it; the
+    sampler wrapper, which refers to the original loader, is left out: the copy makes its
+    own; and the tracker is copied (``copy.copy`` would share it), so iterating the copy
+    never touches the original's pass, nor the original the copy's."""
     getstate = getattr(loader, "__getstate__", None)  # object has one from Python 3.11
     state = loader.__dict__ if getstate is None else getstate()
     if isinstance(state, dict):
         state = {k: v for k, v in state.items() if k != "_trainperf_index_sampler"}
+        if isinstance(state.get(_TRACKER), _Tracker):
+            tracker = state[_TRACKER]
+            state[_TRACKER] = dataclasses.replace(tracker, notes=list(tracker.notes))
     return (_new_tracked, (base,), state)
 
 
@@ -366,6 +374,36 @@ def _resume_note(loader: DataLoader[Any], saved: Mapping[str, Any]) -> str | Non
     return None
 
 
+def _rebatched(loader: DataLoader[Any], saved: Mapping[str, Any]) -> tuple[int, str | None] | None:
+    """Where the saved pass resumes in ``loader``'s batches when only its batch size changed
+    since the save, and what to warn of (None when it resumes exactly); None when the batch
+    size is the same, or something else changed too.
+
+    The sampler's order does not depend on the batch size (the batches are consecutive runs
+    of it), so the pass goes on in the saved order after the samples consumed, ``position *
+    old batch size``; when the new batch size does not divide them, after the whole batches
+    of it below them, so the few in between are seen again rather than never.
+    """
+    shape, was = _shape(loader), saved.get("shape") or {}
+    old, new = was.get("batch_size"), shape.get("batch_size")
+    if old is None or new is None or old == new or getattr(loader, "in_order", True) is False:
+        return None
+    if any(shape[k] is None or was.get(k) != shape[k] for k in ("dataset", "samples")):
+        return None
+    consumed = saved["position"] * old
+    position, again = divmod(consumed, new)
+    if not again:
+        return position, None
+    return position, (
+        f"its batch size changed from {old} to {new} since the checkpoint was saved: the "
+        f"pass resumes in the saved order after {plural(position, 'batch', 'batches')} of "
+        f"{new} (sample {position * new}), so the last {plural(again, 'sample')} of the "
+        f"{consumed} consumed ({plural(saved['position'], 'batch', 'batches')} of {old}) "
+        f"{'is' if again == 1 else 'are'} seen again (a batch size that divides {consumed} "
+        "resumes exactly)"
+    )
+
+
 def _draw_tail(
     chain: list[Any],
     gen: torch.Generator | None,
@@ -440,12 +478,19 @@ def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key
     if done or (saved["start"] is None and not _begun(saved)):
         return
     # Nothing consumed (a pass saved before its first batch): any order continues it.
-    note = _resume_note(loader, saved) if saved["position"] > 0 else None
+    rebatched = _rebatched(loader, saved) if saved["position"] > 0 else None
+    if rebatched is not None:
+        position, note = rebatched
+    else:
+        position = saved["position"]
+        note = _resume_note(loader, saved) if position > 0 else None
     if note is not None:
         warnings.warn(f"loader {key!r}: {note}", UserWarning, stacklevel=user_stacklevel())
-        return
+        if rebatched is None:
+            return
     start = None if saved["start"] is None else SamplerStates.from_dict(saved["start"])
-    tracker.resume = _Resume(saved["passes"], saved["position"], start, shared)
+    tracker.position = position
+    tracker.resume = _Resume(saved["passes"], position, start, shared)
     # Saved again before the loop starts, it must still say "in the middle of this pass".
     tracker.done, tracker.start = False, start
 

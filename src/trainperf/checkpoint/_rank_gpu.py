@@ -1,6 +1,9 @@
 """The GPU a rank's collectives in this package run on under NCCL (:func:`on_rank_gpu`):
 the restore's agreements, ``save_checkpoint(..., distributed=True)``'s broadcast and
-``Checkpointer.preemption()``'s flag comparison.
+``Checkpointer.preemption()``'s flag comparison; and, under any process group, the GPU
+``device="cuda"`` (no index) loads a checkpoint onto (:func:`own_gpu`), as DDP's convention
+has each rank on its own GPU (``torch.load(map_location="cuda")`` would use the current
+device, ``cuda:0`` on every rank for the reason below).
 
 NCCL's object collectives (``all_gather_object``, ``broadcast_object_list``) move the
 pickled object to ``torch.cuda.current_device()``, which is ``cuda:0`` on every rank of a
@@ -31,7 +34,7 @@ import torch
 
 from trainperf._utils import launch_env
 
-__all__ = ["on_rank_gpu", "rank_gpu"]
+__all__ = ["on_rank_gpu", "own_gpu", "rank_gpu"]
 
 
 def rank_gpu() -> torch.device | None:
@@ -41,6 +44,15 @@ def rank_gpu() -> torch.device | None:
     if not (dist.is_available() and dist.is_initialized()) or not torch.cuda.is_available():
         return None
     if dist.get_backend() != dist.Backend.NCCL:
+        return None
+    return own_gpu()
+
+
+def own_gpu() -> torch.device | None:
+    """This rank's GPU by the rule in the module docstring, under a process group of any
+    backend; None without a group or without CUDA."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or not torch.cuda.is_available():
         return None
     bound = getattr(dist.group.WORLD, "bound_device_id", None)
     if bound is not None and bound.index is not None:
