@@ -804,9 +804,51 @@ def test_a_pool_it_starts_has_a_bound_for_its_first_batch_unless_a_timeout_is_gi
         assert timed.it._timeout == (timeout or 42.0)  # yours keeps its meaning: it raises
         assert timed.trial is not None  # on trial: given up if it breaks first
         assert (timed.trial.timeout_s is None) == bool(timeout)
-        assert next(it).tolist() == [0, 1, 2, 3]
+        assert next(it).tolist() == [0, 1, 2, 3]  # worker 0's first batch
+        assert timed.trial is not None and timed.it._timeout == (timeout or 42.0)
+        assert next(it).tolist() == [4, 5, 6, 7]  # worker 1's: each worker has delivered
         assert timed.trial is None and timed.it._timeout == timeout  # the pool works: no bound
-        assert [b.tolist() for b in it] == [[4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+        assert [b.tolist() for b in it] == [[8, 9, 10, 11], [12, 13, 14, 15]]
+    finally:
+        loader.close()
+
+
+@pytest.mark.slow  # three workers start and stop: about a second
+def test_a_trial_cut_short_by_the_epochs_end_leaves_the_kept_pool_no_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Three workers, two batches left in the epoch: worker 2 never delivers. The trial's
+    # bound must not stay on the persistent pool into the next epoch, where it would
+    # raise "DataLoader timed out" for a caller who gave no timeout.
+    _scripted(monkeypatch, [(3, 2), None])
+    monkeypatch.setattr(adapt_pool, "hang_timeout", lambda *a, **k: 42.0)
+    loader = AdaptiveDataLoader(range(8), batch_size=4)
+    try:
+        assert _epochs(loader, 2) == [list(range(8))] * 2  # the second with three workers
+        assert loader.num_workers == 3 and loader._iterator is not None
+        assert loader._iterator._timeout == 0  # the caller's: none
+        it = iter(loader)  # the same pool again, no change
+        assert it._timed.trial is None and it._timed.it._timeout == 0  # type: ignore[attr-defined]
+        assert [b.tolist() for b in it] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    finally:
+        loader.close()
+
+
+@pytest.mark.slow  # two workers start and stop: about a second
+def test_without_an_epoch_plan_the_trial_ends_at_the_first_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A pool given up after it delivered would start the epoch again from the sampler and
+    # repeat those batches: where there is no plan, the trial stays as it was.
+    _scripted(monkeypatch, [(2, 2)])
+    loader = AdaptiveDataLoader(range(16), batch_size=4, mid_epoch=False)
+    try:
+        _epochs(loader, 1)
+        it = iter(loader)
+        timed = it._timed  # type: ignore[attr-defined]
+        assert timed.plan is None and timed.trial is not None
+        assert next(it).tolist() == [0, 1, 2, 3]
+        assert timed.trial is None and timed.it._timeout == 0
     finally:
         loader.close()
 

@@ -362,3 +362,42 @@ class FailsInWorkersAfterInit(Dataset[int]):
         if torch.utils.data.get_worker_info() is not None:
             raise KeyError(i)
         return i
+
+
+class _DiesInSecondWorker(Dataset[int]):
+    """Loads in the main process and in worker 0; worker 1 dies on its first sample, half a
+    second in: after worker 0's first batch came back."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> int:
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.id == 1:
+            time.sleep(0.5)
+            os._exit(3)
+        return i
+
+
+@pytest.mark.slow  # two forked workers start, one dies half a second in: about a second
+@pytest.mark.parametrize("mode", ["mid-epoch", "epoch-boundary"])
+def test_a_pool_whose_second_worker_dies_after_the_first_batch_is_given_up(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    # Before: the trial ended at the pool's first batch (worker 0's), so worker 1's death
+    # on its first sample raised "DataLoader worker ... exited unexpectedly" in the loop.
+    from trainperf.loader import AdaptiveDataLoader
+
+    _adds_two_workers(monkeypatch, mode)
+    kw: dict[str, Any] = {"batch_size": 4, "multiprocessing_context": "fork"}
+    loader = AdaptiveDataLoader(_DiesInSecondWorker(), **kw)
+    try:
+        with pytest.warns(RuntimeWarning, match="a worker died.*went back to num_workers=0"):
+            epochs = [[int(x) for b in loader for x in b] for _ in range(2)]
+    finally:
+        loader.close()
+    assert epochs == [list(range(24))] * 2  # nothing lost, nothing twice, the same order
+    (failed,) = loader.tuning_history[1:]
+    assert (failed.reason, failed.old, failed.new) == ("failed", (2, 2), (0, None))
+    assert failed.epoch_batch > 0  # given up where the epoch was, after worker 0's batch
+    assert loader.num_workers == 0 and loader._max_workers == 0

@@ -103,3 +103,37 @@ def test_entries_are_json_and_a_malformed_one_is_none() -> None:
     assert json.loads(store.get("k")) == {"entry": {"a": [1, None]}, "rank": 0}
     store.set("bad", "{not json")
     assert _share.receive_entry(store, "bad", 1.0) is None
+
+
+_LAUNCH_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID")
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"LOCAL_RANK": "1", "SLURM_LOCALID": "0"}, 1),  # torchrun's, whatever SLURM says
+        ({"SLURM_LOCALID": "1", "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}, 1),
+        # A batch script's SLURM_LOCALID=0, inherited by every rank a launcher other than
+        # srun starts: not this rank's place on the host, so the global rank (all here).
+        ({"SLURM_LOCALID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, 3),
+        ({}, 3),
+    ],
+)
+def test_the_local_rank_is_read_as_the_ddp_helpers_read_it(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], expected: int
+) -> None:
+    # Before: SLURM_LOCALID was read outside an srun step too, so under a batch script
+    # every rank took itself for local rank 0 (trainperf.ddp's local_rank() does not).
+    for name in _LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    assert _share._local_rank(4) == expected
+
+
+def test_a_malformed_local_rank_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "one")
+    with pytest.raises(ValueError, match=r"LOCAL_RANK.*'one'"):
+        _share._local_rank(4)

@@ -62,7 +62,8 @@ _POOL_FAULTS = ("crash", "pickle", "memory", "shm")
 
 @dataclasses.dataclass(frozen=True)
 class _Trial:
-    """A worker pool the loader started itself, on trial until its first batch arrives:
+    """A worker pool the loader started itself, on trial until each worker's first batch
+    arrives (its first batch only where the epoch cannot be resumed: ``_TimedIter``):
     ``previous`` is the setting to go back to, ``timeout_s`` the wait it is given (None:
     the caller's ``timeout`` bounds it, and a hang raises, as it means)."""
 
@@ -95,7 +96,7 @@ def resume(loader: AdaptiveDataLoader, timed: _TimedIter) -> Any:
 def arm(loader: AdaptiveDataLoader, it: Any) -> _Trial | None:
     """Give the pool just started (``it``) the bound of its trial, if it is on one: the
     DataLoader's own wait for a batch (the iterator's copy of ``timeout``), until the
-    first batch arrives (``_TimedIter.__next__``)."""
+    trial ends (``_TimedIter.__next__``)."""
     trial, loader._trial = loader._trial, None
     if trial is not None and trial.timeout_s is not None:
         it._timeout = trial.timeout_s
@@ -109,9 +110,9 @@ def apply_change(
     shut_down_pool(loader)
     loader.num_workers = change.num_workers
     fit_timeout(loader)
-    # A pool it starts is on trial until its first batch: given up if it breaks, and,
-    # unless a timeout of the caller's bounds the wait (and raises, as it means), if no
-    # batch comes within the tuner's bound for a hang.
+    # A pool it starts is on trial until each worker's first batch: given up if it breaks,
+    # and, unless a timeout of the caller's bounds the wait (and raises, as it means), if
+    # no batch comes within the tuner's bound for a hang.
     loader._trial = None
     if change.num_workers > 0:
         bound = None if loader.timeout else hang_bound(loader, change.num_workers, f)

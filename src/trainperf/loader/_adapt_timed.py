@@ -5,9 +5,10 @@ loop waiting for data) and the gaps between them (the step), reads the workers' 
 every ``_CHECK_EVERY_S`` seconds of iteration (after the window's first batch, so not
 within a new pool's start-up) hands the window that ends at that batch
 boundary to the loader's mid-epoch check (:func:`trainperf.loader._adapt_retune.check`). A
-pool on trial that gives no first batch in time goes to
-:func:`trainperf.loader._adapt_pool.pool_hung`, one that breaks first (it could not start, a
-worker died) to :func:`~trainperf.loader._adapt_pool.pool_failed`. What the caller holds is the
+pool on trial (until each of its workers' first batch, where the epoch can be resumed) that
+gives no batch in time goes to :func:`trainperf.loader._adapt_pool.pool_hung`, one that
+breaks first (it could not start, a worker died) to
+:func:`~trainperf.loader._adapt_pool.pool_failed`. What the caller holds is the
 :class:`~trainperf.loader._adapt_epoch.EpochIterator` around it.
 """
 
@@ -49,8 +50,32 @@ class _TimedIter:
         self.returned_cpu = 0.0
         self.final: EpochFigures | None = None
         self.cut_by: str | None = None  # what ended it before its epoch did (see cut)
-        self.trial: _Trial | None = None  # the pool's first batch is awaited within a bound
+        self.trial = None  # each worker's first batch is awaited within a bound
         self.new_window()
+
+    @property
+    def trial(self) -> _Trial | None:
+        """The pool on trial, until each of its workers has delivered its first batch."""
+        return self._trial
+
+    @trial.setter
+    def trial(self, trial: _Trial | None) -> None:
+        self._trial, self._trial_batches = trial, 0
+
+    def _trial_passed(self) -> bool:
+        """Whether the pool on trial has now delivered one batch per worker: torch hands
+        batch ``k`` of a map-style pool to worker ``k mod n``, so until then a worker may
+        still die on its first sample. Without a plan the trial ends at the first batch:
+        a pool given up later would start the epoch again
+        (:func:`~trainperf.loader._adapt_pool.resume`), repeating
+        what was yielded."""
+        self._trial_batches += 1
+        return self.plan is None or self._trial_batches >= self.loader.num_workers
+
+    def _end_trial(self) -> None:
+        """The pool works: the caller's timeout (none) bounds its waits from now on."""
+        if self.trial is not None:
+            self.trial, self.it._timeout = None, self.loader.timeout
 
     def new_window(self) -> None:
         self.batches = self.samples = 0
@@ -96,6 +121,7 @@ class _TimedIter:
                 worker_failures()
             batch = next(self.it)
         except StopIteration:
+            self._end_trial()  # a pool kept for the next epoch waits as the caller's would
             self.loader._epoch_ended(self)
             # Over: no reference back, so a loader let go of after a full epoch is freed at
             # once, its workers with it (a cycle would keep them until the cyclic GC ran).
@@ -124,8 +150,8 @@ class _TimedIter:
                 raise failed from e
             raise
         t1 = time.perf_counter()
-        if self.trial is not None:  # the pool works: the caller's timeout (none) from now on
-            self.trial, self.it._timeout = None, self.loader.timeout
+        if self.trial is not None and self._trial_passed():
+            self._end_trial()
         if self.batches == 0:
             self.startup_s = t1 - self.started
             self.loader._batch_bytes = batch_bytes(batch)

@@ -73,11 +73,11 @@ class Peers:
 
 
 def _local_rank(local_ranks: int) -> int | None:
-    """``LOCAL_RANK``, else ``SLURM_LOCALID``, else the global rank when every rank is here."""
-    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
-        value = launch_env.read_int(name)
-        if value is not None:
-            return value
+    """``LOCAL_RANK``, else ``SLURM_LOCALID`` inside an ``srun`` step (a batch script's is
+    every rank's), else the global rank when every rank is here."""
+    value = launch_env.read_int_or_srun("LOCAL_RANK", "SLURM_LOCALID")
+    if value is not None:
+        return value
     return dist.get_rank() if dist.get_world_size() == local_ranks else None
 
 
