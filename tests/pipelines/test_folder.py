@@ -277,3 +277,96 @@ def test_folder_warnings_name_the_line_that_called_find_images(tmp_path: Path) -
     with pytest.warns(UserWarning, match=r"class folder\(s\) with no images") as caught:
         find_images(root)
     assert [r.filename for r in caught] == [__file__]
+
+
+class _CountedScandir:
+    """``os.scandir``'s iterator, recording the path of every entry it yields."""
+
+    def __init__(self, entries: os._ScandirIterator[str], read: list[str]) -> None:
+        self.entries, self.read = entries, read
+
+    def __enter__(self) -> _CountedScandir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.entries.close()
+
+    def __iter__(self) -> _CountedScandir:
+        return self
+
+    def __next__(self) -> os.DirEntry[str]:
+        entry = next(self.entries)
+        self.read.append(entry.path)
+        return entry
+
+    def close(self) -> None:
+        self.entries.close()
+
+
+def _count_entries_read(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    read: list[str] = []
+    scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda path=".": _CountedScandir(scandir(path), read))
+    return read
+
+
+def test_a_huge_hidden_top_level_folder_is_searched_for_images_only_so_far(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The search for images in a passed-over folder walked its whole tree: a .cache or a
+    # .venv of a million files beside the classes was read on every scan.
+    import trainperf.pipelines._folder as folder_module
+
+    root = _mixed_folder(tmp_path / "data")
+    for i in range(30):
+        (root / ".cache" / f"{i:02d}").mkdir(parents=True)
+        for j in range(10):
+            (root / ".cache" / f"{i:02d}" / f"{j}.bin").write_bytes(b"")
+    (root / ".cats" / "deep").mkdir(parents=True)
+    PIL.new("RGB", (4, 4)).save(root / ".cats" / "deep" / "0.jpg")
+    monkeypatch.setattr(folder_module, "_MAX_SEARCHED", 100, raising=False)
+    read = _count_entries_read(monkeypatch)
+    with pytest.warns(UserWarning, match="holding images") as caught:
+        _, classes, _ = find_images(root)
+    assert ".cache" not in classes and ".cats" not in classes
+    assert 0 < sum(os.sep + ".cache" + os.sep in p for p in read) <= 100
+    message = str(caught[0].message)
+    assert "'.cats'" in message
+    assert "'.cache' (over 100 entries: may hold images)" in message
+
+
+@pytest.mark.parametrize("name", [".git", ".hg", ".svn", ".dvc"])
+def test_a_version_control_folder_is_not_searched_for_images(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    # A dataset kept in a repository has its .git beside the classes: never a class, and it
+    # can hold millions of objects, so it is not read at all (and not warned of).
+    import warnings
+
+    root = _mixed_folder(tmp_path / "data")
+    (root / name / "lfs").mkdir(parents=True)
+    PIL.new("RGB", (4, 4)).save(root / name / "lfs" / "cat.jpg")
+    read = _count_entries_read(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, classes, _ = find_images(root)
+    assert name not in classes
+    assert not [p for p in read if os.sep + name + os.sep in p]
+
+
+def test_a_link_loop_beside_the_classes_is_not_a_class_and_does_not_stop_the_scan(
+    tmp_path: Path,
+) -> None:
+    # A link that leads to itself (z -> z) made DirEntry.is_dir() raise "Too many levels of
+    # symbolic links": find_images failed with a bare OSError, leaking its directory listing.
+    root = tmp_path / "data"
+    (root / "a").mkdir(parents=True)
+    PIL.new("RGB", (4, 4)).save(root / "a" / "0.png")
+    (root / "z").symlink_to("z")
+    (root / ".cats").mkdir()
+    (root / ".cats" / "loop").symlink_to("loop")
+    PIL.new("RGB", (4, 4)).save(root / ".cats" / "0.png")
+    with pytest.warns(UserWarning, match="'.cats'"):
+        items, classes, unlisted = find_images(root)
+    assert classes == ("a",) and unlisted == []
+    assert [Path(p).name for p, _ in items] == ["0.png"]

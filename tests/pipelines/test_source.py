@@ -531,7 +531,7 @@ def test_a_relative_list_path_is_named_as_absolute_and_an_empty_one_stays_empty(
     ]
 
 
-_SUFFIX = {"JPEG": "jpg", "PNG": "png", "BMP": "bmp"}
+_SUFFIX = {"JPEG": "jpg", "PNG": "png", "BMP": "bmp", "TIFF": "tif"}
 
 
 def _complete_and_cut(root: Path, fmt: str, **save: Any) -> None:
@@ -547,8 +547,8 @@ def _complete_and_cut(root: Path, fmt: str, **save: Any) -> None:
 
 @pytest.mark.parametrize(
     ("fmt", "save"),
-    [("JPEG", {}), ("JPEG", {"progressive": True}), ("PNG", {}), ("BMP", {})],
-    ids=["jpeg", "progressive-jpeg", "png", "bmp"],
+    [("JPEG", {}), ("JPEG", {"progressive": True}), ("PNG", {}), ("BMP", {}), ("TIFF", {})],
+    ids=["jpeg", "progressive-jpeg", "png", "bmp", "tiff"],
 )
 def test_a_truncated_file_is_left_out_even_with_pils_load_truncated_images(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, save: dict[str, Any]
@@ -563,6 +563,23 @@ def test_a_truncated_file_is_left_out_even_with_pils_load_truncated_images(
     assert [Path(p).stem for p in source.files] == ["trailer", "whole"]
     assert [Path(b.path).stem for b in source.skipped] == ["cut"]
     assert source.skipped[0].reason.startswith("is truncated: ")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_truncated_tiff_is_left_out_by_every_backend_whatever_pillow_is_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    # TIFF was left to the decoder: with LOAD_TRUNCATED_IMAGES, on_error="skip" kept a cut
+    # TIFF, which the torchvision backend trained on half grey and DALI stopped on, saying
+    # that PIL reads it and telling the user to convert it.
+    from PIL import ImageFile
+
+    _complete_and_cut(tmp_path / "data", "TIFF")
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    with pytest.warns(UserWarning, match=r"cut\.tif \(is truncated: "):
+        loader = _loader(tmp_path / "data", backend, on_error="skip", train=False, batch_size=2)
+    assert [Path(b.path).name for b in loader.skipped] == ["cut.tif"]
+    assert sorted(_indices(loader)) == [0, 1]
 
 
 def test_files_pillow_decodes_whole_are_kept_by_the_skip_check(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import struct
 import zlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,12 +34,13 @@ def _exif_with_thumbnail() -> bytes:
     return main[:2] + segment + main[2:]
 
 
-@pytest.mark.parametrize("fmt", ["jpeg", "png", "bmp"])
+@pytest.mark.parametrize("fmt", ["jpeg", "png", "bmp", "tiff"])
 def test_whole_files_pass_and_cut_ones_are_named(fmt: str) -> None:
     data = _encoded(fmt.upper())
     assert truncation(fmt, io.BytesIO(data)) is None  # type: ignore[arg-type]
     # len - 17: inside the last IDAT's data (before its CRC and the 12-byte IEND), inside a
-    # BMP's last row of pixels (its 2 bytes of padding are not needed), or a JPEG's scan.
+    # BMP's last row of pixels (its 2 bytes of padding are not needed), a JPEG's scan, or an
+    # uncompressed TIFF's strip (Pillow writes its directory first, its pixels last).
     for cut in (len(data) // 2, len(data) - 17):
         reason = truncation(fmt, io.BytesIO(data[:cut]))  # type: ignore[arg-type]
         assert reason is not None and reason.startswith("is truncated")
@@ -63,7 +65,6 @@ def test_an_end_marker_split_across_read_blocks_is_found(monkeypatch: pytest.Mon
 
 
 def test_formats_left_to_the_decoder_are_not_judged() -> None:
-    assert truncation("tiff", io.BytesIO(b"II*\x00")) is None
     assert truncation("webp", io.BytesIO(b"RIFF")) is None
 
 
@@ -155,3 +156,124 @@ def test_a_bmp_without_its_last_rows_padding_is_whole_as_pillow_decodes_it(
         cut_data = data[: len(data) - cut]
         whole = truncation("bmp", io.BytesIO(cut_data)) is None
         assert whole == (cut <= pad) == _pillow_decodes(cut_data), cut
+
+
+def _tiff(
+    pixels: np.ndarray[Any, Any],
+    *,
+    order: str = "<",
+    rows: int = 0,
+    tile: int = 0,
+    deflate: bool = False,
+    overstate: int = 0,
+) -> bytes:
+    """A greyscale TIFF with its directory first and its pixels last, as cameras, scanners
+    and Pillow's uncompressed writer lay it out (a cut file keeps its directory): ``rows`` per
+    strip (0: one strip), or ``tile`` x ``tile`` tiles; the last block's byte count
+    ``overstate`` bytes more than it holds."""
+    height, width = pixels.shape
+    if tile:
+        padded = np.pad(pixels, ((0, -height % tile), (0, -width % tile)))
+        blocks = [
+            padded[y : y + tile, x : x + tile]
+            for y in range(0, height, tile)
+            for x in range(0, width, tile)
+        ]
+    else:
+        blocks = [pixels[y : y + (rows or height)] for y in range(0, height, rows or height)]
+    data = [zlib.compress(b.tobytes()) if deflate else b.tobytes() for b in blocks]
+    n = len(data)
+    table = 8 + 2 + 12 * (10 if tile else 9) + 4  # the offsets and counts, after the directory
+    first = table + (8 * n if n > 1 else 0)
+    offsets = [first + sum(map(len, data[:i])) for i in range(n)]
+    counts = [len(d) for d in data]
+    counts[-1] += overstate
+
+    def entry(tag: int, kind: int, value: int, count: int = 1) -> bytes:
+        field = (
+            struct.pack(order + "H", value) + bytes(2)
+            if kind == 3
+            else struct.pack(order + "I", value)
+        )
+        return struct.pack(order + "HHI", tag, kind, count) + field
+
+    def block_entries(offsets_tag: int, counts_tag: int) -> list[bytes]:
+        if n == 1:  # one value: held in the entry itself
+            return [entry(offsets_tag, 4, offsets[0]), entry(counts_tag, 4, counts[0])]
+        return [entry(offsets_tag, 4, table, n), entry(counts_tag, 4, table + 4 * n, n)]
+
+    entries = [
+        entry(256, 4, width),
+        entry(257, 4, height),
+        entry(258, 3, 8),
+        entry(259, 3, 8 if deflate else 1),
+        entry(262, 3, 1),
+        entry(277, 3, 1),
+        *(
+            [entry(322, 4, tile), entry(323, 4, tile), *block_entries(324, 325)]
+            if tile
+            else [entry(278, 4, rows or height), *block_entries(273, 279)]
+        ),
+    ]
+    entries.sort(key=lambda e: struct.unpack(order + "H", e[:2])[0])
+    magic = b"II*\x00" if order == "<" else b"MM\x00*"
+    head = magic + struct.pack(order + "IH", 8, len(entries)) + b"".join(entries) + bytes(4)
+    arrays = struct.pack(f"{order}{2 * n}I", *offsets, *counts) if n > 1 else b""
+    return head + arrays + b"".join(data)
+
+
+_TIFF_LAYOUTS = {
+    "one-strip": {},
+    "strips": {"rows": 7},
+    "big-endian-strips": {"order": ">", "rows": 7},
+    "deflate-strips": {"deflate": True, "rows": 7},
+    "tiles": {"tile": 16},
+    "deflate-tiles": {"deflate": True, "tile": 16},
+}
+
+
+@pytest.mark.parametrize("layout", list(_TIFF_LAYOUTS))
+def test_a_tiff_cut_inside_its_pixels_is_truncated_as_pillow_judges_it(layout: str) -> None:
+    # TIFF was left to the decoder, so with PIL.ImageFile.LOAD_TRUNCATED_IMAGES = True a cut
+    # TIFF passed on_error="skip" and was trained on half grey (DALI stopped on it instead).
+    pixels = np.random.default_rng(2).integers(0, 256, (40, 36), dtype=np.uint8)
+    data = _tiff(pixels, **_TIFF_LAYOUTS[layout])  # type: ignore[arg-type]
+    with PIL.open(io.BytesIO(data)) as im:
+        assert np.array_equal(np.asarray(im), pixels)
+    assert truncation("tiff", io.BytesIO(data)) is None
+    assert truncation("tiff", io.BytesIO(data + b"trailer")) is None
+    half = len(data) // 2
+    reason = truncation("tiff", io.BytesIO(data[:half]))
+    assert reason is not None
+    assert reason.startswith(f"is truncated: {half:,} bytes, but its image data runs to byte ")
+    # Cut by 1 to 199 bytes: inside the last block's pixels, or (uncompressed tiles) inside
+    # the padding of the last tile, past the image's edge, which Pillow does not read.
+    for cut in range(1, 200, 3):
+        short = data[:-cut]
+        assert (truncation("tiff", io.BytesIO(short)) is None) == _pillow_decodes(short), cut
+
+
+def test_a_tiff_whose_last_byte_count_is_overstated_is_judged_as_pillow_decodes_it() -> None:
+    # Pillow reads an uncompressed strip's pixels, not its byte count; libtiff, which decodes
+    # the compressed ones, wants every byte counted.
+    pixels = np.random.default_rng(3).integers(0, 256, (40, 36), dtype=np.uint8)
+    raw = _tiff(pixels, rows=7, overstate=5)
+    assert _pillow_decodes(raw) and truncation("tiff", io.BytesIO(raw)) is None
+    deflated = _tiff(pixels, rows=7, deflate=True, overstate=5)
+    assert not _pillow_decodes(deflated)
+    assert truncation("tiff", io.BytesIO(deflated)) == (
+        f"is truncated: {len(deflated):,} bytes, but its image data runs to byte "
+        f"{len(deflated) + 5:,}"
+    )
+
+
+def test_a_tiff_cut_inside_its_directory_says_so() -> None:
+    data = _tiff(np.zeros((20, 20), dtype=np.uint8), rows=7)
+    for cut in (4, 9, 40):  # the directory's offset, its entry count, its entries
+        assert truncation("tiff", io.BytesIO(data[:cut])) == (
+            "is truncated: it ends inside its header"
+        )
+    arrays = 8 + 2 + 12 * 9 + 4
+    assert truncation("tiff", io.BytesIO(data[: arrays + 6])) == (
+        "is truncated: it ends inside its header"
+    )

@@ -49,6 +49,12 @@ _SYSTEM_FOLDERS = frozenset(
      "lost+found")
 )  # fmt: skip
 
+# Top-level folders passed over that are searched for images (to warn that ImageFolder reads
+# them as classes) no further than this many entries, and those of version control, never a
+# class and holding up to millions of objects (a dataset kept in a repository), not at all.
+_MAX_SEARCHED = 10_000
+_VERSION_CONTROL = frozenset((".git", ".hg", ".svn", ".dvc"))
+
 # (folder, why it cannot be listed), e.g. ("root/cat/sub", "cannot be listed (Permission denied)")
 Unlisted = list[tuple[str, str]]
 
@@ -74,6 +80,15 @@ def _unread_suffix(name: str) -> str | None:
     """The suffix of an image file that is not read (``".heic"``), or None."""
     suffix = os.path.splitext(name)[1].lower()
     return suffix if suffix in _UNREAD_IMAGE_SUFFIXES and not is_ignored(name) else None
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    """Whether ``entry`` is a directory, links followed: a link that leads to itself (``z ->
+    z``) is not one, as a broken link is not (``DirEntry.is_dir`` raises for it instead)."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def _dir_key(path: str) -> tuple[int, int] | None:
@@ -174,11 +189,12 @@ def _class_names(
     the sorted names of the folders passed over (hidden or a system's)."""
     folders: list[str] = []
     loose: list[str] = []
-    for entry in os.scandir(path):
-        if entry.is_dir():
-            folders.append(entry.name)
-        elif _is_image(entry.name):
-            loose.append(entry.name)
+    with os.scandir(path) as entries:
+        for entry in entries:
+            if _is_dir(entry):
+                folders.append(entry.name)
+            elif _is_image(entry.name):
+                loose.append(entry.name)
     classes = tuple(sorted(name for name in folders if not is_ignored(name)))
     passed_over = sorted(set(folders) - set(classes))
     if not classes:
@@ -209,8 +225,9 @@ def find_images(
     neither is a class, and nothing in them is read (ImageFolder reads them). Image files left
     out (a suffix no backend decodes, such as ``.heic`` or ``.gif``; an image directly in
     ``root``) are counted in one warning. A hidden or system's folder directly in ``root``
-    that holds image files (not only AppleDouble ``._*`` ones) is named in a warning: ImageFolder
-    reads it as a class, so its classes and labels differ from these.
+    that holds image files (not only AppleDouble ``._*`` ones; searched no further than 10,000
+    entries, and not at all for ``.git``, ``.hg``, ``.svn`` and ``.dvc``) is named in a
+    warning: ImageFolder reads it as a class, so its classes and labels differ from these.
 
     Directory links are followed, but every real directory is read once: a link to a
     directory already read (``loop -> .``, ``up -> ..``, a second link to the same place, a
@@ -345,13 +362,28 @@ def _warn_left_out(root: str | os.PathLike[str], unread: Counter[str], loose: in
         _warn(f"image folder {str(root)!r}: left out " + "; and ".join(said))
 
 
-def _holds_images(folder: str) -> bool:
+def _holds_images(folder: str) -> bool | None:
     """Whether ``folder`` holds, at any depth (links to folders not followed), a file with an
     image suffix that is not macOS's AppleDouble metadata (``._photo.jpg``, all that a
-    ``__MACOSX`` folder holds). Stops at the first."""
-    for _, _, filenames in os.walk(folder):
-        if any(n.lower().endswith(IMAGE_EXTENSIONS) and not n.startswith("._") for n in filenames):
-            return True
+    ``__MACOSX`` folder holds). Stops at the first; None (it may) once it has read
+    ``_MAX_SEARCHED`` entries without finding one: a ``.cache`` of a million files beside the
+    classes would otherwise be read on every scan."""
+    pending, left = [folder], _MAX_SEARCHED
+    while pending:
+        try:
+            with os.scandir(pending.pop()) as entries:
+                for entry in entries:
+                    name = entry.name
+                    if _is_dir(entry):
+                        if not entry.is_symlink():
+                            pending.append(entry.path)
+                    elif name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith("._"):
+                        return True
+                    left -= 1
+                    if left == 0:
+                        return None
+        except OSError:  # cannot be listed: passed over, as os.walk does
+            continue
     return False
 
 
@@ -360,7 +392,14 @@ def _warn_passed_over(path: Path, root: str | os.PathLike[str], passed_over: lis
     images: ImageFolder reads each as a class, so its classes and labels differ from these."""
     from trainperf.pipelines._source import shown  # not at the top: _source imports this
 
-    with_images = [f"'{shown(n)}'" for n in passed_over if _holds_images(os.path.join(path, n))]
+    with_images = []
+    for name in passed_over:
+        if name.lower() in _VERSION_CONTROL:
+            continue
+        holds = _holds_images(os.path.join(path, name))
+        if holds is not False:
+            searched = "" if holds else f" (over {_MAX_SEARCHED:,} entries: may hold images)"
+            with_images.append(f"'{shown(name)}'{searched}")
     if with_images:
         _warn(
             f"image folder {str(root)!r}: {len(with_images)} top-level folder(s) holding images "

@@ -12,8 +12,8 @@ bad file is reported by name before training starts rather than crashing a decod
   so a decompression bomb is refused without allocating its pixels.
 - ``"decode"`` (``on_error="skip"``): the header check, then a full decode with PIL (JPEGs
   in draft mode, at 1/8 scale, which still reads every byte of the compressed stream), so
-  truncated and corrupt files are found and left out; JPEG, PNG and BMP files are also
-  checked for truncation from their own structure (:mod:`._truncation`), which
+  truncated and corrupt files are found and left out; JPEG, PNG, BMP and TIFF files are
+  also checked for truncation from their own structure (:mod:`._truncation`), which
   ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES = True`` does not turn off. A file that fails the
   header check (a bomb among them) is never decoded.
 
@@ -142,8 +142,8 @@ def _header_problem(path: str, max_pixels: int | None) -> tuple[ImageFormat | No
 
 def decode_problem(path: str) -> str | None:
     """Why PIL cannot decode ``path`` (draft mode for JPEGs), or why it is truncated (JPEG,
-    PNG, BMP: :mod:`._truncation`, which ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES`` does not
-    turn off), or None. Check the header first: this allocates the image."""
+    PNG, BMP, TIFF: :mod:`._truncation`, which ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES`` does
+    not turn off), or None. Check the header first: this allocates the image."""
     from PIL import Image
 
     from trainperf.pipelines._decode import pil_failure
@@ -371,8 +371,8 @@ def _warn_if_pillow_keeps_truncated_files() -> None:
         "without an error, its missing part grey: the torchvision backend (and the nvjpeg "
         "backend, for the files it decodes on the CPU) will train on such images, and the DALI "
         "backend stops when it reaches one. To find truncated files up front and leave them "
-        "out, pass on_error='skip' (its check finds truncated JPEG, PNG and BMP files whatever "
-        "this setting)",
+        "out, pass on_error='skip' (its check finds truncated JPEG, PNG, BMP and TIFF files "
+        "whatever this setting)",
         stacklevel=user_stacklevel(),  # the caller's image_loader(...) or load_source(...)
     )
 

@@ -14,9 +14,15 @@ file's own structure instead, and finds the same files Pillow refuses by default
   that stops after its image data, without ``IEND``, to all its pixels.
 - BMP (uncompressed): the file holds every row the header announces; the last row needs
   only its pixels, not the padding to 4 bytes after them (Pillow does not read it).
+- TIFF: the file holds the first directory (the image Pillow decodes) and every strip or
+  tile it points to: a compressed one to the last byte of its byte count (libtiff, which
+  decodes those, wants them all); an uncompressed one to the last byte of its pixels that
+  Pillow reads (a byte count that overstates them is no harm, nor is an edge tile's padding
+  after its last row). A file whose directory comes last loses it when cut, and fails the
+  header check already.
 
-Other formats (TIFF, WebP) are left to the decoder: Pillow's WebP decoder refuses a
-truncated file whatever the setting.
+WebP is left to the decoder: Pillow's WebP decoder refuses a truncated file whatever the
+setting.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from typing import BinaryIO
 
 from trainperf.pipelines._header import ImageFormat
@@ -36,6 +43,13 @@ _STANDALONE = frozenset({0x01, 0xD8, *range(0xD0, 0xD8)})
 _MAX_STEPS = 65536  # as the header check: a real file reaches its image data in far fewer
 _CHUNK = 1 << 20
 _UNCOMPRESSED_BMP = (0, 3, 6)  # BI_RGB, BI_BITFIELDS, BI_ALPHABITFIELDS
+_HEADER_CUT = "is truncated: it ends inside its header"
+# TIFF tags: the image's width and length, bits per sample, compression, samples per pixel,
+# rows per strip, planar configuration; the strips' and the tiles' offsets and byte counts.
+_WIDTH, _LENGTH, _BITS, _COMPRESSION, _SAMPLES, _ROWS, _PLANAR = 256, 257, 258, 259, 277, 278, 284
+_TILE_WIDTH, _TILE_LENGTH = 322, 323
+_STRIPS, _TILES = (273, 279), (324, 325)
+_TIFF_TYPES = {3: "H", 4: "I"}  # SHORT, LONG: the types of the tags read here
 
 
 def _at(f: BinaryIO, offset: int, n: int) -> bytes:
@@ -151,12 +165,110 @@ def _bmp_pixel_bytes(width: int, height: int, bits: int) -> int:
     return stride * (height - 1) + (width * bits + 7) // 8
 
 
-_CHECKS = {"jpeg": _jpeg_truncation, "png": _png_truncation, "bmp": _bmp_truncation}
+# (type, count, value field) of a TIFF directory's entries, by tag
+_Entries = dict[int, tuple[int, int, bytes]]
+
+
+def _tiff_values(f: BinaryIO, order: str, entry: tuple[int, int, bytes]) -> list[int] | None:
+    """A SHORT or LONG TIFF tag's values (in its value field if they fit in 4 bytes, else at
+    the offset there); None for another type. Raises struct.error if the file ends first."""
+    kind, count, field = entry
+    code = _TIFF_TYPES.get(kind)
+    if code is None:
+        return None
+    size = struct.calcsize(code) * count
+    data = field[:size] if size <= 4 else _at(f, struct.unpack(order + "I", field)[0], size)
+    return list(struct.unpack(f"{order}{count}{code}", data))
+
+
+def _tiff_directory(f: BinaryIO) -> tuple[str, _Entries]:
+    """The byte order and the first directory's entries (struct.error if cut short)."""
+    order = "<" if _at(f, 0, 2) == b"II" else ">"
+    ifd = struct.unpack(order + "I", _at(f, 4, 4))[0]
+    count = struct.unpack(order + "H", _at(f, ifd, 2))[0]
+    raw = _at(f, ifd + 2, 12 * count)
+    entries: _Entries = {}
+    for tag, kind, n, field in struct.iter_unpack(order + "HHI4s", raw):
+        entries.setdefault(tag, (kind, n, field))
+    if len(raw) < 12 * count:
+        raise struct.error("the directory is cut short")
+    return order, entries
+
+
+def _tiff_truncation(f: BinaryIO, size: int) -> str | None:
+    try:
+        order, entries = _tiff_directory(f)
+        blocks = _tiff_blocks(f, order, entries)
+    except struct.error:
+        return _HEADER_CUT
+    if blocks is None:
+        return None
+    end = max((offset + n for offset, n in blocks if n), default=0)
+    if end > size:
+        return f"is truncated: {size:,} bytes, but its image data runs to byte {end:,}"
+    return None
+
+
+def _tiff_blocks(f: BinaryIO, order: str, entries: _Entries) -> list[tuple[int, int]] | None:
+    """Each strip's or tile's ``(offset, bytes the decoder reads)``; None without byte counts
+    (some old writers), which leaves the file to the decoder."""
+
+    def values(tag: int) -> list[int] | None:
+        return _tiff_values(f, order, entries[tag]) if tag in entries else None
+
+    tiled = _TILES[0] in entries
+    offsets, counts = (values(tag) for tag in (_TILES if tiled else _STRIPS))
+    if offsets is None or counts is None or len(offsets) != len(counts):
+        return None
+    if (values(_COMPRESSION) or [1])[0] == 1:  # Pillow reads the pixels, not the byte count
+        needed = _tiff_pixel_bytes(values, tiled, len(counts))
+        counts = [min(count, n) for count, n in zip(counts, needed, strict=True)]
+    return list(zip(offsets, counts, strict=True))
+
+
+def _tiff_pixel_bytes(
+    values: Callable[[int], list[int] | None], tiled: bool, blocks: int
+) -> list[int]:
+    """The bytes Pillow reads of each uncompressed strip or tile: its rows within the image,
+    each of the pixels within the image, the last without the padding after them."""
+
+    def first(tag: int, default: int) -> int:
+        return (values(tag) or [default])[0]
+
+    width, length = first(_WIDTH, 0), first(_LENGTH, 0)
+    planar, bits = first(_PLANAR, 1) == 2, first(_BITS, 1)
+    pixel_bits = bits if planar else bits * first(_SAMPLES, 1)  # a plane holds one sample
+    if tiled:
+        block_width, block_length = first(_TILE_WIDTH, 0), first(_TILE_LENGTH, 0)
+    else:
+        block_width, block_length = width, min(first(_ROWS, length), length)
+    if min(width, length, block_width, block_length) <= 0:
+        return [0] * blocks
+    across = -(-width // block_width)
+    per_plane = across * -(-length // block_length)
+    needed = []
+    for i in range(blocks):
+        x = (i % per_plane % across) * block_width
+        y = (i % per_plane // across) * block_length
+        rows = min(block_length, length - y)
+        row = (min(block_width, width - x) * pixel_bits + 7) // 8
+        # Pillow steps over an edge tile's padded rows (stride), but stops after the last.
+        stride = block_width * pixel_bits // 8 if x + block_width > width else row
+        needed.append((rows - 1) * stride + row if rows > 0 else 0)
+    return needed
+
+
+_CHECKS = {
+    "jpeg": _jpeg_truncation,
+    "png": _png_truncation,
+    "bmp": _bmp_truncation,
+    "tiff": _tiff_truncation,
+}
 
 
 def truncation(fmt: ImageFormat, f: BinaryIO) -> str | None:
     """Why the open image file ``f`` (of format ``fmt``) is truncated, or None: it reaches
-    its end (or is of a format left to the decoder, TIFF and WebP).
+    its end (or is of a format left to the decoder, WebP).
 
     Example:
         >>> import io
