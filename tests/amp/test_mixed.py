@@ -1029,3 +1029,15 @@ def test_loading_an_incomplete_loss_scale_changes_nothing(scaler: object, lacks:
     with pytest.raises(ValueError, match=rf"state\['scaler'\]\) lacks \[.*'{lacks}'.*\]"):
         mp.load_state_dict({"precision": "fp16", "scaler": scaler})
     assert mp.state_dict() == before
+
+
+@pytest.mark.parametrize("bad", ["no", 0, None])
+def test_zero_grad_set_to_none_must_be_true_or_false(bad: object) -> None:
+    # Before: set_to_none="no" read as True: the gradients were set to None, not zeroed.
+    mp = MixedPrecision("cpu", precision="fp32")
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    mp.backward(w.sum())
+    with pytest.raises(TypeError, match=rf"set_to_none must be True or False, got {bad!r}"):
+        mp.zero_grad(opt, set_to_none=bad)  # type: ignore[arg-type]
+    assert w.grad is not None and w.grad.tolist() == [1.0, 1.0]  # nothing cleared

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -151,3 +154,129 @@ def test_another_scale_loaded_after_zero_grad_of_one_optimizer_ends_the_backward
     mp.zero_grad(opt_b)
     mp.backward((a + b).sum())
     assert mp.step(opt_a, opt_b) and a.tolist() == b.tolist() == [0.0, 0.0]
+
+
+# ------------------------------------------------------------------- a pickled loss scale
+
+
+def _pickled_with_scale(scale: object, *, plain: bool) -> bytes:
+    """An fp16 MixedPrecision pickled with its loss scale at ``scale``: by this trainperf, or
+    (``plain``) as trainperf 0.1.0 wrote it, its ``_scaler`` a plain ``torch.amp.GradScaler``
+    and no record of a failed step."""
+    mp = MixedPrecision("cpu", precision="fp16")
+    if plain:
+        state = mp.__getstate__()
+        state["_scaler"] = torch.amp.GradScaler("cpu", init_scale=scale)  # type: ignore[arg-type]
+        del state["_already_stepped"], state["_skip_flags"]
+        return pickle.dumps(state)
+    assert mp.scaler is not None
+    # GradScaler pickles its scale as a number (its _init_scale), never a tensor.
+    mp.scaler._init_scale = scale  # type: ignore[assignment]
+    return pickle.dumps(mp)
+
+
+def _unpickled(data: bytes, *, plain: bool) -> MixedPrecision:
+    if plain:
+        mp = MixedPrecision.__new__(MixedPrecision)
+        mp.__setstate__(pickle.loads(data))
+        return mp
+    loaded: MixedPrecision = pickle.loads(data)
+    return loaded
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("plain", [False, True], ids=["pickle", "pickle-of-0.1.0"])
+@pytest.mark.parametrize("bad", [0.0, -1024.0, math.inf, -math.inf, math.nan, "65536", None])
+def test_unpickling_a_loss_scale_not_finite_and_positive_is_refused(
+    bad: object, plain: bool
+) -> None:
+    # Before: unpickled without a word (load_state_dict refuses the same scale): every
+    # later fp16 step was skipped (0, NaN, inf), or the first backward raised a bare
+    # TypeError ("65536", None).
+    from trainperf.amp._mixed import LIVE
+
+    data = _pickled_with_scale(bad, plain=plain)
+    live = len(LIVE)
+    with pytest.raises(
+        ValueError,
+        match=rf"the pickled MixedPrecision's loss scale is {re.escape(repr(bad))}: it must be "
+        r"a finite number > 0.*MixedPrecision\('cpu', precision='fp16'\)",
+    ):
+        _unpickled(data, plain=plain)
+    assert len(LIVE) == live  # no half-built copy is live
+
+
+@needs_cpu_fp16
+def test_a_mixed_precision_pickled_after_its_scale_collapsed_is_refused(tmp_path: Path) -> None:
+    mp = MixedPrecision("cpu", precision="fp16")
+    _collapsed(mp)
+    torch.save(mp, tmp_path / "mp.pt")
+    with pytest.raises(ValueError, match=r"loss scale is 0\.0"):
+        torch.load(tmp_path / "mp.pt", weights_only=False)
+    with pytest.raises(ValueError, match=r"loss scale is 0\.0"):
+        copy.deepcopy(mp)
+    fresh = MixedPrecision("cpu", precision="fp16")  # the fix the refusal names
+    assert fresh.scaler is not None and fresh.scaler.get_scale() == 2.0**16
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("plain", [False, True], ids=["pickle", "pickle-of-0.1.0"])
+@pytest.mark.parametrize("good", [1.0, 2.0**-149, 3e38, 1024])
+def test_unpickling_any_finite_positive_loss_scale_keeps_it(good: float, plain: bool) -> None:
+    mp = _unpickled(_pickled_with_scale(good, plain=plain), plain=plain)
+    assert mp.scaler is not None and mp.scaler.get_scale() == good
+
+
+# ------------------------------------------------- the loss scaler's other settings
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize(
+    ("key", "bad", "rule"),
+    [
+        ("backoff_factor", 2.0, r"a number in \(0, 1\)"),
+        ("backoff_factor", math.nan, r"a number in \(0, 1\)"),
+        ("backoff_factor", 0.0, r"a number in \(0, 1\)"),
+        ("growth_factor", 0.5, r"a finite number > 1"),
+        ("growth_factor", math.inf, r"a finite number > 1"),
+        ("growth_interval", 0, r"an int >= 1"),
+        ("growth_interval", 1.5, r"an int >= 1"),
+        ("_growth_tracker", "x", r"an int >= 0"),
+        ("_growth_tracker", -1, r"an int >= 0"),
+    ],
+)
+def test_a_loss_scaler_setting_no_grad_scaler_takes_is_refused_and_loads_nothing(
+    key: str, bad: object, rule: str
+) -> None:
+    # Before: loaded without a word: a backoff_factor of 2.0 raised the scale on every
+    # skipped step (NaN: every step skipped from then on), a growth_factor of 0.5 lowered it
+    # after good ones (GradScaler's own constructor refuses both), a growth_interval of 0
+    # never grew it; 1.5 and "x" failed at the first backward or step with a bare TypeError.
+    mp = MixedPrecision("cpu", precision="fp16")
+    before = mp.state_dict()
+    state = {"precision": "fp16", "scaler": {**before["scaler"], key: bad}}
+    with pytest.raises(
+        ValueError,
+        match=rf"state\['scaler'\]\['{key}'\] is {re.escape(repr(bad))}: it must be {rule}.*"
+        r"mp.load_state_dict\(\{\*\*state, 'scaler': None\}\)",
+    ):
+        mp.load_state_dict(state)
+    assert mp.state_dict() == before
+
+
+@needs_cpu_fp16
+def test_loss_scaler_settings_a_grad_scaler_takes_load() -> None:
+    mp = MixedPrecision("cpu", precision="fp16")
+    settings = {"growth_factor": 1.5, "backoff_factor": 0.25, "growth_interval": 10}
+    saved = {**mp.state_dict()["scaler"], **settings, "_growth_tracker": np.int64(3)}
+    mp.load_state_dict({"precision": "fp16", "scaler": saved})
+    assert mp.scaler is not None and mp.scaler.get_growth_interval() == 10
+    assert mp.state_dict()["scaler"]["_growth_tracker"] == 3
+
+
+@pytest.mark.parametrize("bad", ["no", 0, None])
+def test_strict_must_be_true_or_false(bad: object) -> None:
+    # Before: strict="no" read as True, and refused what strict=False would have loaded.
+    mp = MixedPrecision("cpu", precision="fp32")
+    with pytest.raises(TypeError, match=rf"strict must be True or False, got {bad!r}"):
+        mp.load_state_dict({"precision": "fp32", "scaler": None}, strict=bad)  # type: ignore[arg-type]

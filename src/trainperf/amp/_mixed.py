@@ -463,7 +463,7 @@ class MixedPrecision:
         Raises:
             RuntimeError: no optimizer was given and no model was prepared.
             TypeError: ``optimizer`` is not an optimizer (``set_to_none`` passed positionally,
-                a list of optimizers).
+                a list of optimizers), or ``set_to_none`` is not True or False.
 
         Example:
             >>> mp = MixedPrecision("cpu", precision="fp32")
@@ -473,6 +473,7 @@ class MixedPrecision:
             >>> model.weight.grad is None
             True
         """
+        flag("set_to_none", set_to_none)
         _bookkeeping.zero_grad(self, self._scaler, optimizer, self._models, set_to_none=set_to_none)
 
     # ----------------------------------------------------------------- checkpoints
@@ -485,6 +486,10 @@ class MixedPrecision:
     def __setstate__(self, state: dict[str, Any]) -> None:
         """The copy knows no prepared model (its ``zero_grad()`` needs an optimizer) and is
         live, as a new instance is, for ``trainperf.watch()`` and ``tune_batch_size``.
+
+        Raises:
+            ValueError: (fp16) the pickled loss scale is not a finite number > 0, as
+                :meth:`load_state_dict` refuses it (make a new MixedPrecision instead).
 
         Example:
             >>> import pickle
@@ -527,7 +532,10 @@ class MixedPrecision:
                 ``GradScaler.state_dict()`` or (fp16) is not a finite number > 0 (0, from a
                 run whose losses stayed inf/NaN, would skip every step: load
                 ``{**state, "scaler": None}`` to keep this one's scale), nothing loaded then,
-                or (``strict``) it carries a loss scale that this precision cannot use.
+                or (``strict``) it carries a loss scale that this precision cannot use; a
+                loss-scaler setting no ``GradScaler`` takes (a ``backoff_factor`` outside
+                (0, 1), a ``growth_factor`` <= 1, a ``growth_interval`` < 1).
+            TypeError: ``strict`` is not True or False.
             RuntimeError: (fp16) another loss scale than the one in use loaded between
                 :meth:`backward` and :meth:`step`: the step would unscale the waiting
                 gradients by it, not by the scale they were scaled with. Load before the
@@ -539,4 +547,5 @@ class MixedPrecision:
             >>> mp = MixedPrecision("cpu", precision="fp32")
             >>> mp.load_state_dict({"precision": "fp32", "scaler": None})
         """
+        flag("strict", strict)
         _state.load_into(self, state, strict=strict)

@@ -22,7 +22,7 @@ import contextvars
 import math
 import numbers
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "check_scale",
+    "check_scaler_settings",
     "check_scaler_state",
     "check_state",
     "checked_state",
@@ -129,7 +130,8 @@ def checked_state(
 ) -> dict[str, Any] | None:
     """The loss-scaler state in ``state`` to load into ``scaler`` (None: the precision
     ``in_use`` has none), after :func:`check_state`, :func:`check_scaler_state` and (unless
-    :func:`restoring`) :func:`check_scale`; None when there is nothing to load."""
+    :func:`restoring`) :func:`check_scale` and :func:`check_scaler_settings`; None when
+    there is nothing to load."""
     check_state(state)
     saved = state["scaler"]
     if saved is None:
@@ -145,6 +147,7 @@ def checked_state(
     checked = check_scaler_state(saved, scaler)
     if scaler.is_enabled() and not _RESTORING.get():
         check_scale(checked["scale"])
+        check_scaler_settings(checked)
     return checked
 
 
@@ -168,15 +171,27 @@ def pickled(attributes: dict[str, Any]) -> dict[str, Any]:
 
 def unpickled(attributes: dict[str, Any], state: dict[str, Any]) -> None:
     """Fill in ``attributes`` (a new instance's ``__dict__``) from ``state``: it knows no
-    prepared model (a fresh ``WeakSet``).
+    prepared model (a fresh ``WeakSet``). A loss scale :func:`check_scale` refuses is refused
+    here too, before anything is filled in, as ``load_state_dict`` refuses it.
 
     The record of a failed step is absent from older pickles (trainperf 0.1.0), and their
     loss scaler is a plain ``GradScaler``, which cannot tell one optimizer's ``unscale_``
     from another's: it becomes a :class:`~trainperf.amp._scaler.LossScaler` with the same
     scale.
     """
+    scaler = as_loss_scaler(state.get("_scaler"))
+    if scaler is not None and scaler.is_enabled():
+        check_scale(
+            scaler.get_scale(),  # the pickled number: GradScaler pickles no scale tensor
+            what="the pickled MixedPrecision's loss scale",
+            fix=(
+                "make a new one instead, which starts at 65536.0: MixedPrecision("
+                f"{str(state.get('device'))!r}, precision={state.get('precision')!r}); "
+                "checkpoint mp.state_dict() rather than the object"
+            ),
+        )
     attributes.update({**_bookkeeping.fresh(), **state})
-    attributes["_scaler"] = as_loss_scaler(attributes.get("_scaler"))
+    attributes["_scaler"] = scaler
     attributes["_models"] = weakref.WeakSet()
 
 
@@ -233,12 +248,68 @@ def check_scaler_state(saved: object, scaler: torch.amp.GradScaler) -> dict[str,
     )
 
 
-def check_scale(scale: object) -> None:
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+_SETTINGS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "growth_factor": ("a finite number > 1", lambda v: _is_real(v) and 1 < v < math.inf),
+    "backoff_factor": ("a number in (0, 1)", lambda v: _is_real(v) and 0 < v < 1),
+    "growth_interval": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
+    "_growth_tracker": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
+}
+"""The rules for the loss scaler's settings: ``GradScaler``'s own constructor refuses the
+factors on the wrong side of 1, and its update kernel takes only ints for the others."""
+
+
+def check_scaler_settings(saved: Mapping[str, Any]) -> None:
+    """Refuse a loss-scaler state whose settings no ``GradScaler`` takes: a
+    ``backoff_factor`` >= 1 raises the scale on every skipped step (NaN skips every step for
+    good), a ``growth_factor`` <= 1 lowers it after good ones (``GradScaler`` refuses both
+    when built), a ``growth_interval`` of 0 never grows it, and a growth interval or
+    tracker that is not an int fails at the first step with a bare ``TypeError``.
+
+    Example:
+        >>> check_scaler_settings(torch.amp.GradScaler("cpu").state_dict())
+        >>> try:
+        ...     check_scaler_settings({"backoff_factor": 2.0})
+        ... except ValueError as e:
+        ...     print(str(e).split(": ")[0])
+        the state's loss-scaler setting state['scaler']['backoff_factor'] is 2.0
+    """
+    for key, (rule, ok) in _SETTINGS.items():
+        if key in saved and not ok(saved[key]):
+            raise ValueError(
+                f"the state's loss-scaler setting state['scaler'][{key!r}] is {saved[key]!r}: "
+                f"it must be {rule}; it comes from a corrupt checkpoint or a hand-edited "
+                f"state; {_LOAD_FIX}"
+            )
+
+
+_LOAD_FIX = (
+    "load the state without it, keeping this MixedPrecision's own scale (a new one starts at "
+    "65536.0): mp.load_state_dict({**state, 'scaler': None})"
+)
+"""What :func:`check_scale` advises ``load_state_dict``'s caller."""
+
+
+def check_scale(
+    scale: object,
+    *,
+    what: str = "the state's loss scale (state['scaler']['scale'])",
+    fix: str = _LOAD_FIX,
+) -> None:
     """Refuse a loss scale that is not a finite number > 0. At 0, inf or NaN every fp16 step
     is skipped (the gradients are NaN or inf), and halving or doubling the scale keeps it
     there; a negative one is never written by ``GradScaler``, whose factors are positive.
     Such a scale comes from a corrupt checkpoint, or one saved after the losses stayed
     inf/NaN long enough to halve the scale down to 0 (about 165 skipped steps from 65536).
+    The error names ``what`` held the scale and ``fix``, the way out (by default those of
+    ``load_state_dict``).
 
     Example:
         >>> check_scale(65536.0)
@@ -252,10 +323,7 @@ def check_scale(scale: object) -> None:
     if number and math.isfinite(scale) and scale > 0:  # type: ignore[arg-type,operator]
         return
     raise ValueError(
-        f"the state's loss scale (state['scaler']['scale']) is {scale!r}: it must be a finite "
-        "number > 0 (at 0, inf or NaN every fp16 step would be skipped; it comes from a "
-        "corrupt checkpoint, or one saved after the losses stayed inf/NaN); load the state "
-        "without it, "
-        "keeping this MixedPrecision's own scale (a new one starts at 65536.0): "
-        "mp.load_state_dict({**state, 'scaler': None}), and find why the losses were inf/NaN"
+        f"{what} is {scale!r}: it must be a finite number > 0 (at 0, inf or NaN every fp16 "
+        "step would be skipped; it comes from a corrupt checkpoint, or one saved after the "
+        f"losses stayed inf/NaN); {fix}, and find why the losses were inf/NaN"
     )
