@@ -128,3 +128,18 @@ def test_a_lazy_module_not_yet_run_is_refused_by_name_with_the_fix() -> None:
         check_state(None, (opt,))
     model(torch.zeros(1, 4))  # the forward pass gives the parameters their shape
     check_state(model, opt)
+
+
+def test_a_model_on_the_meta_device_is_refused_by_name_with_the_fix() -> None:
+    # Before: torch's bare NotImplementedError "Cannot copy out of meta tensor; no data!"
+    # from deep in the save of the state.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2, device="meta"))
+    fix = r"materialize it first: model.to_empty\(device='cpu'\), then initialize"
+    with pytest.raises(
+        ValueError, match=r"model's submodule '1' \(Linear\) is on the meta .*" + fix
+    ):
+        check_state(model, None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"optimizer's SGD \(built over a module on the meta"):
+        check_state(None, (opt,))
+    check_state(nn.Linear(4, 2), None)

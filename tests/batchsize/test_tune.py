@@ -90,6 +90,23 @@ def test_a_sample_of_the_wrong_size_is_a_clear_error() -> None:
         tune(t, sample=lambda n: sample(n + 1), max_size=8)
 
 
+def test_a_sample_that_returns_none_is_a_clear_error() -> None:
+    # Before: the None went on to step, which failed on it with "cannot unpack
+    # non-iterable NoneType object", naming neither sample nor the likely missing return.
+    t = Trainer()
+    with pytest.raises(ValueError, match=r"sample\(2\) returned None: .*return the batch"):
+        tune(t, sample=lambda n: None, max_size=8)
+    assert t.sizes == []  # step never ran
+
+
+def test_device_meta_is_refused_with_the_fix() -> None:
+    # Before: "Tensor on device cpu is not on the expected device meta!" from inside a probe.
+    t = Trainer()
+    with pytest.raises(ValueError, match=r"device='meta': .* no memory to measure.*device='cpu'"):
+        tune(t, device="meta", max_size=8)
+    assert t.sizes == []
+
+
 def test_a_sequence_first_batch_tunes_with_batch_dim() -> None:
     # Before: an nn.LSTM without batch_first could not be tuned: its (seq_len, n, features)
     # batch was refused as one of seq_len samples, and there was no way to say otherwise.

@@ -4,7 +4,7 @@ sizes they allow (:func:`size_space`)."""
 from __future__ import annotations
 
 import reprlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,7 +122,7 @@ def check_state(model: object, optimizer: object) -> None:
         ValueError: neither ``model`` nor ``optimizer`` is given (``model=()`` says that
             ``step`` changes no state), or a module or optimizer among them holds a lazy
             module's uninitialized parameters (``nn.LazyLinear`` before its first forward
-            pass), which have no values to save.
+            pass) or parameters on the meta device, which have no values to save.
 
     Example:
         >>> check_state(nn.Linear(2, 2), None)
@@ -135,7 +135,7 @@ def check_state(model: object, optimizer: object) -> None:
         raise ValueError(_NO_STATE)
     for name, group in (("model", model), ("optimizer", optimizer)):
         for obj in group if isinstance(group, (tuple, list)) else (group,):
-            where = _lazy_part(obj)
+            where = _part_where(obj, is_lazy, "a lazy module")
             if where is not None:
                 raise ValueError(
                     f"{name}'s {where} has uninitialized parameters (a lazy module: their "
@@ -143,17 +143,31 @@ def check_state(model: object, optimizer: object) -> None:
                     f"save and put back; run one forward pass before tuning (e.g. "
                     f"model(sample(1))), then call tune_batch_size"
                 )
+            where = _part_where(obj, _on_meta, "a module on the meta device")
+            if where is not None:
+                raise ValueError(
+                    f"{name}'s {where} is on the meta device: its parameters have a shape "
+                    f"but no values, so no step can train them and tune_batch_size cannot "
+                    f"save and put them back; materialize it first: "
+                    f"model.to_empty(device='cpu'), then initialize its weights (or load a "
+                    f"checkpoint), then call tune_batch_size"
+                )
 
 
-def _lazy_part(obj: object) -> str | None:
-    """Where ``obj`` (a module or an optimizer) holds an uninitialized parameter or buffer."""
+def _on_meta(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "meta"
+
+
+def _part_where(obj: object, found: Callable[[torch.Tensor], bool], kind: str) -> str | None:
+    """Where ``obj`` (a module or an optimizer) holds a parameter or buffer that is
+    ``found`` (for an optimizer: "built over ``kind``")."""
     if isinstance(obj, nn.Module):
         for name, m in obj.named_modules():
             own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
-            if any(is_lazy(t) for t in own):
+            if any(found(t) for t in own):
                 return f"submodule {name!r} ({type(m).__name__})" if name else type(m).__name__
-    elif isinstance(obj, torch.optim.Optimizer) and any(is_lazy(p) for p in _stepped(obj)):
-        return f"{type(obj).__name__} (built over a lazy module)"
+    elif isinstance(obj, torch.optim.Optimizer) and any(found(p) for p in _stepped(obj)):
+        return f"{type(obj).__name__} (built over {kind})"
     return None
 
 

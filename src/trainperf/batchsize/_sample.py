@@ -237,11 +237,11 @@ def checked_batch(sample: Callable[[int], Any], n: int, batch_dim: int = 0) -> A
     alike in dimensions and dtype (images).
 
     Raises:
-        ValueError: the batch does not hold ``n`` samples (the message names another
-            dimension of size ``n``, and the ``batch_dim`` to pass, where there is one), it
-            holds tensors but none with dimension ``batch_dim``, it is a DataLoader, or it
-            is a one-shot iterator (a generator: every step after the first would get
-            nothing).
+        ValueError: the batch is None (a ``sample`` without ``return``), or it does not
+            hold ``n`` samples (the message names another dimension of size ``n``, and the
+            ``batch_dim`` to pass, where there is one), it holds tensors but none with
+            dimension ``batch_dim``, it is a DataLoader, or it is a one-shot iterator (a
+            generator: every step after the first would get nothing).
 
     Example:
         >>> checked_batch(lambda n: torch.zeros(n, 2), 3).shape
@@ -254,6 +254,11 @@ def checked_batch(sample: Callable[[int], Any], n: int, batch_dim: int = 0) -> A
         ValueError: sample(3) returned a batch of 8 samples (...); sample(n) must ... n samples
     """
     batch = sample(n)
+    if batch is None:  # no n samples at any n: most likely a sample without its return
+        raise ValueError(
+            f"sample({n}) returned None: it must return the batch of n samples (a tensor, "
+            f"a tuple or list, a dict); did it build the batch but not return it?"
+        )
     if isinstance(batch, torch.utils.data.DataLoader):
         raise ValueError(_LOADER_GIVEN.format(what=f"sample({n}) returned"))
     if _one_shot(batch):

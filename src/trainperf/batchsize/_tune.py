@@ -112,12 +112,20 @@ def _params(obj: Any) -> Iterator[torch.Tensor]:
 
 def _device(device: str | int | torch.device | None, objects: Sequence[Any]) -> torch.device:
     """``device`` parsed; None: where the model's (or else the optimizer's) parameters are,
-    else the best device."""
+    else the best device. The meta device is refused: it runs nothing to time and has no
+    memory to measure (the parameters themselves are refused by ``check_state``)."""
     if device is None:
         for obj in objects:
             for p in _params(obj):
                 return p.device
-    return resolve_device(device)
+    resolved = resolve_device(device)
+    if resolved.type == "meta":
+        raise ValueError(
+            f"tune_batch_size got device={device!r}: the meta device computes no values, so "
+            "there is no step to time and no memory to measure; pass the device training "
+            "runs on (device='cuda', device='cpu'), or None for the model's"
+        )
+    return resolved
 
 
 def _from_cache(
@@ -414,7 +422,8 @@ def tune_batch_size(
 
     Raises:
         ValueError: a bad argument (see :mod:`trainperf.batchsize._args`): neither
-            ``model`` nor ``optimizer`` given, a lazy module not yet run; ``global_batch``
+            ``model`` nor ``optimizer`` given, a lazy module not yet run, a model or
+            ``device`` on the meta device; ``global_batch``
             not divisible by the world size, ``batch_dim`` not an int >= 0, or
             ``sample(n)`` returning a batch of another size, one whose tensors have no
             dimension ``batch_dim``, or a one-shot iterator (a generator); ``step``
