@@ -163,3 +163,92 @@ def test_bench_matmul_takes_numpy_counts_and_its_result_is_json_safe() -> None:
     assert json.loads(json.dumps(data)) == data
     assert type(r.size) is int and type(r.iterations) is int
     assert (r.size, r.iterations) == (32, 2)
+
+
+# ------------------------------------------------------------------ the estimate before the run
+
+
+def _slow_host(monkeypatch: pytest.MonkeyPatch, flops_per_s: float) -> list[int]:
+    """Products of every size take ``2 * n**3 / flops_per_s`` seconds, and none runs; returns
+    the sizes timed, in order."""
+    timed: list[int] = []
+
+    def seconds_per_product(dtype: str, size: int, *args: object) -> float:
+        timed.append(size)
+        return 2 * size**3 / flops_per_s
+
+    monkeypatch.setattr(matmul_module, "_seconds_per_product", seconds_per_product)
+    return timed
+
+
+def test_a_run_estimated_past_max_seconds_is_refused_before_it_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: `trainperf bench matmul --device cpu --size 50000` ran for hours, with no
+    # estimate. Here a 1 GFLOP/s host: 13 products of 8192x8192 take about 4.0 h.
+    timed = _slow_host(monkeypatch, 1e9)
+    with pytest.raises(ValueError) as caught:
+        bench_matmul("fp32", size=8192, device="cpu")
+    message = str(caught.value)
+    assert message.startswith("bench_matmul(size=8192): 13 fp32 products (3 warm-up, 10 timed)")
+    assert "would take about 4.0 h on cpu" in message
+    assert "more than max_seconds=300" in message
+    # The fix: a size that fits (2048: 13 products in 223 s; 4096 would take 30 min)...
+    assert "use a smaller size (e.g. size=2048)" in message
+    # ... or the limit that lets this one run.
+    assert message.endswith("or a larger max_seconds (e.g. max_seconds=14294)")
+    assert 8192 not in timed  # the probe stopped well short of the full size
+    assert bench_matmul("fp32", size=8192, device="cpu", max_seconds=None).size == 8192
+
+
+def test_a_run_within_max_seconds_runs() -> None:
+    r = bench_matmul("fp32", size=64, iterations=2, device="cpu", max_seconds=60)
+    assert r.size == 64
+
+
+@pytest.mark.parametrize("max_seconds", [0, -1, float("nan"), "300"])
+def test_max_seconds_must_be_a_positive_number_or_none(max_seconds: object) -> None:
+    with pytest.raises(ValueError, match=r"max_seconds must be a positive number of seconds"):
+        bench_matmul("fp32", size=16, device="cpu", max_seconds=max_seconds)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("size", "iterations", "flops_per_s", "max_seconds", "refused"),
+    [
+        (8192, 10, 1e9, 300.0, True),  # 4 h
+        (256, 10, 1e9, 300.0, False),  # 0.4 s
+        (50_000, 20, 50e12, 300.0, False),  # an H100's fp32: about 2 min
+        (50_000, 10, 100e9, 300.0, True),  # a CPU: 9 h
+        (50_000, 10, 100e9, None, False),  # no limit
+        (16, 10**9, 1e9, 300.0, True),  # tiny products, but a billion of them: 2.3 h
+    ],
+)
+def test_the_run_time_rule(
+    size: int, iterations: int, flops_per_s: float, max_seconds: float | None, refused: bool
+) -> None:
+    fix = matmul_module._too_long(size, 3, iterations, flops_per_s, max_seconds)
+    assert (fix is not None) is refused
+
+
+def test_too_many_iterations_are_told_how_many_fit() -> None:
+    # Before: only "a smaller size", where the iterations were what made the run long.
+    fix = matmul_module._too_long(16, 3, 10**9, 1e9, 300.0)
+    assert fix == (
+        "use a smaller size (e.g. size=4), fewer iterations (e.g. iterations=36621090) or a "
+        "larger max_seconds (e.g. max_seconds=8193)"
+    )
+
+
+def test_the_size_suggested_fits_the_limit() -> None:
+    fits = matmul_module._size_within(300.0, 13, 1e9)
+    assert matmul_module._estimated_seconds(fits, 13, 1e9) <= 300.0
+    assert matmul_module._estimated_seconds(2 * fits, 13, 1e9) > 300.0
+    assert matmul_module._size_within(1e-9, 13, 1e9) == 1  # never a size of 0
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0.4, "0.4 s"), (45, "45 s"), (600, "10 min"), (14294, "4.0 h"), (3 * 86400, "3.0 days")],
+)
+def test_durations_read_in_their_unit(seconds: float, text: str) -> None:
+    assert matmul_module._format_duration(seconds) == text

@@ -555,3 +555,55 @@ def test_dtype_given_twice_runs_both_lists(
     ran.clear()
     run(capsys, "bench", "matmul", "--device", "cpu")
     assert ran == ["fp32", "tf32", "bf16", "fp16"]  # none given: all of them
+
+
+def _per_dtype_rates(monkeypatch: pytest.MonkeyPatch, rates: dict[str, float]) -> list[int]:
+    """Matmul products take ``2 * n**3 / rates[dtype]`` seconds, and none runs; returns the
+    sizes timed."""
+    import importlib
+
+    matmul = importlib.import_module("trainperf.bench._matmul")
+    timed: list[int] = []
+
+    def seconds_per_product(dtype: str, size: int, *args: object) -> float:
+        timed.append(size)
+        return 2 * size**3 / rates[dtype]
+
+    monkeypatch.setattr(matmul, "_seconds_per_product", seconds_per_product)
+    return timed
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_a_matmul_run_of_hours_is_refused_up_front_in_the_options_words(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, json_flag: list[str]
+) -> None:
+    # Before: `bench matmul --device cpu --size 50000` ran for hours with no word. Here fp32
+    # would take 2 s and fp16 4 h: neither runs, not even fp32 first.
+    timed = _per_dtype_rates(monkeypatch, {"fp32": 1e13, "fp16": 1e9})
+    code, out, err = run(capsys, "bench", "matmul", "--device", "cpu", "--size", "8192",
+                         "--dtype", "fp32", "fp16", *json_flag)  # fmt: skip
+    message = (
+        "--size 8192: 13 fp16 products (3 warm-up, 10 timed) would take about 4.0 h on cpu "
+        "(1 GFLOP/s measured on a 512x512 product), more than --max-seconds 300: use a smaller "
+        "size (e.g. --size 2048) or a larger --max-seconds (e.g. --max-seconds 14294)"
+    )
+    assert code == 1 and err.splitlines()[-1] == f"trainperf: error: {message}"
+    assert timed.count(8192) <= 1  # fp32's probe at most: no run
+    if json_flag:
+        assert json.loads(out)["error"] == {"type": "ValueError", "message": message}
+    else:
+        assert out == ""
+    code, out, _ = run(capsys, "bench", "matmul", "--device", "cpu", "--size", "8192",
+                       "--dtype", "fp32", "fp16", "--max-seconds", "15000")  # fmt: skip
+    assert code == 0 and out.count("TFLOP/s") == 2
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "abc"])
+def test_max_seconds_must_be_a_positive_number(
+    capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        run(capsys, "bench", "matmul", "--max-seconds", value)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --max-seconds: expected a number of seconds > 0, got {value!r}" in err

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from trainperf._utils.validate import choice, positive_int
+from trainperf._utils.validate import choice, positive_int, positive_number
 from trainperf.amp._tf32 import tf32
 from trainperf.bench._common import (
     check_host_memory,
@@ -29,7 +29,14 @@ from trainperf.bench._host_notes import cpu_emulation_notes
 from trainperf.bench._reference import GpuSpec, find_gpu_spec
 from trainperf.errors import DeviceError
 
-__all__ = ["MATMUL_DTYPES", "MatmulDtype", "MatmulResult", "bench_matmul"]
+__all__ = [
+    "MATMUL_DTYPES",
+    "MatmulDtype",
+    "MatmulPlan",
+    "MatmulResult",
+    "bench_matmul",
+    "matmul_plan",
+]
 
 MatmulDtype = Literal["fp32", "tf32", "bf16", "fp16"]
 MATMUL_DTYPES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
@@ -43,6 +50,12 @@ CUDA_DEFAULT_SIZE = 8192
 CPU_DEFAULT_SIZE = 256
 # Under this fraction of the datasheet figure the card is worth a look.
 LOW_FRACTION = 0.5
+# A benchmark is a check that takes seconds to minutes: a run estimated past this is refused.
+DEFAULT_MAX_SECONDS = 300.0
+# The probe that estimates a run grows its matrices until one product takes this long: long
+# enough to time, and to leave small-matrix overheads behind.
+_PROBE_SECONDS = 0.05
+_PROBE_START_SIZE = 128
 
 
 @dataclass(frozen=True)
@@ -132,6 +145,125 @@ def _size_that_fits(available: int, per_element: int) -> int:
     return 1 << max(0, largest.bit_length() - 1)
 
 
+def _estimated_seconds(size: int, products: int, flops_per_s: float) -> float:
+    """Seconds that ``products`` ``size x size`` products take at ``flops_per_s``.
+
+    Example:
+        >>> _estimated_seconds(1000, 10, 1e9)  # 2e9 FLOP each at 1 GFLOP/s
+        20.0
+    """
+    return products * 2 * size**3 / flops_per_s
+
+
+def _size_within(max_seconds: float, products: int, flops_per_s: float) -> int:
+    """The largest power of two whose ``products`` products take at most ``max_seconds`` at
+    ``flops_per_s`` (1 where none does).
+
+    Example:
+        >>> _size_within(300.0, 13, 1e9)  # 2048: 223 s; 4096 would take 30 min
+        2048
+    """
+    largest = math.floor(math.pow(max_seconds * flops_per_s / (2 * products), 1 / 3))
+    while largest > 1 and _estimated_seconds(largest, products, flops_per_s) > max_seconds:
+        largest -= 1  # the cube root's rounding
+    return 1 << max(0, largest.bit_length() - 1)
+
+
+def _too_long(
+    size: int, warmup: int, iterations: int, flops_per_s: float, max_seconds: float | None
+) -> str | None:
+    """The decision rule: what to do instead of a run of ``warmup + iterations`` ``size x
+    size`` products at ``flops_per_s`` that would take longer than ``max_seconds``; None
+    where it fits (or there is no limit).
+
+    Example:
+        >>> _too_long(256, 3, 10, 1e9, 300.0) is None
+        True
+        >>> _too_long(8192, 3, 10, 1e9, 300.0)
+        'use a smaller size (e.g. size=2048) or a larger max_seconds (e.g. max_seconds=14294)'
+    """
+    products = warmup + iterations
+    estimate = _estimated_seconds(size, products, flops_per_s)
+    if max_seconds is None or estimate <= max_seconds:
+        return None
+    # size=<n>, iterations=<n> and max_seconds=<s> are what trainperf.cli rewrites as its
+    # options.
+    fixes = [f"a smaller size (e.g. size={_size_within(max_seconds, products, flops_per_s)})"]
+    fewer = math.floor(max_seconds / _estimated_seconds(size, 1, flops_per_s)) - warmup
+    if fewer >= 1:
+        fixes.append(f"fewer iterations (e.g. iterations={fewer})")
+    fixes.append(f"a larger max_seconds (e.g. max_seconds={math.ceil(estimate)})")
+    return f"use {', '.join(fixes[:-1])} or {fixes[-1]}"
+
+
+def _format_duration(seconds: float) -> str:
+    """``seconds`` in the unit a person reads them in: s, min, h or days.
+
+    Example:
+        >>> _format_duration(14294)
+        '4.0 h'
+    """
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def _format_rate(flops_per_s: float) -> str:
+    """A FLOP rate in GFLOP/s, or TFLOP/s from 1 TFLOP/s up."""
+    if flops_per_s >= 1e12:
+        return f"{flops_per_s / 1e12:.3g} TFLOP/s"
+    return f"{flops_per_s / 1e9:.3g} GFLOP/s"
+
+
+def _probe(dtype: str, size: int, device: torch.device) -> tuple[int, float]:
+    """``(n, FLOP/s)`` of one ``n x n`` product, ``n`` doubled from a small one until a
+    product takes :data:`_PROBE_SECONDS` or ``n`` reaches ``size``. Small products run
+    slower per FLOP than large ones, so the rate is a conservative one for ``size``."""
+    n = min(size, _PROBE_START_SIZE)
+    while True:
+        seconds = _seconds_per_product(dtype, n, 1, 1, device)
+        if seconds >= _PROBE_SECONDS or n >= size:
+            return n, 2 * n**3 / max(seconds, 1e-9)
+        n = min(size, 2 * n)
+
+
+def _check_run_time(
+    dtype: str,
+    size: int,
+    iterations: int,
+    warmup: int,
+    device: torch.device,
+    max_seconds: float | None,
+) -> None:
+    """Refuse a run that a quick probe of this device says would take past ``max_seconds``,
+    before it starts (a CPU run of 50000x50000 products would take hours, and a product
+    underway does not stop at Ctrl-C).
+
+    Raises:
+        ValueError: the estimate is past ``max_seconds``; the message names it, the size and
+            the fix.
+    """
+    if max_seconds is None:
+        return
+    products = warmup + iterations
+    probed, flops_per_s = _probe(dtype, size, device)
+    fix = _too_long(size, warmup, iterations, flops_per_s, max_seconds)
+    if fix is not None:
+        estimate = _format_duration(_estimated_seconds(size, products, flops_per_s))
+        raise ValueError(
+            f"bench_matmul(size={size}): {products} {dtype} products ({warmup} warm-up, "
+            f"{iterations} timed) would take about {estimate} on {device} "
+            f"({_format_rate(flops_per_s)} measured on a {probed}x{probed} product), more "
+            f"than max_seconds={max_seconds:g}: {fix}"
+        )
+
+
 def _check_dtype_on(dtype: str, device: torch.device) -> tuple[str, ...]:
     """Raise if ``device`` cannot run ``dtype``; else the notes on how it will run it."""
     if dtype == "tf32" and device.type != "cuda":
@@ -208,6 +340,58 @@ def _datasheet_notes(
     return tuple(notes)
 
 
+@dataclass(frozen=True)
+class MatmulPlan:
+    """A ``bench_matmul`` run, its arguments checked and its defaults filled in."""
+
+    device: torch.device
+    size: int
+    iterations: int
+    warmup: int
+    notes: tuple[str, ...]
+
+
+def matmul_plan(
+    dtype: str,
+    *,
+    size: int | None = None,
+    iterations: int | None = None,
+    warmup: int = 3,
+    device: str | torch.device | None = None,
+    max_seconds: float | None = DEFAULT_MAX_SECONDS,
+) -> MatmulPlan:
+    """Everything :func:`bench_matmul` checks before it runs, the estimate of its run time
+    included: ``trainperf bench matmul`` checks every dtype asked for this way before it
+    runs the first. Same arguments and errors as :func:`bench_matmul`.
+
+    Example:
+        >>> matmul_plan("fp32", device="cpu").size
+        256
+    """
+    choice("dtype", dtype, MATMUL_DTYPES)
+    dev = resolve_device(device)
+    size = (CUDA_DEFAULT_SIZE if dev.type == "cuda" else CPU_DEFAULT_SIZE) if size is None else size
+    iterations = (20 if dev.type == "cuda" else 10) if iterations is None else iterations
+    size = positive_int("size", size)
+    iterations = positive_int("iterations", iterations)
+    warmup = positive_int("warmup", warmup)
+    if max_seconds is not None:
+        max_seconds = positive_number("max_seconds", max_seconds, unit="seconds (or None)")
+    check_tensor_bytes(
+        f"bench_matmul(size={size})",
+        f"a {size}x{size} {dtype} matrix",
+        size * size,
+        _TORCH_DTYPES[dtype],
+        # size=<n> is what trainperf.cli rewrites as --size <n>.
+        f"use a smaller size (e.g. size={CUDA_DEFAULT_SIZE}, the default on a GPU)",
+    )
+    notes = _check_dtype_on(dtype, dev)
+    if dev.type == "cpu":
+        _check_host_memory_for(dtype, size)
+    _check_run_time(dtype, size, iterations, warmup, dev, max_seconds)
+    return MatmulPlan(dev, size, iterations, warmup, notes)
+
+
 def bench_matmul(
     dtype: MatmulDtype = "fp32",
     *,
@@ -215,6 +399,7 @@ def bench_matmul(
     iterations: int | None = None,
     warmup: int = 3,
     device: str | torch.device | None = None,
+    max_seconds: float | None = DEFAULT_MAX_SECONDS,
 ) -> MatmulResult:
     """Time ``size x size`` matrix products on random data and report TFLOP/s.
 
@@ -228,13 +413,18 @@ def bench_matmul(
             available device (:func:`trainperf.best_device`: the GPU with the most free
             memory), except that where that is MPS the CPU is used: the benchmarks run on
             CPU and CUDA only.
+        max_seconds: refuse a run that would take longer than this (warm-up and timed
+            products, estimated from a quick probe of this device, under a second); None
+            for no limit.
 
     Returns:
         A :class:`MatmulResult`.
 
     Raises:
-        ValueError: an unknown dtype, a count below 1, or a size whose matrices are more
-            bytes than a tensor can address.
+        ValueError: an unknown dtype, a count below 1, a ``max_seconds`` that is not a
+            positive number or None, a size whose matrices are more bytes than a tensor can
+            address, or a run estimated to take longer than ``max_seconds`` (the message
+            names the estimate and a size that fits).
         DeviceError: a CUDA device was asked for but is not available, or the device lacks
             what ``dtype`` needs: ``"tf32"`` on the CPU (TF32 is a CUDA tensor-core mode),
             or bf16 on a GPU older than Ampere.
@@ -246,25 +436,16 @@ def bench_matmul(
         >>> r.dtype, r.size, r.tflops > 0
         ('fp32', 64, True)
     """
-    choice("dtype", dtype, MATMUL_DTYPES)
-    dev = resolve_device(device)
-    size = (CUDA_DEFAULT_SIZE if dev.type == "cuda" else CPU_DEFAULT_SIZE) if size is None else size
-    iterations = (20 if dev.type == "cuda" else 10) if iterations is None else iterations
-    size = positive_int("size", size)
-    iterations = positive_int("iterations", iterations)
-    warmup = positive_int("warmup", warmup)
-    check_tensor_bytes(
-        f"bench_matmul(size={size})",
-        f"a {size}x{size} {dtype} matrix",
-        size * size,
-        _TORCH_DTYPES[dtype],
-        # size=<n> is what trainperf.cli rewrites as --size <n>.
-        f"use a smaller size (e.g. size={CUDA_DEFAULT_SIZE}, the default on a GPU)",
+    plan = matmul_plan(
+        dtype,
+        size=size,
+        iterations=iterations,
+        warmup=warmup,
+        device=device,
+        max_seconds=max_seconds,
     )
-    notes = _check_dtype_on(dtype, dev)
-    if dev.type == "cpu":
-        _check_host_memory_for(dtype, size)
-    seconds = _seconds_per_product(dtype, size, iterations, warmup, dev)
+    dev, size, iterations = plan.device, plan.size, plan.iterations
+    seconds = _seconds_per_product(dtype, size, iterations, plan.warmup, dev)
     tflops = 2 * size**3 / seconds / 1e12
     name = gpu_name(dev)
     spec = None if name is None else find_gpu_spec(name)
@@ -280,5 +461,5 @@ def bench_matmul(
         tflops=tflops,
         datasheet_tflops=datasheet,
         datasheet_fraction=fraction,
-        notes=notes + stand_in + _datasheet_notes(name, spec, dtype, fraction),
+        notes=plan.notes + stand_in + _datasheet_notes(name, spec, dtype, fraction),
     )

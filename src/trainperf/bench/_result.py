@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from trainperf._utils.format import plural
 from trainperf.bench._common import result_dict
 from trainperf.bench._reference import ReferenceComparison
 
@@ -75,9 +76,10 @@ class BenchResult:
         mode = "training" if self.train else "inference"
         layout = ", channels_last" if self.channels_last else ""
         where = self.gpu_name or self.device
+        iterations = plural(len(self.iteration_seconds), "iteration")
         return (
             f"{self.model} {self.precision} {mode} on {where}: {self.images_per_s:.1f} images/s "
-            f"(median of {len(self.iteration_seconds)} iterations, batch {self.batch_size}, "
+            f"(median of {iterations}, batch {self.batch_size}, "
             f"{self.image_size}px{layout})"
         )
 

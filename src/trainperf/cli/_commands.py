@@ -126,6 +126,27 @@ def _run_bench_model(args: argparse.Namespace) -> int:
     return _status(results)
 
 
+def _check_matmul_run_times(args: argparse.Namespace, device: str, dtypes: list[str]) -> None:
+    """Refuse the command before any dtype runs where one would run past ``--max-seconds``
+    (a ValueError), rather than after the dtypes before it took minutes; a dtype that cannot
+    run at all is left for its run to report as skipped."""
+    from trainperf.bench._matmul import matmul_plan
+    from trainperf.errors import DeviceError
+
+    for dtype in dtypes:
+        _progress(f"trainperf bench matmul: {dtype}: estimating the run time...")
+        try:
+            matmul_plan(
+                dtype,
+                size=args.size,
+                iterations=args.iterations,
+                device=device,
+                max_seconds=args.max_seconds,
+            )
+        except (DeviceError, RuntimeError, MemoryError):
+            continue
+
+
 def _run_bench_matmul(args: argparse.Namespace) -> int:
     from trainperf.bench import MATMUL_DTYPES, MatmulDtype, bench_matmul
     from trainperf.errors import DeviceError
@@ -133,6 +154,7 @@ def _run_bench_matmul(args: argparse.Namespace) -> int:
     device = _one_device(args.device)
     every = args.dtype is None or "all" in args.dtype
     dtypes = list(MATMUL_DTYPES) if every else list(dict.fromkeys(args.dtype))
+    _check_matmul_run_times(args, device, dtypes)
     results: list[Any] = []
     for dtype in dtypes:
         _progress(f"trainperf bench matmul: {dtype}...")
@@ -142,6 +164,7 @@ def _run_bench_matmul(args: argparse.Namespace) -> int:
                 size=args.size,
                 iterations=args.iterations,
                 device=device,
+                max_seconds=None,  # checked above, for every dtype
             )
         except (DeviceError, RuntimeError, MemoryError) as e:
             skipped = _skipped(args, dtype, e, "--size")

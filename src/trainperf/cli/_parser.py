@@ -5,6 +5,7 @@ whose usage errors raise instead of printing argparse's usage.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -22,6 +23,17 @@ def _positive(text: str) -> int:
         return positive_int("count", int(text))
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from e
+
+
+def _positive_seconds(text: str) -> float:
+    # float() takes "nan" and "inf": a limit must be a finite number > 0.
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return seconds
 
 
 def _add_json(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +87,12 @@ def _add_matmul_parser(benches: Any) -> None:
         help="one or more (default: all)",
     )
     matmul.add_argument("--iterations", type=_positive)
+    matmul.add_argument(
+        "--max-seconds",
+        type=_positive_seconds,
+        default=300.0,
+        help="refuse a dtype whose run is estimated (by a quick probe) to take longer (300)",
+    )
     matmul.add_argument("--device", help=_DEVICE_HELP)
     _add_json(matmul)
 
