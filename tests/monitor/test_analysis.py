@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from typing import Any
 
 import pytest
 
@@ -206,6 +207,14 @@ def test_analyse_needs_enough_steps() -> None:
     assert "inconclusive" in str(report)
 
 
+@pytest.mark.parametrize("n", [0, 1, 2])
+def test_too_few_steps_names_the_warmup_that_ran(n: int) -> None:
+    # Before: "0 measured step(s) after 2 warm-up" when fewer than 2 steps ran at all.
+    report = analyse(steps(n, 0.0, 0.01), warmup_steps=2)
+    assert report.warmup_steps == n
+    assert report.verdict.summary.startswith(f"0 measured step(s) after {n} warm-up;")
+
+
 def test_analyse_counts_dropped_steps_in_indices_and_warmup() -> None:
     steps = [StepRecord(100 + i, i * 0.02, 0.015, 0.005, 32, None) for i in range(20)]
     report = analyse(steps, warmup_steps=2, dropped_steps=100)
@@ -249,15 +258,83 @@ def test_analyse_rejects_bad_arguments() -> None:
         ({"start": math.nan}, r"has start=nan"),
         ({"gpu_busy": math.nan}, r"has gpu_busy=nan"),
         ({"cpu_delay": math.inf}, r"has cpu_delay=inf"),
+        ({"samples": -32}, r"timeline\[3\] \(step 3\) has samples=-32; drop or repair"),
+        ({"gpu_busy": -0.01}, r"timeline\[3\] \(step 3\) has gpu_busy=-0\.01"),
+        ({"wait_cpu": -0.001}, r"timeline\[3\] \(step 3\) has wait_cpu=-0\.001"),
+        ({"cpu_delay": -0.002}, r"timeline\[3\] \(step 3\) has cpu_delay=-0\.002"),
+        ({"samples": 10**400}, r"timeline\[3\] \(step 3\) has samples=1000"),
     ],
 )
-def test_analyse_refuses_step_times_that_are_no_times(bad: dict[str, float], match: str) -> None:
+def test_analyse_refuses_step_times_that_are_no_times(bad: dict[str, Any], match: str) -> None:
     # A NaN step made a compute-bound verdict with a NaN median (and a to_dict() that
     # strict JSON refuses); a negative wait a negative share of time waiting.
     timeline = steps(10, 0.005, 0.01)
     timeline[3] = dataclasses.replace(timeline[3], **bad)
     with pytest.raises(ValueError, match=match):
         analyse(timeline)
+
+
+def test_analyse_refuses_a_negative_gpu_span_that_made_gpu_unused() -> None:
+    # Before: a negative CUDA-event span passed, and its negative busy share made a
+    # "gpu-unused" verdict.
+    timeline = [dataclasses.replace(s, gpu_busy=-0.01) for s in steps(20, 0.0, 0.01)]
+    with pytest.raises(ValueError, match=r"timeline\[0\] \(step 0\) has gpu_busy=-0\.01"):
+        analyse(timeline, gpu_present=True, cuda_used=True)
+
+
+@pytest.mark.parametrize(
+    ("timeline", "match"),
+    [
+        # 30 steps of 1e307 s: each finite, 3e308 s in all (an infinite wall time).
+        (
+            [StepRecord(i, 0.0, 0.0, 1e307, 32, None) for i in range(30)],
+            r"wait \+ compute add up past float range .*timeline\[0\] \(step 0\) has "
+            r"wait=0\.0, compute=1e\+307",
+        ),
+        (
+            [StepRecord(i, 0.0, 1e308, 1e308, 32, None) for i in range(10)],
+            r"wait \+ compute add up past float range",
+        ),
+        (
+            [StepRecord(i, i * 0.01, 0.0, 0.01, 32, None, wait_cpu=1e308) for i in range(10)],
+            r"wait_cpu add up past float range .*timeline\[0\] \(step 0\) has wait_cpu=1e\+308\); "
+            r"drop or repair that step",
+        ),
+        (
+            [StepRecord(i, 0.0, 0.0, 0.01, 10**308, None) for i in range(10)],
+            r"samples add up past float range",
+        ),
+        # 5e-324 s steps (no clock's): 8 measured steps in 4e-323 s is inf steps/s.
+        (
+            [StepRecord(i, 0.0, 0.0, 5e-324, 32, None) for i in range(10)],
+            r"steps 2 to 9 took 4e-323 s in all, which makes inf steps/s",
+        ),
+        # Finite steps/s, but 1e300 samples a step in 8 ns is inf samples/s.
+        (
+            [StepRecord(i, 0.0, 0.0, 1e-9, 10**300, None) for i in range(10)],
+            r"steps 2 to 9 took 8e-09 s in all, which makes inf samples/s",
+        ),
+    ],
+    ids=["wall", "one-step", "wait_cpu", "samples", "steps-per-s", "samples-per-s"],
+)
+def test_analyse_refuses_figures_past_float_range(timeline: list[StepRecord], match: str) -> None:
+    # Before: an inf wall time or rate that made to_dict() invalid strict JSON, or a bare
+    # OverflowError from the means.
+    with pytest.raises(ValueError, match=match):
+        analyse(timeline)
+
+
+def test_analyse_refuses_a_rate_past_float_range_since_a_change() -> None:
+    # The steps since a lasting change in step time are what the predictions multiply.
+    timeline = [StepRecord(i, 0.0, 0.0, 0.01 if i < 20 else 1e-320, 32, None) for i in range(40)]
+    with pytest.raises(ValueError, match=r"steps 20 to 39 took .* s in all, which makes inf"):
+        analyse(timeline)
+
+
+def test_analyse_refuses_sample_figures_past_float_range() -> None:
+    bad = [Sample(i * 0.01, None, None, 1e308, 10.0) for i in range(10)]
+    with pytest.raises(ValueError, match=r"process_cpu add up past float range .*samples\[0\]"):
+        analyse(steps(10, 0.0, 0.01), bad)
 
 
 def test_analyse_refuses_samples_that_are_not_finite() -> None:

@@ -55,26 +55,55 @@ _CANDIDATES: tuple[Callable[[Figures], Verdict | None], ...] = (
 )
 
 
-_STEP_FIGURES = ("start", "wait", "compute", "gpu_busy", "wait_cpu", "cpu_delay")
+_STEP_TOTALS = ("samples", "gpu_busy", "wait_cpu", "cpu_delay")  # summed or averaged
+_STEP_FIGURES = ("start", "wait", "compute", *_STEP_TOTALS)
 _SAMPLE_FIGURES = (
     "time", "gpu_utilization", "process_cpu", "host_cpu", "workers_cpu", "host_steal",
 )  # fmt: skip
+_SAMPLE_MEANS = _SAMPLE_FIGURES[1:]  # what the figures average over the samples
+
+
+def _fits(value: float) -> bool:
+    """Whether ``value`` is finite as a float (an int past float range is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _total_fits(values: Sequence[float]) -> bool:
+    """Whether ``values`` (each finite, >= 0) add up within float range, as the means need."""
+    try:
+        return math.isfinite(math.fsum(values))
+    except OverflowError:
+        return False
 
 
 def _check_records(timeline: Sequence[StepRecord], samples: Sequence[Sample]) -> None:
-    """Refuse figures that are no measurements: a NaN or infinite time or share (it would
-    make a verdict of NaN, and a ``to_dict()`` strict JSON refuses), or a negative wait or
-    compute time."""
+    """Refuse figures that are no measurements: a NaN or infinite figure (it would make a
+    verdict of NaN, and a ``to_dict()`` strict JSON refuses), a negative one other than a
+    step's start, or figures whose total is past float range (an infinite wall time)."""
     for i, step in enumerate(timeline):
         for name in _STEP_FIGURES:
             value = getattr(step, name)
-            negative = name in ("wait", "compute") and value < 0
-            if value is not None and (negative or not math.isfinite(value)):
+            negative = name != "start" and value is not None and value < 0
+            if value is not None and (negative or not _fits(value)):
                 raise ValueError(
-                    f"analyse() needs finite step times, wait and compute >= 0, but "
+                    f"analyse() needs finite step figures, each but start >= 0, but "
                     f"timeline[{i}] (step {step.index}) has {name}={value!r}; drop or repair "
                     "that step"
                 )
+    durations = [x for step in timeline for x in (step.wait, step.compute)]
+    if not _total_fits(durations):
+        i = max(range(len(timeline)), key=lambda k: timeline[k].wait + timeline[k].compute)
+        step = timeline[i]
+        raise ValueError(
+            "analyse() needs step times whose total fits a float, but the steps' wait + "
+            f"compute add up past float range (the longest: timeline[{i}] (step {step.index}) "
+            f"has wait={step.wait!r}, compute={step.compute!r}); drop or repair that step"
+        )
+    for name in _STEP_TOTALS:
+        _check_total(name, timeline)
     for i, sample in enumerate(samples):
         for name in _SAMPLE_FIGURES:
             value = getattr(sample, name)
@@ -83,6 +112,47 @@ def _check_records(timeline: Sequence[StepRecord], samples: Sequence[Sample]) ->
                     f"analyse() needs finite sample figures, but samples[{i}] has "
                     f"{name}={value!r}; drop or repair that sample"
                 )
+    for name in _SAMPLE_MEANS:
+        _check_total(name, samples)
+
+
+def _check_total(name: str, records: Sequence[StepRecord] | Sequence[Sample]) -> None:
+    """Refuse a figure whose total (where known) is past float range: the means need it."""
+    known = [(getattr(r, name), i) for i, r in enumerate(records) if getattr(r, name) is not None]
+    if _total_fits([v for v, _ in known]):
+        return
+    value, i = max(known, key=lambda known_value: known_value[0])  # the first largest
+    record = records[i]
+    where = (
+        f"timeline[{i}] (step {record.index})"
+        if isinstance(record, StepRecord)
+        else f"samples[{i}]"
+    )
+    what = "step" if isinstance(record, StepRecord) else "sample"
+    raise ValueError(
+        f"analyse() needs figures whose total fits a float, but the {what}s' {name} add up "
+        f"past float range (the largest: {where} has {name}={value!r}); drop or repair "
+        f"that {what}"
+    )
+
+
+def _check_rates(steps: Sequence[StepRecord]) -> None:
+    """Refuse steps so short that their steps/s or samples/s is past float range (no
+    clock measures 5e-324 s)."""
+    wall = sum(s.duration for s in steps)
+    if wall <= 0:
+        return  # no time to judge: the inconclusive verdict says so
+    counts = [s.samples for s in steps]
+    rates = [(len(steps) / wall, "steps")]
+    if None not in counts:
+        rates.append((math.fsum(n for n in counts if n is not None) / wall, "samples"))
+    for rate, unit in rates:
+        if not math.isfinite(rate):
+            raise ValueError(
+                f"analyse() needs step times a clock can measure, but steps "
+                f"{steps[0].index} to {steps[-1].index} took {wall!r} s in all, which makes "
+                f"{rate!r} {unit}/s (past float range); drop or repair those steps"
+            )
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -281,6 +351,7 @@ def _judge(
     in step time (``_shift``), or all of them; and the setup they were judged with."""
     shift = find_shift([s.duration for s in measured], first)
     judged = measured[shift.step - first :] if shift is not None else measured
+    _check_rates(judged)  # the rates the predictions multiply
     window, window_s = _window(judged, samples)
     figures = _figures(judged, window, window_s, shift.step if shift else first, ctx, shift)
     setup = measure(figures) if measure is not None else None
@@ -351,8 +422,11 @@ def analyse(
 
     Raises:
         ValueError: ``cpus`` is not an int >= 1; ``warmup_steps``, ``dropped_steps`` or
-            ``dropped_samples`` is not an int >= 0; a step has a NaN or infinite figure, or
-            a negative ``wait`` or ``compute``; or a sample has a NaN or infinite figure.
+            ``dropped_samples`` is not an int >= 0; a step has a NaN or infinite figure
+            (or a ``samples`` count past float range), or a negative one other than
+            ``start``; a sample has a NaN or infinite figure; a figure's total over the
+            steps or samples is past float range; or steps so short that their steps/s or
+            samples/s is.
 
     Example:
         >>> steps = [StepRecord(i, i * 0.02, 0.015, 0.005, 32, None) for i in range(20)]
@@ -367,20 +441,22 @@ def analyse(
     skip = max(0, warmup_steps - dropped_steps)  # warm-up steps still in the timeline
     first = dropped_steps + skip  # the number of the first measured step
     measured = list(timeline[skip:])
+    _check_rates(measured)
+    kept = dropped_steps + len(timeline)
+    ran = min(warmup_steps, kept)  # fewer than asked for when the run ended in its warm-up
     ctx = _Context(
-        warmup_steps, gpu_present, cuda_used, cpus, wait_measured, precision, setup or LoopSetup()
+        ran, gpu_present, cuda_used, cpus, wait_measured, precision, setup or LoopSetup()
     )
     window, window_s = _window(measured, samples)
     figures = _figures(measured, window, window_s, first, ctx)  # the whole run, for the report
     verdict, findings, shift, judged_setup = _judge(measured, samples, first, ctx, measure)
-    kept = dropped_steps + len(timeline)
     memory = [s.gpu_memory_used for s in window if s.gpu_memory_used is not None]
     return WatchReport(
         verdict=verdict,
         findings=findings,
         device=device,
         steps=kept,
-        warmup_steps=min(warmup_steps, kept),
+        warmup_steps=ran,
         wall_s=figures.wall_s,
         steps_per_s=len(measured) / figures.wall_s if figures.wall_s > 0 else 0.0,
         samples_per_s=_samples_per_s(measured, figures.wall_s),

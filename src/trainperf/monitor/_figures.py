@@ -67,7 +67,8 @@ class Figures:
 
     Attributes:
         measured_steps: steps judged.
-        warmup_steps: the warm-up asked for (the inconclusive verdict names it).
+        warmup_steps: the warm-up steps that ran: those asked for, or fewer when the run
+            ended first (the inconclusive verdict names it).
         gpu_present: a GPU is visible to this process.
         cuda_used: the process initialised CUDA during the watch.
         cpus: CPUs this process may use.
