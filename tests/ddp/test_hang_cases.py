@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import trainperf.ddp as ddp
@@ -148,6 +149,27 @@ def test_hang_timeout_must_be_none_or_a_finite_positive_number(value: object) ->
         ddp.launch(_hangs.slow_steps, 1, 0.0, nprocs=2, backend="gloo", hang_timeout=value)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"timeout must be a positive number of seconds"):
         ddp.watchdog(value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [(1e-9, r"1e-09"), (0.5, r"0\.5"), (np.float64(0.999), r"0\.999")]
+)
+def test_a_hang_timeout_below_a_second_is_refused(
+    monkeypatch: pytest.MonkeyPatch, value: float, shown: str
+) -> None:
+    # hang_timeout=1e-9 was accepted, and a healthy job whose rank 0 waited 0.25 s for a
+    # slower rank 1 at an all_reduce failed at once: "HangError: no progress on any of 2
+    # ranks for 0 s (hang_timeout=1e-09)". Progress is read every 0.1 s to 1 s.
+    monkeypatch.setattr(_launch_spawn, "HangDetector", lambda *a: pytest.fail("ranks started"))
+    match = rf"hang_timeout={shown} s is below 1 s, the shortest hang timeout: .*or None"
+    with pytest.raises(ValueError, match=match):
+        ddp.launch(_hangs.slow_steps, 1, 0.0, nprocs=2, backend="gloo", hang_timeout=value)
+    with pytest.raises(ValueError, match=rf"^timeout={shown} s is below 1 s, the shortest hang"):
+        ddp.watchdog(value)
+
+
+def test_a_hang_timeout_of_one_second_is_allowed() -> None:
+    assert launch_fork(_hangs.slow_steps, 1, 0.0, hang_timeout=1.0) == 1
 
 
 def test_watchdog_needs_a_process_group_and_is_off_with_none() -> None:

@@ -322,6 +322,57 @@ def test_arguments_main_cannot_take_are_refused_before_any_rank_starts(
     assert isinstance(info.value.__cause__, TypeError)
 
 
+async def _async_main(x: int) -> int:
+    return x
+
+
+def _generator_main(x: int) -> Any:
+    yield x
+
+
+async def _async_generator_main(x: int) -> Any:
+    yield x
+
+
+class _AsyncCallable:
+    async def __call__(self, x: int) -> int:
+        return x
+
+
+_ASYNC_FIX = r"def main\(\.\.\.\): asyncio\.run\(amain\(\.\.\.\)\)"
+
+
+@pytest.mark.parametrize(
+    ("main", "match"),
+    [
+        (_async_main, r"main='_async_main' is an async def function: .*" + _ASYNC_FIX),
+        (functools.partial(_async_main, 1), r"main='_async_main' is an async def function"),
+        (_generator_main, r"main='_generator_main' is a generator function: .*return a value"),
+        (_async_generator_main, r"main='_async_generator_main' is an async generator function"),
+        (_AsyncCallable(), r"main='_AsyncCallable' is an async def function"),
+    ],
+)
+@pytest.mark.parametrize("job", [False, True], ids=["launcher", "torchrun"])
+@pytest.mark.parametrize("entry", [ddp.launch, ddp.launch_all])
+def test_an_async_or_generator_main_is_refused_before_any_rank_starts(
+    monkeypatch: pytest.MonkeyPatch, main: Any, match: str, job: bool, entry: Any
+) -> None:
+    # Each rank called main, got a coroutine (or generator) whose body never ran, and
+    # failed pickling it back: "cannot pickle 'coroutine' object", plus "coroutine was
+    # never awaited". Inside a torchrun job launch() returned the coroutine itself.
+    if job:
+        env = {**TORCHRUN, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+        for name, value in {**env, "LOCAL_WORLD_SIZE": "1"}.items():
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(_launch, "run_in_process", lambda *a, **k: pytest.fail("main ran"))
+    monkeypatch.setattr(_launch, "_spawn", lambda *a, **k: pytest.fail("ranks started"))
+    args = () if isinstance(main, functools.partial) else (1,)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "coroutine ... was never awaited"
+        with pytest.raises(TypeError, match=match):
+            entry(main, *args, nprocs=1, backend="gloo", start_method="fork")
+
+
 @pytest.mark.timeout(60)
 def test_a_decorated_main_is_called_as_its_wrapper_takes_arguments() -> None:
     # functools.wraps makes inspect.signature report the wrapped function's parameters:

@@ -35,6 +35,7 @@ from trainperf.ddp._launch_checks import (
     _check_spawnable,
     _warn_if_nprocs_ignored,
     _warn_if_unreachable,
+    hang_timeout_s,
 )
 from trainperf.ddp._launch_spawn import _spawn
 from trainperf.ddp._worker_reimport import REIMPORT_EXIT_CODE, reimporting_main
@@ -75,7 +76,7 @@ def _launch(
     grace = positive_number("grace_s", grace_s, unit="seconds")
     hang = None
     if hang_timeout is not None:
-        hang = positive_number("hang_timeout", hang_timeout, unit="seconds (or None)")
+        hang = hang_timeout_s("hang_timeout", hang_timeout)
         _warn_if_unreachable(hang, span)
     env = _env.detect()
     if env is None and threading.current_thread() is not threading.main_thread():
@@ -178,8 +179,8 @@ def launch(
         hang_timeout: seconds without progress on any rank (a collective returning, an
             optimizer step, a rank returning from main) after which the launcher collects
             every rank's stacks, names the rank(s) that caused the hang and stops them all
-            (``HangError``); None turns detection off. Under torchrun or SLURM the ranks
-            watch each other through :func:`watchdog` instead.
+            (``HangError``); at least 1 s, or None to turn detection off. Under torchrun
+            or SLURM the ranks watch each other through :func:`watchdog` instead.
         **kwargs: keyword arguments for ``main``.
 
     Returns:
@@ -204,8 +205,9 @@ def launch(
         KeyboardInterrupt: SIGINT reached the launcher (after stopping every worker).
         SystemExit: SIGTERM reached the launcher; exit status 143, once every rank exited
             (within ``grace_s``) or was killed.
-        TypeError: ``main`` is not callable, or cannot take ``*args`` and ``**kwargs`` (as
-            its signature says; ``args=(...)`` in the style of
+        TypeError: ``main`` is not callable, is an ``async def`` or generator function
+            (calling it would run none of its body), or cannot take ``*args`` and
+            ``**kwargs`` (as its signature says; ``args=(...)`` in the style of
             ``torch.multiprocessing.spawn`` is named), before any rank starts.
 
     Example:

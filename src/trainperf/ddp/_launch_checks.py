@@ -1,4 +1,5 @@
-"""What ``launch`` refuses before any rank starts: bad options, a ``main`` that spawned
+"""What ``launch`` refuses before any rank starts: bad options (a hang timeout under 1 s),
+a ``main`` whose call runs none of its body (``async def``, generators), one that spawned
 workers cannot receive, ``fork`` after CUDA, more gloo ranks than the CPUs can run; and the
 warnings for a ``hang_timeout`` the collectives' timeout comes before, and for an ``nprocs``
 that a job already running (torchrun, SLURM, an outer ``launch``) ignores.
@@ -24,7 +25,7 @@ from trainperf.ddp._env import DistributedEnv
 from trainperf.ddp._worker_pickle import called_function
 from trainperf.errors import DeviceError
 
-__all__ = ["MAX_TIMEOUT", "cuda_driver_loaded"]
+__all__ = ["MAX_TIMEOUT", "MIN_HANG_TIMEOUT_S", "cuda_driver_loaded", "hang_timeout_s"]
 
 _BACKENDS = ("nccl", "gloo")
 _START_METHODS = ("spawn", "fork")
@@ -76,6 +77,26 @@ def _timeout_span(timeout: object) -> timedelta:
             "hang should ever be reported"
         )
     return span
+
+
+MIN_HANG_TIMEOUT_S = 1.0
+"""The shortest hang timeout (``launch``'s ``hang_timeout``, ``watchdog``'s ``timeout``):
+progress is read every 0.1 s to 1 s (the launcher's poll, the watchdog's beat), so a
+shorter one reports any wait for a slower rank between two reads as a hang."""
+
+
+def hang_timeout_s(option: str, value: object) -> float:
+    """``value`` as seconds if it is a finite number >= :data:`MIN_HANG_TIMEOUT_S`, else
+    ``ValueError`` naming ``option``."""
+    seconds = positive_number(option, value, unit="seconds (or None)")
+    if seconds < MIN_HANG_TIMEOUT_S:
+        raise ValueError(
+            f"{option}={seconds:g} s is below {MIN_HANG_TIMEOUT_S:g} s, the shortest hang "
+            "timeout: progress is read every 0.1 s to 1 s, so a shorter one reports an "
+            "ordinary wait for a slower rank as a hang. Pass at least "
+            f"{option}={MIN_HANG_TIMEOUT_S:g} (or None to turn hang detection off)"
+        )
+    return seconds
 
 
 def cuda_driver_loaded(maps: Path = Path("/proc/self/maps")) -> bool:
@@ -179,11 +200,50 @@ def _check_picklable(main: Callable[..., Any]) -> None:
         ) from e
 
 
+def _check_runs_when_called(main: Callable[..., Any]) -> None:
+    """Refuse a ``main`` whose call runs none of its body: each rank would get a coroutine
+    or generator back, fail to pickle it to the launcher ("cannot pickle 'coroutine'
+    object") and warn that the coroutine was never awaited; in a torchrun job ``launch()``
+    would return it unrun."""
+    target = called_function(main)
+    call = target
+    if not (inspect.isroutine(target) or isinstance(target, type)):
+        call = type(target).__call__  # a callable object: its __call__ is what runs
+    name = getattr(target, "__qualname__", None) or type(target).__qualname__
+    if inspect.isasyncgenfunction(call):
+        kind, made, fix = (
+            "an async generator function",
+            "an async generator",
+            "make main a plain function that returns a value instead of yielding, and run "
+            "the async code inside it: def main(...): return asyncio.run(amain(...))",
+        )
+    elif inspect.iscoroutinefunction(call):
+        kind, made, fix = (
+            "an async def function",
+            "a coroutine",
+            "wrap it in a plain function that runs it: def main(...): asyncio.run(amain(...)) "
+            "(return its result to get it back)",
+        )
+    elif inspect.isgeneratorfunction(call):
+        kind, made, fix = (
+            "a generator function",
+            "a generator",
+            "return a value instead of yielding (the last value, or a list of them)",
+        )
+    else:
+        return
+    raise TypeError(
+        f"main={name!r} is {kind}: calling it only creates {made} and runs none of its "
+        f"body, and launch() calls main in each rank as a plain function; {fix}"
+    )
+
+
 def _check_call(main: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Refuse arguments ``main`` cannot take before any rank starts: each rank would start,
     join the group, and only then fail with the same ``TypeError``. A callable with no
     signature to read (some builtins) is left to the ranks. A decorated ``main`` is read as
     its wrapper (not what ``functools.wraps`` says it wraps), which may supply arguments."""
+    _check_runs_when_called(main)
     try:
         signature = inspect.signature(main, follow_wrapped=False)
     except (TypeError, ValueError):

@@ -60,8 +60,8 @@ from types import TracebackType
 from typing import IO, Any
 
 from trainperf._utils.atomic import write_atomically
-from trainperf._utils.validate import positive_number
 from trainperf.ddp import _hang, _hang_report, _hang_view, _progress
+from trainperf.ddp._launch_checks import hang_timeout_s
 from trainperf.ddp._progress_slots import SLOT_SIZE, SlotState, busy_counts, read_slot
 from trainperf.ddp._progress_tracker import Tracker
 from trainperf.ddp._rank_exit import enable_faulthandler as _enable_faulthandler
@@ -456,8 +456,8 @@ def watchdog(
     timeout, after the inner one exits.
 
     Args:
-        timeout: seconds without progress on any rank that count as a hang; None turns it
-            off.
+        timeout: seconds without progress on any rank that count as a hang, at least 1;
+            None turns it off.
         report_path: also write the report here (JSON: ``HangReport.to_dict()`` plus the
             message).
 
@@ -468,7 +468,7 @@ def watchdog(
         the interpreter's exit: ``sys.exit(n)`` reads as the script's end, status unknown).
 
     Raises:
-        ValueError: ``timeout`` is not None or a finite number > 0.
+        ValueError: ``timeout`` is not None or a finite number >= 1 (seconds).
         RuntimeError: no process group is initialised yet.
 
     Example:
@@ -476,5 +476,5 @@ def watchdog(
         ...     pass
     """
     if timeout is not None:
-        timeout = positive_number("timeout", timeout, unit="seconds (or None)")
+        timeout = hang_timeout_s("timeout", timeout)
     return Watchdog(timeout, report_path).start()
