@@ -235,6 +235,11 @@ _NUMERIC_TIMEOUT = r"timeout must be a positive number of seconds \(or a positiv
         (1e10, r"timeout=10000000000\.0 is longer than torch\.distributed can wait"),
         (timedelta(0), r"timeout must be a positive timedelta \(or a positive number of second"),
         (timedelta(seconds=-1), r"timeout must be a positive timedelta.*got datetime\.timedelta"),
+        # Accepted before, then "cannot start the rendezvous store ... timed out after 0ms"
+        # (1e-9 rounded to timedelta(0), itself refused) or after a few ms.
+        (1e-9, r"timeout=1e-09 is shorter than 1 s.*pass at least timeout=1"),
+        (0.005, r"timeout=0.005 is shorter than 1 s"),
+        (timedelta(milliseconds=999), r"timeout=datetime.timedelta\(microseconds=999000\) is sh"),
     ],
 )
 def test_launch_rejects_a_timeout_that_is_not_finite_and_positive(

@@ -52,11 +52,12 @@ MAX_TIMEOUT = timedelta(days=365 * 100)
 """The longest ``timeout``: torch.distributed keeps timeouts in milliseconds (and
 nanoseconds) in 64 bits; far beyond this, its store and barrier overflow (a start-up that
 hangs for ever, or fails at once with a negative timeout)."""
+_MIN_TIMEOUT = timedelta(seconds=1)
 
 
 def _timeout_span(timeout: object) -> timedelta:
     """``timeout`` as a timedelta: a timedelta, or a finite number of seconds, in
-    ``(0, MAX_TIMEOUT]``."""
+    ``[1 s, MAX_TIMEOUT]``."""
     if isinstance(timeout, timedelta):
         if timeout <= timedelta(0):
             raise ValueError(
@@ -70,6 +71,14 @@ def _timeout_span(timeout: object) -> timedelta:
             span = timedelta(seconds=seconds)
         except OverflowError:
             span = timedelta.max
+    if span < _MIN_TIMEOUT:
+        # The rendezvous store and the first collective need this long to connect: a shorter
+        # timeout failed start-up as "the client socket has timed out after 0ms".
+        raise ValueError(
+            f"timeout={timeout!r} is shorter than 1 s, too short for the ranks to connect "
+            "(the rendezvous store would time out before they start): pass at least "
+            "timeout=1 (seconds); the hang_timeout option bounds waits between steps"
+        )
     if span > MAX_TIMEOUT:
         raise ValueError(
             f"timeout={timeout!r} is longer than torch.distributed can wait (at most "
