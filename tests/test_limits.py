@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -343,3 +344,56 @@ def test_cpu_pressure_reads_the_unified_hierarchy_of_a_hybrid_host(tmp_path: Pat
     write_psi(tmp_path / "root" / "unified" / "docker" / "abc" / "cpu.pressure", 30.0)
     got = cgroup_cpu_pressure(tmp_path / "root", tmp_path / "pc", tmp_path / "missing")
     assert got == (0.3, "cgroup")
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [
+        ("cpu.max", b"\xff\xfe 100000\n"),  # not UTF-8
+        ("cpu.max", ("1" + "0" * 400 + " 1\n").encode()),  # past a float
+        ("cpu.max", ("1 " + "9" * 400 + "\n").encode()),  # a share that rounds to 0
+        ("cpu.max", "\uff11\uff10\uff10 1\n".encode()),  # full-width digits
+        ("memory.max", b"\xff\n"),
+        ("memory.max", "\u00b2\n".encode()),  # a digit to str.isdigit(), not to int()
+        ("memory.max", ("9" * 5000 + "\n").encode()),  # past int()'s digit limit
+        ("memory.current", "\u00b2\n".encode()),
+        ("memory.stat", "inactive_file \u00b2\n".encode()),
+        ("cpuset.cpus", "\u00b2\n".encode()),
+        ("cpu.pressure", b"\xff\n"),
+        ("cpu.pressure", b"full avg60=1.00\n\nsome avg60=2.00\n"),  # a blank line inside
+    ],
+)
+def test_garbage_in_a_cgroup_file_reads_as_no_limit_not_an_error(
+    tmp_path: Path, name: str, content: bytes
+) -> None:
+    # doctor reads these on whatever host it runs on: a malformed file is no limit, not a
+    # traceback out of trainperf doctor.
+    root = tmp_path / "root"
+    write(root / "memory.max", "4294967296\n")
+    write(root / "memory.current", "1073741824\n")
+    (root / name).write_bytes(content)
+    write(tmp_path / "pc", "0::/\n")
+    got = host_limits(cgroup_root=root, proc_cgroup=tmp_path / "pc", shm_path=tmp_path)
+    assert got.cpu_quota is None  # every cpu.max above is malformed
+    assert got.memory_limit in (None, 4294967296)
+    pressure = cgroup_cpu_pressure(root, tmp_path / "pc", tmp_path / "none")
+    assert pressure is None or 0.0 <= pressure[0] <= 1.0
+
+
+def test_a_proc_self_cgroup_that_is_not_utf8_is_read(tmp_path: Path) -> None:
+    # cgroup names are bytes: a non-UTF-8 one must still lead to its directory.
+    name = os.fsdecode(b"job\xff")
+    write(tmp_path / "root" / name / "cpu.max", "150000 100000\n")
+    (tmp_path / "pc").write_bytes(b"0::/job\xff\n")
+    assert cgroup_cpu_quota(tmp_path / "root", tmp_path / "pc") == 1.5
+
+
+def test_host_cpus_are_never_fewer_than_the_affinity_mask(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # os.cpu_count() can be None (counted as 1) or, under LXCFS, the container's view of
+    # /sys while sched_getaffinity gives the host's mask: a host has at least those CPUs.
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    got = host_limits(cgroup_root=tmp_path, proc_cgroup=tmp_path / "none", shm_path=tmp_path)
+    assert (got.cpus_host, got.cpus_affinity, got.cpus) == (3, 3, 3)

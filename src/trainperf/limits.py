@@ -101,9 +101,23 @@ class HostLimits:
 
 
 def _read(path: Path) -> str | None:
+    # surrogateescape: a cgroup's name is bytes, and must lead back to its directory; bytes
+    # that are no UTF-8 in a figure make it malformed, not an error out of doctor.
     try:
-        return path.read_text().strip()
+        return path.read_text(errors="surrogateescape").strip()
     except OSError:
+        return None
+
+
+def _whole(text: str | None) -> int | None:
+    """``text`` as a whole number of ASCII digits, as the kernel writes them; None for
+    anything else (``str.isdigit()`` also takes ``"\u00b2"``, which ``int()`` refuses, and
+    ``int()`` takes full-width digits and refuses more than 4300)."""
+    if not text or not text.isascii() or not text.isdigit():
+        return None
+    try:
+        return int(text)
+    except ValueError:  # past int()'s digit limit: no real figure
         return None
 
 
@@ -213,11 +227,15 @@ def _v2_cpu_share(cpu_max: str) -> float | None:
 def _cpu_share(quota: str, period: str) -> float | None:
     """CPUs a quota allows per period; None for no limit ("max", v1's -1) or a malformed
     figure (a zero period is no limit, not a division by zero)."""
-    try:
-        q, p = int(quota), int(period)
-    except ValueError:
+    q, p = _whole(quota.strip()), _whole(period.strip())
+    if not q or not p:
         return None
-    return q / p if q > 0 and p > 0 else None
+    try:
+        share = q / p
+    except OverflowError:  # a quota past any float: no real limit
+        return None
+    # A share that rounds to 0 (a period of hundreds of digits) is no real figure either.
+    return share if 0.0 < share < math.inf else None
 
 
 def cgroup_cpu_pressure(
@@ -279,7 +297,7 @@ def _is_root_cgroup(d: Path) -> bool:
 def _some_avg60(path: Path) -> float | None:
     """``avg60`` of the ``some`` line of a PSI file as a fraction; None if unreadable."""
     for line in (_read(path) or "").splitlines():
-        kind, *fields = line.split()
+        kind, *fields = line.split() or [""]
         if kind != "some":
             continue
         for field in fields:
@@ -311,9 +329,10 @@ def _cpuset_size(text: str | None) -> int | None:
     count = 0
     for part in (text or "").split(","):
         first, _, last = part.strip().partition("-")
-        if not first.isdigit() or not (last or first).isdigit() or int(last or first) < int(first):
+        low, high = _whole(first), _whole(last or first)
+        if low is None or high is None or high < low:
             return None
-        count += int(last or first) - int(first) + 1
+        count += high - low + 1
     return count or None
 
 
@@ -352,22 +371,22 @@ def cgroup_memory_limit(
             raw = _read(d / limit_name)
             if raw is None:
                 continue
-            usage_raw = _read(d / usage_name)
-            here = int(usage_raw) if usage_raw and usage_raw.isdigit() else None
+            here = _whole(_read(d / usage_name))
             if here is not None:
                 v1 = limit_name == "memory.limit_in_bytes"
                 key = "total_inactive_file" if v1 else "inactive_file"
                 here = max(0, here - _inactive_file(d, key))
             if own is None:
                 own = here
-            if raw.isdigit() and int(raw) < _V1_UNLIMITED:
+            bytes_ = _whole(raw)
+            if bytes_ is not None and bytes_ < _V1_UNLIMITED:
                 # The level with the least room binds, which need not be the smallest limit:
                 # a parent's limit is shared with its other children. A level whose usage is
                 # unknown counts at least this process's own cgroup's.
                 used = here if here is not None else own
-                room = int(raw) - (used or 0)
+                room = bytes_ - (used or 0)
                 if headroom is None or room < headroom:
-                    headroom, limit, usage = room, int(raw), used
+                    headroom, limit, usage = room, bytes_, used
             break
     if limit is None:
         usage = own
@@ -379,8 +398,9 @@ def _inactive_file(d: Path, key: str) -> int:
     raw = _read(d / "memory.stat")
     for line in (raw or "").splitlines():
         name, _, value = line.partition(" ")
-        if name == key and value.strip().isdigit():
-            return int(value)
+        number = _whole(value.strip())
+        if name == key and number is not None:
+            return number
     return 0
 
 
@@ -406,6 +426,9 @@ def host_limits(
         cpus_affinity = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS and Windows have no affinity call
         cpus_affinity = cpus_host
+    # A host has at least the CPUs this process may run on: os.cpu_count() may be None, or
+    # (under LXCFS) count the container's view of /sys where the mask is the host's.
+    cpus_host = max(cpus_host, cpus_affinity)
     quota = cgroup_cpu_quota(cgroup_root, proc_cgroup)
     cpus = cpus_affinity if quota is None else max(1, min(cpus_affinity, math.floor(quota)))
 

@@ -156,3 +156,24 @@ def test_host_checks_take_numpy_counts_as_python_ones() -> None:
     numpy = check_shm(tiny, np.int64(8), batch_bytes=np.int64(MiB), prefetch_factor=np.int64(4))
     assert numpy == check_shm(tiny, 8, batch_bytes=MiB, prefetch_factor=4)
     assert check_cpus(limits(), gpu_count=np.int64(16)) == check_cpus(limits(), gpu_count=16)
+
+
+def test_a_cpu_quota_below_one_cpu_is_a_warning(tmp_path: Path) -> None:
+    # "50000 100000" is half a core's time: 1 usable CPU (rounded up so work can run), but
+    # every thread is throttled; before, check_cpus called that ok ("1 per GPU" with a GPU).
+    write(tmp_path / "cpu.max", "50000 100000\n")
+    faked = host_limits(cgroup_root=tmp_path, proc_cgroup=tmp_path / "none", shm_path=tmp_path)
+    alone = check_cpus(faked, gpu_count=0)
+    assert alone.verdict == "warn" and "cgroup quota 0.5" in alone.value
+    assert "0.5 of one CPU" in alone.fix and "--cpus" in alone.fix
+    fed = check_cpus(faked, gpu_count=1)
+    assert fed.verdict == "warn" and "0.5 per GPU" in fed.value
+    assert check_cpus(limits(cpu_quota=1.0, cpus=1), gpu_count=0).verdict == "ok"
+
+
+def test_no_memory_available_is_a_warning_whatever_the_limit() -> None:
+    # memory.max 0 (or a host reporting 0 B) left 0 of 0 B: under min(2 GiB, 10 %) of 0 is
+    # never true, so this was ok.
+    zero = check_memory(limits(memory_limit=0, memory_available=0))
+    assert zero.verdict == "warn" and "0 B available" in zero.value
+    assert check_memory(limits(memory_total=0, memory_available=0)).verdict == "warn"

@@ -423,3 +423,31 @@ def test_diagnose_starts_no_ranks_unless_asked(monkeypatch: pytest.MonkeyPatch) 
     report = diagnose(limits=limits(), env={}, dist=True)
     assert [c.name for c in report.checks] == [*NAMES, "all_reduce"]
     assert seen == [[gpu(0)]]  # the GPUs the other checks saw
+
+
+def test_diagnose_reads_a_cpuinfo_that_is_not_utf8(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A model name with a stray byte once stopped the whole report with UnicodeDecodeError.
+    fake = types.ModuleType("threadpoolctl")
+    fake.threadpool_info = lambda: [_pool("openblas", threads=32)]  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "threadpoolctl", fake)
+    real = _imports.is_available
+    monkeypatch.setattr(_imports, "is_available", lambda n: n == "threadpoolctl" or real(n))
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_bytes(b"processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: \xff\xfe\n")
+    report = diagnose(limits=limits(), env={}, cpuinfo=cpuinfo)
+    blas = {c.name: c for c in report.checks}["blas"]
+    assert blas.verdict == "warn" and "GenuineIntel" in blas.value
+    json.dumps(report.to_dict(), allow_nan=False)
+
+
+def test_diagnose_on_a_host_of_garbage_cgroup_files_is_json_safe(tmp_path: Path) -> None:
+    # Malformed or undecodable cgroup files read as no limit: a report, not a traceback.
+    (tmp_path / "cpu.max").write_bytes(b"\xff 100000\n")
+    (tmp_path / "memory.max").write_bytes("\u00b2\n".encode())
+    faked = host_limits(cgroup_root=tmp_path, proc_cgroup=tmp_path / "none", shm_path=tmp_path)
+    report = diagnose(limits=faked, env={}, cpuinfo=tmp_path / "missing")
+    cpus = {c.name: c for c in report.checks}["cpus"]
+    assert "quota" not in cpus.value
+    json.loads(json.dumps(report.to_dict(), allow_nan=False))

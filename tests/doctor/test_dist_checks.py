@@ -231,3 +231,15 @@ def test_iommu_reads_translation_from_the_command_line_as_the_kernel_does(cmdlin
 def test_iommu_names_the_passthrough_parameter_it_read() -> None:
     check = check_iommu("iommu.passthrough=1", GPU_GROUPS, [], 8)
     assert "iommu.passthrough=1" in check.value
+
+
+@pytest.mark.parametrize("speed", [0.0, float("nan"), float("inf"), -1.0])
+def test_all_reduce_against_a_link_of_no_real_speed_has_nothing_to_compare_with(
+    speed: float,
+) -> None:
+    # NVML can report an NVLink speed of 0: the check divided by it (ZeroDivisionError out
+    # of doctor --dist), or printed "nan%".
+    sweep = AllReduceSweep("nccl", 2, "cuda", (SweepRow(2**26, 10, 0.01, 6.7, 6.7),))
+    check = check_all_reduce(sweep, LinkEstimate("nvlink", speed, "NVLink 4 links x 0 GB/s"))
+    assert check.verdict == "ok" and "nothing to compare with" in check.value
+    assert "nan" not in check.value and "inf" not in check.value

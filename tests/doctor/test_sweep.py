@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -14,6 +15,8 @@ import pytest
 
 from trainperf.doctor import AllReduceSweep, SweepRow, all_reduce_sweep, bus_bandwidth
 from trainperf.doctor._sweep import environment, start_method_for
+
+sweep_module = importlib.import_module("trainperf.doctor._sweep")
 
 ROWS = (SweepRow(2**20, 40, 0.002, 0.524, 0.524), SweepRow(2**26, 4, 0.05, 1.342, 1.342))
 
@@ -95,6 +98,8 @@ def test_start_method_forks_only_where_safe(
         ({"sizes": [2**20, 0]}, r"sizes\[\] must be an int >= 1, got 0"),
         ({"backend": "mpi"}, "backend must be one of"),
         ({"timeout": math.nan}, "timeout"),
+        # Accepted before, then refused by ddp.launch as a hang_timeout never passed.
+        ({"timeout": 1.5}, r"timeout=1.5\) is under 2 s: half of it bounds a hang"),
         ({"target_seconds": 0}, "target_seconds"),
     ],
 )
@@ -188,3 +193,44 @@ def test_a_row_from_numpy_figures_is_json_safe() -> None:
     assert row == SweepRow.from_timing(2**20, 5, 0.01, ranks=2)
     data = AllReduceSweep("gloo", 2, "cpu", (row,)).to_dict()
     assert json.loads(json.dumps(data)) == data
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sizes": 2**20}, r"sizes must be a sequence of message sizes in bytes, got 1048576"),
+        ({"sizes": "1048576"}, r"sizes must be a sequence of message sizes in bytes, got '1"),
+        ({"env": {"NCCL_P2P_DISABLE": 1}}, r"env\['NCCL_P2P_DISABLE'\] must be a str or None"),
+        ({"env": {"A=B": "1"}}, r"env key must be a variable name"),
+        ({"env": ["NCCL_P2P_DISABLE"]}, r"env must be a mapping"),
+    ],
+)
+def test_all_reduce_sweep_names_a_malformed_sizes_or_env(
+    kwargs: dict[str, object], message: str
+) -> None:
+    # Before: TypeError("'int' object is not iterable"), "sizes[] ... got '1'" for a string,
+    # and os.environ's own "str expected, not int" from inside the environment block.
+    with pytest.raises(ValueError, match=message):
+        all_reduce_sweep(backend="gloo", **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("visible", [0, 1])
+def test_all_reduce_sweep_with_nccl_on_too_few_gpus_names_the_gpus_not_nprocs(
+    monkeypatch: pytest.MonkeyPatch, visible: int
+) -> None:
+    # Before: "nprocs must be an int >= 1, got 0" (or "nprocs >= 2 ..., got 1") for an nprocs
+    # the caller never passed.
+    monkeypatch.setattr(sweep_module, "_visible_gpus", lambda: visible)
+    message = rf"backend='nccl' runs one rank per GPU and needs 2\+ visible GPUs, found {visible}"
+    with pytest.raises(ValueError, match=message):
+        all_reduce_sweep(backend="nccl")
+
+
+def test_start_method_reads_maps_that_are_not_utf8(tmp_path: Path) -> None:
+    # A mapped file whose path is not UTF-8 made the sweep fail with UnicodeDecodeError.
+    maps = tmp_path / "maps"
+    maps.write_bytes(b"7f00-7f80 r-xp 0 08:01 1 /data/caf\xe9/libcuda.so.1\n")
+    assert start_method_for("gloo", maps) == "spawn"
+    maps.write_bytes(b"7f00-7f80 r-xp 0 08:01 1 /data/caf\xe9/libx.so\n")
+    expected = "fork" if sys.platform == "linux" and threading.active_count() == 1 else "spawn"
+    assert start_method_for("gloo", maps) == expected

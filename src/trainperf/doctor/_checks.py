@@ -74,6 +74,10 @@ class Check:
 def check_cpus(limits: HostLimits, gpu_count: int) -> Check:
     """CPU count vs affinity vs cgroup quota, and the share per GPU (4-8 is the usual advice).
 
+    A cgroup quota under one CPU (``cpu.max`` of ``50000 100000``) is a warning with or
+    without GPUs: ``limits.cpus`` rounds it up to 1, but every thread shares that fraction of
+    one core's time, and the share per GPU is counted from it.
+
     Args:
         limits: the host limits (the CPU counts and the cgroup quota are used).
         gpu_count: GPUs on this host that the CPUs feed; 0 judges the CPUs alone.
@@ -103,8 +107,19 @@ def check_cpus(limits: HostLimits, gpu_count: int) -> Check:
         if hidden
         else ""
     )
+    # A quota under one CPU is rounded up to 1 usable CPU so work can run, but that is
+    # more than the process gets: every thread shares a fraction of one core's time.
+    share: float = limits.cpus
+    if limits.cpu_quota is not None and limits.cpu_quota < 1:
+        share = limits.cpu_quota
+    fraction = share < 1
+    throttled = (
+        f"the cgroup quota gives this process {share:g} of one CPU's time, so every thread "
+        "(data loading included) is throttled: ask for at least 1 CPU per process (docker run "
+        "--cpus, Kubernetes resources.limits.cpu, SLURM --cpus-per-task)"
+    )
     if gpu_count:
-        per_gpu = limits.cpus / gpu_count
+        per_gpu = share / gpu_count
         value += f"; {per_gpu:g} per GPU ({gpu_count} GPU(s))"
         if per_gpu < MIN_CPUS_PER_GPU:
             fix = (
@@ -112,7 +127,9 @@ def check_cpus(limits: HostLimits, gpu_count: int) -> Check:
                 "loading: rent more cores per GPU, fewer GPUs, or decode on the GPU "
                 "(trainperf.pipelines.image_loader)" + (f"; {note}" if note else "")
             )
-            return Check("cpus", "warn", value, fix)
+            return Check("cpus", "warn", value, f"{throttled}; {fix}" if fraction else fix)
+    if fraction:
+        return Check("cpus", "warn", value, throttled)
     return Check("cpus", "ok", value, note)
 
 
@@ -136,8 +153,10 @@ def check_memory(limits: HostLimits) -> Check:
     else:
         value = f"host {format_bytes(limits.memory_total)}, no cgroup limit"
     value += f", {format_bytes(limits.memory_available)} available"
-    if limits.memory_available < min(2 * _GiB, 0.1 * ceiling) or (
-        limits.memory_available < 0.05 * ceiling
+    # Nothing left is a warning whatever the ceiling (a memory.max of 0 leaves 0 of 0).
+    if limits.memory_available <= 0 or (
+        limits.memory_available < min(2 * _GiB, 0.1 * ceiling)
+        or limits.memory_available < 0.05 * ceiling
     ):
         fix = (
             "little memory left, and a process that goes over the limit is killed at once (no "

@@ -159,7 +159,8 @@ def _blas_pools() -> list[dict[str, Any]] | None:
 
 def _cpu_vendor(cpuinfo: Path) -> str | None:
     try:
-        text = cpuinfo.read_text()
+        # A stray byte in a model name must not cost the vendor (or the whole report).
+        text = cpuinfo.read_text(errors="replace")
     except OSError:
         return None
     match = re.search(r"^vendor_id\s*:\s*(\S+)", text, re.MULTILINE)

@@ -96,7 +96,7 @@ def resolve(name: str) -> list[str] | None:
 
 def _read(path: Path) -> str | None:
     try:
-        return path.read_text().strip()
+        return path.read_text(errors="replace").strip()
     except OSError:
         return None
 

@@ -10,6 +10,7 @@ everything from :mod:`trainperf.doctor`.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -72,7 +73,8 @@ def check_all_reduce(
         f"{ranks}: peak bus bandwidth {peak.busbw_gb_per_s:.2f} GB/s at "
         f"{format_bytes(peak.size_bytes)}"
     )
-    if link is None or link.gb_per_s is None:
+    if link is None or link.gb_per_s is None or not 0.0 < link.gb_per_s < math.inf:
+        # NVML can report a link speed of 0: no figure to divide by.
         detail = link.detail if link is not None else "no link figure"
         return Check("all_reduce", "ok", f"{measured}; {detail}, nothing to compare with")
     fraction = peak.busbw_gb_per_s / link.gb_per_s

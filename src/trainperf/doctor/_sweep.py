@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -292,7 +292,8 @@ def start_method_for(backend: str, maps: Path = Path("/proc/self/maps")) -> Star
     if backend != "gloo" or sys.platform != "linux" or threading.active_count() > 1:
         return "spawn"
     try:
-        if "libcuda.so" in maps.read_text():
+        # Bytes: a mapped file's path need not be UTF-8.
+        if b"libcuda.so" in maps.read_bytes():
             return "spawn"
     except OSError:
         return "spawn"
@@ -308,9 +309,39 @@ def _visible_gpus() -> int:
 
 
 def _check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+        raise ValueError(
+            f"sizes must be a sequence of message sizes in bytes, got {sizes!r}: pass a list, "
+            "e.g. sizes=[2**20, 2**26]"
+        )
     checked = tuple(positive_int("sizes[]", s) for s in sizes)
     if not checked:
         raise ValueError("sizes must name at least one message size in bytes, got ()")
+    return checked
+
+
+def _check_env(env: object) -> dict[str, str | None]:
+    """``env`` checked as :func:`all_reduce_sweep` takes it: variable names to a str (set)
+    or None (removed), refused before any variable is changed."""
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise ValueError(
+            f"env must be a mapping of variable names to str or None, got {env!r}: e.g. "
+            "env={'NCCL_P2P_DISABLE': '1'}"
+        )
+    checked: dict[str, str | None] = {}
+    for key, value in env.items():
+        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
+            raise ValueError(
+                f"env key must be a variable name (a non-empty str, no '=' or NUL), got {key!r}"
+            )
+        if value is not None and not isinstance(value, str):
+            raise ValueError(
+                f"env[{key!r}] must be a str or None (None removes the variable), got "
+                f"{value!r}: pass str({value!r}) to set it"
+            )
+        checked[key] = value
     return checked
 
 
@@ -340,8 +371,10 @@ def all_reduce_sweep(
         An :class:`AllReduceSweep`.
 
     Raises:
-        ValueError: ``nprocs`` below 2, a size below 1 byte, no sizes, an unknown backend, a
-            timeout that is not a finite number > 0.
+        ValueError: ``nprocs`` below 2, ``backend="nccl"`` without ``nprocs`` on fewer than
+            2 visible GPUs, a size below 1 byte, no sizes (or ``sizes`` not a sequence), an
+            ``env`` that is not names to str or None, an unknown backend, a timeout that is
+            not a finite number of at least 2 s.
         LaunchError: a rank failed (from :func:`trainperf.ddp.launch`).
 
     Example:
@@ -350,10 +383,17 @@ def all_reduce_sweep(
         (2, 1, True)
     """
     import trainperf.ddp as ddp
+    from trainperf.ddp._launch_checks import MIN_HANG_TIMEOUT_S
 
     choice("backend", backend, ("nccl", "gloo", None))
+    overrides = _check_env(env)
     if backend is None or (backend == "nccl" and nprocs is None):
         visible = _visible_gpus()
+        if backend == "nccl" and nprocs is None and visible < 2:
+            raise ValueError(
+                f"backend='nccl' runs one rank per GPU and needs 2+ visible GPUs, found "
+                f"{visible}: use backend='gloo' (or None, which picks it) on this host"
+            )
         backend = backend or ("nccl" if visible >= 2 else "gloo")
         default_ranks = visible if backend == "nccl" else 2
     else:
@@ -362,11 +402,17 @@ def all_reduce_sweep(
     if nprocs < 2:
         raise ValueError(f"all_reduce_sweep needs nprocs >= 2 ranks to all-reduce, got {nprocs}")
     timeout = positive_number("timeout", timeout, unit="s")
+    if timeout < 2 * MIN_HANG_TIMEOUT_S:
+        raise ValueError(
+            f"all_reduce_sweep(timeout={timeout:g}) is under {2 * MIN_HANG_TIMEOUT_S:g} s: half "
+            f"of it bounds a hang, and a hang timeout is at least {MIN_HANG_TIMEOUT_S:g} s; "
+            f"pass timeout={2 * MIN_HANG_TIMEOUT_S:g} or more (the default is "
+            f"{DEFAULT_TIMEOUT:g})"
+        )
     target_seconds = positive_number("target_seconds", target_seconds, unit="s")
     default_sizes = NCCL_SIZES if backend == "nccl" else GLOO_SIZES
     chosen = _check_sizes(default_sizes if sizes is None else sizes)
     method = start_method_for(backend)
-    overrides = dict(env or {})
     start = time.perf_counter()
     with environment(overrides):
         raw = ddp.launch(
