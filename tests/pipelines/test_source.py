@@ -28,6 +28,7 @@ from trainperf.pipelines._source import (
     read_checked,
     resolve_shard,
     shard_plan,
+    shown,
 )
 
 PIL = pytest.importorskip("PIL.Image")
@@ -390,6 +391,27 @@ def test_a_name_that_is_not_utf8_is_shown_escaped(tmp_path: Path) -> None:
         pytest.skip("this file system takes only UTF-8 names")
     with pytest.raises(ValueError, match=r"caf\\xe9\.jpg: empty file"):
         load_source([(os.fsdecode(path), 0)], on_error="raise")
+
+
+def test_shown_escapes_control_characters_as_repr_does() -> None:
+    assert shown("a\nb\tc\rd\x1b[31m\x7f\x85\u2028.jpg") == (
+        "a\\nb\\tc\\rd\\x1b[31m\\x7f\\x85\\u2028.jpg"
+    )
+    assert shown(os.fsdecode(b"caf\xe9\n.jpg")) == "caf\\xe9\\n.jpg"
+    assert shown("caf\u00e9 \u65e5\u672c.jpg") == "caf\u00e9 \u65e5\u672c.jpg"  # printable: kept
+
+
+def test_a_name_with_a_newline_keeps_the_bad_file_list_one_line_per_file(tmp_path: Path) -> None:
+    # Before: the newline was printed raw, so "b.jpg: empty file" read as a file of its own.
+    try:
+        path = tmp_path / "a\nb.jpg"
+        path.write_bytes(b"")
+    except OSError:
+        pytest.skip("this file system refuses a newline in a name")
+    with pytest.raises(ValueError) as info:
+        load_source([(str(path), 0)], on_error="raise")
+    listed = [line for line in str(info.value).splitlines() if "empty file" in line]
+    assert listed == [f"  {tmp_path}{os.sep}a\\nb.jpg: empty file"], str(info.value)
 
 
 # ------------------------------------------------------------- files and folders not readable

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import operator
 import os
+import re
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -76,20 +77,30 @@ _CHECK_THREADS = 16
 # of labels used: the class names it would make could take gigabytes.
 _SPARSE_LABEL = 1_000_000
 _SPARSITY = 100
+# What shown() escapes: C0 and C1 controls, DEL, and the characters str.splitlines() also
+# breaks a line at (U+2028, U+2029; U+0085 is a C1 control).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def shown(path: str) -> str:
-    """``path`` as it is printed in messages: bytes that are not UTF-8 as ``\\xNN`` escapes.
+    """``path`` as it is printed in messages: bytes that are not UTF-8 as ``\\xNN`` escapes,
+    and control characters and line separators as ``repr()`` writes them (``\\n``,
+    ``\\x1b``, ``\\u2028``).
 
     A file name may hold any bytes but ``/`` and NUL; Python keeps the non-UTF-8 ones as
-    lone surrogates (``os.fsdecode``), which many log handlers refuse to write.
+    lone surrogates (``os.fsdecode``), which many log handlers refuse to write. A newline or
+    an escape sequence printed raw would split a one-line-per-file list, or recolour the
+    terminal.
 
     Example:
         >>> import os
         >>> print(shown(os.fsdecode(b"caf\\xe9.jpg")))
         caf\\xe9.jpg
+        >>> print(shown("a\\nb.jpg"))
+        a\\nb.jpg
     """
-    return os.fsencode(path).decode("utf-8", "backslashreplace")
+    text = os.fsencode(path).decode("utf-8", "backslashreplace")
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 @dataclass(frozen=True)
