@@ -343,6 +343,87 @@ def test_analyse_refuses_samples_that_are_not_finite() -> None:
         analyse(steps(10, 0.0, 0.01), bad)
 
 
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        # NumPy 2 writes np.int64(32), NumPy 1 writes 32.
+        (
+            {"samples": "int64"},
+            r"timeline\[3\] \(step 3\) has samples=(np\.int64\()?32\)?; make it int\(samples\)",
+        ),
+        ({"samples": 32.0}, r"has samples=32\.0; make it int\(samples\)"),
+        ({"samples": 32.5}, r"has samples=32\.5; drop or repair that step"),
+        ({"samples": True}, r"has samples=True; drop or repair that step"),
+        ({"samples": "tensor"}, r"has samples=tensor\(32\); drop or repair that step"),
+        ({"wait": "float32"}, r"has wait=(np\.float32\()?0\.015\)?; make it float\(wait\)"),
+    ],
+    ids=["numpy-int", "float", "fraction", "bool", "tensor", "numpy-float"],
+)
+def test_analyse_refuses_step_figures_that_are_no_python_numbers(
+    bad: dict[str, Any], match: str
+) -> None:
+    # Before: they passed the checks and reached report.timeline, whose to_dict() json.dumps
+    # refused ("int64 is not JSON serializable"); 32.5 and True made a fractional samples/s.
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    made = {"int64": np.int64(32), "tensor": torch.tensor(32), "float32": np.float32(0.015)}
+    timeline = steps(10, 0.015, 0.005)
+    timeline[3] = dataclasses.replace(
+        timeline[3], **{k: made.get(v, v) if isinstance(v, str) else v for k, v in bad.items()}
+    )
+    with pytest.raises(ValueError, match=r"analyse\(\) needs .*" + match):
+        analyse(timeline)
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"gpu_utilization": -5.0}, r"samples\[2\] has gpu_utilization=-5\.0; drop or repair"),
+        ({"process_cpu": -100.0}, r"samples\[2\] has process_cpu=-100\.0"),
+        ({"host_cpu": -1.0}, r"samples\[2\] has host_cpu=-1\.0"),
+        ({"workers_cpu": -1.0}, r"samples\[2\] has workers_cpu=-1\.0"),
+        ({"host_steal": -0.5}, r"samples\[2\] has host_steal=-0\.5"),
+        ({"gpu_memory_used": -1}, r"samples\[2\] has gpu_memory_used=-1"),
+        ({"gpu_memory_used": 1.5}, r"samples\[2\] has gpu_memory_used=1\.5; drop or repair"),
+        ({"gpu_memory_used": 2.0**30}, r"has gpu_memory_used=1073741824\.0; make it int\("),
+        ({"process_cpu": True}, r"samples\[2\] has process_cpu=True; drop or repair"),
+        ({"gpu_memory_used": "int64"}, r"has gpu_memory_used=(np\.int64\()?7\)?; make it int"),
+    ],
+    ids=[
+        "gpu-negative",
+        "cpu-negative",
+        "host-negative",
+        "workers-negative",
+        "steal-negative",
+        "memory-negative",
+        "memory-fraction",
+        "memory-float",
+        "cpu-bool",
+        "memory-numpy",
+    ],
+)
+def test_analyse_refuses_sample_figures_that_are_no_measurements(
+    bad: dict[str, Any], match: str
+) -> None:
+    # Before: gpu_utilization=-5 made a "gpu-unused" verdict, process_cpu=-100 a negative
+    # mean CPU, and a NumPy gpu_memory_used a to_dict() json.dumps refused.
+    np = pytest.importorskip("numpy")
+    quiet = [Sample(i * 0.1, 50.0, 2**30, 100.0, 20.0, 10.0, 0.0) for i in range(5)]
+    quiet[2] = dataclasses.replace(
+        quiet[2], **{k: np.int64(7) if v == "int64" else v for k, v in bad.items()}
+    )
+    with pytest.raises(ValueError, match=r"analyse\(\) needs .*" + match):
+        analyse(steps(20, 0.0, 0.01), quiet, gpu_present=True, cuda_used=True)
+
+
+def test_analyse_takes_samples_before_the_watch_began() -> None:
+    # A sample's time, like a step's start, is a clock reading: negative is before the
+    # origin, not a wrong figure.
+    early = [Sample(i * 0.1 - 0.05, None, None, 50.0, 20.0) for i in range(5)]
+    report = analyse(steps(20, 0.0, 0.01), early)
+    assert report.process_cpu_mean == pytest.approx(50.0)
+
+
 def test_a_report_of_real_figures_is_strict_json() -> None:
     report = analyse(steps(10, 0.005, 0.01), samples(5, None, 50.0, 20.0))
     json.dumps(report.to_dict(timeline=True), allow_nan=False)

@@ -220,6 +220,26 @@ def test_samples_are_counted_from_batches_or_given() -> None:
     assert counts == [5, 3, None, 7]
 
 
+@pytest.mark.parametrize(
+    ("count", "match"),
+    [
+        (32.5, r"samples must be an int >= 0, got 32\.5$"),
+        (True, r"samples must be an int >= 0, got True$"),
+        (32.0, r"got 32\.0 \(pass int\(samples\)\)"),
+        (torch.tensor(32), r"got tensor\(32\) \(pass int\(samples\)\)"),
+    ],
+    ids=["fraction", "bool", "float", "tensor"],
+)
+def test_a_sample_count_that_is_no_int_is_refused_with_the_fix(count: object, match: str) -> None:
+    # A tensor is not read for the caller: .item() on a CUDA one would wait for the GPU
+    # inside the loop being timed.
+    with watch(device="cpu") as w:
+        with pytest.raises(ValueError, match=match):
+            w.step(samples=count)  # type: ignore[arg-type]
+        w.step(samples=3)
+    assert [(s.samples, type(s.samples)) for s in w.report().timeline] == [(3, int)]
+
+
 def test_a_sample_count_too_large_to_record_is_refused_and_the_log_stays_whole() -> None:
     with watch(device="cpu") as w:
         w.step(samples=2**63 - 1)

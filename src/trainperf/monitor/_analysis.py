@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from trainperf._utils.steal import undo_steal
-from trainperf._utils.validate import non_negative_int, positive_int
+from trainperf._utils.validate import as_real_number, non_negative_int, positive_int
 from trainperf.monitor._figures import Figures
 from trainperf.monitor._records import Sample, StepRecord
 from trainperf.monitor._report import WatchReport
@@ -57,10 +57,9 @@ _CANDIDATES: tuple[Callable[[Figures], Verdict | None], ...] = (
 
 _STEP_TOTALS = ("samples", "gpu_busy", "wait_cpu", "cpu_delay")  # summed or averaged
 _STEP_FIGURES = ("start", "wait", "compute", *_STEP_TOTALS)
-_SAMPLE_FIGURES = (
-    "time", "gpu_utilization", "process_cpu", "host_cpu", "workers_cpu", "host_steal",
-)  # fmt: skip
-_SAMPLE_MEANS = _SAMPLE_FIGURES[1:]  # what the figures average over the samples
+_SAMPLE_MEANS = ("gpu_utilization", "process_cpu", "host_cpu", "workers_cpu", "host_steal")
+_SAMPLE_FIGURES = ("time", *_SAMPLE_MEANS, "gpu_memory_used")
+_COUNTS = ("samples", "gpu_memory_used")  # samples and bytes: ints
 
 
 def _fits(value: float) -> bool:
@@ -80,19 +79,12 @@ def _total_fits(values: Sequence[float]) -> bool:
 
 
 def _check_records(timeline: Sequence[StepRecord], samples: Sequence[Sample]) -> None:
-    """Refuse figures that are no measurements: a NaN or infinite figure (it would make a
-    verdict of NaN, and a ``to_dict()`` strict JSON refuses), a negative one other than a
-    step's start, or figures whose total is past float range (an infinite wall time)."""
+    """Refuse figures that are no measurements: one that is no Python number, a NaN or
+    infinite figure (it would make a verdict of NaN, and a ``to_dict()`` strict JSON
+    refuses), a negative one other than a clock reading, or figures whose total is past
+    float range (an infinite wall time)."""
     for i, step in enumerate(timeline):
-        for name in _STEP_FIGURES:
-            value = getattr(step, name)
-            negative = name != "start" and value is not None and value < 0
-            if value is not None and (negative or not _fits(value)):
-                raise ValueError(
-                    f"analyse() needs finite step figures, each but start >= 0, but "
-                    f"timeline[{i}] (step {step.index}) has {name}={value!r}; drop or repair "
-                    "that step"
-                )
+        _check_figures(step, _STEP_FIGURES, f"timeline[{i}] (step {step.index})")
     durations = [x for step in timeline for x in (step.wait, step.compute)]
     if not _total_fits(durations):
         i = max(range(len(timeline)), key=lambda k: timeline[k].wait + timeline[k].compute)
@@ -105,15 +97,45 @@ def _check_records(timeline: Sequence[StepRecord], samples: Sequence[Sample]) ->
     for name in _STEP_TOTALS:
         _check_total(name, timeline)
     for i, sample in enumerate(samples):
-        for name in _SAMPLE_FIGURES:
-            value = getattr(sample, name)
-            if value is not None and not math.isfinite(value):
-                raise ValueError(
-                    f"analyse() needs finite sample figures, but samples[{i}] has "
-                    f"{name}={value!r}; drop or repair that sample"
-                )
+        _check_figures(sample, _SAMPLE_FIGURES, f"samples[{i}]")
     for name in _SAMPLE_MEANS:
         _check_total(name, samples)
+
+
+def _check_figures(record: StepRecord | Sample, names: Sequence[str], where: str) -> None:
+    """Refuse a figure of ``record`` (at ``where``) that no watch records: one that is no
+    Python number (a NumPy scalar or a tensor ``to_dict()`` hands on to ``json.dumps``,
+    which refuses it; a bool), a count that is no int, or one that is NaN, infinite, or
+    negative (but a clock reading: a step's ``start``, a sample's ``time``)."""
+    what, clock = ("step", "start") if isinstance(record, StepRecord) else ("sample", "time")
+    for name in names:
+        value = getattr(record, name)
+        if value is None:
+            continue
+        count, signed = name in _COUNTS, name == clock
+        if isinstance(value, bool) or not isinstance(value, int if count else (int, float)):
+            raise ValueError(
+                f"analyse() needs {what} figures that are Python numbers ({name} "
+                f"{'an int' if count else 'an int or a float'}), but {where} has "
+                f"{name}={value!r}; {_repair(name, value, what, count=count, signed=signed)}"
+            )
+        if (value < 0 and not signed) or not _fits(value):
+            raise ValueError(
+                f"analyse() needs finite {what} figures, each but {clock} >= 0, but {where} "
+                f"has {name}={value!r}; drop or repair that {what}"
+            )
+
+
+def _repair(name: str, value: object, what: str, *, count: bool, signed: bool) -> str:
+    """The fix for a figure of the wrong type: ``int(...)`` (a count) or ``float(...)``
+    where that is the figure meant (a NumPy scalar, or a whole float for a count, in range;
+    never a bool or a tensor), else to repair the record."""
+    number = as_real_number(value)
+    if number is None or not _fits(number) or (number < 0 and not signed):
+        return f"drop or repair that {what}"
+    if count and not float(number).is_integer():
+        return f"drop or repair that {what}"
+    return f"make it {'int' if count else 'float'}({name})"
 
 
 def _check_total(name: str, records: Sequence[StepRecord] | Sequence[Sample]) -> None:
@@ -422,11 +444,12 @@ def analyse(
 
     Raises:
         ValueError: ``cpus`` is not an int >= 1; ``warmup_steps``, ``dropped_steps`` or
-            ``dropped_samples`` is not an int >= 0; a step has a NaN or infinite figure
-            (or a ``samples`` count past float range), or a negative one other than
-            ``start``; a sample has a NaN or infinite figure; a figure's total over the
-            steps or samples is past float range; or steps so short that their steps/s or
-            samples/s is.
+            ``dropped_samples`` is not an int >= 0; a step or sample has a figure that is
+            no Python number (a NumPy scalar, a tensor, a bool; ``samples`` and
+            ``gpu_memory_used`` must be ints), a NaN or infinite figure (or a count past
+            float range), or a negative one other than a step's ``start`` or a sample's
+            ``time``; a figure's total over the steps or samples is past float range; or
+            steps so short that their steps/s or samples/s is.
 
     Example:
         >>> steps = [StepRecord(i, i * 0.02, 0.015, 0.005, 32, None) for i in range(20)]
