@@ -1,5 +1,6 @@
 """trainperf.checkpoint: exact resume for samplers that draw lazily from a shared generator,
-and for loaders with persistent workers restored after an end-of-epoch checkpoint."""
+for loaders with persistent workers restored after an end-of-epoch checkpoint, and for
+loaders restored with another batch size (:mod:`trainperf.checkpoint._loader_resume`)."""
 
 from __future__ import annotations
 
@@ -414,3 +415,76 @@ def test_a_pass_saved_before_its_first_batch_resumes_with_that_pass(
     assert Checkpointer(tmp_path / "run").restore({"loader": resumed}) == 5
     got += [_batches(resumed) for _ in range(2)]
     assert got == reference
+
+
+def _seeded_loader(n: int, batch_size: int, drop_last: bool = False) -> DataLoader[Any]:
+    """A loader whose sampler shuffles with a generator of its own: it draws one more
+    permutation on its way to StopIteration, which the next pass's order depends on."""
+    data = list(range(n))
+    sampler = RandomSampler(data, generator=torch.Generator().manual_seed(0))
+    return DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=drop_last)
+
+
+def _samples(loader: DataLoader[Any]) -> list[int]:
+    return [x for b in loader for x in b.tolist()]
+
+
+@pytest.mark.parametrize(
+    ("n", "old", "new", "drop_last"),
+    [(16, 4, 2, False), (18, 4, 3, False), (18, 4, 3, True), (16, 4, 8, False)],
+)
+def test_a_finished_pass_resumed_with_another_batch_size_shuffles_the_next_pass_as_before(
+    tmp_path: Path, n: int, old: int, new: int, drop_last: bool
+) -> None:
+    # Before: the tail of the saved pass was replayed as `position` batches of the new size,
+    # short of the sampler's end with a smaller one, so its end-of-pass draw was never made
+    # and the next pass came in another order than the uninterrupted run's.
+    # The uninterrupted run's next pass, in batches of the new size (drop_last drops other
+    # samples), is the same order as in batches of the old one.
+    straight, straight_new = _seeded_loader(n, old, drop_last), _seeded_loader(n, new, drop_last)
+    _samples(straight), _samples(straight_new)
+    reference = _samples(straight_new)
+    assert reference[: n - n % old if drop_last else n] == _samples(straight)
+    first = _seeded_loader(n, old, drop_last)
+    ck = Checkpointer(tmp_path)
+    ck.restore({"loader": first})
+    for i, _ in enumerate(first):
+        if i + 1 == len(first):
+            ck.save({"loader": first}, step=i + 1)  # inside the loop, at the pass's last batch
+            break
+    resumed = _seeded_loader(n, new, drop_last)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Checkpointer(tmp_path).restore({"loader": resumed}) == len(first)
+    assert _samples(resumed) == reference
+
+
+@pytest.mark.parametrize(("taken", "new"), [(2, 2), (2, 8), (3, 2), (3, 6)])
+@pytest.mark.parametrize("shuffle", ["generator", "global"])
+def test_a_pass_resumed_with_another_batch_size_is_followed_by_the_uninterrupted_order(
+    tmp_path: Path, taken: int, new: int, shuffle: str
+) -> None:
+    def make(batch_size: int) -> DataLoader[Any]:
+        if shuffle == "generator":
+            return _seeded_loader(24, batch_size)
+        return DataLoader(list(range(24)), batch_size=batch_size, shuffle=True)
+
+    torch.manual_seed(0)
+    straight = make(4)
+    passes = [_samples(straight) for _ in range(3)]
+    torch.manual_seed(0)
+    first = make(4)
+    ck = Checkpointer(tmp_path)
+    ck.restore({"loader": first})
+    it = iter(first)
+    for _ in range(taken):
+        next(it)
+    ck.save({"loader": first}, step=taken)
+    torch.manual_seed(123)  # a fresh process: the checkpoint decides
+    resumed = make(new)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 12 consumed, batch size 8: 4 samples seen again
+        Checkpointer(tmp_path).restore({"loader": resumed})
+    again = taken * 4 - taken * 4 // new * new
+    assert _samples(resumed) == passes[0][taken * 4 - again :]
+    assert [_samples(resumed) for _ in range(2)] == passes[1:]

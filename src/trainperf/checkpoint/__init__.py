@@ -30,8 +30,9 @@ DDP) and ``_orig_mod.`` (``torch.compile``) prefixes into wrapped or plain model
   :mod:`._writer_staging`), :mod:`._checkpointer_wait`, :mod:`._checkpointer_warn`,
   :mod:`._checkpointer_ranks`, :mod:`._checkpointer_restore`, :mod:`._preempt`
   (:class:`Preemption`, the signal flag every rank agrees on), :mod:`._loader_state` (a
-  DataLoader's position mid-epoch; the states its sampler draws from:
-  :mod:`._sampler_states`; those of the generators its dataset owns:
+  DataLoader's position mid-epoch; whether and where it resumes in the loader restored
+  into, another batch size included: :mod:`._loader_resume`; the states its sampler draws
+  from: :mod:`._sampler_states`; those of the generators its dataset owns:
   :mod:`._dataset_states`) and :mod:`._rng` (the random generators' states).
 """
 

@@ -21,7 +21,7 @@ DataLoader makes while starting that pass (the workers' base seed) is undone, be
 interrupted run had made it before the checkpoint, and the generators stay where the
 checkpoint left them. A batch size changed alone keeps the saved order too: the pass resumes
 after the samples consumed, or the whole batches of the new size below them
-(:func:`_rebatched`).
+(:func:`._loader_resume.rebatched`).
 
 Not exact, and documented: random augmentation done *inside* DataLoader workers (each worker's
 generator has advanced through the batches it loaded, which the resumed pass does not replay),
@@ -31,7 +31,6 @@ an ``IterableDataset`` (no sampler to skip at: its pass restarts, with a warning
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import itertools
@@ -42,15 +41,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
-from trainperf._utils.format import plural
 from trainperf._utils.stack import user_stacklevel
 from trainperf.checkpoint._dataset_states import (
     dataset_states,
     put_back,
     restore_dataset_generators,
     shared_with_sampler,
+)
+from trainperf.checkpoint._loader_resume import (
+    draw_tail,
+    pass_length,
+    pass_shape,
+    rebatched,
+    resume_note,
+    tail_pulls,
 )
 from trainperf.checkpoint._sampler_states import SamplerStates, replaying, sampler_chain, sandbox
 
@@ -284,35 +290,6 @@ def track(loader: DataLoader[Any], *, known: bool = True) -> None:
     loader.__class__ = _tracked_class(type(loader))
 
 
-def _length(loader: DataLoader[Any]) -> int | None:
-    if isinstance(loader.dataset, IterableDataset):
-        return None
-    try:
-        return len(loader)
-    except TypeError:
-        return None
-
-
-def _sized(obj: Any) -> int | None:
-    try:
-        return len(obj)
-    except Exception:  # advisory: a __len__ that raises must not fail the save
-        return None
-
-
-def _shape(loader: DataLoader[Any]) -> dict[str, int | None]:
-    """What a pass's position means: the dataset's and the sampler's sizes, and the batch
-    size (another one with the same number of batches per pass puts other samples in the
-    batches already consumed)."""
-    if isinstance(loader.dataset, IterableDataset):
-        return {}
-    return {
-        "dataset": _sized(loader.dataset),
-        "samples": _sized(loader.sampler),
-        "batch_size": loader.batch_size,
-    }
-
-
 def _finished(done: bool, position: int, length: int | None) -> bool:
     """Whether a pass is over: it raised StopIteration, or every batch of it was taken (a
     save at its last batch must not resume into its empty tail, which would cost a loop
@@ -333,97 +310,20 @@ def loader_state(loader: DataLoader[Any]) -> dict[str, Any] | None:
     tracker: _Tracker = loader.__dict__[_TRACKER]
     if not tracker.known:
         return None
-    length = _length(loader)
+    length = pass_length(loader)
     chain = sampler_chain(_own_index_sampler(loader))
     return {
         "version": _VERSION,
         "passes": tracker.passes,
         "position": tracker.position,
         "length": length,
-        "shape": _shape(loader),
+        "shape": pass_shape(loader),
         "done": _finished(tracker.done, tracker.position, length),
         "ended": tracker.done,  # the pass raised StopIteration: its sampler drew its tail
         "start": None if tracker.start is None else tracker.start.to_dict(),
         "now": SamplerStates.read(chain, loader.generator).to_dict(),
         "dataset": dataset_states(loader),
     }
-
-
-def _resume_note(loader: DataLoader[Any], saved: Mapping[str, Any]) -> str | None:
-    """Why the saved pass cannot be continued here, or None when it can."""
-    if isinstance(loader.dataset, IterableDataset):
-        return (
-            "an IterableDataset has no sampler to skip the consumed batches at, so its "
-            f"pass restarts (the checkpoint had consumed {saved['position']} batches of it)"
-        )
-    if getattr(loader, "in_order", True) is False:
-        return "with in_order=False the consumed batches are not the first ones: the pass restarts"
-    length = _length(loader)
-    if saved["length"] is not None and length != saved["length"]:
-        return (
-            f"it has {length} batches per pass, but {saved['length']} when the checkpoint "
-            "was saved (another dataset, batch size or world size): the pass restarts"
-        )
-    shape, was = _shape(loader), saved.get("shape") or {}
-    changed = [f"{k} {was[k]} -> {shape[k]}" for k in shape if k in was and shape[k] != was[k]]
-    if changed:
-        return (
-            f"its {', '.join(changed)} changed since the checkpoint was saved (the same number of "
-            "batches per pass, but the consumed ones held other samples): the pass restarts"
-        )
-    return None
-
-
-def _rebatched(loader: DataLoader[Any], saved: Mapping[str, Any]) -> tuple[int, str | None] | None:
-    """Where the saved pass resumes in ``loader``'s batches when only its batch size changed
-    since the save, and what to warn of (None when it resumes exactly); None when the batch
-    size is the same, or something else changed too.
-
-    The sampler's order does not depend on the batch size (the batches are consecutive runs
-    of it), so the pass goes on in the saved order after the samples consumed, ``position *
-    old batch size``; when the new batch size does not divide them, after the whole batches
-    of it below them, so the few in between are seen again rather than never.
-    """
-    shape, was = _shape(loader), saved.get("shape") or {}
-    old, new = was.get("batch_size"), shape.get("batch_size")
-    if old is None or new is None or old == new or getattr(loader, "in_order", True) is False:
-        return None
-    if any(shape[k] is None or was.get(k) != shape[k] for k in ("dataset", "samples")):
-        return None
-    consumed = saved["position"] * old
-    position, again = divmod(consumed, new)
-    if not again:
-        return position, None
-    return position, (
-        f"its batch size changed from {old} to {new} since the checkpoint was saved: the "
-        f"pass resumes in the saved order after {plural(position, 'batch', 'batches')} of "
-        f"{new} (sample {position * new}), so the last {plural(again, 'sample')} of the "
-        f"{consumed} consumed ({plural(saved['position'], 'batch', 'batches')} of {old}) "
-        f"{'is' if again == 1 else 'are'} seen again (a batch size that divides {consumed} "
-        "resumes exactly)"
-    )
-
-
-def _draw_tail(
-    chain: list[Any],
-    gen: torch.Generator | None,
-    start: SamplerStates,
-    position: int,
-    shared: list[tuple[Any, Any]],
-) -> None:
-    """Draw what the sampler draws after its last index, as the uninterrupted run's did on
-    its way to StopIteration after the save at the pass's last batch: ``RandomSampler``
-    with a ``generator`` draws one more permutation there, so without it the next pass
-    would shuffle otherwise. The pass's ``position`` pulls are replayed from its start, then
-    the one that ended it, from the saved states of the dataset's generators it ``shared``;
-    only the sampler chain's generators keep what it drew
-    (:func:`._sampler_states.replaying`)."""
-    with replaying(chain, gen):
-        start.apply(chain, gen)
-        it = iter(chain[0])
-        collections.deque(itertools.islice(it, position), maxlen=0)
-        put_back(shared)
-        next(it, None)  # the pull that ended the pass (bounded: a sampler may never end)
 
 
 def check_position(saved: Any, key: str) -> None:
@@ -474,19 +374,20 @@ def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key
     tracker.scratch_seed = bool(done and saved["passes"] >= 1 and reuses)
     if done and saved.get("ended") is False and saved["start"] is not None:
         pass_start = SamplerStates.from_dict(saved["start"])
-        _draw_tail(chain, loader.generator, pass_start, saved["position"], shared)
+        pulls = tail_pulls(loader, saved)
+        draw_tail(chain, loader.generator, pass_start, pulls, shared)
     if done or (saved["start"] is None and not _begun(saved)):
         return
     # Nothing consumed (a pass saved before its first batch): any order continues it.
-    rebatched = _rebatched(loader, saved) if saved["position"] > 0 else None
-    if rebatched is not None:
-        position, note = rebatched
+    resumed_at = rebatched(loader, saved) if saved["position"] > 0 else None
+    if resumed_at is not None:
+        position, note = resumed_at
     else:
         position = saved["position"]
-        note = _resume_note(loader, saved) if position > 0 else None
+        note = resume_note(loader, saved) if position > 0 else None
     if note is not None:
         warnings.warn(f"loader {key!r}: {note}", UserWarning, stacklevel=user_stacklevel())
-        if rebatched is None:
+        if resumed_at is None:
             return
     start = None if saved["start"] is None else SamplerStates.from_dict(saved["start"])
     tracker.position = position

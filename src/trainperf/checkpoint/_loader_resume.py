@@ -1,0 +1,150 @@
+"""Whether and where a saved DataLoader pass goes on in the loader it is restored into (for
+:mod:`._loader_state`): what a pass's position means (:func:`pass_length`,
+:func:`pass_shape`), why a pass cannot be continued (:func:`resume_note`), where it resumes
+when only the batch size changed (:func:`rebatched`), and the end-of-pass draw a finished
+pass's sampler made on its way to StopIteration (:func:`tail_pulls`, :func:`draw_tail`).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from trainperf._utils.format import plural
+from trainperf.checkpoint._dataset_states import put_back
+from trainperf.checkpoint._sampler_states import SamplerStates, replaying
+
+__all__ = ["draw_tail", "pass_length", "pass_shape", "rebatched", "resume_note", "tail_pulls"]
+
+
+def pass_length(loader: DataLoader[Any]) -> int | None:
+    """The batches per pass of ``loader``; None when it has no length."""
+    if isinstance(loader.dataset, IterableDataset):
+        return None
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _sized(obj: Any) -> int | None:
+    try:
+        return len(obj)
+    except Exception:  # advisory: a __len__ that raises must not fail the save
+        return None
+
+
+def pass_shape(loader: DataLoader[Any]) -> dict[str, int | None]:
+    """What a pass's position means: the dataset's and the sampler's sizes, and the batch
+    size (another one with the same number of batches per pass puts other samples in the
+    batches already consumed)."""
+    if isinstance(loader.dataset, IterableDataset):
+        return {}
+    return {
+        "dataset": _sized(loader.dataset),
+        "samples": _sized(loader.sampler),
+        "batch_size": loader.batch_size,
+    }
+
+
+def resume_note(loader: DataLoader[Any], saved: Mapping[str, Any]) -> str | None:
+    """Why the saved pass cannot be continued here, or None when it can."""
+    if isinstance(loader.dataset, IterableDataset):
+        return (
+            "an IterableDataset has no sampler to skip the consumed batches at, so its "
+            f"pass restarts (the checkpoint had consumed {saved['position']} batches of it)"
+        )
+    if getattr(loader, "in_order", True) is False:
+        return "with in_order=False the consumed batches are not the first ones: the pass restarts"
+    length = pass_length(loader)
+    if saved["length"] is not None and length != saved["length"]:
+        return (
+            f"it has {length} batches per pass, but {saved['length']} when the checkpoint "
+            "was saved (another dataset, batch size or world size): the pass restarts"
+        )
+    shape, was = pass_shape(loader), saved.get("shape") or {}
+    changed = [f"{k} {was[k]} -> {shape[k]}" for k in shape if k in was and shape[k] != was[k]]
+    if changed:
+        return (
+            f"its {', '.join(changed)} changed since the checkpoint was saved (the same number of "
+            "batches per pass, but the consumed ones held other samples): the pass restarts"
+        )
+    return None
+
+
+def _batch_sizes(loader: DataLoader[Any], saved: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The saved and the new batch size when only the batch size changed since the save
+    (the same dataset and sampler sizes); None otherwise."""
+    shape, was = pass_shape(loader), saved.get("shape") or {}
+    old, new = was.get("batch_size"), shape.get("batch_size")
+    if old is None or new is None or old == new:
+        return None
+    if any(shape[k] is None or was.get(k) != shape[k] for k in ("dataset", "samples")):
+        return None
+    return old, new
+
+
+def rebatched(loader: DataLoader[Any], saved: Mapping[str, Any]) -> tuple[int, str | None] | None:
+    """Where the saved pass resumes in ``loader``'s batches when only its batch size changed
+    since the save, and what to warn of (None when it resumes exactly); None when the batch
+    size is the same, or something else changed too.
+
+    The sampler's order does not depend on the batch size (the batches are consecutive runs
+    of it), so the pass goes on in the saved order after the samples consumed, ``position *
+    old batch size``; when the new batch size does not divide them, after the whole batches
+    of it below them, so the few in between are seen again rather than never.
+    """
+    sizes = _batch_sizes(loader, saved)
+    if sizes is None or getattr(loader, "in_order", True) is False:
+        return None
+    old, new = sizes
+    consumed = saved["position"] * old
+    position, again = divmod(consumed, new)
+    if not again:
+        return position, None
+    return position, (
+        f"its batch size changed from {old} to {new} since the checkpoint was saved: the "
+        f"pass resumes in the saved order after {plural(position, 'batch', 'batches')} of "
+        f"{new} (sample {position * new}), so the last {plural(again, 'sample')} of the "
+        f"{consumed} consumed ({plural(saved['position'], 'batch', 'batches')} of {old}) "
+        f"{'is' if again == 1 else 'are'} seen again (a batch size that divides {consumed} "
+        "resumes exactly)"
+    )
+
+
+def tail_pulls(loader: DataLoader[Any], saved: Mapping[str, Any]) -> int:
+    """How many of ``loader``'s batches the saved pass, finished, had handed out: its
+    position, or, when only the batch size changed, ``loader``'s whole pass (the saved
+    pass's sampler had drawn all of its order, which the position counts in batches of the
+    old size: replayed in smaller ones it would stop short of the sampler's end)."""
+    length = pass_length(loader)
+    if length is None or _batch_sizes(loader, saved) is None:
+        return int(saved["position"])
+    return length
+
+
+def draw_tail(
+    chain: list[Any],
+    gen: torch.Generator | None,
+    start: SamplerStates,
+    pulls: int,
+    shared: list[tuple[Any, Any]],
+) -> None:
+    """Draw what the sampler draws after its last index, as the uninterrupted run's did on
+    its way to StopIteration after the save at the pass's last batch: ``RandomSampler``
+    with a ``generator`` draws one more permutation there, so without it the next pass
+    would shuffle otherwise. The pass's ``pulls`` (:func:`tail_pulls`) are replayed from its
+    start, then the one that ended it, from the saved states of the dataset's generators it
+    ``shared``; only the sampler chain's generators keep what it drew
+    (:func:`._sampler_states.replaying`)."""
+    with replaying(chain, gen):
+        start.apply(chain, gen)
+        it = iter(chain[0])
+        collections.deque(itertools.islice(it, pulls), maxlen=0)
+        put_back(shared)
+        next(it, None)  # the pull that ended the pass (bounded: a sampler may never end)
