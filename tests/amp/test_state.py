@@ -184,39 +184,82 @@ def _unpickled(data: bytes, *, plain: bool) -> MixedPrecision:
     return loaded
 
 
+def _refused_at_use(mp: MixedPrecision, match: str) -> None:
+    """``mp``'s backward and step (what needs its loss scale) raise a ValueError matching
+    ``match``, and touch no gradient."""
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    with pytest.raises(ValueError, match=match):
+        mp.backward(w.sum())
+    assert w.grad is None
+    with pytest.raises(ValueError, match=match):
+        mp.step(opt)
+    assert w.tolist() == [1.0, 1.0]
+
+
 @needs_cpu_fp16
 @pytest.mark.parametrize("plain", [False, True], ids=["pickle", "pickle-of-0.1.0"])
 @pytest.mark.parametrize("bad", [0.0, -1024.0, math.inf, -math.inf, math.nan, "65536", None])
-def test_unpickling_a_loss_scale_not_finite_and_positive_is_refused(
+def test_a_pickled_loss_scale_not_finite_and_positive_unpickles_and_is_refused_at_use(
     bad: object, plain: bool
 ) -> None:
-    # Before: unpickled without a word (load_state_dict refuses the same scale): every
-    # later fp16 step was skipped (0, NaN, inf), or the first backward raised a bare
-    # TypeError ("65536", None).
-    from trainperf.amp._mixed import LIVE
-
-    data = _pickled_with_scale(bad, plain=plain)
-    live = len(LIVE)
-    with pytest.raises(
-        ValueError,
-        match=rf"the pickled MixedPrecision's loss scale is {re.escape(repr(bad))}: it must be "
+    # Before af3bad2: unpickled without a word (load_state_dict refuses the same scale):
+    # every later fp16 step was skipped (0, NaN, inf), or the first backward raised a bare
+    # TypeError ("65536", None). After it: unpickling raised, so nothing else saved in the
+    # same file could be loaded. Now it unpickles, and what needs the scale refuses it.
+    mp = _unpickled(_pickled_with_scale(bad, plain=plain), plain=plain)
+    _refused_at_use(
+        mp,
+        rf"the pickled MixedPrecision's loss scale is {re.escape(repr(bad))}: it must be "
         r"a finite number > 0.*MixedPrecision\('cpu', precision='fp16'\)",
-    ):
-        _unpickled(data, plain=plain)
-    assert len(LIVE) == live  # no half-built copy is live
+    )
+    assert repr(mp.state_dict()["scaler"]["scale"]) == repr(bad)  # readable as it was
 
 
 @needs_cpu_fp16
-def test_a_mixed_precision_pickled_after_its_scale_collapsed_is_refused(tmp_path: Path) -> None:
+def test_a_checkpoint_holding_a_mixed_precision_whose_scale_collapsed_loads(
+    tmp_path: Path,
+) -> None:
+    # Before: torch.load of the whole checkpoint raised in unpickling the MixedPrecision,
+    # and the model weights saved beside it could not be read at all.
+    model = nn.Linear(2, 1)
     mp = MixedPrecision("cpu", precision="fp16")
     _collapsed(mp)
-    torch.save(mp, tmp_path / "mp.pt")
-    with pytest.raises(ValueError, match=r"loss scale is 0\.0"):
-        torch.load(tmp_path / "mp.pt", weights_only=False)
-    with pytest.raises(ValueError, match=r"loss scale is 0\.0"):
-        copy.deepcopy(mp)
-    fresh = MixedPrecision("cpu", precision="fp16")  # the fix the refusal names
+    torch.save({"model": model.state_dict(), "step": 7, "mp": mp}, tmp_path / "ckpt.pt")
+    loaded = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert loaded["step"] == 7
+    assert torch.equal(loaded["model"]["weight"], model.weight.detach())
+    _refused_at_use(loaded["mp"], r"pickled MixedPrecision's loss scale is 0\.0")
+
+
+@needs_cpu_fp16
+def test_a_mixed_precision_copied_after_its_scale_collapsed_is_refused_at_use() -> None:
+    mp = MixedPrecision("cpu", precision="fp16")
+    _collapsed(mp)
+    copied = copy.deepcopy(mp)  # Before: raised, as unpickling did
+    _refused_at_use(copied, r"pickled MixedPrecision's loss scale is 0\.0")
+    _refused_at_use(copy.deepcopy(copied), r"loss scale is 0\.0")  # a copy of the copy too
+    # The fixes the refusal names: a new MixedPrecision, or a good scale loaded into this one.
+    fresh = MixedPrecision("cpu", precision="fp16")
     assert fresh.scaler is not None and fresh.scaler.get_scale() == 2.0**16
+    copied.load_state_dict(fresh.state_dict())
+    w = nn.Parameter(torch.ones(2))
+    copied.backward(w.sum())
+    assert copied.step(torch.optim.SGD([w], lr=0.1))
+
+
+@needs_cpu_fp16
+def test_a_collapsed_scale_loaded_as_it_was_keeps_a_pickled_copy_refused() -> None:
+    # Loading the state without its scale, or tuning's restore of the same bad scale, leaves
+    # the copy's own scale bad: it stays refused.
+    mp = MixedPrecision("cpu", precision="fp16")
+    _collapsed(mp)
+    copied = copy.deepcopy(mp)
+    saved = copied.state_dict()
+    copied.load_state_dict({**saved, "scaler": None})
+    with restoring():
+        copied.load_state_dict(saved)
+    _refused_at_use(copied, r"loss scale is 0\.0")
 
 
 @needs_cpu_fp16
@@ -234,15 +277,19 @@ def test_unpickling_any_finite_positive_loss_scale_keeps_it(good: float, plain: 
 @pytest.mark.parametrize(
     ("key", "bad", "rule"),
     [
-        ("backoff_factor", 2.0, r"a number in \(0, 1\)"),
-        ("backoff_factor", math.nan, r"a number in \(0, 1\)"),
-        ("backoff_factor", 0.0, r"a number in \(0, 1\)"),
-        ("growth_factor", 0.5, r"a finite number > 1"),
-        ("growth_factor", math.inf, r"a finite number > 1"),
-        ("growth_interval", 0, r"an int >= 1"),
-        ("growth_interval", 1.5, r"an int >= 1"),
-        ("_growth_tracker", "x", r"an int >= 0"),
-        ("_growth_tracker", -1, r"an int >= 0"),
+        ("backoff_factor", 2.0, r"a number in \(0, 1\]"),
+        ("backoff_factor", math.nan, r"a number in \(0, 1\]"),
+        ("backoff_factor", 0.0, r"a number in \(0, 1\]"),
+        ("backoff_factor", 1.5, r"a number in \(0, 1\]"),
+        ("growth_factor", 0.5, r"a finite number >= 1"),
+        ("growth_factor", math.inf, r"a finite number >= 1"),
+        ("growth_factor", math.nan, r"a finite number >= 1"),
+        ("growth_interval", 0, r"an int from 1 to 2\*\*63 - 1"),
+        ("growth_interval", 1.5, r"an int from 1 to 2\*\*63 - 1"),
+        ("growth_interval", 2**63, r"an int from 1 to 2\*\*63 - 1"),
+        ("_growth_tracker", "x", r"an int from 0 to 2\*\*31 - 1"),
+        ("_growth_tracker", -1, r"an int from 0 to 2\*\*31 - 1"),
+        ("_growth_tracker", 2**31, r"an int from 0 to 2\*\*31 - 1"),
     ],
 )
 def test_a_loss_scaler_setting_no_grad_scaler_takes_is_refused_and_loads_nothing(
@@ -257,11 +304,16 @@ def test_a_loss_scaler_setting_no_grad_scaler_takes_is_refused_and_loads_nothing
     state = {"precision": "fp16", "scaler": {**before["scaler"], key: bad}}
     with pytest.raises(
         ValueError,
-        match=rf"state\['scaler'\]\['{key}'\] is {re.escape(repr(bad))}: it must be {rule}.*"
+        match=rf"state\['scaler'\]\['{key}'\] is {re.escape(repr(bad))}, a setting GradScaler "
+        rf"cannot use: it must be {rule}.*"
         r"mp.load_state_dict\(\{\*\*state, 'scaler': None\}\)",
-    ):
+    ) as caught:
         mp.load_state_dict(state)
     assert mp.state_dict() == before
+    # Before: "it comes from a corrupt checkpoint or a hand-edited state", which a setting
+    # made through GradScaler's own setters is not.
+    assert "corrupt" not in str(caught.value)
+    assert "a setting GradScaler cannot use" in str(caught.value)
 
 
 @needs_cpu_fp16
@@ -272,6 +324,36 @@ def test_loss_scaler_settings_a_grad_scaler_takes_load() -> None:
     mp.load_state_dict({"precision": "fp16", "scaler": saved})
     assert mp.scaler is not None and mp.scaler.get_growth_interval() == 10
     assert mp.state_dict()["scaler"]["_growth_tracker"] == 3
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize(
+    ("setter", "value"),
+    [
+        ("set_growth_factor", 1.0),  # growth off
+        ("set_growth_factor", 1),
+        ("set_backoff_factor", 1.0),  # no backoff: a fixed scale with growth off
+        ("set_growth_interval", 2**63 - 1),  # growth off another way
+    ],
+)
+def test_a_scaler_set_through_grad_scalers_setters_round_trips(setter: str, value: float) -> None:
+    # Before: mp.scaler.set_growth_factor(1.0), which GradScaler's setter and update kernel
+    # take, made mp's own state_dict() refused by load_state_dict ("a finite number > 1").
+    mp = MixedPrecision("cpu", precision="fp16")
+    assert mp.scaler is not None
+    getattr(mp.scaler, setter)(value)
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    mp.backward(w.sum())
+    assert mp.step(opt)  # the update kernel runs with it
+    saved = mp.state_dict()
+    resumed = MixedPrecision("cpu", precision="fp16")
+    resumed.load_state_dict(saved)
+    assert resumed.state_dict() == saved
+    mp.load_state_dict(saved)  # into itself too
+    resumed.zero_grad(opt)
+    resumed.backward(w.sum())
+    assert resumed.step(opt)
 
 
 @pytest.mark.parametrize("bad", ["no", 0, None])

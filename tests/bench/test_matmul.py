@@ -201,6 +201,42 @@ def test_a_run_estimated_past_max_seconds_is_refused_before_it_starts(
     assert bench_matmul("fp32", size=8192, device="cpu", max_seconds=None).size == 8192
 
 
+def test_the_estimate_takes_the_fastest_of_three_products_at_the_probe_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: one product at the final probe size set the estimate, and a host busy for that
+    # one product (a rate 3x lower) refused a run that fits. At 1 GFLOP/s the probe stops
+    # at 512x512 (0.27 s; 256x256 takes 34 ms), whose first product is slowed 3x: from it,
+    # 13 products of 1024x1024 would take 84 s; from the two others, 28 s, within 60 s.
+    timed: list[int] = []
+
+    def seconds_per_product(dtype: str, size: int, *args: object) -> float:
+        timed.append(size)
+        busy = 3.0 if size == 512 and timed.count(size) == 1 else 1.0
+        return busy * 2 * size**3 / 1e9
+
+    monkeypatch.setattr(matmul_module, "_seconds_per_product", seconds_per_product)
+    plan = matmul_module.matmul_plan("fp32", size=1024, device="cpu", max_seconds=60)
+    assert plan.size == 1024
+    assert timed == [128, 256, 512, 512, 512]  # three at the final size, no more
+    # The limit itself is kept: 28 s is refused under max_seconds=20.
+    with pytest.raises(ValueError, match=r"about 28 s on cpu \(1 GFLOP/s measured on a 512x512"):
+        matmul_module.matmul_plan("fp32", size=1024, device="cpu", max_seconds=20)
+
+
+def test_the_probe_is_the_rate_of_the_fastest_product_at_its_final_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    times = iter([0.001, 0.2, 0.1, 0.4])  # 128 (short), then 256 three times
+
+    def seconds_per_product(dtype: str, size: int, *args: object) -> float:
+        return next(times)
+
+    monkeypatch.setattr(matmul_module, "_seconds_per_product", seconds_per_product)
+    n, rate = matmul_module._probe("fp32", 8192, torch.device("cpu"))
+    assert (n, rate) == (256, 2 * 256**3 / 0.1)
+
+
 def test_a_run_within_max_seconds_runs() -> None:
     r = bench_matmul("fp32", size=64, iterations=2, device="cpu", max_seconds=60)
     assert r.size == 64

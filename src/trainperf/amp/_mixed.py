@@ -126,6 +126,8 @@ class MixedPrecision:
         self._skip_flags: list[torch.Tensor]
         self._skipped_in_a_row: int
         self.__dict__.update(_bookkeeping.fresh())
+        # Why an unpickled loss scale cannot be used (see trainperf.amp._state.unpickled).
+        self._unusable_scale: str | None = None
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.uses_channels_last = False
         self.tf32_enabled = False
@@ -297,7 +299,9 @@ class MixedPrecision:
         Raises:
             TypeError: ``loss`` is not a tensor.
             ValueError: ``loss`` has more than one element (reduce it: ``loss.mean()``), or
-                does not require grad (computed under ``torch.no_grad()``, or detached).
+                does not require grad (computed under ``torch.no_grad()``, or detached);
+                (fp16) this is an unpickled copy whose pickled loss scale is not a finite
+                number > 0 (see :meth:`__setstate__`).
 
         Warns:
             UserWarning: (fp16) it came after an ``unscale_`` as above; the fix is
@@ -313,6 +317,7 @@ class MixedPrecision:
             >>> w.grad.tolist()
             [6.0, 6.0]
         """
+        _state.check_usable(self, "mp.backward(loss)")
         check_loss(loss)
         scaler = self.scaler
         scaled = scaler.scale(loss) if scaler is not None else loss
@@ -382,7 +387,9 @@ class MixedPrecision:
             ValueError: ``max_grad_norm`` is not a positive number, an optimizer is given
                 twice, (fp16) a gradient is fp16 itself: the model was cast to fp16
                 (``model.half()``), where loss scaling needs fp32 parameters; a closure (or
-                an optimizer that needs one) with fp16, or with ``max_grad_norm``.
+                an optimizer that needs one) with fp16, or with ``max_grad_norm``; (fp16)
+                this is an unpickled copy whose pickled loss scale is not a finite number > 0
+                (see :meth:`__setstate__`).
 
         Warns:
             UserWarning: (fp16) once, when this is the 20th step in a row skipped on
@@ -405,6 +412,7 @@ class MixedPrecision:
             >>> mp.step(lbfgs, closure=closure), [round(v, 4) for v in w.tolist()]
             (True, [3.0, 3.0])
         """
+        _state.check_usable(self, "mp.step(optimizer)")
         if optimizer is not None:
             optimizers = (*optimizers, optimizer)
         scaler = self._enabled_scaler
@@ -487,9 +495,11 @@ class MixedPrecision:
         """The copy knows no prepared model (its ``zero_grad()`` needs an optimizer) and is
         live, as a new instance is, for ``trainperf.watch()`` and ``tune_batch_size``.
 
-        Raises:
-            ValueError: (fp16) the pickled loss scale is not a finite number > 0, as
-                :meth:`load_state_dict` refuses it (make a new MixedPrecision instead).
+        An fp16 loss scale that :meth:`load_state_dict` would refuse (0, from a run whose
+        losses stayed inf/NaN; negative, inf, NaN, not a number) does not stop unpickling,
+        so that a checkpoint holding the object still loads: the copy's :meth:`backward` and
+        :meth:`step` raise a ``ValueError`` naming it and the fix (a new MixedPrecision, or a
+        good scale loaded with :meth:`load_state_dict`), until such a scale is loaded.
 
         Example:
             >>> import pickle
@@ -533,8 +543,8 @@ class MixedPrecision:
                 run whose losses stayed inf/NaN, would skip every step: load
                 ``{**state, "scaler": None}`` to keep this one's scale), nothing loaded then,
                 or (``strict``) it carries a loss scale that this precision cannot use; a
-                loss-scaler setting no ``GradScaler`` takes (a ``backoff_factor`` outside
-                (0, 1), a ``growth_factor`` <= 1, a ``growth_interval`` < 1).
+                loss-scaler setting no ``GradScaler`` can use (a ``backoff_factor`` outside
+                (0, 1], a ``growth_factor`` < 1 or not finite, a ``growth_interval`` < 1).
             TypeError: ``strict`` is not True or False.
             RuntimeError: (fp16) another loss scale than the one in use loaded between
                 :meth:`backward` and :meth:`step`: the step would unscale the waiting

@@ -10,6 +10,11 @@ loaded between ``mp.backward`` and ``mp.step``, whose step would unscale the wai
 gradients by the new scale instead of the one they were scaled by (after
 ``mp.zero_grad(optimizer)`` it loads, and ends that backward for every optimizer).
 
+A pickled MixedPrecision (``torch.save(mp)``, ``copy.deepcopy``) whose loss scale
+:func:`check_scale` refuses still unpickles, so that whatever was saved beside it loads;
+:func:`unpickled` records the refusal, and :func:`check_usable` raises it at
+``mp.backward`` and ``mp.step``, until a loss scale is loaded into it.
+
 While :func:`restoring` is entered (``tune_batch_size`` putting back the state it saved
 before its probes, after it reset each MixedPrecision's record of its backward, and before
 it puts that record back), any scale loads, however low the caller's own run let it fall.
@@ -39,6 +44,7 @@ __all__ = [
     "check_scaler_settings",
     "check_scaler_state",
     "check_state",
+    "check_usable",
     "checked_state",
     "load_into",
     "pickled",
@@ -112,6 +118,8 @@ def load_into(mp: MixedPrecision, state: Mapping[str, Any], *, strict: bool) -> 
             raise RuntimeError(_MID_STEP.format(now=scaler.get_scale(), loaded=checked["scale"]))
         _bookkeeping.end_backward(mp, scaler)
     scaler.load_state_dict(checked)
+    if scaler.is_enabled() and not _RESTORING.get():
+        mp._unusable_scale = None  # checked_state checked the loaded scale
 
 
 def _changes_scale(scaler: torch.amp.GradScaler, checked: Mapping[str, Any]) -> bool:
@@ -171,8 +179,12 @@ def pickled(attributes: dict[str, Any]) -> dict[str, Any]:
 
 def unpickled(attributes: dict[str, Any], state: dict[str, Any]) -> None:
     """Fill in ``attributes`` (a new instance's ``__dict__``) from ``state``: it knows no
-    prepared model (a fresh ``WeakSet``). A loss scale :func:`check_scale` refuses is refused
-    here too, before anything is filled in, as ``load_state_dict`` refuses it.
+    prepared model (a fresh ``WeakSet``). A loss scale :func:`check_scale` refuses (one
+    saved after the losses stayed inf/NaN until it fell to 0) is not refused here: raising
+    would make everything pickled beside it unreachable (``torch.load`` of a whole
+    checkpoint). The refusal is kept in ``_unusable_scale`` instead, and raised by
+    :func:`check_usable` at the first ``backward`` or ``step``, which would otherwise skip
+    every fp16 step (0, inf, NaN) or fail with a bare ``TypeError`` (not a number).
 
     The record of a failed step is absent from older pickles (trainperf 0.1.0), and their
     loss scaler is a plain ``GradScaler``, which cannot tell one optimizer's ``unscale_``
@@ -180,19 +192,39 @@ def unpickled(attributes: dict[str, Any], state: dict[str, Any]) -> None:
     scale.
     """
     scaler = as_loss_scaler(state.get("_scaler"))
+    unusable = None
     if scaler is not None and scaler.is_enabled():
-        check_scale(
-            scaler.get_scale(),  # the pickled number: GradScaler pickles no scale tensor
-            what="the pickled MixedPrecision's loss scale",
-            fix=(
-                "make a new one instead, which starts at 65536.0: MixedPrecision("
-                f"{str(state.get('device'))!r}, precision={state.get('precision')!r}); "
-                "checkpoint mp.state_dict() rather than the object"
-            ),
-        )
+        try:
+            check_scale(
+                scaler.get_scale(),  # the pickled number: GradScaler pickles no scale tensor
+                what="the pickled MixedPrecision's loss scale",
+                fix=(
+                    "make a new one instead, which starts at 65536.0: MixedPrecision("
+                    f"{str(state.get('device'))!r}, precision={state.get('precision')!r}), or "
+                    "load a good scale into this one with mp.load_state_dict(state); "
+                    "checkpoint mp.state_dict() rather than the object"
+                ),
+            )
+        except ValueError as e:
+            unusable = str(e)
     attributes.update({**_bookkeeping.fresh(), **state})
     attributes["_scaler"] = scaler
+    attributes["_unusable_scale"] = unusable  # a pickled one is the original's: recomputed
     attributes["_models"] = weakref.WeakSet()
+
+
+def check_usable(mp: MixedPrecision, call: str) -> None:
+    """Raise the refusal :func:`unpickled` recorded for ``mp``'s loss scale, if any, at
+    ``call`` (``"mp.backward(loss)"``, ``"mp.step(optimizer)"``): a ``ValueError`` naming
+    the scale and the fix.
+
+    Example:
+        >>> from trainperf.amp import MixedPrecision
+        >>> check_usable(MixedPrecision("cpu", precision="fp32"), "mp.backward(loss)")
+    """
+    unusable = getattr(mp, "_unusable_scale", None)
+    if unusable is not None:
+        raise ValueError(f"{call} refused: {unusable}")
 
 
 def check_state(state: object) -> None:
@@ -257,36 +289,45 @@ def _is_real(value: object) -> bool:
 
 
 _SETTINGS: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "growth_factor": ("a finite number > 1", lambda v: _is_real(v) and 1 < v < math.inf),
-    "backoff_factor": ("a number in (0, 1)", lambda v: _is_real(v) and 0 < v < 1),
-    "growth_interval": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
-    "_growth_tracker": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
+    "growth_factor": (
+        "a finite number >= 1 (1.0 turns growth off)",
+        lambda v: _is_real(v) and 1 <= v < math.inf,
+    ),
+    "backoff_factor": (
+        "a number in (0, 1] (1.0 turns backoff off)",
+        lambda v: _is_real(v) and 0 < v <= 1,
+    ),
+    "growth_interval": ("an int from 1 to 2**63 - 1", lambda v: _is_int(v) and 1 <= v < 2**63),
+    "_growth_tracker": ("an int from 0 to 2**31 - 1", lambda v: _is_int(v) and 0 <= v < 2**31),
 }
-"""The rules for the loss scaler's settings: ``GradScaler``'s own constructor refuses the
-factors on the wrong side of 1, and its update kernel takes only ints for the others."""
+"""The rules for the loss scaler's settings, as wide as what ``GradScaler``'s setters and
+update kernel take: ``set_growth_factor(1.0)`` and ``set_backoff_factor(1.0)`` turn growth
+and backoff off (its constructor refuses both, its setters and kernel do not); the kernel
+takes the interval as an int64 and keeps the tracker in an int32 tensor."""
 
 
 def check_scaler_settings(saved: Mapping[str, Any]) -> None:
-    """Refuse a loss-scaler state whose settings no ``GradScaler`` takes: a
-    ``backoff_factor`` >= 1 raises the scale on every skipped step (NaN skips every step for
-    good), a ``growth_factor`` <= 1 lowers it after good ones (``GradScaler`` refuses both
-    when built), a ``growth_interval`` of 0 never grows it, and a growth interval or
-    tracker that is not an int fails at the first step with a bare ``TypeError``.
+    """Refuse a loss-scaler state whose settings no ``GradScaler`` can use: a
+    ``backoff_factor`` > 1 raises the scale on every skipped step (NaN skips every step for
+    good) and one <= 0 zeroes or flips it, a ``growth_factor`` < 1 lowers it after good
+    ones, a ``growth_interval`` of 0 never grows it, and a growth interval or tracker that is
+    not an int, or past the int64 (interval) or int32 (tracker) the update kernel keeps it
+    in, fails at the first step with a bare ``TypeError``, ``ValueError`` or
+    ``RuntimeError``. A factor of exactly 1 (growth or backoff off) is taken.
 
     Example:
         >>> check_scaler_settings(torch.amp.GradScaler("cpu").state_dict())
         >>> try:
         ...     check_scaler_settings({"backoff_factor": 2.0})
         ... except ValueError as e:
-        ...     print(str(e).split(": ")[0])
+        ...     print(str(e).split(", ")[0])
         the state's loss-scaler setting state['scaler']['backoff_factor'] is 2.0
     """
     for key, (rule, ok) in _SETTINGS.items():
         if key in saved and not ok(saved[key]):
             raise ValueError(
-                f"the state's loss-scaler setting state['scaler'][{key!r}] is {saved[key]!r}: "
-                f"it must be {rule}; it comes from a corrupt checkpoint or a hand-edited "
-                f"state; {_LOAD_FIX}"
+                f"the state's loss-scaler setting state['scaler'][{key!r}] is {saved[key]!r}, "
+                f"a setting GradScaler cannot use: it must be {rule}; {_LOAD_FIX}"
             )
 
 

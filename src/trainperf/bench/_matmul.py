@@ -56,6 +56,9 @@ DEFAULT_MAX_SECONDS = 300.0
 # enough to time, and to leave small-matrix overheads behind.
 _PROBE_SECONDS = 0.05
 _PROBE_START_SIZE = 128
+# Products timed at the probe's final size, the fastest kept: on a busy host one product's
+# rate varies about 3x between calls, and a refusal near the limit flipped with it.
+_PROBE_REPEATS = 3
 
 
 @dataclass(frozen=True)
@@ -222,15 +225,21 @@ def _format_rate(flops_per_s: float) -> str:
 
 
 def _probe(dtype: str, size: int, device: torch.device) -> tuple[int, float]:
-    """``(n, FLOP/s)`` of one ``n x n`` product, ``n`` doubled from a small one until a
-    product takes :data:`_PROBE_SECONDS` or ``n`` reaches ``size``. Small products run
-    slower per FLOP than large ones, so the rate is a conservative one for ``size``."""
+    """``(n, FLOP/s)`` of ``n x n`` products, ``n`` doubled from a small one until a
+    product takes :data:`_PROBE_SECONDS` or ``n`` reaches ``size``; the rate is that of the
+    fastest of :data:`_PROBE_REPEATS` products at that ``n`` (the others were slowed by
+    whatever else the host ran). Small products run slower per FLOP than large ones, so the
+    rate is a conservative one for ``size``."""
     n = min(size, _PROBE_START_SIZE)
     while True:
         seconds = _seconds_per_product(dtype, n, 1, 1, device)
         if seconds >= _PROBE_SECONDS or n >= size:
-            return n, 2 * n**3 / max(seconds, 1e-9)
+            break
         n = min(size, 2 * n)
+    for _ in range(_PROBE_REPEATS - 1):
+        # No warm-up: the first product of this size had one.
+        seconds = min(seconds, _seconds_per_product(dtype, n, 1, 0, device))
+    return n, 2 * n**3 / max(seconds, 1e-9)
 
 
 def _check_run_time(
@@ -414,8 +423,8 @@ def bench_matmul(
             memory), except that where that is MPS the CPU is used: the benchmarks run on
             CPU and CUDA only.
         max_seconds: refuse a run that would take longer than this (warm-up and timed
-            products, estimated from a quick probe of this device, under a second); None
-            for no limit.
+            products, estimated from a quick probe of this device, a second or two at
+            most, from the fastest of its last three products); None for no limit.
 
     Returns:
         A :class:`MatmulResult`.
