@@ -18,12 +18,25 @@ import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Literal
 
 import psutil
 
 from trainperf._utils import launch_env
+from trainperf._utils.cgroup import (
+    V1_UNLIMITED,
+    cgroup_dirs,
+    cpu_limit_dir,
+    cpu_share,
+    in_root_cgroup,
+    inactive_file,
+    is_root_cgroup,
+    read_file,
+    some_avg60,
+    v2_cpu_share,
+    whole,
+)
 from trainperf._utils.format import format_bytes as fb
 from trainperf._utils.serialize import result_dict
 from trainperf._utils.validate import positive_int
@@ -45,9 +58,6 @@ PROC_PRESSURE_CPU = Path("/proc/pressure/cpu")
 
 # Where a CPU pressure figure comes from: this process's cgroup, or the whole host.
 PressureScope = Literal["cgroup", "host"]
-
-# cgroup v1 reports "no limit" as a huge page-aligned number rather than "max".
-_V1_UNLIMITED = 1 << 60
 
 
 @dataclass(frozen=True)
@@ -100,93 +110,6 @@ class HostLimits:
         return result_dict(self)
 
 
-def _read(path: Path) -> str | None:
-    # surrogateescape: a cgroup's name is bytes, and must lead back to its directory; bytes
-    # that are no UTF-8 in a figure make it malformed, not an error out of doctor.
-    try:
-        return path.read_text(errors="surrogateescape").strip()
-    except OSError:
-        return None
-
-
-def _whole(text: str | None) -> int | None:
-    """``text`` as a whole number of ASCII digits, as the kernel writes them; None for
-    anything else (``str.isdigit()`` also takes ``"\u00b2"``, which ``int()`` refuses, and
-    ``int()`` takes full-width digits and refuses more than 4300)."""
-    if not text or not text.isascii() or not text.isdigit():
-        return None
-    try:
-        return int(text)
-    except ValueError:  # past int()'s digit limit: no real figure
-        return None
-
-
-def _in_namespace(rel: str) -> PurePosixPath | None:
-    """A ``/proc/self/cgroup`` path relative to the cgroup namespace's root, None where it
-    leads out of it.
-
-    A process whose cgroup lies outside its cgroup namespace's root (moved there after the
-    namespace was made, or entered with ``nsenter``) sees its path climb out with ``..``:
-    ``0::/../../user.slice``. The mount shows only the namespace's root and below, so no
-    directory in it is that cgroup or one of its ancestors.
-    """
-    parts: list[str] = []
-    for part in PurePosixPath(rel.strip()).parts:
-        if part in ("/", "."):
-            continue
-        if part != "..":
-            parts.append(part)
-        elif not parts:
-            return None
-        else:
-            parts.pop()
-    return PurePosixPath(*parts)
-
-
-def _cgroup_dirs(controller: str, root: Path, proc_cgroup: Path) -> list[Path]:
-    """Directories whose limits bind this process for ``controller``, leaf first.
-
-    A limit set on any ancestor cgroup binds too (SLURM puts it on the job, not the step),
-    so every directory from the process's own cgroup up to the mount point is returned.
-    Inside a container the cgroup namespace usually makes the mount point itself the
-    process's own cgroup; on a host the process's path must be appended. Only existing
-    directories are returned. Where the process's cgroup lies outside its namespace's root
-    (a path with ``..``), that hierarchy's mount point is no ancestor of it: the mount
-    point is not tried, and a limit that cannot be read counts as none, rather than
-    another cgroup's limit being read as binding.
-    """
-    text = _read(proc_cgroup) or ""
-    leaves: list[Path] = []
-    outside = False
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, raw = parts
-        if controllers != "" and controller not in controllers.split(","):
-            continue
-        rel = _in_namespace(raw)
-        if rel is None:
-            outside = True
-        elif controllers == "":  # cgroup v2 unified hierarchy
-            leaves.append(root / rel)
-        else:
-            leaves.extend(root / name / rel for name in (controllers, controller))
-    out: list[Path] = []
-    for leaf in leaves:
-        for d in (leaf, *leaf.parents):
-            if not d.is_relative_to(root):
-                break
-            if d not in out and d.is_dir():
-                out.append(d)
-    if outside:  # the mount shows another cgroup, none of this process's
-        return out
-    for d in (root / controller, root):
-        if d not in out and d.is_dir():
-            out.append(d)
-    return out
-
-
 def cgroup_cpu_quota(
     root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP
 ) -> float | None:
@@ -202,40 +125,22 @@ def cgroup_cpu_quota(
         2.5
     """
     quotas: list[float] = []
-    for d in _cgroup_dirs("cpu", root, proc_cgroup):
-        v2 = _read(d / "cpu.max")
+    for d in cgroup_dirs("cpu", root, proc_cgroup):
+        v2 = read_file(d / "cpu.max")
         if v2 is not None:
-            share = _v2_cpu_share(v2)
+            share = v2_cpu_share(v2)
         else:
-            quota_us, period_us = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+            quota_us, period_us = (
+                read_file(d / "cpu.cfs_quota_us"),
+                read_file(d / "cpu.cfs_period_us"),
+            )
             share = (
-                None if quota_us is None or period_us is None else _cpu_share(quota_us, period_us)
+                None if quota_us is None or period_us is None else cpu_share(quota_us, period_us)
             )
         if share is not None:
             quotas.append(share)
     # The tightest limit on the way up to the root is the one that binds.
     return min(quotas) if quotas else None
-
-
-def _v2_cpu_share(cpu_max: str) -> float | None:
-    """CPUs a v2 ``cpu.max`` (``"<quota> <period>"``, the period 100000 when left out)
-    allows; None for no limit or a malformed figure."""
-    quota, _, period = cpu_max.partition(" ")
-    return _cpu_share(quota, period or "100000")
-
-
-def _cpu_share(quota: str, period: str) -> float | None:
-    """CPUs a quota allows per period; None for no limit ("max", v1's -1) or a malformed
-    figure (a zero period is no limit, not a division by zero)."""
-    q, p = _whole(quota.strip()), _whole(period.strip())
-    if not q or not p:
-        return None
-    try:
-        share = q / p
-    except OverflowError:  # a quota past any float: no real limit
-        return None
-    # A share that rounds to 0 (a period of hundreds of digits) is no real figure either.
-    return share if 0.0 < share < math.inf else None
 
 
 def cgroup_cpu_pressure(
@@ -266,74 +171,18 @@ def cgroup_cpu_pressure(
         >>> cgroup_cpu_pressure(d / "missing", d / "missing", d / "cpu.pressure")
         (0.355, 'host')
     """
-    dirs = _cgroup_dirs("cpu", root, proc_cgroup)
+    dirs = cgroup_dirs("cpu", root, proc_cgroup)
     if (root / "unified").is_dir():  # hybrid layout: the v2 hierarchy is mounted there
-        dirs += _cgroup_dirs("cpu", root / "unified", proc_cgroup)
-    binding = _cpu_limit_dir(dirs)
-    in_root = _in_root_cgroup(proc_cgroup)
+        dirs += cgroup_dirs("cpu", root / "unified", proc_cgroup)
+    binding = cpu_limit_dir(dirs)
+    in_root = in_root_cgroup(proc_cgroup)
     for d in ([binding] if binding is not None else []) + dirs:
-        share = _some_avg60(d / "cpu.pressure")
+        share = some_avg60(d / "cpu.pressure")
         if share is not None:
-            host_wide = in_root and d in (root, root / "unified") and _is_root_cgroup(d)
+            host_wide = in_root and d in (root, root / "unified") and is_root_cgroup(d)
             return share, "host" if host_wide else "cgroup"
-    share = _some_avg60(proc_pressure)
+    share = some_avg60(proc_pressure)
     return None if share is None else (share, "host")
-
-
-def _in_root_cgroup(proc_cgroup: Path) -> bool:
-    """Whether ``proc_cgroup`` puts this process in its v2 hierarchy's top cgroup (``0::/``):
-    the host's root cgroup, or a container's own where a cgroup namespace hides the rest."""
-    lines = (_read(proc_cgroup) or "").splitlines()
-    return any(line.partition("::")[::2] == ("0", "/") for line in lines)
-
-
-def _is_root_cgroup(d: Path) -> bool:
-    """Whether ``d``, a mounted cgroup v2 directory, is the hierarchy's real root: the kernel
-    gives every other cgroup a ``cgroup.type`` file, a namespaced container's top one too.
-    The root's ``cpu.pressure`` counts every thread on the host."""
-    return not (d / "cgroup.type").exists()
-
-
-def _some_avg60(path: Path) -> float | None:
-    """``avg60`` of the ``some`` line of a PSI file as a fraction; None if unreadable."""
-    for line in (_read(path) or "").splitlines():
-        kind, *fields = line.split() or [""]
-        if kind != "some":
-            continue
-        for field in fields:
-            name, _, value = field.partition("=")
-            if name == "avg60":
-                try:
-                    share = float(value) / 100
-                except ValueError:
-                    return None
-                return share if 0.0 <= share <= 1.0 else None
-    return None
-
-
-def _cpu_limit_dir(dirs: list[Path]) -> Path | None:
-    """Of ``dirs`` (leaf first), the one whose CPU limit binds: the fewest CPUs by quota or
-    CPU set, the outermost of equals; None where none sets a limit."""
-    best: tuple[float, Path] | None = None
-    for d in dirs:
-        quota = _v2_cpu_share(_read(d / "cpu.max") or "max")
-        cpuset = _cpuset_size(_read(d / "cpuset.cpus"))
-        limits = [x for x in (quota, cpuset) if x is not None]
-        if limits and (best is None or min(limits) <= best[0]):
-            best = min(limits), d
-    return None if best is None else best[1]
-
-
-def _cpuset_size(text: str | None) -> int | None:
-    """CPUs in a cpuset list (``"0-3,8"`` is 5); None if empty (v2: not set) or malformed."""
-    count = 0
-    for part in (text or "").split(","):
-        first, _, last = part.strip().partition("-")
-        low, high = _whole(first), _whole(last or first)
-        if low is None or high is None or high < low:
-            return None
-        count += high - low + 1
-    return count or None
 
 
 def cgroup_memory_limit(
@@ -363,23 +212,23 @@ def cgroup_memory_limit(
     usage: int | None = None
     own: int | None = None  # the process's own (innermost) cgroup's usage
     headroom: int | None = None
-    for d in _cgroup_dirs("memory", root, proc_cgroup):
+    for d in cgroup_dirs("memory", root, proc_cgroup):
         for limit_name, usage_name in (
             ("memory.max", "memory.current"),
             ("memory.limit_in_bytes", "memory.usage_in_bytes"),
         ):
-            raw = _read(d / limit_name)
+            raw = read_file(d / limit_name)
             if raw is None:
                 continue
-            here = _whole(_read(d / usage_name))
+            here = whole(read_file(d / usage_name))
             if here is not None:
                 v1 = limit_name == "memory.limit_in_bytes"
                 key = "total_inactive_file" if v1 else "inactive_file"
-                here = max(0, here - _inactive_file(d, key))
+                here = max(0, here - inactive_file(d, key))
             if own is None:
                 own = here
-            bytes_ = _whole(raw)
-            if bytes_ is not None and bytes_ < _V1_UNLIMITED:
+            bytes_ = whole(raw)
+            if bytes_ is not None and bytes_ < V1_UNLIMITED:
                 # The level with the least room binds, which need not be the smallest limit:
                 # a parent's limit is shared with its other children. A level whose usage is
                 # unknown counts at least this process's own cgroup's.
@@ -391,17 +240,6 @@ def cgroup_memory_limit(
     if limit is None:
         usage = own
     return limit, usage
-
-
-def _inactive_file(d: Path, key: str) -> int:
-    """Bytes of inactive file cache in ``d/memory.stat`` (its ``key`` line), 0 if unknown."""
-    raw = _read(d / "memory.stat")
-    for line in (raw or "").splitlines():
-        name, _, value = line.partition(" ")
-        number = _whole(value.strip())
-        if name == key and number is not None:
-            return number
-    return 0
 
 
 def host_limits(

@@ -162,6 +162,26 @@ def test_resolve_device_refuses_an_index_torch_cannot_parse(device: str) -> None
         resolve_device(device)
 
 
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu", 0)])
+def test_resolve_device_makes_cpu_0_plain_cpu(device: str | torch.device) -> None:
+    # torch.load maps onto exactly "cpu" (checkpoint's load does the same), and results
+    # should name the one CPU device one way.
+    got = resolve_device(device)
+    assert got == torch.device("cpu") and got.index is None and str(got) == "cpu"
+
+
+@pytest.mark.parametrize("device", ["cpu:1", "cpu:127", torch.device("cpu", 3)])
+def test_resolve_device_refuses_a_cpu_index_other_than_0(device: str | torch.device) -> None:
+    # Before: "cpu:1" was accepted, and bench results said device "cpu:1", though torch has
+    # one CPU device (a tensor made on "cpu:1" is on "cpu").
+    with pytest.raises(
+        ValueError,
+        match=rf"^device '{device}' does not exist: PyTorch has one CPU device, whatever the "
+        r"cores; use device='cpu' \(to pin cores, set the process's affinity: taskset\)$",
+    ):
+        resolve_device(device)
+
+
 def test_resolve_device_checks_cuda_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_cuda(monkeypatch, 0)
     for device in ("cuda", 0, torch.device("cuda", 0)):

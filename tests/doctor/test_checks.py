@@ -117,6 +117,14 @@ def test_shm_with_no_workers_needs_no_shared_memory() -> None:
     assert check_shm(limits(shm_total=64 * MiB, shm_free=64 * MiB), workers=1).verdict == "fail"
 
 
+def test_shm_counts_one_worker_and_one_batch_in_the_singular() -> None:
+    # Before: "1 workers x 1 batches of 1 MiB"; plural() gives the noun its number.
+    one = check_shm(limits(), workers=1, prefetch_factor=1, batch_bytes=MiB).value
+    assert "; 1 worker x 1 batch of 1 MiB need ~1 MiB" in one
+    many = check_shm(limits(), workers=8, prefetch_factor=2, batch_bytes=MiB).value
+    assert "; 8 workers x 2 batches of 1 MiB need ~16 MiB" in many
+
+
 @pytest.mark.parametrize("workers", [-1, 2.0, True, None])
 def test_shm_refuses_a_worker_count_that_is_not_a_non_negative_int(workers: object) -> None:
     with pytest.raises(ValueError, match=r"workers must be an int >= 0, got "):

@@ -142,7 +142,7 @@ def test_a_re_tune_says_why_the_cached_choice_no_longer_fits_memory() -> None:
     report = tune()
     assert not report.from_cache
     assert any(
-        n.startswith("the cached settings were not used (they need 931322.6 GiB of memory")
+        n.startswith("the cached settings were not used (they need 909.5 TiB of memory")
         and n.endswith("): tuned again")
         for n in report.notes
     ), report.notes

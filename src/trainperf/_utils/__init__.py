@@ -11,6 +11,10 @@ Who uses what:
 - :mod:`~trainperf._utils.launch_env`: the launcher's environment (RANK, LOCAL_RANK,
   WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_PORT, SLURM_*), read and parsed with one rule each;
   used by ``limits``, ``ddp``, ``doctor`` (through ``limits``) and ``pipelines``.
+- :mod:`~trainperf._utils.cgroup`: the readers of the cgroup and PSI files (the cgroups that
+  bind this process, CPU quotas and sets, ``memory.stat``, ``cpu.pressure``), used by
+  ``limits`` (and through it ``doctor``, ``bench`` and every package that sizes work from
+  ``host_limits()``).
 - :mod:`~trainperf._utils.validate`: the argument checks (``positive_int``, ``choice``, ...)
   every package uses, one message per kind of value; ``worker_numbers``, DataLoader's worker
   settings checked once for ``loader``, ``ddp`` and ``batchsize``.

@@ -69,8 +69,10 @@ def resolve_device(
     Raises:
         TypeError: ``device`` is not a str, int, torch.device (or None with ``auto``).
         ValueError: ``device`` is not a valid device, has an index below 0 or above 127
-            (the most torch can hold: it wraps larger ones onto other devices), or is of a
-            type not in ``allowed``; the message lists the choices.
+            (the most torch can hold: it wraps larger ones onto other devices), is a CPU
+            with an index other than 0 (``"cpu:1"``: torch has one CPU device; ``"cpu:0"``
+            comes back as ``"cpu"``), or is of a type not in ``allowed``; the message lists
+            the choices.
         DeviceError: the device's backend is not available here: CUDA (no GPU or driver),
             MPS, or another type (``"xpu"``, ``"hpu"``, ``"xla"``...: no such device, or a
             PyTorch build or plugin without it); an index beyond the visible devices
@@ -113,7 +115,9 @@ def resolve_device(
             f"device {str(dev)!r} is not supported here: expected {_choices(allowed, auto)}"
         )
     kind = dev.type
-    if kind == "cuda":
+    if kind == "cpu":
+        dev = _one_cpu(dev)
+    elif kind == "cuda":
         _check_cuda(dev, allowed, auto)
     elif kind == "mps":
         mps = getattr(torch.backends, "mps", None)
@@ -167,6 +171,18 @@ def _unwrapped(dev: torch.device) -> torch.device:
             f"visible device, 0 to torch.{dev.type}.device_count() - 1"
         )
     return dev
+
+
+def _one_cpu(dev: torch.device) -> torch.device:
+    """The CPU as plain ``"cpu"``: ``"cpu:0"`` names it too, and torch.load maps onto exactly
+    ``"cpu"``; any other index names no device (a tensor made on ``"cpu:1"`` is on ``"cpu"``),
+    though a report would repeat it."""
+    if dev.index not in (None, 0):
+        raise ValueError(
+            f"device {str(dev)!r} does not exist: PyTorch has one CPU device, whatever the "
+            "cores; use device='cpu' (to pin cores, set the process's affinity: taskset)"
+        )
+    return torch.device("cpu")
 
 
 def _no_allowed_device(

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-from trainperf._utils.format import format_bytes
+from trainperf._utils.format import format_bytes, plural
 from trainperf._utils.validate import non_negative_int, positive_int
 from trainperf.limits import HostLimits
 
@@ -248,7 +248,8 @@ def check_shm(
     need = workers * prefetch_factor * batch_bytes
     free = limits.shm_free if limits.shm_free is not None else limits.shm_total
     value = (
-        f"{_shm_words(limits)}; {workers} workers x {prefetch_factor} batches of "
+        f"{_shm_words(limits)}; {plural(workers, 'worker')} x "
+        f"{plural(prefetch_factor, 'batch', 'batches')} of "
         f"{format_bytes(batch_bytes)} need ~{format_bytes(need)}"
     )
     if free < batch_bytes:
