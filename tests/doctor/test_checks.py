@@ -177,6 +177,9 @@ def test_a_cpu_quota_below_one_cpu_is_a_warning(tmp_path: Path) -> None:
     fed = check_cpus(faked, gpu_count=1)
     assert fed.verdict == "warn" and "0.5 per GPU" in fed.value
     assert check_cpus(limits(cpu_quota=1.0, cpus=1), gpu_count=0).verdict == "ok"
+    # The os.cpu_count() note the ok verdict gives stays beside the throttling (it was lost).
+    hidden = check_cpus(limits(cpus_host=8, cpus_affinity=8, cpu_quota=0.5, cpus=1), gpu_count=0)
+    assert hidden.verdict == "warn" and "os.cpu_count() says 8 but only 1" in hidden.fix
 
 
 def test_no_memory_available_is_a_warning_whatever_the_limit() -> None:

@@ -129,7 +129,7 @@ def check_cpus(limits: HostLimits, gpu_count: int) -> Check:
             )
             return Check("cpus", "warn", value, f"{throttled}; {fix}" if fraction else fix)
     if fraction:
-        return Check("cpus", "warn", value, throttled)
+        return Check("cpus", "warn", value, throttled + (f"; {note}" if note else ""))
     return Check("cpus", "ok", value, note)
 
 
