@@ -181,6 +181,21 @@ def test_a_signal_death_seen_a_wakeup_after_a_lower_ranks_exit_is_blamed_over_it
     assert first_failure((exited, lost, died)).rank == blamed
 
 
+@pytest.mark.parametrize("signal_code", [-9, -11])
+def test_a_signal_death_after_a_rank_lost_its_peer_is_not_blamed_over_the_exit(
+    signal_code: int,
+) -> None:
+    # Rank 2 lost its peer at 100.0; rank 1's death, seen at 101.2, came at 100.2 at the
+    # earliest: after it, so the peer rank 2 lost was rank 0, whose exit (seen at 100.3)
+    # may have come first. The blame went to rank 1.
+    from trainperf.ddp._group_exits import unreported
+
+    exited = unreported(0, 1, 100.3, reimport=False, startup_text=None)[0]
+    lost = Problem(2, 100.0, "raised RuntimeError: Connection closed by peer")
+    died = unreported(1, signal_code, 101.2, reimport=False, startup_text=None)[0]
+    assert first_failure((exited, lost, died)).rank == 0
+
+
 def test_ranks_that_called_sys_exit_0_are_listed_apart_from_those_that_returned() -> None:
     lost = Problem(0, 100.0, "raised RuntimeError: Connection closed by peer")
     outcome = Outcome(4, "", (lost,), frozenset({1, 2, 3}), (), exit_calls=((2, "sys.exit(0)"),))

@@ -62,13 +62,21 @@ def test_sys_exit_zero_counts_as_returning_none() -> None:
 @pytest.mark.parametrize("code", [None, 0, False, 0.0, -0.0, 0j, "0", "", 1, True, 3])
 def test_a_sys_exit_is_clean_exactly_when_python_would_exit_0(code: object) -> None:
     # sys.exit(0.0) counted as returning None (0.0 == 0), though Python exits 1 for it:
-    # only None and an int equal to 0 (False included) end a process with status 0.
+    # only None and an int equal to 0 (False included) end a process with status 0 (256,
+    # 0 in 8 bits, is left out here: see the test below).
     from trainperf.ddp._worker import clean_exit_call
 
     python = subprocess.run(
         [sys.executable, "-c", f"import sys; sys.exit({code!r})"], capture_output=True, check=False
     )
     assert (clean_exit_call(SystemExit(code)) is not None) is (python.returncode == 0)
+
+
+def test_sys_exit_256_is_a_failure_though_its_status_wraps_to_0() -> None:
+    from trainperf.ddp._worker import clean_exit_call
+
+    assert clean_exit_call(SystemExit(256)) is None
+    assert clean_exit_call(SystemExit(-256)) is None
 
 
 def test_main_that_calls_sys_exit_0_0_fails_and_one_that_calls_sys_exit_false_returns() -> None:

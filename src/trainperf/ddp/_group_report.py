@@ -141,10 +141,9 @@ def _earliest_cause(problems: tuple[Problem, ...]) -> Problem:
     if not own:
         # A rank killed by a signal (not SIGABRT, which may be NCCL's watchdog ending it
         # for the exit) that may have died before that exit was seen is blamed over it, as
-        # in one wake-up: seen a wake-up later, it is dated later, yet caught nothing.
-        killed = [
-            p for p in problems if p.by_signal and not p.aborted and _dated(p) <= earliest.time
-        ]
+        # in one wake-up: seen a wake-up later, it is dated later, yet caught nothing. Not
+        # one that died after a rank had lost its peer: that peer had gone before it.
+        killed = [p for p in problems if p.by_signal and not p.aborted and _dated(p) <= bound]
         return min(killed, key=_order) if killed else earliest
     # A rank killed before that own error was raised is still blamed over it.
     return min(own + [p for p in problems if p.by_signal], key=_order)

@@ -292,8 +292,9 @@ def clean_exit_call(exc: BaseException) -> str | None:
     that ends a rank cleanly, as returning None does; None for any other exception. The one
     place every ddp path (launch's workers, a launch inside a job, the watchdog) decides it.
 
-    Clean is what Python itself exits 0 for: a code of None or an int equal to 0 (``False``
-    too). Any other object, ``0.0`` or ``"0"`` included, is printed and exits 1.
+    Clean is a code of None or an int equal to 0 (``False`` too), as Python has it: any
+    other object, ``0.0`` or ``"0"`` included, is printed and exits 1. (``sys.exit(256)``
+    also leaves a status of 0, the low 8 bits, but no one means it as success: a failure.)
 
     Example:
         >>> clean_exit_call(SystemExit(0)), clean_exit_call(SystemExit())
