@@ -9,7 +9,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from tests.monitor._fakes import sampler_threads, sleepy_loader
-from trainperf.monitor import watch
+from trainperf.monitor import StepRecord, analyse, watch
+from trainperf.monitor._sampler import _Sampler
 
 
 def test_the_sampler_thread_stops_on_exit_even_after_an_error() -> None:
@@ -71,3 +72,23 @@ def test_the_workers_cpu_is_sampled_apart_from_the_loops() -> None:
     # wait for one: most of the second they ran, their CPU shows.
     assert max(s.workers_cpu or 0.0 for s in report.samples) > 20.0
     assert report.setup.num_workers == 2
+
+
+class _ReusedPid:
+    """A cached ``psutil.Process`` whose PID now belongs to a younger process: psutil reads
+    the newcomer's CPU times against the old ones and reports a negative percent."""
+
+    def cpu_percent(self, interval: float | None = None) -> float:
+        return -812.5
+
+
+def test_a_worker_whose_pid_was_reused_counts_no_negative_cpu() -> None:
+    # Before: the negative percent went into workers_cpu and process_cpu, and a live
+    # w.report() raised analyse()'s "negative sample figure" ValueError on the user's loop.
+    sampler = _Sampler(interval=1.0, t0=time.perf_counter(), gpu=False)
+    sampler._children = {4242: _ReusedPid()}  # type: ignore[dict-item]
+    sampler._me = _ReusedPid()  # type: ignore[assignment]
+    sample = sampler._sample()
+    assert (sample.workers_cpu, sample.process_cpu) == (0.0, 0.0)
+    step = StepRecord(index=0, start=0.0, wait=0.0, compute=0.01, samples=1, gpu_busy=None)
+    analyse([step], [sample], warmup_steps=0)  # no ValueError

@@ -703,6 +703,30 @@ def test_waiting_for_a_cpu_after_the_last_step_is_no_steps_delay(
     assert [s.cpu_delay for s in steps] == pytest.approx([0.0005] * 4)
 
 
+def test_a_report_made_mid_step_leaves_that_steps_cpu_wait_to_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: a report made inside the loop, halfway through a step, gave the steps before it
+    # their share of the wait and the rest to no step: the half step's 0.5 ms of waiting for
+    # a CPU was lost, and the 16 steps' delays summed to 15.5 ms of the 16 ms waited.
+    clock = _fake_perf_counter(monkeypatch)
+    w = Watch(device="cpu", warmup_steps=0)
+    w._clock = _ScriptedClock([  # type: ignore[assignment]
+        (1.000, 0.000),  # at the start
+        (1.019, 0.0095),  # the report's, 9.5 ms in: every ms waited 1 ms for a CPU
+        (1.032, 0.016),  # at the end, right after the 16th step
+    ])  # fmt: skip
+    with w:
+        for i in range(16):
+            clock[0] += 0.0005
+            if i == 9:
+                w.report()  # in step 10, before its w.step()
+            clock[0] += 0.0005
+            w.step(samples=1)
+    steps = w.report().timeline
+    assert [s.cpu_delay for s in steps] == pytest.approx([0.001] * 16)
+
+
 def test_without_schedstat_the_delays_are_unknown_and_the_wait_is_cpu_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

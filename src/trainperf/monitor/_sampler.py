@@ -198,11 +198,13 @@ class _Sampler(threading.Thread):
                     used = int(self._nvml.nvmlDeviceGetMemoryInfo(handle).used)
             except Exception:  # NVML hiccups (MIG, a lost GPU) must not kill sampling
                 util = used = None
-        own = self._me.cpu_percent(None)
+        # Clamped at 0: a PID reused since the last read has psutil subtract the old
+        # process's CPU times from the newcomer's, and a negative figure is no one's use.
+        own = max(0.0, self._me.cpu_percent(None))
         workers = 0.0
         for pid, child in list(self._children.items()):
             try:
-                workers += child.cpu_percent(None)
+                workers += max(0.0, child.cpu_percent(None))
             except psutil.Error:
                 del self._children[pid]
         stolen = None if self._steal is None else self._steal.share()

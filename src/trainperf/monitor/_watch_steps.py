@@ -139,8 +139,9 @@ def settle(w: Watch) -> None:
     each spent waiting for data is scaled by the interval's wait-for-a-CPU per second
     run, into what it demanded (running, plus waiting for a CPU). A reading made after the
     last step (at the watch's end, or a report's) gives those steps only their share of the
-    interval's delay, by time: the rest is the work after the loop's. Without schedstat,
-    or read from another thread, the delays stay unknown and the wait CPU is CPU time.
+    interval's delay, by time: the rest is the next step's (a report made mid-step), or the
+    work after the loop's (at the watch's end). Without schedstat, or read from another
+    thread, the delays stay unknown and the wait CPU is CPU time.
     """
     pending, w._unsettled = w._unsettled, 0
     if pending <= 0:
@@ -149,13 +150,22 @@ def settle(w: Watch) -> None:
     run0, delay0, generation0 = w._last_reading
     w._last_reading = reading
     # Read while a step is appended, the reading is at that step's end; read later (at the
-    # watch's end, or by a report), the interval also holds the time since the last step,
-    # the work after the loop: the steps get their share of the interval's delay only.
+    # watch's end, or by a report), the interval also holds the time since the last step:
+    # the steps get their share of the interval's delay only, and the next interval starts
+    # from the reading as it stood, by time, at the last step's end. The rest is then the
+    # next step's (a report made mid-step), or no step's (the work after the loop).
     now = w._ends[-1] if w._writing else time.perf_counter() - w._t0
     since, w._reading_at = w._reading_at, now
     if generation == generation0 and not math.isnan(delay + delay0):
         share = min(1.0, (w._ends[-1] - since) / (now - since)) if now > since else 1.0
-        per_step = max(0.0, delay - delay0) * max(0.0, share) / pending
+        share = max(0.0, share)
+        w._last_reading = (
+            run0 + share * (run - run0),
+            delay0 + share * (delay - delay0),
+            generation,
+        )
+        w._reading_at = max(since, min(now, w._ends[-1]))
+        per_step = max(0.0, delay - delay0) * share / pending
         queued = max(0.0, delay - delay0) / (run - run0) if run > run0 else 0.0
         # The interval's steps still held (a trim may have dropped its first ones).
         for i in range(max(0, len(w._ends) - pending), len(w._ends)):
