@@ -834,6 +834,32 @@ def test_a_trial_cut_short_by_the_epochs_end_leaves_the_kept_pool_no_bound(
         loader.close()
 
 
+@pytest.mark.slow  # three workers start and stop: about a second
+@pytest.mark.parametrize("left_after", [1, 2])
+def test_a_trial_left_by_a_break_leaves_the_kept_pool_no_bound(
+    monkeypatch: pytest.MonkeyPatch, left_after: int
+) -> None:
+    # Before: a loop left (a capped number of steps) before each of the three workers had
+    # delivered kept the trial's bound on the persistent pool, and the next epoch, with no
+    # trial to end it, raised "DataLoader timed out" for a caller who gave no timeout.
+    _scripted(monkeypatch, [(3, 2), None])
+    monkeypatch.setattr(adapt_pool, "hang_timeout", lambda *a, **k: 42.0)
+    loader = AdaptiveDataLoader(range(24), batch_size=4)
+    try:
+        _epochs(loader, 1)
+        for i, _ in enumerate(loader):  # the three new workers, on trial
+            if i + 1 == left_after:
+                break
+        assert loader.num_workers == 3 and loader._iterator is not None
+        it = iter(loader)  # the same pool again, no change
+        timed = it._timed
+        assert timed.it is loader._iterator  # kept, not restarted
+        assert timed.trial is None and timed.it._timeout == 0  # the caller's: none
+        assert [int(x) for b in it for x in b] == list(range(24))
+    finally:
+        loader.close()
+
+
 @pytest.mark.slow  # two workers start and stop: about a second
 def test_without_an_epoch_plan_the_trial_ends_at_the_first_batch(
     monkeypatch: pytest.MonkeyPatch,

@@ -59,14 +59,32 @@ def test_a_pool_that_blocks_is_given_up_and_the_epoch_goes_on_where_it_was(mode:
     assert got["children_left"] == []
 
 
+@pytest.mark.slow  # a child process that imports torch, and one bound's wait: seconds
+def test_a_pool_whose_second_worker_blocks_says_how_many_delivered() -> None:
+    # Before: "got no batch from them", though worker 0 had delivered its first batch.
+    got = _run_child("second-worker")
+    assert got["epochs"] == got["expected"]
+    (hang,) = [c for c in got["history"] if c["reason"] == "hang"]
+    assert hang["old"] == [2, 2] and hang["new"] == [0, None]
+    assert hang["why"] == "no batch from 1 of the 2 workers it started within 1.5 s"
+    (warning,) = got["warnings"]
+    assert "started 2 workers and got no batch from 1 of them within 1.5 s" in warning
+    assert got["children_left"] == []
+
+
 class _BlocksInWorkers(Dataset[int]):
-    """Loads in the main process; blocks in a worker (a lock inherited across fork)."""
+    """Loads in the main process; blocks in a worker (a lock inherited across fork): in
+    every worker, or in all but the first (``first_loads``)."""
+
+    def __init__(self, first_loads: bool = False) -> None:
+        self.first_loads = first_loads
 
     def __len__(self) -> int:
         return 24
 
     def __getitem__(self, i: int) -> int:
-        if torch.utils.data.get_worker_info() is not None:
+        info = torch.utils.data.get_worker_info()
+        if info is not None and not (self.first_loads and info.id == 0):
             time.sleep(60)  # bounded, so that a worker left behind still ends
         return i
 
@@ -91,7 +109,7 @@ def _child(mode: str) -> None:
     adapt_pool.hang_timeout = lambda *a, **k: _BOUND_S  # type: ignore[attr-defined]
     adapt_timed._CHECK_BATCHES = 0
     adapt_timed._CHECK_EVERY_S = 0.0 if mode == "mid-epoch" else 1e9
-    ds = _BlocksInWorkers()
+    ds = _BlocksInWorkers(first_loads=mode == "second-worker")
     kw: dict[str, Any] = {"batch_size": 4, "shuffle": True}
     plain = DataLoader(ds, generator=torch.Generator().manual_seed(5), **kw)
     expected = [[int(x) for b in plain for x in b] for _ in range(2)]
@@ -392,7 +410,7 @@ def test_a_pool_whose_second_worker_dies_after_the_first_batch_is_given_up(
     kw: dict[str, Any] = {"batch_size": 4, "multiprocessing_context": "fork"}
     loader = AdaptiveDataLoader(_DiesInSecondWorker(), **kw)
     try:
-        with pytest.warns(RuntimeWarning, match="a worker died.*went back to num_workers=0"):
+        with pytest.warns(RuntimeWarning, match="a worker died.*went back to num_workers=0") as w:
             epochs = [[int(x) for b in loader for x in b] for _ in range(2)]
     finally:
         loader.close()
@@ -400,4 +418,6 @@ def test_a_pool_whose_second_worker_dies_after_the_first_batch_is_given_up(
     (failed,) = loader.tuning_history[1:]
     assert (failed.reason, failed.old, failed.new) == ("failed", (2, 2), (0, None))
     assert failed.epoch_batch > 0  # given up where the epoch was, after worker 0's batch
+    (text,) = [str(x.message) for x in w if x.category is RuntimeWarning]
+    assert "started 2 workers and 1 of them failed before its first batch" in text
     assert loader.num_workers == 0 and loader._max_workers == 0

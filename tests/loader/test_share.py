@@ -105,7 +105,15 @@ def test_entries_are_json_and_a_malformed_one_is_none() -> None:
     assert _share.receive_entry(store, "bad", 1.0) is None
 
 
-_LAUNCH_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID")
+# SLURM_STEPID: the older name of SLURM_STEP_ID, read too (launch_env.in_srun_step).
+_LAUNCH_VARS = (
+    "LOCAL_RANK",
+    "SLURM_LOCALID",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_STEP_ID",
+    "SLURM_STEPID",
+)
 
 
 @pytest.mark.parametrize(
@@ -113,6 +121,7 @@ _LAUNCH_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "SLURM_PROCID", "SLURM_NTASKS", "
     [
         ({"LOCAL_RANK": "1", "SLURM_LOCALID": "0"}, 1),  # torchrun's, whatever SLURM says
         ({"SLURM_LOCALID": "1", "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}, 1),
+        ({"SLURM_LOCALID": "1", "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEPID": "0"}, 1),
         # A batch script's SLURM_LOCALID=0, inherited by every rank a launcher other than
         # srun starts: not this rank's place on the host, so the global rank (all here).
         ({"SLURM_LOCALID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, 3),

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -330,9 +332,31 @@ def test_a_huge_hidden_top_level_folder_is_searched_for_images_only_so_far(
         _, classes, _ = find_images(root)
     assert ".cache" not in classes and ".cats" not in classes
     assert 0 < sum(os.sep + ".cache" + os.sep in p for p in read) <= 100
-    message = str(caught[0].message)
-    assert "'.cats'" in message
-    assert "'.cache' (over 100 entries: may hold images)" in message
+    (message,) = [str(w.message) for w in caught if "holding images" in str(w.message)]
+    # A hidden class folder's entries are images: 100 without one is no class, and not
+    # warned of (before: "'.cache' (over 100 entries: may hold images)", on every scan).
+    assert "'.cats'" in message and ".cache" not in message
+
+
+@pytest.mark.parametrize("entries", [99, 100, 101])
+def test_a_hidden_folder_with_no_image_within_the_bound_is_not_warned_of(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entries: int
+) -> None:
+    # Before: a folder of exactly 100 entries, read whole, was named as "over 100 entries:
+    # may hold images", as was any larger one without an image among its first 100.
+    import warnings
+
+    import trainperf.pipelines._folder as folder_module
+
+    root = _mixed_folder(tmp_path / "data")
+    (root / ".cache").mkdir()
+    for i in range(entries):
+        (root / ".cache" / f"{i:03d}.bin").write_bytes(b"")
+    monkeypatch.setattr(folder_module, "_MAX_SEARCHED", 100, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, classes, _ = find_images(root)
+    assert ".cache" not in classes
 
 
 @pytest.mark.parametrize("name", [".git", ".hg", ".svn", ".dvc"])
@@ -370,3 +394,78 @@ def test_a_link_loop_beside_the_classes_is_not_a_class_and_does_not_stop_the_sca
         items, classes, unlisted = find_images(root)
     assert classes == ("a",) and unlisted == []
     assert [Path(p).name for p, _ in items] == ["0.png"]
+
+
+class _OutOfReach:
+    """A directory entry for a link whose target cannot be reached (``EACCES``: a folder on
+    the way without search permission), which a root user cannot make happen for real."""
+
+    def __init__(self, entry: os.DirEntry[str]) -> None:
+        self.name, self.path = entry.name, entry.path
+
+    def _refused(self) -> PermissionError:
+        return PermissionError(errno.EACCES, os.strerror(errno.EACCES), self.path)
+
+    def is_dir(self, *, follow_symlinks: bool = True) -> bool:
+        raise self._refused()
+
+    def is_file(self, *, follow_symlinks: bool = True) -> bool:
+        raise self._refused()
+
+    def is_symlink(self) -> bool:
+        return True
+
+
+class _Listing:
+    """``os.scandir``'s iterator, its entries named in ``out_of_reach`` replaced."""
+
+    def __init__(self, entries: os._ScandirIterator[str], out_of_reach: set[str]) -> None:
+        self.entries, self.out_of_reach = entries, out_of_reach
+
+    def __enter__(self) -> _Listing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.entries.close()
+
+    def __iter__(self) -> _Listing:
+        return self
+
+    def __next__(self) -> os.DirEntry[str] | _OutOfReach:
+        entry = next(self.entries)
+        return _OutOfReach(entry) if entry.path in self.out_of_reach else entry
+
+    def close(self) -> None:
+        self.entries.close()
+
+
+@pytest.mark.parametrize("name", ["b", ".b"])
+def test_a_class_folder_link_out_of_reach_is_unlisted_not_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    # Before: DirEntry.is_dir() raising PermissionError for a link to a place out of reach
+    # dropped the folder as no class, so every later class took the label before it.
+    root = _mixed_folder(tmp_path / "data")
+    (tmp_path / "elsewhere").mkdir()
+    PIL.new("RGB", (4, 4)).save(tmp_path / "elsewhere" / "0.png")
+    (root / name).symlink_to(tmp_path / "elsewhere")
+    (root / "zebra").mkdir()
+    PIL.new("RGB", (4, 4)).save(root / "zebra" / "1.png")
+    link = str(root / name)
+    scandir = os.scandir
+
+    def out_of_reach(path: Any = ".") -> _Listing:
+        if os.fspath(path) == link:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), link)
+        return _Listing(scandir(path), {link})
+
+    monkeypatch.setattr(os, "scandir", out_of_reach)
+    items, classes, unlisted = find_images(root)
+    if name == "b":  # a class as any folder is: reported as one that cannot be listed
+        assert "b" in classes
+        assert unlisted == [(link, "cannot be listed (Permission denied)")]
+    else:  # hidden: passed over, as it was, and not searched
+        assert ".b" not in classes and unlisted == []
+    zebra = classes.index("zebra")
+    assert zebra == len(classes) - 1
+    assert {label for p, label in items if Path(p).parent.name == "zebra"} == {zebra}

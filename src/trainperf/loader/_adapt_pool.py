@@ -1,8 +1,8 @@
 """The worker pools of an :class:`~trainperf.loader.AdaptiveDataLoader`: a change applied
 (:func:`apply_change`: the old pool shut down, the new setting recorded), the epoch
 resumed on the new pool where the old one left it (:func:`resume`), the bound a pool it
-started gets for its first batch (:func:`arm`, :func:`hang_bound`) and what happens when
-none comes (:func:`pool_hung`) or the pool breaks first (:func:`pool_broke`,
+started gets for each worker's first batch (:func:`arm`, :func:`hang_bound`) and what
+happens when one does not come (:func:`pool_hung`) or the pool breaks first (:func:`pool_broke`,
 :func:`pool_failed`: it cannot start, a worker dies), and the draw of a new pool's worker
 seeds from a private generator, so that the sampler's sequence is the fixed loader's
 (:func:`no_extra_draw`).
@@ -53,8 +53,8 @@ __all__ = [
 logger = logging.getLogger("trainperf.loader")
 
 _SEED_OFFSET = 0x9E3779B97F4A7C15  # sets the private seed stream apart from the real one
-_HANG: Reason = "hang"  # a pool it started gave no first batch in time (not a rule's)
-_FAILED: Reason = "failed"  # a pool it started broke before its first batch (not a rule's)
+_HANG: Reason = "hang"  # a worker it started gave no first batch in time (not a rule's)
+_FAILED: Reason = "failed"  # a pool it started broke before each worker's first batch
 # Faults of the pool's own, not the dataset's: a dataset that raises in a worker ("error")
 # raises in the main process too, and is the caller's to see, as with any DataLoader.
 _POOL_FAULTS = ("crash", "pickle", "memory", "shm")
@@ -175,16 +175,18 @@ def pool_hung(loader: AdaptiveDataLoader, timed: _TimedIter, trial: _Trial) -> N
     resumed where the epoch was, and try no more workers than that from now on (every
     new worker would start as those did; fewer than a count that hung, after a
     decrease)."""
-    hung = loader.num_workers
-    why = f"no batch from the {hung} workers it started within {trial.timeout_s or 0:.1f} s"
+    hung, delivered = loader.num_workers, timed.delivered
+    some = f"{hung - delivered} of " if delivered else ""
+    why = f"no batch from {some}the {hung} workers it started within {trial.timeout_s or 0:.1f} s"
     _step_back(loader, timed, trial, _HANG, why)
-    text = _hang_warning(type(loader).__name__, loader.dataset, hung, trial, loader._max_workers)
+    name, most = type(loader).__name__, loader._max_workers
+    text = _hang_warning(name, loader.dataset, hung, trial, most, delivered)
     warnings.warn(text, RuntimeWarning, stacklevel=user_stacklevel())
 
 
 def pool_broke(loader: AdaptiveDataLoader, it: Any, error: BaseException) -> str | None:
-    """Why ``error``, raised by the pool ``it`` on trial before its first batch, is the
-    pool's own failure (it could not start: its arguments cannot be pickled for
+    """Why ``error``, raised by the pool ``it`` on trial (before each of its workers'
+    first batch), is the pool's own failure (it could not start: its arguments cannot be pickled for
     ``spawn``, no process could be started; or a worker died), or None when it is not
     (the dataset raised in a worker: the caller's error, as with any DataLoader)."""
     if isinstance(it, FailedStart):
@@ -197,12 +199,14 @@ def pool_broke(loader: AdaptiveDataLoader, it: Any, error: BaseException) -> str
 
 
 def pool_failed(loader: AdaptiveDataLoader, timed: _TimedIter, trial: _Trial, why: str) -> None:
-    """The pool it started broke before its first batch (``why``, :func:`pool_broke`): stop
-    what is left of it, go back to the setting before it, resumed where the epoch was, and
-    try no more workers than that from now on, as for a hang (:func:`pool_hung`)."""
-    failed = loader.num_workers
+    """The pool it started broke before each of its workers' first batch (``why``,
+    :func:`pool_broke`): stop what is left of it, go back to the setting before it, resumed
+    where the epoch was, and try no more workers than that from now on, as for a hang
+    (:func:`pool_hung`)."""
+    failed, delivered = loader.num_workers, timed.delivered
     _step_back(loader, timed, trial, _FAILED, f"the {failed} workers it started failed: {why}")
-    text = _failed_warning(type(loader).__name__, failed, why, trial, loader._max_workers)
+    name, most = type(loader).__name__, loader._max_workers
+    text = _failed_warning(name, failed, why, trial, most, delivered)
     warnings.warn(text, RuntimeWarning, stacklevel=user_stacklevel())
 
 
@@ -308,17 +312,24 @@ def no_extra_draw(loader: AdaptiveDataLoader) -> Iterator[None]:
         loader.generator = real
 
 
-def _hang_warning(name: str, dataset: Any, hung: int, trial: _Trial, most: int) -> str:
-    """What a loader whose new pool of ``hung`` workers gave no batch says, and the fix.
+def _hang_warning(
+    name: str, dataset: Any, hung: int, trial: _Trial, most: int, delivered: int = 0
+) -> str:
+    """What a loader whose new pool of ``hung`` workers, ``delivered`` of which gave their
+    first batch, gave no further batch says, and the fix.
 
     Example:
         >>> print(_hang_warning("AdaptiveDataLoader", range(4), 8, _Trial((0, None), 10.0), 0))
         ... # doctest: +ELLIPSIS
         AdaptiveDataLoader started 8 workers and got no batch from them within 10.0 s: ...
+        >>> print(_hang_warning("AdaptiveDataLoader", range(4), 8, _Trial((0, None), 10.0), 0, 5))
+        ... # doctest: +ELLIPSIS
+        AdaptiveDataLoader started 8 workers and got no batch from 3 of them within 10.0 s: ...
     """
     back = trial.previous[0]
+    them = f"{hung - delivered} of them" if delivered else "them"
     return (
-        f"{name} started {hung} workers and got no batch from them within "
+        f"{name} started {hung} workers and got no batch from {them} within "
         f"{trial.timeout_s:.1f} s: {type(dataset).__name__} blocks in worker processes (a "
         "lock, thread pool or open handle inherited across fork, say). It stopped them, went "
         f"back to num_workers={back} where the epoch was (no sample lost or repeated), and "
@@ -329,17 +340,26 @@ def _hang_warning(name: str, dataset: Any, hung: int, trial: _Trial, most: int) 
     )
 
 
-def _failed_warning(name: str, failed: int, why: str, trial: _Trial, most: int) -> str:
-    """What a loader whose new pool of ``failed`` workers broke before its first batch says.
+def _failed_warning(
+    name: str, failed: int, why: str, trial: _Trial, most: int, delivered: int = 0
+) -> str:
+    """What a loader whose new pool of ``failed`` workers broke before each worker's first
+    batch (``delivered`` of them had given theirs) says.
 
     Example:
         >>> trial = _Trial((0, None), 9.0)
         >>> print(_failed_warning("AdaptiveDataLoader", 2, "a worker died", trial, 0))
         ... # doctest: +ELLIPSIS
         AdaptiveDataLoader started 2 workers and they failed before their first batch: a ...
+        >>> print(_failed_warning("AdaptiveDataLoader", 2, "a worker died", trial, 0, 1))
+        ... # doctest: +ELLIPSIS
+        AdaptiveDataLoader started 2 workers and 1 of them failed before its first batch: a ...
     """
+    left = failed - delivered
+    their = "its" if left == 1 else "their"
+    failing = f"{left} of them failed before {their}" if delivered else "they failed before their"
     return (
-        f"{name} started {failed} workers and they failed before their first batch: {why}. "
+        f"{name} started {failed} workers and {failing} first batch: {why}. "
         f"It went back to num_workers={trial.previous[0]} where the epoch was (no sample lost "
         f"or repeated) and uses at most {most} workers from now on; to keep it loading in the "
         "main process from the start, pass max_workers=0 (or adapt=False with num_workers=0)"

@@ -72,8 +72,15 @@ class _TimedIter:
         self._trial_batches += 1
         return self.plan is None or self._trial_batches >= self.loader.num_workers
 
+    @property
+    def delivered(self) -> int:
+        """Workers of the pool on trial that have delivered their first batch (batch ``k``
+        is worker ``k mod n``'s)."""
+        return min(self._trial_batches, self.loader.num_workers)
+
     def _end_trial(self) -> None:
-        """The pool works: the caller's timeout (none) bounds its waits from now on."""
+        """The pool works, or is left: the caller's timeout (none) bounds its waits from now
+        on, the next epoch's included where the pool is kept."""
         if self.trial is not None:
             self.trial, self.it._timeout = None, self.loader.timeout
 
@@ -176,9 +183,13 @@ class _TimedIter:
     def cut(self, by: str) -> None:
         """The epoch's workers or sampler are taken away by ``by`` (a newer ``iter()``,
         ``close()``): an unfinished iterator refuses further batches from then on rather than
-        end early or share the next epoch's."""
-        if self._loader is not None and self.cut_by is None:
-            self.cut_by = by
+        end early or share the next epoch's. A trial left unfinished (a ``break`` before
+        each worker delivered) ends: a persistent pool kept for the next epoch waits as
+        the caller's ``timeout`` says, not within the trial's bound."""
+        if self._loader is not None:
+            self._end_trial()
+            if self.cut_by is None:
+                self.cut_by = by
 
     def _count(self) -> None:
         """One more batch of this epoch used up (yielded, or failed to load)."""

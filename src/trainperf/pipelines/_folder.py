@@ -18,6 +18,7 @@ later label would differ from ImageFolder's) is named in another.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -49,8 +50,9 @@ _SYSTEM_FOLDERS = frozenset(
      "lost+found")
 )  # fmt: skip
 
-# Top-level folders passed over that are searched for images (to warn that ImageFolder reads
-# them as classes) no further than this many entries, and those of version control, never a
+# Top-level folders passed over are searched for images (to warn that ImageFolder reads them
+# as classes) no further than this many entries: a class folder's entries are images, so one
+# with none among so many is no class (a large .cache). Those of version control, never a
 # class and holding up to millions of objects (a dataset kept in a repository), not at all.
 _MAX_SEARCHED = 10_000
 _VERSION_CONTROL = frozenset((".git", ".hg", ".svn", ".dvc"))
@@ -84,11 +86,14 @@ def _unread_suffix(name: str) -> str | None:
 
 def _is_dir(entry: os.DirEntry[str]) -> bool:
     """Whether ``entry`` is a directory, links followed: a link that leads to itself (``z ->
-    z``) is not one, as a broken link is not (``DirEntry.is_dir`` raises for it instead)."""
+    z``) is not one, as a broken link is not (``DirEntry.is_dir`` raises for it instead). A
+    link whose target cannot be reached (no permission, an I/O error, a stale NFS handle)
+    counts as one: a class folder out of reach is reported as one that cannot be listed
+    (``_walk_class``), not dropped, which would shift every later class's label."""
     try:
         return entry.is_dir()
-    except OSError:
-        return False
+    except OSError as e:
+        return e.errno not in (errno.ELOOP, errno.ENOENT)
 
 
 def _dir_key(path: str) -> tuple[int, int] | None:
@@ -225,8 +230,8 @@ def find_images(
     neither is a class, and nothing in them is read (ImageFolder reads them). Image files left
     out (a suffix no backend decodes, such as ``.heic`` or ``.gif``; an image directly in
     ``root``) are counted in one warning. A hidden or system's folder directly in ``root``
-    that holds image files (not only AppleDouble ``._*`` ones; searched no further than 10,000
-    entries, and not at all for ``.git``, ``.hg``, ``.svn`` and ``.dvc``) is named in a
+    that holds image files (not only AppleDouble ``._*`` ones; one among its first 10,000
+    entries, and none at all for ``.git``, ``.hg``, ``.svn`` and ``.dvc``) is named in a
     warning: ImageFolder reads it as a class, so its classes and labels differ from these.
 
     Directory links are followed, but every real directory is read once: a link to a
@@ -362,12 +367,13 @@ def _warn_left_out(root: str | os.PathLike[str], unread: Counter[str], loose: in
         _warn(f"image folder {str(root)!r}: left out " + "; and ".join(said))
 
 
-def _holds_images(folder: str) -> bool | None:
+def _holds_images(folder: str) -> bool:
     """Whether ``folder`` holds, at any depth (links to folders not followed), a file with an
     image suffix that is not macOS's AppleDouble metadata (``._photo.jpg``, all that a
-    ``__MACOSX`` folder holds). Stops at the first; None (it may) once it has read
-    ``_MAX_SEARCHED`` entries without finding one: a ``.cache`` of a million files beside the
-    classes would otherwise be read on every scan."""
+    ``__MACOSX`` folder holds) among its first ``_MAX_SEARCHED`` entries. Stops at the first;
+    False once it has read that many without finding one: a class folder's entries are
+    images, so such a folder is no class (a ``.cache`` of a million files beside the
+    classes, which would otherwise be read, and warned of, on every scan)."""
     pending, left = [folder], _MAX_SEARCHED
     while pending:
         try:
@@ -381,7 +387,7 @@ def _holds_images(folder: str) -> bool | None:
                         return True
                     left -= 1
                     if left == 0:
-                        return None
+                        return False
         except OSError:  # cannot be listed: passed over, as os.walk does
             continue
     return False
@@ -396,10 +402,8 @@ def _warn_passed_over(path: Path, root: str | os.PathLike[str], passed_over: lis
     for name in passed_over:
         if name.lower() in _VERSION_CONTROL:
             continue
-        holds = _holds_images(os.path.join(path, name))
-        if holds is not False:
-            searched = "" if holds else f" (over {_MAX_SEARCHED:,} entries: may hold images)"
-            with_images.append(f"'{shown(name)}'{searched}")
+        if _holds_images(os.path.join(path, name)):
+            with_images.append(f"'{shown(name)}'")
     if with_images:
         _warn(
             f"image folder {str(root)!r}: {len(with_images)} top-level folder(s) holding images "
