@@ -272,7 +272,15 @@ def test_restore_agrees_on_the_ranks_own_gpu_under_nccl(
     assert fake.current == 0  # the script's current device is left as it was
 
 
-@pytest.mark.parametrize(("device", "expected"), [("cuda", "cuda:1"), ("cuda:0", "cuda:0")])
+@pytest.mark.parametrize(
+    ("device", "expected"),
+    [
+        ("cuda", "cuda:1"),
+        ("cuda:0", "cuda:0"),
+        # not the GPU with most free memory, which restore itself had resolved "auto" to
+        ("auto", "cuda:1"),
+    ],
+)
 def test_restore_onto_cuda_loads_onto_the_ranks_own_gpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str, expected: str
 ) -> None:
@@ -282,6 +290,7 @@ def test_restore_onto_cuda_loads_onto_the_ranks_own_gpu(
     _as_rank(monkeypatch, 1)
     FakeNccl(monkeypatch, rank=1, gpus=2)
     monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr("trainperf.device.best_device", lambda: torch.device("cuda", 0))
     asked = map_locations(monkeypatch)
     w = torch.zeros(2)
     assert ckpt.restore({"w": w}, device=device) == 2

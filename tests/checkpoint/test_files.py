@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import trainperf._utils.imports
-import trainperf.checkpoint._files as files_module
+import trainperf.checkpoint._rank_gpu as rank_gpu_module
 import trainperf.checkpoint._read as read_module
 from tests.checkpoint import _ranks
 from tests.checkpoint._common import FIXTURES, GPU_FILES, Net, assert_same, temps
@@ -666,7 +666,7 @@ def test_running_out_of_gpu_memory_reading_safetensors_is_not_called_corrupt(
         raise error
 
     monkeypatch.setattr(safetensors_torch, "load_file", no_gpu_memory)
-    monkeypatch.setattr(files_module, "resolve_device", lambda *a, **k: torch.device("cuda:0"))
+    monkeypatch.setattr(rank_gpu_module, "resolve_device", lambda *a, **k: torch.device("cuda:0"))
     with pytest.raises(
         torch.OutOfMemoryError,
         match=rf"out of GPU memory loading checkpoint .*c\.safetensors \({size}\) onto cuda:0: "

@@ -15,9 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, RandomSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
 
 from trainperf.checkpoint import Checkpointer
+from trainperf.checkpoint._loader_resume import tail_pulls
+from trainperf.checkpoint._loader_state import loader_state, restore_loader, track
+from trainperf.checkpoint._sampler_states import sampler_chain
+from trainperf.ddp import distributed_loader
 
 _DATA = list(range(100))
 
@@ -488,3 +492,123 @@ def test_a_pass_resumed_with_another_batch_size_is_followed_by_the_uninterrupted
     again = taken * 4 - taken * 4 // new * new
     assert _samples(resumed) == passes[0][taken * 4 - again :]
     assert [_samples(resumed) for _ in range(2)] == passes[1:]
+
+
+class _LengthGrouped(Sampler[int]):
+    """A length-grouped sampler (a bucketing one, as Hugging Face's): one shuffle, each run of
+    ``2 * batch_size`` of it sorted, so its order depends on the batch size it was built with."""
+
+    def __init__(self, n: int, batch_size: int) -> None:
+        self.n, self.batch_size = n, batch_size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(0)).tolist()
+        run = 2 * self.batch_size
+        return iter([i for s in range(0, self.n, run) for i in sorted(perm[s : s + run])])
+
+
+def _grouped_loader(batch_size: int) -> DataLoader[Any]:
+    return DataLoader(
+        list(range(24)), batch_size=batch_size, sampler=_LengthGrouped(24, batch_size)
+    )
+
+
+def test_a_sampler_ordered_by_the_batch_size_restarts_its_pass_with_another_one(
+    tmp_path: Path,
+) -> None:
+    # Before: the pass resumed after the 12 samples consumed as if the new sampler's order
+    # were the saved one: samples 1 and 4 were never seen and 11 and 18 twice, silently.
+    first = _grouped_loader(4)
+    ck = Checkpointer(tmp_path)
+    ck.restore({"loader": first})
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    ck.save({"loader": first}, step=3)
+    resumed = _grouped_loader(6)
+    with pytest.warns(UserWarning, match=r"loader 'loader': .*: the pass restarts"):
+        Checkpointer(tmp_path).restore({"loader": resumed})
+    assert _samples(resumed) == list(_LengthGrouped(24, 6))
+
+
+@pytest.mark.parametrize(
+    ("make", "pulls"),
+    [(_grouped_loader, 6), (lambda batch_size: _seeded_loader(24, batch_size), 12)],
+    ids=["a sampler ordered by the batch size", "RandomSampler"],
+)
+def test_a_finished_pass_replays_its_whole_order_only_for_samplers_the_batch_size_leaves_alone(
+    make: Callable[[int], DataLoader[Any]], pulls: int
+) -> None:
+    # Before: the whole new pass (12 batches of 2) was replayed for any sampler.
+    old = make(4)
+    track(old)
+    for _ in old:
+        pass
+    saved = loader_state(old)
+    assert saved is not None and saved["position"] == 6
+    new = make(2)
+    assert tail_pulls(new, sampler_chain(new.batch_sampler), saved) == pulls
+
+
+def _sharded(replicas: int, batch_size: int) -> DataLoader[Any]:
+    data = list(range(9))
+    sampler = DistributedSampler(data, num_replicas=replicas, rank=0, shuffle=True, seed=1)
+    return DataLoader(data, batch_size=batch_size, sampler=sampler)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_another_world_size_of_the_same_shard_size_restarts_the_pass(
+    tmp_path: Path, batch_size: int
+) -> None:
+    # Before: 9 samples on 3 or 4 replicas are 3 per rank either way, so the change went
+    # unseen and the pass resumed in the other world size's order (batch size 2: after
+    # sample 2 of it, [[1]]; batch size 1: after its first 2 samples), silently.
+    first = _sharded(3, 1)
+    ck = Checkpointer(tmp_path)
+    ck.restore({"loader": first})
+    it = iter(first)
+    next(it), next(it)
+    ck.save({"loader": first}, step=2)
+    resumed = _sharded(4, batch_size)
+    with pytest.warns(UserWarning, match=r"loader 'loader': .*: the pass restarts"):
+        Checkpointer(tmp_path).restore({"loader": resumed})
+    assert _samples(resumed) == _samples(_sharded(4, batch_size))
+
+
+def test_a_file_without_the_world_size_restarts_a_pass_of_another_batch_size() -> None:
+    # Files saved before the world size was recorded cannot tell that it stayed the same.
+    old = _seeded_loader(24, 4)
+    track(old)
+    it = iter(old)
+    for _ in range(3):
+        next(it)
+    saved = loader_state(old)
+    assert saved is not None
+    saved["shape"] = {k: v for k, v in saved["shape"].items() if k not in ("replicas", "rank")}
+    new = _seeded_loader(24, 6)
+    with pytest.warns(UserWarning, match=r"loader 'l': .*: the pass restarts"):
+        restore_loader(new, saved, "l")
+    assert len(_samples(new)) == 24
+
+
+@pytest.mark.parametrize(("taken", "new"), [(3, 6), (3, 5)])
+def test_distributed_loader_resumes_with_another_batch_size_in_the_saved_order(
+    taken: int, new: int
+) -> None:
+    straight = distributed_loader(list(range(24)), batch_size=4, seed=3)
+    passes = [_samples(straight) for _ in range(2)]
+    old = distributed_loader(list(range(24)), batch_size=4, seed=3)
+    track(old)
+    it = iter(old)
+    for _ in range(taken):
+        next(it)
+    saved = loader_state(old)
+    resumed = distributed_loader(list(range(24)), batch_size=new, seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 12 consumed, batch size 5: 2 samples seen again
+        restore_loader(resumed, saved, "l")
+    assert _samples(resumed) == passes[0][taken * 4 // new * new :]
+    assert _samples(resumed) == passes[1]

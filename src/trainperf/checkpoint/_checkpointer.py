@@ -379,7 +379,8 @@ class Checkpointer:
             state: the same keys ``save`` was given, holding the live objects.
             device: where the file's tensors are loaded before being copied into the live
                 objects (which keep their own devices): None means the CPU; ``"cuda"``
-                under a process group, the rank's own GPU (as for :func:`load_checkpoint`).
+                or ``"auto"`` under a process group, the rank's own GPU (as for
+                :func:`load_checkpoint`).
 
         Returns:
             The restored step, or 0.

@@ -28,8 +28,8 @@ from trainperf.checkpoint._files import load_checkpoint
 from trainperf.checkpoint._held import held_step
 from trainperf.checkpoint._loader_state import track
 from trainperf.checkpoint._payload import restore_into, saved_step
+from trainperf.checkpoint._rank_gpu import load_device
 from trainperf.checkpoint._steps import main_file, refuse_misnamed
-from trainperf.device import resolve_device
 from trainperf.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -100,7 +100,9 @@ def _newest_loaded(
         )
     # Checked once, before any file: a bad device is the caller's error, not a file's
     # (skipping every file for it would restart the run from step 0).
-    dev = resolve_device("cpu" if device is None else device, allowed=("cpu", "cuda", "mps"))
+    # The user's argument, not a device resolved here: "auto" under a group is the rank's
+    # own GPU, which load_checkpoint could no longer tell from an explicit "cuda:N".
+    dev = load_device("cpu" if device is None else device)
     for value in state.values():
         if isinstance(value, DataLoader):
             track(value)

@@ -24,11 +24,10 @@ from trainperf.checkpoint._keys import (
     strip_wrapper_layers,
 )
 from trainperf.checkpoint._prefix import unwrap_model
-from trainperf.checkpoint._rank_gpu import on_rank_gpu, own_gpu
+from trainperf.checkpoint._rank_gpu import load_device, on_rank_gpu
 from trainperf.checkpoint._read import load_file, load_stream
 from trainperf.checkpoint._refusal import weights_only_refusal
 from trainperf.checkpoint._write import write_checkpoint_file
-from trainperf.device import resolve_device
 from trainperf.errors import CheckpointError
 
 
@@ -418,16 +417,7 @@ def load_checkpoint(
         {'step': 3, 'w': tensor([1., 1.])}
         3
     """
-    dev = resolve_device(device, allowed=("cpu", "cuda", "mps"))
-    if dev.type == "cpu":
-        # torch.load maps onto exactly "cpu": "cpu:0" (a valid torch.device) fails inside
-        # the unpickler, which read as a damaged file (and made restore skip every step).
-        dev = torch.device("cpu")
-    elif dev.type == "cuda" and (dev.index is None or device is None or device == "auto"):
-        # Under a process group, "cuda" is the rank's own GPU (DDP's convention), not the
-        # current device (cuda:0 on every rank of a script that never calls set_device),
-        # nor the GPU with most free memory (the same one on every rank of a host).
-        dev = own_gpu() or dev
+    dev = load_device(device)
     if not isinstance(path, (str, os.PathLike)):
         return load_stream(_file_object(path), dev, weights_only, verify)
     path = Path(os.fspath(path)).expanduser()

@@ -3,17 +3,34 @@
 :func:`pass_shape`), why a pass cannot be continued (:func:`resume_note`), where it resumes
 when only the batch size changed (:func:`rebatched`), and the end-of-pass draw a finished
 pass's sampler made on its way to StopIteration (:func:`tail_pulls`, :func:`draw_tail`).
+
+A batch size changed alone keeps the saved order only for samplers whose order the batch
+size does not change (:func:`_order_ignores_batch_size`): torch's own, exact types (a
+length-grouped or bucketing sampler built with the batch size orders the samples otherwise
+for another one), and only when the world size and rank are known to be the saved ones (a
+shard of 9 samples is 3 long on 3 replicas and on 4); any other loader restarts the pass
+with a warning, as for another dataset.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from trainperf._utils.format import plural
 from trainperf.checkpoint._dataset_states import put_back
@@ -39,20 +56,65 @@ def _sized(obj: Any) -> int | None:
         return None
 
 
-def pass_shape(loader: DataLoader[Any]) -> dict[str, int | None]:
-    """What a pass's position means: the dataset's and the sampler's sizes, and the batch
-    size (another one with the same number of batches per pass puts other samples in the
-    batches already consumed)."""
+def _layout(chain: list[Any]) -> tuple[Any, Any]:
+    """``(world size, rank)`` the pass was sharded for: a ``DistributedSampler``'s in
+    ``chain``, else the process group's, else ``(1, 0)``."""
+    for sampler in chain:
+        if isinstance(sampler, DistributedSampler):
+            return sampler.num_replicas, sampler.rank
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def pass_shape(loader: DataLoader[Any], chain: list[Any]) -> dict[str, Any]:
+    """What a pass's position means: the dataset's and the sampler's sizes, the batch size
+    (another one with the same number of batches per pass puts other samples in the
+    batches already consumed), and the world size and rank (``replicas``, ``rank``) of the
+    sampler ``chain`` (:func:`._sampler_states.sampler_chain`), which another one shards
+    otherwise with the same shard size."""
     if isinstance(loader.dataset, IterableDataset):
         return {}
+    samples = _sized(loader.sampler)  # first: len() of distributed_loader's takes the layout
+    replicas, rank = _layout(chain)
     return {
         "dataset": _sized(loader.dataset),
-        "samples": _sized(loader.sampler),
+        "samples": samples,
         "batch_size": loader.batch_size,
+        "replicas": replicas,
+        "rank": rank,
     }
 
 
-def resume_note(loader: DataLoader[Any], saved: Mapping[str, Any]) -> str | None:
+def _batch_size_free_samplers() -> tuple[type, ...]:
+    """torch's samplers whose order the batch size does not change, and ``distributed_loader``'s
+    (a ``DistributedSampler``; looked up only once ``trainperf.ddp`` is loaded, as it must be
+    for one to exist)."""
+    known: tuple[type, ...] = (
+        SequentialSampler,
+        RandomSampler,
+        SubsetRandomSampler,
+        WeightedRandomSampler,
+        DistributedSampler,
+    )
+    helpers = sys.modules.get("trainperf.ddp._helpers")
+    return known if helpers is None else (*known, helpers._AutoEpochSampler)
+
+
+def _order_ignores_batch_size(chain: list[Any]) -> bool:
+    """Whether ``chain``'s batches are consecutive runs of an order the batch size does not
+    change: torch's own ``BatchSampler`` over the samplers above, exact types (a subclass,
+    or a sampler of your own, may be built with the batch size and order by it)."""
+    known = _batch_size_free_samplers()
+    return (
+        len(chain) >= 2
+        and type(chain[0]) is BatchSampler
+        and all(type(sampler) in known for sampler in chain[1:])
+    )
+
+
+def resume_note(loader: DataLoader[Any], chain: list[Any], saved: Mapping[str, Any]) -> str | None:
     """Why the saved pass cannot be continued here, or None when it can."""
     if isinstance(loader.dataset, IterableDataset):
         return (
@@ -67,7 +129,7 @@ def resume_note(loader: DataLoader[Any], saved: Mapping[str, Any]) -> str | None
             f"it has {length} batches per pass, but {saved['length']} when the checkpoint "
             "was saved (another dataset, batch size or world size): the pass restarts"
         )
-    shape, was = pass_shape(loader), saved.get("shape") or {}
+    shape, was = pass_shape(loader, chain), saved.get("shape") or {}
     changed = [f"{k} {was[k]} -> {shape[k]}" for k in shape if k in was and shape[k] != was[k]]
     if changed:
         return (
@@ -77,29 +139,36 @@ def resume_note(loader: DataLoader[Any], saved: Mapping[str, Any]) -> str | None
     return None
 
 
-def _batch_sizes(loader: DataLoader[Any], saved: Mapping[str, Any]) -> tuple[int, int] | None:
+def _batch_sizes(
+    loader: DataLoader[Any], chain: list[Any], saved: Mapping[str, Any]
+) -> tuple[int, int] | None:
     """The saved and the new batch size when only the batch size changed since the save
-    (the same dataset and sampler sizes); None otherwise."""
-    shape, was = pass_shape(loader), saved.get("shape") or {}
+    (the same dataset and sampler sizes, world size and rank: a file that has none
+    recorded cannot tell) and ``chain``'s order does not depend on it; None otherwise."""
+    shape, was = pass_shape(loader, chain), saved.get("shape") or {}
     old, new = was.get("batch_size"), shape.get("batch_size")
     if old is None or new is None or old == new:
         return None
-    if any(shape[k] is None or was.get(k) != shape[k] for k in ("dataset", "samples")):
+    same = ("dataset", "samples", "replicas", "rank")
+    if any(shape[k] is None or was.get(k) != shape[k] for k in same):
         return None
-    return old, new
+    return (old, new) if _order_ignores_batch_size(chain) else None
 
 
-def rebatched(loader: DataLoader[Any], saved: Mapping[str, Any]) -> tuple[int, str | None] | None:
+def rebatched(
+    loader: DataLoader[Any], chain: list[Any], saved: Mapping[str, Any]
+) -> tuple[int, str | None] | None:
     """Where the saved pass resumes in ``loader``'s batches when only its batch size changed
     since the save, and what to warn of (None when it resumes exactly); None when the batch
-    size is the same, or something else changed too.
+    size is the same, something else changed too, or the sampler ``chain`` is not one whose
+    order the batch size leaves alone (:func:`_order_ignores_batch_size`).
 
-    The sampler's order does not depend on the batch size (the batches are consecutive runs
-    of it), so the pass goes on in the saved order after the samples consumed, ``position *
-    old batch size``; when the new batch size does not divide them, after the whole batches
-    of it below them, so the few in between are seen again rather than never.
+    That order does not depend on the batch size (the batches are consecutive runs of it),
+    so the pass goes on in the saved order after the samples consumed, ``position * old
+    batch size``; when the new batch size does not divide them, after the whole batches of
+    it below them, so the few in between are seen again rather than never.
     """
-    sizes = _batch_sizes(loader, saved)
+    sizes = _batch_sizes(loader, chain, saved)
     if sizes is None or getattr(loader, "in_order", True) is False:
         return None
     old, new = sizes
@@ -117,13 +186,14 @@ def rebatched(loader: DataLoader[Any], saved: Mapping[str, Any]) -> tuple[int, s
     )
 
 
-def tail_pulls(loader: DataLoader[Any], saved: Mapping[str, Any]) -> int:
+def tail_pulls(loader: DataLoader[Any], chain: list[Any], saved: Mapping[str, Any]) -> int:
     """How many of ``loader``'s batches the saved pass, finished, had handed out: its
-    position, or, when only the batch size changed, ``loader``'s whole pass (the saved
-    pass's sampler had drawn all of its order, which the position counts in batches of the
-    old size: replayed in smaller ones it would stop short of the sampler's end)."""
+    position, or, when only the batch size changed (as :func:`rebatched` tells it),
+    ``loader``'s whole pass (the saved pass's sampler had drawn all of its order, which the
+    position counts in batches of the old size: replayed in smaller ones it would stop short
+    of the sampler's end)."""
     length = pass_length(loader)
-    if length is None or _batch_sizes(loader, saved) is None:
+    if length is None or _batch_sizes(loader, chain, saved) is None:
         return int(saved["position"])
     return length
 

@@ -19,9 +19,9 @@ while its sampler draws, so it yields the same order, and the first ``position``
 indices are dropped at the sampler, so their samples are never loaded. Every random draw the
 DataLoader makes while starting that pass (the workers' base seed) is undone, because the
 interrupted run had made it before the checkpoint, and the generators stay where the
-checkpoint left them. A batch size changed alone keeps the saved order too: the pass resumes
-after the samples consumed, or the whole batches of the new size below them
-(:func:`._loader_resume.rebatched`).
+checkpoint left them. A batch size changed alone keeps the saved order too, for torch's own
+samplers: the pass resumes after the samples consumed, or the whole batches of the new size
+below them (:func:`._loader_resume.rebatched`).
 
 Not exact, and documented: random augmentation done *inside* DataLoader workers (each worker's
 generator has advanced through the batches it loaded, which the resumed pass does not replay),
@@ -317,7 +317,7 @@ def loader_state(loader: DataLoader[Any]) -> dict[str, Any] | None:
         "passes": tracker.passes,
         "position": tracker.position,
         "length": length,
-        "shape": pass_shape(loader),
+        "shape": pass_shape(loader, chain),
         "done": _finished(tracker.done, tracker.position, length),
         "ended": tracker.done,  # the pass raised StopIteration: its sampler drew its tail
         "start": None if tracker.start is None else tracker.start.to_dict(),
@@ -374,17 +374,17 @@ def restore_loader(loader: DataLoader[Any], saved: Mapping[str, Any] | None, key
     tracker.scratch_seed = bool(done and saved["passes"] >= 1 and reuses)
     if done and saved.get("ended") is False and saved["start"] is not None:
         pass_start = SamplerStates.from_dict(saved["start"])
-        pulls = tail_pulls(loader, saved)
+        pulls = tail_pulls(loader, chain, saved)
         draw_tail(chain, loader.generator, pass_start, pulls, shared)
     if done or (saved["start"] is None and not _begun(saved)):
         return
     # Nothing consumed (a pass saved before its first batch): any order continues it.
-    resumed_at = rebatched(loader, saved) if saved["position"] > 0 else None
+    resumed_at = rebatched(loader, chain, saved) if saved["position"] > 0 else None
     if resumed_at is not None:
         position, note = resumed_at
     else:
         position = saved["position"]
-        note = resume_note(loader, saved) if position > 0 else None
+        note = resume_note(loader, chain, saved) if position > 0 else None
     if note is not None:
         warnings.warn(f"loader {key!r}: {note}", UserWarning, stacklevel=user_stacklevel())
         if resumed_at is None:

@@ -1,9 +1,10 @@
 """The GPU a rank's collectives in this package run on under NCCL (:func:`on_rank_gpu`):
 the restore's agreements, ``save_checkpoint(..., distributed=True)``'s broadcast and
 ``Checkpointer.preemption()``'s flag comparison; and, under any process group, the GPU
-``device="cuda"`` (no index) loads a checkpoint onto (:func:`own_gpu`), as DDP's convention
-has each rank on its own GPU (``torch.load(map_location="cuda")`` would use the current
-device, ``cuda:0`` on every rank for the reason below).
+``device="cuda"`` (no index) or ``"auto"`` loads a checkpoint onto (:func:`own_gpu`, applied
+by :func:`load_device` for ``load_checkpoint`` and ``Checkpointer.restore`` alike), as DDP's
+convention has each rank on its own GPU (``torch.load(map_location="cuda")`` would use the
+current device, ``cuda:0`` on every rank for the reason below).
 
 NCCL's object collectives (``all_gather_object``, ``broadcast_object_list``) move the
 pickled object to ``torch.cuda.current_device()``, which is ``cuda:0`` on every rank of a
@@ -33,8 +34,34 @@ from collections.abc import Iterator
 import torch
 
 from trainperf._utils import launch_env
+from trainperf.device import resolve_device
 
-__all__ = ["on_rank_gpu", "own_gpu", "rank_gpu"]
+__all__ = ["load_device", "on_rank_gpu", "own_gpu", "rank_gpu"]
+
+
+def load_device(device: str | int | torch.device | None) -> torch.device:
+    """The device a checkpoint's tensors are loaded onto for ``device``, the caller's
+    argument as given (:func:`trainperf.device.resolve_device`'s choices): under a process
+    group, a GPU without an index or one picked for ``"auto"``/None is the rank's own
+    (:func:`own_gpu`). It takes the argument, not a resolved device, because ``"auto"``
+    resolves to an indexed GPU (the emptiest: the same one on every rank of a host) that
+    cannot be told from an explicit ``"cuda:N"`` afterwards.
+
+    Raises:
+        ValueError: ``device`` is none of the choices.
+        DeviceError: it asks for a device this machine lacks.
+    """
+    dev = resolve_device(device, allowed=("cpu", "cuda", "mps"))
+    if dev.type == "cpu":
+        # torch.load maps onto exactly "cpu": "cpu:0" (a valid torch.device) fails inside
+        # the unpickler, which read as a damaged file (and made restore skip every step).
+        return torch.device("cpu")
+    if dev.type == "cuda" and (dev.index is None or device is None or device == "auto"):
+        # Under a process group, "cuda" is the rank's own GPU (DDP's convention), not the
+        # current device (cuda:0 on every rank of a script that never calls set_device),
+        # nor the GPU with most free memory (the same one on every rank of a host).
+        return own_gpu() or dev
+    return dev
 
 
 def rank_gpu() -> torch.device | None:
