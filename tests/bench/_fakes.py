@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
 import pytest
@@ -29,3 +30,55 @@ def fake_mixed_host(monkeypatch: pytest.MonkeyPatch, module: ModuleType) -> None
         torch.cuda, "get_device_capability", lambda device=None: capabilities[device.index]
     )
     monkeypatch.setattr(module, "resolve_device", lambda device: cuda1)
+
+
+class FakeBatches:
+    """``bench_model``'s batches, none of which runs a model: each advances a fake clock (the
+    run's ``_clock``) by the next of ``seconds`` (the last one repeated), and the batches
+    and CUDA synchronisations are recorded in order (``"b"``, ``"s"``) in ``events``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *seconds: float) -> None:
+        model = importlib.import_module("trainperf.bench._model")
+        run = importlib.import_module("trainperf.bench._model_run")
+        self.seconds = list(seconds)
+        self.now = 0.0
+        self.events: list[str] = []
+        monkeypatch.setattr(run, "_clock", lambda: self.now)
+        monkeypatch.setattr(run, "synchronize", lambda device: self.events.append("s"))
+        monkeypatch.setattr(model, "_batch_runner", lambda *args, **kwargs: self.batch)
+
+    def batch(self) -> None:
+        ran = self.events.count("b")
+        self.now += self.seconds[min(ran, len(self.seconds) - 1)]
+        self.events.append("b")
+
+    @property
+    def ran(self) -> int:
+        """Batches run so far."""
+        return self.events.count("b")
+
+
+class FakeCopies:
+    """``bench_h2d`` on a CPU-only host: cuda:0 is there, its buffers are small CPU tensors,
+    and a pageable copy takes ``pageable`` seconds, a pinned one ``pinned`` (nothing is
+    copied); ``copies`` records ``"pageable"`` or ``"pinned"`` for each, in order."""
+
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, module: ModuleType, pageable: float, pinned: float
+    ) -> None:
+        self.buffers = (torch.zeros(2 * 2**20, dtype=torch.uint8),
+                        torch.zeros(2 * 2**20, dtype=torch.uint8),
+                        torch.zeros(2 * 2**20, dtype=torch.uint8))  # fmt: skip
+        self.copies: list[str] = []
+        self.times = {"pageable": pageable, "pinned": pinned}
+        cuda0 = torch.device("cuda", 0)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(module, "resolve_device", lambda device, allowed: cuda0)
+        monkeypatch.setattr(module, "gpu_name", lambda device: "NVIDIA H200")
+        monkeypatch.setattr(module, "_buffers", lambda size_bytes, device: self.buffers)
+        monkeypatch.setattr(module, "_seconds_per_copy", self.copy)
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, device: torch.device) -> float:
+        kind = "pinned" if src is self.buffers[1] else "pageable"
+        self.copies.append(kind)
+        return self.times[kind]

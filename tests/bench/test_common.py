@@ -14,6 +14,7 @@ from trainperf.bench import Skipped
 from trainperf.bench._common import (
     check_host_memory,
     check_tensor_bytes,
+    format_duration,
     resolve_device,
     result_dict,
 )
@@ -91,3 +92,13 @@ def test_resolve_device_refuses_an_index_past_what_torch_holds(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     with pytest.raises(ValueError, match=r"a device index must be <= 127 .*device_count\(\) - 1$"):
         resolve_device(device)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0.05, "0.05 s"), (0.4, "0.4 s"), (2.5, "2.5 s"), (45, "45 s"), (600, "10 min"),
+     (14294, "4.0 h"), (3 * 86400, "3.0 days")],
+)  # fmt: skip
+def test_durations_read_in_their_unit(seconds: float, text: str) -> None:
+    # Shared by the three benchmarks' run-time refusals (moved from bench._matmul).
+    assert format_duration(seconds) == text

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from tests.bench._fakes import FakeCopies
 from trainperf.bench import H2DResult, bench_h2d
 from trainperf.errors import DeviceError
 
@@ -102,3 +103,62 @@ def test_bench_h2d_takes_numpy_counts_and_its_result_is_json_safe() -> None:
     data = r.to_dict()
     assert json.loads(json.dumps(data)) == data
     assert type(r.size_bytes) is int and type(r.iterations) is int
+
+
+# ------------------------------------------------------------------ the run-time limit
+
+
+def test_copies_estimated_past_max_seconds_are_refused_after_the_first_timed_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: `trainperf bench h2d --iterations 1000000` ran for hours, with no estimate.
+    # Here a pageable copy takes 0.1 s and a pinned one 0.01 s: 31 h.
+    fake = FakeCopies(monkeypatch, h2d_module, pageable=0.1, pinned=0.01)
+    with pytest.raises(ValueError) as caught:
+        bench_h2d(size_bytes=2 * 2**20, iterations=10**6)
+    assert str(caught.value) == (
+        "bench_h2d(iterations=1000000): 2000002 copies of 2 MiB (1 warm-up and 1000000 timed, "
+        "pageable and pinned) would take about 30.6 h on cuda:0 (0.021 GB/s pageable, 0.21 "
+        "GB/s pinned, from the first timed copy of each), more than max_seconds=300: use "
+        "fewer iterations (e.g. iterations=2726) or a larger max_seconds (e.g. "
+        "max_seconds=110001)"
+    )
+    # A warm-up and a timed copy of each, no more.
+    assert fake.copies == ["pageable", "pageable", "pinned", "pinned"]
+
+
+def test_copies_each_past_max_seconds_are_told_to_be_smaller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    FakeCopies(monkeypatch, h2d_module, pageable=200.0, pinned=100.0)
+    with pytest.raises(ValueError, match=r"more than max_seconds=300: use smaller copies or a "
+                       r"larger max_seconds \(e.g. max_seconds=900\)$"):  # fmt: skip
+        bench_h2d(size_bytes=2 * 2**20, iterations=2)
+
+
+@pytest.mark.parametrize(
+    ("iterations", "pageable", "pinned", "max_seconds"),
+    [
+        (5, 0.08, 0.01, 300.0),  # the defaults: 512 MiB at 7 and 54 GB/s, about 1 s
+        (2000, 0.1, 0.01, 300.0),  # 220 s: within
+        (5000, 0.1, 0.01, None),  # 550 s, no limit
+    ],
+)
+def test_copies_within_max_seconds_run_whole(
+    monkeypatch: pytest.MonkeyPatch,
+    iterations: int,
+    pageable: float,
+    pinned: float,
+    max_seconds: float | None,
+) -> None:
+    fake = FakeCopies(monkeypatch, h2d_module, pageable=pageable, pinned=pinned)
+    r = bench_h2d(size_bytes=2 * 2**20, iterations=iterations, max_seconds=max_seconds)
+    assert fake.copies.count("pageable") == fake.copies.count("pinned") == 1 + iterations
+    assert r.pageable_gb_per_s == pytest.approx(2 * 2**20 / pageable / 1e9)
+    assert r.pinned_gb_per_s == pytest.approx(2 * 2**20 / pinned / 1e9)
+
+
+@pytest.mark.parametrize("max_seconds", [0, -1, float("nan"), "300"])
+def test_bench_h2ds_max_seconds_must_be_a_positive_number_or_none(max_seconds: object) -> None:
+    with pytest.raises(ValueError, match=r"max_seconds must be a positive number of seconds"):
+        bench_h2d(size_bytes=1024, max_seconds=max_seconds)  # type: ignore[arg-type]

@@ -280,11 +280,3 @@ def test_the_size_suggested_fits_the_limit() -> None:
     assert matmul_module._estimated_seconds(fits, 13, 1e9) <= 300.0
     assert matmul_module._estimated_seconds(2 * fits, 13, 1e9) > 300.0
     assert matmul_module._size_within(1e-9, 13, 1e9) == 1  # never a size of 0
-
-
-@pytest.mark.parametrize(
-    ("seconds", "text"),
-    [(0.4, "0.4 s"), (45, "45 s"), (600, "10 min"), (14294, "4.0 h"), (3 * 86400, "3.0 days")],
-)
-def test_durations_read_in_their_unit(seconds: float, text: str) -> None:
-    assert matmul_module._format_duration(seconds) == text

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.bench._fakes import fake_mixed_host, fake_volta
+from tests.bench._fakes import FakeBatches, fake_mixed_host, fake_volta
 from trainperf._utils import imports as _imports
 from trainperf.amp import _tf32
 from trainperf.bench import BenchResult, bench_matmul, bench_model, format_iteration
@@ -21,6 +21,7 @@ from trainperf.limits import HostLimits
 
 model_module = importlib.import_module("trainperf.bench._model")
 host_notes_module = importlib.import_module("trainperf.bench._host_notes")
+run_module = importlib.import_module("trainperf.bench._model_run")
 
 # One warm-up batch and one timed batch of one small image: each CPU run takes about a second.
 TINY = {"device": "cpu", "batch_size": 1, "image_size": 32, "iterations": 1, "warmup_batches": 1}
@@ -238,7 +239,7 @@ def fake_a100(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(model_module, "gpu_name", lambda device: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     defaults = _tf32.TF32State(matmul=False, cudnn=True)
-    monkeypatch.setattr(model_module, "tf32_state", lambda: defaults)
+    monkeypatch.setattr(run_module, "tf32_state", lambda: defaults)
 
 
 # One warm-up and one timed batch at the reference's 224 px.
@@ -346,3 +347,115 @@ def test_a_quota_job_crowding_its_own_cpus_is_noted(monkeypatch: pytest.MonkeyPa
     )
     busy = [n for n in result.notes if n.startswith("the host was busy while measuring")]
     assert busy and "CPU pressure 60%" in busy[0] and "(2 CPUs) waited" in busy[0]
+
+
+# ------------------------------------------------------------------ the run-time limit
+
+
+def test_a_model_run_estimated_past_max_seconds_is_refused_after_the_second_warm_up_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: `trainperf bench model --device cpu --batch-size 256 --image-size 224` printed
+    # nothing for 45+ s, and larger settings ran for hours, with no estimate. Here the first
+    # batch takes 20 s (one-off setup), the others 10 s: 102 batches would take 17 min.
+    fake = FakeBatches(monkeypatch, 20.0, 10.0)
+    with pytest.raises(ValueError) as caught:
+        bench_model("resnet50", "fp32", device="cpu", batch_size=256, image_size=224,
+                    iterations=100, max_seconds=300)  # fmt: skip
+    assert str(caught.value) == (
+        "bench_model(batch_size=256, image_size=224): 102 resnet50 fp32 inference batches "
+        "(2 warm-up, 100 timed in 100 iterations) would take about 17 min on cpu (25.6 "
+        "images/s, 10 s per batch, measured on the second warm-up batch), more than "
+        "max_seconds=300: use a smaller batch_size (e.g. batch_size=64), a smaller "
+        "image_size, fewer iterations (e.g. iterations=28) or a larger max_seconds (e.g. "
+        "max_seconds=1020)"
+    )
+    assert fake.ran == 2  # refused before the rest of the warm-up and any timed batch
+    # The default limit is the same 300 s as bench_matmul's.
+    fake.events.clear()
+    with pytest.raises(ValueError, match=r"more than max_seconds=300: "):
+        bench_model("resnet50", "fp32", device="cpu", batch_size=256, iterations=100)
+
+
+def test_a_first_batch_past_max_seconds_is_refused_without_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A batch of an hour: the run is past the limit already, whatever setup the first held.
+    fake = FakeBatches(monkeypatch, 3600.0)
+    with pytest.raises(ValueError, match=r"4 resnet50 fp32 inference batches \(2 warm-up, 2 "
+                       r"timed in 2 iterations\) would take about 4.0 h on cpu .* measured on "
+                       r"the first warm-up batch, one-off setup included\), more than "
+                       r"max_seconds=300: use a smaller batch_size"):  # fmt: skip
+        bench_model("resnet50", "fp32", device="cpu", batch_size=256, image_size=224)
+    assert fake.ran == 1
+
+
+def test_with_one_warm_up_batch_the_first_timed_iteration_gives_the_estimate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The only warm-up batch holds the one-off setup, so it sets no estimate; the first
+    # timed iteration (two batches of 10 s) does, at the synchronisation it ends with anyway.
+    seen: list[int] = []
+    fake = FakeBatches(monkeypatch, 60.0, 10.0)
+    with pytest.raises(ValueError, match=r"201 resnet50 fp32 inference batches \(1 warm-up, "
+                       r"200 timed in 100 iterations\) would take about 34 min on cpu \(0.2 "
+                       r"images/s, 10 s per batch, measured on the first timed iteration\).*"
+                       r"fewer iterations \(e.g. iterations=14\)"):  # fmt: skip
+        bench_model("resnet50", "fp32", device="cpu", batch_size=2, iterations=100,
+                    batches_per_iteration=2, warmup_batches=1,
+                    on_iteration=lambda i, rate, s: seen.append(i))  # fmt: skip
+    assert fake.ran == 3 and seen == [0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "seconds"),
+    [
+        # A GPU's defaults (batch 128 at 224 px, 15 warm-up batches, 5 x 15 timed): even a
+        # slow card at 300 images/s, after a first batch of 10 s of cuDNN autotuning, takes
+        # 38 s.
+        ({"batch_size": 128, "image_size": 224, "batches_per_iteration": 15,
+          "warmup_batches": 15, "iterations": 5}, (10.0, 128 / 300)),
+        # The CPU defaults, at 5 s a batch.
+        ({}, (5.0,)),
+        ({"max_seconds": None, "iterations": 1000}, (10.0,)),  # no limit
+    ],
+)  # fmt: skip
+def test_a_run_within_max_seconds_runs_whole(
+    monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, object], seconds: tuple[float, ...]
+) -> None:
+    fake = FakeBatches(monkeypatch, *seconds)
+    r = bench_model("resnet50", "fp32", device="cpu", **kwargs)  # type: ignore[arg-type]
+    assert fake.ran == r.warmup_batches + len(r.iteration_seconds) * r.batches_per_iteration
+
+
+def test_the_limit_adds_no_synchronisation_to_the_timed_iterations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first two warm-up batches are each synchronised, to time them; the rest of the
+    # warm-up runs as before, and each timed iteration is two batches, then one sync.
+    fake = FakeBatches(monkeypatch, 0.01)
+    bench_model("resnet50", "fp32", device="cpu", warmup_batches=3, iterations=2,
+                batches_per_iteration=2)  # fmt: skip
+    assert fake.events == ["b", "s", "b", "s", "b", "s", "b", "b", "s", "b", "b", "s"]
+
+
+@pytest.mark.parametrize("max_seconds", [0, -1, float("nan"), "300"])
+def test_bench_models_max_seconds_must_be_a_positive_number_or_none(max_seconds: object) -> None:
+    with pytest.raises(ValueError, match=r"max_seconds must be a positive number of seconds"):
+        bench_model("resnet50", max_seconds=max_seconds, **TINY)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "train", "fixes"),
+    [
+        (256, False, "use a smaller batch_size (e.g. batch_size=64), a smaller image_size, "),
+        (1, False, "use a smaller image_size, "),  # no batch smaller than 1
+        (4, True, "use a smaller image_size, "),  # 1 would fit, but training needs 2
+    ],
+)
+def test_the_batch_suggested_fits_the_limit_or_none_is(
+    batch_size: int, train: bool, fixes: str
+) -> None:
+    settings = run_module.Settings(batch_size, 224, 100, 1, 2)
+    fix = run_module._run_time_fix(settings, 10.0, 300.0, train=train)  # 1020 s
+    assert fix is not None and fix.startswith(fixes)

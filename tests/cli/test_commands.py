@@ -607,3 +607,73 @@ def test_max_seconds_must_be_a_positive_number(
     assert caught.value.code == 2
     err = capsys.readouterr().err
     assert f"argument --max-seconds: expected a number of seconds > 0, got {value!r}" in err
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_a_model_run_of_hours_is_refused_in_the_options_words(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, json_flag: list[str]
+) -> None:
+    # Before: `bench model --device cpu --batch-size 256 --image-size 224` printed nothing
+    # for 45+ s, and larger settings ran for hours. Here a batch takes 10 s: 17 min.
+    from tests.bench._fakes import FakeBatches
+
+    fake = FakeBatches(monkeypatch, 10.0)
+    argv = ["bench", "model", "--device", "cpu", "--batch-size", "256", "--image-size", "224",
+            "--iterations", "100"]  # fmt: skip
+    code, out, err = run(capsys, *argv, *json_flag)
+    message = (
+        "--batch-size 256 --image-size 224: 102 resnet50 fp32 inference batches (2 warm-up, "
+        "100 timed in 100 iterations) would take about 17 min on cpu (25.6 images/s, 10 s per "
+        "batch, measured on the second warm-up batch), more than --max-seconds 300: use a "
+        "smaller --batch-size (e.g. --batch-size 64), a smaller --image-size, fewer "
+        "iterations (e.g. --iterations 28) or a larger --max-seconds (e.g. --max-seconds "
+        "1020)"
+    )
+    assert code == 1 and err.splitlines()[-1] == f"trainperf: error: {message}"
+    assert fake.ran == 2
+    if json_flag:
+        assert json.loads(out)["error"] == {"type": "ValueError", "message": message}
+    else:
+        assert out == ""
+    code, out, _ = run(capsys, *argv, "--max-seconds", "1020")
+    assert code == 0 and out.count("Iteration ") == 100
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_an_h2d_run_of_hours_is_refused_in_the_options_words(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, json_flag: list[str]
+) -> None:
+    # Before: `bench h2d --iterations 1000000` ran for hours with no word.
+    import importlib
+
+    from tests.bench._fakes import FakeCopies
+
+    fake = FakeCopies(monkeypatch, importlib.import_module("trainperf.bench._h2d"), 0.1, 0.01)
+    argv = ["bench", "h2d", "--size-mb", "2", "--iterations", "1000000"]
+    code, out, err = run(capsys, *argv, *json_flag)
+    message = (
+        "--iterations 1000000: 2000002 copies of 2 MiB (1 warm-up and 1000000 timed, pageable "
+        "and pinned) would take about 30.6 h on cuda:0 (0.021 GB/s pageable, 0.21 GB/s "
+        "pinned, from the first timed copy of each), more than --max-seconds 300: use fewer "
+        "iterations (e.g. --iterations 2726) or a larger --max-seconds (e.g. --max-seconds "
+        "110001)"
+    )
+    assert code == 1 and err.splitlines()[-1] == f"trainperf: error: {message}"
+    assert len(fake.copies) == 4
+    if json_flag:
+        assert json.loads(out)["error"] == {"type": "ValueError", "message": message}
+    code, out, _ = run(capsys, "bench", "h2d", "--size-mb", "2", "--iterations", "3000",
+                       "--max-seconds", "400")  # fmt: skip
+    assert code == 0 and "pinned:" in out
+
+
+@pytest.mark.parametrize("bench", ["model", "h2d"])
+def test_model_and_h2d_take_max_seconds_as_matmul_does(
+    capsys: pytest.CaptureFixture[str], bench: str
+) -> None:
+    assert build_parser().parse_args(["bench", bench]).max_seconds == 300.0
+    with pytest.raises(SystemExit) as caught:
+        run(capsys, "bench", bench, "--max-seconds", "nan")
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --max-seconds: expected a number of seconds > 0, got 'nan'" in err

@@ -1,4 +1,5 @@
-"""What every benchmark shares: choosing the device, synchronising it, the result protocol.
+"""What every benchmark shares: choosing the device, synchronising it, the run-time limit, the
+result protocol.
 
 Every result (:class:`~trainperf.bench.BenchResult`, :class:`~trainperf.bench.MatmulResult`,
 :class:`~trainperf.bench.H2DResult`, :class:`~trainperf.bench.ReferenceComparison`,
@@ -9,7 +10,8 @@ prints.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -17,18 +19,27 @@ import torch
 
 from trainperf._utils.format import format_bytes
 from trainperf._utils.serialize import result_dict
+from trainperf._utils.validate import positive_number
 from trainperf.device import resolve_device as _resolve
 from trainperf.limits import host_limits
 
 __all__ = [
+    "DEFAULT_MAX_SECONDS",
     "Skipped",
     "check_host_memory",
+    "check_max_seconds",
     "check_tensor_bytes",
+    "format_duration",
     "gpu_name",
+    "iterations_within",
     "resolve_device",
     "result_dict",
+    "run_time_fix",
     "synchronize",
 ]
+
+# A benchmark is a check that takes seconds to minutes: a run estimated past this is refused.
+DEFAULT_MAX_SECONDS = 300.0
 
 
 @dataclass(frozen=True)
@@ -142,3 +153,71 @@ def synchronize(device: torch.device) -> None:
 def gpu_name(device: torch.device) -> str | None:
     """The name of the GPU behind ``device``, or None for the CPU."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+# ------------------------------------------------------------------ the run-time limit
+
+
+def check_max_seconds(max_seconds: object) -> float | None:
+    """``max_seconds`` as a float, or None (no limit).
+
+    Raises:
+        ValueError: it is neither None nor a finite number > 0.
+
+    Example:
+        >>> check_max_seconds(300), check_max_seconds(None)
+        (300.0, None)
+    """
+    if max_seconds is None:
+        return None
+    return positive_number("max_seconds", max_seconds, unit="seconds (or None)")
+
+
+def run_time_fix(estimate: float, max_seconds: float | None, fixes: Sequence[str]) -> str | None:
+    """The decision rule every benchmark's limit shares: None where a run estimated to take
+    ``estimate`` seconds fits in ``max_seconds`` (or there is no limit); else what to do
+    instead, ``fixes`` (what that benchmark can shrink) and then the ``max_seconds`` that
+    would let it run.
+
+    Example:
+        >>> run_time_fix(200.0, 300.0, ["fewer iterations"]) is None
+        True
+        >>> run_time_fix(400.2, 300.0, ["fewer iterations (e.g. iterations=7)"])
+        'use fewer iterations (e.g. iterations=7) or a larger max_seconds (e.g. max_seconds=401)'
+    """
+    if max_seconds is None or estimate <= max_seconds:
+        return None
+    # iterations=<n> and max_seconds=<s> are what trainperf.cli rewrites as its options.
+    every = [*fixes, f"a larger max_seconds (e.g. max_seconds={math.ceil(estimate)})"]
+    return f"use {', '.join(every[:-1])} or {every[-1]}" if len(every) > 1 else f"use {every[0]}"
+
+
+def iterations_within(max_seconds: float, fixed_seconds: float, per_iteration: float) -> int:
+    """How many iterations of ``per_iteration`` seconds fit in ``max_seconds`` beside
+    ``fixed_seconds`` (the warm-up): 0 or less where none does.
+
+    Example:
+        >>> iterations_within(300.0, 20.0, 10.0)
+        28
+    """
+    return math.floor((max_seconds - fixed_seconds) / per_iteration)
+
+
+def format_duration(seconds: float) -> str:
+    """``seconds`` in the unit a person reads them in: s, min, h or days.
+
+    Example:
+        >>> format_duration(14294), format_duration(0.05)
+        ('4.0 h', '0.05 s')
+    """
+    if seconds < 1:
+        return f"{seconds:.2g} s"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"

@@ -4,24 +4,35 @@ A copy from ordinary (pageable) host memory is staged by the driver through a pi
 buffer; from pinned memory the GPU's copy engine reads it directly. The difference is what
 ``DataLoader(pin_memory=True)`` buys: on one H200, 7.2 GB/s pageable against 54.5 GB/s
 pinned (7.6x).
+
+Each copy is synchronised on its own (a copy is what is timed). The first timed copy of each
+kind comes before the others, so that a run they say would take longer than
+``max_seconds`` is refused before the rest of it runs.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from trainperf._utils.format import format_bytes
 from trainperf._utils.validate import positive_int
 from trainperf.bench._common import (
+    DEFAULT_MAX_SECONDS,
     check_host_memory,
+    check_max_seconds,
     check_tensor_bytes,
+    format_duration,
     gpu_name,
+    iterations_within,
     resolve_device,
     result_dict,
+    run_time_fix,
     synchronize,
 )
 from trainperf.errors import DeviceError
@@ -93,19 +104,74 @@ class H2DResult:
         return result_dict(self)
 
 
-def _median_gb_per_s(
-    src: torch.Tensor, dst: torch.Tensor, device: torch.device, iterations: int
-) -> float:
-    non_blocking = src.is_pinned()
-    dst.copy_(src, non_blocking=non_blocking)  # warm-up: first-touch and driver setup
+def _buffers(size_bytes: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The pageable and the pinned source, each filled, and the target on ``device``."""
+    pageable = torch.empty(size_bytes, dtype=torch.uint8)
+    pageable.fill_(1)  # touch every page, so first-touch faults are not timed
+    pinned = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=True)
+    pinned.fill_(1)
+    target = torch.empty(size_bytes, dtype=torch.uint8, device=device)
+    return pageable, pinned, target
+
+
+def _seconds_per_copy(src: torch.Tensor, dst: torch.Tensor, device: torch.device) -> float:
+    """One copy's wall time, synchronised."""
+    start = time.perf_counter()
+    dst.copy_(src, non_blocking=src.is_pinned())
     synchronize(device)
-    rates = []
-    for _ in range(iterations):
-        start = time.perf_counter()
-        dst.copy_(src, non_blocking=non_blocking)
-        synchronize(device)
-        rates.append(src.numel() / (time.perf_counter() - start) / 1e9)
-    return statistics.median(rates)
+    return time.perf_counter() - start
+
+
+def _check_run_time(
+    size_bytes: int,
+    iterations: int,
+    firsts: tuple[float, float],
+    device: torch.device,
+    max_seconds: float | None,
+) -> None:
+    """Refuse a run whose copies, at the seconds of the first timed pageable and pinned
+    copy (``firsts``), would take longer than ``max_seconds``.
+
+    Raises:
+        ValueError: they would; the message names the estimate, the rates and the fix.
+    """
+    per_round = sum(firsts)  # one copy of each kind
+    estimate = (1 + iterations) * per_round
+    if max_seconds is None or estimate <= max_seconds:
+        return
+    # iterations=<n> is what trainperf.cli rewrites as --iterations <n>.
+    fewer = iterations_within(max_seconds, per_round, per_round)
+    fixes = [f"fewer iterations (e.g. iterations={fewer})" if fewer >= 1 else "smaller copies"]
+    fix = run_time_fix(estimate, max_seconds, fixes)
+    pageable, pinned = (size_bytes / seconds / 1e9 for seconds in firsts)
+    raise ValueError(
+        f"bench_h2d(iterations={iterations}): {2 * (1 + iterations)} copies of "
+        f"{format_bytes(size_bytes)} (1 warm-up and {iterations} timed, pageable and pinned) "
+        f"would take about {format_duration(estimate)} on {device} ({pageable:.3g} GB/s "
+        f"pageable, {pinned:.3g} GB/s pinned, from the first timed copy of each), more than "
+        f"max_seconds={max_seconds:g}: {fix}"
+    )
+
+
+def _copy_seconds(
+    sources: tuple[torch.Tensor, torch.Tensor],
+    target: torch.Tensor,
+    device: torch.device,
+    iterations: int,
+    check: Callable[[tuple[float, float]], None],
+) -> tuple[list[float], list[float]]:
+    """The seconds of each timed copy from each source, after an untimed one; ``check``
+    sees the first timed copy of each before the rest run."""
+    firsts = []
+    for src in sources:
+        _seconds_per_copy(src, target, device)  # warm-up: first-touch and driver setup
+        firsts.append(_seconds_per_copy(src, target, device))
+    check((firsts[0], firsts[1]))
+    pageable, pinned = (
+        [first] + [_seconds_per_copy(src, target, device) for _ in range(iterations - 1)]
+        for first, src in zip(firsts, sources, strict=True)
+    )
+    return pageable, pinned
 
 
 def bench_h2d(
@@ -113,6 +179,7 @@ def bench_h2d(
     size_bytes: int = DEFAULT_SIZE_BYTES,
     iterations: int = 5,
     device: str | torch.device | None = None,
+    max_seconds: float | None = DEFAULT_MAX_SECONDS,
 ) -> H2DResult:
     """Measure host-to-device copy bandwidth from pageable and from pinned memory.
 
@@ -123,13 +190,18 @@ def bench_h2d(
             device (:func:`trainperf.best_device`: the GPU with the most free memory). Unlike
             the other benchmarks there is no CPU fallback: without CUDA there is nothing to
             copy to, and a :class:`~trainperf.errors.DeviceError` says so.
+        max_seconds: refuse a run that would take longer than this (every copy, estimated
+            from the first timed copy of each kind, which run before the others); None for
+            no limit.
 
     Returns:
         An :class:`H2DResult`.
 
     Raises:
         ValueError: a count below 1, a ``size_bytes`` past what a tensor can address
-            (``2**63 - 1``), or a non-CUDA ``device``.
+            (``2**63 - 1``), a non-CUDA ``device``, a ``max_seconds`` that is not a positive
+            number or None, or copies estimated to take longer than ``max_seconds`` (the
+            message names the estimate and the fix).
         DeviceError: no CUDA GPU is available (host-to-device copies need one), or the CUDA
             device asked for does not exist.
         MemoryError: the pageable and the pinned buffer need more host memory than is
@@ -147,6 +219,7 @@ def bench_h2d(
     """
     size_bytes = positive_int("size_bytes", size_bytes)
     iterations = positive_int("iterations", iterations)
+    max_seconds = check_max_seconds(max_seconds)
     check_tensor_bytes(
         f"bench_h2d(size_bytes={size_bytes})",
         "one copy",
@@ -169,13 +242,15 @@ def bench_h2d(
     what = "a pageable and a pinned copy"
     fix = "use a smaller size_bytes"
     check_host_memory(f"bench_h2d(size_bytes={size_bytes})", what, 2 * size_bytes, fix)
-    pageable = torch.empty(size_bytes, dtype=torch.uint8)
-    pageable.fill_(1)  # touch every page, so first-touch faults are not timed
-    pinned = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=True)
-    pinned.fill_(1)
-    target = torch.empty(size_bytes, dtype=torch.uint8, device=dev)
-    pageable_rate = _median_gb_per_s(pageable, target, dev, iterations)
-    pinned_rate = _median_gb_per_s(pinned, target, dev, iterations)
+    pageable, pinned, target = _buffers(size_bytes, dev)
+
+    def check(firsts: tuple[float, float]) -> None:
+        _check_run_time(size_bytes, iterations, firsts, dev, max_seconds)
+
+    seconds = _copy_seconds((pageable, pinned), target, dev, iterations, check)
+    pageable_rate, pinned_rate = (
+        statistics.median(size_bytes / s / 1e9 for s in kind) for kind in seconds
+    )
     return H2DResult(
         device=str(dev),
         gpu_name=gpu_name(dev),

@@ -15,14 +15,19 @@ from typing import Any, Literal
 
 import torch
 
-from trainperf._utils.validate import choice, positive_int, positive_number
+from trainperf._utils.validate import choice, positive_int
 from trainperf.amp._tf32 import tf32
 from trainperf.bench._common import (
+    DEFAULT_MAX_SECONDS,
     check_host_memory,
+    check_max_seconds,
     check_tensor_bytes,
+    format_duration,
     gpu_name,
+    iterations_within,
     resolve_device,
     result_dict,
+    run_time_fix,
     synchronize,
 )
 from trainperf.bench._host_notes import cpu_emulation_notes
@@ -50,8 +55,6 @@ CUDA_DEFAULT_SIZE = 8192
 CPU_DEFAULT_SIZE = 256
 # Under this fraction of the datasheet figure the card is worth a look.
 LOW_FRACTION = 0.5
-# A benchmark is a check that takes seconds to minutes: a run estimated past this is refused.
-DEFAULT_MAX_SECONDS = 300.0
 # The probe that estimates a run grows its matrices until one product takes this long: long
 # enough to time, and to leave small-matrix overheads behind.
 _PROBE_SECONDS = 0.05
@@ -189,32 +192,13 @@ def _too_long(
     estimate = _estimated_seconds(size, products, flops_per_s)
     if max_seconds is None or estimate <= max_seconds:
         return None
-    # size=<n>, iterations=<n> and max_seconds=<s> are what trainperf.cli rewrites as its
-    # options.
+    # size=<n> is what trainperf.cli rewrites as --size <n>.
     fixes = [f"a smaller size (e.g. size={_size_within(max_seconds, products, flops_per_s)})"]
-    fewer = math.floor(max_seconds / _estimated_seconds(size, 1, flops_per_s)) - warmup
+    per_product = _estimated_seconds(size, 1, flops_per_s)
+    fewer = iterations_within(max_seconds, warmup * per_product, per_product)
     if fewer >= 1:
         fixes.append(f"fewer iterations (e.g. iterations={fewer})")
-    fixes.append(f"a larger max_seconds (e.g. max_seconds={math.ceil(estimate)})")
-    return f"use {', '.join(fixes[:-1])} or {fixes[-1]}"
-
-
-def _format_duration(seconds: float) -> str:
-    """``seconds`` in the unit a person reads them in: s, min, h or days.
-
-    Example:
-        >>> _format_duration(14294)
-        '4.0 h'
-    """
-    if seconds < 10:
-        return f"{seconds:.1f} s"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
+    return run_time_fix(estimate, max_seconds, fixes)
 
 
 def _format_rate(flops_per_s: float) -> str:
@@ -264,7 +248,7 @@ def _check_run_time(
     probed, flops_per_s = _probe(dtype, size, device)
     fix = _too_long(size, warmup, iterations, flops_per_s, max_seconds)
     if fix is not None:
-        estimate = _format_duration(_estimated_seconds(size, products, flops_per_s))
+        estimate = format_duration(_estimated_seconds(size, products, flops_per_s))
         raise ValueError(
             f"bench_matmul(size={size}): {products} {dtype} products ({warmup} warm-up, "
             f"{iterations} timed) would take about {estimate} on {device} "
@@ -384,8 +368,7 @@ def matmul_plan(
     size = positive_int("size", size)
     iterations = positive_int("iterations", iterations)
     warmup = positive_int("warmup", warmup)
-    if max_seconds is not None:
-        max_seconds = positive_number("max_seconds", max_seconds, unit="seconds (or None)")
+    max_seconds = check_max_seconds(max_seconds)
     check_tensor_bytes(
         f"bench_matmul(size={size})",
         f"a {size}x{size} {dtype} matrix",

@@ -5,31 +5,30 @@ PyTorch 1.9): a torchvision model with random weights (nothing is downloaded),
 synthetic input already in device memory (no CPU preprocessing, no I/O), weights *cast* to
 the precision (pure fp16/bf16, not autocast), and a few timed iterations of several
 batches each, each printed as ``Iteration i, X images/s in Y s.``. Warm-up batches run
-first and are not timed; CUDA is synchronised before and after each timed iteration.
+first and are not timed; CUDA is synchronised before and after each timed iteration. The
+second warm-up batch is timed on its own (synchronised), to refuse a run that would take
+longer than ``max_seconds`` before it does.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import statistics
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from trainperf._utils.imports import require
 from trainperf._utils.validate import choice, flag, positive_int
-from trainperf.amp._tf32 import tf32 as tf32_mode
-from trainperf.amp._tf32 import tf32_state
 from trainperf.bench._common import (
+    DEFAULT_MAX_SECONDS,
+    check_max_seconds,
     check_tensor_bytes,
     gpu_name,
     resolve_device,
-    synchronize,
 )
 from trainperf.bench._host_notes import cpu_emulation_notes, host_notes_now
+from trainperf.bench._model_run import RunTimeLimit, Settings, Timing, measure
 from trainperf.bench._reference import (
     BenchPrecision,
     ModelName,
@@ -91,17 +90,6 @@ def _unsupported(precision: str, device: torch.device) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class _Settings:
-    """The counts a run uses, defaults filled in for the device and checked."""
-
-    batch_size: int
-    image_size: int
-    iterations: int
-    batches_per_iteration: int
-    warmup_batches: int
-
-
 def _settings(
     device: torch.device,
     *,
@@ -110,7 +98,7 @@ def _settings(
     iterations: int | None,
     batches_per_iteration: int | None,
     warmup_batches: int | None,
-) -> _Settings:
+) -> Settings:
     defaults = CUDA_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     batch_size = defaults["batch_size"] if batch_size is None else batch_size
     image_size = defaults["image_size"] if image_size is None else image_size
@@ -119,7 +107,7 @@ def _settings(
         batches_per_iteration = defaults["batches_per_iteration"]
     if warmup_batches is None:
         warmup_batches = max(2, batches_per_iteration)
-    return _Settings(
+    return Settings(
         batch_size=positive_int("batch_size", batch_size),
         image_size=positive_int("image_size", image_size),
         iterations=positive_int("iterations", iterations),
@@ -167,7 +155,7 @@ def _check_arguments(model: str, precision: str, **flags: object) -> None:
         flag(name, value, none_ok=name == "tf32")
 
 
-def _check_model_input(model: str, precision: str, settings: _Settings, *, train: bool) -> None:
+def _check_model_input(model: str, precision: str, settings: Settings, *, train: bool) -> None:
     image_size, batch_size = settings.image_size, settings.batch_size
     _check_input_bytes(precision, settings)
     if model == "vit_b_16" and image_size % 16:
@@ -184,7 +172,7 @@ def _check_model_input(model: str, precision: str, settings: _Settings, *, train
         )
 
 
-def _check_input_bytes(precision: str, settings: _Settings) -> None:
+def _check_input_bytes(precision: str, settings: Settings) -> None:
     """Refuse a batch past what a tensor can address, before the model is built."""
     batch, size = settings.batch_size, settings.image_size
     check_tensor_bytes(
@@ -200,7 +188,7 @@ def _check_input_bytes(precision: str, settings: _Settings) -> None:
 def _batch_runner(
     model: str,
     precision: str,
-    settings: _Settings,
+    settings: Settings,
     device: torch.device,
     *,
     train: bool,
@@ -233,81 +221,14 @@ def _batch_runner(
     return train_step
 
 
-def _warm_up(run_batch: Callable[[], None], batches: int, what: str) -> None:
-    """Run the untimed batches; a kernel this PyTorch build lacks is a NotImplementedError."""
-    try:
-        for _ in range(batches):
-            run_batch()
-    except (NotImplementedError, RuntimeError) as e:
-        # PyTorch reports a missing kernel as NotImplementedError, or (older builds)
-        # a RuntimeError "... not implemented for 'Half'"; anything else is a bug.
-        if not isinstance(e, NotImplementedError) and "not implemented" not in str(e):
-            raise
-        raise NotImplementedError(f"bench_model: {what} by this PyTorch build ({e})") from e
-
-
-@dataclass(frozen=True)
-class _Timing:
-    """What the timed iterations measured, and the TF32 settings they ran with."""
-
-    seconds: tuple[float, ...]
-    rates: tuple[float, ...]
-    tf32_matmul: bool
-    tf32_cudnn: bool
-
-
-def _time_iterations(
-    run_batch: Callable[[], None],
-    settings: _Settings,
-    device: torch.device,
-    on_iteration: Callable[[int, float, float], None] | None,
-) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """``(seconds, images_per_s)`` of each timed iteration, CUDA synchronised around each."""
-    seconds: list[float] = []
-    rates: list[float] = []
-    synchronize(device)
-    for i in range(settings.iterations):
-        start = time.perf_counter()
-        for _ in range(settings.batches_per_iteration):
-            run_batch()
-        synchronize(device)
-        elapsed = time.perf_counter() - start
-        rate = settings.batch_size * settings.batches_per_iteration / elapsed
-        seconds.append(elapsed)
-        rates.append(rate)
-        if on_iteration is not None:
-            on_iteration(i, rate, elapsed)
-    return tuple(seconds), tuple(rates)
-
-
-def _measure(
-    run_batch: Callable[[], None],
-    settings: _Settings,
-    device: torch.device,
-    *,
-    what: str,
-    train: bool,
-    tf32: bool | None,
-    on_iteration: Callable[[int, float, float], None] | None,
-) -> _Timing:
-    """Warm up, then time the iterations, under the TF32 setting asked for."""
-    # tf32=None keeps the current settings; either way they are read without the RuntimeError
-    # torch raises once its new fp32_precision API was used, and restored afterwards.
-    mode = contextlib.nullcontext(tf32_state()) if tf32 is None else tf32_mode(tf32)
-    with mode as state, torch.inference_mode(not train):
-        _warm_up(run_batch, settings.warmup_batches, what)
-        seconds, rates = _time_iterations(run_batch, settings, device, on_iteration)
-    return _Timing(seconds, rates, tf32_matmul=state.matmul, tf32_cudnn=state.cudnn)
-
-
 def _comparison(
     device: torch.device,
     device_name: str,
     model: ModelName,
     precision: BenchPrecision,
     images_per_s: float,
-    settings: _Settings,
-    timing: _Timing,
+    settings: Settings,
+    timing: Timing,
     *,
     train: bool,
     channels_last: bool,
@@ -355,6 +276,7 @@ def bench_model(
     device: str | torch.device | None = None,
     compare: bool = True,
     on_iteration: Callable[[int, float, float], None] | None = None,
+    max_seconds: float | None = DEFAULT_MAX_SECONDS,
 ) -> BenchResult:
     """Measure a torchvision model's throughput the way the reference table was measured.
 
@@ -383,6 +305,11 @@ def bench_model(
         compare: compare a GPU's inference result with the reference table.
         on_iteration: called after each timed iteration with ``(index, images_per_s,
             seconds)``, e.g. to print :func:`format_iteration` lines as they come.
+        max_seconds: refuse a run that would take longer than this (warm-up and timed
+            batches, estimated from the second warm-up batch, timed on its own; from the
+            first timed iteration where there is one warm-up batch; from the first batch
+            where that alone took longer); None for no limit. The refusal comes after the
+            batches it is measured on, so it cannot spare those.
 
     Returns:
         A :class:`BenchResult`.
@@ -391,8 +318,10 @@ def bench_model(
         TypeError: ``train``, ``channels_last``, ``compare`` or ``tf32`` is not a bool (``tf32``
             may be None).
         ValueError: an unknown model or precision, a count below 1, an image size the
-            model cannot take, ``train`` with a batch of one, or an input batch of more
-            bytes than a tensor can address.
+            model cannot take, ``train`` with a batch of one, an input batch of more
+            bytes than a tensor can address, a ``max_seconds`` that is not a positive number
+            or None, or a run estimated to take longer than ``max_seconds`` (the message
+            names the estimate and the fix).
         DeviceError: a CUDA device was asked for but is not available, or the GPU lacks
             what ``precision`` needs (bf16 on a GPU older than Ampere).
         NotImplementedError: this PyTorch build has no kernel for the model in
@@ -408,6 +337,7 @@ def bench_model(
     _check_arguments(
         model, precision, train=train, channels_last=channels_last, compare=compare, tf32=tf32
     )
+    max_seconds = check_max_seconds(max_seconds)
     dev = resolve_device(device)
     settings = _settings(
         dev,
@@ -424,9 +354,8 @@ def bench_model(
     )
     what = f"{model} in {precision} is not supported on {dev}"
     notes = _notes_before(precision, tf32, dev)
-    timing = _measure(
-        run_batch, settings, dev, what=what, train=train, tf32=tf32, on_iteration=on_iteration
-    )
+    limit = RunTimeLimit(f"{model} {precision}", settings, dev, max_seconds, train)
+    timing = measure(run_batch, limit, what=what, tf32=tf32, on_iteration=on_iteration)
     median = statistics.median(timing.rates)
     device_name = gpu_name(dev)
     comparison: ReferenceComparison | None = None

@@ -97,6 +97,7 @@ def _bench_one_model(args: argparse.Namespace, precision: str, lines: TextIO) ->
             tf32=args.tf32,
             device=args.device,
             on_iteration=on_iteration,
+            max_seconds=args.max_seconds,
         )
     except (DeviceError, RuntimeError, MemoryError) as e:
         skipped = _skipped(args, precision, e, "--batch-size or --image-size")
@@ -215,7 +216,12 @@ def _run_bench_h2d(args: argparse.Namespace) -> int:
     try:
         if torch.cuda.is_available():  # else bench_h2d's "needs CUDA" says more
             check_host_memory(typed, "a pageable and a pinned copy", 2 * size, fix)
-        result: Any = bench_h2d(size_bytes=size, iterations=args.iterations, device=args.device)
+        result: Any = bench_h2d(
+            size_bytes=size,
+            iterations=args.iterations,
+            device=args.device,
+            max_seconds=args.max_seconds,
+        )
     except (DeviceError, RuntimeError, MemoryError) as e:
         result = _skipped(args, "pageable+pinned", e, "--size-mb")
         if result is None:

@@ -36,6 +36,15 @@ def _positive_seconds(text: str) -> float:
     return seconds
 
 
+def _add_max_seconds(parser: argparse.ArgumentParser, what: str, source: str) -> None:
+    parser.add_argument(
+        "--max-seconds",
+        type=_positive_seconds,
+        default=300.0,
+        help=f"refuse {what} estimated ({source}) to take longer (300)",
+    )
+
+
 def _add_json(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON document on stdout instead"
@@ -68,6 +77,7 @@ def _add_model_parser(benches: Any) -> None:
         default=None,
         help="allow TF32 for fp32 (default: PyTorch's current setting)",
     )
+    _add_max_seconds(model, "a run", "from its second warm-up batch")
     model.add_argument("--device", help=_DEVICE_HELP)
     _add_json(model)
 
@@ -87,12 +97,7 @@ def _add_matmul_parser(benches: Any) -> None:
         help="one or more (default: all)",
     )
     matmul.add_argument("--iterations", type=_positive)
-    matmul.add_argument(
-        "--max-seconds",
-        type=_positive_seconds,
-        default=300.0,
-        help="refuse a dtype whose run is estimated (by a quick probe) to take longer (300)",
-    )
+    _add_max_seconds(matmul, "a dtype whose run is", "by a quick probe")
     matmul.add_argument("--device", help=_DEVICE_HELP)
     _add_json(matmul)
 
@@ -103,6 +108,7 @@ def _add_h2d_parser(benches: Any) -> None:
     )
     h2d.add_argument("--size-mb", type=_positive, default=512, help="MiB per copy (512)")
     h2d.add_argument("--iterations", type=_positive, default=5)
+    _add_max_seconds(h2d, "a run", "from its first timed copies")
     h2d.add_argument("--device", help="cuda or cuda:<i> (default: the best available)")
     _add_json(h2d)
 
