@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from pathlib import Path
@@ -517,3 +518,71 @@ def test_when_even_one_sample_runs_out_of_memory_the_error_suggests_no_lower_min
     with pytest.raises(RuntimeError, match=r"1: oom \(CUDA out of memory.*\)\. Free") as e:
         tune_batch_size(step, lambda n: torch.zeros(n, 8), model=model, **quiet(min_size=1))
     assert "min_size" not in str(e.value) and "headroom" not in str(e.value)
+
+
+class _EmaOf(nn.Module):
+    """An EMA kept as a plain module holding a copy of the model (timm's ``ModelEmaV3``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.module = copy.deepcopy(model)
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        now_state = model.state_dict().values()
+        for ema, now in zip(self.module.state_dict().values(), now_state, strict=True):
+            ema.copy_(0.9 * ema + 0.1 * now if ema.is_floating_point() else now)
+
+
+def test_an_ema_or_swa_average_the_step_updates_comes_back_unpassed() -> None:
+    # Before: an AveragedModel (or a timm-style EMA) updated by step but not passed came
+    # back averaged over every probe step (n_averaged 2 -> hundreds), silently.
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    t = Trainer()
+    swa = AveragedModel(t.model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    ema = _EmaOf(t.model)
+
+    def step(batch: Any) -> None:
+        t(batch)
+        swa.update_parameters(t.model)
+        ema.update(t.model)
+
+    for _ in range(2):
+        step(sample(4))
+    before = copy.deepcopy(swa.state_dict()), copy.deepcopy(ema.state_dict())
+    tune_batch_size(step, sample, model=t.model, optimizer=t.opt, **quiet())
+    assert same_state({"swa": before[0], "ema": before[1]},
+                      {"swa": swa.state_dict(), "ema": ema.state_dict()})  # fmt: skip
+    assert int(swa.n_averaged) == 2
+
+
+class _Noise(nn.Module):
+    """Noise drawn from generators a submodule owns (a seeded augmentation layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(0)
+        self.np_rng = np.random.default_rng(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.randn(x.shape, generator=self.gen) * float(self.np_rng.random())
+
+
+def test_generators_a_submodule_of_the_model_owns_come_back_unadvanced() -> None:
+    # Before: only generators the step read directly (or one attribute down) came back; a
+    # layer's own generator inside the model came back advanced by every probe step.
+    model = nn.Sequential(nn.Linear(8, 8), _Noise(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch: Any) -> None:
+        x, y = batch
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    noise = model[1]
+    before = noise.gen.get_state(), noise.np_rng.bit_generator.state
+    tune_batch_size(step, sample, optimizer=opt, **quiet())  # the model found by its optimizer
+    assert torch.equal(noise.gen.get_state(), before[0])
+    assert noise.np_rng.bit_generator.state == before[1]

@@ -4,9 +4,10 @@
 optimizers stepping the passed parameters (:func:`holding_optimizers`), the LR schedulers
 driving those (:func:`attached_schedulers`, held still while probing by
 :func:`schedulers_held`), every live MixedPrecision and ``GradScaler``
-(:func:`with_live_amp_state`) and the model whose parameters only its optimizer was passed
-for (:func:`owning_modules`) are found here; :func:`state_holder` says whose
-``state_dict()`` holds an object's state in this process.
+(:func:`with_live_amp_state`), the model whose parameters only its optimizer was passed
+for (:func:`owning_modules`), the EMA or SWA copies of the model (:func:`model_copies`) and
+the random generators its layers own (:func:`module_generators`) are found here;
+:func:`state_holder` says whose ``state_dict()`` holds an object's state in this process.
 :class:`trainperf.batchsize._state.SavedState` saves and restores them.
 """
 
@@ -19,9 +20,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+from trainperf._utils.rng import dataset_generators
 from trainperf.amp import MixedPrecision
 from trainperf.amp._mixed import LIVE
 
@@ -29,6 +32,8 @@ __all__ = [
     "attached_schedulers",
     "holding_optimizers",
     "is_scheduler",
+    "model_copies",
+    "module_generators",
     "owning_modules",
     "parameters_of",
     "schedulers_held",
@@ -180,6 +185,103 @@ def owning_modules(objects: Iterable[Any]) -> list[nn.Module]:
             if id(m) not in parents and all(m is not o for o in objects):
                 roots.append(m)
     return roots
+
+
+_WRAPPED = ("module", "_orig_mod")
+"""Where a wrapper keeps the model: DDP's and an EMA's ``module``, ``torch.compile``'s."""
+
+
+def _unwrapped(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` and the models it wraps (DDP, ``torch.compile``), outermost first."""
+    inner: Any = module
+    while isinstance(inner, nn.Module):
+        yield inner
+        children = _own(inner, "_modules")
+        inner = next((children[k] for k in _WRAPPED if k in children), None)
+
+
+def _layout(module: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...] | None:
+    """Each parameter's name and shape; None where one has no values (lazy, meta)."""
+    params = list(module.named_parameters())
+    if any(is_lazy(p) or p.is_meta for _, p in params):
+        return None
+    return tuple((n, tuple(p.shape)) for n, p in params)
+
+
+_NOT_AVERAGES = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+"""Wrappers that keep the model they train as ``module``, not a copy of it."""
+
+
+def model_copies(objects: Iterable[Any]) -> list[nn.Module]:
+    """The live EMA or SWA averages of a model among ``objects``, not among them: the
+    modules that keep a copy of it as ``module`` (``torch.optim.swa_utils.AveragedModel``,
+    timm's ``ModelEmaV2``/``ModelEmaV3``). ``step`` updates one after each optimizer step;
+    unless it is put back, it comes back averaged over every probe step (and an
+    ``AveragedModel``'s ``n_averaged`` counts them).
+
+    A copy is a module of the model's class (under a DDP or ``torch.compile`` wrapper, the
+    class inside it) with the same parameter names and shapes, none of them shared with the
+    model. Found by one scan of the objects the garbage collector tracks. A copy of the
+    model kept otherwise (a distillation teacher made by ``deepcopy``) is not found: pass
+    it in ``model=(model, teacher)``.
+
+    Example:
+        >>> from torch.optim.swa_utils import AveragedModel
+        >>> model = nn.Sequential(nn.Linear(2, 2))
+        >>> swa = AveragedModel(model)
+        >>> model_copies([model]) == [swa], model_copies([model, swa])
+        (True, [])
+    """
+    objects = list(objects)
+    passed = [m for o in objects if isinstance(o, nn.Module) for m in _unwrapped(o)]
+    models = {(type(m), layout) for m in passed if (layout := _layout(m)) is not None}
+    if not models:
+        return []
+    classes = {cls for cls, _ in models}
+    ours = {id(m) for o in objects if isinstance(o, nn.Module) for m in o.modules()}
+    params = {id(p) for o in objects if isinstance(o, nn.Module) for p in o.parameters()}
+    found: list[nn.Module] = []
+    for holder in gc.get_objects():
+        if not issubclass(type(holder), nn.Module) or issubclass(type(holder), _NOT_AVERAGES):
+            continue
+        inner = _own(holder, "_modules").get("module")
+        if (
+            isinstance(inner, nn.Module)
+            and type(inner) in classes
+            and id(holder) not in ours
+            and id(inner) not in ours
+            and (type(inner), _layout(inner)) in models
+            and not any(id(p) in params for p in inner.parameters())
+        ):
+            found.append(holder)
+    return found
+
+
+def module_generators(objects: Iterable[Any]) -> list[object]:
+    """The random generators (torch, numpy, ``random.Random``) that the submodules of the
+    modules among ``objects`` hold as attributes (a seeded noise or augmentation layer),
+    and those of the model an optimizer among them steps (:func:`owning_modules`): a probe
+    step draws from them, and training would go on from other draws than an untuned run.
+
+    Example:
+        >>> class Noise(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.gen = torch.Generator()
+        >>> model = nn.Sequential(nn.Linear(2, 2), Noise())
+        >>> [g is model[1].gen for g in module_generators([model])]
+        [True]
+    """
+    objects = list(objects)
+    modules = [o for o in objects if isinstance(o, nn.Module)] + owning_modules(objects)
+    found: list[object] = []
+    seen: set[int] = set()
+    for m in (sub for module in modules for sub in module.modules()):
+        for g in dataset_generators(m):
+            if id(g) not in seen:
+                seen.add(id(g))
+                found.append(g)
+    return found
 
 
 def _own(module: nn.Module, name: str) -> dict[str, Any]:

@@ -8,9 +8,9 @@ train/eval mode and the buffers ``state_dict()`` leaves out (``persistent=False`
 that are None), and a MixedPrecision's record of its backward and steps, and
 :meth:`SavedState.restore` loads it back bit for bit. What ``step`` trains but the caller
 did not pass is found too (:mod:`trainperf.batchsize._holders`): here, the model whose
-parameters only an optimizer was passed for. A buffer, parameter or submodule a module
-registers while probing (on its first forward pass) is removed again: the module is left as
-it was.
+parameters only an optimizer was passed for, and the EMA or SWA copies of the model. A
+buffer, parameter or submodule a module registers while probing (on its first forward pass)
+is removed again: the module is left as it was.
 
 Restoring *between* probes matters too: each batch size starts from the caller's state, so
 an optimizer that had no state yet allocates it inside the probe (its memory is part of that
@@ -39,7 +39,12 @@ from torch.optim import Optimizer
 from trainperf.amp import MixedPrecision
 from trainperf.amp._bookkeeping import fresh
 from trainperf.amp._state import restoring
-from trainperf.batchsize._holders import owning_modules, parameters_of, state_holder
+from trainperf.batchsize._holders import (
+    model_copies,
+    owning_modules,
+    parameters_of,
+    state_holder,
+)
 
 __all__ = ["SavedState"]
 
@@ -348,8 +353,9 @@ class SavedState:
     @classmethod
     def save(cls, objects: Iterable[Any]) -> SavedState:
         """Copy the state of ``objects`` (see :func:`stateful_objects`) to host memory,
-        and of the modules that own the parameters of an optimizer among them
-        (:func:`~trainperf.batchsize._holders.owning_modules`).
+        of the modules that own the parameters of an optimizer among them
+        (:func:`~trainperf.batchsize._holders.owning_modules`) and of the EMA or SWA
+        copies of their models (:func:`~trainperf.batchsize._holders.model_copies`).
 
         Example:
             >>> m = nn.Linear(2, 1)
@@ -363,6 +369,7 @@ class SavedState:
         """
         objects = list(objects)
         objects += owning_modules(objects)
+        objects += model_copies(objects)
         states = []
         for obj in objects:
             holder = state_holder(obj)

@@ -30,6 +30,7 @@ from trainperf.batchsize._accumulation import accumulation_notes, known_optimize
 from trainperf.batchsize._agree import Agreement
 from trainperf.batchsize._args import check_args, check_state, size_space
 from trainperf.batchsize._holders import (
+    module_generators,
     schedulers_held,
     stateful_objects,
     with_live_amp_state,
@@ -360,12 +361,13 @@ def tune_batch_size(
     measured; the choice is always a size that ran. Tuning leaves training exactly where
     it was: the state of ``model`` and ``optimizer`` (parameters, gradients, optimizer
     moments, BatchNorm statistics, train/eval modes), of the optimizers, LR schedulers,
-    ``GradScaler`` and :class:`trainperf.MixedPrecision` objects found without being passed
-    and of the model an ``optimizer`` passed without it steps, every random
+    ``GradScaler`` and :class:`trainperf.MixedPrecision` objects found without being passed,
+    of the model an ``optimizer`` passed without it steps and of the model's EMA or SWA
+    averages (``AveragedModel``), every random
     number generator (python, numpy, torch CPU and CUDA), those a
-    :func:`trainperf.batches_from` dataset owns and those ``step`` and ``sample`` close
-    over, read as globals or hold as attributes are put back bit for bit, however the call
-    ends.
+    :func:`trainperf.batches_from` dataset owns, those the model's layers hold and those
+    ``step`` and ``sample`` close over, read as globals or hold as attributes are put back
+    bit for bit, however the call ends.
 
     Under DDP (a process group initialised) call it on every rank with the same
     arguments: the ranks tune in lockstep and choose the same size
@@ -477,6 +479,10 @@ def tune_batch_size(
         args.budget_s, args.headroom, progress, cache, args.num_workers, args.prefetch_factor,
         started, batch_dim,
     )  # fmt: skip
-    generators = [*sample_generators(sample), *referenced_generators(step, sample)]
+    generators = [
+        *sample_generators(sample),
+        *referenced_generators(step, sample),
+        *module_generators(objects),
+    ]
     with preserved_rng(), preserved_generators(generators):
         return _tune(call)
