@@ -392,3 +392,25 @@ def raise_then_peers_exit_cleanly(bad_rank: int) -> None:
         _all_reduce()
     except RuntimeError:
         os._exit(0)
+
+
+def raise_while_a_child_exits_during_the_report() -> None:
+    """Raise, with a SIGCHLD handler that raises installed (as a DataLoader with workers
+    installs one) and a child process that exits while the rank reports the failure."""
+    from trainperf.ddp import _worker
+
+    def child_failed(signum: int, frame: Any) -> None:
+        raise RuntimeError("DataLoader worker exited unexpectedly")
+
+    report = _worker._report_failure
+
+    def report_while_a_child_exits(conn: Any, failure: Any) -> None:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        report(conn, failure)
+
+    signal.signal(signal.SIGCHLD, child_failed)
+    _worker._report_failure = report_while_a_child_exits
+    raise ValueError("its own failure")

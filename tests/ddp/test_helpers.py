@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import sys
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -338,3 +339,22 @@ def test_an_srun_task_knows_its_rank_before_any_process_group(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert (ddp.rank(), ddp.local_rank(), ddp.world_size(), ddp.is_main_process()) == expected
+
+
+@pytest.mark.parametrize(
+    ("n", "batch_size", "shard"),
+    [(1, 1, "0 samples"), (3, 2, "1 sample, fewer than batch_size=2"), (0, 1, "0 samples")],
+)
+def test_a_loader_that_yields_no_batch_on_a_rank_is_warned_about_once(
+    monkeypatch: pytest.MonkeyPatch, n: int, batch_size: int, shard: str
+) -> None:
+    # drop_last with fewer samples per rank than a batch: every epoch was silently empty.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    loader = ddp.distributed_loader(list(range(n)), batch_size=batch_size, drop_last=n > 0)
+    with pytest.warns(UserWarning, match=rf"yields no batch on rank 1 of 2: its shard .*{shard}"):
+        assert list(loader) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert list(loader) == []  # said once per loader
+        assert len(ddp.distributed_loader(list(range(4)), batch_size=2, drop_last=True)) == 1

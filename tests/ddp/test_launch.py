@@ -8,6 +8,7 @@ test_procs.py and test_worker.py.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -663,6 +664,58 @@ def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path: Path) -> No
     assert "bootstrapping phase" not in out and "crash in native code" not in out, out
     assert out.count("Traceback (most recent call last)") == 1, out
     assert "(attempt 1 of 2)" in out and "attempt 2" not in out and "restarting" not in out
+    deadline = time.monotonic() + 10
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_with(marker) == []
+
+
+_LAUNCHES_AT_IMPORT = """\
+import trainperf.ddp as ddp
+
+
+def main():
+    return 1
+
+
+# At a module's top level: each spawned worker imports this module to load main.
+RESULT = ddp.launch(main, nprocs=1, backend="gloo", start_method="spawn", max_restarts=1)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_module_that_launches_when_imported_is_refused_in_the_worker(tmp_path: Path) -> None:
+    # The script has its guard, but main's module calls launch() at import: each spawned
+    # worker imported it to load main, launched workers of its own, and so on without end.
+    (tmp_path / "trainlib.py").write_text(_LAUNCHES_AT_IMPORT)
+    script = tmp_path / "train.py"
+    script.write_text('if __name__ == "__main__":\n    import trainlib\n')
+    env = _clean_env()
+    marker = f"relaunch-{os.getpid()}-{time.time_ns()}"
+    env["TRAINPERF_TEST_MARKER"] = marker
+    try:
+        run = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        for pid in _processes_with(marker):  # a chain of nested launches, on failure
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out
+    assert (
+        "LaunchError: rank 0 of 1 (attempt 1 of 2) could not load main: raised RuntimeError: "
+        "launch() called while this spawned worker imported a module to load main" in out
+    ), out
+    assert str(tmp_path / "trainlib.py") in out and 'if __name__ == "__main__":' in out, out
+    assert "must be importable there" not in out, out  # the advice for a missing module
+    assert "attempt 2" not in out and "restarting" not in out, out
     deadline = time.monotonic() + 10
     while _processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -327,3 +327,31 @@ def test_a_rank_without_hang_detection_still_runs_main_when_sys_stderr_is_closed
     assert launch_fork(workers.add, 3, 4, nprocs=1) == 7
     err = capfd.readouterr().err
     assert "rank 0: hang detection is off (OSError('no stacks signal here'))" in err
+
+
+def test_a_launch_while_a_worker_loads_main_is_refused_and_remembered() -> None:
+    # main's module calling launch() at import: each spawned worker would start its own.
+    from trainperf.ddp import _worker_reimport
+
+    try:
+        with (
+            _worker_reimport.loading_main(),
+            pytest.raises(RuntimeError, match=r"calls launch\(\) when it is imported"),
+        ):
+            ddp.launch(workers.add, 1, 2, nprocs=1, backend="gloo")
+        assert _worker_reimport.relaunched()
+    finally:
+        _worker_reimport._relaunched.clear()
+    assert ddp.launch(workers.add, 1, 2, nprocs=1, backend="gloo", start_method="fork") == 3
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_reports_its_failure_even_when_a_dataloader_worker_exits_meanwhile(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # DataLoader's SIGCHLD handler raised inside the failure report: the report was lost
+    # and multiprocessing printed a traceback of trainperf's own frames.
+    with pytest.raises(LaunchError, match=r"rank 0 of 1 raised ValueError: its own failure"):
+        launch_fork(workers.raise_while_a_child_exits_during_the_report, nprocs=1)
+    err = capfd.readouterr().err
+    assert "_report_failure" not in err and "Process trainperf-rank0" not in err, err

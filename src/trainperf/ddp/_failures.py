@@ -17,6 +17,7 @@ from trainperf.ddp._worker_pickle import called_function
 
 __all__ = [
     "DEATH_SLACK_S",
+    "RELAUNCH_ADVICE",
     "Problem",
     "arguments_advice",
     "load_advice",
@@ -61,7 +62,7 @@ def summarize(failure: Failure) -> str:
     text = f"raised {failure.type_name}" + (f": {first_line}" if first_line else "")
     if failure.stage == "args":
         return f"could not unpickle main's {failure.argument}: {text}"
-    return f"could not load main: {text}" if failure.stage == "load" else text
+    return f"could not load main: {text}" if failure.stage in ("load", "relaunch") else text
 
 
 def main_script() -> str:
@@ -96,6 +97,15 @@ def load_advice(main: Callable[..., Any] | None) -> str:
         "module loaded from a file path with importlib is not); or use start_method='fork' "
         "(Linux), which needs no import."
     )
+
+
+# For a worker whose import of main's module called launch() (``_worker_reimport``).
+RELAUNCH_ADVICE = (
+    "Fix: call launch() only when the script is run: under its "
+    'if __name__ == "__main__": guard (or in a function the script calls there), not at the '
+    "top level of a module that defines main, which each spawned worker imports; or use "
+    'start_method="fork" (Linux), which imports nothing again.'
+)
 
 
 def arguments_advice(argument: str) -> str:

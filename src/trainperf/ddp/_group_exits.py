@@ -12,7 +12,13 @@ from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from trainperf.ddp._failures import DEATH_SLACK_S, Problem, summarize, unguarded_main
+from trainperf.ddp._failures import (
+    DEATH_SLACK_S,
+    RELAUNCH_ADVICE,
+    Problem,
+    summarize,
+    unguarded_main,
+)
 from trainperf.ddp._failures import arguments_advice as _arguments_advice
 from trainperf.ddp._failures import load_advice as _load_advice
 from trainperf.ddp._failures import startup_problem as _startup_problem
@@ -39,10 +45,12 @@ def reported(failure: Failure, main: Callable[..., Any] | None) -> tuple[Problem
         advice = _load_advice(main)
     elif failure.stage == "args":
         advice = _arguments_advice(failure.argument)
+    elif failure.stage == "relaunch":
+        advice = RELAUNCH_ADVICE
     problem = Problem(
         failure.rank, failure.time, summarize(failure), failure.traceback, advice=advice
     )
-    return problem, failure.stage in ("load", "args")
+    return problem, failure.stage in ("load", "args", "relaunch")
 
 
 def reimported(code: int, ctx: BaseContext, loaded: bool) -> bool:

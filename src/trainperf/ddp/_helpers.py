@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -301,6 +302,26 @@ class DistributedLoader(DataLoader[T]):
     ) -> None:
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, **loader_kwargs)
         self.distributed_sampler = sampler
+        self._warned_empty = False
+
+    def __iter__(self) -> Any:
+        if not self._warned_empty and len(self) == 0:
+            self._warned_empty = True
+            warnings.warn(self._empty_message(), UserWarning, stacklevel=2)
+        return super().__iter__()
+
+    def _empty_message(self) -> str:
+        sampler = self.distributed_sampler
+        shard = int(sampler.num_samples)
+        what = f"{shard} sample{'' if shard == 1 else 's'}"
+        if shard:
+            what += f", fewer than batch_size={self.batch_size} (drop_last=True)"
+        return (
+            f"distributed_loader yields no batch on rank {sampler.rank} of "
+            f"{sampler.num_replicas}: its shard of the {len(sampler.dataset)} samples "  # type: ignore[arg-type]
+            f"is {what}, so every epoch is empty; use drop_last=False, a smaller batch_size, "
+            "or fewer ranks"
+        )
 
     @property
     def epoch(self) -> int:

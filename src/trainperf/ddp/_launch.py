@@ -38,7 +38,11 @@ from trainperf.ddp._launch_checks import (
     hang_timeout_s,
 )
 from trainperf.ddp._launch_spawn import _spawn
-from trainperf.ddp._worker_reimport import REIMPORT_EXIT_CODE, reimporting_main
+from trainperf.ddp._worker_reimport import (
+    REIMPORT_EXIT_CODE,
+    refuse_launch_while_loading,
+    reimporting_main,
+)
 
 __all__ = ["Backend", "StartMethod", "launch", "launch_all"]
 
@@ -65,6 +69,7 @@ def _launch(
         # start processes from here with a long traceback. Leave quietly instead; the
         # launcher knows this exit status and says what to change.
         raise SystemExit(REIMPORT_EXIT_CODE)
+    refuse_launch_while_loading()
     import torch
 
     span, max_restarts = _check_options(main, backend, start_method, timeout, max_restarts)

@@ -49,6 +49,7 @@ from trainperf.ddp._worker_pickle import (
     _pack,
     _unpickled,
 )
+from trainperf.ddp._worker_reimport import loading_main, relaunched
 
 __all__ = [
     "KEEP_START_METHOD",
@@ -111,7 +112,10 @@ class WorkerSpec:
         if self.packed is None:
             return cast(Callable[..., Any], self.main), self.args, self.kwargs
         _unpickled.clear()
-        call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] = pickle.loads(self.packed)
+        with loading_main():
+            call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] = pickle.loads(
+                self.packed
+            )
         return call
 
     def failed_argument(self) -> str | None:
@@ -138,7 +142,8 @@ class Failure:
     traceback: str
     time: float
     # "load": importing main's module (unpickling main) failed; "args": unpickling one of
-    # main's arguments failed (``argument`` names it); "main": the set-up or main raised.
+    # main's arguments failed (``argument`` names it); "relaunch": a module imported to
+    # load them called launch(); "main": the set-up or main raised.
     stage: str = "main"
     argument: str = ""
 
@@ -368,7 +373,9 @@ def _load(spec: WorkerSpec, rank: int, conn: Connection) -> Any:
         call = spec.load()
     except BaseException as exc:
         argument = spec.failed_argument()
-        if argument is None:
+        if relaunched():
+            _report_failure(conn, _describe(rank, exc, stage="relaunch"))
+        elif argument is None:
             _report_failure(conn, _describe(rank, exc, stage="load"))
         else:
             _report_failure(conn, _describe(rank, exc, stage="args", argument=argument))
@@ -461,10 +468,16 @@ def worker_main(
         # know that this rank had returned (or called sys.exit(0), which it names as such).
         _send_result(conn, rank, payload, call)
     except BaseException as exc:
-        # Report before tearing the group down: destroying it can block after a fault, and
-        # the time stamp must precede the errors this exit causes in the peers.
-        _report_failure(conn, _describe(rank, exc))
-        _exit_now(1)
+        # A DataLoader's SIGCHLD handler raises when one of its workers exits, as they do
+        # now: it would cut the report short. The rank leaves through _exit_now whatever.
+        if hasattr(signal, "SIGCHLD"):
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        try:
+            # Report before tearing the group down: destroying it can block after a fault,
+            # and the time stamp must precede the errors this exit causes in the peers.
+            _report_failure(conn, _describe(rank, exc))
+        finally:
+            _exit_now(1)
     conn.close()
     try:
         _destroy()

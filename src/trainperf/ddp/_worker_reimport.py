@@ -1,12 +1,22 @@
 """A spawned worker that imports a script whose ``launch()`` call no ``__main__`` guard
-protects: how the worker knows, and the exit status that tells the launcher.
+protects: how the worker knows, and the exit status that tells the launcher. Also a worker
+that imports main's module to load main, where that module calls ``launch()`` itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+from collections.abc import Iterator
 
-__all__ = ["REIMPORT_EXIT_CODE", "WORKER_NAME_PREFIX", "reimporting_main"]
+__all__ = [
+    "REIMPORT_EXIT_CODE",
+    "WORKER_NAME_PREFIX",
+    "loading_main",
+    "refuse_launch_while_loading",
+    "relaunched",
+    "reimporting_main",
+]
 
 # Each worker process is named f"{WORKER_NAME_PREFIX}{rank}".
 WORKER_NAME_PREFIX = "trainperf-rank"
@@ -30,3 +40,45 @@ def reimporting_main() -> bool:
     """
     me = multiprocessing.current_process()
     return me.name.startswith(WORKER_NAME_PREFIX) and multiprocessing.parent_process() is None
+
+
+# Set while this worker unpickles main and its arguments (importing their modules), and
+# once launch() was called meanwhile.
+_loading: list[bool] = []
+_relaunched: list[bool] = []
+
+
+@contextlib.contextmanager
+def loading_main() -> Iterator[None]:
+    """The span in which a spawned worker imports main's module to load main."""
+    _loading.append(True)
+    try:
+        yield
+    finally:
+        _loading.pop()
+
+
+def relaunched() -> bool:
+    """Whether launch() was called (and refused) while this worker loaded main."""
+    return bool(_relaunched)
+
+
+def refuse_launch_while_loading() -> None:
+    """Refuse a launch() that main's module makes when a spawned worker imports it: each
+    worker would start workers of its own, and those theirs, without end (the script's own
+    re-import is :func:`reimporting_main`'s case).
+
+    Raises:
+        RuntimeError: this worker is loading main.
+
+    Example:
+        >>> refuse_launch_while_loading()  # the launching process itself: nothing
+    """
+    if not _loading:
+        return
+    _relaunched.append(True)
+    raise RuntimeError(
+        "launch() called while this spawned worker imported a module to load main (or its "
+        "arguments): that module calls launch() when it is imported, so each worker would "
+        "start workers of its own, without end"
+    )
