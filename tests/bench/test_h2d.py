@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import re
 
 import pytest
 import torch
@@ -120,9 +121,10 @@ def test_copies_estimated_past_max_seconds_are_refused_after_the_first_timed_one
         "bench_h2d(iterations=1000000): 2000002 copies of 2 MiB (1 warm-up and 1000000 timed, "
         "pageable and pinned) would take about 30.6 h on cuda:0 (0.021 GB/s pageable, 0.21 "
         "GB/s pinned, from the first timed copy of each), more than max_seconds=300: use "
-        "fewer iterations (e.g. iterations=2726) or a larger max_seconds (e.g. "
-        "max_seconds=110001)"
+        "fewer iterations (e.g. iterations=2180) or a larger max_seconds (e.g. "
+        "max_seconds=140000)"
     )
+    assert common_module.refused_past_max_seconds(caught.value)
     # A warm-up and a timed copy of each, no more.
     assert fake.copies == ["pageable", "pageable", "pinned", "pinned"]
 
@@ -130,16 +132,49 @@ def test_copies_estimated_past_max_seconds_are_refused_after_the_first_timed_one
 def test_copies_each_past_max_seconds_are_told_to_be_smaller(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Before: "use smaller copies", which names no option. 64 MiB copies of 300 s a round,
+    # three rounds: 900 s; 16 MiB copies take 225 s, within 0.8 x 300.
     FakeCopies(monkeypatch, h2d_module, pageable=200.0, pinned=100.0)
-    with pytest.raises(ValueError, match=r"more than max_seconds=300: use smaller copies or a "
-                       r"larger max_seconds \(e.g. max_seconds=900\)$"):  # fmt: skip
-        bench_h2d(size_bytes=2 * 2**20, iterations=2)
+    with pytest.raises(ValueError, match=r"more than max_seconds=300: use a smaller size_bytes "
+                       r"\(e.g. size_bytes=16777216\) or a larger max_seconds \(e.g. "
+                       r"max_seconds=1100\)$"):  # fmt: skip
+        bench_h2d(size_bytes=64 * 2**20, iterations=2)
+
+
+def test_a_single_timed_copy_of_each_is_never_refused_after_it_ran(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: with iterations=1 the estimate came after the only timed copies, and a run
+    # past the limit (4 copies, 320 s) was refused with nothing left to spare.
+    fake = FakeCopies(monkeypatch, h2d_module, pageable=100.0, pinned=60.0)
+    r = bench_h2d(size_bytes=2 * 2**20, iterations=1)
+    assert fake.copies == ["pageable", "pageable", "pinned", "pinned"]
+    assert r.pageable_gb_per_s == pytest.approx(2 * 2**20 / 100.0 / 1e9)
+
+
+def test_each_suggestion_runs_when_the_rerun_is_a_little_slower(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: the iterations suggested filled the 300 s exactly (272 rounds of 1.1 s beside
+    # the warm-up's), and the max_seconds was the estimate: a rerun 1% slower was refused.
+    FakeCopies(monkeypatch, h2d_module, pageable=1.0, pinned=0.1)
+    with pytest.raises(ValueError) as caught:
+        bench_h2d(size_bytes=2 * 2**20, iterations=10**4)
+    suggested = dict(re.findall(r"e\.g\. (\w+)=(\d+)", str(caught.value)))
+    assert set(suggested) == {"iterations", "max_seconds"}
+    for name, value in suggested.items():
+        FakeCopies(monkeypatch, h2d_module, pageable=1.01, pinned=0.101)
+        kwargs = {"iterations": 10**4, name: int(value)}
+        assert bench_h2d(size_bytes=2 * 2**20, **kwargs).pinned_gb_per_s > 0  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
     ("iterations", "pageable", "pinned", "max_seconds"),
     [
         (5, 0.08, 0.01, 300.0),  # the defaults: 512 MiB at 7 and 54 GB/s, about 1 s
+        # Two timed copies: a rate that took in the (10x slower) warm-up would be off.
+        (2, 0.08, 0.01, 300.0),
+        (1, 0.08, 0.01, 300.0),
         (2000, 0.1, 0.01, 300.0),  # 220 s: within
         (5000, 0.1, 0.01, None),  # 550 s, no limit
     ],

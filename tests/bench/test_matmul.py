@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import re
 
 import pytest
 import torch
@@ -196,7 +197,8 @@ def test_a_run_estimated_past_max_seconds_is_refused_before_it_starts(
     # The fix: a size that fits (2048: 13 products in 223 s; 4096 would take 30 min)...
     assert "use a smaller size (e.g. size=2048)" in message
     # ... or the limit that lets this one run.
-    assert message.endswith("or a larger max_seconds (e.g. max_seconds=14294)")
+    assert message.endswith("or a larger max_seconds (e.g. max_seconds=18000)")
+    assert common_module.refused_past_max_seconds(caught.value)
     assert 8192 not in timed  # the probe stopped well short of the full size
     assert bench_matmul("fp32", size=8192, device="cpu", max_seconds=None).size == 8192
 
@@ -270,9 +272,27 @@ def test_too_many_iterations_are_told_how_many_fit() -> None:
     # Before: only "a smaller size", where the iterations were what made the run long.
     fix = matmul_module._too_long(16, 3, 10**9, 1e9, 300.0)
     assert fix == (
-        "use a smaller size (e.g. size=4), fewer iterations (e.g. iterations=36621090) or a "
-        "larger max_seconds (e.g. max_seconds=8193)"
+        "use a smaller size (e.g. size=4), fewer iterations (e.g. iterations=29296872) or a "
+        "larger max_seconds (e.g. max_seconds=9900)"
     )
+
+
+@pytest.mark.parametrize(("size", "iterations"), [(16, 10**9), (8192, 10), (50_000, 10)])
+def test_each_suggestion_fits_a_rerun_a_little_slower(size: int, iterations: int) -> None:
+    # Before: the iterations suggested filled max_seconds exactly, and the max_seconds was
+    # the estimate rounded up: a rerun 1% slower was refused again.
+    fix = matmul_module._too_long(size, 3, iterations, 1e9, 300.0)
+    assert fix is not None
+    suggested = {name: int(value) for name, value in re.findall(r"e\.g\. (\w+)=(\d+)", fix)}
+    slower = 1e9 / 1.01
+    for name, value in suggested.items():
+        rerun = {"size": size, "iterations": iterations, "max_seconds": 300.0, name: value}
+        assert (
+            matmul_module._too_long(
+                rerun["size"], 3, rerun["iterations"], slower, rerun["max_seconds"]
+            )
+            is None
+        ), name
 
 
 def test_the_size_suggested_fits_the_limit() -> None:

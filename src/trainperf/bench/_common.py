@@ -32,14 +32,27 @@ __all__ = [
     "format_duration",
     "gpu_name",
     "iterations_within",
+    "refused_past_max_seconds",
     "resolve_device",
     "result_dict",
     "run_time_fix",
+    "seconds_to_fit",
+    "suggested_max_seconds",
     "synchronize",
 ]
 
 # A benchmark is a check that takes seconds to minutes: a run estimated past this is refused.
 DEFAULT_MAX_SECONDS = 300.0
+
+# What a refusal suggests leaves room to spare, so that a rerun a little slower than the run
+# it was estimated from (a busier host, a warmer card) is not refused again: a smaller setting
+# is sized to fit this share of the limit, and a larger limit is this factor of the estimate.
+_FIT_SHARE = 0.8
+_LIMIT_HEADROOM = 1.2
+
+# Every refusal says "... more than max_seconds=<s>: <fix>" (a ValueError, as for the other
+# arguments); ``trainperf bench model --precision all`` tells it apart by these words.
+_PAST_THE_LIMIT = "more than max_seconds="
 
 
 @dataclass(frozen=True)
@@ -173,34 +186,75 @@ def check_max_seconds(max_seconds: object) -> float | None:
     return positive_number("max_seconds", max_seconds, unit="seconds (or None)")
 
 
-def run_time_fix(estimate: float, max_seconds: float | None, fixes: Sequence[str]) -> str | None:
+def run_time_fix(
+    estimate: float, max_seconds: float | None, fixes: Sequence[str], *, after: Sequence[str] = ()
+) -> str | None:
     """The decision rule every benchmark's limit shares: None where a run estimated to take
     ``estimate`` seconds fits in ``max_seconds`` (or there is no limit); else what to do
-    instead, ``fixes`` (what that benchmark can shrink) and then the ``max_seconds`` that
-    would let it run.
+    instead, ``fixes`` (what that benchmark can shrink, each sized by
+    :func:`seconds_to_fit`), then the ``max_seconds`` that would let it run
+    (:func:`suggested_max_seconds`), then ``after`` (fixes less sure to help).
 
     Example:
         >>> run_time_fix(200.0, 300.0, ["fewer iterations"]) is None
         True
         >>> run_time_fix(400.2, 300.0, ["fewer iterations (e.g. iterations=7)"])
-        'use fewer iterations (e.g. iterations=7) or a larger max_seconds (e.g. max_seconds=401)'
+        'use fewer iterations (e.g. iterations=7) or a larger max_seconds (e.g. max_seconds=490)'
     """
     if max_seconds is None or estimate <= max_seconds:
         return None
     # iterations=<n> and max_seconds=<s> are what trainperf.cli rewrites as its options.
-    every = [*fixes, f"a larger max_seconds (e.g. max_seconds={math.ceil(estimate)})"]
+    larger = f"a larger max_seconds (e.g. max_seconds={suggested_max_seconds(estimate)})"
+    every = [*fixes, larger, *after]
     return f"use {', '.join(every[:-1])} or {every[-1]}" if len(every) > 1 else f"use {every[0]}"
 
 
+def refused_past_max_seconds(error: BaseException) -> bool:
+    """Whether ``error`` is a benchmark's refusal of a run estimated past its
+    ``max_seconds`` (which ran nothing more), rather than a bad argument.
+
+    Example:
+        >>> refused_past_max_seconds(ValueError("... more than max_seconds=300: use ..."))
+        True
+        >>> refused_past_max_seconds(ValueError("max_seconds must be a positive number"))
+        False
+    """
+    return isinstance(error, ValueError) and _PAST_THE_LIMIT in str(error)
+
+
+def seconds_to_fit(max_seconds: float) -> float:
+    """The seconds a suggested smaller setting is sized to take: 0.8 x ``max_seconds``, so
+    that a rerun a little slower than the estimate still fits.
+
+    Example:
+        >>> seconds_to_fit(300.0)
+        240.0
+    """
+    return _FIT_SHARE * max_seconds
+
+
+def suggested_max_seconds(estimate: float) -> int:
+    """The ``max_seconds`` suggested for a run estimated at ``estimate`` seconds: 1.2 x the
+    estimate, rounded up to two significant digits (a rerun a little slower still fits).
+
+    Example:
+        >>> suggested_max_seconds(1020.0), suggested_max_seconds(14293.6)
+        (1300, 18000)
+    """
+    wanted = _LIMIT_HEADROOM * estimate
+    step = int(10 ** max(0, math.floor(math.log10(wanted)) - 1))
+    return math.ceil(wanted / step) * step
+
+
 def iterations_within(max_seconds: float, fixed_seconds: float, per_iteration: float) -> int:
-    """How many iterations of ``per_iteration`` seconds fit in ``max_seconds`` beside
-    ``fixed_seconds`` (the warm-up): 0 or less where none does.
+    """How many iterations of ``per_iteration`` seconds fit beside ``fixed_seconds`` (the
+    warm-up) in :func:`seconds_to_fit` of ``max_seconds``: 0 or less where none does.
 
     Example:
         >>> iterations_within(300.0, 20.0, 10.0)
-        28
+        22
     """
-    return math.floor((max_seconds - fixed_seconds) / per_iteration)
+    return math.floor((seconds_to_fit(max_seconds) - fixed_seconds) / per_iteration)
 
 
 def format_duration(seconds: float) -> str:

@@ -7,7 +7,8 @@ pinned (7.6x).
 
 Each copy is synchronised on its own (a copy is what is timed). The first timed copy of each
 kind comes before the others, so that a run they say would take longer than
-``max_seconds`` is refused before the rest of it runs.
+``max_seconds`` is refused before the rest of it runs (with one timed copy of each, nothing
+is left to spare, so nothing is refused).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from trainperf.bench._common import (
     resolve_device,
     result_dict,
     run_time_fix,
+    seconds_to_fit,
     synchronize,
 )
 from trainperf.errors import DeviceError
@@ -139,9 +141,14 @@ def _check_run_time(
     estimate = (1 + iterations) * per_round
     if max_seconds is None or estimate <= max_seconds:
         return
-    # iterations=<n> is what trainperf.cli rewrites as --iterations <n>.
+    # iterations=<n> and size_bytes=<n> are what trainperf.cli rewrites as --iterations <n>
+    # and --size-mb <n / 2**20>.
     fewer = iterations_within(max_seconds, per_round, per_round)
-    fixes = [f"fewer iterations (e.g. iterations={fewer})" if fewer >= 1 else "smaller copies"]
+    fixes = [f"fewer iterations (e.g. iterations={fewer})"] if fewer >= 1 else []
+    # A copy's time taken as in proportion to its bytes; a power of two, whole MiB from 1 MiB.
+    fitting = int(size_bytes * seconds_to_fit(max_seconds) / estimate)
+    if not fixes and fitting >= 1:
+        fixes.append(f"a smaller size_bytes (e.g. size_bytes={1 << (fitting.bit_length() - 1)})")
     fix = run_time_fix(estimate, max_seconds, fixes)
     pageable, pinned = (size_bytes / seconds / 1e9 for seconds in firsts)
     raise ValueError(
@@ -161,12 +168,14 @@ def _copy_seconds(
     check: Callable[[tuple[float, float]], None],
 ) -> tuple[list[float], list[float]]:
     """The seconds of each timed copy from each source, after an untimed one; ``check``
-    sees the first timed copy of each before the rest run."""
+    sees the first timed copy of each before the rest run (where any remain: a check after
+    the last copy could only refuse a run that is over)."""
     firsts = []
     for src in sources:
         _seconds_per_copy(src, target, device)  # warm-up: first-touch and driver setup
         firsts.append(_seconds_per_copy(src, target, device))
-    check((firsts[0], firsts[1]))
+    if iterations > 1:
+        check((firsts[0], firsts[1]))
     pageable, pinned = (
         [first] + [_seconds_per_copy(src, target, device) for _ in range(iterations - 1)]
         for first, src in zip(firsts, sources, strict=True)
@@ -191,8 +200,8 @@ def bench_h2d(
             the other benchmarks there is no CPU fallback: without CUDA there is nothing to
             copy to, and a :class:`~trainperf.errors.DeviceError` says so.
         max_seconds: refuse a run that would take longer than this (every copy, estimated
-            from the first timed copy of each kind, which run before the others); None for
-            no limit.
+            from the first timed copy of each kind, which run before the others; with
+            ``iterations=1`` those are the last, and nothing is refused); None for no limit.
 
     Returns:
         An :class:`H2DResult`.

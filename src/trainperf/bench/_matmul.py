@@ -28,6 +28,7 @@ from trainperf.bench._common import (
     resolve_device,
     result_dict,
     run_time_fix,
+    seconds_to_fit,
     synchronize,
 )
 from trainperf.bench._host_notes import cpu_emulation_notes
@@ -186,14 +187,15 @@ def _too_long(
         >>> _too_long(256, 3, 10, 1e9, 300.0) is None
         True
         >>> _too_long(8192, 3, 10, 1e9, 300.0)
-        'use a smaller size (e.g. size=2048) or a larger max_seconds (e.g. max_seconds=14294)'
+        'use a smaller size (e.g. size=2048) or a larger max_seconds (e.g. max_seconds=18000)'
     """
     products = warmup + iterations
     estimate = _estimated_seconds(size, products, flops_per_s)
     if max_seconds is None or estimate <= max_seconds:
         return None
     # size=<n> is what trainperf.cli rewrites as --size <n>.
-    fixes = [f"a smaller size (e.g. size={_size_within(max_seconds, products, flops_per_s)})"]
+    fitting = _size_within(seconds_to_fit(max_seconds), products, flops_per_s)
+    fixes = [f"a smaller size (e.g. size={fitting})"]
     per_product = _estimated_seconds(size, 1, flops_per_s)
     fewer = iterations_within(max_seconds, warmup * per_product, per_product)
     if fewer >= 1:

@@ -28,7 +28,13 @@ from trainperf.bench._common import (
     resolve_device,
 )
 from trainperf.bench._host_notes import cpu_emulation_notes, host_notes_now
-from trainperf.bench._model_run import RunTimeLimit, Settings, Timing, measure
+from trainperf.bench._model_run import (
+    MIN_COMPARABLE_BATCH,
+    RunTimeLimit,
+    Settings,
+    Timing,
+    measure,
+)
 from trainperf.bench._reference import (
     BenchPrecision,
     ModelName,
@@ -53,8 +59,6 @@ PRECISIONS: dict[str, torch.dtype] = {
 CUDA_DEFAULTS = {"batch_size": 128, "image_size": 224, "batches_per_iteration": 15, "iterations": 5}
 CPU_DEFAULTS = {"batch_size": 2, "image_size": 64, "batches_per_iteration": 1, "iterations": 2}
 REFERENCE_IMAGE_SIZE = 224
-# Below this batch a GPU is under-fed and a "slow card" warning would be misleading.
-MIN_COMPARABLE_BATCH = 64
 
 
 def format_iteration(index: int, images_per_s: float, seconds: float) -> str:

@@ -24,10 +24,15 @@ from trainperf.bench._common import (
     format_duration,
     iterations_within,
     run_time_fix,
+    seconds_to_fit,
     synchronize,
 )
 
-__all__ = ["RunTimeLimit", "Settings", "Timing", "measure"]
+__all__ = ["MIN_COMPARABLE_BATCH", "RunTimeLimit", "Settings", "Timing", "measure"]
+
+# Below this batch a GPU is under-fed and a "slow card" warning would be misleading (and a
+# batch's time no longer shrinks in proportion to its images).
+MIN_COMPARABLE_BATCH = 64
 
 # The clock every batch is timed with (a name of this module's, for the tests to fake).
 _clock = time.perf_counter
@@ -45,11 +50,19 @@ class Settings:
 
 
 def _run_time_fix(
-    settings: Settings, seconds_per_batch: float, max_seconds: float | None, *, train: bool
+    settings: Settings,
+    seconds_per_batch: float,
+    max_seconds: float | None,
+    *,
+    train: bool,
+    cuda: bool = False,
 ) -> str | None:
     """The decision rule (:func:`~trainperf.bench._common.run_time_fix`) for a run of
     ``settings`` at ``seconds_per_batch``: a smaller batch (a batch's time taken as in
-    proportion to its images), a smaller image size, fewer iterations, or a larger limit."""
+    proportion to its images), a smaller image size, fewer iterations, or a larger limit.
+    On a GPU (``cuda``) a batch's time is not in proportion to its images (a small batch
+    under-feeds it), so fewer iterations and a larger limit come first, and a smaller batch
+    is never below :data:`MIN_COMPARABLE_BATCH`."""
     per_iteration = settings.batches_per_iteration * seconds_per_batch
     warmup = settings.warmup_batches * seconds_per_batch
     estimate = warmup + settings.iterations * per_iteration
@@ -57,15 +70,20 @@ def _run_time_fix(
         return None
     # batch_size=<n>, image_size and iterations=<n> are what trainperf.cli rewrites as its
     # options.
-    fixes = []
-    fitting = int(settings.batch_size * max_seconds / estimate)
-    if fitting >= (2 if train else 1):
-        fixes.append(f"a smaller batch_size (e.g. batch_size={1 << (fitting.bit_length() - 1)})")
-    fixes.append("a smaller image_size")
+    smaller = []
+    fitting = int(settings.batch_size * seconds_to_fit(max_seconds) / estimate)
+    if fitting >= 1:
+        fitting = 1 << (fitting.bit_length() - 1)
+    if cuda:
+        fitting = max(fitting, MIN_COMPARABLE_BATCH)
+    if (2 if train else 1) <= fitting < settings.batch_size:
+        smaller.append(f"a smaller batch_size (e.g. batch_size={fitting})")
+    smaller.append("a smaller image_size")
     fewer = iterations_within(max_seconds, warmup, per_iteration)
-    if fewer >= 1:
-        fixes.append(f"fewer iterations (e.g. iterations={fewer})")
-    return run_time_fix(estimate, max_seconds, fixes)
+    iterations = [f"fewer iterations (e.g. iterations={fewer})"] if fewer >= 1 else []
+    if cuda:
+        return run_time_fix(estimate, max_seconds, iterations, after=smaller)
+    return run_time_fix(estimate, max_seconds, smaller + iterations)
 
 
 @dataclass(frozen=True)
@@ -87,7 +105,8 @@ class RunTimeLimit:
             ValueError: it would; the message names the estimate, the rate and the fix.
         """
         settings, max_seconds = self.settings, self.max_seconds
-        fix = _run_time_fix(settings, seconds_per_batch, max_seconds, train=self.train)
+        cuda = self.device.type == "cuda"
+        fix = _run_time_fix(settings, seconds_per_batch, max_seconds, train=self.train, cuda=cuda)
         if fix is None:
             return
         timed = settings.iterations * settings.batches_per_iteration

@@ -109,6 +109,7 @@ def _bench_one_model(args: argparse.Namespace, precision: str, lines: TextIO) ->
 
 def _run_bench_model(args: argparse.Namespace) -> int:
     from trainperf.bench import Skipped
+    from trainperf.bench._common import refused_past_max_seconds
 
     args.device = _one_device(args.device)
     precisions = ["fp32", "fp16", "bf16"] if args.precision == "all" else [args.precision]
@@ -116,15 +117,26 @@ def _run_bench_model(args: argparse.Namespace) -> int:
     # In JSON mode stdout carries only the document, so the iteration lines go to stderr.
     lines: TextIO = _stderr() if args.json else out
     results: list[Any] = []
+    refused = False
     for precision in precisions:
         _progress(f"trainperf bench model: {args.model} {precision}: building and warming up...")
-        result = _bench_one_model(args, precision, lines)
+        try:
+            result = _bench_one_model(args, precision, lines)
+        except ValueError as e:
+            # One precision of several past --max-seconds (fp16 emulated on a CPU): a
+            # skipped record, so the results before it are kept and those after it still run;
+            # alone, it is the command's error, as is a bad argument.
+            if len(precisions) == 1 or not refused_past_max_seconds(e):
+                raise
+            refused = True
+            result = Skipped(args.bench, precision, _as_typed(str(e), args))
+            print(f"Skipped {precision}: {result.reason}", file=lines)
         results.append(result)
         if not args.json and not isinstance(result, Skipped):
             print(_as_typed(str(result), args), file=out)
     if args.json:
         _emit_results(args, results, out)
-    return _status(results)
+    return max(_status(results), int(refused))  # 1 where a precision was refused
 
 
 def _check_matmul_run_times(args: argparse.Namespace, device: str, dtypes: list[str]) -> None:

@@ -36,12 +36,16 @@ def _positive_seconds(text: str) -> float:
     return seconds
 
 
-def _add_max_seconds(parser: argparse.ArgumentParser, what: str, source: str) -> None:
+def _add_max_seconds(
+    parser: argparse.ArgumentParser, what: str, source: str, each: str | None = None
+) -> None:
+    # With --precision all (several --dtype) each setting has the limit to itself.
+    per = f", the limit per {each}" if each else ""
     parser.add_argument(
         "--max-seconds",
         type=_positive_seconds,
         default=300.0,
-        help=f"refuse {what} estimated ({source}) to take longer (300)",
+        help=f"refuse {what} estimated ({source}) to take longer than this{per} (300)",
     )
 
 
@@ -77,7 +81,7 @@ def _add_model_parser(benches: Any) -> None:
         default=None,
         help="allow TF32 for fp32 (default: PyTorch's current setting)",
     )
-    _add_max_seconds(model, "a run", "from its second warm-up batch")
+    _add_max_seconds(model, "a run", "from its second warm-up batch", "precision")
     model.add_argument("--device", help=_DEVICE_HELP)
     _add_json(model)
 
@@ -97,7 +101,7 @@ def _add_matmul_parser(benches: Any) -> None:
         help="one or more (default: all)",
     )
     matmul.add_argument("--iterations", type=_positive)
-    _add_max_seconds(matmul, "a dtype whose run is", "by a quick probe")
+    _add_max_seconds(matmul, "a dtype whose run is", "by a quick probe", "dtype")
     matmul.add_argument("--device", help=_DEVICE_HELP)
     _add_json(matmul)
 
@@ -216,10 +220,12 @@ def _options(args: argparse.Namespace) -> dict[str, argparse.Action]:
 def _as_typed(message: str, args: argparse.Namespace) -> str:
     """A library error ``message`` in the words of the command line ``args`` came from: the
     parameters the command exposes named by their options, ``device='cpu'`` as ``--device
-    cpu``, ``channels_last=True`` as ``--channels-last``, and a call ``bench_model(batch_size=1,
-    image_size=8)`` as the options that gave it, ``--batch-size 1 --image-size 8``. Other
-    words (English "size"), quoted values, paths, dotted names, a flag set to False or None,
-    and a call with an argument the command has no option for are left alone.
+    cpu``, ``channels_last=True`` as ``--channels-last``, a parameter in another unit as its
+    option (``size_bytes=2097152`` as ``--size-mb 2``; a value not in whole MiB is left
+    alone), and a call ``bench_model(batch_size=1, image_size=8)`` as the options that gave
+    it, ``--batch-size 1 --image-size 8``. Other words (English "size"), quoted values,
+    paths, dotted names, a flag set to False or None, and a call with an argument the command
+    has no option for are left alone.
 
     Example:
         >>> args = build_parser().parse_args(["bench", "model"])
@@ -227,6 +233,9 @@ def _as_typed(message: str, args: argparse.Namespace) -> str:
         '--image-size 8: --image-size too small; use --device cpu'
         >>> _as_typed("invalid device 'cpu:batch_size'", args)
         "invalid device 'cpu:batch_size'"
+        >>> h2d = build_parser().parse_args(["bench", "h2d"])
+        >>> _as_typed("use a smaller size_bytes (e.g. size_bytes=16777216)", h2d)
+        'use a smaller --size-mb (e.g. --size-mb 16)'
     """
     options = _options(args)
 
@@ -236,7 +245,7 @@ def _as_typed(message: str, args: argparse.Namespace) -> str:
             return _call_as_typed(text, options)
         if match.lastgroup == "keyword":
             return _keyword_as_typed(text, options) or text
-        option = options.get(text) if match.lastgroup == "name" else None
+        option = _option_for(text, options) if match.lastgroup == "name" else None
         return option.option_strings[0] if option else text
 
     return _TERM.sub(term, message)
@@ -246,15 +255,33 @@ def _keyword_as_typed(text: str, options: dict[str, argparse.Action]) -> str | N
     """``name=value`` as the option that gives it (``--device cpu``, a flag ``--train`` for
     True); None where no option gives it (a flag False or None, or no such option)."""
     match = _KEYWORD.fullmatch(text)
-    option = options.get(match.group(1)) if match else None
+    option = _option_for(match.group(1), options) if match else None
     if match is None or option is None:
         return None
-    value = match.group(2)
+    name, value = match.groups()
+    if name not in options and name in _SCALED:  # size_bytes=2097152 is --size-mb 2
+        scale = _SCALED[name][1]
+        if not value.isdigit() or int(value) % scale:
+            return None
+        return f"{option.option_strings[0]} {int(value) // scale}"
     if option.nargs == 0:  # a flag: True is the flag given; False and None are no option
         return option.option_strings[0] if value == "True" else None
     if value in ("True", "False", "None"):
         return None
     return f"{option.option_strings[0]} {value.strip(_QUOTES)}"
+
+
+# Library parameters a command takes in another unit: bench_h2d's size_bytes is bench h2d's
+# --size-mb (its name alone is the option; a value in whole MiB is the option's value).
+_SCALED = {"size_bytes": ("size_mb", _MiB)}
+
+
+def _option_for(name: str, options: dict[str, argparse.Action]) -> argparse.Action | None:
+    """The option that gives the library parameter ``name``, if the command has one."""
+    option = options.get(name)
+    if option is None and name in _SCALED:
+        option = options.get(_SCALED[name][0])
+    return option
 
 
 def _call_as_typed(text: str, options: dict[str, argparse.Action]) -> str:
