@@ -17,7 +17,6 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
 
-from trainperf import ddp
 from trainperf.checkpoint import Checkpointer
 from trainperf.checkpoint._loader_resume import tail_pulls
 from trainperf.checkpoint._loader_state import loader_state, restore_loader, track
@@ -593,31 +592,6 @@ def test_a_file_without_the_world_size_restarts_a_pass_of_another_batch_size() -
     with pytest.warns(UserWarning, match=r"loader 'l': .*: the pass restarts"):
         restore_loader(new, saved, "l")
     assert len(_samples(new)) == 24
-
-
-def test_a_distributed_loader_on_a_plain_sampler_resumes_with_another_batch_size_in_order() -> None:
-    # DistributedLoader steps a plain DistributedSampler's epoch through a link of its own
-    # in the sampler chain: that link changes no order, so the exact resume still applies
-    # (it restarted the pass with a warning).
-    def loader(batch_size: int) -> ddp.DistributedLoader[int]:
-        data = list(range(24))
-        sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=3)
-        return ddp.DistributedLoader(data, batch_size=batch_size, sampler=sampler)
-
-    straight = loader(4)
-    passes = [_samples(straight) for _ in range(2)]
-    old = loader(4)
-    track(old)
-    it = iter(old)
-    for _ in range(3):
-        next(it)
-    saved = loader_state(old)
-    resumed = loader(6)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        restore_loader(resumed, saved, "l")
-    assert _samples(resumed) == passes[0][12:]
-    assert _samples(resumed) == passes[1]
 
 
 @pytest.mark.parametrize(("taken", "new"), [(3, 6), (3, 5)])

@@ -8,18 +8,14 @@ import pickle
 import sys
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
 
 import trainperf.ddp as ddp
-from trainperf import Checkpointer
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -362,85 +358,3 @@ def test_a_loader_that_yields_no_batch_on_a_rank_is_warned_about_once(
         warnings.simplefilter("error")
         assert list(loader) == []  # said once per loader
         assert len(ddp.distributed_loader(list(range(4)), batch_size=2, drop_last=True)) == 1
-
-
-# ------------------------------------------------- DistributedLoader over a plain sampler
-
-
-def _twelve() -> Any:
-    return list(range(12))  # a list is a map-style dataset to DataLoader, not to mypy
-
-
-def _torch_loader(**sampler_kwargs: Any) -> DataLoader[int]:
-    data = _twelve()
-    sampler: DistributedSampler[int] = DistributedSampler(
-        data, num_replicas=1, rank=0, **sampler_kwargs
-    )
-    return DataLoader(data, batch_size=4, sampler=sampler)
-
-
-def _plain_loader(**sampler_kwargs: Any) -> ddp.DistributedLoader[int]:
-    data = _twelve()
-    sampler: DistributedSampler[int] = DistributedSampler(
-        data, num_replicas=1, rank=0, **sampler_kwargs
-    )
-    return ddp.DistributedLoader(data, batch_size=4, sampler=sampler)
-
-
-def _epoch_orders(loader: DataLoader[int], epochs: list[int]) -> list[list[int]]:
-    orders = []
-    for epoch in epochs:
-        loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
-        orders.append([i for b in loader for i in b.tolist()])
-    return orders
-
-
-def test_a_distributed_loader_on_a_plain_sampler_reshuffles_every_epoch_by_itself() -> None:
-    # Before: built directly on a torch DistributedSampler, a loop that forgot set_epoch
-    # saw epoch 0's order every epoch, silently, though the class said the shuffle changed.
-    loader = _plain_loader(shuffle=True, seed=3)
-    assert loader.epoch == 0
-    passes = [[i for b in loader for i in b.tolist()] for _ in range(3)]
-    assert loader.epoch == 3
-    # The orders torch gives for epochs 0, 1, 2 when they are set explicitly.
-    assert passes == _epoch_orders(_torch_loader(shuffle=True, seed=3), [0, 1, 2])
-    assert len({tuple(p) for p in passes}) == 3
-
-
-def test_set_epoch_on_a_plain_samplers_loader_orders_as_torch_does() -> None:
-    # Code that calls set_epoch (on the loader or on its sampler) sees torch's orders,
-    # whatever passes came between, so turning the advance on changes nothing for it.
-    loader = _plain_loader(shuffle=True, seed=5)
-    epochs = [0, 0, 4, 1]  # the same epoch twice replays it
-    assert _epoch_orders(loader, epochs) == _epoch_orders(
-        _torch_loader(shuffle=True, seed=5), epochs
-    )
-    loader.set_epoch(2)
-    next(iter(loader))  # a peek is a pass: the next one is epoch 3's
-    assert loader.epoch == 3 and loader.distributed_sampler.epoch == 3
-    assert [len(b) for b in _plain_loader(shuffle=False)] == [4, 4, 4]
-
-
-def test_a_plain_samplers_loader_that_forgets_set_epoch_resumes_exactly(tmp_path: Path) -> None:
-    # The advance must survive a Checkpointer resume: a run stopped mid-epoch 1, resumed
-    # in a new process state, sees the orders the uninterrupted run saw, epoch 2 included.
-    def run(directory: Path, stop: int | None = None) -> list[list[int]]:
-        loader = _plain_loader(shuffle=True, seed=1)
-        ckpt = Checkpointer(directory)
-        step = ckpt.restore({"loader": loader})
-        seen = []
-        for _ in range(step // len(loader), 3):
-            for batch in loader:
-                seen.append(batch.tolist())
-                step += 1
-                if step == stop:
-                    ckpt.save({"loader": loader}, step=step)
-                    return seen
-        return seen
-
-    straight = run(tmp_path / "straight")
-    assert len(straight) == 9 and straight[:3] != straight[3:6] != straight[6:]
-    for stop in (4, 6):  # mid-epoch 1, and at its last batch
-        first = run(tmp_path / f"run{stop}", stop=stop)
-        torch.manual_seed(999)
-        assert first + run(tmp_path / f"run{stop}") == straight

@@ -107,9 +107,6 @@ def _order_ignores_batch_size(chain: list[Any]) -> bool:
     change: torch's own ``BatchSampler`` over the samplers above, exact types (a subclass,
     or a sampler of your own, may be built with the batch size and order by it)."""
     known = _batch_size_free_samplers()
-    helpers = sys.modules.get("trainperf.ddp._helpers")
-    if helpers is not None and chain and type(chain[0]) is helpers._AdvanceEpoch:
-        chain = chain[1:]  # DistributedLoader's epoch step over a plain DistributedSampler
     return (
         len(chain) >= 2
         and type(chain[0]) is BatchSampler

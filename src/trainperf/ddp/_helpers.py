@@ -7,7 +7,6 @@ main process, collectives that return their input. So a training function writte
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import sys
@@ -287,53 +286,11 @@ class _AutoEpochSampler(DistributedSampler[T]):
         super().set_epoch(_checked_epoch(epoch))
 
 
-class _AdvanceEpoch:
-    """A loader's index sampler that moves a plain ``DistributedSampler``'s epoch on once
-    the pass has drawn its order, as :class:`_AutoEpochSampler` does its own.
-
-    The advance happens inside the draw, so a Checkpointer that replays a pass's draw puts
-    the epoch back as it found it, and the epoch a checkpoint records is the next pass's.
-    """
-
-    def __init__(self, inner: Any, sampler: DistributedSampler[Any]) -> None:
-        # Named ``sampler`` because Checkpointer follows ``.sampler`` links to record the
-        # DistributedSampler's epoch at each pass's start.
-        self.sampler = inner
-        self._distributed = sampler
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def __iter__(self) -> Iterator[Any]:
-        distributed = self._distributed
-        epoch = distributed.epoch
-        it = iter(self.sampler)
-        first = list(itertools.islice(it, 1))  # the sampler has drawn its order now
-        # Unless the draw moved it itself (a sampler that advances on its own).
-        if distributed.epoch == epoch:
-            distributed.epoch = epoch + 1
-        yield from first
-        yield from it
-
-
 class DistributedLoader(DataLoader[T]):
     """A DataLoader over this rank's shard; the shuffle changes every epoch.
 
-    Each pass over the loader (each ``iter(loader)``) uses the next epoch's order (0, 1, 2,
-    ...), also when ``sampler`` is a plain torch ``DistributedSampler``: the loader moves
-    its epoch on after each pass draws, so a loop that forgets ``set_epoch`` does not
-    repeat the first epoch's order (every rank must then make as many passes, or their
-    shuffles drift apart). :meth:`set_epoch` (or ``sampler.set_epoch``) chooses the next
-    pass's epoch explicitly (e.g. when resuming), so a loop that calls it at each epoch's
-    start gets torch's orders.
-
-    Example:
-        >>> data = list(range(8))
-        >>> sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=0)
-        >>> loader = DistributedLoader(data, batch_size=8, sampler=sampler)
-        >>> first, second = next(iter(loader)).tolist(), next(iter(loader)).tolist()
-        >>> loader.epoch, first != second
-        (2, True)
+    Each pass over the loader uses the next epoch's order (0, 1, 2, ...); call
+    :meth:`set_epoch` to choose it explicitly (e.g. when resuming).
     """
 
     def __init__(
@@ -346,16 +303,6 @@ class DistributedLoader(DataLoader[T]):
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, **loader_kwargs)
         self.distributed_sampler = sampler
         self._warned_empty = False
-        self._advancing: _AdvanceEpoch | None = None
-        if isinstance(sampler, DistributedSampler) and not isinstance(sampler, _AutoEpochSampler):
-            self._advancing = _AdvanceEpoch(super()._index_sampler, sampler)
-
-    @property
-    def _index_sampler(self) -> Any:
-        # DataLoader iterates this (and takes its len); the base's when the sampler
-        # advances its epoch itself (distributed_loader's).
-        advancing = self.__dict__.get("_advancing")  # absent while DataLoader.__init__ runs
-        return advancing if advancing is not None else super()._index_sampler
 
     def __iter__(self) -> Any:
         if not self._warned_empty and len(self) == 0:
