@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DistributedSampler
 
 import trainperf.ddp as ddp
 
@@ -358,3 +359,17 @@ def test_a_loader_that_yields_no_batch_on_a_rank_is_warned_about_once(
         warnings.simplefilter("error")
         assert list(loader) == []  # said once per loader
         assert len(ddp.distributed_loader(list(range(4)), batch_size=2, drop_last=True)) == 1
+
+
+def test_a_sampler_without_a_length_still_iterates() -> None:
+    # The empty-shard check asked len() of every pass, which DataLoader never does: a
+    # streaming DistributedSampler whose __len__ raises TypeError could not iterate.
+    class Endless(DistributedSampler[int]):
+        def __len__(self) -> int:
+            raise TypeError("endless sampler has no length")
+
+    data = list(range(8))
+    loader = ddp.DistributedLoader(data, 2, Endless(data, num_replicas=1, rank=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(loader)) == 4

@@ -287,10 +287,13 @@ class _AutoEpochSampler(DistributedSampler[T]):
 
 
 class DistributedLoader(DataLoader[T]):
-    """A DataLoader over this rank's shard; the shuffle changes every epoch.
+    """A DataLoader over this rank's shard.
 
-    Each pass over the loader uses the next epoch's order (0, 1, 2, ...); call
-    :meth:`set_epoch` to choose it explicitly (e.g. when resuming).
+    Made by :func:`distributed_loader`, each pass over the loader uses the next epoch's
+    order (0, 1, 2, ...) by itself; call :meth:`set_epoch` to choose it explicitly (e.g.
+    when resuming). Built directly on a torch ``DistributedSampler``, the order changes as
+    torch's does: only when :meth:`set_epoch` is called, so call ``loader.set_epoch(epoch)``
+    at each epoch's start.
     """
 
     def __init__(
@@ -305,10 +308,18 @@ class DistributedLoader(DataLoader[T]):
         self._warned_empty = False
 
     def __iter__(self) -> Any:
-        if not self._warned_empty and len(self) == 0:
+        if not self._warned_empty and self._length() == 0:
             self._warned_empty = True
             warnings.warn(self._empty_message(), UserWarning, stacklevel=2)
         return super().__iter__()
+
+    def _length(self) -> int | None:
+        """Batches per pass; None for a sampler without a length (DataLoader itself never
+        asks one for it)."""
+        try:
+            return len(self)
+        except TypeError:
+            return None
 
     def _empty_message(self) -> str:
         sampler = self.distributed_sampler
