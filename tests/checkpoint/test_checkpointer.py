@@ -384,6 +384,38 @@ def test_a_second_save_waits_for_the_one_in_flight(
     assert ckpt.steps() == [1, 2]
 
 
+def test_ctrl_c_while_the_writer_thread_starts_never_lets_the_next_save_refill_its_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Thread.start() waits for the new thread: a Ctrl-C there raises from save() with the
+    # writer running (or about to). The notebook goes on; the next save must not stage
+    # into the buffers that writer still reads, or step 1's file gets step 2's values.
+    release = held_thread_writes(monkeypatch)
+    real_start = threading.Thread.start
+    interrupts = [KeyboardInterrupt()]
+
+    def start(thread: threading.Thread) -> None:
+        real_start(thread)
+        if interrupts and thread.name == "trainperf-checkpoint-writer":
+            raise interrupts.pop()
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    ckpt = Checkpointer(tmp_path, keep=5)
+    w = torch.full((1024,), 1.0)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save({"w": w}, step=1, blocking=False)
+    w.fill_(2.0)
+    threading.Timer(0.2, release.set).start()
+    ckpt.save({"w": w}, step=2, blocking=False)
+    w.fill_(3.0)
+    ckpt.wait()
+    assert 2 in ckpt.steps()
+    for step in ckpt.steps():  # step 1's write either finished or never began
+        saved = load_checkpoint(tmp_path / f"step-{step:09d}.pt")["w"]
+        assert torch.equal(saved, torch.full((1024,), float(step))), (step, saved[:3])
+    assert not writer_module.pending_handles()  # nothing left for the exit hook to wait on
+
+
 def test_every_skips_other_steps_unless_forced(tmp_path: Path) -> None:
     ckpt = Checkpointer(tmp_path, every=10)
     skipped = ckpt.save({"n": 1}, step=5)

@@ -46,3 +46,23 @@ def test_a_wait_cut_short_by_ctrl_c_still_holds_the_next_save_back(
     for step, value in ((1, 1.0), (2, 2.0)):
         saved = load_checkpoint(tmp_path / f"step-{step:09d}.pt")["w"]
         assert torch.equal(saved, torch.full((1024,), value)), (step, saved[:3])
+
+
+def test_restore_through_a_new_checkpointer_waits_for_the_write_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A notebook cell run again, or a resume through a new object, while the previous
+    # object's background save still writes: resuming from the step before it would lose
+    # the steps since (and a later restore would jump to the step that landed meanwhile).
+    release = held_thread_writes(monkeypatch)
+    first = Checkpointer(tmp_path, keep=5)
+    first.save({"w": torch.zeros(4)}, step=1, blocking=False)
+    release.set()
+    first.wait()
+    release.clear()
+    first.save({"w": torch.ones(4)}, step=2, blocking=False)  # held until released
+    threading.Timer(0.2, release.set).start()
+    state = {"w": torch.full((4,), 7.0)}
+    assert Checkpointer(tmp_path, keep=5).restore(state) == 2
+    assert torch.equal(state["w"], torch.ones(4))
+    first.wait()  # its own write, reported to it as usual

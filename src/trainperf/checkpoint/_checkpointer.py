@@ -296,19 +296,25 @@ class Checkpointer:
         handle = SaveHandle(step, path, "process" if forked else "thread")
         after = partial(self._after, step)
         staged = payload if forked else self._staging.stage(payload)
-        handle._track()
         try:
+            handle._track()
+            # Pending before the writer starts: a Ctrl-C once it runs (Thread.start waits for
+            # the thread) must leave it for the next save to wait for, or that save would
+            # refill the staging buffers this writer still reads.
+            self._pending = handle
             started = (start_process if forked else start_thread)(staged, path, after, handle)
         except OSError as e:  # fork or pipe refused: no writer started, the save still due
+            self._pending = None
             handle._untrack()
             _warn_no_writer(step, "forked" if forked else "thread", e)
             return None
         except BaseException:
-            handle._untrack()  # nothing started: nothing for the exit hook to wait for
+            if handle._take():  # no writer began, and none will: nothing to wait for
+                self._pending = None
+                handle._untrack()
             raise
         if started:  # not when the payload was refused before any writer started
             count_background_save()
-        self._pending = handle
         return handle
 
     def wait(self) -> None:

@@ -22,7 +22,7 @@ from trainperf.checkpoint._checkpointer_ranks import (
     agree_loaded,
     agreed_own_part,
 )
-from trainperf.checkpoint._checkpointer_wait import settle
+from trainperf.checkpoint._checkpointer_wait import settle_directory
 from trainperf.checkpoint._checkpointer_warn import _stops_at, stop_at
 from trainperf.checkpoint._files import load_checkpoint
 from trainperf.checkpoint._held import held_step
@@ -91,8 +91,8 @@ def _newest_loaded(
     ckpt: Checkpointer, state: Mapping[str, Any], device: str | int | torch.device | None
 ) -> tuple[int, Any, Path] | None:
     """``(step, saved object, path)`` of the newest step file that loads, or None; the
-    checks before any file is read (the write in flight, ``state``, ``device``) first."""
-    settle(ckpt)
+    checks before any file is read (the writes in flight, ``state``, ``device``) first."""
+    settle_directory(ckpt)
     if not isinstance(state, Mapping):
         raise TypeError(
             "Checkpointer.restore takes a dict of the live objects, such as {'model': "

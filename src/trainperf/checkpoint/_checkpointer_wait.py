@@ -1,8 +1,9 @@
 """Waiting for a :class:`~trainperf.checkpoint.Checkpointer`'s background write: before the
-next save, ``wait`` or ``restore`` (:func:`settle`: its failure raised, its notes passed on),
-telling hang detection the rank is busy with its own checkpoint meanwhile (:func:`_finish`),
-and at process exit, for every write still running whether or not its Checkpointer is gone
-(:func:`_wait_at_exit`, registered on import).
+next save, ``wait`` or ``restore`` (:func:`settle`: its failure raised, its notes passed on;
+``restore`` also for other Checkpointers' writes into the same directory:
+:func:`settle_directory`), telling hang detection the rank is busy with its own checkpoint
+meanwhile (:func:`_finish`), and at process exit, for every write still running whether or
+not its Checkpointer is gone (:func:`_wait_at_exit`, registered on import).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from trainperf.errors import CheckpointError
 if TYPE_CHECKING:
     from trainperf.checkpoint._checkpointer import Checkpointer
 
-__all__ = ["exiting", "failure_of_pending", "settle", "tell_earlier"]
+__all__ = ["exiting", "failure_of_pending", "settle", "settle_directory", "tell_earlier"]
 
 
 def settle(ckpt: Checkpointer) -> None:
@@ -42,6 +43,17 @@ def settle(ckpt: Checkpointer) -> None:
     # Written again: a damaged file of that step was replaced (a forked writer's own
     # discard in _after stays in its copy of this object).
     ckpt._damaged.discard(pending.step)
+
+
+def settle_directory(ckpt: Checkpointer) -> None:
+    """:func:`settle`, then wait for this process's other background writes into ``ckpt``'s
+    directory (an earlier Checkpointer of it: a notebook cell run again, a resume through a
+    new object), so that a restore reads the newest step saved, not the one before it.
+    Their failures are left to their own Checkpointer (or the exit hook) to report."""
+    settle(ckpt)
+    for pending in pending_handles():
+        if pending.path is not None and pending.path.parent == ckpt.directory:
+            _finish(pending)
 
 
 def failure_of_pending(ckpt: Checkpointer) -> CheckpointError | None:

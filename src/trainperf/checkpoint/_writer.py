@@ -166,6 +166,9 @@ class SaveHandle:
         self._event = threading.Event()
         self._failure: tuple[str, BaseException] | None = None
         self._reported = False
+        # Taken once (list.pop is atomic under the GIL): by the writer thread as it begins,
+        # or by an interrupted save cancelling a writer that has not begun (_take).
+        self._turn = [True]
 
     @classmethod
     def finished(cls, step: int, path: Path | None, writer: str) -> SaveHandle:
@@ -183,6 +186,16 @@ class SaveHandle:
 
     def _untrack(self) -> None:
         _PENDING.discard(self)
+
+    def _take(self) -> bool:
+        """Take this write's one turn: True for the first caller (the writer thread, which
+        then writes; or a save interrupted while starting it, which so cancels a writer
+        that has not begun), False once it was taken."""
+        try:
+            self._turn.pop()
+        except IndexError:
+            return False
+        return True
 
     def _finish(self, failure: tuple[str, BaseException] | None, notes: list[str]) -> None:
         self._failure = failure
@@ -256,6 +269,8 @@ def start_thread(
         return False
 
     def run() -> None:
+        if not handle._take():  # the save was interrupted before this began: cancelled
+            return
         try:
             write_now(payload, path, checked=True)
             drop_cached(path)
