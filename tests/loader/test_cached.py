@@ -7,6 +7,7 @@ come from a forced fallback are not used; the entry format stays readable.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +20,9 @@ from torch.utils.data import Dataset
 from tests.loader._fakes import tune_for_cache as tune
 from trainperf.limits import HostLimits, host_limits
 from trainperf.loader import CandidateResult, cache_file
+from trainperf.loader import _cache as loader_cache
+from trainperf.loader import _cached as tune_cached
+from trainperf.loader import _tune as tune_mod
 from trainperf.loader import _tune_prepare as tune_prepare
 from trainperf.loader import _tune_setup as tune_setup
 from trainperf.loader import _tune_stale as tune_stale
@@ -89,6 +93,12 @@ def test_malformed_entry_is_ignored() -> None:
         ("candidate", "status", 3),
         ("entry", "baseline_samples_per_s", [1]),
         ("user_setting", "kept", "yes"),
+        # JSON's Infinity and NaN parse as floats: before, int(inf) raised OverflowError out
+        # of tune_loader, and a NaN figure made report.to_dict() invalid JSON.
+        ("entry", "worker_cpus", float("inf")),
+        ("entry", "main_cores", float("inf")),
+        ("entry", "samples_per_s", float("nan")),
+        ("candidate", "spread", float("inf")),
     ],
 )
 def test_an_entry_whose_figures_have_the_wrong_types_is_re_tuned(
@@ -347,9 +357,85 @@ def test_a_hit_is_tuned_again_only_for_a_change_beyond_a_busy_hosts_noise(
 ) -> None:
     monkeypatch.setattr(tune_stale, "_main_process_rate", lambda *args: now)
     call = SimpleNamespace(
-        dataset=_Configurable(0.0), setup=SimpleNamespace(batch_size=8), loader_kwargs={}
+        dataset=_Configurable(0.0),
+        setup=SimpleNamespace(batch_size=8, budget_s=30.0),
+        loader_kwargs={},
+        started=0.0,
     )
     why = tune_stale._changed_since(call, then)  # type: ignore[arg-type]
     assert (why is not None) == tuned_again
     if tuned_again:
         assert f"now loads {now:,.0f} samples/s, {then:,.0f} when" in (why or "")
+
+
+def test_a_hit_does_not_repeat_the_overrun_note_of_the_call_that_stored_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: "tuning took 6.6 s, 0.6 s over budget_s=6" was stored in the entry and shown
+    # by every later hit, which took 0.1 s and may have had budget_s=30.
+    over = "tuning took 9.0 s, 6.0 s over budget_s=3: a test's overrun"
+    monkeypatch.setattr(tune_mod, "overrun_note", lambda *args: over)
+    first = tune()
+    assert over in first.notes
+    monkeypatch.setattr(tune_mod, "overrun_note", lambda *args: None)
+    hit = tune()
+    assert hit.from_cache
+    assert over not in hit.notes
+    stored = json.loads(cache_file().read_text())["entries"]
+    assert all(over not in entry["notes"] for entry in stored.values())
+
+
+def test_a_hits_elapsed_s_includes_the_check_that_the_dataset_has_not_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: elapsed_s was taken before the main process re-read a few batches, so a hit
+    # that took seconds (slow batches) reported the 0.1 s of its key.
+    tune()
+    clock = SimpleNamespace(now=0.0)
+    clock.perf_counter = lambda: clock.now
+
+    def slow_check(*args: Any, **kwargs: Any) -> float | None:
+        clock.now += 5.0  # the batches this check loads took 5 s
+        return None
+
+    for module in (tune_mod, tune_cached, tune_stale):
+        monkeypatch.setattr(module, "time", clock)
+    monkeypatch.setattr(tune_stale, "_main_process_rate", slow_check)
+    hit = tune()
+    assert hit.from_cache
+    assert hit.elapsed_s == pytest.approx(5.0)
+
+
+class _Counted(Dataset[torch.Tensor]):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.calls += 1
+        return torch.zeros(4)
+
+
+def test_the_check_of_a_hit_starts_no_batch_past_the_budget() -> None:
+    # Before: up to three batches after the first were loaded whatever the budget, so a hit
+    # with 0.4 s batches took 1.7 s of budget_s=0.5, past "budget_s plus one piece".
+    ds = _Counted()
+    assert tune_stale._main_process_rate(ds, 8, {}, deadline=0.0) is None
+    assert ds.calls == 8  # the first batch only (start-up), no timed one
+    ds = _Counted()
+    rate = tune_stale._main_process_rate(ds, 8, {}, deadline=float("inf"))
+    assert rate is not None and ds.calls == 32  # the first and three timed batches
+
+
+def test_a_read_only_cache_says_how_to_cache_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the note quoted the OSError only, without the way out.
+    def refused(*args: Any) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(cache_file()))
+
+    monkeypatch.setattr(loader_cache, "write_entry", refused)
+    report = tune()
+    note = next(n for n in report.notes if "could not be cached" in n)
+    assert "Read-only file system" in note
+    assert "XDG_CACHE_HOME" in note and "cache=False" in note

@@ -17,6 +17,7 @@ local rank 0 sends the other local ranks the same entry, less the memory figures
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeGuard
@@ -92,7 +93,12 @@ def store(
         _cache.write_entry(key, cache_entry(report, best, memory_needed, shm_needed))
     except OSError as e:
         return dataclasses.replace(
-            report, notes=(*report.notes, f"the choice could not be cached: {e}")
+            report,
+            notes=(
+                *report.notes,
+                f"the choice could not be cached: {e}; point XDG_CACHE_HOME at a writable "
+                "directory, or pass cache=False",
+            ),
         )
     return report
 
@@ -135,14 +141,19 @@ def _typed(record: Any) -> Any:
         wrong_bool = isinstance(value, bool) and bool not in kinds
         if wrong_bool or not isinstance(value, kinds):
             raise TypeError(f"{field.name}={value!r} is not {declared}")
+        if isinstance(value, float) and not math.isfinite(value):
+            # JSON's Infinity and NaN: the report's to_dict() would no longer be JSON.
+            raise TypeError(f"{field.name}={value!r} is not a finite number")
     return record
 
 
 def _figure(value: Any) -> float | None:
-    """A report figure read back: None or a number (not a bool)."""
-    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+    """A report figure read back: None or a finite number (not a bool)."""
+    if value is None:
         return value
-    raise TypeError(f"{value!r} is not a number")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return value
+    raise TypeError(f"{value!r} is not a finite number")
 
 
 def _parsed(entry: Mapping[str, Any], cpus: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -156,6 +167,8 @@ def _parsed(entry: Mapping[str, Any], cpus: int) -> tuple[dict[str, Any], dict[s
         best = dict(entry["best"])
         int(best["num_workers"])
         main_cores = float(entry.get("main_cores", main_process_cores(cpus)))
+        if not math.isfinite(main_cores):
+            raise ValueError(f"main_cores={main_cores!r} is not a finite number")
         fields = {
             "samples_per_s": _figure(entry.get("samples_per_s")),
             "baseline_samples_per_s": _figure(entry.get("baseline_samples_per_s")),
@@ -166,7 +179,7 @@ def _parsed(entry: Mapping[str, Any], cpus: int) -> tuple[dict[str, Any], dict[s
             "worker_cpus": int(entry.get("worker_cpus", cores_for_workers(cpus, main_cores))),
             "user_setting": _user_setting(entry.get("user_setting")),
         }
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int(Infinity)
         return None
     return best, fields
 

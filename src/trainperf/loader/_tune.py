@@ -103,8 +103,6 @@ def _finish(
         _main_batch_s(prepared.baseline, setup.batch_size),
         None if step is None else step.longest_s,
     )
-    if over is not None:
-        notes.append(over)
     report = TuningReport(
         best_kwargs=best_kwargs,
         samples_per_s=choice.samples_per_s,
@@ -120,12 +118,15 @@ def _finish(
         else judge(search, choice, user, given_settings(loader_kwargs)),
         **setup.report_fields(),
     )
-    if key is None or not choice.ok or forced:
+    if key is not None and choice.ok and not forced:
+        n, pf, pin = choice.num_workers, choice.prefetch_factor, choice.pin_memory
+        memory = search.memory_needed(n, pf, pin) if n else 0
+        report = _cached.store(key, report, best, memory, search.shm_needed(n, pf))
+        report = dataclasses.replace(report, elapsed_s=time.perf_counter() - call.started)
+    if over is None:
         return report
-    n, pf, pin = choice.num_workers, choice.prefetch_factor, choice.pin_memory
-    memory = search.memory_needed(n, pf, pin) if n else 0
-    report = _cached.store(key, report, best, memory, search.shm_needed(n, pf))
-    return dataclasses.replace(report, elapsed_s=time.perf_counter() - call.started)
+    # Added after the entry was stored: the overrun is this call's, not the next hit's.
+    return dataclasses.replace(report, notes=(*report.notes, over))
 
 
 def _tune_here(call: _Call, key: str | None) -> TuningReport:
@@ -143,8 +144,8 @@ def _tune_here(call: _Call, key: str | None) -> TuningReport:
         )
         if hit is not None:
             misfit = _changed_since(call, hit.baseline_samples_per_s)
-            if misfit is None:
-                return hit
+            if misfit is None:  # the check loaded batches: part of the call's time
+                return dataclasses.replace(hit, elapsed_s=time.perf_counter() - call.started)
     bar = ProgressBar(setup.budget_s, enabled=call.progress)
     try:
         deadline = call.started + setup.budget_s

@@ -39,7 +39,8 @@ def _changed_since(call: _Call, cached_rate: float | None) -> str | None:
     entry measured (:func:`_differs`)."""
     if not cached_rate or _iterable.is_iterable(call.dataset):
         return None  # a stream pays its start-up (a shuffle buffer, a connection) first
-    now = _main_process_rate(call.dataset, call.setup.batch_size, call.loader_kwargs)
+    deadline = call.started + call.setup.budget_s
+    now = _main_process_rate(call.dataset, call.setup.batch_size, call.loader_kwargs, deadline)
     if now is None or not _differs(now, cached_rate, call.setup.batch_size):
         return None
     return (
@@ -67,21 +68,28 @@ def _differs(now: float, then: float, batch_size: int) -> bool:
 
 
 def _main_process_rate(
-    dataset: Any, batch_size: int, loader_kwargs: dict[str, Any]
+    dataset: Any, batch_size: int, loader_kwargs: dict[str, Any], deadline: float
 ) -> float | None:
     """Samples/s of the fastest of up to three batches loaded in this process after the
     first (timed for at most a second), None when none could be timed (a loader of one
-    batch; an error is left to the tuning that follows)."""
+    batch; an error is left to the tuning that follows). As everywhere in the tuner, no
+    batch is started that the one before it says would end past ``deadline`` (the call's
+    budget): work in this process cannot be cut short."""
     kwargs = {k: v for k, v in _for_measuring(dataset, loader_kwargs).items() if k in _PLAIN}
     best = None
     try:
         it = iter(DataLoader(dataset, batch_size=batch_size, num_workers=0, **kwargs))
+        t = time.perf_counter()
         next(it)  # start-up: a shuffle buffer, a connection, the first file's cold read
+        last = time.perf_counter() - t  # start-up included: no shorter than a batch
         end = time.perf_counter() + 1.0
         for _ in range(3):
             t = time.perf_counter()
+            if t + last > deadline:
+                break
             batch = next(it)
-            rate = samples_in(batch, batch_size) / max(time.perf_counter() - t, 1e-9)
+            last = time.perf_counter() - t
+            rate = samples_in(batch, batch_size) / max(last, 1e-9)
             best = rate if best is None else max(best, rate)
             if time.perf_counter() > end:
                 break
