@@ -19,6 +19,10 @@ def test_cache_dir_follows_xdg_then_home(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_dir() == tmp_path / "home" / ".cache" / "trainperf"
+    # The XDG spec: a relative path is invalid and ignored (it was used, so the cache moved
+    # with the working directory).
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert cache_dir() == tmp_path / "home" / ".cache" / "trainperf"
 
 
 def test_two_files_in_one_directory_keep_their_own_entries(tmp_path: Path) -> None:
@@ -32,7 +36,15 @@ def test_two_files_in_one_directory_keep_their_own_entries(tmp_path: Path) -> No
 
 def test_a_corrupt_or_foreign_file_reads_as_empty_and_is_replaced(tmp_path: Path) -> None:
     p = tmp_path / "c.json"
-    for text in ("{not json", json.dumps([1, 2]), json.dumps({"version": 2, "entries": {}})):
+    # A file nested past the JSON reader's recursion limit raised RecursionError, which broke
+    # reading and writing the cache for good.
+    nested = "[" * 100_000 + "]" * 100_000
+    for text in (
+        "{not json",
+        json.dumps([1, 2]),
+        json.dumps({"version": 2, "entries": {}}),
+        nested,
+    ):
         p.write_text(text)
         assert read_entry("k", p) is None
     write_entry("k", {"x": 3}, p)

@@ -39,7 +39,8 @@ MAX_ENTRIES = 256
 
 
 def cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/trainperf``, or ``~/.cache/trainperf`` when the variable is unset.
+    """``$XDG_CACHE_HOME/trainperf``, or ``~/.cache/trainperf`` when the variable is unset
+    (or, as the XDG spec has it, not an absolute path).
 
     Example:
         >>> import os
@@ -47,7 +48,9 @@ def cache_dir() -> Path:
         >>> str(cache_dir())
         '/tmp/xdg/trainperf'
     """
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "trainperf"
 
 
@@ -87,7 +90,7 @@ def make_key(fields: dict[str, Any]) -> str:
 def _load(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested past the limit
         return {}
     if not isinstance(data, dict) or data.get("version") != _VERSION:
         return {}
