@@ -466,6 +466,16 @@ def test_fork_refused_once_cuda_is_initialised(monkeypatch: pytest.MonkeyPatch) 
         ddp.launch(workers.add, 1, 2, nprocs=2, backend="gloo", start_method="fork")
 
 
+def test_cuda_driver_loaded_reads_maps_that_are_not_utf8(tmp_path: Path) -> None:
+    # A mapped file whose path is not UTF-8 made launch(fork, nccl) fail with
+    # UnicodeDecodeError instead of checking for CUDA's driver.
+    maps = tmp_path / "maps"
+    maps.write_bytes(b"7f00-7f80 r-xp 0 08:01 1 /data/caf\xe9/libcuda.so.1\n")
+    assert _launch_checks.cuda_driver_loaded(maps)
+    maps.write_bytes(b"7f00-7f80 r-xp 0 08:01 1 /data/caf\xe9/libx.so\n")
+    assert not _launch_checks.cuda_driver_loaded(maps)
+
+
 def _in_process_main(tag: str) -> dict[str, Any]:
     return {
         "tag": tag,

@@ -326,7 +326,7 @@ def test_a_huge_hidden_top_level_folder_is_searched_for_images_only_so_far(
             (root / ".cache" / f"{i:02d}" / f"{j}.bin").write_bytes(b"")
     (root / ".cats" / "deep").mkdir(parents=True)
     PIL.new("RGB", (4, 4)).save(root / ".cats" / "deep" / "0.jpg")
-    monkeypatch.setattr(folder_module, "_MAX_SEARCHED", 100, raising=False)
+    monkeypatch.setattr(folder_module, "_MAX_SEARCHED", 100)
     read = _count_entries_read(monkeypatch)
     with pytest.warns(UserWarning, match="holding images") as caught:
         _, classes, _ = find_images(root)
@@ -338,9 +338,9 @@ def test_a_huge_hidden_top_level_folder_is_searched_for_images_only_so_far(
     assert "'.cats'" in message and ".cache" not in message
 
 
-@pytest.mark.parametrize("entries", [99, 100, 101])
-def test_a_hidden_folder_with_no_image_within_the_bound_is_not_warned_of(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entries: int
+@pytest.mark.parametrize("position", [99, 100, 101])
+def test_a_hidden_folder_is_warned_of_only_for_an_image_within_the_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, position: int
 ) -> None:
     # Before: a folder of exactly 100 entries, read whole, was named as "over 100 entries:
     # may hold images", as was any larger one without an image among its first 100.
@@ -349,13 +349,22 @@ def test_a_hidden_folder_with_no_image_within_the_bound_is_not_warned_of(
     import trainperf.pipelines._folder as folder_module
 
     root = _mixed_folder(tmp_path / "data")
-    (root / ".cache").mkdir()
-    for i in range(entries):
+    # A folder's own entries are read before those of its subfolders: .cache's files and
+    # "deep", then the image in deep, the position-th entry read.
+    (root / ".cache" / "deep").mkdir(parents=True)
+    for i in range(position - 2):
         (root / ".cache" / f"{i:03d}.bin").write_bytes(b"")
-    monkeypatch.setattr(folder_module, "_MAX_SEARCHED", 100, raising=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _, classes, _ = find_images(root)
+    PIL.new("RGB", (4, 4)).save(root / ".cache" / "deep" / "0.jpg")
+    monkeypatch.setattr(folder_module, "_MAX_SEARCHED", 100)
+    if position <= 100:
+        with pytest.warns(UserWarning, match="holding images") as caught:
+            _, classes, _ = find_images(root)
+        (message,) = [str(w.message) for w in caught if "holding images" in str(w.message)]
+        assert "'.cache'" in message
+    else:  # 100 entries read without an image: no class, and not warned of
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _, classes, _ = find_images(root)
     assert ".cache" not in classes
 
 

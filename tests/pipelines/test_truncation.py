@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import struct
 import zlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -277,3 +278,31 @@ def test_a_tiff_cut_inside_its_directory_says_so() -> None:
     assert truncation("tiff", io.BytesIO(data[: arrays + 6])) == (
         "is truncated: it ends inside its header"
     )
+
+
+class _ReadSizes(io.BytesIO):
+    """A file in memory that records the largest read asked of it."""
+
+    largest = 0
+
+    def read(self, n: int | None = -1) -> bytes:
+        self.largest = max(self.largest, n or 0)
+        return super().read(n)
+
+
+def test_a_tiff_whose_byte_counts_run_past_its_end_is_judged_without_reading_them(
+    tmp_path: Path,
+) -> None:
+    # Before: the 2**31 LONG byte counts that a corrupt directory claimed were read in one
+    # go, an 8 GiB read (a MemoryError, or gigabytes allocated) to judge a 1 KiB file.
+    data = bytearray(_tiff(np.zeros((20, 20), dtype=np.uint8), rows=7))
+    entries = 8 + 2
+    at = next(e for e in range(entries, entries + 12 * 9, 12) if data[e : e + 2] == b"\x17\x01")
+    struct.pack_into("<I", data, at + 4, 2**31)  # the StripByteCounts (279) entry's count
+    f = _ReadSizes(bytes(data))
+    assert truncation("tiff", f) == "is truncated: it ends inside its header"
+    assert f.largest <= len(data)
+    path = tmp_path / "corrupt.tif"
+    path.write_bytes(data)
+    with path.open("rb") as real:
+        assert truncation("tiff", real) == "is truncated: it ends inside its header"

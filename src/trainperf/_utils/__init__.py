@@ -14,7 +14,8 @@ Who uses what:
 - :mod:`~trainperf._utils.cgroup`: the readers of the cgroup and PSI files (the cgroups that
   bind this process, CPU quotas and sets, ``memory.stat``, ``cpu.pressure``), used by
   ``limits`` (and through it ``doctor``, ``bench`` and every package that sizes work from
-  ``host_limits()``).
+  ``host_limits()``); its ``read_file`` also by ``doctor``'s reads of ``/sys`` and
+  ``/proc/cmdline``.
 - :mod:`~trainperf._utils.validate`: the argument checks (``positive_int``, ``choice``, ...)
   every package uses, one message per kind of value; ``worker_numbers``, DataLoader's worker
   settings checked once for ``loader``, ``ddp`` and ``batchsize``.

@@ -1,6 +1,7 @@
 """Readers of the cgroup and PSI files under ``/sys/fs/cgroup`` and ``/proc``, for
 :mod:`trainperf.limits` (its ``cgroup_cpu_quota``, ``cgroup_cpu_pressure`` and
-``cgroup_memory_limit``).
+``cgroup_memory_limit``); :func:`read_file` also for ``doctor``'s reads of ``/sys`` and
+``/proc/cmdline``.
 
 Every reader takes the kernel's text as it is: a file that cannot be read, or a figure
 that is not one, is None (no limit, no figure), never an error out of ``doctor``.
@@ -31,12 +32,14 @@ __all__ = [
 V1_UNLIMITED = 1 << 60
 
 
-def read_file(path: Path) -> str | None:
-    """The stripped text of ``path``, None where it cannot be read."""
+def read_file(path: Path, errors: str = "surrogateescape") -> str | None:
+    """The stripped text of ``path``, None where it cannot be read; bytes that are no UTF-8
+    decoded by ``errors`` (``"replace"`` for text that is only shown, as ``doctor``'s reads
+    of ``/sys`` and ``/proc/cmdline``: a lone surrogate cannot be printed)."""
     # surrogateescape: a cgroup's name is bytes, and must lead back to its directory; bytes
     # that are no UTF-8 in a figure make it malformed, not an error out of doctor.
     try:
-        return path.read_text(errors="surrogateescape").strip()
+        return path.read_text(errors=errors).strip()
     except OSError:
         return None
 

@@ -51,11 +51,10 @@ def load_device(device: str | int | torch.device | None) -> torch.device:
         ValueError: ``device`` is none of the choices.
         DeviceError: it asks for a device this machine lacks.
     """
+    # resolve_device gives the CPU as plain "cpu", never "cpu:0": torch.load maps onto
+    # exactly "cpu", and "cpu:0" failed inside the unpickler, which read as a damaged file
+    # (and made restore skip every step).
     dev = resolve_device(device, allowed=("cpu", "cuda", "mps"))
-    if dev.type == "cpu":
-        # torch.load maps onto exactly "cpu": "cpu:0" (a valid torch.device) fails inside
-        # the unpickler, which read as a damaged file (and made restore skip every step).
-        return torch.device("cpu")
     if dev.type == "cuda" and (dev.index is None or device is None or device == "auto"):
         # Under a process group, "cuda" is the rank's own GPU (DDP's convention), not the
         # current device (cuda:0 on every rank of a script that never calls set_device),

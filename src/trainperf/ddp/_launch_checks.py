@@ -122,7 +122,8 @@ def cuda_driver_loaded(maps: Path = Path("/proc/self/maps")) -> bool:
         (True, False)
     """
     try:
-        return "libcuda.so" in maps.read_text()
+        # Bytes: a mapped file's path need not be UTF-8.
+        return b"libcuda.so" in maps.read_bytes()
     except OSError:
         return False
 

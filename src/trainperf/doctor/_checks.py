@@ -109,9 +109,8 @@ def check_cpus(limits: HostLimits, gpu_count: int) -> Check:
     )
     # A quota under one CPU is rounded up to 1 usable CPU so work can run, but that is
     # more than the process gets: every thread shares a fraction of one core's time.
-    share: float = limits.cpus
-    if limits.cpu_quota is not None and limits.cpu_quota < 1:
-        share = limits.cpu_quota
+    quota = limits.cpu_quota
+    share: float = quota if quota is not None and quota < 1 else limits.cpus
     fraction = share < 1
     throttled = (
         f"the cgroup quota gives this process {share:g} of one CPU's time, so every thread "
@@ -122,14 +121,15 @@ def check_cpus(limits: HostLimits, gpu_count: int) -> Check:
         per_gpu = share / gpu_count
         value += f"; {per_gpu:g} per GPU ({gpu_count} GPU(s))"
         if per_gpu < MIN_CPUS_PER_GPU:
-            fix = (
+            few = (
                 f"{per_gpu:g} CPU(s) per GPU is below the 4-8 recommended for asynchronous data "
                 "loading: rent more cores per GPU, fewer GPUs, or decode on the GPU "
-                "(trainperf.pipelines.image_loader)" + (f"; {note}" if note else "")
+                "(trainperf.pipelines.image_loader)"
             )
-            return Check("cpus", "warn", value, f"{throttled}; {fix}" if fraction else fix)
+            fix = "; ".join(filter(None, (throttled if fraction else "", few, note)))
+            return Check("cpus", "warn", value, fix)
     if fraction:
-        return Check("cpus", "warn", value, throttled + (f"; {note}" if note else ""))
+        return Check("cpus", "warn", value, "; ".join(filter(None, (throttled, note))))
     return Check("cpus", "ok", value, note)
 
 

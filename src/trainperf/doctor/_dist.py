@@ -18,6 +18,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from trainperf._utils.cgroup import read_file
 from trainperf.device import GpuInfo
 from trainperf.doctor._checks import Check
 from trainperf.doctor._dist_checks import (
@@ -95,10 +96,8 @@ def resolve(name: str) -> list[str] | None:
 
 
 def _read(path: Path) -> str | None:
-    try:
-        return path.read_text(errors="replace").strip()
-    except OSError:
-        return None
+    # "replace": what is read here is shown (the IOMMU type, the kernel command line).
+    return read_file(path, errors="replace")
 
 
 def read_iommu_groups(

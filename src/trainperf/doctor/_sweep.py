@@ -289,13 +289,12 @@ def start_method_for(backend: str, maps: Path = Path("/proc/self/maps")) -> Star
         >>> start_method_for("nccl")
         'spawn'
     """
+    from trainperf.ddp._launch_checks import cuda_driver_loaded
+
     if backend != "gloo" or sys.platform != "linux" or threading.active_count() > 1:
         return "spawn"
-    try:
-        # Bytes: a mapped file's path need not be UTF-8.
-        if b"libcuda.so" in maps.read_bytes():
-            return "spawn"
-    except OSError:
+    # cuda_driver_loaded says False for maps it cannot read; here that is a reason to spawn.
+    if not os.access(maps, os.R_OK) or cuda_driver_loaded(maps):
         return "spawn"
     return "fork"
 

@@ -251,8 +251,10 @@ def _judge(
     """The verdict and findings on the loop as it runs now: the steps since a lasting change
     in step time (``_shift``), or all of them; and the setup they were judged with."""
     shift = find_shift([s.duration for s in measured], first)
-    judged = measured[shift.step - first :] if shift is not None else measured
-    check_rates(judged)  # the rates the predictions multiply
+    judged = measured
+    if shift is not None:
+        judged = measured[shift.step - first :]
+        check_rates(judged)  # the rates the predictions multiply (analyse checked measured's)
     window, window_s = _window(judged, samples)
     figures = _figures(judged, window, window_s, shift.step if shift else first, ctx, shift)
     setup = measure(figures) if measure is not None else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from trainperf._utils.validate import as_real_number
+from trainperf._utils.validate import _int_like, as_real_number
 from trainperf.monitor._records import Sample, StepRecord
 
 __all__ = ["check_rates", "check_records"]
@@ -87,15 +87,16 @@ def _check_figures(record: StepRecord | Sample, names: Sequence[str], where: str
 
 
 def _repair(name: str, value: object, what: str, *, count: bool, signed: bool) -> str:
-    """The fix for a figure of the wrong type: ``int(...)`` (a count) or ``float(...)``
-    where that is the figure meant (a NumPy scalar, or a whole float for a count, in range;
-    never a bool or a tensor), else to repair the record."""
+    """The fix for a figure of the wrong type: ``int(...)`` for a count where that makes it
+    right, by the rule ``w.step(samples=...)`` hints by (a whole float, a NumPy integer, a
+    one-element tensor; never a bool), or ``float(...)`` for a NumPy scalar in range; else
+    to repair the record."""
+    if count:  # counts are never signed
+        return f"make it int({name})" if _int_like(value, 0) else f"drop or repair that {what}"
     number = as_real_number(value)
     if number is None or not _fits(number) or (number < 0 and not signed):
         return f"drop or repair that {what}"
-    if count and not float(number).is_integer():
-        return f"drop or repair that {what}"
-    return f"make it {'int' if count else 'float'}({name})"
+    return f"make it float({name})"
 
 
 def _check_total(name: str, records: Sequence[StepRecord] | Sequence[Sample]) -> None:

@@ -86,14 +86,15 @@ def _unread_suffix(name: str) -> str | None:
 
 def _is_dir(entry: os.DirEntry[str]) -> bool:
     """Whether ``entry`` is a directory, links followed: a link that leads to itself (``z ->
-    z``) is not one, as a broken link is not (``DirEntry.is_dir`` raises for it instead). A
-    link whose target cannot be reached (no permission, an I/O error, a stale NFS handle)
-    counts as one: a class folder out of reach is reported as one that cannot be listed
-    (``_walk_class``), not dropped, which would shift every later class's label."""
+    z``) is not one (``DirEntry.is_dir`` raises for it), as a broken link is not (it says
+    False for that itself). A link whose target cannot be reached (no permission, an I/O
+    error, a stale NFS handle) counts as one: a class folder out of reach is reported as one
+    that cannot be listed (``_walk_class``), not dropped, which would shift every later
+    class's label."""
     try:
         return entry.is_dir()
     except OSError as e:
-        return e.errno not in (errno.ELOOP, errno.ENOENT)
+        return e.errno != errno.ELOOP
 
 
 def _dir_key(path: str) -> tuple[int, int] | None:
@@ -398,12 +399,11 @@ def _warn_passed_over(path: Path, root: str | os.PathLike[str], passed_over: lis
     images: ImageFolder reads each as a class, so its classes and labels differ from these."""
     from trainperf.pipelines._source import shown  # not at the top: _source imports this
 
-    with_images = []
-    for name in passed_over:
-        if name.lower() in _VERSION_CONTROL:
-            continue
-        if _holds_images(os.path.join(path, name)):
-            with_images.append(f"'{shown(name)}'")
+    with_images = [
+        f"'{shown(name)}'"
+        for name in passed_over
+        if name.lower() not in _VERSION_CONTROL and _holds_images(os.path.join(path, name))
+    ]
     if with_images:
         _warn(
             f"image folder {str(root)!r}: {len(with_images)} top-level folder(s) holding images "

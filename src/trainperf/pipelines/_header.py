@@ -34,6 +34,7 @@ __all__ = [
     "open_regular",
     "pixel_problem",
     "sniff_format",
+    "tiff_directory",
     "tiff_tags",
 ]
 
@@ -186,9 +187,22 @@ def _bmp_size(at: _At) -> tuple[int, int] | str:
     return abs(width), abs(height)  # a negative height is a top-down bitmap
 
 
-def _tiff_tags(at: _At) -> tuple[dict[int, int], bool] | str:
-    """The first TIFF directory's SHORT and LONG values by tag (the first value of each), and
-    whether the directory was read to its end; or what is wrong with the header."""
+# (tag, type, count, value field) of a TIFF directory entry
+TiffEntry = tuple[int, int, int, bytes]
+
+
+def tiff_directory(at: _At, limit: int = 0xFFFF) -> tuple[str, list[TiffEntry], bool] | str:
+    """A TIFF's byte order (``"<"`` or ``">"``) and its first directory's entries in file
+    order (the first ``limit`` of them), and whether those were read to their end; or what
+    is wrong with the header (it ends before the directory's entry count).
+
+    Example:
+        >>> import struct
+        >>> ifd = struct.pack("<HHHII", 1, 274, 3, 1, 6)  # one entry: Orientation, SHORT, 6
+        >>> data = b"II*\\x00" + struct.pack("<I", 8) + ifd
+        >>> tiff_directory(lambda offset, n: data[offset : offset + n])
+        ('<', [(274, 3, 1, b'\\x06\\x00\\x00\\x00')], True)
+    """
     order = "<" if at(0, 2) == b"II" else ">"
     first = at(4, 4)
     if len(first) < 4:
@@ -197,18 +211,28 @@ def _tiff_tags(at: _At) -> tuple[dict[int, int], bool] | str:
     count_bytes = at(ifd, 2)
     if len(count_bytes) < 2:
         return _TRUNCATED
-    count = min(struct.unpack(order + "H", count_bytes)[0], _MAX_TIFF_TAGS)
-    entries = at(ifd + 2, 12 * count)
+    count = min(struct.unpack(order + "H", count_bytes)[0], limit)
+    raw = at(ifd + 2, 12 * count)
+    whole = len(raw) // 12 * 12
+    entries = list(struct.iter_unpack(order + "HHI4s", raw[:whole]))
+    return order, entries, whole == 12 * count
+
+
+def _tiff_tags(at: _At) -> tuple[dict[int, int], bool] | str:
+    """The first TIFF directory's SHORT and LONG values by tag (the first value of each), and
+    whether the directory was read to its end; or what is wrong with the header."""
+    directory = tiff_directory(at, _MAX_TIFF_TAGS)
+    if isinstance(directory, str):
+        return directory
+    order, entries, complete = directory
     values: dict[int, int] = {}
-    for i in range(len(entries) // 12):
-        tag, kind = struct.unpack(order + "HH", entries[12 * i : 12 * i + 4])
+    for tag, kind, _, field in entries:
         if kind in (3, 4):  # SHORT or LONG
-            value = entries[12 * i + 8 : 12 * i + 12]
             short = kind == 3  # a SHORT sits in the first two bytes of the value field
             values[tag] = struct.unpack(
-                order + ("H" if short else "I"), value[:2] if short else value
+                order + ("H" if short else "I"), field[:2] if short else field
             )[0]
-    return values, len(entries) == 12 * count
+    return values, complete
 
 
 def _tiff_size(at: _At) -> tuple[int, int] | str:

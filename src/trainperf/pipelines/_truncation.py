@@ -33,7 +33,7 @@ import zlib
 from collections.abc import Callable
 from typing import BinaryIO
 
-from trainperf.pipelines._header import ImageFormat
+from trainperf.pipelines._header import ImageFormat, tiff_directory
 
 __all__ = ["truncation"]
 
@@ -136,7 +136,7 @@ def _bmp_truncation(f: BinaryIO, size: int) -> str | None:
     head = _at(f, 10, 20)  # pixel data offset, info header size, width, height, planes, bits
     offset, info = struct.unpack("<II", head[:8])
     if len(head) < (16 if info == 12 else 20):
-        return "is truncated: it ends inside its header"
+        return _HEADER_CUT
     if info == 12:  # OS/2 BITMAPCOREHEADER: 16-bit sizes, never compressed
         width, height, _, bits = struct.unpack("<HHHH", head[8:16])
         compression = 0
@@ -169,36 +169,48 @@ def _bmp_pixel_bytes(width: int, height: int, bits: int) -> int:
 _Entries = dict[int, tuple[int, int, bytes]]
 
 
-def _tiff_values(f: BinaryIO, order: str, entry: tuple[int, int, bytes]) -> list[int] | None:
+def _tiff_values(
+    f: BinaryIO, size: int, order: str, entry: tuple[int, int, bytes]
+) -> list[int] | None:
     """A SHORT or LONG TIFF tag's values (in its value field if they fit in 4 bytes, else at
-    the offset there); None for another type. Raises struct.error if the file ends first."""
+    the offset there); None for another type. Raises struct.error if the file (``size``
+    bytes) ends first."""
     kind, count, field = entry
     code = _TIFF_TYPES.get(kind)
     if code is None:
         return None
-    size = struct.calcsize(code) * count
-    data = field[:size] if size <= 4 else _at(f, struct.unpack(order + "I", field)[0], size)
+    n = struct.calcsize(code) * count
+    if n <= 4:
+        data = field[:n]
+    else:
+        offset = struct.unpack(order + "I", field)[0]
+        if offset + n > size:
+            # Checked before reading: a count of up to 2**32 - 1 from a corrupt file would
+            # allocate gigabytes for the read.
+            raise struct.error("the values run past the end of the file")
+        data = _at(f, offset, n)
     return list(struct.unpack(f"{order}{count}{code}", data))
 
 
-def _tiff_directory(f: BinaryIO) -> tuple[str, _Entries]:
-    """The byte order and the first directory's entries (struct.error if cut short)."""
-    order = "<" if _at(f, 0, 2) == b"II" else ">"
-    ifd = struct.unpack(order + "I", _at(f, 4, 4))[0]
-    count = struct.unpack(order + "H", _at(f, ifd, 2))[0]
-    raw = _at(f, ifd + 2, 12 * count)
+def _tiff_directory(f: BinaryIO) -> tuple[str, _Entries] | None:
+    """The byte order and the first directory's entries, the first of a repeated tag; None
+    if the file ends before the directory does."""
+    directory = tiff_directory(lambda offset, n: _at(f, offset, n))
+    if isinstance(directory, str) or not directory[2]:
+        return None
+    order, found, _ = directory
     entries: _Entries = {}
-    for tag, kind, n, field in struct.iter_unpack(order + "HHI4s", raw):
+    for tag, kind, n, field in found:
         entries.setdefault(tag, (kind, n, field))
-    if len(raw) < 12 * count:
-        raise struct.error("the directory is cut short")
     return order, entries
 
 
 def _tiff_truncation(f: BinaryIO, size: int) -> str | None:
+    directory = _tiff_directory(f)
+    if directory is None:
+        return _HEADER_CUT
     try:
-        order, entries = _tiff_directory(f)
-        blocks = _tiff_blocks(f, order, entries)
+        blocks = _tiff_blocks(f, size, *directory)
     except struct.error:
         return _HEADER_CUT
     if blocks is None:
@@ -209,12 +221,14 @@ def _tiff_truncation(f: BinaryIO, size: int) -> str | None:
     return None
 
 
-def _tiff_blocks(f: BinaryIO, order: str, entries: _Entries) -> list[tuple[int, int]] | None:
+def _tiff_blocks(
+    f: BinaryIO, size: int, order: str, entries: _Entries
+) -> list[tuple[int, int]] | None:
     """Each strip's or tile's ``(offset, bytes the decoder reads)``; None without byte counts
     (some old writers), which leaves the file to the decoder."""
 
     def values(tag: int) -> list[int] | None:
-        return _tiff_values(f, order, entries[tag]) if tag in entries else None
+        return _tiff_values(f, size, order, entries[tag]) if tag in entries else None
 
     tiled = _TILES[0] in entries
     offsets, counts = (values(tag) for tag in (_TILES if tiled else _STRIPS))
