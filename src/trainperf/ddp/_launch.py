@@ -50,6 +50,18 @@ Backend = Literal["nccl", "gloo"]
 StartMethod = Literal["spawn", "fork"]
 
 
+def _warn_off_the_main_thread() -> None:
+    """Warn where launch() spawns ranks from a thread Ctrl-C and SIGTERM never reach."""
+    if threading.current_thread() is not threading.main_thread():
+        warnings.warn(
+            "launch() called outside the main thread: Python delivers Ctrl-C and SIGTERM to "
+            "the main thread only, so they will not stop the ranks (nor give them grace_s "
+            "to save); call launch() from the main thread",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
 def _launch(
     main: Callable[..., Any],
     args: tuple[Any, ...],
@@ -84,14 +96,8 @@ def _launch(
         hang = hang_timeout_s("hang_timeout", hang_timeout)
         _warn_if_unreachable(hang, span)
     env = _env.detect()
-    if env is None and threading.current_thread() is not threading.main_thread():
-        warnings.warn(
-            "launch() called outside the main thread: Python delivers Ctrl-C and SIGTERM to "
-            "the main thread only, so they will not stop the ranks (nor give them grace_s "
-            "to save); call launch() from the main thread",
-            UserWarning,
-            stacklevel=3,
-        )
+    if env is None:
+        _warn_off_the_main_thread()
     if env is not None:
         _warn_if_nprocs_ignored(nprocs, env)
         return run_in_process(
