@@ -23,6 +23,9 @@ TESTS = ROOT / "tests"
 INTERNAL = {
     "DeadlineReached": "loader's measuring loop: the time budget ran out",
     "Interrupted": "ddp's signal guard: turned into KeyboardInterrupt / SystemExit by launch",
+    # Reaches a caller, but as the ValueError it subclasses (documented as one): the class is
+    # for trainperf.cli to tell a run-time refusal apart from a bad argument.
+    "RunTimeLimitExceeded": "bench's refusal of a run past max_seconds: a ValueError",
 }
 _TREE_LINE = re.compile(r"^(?P<indent>[│├└─ ]*)(?P<name>[A-Z]\w+)(?P<note>.*)$")
 

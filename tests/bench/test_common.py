@@ -100,7 +100,7 @@ def test_resolve_device_refuses_an_index_past_what_torch_holds(
      (14294, "4.0 h"), (3 * 86400, "3.0 days")],
 )  # fmt: skip
 def test_durations_read_in_their_unit(seconds: float, text: str) -> None:
-    # Shared by the three benchmarks' run-time refusals (moved from bench._matmul).
+    # Shared by the three benchmarks' run-time refusals.
     assert format_duration(seconds) == text
 
 
@@ -108,10 +108,13 @@ def test_durations_read_in_their_unit(seconds: float, text: str) -> None:
 
 
 def test_suggested_iterations_leave_a_fifth_of_the_limit_to_spare() -> None:
-    # Before: 28 iterations of 10 s beside 20 s of warm-up, exactly 300 s: a rerun 1% slower
-    # was refused again. Now they fit in 0.8 x 300 = 240 s.
+    # Not 28 iterations of 10 s beside 20 s of warm-up (exactly 300 s), which a rerun 1%
+    # slower would take past the limit: 22 fit in 0.8 x 300 = 240 s.
     assert common_module.iterations_within(300.0, 20.0, 10.0) == 22
     assert common_module.seconds_to_fit(300.0) == 240.0
+    fewer = ["fewer iterations (e.g. iterations=22)"]
+    assert common_module.fewer_iterations(300.0, 20.0, 10.0) == fewer
+    assert common_module.fewer_iterations(300.0, 20.0, 230.0) == []  # not even one fits
 
 
 @pytest.mark.parametrize(
@@ -122,18 +125,39 @@ def test_suggested_iterations_leave_a_fifth_of_the_limit_to_spare() -> None:
 def test_a_suggested_max_seconds_is_a_round_number_past_the_estimate_with_room(
     estimate: float, suggested: int
 ) -> None:
-    # Before: max_seconds=ceil(estimate) (1020 for 1020 s), refused again 1% slower.
+    # Not max_seconds=ceil(estimate) (1020 for 1020 s), which a rerun 1% slower would pass.
     assert common_module.suggested_max_seconds(estimate) == suggested
     assert suggested >= 1.2 * estimate
-    fix = common_module.run_time_fix(estimate, 1.0, [])
+    fix = common_module.run_time_fix(estimate, [])
     assert fix == f"use a larger max_seconds (e.g. max_seconds={suggested})"
 
 
 def test_fixes_after_the_limit_are_named_after_it() -> None:
     fix = common_module.run_time_fix(
-        1020.0, 300.0, ["fewer iterations (e.g. iterations=22)"], after=["a smaller image_size"]
+        1020.0, ["fewer iterations (e.g. iterations=22)"], after=["a smaller image_size"]
     )
     assert fix == (
         "use fewer iterations (e.g. iterations=22), a larger max_seconds (e.g. "
         "max_seconds=1300) or a smaller image_size"
     )
+
+
+@pytest.mark.parametrize(
+    ("estimate", "max_seconds", "passed"),
+    [(300.1, 300.0, 300.0), (300.0, 300.0, None), (1e9, None, None)],
+)
+def test_the_limit_is_passed_only_past_it(
+    estimate: float, max_seconds: float | None, passed: float | None
+) -> None:
+    assert common_module.limit_passed(estimate, max_seconds) == passed
+
+
+def test_a_run_time_refusal_is_a_value_error() -> None:
+    assert issubclass(common_module.RunTimeLimitExceeded, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("n", "power"), [(0, 0), (1, 1), (2, 2), (3, 2), (1000, 512), (1024, 1024)]
+)
+def test_the_suggested_sizes_are_powers_of_two(n: int, power: int) -> None:
+    assert common_module.power_of_two_at_most(n) == power

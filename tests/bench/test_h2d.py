@@ -12,6 +12,7 @@ import torch
 
 from tests.bench._fakes import FakeCopies
 from trainperf.bench import H2DResult, bench_h2d
+from trainperf.bench._common import RunTimeLimitExceeded
 from trainperf.errors import DeviceError
 
 h2d_module = importlib.import_module("trainperf.bench._h2d")
@@ -124,7 +125,7 @@ def test_copies_estimated_past_max_seconds_are_refused_after_the_first_timed_one
         "fewer iterations (e.g. iterations=2180) or a larger max_seconds (e.g. "
         "max_seconds=140000)"
     )
-    assert common_module.refused_past_max_seconds(caught.value)
+    assert isinstance(caught.value, RunTimeLimitExceeded)
     # A warm-up and a timed copy of each, no more.
     assert fake.copies == ["pageable", "pageable", "pinned", "pinned"]
 
@@ -132,8 +133,8 @@ def test_copies_estimated_past_max_seconds_are_refused_after_the_first_timed_one
 def test_copies_each_past_max_seconds_are_told_to_be_smaller(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Before: "use smaller copies", which names no option. 64 MiB copies of 300 s a round,
-    # three rounds: 900 s; 16 MiB copies take 225 s, within 0.8 x 300.
+    # The fix names the option and a value: 64 MiB copies of 300 s a round, three rounds:
+    # 900 s; 16 MiB copies take 225 s, within 0.8 x 300.
     FakeCopies(monkeypatch, h2d_module, pageable=200.0, pinned=100.0)
     with pytest.raises(ValueError, match=r"more than max_seconds=300: use a smaller size_bytes "
                        r"\(e.g. size_bytes=16777216\) or a larger max_seconds \(e.g. "
@@ -144,8 +145,8 @@ def test_copies_each_past_max_seconds_are_told_to_be_smaller(
 def test_a_single_timed_copy_of_each_is_never_refused_after_it_ran(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Before: with iterations=1 the estimate came after the only timed copies, and a run
-    # past the limit (4 copies, 320 s) was refused with nothing left to spare.
+    # With iterations=1 the estimate would come after the only timed copies, with nothing
+    # left to spare: a run past the limit (4 copies, 320 s) is not refused.
     fake = FakeCopies(monkeypatch, h2d_module, pageable=100.0, pinned=60.0)
     r = bench_h2d(size_bytes=2 * 2**20, iterations=1)
     assert fake.copies == ["pageable", "pageable", "pinned", "pinned"]
@@ -155,8 +156,8 @@ def test_a_single_timed_copy_of_each_is_never_refused_after_it_ran(
 def test_each_suggestion_runs_when_the_rerun_is_a_little_slower(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Before: the iterations suggested filled the 300 s exactly (272 rounds of 1.1 s beside
-    # the warm-up's), and the max_seconds was the estimate: a rerun 1% slower was refused.
+    # The suggestions leave room (not 272 rounds of 1.1 s beside the warm-up's, exactly
+    # 300 s, nor the estimate as max_seconds): a rerun 1% slower still fits.
     FakeCopies(monkeypatch, h2d_module, pageable=1.0, pinned=0.1)
     with pytest.raises(ValueError) as caught:
         bench_h2d(size_bytes=2 * 2**20, iterations=10**4)
@@ -166,6 +167,22 @@ def test_each_suggestion_runs_when_the_rerun_is_a_little_slower(
         FakeCopies(monkeypatch, h2d_module, pageable=1.01, pinned=0.101)
         kwargs = {"iterations": 10**4, name: int(value)}
         assert bench_h2d(size_bytes=2 * 2**20, **kwargs).pinned_gb_per_s > 0  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("size_mib", "suggested"),
+    # 1 MiB (not 256 KiB) for 2 MiB copies of 400 s a round; none smaller than 1 MiB copies.
+    [(2, "a smaller size_bytes (e.g. size_bytes=1048576) or "), (1, "")],
+)
+def test_a_smaller_size_suggested_is_whole_mib(
+    monkeypatch: pytest.MonkeyPatch, size_mib: int, suggested: str
+) -> None:
+    FakeCopies(monkeypatch, h2d_module, pageable=300.0, pinned=100.0)
+    with pytest.raises(RunTimeLimitExceeded) as caught:
+        bench_h2d(size_bytes=size_mib * 2**20, iterations=2)
+    assert str(caught.value).endswith(
+        f"more than max_seconds=300: use {suggested}a larger max_seconds (e.g. max_seconds=1500)"
+    )
 
 
 @pytest.mark.parametrize(

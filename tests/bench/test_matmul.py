@@ -6,12 +6,14 @@ import dataclasses
 import importlib
 import json
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from tests.bench._fakes import fake_mixed_host, fake_volta
 from trainperf.bench import MatmulResult, bench_matmul
+from trainperf.bench._common import RunTimeLimitExceeded
 from trainperf.errors import DeviceError
 
 matmul_module = importlib.import_module("trainperf.bench._matmul")
@@ -169,17 +171,32 @@ def test_bench_matmul_takes_numpy_counts_and_its_result_is_json_safe() -> None:
 # ------------------------------------------------------------------ the estimate before the run
 
 
+def _fake_products(
+    monkeypatch: pytest.MonkeyPatch, seconds: Callable[[int, list[int]], float]
+) -> tuple[list[int], list[int]]:
+    """No product runs: a timed block of ``n x n`` products takes ``seconds(n, timed)`` a
+    product, ``timed`` the sizes timed so far, this one included. Returns the sizes whose
+    matrices were made and the sizes timed, in order."""
+    made: list[int] = []
+    timed: list[int] = []
+
+    def product_timer(dtype: str, size: int, device: object) -> Callable[[int, int], float]:
+        made.append(size)
+
+        def seconds_per_product(iterations: int, warmup: int) -> float:
+            timed.append(size)
+            return seconds(size, timed)
+
+        return seconds_per_product
+
+    monkeypatch.setattr(matmul_module, "_product_timer", product_timer)
+    return made, timed
+
+
 def _slow_host(monkeypatch: pytest.MonkeyPatch, flops_per_s: float) -> list[int]:
     """Products of every size take ``2 * n**3 / flops_per_s`` seconds, and none runs; returns
     the sizes timed, in order."""
-    timed: list[int] = []
-
-    def seconds_per_product(dtype: str, size: int, *args: object) -> float:
-        timed.append(size)
-        return 2 * size**3 / flops_per_s
-
-    monkeypatch.setattr(matmul_module, "_seconds_per_product", seconds_per_product)
-    return timed
+    return _fake_products(monkeypatch, lambda size, timed: 2 * size**3 / flops_per_s)[1]
 
 
 def test_a_run_estimated_past_max_seconds_is_refused_before_it_starts(
@@ -198,7 +215,7 @@ def test_a_run_estimated_past_max_seconds_is_refused_before_it_starts(
     assert "use a smaller size (e.g. size=2048)" in message
     # ... or the limit that lets this one run.
     assert message.endswith("or a larger max_seconds (e.g. max_seconds=18000)")
-    assert common_module.refused_past_max_seconds(caught.value)
+    assert isinstance(caught.value, RunTimeLimitExceeded)
     assert 8192 not in timed  # the probe stopped well short of the full size
     assert bench_matmul("fp32", size=8192, device="cpu", max_seconds=None).size == 8192
 
@@ -206,21 +223,19 @@ def test_a_run_estimated_past_max_seconds_is_refused_before_it_starts(
 def test_the_estimate_takes_the_fastest_of_three_products_at_the_probe_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Before: one product at the final probe size set the estimate, and a host busy for that
-    # one product (a rate 3x lower) refused a run that fits. At 1 GFLOP/s the probe stops
-    # at 512x512 (0.27 s; 256x256 takes 34 ms), whose first product is slowed 3x: from it,
-    # 13 products of 1024x1024 would take 84 s; from the two others, 28 s, within 60 s.
-    timed: list[int] = []
-
-    def seconds_per_product(dtype: str, size: int, *args: object) -> float:
-        timed.append(size)
+    # A host busy for one product (a rate 3x lower) would refuse a run that fits, were that
+    # product alone to set the estimate. At 1 GFLOP/s the probe stops at 512x512 (0.27 s;
+    # 256x256 takes 34 ms), whose first product is slowed 3x: from it, 13 products of
+    # 1024x1024 would take 84 s; from the two others, 28 s, within 60 s.
+    def seconds(size: int, timed: list[int]) -> float:
         busy = 3.0 if size == 512 and timed.count(size) == 1 else 1.0
         return busy * 2 * size**3 / 1e9
 
-    monkeypatch.setattr(matmul_module, "_seconds_per_product", seconds_per_product)
+    made, timed = _fake_products(monkeypatch, seconds)
     plan = matmul_module.matmul_plan("fp32", size=1024, device="cpu", max_seconds=60)
     assert plan.size == 1024
     assert timed == [128, 256, 512, 512, 512]  # three at the final size, no more
+    assert made == [128, 256, 512]  # the three on the same matrices
     # The limit itself is kept: 28 s is refused under max_seconds=20.
     with pytest.raises(ValueError, match=r"about 28 s on cpu \(1 GFLOP/s measured on a 512x512"):
         matmul_module.matmul_plan("fp32", size=1024, device="cpu", max_seconds=20)
@@ -230,11 +245,7 @@ def test_the_probe_is_the_rate_of_the_fastest_product_at_its_final_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     times = iter([0.001, 0.2, 0.1, 0.4])  # 128 (short), then 256 three times
-
-    def seconds_per_product(dtype: str, size: int, *args: object) -> float:
-        return next(times)
-
-    monkeypatch.setattr(matmul_module, "_seconds_per_product", seconds_per_product)
+    _fake_products(monkeypatch, lambda size, timed: next(times))
     n, rate = matmul_module._probe("fp32", 8192, torch.device("cpu"))
     assert (n, rate) == (256, 2 * 256**3 / 0.1)
 
@@ -264,13 +275,14 @@ def test_max_seconds_must_be_a_positive_number_or_none(max_seconds: object) -> N
 def test_the_run_time_rule(
     size: int, iterations: int, flops_per_s: float, max_seconds: float | None, refused: bool
 ) -> None:
-    fix = matmul_module._too_long(size, 3, iterations, flops_per_s, max_seconds)
+    estimate, fix = matmul_module._too_long(size, 3, iterations, flops_per_s, max_seconds)
+    assert estimate == matmul_module._estimated_seconds(size, 3 + iterations, flops_per_s)
     assert (fix is not None) is refused
 
 
 def test_too_many_iterations_are_told_how_many_fit() -> None:
-    # Before: only "a smaller size", where the iterations were what made the run long.
-    fix = matmul_module._too_long(16, 3, 10**9, 1e9, 300.0)
+    # Not only "a smaller size", where the iterations are what make the run long.
+    _, fix = matmul_module._too_long(16, 3, 10**9, 1e9, 300.0)
     assert fix == (
         "use a smaller size (e.g. size=4), fewer iterations (e.g. iterations=29296872) or a "
         "larger max_seconds (e.g. max_seconds=9900)"
@@ -279,9 +291,9 @@ def test_too_many_iterations_are_told_how_many_fit() -> None:
 
 @pytest.mark.parametrize(("size", "iterations"), [(16, 10**9), (8192, 10), (50_000, 10)])
 def test_each_suggestion_fits_a_rerun_a_little_slower(size: int, iterations: int) -> None:
-    # Before: the iterations suggested filled max_seconds exactly, and the max_seconds was
-    # the estimate rounded up: a rerun 1% slower was refused again.
-    fix = matmul_module._too_long(size, 3, iterations, 1e9, 300.0)
+    # Neither iterations that fill max_seconds exactly nor the estimate rounded up as the
+    # max_seconds, which a rerun 1% slower would pass again.
+    _, fix = matmul_module._too_long(size, 3, iterations, 1e9, 300.0)
     assert fix is not None
     suggested = {name: int(value) for name, value in re.findall(r"e\.g\. (\w+)=(\d+)", fix)}
     slower = 1e9 / 1.01
@@ -290,7 +302,7 @@ def test_each_suggestion_fits_a_rerun_a_little_slower(size: int, iterations: int
         assert (
             matmul_module._too_long(
                 rerun["size"], 3, rerun["iterations"], slower, rerun["max_seconds"]
-            )
+            )[1]
             is None
         ), name
 

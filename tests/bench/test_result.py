@@ -9,9 +9,26 @@ from trainperf.bench import BenchResult
 
 def _result(iterations: int) -> BenchResult:
     return BenchResult(
-        "resnet50", "fp32", "cpu", None, 1, 32, 1, 1, False, False, False, False, False,
-        "2.5.0", (0.5,) * iterations, (2.0,) * iterations, 2.0, None, (),
-    )  # fmt: skip
+        model="resnet50",
+        precision="fp32",
+        device="cpu",
+        gpu_name=None,
+        batch_size=1,
+        image_size=32,
+        batches_per_iteration=1,
+        warmup_batches=1,
+        train=False,
+        channels_last=False,
+        tf32_matmul=False,
+        tf32_cudnn=False,
+        cudnn_benchmark=False,
+        torch_version="2.5.0",
+        iteration_seconds=(0.5,) * iterations,
+        iteration_images_per_s=(2.0,) * iterations,
+        images_per_s=2.0,
+        comparison=None,
+        notes=(),
+    )
 
 
 @pytest.mark.parametrize(("iterations", "words"), [(1, "1 iteration,"), (3, "3 iterations,")])

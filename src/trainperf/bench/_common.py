@@ -25,14 +25,17 @@ from trainperf.limits import host_limits
 
 __all__ = [
     "DEFAULT_MAX_SECONDS",
+    "RunTimeLimitExceeded",
     "Skipped",
     "check_host_memory",
     "check_max_seconds",
     "check_tensor_bytes",
+    "fewer_iterations",
     "format_duration",
     "gpu_name",
     "iterations_within",
-    "refused_past_max_seconds",
+    "limit_passed",
+    "power_of_two_at_most",
     "resolve_device",
     "result_dict",
     "run_time_fix",
@@ -50,9 +53,13 @@ DEFAULT_MAX_SECONDS = 300.0
 _FIT_SHARE = 0.8
 _LIMIT_HEADROOM = 1.2
 
-# Every refusal says "... more than max_seconds=<s>: <fix>" (a ValueError, as for the other
-# arguments); ``trainperf bench model --precision all`` tells it apart by these words.
-_PAST_THE_LIMIT = "more than max_seconds="
+
+class RunTimeLimitExceeded(ValueError):
+    """A benchmark's refusal of a run estimated to take longer than its ``max_seconds``
+    (which ran nothing more): "... more than max_seconds=<s>: <fix>". A ``ValueError`` to
+    callers, as for the other arguments; ``trainperf bench model --precision all`` catches
+    it to skip that precision and run the others.
+    """
 
 
 @dataclass(frozen=True)
@@ -186,40 +193,32 @@ def check_max_seconds(max_seconds: object) -> float | None:
     return positive_number("max_seconds", max_seconds, unit="seconds (or None)")
 
 
-def run_time_fix(
-    estimate: float, max_seconds: float | None, fixes: Sequence[str], *, after: Sequence[str] = ()
-) -> str | None:
-    """The decision rule every benchmark's limit shares: None where a run estimated to take
-    ``estimate`` seconds fits in ``max_seconds`` (or there is no limit); else what to do
-    instead, ``fixes`` (what that benchmark can shrink, each sized by
+def limit_passed(estimate: float, max_seconds: float | None) -> float | None:
+    """The decision rule every benchmark's limit shares: ``max_seconds`` where a run
+    estimated to take ``estimate`` seconds would take longer; None where it fits (or there
+    is no limit).
+
+    Example:
+        >>> limit_passed(300.1, 300.0), limit_passed(300.0, 300.0), limit_passed(1e9, None)
+        (300.0, None, None)
+    """
+    return None if max_seconds is None or estimate <= max_seconds else max_seconds
+
+
+def run_time_fix(estimate: float, fixes: Sequence[str], *, after: Sequence[str] = ()) -> str:
+    """What to do instead of a run estimated at ``estimate`` seconds that does not
+    :func:`limit_passed`: ``fixes`` (what that benchmark can shrink, each sized by
     :func:`seconds_to_fit`), then the ``max_seconds`` that would let it run
     (:func:`suggested_max_seconds`), then ``after`` (fixes less sure to help).
 
     Example:
-        >>> run_time_fix(200.0, 300.0, ["fewer iterations"]) is None
-        True
-        >>> run_time_fix(400.2, 300.0, ["fewer iterations (e.g. iterations=7)"])
+        >>> run_time_fix(400.2, ["fewer iterations (e.g. iterations=7)"])
         'use fewer iterations (e.g. iterations=7) or a larger max_seconds (e.g. max_seconds=490)'
     """
-    if max_seconds is None or estimate <= max_seconds:
-        return None
     # iterations=<n> and max_seconds=<s> are what trainperf.cli rewrites as its options.
     larger = f"a larger max_seconds (e.g. max_seconds={suggested_max_seconds(estimate)})"
     every = [*fixes, larger, *after]
     return f"use {', '.join(every[:-1])} or {every[-1]}" if len(every) > 1 else f"use {every[0]}"
-
-
-def refused_past_max_seconds(error: BaseException) -> bool:
-    """Whether ``error`` is a benchmark's refusal of a run estimated past its
-    ``max_seconds`` (which ran nothing more), rather than a bad argument.
-
-    Example:
-        >>> refused_past_max_seconds(ValueError("... more than max_seconds=300: use ..."))
-        True
-        >>> refused_past_max_seconds(ValueError("max_seconds must be a positive number"))
-        False
-    """
-    return isinstance(error, ValueError) and _PAST_THE_LIMIT in str(error)
 
 
 def seconds_to_fit(max_seconds: float) -> float:
@@ -255,6 +254,29 @@ def iterations_within(max_seconds: float, fixed_seconds: float, per_iteration: f
         22
     """
     return math.floor((seconds_to_fit(max_seconds) - fixed_seconds) / per_iteration)
+
+
+def fewer_iterations(max_seconds: float, fixed_seconds: float, per_iteration: float) -> list[str]:
+    """The fix "fewer iterations (e.g. iterations=<n>)", ``n`` from :func:`iterations_within`;
+    none where not even one iteration fits.
+
+    Example:
+        >>> fewer_iterations(300.0, 20.0, 10.0), fewer_iterations(300.0, 20.0, 500.0)
+        (['fewer iterations (e.g. iterations=22)'], [])
+    """
+    # iterations=<n> is what trainperf.cli rewrites as --iterations <n>.
+    fewer = iterations_within(max_seconds, fixed_seconds, per_iteration)
+    return [f"fewer iterations (e.g. iterations={fewer})"] if fewer >= 1 else []
+
+
+def power_of_two_at_most(n: int) -> int:
+    """The largest power of two ``<= n``: the round size a refusal suggests; 0 for ``n < 1``.
+
+    Example:
+        >>> power_of_two_at_most(1000), power_of_two_at_most(1), power_of_two_at_most(0)
+        (512, 1, 0)
+    """
+    return 1 << (n.bit_length() - 1) if n >= 1 else 0
 
 
 def format_duration(seconds: float) -> str:

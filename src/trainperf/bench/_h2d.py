@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +24,15 @@ from trainperf._utils.format import format_bytes
 from trainperf._utils.validate import positive_int
 from trainperf.bench._common import (
     DEFAULT_MAX_SECONDS,
+    RunTimeLimitExceeded,
     check_host_memory,
     check_max_seconds,
     check_tensor_bytes,
+    fewer_iterations,
     format_duration,
     gpu_name,
-    iterations_within,
+    limit_passed,
+    power_of_two_at_most,
     resolve_device,
     result_dict,
     run_time_fix,
@@ -135,28 +137,30 @@ def _check_run_time(
     copy (``firsts``), would take longer than ``max_seconds``.
 
     Raises:
-        ValueError: they would; the message names the estimate, the rates and the fix.
+        RunTimeLimitExceeded: they would (a ValueError); the message names the estimate, the
+            rates and the fix.
     """
     per_round = sum(firsts)  # one copy of each kind
     estimate = (1 + iterations) * per_round
-    if max_seconds is None or estimate <= max_seconds:
+    limit = limit_passed(estimate, max_seconds)
+    if limit is None:
         return
     # iterations=<n> and size_bytes=<n> are what trainperf.cli rewrites as --iterations <n>
     # and --size-mb <n / 2**20>.
-    fewer = iterations_within(max_seconds, per_round, per_round)
-    fixes = [f"fewer iterations (e.g. iterations={fewer})"] if fewer >= 1 else []
-    # A copy's time taken as in proportion to its bytes; a power of two, whole MiB from 1 MiB.
-    fitting = int(size_bytes * seconds_to_fit(max_seconds) / estimate)
-    if not fixes and fitting >= 1:
-        fixes.append(f"a smaller size_bytes (e.g. size_bytes={1 << (fitting.bit_length() - 1)})")
-    fix = run_time_fix(estimate, max_seconds, fixes)
+    fixes = fewer_iterations(limit, per_round, per_round)
+    # A copy's time taken as in proportion to its bytes; a power of two from 1 MiB, so whole
+    # MiB (what --size-mb says; a smaller copy measures its latency more than the bandwidth).
+    fitting = int(size_bytes * seconds_to_fit(limit) / estimate)
+    smaller = max(_MiB, power_of_two_at_most(fitting))
+    if not fixes and fitting >= 1 and smaller < size_bytes:
+        fixes.append(f"a smaller size_bytes (e.g. size_bytes={smaller})")
     pageable, pinned = (size_bytes / seconds / 1e9 for seconds in firsts)
-    raise ValueError(
+    raise RunTimeLimitExceeded(
         f"bench_h2d(iterations={iterations}): {2 * (1 + iterations)} copies of "
         f"{format_bytes(size_bytes)} (1 warm-up and {iterations} timed, pageable and pinned) "
         f"would take about {format_duration(estimate)} on {device} ({pageable:.3g} GB/s "
         f"pageable, {pinned:.3g} GB/s pinned, from the first timed copy of each), more than "
-        f"max_seconds={max_seconds:g}: {fix}"
+        f"max_seconds={limit:g}: {run_time_fix(estimate, fixes)}"
     )
 
 
@@ -164,18 +168,20 @@ def _copy_seconds(
     sources: tuple[torch.Tensor, torch.Tensor],
     target: torch.Tensor,
     device: torch.device,
+    size_bytes: int,
     iterations: int,
-    check: Callable[[tuple[float, float]], None],
+    max_seconds: float | None,
 ) -> tuple[list[float], list[float]]:
-    """The seconds of each timed copy from each source, after an untimed one; ``check``
-    sees the first timed copy of each before the rest run (where any remain: a check after
-    the last copy could only refuse a run that is over)."""
+    """The seconds of each timed copy of ``size_bytes`` from each source, after an untimed
+    one; the first timed copy of each is checked against ``max_seconds``
+    (:func:`_check_run_time`) before the rest run (where any remain: a check after the last
+    copy could only refuse a run that is over)."""
     firsts = []
     for src in sources:
         _seconds_per_copy(src, target, device)  # warm-up: first-touch and driver setup
         firsts.append(_seconds_per_copy(src, target, device))
     if iterations > 1:
-        check((firsts[0], firsts[1]))
+        _check_run_time(size_bytes, iterations, (firsts[0], firsts[1]), device, max_seconds)
     pageable, pinned = (
         [first] + [_seconds_per_copy(src, target, device) for _ in range(iterations - 1)]
         for first, src in zip(firsts, sources, strict=True)
@@ -252,11 +258,7 @@ def bench_h2d(
     fix = "use a smaller size_bytes"
     check_host_memory(f"bench_h2d(size_bytes={size_bytes})", what, 2 * size_bytes, fix)
     pageable, pinned, target = _buffers(size_bytes, dev)
-
-    def check(firsts: tuple[float, float]) -> None:
-        _check_run_time(size_bytes, iterations, firsts, dev, max_seconds)
-
-    seconds = _copy_seconds((pageable, pinned), target, dev, iterations, check)
+    seconds = _copy_seconds((pageable, pinned), target, dev, size_bytes, iterations, max_seconds)
     pageable_rate, pinned_rate = (
         statistics.median(size_bytes / s / 1e9 for s in kind) for kind in seconds
     )

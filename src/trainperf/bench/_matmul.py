@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,12 +20,15 @@ from trainperf._utils.validate import choice, positive_int
 from trainperf.amp._tf32 import tf32
 from trainperf.bench._common import (
     DEFAULT_MAX_SECONDS,
+    RunTimeLimitExceeded,
     check_host_memory,
     check_max_seconds,
     check_tensor_bytes,
+    fewer_iterations,
     format_duration,
     gpu_name,
-    iterations_within,
+    limit_passed,
+    power_of_two_at_most,
     resolve_device,
     result_dict,
     run_time_fix,
@@ -148,8 +152,7 @@ def _size_that_fits(available: int, per_element: int) -> int:
         >>> _size_that_fits(8 * 2**20, 12)  # three fp32 matrices in 8 MiB: 836x836 at most
         512
     """
-    largest = math.isqrt(available // per_element)
-    return 1 << max(0, largest.bit_length() - 1)
+    return max(1, power_of_two_at_most(math.isqrt(available // per_element)))
 
 
 def _estimated_seconds(size: int, products: int, flops_per_s: float) -> float:
@@ -173,34 +176,33 @@ def _size_within(max_seconds: float, products: int, flops_per_s: float) -> int:
     largest = math.floor(math.pow(max_seconds * flops_per_s / (2 * products), 1 / 3))
     while largest > 1 and _estimated_seconds(largest, products, flops_per_s) > max_seconds:
         largest -= 1  # the cube root's rounding
-    return 1 << max(0, largest.bit_length() - 1)
+    return max(1, power_of_two_at_most(largest))
 
 
 def _too_long(
     size: int, warmup: int, iterations: int, flops_per_s: float, max_seconds: float | None
-) -> str | None:
-    """The decision rule: what to do instead of a run of ``warmup + iterations`` ``size x
-    size`` products at ``flops_per_s`` that would take longer than ``max_seconds``; None
-    where it fits (or there is no limit).
+) -> tuple[float, str | None]:
+    """The decision rule for a run of ``warmup + iterations`` ``size x size`` products at
+    ``flops_per_s``: its estimated seconds, and None where they fit in ``max_seconds`` (or
+    there is no limit), else what to do instead.
 
     Example:
-        >>> _too_long(256, 3, 10, 1e9, 300.0) is None
+        >>> _too_long(256, 3, 10, 1e9, 300.0)[1] is None
         True
-        >>> _too_long(8192, 3, 10, 1e9, 300.0)
+        >>> _too_long(8192, 3, 10, 1e9, 300.0)[1]
         'use a smaller size (e.g. size=2048) or a larger max_seconds (e.g. max_seconds=18000)'
     """
     products = warmup + iterations
     estimate = _estimated_seconds(size, products, flops_per_s)
-    if max_seconds is None or estimate <= max_seconds:
-        return None
+    limit = limit_passed(estimate, max_seconds)
+    if limit is None:
+        return estimate, None
     # size=<n> is what trainperf.cli rewrites as --size <n>.
-    fitting = _size_within(seconds_to_fit(max_seconds), products, flops_per_s)
-    fixes = [f"a smaller size (e.g. size={fitting})"]
+    fitting = _size_within(seconds_to_fit(limit), products, flops_per_s)
     per_product = _estimated_seconds(size, 1, flops_per_s)
-    fewer = iterations_within(max_seconds, warmup * per_product, per_product)
-    if fewer >= 1:
-        fixes.append(f"fewer iterations (e.g. iterations={fewer})")
-    return run_time_fix(estimate, max_seconds, fixes)
+    fixes = [f"a smaller size (e.g. size={fitting})"]
+    fixes += fewer_iterations(limit, warmup * per_product, per_product)
+    return estimate, run_time_fix(estimate, fixes)
 
 
 def _format_rate(flops_per_s: float) -> str:
@@ -213,18 +215,18 @@ def _format_rate(flops_per_s: float) -> str:
 def _probe(dtype: str, size: int, device: torch.device) -> tuple[int, float]:
     """``(n, FLOP/s)`` of ``n x n`` products, ``n`` doubled from a small one until a
     product takes :data:`_PROBE_SECONDS` or ``n`` reaches ``size``; the rate is that of the
-    fastest of :data:`_PROBE_REPEATS` products at that ``n`` (the others were slowed by
-    whatever else the host ran). Small products run slower per FLOP than large ones, so the
-    rate is a conservative one for ``size``."""
+    fastest of :data:`_PROBE_REPEATS` products at that ``n``, on the same matrices (the
+    others were slowed by whatever else the host ran). Small products run slower per FLOP
+    than large ones, so the rate is a conservative one for ``size``."""
     n = min(size, _PROBE_START_SIZE)
     while True:
-        seconds = _seconds_per_product(dtype, n, 1, 1, device)
+        timer = _product_timer(dtype, n, device)
+        seconds = timer(1, 1)
         if seconds >= _PROBE_SECONDS or n >= size:
             break
         n = min(size, 2 * n)
     for _ in range(_PROBE_REPEATS - 1):
-        # No warm-up: the first product of this size had one.
-        seconds = min(seconds, _seconds_per_product(dtype, n, 1, 0, device))
+        seconds = min(seconds, timer(1, 0))  # no warm-up: the first product had one
     return n, 2 * n**3 / max(seconds, 1e-9)
 
 
@@ -241,19 +243,18 @@ def _check_run_time(
     underway does not stop at Ctrl-C).
 
     Raises:
-        ValueError: the estimate is past ``max_seconds``; the message names it, the size and
-            the fix.
+        RunTimeLimitExceeded: the estimate is past ``max_seconds`` (a ValueError); the message
+            names it, the size and the fix.
     """
     if max_seconds is None:
         return
     products = warmup + iterations
     probed, flops_per_s = _probe(dtype, size, device)
-    fix = _too_long(size, warmup, iterations, flops_per_s, max_seconds)
+    estimate, fix = _too_long(size, warmup, iterations, flops_per_s, max_seconds)
     if fix is not None:
-        estimate = format_duration(_estimated_seconds(size, products, flops_per_s))
-        raise ValueError(
+        raise RunTimeLimitExceeded(
             f"bench_matmul(size={size}): {products} {dtype} products ({warmup} warm-up, "
-            f"{iterations} timed) would take about {estimate} on {device} "
+            f"{iterations} timed) would take about {format_duration(estimate)} on {device} "
             f"({_format_rate(flops_per_s)} measured on a {probed}x{probed} product), more "
             f"than max_seconds={max_seconds:g}: {fix}"
         )
@@ -280,26 +281,30 @@ def _check_dtype_on(dtype: str, device: torch.device) -> tuple[str, ...]:
     return ()
 
 
-def _seconds_per_product(
-    dtype: str, size: int, iterations: int, warmup: int, device: torch.device
-) -> float:
-    """Mean wall time of one ``size x size`` product, over one synchronised block."""
+def _product_timer(dtype: str, size: int, device: torch.device) -> Callable[[int, int], float]:
+    """Random ``size x size`` matrices of ``dtype`` on ``device``, made once, and a function
+    ``(iterations, warmup)`` of them: the mean wall time of one product, over one
+    synchronised block after ``warmup`` untimed ones."""
     torch_dtype = _TORCH_DTYPES[dtype]
     a = torch.randn(size, size, device=device, dtype=torch_dtype)
     b = torch.randn(size, size, device=device, dtype=torch_dtype)
     out = torch.empty(size, size, device=device, dtype=torch_dtype)
-    # The TF32 switch is restored afterwards, and never read through a legacy getter that
-    # raises once torch's new fp32_precision API was used.
-    with tf32(dtype == "tf32"):
-        for _ in range(warmup):
-            torch.matmul(a, b, out=out)
-        synchronize(device)
-        # One synchronised block: a sync per product would add its latency to each one.
-        start = time.perf_counter()
-        for _ in range(iterations):
-            torch.matmul(a, b, out=out)
-        synchronize(device)
-        return (time.perf_counter() - start) / iterations
+
+    def seconds_per_product(iterations: int, warmup: int) -> float:
+        # The TF32 switch is restored afterwards, and never read through a legacy getter that
+        # raises once torch's new fp32_precision API was used.
+        with tf32(dtype == "tf32"):
+            for _ in range(warmup):
+                torch.matmul(a, b, out=out)
+            synchronize(device)
+            # One synchronised block: a sync per product would add its latency to each one.
+            start = time.perf_counter()
+            for _ in range(iterations):
+                torch.matmul(a, b, out=out)
+            synchronize(device)
+            return (time.perf_counter() - start) / iterations
+
+    return seconds_per_product
 
 
 def _datasheet_tflops(
@@ -439,7 +444,7 @@ def bench_matmul(
         max_seconds=max_seconds,
     )
     dev, size, iterations = plan.device, plan.size, plan.iterations
-    seconds = _seconds_per_product(dtype, size, iterations, plan.warmup, dev)
+    seconds = _product_timer(dtype, size, dev)(iterations, plan.warmup)
     tflops = 2 * size**3 / seconds / 1e12
     name = gpu_name(dev)
     spec = None if name is None else find_gpu_spec(name)

@@ -6,7 +6,7 @@ warm-up batch, timed on its own (the first holds one-off setup such as cuDNN aut
 the allocator's growth); the first timed iteration where there is a single warm-up batch;
 the first batch where that alone took longer than the limit. Only the first two warm-up
 batches get a synchronisation of their own; a timed iteration is synchronised once, after
-its last batch, as before.
+its last batch.
 """
 
 from __future__ import annotations
@@ -18,11 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
+from trainperf._utils.format import plural
 from trainperf.amp._tf32 import tf32 as tf32_mode
 from trainperf.amp._tf32 import tf32_state
 from trainperf.bench._common import (
+    RunTimeLimitExceeded,
+    fewer_iterations,
     format_duration,
-    iterations_within,
+    limit_passed,
+    power_of_two_at_most,
     run_time_fix,
     seconds_to_fit,
     synchronize,
@@ -56,34 +60,33 @@ def _run_time_fix(
     *,
     train: bool,
     cuda: bool = False,
-) -> str | None:
-    """The decision rule (:func:`~trainperf.bench._common.run_time_fix`) for a run of
-    ``settings`` at ``seconds_per_batch``: a smaller batch (a batch's time taken as in
-    proportion to its images), a smaller image size, fewer iterations, or a larger limit.
-    On a GPU (``cuda``) a batch's time is not in proportion to its images (a small batch
-    under-feeds it), so fewer iterations and a larger limit come first, and a smaller batch
-    is never below :data:`MIN_COMPARABLE_BATCH`."""
+) -> tuple[float, str | None]:
+    """The decision rule (:func:`~trainperf.bench._common.limit_passed`) for a run of
+    ``settings`` at ``seconds_per_batch``: its estimated seconds, and None where they fit,
+    else the fix (:func:`~trainperf.bench._common.run_time_fix`): a smaller batch (a batch's
+    time taken as in proportion to its images), a smaller image size, fewer iterations, or a
+    larger limit. On a GPU (``cuda``) a batch's time is not in proportion to its images (a
+    small batch under-feeds it), so fewer iterations and a larger limit come first, and a
+    smaller batch is never below :data:`MIN_COMPARABLE_BATCH`."""
     per_iteration = settings.batches_per_iteration * seconds_per_batch
     warmup = settings.warmup_batches * seconds_per_batch
     estimate = warmup + settings.iterations * per_iteration
-    if max_seconds is None or estimate <= max_seconds:
-        return None
+    limit = limit_passed(estimate, max_seconds)
+    if limit is None:
+        return estimate, None
     # batch_size=<n>, image_size and iterations=<n> are what trainperf.cli rewrites as its
     # options.
     smaller = []
-    fitting = int(settings.batch_size * seconds_to_fit(max_seconds) / estimate)
-    if fitting >= 1:
-        fitting = 1 << (fitting.bit_length() - 1)
+    fitting = power_of_two_at_most(int(settings.batch_size * seconds_to_fit(limit) / estimate))
     if cuda:
         fitting = max(fitting, MIN_COMPARABLE_BATCH)
     if (2 if train else 1) <= fitting < settings.batch_size:
         smaller.append(f"a smaller batch_size (e.g. batch_size={fitting})")
     smaller.append("a smaller image_size")
-    fewer = iterations_within(max_seconds, warmup, per_iteration)
-    iterations = [f"fewer iterations (e.g. iterations={fewer})"] if fewer >= 1 else []
+    iterations = fewer_iterations(limit, warmup, per_iteration)
     if cuda:
-        return run_time_fix(estimate, max_seconds, iterations, after=smaller)
-    return run_time_fix(estimate, max_seconds, smaller + iterations)
+        return estimate, run_time_fix(estimate, iterations, after=smaller)
+    return estimate, run_time_fix(estimate, smaller + iterations)
 
 
 @dataclass(frozen=True)
@@ -102,21 +105,24 @@ class RunTimeLimit:
         not stop at Ctrl-C).
 
         Raises:
-            ValueError: it would; the message names the estimate, the rate and the fix.
+            RunTimeLimitExceeded: it would (a ValueError); the message names the estimate, the
+                rate and the fix.
         """
         settings, max_seconds = self.settings, self.max_seconds
         cuda = self.device.type == "cuda"
-        fix = _run_time_fix(settings, seconds_per_batch, max_seconds, train=self.train, cuda=cuda)
+        estimate, fix = _run_time_fix(
+            settings, seconds_per_batch, max_seconds, train=self.train, cuda=cuda
+        )
         if fix is None:
             return
         timed = settings.iterations * settings.batches_per_iteration
         batches = settings.warmup_batches + timed
-        iterations = f"{settings.iterations} iteration{'s' if settings.iterations != 1 else ''}"
-        raise ValueError(
+        iterations = plural(settings.iterations, "iteration")
+        raise RunTimeLimitExceeded(
             f"bench_model(batch_size={settings.batch_size}, image_size={settings.image_size}): "
             f"{batches} {self.label} {'training' if self.train else 'inference'} batches "
             f"({settings.warmup_batches} warm-up, {timed} timed in {iterations}) would take "
-            f"about {format_duration(batches * seconds_per_batch)} on {self.device} "
+            f"about {format_duration(estimate)} on {self.device} "
             f"({settings.batch_size / seconds_per_batch:.1f} images/s, "
             f"{format_duration(seconds_per_batch)} per batch, measured on {measured_on}), "
             f"more than max_seconds={max_seconds:g}: {fix}"

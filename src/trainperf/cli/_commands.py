@@ -5,6 +5,7 @@ and prints its results.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import traceback
 import warnings
@@ -75,8 +76,28 @@ def _skipped(args: argparse.Namespace, setting: str, e: Exception, smaller: str)
     return None
 
 
+def _refusal_as_value_error(
+    handler: Callable[[argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
+    """``handler`` with a benchmark's run-time refusal (the private ``RunTimeLimitExceeded``)
+    raised as the ``ValueError`` it is to the library's callers, so that the error's type in
+    the ``--json`` document is the public one."""
+
+    @functools.wraps(handler)
+    def run(args: argparse.Namespace) -> int:
+        from trainperf.bench._common import RunTimeLimitExceeded
+
+        try:
+            return handler(args)
+        except RunTimeLimitExceeded as e:
+            raise ValueError(str(e)) from e
+
+    return run
+
+
 def _bench_one_model(args: argparse.Namespace, precision: str, lines: TextIO) -> Any:
-    """One ``bench model`` run: its result, or a Skipped record of why it could not run."""
+    """One ``bench model`` run: its result, or a Skipped record of why it could not run (a
+    run-time refusal is raised)."""
     from trainperf.bench import BenchPrecision, bench_model, format_iteration
     from trainperf.errors import DeviceError
 
@@ -103,13 +124,12 @@ def _bench_one_model(args: argparse.Namespace, precision: str, lines: TextIO) ->
         skipped = _skipped(args, precision, e, "--batch-size or --image-size")
         if skipped is None:
             raise
-        print(f"Skipped {precision}: {skipped.reason}", file=lines)
         return skipped
 
 
 def _run_bench_model(args: argparse.Namespace) -> int:
     from trainperf.bench import Skipped
-    from trainperf.bench._common import refused_past_max_seconds
+    from trainperf.bench._common import RunTimeLimitExceeded
 
     args.device = _one_device(args.device)
     precisions = ["fp32", "fp16", "bf16"] if args.precision == "all" else [args.precision]
@@ -122,17 +142,18 @@ def _run_bench_model(args: argparse.Namespace) -> int:
         _progress(f"trainperf bench model: {args.model} {precision}: building and warming up...")
         try:
             result = _bench_one_model(args, precision, lines)
-        except ValueError as e:
+        except RunTimeLimitExceeded as e:
             # One precision of several past --max-seconds (fp16 emulated on a CPU): a
             # skipped record, so the results before it are kept and those after it still run;
             # alone, it is the command's error, as is a bad argument.
-            if len(precisions) == 1 or not refused_past_max_seconds(e):
+            if len(precisions) == 1:
                 raise
             refused = True
             result = Skipped(args.bench, precision, _as_typed(str(e), args))
-            print(f"Skipped {precision}: {result.reason}", file=lines)
         results.append(result)
-        if not args.json and not isinstance(result, Skipped):
+        if isinstance(result, Skipped):
+            print(f"Skipped {precision}: {result.reason}", file=lines)
+        elif not args.json:
             print(_as_typed(str(result), args), file=out)
     if args.json:
         _emit_results(args, results, out)
@@ -289,9 +310,9 @@ def _run_gpus(args: argparse.Namespace) -> int:
 
 
 _HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "model": _run_bench_model,
-    "matmul": _run_bench_matmul,
-    "h2d": _run_bench_h2d,
+    "model": _refusal_as_value_error(_run_bench_model),
+    "matmul": _refusal_as_value_error(_run_bench_matmul),
+    "h2d": _refusal_as_value_error(_run_bench_h2d),
     "doctor": _run_doctor,
     "gpus": _run_gpus,
 }

@@ -5,12 +5,11 @@ whose usage errors raise instead of printing argparse's usage.
 from __future__ import annotations
 
 import argparse
-import math
 import re
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from trainperf._utils.validate import positive_int
+from trainperf._utils.validate import positive_int, positive_number
 
 _MiB = 2**20
 _DEVICE_HELP = "cpu, cuda or cuda:<i> (default: the best available)"
@@ -26,14 +25,12 @@ def _positive(text: str) -> int:
 
 
 def _positive_seconds(text: str) -> float:
-    # float() takes "nan" and "inf": a limit must be a finite number > 0.
+    # float() takes "nan", "inf" and 0: a limit is a finite number > 0, by the library's own
+    # rule (trainperf._utils.validate.positive_number).
     try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return seconds
+        return positive_number("seconds", float(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from e
 
 
 def _add_max_seconds(
@@ -41,6 +38,8 @@ def _add_max_seconds(
 ) -> None:
     # With --precision all (several --dtype) each setting has the limit to itself.
     per = f", the limit per {each}" if each else ""
+    # trainperf.bench's DEFAULT_MAX_SECONDS, written out: importing it would import torch
+    # while parsing (tests/cli/test_commands.py checks they agree).
     parser.add_argument(
         "--max-seconds",
         type=_positive_seconds,
