@@ -48,14 +48,25 @@ def test_a_wait_cut_short_by_ctrl_c_still_holds_the_next_save_back(
         assert torch.equal(saved, torch.full((1024,), value)), (step, saved[:3])
 
 
+@pytest.mark.parametrize("spelling", ["the same", "through ..", "through a symlink"])
 def test_restore_through_a_new_checkpointer_waits_for_the_write_in_flight(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spelling: str
 ) -> None:
     # A notebook cell run again, or a resume through a new object, while the previous
     # object's background save still writes: resuming from the step before it would lose
     # the steps since (and a later restore would jump to the step that landed meanwhile).
+    # The new object may name the directory otherwise: it is the same one.
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "link").symlink_to(directory, target_is_directory=True)
+    again = {
+        "the same": directory,
+        "through ..": tmp_path / "runs" / ".." / "ckpt",
+        "through a symlink": tmp_path / "link",
+    }[spelling]
     release = held_thread_writes(monkeypatch)
-    first = Checkpointer(tmp_path, keep=5)
+    first = Checkpointer(directory, keep=5)
     first.save({"w": torch.zeros(4)}, step=1, blocking=False)
     release.set()
     first.wait()
@@ -63,6 +74,6 @@ def test_restore_through_a_new_checkpointer_waits_for_the_write_in_flight(
     first.save({"w": torch.ones(4)}, step=2, blocking=False)  # held until released
     threading.Timer(0.2, release.set).start()
     state = {"w": torch.full((4,), 7.0)}
-    assert Checkpointer(tmp_path, keep=5).restore(state) == 2
+    assert Checkpointer(again, keep=5).restore(state) == 2
     assert torch.equal(state["w"], torch.ones(4))
     first.wait()  # its own write, reported to it as usual

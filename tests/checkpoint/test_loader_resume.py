@@ -519,8 +519,9 @@ def _grouped_loader(batch_size: int) -> DataLoader[Any]:
 def test_a_sampler_ordered_by_the_batch_size_restarts_its_pass_with_another_one(
     tmp_path: Path,
 ) -> None:
-    # Before: the pass resumed after the 12 samples consumed as if the new sampler's order
-    # were the saved one: samples 1 and 4 were never seen and 11 and 18 twice, silently.
+    # The new sampler orders the samples otherwise: resumed after the 12 samples consumed
+    # as if its order were the saved one, samples 1 and 4 would never be seen and 11 and 18
+    # twice, silently.
     first = _grouped_loader(4)
     ck = Checkpointer(tmp_path)
     ck.restore({"loader": first})
@@ -542,7 +543,9 @@ def test_a_sampler_ordered_by_the_batch_size_restarts_its_pass_with_another_one(
 def test_a_finished_pass_replays_its_whole_order_only_for_samplers_the_batch_size_leaves_alone(
     make: Callable[[int], DataLoader[Any]], pulls: int
 ) -> None:
-    # Before: the whole new pass (12 batches of 2) was replayed for any sampler.
+    # The finished pass drew its sampler's whole order: in batches of 2 that is the new
+    # loader's whole pass (12 pulls) only for a sampler whose order the batch size leaves
+    # alone; any other one replays the saved position (6 pulls).
     old = make(4)
     track(old)
     for _ in old:
@@ -563,9 +566,10 @@ def _sharded(replicas: int, batch_size: int) -> DataLoader[Any]:
 def test_another_world_size_of_the_same_shard_size_restarts_the_pass(
     tmp_path: Path, batch_size: int
 ) -> None:
-    # Before: 9 samples on 3 or 4 replicas are 3 per rank either way, so the change went
-    # unseen and the pass resumed in the other world size's order (batch size 2: after
-    # sample 2 of it, [[1]]; batch size 1: after its first 2 samples), silently.
+    # 9 samples on 3 or 4 replicas are 3 per rank either way: unless the world size is
+    # recorded, the change goes unseen and the pass resumes in the other world size's order
+    # (after its first 2 samples), silently; with another batch size as well, the batch
+    # size alone must not be taken for what changed.
     first = _sharded(3, 1)
     ck = Checkpointer(tmp_path)
     ck.restore({"loader": first})
@@ -592,6 +596,29 @@ def test_a_file_without_the_world_size_restarts_a_pass_of_another_batch_size() -
     with pytest.warns(UserWarning, match=r"loader 'l': .*: the pass restarts"):
         restore_loader(new, saved, "l")
     assert len(_samples(new)) == 24
+
+
+def test_a_loader_without_a_distributed_sampler_resumes_exactly_on_another_world_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every rank reads the whole dataset in the same order, whatever the world size: the
+    # process group's must not count as the pass's layout (it did: the pass restarted).
+    straight = _samples(_seeded_loader(24, 4))
+    old = _seeded_loader(24, 4)
+    track(old)
+    it = iter(old)
+    for _ in range(3):
+        next(it)
+    saved = loader_state(old)  # no process group: world size 1
+    assert saved is not None
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    new = _seeded_loader(24, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        restore_loader(new, saved, "l")
+    assert _samples(new) == straight[12:]
 
 
 @pytest.mark.parametrize(("taken", "new"), [(3, 6), (3, 5)])

@@ -187,7 +187,7 @@ def test_a_signal_death_after_a_rank_lost_its_peer_is_not_blamed_over_the_exit(
 ) -> None:
     # Rank 2 lost its peer at 100.0; rank 1's death, seen at 101.2, came at 100.2 at the
     # earliest: after it, so the peer rank 2 lost was rank 0, whose exit (seen at 100.3)
-    # may have come first. The blame went to rank 1.
+    # may have come first. Rank 1's signal must not outrank that exit for the blame.
     from trainperf.ddp._group_exits import unreported
 
     exited = unreported(0, 1, 100.3, reimport=False, startup_text=None)[0]

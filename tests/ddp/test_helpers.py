@@ -358,12 +358,12 @@ def test_a_loader_that_yields_no_batch_on_a_rank_is_warned_about_once(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert list(loader) == []  # said once per loader
-        assert len(ddp.distributed_loader(list(range(4)), batch_size=2, drop_last=True)) == 1
+        assert len(list(ddp.distributed_loader(list(range(4)), batch_size=2, drop_last=True))) == 1
 
 
 def test_a_sampler_without_a_length_still_iterates() -> None:
-    # The empty-shard check asked len() of every pass, which DataLoader never does: a
-    # streaming DistributedSampler whose __len__ raises TypeError could not iterate.
+    # DataLoader never asks a sampler for its length, so neither may the empty-shard check:
+    # a streaming DistributedSampler whose __len__ raises TypeError must still iterate.
     class Endless(DistributedSampler[int]):
         def __len__(self) -> int:
             raise TypeError("endless sampler has no length")

@@ -309,7 +309,10 @@ class Checkpointer:
             _warn_no_writer(step, "forked" if forked else "thread", e)
             return None
         except BaseException:
-            if handle._take():  # no writer began, and none will: nothing to wait for
+            # A thread writer takes the turn before it writes: taken here, none began and
+            # none will, so there is nothing to wait for. start_process takes no turn: a
+            # forked writer interrupted after its fork is forgotten here though it writes.
+            if handle._take():
                 self._pending = None
                 handle._untrack()
             raise

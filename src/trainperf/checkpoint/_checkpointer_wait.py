@@ -49,10 +49,12 @@ def settle_directory(ckpt: Checkpointer) -> None:
     """:func:`settle`, then wait for this process's other background writes into ``ckpt``'s
     directory (an earlier Checkpointer of it: a notebook cell run again, a resume through a
     new object), so that a restore reads the newest step saved, not the one before it.
-    Their failures are left to their own Checkpointer (or the exit hook) to report."""
+    Their failures are left to their own Checkpointer (or the exit hook) to report.
+    Directories compare resolved: ``runs/../ckpt`` or a symlink to it is the same one."""
     settle(ckpt)
+    directory = ckpt.directory.resolve()
     for pending in pending_handles():
-        if pending.path is not None and pending.path.parent == ckpt.directory:
+        if pending.path is not None and pending.path.parent.resolve() == directory:
             _finish(pending)
 
 

@@ -58,13 +58,12 @@ def _sized(obj: Any) -> int | None:
 
 def _layout(chain: list[Any]) -> tuple[Any, Any]:
     """``(world size, rank)`` the pass was sharded for: a ``DistributedSampler``'s in
-    ``chain``, else the process group's, else ``(1, 0)``."""
+    ``chain``, else ``(1, 0)``: without one every rank reads the whole dataset, in an order
+    the process group does not change, so a pass saved on one world size goes on exactly
+    on another."""
     for sampler in chain:
         if isinstance(sampler, DistributedSampler):
             return sampler.num_replicas, sampler.rank
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
     return 1, 0
 
 

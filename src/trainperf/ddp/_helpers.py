@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from trainperf._utils import launch_env
+from trainperf._utils.format import plural
 from trainperf._utils.lifetime import DieWithParent
 from trainperf._utils.validate import non_negative_int, positive_int, worker_numbers
 
@@ -324,11 +325,11 @@ class DistributedLoader(DataLoader[T]):
     def _empty_message(self) -> str:
         sampler = self.distributed_sampler
         shard = int(sampler.num_samples)
-        what = f"{shard} sample{'' if shard == 1 else 's'}"
+        what = plural(shard, "sample")
         if shard:
             what += f", fewer than batch_size={self.batch_size} (drop_last=True)"
         return (
-            f"distributed_loader yields no batch on rank {sampler.rank} of "
+            f"this DistributedLoader yields no batch on rank {sampler.rank} of "
             f"{sampler.num_replicas}: its shard of the {len(sampler.dataset)} samples "  # type: ignore[arg-type]
             f"is {what}, so every epoch is empty; use drop_last=False, a smaller batch_size, "
             "or fewer ranks"
