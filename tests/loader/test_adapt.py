@@ -790,7 +790,7 @@ def test_persistent_workers_the_tuner_chose_keep_the_callers_order_every_epoch(
 
 @pytest.mark.slow  # two workers start and stop: about a second
 @pytest.mark.parametrize("timeout", [0.0, 7.0])
-def test_a_pool_it_starts_has_a_bound_for_its_first_batch_unless_a_timeout_is_given(
+def test_a_pool_it_starts_has_a_bound_for_each_workers_first_batch_unless_a_timeout_is_given(
     monkeypatch: pytest.MonkeyPatch, timeout: float
 ) -> None:
     _scripted(monkeypatch, [(2, 2)])
@@ -808,6 +808,41 @@ def test_a_pool_it_starts_has_a_bound_for_its_first_batch_unless_a_timeout_is_gi
         assert timed.trial is not None and timed.it._timeout == (timeout or 42.0)
         assert next(it).tolist() == [4, 5, 6, 7]  # worker 1's: each worker has delivered
         assert timed.trial is None and timed.it._timeout == timeout  # the pool works: no bound
+        assert [b.tolist() for b in it] == [[8, 9, 10, 11], [12, 13, 14, 15]]
+    finally:
+        loader.close()
+
+
+class _FirstBatchFailsInWorkers(Dataset[int]):
+    """Loads in the main process; in a worker, the samples of the first batch raise."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> int:
+        if i < 4 and torch.utils.data.get_worker_info() is not None:
+            raise KeyError(i)
+        return i
+
+
+@pytest.mark.slow  # two workers start and stop: about a second
+def test_a_batch_that_fails_in_a_worker_counts_towards_the_trial(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The loop catches the dataset's error and goes on: worker 0 answered, so once worker
+    # 1 has delivered too the pool has passed its trial and the bound is lifted.
+    _scripted(monkeypatch, [(2, 2)])
+    monkeypatch.setattr(adapt_pool, "hang_timeout", lambda *a, **k: 42.0)
+    loader = AdaptiveDataLoader(_FirstBatchFailsInWorkers(), batch_size=4)
+    try:
+        _epochs(loader, 1)
+        it = iter(loader)  # the scripted change: two workers
+        timed = it._timed  # type: ignore[attr-defined]
+        with pytest.raises(KeyError, match="Caught KeyError in DataLoader worker process 0"):
+            next(it)
+        assert timed.trial is not None and timed.delivered == 1
+        assert next(it).tolist() == [4, 5, 6, 7]  # worker 1's: each worker has answered
+        assert timed.trial is None and timed.it._timeout == 0  # the pool works: no bound
         assert [b.tolist() for b in it] == [[8, 9, 10, 11], [12, 13, 14, 15]]
     finally:
         loader.close()
@@ -839,9 +874,10 @@ def test_a_trial_cut_short_by_the_epochs_end_leaves_the_kept_pool_no_bound(
 def test_a_trial_left_by_a_break_leaves_the_kept_pool_no_bound(
     monkeypatch: pytest.MonkeyPatch, left_after: int
 ) -> None:
-    # Before: a loop left (a capped number of steps) before each of the three workers had
-    # delivered kept the trial's bound on the persistent pool, and the next epoch, with no
-    # trial to end it, raised "DataLoader timed out" for a caller who gave no timeout.
+    # A loop left (a capped number of steps) before each of the three workers delivered
+    # ends the trial: the persistent pool kept for the next epoch, where no trial ends it,
+    # must not keep the trial's bound and raise "DataLoader timed out" for a caller who
+    # gave no timeout.
     _scripted(monkeypatch, [(3, 2), None])
     monkeypatch.setattr(adapt_pool, "hang_timeout", lambda *a, **k: 42.0)
     loader = AdaptiveDataLoader(range(24), batch_size=4)
@@ -865,7 +901,7 @@ def test_without_an_epoch_plan_the_trial_ends_at_the_first_batch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A pool given up after it delivered would start the epoch again from the sampler and
-    # repeat those batches: where there is no plan, the trial stays as it was.
+    # repeat those batches: without a plan, the trial ends at the pool's first batch.
     _scripted(monkeypatch, [(2, 2)])
     loader = AdaptiveDataLoader(range(16), batch_size=4, mid_epoch=False)
     try:

@@ -54,21 +54,22 @@ def test_a_pool_that_blocks_is_given_up_and_the_epoch_goes_on_where_it_was(mode:
     assert hang["epoch_batch"] == (0 if mode == "epoch-boundary" else hang["epoch_batch"])
     assert got["num_workers"] == 0 and got["max_workers"] == 0  # 2 workers never again
     (warning,) = got["warnings"]
-    assert "no batch from them within 1.5 s" in warning
+    assert "got no batch from worker 0 of the 2 it started within 1.5 s" in warning
     assert "blocks in worker processes" in warning and "Fix:" in warning
     assert got["children_left"] == []
 
 
 @pytest.mark.slow  # a child process that imports torch, and one bound's wait: seconds
-def test_a_pool_whose_second_worker_blocks_says_how_many_delivered() -> None:
-    # Before: "got no batch from them", though worker 0 had delivered its first batch.
+def test_a_pool_whose_second_worker_blocks_names_the_worker_it_waited_for() -> None:
+    # Worker 0 delivered its first batch: the hang is worker 1's, and the record and the
+    # warning name that worker, not the whole pool.
     got = _run_child("second-worker")
     assert got["epochs"] == got["expected"]
     (hang,) = [c for c in got["history"] if c["reason"] == "hang"]
     assert hang["old"] == [2, 2] and hang["new"] == [0, None]
-    assert hang["why"] == "no batch from 1 of the 2 workers it started within 1.5 s"
+    assert hang["why"] == "no batch from worker 1 of the 2 it started within 1.5 s"
     (warning,) = got["warnings"]
-    assert "started 2 workers and got no batch from 1 of them within 1.5 s" in warning
+    assert "got no batch from worker 1 of the 2 it started within 1.5 s" in warning
     assert got["children_left"] == []
 
 
@@ -419,5 +420,6 @@ def test_a_pool_whose_second_worker_dies_after_the_first_batch_is_given_up(
     assert (failed.reason, failed.old, failed.new) == ("failed", (2, 2), (0, None))
     assert failed.epoch_batch > 0  # given up where the epoch was, after worker 0's batch
     (text,) = [str(x.message) for x in w if x.category is RuntimeWarning]
-    assert "started 2 workers and 1 of them failed before its first batch" in text
+    assert "worker 1 of the 2 it started failed before its first batch: a worker died" in text
+    assert failed.why.startswith("worker 1 of the 2 it started failed before its first batch")
     assert loader.num_workers == 0 and loader._max_workers == 0

@@ -362,7 +362,7 @@ def test_a_hit_is_tuned_again_only_for_a_change_beyond_a_busy_hosts_noise(
         loader_kwargs={},
         started=0.0,
     )
-    why = tune_stale._changed_since(call, then)  # type: ignore[arg-type]
+    why = tune_stale._changed_since(call, then, 30.0)  # type: ignore[arg-type]
     assert (why is not None) == tuned_again
     if tuned_again:
         assert f"now loads {now:,.0f} samples/s, {then:,.0f} when" in (why or "")

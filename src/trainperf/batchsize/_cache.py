@@ -1,16 +1,16 @@
 """The tuner's cache: chosen batch sizes in ``batch_size.json`` beside the loader's cache.
 
 ``$XDG_CACHE_HOME/trainperf/batch_size.json`` (``~/.cache/trainperf/`` when the variable is
-unset), written and read with the tuners' shared store (:mod:`trainperf._utils.cache`:
-atomic writes, a corrupt file ignored and replaced, old entries dropped), as the DataLoader
-tuner's ``loader.json`` is. Entries are keyed the same way, by a hash of what decides the
-answer: the model's class, parameter count, dtype and the shape of each parameter and
-buffer, its submodules in training mode, with gradient checkpointing on, and its
-channels_last weights, the optimizer's class and implementation flags (``fused``,
-``foreach``, ``capturable``, ``differentiable``), a MixedPrecision's precision, a
-GradScaler's being enabled, the device (for CUDA its name and memory, and the process-wide
-TF32 and cuDNN settings), the host, the torch version, the step function, the modules,
-MixedPrecisions, GradScalers and functions it reads (a ``torch.compile`` wrapper, a
+unset or not an absolute path), written and read with the tuners' shared store
+(:mod:`trainperf._utils.cache`: atomic writes, a corrupt file ignored and replaced, old
+entries dropped), as the DataLoader tuner's ``loader.json`` is. Entries are keyed the same
+way, by a hash of what decides the answer: the model's class, parameter count, dtype and the
+shape of each parameter and buffer, its submodules in training mode, with gradient
+checkpointing on, and its channels_last weights, the optimizer's class and implementation
+flags (``fused``, ``foreach``, ``capturable``, ``differentiable``), a MixedPrecision's
+precision, a GradScaler's being enabled, the device (for CUDA its name and memory, and the
+process-wide TF32 and cuDNN settings), the host, the torch version, the step function, the
+modules, MixedPrecisions, GradScalers and functions it reads (a ``torch.compile`` wrapper, a
 MixedPrecision not passed), the batch's shape and types
 (:func:`~trainperf._utils.cache.sample_signature` of the first size's batch), the sizes
 allowed, the world size, ``global_batch`` and ``headroom``.

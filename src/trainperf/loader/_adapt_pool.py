@@ -176,8 +176,7 @@ def pool_hung(loader: AdaptiveDataLoader, timed: _TimedIter, trial: _Trial) -> N
     new worker would start as those did; fewer than a count that hung, after a
     decrease)."""
     hung, delivered = loader.num_workers, timed.delivered
-    some = f"{hung - delivered} of " if delivered else ""
-    why = f"no batch from {some}the {hung} workers it started within {trial.timeout_s or 0:.1f} s"
+    why = f"no batch from {_awaited(delivered, hung)} within {trial.timeout_s or 0:.1f} s"
     _step_back(loader, timed, trial, _HANG, why)
     name, most = type(loader).__name__, loader._max_workers
     text = _hang_warning(name, loader.dataset, hung, trial, most, delivered)
@@ -204,7 +203,8 @@ def pool_failed(loader: AdaptiveDataLoader, timed: _TimedIter, trial: _Trial, wh
     where the epoch was, and try no more workers than that from now on, as for a hang
     (:func:`pool_hung`)."""
     failed, delivered = loader.num_workers, timed.delivered
-    _step_back(loader, timed, trial, _FAILED, f"the {failed} workers it started failed: {why}")
+    what = f"{_awaited(delivered, failed)} failed before its first batch: {why}"
+    _step_back(loader, timed, trial, _FAILED, what)
     name, most = type(loader).__name__, loader._max_workers
     text = _failed_warning(name, failed, why, trial, most, delivered)
     warnings.warn(text, RuntimeWarning, stacklevel=user_stacklevel())
@@ -312,26 +312,39 @@ def no_extra_draw(loader: AdaptiveDataLoader) -> Iterator[None]:
         loader.generator = real
 
 
+def _awaited(delivered: int, n: int) -> str:
+    """The worker of a new pool of ``n`` whose first batch its trial waited for when the pool
+    hung or broke, ``delivered`` of them having given theirs: batch ``k`` is worker ``k mod
+    n``'s and the trial takes them in order, so it is worker ``delivered`` (a later one may
+    have delivered too, its batch held by torch until its turn).
+
+    Example:
+        >>> _awaited(0, 8), _awaited(5, 8)
+        ('worker 0 of the 8 it started', 'worker 5 of the 8 it started')
+    """
+    return f"worker {delivered} of the {n} it started"
+
+
 def _hang_warning(
-    name: str, dataset: Any, hung: int, trial: _Trial, most: int, delivered: int = 0
+    name: str, dataset: Any, hung: int, trial: _Trial, most: int, delivered: int
 ) -> str:
     """What a loader whose new pool of ``hung`` workers, ``delivered`` of which gave their
     first batch, gave no further batch says, and the fix.
 
     Example:
-        >>> print(_hang_warning("AdaptiveDataLoader", range(4), 8, _Trial((0, None), 10.0), 0))
+        >>> trial = _Trial((0, None), 10.0)
+        >>> print(_hang_warning("AdaptiveDataLoader", range(4), 8, trial, 0, 0))
         ... # doctest: +ELLIPSIS
-        AdaptiveDataLoader started 8 workers and got no batch from them within 10.0 s: ...
-        >>> print(_hang_warning("AdaptiveDataLoader", range(4), 8, _Trial((0, None), 10.0), 0, 5))
+        AdaptiveDataLoader got no batch from worker 0 of the 8 it started within 10.0 s: ...
+        >>> print(_hang_warning("AdaptiveDataLoader", range(4), 8, trial, 0, 5))
         ... # doctest: +ELLIPSIS
-        AdaptiveDataLoader started 8 workers and got no batch from 3 of them within 10.0 s: ...
+        AdaptiveDataLoader got no batch from worker 5 of the 8 it started within 10.0 s: ...
     """
     back = trial.previous[0]
-    them = f"{hung - delivered} of them" if delivered else "them"
     return (
-        f"{name} started {hung} workers and got no batch from {them} within "
+        f"{name} got no batch from {_awaited(delivered, hung)} within "
         f"{trial.timeout_s:.1f} s: {type(dataset).__name__} blocks in worker processes (a "
-        "lock, thread pool or open handle inherited across fork, say). It stopped them, went "
+        "lock, thread pool or open handle inherited across fork, say). It stopped the pool, went "
         f"back to num_workers={back} where the epoch was (no sample lost or repeated), and "
         f"uses at most {most} workers from now on. Fix: make the dataset safe in worker "
         "processes (open files and connections lazily, in __getitem__ or worker_init_fn), or "
@@ -341,25 +354,23 @@ def _hang_warning(
 
 
 def _failed_warning(
-    name: str, failed: int, why: str, trial: _Trial, most: int, delivered: int = 0
+    name: str, failed: int, why: str, trial: _Trial, most: int, delivered: int
 ) -> str:
     """What a loader whose new pool of ``failed`` workers broke before each worker's first
     batch (``delivered`` of them had given theirs) says.
 
     Example:
         >>> trial = _Trial((0, None), 9.0)
-        >>> print(_failed_warning("AdaptiveDataLoader", 2, "a worker died", trial, 0))
+        >>> print(_failed_warning("AdaptiveDataLoader", 2, "a worker died", trial, 0, 0))
         ... # doctest: +ELLIPSIS
-        AdaptiveDataLoader started 2 workers and they failed before their first batch: a ...
+        AdaptiveDataLoader gave up its new pool, as worker 0 of the 2 it started failed before ...
         >>> print(_failed_warning("AdaptiveDataLoader", 2, "a worker died", trial, 0, 1))
         ... # doctest: +ELLIPSIS
-        AdaptiveDataLoader started 2 workers and 1 of them failed before its first batch: a ...
+        AdaptiveDataLoader gave up its new pool, as worker 1 of the 2 it started failed before ...
     """
-    left = failed - delivered
-    their = "its" if left == 1 else "their"
-    failing = f"{left} of them failed before {their}" if delivered else "they failed before their"
     return (
-        f"{name} started {failed} workers and {failing} first batch: {why}. "
+        f"{name} gave up its new pool, as {_awaited(delivered, failed)} failed before its first "
+        f"batch: {why}. "
         f"It went back to num_workers={trial.previous[0]} where the epoch was (no sample lost "
         f"or repeated) and uses at most {most} workers from now on; to keep it loading in the "
         "main process from the start, pass max_workers=0 (or adapt=False with num_workers=0)"

@@ -76,7 +76,7 @@ class _TimedIter:
     def delivered(self) -> int:
         """Workers of the pool on trial that have delivered their first batch (batch ``k``
         is worker ``k mod n``'s)."""
-        return min(self._trial_batches, self.loader.num_workers)
+        return self._trial_batches
 
     def _end_trial(self) -> None:
         """The pool works, or is left: the caller's timeout (none) bounds its waits from now
@@ -150,8 +150,11 @@ class _TimedIter:
                 self.returned, self.returned_cpu = time.perf_counter(), time.process_time()
                 raise
             # A batch that failed to load (a corrupt sample the loop catches and goes on):
-            # the DataLoader used it up, so a pool started later must not replay it.
+            # the DataLoader used it up, so a pool started later must not replay it, and
+            # the worker that raised it is alive: its first batch, as far as the trial goes.
             self._count()
+            if self.trial is not None and self._trial_passed():
+                self._end_trial()
             self.returned, self.returned_cpu = time.perf_counter(), time.process_time()
             if (failed := init_failure(self.loader, e)) is not None:
                 raise failed from e

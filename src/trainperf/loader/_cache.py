@@ -1,13 +1,13 @@
 """The tuner's cache: chosen DataLoader settings in one JSON file under the user cache dir.
 
 ``$XDG_CACHE_HOME/trainperf/loader.json`` (``~/.cache/trainperf/loader.json`` when the
-variable is unset). Entries are keyed by a hash of what decides the answer (dataset type,
-length and sample shape, batch size, usable CPUs, host, device type and the relevant loader
-arguments). The file itself is the tuners' shared store (:mod:`trainperf._utils.cache`):
-writes are atomic (a temporary file fsynced and renamed over the old one, then the directory
-fsynced), so an interrupted run or two ranks writing at once never leave half a file, and
-temp files of killed writers are cleaned up; a file that does not parse is ignored and
-replaced on the next write.
+variable is unset or not an absolute path). Entries are keyed by a hash of what decides the
+answer (dataset type, length and sample shape, batch size, usable CPUs, host, device type
+and the relevant loader arguments). The file itself is the tuners' shared store
+(:mod:`trainperf._utils.cache`): writes are atomic (a temporary file fsynced and renamed
+over the old one, then the directory fsynced), so an interrupted run or two ranks writing at
+once never leave half a file, and temp files of killed writers are cleaned up; a file that
+does not parse is ignored and replaced on the next write.
 """
 
 from __future__ import annotations

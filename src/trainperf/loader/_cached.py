@@ -141,17 +141,25 @@ def _typed(record: Any) -> Any:
         wrong_bool = isinstance(value, bool) and bool not in kinds
         if wrong_bool or not isinstance(value, kinds):
             raise TypeError(f"{field.name}={value!r} is not {declared}")
-        if isinstance(value, float) and not math.isfinite(value):
-            # JSON's Infinity and NaN: the report's to_dict() would no longer be JSON.
+        if isinstance(value, float) and not _finite(value):
             raise TypeError(f"{field.name}={value!r} is not a finite number")
     return record
 
 
+def _finite(value: object) -> TypeGuard[float]:
+    """Whether ``value`` is a number (not a bool) other than JSON's Infinity and NaN, which
+    would leave the report's ``to_dict()`` no longer JSON.
+
+    Example:
+        >>> _finite(1.5), _finite(float("inf")), _finite(True), _finite("1.5")
+        (True, False, False, False)
+    """
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _figure(value: Any) -> float | None:
     """A report figure read back: None or a finite number (not a bool)."""
-    if value is None:
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+    if value is None or _finite(value):
         return value
     raise TypeError(f"{value!r} is not a finite number")
 
@@ -166,9 +174,10 @@ def _parsed(entry: Mapping[str, Any], cpus: int) -> tuple[dict[str, Any], dict[s
     try:
         best = dict(entry["best"])
         int(best["num_workers"])
-        main_cores = float(entry.get("main_cores", main_process_cores(cpus)))
-        if not math.isfinite(main_cores):
-            raise ValueError(f"main_cores={main_cores!r} is not a finite number")
+        cores = entry.get("main_cores", main_process_cores(cpus))
+        if not _finite(cores):
+            return None
+        main_cores = float(cores)
         fields = {
             "samples_per_s": _figure(entry.get("samples_per_s")),
             "baseline_samples_per_s": _figure(entry.get("baseline_samples_per_s")),
@@ -189,12 +198,12 @@ def _report(
     fields: dict[str, Any],
     loader_kwargs: Mapping[str, Any],
     common: Mapping[str, Any],
-    started: float,
+    elapsed_s: float,
     **extra: Any,
 ) -> TuningReport:
     return TuningReport(
         best_kwargs=final_kwargs(loader_kwargs, common["batch_size"], best, []),
-        elapsed_s=time.perf_counter() - started,
+        elapsed_s=elapsed_s,
         **{**fields, "notes": tuple(fields["notes"])},
         **extra,
         **common,
@@ -235,7 +244,6 @@ def cached_report(
     limits: HostLimits,
     loader_kwargs: Mapping[str, Any],
     common: Mapping[str, Any],
-    started: float,
     *,
     iterable: bool = False,
 ) -> tuple[TuningReport | None, str | None]:
@@ -249,7 +257,7 @@ def cached_report(
     why = cache_misfit(entry, limits, common, iterable=iterable)
     if why is not None:
         return None, f"the cached settings were not used ({why}): tuned again"
-    return report_from_cache(entry, limits, loader_kwargs, common, started), None
+    return report_from_cache(entry, limits, loader_kwargs, common), None
 
 
 def _is_int(value: object, minimum: int) -> TypeGuard[int]:
@@ -346,24 +354,24 @@ def report_from_cache(
     limits: HostLimits,
     loader_kwargs: Mapping[str, Any],
     common: Mapping[str, Any],
-    started: float,
 ) -> TuningReport | None:
     """A report built from a cache entry, or None when it is malformed or no longer fits
-    (:func:`cache_misfit` says why).
+    (:func:`cache_misfit` says why). Its ``elapsed_s`` is 0: the caller sets the call's
+    time once it has checked the hit (:func:`~trainperf.loader._tune_stale._changed_since`
+    loads batches).
 
     Args:
         entry: what :func:`cache_entry` stored (older entries may lack the shares).
         limits: this host's limits now.
         loader_kwargs: the caller's DataLoader arguments.
         common: the report fields known before measuring (``cpus``, ``batch_size``, ...).
-        started: ``time.perf_counter()`` when the call began.
     """
     parsed = _parsed(entry, common["cpus"])
     if parsed is None or cache_misfit(entry, limits, common) is not None:
         return None
     best, fields = parsed
     fields["notes"].append(f"settings from the cache ({_cache.cache_file()}); cache=False re-tunes")
-    return _report(best, fields, loader_kwargs, common, started, from_cache=True)
+    return _report(best, fields, loader_kwargs, common, 0.0, from_cache=True)
 
 
 def share_entry(report: TuningReport) -> dict[str, Any]:
@@ -410,6 +418,7 @@ def report_from_share(
         f"tuned on local rank 0 (rank {sender}) of this host and shared with this rank"
     )
     from_cache = bool(entry.get("from_cache", False))
+    elapsed_s = time.perf_counter() - started
     return _report(
-        best, fields, loader_kwargs, common, started, from_cache=from_cache, shared_from=sender
+        best, fields, loader_kwargs, common, elapsed_s, from_cache=from_cache, shared_from=sender
     )

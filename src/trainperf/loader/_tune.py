@@ -132,6 +132,7 @@ def _finish(
 def _tune_here(call: _Call, key: str | None) -> TuningReport:
     """Answer from the cache entry ``key`` (None: no cache), else measure in this process."""
     setup = call.setup
+    deadline = call.started + setup.budget_s
     misfit = None  # why a stored entry was not used, for the new report's notes
     if key is not None:
         hit, misfit = _cached.cached_report(
@@ -139,16 +140,14 @@ def _tune_here(call: _Call, key: str | None) -> TuningReport:
             setup.share,
             call.loader_kwargs,
             setup.report_fields(),
-            call.started,
             iterable=_iterable.is_iterable(call.dataset),
         )
         if hit is not None:
-            misfit = _changed_since(call, hit.baseline_samples_per_s)
+            misfit = _changed_since(call, hit.baseline_samples_per_s, deadline)
             if misfit is None:  # the check loaded batches: part of the call's time
                 return dataclasses.replace(hit, elapsed_s=time.perf_counter() - call.started)
     bar = ProgressBar(setup.budget_s, enabled=call.progress)
     try:
-        deadline = call.started + setup.budget_s
         measured = _for_measuring(call.dataset, call.loader_kwargs)
         prepared = _prepare(call.dataset, measured, call.step_fn, setup, deadline, bar)
         choice = prepared.search.run(prepared.baseline)

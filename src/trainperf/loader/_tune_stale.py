@@ -32,14 +32,13 @@ near-free dataset's rate differs several-fold from the next), and no training st
 such a change."""
 
 
-def _changed_since(call: _Call, cached_rate: float | None) -> str | None:
+def _changed_since(call: _Call, cached_rate: float | None, deadline: float) -> str | None:
     """Why a cache hit of a map-style dataset no longer describes it, or None: the main
     process's samples/s on a few batches now (the fastest of up to three after the first, which
-    carries the start-up the entry's steady-state rate leaves out) against the rate the
-    entry measured (:func:`_differs`)."""
+    carries the start-up the entry's steady-state rate leaves out, none started past the
+    call's ``deadline``) against the rate the entry measured (:func:`_differs`)."""
     if not cached_rate or _iterable.is_iterable(call.dataset):
         return None  # a stream pays its start-up (a shuffle buffer, a connection) first
-    deadline = call.started + call.setup.budget_s
     now = _main_process_rate(call.dataset, call.setup.batch_size, call.loader_kwargs, deadline)
     if now is None or not _differs(now, cached_rate, call.setup.batch_size):
         return None
