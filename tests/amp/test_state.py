@@ -15,7 +15,7 @@ from torch import nn
 
 from tests.amp._helpers import needs_cpu_fp16
 from trainperf.amp import MixedPrecision
-from trainperf.amp._state import restoring
+from trainperf.amp._state import check_scaler_settings, restoring
 
 
 def _collapsed(mp: MixedPrecision) -> None:
@@ -50,9 +50,10 @@ def test_a_loss_scale_not_finite_and_positive_is_refused_and_loads_nothing(bad: 
 
 
 @needs_cpu_fp16
-@pytest.mark.parametrize("bad", ["65536", None, True, [1.0]])
+@pytest.mark.parametrize("bad", ["65536", None, True, [1.0], np.timedelta64(5)])
 def test_loading_a_loss_scale_that_is_not_a_number_is_refused(bad: object) -> None:
-    # Before: "65536" and [1.0] were taken, and the first mp.backward raised a bare TypeError.
+    # Before: "65536", [1.0] and np.timedelta64(5) (NumPy counts it an integer) were taken,
+    # and the first mp.backward raised a bare TypeError.
     mp = MixedPrecision("cpu", precision="fp16")
     before = mp.state_dict()
     state = {"precision": "fp16", "scaler": {**before["scaler"], "scale": bad}}
@@ -203,10 +204,11 @@ def _refused_at_use(mp: MixedPrecision, match: str) -> None:
 def test_a_pickled_loss_scale_not_finite_and_positive_unpickles_and_is_refused_at_use(
     bad: object, plain: bool
 ) -> None:
-    # Before af3bad2: unpickled without a word (load_state_dict refuses the same scale):
-    # every later fp16 step was skipped (0, NaN, inf), or the first backward raised a bare
-    # TypeError ("65536", None). After it: unpickling raised, so nothing else saved in the
-    # same file could be loaded. Now it unpickles, and what needs the scale refuses it.
+    # Before: unpickled without a word, though load_state_dict refuses the same scale: at
+    # inf or NaN every later fp16 step was skipped, at 0 the first step on CPU wrote NaN into
+    # the weights, and "65536" or None failed at the first backward with a bare TypeError.
+    # Unpickling does not raise either (nothing else saved in the same file could be loaded
+    # then): it unpickles, and what needs the scale refuses it.
     mp = _unpickled(_pickled_with_scale(bad, plain=plain), plain=plain)
     _refused_at_use(
         mp,
@@ -220,8 +222,9 @@ def test_a_pickled_loss_scale_not_finite_and_positive_unpickles_and_is_refused_a
 def test_a_checkpoint_holding_a_mixed_precision_whose_scale_collapsed_loads(
     tmp_path: Path,
 ) -> None:
-    # Before: torch.load of the whole checkpoint raised in unpickling the MixedPrecision,
-    # and the model weights saved beside it could not be read at all.
+    # Before: it loaded, and the MixedPrecision's first step on CPU wrote NaN into the
+    # weights. Refusing while unpickling would leave the model weights saved beside it
+    # unreadable: the checkpoint loads, and the MixedPrecision refuses backward and step.
     model = nn.Linear(2, 1)
     mp = MixedPrecision("cpu", precision="fp16")
     _collapsed(mp)
@@ -236,7 +239,7 @@ def test_a_checkpoint_holding_a_mixed_precision_whose_scale_collapsed_loads(
 def test_a_mixed_precision_copied_after_its_scale_collapsed_is_refused_at_use() -> None:
     mp = MixedPrecision("cpu", precision="fp16")
     _collapsed(mp)
-    copied = copy.deepcopy(mp)  # Before: raised, as unpickling did
+    copied = copy.deepcopy(mp)  # Before: copied, and its first step wrote NaN
     _refused_at_use(copied, r"pickled MixedPrecision's loss scale is 0\.0")
     _refused_at_use(copy.deepcopy(copied), r"loss scale is 0\.0")  # a copy of the copy too
     # The fixes the refusal names: a new MixedPrecision, or a good scale loaded into this one.
@@ -290,6 +293,10 @@ def test_unpickling_any_finite_positive_loss_scale_keeps_it(good: float, plain: 
         ("_growth_tracker", "x", r"an int from 0 to 2\*\*31 - 1"),
         ("_growth_tracker", -1, r"an int from 0 to 2\*\*31 - 1"),
         ("_growth_tracker", 2**31, r"an int from 0 to 2\*\*31 - 1"),
+        # NumPy counts a timedelta64 as an integer; GradScaler takes none.
+        ("growth_interval", np.timedelta64(5), r"an int from 1 to 2\*\*63 - 1"),
+        ("_growth_tracker", np.timedelta64(5), r"an int from 0 to 2\*\*31 - 1"),
+        ("growth_factor", np.timedelta64(5), r"a finite number >= 1"),
     ],
 )
 def test_a_loss_scaler_setting_no_grad_scaler_takes_is_refused_and_loads_nothing(
@@ -298,7 +305,8 @@ def test_a_loss_scaler_setting_no_grad_scaler_takes_is_refused_and_loads_nothing
     # Before: loaded without a word: a backoff_factor of 2.0 raised the scale on every
     # skipped step (NaN: every step skipped from then on), a growth_factor of 0.5 lowered it
     # after good ones (GradScaler's own constructor refuses both), a growth_interval of 0
-    # never grew it; 1.5 and "x" failed at the first backward or step with a bare TypeError.
+    # never grew it; 1.5 and "x" failed at the first backward or step with a bare TypeError,
+    # as did a np.timedelta64(5) growth_interval or _growth_tracker.
     mp = MixedPrecision("cpu", precision="fp16")
     before = mp.state_dict()
     state = {"precision": "fp16", "scaler": {**before["scaler"], key: bad}}
@@ -310,8 +318,8 @@ def test_a_loss_scaler_setting_no_grad_scaler_takes_is_refused_and_loads_nothing
     ) as caught:
         mp.load_state_dict(state)
     assert mp.state_dict() == before
-    # Before: "it comes from a corrupt checkpoint or a hand-edited state", which a setting
-    # made through GradScaler's own setters is not.
+    # A setting made through GradScaler's own setters is neither corrupt nor hand-edited:
+    # the message does not say it is.
     assert "corrupt" not in str(caught.value)
     assert "a setting GradScaler cannot use" in str(caught.value)
 
@@ -337,8 +345,8 @@ def test_loss_scaler_settings_a_grad_scaler_takes_load() -> None:
     ],
 )
 def test_a_scaler_set_through_grad_scalers_setters_round_trips(setter: str, value: float) -> None:
-    # Before: mp.scaler.set_growth_factor(1.0), which GradScaler's setter and update kernel
-    # take, made mp's own state_dict() refused by load_state_dict ("a finite number > 1").
+    # GradScaler's setters and update kernel take these (growth or backoff off, as its
+    # constructor does not): the check of the settings must not refuse mp's own state_dict().
     mp = MixedPrecision("cpu", precision="fp16")
     assert mp.scaler is not None
     getattr(mp.scaler, setter)(value)
@@ -354,6 +362,15 @@ def test_a_scaler_set_through_grad_scalers_setters_round_trips(setter: str, valu
     resumed.zero_grad(opt)
     resumed.backward(w.sum())
     assert resumed.step(opt)
+
+
+def test_a_timedelta64_setting_is_refused_with_a_value_error() -> None:
+    # NumPy counts a timedelta64 as an integer, and GradScaler takes none (the first backward
+    # or step fails with a bare TypeError): the check reads it as no number, rather than
+    # comparing it with the bounds (a bare OverflowError against 2**63) or taking it.
+    for key in ("growth_interval", "_growth_tracker"):
+        with pytest.raises(ValueError, match=rf"\['{key}'\] is np.timedelta64\(5\), a setting"):
+            check_scaler_settings({key: np.timedelta64(5)})
 
 
 @pytest.mark.parametrize("bad", ["no", 0, None])

@@ -143,3 +143,17 @@ def test_a_model_on_the_meta_device_is_refused_by_name_with_the_fix() -> None:
     with pytest.raises(ValueError, match=r"optimizer's SGD \(built over a module on the meta"):
         check_state(None, (opt,))
     check_state(nn.Linear(4, 2), None)
+
+
+def test_a_lazy_module_is_named_before_a_module_on_the_meta_device() -> None:
+    # One walk finds both; the lazy module's message comes first, wherever it is.
+    model = nn.Sequential(nn.Linear(4, 4, device="meta"), nn.LazyLinear(2))
+    with pytest.raises(ValueError, match=r"model's submodule '1' \(LazyLinear\) has uninit"):
+        check_state(model, None)
+    with torch.device("meta"):
+        on_meta = nn.LazyLinear(2)  # both lazy and on the meta device: named as lazy
+    with pytest.raises(ValueError, match=r"model's LazyLinear has uninitialized parameters"):
+        check_state(on_meta, None)
+    opt = torch.optim.SGD([*model[0].parameters(), *model[1].parameters()], lr=0.1)
+    with pytest.raises(ValueError, match=r"optimizer's SGD \(built over a lazy module\)"):
+        check_state(None, opt)

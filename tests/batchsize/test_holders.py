@@ -8,6 +8,7 @@ from torch import nn
 
 from trainperf.batchsize._holders import (
     holding_optimizers,
+    module_generators,
     owning_modules,
     schedulers_held,
     stateful_objects,
@@ -54,3 +55,21 @@ def test_the_outermost_module_owning_an_optimizer_s_parameters_is_found() -> Non
     other = torch.optim.SGD([loose], lr=0.1)
     assert owning_modules([opt]) == [model]
     assert owning_modules([model, opt]) == [] and owning_modules([other]) == []
+
+
+class _Seeded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = torch.Generator()
+
+
+def test_the_generators_of_a_model_passed_or_found_by_its_optimizer_are_found() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(_Seeded()))
+    gen = model[1][0].gen
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert [g is gen for g in module_generators([model])] == [True]
+    assert [g is gen for g in module_generators([model, opt])] == [True]  # once
+    assert [g is gen for g in module_generators([opt])] == [True]  # its owner, found
+    # The owners given are taken as found: none given, none looked for.
+    assert module_generators([opt], owners=[]) == []
+    assert [g is gen for g in module_generators([opt], owners=[model])] == [True]

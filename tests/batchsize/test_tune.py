@@ -569,7 +569,8 @@ class _Noise(nn.Module):
         return x + torch.randn(x.shape, generator=self.gen) * float(self.np_rng.random())
 
 
-def test_generators_a_submodule_of_the_model_owns_come_back_unadvanced() -> None:
+@pytest.mark.parametrize("passed", ["model", "optimizer"])
+def test_generators_a_submodule_of_the_model_owns_come_back_unadvanced(passed: str) -> None:
     # Before: only generators the step read directly (or one attribute down) came back; a
     # layer's own generator inside the model came back advanced by every probe step.
     model = nn.Sequential(nn.Linear(8, 8), _Noise(), nn.Linear(8, 1))
@@ -583,6 +584,31 @@ def test_generators_a_submodule_of_the_model_owns_come_back_unadvanced() -> None
 
     noise = model[1]
     before = noise.gen.get_state(), noise.np_rng.bit_generator.state
-    tune_batch_size(step, sample, optimizer=opt, **quiet())  # the model found by its optimizer
+    # model= as passed (its optimizer found), or the model found by its optimizer
+    given = {"model": model} if passed == "model" else {"optimizer": opt}
+    tune_batch_size(step, sample, **given, **quiet())
     assert torch.equal(noise.gen.get_state(), before[0])
     assert noise.np_rng.bit_generator.state == before[1]
+
+
+def test_the_model_an_optimizer_steps_is_looked_for_once_per_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each look is a scan of every object the garbage collector tracks; the generators and
+    # the saved state both need the model found (before, each looked for it on its own).
+    from trainperf.batchsize import _holders, _state
+
+    looks: list[int] = []
+    original = _holders.owning_modules
+
+    def counted(objects: Any) -> list[nn.Module]:
+        looks.append(1)
+        return original(objects)
+
+    for module in (_holders, _state, _tune):
+        monkeypatch.setattr(module, "owning_modules", counted, raising=False)
+    t = Trainer()
+    before = state_of(t.model, t.opt)
+    tune_batch_size(t, sample, optimizer=t.opt, **quiet())
+    assert len(looks) == 1
+    assert same_state(before, state_of(t.model, t.opt))  # the model found came back as it was

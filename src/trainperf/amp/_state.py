@@ -25,13 +25,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-import numbers
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainperf._utils.validate import as_real_number
 from trainperf.amp import _bookkeeping
 from trainperf.amp._precision import DTYPES, NAMES
 from trainperf.amp._scaler import as_loss_scaler
@@ -124,9 +124,8 @@ def load_into(mp: MixedPrecision, state: Mapping[str, Any], *, strict: bool) -> 
 
 def _changes_scale(scaler: torch.amp.GradScaler, checked: Mapping[str, Any]) -> bool:
     """Loading ``checked`` would give ``scaler`` another loss scale than its own now."""
-    scale = checked["scale"]
-    number = isinstance(scale, numbers.Real) and not isinstance(scale, bool)
-    return not (number and float(scale) == scaler.get_scale())
+    number = as_real_number(checked["scale"])
+    return number is None or float(number) != scaler.get_scale()
 
 
 def checked_state(
@@ -222,7 +221,7 @@ def check_usable(mp: MixedPrecision, call: str) -> None:
         >>> from trainperf.amp import MixedPrecision
         >>> check_usable(MixedPrecision("cpu", precision="fp32"), "mp.backward(loss)")
     """
-    unusable = getattr(mp, "_unusable_scale", None)
+    unusable = mp._unusable_scale
     if unusable is not None:
         raise ValueError(f"{call} refused: {unusable}")
 
@@ -280,30 +279,25 @@ def check_scaler_state(saved: object, scaler: torch.amp.GradScaler) -> dict[str,
     )
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-_SETTINGS: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "growth_factor": (
-        "a finite number >= 1 (1.0 turns growth off)",
-        lambda v: _is_real(v) and 1 <= v < math.inf,
+_SETTINGS: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "growth_factor": ("a finite number >= 1 (1.0 turns growth off)", lambda n: 1 <= n < math.inf),
+    "backoff_factor": ("a number in (0, 1] (1.0 turns backoff off)", lambda n: 0 < n <= 1),
+    "growth_interval": (
+        "an int from 1 to 2**63 - 1",
+        lambda n: isinstance(n, int) and 1 <= n < 2**63,
     ),
-    "backoff_factor": (
-        "a number in (0, 1] (1.0 turns backoff off)",
-        lambda v: _is_real(v) and 0 < v <= 1,
+    "_growth_tracker": (
+        "an int from 0 to 2**31 - 1",
+        lambda n: isinstance(n, int) and 0 <= n < 2**31,
     ),
-    "growth_interval": ("an int from 1 to 2**63 - 1", lambda v: _is_int(v) and 1 <= v < 2**63),
-    "_growth_tracker": ("an int from 0 to 2**31 - 1", lambda v: _is_int(v) and 0 <= v < 2**31),
 }
 """The rules for the loss scaler's settings, as wide as what ``GradScaler``'s setters and
 update kernel take: ``set_growth_factor(1.0)`` and ``set_backoff_factor(1.0)`` turn growth
 and backoff off (its constructor refuses both, its setters and kernel do not); the kernel
-takes the interval as an int64 and keeps the tracker in an int32 tensor."""
+takes the interval as an int64 and keeps the tracker in an int32 tensor. Each rule is
+applied to the setting as :func:`~trainperf._utils.validate.as_real_number` reads it (an int
+stays an int); a setting it reads as no number (a bool, a string, a ``timedelta64``) is
+refused whatever the rule."""
 
 
 def check_scaler_settings(saved: Mapping[str, Any]) -> None:
@@ -324,7 +318,10 @@ def check_scaler_settings(saved: Mapping[str, Any]) -> None:
         the state's loss-scaler setting state['scaler']['backoff_factor'] is 2.0
     """
     for key, (rule, ok) in _SETTINGS.items():
-        if key in saved and not ok(saved[key]):
+        if key not in saved:
+            continue
+        number = as_real_number(saved[key])
+        if number is None or not ok(number):
             raise ValueError(
                 f"the state's loss-scaler setting state['scaler'][{key!r}] is {saved[key]!r}, "
                 f"a setting GradScaler cannot use: it must be {rule}; {_LOAD_FIX}"
@@ -360,8 +357,8 @@ def check_scale(
         ...     print(str(e).split(":")[0])
         the state's loss scale (state['scaler']['scale']) is 0.0
     """
-    number = isinstance(scale, numbers.Real) and not isinstance(scale, bool)
-    if number and math.isfinite(scale) and scale > 0:  # type: ignore[arg-type,operator]
+    number = as_real_number(scale)
+    if number is not None and math.isfinite(number) and number > 0:
         return
     raise ValueError(
         f"{what} is {scale!r}: it must be a finite number > 0 (at 0, inf or NaN every fp16 "

@@ -4,7 +4,7 @@ sizes they allow (:func:`size_space`)."""
 from __future__ import annotations
 
 import reprlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,40 +135,63 @@ def check_state(model: object, optimizer: object) -> None:
         raise ValueError(_NO_STATE)
     for name, group in (("model", model), ("optimizer", optimizer)):
         for obj in group if isinstance(group, (tuple, list)) else (group,):
-            where = _part_where(obj, is_lazy, "a lazy module")
-            if where is not None:
+            found = _part_where(obj)
+            if found is None:
+                continue
+            lazy, where = found
+            if lazy:
                 raise ValueError(
                     f"{name}'s {where} has uninitialized parameters (a lazy module: their "
                     f"shape comes from its first forward pass), which tune_batch_size cannot "
                     f"save and put back; run one forward pass before tuning (e.g. "
                     f"model(sample(1))), then call tune_batch_size"
                 )
-            where = _part_where(obj, _on_meta, "a module on the meta device")
-            if where is not None:
-                raise ValueError(
-                    f"{name}'s {where} is on the meta device: its parameters have a shape "
-                    f"but no values, so no step can train them and tune_batch_size cannot "
-                    f"save and put them back; materialize it first: "
-                    f"model.to_empty(device='cpu'), then initialize its weights (or load a "
-                    f"checkpoint), then call tune_batch_size"
-                )
+            raise ValueError(
+                f"{name}'s {where} is on the meta device: its parameters have a shape "
+                f"but no values, so no step can train them and tune_batch_size cannot "
+                f"save and put them back; materialize it first: "
+                f"model.to_empty(device='cpu'), then initialize its weights (or load a "
+                f"checkpoint), then call tune_batch_size"
+            )
 
 
-def _on_meta(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "meta"
-
-
-def _part_where(obj: object, found: Callable[[torch.Tensor], bool], kind: str) -> str | None:
-    """Where ``obj`` (a module or an optimizer) holds a parameter or buffer that is
-    ``found`` (for an optimizer: "built over ``kind``")."""
+def _part_where(obj: object) -> tuple[bool, str] | None:
+    """Where ``obj`` (a module or an optimizer) holds a lazy module's uninitialized
+    parameter or buffer, as ``(True, where)``; else where it holds one on the meta device,
+    as ``(False, where)``; else None. For an optimizer, ``where`` says what it was "built
+    over"."""
     if isinstance(obj, nn.Module):
-        for name, m in obj.named_modules():
-            own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
-            if any(found(t) for t in own):
-                return f"submodule {name!r} ({type(m).__name__})" if name else type(m).__name__
-    elif isinstance(obj, torch.optim.Optimizer) and any(found(p) for p in _stepped(obj)):
-        return f"{type(obj).__name__} (built over {kind})"
+        return _first_lazy_or_meta(
+            (
+                f"submodule {name!r} ({type(m).__name__})" if name else type(m).__name__,
+                [*m.parameters(recurse=False), *m.buffers(recurse=False)],
+            )
+            for name, m in obj.named_modules()
+        )
+    if isinstance(obj, torch.optim.Optimizer):
+        found = _first_lazy_or_meta([(type(obj).__name__, _stepped(obj))])
+        if found is not None:
+            lazy, name = found
+            kind = "a lazy module" if lazy else "a module on the meta device"
+            return lazy, f"{name} (built over {kind})"
     return None
+
+
+def _first_lazy_or_meta(
+    parts: Iterable[tuple[str, Iterable[torch.Tensor]]],
+) -> tuple[bool, str] | None:
+    """The first of ``(where, tensors)`` with a lazy module's uninitialized tensor, as
+    ``(True, where)``; else the first with a tensor on the meta device, as ``(False,
+    where)``; else None. One walk, in which a lazy one anywhere wins (a lazy module's
+    parameters may be on the meta device too): the first meta one is only remembered."""
+    meta: str | None = None
+    for where, tensors in parts:
+        for t in tensors:
+            if is_lazy(t):
+                return True, where
+            if meta is None and t.is_meta:
+                meta = where
+    return None if meta is None else (False, meta)
 
 
 def _stepped(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

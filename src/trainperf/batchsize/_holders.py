@@ -257,11 +257,14 @@ def model_copies(objects: Iterable[Any]) -> list[nn.Module]:
     return found
 
 
-def module_generators(objects: Iterable[Any]) -> list[object]:
+def module_generators(
+    objects: Iterable[Any], owners: list[nn.Module] | None = None
+) -> list[object]:
     """The random generators (torch, numpy, ``random.Random``) that the submodules of the
     modules among ``objects`` hold as attributes (a seeded noise or augmentation layer),
-    and those of the model an optimizer among them steps (:func:`owning_modules`): a probe
-    step draws from them, and training would go on from other draws than an untuned run.
+    and those of the model an optimizer among them steps (``owners``: the
+    :func:`owning_modules` of ``objects``, found here when None): a probe step draws from
+    them, and training would go on from other draws than an untuned run.
 
     Example:
         >>> class Noise(nn.Module):
@@ -273,7 +276,9 @@ def module_generators(objects: Iterable[Any]) -> list[object]:
         [True]
     """
     objects = list(objects)
-    modules = [o for o in objects if isinstance(o, nn.Module)] + owning_modules(objects)
+    if owners is None:
+        owners = owning_modules(objects)
+    modules = [o for o in objects if isinstance(o, nn.Module)] + owners
     found: list[object] = []
     seen: set[int] = set()
     for m in (sub for module in modules for sub in module.modules()):

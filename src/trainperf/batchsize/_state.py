@@ -351,11 +351,12 @@ class SavedState:
     param_groups: list[Groups] = field(default_factory=list)
 
     @classmethod
-    def save(cls, objects: Iterable[Any]) -> SavedState:
+    def save(cls, objects: Iterable[Any], *, owners: list[nn.Module] | None = None) -> SavedState:
         """Copy the state of ``objects`` (see :func:`stateful_objects`) to host memory,
-        of the modules that own the parameters of an optimizer among them
-        (:func:`~trainperf.batchsize._holders.owning_modules`) and of the EMA or SWA
-        copies of their models (:func:`~trainperf.batchsize._holders.model_copies`).
+        of the modules that own the parameters of an optimizer among them (``owners``:
+        :func:`~trainperf.batchsize._holders.owning_modules` of ``objects``, found here
+        when None) and of the EMA or SWA copies of their models
+        (:func:`~trainperf.batchsize._holders.model_copies`).
 
         Example:
             >>> m = nn.Linear(2, 1)
@@ -368,7 +369,7 @@ class SavedState:
             True
         """
         objects = list(objects)
-        objects += owning_modules(objects)
+        objects += owning_modules(objects) if owners is None else owners
         objects += model_copies(objects)
         states = []
         for obj in objects:

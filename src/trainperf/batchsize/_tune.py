@@ -31,6 +31,7 @@ from trainperf.batchsize._agree import Agreement
 from trainperf.batchsize._args import check_args, check_state, size_space
 from trainperf.batchsize._holders import (
     module_generators,
+    owning_modules,
     schedulers_held,
     stateful_objects,
     with_live_amp_state,
@@ -58,6 +59,7 @@ class _Call:
     step: Callable[[Any], object]
     sample: Callable[[int], Any]
     objects: list[Any]
+    owners: list[nn.Module]  # owning_modules(objects)
     device: torch.device
     space: SizeSpace
     agree: Agreement
@@ -238,7 +240,7 @@ def _training_check(state: SavedState) -> TrainingCheck:
 def _search(call: _Call) -> tuple[BatchSizeReport, bool]:
     """Measure: save the state, grow and refine, put the state back. Also returns whether
     ``budget_s`` cut the search short."""
-    state = SavedState.save(with_live_amp_state(call.objects))
+    state = SavedState.save(with_live_amp_state(call.objects), owners=call.owners)
     memory = reader_for(call.device)
     deadline = call.started + call.budget_s
     bar = BatchSizeBar(call.budget_s, enabled=call.progress)
@@ -472,17 +474,20 @@ def tune_batch_size(
     batch_dim = non_negative_int("batch_dim", batch_dim)
     check_state(model, optimizer)
     objects = stateful_objects(model, optimizer)
+    # The model an optimizer passed without it steps: one scan of every live object, for
+    # its generators (below) and its saved state (_search).
+    owners = owning_modules(objects)
     agree = Agreement()
     space = size_space(args.min_size, args.max_size, args.global_batch, agree.world_size)
     call = _Call(
-        step, sample, objects, _device(device, objects), space, agree, args.global_batch,
-        args.budget_s, args.headroom, progress, cache, args.num_workers, args.prefetch_factor,
-        started, batch_dim,
+        step, sample, objects, owners, _device(device, objects), space, agree,
+        args.global_batch, args.budget_s, args.headroom, progress, cache, args.num_workers,
+        args.prefetch_factor, started, batch_dim,
     )  # fmt: skip
     generators = [
         *sample_generators(sample),
         *referenced_generators(step, sample),
-        *module_generators(objects),
+        *module_generators(objects, owners),
     ]
     with preserved_rng(), preserved_generators(generators):
         return _tune(call)
