@@ -40,9 +40,9 @@ Which condition maps to which type, everywhere in the package:
   ``MASTER_PORT`` cannot be bound, the rendezvous store cannot start, or, under spawn, a
   worker could not start (no ``if __name__ == "__main__":`` guard, the script's top level
   failing when a worker imports it again, ``main``'s module not importable in a new
-  interpreter: the worker's own traceback is in the message); under torchrun/SLURM,
-  ``launch_all`` waited ``timeout`` for another rank to return from ``main`` (the message
-  names it) or lost the store that gathers the values.
+  interpreter, or calling ``launch()`` at its top level: the worker's own traceback is in
+  the message); under torchrun/SLURM, ``launch_all`` waited ``timeout`` for another rank to
+  return from ``main`` (the message names it) or lost the store that gathers the values.
 - ``HangError``: ``launch(hang_timeout=...)`` saw no progress on any rank for
   ``hang_timeout`` seconds; the message names the rank(s) that caused it, their file:line,
   and what the others wait in (``.report`` holds it all; its ``to_dict()`` is JSON).
@@ -53,14 +53,20 @@ Which condition maps to which type, everywhere in the package:
   non-tensor values, state-dict keys that collide once prefixes are removed, no tensor to
   check, a ``main`` that spawned workers cannot import, a ``tune_batch_size`` step that trains
   nothing or a ``batch_dim`` no tensor in the batch has, a loss ``mp.backward`` cannot take, a
-  saved fp16 loss scale that is 0, negative, inf or NaN); an ``nprocs`` the host cannot hold
-  (more than 4 gloo ranks per usable CPU, or ranks whose projected memory does not fit; under
-  torchrun/SLURM with NCCL, more ranks on a node than visible GPUs); a signal name
+  saved fp16 loss scale that is 0, negative, inf or NaN, at load or, unpickled, at
+  ``mp.backward``/``mp.step``, loss-scaler settings ``GradScaler`` cannot use, a
+  ``tune_batch_size`` model on the meta device or ``sample`` that returns None,
+  ``analyse()`` figures no watch records: not Python numbers, NaN, infinite or negative); a
+  benchmark run estimated to take longer than ``max_seconds``; an ``nprocs`` the host cannot
+  hold (more than 4 gloo ranks per usable CPU, or ranks whose projected memory does not fit;
+  under torchrun/SLURM with NCCL, more ranks on a node than visible GPUs); a signal name
   ``preemption()`` does not know or cannot catch.
 - ``TypeError``: an argument of the wrong type (``device=None`` where there is no default
   device, a non-module to ``unwrap_model``, a non-callable ``main``, arguments ``main``'s
-  signature cannot take in ``launch``, a non-iterable ``w.iter()``), or a container holding
-  tensors to move that ``to_device`` cannot rebuild.
+  signature cannot take in ``launch``, an ``async def`` or generator ``main``, a
+  non-iterable ``w.iter()``, a flag that is not True or False: ``MixedPrecision``'s
+  ``strict`` and ``set_to_none``), or a container holding tensors to move that
+  ``to_device`` cannot rebuild.
 - ``AttributeError``: ``trainperf.<name>`` for a name the package does not export (as for
   any module; each name it does export loads its subpackage on first use).
 - ``ModuleNotFoundError``: an optional extra is not installed; the message names the function
