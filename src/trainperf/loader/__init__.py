@@ -16,7 +16,8 @@ the process itself is killed.
   :mod:`._args`: the argument checks; :mod:`._rng`: every random number generator left
   as the call found it; :mod:`._budget`: what ``budget_s`` guarantees;
 - :mod:`._iterable`: an ``IterableDataset`` that does not shard its stream across workers,
-  found on a short probe and kept at ``num_workers=0``;
+  found on a short probe and kept at ``num_workers=0``; :mod:`._picklable`: a first batch
+  that workers could not send back (it cannot be pickled), kept at ``num_workers=0`` too;
 - :mod:`._measure`: timing one configuration and catching worker faults (:mod:`._faults`),
   with :mod:`._workers` (the pool's processes: watched, measured, stopped), :mod:`._fetch`
   (its DataLoader, every wait cut to the deadline), :mod:`._windows` (start-up and prefetch

@@ -83,6 +83,7 @@ class _Readings:
     num_workers: int
     on_tick: Callable[[], None] | None
     last_tick: float
+    on_first_batch: Callable[[Any], None] | None = None
     startup_s: float | None = None
     batch_bytes: int | None = None
     first_uss: UssReading | None = None
@@ -127,6 +128,8 @@ def _first_batch(batches: Batches, readings: _Readings, t0: float) -> None:
     readings.startup_s = time.perf_counter() - t0
     readings.batch_bytes = batch_bytes(first)
     batches.samples = samples_in(first, batches.spec.batch_size)
+    if readings.on_first_batch is not None:
+        readings.on_first_batch(first)
     del first
     if readings.num_workers > 0:
         readings.workers.scan(batches.it)
@@ -277,6 +280,7 @@ def measure(
     memory_available: int | None = None,
     policy: WindowPolicy = DEFAULT_POLICY,
     on_tick: Callable[[], None] | None = None,
+    on_first_batch: Callable[[Any], None] | None = None,
 ) -> CandidateResult:
     """Measure one configuration's steady-state samples/s (see the module docstring).
 
@@ -306,6 +310,8 @@ def measure(
             ``memory`` fault: most likely the out-of-memory killer).
         policy: window sizes and stopping rule.
         on_tick: called every ~0.2 s (progress display).
+        on_first_batch: called with the first batch, outside the timed windows (the tuner
+            checks that workers could send it back: :mod:`trainperf.loader._picklable`).
 
     Returns:
         The :class:`CandidateResult`; with workers, its ``worker_uss`` is the private memory
@@ -350,7 +356,9 @@ def measure(
             reason="the time budget ran out before it could start",
         )
     batches = Batches(spec, *loader_kwargs_for(loader_kwargs, spec, remaining))
-    readings = _Readings(WorkerProcesses(), spec.num_workers, on_tick, last_tick=t0)
+    readings = _Readings(
+        WorkerProcesses(), spec.num_workers, on_tick, last_tick=t0, on_first_batch=on_first_batch
+    )
     timing: WindowTiming | None = None
     fault: tuple[FaultKind, str] | None = None
     try:

@@ -32,7 +32,8 @@ FaultKind = Literal[
 - ``hang``: no batch arrived within the timeout, or, when the budget cut the timeout short,
   within what was left of it (then the budget may simply be too short);
 - ``pickle``: the dataset (or ``collate_fn``/``worker_init_fn``) cannot be sent to workers
-  started with ``spawn``/``forkserver``;
+  started with ``spawn``/``forkserver``, or the batches ``collate_fn`` returns cannot be sent
+  back from workers (:mod:`trainperf.loader._picklable`);
 - ``shm``: ``/dev/shm`` is (or would be) too small for the batches in flight;
 - ``memory``: skipped, workers plus batches in flight would not fit in available memory;
   failed, a worker was killed by SIGKILL (exit code -9), most likely by the out-of-memory

@@ -221,7 +221,9 @@ def tune_loader(
     unless they mostly wait; to available memory (cgroup-aware) and to free ``/dev/shm``. A
     worker that crashes, hangs (see ``timeout``) or cannot be pickled marks its candidate failed;
     if no worker configuration works the result is ``num_workers=0`` with a
-    ``RuntimeWarning`` saying why. One worker is measured before a pool of several, and a
+    ``RuntimeWarning`` saying why. A first batch (loaded with ``num_workers=0``) that cannot be
+    pickled, so that workers could not send it back, rules out every worker count before any
+    pool is started. One worker is measured before a pool of several, and a
     count the memory cannot hold is never started (it is listed as skipped, with the
     figures); a worker killed by SIGKILL is reported as likely out of memory. An
     ``IterableDataset`` that does not shard its stream across workers (each would replay

@@ -9,15 +9,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
+from trainperf._utils.stack import user_stacklevel
 from trainperf.loader import _iterable, _user
 from trainperf.loader._faults import hang_timeout
 from trainperf.loader._measure import measure
+from trainperf.loader._picklable import FirstBatch, pickle_refusal
 from trainperf.loader._progress import ProgressBar
 from trainperf.loader._report import CandidateResult
 from trainperf.loader._search import Search
@@ -42,6 +45,7 @@ class _Measurer:
     user_timeout: float
     main_cores: float  # cores the main process keeps: the workers' hang bound counts the rest
     batch_s: float = 1.0  # seconds per batch in the main process, known after the baseline
+    on_first_batch: Callable[[Any], None] | None = None  # the baseline's: a batch to check
 
     def __call__(self, n: int, pf: int | None, pin: bool) -> CandidateResult:
         setup = self.setup
@@ -66,6 +70,7 @@ class _Measurer:
             shm_free=setup.share.shm_free,
             memory_available=setup.share.memory_available,
             on_tick=self.bar.update,
+            on_first_batch=self.on_first_batch,
         )
         done = "-" if r.samples_per_s is None else f"{r.samples_per_s:,.0f}/s"
         self.bar.update(f"workers={n} prefetch={pf or '-'}: {done}", force=True)
@@ -170,6 +175,7 @@ def _prepare(
     bar: ProgressBar,
 ) -> _Prepared:
     """Measure ``num_workers=0`` and ``step_fn``, and set up the search from them."""
+    first = FirstBatch()
     measurer = _Measurer(
         dataset,
         setup.batch_size,
@@ -181,9 +187,12 @@ def _prepare(
         user_timeout=float(loader_kwargs.get("timeout") or 0.0),
         # Until step_fn has been measured: one core kept for the main process.
         main_cores=main_process_cores(setup.cpus),
+        on_first_batch=first if setup.max_workers > 0 else None,
     )
     baseline = _measure_baseline(measurer)
-    measurer = dataclasses.replace(measurer, batch_s=_main_batch_s(baseline, setup.batch_size))
+    measurer = dataclasses.replace(
+        measurer, batch_s=_main_batch_s(baseline, setup.batch_size), on_first_batch=None
+    )
     notes = _first_notes(dataset, loader_kwargs, setup)
     shares = split_cores(
         dataset,
@@ -197,14 +206,7 @@ def _prepare(
         deadline=deadline,
         notes=notes,
     )
-    refused = _iterable.sharding_refusal(
-        dataset,
-        loader_kwargs,
-        max_workers=setup.max_workers,
-        pin=setup.pin_options[0],
-        deadline=deadline,
-        notes=notes,
-    )
+    refused = _refused(dataset, loader_kwargs, setup, first, deadline, notes)
     search = Search(
         measure=dataclasses.replace(measurer, main_cores=shares.main_cores),
         out_of_time=lambda: time.perf_counter() >= deadline - 0.05,
@@ -225,6 +227,38 @@ def _prepare(
         notes=notes,
     )
     return _Prepared(baseline, shares, search)
+
+
+def _refused(
+    dataset: Any,
+    loader_kwargs: Mapping[str, Any],
+    setup: _Setup,
+    first: FirstBatch,
+    deadline: float,
+    notes: list[str],
+) -> CandidateResult | None:
+    """The failed configuration that rules out every worker count, with its warning: a first
+    batch that workers could not send back (:mod:`trainperf.loader._picklable`), or an
+    ``IterableDataset`` that does not shard (:func:`~trainperf.loader._iterable.sharding_refusal`);
+    else None."""
+    pin = setup.pin_options[0]
+    refused = pickle_refusal(first.found, max_workers=setup.max_workers, pin=pin)
+    if refused is None:
+        return _iterable.sharding_refusal(
+            dataset,
+            loader_kwargs,
+            max_workers=setup.max_workers,
+            pin=pin,
+            deadline=deadline,
+            notes=notes,
+        )
+    # Checked before the sharding, whose two workers would wait for batches in vain.
+    warnings.warn(
+        f"tune_loader keeps num_workers=0: {refused.reason}",
+        RuntimeWarning,
+        stacklevel=user_stacklevel(),
+    )
+    return refused
 
 
 def _first_notes(dataset: Any, loader_kwargs: Mapping[str, Any], setup: _Setup) -> list[str]:

@@ -1,0 +1,140 @@
+"""Batches a worker could not send back: :func:`unpicklable_part` and :func:`pickle_refusal`.
+
+A DataLoader worker sends every batch to the main process pickled (tensors through shared
+memory, everything else by value). A ``collate_fn`` that returns something that cannot be
+pickled (a generator, a lock, an open file) makes the worker's queue drop the batch with a
+traceback on stderr, and the main process waits for it until the hang timeout. The tuner
+loads the first batch in the main process anyway (``num_workers=0``, its baseline), so it
+checks that batch before any pool is started: one that cannot be pickled refuses every worker
+configuration, with the reason, instead of a pool measured until it "hangs".
+
+The check pickles the batch with its tensors and plain arrays left out (they are payload,
+sent through shared memory, and copying them would cost what the check is meant to save).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainperf.loader._report import CandidateResult
+
+__all__ = ["FirstBatch", "pickle_refusal", "unpicklable_part"]
+
+Found = tuple[str, str, str]
+"""Where in the batch (``"batch[1]['ids']"``), the type's name, and pickle's error."""
+
+
+class _Discard:
+    """A file that keeps nothing: the check needs pickle's verdict, not its bytes."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+class _WithoutPayload(ForkingPickler):
+    """The workers' pickler (torch's reducers included), with tensors and plain arrays
+    pickled as ``None``."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)) or (
+            isinstance(obj, np.ndarray) and not obj.dtype.hasobject
+        ):
+            return type(None), ()
+        return NotImplemented
+
+
+def _pickle_error(obj: Any) -> Exception | None:
+    try:
+        _WithoutPayload(_Discard()).dump(obj)
+    except Exception as e:  # whatever stops pickle stops the worker's queue too
+        return e
+    return None
+
+
+def _type_name(obj: Any) -> str:
+    cls = type(obj)
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _innermost(obj: Any, where: str, error: Exception, depth: int = 0) -> Found:
+    """The deepest part of ``obj`` (lists, tuples and dict values, eight levels at most) that
+    cannot be pickled, ``obj`` itself when no part of it is to blame."""
+    if depth < 8 and not isinstance(obj, (str, bytes)):
+        if isinstance(obj, Mapping):
+            parts: list[tuple[str, Any]] = [(f"{where}[{k!r}]", v) for k, v in obj.items()]
+        elif isinstance(obj, (list, tuple)):
+            parts = [(f"{where}[{i}]", v) for i, v in enumerate(obj)]
+        else:
+            parts = []
+        for part_where, part in parts:
+            part_error = _pickle_error(part)
+            if part_error is not None:
+                return _innermost(part, part_where, part_error, depth + 1)
+    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return where, _type_name(obj), message
+
+
+def unpicklable_part(batch: Any) -> Found | None:
+    """What in ``batch`` a worker could not send back, or None when it pickles; tensors and
+    plain arrays are left out of the check.
+
+    Example:
+        >>> unpicklable_part({"x": torch.zeros(2), "ids": [1, 2]}) is None
+        True
+        >>> unpicklable_part([torch.zeros(2), (i for i in range(2))])
+        ('batch[1]', 'generator', "cannot pickle 'generator' object")
+    """
+    error = _pickle_error(batch)
+    if error is None:
+        return None
+    where = "batch" if isinstance(batch, (Mapping, list, tuple)) else "the batch"
+    return _innermost(batch, where, error)
+
+
+class FirstBatch:
+    """``measure``'s ``on_first_batch``: checks the first batch it is given
+    (:func:`unpicklable_part`) and keeps only the finding, not the batch."""
+
+    def __init__(self) -> None:
+        self.checked = False
+        self.found: Found | None = None
+
+    def __call__(self, batch: Any) -> None:
+        if not self.checked:
+            self.checked = True
+            self.found = unpicklable_part(batch)
+
+
+def pickle_refusal(found: Found | None, *, max_workers: int, pin: bool) -> CandidateResult | None:
+    """The failed 1-worker configuration that makes the search refuse every worker count
+    when the first batch cannot be pickled (``found``, :func:`unpicklable_part`), else None.
+
+    Example:
+        >>> r = pickle_refusal(("batch", "generator", "cannot pickle"), max_workers=2, pin=False)
+        >>> r.fault, r.reason.split(":")[0]
+        ('pickle', 'batch is a generator, which cannot be pickled (cannot pickle)')
+    """
+    if found is None or max_workers == 0:
+        return None
+    where, type_name, error = found
+    return CandidateResult(
+        1,
+        2,
+        pin,
+        "failed",
+        fault="pickle",
+        reason=(
+            f"{where} is a {type_name}, which cannot be pickled ({error}): a worker sends "
+            f"every batch to the main process pickled, so no worker configuration can deliver "
+            f"one (its pool would wait until the hang timeout); fix: return tensors, numbers, "
+            f"strings, lists, tuples or dicts from collate_fn (list(...) of a generator), or "
+            f"use num_workers=0"
+        ),
+    )

@@ -1,0 +1,104 @@
+"""trainperf.loader._picklable: batches that workers could not send back.
+
+A worker sends each batch to the main process pickled; a ``collate_fn`` that returns a
+generator (or anything else that cannot be pickled) makes every worker pool hang. The
+tuner sees it on the first batch it loads with ``num_workers=0`` and tries no pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from tests.loader._fakes import quick
+from trainperf.loader import autotune_loader, tune_loader
+from trainperf.loader._picklable import FirstBatch, pickle_refusal, unpicklable_part
+
+
+def as_generator(samples: list[Any]) -> Iterator[Any]:
+    """A collate_fn whose batches cannot be pickled (module level: the function itself can)."""
+    return (s for s in samples)
+
+
+def tiny() -> TensorDataset:
+    return TensorDataset(torch.zeros(16, 2))
+
+
+def test_a_batch_that_cannot_be_pickled_skips_workers_with_the_reason() -> None:
+    with pytest.warns(RuntimeWarning, match="generator") as caught:
+        r = tune_loader(tiny(), 4, **quick(max_workers=2, budget_s=4.0, collate_fn=as_generator))
+    assert caught[0].filename == __file__
+    assert r.num_workers == 0
+    workers = [c for c in r.candidates if c.num_workers > 0]
+    assert workers and all(c.fault == "pickle" for c in workers), r
+    # No pool was started: nothing waited for a batch that could never arrive.
+    assert all(c.startup_s is None and c.elapsed_s == 0.0 for c in workers), r
+    reason = workers[0].reason or ""
+    assert "generator" in reason and "num_workers=0" in reason and "collate_fn" in reason
+    assert not any(c.fault == "hang" for c in r.candidates)
+
+
+def test_autotune_loader_without_adapt_keeps_no_workers_for_such_a_batch() -> None:
+    with pytest.warns(RuntimeWarning, match="cannot be pickled"):
+        loader = autotune_loader(
+            tiny(), 4, adapt=False, **quick(max_workers=2, budget_s=4.0, collate_fn=as_generator)
+        )
+    assert loader.num_workers == 0
+
+
+def test_the_callers_own_workers_are_skipped_for_the_same_reason() -> None:
+    with pytest.warns(RuntimeWarning, match="generator"):
+        r = tune_loader(
+            tiny(), 4, **quick(max_workers=2, budget_s=4.0, collate_fn=as_generator, num_workers=2)
+        )
+    mine = [c for c in r.candidates if (c.num_workers, c.prefetch_factor) == (2, 2)]
+    assert mine and mine[0].status == "skipped" and mine[0].fault == "pickle", r
+
+
+def test_tensors_and_plain_values_pickle() -> None:
+    batch = {"x": torch.zeros(4, 3), "ids": [1, 2], "names": ("a", "b"), "a": np.zeros(2)}
+    assert unpicklable_part(batch) is None
+    assert unpicklable_part(torch.zeros(2)) is None
+
+
+def test_tensors_are_left_out_of_the_check() -> None:
+    # A tensor is never pickled by the check (workers send tensors through shared memory).
+    class Refuses(torch.Tensor):
+        def __reduce_ex__(self, protocol: Any) -> Any:
+            raise AssertionError("the check pickled a tensor")
+
+    assert unpicklable_part([torch.zeros(2).as_subclass(Refuses), 3]) is None
+
+
+def test_the_part_that_cannot_be_pickled_is_named_with_where_it_is() -> None:
+    found = unpicklable_part(x for x in range(3))
+    assert found is not None and found[0] == "the batch" and found[1] == "generator"
+    found = unpicklable_part([torch.zeros(2), {"ids": [1, threading.Lock()]}])
+    assert found is not None
+    assert found[0] == "batch[1]['ids'][1]" and found[1].endswith("lock"), found
+
+
+def test_a_refusal_says_what_and_how_to_fix() -> None:
+    batch = (torch.zeros(2), (x for x in range(2)))
+    r = pickle_refusal(unpicklable_part(batch), max_workers=4, pin=False)
+    assert r is not None and (r.num_workers, r.status, r.fault) == (1, "failed", "pickle")
+    assert r.reason is not None
+    assert "batch[1] is a generator" in r.reason
+    assert "fix: return tensors, numbers, strings, lists, tuples or dicts" in r.reason
+    assert pickle_refusal(None, max_workers=4, pin=False) is None
+    assert pickle_refusal(unpicklable_part(batch), max_workers=0, pin=False) is None
+
+
+def test_first_batch_keeps_only_the_finding() -> None:
+    check = FirstBatch()
+    assert check.found is None
+    check([torch.zeros(2), (x for x in range(2))])
+    assert check.found is not None and check.found[1] == "generator"
+    check([torch.zeros(2)])  # only the first batch counts
+    assert check.found is not None
