@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -73,6 +74,48 @@ def test_a_failure_is_raised_once_chained_with_the_path(tmp_path: Path) -> None:
     assert e.value.__cause__ is cause and e.value.path == tmp_path / "step-000000007.pt"
     assert handle.wait() is True  # raised once; the Checkpointer's next call does not repeat it
     assert "failed" in repr(handle)
+
+
+@pytest.mark.parametrize("how", ["removed", "renamed"])
+def test_a_background_save_whose_directory_went_away_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    # The error read "No such file or directory; any previous file there is unchanged",
+    # as if the step file were the problem: the directory itself was gone.
+    import shutil
+
+    from trainperf.checkpoint import _checkpointer, _writer
+    from trainperf.checkpoint._write import write_checkpoint_file as real
+
+    monkeypatch.setattr(_checkpointer, "fork_writes", lambda: False)  # the thread writer
+    directory = tmp_path / "ckpt"
+
+    def going_away(path: Path, write: Any, **kwargs: Any) -> None:
+        def write_then_go(f: Any) -> None:
+            write(f)
+            if how == "removed":
+                shutil.rmtree(directory)
+            else:
+                directory.rename(tmp_path / "moved")
+
+        real(path, write_then_go, **kwargs)
+
+    ckpt = Checkpointer(directory)
+    monkeypatch.setattr(_writer, "write_checkpoint_file", going_away)
+    handle = ckpt.save({"n": 1}, step=5, blocking=False)
+    assert handle.writer == "thread"
+    with pytest.raises(
+        CheckpointError,
+        match=r"background save of step 5 failed: the checkpoint directory .*ckpt no longer "
+        r"exists \(removed or renamed while the save ran\); nothing was saved for step 5; "
+        r"no older checkpoint was deleted$",
+    ) as info:
+        ckpt.wait()
+    assert "unchanged" not in str(info.value)
+    cause = info.value.__cause__  # the write's own error, its OSError chained
+    assert cause is not None and isinstance(cause.__cause__, FileNotFoundError)
+    monkeypatch.setattr(_writer, "write_checkpoint_file", real)
+    assert ckpt.save({"n": 2}, step=6).path == directory / "step-000000006.pt"  # made again
 
 
 def _resident_pages(path: Path) -> int:

@@ -53,3 +53,17 @@ def test_a_sys_exit_is_named_alike_by_launch_and_inside_a_job(code: object, call
     assert summarize(_describe(1, exc)) == f"called {call}"
     assert _injob._raised(exc) == f"called {call}"
     assert _watchdog._raised(exc) == f"called {call}"
+
+
+@pytest.mark.parametrize("cls", [ValueError, RuntimeError])  # ValueError in recent torch
+def test_a_second_init_process_group_in_main_is_named_with_the_fix(cls: type) -> None:
+    # torch's bare "trying to initialize the default process group twice!" did not say that
+    # launch() had already initialised it for main.
+    twice = _describe(0, cls("trying to initialize the default process group twice!"))
+    summary = summarize(twice)
+    assert summary.startswith(f"raised {cls.__name__}: trying to initialize the default")
+    assert "launch() already set up the process group for main" in summary
+    assert "remove main's dist.init_process_group call" in summary
+    assert "if not dist.is_initialized()" in summary
+    other = summarize(_describe(0, cls("something else")))
+    assert "already set up" not in other

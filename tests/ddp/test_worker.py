@@ -355,3 +355,45 @@ def test_a_rank_reports_its_failure_even_when_a_dataloader_worker_exits_meanwhil
         launch_fork(workers.raise_while_a_child_exits_during_the_report, nprocs=1)
     err = capfd.readouterr().err
     assert "_report_failure" not in err and "Process trainperf-rank0" not in err, err
+
+
+def _a_generator() -> Any:
+    yield 1
+
+
+@pytest.mark.parametrize(
+    ("make", "type_name"),
+    [
+        (lambda path: lambda: None, "function"),
+        (lambda path: open(path, "w"), "_io.TextIOWrapper"),  # noqa: SIM115
+        (lambda path: _a_generator(), "generator"),
+    ],
+)
+def test_a_return_value_that_cannot_be_pickled_is_named_with_the_fix_and_no_internal_frames(
+    tmp_path: Path, make: Any, type_name: str
+) -> None:
+    # The report showed only trainperf's frames (_send_result, _send) under "Traceback from
+    # rank 0", which told the user nothing about what to return instead.
+    import multiprocessing
+
+    from trainperf.ddp import _worker
+    from trainperf.ddp._failures import summarize
+
+    payload = make(tmp_path / "log.txt")
+    ours, theirs = multiprocessing.Pipe()
+    try:
+        with pytest.raises(TypeError) as info:
+            _worker._send_result(ours, 0, payload, None)
+    finally:
+        ours.close()
+        theirs.close()
+        if hasattr(payload, "close"):
+            payload.close()
+    failure = _worker._describe(0, info.value)
+    assert failure.traceback == ""
+    assert failure.type_name == "TypeError"
+    summary = summarize(failure)
+    assert summary.startswith("raised TypeError: main returned a value that cannot be pickled")
+    assert f"cannot be pickled to send it back to the launcher: its type is {type_name};" in summary
+    assert "return plain data (numbers, tensors, dicts/lists of them)" in summary
+    assert "or save it to a file in main and return the path" in summary  # not cut off

@@ -33,6 +33,7 @@ writes still running or failed unreported, for the exit hook.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 from collections.abc import Callable
@@ -42,7 +43,7 @@ from typing import Any
 import torch
 
 from trainperf.checkpoint._refusal import save_refusal
-from trainperf.checkpoint._write import write_checkpoint_file
+from trainperf.checkpoint._write import _os_error, write_checkpoint_file
 from trainperf.errors import CheckpointError
 
 __all__ = [
@@ -198,6 +199,8 @@ class SaveHandle:
         return True
 
     def _finish(self, failure: tuple[str, BaseException] | None, notes: list[str]) -> None:
+        if failure is not None and self.path is not None:
+            failure = _directory_gone(self.step, self.path, failure)
         self._failure = failure
         self.notes = notes
         if failure is not None:
@@ -233,6 +236,23 @@ class SaveHandle:
             "checkpoint was deleted",
             self.path,
         ) from cause
+
+
+def _directory_gone(
+    step: int, path: Path, failure: tuple[str, BaseException]
+) -> tuple[str, BaseException]:
+    """``failure``, said of the directory when it is gone (removed or renamed while the save
+    ran): the write's own "No such file or directory; any previous file there is unchanged"
+    speaks of a file that went with it. Checked now, as the write fails."""
+    cause = failure[1]
+    os_err = _os_error(cause)
+    if os_err is None or os_err.errno != errno.ENOENT or os.path.isdir(path.parent):
+        return failure
+    return (
+        f"the checkpoint directory {path.parent} no longer exists (removed or renamed while "
+        f"the save ran); nothing was saved for step {step}",
+        cause,
+    )
 
 
 def drop_cached(path: Path) -> None:

@@ -53,13 +53,33 @@ class Problem:
     aborted: bool = False
 
 
+# torch's error for a second init_process_group (ValueError in recent torch, RuntimeError
+# before): under launch, main's own call is the second.
+_INIT_TWICE = "trying to initialize the default process group twice"
+_INIT_TWICE_FIX = (
+    " (launch() already set up the process group for main: remove main's "
+    "dist.init_process_group call, or guard it with 'if not dist.is_initialized():')"
+)
+
+
 def summarize(failure: Failure) -> str:
+    """One line for a rank's failure report: what it raised (or the ``sys.exit`` it called),
+    with the fix where the error alone hides the cause.
+
+    Example:
+        >>> twice = "trying to initialize the default process group twice!"
+        >>> said = summarize(Failure(0, 1, "ValueError", twice, "tb", time=1.0))
+        >>> said.startswith("raised ValueError: trying"), "launch() already set up" in said
+        (True, True)
+    """
     if failure.type_name == "SystemExit":
         return f"called {failure.message}"  # the call itself: ``_worker.exit_call``
     first_line = failure.message.strip().splitlines()[0] if failure.message.strip() else ""
     if len(first_line) > 300:
         first_line = first_line[:300] + "..."
     text = f"raised {failure.type_name}" + (f": {first_line}" if first_line else "")
+    if failure.stage == "main" and _INIT_TWICE in first_line:
+        text += _INIT_TWICE_FIX
     if failure.stage == "args":
         return f"could not unpickle main's {failure.argument}: {text}"
     return f"could not load main: {text}" if failure.stage in ("load", "relaunch") else text

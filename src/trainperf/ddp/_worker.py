@@ -44,6 +44,7 @@ from trainperf.ddp._rank_exit import flush_std_streams, say
 from trainperf.ddp._worker_pickle import (
     _MAIN,
     InheritedFd,
+    UnsendableResult,
     _class_name,
     _labelled,
     _pack,
@@ -186,7 +187,11 @@ def _user_frames(tb: TracebackType | None) -> TracebackType | None:
 
 
 def _describe(rank: int, exc: BaseException, stage: str = "main", argument: str = "") -> Failure:
-    """``exc`` as plain strings; a ``SystemExit``'s message is its call (:func:`exit_call`)."""
+    """``exc`` as plain strings; a ``SystemExit``'s message is its call (:func:`exit_call`).
+    An :class:`UnsendableResult` is a ``TypeError`` whose message says all: its traceback
+    holds only this module's frames."""
+    if isinstance(exc, UnsendableResult):
+        return Failure(rank, os.getpid(), "TypeError", str(exc), "", time.time(), stage, argument)
     cls = type(exc)
     return Failure(
         rank=rank,
@@ -339,10 +344,7 @@ def _send_result(conn: Connection, rank: int, payload: Any, call: str | None) ->
     try:
         _send(conn, ("ok", rank, payload))
     except (pickle.PicklingError, TypeError, AttributeError) as e:
-        raise TypeError(
-            f"main returned a value that cannot be pickled back to the launcher "
-            f"({type(payload).__name__}): {e}"
-        ) from e
+        raise UnsendableResult(payload, e) from e
 
 
 def _send(conn: Connection, message: tuple[str, int, Any]) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-__all__ = ["InheritedFd", "UnpicklableArgument", "called_function"]
+__all__ = ["InheritedFd", "UnpicklableArgument", "UnsendableResult", "called_function"]
 
 _MAIN = "main"
 # The labels of what this worker has unpickled so far, in order: the first one missing after
@@ -70,6 +70,27 @@ class UnpicklableArgument(pickle.PicklingError):
     def __init__(self, label: str, error: BaseException) -> None:
         super().__init__(f"{label}: {type(error).__name__}: {error}")
         self.label = label
+
+
+class UnsendableResult(TypeError):
+    """``main`` returned a value that cannot be pickled back to the launcher: the message
+    names its type and the fix. Reported as a ``TypeError`` without a traceback, which would
+    show only trainperf's frames (the pickling of the result), never the user's.
+
+    Example:
+        >>> print(UnsendableResult(lambda: 0, TypeError("cannot pickle it")))  # doctest: +ELLIPSIS
+        main returned a value that cannot be pickled ... its type is function; return plain ...
+    """
+
+    def __init__(self, payload: Any, error: BaseException) -> None:
+        # One line: the launcher's summary of a failure is the message's first line.
+        # The fix comes before pickle's own words, which a long summary cuts off.
+        super().__init__(
+            "main returned a value that cannot be pickled to send it back to the launcher: "
+            f"its type is {_class_name(type(payload))}; return plain data (numbers, tensors, "
+            "dicts/lists of them) instead, or save it to a file in main and return the path "
+            f"({type(error).__name__}: {error})"
+        )
 
 
 class _CopyingPickler(ForkingPickler):
