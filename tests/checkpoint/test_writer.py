@@ -118,6 +118,73 @@ def test_a_background_save_whose_directory_went_away_says_so(
     assert ckpt.save({"n": 2}, step=6).path == directory / "step-000000006.pt"  # made again
 
 
+def test_a_dangling_link_above_the_directory_is_named_not_called_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # os.path.isdir is False through a dangling link too: its precise message ("... is a
+    # dangling symbolic link ... (fix or remove the link ...)") was replaced by "removed or
+    # renamed while the save ran".
+    import shutil
+
+    from trainperf.checkpoint import _checkpointer
+
+    monkeypatch.setattr(_checkpointer, "fork_writes", lambda: False)  # the thread writer
+    (tmp_path / "scratch" / "ckpt").mkdir(parents=True)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "scratch")
+    ckpt = Checkpointer(link / "ckpt")
+    shutil.rmtree(tmp_path / "scratch")  # a scratch area purged between saves
+    handle = ckpt.save({"n": 1}, step=2, blocking=False)
+    assert handle.writer == "thread"
+    with pytest.raises(CheckpointError, match=r"link is a dangling symbolic link .*fix or remove"):
+        ckpt.wait()
+
+
+def test_a_failure_naming_a_dangling_link_keeps_its_message(tmp_path: Path) -> None:
+    # The link may be mended by the time the failure is read: its own words still hold.
+    handle = SaveHandle(3, tmp_path / "gone" / "step-000000003.pt", "process")
+    said = f"could not save checkpoint x: {tmp_path}/gone is a dangling symbolic link (to 'y')"
+    handle._finish((said, FileNotFoundError(errno.ENOENT, said)), [])
+    with pytest.raises(CheckpointError, match=r"failed: could not save .*dangling symbolic link"):
+        handle.wait()
+
+
+def test_a_failure_under_a_dangling_link_is_not_called_a_directory_gone(tmp_path: Path) -> None:
+    # The target went while the write ran: the write's ENOENT does not name the link, but the
+    # directory was not removed or renamed, so its words are kept.
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    handle = SaveHandle(4, tmp_path / "link" / "ckpt" / "step-000000004.pt", "thread")
+    said = "could not save checkpoint x: No such file or directory"
+    handle._finish((said, FileNotFoundError(errno.ENOENT, "No such file or directory")), [])
+    with pytest.raises(CheckpointError, match=r"failed: could not save checkpoint x: No such"):
+        handle.wait()
+
+
+def test_a_directory_renamed_after_the_file_was_saved_is_not_called_unsaved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The flush of the directory fails after os.replace: the file is saved (in the renamed
+    # directory), so "nothing was saved" would be wrong.
+    from trainperf.checkpoint import _checkpointer, _write
+
+    monkeypatch.setattr(_checkpointer, "fork_writes", lambda: False)  # the thread writer
+    directory = tmp_path / "ckpt"
+    ckpt = Checkpointer(directory)
+    real = _write.fsync_dir
+
+    def rename_then_flush(path: Any) -> None:
+        if Path(path) == directory:
+            directory.rename(tmp_path / "moved")
+        real(path)
+
+    monkeypatch.setattr(_write, "fsync_dir", rename_then_flush)
+    assert ckpt.save({"n": 1}, step=5, blocking=False).writer == "thread"
+    with pytest.raises(CheckpointError, match=r"failed: saved checkpoint .*could not flush") as e:
+        ckpt.wait()
+    assert "nothing was saved" not in str(e.value)
+    assert (tmp_path / "moved" / "step-000000005.pt").is_file()
+
+
 def _resident_pages(path: Path) -> int:
     """How many of ``path``'s pages are in the page cache: ``mincore`` on a mapping that is
     never touched (touching would read the pages in)."""

@@ -8,7 +8,8 @@ tuner sees it on the first batch it loads with ``num_workers=0`` and tries no po
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
@@ -102,3 +103,94 @@ def test_first_batch_keeps_only_the_finding() -> None:
     assert check.found is not None and check.found[1] == "generator"
     check([torch.zeros(2)])  # only the first batch counts
     assert check.found is not None
+
+
+def _nested(depth: int) -> list[Any]:
+    batch: list[Any] = []
+    for _ in range(depth):
+        batch = [batch]
+    return batch
+
+
+def _pickles_in_a_thread(batch: Any) -> bool:
+    """Whether ``batch`` pickles on a fresh thread's shallow stack, as a worker's feeder
+    thread pickles it."""
+    ok: list[bool] = []
+
+    def dump() -> None:
+        try:
+            ForkingPickler.dumps(batch)
+            ok.append(True)
+        except RecursionError:
+            ok.append(False)
+
+    thread = threading.Thread(target=dump)
+    thread.start()
+    thread.join()
+    return ok[0]
+
+
+def test_a_batch_too_deep_for_the_checks_stack_is_not_refused() -> None:
+    # The check pickles on the caller's (deep) stack, the workers on a shallow one: a batch
+    # near the recursion limit pickled there but was refused here, with the wrong fix.
+    low, high = 1, 10_000  # the deepest nesting that pickles in a thread, by bisection
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if _pickles_in_a_thread(_nested(mid)) else (low, mid - 1)
+    batch = _nested(low)
+
+    def from_deeper(frames: int) -> Any:
+        return from_deeper(frames - 1) if frames else unpicklable_part(batch)
+
+    assert from_deeper(100) is None  # RecursionError: the check cannot tell, so no refusal
+
+
+class _Unsayable(TypeError):
+    def __str__(self) -> str:
+        raise ValueError("no str")
+
+
+class _RefusesPickling:
+    def __reduce__(self) -> Any:
+        raise _Unsayable()
+
+
+class _Unrepresentable:
+    def __repr__(self) -> str:
+        raise ValueError("no repr")
+
+
+def test_an_error_or_key_that_cannot_be_shown_is_named_by_its_type() -> None:
+    found = unpicklable_part({_Unrepresentable(): _RefusesPickling()})
+    assert found is not None
+    assert found[0] == "batch[_Unrepresentable]" and found[2] == "_Unsayable", found
+
+
+def test_the_check_never_breaks_tuning() -> None:
+    class Broken(Mapping[str, Any]):  # local: cannot be pickled; fails when looked into
+        def __getitem__(self, key: str) -> Any:
+            raise KeyError(key)
+
+        def __iter__(self) -> Iterator[str]:
+            raise RuntimeError("cannot iterate")
+
+        def __len__(self) -> int:
+            return 1
+
+    check = FirstBatch()
+    check(Broken())
+    assert check.checked and check.found is None
+
+
+def refuses_pickling(samples: list[Any]) -> dict[str, Any]:
+    """A collate_fn whose batch cannot be pickled, with an error whose str() raises."""
+    return {"x": torch.stack([s[0] for s in samples]), "meta": _RefusesPickling()}
+
+
+def test_tune_loader_survives_an_error_that_cannot_be_shown() -> None:
+    with pytest.warns(RuntimeWarning, match="_RefusesPickling"):
+        r = tune_loader(
+            tiny(), 4, **quick(max_workers=2, budget_s=4.0, collate_fn=refuses_pickling)
+        )
+    assert r.num_workers == 0
+    assert all(c.fault == "pickle" for c in r.candidates if c.num_workers > 0), r

@@ -243,16 +243,33 @@ def _directory_gone(
 ) -> tuple[str, BaseException]:
     """``failure``, said of the directory when it is gone (removed or renamed while the save
     ran): the write's own "No such file or directory; any previous file there is unchanged"
-    speaks of a file that went with it. Checked now, as the write fails."""
-    cause = failure[1]
+    speaks of a file that went with it. Checked now, as the write fails.
+
+    Kept as it is: a failure to flush the directory after the file was renamed into place
+    (the file is saved, in the directory under its new name), and a dangling link at or
+    above the directory (the write's message names the link and the fix; ``isdir`` is False
+    through it too)."""
+    message, cause = failure
     os_err = _os_error(cause)
-    if os_err is None or os_err.errno != errno.ENOENT or os.path.isdir(path.parent):
+    if (
+        os_err is None
+        or os_err.errno != errno.ENOENT
+        or os.path.isdir(path.parent)
+        or message.startswith("saved checkpoint ")  # write_checkpoint_file's flush stage
+        or "dangling symbolic link" in message
+        or _dangling_link_at_or_above(path.parent)
+    ):
         return failure
     return (
         f"the checkpoint directory {path.parent} no longer exists (removed or renamed while "
         f"the save ran); nothing was saved for step {step}",
         cause,
     )
+
+
+def _dangling_link_at_or_above(directory: Path) -> bool:
+    """Whether ``directory`` or a path above it is a symbolic link to nothing."""
+    return any(os.path.islink(p) and not os.path.exists(p) for p in (directory, *directory.parents))
 
 
 def drop_cached(path: Path) -> None:

@@ -10,11 +10,14 @@ configuration, with the reason, instead of a pool measured until it "hangs".
 
 The check pickles the batch with its tensors and plain arrays left out (they are payload,
 sent through shared memory, and copying them would cost what the check is meant to save).
+It refuses only what it can tell: a batch that reaches the recursion limit on the caller's
+stack may still pickle on a worker's feeder thread, whose stack is shallow, and a failure of
+the check itself leaves tuning as it was without it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -56,6 +59,15 @@ def _pickle_error(obj: Any) -> Exception | None:
     return None
 
 
+def _shown(obj: Any, render: Callable[[Any], str] = str) -> str:
+    """``render(obj)``, or the type's name when that raises (user classes' ``__str__`` and
+    ``__repr__`` can, and the message must still be made)."""
+    try:
+        return render(obj)
+    except Exception:
+        return type(obj).__name__
+
+
 def _type_name(obj: Any) -> str:
     cls = type(obj)
     if cls.__module__ == "builtins":
@@ -68,22 +80,26 @@ def _innermost(obj: Any, where: str, error: Exception, depth: int = 0) -> Found:
     cannot be pickled, ``obj`` itself when no part of it is to blame."""
     if depth < 8 and not isinstance(obj, (str, bytes)):
         if isinstance(obj, Mapping):
-            parts: list[tuple[str, Any]] = [(f"{where}[{k!r}]", v) for k, v in obj.items()]
+            parts: list[tuple[str, Any]] = [
+                (f"{where}[{_shown(k, repr)}]", v) for k, v in obj.items()
+            ]
         elif isinstance(obj, (list, tuple)):
             parts = [(f"{where}[{i}]", v) for i, v in enumerate(obj)]
         else:
             parts = []
         for part_where, part in parts:
             part_error = _pickle_error(part)
-            if part_error is not None:
+            if part_error is not None and not isinstance(part_error, RecursionError):
                 return _innermost(part, part_where, part_error, depth + 1)
-    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = _shown(error).strip()
+    message = text.splitlines()[0] if text else type(error).__name__
     return where, _type_name(obj), message
 
 
 def unpicklable_part(batch: Any) -> Found | None:
     """What in ``batch`` a worker could not send back, or None when it pickles; tensors and
-    plain arrays are left out of the check.
+    plain arrays are left out of the check. None also when pickling reaches the recursion
+    limit: the check runs on the caller's stack, a worker's feeder thread on a shallow one.
 
     Example:
         >>> unpicklable_part({"x": torch.zeros(2), "ids": [1, 2]}) is None
@@ -92,7 +108,7 @@ def unpicklable_part(batch: Any) -> Found | None:
         ('batch[1]', 'generator', "cannot pickle 'generator' object")
     """
     error = _pickle_error(batch)
-    if error is None:
+    if error is None or isinstance(error, RecursionError):  # deep here, maybe not in a worker
         return None
     where = "batch" if isinstance(batch, (Mapping, list, tuple)) else "the batch"
     return _innermost(batch, where, error)
@@ -109,7 +125,10 @@ class FirstBatch:
     def __call__(self, batch: Any) -> None:
         if not self.checked:
             self.checked = True
-            self.found = unpicklable_part(batch)
+            try:
+                self.found = unpicklable_part(batch)
+            except Exception:  # a user class failing as it is looked into: no finding
+                self.found = None
 
 
 def pickle_refusal(found: Found | None, *, max_workers: int, pin: bool) -> CandidateResult | None:
