@@ -64,3 +64,16 @@ def test_ranks_that_did_not_exit_are_named_by_how_they_finished_main() -> None:
         "exit within 10 s"
     ), text
     assert not_exited([1], {1: "sys.exit()"}, 10.0).startswith("rank 1 called sys.exit() in main,")
+
+
+def test_a_result_that_cannot_be_pickled_would_fail_a_restart_the_same_way() -> None:
+    # max_restarts ran all of main again for a return value that cannot be pickled.
+    from trainperf.ddp._worker import _describe
+    from trainperf.ddp._worker_pickle import UnsendableResult
+
+    unsendable = UnsendableResult(lambda: 0, TypeError("cannot pickle 'function' object"))
+    problem, repeats = reported(_describe(0, unsendable), None)
+    assert repeats
+    assert problem.summary.startswith("raised TypeError: main returned a value that cannot be")
+    _, repeats = reported(_describe(0, ValueError("bad batch")), None)
+    assert not repeats

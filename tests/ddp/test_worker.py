@@ -397,3 +397,98 @@ def test_a_return_value_that_cannot_be_pickled_is_named_with_the_fix_and_no_inte
     assert f"cannot be pickled to send it back to the launcher: its type is {type_name};" in summary
     assert "return plain data (numbers, tensors, dicts/lists of them)" in summary
     assert "or save it to a file in main and return the path" in summary  # not cut off
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_rank_that_inherits_the_launchers_process_group_is_told_to_destroy_it(
+    tmp_path: Path,
+) -> None:
+    # The rank failed in launch's own init_process_group ("initialize the default process
+    # group twice!") and was told to remove main's call, which main did not make.
+    import torch.distributed as dist
+
+    if fast_start_method() != "fork":
+        pytest.skip("needs fork: the rank must inherit this process's process group")
+    store = f"file://{tmp_path / 'store'}"
+    dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(LaunchError) as info:
+            ddp.launch(workers.add, 1, 2, nprocs=1, backend="gloo", start_method="fork")
+    finally:
+        dist.destroy_process_group()
+    summary = str(info.value).splitlines()[0]
+    assert "the launching process already had a default process group" in summary, summary
+    assert "dist.destroy_process_group()" in summary and "start_method='spawn'" in summary
+    assert "remove main's dist.init_process_group call" not in str(info.value)
+
+
+class _BrokenGetstate:
+    def __getstate__(self) -> dict[str, Any]:
+        return {"loss": self.los}  # type: ignore[attr-defined]  # the user's own bug
+
+
+def test_a_return_value_whose_own_getstate_fails_is_reported_with_its_traceback() -> None:
+    # The report's traceback was blanked for every unpicklable result, so the frame of the
+    # user's own __getstate__, where the bug is, was lost.
+    import multiprocessing
+
+    from trainperf.ddp import _worker
+
+    ours, theirs = multiprocessing.Pipe()
+    try:
+        with pytest.raises(TypeError) as info:
+            _worker._send_result(ours, 0, _BrokenGetstate(), None)
+    finally:
+        ours.close()
+        theirs.close()
+    failure = _worker._describe(0, info.value)
+    assert failure.message.startswith("main returned a value that cannot be pickled")
+    assert "AttributeError: '_BrokenGetstate' object has no attribute 'los'" in failure.message
+    assert f'File "{__file__}"' in failure.traceback, failure.traceback
+    assert "in __getstate__" in failure.traceback
+    assert "AttributeError: '_BrokenGetstate' object has no attribute 'los'" in failure.traceback
+    assert "_send_result" not in failure.traceback  # trainperf's own frames left out
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_in_launchs_own_setup_gets_no_hint_meant_for_main(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # launch's own init_process_group failing "twice!" was told to remove main's call.
+    from trainperf.ddp import _worker
+
+    if fast_start_method() != "fork":
+        pytest.skip("needs fork: the rank must inherit this process's stand-in")
+
+    def setup(spec: WorkerSpec, rank: int) -> None:
+        raise ValueError("trying to initialize the default process group twice!")
+
+    monkeypatch.setattr(_worker, "_setup", setup)
+    with pytest.raises(LaunchError, match=r"raised ValueError: trying to initialize") as info:
+        launch_fork(workers.add, 1, 2, nprocs=1)
+    assert "launch() already set up the process group for main" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("child_start_method", "said"),
+    [
+        ("keep", "the launching process already had a default process group"),
+        (None, "set up while this rank imported main's module"),
+    ],
+)
+def test_a_process_group_there_before_launchs_setup_is_refused_with_where_it_came_from(
+    monkeypatch: pytest.MonkeyPatch, child_start_method: str | None, said: str
+) -> None:
+    # torch said only "initialize the default process group twice!", in launch's own call.
+    import torch.distributed as dist
+
+    from trainperf.ddp import _worker
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    spec = WorkerSpec(
+        main=None, args=(), kwargs={}, backend="gloo", world_size=1, master_addr="127.0.0.1",
+        master_port=1, store_prefix="", timeout=timedelta(seconds=1), threads=None,
+        parent_pid=os.getpid(), send_result_from_all=False, child_start_method=child_start_method,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match=said):
+        _worker._setup(spec, 0)

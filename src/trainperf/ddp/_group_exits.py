@@ -32,7 +32,8 @@ __all__ = ["finished", "not_exited", "reimported", "reported", "returned_then_di
 def reported(failure: Failure, main: Callable[..., Any] | None) -> tuple[Problem, bool]:
     """The problem a rank's failure report records, and whether a restarted group would
     fail the same way: main or one of its arguments could not be loaded (the same bytes fail
-    the same way in the next attempt).
+    the same way in the next attempt), or main's return value could not be pickled (main
+    would run again only to return the same kind of value).
 
     Example:
         >>> f = Failure(1, 10, "ValueError", "bad batch", "tb", time=100.0)
@@ -50,7 +51,7 @@ def reported(failure: Failure, main: Callable[..., Any] | None) -> tuple[Problem
     problem = Problem(
         failure.rank, failure.time, summarize(failure), failure.traceback, advice=advice
     )
-    return problem, failure.stage in ("load", "args", "relaunch")
+    return problem, failure.stage in ("load", "args", "relaunch", "result")
 
 
 def reimported(code: int, ctx: BaseContext, loaded: bool) -> bool:

@@ -49,6 +49,7 @@ from trainperf.ddp._worker_pickle import (
     _labelled,
     _pack,
     _unpickled,
+    pickling_code_only,
 )
 from trainperf.ddp._worker_reimport import loading_main, relaunched
 
@@ -144,7 +145,8 @@ class Failure:
     time: float
     # "load": importing main's module (unpickling main) failed; "args": unpickling one of
     # main's arguments failed (``argument`` names it); "relaunch": a module imported to
-    # load them called launch(); "main": the set-up or main raised.
+    # load them called launch(); "setup": launch's own set-up of the process group raised;
+    # "main": main raised; "result": main's return value could not be pickled.
     stage: str = "main"
     argument: str = ""
 
@@ -188,10 +190,16 @@ def _user_frames(tb: TracebackType | None) -> TracebackType | None:
 
 def _describe(rank: int, exc: BaseException, stage: str = "main", argument: str = "") -> Failure:
     """``exc`` as plain strings; a ``SystemExit``'s message is its call (:func:`exit_call`).
-    An :class:`UnsendableResult` is a ``TypeError`` whose message says all: its traceback
-    holds only this module's frames."""
+    An :class:`UnsendableResult` is a ``TypeError`` of stage "result" whose message says
+    all, shown without a traceback unless the pickling error came from the value's own code
+    (its ``__getstate__`` or ``__reduce__``): then the traceback is that error's."""
     if isinstance(exc, UnsendableResult):
-        return Failure(rank, os.getpid(), "TypeError", str(exc), "", time.time(), stage, argument)
+        cause = exc.__cause__
+        shown = ""
+        if cause is not None and not pickling_code_only(cause.__traceback__):
+            tb = _user_frames(cause.__traceback__)
+            shown = "".join(traceback.format_exception(type(cause), cause, tb))
+        return Failure(rank, os.getpid(), "TypeError", str(exc), shown, time.time(), "result")
     cls = type(exc)
     return Failure(
         rank=rank,
@@ -213,10 +221,32 @@ def _text(exc: BaseException) -> str:
         return f"<{type(exc).__name__} whose str() raised {type(e).__name__}: {e!r}>"
 
 
+def _refuse_a_group_already_there(spec: WorkerSpec) -> None:
+    """Raise when the default process group exists before launch sets it up: inherited from
+    the launching process (a forked rank), or made while a spawned rank imported main's
+    module. torch would say only "initialize the default process group twice!"."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if spec.child_start_method == KEEP_START_METHOD:  # a forked rank
+        raise RuntimeError(
+            "the launching process already had a default process group (it called "
+            "dist.init_process_group before launch()), which a forked rank inherits: call "
+            "dist.destroy_process_group() before launch(), or use start_method='spawn'"
+        )
+    raise RuntimeError(
+        "the default process group was set up while this rank imported main's module (a "
+        "dist.init_process_group call at its top level?): launch() sets it up for main; "
+        'remove that call, or move it under the script\'s if __name__ == "__main__": guard'
+    )
+
+
 def _setup(spec: WorkerSpec, rank: int) -> None:
     import torch
     import torch.distributed as dist
 
+    _refuse_a_group_already_there(spec)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -455,9 +485,11 @@ def worker_main(
         tracker = None
     main, args, kwargs = _load(spec, rank, conn)
 
+    stage = "setup"  # launch's own set-up: no hint meant for main's code
     try:
         with _uncounted(tracker):
             _setup(spec, rank)
+        stage = "main"
         if tracker is not None:
             tracker.ready(armed=True)
         result, call = call_main(main, args, kwargs)
@@ -477,7 +509,7 @@ def worker_main(
         try:
             # Report before tearing the group down: destroying it can block after a fault,
             # and the time stamp must precede the errors this exit causes in the peers.
-            _report_failure(conn, _describe(rank, exc))
+            _report_failure(conn, _describe(rank, exc, stage))
         finally:
             _exit_now(1)
     conn.close()

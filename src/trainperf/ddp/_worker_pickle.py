@@ -9,15 +9,25 @@ forked or torchrun rank has its own. A descriptor (the launcher's stderr) travel
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import io
+import multiprocessing
+import os
 import pickle
 import sys
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
+from types import TracebackType
 from typing import Any
 
-__all__ = ["InheritedFd", "UnpicklableArgument", "UnsendableResult", "called_function"]
+__all__ = [
+    "InheritedFd",
+    "UnpicklableArgument",
+    "UnsendableResult",
+    "called_function",
+    "pickling_code_only",
+]
 
 _MAIN = "main"
 # The labels of what this worker has unpickled so far, in order: the first one missing after
@@ -74,8 +84,9 @@ class UnpicklableArgument(pickle.PicklingError):
 
 class UnsendableResult(TypeError):
     """``main`` returned a value that cannot be pickled back to the launcher: the message
-    names its type and the fix. Reported as a ``TypeError`` without a traceback, which would
-    show only trainperf's frames (the pickling of the result), never the user's.
+    names its type and the fix. Reported as a ``TypeError``, without a traceback when the
+    pickling error's own shows only trainperf's and pickle's frames (:func:`pickling_code_only`);
+    with that traceback when the value's own code (its ``__getstate__``, ``__reduce__``) raised.
 
     Example:
         >>> print(UnsendableResult(lambda: 0, TypeError("cannot pickle it")))  # doctest: +ELLIPSIS
@@ -91,6 +102,37 @@ class UnsendableResult(TypeError):
             "dicts/lists of them) instead, or save it to a file in main and return the path "
             f"({type(error).__name__}: {error})"
         )
+
+
+# Where pickling runs without the pickled value's own code: trainperf, pickle, copyreg and
+# multiprocessing (a frame's file compared as a path, a package's as a folder).
+_PICKLING_FILES = (pickle.__file__, copyreg.__file__)
+_PICKLING_FOLDERS = (
+    os.path.dirname(multiprocessing.__file__) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # trainperf/
+)
+
+
+def pickling_code_only(tb: TracebackType | None) -> bool:
+    """Whether every frame of ``tb`` is in trainperf, pickle, copyreg or multiprocessing: a
+    pickling error raised there says all in its message, its traceback adds nothing.
+
+    Example:
+        >>> try:
+        ...     pickle.dumps(lambda: 0)
+        ... except Exception as e:
+        ...     error = e
+        >>> pickling_code_only(error.__traceback__)  # the doctest's own frame
+        False
+        >>> pickling_code_only(None)
+        True
+    """
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if filename not in _PICKLING_FILES and not filename.startswith(_PICKLING_FOLDERS):
+            return False
+        tb = tb.tb_next
+    return True
 
 
 class _CopyingPickler(ForkingPickler):
