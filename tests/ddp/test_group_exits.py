@@ -77,3 +77,11 @@ def test_a_result_that_cannot_be_pickled_would_fail_a_restart_the_same_way() -> 
     assert problem.summary.startswith("raised TypeError: main returned a value that cannot be")
     _, repeats = reported(_describe(0, ValueError("bad batch")), None)
     assert not repeats
+
+
+def test_a_group_set_up_while_main_was_imported_would_fail_a_restart_the_same_way() -> None:
+    # It was a "setup" failure, restarted under max_restarts; a port clash still is.
+    group = Failure(0, 10, "RuntimeError", "set up while this rank imported", "tb", 1.0, "group")
+    clash = Failure(0, 10, "RuntimeError", "address already in use", "tb", 1.0, "setup")
+    assert reported(group, None)[1]
+    assert not reported(clash, None)[1]

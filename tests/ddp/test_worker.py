@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import io
 import os
@@ -399,27 +400,35 @@ def test_a_return_value_that_cannot_be_pickled_is_named_with_the_fix_and_no_inte
     assert "or save it to a file in main and return the path" in summary  # not cut off
 
 
-@pytest.mark.timeout(60)
-def test_a_forked_rank_that_inherits_the_launchers_process_group_is_told_to_destroy_it(
-    tmp_path: Path,
+def test_a_fork_launch_from_a_process_with_a_process_group_is_refused_before_any_rank_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The rank failed in launch's own init_process_group ("initialize the default process
-    # group twice!") and was told to remove main's call, which main did not make.
+    # Each forked rank inherited the group and failed in launch's own set-up, and
+    # max_restarts started the whole group again for the same failure.
+    import multiprocessing
+
     import torch.distributed as dist
 
-    if fast_start_method() != "fork":
-        pytest.skip("needs fork: the rank must inherit this process's process group")
+    from trainperf.ddp import _launch
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("needs fork: the refusal is of start_method='fork'")
+    started: list[Any] = []
+    monkeypatch.setattr(_launch, "_spawn", lambda *a, **kw: started.append(a) or {0: None})
     store = f"file://{tmp_path / 'store'}"
     dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
     try:
-        with pytest.raises(LaunchError) as info:
-            ddp.launch(workers.add, 1, 2, nprocs=1, backend="gloo", start_method="fork")
+        with pytest.raises(
+            RuntimeError,
+            match=r"this process already has a default process group .*: call "
+            r"dist\.destroy_process_group\(\) before launch\(\), or use start_method='spawn'",
+        ):
+            ddp.launch(
+                workers.add, 1, 2, nprocs=1, backend="gloo", start_method="fork", max_restarts=2
+            )
     finally:
         dist.destroy_process_group()
-    summary = str(info.value).splitlines()[0]
-    assert "the launching process already had a default process group" in summary, summary
-    assert "dist.destroy_process_group()" in summary and "start_method='spawn'" in summary
-    assert "remove main's dist.init_process_group call" not in str(info.value)
+    assert started == []  # refused in the launching process: no rank was started
 
 
 class _BrokenGetstate:
@@ -469,15 +478,9 @@ def test_a_failure_in_launchs_own_setup_gets_no_hint_meant_for_main(
     assert "launch() already set up the process group for main" not in str(info.value)
 
 
-@pytest.mark.parametrize(
-    ("child_start_method", "said"),
-    [
-        ("keep", "the launching process already had a default process group"),
-        (None, "set up while this rank imported main's module"),
-    ],
-)
-def test_a_process_group_there_before_launchs_setup_is_refused_with_where_it_came_from(
-    monkeypatch: pytest.MonkeyPatch, child_start_method: str | None, said: str
+@pytest.mark.parametrize("child_start_method", [None, "spawn"])
+def test_a_process_group_set_up_while_a_spawned_rank_imported_main_is_refused(
+    monkeypatch: pytest.MonkeyPatch, child_start_method: str | None
 ) -> None:
     # torch said only "initialize the default process group twice!", in launch's own call.
     import torch.distributed as dist
@@ -485,10 +488,112 @@ def test_a_process_group_there_before_launchs_setup_is_refused_with_where_it_cam
     from trainperf.ddp import _worker
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    spec = WorkerSpec(
+    spec = _spec(child_start_method)
+    with pytest.raises(RuntimeError, match="set up while this rank imported main's module"):
+        _worker._refuse_a_group_already_there(spec)
+    # A forked rank's group was inherited, and the launching process refused that already.
+    _worker._refuse_a_group_already_there(_spec("keep"))
+
+
+def _spec(child_start_method: str | None) -> WorkerSpec:
+    return WorkerSpec(
         main=None, args=(), kwargs={}, backend="gloo", world_size=1, master_addr="127.0.0.1",
         master_port=1, store_prefix="", timeout=timedelta(seconds=1), threads=None,
         parent_pid=os.getpid(), send_result_from_all=False, child_start_method=child_start_method,
     )  # fmt: skip
-    with pytest.raises(RuntimeError, match=said):
-        _worker._setup(spec, 0)
+
+
+_SETS_UP_A_GROUP = """
+import multiprocessing
+import tempfile
+
+import torch.distributed as dist
+
+if multiprocessing.parent_process() is not None:  # in the spawned rank only
+    store = "file://" + tempfile.mkdtemp() + "/store"
+    dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+
+
+def main():
+    return 1
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_group_set_up_while_a_spawned_rank_imports_main_is_not_restarted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The refusal was a "setup" failure, so max_restarts ran the group again to fail the same.
+    (tmp_path / "sets_up_a_group.py").write_text(_SETS_UP_A_GROUP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("sets_up_a_group")
+    with pytest.raises(LaunchError) as info:
+        ddp.launch(module.main, nprocs=1, backend="gloo", start_method="spawn", max_restarts=1)
+    said = str(info.value)
+    assert "set up while this rank imported main's module" in said, said
+    assert "(attempt 1 of 2)" in said and "attempt 2 of 2" not in said, said
+
+
+class _ReduceRaises:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __reduce__(self) -> Any:
+        raise self.error
+
+
+def _too_deep() -> list[Any]:
+    deep: list[Any] = []
+    for _ in range(sys.getrecursionlimit() * 20):
+        deep = [deep]
+    return deep
+
+
+@pytest.mark.parametrize(
+    ("make", "error"),
+    [
+        (lambda: _ReduceRaises(ValueError("no state yet")), "ValueError: no state yet"),
+        (lambda: _ReduceRaises(RuntimeError("closed")), "RuntimeError: closed"),
+        (_too_deep, "RecursionError: "),
+    ],
+    ids=["value-error", "runtime-error", "too-deep"],
+)
+def test_a_result_whose_pickling_raises_any_error_is_an_unsendable_result(
+    make: Any, error: str
+) -> None:
+    # Only PicklingError, TypeError and AttributeError were caught: a __reduce__ raising
+    # ValueError, or a result too deep to pickle, failed as main's own error (restarted).
+    import multiprocessing
+
+    from trainperf.ddp import _worker
+    from trainperf.ddp._group_exits import reported
+
+    ours, theirs = multiprocessing.Pipe()
+    try:
+        with pytest.raises(TypeError) as info:
+            _worker._send_result(ours, 0, make(), None)
+    finally:
+        ours.close()
+        theirs.close()
+    failure = _worker._describe(0, info.value)
+    assert failure.stage == "result"
+    assert failure.message.startswith("main returned a value that cannot be pickled")
+    assert f"({error}" in failure.message, failure.message
+    _, repeats = reported(failure, None)
+    assert repeats
+
+
+def test_a_result_that_cannot_reach_a_gone_launcher_is_not_called_unpicklable() -> None:
+    # A dead pipe (the launcher gone) is no fault of the value.
+    import multiprocessing
+
+    from trainperf.ddp import _worker
+
+    ours, theirs = multiprocessing.Pipe()
+    theirs.close()
+    try:
+        with pytest.raises(OSError):
+            _worker._send_result(ours, 0, [1, 2], None)
+    finally:
+        ours.close()

@@ -17,7 +17,11 @@ from typing import IO
 from trainperf._utils.atomic import fsync_dir, special_kind_at, write_atomically
 from trainperf.errors import CheckpointError
 
-__all__ = ["write_checkpoint_file"]
+__all__ = ["FLUSH_FAILED_PREFIX", "write_checkpoint_file"]
+
+FLUSH_FAILED_PREFIX = "saved checkpoint "
+"""How :func:`write_checkpoint_file`'s error begins when only flushing the directory failed
+(the file is in place): the background writer tells that failure from the others by it."""
 
 
 def _os_error(e: BaseException) -> OSError | None:
@@ -129,7 +133,7 @@ def write_checkpoint_file(
         fsync_dir(written.parent)
     except OSError as e:
         raise CheckpointError(
-            f"saved checkpoint {path}, but could not flush its directory to disk "
+            f"{FLUSH_FAILED_PREFIX}{path}, but could not flush its directory to disk "
             f"({e.strerror or e}): after a power loss the old file may reappear",
             path,
         ) from e

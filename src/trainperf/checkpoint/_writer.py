@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from trainperf.checkpoint._refusal import save_refusal
-from trainperf.checkpoint._write import _os_error, write_checkpoint_file
+from trainperf.checkpoint._write import FLUSH_FAILED_PREFIX, _os_error, write_checkpoint_file
 from trainperf.errors import CheckpointError
 
 __all__ = [
@@ -255,7 +255,7 @@ def _directory_gone(
         os_err is None
         or os_err.errno != errno.ENOENT
         or os.path.isdir(path.parent)
-        or message.startswith("saved checkpoint ")  # write_checkpoint_file's flush stage
+        or message.startswith(FLUSH_FAILED_PREFIX)  # write_checkpoint_file's flush stage
         or "dangling symbolic link" in message
         or _dangling_link_at_or_above(path.parent)
     ):

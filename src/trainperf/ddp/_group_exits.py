@@ -32,8 +32,9 @@ __all__ = ["finished", "not_exited", "reimported", "reported", "returned_then_di
 def reported(failure: Failure, main: Callable[..., Any] | None) -> tuple[Problem, bool]:
     """The problem a rank's failure report records, and whether a restarted group would
     fail the same way: main or one of its arguments could not be loaded (the same bytes fail
-    the same way in the next attempt), or main's return value could not be pickled (main
-    would run again only to return the same kind of value).
+    the same way in the next attempt), importing main's module set up a process group (the
+    next import sets it up again), or main's return value could not be pickled (main would
+    run again only to return the same kind of value).
 
     Example:
         >>> f = Failure(1, 10, "ValueError", "bad batch", "tb", time=100.0)
@@ -51,7 +52,7 @@ def reported(failure: Failure, main: Callable[..., Any] | None) -> tuple[Problem
     problem = Problem(
         failure.rank, failure.time, summarize(failure), failure.traceback, advice=advice
     )
-    return problem, failure.stage in ("load", "args", "relaunch", "result")
+    return problem, failure.stage in ("load", "args", "relaunch", "group", "result")
 
 
 def reimported(code: int, ctx: BaseContext, loaded: bool) -> bool:

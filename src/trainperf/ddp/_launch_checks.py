@@ -1,8 +1,9 @@
 """What ``launch`` refuses before any rank starts: bad options (a hang timeout under 1 s),
 a ``main`` whose call runs none of its body (``async def``, generators), one that spawned
-workers cannot receive, ``fork`` after CUDA, more gloo ranks than the CPUs can run; and the
-warnings for a ``hang_timeout`` the collectives' timeout comes before, and for an ``nprocs``
-that a job already running (torchrun, SLURM, an outer ``launch``) ignores.
+workers cannot receive, ``fork`` after CUDA or with a default process group already set up,
+more gloo ranks than the CPUs can run; and the warnings for a ``hang_timeout`` the
+collectives' timeout comes before, and for an ``nprocs`` that a job already running
+(torchrun, SLURM, an outer ``launch``) ignores.
 """
 
 from __future__ import annotations
@@ -130,10 +131,20 @@ def cuda_driver_loaded(maps: Path = Path("/proc/self/maps")) -> bool:
 
 def _check_spawnable(main: Callable[..., Any], start_method: str, backend: str) -> None:
     import torch
+    import torch.distributed as dist
 
     if start_method == "fork":
         if "fork" not in multiprocessing.get_all_start_methods():
             raise ValueError("start_method='fork' is not available on this platform; use 'spawn'")
+        if dist.is_available() and dist.is_initialized():
+            # Refused here: every forked rank would inherit the group and fail the same way
+            # in launch's own set-up, on every restart too.
+            raise RuntimeError(
+                "start_method='fork' cannot be used while this process already has a default "
+                "process group (dist.init_process_group ran before launch()), which every "
+                "forked rank would inherit: call dist.destroy_process_group() before "
+                "launch(), or use start_method='spawn'"
+            )
         if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             raise DeviceError(
                 "start_method='fork' cannot be used once CUDA is initialised in this process: "

@@ -145,8 +145,10 @@ class Failure:
     time: float
     # "load": importing main's module (unpickling main) failed; "args": unpickling one of
     # main's arguments failed (``argument`` names it); "relaunch": a module imported to
-    # load them called launch(); "setup": launch's own set-up of the process group raised;
-    # "main": main raised; "result": main's return value could not be pickled.
+    # load them called launch(); "group": importing main's module set up a default process
+    # group; "setup": launch's own set-up of the process group raised; "main": main raised;
+    # "result": main's return value could not be pickled (set by the exception's type,
+    # :class:`UnsendableResult`, whatever stage it was raised in).
     stage: str = "main"
     argument: str = ""
 
@@ -222,19 +224,14 @@ def _text(exc: BaseException) -> str:
 
 
 def _refuse_a_group_already_there(spec: WorkerSpec) -> None:
-    """Raise when the default process group exists before launch sets it up: inherited from
-    the launching process (a forked rank), or made while a spawned rank imported main's
-    module. torch would say only "initialize the default process group twice!"."""
+    """Raise when the default process group exists before launch sets it up in a spawned
+    rank: made while it imported main's module. torch would say only "initialize the default
+    process group twice!". A forked rank is not checked: a group it would inherit is refused
+    in the launching process, before any rank starts (``_launch_checks``)."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    if spec.child_start_method == KEEP_START_METHOD or not dist.is_initialized():
         return
-    if spec.child_start_method == KEEP_START_METHOD:  # a forked rank
-        raise RuntimeError(
-            "the launching process already had a default process group (it called "
-            "dist.init_process_group before launch()), which a forked rank inherits: call "
-            "dist.destroy_process_group() before launch(), or use start_method='spawn'"
-        )
     raise RuntimeError(
         "the default process group was set up while this rank imported main's module (a "
         "dist.init_process_group call at its top level?): launch() sets it up for main; "
@@ -246,7 +243,6 @@ def _setup(spec: WorkerSpec, rank: int) -> None:
     import torch
     import torch.distributed as dist
 
-    _refuse_a_group_already_there(spec)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -372,15 +368,20 @@ def _send_result(conn: Connection, rank: int, payload: Any, call: str | None) ->
         _send(conn, ("exit", rank, call))
         return
     try:
-        _send(conn, ("ok", rank, payload))
-    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        message = _pickled(("ok", rank, payload))
+    except Exception as e:  # whatever the value's pickling raises (its __reduce__, its depth)
         raise UnsendableResult(payload, e) from e
+    conn.send_bytes(message)  # an OSError here is a dead pipe, no fault of the value
 
 
 def _send(conn: Connection, message: tuple[str, int, Any]) -> None:
+    conn.send_bytes(_pickled(message))
+
+
+def _pickled(message: tuple[str, int, Any]) -> bytes:
     # Plain pickle copies tensors into the message; multiprocessing's own pickler would
     # share their storage through a file descriptor that dies with this process.
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _report_failure(conn: Connection, failure: Failure) -> None:
@@ -485,8 +486,10 @@ def worker_main(
         tracker = None
     main, args, kwargs = _load(spec, rank, conn)
 
-    stage = "setup"  # launch's own set-up: no hint meant for main's code
+    stage = "group"  # made by importing main's module: a restart would make it again
     try:
+        _refuse_a_group_already_there(spec)
+        stage = "setup"  # launch's own set-up (a port clash may pass): no hint for main's code
         with _uncounted(tracker):
             _setup(spec, rank)
         stage = "main"

@@ -10,9 +10,11 @@ configuration, with the reason, instead of a pool measured until it "hangs".
 
 The check pickles the batch with its tensors and plain arrays left out (they are payload,
 sent through shared memory, and copying them would cost what the check is meant to save).
-It refuses only what it can tell: a batch that reaches the recursion limit on the caller's
-stack may still pickle on a worker's feeder thread, whose stack is shallow, and a failure of
-the check itself leaves tuning as it was without it.
+It refuses only what it can tell: on CPython < 3.12 (3.10, 3.11), where pickle's depth counts
+against the caller's Python stack, a batch that reaches the recursion limit on the caller's
+stack may still pickle on a worker's feeder thread, whose stack is shallow (from 3.12 pickle
+counts its depth apart from the Python stack, and the caller's depth matters no more); and a
+failure of the check itself leaves tuning as it was without it.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def _innermost(obj: Any, where: str, error: Exception, depth: int = 0) -> Found:
 def unpicklable_part(batch: Any) -> Found | None:
     """What in ``batch`` a worker could not send back, or None when it pickles; tensors and
     plain arrays are left out of the check. None also when pickling reaches the recursion
-    limit: the check runs on the caller's stack, a worker's feeder thread on a shallow one.
+    limit: the check runs on the caller's stack, a worker's feeder thread on a shallow one
+    (on CPython < 3.12 pickle's depth counts against that stack).
 
     Example:
         >>> unpicklable_part({"x": torch.zeros(2), "ids": [1, 2]}) is None
@@ -108,7 +111,8 @@ def unpicklable_part(batch: Any) -> Found | None:
         ('batch[1]', 'generator', "cannot pickle 'generator' object")
     """
     error = _pickle_error(batch)
-    if error is None or isinstance(error, RecursionError):  # deep here, maybe not in a worker
+    # RecursionError: deep on this stack, maybe not on a worker's shallow one (CPython < 3.12).
+    if error is None or isinstance(error, RecursionError):
         return None
     where = "batch" if isinstance(batch, (Mapping, list, tuple)) else "the batch"
     return _innermost(batch, where, error)
