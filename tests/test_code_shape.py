@@ -84,3 +84,34 @@ def test_every_module_constants_docstring_sits_under_it() -> None:
         for line in stray_docstrings(path.read_text())
     ]
     assert not stray, "put these docstrings under the name they describe:\n" + "\n".join(stray)
+
+
+def redefined(source: str) -> list[str]:
+    """Top-level functions and classes ``source`` defines more than once (the later one
+    silently replaces the earlier for every caller after it)."""
+    seen: set[str] = set()
+    again: list[str] = []
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name in seen:
+                again.append(node.name)
+            seen.add(node.name)
+    return again
+
+
+def test_redefined_finds_a_second_definition() -> None:
+    assert redefined("def a(): pass\ndef b(): pass\ndef a(x): pass\n") == ["a"]
+    assert redefined("def a(): pass\nclass B: pass\n") == []
+
+
+def test_no_module_defines_a_top_level_name_twice() -> None:
+    # A test file once defined a helper `_spec` twice: the second, with another signature,
+    # replaced the first and broke an earlier test's calls (ruff's F811 passes a redefinition
+    # of a name already used).
+    tests = Path(__file__).resolve().parent
+    found = {
+        str(path.relative_to(tests.parent)): names
+        for path in sorted([*SRC.rglob("*.py"), *tests.rglob("*.py")])
+        if (names := redefined(path.read_text()))
+    }
+    assert found == {}

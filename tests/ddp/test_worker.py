@@ -488,14 +488,14 @@ def test_a_process_group_set_up_while_a_spawned_rank_imported_main_is_refused(
     from trainperf.ddp import _worker
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    spec = _spec(child_start_method)
+    spec = _spec_started_by(child_start_method)
     with pytest.raises(RuntimeError, match="set up while this rank imported main's module"):
         _worker._refuse_a_group_already_there(spec)
     # A forked rank's group was inherited, and the launching process refused that already.
-    _worker._refuse_a_group_already_there(_spec("keep"))
+    _worker._refuse_a_group_already_there(_spec_started_by("keep"))
 
 
-def _spec(child_start_method: str | None) -> WorkerSpec:
+def _spec_started_by(child_start_method: str | None) -> WorkerSpec:
     return WorkerSpec(
         main=None, args=(), kwargs={}, backend="gloo", world_size=1, master_addr="127.0.0.1",
         master_port=1, store_prefix="", timeout=timedelta(seconds=1), threads=None,
