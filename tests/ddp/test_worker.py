@@ -362,6 +362,23 @@ def _a_generator() -> Any:
     yield 1
 
 
+def _unsendable(value: object) -> Any:
+    """The Failure a rank reports when sending ``value`` back as main's result raises the
+    TypeError of a value that cannot be pickled."""
+    import multiprocessing
+
+    from trainperf.ddp import _worker
+
+    ours, theirs = multiprocessing.Pipe()
+    try:
+        with pytest.raises(TypeError) as info:
+            _worker._send_result(ours, 0, value, None)
+    finally:
+        ours.close()
+        theirs.close()
+    return _worker._describe(0, info.value)
+
+
 @pytest.mark.parametrize(
     ("make", "type_name"),
     [
@@ -375,22 +392,15 @@ def test_a_return_value_that_cannot_be_pickled_is_named_with_the_fix_and_no_inte
 ) -> None:
     # The report showed only trainperf's frames (_send_result, _send) under "Traceback from
     # rank 0", which told the user nothing about what to return instead.
-    import multiprocessing
 
-    from trainperf.ddp import _worker
     from trainperf.ddp._failures import summarize
 
     payload = make(tmp_path / "log.txt")
-    ours, theirs = multiprocessing.Pipe()
     try:
-        with pytest.raises(TypeError) as info:
-            _worker._send_result(ours, 0, payload, None)
+        failure = _unsendable(payload)
     finally:
-        ours.close()
-        theirs.close()
         if hasattr(payload, "close"):
             payload.close()
-    failure = _worker._describe(0, info.value)
     assert failure.traceback == ""
     assert failure.type_name == "TypeError"
     summary = summarize(failure)
@@ -439,18 +449,8 @@ class _BrokenGetstate:
 def test_a_return_value_whose_own_getstate_fails_is_reported_with_its_traceback() -> None:
     # The report's traceback was blanked for every unpicklable result, so the frame of the
     # user's own __getstate__, where the bug is, was lost.
-    import multiprocessing
 
-    from trainperf.ddp import _worker
-
-    ours, theirs = multiprocessing.Pipe()
-    try:
-        with pytest.raises(TypeError) as info:
-            _worker._send_result(ours, 0, _BrokenGetstate(), None)
-    finally:
-        ours.close()
-        theirs.close()
-    failure = _worker._describe(0, info.value)
+    failure = _unsendable(_BrokenGetstate())
     assert failure.message.startswith("main returned a value that cannot be pickled")
     assert "AttributeError: '_BrokenGetstate' object has no attribute 'los'" in failure.message
     assert f'File "{__file__}"' in failure.traceback, failure.traceback
@@ -564,19 +564,10 @@ def test_a_result_whose_pickling_raises_any_error_is_an_unsendable_result(
 ) -> None:
     # Only PicklingError, TypeError and AttributeError were caught: a __reduce__ raising
     # ValueError, or a result too deep to pickle, failed as main's own error (restarted).
-    import multiprocessing
 
-    from trainperf.ddp import _worker
     from trainperf.ddp._group_exits import reported
 
-    ours, theirs = multiprocessing.Pipe()
-    try:
-        with pytest.raises(TypeError) as info:
-            _worker._send_result(ours, 0, make(), None)
-    finally:
-        ours.close()
-        theirs.close()
-    failure = _worker._describe(0, info.value)
+    failure = _unsendable(make())
     assert failure.stage == "result"
     assert failure.message.startswith("main returned a value that cannot be pickled")
     assert f"({error}" in failure.message, failure.message
