@@ -373,3 +373,51 @@ def test_a_sampler_without_a_length_still_iterates() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert len(list(loader)) == 4
+
+
+def _shards_with_a_rank_0_peek(monkeypatch: pytest.MonkeyPatch, set_after: bool) -> dict:
+    shards = {}
+    for r in (0, 1):
+        monkeypatch.setenv("RANK", str(r))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        loader = ddp.distributed_loader(list(range(8)), 2, seed=0)
+        loader.set_epoch(0)
+        if r == 0:
+            next(iter(loader))  # a look at one batch, on rank 0 only
+        if set_after:
+            loader.set_epoch(0)
+        shards[r] = sorted(i for b in loader for i in b.tolist())
+    return shards
+
+
+def test_a_peek_on_one_rank_that_puts_its_shuffle_out_of_step_is_warned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A rank-0-only next(iter(loader)) between set_epoch and the loop counted as that
+    # rank's pass: it trained on the next epoch's shuffle, its shard overlapping the other
+    # rank's, and nothing said so.
+    with pytest.warns(UserWarning, match=r"rank 0's DistributedLoader .* counted as epoch 0, "):
+        shards = _shards_with_a_rank_0_peek(monkeypatch, set_after=False)
+    assert set(shards[0]) & set(shards[1])  # what the warning is about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # set_epoch after the peek: in step, no warning
+        shards = _shards_with_a_rank_0_peek(monkeypatch, set_after=True)
+    assert sorted(shards[0] + shards[1]) == list(range(8))
+
+
+def test_whole_passes_and_len_bounded_loops_leave_no_pass_open() -> None:
+    loader = ddp.distributed_loader(list(range(6)), 2, seed=0, drop_last=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            list(loader)
+        for _ in range(2):  # never asks past the last batch
+            _ = [b for _, b in zip(range(len(loader)), loader, strict=False)]
+    assert loader.epoch == 4
+    next(iter(loader))
+    with pytest.warns(UserWarning, match="right before each epoch's loop"):
+        next(iter(loader))
+    next(iter(loader))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per loader
+        list(loader)

@@ -266,11 +266,59 @@ class _AutoEpochSampler(DistributedSampler[T]):
             self.num_samples = math.ceil(n / replicas)
         self.total_size = self.num_samples * replicas
 
+    # The pass whose last index has not been drawn yet (None: none, or the epoch was set
+    # since); a pass that starts while one is left open warns once (see _warn_open).
+    _open: object | None = None
+    _warned_open = False
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        # Set by hand (set_epoch, a checkpoint's restore): no pass is left open any more.
+        self._epoch = value
+        self._open = None
+
     def __iter__(self) -> Iterator[T]:
         self._follow()
+        if self._open is not None:
+            self._warn_open()
         indices = list(super().__iter__())
         self.epoch += 1
-        return iter(indices)
+        if not indices:  # an empty shard: nothing to leave open
+            return iter(indices)
+        token = self._open = object()
+        return self._pass(indices, token)
+
+    def _pass(self, indices: list[T], token: object) -> Iterator[T]:
+        """Yield ``indices``; the pass is no longer open once its last one is drawn (before
+        it is yielded: a loop bounded by ``len(loader)`` never asks past it)."""
+        for i, index in enumerate(indices, 1):
+            if i == len(indices) and self._open is token:
+                self._open = None
+            yield index
+
+    def _warn_open(self) -> None:
+        """The previous pass stopped before its end (a peek such as
+        ``next(iter(loader))``, or a ``break``) and no epoch was set since: it counted as
+        an epoch. Harmless when every rank did the same; when only some ranks peeked their
+        shuffles are now out of step and their shards overlap, silently."""
+        self._open = None
+        if self._warned_open:
+            return
+        self._warned_open = True
+        warnings.warn(
+            f"rank {self.rank}'s DistributedLoader starts a pass while its previous pass "
+            f"stopped before its end (a peek such as next(iter(loader)), or a break); that "
+            f"pass counted as epoch {self.epoch - 1}, so this one uses epoch {self.epoch}'s "
+            "order. If the other ranks did not make the same pass, their shuffles are now "
+            "out of step and the ranks' shards overlap: call loader.set_epoch(epoch) right "
+            "before each epoch's loop (after any peek)",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def __len__(self) -> int:
         self._follow()
@@ -376,8 +424,9 @@ def distributed_loader(
     ``launch`` shards in each rank). The shuffle is seeded by ``seed + epoch`` and the
     epoch advances after each pass by itself (each ``iter(loader)``: every rank must make
     as many, or their shuffles drift apart and samples repeat; a peek such as ``next(iter(loader))``
-    on one rank only counts as a pass); ``loader.set_epoch(e)`` sets it explicitly, and
-    calling it at each epoch's start keeps the ranks in step whatever else iterates. Without
+    on one rank only counts as a pass, and the pass after one that stopped early warns once);
+    ``loader.set_epoch(e)`` sets it explicitly, and calling it right before each epoch's loop
+    (after any peek) keeps the ranks in step whatever else iterates. Without
     ``drop_last`` the sampler pads with repeated samples so every rank gets as many.
     DataLoader workers die with their rank.
 
