@@ -125,6 +125,8 @@ def test_cpu_share_v1() -> None:
         ("3-1", None),
         ("a-b", None),
         ("0,,1", None),
+        ("0-", None),  # was read as "0": one CPU
+        ("-3", None),
     ],
 )
 def test_cpuset_size(text: str | None, expected: int | None) -> None:

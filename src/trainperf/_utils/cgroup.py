@@ -160,8 +160,8 @@ def cpuset_size(text: str | None) -> int | None:
     """CPUs in a cpuset list (``"0-3,8"`` is 5); None if empty (v2: not set) or malformed."""
     count = 0
     for part in (text or "").split(","):
-        first, _, last = part.strip().partition("-")
-        low, high = whole(first), whole(last or first)
+        first, dash, last = part.strip().partition("-")
+        low, high = whole(first), whole(last if dash else first)  # "0-": malformed
         if low is None or high is None or high < low:
             return None
         count += high - low + 1
