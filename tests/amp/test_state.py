@@ -379,3 +379,23 @@ def test_strict_must_be_true_or_false(bad: object) -> None:
     mp = MixedPrecision("cpu", precision="fp32")
     with pytest.raises(TypeError, match=rf"strict must be True or False, got {bad!r}"):
         mp.load_state_dict({"precision": "fp32", "scaler": None}, strict=bad)  # type: ignore[arg-type]
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize(
+    "bad", [1e39, 1e300, 2**128, 10**400], ids=["1e39", "1e300", "2**128", "10**400"]
+)
+def test_a_loss_scale_past_float32s_range_is_refused_and_loads_nothing(bad: float) -> None:
+    # Before: 1e300 loaded and the first mp.backward raised a bare RuntimeError ("value
+    # cannot be converted to type float without overflow": GradScaler keeps the scale in a
+    # float32 tensor); 10**400 raised a bare OverflowError from the check itself.
+    mp = MixedPrecision("cpu", precision="fp16")
+    before = mp.state_dict()
+    state = {"precision": "fp16", "scaler": {**before["scaler"], "scale": bad}}
+    with pytest.raises(
+        ValueError,
+        match=r"state\['scaler'\]\['scale'\]\) is .*finite number > 0.*at most 3\.4e\+38.*"
+        r"mp.load_state_dict\(\{\*\*state, 'scaler': None\}\)",
+    ):
+        mp.load_state_dict(state)
+    assert mp.state_dict() == before

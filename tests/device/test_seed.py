@@ -77,6 +77,20 @@ def test_seed_everything_type(seed: Any) -> None:
         seed_everything(seed)
 
 
+@pytest.mark.parametrize(
+    "seed",
+    [torch.tensor(True), torch.tensor(False), np.True_],
+    ids=["tensor-True", "tensor-False", "np.True_"],
+)
+def test_seed_everything_refuses_a_bool_tensor_or_numpy_bool(
+    seed: Any, restore_determinism: None
+) -> None:
+    # Before: torch.tensor(True) was taken as seed 1 (operator.index reads a bool tensor
+    # as an int), while True itself was refused.
+    with pytest.raises(TypeError, match=r"seed must be an int, got .*(True|False)"):
+        seed_everything(seed)
+
+
 class WorkerDraws(Dataset[tuple[int, int, int, float]]):
     def __len__(self) -> int:
         return 4

@@ -539,12 +539,13 @@ class MixedPrecision:
             ValueError: ``state`` is not a MixedPrecision state dict (other keys, a
                 precision other than "bf16", "fp16" or "fp32", a loss scale saved with a
                 precision other than fp16), its loss scale lacks a key of
-                ``GradScaler.state_dict()`` or (fp16) is not a finite number > 0 (0, from a
-                run whose losses stayed inf/NaN, would skip every step: load
-                ``{**state, "scaler": None}`` to keep this one's scale), nothing loaded then,
-                or (``strict``) it carries a loss scale that this precision cannot use; a
-                loss-scaler setting no ``GradScaler`` can use (a ``backoff_factor`` outside
-                (0, 1], a ``growth_factor`` < 1 or not finite, a ``growth_interval`` < 1).
+                ``GradScaler.state_dict()`` or (fp16) is not a finite number > 0 within
+                float32's range, 3.4e38 (0, from a run whose losses stayed inf/NaN, would
+                skip every step: load ``{**state, "scaler": None}`` to keep this one's
+                scale), nothing loaded then, or (``strict``) it carries a loss scale that
+                this precision cannot use; a loss-scaler setting no ``GradScaler`` can use
+                (a ``backoff_factor`` outside (0, 1], a ``growth_factor`` < 1 or not finite,
+                a ``growth_interval`` < 1).
             TypeError: ``strict`` is not True or False.
             RuntimeError: (fp16) another loss scale than the one in use loaded between
                 :meth:`backward` and :meth:`step`: the step would unscale the waiting

@@ -335,15 +335,22 @@ _LOAD_FIX = (
 """What :func:`check_scale` advises ``load_state_dict``'s caller."""
 
 
+_MAX_SCALE = torch.finfo(torch.float32).max
+"""The largest loss scale: ``GradScaler`` keeps it in a float32 tensor, and a larger one
+fails the first ``mp.backward`` with a bare "value cannot be converted ... without overflow"."""
+
+
 def check_scale(
     scale: object,
     *,
     what: str = "the state's loss scale (state['scaler']['scale'])",
     fix: str = _LOAD_FIX,
 ) -> None:
-    """Refuse a loss scale that is not a finite number > 0. At 0, inf or NaN every fp16 step
-    is skipped (the gradients are NaN or inf), and halving or doubling the scale keeps it
-    there; a negative one is never written by ``GradScaler``, whose factors are positive.
+    """Refuse a loss scale that is not a finite number > 0 that a float32 holds (at most
+    :data:`_MAX_SCALE`, about 3.4e38). At 0, inf or NaN every fp16 step is skipped (the
+    gradients are NaN or inf), and halving or doubling the scale keeps it there; a negative
+    one is never written by ``GradScaler``, whose factors are positive; a larger one fails
+    the first backward (``GradScaler`` keeps the scale in a float32 tensor).
     Such a scale comes from a corrupt checkpoint, or one saved after the losses stayed
     inf/NaN long enough to halve the scale down to 0 (about 165 skipped steps from 65536).
     The error names ``what`` held the scale and ``fix``, the way out (by default those of
@@ -358,10 +365,12 @@ def check_scale(
         the state's loss scale (state['scaler']['scale']) is 0.0
     """
     number = as_real_number(scale)
-    if number is not None and math.isfinite(number) and number > 0:
+    # Compared, not converted: an int past a float's range (10**400) stays comparable.
+    if number is not None and 0 < number <= _MAX_SCALE:
         return
     raise ValueError(
-        f"{what} is {scale!r}: it must be a finite number > 0 (at 0, inf or NaN every fp16 "
-        "step would be skipped; it comes from a corrupt checkpoint, or one saved after the "
-        f"losses stayed inf/NaN); {fix}, and find why the losses were inf/NaN"
+        f"{what} is {scale!r}: it must be a finite number > 0, at most {_MAX_SCALE:.2g} "
+        "(at 0, inf or NaN every fp16 step would be skipped, and GradScaler keeps the scale "
+        "in a float32, which holds no more; it comes from a corrupt checkpoint, or one saved "
+        f"after the losses stayed inf/NaN); {fix}, and find why the losses were inf/NaN"
     )

@@ -44,7 +44,9 @@ def seed_everything(seed: int, *, deterministic: bool = False) -> int:
         >>> a = torch.rand(1); _ = seed_everything(7); bool(torch.equal(a, torch.rand(1)))
         True
     """
-    if isinstance(seed, bool):
+    given: object = seed  # callers pass anything; checked here
+    # operator.index reads a bool tensor as 0 or 1; a NumPy bool it refuses itself.
+    if isinstance(given, bool) or (isinstance(given, torch.Tensor) and given.dtype == torch.bool):
         raise TypeError(f"seed must be an int, got {seed!r}")
     try:
         seed = operator.index(seed)
