@@ -71,3 +71,42 @@ def test_a_batch_script_of_several_tasks_outside_srun_is_refused_at_once(step: s
 def test_a_task_of_an_srun_step_is_one_rank_of_the_job() -> None:
     env = _env.detect({**SLURM, "SLURM_STEP_ID": "0"})
     assert env is not None and (env.rank, env.world_size) == (5, 8)
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        # More processes on this host than in the whole job: LOCAL_RANK=2 would pass too.
+        (
+            {**TORCHRUN, "LOCAL_WORLD_SIZE": "8"},
+            r"LOCAL_WORLD_SIZE=8 is more than WORLD_SIZE=4 .*unset",
+        ),
+        # Old and new names of one count disagree: two jobs' variables are mixed.
+        (
+            {**SLURM, "SLURM_NPROCS": "4"},
+            r"SLURM_NPROCS=4 but SLURM_NTASKS=8: .*srun step",
+        ),
+        ({**SLURM, "SLURM_NPROCS": "four"}, r"SLURM_NPROCS must be a whole number >= 1"),
+        # This node runs 4 tasks (SLURM_NODEID says which node): local id 4 is not one.
+        (
+            {**SLURM, "SLURM_NODEID": "1", "SLURM_LOCALID": "4"},
+            r"SLURM_LOCALID must be < 4 \(the tasks SLURM_TASKS_PER_NODE='4\(x2\)' gives node "
+            r"SLURM_NODEID=1\), got SLURM_LOCALID=4",
+        ),
+        # More tasks on this node than in the whole step.
+        ({**SLURM, "SLURM_LOCALID": "8"}, r"SLURM_LOCALID must be < SLURM_NTASKS=8, got 8"),
+    ],
+)
+def test_detect_rejects_local_counts_that_contradict_the_job(
+    env: dict[str, str], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        _env.detect(env)
+
+
+def test_slurm_nprocs_that_agrees_or_stands_alone_is_read() -> None:
+    expected = _env.detect(SLURM)
+    assert _env.detect({**SLURM, "SLURM_NPROCS": "8"}) == expected
+    # Without SLURM_NODEID a local id past the first node's count still means a bigger node.
+    found = _env.detect({**SLURM, "SLURM_LOCALID": "5"})
+    assert found is not None and found.local_world_size == 6

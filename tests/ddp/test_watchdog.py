@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from trainperf.ddp import _progress, _watchdog
-from trainperf.ddp._progress_slots import SLOT_SIZE, SlotState, State
+from trainperf.ddp._progress_slots import SLOT_SIZE, Collective, SlotState, State
 from trainperf.ddp._progress_tracker import Tracker
 from trainperf.ddp._stacks import Frame, ThreadStack
 from trainperf.ddp._watchdog import Watchdog, judge, watchdog
@@ -167,6 +167,30 @@ def test_compiling_counts_as_progress_only_up_to_the_cap() -> None:
         ),
     )
     assert judge(waits, [runtime], **kw) == "hang"
+
+
+def test_a_rank_in_the_wait_of_an_async_collective_waits_for_the_others(
+    tmp_path: Path,
+) -> None:
+    # work = dist.all_reduce(t, async_op=True); work.wait(): the wait has no Python frame of
+    # its own, so the rank was judged busy in its own code ("wait"), and with the cause busy
+    # too, no rank declared the hang: the watchdog never fired.
+    source = tmp_path / "train.py"
+    source.write_text("import time\ntime.sleep(1e9)\nwork = None\nwork.wait()\n")
+    issued = Collective(4, "all_reduce", "float32[4]", str(source), 4, "main", async_op=True)
+    after_async = SlotState(7, 4, 0, 0.0, MAIN, State.RUNNING, True, (issued,))
+    after_sync = dataclasses.replace(
+        after_async, history=(dataclasses.replace(issued, async_op=False),)
+    )
+    kw: dict[str, Any] = {"seen_progress": 7, "ended": False, "now": 100.0, "timeout": 5.0}
+
+    def at(line: int) -> list[ThreadStack]:
+        return [ThreadStack(MAIN, False, (Frame(str(source), line, "main"),))]
+
+    assert judge(after_async, at(4), **kw) == "hang"
+    # Busy in its own code, its last collective async or not: it waits for nobody.
+    assert judge(after_async, at(2), **kw) == "wait"
+    assert judge(after_sync, at(4), **kw) == "wait"
 
 
 def test_a_rank_inside_busy_beats_progress_each_poll() -> None:

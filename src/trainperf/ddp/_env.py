@@ -23,6 +23,8 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 # Any one of these means "a launcher started me"; MASTER_ADDR/MASTER_PORT alone do not,
 # since users set them to choose the single-node spawner's port.
 _TORCHRUN_MARKERS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+# SLURM's tasks-per-node variables, in the order launch_env.tasks_on_this_node reads them.
+_TASKS_PER_NODE = ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 
 # MASTER_PORT under SLURM when the job does not set one: every task of a job derives the
 # same port from the job id, and concurrent jobs on one node rarely collide.
@@ -90,6 +92,13 @@ def _torchrun(env: Mapping[str, str]) -> DistributedEnv:
     if rank >= world_size:
         raise ValueError(f"RANK must be < WORLD_SIZE={world_size}, got RANK={rank}")
     local_world_size = launch_env.local_world_size(env)
+    if launch_env.is_set("LOCAL_WORLD_SIZE", env) and local_world_size > world_size:
+        # Else any LOCAL_RANK up to it passes, and NCCL ranks pick GPUs for a bigger job.
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE={local_world_size} is more than WORLD_SIZE={world_size} (a host "
+            "cannot run more of the job's processes than the job has): the variables come "
+            "from different jobs; unset LOCAL_WORLD_SIZE or fix the launcher that set it"
+        )
     if local_rank >= local_world_size:
         raise ValueError(
             f"LOCAL_RANK must be < LOCAL_WORLD_SIZE={local_world_size}, got LOCAL_RANK={local_rank}"
@@ -155,8 +164,53 @@ def _refuse_outside_srun(ntasks: int, env: Mapping[str, str]) -> None:
     )
 
 
+def _check_nprocs(ntasks: int, env: Mapping[str, str]) -> None:
+    """SLURM sets SLURM_NPROCS, the older name of SLURM_NTASKS, to the same count: another
+    value means the variables of two jobs or steps are mixed (one exported into the other)."""
+    raw = launch_env.text("SLURM_NPROCS", env)
+    if raw is None:
+        return
+    if not raw.isascii() or not raw.isdigit() or int(raw) < 1:
+        raise ValueError(
+            "environment variable SLURM_NPROCS must be a whole number >= 1 (tasks in the job "
+            f"step; the older name of SLURM_NTASKS), got {env['SLURM_NPROCS']!r}; unset it or "
+            "fix the launcher that set it"
+        )
+    if int(raw) != ntasks:
+        raise ValueError(
+            f"SLURM_NPROCS={int(raw)} but SLURM_NTASKS={ntasks}: SLURM sets both to the tasks "
+            "of the job step, so the variables come from different jobs or steps; run inside "
+            "one srun step, or unset the stale one"
+        )
+
+
+def _slurm_local_world_size(ntasks: int, local_rank: int, env: Mapping[str, str]) -> int:
+    """Tasks on this node: SLURM's count (a stray LOCAL_WORLD_SIZE from elsewhere does not
+    override it). Without SLURM_NODEID the first node's count stands for this node's; a task
+    numbered past it shows this node has more. With it, a task numbered past this node's own
+    count contradicts it."""
+    if local_rank >= ntasks:
+        raise ValueError(
+            f"SLURM_LOCALID must be < SLURM_NTASKS={ntasks}, got {local_rank}: a node cannot "
+            "run more tasks than the job step has; the variables come from different jobs or "
+            "steps; run inside one srun step, or unset the stale ones"
+        )
+    on_node = launch_env.tasks_on_this_node(env)
+    node = launch_env.read_int("SLURM_NODEID", env)
+    if on_node is not None and node is not None and local_rank >= on_node:
+        name = next(n for n in _TASKS_PER_NODE if launch_env.is_set(n, env))
+        raise ValueError(
+            f"SLURM_LOCALID must be < {on_node} (the tasks {name}={launch_env.text(name, env)!r} "
+            f"gives node SLURM_NODEID={node}), got SLURM_LOCALID={local_rank}: the variables "
+            "come from different jobs or steps; run inside one srun step, or unset the stale "
+            "ones"
+        )
+    return max(on_node or 1, local_rank + 1)
+
+
 def _slurm(env: Mapping[str, str]) -> DistributedEnv | None:
     ntasks = _required("SLURM_NTASKS", env)
+    _check_nprocs(ntasks, env)
     rank = _required("SLURM_PROCID", env)
     if rank >= ntasks:
         raise ValueError(f"SLURM_PROCID must be < SLURM_NTASKS={ntasks}, got SLURM_PROCID={rank}")
@@ -165,10 +219,7 @@ def _slurm(env: Mapping[str, str]) -> DistributedEnv | None:
         return None
     _refuse_outside_srun(ntasks, env)
     local_rank = _required("SLURM_LOCALID", env)
-    # Without SLURM_NODEID the first node's count stands for this node's; a task numbered
-    # past it shows this node has more.
-    # SLURM's own count: a stray LOCAL_WORLD_SIZE from elsewhere does not override it.
-    local_world_size = max(launch_env.tasks_on_this_node(env) or 1, local_rank + 1)
+    local_world_size = _slurm_local_world_size(ntasks, local_rank, env)
     return DistributedEnv(
         "slurm",
         rank,

@@ -38,7 +38,8 @@ def judge(
     compiler (on any thread) and the job has been stalled (``stalled_s``, since the last
     real progress) for less than ``BUSY_CAP`` times the timeout, or it is inside ``busy()``
     below the cap and not in a collective there. ``"hang"``: it waits (in a
-    collective, or in DDP's ``backward()``), or another rank has ended. ``"wait"``: it is
+    collective, in the ``work.wait()`` of an ``async_op=True`` one, or in DDP's
+    ``backward()``), or another rank has ended. ``"wait"``: it is
     busy in its own code, so it waits for nobody: a waiting rank judges.
 
     Example:
@@ -58,7 +59,14 @@ def judge(
     if slot.state == State.IN_COLLECTIVE or ended:
         return "hang"
     main = [t for t in threads if t.ident == slot.thread]
-    if main and classify(main[0].frames, in_collective=False) == "backward":
+    # An async collective's work.wait() has no Python frame: the slot says what it waits
+    # for, as the launcher's detector reads it (rank_view).
+    last = slot.history[-1] if slot.history else None
+    waits_async = bool(last and last.async_op and slot.state == State.RUNNING)
+    if main and classify(main[0].frames, in_collective=False, waits_async=waits_async) in (
+        "backward",
+        "collective",
+    ):
         return "hang"
     return "wait"
 
