@@ -545,6 +545,32 @@ def test_latest_skips_a_cut_short_file_and_restore_a_damaged_one(tmp_path: Path)
     assert ckpt.steps() == [3, 5, 6, 7]
 
 
+def test_latest_after_restore_found_the_newest_damaged_names_the_step_restored(
+    tmp_path: Path,
+) -> None:
+    # restore() fell back from step 2 (a flipped byte: its pickle is fine) to step 1, but
+    # latest() still named step 2, "the one restore would load": a run that logged or
+    # copied latest() after resuming took the corrupt file.
+    ckpt = Checkpointer(tmp_path)
+    for step in (1, 2):
+        ckpt.save({"w": torch.full((1000,), float(step))}, step=step)
+    newest = tmp_path / "step-000000002.pt"
+    data = bytearray(newest.read_bytes())
+    data[bytes(data).index(np.float32(2.0).tobytes() * 8)] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    assert ckpt.latest() == newest  # the pickle alone cannot tell
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000002\.pt"):
+        assert ckpt.restore({"w": torch.zeros(1000)}) == 1
+    with pytest.warns(UserWarning, match=r"step-000000002\.pt: restore found it damaged"):
+        assert ckpt.latest() == tmp_path / "step-000000001.pt"
+    # Written again in the background: good again once written, before any wait().
+    ckpt.save({"w": torch.full((1000,), 2.0)}, step=2, blocking=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ckpt.latest() == newest
+    ckpt.wait()
+
+
 def test_restore_out_of_memory_stops_rather_than_fall_back_to_an_older_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

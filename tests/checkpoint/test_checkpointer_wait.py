@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import trainperf.checkpoint._checkpointer_wait as wait_module
+import trainperf.checkpoint._writer as writer_module
 from tests.checkpoint._common import held_thread_writes
 from trainperf import Checkpointer, load_checkpoint
+from trainperf.errors import CheckpointError
 
 
 def test_a_wait_cut_short_by_ctrl_c_still_holds_the_next_save_back(
@@ -77,3 +79,46 @@ def test_restore_through_a_new_checkpointer_waits_for_the_write_in_flight(
     assert Checkpointer(again, keep=5).restore(state) == 2
     assert torch.equal(state["w"], torch.ones(4))
     first.wait()  # its own write, reported to it as usual
+
+
+@pytest.mark.parametrize("through", ["itself", "a new checkpointer"])
+def test_latest_right_after_a_background_save_names_that_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, through: str
+) -> None:
+    # latest() did not wait for the write in flight (restore() does): right after
+    # save(step=2, blocking=False) it named step 1 (or None before the first file landed),
+    # so a loop that logged or copied latest() took the step before the one it just saved.
+    release = held_thread_writes(monkeypatch)
+    ckpt = Checkpointer(tmp_path, keep=5)
+    release.set()
+    ckpt.save({"w": torch.zeros(4)}, step=1)
+    release.clear()
+    ckpt.save({"w": torch.ones(4)}, step=2, blocking=False)  # held until released
+    threading.Timer(0.2, release.set).start()
+    reader = ckpt if through == "itself" else Checkpointer(tmp_path, keep=5)
+    assert reader.latest() == tmp_path / "step-000000002.pt"
+    ckpt.wait()
+
+
+def test_latest_leaves_a_failed_background_write_to_the_next_save_or_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # latest() is a question about the directory: it waits for the write, names the newest
+    # good file, and leaves the failure for wait() to raise (not swallowed on the way).
+    release = held_thread_writes(monkeypatch)
+    ckpt = Checkpointer(tmp_path, keep=5)
+    release.set()
+    ckpt.save({"w": torch.zeros(4)}, step=1)
+    release.clear()
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        release.wait(timeout=60)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer_module, "write_now", full)
+    handle = ckpt.save({"w": torch.ones(4)}, step=2, blocking=False)
+    threading.Timer(0.2, release.set).start()
+    assert ckpt.latest() == tmp_path / "step-000000001.pt"
+    assert handle.done()
+    with pytest.raises(CheckpointError, match=r"background save of step 2 failed.*No space"):
+        ckpt.wait()

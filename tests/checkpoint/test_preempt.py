@@ -92,6 +92,66 @@ def test_nested_preemptions_all_see_the_signal() -> None:
         assert outer.requested and outer.signals_received == 1
 
 
+@pytest.mark.parametrize("outer_signals", [("SIGUSR1",), ("SIGUSR1", "SIGUSR2")])
+def test_blocks_exited_out_of_order_leave_the_live_one_and_then_the_original_handler(
+    outer_signals: tuple[str, ...],
+) -> None:
+    # Entered A then B, exited A then B: A's exit put back the original handler under B (a
+    # signal no longer reached B), and B's exit then installed A's stale handler for good.
+    called: list[int] = []
+
+    def original(signum: int, frame: object) -> None:
+        called.append(signum)
+
+    before = {s: signal.signal(s, original) for s in (signal.SIGUSR1, signal.SIGUSR2)}
+    try:
+        a = Preemption(outer_signals).__enter__()
+        b = Preemption(("SIGUSR1",)).__enter__()
+        a.__exit__(None, None, None)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert b.requested and b.signals_received == 1 and called == []
+        assert a.signals_received == 0  # exited: no longer told
+        b.__exit__(None, None, None)
+        assert signal.getsignal(signal.SIGUSR1) is original
+        assert signal.getsignal(signal.SIGUSR2) is original
+        assert preempt_module.active_signals() == ()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert called == [signal.SIGUSR1] and b.signals_received == 1
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def test_a_middle_block_exited_first_keeps_the_others_chained() -> None:
+    called: list[int] = []
+
+    def original(signum: int, frame: object) -> None:
+        called.append(signum)
+
+    before = signal.signal(signal.SIGUSR1, original)
+    try:
+        a = Preemption(("SIGUSR1",)).__enter__()
+        b = Preemption(("SIGUSR1",)).__enter__()
+        c = Preemption(("SIGUSR1",)).__enter__()
+        b.__exit__(None, None, None)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert (a.signals_received, b.signals_received, c.signals_received) == (1, 0, 1)
+        a.__exit__(None, None, None)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert (a.signals_received, c.signals_received) == (1, 2)
+        c.__exit__(None, None, None)
+        assert signal.getsignal(signal.SIGUSR1) is original
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert called == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
 def test_a_handler_that_is_not_a_preemption_is_put_back_not_called() -> None:
     # Calling it could raise (KeyboardInterrupt, SystemExit) in the middle of the final save.
     called: list[int] = []

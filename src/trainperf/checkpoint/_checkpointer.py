@@ -348,7 +348,15 @@ class Checkpointer:
         step (a foreign file with a step file's name), is skipped with a warning, as
         :meth:`restore` skips it; a legacy-format (non-zip) file counts, as it loads. This
         reads each file's pickle only, not its tensor data; :meth:`restore` also checks
-        every byte's CRC and falls back to an older file.
+        every byte's CRC and falls back to an older file, and a file it so found damaged
+        is skipped here too, with a warning, until that step is saved again.
+
+        It first waits for this process's background writes into the directory that are in
+        flight (this Checkpointer's ``save(..., blocking=False)``, or another one's of the
+        same directory), as :meth:`restore` does, so it names the step just saved; writes
+        started meanwhile are not waited for. A write that failed is not raised here: the
+        next :meth:`save` or :meth:`wait` raises it, and ``latest`` names the newest good
+        file.
 
         Raises:
             OSError: a file it reaches could not be read (no permission, too many open

@@ -22,7 +22,7 @@ from trainperf.checkpoint._checkpointer_ranks import (
     agree_loaded,
     agreed_own_part,
 )
-from trainperf.checkpoint._checkpointer_wait import settle_directory
+from trainperf.checkpoint._checkpointer_wait import settle_directory, wait_directory
 from trainperf.checkpoint._checkpointer_warn import _stops_at, stop_at
 from trainperf.checkpoint._files import load_checkpoint
 from trainperf.checkpoint._held import held_step
@@ -40,7 +40,10 @@ __all__ = ["newest_complete", "restore_newest"]
 
 def newest_complete(ckpt: Checkpointer) -> Path | None:
     """:meth:`Checkpointer.latest <trainperf.checkpoint.Checkpointer.latest>`: the newest
-    step file whose pickle holds its step, the others skipped with a warning."""
+    step file whose pickle holds its step, the others (and those ``restore`` found damaged)
+    skipped with a warning, once this
+    process's writes into the directory have ended (a failed one is not raised here)."""
+    wait_directory(ckpt)
     for step in reversed(ckpt.steps()):
         path = main_file(ckpt.directory, step)
         try:
@@ -49,7 +52,10 @@ def newest_complete(ckpt: Checkpointer) -> Path | None:
             raise _stops_at("latest", step, e) from e
         if isinstance(held, int):
             refuse_misnamed("latest", path, step, held)
-            return path
+            if step not in ckpt._damaged:
+                return path
+            # Its pickle is fine, its data is not (a CRC mismatch): restore skips it.
+            held = "restore found it damaged and loaded an older step"
         warnings.warn(f"skipping checkpoint {path}: {held}", UserWarning, stacklevel=3)
     return None
 

@@ -1,7 +1,8 @@
 """Waiting for a :class:`~trainperf.checkpoint.Checkpointer`'s background write: before the
 next save, ``wait`` or ``restore`` (:func:`settle`: its failure raised, its notes passed on;
 ``restore`` also for other Checkpointers' writes into the same directory:
-:func:`settle_directory`), telling hang detection the rank is busy with its own checkpoint
+:func:`settle_directory`; ``latest`` for all of them without raising:
+:func:`wait_directory`), telling hang detection the rank is busy with its own checkpoint
 meanwhile (:func:`_finish`), and at process exit, for every write still running whether or
 not its Checkpointer is gone (:func:`_wait_at_exit`, registered on import).
 """
@@ -25,7 +26,14 @@ from trainperf.errors import CheckpointError
 if TYPE_CHECKING:
     from trainperf.checkpoint._checkpointer import Checkpointer
 
-__all__ = ["exiting", "failure_of_pending", "settle", "settle_directory", "tell_earlier"]
+__all__ = [
+    "exiting",
+    "failure_of_pending",
+    "settle",
+    "settle_directory",
+    "tell_earlier",
+    "wait_directory",
+]
 
 
 def settle(ckpt: Checkpointer) -> None:
@@ -52,10 +60,23 @@ def settle_directory(ckpt: Checkpointer) -> None:
     Their failures are left to their own Checkpointer (or the exit hook) to report.
     Directories compare resolved: ``runs/../ckpt`` or a symlink to it is the same one."""
     settle(ckpt)
+    wait_directory(ckpt)
+
+
+def wait_directory(ckpt: Checkpointer) -> None:
+    """Wait for this process's background writes into ``ckpt``'s directory that are in
+    flight now (its own included), raising nothing: their failures stay for their
+    Checkpointer's next ``save`` or ``wait`` (or the exit hook). Only those writes: one
+    started meanwhile is not waited for; no timeout, as for ``wait`` (a forked writer's
+    reaper finishes its handle however the child ends). ``ckpt``'s own write, once done,
+    replaced any damaged file of its step."""
     directory = ckpt.directory.resolve()
     for pending in pending_handles():
         if pending.path is not None and pending.path.parent.resolve() == directory:
             _finish(pending)
+    own = ckpt._pending
+    if own is not None and own.done() and own._failure is None:
+        ckpt._damaged.discard(own.step)  # written again: not the damaged file any more
 
 
 def failure_of_pending(ckpt: Checkpointer) -> CheckpointError | None:

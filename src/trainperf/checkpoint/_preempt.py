@@ -34,6 +34,10 @@ __all__ = ["Preemption", "active_signals", "agreement_interval", "signal_numbers
 # trainperf.DieWithParent ignore those (torchrun and SLURM signal every process, and a
 # torch worker dies of SIGTERM, which fails the rank's next batch before its final save).
 _ACTIVE: dict[int, int] = {}
+# The Preemptions entered and not exited yet, in entry order: a block exited before one
+# entered after it (not nested: enter A, enter B, exit A) takes its handler out of the chain
+# through the later one's saved handler (:meth:`Preemption._unlink`).
+_ENTERED: list[Preemption] = []
 
 
 def active_signals() -> tuple[int, ...]:
@@ -120,8 +124,9 @@ class Preemption:
     """The stop flag that :meth:`Checkpointer.preemption` hands the training loop.
 
     Use it as a context manager: the handlers are installed on entry (in the main thread)
-    and the previous ones put back on exit. Read :attr:`requested` once per step, on every
-    rank.
+    and the previous ones put back on exit; blocks need not exit in the order they were
+    entered (each exit leaves the other active blocks' handlers in place). Read
+    :attr:`requested` once per step, on every rank.
 
     Attributes:
         signals: the signals that ask for a stop.
@@ -189,6 +194,7 @@ class Preemption:
             self._previous[sig] = signal.signal(sig, self._handle)
             _ACTIVE[int(sig)] = _ACTIVE.get(int(sig), 0) + 1
         self._active = True
+        _ENTERED.append(self)
         self._checked = time.monotonic()
         return self
 
@@ -199,10 +205,26 @@ class Preemption:
         tb: TracebackType | None,
     ) -> None:
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            self._unlink(sig, previous)
             _ACTIVE[int(sig)] = max(0, _ACTIVE.get(int(sig), 0) - 1)
         self._previous.clear()
         self._active = False
+        if self in _ENTERED:
+            _ENTERED.remove(self)
+
+    def _unlink(self, sig: signal.Signals, previous: Any) -> None:
+        """Take this block's handler of ``sig`` out of the chain, in whatever order the
+        blocks exit: installed, it gives way to ``previous``; under a later block's handler
+        (entered after this one, still active), that block's saved handler becomes
+        ``previous``, so neither a live block loses the signal nor a stale handler comes
+        back when it exits. Under a handler that is no Preemption's, that handler stays."""
+        if signal.getsignal(sig) == self._handle:  # bound methods: equal, not identical
+            signal.signal(sig, previous)
+            return
+        for later in _ENTERED:
+            if later is not self and later._previous.get(sig) == self._handle:
+                later._previous[sig] = previous
+                return
 
     def _reduce(self, values: list[float]) -> list[float]:
         device = torch.device("cpu") if self._group is None else self._group[1]
