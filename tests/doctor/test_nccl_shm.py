@@ -177,3 +177,10 @@ def test_more_gloo_ranks_than_gpus_warns_that_nccl_would_refuse_them() -> None:
     assert check_nccl_shm(16 * GiB, 2, backend="gloo", gpus=1).verdict == "skip"
     assert check_nccl_shm(16 * GiB, 2, backend="nccl", gpus=0).verdict == "skip"
     assert check_nccl_shm(16 * GiB, 4, backend="nccl", gpus=4).verdict == "ok"
+
+
+@pytest.mark.parametrize("shm_free", [-5, 1.5, True])
+def test_a_shm_free_that_is_no_byte_count_is_refused(shm_free: object) -> None:
+    # Before: -5 was reported as "/dev/shm -5 B free" and failed the check.
+    with pytest.raises(ValueError, match=rf"shm_free must be .*int >= 0.*got {shm_free!r}"):
+        check_nccl_shm(shm_free, 2, backend="nccl")  # type: ignore[arg-type]

@@ -95,7 +95,8 @@ def test_start_method_forks_only_where_safe(
         ({"nprocs": 1}, "nprocs >= 2"),
         ({"nprocs": 0}, "nprocs must be an int >= 1, got 0"),
         ({"sizes": []}, "at least one message size"),
-        ({"sizes": [2**20, 0]}, r"sizes\[\] must be an int >= 1, got 0"),
+        # Before: "sizes[] must be ...", which did not say which of the sizes was wrong.
+        ({"sizes": [2**20, 0]}, r"sizes\[1\] must be an int >= 1, got 0"),
         ({"backend": "mpi"}, "backend must be one of"),
         ({"timeout": math.nan}, "timeout"),
         # Accepted before, then refused by ddp.launch as a hang_timeout never passed.

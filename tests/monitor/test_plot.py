@@ -126,3 +126,40 @@ def test_watch_reports_the_step_at_which_an_adaptive_loader_changed(
     report = w.report()
     assert 0 < seen.time < report.timeline[-1].start + 1
     assert report.to_dict()["loader_changes"][0]["step"] == 6
+
+
+def _small_report() -> Any:
+    from trainperf.monitor import StepRecord
+
+    return analyse([StepRecord(i, i * 0.02, 0.015, 0.005, 32, None) for i in range(8)])
+
+
+def test_plot_into_a_missing_folder_names_the_folder_and_the_fix(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(FileNotFoundError, match=r"folder .*no/such.* does not exist.*mkdir"):
+        _small_report().plot(missing / "timeline.png")
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize("path", ["", "."])
+def test_plot_to_a_folder_is_refused_not_written_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    # matplotlib would write "<folder>.png" (here "./.png") and the call return the folder.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(IsADirectoryError, match=r"is a folder.*pass a file path"):
+        _small_report().plot(path)
+    with pytest.raises(IsADirectoryError, match=r"is a folder"):
+        _small_report().plot(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    assert not (tmp_path.parent / f"{tmp_path.name}.png").exists()
+
+
+@pytest.mark.slow  # matplotlib's import and one figure: about a second
+def test_plot_to_a_path_without_a_suffix_writes_a_png_at_that_path(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = _small_report().plot(tmp_path / "timeline")
+    # matplotlib alone would write "timeline.png" and the call return a path that is not there.
+    assert out == tmp_path / "timeline"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["timeline"]

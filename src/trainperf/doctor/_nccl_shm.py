@@ -185,7 +185,8 @@ def check_nccl_shm(
             fail with NCCL (1 GPU or more), a warning with gloo (2 GPUs or more).
 
     Raises:
-        ValueError: ``ranks`` is not an int >= 1, or ``gpus`` not an int >= 0.
+        ValueError: ``ranks`` is not an int >= 1, or ``shm_free`` or ``gpus`` not an int
+            >= 0 (or None).
 
     Example:
         >>> check_nccl_shm(64 * 2**20, 8, backend="nccl").verdict
@@ -200,6 +201,8 @@ def check_nccl_shm(
         'fail'
     """
     ranks = positive_int("ranks", ranks)
+    if shm_free is not None:
+        shm_free = non_negative_int("shm_free", shm_free, none_ok=True)
     gpus = non_negative_int("gpus", gpus, none_ok=True)
     env = env or {}
     shm = _shm_state(shm_free, shm_error)

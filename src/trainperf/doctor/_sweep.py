@@ -313,7 +313,7 @@ def _check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
             f"sizes must be a sequence of message sizes in bytes, got {sizes!r}: pass a list, "
             "e.g. sizes=[2**20, 2**26]"
         )
-    checked = tuple(positive_int("sizes[]", s) for s in sizes)
+    checked = tuple(positive_int(f"sizes[{i}]", s) for i, s in enumerate(sizes))
     if not checked:
         raise ValueError("sizes must name at least one message size in bytes, got ()")
     return checked

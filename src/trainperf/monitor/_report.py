@@ -230,12 +230,15 @@ class WatchReport:
         """Save a timeline PNG: step time split into wait and compute, GPU and CPU use.
 
         Args:
-            path: the PNG to write.
+            path: the PNG to write (another suffix matplotlib knows, ``.svg`` or ``.pdf``,
+                picks that format; none writes a PNG at ``path`` as given).
 
         Returns:
             ``path`` as a :class:`~pathlib.Path`.
 
         Raises:
+            FileNotFoundError: the folder ``path`` is in does not exist.
+            IsADirectoryError: ``path`` is a folder.
             ModuleNotFoundError: matplotlib is not installed (``pip install 'trainperf[plot]'``).
 
         Example:
