@@ -22,6 +22,8 @@ from trainperf._utils.oom import oom_kind
         (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), "device"),
         # A CUDA call outside the caching allocator (pinned host memory in bench h2d)
         (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be"), "device"),
+        (RuntimeError("CUDA driver error: out of memory"), "device"),  # a driver API call
+        (RuntimeError("HIP error: out of memory"), "device"),
         (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to"), "host"),
         (RuntimeError("[enforce fail at alloc_cpu.cpp:117] Cannot allocate memory"), "host"),
         (RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate"), "host"),

@@ -108,6 +108,24 @@ def test_a_range_without_a_divisor_is_refused() -> None:
         size_space(5, 6, 64, 2)
 
 
+@pytest.mark.parametrize(
+    ("low", "high", "global_batch", "fix"),
+    [
+        (2, 12, 13, r"pass min_size=1 or max_size=13"),  # a prime global batch
+        (5, 7, 16, r"pass min_size=4 or max_size=8"),
+        (4, None, 2, r"pass min_size=2"),  # a global batch below min_size
+        (3, 3, 16, r"pass min_size=2 or max_size=4"),
+    ],
+)
+def test_a_range_without_a_divisor_names_the_nearest_divisors_to_pass(
+    low: int, high: int | None, global_batch: int, fix: str
+) -> None:
+    # Before: the fix was always "lower min_size", even where only raising max_size
+    # helps, and named no value to pass.
+    with pytest.raises(ValueError, match=r"no batch size in .* divides .*: " + fix + r"[ ,]"):
+        size_space(low, high, global_batch, 1)
+
+
 def test_neither_model_nor_optimizer_is_refused_with_the_fix() -> None:
     # Before: the probes trained the caller's model and stepped its optimizer, silently.
     fix = r"pass model=model, optimizer=optimizer .* or model=\(\) if step changes no state"

@@ -33,6 +33,22 @@ def test_out_of_memory_errors_are_recognised_and_others_are_not() -> None:
     assert not is_out_of_memory(ValueError("can't allocate memory"))  # only RuntimeError
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "CUDA driver error: out of memory",  # a driver API call (NVRTC, a CUDA graph)
+        "HIP error: out of memory",  # ROCm's "CUDA error: out of memory"
+        "NPU out of memory. Tried to allocate 2.00 GiB",
+        "out of memory",
+    ],
+)
+def test_a_runtime_error_that_says_out_of_memory_is_out_of_memory(text: str) -> None:
+    # Before: these escaped the tuner as the step's own error instead of marking the size
+    # oom, though the allocator's texts (CUDA, the CPU's) were caught.
+    assert is_out_of_memory(RuntimeError(text))
+    assert not is_out_of_memory(ValueError(text))  # only RuntimeError, as before
+
+
 def test_a_real_cpu_allocation_failure_counts_as_out_of_memory() -> None:
     try:
         torch.empty(1 << 62, dtype=torch.uint8)

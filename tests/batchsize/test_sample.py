@@ -109,6 +109,22 @@ def test_a_batch_dim_no_tensor_has_is_refused_naming_the_shapes() -> None:
     assert checked_batch(lambda n: ["a", "b"], 2, batch_dim=2) == ["a", "b"]  # no tensor
 
 
+def test_a_batch_of_only_0_d_tensors_is_refused_naming_the_shapes() -> None:
+    # Before: a 0-d tensor has no dimension 0, so nothing was checked: a sample(n) that
+    # returns one value per field passed at every size, and every size timed one sample.
+    batch = {"x": torch.tensor(1.0), "y": torch.tensor(2)}
+    with pytest.raises(
+        ValueError,
+        match=r"no tensor in sample\(4\)'s batch has dimension 0 \(shapes \[\], \[\]\): "
+        r"sample\(n\) must return n samples along dimension 0, e\.g\. tensors of shape "
+        r"\(n, \.\.\.\)",
+    ):
+        checked_batch(lambda n: batch, 4)
+    # A list of n 0-d tensors is n samples (counted by its items), as before.
+    assert len(checked_batch(lambda n: [torch.tensor(1.0)] * n, 3)) == 3
+    assert checked_batch(lambda n: "opaque", 4) == "opaque"  # no tensor: nothing to check
+
+
 def test_a_list_of_variable_length_samples_is_counted_under_batch_dim() -> None:
     # A sequence-first LSTM whose step pads the samples itself (pad_sequence -> (L, n)):
     # the check for a tensor with dimension batch_dim refused the list it used to count.

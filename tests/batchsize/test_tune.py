@@ -77,6 +77,20 @@ def test_an_error_in_step_propagates_after_the_state_is_restored() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+def test_a_runtime_error_saying_out_of_memory_marks_the_size_oom() -> None:
+    # Before: "CUDA driver error: out of memory" escaped tune_batch_size as the step's
+    # own error, though it is the driver running out of memory at that size.
+    t = Trainer(error_at=4, error=RuntimeError("CUDA driver error: out of memory"))
+    t(sample(2))
+    before = state_of(t.model, t.opt)
+    report = tune(t, max_size=4)
+    assert report.batch_size < 4
+    assert [(c.batch_size, c.status) for c in report.candidates if c.batch_size == 4] == [
+        (4, "oom")
+    ]
+    assert same_state(before, state_of(t.model, t.opt))
+
+
 def test_a_real_error_at_the_first_size_propagates_with_the_fix() -> None:
     t = Trainer()  # BatchNorm refuses a batch of one sample in training mode
     with pytest.raises(ValueError, match="Expected more than 1 value per channel") as caught:

@@ -19,7 +19,9 @@ __all__ = ["oom_kind"]
 _DEVICE_TEXTS = (
     "cuda out of memory",
     "cuda error: out of memory",  # a CUDA call outside the caching allocator (pinned memory)
+    "cuda driver error: out of memory",  # a driver API call
     "hip out of memory",
+    "hip error: out of memory",
     "mps backend out of memory",
     "cublas_status_alloc_failed",
     "cudnn_status_alloc_failed",
@@ -37,6 +39,8 @@ def oom_kind(e: BaseException) -> Literal["device", "host"] | None:
         >>> oom_kind(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling"))
         'device'
         >>> oom_kind(RuntimeError("CUDA error: out of memory (pinned memory)"))
+        'device'
+        >>> oom_kind(RuntimeError("CUDA driver error: out of memory"))
         'device'
         >>> oom_kind(RuntimeError("DefaultCPUAllocator: can't allocate memory")), oom_kind(
         ...     MemoryError())

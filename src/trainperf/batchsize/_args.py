@@ -3,6 +3,7 @@ sizes they allow (:func:`size_space`)."""
 
 from __future__ import annotations
 
+import math
 import reprlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -231,9 +232,25 @@ def size_space(
         raise ValueError(
             f"no batch size in [min_size={min_size}, max_size={max_size}] divides "
             f"global_batch / world_size = {global_batch} / {world_size} = {space.per_rank}: "
-            f"lower min_size, or pass a global_batch with such a divisor"
+            f"{_divisor_fix(min_size, max_size, global_batch // world_size)}, or pass a "
+            f"global_batch with a divisor in range"
         )
     return space
+
+
+def _divisor_fix(min_size: int, max_size: int | None, per_rank: int) -> str:
+    """The range bounds that would take in the divisors of ``per_rank`` nearest
+    ``[min_size, max_size]``, which holds none of them.
+
+    Example:
+        >>> _divisor_fix(2, 12, 13), _divisor_fix(4, None, 2)
+        ('pass min_size=1 or max_size=13', 'pass min_size=2')
+    """
+    small = [d for d in range(1, math.isqrt(per_rank) + 1) if per_rank % d == 0]
+    divisors = sorted({*small, *(per_rank // d for d in small)})
+    below = max(d for d in divisors if d < min_size)  # 1 divides it: min_size > 1 here
+    above = [d for d in divisors if max_size is not None and d > max_size]
+    return f"pass min_size={below}" + (f" or max_size={above[0]}" if above else "")
 
 
 _REPR = reprlib.Repr()

@@ -55,7 +55,9 @@ DEFAULT_PROBE = ProbePolicy()
 def is_out_of_memory(e: BaseException) -> bool:
     """True for an out-of-memory error: ``torch.OutOfMemoryError`` (CUDA and other
     accelerators), or a ``RuntimeError`` saying so: the CPU allocator's (it raises no such
-    class), or cuBLAS/cuDNN failing to allocate a workspace.
+    class), cuBLAS/cuDNN failing to allocate a workspace, or any that says "out of memory"
+    (``CUDA driver error: out of memory`` from a driver API call, ROCm's ``HIP error: out of
+    memory``, an out-of-tree backend's ``NPU out of memory``).
 
     Example:
         >>> import torch
@@ -63,10 +65,16 @@ def is_out_of_memory(e: BaseException) -> bool:
         True
         >>> is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory"))
         True
+        >>> is_out_of_memory(RuntimeError("CUDA driver error: out of memory"))
+        True
         >>> is_out_of_memory(RuntimeError("shape mismatch"))
         False
     """
-    return oom_kind(e) is not None
+    if oom_kind(e) is not None:
+        return True
+    # A size that does not fit raises more texts than oom_kind reads (which say whether
+    # device or host memory ran out); for the search only "it did not fit" matters.
+    return isinstance(e, RuntimeError) and "out of memory" in str(e).lower()
 
 
 def warmed_up(times: Sequence[float], policy: ProbePolicy = DEFAULT_PROBE) -> bool:

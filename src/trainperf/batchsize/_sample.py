@@ -275,23 +275,32 @@ def checked_batch(sample: Callable[[int], Any], n: int, batch_dim: int = 0) -> A
             raise ValueError(
                 f"sample({n}) returned a list of {len(batch)} items; it must return n samples"
             )
-    elif not sizes and batch_dim > 0:
+    elif not sizes:
         _check_has_batch_dim(batch, n, batch_dim)
     return batch
 
 
 def _check_has_batch_dim(batch: Any, n: int, batch_dim: int) -> None:
     """Refuse a batch that holds tensors (or arrays) none of which has dimension
-    ``batch_dim``: its number of samples could not be checked at any size."""
+    ``batch_dim``: its number of samples could not be checked at any size. Under
+    ``batch_dim=0`` those are 0-d tensors (one value, no samples): the fix is in ``sample``,
+    not in ``batch_dim``."""
     shapes = _shapes(batch)
-    if shapes:
-        seen = ", ".join(str(list(shape)) for shape in shapes[:4])
+    if not shapes:
+        return
+    seen = ", ".join(str(list(shape)) for shape in shapes[:4])
+    seen += ", ..." if len(shapes) > 4 else ""
+    if batch_dim == 0:
         raise ValueError(
-            f"batch_dim={batch_dim}, but no tensor in sample({n})'s batch has dimension "
-            f"{batch_dim} (shapes {seen}{', ...' if len(shapes) > 4 else ''}): pass the "
-            f"dimension that holds the samples (batch_dim=0 for (n, ...) tensors, 1 for "
-            f"sequence-first (seq_len, n, ...) ones)"
+            f"no tensor in sample({n})'s batch has dimension 0 (shapes {seen}): sample(n) "
+            f"must return n samples along dimension 0, e.g. tensors of shape (n, ...), not "
+            f"0-d values"
         )
+    raise ValueError(
+        f"batch_dim={batch_dim}, but no tensor in sample({n})'s batch has dimension "
+        f"{batch_dim} (shapes {seen}): pass the dimension that holds the samples "
+        f"(batch_dim=0 for (n, ...) tensors, 1 for sequence-first (seq_len, n, ...) ones)"
+    )
 
 
 def _shapes(batch: Any) -> list[tuple[int, ...]]:
