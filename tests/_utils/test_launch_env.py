@@ -63,6 +63,15 @@ ROWS = [
         ("torchrun", 1, 2, 1),
     ),
     Row(
+        # WORLD_SIZE=2 set by hand inside a batch script of --ntasks-per-node=4: SLURM's count
+        # is the allocation's, and a host runs no more of the job's processes than it has.
+        "torch launcher without LOCAL_WORLD_SIZE, SLURM's tasks per node over WORLD_SIZE",
+        _torchrun(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", **_slurm(SLURM_NTASKS_PER_NODE="4")),
+        2,
+        ("torchrun", 1, 2, 1),
+        tasks_on_this_node=4,
+    ),
+    Row(
         "torchrun inside an srun step: torchrun's variables win",
         _torchrun(
             RANK="6",
@@ -325,7 +334,13 @@ def test_this_nodes_entry_by_slurm_nodeid() -> None:
 
 @pytest.mark.parametrize(
     ("name", "raw", "value"),
-    [("RANK", "0", 0), ("RANK", " 12 ", 12), ("WORLD_SIZE", "1", 1), ("SLURM_JOB_ID", "42", 42)],
+    [
+        ("RANK", "0", 0),
+        ("RANK", " 12 ", 12),
+        ("WORLD_SIZE", "1", 1),
+        ("SLURM_JOB_ID", "42", 42),
+        ("SLURM_NPROCS", " 8 ", 8),  # read by the same rule as SLURM_NTASKS, its newer name
+    ],
 )
 def test_whole_numbers(name: str, raw: str, value: int) -> None:
     assert launch_env.parse_int(name, raw) == value
@@ -347,6 +362,8 @@ def test_whole_numbers(name: str, raw: str, value: int) -> None:
         ("SLURM_NTASKS", "two", 1),
         ("SLURM_PROCID", "-3", 0),
         ("SLURM_LOCALID", "x", 0),
+        ("SLURM_NPROCS", "0", 1),
+        ("SLURM_NPROCS", "٤", 1),  # a digit to str.isdigit, not to SLURM
     ],
 )
 def test_whole_numbers_refuse_malformed_values(name: str, raw: str, minimum: int) -> None:
@@ -410,6 +427,8 @@ def test_expand_nodelist() -> None:
         ("n1-2]", r"unbalanced '\]'"),
         ("n[a-b]", r"bad range 'a-b'"),
         (" , ", "no host names"),
+        ("n[03-01]", r"range '03-01' runs backwards: write it '01-03'"),
+        ("n[]", r"empty brackets in 'n\[\]'"),
     ],
 )
 def test_a_malformed_node_list_names_its_variable_the_value_and_the_fix(
@@ -426,3 +445,20 @@ def test_a_malformed_node_list_names_its_variable_the_value_and_the_fix(
 def test_a_malformed_node_list_passed_directly_says_how_to_write_one() -> None:
     with pytest.raises(ValueError, match=r"such as 'node\[01-03,07\],gpu3'"):
         ddp.expand_nodelist("n[1-")
+
+
+def test_a_reversed_range_is_refused_with_its_fix() -> None:
+    # "node[03-01]" expanded to no hosts: alone it said "no host names", beside another
+    # host it silently dropped the three nodes.
+    problem = r"range '03-01' runs backwards: write it '01-03'"
+    for raw in ("node[03-01]", "node[03-01],gpu3", "node[07,03-01]"):
+        with pytest.raises(ValueError, match=rf"is malformed \({problem}\): write it as"):
+            ddp.expand_nodelist(raw)
+    assert ddp.expand_nodelist("node[03-03]") == ["node03"]  # one host, not backwards
+
+
+def test_empty_brackets_are_refused_not_read_as_the_bare_name() -> None:
+    # "node[]" was read as the host "node", one that the job never ran on.
+    for raw in ("node[]", "gpu1,node[]", "rack[1-2]-n[]"):
+        with pytest.raises(ValueError, match=r"is malformed \(empty brackets in '.*\[\]'\)"):
+            ddp.expand_nodelist(raw)

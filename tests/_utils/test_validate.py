@@ -74,6 +74,16 @@ def test_an_int_check_offers_no_cast_where_int_would_not_make_it_right(value: ob
     assert "pass int" not in str(refused.value)
 
 
+@pytest.mark.parametrize("value", [True, 0, "2", 2.0, None])
+def test_an_int_check_ends_with_the_fix_its_caller_gives(value: object) -> None:
+    # "nprocs must be an int >= 1, got True" said what was wrong, not what to pass instead.
+    fix = "pass the number of processes as an int, e.g. nprocs=2"
+    with pytest.raises(ValueError, match=rf"^nprocs must be an int >= 1, got .*; {fix}$"):
+        positive_int("nprocs", value, fix=fix)
+    with pytest.raises(ValueError, match=r"^seed must be None or an int >= 0, got -1; pass 0$"):
+        non_negative_int("seed", -1, none_ok=True, fix="pass 0")
+
+
 def test_an_int_check_returns_a_python_int() -> None:
     assert non_negative_int("step", 0) == 0 and positive_int("batch_size", 32) == 32
 

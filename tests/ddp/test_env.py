@@ -95,6 +95,12 @@ def test_a_task_of_an_srun_step_is_one_rank_of_the_job() -> None:
         ),
         # More tasks on this node than in the whole step.
         ({**SLURM, "SLURM_LOCALID": "8"}, r"SLURM_LOCALID must be < SLURM_NTASKS=8, got 8"),
+        # The step's nodes run 4 tasks: ranks 4 to 7 never start, and rank 0 waits for them.
+        (
+            {**SLURM, "SLURM_PROCID": "1", "SLURM_TASKS_PER_NODE": "2(x2)"},
+            r"SLURM_NTASKS=8 but SLURM_TASKS_PER_NODE='2\(x2\)' lists 4 tasks: .*run inside "
+            r"one srun step, or unset the stale one",
+        ),
     ],
 )
 def test_detect_rejects_local_counts_that_contradict_the_job(
@@ -107,6 +113,39 @@ def test_detect_rejects_local_counts_that_contradict_the_job(
 def test_slurm_nprocs_that_agrees_or_stands_alone_is_read() -> None:
     expected = _env.detect(SLURM)
     assert _env.detect({**SLURM, "SLURM_NPROCS": "8"}) == expected
+    # A heterogeneous step: SLURM_NPROCS is one component's tasks, SLURM_NTASKS the whole's.
+    for het in ("SLURM_HET_SIZE", "SLURM_PACK_SIZE"):
+        assert _env.detect({**SLURM, "SLURM_NPROCS": "2", het: "2"}) == expected
     # Without SLURM_NODEID a local id past the first node's count still means a bigger node.
     found = _env.detect({**SLURM, "SLURM_LOCALID": "5"})
     assert found is not None and found.local_world_size == 6
+
+
+@pytest.mark.parametrize(
+    "tasks_per_node",
+    [
+        "4(x2)",  # what srun sets: the step's own layout, adding up to SLURM_NTASKS
+        "4",  # one count without (xN) is every node's: the total is not known
+        "4(x3)",  # more listed than run: an older salloc wrote CPUs per node here
+    ],
+)
+def test_slurm_tasks_per_node_that_can_hold_the_step_is_read(tasks_per_node: str) -> None:
+    found = _env.detect({**SLURM, "SLURM_TASKS_PER_NODE": tasks_per_node})
+    assert found is not None and (found.world_size, found.local_world_size) == (8, 4)
+    # SLURM_NTASKS_PER_NODE is the option's per-node count, with no node count: not summed.
+    found = _env.detect({**SLURM, "SLURM_NTASKS_PER_NODE": "2(x2)", "SLURM_TASKS_PER_NODE": " "})
+    assert found is not None and found.world_size == 8
+
+
+def test_an_inherited_ntasks_per_node_over_the_steps_tasks_is_capped() -> None:
+    # `srun -n 2` inside an --ntasks-per-node=4 allocation inherits SLURM_NTASKS_PER_NODE=4:
+    # it read as 4 local ranks in a step of 2.
+    step = {
+        **SLURM,
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": "1",
+        "SLURM_NTASKS_PER_NODE": "4",
+        "SLURM_TASKS_PER_NODE": "2",
+    }
+    found = _env.detect(step)
+    assert found is not None and (found.world_size, found.local_world_size) == (2, 2)

@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -215,6 +216,18 @@ def test_launch_inside_a_job_rejects_a_bad_nprocs_before_ignoring_it(
         warnings.simplefilter("error")  # refused outright: no "ignores nprocs" warning first
         with pytest.raises(ValueError, match=rf"nprocs must be an int >= 1, got {nprocs!r}"):
             ddp.launch(workers.add, 1, 2, nprocs=nprocs, backend="gloo")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("nprocs", [0, "2", True, 2.0])
+def test_a_bad_nprocs_says_what_to_pass_and_what_leaving_it_out_does(nprocs: object) -> None:
+    # "nprocs must be an int >= 1, got True" named no fix.
+    with pytest.raises(
+        ValueError,
+        match=rf"^nprocs must be an int >= 1, got {re.escape(repr(nprocs))}.*; pass the "
+        r"number of worker processes as an int, e\.g\. nprocs=2, or leave nprocs out for one "
+        r"per visible GPU \(1 without GPUs\)",
+    ):
+        ddp.launch(workers.add, 1, 2, nprocs=nprocs, backend="gloo", start_method="fork")
 
 
 _NUMERIC_TIMEOUT = r"timeout must be a positive number of seconds \(or a positive timedelta\)"

@@ -15,8 +15,8 @@ The rules:
   fix; never a silent default.
 - ``RANK``, ``LOCAL_RANK``, ``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``,
   ``SLURM_JOB_ID``: a whole number >= 0 (decimal digits; no sign).
-- ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``SLURM_NTASKS``, ``SLURM_CPUS_PER_TASK``: a whole
-  number >= 1.
+- ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``SLURM_NTASKS`` (and ``SLURM_NPROCS``, its older
+  name), ``SLURM_CPUS_PER_TASK``: a whole number >= 1.
 - ``MASTER_PORT``: a whole number in 1..65535.
 - ``SLURM_NTASKS_PER_NODE``, ``SLURM_TASKS_PER_NODE``: tasks per node in SLURM's compressed
   form, ``"4"``, ``"4(x2)"`` or ``"4(x2),3"`` (4 tasks on each of the first 2 nodes, then 3
@@ -25,11 +25,14 @@ The rules:
   entries, the ``SLURM_NODEID``-th node's, or the first node's when ``SLURM_NODEID`` is unset.
   A single count without ``(xN)`` (how ``--ntasks-per-node=4`` is written) is every node's.
 - Processes on this host (:func:`local_world_size`): ``LOCAL_WORLD_SIZE``, else SLURM's
-  tasks on this node (a job script's ``WORLD_SIZE=$SLURM_NTASKS`` is the whole job), else
-  ``WORLD_SIZE`` (a torch launcher that does not say how many ranks share a host is taken to
-  run them all on this one; torchrun always says), else 1.
+  tasks on this node (a job script's ``WORLD_SIZE=$SLURM_NTASKS`` is the whole job) but no
+  more than ``WORLD_SIZE`` where that is set (SLURM's count is the allocation's; a launcher
+  started inside it may run fewer processes), else ``WORLD_SIZE`` (a torch launcher that
+  does not say how many ranks share a host is taken to run them all on this one; torchrun
+  always says), else 1.
 - ``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``: a host list such as
-  ``"node[01-03,07],gpu3"`` (:func:`expand_nodelist`).
+  ``"node[01-03,07],gpu3"`` (:func:`expand_nodelist`); a range runs from low to high, and
+  brackets are never empty.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ _WHOLE_NUMBERS: dict[str, tuple[int, str]] = {
     "SLURM_LOCALID": (0, "this task's rank on its node"),
     "SLURM_NODEID": (0, "this node's index in the job step"),
     "SLURM_NTASKS": (1, "tasks in the job step"),
+    "SLURM_NPROCS": (1, "tasks in the job step; the older name of SLURM_NTASKS"),
     "SLURM_CPUS_PER_TASK": (1, "CPUs per task"),
     "SLURM_JOB_ID": (0, "the job's id"),
 }
@@ -272,11 +276,13 @@ def tasks_on_this_node(env: Mapping[str, str] | None = None) -> int | None:
 
 
 def local_world_size(env: Mapping[str, str] | None = None) -> int:
-    """Processes on this host: ``LOCAL_WORLD_SIZE``, else SLURM's tasks on this node, else
-    ``WORLD_SIZE``, else 1 (see the module docstring).
+    """Processes on this host: ``LOCAL_WORLD_SIZE``, else SLURM's tasks on this node (at
+    most ``WORLD_SIZE``), else ``WORLD_SIZE``, else 1 (see the module docstring).
 
     SLURM's count comes before ``WORLD_SIZE`` because job scripts often export
-    ``WORLD_SIZE=$SLURM_NTASKS``, the whole job's size, not this node's.
+    ``WORLD_SIZE=$SLURM_NTASKS``, the whole job's size, not this node's. It is capped at
+    ``WORLD_SIZE`` because it describes the allocation: a launcher that starts 2 processes
+    inside a batch script of ``--ntasks-per-node=4`` runs 2, not 4.
 
     Raises:
         ValueError: a variable it reads breaks its rule.
@@ -286,6 +292,8 @@ def local_world_size(env: Mapping[str, str] | None = None) -> int:
         4
         >>> local_world_size({"SLURM_NTASKS_PER_NODE": "2(x3)", "WORLD_SIZE": "6"})
         2
+        >>> local_world_size({"SLURM_NTASKS_PER_NODE": "4", "WORLD_SIZE": "2"})
+        2
         >>> local_world_size({"WORLD_SIZE": "2"}), local_world_size({})
         (2, 1)
     """
@@ -293,9 +301,9 @@ def local_world_size(env: Mapping[str, str] | None = None) -> int:
     if local is not None:
         return local
     tasks = tasks_on_this_node(env)
-    if tasks is not None:
-        return tasks
     world = read_int("WORLD_SIZE", env)
+    if tasks is not None:
+        return tasks if world is None else min(tasks, world)
     return 1 if world is None else world
 
 
@@ -332,6 +340,8 @@ def _expand_range(spec: str) -> list[str]:
         if not sep:
             out.append(lo)
             continue
+        if int(hi) < int(lo):
+            raise ValueError(f"range {item.strip()!r} runs backwards: write it '{hi}-{lo}'")
         width = len(lo)  # "01-04" keeps its zero padding
         out.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
     return out
@@ -343,7 +353,10 @@ def _hosts(nodelist: str) -> list[str]:
     hosts: list[str] = []
     for part in _split_top_level(nodelist):
         names = [""]
-        for literal, bracket in re.findall(r"([^\[\]]*)(?:\[([^\]]*)\])?", part):
+        for match in re.finditer(r"([^\[\]]*)(?:\[([^\]]*)\])?", part):
+            literal, bracket = match.group(1), match.group(2)
+            if bracket is not None and not bracket.strip():
+                raise ValueError(f"empty brackets in {part!r}")  # not the bare name
             suffixes = _expand_range(bracket) if bracket else [""]
             names = [n + literal + s for n in names for s in suffixes]
         hosts.extend(names)
@@ -365,7 +378,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
         The host names.
 
     Raises:
-        ValueError: the list is empty or malformed.
+        ValueError: the list is empty or malformed (a range that runs backwards, such as
+            ``03-01``, or empty brackets, ``node[]``, included).
 
     Example:
         >>> expand_nodelist("node[01-03,07],gpu3")

@@ -51,7 +51,7 @@ def as_real_number(value: object) -> int | float | None:
     return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
-def _int_at_least(name: str, value: object, minimum: int, none_ok: bool) -> int:
+def _int_at_least(name: str, value: object, minimum: int, none_ok: bool, fix: str) -> int:
     if none_ok and value is None:
         return value  # type: ignore[return-value]
     number = as_real_number(value)
@@ -60,6 +60,7 @@ def _int_at_least(name: str, value: object, minimum: int, none_ok: bool) -> int:
         hint = f" (pass int({name}))" if _int_like(value, minimum) else ""
         raise ValueError(
             f"{name} must be {'None or ' if none_ok else ''}{allowed}, got {value!r}{hint}"
+            f"{'; ' + fix if fix else ''}"
         )
     return number
 
@@ -79,7 +80,7 @@ def _int_like(value: object, minimum: int) -> bool:
     return math.isfinite(number) and number.is_integer() and number >= minimum
 
 
-def positive_int(name: str, value: object, *, none_ok: bool = False) -> int:
+def positive_int(name: str, value: object, *, none_ok: bool = False, fix: str = "") -> int:
     """``value`` as an int if it is an int >= 1 (NumPy's integers too; ``True`` is not),
     else ``ValueError`` naming ``name``.
 
@@ -87,6 +88,8 @@ def positive_int(name: str, value: object, *, none_ok: bool = False) -> int:
         name: the argument's name, as the caller wrote it.
         value: what was passed.
         none_ok: accept None too (the caller documents what None means); the error says so.
+        fix: what to pass instead, for the end of the message (the caller knows what its
+            argument means and what leaving it out does).
 
     Raises:
         ValueError: ``value`` is not a whole number >= 1.
@@ -98,11 +101,15 @@ def positive_int(name: str, value: object, *, none_ok: bool = False) -> int:
         Traceback (most recent call last):
         ...
         ValueError: batch_size must be an int >= 1, got 0
+        >>> positive_int("nprocs", True, fix="pass an int, e.g. nprocs=2")
+        Traceback (most recent call last):
+        ...
+        ValueError: nprocs must be an int >= 1, got True; pass an int, e.g. nprocs=2
     """
-    return _int_at_least(name, value, 1, none_ok)
+    return _int_at_least(name, value, 1, none_ok, fix)
 
 
-def non_negative_int(name: str, value: object, *, none_ok: bool = False) -> int:
+def non_negative_int(name: str, value: object, *, none_ok: bool = False, fix: str = "") -> int:
     """``value`` as an int if it is an int >= 0 (NumPy's integers too; ``True`` is not),
     else ``ValueError`` naming ``name``.
 
@@ -110,6 +117,7 @@ def non_negative_int(name: str, value: object, *, none_ok: bool = False) -> int:
         name: the argument's name.
         value: what was passed.
         none_ok: accept None too; the error says so.
+        fix: what to pass instead, for the end of the message.
 
     Raises:
         ValueError: ``value`` is not a whole number >= 0.
@@ -122,7 +130,7 @@ def non_negative_int(name: str, value: object, *, none_ok: bool = False) -> int:
         ...
         ValueError: max_workers must be None or an int >= 0, got -1
     """
-    return _int_at_least(name, value, 0, none_ok)
+    return _int_at_least(name, value, 0, none_ok, fix)
 
 
 def positive_number(name: str, value: object, *, unit: str = "") -> float:

@@ -167,20 +167,39 @@ def _refuse_outside_srun(ntasks: int, env: Mapping[str, str]) -> None:
 def _check_nprocs(ntasks: int, env: Mapping[str, str]) -> None:
     """SLURM sets SLURM_NPROCS, the older name of SLURM_NTASKS, to the same count: another
     value means the variables of two jobs or steps are mixed (one exported into the other)."""
-    raw = launch_env.text("SLURM_NPROCS", env)
-    if raw is None:
-        return
-    if not raw.isascii() or not raw.isdigit() or int(raw) < 1:
+    nprocs = launch_env.read_int("SLURM_NPROCS", env)
+    # A heterogeneous step sets it to one component's tasks, SLURM_NTASKS to the whole's.
+    heterogeneous = launch_env.is_set("SLURM_HET_SIZE", env) or launch_env.is_set(
+        "SLURM_PACK_SIZE", env
+    )
+    if nprocs is not None and nprocs != ntasks and not heterogeneous:
         raise ValueError(
-            "environment variable SLURM_NPROCS must be a whole number >= 1 (tasks in the job "
-            f"step; the older name of SLURM_NTASKS), got {env['SLURM_NPROCS']!r}; unset it or "
-            "fix the launcher that set it"
-        )
-    if int(raw) != ntasks:
-        raise ValueError(
-            f"SLURM_NPROCS={int(raw)} but SLURM_NTASKS={ntasks}: SLURM sets both to the tasks "
+            f"SLURM_NPROCS={nprocs} but SLURM_NTASKS={ntasks}: SLURM sets both to the tasks "
             "of the job step, so the variables come from different jobs or steps; run inside "
             "one srun step, or unset the stale one"
+        )
+
+
+def _check_tasks_listed(ntasks: int, env: Mapping[str, str]) -> None:
+    """SLURM writes SLURM_NTASKS and SLURM_TASKS_PER_NODE from one layout (an srun step's, a
+    heterogeneous step's whole one, or the job's, kept under ``srun --preserve-env``), so the
+    list adds up to SLURM_NTASKS; fewer listed means ranks that never start, and a rendezvous
+    that waits for them until timeout. Not SLURM_NTASKS_PER_NODE (the option's count, a
+    per-node maximum with no node count), nor a single count without (xN) (every node's: the
+    total is unknown); more listed than run is left alone (an older salloc wrote CPUs per node
+    there)."""
+    raw = launch_env.text("SLURM_TASKS_PER_NODE", env)
+    if raw is None:
+        return
+    entries = launch_env.parse_tasks_per_node("SLURM_TASKS_PER_NODE", raw)
+    if len(entries) == 1 and "(" not in raw:
+        return
+    listed = sum(tasks * nodes for tasks, nodes in entries)
+    if listed < ntasks:
+        raise ValueError(
+            f"SLURM_NTASKS={ntasks} but SLURM_TASKS_PER_NODE={raw!r} lists {listed} tasks: srun "
+            "sets both from the step's layout, so the variables come from different jobs or "
+            "steps; run inside one srun step, or unset the stale one"
         )
 
 
@@ -205,7 +224,9 @@ def _slurm_local_world_size(ntasks: int, local_rank: int, env: Mapping[str, str]
             "come from different jobs or steps; run inside one srun step, or unset the stale "
             "ones"
         )
-    return max(on_node or 1, local_rank + 1)
+    # At most the step's tasks: SLURM_NTASKS_PER_NODE may be the batch job's, inherited by
+    # an `srun -n 2` inside an --ntasks-per-node=4 allocation.
+    return max(min(on_node or 1, ntasks), local_rank + 1)
 
 
 def _slurm(env: Mapping[str, str]) -> DistributedEnv | None:
@@ -218,6 +239,7 @@ def _slurm(env: Mapping[str, str]) -> DistributedEnv | None:
         # A one-task job (or `srun --pty bash`) is a workstation: launch() spawns locally.
         return None
     _refuse_outside_srun(ntasks, env)
+    _check_tasks_listed(ntasks, env)
     local_rank = _required("SLURM_LOCALID", env)
     local_world_size = _slurm_local_world_size(ntasks, local_rank, env)
     return DistributedEnv(

@@ -89,7 +89,12 @@ def _launch(
     if nprocs is not None:
         # Checked here, before a running job decides to ignore it: nprocs=0 or "2" is a
         # mistake wherever launch() runs.
-        nprocs = positive_int("nprocs", nprocs)
+        nprocs = positive_int(
+            "nprocs",
+            nprocs,
+            fix="pass the number of worker processes as an int, e.g. nprocs=2, or leave nprocs "
+            "out for one per visible GPU (1 without GPUs)",
+        )
     grace = positive_number("grace_s", grace_s, unit="seconds")
     hang = None
     if hang_timeout is not None:
