@@ -151,3 +151,10 @@ def test_worker_numbers_names_the_bad_value_and_prefetch_factor_without_workers(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         worker_numbers(given)
+
+
+@pytest.mark.parametrize("value", [float("inf"), np.float64("inf")])
+def test_an_infinite_positive_number_is_told_to_be_finite(value: object) -> None:
+    # "budget_s must be a positive number of seconds, got inf" did not say what was wrong.
+    with pytest.raises(ValueError, match=r"got (np\.float64\()?inf\)?; pass a finite number$"):
+        positive_number("budget_s", value, unit="seconds")

@@ -152,11 +152,16 @@ def positive_number(name: str, value: object, *, unit: str = "") -> float:
         Traceback (most recent call last):
         ...
         ValueError: budget_s must be a positive number of seconds, got -1
+        >>> positive_number("budget_s", float("inf"), unit="seconds")
+        Traceback (most recent call last):
+        ...
+        ValueError: budget_s must be a positive number of seconds, got inf; pass a finite number
     """
     number = as_real_number(value)
     if number is None or not math.isfinite(number) or number <= 0:
         what = f"a positive number of {unit}" if unit else "a positive number"
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+        hint = "; pass a finite number" if number == math.inf else ""
+        raise ValueError(f"{name} must be {what}, got {value!r}{hint}")
     return float(number)
 
 
