@@ -399,3 +399,92 @@ def test_a_loss_scale_past_float32s_range_is_refused_and_loads_nothing(bad: floa
     ):
         mp.load_state_dict(state)
     assert mp.state_dict() == before
+
+
+# ------------------------------------------------- a growth factor past float32's range
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize(
+    "bad", [1e300, 1e38, 10**400, 2.0**113], ids=["1e300", "1e38", "10**400", "2**113"]
+)
+def test_a_growth_factor_past_float32_from_the_starting_scale_is_refused(bad: float) -> None:
+    # Before: loaded without a word; GradScaler's update kernel then never grew the scale
+    # (it drops a growth past float32's range), or a factor just in range sent it far past
+    # what fp16 gradients hold.
+    mp = MixedPrecision("cpu", precision="fp16")
+    before = mp.state_dict()
+    state = {"precision": "fp16", "scaler": {**before["scaler"], "growth_factor": bad}}
+    with pytest.raises(
+        ValueError,
+        match=rf"state\['scaler'\]\['growth_factor'\] is {re.escape(repr(bad))}, a setting "
+        r"GradScaler cannot use: it must be a finite number >= 1 .* at most 5\.19e\+33 .*"
+        r"never grows the scale\); load the state without it.*"
+        r"mp.load_state_dict\(\{\*\*state, 'scaler': None\}\)",
+    ):
+        mp.load_state_dict(state)
+    assert mp.state_dict() == before
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize(
+    ("scale", "factor"),
+    [(2.0**127, 2.0), (1.0, torch.finfo(torch.float32).max / 2**16)],
+    ids=["top", "cap"],
+)
+def test_a_growth_factor_up_to_the_cap_loads_whatever_the_scale(
+    scale: float, factor: float
+) -> None:
+    # A scale that grew to the top by the default factor is a state GradScaler writes: the
+    # cap does not depend on the scale.
+    mp = MixedPrecision("cpu", precision="fp16")
+    saved = {**mp.state_dict()["scaler"], "scale": scale, "growth_factor": factor}
+    mp.load_state_dict({"precision": "fp16", "scaler": saved})
+    assert mp.scaler is not None and mp.scaler.get_growth_factor() == factor
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize(
+    "bad", [1e300, 10**400, 0.5, math.inf], ids=["1e300", "10**400", "0.5", "inf"]
+)
+def test_set_growth_factor_refuses_what_load_state_dict_would(bad: float) -> None:
+    # Before: mp.scaler.set_growth_factor(1e300) was taken (GradScaler's setter checks
+    # nothing), and mp.state_dict() then held a state that load_state_dict refuses.
+    mp = MixedPrecision("cpu", precision="fp16")
+    assert mp.scaler is not None
+    with pytest.raises(
+        ValueError,
+        match=rf"set_growth_factor\(\) got {re.escape(repr(bad))}: .* at most 5\.19e\+33 .*"
+        r"such as 2\.0",
+    ):
+        mp.scaler.set_growth_factor(bad)
+    assert mp.scaler.get_growth_factor() == 2.0
+    mp.scaler.set_growth_factor(4.0)
+    assert mp.scaler.get_growth_factor() == 4.0
+
+
+# ------------------------------------------------- restoring a scale no float32 holds
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("pending", [False, True], ids=["idle", "zeroed-mid-step"])
+@pytest.mark.parametrize("bad", [10**400, 1e39, -(10**309)], ids=["10**400", "1e39", "-10**309"])
+def test_restoring_a_scale_no_float32_holds_is_refused_and_loads_nothing(
+    bad: float, pending: bool
+) -> None:
+    # Before: mid-step, _changes_scale's float(10**400) raised a bare OverflowError; else
+    # GradScaler set half the state, then failed with a bare OverflowError or RuntimeError.
+    mp = MixedPrecision("cpu", precision="fp16")
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=1.0)
+    mp.backward(w.sum())
+    if pending:
+        mp.zero_grad(opt)
+    else:
+        assert mp.step(opt)
+    before = mp.state_dict()
+    state = {"precision": "fp16", "scaler": {**before["scaler"], "scale": bad}}
+    with pytest.raises(ValueError, match=rf"is {re.escape(repr(bad))}: .*float32"), restoring():
+        mp.load_state_dict(state)
+    assert mp.state_dict() == before
+    assert mp._backward_pending is pending

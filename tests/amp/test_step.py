@@ -454,3 +454,47 @@ def test_backward_of_a_loss_without_a_graph_names_the_likely_causes() -> None:
         loss = model(torch.randn(3, 4)).sum()
     with pytest.raises(ValueError, match=r"does not require grad.*torch.no_grad\(\)"):
         mp.backward(loss)
+
+
+# ------------------------------------------------- complex parameters under fp16
+
+
+@needs_cpu_fp16
+@pytest.mark.parametrize("call", ["step", "unscale_"])
+def test_fp16_complex_parameters_are_refused_before_anything_steps(call: str) -> None:
+    # Before: a bare NotImplementedError from torch's unscale kernel
+    # ("_amp_foreach_non_finite_check_and_unscale_cpu" not implemented for 'ComplexFloat'),
+    # which names neither the parameter nor the fix.
+    mp = MixedPrecision("cpu", precision="fp16")
+    real = nn.Parameter(torch.ones(2))
+    z = nn.Parameter(torch.ones(3, dtype=torch.complex64))
+    opt = torch.optim.SGD([real, z], lr=1.0)
+    mp.backward(real.sum() + z.abs().sum())
+    with pytest.raises(
+        ValueError,
+        match=r"complex gradients in optimizer 1 of 1 \(SGD\): parameter #2 \(shape \(3,\), "
+        r"torch.complex64\).*precision='bf16' or 'fp32'.*requires_grad_\(False\)",
+    ):
+        getattr(mp, call)(opt)
+    assert real.tolist() == [1.0, 1.0] and z.tolist() == [1, 1, 1]  # nothing stepped
+    mp.zero_grad(opt)  # the way on: drop the backward
+
+
+@needs_cpu_fp16
+def test_fp16_complex_parameters_are_named_when_the_optimizer_knows_their_names() -> None:
+    mp = MixedPrecision("cpu", precision="fp16")
+    model = nn.Linear(2, 2, dtype=torch.complex64)
+    opt = torch.optim.SGD(model.named_parameters(), lr=0.1)
+    mp.backward(model(torch.ones(1, 2, dtype=torch.complex64)).abs().sum())
+    with pytest.raises(ValueError, match=r"parameters 'weight' \(shape \(2, 2\), .*'bias'"):
+        mp.step(opt)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_complex_parameters_step_without_a_loss_scaler(precision: Precision) -> None:
+    # The fix the fp16 refusal names: no loss scaler, nothing to unscale.
+    mp = MixedPrecision("cpu", precision=precision)
+    z = nn.Parameter(torch.ones(2, dtype=torch.complex64))
+    opt = torch.optim.SGD([z], lr=0.5)
+    mp.backward((z.real * 2).sum())
+    assert mp.step(opt) and z.tolist() == [0j, 0j]

@@ -235,3 +235,36 @@ def test_worker_init_fn_pickled_elsewhere_does_not_pass_on_that_rank(
     assert repr(elsewhere) == repr(worker_init_fn) == "<function trainperf.worker_init_fn>"
     monkeypatch.setenv("RANK", "1")
     assert elsewhere._rank_here() == 1  # pickled in this process, which is not a worker's parent
+
+
+@pytest.mark.parametrize("seed", [1.0, np.float64(7.0), torch.tensor(3.0)])
+def test_seed_everything_says_to_pass_int_seed_for_a_whole_float(
+    seed: Any, restore_determinism: None
+) -> None:
+    # Before: "seed must be an int, got 1.0", without the fix worker_init_fn's error names.
+    with pytest.raises(TypeError, match=r"seed must be an int, got .* \(pass int\(seed\)\)$"):
+        seed_everything(seed)
+
+
+@pytest.mark.parametrize(
+    "seed", [torch.tensor([5]), torch.tensor([[5]]), np.array([5])], ids=["1-d", "2-d", "np-1-d"]
+)
+def test_seed_everything_refuses_a_tensor_that_is_not_0_dim(
+    seed: Any, restore_determinism: None
+) -> None:
+    # Before: torch.tensor([5]) was taken as 5 (operator.index reads any one-element
+    # integer tensor), while NumPy's np.array([5]) was refused without a fix.
+    with pytest.raises(TypeError, match=r"seed must be an int, got .*\(pass seed\.item\(\)\)$"):
+        seed_everything(seed)
+
+
+def test_seed_everything_takes_a_0_dim_integer_tensor(restore_determinism: None) -> None:
+    seed = seed_everything(torch.tensor(5))  # type: ignore[arg-type]
+    assert seed == 5 and type(seed) is int
+
+
+@pytest.mark.parametrize("seed", [1.5, "1", None, torch.tensor([1, 2])])
+def test_seed_everything_suggests_no_fix_that_would_change_the_seed(seed: Any) -> None:
+    with pytest.raises(TypeError, match=r"seed must be an int, got ") as caught:
+        seed_everything(seed)
+    assert "pass" not in str(caught.value)

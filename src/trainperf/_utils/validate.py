@@ -25,6 +25,7 @@ __all__ = [
     "choice",
     "flag",
     "fresh_stream",
+    "int_like",
     "non_negative_int",
     "non_negative_number",
     "positive_int",
@@ -57,7 +58,7 @@ def _int_at_least(name: str, value: object, minimum: int, none_ok: bool, fix: st
     number = as_real_number(value)
     if not isinstance(number, int) or number < minimum:
         allowed = f"an int >= {minimum}"
-        hint = f" (pass int({name}))" if _int_like(value, minimum) else ""
+        hint = f" (pass int({name}))" if int_like(value, minimum) else ""
         raise ValueError(
             f"{name} must be {'None or ' if none_ok else ''}{allowed}, got {value!r}{hint}"
             f"{'; ' + fix if fix else ''}"
@@ -65,7 +66,7 @@ def _int_at_least(name: str, value: object, minimum: int, none_ok: bool, fix: st
     return number
 
 
-def _int_like(value: object, minimum: int) -> bool:
+def int_like(value: object, minimum: int) -> bool:
     """Whether ``value`` is a whole number >= ``minimum`` of a type the check refuses: a
     one-element tensor, ``5.0`` (what ``int(value)`` would make right)."""
     dtype = str(getattr(value, "dtype", ""))

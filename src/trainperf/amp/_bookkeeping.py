@@ -35,6 +35,7 @@ from torch import nn
 from trainperf.amp._closure import check_closure
 from trainperf.amp._scaler import GradRecord, drop_unscaled
 from trainperf.amp._step import (
+    check_no_complex_grads,
     check_no_fp16_grads,
     check_optimizers,
     check_step,
@@ -154,6 +155,7 @@ def check_step_call(
     check_closure(optimizers, closure, max_grad_norm, scaling=scaling)
     if scaling:
         check_no_fp16_grads(optimizers)
+        check_no_complex_grads(optimizers)
 
 
 def run_step(
@@ -216,6 +218,7 @@ def unscale(
         )
     if scaler is not None:
         check_no_fp16_grads((optimizer,), caller="unscale_")
+        check_no_complex_grads((optimizer,), caller="unscale_")
         scaler.unscale_(optimizer)
 
 

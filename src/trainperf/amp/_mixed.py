@@ -386,8 +386,11 @@ class MixedPrecision:
                 needs a closure (LBFGS) got none; ``closure`` is not callable.
             ValueError: ``max_grad_norm`` is not a positive number, an optimizer is given
                 twice, (fp16) a gradient is fp16 itself: the model was cast to fp16
-                (``model.half()``), where loss scaling needs fp32 parameters; a closure (or
-                an optimizer that needs one) with fp16, or with ``max_grad_norm``; (fp16)
+                (``model.half()``), where loss scaling needs fp32 parameters; (fp16) a
+                gradient is complex, which the loss scaler cannot unscale (the error names
+                the parameters: use bf16 or fp32, or keep them out of the optimizer); a
+                closure (or an optimizer that needs one) with fp16, or with
+                ``max_grad_norm``; (fp16)
                 this is an unpickled copy whose pickled loss scale is not a finite number > 0
                 (see :meth:`__setstate__`).
 
@@ -437,7 +440,7 @@ class MixedPrecision:
             RuntimeError: no :meth:`backward` since the last step or :meth:`zero_grad` (of
                 this optimizer); (fp16) already unscaled since the last step.
             ValueError: (fp16) a gradient is fp16 itself (the model was cast with
-                ``model.half()``), which the loss scaler cannot unscale.
+                ``model.half()``) or complex, which the loss scaler cannot unscale.
 
         Example:
             >>> mp = MixedPrecision("cpu", precision="bf16")
@@ -544,8 +547,9 @@ class MixedPrecision:
                 skip every step: load ``{**state, "scaler": None}`` to keep this one's
                 scale), nothing loaded then, or (``strict``) it carries a loss scale that
                 this precision cannot use; a loss-scaler setting no ``GradScaler`` can use
-                (a ``backoff_factor`` outside (0, 1], a ``growth_factor`` < 1 or not finite,
-                a ``growth_interval`` < 1).
+                (a ``backoff_factor`` outside (0, 1], a ``growth_factor`` < 1, not finite
+                or past 5.19e33, a ``growth_interval`` < 1); while ``tune_batch_size``
+                restores its state, a loss scale no float32 holds.
             TypeError: ``strict`` is not True or False.
             RuntimeError: (fp16) another loss scale than the one in use loaded between
                 :meth:`backward` and :meth:`step`: the step would unscale the waiting

@@ -17,13 +17,50 @@ from typing import Any
 
 import torch
 
+from trainperf._utils.validate import as_real_number
 from trainperf.amp._step import parameters
 
-__all__ = ["GradRecord", "LossScaler", "as_loss_scaler", "drop_unscaled", "unscaled_grads"]
+__all__ = [
+    "GROWTH_FACTOR_RULE",
+    "MAX_GROWTH_FACTOR",
+    "MAX_SCALE",
+    "GradRecord",
+    "LossScaler",
+    "as_loss_scaler",
+    "drop_unscaled",
+    "growth_factor_ok",
+    "unscaled_grads",
+]
 
 GradRecord = dict[int, list[tuple[torch.Tensor, torch.Tensor | None, int]] | None]
 """By optimizer id, with an ``unscale_`` recorded: each parameter, its gradient and that
 gradient's version counter (None where the optimizer is unknown)."""
+
+MAX_SCALE = torch.finfo(torch.float32).max
+"""The largest loss scale: ``GradScaler`` keeps it in a float32 tensor."""
+
+MAX_GROWTH_FACTOR = MAX_SCALE / 2.0**16
+"""The largest growth factor taken, about 5.19e33: one growth of ``GradScaler``'s starting
+scale, 65536.0, by a larger one passes :data:`MAX_SCALE`, and its update kernel drops a
+growth past float32's range, so the scale would never grow. A cap, not a limit computed from
+the scale in use: a scale that grew to the top by a factor of 2 (2**127) is fine."""
+
+GROWTH_FACTOR_RULE = (
+    f"a finite number >= 1 (1.0 turns growth off), at most {MAX_GROWTH_FACTOR:.3g} (one "
+    "growth of the starting scale 65536.0 by more passes float32's largest number, and "
+    "GradScaler then never grows the scale)"
+)
+"""What :func:`growth_factor_ok` takes, in words."""
+
+
+def growth_factor_ok(factor: float) -> bool:
+    """Whether ``factor`` (a number) is a growth factor a loss scaler can grow by.
+
+    Example:
+        >>> growth_factor_ok(2.0), growth_factor_ok(1e300), growth_factor_ok(0.5)
+        (True, False, False)
+    """
+    return 1 <= factor <= MAX_GROWTH_FACTOR
 
 
 class LossScaler(torch.amp.GradScaler):
@@ -39,6 +76,22 @@ class LossScaler(torch.amp.GradScaler):
         super().__init__(*args, **kwargs)
         self._unscaled_optimizers: weakref.WeakValueDictionary[int, torch.optim.Optimizer]
         self._unscaled_optimizers = weakref.WeakValueDictionary()
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """``GradScaler.set_growth_factor``, refusing a factor ``load_state_dict`` would
+        refuse in ``mp.state_dict()`` (see :data:`GROWTH_FACTOR_RULE`): torch's setter
+        takes anything.
+
+        Raises:
+            ValueError: such a factor; the growth factor is left as it was.
+        """
+        number = as_real_number(new_factor)
+        if number is None or not growth_factor_ok(number):
+            raise ValueError(
+                f"mp.scaler.set_growth_factor() got {new_factor!r}: the growth factor must be "
+                f"{GROWTH_FACTOR_RULE}; pass a factor such as 2.0 (GradScaler's default)"
+            )
+        super().set_growth_factor(new_factor)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """``GradScaler.unscale_``, remembering ``optimizer`` (if it can be weakly referenced)."""

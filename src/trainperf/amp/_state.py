@@ -34,12 +34,18 @@ import torch
 from trainperf._utils.validate import as_real_number
 from trainperf.amp import _bookkeeping
 from trainperf.amp._precision import DTYPES, NAMES
-from trainperf.amp._scaler import as_loss_scaler
+from trainperf.amp._scaler import (
+    GROWTH_FACTOR_RULE,
+    MAX_SCALE,
+    as_loss_scaler,
+    growth_factor_ok,
+)
 
 if TYPE_CHECKING:
     from trainperf.amp._mixed import MixedPrecision
 
 __all__ = [
+    "check_float32",
     "check_scale",
     "check_scaler_settings",
     "check_scaler_state",
@@ -125,7 +131,8 @@ def load_into(mp: MixedPrecision, state: Mapping[str, Any], *, strict: bool) -> 
 def _changes_scale(scaler: torch.amp.GradScaler, checked: Mapping[str, Any]) -> bool:
     """Loading ``checked`` would give ``scaler`` another loss scale than its own now."""
     number = as_real_number(checked["scale"])
-    return number is None or float(number) != scaler.get_scale()
+    # Compared, not converted: an int past a float's range (10**400) stays comparable.
+    return number is None or number != scaler.get_scale()
 
 
 def checked_state(
@@ -155,6 +162,8 @@ def checked_state(
     if scaler.is_enabled() and not _RESTORING.get():
         check_scale(checked["scale"])
         check_scaler_settings(checked)
+    elif scaler.is_enabled():
+        check_float32(checked["scale"])
     return checked
 
 
@@ -280,7 +289,7 @@ def check_scaler_state(saved: object, scaler: torch.amp.GradScaler) -> dict[str,
 
 
 _SETTINGS: dict[str, tuple[str, Callable[[float], bool]]] = {
-    "growth_factor": ("a finite number >= 1 (1.0 turns growth off)", lambda n: 1 <= n < math.inf),
+    "growth_factor": (GROWTH_FACTOR_RULE, growth_factor_ok),
     "backoff_factor": ("a number in (0, 1] (1.0 turns backoff off)", lambda n: 0 < n <= 1),
     "growth_interval": (
         "an int from 1 to 2**63 - 1",
@@ -294,7 +303,9 @@ _SETTINGS: dict[str, tuple[str, Callable[[float], bool]]] = {
 """The rules for the loss scaler's settings, as wide as what ``GradScaler``'s setters and
 update kernel take: ``set_growth_factor(1.0)`` and ``set_backoff_factor(1.0)`` turn growth
 and backoff off (its constructor refuses both, its setters and kernel do not); the kernel
-takes the interval as an int64 and keeps the tracker in an int32 tensor. Each rule is
+takes the interval as an int64 and keeps the tracker in an int32 tensor. The growth factor
+alone is capped below what they take (:data:`~trainperf.amp._scaler.MAX_GROWTH_FACTOR`): a
+larger one never grows the scale. Each rule is
 applied to the setting as :func:`~trainperf._utils.validate.as_real_number` reads it (an int
 stays an int); a setting it reads as no number (a bool, a string, a ``timedelta64``) is
 refused whatever the rule."""
@@ -304,7 +315,9 @@ def check_scaler_settings(saved: Mapping[str, Any]) -> None:
     """Refuse a loss-scaler state whose settings no ``GradScaler`` can use: a
     ``backoff_factor`` > 1 raises the scale on every skipped step (NaN skips every step for
     good) and one <= 0 zeroes or flips it, a ``growth_factor`` < 1 lowers it after good
-    ones, a ``growth_interval`` of 0 never grows it, and a growth interval or tracker that is
+    ones and one past :data:`~trainperf.amp._scaler.MAX_GROWTH_FACTOR` never grows it (the
+    update kernel drops a growth past float32's range), a ``growth_interval`` of 0 never grows
+    it, and a growth interval or tracker that is
     not an int, or past the int64 (interval) or int32 (tracker) the update kernel keeps it
     in, fails at the first step with a bare ``TypeError``, ``ValueError`` or
     ``RuntimeError``. A factor of exactly 1 (growth or backoff off) is taken.
@@ -335,9 +348,37 @@ _LOAD_FIX = (
 """What :func:`check_scale` advises ``load_state_dict``'s caller."""
 
 
-_MAX_SCALE = torch.finfo(torch.float32).max
+_MAX_SCALE = MAX_SCALE
 """The largest loss scale: ``GradScaler`` keeps it in a float32 tensor, and a larger one
 fails the first ``mp.backward`` with a bare "value cannot be converted ... without overflow"."""
+
+
+def check_float32(scale: object) -> None:
+    """Refuse, while :func:`restoring`, a loss scale that ``GradScaler`` cannot hold: not a
+    number, or a finite one past float32's range (:data:`_MAX_SCALE`). Any other loads then,
+    0 included; loading this one would fail half-way with a bare ``OverflowError``.
+
+    Example:
+        >>> check_float32(0.0)
+        >>> try:
+        ...     check_float32(1e39)
+        ... except ValueError as e:
+        ...     print(str(e).split(":")[0])
+        the state's loss scale (state['scaler']['scale']) is 1e+39
+    """
+    number = as_real_number(scale)
+    if number is not None and not _past_float32(number):
+        return
+    raise ValueError(
+        f"the state's loss scale (state['scaler']['scale']) is {scale!r}: GradScaler keeps "
+        f"the scale in a float32, which holds a number up to {_MAX_SCALE:.2g}; {_LOAD_FIX}"
+    )
+
+
+def _past_float32(number: float) -> bool:
+    """Whether ``number`` is finite and past what a float32 holds (inf and NaN fill one);
+    an int is compared, not converted (``float(10**400)`` overflows)."""
+    return abs(number) > _MAX_SCALE and (isinstance(number, int) or math.isfinite(number))
 
 
 def check_scale(

@@ -19,6 +19,7 @@ from torch import nn
 __all__ = [
     "check_loss",
     "check_max_grad_norm",
+    "check_no_complex_grads",
     "check_no_fp16_grads",
     "check_not_already_stepped",
     "check_not_zeroed",
@@ -342,6 +343,43 @@ def check_no_fp16_grads(
                 "model in fp32 (mp.autocast() already runs its operations in fp16): "
                 "model.float(), then build the optimizer again"
             )
+
+
+def check_no_complex_grads(
+    optimizers: tuple[torch.optim.Optimizer, ...], *, caller: str = "step"
+) -> None:
+    """Refuse complex gradients before anything steps or is unscaled (``caller``: the
+    ``MixedPrecision`` method that asks): ``GradScaler``'s unscale kernel has none (its bare
+    ``NotImplementedError`` for 'ComplexFloat' names neither the parameter nor the fix)."""
+    for i, o in enumerate(optimizers, 1):
+        complex_ = _complex_parameters(o)
+        if complex_:
+            raise ValueError(
+                f"MixedPrecision.{caller}() found complex gradients in optimizer {i} of "
+                f"{len(optimizers)} ({type(o).__name__}): "
+                f"parameter{'s' if len(complex_) > 1 else ''} {', '.join(complex_)}, which "
+                "the fp16 loss scaler cannot unscale (torch has no complex unscale kernel); "
+                "use MixedPrecision(precision='bf16' or 'fp32'), which need no loss scaler, "
+                "or keep complex parameters out of the optimizer: freeze them "
+                "(requires_grad_(False)), or store them real, shape (..., 2), and take "
+                "torch.view_as_complex(p) in forward"
+            )
+
+
+def _complex_parameters(optimizer: torch.optim.Optimizer) -> list[str]:
+    """Each of ``optimizer``'s parameters with a complex gradient: its name where the
+    optimizer was given names (``model.named_parameters()``), else its position among the
+    optimizer's parameters, with its shape and dtype."""
+    found = []
+    position = 0
+    for group in optimizer.param_groups:
+        names = group.get("param_names")
+        for j, p in enumerate(group["params"]):
+            position += 1
+            if p.grad is not None and p.grad.is_complex():
+                name = repr(names[j]) if names else f"#{position}"
+                found.append(f"{name} (shape {tuple(p.shape)}, {p.dtype})")
+    return found
 
 
 def has_grads(optimizer: torch.optim.Optimizer) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import multiprocessing
 import operator
 import os
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 
 from trainperf._utils import launch_env
-from trainperf._utils.validate import non_negative_int
+from trainperf._utils.validate import int_like, non_negative_int
 
 
 def seed_everything(seed: int, *, deterministic: bool = False) -> int:
@@ -35,7 +36,8 @@ def seed_everything(seed: int, *, deterministic: bool = False) -> int:
         The seed, for logging.
 
     Raises:
-        TypeError: ``seed`` is not an integer.
+        TypeError: ``seed`` is not an integer: a float, or a tensor that is not 0-dim
+            (``torch.tensor([5])``: pass ``seed.item()``; a 0-dim integer tensor is taken).
         ValueError: ``seed`` is outside ``[0, 2**32 - 1]``.
 
     Example:
@@ -45,13 +47,16 @@ def seed_everything(seed: int, *, deterministic: bool = False) -> int:
         True
     """
     given: object = seed  # callers pass anything; checked here
-    # operator.index reads a bool tensor as 0 or 1; a NumPy bool it refuses itself.
-    if isinstance(given, bool) or (isinstance(given, torch.Tensor) and given.dtype == torch.bool):
-        raise TypeError(f"seed must be an int, got {seed!r}")
+    # operator.index reads a bool tensor as 0 or 1, and any one-element integer tensor
+    # (tensor([5])) as its value, where it refuses np.array([5]); a NumPy bool it refuses.
+    if isinstance(given, bool) or (
+        isinstance(given, torch.Tensor) and (given.dtype == torch.bool or given.dim() > 0)
+    ):
+        raise TypeError(f"seed must be an int, got {seed!r}{_seed_fix(given)}")
     try:
         seed = operator.index(seed)
     except TypeError as e:
-        raise TypeError(f"seed must be an int, got {seed!r}") from e
+        raise TypeError(f"seed must be an int, got {seed!r}{_seed_fix(given)}") from e
     if not 0 <= seed <= 2**32 - 1:
         raise ValueError(f"seed must be in [0, 2**32 - 1] (NumPy's range), got {seed!r}")
     random.seed(seed)
@@ -66,6 +71,17 @@ def seed_everything(seed: int, *, deterministic: bool = False) -> int:
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
     return seed
+
+
+def _seed_fix(seed: object) -> str:
+    """The fix that :func:`seed_everything`'s refusal of ``seed`` names, where one keeps its
+    value: ``seed.item()`` for a one-element integer tensor or array that is not 0-dim,
+    ``int(seed)`` for a whole number of another type (as :func:`worker_init_fn`'s error)."""
+    if isinstance(seed, (torch.Tensor, np.ndarray)) and seed.ndim > 0:
+        item = seed.item() if math.prod(seed.shape) == 1 else None
+        whole = isinstance(item, int) and not isinstance(item, bool)
+        return " (pass seed.item())" if whole else ""
+    return " (pass int(seed))" if int_like(seed, 0) else ""
 
 
 def _worker_seed_state(seed: int) -> np.ndarray[Any, Any]:

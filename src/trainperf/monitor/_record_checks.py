@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from trainperf._utils.validate import _int_like, as_real_number
+from trainperf._utils.validate import as_real_number, int_like
 from trainperf.monitor._records import Sample, StepRecord
 
 __all__ = ["check_rates", "check_records"]
@@ -92,7 +92,7 @@ def _repair(name: str, value: object, what: str, *, count: bool, signed: bool) -
     one-element tensor; never a bool), or ``float(...)`` for a NumPy scalar in range; else
     to repair the record."""
     if count:  # counts are never signed
-        return f"make it int({name})" if _int_like(value, 0) else f"drop or repair that {what}"
+        return f"make it int({name})" if int_like(value, 0) else f"drop or repair that {what}"
     number = as_real_number(value)
     if number is None or not _fits(number) or (number < 0 and not signed):
         return f"drop or repair that {what}"
