@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import gc
 import http
 import json
 import os
@@ -13,6 +14,7 @@ import signal
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -463,6 +465,30 @@ def test_a_stop_request_saves_whatever_every_says_when_preemption_was_called_aga
         assert stop.requested
         assert ckpt.save({"n": 1234}, step=1234).writer == "blocking"
     assert ckpt.steps() == [1234]
+
+
+def test_preemption_objects_made_per_epoch_are_not_kept_by_the_checkpointer(
+    tmp_path: Path,
+) -> None:
+    # Every preemption() was appended to a list that was never pruned: a loop that entered
+    # one per epoch kept them all (with their handlers) for the Checkpointer's life.
+    ckpt = Checkpointer(tmp_path, every=1000)
+    made = []
+    for _ in range(50):
+        with ckpt.preemption(("SIGUSR1",)) as stop:
+            pass
+        made.append(weakref.ref(stop))
+    del stop
+    gc.collect()
+    assert [ref for ref in made if ref() is not None] == []
+    # A stop requested in a block whose object is gone since still saves whatever every says.
+    with ckpt.preemption(("SIGUSR1",)) as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert stop.requested
+    del stop
+    gc.collect()
+    assert ckpt.save({"n": 7}, step=7).writer == "blocking"
 
 
 def test_the_memory_check_falls_back_to_a_blocking_save_with_the_numbers(

@@ -14,6 +14,7 @@ import trainperf.checkpoint._checkpointer_wait as wait_module
 import trainperf.checkpoint._writer as writer_module
 from tests.checkpoint._common import held_thread_writes
 from trainperf import Checkpointer, load_checkpoint
+from trainperf.checkpoint._writer_fork import fork_writes
 from trainperf.errors import CheckpointError
 
 
@@ -122,3 +123,71 @@ def test_latest_leaves_a_failed_background_write_to_the_next_save_or_wait(
     assert handle.done()
     with pytest.raises(CheckpointError, match=r"background save of step 2 failed.*No space"):
         ckpt.wait()
+
+
+def _still_waiting(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "still waiting" in line]
+
+
+def test_a_wait_for_a_stuck_background_write_says_so_on_stderr_and_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A SIGSTOPped writer or a hung NFS mount made wait() (and latest, restore, the next
+    # save) wait in silence forever. It still waits without bound (a big save may be slow),
+    # but says so once per interval: the step, the file, the writer, how long, what to check.
+    monkeypatch.setattr(wait_module, "_FIRST_NOTICE_S", 0.05, raising=False)
+    monkeypatch.setattr(wait_module, "_NOTICE_EVERY_S", 0.05, raising=False)
+    release = held_thread_writes(monkeypatch)
+    ckpt = Checkpointer(tmp_path, keep=5)
+    handle = ckpt.save({"w": torch.ones(4)}, step=2, blocking=False)  # held: a stuck writer
+    threading.Timer(0.6, release.set).start()
+    ckpt.wait()
+    assert handle.done() and ckpt.steps() == [2]
+    lines = _still_waiting(capsys.readouterr().err)
+    assert len(lines) >= 2, lines  # the first notice, then again at each interval
+    first = lines[0]
+    assert first.startswith("trainperf: still waiting")
+    assert f"step 2 to {tmp_path / 'step-000000002.pt'}" in first
+    assert "writer thread" in first and "native id" in first
+    assert f"ls -l {tmp_path}/.step-000000002.pt.tmp-*" in first
+    assert "responsive" in first and "still waits" in first
+
+
+@pytest.mark.parametrize("method", ["wait", "latest", "restore", "save"])
+def test_every_wait_for_a_stuck_forked_writer_names_its_pid(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    method: str,
+) -> None:
+    # A fake forked writer that blocks until an Event is set (its handle's own).
+    monkeypatch.setattr(wait_module, "_FIRST_NOTICE_S", 0.05, raising=False)
+    monkeypatch.setattr(wait_module, "_NOTICE_EVERY_S", 10.0, raising=False)
+    ckpt = Checkpointer(tmp_path, keep=5)
+    ckpt.save({"w": torch.ones(4)}, step=1)
+    stuck = writer_module.SaveHandle(3, tmp_path / "step-000000003.pt", "process")
+    stuck._pid = 4242
+    stuck._track()
+    ckpt._pending = stuck
+    threading.Timer(0.4, stuck._finish, args=(None, [])).start()
+    state = {"w": torch.zeros(4)}
+    if method == "wait":
+        ckpt.wait()
+    elif method == "latest":
+        assert ckpt.latest() == tmp_path / "step-000000001.pt"
+    elif method == "restore":
+        assert ckpt.restore(state) == 1
+    else:
+        ckpt.save(state, step=4)
+    (line,) = _still_waiting(capsys.readouterr().err)  # once per interval, not busy
+    assert "step 3" in line and "writer process (pid 4242)" in line
+    assert "ps -o pid,stat,etime -p 4242" in line and "kill -CONT 4242" in line
+
+
+@pytest.mark.skipif(not fork_writes(), reason="needs the forked writer (Linux)")
+def test_a_forked_writers_pid_is_known_to_the_wait_that_names_it(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path, keep=5)
+    handle = ckpt.save({"w": torch.ones(4)}, step=1, blocking=False)
+    ckpt.wait()
+    assert handle.writer == "process"
+    assert isinstance(handle._pid, int) and handle._pid > 0

@@ -145,3 +145,49 @@ def test_a_later_misnamed_copy_that_every_resume_would_refuse_is_warned_of(
             ckpt.save({"w": torch.ones(1)}, step=step)
     with pytest.raises(CheckpointError, match=r"restore stops at step 900"):
         ckpt.restore({"w": torch.zeros(1)})
+
+
+def test_a_later_dangling_link_is_warned_of_as_one_that_latest_and_restore_skip(
+    tmp_path: Path,
+) -> None:
+    # A step file's name linked to nothing was called a file "cut short or damaged in a
+    # copy: copy it again" at save, while latest() and restore() skip it as a missing file.
+    ckpt = Checkpointer(tmp_path, keep=2)
+    ckpt.save({"w": torch.ones(1)}, step=1)
+    link = tmp_path / "step-000000009.pt"
+    link.symlink_to(tmp_path / "gone" / "step-000000009.pt")
+    with pytest.warns(UserWarning) as caught:
+        ckpt.save({"w": torch.ones(1)}, step=2)
+    (message,) = [str(w.message) for w in caught]
+    assert f"save(step=2): {link} (step 9, later than this save) is a dangling" in message
+    assert f"symbolic link to {tmp_path / 'gone' / 'step-000000009.pt'}" in message
+    assert "latest() and restore() skip it for an older step" in message
+    assert f"rm {link}" in message and "copy it again" not in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once, not at every save
+        ckpt.save({"w": torch.ones(1)}, step=3)
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000009\.pt"):
+        assert ckpt.latest() == tmp_path / "step-000000003.pt"
+    assert link.is_symlink()  # keep= never deletes it
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_directory_with_a_rank_files_name_below_the_kept_steps_is_warned_of_once(
+    tmp_path: Path, blocking: bool
+) -> None:
+    # Retention tried to delete it at every save, and every save warned that it could not.
+    odd = tmp_path / "step-000000001.rank-00001.pt"
+    odd.mkdir()
+    ckpt = Checkpointer(tmp_path, keep=1)
+    with pytest.warns(UserWarning) as caught:
+        ckpt.save({"w": torch.ones(1)}, step=5, blocking=blocking)
+        ckpt.wait()
+    (message,) = [str(w.message) for w in caught]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once, not at every save
+        for step in (6, 7, 8):
+            ckpt.save({"w": torch.ones(1)}, step=step, blocking=blocking)
+            ckpt.wait()
+    assert odd.is_dir() and ckpt.steps() == [8]
+    assert f"{odd}: a directory, not a checkpoint file" in message
+    assert f"rm -r {odd}" in message

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 from functools import partial
 from pathlib import Path
@@ -130,10 +131,13 @@ class Checkpointer:
         self.removed_temps = remove_dead_temps(self.directory)
         self._pending: SaveHandle | None = None
         self._staging = Staging()
-        self._stops: list[Preemption] = []  # every preemption() made, nested ones too
+        # A stop was agreed through one of its preemption() objects (told by the object:
+        # keeping the objects would keep one per epoch of a loop that makes one per epoch).
+        self._stop_requested = False
         self._damaged: set[int] = set()  # steps whose file restore found corrupt
         self._behind_told = -1  # the highest later step on disk warned of so far
         self._unusable_told: set[tuple[object, ...]] = set()  # later files warned unusable
+        self._notes_told: set[str] = set()  # retired files warned not deleted, and why
         self._highest = -1  # the highest step on disk or saved here, as far as seen
         self._claim = DirectoryClaim(self.directory)  # rank 0's writer lock, at its first save
 
@@ -163,7 +167,7 @@ class Checkpointer:
     def _stopping(self) -> bool:
         """A stop was requested through any of this Checkpointer's :meth:`preemption`
         objects (it stays requested: the final save may come after the ``with`` block)."""
-        return any(stop._agreed_at is not None for stop in self._stops)
+        return self._stop_requested
 
     def _skips(self, step: int, force: bool) -> bool:
         return (
@@ -273,7 +277,7 @@ class Checkpointer:
                 return handle
         with saving(path):  # blocking: the other ranks may wait in a collective meanwhile
             write_now(payload, path)
-        warn_notes(self._after(step))
+        warn_notes(self._after(step), self._notes_told)
         return SaveHandle.finished(step, path, "blocking")
 
     def _start_background(self, payload: Any, path: Path, step: int) -> SaveHandle | None:
@@ -481,5 +485,14 @@ class Checkpointer:
             RuntimeError: entered outside the main thread, or entered twice.
         """
         stop = Preemption(signals, grace_s, check_every)
-        self._stops.append(stop)
+        # Weakly: a Preemption kept must not keep this object (and its directory lock) alive.
+        stop._on_stop = partial(_stop_agreed, weakref.ref(self))
         return stop
+
+
+def _stop_agreed(ckpt: weakref.ref[Checkpointer]) -> None:
+    """A :meth:`Checkpointer.preemption` object agreed a stop: from now on ``save`` ignores
+    ``every``."""
+    alive = ckpt()
+    if alive is not None:
+        alive._stop_requested = True

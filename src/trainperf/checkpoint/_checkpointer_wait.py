@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import sys
 import threading
+import time
 import warnings
 from typing import TYPE_CHECKING
 
@@ -46,7 +48,7 @@ def settle(ckpt: Checkpointer) -> None:
     # staging buffers that save refills, and this step's file would get the next one's values.
     _finish(pending)
     ckpt._pending = None
-    warn_notes(pending.notes)
+    warn_notes(pending.notes, ckpt._notes_told)
     pending.raise_failure()
     # Written again: a damaged file of that step was replaced (a forked writer's own
     # discard in _after stays in its copy of this object).
@@ -98,12 +100,59 @@ def tell_earlier(error: BaseException, earlier: CheckpointError) -> None:
     warnings.warn(str(earlier), UserWarning, stacklevel=user_stacklevel())
 
 
+# A wait for a background write has no bound (a save of many GB to a slow disk takes
+# minutes), but one that goes on this long says so on stderr, and again at each interval
+# after: a stopped writer (SIGSTOP, a debugger) or a filesystem that stopped answering (a
+# hung NFS mount) would otherwise hang the loop in silence. Tests set them small.
+_FIRST_NOTICE_S = 60.0
+_NOTICE_EVERY_S = 300.0
+
+
 def _finish(pending: SaveHandle) -> None:
     """Wait for a background write, telling hang detection that this rank is waiting for
     its own checkpoint (known slow work: the other ranks may wait in a collective, or have
-    returned, meanwhile), not hung."""
+    returned, meanwhile), not hung; a wait that goes on says so (:func:`_still_waiting`)."""
     with saving(pending.path):
-        pending._event.wait()
+        started = time.monotonic()
+        timeout = _FIRST_NOTICE_S
+        while not pending._event.wait(timeout):
+            print(_still_waiting(pending, time.monotonic() - started), file=sys.stderr, flush=True)
+            timeout = _NOTICE_EVERY_S
+
+
+def _still_waiting(pending: SaveHandle, waited_s: float) -> str:
+    """The line printed while a wait for ``pending`` goes on: the step, the file, the
+    writer, for how long, and what to check."""
+    path = pending.path
+    where = "its file" if path is None else str(path)
+    began = time.monotonic() - pending._began
+    if pending._pid is not None:
+        writer = f"its writer process (pid {pending._pid})"
+        check = (
+            f"is the writer stopped or stuck? (ps -o pid,stat,etime -p {pending._pid}: T means "
+            f"stopped, kill -CONT {pending._pid} resumes it; D means it waits on the filesystem)"
+        )
+    elif pending._thread_id is not None:
+        me = os.getpid()
+        writer = f"its writer thread (native id {pending._thread_id}) in this process (pid {me})"
+        check = (
+            f"is the writer stuck? (ps -L -o tid,stat -p {me}: D beside {pending._thread_id} "
+            "means it waits on the filesystem)"
+        )
+    else:
+        writer, check = f"its {pending.writer} writer", "is the writer alive?"
+    if path is not None:
+        d = path.parent
+        check += (
+            f"; is the filesystem responsive? (ls -l {d}; df -h {d}); does the temp file grow? "
+            f"(ls -l {d}/.{path.name}.tmp-*)"
+        )
+    return (
+        f"trainperf: still waiting for the background save of step {pending.step} to {where} "
+        f"after {waited_s:.0f} s (the write began {began:.0f} s ago): {writer}. Check: "
+        f"{check}. It still waits (a save of many GB can take minutes), and says so again "
+        f"every {_NOTICE_EVERY_S:g} s"
+    )
 
 
 # Set once the exit hook has run: a save after it is made blocking, since nothing would wait

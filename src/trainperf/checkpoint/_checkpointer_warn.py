@@ -80,17 +80,26 @@ def _warn_unusable(
     """Warn, once per version of the file, that ``path`` (of step ``later``, above ``step``)
     is not one a resume can use: unreadable (``why`` an ``OSError``: latest and restore raise
     at it, as the file may be fine) or not a loadable step file (``why`` says why: they skip
-    it for an older one). ``keep=`` never deletes it either way."""
+    it for an older one; a dangling symbolic link is named as one). ``keep=`` never deletes
+    it either way."""
     told = version(path) or (os.fspath(path),)
     if told in ckpt._unusable_told:
         return
     ckpt._unusable_told.add(told)
+    target = None if isinstance(why, OSError) else _dangling(path)
     if isinstance(why, OSError):
         text = (
             f"Checkpointer.save(step={step}): step {later}, later than this save, could not "
             f"be read, so latest() and restore() will raise OSError at it instead of "
             f"resuming from this run, and keep={ckpt.keep} never deletes it: {why}. If it "
             f"is damaged for good, move it out of {ckpt.directory}"
+        )
+    elif target is not None:
+        text = (
+            f"Checkpointer.save(step={step}): {path} (step {later}, later than this save) "
+            f"is a dangling symbolic link to {target}, which does not exist: "
+            f"latest() and restore() skip it for an older step, and keep={ckpt.keep} never "
+            f"deletes it. Put its target back, or remove the link (rm {path})"
         )
     else:
         text = (
@@ -101,6 +110,15 @@ def _warn_unusable(
             f"out of {ckpt.directory}"
         )
     warnings.warn(text, UserWarning, stacklevel=user_stacklevel())
+
+
+def _dangling(path: Path) -> str | None:
+    """Where the symbolic link ``path`` points when that does not exist; None otherwise."""
+    try:
+        target = os.readlink(path)
+    except OSError:  # not a link (or gone since)
+        return None
+    return None if os.path.exists(path) else os.fspath(path.parent / target)
 
 
 def _highest_resumed(
@@ -131,8 +149,15 @@ def _highest_resumed(
     return known, known, unusable
 
 
-def warn_notes(notes: list[str]) -> None:
+def warn_notes(notes: list[str], told: set[str]) -> None:
+    """Warn of each retired file retention could not delete (``notes``: its path and why),
+    once per Checkpointer (``told``, its notes warned of so far): one left in place (a
+    directory with a step file's name, a file the user may not delete) would otherwise be
+    warned of at every save."""
     for note in notes:
+        if note in told:
+            continue
+        told.add(note)
         warnings.warn(
             f"Checkpointer: could not delete the retired checkpoint {note}",
             UserWarning,

@@ -19,7 +19,7 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -161,6 +161,10 @@ class Preemption:
         self._agreed_elapsed = 0.0
         self._agreed_signal: int | None = None
         self._active = False
+        # Called once, when the stop is agreed: the Checkpointer that made this object
+        # records it there rather than keep every Preemption it made (a loop may make one
+        # per epoch).
+        self._on_stop: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         names = ", ".join(s.name for s in self.signals)
@@ -265,6 +269,7 @@ class Preemption:
             if self._at is None:
                 return False
             self._agreed_at, self._agreed_elapsed = now, now - self._at
+            self._stopped()
             return True
         self._reads += 1
         if self._reads < self.check_every:
@@ -285,8 +290,14 @@ class Preemption:
         if got > 0:
             self._agreed_at, self._agreed_elapsed = time.monotonic(), max(0.0, ago)
             self._agreed_signal = int(sig) or None
+            self._stopped()
             return True
         return False
+
+    def _stopped(self) -> None:
+        """Tell whoever asked (:attr:`_on_stop`) that the stop was agreed."""
+        if self._on_stop is not None:
+            self._on_stop()
 
     @property
     def deadline_s(self) -> float | None:

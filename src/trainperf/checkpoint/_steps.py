@@ -259,7 +259,8 @@ def retire(directory: Path, keep: int, protect: int, damaged: Iterable[int] = ()
     (a restore found its data corrupt), neither counts nor is deleted, nor are its rank
     files: it would hold one of the ``keep`` places for good, above the files that do load,
     and it may be all that is left of something. Nor does a write-protected one
-    (:func:`pinned`), nor its rank files: the user kept it."""
+    (:func:`pinned`), nor its rank files: the user kept it. A directory with a step file's
+    name is never deleted: it is returned as not deleted, saying so."""
     names = _names(directory)
     mains = {int(m[1]): name for name in names if (m := _MAIN.match(name))}
     bad = set(damaged)
@@ -273,6 +274,9 @@ def retire(directory: Path, keep: int, protect: int, damaged: Iterable[int] = ()
             continue
         step = int(m[1])
         if step in doomed or (step < oldest_kept and step not in mains):
+            if os.path.isdir(directory / name) and not os.path.islink(directory / name):
+                failed.append(_a_directory(directory / name))
+                continue
             try:
                 os.unlink(directory / name)
             except FileNotFoundError:
@@ -282,6 +286,15 @@ def retire(directory: Path, keep: int, protect: int, damaged: Iterable[int] = ()
                 continue
             forget(directory / name)  # or the answers kept would grow by one per save
     return failed
+
+
+def _a_directory(path: Path) -> str:
+    """The note for a directory with a step file's name that retention would delete: it
+    deletes files only (the directory may hold anything)."""
+    return (
+        f"{path}: a directory, not a checkpoint file (retention deletes files only): remove it "
+        f"(rm -r {path}) or move it out of {path.parent}"
+    )
 
 
 def _counts(path: Path, step: int, protect: int, damaged: set[int]) -> bool:

@@ -36,6 +36,7 @@ import contextlib
 import errno
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,11 @@ class SaveHandle:
         self._event = threading.Event()
         self._failure: tuple[str, BaseException] | None = None
         self._reported = False
+        # Who writes it, for a wait that goes on long to name (_checkpointer_wait): a forked
+        # writer's pid, a writer thread's native id; None before it starts or for a foreign one.
+        self._pid: int | None = None
+        self._thread_id: int | None = None
+        self._began = time.monotonic()
         # Taken once (list.pop is atomic under the GIL): by the writer thread as it begins,
         # or by an interrupted save cancelling a writer that has not begun (_take).
         self._turn = [True]
@@ -315,5 +321,7 @@ def start_thread(
         except BaseException as e:
             handle._finish((str(e), e), [])
 
-    threading.Thread(target=run, name="trainperf-checkpoint-writer", daemon=True).start()
+    writer = threading.Thread(target=run, name="trainperf-checkpoint-writer", daemon=True)
+    writer.start()
+    handle._thread_id = writer.native_id
     return True

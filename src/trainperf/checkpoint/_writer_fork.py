@@ -235,6 +235,7 @@ def start_process(
         os.close(read_fd)
         _child(payload, path, after, write_fd, parent)
     os.close(write_fd)
+    handle._pid = pid
     threading.Thread(
         target=_reap,
         args=(pid, read_fd, handle, path.parent, _exit_watch(pid)),
