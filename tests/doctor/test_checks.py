@@ -68,6 +68,14 @@ def test_start_method() -> None:
     assert check_start_method("forkserver", "linux").verdict == "warn"
 
 
+@pytest.mark.parametrize("method", ["bogus", "Fork", "", None])
+def test_start_method_refuses_a_method_multiprocessing_has_not(method: object) -> None:
+    # Before: any string but "fork" was judged as spawn, a warning about the main guard.
+    match = rf"method must be one of 'fork', 'spawn', 'forkserver', got {method!r}"
+    with pytest.raises(ValueError, match=match):
+        check_start_method(method, "linux")  # type: ignore[arg-type]
+
+
 def test_a_check_serialises_itself() -> None:
     check = Check("shm", "warn", "64 MiB", "enlarge /dev/shm")
     assert check.to_dict() == {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from trainperf import doctor
@@ -32,7 +34,8 @@ def test_nccl_shm_need_follows_the_buffer_variables() -> None:
     assert nccl_shm_need(8, env)[0] == 8 * 4 * 2 * (SEGMENT - 3 * MiB)
     # NCCL reads "lots" as a 0-byte buffer (no use: the default counts) and 1 channel as 1.
     junk = {"NCCL_BUFFSIZE": "lots", "NCCL_MIN_NCHANNELS": "1"}
-    assert nccl_shm_need(8, junk)[0] == nccl_shm_need(8)[0]
+    with pytest.warns(RuntimeWarning, match=r"NCCL_BUFFSIZE='lots' as a buffer of 0 bytes"):
+        assert nccl_shm_need(8, junk)[0] == nccl_shm_need(8)[0]
 
 
 @pytest.mark.parametrize(
@@ -44,13 +47,21 @@ def test_nccl_shm_need_follows_the_buffer_variables() -> None:
 def test_nccl_shm_need_reads_nccl_buffsize_with_strtoll_as_nccl_does(raw: str, simple: int) -> None:
     # NCCL: strtoll(value, NULL, 0), its default only on overflow or -2, stored in an int; a
     # size of 0 or less cannot work, so the estimate keeps the default for it.
-    need = nccl_shm_need(2, {"NCCL_BUFFSIZE": raw})[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        need = nccl_shm_need(2, {"NCCL_BUFFSIZE": raw})[0]
     assert need == 2 * 2 * 1 * (SEGMENT - 4 * MiB + simple)
+    notes = [str(w.message) for w in caught]
+    if raw in ("0x10", " 16", "\t16\n", "-2"):  # read as written: nothing to say
+        assert notes == []
+    else:
+        assert len(notes) == 1 and f"NCCL_BUFFSIZE={raw!r}" in notes[0]
 
 
 def test_nccl_shm_need_clamps_min_nchannels_as_nccl_does() -> None:
     assert nccl_shm_need(2, {"NCCL_MIN_NCHANNELS": "1000"})[0] == 2 * 64 * 1 * SEGMENT
-    assert nccl_shm_need(2, {"NCCL_MIN_NCHANNELS": "010"})[0] == 2 * 8 * 1 * SEGMENT
+    with pytest.warns(RuntimeWarning, match=r"NCCL_MIN_NCHANNELS='010' as 8 \(C's strtoll"):
+        assert nccl_shm_need(2, {"NCCL_MIN_NCHANNELS": "010"})[0] == 2 * 8 * 1 * SEGMENT
     assert nccl_shm_need(2, {"NCCL_MIN_NCHANNELS": "-5"})[0] == 2 * 2 * 1 * SEGMENT
 
 
@@ -61,6 +72,34 @@ def test_nccl_shm_names_a_buffer_size_nccl_misreads(raw: str) -> None:
     assert "NCCL_BUFFSIZE=4194304" in check.fix
     small = check_nccl_shm(64 * MiB, 8, backend="nccl", env={"NCCL_BUFFSIZE": raw})
     assert small.verdict == "fail" and "--shm-size" in small.fix and "plain decimal" in small.fix
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "read"),
+    [("NCCL_BUFFSIZE", str(2**32 + 16), "16"), ("NCCL_LL_BUFFSIZE", str(2**33 + 4096), "4096"),
+     ("NCCL_MIN_NCHANNELS", str(2**32 + 4), "4")],
+)  # fmt: skip
+def test_nccl_shm_names_a_value_too_large_for_ncclls_int(name: str, raw: str, read: str) -> None:
+    # Before: NCCL keeps the low 32 bits (2**32 + 16 is a 16-byte buffer) and the check said
+    # nothing (ok), where 2**32 (0 bytes) and other misreads were named (warn).
+    check = check_nccl_shm(16 * GiB, 8, backend="nccl", env={name: raw})
+    assert check.verdict == "warn" and f"NCCL reads {name}={raw!r} as {read} " in check.value
+    assert "32 bits" in check.value and "plain decimal" in check.fix
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "lots", "16k", str(2**32 + 16), "-1"])
+def test_nccl_shm_need_warns_of_a_buffer_size_nccl_misreads(raw: str) -> None:
+    # Before: nccl_shm_need() read NCCL_BUFFSIZE=nan as the default, a too-large one as its
+    # low 32 bits, and said nothing of either.
+    with pytest.warns(RuntimeWarning, match=rf"NCCL reads NCCL_BUFFSIZE={raw!r} as .*plain"):
+        nccl_shm_need(8, {"NCCL_BUFFSIZE": raw})
+
+
+def test_nccl_shm_need_is_quiet_about_values_read_as_written() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nccl_shm_need(8, {"NCCL_BUFFSIZE": "4194304", "NCCL_MIN_NCHANNELS": "4"})
+        check_nccl_shm(64 * MiB, 8, backend="nccl", env={"NCCL_BUFFSIZE": "lots"})
 
 
 @pytest.mark.parametrize("raw", ["4194304", "0x400000", " 4194304", "+4194304"])
@@ -147,6 +186,18 @@ def test_nccl_shm_fails_nccl_however_the_backend_names_it(backend: str) -> None:
 def test_nccl_shm_refuses_a_backend_that_is_no_string() -> None:
     with pytest.raises(TypeError, match=r"backend must be a str such as 'nccl'"):
         check_nccl_shm(64 * 2**20, 8, backend=None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["bogus", "", "nccl2", "cuda:bogus", "cpu:gloo,", "mpi"])
+def test_nccl_shm_refuses_a_backend_it_does_not_know(backend: str) -> None:
+    # Before: anything without "nccl" in it was judged as gloo, a warning.
+    with pytest.raises(ValueError, match=rf"backend must be 'nccl' or 'gloo' .*, got {backend!r}"):
+        check_nccl_shm(64 * 2**20, 8, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "GLOO", "cuda:gloo", "cpu:gloo, cuda:gloo"])
+def test_nccl_shm_judges_gloo_however_the_backend_names_it(backend: str) -> None:
+    assert check_nccl_shm(64 * 2**20, 8, backend=backend).verdict == "warn"
 
 
 def test_an_unreadable_shm_is_unknown_to_nccl_not_missing() -> None:

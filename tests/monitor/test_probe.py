@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -87,6 +88,14 @@ def test_batch_size_reads_the_first_tensor() -> None:
     assert batch_size(torch.tensor(1.0)) is None
     assert batch_size([[[torch.zeros(2)]]]) is None  # deeper than two levels: not looked at
     assert batch_size("opaque") is None
+
+
+def test_batch_size_reads_the_first_numpy_array_as_a_tensor() -> None:
+    # Before: None for every NumPy batch, so w.iter() counted no samples.
+    assert batch_size(np.zeros((5, 2))) == 5
+    assert batch_size({"x": np.zeros((3, 1)), "y": np.zeros(3)}) == 3
+    assert batch_size([(np.zeros((4, 2)), 1)]) == 4
+    assert batch_size(np.zeros(())) is None
 
 
 def test_loader_facts_read_a_dataloader_and_nothing_else() -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -258,6 +259,9 @@ def test_a_sample_count_too_large_to_record_is_refused_and_the_log_stays_whole()
         ({"interval": -1}, "interval must be a positive number of seconds, got -1"),
         ({"interval": True}, "interval must be a positive number of seconds, got True"),
         ({"interval": 1e300}, r"interval=1e\+300 s is longer than a timer can wait \(at most "),
+        # Before: accepted, and the sampler thread sampled back to back beside the loop.
+        ({"interval": 1e-12}, r"interval=1e-12 s is shorter than the sampler allows \(at least "),
+        ({"interval": 0.009}, r"interval=0\.009 s is shorter .* pass 0\.01 or more, e\.g\. 0\.1"),
         ({"warmup_steps": -1}, "warmup_steps must be an int >= 0"),
         ({"device": "tpu"}, "invalid device 'tpu': expected 'cpu', 'cuda'"),
         ({"device": "meta"}, "device 'meta' is not supported here: expected 'cpu', 'cuda'"),
@@ -778,6 +782,58 @@ def test_w_iter_of_something_not_iterable_fails_at_the_call_naming_it(
         assert "pass what the loop iterates: `for batch in w.iter(loader):`" in str(e.value)
         assert ("w.iter(range(n))" in str(e.value)) == (name == "int")
         assert len(list(w.iter(_OldSequence()))) == 3  # type: ignore[arg-type]
+
+
+def test_w_iter_of_the_same_watchs_iterator_is_refused() -> None:
+    # Before: accepted, and each batch's wait and samples counted twice in its step.
+    with watch(device="cpu") as w:
+        batches = w.iter([torch.zeros(4, 2)] * 3)
+        with pytest.raises(ValueError, match=r"w\.iter\(\) was given an iterator this watch's"):
+            w.iter(batches)
+        for _ in batches:
+            w.step()
+    assert [s.samples for s in w.report().timeline] == [4, 4, 4]
+
+
+def test_w_iter_of_another_watchs_iterator_is_timed_by_each() -> None:
+    shared = pytest.warns(RuntimeWarning, match=r"two trainperf\.watch\(\) run at once")
+    with shared, watch(device="cpu") as outer, watch(device="cpu") as inner:
+        for _ in outer.iter(inner.iter([torch.zeros(4, 2)] * 2)):
+            inner.step()
+            outer.step()
+    assert [s.samples for s in outer.report().timeline] == [4, 4]
+    assert [s.samples for s in inner.report().timeline] == [4, 4]
+
+
+def test_samples_are_counted_from_numpy_batches_as_from_tensors() -> None:
+    # Before: a NumPy batch (alone or in a dict or tuple) counted no samples (None).
+    batches = [np.zeros((5, 2)), {"x": np.zeros((3, 1)), "y": np.zeros(3)}, (np.zeros(6), 1)]
+    with watch(device="cpu") as w:
+        for _ in w.iter(batches):
+            w.step()
+        for _ in w.iter([np.float32(1.0)]):  # a 0-d array: no first dimension
+            w.step()
+    assert [s.samples for s in w.report().timeline] == [5, 3, 6, None]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [torch.zeros(3, 7), np.zeros((3, 7)), torch.zeros(3), np.zeros(3)],
+    ids=["tensor-2d", "array-2d", "tensor-1d", "array-1d"],
+)
+def test_iterating_a_tensor_or_array_directly_counts_each_row_as_one_sample(data: Any) -> None:
+    # Before: each row of a 2-D tensor counted its width (7) as samples, a 1-D one's None.
+    with watch(device="cpu") as w:
+        for _ in w.iter(data):
+            w.step()
+    assert [s.samples for s in w.report().timeline] == [1, 1, 1]
+
+
+def test_iterating_a_3d_tensor_directly_counts_each_batchs_first_dimension() -> None:
+    with watch(device="cpu") as w:
+        for _ in w.iter(torch.zeros(2, 5, 7)):  # two pre-made batches of 5
+            w.step()
+    assert [s.samples for s in w.report().timeline] == [5, 5]
 
 
 def test_w_iter_has_the_loaders_length_for_a_progress_bar() -> None:

@@ -32,6 +32,7 @@ __all__ = [
 # with trainperf.monitor.Verdict, the watch's finding.
 CheckStatus = Literal["ok", "warn", "fail", "skip"]
 _GiB = 2**30
+_START_METHODS = ("fork", "spawn", "forkserver")  # multiprocessing's, on any platform
 
 # 4-8 CPU cores per GPU is the usual advice for asynchronous data loading.
 MIN_CPUS_PER_GPU = 4
@@ -277,12 +278,21 @@ def check_start_method(method: str, platform: str = sys.platform) -> Check:
     Python 3.14), each worker re-imports the main script: without an
     ``if __name__ == "__main__":`` guard the script re-runs in every worker, or hangs.
 
+    Raises:
+        ValueError: ``method`` is not ``"fork"``, ``"spawn"`` or ``"forkserver"``.
+
     Example:
         >>> check_start_method("fork", "linux").verdict
         'ok'
         >>> check_start_method("spawn", "darwin").verdict
         'warn'
     """
+    if method not in _START_METHODS:
+        raise ValueError(
+            f"method must be one of {', '.join(map(repr, _START_METHODS))}, got {method!r}; "
+            "pass the start method DataLoader workers use, e.g. "
+            "multiprocessing.get_start_method()"
+        )
     value = f"{method} on {platform}"
     if method == "fork":
         return Check("start_method", "ok", value)

@@ -10,6 +10,7 @@ Import everything from :mod:`trainperf.doctor`.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Mapping
 
 from trainperf._utils.format import format_bytes
@@ -40,13 +41,34 @@ NCCL_SHM_MAX_PEERS = 2
 # NCCL clamps NCCL_MIN_NCHANNELS to MAXCHANNELS: 64 in recent releases, 32 in older ones
 # (src/include/device.h); 64 errs large.
 NCCL_MAX_CHANNELS = 64
+_BACKENDS = ("nccl", "gloo")  # what the rules judge: NCCL, or a backend that is not NCCL
 # What NCCL_PARAM's default of -2 means: "not set", so a written -2 is not set either.
 _NCCL_UNSET = -2
+
+
+_PLAIN = (
+    "write NCCL's buffer sizes as plain decimal bytes (NCCL_BUFFSIZE=4194304) and "
+    "NCCL_MIN_NCHANNELS as a plain decimal count"
+)
 
 
 def _c_int(value: int) -> int:
     """``value`` kept to its low 32 bits, as C stores an ``int64_t`` in an ``int``."""
     return (value + 2**31) % 2**32 - 2**31
+
+
+def _nccl_int(env: Mapping[str, str], name: str) -> tuple[int | None, str]:
+    """``env[name]`` as NCCL stores it in an ``int`` (None: not set, see :func:`_nccl_param`),
+    and a note where that is not what it says: past 32 bits only the low 32 are kept
+    (``2**32 + 16`` is 16)."""
+    value, note = _nccl_param(env, name)
+    if value == _NCCL_UNSET:
+        return None, note
+    kept = _c_int(value)
+    if kept != value:
+        how = f"NCCL keeps it in a 32-bit int: the low 32 bits of {value}"
+        note = f"NCCL reads {name}={env[name]!r} as {kept} ({how})"
+    return kept, note
 
 
 def _nccl_param(env: Mapping[str, str], name: str) -> tuple[int, str]:
@@ -78,10 +100,9 @@ def _nccl_buffsize(env: Mapping[str, str], name: str, default: int) -> tuple[int
     """A protocol's buffer size as NCCL takes it (``computeBuffSizes``: the variable unless it
     reads as -2, stored in an ``int``), and a note where it is misread. A size NCCL reads as
     0 or less is no buffer it can use: the estimate keeps the default and the note says so."""
-    value, note = _nccl_param(env, name)
-    if value == _NCCL_UNSET:
+    size, note = _nccl_int(env, name)
+    if size is None:
         return default, note
-    size = _c_int(value)
     if size <= 0:
         raw = env[name]
         return default, f"NCCL reads {name}={raw!r} as a buffer of {size} bytes, which cannot work"
@@ -91,10 +112,10 @@ def _nccl_buffsize(env: Mapping[str, str], name: str, default: int) -> tuple[int
 def _nccl_min_channels(env: Mapping[str, str]) -> tuple[int, str]:
     """``NCCL_MIN_NCHANNELS`` as ``ncclMinNchannels`` takes it (0 when not set, clamped to
     0..MAXCHANNELS), and a note where it is misread."""
-    value, note = _nccl_param(env, "NCCL_MIN_NCHANNELS")
-    if value == _NCCL_UNSET:
+    value, note = _nccl_int(env, "NCCL_MIN_NCHANNELS")
+    if value is None:
         return 0, note
-    return min(max(_c_int(value), 0), NCCL_MAX_CHANNELS), note
+    return min(max(value, 0), NCCL_MAX_CHANNELS), note
 
 
 def _shm_sizes(env: Mapping[str, str]) -> tuple[int, int, list[str]]:
@@ -117,8 +138,10 @@ def nccl_shm_need(ranks: int, env: Mapping[str, str] | None = None) -> tuple[int
     ``min(ranks - 1, 2)`` peers, into one segment of LL + LL128 + SIMPLE buffers (their
     sizes from ``NCCL_LL_BUFFSIZE``, ``NCCL_LL128_BUFFSIZE`` and ``NCCL_BUFFSIZE`` when
     set); the channels are ``NCCL_MIN_NCHANNELS`` when set above 2. Each variable is read as
-    NCCL reads it (C's ``strtoll`` with base 0: ``"16k"`` is 16 bytes, ``"010"`` is 8); a
-    buffer size it reads as 0 or less, which cannot work, counts as the default.
+    NCCL reads it (C's ``strtoll`` with base 0: ``"16k"`` is 16 bytes, ``"010"`` is 8; past
+    32 bits, the low 32 bits); a buffer size it reads as 0 or less (``"nan"`` is 0), which
+    cannot work, counts as the default. Each variable read otherwise than written is named
+    in a ``RuntimeWarning``.
 
     Args:
         ranks: NCCL ranks on this host (at least 1).
@@ -138,13 +161,22 @@ def nccl_shm_need(ranks: int, env: Mapping[str, str] | None = None) -> tuple[int
         36
     """
     ranks = positive_int("ranks", ranks)
-    segment, channels, _ = _shm_sizes(env or {})
+    need, rule, notes = _shm_need(ranks, env or {})
+    for note in notes:  # check_nccl_shm names them in its value instead
+        warnings.warn(f"nccl_shm_need(): {note}; {_PLAIN}", RuntimeWarning, stacklevel=2)
+    return need, rule
+
+
+def _shm_need(ranks: int, env: Mapping[str, str]) -> tuple[int, str, list[str]]:
+    """``(bytes, the rule in words, notes on variables NCCL reads otherwise than written)``
+    for ``ranks`` ranks (checked): see :func:`nccl_shm_need`."""
+    segment, channels, notes = _shm_sizes(env)
     peers = min(ranks - 1, NCCL_SHM_MAX_PEERS)
     rule = (
         f"{ranks} ranks x {channels} channels x {peers} peer{'s' * (peers != 1)} x "
         f"{segment / _MiB:.1f} MiB segments"
     )
-    return ranks * channels * peers * segment, rule
+    return ranks * channels * peers * segment, rule, notes
 
 
 def check_nccl_shm(
@@ -219,14 +251,10 @@ def check_nccl_shm(
         return Check("nccl_shm", "ok", f"{shm}; NCCL_SHM_DISABLE=1: NCCL does not use it")
     if shm_free is None and shm_error is None and not platform.startswith("linux"):
         return Check("nccl_shm", "skip", "no /dev/shm here (NCCL runs on Linux only)", "")
-    need, rule = nccl_shm_need(ranks, env)
-    notes = _shm_sizes(env)[2]
+    need, rule, notes = _shm_need(ranks, env)
     value = f"{shm}; NCCL's shared-memory transport needs ~{format_bytes(need)} for {rule}"
     value += "".join(f"; {note}" for note in notes)
-    plain = (
-        "write NCCL's buffer sizes as plain decimal bytes (NCCL_BUFFSIZE=4194304) and "
-        "NCCL_MIN_NCHANNELS as a plain decimal count"
-    ) * bool(notes)
+    plain = _PLAIN * bool(notes)
     if (shm_free or 0) >= need:
         return Check("nccl_shm", "warn" if notes else "ok", value, plain)
     return _shm_short(value, ranks, backend, shm_free, shm_error, plain)
@@ -277,7 +305,22 @@ def _shm_short(
 
 def _uses_nccl(backend: str) -> bool:
     """Whether a ``torch.distributed`` backend string runs NCCL: ``"nccl"`` in any case, or a
-    per-device one such as ``"cpu:gloo,cuda:nccl"``."""
+    per-device one such as ``"cpu:gloo,cuda:nccl"``.
+
+    Raises:
+        TypeError: ``backend`` is not a str.
+        ValueError: it names no backend, or one other than nccl and gloo.
+    """
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str such as 'nccl' or 'gloo', got {backend!r}")
-    return "nccl" in backend.lower()
+    names = []
+    for part in backend.lower().split(","):
+        device, colon, name = part.rpartition(":")
+        names.append(name.strip() if not colon or device.strip() else "")
+    if not set(names) <= set(_BACKENDS):
+        raise ValueError(
+            f"backend must be 'nccl' or 'gloo' (in any case), or a per-device string of them "
+            f"such as 'cpu:gloo,cuda:nccl', got {backend!r}; pass the backend the job gives "
+            "torch.distributed.init_process_group"
+        )
+    return "nccl" in names

@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from trainperf._utils.validate import as_real_number
@@ -84,9 +85,16 @@ class CpuClock:
 
 
 def batch_size(batch: object, depth: int = 0) -> int | None:
-    """Samples in a batch: the first dimension of its first tensor, None when unknown."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else None
+    """Samples in a batch: the first dimension of its first array (a tensor or a NumPy
+    array; in a list, tuple or mapping, its first item's, two levels deep), None when
+    unknown.
+
+    Example:
+        >>> batch_size({"x": np.zeros((5, 2)), "y": np.zeros(5)}), batch_size(np.zeros(()))
+        (5, None)
+    """
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
+        return int(batch.shape[0]) if batch.ndim else None
     if depth >= 2:
         return None
     if isinstance(batch, (list, tuple)) and batch:

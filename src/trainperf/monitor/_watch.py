@@ -55,7 +55,7 @@ from trainperf.monitor._probe import background_saves as _background_saves
 from trainperf.monitor._probe import rank_cpus as _rank_cpus
 from trainperf.monitor._report import WatchReport
 from trainperf.monitor._sampler import MAX_RECORDS, _Sampler
-from trainperf.monitor._watch_iter import _Pass, _Timed, check_iterable
+from trainperf.monitor._watch_iter import _Pass, _Timed, check_iterable, refuse_own
 from trainperf.monitor._watch_report import build_report
 from trainperf.monitor._watch_steps import cpu_reading, exclude_from_next, record_step, settle
 
@@ -63,6 +63,10 @@ __all__ = ["Watch", "watch"]
 
 T = TypeVar("T")
 _MAX_SAMPLES = 2**63 - 1  # the largest count the step log's int64 array holds
+# Each sample costs the sampler thread ~0.1-0.2 ms of CPU (psutil, /proc, NVML), holding the
+# GIL for much of it; /proc counts CPU time in 10 ms ticks, so a shorter interval samples
+# noise while taking CPU (and the GIL) from the loop it watches.
+_MIN_INTERVAL = 0.01
 _RUN_IT = "inside `with trainperf.watch() as w:`, or between w.start() and w.stop()"
 
 
@@ -74,8 +78,8 @@ class Watch:
     way a watch runs once.
 
     Raises:
-        ValueError: ``interval`` is not a finite number > 0 (at most
-            ``threading.TIMEOUT_MAX``), ``warmup_steps`` not an int >= 0,
+        ValueError: ``interval`` is not a finite number of seconds from 0.01 to
+            ``threading.TIMEOUT_MAX``, ``warmup_steps`` not an int >= 0,
             ``max_records`` not an int >= 1 (at most ``sys.maxsize``), or ``device`` is
             invalid (not CPU or CUDA).
         TypeError: ``device`` is not a str, int, torch.device or None.
@@ -311,6 +315,8 @@ class Watch:
             RuntimeError: the watch is not running (use it inside ``with``, or between
                 :meth:`start` and :meth:`stop`).
             TypeError: ``iterable`` is not iterable (``w.iter(5)``).
+            ValueError: ``iterable`` is an iterator this watch's ``w.iter()`` returned: its
+                waits and samples would count twice.
 
         The iterator it returns has the length of ``iterable`` where that has one (a
         DataLoader's batches per epoch: a progress bar's total). Starting the iterable
@@ -332,6 +338,7 @@ class Watch:
         if self._state != "running":
             raise RuntimeError(f"w.iter() needs a running watch: use it {_RUN_IT}")
         check_iterable(iterable)
+        refuse_own(self, iterable)
         self._iterated = True
         self._loader = loader_facts(iterable)  # what the predictions need of the loader
         try:  # read again for the report: an adaptive loader changes its settings meanwhile
@@ -413,7 +420,8 @@ def _checked_limits(max_records: int, interval: float) -> tuple[int, float]:
     """``max_records`` and ``interval`` checked: within what the sampler can keep and wait.
 
     Raises:
-        ValueError: either is not a positive number, or is past what the sampler can do.
+        ValueError: either is not a positive number, or is past what the sampler can do
+            (``interval`` below 0.01 s or above ``threading.TIMEOUT_MAX``).
     """
     max_records = positive_int("max_records", max_records)
     if max_records > sys.maxsize:  # the sampler's deque cannot be longer
@@ -428,6 +436,12 @@ def _checked_limits(max_records: int, interval: float) -> tuple[int, float]:
         raise ValueError(
             f"interval={interval!r} s is longer than a timer can wait (at most "
             f"{threading.TIMEOUT_MAX:.0f} s); pass a shorter interval, e.g. 0.1"
+        )
+    if interval < _MIN_INTERVAL:
+        raise ValueError(
+            f"interval={interval!r} s is shorter than the sampler allows (at least "
+            f"{_MIN_INTERVAL} s: each sample costs CPU the loop would use, and CPU time is "
+            f"counted in 10 ms ticks); pass {_MIN_INTERVAL} or more, e.g. 0.1"
         )
     return max_records, interval
 
@@ -445,7 +459,8 @@ def watch(
         device: ``"cpu"`` for a CPU loop (no GPU is looked at), ``"cuda[:i]"`` for a GPU
             loop, or None to follow whatever the loop uses (CUDA once it is initialised).
             The watch never initialises CUDA itself.
-        interval: seconds between background samples of GPU and CPU use.
+        interval: seconds between background samples of GPU and CPU use (at least 0.01:
+            a sample costs the sampler thread about 0.1-0.2 ms of CPU).
         warmup_steps: leading steps left out of the verdict (loader start-up, autotuning).
         max_records: the most recent steps, and background samples, kept for the report;
             older ones are dropped (and counted) so a run of any length uses bounded memory:
@@ -457,8 +472,8 @@ def watch(
         loop and ``w.stop()`` (which returns the report) after it.
 
     Raises:
-        ValueError: ``interval`` is not a finite number > 0 (at most
-            ``threading.TIMEOUT_MAX``), ``warmup_steps`` not an int >= 0,
+        ValueError: ``interval`` is not a finite number of seconds from 0.01 to
+            ``threading.TIMEOUT_MAX``, ``warmup_steps`` not an int >= 0,
             ``max_records`` not an int >= 1 (at most ``sys.maxsize``), or ``device`` is
             invalid (not CPU or CUDA).
         TypeError: ``device`` is not a str, int, torch.device or None.

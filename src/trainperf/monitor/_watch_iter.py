@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
 import torch
 
 from trainperf._utils.stack import user_stacklevel
@@ -57,6 +58,7 @@ class _Timed(Iterator[T]):
         self._it: Iterator[T] | None = None  # iter(iterable), made (and timed) at first next()
         self._done = False
         self._pass = _new_pass(watch, iterable)
+        self._rows = _yields_rows(iterable)
         history = getattr(iterable, "tuning_history", None)
         # An AdaptiveDataLoader's changes (at iter(), or mid-epoch in next()) are read as
         # its history grows: each is marked at the step that took its first batch.
@@ -94,7 +96,7 @@ class _Timed(Iterator[T]):
         if self._history is not None and len(self._history) > self._seen:
             _retuned(self._watch, self._history[self._seen :])
             self._seen = len(self._history)
-        _took(self._watch, item, self._pass)
+        _took(self._watch, item, self._pass, 1 if self._rows else batch_size(item))
         return item
 
     @property
@@ -128,6 +130,21 @@ def check_iterable(iterable: object) -> None:
         f"{kind.__name__}: {reprlib.repr(iterable)}; pass what the loop iterates: "
         f"`for batch in w.iter(loader):`{hint}"
     )
+
+
+def refuse_own(w: Watch, iterable: object) -> None:
+    """Refuse an iterator ``w.iter()`` already returned: each item's wait and samples would
+    count twice in its step (another watch's iterator is that watch's to time: allowed).
+
+    Raises:
+        ValueError: ``iterable`` is an iterator ``w``'s ``w.iter()`` returned.
+    """
+    if isinstance(iterable, _Timed) and iterable._watch is w:
+        raise ValueError(
+            "w.iter() was given an iterator this watch's w.iter() already returned, which "
+            "would count each batch's wait and samples twice; iterate it as it is: "
+            "`batches = w.iter(loader)`, then `for batch in batches:`"
+        )
 
 
 def _new_pass(w: Watch, iterable: object) -> _Pass:
@@ -202,11 +219,18 @@ def _retuned(w: Watch, changes: list[Any]) -> None:
     w._retunes.extend((step, change) for change in changes)
 
 
-def _took(w: Watch, item: Any, now: _Pass) -> None:
-    """Count a batch ``w.iter`` handed out (and, on CUDA, start its step's span)."""
+def _yields_rows(iterable: object) -> bool:
+    """Whether ``iterable`` is a tensor or NumPy array of 1 or 2 dimensions: iterated, it
+    yields its rows (or scalars), each one sample, not a batch whose first dimension (a
+    row's width) counts its samples. A 3-D one yields batches, counted as any batch."""
+    return isinstance(iterable, (torch.Tensor, np.ndarray)) and 1 <= iterable.ndim <= 2
+
+
+def _took(w: Watch, item: Any, now: _Pass, n: int | None) -> None:
+    """Count a batch ``w.iter`` handed out, of ``n`` samples (None: unknown), and, on CUDA,
+    start its step's span."""
     if w._state != "running":
         return  # iterated after stop(): the report stays as it was
-    n = batch_size(item)
     steps = w._first + len(w._ends)
     if now.step != steps:
         now.step, now.taken = steps, 0
