@@ -13,7 +13,8 @@ import torch
 from tests._utils._streams import Fresh, Resets, assert_refused_unread
 from tests.loader._fakes import Waits, quick
 from trainperf.errors import DeviceError
-from trainperf.loader import tune_loader
+from trainperf.loader import _autotune as autotune_mod
+from trainperf.loader import autotune_loader, tune_loader
 from trainperf.loader._args import CheckedArgs, check_args, check_sizes
 
 # DataLoader's own timeout: 0 (its default) means "wait for ever", so 0 is allowed.
@@ -234,3 +235,30 @@ def test_a_sampler_with_shuffle_is_refused_before_tuning_with_the_fix() -> None:
     # from inside the first measurement, with no word of what to do.
     with pytest.raises(ValueError, match=r"sampler=\[0, 1\] with shuffle=True.*RandomSampler"):
         tune_loader(range(8), 2, **quick(sampler=[0, 1], shuffle=True))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"cache": "no"}, "cache must be True or False, got 'no'"),
+        ({"progress": "false"}, "progress must be True or False, got 'false'"),
+        ({"cache": 0}, "cache must be True or False, got 0"),
+    ],
+)
+def test_a_flag_that_is_not_a_bool_is_refused_before_tuning(
+    kwargs: dict[str, Any], match: str
+) -> None:
+    # Before: cache="no" read as true, and the call read and wrote the cache.
+    with pytest.raises(TypeError, match=match):
+        tune_loader(Waits(), 4, **{**quick(), **kwargs})
+    with pytest.raises(TypeError, match=match):
+        autotune_loader(Waits(), 4, **{**quick(), **kwargs})
+
+
+def test_adapt_that_is_not_a_bool_is_refused_before_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_tuning(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("tuned before the arguments were checked")
+
+    monkeypatch.setattr(autotune_mod, "tune_loader", no_tuning)
+    with pytest.raises(TypeError, match="adapt must be True or False, got 'yes'"):
+        autotune_loader(Waits(), 4, adapt="yes", **quick())

@@ -264,9 +264,11 @@ def test_the_entry_holds_the_reports_own_serialisation() -> None:
         "memory_needed",
         "shm_needed",
         "sharding_checked",
+        "budget_s",
         "created",
         *REPORT_KEYS,
     }
+    assert entry["budget_s"] == report.budget_s
     data = report.to_dict()
     assert {k: entry[k] for k in REPORT_KEYS} == {k: data[k] for k in REPORT_KEYS}
     fields = {f.name for f in dataclasses.fields(CandidateResult)}
@@ -439,3 +441,39 @@ def test_a_read_only_cache_says_how_to_cache_elsewhere(monkeypatch: pytest.Monke
     note = next(n for n in report.notes if "could not be cached" in n)
     assert "Read-only file system" in note
     assert "XDG_CACHE_HOME" in note and "cache=False" in note
+
+
+def _cut_short_by(budget_s: float | None) -> None:
+    """Make the stored entry one of a search whose budget (``budget_s``; None: an entry
+    that does not say) ran out before it measured one worker."""
+    data = json.loads(cache_file().read_text())
+    (entry,) = data["entries"].values()
+    skipped = CandidateResult(
+        1, 2, False, "skipped", fault="budget", reason="the time budget ran out"
+    )
+    entry["candidates"].append(skipped.to_dict())
+    entry.pop("budget_s", None)
+    if budget_s is not None:
+        entry["budget_s"] = budget_s
+    cache_file().write_text(json.dumps(data))
+
+
+def test_a_search_the_budget_cut_short_is_reused_only_within_its_budget() -> None:
+    # Before: the entry of a 3 s search that never reached a worker answered a 30 s call.
+    tune()
+    assert tune(budget_s=30.0).from_cache  # a search that ran to its end: any budget
+    _cut_short_by(3.0)
+    assert tune(budget_s=3.0).from_cache and tune(budget_s=2.0).from_cache
+    again = tune(budget_s=8.0)
+    assert not again.from_cache
+    why = "its budget_s=3 ran out before the search ended, and this call's budget_s=8 is larger"
+    assert any(why in n and n.endswith("tuned again") for n in again.notes), again.notes
+    assert tune(budget_s=30.0).from_cache  # the new search ran to its end
+
+
+def test_a_cut_short_entry_that_does_not_say_its_budget_is_tuned_again() -> None:
+    tune()
+    _cut_short_by(None)  # stored before entries kept their budget
+    again = tune()
+    assert not again.from_cache
+    assert any("budget ran out before the search ended" in n for n in again.notes), again.notes

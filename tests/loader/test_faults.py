@@ -308,6 +308,15 @@ def test_shm_exhaustion_in_worker_says_how_to_fix_it() -> None:
             "error",
             "TimeoutError: reading sample 9 timed out after 5 s",
         ),
+        # A batch the worker could not send back (trainperf.loader._picklable), under fork.
+        (
+            "Caught PicklingError in DataLoader worker process 0.\nOriginal "
+            "_pickle.PicklingError: batch 3 (counted from 0 in this iteration) cannot be sent "
+            "to the main process: batch[0] is a _thread.lock, which cannot be pickled",
+            {},
+            "pickle",
+            "batch 3 (counted",
+        ),
         (
             "Caught UnpicklingError in DataLoader worker process 0.\nOriginal Traceback:\n"
             "_pickle.UnpicklingError: invalid load key, 'x'.",

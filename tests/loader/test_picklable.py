@@ -7,6 +7,7 @@ tuner sees it on the first batch it loads with ``num_workers=0`` and tries no po
 
 from __future__ import annotations
 
+import pickle
 import threading
 from collections.abc import Iterator, Mapping
 from multiprocessing.reduction import ForkingPickler
@@ -18,10 +19,11 @@ import torch
 from torch.utils.data import TensorDataset
 
 from tests.loader._fakes import quick
-from trainperf.loader import autotune_loader, tune_loader
+from trainperf.loader import AdaptiveDataLoader, TunedDataLoader, autotune_loader, tune_loader
 from trainperf.loader._picklable import (
     FirstBatch,
     _pickle_error,
+    _send_unpicklable,
     pickle_refusal,
     unpicklable_part,
 )
@@ -208,3 +210,77 @@ def test_tune_loader_survives_an_error_that_cannot_be_shown() -> None:
         )
     assert r.num_workers == 0
     assert all(c.fault == "pickle" for c in r.candidates if c.num_workers > 0), r
+
+
+class LockAt(torch.utils.data.Dataset[Any]):
+    """Sample ``bad`` holds a lock (it cannot be pickled); the others are plain."""
+
+    def __init__(self, n: int = 100, bad: int = 40) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return {"x": torch.zeros(2), "lock": threading.Lock() if i == self.bad else 0}
+
+
+def as_list(samples: list[Any]) -> list[Any]:
+    """A collate_fn that keeps the samples as they are (default_collate refuses a lock)."""
+    return samples
+
+
+def _first_error(loader: Any) -> tuple[int, BaseException]:
+    """The batches ``loader`` yields before it raises, and the error (its workers stopped)."""
+    it = iter(loader)
+    seen = 0
+    try:
+        for _ in it:
+            seen += 1
+    except Exception as e:
+        return seen, e
+    finally:
+        if isinstance(loader, AdaptiveDataLoader):
+            loader.close()
+        else:
+            it._shutdown_workers()
+    raise AssertionError(f"no error after {seen} batches")
+
+
+def test_a_later_batch_that_cannot_be_pickled_raises_in_the_loop_at_once() -> None:
+    # Sample 40 is in batch 10: torch's worker drops it (a traceback on stderr) and a
+    # DataLoader without timeout waits for it for ever; the loader's workers send an error.
+    loader = TunedDataLoader(LockAt(), batch_size=4, num_workers=2, collate_fn=as_list, timeout=20)
+    seen, error = _first_error(loader)
+    assert seen == 10
+    assert isinstance(error, pickle.PicklingError), error
+    text = str(error)
+    assert "batch 10 " in text and "batch[0]['lock'] is a _thread.lock" in text, text
+    assert "num_workers=0" in text and "timed out" not in text
+
+
+def test_the_adaptive_loaders_workers_send_the_error_too() -> None:
+    loader = AdaptiveDataLoader(
+        LockAt(), batch_size=4, num_workers=2, collate_fn=as_list, timeout=20, max_workers=2
+    )
+    seen, error = _first_error(loader)
+    assert seen == 10 and isinstance(error, pickle.PicklingError), error
+    assert "_thread.lock" in str(error)
+
+
+def test_the_tuner_marks_workers_that_meet_such_a_batch_as_pickle_faults() -> None:
+    with pytest.warns(RuntimeWarning, match="cannot be pickled"):
+        r = tune_loader(LockAt(), 4, **quick(max_workers=2, budget_s=6.0, collate_fn=as_list))
+    assert r.num_workers == 0
+    workers = [c for c in r.candidates if c.num_workers > 0 and c.status == "failed"]
+    assert workers and workers[0].fault == "pickle", r
+    assert "lock" in (workers[0].reason or "") and "num_workers=0" in (workers[0].reason or "")
+    assert not any(c.fault in ("hang", "budget") for c in r.candidates), r
+
+
+def test_an_error_queued_by_the_worker_is_left_as_it_is() -> None:
+    # Anything but a batch (a 2-tuple of an int and a value) goes to the original handler.
+    calls: list[Any] = []
+    queue = type("Q", (), {"put": lambda self, obj: calls.append(obj)})()
+    _send_unpicklable(queue, TypeError("x"), "not a batch")  # printed, not queued
+    assert calls == []

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from trainperf._utils.lifetime import DieWithParent
+from trainperf.loader._picklable import WorkerInit
 
 if TYPE_CHECKING:
     from trainperf.loader._adapt import AdaptiveDataLoader
@@ -61,7 +62,7 @@ def pool_init_fn(loader: AdaptiveDataLoader) -> Iterator[None]:
     if not loader.tuning_history or not loader.num_workers or user_fn is None:
         yield
         return
-    loader.worker_init_fn = DieWithParent(PoolInit(user_fn))
+    loader.worker_init_fn = WorkerInit(PoolInit(user_fn))
     try:
         yield
     finally:

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainperf._utils.lifetime import DieWithParent
 from trainperf._utils.stack import user_stacklevel
 from trainperf.limits import HostLimits, host_limits, local_world_size
 from trainperf.loader._adapt_change import TuningChange
 from trainperf.loader._adapt_init import InitFailed
 from trainperf.loader._adapt_rules import Change, EpochFigures, Reason
 from trainperf.loader._faults import classify_fault, hang_timeout, start_method
+from trainperf.loader._picklable import WorkerInit
 from trainperf.loader._tune_setup import rank_share
 from trainperf.loader._workers import WorkerProcesses, child_signals_held, close_iterator
 
@@ -125,8 +125,8 @@ def apply_change(
             object.__setattr__(loader, "persistent_workers", True)
         if loader.multiprocessing_context is None and loader._context_kept is not None:
             loader.multiprocessing_context = loader._context_kept
-        if not isinstance(loader.worker_init_fn, DieWithParent):
-            loader.worker_init_fn = DieWithParent(loader.worker_init_fn)
+        if not isinstance(loader.worker_init_fn, WorkerInit):
+            loader.worker_init_fn = WorkerInit(loader.worker_init_fn)
     record = TuningChange(
         epoch=epoch,
         time=time.time(),

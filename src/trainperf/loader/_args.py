@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from trainperf._utils.validate import (
     choice,
+    flag,
     fresh_stream,
     non_negative_int,
     positive_int,
@@ -26,6 +27,7 @@ from trainperf._utils.validate import (
 __all__ = [
     "CheckedArgs",
     "check_args",
+    "check_flags",
     "check_loader_kwargs",
     "check_sizes",
     "checked_context",
@@ -91,7 +93,7 @@ def check_args(
         >>> check_args(32, None, float("inf"), None, None, {})
         Traceback (most recent call last):
         ...
-        ValueError: budget_s must be a positive number of seconds, got inf
+        ValueError: budget_s must be a positive number of seconds, got inf; pass a finite number
     """
     if batch_size is None:
         raise ValueError(
@@ -109,6 +111,21 @@ def check_args(
         raise ValueError(f"step_fn must be callable (it gets one batch), got {step_fn!r}")
     _check_kinds(kwargs)
     return CheckedArgs(size, most, budget, epochs, kwargs)
+
+
+def check_flags(**flags: object) -> None:
+    """``TypeError`` for the first of ``flags`` (``cache``, ``progress``, ``adapt``) that is
+    not True or False: ``cache="no"`` would read as true, and read and write the cache.
+
+    Example:
+        >>> check_flags(cache=True, progress=False)
+        >>> check_flags(cache="no")
+        Traceback (most recent call last):
+        ...
+        TypeError: cache must be True or False, got 'no'
+    """
+    for name, value in flags.items():
+        flag(name, value)
 
 
 def check_sizes(loader_args: Mapping[str, Any]) -> dict[str, Any]:

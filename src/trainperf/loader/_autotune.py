@@ -15,11 +15,17 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from trainperf._utils.lifetime import DieWithParent
-from trainperf.loader._args import CheckedArgs, check_args, check_sizes, loader_args
+from trainperf.loader._args import (
+    CheckedArgs,
+    check_args,
+    check_flags,
+    check_sizes,
+    loader_args,
+)
 from trainperf.loader._choice import has_set_epoch
 from trainperf.loader._faults import budget_cut
 from trainperf.loader._iterable import tail_batches
+from trainperf.loader._picklable import WorkerInit
 from trainperf.loader._report import TuningReport
 from trainperf.loader._tune import tune_loader
 
@@ -34,7 +40,10 @@ class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
     Its workers die with the process that iterates it: with ``num_workers > 0`` its
     ``worker_init_fn`` is :class:`trainperf.DieWithParent` around yours (``.user_fn``), and
     each ``iter()`` ties the new workers to the process that starts them (a loader built in
-    one process and iterated in another still works). ``copy.deepcopy`` and ``pickle``
+    one process and iterated in another still works). A batch a worker cannot pickle (a
+    lock or lambda in one sample) raises ``pickle.PicklingError`` naming it in the loop, at
+    once, where torch's workers drop it and the loop waits for ever
+    (:mod:`trainperf.loader._picklable`). ``copy.deepcopy`` and ``pickle``
     work at any time: the copy leaves a live persistent pool behind and starts its own.
 
     ``batch_size``, ``num_workers``, ``prefetch_factor`` and ``timeout`` may be NumPy
@@ -70,7 +79,7 @@ class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
         # By name, with NumPy numbers converted: DataLoader refuses a NumPy batch_size.
         super().__init__(dataset, **check_sizes(loader_args(args, kwargs)))
         if self.num_workers > 0:
-            self.worker_init_fn = DieWithParent(self.worker_init_fn)
+            self.worker_init_fn = WorkerInit(self.worker_init_fn)
 
     @property
     def _draws_once(self) -> bool:
@@ -181,6 +190,10 @@ def autotune_loader(
     Returns:
         The tuned DataLoader.
 
+    Raises:
+        TypeError: ``adapt`` (or ``cache``, ``progress``) is not True or False; and those
+            of :func:`tune_loader`.
+
     Example:
         >>> from torch.utils.data import TensorDataset
         >>> loader = autotune_loader(TensorDataset(torch.randn(128, 4)), 16, device="cpu",
@@ -191,6 +204,7 @@ def autotune_loader(
     # Checked here too: the loader is built from these numbers, as Python's (a NumPy
     # scalar passed in is converted); tune_loader's own check then finds nothing to change.
     args = check_args(batch_size, max_workers, budget_s, epochs_hint, step_fn, loader_kwargs)
+    check_flags(cache=cache, progress=progress, adapt=adapt)
     report = tune_loader(
         dataset,
         args.batch_size,

@@ -26,6 +26,7 @@ from trainperf._utils.format import format_bytes
 from trainperf.limits import HostLimits
 from trainperf.loader import _cache
 from trainperf.loader._choice import final_kwargs
+from trainperf.loader._faults import budget_cut
 from trainperf.loader._report import CandidateResult, TuningReport, UserSetting
 from trainperf.loader._search import safety_margin
 from trainperf.loader._step import cores_for_workers, main_process_cores
@@ -78,6 +79,8 @@ def cache_entry(
         "shm_needed": shm_needed,
         # An IterableDataset's workers were chosen after the check that it shards.
         "sharding_checked": True,
+        # A search the budget cut short answers no call with a larger one (_budget_misfit).
+        "budget_s": report.budget_s,
     }
 
 
@@ -305,6 +308,33 @@ def _limits_misfit(entry: Mapping[str, Any], limits: HostLimits) -> str | None:
     return None
 
 
+def _cut_short(candidates: Any) -> bool:
+    """Whether the budget ran out before the search of these stored candidates ended: one
+    was skipped or stopped for want of time, or a pool's hang timeout was cut to what was
+    left (:func:`~trainperf.loader._faults.budget_cut`)."""
+    return any(
+        isinstance(c, Mapping)
+        and (c.get("fault") == "budget" or budget_cut(c.get("fault"), c.get("reason")))
+        for c in candidates
+    )
+
+
+def _budget_misfit(entry: Mapping[str, Any], budget_s: float) -> str | None:
+    """Why an entry from a search its budget cut short does not answer a call with a larger
+    ``budget_s`` (which would measure what that search never reached), or None."""
+    if not _cut_short(entry.get("candidates", ())):
+        return None
+    stored = entry.get("budget_s")
+    if not _finite(stored):
+        return "the budget ran out before the search ended, and the entry does not say what it was"
+    if budget_s <= stored:
+        return None
+    return (
+        f"its budget_s={stored:g} ran out before the search ended, and this call's "
+        f"budget_s={budget_s:g} is larger"
+    )
+
+
 def cache_misfit(
     entry: Mapping[str, Any],
     limits: HostLimits,
@@ -317,14 +347,17 @@ def cache_misfit(
     A hit is checked as strictly as a choice the tuner makes: the settings' types and ranges
     (``num_workers`` an int >= 0, ``prefetch_factor`` None or an int >= 1, ``pin_memory`` and
     ``persistent_workers`` bools), ``num_workers`` at most this call's ``max_workers``, and
-    the memory and ``/dev/shm`` the choice needs within what is free now. For an
+    the memory and ``/dev/shm`` the choice needs within what is free now. An entry from a
+    search its budget cut short answers only calls whose ``budget_s`` is not larger (one
+    that ran to its end answers any). For an
     ``IterableDataset``, workers stored before the tuner checked that it shards its stream
     (:mod:`trainperf.loader._iterable`) are not trusted either.
 
     Args:
         entry: what :func:`cache_entry` stored, or a hand-edited version of it.
         limits: this host's limits now.
-        common: the report fields known before measuring (``cpus``, ``max_workers``, ...).
+        common: the report fields known before measuring (``cpus``, ``max_workers``,
+            ``budget_s``, ...).
         iterable: the dataset is an ``IterableDataset``.
 
     Example:
@@ -346,6 +379,8 @@ def cache_misfit(
         why = _limits_misfit(entry, limits)
     if why is None and _parsed(entry, common["cpus"]) is None:
         why = "the entry is malformed: its figures or candidates do not parse"
+    if why is None and "budget_s" in common:
+        why = _budget_misfit(entry, float(common["budget_s"]))
     return why
 
 

@@ -15,6 +15,7 @@ import pickle
 from collections.abc import Mapping
 from typing import Any
 
+from trainperf.loader._picklable import UNSENDABLE
 from trainperf.loader._report import FaultKind, format_bytes
 from trainperf.loader._step import cores_for_workers
 
@@ -142,6 +143,8 @@ def classify_fault(
             f"memory-backed emptyDir on Kubernetes), or use fewer workers or a smaller "
             f"prefetch_factor"
         )
+    if caught and UNSENDABLE in msg:  # a batch the worker could not pickle (_picklable)
+        return "pickle", _last_line(msg).split(": ", 1)[-1]
     if caught:
         return "error", f"the dataset raised in a worker: {_last_line(msg)}"
     if "timed out after" in low:

@@ -19,8 +19,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainperf._utils.batches import samples_in
-from trainperf._utils.lifetime import DieWithParent
 from trainperf.loader._memory import CollectFirst
+from trainperf.loader._picklable import WorkerInit
 from trainperf.loader._windows import DeadlineReached
 
 __all__ = ["Batches", "Spec", "loader_kwargs_for"]
@@ -65,7 +65,7 @@ def loader_kwargs_for(
     kwargs.update(prefetch_factor=spec.prefetch_factor, persistent_workers=True, timeout=timeout_s)
     # The workers die with this process (a SIGKILLed tuner leaves none behind), then
     # collect their garbage once, then run the caller's own worker_init_fn.
-    kwargs["worker_init_fn"] = DieWithParent(CollectFirst(kwargs.get("worker_init_fn")))
+    kwargs["worker_init_fn"] = WorkerInit(CollectFirst(kwargs.get("worker_init_fn")))
     return kwargs, timeout_s
 
 

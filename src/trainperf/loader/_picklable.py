@@ -15,20 +15,48 @@ against the caller's Python stack, a batch that reaches the recursion limit on t
 stack may still pickle on a worker's feeder thread, whose stack is shallow (from 3.12 pickle
 counts its depth apart from the Python stack, and the caller's depth matters no more); and a
 failure of the check itself leaves tuning as it was without it.
+
+A later batch that cannot be pickled (one sample in a thousand holds a lock) is past that
+check, and torch's worker drops it the same way: the loop waits for it for ever (without a
+``timeout``), and the tuner's pool "hangs" until its budget or hang timeout runs out. So every
+worker trainperf's loaders start (the tuner's, a :class:`~trainperf.loader.TunedDataLoader`'s,
+an adaptive loader's pools) runs :class:`WorkerInit` as its ``worker_init_fn``: the worker's
+queue then sends such a batch back as a ``pickle.PicklingError`` that names the batch, the
+part of it and its type, and the loop (or the tuner, as a ``pickle`` fault) gets it at once.
 """
 
 from __future__ import annotations
 
+import multiprocessing.queues
+import pickle
 from collections.abc import Callable, Mapping
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
 import torch
+from torch._utils import ExceptionWrapper
 
+from trainperf._utils.lifetime import DieWithParent
 from trainperf.loader._report import CandidateResult
 
-__all__ = ["FirstBatch", "pickle_refusal", "unpicklable_part"]
+__all__ = [
+    "UNSENDABLE",
+    "FirstBatch",
+    "WorkerInit",
+    "pickle_refusal",
+    "unpicklable_batch",
+    "unpicklable_part",
+]
+
+_FIX = (
+    "fix: return tensors, numbers, strings, lists, tuples or dicts from the dataset and "
+    "collate_fn (no locks, lambdas, generators or open files; list(...) of a generator), or "
+    "use num_workers=0"
+)
+
+UNSENDABLE = " cannot be sent to the main process: "
+"""In the message of a batch a worker could not pickle (:func:`unpicklable_batch`)."""
 
 Found = tuple[str, str, str]
 """Where in the batch (``"batch[1]['ids']"``), the type's name, and pickle's error."""
@@ -156,8 +184,75 @@ def pickle_refusal(found: Found | None, *, max_workers: int, pin: bool) -> Candi
         reason=(
             f"{where} is a {type_name}, which cannot be pickled ({error}): a worker sends "
             f"every batch to the main process pickled, so no worker configuration can deliver "
-            f"one (its pool would wait until the hang timeout); fix: return tensors, numbers, "
-            f"strings, lists, tuples or dicts from collate_fn (list(...) of a generator), or "
-            f"use num_workers=0"
+            f"one (its pool would wait until the hang timeout); {_FIX}"
         ),
     )
+
+
+def unpicklable_batch(index: int, batch: Any, error: BaseException) -> str:
+    """What a worker says of the batch ``index`` (counted from 0 in its iterator) that its
+    queue could not pickle (``error``), naming the part to blame where it can.
+
+    Example:
+        >>> text = unpicklable_batch(3, [1, (i for i in [])], TypeError("no"))
+        >>> print(text.split("; ")[0])
+        batch 3 (counted from 0 in this iteration) cannot be sent to the main process: \
+batch[1] is a generator, which cannot be pickled (cannot pickle 'generator' object)
+    """
+    try:
+        found = unpicklable_part(batch)
+    except Exception:  # a user class failing as it is looked into: the queue's error alone
+        found = None
+    if found is None:
+        what = f"it cannot be pickled ({_shown(error)})"
+    else:
+        where, type_name, message = found
+        what = f"{where} is a {type_name}, which cannot be pickled ({message})"
+    return (
+        f"batch {index} (counted from 0 in this iteration){UNSENDABLE}{what}; a worker sends "
+        f"every batch to the main process pickled; {_FIX}"
+    )
+
+
+# Python's handler (it prints the traceback): a private hook "for overriding", per its docs.
+_Queue: Any = multiprocessing.queues.Queue  # the hook is not in the type stubs
+_queue_feeder_error: Callable[[Exception, Any], None] = _Queue._on_queue_feeder_error
+
+
+def _send_unpicklable(queue: Any, error: Exception, obj: Any) -> None:
+    """A worker's queue's handler for an object its feeder thread could not pickle: a batch
+    (torch queues ``(index, batch)``) goes back as the error it is, which the main process
+    raises for that index; anything else is printed, as Python's handler does (the batch
+    was dropped, and the main process would wait for it)."""
+    if not (
+        isinstance(obj, tuple)
+        and len(obj) == 2
+        and isinstance(obj[0], int)
+        and not isinstance(obj[1], ExceptionWrapper)
+    ):
+        _queue_feeder_error(error, obj)
+        return
+    index, batch = obj
+    failure = pickle.PicklingError(unpicklable_batch(index, batch, error))
+    info = torch.utils.data.get_worker_info()
+    where = "in DataLoader worker process" + ("" if info is None else f" {info.id}")
+    wrapped = ExceptionWrapper((pickle.PicklingError, failure, None), where)  # type: ignore[no-untyped-call]
+    queue.put((index, wrapped))
+
+
+class WorkerInit(DieWithParent):
+    """:class:`trainperf.DieWithParent` (around ``user_fn``) that also makes the worker's
+    queue send back a batch it cannot pickle as an error (:func:`_send_unpicklable`)
+    instead of dropping it: the ``worker_init_fn`` of every worker trainperf's loaders start.
+
+    Example:
+        >>> init = WorkerInit(print)
+        >>> isinstance(init, DieWithParent), init.user_fn
+        (True, <built-in function print>)
+    """
+
+    def __call__(self, worker_id: int) -> None:
+        if torch.utils.data.get_worker_info() is not None:
+            # In this worker only; read by the queue at its first put, after this call.
+            _Queue._on_queue_feeder_error = _send_unpicklable
+        super().__call__(worker_id)
