@@ -53,6 +53,32 @@ def test_sweep_plot_writes_an_image(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_sweep_plot_into_a_missing_folder_names_the_folder_and_the_fix(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(
+        FileNotFoundError, match=r"AllReduceSweep\.plot\(.*folder .*no/such.* does not exist.*mkdir"
+    ):
+        AllReduceSweep("gloo", 2, "cpu", ROWS).plot(missing / "all_reduce.png")
+    assert not missing.exists()
+
+
+def test_sweep_plot_to_a_folder_is_refused_not_written_beside_it(tmp_path: Path) -> None:
+    # matplotlib would write "<folder>.png" beside it and the call return the folder.
+    with pytest.raises(IsADirectoryError, match=r"is a folder.*pass a file path"):
+        AllReduceSweep("gloo", 2, "cpu", ROWS).plot(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    assert not (tmp_path.parent / f"{tmp_path.name}.png").exists()
+
+
+@pytest.mark.slow  # matplotlib's import and one figure: about a second
+def test_sweep_plot_to_a_path_without_a_suffix_writes_a_png_at_that_path(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = AllReduceSweep("gloo", 2, "cpu", ROWS).plot(tmp_path / "all_reduce")
+    assert out == tmp_path / "all_reduce"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["all_reduce"]
+
+
 def test_environment_sets_removes_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NCCL_P2P_LEVEL", "NVL")
     monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)

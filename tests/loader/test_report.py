@@ -99,6 +99,39 @@ def test_plot_without_matplotlib_names_the_fix(
         report.plot(tmp_path / "x.png")
 
 
+def _bare_report() -> TuningReport:
+    limits = HostLimits(2, 2, None, 2, 2**33, None, 2**32, None, None)
+    return TuningReport(
+        {"num_workers": 0}, None, None, None, (), 0.0, 1.0, limits, 2, 1, 4, "cpu", 8
+    )
+
+
+def test_plot_into_a_missing_folder_names_the_folder_and_the_fix(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(
+        FileNotFoundError, match=r"TuningReport\.plot\(.*folder .*no/such.* does not exist.*mkdir"
+    ):
+        _bare_report().plot(missing / "loader.png")
+    assert not missing.exists()
+
+
+def test_plot_to_a_folder_is_refused_not_written_beside_it(tmp_path: Path) -> None:
+    # matplotlib would write "<folder>.png" beside it and the call return the folder.
+    with pytest.raises(IsADirectoryError, match=r"is a folder.*pass a file path"):
+        _bare_report().plot(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    assert not (tmp_path.parent / f"{tmp_path.name}.png").exists()
+
+
+@pytest.mark.slow  # matplotlib's import and one figure: about a second
+@pytest.mark.skipif(not is_available("matplotlib"), reason="needs matplotlib")
+def test_plot_to_a_path_without_a_suffix_writes_a_png_at_that_path(tmp_path: Path) -> None:
+    out = _bare_report().plot(tmp_path / "loader")
+    assert out == tmp_path / "loader"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["loader"]
+
+
 # --------------------------------------------------------------------------- to_dict
 
 CANDIDATE_FIELDS = {f.name for f in dataclasses.fields(CandidateResult)}

@@ -34,6 +34,8 @@ Who uses what:
   by the ``loader``'s measurements and the ``batchsize`` probe.
 - :mod:`~trainperf._utils.progress`: the one-line progress bar of ``tune_loader`` and
   ``tune_batch_size``.
+- :mod:`~trainperf._utils.plotting`: ``checked_path`` and ``save_figure``, where a report's
+  ``plot(path)`` writes; used by ``monitor``, ``batchsize``, ``loader`` and ``doctor``.
 - :mod:`~trainperf._utils.oom`: ``oom_kind``, whether an error means device or host
   memory ran out; used by ``checkpoint``, ``batchsize`` and the ``bench`` command.
 - :mod:`~trainperf._utils.batches` and :mod:`~trainperf._utils.rng`: a batch's bytes and

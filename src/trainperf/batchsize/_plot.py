@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainperf._utils.imports import require
+from trainperf._utils.plotting import checked_path, save_figure
 
 if TYPE_CHECKING:
     from trainperf.batchsize._report import BatchSizeReport
@@ -15,9 +17,16 @@ __all__ = ["plot_report"]
 GiB = float(2**30)
 
 
-def plot_report(report: BatchSizeReport, out: Path) -> Path:
+def plot_report(report: BatchSizeReport, path: str | os.PathLike[str]) -> Path:
     """Samples/s (left) and peak memory (right) against batch size; the choice starred.
-    A report with no size measured (none, or only skipped ones) gets empty axes."""
+    A report with no size measured (none, or only skipped ones) gets empty axes.
+
+    Raises:
+        FileNotFoundError: the folder ``path`` is in does not exist.
+        IsADirectoryError: ``path`` is a folder.
+        ModuleNotFoundError: matplotlib is not installed (``pip install 'trainperf[plot]'``).
+    """
+    out = checked_path(path, "BatchSizeReport.plot", "batch_size.png")
     require("matplotlib", "BatchSizeReport.plot()")
     # Figure without pyplot: no global backend switch, works on headless hosts.
     from matplotlib.figure import Figure
@@ -72,5 +81,5 @@ def plot_report(report: BatchSizeReport, out: Path) -> Path:
     if handles or more_h:
         ax.legend(handles + more_h, labels + more_l, fontsize="small", loc="lower right")
     fig.tight_layout()
-    fig.savefig(out)
+    save_figure(fig, out)
     return out

@@ -378,12 +378,15 @@ class BatchSizeReport:
         dashed line; out-of-memory sizes are crossed and the chosen size is starred.
 
         Args:
-            path: the image file to write; its suffix picks the format.
+            path: the image file to write; its suffix picks the format (none: a PNG at
+                exactly ``path``).
 
         Returns:
             ``path`` as a :class:`~pathlib.Path`.
 
         Raises:
+            FileNotFoundError: the folder ``path`` is in does not exist (before drawing).
+            IsADirectoryError: ``path`` is a folder.
             ModuleNotFoundError: matplotlib is not installed.
 
         Example:

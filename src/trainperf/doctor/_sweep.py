@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 
 from trainperf._utils.imports import require
+from trainperf._utils.plotting import checked_path, save_figure
 from trainperf._utils.serialize import result_dict
 from trainperf._utils.validate import choice, non_negative_number, positive_int, positive_number
 
@@ -164,12 +165,15 @@ class AllReduceSweep:
         """Save bus and algorithm bandwidth against message size to ``path`` (PNG, SVG...).
 
         Args:
-            path: the image file to write; its suffix picks the format.
+            path: the image file to write; its suffix picks the format (none: a PNG at
+                ``path`` as given).
 
         Returns:
             ``path`` as a :class:`~pathlib.Path`.
 
         Raises:
+            FileNotFoundError: the folder ``path`` is in does not exist.
+            IsADirectoryError: ``path`` is a folder.
             ModuleNotFoundError: matplotlib is not installed (``pip install 'trainperf[plot]'``).
 
         Example:
@@ -182,6 +186,7 @@ class AllReduceSweep:
             ...     print("pip install" in str(e))
             True
         """
+        out = checked_path(path, "AllReduceSweep.plot", "all_reduce.png")
         require("matplotlib", "AllReduceSweep.plot()")
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -197,8 +202,7 @@ class AllReduceSweep:
         ax.set_ylabel("GB/s")
         ax.set_title(f"all_reduce, {self.backend}, {self.world_size} ranks ({self.setting})")
         ax.legend()
-        out = Path(path)
-        fig.savefig(out, dpi=100)
+        save_figure(fig, out, dpi=100)
         return out
 
 

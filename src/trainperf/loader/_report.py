@@ -340,12 +340,15 @@ class TuningReport:
         and the ``step_fn`` throughput, when known, drawn as a horizontal line.
 
         Args:
-            path: the image file to write; its suffix picks the format.
+            path: the image file to write; its suffix picks the format (none: a PNG at
+                exactly ``path``).
 
         Returns:
             ``path`` as a :class:`~pathlib.Path`.
 
         Raises:
+            FileNotFoundError: the folder ``path`` is in does not exist (before drawing).
+            IsADirectoryError: ``path`` is a folder.
             ModuleNotFoundError: matplotlib is not installed.
 
         Example:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainperf._utils.imports import require
+from trainperf._utils.plotting import checked_path, save_figure
 
 if TYPE_CHECKING:
     from trainperf.loader._report import CandidateResult, TuningReport
@@ -16,12 +17,18 @@ __all__ = ["plot_report"]
 
 def plot_report(report: TuningReport, path: str | os.PathLike[str]) -> Path:
     """Throughput against ``num_workers``, one line per (prefetch_factor, pin_memory) pair,
-    the choice starred and the ``step_fn`` throughput a horizontal line."""
+    the choice starred and the ``step_fn`` throughput a horizontal line.
+
+    Raises:
+        FileNotFoundError: the folder ``path`` is in does not exist.
+        IsADirectoryError: ``path`` is a folder.
+        ModuleNotFoundError: matplotlib is not installed (``pip install 'trainperf[plot]'``).
+    """
+    out = checked_path(path, "TuningReport.plot", "loader.png")
     require("matplotlib", "TuningReport.plot()")
     # Figure without pyplot: no global backend switch, works on headless hosts.
     from matplotlib.figure import Figure
 
-    out = Path(path)
     fig = Figure(figsize=(7, 4.5))
     ax = fig.add_subplot()
     groups: dict[tuple[int | None, bool], list[CandidateResult]] = {}
@@ -58,5 +65,5 @@ def plot_report(report: TuningReport, path: str | os.PathLike[str]) -> Path:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(out)
+    save_figure(fig, out)
     return out

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainperf._utils.imports import require
+from trainperf._utils.plotting import checked_path, save_figure
 from trainperf.monitor._records import StepRecord
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ def plot_report(report: WatchReport, path: str | Path) -> Path:
         IsADirectoryError: ``path`` is a folder.
         ModuleNotFoundError: matplotlib is not installed (``pip install 'trainperf[plot]'``).
     """
-    out = _checked_path(path)
+    out = checked_path(path, "WatchReport.plot", "timeline.png")
     require("matplotlib", "WatchReport.plot()")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -61,32 +62,7 @@ def plot_report(report: WatchReport, path: str | Path) -> Path:
     bottom.set_ylim(0, 105)
     bottom.set_xlabel("seconds")
     bottom.legend(loc="upper right")
-    # An explicit format: given none, matplotlib writes "timeline" as "timeline.png", and
-    # the path returned would not be the file written.
-    fig.savefig(out, dpi=100, format=out.suffix[1:] or "png")
-    return out
-
-
-def _checked_path(path: str | Path) -> Path:
-    """``path`` as a Path, refused before any drawing where no file can be written there
-    (matplotlib's own error comes only after the figure is drawn, without a fix).
-
-    Raises:
-        FileNotFoundError: the folder ``path`` is in does not exist.
-        IsADirectoryError: ``path`` is a folder (matplotlib would write ``<folder>.png``).
-    """
-    out = Path(path)
-    if out.is_dir():
-        raise IsADirectoryError(
-            f"report.plot({str(path)!r}): {str(out)!r} is a folder; pass a file path in it, "
-            f"e.g. report.plot({str(out / 'timeline.png')!r})"
-        )
-    if not out.parent.is_dir():
-        raise FileNotFoundError(
-            f"report.plot({str(path)!r}): the folder {str(out.parent)!r} does not exist; "
-            "create it first (Path(...).mkdir(parents=True)) or pass a path in a folder "
-            "that exists"
-        )
+    save_figure(fig, out, dpi=100)
     return out
 
 
