@@ -7,6 +7,8 @@ import collections
 import errno
 import io
 import os
+import re
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ import trainperf._utils.imports
 import trainperf.checkpoint._rank_gpu as rank_gpu_module
 import trainperf.checkpoint._read as read_module
 from tests.checkpoint import _ranks
-from tests.checkpoint._common import FIXTURES, GPU_FILES, Net, assert_same, temps
+from tests.checkpoint._common import FIXTURES, GPU_FILES, PEERS, Net, assert_same, temps
 from tests.checkpoint._fake_nccl import FakeNccl, map_locations
 from tests.ddp._distributed import FORK, spawn
 from trainperf.checkpoint import load_checkpoint, load_state_dict, save_checkpoint, unwrap_model
@@ -724,3 +726,52 @@ def test_cuda_without_an_index_and_without_a_group_is_left_to_torch(
     asked = map_locations(monkeypatch)
     load_checkpoint(path, "cuda")
     assert asked == [("c.pt", torch.device("cuda"))]  # the current device, as torch.load's
+
+
+# ------------------------------------------------------------- probes from other tools' files
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        "accelerate/save_model_safetensors/model.safetensors.index.json",
+        "accelerate/save_model_bin/pytorch_model.bin.index.json",
+        "transformers/bert_tiny/model.safetensors.index.json",
+    ],
+)
+def test_a_shard_index_file_loads_as_its_directory_does(index: str) -> None:
+    by_file = load_checkpoint(PEERS / index)
+    by_dir = load_checkpoint((PEERS / index).parent)
+    assert sorted(by_file) == sorted(by_dir)
+    assert all(torch.equal(by_file[k], by_dir[k]) for k in by_dir)
+
+
+def test_a_shard_index_file_naming_a_missing_shard_is_not_found(tmp_path: Path) -> None:
+    shutil.copytree(PEERS / "accelerate/save_model_safetensors", tmp_path / "m")
+    (tmp_path / "m/model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(
+        CheckpointNotFoundError, match=r"model-00002-of-00002\.safetensors listed in .*copy every"
+    ):
+        load_checkpoint(tmp_path / "m/model.safetensors.index.json")
+
+
+@pytest.mark.parametrize(
+    "map_location", [{"cuda:0": "cpu"}, lambda storage, location: storage], ids=["dict", "callable"]
+)
+def test_a_torch_load_map_location_as_device_says_what_to_pass(
+    tmp_path: Path, map_location: Any
+) -> None:
+    save_checkpoint({"w": torch.ones(1)}, tmp_path / "c.pt")
+    with pytest.raises(TypeError, match=r"one device.*map_location.*device='cpu'"):
+        load_checkpoint(tmp_path / "c.pt", map_location)
+
+
+def test_two_indexes_error_advice_loads_the_index_it_names(tmp_path: Path) -> None:
+    shutil.copytree(PEERS / "accelerate/save_model_bin", tmp_path, dirs_exist_ok=True)
+    index = tmp_path / "pytorch_model.bin.index.json"
+    shutil.copy(index, tmp_path / "other.bin.index.json")
+    with pytest.raises(NotACheckpointError, match=r"load_checkpoint\('([^']+)'\)") as info:
+        load_checkpoint(tmp_path)
+    advised = re.search(r"load_checkpoint\('([^']+)'\)", str(info.value))
+    assert advised is not None
+    assert sorted(load_checkpoint(advised[1])) == sorted(load_checkpoint(index))

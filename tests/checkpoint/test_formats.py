@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import importlib
 import os
 import pickle
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -298,3 +300,47 @@ def test_running_out_of_host_memory_is_not_called_corrupt(
         load_checkpoint(path)
     assert not isinstance(info.value, CheckpointError)
     assert isinstance(info.value.__cause__, (RuntimeError, MemoryError))
+
+
+@pytest.mark.parametrize(
+    ("compress", "magic_name", "fix"),
+    [
+        ("gzip", "gzip", r"gunzip -k"),
+        ("bz2", "bzip2", r"bunzip2 -k"),
+        ("lzma", "xz", r"unxz -k"),
+    ],
+)
+def test_a_compressed_checkpoint_says_how_to_decompress_it(
+    tmp_path: Path, good_bytes: bytes, compress: str, magic_name: str, fix: str
+) -> None:
+    packed = importlib.import_module(compress).compress(good_bytes)
+    (tmp_path / "c.pt.z").write_bytes(packed)
+    with pytest.raises(NotACheckpointError, match=rf"c\.pt\.z .*{magic_name}.*{fix}"):
+        load_checkpoint(tmp_path / "c.pt.z")
+
+
+def test_a_zstd_checkpoint_is_named(tmp_path: Path) -> None:
+    (tmp_path / "c.pt.zst").write_bytes(b"\x28\xb5\x2f\xfd" + bytes(100))
+    with pytest.raises(NotACheckpointError, match=r"c\.pt\.zst .*zstd.*zstd -d"):
+        load_checkpoint(tmp_path / "c.pt.zst")
+
+
+def test_a_tar_archive_is_named_not_text(tmp_path: Path, good_bytes: bytes) -> None:
+    (tmp_path / "c.pt").write_bytes(good_bytes)
+    with tarfile.open(tmp_path / "c.tar", "w") as tf:
+        tf.add(tmp_path / "c.pt", "c.pt")
+    with pytest.raises(NotACheckpointError, match=r"c\.tar .*a tar archive.*tar -xf"):
+        load_checkpoint(tmp_path / "c.tar")
+
+
+def test_binary_data_with_nul_bytes_is_not_called_text(tmp_path: Path) -> None:
+    (tmp_path / "c.pt").write_bytes(b"abc\x00\x01\x02" * 20)
+    with pytest.raises(NotACheckpointError, match=r"unrecognised binary data"):
+        load_checkpoint(tmp_path / "c.pt")
+
+
+def test_a_numpy_npz_archive_says_numpy_load(tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
+    np.savez(tmp_path / "a.npz", x=np.ones(3))
+    with pytest.raises(NotACheckpointError, match=r"a\.npz is a NumPy \.npz archive.*numpy\.load"):
+        load_checkpoint(tmp_path / "a.npz")

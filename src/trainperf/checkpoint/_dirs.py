@@ -24,7 +24,7 @@ from trainperf.checkpoint._formats import read_error, read_failure, special_file
 from trainperf.errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError
 
 # In the order they are preferred: safetensors first, as transformers and Accelerate do.
-_INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
+INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
 _SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
@@ -43,7 +43,7 @@ def _listed(path: Path) -> list[Path]:
 
 def _index_file(path: Path) -> Path | None:
     inside = _listed(path)
-    for suffix in _INDEX_SUFFIXES:
+    for suffix in INDEX_SUFFIXES:
         found = [p for p in inside if p.name.endswith(suffix)]
         if len(found) > 1:
             raise NotACheckpointError(

@@ -16,7 +16,7 @@ from torch import nn
 from trainperf._utils.imports import require
 from trainperf._utils.stack import user_stacklevel
 from trainperf._utils.validate import choice
-from trainperf.checkpoint._dirs import directory_weights, load_sharded
+from trainperf.checkpoint._dirs import INDEX_SUFFIXES, directory_weights, load_sharded
 from trainperf.checkpoint._keys import (
     _same_type,
     drop_compile_layers,
@@ -349,7 +349,8 @@ def load_checkpoint(
 
     A directory is read as what other tools write: a sharded checkpoint with its
     ``*.safetensors.index.json`` or ``pytorch_model.bin.index.json`` (Accelerate
-    ``save_model``, transformers ``save_pretrained``) is loaded as one state dict (each
+    ``save_model``, transformers ``save_pretrained``; or that index file given itself)
+    is loaded as one state dict (each
     shard with the same ``weights_only`` and ``verify``); otherwise ``model.safetensors``, else
     ``pytorch_model.bin`` (Accelerate ``save_state``: the model only, not its
     ``optimizer.bin`` or random states).
@@ -383,7 +384,8 @@ def load_checkpoint(
     Raises:
         ValueError: ``device`` is not one of the forms above, or a file object given is
             closed, not open for reading, or cannot seek (read it into ``io.BytesIO``).
-        TypeError: ``device`` is not a str, int or torch.device, or ``path`` is not a path
+        TypeError: ``device`` is not a str, int or torch.device (a ``torch.load``
+            ``map_location`` dict or function included), or ``path`` is not a path
             or binary file object (``bytes`` holding a checkpoint: pass
             ``io.BytesIO(data)``; a file opened in text mode: open it with ``"rb"``).
         DeviceError: CUDA or MPS asked for but not available, or fewer GPUs than the index.
@@ -417,16 +419,36 @@ def load_checkpoint(
         {'step': 3, 'w': tensor([1., 1.])}
         3
     """
+    _refuse_map_location(device)
     dev = load_device(device)
     if not isinstance(path, (str, os.PathLike)):
         return load_stream(_file_object(path), dev, weights_only, verify)
     path = Path(os.fspath(path)).expanduser()
-    if not path.is_dir():
-        return load_file(path, dev, weights_only, verify)
-    kind, found = directory_weights(path)
+    if path.is_dir():
+        kind, path = directory_weights(path)
+    elif path.name.endswith(INDEX_SUFFIXES):  # the index file itself: its directory's shards
+        kind = "index"
+    else:
+        kind = "file"
     if kind == "index":
-        return load_sharded(found, lambda shard: load_file(shard, dev, weights_only, verify))
-    return load_file(found, dev, weights_only, verify)
+        return load_sharded(path, lambda shard: load_file(shard, dev, weights_only, verify))
+    return load_file(path, dev, weights_only, verify)
+
+
+def _refuse_map_location(device: object) -> None:
+    """Refuse a ``torch.load`` ``map_location`` dict or function given as ``device``.
+
+    Raises:
+        TypeError: ``device`` is a dict or callable: the message says to name one device.
+    """
+    if isinstance(device, Mapping) or (callable(device) and not isinstance(device, str)):
+        raise TypeError(
+            "load_checkpoint maps every tensor onto one device, so device takes a device "
+            f"(str, int or torch.device), not a torch.load map_location {type(device).__name__} "
+            f"({device!r}); pass device='cpu' (or 'cuda', 'cuda:N', 'auto') and move tensors "
+            "yourself after loading, or call torch.load(path, map_location=..., "
+            "weights_only=True) directly"
+        )
 
 
 def _file_object(path: object) -> IO[Any]:

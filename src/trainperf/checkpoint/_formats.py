@@ -6,10 +6,12 @@ whether a file is truncated, damaged, of another kind, or refused as unsafe.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import pickle
 import re
+import shlex
 import struct
 import zipfile
 from pathlib import Path
@@ -70,14 +72,44 @@ def _size(src: Source) -> int:
         src.seek(at)
 
 
-def _describe(head: bytes) -> str:
+# How many first bytes are read to recognise a file: a tar header's "ustar" is at 257.
+HEAD_BYTES = 512
+
+# Compressed files: what they are, and the command that gives the checkpoint back.
+_PACKED = [
+    (b"\x1f\x8b", "gzip-compressed data", "gunzip -k"),
+    (b"BZh", "bzip2-compressed data", "bunzip2 -k"),
+    (b"\xfd7zXZ\x00", "xz-compressed data", "unxz -k"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed data", "zstd -d"),
+]
+
+
+def _describe(head: bytes, name: str = "FILE") -> str:
+    """What a file starting with ``head`` looks like, with the fix when it is a packed
+    checkpoint (``name``: the file, as the shell command in the fix names it).
+
+    Example:
+        >>> _describe(b"\\x1f\\x8b\\x08\\x00", "c.pt.gz")
+        'gzip-compressed data: decompress it first (gunzip -k c.pt.gz) and load the file that gives'
+        >>> _describe(b"abc\\x00\\x01")
+        'unrecognised binary data'
+    """
+    for magic, what, command in _PACKED:
+        if head.startswith(magic):
+            return (
+                f"{what}: decompress it first ({command} {shlex.quote(name)}) and load the "
+                "file that gives"
+            )
+    if head[257:262] == b"ustar":
+        return (
+            f"a tar archive: unpack it (tar -xf {shlex.quote(name)}) and load the checkpoint inside"
+        )
     text = head.lstrip()
     kinds = [
         (b"\x89PNG", "a PNG image"),
         (b"\xff\xd8\xff", "a JPEG image"),
         (b"\x93NUMPY", "a NumPy .npy array (use numpy.load)"),
         (b"\x89HDF", "an HDF5 file (Keras/h5py)"),
-        (b"\x1f\x8b", "gzip-compressed data (decompress it first)"),
         (b"version https://git-lfs", "a Git LFS pointer: fetch the real file with git lfs pull"),
         (b"<", "an HTML/XML page: the download probably returned an error or login page"),
         (b"{", "JSON text"),
@@ -86,11 +118,11 @@ def _describe(head: bytes) -> str:
     for magic, what in kinds:
         if (text if magic[:1] in b"<{[v" else head).startswith(magic):
             return what
-    try:
-        head.decode("utf-8")
+    try:  # incremental: a character cut at the end of ``head`` is still text
+        codecs.getincrementaldecoder("utf-8")().decode(head)
     except UnicodeDecodeError:
         return "unrecognised binary data"
-    return "a text file"
+    return "unrecognised binary data" if b"\x00" in head else "a text file"
 
 
 def special_file(mode: int) -> str | None:
@@ -196,6 +228,12 @@ def _open_zip(path: Source, verify: bool) -> None:
                     f"{name} is a TorchScript program (saved with torch.jit.save), not a "
                     f"checkpoint: load it with torch.jit.load({arg}), and its weights "
                     "with torch.jit.load(...).state_dict()",
+                    path,
+                )
+            if names and all(n.endswith(".npy") for n in names):
+                raise NotACheckpointError(
+                    f"{name} is a NumPy .npz archive, not a checkpoint: load it with "
+                    f"numpy.load({arg})",
                     path,
                 )
             if not any(n.endswith("/data.pkl") and n.count("/") == 1 for n in names):

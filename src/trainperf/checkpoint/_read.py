@@ -15,6 +15,7 @@ import torch
 from trainperf._utils.imports import require
 from trainperf.checkpoint._formats import (
     _LEGACY_MAGIC,
+    HEAD_BYTES,
     Source,
     _describe,
     _is_safetensors,
@@ -38,9 +39,10 @@ def load_file(path: Path, dev: torch.device, weights_only: bool, verify: bool) -
         special = special_file(st.st_mode)
         if special is not None:  # open() would wait for a writer, or read a device
             raise NotACheckpointError(f"{path} is {special}, not a checkpoint file", path)
+        _refuse_dcp_file(path)
         size = st.st_size
         with open(path, "rb") as f:
-            head = f.read(64)
+            head = f.read(HEAD_BYTES)
     except FileNotFoundError as e:
         raise CheckpointNotFoundError(
             f"checkpoint {path} does not exist (looked in {path.resolve().parent})", path
@@ -53,6 +55,26 @@ def load_file(path: Path, dev: torch.device, weights_only: bool, verify: bool) -
     except OSError as e:  # no permission, a device error: the file may be fine
         raise read_error(path, e) from e
     return _load(path, head, size, dev, weights_only, verify)
+
+
+def _refuse_dcp_file(path: Path) -> None:
+    """Refuse one file of a ``torch.distributed.checkpoint`` directory (a ``.distcp`` shard,
+    whose torch-like records torch cannot read alone, or its ``.metadata`` pickle).
+
+    Raises:
+        NotACheckpointError: ``path`` is one (the message names the converter).
+    """
+    if path.suffix != ".distcp" and not (
+        path.name == ".metadata" and any(path.parent.glob("*.distcp"))
+    ):
+        return
+    raise NotACheckpointError(
+        f"{path} is one file of a torch.distributed.checkpoint (DCP) directory, not a "
+        "checkpoint by itself; convert the whole directory to one file first: "
+        "torch.distributed.checkpoint.format_utils.dcp_to_torch_save("
+        f"'{path.parent}', 'model.pt'), then load_checkpoint('model.pt')",
+        path,
+    )
 
 
 def load_stream(f: IO[Any], dev: torch.device, weights_only: bool, verify: bool) -> Any:
@@ -68,7 +90,7 @@ def load_stream(f: IO[Any], dev: torch.device, weights_only: bool, verify: bool)
     _check_stream(f)
     try:
         start = f.tell()
-        head = f.read(64)
+        head = f.read(HEAD_BYTES)
         if isinstance(head, str):
             raise TypeError(
                 f"load_checkpoint needs a binary file object, but {shown(f)} gives text: "
@@ -121,6 +143,14 @@ def _load(
             "interrupted; use an earlier checkpoint",
             src,
         )
+    if not head.strip(b"\x00"):
+        raise CheckpointCorruptError(
+            f"checkpoint {name} starts with zero bytes where its header should be (the first "
+            f"{len(head)} of its {size} bytes are all zero): its data never reached the disk "
+            "(a crash or power loss during a save that was not atomic) or was overwritten; "
+            "use an earlier checkpoint (save_checkpoint writes atomically)",
+            src,
+        )
     if head.startswith(b"PK\x03\x04"):
         start = 0 if isinstance(src, Path) else src.tell()
         _open_zip(src, verify)
@@ -138,8 +168,8 @@ def _load(
     if _is_safetensors(head):
         return _load_safetensors(src, dev)
     raise NotACheckpointError(
-        f"{name} is not a checkpoint: it looks like {_describe(head)} (a checkpoint starts "
-        "like a zip archive, a torch pickle or a safetensors header)",
+        f"{name} is not a checkpoint: it looks like {_describe(head, _command_name(src))} (a "
+        "checkpoint starts like a zip archive, a torch pickle or a safetensors header)",
         src,
     )
 
@@ -160,3 +190,8 @@ def _load_safetensors(src: Source, dev: torch.device) -> Any:
             "or use an earlier checkpoint",
             src,
         ) from e
+
+
+def _command_name(src: Source) -> str:
+    """``src`` as a shell command in a fix names it: the path, or FILE for a file object."""
+    return str(src) if isinstance(src, Path) else "FILE"
