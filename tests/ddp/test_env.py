@@ -83,8 +83,8 @@ def test_a_task_of_an_srun_step_is_one_rank_of_the_job() -> None:
         ),
         # Old and new names of one count disagree: two jobs' variables are mixed.
         (
-            {**SLURM, "SLURM_NPROCS": "4"},
-            r"SLURM_NPROCS=4 but SLURM_NTASKS=8: .*srun step",
+            {**SLURM, "SLURM_NPROCS": "16"},
+            r"SLURM_NPROCS=16 is more than SLURM_NTASKS=8: .*srun step",
         ),
         ({**SLURM, "SLURM_NPROCS": "four"}, r"SLURM_NPROCS must be a whole number >= 1"),
         # This node runs 4 tasks (SLURM_NODEID says which node): local id 4 is not one.
@@ -113,9 +113,10 @@ def test_detect_rejects_local_counts_that_contradict_the_job(
 def test_slurm_nprocs_that_agrees_or_stands_alone_is_read() -> None:
     expected = _env.detect(SLURM)
     assert _env.detect({**SLURM, "SLURM_NPROCS": "8"}) == expected
-    # A heterogeneous step: SLURM_NPROCS is one component's tasks, SLURM_NTASKS the whole's.
-    for het in ("SLURM_HET_SIZE", "SLURM_PACK_SIZE"):
-        assert _env.detect({**SLURM, "SLURM_NPROCS": "2", het: "2"}) == expected
+    # A heterogeneous step (`srun -n2 a : -n2 b`, with or without SLURM_HET_SIZE):
+    # SLURM_NPROCS is one component's tasks, SLURM_NTASKS the whole step's.
+    assert _env.detect({**SLURM, "SLURM_NPROCS": "2"}) == expected
+    assert _env.detect({**SLURM, "SLURM_NPROCS": "2", "SLURM_HET_SIZE": "2"}) == expected
     # Without SLURM_NODEID a local id past the first node's count still means a bigger node.
     found = _env.detect({**SLURM, "SLURM_LOCALID": "5"})
     assert found is not None and found.local_world_size == 6

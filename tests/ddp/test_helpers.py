@@ -405,8 +405,9 @@ def test_a_peek_on_one_rank_that_puts_its_shuffle_out_of_step_is_warned(
     assert sorted(shards[0] + shards[1]) == list(range(8))
 
 
-def test_whole_passes_and_len_bounded_loops_leave_no_pass_open() -> None:
-    loader = ddp.distributed_loader(list(range(6)), 2, seed=0, drop_last=True)
+@pytest.mark.parametrize("samples", [6, 7])  # 7: a short last batch that drop_last drops
+def test_whole_passes_and_len_bounded_loops_leave_no_pass_open(samples: int) -> None:
+    loader = ddp.distributed_loader(list(range(samples)), 2, seed=0, drop_last=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(2):
@@ -421,3 +422,14 @@ def test_whole_passes_and_len_bounded_loops_leave_no_pass_open() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per loader
         list(loader)
+
+
+def test_a_sampler_pickled_before_its_epoch_became_a_property_loads() -> None:
+    loader = ddp.distributed_loader(list(range(8)), 2, seed=0)
+    loader.set_epoch(3)
+    sampler = loader.distributed_sampler
+    state = dict(sampler.__dict__)
+    state["epoch"] = state.pop("_epoch")  # as such a pickle holds it
+    old = object.__new__(type(sampler))
+    old.__setstate__(state)
+    assert old.epoch == 3 and list(old) == list(pickle.loads(pickle.dumps(sampler)))

@@ -93,13 +93,19 @@ def test_each_activity_is_recognised(tmp_path: Path) -> None:
     semaphore = _frames((THREADING, 507, "acquire"), user)
     assert classify(semaphore, in_collective=False) == "lock"
     source = tmp_path / "train.py"
-    source.write_text("import time\nwith state_lock:\n    time.sleep(1)\nwork.wait()\n")
+    source.write_text(
+        "import time\nwith state_lock:\n    time.sleep(1)\nwork.wait()\npid, _ = os.wait()\n"
+    )
     at = str(source)
     assert classify(_frames((at, 2, "main")), in_collective=False) == "lock"
     assert classify(_frames((at, 3, "main")), in_collective=False) == "running"
     # An async collective's wait has no frame of its own: the slot says what it waits for.
     assert classify(_frames((at, 4, "main")), in_collective=False, waits_async=True) == "collective"
     assert classify(_frames((at, 4, "main")), in_collective=False) == "running"
+    # A process wait after an async collective is not that collective's wait.
+    assert classify(_frames((at, 5, "main")), in_collective=False, waits_async=True) == (
+        "process-wait"
+    )
     assert classify((), in_collective=False) == "running"
 
 

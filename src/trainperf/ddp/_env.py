@@ -165,18 +165,17 @@ def _refuse_outside_srun(ntasks: int, env: Mapping[str, str]) -> None:
 
 
 def _check_nprocs(ntasks: int, env: Mapping[str, str]) -> None:
-    """SLURM sets SLURM_NPROCS, the older name of SLURM_NTASKS, to the same count: another
-    value means the variables of two jobs or steps are mixed (one exported into the other)."""
+    """SLURM sets SLURM_NPROCS, the older name of SLURM_NTASKS, to the step's tasks, or in a
+    heterogeneous step (``srun -n2 a : -n2 b``, which need not set SLURM_HET_SIZE) to one
+    component's: never more than SLURM_NTASKS. More means the variables of two jobs or
+    steps are mixed (one exported into the other)."""
     nprocs = launch_env.read_int("SLURM_NPROCS", env)
-    # A heterogeneous step sets it to one component's tasks, SLURM_NTASKS to the whole's.
-    heterogeneous = launch_env.is_set("SLURM_HET_SIZE", env) or launch_env.is_set(
-        "SLURM_PACK_SIZE", env
-    )
-    if nprocs is not None and nprocs != ntasks and not heterogeneous:
+    if nprocs is not None and nprocs > ntasks:
         raise ValueError(
-            f"SLURM_NPROCS={nprocs} but SLURM_NTASKS={ntasks}: SLURM sets both to the tasks "
-            "of the job step, so the variables come from different jobs or steps; run inside "
-            "one srun step, or unset the stale one"
+            f"SLURM_NPROCS={nprocs} is more than SLURM_NTASKS={ntasks}: SLURM sets it to the "
+            "tasks of the job step (or of one component of a heterogeneous step), so the "
+            "variables come from different jobs or steps; run inside one srun step, or unset "
+            "the stale one"
         )
 
 

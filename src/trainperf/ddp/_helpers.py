@@ -266,10 +266,14 @@ class _AutoEpochSampler(DistributedSampler[T]):
             self.num_samples = math.ceil(n / replicas)
         self.total_size = self.num_samples * replicas
 
-    # The pass whose last index has not been drawn yet (None: none, or the epoch was set
-    # since); a pass that starts while one is left open warns once (see _warn_open).
+    # The pass whose last batch's indices have not been drawn yet (None: none, or the epoch
+    # was set since); a pass that starts while one is left open warns once (_warn_open).
     _open: object | None = None
     _warned_open = False
+    # The loader's batch_size and drop_last (distributed_loader sets them): with drop_last
+    # the indices past the last whole batch are drawn only by a request after it.
+    batch_size = 1
+    drop_last_batch = False
 
     @property
     def epoch(self) -> int:
@@ -281,22 +285,32 @@ class _AutoEpochSampler(DistributedSampler[T]):
         self._epoch = value
         self._open = None
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A sampler pickled before epoch became a property holds it as "epoch".
+        if "epoch" in state:
+            state["_epoch"] = state.pop("epoch")
+        self.__dict__.update(state)
+
     def __iter__(self) -> Iterator[T]:
         self._follow()
         if self._open is not None:
             self._warn_open()
         indices = list(super().__iter__())
         self.epoch += 1
-        if not indices:  # an empty shard: nothing to leave open
+        last = len(indices)
+        if self.drop_last_batch:
+            last -= last % self.batch_size
+        if last == 0:  # no batch: nothing to leave open
             return iter(indices)
         token = self._open = object()
-        return self._pass(indices, token)
+        return self._pass(indices, last, token)
 
-    def _pass(self, indices: list[T], token: object) -> Iterator[T]:
-        """Yield ``indices``; the pass is no longer open once its last one is drawn (before
-        it is yielded: a loop bounded by ``len(loader)`` never asks past it)."""
+    def _pass(self, indices: list[T], last: int, token: object) -> Iterator[T]:
+        """Yield ``indices``; the pass is no longer open once the ``last``-th is drawn (the
+        last batch's last: before it is yielded, as a loop bounded by ``len(loader)`` never
+        asks past it)."""
         for i, index in enumerate(indices, 1):
-            if i == len(indices) and self._open is token:
+            if i == last and self._open is token:
                 self._open = None
             yield index
 
@@ -317,7 +331,7 @@ class _AutoEpochSampler(DistributedSampler[T]):
             "out of step and the ranks' shards overlap: call loader.set_epoch(epoch) right "
             "before each epoch's loop (after any peek)",
             UserWarning,
-            stacklevel=3,
+            stacklevel=_outside_torch_data(),
         )
 
     def __len__(self) -> int:
@@ -333,6 +347,18 @@ class _AutoEpochSampler(DistributedSampler[T]):
             ValueError: ``epoch`` is not an integer >= 0.
         """
         super().set_epoch(_checked_epoch(epoch))
+
+
+def _outside_torch_data() -> int:
+    """The ``stacklevel`` of a warning in the function that calls this: the first frame
+    outside trainperf and ``torch.utils.data`` (the loop that iterates the loader)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and (
+        "torch/utils/data/" in frame.f_code.co_filename.replace(os.sep, "/")
+        or frame.f_code.co_filename == __file__
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class DistributedLoader(DataLoader[T]):
@@ -486,6 +512,7 @@ def distributed_loader(
         seed=seed,
         drop_last=drop_last,
     )
+    sampler.batch_size, sampler.drop_last_batch = batch_size, drop_last
     if workers > 0 and sys.platform.startswith("linux"):
         loader_kwargs["worker_init_fn"] = DieWithParent(loader_kwargs.get("worker_init_fn"))
     return DistributedLoader(

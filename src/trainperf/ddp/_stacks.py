@@ -251,14 +251,14 @@ def classify(
         takes_lock = any(f.function in _LOCK_FRAMES for f in _stdlib_run(frames))
         return "lock" if takes_lock else "thread-wait"
     line = source_line(innermost)
+    if _WAITPID_LINE.search(line):  # os.wait() too: before the async wait's ".wait("
+        return "process-wait"
     if waits_async and ".wait(" in line:
         return "collective"
     if _enters_lock(line):
         return "lock"
     if _GET_LINE.search(line):
         return "thread-wait"
-    if _WAITPID_LINE.search(line):
-        return "process-wait"
     return "running"
 
 
