@@ -135,6 +135,9 @@ class MemoryDataset(Dataset[torch.Tensor]):
         return self.base * (1.0 + (i % 7) / 100)
 
 
+DATASETS = ("jpeg", "light", "io", "memory")
+
+
 def build(name: str, quick: bool) -> tuple[Dataset[Any], int]:
     """(dataset, default batch size)."""
     if name == "jpeg":
@@ -145,7 +148,7 @@ def build(name: str, quick: bool) -> tuple[Dataset[Any], int]:
         return IoDataset(512 if quick else 2048), 32
     if name == "memory":
         return MemoryDataset(128 if quick else 512), 16
-    raise ValueError(f"unknown dataset {name!r}; choices: jpeg, light, io, memory")
+    raise ValueError(f"unknown dataset {name!r}; choices: {', '.join(DATASETS)}")
 
 
 # --------------------------------------------------------------------------- runs
@@ -374,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: small grid and datasets")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
+    names = [n.strip() for n in args.datasets.split(",") if n.strip()]
+    unknown = [n for n in names if n not in DATASETS]
+    if unknown:  # before any runs, rather than after the ones before it
+        p.error(f"unknown datasets {unknown}; choose from {', '.join(DATASETS)}")
 
     from trainperf.device import best_device
 
@@ -385,7 +392,6 @@ def main(argv: list[str] | None = None) -> int:
         args.prefetch = args.prefetch[:1]
     if 0 not in args.workers:
         args.workers = [0, *args.workers]
-    names = [n.strip() for n in args.datasets.split(",") if n.strip()]
     env = {
         "host": platform.node(),
         "cpus": cpus,

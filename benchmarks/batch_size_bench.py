@@ -507,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
         args.budget = min(args.budget, 10.0)
     default = CUDA_MODELS if device.type == "cuda" else CPU_MODELS
     names = [n.strip() for n in (args.models or ",".join(default)).split(",") if n.strip()]
+    unknown = [n for n in names if n not in CPU_MODELS + CUDA_MODELS]
+    if unknown:  # before any runs, rather than after the ones before it
+        p.error(f"unknown models {unknown}; choose from {', '.join(CPU_MODELS + CUDA_MODELS)}")
     env = {
         "host": platform.node(),
         "torch": torch.__version__,

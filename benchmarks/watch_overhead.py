@@ -105,6 +105,12 @@ def main() -> None:
     parser.add_argument("--configs", default="typical,short")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
+    configs = [name for name in args.configs.split(",") if name]
+    unknown = [name for name in configs if name not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
+    if min(args.steps, args.rounds) < 1:
+        parser.error(f"--steps and --rounds must be >= 1, got {args.steps} and {args.rounds}")
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -119,11 +125,11 @@ def main() -> None:
         enter_exit.append(time.perf_counter() - start)
     fixed_ms = statistics.median(enter_exit) * 1e3
     rows: list[dict[str, Any]] = []
-    print(f"trainperf.watch overhead on {torch.cuda.get_device_name(device) if cuda else 'CPU'}: "
-          f"{args.steps} steps x {args.rounds} rounds")  # fmt: skip
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"trainperf.watch overhead on {name}: {args.steps} steps x {args.rounds} rounds")
     print(f"{'config':<8} {'step ms':>8} {'bare s':>8} {'watched s':>10} {'overhead':>9} "
           f"{'us/step':>8}  verdict")  # fmt: skip
-    for name in args.configs.split(","):
+    for name in configs:
         shape = CONFIGS[name] if device.type == "cuda" else CPU_SHAPE
         step, batches = make_loop(device, *shape)
         time_bare(step, batches, 10, device)  # warm-up: kernels, allocator, autotuning

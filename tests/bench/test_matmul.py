@@ -312,3 +312,39 @@ def test_the_size_suggested_fits_the_limit() -> None:
     assert matmul_module._estimated_seconds(fits, 13, 1e9) <= 300.0
     assert matmul_module._estimated_seconds(2 * fits, 13, 1e9) > 300.0
     assert matmul_module._size_within(1e-9, 13, 1e9) == 1  # never a size of 0
+
+
+def test_a_refusal_names_the_iterations_that_make_the_run_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: "bench_matmul(size=16): ..." (the CLI's "--size 16: ..."), naming the size,
+    # where a billion products of 16x16 are what take 2.3 h.
+    _slow_host(monkeypatch, 1e9)
+    with pytest.raises(RunTimeLimitExceeded) as caught:
+        bench_matmul("fp32", size=16, iterations=10**9, device="cpu")
+    assert str(caught.value).startswith(
+        "bench_matmul(size=16, iterations=1000000000): 1000000003 fp32 products "
+    )
+
+
+def test_a_refusal_names_a_warm_up_that_makes_the_run_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Fewer warm-up products are suggested, and the warm-up named, where it alone is what
+    # would not fit.
+    _slow_host(monkeypatch, 1e9)
+    with pytest.raises(RunTimeLimitExceeded) as caught:
+        bench_matmul("fp32", size=16, iterations=10, warmup=10**12, device="cpu")
+    message = str(caught.value)
+    assert message.startswith("bench_matmul(warmup=1000000000000): 1000000000010 fp32 ")
+    suggested = re.search(r"fewer warm-up products \(e\.g\. warmup=(\d+)\)", message)
+    assert suggested is not None
+    assert matmul_module._too_long(16, int(suggested[1]), 10, 1e9 / 1.01, 300.0)[1] is None
+
+
+def test_a_smaller_size_is_suggested_only_where_one_fits() -> None:
+    # Before: "use a smaller size (e.g. size=1), ...", though a trillion products of 1x1
+    # would take 33 min at 1 GFLOP/s, past the limit as well.
+    _, fix = matmul_module._too_long(16, 3, 10**12, 1e9, 300.0)
+    assert fix is not None and "smaller size" not in fix
+    assert fix.startswith("use fewer iterations (e.g. iterations=")

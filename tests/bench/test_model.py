@@ -365,7 +365,8 @@ def test_a_model_run_estimated_past_max_seconds_is_refused_after_the_second_warm
         bench_model("resnet50", "fp32", device="cpu", batch_size=256, image_size=224,
                     iterations=100, max_seconds=300)  # fmt: skip
     assert str(caught.value) == (
-        "bench_model(batch_size=256, image_size=224): 102 resnet50 fp32 inference batches "
+        "bench_model(batch_size=256, image_size=224, iterations=100): 102 resnet50 fp32 "
+        "inference batches "
         "(2 warm-up, 100 timed in 100 iterations) would take about 17 min on cpu (25.6 "
         "images/s, 10 s per batch, measured on the second warm-up batch), more than "
         "max_seconds=300: use a smaller batch_size (e.g. batch_size=32), a smaller "
@@ -378,6 +379,20 @@ def test_a_model_run_estimated_past_max_seconds_is_refused_after_the_second_warm
     fake.events.clear()
     with pytest.raises(ValueError, match=r"more than max_seconds=300: "):
         bench_model("resnet50", "fp32", device="cpu", batch_size=256, iterations=100)
+
+
+def test_a_model_refusal_names_the_counts_that_make_the_run_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: "bench_model(batch_size=2, image_size=64): ..." (the CLI's "--batch-size 2
+    # --image-size 64: ..."), where a thousand iterations are what take 5.6 h.
+    FakeBatches(monkeypatch, 20.0, 10.0)
+    with pytest.raises(RunTimeLimitExceeded) as caught:
+        bench_model("resnet50", "fp32", device="cpu", iterations=1000)
+    assert str(caught.value).startswith(
+        "bench_model(batch_size=2, image_size=64, iterations=1000): 1002 resnet50 fp32 "
+        "inference batches "
+    )
 
 
 def test_a_first_batch_past_max_seconds_is_refused_without_a_second(

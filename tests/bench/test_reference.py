@@ -8,7 +8,9 @@ import io
 import json
 from importlib.resources import files
 
+import numpy as np
 import pytest
+import torch
 
 from trainperf.bench import (
     compare_to_reference,
@@ -209,6 +211,21 @@ def test_compare_to_reference_rejects_bad_arguments(kwargs: dict[str, object], m
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         compare_to_reference(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("images_per_s", [True, "1800", torch.tensor(1800.0)])
+def test_compare_to_reference_refuses_a_rate_that_is_no_number(images_per_s: object) -> None:
+    # Before: True compared as 1 image/s, a tensor was kept (json.dumps refused to_dict()),
+    # and "1800" raised a bare TypeError from the comparison.
+    with pytest.raises(ValueError, match=r"images_per_s must be > 0 and finite, got "):
+        compare_to_reference("NVIDIA A40", "resnet50", "fp16", images_per_s)  # type: ignore[arg-type]
+
+
+def test_compare_to_reference_keeps_a_numpy_rate_as_a_python_float() -> None:
+    # Before: np.float32 was kept, and json.dumps refused to_dict().
+    c = compare_to_reference("NVIDIA A40", "resnet50", "fp16", np.float32(1800.0))  # type: ignore[arg-type]
+    assert type(c.images_per_s) is float and type(c.ratio) is float
+    assert json.loads(json.dumps(c.to_dict()))["images_per_s"] == 1800.0
 
 
 # --------------------------------------------------------------------------- the result protocol

@@ -60,3 +60,21 @@ def test_autotune_bench_adapt_runs_the_adaptive_scenarios(
     assert rc == 0
     assert "warmup   as started" in out and "[warmup] tuning_history" in out
     assert "cpus " not in out  # only the scenario asked for
+
+
+def test_an_unknown_dataset_is_refused_before_any_runs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, each dataset was built when its turn came: `light,jpg` ran light's grid and
+    # tuner, then ended in a ValueError traceback that lost its results.
+    bench = load_bench(monkeypatch)
+    ran: list[str] = []
+    monkeypatch.setattr(bench, "run_one", lambda name, *a: ran.append(name) or [])
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--datasets", "light,jpg", "--device", "cpu"])
+    assert exc.value.code == 2 and ran == []
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith("error: unknown datasets ['jpg']; choose from jpeg, light, io, memory")
+    )

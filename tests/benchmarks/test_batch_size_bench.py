@@ -84,3 +84,24 @@ def test_the_lightning_mode_reads_a_saved_sweep(
     assert out.splitlines()[0].split()[:3] == ["model", "trainperf", "samples/s"]
     (row,) = [line for line in out.splitlines() if line.startswith("mlp ")]
     assert row.split()[:4] == ["mlp", "4", "40.0", "100.0%"]
+
+
+def test_an_unknown_model_is_refused_before_any_runs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, each model was built when its turn came: `mlp,resnet` swept mlp, then ended
+    # in a ValueError traceback that lost its results.
+    bench = load_bench(monkeypatch)
+    ran: list[str] = []
+    monkeypatch.setattr(bench, "run_one", lambda name, *a: ran.append(name) or {})
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--models", "mlp,resnet", "--device", "cpu"])
+    assert exc.value.code == 2 and ran == []
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith(
+            "error: unknown models ['resnet']; choose from resnet18, mlp, encoder, resnet50, "
+            "vit_b_16, gpt2"
+        )
+    )

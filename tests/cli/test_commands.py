@@ -626,7 +626,7 @@ def test_a_model_run_of_hours_is_refused_in_the_options_words(
             "--iterations", "100"]  # fmt: skip
     code, out, err = run(capsys, *argv, *json_flag)
     message = (
-        "--batch-size 256 --image-size 224: 102 resnet50 fp32 inference batches (2 warm-up, "
+        "--batch-size 256 --image-size 224 --iterations 100: 102 resnet50 fp32 inference batches (2 warm-up, "
         "100 timed in 100 iterations) would take about 17 min on cpu (25.6 images/s, 10 s per "
         "batch, measured on the second warm-up batch), more than --max-seconds 300: use a "
         "smaller --batch-size (e.g. --batch-size 32), a smaller --image-size, fewer "
@@ -788,3 +788,26 @@ def test_max_seconds_help_says_the_limit_is_per_setting(bench: str, each: str) -
 
     option = _options(build_parser().parse_args(["bench", bench]))["max_seconds"]
     assert f"the limit per {each}" in str(option.help)
+
+
+def test_a_host_memory_refusal_keeps_its_fix_in_the_skipped_reason(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, the reason was cut at 200 characters, mid-word: "use a smaller size (e.g. si".
+    import trainperf.bench
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError(
+            "bench_matmul(size=100000): three 100000x100000 fp32 matrices need 111.8 GiB of "
+            "host memory, and 21.2 GiB is available (it would swap, or the kernel would kill "
+            "the process): use a smaller size (e.g. size=32768)"
+        )
+
+    monkeypatch.setattr(trainperf.bench, "bench_matmul", refuse)
+    argv = ["bench", "matmul", "--size", "32", "--dtype", "fp32", "--device", "cpu"]
+    code, out, _ = run(capsys, *argv, "--json")
+    (skipped,) = json.loads(out)["results"]
+    assert code == 1 and skipped["reason"].startswith("out of memory: --size 100000: three")
+    assert skipped["reason"].endswith("use a smaller size (e.g. --size 32768)")
+    code, out, _ = run(capsys, *argv)
+    assert code == 1 and out.endswith("use a smaller size (e.g. --size 32768)\n")

@@ -193,3 +193,31 @@ def test_help_imports_no_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, check=True)  # fmt: skip
     assert json.loads(done.stdout) is False, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "suggestion"),
+    [
+        (["doctr"], "'doctor'"),
+        (["gpu"], "'gpus'"),
+        (["bench", "modle"], "'model'"),
+        (["bench", "model", "--precision", "FP16"], "'fp16'"),
+        (["bench", "matmul", "--dtype", "fp32", "bf61"], "'bf16'"),
+    ],
+)
+def test_an_invalid_choice_suggests_the_closest_one(
+    capsys: pytest.CaptureFixture[str], argv: list[str], suggestion: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1
+    assert f"; did you mean {suggestion}?; see trainperf" in err, err
+
+
+def test_an_invalid_choice_far_from_every_one_suggests_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["xyzzy"])
+    assert "did you mean" not in capsys.readouterr().err

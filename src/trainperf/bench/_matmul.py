@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,6 +27,7 @@ from trainperf.bench._common import (
     fewer_iterations,
     format_duration,
     gpu_name,
+    iterations_within,
     limit_passed,
     power_of_two_at_most,
     resolve_device,
@@ -67,6 +68,7 @@ _PROBE_START_SIZE = 128
 # Products timed at the probe's final size, the fastest kept: on a busy host one product's
 # rate varies about 3x between calls, and a refusal near the limit flipped with it.
 _PROBE_REPEATS = 3
+_DEFAULT_WARMUP = 3
 
 
 @dataclass(frozen=True)
@@ -179,12 +181,39 @@ def _size_within(max_seconds: float, products: int, flops_per_s: float) -> int:
     return max(1, power_of_two_at_most(largest))
 
 
+def _fixes(
+    size: int, warmup: int, iterations: int, flops_per_s: float, limit: float
+) -> dict[str, str]:
+    """What to do instead of a run past ``limit``, by the argument each fix changes: a
+    smaller size, fewer iterations, fewer warm-up products (where they alone do not fit),
+    each only where one fits.
+
+    Example:
+        >>> list(_fixes(16, 3, 10**12, 1e9, 300.0))  # 1x1 products would not fit either
+        ['iterations']
+    """
+    # size=<n>, iterations=<n> and warmup=<n> are what trainperf.cli rewrites as --size <n>
+    # and --iterations <n> (it passes no warmup).
+    products = warmup + iterations
+    fitting = _size_within(seconds_to_fit(limit), products, flops_per_s)
+    per_product = _estimated_seconds(size, 1, flops_per_s)
+    fixes = {}
+    if _estimated_seconds(fitting, products, flops_per_s) <= seconds_to_fit(limit):
+        fixes["size"] = f"a smaller size (e.g. size={fitting})"
+    for fix in fewer_iterations(limit, warmup * per_product, per_product):
+        fixes["iterations"] = fix
+    fewer_warmup = iterations_within(limit, iterations * per_product, per_product)
+    if not fixes and 1 <= fewer_warmup < warmup:
+        fixes["warmup"] = f"fewer warm-up products (e.g. warmup={fewer_warmup})"
+    return fixes
+
+
 def _too_long(
     size: int, warmup: int, iterations: int, flops_per_s: float, max_seconds: float | None
 ) -> tuple[float, str | None]:
     """The decision rule for a run of ``warmup + iterations`` ``size x size`` products at
     ``flops_per_s``: its estimated seconds, and None where they fit in ``max_seconds`` (or
-    there is no limit), else what to do instead.
+    there is no limit), else what to do instead (:func:`_fixes`, or a larger limit).
 
     Example:
         >>> _too_long(256, 3, 10, 1e9, 300.0)[1] is None
@@ -192,17 +221,29 @@ def _too_long(
         >>> _too_long(8192, 3, 10, 1e9, 300.0)[1]
         'use a smaller size (e.g. size=2048) or a larger max_seconds (e.g. max_seconds=18000)'
     """
-    products = warmup + iterations
-    estimate = _estimated_seconds(size, products, flops_per_s)
+    estimate = _estimated_seconds(size, warmup + iterations, flops_per_s)
     limit = limit_passed(estimate, max_seconds)
     if limit is None:
         return estimate, None
-    # size=<n> is what trainperf.cli rewrites as --size <n>.
-    fitting = _size_within(seconds_to_fit(limit), products, flops_per_s)
-    per_product = _estimated_seconds(size, 1, flops_per_s)
-    fixes = [f"a smaller size (e.g. size={fitting})"]
-    fixes += fewer_iterations(limit, warmup * per_product, per_product)
-    return estimate, run_time_fix(estimate, fixes)
+    fixes = _fixes(size, warmup, iterations, flops_per_s, limit)
+    return estimate, run_time_fix(estimate, list(fixes.values()))
+
+
+def _call(size: int, iterations: int, warmup: int, at_fault: Collection[str]) -> str:
+    """The call a refusal names: the arguments ``at_fault`` (those a fix changes), or every
+    count that sets the run's length where none is, the warm-up only where it is not the
+    default (the CLI passes none).
+
+    Example:
+        >>> _call(16, 10**9, 3, ["iterations"]), _call(16, 10, 3, [])
+        ('bench_matmul(iterations=1000000000)', 'bench_matmul(size=16, iterations=10)')
+    """
+    counts = {"size": size, "iterations": iterations, "warmup": warmup}
+    named = [name for name in counts if name in at_fault]
+    if not named:
+        named = ["size", "iterations"] + (["warmup"] if warmup != _DEFAULT_WARMUP else [])
+    # size=<n> and iterations=<n> are what trainperf.cli rewrites as its options.
+    return f"bench_matmul({', '.join(f'{name}={counts[name]}' for name in named)})"
 
 
 def _format_rate(flops_per_s: float) -> str:
@@ -252,9 +293,12 @@ def _check_run_time(
     probed, flops_per_s = _probe(dtype, size, device)
     estimate, fix = _too_long(size, warmup, iterations, flops_per_s, max_seconds)
     if fix is not None:
+        call = _call(
+            size, iterations, warmup, _fixes(size, warmup, iterations, flops_per_s, max_seconds)
+        )
         raise RunTimeLimitExceeded(
-            f"bench_matmul(size={size}): {products} {dtype} products ({warmup} warm-up, "
-            f"{iterations} timed) would take about {format_duration(estimate)} on {device} "
+            f"{call}: {products} {dtype} products ({warmup} warm-up, {iterations} timed) "
+            f"would take about {format_duration(estimate)} on {device} "
             f"({_format_rate(flops_per_s)} measured on a {probed}x{probed} product), more "
             f"than max_seconds={max_seconds:g}: {fix}"
         )
@@ -356,7 +400,7 @@ def matmul_plan(
     *,
     size: int | None = None,
     iterations: int | None = None,
-    warmup: int = 3,
+    warmup: int = _DEFAULT_WARMUP,
     device: str | torch.device | None = None,
     max_seconds: float | None = DEFAULT_MAX_SECONDS,
 ) -> MatmulPlan:
@@ -396,7 +440,7 @@ def bench_matmul(
     *,
     size: int | None = None,
     iterations: int | None = None,
-    warmup: int = 3,
+    warmup: int = _DEFAULT_WARMUP,
     device: str | torch.device | None = None,
     max_seconds: float | None = DEFAULT_MAX_SECONDS,
 ) -> MatmulResult:

@@ -89,6 +89,20 @@ def _run_time_fix(
     return estimate, run_time_fix(estimate, smaller + iterations)
 
 
+def _call(settings: Settings, iterations_at_fault: bool) -> str:
+    """The call a refusal names: the batch and image size (a batch's cost), and the
+    iterations where fewer are a fix, as they ran.
+
+    Example:
+        >>> _call(Settings(2, 64, 1000, 1, 2), True)
+        'bench_model(batch_size=2, image_size=64, iterations=1000)'
+    """
+    # Each is what trainperf.cli rewrites as its option (--batch-size <n>, ...).
+    s = settings
+    iterations = f", iterations={s.iterations}" if iterations_at_fault else ""
+    return f"bench_model(batch_size={s.batch_size}, image_size={s.image_size}{iterations})"
+
+
 @dataclass(frozen=True)
 class RunTimeLimit:
     """The limit on one run's length, and what its refusal names."""
@@ -113,14 +127,19 @@ class RunTimeLimit:
         estimate, fix = _run_time_fix(
             settings, seconds_per_batch, max_seconds, train=self.train, cuda=cuda
         )
-        if fix is None:
+        if fix is None or max_seconds is None:
             return
+        fewer = fewer_iterations(
+            max_seconds,
+            settings.warmup_batches * seconds_per_batch,
+            settings.batches_per_iteration * seconds_per_batch,
+        )
         timed = settings.iterations * settings.batches_per_iteration
         batches = settings.warmup_batches + timed
         iterations = plural(settings.iterations, "iteration")
+        mode = "training" if self.train else "inference"
         raise RunTimeLimitExceeded(
-            f"bench_model(batch_size={settings.batch_size}, image_size={settings.image_size}): "
-            f"{batches} {self.label} {'training' if self.train else 'inference'} batches "
+            f"{_call(settings, bool(fewer))}: {batches} {self.label} {mode} batches "
             f"({settings.warmup_batches} warm-up, {timed} timed in {iterations}) would take "
             f"about {format_duration(estimate)} on {self.device} "
             f"({settings.batch_size / seconds_per_batch:.1f} images/s, "

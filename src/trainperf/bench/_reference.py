@@ -22,7 +22,7 @@ from functools import lru_cache
 from importlib.resources import files
 from typing import Any, Literal
 
-from trainperf._utils.validate import choice
+from trainperf._utils.validate import as_real_number, choice
 from trainperf.bench._common import result_dict
 
 __all__ = [
@@ -303,7 +303,8 @@ def compare_to_reference(
 
     Raises:
         ValueError: unknown ``model`` or ``precision``, or ``images_per_s`` not a finite
-            number > 0.
+            number > 0 (an int, a float or a NumPy scalar of either; not a bool, a string or
+            a tensor).
 
     Example:
         >>> c = compare_to_reference("NVIDIA GeForce RTX 3090", "resnet50", "fp16", 1800.0)
@@ -314,9 +315,12 @@ def compare_to_reference(
     """
     choice("model", model, sorted(MODEL_COLUMNS))
     choice("precision", precision, ("fp32", "fp16", "bf16"))
-    # Finite too: an infinite rate ranks and divides, but its ratio is no JSON number.
-    if not (images_per_s > 0 and math.isfinite(images_per_s)):
+    # Finite too: an infinite rate ranks and divides, but its ratio is no JSON number. A
+    # Python float: a NumPy scalar or a tensor kept as given is refused by json.dumps.
+    rate = as_real_number(images_per_s)
+    if rate is None or not (rate > 0 and math.isfinite(rate)):
         raise ValueError(f"images_per_s must be > 0 and finite, got {images_per_s!r}")
+    images_per_s = float(rate)
     notes: list[str] = []
     table_precision = "fp16" if precision == "bf16" else precision
     if precision == "bf16":

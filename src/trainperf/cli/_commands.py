@@ -67,10 +67,11 @@ def _skipped(args: argparse.Namespace, setting: str, e: Exception, smaller: str)
         e.__traceback__ = None
         if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             torch.cuda.empty_cache()
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        if isinstance(e, MemoryError) and str(e):  # the library's host-memory check: its fix
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if isinstance(e, MemoryError) and str(e):
+            # The library's host-memory check: whole, since its fix comes last.
             return Skipped(args.bench, setting, f"{_OOM}: {_as_typed(first, args)}")
-        return Skipped(args.bench, setting, f"{_OOM} ({first}): try a smaller {smaller}")
+        return Skipped(args.bench, setting, f"{_OOM} ({first[:200]}): try a smaller {smaller}")
     if isinstance(e, (DeviceError, NotImplementedError)):
         return Skipped(args.bench, setting, _as_typed(str(e), args))
     return None

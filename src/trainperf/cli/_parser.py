@@ -5,6 +5,7 @@ whose usage errors raise instead of printing argparse's usage.
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -132,6 +133,30 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise _UsageError(self.prog, message)
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        # argparse lists the choices; a typo (`doctr`, `FP16`) also gets the one it meant.
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as e:
+            meant = _closest(value, action.choices)
+            if meant is None:
+                raise
+            raise argparse.ArgumentError(action, f"{e.message}; did you mean {meant!r}?") from e
+
+
+def _closest(value: Any, choices: Any) -> str | None:
+    """The choice ``value`` most likely misspells (case aside), or None if none is close.
+
+    Example:
+        >>> _closest("doctr", ["bench", "doctor", "gpus"]), _closest("xyzzy", ["gpus"])
+        ('doctor', None)
+    """
+    if not isinstance(value, str) or choices is None:
+        return None
+    by_lower = {str(choice).lower(): str(choice) for choice in choices}
+    close = difflib.get_close_matches(value.lower(), list(by_lower), n=1)
+    return by_lower[close[0]] if close else None
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
