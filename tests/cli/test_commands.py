@@ -626,8 +626,9 @@ def test_a_model_run_of_hours_is_refused_in_the_options_words(
             "--iterations", "100"]  # fmt: skip
     code, out, err = run(capsys, *argv, *json_flag)
     message = (
-        "--batch-size 256 --image-size 224 --iterations 100: 102 resnet50 fp32 inference batches (2 warm-up, "
-        "100 timed in 100 iterations) would take about 17 min on cpu (25.6 images/s, 10 s per "
+        "--batch-size 256 --image-size 224 --iterations 100: 102 resnet50 fp32 inference "
+        "batches (2 warm-up, 100 timed in 100 iterations) would take about 17 min on cpu "
+        "(25.6 images/s, 10 s per "
         "batch, measured on the second warm-up batch), more than --max-seconds 300: use a "
         "smaller --batch-size (e.g. --batch-size 32), a smaller --image-size, fewer "
         "iterations (e.g. --iterations 22) or a larger --max-seconds (e.g. --max-seconds "
