@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -218,3 +219,83 @@ def test_tensors_a_shard_holds_but_the_index_does_not_list_are_left_out(tmp_path
         json.dumps({"weight_map": {"w": "a.bin"}})
     )
     assert list(load_checkpoint(tmp_path)) == ["w"]
+
+
+def _save_state_models(directory: Path, names: list[str]) -> list[dict[str, Any]]:
+    """What Accelerate ``save_state`` writes for ``len(names)`` prepared models: one weights
+    file each (``model.safetensors``, ``model_1.safetensors``, ...), plus optimizer and RNG."""
+    states = []
+    for i, name in enumerate(names):
+        sd = {"w": torch.full((2,), float(i))}
+        if name.endswith(".safetensors"):
+            from safetensors.torch import save_file
+
+            save_file(sd, directory / name)
+        else:
+            torch.save(sd, directory / name)
+        states.append(sd)
+    torch.save({"state": {}, "param_groups": []}, directory / "optimizer.bin")
+    torch.save({"random_state": 0}, directory / "random_states_0.pkl")
+    return states
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["model.safetensors", "model_1.safetensors"],
+        ["pytorch_model.bin", "pytorch_model_1.bin", "pytorch_model_2.bin"],
+    ],
+    ids=["safetensors", "bin"],
+)
+def test_save_state_with_several_models_asks_which(tmp_path: Path, names: list[str]) -> None:
+    # It returned the first model's weights alone, saying nothing of the others.
+    if names[0].endswith(".safetensors"):
+        pytest.importorskip("safetensors")
+    _save_state_models(tmp_path, names)
+    shown = r", ".join(re.escape(n) for n in names)
+    with pytest.raises(
+        NotACheckpointError,
+        match=rf"holds {len(names)} model weight files written by Accelerate save_state, one per "
+        rf"prepared model \({shown}\).*load_checkpoint\('{re.escape(str(tmp_path / names[1]))}'\)",
+    ):
+        load_checkpoint(tmp_path)
+
+
+def test_each_of_several_save_state_models_loads_by_its_file(tmp_path: Path) -> None:
+    states = _save_state_models(tmp_path, ["pytorch_model.bin", "pytorch_model_1.bin"])
+    for name, sd in zip(["pytorch_model.bin", "pytorch_model_1.bin"], states, strict=True):
+        assert torch.equal(load_checkpoint(tmp_path / name)["w"], sd["w"])
+
+
+def test_a_numbered_save_state_model_alone_is_not_taken_for_the_whole(tmp_path: Path) -> None:
+    # model.safetensors went missing in a copy: model_1 is not "the" model either.
+    _save_state_models(tmp_path, ["pytorch_model.bin", "pytorch_model_1.bin"])
+    (tmp_path / "pytorch_model.bin").unlink()
+    with pytest.raises(
+        NotACheckpointError, match=r"holds 1 model weight file written .*\(pytorch_model_1\.bin\)"
+    ):
+        load_checkpoint(tmp_path)
+
+
+def test_a_save_state_directory_without_a_model_says_so(tmp_path: Path) -> None:
+    # It said "give the checkpoint file inside it", pointing at optimizer.bin as if weights.
+    torch.save({"state": {}, "param_groups": []}, tmp_path / "optimizer.bin")
+    torch.save({"random_state": 0}, tmp_path / "random_states_0.pkl")
+    with pytest.raises(
+        NotACheckpointError,
+        match=r"holds Accelerate save_state files \(optimizer\.bin, random_states_0\.pkl\) but "
+        r"no model weights \(model\.safetensors, pytorch_model\.bin\).*"
+        rf"accelerator\.load_state\('{re.escape(str(tmp_path))}'\)",
+    ):
+        load_checkpoint(tmp_path)
+
+
+def test_other_weight_files_beside_model_safetensors_are_not_read(tmp_path: Path) -> None:
+    # Documented: model.safetensors is the model; an EMA copy beside it is given by its path.
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
+    save_file({"w": torch.ones(2)}, tmp_path / "ema.safetensors")
+    assert torch.equal(load_checkpoint(tmp_path)["w"], torch.zeros(2))
+    assert torch.equal(load_checkpoint(tmp_path / "ema.safetensors")["w"], torch.ones(2))

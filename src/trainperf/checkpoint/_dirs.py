@@ -7,15 +7,19 @@ What other tools write as a directory, and what ``load_checkpoint(dir)`` makes o
   as one state dict, each tensor from the shard the index names for it (the index decides:
   copies in other shards, and tensors it does not list, are left out); safetensors is
   preferred when both are there, as transformers does;
-- ``model.safetensors`` or ``pytorch_model.bin`` alone (Accelerate ``save_state``, an
-  unsharded ``save_pretrained``): that file; ``save_state``'s ``optimizer.bin``,
-  ``scheduler.bin`` and ``random_states_*.pkl`` are not loaded;
+- ``model.safetensors`` or ``pytorch_model.bin`` (Accelerate ``save_state``, an unsharded
+  ``save_pretrained``): that file; ``save_state``'s ``optimizer.bin``, ``scheduler.bin`` and
+  ``random_states_*.pkl`` are not loaded, nor other weight files beside it
+  (``ema.safetensors``); ``save_state`` with several models (``model_1.safetensors``,
+  ``pytorch_model_1.bin``, ...) is an error asking for the file of one, and its files with no
+  model weights an error saying so;
 - a ``.metadata`` file (``torch.distributed.checkpoint``): an error naming the converter.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,13 @@ from trainperf.errors import CheckpointCorruptError, CheckpointNotFoundError, No
 # In the order they are preferred: safetensors first, as transformers and Accelerate do.
 INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
 _SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+# save_state names the weights of its i-th model (i > 0) "model_{i}.safetensors" or
+# "pytorch_model_{i}.bin"; the rest of what it writes is training state, not weights.
+_NUMBERED_MODEL = re.compile(r"(model_\d+\.safetensors|pytorch_model_\d+\.bin)")
+_SAVE_STATE = re.compile(
+    r"(optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.bin"
+    r"|(random_states|custom_checkpoint)_\d+\.pkl|scaler\.pt"
+)
 
 
 def _listed(path: Path) -> list[Path]:
@@ -148,7 +159,9 @@ def directory_weights(path: Path) -> tuple[str, Path]:
 
     Raises:
         NotACheckpointError: A ``torch.distributed.checkpoint`` directory, several indexes,
-            or no weights file trainperf recognises (the message lists what is there).
+            an Accelerate ``save_state`` with several models (``model_1.safetensors``) or
+            with none, or no weights file trainperf recognises (the message lists what is
+            there).
         OSError: the directory cannot be listed (no permission, a disk error): the message
             names it and what to check.
     """
@@ -164,14 +177,58 @@ def directory_weights(path: Path) -> tuple[str, Path]:
     index = _index_file(path)
     if index is not None:
         return "index", index
+    inside = [p.name for p in _listed(path)]
+    _refuse_several_models(path, inside)
     for name in _SINGLE_FILES:
         if (path / name).is_file():
             return "file", path / name
-    inside = [p.name for p in _listed(path)]
+    _refuse_state_without_model(path, inside)
     shown = ", ".join(inside[:8]) + (", ..." if len(inside) > 8 else "") if inside else "nothing"
     raise NotACheckpointError(
         f"{path} is a directory, not a checkpoint file, and holds no shard index "
         f"(*.safetensors.index.json, *.bin.index.json) nor {' or '.join(_SINGLE_FILES)}; it "
         f"holds {shown}: give the checkpoint file inside it",
+        path,
+    )
+
+
+def _refuse_several_models(path: Path, inside: list[str]) -> None:
+    """Refuse an Accelerate ``save_state`` directory with the weights of several models:
+    returning the first alone would pass for the whole checkpoint.
+
+    Raises:
+        NotACheckpointError: ``path`` holds ``model_1.safetensors``, ``pytorch_model_1.bin``
+            or another numbered model file (the message lists them, and how to load each).
+    """
+    if not any(_NUMBERED_MODEL.fullmatch(name) for name in inside):
+        return
+    models = [n for n in inside if n in _SINGLE_FILES or _NUMBERED_MODEL.fullmatch(n)]
+    models.sort(key=lambda n: (n.endswith(".bin"), len(n), n))  # model, model_1, ..., model_10
+    each = ", ".join(f"load_checkpoint('{path / n}')" for n in models[:4])
+    files = f"{len(models)} model weight file{'s' if len(models) > 1 else ''}"
+    raise NotACheckpointError(
+        f"{path} holds {files} written by Accelerate save_state, one per prepared model "
+        f"({', '.join(models)}), and load_checkpoint(dir) returns one state dict: give the "
+        f"file of the model you want: {each}",
+        path,
+    )
+
+
+def _refuse_state_without_model(path: Path, inside: list[str]) -> None:
+    """Refuse an Accelerate ``save_state`` directory that holds no model weights.
+
+    Raises:
+        NotACheckpointError: ``path`` holds ``optimizer.bin``, ``random_states_0.pkl`` or
+            other ``save_state`` files but no model file (the message lists them).
+    """
+    state = [name for name in inside if _SAVE_STATE.fullmatch(name)]
+    if not state:
+        return
+    shown = ", ".join(state[:6]) + (", ..." if len(state) > 6 else "")
+    raise NotACheckpointError(
+        f"{path} holds Accelerate save_state files ({shown}) but no model weights "
+        f"({', '.join(_SINGLE_FILES)}): save_state writes them only for models passed to "
+        "accelerator.prepare, or they were not copied; these files are training state "
+        f"(optimizer, scheduler, RNG), restored with accelerator.load_state('{path}')",
         path,
     )
