@@ -498,3 +498,36 @@ def test_complex_parameters_step_without_a_loss_scaler(precision: Precision) -> 
     opt = torch.optim.SGD([z], lr=0.5)
     mp.backward((z.real * 2).sum())
     assert mp.step(opt) and z.tolist() == [0j, 0j]
+
+
+class _CountedGroups(list):  # type: ignore[type-arg]
+    """An optimizer's ``param_groups`` that counts the passes over it."""
+
+    passes = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        type(self).passes += 1
+        return super().__iter__()
+
+
+def test_the_fp16_and_complex_gradient_checks_walk_the_parameters_once() -> None:
+    # Before: check_no_fp16_grads, then check_no_complex_grads, each over every parameter
+    # on every fp16 step (and again for unscale_).
+    from trainperf.amp._step import check_scalable_grads
+
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=1.0)
+    w.grad = torch.ones(2)
+    opt.param_groups = _CountedGroups(opt.param_groups)
+    check_scalable_grads((opt,))
+    assert _CountedGroups.passes == 1
+    half = nn.Parameter(torch.ones(2, dtype=torch.float16))
+    half.grad = torch.ones(2, dtype=torch.float16)
+    z = nn.Parameter(torch.ones(2, dtype=torch.complex64))
+    z.grad = torch.ones(2, dtype=torch.complex64)
+    complex_opt = torch.optim.SGD([z], lr=1.0)
+    # fp16 is named first, even in a later optimizer than a complex one.
+    with pytest.raises(ValueError, match=r"unscale_\(\) found fp16 gradients in optimizer 2 of 2"):
+        check_scalable_grads((complex_opt, torch.optim.SGD([half], lr=1.0)), caller="unscale_")
+    with pytest.raises(ValueError, match=r"step\(\) found complex gradients .* parameter #1"):
+        check_scalable_grads((opt, complex_opt))

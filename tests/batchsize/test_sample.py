@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -243,3 +244,19 @@ def test_a_stream_that_starts_afresh_gives_batches_again_and_again() -> None:
             [2.0],
             [3.0],
         ]
+
+
+@pytest.mark.parametrize(
+    "sample",
+    [
+        lambda n: {"texts": ["hello world"] * n, "temperature": torch.tensor(0.7)},
+        lambda n: (["s"] * n, torch.tensor(1.0)),
+        lambda n: {"input_ids": [[1, 2, 3]] * n, "scale": torch.tensor(1.0)},
+    ],
+    ids=["texts-and-temperature", "tuple-of-texts-and-scale", "id-lists-and-scale"],
+)
+def test_a_0_d_tensor_beside_n_non_tensor_samples_is_accepted(sample: Callable[[int], Any]) -> None:
+    # Before: refused as a batch of only 0-d tensors ("no tensor ... has dimension 0"),
+    # though its n samples are the list's items (text models that tokenize in the step).
+    batch = checked_batch(sample, 4)
+    assert batch is not None

@@ -84,9 +84,9 @@ def test_a_reading_from_another_thread_reopens_and_counts_a_generation() -> None
 def test_batch_size_reads_the_first_tensor() -> None:
     assert batch_size(torch.zeros(5, 2)) == 5
     assert batch_size({"x": torch.zeros(3, 1), "y": torch.zeros(3)}) == 3
-    assert batch_size([(torch.zeros(4, 2), 1)]) == 4
+    assert batch_size([(torch.zeros(4, 2), 1)]) == 1  # one (tensor, label) sample
     assert batch_size(torch.tensor(1.0)) is None
-    assert batch_size([[[torch.zeros(2)]]]) is None  # deeper than two levels: not looked at
+    assert batch_size([[[torch.zeros(2)]]]) == 1  # a list of one per-sample item
     assert batch_size("opaque") is None
 
 
@@ -94,8 +94,23 @@ def test_batch_size_reads_the_first_numpy_array_as_a_tensor() -> None:
     # Before: None for every NumPy batch, so w.iter() counted no samples.
     assert batch_size(np.zeros((5, 2))) == 5
     assert batch_size({"x": np.zeros((3, 1)), "y": np.zeros(3)}) == 3
-    assert batch_size([(np.zeros((4, 2)), 1)]) == 4
+    assert batch_size([(np.zeros((4, 2)), 1)]) == 1  # one (array, label) sample
     assert batch_size(np.zeros(())) is None
+
+
+def test_batch_size_counts_per_sample_items_as_batchsize_does() -> None:
+    # Before: the first array's leading size, the image's H (224) or C (3), not the samples.
+    hwc = [(np.zeros((224, 224, 3), np.uint8), 1) for _ in range(8)]  # collate_fn=list
+    assert batch_size(hwc) == 8
+    assert batch_size(tuple(zip(*hwc, strict=True))) == 8  # detection's collate
+    chw = [(torch.zeros(3, 16, 16), 1) for _ in range(8)]
+    assert batch_size(chw) == 8
+    assert batch_size(tuple(zip(*chw, strict=True))) == 8
+    # default_collate's list for tuple samples: [x, y], n samples each, however alike.
+    assert batch_size([torch.zeros(6, 3), torch.zeros(6, 1)]) == 6
+    assert batch_size([torch.zeros(6, 3, 8, 8), torch.zeros(6, 3, 8, 8)]) == 6
+    assert batch_size([torch.zeros(5), torch.zeros(7), torch.zeros(2)]) == 3  # token ids
+    assert batch_size(([torch.zeros(6, 8), torch.zeros(6, 8)], torch.zeros(6))) == 6  # views
 
 
 def test_loader_facts_read_a_dataloader_and_nothing_else() -> None:

@@ -221,6 +221,15 @@ def test_samples_are_counted_from_batches_or_given() -> None:
     assert counts == [5, 3, None, 7]
 
 
+def test_per_sample_numpy_batches_are_counted_by_their_samples() -> None:
+    # Before: 224 each, the images' height. collate_fn=list, then detection's collate.
+    per_sample = [(np.zeros((224, 224, 3), np.uint8), 1) for _ in range(8)]
+    with watch(device="cpu") as w:
+        for _ in w.iter([per_sample, tuple(zip(*per_sample, strict=True))]):
+            w.step()
+    assert [s.samples for s in w.report().timeline] == [8, 8]
+
+
 @pytest.mark.parametrize(
     ("count", "match"),
     [

@@ -2,18 +2,20 @@
 
 A batch is whatever the ``collate_fn`` returns: a tensor, a tuple, a dict of lists of
 tensors and strings. Tensors and NumPy arrays are its payload; everything else (ids,
-file names) is neither counted as bytes nor as samples.
+file names) is not counted as bytes. Its samples are counted by one set of rules
+(:func:`path_sizes`, :func:`batch_length`) for ``batchsize`` (which checks ``sample(n)``)
+and ``monitor`` (which counts what ``w.iter()`` yields).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["batch_bytes", "samples_in", "tensor_leaves"]
+__all__ = ["batch_bytes", "batch_length", "path_sizes", "samples_in", "tensor_leaves"]
 
 
 def _leaves(obj: Any, depth: int = 0) -> list[Any]:
@@ -66,3 +68,91 @@ def samples_in(batch: Any, batch_size: int) -> int:
             return n if 1 <= n <= batch_size else batch_size
         break
     return batch_size
+
+
+def path_sizes(obj: Any, depth: int = 0, batch_dim: int = 0) -> list[int]:
+    """On the way down to the first tensor or array with a dimension ``batch_dim``: the
+    lengths of the lists and tuples below the top level (a list of per-sample tensors, as
+    detection models take), then that tensor's size along ``batch_dim``; empty when there
+    is no such tensor.
+
+    Example:
+        >>> path_sizes((tuple(torch.zeros(3, 8, 8) for _ in range(4)), (1, 2, 3, 4)))
+        [4, 3]
+    """
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return [int(obj.shape[batch_dim])] if obj.ndim > batch_dim else []
+    if depth > 8 or isinstance(obj, (str, bytes)) or not isinstance(obj, (Mapping, list, tuple)):
+        return []
+    values = obj.values() if isinstance(obj, Mapping) else obj
+    for v in values:
+        found = path_sizes(v, depth + 1, batch_dim)
+        if found:
+            return ([len(obj)] if _per_sample(obj, depth) else []) + found
+    return []
+
+
+def _per_sample(obj: Any, depth: int) -> bool:
+    """A list or tuple whose length may be the batch's: below the top level (a list of
+    per-sample tensors), or at the top a list of per-sample items: containers (dicts,
+    detectron2's inputs; ``(image, target)`` tuples, ``collate_fn=list``) or tensors alike
+    in dimensions and dtype (images, torchvision's detection input). A top-level tuple,
+    and a list of unlike tensors (``[x, y]``), is the batch's fields."""
+    if not isinstance(obj, (list, tuple)):
+        return False
+    if depth > 0:
+        return True
+    if not isinstance(obj, list) or not obj:
+        return False
+    return all(isinstance(v, (Mapping, list, tuple)) for v in obj) or _alike_arrays(obj)
+
+
+def _alike_arrays(items: list[Any]) -> bool:
+    """Tensors (or arrays) with a dimension, all of one dtype and number of dimensions: the
+    samples of one input. A batch's fields (``x`` of floats, ``y`` of class indices) rarely
+    agree in both; where they do (two views ``[a, b]``, ``[x, y]`` of floats) one call
+    cannot tell them apart, and either reading is accepted. A sampler that returns the
+    wrong number of samples is then still refused at every size but the number of fields,
+    and the tuner tries several sizes."""
+    first = items[0]
+    if not isinstance(first, (torch.Tensor, np.ndarray)) or first.ndim == 0:
+        return False
+    return all(
+        type(v) is type(first) and v.ndim == first.ndim and v.dtype == first.dtype for v in items
+    )
+
+
+def batch_length(batch: Any) -> int | None:
+    """Samples in a batch: the items of a top-level list of per-sample items, else the
+    sizes on the way to its first tensor (or array), of which the one its fields agree on
+    (:func:`_agreed_size`); a list of other things counts its items; None when it cannot
+    tell.
+
+    Example:
+        >>> batch_length({"x": torch.zeros(5, 3), "y": torch.zeros(5)}), batch_length(["a", "b"])
+        (5, 2)
+        >>> batch_length([torch.zeros(3, 8, 8) for _ in range(4)])  # 4 images of 3 channels
+        4
+        >>> batch_length(torch.tensor(3.0)) is None
+        True
+    """
+    if _per_sample(batch, 0):
+        return len(batch)
+    sizes = path_sizes(batch)
+    if len(sizes) > 1:
+        return _agreed_size(batch, sizes)
+    if sizes:
+        return sizes[0]
+    if isinstance(batch, list):
+        return len(batch)
+    return None
+
+
+def _agreed_size(batch: Mapping[Any, Any] | Sequence[Any], sizes: list[int]) -> int:
+    """Which of ``sizes`` (a list's length, then the first tensor's leading size) counts the
+    samples: the list holds per-sample items (detection's ``tuple(zip(*samples))``: its
+    length) or one input's parts (two views ``([a, b], y)``: the tensors' leading size).
+    The size most of the batch's fields hold tells; the list's own length on a tie."""
+    fields = batch.values() if isinstance(batch, Mapping) else batch
+    held = [path_sizes(v, 1) or ([len(v)] if isinstance(v, (list, tuple)) else []) for v in fields]
+    return max(sizes, key=lambda k: sum(k in h for h in held))

@@ -35,9 +35,8 @@ from torch import nn
 from trainperf.amp._closure import check_closure
 from trainperf.amp._scaler import GradRecord, drop_unscaled
 from trainperf.amp._step import (
-    check_no_complex_grads,
-    check_no_fp16_grads,
     check_optimizers,
+    check_scalable_grads,
     check_step,
     forget,
     has_grads,
@@ -154,8 +153,7 @@ def check_step_call(
         )
     check_closure(optimizers, closure, max_grad_norm, scaling=scaling)
     if scaling:
-        check_no_fp16_grads(optimizers)
-        check_no_complex_grads(optimizers)
+        check_scalable_grads(optimizers)
 
 
 def run_step(
@@ -217,8 +215,7 @@ def unscale(
             "last step or zero_grad; call it between mp.backward(loss) and mp.step(optimizer)"
         )
     if scaler is not None:
-        check_no_fp16_grads((optimizer,), caller="unscale_")
-        check_no_complex_grads((optimizer,), caller="unscale_")
+        check_scalable_grads((optimizer,), caller="unscale_")
         scaler.unscale_(optimizer)
 
 

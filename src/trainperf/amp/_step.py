@@ -1,5 +1,5 @@
 """What :meth:`trainperf.MixedPrecision.step` checks and runs: the refusals of a call that
-cannot be right (:func:`check_step`, :func:`check_no_fp16_grads`), the plain step
+cannot be right (:func:`check_step`, :func:`check_scalable_grads`), the plain step
 (:func:`plain_step`) and the fp16 step through the loss scaler (:func:`scaled_step`), which
 steps each optimizer and updates the scale once. Both record the optimizers that stepped (and
 the fp16 one their inf/NaN flags), so that a step that raises can be retried without stepping
@@ -19,8 +19,7 @@ from torch import nn
 __all__ = [
     "check_loss",
     "check_max_grad_norm",
-    "check_no_complex_grads",
-    "check_no_fp16_grads",
+    "check_scalable_grads",
     "check_not_already_stepped",
     "check_not_zeroed",
     "check_optimizers",
@@ -325,45 +324,47 @@ def forget(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer | None
         states.pop(id(optimizer), None)
 
 
-def check_no_fp16_grads(
+def check_scalable_grads(
     optimizers: tuple[torch.optim.Optimizer, ...], *, caller: str = "step"
 ) -> None:
-    """Refuse fp16 gradients before anything steps or is unscaled (``caller``: the
-    ``MixedPrecision`` method that asks): ``GradScaler`` cannot unscale them (its bare
-    "Attempting to unscale FP16 gradients." names neither the cause nor the fix)."""
-    for i, o in enumerate(optimizers, 1):
+    """Refuse fp16 and complex gradients before anything steps or is unscaled (``caller``:
+    the ``MixedPrecision`` method that asks), in one pass over the gradients on every fp16
+    step: ``GradScaler`` cannot unscale either (its bare "Attempting to unscale FP16
+    gradients." and ``NotImplementedError`` for 'ComplexFloat' name neither the cause nor
+    the fix). fp16 gradients are named first, in any optimizer."""
+    counts = []
+    for o in optimizers:
         grads = [p.grad for p in parameters(o) if p.grad is not None]
         half = sum(g.dtype == torch.float16 for g in grads)
+        counts.append((half, len(grads), any(g.is_complex() for g in grads)))
+    for i, (o, (half, total, _)) in enumerate(zip(optimizers, counts, strict=True), 1):
         if half:
             raise ValueError(
                 f"MixedPrecision.{caller}() found fp16 gradients in optimizer {i} of "
-                f"{len(optimizers)} ({type(o).__name__}): {half} of its {len(grads)} "
+                f"{len(optimizers)} ({type(o).__name__}): {half} of its {total} "
                 "parameters with a gradient are fp16 (the model was cast with model.half() or "
                 ".to(torch.float16)), which the fp16 loss scaler cannot unscale; keep the "
                 "model in fp32 (mp.autocast() already runs its operations in fp16): "
                 "model.float(), then build the optimizer again"
             )
+    for i, (o, (_, _, has_complex)) in enumerate(zip(optimizers, counts, strict=True), 1):
+        if has_complex:
+            _refuse_complex(o, i, len(optimizers), caller)
 
 
-def check_no_complex_grads(
-    optimizers: tuple[torch.optim.Optimizer, ...], *, caller: str = "step"
-) -> None:
-    """Refuse complex gradients before anything steps or is unscaled (``caller``: the
-    ``MixedPrecision`` method that asks): ``GradScaler``'s unscale kernel has none (its bare
-    ``NotImplementedError`` for 'ComplexFloat' names neither the parameter nor the fix)."""
-    for i, o in enumerate(optimizers, 1):
-        complex_ = _complex_parameters(o)
-        if complex_:
-            raise ValueError(
-                f"MixedPrecision.{caller}() found complex gradients in optimizer {i} of "
-                f"{len(optimizers)} ({type(o).__name__}): "
-                f"parameter{'s' if len(complex_) > 1 else ''} {', '.join(complex_)}, which "
-                "the fp16 loss scaler cannot unscale (torch has no complex unscale kernel); "
-                "use MixedPrecision(precision='bf16' or 'fp32'), which need no loss scaler, "
-                "or keep complex parameters out of the optimizer: freeze them "
-                "(requires_grad_(False)), or store them real, shape (..., 2), and take "
-                "torch.view_as_complex(p) in forward"
-            )
+def _refuse_complex(optimizer: torch.optim.Optimizer, i: int, of: int, caller: str) -> None:
+    """The complex-gradient refusal for optimizer ``i`` of ``of``, its parameters named."""
+    complex_ = _complex_parameters(optimizer)
+    raise ValueError(
+        f"MixedPrecision.{caller}() found complex gradients in optimizer {i} of "
+        f"{of} ({type(optimizer).__name__}): "
+        f"parameter{'s' if len(complex_) > 1 else ''} {', '.join(complex_)}, which "
+        "the fp16 loss scaler cannot unscale (torch has no complex unscale kernel); "
+        "use MixedPrecision(precision='bf16' or 'fp32'), which need no loss scaler, "
+        "or keep complex parameters out of the optimizer: freeze them "
+        "(requires_grad_(False)), or store them real, shape (..., 2), and take "
+        "torch.view_as_complex(p) in forward"
+    )
 
 
 def _complex_parameters(optimizer: torch.optim.Optimizer) -> list[str]:

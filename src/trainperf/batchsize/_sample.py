@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, default_collate
 
-from trainperf._utils.batches import tensor_leaves
+from trainperf._utils.batches import batch_length, path_sizes, tensor_leaves
 from trainperf._utils.rng import dataset_generators
 from trainperf._utils.validate import fresh_stream, positive_int
 
@@ -144,85 +144,9 @@ def batches_from(
     return DatasetBatches(dataset, collate_fn)
 
 
-def _first_leading_size(obj: Any, depth: int = 0) -> int | None:
-    """The leading size of the first tensor or array (with a dimension) in a nested batch."""
-    sizes = _path_sizes(obj, depth)
-    return sizes[-1] if sizes else None
-
-
-def _path_sizes(obj: Any, depth: int = 0, batch_dim: int = 0) -> list[int]:
-    """On the way down to the first tensor or array with a dimension ``batch_dim``: the
-    lengths of the lists and tuples below the top level (a list of per-sample tensors, as
-    detection models take), then that tensor's size along ``batch_dim``; empty when there
-    is no such tensor."""
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
-        return [int(obj.shape[batch_dim])] if obj.ndim > batch_dim else []
-    if depth > 8 or isinstance(obj, (str, bytes)) or not isinstance(obj, (Mapping, list, tuple)):
-        return []
-    values = obj.values() if isinstance(obj, Mapping) else obj
-    for v in values:
-        found = _path_sizes(v, depth + 1, batch_dim)
-        if found:
-            return ([len(obj)] if _per_sample(obj, depth) else []) + found
-    return []
-
-
 def _first_shape(batch: Any, batch_dim: int) -> tuple[int, ...] | None:
-    """The shape of the tensor (or array) :func:`_path_sizes` reads, or None."""
+    """The shape of the tensor (or array) :func:`path_sizes` reads, or None."""
     return next((shape for shape in _shapes(batch) if len(shape) > batch_dim), None)
-
-
-def _per_sample(obj: Any, depth: int) -> bool:
-    """A list or tuple whose length may be the batch's: below the top level (a list of
-    per-sample tensors), or at the top a list of per-sample items: containers (dicts,
-    detectron2's inputs; ``(image, target)`` tuples, ``collate_fn=list``) or tensors alike
-    in dimensions and dtype (images, torchvision's detection input). A top-level tuple,
-    and a list of unlike tensors (``[x, y]``), is the batch's fields."""
-    if not isinstance(obj, (list, tuple)):
-        return False
-    if depth > 0:
-        return True
-    if not isinstance(obj, list) or not obj:
-        return False
-    return all(isinstance(v, (Mapping, list, tuple)) for v in obj) or _alike_arrays(obj)
-
-
-def _alike_arrays(items: list[Any]) -> bool:
-    """Tensors (or arrays) with a dimension, all of one dtype and number of dimensions: the
-    samples of one input. A batch's fields (``x`` of floats, ``y`` of class indices) rarely
-    agree in both; where they do (two views ``[a, b]``, ``[x, y]`` of floats) one call
-    cannot tell them apart, and either reading is accepted. A sampler that returns the
-    wrong number of samples is then still refused at every size but the number of fields,
-    and the tuner tries several sizes."""
-    first = items[0]
-    if not isinstance(first, (torch.Tensor, np.ndarray)) or first.ndim == 0:
-        return False
-    return all(
-        type(v) is type(first) and v.ndim == first.ndim and v.dtype == first.dtype for v in items
-    )
-
-
-def batch_length(batch: Any) -> int | None:
-    """Samples in a batch: the items of a top-level list of per-sample items, else the
-    leading size of its first tensor (or array); a list of other things counts its items;
-    None when it cannot tell.
-
-    Example:
-        >>> batch_length({"x": torch.zeros(5, 3), "y": torch.zeros(5)}), batch_length(["a", "b"])
-        (5, 2)
-        >>> batch_length([torch.zeros(3, 8, 8) for _ in range(4)])  # 4 images of 3 channels
-        4
-        >>> batch_length(torch.tensor(3.0)) is None
-        True
-    """
-    if _per_sample(batch, 0):
-        return len(batch)
-    found = _first_leading_size(batch)
-    if found is not None:
-        return found
-    if isinstance(batch, list):
-        return len(batch)
-    return None
 
 
 def checked_batch(sample: Callable[[int], Any], n: int, batch_dim: int = 0) -> Any:
@@ -267,7 +191,7 @@ def checked_batch(sample: Callable[[int], Any], n: int, batch_dim: int = 0) -> A
             f"use yield?): return the batch itself (a tensor, a tuple or list, a dict), "
             f"which every step of that size reuses"
         )
-    sizes = _path_sizes(batch, batch_dim=batch_dim)
+    sizes = path_sizes(batch, batch_dim=batch_dim)
     if sizes and n not in sizes:
         raise ValueError(_wrong_size(n, sizes, batch_dim) + _other_dims(batch, n, batch_dim))
     if not sizes and isinstance(batch, list):  # n samples of other shapes (lengths vary)
@@ -275,9 +199,23 @@ def checked_batch(sample: Callable[[int], Any], n: int, batch_dim: int = 0) -> A
             raise ValueError(
                 f"sample({n}) returned a list of {len(batch)} items; it must return n samples"
             )
-    elif not sizes:
+    elif not sizes and (batch_dim > 0 or _only_0_d_values(batch, n)):
         _check_has_batch_dim(batch, n, batch_dim)
     return batch
+
+
+def _only_0_d_values(obj: Any, n: int, depth: int = 0) -> bool:
+    """Every leaf of ``obj`` is a 0-d tensor (or array) and no list or tuple in it has ``n``
+    items: nothing in it can hold n samples. A list of n texts beside a 0-d temperature
+    does (text models that tokenize in the step)."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return obj.ndim == 0
+    if depth > 8 or not isinstance(obj, (Mapping, list, tuple)):
+        return False  # a string, a number: not a tensor, maybe a sample
+    if not isinstance(obj, Mapping) and len(obj) == n:
+        return False
+    values = obj.values() if isinstance(obj, Mapping) else obj
+    return all(_only_0_d_values(v, n, depth + 1) for v in values)
 
 
 def _check_has_batch_dim(batch: Any, n: int, batch_dim: int) -> None:

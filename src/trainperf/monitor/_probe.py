@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainperf._utils.batches import batch_length
 from trainperf._utils.validate import as_real_number
 from trainperf.limits import local_world_size, usable_cpus
 from trainperf.monitor._setup import LoopSetup
@@ -84,23 +85,30 @@ class CpuClock:
             os.close(fd)
 
 
-def batch_size(batch: object, depth: int = 0) -> int | None:
-    """Samples in a batch: the first dimension of its first array (a tensor or a NumPy
-    array; in a list, tuple or mapping, its first item's, two levels deep), None when
-    unknown.
+def batch_size(batch: object) -> int | None:
+    """Samples in a batch, counted as :mod:`trainperf.batchsize` counts them
+    (:func:`~trainperf._utils.batches.batch_length`: a list of per-sample items, as
+    ``collate_fn=list`` gives, counts its items), None when unknown. A list of tensors (or
+    arrays) that all share a leading size is the batch's fields, as ``default_collate``
+    returns tuple samples (``[x, y]``), however alike they are.
 
     Example:
         >>> batch_size({"x": np.zeros((5, 2)), "y": np.zeros(5)}), batch_size(np.zeros(()))
         (5, None)
+        >>> batch_size([(np.zeros((224, 224, 3)), 1) for _ in range(8)])  # collate_fn=list
+        8
     """
-    if isinstance(batch, (torch.Tensor, np.ndarray)):
-        return int(batch.shape[0]) if batch.ndim else None
-    if depth >= 2:
-        return None
-    if isinstance(batch, (list, tuple)) and batch:
-        return batch_size(batch[0], depth + 1)
-    if isinstance(batch, Mapping) and batch:
-        return batch_size(next(iter(batch.values())), depth + 1)
+    if isinstance(batch, list) and batch and _leading(batch[0]) is not None:
+        leading = {_leading(v) for v in batch}
+        if len(leading) == 1 and None not in leading:
+            return leading.pop()
+    return batch_length(batch)
+
+
+def _leading(value: object) -> int | None:
+    """The leading size of a tensor or array with a dimension, else None."""
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim:
+        return int(value.shape[0])
     return None
 
 
