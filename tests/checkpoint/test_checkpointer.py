@@ -597,6 +597,84 @@ def test_latest_after_restore_found_the_newest_damaged_names_the_step_restored(
     ckpt.wait()
 
 
+@pytest.mark.parametrize("repair", ["copied back", "saved by another checkpointer"])
+def test_a_damaged_file_put_right_is_named_by_latest_and_counted_by_keep(
+    tmp_path: Path, repair: str
+) -> None:
+    # restore() found step 2 damaged; the user put a good copy back (or another
+    # Checkpointer of the directory wrote step 2 again), but latest() kept skipping it
+    # with a false warning, and keep never counted nor deleted it: a step found damaged
+    # stays so only while its file is the one found so.
+    ckpt = Checkpointer(tmp_path, keep=2)
+    for step in (1, 2):
+        ckpt.save({"w": torch.full((1000,), float(step))}, step=step)
+    newest = tmp_path / "step-000000002.pt"
+    good = newest.read_bytes()
+    data = bytearray(good)
+    data[bytes(data).index(np.float32(2.0).tobytes() * 8)] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000002\.pt"):
+        assert ckpt.restore({"w": torch.zeros(1000)}) == 1
+    if repair == "copied back":
+        newest.write_bytes(good)  # same inode, same size
+        os.utime(newest, ns=(10**18, 10**18))  # cp -p from a backup: the backup's mtime
+    else:
+        Checkpointer(tmp_path, keep=2).save({"w": torch.full((1000,), 2.0)}, step=2, force=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ckpt.latest() == newest
+        for step in (3, 4):
+            ckpt.save({"w": torch.full((1000,), float(step))}, step=step)
+    assert ckpt.steps() == [3, 4]  # step 2 counted, and went in its turn
+
+
+def test_a_step_restore_loads_after_its_link_is_mended_is_not_damaged_any_more(
+    tmp_path: Path,
+) -> None:
+    # A step file that is a link to a file on a mount not up yet: restore skipped it and
+    # loaded step 1; once the target was back, restore loaded step 9, but latest() still
+    # skipped it ("restore found it damaged and loaded an older step").
+    directory, store = tmp_path / "ckpt", tmp_path / "store"
+    ckpt = Checkpointer(directory, keep=2)
+    ckpt.save({"w": torch.ones(1)}, step=1)
+    Checkpointer(store).save({"w": torch.full((1,), 9.0)}, step=9)
+    target = store / "step-000000009.pt"
+    target.rename(store / "moved.pt")
+    (directory / "step-000000009.pt").symlink_to(target)
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000009\.pt"):
+        assert ckpt.restore({"w": torch.zeros(1)}) == 1
+    (store / "moved.pt").rename(target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ckpt.restore({"w": torch.zeros(1)}) == 9
+        assert ckpt.latest() == directory / "step-000000009.pt"
+
+
+def test_a_step_restore_loads_on_a_later_try_is_not_damaged_any_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The file did not change, yet it loaded the second time (bad bytes from a flaky
+    # network filesystem, once): what restore loads is not damaged, whatever it found before.
+    ckpt = Checkpointer(tmp_path)
+    for step in (1, 2):
+        ckpt.save({"w": torch.full((4,), float(step))}, step=step)
+    real = restore_module.load_checkpoint
+    glitches = [CheckpointError("CRC-32 mismatch (a read glitch)")]
+
+    def flaky(path: Path, *args: Any, **kwargs: Any) -> Any:
+        if glitches:
+            raise glitches.pop()
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(restore_module, "load_checkpoint", flaky)
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000002\.pt"):
+        assert ckpt.restore({"w": torch.zeros(4)}) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ckpt.restore({"w": torch.zeros(4)}) == 2
+        assert ckpt.latest() == tmp_path / "step-000000002.pt"
+
+
 def test_restore_out_of_memory_stops_rather_than_fall_back_to_an_older_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

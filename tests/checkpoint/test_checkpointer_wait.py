@@ -3,15 +3,23 @@ before the next save, however that wait ends."""
 
 from __future__ import annotations
 
+import io
+import os
+import re
+import signal
+import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import trainperf.checkpoint._checkpointer as checkpointer_module
 import trainperf.checkpoint._checkpointer_wait as wait_module
 import trainperf.checkpoint._writer as writer_module
+import trainperf.checkpoint._writer_fork as fork_module
 from tests.checkpoint._common import held_thread_writes
 from trainperf import Checkpointer, load_checkpoint
 from trainperf.checkpoint._writer_fork import fork_writes
@@ -191,3 +199,157 @@ def test_a_forked_writers_pid_is_known_to_the_wait_that_names_it(tmp_path: Path)
     ckpt.wait()
     assert handle.writer == "process"
     assert isinstance(handle._pid, int) and handle._pid > 0
+
+
+@pytest.fixture
+def usr1_handler() -> Iterator[list[Callable[[], Any]]]:
+    """SIGUSR1 runs the callable the test puts in the list; the previous handler put back."""
+    calls: list[Callable[[], Any]] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: calls[0]())
+    yield calls
+    signal.signal(signal.SIGUSR1, previous)
+
+
+def _signal_while_starting(monkeypatch: pytest.MonkeyPatch, writer: str) -> None:
+    """Send SIGUSR1 while ``save(blocking=False)`` starts its ``writer``: before the writer
+    thread exists, or after the fork and before the reaper thread that finishes the handle.
+    A wait for that write there used to hang for good: it fails the test instead."""
+
+    def hung(pending: Any, waited_s: float) -> str:
+        raise AssertionError(f"waited {waited_s:.1f} s for a write that cannot start yet")
+
+    monkeypatch.setattr(wait_module, "_FIRST_NOTICE_S", 0.3, raising=False)
+    monkeypatch.setattr(wait_module, "_still_waiting", hung)
+    if writer == "thread":
+        monkeypatch.setattr(checkpointer_module, "fork_writes", lambda: False)
+        module, name = writer_module, "_refused"
+    else:
+        module, name = fork_module, "_exit_watch"
+    real = getattr(module, name)
+
+    def signalled(*args: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGUSR1)  # the handler runs before this returns
+        return real(*args)
+
+    monkeypatch.setattr(module, name, signalled)
+
+
+_WRITERS = [
+    "thread",
+    pytest.param(
+        "process",
+        marks=pytest.mark.skipif(not fork_writes(), reason="needs the forked writer (Linux)"),
+    ),
+]
+
+
+@pytest.mark.parametrize("writer", _WRITERS)
+def test_latest_in_a_signal_handler_while_a_save_starts_names_the_older_step(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    usr1_handler: list[Callable[[], Any]],
+    writer: str,
+) -> None:
+    # A SLURM USR1 handler that logs ckpt.latest() landed while save(blocking=False) was
+    # starting its writer: latest() waited for a write whose writer could start (or be
+    # reaped) only once the handler returned, so the run hung for good.
+    ckpt = Checkpointer(tmp_path, keep=5)
+    ckpt.save({"w": torch.ones(4)}, step=1)
+    seen: list[Path | None] = []
+    usr1_handler.append(lambda: seen.append(ckpt.latest()))
+    _signal_while_starting(monkeypatch, writer)
+    handle = ckpt.save({"w": torch.full((4,), 2.0)}, step=2, blocking=False)
+    assert seen == [tmp_path / "step-000000001.pt"]  # the write had not started
+    monkeypatch.setattr(wait_module, "_FIRST_NOTICE_S", 60.0)  # the real write may be slow
+    ckpt.wait()
+    assert handle.writer == writer and ckpt.steps() == [1, 2]
+    assert ckpt.latest() == tmp_path / "step-000000002.pt"
+
+
+@pytest.mark.parametrize("writer", _WRITERS)
+@pytest.mark.parametrize("method", ["save", "wait", "restore"])
+def test_a_wait_in_a_signal_handler_while_a_save_starts_raises_instead_of_hanging(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    usr1_handler: list[Callable[[], Any]],
+    writer: str,
+    method: str,
+) -> None:
+    # save, wait and restore wait for this Checkpointer's own write in flight, and cannot
+    # skip it (the next write would refill the buffers it reads): in that window they say
+    # why rather than hang.
+    ckpt = Checkpointer(tmp_path, keep=5)
+    ckpt.save({"w": torch.ones(4)}, step=1)
+    calls = {
+        "save": lambda: ckpt.save({"w": torch.zeros(4)}, step=3),
+        "wait": ckpt.wait,
+        "restore": lambda: ckpt.restore({"w": torch.zeros(4)}),
+    }
+    raised: list[BaseException] = []
+
+    def handler() -> None:
+        try:
+            calls[method]()
+        except RuntimeError as e:
+            raised.append(e)
+
+    usr1_handler.append(handler)
+    _signal_while_starting(monkeypatch, writer)
+    ckpt.save({"w": torch.full((4,), 2.0)}, step=2, blocking=False)
+    monkeypatch.setattr(wait_module, "_FIRST_NOTICE_S", 60.0)  # the real write may be slow
+    (error,) = raised
+    assert type(error) is RuntimeError
+    assert re.search(
+        r"while its save of step 2 .*step-000000002\.pt.* is starting its background "
+        r"writer.*signal handler.*would hang.*set a flag",
+        str(error),
+    ), error
+    ckpt.wait()  # the save the handler interrupted goes on, untouched
+    assert ckpt.steps() == [1, 2]
+    assert torch.equal(load_checkpoint(tmp_path / "step-000000002.pt")["w"], torch.full((4,), 2.0))
+
+
+class _BrokenStderr(io.TextIOBase):
+    """stderr whose reader has gone (``python train.py 2>&1 | tee log``, tee killed)."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+@pytest.mark.parametrize("error", ["broken pipe", "closed"])
+def test_a_long_wait_with_a_broken_stderr_still_saves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: str
+) -> None:
+    # The "still waiting" notice raised BrokenPipeError (or ValueError: I/O operation on
+    # closed file) out of save(): that save's state was never written.
+    stderr: io.TextIOBase = _BrokenStderr()
+    if error == "closed":
+        stderr = io.StringIO()
+        stderr.close()
+    monkeypatch.setattr(wait_module, "_FIRST_NOTICE_S", 0.05, raising=False)
+    release = held_thread_writes(monkeypatch)
+    ckpt = Checkpointer(tmp_path, keep=5)
+    ckpt.save({"w": torch.ones(4)}, step=1, blocking=False)  # held: a slow write
+    threading.Timer(0.4, release.set).start()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    ckpt.save({"w": torch.full((4,), 2.0)}, step=2)
+    monkeypatch.undo()
+    assert ckpt.steps() == [1, 2] and ckpt._pending is None
+
+
+def test_the_exit_hook_waits_with_a_broken_stderr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "waiting for the background save ... before exiting" raised out of the exit hook,
+    # which then neither waited for the write nor reported the failed ones.
+    monkeypatch.setattr(wait_module, "_EXITED", [False])
+    release = held_thread_writes(monkeypatch)
+    ckpt = Checkpointer(tmp_path, keep=5)
+    handle = ckpt.save({"w": torch.ones(4)}, step=1, blocking=False)
+    threading.Timer(0.2, release.set).start()
+    monkeypatch.setattr(sys, "stderr", _BrokenStderr())
+    wait_module._wait_at_exit()
+    assert handle.done() and ckpt.steps() == [1]

@@ -244,8 +244,9 @@ def _save_state_models(directory: Path, names: list[str]) -> list[dict[str, Any]
     [
         ["model.safetensors", "model_1.safetensors"],
         ["pytorch_model.bin", "pytorch_model_1.bin", "pytorch_model_2.bin"],
+        ["pytorch_model_fsdp.bin", "pytorch_model_fsdp_1.bin"],
     ],
-    ids=["safetensors", "bin"],
+    ids=["safetensors", "bin", "fsdp-full-state"],
 )
 def test_save_state_with_several_models_asks_which(tmp_path: Path, names: list[str]) -> None:
     # It returned the first model's weights alone, saying nothing of the others.
@@ -284,7 +285,8 @@ def test_a_save_state_directory_without_a_model_says_so(tmp_path: Path) -> None:
     with pytest.raises(
         NotACheckpointError,
         match=r"holds Accelerate save_state files \(optimizer\.bin, random_states_0\.pkl\) but "
-        r"no model weights \(model\.safetensors, pytorch_model\.bin\).*"
+        r"no model weights \(model\.safetensors, pytorch_model\.bin, pytorch_model_fsdp\.bin or a "
+        r"pytorch_model_fsdp_0 directory\).*"
         rf"accelerator\.load_state\('{re.escape(str(tmp_path))}'\)",
     ):
         load_checkpoint(tmp_path)
@@ -299,3 +301,46 @@ def test_other_weight_files_beside_model_safetensors_are_not_read(tmp_path: Path
     save_file({"w": torch.ones(2)}, tmp_path / "ema.safetensors")
     assert torch.equal(load_checkpoint(tmp_path)["w"], torch.zeros(2))
     assert torch.equal(load_checkpoint(tmp_path / "ema.safetensors")["w"], torch.ones(2))
+
+
+def test_fsdp_full_state_dict_save_state_loads_pytorch_model_fsdp_bin(tmp_path: Path) -> None:
+    # Accelerate save_state under FSDP (FULL_STATE_DICT) names the model pytorch_model_fsdp.bin;
+    # it was refused as "save_state files but no model weights".
+    (state,) = _save_state_models(tmp_path, ["pytorch_model_fsdp.bin"])
+    assert torch.equal(load_checkpoint(tmp_path)["w"], state["w"])
+
+
+def _fsdp_sharded_save_state(directory: Path, models: int) -> list[Path]:
+    """What Accelerate ``save_state`` writes under FSDP with ``SHARDED_STATE_DICT``: a DCP
+    directory per model (``pytorch_model_fsdp_0/``, ...) and per optimizer (``optimizer_0/``)."""
+    subdirs = [directory / f"pytorch_model_fsdp_{i}" for i in range(models)]
+    for subdir in [*subdirs, directory / "optimizer_0"]:
+        shutil.copytree(PEERS / "dcp", subdir)
+    torch.save({"random_state": 0}, directory / "random_states_0.pkl")
+    return subdirs
+
+
+def test_fsdp_sharded_save_state_names_the_dcp_converter_for_its_subdirectory(
+    tmp_path: Path,
+) -> None:
+    # It said the model weights were missing; they are in the DCP subdirectory.
+    (subdir,) = _fsdp_sharded_save_state(tmp_path, 1)
+    with pytest.raises(
+        NotACheckpointError,
+        match=rf"{re.escape(str(subdir))} is a torch\.distributed\.checkpoint \(DCP\) directory.*"
+        rf"dcp_to_torch_save\('{re.escape(str(subdir))}', 'model\.pt'\)",
+    ):
+        load_checkpoint(tmp_path)
+
+
+def test_several_fsdp_sharded_save_state_models_ask_which(tmp_path: Path) -> None:
+    subdirs = _fsdp_sharded_save_state(tmp_path, 2)
+    with pytest.raises(
+        NotACheckpointError,
+        match=r"holds 2 model weight files written by Accelerate save_state.*"
+        r"\(pytorch_model_fsdp_0, pytorch_model_fsdp_1\).*"
+        rf"load_checkpoint\('{re.escape(str(subdirs[1]))}'\)",
+    ):
+        load_checkpoint(tmp_path)
+    with pytest.raises(NotACheckpointError, match=r"\(DCP\) directory"):
+        load_checkpoint(subdirs[1])

@@ -41,6 +41,7 @@ from trainperf.checkpoint._checkpointer_warn import (
     warn_if_behind,
     warn_notes,
 )
+from trainperf.checkpoint._damaged import DamagedSteps
 from trainperf.checkpoint._files import saving
 from trainperf.checkpoint._held import vouch
 from trainperf.checkpoint._payload import build_payload, rank_payload
@@ -134,7 +135,7 @@ class Checkpointer:
         # A stop was agreed through one of its preemption() objects (told by the object:
         # keeping the objects would keep one per epoch of a loop that makes one per epoch).
         self._stop_requested = False
-        self._damaged: set[int] = set()  # steps whose file restore found corrupt
+        self._damaged = DamagedSteps()  # steps whose file restore found corrupt, unchanged since
         self._behind_told = -1  # the highest later step on disk warned of so far
         self._unusable_told: set[tuple[object, ...]] = set()  # later files warned unusable
         self._notes_told: set[str] = set()  # retired files warned not deleted, and why
@@ -232,6 +233,9 @@ class Checkpointer:
                 ``"trainperf"``.
             OSError: rank 0 cannot list the directory (as :meth:`steps`), before anything
                 is written.
+            RuntimeError: called from a signal handler that interrupted this
+                Checkpointer's ``save(blocking=False)`` while it started its writer (waiting
+                for that write would hang); likewise :meth:`wait` and :meth:`restore`.
         """
         step = non_negative_int("step", step)
         choice("blocking", blocking, (True, False))
@@ -300,6 +304,7 @@ class Checkpointer:
         handle = SaveHandle(step, path, "process" if forked else "thread")
         after = partial(self._after, step)
         staged = payload if forked else self._staging.stage(payload)
+        handle._starting = True  # until the writer runs: no wait may wait for it before
         try:
             handle._track()
             # Pending before the writer starts: a Ctrl-C once it runs (Thread.start waits for
@@ -320,6 +325,8 @@ class Checkpointer:
                 self._pending = None
                 handle._untrack()
             raise
+        finally:
+            handle._starting = False
         if started:  # not when the payload was refused before any writer started
             count_background_save()
         return handle
@@ -329,6 +336,8 @@ class Checkpointer:
 
         Raises:
             CheckpointError: it failed (chained, with its path); nothing older was deleted.
+            RuntimeError: called from a signal handler while that save starts its writer
+                (as for :meth:`save`).
         """
         settle(self)
 
@@ -353,14 +362,16 @@ class Checkpointer:
         :meth:`restore` skips it; a legacy-format (non-zip) file counts, as it loads. This
         reads each file's pickle only, not its tensor data; :meth:`restore` also checks
         every byte's CRC and falls back to an older file, and a file it so found damaged
-        is skipped here too, with a warning, until that step is saved again.
+        is skipped here too, with a warning, while that file is unchanged (until it is put
+        right, the step saved again, or ``restore`` loads it).
 
         It first waits for this process's background writes into the directory that are in
         flight (this Checkpointer's ``save(..., blocking=False)``, or another one's of the
         same directory), as :meth:`restore` does, so it names the step just saved; writes
-        started meanwhile are not waited for. A write that failed is not raised here: the
-        next :meth:`save` or :meth:`wait` raises it, and ``latest`` names the newest good
-        file.
+        started meanwhile are not waited for, nor one whose ``save`` a signal handler
+        calling ``latest`` interrupted while it started the writer (the older step is
+        named). A write that failed is not raised here: the next :meth:`save` or
+        :meth:`wait` raises it, and ``latest`` names the newest good file.
 
         Raises:
             OSError: a file it reaches could not be read (no permission, too many open
@@ -409,6 +420,8 @@ class Checkpointer:
         Raises:
             CheckpointError: a background write of this Checkpointer failed (as for
                 :meth:`wait`).
+            RuntimeError: called from a signal handler while a save of this Checkpointer
+                starts its writer (as for :meth:`save`).
             TypeError: ``state`` is not a dict with string keys, or ``device`` not a str,
                 int or torch.device.
             ValueError: ``state`` has an entry the checkpoint lacks, or one whose saved value

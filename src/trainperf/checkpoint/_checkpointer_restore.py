@@ -25,7 +25,7 @@ from trainperf.checkpoint._checkpointer_ranks import (
 from trainperf.checkpoint._checkpointer_wait import settle_directory, wait_directory
 from trainperf.checkpoint._checkpointer_warn import _stops_at, stop_at
 from trainperf.checkpoint._files import load_checkpoint
-from trainperf.checkpoint._held import held_step
+from trainperf.checkpoint._held import held_step, version
 from trainperf.checkpoint._loader_state import track
 from trainperf.checkpoint._payload import restore_into, saved_step
 from trainperf.checkpoint._rank_gpu import load_device
@@ -115,6 +115,7 @@ def _newest_loaded(
     for step in reversed(ckpt.steps()):
         path = main_file(ckpt.directory, step)
         _refuse_misnamed_unloaded(path, step)
+        seen = version(path)  # before the read: a file changed since is read again
         try:
             saved = load_checkpoint(path, dev)
             found = saved_step(saved, str(path))
@@ -125,11 +126,12 @@ def _newest_loaded(
             warnings.warn(
                 f"skipping checkpoint {path}: {e}", UserWarning, stacklevel=user_stacklevel()
             )
-            ckpt._damaged.add(step)  # kept, but not one of the ``keep`` newest
+            ckpt._damaged.add(step, path, seen)  # kept, but not one of the ``keep`` newest
             continue
         except OSError as e:
             raise _stops_at("restore", step, e) from e
         refuse_misnamed("restore", path, step, found)
+        ckpt._damaged.discard(step)  # it loads: put right since it was found damaged
         return step, saved, path
     return None
 

@@ -43,6 +43,8 @@ def settle(ckpt: Checkpointer) -> None:
     pending = ckpt._pending
     if pending is None:
         return
+    if pending._starting:
+        raise _starting_error(pending)
     # Forgotten only once finished: a wait cut short (Ctrl-C in a notebook) must leave it
     # pending, or the next save would start a second write while this one still reads the
     # staging buffers that save refills, and this step's file would get the next one's values.
@@ -53,6 +55,19 @@ def settle(ckpt: Checkpointer) -> None:
     # Written again: a damaged file of that step was replaced (a forked writer's own
     # discard in _after stays in its copy of this object).
     ckpt._damaged.discard(pending.step)
+
+
+def _starting_error(pending: SaveHandle) -> RuntimeError:
+    """The error of a wait for ``pending`` while its ``save`` starts the writer: only a
+    signal handler that interrupted that save can ask, and the writer (or the reaper that
+    finishes a forked one) starts only once the handler returns, so the wait would hang."""
+    return RuntimeError(
+        f"Checkpointer: save, wait or restore called while its save of step {pending.step} "
+        f"to {pending.path} is starting its background writer (from a signal handler that "
+        "interrupted that save): waiting for that write here would hang, as its writer starts "
+        "only once the handler returns. In the handler, set a flag and save or restore from "
+        "the loop (Checkpointer.preemption() does this); latest() may be called there"
+    )
 
 
 def settle_directory(ckpt: Checkpointer) -> None:
@@ -69,12 +84,16 @@ def wait_directory(ckpt: Checkpointer) -> None:
     """Wait for this process's background writes into ``ckpt``'s directory that are in
     flight now (its own included), raising nothing: their failures stay for their
     Checkpointer's next ``save`` or ``wait`` (or the exit hook). Only those writes: one
-    started meanwhile is not waited for; no timeout, as for ``wait`` (a forked writer's
-    reaper finishes its handle however the child ends). ``ckpt``'s own write, once done,
-    replaced any damaged file of its step."""
+    started meanwhile is not waited for, nor one whose ``save`` is still starting its writer
+    (a signal handler that interrupted that save: the writer starts once it returns, so the
+    older step is named); no timeout, as for ``wait`` (a forked writer's reaper finishes its
+    handle however the child ends). ``ckpt``'s own write, once done, replaced any damaged
+    file of its step."""
     directory = ckpt.directory.resolve()
     for pending in pending_handles():
-        if pending.path is not None and pending.path.parent.resolve() == directory:
+        if pending._starting or pending.path is None:
+            continue
+        if pending.path.parent.resolve() == directory:
             _finish(pending)
     own = ckpt._pending
     if own is not None and own.done() and own._failure is None:
@@ -116,8 +135,16 @@ def _finish(pending: SaveHandle) -> None:
         started = time.monotonic()
         timeout = _FIRST_NOTICE_S
         while not pending._event.wait(timeout):
-            print(_still_waiting(pending, time.monotonic() - started), file=sys.stderr, flush=True)
+            _tell(_still_waiting(pending, time.monotonic() - started))
             timeout = _NOTICE_EVERY_S
+
+
+def _tell(line: str) -> None:
+    """Print ``line`` on stderr, best effort (as :mod:`warnings` does): a stderr whose reader
+    has gone (``2>&1 | tee log``, tee killed: ``BrokenPipeError``) or that was closed
+    (``ValueError``) must not raise out of a wait, which would leave that save unwritten."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
 
 
 def _still_waiting(pending: SaveHandle, waited_s: float) -> str:
@@ -175,19 +202,17 @@ def _wait_at_exit() -> None:
     _EXITED[0] = True
     for pending in pending_handles():
         if not pending.done():
-            print(
+            _tell(
                 f"trainperf: waiting for the background save of step {pending.step} to "
-                f"{pending.path} before exiting",
-                file=sys.stderr,
+                f"{pending.path} before exiting"
             )
             _finish(pending)
     for failed in unreported_failures():
         message, cause = failed._failure or ("unknown", None)
-        print(
+        _tell(
             f"trainperf: ERROR: the background save of step {failed.step} to {failed.path} "
             f"failed: {message} ({type(cause).__name__}: {cause}); no older checkpoint was "
-            "deleted",
-            file=sys.stderr,
+            "deleted"
         )
 
 

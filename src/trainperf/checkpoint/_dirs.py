@@ -7,13 +7,16 @@ What other tools write as a directory, and what ``load_checkpoint(dir)`` makes o
   as one state dict, each tensor from the shard the index names for it (the index decides:
   copies in other shards, and tensors it does not list, are left out); safetensors is
   preferred when both are there, as transformers does;
-- ``model.safetensors`` or ``pytorch_model.bin`` (Accelerate ``save_state``, an unsharded
+- ``model.safetensors``, ``pytorch_model.bin`` or ``pytorch_model_fsdp.bin`` (Accelerate
+  ``save_state``, the last under FSDP with a full state dict; an unsharded
   ``save_pretrained``): that file; ``save_state``'s ``optimizer.bin``, ``scheduler.bin`` and
   ``random_states_*.pkl`` are not loaded, nor other weight files beside it
   (``ema.safetensors``); ``save_state`` with several models (``model_1.safetensors``,
-  ``pytorch_model_1.bin``, ...) is an error asking for the file of one, and its files with no
-  model weights an error saying so;
-- a ``.metadata`` file (``torch.distributed.checkpoint``): an error naming the converter.
+  ``pytorch_model_1.bin``, ``pytorch_model_fsdp_1.bin``, ...) is an error asking for the file
+  of one, and its files with no model weights an error saying so;
+- a ``.metadata`` file (``torch.distributed.checkpoint``), or the DCP subdirectory
+  ``pytorch_model_fsdp_0/`` of ``save_state`` under FSDP with a sharded state dict: an error
+  naming the converter.
 """
 
 from __future__ import annotations
@@ -29,10 +32,14 @@ from trainperf.errors import CheckpointCorruptError, CheckpointNotFoundError, No
 
 # In the order they are preferred: safetensors first, as transformers and Accelerate do.
 INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
-_SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
-# save_state names the weights of its i-th model (i > 0) "model_{i}.safetensors" or
-# "pytorch_model_{i}.bin"; the rest of what it writes is training state, not weights.
-_NUMBERED_MODEL = re.compile(r"(model_\d+\.safetensors|pytorch_model_\d+\.bin)")
+_SINGLE_FILES = ("model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp.bin")
+# save_state names the weights of its i-th model (i > 0) "model_{i}.safetensors",
+# "pytorch_model_{i}.bin" or, under FSDP, "pytorch_model_fsdp_{i}.bin"; the rest of what it
+# writes is training state, not weights.
+_NUMBERED_MODEL = re.compile(r"(model_\d+\.safetensors|pytorch_model(_fsdp)?_\d+\.bin)")
+# Under FSDP with a sharded state dict, save_state writes the i-th model (i >= 0, so the
+# first is "_0") as a torch.distributed.checkpoint directory.
+_FSDP_DCP_DIR = re.compile(r"pytorch_model_fsdp_\d+")
 _SAVE_STATE = re.compile(
     r"(optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.bin"
     r"|(random_states|custom_checkpoint)_\d+\.pkl|scaler\.pt"
@@ -158,22 +165,15 @@ def directory_weights(path: Path) -> tuple[str, Path]:
     the directory ``path``.
 
     Raises:
-        NotACheckpointError: A ``torch.distributed.checkpoint`` directory, several indexes,
-            an Accelerate ``save_state`` with several models (``model_1.safetensors``) or
-            with none, or no weights file trainperf recognises (the message lists what is
-            there).
+        NotACheckpointError: A ``torch.distributed.checkpoint`` directory (or an FSDP
+            ``save_state``'s ``pytorch_model_fsdp_0/`` in it), several indexes, an Accelerate
+            ``save_state`` with several models (``model_1.safetensors``) or with none, or
+            no weights file trainperf recognises (the message lists what is there).
         OSError: the directory cannot be listed (no permission, a disk error): the message
             names it and what to check.
     """
     if (path / ".metadata").exists():
-        raise NotACheckpointError(
-            f"{path} is a torch.distributed.checkpoint (DCP) directory, which holds shards "
-            "for a process group to load collectively; convert it to one file first: "
-            "torch.distributed.checkpoint.format_utils.dcp_to_torch_save("
-            f"'{path}', 'model.pt'), then load_checkpoint('model.pt') (or load it with "
-            "torch.distributed.checkpoint.load on every rank)",
-            path,
-        )
+        raise _dcp_error(path)
     index = _index_file(path)
     if index is not None:
         return "index", index
@@ -182,6 +182,9 @@ def directory_weights(path: Path) -> tuple[str, Path]:
     for name in _SINGLE_FILES:
         if (path / name).is_file():
             return "file", path / name
+    dcp_dirs = _fsdp_dcp_dirs(path, inside)
+    if dcp_dirs:  # one: several were refused above
+        raise _dcp_error(path / dcp_dirs[0])
     _refuse_state_without_model(path, inside)
     shown = ", ".join(inside[:8]) + (", ..." if len(inside) > 8 else "") if inside else "nothing"
     raise NotACheckpointError(
@@ -192,17 +195,37 @@ def directory_weights(path: Path) -> tuple[str, Path]:
     )
 
 
+def _dcp_error(path: Path) -> NotACheckpointError:
+    return NotACheckpointError(
+        f"{path} is a torch.distributed.checkpoint (DCP) directory, which holds shards "
+        "for a process group to load collectively; convert it to one file first: "
+        "torch.distributed.checkpoint.format_utils.dcp_to_torch_save("
+        f"'{path}', 'model.pt'), then load_checkpoint('model.pt') (or load it with "
+        "torch.distributed.checkpoint.load on every rank)",
+        path,
+    )
+
+
+def _fsdp_dcp_dirs(path: Path, inside: list[str]) -> list[str]:
+    """The ``pytorch_model_fsdp_{i}`` DCP directories in ``path`` (``save_state`` under FSDP
+    with a sharded state dict)."""
+    return [n for n in inside if _FSDP_DCP_DIR.fullmatch(n) and (path / n).is_dir()]
+
+
 def _refuse_several_models(path: Path, inside: list[str]) -> None:
     """Refuse an Accelerate ``save_state`` directory with the weights of several models:
     returning the first alone would pass for the whole checkpoint.
 
     Raises:
         NotACheckpointError: ``path`` holds ``model_1.safetensors``, ``pytorch_model_1.bin``
-            or another numbered model file (the message lists them, and how to load each).
+            or another numbered model file, or several ``pytorch_model_fsdp_{i}`` DCP
+            directories (the message lists them, and how to load each).
     """
-    if not any(_NUMBERED_MODEL.fullmatch(name) for name in inside):
+    dcp_dirs = _fsdp_dcp_dirs(path, inside)
+    if not any(_NUMBERED_MODEL.fullmatch(name) for name in inside) and len(dcp_dirs) < 2:
         return
     models = [n for n in inside if n in _SINGLE_FILES or _NUMBERED_MODEL.fullmatch(n)]
+    models += dcp_dirs
     models.sort(key=lambda n: (n.endswith(".bin"), len(n), n))  # model, model_1, ..., model_10
     each = ", ".join(f"load_checkpoint('{path / n}')" for n in models[:4])
     files = f"{len(models)} model weight file{'s' if len(models) > 1 else ''}"
@@ -227,8 +250,9 @@ def _refuse_state_without_model(path: Path, inside: list[str]) -> None:
     shown = ", ".join(state[:6]) + (", ..." if len(state) > 6 else "")
     raise NotACheckpointError(
         f"{path} holds Accelerate save_state files ({shown}) but no model weights "
-        f"({', '.join(_SINGLE_FILES)}): save_state writes them only for models passed to "
-        "accelerator.prepare, or they were not copied; these files are training state "
+        f"({', '.join(_SINGLE_FILES)} or a pytorch_model_fsdp_0 directory): save_state "
+        "writes them only for models passed to accelerator.prepare, or they were not "
+        "copied; these files are training state "
         f"(optimizer, scheduler, RNG), restored with accelerator.load_state('{path}')",
         path,
     )

@@ -176,6 +176,10 @@ class SaveHandle:
         # Taken once (list.pop is atomic under the GIL): by the writer thread as it begins,
         # or by an interrupted save cancelling a writer that has not begun (_take).
         self._turn = [True]
+        # True while save() starts its writer: a signal handler run then (in the main thread,
+        # inside that save) must not wait for this write, whose writer thread or reaper
+        # starts only once the handler returns (_checkpointer_wait).
+        self._starting = False
 
     @classmethod
     def finished(cls, step: int, path: Path | None, writer: str) -> SaveHandle:
