@@ -51,3 +51,12 @@ def test_save_figure_with_an_unknown_suffix_names_the_supported_formats(tmp_path
     ):
         save_figure(Figure(), tmp_path / "chart.xyz")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("inside", ["loader.png", "sub/loader.png"])
+def test_a_file_where_the_folder_should_be_is_named_as_a_file(tmp_path: Path, inside: str) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(
+        NotADirectoryError, match=r"^R\.plot\(.*notes\.txt' is a file, not a folder.*in a folder"
+    ):
+        checked_path(tmp_path / "notes.txt" / inside, "R.plot", "x.png")

@@ -7,6 +7,8 @@ tuner sees it on the first batch it loads with ``num_workers=0`` and tries no po
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.queues
 import pickle
 import threading
 from collections.abc import Iterator, Mapping
@@ -16,10 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch._utils import ExceptionWrapper
 from torch.utils.data import TensorDataset
 
 from tests.loader._fakes import quick
 from trainperf.loader import AdaptiveDataLoader, TunedDataLoader, autotune_loader, tune_loader
+from trainperf.loader._faults import classify_fault
 from trainperf.loader._picklable import (
     FirstBatch,
     _pickle_error,
@@ -284,3 +288,173 @@ def test_an_error_queued_by_the_worker_is_left_as_it_is() -> None:
     queue = type("Q", (), {"put": lambda self, obj: calls.append(obj)})()
     _send_unpicklable(queue, TypeError("x"), "not a batch")  # printed, not queued
     assert calls == []
+
+
+class _Queued:
+    """A queue that keeps what is put in it."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    def put(self, obj: Any) -> None:
+        self.items.append(obj)
+
+
+def _sent(error: BaseException, obj: Any) -> BaseException:
+    """What the main process raises for ``obj`` that the worker's queue could not pickle."""
+    queue = _Queued()
+    _send_unpicklable(queue, error, obj)
+    assert len(queue.items) == 1, queue.items
+    index, wrapper = pickle.loads(ForkingPickler.dumps(queue.items[0]))  # as it travels
+    assert index == obj[0]
+    with pytest.raises(Exception) as caught:
+        wrapper.reraise()
+    return caught.value
+
+
+_SHM_FULL = "unable to write to file </torch_1_2_3>: No space left on device (28)"
+
+
+def test_a_full_dev_shm_keeps_its_type_and_gets_the_shared_memory_fix() -> None:
+    # Tensors go through /dev/shm: when it is full, the batch is not at fault and the pickle
+    # fix ("return tensors, numbers, ...") is the wrong advice.
+    error = _sent(RuntimeError(_SHM_FULL), (7, [torch.zeros(2)]))
+    assert type(error) is RuntimeError, error
+    text = str(error)
+    assert "batch 7 " in text and "No space left on device" in text, text
+    assert "--shm-size" in text and "emptyDir" in text and "prefetch_factor" in text, text
+    assert "return tensors" not in text and "cannot be pickled" not in text, text
+    kind, _ = classify_fault(error, start_method="fork", timeout_s=10)
+    assert kind == "shm"
+
+
+def test_too_many_open_files_keeps_its_type_and_gets_the_file_limit_fix() -> None:
+    error = _sent(OSError(24, "Too many open files"), (0, [torch.zeros(2)]))
+    assert isinstance(error, OSError), error
+    text = str(error)
+    assert "Too many open files" in text and "ulimit -n" in text, text
+    assert "file_system" in text and "return tensors" not in text, text
+
+
+def test_a_tensor_that_requires_grad_keeps_torchs_own_error() -> None:
+    batch = [torch.zeros(2, requires_grad=True) * 2]  # not a leaf: torch refuses to send it
+    try:
+        ForkingPickler.dumps(batch)
+    except RuntimeError as e:
+        error = _sent(e, (2, batch))
+    else:
+        pytest.skip("this torch pickles a non-leaf tensor that requires grad")
+    assert type(error) is RuntimeError, error
+    assert "batch 2 " in str(error) and "detach" in str(error), error
+    assert "return tensors" not in str(error), error
+
+
+class _TwoArgs(Exception):
+    def __init__(self, a: str, b: str) -> None:
+        super().__init__(a, b)
+
+
+def test_an_error_whose_type_cannot_be_rebuilt_comes_back_as_runtime_error() -> None:
+    class Local(Exception):  # cannot be pickled
+        pass
+
+    for original in (_TwoArgs("a", "b"), Local("disk on fire")):
+        error = _sent(original, (1, [torch.zeros(2)]))
+        assert type(error) is RuntimeError, error
+        assert "batch 1 " in str(error) and type(original).__name__ in str(error), error
+
+
+def test_a_full_dev_shm_in_a_worker_is_raised_as_it_is() -> None:
+    loader = TunedDataLoader(
+        tiny(), batch_size=4, num_workers=1, worker_init_fn=_shm_full, timeout=20
+    )
+    seen, error = _first_error(loader)
+    assert seen == 0 and type(error) is RuntimeError, error
+    assert "No space left on device" in str(error) and "--shm-size" in str(error), error
+
+
+def _no_space(storage: Any) -> Any:
+    raise RuntimeError(_SHM_FULL)
+
+
+def _shm_full(worker_id: int) -> None:
+    """A worker_init_fn whose worker cannot put any tensor in shared memory (/dev/shm full)."""
+    for storage in (torch.UntypedStorage, torch.storage.TypedStorage):
+        ForkingPickler.register(storage, _no_space)
+
+
+def _local_error() -> type[Exception]:
+    class NoSuchKey(Exception):  # like botocore's per-client exception classes
+        pass
+
+    return NoSuchKey
+
+
+_NoSuchKey = _local_error()
+
+
+class _RaisesAt(torch.utils.data.Dataset[Any]):
+    """Sample 5 raises an exception whose class cannot be pickled."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> Any:
+        if i == 5:
+            raise _NoSuchKey(f"s3://bucket/{i}")
+        return torch.zeros(2)
+
+
+def test_a_worker_error_whose_class_cannot_be_pickled_is_queued() -> None:
+    try:
+        raise _NoSuchKey("s3://bucket/5")
+    except _NoSuchKey:
+        wrapper = ExceptionWrapper(where="in DataLoader worker process 1")  # type: ignore[no-untyped-call]
+    try:
+        ForkingPickler.dumps((5, wrapper))
+    except Exception as e:
+        error = _sent(e, (5, wrapper))
+    else:
+        raise AssertionError("the wrapper pickled")
+    assert type(error) is RuntimeError, error
+    text = str(error)
+    assert "in DataLoader worker process 1" in text and "s3://bucket/5" in text, text
+    assert "its class " in text and "NoSuchKey cannot be pickled" in text, text
+    assert "define it at module level" in text, text
+
+
+def test_a_worker_error_whose_class_cannot_be_pickled_raises_in_the_loop() -> None:
+    # torch's worker queues the error wrapped with its class; the queue could not pickle it
+    # and dropped it, and the loop waited until the timeout.
+    loader = TunedDataLoader(_RaisesAt(), batch_size=2, num_workers=2, timeout=10)
+    seen, error = _first_error(loader)
+    assert seen == 2, seen
+    assert "timed out" not in str(error) and "s3://bucket/5" in str(error), error
+    assert "define it at module level" in str(error), error
+
+
+_PYTHONS_HANDLER = multiprocessing.queues.Queue._on_queue_feeder_error  # type: ignore[attr-defined]
+
+
+class _SideChannel(torch.utils.data.Dataset[Any]):
+    """Tells, from the worker, whether the user's own queue keeps Python's handler for what
+    it cannot pickle (it drops it); with torch's handled on the class, ``(i, lambda)`` put
+    on it arrived as a torch ExceptionWrapper."""
+
+    def __init__(self, queue: Any) -> None:
+        self.queue = queue
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> Any:
+        self.queue.put(i)  # its feeder thread starts, and reads the handler
+        return self.queue._on_queue_feeder_error is _PYTHONS_HANDLER
+
+
+def test_the_users_own_queues_in_a_worker_keep_pythons_handler() -> None:
+    queue = multiprocessing.get_context("fork").Queue()
+    loader = TunedDataLoader(
+        _SideChannel(queue), batch_size=2, num_workers=1, multiprocessing_context="fork"
+    )
+    assert [b.tolist() for b in loader] == [[True, True], [True, True]]

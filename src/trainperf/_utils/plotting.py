@@ -31,6 +31,7 @@ def checked_path(path: str | os.PathLike[str], method: str, example: str) -> Pat
 
     Raises:
         FileNotFoundError: the folder ``path`` is in does not exist.
+        NotADirectoryError: a file stands where that folder (or one above it) should be.
         IsADirectoryError: ``path`` is a folder (matplotlib would write ``<folder>.png``).
 
     Example:
@@ -42,6 +43,13 @@ def checked_path(path: str | os.PathLike[str], method: str, example: str) -> Pat
         raise IsADirectoryError(
             f"{method}({os.fspath(path)!r}): {str(out)!r} is a folder; pass a file path in "
             f"it, e.g. {method}({str(out / example)!r})"
+        )
+    # The nearest part of the folder's path that exists: a file there makes mkdir fail too.
+    nearest = next((p for p in (out.parent, *out.parent.parents) if p.exists()), None)
+    if nearest is not None and not nearest.is_dir():
+        raise NotADirectoryError(
+            f"{method}({os.fspath(path)!r}): {str(nearest)!r} is a file, not a folder; pass "
+            f"a path in a folder, e.g. {method}({str(nearest.parent / example)!r})"
         )
     if not out.parent.is_dir():
         raise FileNotFoundError(

@@ -21,20 +21,30 @@ check, and torch's worker drops it the same way: the loop waits for it for ever 
 ``timeout``), and the tuner's pool "hangs" until its budget or hang timeout runs out. So every
 worker trainperf's loaders start (the tuner's, a :class:`~trainperf.loader.TunedDataLoader`'s,
 an adaptive loader's pools) runs :class:`WorkerInit` as its ``worker_init_fn``: the worker's
-queue then sends such a batch back as a ``pickle.PicklingError`` that names the batch, the
-part of it and its type, and the loop (or the tuner, as a ``pickle`` fault) gets it at once.
+data queue then sends such a batch back as a ``pickle.PicklingError`` that names the batch,
+the part of it and its type, and the loop (or the tuner, as a ``pickle`` fault) gets it at
+once. A batch that pickles but whose tensors could not be sent (``/dev/shm`` full, too many
+open files, a tensor that requires grad) comes back as the error it met, with its fix; the
+dataset's own error whose class cannot be pickled (one defined in a function) as a
+``RuntimeError`` with its text. Only torch's data queue is changed (found in the frame of
+torch's worker loop): the dataset's own queues keep Python's handler, which drops what they
+cannot pickle; on a torch whose loop is not found, no queue is changed.
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing.queues
 import pickle
+import sys
 from collections.abc import Callable, Mapping
 from multiprocessing.reduction import ForkingPickler
+from types import FrameType
 from typing import Any
 
 import numpy as np
 import torch
+import torch.utils.data._utils.worker
 from torch._utils import ExceptionWrapper
 
 from trainperf._utils.lifetime import DieWithParent
@@ -189,29 +199,92 @@ def pickle_refusal(found: Found | None, *, max_workers: int, pin: bool) -> Candi
     )
 
 
-def unpicklable_batch(index: int, batch: Any, error: BaseException) -> str:
-    """What a worker says of the batch ``index`` (counted from 0 in its iterator) that its
-    queue could not pickle (``error``), naming the part to blame where it can.
+def unpicklable_batch(index: int, batch: Any, error: Exception) -> Exception:
+    """What a worker sends back for the batch ``index`` (counted from 0 in its iterator) that
+    its queue could not pickle (``error``): a ``pickle.PicklingError`` naming the part to
+    blame where there is one; else the queue's error itself (:func:`_send_failure`), since
+    the batch pickles and what failed was sending its tensors (``/dev/shm`` full, too many
+    open files, a tensor that requires grad).
 
     Example:
-        >>> text = unpicklable_batch(3, [1, (i for i in [])], TypeError("no"))
-        >>> print(text.split("; ")[0])
+        >>> error = unpicklable_batch(3, [1, (i for i in [])], TypeError("no"))
+        >>> print(str(error).split("; ")[0])
         batch 3 (counted from 0 in this iteration) cannot be sent to the main process: \
 batch[1] is a generator, which cannot be pickled (cannot pickle 'generator' object)
+        >>> print(unpicklable_batch(0, [torch.zeros(2)], OSError("Too many open files")))
+        ... # doctest: +ELLIPSIS
+        the worker could not send batch 0 ... OSError: Too many open files; fix: raise ...
     """
     try:
         found = unpicklable_part(batch)
     except Exception:  # a user class failing as it is looked into: the queue's error alone
         found = None
     if found is None:
-        what = f"it cannot be pickled ({_shown(error)})"
-    else:
-        where, type_name, message = found
-        what = f"{where} is a {type_name}, which cannot be pickled ({message})"
-    return (
-        f"batch {index} (counted from 0 in this iteration){UNSENDABLE}{what}; a worker sends "
-        f"every batch to the main process pickled; {_FIX}"
+        return _send_failure(index, error)
+    where, type_name, message = found
+    return pickle.PicklingError(
+        f"batch {index} (counted from 0 in this iteration){UNSENDABLE}{where} is a "
+        f"{type_name}, which cannot be pickled ({message}); a worker sends every batch to "
+        f"the main process pickled; {_FIX}"
     )
+
+
+_SHM_MARKERS = ("no space left on device", "</torch_", "shared memory", "bus error")
+_SHM_FIX = (
+    "fix: give the container more shared memory for /dev/shm (docker run --shm-size=16g, or "
+    "a memory-backed emptyDir on Kubernetes), or use fewer workers or a smaller "
+    "prefetch_factor"
+)
+_FD_FIX = (
+    "fix: raise the open-file limit (ulimit -n), or call "
+    "torch.multiprocessing.set_sharing_strategy('file_system') before the loader starts"
+)
+
+
+def _send_failure(index: int, error: Exception) -> Exception:
+    """The queue's ``error`` for a batch that pickles (no part of it to blame), with the
+    batch's index and the fix for shared memory or open files: of its own type where that
+    pickles and can be rebuilt from the message, else a ``RuntimeError``."""
+    text = _shown(error)
+    low = text.lower()
+    fix = (
+        _FD_FIX
+        if "too many open files" in low
+        else _SHM_FIX
+        if any(m in low for m in _SHM_MARKERS)
+        else ""
+    )
+    message = (
+        f"the worker could not send batch {index} (counted from 0 in this iteration) to the "
+        f"main process: {_type_name(error)}: {text}" + (f"; {fix}" if fix else "")
+    )
+    cls = type(error)
+    if _pickle_error(cls) is None:  # the main process must unpickle the class
+        try:
+            rebuilt = cls(message)
+        except Exception:  # its __init__ takes other arguments
+            pass
+        else:
+            if _shown(rebuilt) == message:
+                return rebuilt
+    return RuntimeError(message)
+
+
+def _class_unsendable(wrapper: ExceptionWrapper, error: Exception) -> ExceptionWrapper:
+    """torch's ``wrapper`` of the dataset's error, which could not be pickled (it keeps the
+    exception's class: one defined in a function cannot be), as a ``RuntimeError`` with the
+    same traceback and text and why it changed."""
+    cls = getattr(wrapper, "exc_type", None)
+    if cls is not None and _pickle_error(cls) is not None:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        why = f"its class {name} cannot be pickled: define it at module level"
+    else:
+        why = f"it cannot be pickled: {_shown(error)}"
+    where = getattr(wrapper, "where", "in DataLoader worker process")
+    sent = ExceptionWrapper((RuntimeError, RuntimeError(why), None), where)  # type: ignore[no-untyped-call]
+    text = str(getattr(wrapper, "exc_msg", "")).rstrip()
+    sent.exc_msg = f"{text} ({why})\n" if text else f"RuntimeError: the worker's error ({why})\n"
+    return sent
 
 
 # Python's handler (it prints the traceback): a private hook "for overriding", per its docs.
@@ -220,30 +293,48 @@ _queue_feeder_error: Callable[[Exception, Any], None] = _Queue._on_queue_feeder_
 
 
 def _send_unpicklable(queue: Any, error: Exception, obj: Any) -> None:
-    """A worker's queue's handler for an object its feeder thread could not pickle: a batch
-    (torch queues ``(index, batch)``) goes back as the error it is, which the main process
-    raises for that index; anything else is printed, as Python's handler does (the batch
-    was dropped, and the main process would wait for it)."""
-    if not (
-        isinstance(obj, tuple)
-        and len(obj) == 2
-        and isinstance(obj[0], int)
-        and not isinstance(obj[1], ExceptionWrapper)
-    ):
+    """A worker's data queue's handler for an object its feeder thread could not pickle
+    (torch queues ``(index, batch)`` and ``(index, ExceptionWrapper)``): it goes back as an
+    error the main process raises for that index (:func:`unpicklable_batch`,
+    :func:`_class_unsendable`); anything else is printed, as Python's handler does (it was
+    dropped)."""
+    if not (isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], int)):
         _queue_feeder_error(error, obj)
         return
-    index, batch = obj
-    failure = pickle.PicklingError(unpicklable_batch(index, batch, error))
+    index, data = obj
+    if isinstance(data, ExceptionWrapper):
+        queue.put((index, _class_unsendable(data, error)))
+        return
+    failure = unpicklable_batch(index, data, error)
     info = torch.utils.data.get_worker_info()
     where = "in DataLoader worker process" + ("" if info is None else f" {info.id}")
-    wrapped = ExceptionWrapper((pickle.PicklingError, failure, None), where)  # type: ignore[no-untyped-call]
+    wrapped = ExceptionWrapper((type(failure), failure, None), where)  # type: ignore[no-untyped-call]
     queue.put((index, wrapped))
+
+
+_WORKER_LOOP = getattr(torch.utils.data._utils.worker, "_worker_loop", None)
+
+
+def _data_queue() -> Any:
+    """The queue torch's worker loop sends batches on (its ``data_queue``), read from the
+    frame of the ``_worker_loop`` that calls the ``worker_init_fn``; None where none is
+    found (a torch whose loop is named or built otherwise)."""
+    code = getattr(_WORKER_LOOP, "__code__", None)
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            queue = frame.f_locals.get("data_queue")
+            return queue if isinstance(queue, _Queue) else None
+        frame = frame.f_back
+    return None
 
 
 class WorkerInit(DieWithParent):
     """:class:`trainperf.DieWithParent` (around ``user_fn``) that also makes the worker's
-    queue send back a batch it cannot pickle as an error (:func:`_send_unpicklable`)
-    instead of dropping it: the ``worker_init_fn`` of every worker trainperf's loaders start.
+    data queue send back a batch, or an error of the dataset's, that it cannot pickle as
+    an error (:func:`_send_unpicklable`) instead of dropping it: the ``worker_init_fn`` of
+    every worker trainperf's loaders start. Only torch's data queue: other queues in the
+    worker (the dataset's own) keep Python's handler.
 
     Example:
         >>> init = WorkerInit(print)
@@ -253,6 +344,8 @@ class WorkerInit(DieWithParent):
 
     def __call__(self, worker_id: int) -> None:
         if torch.utils.data.get_worker_info() is not None:
-            # In this worker only; read by the queue at its first put, after this call.
-            _Queue._on_queue_feeder_error = _send_unpicklable
+            queue = _data_queue()
+            if queue is not None:
+                # Read by the queue at its first put (its feeder thread starts), after this.
+                queue._on_queue_feeder_error = functools.partial(_send_unpicklable, queue)
         super().__call__(worker_id)
