@@ -35,20 +35,26 @@ def fake_mixed_host(monkeypatch: pytest.MonkeyPatch, module: ModuleType) -> None
 class FakeBatches:
     """``bench_model``'s batches, none of which runs a model: each advances a fake clock (the
     run's ``_clock``) by the next of ``seconds`` (the last one repeated), and the batches
-    and CUDA synchronisations are recorded in order (``"b"``, ``"s"``) in ``events``."""
+    and CUDA synchronisations are recorded in order (``"b"``, ``"s"``) in ``events``. Past
+    ``max_batches`` a batch fails the test (a run the limit did not stop would go on)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, *seconds: float) -> None:
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, *seconds: float, max_batches: int | None = None
+    ) -> None:
         model = importlib.import_module("trainperf.bench._model")
         run = importlib.import_module("trainperf.bench._model_run")
         self.seconds = list(seconds)
         self.now = 0.0
         self.events: list[str] = []
+        self.max_batches = max_batches
         monkeypatch.setattr(run, "_clock", lambda: self.now)
         monkeypatch.setattr(run, "synchronize", lambda device: self.events.append("s"))
         monkeypatch.setattr(model, "_batch_runner", lambda *args, **kwargs: self.batch)
 
     def batch(self) -> None:
         ran = self.events.count("b")
+        if self.max_batches is not None and ran >= self.max_batches:
+            pytest.fail(f"ran more than {self.max_batches} batches: the limit did not stop it")
         self.now += self.seconds[min(ran, len(self.seconds) - 1)]
         self.events.append("b")
 

@@ -413,8 +413,10 @@ def test_with_one_warm_up_batch_the_first_timed_iteration_gives_the_estimate(
 ) -> None:
     # The only warm-up batch holds the one-off setup, so it sets no estimate; the first
     # timed iteration (two batches of 10 s) does, at the synchronisation it ends with anyway.
+    # (The warm-up batch is quick here: one that leaves the run's fit in doubt has the first
+    # timed batch checked on its own, as the test of a huge iteration below shows.)
     seen: list[int] = []
-    fake = FakeBatches(monkeypatch, 60.0, 10.0)
+    fake = FakeBatches(monkeypatch, 1.0, 10.0)
     with pytest.raises(ValueError, match=r"201 resnet50 fp32 inference batches \(1 warm-up, "
                        r"200 timed in 100 iterations\) would take about 34 min on cpu \(0.2 "
                        r"images/s, 10 s per batch, measured on the first timed iteration\).*"
@@ -481,3 +483,86 @@ def test_each_suggestion_runs_when_the_rerun_is_a_little_slower(
         fake = FakeBatches(monkeypatch, 20.0 * share, 10.0 * 1.01 * share)
         r = bench_model("resnet50", "fp32", **{**asked, name: value})  # type: ignore[arg-type]
         assert fake.ran == r.warmup_batches + len(r.iteration_seconds), name
+
+
+@pytest.mark.parametrize(("iterations", "fitting"), [(1, 239), (2, 119)])
+def test_with_one_warm_up_batch_a_huge_iteration_is_refused_after_its_first_batch(
+    monkeypatch: pytest.MonkeyPatch, iterations: int, fitting: int
+) -> None:
+    # Before: the limit was checked only after the first timed iteration (with iterations=1,
+    # never), so a billion batches per iteration ran on until the process was killed. The
+    # first warm-up batch (setup included) leaves the run's fit in doubt, so the first timed
+    # batch is timed on its own and the run refused there, naming what fits.
+    fake = FakeBatches(monkeypatch, 1.0, max_batches=10)
+    with pytest.raises(RunTimeLimitExceeded) as caught:
+        bench_model("resnet50", "fp32", device="cpu", batches_per_iteration=10**9,
+                    warmup_batches=1, iterations=iterations)  # fmt: skip
+    message = str(caught.value)
+    assert fake.ran == 2, message
+    assert message.startswith(
+        "bench_model(batch_size=2, image_size=64, batches_per_iteration=1000000000): "
+    )
+    assert "measured on the first timed batch), more than max_seconds=300: use " in message
+    assert f"fewer batches_per_iteration (e.g. batches_per_iteration={fitting})" in message
+    # What it suggests runs.
+    fake = FakeBatches(monkeypatch, 1.0)
+    r = bench_model("resnet50", "fp32", device="cpu", batches_per_iteration=fitting,
+                    warmup_batches=1, iterations=iterations)  # fmt: skip
+    assert fake.ran == 1 + iterations * fitting and len(r.iteration_seconds) == iterations
+
+
+def test_a_first_warm_up_batch_that_fits_adds_no_synchronisation_to_the_timed_iterations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With one warm-up batch that says the run fits, the timed iterations are synchronised
+    # only after their last batch, as before.
+    fake = FakeBatches(monkeypatch, 0.01)
+    bench_model("resnet50", "fp32", device="cpu", warmup_batches=1, iterations=2,
+                batches_per_iteration=2)  # fmt: skip
+    assert fake.events == ["b", "s", "s", "b", "b", "s", "b", "b", "s"]
+
+
+def test_a_smaller_image_size_is_not_suggested_at_the_models_minimum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: "use a smaller image_size, ..." at resnet50's minimum of 32 px, which it refuses.
+    FakeBatches(monkeypatch, 20.0, 10.0)
+    with pytest.raises(RunTimeLimitExceeded) as caught:
+        bench_model("resnet50", "fp32", device="cpu", image_size=32, iterations=100)
+    fix = str(caught.value).split("more than max_seconds=300: ")[1]
+    assert fix == "use fewer iterations (e.g. iterations=22) or a larger max_seconds (e.g. " \
+        "max_seconds=1300)"  # fmt: skip
+    with pytest.raises(RunTimeLimitExceeded) as caught:
+        bench_model("vit_b_16", "fp32", device="cpu", image_size=16, iterations=100)
+    assert "image_size" not in str(caught.value).split("more than max_seconds=300: ")[1]
+
+
+def test_a_huge_warm_up_is_refused_with_fewer_warm_up_batches_that_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: no warm-up fix, though the warm-up alone is what takes 17 min.
+    fake = FakeBatches(monkeypatch, 1.0)
+    with pytest.raises(RunTimeLimitExceeded) as caught:
+        bench_model("resnet50", "fp32", device="cpu", warmup_batches=1000)
+    message = str(caught.value)
+    assert message.startswith("bench_model(batch_size=2, image_size=64, warmup_batches=1000): ")
+    assert "fewer warmup_batches (e.g. warmup_batches=238)" in message
+    assert "fewer iterations" not in message
+    fake = FakeBatches(monkeypatch, 1.0)
+    bench_model("resnet50", "fp32", device="cpu", warmup_batches=238)
+    assert fake.ran == 240
+
+
+@pytest.mark.parametrize("on_iteration", [5, "print"])
+def test_an_on_iteration_that_is_not_callable_is_refused_before_the_run(
+    monkeypatch: pytest.MonkeyPatch, on_iteration: object
+) -> None:
+    # Before: "'int' object is not callable" after the first timed iteration.
+    fake = FakeBatches(monkeypatch, 0.01)
+    expected = (
+        r"on_iteration must be None or a callable taking \(index, images_per_s, seconds\), "
+        rf"got {re.escape(repr(on_iteration))}: pass a function"
+    )
+    with pytest.raises(TypeError, match=expected):
+        bench_model("resnet50", device="cpu", on_iteration=on_iteration)  # type: ignore[arg-type]
+    assert fake.ran == 0

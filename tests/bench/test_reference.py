@@ -6,6 +6,7 @@ import csv
 import importlib
 import io
 import json
+import re
 from importlib.resources import files
 
 import numpy as np
@@ -262,3 +263,64 @@ def test_a_row_without_the_compared_column_is_left_out_not_a_key_error(
     assert own.ratio is None and own.reference_images_per_s is None and own.warning is None
     assert own.out_of == 2 and own.next_faster == ("3090", 1045.5)
     assert any("no vit_base_patch16_224_fp16 figure for A10" in n for n in own.notes)
+
+
+@pytest.mark.parametrize(
+    ("reported", "row"),
+    [
+        ("rtx3090", "3090"),
+        ("RTX3090TI", "3090 Ti"),
+        ("geforce rtx 3090ti", "3090 Ti"),
+        ("GTX1080Ti", "1080 Ti"),
+        ("RTXA4000", "A4000"),
+        ("rtx3060ti", None),  # its own card, which has no row: not the 3060's
+        ("RTX4080SUPER", None),  # not the 4080's
+        ("Quadro RTX 6000", None),  # not the RTX A6000, nor any other
+        ("NVIDIA TITAN RTX", None),  # not the TITAN Xp
+        ("NVIDIA A10G", None),
+        ("NVIDIA L40S", None),
+    ],
+)
+def test_compact_spellings_match_their_row_and_no_other(reported: str, row: str | None) -> None:
+    # Before: "rtx3090" (no space) matched nothing, the RTX 3090's row included.
+    assert find_reference_gpu(reported) == row
+
+
+def test_a_compact_spelling_finds_its_datasheet_figures() -> None:
+    spec = find_gpu_spec("rtx3090")
+    assert spec is not None and spec.gpu == "3090"
+
+
+@pytest.mark.parametrize("name", [None, 3, b"NVIDIA A40"])
+def test_a_gpu_name_that_is_not_a_str_is_a_type_error_naming_it(name: object) -> None:
+    # Before: a bare AttributeError ("'NoneType' object has no attribute 'upper'").
+    message = rf"name must be a GPU's name as a str .*, got {re.escape(repr(name))}"
+    with pytest.raises(TypeError, match=rf"normalize_gpu_name: {message}"):
+        normalize_gpu_name(name)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=rf"find_gpu_spec: {message}"):
+        find_gpu_spec(name)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=rf"find_reference_gpu: {message}"):
+        find_reference_gpu(name)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=rf"compare_to_reference: gpu_name must be a GPU's name "
+                       rf"as a str .*, got {re.escape(repr(name))}"):  # fmt: skip
+        compare_to_reference(name, "resnet50", "fp16", 1.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "capability", [np.array([8, 0]), (8,), (8, 0, 0), ("8", "0"), (8.0, 0), (True, 0), 80]
+)
+def test_a_compute_capability_that_is_not_a_pair_of_ints_is_refused_naming_it(
+    capability: object,
+) -> None:
+    # Before: np.array([8, 0]) raised NumPy's "truth value of an array ... is ambiguous".
+    with pytest.raises(TypeError, match=r"compute_capability must be None or a \(major, minor\) "
+                       r"pair of ints, e.g. \(8, 0\) as torch.cuda.get_device_capability\(\) "
+                       r"gives it, got "):  # fmt: skip
+        compare_to_reference("NVIDIA A40", "resnet50", "fp32", 1.0, compute_capability=capability)  # type: ignore[arg-type]
+
+
+def test_a_compute_capability_of_numpy_ints_or_a_list_is_taken_as_a_pair() -> None:
+    for capability in ([8, 0], (np.int64(8), np.int64(0))):
+        c = compare_to_reference("NVIDIA A40", "resnet50", "fp32", 1.0,
+                                 compute_capability=capability)  # type: ignore[arg-type]  # fmt: skip
+        assert TF32_CAVEAT in c.notes

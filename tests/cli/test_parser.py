@@ -221,3 +221,24 @@ def test_an_invalid_choice_far_from_every_one_suggests_nothing(
     with pytest.raises(SystemExit):
         main(["xyzzy"])
     assert "did you mean" not in capsys.readouterr().err
+
+
+def test_version_prints_the_installed_version_and_exits_0(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Before: "unrecognized arguments: --version", exit 2.
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"trainperf {version('trainperf')}\n"
+
+
+def test_bench_matmul_iterations_has_help_with_its_defaults(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "matmul", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--iterations ITERATIONS timed products (20 on a GPU, 10 on the CPU)" in out

@@ -59,6 +59,9 @@ PRECISIONS: dict[str, torch.dtype] = {
 CUDA_DEFAULTS = {"batch_size": 128, "image_size": 224, "batches_per_iteration": 15, "iterations": 5}
 CPU_DEFAULTS = {"batch_size": 2, "image_size": 64, "batches_per_iteration": 1, "iterations": 2}
 REFERENCE_IMAGE_SIZE = 224
+# The smallest image each model takes (ResNet-50's five halvings; one ViT-B/16 patch): a
+# refusal suggests no smaller one.
+MIN_IMAGE_SIZE = {"resnet50": 32, "vit_b_16": 16}
 
 
 def format_iteration(index: int, images_per_s: float, seconds: float) -> str:
@@ -152,11 +155,17 @@ def _notes_before(precision: str, tf32: bool | None, dev: torch.device) -> tuple
     return host_notes_now() + _tf32_notes(tf32, dev) + emulated
 
 
-def _check_arguments(model: str, precision: str, **flags: object) -> None:
+def _check_arguments(model: str, precision: str, on_iteration: object, **flags: object) -> None:
     choice("model", model, MODELS)
     choice("precision", precision, tuple(PRECISIONS))
     for name, value in flags.items():
         flag(name, value, none_ok=name == "tf32")
+    if on_iteration is not None and not callable(on_iteration):
+        raise TypeError(
+            f"on_iteration must be None or a callable taking (index, images_per_s, seconds), "
+            f"got {on_iteration!r}: pass a function, e.g. on_iteration=lambda i, rate, s: "
+            f"print(format_iteration(i, rate, s))"
+        )
 
 
 def _check_model_input(model: str, precision: str, settings: Settings, *, train: bool) -> None:
@@ -167,7 +176,7 @@ def _check_model_input(model: str, precision: str, settings: Settings, *, train:
             f"vit_b_16 takes 16-pixel patches, so image_size must be a multiple of 16, "
             f"got {image_size!r} (the reference uses 224)"
         )
-    if model == "resnet50" and image_size < 32:
+    if model == "resnet50" and image_size < MIN_IMAGE_SIZE[model]:
         raise ValueError(f"resnet50 needs image_size >= 32, got {image_size!r}")
     if train and batch_size < 2:
         raise ValueError(
@@ -310,17 +319,18 @@ def bench_model(
         on_iteration: called after each timed iteration with ``(index, images_per_s,
             seconds)``, e.g. to print :func:`format_iteration` lines as they come.
         max_seconds: refuse a run that would take longer than this (warm-up and timed
-            batches, estimated from the second warm-up batch, timed on its own; from the
-            first timed iteration where there is one warm-up batch; from the first batch
-            where that alone took longer); None for no limit. The refusal comes after the
-            batches it is measured on, so it cannot spare those.
+            batches, estimated from the second warm-up batch, timed on its own; where there
+            is one warm-up batch, from the first timed batch, timed on its own where the
+            warm-up batch leaves the run's fit in doubt, and the first timed iteration; from
+            the first batch where that alone took longer); None for no limit. The refusal
+            comes after the batches it is measured on, so it cannot spare those.
 
     Returns:
         A :class:`BenchResult`.
 
     Raises:
         TypeError: ``train``, ``channels_last``, ``compare`` or ``tf32`` is not a bool (``tf32``
-            may be None).
+            may be None), or ``on_iteration`` is neither None nor a callable.
         ValueError: an unknown model or precision, a count below 1, an image size the
             model cannot take, ``train`` with a batch of one, an input batch of more
             bytes than a tensor can address, a ``max_seconds`` that is not a positive number
@@ -338,9 +348,8 @@ def bench_model(
         >>> r.model, r.precision, len(r.iteration_seconds), r.images_per_s > 0
         ('resnet50', 'fp32', 1, True)
     """
-    _check_arguments(
-        model, precision, train=train, channels_last=channels_last, compare=compare, tf32=tf32
-    )
+    flags = {"train": train, "channels_last": channels_last, "compare": compare, "tf32": tf32}
+    _check_arguments(model, precision, on_iteration, **flags)
     max_seconds = check_max_seconds(max_seconds)
     dev = resolve_device(device)
     settings = _settings(
@@ -358,7 +367,9 @@ def bench_model(
     )
     what = f"{model} in {precision} is not supported on {dev}"
     notes = _notes_before(precision, tf32, dev)
-    limit = RunTimeLimit(f"{model} {precision}", settings, dev, max_seconds, train)
+    limit = RunTimeLimit(
+        f"{model} {precision}", settings, dev, max_seconds, train, MIN_IMAGE_SIZE[model]
+    )
     timing = measure(run_batch, limit, what=what, tf32=tf32, on_iteration=on_iteration)
     median = statistics.median(timing.rates)
     device_name = gpu_name(dev)

@@ -57,15 +57,30 @@ _VENDOR_WORDS = frozenset({"NVIDIA", "GEFORCE", "TESLA", "QUADRO", "RTX", "GTX"}
 _VARIANT_WORD = re.compile(r"^(SXM\d*|PCIE|\d+GB|HBM\d*E?|DGXS)$")
 # Names that the rules above do not reduce to a table row by themselves.
 _ALIASES: dict[str, str] = {"TITAN XP COLLECTORS EDITION": "TITAN XP"}
+# Compact spellings: a series glued to its number ("RTX3090", "RTXA4000") and Ti or SUPER
+# glued to the number before it ("3090TI"); split apart, they reduce as the spaced ones do.
+_GLUED_SERIES = re.compile(r"\b(RTX|GTX)(?=A?\d)")
+_GLUED_SUFFIX = re.compile(r"(?<=\d)(TI|SUPER)\b")
+
+
+def _check_name(call: str, name: object, argument: str = "name") -> str:
+    """``name`` if it is a str, else a ``TypeError`` naming ``call`` and the fix."""
+    if not isinstance(name, str):
+        raise TypeError(
+            f"{call}: {argument} must be a GPU's name as a str (e.g. 'NVIDIA GeForce RTX "
+            f"3090', as torch.cuda.get_device_name() gives it), got {name!r}"
+        )
+    return name
 
 
 def normalize_gpu_name(name: str) -> str:
     """Reduce a GPU's name to the key the reference tables are matched on.
 
-    Upper-cases, splits on spaces, ``-`` and ``_``, drops vendor words (NVIDIA, GeForce,
-    Tesla, Quadro, RTX, GTX) and form-factor or memory-size words (SXM4, PCIe, 80GB, HBM3),
-    then applies a small alias table. Words that change the card (Ti, SUPER, Laptop, a
-    trailing S or G) are kept.
+    Upper-cases, splits on spaces, ``-`` and ``_`` (and a series or Ti/SUPER glued to the
+    number: ``RTX3090TI`` is ``RTX 3090 TI``), drops vendor words (NVIDIA, GeForce, Tesla,
+    Quadro, RTX, GTX) and form-factor or memory-size words (SXM4, PCIe, 80GB, HBM3), then
+    applies a small alias table. Words that change the card (Ti, SUPER, Laptop, a trailing S
+    or G) are kept.
 
     Args:
         name: a name as NVML, ``nvidia-smi`` or ``torch.cuda.get_device_name`` report it,
@@ -74,13 +89,20 @@ def normalize_gpu_name(name: str) -> str:
     Returns:
         The normalised key, e.g. ``"3090 TI"``.
 
+    Raises:
+        TypeError: ``name`` is not a str.
+
     Example:
         >>> normalize_gpu_name("NVIDIA GeForce RTX 3090 Ti")
         '3090 TI'
         >>> normalize_gpu_name("Tesla V100-SXM2-32GB"), normalize_gpu_name("NVIDIA A10G")
         ('V100', 'A10G')
+        >>> normalize_gpu_name("rtx3090ti")
+        '3090 TI'
     """
-    words = re.split(r"[\s\-_]+", name.upper().strip())
+    upper = _check_name("normalize_gpu_name", name).upper().strip()
+    upper = _GLUED_SUFFIX.sub(r" \1", _GLUED_SERIES.sub(r"\1 ", upper))
+    words = re.split(r"[\s\-_]+", upper)
     kept = [w for w in words if w and w not in _VENDOR_WORDS and not _VARIANT_WORD.match(w)]
     key = " ".join(kept)
     return _ALIASES.get(key, key)
@@ -172,8 +194,11 @@ def find_gpu_spec(name: str) -> GpuSpec | None:
         312.0
         >>> find_gpu_spec("NVIDIA H200") is None
         True
+
+    Raises:
+        TypeError: ``name`` is not a str.
     """
-    key = normalize_gpu_name(name)
+    key = normalize_gpu_name(_check_name("find_gpu_spec", name))
     for spec in _spec_rows():
         if normalize_gpu_name(spec.gpu) == key:
             return spec
@@ -188,8 +213,11 @@ def find_reference_gpu(name: str) -> str | None:
         ('3090', 'A4000')
         >>> find_reference_gpu("NVIDIA GeForce RTX 3060 Ti") is None
         True
+
+    Raises:
+        TypeError: ``name`` is not a str.
     """
-    key = normalize_gpu_name(name)
+    key = normalize_gpu_name(_check_name("find_reference_gpu", name))
     for gpu, _ in _throughput_rows():
         if normalize_gpu_name(gpu) == key:
             return gpu
@@ -259,6 +287,20 @@ class ReferenceComparison:
         return result_dict(self)
 
 
+def _capability(value: object) -> tuple[int, int] | None:
+    """``compute_capability`` as a ``(major, minor)`` tuple of Python ints, or None."""
+    if value is None:
+        return None
+    pair = tuple(value) if isinstance(value, (tuple, list)) else ()
+    numbers = [as_real_number(v) for v in pair]
+    if len(numbers) != 2 or not all(isinstance(n, int) for n in numbers):
+        raise TypeError(
+            f"compute_capability must be None or a (major, minor) pair of ints, e.g. (8, 0) "
+            f"as torch.cuda.get_device_capability() gives it, got {value!r}"
+        )
+    return (int(pair[0]), int(pair[1]))
+
+
 TF32_CAVEAT = (
     "the reference fp32 figures were measured with PyTorch 1.9, which used TF32 for fp32 "
     "matmuls and convolutions on Ampere and newer GPUs by default; current PyTorch keeps "
@@ -302,6 +344,8 @@ def compare_to_reference(
         A :class:`ReferenceComparison`.
 
     Raises:
+        TypeError: ``gpu_name`` is not a str, or ``compute_capability`` is neither None nor
+            a ``(major, minor)`` pair of ints (a tuple or list; NumPy ints too).
         ValueError: unknown ``model`` or ``precision``, or ``images_per_s`` not a finite
             number > 0 (an int, a float or a NumPy scalar of either; not a bool, a string or
             a tensor).
@@ -313,8 +357,10 @@ def compare_to_reference(
         >>> compare_to_reference("NVIDIA H200", "resnet50", "fp16", 10000.0).rank
         1
     """
+    _check_name("compare_to_reference", gpu_name, "gpu_name")
     choice("model", model, sorted(MODEL_COLUMNS))
     choice("precision", precision, ("fp32", "fp16", "bf16"))
+    compute_capability = _capability(compute_capability)
     # Finite too: an infinite rate ranks and divides, but its ratio is no JSON number. A
     # Python float: a NumPy scalar or a tensor kept as given is refused by json.dumps.
     rate = as_real_number(images_per_s)
