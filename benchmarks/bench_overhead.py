@@ -77,19 +77,27 @@ def bare_loop(
     return statistics.median(rates)
 
 
-def main() -> None:
+def at_least_one(text: str) -> int:
+    """An argparse type: a count >= 1 (0 rounds leaves no median to take)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> None:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["resnet50", "vit_b_16"], default="resnet50")
     parser.add_argument("--precision", choices=list(PRECISIONS), default="fp16" if cuda else "fp32")
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
-    parser.add_argument("--batch-size", type=int, default=128 if cuda else 2)
-    parser.add_argument("--image-size", type=int, default=224 if cuda else 32)
-    parser.add_argument("--iterations", type=int, default=5 if cuda else 2)
-    parser.add_argument("--batches-per-iteration", type=int, default=15 if cuda else 1)
-    parser.add_argument("--rounds", type=int, default=3 if cuda else 2)
+    parser.add_argument("--batch-size", type=at_least_one, default=128 if cuda else 2)
+    parser.add_argument("--image-size", type=at_least_one, default=224 if cuda else 32)
+    parser.add_argument("--iterations", type=at_least_one, default=5 if cuda else 2)
+    parser.add_argument("--batches-per-iteration", type=at_least_one, default=15 if cuda else 1)
+    parser.add_argument("--rounds", type=at_least_one, default=3 if cuda else 2)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

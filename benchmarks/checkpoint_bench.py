@@ -77,6 +77,7 @@ TARGET_RATE = 0.90
 TARGET_SIGTERM_S = 20.0
 TARGET_AGREE = 0.01
 WRITERS = ("process", "thread")
+SKIPPABLE = ("sigterm", "agree")  # the parts --skip can leave out
 
 
 @dataclass
@@ -490,7 +491,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--touch-mb", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--writers", default="process,thread")
-    p.add_argument("--skip", default="")
+    p.add_argument(
+        "--skip",
+        default="",
+        metavar="PARTS",
+        help=f"parts not to run, comma-separated: {', '.join(SKIPPABLE)}",
+    )
     p.add_argument("--agree-steps", type=int, default=300)
     p.add_argument("--dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
@@ -509,6 +515,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if bad or min(args.size_mb, args.repeats, args.rate_rounds) < 1:
         p.error(f"--writers takes {WRITERS}; --size-mb, --repeats and --rate-rounds must be >= 1")
     args.skip = {s for s in args.skip.split(",") if s}
+    unknown = sorted(args.skip - set(SKIPPABLE))
+    if unknown:
+        p.error(f"--skip takes {', '.join(SKIPPABLE)}; got {', '.join(map(repr, unknown))}")
     return args
 
 

@@ -47,6 +47,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import statistics
 import tempfile
 import time
@@ -67,6 +68,7 @@ from trainperf.pipelines import ImageLoader, image_loader
 TARGET_DALI_VS_LOADER = 1.5
 TARGET_FED_VS_SYNTHETIC = 0.90
 CLASSES = 4
+BACKENDS = ("dali", "nvjpeg", "torchvision")  # the rows; --fixed-workers adds torchvision-wN
 
 
 @dataclass
@@ -348,7 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--batch-size", type=int, default=None, help="64 on CPU, 128 on CUDA")
     parser.add_argument("--size", type=int, default=224)
-    parser.add_argument("--backends", default="dali,nvjpeg,torchvision")
+    parser.add_argument(
+        "--backends",
+        default="dali,nvjpeg,torchvision",
+        help=f"comma-separated: {', '.join(BACKENDS)} or torchvision-wN (N workers, untuned)",
+    )
     parser.add_argument("--epochs", type=int, default=2, help="timed epochs, at least")
     parser.add_argument("--seconds", type=float, default=10.0, help="timed seconds, at least")
     parser.add_argument("--tune-budget", type=float, default=30.0)
@@ -367,6 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    names = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [n for n in names if n not in BACKENDS and not re.fullmatch(r"torchvision-w\d+", n)]
+    if unknown:  # before the images are generated: a typo costs nothing
+        parser.error(
+            f"--backends takes {', '.join(BACKENDS)} or torchvision-wN (N workers), "
+            f"comma-separated; got {', '.join(map(repr, unknown))}"
+        )
 
     from trainperf.device import best_device
 
@@ -387,7 +400,6 @@ def main(argv: list[str] | None = None) -> int:
         f"device {device}, {args.threads} threads, batch {args.batch_size}, size {args.size}, "
         f"torch {torch.__version__}"
     )
-    names = [b.strip() for b in args.backends.split(",") if b.strip()]
     if args.fixed_workers is not None:
         names.append(f"torchvision-w{args.fixed_workers}")
     rows = [bench_backend(name, args, device) for name in names]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -98,9 +99,22 @@ def show_load_errors(good: Path, scratch: Path) -> None:
         print(f"  missing: {type(e).__name__}: {e}")
 
 
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``, refused with the value otherwise."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"  # argparse's word for a non-integer
+    return parse
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=at_least(1), default=20, help="training steps")
     parser.add_argument("--out", type=Path, default=None, help="default: a temporary directory")
     args = parser.parse_args()
 

@@ -11,6 +11,7 @@ Synthetic regression data, a few epochs; rank 0 prints the loss averaged over al
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -53,14 +54,40 @@ def train(epochs: int, batch_size: int, lr: float) -> float:
     return loss_mean
 
 
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``, refused with the value otherwise."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"  # argparse's word for a non-integer
+    return parse
+
+
+def seconds_or_off(text: str) -> float:
+    """An argparse type for --hang-timeout: seconds >= 0, where 0 turns the watch off."""
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: off), got {value}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nprocs", type=int, default=None, help="default: GPUs, or 2 on CPU")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument(
+        "--nprocs", type=at_least(1), default=None, help="default: GPUs, or 2 on CPU"
+    )
+    parser.add_argument("--epochs", type=at_least(1), default=3)
+    parser.add_argument("--batch-size", type=at_least(1), default=64, help="per rank")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument(
-        "--hang-timeout", type=float, default=300.0, help="seconds without progress (0: off)"
+        "--hang-timeout",
+        type=seconds_or_off,
+        default=300.0,
+        help="seconds without progress (0: off)",
     )
     args = parser.parse_args()
     nprocs = args.nprocs or (torch.cuda.device_count() or 2)  # ignored under torchrun/srun

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -285,17 +287,50 @@ def stage_ddp(data_root: Path, args: argparse.Namespace) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``, refused with the value otherwise."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"  # argparse's word for a non-integer
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="trainperf quick start")
-    parser.add_argument("--per-class", type=int, default=160, help="JPEGs per class")
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--ddp-epochs", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--per-class", type=at_least(1), default=160, help="JPEGs per class")
+    parser.add_argument(
+        "--image-size", type=at_least(2), default=64, help="pixels (the CNN halves it once)"
+    )
+    parser.add_argument("--epochs", type=at_least(1), default=3)
+    parser.add_argument("--ddp-epochs", type=at_least(1), default=1)
+    parser.add_argument("--batch-size", type=at_least(1), default=32)
     parser.add_argument("--tune-budget", type=float, default=20.0, help="autotuner seconds")
     parser.add_argument("--skip-ddp", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: temp)")
     args = parser.parse_args(argv)
+    images = args.per_class * len(CLASSES)
+    needed = max(args.batch_size, 8)  # every stage drops a partial batch; stage 5 checks 8
+    if images < needed:
+        parser.error(
+            f"--per-class {args.per_class} makes {images} images, fewer than one batch of "
+            f"{args.batch_size} (and the 8 that stage 5 checks): pass --per-class "
+            f"{math.ceil(needed / len(CLASSES))} or more, or a smaller --batch-size"
+        )
+    if args.batch_size < 2 and not args.skip_ddp:
+        parser.error(
+            f"--batch-size {args.batch_size} gives each rank of the DDP stage (half of it) a "
+            f"batch of {args.batch_size // 2}: pass --batch-size 2 or more, or --skip-ddp"
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="trainperf-demo-"))
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

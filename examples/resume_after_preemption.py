@@ -24,6 +24,7 @@ and restored, and the batches already used were skipped without loading them.
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import subprocess
 import sys
@@ -113,20 +114,53 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return params and moments
 
 
+# Written into --out, so that a rerun knows the reference/ and run/ beside it are its own.
+MARKER = ".resume_after_preemption"
+
+
+def fresh_directory(directory: Path, parser: argparse.ArgumentParser) -> None:
+    """Clear this script's own folders from an earlier run: run/ still holds that run's
+    final checkpoint, which would be resumed at the last step instead of stopped on the way.
+    Nothing else in ``directory`` is touched, and folders it did not make are refused."""
+    left = [directory / name for name in ("reference", "run") if (directory / name).exists()]
+    if left and not (directory / MARKER).is_file():
+        names = ", ".join(f"{d.name}/" for d in left)
+        parser.error(
+            f"--out {directory} already holds {names}, which this script did not make: "
+            "pass a new or empty --out"
+        )
+    for folder in left:
+        shutil.rmtree(folder)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / MARKER).write_text("reference/ and run/ here are cleared on a rerun\n")
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _, _, directory, steps, hold_at = sys.argv
-        result = train(Path(directory), int(steps), int(hold_at))
+        _, _, child_directory, steps, hold_at = sys.argv
+        result = train(Path(child_directory), int(steps), int(hold_at))
         if result:
-            torch.save(result, Path(directory) / "final.pt")
+            torch.save(result, Path(child_directory) / "final.pt")
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--term-at", type=int, default=25)
-    p.add_argument("--kill-at", type=int, default=45)
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--term-at", type=int, default=25, help="step of the SIGTERM")
+    p.add_argument("--kill-at", type=int, default=45, help="step of the SIGKILL, after --term-at")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: a temporary directory; a rerun clears the reference/ and run/ it made",
+    )
     args = p.parse_args()
+    if not 1 <= args.term_at < args.kill_at <= args.steps:
+        p.error(
+            "need 1 <= --term-at < --kill-at <= --steps, got --term-at "
+            f"{args.term_at}, --kill-at {args.kill_at}, --steps {args.steps}: the run is "
+            "stopped at --term-at, resumed, and killed at a later step before the end"
+        )
     directory = args.out or Path(tempfile.mkdtemp(prefix="resume-demo-"))
+    fresh_directory(directory, p)
 
     print("1. straight through (the reference):")
     reference = train(directory / "reference", args.steps)

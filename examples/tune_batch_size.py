@@ -14,12 +14,14 @@ The three tuners work together:
 3. ``autotune_loader`` then chooses the DataLoader settings for that batch size, and the
    report says what its batches in flight cost in memory.
 
-Training then steps the optimizer every ``accumulation_steps`` batches.
+Training then steps the optimizer every ``accumulation_steps`` batches; an epoch's last
+batches that do not fill an update are left out, as ``drop_last`` leaves out a partial batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -49,12 +51,12 @@ def make_data(n: int, size: int, classes: int) -> TensorDataset:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto")
-    p.add_argument("--samples", type=int, default=2048)
+    p.add_argument("--samples", type=int, default=1024)
     p.add_argument("--size", type=int, default=32, help="image side in pixels")
     p.add_argument("--global-batch", type=int, default=64, help="samples per optimizer update")
     p.add_argument("--max-size", type=int, default=None, help="largest batch size to try")
-    p.add_argument("--budget", type=float, default=20.0, help="tune_batch_size seconds")
-    p.add_argument("--loader-budget", type=float, default=5.0, help="autotune_loader seconds")
+    p.add_argument("--budget", type=float, default=12.0, help="tune_batch_size seconds")
+    p.add_argument("--loader-budget", type=float, default=4.0, help="autotune_loader seconds")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--plot", default=None, help="save the batch-size chart here")
     args = p.parse_args(argv)
@@ -103,10 +105,20 @@ def main(argv: list[str] | None = None) -> int:
     print(report.input_pipeline(kw["num_workers"], kw.get("prefetch_factor")))
 
     accum = report.accumulation_steps
+    # An epoch's last len(loader) % accum batches would leave gradients that the next epoch's
+    # first update adds to its own: they are not trained on, as drop_last drops a partial
+    # batch, so that every update averages exactly --global-batch samples.
+    per_epoch = len(loader) // accum * accum
+    if per_epoch == 0:
+        raise SystemExit(
+            f"--samples {args.samples} gives {len(loader)} batches of {report.batch_size} an "
+            f"epoch, fewer than the {accum} accumulated per update: raise --samples to at "
+            f"least {report.effective_batch} or lower --global-batch"
+        )
     for epoch in range(args.epochs):
         model.train()
         start, seen, correct = time.perf_counter(), 0, 0
-        for i, (images, labels) in enumerate(loader):
+        for i, (images, labels) in enumerate(itertools.islice(loader, per_epoch)):
             images, labels = mp.prepare_batch((images, labels))
             with mp.autocast():
                 out = model(images)

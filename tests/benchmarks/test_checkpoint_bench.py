@@ -90,6 +90,22 @@ def test_bad_options_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         bench.main(["--rate-rounds", "0"])
 
 
+def test_skip_names_its_parts_and_refuses_others(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench = load_bench(monkeypatch)
+    monkeypatch.setattr(bench, "make_state", lambda *a: pytest.fail("ran before refusing"))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--skip", "sigterm,agreement"])
+    assert exit_info.value.code == 2
+    assert "--skip takes sigterm, agree; got 'agreement'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--help"])
+    assert exit_info.value.code == 0
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "--skip PARTS parts not to run, comma-separated: sigterm, agree" in usage
+
+
 def test_a_dry_run_of_the_cuda_plan_runs_on_the_cpu(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -181,3 +181,19 @@ def test_epochs_go_on_until_cpu_time_is_measured_and_none_at_all_is_an_error(
     monkeypatch.setattr(bench, "MAX_TIMING_S", 0.2)
     with pytest.raises(RuntimeError, match="no CPU time measured"):
         bench.time_loader(_TinyLoader(), epochs=1, seconds=0)
+
+
+@pytest.mark.parametrize("backends", ["bogus", "torchvision,dali,bogus", "torchvision-wx"])
+def test_unknown_backends_are_refused_before_any_work(
+    bench: ModuleType,
+    backends: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(bench, "make_folder", lambda *a: pytest.fail("generated the images"))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--backends", backends, "--device", "cpu"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--backends takes dali, nvjpeg, torchvision or torchvision-wN" in err
+    assert repr(backends.split(",")[-1]) in err
