@@ -18,6 +18,7 @@ import torch
 
 import trainperf.checkpoint._checkpointer as checkpointer_module
 import trainperf.checkpoint._checkpointer_wait as wait_module
+import trainperf.checkpoint._wait_notice as notice_module
 import trainperf.checkpoint._writer as writer_module
 import trainperf.checkpoint._writer_fork as fork_module
 from tests.checkpoint._common import held_thread_writes
@@ -143,8 +144,8 @@ def test_a_wait_for_a_stuck_background_write_says_so_on_stderr_and_goes_on(
     # A SIGSTOPped writer or a hung NFS mount made wait() (and latest, restore, the next
     # save) wait in silence forever. It still waits without bound (a big save may be slow),
     # but says so once per interval: the step, the file, the writer, how long, what to check.
-    monkeypatch.setattr(wait_module, "_FIRST_NOTICE_S", 0.05, raising=False)
-    monkeypatch.setattr(wait_module, "_NOTICE_EVERY_S", 0.05, raising=False)
+    monkeypatch.setattr(notice_module, "FIRST_NOTICE_S", 0.05)
+    monkeypatch.setattr(notice_module, "NOTICE_EVERY_S", 0.05)
     release = held_thread_writes(monkeypatch)
     ckpt = Checkpointer(tmp_path, keep=5)
     handle = ckpt.save({"w": torch.ones(4)}, step=2, blocking=False)  # held: a stuck writer
@@ -169,8 +170,8 @@ def test_every_wait_for_a_stuck_forked_writer_names_its_pid(
     method: str,
 ) -> None:
     # A fake forked writer that blocks until an Event is set (its handle's own).
-    monkeypatch.setattr(wait_module, "_FIRST_NOTICE_S", 0.05, raising=False)
-    monkeypatch.setattr(wait_module, "_NOTICE_EVERY_S", 10.0, raising=False)
+    monkeypatch.setattr(notice_module, "FIRST_NOTICE_S", 0.05)
+    monkeypatch.setattr(notice_module, "NOTICE_EVERY_S", 10.0)
     ckpt = Checkpointer(tmp_path, keep=5)
     ckpt.save({"w": torch.ones(4)}, step=1)
     stuck = writer_module.SaveHandle(3, tmp_path / "step-000000003.pt", "process")
@@ -218,8 +219,8 @@ def _signal_while_starting(monkeypatch: pytest.MonkeyPatch, writer: str) -> None
     def hung(pending: Any, waited_s: float) -> str:
         raise AssertionError(f"waited {waited_s:.1f} s for a write that cannot start yet")
 
-    monkeypatch.setattr(wait_module, "_FIRST_NOTICE_S", 0.3, raising=False)
-    monkeypatch.setattr(wait_module, "_still_waiting", hung)
+    monkeypatch.setattr(notice_module, "FIRST_NOTICE_S", 0.3)
+    monkeypatch.setattr(notice_module, "still_waiting", hung)
     if writer == "thread":
         monkeypatch.setattr(checkpointer_module, "fork_writes", lambda: False)
         module, name = writer_module, "_refused"
@@ -260,7 +261,7 @@ def test_latest_in_a_signal_handler_while_a_save_starts_names_the_older_step(
     _signal_while_starting(monkeypatch, writer)
     handle = ckpt.save({"w": torch.full((4,), 2.0)}, step=2, blocking=False)
     assert seen == [tmp_path / "step-000000001.pt"]  # the write had not started
-    monkeypatch.setattr(wait_module, "_FIRST_NOTICE_S", 60.0)  # the real write may be slow
+    monkeypatch.setattr(notice_module, "FIRST_NOTICE_S", 60.0)  # the real write may be slow
     ckpt.wait()
     assert handle.writer == writer and ckpt.steps() == [1, 2]
     assert ckpt.latest() == tmp_path / "step-000000002.pt"
@@ -296,7 +297,7 @@ def test_a_wait_in_a_signal_handler_while_a_save_starts_raises_instead_of_hangin
     usr1_handler.append(handler)
     _signal_while_starting(monkeypatch, writer)
     ckpt.save({"w": torch.full((4,), 2.0)}, step=2, blocking=False)
-    monkeypatch.setattr(wait_module, "_FIRST_NOTICE_S", 60.0)  # the real write may be slow
+    monkeypatch.setattr(notice_module, "FIRST_NOTICE_S", 60.0)  # the real write may be slow
     (error,) = raised
     assert type(error) is RuntimeError
     assert re.search(
@@ -305,6 +306,39 @@ def test_a_wait_in_a_signal_handler_while_a_save_starts_raises_instead_of_hangin
         str(error),
     ), error
     ckpt.wait()  # the save the handler interrupted goes on, untouched
+    assert ckpt.steps() == [1, 2]
+    assert torch.equal(load_checkpoint(tmp_path / "step-000000002.pt")["w"], torch.full((4,), 2.0))
+
+
+@pytest.mark.parametrize("writer", _WRITERS)
+def test_a_with_block_left_on_an_exception_in_a_signal_handler_while_a_save_starts(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    usr1_handler: list[Callable[[], Any]],
+    writer: str,
+) -> None:
+    # __exit__ left on an exception waited for the write without settle()'s check: in a
+    # handler that landed while save(blocking=False) started its writer, it hung for good.
+    # An exception is already on its way, so the wait is skipped (raising would replace it);
+    # the write goes on, still pending, and keeps the directory's claim.
+    ckpt = Checkpointer(tmp_path, keep=5)
+    ckpt.save({"w": torch.ones(4)}, step=1)
+    raised: list[BaseException] = []
+
+    def handler() -> None:
+        try:
+            with ckpt:
+                raise ValueError("stop requested")
+        except ValueError as e:
+            raised.append(e)
+            assert ckpt._claim._fd is not None  # the write still starting keeps the claim
+
+    usr1_handler.append(handler)
+    _signal_while_starting(monkeypatch, writer)
+    ckpt.save({"w": torch.full((4,), 2.0)}, step=2, blocking=False)
+    monkeypatch.setattr(notice_module, "FIRST_NOTICE_S", 60.0)  # the real write may be slow
+    assert [str(e) for e in raised] == ["stop requested"]  # the block's own, not replaced
+    ckpt.wait()
     assert ckpt.steps() == [1, 2]
     assert torch.equal(load_checkpoint(tmp_path / "step-000000002.pt")["w"], torch.full((4,), 2.0))
 
@@ -329,7 +363,7 @@ def test_a_long_wait_with_a_broken_stderr_still_saves(
     if error == "closed":
         stderr = io.StringIO()
         stderr.close()
-    monkeypatch.setattr(wait_module, "_FIRST_NOTICE_S", 0.05, raising=False)
+    monkeypatch.setattr(notice_module, "FIRST_NOTICE_S", 0.05)
     release = held_thread_writes(monkeypatch)
     ckpt = Checkpointer(tmp_path, keep=5)
     ckpt.save({"w": torch.ones(4)}, step=1, blocking=False)  # held: a slow write

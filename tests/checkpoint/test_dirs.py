@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -344,3 +345,72 @@ def test_several_fsdp_sharded_save_state_models_ask_which(tmp_path: Path) -> Non
         load_checkpoint(tmp_path)
     with pytest.raises(NotACheckpointError, match=r"\(DCP\) directory"):
         load_checkpoint(subdirs[1])
+
+
+def _fsdp_local_save_state(directory: Path, models: int, ranks: int) -> list[str]:
+    """What Accelerate ``save_state`` writes under FSDP with ``LOCAL_STATE_DICT``: one file
+    per model and rank (``pytorch_model_fsdp_rank0.bin``, ``pytorch_model_fsdp_1_rank0.bin``),
+    plus the optimizer's DCP directory and RNG."""
+    names = [
+        f"pytorch_model_fsdp{'' if i == 0 else f'_{i}'}_rank{r}.bin"
+        for i in range(models)
+        for r in range(ranks)
+    ]
+    for name in names:
+        torch.save({"w": torch.zeros(2)}, directory / name)
+    shutil.copytree(PEERS / "dcp", directory / "optimizer_0")
+    torch.save({"random_state": 0}, directory / "random_states_0.pkl")
+    return names
+
+
+@pytest.mark.parametrize(("models", "ranks"), [(1, 2), (2, 2)], ids=["one-model", "two-models"])
+def test_fsdp_local_state_dict_save_state_is_refused_as_per_rank_shards(
+    tmp_path: Path, models: int, ranks: int
+) -> None:
+    # It said "save_state files but no model weights": the weights are there, one file a rank.
+    names = _fsdp_local_save_state(tmp_path, models, ranks)
+    with pytest.raises(
+        NotACheckpointError,
+        match=rf"{re.escape(str(tmp_path))} holds FSDP LOCAL_STATE_DICT weights.*"
+        rf"{re.escape(names[0])}.*per-rank local shards.*cannot merge.*"
+        r"FSDP.*FULL_STATE_DICT.*SHARDED_STATE_DICT",
+    ):
+        load_checkpoint(tmp_path)
+
+
+def test_fsdp_local_rank_files_without_other_save_state_files_are_refused_alike(
+    tmp_path: Path,
+) -> None:
+    torch.save({"w": torch.zeros(2)}, tmp_path / "pytorch_model_fsdp_rank0.bin")
+    with pytest.raises(NotACheckpointError, match=r"per-rank local shards"):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "other",
+    ["pytorch_model_fsdp_0", "pytorch_model_fsdp_rank0.bin"],
+    ids=["sharded-dir", "local-rank-file"],
+)
+def test_a_full_state_dict_file_beside_another_fsdp_save_type_warns_naming_both(
+    tmp_path: Path, other: str
+) -> None:
+    # The FSDP state dict type changed between saves: the file was loaded silently.
+    (state,) = _save_state_models(tmp_path, ["pytorch_model_fsdp.bin"])
+    if other.endswith(".bin"):
+        torch.save({"w": torch.zeros(2)}, tmp_path / other)
+    else:
+        shutil.copytree(PEERS / "dcp", tmp_path / other)
+    with pytest.warns(
+        UserWarning,
+        match=rf"holds both pytorch_model_fsdp\.bin and {re.escape(other)}.*"
+        r"loading pytorch_model_fsdp\.bin",
+    ):
+        sd = load_checkpoint(tmp_path)
+    assert torch.equal(sd["w"], state["w"])
+
+
+def test_a_full_state_dict_file_alone_loads_without_a_warning(tmp_path: Path) -> None:
+    _save_state_models(tmp_path, ["pytorch_model_fsdp.bin"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_checkpoint(tmp_path)

@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+import trainperf.checkpoint._wait_notice as notice_module
 from trainperf import Checkpointer
 from trainperf.checkpoint._writer import SaveHandle, drop_cached
 from trainperf.checkpoint._writer_fork import _IOPRIO_SET, lower_priority, start_process
@@ -394,3 +395,50 @@ def test_only_background_writers_that_started_are_counted(tmp_path: Path) -> Non
     with pytest.raises(CheckpointError, match="cannot be pickled"):
         ckpt.wait()
     assert background_saves() - before == 1
+
+
+def _held_handle(tmp_path: Path) -> SaveHandle:
+    """A background write that a thread (native id 777) holds until the test finishes it."""
+    handle = SaveHandle(5, tmp_path / "step-000000005.pt", "thread")
+    handle._thread_id = 777
+    return handle
+
+
+def _still_waiting(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "still waiting" in line]
+
+
+def test_a_handle_wait_without_timeout_says_it_still_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # handle.wait() waited in silence for a stuck writer; the Checkpointer's waits say so.
+    monkeypatch.setattr(notice_module, "FIRST_NOTICE_S", 0.05)
+    monkeypatch.setattr(notice_module, "NOTICE_EVERY_S", 10.0)
+    handle = _held_handle(tmp_path)
+    threading.Timer(0.4, handle._finish, args=(None, [])).start()
+    assert handle.wait() is True
+    (line,) = _still_waiting(capsys.readouterr().err)  # once per interval, not busy
+    assert line.startswith("trainperf: still waiting for the background save of step 5 to ")
+    assert str(tmp_path / "step-000000005.pt") in line and "native id 777" in line
+
+
+def test_a_handle_wait_with_a_timeout_says_it_still_waits_and_gives_up_in_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(notice_module, "FIRST_NOTICE_S", 0.05)
+    monkeypatch.setattr(notice_module, "NOTICE_EVERY_S", 10.0)
+    handle = _held_handle(tmp_path)
+    assert handle.wait(timeout=0.3) is False
+    assert not handle.done()
+    (line,) = _still_waiting(capsys.readouterr().err)
+    assert "step 5" in line
+    handle._finish(None, [])
+    assert handle.wait(timeout=0.3) is True
+
+
+def test_a_handle_wait_shorter_than_the_first_notice_prints_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(notice_module, "FIRST_NOTICE_S", 10.0)
+    assert _held_handle(tmp_path).wait(timeout=0.1) is False
+    assert _still_waiting(capsys.readouterr().err) == []

@@ -27,7 +27,8 @@ DDP) and ``_orig_mod.`` (``torch.compile``) prefixes into wrapped or plain model
   of the file: :mod:`._held`), retention, stale temp files), :mod:`._payload` (what a file
   holds, and restoring it into live objects), :mod:`._writer` (the forked or threaded
   background writer and :class:`SaveHandle`; :mod:`._writer_fork`, :mod:`._writer_snapshot`,
-  :mod:`._writer_staging`), :mod:`._checkpointer_wait`, :mod:`._checkpointer_warn`,
+  :mod:`._writer_staging`), :mod:`._checkpointer_wait` (and :mod:`._wait_notice`, the
+  "still waiting" lines both it and :class:`SaveHandle` print), :mod:`._checkpointer_warn`,
   :mod:`._checkpointer_ranks`, :mod:`._checkpointer_restore`, :mod:`._preempt`
   (:class:`Preemption`, the signal flag every rank agrees on), :mod:`._loader_state` (a
   DataLoader's position mid-epoch; whether and where it resumes in the loader restored

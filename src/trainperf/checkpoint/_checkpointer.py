@@ -155,13 +155,20 @@ class Checkpointer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        pending = self._pending
+        # A signal handler that interrupted save(blocking=False) while it starts its writer:
+        # that writer starts only once the handler returns, so no wait here could end.
+        starting = pending is not None and pending._starting
         try:
             if exc_type is None:
-                self.wait()
-            elif self._pending is not None:
-                _finish(self._pending)  # the write finishes; its error is not the news
+                self.wait()  # raises settle's RuntimeError while the write is starting
+            elif pending is not None and not starting:
+                _finish(pending)  # the write finishes; its error is not the news
+            # Starting, on an exception: not waited for (raising would replace the exception
+            # on its way); the write stays pending for the next save, wait or the exit hook.
         finally:
-            self._claim.release()  # the block was the writer's life; a later save claims again
+            if not starting:  # a write still starting goes on, under the directory's claim
+                self._claim.release()  # the block was the writer's life; a later save claims
 
     # ------------------------------------------------------------------ saving
 

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
-import sys
 import threading
-import time
 import warnings
 from typing import TYPE_CHECKING
 
@@ -22,6 +19,7 @@ from trainperf._utils.exiting import exiting as process_exiting
 from trainperf._utils.stack import user_stacklevel
 from trainperf.checkpoint._checkpointer_warn import warn_notes
 from trainperf.checkpoint._files import saving
+from trainperf.checkpoint._wait_notice import tell, wait_telling
 from trainperf.checkpoint._writer import SaveHandle, pending_handles, unreported_failures
 from trainperf.errors import CheckpointError
 
@@ -119,67 +117,13 @@ def tell_earlier(error: BaseException, earlier: CheckpointError) -> None:
     warnings.warn(str(earlier), UserWarning, stacklevel=user_stacklevel())
 
 
-# A wait for a background write has no bound (a save of many GB to a slow disk takes
-# minutes), but one that goes on this long says so on stderr, and again at each interval
-# after: a stopped writer (SIGSTOP, a debugger) or a filesystem that stopped answering (a
-# hung NFS mount) would otherwise hang the loop in silence. Tests set them small.
-_FIRST_NOTICE_S = 60.0
-_NOTICE_EVERY_S = 300.0
-
-
 def _finish(pending: SaveHandle) -> None:
     """Wait for a background write, telling hang detection that this rank is waiting for
     its own checkpoint (known slow work: the other ranks may wait in a collective, or have
-    returned, meanwhile), not hung; a wait that goes on says so (:func:`_still_waiting`)."""
+    returned, meanwhile), not hung; a wait that goes on says so
+    (:func:`~trainperf.checkpoint._wait_notice.wait_telling`)."""
     with saving(pending.path):
-        started = time.monotonic()
-        timeout = _FIRST_NOTICE_S
-        while not pending._event.wait(timeout):
-            _tell(_still_waiting(pending, time.monotonic() - started))
-            timeout = _NOTICE_EVERY_S
-
-
-def _tell(line: str) -> None:
-    """Print ``line`` on stderr, best effort (as :mod:`warnings` does): a stderr whose reader
-    has gone (``2>&1 | tee log``, tee killed: ``BrokenPipeError``) or that was closed
-    (``ValueError``) must not raise out of a wait, which would leave that save unwritten."""
-    with contextlib.suppress(OSError, ValueError):
-        print(line, file=sys.stderr, flush=True)
-
-
-def _still_waiting(pending: SaveHandle, waited_s: float) -> str:
-    """The line printed while a wait for ``pending`` goes on: the step, the file, the
-    writer, for how long, and what to check."""
-    path = pending.path
-    where = "its file" if path is None else str(path)
-    began = time.monotonic() - pending._began
-    if pending._pid is not None:
-        writer = f"its writer process (pid {pending._pid})"
-        check = (
-            f"is the writer stopped or stuck? (ps -o pid,stat,etime -p {pending._pid}: T means "
-            f"stopped, kill -CONT {pending._pid} resumes it; D means it waits on the filesystem)"
-        )
-    elif pending._thread_id is not None:
-        me = os.getpid()
-        writer = f"its writer thread (native id {pending._thread_id}) in this process (pid {me})"
-        check = (
-            f"is the writer stuck? (ps -L -o tid,stat -p {me}: D beside {pending._thread_id} "
-            "means it waits on the filesystem)"
-        )
-    else:
-        writer, check = f"its {pending.writer} writer", "is the writer alive?"
-    if path is not None:
-        d = path.parent
-        check += (
-            f"; is the filesystem responsive? (ls -l {d}; df -h {d}); does the temp file grow? "
-            f"(ls -l {d}/.{path.name}.tmp-*)"
-        )
-    return (
-        f"trainperf: still waiting for the background save of step {pending.step} to {where} "
-        f"after {waited_s:.0f} s (the write began {began:.0f} s ago): {writer}. Check: "
-        f"{check}. It still waits (a save of many GB can take minutes), and says so again "
-        f"every {_NOTICE_EVERY_S:g} s"
-    )
+        wait_telling(pending)
 
 
 # Set once the exit hook has run: a save after it is made blocking, since nothing would wait
@@ -202,14 +146,14 @@ def _wait_at_exit() -> None:
     _EXITED[0] = True
     for pending in pending_handles():
         if not pending.done():
-            _tell(
+            tell(
                 f"trainperf: waiting for the background save of step {pending.step} to "
                 f"{pending.path} before exiting"
             )
             _finish(pending)
     for failed in unreported_failures():
         message, cause = failed._failure or ("unknown", None)
-        _tell(
+        tell(
             f"trainperf: ERROR: the background save of step {failed.step} to {failed.path} "
             f"failed: {message} ({type(cause).__name__}: {cause}); no older checkpoint was "
             "deleted"

@@ -16,17 +16,23 @@ What other tools write as a directory, and what ``load_checkpoint(dir)`` makes o
   of one, and its files with no model weights an error saying so;
 - a ``.metadata`` file (``torch.distributed.checkpoint``), or the DCP subdirectory
   ``pytorch_model_fsdp_0/`` of ``save_state`` under FSDP with a sharded state dict: an error
-  naming the converter.
+  naming the converter;
+- ``pytorch_model_fsdp_rank{r}.bin`` (``save_state`` under FSDP with a local state dict): an
+  error, as each is one rank's local shard; and one of the files above beside such files or a
+  ``pytorch_model_fsdp_0/`` (the FSDP save type changed between saves) is loaded with a
+  warning naming both.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainperf._utils.stack import user_stacklevel
 from trainperf.checkpoint._formats import read_error, read_failure, special_file
 from trainperf.errors import CheckpointCorruptError, CheckpointNotFoundError, NotACheckpointError
 
@@ -40,6 +46,9 @@ _NUMBERED_MODEL = re.compile(r"(model_\d+\.safetensors|pytorch_model(_fsdp)?_\d+
 # Under FSDP with a sharded state dict, save_state writes the i-th model (i >= 0, so the
 # first is "_0") as a torch.distributed.checkpoint directory.
 _FSDP_DCP_DIR = re.compile(r"pytorch_model_fsdp_\d+")
+# Under FSDP with a local state dict, save_state writes each rank's own shard of the i-th
+# model: "pytorch_model_fsdp_rank{r}.bin", or "pytorch_model_fsdp_{i}_rank{r}.bin" for i > 0.
+_FSDP_RANK_FILE = re.compile(r"pytorch_model_fsdp(_\d+)?_rank\d+\.bin")
 _SAVE_STATE = re.compile(
     r"(optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.bin"
     r"|(random_states|custom_checkpoint)_\d+\.pkl|scaler\.pt"
@@ -167,8 +176,9 @@ def directory_weights(path: Path) -> tuple[str, Path]:
     Raises:
         NotACheckpointError: A ``torch.distributed.checkpoint`` directory (or an FSDP
             ``save_state``'s ``pytorch_model_fsdp_0/`` in it), several indexes, an Accelerate
-            ``save_state`` with several models (``model_1.safetensors``) or with none, or
-            no weights file trainperf recognises (the message lists what is there).
+            ``save_state`` with several models (``model_1.safetensors``), with per-rank FSDP
+            files (``pytorch_model_fsdp_rank0.bin``) or with none, or no weights file
+            trainperf recognises (the message lists what is there).
         OSError: the directory cannot be listed (no permission, a disk error): the message
             names it and what to check.
     """
@@ -181,10 +191,12 @@ def directory_weights(path: Path) -> tuple[str, Path]:
     _refuse_several_models(path, inside)
     for name in _SINGLE_FILES:
         if (path / name).is_file():
+            _warn_other_fsdp_save(path, name, inside)
             return "file", path / name
     dcp_dirs = _fsdp_dcp_dirs(path, inside)
     if dcp_dirs:  # one: several were refused above
         raise _dcp_error(path / dcp_dirs[0])
+    _refuse_fsdp_rank_files(path, inside)
     _refuse_state_without_model(path, inside)
     shown = ", ".join(inside[:8]) + (", ..." if len(inside) > 8 else "") if inside else "nothing"
     raise NotACheckpointError(
@@ -210,6 +222,57 @@ def _fsdp_dcp_dirs(path: Path, inside: list[str]) -> list[str]:
     """The ``pytorch_model_fsdp_{i}`` DCP directories in ``path`` (``save_state`` under FSDP
     with a sharded state dict)."""
     return [n for n in inside if _FSDP_DCP_DIR.fullmatch(n) and (path / n).is_dir()]
+
+
+def _fsdp_rank_files(inside: list[str]) -> list[str]:
+    """The ``pytorch_model_fsdp[_{i}]_rank{r}.bin`` files in ``inside`` (``save_state`` under
+    FSDP with a local state dict)."""
+    return [n for n in inside if _FSDP_RANK_FILE.fullmatch(n)]
+
+
+def _shown(names: list[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
+
+
+def _warn_other_fsdp_save(path: Path, chosen: str, inside: list[str]) -> None:
+    """Warn that ``chosen`` is loaded from ``path`` although FSDP weights of another state
+    dict type lie beside it (``pytorch_model_fsdp_0/``, ``pytorch_model_fsdp_rank0.bin``):
+    the save type changed between two saves into the directory, so either may be stale."""
+    others = [f"{n}/" for n in _fsdp_dcp_dirs(path, inside)] + _fsdp_rank_files(inside)
+    if not others:
+        return
+    warnings.warn(
+        f"{path} holds both {chosen} and {_shown(others)}, model weights of different FSDP "
+        f"state dict types (the save type changed between saves into this directory); "
+        f"loading {chosen}, which may be the older save: delete the stale weights, or give "
+        f"the file you want by its path: load_checkpoint('{path / chosen}')",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
+def _refuse_fsdp_rank_files(path: Path, inside: list[str]) -> None:
+    """Refuse an Accelerate ``save_state`` directory written under FSDP with
+    ``LOCAL_STATE_DICT``: each file is one rank's shard, and returning one would pass a
+    fraction of the model for the whole.
+
+    Raises:
+        NotACheckpointError: ``path`` holds ``pytorch_model_fsdp_rank{r}.bin`` or
+            ``pytorch_model_fsdp_{i}_rank{r}.bin`` files (the message lists them, and the fix).
+    """
+    ranks = _fsdp_rank_files(inside)
+    if not ranks:
+        return
+    raise NotACheckpointError(
+        f"{path} holds FSDP LOCAL_STATE_DICT weights written by Accelerate save_state "
+        f"({_shown(ranks)}): these are per-rank local shards of FSDP's flattened parameters, "
+        "which load_checkpoint cannot merge into one state dict; load them per rank with "
+        f"FSDP (accelerator.load_state('{path}') with the same world size and wrapping), or "
+        "save with fsdp_state_dict_type FULL_STATE_DICT (one pytorch_model_fsdp.bin, which "
+        "load_checkpoint reads) or SHARDED_STATE_DICT (a pytorch_model_fsdp_0/ directory "
+        "to convert with dcp_to_torch_save)",
+        path,
+    )
 
 
 def _refuse_several_models(path: Path, inside: list[str]) -> None:

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from trainperf.checkpoint._refusal import save_refusal
+from trainperf.checkpoint._wait_notice import wait_telling
 from trainperf.checkpoint._write import FLUSH_FAILED_PREFIX, _os_error, write_checkpoint_file
 from trainperf.errors import CheckpointError
 
@@ -168,7 +169,7 @@ class SaveHandle:
         self._event = threading.Event()
         self._failure: tuple[str, BaseException] | None = None
         self._reported = False
-        # Who writes it, for a wait that goes on long to name (_checkpointer_wait): a forked
+        # Who writes it, for a wait that goes on long to name (_wait_notice): a forked
         # writer's pid, a writer thread's native id; None before it starts or for a foreign one.
         self._pid: int | None = None
         self._thread_id: int | None = None
@@ -224,13 +225,15 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds (None: as long as it takes); True if finished.
+        A wait that goes on says so on stderr, after a minute and every 5 minutes after, as
+        the Checkpointer's own waits do (a stuck writer, a hung filesystem).
 
         Raises:
             CheckpointError: the background write failed (once: the next ``save`` or
                 ``wait`` of the Checkpointer does not raise it again); the cause is chained
                 and ``.path`` names the file.
         """
-        finished = self._event.wait(timeout)
+        finished = wait_telling(self, timeout)
         if finished:
             self.raise_failure()
         return finished
