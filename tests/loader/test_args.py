@@ -14,6 +14,7 @@ from tests._utils._streams import Fresh, Resets, assert_refused_unread
 from tests.loader._fakes import Waits, quick
 from trainperf.errors import DeviceError
 from trainperf.loader import _autotune as autotune_mod
+from trainperf.loader import _tune as tune_mod
 from trainperf.loader import autotune_loader, tune_loader
 from trainperf.loader._args import CheckedArgs, check_args, check_sizes
 
@@ -262,3 +263,41 @@ def test_adapt_that_is_not_a_bool_is_refused_before_tuning(monkeypatch: pytest.M
     monkeypatch.setattr(autotune_mod, "tune_loader", no_tuning)
     with pytest.raises(TypeError, match="adapt must be True or False, got 'yes'"):
         autotune_loader(Waits(), 4, adapt="yes", **quick())
+
+
+class _Stream(torch.utils.data.IterableDataset[torch.Tensor]):
+    def __iter__(self) -> Any:
+        return iter(torch.zeros(32, 2))
+
+
+@pytest.mark.parametrize("tune", [tune_loader, autotune_loader])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"shuffle": True},
+            r"shuffle=True with an IterableDataset \(_Stream\): .*drop shuffle=True and shuffle "
+            r"inside the dataset's __iter__.*buffer",
+        ),
+        (
+            {"sampler": [0, 1, 2]},
+            r"sampler=\[0, 1, 2\] with an IterableDataset \(_Stream\): .*drop sampler= and "
+            r"shuffle inside the dataset's __iter__.*buffer",
+        ),
+    ],
+)
+def test_an_iterable_dataset_with_shuffle_or_sampler_is_refused_up_front(
+    monkeypatch: pytest.MonkeyPatch, tune: Any, kwargs: dict[str, Any], match: str
+) -> None:
+    # Before: torch's own "expected unspecified shuffle option", with no fix, after setup.
+    def no_tuning(*args: Any, **kw: Any) -> Any:
+        raise AssertionError("tuning started")
+
+    monkeypatch.setattr(tune_mod, "_set_up", no_tuning)
+    with pytest.raises(ValueError, match=match):
+        tune(_Stream(), 4, **quick(), **kwargs)
+
+
+def test_an_iterable_dataset_with_shuffle_false_is_taken() -> None:
+    report = tune_loader(_Stream(), 4, max_workers=0, **quick(budget_s=5.0), shuffle=False)
+    assert report.best_kwargs["shuffle"] is False

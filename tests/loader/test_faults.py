@@ -257,6 +257,26 @@ def test_a_dataset_error_that_says_timed_out_in_a_worker_is_the_datasets_error()
     assert_no_workers_left()
 
 
+def failing_init(worker_id: int) -> None:
+    """A caller's worker_init_fn that raises (module level: picklable)."""
+    raise RuntimeError("init boom")
+
+
+def test_a_worker_init_fn_that_raises_is_named_with_the_fix() -> None:
+    # Before: "the dataset raised in a worker: RuntimeError: init boom", blaming the dataset
+    # with no fix.
+    with pytest.warns(RuntimeWarning, match="worker_init_fn failing_init raised"):
+        report = tune(Faulty("none"), worker_init_fn=failing_init, multiprocessing_context="fork")
+    assert report.best_kwargs["num_workers"] == 0
+    bad = failed(report)
+    assert [c.fault for c in bad] == ["error"]
+    reason = bad[0].reason or ""
+    assert reason.startswith("worker_init_fn failing_init raised in a worker"), reason
+    assert "RuntimeError: init boom" in reason and "dataset" not in reason, reason
+    assert "fix: make worker_init_fn work in every worker process" in reason, reason
+    assert_no_workers_left()
+
+
 @pytest.mark.slow  # about 2-3 s: pools started and failed
 def test_shm_exhaustion_in_worker_says_how_to_fix_it() -> None:
     with pytest.warns(RuntimeWarning, match="shm-size"):
@@ -354,3 +374,28 @@ def test_hang_timeout() -> None:
     assert hang_timeout(8, batch_s=1.0, **{**fork, "main_cores": 3.0}) == 80.0  # 2 cores left
     assert hang_timeout(8, batch_s=1.0, **{**fork, "start_method": "spawn"}) == 60.0
     assert hang_timeout(8, batch_s=1.0, **{**fork, "user_timeout": 2.5}) == 2.5
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        # torch, in the main process, rebuilding a worker's tensor from shared memory
+        "unable to open shared memory object </torch_1234_5678_0> in read-write mode: "
+        "Too many open files (24)",
+        # the same, raised in a worker and re-raised by torch
+        "Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback:\n"
+        "RuntimeError: unable to open shared memory object </torch_1_2_3> in read-write "
+        "mode: Too many open files (24)",
+    ],
+)
+def test_too_many_open_files_is_not_blamed_on_dev_shm(message: str) -> None:
+    # "shared memory" is in the message, but /dev/shm has room: the process ran out of file
+    # descriptors, and --shm-size would not help.
+    kind, reason = classify_fault(
+        RuntimeError(message), start_method="fork", timeout_s=3.0, shm_free=1 << 30
+    )
+    assert kind == "error"
+    assert "Too many open files" in reason
+    assert "ulimit -n" in reason and "set_sharing_strategy('file_system')" in reason
+    assert "/dev/shm" not in reason and "--shm-size" not in reason
+    assert "the dataset raised" not in reason

@@ -4,7 +4,8 @@ A batch is whatever the ``collate_fn`` returns: a tensor, a tuple, a dict of lis
 tensors and strings. Tensors and NumPy arrays are its payload; everything else (ids,
 file names) is not counted as bytes. Its samples are counted by one set of rules
 (:func:`path_sizes`, :func:`batch_length`) for ``batchsize`` (which checks ``sample(n)``)
-and ``monitor`` (which counts what ``w.iter()`` yields).
+and ``monitor`` (which counts what ``w.iter()`` yields); ``loader`` counts its samples/s
+with :func:`samples_in`, which agrees with them where a full batch or no tensor tells.
 """
 
 from __future__ import annotations
@@ -56,18 +57,33 @@ def batch_bytes(batch: Any) -> int:
 
 
 def samples_in(batch: Any, batch_size: int) -> int:
-    """Samples in a batch: the first tensor's leading size when it is plausible.
+    """Samples in a batch of at most ``batch_size``: :func:`batch_length`'s count where it
+    is a full batch or no tensor gives one, else the first tensor's leading size when it is
+    plausible, else ``batch_size``.
+
+    A collated batch's fields in a list (``default_collate`` of ``TensorDataset``'s tuples:
+    ``[x]``, ``[x, y]``) read as per-sample items too, so a per-sample count short of a full
+    batch is not taken over the tensors' own.
 
     Example:
         >>> samples_in((torch.zeros(5, 3), torch.zeros(5)), 8), samples_in(["a", "b"], 8)
-        (5, 8)
+        (5, 2)
+        >>> samples_in([(torch.zeros(3, 4, 4), 0)] * 8, 8)  # collate_fn=list: 8 samples
+        8
+        >>> samples_in([torch.zeros(5, 3)], 8)  # default_collate of TensorDataset's samples
+        5
     """
-    for leaf in _leaves(batch):
-        if leaf.ndim >= 1:
-            n = int(leaf.shape[0])
-            return n if 1 <= n <= batch_size else batch_size
-        break
-    return batch_size
+    n, first = batch_length(batch), _leading_size(batch)
+    if n is not None and 1 <= n <= batch_size and (first is None or n == batch_size):
+        return n
+    return first if first is not None and 1 <= first <= batch_size else batch_size
+
+
+def _leading_size(batch: Any) -> int | None:
+    """The first tensor's (or array's) leading size; None when the first has no dimension
+    or there is none."""
+    leaves = _leaves(batch)
+    return int(leaves[0].shape[0]) if leaves and leaves[0].ndim >= 1 else None
 
 
 def path_sizes(obj: Any, depth: int = 0, batch_dim: int = 0) -> list[int]:
@@ -152,7 +168,9 @@ def _agreed_size(batch: Mapping[Any, Any] | Sequence[Any], sizes: list[int]) -> 
     """Which of ``sizes`` (a list's length, then the first tensor's leading size) counts the
     samples: the list holds per-sample items (detection's ``tuple(zip(*samples))``: its
     length) or one input's parts (two views ``([a, b], y)``: the tensors' leading size).
-    The size most of the batch's fields hold tells; the list's own length on a tie."""
+    The size most of the batch's fields hold tells; the tensor's leading size on a tie (one
+    field, ``{"views": [a, b]}``: two views of a batch, as the rule was before fields were
+    counted)."""
     fields = batch.values() if isinstance(batch, Mapping) else batch
     held = [path_sizes(v, 1) or ([len(v)] if isinstance(v, (list, tuple)) else []) for v in fields]
-    return max(sizes, key=lambda k: sum(k in h for h in held))
+    return max(reversed(sizes), key=lambda k: sum(k in h for h in held))

@@ -7,7 +7,8 @@ worker process 0") reads like the dataset's and says nothing of where the worker
 In those pools the function runs inside :class:`PoolInit`, which marks its failure
 (:class:`InitFailed`), and the loop gets :func:`init_failure`'s error instead: what raised,
 in which pool, and how to get back the setting the loader was built with. The dataset's own
-errors stay torch's.
+errors stay torch's. The one-off tuner's measurements run it in a :class:`PoolInit` too, and
+report its failure with :func:`init_reason`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from trainperf.loader._picklable import WorkerInit
 if TYPE_CHECKING:
     from trainperf.loader._adapt import AdaptiveDataLoader
 
-__all__ = ["InitFailed", "PoolInit", "init_failure", "pool_init_fn"]
+__all__ = ["InitFailed", "PoolInit", "init_failure", "init_reason", "pool_init_fn"]
 
 
 class InitFailed(RuntimeError):
@@ -69,20 +70,42 @@ def pool_init_fn(loader: AdaptiveDataLoader) -> Iterator[None]:
         loader.worker_init_fn = kept
 
 
+_INIT_FIX = "make worker_init_fn work in every worker process (worker_id 0 to num_workers - 1)"
+
+
+def _raised(error: InitFailed) -> str:
+    """What the caller's function raised: ``"ValueError: no shard for worker 3"``."""
+    return str(error).rstrip().splitlines()[-1].split(f"{InitFailed.__name__}: ", 1)[-1]
+
+
+def _name(user_fn: object) -> str:
+    """The caller's ``worker_init_fn``'s name, inside a :class:`DieWithParent` or not."""
+    user_fn = getattr(user_fn, "user_fn", user_fn)
+    return getattr(user_fn, "__qualname__", type(user_fn).__name__)  # a callable object's
+
+
+def init_reason(user_fn: object, error: InitFailed) -> str:
+    """Why a measurement's pool failed when ``user_fn``, the caller's ``worker_init_fn``,
+    raised (``error``: torch's re-raise of :class:`InitFailed`), and the fix.
+
+    Example:
+        >>> def broken(worker_id): raise ValueError("no shard")
+        >>> init_reason(broken, InitFailed("ValueError: no shard"))  # doctest: +ELLIPSIS
+        'worker_init_fn broken raised in a worker: ValueError: no shard; fix: make ...'
+    """
+    return f"worker_init_fn {_name(user_fn)} raised in a worker: {_raised(error)}; fix: {_INIT_FIX}"
+
+
 def init_failure(loader: AdaptiveDataLoader, error: BaseException) -> RuntimeError | None:
     """The loader's error for ``error``, torch's re-raise of an :class:`InitFailed`, or None
     for any other error (the dataset's own, say: the caller's to see as torch raised it)."""
     if not isinstance(error, InitFailed):
         return None
-    what = str(error).rstrip().splitlines()[-1].split(f"{InitFailed.__name__}: ", 1)[-1]
     built = loader.tuning_history[0].old[0] if loader.tuning_history else loader.num_workers
-    user_fn = loader.worker_init_fn
-    user_fn = getattr(user_fn, "user_fn", user_fn)
-    name = getattr(user_fn, "__qualname__", type(user_fn).__name__)  # a callable object's
     return RuntimeError(
-        f"worker_init_fn {name} raised in a worker of the pool {type(loader).__name__} "
-        f"started itself (num_workers={loader.num_workers}; built with num_workers={built}): "
-        f"{what}. Fix: make worker_init_fn work in every worker process (worker_id 0 to "
-        f"num_workers - 1), or keep the loader's setting: autotune_loader(..., adapt=False), "
-        f"or max_workers={built} for {type(loader).__name__}"
+        f"worker_init_fn {_name(loader.worker_init_fn)} raised in a worker of the pool "
+        f"{type(loader).__name__} started itself (num_workers={loader.num_workers}; built "
+        f"with num_workers={built}): {_raised(error)}. Fix: {_INIT_FIX}, or keep the "
+        f"loader's setting: autotune_loader(..., adapt=False), or max_workers={built} for "
+        f"{type(loader).__name__}"
     )

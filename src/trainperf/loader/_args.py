@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from trainperf._utils.validate import (
     choice,
@@ -30,6 +30,7 @@ __all__ = [
     "check_flags",
     "check_loader_kwargs",
     "check_sizes",
+    "check_stream_order",
     "checked_context",
     "loader_args",
 ]
@@ -210,6 +211,45 @@ def _check_kinds(loader_kwargs: Mapping[str, Any]) -> None:
     for name, allowed in _FLAGS.items():
         if name in loader_kwargs:
             choice(name, loader_kwargs[name], allowed)
+
+
+_STREAM_FIX = (
+    "shuffle inside the dataset's __iter__ (a new order of its shards or files each epoch), "
+    "or a buffer-shuffle (keep a buffer of items and yield one drawn at random from it)"
+)
+
+
+def check_stream_order(dataset: Any, loader_kwargs: Mapping[str, Any]) -> None:
+    """Refuse ``shuffle=True`` or a ``sampler`` for an ``IterableDataset``, whose order is
+    its own: DataLoader refuses them too, but only as the first pool starts, without a fix.
+
+    Raises:
+        ValueError: ``dataset`` is an ``IterableDataset`` and ``loader_kwargs`` has
+            ``shuffle=True`` or a ``sampler``.
+
+    Example:
+        >>> class Stream(IterableDataset):
+        ...     def __iter__(self): return iter(range(4))
+        >>> check_stream_order(Stream(), {"shuffle": False})
+        >>> check_stream_order(Stream(), {"shuffle": True})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: shuffle=True with an IterableDataset (Stream): ...
+    """
+    if not isinstance(dataset, IterableDataset):
+        return
+    name = type(dataset).__name__
+    if loader_kwargs.get("shuffle"):
+        raise ValueError(
+            f"shuffle=True with an IterableDataset ({name}): DataLoader cannot shuffle a "
+            f"stream (it has no indices to draw); drop shuffle=True and {_STREAM_FIX}"
+        )
+    sampler = loader_kwargs.get("sampler")
+    if sampler is not None:
+        raise ValueError(
+            f"sampler={sampler!r} with an IterableDataset ({name}): DataLoader takes no "
+            f"sampler for a stream (it has no indices to draw); drop sampler= and {_STREAM_FIX}"
+        )
 
 
 def _fresh_sampler(sampler: Any) -> None:

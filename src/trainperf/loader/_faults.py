@@ -15,7 +15,7 @@ import pickle
 from collections.abc import Mapping
 from typing import Any
 
-from trainperf.loader._picklable import UNSENDABLE
+from trainperf.loader._picklable import FD_FIX, UNSENDABLE
 from trainperf.loader._report import FaultKind, format_bytes
 from trainperf.loader._step import cores_for_workers
 
@@ -68,6 +68,30 @@ def oom_figures(
     if memory_available is not None:
         text += f", with {format_bytes(memory_available)} available when tuning started"
     return text
+
+
+_SHM_MARKERS = (
+    "bus error",
+    "no space left on device",
+    "unable to write to file </torch_",
+    "shared memory",
+    "unable to allocate shared memory",
+)
+
+
+def _shm_reason(msg: str, shm_free: int | None, inflight_bytes: int | None) -> str:
+    """What a ``shm`` fault says: /dev/shm too small, with its free space and the bytes in
+    flight where known, and the fix."""
+    where = "" if shm_free is None else f" ({format_bytes(shm_free)} free"
+    if where and inflight_bytes is not None:
+        where += f", about {format_bytes(inflight_bytes)} of batches in flight"
+    where += ")" if where else ""
+    return (
+        f"/dev/shm is too small for the batches in flight{where}: {_last_line(msg)}; fix: "
+        f"give the container more shared memory (docker run --shm-size=16g, or a "
+        f"memory-backed emptyDir on Kubernetes), or use fewer workers or a smaller "
+        f"prefetch_factor"
+    )
 
 
 def classify_fault(
@@ -125,24 +149,13 @@ def classify_fault(
             f"functions instead of lambdas or local functions and no open files, locks or "
             f"generators as attributes, or pass multiprocessing_context='fork' (Linux)"
         )
-    shm_markers = (
-        "bus error",
-        "no space left on device",
-        "unable to write to file </torch_",
-        "shared memory",
-        "unable to allocate shared memory",
-    )
-    if any(m in low for m in shm_markers):
-        where = "" if shm_free is None else f" ({format_bytes(shm_free)} free"
-        if where and inflight_bytes is not None:
-            where += f", about {format_bytes(inflight_bytes)} of batches in flight"
-        where += ")" if where else ""
-        return "shm", (
-            f"/dev/shm is too small for the batches in flight{where}: {_last_line(msg)}; fix: "
-            f"give the container more shared memory (docker run --shm-size=16g, or a "
-            f"memory-backed emptyDir on Kubernetes), or use fewer workers or a smaller "
-            f"prefetch_factor"
-        )
+    if "too many open files" in low:  # before /dev/shm: torch's words say "shared memory"
+        # Each tensor in flight between processes holds a file descriptor (torch's default
+        # sharing strategy): the limit ran out, not /dev/shm.
+        cause = _last_line(msg).split("; fix: ")[0]  # _picklable's message carries the fix
+        return "error", f"a process ran out of file descriptors ({cause}); {FD_FIX}"
+    if any(m in low for m in _SHM_MARKERS):
+        return "shm", _shm_reason(msg, shm_free, inflight_bytes)
     if caught and UNSENDABLE in msg:  # a batch the worker could not pickle (_picklable)
         return "pickle", _last_line(msg).split(": ", 1)[-1]
     if caught:

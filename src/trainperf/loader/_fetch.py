@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainperf._utils.batches import samples_in
+from trainperf.loader._adapt_init import PoolInit
 from trainperf.loader._memory import CollectFirst
 from trainperf.loader._picklable import WorkerInit
 from trainperf.loader._windows import DeadlineReached
@@ -64,8 +65,11 @@ def loader_kwargs_for(
     timeout_s = min(spec.hang_timeout_s, remaining)
     kwargs.update(prefetch_factor=spec.prefetch_factor, persistent_workers=True, timeout=timeout_s)
     # The workers die with this process (a SIGKILLed tuner leaves none behind), then
-    # collect their garbage once, then run the caller's own worker_init_fn.
-    kwargs["worker_init_fn"] = WorkerInit(CollectFirst(kwargs.get("worker_init_fn")))
+    # collect their garbage once, then run the caller's own worker_init_fn, whose failure
+    # is then told from the dataset's (InitFailed).
+    user_init = kwargs.get("worker_init_fn")
+    init = None if user_init is None else PoolInit(user_init)
+    kwargs["worker_init_fn"] = WorkerInit(CollectFirst(init))
     return kwargs, timeout_s
 
 

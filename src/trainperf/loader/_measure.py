@@ -47,6 +47,7 @@ import torch
 from trainperf._utils.batches import batch_bytes, samples_in
 from trainperf._utils.steal import StealMeter, undo_steal
 from trainperf._utils.validate import non_negative_int, positive_int, positive_number
+from trainperf.loader._adapt_init import InitFailed, init_reason
 from trainperf.loader._cache import length
 from trainperf.loader._faults import (
     budget_cut_reason,
@@ -158,6 +159,8 @@ def _worker_fault(
     readings: _Readings,
     loader_kwargs: Mapping[str, Any],
 ) -> tuple[FaultKind, str]:
+    if isinstance(error, InitFailed):  # the caller's worker_init_fn, not the dataset
+        return "error", init_reason(loader_kwargs.get("worker_init_fn"), error)
     spec = batches.spec
     inflight = (
         None

@@ -51,6 +51,7 @@ from trainperf._utils.lifetime import DieWithParent
 from trainperf.loader._report import CandidateResult
 
 __all__ = [
+    "FD_FIX",
     "UNSENDABLE",
     "FirstBatch",
     "WorkerInit",
@@ -235,10 +236,12 @@ _SHM_FIX = (
     "a memory-backed emptyDir on Kubernetes), or use fewer workers or a smaller "
     "prefetch_factor"
 )
-_FD_FIX = (
+FD_FIX = (
     "fix: raise the open-file limit (ulimit -n), or call "
     "torch.multiprocessing.set_sharing_strategy('file_system') before the loader starts"
 )
+"""The fix for a process out of file descriptors, here and in
+:func:`~trainperf.loader._faults.classify_fault`."""
 
 
 def _send_failure(index: int, error: Exception) -> Exception:
@@ -248,7 +251,7 @@ def _send_failure(index: int, error: Exception) -> Exception:
     text = _shown(error)
     low = text.lower()
     fix = (
-        _FD_FIX
+        FD_FIX
         if "too many open files" in low
         else _SHM_FIX
         if any(m in low for m in _SHM_MARKERS)

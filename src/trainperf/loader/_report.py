@@ -39,7 +39,9 @@ FaultKind = Literal[
   failed, a worker was killed by SIGKILL (exit code -9), most likely by the out-of-memory
   killer;
 - ``cpu``: the workers would need more cores than are left after the main process's share;
-- ``error``: the dataset raised inside a worker;
+- ``error``: the dataset (or ``worker_init_fn``) raised inside a worker, or a process ran
+  out of file descriptors ("Too many open files", even in torch's "unable to open shared
+  memory object");
 - ``budget``: the time budget ran out before a steady-state window was timed;
 - ``unsharded``: an ``IterableDataset`` that does not shard its stream across workers (two
   workers yielded the same items), so every worker would replay the whole stream.

@@ -27,7 +27,7 @@ import torch
 
 from trainperf._utils.validate import fresh_stream
 from trainperf.loader import _cache, _cached, _iterable, _share
-from trainperf.loader._args import check_args, check_flags
+from trainperf.loader._args import check_args, check_flags, check_stream_order
 from trainperf.loader._budget import overrun_note
 from trainperf.loader._choice import (
     NOT_CACHED,
@@ -295,7 +295,8 @@ def tune_loader(
             ``prefetch_factor`` without workers included), ``batch_sampler`` in
             ``loader_kwargs``, an empty loader, a dataset or ``sampler`` that is a one-shot
             iterator (a generator, an ``__iter__`` that only returns ``self``: tuning would
-            use up its samples), or a bad
+            use up its samples), an ``IterableDataset`` with ``shuffle=True`` or a
+            ``sampler`` (its order is its own), or a bad
             ``LOCAL_WORLD_SIZE``/``SLURM_NTASKS_PER_NODE``/``LOCAL_RANK``.
         TypeError: ``device`` is not a str, int, torch.device or None; ``cache`` or
             ``progress`` is not True or False.
@@ -316,6 +317,7 @@ def tune_loader(
     started = time.perf_counter()
     # From here on the numbers are Python's (a NumPy scalar passed in is converted).
     args = check_args(batch_size, max_workers, budget_s, epochs_hint, step_fn, loader_kwargs)
+    check_stream_order(dataset, args.loader_kwargs)
     check_flags(cache=cache, progress=progress)
     fresh_stream(dataset, "tuning")
     owned = dataset_generators(dataset)
