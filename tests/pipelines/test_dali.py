@@ -417,3 +417,47 @@ def test_dali_cuts_the_torchvision_backends_crops_and_flips(folder: Path) -> Non
         assert ours.keys() == theirs.keys()
         for i, img in ours.items():  # other boxes or flips differ by tens of levels
             assert (_pixels(img[None]) - _pixels(theirs[i][None])).abs().mean() < 2 / 255
+
+
+@needs_dali
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("train", [True, False])
+def test_dali_pass_interrupted_by_another_raises_instead_of_hanging(
+    folder: Path, train: bool
+) -> None:
+    # One DALI pipeline feeds one pass at a time. A second iter(loader) (interleaved loops,
+    # nested loops) started the next epoch afresh, and the first pass then dropped every
+    # batch as not its own, forever.
+    loader = _loader(folder, "dali", batch_size=4, train=train, last_batch="keep")
+    first, second = loader.iter_with_indices(), loader.iter_with_indices()
+    next(first)
+    next(second)
+    with pytest.raises(RuntimeError, match=r"epoch 0 .*interrupted by .*epoch 1.* one pass at"):
+        next(first)
+    # The newer pass goes on, whole, and the loader still works afterwards.
+    assert len([next(second) for _ in range(len(loader) - 1)]) == len(loader) - 1
+    assert sorted(_indices(loader)) == list(range(24))
+
+
+@needs_dali
+def test_dali_classes_and_labels_are_imagefolders_and_the_torchvision_backends(
+    tmp_path: Path,
+) -> None:
+    # A label mismatch between backends would train silently wrong: the classes (case,
+    # digits, non-ASCII, a subfolder) and each file's label must be ImageFolder's in both.
+    from torchvision.datasets import ImageFolder
+
+    for i, name in enumerate(["B", "a", "_x", "10", "9", "é"]):
+        (tmp_path / name / "sub").mkdir(parents=True)
+        PIL.new("RGB", (20 + i, 16)).save(tmp_path / name / f"{i}.jpg")
+        PIL.new("RGB", (16, 20 + i)).save(tmp_path / name / "sub" / f"{i}.png")
+    reference = ImageFolder(str(tmp_path))
+    for backend in ("dali", "torchvision"):
+        loader = _loader(tmp_path, backend, batch_size=5, train=False)
+        assert {c: i for i, c in enumerate(loader.classes)} == reference.class_to_idx
+        labels = {
+            loader.files[i]: label
+            for _, batch_labels, idx in _epoch(loader)
+            for i, label in zip(idx.tolist(), batch_labels.tolist(), strict=True)
+        }
+        assert labels == dict(reference.samples)

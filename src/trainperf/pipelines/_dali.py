@@ -23,6 +23,8 @@ both cheaper and equal in quality to the other backends.
 
 Each batch is exactly the shard plan's: full batches, and a partial last one with
 ``last_batch="keep"``. An epoch left part-way costs only the batches DALI had read ahead.
+One pipeline feeds one pass at a time: a pass that a newer ``iter(loader)`` took the feed
+from raises at its next batch, rather than dropping the newer pass's batches forever.
 """
 
 from __future__ import annotations
@@ -302,6 +304,8 @@ class DaliLoader(ImageLoader):
             self._iterator = plugin.DALIGenericIterator([pipe], ["images", "indices"], **iterate)
         self._failed: str | None = None
         self._labels = labels_tensor(source.labels)
+        # Passes started so far, and the epoch of the latest: one pass reads at a time.
+        self._passes, self._pass_epoch = 0, 0
 
     def _next(self) -> tuple[dict[str, Any], FedBatch]:
         """DALI's next batch, as its iterator gives it, and which files it holds."""
@@ -344,10 +348,24 @@ class DaliLoader(ImageLoader):
             return out["images"]  # type: ignore[no-any-return]
         return self._finish(out["crops"], out["flips"].reshape(-1).tolist())
 
+    def _interrupted(self, epoch: int) -> RuntimeError:
+        return RuntimeError(
+            f"this pass over epoch {epoch} was interrupted by a newer pass over the same DALI "
+            f"loader (epoch {self._pass_epoch}): a DALI loader feeds one pass at a time, so "
+            "the older one cannot go on. Finish or break out of one loop over the loader "
+            "before starting another (no interleaved or nested loops), or build a second loader"
+        )
+
     def _epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         generation = self._feed.start(epoch)
+        self._passes += 1
+        mine, self._pass_epoch = self._passes, epoch
         device, last = self.config.device, self.shard.batches - 1
         while True:
+            # A newer pass took the feed over: every batch from here on is its own, and this
+            # pass would drop them all, waiting forever for one of its epoch.
+            if self._passes != mine:
+                raise self._interrupted(epoch)
             out, fed = self._next()
             if (fed.generation, fed.epoch) != (generation, epoch):
                 continue  # read ahead for an epoch left part-way, or before a restart: dropped

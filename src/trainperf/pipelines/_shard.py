@@ -118,7 +118,8 @@ def shard_plan(
     yields the same number of batches, so no rank waits forever in a collective.
 
     Raises:
-        ValueError: a rank would get no batch at all.
+        ValueError: a rank would get no batch at all (more ranks than images, or
+            ``batch_size`` larger than a rank's share, with ``"drop"``).
 
     Example:
         >>> shard_plan(25, 4, 0, 2, "keep")
@@ -134,6 +135,12 @@ def shard_plan(
         per_rank = math.ceil(num_files / world_size)
         batches = math.ceil(per_rank / batch_size)
         samples, last = per_rank, per_rank - (batches - 1) * batch_size
+    if per_rank == 0:  # only with "drop": no batch_size gives a rank an image
+        raise ValueError(
+            f"{world_size} ranks but only {num_files} images, so with last_batch='drop' every "
+            "rank gets none; pass last_batch='keep' (ranks repeat images to fill their "
+            f"shards), use at most {num_files} ranks, or add images"
+        )
     if batches == 0:
         raise ValueError(
             f"batch_size={batch_size} is larger than the {per_rank} images each of "
