@@ -148,6 +148,28 @@ def test_a_named_pipe_named_as_an_index_is_refused_not_waited_on(tmp_path: Path)
         load_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["model.safetensors.index.json", "pytorch_model.bin.index.json"])
+@pytest.mark.parametrize("link", [False, True], ids=["missing", "dangling-link"])
+def test_a_missing_index_file_is_not_found_not_corrupt(
+    tmp_path: Path, name: str, link: bool
+) -> None:
+    # It was CheckpointCorruptError "not a valid index ... re-copy the directory".
+    index = tmp_path / name
+    if link:
+        index.symlink_to(tmp_path / "gone.json")
+    with pytest.raises(CheckpointNotFoundError, match=rf"{re.escape(str(index))} does not exist"):
+        load_checkpoint(index)
+
+
+def test_a_dangling_index_link_in_a_directory_is_not_found_not_corrupt(tmp_path: Path) -> None:
+    (tmp_path / "pytorch_model.bin.index.json").symlink_to(tmp_path / "gone.json")
+    with pytest.raises(
+        CheckpointNotFoundError,
+        match=r"shard index .*pytorch_model\.bin\.index\.json does not exist",
+    ):
+        load_checkpoint(tmp_path)
+
+
 def test_two_indexes_ask_which(tmp_path: Path) -> None:
     bin_shards(tmp_path, {"a.bin": {"w": torch.ones(1)}})
     shutil.copy(tmp_path / "pytorch_model.bin.index.json", tmp_path / "other.bin.index.json")
@@ -289,6 +311,48 @@ def test_a_save_state_directory_without_a_model_says_so(tmp_path: Path) -> None:
         r"no model weights \(model\.safetensors, pytorch_model\.bin, pytorch_model_fsdp\.bin or a "
         r"pytorch_model_fsdp_0 directory\).*"
         rf"accelerator\.load_state\('{re.escape(str(tmp_path))}'\)",
+    ):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("files", "dirs", "shown"),
+    [
+        (
+            [
+                "adapter_model.safetensors",
+                "optimizer.pt",
+                "rng_state.pth",
+                "scaler.pt",
+                "scheduler.pt",
+                "trainer_state.json",
+            ],
+            [],
+            "adapter_model.safetensors, optimizer.pt, rng_state.pth, scaler.pt, scheduler.pt, "
+            "trainer_state.json",
+        ),
+        (
+            ["optimizer.bin", "random_states_0.pkl", "scaler.pt", "scheduler.bin"],
+            ["unet"],
+            "optimizer.bin, random_states_0.pkl, scaler.pt, scheduler.bin, unet",
+        ),
+        (["best.pt", "scaler.pt"], [], "best.pt, scaler.pt"),
+        (["scaler.pt"], [], "scaler.pt"),
+    ],
+    ids=["peft-trainer-checkpoint", "diffusers-save-state", "best-pt", "scaler-alone"],
+)
+def test_other_files_beside_save_state_names_are_not_called_save_state(
+    tmp_path: Path, files: list[str], dirs: list[str], shown: str
+) -> None:
+    # One stray scaler.pt or optimizer.bin made it "Accelerate save_state files ... but no
+    # model weights", hiding adapter_model.safetensors, unet/ or best.pt from the message.
+    for name in files:
+        (tmp_path / name).write_bytes(b"x")
+    for name in dirs:
+        (tmp_path / name).mkdir()
+    with pytest.raises(
+        NotACheckpointError,
+        match=rf"it holds {re.escape(shown)}: give the checkpoint file inside it",
     ):
         load_checkpoint(tmp_path)
 

@@ -442,3 +442,23 @@ def test_a_handle_wait_shorter_than_the_first_notice_prints_nothing(
     monkeypatch.setattr(notice_module, "FIRST_NOTICE_S", 10.0)
     assert _held_handle(tmp_path).wait(timeout=0.1) is False
     assert _still_waiting(capsys.readouterr().err) == []
+
+
+@pytest.mark.parametrize("done", [False, True], ids=["in-flight", "finished"])
+def test_a_handle_wait_with_a_nan_timeout_does_not_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, done: bool
+) -> None:
+    # It waited forever (min(notice_at, nan) is notice_at; waited >= nan is never true);
+    # threading.Event.wait(nan), which it replaced, does not wait.
+    monkeypatch.setattr(notice_module, "FIRST_NOTICE_S", 0.05)
+    handle = _held_handle(tmp_path)
+    if done:
+        handle._finish(None, [])
+    result: list[bool] = []
+    waiter = threading.Thread(target=lambda: result.append(handle.wait(float("nan"))), daemon=True)
+    waiter.start()
+    waiter.join(timeout=10)
+    try:
+        assert not waiter.is_alive() and result == [done]
+    finally:
+        handle._finish(None, [])  # lets a waiter that hung return

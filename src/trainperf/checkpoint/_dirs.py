@@ -53,6 +53,9 @@ _SAVE_STATE = re.compile(
     r"(optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.bin"
     r"|(random_states|custom_checkpoint)_\d+\.pkl|scaler\.pt"
 )
+# What marks a directory as save_state's: the other names are common (scaler.pt,
+# optimizer.bin), and save_state writes this one whatever was prepared.
+_RNG_STATE = re.compile(r"random_states_\d+\.pkl")
 
 
 def _listed(path: Path) -> list[Path]:
@@ -90,6 +93,12 @@ def _shard_map(index: Path) -> dict[str, str]:
         weight_map = json.loads(index.read_text())["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError(f"weight_map is a {type(weight_map).__name__}, not a dict")
+    except FileNotFoundError as e:  # a dangling link, or removed since it was listed
+        raise CheckpointNotFoundError(
+            f"shard index {index} does not exist (a link to a missing file, or removed while "
+            "loading): copy the directory again, its index included",
+            index,
+        ) from e
     except OSError as e:
         if read_failure(e) and not isinstance(e, IsADirectoryError):  # it may be fine
             raise read_error(index, e) from e
@@ -301,14 +310,17 @@ def _refuse_several_models(path: Path, inside: list[str]) -> None:
 
 
 def _refuse_state_without_model(path: Path, inside: list[str]) -> None:
-    """Refuse an Accelerate ``save_state`` directory that holds no model weights.
+    """Refuse an Accelerate ``save_state`` directory that holds no model weights: one that
+    holds ``save_state`` files only, ``random_states_*.pkl`` among them. Anything else there
+    (a trainer's ``adapter_model.safetensors``, a ``unet/``, a ``best.pt`` beside a
+    ``scaler.pt``) may be the weights: the generic error lists it.
 
     Raises:
-        NotACheckpointError: ``path`` holds ``optimizer.bin``, ``random_states_0.pkl`` or
-            other ``save_state`` files but no model file (the message lists them).
+        NotACheckpointError: ``path`` holds ``random_states_0.pkl`` and only other
+            ``save_state`` files (``optimizer.bin``, ...), no model file (the message lists them).
     """
     state = [name for name in inside if _SAVE_STATE.fullmatch(name)]
-    if not state:
+    if len(state) < len(inside) or not any(_RNG_STATE.fullmatch(n) for n in state):
         return
     shown = ", ".join(state[:6]) + (", ..." if len(state) > 6 else "")
     raise NotACheckpointError(

@@ -426,8 +426,8 @@ def load_checkpoint(
     path = Path(os.fspath(path)).expanduser()
     if path.is_dir():
         kind, path = directory_weights(path)
-    elif path.name.endswith(INDEX_SUFFIXES):  # the index file itself: its directory's shards
-        kind = "index"
+    elif path.name.endswith(INDEX_SUFFIXES) and path.exists():
+        kind = "index"  # the index file itself: its directory's shards (a missing one: not found)
     else:
         kind = "file"
     if kind == "index":

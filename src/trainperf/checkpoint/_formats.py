@@ -75,13 +75,30 @@ def _size(src: Source) -> int:
 # How many first bytes are read to recognise a file: a tar header's "ustar" is at 257.
 HEAD_BYTES = 512
 
-# Compressed files: what they are, and the command that gives the checkpoint back.
+# Compressed files: what they are, the tool, its suffix, and the command that gives the
+# checkpoint back from a name with that suffix (stripping it).
 _PACKED = [
-    (b"\x1f\x8b", "gzip-compressed data", "gunzip -k"),
-    (b"BZh", "bzip2-compressed data", "bunzip2 -k"),
-    (b"\xfd7zXZ\x00", "xz-compressed data", "unxz -k"),
-    (b"\x28\xb5\x2f\xfd", "zstd-compressed data", "zstd -d"),
+    (b"\x1f\x8b", "gzip-compressed data", "gzip", ".gz", "gunzip -k"),
+    (b"BZh", "bzip2-compressed data", "bzip2", ".bz2", "bunzip2 -k"),
+    (b"\xfd7zXZ\x00", "xz-compressed data", "xz", ".xz", "unxz -k"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed data", "zstd", ".zst", "zstd -d"),
 ]
+
+
+def _unpack_command(name: str, tool: str, suffix: str, keep: str) -> str:
+    """The shell command that decompresses ``name``: ``keep`` when it ends with the tool's
+    ``suffix``, otherwise ``tool -dc`` into ``NAME.unpacked`` (``gunzip -k c.pt`` fails:
+    "unknown suffix"; ``zstd -d c.pt``: "can't derive the output file name").
+
+    Example:
+        >>> _unpack_command("c.pt", "gzip", ".gz", "gunzip -k")
+        'gzip -dc c.pt > c.pt.unpacked'
+        >>> _unpack_command("c.pt.gz", "gzip", ".gz", "gunzip -k")
+        'gunzip -k c.pt.gz'
+    """
+    if name.endswith(suffix) and len(Path(name).name) > len(suffix):
+        return f"{keep} {shlex.quote(name)}"
+    return f"{tool} -dc {shlex.quote(name)} > {shlex.quote(name + '.unpacked')}"
 
 
 def _describe(head: bytes, name: str = "FILE") -> str:
@@ -94,11 +111,11 @@ def _describe(head: bytes, name: str = "FILE") -> str:
         >>> _describe(b"abc\\x00\\x01")
         'unrecognised binary data'
     """
-    for magic, what, command in _PACKED:
+    for magic, what, tool, suffix, keep in _PACKED:
         if head.startswith(magic):
             return (
-                f"{what}: decompress it first ({command} {shlex.quote(name)}) and load the "
-                "file that gives"
+                f"{what}: decompress it first ({_unpack_command(name, tool, suffix, keep)}) "
+                "and load the file that gives"
             )
     if head[257:262] == b"ustar":
         return (

@@ -10,6 +10,7 @@ both can import it.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -30,7 +31,10 @@ NOTICE_EVERY_S = 300.0
 
 def wait_telling(pending: SaveHandle, timeout: float | None = None) -> bool:
     """Wait for ``pending``'s write, up to ``timeout`` seconds (None: as long as it takes),
-    saying so on stderr while it goes on (:func:`still_waiting`); True if it finished."""
+    saying so on stderr while it goes on (:func:`still_waiting`); True if it finished.
+    A NaN ``timeout`` does not wait, as for ``threading.Event.wait``."""
+    if timeout is not None and math.isnan(timeout):  # min() and >= below would never end
+        timeout = 0.0
     started = time.monotonic()
     notice_at = FIRST_NOTICE_S
     while True:

@@ -224,7 +224,8 @@ class SaveHandle:
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait up to ``timeout`` seconds (None: as long as it takes); True if finished.
+        """Wait up to ``timeout`` seconds (None: as long as it takes; 0, negative or NaN: not
+        at all, as ``threading.Event.wait``); True if finished.
         A wait that goes on says so on stderr, after a minute and every 5 minutes after, as
         the Checkpointer's own waits do (a stuck writer, a hung filesystem).
 
