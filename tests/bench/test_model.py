@@ -511,6 +511,33 @@ def test_with_one_warm_up_batch_a_huge_iteration_is_refused_after_its_first_batc
     assert fake.ran == 1 + iterations * fitting and len(r.iteration_seconds) == iterations
 
 
+@pytest.mark.parametrize("timed", [5.5, 11.0])
+def test_with_one_warm_up_batch_a_single_timed_batch_is_not_refused_once_it_has_run(
+    monkeypatch: pytest.MonkeyPatch, timed: float
+) -> None:
+    # Before: a slow warm-up batch (6 s: 12 s estimated, past max_seconds=10) had the first
+    # timed batch checked on its own, and with one timed batch in all that check came after
+    # the whole run: RunTimeLimitExceeded, and the result it had measured was lost.
+    fake = FakeBatches(monkeypatch, 6.0, timed)
+    r = bench_model("resnet50", "fp32", device="cpu", iterations=1, batches_per_iteration=1,
+                    warmup_batches=1, max_seconds=10)  # fmt: skip
+    assert fake.ran == 2 and r.iteration_seconds == (timed,)
+
+
+def test_with_one_warm_up_batch_a_settling_first_timed_batch_does_not_refuse_a_run_that_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: the first timed batch (4 s, still settling) set the estimate, 7 x 4 = 28 s, and
+    # the run was refused after two batches, though it takes 6 + 4 + 5 x 0.5 = 12.5 s. That
+    # batch only stops an iteration that alone is past the limit; the first iteration's
+    # average (5 s / 3) gives the estimate, as before.
+    fake = FakeBatches(monkeypatch, 6.0, 4.0, 0.5)
+    r = bench_model("resnet50", "fp32", device="cpu", iterations=2, batches_per_iteration=3,
+                    warmup_batches=1, max_seconds=20)  # fmt: skip
+    assert fake.ran == 7 and r.iteration_seconds == (5.0, 1.5)
+    assert fake.now == 12.5
+
+
 def test_a_first_warm_up_batch_that_fits_adds_no_synchronisation_to_the_timed_iterations(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

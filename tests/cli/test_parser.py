@@ -223,6 +223,43 @@ def test_an_invalid_choice_far_from_every_one_suggests_nothing(
     assert "did you mean" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # fp32 and tf32 are as close as each other: difflib picked one, here 'tf32'.
+        ["bench", "matmul", "--dtype", "f32"],
+        # fp64 is no misspelt fp16: a choice whose digits differ is never suggested.
+        ["bench", "matmul", "--dtype", "fp64"],
+        ["bench", "model", "--precision", "fp64"],
+    ],
+)
+def test_an_invalid_choice_with_no_one_likely_choice_suggests_nothing(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    # Before: "did you mean 'tf32'?" for f32, and "did you mean 'fp16'?" for fp64.
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "invalid choice" in err
+    assert "did you mean" not in err, err
+
+
+@pytest.mark.parametrize("typed", ["tf32", "TF32"])
+def test_bench_model_precision_tf32_points_at_the_tf32_flag(
+    capsys: pytest.CaptureFixture[str], typed: str
+) -> None:
+    # Before: "did you mean 'fp32'?", which runs fp32 with TF32 as PyTorch has it; TF32 is
+    # `--precision fp32 --tf32`.
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "model", "--precision", typed])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1
+    assert "; did you mean '--precision fp32 --tf32'?; see trainperf" in err, err
+    # The flag it names exists, and runs fp32 with TF32 allowed.
+    args = build_parser().parse_args(["bench", "model", "--precision", "fp32", "--tf32"])
+    assert (args.precision, args.tf32) == ("fp32", True)
+
+
 def test_version_prints_the_installed_version_and_exits_0(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -3,11 +3,13 @@ how long they may take.
 
 The limit is checked from batches the run times anyway, never from a probe: the second
 warm-up batch, timed on its own (the first holds one-off setup such as cuDNN autotuning or
-the allocator's growth); where there is a single warm-up batch, the first timed batch (timed
-on its own only where the warm-up batch, setup included, leaves the run's fit in doubt) and
-the first timed iteration; the first batch where that alone took longer than the limit. Only
-the first two warm-up batches, and that first timed batch, get a synchronisation of their
-own; a timed iteration is otherwise synchronised once, after its last batch.
+the allocator's growth); where there is a single warm-up batch, the first timed iteration's
+average, and before it the first timed batch, timed on its own only where the warm-up batch,
+setup included, leaves the run's fit in doubt and a batch is still to come (that batch may
+still be settling, so it only stops an iteration that alone would take longer than the
+limit); the first batch where that alone took longer than the limit. Only the first two
+warm-up batches, and that first timed batch, get a synchronisation of their own; a timed
+iteration is otherwise synchronised once, after its last batch.
 """
 
 from __future__ import annotations
@@ -247,6 +249,14 @@ class Timing:
     tf32_cudnn: bool
 
 
+def _check_first_batch(limit: RunTimeLimit, seconds: float) -> None:
+    """Refuse the run where an iteration of batches like the first timed one (``seconds``)
+    alone would take longer than the limit. That batch may still be settling, so it sets
+    no estimate otherwise: the first iteration's average does."""
+    if limit.passed_by(limit.settings.batches_per_iteration * seconds):
+        limit.check(seconds, "the first timed batch")
+
+
 def _time_iterations(
     run_batch: Callable[[], None],
     limit: RunTimeLimit,
@@ -257,9 +267,13 @@ def _time_iterations(
     """``(seconds, images_per_s)`` of each timed iteration, CUDA synchronised around each.
     After a single warm-up batch (all setup) the first iteration checks the run's length,
     from the time it measures anyway, and, with ``check_first_batch``, its first batch
-    before that (synchronised on its own), so that an iteration past the limit is not run
-    whole."""
+    before that (synchronised on its own), so that an iteration that alone is past the limit
+    is not run whole."""
     settings, device = limit.settings, limit.device
+    # Only where a batch is still to come: a check after the last one would throw the run away.
+    check_first_batch = (
+        check_first_batch and settings.iterations * settings.batches_per_iteration > 1
+    )
     seconds: list[float] = []
     rates: list[float] = []
     synchronize(device)
@@ -269,7 +283,7 @@ def _time_iterations(
             run_batch()
             if check_first_batch and i == j == 0:
                 synchronize(device)
-                limit.check(_clock() - start, "the first timed batch")
+                _check_first_batch(limit, _clock() - start)
         synchronize(device)
         elapsed = _clock() - start
         rate = settings.batch_size * settings.batches_per_iteration / elapsed

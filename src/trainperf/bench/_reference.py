@@ -309,6 +309,21 @@ TF32_CAVEAT = (
 )
 
 
+def _rate(images_per_s: object) -> float:
+    """``images_per_s`` checked, as a Python float: a NumPy scalar or a tensor kept as given
+    is refused by json.dumps; an infinite rate ranks and divides, but its ratio is no JSON
+    number."""
+    rate = as_real_number(images_per_s)
+    if rate is None:
+        raise TypeError(
+            "images_per_s must be a real number (int, float or NumPy scalar), got "
+            f"{images_per_s!r}: pass float(x)"
+        )
+    if not (rate > 0 and math.isfinite(rate)):
+        raise ValueError(f"images_per_s must be > 0 and finite, got {images_per_s!r}")
+    return float(rate)
+
+
 def compare_to_reference(
     gpu_name: str,
     model: ModelName,
@@ -344,11 +359,12 @@ def compare_to_reference(
         A :class:`ReferenceComparison`.
 
     Raises:
-        TypeError: ``gpu_name`` is not a str, or ``compute_capability`` is neither None nor
-            a ``(major, minor)`` pair of ints (a tuple or list; NumPy ints too).
-        ValueError: unknown ``model`` or ``precision``, or ``images_per_s`` not a finite
-            number > 0 (an int, a float or a NumPy scalar of either; not a bool, a string or
-            a tensor).
+        TypeError: ``gpu_name`` is not a str, ``compute_capability`` is neither None nor
+            a ``(major, minor)`` pair of ints (a tuple or list; NumPy ints too), or
+            ``images_per_s`` is not a real number (an int, a float or a NumPy scalar of
+            either; not a bool, a string or a tensor).
+        ValueError: unknown ``model`` or ``precision``, or ``images_per_s`` not finite and
+            > 0.
 
     Example:
         >>> c = compare_to_reference("NVIDIA GeForce RTX 3090", "resnet50", "fp16", 1800.0)
@@ -361,12 +377,7 @@ def compare_to_reference(
     choice("model", model, sorted(MODEL_COLUMNS))
     choice("precision", precision, ("fp32", "fp16", "bf16"))
     compute_capability = _capability(compute_capability)
-    # Finite too: an infinite rate ranks and divides, but its ratio is no JSON number. A
-    # Python float: a NumPy scalar or a tensor kept as given is refused by json.dumps.
-    rate = as_real_number(images_per_s)
-    if rate is None or not (rate > 0 and math.isfinite(rate)):
-        raise ValueError(f"images_per_s must be > 0 and finite, got {images_per_s!r}")
-    images_per_s = float(rate)
+    images_per_s = _rate(images_per_s)
     notes: list[str] = []
     table_precision = "fp16" if precision == "bf16" else precision
     if precision == "bf16":

@@ -141,24 +141,49 @@ class _Parser(argparse.ArgumentParser):
         try:
             super()._check_value(action, value)
         except argparse.ArgumentError as e:
-            meant = _closest(value, action.choices)
+            meant = self._meant(action, value)
             if meant is None:
                 raise
             raise argparse.ArgumentError(action, f"{e.message}; did you mean {meant!r}?") from e
 
+    def _meant(self, action: argparse.Action, value: Any) -> str | None:
+        # TF32 is no precision of bench model's but fp32 with its --tf32 flag: 'fp32' alone
+        # would run with TF32 as PyTorch has it.
+        tf32 = isinstance(value, str) and value.lower() == "tf32"
+        if tf32 and action.dest == "precision" and "--tf32" in self._option_string_actions:
+            return f"{action.option_strings[0]} fp32 --tf32"
+        return _closest(value, action.choices)
+
 
 def _closest(value: Any, choices: Any) -> str | None:
-    """The choice ``value`` most likely misspells (case aside), or None if none is close.
+    """The choice ``value`` most likely misspells (case aside), or None if none is close, or
+    two are as close (``f32``: ``fp32`` or ``tf32``). A choice whose digits differ from
+    ``value``'s (``fp64``, ``fp16``) is never it; the same digits reordered (``bf61``) are.
 
     Example:
         >>> _closest("doctr", ["bench", "doctor", "gpus"]), _closest("xyzzy", ["gpus"])
         ('doctor', None)
+        >>> _closest("f32", ["fp32", "tf32"]), _closest("fp64", ["fp16"])
+        (None, None)
     """
     if not isinstance(value, str) or choices is None:
         return None
+    typed = value.lower()
     by_lower = {str(choice).lower(): str(choice) for choice in choices}
-    close = difflib.get_close_matches(value.lower(), list(by_lower), n=1)
-    return by_lower[close[0]] if close else None
+    scores = [
+        (difflib.SequenceMatcher(None, choice, typed).ratio(), choice)
+        for choice in by_lower
+        if _digits(choice) == _digits(typed)
+    ]
+    close = sorted((pair for pair in scores if pair[0] >= 0.6), reverse=True)  # difflib's cutoff
+    if not close or (len(close) > 1 and close[0][0] == close[1][0]):
+        return None
+    return by_lower[close[0][1]]
+
+
+def _digits(text: str) -> list[str]:
+    """``text``'s digits, in order of value (a transposition keeps them)."""
+    return sorted(c for c in text if c.isdigit())
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
