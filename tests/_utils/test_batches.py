@@ -72,3 +72,17 @@ def test_views_of_one_batch_under_one_key_count_the_batch() -> None:
     views = {"views": [torch.zeros(4, 3), torch.zeros(4, 3)]}
     assert batch_length(views) == 4
     assert batch_length(([torch.zeros(4, 3), torch.zeros(4, 3)], torch.zeros(4))) == 4
+
+
+def test_collated_fields_in_a_list_are_not_taken_for_samples() -> None:
+    # default_collate of sentence pairs gives two tuples of 32 strings: samples_in counted 2
+    # (the tuner's samples/s 16 times too low); of (inputs, targets) dicts two unlike dicts,
+    # and of a siamese pair two unlike lists: batch_length counted 2.
+    from torch.utils.data import default_collate
+
+    pairs = default_collate([("the cat sat", "a cat was sitting")] * 32)
+    assert samples_in(pairs, 32) == 32
+    dicts = default_collate([({"img": torch.zeros(3, 8, 8)}, {"label": 1})] * 32)
+    siamese = default_collate([((torch.zeros(3, 4, 4), torch.zeros(3, 4, 4)), (1, 0))] * 32)
+    assert batch_length(dicts) == batch_length(siamese) == 32
+    assert samples_in(["a", "b"], 8) == 2  # plain items still count themselves

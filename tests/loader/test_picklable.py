@@ -290,6 +290,16 @@ def test_an_error_queued_by_the_worker_is_left_as_it_is() -> None:
     assert calls == []
 
 
+def test_a_queue_closed_at_shutdown_leaves_the_feeder_thread_alive() -> None:
+    # The handler runs in the queue's feeder thread: an error raised there (put on a queue
+    # torch closed at shutdown) killed the thread, and that worker sent nothing more.
+    def closed(obj: object) -> None:
+        raise ValueError("Queue is closed")
+
+    queue = type("Q", (), {"put": lambda self, obj: closed(obj)})()
+    _send_unpicklable(queue, TypeError("x"), (3, [threading.Lock()]))  # printed, no raise
+
+
 class _Queued:
     """A queue that keeps what is put in it."""
 
@@ -324,8 +334,10 @@ def test_a_full_dev_shm_keeps_its_type_and_gets_the_shared_memory_fix() -> None:
     assert "batch 7 " in text and "No space left on device" in text, text
     assert "--shm-size" in text and "emptyDir" in text and "prefetch_factor" in text, text
     assert "return tensors" not in text and "cannot be pickled" not in text, text
-    kind, _ = classify_fault(error, start_method="fork", timeout_s=10)
+    kind, reason = classify_fault(error, start_method="fork", timeout_s=10)
     assert kind == "shm"
+    # The worker's fix was in the reason a second time, after torch's "Original " prefix.
+    assert reason.count("fix:") == 1 and "Original " not in reason, reason
 
 
 def test_too_many_open_files_keeps_its_type_and_gets_the_file_limit_fix() -> None:

@@ -74,9 +74,21 @@ def samples_in(batch: Any, batch_size: int) -> int:
         5
     """
     n, first = batch_length(batch), _leading_size(batch)
-    if n is not None and 1 <= n <= batch_size and (first is None or n == batch_size):
+    if n is not None and 1 <= n <= batch_size and (n == batch_size or _flat_items(batch, first)):
         return n
     return first if first is not None and 1 <= first <= batch_size else batch_size
+
+
+def _flat_items(batch: Any, first: int | None) -> bool:
+    """Whether a count short of a full batch is the batch's own: a list of plain items
+    (strings, numbers) and no tensor. A list of containers short of a full batch may be
+    the fields of a collated batch (``default_collate`` of ``("premise", "hypothesis")``
+    pairs: two tuples of ``batch_size`` strings), not two samples."""
+    return (
+        first is None
+        and isinstance(batch, list)
+        and not any(isinstance(v, (Mapping, list, tuple)) for v in batch)
+    )
 
 
 def _leading_size(batch: Any) -> int | None:
@@ -120,7 +132,29 @@ def _per_sample(obj: Any, depth: int) -> bool:
         return True
     if not isinstance(obj, list) or not obj:
         return False
-    return all(isinstance(v, (Mapping, list, tuple)) for v in obj) or _alike_arrays(obj)
+    return _alike_containers(obj) or _alike_arrays(obj)
+
+
+def _alike_containers(items: list[Any]) -> bool:
+    """Containers of one shape (:func:`_shape`): the samples of ``collate_fn=list``. A
+    collated batch's fields in a list (``[{"img": x}, {"label": y}]``, or ``[[a1, a2], [l1,
+    l2]]`` of a siamese pair) differ in keys or in what their tensors hold."""
+    if not all(isinstance(v, (Mapping, list, tuple)) for v in items):
+        return False
+    first = _shape(items[0])
+    return all(_shape(v) == first for v in items[1:])
+
+
+def _shape(obj: Any, depth: int = 0) -> object:
+    """What a sample holds, to compare samples by: container types, keys and lengths,
+    tensors' dimensions and dtypes, other values' types (two levels down)."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return ("array", obj.ndim, str(obj.dtype))
+    if depth >= 2 or not isinstance(obj, (Mapping, list, tuple)):
+        return type(obj).__name__
+    if isinstance(obj, Mapping):
+        return ("map", tuple((str(k), _shape(v, depth + 1)) for k, v in obj.items()))
+    return (type(obj).__name__, tuple(_shape(v, depth + 1) for v in obj))
 
 
 def _alike_arrays(items: list[Any]) -> bool:

@@ -79,6 +79,13 @@ _SHM_MARKERS = (
 )
 
 
+def _cause(msg: str) -> str:
+    """The error's own words: its last line, without the fix a worker's send failure
+    (:mod:`._picklable`) already added, or torch's "Original " prefix."""
+    cause = _last_line(msg).split("; fix: ")[0]
+    return cause.removeprefix("Original ")
+
+
 def _shm_reason(msg: str, shm_free: int | None, inflight_bytes: int | None) -> str:
     """What a ``shm`` fault says: /dev/shm too small, with its free space and the bytes in
     flight where known, and the fix."""
@@ -87,7 +94,7 @@ def _shm_reason(msg: str, shm_free: int | None, inflight_bytes: int | None) -> s
         where += f", about {format_bytes(inflight_bytes)} of batches in flight"
     where += ")" if where else ""
     return (
-        f"/dev/shm is too small for the batches in flight{where}: {_last_line(msg)}; fix: "
+        f"/dev/shm is too small for the batches in flight{where}: {_cause(msg)}; fix: "
         f"give the container more shared memory (docker run --shm-size=16g, or a "
         f"memory-backed emptyDir on Kubernetes), or use fewer workers or a smaller "
         f"prefetch_factor"
@@ -152,8 +159,7 @@ def classify_fault(
     if "too many open files" in low:  # before /dev/shm: torch's words say "shared memory"
         # Each tensor in flight between processes holds a file descriptor (torch's default
         # sharing strategy): the limit ran out, not /dev/shm.
-        cause = _last_line(msg).split("; fix: ")[0]  # _picklable's message carries the fix
-        return "error", f"a process ran out of file descriptors ({cause}); {FD_FIX}"
+        return "error", f"a process ran out of file descriptors ({_cause(msg)}); {FD_FIX}"
     if any(m in low for m in _SHM_MARKERS):
         return "shm", _shm_reason(msg, shm_free, inflight_bytes)
     if caught and UNSENDABLE in msg:  # a batch the worker could not pickle (_picklable)

@@ -304,15 +304,20 @@ def _send_unpicklable(queue: Any, error: Exception, obj: Any) -> None:
     if not (isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], int)):
         _queue_feeder_error(error, obj)
         return
-    index, data = obj
+    try:
+        queue.put(_sendable(*obj, error))
+    except Exception:  # a queue closed at shutdown: the feeder thread must not die here
+        _queue_feeder_error(error, obj)
+
+
+def _sendable(index: int, data: Any, error: Exception) -> tuple[int, ExceptionWrapper]:
+    """What goes back for the item ``(index, data)`` the queue could not pickle."""
     if isinstance(data, ExceptionWrapper):
-        queue.put((index, _class_unsendable(data, error)))
-        return
+        return index, _class_unsendable(data, error)
     failure = unpicklable_batch(index, data, error)
     info = torch.utils.data.get_worker_info()
     where = "in DataLoader worker process" + ("" if info is None else f" {info.id}")
-    wrapped = ExceptionWrapper((type(failure), failure, None), where)  # type: ignore[no-untyped-call]
-    queue.put((index, wrapped))
+    return index, ExceptionWrapper((type(failure), failure, None), where)  # type: ignore[no-untyped-call]
 
 
 _WORKER_LOOP = getattr(torch.utils.data._utils.worker, "_worker_loop", None)
