@@ -272,9 +272,14 @@ def ddp_main(data_root: str, epochs: int, batch_size: int) -> float:
     return stats.loss
 
 
+def ddp_ranks() -> int:
+    """The processes the DDP stage starts: one per GPU, or 2 on the CPU."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
 def stage_ddp(data_root: Path, args: argparse.Namespace) -> None:
     section("6. the same training on several processes: trainperf.ddp.launch")
-    nprocs = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    nprocs = ddp_ranks()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     print(f"{nprocs} rank(s), {backend}")
     start = time.perf_counter()
@@ -304,7 +309,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="trainperf quick start")
     parser.add_argument("--per-class", type=at_least(1), default=160, help="JPEGs per class")
     parser.add_argument(
-        "--image-size", type=at_least(2), default=64, help="pixels (the CNN halves it once)"
+        "--image-size",
+        type=at_least(4),  # halved once: 2x2 maps, so BatchNorm has 4 values at a batch of 1
+        default=64,
+        help="pixels (the CNN halves it once)",
     )
     parser.add_argument("--epochs", type=at_least(1), default=3)
     parser.add_argument("--ddp-epochs", type=at_least(1), default=1)
@@ -321,12 +329,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             f"{args.batch_size} (and the 8 that stage 5 checks): pass --per-class "
             f"{math.ceil(needed / len(CLASSES))} or more, or a smaller --batch-size"
         )
-    if args.batch_size < 2 and not args.skip_ddp:
+    if not args.skip_ddp:
+        check_ddp_stage(parser, args, images)
+    return args
+
+
+def check_ddp_stage(parser: argparse.ArgumentParser, args: argparse.Namespace, images: int) -> None:
+    """Refuse options that give a rank of the DDP stage no batch: each gets half of
+    --batch-size, and its share of the images (a partial batch is dropped)."""
+    per_rank, nprocs = args.batch_size // 2, ddp_ranks()
+    if per_rank < 1:
         parser.error(
             f"--batch-size {args.batch_size} gives each rank of the DDP stage (half of it) a "
-            f"batch of {args.batch_size // 2}: pass --batch-size 2 or more, or --skip-ddp"
+            f"batch of {per_rank}: pass --batch-size 2 or more, or --skip-ddp"
         )
-    return args
+    if images // nprocs < per_rank:
+        parser.error(
+            f"--per-class {args.per_class} makes {images} images, {images // nprocs} for each "
+            f"of the DDP stage's {nprocs} ranks: fewer than its batch of {per_rank} (half of "
+            f"--batch-size {args.batch_size}): pass --per-class "
+            f"{math.ceil(per_rank * nprocs / len(CLASSES))} or more, a smaller --batch-size, "
+            f"or --skip-ddp"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -114,25 +114,33 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return params and moments
 
 
-# Written into --out, so that a rerun knows the reference/ and run/ beside it are its own.
-MARKER = ".resume_after_preemption"
+# Everything the script makes goes in this folder of --out, which it owns: the marker inside
+# tells a rerun that the folder is its own. Nothing else in --out is read or removed.
+OWN = "resume_after_preemption"
+MARKER = ".made_by_resume_after_preemption"
 
 
-def fresh_directory(directory: Path, parser: argparse.ArgumentParser) -> None:
-    """Clear this script's own folders from an earlier run: run/ still holds that run's
-    final checkpoint, which would be resumed at the last step instead of stopped on the way.
-    Nothing else in ``directory`` is touched, and folders it did not make are refused."""
-    left = [directory / name for name in ("reference", "run") if (directory / name).exists()]
-    if left and not (directory / MARKER).is_file():
-        names = ", ".join(f"{d.name}/" for d in left)
+def own_directory(out: Path, parser: argparse.ArgumentParser) -> Path:
+    """``out/resume_after_preemption/``, cleared of an earlier run's reference/ and run/: run/
+    still holds that run's final checkpoint, which would be resumed at the last step instead
+    of stopped on the way. A folder of that name the script did not make is refused."""
+    directory = out / OWN
+    made_here = (directory / MARKER).is_file()
+    if (
+        directory.exists()
+        and not made_here
+        and (not directory.is_dir() or any(directory.iterdir()))
+    ):
         parser.error(
-            f"--out {directory} already holds {names}, which this script did not make: "
-            "pass a new or empty --out"
+            f"--out {out} already holds {OWN}/, which this script did not make: pass "
+            f"another --out, or move {directory} away"
         )
-    for folder in left:
-        shutil.rmtree(folder)
+    for name in ("reference", "run"):
+        if made_here and (directory / name).exists():
+            shutil.rmtree(directory / name)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / MARKER).write_text("reference/ and run/ here are cleared on a rerun\n")
+    return directory
 
 
 def main() -> None:
@@ -150,7 +158,7 @@ def main() -> None:
         "--out",
         type=Path,
         default=None,
-        help="default: a temporary directory; a rerun clears the reference/ and run/ it made",
+        help=f"default: a temporary directory; all goes in its {OWN}/, which a rerun clears",
     )
     args = p.parse_args()
     if not 1 <= args.term_at < args.kill_at <= args.steps:
@@ -159,8 +167,7 @@ def main() -> None:
             f"{args.term_at}, --kill-at {args.kill_at}, --steps {args.steps}: the run is "
             "stopped at --term-at, resumed, and killed at a later step before the end"
         )
-    directory = args.out or Path(tempfile.mkdtemp(prefix="resume-demo-"))
-    fresh_directory(directory, p)
+    directory = own_directory(args.out or Path(tempfile.mkdtemp(prefix="resume-demo-")), p)
 
     print("1. straight through (the reference):")
     reference = train(directory / "reference", args.steps)

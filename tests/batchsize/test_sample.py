@@ -260,3 +260,20 @@ def test_a_0_d_tensor_beside_n_non_tensor_samples_is_accepted(sample: Callable[[
     # though its n samples are the list's items (text models that tokenize in the step).
     batch = checked_batch(sample, 4)
     assert batch is not None
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        (torch.tensor(0.5), 1),
+        {"x": torch.tensor(0.5), "id": "a"},
+        {"texts": ["a"] * 3, "t": torch.tensor(0.7)},
+        {"x": torch.tensor(0.5), "meta": {"ids": [1, 2], "name": "b"}},
+    ],
+    ids=["tensor-and-number", "tensor-and-string", "3-texts-at-4", "nested-2-ids-at-4"],
+)
+def test_a_0_d_tensor_beside_nothing_of_n_items_is_refused(batch: Any) -> None:
+    # Before: a number or string anywhere counted as "maybe a sample", so these were
+    # accepted at every n though nothing in them has n items.
+    with pytest.raises(ValueError, match=r"no tensor in sample\(4\)'s batch has dimension 0"):
+        checked_batch(lambda n: batch, 4)

@@ -11,7 +11,7 @@ from tests.examples._scripts import load_example, refused
     ("option", "minimum"),
     [
         ("--per-class", 1),
-        ("--image-size", 2),
+        ("--image-size", 4),  # 2x2 maps at the second BatchNorm: 4 values at batch 1
         ("--epochs", 1),
         ("--ddp-epochs", 1),
         ("--batch-size", 1),
@@ -50,3 +50,18 @@ def test_too_few_images_for_one_batch_are_refused(
     err = refused(example, ["--per-class", "2", "--batch-size", "32"], monkeypatch, capsys)
     assert "--per-class 2 makes 8 images, fewer than one batch of 32" in err
     assert "pass --per-class 8 or more" in err
+
+
+def test_too_few_images_for_a_batch_on_each_ddp_rank_are_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: accepted, as if on 2 ranks; on 4 GPUs each rank gets 2 of the 8 images, fewer
+    # than its batch of 4 (half of --batch-size), so the DDP stage trains on nothing.
+    example = load_example("quickstart", monkeypatch)
+    monkeypatch.setattr(example, "stage_doctor", lambda: pytest.fail("ran before refusing"))
+    monkeypatch.setattr(example.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(example.torch.cuda, "device_count", lambda: 4)
+    err = refused(example, ["--per-class", "2", "--batch-size", "8"], monkeypatch, capsys)
+    assert "--per-class 2 makes 8 images, 2 for each of the DDP stage's 4 ranks" in err
+    assert "fewer than its batch of 4 (half of --batch-size 8)" in err
+    assert "pass --per-class 4 or more, a smaller --batch-size, or --skip-ddp" in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -33,22 +34,64 @@ def test_stops_out_of_order_are_refused_before_any_training(
     assert not any(tmp_path.iterdir())
 
 
-def test_a_run_folder_it_did_not_make_is_refused_and_kept(
+class Stopped(Exception):
+    """Raised by the stand-in for ``train``: the test ends the script there."""
+
+
+def stop_in_train(directory: Path, steps: int, hold_at: int = -1) -> dict[str, object]:
+    directory.mkdir(parents=True)  # FileExistsError if the last run's was not cleared
+    (directory / "checkpoint").write_text("the script's")
+    raise Stopped
+
+
+def run_once(example: ModuleType, out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", [str(example.__file__), "--out", str(out)])
+    with pytest.raises(Stopped):
+        example.main()
+
+
+def test_a_users_run_folder_beside_the_scripts_survives_reruns(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Before: the first run marked --out as the script's, and a rerun removed any run/ or
+    # reference/ in it (with --out ~, a user's own ~/run/ made later).
+    example = load_example("resume_after_preemption", monkeypatch)
+    monkeypatch.setattr(example, "train", stop_in_train)
+    run_once(example, tmp_path, monkeypatch)
+    for name in ("run", "reference"):
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / "notes.txt").write_text("the user's")
+    run_once(example, tmp_path, monkeypatch)  # its own reference/ cleared, or this fails
+    run_once(example, tmp_path, monkeypatch)
+    assert (tmp_path / "run" / "notes.txt").read_text() == "the user's"
+    assert (tmp_path / "reference" / "notes.txt").read_text() == "the user's"
+    own = tmp_path / "resume_after_preemption"
+    assert (own / "reference" / "checkpoint").read_text() == "the script's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "reference",
+        "resume_after_preemption",
+        "run",
+    ]
+
+
+def test_a_folder_of_its_name_it_did_not_make_is_refused_and_kept(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     example = load_example("resume_after_preemption", monkeypatch)
     monkeypatch.setattr(example, "train", lambda *a, **k: pytest.fail("trained"))
-    mine = tmp_path / "run" / "notes.txt"
-    mine.parent.mkdir()
+    mine = tmp_path / "resume_after_preemption" / "run" / "notes.txt"
+    mine.parent.mkdir(parents=True)
     mine.write_text("the user's")
     err = refused(example, ["--out", str(tmp_path)], monkeypatch, capsys)
-    assert f"--out {tmp_path} already holds run/, which this script did not make" in err
+    assert f"--out {tmp_path} already holds resume_after_preemption/, which this script" in err
     assert mine.read_text() == "the user's"
 
 
 @pytest.mark.slow  # two whole demos: reference run, SIGTERM, SIGKILL, resume
 def test_a_rerun_into_the_same_out_starts_afresh(tmp_path: Path) -> None:
     (tmp_path / "theirs.txt").write_text("kept")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "theirs.txt").write_text("kept")
     argv = [sys.executable, str(EXAMPLES / "resume_after_preemption.py")]
     argv += ["--steps", "24", "--term-at", "5", "--kill-at", "12", "--out", str(tmp_path)]
     for _ in range(2):
@@ -58,3 +101,4 @@ def test_a_rerun_into_the_same_out_starts_afresh(tmp_path: Path) -> None:
         assert "starting at step 5" in proc.stdout and "starting at step 10" in proc.stdout
         assert "identical to the uninterrupted run: True" in proc.stdout
     assert (tmp_path / "theirs.txt").read_text() == "kept"
+    assert (tmp_path / "run" / "theirs.txt").read_text() == "kept"

@@ -113,6 +113,24 @@ def test_batch_size_counts_per_sample_items_as_batchsize_does() -> None:
     assert batch_size(([torch.zeros(6, 8), torch.zeros(6, 8)], torch.zeros(6))) == 6  # views
 
 
+@pytest.mark.parametrize(
+    ("batch", "full", "expected"),
+    [
+        ([torch.zeros(224, 224, 3, dtype=torch.uint8)] * 8, 8, 8),  # HWC images
+        ([torch.zeros(3, 16, 16)] * 8, 8, 8),  # CHW images
+        ([torch.zeros(512, dtype=torch.long)] * 4, 4, 4),  # fixed-length token ids
+        ([torch.zeros(6, 3), torch.zeros(6, 1)], 8, 6),  # default_collate's [x, y], short
+        ([torch.zeros(8, 3, 8, 8), torch.zeros(8, 3, 8, 8)], 8, 8),  # two views
+    ],
+    ids=["hwc", "chw", "tokens", "x-y-fields", "two-views"],
+)
+def test_batch_size_counts_a_loaders_list_of_per_sample_tensors(
+    batch: list[torch.Tensor], full: int, expected: int
+) -> None:
+    # Before: the tensors' shared leading size (224, 3, 512), read as the batch's fields.
+    assert batch_size(batch, full) == expected
+
+
 def test_loader_facts_read_a_dataloader_and_nothing_else() -> None:
     data = TensorDataset(torch.zeros(16, 2))
     assert loader_facts(DataLoader(data, batch_size=4)) == {

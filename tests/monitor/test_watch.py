@@ -250,6 +250,33 @@ def test_a_sample_count_that_is_no_int_is_refused_with_the_fix(count: object, ma
     assert [(s.samples, type(s.samples)) for s in w.report().timeline] == [(3, int)]
 
 
+class _Items(torch.utils.data.Dataset[torch.Tensor]):
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, n: int) -> None:
+        self.item, self.n = torch.zeros(shape, dtype=dtype), n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.item
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "per_batch"),
+    [((224, 224, 3), torch.uint8, 8), ((3, 16, 16), torch.float32, 8), ((512,), torch.long, 4)],
+    ids=["hwc-images", "chw-images", "token-ids"],
+)
+def test_a_loaders_list_of_per_sample_tensors_is_counted_by_its_samples(
+    shape: tuple[int, ...], dtype: torch.dtype, per_batch: int
+) -> None:
+    # Before: 224, 3 and 512 a batch, the tensors' shared leading size, read as fields.
+    loader = DataLoader(_Items(shape, dtype, 2 * per_batch), batch_size=per_batch, collate_fn=list)
+    with watch(device="cpu") as w:
+        for _ in w.iter(loader):
+            w.step()
+    assert [s.samples for s in w.report().timeline] == [per_batch, per_batch]
+
+
 def test_a_sample_count_too_large_to_record_is_refused_and_the_log_stays_whole() -> None:
     with watch(device="cpu") as w:
         w.step(samples=2**63 - 1)

@@ -199,23 +199,22 @@ def checked_batch(sample: Callable[[int], Any], n: int, batch_dim: int = 0) -> A
             raise ValueError(
                 f"sample({n}) returned a list of {len(batch)} items; it must return n samples"
             )
-    elif not sizes and (batch_dim > 0 or _only_0_d_values(batch, n)):
+    elif not sizes and (batch_dim > 0 or not _holds_n_items(batch, n)):
         _check_has_batch_dim(batch, n, batch_dim)
     return batch
 
 
-def _only_0_d_values(obj: Any, n: int, depth: int = 0) -> bool:
-    """Every leaf of ``obj`` is a 0-d tensor (or array) and no list or tuple in it has ``n``
-    items: nothing in it can hold n samples. A list of n texts beside a 0-d temperature
-    does (text models that tokenize in the step)."""
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
-        return obj.ndim == 0
+def _holds_n_items(obj: Any, n: int, depth: int = 0) -> bool:
+    """Some list or tuple in ``obj`` has ``n`` items: where there is no tensor with a
+    dimension, the only place n samples can be. A list of n texts beside a 0-d temperature
+    holds them (text models that tokenize in the step); a number or a string is one value,
+    not n samples."""
     if depth > 8 or not isinstance(obj, (Mapping, list, tuple)):
-        return False  # a string, a number: not a tensor, maybe a sample
-    if not isinstance(obj, Mapping) and len(obj) == n:
         return False
+    if not isinstance(obj, Mapping) and len(obj) == n:
+        return True
     values = obj.values() if isinstance(obj, Mapping) else obj
-    return all(_only_0_d_values(v, n, depth + 1) for v in values)
+    return any(_holds_n_items(v, n, depth + 1) for v in values)
 
 
 def _check_has_batch_dim(batch: Any, n: int, batch_dim: int) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainperf._utils.batches import batch_length
+from trainperf._utils.batches import batch_length, samples_in
 from trainperf._utils.validate import as_real_number
 from trainperf.limits import local_world_size, usable_cpus
 from trainperf.monitor._setup import LoopSetup
@@ -28,6 +28,7 @@ __all__ = [
     "CpuClock",
     "background_saves",
     "batch_size",
+    "loader_batch_size",
     "loader_facts",
     "loop_setup",
     "precision_in_use",
@@ -85,24 +86,46 @@ class CpuClock:
             os.close(fd)
 
 
-def batch_size(batch: object) -> int | None:
-    """Samples in a batch, counted as :mod:`trainperf.batchsize` counts them
-    (:func:`~trainperf._utils.batches.batch_length`: a list of per-sample items, as
-    ``collate_fn=list`` gives, counts its items), None when unknown. A list of tensors (or
-    arrays) that all share a leading size is the batch's fields, as ``default_collate``
-    returns tuple samples (``[x, y]``), however alike they are.
+def batch_size(batch: object, loader_batch_size: int | None = None) -> int | None:
+    """Samples in a batch, None when unknown.
+
+    From a DataLoader of a known ``loader_batch_size``, counted as :mod:`trainperf.loader`
+    counts them (:func:`~trainperf._utils.batches.samples_in`): a list of per-sample items
+    or tensors (``collate_fn=list``) counts its items where they make a full batch, else
+    the first tensor's leading size where it is no more than a batch, else a full batch
+    (a short last batch of per-sample tensors can be miscounted). Otherwise
+    :func:`~trainperf._utils.batches.batch_length`'s count (a list of per-sample items
+    counts its items), except that a list of tensors (or arrays) that all share a leading
+    size counts that size: ``default_collate`` returns tuple samples as such a list
+    (``[x, y]``), and without the loader's batch size it cannot be told from per-sample
+    tensors that happen to share one.
 
     Example:
         >>> batch_size({"x": np.zeros((5, 2)), "y": np.zeros(5)}), batch_size(np.zeros(()))
         (5, None)
         >>> batch_size([(np.zeros((224, 224, 3)), 1) for _ in range(8)])  # collate_fn=list
         8
+        >>> batch_size([np.zeros((224, 224, 3))] * 8, 8)  # collate_fn=list, batch_size=8
+        8
     """
+    if loader_batch_size is not None:
+        return samples_in(batch, loader_batch_size)
     if isinstance(batch, list) and batch and _leading(batch[0]) is not None:
         leading = {_leading(v) for v in batch}
         if len(leading) == 1 and None not in leading:
             return leading.pop()
     return batch_length(batch)
+
+
+def loader_batch_size(iterable: object) -> int | None:
+    """The ``batch_size`` of a DataLoader (None for anything else, or a loader built from a
+    ``batch_sampler``, whose batches have no set size)."""
+    from torch.utils.data import DataLoader
+
+    if not isinstance(iterable, DataLoader):
+        return None
+    size = _int_or_none(iterable.batch_size)
+    return size if size is not None and size >= 1 else None
 
 
 def _leading(value: object) -> int | None:

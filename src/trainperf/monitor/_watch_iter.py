@@ -19,7 +19,7 @@ import torch
 
 from trainperf._utils.stack import user_stacklevel
 from trainperf.monitor._handover import batch_layout
-from trainperf.monitor._probe import batch_size
+from trainperf.monitor._probe import batch_size, loader_batch_size
 
 if TYPE_CHECKING:
     from trainperf.monitor._watch import Watch
@@ -59,6 +59,7 @@ class _Timed(Iterator[T]):
         self._done = False
         self._pass = _new_pass(watch, iterable)
         self._rows = _yields_rows(iterable)
+        self._per_batch = loader_batch_size(iterable)  # a DataLoader's, else None
         history = getattr(iterable, "tuning_history", None)
         # An AdaptiveDataLoader's changes (at iter(), or mid-epoch in next()) are read as
         # its history grows: each is marked at the step that took its first batch.
@@ -96,7 +97,8 @@ class _Timed(Iterator[T]):
         if self._history is not None and len(self._history) > self._seen:
             _retuned(self._watch, self._history[self._seen :])
             self._seen = len(self._history)
-        _took(self._watch, item, self._pass, 1 if self._rows else batch_size(item))
+        n = 1 if self._rows else batch_size(item, self._per_batch)
+        _took(self._watch, item, self._pass, n)
         return item
 
     @property
