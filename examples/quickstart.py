@@ -305,6 +305,14 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="trainperf quick start")
     parser.add_argument("--per-class", type=at_least(1), default=160, help="JPEGs per class")
@@ -317,7 +325,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=at_least(1), default=3)
     parser.add_argument("--ddp-epochs", type=at_least(1), default=1)
     parser.add_argument("--batch-size", type=at_least(1), default=32)
-    parser.add_argument("--tune-budget", type=float, default=20.0, help="autotuner seconds")
+    parser.add_argument(
+        "--tune-budget", type=positive_seconds, default=20.0, help="autotuner seconds"
+    )
     parser.add_argument("--skip-ddp", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: temp)")
     args = parser.parse_args(argv)

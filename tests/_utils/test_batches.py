@@ -86,3 +86,24 @@ def test_collated_fields_in_a_list_are_not_taken_for_samples() -> None:
     siamese = default_collate([((torch.zeros(3, 4, 4), torch.zeros(3, 4, 4)), (1, 0))] * 32)
     assert batch_length(dicts) == batch_length(siamese) == 32
     assert samples_in(["a", "b"], 8) == 2  # plain items still count themselves
+
+
+def test_per_sample_items_whose_inner_lists_vary_are_still_samples() -> None:
+    # COCO's (image, [annotations]) and multi-crop ([crops], label): the inner lists' lengths
+    # vary, and the batch was read down its first sample (3, the image's channels).
+    coco = [
+        (torch.zeros(3, 8, 8), [{"bbox": [0, 0, 1, 1], "category_id": 1}] * (1 + i % 3))
+        for i in range(8)
+    ]
+    crops = [([torch.zeros(3, 4, 4)] * (2 + i % 3), i) for i in range(8)]
+    assert batch_length(coco) == batch_length(crops) == 8
+    assert samples_in(coco, 8) == samples_in(crops, 8) == 8
+
+
+def test_a_short_batch_of_per_sample_tuples_counts_its_items() -> None:
+    # Taken for a collated batch's fields, a last batch of 3 (text, label) tuples counted 8.
+    assert samples_in([("some text", 1), ("more", 0), ("x", 1)], 8) == 3
+    assert samples_in([{"text": "a", "label": 1}] * 3, 8) == 3
+    from torch.utils.data import default_collate
+
+    assert samples_in(default_collate([("premise", "hypothesis")] * 5), 8) == 5

@@ -462,3 +462,10 @@ def test_empty_brackets_are_refused_not_read_as_the_bare_name() -> None:
     for raw in ("node[]", "gpu1,node[]", "rack[1-2]-n[]"):
         with pytest.raises(ValueError, match=r"is malformed \(empty brackets in '.*\[\]'\)"):
             ddp.expand_nodelist(raw)
+
+
+def test_an_inherited_tasks_per_node_is_at_most_the_steps_tasks() -> None:
+    # `srun -n 2` inside an --ntasks-per-node=4 allocation: limits read 4 processes on the
+    # host (ddp read 2), and the loader tuner split the CPUs four ways.
+    env = {"SLURM_NTASKS_PER_NODE": "4", "SLURM_NTASKS": "2"}
+    assert launch_env.local_world_size(env) == 2

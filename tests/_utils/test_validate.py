@@ -12,6 +12,7 @@ from tests._utils._streams import Fresh, Resets, assert_refused_unread
 from trainperf._utils.validate import (
     as_real_number,
     fresh_stream,
+    int_like,
     non_negative_int,
     non_negative_number,
     positive_int,
@@ -158,3 +159,9 @@ def test_an_infinite_positive_number_is_told_to_be_finite(value: object) -> None
     # "budget_s must be a positive number of seconds, got inf" did not say what was wrong.
     with pytest.raises(ValueError, match=r"got (np\.float64\()?inf\)?; pass a finite number$"):
         positive_number("budget_s", value, unit="seconds")
+
+
+def test_a_number_past_float_range_is_no_int_like_value() -> None:
+    import fractions
+
+    assert int_like(fractions.Fraction(10**400), 0) is False  # OverflowError escaped

@@ -203,6 +203,7 @@ def test_help_imports_no_torch() -> None:
         (["bench", "modle"], "'model'"),
         (["bench", "model", "--precision", "FP16"], "'fp16'"),
         (["bench", "matmul", "--dtype", "fp32", "bf61"], "'bf16'"),
+        (["bench", "model", "--model", "resnet"], "'resnet50'"),  # no digits typed: any
     ],
 )
 def test_an_invalid_choice_suggests_the_closest_one(

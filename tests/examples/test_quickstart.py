@@ -32,6 +32,17 @@ def test_integer_options_below_their_minimum_are_refused(
     assert f"argument {option}: must be >= {minimum}, got {value}" in err
 
 
+@pytest.mark.parametrize("budget", ["0", "-1", "inf", "nan"])
+def test_a_tune_budget_that_is_no_positive_time_is_refused(
+    budget: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --tune-budget 0 passed the up-front checks and failed only at the tuning stage.
+    example = load_example("quickstart", monkeypatch)
+    monkeypatch.setattr(example, "stage_doctor", lambda: pytest.fail("ran before refusing"))
+    err = refused(example, ["--tune-budget", budget], monkeypatch, capsys)
+    assert "argument --tune-budget: must be a finite number of seconds > 0" in err
+
+
 def test_a_batch_size_of_one_is_refused_for_the_ddp_stage(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -290,14 +290,20 @@ def test_an_error_queued_by_the_worker_is_left_as_it_is() -> None:
     assert calls == []
 
 
-def test_a_queue_closed_at_shutdown_leaves_the_feeder_thread_alive() -> None:
+def test_an_item_a_closed_queue_refuses_is_printed_not_raised(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     # The handler runs in the queue's feeder thread: an error raised there (put on a queue
     # torch closed at shutdown) killed the thread, and that worker sent nothing more.
     def closed(obj: object) -> None:
         raise ValueError("Queue is closed")
 
     queue = type("Q", (), {"put": lambda self, obj: closed(obj)})()
-    _send_unpicklable(queue, TypeError("x"), (3, [threading.Lock()]))  # printed, no raise
+    try:  # the feeder thread calls the handler while it handles the pickling error
+        raise TypeError("cannot pickle lock")
+    except TypeError as e:
+        _send_unpicklable(queue, e, (3, [threading.Lock()]))
+    assert "cannot pickle lock" in capsys.readouterr().err  # Python's handler printed it
 
 
 class _Queued:

@@ -189,3 +189,10 @@ def test_loop_setup_reads_threads_and_cpus_without_cuda() -> None:
     assert setup.gpu_name is None and setup.gpu_capability is None
     assert isinstance(setup.cpu_native_bf16, bool)
     assert LoopSetup().to_dict()["num_workers"] is None
+
+
+def test_a_loaders_ready_made_batches_count_what_they_hold() -> None:
+    # DataLoader(batch_size=1, collate_fn=lambda x: x[0]) over a dataset of whole batches:
+    # counted with the loader's batch size as a cap, each batch of 64 read 1.
+    assert batch_size(torch.zeros(64, 3), 1) == 64
+    assert batch_size([torch.zeros(16, 3), torch.zeros(16, 3)], 8) == 16  # two views, 2B

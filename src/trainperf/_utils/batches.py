@@ -74,21 +74,29 @@ def samples_in(batch: Any, batch_size: int) -> int:
         5
     """
     n, first = batch_length(batch), _leading_size(batch)
-    if n is not None and 1 <= n <= batch_size and (n == batch_size or _flat_items(batch, first)):
+    if n is not None and 1 <= n <= batch_size and (n == batch_size or first is None):
         return n
     return first if first is not None and 1 <= first <= batch_size else batch_size
 
 
-def _flat_items(batch: Any, first: int | None) -> bool:
-    """Whether a count short of a full batch is the batch's own: a list of plain items
-    (strings, numbers) and no tensor. A list of containers short of a full batch may be
-    the fields of a collated batch (``default_collate`` of ``("premise", "hypothesis")``
-    pairs: two tuples of ``batch_size`` strings), not two samples."""
-    return (
-        first is None
-        and isinstance(batch, list)
-        and not any(isinstance(v, (Mapping, list, tuple)) for v in batch)
-    )
+def _fields_length(batch: Any) -> int | None:
+    """The samples of a collated batch's plain fields in a list: ``default_collate`` of
+    ``("premise", "hypothesis")`` pairs gives two tuples of as many strings as samples.
+    Sequences of one length longer than the list, each of plain values of one type; a list
+    of per-sample tuples (``collate_fn=list`` of ``(text, label)``) is as long as its
+    samples, and its tuples mix types. None for anything else."""
+    if not isinstance(batch, list) or not batch:
+        return None
+    if not all(isinstance(v, (list, tuple)) for v in batch):
+        return None
+    lengths = {len(v) for v in batch}
+    if len(lengths) != 1 or (m := lengths.pop()) <= len(batch):
+        return None
+    for field in batch:
+        kinds = {type(x) for x in field}
+        if len(kinds) != 1 or issubclass(kinds.pop(), (Mapping, list, tuple, torch.Tensor)):
+            return None
+    return m
 
 
 def _leading_size(batch: Any) -> int | None:
@@ -146,14 +154,18 @@ def _alike_containers(items: list[Any]) -> bool:
 
 
 def _shape(obj: Any, depth: int = 0) -> object:
-    """What a sample holds, to compare samples by: container types, keys and lengths,
-    tensors' dimensions and dtypes, other values' types (two levels down)."""
+    """What a sample holds, to compare samples by: container types and keys, a sample
+    tuple's fields in order, tensors' dimensions and dtypes, other values' types (two levels
+    down). A list or tuple inside a sample is summed up by the shapes it holds, not its
+    length: COCO's ``(image, [annotations])`` or multi-crop ``([crops], label)`` vary."""
     if isinstance(obj, (torch.Tensor, np.ndarray)):
         return ("array", obj.ndim, str(obj.dtype))
     if depth >= 2 or not isinstance(obj, (Mapping, list, tuple)):
         return type(obj).__name__
     if isinstance(obj, Mapping):
         return ("map", tuple((str(k), _shape(v, depth + 1)) for k, v in obj.items()))
+    if depth > 0:
+        return (type(obj).__name__, frozenset(_shape(v, depth + 1) for v in obj))
     return (type(obj).__name__, tuple(_shape(v, depth + 1) for v in obj))
 
 
@@ -186,6 +198,9 @@ def batch_length(batch: Any) -> int | None:
         >>> batch_length(torch.tensor(3.0)) is None
         True
     """
+    fields = _fields_length(batch)
+    if fields is not None:
+        return fields
     if _per_sample(batch, 0):
         return len(batch)
     sizes = path_sizes(batch)

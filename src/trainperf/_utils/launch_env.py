@@ -26,10 +26,10 @@ The rules:
   A single count without ``(xN)`` (how ``--ntasks-per-node=4`` is written) is every node's.
 - Processes on this host (:func:`local_world_size`): ``LOCAL_WORLD_SIZE``, else SLURM's
   tasks on this node (a job script's ``WORLD_SIZE=$SLURM_NTASKS`` is the whole job) but no
-  more than ``WORLD_SIZE`` where that is set (SLURM's count is the allocation's; a launcher
-  started inside it may run fewer processes), else ``WORLD_SIZE`` (a torch launcher that
-  does not say how many ranks share a host is taken to run them all on this one; torchrun
-  always says), else 1.
+  more than ``WORLD_SIZE`` or ``SLURM_NTASKS`` where set (SLURM's count is the
+  allocation's; a launcher or an ``srun -n 2`` started inside it may run fewer
+  processes), else ``WORLD_SIZE`` (a torch launcher that does not say how many ranks share
+  a host is taken to run them all on this one; torchrun always says), else 1.
 - ``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``: a host list such as
   ``"node[01-03,07],gpu3"`` (:func:`expand_nodelist`); a range runs from low to high, and
   brackets are never empty.
@@ -277,7 +277,8 @@ def tasks_on_this_node(env: Mapping[str, str] | None = None) -> int | None:
 
 def local_world_size(env: Mapping[str, str] | None = None) -> int:
     """Processes on this host: ``LOCAL_WORLD_SIZE``, else SLURM's tasks on this node (at
-    most ``WORLD_SIZE``), else ``WORLD_SIZE``, else 1 (see the module docstring).
+    most ``WORLD_SIZE`` and ``SLURM_NTASKS``), else ``WORLD_SIZE``, else 1 (see the module
+    docstring).
 
     SLURM's count comes before ``WORLD_SIZE`` because job scripts often export
     ``WORLD_SIZE=$SLURM_NTASKS``, the whole job's size, not this node's. It is capped at
@@ -294,6 +295,8 @@ def local_world_size(env: Mapping[str, str] | None = None) -> int:
         2
         >>> local_world_size({"SLURM_NTASKS_PER_NODE": "4", "WORLD_SIZE": "2"})
         2
+        >>> local_world_size({"SLURM_NTASKS_PER_NODE": "4", "SLURM_NTASKS": "2"})
+        2
         >>> local_world_size({"WORLD_SIZE": "2"}), local_world_size({})
         (2, 1)
     """
@@ -302,9 +305,11 @@ def local_world_size(env: Mapping[str, str] | None = None) -> int:
         return local
     tasks = tasks_on_this_node(env)
     world = read_int("WORLD_SIZE", env)
-    if tasks is not None:
-        return tasks if world is None else min(tasks, world)
-    return 1 if world is None else world
+    if tasks is None:
+        return 1 if world is None else world
+    # SLURM_NTASKS too: --ntasks-per-node=4 of the allocation is inherited by `srun -n 2`.
+    caps = [n for n in (world, read_int("SLURM_NTASKS", env)) if n is not None]
+    return min([tasks, *caps])
 
 
 # How a node list is written, for the errors.

@@ -76,7 +76,7 @@ def int_like(value: object, minimum: int) -> bool:
         return False
     try:
         number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # Fraction(10**400)
         return False
     return math.isfinite(number) and number.is_integer() and number >= minimum
 

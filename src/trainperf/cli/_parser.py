@@ -173,7 +173,7 @@ def _closest(value: Any, choices: Any) -> str | None:
     scores = [
         (difflib.SequenceMatcher(None, choice, typed).ratio(), choice)
         for choice in by_lower
-        if _digits(choice) == _digits(typed)
+        if not _digits(typed) or _digits(choice) == _digits(typed)  # "resnet": resnet50
     ]
     close = sorted((pair for pair in scores if pair[0] >= 0.6), reverse=True)  # difflib's cutoff
     if not close or (len(close) > 1 and close[0][0] == close[1][0]):

@@ -306,8 +306,10 @@ def _send_unpicklable(queue: Any, error: Exception, obj: Any) -> None:
         return
     try:
         queue.put(_sendable(*obj, error))
+        return
     except Exception:  # a queue closed at shutdown: the feeder thread must not die here
-        _queue_feeder_error(error, obj)
+        pass
+    _queue_feeder_error(error, obj)  # out of the except: it prints the pickling error
 
 
 def _sendable(index: int, data: Any, error: Exception) -> tuple[int, ExceptionWrapper]:

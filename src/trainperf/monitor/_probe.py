@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainperf._utils.batches import batch_length, samples_in
+from trainperf._utils.batches import batch_length
 from trainperf._utils.validate import as_real_number
 from trainperf.limits import local_world_size, usable_cpus
 from trainperf.monitor._setup import LoopSetup
@@ -87,18 +87,14 @@ class CpuClock:
 
 
 def batch_size(batch: object, loader_batch_size: int | None = None) -> int | None:
-    """Samples in a batch, None when unknown.
-
-    From a DataLoader of a known ``loader_batch_size``, counted as :mod:`trainperf.loader`
-    counts them (:func:`~trainperf._utils.batches.samples_in`): a list of per-sample items
-    or tensors (``collate_fn=list``) counts its items where they make a full batch, else
-    the first tensor's leading size where it is no more than a batch, else a full batch
-    (a short last batch of per-sample tensors can be miscounted). Otherwise
-    :func:`~trainperf._utils.batches.batch_length`'s count (a list of per-sample items
-    counts its items), except that a list of tensors (or arrays) that all share a leading
-    size counts that size: ``default_collate`` returns tuple samples as such a list
-    (``[x, y]``), and without the loader's batch size it cannot be told from per-sample
-    tensors that happen to share one.
+    """Samples in a batch, None when unknown: :func:`~trainperf._utils.batches.batch_length`'s
+    count (a list of per-sample items, as ``collate_fn=list`` gives, counts its items),
+    except that a list of tensors (or arrays) that all share a leading size counts that
+    size: ``default_collate`` returns tuple samples as such a list (``[x, y]``). Only from a
+    DataLoader whose ``loader_batch_size`` that list's length matches (and the tensors'
+    size does not) are they per-sample tensors, counted by their number (a short last
+    batch of them still reads as their leading size). A batch larger than the loader's
+    ``batch_size`` (a dataset of ready-made batches) counts what it holds.
 
     Example:
         >>> batch_size({"x": np.zeros((5, 2)), "y": np.zeros(5)}), batch_size(np.zeros(()))
@@ -108,12 +104,13 @@ def batch_size(batch: object, loader_batch_size: int | None = None) -> int | Non
         >>> batch_size([np.zeros((224, 224, 3))] * 8, 8)  # collate_fn=list, batch_size=8
         8
     """
-    if loader_batch_size is not None:
-        return samples_in(batch, loader_batch_size)
     if isinstance(batch, list) and batch and _leading(batch[0]) is not None:
         leading = {_leading(v) for v in batch}
         if len(leading) == 1 and None not in leading:
-            return leading.pop()
+            size = leading.pop()
+            if loader_batch_size is not None and len(batch) == loader_batch_size != size:
+                return len(batch)
+            return size
     return batch_length(batch)
 
 
