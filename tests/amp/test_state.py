@@ -463,6 +463,32 @@ def test_set_growth_factor_refuses_what_load_state_dict_would(bad: float) -> Non
     assert mp.scaler.get_growth_factor() == 4.0
 
 
+@needs_cpu_fp16
+@pytest.mark.parametrize(
+    ("setter", "getter", "bad", "good"),
+    [
+        ("set_backoff_factor", "get_backoff_factor", 2.0, 0.25),
+        ("set_backoff_factor", "get_backoff_factor", math.nan, 1.0),
+        ("set_growth_interval", "get_growth_interval", 0, 10),
+        ("set_growth_interval", "get_growth_interval", 1.5, 10),
+    ],
+)
+def test_the_other_scaler_setters_refuse_what_load_state_dict_would(
+    setter: str, getter: str, bad: float, good: float
+) -> None:
+    # GradScaler's setters take anything: mp.scaler.set_backoff_factor(2.0) raised the scale
+    # at every skipped step, and mp.state_dict() then held a state load_state_dict refuses.
+    mp = MixedPrecision("cpu", precision="fp16")
+    assert mp.scaler is not None
+    before = getattr(mp.scaler, getter)()
+    with pytest.raises(ValueError, match=rf"{setter}\(\) got .*: it must be .*such as"):
+        getattr(mp.scaler, setter)(bad)
+    assert getattr(mp.scaler, getter)() == before
+    getattr(mp.scaler, setter)(good)
+    assert getattr(mp.scaler, getter)() == good
+    mp.load_state_dict(mp.state_dict())  # what the setter leaves loads
+
+
 # ------------------------------------------------- restoring a scale no float32 holds
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,14 +22,18 @@ from trainperf._utils.validate import as_real_number
 from trainperf.amp._step import parameters
 
 __all__ = [
+    "BACKOFF_FACTOR_RULE",
     "GROWTH_FACTOR_RULE",
+    "GROWTH_INTERVAL_RULE",
     "MAX_GROWTH_FACTOR",
     "MAX_SCALE",
     "GradRecord",
     "LossScaler",
     "as_loss_scaler",
+    "backoff_factor_ok",
     "drop_unscaled",
     "growth_factor_ok",
+    "growth_interval_ok",
     "unscaled_grads",
 ]
 
@@ -53,6 +58,24 @@ GROWTH_FACTOR_RULE = (
 """What :func:`growth_factor_ok` takes, in words."""
 
 
+BACKOFF_FACTOR_RULE = "a number in (0, 1] (1.0 turns backoff off)"
+"""What :func:`backoff_factor_ok` takes, in words."""
+
+GROWTH_INTERVAL_RULE = "an int from 1 to 2**63 - 1"
+"""What :func:`growth_interval_ok` takes, in words (the update kernel's int64)."""
+
+
+def backoff_factor_ok(factor: float) -> bool:
+    """Whether ``factor`` (a number) is a backoff factor a loss scaler can use: above 1 it
+    would raise the scale at every skipped step."""
+    return 0 < factor <= 1
+
+
+def growth_interval_ok(interval: float) -> bool:
+    """Whether ``interval`` (a number) is a growth interval a loss scaler can use."""
+    return isinstance(interval, int) and 1 <= interval < 2**63
+
+
 def growth_factor_ok(factor: float) -> bool:
     """Whether ``factor`` (a number) is a growth factor a loss scaler can grow by.
 
@@ -61,6 +84,20 @@ def growth_factor_ok(factor: float) -> bool:
         (True, False, False)
     """
     return 1 <= factor <= MAX_GROWTH_FACTOR
+
+
+def _check_setting(
+    setter: str, value: object, rule: str, ok: Callable[[float], bool], default: str
+) -> None:
+    """Refuse ``value`` for ``mp.scaler.<setter>()`` unless ``ok`` takes it (torch's setters
+    take anything, and ``mp.state_dict()`` would then hold a state ``load_state_dict``
+    refuses)."""
+    number = as_real_number(value)
+    if number is None or not ok(number):
+        raise ValueError(
+            f"mp.scaler.{setter}() got {value!r}: it must be {rule}; pass a value such as "
+            f"{default} (GradScaler's default)"
+        )
 
 
 class LossScaler(torch.amp.GradScaler):
@@ -85,13 +122,32 @@ class LossScaler(torch.amp.GradScaler):
         Raises:
             ValueError: such a factor; the growth factor is left as it was.
         """
-        number = as_real_number(new_factor)
-        if number is None or not growth_factor_ok(number):
-            raise ValueError(
-                f"mp.scaler.set_growth_factor() got {new_factor!r}: the growth factor must be "
-                f"{GROWTH_FACTOR_RULE}; pass a factor such as 2.0 (GradScaler's default)"
-            )
+        _check_setting("set_growth_factor", new_factor, GROWTH_FACTOR_RULE, growth_factor_ok, "2.0")
         super().set_growth_factor(new_factor)
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """``GradScaler.set_backoff_factor``, refusing a factor ``load_state_dict`` would
+        refuse in ``mp.state_dict()`` (see :data:`BACKOFF_FACTOR_RULE`).
+
+        Raises:
+            ValueError: such a factor; the backoff factor is left as it was.
+        """
+        _check_setting(
+            "set_backoff_factor", new_factor, BACKOFF_FACTOR_RULE, backoff_factor_ok, "0.5"
+        )
+        super().set_backoff_factor(new_factor)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """``GradScaler.set_growth_interval``, refusing an interval ``load_state_dict`` would
+        refuse in ``mp.state_dict()`` (see :data:`GROWTH_INTERVAL_RULE`).
+
+        Raises:
+            ValueError: such an interval; the growth interval is left as it was.
+        """
+        _check_setting(
+            "set_growth_interval", new_interval, GROWTH_INTERVAL_RULE, growth_interval_ok, "2000"
+        )
+        super().set_growth_interval(new_interval)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """``GradScaler.unscale_``, remembering ``optimizer`` (if it can be weakly referenced)."""

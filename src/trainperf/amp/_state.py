@@ -35,10 +35,14 @@ from trainperf._utils.validate import as_real_number
 from trainperf.amp import _bookkeeping
 from trainperf.amp._precision import DTYPES, NAMES
 from trainperf.amp._scaler import (
+    BACKOFF_FACTOR_RULE,
     GROWTH_FACTOR_RULE,
+    GROWTH_INTERVAL_RULE,
     MAX_SCALE,
     as_loss_scaler,
+    backoff_factor_ok,
     growth_factor_ok,
+    growth_interval_ok,
 )
 
 if TYPE_CHECKING:
@@ -290,11 +294,8 @@ def check_scaler_state(saved: object, scaler: torch.amp.GradScaler) -> dict[str,
 
 _SETTINGS: dict[str, tuple[str, Callable[[float], bool]]] = {
     "growth_factor": (GROWTH_FACTOR_RULE, growth_factor_ok),
-    "backoff_factor": ("a number in (0, 1] (1.0 turns backoff off)", lambda n: 0 < n <= 1),
-    "growth_interval": (
-        "an int from 1 to 2**63 - 1",
-        lambda n: isinstance(n, int) and 1 <= n < 2**63,
-    ),
+    "backoff_factor": (BACKOFF_FACTOR_RULE, backoff_factor_ok),
+    "growth_interval": (GROWTH_INTERVAL_RULE, growth_interval_ok),
     "_growth_tracker": (
         "an int from 0 to 2**31 - 1",
         lambda n: isinstance(n, int) and 0 <= n < 2**31,
