@@ -5,6 +5,7 @@ a background write (its failure raised once)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import errno
 import json
@@ -14,6 +15,8 @@ import signal
 import sys
 import threading
 import time
+import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -434,6 +437,25 @@ def test_a_handle_wait_with_a_timeout_says_it_still_waits_and_gives_up_in_time(
     assert "step 5" in line
     handle._finish(None, [])
     assert handle.wait(timeout=0.3) is True
+
+
+def test_a_handle_wait_tells_hang_detection_it_is_saving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The Checkpointer's own waits told the DDP hang detection the rank was busy saving;
+    # handle.wait() did not, and a rank blocked in it could be reported as hung.
+    told: list[str] = []
+
+    @contextlib.contextmanager
+    def busy(what: str) -> Iterator[None]:
+        told.append(what)
+        yield
+
+    monkeypatch.setitem(sys.modules, "trainperf.ddp._progress", types.SimpleNamespace(busy=busy))
+    handle = _held_handle(tmp_path)
+    handle._finish(None, [])
+    assert handle.wait() is True
+    assert told == [f"saving checkpoint {tmp_path / 'step-000000005.pt'}"]
 
 
 def test_a_handle_wait_shorter_than_the_first_notice_prints_nothing(

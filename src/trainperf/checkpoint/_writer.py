@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from trainperf.checkpoint._files import saving
 from trainperf.checkpoint._refusal import save_refusal
 from trainperf.checkpoint._wait_notice import wait_telling
 from trainperf.checkpoint._write import FLUSH_FAILED_PREFIX, _os_error, write_checkpoint_file
@@ -234,7 +235,8 @@ class SaveHandle:
                 ``wait`` of the Checkpointer does not raise it again); the cause is chained
                 and ``.path`` names the file.
         """
-        finished = wait_telling(self, timeout)
+        with saving(self.path):  # known slow work for hang detection, as the Checkpointer's
+            finished = wait_telling(self, timeout)
         if finished:
             self.raise_failure()
         return finished
