@@ -277,6 +277,12 @@ def ddp_ranks() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
+def ddp_batch_size(batch_size: int, nprocs: int) -> int:
+    """Each rank's batch in the DDP stage: ``batch_size`` split over the ranks, so the global
+    batch stays ``batch_size`` whatever the GPU count (at least 1 a rank)."""
+    return max(1, batch_size // nprocs)
+
+
 def stage_ddp(data_root: Path, args: argparse.Namespace) -> None:
     section("6. the same training on several processes: trainperf.ddp.launch")
     nprocs = ddp_ranks()
@@ -284,7 +290,11 @@ def stage_ddp(data_root: Path, args: argparse.Namespace) -> None:
     print(f"{nprocs} rank(s), {backend}")
     start = time.perf_counter()
     losses = trainperf.ddp.launch_all(
-        ddp_main, str(data_root), args.ddp_epochs, args.batch_size // 2, nprocs=nprocs
+        ddp_main,
+        str(data_root),
+        args.ddp_epochs,
+        ddp_batch_size(args.batch_size, nprocs),
+        nprocs=nprocs,
     )
     print(
         f"final loss per rank: {', '.join(f'{x:.3f}' for x in losses)} "
@@ -345,19 +355,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check_ddp_stage(parser: argparse.ArgumentParser, args: argparse.Namespace, images: int) -> None:
-    """Refuse options that give a rank of the DDP stage no batch: each gets half of
+    """Refuse options that give a rank of the DDP stage no batch: each gets its share of
     --batch-size, and its share of the images (a partial batch is dropped)."""
-    per_rank, nprocs = args.batch_size // 2, ddp_ranks()
-    if per_rank < 1:
-        parser.error(
-            f"--batch-size {args.batch_size} gives each rank of the DDP stage (half of it) a "
-            f"batch of {per_rank}: pass --batch-size 2 or more, or --skip-ddp"
-        )
+    nprocs = ddp_ranks()
+    per_rank = ddp_batch_size(args.batch_size, nprocs)
     if images // nprocs < per_rank:
         parser.error(
             f"--per-class {args.per_class} makes {images} images, {images // nprocs} for each "
-            f"of the DDP stage's {nprocs} ranks: fewer than its batch of {per_rank} (half of "
-            f"--batch-size {args.batch_size}): pass --per-class "
+            f"of the DDP stage's {nprocs} ranks: fewer than its batch of {per_rank} "
+            f"(--batch-size {args.batch_size} split over {nprocs} ranks): pass --per-class "
             f"{math.ceil(per_rank * nprocs / len(CLASSES))} or more, a smaller --batch-size, "
             f"or --skip-ddp"
         )
