@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -437,6 +438,65 @@ def test_dali_pass_interrupted_by_another_raises_instead_of_hanging(
     # The newer pass goes on, whole, and the loader still works afterwards.
     assert len([next(second) for _ in range(len(loader) - 1)]) == len(loader) - 1
     assert sorted(_indices(loader)) == list(range(24))
+
+
+_OTHER_THREAD = r"interrupted by a newer pass .* from another thread: .*one loader per thread"
+
+
+def _in_threads(*targets: Any) -> list[Any]:
+    """Run each target in a thread of its own, started together; each one's result or
+    exception."""
+    import threading
+
+    barrier = threading.Barrier(len(targets))
+    results: list[Any] = [None] * len(targets)
+
+    def run(i: int) -> None:
+        barrier.wait(timeout=30)
+        try:
+            results[i] = targets[i]()
+        except Exception as e:  # handed back to the test's thread
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(targets))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a thread hung"
+    return results
+
+
+@needs_dali
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("train", [True, False])
+def test_dali_passes_from_two_threads_at_once_raise_the_one_loader_per_thread_fix(
+    folder: Path, train: bool
+) -> None:
+    # DALI's iterator is not thread-safe: two threads in it at once got DALI's bare
+    # "RuntimeError: generator raised StopIteration".
+    loader = _loader(folder, "dali", batch_size=2, train=train, last_batch="keep")
+    for _ in range(3):
+        results = _in_threads(lambda: _indices(loader), lambda: _indices(loader))
+        for result in results:
+            if isinstance(result, Exception):
+                assert isinstance(result, RuntimeError), repr(result)
+                assert re.search(_OTHER_THREAD, str(result)), repr(result)
+            else:
+                assert sorted(result) == list(range(24))
+    assert sorted(_indices(loader)) == list(range(24))  # and the loader still works
+
+
+@needs_dali
+@pytest.mark.timeout(60)
+def test_dali_pass_interrupted_from_another_thread_names_the_fix(folder: Path) -> None:
+    loader = _loader(folder, "dali", batch_size=4, train=False, last_batch="keep")
+    first = loader.iter_with_indices()
+    next(first)
+    (newer,) = _in_threads(lambda: _indices(loader))  # a whole pass in another thread
+    assert sorted(newer) == list(range(24))
+    with pytest.raises(RuntimeError, match=_OTHER_THREAD):
+        next(first)
 
 
 @needs_dali

@@ -25,11 +25,15 @@ Each batch is exactly the shard plan's: full batches, and a partial last one wit
 ``last_batch="keep"``. An epoch left part-way costs only the batches DALI had read ahead.
 One pipeline feeds one pass at a time: a pass that a newer ``iter(loader)`` took the feed
 from raises at its next batch, rather than dropping the newer pass's batches forever.
+Passes in several threads take turns at DALI (its iterator is not thread-safe) under the
+same rule: a pass taken over by one in another thread raises, naming the fix (one loader per
+thread).
 """
 
 from __future__ import annotations
 
 import importlib
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -304,8 +308,10 @@ class DaliLoader(ImageLoader):
             self._iterator = plugin.DALIGenericIterator([pipe], ["images", "indices"], **iterate)
         self._failed: str | None = None
         self._labels = labels_tensor(source.labels)
-        # Passes started so far, and the epoch of the latest: one pass reads at a time.
-        self._passes, self._pass_epoch = 0, 0
+        # Passes started so far, and the epoch and thread of the latest: one pass reads at a
+        # time. The lock keeps threads out of DALI's iterator and the feed one at a time.
+        self._passes, self._pass_epoch, self._pass_thread = 0, 0, threading.get_ident()
+        self._lock = threading.Lock()
 
     def _next(self) -> tuple[dict[str, Any], FedBatch]:
         """DALI's next batch, as its iterator gives it, and which files it holds."""
@@ -349,6 +355,13 @@ class DaliLoader(ImageLoader):
         return self._finish(out["crops"], out["flips"].reshape(-1).tolist())
 
     def _interrupted(self, epoch: int) -> RuntimeError:
+        if self._pass_thread != threading.get_ident():
+            return RuntimeError(
+                f"this pass over epoch {epoch} was interrupted by a newer pass over the same "
+                f"DALI loader (epoch {self._pass_epoch}) from another thread: a DALI loader "
+                "feeds one pass at a time, so the older one cannot go on. Build one loader "
+                "per thread"
+            )
         return RuntimeError(
             f"this pass over epoch {epoch} was interrupted by a newer pass over the same DALI "
             f"loader (epoch {self._pass_epoch}): a DALI loader feeds one pass at a time, so "
@@ -356,17 +369,24 @@ class DaliLoader(ImageLoader):
             "before starting another (no interleaved or nested loops), or build a second loader"
         )
 
-    def _epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        generation = self._feed.start(epoch)
-        self._passes += 1
-        mine, self._pass_epoch = self._passes, epoch
-        device, last = self.config.device, self.shard.batches - 1
-        while True:
+    def _step(self, epoch: int, mine: int) -> tuple[dict[str, Any], FedBatch]:
+        """The next batch for pass number ``mine``, one thread at a time."""
+        with self._lock:
             # A newer pass took the feed over: every batch from here on is its own, and this
             # pass would drop them all, waiting forever for one of its epoch.
             if self._passes != mine:
                 raise self._interrupted(epoch)
-            out, fed = self._next()
+            return self._next()
+
+    def _epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        with self._lock:
+            generation = self._feed.start(epoch)
+            self._passes += 1
+            mine, self._pass_epoch = self._passes, epoch
+            self._pass_thread = threading.get_ident()
+        device, last = self.config.device, self.shard.batches - 1
+        while True:
+            out, fed = self._step(epoch, mine)
             if (fed.generation, fed.epoch) != (generation, epoch):
                 continue  # read ahead for an epoch left part-way, or before a restart: dropped
             images = self._images(out)
