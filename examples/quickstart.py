@@ -363,9 +363,9 @@ def check_ddp_stage(parser: argparse.ArgumentParser, args: argparse.Namespace, i
         parser.error(
             f"--per-class {args.per_class} makes {images} images, {images // nprocs} for each "
             f"of the DDP stage's {nprocs} ranks: fewer than its batch of {per_rank} "
-            f"(--batch-size {args.batch_size} split over {nprocs} ranks): pass --per-class "
-            f"{math.ceil(per_rank * nprocs / len(CLASSES))} or more, a smaller --batch-size, "
-            f"or --skip-ddp"
+            f"(--batch-size {args.batch_size} split over {nprocs} ranks, at least 1 each): "
+            f"pass --per-class {math.ceil(per_rank * nprocs / len(CLASSES))} or more, or "
+            f"--skip-ddp"
         )
 
 

@@ -514,3 +514,17 @@ def test_restoring_a_scale_no_float32_holds_is_refused_and_loads_nothing(
         mp.load_state_dict(state)
     assert mp.state_dict() == before
     assert mp._backward_pending is pending
+
+
+@needs_cpu_fp16
+def test_scaler_settings_given_as_numpy_numbers_are_kept_as_python_ones() -> None:
+    # Stored as given, an np.int64 interval made mp.state_dict() unreadable to a plain
+    # torch.load (weights_only refuses NumPy scalars).
+    mp = MixedPrecision("cpu", precision="fp16")
+    assert mp.scaler is not None
+    mp.scaler.set_growth_interval(np.int64(100))
+    mp.scaler.set_backoff_factor(np.float32(0.25))
+    mp.scaler.set_growth_factor(np.float64(4.0))
+    assert type(mp.scaler.get_growth_interval()) is int
+    assert type(mp.scaler.get_backoff_factor()) is float
+    assert type(mp.scaler.get_growth_factor()) is float

@@ -66,8 +66,9 @@ def test_too_few_images_for_a_batch_on_each_ddp_rank_are_refused(
     with_ranks(example, 16, monkeypatch)
     err = refused(example, ["--per-class", "2", "--batch-size", "8"], monkeypatch, capsys)
     assert "--per-class 2 makes 8 images, 0 for each of the DDP stage's 16 ranks" in err
-    assert "fewer than its batch of 1 (--batch-size 8 split over 16 ranks)" in err
-    assert "pass --per-class 4 or more, a smaller --batch-size, or --skip-ddp" in err
+    assert "fewer than its batch of 1 (--batch-size 8 split over 16 ranks, at least 1 each)" in err
+    # A smaller --batch-size cannot help: each rank's batch is at least 1 already.
+    assert "pass --per-class 4 or more, or --skip-ddp" in err and "smaller" not in err
 
 
 def with_ranks(example: ModuleType, ranks: int, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -446,7 +448,6 @@ _OTHER_THREAD = r"interrupted by a newer pass .* from another thread: .*one load
 def _in_threads(*targets: Any) -> list[Any]:
     """Run each target in a thread of its own, started together; each one's result or
     exception."""
-    import threading
 
     barrier = threading.Barrier(len(targets))
     results: list[Any] = [None] * len(targets)
@@ -521,3 +522,33 @@ def test_dali_classes_and_labels_are_imagefolders_and_the_torchvision_backends(
             for i, label in zip(idx.tolist(), batch_labels.tolist(), strict=True)
         }
         assert labels == dict(reference.samples)
+
+
+@needs_dali
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("train", [True, False])
+def test_a_dali_loader_closed_from_another_thread_says_it_was_closed(
+    folder: Path, train: bool
+) -> None:
+    # close() let go of the feed under a pass in another thread's step: that pass then
+    # failed with a bare KeyError: 'images', a CancelledError, or "DALI failed on ...
+    # which PIL decodes", blaming good files.
+    errors: list[BaseException] = []
+    for trial in range(6):
+        loader = _loader(folder, "dali", batch_size=1, train=train, last_batch="keep")
+
+        def run(loader: Any = loader) -> None:
+            try:
+                for _ in range(1000):
+                    for _batch in loader.iter_with_indices():
+                        pass
+            except BaseException as e:  # what the pass raised is the finding
+                errors.append(e)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        time.sleep(0.05 + 0.01 * trial)
+        loader.close()
+        thread.join(30)
+        assert not thread.is_alive()
+    assert errors and all(str(e) == "this image loader was closed" for e in errors), errors

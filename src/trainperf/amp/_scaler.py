@@ -88,16 +88,18 @@ def growth_factor_ok(factor: float) -> bool:
 
 def _check_setting(
     setter: str, value: object, rule: str, ok: Callable[[float], bool], default: str
-) -> None:
+) -> float:
     """Refuse ``value`` for ``mp.scaler.<setter>()`` unless ``ok`` takes it (torch's setters
     take anything, and ``mp.state_dict()`` would then hold a state ``load_state_dict``
-    refuses)."""
+    refuses). Returns it as a Python number (a NumPy one would make the state unreadable to
+    a plain ``torch.load``)."""
     number = as_real_number(value)
     if number is None or not ok(number):
         raise ValueError(
             f"mp.scaler.{setter}() got {value!r}: it must be {rule}; pass a value such as "
             f"{default} (GradScaler's default)"
         )
+    return number
 
 
 class LossScaler(torch.amp.GradScaler):
@@ -122,8 +124,11 @@ class LossScaler(torch.amp.GradScaler):
         Raises:
             ValueError: such a factor; the growth factor is left as it was.
         """
-        _check_setting("set_growth_factor", new_factor, GROWTH_FACTOR_RULE, growth_factor_ok, "2.0")
-        super().set_growth_factor(new_factor)
+        super().set_growth_factor(
+            _check_setting(
+                "set_growth_factor", new_factor, GROWTH_FACTOR_RULE, growth_factor_ok, "2.0"
+            )
+        )
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """``GradScaler.set_backoff_factor``, refusing a factor ``load_state_dict`` would
@@ -132,10 +137,11 @@ class LossScaler(torch.amp.GradScaler):
         Raises:
             ValueError: such a factor; the backoff factor is left as it was.
         """
-        _check_setting(
-            "set_backoff_factor", new_factor, BACKOFF_FACTOR_RULE, backoff_factor_ok, "0.5"
+        super().set_backoff_factor(
+            _check_setting(
+                "set_backoff_factor", new_factor, BACKOFF_FACTOR_RULE, backoff_factor_ok, "0.5"
+            )
         )
-        super().set_backoff_factor(new_factor)
 
     def set_growth_interval(self, new_interval: int) -> None:
         """``GradScaler.set_growth_interval``, refusing an interval ``load_state_dict`` would
@@ -144,10 +150,10 @@ class LossScaler(torch.amp.GradScaler):
         Raises:
             ValueError: such an interval; the growth interval is left as it was.
         """
-        _check_setting(
+        interval = _check_setting(
             "set_growth_interval", new_interval, GROWTH_INTERVAL_RULE, growth_interval_ok, "2000"
         )
-        super().set_growth_interval(new_interval)
+        super().set_growth_interval(int(interval))
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """``GradScaler.unscale_``, remembering ``optimizer`` (if it can be weakly referenced)."""

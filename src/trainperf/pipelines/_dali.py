@@ -350,9 +350,12 @@ class DaliLoader(ImageLoader):
         return self._fail(what, failure_fix(culprits, suspects))
 
     def _images(self, out: dict[str, Any]) -> torch.Tensor:
-        if self._finish is None:
+        if "images" in out:  # no crops to finish (eval), whatever close() did since
             return out["images"]  # type: ignore[no-any-return]
-        return self._finish(out["crops"], out["flips"].reshape(-1).tolist())
+        finish = self._finish
+        if finish is None:
+            raise RuntimeError("this image loader was closed")
+        return finish(out["crops"], out["flips"].reshape(-1).tolist())
 
     def _interrupted(self, epoch: int) -> RuntimeError:
         if self._pass_thread != threading.get_ident():
@@ -397,6 +400,7 @@ class DaliLoader(ImageLoader):
                 return
 
     def close(self) -> None:
-        self._iterator = None
-        self._finish = None  # its batch buffers go once the caller's batches do
-        self._feed.close()
+        with self._lock:  # not under a pass in another thread's step: it reads these
+            self._iterator = None
+            self._finish = None  # its batch buffers go once the caller's batches do
+            self._feed.close()
