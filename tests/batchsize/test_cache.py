@@ -164,6 +164,27 @@ def test_the_key_changes_with_modes_and_layouts_the_shapes_do_not_show() -> None
     assert key(objects=[Checkpointed()]) == base
 
 
+def _model_class(forward: str) -> type[nn.Module]:
+    """A ``Net(nn.Linear)`` whose forward returns ``forward``, as a user's module defines it
+    (one module name, file and line, whatever the body)."""
+    source = f"class Net(nn.Linear):\n    def forward(self, x):\n        return {forward}\n"
+    namespace: dict[str, object] = {"nn": nn, "__name__": "user_model"}
+    exec(compile(source, "user_model.py", "exec"), namespace)
+    return namespace["Net"]  # type: ignore[return-value]
+
+
+def test_the_key_changes_when_the_model_s_code_is_edited() -> None:
+    # Before: only the model's class name, sizes and shapes counted: after an edit of its
+    # forward (another attention, an upsampling), same parameters, the size tuned for the
+    # old code was reused, its peak from the old code taken as still fitting.
+    base = key(objects=[_model_class("super().forward(x)")(4, 4)])
+    assert key(objects=[_model_class("super().forward(x)")(4, 4)]) == base
+    edited = _model_class("super().forward(x).relu()")
+    assert key(objects=[edited(4, 4)]) != base
+    inside = nn.Sequential(_model_class("super().forward(x)")(4, 4))
+    assert key(objects=[nn.Sequential(edited(4, 4))]) != key(objects=[inside])
+
+
 def test_the_key_changes_with_what_the_step_reads_unpassed() -> None:
     # Before: only the step's own body counted: a step using a MixedPrecision or a
     # torch.compile'd model it was not passed got a size tuned for another precision.

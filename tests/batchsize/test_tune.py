@@ -99,6 +99,56 @@ def test_a_real_error_at_the_first_size_propagates_with_the_fix() -> None:
     assert isinstance(caught.value.__cause__, ValueError)  # torch's own error, chained
 
 
+_COMPILED_ONE_PER_CHANNEL = (
+    "RuntimeError when making fake tensor call\n  Explanation: Dynamo failed to run FX node "
+    "with fake tensors: call_function <function batch_norm>(...): got ValueError('Expected "
+    "more than 1 value per channel when training, got input size torch.Size([1, 16])')"
+)
+"""What ``torch.compile`` raises (as dynamo's ``TorchRuntimeError``) for BatchNorm's refusal."""
+
+
+def test_batchnorm_refusing_one_sample_inside_torch_compile_also_names_the_fix() -> None:
+    # Before: a torch.compile'd model raises BatchNorm's refusal as dynamo's
+    # TorchRuntimeError, a RuntimeError: it escaped without the fix, min_size=2.
+    error = RuntimeError(_COMPILED_ONE_PER_CHANNEL)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        x, y = batch
+        nn.functional.mse_loss(model(x), y).backward()
+        if len(x) == 1:
+            raise error
+        opt.step()
+
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"^Expected more than 1 value per channel") as caught:
+        tune_batch_size(step, sample, model=model, optimizer=opt, device="cpu", max_size=4,
+                        budget_s=10.0, progress=False, cache=False)  # fmt: skip
+    assert "(inside a RuntimeError)" in str(caught.value)
+    assert str(caught.value).endswith("(1 unless given); pass min_size=2")
+    assert caught.value.__cause__ is error
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+def test_batchnorm_refusing_one_sample_in_a_compiled_model_names_the_fix() -> None:
+    t = Trainer()
+    compiled = torch.compile(t.model)
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        x, y = batch
+        t.opt.zero_grad()
+        nn.functional.mse_loss(compiled(x), y).backward()
+        t.opt.step()
+
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel") as caught:
+        tune_batch_size(step, sample, model=t.model, optimizer=t.opt, device="cpu", max_size=4,
+                        budget_s=30.0, progress=False, cache=False)  # fmt: skip
+    assert str(caught.value).endswith("(1 unless given); pass min_size=2")
+
+
 def test_a_sample_of_the_wrong_size_is_a_clear_error() -> None:
     t = Trainer()
     with pytest.raises(ValueError, match=r"sample\(2\) returned a batch of 3 samples"):

@@ -5,9 +5,10 @@ unset or not an absolute path), written and read with the tuners' shared store
 (:mod:`trainperf._utils.cache`: atomic writes, a corrupt file ignored and replaced, old
 entries dropped), as the DataLoader tuner's ``loader.json`` is. Entries are keyed the same
 way, by a hash of what decides the answer: the model's class, parameter count, dtype and the
-shape of each parameter and buffer, its submodules in training mode, with gradient
-checkpointing on, and its channels_last weights, the optimizer's class and implementation
-flags (``fused``, ``foreach``, ``capturable``, ``differentiable``), a MixedPrecision's
+shape of each parameter and buffer, the code of its own (not torch's) module classes, its
+submodules in training mode, with gradient checkpointing on, and its channels_last weights,
+the optimizer's class and implementation flags (``fused``, ``foreach``, ``capturable``,
+``differentiable``), a MixedPrecision's
 precision, a GradScaler's being enabled, the device (for CUDA its name and memory, and the
 process-wide TF32 and cuDNN settings), the host, the torch version, the step function, the
 modules, MixedPrecisions, GradScalers and functions it reads (a ``torch.compile`` wrapper, a
@@ -96,7 +97,7 @@ def _describe(obj: Any) -> Any:
         dtypes = sorted({str(p.dtype) for p in params})
         trainable = sum(p.numel() for p in params if p.requires_grad)
         sizes = [sum(p.numel() for p in params), trainable]
-        return [name, *sizes, dtypes, _shapes(obj), *_module_modes(obj)]
+        return [name, *sizes, dtypes, _shapes(obj), *_module_modes(obj), _module_code(obj)]
     if isinstance(obj, torch.optim.Optimizer):
         defaults = getattr(obj, "defaults", None) or {}
         flags = {k: defaults[k] for k in _OPTIMIZER_FLAGS if defaults.get(k) is not None}
@@ -125,6 +126,36 @@ def _module_modes(module: nn.Module) -> list[int]:
         for t in (*module.parameters(), *module.buffers())
     )
     return [training, checkpointing, channels_last]
+
+
+def _module_code(module: nn.Module) -> str:
+    """A digest of the methods of ``module``'s own classes and its submodules' (each class
+    and base class not from torch, whose code the torch version in the key stands for):
+    an edited ``forward`` (another attention, an upsampling, an extra head) changes the
+    memory and speed of every size, with the same parameters.
+
+    Example:
+        >>> class Net(nn.Linear):
+        ...     def forward(self, x):
+        ...         return super().forward(x).relu()
+        >>> _module_code(Net(2, 2)) == _module_code(Net(3, 3)) != _module_code(nn.Linear(2, 2))
+        True
+    """
+    classes = {type(m) for m in module.modules()}
+    own = {k for cls in classes for k in cls.__mro__ if not _from_torch(k)}
+    methods = [
+        qualname(f)
+        for k in sorted(own, key=qualname)
+        for f in vars(k).values()
+        if isinstance(f, types.FunctionType)
+    ]
+    return make_key({"code": methods})
+
+
+def _from_torch(cls: type) -> bool:
+    """Whether ``cls`` is torch's (or Python's own): its code comes with the version."""
+    where = getattr(cls, "__module__", None) or ""
+    return where == "builtins" or where == "torch" or where.startswith("torch.")
 
 
 def _shapes(module: nn.Module) -> str:

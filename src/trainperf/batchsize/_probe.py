@@ -87,6 +87,26 @@ _ONE_PER_CHANNEL = "Expected more than 1 value per channel when training"
 """BatchNorm's error for a training batch of one sample."""
 
 
+def _one_sample_error(e: Exception) -> str:
+    """The refusal of BatchNorm's error ``e`` (its text holds :data:`_ONE_PER_CHANNEL`), with
+    the fix. Eager torch raises it as a ``ValueError``; under ``torch.compile`` it comes
+    inside another error (dynamo's ``TorchRuntimeError``, a screenful of tracing context)
+    whose text is not repeated here: it is chained.
+
+    Example:
+        >>> print(_one_sample_error(RuntimeError("... got ValueError('Expected more than 1 "
+        ...     "value per channel when training, ...')")).split(": ")[0])
+        Expected more than 1 value per channel when training (inside a RuntimeError)
+    """
+    what = (
+        str(e) if isinstance(e, ValueError) else f"{_ONE_PER_CHANNEL} (inside a {type(e).__name__})"
+    )
+    return (
+        f"{what}: BatchNorm cannot train on a batch of one sample, and "
+        "tune_batch_size starts at min_size (1 unless given); pass min_size=2"
+    )
+
+
 class _AgreedOOM(Exception):
     """Every rank leaves the probe or the alternation: one ran out of memory."""
 
@@ -171,11 +191,8 @@ class Prober:
             return fn(*args), None
         except Exception as e:
             if not is_out_of_memory(e):
-                if isinstance(e, ValueError) and _ONE_PER_CHANNEL in str(e):
-                    raise ValueError(
-                        f"{e}: BatchNorm cannot train on a batch of one sample, and "
-                        "tune_batch_size starts at min_size (1 unless given); pass min_size=2"
-                    ) from e
+                if _ONE_PER_CHANNEL in str(e):
+                    raise ValueError(_one_sample_error(e)) from e
                 raise
             return None, oom_text(e)
 
