@@ -9,7 +9,8 @@
    ending in a verdict on what limits the loop;
 5. an atomic ``save_checkpoint``, a reload with ``load_checkpoint`` onto the other available
    device, and a check that the reloaded model gives identical outputs;
-6. the same training on 2 ranks with ``trainperf.ddp.launch`` (gloo on CPU, NCCL on GPUs).
+6. the same training with ``trainperf.ddp.launch``: one rank per GPU with NCCL, or 2 ranks
+   with gloo on the CPU.
 
 Plots (tuning curve, watch timeline) go to the output folder when matplotlib is installed.
 On a GPU machine the same command uses the GPU(s) without flags.

@@ -16,7 +16,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tests.monitor._fakes import cpu_work
 from trainperf.monitor import LoopSetup
-from trainperf.monitor._probe import CpuClock, batch_size, loader_facts, loop_setup
+from trainperf.monitor._probe import (
+    CpuClock,
+    batch_size,
+    loader_facts,
+    loop_setup,
+    shared_leading,
+)
 
 HAS_SCHEDSTAT = Path("/proc/thread-self/schedstat").exists()
 
@@ -111,6 +117,15 @@ def test_batch_size_counts_per_sample_items_as_batchsize_does() -> None:
     assert batch_size([torch.zeros(6, 3, 8, 8), torch.zeros(6, 3, 8, 8)]) == 6
     assert batch_size([torch.zeros(5), torch.zeros(7), torch.zeros(2)]) == 3  # token ids
     assert batch_size(([torch.zeros(6, 8), torch.zeros(6, 8)], torch.zeros(6))) == 6  # views
+
+
+def test_batch_size_reads_a_short_list_by_the_full_batches_per_sample_size() -> None:
+    # Before: no way to say so; 5 CHW images of an 8-batch loader's last batch counted 3.
+    chw = [torch.zeros(3, 16, 16)] * 5
+    assert batch_size(chw, 8) == 3  # alone it reads as [x, y, z] fields of 3 samples
+    assert batch_size(chw, 8, sample_leading=3) == 5
+    assert batch_size([torch.zeros(4, 3), torch.zeros(4)], 8, sample_leading=3) == 4
+    assert shared_leading(chw) == 3 and shared_leading([torch.zeros(2), 1]) is None
 
 
 @pytest.mark.parametrize(

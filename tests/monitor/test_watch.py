@@ -277,6 +277,26 @@ def test_a_loaders_list_of_per_sample_tensors_is_counted_by_its_samples(
     assert [s.samples for s in w.report().timeline] == [per_batch, per_batch]
 
 
+@pytest.mark.parametrize(
+    ("shape", "dtype", "per_batch"),
+    [((224, 224, 3), torch.uint8, 8), ((3, 16, 16), torch.float32, 8), ((512,), torch.long, 4)],
+    ids=["hwc-images", "chw-images", "token-ids"],
+)
+def test_a_short_last_batch_of_per_sample_tensors_is_counted_by_its_samples(
+    shape: tuple[int, ...], dtype: torch.dtype, per_batch: int
+) -> None:
+    # Before: the last batch read as its tensors' shared leading size (224, 3, 512), as
+    # if they were the batch's fields, though the full batches before it were per-sample.
+    last = per_batch - 1
+    items = _Items(shape, dtype, 2 * per_batch + last)
+    loader = DataLoader(items, batch_size=per_batch, collate_fn=list)
+    with watch(device="cpu") as w:
+        for _ in range(2):  # a second epoch reads its last batch the same way
+            for _ in w.iter(loader):
+                w.step()
+    assert [s.samples for s in w.report().timeline] == [per_batch, per_batch, last] * 2
+
+
 def test_a_sample_count_too_large_to_record_is_refused_and_the_log_stays_whole() -> None:
     with watch(device="cpu") as w:
         w.step(samples=2**63 - 1)
@@ -633,6 +653,49 @@ def test_the_report_has_the_loaders_settings_as_they_are_now() -> None:
         loader.num_workers, loader.prefetch_factor = 2, 3
     setup = w.report().setup
     assert (setup.num_workers, setup.prefetch_factor) == (2, 3)
+
+
+def test_the_report_has_the_settings_of_the_loader_that_fed_the_steps() -> None:
+    # Before: the loader w.iter() was given last, a validation pass at each epoch's end
+    # (batch 8), so the predictions started from its settings, not the training loader's.
+    train = DataLoader(TensorDataset(torch.zeros(24, 2)), batch_size=4)
+    val = DataLoader(TensorDataset(torch.zeros(16, 2)), batch_size=8)
+    with watch(device="cpu") as w:
+        for _ in w.iter(val):  # a sanity pass before training, too
+            pass
+        for _ in range(2):
+            for _ in w.iter(train):
+                w.step()
+            for _ in w.iter(val):
+                pass
+    assert w.report().setup.batch_size == 4
+    with watch(device="cpu") as w:  # a loader made anew each epoch: the latest one's
+        for n, per_batch in ((24, 4), (12, 2)):
+            for _ in w.iter(DataLoader(TensorDataset(torch.zeros(n, 2)), batch_size=per_batch)):
+                w.step()
+    assert w.report().setup.batch_size == 2
+
+
+def test_the_hand_over_probe_measures_the_batches_of_the_loader_that_fed_the_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: the first batch w.iter() ever yielded, a sanity validation pass's (batch 2).
+    import trainperf.monitor._watch_inputs as inputs
+
+    probed: list[tuple[tuple[int, ...], int]] = []
+
+    def spy(layout: tuple[int, ...], batch: int, **kwargs: Any) -> None:
+        probed.append((layout, batch))
+
+    monkeypatch.setattr(inputs, "measure_handover", spy)
+    with watch(device="cpu") as w:
+        for _ in w.iter([torch.zeros(2, 4)] * 3):  # a sanity pass before training
+            pass
+        for _ in w.iter(sleepy_loader(12, 0.01)):
+            burn(0.002)
+            w.step()
+    w.report()
+    assert probed == [((16 * 4 * 4,), 16)]
 
 
 def _fake_perf_counter(monkeypatch: pytest.MonkeyPatch) -> list[float]:

@@ -33,6 +33,7 @@ __all__ = [
     "loop_setup",
     "precision_in_use",
     "rank_cpus",
+    "shared_leading",
 ]
 
 _PRECISION_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -86,15 +87,19 @@ class CpuClock:
             os.close(fd)
 
 
-def batch_size(batch: object, loader_batch_size: int | None = None) -> int | None:
+def batch_size(
+    batch: object, loader_batch_size: int | None = None, sample_leading: int | None = None
+) -> int | None:
     """Samples in a batch, None when unknown: :func:`~trainperf._utils.batches.batch_length`'s
     count (a list of per-sample items, as ``collate_fn=list`` gives, counts its items),
     except that a list of tensors (or arrays) that all share a leading size counts that
     size: ``default_collate`` returns tuple samples as such a list (``[x, y]``). Only from a
     DataLoader whose ``loader_batch_size`` that list's length matches (and the tensors'
-    size does not) are they per-sample tensors, counted by their number (a short last
-    batch of them still reads as their leading size). A batch larger than the loader's
-    ``batch_size`` (a dataset of ready-made batches) counts what it holds.
+    size does not) are they per-sample tensors, counted by their number; a shorter list
+    (an epoch's last batch) is too when its tensors share ``sample_leading``, the leading
+    size of the per-sample tensors of a full batch of the same loader before it
+    (:func:`shared_leading`; without one, it reads as that size). A batch larger than the
+    loader's ``batch_size`` (a dataset of ready-made batches) counts what it holds.
 
     Example:
         >>> batch_size({"x": np.zeros((5, 2)), "y": np.zeros(5)}), batch_size(np.zeros(()))
@@ -103,15 +108,35 @@ def batch_size(batch: object, loader_batch_size: int | None = None) -> int | Non
         8
         >>> batch_size([np.zeros((224, 224, 3))] * 8, 8)  # collate_fn=list, batch_size=8
         8
+        >>> batch_size([np.zeros((224, 224, 3))] * 5, 8, sample_leading=224)  # the last 5
+        5
     """
-    if isinstance(batch, list) and batch and _leading(batch[0]) is not None:
-        leading = {_leading(v) for v in batch}
-        if len(leading) == 1 and None not in leading:
-            size = leading.pop()
-            if loader_batch_size is not None and len(batch) == loader_batch_size != size:
-                return len(batch)
-            return size
+    size = shared_leading(batch)
+    if isinstance(batch, list) and size is not None:
+        if loader_batch_size is not None and (
+            len(batch) == loader_batch_size != size
+            or (len(batch) < loader_batch_size and size == sample_leading)
+        ):
+            return len(batch)
+        return size
     return batch_length(batch)
+
+
+def shared_leading(batch: object) -> int | None:
+    """The leading size all items of a non-empty list of tensors (or arrays) share, None
+    for anything else: a list :func:`batch_size` reads as the batch's fields or as
+    per-sample tensors.
+
+    Example:
+        >>> shared_leading([np.zeros((3, 4)), np.zeros((3, 2))]), shared_leading([np.zeros(2)])
+        (3, 2)
+        >>> shared_leading([np.zeros(3), np.zeros(4)]) is None
+        True
+    """
+    if not isinstance(batch, list) or not batch:
+        return None
+    leading = {_leading(v) for v in batch}
+    return leading.pop() if len(leading) == 1 and None not in leading else None
 
 
 def loader_batch_size(iterable: object) -> int | None:

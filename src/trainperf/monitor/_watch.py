@@ -42,7 +42,7 @@ import time
 import weakref
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -50,12 +50,19 @@ import torch
 
 from trainperf._utils.validate import non_negative_int, positive_int, positive_number
 from trainperf.device import resolve_device
-from trainperf.monitor._probe import CpuClock, loader_facts
+from trainperf.monitor._probe import CpuClock
 from trainperf.monitor._probe import background_saves as _background_saves
 from trainperf.monitor._probe import rank_cpus as _rank_cpus
 from trainperf.monitor._report import WatchReport
 from trainperf.monitor._sampler import MAX_RECORDS, _Sampler
-from trainperf.monitor._watch_iter import _Pass, _Timed, check_iterable, refuse_own
+from trainperf.monitor._watch_iter import (
+    _Pass,
+    _Source,
+    _Timed,
+    check_iterable,
+    note_source,
+    refuse_own,
+)
 from trainperf.monitor._watch_report import build_report
 from trainperf.monitor._watch_steps import cpu_reading, exclude_from_next, record_step, settle
 
@@ -123,16 +130,15 @@ class Watch:
         self._pending_count = 0
         self._count_known = True
         self._items = 0  # batches w.iter() yielded
-        self._layout: tuple[int, ...] | None = None  # the first batch's tensor sizes
-        self._layout_batch: int | None = None  # and its samples
         self._iterated = False  # w.iter() was used: the data wait is measured
         self._passes: list[_Pass] = []  # w.iter() passes not exhausted (the newest few)
         self._clock = CpuClock()
         # (run, delay, generation) at the last schedstat reading: see settle().
         self._last_reading = (math.nan, math.nan, 0)
         self._reading_at = 0.0  # when it was made: seconds from _t0
-        self._loader: dict[str, Any] = {}  # the loader's settings at w.iter()
-        self._loader_ref: Callable[[], object | None] = lambda: None
+        # What w.iter() was given, by id: each loader's settings, the steps it fed, and its
+        # first batch's layout (the predictions use the loader that fed the most steps).
+        self._sources: dict[int, _Source] = {}
         self._sampler: _Sampler | None = None
         self._cpus = 1
         # CUDA events: (step index, event at the step's first batch, event at its end).
@@ -340,11 +346,7 @@ class Watch:
         check_iterable(iterable)
         refuse_own(self, iterable)
         self._iterated = True
-        self._loader = loader_facts(iterable)  # what the predictions need of the loader
-        try:  # read again for the report: an adaptive loader changes its settings meanwhile
-            self._loader_ref = weakref.ref(iterable)
-        except TypeError:
-            self._loader_ref = lambda: None
+        note_source(self, iterable)  # what the predictions need of the loader
         return _Timed(self, iterable)
 
     def step(self, samples: int | None = None) -> None:

@@ -20,6 +20,7 @@ from trainperf.monitor._rules import MIN_STEPS, UNMEASURED
 from trainperf.monitor._save_cost import with_save_cost
 from trainperf.monitor._setup import LoopSetup
 from trainperf.monitor._verdict import Verdict
+from trainperf.monitor._watch_iter import feeding_source
 
 if TYPE_CHECKING:
     from trainperf.monitor._report import WatchReport
@@ -97,13 +98,15 @@ def measured(w: Watch, timeline: list[StepRecord], samples: list[Sample]) -> dic
     kept = timeline[max(0, w._warmup - w._first) :]
     total = sum(s.duration for s in kept)
     waits = total > 0 and sum(s.wait for s in kept) >= SAWTOOTH_WAIT * total
-    if waits and _loads_in_thread(w, samples) and w._layout and w._layout_batch:
+    source = feeding_source(w)
+    layout, layout_batch = (None, None) if source is None else (source.layout, source.layout_batch)
+    if waits and _loads_in_thread(w, samples) and layout and layout_batch:
         probe = w._state != "running"
         # The loop's own time between two batches: the probe pauses that long before
         # each receive (a receive after a step costs more than one in a tight loop).
         own = statistics.median(s.duration - s.wait for s in kept)
         pause = max(0.0, own) / max(1.0, out["batches_per_step"] or 1.0)
-        handover = measure_handover(w._layout, w._layout_batch, pause_s=pause, probe=probe)
+        handover = measure_handover(layout, layout_batch, pause_s=pause, probe=probe)
         if handover is not None:
             out["handover_receive_s"] = handover.receive_s
             out["handover_produce_s"] = handover.produce_s
@@ -111,10 +114,14 @@ def measured(w: Watch, timeline: list[StepRecord], samples: list[Sample]) -> dic
 
 
 def loader_now(w: Watch) -> dict[str, Any]:
-    """The settings of the loader ``w.iter()`` was given, as they are now (an adaptive
-    loader's change them while it runs), or as they were then if it is gone."""
-    loader = w._loader_ref()
-    return w._loader if loader is None else loader_facts(loader)
+    """The settings of the loader that fed the loop's steps (:func:`feeding_source`: not a
+    validation loader ``w.iter()`` was given last), as they are now (an adaptive loader's
+    change them while it runs), or as they were at its last ``w.iter()`` if it is gone."""
+    source = feeding_source(w)
+    if source is None:
+        return {}
+    loader = source.ref()
+    return source.facts if loader is None else loader_facts(loader)
 
 
 def _loads_in_thread(w: Watch, samples: list[Sample]) -> bool:

@@ -10,7 +10,8 @@ import reprlib
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -19,13 +20,14 @@ import torch
 
 from trainperf._utils.stack import user_stacklevel
 from trainperf.monitor._handover import batch_layout
-from trainperf.monitor._probe import batch_size, loader_batch_size
+from trainperf.monitor._probe import batch_size, loader_batch_size, loader_facts, shared_leading
 
 if TYPE_CHECKING:
     from trainperf.monitor._watch import Watch
 
 T = TypeVar("T")
 _OPEN_PASSES = 64  # open w.iter() passes remembered (peeks that never finish are dropped)
+_SOURCES = 64  # iterables remembered for the predictions (the ones that fed fewest go first)
 
 
 @dataclass
@@ -36,6 +38,51 @@ class _Pass:
     iterable_id: int
     step: int = 0
     taken: int = 0
+
+
+@dataclass
+class _Source:
+    """An iterable ``w.iter()`` was given, for the predictions: its loader settings at the
+    latest ``w.iter()`` of it (``given``: the count of ``w.iter()`` calls then) and a weak
+    reference to read them again when the report is made (an adaptive loader changes them),
+    the steps in which it handed out a batch, and its first batch's layout and samples (for
+    the hand-over probe)."""
+
+    facts: dict[str, Any]
+    ref: Callable[[], object | None]
+    given: int
+    steps: int = 0
+    last_step: int = -1
+    layout: tuple[int, ...] | None = None
+    layout_batch: int | None = None
+
+
+def note_source(w: Watch, iterable: object) -> None:
+    """Remember ``iterable``'s loader settings (and a weak reference to it) for
+    :func:`feeding_source`; the steps it fed so far stay."""
+    facts = loader_facts(iterable)
+    ref: Callable[[], object | None]
+    try:
+        ref = weakref.ref(iterable)
+    except TypeError:  # a list, a tuple: no settings to read again
+        ref = lambda: None  # noqa: E731
+    given = max((s.given for s in tuple(w._sources.values())), default=0) + 1
+    known = w._sources.get(id(iterable))
+    if known is not None:
+        known.facts, known.ref, known.given = facts, ref, given
+        return
+    if len(w._sources) >= _SOURCES:
+        del w._sources[min(w._sources, key=lambda k: (w._sources[k].steps, w._sources[k].given))]
+    w._sources[id(iterable)] = _Source(facts, ref, given)
+
+
+def feeding_source(w: Watch) -> _Source | None:
+    """The iterable that handed out batches in the most steps: the loop's own loader, not a
+    validation pass drawn once an epoch (all its batches fall in one step), nor one iterated
+    only before the first step; on a tie the one ``w.iter()`` was given last (a loader made
+    anew each epoch: the latest). None before any ``w.iter()``."""
+    # A tuple first: a w.iter() in the loop's thread may add one while another reports.
+    return max(tuple(w._sources.values()), key=lambda s: (s.steps, s.given), default=None)
 
 
 class _Timed(Iterator[T]):
@@ -60,6 +107,9 @@ class _Timed(Iterator[T]):
         self._pass = _new_pass(watch, iterable)
         self._rows = _yields_rows(iterable)
         self._per_batch = loader_batch_size(iterable)  # a DataLoader's, else None
+        # The leading size of the per-sample tensors a full batch held (collate_fn=list of
+        # images: their channels or height), by which the epoch's short last batch is read.
+        self._sample_leading: int | None = None
         history = getattr(iterable, "tuning_history", None)
         # An AdaptiveDataLoader's changes (at iter(), or mid-epoch in next()) are read as
         # its history grows: each is marked at the step that took its first batch.
@@ -97,7 +147,9 @@ class _Timed(Iterator[T]):
         if self._history is not None and len(self._history) > self._seen:
             _retuned(self._watch, self._history[self._seen :])
             self._seen = len(self._history)
-        n = 1 if self._rows else batch_size(item, self._per_batch)
+        n = 1 if self._rows else batch_size(item, self._per_batch, self._sample_leading)
+        if n is not None and n == self._per_batch and n != (lead := shared_leading(item)):
+            self._sample_leading = lead
         _took(self._watch, item, self._pass, n)
         return item
 
@@ -238,8 +290,12 @@ def _took(w: Watch, item: Any, now: _Pass, n: int | None) -> None:
         now.step, now.taken = steps, 0
     now.taken += n or 0
     w._items += 1
-    if w._layout is None:
-        w._layout, w._layout_batch = batch_layout(item), n
+    source = w._sources.get(now.iterable_id)
+    if source is not None:
+        if source.last_step != steps:
+            source.steps, source.last_step = source.steps + 1, steps
+        if source.layout is None:
+            source.layout, source.layout_batch = batch_layout(item), n
     with w._lock:  # a prefetch thread's count, and the loop's w.step() that resets it
         if n is None:
             w._count_known = False
