@@ -176,6 +176,40 @@ def test_workers_the_tuner_made_persistent_keep_the_plain_loaders_shuffle_every_
     assert epochs(_tuned(data, report, asked=True)) == asked  # type: ignore[arg-type]
 
 
+def test_a_peek_or_zip_over_workers_the_tuner_made_persistent_gets_the_plain_batches() -> None:
+    # Before: a new iter() reset the persistent pool under the loop still running over it,
+    # so a peek (next(iter(loader))) inside the loop restarted the epoch (samples repeated,
+    # silently) and zip(loader, loader) paired consecutive batches, where the caller's own
+    # DataLoader (no persistent workers: the tuner chose them) starts a second pool.
+    from types import SimpleNamespace
+
+    from trainperf.loader._autotune import _tuned
+
+    def run(loader: Any) -> list[list[int]]:
+        torch.manual_seed(7)
+        got = []
+        for _ in range(2):
+            for i, batch in enumerate(loader):
+                got.append(batch.tolist())
+                if i == 1:
+                    got.append(next(iter(loader)).tolist())  # a peek, to log a batch
+        got += [a.tolist() + b.tolist() for a, b in zip(loader, loader, strict=True)]
+        return got
+
+    data = list(range(12))
+    plain = run(DataLoader(data, batch_size=3, shuffle=True, num_workers=1))
+    chosen = {"batch_size": 3, "shuffle": True, "num_workers": 1, "persistent_workers": True}
+    tuned = _tuned(data, SimpleNamespace(best_kwargs=chosen), asked=None)  # type: ignore[arg-type]
+    try:
+        assert run(tuned) == plain
+        kept = tuned._iterator
+        assert kept is not None and [len(b) for b in tuned] == [3] * 4
+        assert tuned._iterator is kept  # a loop that holds nothing else reuses the pool
+    finally:
+        if tuned._iterator is not None:
+            tuned._iterator._shutdown_workers()
+
+
 @pytest.mark.parametrize("own_generator", [False, True])
 def test_a_persistent_pool_asked_for_but_not_chosen_keeps_the_plain_loaders_shuffle(
     own_generator: bool,

@@ -255,3 +255,37 @@ def test_set_epoch_takes_a_numpy_integer_and_keeps_a_python_int(folder: Path) ->
     loader = _loader(folder, "torchvision", batch_size=6)
     loader.set_epoch(np.int64(4))
     assert loader.epoch == 4 and type(loader.epoch) is int
+
+
+def test_passes_started_from_several_threads_each_get_their_own_epoch() -> None:
+    # The epoch was read and counted on in two steps: threads starting passes together read
+    # the same epoch (the same order and crops twice) and lost counts.
+    import sys
+    import threading
+
+    from trainperf.pipelines._base import ImageLoader
+
+    class Counting(ImageLoader):  # the epoch bookkeeping alone, no files
+        backend = "nvjpeg"
+
+        def __init__(self) -> None:
+            pass
+
+        def _epoch(self, epoch: int) -> Any:
+            return iter(())
+
+    loader, passes = Counting(), 3000
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [
+            threading.Thread(target=lambda: [loader.iter_with_indices() for _ in range(passes)])
+            for _ in range(4)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert loader.epoch == 4 * passes

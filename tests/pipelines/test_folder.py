@@ -222,6 +222,26 @@ def test_image_files_left_out_are_counted_in_one_warning(tmp_path: Path) -> None
     assert "convert" in message and "labels.txt" not in message
 
 
+def test_a_folder_of_only_unread_formats_says_which_and_how_to_convert_them(
+    tmp_path: Path,
+) -> None:
+    # GTSRB ships as class folders of .ppm files, which ImageFolder reads: the error said
+    # "no images in them", and the warning that names the .ppm files never came (it raised
+    # first), so nothing said what was found or what to do.
+    root = tmp_path / "GTSRB"
+    for cls in ("00000", "00001"):
+        (root / cls).mkdir(parents=True)
+        for i in range(2):
+            PIL.new("RGB", (8, 8)).save(root / cls / f"{i}.ppm")
+    (root / "00001" / "x.pgm").write_bytes(b"P5 1 1 255 x")
+    with pytest.raises(
+        ValueError,
+        match=r"but no images in them .*; they hold 5 image file\(s\) of formats no backend "
+        r"here decodes \(\.ppm: 4, \.pgm: 1\): convert them to PNG or JPEG to use them",
+    ):
+        find_images(root)
+
+
 def test_a_folder_without_left_out_files_does_not_warn(tmp_path: Path) -> None:
     import warnings
 

@@ -345,3 +345,50 @@ def test_each_pass_draws_its_own_epoch_and_sampler_set_epoch_sets_the_next(
     assert order == orders[0] and _indices(loader) == orders[5]
     sampler.set_epoch(5)  # an epoch read already: read again
     assert _indices(loader) == orders[5] and loader.epoch == 6
+
+
+def test_a_pass_begun_in_another_thread_while_one_draws_reads_the_next_epoch(
+    folder: Path,
+) -> None:
+    # A pass set the sampler's epoch to the one it draws until its first batch came: a pass
+    # begun meanwhile in another thread read that epoch too (the same order and crops twice)
+    # and the loader's epoch was counted once for the two.
+    import threading
+
+    orders = _orders(folder, 2)
+    loader = _seeded(folder, loader_kwargs={"num_workers": 0})
+    dataset: Any = loader.dataset  # type: ignore[attr-defined]
+    decode, other, calls = dataset._decode, [], [0]
+
+    def decode_and_start_a_pass_once(path: str) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:  # inside the first pass's draw of its first batch
+            thread = threading.Thread(target=lambda: other.extend(_indices(loader)))
+            thread.start()
+            thread.join()
+        return decode(path)
+
+    dataset._decode = decode_and_start_a_pass_once
+    first = [i for _, _, idx in loader.iter_with_indices() for i in idx.tolist()]
+    assert (first, other) == (orders[0], orders[1])
+    assert loader.epoch == 2
+
+
+def test_a_pass_begun_inside_another_over_persistent_workers_leaves_it_whole(
+    folder: Path,
+) -> None:
+    # Persistent workers are one DataLoader iterator, which iter() resets: a peek inside a
+    # pass (next(iter(loader))) restarted that pass's epoch under its loop, repeating batches.
+    orders = _orders(folder, 2)
+    loader = _seeded(folder, loader_kwargs={"num_workers": 1, "persistent_workers": True})
+    try:
+        order, peeked = [], []
+        for i, (_, _, idx) in enumerate(loader.iter_with_indices()):
+            order += idx.tolist()
+            if i == 0:
+                peeked = next(loader.iter_with_indices())[2].tolist()
+        assert order == orders[0] and peeked == orders[1][: len(peeked)]
+        kept = loader.dataloader._iterator
+        assert _indices(loader) == _orders(folder, 3)[2] and loader.dataloader._iterator is kept
+    finally:
+        loader.close()

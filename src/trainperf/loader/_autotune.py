@@ -8,6 +8,8 @@ out-of-memory killer, ``kill -9``, a scheduler's hard stop) leaves no worker beh
 
 from __future__ import annotations
 
+import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +34,17 @@ from trainperf.loader._tune import tune_loader
 __all__ = ["TunedDataLoader", "autotune_loader"]
 
 _TOO_MANY = "This DataLoader will create"  # torch's "more workers than CPUs" warning
+
+
+def _references(value: object) -> int:
+    return sys.getrefcount(value)
+
+
+# What _references(obj.attr) counts for an object that only that attribute holds (the
+# call's own references among them, however this interpreter passes arguments).
+_holder = types.SimpleNamespace(value=object())
+_ONE_HOLDER = _references(_holder.value)
+del _holder
 
 
 class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
@@ -101,6 +114,18 @@ class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
         reused = bool(self.persistent_workers and self.num_workers > 0) and (
             self._iterator is not None
         )
+        if (
+            reused
+            and self._persistent_asked is False
+            and _references(self._iterator) > _ONE_HOLDER  # and a loop, or a variable
+        ):
+            # The tuner made the pool persistent (the caller did not), and its epoch is still
+            # held: a peek (next(iter(loader))) inside a loop over the loader, zip(loader,
+            # loader). Resetting the pool would restart that epoch under the loop (samples
+            # repeated, silently); the plain DataLoader of the caller's arguments starts a new
+            # pool, with its draws, and so does this one.
+            self._iterated = True
+            return self._get_iterator()
         plain_reuses = self._draws_once and self._iterated
         self._iterated = True
         if reused and not plain_reuses:

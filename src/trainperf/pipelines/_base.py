@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -18,6 +19,8 @@ __all__ = ["ImageBackend", "ImageLoader", "LoaderConfig"]
 ImageBackend = Literal["dali", "nvjpeg", "torchvision"]
 """The libraries an :class:`ImageLoader` can decode and augment with."""
 LastBatch = Literal["drop", "keep"]
+# Reading an epoch and counting it on is one step: held for that alone (every loader's).
+_EPOCH_BUMP = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -183,8 +186,9 @@ class ImageLoader:
             ...     print(names, labels.tolist())
             ['cat/0.jpg', 'dog/0.jpg'] [0, 1]
         """
-        epoch = self.epoch
-        self.epoch = epoch + 1
+        with _EPOCH_BUMP:  # two threads starting passes at once must not read one epoch
+            epoch = self.epoch
+            self.epoch = epoch + 1
         return self._epoch(epoch)
 
     def _epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -293,13 +293,27 @@ def find_images(
     if not items and not unlisted:
         raise ValueError(
             f"image folder {str(root)!r} has class subfolders {list(classes)[:5]} but no "
-            f"images in them (suffixes read: {', '.join(IMAGE_EXTENSIONS)})"
+            f"images in them (suffixes read: {', '.join(IMAGE_EXTENSIONS)})" + _unread_fix(unread)
         )
     _warn_repeats(path, root, repeats)
     _warn_empty(path, root, classes, per_class, unlisted)
     _warn_left_out(root, unread, loose)
     _warn_passed_over(path, root, passed_over)
     return items, classes, unlisted
+
+
+def _unread_fix(unread: Counter[str]) -> str:
+    """What the no-images error adds when the class folders hold only images of formats not
+    read (a GTSRB-style folder of ``.ppm`` files, which ImageFolder reads): which, and the fix.
+    """
+    if not unread:
+        return ""
+    by_suffix = ", ".join(f"{suffix}: {n}" for suffix, n in unread.most_common())
+    return (
+        f"; they hold {sum(unread.values())} image file(s) of formats no backend here decodes "
+        f"({by_suffix}): convert them to PNG or JPEG to use them (where Pillow reads them: "
+        "PIL.Image.open(p).save(p.with_suffix('.png')))"
+    )
 
 
 def _warn(message: str) -> None:

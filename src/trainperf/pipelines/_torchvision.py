@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, BinaryIO
 
@@ -188,7 +189,24 @@ class EpochSampler(Sampler[tuple[int, int]]):
         self.shuffle = shuffle
         self.seed = seed
         self.drop = drop
-        self.epoch = 0
+        self._next_epoch = 0
+        # The epoch a pass draws, by the thread drawing it (see drawing()): other threads,
+        # another pass's among them, still see the next pass's epoch meanwhile.
+        self._drawn: dict[int, int] = {}
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration draws (in a thread inside :meth:`drawing`: the one
+        it draws)."""
+        return self._drawn.get(threading.get_ident(), self._next_epoch)
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        me = threading.get_ident()
+        if me in self._drawn:
+            self._drawn[me] = epoch
+        else:
+            self._next_epoch = epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Draw ``epoch``'s order next (an int >= 0; NumPy's integers too).
@@ -200,12 +218,15 @@ class EpochSampler(Sampler[tuple[int, int]]):
 
     @contextlib.contextmanager
     def drawing(self, epoch: int) -> Iterator[None]:
-        """Draw ``epoch``'s order within the block, and :attr:`epoch`'s again after it."""
-        following, self.epoch = self.epoch, epoch
+        """Draw ``epoch``'s order within the block, in this thread only; :attr:`epoch` stays
+        the next pass's everywhere else, so a pass begun in another thread meanwhile, or a
+        ``set_epoch`` from one, is not mistaken for or overwritten by this pass's epoch."""
+        me = threading.get_ident()
+        self._drawn[me] = epoch
         try:
             yield
         finally:
-            self.epoch = following
+            del self._drawn[me]
 
     def __len__(self) -> int:
         return self.shard.samples if not self.drop else self.num_files // self.shard.world_size
@@ -293,6 +314,7 @@ class TorchvisionLoader(ImageLoader):
         self._labels = labels_tensor(source.labels)
         self._closed = False
         self._active: Iterator[Any] | None = None  # the running epoch's DataLoader iterator
+        self._pool_pass: object | None = None  # the pass using the persistent pool, if one is
 
     @property
     def epoch(self) -> int:
@@ -310,13 +332,13 @@ class TorchvisionLoader(ImageLoader):
             raise RuntimeError(_CLOSED)
         device, c = self.config.device, self.config
         batches: Iterator[Any] = iter(())
-        handed = batches
+        handed, me = batches, object()
         try:
             # The sampler draws this pass's order by its first batch (workers get their first
             # indices as the iterator starts, a single process as it fetches the batch), and
             # keeps the next pass's epoch.
             with self.sampler.drawing(epoch):
-                batches = iter(self.dataloader)
+                batches = self._pass_iterator(me)
                 self._active = batches
                 handed = itertools.chain(list(itertools.islice(batches, 1)), batches)
             for images, indices in handed:
@@ -330,8 +352,23 @@ class TorchvisionLoader(ImageLoader):
         finally:
             if self._active is batches:
                 self._active = None
+            if self._pool_pass is me:
+                self._pool_pass = None
             self._end_workers(batches)
             del batches, handed  # a traceback keeps this frame, and with it the iterator, alive
+
+    def _pass_iterator(self, me: object) -> Iterator[Any]:
+        """Pass ``me``'s DataLoader iterator. Persistent workers (``loader_kwargs``, or the
+        autotuner's choice) are one iterator, which each ``iter()`` resets: while a pass
+        still reads from it, resetting it would restart that pass's epoch under its loop
+        (batches repeated), so this pass gets workers of its own, ended with it."""
+        kept = getattr(self.dataloader, "_iterator", None)
+        if kept is not None and self._pool_pass is not None:
+            return self.dataloader._get_iterator()
+        batches = iter(self.dataloader)
+        if batches is getattr(self.dataloader, "_iterator", None):
+            self._pool_pass = me
+        return batches
 
     def _end_workers(self, batches: Iterator[Any]) -> None:
         """End the workers of an epoch's iterator, however the epoch ended: an error's
