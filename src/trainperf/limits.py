@@ -317,8 +317,9 @@ def usable_cpus(
     """CPUs one of ``local_ranks`` processes on this host may use (at least 1).
 
     The host's usable CPUs are shared by the ranks, except where SLURM already bound each rank
-    to its own: when the ranks are SLURM tasks (SLURM's tasks on this node,
-    ``SLURM_NTASKS_PER_NODE`` else ``SLURM_TASKS_PER_NODE``, equal ``local_ranks``) and this
+    to its own: when the ranks are SLURM tasks (SLURM's tasks on this node: in an srun step
+    ``SLURM_STEP_TASKS_PER_NODE``, else ``SLURM_NTASKS_PER_NODE``, else
+    ``SLURM_TASKS_PER_NODE``, equal ``local_ranks``) and this
     process's affinity is no wider than ``SLURM_CPUS_PER_TASK``, the affinity is this rank's
     share and is not divided again. The variables are read by the rules of
     :mod:`trainperf._utils.launch_env` (``"4(x2),3"`` counts this node's entry).
@@ -358,7 +359,9 @@ def _bound_per_task(local_ranks: int, limits: HostLimits, env: Mapping[str, str]
 
 def local_world_size(env: Mapping[str, str] | None = None) -> int:
     """Training processes sharing this host: ``LOCAL_WORLD_SIZE`` (torchrun), else SLURM's
-    tasks on this node (``SLURM_NTASKS_PER_NODE``, else ``SLURM_TASKS_PER_NODE``; of
+    tasks on this node (in an srun step ``SLURM_STEP_TASKS_PER_NODE``, the step's own also
+    under ``srun --preserve-env``; else ``SLURM_NTASKS_PER_NODE``, else
+    ``SLURM_TASKS_PER_NODE``; of
     ``"4(x2),3"`` the entry of node ``SLURM_NODEID``, or the first without it), else
     ``WORLD_SIZE``, else 1. SLURM's count comes before ``WORLD_SIZE`` because job scripts
     often export ``WORLD_SIZE=$SLURM_NTASKS``, the whole job's size, not this node's.

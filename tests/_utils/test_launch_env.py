@@ -469,3 +469,29 @@ def test_an_inherited_tasks_per_node_is_at_most_the_steps_tasks() -> None:
     # host (ddp read 2), and the loader tuner split the CPUs four ways.
     env = {"SLURM_NTASKS_PER_NODE": "4", "SLURM_NTASKS": "2"}
     assert launch_env.local_world_size(env) == 2
+
+
+def test_an_srun_preserve_env_step_counts_the_steps_tasks_not_the_jobs() -> None:
+    # `srun --preserve-env -N2 -n4 --ntasks-per-node=2` in a job of 4 tasks on each of 2
+    # nodes keeps SLURM_NTASKS=8 and SLURM_TASKS_PER_NODE='4(x2)': limits read 4 processes
+    # on the host, and the CPUs were split four ways among two.
+    step = {
+        "SLURM_PROCID": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_NTASKS": "8",
+        "SLURM_TASKS_PER_NODE": "4(x2)",
+        "SLURM_STEP_ID": "3",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+    }
+    assert launch_env.step_tasks(step) == 4
+    assert launch_env.tasks_on_this_node(step) == 2
+    assert launch_env.local_world_size(step) == 2
+    assert launch_env.in_srun_step(step)
+    # `srun --preserve-env -n 1`: one process, whatever the job's count.
+    assert not launch_env.in_srun_step({**step, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"})
+    # Outside an srun step (the batch script, salloc's interactive step) the job's counts.
+    for special in ("4294967294", "4294967290"):
+        shell = {**step, "SLURM_STEP_ID": special}
+        assert launch_env.step_tasks(shell) == 8
+        assert launch_env.tasks_on_this_node(shell) == 4

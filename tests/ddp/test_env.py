@@ -150,3 +150,71 @@ def test_an_inherited_ntasks_per_node_over_the_steps_tasks_is_capped() -> None:
     }
     found = _env.detect(step)
     assert found is not None and (found.world_size, found.local_world_size) == (2, 2)
+
+
+# `srun --preserve-env -N2 -n4 --ntasks-per-node=2` inside an 8-task allocation of
+# --ntasks-per-node=4: SLURM_NTASKS, SLURM_NPROCS and SLURM_TASKS_PER_NODE keep the job's
+# values; only SLURM_STEP_NUM_TASKS and SLURM_STEP_TASKS_PER_NODE are the step's.
+PRESERVED_ENV_STEP = {
+    **SLURM,
+    "SLURM_PROCID": "3",
+    "SLURM_NODEID": "1",
+    "SLURM_NPROCS": "8",
+    "SLURM_NTASKS_PER_NODE": "4",
+    "SLURM_STEP_ID": "1",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+}
+
+
+def test_an_srun_preserve_env_step_is_as_big_as_the_step_not_the_job() -> None:
+    # World size 8 made rank 0 wait in the rendezvous for 4 ranks the step never starts.
+    assert _env.detect(PRESERVED_ENV_STEP) == _env.DistributedEnv(
+        "slurm", 3, 4, 1, 2, "node07", _env.SLURM_PORT_BASE + 4242
+    )
+    # A job submitted without --ntasks (`sbatch -N 2`) has no SLURM_NTASKS to preserve.
+    jobs = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+    no_job_count = {k: v for k, v in PRESERVED_ENV_STEP.items() if k not in jobs}
+    assert _env.detect(no_job_count) == _env.detect(PRESERVED_ENV_STEP)
+    # `srun --preserve-env -n 1 python train.py`: one process, so launch() spawns locally.
+    one = {**PRESERVED_ENV_STEP, "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    assert (
+        _env.detect({**one, "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1"}) is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        (
+            {**PRESERVED_ENV_STEP, "SLURM_PROCID": "4"},
+            r"SLURM_PROCID must be < SLURM_STEP_NUM_TASKS=4, got SLURM_PROCID=4",
+        ),
+        (
+            {**PRESERVED_ENV_STEP, "SLURM_LOCALID": "2"},
+            r"SLURM_LOCALID must be < 2 \(the tasks SLURM_STEP_TASKS_PER_NODE='2\(x2\)' gives "
+            r"node SLURM_NODEID=1\)",
+        ),
+        (
+            {**PRESERVED_ENV_STEP, "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_LOCALID": "0"},
+            r"SLURM_STEP_NUM_TASKS=4 but SLURM_STEP_TASKS_PER_NODE='1\(x2\)' lists 2 tasks",
+        ),
+        (
+            {**PRESERVED_ENV_STEP, "SLURM_STEP_NUM_TASKS": "0"},
+            r"SLURM_STEP_NUM_TASKS must be a whole number >= 1 \(tasks in the srun step\)",
+        ),
+    ],
+)
+def test_a_preserve_env_step_is_checked_against_the_steps_own_variables(
+    env: dict[str, str], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        _env.detect(env)
+
+
+def test_the_step_variables_of_salloc_s_interactive_step_do_not_hide_the_job() -> None:
+    # salloc's interactive step runs `srun --preserve-env --pty $SHELL`: one task, but a
+    # script started from that shell is still refused as outside any srun step of the job.
+    shell = {**PRESERVED_ENV_STEP, "SLURM_PROCID": "0", "SLURM_STEP_ID": "4294967290"}
+    with pytest.raises(ValueError, match=r"SLURM_NTASKS=8 tasks, but not in an srun step"):
+        _env.detect({**shell, "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1"})

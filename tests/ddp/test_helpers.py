@@ -326,6 +326,10 @@ BATCH_SCRIPT = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"}
         # A script the batch script of a --ntasks=4 job runs directly is one process.
         (BATCH_SCRIPT, (0, 0, 1, True)),
         ({**BATCH_SCRIPT, "SLURM_STEP_ID": "4294967294"}, (0, 0, 1, True)),
+        # `srun --preserve-env -n 4` in an 8-task job: SLURM_NTASKS stays the job's, and a
+        # sampler split the data 8 ways, so half of it was never read.
+        ({**SRUN_TASK, "SLURM_STEP_NUM_TASKS": "4"}, (3, 1, 4, False)),
+        ({**SRUN_TASK, "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}, (0, 0, 1, True)),
     ],
 )
 def test_an_srun_task_knows_its_rank_before_any_process_group(
@@ -334,7 +338,7 @@ def test_an_srun_task_knows_its_rank_before_any_process_group(
     # Under srun, torch.cuda.set_device(ddp.local_rank()) put every task on GPU 0, and
     # `if ddp.is_main_process(): prepare()` ran on every task.
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEPID")
-    for name in (*names, "SLURM_STEP_ID"):
+    for name in (*names, "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("SLURM_LOCALID", raising=False)
     for name, value in env.items():

@@ -619,6 +619,31 @@ def test_slurm_job_step_simulated_by_two_programs(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_an_srun_preserve_env_step_of_two_tasks_in_a_job_of_four_runs_two_ranks(
+    tmp_path: Path,
+) -> None:
+    # `srun --preserve-env -n 2` keeps the job's SLURM_NTASKS=4: rank 0 waited in the
+    # rendezvous for ranks 2 and 3, which the step never starts, until timeout.
+    envs = slurm_envs(_free_port())
+    for env in envs:
+        env.update(
+            SLURM_NTASKS="4",
+            SLURM_NPROCS="4",
+            SLURM_TASKS_PER_NODE="4",
+            SLURM_STEP_ID="1",
+            SLURM_STEP_NUM_TASKS="2",
+            SLURM_STEP_TASKS_PER_NODE="2",
+        )
+    command = [sys.executable, str(SCRIPT), "all_reduce", str(tmp_path)]
+    runs = _run_programs([command, command], envs, timeout=60)
+    for run in runs:
+        assert run.returncode == 0, run.stdout
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(r["rank"], r["world_size"], r["sum"]) for r in records] == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_max_restarts_reruns_the_whole_group(tmp_path: Path) -> None:
     marker = tmp_path / "failed-once"

@@ -3,7 +3,11 @@
 torchrun sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``
 and ``MASTER_PORT``; a SLURM job step (``srun``) sets ``SLURM_PROCID``, ``SLURM_LOCALID``,
 ``SLURM_NTASKS``, ``SLURM_NODEID``, ``SLURM_TASKS_PER_NODE`` (and ``SLURM_NTASKS_PER_NODE``
-under ``--ntasks-per-node``), ``SLURM_CPUS_PER_TASK``, ``SLURM_JOB_ID`` and the node lists.
+under ``--ntasks-per-node``), ``SLURM_CPUS_PER_TASK``, ``SLURM_JOB_ID``, the node lists, and
+the step's own ``SLURM_STEP_NUM_TASKS`` and ``SLURM_STEP_TASKS_PER_NODE``; under
+``srun --preserve-env`` (and in salloc's interactive step, which uses it) ``SLURM_NTASKS``,
+``SLURM_NPROCS`` and ``SLURM_TASKS_PER_NODE`` keep the job's values, and only the two
+``SLURM_STEP_*`` variables describe the step.
 :mod:`trainperf.limits` (``local_world_size``, ``usable_cpus``) and :mod:`trainperf.ddp`
 (``detect``, ``rank()`` and friends, the spawner's ``MASTER_PORT``) read them through this
 module, so a value means the same thing, and fails the same way, everywhere.
@@ -16,17 +20,20 @@ The rules:
 - ``RANK``, ``LOCAL_RANK``, ``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``,
   ``SLURM_JOB_ID``: a whole number >= 0 (decimal digits; no sign).
 - ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``SLURM_NTASKS`` (and ``SLURM_NPROCS``, its older
-  name), ``SLURM_CPUS_PER_TASK``: a whole number >= 1.
+  name), ``SLURM_STEP_NUM_TASKS``, ``SLURM_CPUS_PER_TASK``: a whole number >= 1.
 - ``MASTER_PORT``: a whole number in 1..65535.
-- ``SLURM_NTASKS_PER_NODE``, ``SLURM_TASKS_PER_NODE``: tasks per node in SLURM's compressed
-  form, ``"4"``, ``"4(x2)"`` or ``"4(x2),3"`` (4 tasks on each of the first 2 nodes, then 3
-  on the third); every count >= 1.
-- Tasks on this node: ``SLURM_NTASKS_PER_NODE``, else ``SLURM_TASKS_PER_NODE``; of its
-  entries, the ``SLURM_NODEID``-th node's, or the first node's when ``SLURM_NODEID`` is unset.
+- Tasks in this job step (:func:`step_tasks`): in an srun step (a ``SLURM_STEP_ID`` below
+  SLURM's special ids), ``SLURM_STEP_NUM_TASKS`` where set, else ``SLURM_NTASKS``.
+- ``SLURM_STEP_TASKS_PER_NODE``, ``SLURM_NTASKS_PER_NODE``, ``SLURM_TASKS_PER_NODE``: tasks
+  per node in SLURM's compressed form, ``"4"``, ``"4(x2)"`` or ``"4(x2),3"`` (4 tasks on
+  each of the first 2 nodes, then 3 on the third); every count >= 1.
+- Tasks on this node: in an srun step ``SLURM_STEP_TASKS_PER_NODE`` where set, else
+  ``SLURM_NTASKS_PER_NODE``, else ``SLURM_TASKS_PER_NODE``; of its entries, the
+  ``SLURM_NODEID``-th node's, or the first node's when ``SLURM_NODEID`` is unset.
   A single count without ``(xN)`` (how ``--ntasks-per-node=4`` is written) is every node's.
 - Processes on this host (:func:`local_world_size`): ``LOCAL_WORLD_SIZE``, else SLURM's
   tasks on this node (a job script's ``WORLD_SIZE=$SLURM_NTASKS`` is the whole job) but no
-  more than ``WORLD_SIZE`` or ``SLURM_NTASKS`` where set (SLURM's count is the
+  more than ``WORLD_SIZE`` or the step's tasks where set (SLURM's count is the
   allocation's; a launcher or an ``srun -n 2`` started inside it may run fewer
   processes), else ``WORLD_SIZE`` (a torch launcher that does not say how many ranks share
   a host is taken to run them all on this one; torchrun always says), else 1.
@@ -53,7 +60,10 @@ __all__ = [
     "read_int",
     "read_int_or_srun",
     "read_port",
+    "step_tasks",
+    "step_tasks_variable",
     "tasks_on_this_node",
+    "tasks_per_node_variable",
     "text",
 ]
 
@@ -70,12 +80,15 @@ _WHOLE_NUMBERS: dict[str, tuple[int, str]] = {
     "SLURM_NODEID": (0, "this node's index in the job step"),
     "SLURM_NTASKS": (1, "tasks in the job step"),
     "SLURM_NPROCS": (1, "tasks in the job step; the older name of SLURM_NTASKS"),
+    "SLURM_STEP_NUM_TASKS": (1, "tasks in the srun step"),
     "SLURM_CPUS_PER_TASK": (1, "CPUs per task"),
     "SLURM_JOB_ID": (0, "the job's id"),
 }
 _DIGITS = re.compile(r"[0-9]+")
 _TASK_ENTRY = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
 _TASK_VARIABLES = ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+# The step's own layout; read first inside an srun step (see _is_srun_step_id).
+_STEP_TASK_VARIABLE = "SLURM_STEP_TASKS_PER_NODE"
 
 
 def environ(env: Mapping[str, str] | None = None) -> Mapping[str, str]:
@@ -111,21 +124,59 @@ def is_set(name: str, env: Mapping[str, str] | None = None) -> bool:
 _SPECIAL_STEPS = 4294967290
 
 
+def _is_srun_step_id(env: Mapping[str, str] | None) -> bool:
+    """``SLURM_STEP_ID`` names an srun step, not the batch script, extern or interactive one."""
+    step = text("SLURM_STEP_ID", env) or text("SLURM_STEPID", env) or ""
+    return step.isdigit() and int(step) < _SPECIAL_STEPS
+
+
+def step_tasks_variable(env: Mapping[str, str] | None = None) -> str:
+    """The variable that counts this job step's tasks: ``SLURM_STEP_NUM_TASKS`` in an srun
+    step that sets it (srun always does, the step's own count), else ``SLURM_NTASKS``.
+
+    ``SLURM_NTASKS`` is the step's too, except under ``srun --preserve-env``, which keeps
+    the job's: read as the world size, ranks that never start were waited for.
+
+    Example:
+        >>> step = {"SLURM_STEP_ID": "0", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "4"}
+        >>> step_tasks_variable(step), step_tasks_variable({"SLURM_NTASKS": "8"})
+        ('SLURM_STEP_NUM_TASKS', 'SLURM_NTASKS')
+    """
+    if _is_srun_step_id(env) and is_set("SLURM_STEP_NUM_TASKS", env):
+        return "SLURM_STEP_NUM_TASKS"
+    return "SLURM_NTASKS"
+
+
+def step_tasks(env: Mapping[str, str] | None = None) -> int | None:
+    """Tasks in this job step (the variable :func:`step_tasks_variable` names), or None.
+
+    Raises:
+        ValueError: the variable is set but is not a whole number >= 1.
+
+    Example:
+        >>> step = {"SLURM_STEP_ID": "0", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "4"}
+        >>> step_tasks(step), step_tasks({"SLURM_NTASKS": "8"}), step_tasks({})
+        (4, 8, None)
+    """
+    return read_int(step_tasks_variable(env), env)
+
+
 def in_srun_step(env: Mapping[str, str] | None = None) -> bool:
-    """This process is one task of an ``srun`` step of several (``SLURM_PROCID`` set,
-    ``SLURM_NTASKS`` > 1, and a step id: the batch script itself has the first two too, and
-    a script it runs directly is one process, not task 0 of N).
+    """This process is one task of an ``srun`` step of several (``SLURM_PROCID`` set, the
+    step's tasks (:func:`step_tasks`) > 1, and a step id: the batch script itself has the
+    first two too, and a script it runs directly is one process, not task 0 of N).
 
     Example:
         >>> task = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}
         >>> in_srun_step(task), in_srun_step({**task, "SLURM_STEP_ID": "4294967294"})
         (True, False)
+        >>> in_srun_step({**task, "SLURM_STEP_NUM_TASKS": "1"})  # srun --preserve-env -n 1
+        False
     """
-    ntasks = read_int("SLURM_NTASKS", env)
+    ntasks = step_tasks(env)
     if ntasks is None or ntasks <= 1 or read_int("SLURM_PROCID", env) is None:
         return False
-    step = text("SLURM_STEP_ID", env) or text("SLURM_STEPID", env) or ""
-    return step.isdigit() and int(step) < _SPECIAL_STEPS
+    return _is_srun_step_id(env)
 
 
 def parse_int(name: str, raw: str) -> int:
@@ -253,6 +304,21 @@ def _entry_for_node(name: str, raw: str, entries: tuple[tuple[int, int], ...], n
     )
 
 
+def tasks_per_node_variable(env: Mapping[str, str] | None = None) -> str | None:
+    """The variable :func:`tasks_on_this_node` reads (the rule is in the module docstring),
+    or None when none is set.
+
+    Example:
+        >>> step = {"SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+        >>> tasks_per_node_variable({**step, "SLURM_TASKS_PER_NODE": "4(x2)"})
+        'SLURM_STEP_TASKS_PER_NODE'
+        >>> tasks_per_node_variable({"SLURM_TASKS_PER_NODE": "4(x2)"})
+        'SLURM_TASKS_PER_NODE'
+    """
+    step = (_STEP_TASK_VARIABLE,) if _is_srun_step_id(env) else ()
+    return next((name for name in (*step, *_TASK_VARIABLES) if is_set(name, env)), None)
+
+
 def tasks_on_this_node(env: Mapping[str, str] | None = None) -> int | None:
     """SLURM's tasks on this node (the rule is in the module docstring), or None when unset.
 
@@ -265,20 +331,19 @@ def tasks_on_this_node(env: Mapping[str, str] | None = None) -> int | None:
         >>> tasks_on_this_node({"SLURM_TASKS_PER_NODE": "4(x2),3"})  # node unknown: the first
         4
     """
-    for name in _TASK_VARIABLES:
-        raw = text(name, env)
-        if raw is None:
-            continue
-        entries = parse_tasks_per_node(name, raw)
-        node = read_int("SLURM_NODEID", env)
-        return entries[0][0] if node is None else _entry_for_node(name, raw, entries, node)
-    return None
+    name = tasks_per_node_variable(env)
+    if name is None:
+        return None
+    raw = environ(env)[name].strip()
+    entries = parse_tasks_per_node(name, raw)
+    node = read_int("SLURM_NODEID", env)
+    return entries[0][0] if node is None else _entry_for_node(name, raw, entries, node)
 
 
 def local_world_size(env: Mapping[str, str] | None = None) -> int:
     """Processes on this host: ``LOCAL_WORLD_SIZE``, else SLURM's tasks on this node (at
-    most ``WORLD_SIZE`` and ``SLURM_NTASKS``), else ``WORLD_SIZE``, else 1 (see the module
-    docstring).
+    most ``WORLD_SIZE`` and the step's tasks, :func:`step_tasks`), else ``WORLD_SIZE``, else
+    1 (see the module docstring).
 
     SLURM's count comes before ``WORLD_SIZE`` because job scripts often export
     ``WORLD_SIZE=$SLURM_NTASKS``, the whole job's size, not this node's. It is capped at
@@ -307,8 +372,8 @@ def local_world_size(env: Mapping[str, str] | None = None) -> int:
     world = read_int("WORLD_SIZE", env)
     if tasks is None:
         return 1 if world is None else world
-    # SLURM_NTASKS too: --ntasks-per-node=4 of the allocation is inherited by `srun -n 2`.
-    caps = [n for n in (world, read_int("SLURM_NTASKS", env)) if n is not None]
+    # The step's tasks too: --ntasks-per-node=4 of the allocation is inherited by `srun -n 2`.
+    caps = [n for n in (world, step_tasks(env)) if n is not None]
     return min([tasks, *caps])
 
 

@@ -23,8 +23,6 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 # Any one of these means "a launcher started me"; MASTER_ADDR/MASTER_PORT alone do not,
 # since users set them to choose the single-node spawner's port.
 _TORCHRUN_MARKERS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-# SLURM's tasks-per-node variables, in the order launch_env.tasks_on_this_node reads them.
-_TASKS_PER_NODE = ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 
 # MASTER_PORT under SLURM when the job does not set one: every task of a job derives the
 # same port from the job id, and concurrent jobs on one node rarely collide.
@@ -167,8 +165,9 @@ def _refuse_outside_srun(ntasks: int, env: Mapping[str, str]) -> None:
 def _check_nprocs(ntasks: int, env: Mapping[str, str]) -> None:
     """SLURM sets SLURM_NPROCS, the older name of SLURM_NTASKS, to the step's tasks, or in a
     heterogeneous step (``srun -n2 a : -n2 b``, which need not set SLURM_HET_SIZE) to one
-    component's: never more than SLURM_NTASKS. More means the variables of two jobs or
-    steps are mixed (one exported into the other)."""
+    component's: never more than SLURM_NTASKS (``srun --preserve-env`` keeps both of the
+    job's). More means the variables of two jobs or steps are mixed (one exported into the
+    other)."""
     nprocs = launch_env.read_int("SLURM_NPROCS", env)
     if nprocs is not None and nprocs > ntasks:
         raise ValueError(
@@ -181,24 +180,29 @@ def _check_nprocs(ntasks: int, env: Mapping[str, str]) -> None:
 
 def _check_tasks_listed(ntasks: int, env: Mapping[str, str]) -> None:
     """SLURM writes SLURM_NTASKS and SLURM_TASKS_PER_NODE from one layout (an srun step's, a
-    heterogeneous step's whole one, or the job's, kept under ``srun --preserve-env``), so the
-    list adds up to SLURM_NTASKS; fewer listed means ranks that never start, and a rendezvous
-    that waits for them until timeout. Not SLURM_NTASKS_PER_NODE (the option's count, a
-    per-node maximum with no node count), nor a single count without (xN) (every node's: the
-    total is unknown); more listed than run is left alone (an older salloc wrote CPUs per node
-    there)."""
-    raw = launch_env.text("SLURM_TASKS_PER_NODE", env)
+    heterogeneous step's whole one, or the job's, kept under ``srun --preserve-env``), and
+    an srun step's SLURM_STEP_NUM_TASKS and SLURM_STEP_TASKS_PER_NODE from its own, so the
+    list adds up to the step's tasks; fewer listed means ranks that never start, and a
+    rendezvous that waits for them until timeout. Not SLURM_NTASKS_PER_NODE (the option's
+    count, a per-node maximum with no node count), nor a single count without (xN) (every
+    node's: the total is unknown); more listed than run is left alone (an older salloc wrote
+    CPUs per node there)."""
+    step_layout = "SLURM_STEP_TASKS_PER_NODE"
+    name = step_layout
+    if launch_env.tasks_per_node_variable(env) != step_layout:
+        name = "SLURM_TASKS_PER_NODE"
+    raw = launch_env.text(name, env)
     if raw is None:
         return
-    entries = launch_env.parse_tasks_per_node("SLURM_TASKS_PER_NODE", raw)
+    entries = launch_env.parse_tasks_per_node(name, raw)
     if len(entries) == 1 and "(" not in raw:
         return
     listed = sum(tasks * nodes for tasks, nodes in entries)
     if listed < ntasks:
         raise ValueError(
-            f"SLURM_NTASKS={ntasks} but SLURM_TASKS_PER_NODE={raw!r} lists {listed} tasks: srun "
-            "sets both from the step's layout, so the variables come from different jobs or "
-            "steps; run inside one srun step, or unset the stale one"
+            f"{launch_env.step_tasks_variable(env)}={ntasks} but {name}={raw!r} lists {listed} "
+            "tasks: srun sets both from the step's layout, so the variables come from "
+            "different jobs or steps; run inside one srun step, or unset the stale one"
         )
 
 
@@ -209,14 +213,15 @@ def _slurm_local_world_size(ntasks: int, local_rank: int, env: Mapping[str, str]
     count contradicts it."""
     if local_rank >= ntasks:
         raise ValueError(
-            f"SLURM_LOCALID must be < SLURM_NTASKS={ntasks}, got {local_rank}: a node cannot "
+            f"SLURM_LOCALID must be < {launch_env.step_tasks_variable(env)}={ntasks}, got "
+            f"{local_rank}: a node cannot "
             "run more tasks than the job step has; the variables come from different jobs or "
             "steps; run inside one srun step, or unset the stale ones"
         )
     on_node = launch_env.tasks_on_this_node(env)
     node = launch_env.read_int("SLURM_NODEID", env)
     if on_node is not None and node is not None and local_rank >= on_node:
-        name = next(n for n in _TASKS_PER_NODE if launch_env.is_set(n, env))
+        name = launch_env.tasks_per_node_variable(env) or "SLURM_TASKS_PER_NODE"
         raise ValueError(
             f"SLURM_LOCALID must be < {on_node} (the tasks {name}={launch_env.text(name, env)!r} "
             f"gives node SLURM_NODEID={node}), got SLURM_LOCALID={local_rank}: the variables "
@@ -229,11 +234,17 @@ def _slurm_local_world_size(ntasks: int, local_rank: int, env: Mapping[str, str]
 
 
 def _slurm(env: Mapping[str, str]) -> DistributedEnv | None:
-    ntasks = _required("SLURM_NTASKS", env)
-    _check_nprocs(ntasks, env)
+    job_tasks = launch_env.read_int("SLURM_NTASKS", env)
+    if job_tasks is not None:
+        _check_nprocs(job_tasks, env)
+    # The step's tasks, not SLURM_NTASKS: under `srun --preserve-env` that is the job's (or
+    # unset, in a job submitted without --ntasks), and the rendezvous waited for ranks the
+    # step never starts.
+    tasks_name = launch_env.step_tasks_variable(env)
+    ntasks = _required(tasks_name, env)
     rank = _required("SLURM_PROCID", env)
     if rank >= ntasks:
-        raise ValueError(f"SLURM_PROCID must be < SLURM_NTASKS={ntasks}, got SLURM_PROCID={rank}")
+        raise ValueError(f"SLURM_PROCID must be < {tasks_name}={ntasks}, got SLURM_PROCID={rank}")
     if ntasks == 1:
         # A one-task job (or `srun --pty bash`) is a workstation: launch() spawns locally.
         return None

@@ -82,11 +82,12 @@ def local_rank() -> int:
 
 def world_size() -> int:
     """Number of ranks: from the process group, else ``WORLD_SIZE``, else (one task of an
-    ``srun`` step of several) ``SLURM_NTASKS``, else 1.
+    ``srun`` step of several) the step's tasks (``SLURM_STEP_NUM_TASKS``, else
+    ``SLURM_NTASKS``, which ``srun --preserve-env`` leaves at the job's), else 1.
 
     Raises:
-        ValueError: ``WORLD_SIZE`` (or ``SLURM_NTASKS``) is set but is not a whole number
-            >= 1.
+        ValueError: ``WORLD_SIZE`` (or the SLURM variable read) is set but is not a whole
+            number >= 1.
 
     Example:
         >>> world_size()
@@ -94,7 +95,7 @@ def world_size() -> int:
     """
     if _initialised():
         return dist.get_world_size()
-    return _env_or_slurm("WORLD_SIZE", "SLURM_NTASKS", 1)
+    return _env_or_slurm("WORLD_SIZE", launch_env.step_tasks_variable(), 1)
 
 
 def _checked_epoch(epoch: object) -> int:

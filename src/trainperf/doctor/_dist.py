@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from trainperf._utils.cgroup import read_file
+from trainperf._utils.launch_env import in_srun_step, step_tasks_variable
 from trainperf.device import GpuInfo
 from trainperf.doctor._checks import Check
 from trainperf.doctor._dist_checks import (
@@ -275,23 +276,33 @@ def _p2p_check(
 
 
 def launcher_running(env: Mapping[str, str]) -> str | None:
-    """The launcher variables set in ``env`` (torchrun, or a SLURM step of several tasks).
+    """The launcher variables set in ``env`` (torchrun, or an srun step of several tasks, as
+    :func:`~trainperf._utils.launch_env.in_srun_step` judges it: a batch script run directly,
+    or ``srun --preserve-env -n 1`` in a larger job, is one process).
 
     Under one, :func:`trainperf.ddp.launch` starts no ranks and joins the job's process
-    group instead, so the sweep would neither measure this host alone nor be able to rerun
-    with peer-to-peer switched off: it is skipped.
+    group instead (or refuses variables it cannot read), so the sweep would neither measure
+    this host alone nor be able to rerun with peer-to-peer switched off: it is skipped.
 
     Example:
         >>> launcher_running({"RANK": "0", "WORLD_SIZE": "8"})
         'RANK=0, WORLD_SIZE=8'
-        >>> launcher_running({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None  # one task
+        >>> step = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"}
+        >>> launcher_running(step)
+        'SLURM_PROCID=0, SLURM_NTASKS=4'
+        >>> launcher_running({**step, "SLURM_STEP_NUM_TASKS": "1"}) is None  # srun -E -n 1
         True
     """
     torchrun = [f"{k}={env[k]}" for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if env.get(k)]
     if torchrun:
         return ", ".join(torchrun)
-    if env.get("SLURM_PROCID") and env.get("SLURM_NTASKS", "1").strip() != "1":
-        return f"SLURM_PROCID={env['SLURM_PROCID']}, SLURM_NTASKS={env['SLURM_NTASKS']}"
+    tasks = step_tasks_variable(env)
+    try:
+        srun = in_srun_step(env)
+    except ValueError:  # launch() refuses it: the sweep would not run there either
+        srun = True
+    if srun:
+        return f"SLURM_PROCID={env.get('SLURM_PROCID', '')}, {tasks}={env.get(tasks, '')}"
     return None
 
 
