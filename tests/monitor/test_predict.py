@@ -618,3 +618,9 @@ def test_the_cpu_bound_counts_each_of_the_threads_that_fit() -> None:
     assert fix is not None and fix.call == "torch.set_num_threads(6)"
     assert fix.predicted_speedup == pytest.approx(20 / 12)
     assert "the CPUs hold its 56.0 ms of CPU and the workers' 40.0 ms in 12.0 ms" in fix.basis
+
+
+def test_one_worker_is_named_in_the_singular() -> None:
+    # Before: "1 workers deliver a step's batches every ...".
+    f = cpu_loop(wait_fraction=0.5, workers_cpu=10.0, setup=LoopSetup(num_workers=1))
+    assert load_cost(f).how.startswith("1 worker delivers a step's batches every")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from trainperf._utils.format import plural
 from trainperf.loader._search import default_max_workers
 from trainperf.monitor._figures import (
     Figures,
@@ -107,7 +108,8 @@ def load_cost(f: Figures) -> LoadCost:
     # yet, as at each epoch's start without persistent workers): the cautious case.
     cpu = wall if not f.workers_cpu else min(worker_cores(f) * step, wall)
     how = (
-        f"{n} workers deliver a step's batches every {_ms(step)}, so one takes {_ms(wall)} "
+        f"{plural(n, 'worker')} {'delivers' if n == 1 else 'deliver'} a step's batches every "
+        f"{_ms(step)}, so one takes {_ms(wall)} "
         f"({_ms(cpu)} of CPU per step)"
     )
     return LoadCost(wall, cpu, how)
@@ -203,7 +205,7 @@ def loader_fix(f: Figures, finding: VerdictKind) -> Fix | None:
     if left <= 0.95:
         others += f", {1 - left:.0%} of their time stolen by the hypervisor"
     basis = (
-        f"{cost.how}; {k} workers (the tuner's pick for {_cores(w_cpus)} left to workers"
+        f"{cost.how}; {plural(k, 'worker')} (the tuner's pick for {_cores(w_cpus)} left to workers"
         f"{others}, {cost.cores:.0%} of a core each) would deliver them every {_ms(loader)} "
         f"against {step_part}: {_ms(step)} -> {_ms(after)} per step"
     )
