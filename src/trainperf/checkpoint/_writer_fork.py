@@ -23,6 +23,7 @@ from typing import Any
 from trainperf._utils.fds import readable
 from trainperf._utils.lifetime import die_with_parent
 from trainperf.checkpoint._held import known, learn
+from trainperf.checkpoint._steps import remove_dead_temps
 from trainperf.checkpoint._writer import SaveHandle, _refused, drop_cached, write_now
 
 __all__ = ["fork_writes", "lower_priority", "start_process"]
@@ -200,6 +201,11 @@ def _reap_writer(pid: int, fd: int, handle: SaveHandle, directory: Path, pidfd: 
         record = None
     if record is None:
         death = _death(status)
+        # Its temp file (as large as what it had written) would stay until the next
+        # Checkpointer of the directory: a run whose writers the OOM killer keeps killing
+        # would fill the disk with them. Only dead writers' files go (remove_dead_temps).
+        with contextlib.suppress(OSError):
+            remove_dead_temps(directory)
         handle._finish((death, OSError(errno.ECHILD, death)), [])
     elif record["ok"]:
         learn(directory, record.get("held", []))
