@@ -309,22 +309,33 @@ def test_launcher_variables_are_recognised() -> None:
     assert dist.launcher_running({}) is None
     assert dist.launcher_running({"LOCAL_RANK": "3"}) == "LOCAL_RANK=3"
     step = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}
-    assert dist.launcher_running(step) == "SLURM_PROCID=1, SLURM_NTASKS=4"
+    assert dist.launcher_running(step).startswith("SLURM_PROCID=1, SLURM_NTASKS=4")  # type: ignore[union-attr]
     assert dist.launcher_running({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
 
 
 def test_a_slurm_process_counts_as_launched_as_launch_would_join_its_step() -> None:
     # Before: any SLURM_PROCID with SLURM_NTASKS != 1 skipped the sweep, also where
-    # launch() starts its own ranks: a batch script run directly (no step id), and
-    # `srun --preserve-env -n 1` in a job of 4 (SLURM_NTASKS is the job's there).
-    job = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}
-    assert dist.launcher_running(job) is None
-    preserved = {**job, "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1"}
-    assert dist.launcher_running(preserved) is None
-    two = {**preserved, "SLURM_STEP_NUM_TASKS": "2"}
+    # launch() starts its own ranks: `srun --preserve-env -n 1` in a job of 4
+    # (SLURM_NTASKS is the job's there). The rule is launch()'s own (ddp._env.detect).
+    step = {
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NTASKS": "4",
+        "SLURM_TASKS_PER_NODE": "4",
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "n1",
+    }
+    assert dist.launcher_running({**step, "SLURM_STEP_NUM_TASKS": "1"}) is None
+    two = {**step, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2"}
     assert dist.launcher_running(two) == "SLURM_PROCID=0, SLURM_STEP_NUM_TASKS=2"
-    # Variables launch() refuses: the sweep is skipped, as launch() would not run it.
+    # The batch script of a job of 4 (salloc's or sbatch's step id): launch() refuses it,
+    # naming the fix; the sweep is skipped with that reason.
+    script = dist.launcher_running({**step, "SLURM_STEP_ID": "4294967291"})
+    assert script is not None and "launch() refuses it" in script and "srun" in script
+    # Variables launch() cannot read: skipped too.
     assert dist.launcher_running({**two, "SLURM_STEP_NUM_TASKS": "two"}) is not None
+    assert dist.launcher_running({"SLURM_NTASKS": "4"}) is None  # no task of a job
 
 
 def test_inside_a_launched_job_the_sweep_is_skipped(

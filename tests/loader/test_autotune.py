@@ -210,6 +210,66 @@ def test_a_peek_or_zip_over_workers_the_tuner_made_persistent_gets_the_plain_bat
             tuned._iterator._shutdown_workers()
 
 
+class _HoldsIterators:
+    """Lightning's ``_ModeIterator``: ``iter()`` keeps the loaders' iterators in an attribute,
+    so the previous epoch's is still held while the next ``iter(loader)`` runs."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.iterators: list[Any] = []
+
+    def __iter__(self) -> _HoldsIterators:
+        self.iterators = [iter(self.loader)]
+        return self
+
+    def __next__(self) -> Any:
+        return next(self.iterators[0])
+
+
+def _reassigned(loader: Any) -> None:
+    """Four epochs of the manual pattern ``it = iter(loader)`` after ``StopIteration``."""
+    it = iter(loader)
+    for _ in range(16):
+        try:
+            next(it)
+        except StopIteration:
+            it = iter(loader)
+            next(it)
+
+
+@pytest.mark.parametrize(
+    "epochs",
+    [
+        pytest.param(lambda loader: [list(h) for h in [_HoldsIterators(loader)] * 4], id="holder"),
+        pytest.param(_reassigned, id="reassigned"),
+    ],
+)
+def test_a_finished_epoch_still_held_reuses_the_tuners_persistent_pool(epochs: Any) -> None:
+    # Before: an iterator still referenced when the next iter() ran counted as an epoch in
+    # progress even once it had handed out its whole epoch, so these loops started a new
+    # worker pool every other epoch (the idle one kept alive beside it).
+    from types import SimpleNamespace
+
+    from trainperf.loader._autotune import _tuned
+
+    chosen = {"batch_size": 3, "shuffle": True, "num_workers": 1, "persistent_workers": True}
+    tuned = _tuned(list(range(12)), SimpleNamespace(best_kwargs=chosen), asked=None)  # type: ignore[arg-type]
+    started = []
+    make = tuned._get_iterator
+
+    def counted() -> Any:
+        started.append(1)
+        return make()
+
+    tuned._get_iterator = counted  # type: ignore[method-assign]
+    try:
+        epochs(tuned)
+        assert len(started) == 1
+    finally:
+        if tuned._iterator is not None:
+            tuned._iterator._shutdown_workers()
+
+
 @pytest.mark.parametrize("own_generator", [False, True])
 def test_a_persistent_pool_asked_for_but_not_chosen_keeps_the_plain_loaders_shuffle(
     own_generator: bool,

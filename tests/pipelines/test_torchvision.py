@@ -392,3 +392,38 @@ def test_a_pass_begun_inside_another_over_persistent_workers_leaves_it_whole(
         assert _indices(loader) == _orders(folder, 3)[2] and loader.dataloader._iterator is kept
     finally:
         loader.close()
+
+
+def test_passes_over_a_tuned_persistent_pool_reuse_it(folder: Path) -> None:
+    # Before: the pass held the pool's iterator in a local while it called iter(), which a
+    # tuned DataLoader (the tuner's choice of persistent workers, the default path) read as
+    # a pass in progress: every pass after the first started a new pool beside the idle one.
+    from types import SimpleNamespace
+
+    from trainperf.loader._autotune import _tuned
+
+    loader = _seeded(folder, loader_kwargs={"num_workers": 0})
+    plain = loader.dataloader
+    chosen = {
+        "batch_size": 6,
+        "sampler": loader.sampler,
+        "drop_last": plain.drop_last,
+        "num_workers": 1,
+        "persistent_workers": True,
+        "collate_fn": plain.collate_fn,
+    }
+    tuned = _tuned(loader.dataset, SimpleNamespace(best_kwargs=chosen), asked=None)  # type: ignore[arg-type]
+    loader.dataloader = tuned
+    started = []
+    make = tuned._get_iterator
+
+    def counted() -> Any:
+        started.append(1)
+        return make()
+
+    tuned._get_iterator = counted  # type: ignore[method-assign]
+    try:
+        assert [_indices(loader) for _ in range(3)] == _orders(folder, 3)
+        assert len(started) == 1
+    finally:
+        loader.close()

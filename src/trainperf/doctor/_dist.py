@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from trainperf._utils.cgroup import read_file
-from trainperf._utils.launch_env import in_srun_step, step_tasks_variable
+from trainperf._utils.launch_env import step_tasks_variable
 from trainperf.device import GpuInfo
 from trainperf.doctor._checks import Check
 from trainperf.doctor._dist_checks import (
@@ -276,18 +276,21 @@ def _p2p_check(
 
 
 def launcher_running(env: Mapping[str, str]) -> str | None:
-    """The launcher variables set in ``env`` (torchrun, or an srun step of several tasks, as
-    :func:`~trainperf._utils.launch_env.in_srun_step` judges it: a batch script run directly,
-    or ``srun --preserve-env -n 1`` in a larger job, is one process).
+    """The launcher variables set in ``env`` (torchrun, or a SLURM job) where
+    :func:`trainperf.ddp.launch` would start no ranks of its own: it joins the job's process
+    group (:func:`trainperf.ddp._env.detect` finds one), or refuses the variables (the batch
+    script of a job of several tasks, outside an srun step). ``srun --preserve-env -n 1``
+    in a larger job is one process: launch starts its ranks there.
 
-    Under one, :func:`trainperf.ddp.launch` starts no ranks and joins the job's process
-    group instead (or refuses variables it cannot read), so the sweep would neither measure
-    this host alone nor be able to rerun with peer-to-peer switched off: it is skipped.
+    Under a launcher the sweep would neither measure this host alone nor be able to rerun
+    with peer-to-peer switched off: it is skipped.
 
     Example:
         >>> launcher_running({"RANK": "0", "WORLD_SIZE": "8"})
         'RANK=0, WORLD_SIZE=8'
-        >>> step = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"}
+        >>> step = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0",
+        ...         "SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "4", "SLURM_JOB_ID": "7",
+        ...         "SLURM_JOB_NODELIST": "n1"}
         >>> launcher_running(step)
         'SLURM_PROCID=0, SLURM_NTASKS=4'
         >>> launcher_running({**step, "SLURM_STEP_NUM_TASKS": "1"}) is None  # srun -E -n 1
@@ -296,14 +299,15 @@ def launcher_running(env: Mapping[str, str]) -> str | None:
     torchrun = [f"{k}={env[k]}" for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if env.get(k)]
     if torchrun:
         return ", ".join(torchrun)
+    from trainperf.ddp._env import detect
+
     tasks = step_tasks_variable(env)
+    slurm = f"SLURM_PROCID={env.get('SLURM_PROCID', '')}, {tasks}={env.get(tasks, '')}"
     try:
-        srun = in_srun_step(env)
-    except ValueError:  # launch() refuses it: the sweep would not run there either
-        srun = True
-    if srun:
-        return f"SLURM_PROCID={env.get('SLURM_PROCID', '')}, {tasks}={env.get(tasks, '')}"
-    return None
+        job = detect(env)
+    except ValueError as e:  # launch() refuses it: the sweep would not run there either
+        return f"{slurm}; launch() refuses it: {e}"
+    return None if job is None else slurm
 
 
 def _skipped_under_launcher(markers: str) -> Check:

@@ -47,6 +47,17 @@ _ONE_HOLDER = _references(_holder.value)
 del _holder
 
 
+def _epoch_done(iterator: object) -> bool:
+    """Whether a worker pool's iterator has handed out its whole epoch: nothing asked of the
+    workers is outstanding or waiting to be yielded (torch's own bookkeeping; where it is
+    missing, the epoch counts as running)."""
+    outstanding = getattr(iterator, "_tasks_outstanding", None)
+    received, sent = getattr(iterator, "_rcvd_idx", None), getattr(iterator, "_send_idx", None)
+    if not isinstance(outstanding, int) or not isinstance(received, int):
+        return False
+    return outstanding == 0 and isinstance(sent, int) and received >= sent
+
+
 class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
     """A plain :class:`torch.utils.data.DataLoader` that also carries the tuning report.
 
@@ -118,12 +129,14 @@ class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
             reused
             and self._persistent_asked is False
             and _references(self._iterator) > _ONE_HOLDER  # and a loop, or a variable
+            and not _epoch_done(self._iterator)
         ):
             # The tuner made the pool persistent (the caller did not), and its epoch is still
-            # held: a peek (next(iter(loader))) inside a loop over the loader, zip(loader,
-            # loader). Resetting the pool would restart that epoch under the loop (samples
-            # repeated, silently); the plain DataLoader of the caller's arguments starts a new
-            # pool, with its draws, and so does this one.
+            # held and not over: a peek (next(iter(loader))) inside a loop over the loader,
+            # zip(loader, loader). Resetting the pool would restart that epoch under the loop
+            # (samples repeated, silently); the plain DataLoader of the caller's arguments
+            # starts a new pool, with its draws, and so does this one. An epoch handed out
+            # whole is reset as usual, held or not (`it = iter(loader)` after StopIteration).
             self._iterated = True
             return self._get_iterator()
         plain_reuses = self._draws_once and self._iterated

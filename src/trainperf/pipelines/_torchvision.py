@@ -362,8 +362,9 @@ class TorchvisionLoader(ImageLoader):
         autotuner's choice) are one iterator, which each ``iter()`` resets: while a pass
         still reads from it, resetting it would restart that pass's epoch under its loop
         (batches repeated), so this pass gets workers of its own, ended with it."""
-        kept = getattr(self.dataloader, "_iterator", None)
-        if kept is not None and self._pool_pass is not None:
+        # No local holds the pool's iterator across iter(): a tuned loader counts the
+        # iterator's holders to tell a pass in progress (it would start a new pool each pass).
+        if getattr(self.dataloader, "_iterator", None) is not None and self._pool_pass is not None:
             return self.dataloader._get_iterator()
         batches = iter(self.dataloader)
         if batches is getattr(self.dataloader, "_iterator", None):
