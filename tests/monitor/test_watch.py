@@ -676,6 +676,40 @@ def test_the_report_has_the_settings_of_the_loader_that_fed_the_steps() -> None:
     assert w.report().setup.batch_size == 2
 
 
+def test_a_training_loader_made_anew_each_epoch_outranks_a_kept_validation_loader() -> None:
+    # Before: ranked by all the steps each iterable fed, a validation loader kept across
+    # epochs (one step an epoch) overtook training loaders built anew each epoch (4 steps
+    # each) after 4 epochs, and the predictions used its settings (batch 8).
+    val = DataLoader(TensorDataset(torch.zeros(16, 2)), batch_size=8)
+    trains = [DataLoader(TensorDataset(torch.zeros(16, 2)), batch_size=4) for _ in range(6)]
+    with watch(device="cpu") as w:
+        for train in trains:  # all alive: no id is reused
+            for _ in w.iter(train):
+                w.step()
+            for _ in w.iter(val):
+                pass
+    assert w.report().setup.batch_size == 4
+
+
+def test_an_iterable_whose_id_a_new_one_reuses_leaves_it_nothing() -> None:
+    # Before: sources were found by id alone, so a loader built after another was collected
+    # could take over its entry (its step count) by reusing its id: a validation loader
+    # then counted the training loader's steps. The reuse is made here by moving the dead
+    # loader's entry to the new loader's id.
+    from trainperf.monitor._watch_iter import note_source
+
+    train = DataLoader(TensorDataset(torch.zeros(24, 2)), batch_size=4)
+    with watch(device="cpu") as w:
+        for _ in w.iter(train):
+            w.step()
+        val = DataLoader(TensorDataset(torch.zeros(16, 2)), batch_size=8)
+        w._sources[id(val)] = w._sources.pop(id(train))
+        del train
+        gc.collect()
+        note_source(w, val)
+        assert w._sources[id(val)].steps == 0 and w._sources[id(val)].facts["batch_size"] == 8
+
+
 def test_the_hand_over_probe_measures_the_batches_of_the_loader_that_fed_the_steps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

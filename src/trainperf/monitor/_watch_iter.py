@@ -38,6 +38,8 @@ class _Pass:
     iterable_id: int
     step: int = 0
     taken: int = 0
+    fed: int = 0  # the steps in which this pass handed out a batch
+    fed_last: int = -1  # the last of them
 
 
 @dataclass
@@ -45,44 +47,54 @@ class _Source:
     """An iterable ``w.iter()`` was given, for the predictions: its loader settings at the
     latest ``w.iter()`` of it (``given``: the count of ``w.iter()`` calls then) and a weak
     reference to read them again when the report is made (an adaptive loader changes them),
-    the steps in which it handed out a batch, and its first batch's layout and samples (for
-    the hand-over probe)."""
+    the steps in which it handed out a batch (in all and in its longest pass), and its first
+    batch's layout and samples (for the hand-over probe)."""
 
     facts: dict[str, Any]
     ref: Callable[[], object | None]
     given: int
+    weak: bool = True  # ref is a weak reference (not so for a list, a tuple)
     steps: int = 0
     last_step: int = -1
+    pass_steps: int = 0
     layout: tuple[int, ...] | None = None
     layout_batch: int | None = None
 
 
 def note_source(w: Watch, iterable: object) -> None:
     """Remember ``iterable``'s loader settings (and a weak reference to it) for
-    :func:`feeding_source`; the steps it fed so far stay."""
+    :func:`feeding_source`; the steps it fed so far stay. An entry under the same ``id`` of
+    an iterable since collected (loaders built anew each epoch reuse their predecessors'
+    ids) is replaced, not inherited."""
     facts = loader_facts(iterable)
     ref: Callable[[], object | None]
+    weak = True
     try:
         ref = weakref.ref(iterable)
     except TypeError:  # a list, a tuple: no settings to read again
-        ref = lambda: None  # noqa: E731
+        ref, weak = (lambda: None), False
     given = max((s.given for s in tuple(w._sources.values())), default=0) + 1
     known = w._sources.get(id(iterable))
-    if known is not None:
+    if known is not None and (known.ref() is iterable or not (weak or known.weak)):
         known.facts, known.ref, known.given = facts, ref, given
         return
-    if len(w._sources) >= _SOURCES:
+    if known is not None:
+        del w._sources[id(iterable)]
+    elif len(w._sources) >= _SOURCES:
         del w._sources[min(w._sources, key=lambda k: (w._sources[k].steps, w._sources[k].given))]
-    w._sources[id(iterable)] = _Source(facts, ref, given)
+    w._sources[id(iterable)] = _Source(facts, ref, given, weak)
 
 
 def feeding_source(w: Watch) -> _Source | None:
-    """The iterable that handed out batches in the most steps: the loop's own loader, not a
-    validation pass drawn once an epoch (all its batches fall in one step), nor one iterated
-    only before the first step; on a tie the one ``w.iter()`` was given last (a loader made
-    anew each epoch: the latest). None before any ``w.iter()``."""
+    """The iterable whose passes handed out batches in the most steps (one pass's most; then
+    all passes'): the loop's own loader, not a validation pass drawn once an epoch (all its
+    batches fall in one step, however many epochs), nor one iterated only before the first
+    step; on a tie the one ``w.iter()`` was given last (a loader made anew each epoch: the
+    latest). None before any ``w.iter()``."""
     # A tuple first: a w.iter() in the loop's thread may add one while another reports.
-    return max(tuple(w._sources.values()), key=lambda s: (s.steps, s.given), default=None)
+    return max(
+        tuple(w._sources.values()), key=lambda s: (s.pass_steps, s.steps, s.given), default=None
+    )
 
 
 class _Timed(Iterator[T]):
@@ -290,10 +302,13 @@ def _took(w: Watch, item: Any, now: _Pass, n: int | None) -> None:
         now.step, now.taken = steps, 0
     now.taken += n or 0
     w._items += 1
+    if now.fed_last != steps:
+        now.fed, now.fed_last = now.fed + 1, steps
     source = w._sources.get(now.iterable_id)
     if source is not None:
         if source.last_step != steps:
             source.steps, source.last_step = source.steps + 1, steps
+        source.pass_steps = max(source.pass_steps, now.fed)
         if source.layout is None:
             source.layout, source.layout_batch = batch_layout(item), n
     with w._lock:  # a prefetch thread's count, and the loop's w.step() that resets it
