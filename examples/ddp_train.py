@@ -6,6 +6,9 @@
     python examples/ddp_train.py --hang-timeout 60    # name a stuck rank after 60 s, not 300
 
 Synthetic regression data, a few epochs; rank 0 prints the loss averaged over all ranks.
+Without ``--lr``, the learning rate is 0.01 for a global batch (per-rank batch x ranks) of 64
+or more, and scaled down in proportion below that: at 0.01, SGD with momentum diverges to a
+NaN loss on this data with global batches of 8 or less.
 """
 
 from __future__ import annotations
@@ -27,16 +30,23 @@ def make_data(n: int = 4096, features: int = 32) -> TensorDataset:
     return TensorDataset(x, x @ w + 0.1 * torch.randn(n, 1, generator=g))
 
 
-def train(epochs: int, batch_size: int, lr: float) -> float:
+def default_lr(global_batch: int) -> float:
+    """0.01, scaled down linearly below a global batch of 64 (the linear scaling rule)."""
+    return 0.01 * min(1.0, global_batch / 64)
+
+
+def train(epochs: int, batch_size: int, lr: float | None) -> float:
     """Runs on every rank; returns the final loss averaged over ranks."""
     torch.manual_seed(0)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
     model = ddp.wrap_model(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)))
     device = next(model.parameters()).device
     loader = ddp.distributed_loader(make_data(), batch_size=batch_size, seed=0)
+    if lr is None:
+        lr = default_lr(batch_size * ddp.world_size())
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     ddp.print0(
         f"{ddp.world_size()} rank(s), {torch.distributed.get_backend()} on {device.type}, "
-        f"{len(loader)} steps per epoch per rank"
+        f"{len(loader)} steps per epoch per rank, lr {lr:g}"
     )
     loss_mean = float("nan")
     for epoch in range(epochs):  # the loader reshuffles every epoch by itself
@@ -82,7 +92,12 @@ def main() -> None:
     )
     parser.add_argument("--epochs", type=at_least(1), default=3)
     parser.add_argument("--batch-size", type=at_least(1), default=64, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="default: 0.01, scaled down below a global batch of 64 (0.01 x batch x ranks / 64)",
+    )
     parser.add_argument(
         "--hang-timeout",
         type=seconds_or_off,

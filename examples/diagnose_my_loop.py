@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,11 +70,34 @@ def train(loader: DataLoader[tuple[torch.Tensor, int]], device: torch.device) ->
     return w
 
 
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``, refused with the value otherwise."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"  # argparse's word for a non-integer
+    return parse
+
+
+def milliseconds(text: str) -> float:
+    """An argparse type: a finite number of milliseconds >= 0."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of ms >= 0, got {text}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30, help="batches in the epoch")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--delay-ms", type=float, default=3.0, help="time to read one sample")
+    parser.add_argument("--steps", type=at_least(1), default=30, help="batches in the epoch")
+    parser.add_argument("--batch-size", type=at_least(1), default=32)
+    parser.add_argument(
+        "--delay-ms", type=milliseconds, default=3.0, help="time to read one sample"
+    )
     parser.add_argument("--plot", type=Path, default=None, help="write the timeline PNG here")
     parser.add_argument("--fix", action="store_true", help="also run with autotune_loader")
     args = parser.parse_args()

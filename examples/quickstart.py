@@ -345,10 +345,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     images = args.per_class * len(CLASSES)
     needed = max(args.batch_size, 8)  # every stage drops a partial batch; stage 5 checks 8
     if images < needed:
+        fewer = (
+            f"fewer than one batch of {args.batch_size} (and the 8 that stage 5 checks)"
+            if args.batch_size > 8
+            else "fewer than the 8 that stage 5 checks"
+        )
+        smaller = ", or a smaller --batch-size" if args.batch_size > 8 else ""
         parser.error(
-            f"--per-class {args.per_class} makes {images} images, fewer than one batch of "
-            f"{args.batch_size} (and the 8 that stage 5 checks): pass --per-class "
-            f"{math.ceil(needed / len(CLASSES))} or more, or a smaller --batch-size"
+            f"--per-class {args.per_class} makes {images} images, {fewer}: pass --per-class "
+            f"{math.ceil(needed / len(CLASSES))} or more{smaller}"
         )
     if not args.skip_ddp:
         check_ddp_stage(parser, args, images)

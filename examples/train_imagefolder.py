@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +61,27 @@ def small_cnn(classes: int) -> nn.Module:
     )
 
 
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``, refused with the value otherwise."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"  # argparse's word for a non-integer
+    return parse
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=None, help="ImageFolder directory")
@@ -67,13 +89,18 @@ def main(argv: list[str] | None = None) -> float:
         "--backend", default="auto", choices=("auto", "dali", "nvjpeg", "torchvision")
     )
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--images-per-class", type=int, default=40)
+    parser.add_argument("--epochs", type=at_least(1), default=3)
     parser.add_argument(
-        "--tune-budget", type=float, default=5.0, help="seconds for the DataLoader autotuner"
+        "--batch-size", type=at_least(2), default=16, help="2 or more: BatchNorm trains on 2+"
+    )
+    parser.add_argument("--size", type=at_least(1), default=64)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--images-per-class", type=at_least(1), default=40)
+    parser.add_argument(
+        "--tune-budget",
+        type=positive_seconds,
+        default=5.0,
+        help="seconds for the DataLoader autotuner",
     )
     args = parser.parse_args(argv)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -48,16 +49,41 @@ def make_data(n: int, size: int, classes: int) -> TensorDataset:
     return TensorDataset(images, labels)
 
 
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``, refused with the value otherwise."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"  # argparse's word for a non-integer
+    return parse
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto")
-    p.add_argument("--samples", type=int, default=1024)
-    p.add_argument("--size", type=int, default=32, help="image side in pixels")
-    p.add_argument("--global-batch", type=int, default=64, help="samples per optimizer update")
-    p.add_argument("--max-size", type=int, default=None, help="largest batch size to try")
-    p.add_argument("--budget", type=float, default=12.0, help="tune_batch_size seconds")
-    p.add_argument("--loader-budget", type=float, default=4.0, help="autotune_loader seconds")
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--samples", type=at_least(2), default=1024)
+    p.add_argument("--size", type=at_least(2), default=32, help="image side in pixels")
+    p.add_argument(
+        "--global-batch", type=at_least(2), default=64, help="samples per optimizer update"
+    )
+    p.add_argument("--max-size", type=at_least(2), default=None, help="largest batch size to try")
+    p.add_argument("--budget", type=positive_seconds, default=12.0, help="tune_batch_size seconds")
+    p.add_argument(
+        "--loader-budget", type=positive_seconds, default=4.0, help="autotune_loader seconds"
+    )
+    p.add_argument("--epochs", type=at_least(1), default=1)
     p.add_argument("--plot", default=None, help="save the batch-size chart here")
     args = p.parse_args(argv)
 
@@ -80,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
 
     before = [t.clone() for t in model.state_dict().values()]
     rng = torch.get_rng_state()
+    # min_size=2: BatchNorm cannot train on a batch of one sample.
     report = tp.tune_batch_size(
         step, tp.batches_from(data), model=model, optimizer=(opt, mp),
-        global_batch=args.global_batch, max_size=args.max_size, budget_s=args.budget,
-        progress=False, cache=False,
+        global_batch=args.global_batch, min_size=2, max_size=args.max_size,
+        budget_s=args.budget, progress=False, cache=False,
     )  # fmt: skip
     print(report)
     same = all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values(), strict=True))

@@ -56,6 +56,16 @@ def test_too_few_images_for_one_batch_are_refused(
     assert "pass --per-class 8 or more" in err
 
 
+def test_too_few_images_for_stage_5_do_not_blame_the_batch_size(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = load_example("quickstart", monkeypatch)
+    monkeypatch.setattr(example, "stage_doctor", lambda: pytest.fail("ran before refusing"))
+    err = refused(example, ["--per-class", "1", "--batch-size", "1"], monkeypatch, capsys)
+    assert "--per-class 1 makes 4 images, fewer than the 8 that stage 5 checks" in err
+    assert "pass --per-class 2 or more\n" in err  # no smaller --batch-size: it would not help
+
+
 def test_too_few_images_for_a_batch_on_each_ddp_rank_are_refused(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

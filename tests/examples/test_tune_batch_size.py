@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import trainperf
-from tests.examples._scripts import load_example
+from tests.examples._scripts import load_example, refused
 
 
 @dataclass
@@ -77,3 +77,42 @@ def test_an_epoch_too_short_for_one_update_is_refused(
     _fake_tuners(monkeypatch, _FakeBatchSizeReport(4, 4, 16))
     with pytest.raises(SystemExit, match="--samples 12 gives 3 batches of 4 an epoch, fewer than"):
         example.main(["--device", "cpu", "--samples", "12", "--size", "8"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # BatchNorm cannot train on one sample: tune_batch_size starts at min_size=2.
+        (["--global-batch", "1"], "argument --global-batch: must be >= 2, got 1"),
+        (["--max-size", "1"], "argument --max-size: must be >= 2, got 1"),
+        (["--samples", "0"], "argument --samples: must be >= 2, got 0"),
+        (["--size", "1"], "argument --size: must be >= 2, got 1"),
+        (["--epochs", "0"], "argument --epochs: must be >= 1, got 0"),
+        (["--budget", "0"], "argument --budget: must be a finite number of seconds > 0"),
+        (["--loader-budget", "inf"], "argument --loader-budget: must be a finite number"),
+    ],
+)
+def test_bad_options_are_refused_before_tuning(
+    argv: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    example = load_example("tune_batch_size", monkeypatch)
+    monkeypatch.setattr(trainperf, "tune_batch_size", lambda *a, **k: pytest.fail("tuned"))
+    assert message in refused(example, argv, monkeypatch, capsys)
+
+
+def test_tuning_starts_at_two_samples_for_batchnorm(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = load_example("tune_batch_size", monkeypatch)
+    _fake_tuners(monkeypatch, _FakeBatchSizeReport(2, 1, 2))
+    calls: list[dict[str, Any]] = []
+    fake = trainperf.tune_batch_size
+    monkeypatch.setattr(
+        trainperf, "tune_batch_size", lambda *a, **k: calls.append(k) or fake(*a, **k)
+    )
+    argv = ["--device", "cpu", "--samples", "4", "--size", "2", "--global-batch", "2"]
+    assert example.main(argv) == 0
+    assert calls[0]["min_size"] == 2
