@@ -209,3 +209,29 @@ def test_the_flags_are_compared_on_the_ranks_own_gpu_under_nccl(
     FakeNccl(monkeypatch, rank=1, gpus=2)  # set_device never called: cuda:0 current
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert preempt_module._group() == (2, torch.device("cuda", 1))
+
+
+def test_a_signal_early_in_a_run_of_long_steps_is_agreed_within_about_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before: the interval chosen on entry assumed 10 ms steps (up to 100 steps between
+    # checks for a comparison of 5 ms), and the first check did not re-choose it: with 50 ms
+    # steps a signal at the third step was agreed only at the 100th (5 s late; 50 s with
+    # 0.5 s steps, past the 25 s grace period, so the ranks were killed without a save).
+    # One rank of a group stands in: its comparison takes 5 ms and returns its own values.
+    monkeypatch.setattr(preempt_module, "_group", lambda: (1, torch.device("cpu")))
+
+    def slow_reduce(self: Preemption, values: list[float]) -> list[float]:
+        time.sleep(0.005)
+        return list(values)
+
+    monkeypatch.setattr(Preemption, "_reduce", slow_reduce)
+    with Preemption(("SIGUSR1",)) as stop:
+        for step in range(1, 101):
+            time.sleep(0.05)  # a 50 ms step
+            if step == 3:
+                stop._handle(signal.SIGUSR1, None)
+            if stop.requested:
+                break
+    assert stop.requested and step <= 3 + 21  # a check at least once a second of steps
+    assert stop.check_every <= 20

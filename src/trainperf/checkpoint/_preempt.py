@@ -5,11 +5,11 @@ the name), so a signal can arrive at any instant, a second one during the final 
 included, without harm. ``requested`` is read once per training step; under a process
 group, every ``check_every``-th read is a small ``all_reduce`` (MAX) of every rank's flag
 and of how long ago its first signal came, so every rank sees ``True`` at the same read,
-i.e. at the same step. ``check_every`` is chosen on entry from the measured cost of that
-``all_reduce``, and again after each check from what the previous check cost and how long
-the steps took on the slowest rank (sent along in the same ``all_reduce``, so every rank
-picks the same interval): 50 us a step on average (half of 1 % of a 10 ms step), and at
-least one check a second. Or it is given.
+i.e. at the same step. The cost of that ``all_reduce`` is measured on entry; the first read
+compares, and ``check_every`` is chosen there, and again after each check, from what the
+previous check cost and how long the steps took on the slowest rank (sent along in the
+same ``all_reduce``, so every rank picks the same interval): 50 us a step on average (half
+of 1 % of a 10 ms step), and at least one check a second. Or it is given.
 """
 
 from __future__ import annotations
@@ -245,9 +245,13 @@ class Preemption:
             self._reduce([0.0, 0.0, 0.0, 0.0, 0.0])
             times.append(time.perf_counter() - start)
         cost = self._reduce([statistics.median(times[1:])])[0]
-        self.agree_cost_s = cost
+        self.agree_cost_s = self._last_cost = cost
         if self._given_every is None:
-            self.check_every = agreement_interval(cost)
+            # The step time is not known yet: the first read compares, and the interval is
+            # chosen there from this cost and that first step's time (an interval from a
+            # guessed 10 ms step spanned up to 100 steps: 50 s of 0.5 s steps before any
+            # rank could learn of a signal, past the grace period).
+            self.check_every = 1
 
     @property
     def signal(self) -> str | None:
