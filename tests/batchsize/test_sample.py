@@ -110,6 +110,15 @@ def test_a_batch_dim_no_tensor_has_is_refused_naming_the_shapes() -> None:
     assert checked_batch(lambda n: ["a", "b"], 2, batch_dim=2) == ["a", "b"]  # no tensor
 
 
+@pytest.mark.parametrize("fields", [1, 2])
+def test_a_list_batch_whose_tensors_lack_batch_dim_names_batch_dim(fields: int) -> None:
+    # Before: a list batch ([x], [x, y]: what batches_from(TensorDataset(...)) gives) was
+    # read as that many per-sample items ("sample(4) returned a list of 1 items"), where the
+    # same batch as a tuple named batch_dim and the shapes.
+    with pytest.raises(ValueError, match=r"batch_dim=2, but no tensor in sample\(4\)'s batch"):
+        checked_batch(lambda n: [torch.zeros(n, 4)] * fields, 4, batch_dim=2)
+
+
 def test_a_batch_of_only_0_d_tensors_is_refused_naming_the_shapes() -> None:
     # Before: a 0-d tensor has no dimension 0, so nothing was checked: a sample(n) that
     # returns one value per field passed at every size, and every size timed one sample.

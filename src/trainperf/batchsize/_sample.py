@@ -196,12 +196,22 @@ def checked_batch(sample: Callable[[int], Any], n: int, batch_dim: int = 0) -> A
         raise ValueError(_wrong_size(n, sizes, batch_dim) + _other_dims(batch, n, batch_dim))
     if not sizes and isinstance(batch, list):  # n samples of other shapes (lengths vary)
         if len(batch) != n:
+            if batch_dim > 0 and _fields_of_n(batch, n):  # [x, y] collated along dim 0
+                _check_has_batch_dim(batch, n, batch_dim)
             raise ValueError(
                 f"sample({n}) returned a list of {len(batch)} items; it must return n samples"
             )
     elif not sizes and (batch_dim > 0 or not _holds_n_items(batch, n)):
         _check_has_batch_dim(batch, n, batch_dim)
     return batch
+
+
+def _fields_of_n(batch: list[Any], n: int) -> bool:
+    """Every item of ``batch`` is a tensor (or array) of leading size ``n``: the fields of a
+    batch collated along dimension 0 (``[x, y]``), not ``len(batch)`` per-sample tensors."""
+    return all(
+        isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim >= 1 and v.shape[0] == n for v in batch
+    )
 
 
 def _holds_n_items(obj: Any, n: int, depth: int = 0) -> bool:
