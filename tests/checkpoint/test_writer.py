@@ -485,55 +485,9 @@ def test_a_handle_wait_tells_hang_detection_it_is_saving(
 
     monkeypatch.setitem(sys.modules, "trainperf.ddp._progress", types.SimpleNamespace(busy=busy))
     handle = _held_handle(tmp_path)
-    threading.Timer(0.1, handle._finish, args=(None, [])).start()
+    handle._finish(None, [])
     assert handle.wait() is True
     assert told == [f"saving checkpoint {tmp_path / 'step-000000005.pt'}"]
-
-
-def test_polling_a_handle_is_one_busy_period_not_progress_at_every_poll(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Each wait(timeout=0) marked the rank busy anew: hang detection saw progress at every
-    # poll, so a loop polling a stuck writer hid every hang of the job instead of being
-    # named after the cap, as one wait() is.
-    from trainperf.ddp import _progress
-    from trainperf.ddp._progress_slots import SLOT_SIZE
-    from trainperf.ddp._progress_tracker import Tracker
-
-    tracker = Tracker(bytearray(SLOT_SIZE))
-    monkeypatch.setattr(_progress, "_installed", [tracker])
-    handle = _held_handle(tmp_path)
-    assert handle.wait(timeout=0) is False
-    progress, since = tracker.progress, tracker.busy_since
-    assert since > 0
-    for _ in range(3):
-        time.sleep(0.02)
-        assert handle.wait(timeout=0) is False and handle.wait(timeout=0.01) is False
-    assert (tracker.progress, tracker.busy_since) == (progress, since)
-    handle._finish(None, [])  # the write ends: the busy period too, progress once
-    assert tracker.busy_since == 0.0 and tracker.progress == progress + 1
-    assert handle.wait(timeout=0) is True and handle.wait() is True  # finished: not busy
-    assert tracker.progress == progress + 1 and tracker.busy_depth == 0
-
-
-def test_a_wait_from_another_thread_leaves_the_main_threads_wait_marked_busy(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from trainperf.ddp import _progress
-    from trainperf.ddp._progress_slots import SLOT_SIZE
-    from trainperf.ddp._progress_tracker import Tracker
-
-    tracker = Tracker(bytearray(SLOT_SIZE))
-    monkeypatch.setattr(_progress, "_installed", [tracker])
-    handle = _held_handle(tmp_path)
-    uploader = threading.Thread(target=handle.wait, args=(0.05,))  # waits to upload the file
-    uploader.start()
-    uploader.join()
-    assert tracker.busy_since == 0.0
-    assert handle.wait(timeout=0) is False
-    assert tracker.busy_since > 0
-    handle._finish(None, [])
-    assert tracker.busy_since == 0.0 and tracker.busy_depth == 0
 
 
 def test_a_handle_wait_shorter_than_the_first_notice_prints_nothing(

@@ -182,10 +182,6 @@ class SaveHandle:
         # inside that save) must not wait for this write, whose writer thread or reaper
         # starts only once the handler returns (_checkpointer_wait).
         self._starting = False
-        # Hang detection's "busy saving" mark, held from the first wait that finds this
-        # write running until it finishes (_hold_busy), and the lock that opens it once.
-        self._busy: contextlib.AbstractContextManager[None] | None = None
-        self._busy_lock = threading.Lock()
 
     @classmethod
     def finished(cls, step: int, path: Path | None, writer: str) -> SaveHandle:
@@ -222,11 +218,7 @@ class SaveHandle:
         if failure is not None:
             _FAILED.append(self)
         _PENDING.discard(self)
-        with self._busy_lock:
-            busy, self._busy = self._busy, None
-            self._event.set()
-        if busy is not None:  # the waits' one busy period ends: progress, once
-            busy.__exit__(None, None, None)
+        self._event.set()
 
     def done(self) -> bool:
         """True once the file is durable (or the write failed)."""
@@ -243,29 +235,11 @@ class SaveHandle:
                 ``wait`` of the Checkpointer does not raise it again); the cause is chained
                 and ``.path`` names the file.
         """
-        self._hold_busy()
-        finished = wait_telling(self, timeout)
+        with saving(self.path):  # known slow work for hang detection, as the Checkpointer's
+            finished = wait_telling(self, timeout)
         if finished:
             self.raise_failure()
         return finished
-
-    def _hold_busy(self) -> None:
-        """Tell hang detection that this rank is busy saving (known slow work, as in the
-        Checkpointer's own waits), from the first wait that finds the write running until
-        :meth:`_finish` ends it, however many waits there are: a loop polling
-        ``wait(timeout=0)`` is one busy period, not progress at each poll, so a stuck writer
-        is named after the cap (as for one ``wait()``) instead of hiding every hang of the
-        job. A wait for a finished write marks nothing, nor one from another thread (only
-        the main thread's work counts: a thread that waits to upload the file must not
-        leave the main thread's waits unmarked)."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        with self._busy_lock:
-            if self._busy is not None or self._event.is_set():
-                return
-            busy = saving(self.path)
-            busy.__enter__()
-            self._busy = busy
 
     def raise_failure(self) -> None:
         """Raise the background write's failure if there was one not raised yet."""
