@@ -103,6 +103,13 @@ def main(argv: list[str] | None = None) -> float:
         help="seconds for the DataLoader autotuner",
     )
     args = parser.parse_args(argv)
+    generated = len(COLOURS) * args.images_per_class
+    if args.data is None and generated < args.batch_size:
+        parser.error(
+            f"--images-per-class {args.images_per_class} makes {generated} images, fewer than "
+            f"one batch of --batch-size {args.batch_size}: pass --images-per-class "
+            f"{-(-args.batch_size // len(COLOURS))} or more, or a smaller --batch-size"
+        )
 
     with tempfile.TemporaryDirectory(prefix="train_imagefolder_") as tmp:
         data = args.data or make_folder(Path(tmp) / "images", args.images_per_class)

@@ -117,6 +117,9 @@ def test_a_list_batch_whose_tensors_lack_batch_dim_names_batch_dim(fields: int) 
     # same batch as a tuple named batch_dim and the shapes.
     with pytest.raises(ValueError, match=r"batch_dim=2, but no tensor in sample\(4\)'s batch"):
         checked_batch(lambda n: [torch.zeros(n, 4)] * fields, 4, batch_dim=2)
+    # At n = its number of fields too: [x, y] of unlike tensors is not 2 samples.
+    with pytest.raises(ValueError, match=r"batch_dim=2, but no tensor in sample\(2\)'s batch"):
+        checked_batch(lambda n: [torch.zeros(n, 4), torch.zeros(n)], 2, batch_dim=2)
 
 
 def test_a_batch_of_only_0_d_tensors_is_refused_naming_the_shapes() -> None:

@@ -336,6 +336,7 @@ def test_a_slurm_process_counts_as_launched_as_launch_would_join_its_step() -> N
     # Variables launch() cannot read: skipped too.
     assert dist.launcher_running({**two, "SLURM_STEP_NUM_TASKS": "two"}) is not None
     assert dist.launcher_running({"SLURM_NTASKS": "4"}) is None  # no task of a job
+    assert dist.launcher_running({"RANK": " ", "LOCAL_RANK": ""}) is None  # blank, as launch()
 
 
 def test_inside_a_launched_job_the_sweep_is_skipped(

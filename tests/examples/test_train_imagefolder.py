@@ -16,6 +16,8 @@ from tests.examples._scripts import load_example, refused
         (["--size", "0"], "argument --size: must be >= 1, got 0"),
         (["--images-per-class", "0"], "argument --images-per-class: must be >= 1, got 0"),
         (["--tune-budget", "0"], "argument --tune-budget: must be a finite number of seconds"),
+        # Fewer generated images than one batch: the loader refused them, with a traceback.
+        (["--images-per-class", "1"], "makes 3 images, fewer than one batch of --batch-size 16"),
     ],
 )
 def test_bad_options_are_refused_before_anything_runs(

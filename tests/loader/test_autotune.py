@@ -210,6 +210,29 @@ def test_a_peek_or_zip_over_workers_the_tuner_made_persistent_gets_the_plain_bat
             tuned._iterator._shutdown_workers()
 
 
+def test_a_peek_at_an_epochs_last_batch_leaves_that_epoch_to_its_loop() -> None:
+    # With the epoch's last batch handed out, torch's counters already say nothing more is
+    # coming, before the loop has seen StopIteration: read as a finished epoch, a peek there
+    # reset the pool under the loop, which went through the epoch again (7 batches of 4).
+    from types import SimpleNamespace
+
+    from trainperf.loader._autotune import _tuned
+
+    chosen = {"batch_size": 3, "shuffle": False, "num_workers": 1, "persistent_workers": True}
+    tuned = _tuned(list(range(12)), SimpleNamespace(best_kwargs=chosen), asked=None)  # type: ignore[arg-type]
+    try:
+        seen = []
+        for batch in tuned:
+            seen.append(batch.tolist())
+            if len(seen) == 4:  # the last batch: peek (to log a fixed batch)
+                assert next(iter(tuned)).tolist() == [0, 1, 2]
+            assert len(seen) <= 4
+        assert seen == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    finally:
+        if tuned._iterator is not None:
+            tuned._iterator._shutdown_workers()
+
+
 class _HoldsIterators:
     """Lightning's ``_ModeIterator``: ``iter()`` keeps the loaders' iterators in an attribute,
     so the previous epoch's is still held while the next ``iter(loader)`` runs."""

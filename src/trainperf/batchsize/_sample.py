@@ -195,9 +195,9 @@ def checked_batch(sample: Callable[[int], Any], n: int, batch_dim: int = 0) -> A
     if sizes and n not in sizes:
         raise ValueError(_wrong_size(n, sizes, batch_dim) + _other_dims(batch, n, batch_dim))
     if not sizes and isinstance(batch, list):  # n samples of other shapes (lengths vary)
+        if batch_dim > 0 and _fields_of_n(batch, n):  # [x, y] collated along dim 0
+            _check_has_batch_dim(batch, n, batch_dim)
         if len(batch) != n:
-            if batch_dim > 0 and _fields_of_n(batch, n):  # [x, y] collated along dim 0
-                _check_has_batch_dim(batch, n, batch_dim)
             raise ValueError(
                 f"sample({n}) returned a list of {len(batch)} items; it must return n samples"
             )
@@ -207,11 +207,16 @@ def checked_batch(sample: Callable[[int], Any], n: int, batch_dim: int = 0) -> A
 
 
 def _fields_of_n(batch: list[Any], n: int) -> bool:
-    """Every item of ``batch`` is a tensor (or array) of leading size ``n``: the fields of a
-    batch collated along dimension 0 (``[x, y]``), not ``len(batch)`` per-sample tensors."""
-    return all(
+    """Every item of ``batch`` is a tensor (or array) of leading size ``n``, and they are
+    not ``n`` per-sample tensors alike in dimensions and dtype (sequences the step pads):
+    the fields of a batch collated along dimension 0 (``[x, y]``)."""
+    if not batch or not all(
         isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim >= 1 and v.shape[0] == n for v in batch
-    )
+    ):
+        return False
+    first = batch[0]
+    alike = all(v.ndim == first.ndim and v.dtype == first.dtype for v in batch)
+    return len(batch) != n or not alike
 
 
 def _holds_n_items(obj: Any, n: int, depth: int = 0) -> bool:

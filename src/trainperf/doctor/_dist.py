@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from trainperf._utils.cgroup import read_file
-from trainperf._utils.launch_env import step_tasks_variable
+from trainperf._utils.launch_env import is_set, step_tasks_variable
 from trainperf.device import GpuInfo
 from trainperf.doctor._checks import Check
 from trainperf.doctor._dist_checks import (
@@ -296,7 +296,8 @@ def launcher_running(env: Mapping[str, str]) -> str | None:
         >>> launcher_running({**step, "SLURM_STEP_NUM_TASKS": "1"}) is None  # srun -E -n 1
         True
     """
-    torchrun = [f"{k}={env[k]}" for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if env.get(k)]
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    torchrun = [f"{k}={env[k]}" for k in names if is_set(k, env)]  # blank: unset, as in launch
     if torchrun:
         return ", ".join(torchrun)
     from trainperf.ddp._env import detect

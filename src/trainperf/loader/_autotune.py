@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+from torch.utils.data import dataloader as _torch_loader
 
 from trainperf.loader._args import (
     CheckedArgs,
@@ -47,15 +48,30 @@ _ONE_HOLDER = _references(_holder.value)
 del _holder
 
 
+class _EndMarking(_torch_loader._MultiProcessingDataLoaderIter):
+    """torch's worker-pool iterator, marking its epoch's end: ``trainperf_ended`` is set once
+    it has raised ``StopIteration`` (the loop over it has ended), and cleared when the pool
+    is reset for another epoch. Until then a loop may still be reading it, even with its
+    last batch handed out (torch's counters say nothing more is coming by then)."""
+
+    trainperf_ended = False
+
+    def _next_data(self) -> Any:
+        try:
+            return super()._next_data()  # type: ignore[no-untyped-call]
+        except StopIteration:
+            self.trainperf_ended = True
+            raise
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        self.trainperf_ended = False
+        super()._reset(loader, first_iter)
+
+
 def _epoch_done(iterator: object) -> bool:
-    """Whether a worker pool's iterator has handed out its whole epoch: nothing asked of the
-    workers is outstanding or waiting to be yielded (torch's own bookkeeping; where it is
-    missing, the epoch counts as running)."""
-    outstanding = getattr(iterator, "_tasks_outstanding", None)
-    received, sent = getattr(iterator, "_rcvd_idx", None), getattr(iterator, "_send_idx", None)
-    if not isinstance(outstanding, int) or not isinstance(received, int):
-        return False
-    return outstanding == 0 and isinstance(sent, int) and received >= sent
+    """Whether a worker pool's iterator has ended its epoch (:class:`_EndMarking`); one of
+    another class (made elsewhere) counts as running."""
+    return getattr(iterator, "trainperf_ended", False) is True
 
 
 class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
@@ -153,6 +169,14 @@ class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
             finally:
                 self.generator = real
         return super().__iter__()
+
+    def _get_iterator(self) -> Any:
+        """torch's iterator; a worker pool's marks its epoch's end (:class:`_EndMarking`), by
+        which :meth:`__iter__` tells a finished epoch still referenced from one in progress."""
+        iterator = super()._get_iterator()
+        if type(iterator) is _torch_loader._MultiProcessingDataLoaderIter:
+            iterator.__class__ = _EndMarking
+        return iterator
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``copy.deepcopy`` and ``pickle`` take: everything but a live persistent
