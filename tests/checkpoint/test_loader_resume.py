@@ -94,6 +94,46 @@ def test_persistent_workers_resume_exactly_after_an_end_of_epoch_checkpoint(
     assert got == reference
 
 
+@pytest.mark.slow
+def test_a_mid_epoch_checkpoint_after_an_end_of_epoch_resume_replays_the_saved_order(
+    tmp_path: Path,
+) -> None:
+    # Before: the pass after a restore draws its workers' seed from a scratch generator,
+    # swapped in while the new pool pulls its first indices, so the sampler's starting
+    # states were read from it: a save mid-way through that pass recorded the scratch
+    # generator's state, and its resume repeated and skipped samples.
+    def loader() -> DataLoader[Any]:
+        return DataLoader(
+            list(range(40)),
+            batch_size=4,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            generator=torch.Generator().manual_seed(3),
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DataLoader's worker-count advice on a small host
+        straight = loader()
+        reference = [b for epoch in _epochs(straight, 2) for b in epoch]
+        first = loader()
+        Checkpointer(tmp_path).restore({"loader": first})
+        got = _batches(first)
+        Checkpointer(tmp_path).save({"loader": first}, step=1)  # end of epoch 0
+        second = loader()
+        assert Checkpointer(tmp_path).restore({"loader": second}) == 1
+        for batch in second:
+            got.append(batch.tolist())
+            if len(got) == 13:  # 3 batches into epoch 1
+                Checkpointer(tmp_path).save({"loader": second}, step=2)
+                break
+        third = loader()
+        assert Checkpointer(tmp_path).restore({"loader": third}) == 2
+        got += _batches(third)
+        del straight, first, second, third  # their persistent workers end with them
+    assert got == reference
+
+
 def _stopped_early(directory: Path, stop: str) -> list[list[int]]:
     """The first 4 of a loader's 7 batches, the loop stopped (by a ``max_steps`` of its own,
     or by a preemption stop) and saved after the inner loop."""

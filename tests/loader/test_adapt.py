@@ -306,6 +306,29 @@ def test_a_loader_let_go_of_after_a_full_epoch_stops_its_workers_at_once() -> No
             gc.enable()
 
 
+def test_a_loader_let_go_of_after_a_break_stops_its_persistent_workers_at_once() -> None:
+    # The epoch's timing state, kept by the loader for the next iter(), held the loader
+    # in turn: after a break that cycle kept the persistent pool alive until the cyclic GC
+    # ran (a plain DataLoader's workers stop as soon as the loader is let go of).
+    before = _alive_children()
+    gc_was = gc.isenabled()
+    gc.disable()  # freed by its reference count, as a plain DataLoader is
+    try:
+        loader = AdaptiveDataLoader(range(16), batch_size=4, num_workers=2, persistent_workers=True)
+        for i, _ in enumerate(loader):
+            if i == 1:
+                break
+        assert _alive_children() - before  # the persistent pool
+        del loader
+        deadline = time.monotonic() + 10
+        while _alive_children() - before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive_children() - before
+    finally:
+        if gc_was:
+            gc.enable()
+
+
 def test_change_record_protocol() -> None:
     from trainperf.loader._adapt_rules import figures
 
@@ -717,6 +740,73 @@ def test_an_increase_that_gained_a_little_is_held() -> None:
     held = figures(num_workers=first.num_workers, wait_s=0.396, step_s=0.99, **kw)
     assert decide_change(loader, held, limits) is None
     assert decide_change(loader, held, limits) is None
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_workers_restarted_each_short_epoch_for_no_gain_go_back(kept: bool) -> None:
+    # A pool not kept between epochs (persistent_workers=False, a dataset with set_epoch)
+    # starts again every epoch; its start-up was left out of the judgement, so on epochs
+    # of a few batches 8 workers were kept at 0.22 s an epoch where the main process took
+    # 0.15 s (5x slower on epochs of 2 batches).
+    from trainperf.loader._adapt_pool import _rank_limits
+    from trainperf.loader._adapt_rules import figures
+
+    loader = AdaptiveDataLoader(range(64), batch_size=8, max_workers=8, keep_workers=kept)
+    limits = _rank_limits()
+    kw: dict[str, Any] = {"cpus": loader._cpus, "host_busy": 0.1, "batches": 8, "samples": 64}
+    alone = figures(wait_s=0.112, step_s=0.007, startup_s=0.016, load_cpu_s=0.002, **kw)
+    first = decide_change(loader, alone, limits, 8)
+    assert first is not None and first.reason == "input-bound"
+    loader.num_workers, loader.prefetch_factor = first.num_workers, 2  # as apply_change does
+    object.__setattr__(loader, "persistent_workers", kept)  # DataLoader refuses it once built
+    # Seven batches at once, after 0.3 s of starting the workers: the loop's own rate is
+    # far higher, the epoch's far lower.
+    pool = figures(num_workers=first.num_workers, prefetch_factor=2, wait_s=0.001,
+                   step_s=0.007, startup_s=0.3, worker_cores=0.1, **kw)  # fmt: skip
+    judged = decide_change(loader, pool, limits, 8)
+    if kept:  # started once: its start-up is no cost of each epoch
+        assert judged is None or judged.reason != "no-gain"
+    else:
+        assert judged is not None and judged.reason == "no-gain"
+        assert (judged.num_workers, judged.prefetch_factor) == (0, None)
+        assert "start-up included" in judged.why
+    loader.close()
+
+
+def test_an_epochs_figures_count_its_pools_start_and_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Starting the workers (in iter()) and stopping them (in the next() that ends the epoch)
+    # were in no figure: a pool restarted every epoch looked free.
+    from trainperf.loader._adapt import AdaptiveDataLoader as Adaptive
+
+    real_start = Adaptive._start
+
+    def slow_start(self: Any, scratch: bool) -> Any:
+        time.sleep(0.2)  # forking the workers
+        return _SlowStop(real_start(self, scratch))
+
+    monkeypatch.setattr(Adaptive, "_start", slow_start)
+    loader = AdaptiveDataLoader(range(8), batch_size=2)
+    assert len(list(loader)) == 4
+    final = loader._current.final  # type: ignore[union-attr]
+    assert final is not None and final.startup_s >= 0.2 and final.wait_s >= 0.2
+    loader.close()
+
+
+class _SlowStop:
+    """A DataLoader iterator whose last ``next()`` takes 0.2 s, as joining workers does."""
+
+    def __init__(self, it: Any) -> None:
+        self._it = it
+
+    def __len__(self) -> int:
+        return len(self._it)
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            time.sleep(0.2)
+            raise
 
 
 def test_repr_shows_the_settings_it_runs_with_now(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -345,6 +345,52 @@ def test_a_loader_a_checkpointer_tracks_changes_at_epoch_boundaries_only(
     assert got == expected and seen == []
 
 
+def test_a_checkpoint_saved_after_a_pool_change_resumes_in_the_saved_order(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # A pool started at an epoch boundary (persistent_workers asked for, a seeded
+    # generator) drew its base seed from the private generator by setting
+    # loader.generator to it, and its first indices were pulled (where the Checkpointer
+    # records the generator's state) before it was put back: the resume replayed the
+    # private generator's state into the caller's and gave another order.
+    from trainperf import Checkpointer
+
+    _force_changes(monkeypatch, [(1, 2)])
+
+    def build(cls: Any) -> Any:
+        g = torch.Generator().manual_seed(3)
+        return cls(Indices(), batch_size=4, shuffle=True, generator=g, num_workers=2,
+                   persistent_workers=True)  # fmt: skip
+
+    plain = build(DataLoader)
+    try:
+        expected = _epochs(plain, 3)
+    finally:
+        _close(plain)
+    loader = build(AdaptiveDataLoader)
+    state = {"loader": loader}
+    Checkpointer(tmp_path).restore(state)
+    try:
+        got = _epochs(loader, 1)
+        got.append([])
+        for batch in loader:  # the change, 2 -> 1 worker, is made as this epoch starts
+            got[1] += [int(x) for x in batch]
+            if len(got[1]) == 12:
+                Checkpointer(tmp_path).save(state, step=11)
+                break
+        assert [c.new for c in loader.tuning_history] == [(1, 2)]
+    finally:
+        loader.close()
+    resumed = build(AdaptiveDataLoader)
+    Checkpointer(tmp_path).restore({"loader": resumed})
+    try:
+        got[1] += _epochs(resumed, 1)[0]
+        got += _epochs(resumed, 1)
+    finally:
+        resumed.close()
+    assert got == expected
+
+
 class Corrupt(Dataset[int]):
     """Sample 9 cannot be read: the loop catches the error and goes on."""
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -48,6 +49,7 @@ from trainperf.loader._adapt_epoch import EpochIterator
 from trainperf.loader._adapt_init import pool_init_fn
 from trainperf.loader._adapt_plan import EpochPlan, resumable
 from trainperf.loader._adapt_pool import (
+    SEED_DRAW,
     FailedStart,
     _rank_limits,
     _Trial,
@@ -226,6 +228,18 @@ class AdaptiveDataLoader(TunedDataLoader):
         fit_timeout(self)  # a timeout given with no workers waits for the ones it adds
 
     @property
+    def generator(self) -> torch.Generator | None:
+        """DataLoader's ``generator``, the caller's; read once by a pool it starts as its
+        workers' base seed is drawn, the loader's private one instead
+        (:func:`~trainperf.loader._adapt_pool.no_extra_draw`)."""
+        drawn = self.__dict__.pop(SEED_DRAW, None)
+        return self.__dict__.get("generator") if drawn is None else drawn
+
+    @generator.setter
+    def generator(self, value: torch.Generator | None) -> None:
+        self.__dict__["generator"] = value
+
+    @property
     def _worker_context(self) -> Any:
         """The start method its workers use: the DataLoader's, or the caller's kept while
         no workers ran (None: the default)."""
@@ -284,12 +298,13 @@ class AdaptiveDataLoader(TunedDataLoader):
             # seed from the generator: the same draw keeps the sampler's sequence.
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         scratch = self._draws_once and self._epoch > 0 and not reuse
+        started = time.perf_counter()  # starting a pool's workers is part of its start-up
         # A pool on trial is judged by its first next(): a worker that dies before that is
         # found there (pool_start_held, _TimedIter), not raised here by torch's handler.
         with pool_start_held() if self._trial is not None else _nothing():
             it = self._start(scratch)
             plan = None if self.epoch_boundaries_only else self._plan
-            self._current = _TimedIter(it, self, plan)
+            self._current = _TimedIter(it, self, plan, started)
             self._current.trial = arm(self, it)
         self._epoch += 1
         # Only the caller holds this: dropping it stops the epoch's own workers at once.

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from trainperf.loader._adapt_timed import _TimedIter
 
 __all__ = [
+    "SEED_DRAW",
     "FailedStart",
     "apply_change",
     "arm",
@@ -53,6 +54,7 @@ __all__ = [
 logger = logging.getLogger("trainperf.loader")
 
 _SEED_OFFSET = 0x9E3779B97F4A7C15  # sets the private seed stream apart from the real one
+SEED_DRAW = "_seed_draw"  # where no_extra_draw leaves the generator the next read gets
 _HANG: Reason = "hang"  # a worker it started gave no first batch in time (not a rule's)
 _FAILED: Reason = "failed"  # a pool it started broke before each worker's first batch
 # Faults of the pool's own, not the dataset's: a dataset that raises in a worker ("error")
@@ -297,19 +299,25 @@ def no_extra_draw(loader: AdaptiveDataLoader) -> Iterator[None]:
     """A new iterator draws its workers' base seed from ``generator`` (or torch's
     global generator) as it starts; the sampler holds its own reference, so the draw is
     made from this loader's private generator instead and the sampler's sequence is
-    untouched. Each pool draws anew: no two replay the same worker random streams."""
-    real = loader.generator
+    untouched. Each pool draws anew: no two replay the same worker random streams.
+
+    The private generator is what ``loader.generator`` reads once only, for that draw
+    (``AdaptiveDataLoader.generator``): a worker pool's iterator pulls its first indices
+    from the sampler before it returns, and what reads ``loader.generator`` as the
+    sampler starts (a :class:`trainperf.Checkpointer` records its state there, to
+    replay the epoch's order on resume) must see the caller's."""
     if loader._seeds is None:
         # Seeded once, from the real generator's seed or torch's (which follows
         # torch.manual_seed, per rank where each rank seeds its own), offset so that
         # its first draw is not the plain loader's first pool's.
+        real = loader.generator
         seed = torch.initial_seed() if real is None else real.initial_seed()
         loader._seeds = torch.Generator().manual_seed((seed + _SEED_OFFSET) % 2**64)
-    loader.generator = loader._seeds
+    loader.__dict__[SEED_DRAW] = loader._seeds
     try:
         yield
     finally:
-        loader.generator = real
+        loader.__dict__.pop(SEED_DRAW, None)  # not read: the iterator could not start
 
 
 def _awaited(delivered: int, n: int) -> str:

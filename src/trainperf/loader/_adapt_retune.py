@@ -11,6 +11,7 @@ check that an ``IterableDataset`` shards its stream across workers (:func:`_shar
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from trainperf.loader._adapt_rules import (
     DEEP_PREFETCH,
     Change,
     EpochFigures,
+    amortized,
     decide,
     increase_paid,
     increased,
@@ -45,7 +47,7 @@ def retune(loader: AdaptiveDataLoader, timed: _TimedIter) -> None:
     f = timed.final or timed.figures(limits)
     if f.batches < 2:
         return
-    change = decide_change(loader, f, limits)
+    change = decide_change(loader, f, limits, timed.yielded)  # what each iter() took
     if change is not None:
         apply_change(loader, change, f, epoch=loader._epoch, epoch_batch=0)
 
@@ -55,24 +57,34 @@ def check(loader: AdaptiveDataLoader, timed: _TimedIter) -> None:
     on a change, hand the rest of the epoch to a new pool."""
     limits = _rank_limits()
     f = timed.figures(limits)
-    change = decide_change(loader, f, limits)
+    change = decide_change(loader, f, limits, len(loader))  # a plan's: map-style
     plan = timed.plan
+    started = time.perf_counter()  # the pool's change counts in the new window's start-up
     if change is not None and plan is not None:
         shut_down_own(loader, timed)
         apply_change(loader, change, f, epoch=loader._epoch - 1, epoch_batch=timed.yielded)
         timed.it = resume(loader, timed)
         timed.trial = arm(loader, timed.it)
-    timed.new_window()
+    timed.new_window(started)
 
 
-def decide_change(loader: AdaptiveDataLoader, f: EpochFigures, limits: HostLimits) -> Change | None:
+def decide_change(
+    loader: AdaptiveDataLoader,
+    f: EpochFigures,
+    limits: HostLimits,
+    epoch_batches: int | None = None,
+) -> Change | None:
+    """The change the rules make of ``f``, or None; ``epoch_batches``: the batches of an
+    epoch, over which a pool not kept between epochs pays its start-up again (None:
+    unknown, the start-up is left out)."""
     loader._fastest_step = min(loader._fastest_step, f.step_per_batch)
     if f.cpus != loader._cpus:
         # What more workers (or prefetch) could not do may have changed.
         loader._ceiling = loader._prefetch_ceiling = None
+    restarts = None if loader.persistent_workers else epoch_batches
     before, loader._before = loader._before, None
     if before is not None:
-        _judge(loader, before, f)
+        _judge(loader, amortized(before, restarts), amortized(f, restarts))
     ceiling = loader._max_workers if loader._ceiling is None else loader._ceiling
     change = decide(
         f,
@@ -82,6 +94,7 @@ def decide_change(loader: AdaptiveDataLoader, f: EpochFigures, limits: HostLimit
         fits=lambda n, pf: loader.fits(n, pf, limits),
         before=before,
         max_prefetch=loader._prefetch_ceiling or DEEP_PREFETCH,
+        epoch_batches=restarts,
     )
     loader._cpus = f.cpus
     pinned = loader._pinned_workers

@@ -29,7 +29,9 @@ neither raised the samples per second by ``MIN_GAIN`` nor lowered the wait share
 ``MIN_WAIT_DROP`` did not pay (the wait left is not the workers', e.g. the main process's
 own cost per batch). The loader then holds the setting, or goes back (``no-gain``) when the
 previous one was as fast, and adds no workers beyond it, and no deeper prefetch, until the
-usable CPUs change.
+usable CPUs change. A pool that is not kept between epochs starts again at every epoch, so
+its start-up counts in that judgement, spread over the epoch's batches (:func:`amortized`):
+a short epoch that more workers only slow down goes back.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ __all__ = [
     "Change",
     "EpochFigures",
     "Reason",
+    "amortized",
     "cores_per_worker",
     "decide",
     "increase_paid",
@@ -329,6 +332,28 @@ def increase_paid(before: EpochFigures, after: EpochFigures) -> Literal["paid", 
     return "back" if was >= rate else "hold"
 
 
+def amortized(f: EpochFigures, epoch_batches: int | None) -> EpochFigures:
+    """``f`` with its pool's start-up counted as waiting for data, spread over an epoch of
+    ``epoch_batches`` batches: what a pool that is not kept between epochs (it starts again
+    at every epoch) costs the loop. ``epoch_batches`` None (the pool is kept), no workers, or
+    a start-up no longer than a batch: ``f`` as it is.
+
+    Example:
+        >>> # 8 workers, restarted for each epoch of 2 batches, take 0.25 s to start up:
+        >>> f = figures(num_workers=8, batches=2, samples=16, wait_s=0.001, step_s=0.001,
+        ...             startup_s=0.25)
+        >>> round(f.loop_samples_per_s), round(amortized(f, 2).loop_samples_per_s)
+        (4000, 63)
+        >>> amortized(f, None) is f
+        True
+    """
+    if not epoch_batches or f.num_workers == 0 or f.batches < 2:
+        return f
+    per_batch = (f.wait_s + f.step_s) / f.timed
+    extra = (f.startup_s - per_batch) * f.timed / epoch_batches
+    return f if extra <= 0 else dataclasses.replace(f, wait_s=f.wait_s + extra)
+
+
 def rates(f: EpochFigures) -> str:
     """The measured rates in one phrase, for the change log.
 
@@ -352,6 +377,7 @@ def decide(
     fits: Callable[[int, int | None], bool],
     before: EpochFigures | None = None,
     max_prefetch: int = DEEP_PREFETCH,
+    epoch_batches: int | None = None,
 ) -> Change | None:
     """The setting the next epoch should run with, or None to keep this one.
 
@@ -366,6 +392,9 @@ def decide(
             (:func:`increase_paid`) goes back (``no-gain``) or is held.
         max_prefetch: the deepest ``prefetch_factor`` the ``prefetch`` rule may set
             (the current one or less: it adds none).
+        epoch_batches: the batches of an epoch when the pool starts again at every epoch
+            (not kept between epochs): the increase is judged with its start-up spread
+            over them (:func:`amortized`); None: the pool is kept.
 
     Example:
         >>> fits = lambda n, pf: True
@@ -402,13 +431,16 @@ def decide(
                 f"the CPUs are full and the step is {times:.2f}x its fastest; {n} workers "
                 f"used {cores:.1f} cores",
             )  # fmt: skip
-    verdict = increase_paid(before, f) if before is not None and increased(before, f) else "paid"
+    verdict: str = "paid"
+    if before is not None and increased(before, f):
+        was_f, now_f = amortized(before, epoch_batches), amortized(f, epoch_batches)
+        verdict = increase_paid(was_f, now_f)
     if verdict == "back" and before is not None:
         was = _setting(before.num_workers, before.prefetch_factor)
         return Change(
             before.num_workers, before.prefetch_factor, "no-gain",
-            f"{_setting(n, pf)} gave {f.loop_samples_per_s:,.0f} samples/s, {was} "
-            f"gave {before.loop_samples_per_s:,.0f}",
+            f"{_setting(n, pf)} gave {now_f.loop_samples_per_s:,.0f} samples/s, {was} "
+            f"gave {was_f.loop_samples_per_s:,.0f}" + _restarts(now_f, f),
         )  # fmt: skip
     # A full host still takes workers that mostly wait: the cap counts what they cost.
     if verdict == "paid" and f.wait_share >= INPUT_BOUND_SHARE and cap > n:
@@ -421,6 +453,11 @@ def decide(
                 f"workers",
             )  # fmt: skip
     return _deeper(f, verdict, max_prefetch, fits)
+
+
+def _restarts(now: EpochFigures, f: EpochFigures) -> str:
+    """What the no-gain message adds when the pool's start-up at each epoch was counted."""
+    return "" if now is f else " (start-up included: the pool starts again every epoch)"
 
 
 def _deeper(

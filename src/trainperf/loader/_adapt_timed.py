@@ -42,7 +42,15 @@ class _TimedIter:
     check; the first batch of a window counts as its start-up.
     """
 
-    def __init__(self, it: Any, loader: AdaptiveDataLoader, plan: EpochPlan | None) -> None:
+    def __init__(
+        self,
+        it: Any,
+        loader: AdaptiveDataLoader,
+        plan: EpochPlan | None,
+        started: float | None = None,
+    ) -> None:
+        """``started``: when ``iter()`` began starting ``it`` (its workers' start-up counts
+        in the first window's ``startup_s``); None: now."""
         self.it, self.plan = it, plan
         self._loader: AdaptiveDataLoader | None = loader  # None once the epoch has ended
         self.yielded = 0  # batches of this epoch yielded, whatever pools made them
@@ -51,7 +59,7 @@ class _TimedIter:
         self.final: EpochFigures | None = None
         self.cut_by: str | None = None  # what ended it before its epoch did (see cut)
         self.trial = None  # each worker's first batch is awaited within a bound
-        self.new_window()
+        self.new_window(started)
 
     @property
     def trial(self) -> _Trial | None:
@@ -84,11 +92,13 @@ class _TimedIter:
         if self.trial is not None:
             self.trial, self.it._timeout = None, self.loader.timeout
 
-    def new_window(self) -> None:
+    def new_window(self, started: float | None = None) -> None:
+        """Start the figures of a new window, whose start-up is counted from ``started``
+        (None: now)."""
         self.batches = self.samples = 0
         self.wait_s = self.step_s = self.startup_s = 0.0
         self.load_cpu_s = self.step_cpu_s = 0.0
-        self.started = time.perf_counter()
+        self.started = time.perf_counter() if started is None else started
         self.workers = Workers()
         self.cpu_mark = cpu_mark()
 
@@ -128,11 +138,9 @@ class _TimedIter:
                 worker_failures()
             batch = next(self.it)
         except StopIteration:
-            self._end_trial()  # a pool kept for the next epoch waits as the caller's would
-            self.loader._epoch_ended(self)
-            # Over: no reference back, so a loader let go of after a full epoch is freed at
-            # once, its workers with it (a cycle would keep them until the cyclic GC ran).
-            self._loader = None
+            if self.batches:  # an epoch's own pool stops in this call: the loop waits for it
+                self.wait_s += time.perf_counter() - t0
+            self._over()
             raise
         except Exception as e:
             trial = self.trial
@@ -178,10 +186,22 @@ class _TimedIter:
     def abandon(self) -> None:
         """The caller let go of this epoch's iterator (:class:`EpochIterator`): its own pool
         stops now, as a plain DataLoader iterator's does when dropped; a persistent pool is
-        the loader's and stays. Its figures are read at the next ``iter()``, as for a
-        ``break``."""
+        the loader's and stays. Its figures are read now, as at the epoch's end, for the
+        next ``iter()`` to retune by, and a trial left unfinished ends (see :meth:`cut`)."""
         if self._loader is not None:  # else the epoch ended, and its own pool with it
             shut_down_own(self._loader, self)
+            self._over()
+
+    def _over(self) -> None:
+        """The epoch ended, or its iterator was let go of (a ``break``): a trial left
+        unfinished ends (a pool kept for the next epoch waits as the caller's ``timeout``
+        says), the figures are read for the next ``iter()`` to retune by, and no reference
+        back is kept, so a loader let go of is freed at once, its persistent pool with it
+        (a cycle kept the workers alive until the cyclic GC ran, where a plain
+        DataLoader's stop at once)."""
+        self._end_trial()
+        self.loader._epoch_ended(self)
+        self._loader = None
 
     def cut(self, by: str) -> None:
         """The epoch's workers or sampler are taken away by ``by`` (a newer ``iter()``,
