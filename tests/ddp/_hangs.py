@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -143,6 +144,45 @@ def own_lock() -> None:
     dist.all_reduce(torch.ones(4))
 
 
+class _StuckBackward(torch.autograd.Function):
+    """A custom autograd Function whose backward hangs on one rank."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if ddp.rank() == BAD:
+            time.sleep(1e9)  # CAUSE stuck_custom_backward
+        return grad * 2
+
+
+def stuck_custom_backward() -> None:
+    """One rank hangs in its own autograd Function's backward, which the engine runs inside
+    backward(); the others wait there for DDP's gradient all-reduce."""
+    net = ddp.wrap_model(nn.Linear(4, 4))
+    out = _StuckBackward.apply(net(torch.ones(2, 4)))
+    out.sum().backward()  # WAIT stuck_custom_backward
+
+
+def slow_model_build() -> None:
+    """One rank is still building its model (no collective yet) while the others wait in
+    DDP's constructor, which checks and broadcasts the parameters from C++."""
+    if ddp.rank() == BAD:
+        time.sleep(1e9)  # CAUSE slow_model_build
+    ddp.wrap_model(nn.Linear(4, 4))  # WAIT slow_model_build
+
+
+def slow_before_new_group() -> None:
+    """One rank is still busy while the others create a subgroup, which every rank must do:
+    they wait in new_group's store-based barrier, in torch's own Python."""
+    _steps(1)
+    if ddp.rank() == BAD:
+        time.sleep(1e9)  # CAUSE slow_before_new_group
+    dist.new_group(list(range(ddp.world_size())))  # WAIT slow_before_new_group
+
+
 def busy_after_return() -> str:
     """Case 7 (#20.5): the others return from main; one rank stays busy outside collectives."""
     _steps(2)
@@ -238,6 +278,9 @@ CASES = {
         stuck_dataloader,
         own_lock,
         busy_after_return,
+        stuck_custom_backward,
+        slow_model_build,
+        slow_before_new_group,
     )
 }
 

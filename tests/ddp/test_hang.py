@@ -174,6 +174,18 @@ def test_with_two_ranks_the_one_that_skipped_a_collective_is_found_by_its_histor
     assert v.root == (0, 1)
 
 
+def test_a_fix_that_blames_several_ranks_names_each_of_their_lines() -> None:
+    # Rank 1 called barrier() once more than rank 0, which went on to all_reduce: both are
+    # named, and the fix pointed at rank 0's line only (the extra barrier is on rank 1's).
+    v = diagnose([_waits(0, _c(4, "all_reduce", 77)), _waits(1, _c(4, "barrier", 76, ""))])
+    assert v.root == (0, 1)
+    assert f"around {F}:77 and {F}:76." in v.advice, v.advice
+    # Ranks at one line name it once; past three lines, the rest are counted.
+    views = [_waits(r, _c(4, "all_gather", 60 + r % 5)) for r in range(8)] + [_waits(8, _c(4))]
+    v = diagnose(views)
+    assert f"around {F}:60, {F}:61, {F}:62 and 3 more." in v.advice, v.advice
+
+
 def test_ranks_at_the_same_call_with_fewer_collectives_skipped_one_earlier() -> None:
     v = diagnose([_waits(0, _c(7)), _waits(1, _c(6)), _waits(2, _c(7))])
     assert (v.kind, v.root) == ("behind", (1,))
@@ -208,6 +220,11 @@ def test_a_rank_that_sent_no_stack_is_named_as_such() -> None:
     v = diagnose([_waits(0, _c(3)), silent])
     report = HangReport(3.0, 4.0, 2, v, (_waits(0, _c(3)), silent))
     assert v.root == (1,) and "rank 1 sent no stack" in str(report)
+    # Not "is busy outside any collective" with a fix that looks "at the call site": its
+    # watchdog thread could not run (C code holding the GIL), so nothing is known of it.
+    assert v.headline.startswith("rank 1 did not answer: its stacks could not be read"), v
+    assert "busy" not in v.headline and "the call site" not in v.advice, v
+    assert "py-spy dump --native" in v.advice
 
 
 def test_the_advice_names_the_limit_as_the_caller_named_it() -> None:

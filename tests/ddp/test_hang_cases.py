@@ -37,6 +37,12 @@ CASES: list[tuple[str, int, str, str, str]] = [
     ("stuck_dataloader", 2, "outside", "waits for a batch from its DataLoader", "waits in"),
     ("own_lock", 2, "outside", "is blocked on a lock", "waits in all_reduce"),
     ("busy_after_return", 2, "returned", "is busy outside any collective", "returned from"),
+    # Its own backward() code was taken for DDP's wait: both ranks, or the other, blamed.
+    ("stuck_custom_backward", 2, "outside", "is busy outside any collective", "inside backward"),
+    # DDP's constructor waits in C++: it looked like busy code, and no hang was declared.
+    ("slow_model_build", 2, "outside", "is busy outside", "waits in _verify_params"),
+    # new_group waits in torch's Python (a store-based barrier): the same, until `timeout`.
+    ("slow_before_new_group", 2, "outside", "is busy outside", "waits in new_group"),
 ]
 
 
@@ -191,6 +197,8 @@ TORCHRUN_CASES = [
     ("busy_after_return", 2, "returned", "is busy outside any collective"),
     ("own_lock", 2, "outside", "is blocked on a lock"),
     ("stuck_dataloader", 2, "outside", "waits for a batch from its DataLoader"),
+    ("stuck_custom_backward", 2, "outside", "is busy outside any collective"),
+    ("slow_model_build", 2, "outside", "is busy outside any collective"),
     # Four ranks: one collects the reports, every rank prints nothing but the same verdict.
     ("busy_loop", 4, "outside", "is busy outside any collective"),
 ]

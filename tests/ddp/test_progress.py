@@ -253,3 +253,47 @@ def test_a_thread_s_write_never_clears_the_busy_mark(monkeypatch: pytest.MonkeyP
     state = read_slot(buf)
     assert state.busy_since > 0, "a concurrent write cleared the busy mark"
     assert state.progress == 2  # both writes counted
+
+
+def test_ddp_s_constructor_collectives_in_cpp_are_recorded_with_the_user_s_line() -> None:
+    # DDP(model) checks and broadcasts the parameters in C++ (dist._verify_params_across_
+    # processes, dist._broadcast_coalesced): unwatched, a rank waiting there for one still
+    # building its model looked busy in its own code, and no hang was ever declared.
+    import torch.distributed as dist
+    from torch import nn
+
+    names = ("_verify_params_across_processes", "_broadcast_coalesced")
+    originals = {name: getattr(dist, name) for name in names}
+    buf = bytearray(SLOT_SIZE)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    _progress.install(Tracker(buf))
+    try:
+        nn.parallel.DistributedDataParallel(nn.Linear(4, 2))  # DDP line
+    finally:
+        _progress.uninstall()
+        dist.destroy_process_group()
+    assert {name: getattr(dist, name) for name in originals} == originals
+    state = read_slot(buf)
+    assert state.state == State.RUNNING and state.progress == len(state.history)
+    ops = [c.op for c in state.history]
+    assert ops == ["_verify_params_across_processes", "_broadcast_coalesced"], ops
+    check = state.history[0]
+    assert check.detail == "float32[2, 4] x2", check  # the parameters, not the group
+    assert check.file == __file__ and check.function.startswith("test_ddp_s_constructor")
+
+
+def test_new_group_is_recorded_as_a_call_every_rank_must_make() -> None:
+    # It waits for the other ranks in torch's Python (a store-based barrier), so the stack
+    # looked like busy code: a rank waiting there for a slow one never made a hang.
+    import torch.distributed as dist
+
+    buf = bytearray(SLOT_SIZE)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    _progress.install(Tracker(buf))
+    try:
+        dist.new_group([0])  # no tensor: nothing to describe
+    finally:
+        _progress.uninstall()
+        dist.destroy_process_group()
+    (call,) = read_slot(buf).history
+    assert (call.op, call.detail, call.file) == ("new_group", "", __file__), call

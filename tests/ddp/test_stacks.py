@@ -384,3 +384,31 @@ def test_trainperf_ddp_imports_where_there_are_no_real_time_signals() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+
+
+def test_the_user_s_own_code_inside_backward_is_that_code_not_ddp_s_wait(
+    tmp_path: Path,
+) -> None:
+    # A custom autograd Function's backward (or a hook) that hangs runs inside backward():
+    # it was taken for DDP's all-reduce wait, so the rank waiting for it was blamed.
+    dump = tmp_path / "dump.txt"
+
+    class Stuck(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+            with dump.open("w") as out:
+                faulthandler.dump_traceback(out, all_threads=True)
+            return grad
+
+    Stuck.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    frames = next(t for t in parse_dump(dump.read_text()) if t.current).frames
+    assert classify(frames, in_collective=False) == "running"
+    where = user_frame(frames)
+    assert where is not None and where.file == __file__ and where.function == "backward"
+    # With no code of the user's below it, the rank waits in the engine: DDP's all-reduce.
+    engine = frames[[f.function for f in frames].index("_engine_run_backward") :]
+    assert classify(engine, in_collective=False) == "backward"

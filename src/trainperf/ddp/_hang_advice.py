@@ -75,6 +75,12 @@ _ADVICE = {
         "(TORCH_LOGS=recompiles names the guard that fails; mark changing sizes dynamic). If "
         "one compilation is that slow on purpose, raise hang_timeout."
     ),
+    "silent": (
+        "Fix: {who} could not say what it does: no Python thread of it ran, which happens "
+        "when C code holds the GIL for the whole timeout (a regex, an extension call that "
+        "does not release it) or when the process is stopped or swapped out. `py-spy dump "
+        "--native --pid PID` on that rank's process shows where it is."
+    ),
     "lock": (
         "Fix: {who} waits for a lock that nothing releases: another of its threads holds it "
         "(its threads are listed below). Release it on every path (`with lock:`), and do not "
@@ -132,20 +138,33 @@ _ADVICE = {
 }
 
 
+_SITES_SHOWN = 3  # call sites a fix names (thousands of ranks under watchdog())
+
+
+def _site(kind: str, view: RankView) -> str | None:
+    if view.collective and kind in ("mismatch", "behind", "p2p"):
+        return view.collective.site
+    return view.where.site if view.where else None
+
+
 def _advice(kind: str, root: list[RankView]) -> str:
-    first = root[0] if root else None
     unknown = "a line its stack could not show" if kind == "starting" else "the call site"
-    site = first.where.site if first and first.where else unknown
-    if first and first.collective and kind in ("mismatch", "behind", "p2p"):
-        site = first.collective.site
+    # Every blamed rank's line, not the first one's only: two ranks in different
+    # collectives are both named, and either line may be the one to change.
+    sites = list(dict.fromkeys(s for v in root if (s := _site(kind, v)) is not None))
+    if len(sites) > _SITES_SHOWN:
+        sites = [*sites[:_SITES_SHOWN], f"{len(sites) - _SITES_SHOWN} more"]
+    site = " and ".join([", ".join(sites[:-1]), sites[-1]] if len(sites) > 1 else sites)
     who = _ranks([v.rank for v in root]) if root else "every rank"
-    return _ADVICE[kind].format(who=who, site=site, cap=BUSY_CAP)
+    return _ADVICE[kind].format(who=who, site=site or unknown, cap=BUSY_CAP)
 
 
 def _reason(view: RankView) -> str:
     """Which advice fits a rank stuck outside any collective."""
     if view.stuck_in:
         return "busy"
+    if not view.answered and view.activity == "running":
+        return "silent"
     if view.activity == "dataloader" and loads_in_process(view.stack):
         return "dataloader-inline"
     return "compiling" if view.compiling else view.activity

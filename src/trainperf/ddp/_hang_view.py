@@ -76,6 +76,11 @@ class RankView:
             return "waits for every rank to join the process group (before main)"
         if self.activity == "starting":
             return _starting(self, at, code)
+        if not self.answered and self.activity == "running":
+            return (
+                "did not answer: its stacks could not be read (C code that holds the GIL "
+                "runs, or the process is stopped)"
+            )
         if self.stuck_in and self.activity != "backward":
             return f"is stuck in {self.stuck_in} for {self.stuck_s:.0f} s{at}{code}"
         if self.compiling and self.activity != "backward":

@@ -1,7 +1,8 @@
 """What each rank records for hang detection: its progress and the collective it is in.
 
 **Progress** is any of: a ``torch.distributed`` collective called from Python returned
-(``all_reduce``, ``broadcast``, ``barrier``, ``all_gather``, the ``*_object`` ones, ...), an
+(``all_reduce``, ``broadcast``, ``barrier``, ``all_gather``, the ``*_object`` ones, ...;
+``new_group``; and the C++ ones DDP's constructor calls through ``torch.distributed``), an
 optimizer stepped (``torch.optim`` global step hook: this covers DDP, whose gradient
 all-reduce runs in C++ inside ``backward()``), a DataLoader returned a batch (so an
 evaluation loop with no optimizer step and no collective is progress too), the rank finished
@@ -53,7 +54,17 @@ _COLLECTIVES = (
     "broadcast_object_list", "gather_object", "scatter_object_list", "send_object_list",
     "recv_object_list",
 )  # fmt: skip
+# Collectives in C++ that torch's own Python calls as ``dist.<name>(process_group, tensors,
+# ...)``: DDP's constructor checks and broadcasts the parameters with them (and its forward
+# broadcasts the buffers), so a rank that has not reached ``DDP(model)`` yet is waited for
+# there. Unwatched, the waiting rank looked busy in its own code and no hang was declared.
+_CPP_COLLECTIVES = ("_verify_params_across_processes", "_broadcast_coalesced")
+# Calls every rank of the group must make, that wait for the others in torch's own Python (a
+# store-based barrier): they look like busy code on the stack. Recorded without a tensor.
+_GROUP_CALLS = ("new_group",)
 
+
+_NO_TENSORS = 1 << 16  # a ``skip`` past every argument: the call has no tensor to describe
 
 _installed: list[Tracker] = []
 _launched: list[bool] = []  # set in ranks that launch() started with hang detection
@@ -64,14 +75,17 @@ def under_launcher() -> bool:
     return bool(_launched)
 
 
-def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap(name: str, fn: Callable[..., Any], skip: int = 0) -> Callable[..., Any]:
+    """``fn`` reporting to the tracker (``skip``: leading arguments before its tensors; the
+    tracker describes the first one it is given)."""
+
     @functools.wraps(fn)
     def watched(*args: Any, **kwargs: Any) -> Any:
         tracker = _installed[0] if _installed else None
         if tracker is None or tracker.depth:
             return fn(*args, **kwargs)  # nested (all_gather_object calls all_gather): outer counts
         tracker.depth += 1
-        tracker.enter(name, args, kwargs)
+        tracker.enter(name, args[skip:], kwargs if skip < _NO_TENSORS else {})
         try:
             return fn(*args, **kwargs)
         finally:
@@ -101,18 +115,28 @@ def install(tracker: Tracker) -> None:
     if not first:
         return
     for name in _COLLECTIVES:
-        found = getattr(c10d, name, None)
-        if found is None or hasattr(found, "__trainperf_watched__"):
-            continue
-        fn: Callable[..., Any] = found
-        watched = _wrap(name, fn)
-        _originals.append((c10d, name, fn))
-        setattr(c10d, name, watched)
-        if getattr(dist, name, None) is fn:
-            _originals.append((dist, name, fn))
-            setattr(dist, name, watched)
+        _watch(name, c10d, dist)
+    for name in _CPP_COLLECTIVES:
+        _watch(name, dist, None, skip=1)
+    for name in _GROUP_CALLS:
+        _watch(name, c10d, dist, skip=_NO_TENSORS)
     _hooks.append(register_optimizer_step_post_hook(_on_step))
     _watch_batches()
+
+
+def _watch(name: str, home: Any, alias: Any, skip: int = 0) -> None:
+    """Replace ``home.<name>`` with its watched wrapper, and ``alias.<name>`` where it is the
+    same function (``torch.distributed`` re-exports ``distributed_c10d``'s)."""
+    found = getattr(home, name, None)
+    if found is None or hasattr(found, "__trainperf_watched__"):
+        return
+    fn: Callable[..., Any] = found
+    watched = _wrap(name, fn, skip)
+    _originals.append((home, name, fn))
+    setattr(home, name, watched)
+    if alias is not None and getattr(alias, name, None) is fn:
+        _originals.append((alias, name, fn))
+        setattr(alias, name, watched)
 
 
 def _watch_batches() -> None:

@@ -17,7 +17,8 @@ format::
 runs there, from C++), waiting for a DataLoader batch, blocked on a lock, waiting for
 another of its threads (``Thread.join``, an ``Event``/``Condition`` wait, a ``queue``),
 waiting for another process (a ``multiprocessing`` queue, pipe or join, a ``subprocess``),
-or running.
+or running. Code of the user's that the autograd engine runs inside ``backward()`` (a
+custom ``autograd.Function``'s backward, a hook) is judged as that code, not as DDP's wait.
 """
 
 from __future__ import annotations
@@ -235,10 +236,13 @@ def classify(
     """
     if in_collective:
         return "collective"
-    if _in(frames, "torch/autograd/", ("backward", "_engine_run_backward")) or _in(
-        frames, "torch/_tensor.py", ("backward",)
-    ):
-        return "backward"
+    entry = _backward_entry(frames)
+    if entry is not None:
+        if not any(is_user_file(f.file) for f in frames[:entry]):
+            return "backward"
+        # The engine runs code of the user's (a custom autograd Function's backward, a
+        # hook): the rank is in that code, not waiting in DDP's all-reduce.
+        frames = frames[:entry]
     if _in(frames, "torch/utils/data/", ("__next__",)):
         return "dataloader"
     if not frames:
@@ -260,6 +264,17 @@ def classify(
     if _GET_LINE.search(line):
         return "thread-wait"
     return "running"
+
+
+def _backward_entry(frames: tuple[Frame, ...]) -> int | None:
+    """The index of the innermost frame that runs the autograd engine (``backward()``,
+    ``autograd.grad``), else None."""
+    for i, f in enumerate(frames):
+        if _in((f,), "torch/autograd/", ("backward", "_engine_run_backward")) or _in(
+            (f,), "torch/_tensor.py", ("backward",)
+        ):
+            return i
+    return None
 
 
 def _process_wait(frames: tuple[Frame, ...]) -> Activity | None:
