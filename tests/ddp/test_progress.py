@@ -282,6 +282,15 @@ def test_ddp_s_constructor_collectives_in_cpp_are_recorded_with_the_user_s_line(
     assert check.file == __file__ and check.function.startswith("test_ddp_s_constructor")
 
 
+def test_a_collective_given_its_tensors_by_keyword_is_described() -> None:
+    # dist._broadcast_coalesced(pg, tensors=[...], ...) was recorded with no description.
+    buf = bytearray(SLOT_SIZE)
+    tracker = Tracker(buf)
+    tracker.enter("_broadcast_coalesced", (), {"tensors": [torch.zeros(2, 3)] * 2})
+    tracker.exit()
+    assert read_slot(buf).history[-1].detail == "float32[2, 3] x2"
+
+
 def test_new_group_is_recorded_as_a_call_every_rank_must_make() -> None:
     # It waits for the other ranks in torch's Python (a store-based barrier), so the stack
     # looked like busy code: a rank waiting there for a slow one never made a hang.

@@ -431,3 +431,26 @@ def test_autotune_loader_takes_numpy_numbers_as_python_ones(adapt: bool) -> None
     if adapt:
         assert type(loader._max_workers) is int  # type: ignore[attr-defined]
         assert type(loader._timeout_kept) is float  # type: ignore[attr-defined]
+
+
+def test_a_loop_that_reads_by_count_never_keeps_two_pools() -> None:
+    # A pass read by count never raises StopIteration, so at the next iter() its iterator,
+    # still held, reads as a pass in progress: the new pool used to start beside the old
+    # one, which was reset again an epoch later (pools alternating, twice the workers).
+    from types import SimpleNamespace
+
+    from trainperf.loader._autotune import _tuned
+
+    chosen = {"batch_size": 3, "shuffle": True, "num_workers": 1, "persistent_workers": True}
+    tuned = _tuned(list(range(12)), SimpleNamespace(best_kwargs=chosen), asked=None)  # type: ignore[arg-type]
+    try:
+        it = None
+        for _ in range(3):
+            it = iter(tuned)
+            assert it is tuned._iterator  # the pool kept is the one this pass reads
+            batches = [next(it) for _ in range(len(tuned))]
+            assert sorted(int(i) for b in batches for i in b) == list(range(12))
+    finally:
+        del it
+        if tuned._iterator is not None:
+            tuned._iterator._shutdown_workers()

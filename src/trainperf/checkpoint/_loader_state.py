@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from trainperf._utils.seed_draw import sampler_generator, seed_drawn_from
 from trainperf._utils.stack import user_stacklevel
 from trainperf.checkpoint._dataset_states import (
     dataset_states,
@@ -64,7 +65,6 @@ __all__ = ["check_position", "loader_state", "restore_loader", "track"]
 
 _VERSION = 1
 _TRACKER = "_trainperf_tracker"
-_REAL_GENERATOR = "_trainperf_real_generator"  # the caller's, while a scratch one draws
 
 
 @dataclass
@@ -113,7 +113,7 @@ class _IndexSampler:
             return
         tracker: _Tracker = loader.__dict__[_TRACKER]
         chain = sampler_chain(self.inner)
-        gen = loader.__dict__.get(_REAL_GENERATOR, loader.generator)
+        gen = sampler_generator(loader)
         del loader
         resume, tracker.resume = tracker.resume, None
         if resume is None or resume.start is None:
@@ -179,15 +179,10 @@ def _scratch_generator(loader: Any) -> Iterator[None]:
     seed = (torch.initial_seed() if real is None else real.initial_seed()) + loader.__dict__[
         _TRACKER
     ].passes
-    loader.generator = torch.Generator().manual_seed(seed)
     # A worker pool pulls its first indices before it returns: the sampler's states are read
-    # then (_IndexSampler), and must be the caller's generator's, not this scratch one's.
-    loader.__dict__[_REAL_GENERATOR] = real
-    try:
+    # then (_IndexSampler), from the caller's generator (sampler_generator).
+    with seed_drawn_from(loader, torch.Generator().manual_seed(seed)):
         yield
-    finally:
-        loader.generator = real
-        loader.__dict__.pop(_REAL_GENERATOR, None)
 
 
 def _tracked_iter(loader: Any, make: Callable[[], Iterator[Any]]) -> _Counting:

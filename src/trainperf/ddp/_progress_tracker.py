@@ -164,7 +164,8 @@ class Tracker:
         if not self._mine():
             return
         frame = self._caller()
-        first = args[0] if args else kwargs.get("tensor", kwargs.get("tensor_list"))
+        named = (kwargs.get(k) for k in ("tensor", "tensor_list", "tensors"))
+        first = args[0] if args else next((v for v in named if v is not None), None)
         count = -1
         if isinstance(first, (list, tuple)):
             count, first = len(first), (first[0] if first else None)

@@ -49,7 +49,6 @@ from trainperf.loader._adapt_epoch import EpochIterator
 from trainperf.loader._adapt_init import pool_init_fn
 from trainperf.loader._adapt_plan import EpochPlan, resumable
 from trainperf.loader._adapt_pool import (
-    SEED_DRAW,
     FailedStart,
     _rank_limits,
     _Trial,
@@ -226,18 +225,6 @@ class AdaptiveDataLoader(TunedDataLoader):
         self._why_not_mid_epoch = resumable(self) if mid_epoch else "mid_epoch=False"
         self._plan = None if self._why_not_mid_epoch else EpochPlan(self._real_index_sampler)
         fit_timeout(self)  # a timeout given with no workers waits for the ones it adds
-
-    @property
-    def generator(self) -> torch.Generator | None:
-        """DataLoader's ``generator``, the caller's; read once by a pool it starts as its
-        workers' base seed is drawn, the loader's private one instead
-        (:func:`~trainperf.loader._adapt_pool.no_extra_draw`)."""
-        drawn = self.__dict__.pop(SEED_DRAW, None)
-        return self.__dict__.get("generator") if drawn is None else drawn
-
-    @generator.setter
-    def generator(self, value: torch.Generator | None) -> None:
-        self.__dict__["generator"] = value
 
     @property
     def _worker_context(self) -> Any:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainperf._utils.seed_draw import seed_drawn_from
 from trainperf._utils.stack import user_stacklevel
 from trainperf.limits import HostLimits, host_limits, local_world_size
 from trainperf.loader._adapt_change import TuningChange
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
     from trainperf.loader._adapt_timed import _TimedIter
 
 __all__ = [
-    "SEED_DRAW",
     "FailedStart",
     "apply_change",
     "arm",
@@ -54,7 +54,6 @@ __all__ = [
 logger = logging.getLogger("trainperf.loader")
 
 _SEED_OFFSET = 0x9E3779B97F4A7C15  # sets the private seed stream apart from the real one
-SEED_DRAW = "_seed_draw"  # where no_extra_draw leaves the generator the next read gets
 _HANG: Reason = "hang"  # a worker it started gave no first batch in time (not a rule's)
 _FAILED: Reason = "failed"  # a pool it started broke before each worker's first batch
 # Faults of the pool's own, not the dataset's: a dataset that raises in a worker ("error")
@@ -301,11 +300,10 @@ def no_extra_draw(loader: AdaptiveDataLoader) -> Iterator[None]:
     made from this loader's private generator instead and the sampler's sequence is
     untouched. Each pool draws anew: no two replay the same worker random streams.
 
-    The private generator is what ``loader.generator`` reads once only, for that draw
-    (``AdaptiveDataLoader.generator``): a worker pool's iterator pulls its first indices
-    from the sampler before it returns, and what reads ``loader.generator`` as the
-    sampler starts (a :class:`trainperf.Checkpointer` records its state there, to
-    replay the epoch's order on resume) must see the caller's."""
+    A worker pool's iterator pulls its first indices from the sampler before it returns:
+    what records the sampler's states then (a :class:`trainperf.Checkpointer`, to replay
+    the epoch's order on resume) reads the caller's generator
+    (:func:`~trainperf._utils.seed_draw.sampler_generator`)."""
     if loader._seeds is None:
         # Seeded once, from the real generator's seed or torch's (which follows
         # torch.manual_seed, per rank where each rank seeds its own), offset so that
@@ -313,11 +311,8 @@ def no_extra_draw(loader: AdaptiveDataLoader) -> Iterator[None]:
         real = loader.generator
         seed = torch.initial_seed() if real is None else real.initial_seed()
         loader._seeds = torch.Generator().manual_seed((seed + _SEED_OFFSET) % 2**64)
-    loader.__dict__[SEED_DRAW] = loader._seeds
-    try:
+    with seed_drawn_from(loader, loader._seeds):
         yield
-    finally:
-        loader.__dict__.pop(SEED_DRAW, None)  # not read: the iterator could not start
 
 
 def _awaited(delivered: int, n: int) -> str:

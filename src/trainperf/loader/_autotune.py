@@ -151,10 +151,14 @@ class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
             # held and not over: a peek (next(iter(loader))) inside a loop over the loader,
             # zip(loader, loader). Resetting the pool would restart that epoch under the loop
             # (samples repeated, silently); the plain DataLoader of the caller's arguments
-            # starts a new pool, with its draws, and so does this one. An epoch handed out
-            # whole is reset as usual, held or not (`it = iter(loader)` after StopIteration).
+            # starts a new pool, with its draws, and so does this one. A pass that ended (at
+            # its StopIteration) is reset as usual, held or not (`it = iter(loader)` after
+            # StopIteration). The new pool is the one kept from then on: the old one ends
+            # when its loop lets go of it (one that reads by count, never reaching
+            # StopIteration, gets a new pool each pass, never two at once).
             self._iterated = True
-            return self._get_iterator()
+            self._iterator = self._get_iterator()
+            return self._iterator
         plain_reuses = self._draws_once and self._iterated
         self._iterated = True
         if reused and not plain_reuses:
