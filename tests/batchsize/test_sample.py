@@ -270,8 +270,10 @@ def test_a_stream_that_starts_afresh_gives_batches_again_and_again() -> None:
 def test_a_0_d_tensor_beside_n_non_tensor_samples_is_accepted(sample: Callable[[int], Any]) -> None:
     # Before: refused as a batch of only 0-d tensors ("no tensor ... has dimension 0"),
     # though its n samples are the list's items (text models that tokenize in the step).
-    batch = checked_batch(sample, 4)
-    assert batch is not None
+    batch = sample(4)
+    assert checked_batch(lambda n: batch, 4) is batch
+    with pytest.raises(ValueError, match=r"sample\(4\)"):  # 3 samples where 4 were asked
+        checked_batch(lambda n: sample(3), 4)
 
 
 @pytest.mark.parametrize(

@@ -262,5 +262,6 @@ def test_a_step_that_trains_nothing_on_one_rank_stops_both_ranks() -> None:
         untrained_on_rank_1, nprocs=2, backend="gloo", start_method=fast_start_method(),
         timeout=60.0, hang_timeout=10.0,
     )  # fmt: skip
+    assert len(results) == 2
     for r in results:
         assert "trained nothing it was given" in r, r

@@ -474,7 +474,8 @@ def test_a_full_state_dict_file_beside_another_fsdp_save_type_warns_naming_both(
 
 
 def test_a_full_state_dict_file_alone_loads_without_a_warning(tmp_path: Path) -> None:
-    _save_state_models(tmp_path, ["pytorch_model_fsdp.bin"])
+    (saved,) = _save_state_models(tmp_path, ["pytorch_model_fsdp.bin"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_checkpoint(tmp_path)
+        loaded = load_checkpoint(tmp_path)
+    assert loaded.keys() == saved.keys() and torch.equal(loaded["w"], saved["w"])

@@ -513,14 +513,17 @@ def test_leaving_a_with_block_after_stop_keeps_what_stop_counted(
     # Before: `with` ended the watch a second time on exit, recounting the background saves
     # after stop()'s report (whose save probe makes some): the loop was said to make them.
     import trainperf.monitor._watch as watch_module
+    import trainperf.monitor._watch_inputs as inputs_module
 
-    saves = [0]
+    saves = [1]  # one made before the watch started
     monkeypatch.setattr(watch_module, "_background_saves", lambda: saves[0])
+    monkeypatch.setattr(inputs_module, "background_saves", lambda: saves[0])
     with watch(device="cpu") as w:
         w.step()
+        saves[0] = 3  # the loop's own two
         w.stop()
-        saves[0] = 4  # saves made after the loop, by the report's probe
-    assert w.report().setup.background_saves == 0
+        saves[0] = 7  # saves made after the loop, by the report's probe
+    assert w.report().setup.background_saves == 2
 
 
 def test_a_started_watch_that_is_dropped_stops_its_thread() -> None:
