@@ -162,6 +162,23 @@ def test_str_shows_each_prediction_and_the_what_if_table() -> None:
     assert lines[table:] == str(report.what_if()).splitlines()
 
 
+def test_the_predicted_line_keeps_a_bound_and_a_placeholder_as_such() -> None:
+    # Before: a save every 4 steps (gradient accumulation watched per micro-batch), whose
+    # basis says "not predicted" (the 1.0 a placeholder), printed "predicted: 1.00x with
+    # trainperf.Checkpointer(...)", a forecast of no gain; and a bound lost its "at most".
+    cadence = steps(60, 0.0, 0.002)
+    for i in range(3, 60, 4):
+        cadence[i] = StepRecord(i, cadence[i].start, 0.0, 0.1, 32, None)
+    lines = str(analyse(cadence)).splitlines()
+    assert "  predicted: not predicted for trainperf.Checkpointer(directory).save(state, " \
+        "step=step, blocking=False)" in lines  # fmt: skip
+    at_most = Fix("periodic-stalls", "a()", 1.5, "at most: if it is a save; ...")
+    report = dataclasses.replace(
+        input_bound_with_stalls(), verdict=with_fixes(input_bound_with_stalls().verdict, [at_most])
+    )
+    assert "  predicted: at most 1.50x with a()" in str(report).splitlines()
+
+
 def test_what_if_ranks_every_fix_once_by_predicted_gain() -> None:
     report = input_bound_with_stalls()
     ranked = report.what_if().fixes

@@ -228,6 +228,21 @@ def test_periodic_stalls_from_half_the_stall_share() -> None:
     assert periodic_stalls(figures(stall_fraction=0.5, **scattered)) is None
 
 
+def test_periodic_stalls_between_epochs_name_a_validation_pass_too() -> None:
+    # Before: stalls once an epoch (a validation pass) were told "save checkpoints without
+    # blocking ... or less often (every few hundred steps)", though the loop saved nothing.
+    epoch = {**STALLS, "stall_steps": (10, 20, 30), "setup": LoopSetup(steps_per_epoch=10)}
+    verdict = periodic_stalls(figures(stall_fraction=0.3, **epoch))
+    assert verdict is not None
+    assert verdict.summary.startswith("every 10 steps (between epochs) one step takes 200 ms")
+    assert verdict.fix.startswith("something expensive runs between epochs: if it is a "
+                                  "validation pass, validate every few epochs")  # fmt: skip
+    assert verdict.fixes[0].basis.startswith("at most: the stalls come between epochs")
+    other = periodic_stalls(figures(stall_fraction=0.3, **{**epoch, "setup": LoopSetup(
+        steps_per_epoch=7)}))  # fmt: skip
+    assert other is not None and "between epochs" not in other.summary + other.fix
+
+
 def test_periodic_stalls_list_eight_steps_at_most() -> None:
     many = {**STALLS, "stall_steps": tuple(range(9, 100, 10))}
     verdict = periodic_stalls(figures(stall_fraction=0.3, **many))

@@ -679,6 +679,35 @@ def test_the_report_has_the_settings_of_the_loader_that_fed_the_steps() -> None:
     assert w.report().setup.batch_size == 2
 
 
+def test_the_report_knows_the_steps_of_an_epoch_of_the_loader_that_fed_the_loop() -> None:
+    # Stalls once that many steps come between epochs (a validation pass, not only a save):
+    # the watch counts the steps of a finished pass over the training loader, not the
+    # validation loader's one step, nor a pass left by a break before it ended.
+    train = DataLoader(TensorDataset(torch.zeros(24, 2)), batch_size=4)  # 6 batches
+    val = DataLoader(TensorDataset(torch.zeros(16, 2)), batch_size=8)
+    with watch(device="cpu") as w:
+        assert w.report().setup.steps_per_epoch is None  # no pass ended yet
+        for _ in range(2):
+            for _ in w.iter(train):
+                w.step()
+            for _ in w.iter(val):
+                pass
+    assert w.report().setup.steps_per_epoch == 6
+    with watch(device="cpu") as w:  # two batches a step (gradient accumulation): 3 steps
+        for _ in range(2):
+            for i, _ in enumerate(w.iter(train)):
+                if i % 2:
+                    w.step()
+    assert w.report().setup.steps_per_epoch == 3
+    with watch(device="cpu") as w:  # epochs cut short by a break, then a new pass
+        for _ in range(3):
+            for i, _ in enumerate(w.iter(train)):
+                w.step()
+                if i == 3:
+                    break
+    assert w.report().setup.steps_per_epoch == 4
+
+
 def test_a_training_loader_made_anew_each_epoch_outranks_a_kept_validation_loader() -> None:
     # Before: ranked by all the steps each iterable fed, a validation loader kept across
     # epochs (one step an epoch) overtook training loaders built anew each epoch (4 steps

@@ -5,7 +5,9 @@ Pure functions of the measured :class:`Figures` (see ``_predict``):
 - **Without the stalls** (:func:`stall_fixes`): the run minus the stalls' excess over the
   median step, ``1 / (1 - stall_fraction)``; saving ten times less often keeps a tenth.
   Stalls every fewer than 5 steps, or costing over half the run, are not predicted (more
-  likely the loop's own cadence, such as gradient accumulation, than a save).
+  likely the loop's own cadence, such as gradient accumulation, than a save). Stalls once
+  an epoch (or every few: :func:`epochs_per_stall`) are bounds, "at most": between epochs a
+  loop validates as often as it saves, and a save's fix does not shorten a validation pass.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from trainperf.monitor._figures import Figures
 from trainperf.monitor._predict import _ms
 from trainperf.monitor._verdict import Fix
 
-__all__ = ["LESS_OFTEN", "stall_fixes"]
+__all__ = ["LESS_OFTEN", "epochs_per_stall", "stall_fixes"]
 
 LESS_OFTEN = 10  # "save less often" is predicted for saving this many times less often
 MIN_SAVE_PERIOD = 5  # stalls more often than this are not predicted as saves
@@ -23,12 +25,33 @@ MAX_SAVE_SHARE = 0.5  # nor stalls that take more than this share of the run
 ASYNC_SAVE_CALL = "trainperf.Checkpointer(directory).save(state, step=step, blocking=False)"
 
 
+def epochs_per_stall(f: Figures) -> int | None:
+    """How many epochs apart the periodic stalls come (1: once an epoch, between one pass
+    over the loader and the next), or None when their period is no whole number of epochs
+    (``LoopSetup.steps_per_epoch``; unknown before a pass ended). A pass of fewer than
+    ``MIN_SAVE_PERIOD`` steps (a peek at the first batch, left for the loop's own pass)
+    says nothing: every period would be a whole number of such "epochs"."""
+    epoch = f.setup.steps_per_epoch
+    if f.stall_period is None or not epoch or epoch < MIN_SAVE_PERIOD or f.stall_period % epoch:
+        return None
+    return f.stall_period // epoch
+
+
+def _epochs(n: int) -> str:
+    """``"epoch"``, ``"2 epochs"``: what follows "every"."""
+    return "epoch" if n == 1 else f"{n} epochs"
+
+
 def stall_fixes(f: Figures) -> tuple[Fix, ...]:
     """A non-blocking save (the stalls' excess gone) and saving ten times less often."""
     if f.stall_period is None or f.stall_fraction <= 0 or not f.stall_steps:
         return ()
     lost = f.stall_fraction
-    if f.stall_period < MIN_SAVE_PERIOD or lost > MAX_SAVE_SHARE:
+    epochs = epochs_per_stall(f)
+    # The cadence of a step that is no save (gradient accumulation) recurs every few
+    # steps, not with the epoch.
+    cadence = epochs is None and (f.stall_period < MIN_SAVE_PERIOD or lost > MAX_SAVE_SHARE)
+    if cadence or lost >= 1:
         basis = (
             f"not predicted: a stall every {f.stall_period} steps costing {lost:.0%} of the "
             "run is more likely the loop's own cadence (w.step() called per micro-batch of "
@@ -52,15 +75,27 @@ def stall_fixes(f: Figures) -> tuple[Fix, ...]:
             ),
         )
     less = lost * (1 - 1 / LESS_OFTEN)
+    every, now = f"{LESS_OFTEN * f.stall_period} steps", str(f.stall_period)
+    between = ""
+    if epochs is not None:
+        every, now = _epochs(LESS_OFTEN * epochs), _epochs(epochs)
+        passes = "1 pass" if epochs == 1 else f"{epochs} passes"
+        between = (
+            f"at most: the stalls come between epochs (every {f.stall_period} steps, "
+            f"{passes} over the loader), where a loop validates as often as it saves: this "
+            "is their gain if all that work is a save, none if it is a validation pass; "
+        )
+    if not f.setup.background_saves:
+        async_basis = between + async_basis
     less_basis = (
-        f"the run with a tenth of the stalls' excess ({figures}): saving every "
-        f"{LESS_OFTEN * f.stall_period} steps instead of every {f.stall_period}"
+        f"{between}the run with a tenth of the stalls' excess ({figures}): saving every "
+        f"{every} instead of every {now}"
     )
     return (
         Fix("periodic-stalls", ASYNC_SAVE_CALL, 1 / (1 - async_saved), async_basis),
         Fix(
             "periodic-stalls",
-            f"trainperf.save_checkpoint(...) every {LESS_OFTEN * f.stall_period} steps",
+            f"trainperf.save_checkpoint(...) every {every}",
             1 / (1 - less),
             less_basis,
         ),

@@ -16,7 +16,7 @@ from trainperf._utils.format import format_bytes
 from trainperf._utils.steal import steal_words
 from trainperf.monitor._records import LoaderChange, Sample, StepRecord, _fields_dict
 from trainperf.monitor._setup import LoopSetup
-from trainperf.monitor._verdict import Verdict, WhatIf, rank_fixes
+from trainperf.monitor._verdict import NOT_PREDICTED, Verdict, WhatIf, rank_fixes
 
 __all__ = ["WatchReport"]
 
@@ -253,7 +253,13 @@ class WatchReport:
 
 
 def _predicted(v: Verdict) -> str:
-    """The verdict's prediction in a few words: ``"2.50x with trainperf.autotune_loader(...)"``."""
+    """The verdict's prediction in a few words: ``"2.50x with trainperf.autotune_loader(...)"``,
+    a bound as its basis says (``"at most 1.52x with ..."``), and a placeholder 1.0 (a basis
+    that begins "not predicted") as no forecast: ``"not predicted for ..."``, not ``"1.00x"``."""
     if not v.fixes:
         return v.basis
-    return f"{v.predicted_speedup:.2f}x with {v.fixes[0].call}"
+    best = v.fixes[0]
+    if best.basis.startswith(NOT_PREDICTED):
+        return f"{NOT_PREDICTED} for {best.call}"
+    bound = next((b for b in ("at most", "at least") if best.basis.startswith(b + ":")), "")
+    return f"{bound + ' ' if bound else ''}{v.predicted_speedup:.2f}x with {best.call}"

@@ -53,7 +53,7 @@ from trainperf.monitor._figures import (
 )
 from trainperf.monitor._predict_cpus import free_cpus_fix, threads_fix
 from trainperf.monitor._predict_loader import gpu_decode_fix, loader_fix
-from trainperf.monitor._predict_stalls import stall_fixes
+from trainperf.monitor._predict_stalls import epochs_per_stall, stall_fixes
 from trainperf.monitor._predict_step import batch_fix, gpu_fix, precision_fix
 from trainperf.monitor._verdict import NOT_PREDICTED, Fix, Verdict, VerdictKind, with_fixes
 
@@ -127,6 +127,12 @@ _FIXES: dict[str, str] = {
     ),
     "inconclusive": "watch more steps: call w.step() once at the end of each training step",
 }
+# Stalls between epochs (``epochs_per_stall``): a validation pass as likely as a save.
+_BETWEEN_EPOCHS_FIX = (
+    "something expensive runs between epochs: if it is a validation pass, validate every few "
+    "epochs or on a subset of the validation set; if it is a save, save without blocking the "
+    "loop (trainperf.Checkpointer(...).save(..., blocking=False)) or every few epochs"
+)
 _HELD_CPUS_FIX = (
     "other processes are using this host's CPUs, so every figure here is slowed by them: "
     "stop or move the other jobs (`trainperf doctor` shows the host's load) or run where "
@@ -292,13 +298,16 @@ def periodic_stalls(f: Figures) -> Verdict | None:
     if f.stall_fraction < STALL_SHARE / 2:
         return None
     listed = ", ".join(str(i) for i in f.stall_steps[:8])
-    return _verdict(
+    epochs = epochs_per_stall(f)
+    verdict = _verdict(
         "periodic-stalls",
-        f"every {f.stall_period} steps one step takes {f.stall_median_s * 1e3:.0f} ms instead "
-        f"of {f.median_step_s * 1e3:.1f} ms, costing {f.stall_fraction:.0%} of the run",
+        f"every {f.stall_period} steps{'' if epochs is None else ' (between epochs)'} one step "
+        f"takes {f.stall_median_s * 1e3:.0f} ms instead of {f.median_step_s * 1e3:.1f} ms, "
+        f"costing {f.stall_fraction:.0%} of the run",
         f"stalled steps: {listed}" + (" ..." if len(f.stall_steps) > 8 else ""),
         fixes=stall_fixes(f),
     )
+    return verdict if epochs is None else replace(verdict, fix=_BETWEEN_EPOCHS_FIX)
 
 
 def input_bound(f: Figures) -> Verdict | None:

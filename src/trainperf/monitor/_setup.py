@@ -62,6 +62,10 @@ class LoopSetup:
         prefetch_thread: the name of the thread that iterated ``w.iter()`` while another
             stepped the watch (a prefetch thread feeding the loop through a queue): the
             data wait was then not measured; None otherwise.
+        steps_per_epoch: the steps one pass over the loader that fed the loop took (its
+            longest pass that ended: exhausted, or left for a new pass), None before one
+            ended. Stalls that recur once every this many steps come between epochs (a
+            validation pass as likely as a save).
 
     Example:
         >>> LoopSetup(num_workers=0, torch_threads=4).to_dict()["num_workers"]
@@ -89,6 +93,7 @@ class LoopSetup:
     save_block_s: float | None = None
     background_saves: int = 0
     prefetch_thread: str | None = None
+    steps_per_epoch: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name, JSON-safe (the capability as a list)."""

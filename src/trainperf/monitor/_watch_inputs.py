@@ -84,12 +84,12 @@ def loader_changes(w: Watch) -> tuple[LoaderChange, ...]:
 
 def measured(w: Watch, timeline: list[StepRecord], samples: list[Sample]) -> dict[str, Any]:
     """What the watch measures for the predictions beyond the timeline: batches per
-    step, the background checkpoint writes the loop started, the prefetch thread that took
-    the batches (the reason the data wait went unmeasured), and (once) what a worker
-    hand-over would cost a loop that loads in its own thread while it waits for data.
-    The probe runs a worker for about a second, so only once the watch has stopped: a
-    report made inside the loop would put that second into the loop's step (it uses a
-    measurement made before, if any)."""
+    step, the steps of an epoch (a pass over the loader that fed the loop), the background
+    checkpoint writes the loop started, the prefetch thread that took the batches (the
+    reason the data wait went unmeasured), and (once) what a worker hand-over would cost a
+    loop that loads in its own thread while it waits for data. The probe runs a worker for
+    about a second, so only once the watch has stopped: a report made inside the loop would
+    put that second into the loop's step (it uses a measurement made before, if any)."""
     steps = w._first + len(w._ends)
     out: dict[str, Any] = {"batches_per_step": w._items / steps if steps else None}
     after = w._saves_after if w._saves_after is not None else background_saves()
@@ -99,6 +99,7 @@ def measured(w: Watch, timeline: list[StepRecord], samples: list[Sample]) -> dic
     total = sum(s.duration for s in kept)
     waits = total > 0 and sum(s.wait for s in kept) >= SAWTOOTH_WAIT * total
     source = feeding_source(w)
+    out["steps_per_epoch"] = (source.epoch_steps or None) if source is not None else None
     layout, layout_batch = (None, None) if source is None else (source.layout, source.layout_batch)
     if waits and _loads_in_thread(w, samples) and layout and layout_batch:
         probe = w._state != "running"

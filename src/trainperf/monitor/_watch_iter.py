@@ -47,8 +47,9 @@ class _Source:
     """An iterable ``w.iter()`` was given, for the predictions: its loader settings at the
     latest ``w.iter()`` of it (``given``: the count of ``w.iter()`` calls then) and a weak
     reference to read them again when the report is made (an adaptive loader changes them),
-    the steps in which it handed out a batch (in all and in its longest pass), and its first
-    batch's layout and samples (for the hand-over probe)."""
+    the steps in which it handed out a batch (in all, in its longest pass, and in its
+    longest pass that ended: an epoch's), and its first batch's layout and samples (for the
+    hand-over probe)."""
 
     facts: dict[str, Any]
     ref: Callable[[], object | None]
@@ -57,6 +58,7 @@ class _Source:
     steps: int = 0
     last_step: int = -1
     pass_steps: int = 0
+    epoch_steps: int = 0
     layout: tuple[int, ...] | None = None
     layout_batch: int | None = None
 
@@ -223,7 +225,7 @@ def _new_pass(w: Watch, iterable: object) -> _Pass:
         with w._lock:  # as in _took: w.step() may reset the count meanwhile
             if old.step == steps and w._count_known:
                 w._pending_count = max(0, w._pending_count - old.taken)
-        w._passes.remove(old)
+        _pass_ended(w, old)  # left for a new pass: the loop's epoch is what it took
     new = _Pass(id(iterable), steps)
     w._passes.append(new)
     del w._passes[:-_OPEN_PASSES]
@@ -266,8 +268,14 @@ def wait_elsewhere(w: Watch, fetcher: threading.Thread, stepper: threading.Threa
 
 
 def _pass_ended(w: Watch, done: _Pass) -> None:
+    """``done`` is over (exhausted, or left for a new pass over its iterable): the steps it
+    fed are an epoch of its iterable's, by which stalls once an epoch are told (a
+    validation pass between epochs is no save)."""
     if done in w._passes:
         w._passes.remove(done)
+    source = w._sources.get(done.iterable_id)
+    if source is not None:
+        source.epoch_steps = max(source.epoch_steps, done.fed)
 
 
 def _add_wait(w: Watch, wall: float, cpu: float) -> None:
