@@ -24,3 +24,15 @@ def test_a_loader_without_a_generator_reads_none() -> None:
     with seed_drawn_from(loader, torch.Generator()):
         assert sampler_generator(loader) is None
     assert loader.generator is None
+
+
+def test_a_block_inside_another_still_reads_the_callers_generator() -> None:
+    # A resumed pass's scratch draw around an adaptive loader's own: the inner block took the
+    # outer scratch generator for the caller's, and its exit dropped the outer record.
+    mine, outer, inner = torch.Generator(), torch.Generator(), torch.Generator()
+    loader = DataLoader([1, 2], generator=mine)
+    with seed_drawn_from(loader, outer):
+        with seed_drawn_from(loader, inner):
+            assert loader.generator is inner and sampler_generator(loader) is mine
+        assert loader.generator is outer and sampler_generator(loader) is mine
+    assert loader.generator is mine and "_trainperf_real_generator" not in loader.__dict__

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import multiprocessing
 import os
 import pickle
 import signal
@@ -205,6 +206,26 @@ def test_a_peek_or_zip_over_workers_the_tuner_made_persistent_gets_the_plain_bat
         kept = tuned._iterator
         assert kept is not None and [len(b) for b in tuned] == [3] * 4
         assert tuned._iterator is kept  # a loop that holds nothing else reuses the pool
+    finally:
+        if tuned._iterator is not None:
+            tuned._iterator._shutdown_workers()
+
+
+def test_a_peeks_pool_ends_with_the_peek() -> None:
+    # A peek's pool was kept as the loader's from then on: two pools (twice the workers, and
+    # their shared memory) for the rest of the epoch.
+    from types import SimpleNamespace
+
+    from trainperf.loader._autotune import _tuned
+
+    chosen = {"batch_size": 3, "shuffle": False, "num_workers": 1, "persistent_workers": True}
+    tuned = _tuned(list(range(12)), SimpleNamespace(best_kwargs=chosen), asked=None)  # type: ignore[arg-type]
+    try:
+        for i, _ in enumerate(tuned):
+            if i == 1:
+                assert next(iter(tuned)).tolist() == [0, 1, 2]
+            if i == 2:
+                assert len(multiprocessing.active_children()) == 1
     finally:
         if tuned._iterator is not None:
             tuned._iterator._shutdown_workers()
@@ -448,6 +469,7 @@ def test_a_loop_that_reads_by_count_never_keeps_two_pools() -> None:
         for _ in range(3):
             it = iter(tuned)
             assert it is tuned._iterator  # the pool kept is the one this pass reads
+            assert len(multiprocessing.active_children()) == 1  # the old pool ended
             batches = [next(it) for _ in range(len(tuned))]
             assert sorted(int(i) for b in batches for i in b) == list(range(12))
     finally:

@@ -679,6 +679,18 @@ def test_the_report_has_the_settings_of_the_loader_that_fed_the_steps() -> None:
     assert w.report().setup.batch_size == 2
 
 
+def test_a_pass_that_ends_after_stop_leaves_the_report_as_stop_made_it() -> None:
+    # The pass's end after stop() set the steps of an epoch to the steps watched (20 of 50).
+    w = watch(device="cpu")
+    w.start()
+    for i, _ in enumerate(w.iter(list(range(50)))):
+        if i < 20:
+            w.step()
+        if i == 19:
+            w.stop()
+    assert w.report().setup.steps_per_epoch is None
+
+
 def test_the_report_knows_the_steps_of_an_epoch_of_the_loader_that_fed_the_loop() -> None:
     # Stalls once that many steps come between epochs (a validation pass, not only a save):
     # the watch counts the steps of a finished pass over the training loader, not the

@@ -26,8 +26,9 @@ _REAL = "_trainperf_real_generator"  # in the loader's __dict__ while another on
 
 @contextlib.contextmanager
 def seed_drawn_from(loader: Any, other: torch.Generator) -> Iterator[None]:
-    """``loader.generator`` is ``other`` within the block (the caller's is put back after
-    it, however it ends); :func:`sampler_generator` gives the caller's meanwhile.
+    """``loader.generator`` is ``other`` within the block (what it was is put back after it,
+    however it ends); :func:`sampler_generator` gives the caller's meanwhile, also inside
+    another such block (a resumed pass's scratch draw around an adaptive loader's own).
 
     Example:
         >>> from torch.utils.data import DataLoader
@@ -39,14 +40,17 @@ def seed_drawn_from(loader: Any, other: torch.Generator) -> Iterator[None]:
         >>> loader.generator is mine, sampler_generator(loader) is mine
         (True, True)
     """
-    real = loader.generator
-    loader.__dict__[_REAL] = real
+    before = loader.generator
+    outer = _REAL in loader.__dict__  # a block around this one holds the caller's already
+    if not outer:
+        loader.__dict__[_REAL] = before
     loader.generator = other
     try:
         yield
     finally:
-        loader.generator = real
-        loader.__dict__.pop(_REAL, None)
+        loader.generator = before
+        if not outer:
+            loader.__dict__.pop(_REAL, None)
 
 
 def sampler_generator(loader: Any) -> torch.Generator | None:

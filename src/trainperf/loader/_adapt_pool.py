@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainperf._utils.seed_draw import seed_drawn_from
+from trainperf._utils.seed_draw import sampler_generator, seed_drawn_from
 from trainperf._utils.stack import user_stacklevel
 from trainperf.limits import HostLimits, host_limits, local_world_size
 from trainperf.loader._adapt_change import TuningChange
@@ -308,7 +308,7 @@ def no_extra_draw(loader: AdaptiveDataLoader) -> Iterator[None]:
         # Seeded once, from the real generator's seed or torch's (which follows
         # torch.manual_seed, per rank where each rank seeds its own), offset so that
         # its first draw is not the plain loader's first pool's.
-        real = loader.generator
+        real = sampler_generator(loader)  # the caller's, also inside a resume's own swap
         seed = torch.initial_seed() if real is None else real.initial_seed()
         loader._seeds = torch.Generator().manual_seed((seed + _SEED_OFFSET) % 2**64)
     with seed_drawn_from(loader, loader._seeds):

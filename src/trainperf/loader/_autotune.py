@@ -68,6 +68,15 @@ class _EndMarking(_torch_loader._MultiProcessingDataLoaderIter):
         super()._reset(loader, first_iter)
 
 
+def _handed_out(iterator: Any) -> bool:
+    """Whether ``iterator`` has yielded as many batches as its pass holds (torch's count
+    against its sampler's length; False where either is unknown)."""
+    try:
+        return bool(iterator._num_yielded >= len(iterator))
+    except (AttributeError, TypeError):
+        return False
+
+
 def _epoch_done(iterator: object) -> bool:
     """Whether a worker pool's iterator has ended its epoch (:class:`_EndMarking`); one of
     another class (made elsewhere) counts as running."""
@@ -153,12 +162,15 @@ class TunedDataLoader(DataLoader):  # type: ignore[type-arg]
             # (samples repeated, silently); the plain DataLoader of the caller's arguments
             # starts a new pool, with its draws, and so does this one. A pass that ended (at
             # its StopIteration) is reset as usual, held or not (`it = iter(loader)` after
-            # StopIteration). The new pool is the one kept from then on: the old one ends
-            # when its loop lets go of it (one that reads by count, never reaching
-            # StopIteration, gets a new pool each pass, never two at once).
+            # StopIteration). A peek's pool ends with the peek; but where the held pass has
+            # handed out all its batches (a loop that reads by count, never reaching
+            # StopIteration), the new pool is the one kept: the old one ends when its loop
+            # lets go of it, and the pools do not alternate.
             self._iterated = True
-            self._iterator = self._get_iterator()
-            return self._iterator
+            fresh = self._get_iterator()
+            if _handed_out(self._iterator):
+                self._iterator = fresh
+            return fresh
         plain_reuses = self._draws_once and self._iterated
         self._iterated = True
         if reused and not plain_reuses:

@@ -274,7 +274,7 @@ def _pass_ended(w: Watch, done: _Pass) -> None:
     if done in w._passes:
         w._passes.remove(done)
     source = w._sources.get(done.iterable_id)
-    if source is not None:
+    if source is not None and w._state == "running":  # after stop() the report stays
         source.epoch_steps = max(source.epoch_steps, done.fed)
 
 
